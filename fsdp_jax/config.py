@@ -1,0 +1,364 @@
+"""Typed, frozen run configuration: one dataclass per section, YAML in, YAML out.
+
+    cfg = load_config("configs/tiny.yaml", ["train.steps=20", "mesh.strategy=no_shard"])
+    validate(cfg, n_devices=8)      # checks that need the device count
+    check_data(cfg)                 # after the trainer prepared the corpus, if it does
+
+Every error is a `ConfigError` whose message is one line naming the dotted key, the
+bad value and what is allowed. YAML is read with `yaml.safe_load` only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import re
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fsdp_jax.mesh import MeshError, resolve_mesh_shape
+from fsdp_jax.precision import Policy
+from fsdp_jax.remat import REMAT_POLICIES
+from fsdp_jax.strategy import ALIASES, STRATEGIES
+
+
+class ConfigError(ValueError):
+    """A bad config value; `key` is the dotted key (or file) the message names."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        super().__init__(f"{key}: {message}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 256
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 4
+    ffn_dim: int = 704
+    max_seq_len: int = 128
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    scan_layers: bool = True
+    attention: str = "xla"              # xla | cudnn
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    data: int = 1                       # each size >= 1, or -1 (one axis) = the remaining devices
+    fsdp: int = -1
+    tensor: int = 1
+    strategy: str = "full_shard"        # a name of fsdp_jax.strategy.STRATEGIES or an alias
+    min_shard_size: int = 16384         # leaves with fewer elements stay replicated
+    max_replicated_fraction: float = 0.02
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    name: str = "adamw"                 # adamw | sgd | adafactor
+    lr: float = 3e-3                    # peak; linear warmup then cosine to lr * min_lr_ratio
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    momentum: float = 0.9               # sgd only
+    clip_norm: float | None = 1.0       # global-norm clipping; null = off
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    path: str = "data/stdlib"           # directory with train.bin, val.bin, meta.json
+    source: str = "stdlib"              # stdlib: prepare the stdlib corpus there if missing; none
+    seq_len: int = 128
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 500
+    global_batch: int = 16              # sequences per step, over all processes and microbatches
+    microbatches: int = 1               # gradient accumulation
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 100               # 0 = never
+    eval_batches: int = 8
+    checkpoint_every: int = 100         # 0 = only at the end
+    keep_checkpoints: int = 3
+    tensorboard: bool = False
+    sample_tokens: int = 200            # generated after training; 0 = none
+    max_inflight_steps: int = 1         # steps dispatched before blocking on a loss
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model: ModelConfig = ModelConfig()
+    mesh: MeshConfig = MeshConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+    precision: str = "params=float32,compute=float32"
+    remat: str = "dots"
+    run_dir: str = "runs/tiny"
+    init_from: str | None = None        # checkpoint dir (or run dir) to initialise params from
+
+
+_SECTIONS: dict[str, type] = {k: t for k, t in typing.get_type_hints(Config).items()
+                              if dataclasses.is_dataclass(t)}
+_OVERRIDE_ALIASES = {"strategy": "mesh.strategy", "steps": "train.steps", "lr": "optimizer.lr"}
+_FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+_CHOICES = {"model.attention": ("xla", "cudnn"), "optimizer.name": ("adamw", "sgd", "adafactor"),
+            "data.source": ("stdlib", "none")}
+
+
+def _all_keys() -> list[str]:
+    keys = []
+    for f in dataclasses.fields(Config):
+        sub = _SECTIONS.get(f.name)
+        keys += [f"{f.name}.{g.name}" for g in dataclasses.fields(sub)] if sub else [f.name]
+    return keys
+
+
+def _unknown(key: str, candidates: Sequence[str],
+             shown: Sequence[str] | None = None) -> ConfigError:
+    close = difflib.get_close_matches(key, list(candidates), n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]}?" if close else f"allowed: {', '.join(shown or candidates)}"
+    return ConfigError(key, f"unknown key; {hint}")
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Check `value` against the annotation `tp`; int -> float and '3e-3' -> 0.003 for floats."""
+    args = typing.get_args(tp)
+    if type(None) in args:
+        if value is None:
+            return None
+        tp = next(a for a in args if a is not type(None))
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(key, f"{value!r} is not a boolean; use true or false")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(key, f"{value!r} is not an integer")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str) and _FLOAT_RE.fullmatch(value.strip()):
+            return float(value)  # PyYAML reads 3e-3 (no dot) as a string
+        raise ConfigError(key, f"{value!r} is not a number")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(key, f"{value!r} is not a string")
+    raise TypeError(f"{key}: unsupported annotation {tp!r}")  # a bug here, not in the YAML
+
+
+def _build(cls: type, raw: Any, prefix: str) -> Any:
+    if not isinstance(raw, Mapping):
+        raise ConfigError(prefix, f"expected a mapping of keys, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for k in raw:
+        if k not in hints:
+            raise _unknown(f"{prefix}.{k}", [f"{prefix}.{n}" for n in names])
+    return cls(**{k: _coerce(f"{prefix}.{k}", v, hints[k]) for k, v in raw.items()})
+
+
+def config_from_dict(d: Mapping) -> Config:
+    """Build a Config from plain nested mappings (missing keys take defaults) and validate it."""
+    if not isinstance(d, Mapping):
+        raise ConfigError("config", f"expected a mapping at the top level, got {type(d).__name__}")
+    hints = typing.get_type_hints(Config)
+    kwargs = {}
+    for k, v in d.items():
+        if k not in hints:
+            raise _unknown(str(k), list(hints))
+        if k in _SECTIONS:
+            kwargs[k] = _build(hints[k], {} if v is None else v, k)
+        else:
+            kwargs[k] = _coerce(k, v, hints[k])
+    cfg = Config(**kwargs)
+    validate(cfg)
+    return cfg
+
+
+def config_to_dict(cfg: Config) -> dict:
+    """Plain nested dict (yaml.safe_dump-able); config_from_dict(config_to_dict(c)) == c."""
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+
+
+def _field_type(dotted: str) -> Any:
+    head, _, tail = dotted.partition(".")
+    hints = typing.get_type_hints(Config)
+    if head in _SECTIONS and tail:
+        return typing.get_type_hints(_SECTIONS[head]).get(tail)
+    return None if tail else hints.get(head)
+
+
+def apply_overrides(raw: Mapping, overrides: Sequence[str]) -> dict:
+    """Return a copy of the raw config dict with `key=value` overrides applied."""
+    out = {k: dict(v) if isinstance(v, Mapping) else v for k, v in raw.items()}
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        key = _OVERRIDE_ALIASES.get(key.strip(), key.strip())
+        if not sep or not key:
+            raise ConfigError("override", f"{item!r} is not key=value (e.g. train.steps=20)")
+        if key in _SECTIONS:
+            raise ConfigError(key, f"is a section; override one of its keys ({key}.KEY=VALUE)")
+        tp = _field_type(key)
+        if tp is None:
+            head = key.partition(".")[0]
+            shown = ([f"{head}.{f.name}" for f in dataclasses.fields(_SECTIONS[head])]
+                     if head in _SECTIONS else
+                     [f"{k}.KEY" if k in _SECTIONS else k for k in typing.get_type_hints(Config)])
+            raise _unknown(key, _all_keys(), shown)
+        if tp in (str, str | None):  # keep strings verbatim: 'a: b' or '1,2' must not become YAML
+            value = None if tp != str and text.strip() in ("null", "~", "None", "") else text
+        else:
+            try:
+                value = yaml.safe_load(text)
+            except yaml.YAMLError:
+                raise ConfigError(key, f"cannot parse value {text!r}") from None
+        head, _, tail = key.partition(".")
+        if tail:
+            section = out.setdefault(head, {})
+            if not isinstance(section, dict):
+                raise ConfigError(head, f"expected a mapping of keys, got {section!r}")
+            section[tail] = value
+        else:
+            out[head] = value
+    return out
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
+    """Read a YAML config, apply `key=value` overrides, build and validate (no device checks)."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(str(path), "config file not found") from None
+    except OSError as e:
+        raise ConfigError(str(path), f"cannot read config file ({e.strerror})") from None
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        at = f" at line {where.line + 1}" if where else ""
+        raise ConfigError(str(path), f"YAML syntax error{at}: "
+                          f"{getattr(e, 'problem', None) or 'invalid YAML'}") from None
+    raw = {} if raw is None else raw
+    if not isinstance(raw, Mapping):
+        raise ConfigError(str(path), f"top level must be a mapping of sections, got "
+                          f"{type(raw).__name__}")
+    return config_from_dict(apply_overrides(raw, overrides))
+
+
+def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(key, f"{value!r} is invalid; {allowed}")
+
+
+def validate(cfg: Config, n_devices: int | None = None) -> None:
+    """Range and cross-field checks; with `n_devices`, also the mesh and batch divisibility."""
+    for section in _SECTIONS:
+        sub = getattr(cfg, section)
+        for f in dataclasses.fields(sub):
+            key, v = f"{section}.{f.name}", getattr(sub, f.name)
+            # types again: catches a Config(...) built by hand
+            _coerce(key, v, typing.get_type_hints(type(sub))[f.name])
+            if key in _CHOICES:
+                _check(v in _CHOICES[key], key, v, f"allowed: {', '.join(_CHOICES[key])}")
+    m, mesh, opt, data, tr = cfg.model, cfg.mesh, cfg.optimizer, cfg.data, cfg.train
+    positive = {"model": ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
+                          "max_seq_len", "rope_theta", "norm_eps"),
+                "optimizer": ("lr", "eps"), "data": ("seq_len",),
+                "train": ("steps", "global_batch", "microbatches", "log_every", "keep_checkpoints",
+                          "max_inflight_steps")}
+    for section, names in positive.items():
+        for n in names:
+            v = getattr(getattr(cfg, section), n)
+            _check(v > 0, f"{section}.{n}", v, "must be > 0")
+    for n in ("warmup_steps", "weight_decay"):
+        _check(getattr(opt, n) >= 0, f"optimizer.{n}", getattr(opt, n), "must be >= 0")
+    for n in ("eval_every", "eval_batches", "checkpoint_every", "sample_tokens"):
+        _check(getattr(tr, n) >= 0, f"train.{n}", getattr(tr, n), "must be >= 0 (0 = off)")
+    _check(0 <= opt.min_lr_ratio <= 1, "optimizer.min_lr_ratio", opt.min_lr_ratio,
+           "must be in [0, 1]")
+    for n in ("b1", "b2", "momentum"):
+        _check(0 <= getattr(opt, n) < 1, f"optimizer.{n}", getattr(opt, n), "must be in [0, 1)")
+    _check(opt.clip_norm is None or opt.clip_norm > 0, "optimizer.clip_norm", opt.clip_norm,
+           "must be > 0, or null for no clipping")
+    _check(m.d_model % m.n_heads == 0, "model.d_model", m.d_model,
+           f"must be divisible by model.n_heads={m.n_heads}")
+    _check(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads", m.n_kv_heads,
+           f"must divide model.n_heads={m.n_heads}")
+    _check((m.d_model // m.n_heads) % 2 == 0, "model.d_model", m.d_model,
+           f"head dim d_model/n_heads={m.d_model // m.n_heads} must be even for RoPE")
+    _check(data.seq_len <= m.max_seq_len, "data.seq_len", data.seq_len,
+           f"must be <= model.max_seq_len={m.max_seq_len}")
+    _check(bool(data.path), "data.path", data.path, "must be a directory path")
+    sizes = (mesh.data, mesh.fsdp, mesh.tensor)
+    for n, v in zip(("data", "fsdp", "tensor"), sizes):
+        _check(v >= 1 or v == -1, f"mesh.{n}", v, "must be >= 1, or -1 for the remaining devices")
+    _check(sizes.count(-1) <= 1, "mesh", dict(zip(("data", "fsdp", "tensor"), sizes)),
+           "at most one of data, fsdp, tensor may be -1")
+    _check(mesh.strategy.lower() in STRATEGIES or mesh.strategy.lower() in ALIASES, "mesh.strategy",
+           mesh.strategy, f"allowed: {', '.join(STRATEGIES)} (aliases: {', '.join(ALIASES)})")
+    _check(mesh.min_shard_size >= 0, "mesh.min_shard_size", mesh.min_shard_size, "must be >= 0")
+    _check(0 <= mesh.max_replicated_fraction <= 1, "mesh.max_replicated_fraction",
+           mesh.max_replicated_fraction, "must be in [0, 1]")
+    _check(cfg.remat in REMAT_POLICIES, "remat", cfg.remat, f"allowed: {', '.join(REMAT_POLICIES)}")
+    try:
+        Policy.parse(cfg.precision)
+    except (ValueError, TypeError) as e:
+        raise ConfigError("precision", f"{cfg.precision!r} is invalid; {e} "
+                          "(e.g. params=float32,compute=bfloat16)") from None
+    _check(tr.global_batch % tr.microbatches == 0, "train.global_batch", tr.global_batch,
+           f"must be divisible by train.microbatches={tr.microbatches}")
+    if n_devices is None:
+        return
+    try:
+        data_n, fsdp_n, _ = resolve_mesh_shape(sizes, n_devices)
+    except MeshError as e:
+        raise ConfigError("mesh", str(e)) from None
+    micro = tr.global_batch // tr.microbatches
+    _check(micro % (data_n * fsdp_n) == 0, "train.global_batch", tr.global_batch,
+           f"global_batch / microbatches = {micro} must be divisible by the batch-sharding "
+           f"devices data*fsdp = {data_n}*{fsdp_n} = {data_n * fsdp_n} on {n_devices} devices")
+
+
+def check_data(cfg: Config) -> None:
+    """The corpus at data.path exists (train.bin) and its vocabulary fits model.vocab_size."""
+    path = Path(cfg.data.path)
+    if not (path / "train.bin").is_file():
+        how = ("run scripts/prepare_data.py --out DIR, or set data.source=stdlib"
+               if cfg.data.source == "none" else "prepare it with scripts/prepare_data.py")
+        raise ConfigError("data.path", f"{str(path)!r}: train.bin not found; {how}")
+    meta = path / "meta.json"
+    if meta.is_file():
+        try:
+            vocab = int(json.loads(meta.read_text())["vocab_size"])
+        except (ValueError, KeyError, TypeError):
+            raise ConfigError("data.path", f"{str(meta)!r} is not a valid meta.json") from None
+        _check(vocab <= cfg.model.vocab_size, "model.vocab_size", cfg.model.vocab_size,
+               f"must be >= the corpus vocab_size {vocab} in {meta}")
+
+
+def count_params(m: ModelConfig) -> int:
+    """Parameters of the reference Llama decoder: untied embedding and head, RMSNorm scales."""
+    d, kv_dim = m.d_model, m.n_kv_heads * (m.d_model // m.n_heads)
+    per_layer = 2 * d * d + 2 * d * kv_dim + 3 * d * m.ffn_dim + 2 * d  # q,o + k,v + SwiGLU + norms
+    return 2 * m.vocab_size * d + m.n_layers * per_layer + d

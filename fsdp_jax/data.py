@@ -1,0 +1,328 @@
+"""Token corpora on disk and a resumable, per-process Grain batch pipeline.
+
+A corpus directory holds `train.bin` and `val.bin` (flat token ids, nanoGPT style:
+uint16, or uint32 when the vocabulary needs it) and `meta.json`. `meta.json` is
+written last, so a directory with a meta.json whose sizes match is complete.
+
+Batches are windows of `seq_len + 1` tokens (inputs and shifted targets) at random
+offsets drawn from `(seed, step)` alone: the batch for step s is the same however the
+iterator got there, so restoring `{"step": s}` resumes exactly. Each process builds
+the same global offsets and reads only its rows, so the process slices, concatenated
+in process order, are the single-process global batch.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import sysconfig
+from collections.abc import Sequence
+from pathlib import Path
+
+import grain
+import numpy as np
+
+SPLITS = ("train", "val")
+TOKENIZERS = ("bytes",)
+_STREAM = {"train": 0, "val": 1, "eval": 2}  # keeps the splits' random offsets independent
+_NEVER_ENDS = 2**62                          # grain needs a length; steps never reach it
+
+
+class DataError(ValueError):
+    """Bad corpus input or a missing/incomplete corpus; the message is one line."""
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 when every id < vocab_size fits in it, else uint32."""
+    return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _commit(out: Path, tmp_files: dict[str, Path], meta: dict) -> dict:
+    """Replace the bins, then write meta.json; a crash in between leaves no meta.json,
+    so the directory reads as missing rather than complete."""
+    (out / "meta.json").unlink(missing_ok=True)
+    for name, tmp in tmp_files.items():
+        os.replace(tmp, out / name)
+    _atomic_write_text(out / "meta.json", json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+def _collect(sources: Sequence[str | os.PathLike], pattern: str,
+             exclude: Sequence[str]) -> list[Path]:
+    files: dict[Path, None] = {}
+    for src in sources:
+        p = Path(src)
+        if p.is_file():
+            files[p.resolve()] = None
+        elif p.is_dir():
+            for f in sorted(p.rglob(pattern)):
+                rel = f.relative_to(p).parts
+                if f.is_file() and not any(s.startswith(".") or s in exclude for s in rel[:-1]) \
+                        and not rel[-1].startswith("."):
+                    files[f.resolve()] = None
+        else:
+            raise DataError(f"source {str(src)!r}: not found")
+    return [f for f in files if f.stat().st_size > 0]
+
+
+def _write_corpus(files: list[Path], out_dir: str | os.PathLike, val_fraction: float, seed: int,
+                  meta_extra: dict) -> dict:
+    if not 0 < val_fraction < 1:
+        raise DataError(f"val_fraction {val_fraction!r}: must be in (0, 1)")
+    total = sum(f.stat().st_size for f in files)
+    if total == 0:
+        raise DataError("empty corpus: no non-empty files found in the sources")
+    dtype = token_dtype(256)
+    files = [files[i] for i in np.random.default_rng(seed).permutation(len(files))]
+    val, val_bytes = [], 0
+    while files[:-1 - len(val)] and val_bytes < val_fraction * total:  # whole files, from the end
+        val.append(files[-1 - len(val)])
+        val_bytes += val[-1].stat().st_size
+    train = files[:len(files) - len(val)]
+    split = "files" if val else "bytes"  # one file: its last val_fraction of bytes become val
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = {n: out / f".{n}.tmp.{os.getpid()}" for n in ("train.bin", "val.bin")}
+    counts = {"train.bin": 0, "val.bin": 0}
+    try:
+        with open(tmp["train.bin"], "wb") as ft, open(tmp["val.bin"], "wb") as fv:
+            for name, fh, group in (("train.bin", ft, train), ("val.bin", fv, val[::-1])):
+                for f in group:
+                    arr = np.frombuffer(f.read_bytes(), np.uint8).astype(dtype)
+                    if split == "bytes":
+                        cut = len(arr) - max(1, int(round(val_fraction * len(arr))))
+                        arr[:cut].tofile(ft)
+                        arr[cut:].tofile(fv)
+                        counts["train.bin"] += cut
+                        counts["val.bin"] += len(arr) - cut
+                    else:
+                        arr.tofile(fh)
+                        counts[name] += len(arr)
+        if min(counts.values()) == 0:
+            raise DataError(f"corpus of {total} bytes is too small to split with "
+                            f"val_fraction {val_fraction}")
+        meta = {"vocab_size": 256, "dtype": dtype.name, "tokenizer": "bytes",
+                "train_tokens": counts["train.bin"], "val_tokens": counts["val.bin"],
+                **meta_extra, "val_fraction": val_fraction, "seed": seed, "split": split,
+                "train_files": len(train), "val_files": len(val)}
+        return _commit(out, tmp, meta)
+    finally:
+        for t in tmp.values():
+            t.unlink(missing_ok=True)
+
+
+def prepare_text(sources: Sequence[str | os.PathLike], out_dir: str | os.PathLike,
+                 val_fraction: float = 0.05, seed: int = 0, tokenizer: str = "bytes",
+                 pattern: str = "*", exclude: Sequence[str] = ()) -> dict:
+    """Tokenize text files and directories (searched recursively for `pattern`, skipping
+    hidden entries and directories named in `exclude`) into `out_dir`; returns meta.
+
+    The split is by file: the file list is shuffled with `seed` and whole files from its
+    end, about `val_fraction` of the bytes, become val.bin, so validation text is unseen.
+    A single file is split by bytes instead (meta "split": "bytes"). Any bytes are
+    accepted; the byte tokenizer needs no UTF-8.
+    """
+    if tokenizer not in TOKENIZERS:
+        raise DataError(f"tokenizer {tokenizer!r}: allowed {', '.join(TOKENIZERS)}; for others "
+                        "tokenize yourself and use prepare_bin")
+    files = _collect(sources, pattern, exclude)
+    return _write_corpus(files, out_dir, val_fraction, seed,
+                         {"sources": [str(s) for s in sources], "pattern": pattern})
+
+
+def prepare_stdlib(out_dir: str | os.PathLike, val_fraction: float = 0.05, seed: int = 0) -> dict:
+    """The default corpus: the top-level modules of this Python's stdlib (~4.7 MB of bytes)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(root.glob("*.py"))
+    return _write_corpus([f for f in files if f.stat().st_size > 0], out_dir, val_fraction, seed,
+                         {"sources": [str(root / "*.py")], "pattern": "*.py"})
+
+
+def ensure_stdlib(out_dir: str | os.PathLike) -> dict:
+    """Meta of the stdlib corpus at `out_dir`, preparing it first when missing or incomplete."""
+    try:
+        return load_meta(out_dir)
+    except DataError:
+        return prepare_stdlib(out_dir)
+
+
+def prepare_bin(train_bin: str | os.PathLike, val_bin: str | os.PathLike,
+                out_dir: str | os.PathLike, vocab_size: int, dtype: str | None = None,
+                check_tokens: bool = True) -> dict:
+    """Adopt token files from any tokenizer: hard-link (or copy) them into `out_dir` as
+    train.bin / val.bin and write meta.json. `dtype` defaults to token_dtype(vocab_size)."""
+    if vocab_size <= 0:
+        raise DataError(f"vocab_size {vocab_size}: must be > 0")
+    if dtype not in (None, "uint16", "uint32"):
+        raise DataError(f"dtype {dtype!r}: allowed uint16, uint32")
+    dt = token_dtype(vocab_size) if dtype is None else np.dtype(dtype)
+    if vocab_size > np.iinfo(dt).max + 1:
+        raise DataError(f"vocab_size {vocab_size} does not fit dtype {dt.name}; use uint32")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp, counts = {}, {}
+    try:
+        for name, src in (("train.bin", Path(train_bin)), ("val.bin", Path(val_bin))):
+            if not src.is_file():
+                raise DataError(f"token file {str(src)!r}: not found")
+            size = src.stat().st_size
+            if size == 0 or size % dt.itemsize:
+                raise DataError(f"token file {str(src)!r}: {size} bytes is not a non-empty "
+                                f"whole number of {dt.name} tokens")
+            counts[name] = size // dt.itemsize
+            if check_tokens:
+                top = _max_token(np.memmap(src, dtype=dt, mode="r"))
+                if top >= vocab_size:
+                    raise DataError(f"token file {str(src)!r}: token id {top} >= vocab_size "
+                                    f"{vocab_size} (wrong --dtype or --vocab-size?)")
+            dst = out / name
+            if dst.exists() and dst.samefile(src):
+                continue
+            tmp[name] = out / f".{name}.tmp.{os.getpid()}"
+            try:
+                os.link(src, tmp[name])
+            except OSError:
+                shutil.copyfile(src, tmp[name])
+        meta = {"vocab_size": vocab_size, "dtype": dt.name, "tokenizer": "external",
+                "train_tokens": counts["train.bin"], "val_tokens": counts["val.bin"],
+                "sources": [str(train_bin), str(val_bin)]}
+        return _commit(out, tmp, meta)
+    finally:
+        for t in tmp.values():
+            t.unlink(missing_ok=True)
+
+
+def _max_token(tokens: np.ndarray, chunk: int = 1 << 24) -> int:
+    return max(int(tokens[i:i + chunk].max()) for i in range(0, len(tokens), chunk))
+
+
+def load_meta(data_dir: str | os.PathLike) -> dict:
+    """meta.json of a complete corpus; DataError if missing or if the bins do not match it."""
+    d = Path(data_dir)
+    try:
+        meta = json.loads((d / "meta.json").read_text())
+        dt = np.dtype(meta["dtype"])
+        expect = {"train.bin": meta["train_tokens"], "val.bin": meta["val_tokens"]}
+    except FileNotFoundError:
+        raise DataError(f"{str(d)!r}: meta.json not found; prepare it with "
+                        f"scripts/prepare_data.py --out {d}") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise DataError(f"{str(d / 'meta.json')!r}: invalid ({e})") from None
+    for name, n in expect.items():
+        f = d / name
+        if not f.is_file() or f.stat().st_size != n * dt.itemsize:
+            raise DataError(f"{str(f)!r}: missing or not {n} {dt.name} tokens as meta.json says; "
+                            "prepare the corpus again")
+    return meta
+
+
+class TokenFile:
+    """Read-only memmap of one split; pickles by path (for grain workers)."""
+
+    def __init__(self, path: str | os.PathLike, dtype: str | np.dtype):
+        self.path, self.dtype = Path(path), np.dtype(dtype)
+        self.tokens = np.memmap(self.path, dtype=self.dtype, mode="r")
+
+    @classmethod
+    def open(cls, data_dir: str | os.PathLike, split: str) -> "TokenFile":
+        if split not in SPLITS:
+            raise DataError(f"split {split!r}: allowed {', '.join(SPLITS)}")
+        return cls(Path(data_dir) / f"{split}.bin", load_meta(data_dir)["dtype"])
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def windows(self, starts: np.ndarray, length: int) -> np.ndarray:
+        """int32 array (len(starts), length) of tokens[s : s + length] per start."""
+        return self.tokens[np.asarray(starts)[:, None] + np.arange(length)].astype(np.int32)
+
+    def __getstate__(self):
+        return {"path": self.path, "dtype": self.dtype}
+
+    def __setstate__(self, state):
+        self.__init__(state["path"], state["dtype"])
+
+
+def _starts(n_tokens: int, length: int, count: int, *entropy: int) -> np.ndarray:
+    if n_tokens < length:
+        raise DataError(f"split has {n_tokens} tokens, fewer than one window of {length} "
+                        "(seq_len + 1); use a shorter data.seq_len or a larger corpus")
+    return np.random.default_rng(list(entropy)).integers(0, n_tokens - length + 1, size=count)
+
+
+def _rows(global_batch: int, process_index: int, process_count: int) -> slice:
+    if process_count < 1 or not 0 <= process_index < process_count:
+        raise DataError(f"process_index {process_index} / process_count {process_count}: invalid")
+    if global_batch % process_count:
+        raise DataError(f"global batch {global_batch} is not divisible by "
+                        f"{process_count} processes")
+    per = global_batch // process_count
+    return slice(process_index * per, (process_index + 1) * per)
+
+
+def _batch_at(step: int, *, tokens: TokenFile, seq_len: int, global_batch: int, seed: int,
+              stream: int, rows: slice) -> np.ndarray:
+    starts = _starts(len(tokens), seq_len + 1, global_batch, seed, stream, step)
+    return tokens.windows(starts[rows], seq_len + 1)
+
+
+class BatchIterator:
+    """Iterator over a grain MapDataset indexed by step; state is {"step": next step}.
+
+    `__next__` returns int32 (per_process_batch, seq_len + 1); inputs are [:, :-1],
+    targets [:, 1:].
+    """
+
+    def __init__(self, dataset: grain.MapDataset, step: int = 0):
+        self.dataset, self.step = dataset, step
+
+    def __iter__(self) -> "BatchIterator":
+        return self
+
+    def __next__(self) -> np.ndarray:
+        batch = self.dataset[self.step]
+        self.step += 1
+        return batch
+
+    def batch(self, step: int) -> np.ndarray:
+        """The batch of any step, without moving the iterator."""
+        return self.dataset[step]
+
+    def get_state(self) -> dict:
+        return {"step": self.step}
+
+    def set_state(self, state: dict) -> None:
+        step = state.get("step") if isinstance(state, dict) else None
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise DataError(f"data iterator state {state!r}: expected {{'step': int >= 0}}")
+        self.step = step
+
+
+def make_dataset(data_dir: str | os.PathLike, split: str, seq_len: int, global_batch: int,
+                 seed: int, process_index: int = 0, process_count: int = 1) -> BatchIterator:
+    """Random windows from `split`: an iterator of int32 (global_batch // process_count,
+    seq_len + 1), this process's rows of the global batch of each step."""
+    tokens = TokenFile.open(data_dir, split)
+    rows = _rows(global_batch, process_index, process_count)
+    _starts(len(tokens), seq_len + 1, 0)  # fail now, not at the first batch
+    fn = functools.partial(_batch_at, tokens=tokens, seq_len=seq_len, global_batch=global_batch,
+                           seed=seed, stream=_STREAM[split], rows=rows)
+    return BatchIterator(grain.MapDataset.range(_NEVER_ENDS).map(fn))
+
+
+def eval_batches(data_dir: str | os.PathLike, seq_len: int, batch: int, n_batches: int, seed: int,
+                 process_index: int = 0, process_count: int = 1) -> list[np.ndarray]:
+    """A fixed, deterministic set of `n_batches` val batches, each int32
+    (batch // process_count, seq_len + 1) (this process's rows)."""
+    tokens = TokenFile.open(data_dir, "val")
+    rows = _rows(batch, process_index, process_count)
+    starts = _starts(len(tokens), seq_len + 1, n_batches * batch, seed, _STREAM["eval"])
+    return [tokens.windows(s[rows], seq_len + 1) for s in starts.reshape(n_batches, batch)]

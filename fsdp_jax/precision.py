@@ -1,0 +1,116 @@
+"""Mixed-precision policy: fp32 master weights, low-precision compute.
+
+`Policy(param_dtype, compute_dtype, reduce_dtype, output_dtype)` parses from a
+string such as ``"params=float32,compute=bfloat16,reduce=float32"``. Fields left
+out default to float32, so gradient reductions and the loss stay accurate unless
+asked otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+_FIELDS = {"params": "param_dtype", "param": "param_dtype",
+           "compute": "compute_dtype", "reduce": "reduce_dtype", "output": "output_dtype"}
+_ALIASES = {"fp32": "float32", "f32": "float32", "bf16": "bfloat16", "fp16": "float16",
+            "f16": "float16", "half": "float16"}
+_ALLOWED = ("float32", "bfloat16", "float16")
+
+
+def _dtype(name) -> jnp.dtype:
+    if not isinstance(name, str):
+        name = jnp.dtype(name).name
+    key = _ALIASES.get(name.lower(), name.lower())
+    if key not in _ALLOWED:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(_ALLOWED)} "
+                         f"(or {', '.join(_ALIASES)})")
+    return jnp.dtype(key)
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """param_dtype: master weights and optimizer state. compute_dtype: params and
+    activations in forward/backward. reduce_dtype: gradients when reduced across
+    devices. output_dtype: the loss and metrics."""
+    param_dtype: jnp.dtype = jnp.dtype("float32")
+    compute_dtype: jnp.dtype = jnp.dtype("float32")
+    reduce_dtype: jnp.dtype = jnp.dtype("float32")
+    output_dtype: jnp.dtype = jnp.dtype("float32")
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            object.__setattr__(self, f.name, _dtype(getattr(self, f.name)))
+
+    @classmethod
+    def parse(cls, spec: "str | Policy | None") -> "Policy":
+        """Parse ``"params=float32,compute=bfloat16"``; a bare dtype sets compute only."""
+        if spec is None or isinstance(spec, Policy):
+            return spec or cls()
+        kwargs = {}
+        for part in filter(None, (p.strip() for p in str(spec).split(","))):
+            if "=" not in part:
+                kwargs["compute_dtype"] = part
+                continue
+            k, v = (x.strip() for x in part.split("=", 1))
+            if k not in _FIELDS:
+                raise ValueError(f"precision: unknown field {k!r} in {spec!r}; "
+                                 f"use {', '.join(sorted(set(_FIELDS) - {'param'}))}")
+            kwargs[_FIELDS[k]] = v
+        return cls(**kwargs)
+
+    def __str__(self) -> str:
+        return (f"params={self.param_dtype.name},compute={self.compute_dtype.name},"
+                f"reduce={self.reduce_dtype.name},output={self.output_dtype.name}")
+
+    def cast_to_compute(self, tree):
+        return _cast_floats(tree, self.compute_dtype)
+
+    def cast_to_param(self, tree):
+        return _cast_floats(tree, self.param_dtype)
+
+    def cast_to_output(self, tree):
+        return _cast_floats(tree, self.output_dtype)
+
+
+def _cast_floats(tree, dtype):
+    return jax.tree.map(
+        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+def cast_params_for_compute(params, policy: Policy, shardings):
+    """Cast `params` to the compute dtype *in their sharded layout* (so the
+    all-gathers XLA inserts afterwards move compute-dtype bytes); in the backward
+    pass, gradients are cast to the reduce dtype and constrained to the same
+    layout, so their cross-device reduction runs in the reduce dtype.
+    """
+    leaves, treedef = jax.tree.flatten(params)
+    shard_leaves = treedef.flatten_up_to(shardings)
+    out = [_cast_leaf(x, s, policy.compute_dtype, policy.reduce_dtype) for x, s in zip(leaves, shard_leaves)]
+    return jax.tree.unflatten(treedef, out)
+
+
+def _cast_leaf(x, sharding, compute_dtype, reduce_dtype):
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        return jax.lax.with_sharding_constraint(x, sharding)
+    return _make_cast(sharding, jnp.dtype(compute_dtype), jnp.dtype(reduce_dtype))(x)
+
+
+@functools.lru_cache(maxsize=None)
+def _make_cast(sharding, compute_dtype, reduce_dtype):
+    @jax.custom_vjp
+    def cast(x):
+        return jax.lax.with_sharding_constraint(x.astype(compute_dtype), sharding)
+
+    def fwd(x):
+        return cast(x), jnp.zeros((), x.dtype)  # residual carries only the dtype
+
+    def bwd(res, g):
+        g = jax.lax.with_sharding_constraint(g.astype(reduce_dtype), sharding)
+        return (g.astype(res.dtype),)
+
+    cast.defvjp(fwd, bwd)
+    return cast

@@ -1,0 +1,73 @@
+"""Train state, abstract shapes and sharded initialisation.
+
+The full model never lands on one device: `jax.eval_shape` gives shapes,
+`fsdp_jax.strategy.make_plan` gives shardings, and `jax.jit(init,
+out_shardings=...)` materialises each shard where it lives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from fsdp_jax import rules as rl
+from fsdp_jax.strategy import ShardingPlan, Strategy, make_plan
+
+
+class TrainState(struct.PyTreeNode):
+    """step: int32 scalar (replicated); params: master weights; opt_state: optax state."""
+    step: jax.Array
+    params: Any
+    opt_state: Any
+
+
+def state_shardings(plan: ShardingPlan) -> TrainState:
+    """The NamedSharding tree of a TrainState under `plan`."""
+    return TrainState(step=NamedSharding(plan.mesh, P()), params=plan.params,
+                      opt_state=plan.opt_state)
+
+
+def abstract_state(plan: ShardingPlan, abstract_params, optimizer) -> TrainState:
+    """TrainState of ShapeDtypeStructs carrying `plan`'s shardings (nothing allocated);
+    the target tree for AOT compilation and for checkpoint restore."""
+    opt = jax.eval_shape(optimizer.init, abstract_params)
+    shapes = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=abstract_params, opt_state=opt)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        shapes, state_shardings(plan))
+
+
+def init_train_state(init_params: Callable[[jax.Array], Any], optimizer: optax.GradientTransformation,
+                     mesh: Mesh, rng: jax.Array, strategy: str | Strategy = "full_shard",
+                     logical_axes=None, rules: rl.Rules | None = None,
+                     min_shard_size: int = rl.DEFAULT_MIN_SHARD_SIZE,
+                     max_replicated_fraction: float | None = rl.DEFAULT_MAX_REPLICATED_FRACTION,
+                     ) -> tuple[TrainState, ShardingPlan]:
+    """Initialise params and optimizer state directly in their sharded layout.
+
+    `init_params(rng)` returns the param tree (plain arrays). `logical_axes`: a
+    matching tree of logical-name tuples, or None for the fallback rule.
+    Returns the sharded TrainState (step 0) and the ShardingPlan used.
+    """
+    abstract_params = jax.eval_shape(init_params, rng)
+    plan = make_plan(abstract_params, optimizer, mesh, strategy, logical_axes, rules,
+                     min_shard_size, max_replicated_fraction)
+
+    def init(rng):
+        params = init_params(rng)
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                          opt_state=optimizer.init(params))
+
+    with jax.set_mesh(mesh):
+        state = jax.jit(init, out_shardings=state_shardings(plan))(rng)
+    return state, plan
+
+
+def shard_params(params, plan: ShardingPlan):
+    """Place an existing param tree (host or device arrays) into `plan`'s at-rest layout."""
+    return jax.device_put(params, plan.params)

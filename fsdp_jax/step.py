@@ -1,0 +1,175 @@
+"""The jitted FSDP train and eval steps.
+
+`make_train_step` wires, in this order:
+1. the batch arrives sharded on its leading dim over (`data`, `fsdp`);
+2. it is split into `microbatches` slices, each still spread over every device;
+3. per microbatch, params are cast to the compute dtype in their at-rest (sharded)
+   layout, then constrained to the compute layout (gathered once per step under
+   shard_grad_op; under full_shard XLA gathers each layer inside the layer loop);
+4. the loss (optionally remat-wrapped) is differentiated; gradients come back in
+   the reduce dtype, constrained to the grad layout (reduce-scatter under
+   ZeRO-2/3, all-reduce under ZeRO-1/DDP) and summed into an accumulator that
+   lives in that layout;
+5. the global grad norm is taken across shards, grads are clipped, optax updates
+   the state in its sharded layout, and non-finite steps are skipped;
+6. the old state is donated, so params and optimizer state are updated in place.
+Activation constraints in the model (`flax.linen.with_logical_constraint`) resolve
+through the same rules table, made current while the step is traced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import linen as nn
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import fsdp_jax.remat as remat_lib
+from fsdp_jax import rules as rl
+from fsdp_jax.precision import Policy, cast_params_for_compute
+from fsdp_jax.state import TrainState, state_shardings
+from fsdp_jax.strategy import ShardingPlan, batch_divisor
+
+LossFn = Callable[[Any, Any], Any]  # (params, batch) -> loss or (loss, aux)
+
+
+class BatchError(ValueError):
+    """A batch whose leading dim cannot be split over the devices / microbatches."""
+
+
+@contextlib.contextmanager
+def sharding_context(plan: ShardingPlan):
+    """Make `plan`'s mesh and logical rules current (for tracing models that call
+    `flax.linen.with_logical_constraint`)."""
+    with jax.set_mesh(plan.mesh), nn.logical_axis_rules(rl.flax_rules(plan.rules)):
+        yield
+
+
+class CompiledStep:
+    """A jitted step that traces under the plan's sharding context.
+
+    Call it like the function; `.lower(*args)` gives the AOT lowering
+    (`.compile().memory_analysis()`, `.as_text()`).
+    """
+
+    def __init__(self, fn, plan: ShardingPlan, check_batch: Callable[[Any], None]):
+        self.jitted = fn
+        self.plan = plan
+        self._check_batch = check_batch
+
+    def __call__(self, *args):
+        self._check_batch(args[-1])
+        with sharding_context(self.plan):
+            return self.jitted(*args)
+
+    def lower(self, *args):
+        self._check_batch(args[-1])
+        with sharding_context(self.plan):
+            return self.jitted.lower(*args)
+
+
+def check_batch(batch, plan: ShardingPlan, microbatches: int = 1) -> None:
+    """Raise BatchError unless every leaf's leading dim divides by
+    microbatches x data x fsdp."""
+    n = batch_divisor(plan.mesh)
+    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        b = x.shape[0] if x.shape else None
+        if b is None or b % (n * microbatches):
+            raise BatchError(
+                f"batch leaf {rl.path_str(path) or '<root>'} has leading dim {b}, which must be "
+                f"divisible by microbatches ({microbatches}) x data x fsdp ({n}) = "
+                f"{n * microbatches}; change the global batch size or the mesh")
+
+
+def _split_microbatches(batch, k: int):
+    # (B, ...) -> (B/k, k, ...) keeps each device's rows on that device; microbatch j
+    # takes rows j, j+k, j+2k, ... so every microbatch spans all devices.
+    return jax.tree.map(lambda x: jnp.moveaxis(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 1, 0), batch)
+
+
+def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, plan: ShardingPlan, *,
+                    microbatches: int = 1, clip_norm: float | None = None,
+                    precision: Policy | str | None = None, remat: str = "none",
+                    has_aux: bool = False, skip_nonfinite: bool = True,
+                    donate: bool = True) -> CompiledStep:
+    """A jitted `step(state, batch) -> (state, metrics)` for `plan`'s mesh and strategy.
+
+    `loss_fn(params, batch)` returns a scalar mean loss (or `(loss, aux)` with
+    `has_aux`); `params` arrive in the compute dtype. `batch` is a pytree whose
+    leaves have a leading global-batch dim. metrics: `loss` (output dtype),
+    `grad_norm` (global, before clipping), `skipped` (1 when a non-finite loss or
+    grad norm left the state unchanged), plus `aux` when given.
+    """
+    if microbatches < 1:
+        raise ValueError(f"microbatches must be >= 1, got {microbatches}")
+    policy = Policy.parse(precision)
+    loss_fn = remat_lib.with_remat(loss_fn, remat)
+    clip = optax.clip_by_global_norm(clip_norm) if clip_norm else None
+    grad_sh, compute_sh, rest_sh = plan.grads, plan.compute, plan.params
+
+    def value_and_grad(params, batch):
+        def f(p):
+            pc = cast_params_for_compute(p, policy, rest_sh)
+            if compute_sh is not rest_sh:
+                pc = jax.lax.with_sharding_constraint(pc, compute_sh)
+            out = loss_fn(pc, batch)
+            loss, aux = out if has_aux else (out, None)
+            return loss.astype(jnp.float32), aux
+        (loss, aux), grads = jax.value_and_grad(f, has_aux=True)(params)
+        return loss, aux, jax.lax.with_sharding_constraint(grads, grad_sh)
+
+    def step(state: TrainState, batch):
+        if microbatches == 1:
+            loss, aux, grads = value_and_grad(state.params, batch)
+        else:
+            def body(carry, mb):
+                acc, loss_sum = carry
+                loss, aux, g = value_and_grad(state.params, mb)
+                acc = jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, g)
+                return (jax.lax.with_sharding_constraint(acc, grad_sh), loss_sum + loss), aux
+            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), state.params)
+            zeros = jax.lax.with_sharding_constraint(zeros, grad_sh)
+            (acc, loss_sum), aux = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)),
+                                                _split_microbatches(batch, microbatches))
+            grads = jax.tree.map(lambda g: g / microbatches, acc)
+            loss = loss_sum / microbatches
+        grad_norm = optax.global_norm(grads)
+        if clip is not None:
+            grads, _ = clip.update(grads, clip.init(grads))
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        new = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
+        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        if skip_nonfinite:
+            new = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, state)
+        metrics = {"loss": loss.astype(policy.output_dtype), "grad_norm": grad_norm,
+                   "skipped": (~ok).astype(jnp.int32)}
+        if has_aux:
+            metrics["aux"] = aux
+        return new, metrics
+
+    sh = state_shardings(plan)
+    jitted = jax.jit(step, in_shardings=(sh, plan.batch), out_shardings=(sh, NamedSharding(plan.mesh, P())),
+                     donate_argnums=(0,) if donate else ())
+    return CompiledStep(jitted, plan, lambda b: check_batch(b, plan, microbatches))
+
+
+def make_eval_step(loss_fn: LossFn, plan: ShardingPlan, *, precision: Policy | str | None = None,
+                   has_aux: bool = False) -> CompiledStep:
+    """A jitted `eval_step(params, batch) -> {"loss": ...}` (no state change)."""
+    policy = Policy.parse(precision)
+
+    def step(params, batch):
+        pc = policy.cast_to_compute(jax.lax.with_sharding_constraint(params, plan.params))
+        out = loss_fn(pc, batch)
+        loss = out[0] if has_aux else out
+        return {"loss": loss.astype(policy.output_dtype)}
+
+    jitted = jax.jit(step, in_shardings=(plan.params, plan.batch),
+                     out_shardings=NamedSharding(plan.mesh, P()))
+    return CompiledStep(jitted, plan, lambda b: check_batch(b, plan))

@@ -1,0 +1,59 @@
+"""Tiny models and a single-device reference trainer shared by the tests."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from fsdp_jax.adapters import from_nnx
+from fsdp_jax.models import Llama, LlamaConfig, cross_entropy
+
+TINY = LlamaConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                   ffn_dim=128, max_seq_len=32)
+
+
+def tiny_llama(cfg: LlamaConfig = TINY, remat: str = "none"):
+    """(ModelFns, loss_fn(params, tokens (B, S+1)))."""
+    m = from_nnx(lambda r: Llama(cfg, rngs=r, remat=remat))
+
+    def loss_fn(params, tokens):
+        return cross_entropy(m.apply(params, tokens[:, :-1]), tokens[:, 1:])
+    return m, loss_fn
+
+
+def token_batches(n: int, batch: int = 16, seq: int = 32, vocab: int = 256, seed: int = 1):
+    """Learnable sequences: start + stride * position (mod vocab), random start and stride."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        start = rng.integers(0, vocab, (batch, 1))
+        stride = rng.integers(1, 4, (batch, 1))
+        out.append(jnp.asarray((start + stride * np.arange(seq + 1)) % vocab, jnp.int32))
+    return out
+
+
+def reference_train(loss_fn, optimizer, params, batches, clip_norm=None):
+    """Plain single-device training: no mesh, no sharding. Returns (params, losses)."""
+    dev = jax.devices()[0]
+    params = jax.device_put(params, dev)
+    opt_state = optimizer.init(params)
+
+    @jax.jit
+    def step(p, s, b):
+        loss, g = jax.value_and_grad(loss_fn)(p, b)
+        if clip_norm:
+            g, _ = optax.clip_by_global_norm(clip_norm).update(g, optax.EmptyState())
+        u, s = optimizer.update(g, s, p)
+        return optax.apply_updates(p, u), s, loss
+
+    losses = []
+    for b in batches:
+        params, opt_state, loss = step(params, opt_state, jax.device_put(b, dev))
+        losses.append(float(loss))
+    return params, losses
+
+
+def max_abs_diff(a, b) -> float:
+    """Largest absolute difference over matching leaves (compared on the host)."""
+    return max(float(np.max(np.abs(np.asarray(x, np.float32) - np.asarray(y, np.float32))))
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))

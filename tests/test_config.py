@@ -1,0 +1,176 @@
+"""Config loading, overrides and validation: every error names its key."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fsdp_jax.config import (Config, ConfigError, check_data, config_from_dict, config_to_dict,
+                             count_params, load_config, save_config, validate)
+
+CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
+TINY = Path(__file__).parent.parent / "configs" / "tiny.yaml"
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_shipped_configs_load(path):
+    cfg = load_config(path)
+    assert cfg.data.seq_len <= cfg.model.max_seq_len
+    assert config_from_dict(config_to_dict(cfg)) == cfg
+
+
+def test_shipped_configs_exist():
+    assert {p.stem for p in CONFIGS} >= {"tiny", "small", "llama_1b", "llama2_7b"}
+
+
+def test_tiny_is_the_documented_cpu_default():
+    cfg = load_config(TINY)
+    validate(cfg, n_devices=8)
+    assert (cfg.model.d_model, cfg.model.n_layers, cfg.model.vocab_size) == (256, 4, 256)
+    assert cfg.mesh.strategy == "full_shard" and cfg.train.global_batch == 16
+    assert cfg.optimizer.lr == 3e-3 and cfg.data.source == "stdlib" and cfg.remat == "dots"
+
+
+def test_llama2_7b_param_count():
+    assert count_params(load_config(CONFIGS[0].parent / "llama2_7b.yaml").model) == 6_738_415_616
+
+
+def test_overrides_dotted_float_bool_null_and_aliases():
+    cfg = load_config(TINY, ["train.steps=20", "optimizer.lr=1e-3", "optimizer.b2=3e-1",
+                             "train.tensorboard=true", "optimizer.clip_norm=null",
+                             "strategy=no_shard", "precision=params=float32,compute=bfloat16",
+                             "model.rope_theta=500000", "init_from=runs/a: b"])
+    assert cfg.train.steps == 20
+    assert cfg.optimizer.lr == 1e-3 and isinstance(cfg.optimizer.lr, float)
+    assert cfg.optimizer.b2 == 0.3
+    assert cfg.train.tensorboard is True and cfg.optimizer.clip_norm is None
+    assert cfg.mesh.strategy == "no_shard"
+    assert cfg.precision == "params=float32,compute=bfloat16"
+    assert cfg.model.rope_theta == 500000.0 and isinstance(cfg.model.rope_theta, float)
+    assert cfg.init_from == "runs/a: b"
+    assert load_config(TINY, ["steps=7"]).train.steps == 7
+    assert load_config(TINY, ["lr=1e-4"]).optimizer.lr == 1e-4
+
+
+def test_yaml_float_without_dot(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("optimizer:\n  lr: 3e-3\n")  # PyYAML reads this as the string '3e-3'
+    assert load_config(p).optimizer.lr == 3e-3
+
+
+def test_empty_yaml_gives_defaults(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("")
+    assert load_config(p) == Config()
+
+
+@pytest.mark.parametrize("override, key, hint", [
+    ("train.stpes=3", "train.stpes", "did you mean train.steps"),
+    ("optimzer.lr=3", "optimzer.lr", "did you mean optimizer.lr"),
+    ("remta=full", "remta", "did you mean remat"),
+])
+def test_unknown_override_suggests(override, key, hint):
+    with pytest.raises(ConfigError, match=hint) as e:
+        load_config(TINY, [override])
+    assert e.value.key == key
+
+
+def test_unknown_key_in_file_suggests(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("trian:\n  steps: 3\n")
+    with pytest.raises(ConfigError, match="trian: unknown key; did you mean train"):
+        load_config(p)
+    p.write_text("model:\n  dmodel: 3\n")
+    with pytest.raises(ConfigError, match="did you mean model.d_model"):
+        load_config(p)
+
+
+@pytest.mark.parametrize("override, key", [
+    ("train.steps=abc", "train.steps"),
+    ("train.steps=true", "train.steps"),         # bool is not an int
+    ("train.steps=2.5", "train.steps"),
+    ("optimizer.lr=fast", "optimizer.lr"),
+    ("optimizer.lr=true", "optimizer.lr"),
+    ("model.scan_layers=1", "model.scan_layers"),
+    ("train.steps=0", "train.steps"),
+    ("optimizer.lr=-1e-3", "optimizer.lr"),
+    ("optimizer.min_lr_ratio=1.5", "optimizer.min_lr_ratio"),
+    ("optimizer.warmup_steps=-1", "optimizer.warmup_steps"),
+    ("optimizer.name=lion", "optimizer.name"),
+    ("model.attention=flash", "model.attention"),
+    ("data.source=web", "data.source"),
+    ("mesh.strategy=zero4", "mesh.strategy"),
+    ("remat=everything", "remat"),
+    ("precision=params=float64", "precision"),
+    ("precision=compute=int8", "precision"),
+    ("model.d_model=250", "model.d_model"),       # not divisible by 4 heads
+    ("model.n_kv_heads=3", "model.n_kv_heads"),
+    ("data.seq_len=256", "data.seq_len"),         # > max_seq_len 128
+    ("train.microbatches=3", "train.global_batch"),
+    ("mesh.data=-1", "mesh"),                     # two -1 axes
+    ("model", "override"),
+    ("model=3", "model"),
+])
+def test_bad_values_name_the_key(override, key):
+    with pytest.raises(ConfigError) as e:
+        load_config(TINY, [override])
+    assert e.value.key == key
+    msg = str(e.value)
+    assert msg.startswith(f"{key}: ") and "\n" not in msg
+
+
+def test_aliases_for_strategy_are_accepted():
+    for name in ("zero3", "fsdp", "zero2", "zero1", "ddp", "hsdp", "shard_grad_op", "hybrid_shard"):
+        assert load_config(TINY, [f"mesh.strategy={name}"]).mesh.strategy == name
+
+
+def test_device_checks():
+    cfg = load_config(TINY, ["train.global_batch=12"])  # fine without devices
+    with pytest.raises(ConfigError, match="divisible by .*= 8") as e:
+        validate(cfg, n_devices=8)
+    assert e.value.key == "train.global_batch"
+    validate(cfg, n_devices=4)
+    cfg = load_config(TINY, ["train.global_batch=16", "train.microbatches=4"])
+    with pytest.raises(ConfigError, match="train.global_batch"):
+        validate(cfg, n_devices=8)          # 4 per microbatch over 8 devices
+    validate(load_config(TINY, ["mesh.data=2", "mesh.fsdp=4"]), n_devices=8)
+    with pytest.raises(ConfigError) as e:
+        validate(load_config(TINY, ["mesh.fsdp=3"]), n_devices=8)
+    assert e.value.key == "mesh"
+
+
+def test_file_errors_name_the_file(tmp_path):
+    with pytest.raises(ConfigError, match="not found") as e:
+        load_config(tmp_path / "nope.yaml")
+    assert "nope.yaml" in e.value.key
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [1, 2\n")
+    with pytest.raises(ConfigError, match="YAML syntax error") as e:
+        load_config(bad)
+    assert "\n" not in str(e.value)
+    bad.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(bad)
+    bad.write_text("model: 3\n")
+    with pytest.raises(ConfigError, match="model: expected a mapping"):
+        load_config(bad)
+
+
+def test_round_trip_through_yaml(tmp_path):
+    cfg = load_config(TINY, ["optimizer.clip_norm=null", "init_from=runs/x", "train.steps=9"])
+    save_config(cfg, tmp_path / "sub" / "config.yaml")
+    assert load_config(tmp_path / "sub" / "config.yaml") == cfg
+    assert yaml.safe_load((tmp_path / "sub" / "config.yaml").read_text()) == config_to_dict(cfg)
+
+
+def test_check_data(tmp_path):
+    cfg = load_config(TINY, [f"data.path={tmp_path}", "data.source=none"])
+    with pytest.raises(ConfigError, match="train.bin not found") as e:
+        check_data(cfg)
+    assert e.value.key == "data.path"
+    (tmp_path / "train.bin").write_bytes(b"\0\0")
+    (tmp_path / "meta.json").write_text('{"vocab_size": 32000}')
+    with pytest.raises(ConfigError) as e:
+        check_data(cfg)
+    assert e.value.key == "model.vocab_size"
+    check_data(load_config(TINY, [f"data.path={tmp_path}", "model.vocab_size=32000"]))
