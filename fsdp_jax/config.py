@@ -23,6 +23,7 @@ import yaml
 
 from fsdp_jax.mesh import MeshError, resolve_mesh_shape
 from fsdp_jax.precision import Policy
+from fsdp_jax.models.llama import LlamaConfig, count_params  # noqa: F401 (re-exported)
 from fsdp_jax.remat import REMAT_POLICIES
 from fsdp_jax.strategy import ALIASES, STRATEGIES
 
@@ -35,19 +36,8 @@ class ConfigError(ValueError):
         super().__init__(f"{key}: {message}")
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    vocab_size: int = 256
-    d_model: int = 256
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int = 4
-    ffn_dim: int = 704
-    max_seq_len: int = 128
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    scan_layers: bool = True
-    attention: str = "xla"              # xla | cudnn
+# The model section is the reference model's own config dataclass.
+ModelConfig = LlamaConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -355,10 +345,3 @@ def check_data(cfg: Config) -> None:
             raise ConfigError("data.path", f"{str(meta)!r} is not a valid meta.json") from None
         _check(vocab <= cfg.model.vocab_size, "model.vocab_size", cfg.model.vocab_size,
                f"must be >= the corpus vocab_size {vocab} in {meta}")
-
-
-def count_params(m: ModelConfig) -> int:
-    """Parameters of the reference Llama decoder: untied embedding and head, RMSNorm scales."""
-    d, kv_dim = m.d_model, m.n_kv_heads * (m.d_model // m.n_heads)
-    per_layer = 2 * d * d + 2 * d * kv_dim + 3 * d * m.ffn_dim + 2 * d  # q,o + k,v + SwiGLU + norms
-    return 2 * m.vocab_size * d + m.n_layers * per_layer + d

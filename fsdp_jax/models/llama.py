@@ -200,25 +200,21 @@ def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
     return 6.0 * matmul_params + 6.0 * cfg.n_layers * seq_len * cfg.d_model
 
 
-def sample(apply_fn, params, prompt, n_new: int, max_seq_len: int, rng, temperature: float = 0.8):
-    """Temperature sampling of `n_new` tokens after `prompt` (1-D int array) with
-    `apply_fn(params, tokens (1, S)) -> logits`. Uses a fixed window of
-    `max_seq_len` tokens (sliding once full), so one compiled forward serves all steps."""
+def sample(next_logits, prompt, n_new: int, window: int, rng, temperature: float = 0.8) -> list[int]:
+    """Temperature sampling of `n_new` tokens after `prompt` (1-D ints).
+
+    `next_logits(buf (window,) int32, pos) -> logits (V,)` scores the token after
+    position `pos - 1` of a fixed-size window (which slides once full), so one
+    compiled forward serves every step."""
     import numpy as np
 
-    window = max_seq_len
-
-    @jax.jit
-    def next_token(params, buf, pos, key):
-        logits = apply_fn(params, buf[None, :])[0, pos - 1].astype(jnp.float32)
-        return jax.random.categorical(key, logits / max(temperature, 1e-6))
-
     toks = [int(t) for t in np.asarray(prompt)][-window:]
-    out = []
+    out: list[int] = []
     for i in range(n_new):
         ctx = (toks + out)[-window:]
         buf = np.zeros((window,), np.int32)
         buf[:len(ctx)] = ctx
-        t = next_token(params, jnp.asarray(buf), len(ctx), jax.random.fold_in(rng, i))
-        out.append(int(t))
+        logits = np.asarray(next_logits(buf, len(ctx)), np.float64) / max(temperature, 1e-6)
+        key = jax.random.fold_in(rng, i)
+        out.append(int(jax.random.categorical(key, jnp.asarray(logits))))
     return out

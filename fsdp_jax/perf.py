@@ -1,0 +1,45 @@
+"""Throughput bookkeeping: peak FLOP/s per device kind, MFU, device memory."""
+
+from __future__ import annotations
+
+import jax
+
+# Dense peak TFLOP/s per device by compute dtype (vendor datasheets, no sparsity).
+PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "h100": {"bfloat16": 989.0, "float16": 989.0, "float32": 67.0},
+    "h200": {"bfloat16": 989.0, "float16": 989.0, "float32": 67.0},
+    "a100": {"bfloat16": 312.0, "float16": 312.0, "float32": 19.5},
+    "l4": {"bfloat16": 121.0, "float16": 121.0, "float32": 30.3},
+    "tpu v4": {"bfloat16": 275.0, "float32": 275.0},
+    "tpu v5 lite": {"bfloat16": 197.0, "float32": 197.0},
+    "tpu v5p": {"bfloat16": 459.0, "float32": 459.0},
+}
+
+
+def peak_flops(device: jax.Device, dtype: str = "bfloat16", override_tflops: float | None = None) -> float | None:
+    """Peak FLOP/s of one device for `dtype`, or None when unknown (e.g. CPU)."""
+    if override_tflops:
+        return override_tflops * 1e12
+    kind = device.device_kind.lower()
+    for key, table in PEAK_TFLOPS.items():
+        if key in kind:
+            return table.get(dtype, table.get("bfloat16")) * 1e12
+    return None
+
+
+def mfu(flops_per_token: float, tokens_per_s: float, n_devices: int, peak: float | None) -> float | None:
+    """Model FLOPs utilisation: achieved model FLOP/s over the devices' peak."""
+    if not peak:
+        return None
+    return flops_per_token * tokens_per_s / (peak * n_devices)
+
+
+def device_memory() -> dict[str, int] | None:
+    """`memory_stats()` of the first local device (bytes in use and peak), where the
+    backend reports it (GPU, TPU); None on CPU."""
+    stats = jax.local_devices()[0].memory_stats()
+    if not stats:
+        return None
+    return {"bytes_in_use": int(stats.get("bytes_in_use", 0)),
+            "peak_bytes_in_use": int(stats.get("peak_bytes_in_use", 0)),
+            "bytes_limit": int(stats.get("bytes_limit", 0))}
