@@ -1,8 +1,26 @@
-"""Turn a user's model into what the FSDP core takes: an init function, an apply
-function over a plain param tree, and the params' logical dim names.
+"""FSDP for any Flax or JAX project: one call turns a model and an optax optimizer
+into a sharded TrainState, its ShardingPlan and a jitted train step.
+
+`shard_model(model, optimizer, mesh, strategy, rng=...)` takes the model as
+
+| `model`                                         | params your loss receives        | logical names from      |
+|-------------------------------------------------|----------------------------------|-------------------------|
+| `from_nnx(lambda rngs: MyModule(..., rngs=rngs))` | pure dict of the `nnx.Param`s    | `nnx.with_partitioning` |
+| `from_linen(module, example_input)`             | the unboxed `"params"` collection | `nn.with_logical_partitioning` |
+| an init function `rng -> params`                | what it returns, unboxed (an NNX `State` becomes its pure dict) | the boxes it returns, if any |
+| an `nnx.Module` instance                        | pure dict of its `nnx.Param`s    | `nnx.with_partitioning` |
+| a params tree (Linen variables, NNX `State`, dict/list/tuple/NamedTuple of arrays) | the same tree, unboxed | the boxes, if any |
+
+The first three are initialised directly in their sharded layout (`jax.eval_shape`
+-> plan -> `jit(init, out_shardings=...)`): the full model never lands on one
+device. The last two are already materialised and are placed onto the plan's
+shardings. Leaves without logical names use the fallback rule
+(`fsdp_jax.rules`); names the rules table does not know fall back too, and
+`ShardedModel.explain()` says so.
 
 Flax NNX modules are split into a graph definition and a pure-dict param tree
-(portable: checkpoints, safetensors export and optax see plain nested dicts).
+(portable: checkpoints, safetensors export and optax see plain nested dicts);
+`nnx.merge(graphdef, params)` accepts it.
 """
 
 from __future__ import annotations
@@ -12,19 +30,37 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import optax
+from flax import linen as nn
 from flax import nnx
+from flax.nnx import traversals
+from flax.core import meta
+from jax.sharding import Mesh
 
+from fsdp_jax import rules as rl
+from fsdp_jax.memory import tree_bytes_per_device
 from fsdp_jax.rules import logical_axes_of
+from fsdp_jax.state import TrainState, init_train_state, state_shardings
+from fsdp_jax.step import CompiledStep, LossFn, make_eval_step, make_train_step, trainable_leaves
+from fsdp_jax.strategy import ShardingPlan, Strategy, make_plan
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelFns:
     """init(rng) -> params; apply(params, *args) -> output; logical_axes: a tree of
-    name tuples matching params (None leaves where unannotated), or None."""
-    init: Callable[[jax.Array], Any]
-    apply: Callable[..., Any]
+    name tuples matching params (None leaves where unannotated), or None.
+
+    NNX models also carry `bind(params) -> nnx.Module` and `nnx_state`, the
+    abstract `nnx.State` (Variable types, for NNX filters such as
+    `trainable=nnx.LoRAParam`). `init` is None for already materialised params,
+    `apply` None where the caller applies the params itself."""
+    init: Callable[[jax.Array], Any] | None
+    apply: Callable[..., Any] | None
     logical_axes: Any
     abstract_params: Any
+    bind: Callable[[Any], Any] | None = None
+    nnx_state: Any = None
 
 
 def from_nnx(make_module: Callable[[nnx.Rngs], nnx.Module]) -> ModelFns:
@@ -36,10 +72,7 @@ def from_nnx(make_module: Callable[[nnx.Rngs], nnx.Module]) -> ModelFns:
     with nnx.use_eager_sharding(False):
         abstract = nnx.eval_shape(lambda: make_module(nnx.Rngs(0)))
     graphdef, abs_state, rest = nnx.split(abstract, nnx.Param, ...)
-    if jax.tree.leaves(rest):
-        raise ValueError("from_nnx: the module holds non-Param state "
-                         f"({', '.join(sorted({type(v).__name__ for v in jax.tree.leaves(rest, is_leaf=lambda x: isinstance(x, nnx.Variable))}))}); "
-                         "keep only nnx.Param variables (pass RNGs as call arguments)")
+    _reject_non_params(rest, "from_nnx")
     _, logical_axes = logical_axes_of(abs_state)
     pure_axes = None if logical_axes is None else _to_pure(abs_state, logical_axes)
 
@@ -48,13 +81,237 @@ def from_nnx(make_module: Callable[[nnx.Rngs], nnx.Module]) -> ModelFns:
             module = make_module(nnx.Rngs(rng))
         return nnx.split(module, nnx.Param, ...)[1].to_pure_dict()
 
-    def apply(params, *args, **kwargs):
+    def bind(params):
         state = jax.tree.map(lambda x: x, abs_state)
         nnx.replace_by_pure_dict(state, params)
-        return nnx.merge(graphdef, state)(*args, **kwargs)
+        return nnx.merge(graphdef, state)
+
+    def apply(params, *args, **kwargs):
+        return bind(params)(*args, **kwargs)
 
     return ModelFns(init=init, apply=apply, logical_axes=pure_axes,
-                    abstract_params=abs_state.to_pure_dict())
+                    abstract_params=abs_state.to_pure_dict(), bind=bind, nnx_state=abs_state)
+
+
+def from_linen(module: nn.Module, *example_args, **example_kwargs) -> ModelFns:
+    """Adapt a Linen `module` initialised by `module.init(rng, *example_args,
+    **example_kwargs)`; only the `"params"` collection is trained.
+
+    Example inputs may be arrays or `jax.ShapeDtypeStruct`s (only shapes matter).
+    `nn.with_logical_partitioning` metadata becomes `logical_axes`; params are
+    unboxed. `apply(params, *args, **kwargs)` is `module.apply({"params": params}, ...)`.
+    """
+    def variables(rng):
+        args, kwargs = jax.tree.map(
+            lambda a: jnp.zeros(a.shape, a.dtype) if isinstance(a, jax.ShapeDtypeStruct) else a,
+            (example_args, example_kwargs))
+        return module.init(rng, *args, **kwargs)
+
+    abstract = jax.eval_shape(variables, jax.random.key(0))
+    extra = sorted(set(abstract) - {"params"})
+    if extra:
+        raise ValueError(f"from_linen: {type(module).__name__} also creates the collections "
+                         f"{', '.join(extra)}; only 'params' is trained here. Pass shard_model an "
+                         "init function returning the tree to train and apply the rest in loss_fn")
+    values, names = _plain(abstract["params"])
+
+    def init(rng):
+        return _plain(variables(rng)["params"])[0]
+
+    def apply(params, *args, **kwargs):
+        return module.apply({"params": params}, *args, **kwargs)
+
+    return ModelFns(init=init, apply=apply, logical_axes=names, abstract_params=values)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedModel:
+    """What `shard_model` returns.
+
+    `state`: the initial TrainState (step 0) in the plan's layout; the first train
+    step donates it, so keep the state each step returns. `plan`: shardings of
+    params, grads, optimizer state and batch, with `plan.rows` explaining each
+    param. `model`: the adapted model (`apply`, `bind` for NNX, `logical_axes`).
+    `trainable`: a bool tree matching params (None: everything trains).
+    """
+    state: TrainState
+    plan: ShardingPlan
+    optimizer: optax.GradientTransformation
+    model: ModelFns
+    trainable: Any = None
+
+    @property
+    def apply(self) -> Callable[..., Any] | None:
+        """`apply(params, *inputs)`: the model's forward on a params tree (None for a
+        model given as a bare init function or params tree: apply it yourself)."""
+        return self.model.apply
+
+    @property
+    def bind(self) -> Callable[[Any], Any] | None:
+        """NNX only: `bind(params) -> nnx.Module` holding `params`."""
+        return self.model.bind
+
+    def train_step(self, loss_fn: LossFn, **kwargs) -> CompiledStep:
+        """`make_train_step(loss_fn, optimizer, plan, trainable=..., **kwargs)`:
+        a jitted, donating `step(state, batch) -> (state, metrics)`. `loss_fn(params,
+        batch)` gets the params tree in the compute dtype; kwargs: microbatches,
+        clip_norm, precision, remat, has_aux, skip_nonfinite, donate."""
+        kwargs.setdefault("trainable", self.trainable)
+        return make_train_step(loss_fn, self.optimizer, self.plan, **kwargs)
+
+    def eval_step(self, loss_fn: LossFn, **kwargs) -> CompiledStep:
+        """`make_eval_step(loss_fn, plan, **kwargs)`: `eval_step(params, batch) -> {"loss"}`."""
+        return make_eval_step(loss_fn, self.plan, **kwargs)
+
+    def bytes_per_device(self, state: TrainState | None = None) -> dict[str, int]:
+        """Bytes one device holds of `state` (default: the initial state; shapes and
+        shardings only, so a donated state works too): params, opt_state, total."""
+        s = self.state if state is None else state
+        out = {"params": tree_bytes_per_device(s.params), "opt_state": tree_bytes_per_device(s.opt_state)}
+        out["total"] = out["params"] + out["opt_state"] + tree_bytes_per_device(s.step)
+        return out
+
+    def explain(self) -> str:
+        """One line per param: path, shape, spec, bytes per device, and why
+        (logical names, fallback rule, names not in the rules table, threshold);
+        `(frozen)` marks params that get no grads."""
+        keep = [True] * len(self.plan.rows) if self.trainable is None else jax.tree.leaves(self.trainable)
+        width = max((len(r.path) for r in self.plan.rows), default=0)
+        return "\n".join(
+            f"{r.path:<{width}}  {str(r.shape):<16} {rl.spec_str(r.spec):<28} "
+            f"{r.bytes_per_device:>10} B/device  {r.reason}{'' if k else ' (frozen)'}"
+            for r, k in zip(self.plan.rows, keep))
+
+
+def shard_model(model: Any, optimizer: optax.GradientTransformation, mesh: Mesh,
+                strategy: str | Strategy = "full_shard", *, rng: jax.Array | None = None,
+                trainable: Any = None, logical_axes: Any = None, rules: rl.Rules | None = None,
+                min_shard_size: int = rl.DEFAULT_MIN_SHARD_SIZE,
+                max_replicated_fraction: float | None = rl.DEFAULT_MAX_REPLICATED_FRACTION,
+                ) -> ShardedModel:
+    """Shard any Flax (NNX or Linen) or plain-pytree model for FSDP training.
+
+    `model`: a `ModelFns` (`from_nnx`, `from_linen`), an init function
+    `rng -> params` (both initialised sharded, from `rng`), an `nnx.Module`
+    instance, or a materialised params tree (see the module docstring).
+    `optimizer`: any optax transformation; its state is sharded like the params.
+    `mesh`: a (`data`, `fsdp`, `tensor`) mesh from `fsdp_jax.make_mesh`.
+    `strategy`: `full_shard`, `shard_grad_op`, `shard_opt`, `no_shard`, `hybrid_shard`.
+    `trainable`: freeze params (LoRA-style fine-tuning): a bool tree matching the
+    params (a prefix is broadcast), a callable `params -> bool tree`, or, for NNX
+    models, an NNX filter (`nnx.LoRAParam`, `nnx.PathContains("lora")`, ...). Frozen params
+    stay sharded and are never differentiated; give them no optimizer state with
+    `optax.multi_transform({...: tx, ...: optax.set_to_zero()}, labels)`.
+    `logical_axes`: a tree of logical-name tuples overriding the model's metadata.
+    `rules`, `min_shard_size`, `max_replicated_fraction`: as in `make_plan`.
+
+    Returns a ShardedModel: `.state` (TrainState), `.plan` (ShardingPlan),
+    `.train_step(loss_fn, ...)`, `.apply`, `.explain()`, `.bytes_per_device()`.
+    """
+    fns, params = _adapt(model)
+    axes_ = fns.logical_axes if logical_axes is None else logical_axes
+    if params is None:
+        if rng is None:
+            raise ValueError("shard_model: this model is initialised sharded from an init "
+                             "function; pass rng=jax.random.key(seed)")
+        state, plan = init_train_state(fns.init, optimizer, mesh, rng, strategy, axes_, rules,
+                                       min_shard_size, max_replicated_fraction)
+    else:
+        plan = make_plan(fns.abstract_params, optimizer, mesh, strategy, axes_, rules,
+                         min_shard_size, max_replicated_fraction)
+        state = _place(params, optimizer, plan)
+    mask = None
+    if trainable is not None:
+        if fns.nnx_state is not None and _is_nnx_filter(trainable):
+            trainable = _nnx_filter_mask(fns.nnx_state, trainable)
+        keep = trainable_leaves(fns.abstract_params, trainable)
+        mask = jax.tree.unflatten(jax.tree.structure(fns.abstract_params), keep)
+    return ShardedModel(state=state, plan=plan, optimizer=optimizer, model=fns, trainable=mask)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def _adapt(model) -> tuple[ModelFns, Any]:
+    """(ModelFns, materialised params or None when `fns.init` builds them)."""
+    if isinstance(model, ModelFns):
+        return model, None
+    if isinstance(model, nnx.Module):
+        return _from_nnx_instance(model)
+    if isinstance(model, nn.Module):
+        raise TypeError(f"shard_model: a Linen module ({type(model).__name__}) needs example inputs "
+                        "to initialise; pass from_linen(module, example_input) or its variables")
+    leaves = jax.tree.leaves(model)
+    if callable(model) and len(leaves) == 1 and leaves[0] is model:  # a function, not a callable pytree
+        return _from_init(model), None
+    values, names = _plain(model)
+    _check_arrays(values)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), values)
+    return ModelFns(init=None, apply=None, logical_axes=names, abstract_params=abstract), values
+
+
+def _from_init(init_fn: Callable[[jax.Array], Any]) -> ModelFns:
+    """Adapt `init_fn(rng) -> params` (plain, Linen-boxed, or an NNX State)."""
+    values, names = _plain(jax.eval_shape(init_fn, jax.random.key(0)))
+    _check_arrays(values)
+    return ModelFns(init=lambda rng: _plain(init_fn(rng))[0], apply=None,
+                    logical_axes=names, abstract_params=values)
+
+
+def _from_nnx_instance(module: nnx.Module) -> tuple[ModelFns, Any]:
+    graphdef, state, rest = nnx.split(module, nnx.Param, ...)
+    _reject_non_params(rest, "shard_model")
+    abs_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+    _, names = logical_axes_of(state)
+    pure_axes = None if names is None else _to_pure(state, names)
+
+    def bind(params):
+        s = jax.tree.map(lambda x: x, abs_state)
+        nnx.replace_by_pure_dict(s, params)
+        return nnx.merge(graphdef, s)
+
+    fns = ModelFns(init=None, apply=lambda params, *a, **kw: bind(params)(*a, **kw),
+                   logical_axes=pure_axes, abstract_params=abs_state.to_pure_dict(),
+                   bind=bind, nnx_state=abs_state)
+    return fns, state.to_pure_dict()
+
+
+def _plain(tree):
+    """(values, logical_axes) for a tree that may carry Flax metadata: NNX States
+    become pure dicts, Linen boxes are unboxed."""
+    values, names = logical_axes_of(tree)
+    if isinstance(values, nnx.State):
+        names = None if names is None else _to_pure(values, names)
+        return values.to_pure_dict(), names
+    return meta.unbox(values), names
+
+
+def _place(params, optimizer, plan: ShardingPlan) -> TrainState:
+    """Copy materialised params into the plan's layout (never aliasing the caller's
+    arrays, which the step donates) and initialise the optimizer state sharded."""
+    sh = state_shardings(plan)
+
+    def init(p):
+        return TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=optimizer.init(p))
+
+    with jax.set_mesh(plan.mesh):
+        p = jax.device_put(params, plan.params, may_alias=False)
+        return jax.jit(init, out_shardings=sh)(p)
+
+
+def _check_arrays(tree) -> None:
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+            raise TypeError(f"shard_model: params leaf {rl.path_str(path) or '<root>'} is a "
+                            f"{type(x).__name__}, not an array; keep only arrays in the params tree "
+                            "(e.g. equinox: eqx.partition(model, eqx.is_array))")
+
+
+def _reject_non_params(rest, who: str) -> None:
+    if jax.tree.leaves(rest):
+        kinds = sorted({type(v).__name__ for v in jax.tree.leaves(
+            rest, is_leaf=lambda x: isinstance(x, nnx.Variable))})
+        raise ValueError(f"{who}: the module holds non-Param state ({', '.join(kinds)}); "
+                         "keep only nnx.Param variables (pass RNGs as call arguments)")
 
 
 def _to_pure(abs_state, axes_state):
@@ -65,3 +322,20 @@ def _to_pure(abs_state, axes_state):
     if len(names) != len(leaves):
         return None
     return jax.tree.unflatten(treedef, names)
+
+
+_NNX_FILTERS = tuple(getattr(nnx.filterlib, n) for n in (
+    "All", "Any", "Not", "OfType", "PathContains", "PathIn", "WithTag", "Everything", "Nothing"))
+
+
+def _is_nnx_filter(f) -> bool:
+    """A type (`nnx.LoRAParam`) or an `nnx.filterlib` filter object; plain callables
+    and bool trees are masks over the params tree instead."""
+    return isinstance(f, type) or isinstance(f, _NNX_FILTERS)
+
+
+def _nnx_filter_mask(abs_state, nnx_filter):
+    """Pure-dict bool tree: True where `nnx_filter` matches the Variable."""
+    pred = nnx.filterlib.to_predicate(nnx_filter)
+    flat = {path: bool(pred(path, v)) for path, v in abs_state.flat_state()}
+    return traversals.unflatten_mapping(flat)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 
+from fsdp_jax.checkpoint import CheckpointError
 from fsdp_jax.config import ConfigError
 from fsdp_jax.data import DataError
 from fsdp_jax.mesh import MeshError
@@ -12,7 +13,7 @@ from fsdp_jax.rules import ShardingError
 from fsdp_jax.step import BatchError
 
 BAD_INPUT: tuple[type[BaseException], ...] = (ConfigError, DataError, MeshError, ShardingError,
-                                               BatchError, FileNotFoundError)
+                                               BatchError, CheckpointError, FileNotFoundError)
 
 
 def fail(e: BaseException) -> int:

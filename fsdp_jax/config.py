@@ -86,6 +86,7 @@ class TrainConfig:
     tensorboard: bool = False
     sample_tokens: int = 200            # generated after training; 0 = none
     max_inflight_steps: int = 1         # steps dispatched before blocking on a loss
+    max_nonfinite_steps: int = 3        # skipped (non-finite) steps in a row before the run stops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +99,7 @@ class Config:
     precision: str = "params=float32,compute=float32"
     remat: str = "dots"
     run_dir: str = "runs/tiny"
-    init_from: str | None = None        # checkpoint dir (or run dir) to initialise params from
+    init_from: str | None = None        # params to start from: a .safetensors file, run or checkpoint dir
 
 
 _SECTIONS: dict[str, type] = {k: t for k, t in typing.get_type_hints(Config).items()
@@ -276,7 +277,7 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
                           "max_seq_len", "rope_theta", "norm_eps"),
                 "optimizer": ("lr", "eps"), "data": ("seq_len",),
                 "train": ("steps", "global_batch", "microbatches", "log_every", "keep_checkpoints",
-                          "max_inflight_steps")}
+                          "max_inflight_steps", "max_nonfinite_steps")}
     for section, names in positive.items():
         for n in names:
             v = getattr(getattr(cfg, section), n)

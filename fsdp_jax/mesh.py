@@ -57,7 +57,8 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1,
     if n_proc > 1 and shape[0] % n_proc == 0 and math.prod(shape[1:]) * (shape[0] // n_proc) == per_proc:
         from jax.experimental import mesh_utils
         grid = mesh_utils.create_hybrid_device_mesh(
-            (shape[0] // n_proc, shape[1], shape[2]), (n_proc, 1, 1), devices=devices)
+            (shape[0] // n_proc, shape[1], shape[2]), (n_proc, 1, 1), devices=devices,
+            process_is_granule=True)
         return Mesh(grid, MESH_AXES, axis_types=axis_types)
     if devices == list(jax.devices()):
         return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types)

@@ -6,7 +6,8 @@
 3. per microbatch, params are cast to the compute dtype in their at-rest (sharded)
    layout, then constrained to the compute layout (gathered once per step under
    shard_grad_op; under full_shard XLA gathers each layer inside the layer loop);
-4. the loss (optionally remat-wrapped) is differentiated; gradients come back in
+4. the loss (optionally remat-wrapped) is differentiated (with respect to the
+   `trainable` leaves only, when given: frozen leaves get no grads); gradients come back in
    the reduce dtype, constrained to the grad layout (reduce-scatter under
    ZeRO-2/3, all-reduce under ZeRO-1/DDP) and summed into an accumulator that
    lives in that layout;
@@ -25,6 +26,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import linen as nn
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -92,11 +94,57 @@ def _split_microbatches(batch, k: int):
     return jax.tree.map(lambda x: jnp.moveaxis(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 1, 0), batch)
 
 
+class _Wrt:
+    """What the step differentiates: the whole param tree (`trainable` None, the
+    default) or the list of trainable leaves, with frozen leaves held constant."""
+
+    def __init__(self, params, trainable):
+        self.leaves, self.treedef = jax.tree.flatten(params)
+        self.keep = None if trainable is None else trainable_leaves(params, trainable)
+
+    def select(self, tree):
+        """`tree` (params-shaped) as the differentiated argument: itself, or its trainable leaves."""
+        if self.keep is None:
+            return tree
+        return [x for x, k in zip(self.treedef.flatten_up_to(tree), self.keep) if k]
+
+    def join(self, x):
+        """The full param tree from the differentiated argument and the frozen leaves."""
+        if self.keep is None:
+            return x
+        it = iter(x)
+        return self.treedef.unflatten([next(it) if k else p for p, k in zip(self.leaves, self.keep)])
+
+    def full_grads(self, grads, grad_sh):
+        """Params-shaped grads: zeros (in the grad layout) for frozen leaves."""
+        if self.keep is None:
+            return grads
+        it = iter(grads)
+        out = [next(it) if k else jax.lax.with_sharding_constraint(jnp.zeros(p.shape, p.dtype), s)
+               for p, k, s in zip(self.leaves, self.keep, self.treedef.flatten_up_to(grad_sh))]
+        return self.treedef.unflatten(out)
+
+
+def trainable_leaves(params, trainable) -> list[bool]:
+    """One Python bool per leaf of `params` from `trainable`: a tree of bools matching
+    `params` (or a prefix of it, broadcast), or a callable `params -> that tree`."""
+    mask = trainable(params) if callable(trainable) else trainable
+    try:
+        full = jax.tree.map(lambda b, sub: jax.tree.map(lambda _: b, sub), mask, params)
+        flat = jax.tree.structure(params).flatten_up_to(full)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"trainable does not match the params tree: {e}") from None
+    bad = [b for b in flat if not isinstance(b, (bool, np.bool_))]
+    if bad:
+        raise ValueError(f"trainable leaves must be Python bools, got {type(bad[0]).__name__}")
+    return [bool(b) for b in flat]
+
+
 def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, plan: ShardingPlan, *,
                     microbatches: int = 1, clip_norm: float | None = None,
                     precision: Policy | str | None = None, remat: str = "none",
                     has_aux: bool = False, skip_nonfinite: bool = True,
-                    donate: bool = True) -> CompiledStep:
+                    donate: bool = True, trainable: Any = None) -> CompiledStep:
     """A jitted `step(state, batch) -> (state, metrics)` for `plan`'s mesh and strategy.
 
     `loss_fn(params, batch)` returns a scalar mean loss (or `(loss, aux)` with
@@ -104,6 +152,14 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, pl
     leaves have a leading global-batch dim. metrics: `loss` (output dtype),
     `grad_norm` (global, before clipping), `skipped` (1 when a non-finite loss or
     grad norm left the state unchanged), plus `aux` when given.
+
+    `trainable` (frozen params, LoRA-style fine-tuning): None (every leaf is
+    differentiated), or a tree of Python bools matching params (a prefix is
+    broadcast), or a callable `params -> that tree`. Only True leaves are
+    differentiated and reduced; frozen leaves get zero grads (constants, never
+    computed), so `grad_norm` and clipping cover the trainable leaves only. Pair it
+    with an optimizer that leaves frozen leaves alone and keeps no state for them,
+    e.g. `optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()}, labels)`.
     """
     if microbatches < 1:
         raise ValueError(f"microbatches must be >= 1, got {microbatches}")
@@ -112,32 +168,35 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, pl
     clip = optax.clip_by_global_norm(clip_norm) if clip_norm else None
     grad_sh, compute_sh, rest_sh = plan.grads, plan.compute, plan.params
 
-    def value_and_grad(params, batch):
-        def f(p):
-            pc = cast_params_for_compute(p, policy, rest_sh)
+    def value_and_grad(params, batch, wrt: _Wrt):
+        def f(x):
+            pc = cast_params_for_compute(wrt.join(x), policy, rest_sh)
             if compute_sh is not rest_sh:
                 pc = jax.lax.with_sharding_constraint(pc, compute_sh)
             out = loss_fn(pc, batch)
             loss, aux = out if has_aux else (out, None)
             return loss.astype(jnp.float32), aux
-        (loss, aux), grads = jax.value_and_grad(f, has_aux=True)(params)
-        return loss, aux, jax.lax.with_sharding_constraint(grads, grad_sh)
+        (loss, aux), grads = jax.value_and_grad(f, has_aux=True)(wrt.select(params))
+        return loss, aux, jax.lax.with_sharding_constraint(grads, wrt.select(grad_sh))
 
     def step(state: TrainState, batch):
+        wrt = _Wrt(state.params, trainable)
+        g_sh = wrt.select(grad_sh)
         if microbatches == 1:
-            loss, aux, grads = value_and_grad(state.params, batch)
+            loss, aux, grads = value_and_grad(state.params, batch, wrt)
         else:
             def body(carry, mb):
                 acc, loss_sum = carry
-                loss, aux, g = value_and_grad(state.params, mb)
+                loss, aux, g = value_and_grad(state.params, mb, wrt)
                 acc = jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, g)
-                return (jax.lax.with_sharding_constraint(acc, grad_sh), loss_sum + loss), aux
-            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), state.params)
-            zeros = jax.lax.with_sharding_constraint(zeros, grad_sh)
+                return (jax.lax.with_sharding_constraint(acc, g_sh), loss_sum + loss), aux
+            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), wrt.select(state.params))
+            zeros = jax.lax.with_sharding_constraint(zeros, g_sh)
             (acc, loss_sum), aux = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)),
                                                 _split_microbatches(batch, microbatches))
             grads = jax.tree.map(lambda g: g / microbatches, acc)
             loss = loss_sum / microbatches
+        grads = wrt.full_grads(grads, grad_sh)
         grad_norm = optax.global_norm(grads)
         if clip is not None:
             grads, _ = clip.update(grads, clip.init(grads))

@@ -3,8 +3,11 @@
 
     python scripts/train.py --config configs/tiny.yaml [key=value ...]
 
-On CPU the process gets 8 host devices (FSDP_JAX_CPU_DEVICES to change). Exit codes:
-0 success, 2 bad input (one line on stderr naming the problem), 1 anything else.
+On CPU the process gets 8 host devices (FSDP_JAX_CPU_DEVICES to change). Running the
+same command again resumes from <run_dir>/checkpoints. Exit codes: 0 success (also
+after SIGTERM/SIGINT: the step finishes and a checkpoint is written), 2 bad input
+(one line on stderr naming the problem, e.g. a checkpoint that does not fit the
+model), 1 anything else (e.g. train.max_nonfinite_steps non-finite steps in a row).
 """
 
 from __future__ import annotations
@@ -33,13 +36,16 @@ def main(argv: list[str] | None = None) -> int:
 
     from fsdp_jax.cli import BAD_INPUT, fail
     from fsdp_jax.config import load_config
-    from fsdp_jax.train import train
+    from fsdp_jax.train import TrainingDiverged, train
 
     try:
         cfg = load_config(args.config, args.overrides)
         train(cfg, progress=not args.no_progress)
     except BAD_INPUT as e:
         return fail(e)
+    except TrainingDiverged as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

@@ -1,0 +1,433 @@
+"""Checkpoints: asynchronous sharded saves with Orbax, restore onto any mesh, export.
+
+A checkpoint directory (the trainer uses `<run_dir>/checkpoints`) holds one
+directory per step, written by `orbax.checkpoint.CheckpointManager`:
+
+    <step>/state/                  the TrainState: params, optimizer state, step
+                                   (OCDBT; each process writes only its own shards)
+    <step>/extras/                 JSON: loop step, data-iterator state, RNG key, config
+    <step>/fsdp_jax_manifest.json  the size of every file above
+
+`save` returns once the arrays are copied off the devices; the files are written in
+the background while training continues. Orbax writes into
+`<step>.orbax-checkpoint-tmp` and renames it when every process is done; the
+manifest is written just before that rename, so a step directory without one was
+not written here (or by an older version) and is restored unverified. A crash
+mid-save leaves only the tmp directory, which the next `Checkpointer` reports (see
+`partial`) and removes.
+
+Restoring takes the target layout as a tree of `jax.ShapeDtypeStruct`s with
+shardings, e.g. `fsdp_jax.state.abstract_state(plan, abstract_params, optimizer)`:
+the same call restores onto 1 device, 4 devices, a 2x4 `hybrid_shard` mesh or as
+`no_shard`; each process reads only the shards it needs. Before reading arrays it
+checks the manifest (a truncated or deleted file -> that step is damaged: the newest
+earlier step that restores is used instead, and the skipped ones are reported) and
+the saved shapes against the target (a mismatch is a `CheckpointError` naming the
+paths and shapes, never a fallback). Bit flips that keep file sizes are not
+detected here.
+
+`export_safetensors` writes consolidated params one leaf at a time (read to host
+memory, never the optimizer state); `load_safetensors` reads them back straight into
+a sharded layout, each process reading only its shards.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import orbax.checkpoint as ocp
+
+MANIFEST = "fsdp_jax_manifest.json"
+TMP_SUFFIX = ".orbax-checkpoint-tmp"
+_ITEMS = ("state", "extras")
+
+
+class CheckpointError(ValueError):
+    """No usable checkpoint, a damaged one, or one that does not fit the model.
+    The message is one line naming the directory, step and problem."""
+
+
+class Restored(NamedTuple):
+    state: Any          # the restored tree, laid out as the target
+    extras: dict        # the JSON saved with it
+    step: int           # the checkpoint step restored
+    warnings: list      # one line each: damaged steps skipped, unverified steps
+
+
+def tree_paths(tree) -> dict[str, Any]:
+    """{"params/blocks/attn/wq": leaf, ...}: slash-joined keys, attribute names and
+    indices, so a TrainState, its saved metadata and a safetensors file agree."""
+    def key(k):
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                return str(getattr(k, attr))
+        return str(k)
+    return {"/".join(key(k) for k in path): leaf
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _one_line(e: BaseException, limit: int = 240) -> str:
+    msg = " ".join(str(e).split()) or type(e).__name__
+    return msg if len(msg) <= limit else msg[:limit] + "..."
+
+
+def _sync(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(f"fsdp_jax:{name}")
+
+
+def shape_mismatches(saved: dict[str, Any], target: dict[str, Any], limit: int = 10) -> list[str]:
+    """Lines `path: checkpoint (shape) vs model (shape)` for leaves whose shapes differ
+    or that exist on one side only. Parameters come first; when any parameter differs,
+    optimizer-state leaves (which follow them) are only counted."""
+    probs: list[tuple[str, str]] = []
+    for p in sorted(saved.keys() | target.keys()):
+        a, b = saved.get(p), target.get(p)
+        if a is None:
+            probs.append((p, f"{p}: not in the checkpoint (model {tuple(b.shape)})"))
+        elif b is None:
+            probs.append((p, f"{p}: only in the checkpoint {tuple(a.shape)}"))
+        elif tuple(a.shape) != tuple(b.shape):
+            probs.append((p, f"{p}: checkpoint {tuple(a.shape)} vs model {tuple(b.shape)}"))
+    params = [m for p, m in probs if p.startswith("params/")]
+    others = [m for p, m in probs if not p.startswith("params/")]
+    shown = params or others
+    out = shown[:limit] + ([f"and {len(shown) - limit} more"] if len(shown) > limit else [])
+    if params and others:
+        out.append(f"plus {len(others)} optimizer-state/other leaves")
+    return out
+
+
+class Checkpointer:
+    """Async, sharded checkpoints of a state pytree plus JSON extras in `directory`.
+
+        ckpt = Checkpointer(run_dir / "checkpoints", keep=3)
+        ckpt.save(step, state, {"data": it.get_state()})    # returns while writing
+        restored = ckpt.restore(abstract_state(plan, abstract_params, optimizer))
+        ckpt.close()                                         # waits for the writes
+
+    `keep`: the newest `keep` steps are kept. `read_only`: never write or delete
+    (safe on a directory a running trainer writes). Every process of a
+    multi-process run creates one and calls `save` with the same step; orbax
+    coordinates the writes.
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, keep: int | None = 3,
+                 async_save: bool = True, read_only: bool = False):
+        self.directory = Path(directory).absolute()
+        self.async_save = async_save
+        self.read_only = read_only
+        # Interrupted saves, reported before orbax removes them (when not read_only).
+        self.partial: list[Path] = (sorted(self.directory.glob(f"*{TMP_SUFFIX}*"))
+                                    if self.directory.is_dir() else [])
+        self._in_flight: collections.deque[int] = collections.deque()
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, create=not read_only, read_only=read_only,
+            cleanup_tmp_directories=not read_only,
+            async_options=ocp.AsyncOptions(post_finalization_callback=self._write_manifest))
+        self._mngr = ocp.CheckpointManager(self.directory, options=options, item_names=_ITEMS)
+
+    # -- saving ---------------------------------------------------------------------------
+
+    def save(self, step: int, state, extras: dict | None = None) -> None:
+        """Start writing `state` (any pytree of jax.Arrays) and `extras` (JSON-able) as
+        `step`. Returns after the device-to-host copy, so `state` may be donated next;
+        waits first for the previous save. A step that already exists is an error."""
+        if jax.process_index() == 0:
+            self._in_flight.append(step)
+        try:
+            self._mngr.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), extras=ocp.args.JsonSave(extras or {})), force=True)
+        except BaseException:
+            if self._in_flight and self._in_flight[-1] == step:
+                self._in_flight.pop()
+            raise
+        if not self.async_save:
+            self.wait()
+
+    def _write_manifest(self) -> None:
+        # Orbax calls this on the primary process once every process finished writing,
+        # before it renames the tmp directory: the manifest commits with the checkpoint.
+        step = self._in_flight.popleft()
+        tmp = sorted(self.directory.glob(f"{step}{TMP_SUFFIX}*"))
+        d = tmp[-1] if tmp else self.directory / str(step)
+        # Item files only: orbax rewrites its own step metadata after this point.
+        files = {str(f.relative_to(d)): f.stat().st_size
+                 for item in _ITEMS for f in sorted((d / item).rglob("*")) if f.is_file()}
+        (d / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=0))
+
+    def wait(self) -> None:
+        """Block until the writes in flight are committed (raises their errors)."""
+        self._mngr.wait_until_finished()
+
+    def close(self) -> None:
+        self._mngr.close()
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- listing and checking -------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        """Committed steps, ascending (interrupted saves are not listed)."""
+        return sorted(self._mngr.all_steps())
+
+    def latest_step(self) -> int | None:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def step_dir(self, step: int) -> Path:
+        return self.directory / str(step)
+
+    def check_files(self, step: int) -> str | None:
+        """Compare `step`'s files with its manifest: None when all are there with their
+        sizes; else the problem (first missing or resized file). Raises FileNotFoundError
+        when the step has no manifest."""
+        d = self.step_dir(step)
+        manifest = json.loads((d / MANIFEST).read_text())
+        for rel, size in manifest["files"].items():
+            f = d / rel
+            if not f.is_file():
+                return f"{rel} is missing"
+            if f.stat().st_size != size:
+                return f"{rel} has {f.stat().st_size} bytes, {size} when saved"
+        return None
+
+    def saved_metadata(self, step: int) -> dict[str, Any]:
+        """{path: ArrayMetadata (shape, dtype)} of the saved state, from orbax's metadata."""
+        md = ocp.PyTreeCheckpointer().metadata(self.step_dir(step) / "state")
+        return tree_paths(md.item_metadata.tree)
+
+    def check_fits(self, step: int, target) -> None:
+        """CheckpointError listing the paths whose saved shapes differ from `target`'s."""
+        want = tree_paths(target)
+        tops = {p.split("/")[0] for p in want}  # a partial target ({"params": ...}) checks its part
+        saved = {p: m for p, m in self.saved_metadata(step).items() if p.split("/")[0] in tops}
+        bad = shape_mismatches(saved, want)
+        if bad:
+            raise CheckpointError(
+                f"checkpoint {self.step_dir(step)} does not fit the model ({'; '.join(bad)}); "
+                "the model config differs from the run that saved it: restore with that config "
+                "or start a new run_dir (init_from can start from its exported params)")
+
+    def _try_steps(self, step: int | None, fn: Callable[[int], Any]) -> tuple[Any, int, list[str]]:
+        """fn(s) for the newest usable step (or exactly `step`): damaged steps (manifest
+        mismatch, read errors) are skipped and reported; CheckpointError propagates."""
+        steps = self.steps()
+        if not steps:
+            raise CheckpointError(f"{self.directory}: no complete checkpoint")
+        if step is not None and step not in steps:
+            raise CheckpointError(f"{self.directory}: no checkpoint for step {step}; "
+                                  f"steps: {', '.join(map(str, steps))}")
+        notes: list[str] = []
+        failed: list[str] = []
+        for s in [step] if step is not None else steps[::-1]:
+            try:
+                problem = self.check_files(s)
+            except FileNotFoundError:
+                problem = None
+                notes.append(f"checkpoint step {s} has no {MANIFEST}: restoring it unverified")
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                problem = f"unreadable {MANIFEST} ({_one_line(e)})"
+            if problem is None:
+                try:
+                    return fn(s), s, notes
+                except CheckpointError:
+                    raise
+                except Exception as e:  # orbax / tensorstore raise many types on bad files
+                    problem = _one_line(e)
+            failed.append(f"step {s}: {problem}")
+            notes.append(f"checkpoint step {s} in {self.directory} is damaged ({problem}); "
+                         "falling back to the previous one")
+        raise CheckpointError(f"{self.directory}: no checkpoint restores ({'; '.join(failed)})")
+
+    # -- restoring ------------------------------------------------------------------------
+
+    def restore(self, abstract_state, step: int | None = None, *, set_aside_damaged: bool = False
+                ) -> Restored:
+        """Restore the newest usable step (or `step`) laid out as `abstract_state` (a
+        tree of ShapeDtypeStructs with shardings; dtypes are cast to the target's).
+
+        A damaged newer step is skipped (see `Restored.warnings`); with
+        `set_aside_damaged` it is moved to `<directory>.damaged/` so the run can save
+        that step again. Raises CheckpointError when nothing restores or the shapes
+        differ from the target."""
+        def load(s):
+            self.check_fits(s, abstract_state)
+            out = self._mngr.restore(s, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_state), extras=ocp.args.JsonRestore()))
+            return out["state"], dict(out["extras"] or {})
+        (state, extras), s, notes = self._try_steps(step, load)
+        if set_aside_damaged and not self.read_only:
+            self._set_aside([d for d in self.steps() if d > s])
+        return Restored(state, extras, s, notes)
+
+    def restore_params(self, abstract_params, step: int | None = None) -> tuple[Any, int, list[str]]:
+        """Only the saved `params` subtree, laid out as `abstract_params` (ShapeDtypeStructs
+        with shardings); the optimizer state is never read. Returns (params, step, warnings)."""
+        def load(s):
+            self.check_fits(s, {"params": abstract_params})
+            target = {"params": abstract_params}
+            args = ocp.args.PyTreeRestore(item=target, partial_restore=True,
+                                          restore_args=ocp.checkpoint_utils.construct_restore_args(target))
+            return ocp.PyTreeCheckpointer().restore(self.step_dir(s) / "state", args=args)["params"]
+        return self._try_steps(step, load)
+
+    def read_leaf(self, step: int, path: str) -> np.ndarray:
+        """One saved array (e.g. "params/blocks/attn/wq") as a host numpy array."""
+        item: dict = {}
+        node = item
+        keys = path.split("/")
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        node[keys[-1]] = 0
+        restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
+        out = ocp.PyTreeCheckpointer().restore(self.step_dir(step) / "state", args=ocp.args.PyTreeRestore(
+            item=item, restore_args=restore_args, partial_restore=True))
+        for k in keys:
+            out = out[k]
+        return out
+
+    def _set_aside(self, steps: list[int]) -> None:
+        if steps and jax.process_index() == 0:
+            dest = self.directory.with_name(self.directory.name + ".damaged")
+            dest.mkdir(parents=True, exist_ok=True)
+            for s in steps:
+                target = dest / str(s)
+                if target.exists():
+                    target = dest / f"{s}-{int(time.time())}"
+                shutil.move(str(self.step_dir(s)), str(target))
+        _sync("set_aside_damaged")
+        self._mngr.reload()
+
+
+def restore(directory: str | os.PathLike, abstract_state, step: int | None = None) -> tuple[Any, dict]:
+    """(state, extras) of the newest usable checkpoint in `directory` (or `step`), laid out
+    as `abstract_state`. Damaged steps skipped on the way are reported with warnings.warn."""
+    import warnings
+    ckpt = Checkpointer(directory, read_only=True)
+    r = ckpt.restore(abstract_state, step)
+    for w in r.warnings:
+        warnings.warn(w, stacklevel=2)
+    return r.state, r.extras
+
+
+def latest_step(directory: str | os.PathLike) -> int | None:
+    """The newest committed step in `directory`, or None (also when it does not exist)."""
+    if not Path(directory).is_dir():
+        return None
+    return Checkpointer(directory, read_only=True).latest_step()
+
+
+# -- safetensors ----------------------------------------------------------------------------
+
+_ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+              "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U64": np.uint64,
+              "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_}
+_ST_NAMES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
+
+
+def export_safetensors(directory: str | os.PathLike, out: str | os.PathLike, *,
+                       dtype: str | np.dtype | None = None, step: int | None = None,
+                       prefix: str = "params") -> dict:
+    """Write the `prefix` subtree of a checkpoint as one safetensors file with keys like
+    "blocks/attn/wq", one leaf at a time: host memory holds one array, the optimizer
+    state is never read. `dtype` casts floating leaves (e.g. "bfloat16"). Uses the
+    newest usable step unless `step` is given. Returns {"step", "tensors", "bytes", "path"}."""
+    ckpt = Checkpointer(directory, read_only=True)
+    cast = None if dtype is None else np.dtype(dtype)
+
+    def meta(s):
+        leaves = {p[len(prefix) + 1:]: m for p, m in ckpt.saved_metadata(s).items()
+                  if p.startswith(prefix + "/")}
+        if not leaves:
+            raise CheckpointError(f"{ckpt.step_dir(s)}: no '{prefix}' subtree in the saved state")
+        return leaves
+    leaves, s, notes = ckpt._try_steps(step, meta)
+    for n in notes:
+        print(f"warning: {n}", flush=True)
+
+    def out_dtype(m):
+        dt = np.dtype(m.dtype)
+        return cast if cast is not None and np.issubdtype(dt, np.floating) else dt
+    header: dict[str, Any] = {"__metadata__": {"format": "np", "fsdp_jax_step": str(s),
+                                               "source": str(ckpt.step_dir(s))}}
+    offset = 0
+    for name, m in sorted(leaves.items()):
+        n = math.prod(m.shape) * out_dtype(m).itemsize
+        header[name] = {"dtype": _ST_NAMES[out_dtype(m)], "shape": list(m.shape),
+                        "data_offsets": [offset, offset + n]}
+        offset += n
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    out = Path(out)
+    tmp = out.with_name(f".{out.name}.tmp.{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(len(head).to_bytes(8, "little") + head)
+            for name, m in sorted(leaves.items()):
+                arr = np.ascontiguousarray(ckpt.read_leaf(s, f"{prefix}/{name}").astype(out_dtype(m)))
+                f.write(memoryview(arr.reshape(-1).view(np.uint8)))
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return {"step": s, "tensors": len(leaves), "bytes": out.stat().st_size, "path": str(out)}
+
+
+def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """{name: read-only memmapped array} of a safetensors file (no data is read yet)."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+        header.pop("__metadata__", None)
+        size = path.stat().st_size
+        out = {}
+        for name, h in header.items():
+            b, e = h["data_offsets"]
+            dt = np.dtype(_ST_DTYPES[h["dtype"]])
+            if 8 + n + e > size or e - b != math.prod(h["shape"]) * dt.itemsize:
+                raise ValueError(f"tensor {name!r} lies outside the file or has the wrong size")
+            out[name] = (np.memmap(path, dtype=dt, mode="r", offset=8 + n + b, shape=tuple(h["shape"]))
+                         if e > b else np.zeros(h["shape"], dt))
+        return out
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: safetensors file not found") from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path}: not a valid safetensors file ({_one_line(e)})") from None
+
+
+def load_safetensors(path: str | os.PathLike, abstract_params) -> Any:
+    """Params from a safetensors file, laid out as `abstract_params` (ShapeDtypeStructs;
+    with a sharding each process reads only its shards) and cast to their dtypes.
+    Missing/extra names or shapes that differ raise CheckpointError listing them."""
+    tensors = read_safetensors(path)
+    want = tree_paths(abstract_params)
+    bad = shape_mismatches(tensors, want)
+    if bad:
+        raise CheckpointError(f"{path} does not fit the model ({'; '.join(bad)})")
+
+    def place(name, sds):
+        src = tensors[name]
+        if getattr(sds, "sharding", None) is None:
+            return jnp.asarray(np.asarray(src).astype(sds.dtype))
+        return jax.make_array_from_callback(sds.shape, sds.sharding,
+                                            lambda idx: np.asarray(src[idx]).astype(sds.dtype))
+    leaves = [place(name, sds) for name, sds in want.items()]
+    return jax.tree.unflatten(jax.tree.structure(abstract_params), leaves)

@@ -1,0 +1,632 @@
+"""Will it fit? Per-device memory of a config under each strategy, analytic and compiled.
+
+    doc = plan_config(cfg, n_devices=8, device_memory=parse_bytes("80GB"))
+    print(format_table(doc))
+
+For each strategy the planner builds the train step the trainer builds (the same
+model, loss, optimizer, precision, remat and microbatches, from the same builder
+functions as `fsdp_jax.train.setup`), but from abstract inputs only
+(`ShapeDtypeStruct`s carrying shardings, `fsdp_jax.state.abstract_state`), and
+AOT-compiles it: nothing is allocated, so a 7B or 70B model plans on a laptop.
+When this process has fewer than N devices, the compile runs in a child process
+with N fake CPU devices (`jax_num_cpu_devices=N`).
+
+Two sets of numbers, kept apart:
+
+* **analytic**: params, optimizer state and batch from the sharding plan (exact
+  shard shapes); grads, gathered params and activations from the formulas below.
+* **compiled**: `memory_analysis()` of the compiled step (`fsdp_jax.memory.compiled_memory`):
+  argument (params + optimizer state + batch), output, alias (donated), temp
+  (everything transient: grads, gathered params, activations, optimizer-update
+  scratch) and the peak. Grads never appear as arguments; they live in temp.
+
+Activation formula (reference Llama, bytes per device), with T = tokens per device
+per microbatch (global_batch / microbatches / (data x fsdp) x seq_len), c = bytes of
+the compute dtype, D = d_model, Q = heads x head_dim, K = kv_heads x head_dim,
+F = ffn_dim, H = heads, S = seq_len, L = layers, V = vocab:
+
+* every layer keeps its input (the scan carry), c*D per token, whatever the policy;
+* plus what the remat policy saves per token per layer (`SAVED_PER_TOKEN`):
+  none: c*(3D + 2Q + 2K + 4F) + H*S*(4 + c) (norm outputs, q/k/v, attention output,
+  SwiGLU gate/up/silu/product, softmax probabilities in f32 and compute dtype);
+  dots: c*(2Q + 2K + 2D + 2F) + 4*H*S (every matmul output, including the f32
+  attention logits of `jax.nn.dot_product_attention`'s XLA path, which is the
+  S-squared term); dots_no_batch: c*(Q + 2K + 2D + 2F) (projections only);
+  save_attn_mlp_out: 2cD; save_qkv_attn_mlp_out: c*(Q + 2K + 2D); full: 0;
+* plus one layer's backward working set (its recomputed activations and the f32
+  attention-logit gradient), T*(none + 4*H*S);
+* plus the head: T*(c*D + V*(c + 4 + 4)) (final norm output, logits, f32
+  log-softmax and its gradient).
+Small f32 norm statistics, RoPE tables and masks are ignored. Gathered params
+(transient full-size copies in the compute dtype): full_shard / hybrid_shard keep
+two layers in flight (the one computing, the next one prefetched) plus the largest
+unstacked param (embedding or head) plus one layer's unreduced grads in the reduce
+dtype; shard_grad_op keeps the whole model, and the backward layer loop stacks the
+grads of those gathered params at full size (reduce dtype) before they are reduced;
+shard_opt / no_shard hold a compute-dtype copy of the model only when the compute
+dtype differs from the param dtype.
+
+XLA:CPU upcasts bf16 matmuls and collectives to f32 (DESIGN.md), so with bf16
+compute a CPU compile's temp is larger than the same program's on GPU/TPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from fsdp_jax import axes as ax
+from fsdp_jax import rules as rl
+from fsdp_jax.memory import (collective_report, compiled_memory, shard_bytes, tree_bytes,
+                             tree_bytes_per_device)
+from fsdp_jax.precision import Policy
+from fsdp_jax.strategy import STRATEGIES, get_strategy
+
+# The classic table's order: DDP, ZeRO-1, ZeRO-2, ZeRO-3, then HSDP.
+STRATEGY_ORDER = ("no_shard", "shard_opt", "shard_grad_op", "full_shard", "hybrid_shard")
+CLASSIC_NAMES = {"no_shard": "DDP", "shard_opt": "ZeRO-1", "shard_grad_op": "ZeRO-2",
+                 "full_shard": "FSDP/ZeRO-3", "hybrid_shard": "HSDP"}
+DEFAULT_REPLICATED_THRESHOLD = 1 << 20  # bytes: replicated params at least this big are flagged
+COMPILED_OVER_ANALYTIC = 0.10  # flag a compiled peak this much above the analytic total
+
+
+class PlanError(ValueError):
+    """Bad planner input (device count, memory size, strategy list)."""
+
+
+# ----------------------------------------------------------------------------- inputs
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_bytes(text: str | int) -> int:
+    """'80GB' -> 80e9, '80GiB' -> 80 * 2**30, '141G' -> 141e9, '1.5TB', '4096' (bytes).
+    K/M/G/T are decimal (as GPU vendors quote memory), Ki/Mi/Gi/Ti binary."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value, unit = float(text), ""
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)(?:[eE](\d+))?\s*([KMGTkmgt]i?)?[Bb]?\s*", str(text))
+        if not m:
+            raise PlanError(f"--device-memory: {text!r} is not a size; use e.g. 80GB, 80GiB, 141GB")
+        value = float(m.group(1)) * (10 ** int(m.group(2)) if m.group(2) else 1)
+        unit = (m.group(3) or "").lower()
+    n = int(value * _UNITS[unit])
+    if n <= 0:
+        raise PlanError(f"--device-memory: {text!r} must be > 0")
+    return n
+
+
+def parse_strategies(text: str | Sequence[str] | None) -> list[str]:
+    """'all' (or None) -> every strategy in STRATEGY_ORDER; 'a,b' -> canonical names (aliases ok)."""
+    if text is None or (isinstance(text, str) and text.strip().lower() == "all"):
+        return list(STRATEGY_ORDER)
+    names = text.split(",") if isinstance(text, str) else list(text)
+    out = []
+    for n in (x.strip() for x in names):
+        if not n:
+            continue
+        try:
+            s = get_strategy(n).name
+        except ValueError as e:
+            raise PlanError(f"--strategies: {e}") from None
+        if s not in out:
+            out.append(s)
+    if not out:
+        raise PlanError(f"--strategies: {text!r} names no strategy; use all or e.g. full_shard,no_shard")
+    return out
+
+
+def fmt_bytes(n: float) -> str:
+    """Decimal units, as GPU memory is quoted: 13.48 GB."""
+    for unit, k in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= k:
+            return f"{n / k:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+# ----------------------------------------------------------------------------- the step, abstractly
+
+def mesh_shape(cfg, strategy: str, n_devices: int) -> tuple[int, int, int]:
+    """(data, fsdp, tensor) for `strategy` on `n_devices`: the config's mesh, except
+    that hybrid_shard needs a data axis: when the config has data=1 the fsdp axis is
+    split into data=2 x fsdp/2 (fsdp stays within a host, data goes across)."""
+    from fsdp_jax.mesh import resolve_mesh_shape
+    data, fsdp, tensor = resolve_mesh_shape((cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor), n_devices)
+    if strategy == "hybrid_shard" and data == 1 and fsdp % 2 == 0 and fsdp >= 4:
+        data, fsdp = 2, fsdp // 2
+    return data, fsdp, tensor
+
+
+@dataclasses.dataclass
+class StepBuild:
+    """One strategy's train step built abstractly, as the trainer would build it."""
+    cfg: Any
+    strategy: str
+    mesh: jax.sharding.Mesh
+    model: Any  # fsdp_jax.adapters.ModelFns
+    optimizer: Any
+    plan: Any  # ShardingPlan
+    state: Any  # TrainState of sharded ShapeDtypeStructs
+    batch: jax.ShapeDtypeStruct
+    step: Any  # CompiledStep
+
+    def compile(self):
+        return self.step.lower(self.state, self.batch).compile()
+
+
+def build_step(cfg, strategy: str | None = None, devices: Sequence[jax.Device] | None = None,
+               mesh_sizes: tuple[int, int, int] | None = None) -> StepBuild:
+    """The trainer's train step for `cfg` under `strategy` on `devices`, from abstract
+    inputs: the same builders as `fsdp_jax.train.setup` (from_nnx(Llama), build_optimizer,
+    make_plan, make_loss_fn, make_train_step with the config's microbatches, clip_norm and
+    precision), minus the sharded init. The replicated-fraction check is not enforced
+    here (the planner reports it instead)."""
+    from fsdp_jax.adapters import from_nnx
+    from fsdp_jax.mesh import make_mesh
+    from fsdp_jax.models.llama import Llama
+    from fsdp_jax.optim import build_optimizer
+    from fsdp_jax.state import abstract_state
+    from fsdp_jax.step import make_train_step
+    from fsdp_jax.strategy import make_plan
+    from fsdp_jax.train import make_loss_fn
+
+    strategy = get_strategy(strategy or cfg.mesh.strategy).name
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = mesh_sizes or mesh_shape(cfg, strategy, len(devices))
+    mesh = make_mesh(*sizes, devices=devices)
+    model = from_nnx(lambda rngs: Llama(cfg.model, rngs=rngs, remat=cfg.remat))
+    optimizer, _ = build_optimizer(cfg.optimizer, cfg.train.steps)
+    plan = make_plan(model.abstract_params, optimizer, mesh, strategy, model.logical_axes,
+                     min_shard_size=cfg.mesh.min_shard_size, max_replicated_fraction=None)
+    state = abstract_state(plan, model.abstract_params, optimizer)
+    batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.data.seq_len + 1), np.int32,
+                                 sharding=plan.batch)
+    step = make_train_step(make_loss_fn(model), optimizer, plan, microbatches=cfg.train.microbatches,
+                           clip_norm=cfg.optimizer.clip_norm, precision=cfg.precision)
+    return StepBuild(cfg, strategy, mesh, model, optimizer, plan, state, batch, step)
+
+
+# ----------------------------------------------------------------------------- analytic
+
+def saved_per_token(model_cfg, remat: str, seq_len: int, compute_bytes: int) -> int:
+    """Bytes one layer keeps per token for the backward pass under `remat`, beyond
+    its input (see the module docstring)."""
+    c, d, f, h = compute_bytes, model_cfg.d_model, model_cfg.ffn_dim, model_cfg.n_heads
+    q = h * model_cfg.head_dim
+    k = model_cfg.n_kv_heads * model_cfg.head_dim
+    table = {
+        "none": c * (3 * d + 2 * q + 2 * k + 4 * f) + h * seq_len * (4 + c),
+        "full": 0,
+        "dots": c * (2 * q + 2 * k + 2 * d + 2 * f) + 4 * h * seq_len,
+        "dots_no_batch": c * (q + 2 * k + 2 * d + 2 * f),
+        "save_attn_mlp_out": c * 2 * d,
+        "save_qkv_attn_mlp_out": c * (q + 2 * k + 2 * d),
+    }
+    if remat not in table:
+        raise PlanError(f"remat: no activation formula for policy {remat!r}; known: {', '.join(table)}")
+    return table[remat]
+
+
+def activation_bytes(model_cfg, remat: str, batch_per_device: int, seq_len: int,
+                     compute_dtype="float32") -> dict[str, int]:
+    """Activation bytes per device for the reference Llama: `layers` (what the layer
+    loop keeps for backward), `working` (one layer's backward), `head` (logits and
+    loss), and `total`. `batch_per_device`: sequences per device per microbatch."""
+    c = np.dtype(compute_dtype).itemsize
+    t = batch_per_device * seq_len
+    d, h, v = model_cfg.d_model, model_cfg.n_heads, model_cfg.vocab_size
+    layers = model_cfg.n_layers * t * (c * d + saved_per_token(model_cfg, remat, seq_len, c))
+    working = t * (saved_per_token(model_cfg, "none", seq_len, c) + 4 * h * seq_len)
+    head = t * (c * d + v * (c + 4 + 4))
+    return {"layers": layers, "working": working, "head": head, "total": layers + working + head}
+
+
+def _compute_copy(abstract_params, plan, logical_axes, dtype) -> dict[str, int]:
+    """Per-device bytes of params in the compute layout (data/fsdp gathered, tensor
+    sharding kept) in `dtype`: `whole` model, one `layer` of the stacked (scanned)
+    params, the `largest_unstacked` leaf and all `unstacked` leaves together."""
+    rows = rl.explain(abstract_params, plan.mesh, logical_axes, plan.rules, (), 0,
+                      allow_unshardable=True)
+    names = (jax.tree.leaves(logical_axes, is_leaf=lambda x: x is None or isinstance(x, tuple))
+             if logical_axes is not None else [])
+    names = names if len(names) == len(rows) else [None] * len(rows)
+    item = np.dtype(dtype).itemsize
+    out = {"whole": 0, "layer": 0, "largest_unstacked": 0, "unstacked": 0}
+    for row, nm in zip(rows, names):
+        b = row.bytes_per_device // np.dtype(row.dtype).itemsize * item
+        out["whole"] += b
+        if nm and nm[0] == ax.LAYERS and row.shape:
+            out["layer"] += b // row.shape[0]
+        else:
+            out["largest_unstacked"] = max(out["largest_unstacked"], b)
+            out["unstacked"] += b
+    return out
+
+
+def analytic_memory(build: StepBuild) -> dict[str, int]:
+    """Per-device bytes by formula (no compile): params, optimizer (incl. the step
+    counter), batch, grads, gathered, activations and total."""
+    cfg, plan, st = build.cfg, build.plan, build.state
+    policy = Policy.parse(cfg.precision)
+    s = plan.strategy
+    params = tree_bytes_per_device(st.params)
+    optimizer = tree_bytes_per_device(st.opt_state) + tree_bytes_per_device(st.step)
+    batch = shard_bytes(build.batch)
+    grads = sum(shard_bytes(jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=g))
+                for p, g in zip(jax.tree.leaves(st.params), jax.tree.leaves(plan.grads)))
+    if cfg.train.microbatches > 1:
+        grads *= 2  # the accumulator plus one microbatch's grads
+    cc = _compute_copy(st.params, plan, build.model.logical_axes, policy.compute_dtype)
+    if s.params and not s.gather_once:  # full_shard, hybrid_shard: per layer
+        layer_r = _compute_copy(st.params, plan, build.model.logical_axes, policy.reduce_dtype)["layer"]
+        gathered = 2 * cc["layer"] + cc["largest_unstacked"] + layer_r
+    elif s.params:  # shard_grad_op: whole model gathered once, and its unreduced grads
+        gathered = cc["whole"] + _compute_copy(st.params, plan, build.model.logical_axes,
+                                               policy.reduce_dtype)["whole"]
+    else:  # shard_opt, no_shard: params already whole; a cast copy if dtypes differ
+        gathered = cc["whole"] if policy.compute_dtype != policy.param_dtype else 0
+    n_batch = build.mesh.shape.get(ax.DATA, 1) * build.mesh.shape.get(ax.FSDP, 1)
+    per_dev = cfg.train.global_batch // cfg.train.microbatches // n_batch
+    act = activation_bytes(cfg.model, cfg.remat, per_dev, cfg.data.seq_len, policy.compute_dtype)
+    out = {"params": params, "grads": grads, "optimizer": optimizer, "gathered": gathered,
+           "activations": act["total"], "batch": batch}
+    out["total"] = sum(out.values())
+    out["states"] = params + grads + optimizer  # the classic table's "total per device"
+    return out
+
+
+def activations_by_remat(build: StepBuild) -> dict[str, int]:
+    """Analytic activation bytes per device for every remat policy with a formula."""
+    cfg = build.cfg
+    policy = Policy.parse(cfg.precision)
+    n_batch = build.mesh.shape.get(ax.DATA, 1) * build.mesh.shape.get(ax.FSDP, 1)
+    per_dev = cfg.train.global_batch // cfg.train.microbatches // n_batch
+    return {name: activation_bytes(cfg.model, name, per_dev, cfg.data.seq_len, policy.compute_dtype)["total"]
+            for name in ("none", "dots", "dots_no_batch", "save_qkv_attn_mlp_out", "save_attn_mlp_out", "full")}
+
+
+# ----------------------------------------------------------------------------- warnings
+
+def _as_row(r) -> dict[str, Any]:
+    return r.as_dict() if hasattr(r, "as_dict") else dict(r)
+
+
+def sharding_warnings(rows, report: dict[str, Any] | None, strategy: str, mesh_shape_: dict[str, int],
+                      *, analytic_total: int | None = None, compiled_peak: int | None = None,
+                      layer_gather_bytes: int | None = None, cpu_upcast: bool = False,
+                      replicated_threshold: int = DEFAULT_REPLICATED_THRESHOLD) -> list[str]:
+    """Problems a user can act on, one sentence each.
+
+    `rows`: the plan's at-rest rows (`LeafSharding` or their `as_dict()`); `report`:
+    `collective_report` of the compiled step; `layer_gather_bytes`: the bytes one
+    step may legitimately all-gather outside the layer loop (unstacked params), so
+    anything well above it means the per-layer gathers were hoisted.
+    """
+    s = get_strategy(strategy)
+    out: list[str] = []
+    rows = [_as_row(r) for r in rows]
+    group = [a for a in s.params if mesh_shape_.get(a, 1) > 1]
+    if group:
+        big = [r for r in rows if not any(a in r["spec"] for a in group)
+               and r["total_bytes"] >= replicated_threshold]
+        for r in sorted(big, key=lambda r: -r["total_bytes"]):
+            out.append(f"replicated parameter: {r['path']} {tuple(r['shape'])} {r['spec']} holds "
+                       f"{fmt_bytes(r['total_bytes'])} on every device ({r['reason']}); annotate it "
+                       f"with logical names that map to fsdp (e.g. 'embed'), or fix the rule that "
+                       f"maps it to no axis")
+    if report is not None:
+        a2a = report["per_step"].get("all-to-all")
+        if a2a:
+            names = sorted({n.split("/")[-1] for w in ("inside_loop", "outside_loop")
+                            for n in report[w].get("all-to-all", {}).get("op_names", [])})[:4]
+            out.append(f"activations resharded with all-to-all: {a2a['count']} per step, "
+                       f"{fmt_bytes(a2a['bytes'])} (ops: {', '.join(names) or '?'}); the partitioner "
+                       f"chose its own activation layout: constrain block inputs/outputs to "
+                       f"batch over (data, fsdp) with flax.linen.with_logical_constraint")
+        ag_out = report["outside_loop"].get("all-gather", {}).get("bytes", 0)
+        if group and not s.gather_once and layer_gather_bytes is not None:
+            if not report["loops"]:
+                if report["per_step"].get("all-gather"):
+                    out.append("no layer loop in the compiled step: parameter all-gathers cannot be "
+                               "checked for hoisting; scan the layers (nnx.scan) to keep them per layer")
+            elif ag_out > 1.5 * layer_gather_bytes + (1 << 20):
+                out.append(f"parameter all-gathers hoisted out of the layer loop: {fmt_bytes(ag_out)} "
+                           f"gathered outside it (expected <= {fmt_bytes(layer_gather_bytes)} for the "
+                           f"unstacked params), so the full model is resident; check that the layer "
+                           f"params stay inside the scanned body and that nothing constrains them "
+                           f"to a replicated layout")
+    if analytic_total and compiled_peak and compiled_peak > (1 + COMPILED_OVER_ANALYTIC) * analytic_total:
+        why = (" XLA:CPU upcasts bf16 matmuls and collectives to f32, which inflates temp: "
+               "recheck on the target accelerator" if cpu_upcast else "")
+        out.append(f"{strategy}: compiled peak {fmt_bytes(compiled_peak)} exceeds the analytic "
+                   f"estimate {fmt_bytes(analytic_total)} by {compiled_peak / analytic_total - 1:.0%} "
+                   f"(> {COMPILED_OVER_ANALYTIC:.0%}).{why}")
+    return out
+
+
+# ----------------------------------------------------------------------------- one strategy
+
+def plan_strategy(cfg, strategy: str, devices: Sequence[jax.Device] | None = None, *,
+                  inspect: bool = False,
+                  replicated_threshold: int = DEFAULT_REPLICATED_THRESHOLD) -> dict[str, Any]:
+    """Build, analyse and AOT-compile one strategy in this process (needs the devices).
+    Returns a JSON-able dict: mesh, analytic, compiled, compile_s, activations_by_remat,
+    warnings; with `inspect`, also rows and collectives."""
+    t0 = time.perf_counter()
+    b = build_step(cfg, strategy, devices)
+    analytic = analytic_memory(b)
+    compiled = b.compile()
+    compile_s = time.perf_counter() - t0
+    mem = compiled_memory(compiled)
+    mesh = {k: int(v) for k, v in b.mesh.shape.items()}
+    out: dict[str, Any] = {
+        "mesh": mesh, "analytic": analytic,
+        "compiled": {k: mem[k] for k in ("argument", "output", "alias", "temp", "peak", "xla_peak")},
+        "argument_vs_analytic": (mem["argument"] / (analytic["params"] + analytic["optimizer"]
+                                                    + analytic["batch"])) - 1,
+        "compile_s": round(compile_s, 2), "platform": b.mesh.devices.flat[0].platform,
+        "activations_by_remat": activations_by_remat(b),
+    }
+    try:
+        frac = rl.check_sufficiently_sharded(b.plan.rows, b.plan.strategy.params, b.mesh,
+                                             cfg.mesh.max_replicated_fraction)
+    except rl.ShardingError as e:
+        frac, out["trainer_refuses"] = None, str(e)
+    out["replicated_fraction"] = frac
+    report = collective_report(compiled.as_text()) if inspect else None
+    # all-gathers outside the layer loop may move the unstacked params (embedding, head),
+    # in the dtype the program gathers them in (f32 on CPU even under bf16 compute)
+    unstacked = _compute_copy(b.state.params, b.plan, b.model.logical_axes, "float32")["unstacked"]
+    out["warnings"] = sharding_warnings(
+        b.plan.rows, report, b.strategy, mesh, analytic_total=analytic["total"],
+        compiled_peak=mem["peak"], layer_gather_bytes=unstacked,
+        cpu_upcast=out["platform"] == "cpu" and Policy.parse(cfg.precision).compute_dtype != np.float32,
+        replicated_threshold=replicated_threshold)
+    if "trainer_refuses" in out:
+        out["warnings"].insert(0, "the trainer would refuse this plan: " + out["trainer_refuses"])
+    if inspect:
+        out["rows"] = [r.as_dict() for r in b.plan.rows]
+        out["collectives"] = report
+    return out
+
+
+# ----------------------------------------------------------------------------- many strategies, any N
+
+def _devices_for(n: int) -> list[jax.Device] | None:
+    """n devices of one platform in this process (the default backend first, then
+    CPU), or None when none has that many."""
+    if len(jax.devices()) >= n:
+        return list(jax.devices())[:n]
+    try:
+        cpu = jax.devices("cpu")
+    except RuntimeError:
+        return None
+    return list(cpu)[:n] if len(cpu) >= n else None
+
+
+def run_strategies(cfg, n_devices: int, strategies: Sequence[str], *, inspect: bool = False,
+                   replicated_threshold: int = DEFAULT_REPLICATED_THRESHOLD) -> dict[str, dict]:
+    """`plan_strategy` for each strategy on `n_devices`: in this process when it has
+    that many devices, otherwise in a child process with `n_devices` fake CPU devices."""
+    devices = _devices_for(n_devices)
+    if devices is not None:
+        return {s: plan_strategy(cfg, s, devices, inspect=inspect,
+                                 replicated_threshold=replicated_threshold) for s in strategies}
+    from fsdp_jax.config import config_to_dict
+    request = {"config": config_to_dict(cfg), "devices": n_devices, "strategies": list(strategies),
+               "inspect": inspect, "replicated_threshold": replicated_threshold}
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-m", "fsdp_jax.planner"], input=json.dumps(request),
+                          capture_output=True, text=True, env=env)
+    if proc.returncode == 2:
+        raise PlanError(proc.stderr.strip().splitlines()[-1].removeprefix("error: "))
+    if proc.returncode != 0:
+        raise RuntimeError(f"planner child process ({n_devices} CPU devices) failed with exit code "
+                           f"{proc.returncode}:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout)
+
+
+def _child_main() -> int:
+    """`python -m fsdp_jax.planner` < request.json: compile on N fake CPU devices,
+    print the results as JSON. Set up before JAX initialises its backends."""
+    req = json.loads(sys.stdin.read())
+    jax.config.update("jax_num_cpu_devices", int(req["devices"]))
+    cache = os.environ.get("FSDP_JAX_CACHE_DIR")
+    if cache:
+        jax.config.update("jax_compilation_cache_dir", cache)
+    from fsdp_jax.cli import BAD_INPUT, fail
+    from fsdp_jax.config import config_from_dict
+    try:
+        cfg = config_from_dict(req["config"])
+        out = {s: plan_strategy(cfg, s, jax.devices()[:req["devices"]], inspect=req["inspect"],
+                                replicated_threshold=req["replicated_threshold"])
+               for s in req["strategies"]}
+    except BAD_INPUT + (PlanError,) as e:
+        return fail(e)
+    json.dump(out, sys.stdout)
+    return 0
+
+
+def check_inputs(cfg, n_devices: int, strategies: Sequence[str]) -> None:
+    """Device count, mesh and batch divisibility for every strategy, before compiling."""
+    from fsdp_jax.config import validate
+    if not isinstance(n_devices, int) or isinstance(n_devices, bool) or n_devices < 1:
+        raise PlanError(f"--devices: {n_devices!r} must be a positive integer")
+    validate(cfg, n_devices=n_devices)  # mesh sizes and batch divisibility (hybrid keeps data*fsdp)
+    for s in strategies:
+        get_strategy(s)
+
+
+def plan_config(cfg, n_devices: int, strategies: Sequence[str] | str | None = None, *,
+                device_memory: int | None = None, config_name: str = "") -> dict[str, Any]:
+    """The planner's JSON document for `cfg` on `n_devices` (bytes per device, ints):
+    {"config", "devices", "params", "param_bytes", "device_memory", "wall_s", "notes",
+    "strategies": {name: {"mesh", "analytic": {params, grads, optimizer, gathered,
+    activations, batch, states, total}, "compiled": {argument, output, alias, temp, peak,
+    xla_peak}, "fits", "headroom", "bytes_per_param", "compile_s", "warnings", ...}}}.
+    `fits` and `headroom` use the compiled peak (None without `device_memory`)."""
+    from fsdp_jax.models.llama import count_params
+    t0 = time.perf_counter()
+    names = parse_strategies(strategies)
+    check_inputs(cfg, n_devices, names)
+    results = run_strategies(cfg, n_devices, names)
+    n_params = count_params(cfg.model)
+    policy = Policy.parse(cfg.precision)
+    for name, r in results.items():
+        r["classic_name"] = CLASSIC_NAMES[name]
+        r["bytes_per_param"] = round(r["analytic"]["states"] / n_params, 3)  # per device
+        if device_memory:
+            r["fits"] = r["compiled"]["peak"] <= device_memory
+            r["headroom"] = device_memory - r["compiled"]["peak"]
+            r["fits_analytic"] = r["analytic"]["total"] <= device_memory
+        else:
+            r["fits"] = r["headroom"] = r["fits_analytic"] = None
+    notes = [f"{n_devices} devices; precision {policy}; remat {cfg.remat}; "
+             f"global_batch {cfg.train.global_batch} x seq {cfg.data.seq_len}, "
+             f"microbatches {cfg.train.microbatches}",
+             "analytic params/optimizer/batch come from the sharding plan; grads, gathered and "
+             "activations from formulas (fsdp_jax.planner docstring); compiled = memory_analysis() "
+             "of the AOT-compiled train step (grads live in its temp)"]
+    if "hybrid_shard" in results:
+        m = results["hybrid_shard"]["mesh"]
+        notes.append(f"hybrid_shard uses data={m['data']} x fsdp={m['fsdp']} (params sharded within "
+                     f"fsdp, replicated over data)")
+    platforms = {r["platform"] for r in results.values()}
+    if "cpu" in platforms and policy.compute_dtype != np.dtype("float32"):
+        notes.append("compiled on CPU: XLA:CPU upcasts bf16 matmuls and collectives to f32, so "
+                     "compiled temp overstates a GPU/TPU compile")
+    doc = {"config": config_name, "devices": n_devices, "params": n_params,
+           "param_bytes": tree_bytes(_abstract_params(cfg)), "device_memory": device_memory,
+           "strategies": results, "notes": notes}
+    doc["wall_s"] = round(time.perf_counter() - t0, 1)
+    return doc
+
+
+def _abstract_params(cfg):
+    from fsdp_jax.adapters import from_nnx
+    from fsdp_jax.models.llama import Llama
+    return from_nnx(lambda rngs: Llama(cfg.model, rngs=rngs)).abstract_params
+
+
+# ----------------------------------------------------------------------------- output
+
+def format_table(doc: dict[str, Any]) -> str:
+    """The classic per-device table (params, grads, optimizer state, states total),
+    then measured vs analytic columns, fit and headroom."""
+    biggest = max(max(r["compiled"]["peak"], r["analytic"]["total"]) for r in doc["strategies"].values())
+    unit, k = next((u, k) for u, k in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3), ("B", 1))
+                   if biggest >= 10 * k or k == 1)
+    gb = lambda n: f"{n / k:9.2f}"  # noqa: E731
+    lines = [f"{doc['config'] or 'config'}: {doc['params'] / 1e9:.3f}B params "
+             f"({doc['params']:,}), {doc['devices']} devices; bytes per device in {unit} "
+             f"(1 {unit} = {k:.0e} bytes)"]
+    lines += ["  " + n for n in doc["notes"]]
+    lines.append("")
+    lines.append("analytic (from the sharding plan and formulas):")
+    hdr = (f"{'strategy':<14}{'as':<13}{'params':>9}{'grads':>9}{'optim':>9}{'states':>9}"
+           f"{'B/param':>9}{'gathered':>9}{'activ':>9}{'total':>9}")
+    lines += [hdr, "-" * len(hdr)]
+    for name, r in doc["strategies"].items():
+        a = r["analytic"]
+        lines.append(f"{name:<14}{r['classic_name']:<13}{gb(a['params'])}{gb(a['grads'])}"
+                     f"{gb(a['optimizer'])}{gb(a['states'])}{r['bytes_per_param']:9.2f}"
+                     f"{gb(a['gathered'])}{gb(a['activations'])}{gb(a['total'])}")
+    lines.append("")
+    lines.append("compiled (memory_analysis() of the AOT-compiled train step; measured):")
+    hdr = (f"{'strategy':<14}{'mesh':<10}{'argument':>9}{'arg/ana':>8}{'temp':>9}{'peak':>9}"
+           f"{'fits':>6}{'headroom':>10}{'compile':>9}")
+    lines += [hdr, "-" * len(hdr)]
+    for name, r in doc["strategies"].items():
+        c, m = r["compiled"], r["mesh"]
+        fits = "-" if r["fits"] is None else ("yes" if r["fits"] else "NO")
+        head = "" if r["headroom"] is None else gb(r["headroom"])
+        lines.append(f"{name:<14}{m.get('data', 1)}x{m.get('fsdp', 1)}x{m.get('tensor', 1):<6}"
+                     f"{gb(c['argument'])}{r['argument_vs_analytic']:+8.2%}{gb(c['temp'])}"
+                     f"{gb(c['peak'])}{fits:>6}{head:>10}{r['compile_s']:8.1f}s")
+    if doc.get("device_memory"):
+        lines.append(f"device memory {fmt_bytes(doc['device_memory'])}; fits = compiled peak "
+                     f"<= device memory")
+    first = next(iter(doc["strategies"].values()))
+    act = first["activations_by_remat"]
+    lines.append("")
+    lines.append("analytic activations per device by remat policy (same batch): " + ", ".join(
+        f"{name} {fmt_bytes(v)}" for name, v in act.items()))
+    warns = [(n, w) for n, r in doc["strategies"].items() for w in r["warnings"]]
+    if warns:
+        lines.append("")
+        lines += [f"warning [{n}]: {w}" for n, w in warns]
+    lines.append(f"planned in {doc['wall_s']:.1f}s")
+    return "\n".join(lines)
+
+
+def plot_plan(doc: dict[str, Any], path: str) -> None:
+    """Stacked bars per strategy (params, grads, optimizer, gathered, activations, analytic)
+    with the compiled peak as a marker and the device memory as a line; PNG via Agg."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(doc["strategies"])
+    parts = ("params", "grads", "optimizer", "gathered", "activations")
+    fig, axis = plt.subplots(figsize=(1.6 * len(names) + 3, 4.5))
+    bottom = np.zeros(len(names))
+    for part in parts:
+        vals = np.array([doc["strategies"][n]["analytic"][part] / 1e9 for n in names])
+        axis.bar(names, vals, bottom=bottom, label=f"{part} (analytic)")
+        bottom += vals
+    peaks = [doc["strategies"][n]["compiled"]["peak"] / 1e9 for n in names]
+    axis.scatter(names, peaks, marker="_", s=900, color="k", zorder=3, label="compiled peak")
+    if doc.get("device_memory"):
+        axis.axhline(doc["device_memory"] / 1e9, color="r", ls="--", label="device memory")
+    axis.set_xticks(range(len(names)), [f"{n}\n({doc['strategies'][n]['classic_name']})" for n in names])
+    axis.set_ylabel("GB per device")
+    axis.set_title(f"{doc['config']}: {doc['params'] / 1e9:.2f}B params on {doc['devices']} devices")
+    axis.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def format_inspection(name: str, r: dict[str, Any]) -> str:
+    """Text form of one `plan_strategy(..., inspect=True)` result."""
+    lines = [f"{name} on mesh {r['mesh']}: per-parameter layout at rest"]
+    hdr = f"{'path':<28}{'shape':<22}{'dtype':<9}{'spec':<26}{'bytes/dev':>12}  why"
+    lines += [hdr, "-" * len(hdr)]
+    for row in r["rows"]:
+        lines.append(f"{row['path']:<28}{str(tuple(row['shape'])):<22}{row['dtype']:<9}{row['spec']:<26}"
+                     f"{row['bytes_per_device']:>12,}  {row['reason']}")
+    rep = r["collectives"]
+    lines.append("")
+    loops = ", ".join(f"{lp['op_name'] or lp['body']} x{lp['trip_count']}" for lp in rep["loops"]) or "none"
+    lines.append(f"collectives in the compiled step (per device; loops: {loops})")
+    hdr = f"{'op':<20}{'where':<14}{'in HLO':>7}{'runs/step':>10}{'bytes/step':>14}  dtypes"
+    lines += [hdr, "-" * len(hdr)]
+    for where in ("inside_loop", "outside_loop"):
+        for op, e in sorted(rep[where].items()):
+            lines.append(f"{op:<20}{where:<14}{e['count']:>7}{e['runs']:>10}"
+                         f"{fmt_bytes(e['bytes_per_step']):>14}  {e['dtypes']}")
+    for op, e in sorted(rep["per_step"].items()):
+        lines.append(f"{op:<20}{'total':<14}{'':>7}{e['count']:>10}{fmt_bytes(e['bytes']):>14}")
+    c, a = r["compiled"], r["analytic"]
+    lines.append("")
+    lines.append(f"memory per device: compiled peak {fmt_bytes(c['peak'])} (argument "
+                 f"{fmt_bytes(c['argument'])}, temp {fmt_bytes(c['temp'])}); analytic total "
+                 f"{fmt_bytes(a['total'])}")
+    lines += [f"warning: {w}" for w in r["warnings"]] or ["no warnings"]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(_child_main())

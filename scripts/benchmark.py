@@ -1,0 +1,240 @@
+#!/usr/bin/env python
+"""Measure compile time, step time, tokens/s, MFU and peak memory per strategy.
+
+    python scripts/benchmark.py --config configs/tiny.yaml [--strategies full_shard,no_shard]
+        [--steps 10] [--warmup 2] [--sweep model.n_layers=4,8,16,32] [--sweep devices=1,2,4,8]
+        [--baselines] [--peak-tflops T] [--json] [--plot sweep.png] [key=value ...]
+
+Inputs are random tokens (no data set needed). `--baselines` adds two reference
+rows at the same global batch: the same model on one device (`single_device`) and
+a plain hand-written JAX data-parallel loop (`plain_dp`: replicated params, batch
+sharded, `jax.jit` + `jax.value_and_grad` + optax, no fsdp_jax code in the step).
+The sweep key `devices` runs on the first N devices. The persistent compilation
+cache is off, so compile times are real. On CPU the process gets
+FSDP_JAX_CPU_DEVICES (default 8) host devices. Exit codes: 0, 2 bad input, 1 other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+
+
+def parse_sweeps(items: list[str]) -> list[tuple[str, list[str]]]:
+    out = []
+    for item in items:
+        key, sep, values = item.partition("=")
+        if not sep or not key or not values:
+            raise ValueError(f"--sweep {item!r}: expected KEY=V1,V2,... (e.g. model.n_layers=4,8,16)")
+        out.append((key, [v for v in values.split(",") if v]))
+    return out
+
+
+def combos(sweeps):
+    if not sweeps:
+        yield {}
+        return
+    (key, values), rest = sweeps[0], sweeps[1:]
+    for v in values:
+        for tail in combos(rest):
+            yield {key: v, **tail}
+
+
+def time_steps(step_fn, state, batch, steps: int, warmup: int):
+    import jax
+    for _ in range(warmup):
+        state, m = step_fn(state, batch)
+        jax.block_until_ready(m)
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        state, m = step_fn(state, batch)
+        jax.block_until_ready(m)
+        times.append(time.perf_counter() - t)
+    return state, times
+
+
+def bench_fsdp(cfg, strategy: str, devices, steps: int, warmup: int):
+    """Compile and time the trainer's own step for `strategy` on `devices`."""
+    import jax
+    import numpy as np
+
+    import fsdp_jax as fj
+    from fsdp_jax.adapters import from_nnx
+    from fsdp_jax.memory import compiled_memory
+    from fsdp_jax.models.llama import Llama
+    from fsdp_jax.optim import build_optimizer
+    from fsdp_jax.train import make_loss_fn
+
+    n = len(devices)
+    m = cfg.mesh
+    if strategy == "hybrid_shard" and n >= 4:
+        mesh = fj.make_mesh(data=2, fsdp=-1, tensor=m.tensor, devices=devices)
+    else:
+        mesh = fj.make_mesh(data=1, fsdp=-1, tensor=m.tensor, devices=devices)
+    model = from_nnx(lambda r: Llama(cfg.model, rngs=r, remat=cfg.remat))
+    tx, _ = build_optimizer(cfg.optimizer, cfg.train.steps)
+    state, plan = fj.init_train_state(model.init, tx, mesh, jax.random.key(0), strategy,
+                                      logical_axes=model.logical_axes,
+                                      min_shard_size=m.min_shard_size, max_replicated_fraction=None)
+    step = fj.make_train_step(make_loss_fn(model), tx, plan, microbatches=cfg.train.microbatches,
+                              clip_norm=cfg.optimizer.clip_norm, precision=cfg.precision)
+    tokens = np.random.default_rng(0).integers(
+        0, cfg.model.vocab_size, (cfg.train.global_batch, cfg.data.seq_len + 1), dtype=np.int32)
+    batch = jax.device_put(tokens, plan.batch)
+    t = time.perf_counter()
+    compiled = step.lower(state, batch).compile()
+    compile_s = time.perf_counter() - t
+    _, times = time_steps(compiled, state, batch, steps, warmup)
+    return compile_s, times, compiled_memory(compiled)["peak"]
+
+
+def bench_plain_dp(cfg, devices, steps: int, warmup: int):
+    """A hand-written data-parallel loop: replicated params, batch split over devices."""
+    import jax
+    import numpy as np
+    import optax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from fsdp_jax.adapters import from_nnx
+    from fsdp_jax.memory import compiled_memory
+    from fsdp_jax.models.llama import Llama, cross_entropy
+    from fsdp_jax.optim import build_optimizer
+
+    mesh = Mesh(np.asarray(devices), ("dp",))
+    model = from_nnx(lambda r: Llama(cfg.model, rngs=r, remat=cfg.remat))
+    tx, _ = build_optimizer(cfg.optimizer, cfg.train.steps)
+    if cfg.optimizer.clip_norm:
+        tx = optax.chain(optax.clip_by_global_norm(cfg.optimizer.clip_norm), tx)
+    rep, data = NamedSharding(mesh, P()), NamedSharding(mesh, P("dp"))
+    params = jax.jit(model.init, out_shardings=rep)(jax.random.key(0))
+    opt_state = jax.jit(tx.init, out_shardings=rep)(params)
+
+    def step(carry, tokens):
+        p, s = carry
+        loss, g = jax.value_and_grad(
+            lambda p: cross_entropy(model.apply(p, tokens[:, :-1]), tokens[:, 1:]))(p)
+        u, s = tx.update(g, s, p)
+        return (optax.apply_updates(p, u), s), loss
+
+    jitted = jax.jit(step, in_shardings=((rep, rep), data), out_shardings=((rep, rep), rep),
+                     donate_argnums=0)
+    tokens = np.random.default_rng(0).integers(
+        0, cfg.model.vocab_size, (cfg.train.global_batch, cfg.data.seq_len + 1), dtype=np.int32)
+    batch = jax.device_put(tokens, data)
+    t = time.perf_counter()
+    compiled = jitted.lower((params, opt_state), batch).compile()
+    compile_s = time.perf_counter() - t
+    _, times = time_steps(compiled, (params, opt_state), batch, steps, warmup)
+    return compile_s, times, compiled_memory(compiled)["peak"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="fsdp_jax benchmark")
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--strategies", default="full_shard,shard_grad_op,shard_opt,no_shard,hybrid_shard")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--sweep", action="append", default=[], help="KEY=V1,V2 (repeatable)")
+    ap.add_argument("--baselines", action="store_true", help="add single_device and plain_dp rows")
+    ap.add_argument("--peak-tflops", type=float, default=None, help="peak TFLOP/s per device for MFU")
+    ap.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+    ap.add_argument("--plot", help="PNG of step time / compile time / memory against the first sweep key")
+    ap.add_argument("overrides", nargs="*")
+    try:
+        args = ap.parse_args(argv)
+    except SystemExit as e:
+        return 2 if e.code else 0
+
+    import jax
+    jax.config.update("jax_num_cpu_devices", int(os.environ.get("FSDP_JAX_CPU_DEVICES", "8")))
+    jax.config.update("jax_enable_compilation_cache", False)
+
+    from fsdp_jax.cli import BAD_INPUT, fail
+    from fsdp_jax.config import ConfigError, load_config, validate
+    from fsdp_jax.models.llama import flops_per_token
+    from fsdp_jax.perf import mfu, peak_flops
+    from fsdp_jax.precision import Policy
+    from fsdp_jax.strategy import get_strategy
+
+    try:
+        if args.steps < 1 or args.warmup < 0:
+            raise ConfigError("--steps", f"{args.steps} / --warmup {args.warmup}: need steps >= 1, warmup >= 0")
+        sweeps = parse_sweeps(args.sweep)
+        strategies = [get_strategy(s).name for s in args.strategies.split(",") if s]
+        base = load_config(args.config, args.overrides)
+        runs = []
+        for combo in combos(sweeps):
+            n_dev = int(combo.get("devices", jax.device_count()))
+            if not 1 <= n_dev <= jax.device_count():
+                raise ConfigError("devices", f"{n_dev}: choose 1..{jax.device_count()}")
+            cfg = load_config(args.config, list(args.overrides) + [f"{k}={v}" for k, v in combo.items()
+                                                                     if k != "devices"])
+            validate(cfg, n_devices=n_dev)
+            runs.append((combo, cfg, n_dev))
+    except (*BAD_INPUT, ValueError) as e:
+        return fail(e)
+
+    devices_all = jax.devices()
+    results = []
+    for combo, cfg, n_dev in runs:
+        devices = devices_all[:n_dev]
+        fpt = flops_per_token(cfg.model, cfg.data.seq_len)
+        peak = peak_flops(devices[0], Policy.parse(cfg.precision).compute_dtype.name, args.peak_tflops)
+        tokens = cfg.train.global_batch * cfg.data.seq_len
+        rows = [(s, lambda s=s: bench_fsdp(cfg, s, devices, args.steps, args.warmup)) for s in strategies]
+        if args.baselines:
+            rows.append(("single_device", lambda: bench_fsdp(cfg, "no_shard", devices[:1], args.steps, args.warmup)))
+            rows.append(("plain_dp", lambda: bench_plain_dp(cfg, devices, args.steps, args.warmup)))
+        for name, fn in rows:
+            compile_s, times, peak_bytes = fn()
+            med = statistics.median(times)
+            rec = {"strategy": name, "devices": 1 if name == "single_device" else n_dev,
+                   "compile_s": round(compile_s, 4), "step_s_median": med, "step_s_min": min(times),
+                   "step_s_max": max(times), "tokens_per_s": tokens / med,
+                   "mfu": mfu(fpt, tokens / med, 1 if name == "single_device" else n_dev, peak),
+                   "peak_bytes": int(peak_bytes), **{k: v for k, v in combo.items() if k != "devices"}}
+            results.append(rec)
+            if not args.json:
+                extra = " ".join(f"{k}={v}" for k, v in combo.items())
+                print(f"{name:14s} {extra:24s} compile {compile_s:7.2f}s  step {med * 1e3:8.1f} ms "
+                      f"[{min(times) * 1e3:.1f}-{max(times) * 1e3:.1f}]  {tokens / med:10.0f} tok/s  "
+                      f"peak {peak_bytes / 2**20:8.1f} MiB", flush=True)
+    doc = {"config": args.config, "devices": jax.device_count(), "backend": jax.default_backend(),
+           "device_kind": devices_all[0].device_kind, "steps": args.steps, "overrides": args.overrides,
+           "sweeps": {k: v for k, v in sweeps}, "results": results}
+    if args.json:
+        print(json.dumps(doc))
+    if args.plot and sweeps:
+        plot(doc, sweeps[0][0], args.plot)
+    return 0
+
+
+def plot(doc: dict, key: str, out: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    by_strategy: dict[str, list[dict]] = {}
+    for r in doc["results"]:
+        by_strategy.setdefault(r["strategy"], []).append(r)
+    for name, rs in by_strategy.items():
+        xs = [float(r.get(key, r.get("devices"))) if key != "devices" else r["devices"] for r in rs]
+        for ax, field, scale in zip(axes, ("step_s_median", "compile_s", "peak_bytes"), (1e3, 1, 2**-20)):
+            ax.plot(xs, [r[field] * scale for r in rs], "o-", label=name)
+    for ax, title in zip(axes, ("step time (ms)", "compile time (s)", "compiled peak per device (MiB)")):
+        ax.set(xlabel=key, title=title)
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+#!/usr/bin/env python
+"""GPU checks that the CPU backend cannot show; run by scripts/gpu_check.sh.
+
+    python scripts/gpu_check.py [--config configs/llama_1b.yaml] [--steps 10] [--json out.json]
+
+1. throughput: the trainer's step for the config (bf16 compute, cuDNN attention,
+   `dots` remat) on all local GPUs with full_shard: tokens/s, MFU, peak memory;
+2. precision: a small model's loss and grad norm with bf16 compute match fp32
+   within bf16 tolerance;
+3. collectives (needs >= 2 devices): under full_shard with bf16 compute the
+   parameter all-gathers move bf16 and gradients are reduce-scattered.
+Installs nothing. Prints one line per check and a final table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import traceback
+
+
+def throughput(config: str, steps: int, overrides: list[str]) -> dict:
+    import jax
+    import numpy as np
+
+    import fsdp_jax as fj
+    from fsdp_jax.adapters import from_nnx
+    from fsdp_jax.config import load_config
+    from fsdp_jax.memory import compiled_memory
+    from fsdp_jax.models.llama import Llama, count_params, flops_per_token
+    from fsdp_jax.optim import build_optimizer
+    from fsdp_jax.perf import device_memory, mfu, peak_flops
+    from fsdp_jax.train import make_loss_fn
+
+    cfg = load_config(config, ["precision=params=float32,compute=bfloat16", "model.attention=cudnn",
+                               "remat=dots", *overrides])
+    n = jax.device_count()
+    mesh = fj.make_mesh(fsdp=-1)
+    model = from_nnx(lambda r: Llama(cfg.model, rngs=r, remat=cfg.remat))
+    tx, _ = build_optimizer(cfg.optimizer, cfg.train.steps)
+    state, plan = fj.init_train_state(model.init, tx, mesh, jax.random.key(0), "full_shard",
+                                      logical_axes=model.logical_axes, max_replicated_fraction=None)
+    step = fj.make_train_step(make_loss_fn(model), tx, plan, microbatches=cfg.train.microbatches,
+                              clip_norm=cfg.optimizer.clip_norm, precision=cfg.precision)
+    b = max(cfg.train.global_batch, n)
+    tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (b, cfg.data.seq_len + 1), np.int32)
+    batch = jax.device_put(tokens, plan.batch)
+    t = time.perf_counter()
+    compiled = step.lower(state, batch).compile()
+    compile_s = time.perf_counter() - t
+    for _ in range(2):
+        state, m = compiled(state, batch)
+    jax.block_until_ready(m)
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        state, m = compiled(state, batch)
+        jax.block_until_ready(m)
+        times.append(time.perf_counter() - t)
+    med = statistics.median(times)
+    tps = b * cfg.data.seq_len / med
+    peak = peak_flops(jax.devices()[0], "bfloat16")
+    mem = device_memory() or {}
+    return {"config": config, "params": count_params(cfg.model), "devices": n,
+            "device_kind": jax.devices()[0].device_kind, "global_batch": b, "seq_len": cfg.data.seq_len,
+            "compile_s": compile_s, "step_s_median": med, "tokens_per_s": tps,
+            "mfu": mfu(flops_per_token(cfg.model, cfg.data.seq_len), tps, n, peak),
+            "peak_bytes_in_use": mem.get("peak_bytes_in_use"), "compiled": compiled_memory(compiled),
+            "loss": float(m["loss"])}
+
+
+def precision_check() -> dict:
+    import jax
+    import numpy as np
+    import optax
+
+    import fsdp_jax as fj
+    from fsdp_jax.adapters import from_nnx
+    from fsdp_jax.models.llama import Llama, LlamaConfig
+    from fsdp_jax.train import make_loss_fn
+
+    cfg = LlamaConfig(vocab_size=512, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768,
+                      max_seq_len=256)
+    model = from_nnx(lambda r: Llama(cfg, rngs=r, remat="none"))
+    tokens = np.random.default_rng(1).integers(0, 512, (max(8, jax.device_count()), 257), np.int32)
+    out = {}
+    for name in ("float32", "bfloat16"):
+        tx = optax.sgd(0.0)
+        state, plan = fj.init_train_state(model.init, tx, fj.make_mesh(fsdp=-1), jax.random.key(0),
+                                          logical_axes=model.logical_axes, max_replicated_fraction=None)
+        step = fj.make_train_step(make_loss_fn(model), tx, plan, precision=f"params=float32,compute={name}")
+        _, m = step(state, jax.device_put(tokens, plan.batch))
+        out[name] = {"loss": float(m["loss"]), "grad_norm": float(m["grad_norm"])}
+    rel_loss = abs(out["bfloat16"]["loss"] - out["float32"]["loss"]) / out["float32"]["loss"]
+    rel_gn = abs(out["bfloat16"]["grad_norm"] - out["float32"]["grad_norm"]) / out["float32"]["grad_norm"]
+    return {**out, "rel_loss": rel_loss, "rel_grad_norm": rel_gn, "ok": rel_loss < 1e-2 and rel_gn < 5e-2}
+
+
+def collective_check() -> dict:
+    import jax
+    import optax
+
+    import fsdp_jax as fj
+    from fsdp_jax.adapters import from_nnx
+    from fsdp_jax.memory import collective_report
+    from fsdp_jax.models.llama import Llama, LlamaConfig
+    from fsdp_jax.train import make_loss_fn
+
+    n = jax.device_count()
+    if n < 2:
+        return {"skipped": f"needs >= 2 devices, have {n}"}
+    cfg = LlamaConfig(vocab_size=512, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768,
+                      max_seq_len=128)
+    model = from_nnx(lambda r: Llama(cfg, rngs=r, remat="dots"))
+    tx = optax.adamw(1e-3)
+    plan = fj.make_plan(model.abstract_params, tx, fj.make_mesh(fsdp=-1), "full_shard", model.logical_axes)
+    abstract = fj.abstract_state(plan, model.abstract_params, tx)
+    batch = jax.ShapeDtypeStruct((2 * n, 129), "int32", sharding=plan.batch)
+    step = fj.make_train_step(make_loss_fn(model), tx, plan, precision="params=float32,compute=bfloat16")
+    rep = collective_report(step.lower(abstract, batch).compile().as_text())
+    inside = rep["inside_loop"]
+    ag = inside.get("all-gather", {}).get("dtypes", {})
+    rs = {**rep["inside_loop"].get("reduce-scatter", {}).get("dtypes", {}),
+          **rep["outside_loop"].get("reduce-scatter", {}).get("dtypes", {})}
+    return {"report": rep, "all_gather_dtypes_in_loop": ag, "reduce_scatter_dtypes": rs,
+            "ok": ag.get("bf16", 0) > 0 and sum(rs.values()) > 0}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default="configs/llama_1b.yaml")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--json", help="write all results here")
+    ap.add_argument("--only", default="throughput,precision,collectives")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args(argv)
+    import jax
+    print(f"jax {jax.__version__} | backend {jax.default_backend()} | {jax.device_count()} x "
+          f"{jax.devices()[0].device_kind}", flush=True)
+    results, ok = {}, True
+    checks = {"throughput": lambda: throughput(args.config, args.steps, args.overrides),
+              "precision": precision_check, "collectives": collective_check}
+    for name in args.only.split(","):
+        t = time.perf_counter()
+        try:
+            results[name] = checks[name]()
+        except Exception as e:  # report every check even when one fails
+            traceback.print_exc()
+            results[name] = {"error": f"{type(e).__name__}: {e}"}
+            ok = False
+        results[name]["wall_s"] = time.perf_counter() - t
+        ok = ok and results[name].get("ok", True)
+        print(f"[{name}] " + json.dumps({k: v for k, v in results[name].items() if k != "report"},
+                                        default=str), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+    tp = results.get("throughput", {})
+    print("\n| check | result |\n|---|---|")
+    if "tokens_per_s" in tp:
+        mfu = f"{tp['mfu']:.1%}" if tp.get("mfu") else "n/a"
+        peak = f"{tp['peak_bytes_in_use'] / 2**30:.1f} GiB" if tp.get("peak_bytes_in_use") else "n/a"
+        print(f"| throughput ({tp['params'] / 1e9:.2f}B, bs {tp['global_batch']}x{tp['seq_len']}) | "
+              f"{tp['tokens_per_s']:.0f} tok/s, MFU {mfu}, peak {peak}, step {tp['step_s_median'] * 1e3:.0f} ms |")
+    for name in ("precision", "collectives"):
+        r = results.get(name, {})
+        print(f"| {name} | {'skipped: ' + r['skipped'] if 'skipped' in r else ('ok' if r.get('ok') else 'FAIL ' + str(r.get('error', '')))} |")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

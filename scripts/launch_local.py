@@ -1,0 +1,124 @@
+#!/usr/bin/env python
+"""Start P local processes of one command as a jax.distributed job (CPU, gloo).
+
+    python scripts/launch_local.py --processes 2 --devices-per-process 4 -- \
+        python scripts/train.py --config configs/tiny.yaml
+
+Each process gets FSDP_JAX_COORDINATOR (a free localhost port), FSDP_JAX_NUM_PROCESSES,
+FSDP_JAX_PROCESS_ID and FSDP_JAX_CPU_DEVICES; its output lines are prefixed with
+`[i]`. Fails fast: when one process exits non-zero the others are stopped
+(SIGTERM, then SIGKILL after --grace seconds) and the launcher exits with that
+code. SIGINT/SIGTERM to the launcher are forwarded to every process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pump(i: int, stream, out, lock: threading.Lock) -> None:
+    for line in iter(stream.readline, ""):
+        with lock:
+            out.write(f"[{i}] {line}" if line.endswith("\n") else f"[{i}] {line}\n")
+            out.flush()
+    stream.close()
+
+
+def stop_all(procs: list[subprocess.Popen], grace: float) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--" in argv:
+        i = argv.index("--")
+        argv, command = argv[:i], argv[i + 1:]
+    else:
+        command = []
+    ap = argparse.ArgumentParser(description="run a command as P local jax.distributed processes")
+    ap.add_argument("--processes", type=int, required=True)
+    ap.add_argument("--devices-per-process", type=int, default=4)
+    ap.add_argument("--port", type=int, default=0, help="coordinator port (default: a free one)")
+    ap.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
+    try:
+        args = ap.parse_args(argv)
+    except SystemExit as e:
+        return 2 if e.code else 0
+    if not command:
+        print("error: no command: put it after `--`", file=sys.stderr)
+        return 2
+    if args.processes < 1 or args.devices_per_process < 1:
+        print(f"error: --processes {args.processes} and --devices-per-process "
+              f"{args.devices_per_process} must be >= 1", file=sys.stderr)
+        return 2
+    port = args.port or free_port()
+    lock = threading.Lock()
+    procs: list[subprocess.Popen] = []
+    pumps = []
+    for i in range(args.processes):
+        env = dict(os.environ, FSDP_JAX_COORDINATOR=f"127.0.0.1:{port}",
+                   FSDP_JAX_NUM_PROCESSES=str(args.processes), FSDP_JAX_PROCESS_ID=str(i),
+                   FSDP_JAX_CPU_DEVICES=str(args.devices_per_process), JAX_PLATFORMS="cpu",
+                   PYTHONUNBUFFERED="1")
+        try:
+            p = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 text=True, bufsize=1)
+        except OSError as e:
+            stop_all(procs, args.grace)
+            print(f"error: cannot start {command[0]!r}: {e.strerror}", file=sys.stderr)
+            return 2
+        procs.append(p)
+        t = threading.Thread(target=_pump, args=(i, p.stdout, sys.stdout, lock), daemon=True)
+        t.start()
+        pumps.append(t)
+
+    def forward(signum, _frame):
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+    signal.signal(signal.SIGINT, forward)
+    signal.signal(signal.SIGTERM, forward)
+
+    rc = 0
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            i, rc = failed[0]
+            with lock:
+                print(f"launch_local: process {i} exited with {rc}; stopping the others", file=sys.stderr,
+                      flush=True)
+            stop_all(procs, args.grace)
+            break
+        if all(c == 0 for c in codes):
+            break
+        time.sleep(0.2)
+    for t in pumps:
+        t.join(timeout=5)
+    return rc if rc > 0 else (1 if rc else 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+#!/usr/bin/env python
+"""Will it fit? Per-device memory of a config under each FSDP strategy.
+
+    python scripts/plan.py --config configs/llama2_7b.yaml --devices 8 --device-memory 80GB
+    python scripts/plan.py --config configs/llama2_70b.yaml --devices 64 --json
+    python scripts/plan.py --config configs/tiny.yaml --devices 8 --plot plan.png remat=full
+
+For each strategy: analytic bytes (params, grads, optimizer state, gathered params,
+activations) and the compiled train step's memory_analysis() (argument, output,
+alias, temp, peak), AOT-compiled from abstract inputs on N devices (N fake CPU
+devices when this machine has fewer; nothing is allocated). Trailing key=value
+arguments override the config as in scripts/train.py. Exit codes: 0 success, 2 bad
+input (one line on stderr), 1 anything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[1].strip(),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True, help="YAML config (configs/*.yaml)")
+    ap.add_argument("--devices", required=True, help="number of devices to plan for")
+    ap.add_argument("--strategies", default="all", help="all, or a comma list (aliases ok: ddp,zero3)")
+    ap.add_argument("--device-memory", default=None, help="per-device memory, e.g. 80GB, 80GiB, 141GB")
+    ap.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+    ap.add_argument("--plot", default=None, help="write a bar chart PNG here")
+    ap.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. remat=full")
+    try:
+        args = ap.parse_args(argv)
+    except SystemExit as e:  # argparse printed its usage error
+        return 2 if e.code else 0
+
+    from fsdp_jax.cli import BAD_INPUT, fail
+    from fsdp_jax.planner import PlanError, parse_bytes, parse_strategies
+
+    try:
+        try:
+            n = int(args.devices)
+        except ValueError:
+            raise PlanError(f"--devices: {args.devices!r} is not an integer") from None
+        if n < 1:
+            raise PlanError(f"--devices: {n} must be >= 1")
+        mem = parse_bytes(args.device_memory) if args.device_memory is not None else None
+        strategies = parse_strategies(args.strategies)
+    except PlanError as e:
+        return fail(e)
+
+    import jax
+    jax.config.update("jax_num_cpu_devices", n)  # CPU backend only; before JAX initialises
+    cache = os.environ.get("FSDP_JAX_CACHE_DIR")
+    if cache:
+        jax.config.update("jax_compilation_cache_dir", cache)
+
+    from fsdp_jax.config import load_config
+    from fsdp_jax.planner import format_table, plan_config, plot_plan
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        doc = plan_config(cfg, n, strategies, device_memory=mem, config_name=args.config)
+    except BAD_INPUT + (PlanError,) as e:
+        return fail(e)
+    if args.plot:
+        plot_plan(doc, args.plot)
+    if args.json:
+        json.dump(doc, sys.stdout, indent=1)
+        print()
+    else:
+        print(format_table(doc))
+        if args.plot:
+            print(f"plot: {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

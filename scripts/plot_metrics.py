@@ -1,0 +1,74 @@
+#!/usr/bin/env python
+"""Plot a run's train/val loss and tokens/s from RUN_DIR/metrics.jsonl.
+
+    python scripts/plot_metrics.py RUN_DIR [--out RUN_DIR/metrics.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def read_metrics(path: Path) -> list[dict]:
+    records = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{i}: not JSON ({e.msg})") from None
+    return records
+
+
+def plot(records: list[dict], out: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [r for r in records if "loss" in r]
+    val = [r for r in records if "val_loss" in r]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    ax1.plot([r["step"] for r in train], [r["loss"] for r in train], label="train")
+    if val:
+        ax1.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation")
+    ax1.set(xlabel="step", ylabel="loss (nats/token)", title="loss")
+    ax1.legend()
+    ax1.grid(alpha=0.3)
+    ax2.plot([r["step"] for r in train], [r.get("tokens_per_s") or 0 for r in train])
+    ax2.set(xlabel="step", ylabel="tokens/s", title="throughput")
+    ax2.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Plot RUN_DIR/metrics.jsonl")
+    ap.add_argument("run_dir")
+    ap.add_argument("--out", help="PNG path (default RUN_DIR/metrics.png)")
+    try:
+        args = ap.parse_args(argv)
+    except SystemExit as e:
+        return 2 if e.code else 0
+    path = Path(args.run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        print(f"error: {path}: no metrics file (is {args.run_dir} a run directory?)", file=sys.stderr)
+        return 2
+    try:
+        records = read_metrics(path)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not any("loss" in r for r in records):
+        print(f"error: {path}: no logged training steps yet", file=sys.stderr)
+        return 2
+    out = Path(args.out) if args.out else Path(args.run_dir) / "metrics.png"
+    plot(records, out)
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

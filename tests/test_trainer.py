@@ -1,0 +1,123 @@
+"""The trainer end to end on a tiny model: strategies agree, a golden loss curve,
+metrics/config files, and the command line's exit codes."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fsdp_jax.config import load_config
+from fsdp_jax.data import prepare_text
+from fsdp_jax.train import train
+
+ROOT = Path(__file__).resolve().parents[1]
+GOLDEN = Path(__file__).parent / "golden" / "tiny_losses.json"
+TINY = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+        "model.ffn_dim=128", "model.max_seq_len=32", "data.seq_len=32", "train.global_batch=16",
+        "train.eval_every=0", "train.sample_tokens=0", "train.log_every=1", "train.checkpoint_every=0",
+        "data.source=none", "optimizer.warmup_steps=2"]
+
+
+def synthetic_corpus(out: Path) -> Path:
+    """Deterministic text, independent of the Python version (unlike the stdlib corpus)."""
+    src = out / "src"
+    src.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    words = ["def", "return", "self", "value", "index", "import", "class", "None", "for", "in"]
+    for f in range(6):
+        lines = [f"{rng.choice(words)} {rng.choice(words)}_{rng.integers(100)}(x): return x * {i % 7}"
+                 for i in range(400)]
+        (src / f"m{f}.py").write_text("\n".join(lines) + "\n")
+    prepare_text([src], out / "data", val_fraction=0.2, pattern="*.py")
+    return out / "data"
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return synthetic_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+def losses_of(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r]
+
+
+def run_tiny(corpus, run_dir, *extra, steps=3):
+    cfg = load_config(ROOT / "configs" / "tiny.yaml",
+                      TINY + [f"data.path={corpus}", f"run_dir={run_dir}", f"train.steps={steps}", *extra])
+    return train(cfg, progress=False)
+
+
+def test_full_shard_and_no_shard_first_losses_agree(corpus, tmp_path):
+    run_tiny(corpus, tmp_path / "fs", "mesh.strategy=full_shard")
+    run_tiny(corpus, tmp_path / "ns", "mesh.strategy=no_shard")
+    a, b = losses_of(tmp_path / "fs"), losses_of(tmp_path / "ns")
+    assert len(a) == 3
+    np.testing.assert_allclose(a, b, rtol=1e-5)
+
+
+def test_golden_loss_curve(corpus, tmp_path):
+    """Silent numerical changes show here. Regenerate only for an intended change:
+    FSDP_JAX_UPDATE_GOLDEN=1 pytest tests/test_trainer.py -k golden"""
+    run_tiny(corpus, tmp_path / "g", steps=12)
+    losses = losses_of(tmp_path / "g")
+    if os.environ.get("FSDP_JAX_UPDATE_GOLDEN"):
+        GOLDEN.write_text(json.dumps({"overrides": TINY, "steps": 12, "losses": losses}, indent=1) + "\n")
+    golden = json.loads(GOLDEN.read_text())["losses"]
+    np.testing.assert_allclose(losses, golden, rtol=2e-4)
+    assert losses[-1] < losses[0] - 0.5  # and it learns
+
+
+def test_run_dir_holds_config_and_metrics(corpus, tmp_path):
+    summary = run_tiny(corpus, tmp_path / "r", "train.sample_tokens=8", "train.eval_every=2",
+                       "train.eval_batches=2", steps=2)
+    run_dir = tmp_path / "r"
+    resolved = load_config(run_dir / "config.yaml")
+    assert resolved.train.steps == 2 and resolved.data.path == str(corpus)
+    records = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    step_rec = [r for r in records if "loss" in r][0]
+    for key in ("step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "mfu", "compiled_peak_bytes"):
+        assert key in step_rec
+    assert any("val_loss" in r for r in records)
+    assert isinstance(summary["sample"], str) and len(summary["sample"]) > 0
+
+
+def cli(*args, timeout=240):
+    env = dict(os.environ, FSDP_JAX_CPU_DEVICES="8")
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), *args],
+                          capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["train.stepz=3"], ["train.stepz", "did you mean", "train.steps"]),
+    (["train.global_batch=12"], ["train.global_batch", "12", "8"]),
+    (["model.n_heads=3"], ["model.n_heads", "d_model"]),
+    (["mesh.strategy=zero4"], ["mesh.strategy", "zero4", "full_shard"]),
+    (["data.source=none", "data.path=/nonexistent/corpus"], ["data.path", "/nonexistent/corpus"]),
+])
+def test_bad_input_exits_2_with_one_line(overrides, words):
+    r = cli("--config", "configs/tiny.yaml", "--no-progress", *overrides)
+    assert r.returncode == 2, r.stderr
+    lines = [l for l in r.stderr.splitlines() if l.strip() and "Warning" not in l and "warn" not in l]
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    assert "Traceback" not in r.stderr
+    for w in words:
+        assert w in lines[0]
+
+
+def test_missing_config_file_exits_2():
+    r = cli("--config", "configs/nope.yaml")
+    assert r.returncode == 2 and "nope.yaml" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_plot_metrics(corpus, tmp_path):
+    run_tiny(corpus, tmp_path / "p", steps=2)
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "plot_metrics.py"), str(tmp_path / "p")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    png = tmp_path / "p" / "metrics.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
