@@ -34,8 +34,8 @@ import jax.numpy as jnp
 import optax
 from flax import linen as nn
 from flax import nnx
-from flax.nnx import traversals
 from flax.core import meta
+from flax.nnx import traversals
 from jax.sharding import Mesh
 
 from fsdp_jax import rules as rl
@@ -79,7 +79,7 @@ def from_nnx(make_module: Callable[[nnx.Rngs], nnx.Module]) -> ModelFns:
     def init(rng):
         with nnx.use_eager_sharding(False):
             module = make_module(nnx.Rngs(rng))
-        return nnx.split(module, nnx.Param, ...)[1].to_pure_dict()
+        return nnx.to_pure_dict(nnx.split(module, nnx.Param, ...)[1])
 
     def bind(params):
         state = jax.tree.map(lambda x: x, abs_state)
@@ -90,7 +90,7 @@ def from_nnx(make_module: Callable[[nnx.Rngs], nnx.Module]) -> ModelFns:
         return bind(params)(*args, **kwargs)
 
     return ModelFns(init=init, apply=apply, logical_axes=pure_axes,
-                    abstract_params=abs_state.to_pure_dict(), bind=bind, nnx_state=abs_state)
+                    abstract_params=nnx.to_pure_dict(abs_state), bind=bind, nnx_state=abs_state)
 
 
 def from_linen(module: nn.Module, *example_args, **example_kwargs) -> ModelFns:
@@ -208,7 +208,8 @@ def shard_model(model: Any, optimizer: optax.GradientTransformation, mesh: Mesh,
     Returns a ShardedModel: `.state` (TrainState), `.plan` (ShardingPlan),
     `.train_step(loss_fn, ...)`, `.apply`, `.explain()`, `.bytes_per_device()`.
     """
-    fns, params = _adapt(model)
+    fns, params = _adapt(model, rng)
+    mask = None if trainable is None else _trainable_mask(fns, trainable)
     axes_ = fns.logical_axes if logical_axes is None else logical_axes
     if params is None:
         if rng is None:
@@ -220,18 +221,12 @@ def shard_model(model: Any, optimizer: optax.GradientTransformation, mesh: Mesh,
         plan = make_plan(fns.abstract_params, optimizer, mesh, strategy, axes_, rules,
                          min_shard_size, max_replicated_fraction)
         state = _place(params, optimizer, plan)
-    mask = None
-    if trainable is not None:
-        if fns.nnx_state is not None and _is_nnx_filter(trainable):
-            trainable = _nnx_filter_mask(fns.nnx_state, trainable)
-        keep = trainable_leaves(fns.abstract_params, trainable)
-        mask = jax.tree.unflatten(jax.tree.structure(fns.abstract_params), keep)
     return ShardedModel(state=state, plan=plan, optimizer=optimizer, model=fns, trainable=mask)
 
 
 # ----------------------------------------------------------------------------- helpers
 
-def _adapt(model) -> tuple[ModelFns, Any]:
+def _adapt(model, rng) -> tuple[ModelFns, Any]:
     """(ModelFns, materialised params or None when `fns.init` builds them)."""
     if isinstance(model, ModelFns):
         return model, None
@@ -242,16 +237,16 @@ def _adapt(model) -> tuple[ModelFns, Any]:
                         "to initialise; pass from_linen(module, example_input) or its variables")
     leaves = jax.tree.leaves(model)
     if callable(model) and len(leaves) == 1 and leaves[0] is model:  # a function, not a callable pytree
-        return _from_init(model), None
+        return _from_init(model, jax.random.key(0) if rng is None else rng), None
     values, names = _plain(model)
     _check_arrays(values)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), values)
     return ModelFns(init=None, apply=None, logical_axes=names, abstract_params=abstract), values
 
 
-def _from_init(init_fn: Callable[[jax.Array], Any]) -> ModelFns:
+def _from_init(init_fn: Callable[[jax.Array], Any], rng: jax.Array) -> ModelFns:
     """Adapt `init_fn(rng) -> params` (plain, Linen-boxed, or an NNX State)."""
-    values, names = _plain(jax.eval_shape(init_fn, jax.random.key(0)))
+    values, names = _plain(jax.eval_shape(init_fn, rng))
     _check_arrays(values)
     return ModelFns(init=lambda rng: _plain(init_fn(rng))[0], apply=None,
                     logical_axes=names, abstract_params=values)
@@ -270,9 +265,9 @@ def _from_nnx_instance(module: nnx.Module) -> tuple[ModelFns, Any]:
         return nnx.merge(graphdef, s)
 
     fns = ModelFns(init=None, apply=lambda params, *a, **kw: bind(params)(*a, **kw),
-                   logical_axes=pure_axes, abstract_params=abs_state.to_pure_dict(),
+                   logical_axes=pure_axes, abstract_params=nnx.to_pure_dict(abs_state),
                    bind=bind, nnx_state=abs_state)
-    return fns, state.to_pure_dict()
+    return fns, nnx.to_pure_dict(state)
 
 
 def _plain(tree):
@@ -281,7 +276,7 @@ def _plain(tree):
     values, names = logical_axes_of(tree)
     if isinstance(values, nnx.State):
         names = None if names is None else _to_pure(values, names)
-        return values.to_pure_dict(), names
+        return nnx.to_pure_dict(values), names
     return meta.unbox(values), names
 
 
@@ -315,8 +310,8 @@ def _reject_non_params(rest, who: str) -> None:
 
 
 def _to_pure(abs_state, axes_state):
-    """Pure-dict tree of name tuples in the same nesting as `abs_state.to_pure_dict()`."""
-    pure = abs_state.to_pure_dict()
+    """Pure-dict tree of name tuples in the same nesting as `nnx.to_pure_dict(abs_state)`."""
+    pure = nnx.to_pure_dict(abs_state)
     leaves, treedef = jax.tree.flatten(pure)
     names = jax.tree.leaves(axes_state, is_leaf=lambda x: x is None or isinstance(x, tuple))
     if len(names) != len(leaves):
@@ -328,6 +323,18 @@ _NNX_FILTERS = tuple(getattr(nnx.filterlib, n) for n in (
     "All", "Any", "Not", "OfType", "PathContains", "PathIn", "WithTag", "Everything", "Nothing"))
 
 
+def _trainable_mask(fns: ModelFns, trainable):
+    """`trainable` (bool tree, callable or NNX filter) as a bool tree matching the params."""
+    if _is_nnx_filter(trainable):
+        if fns.nnx_state is None:
+            raise ValueError(f"shard_model: trainable={trainable!r} is an NNX filter, which needs an "
+                             "NNX model (from_nnx or an nnx.Module); pass a bool tree or a "
+                             "callable params -> bool tree instead")
+        trainable = _nnx_filter_mask(fns.nnx_state, trainable)
+    keep = trainable_leaves(fns.abstract_params, trainable)
+    return jax.tree.unflatten(jax.tree.structure(fns.abstract_params), keep)
+
+
 def _is_nnx_filter(f) -> bool:
     """A type (`nnx.LoRAParam`) or an `nnx.filterlib` filter object; plain callables
     and bool trees are masks over the params tree instead."""
@@ -337,5 +344,5 @@ def _is_nnx_filter(f) -> bool:
 def _nnx_filter_mask(abs_state, nnx_filter):
     """Pure-dict bool tree: True where `nnx_filter` matches the Variable."""
     pred = nnx.filterlib.to_predicate(nnx_filter)
-    flat = {path: bool(pred(path, v)) for path, v in abs_state.flat_state()}
+    flat = {path: bool(pred(path, v)) for path, v in nnx.to_flat_state(abs_state)}
     return traversals.unflatten_mapping(flat)
