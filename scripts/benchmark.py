@@ -17,7 +17,6 @@ FSDP_JAX_CPU_DEVICES (default 8) host devices. Exit codes: 0, 2 bad input, 1 oth
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -167,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("--steps", f"{args.steps} / --warmup {args.warmup}: need steps >= 1, warmup >= 0")
         sweeps = parse_sweeps(args.sweep)
         strategies = [get_strategy(s).name for s in args.strategies.split(",") if s]
-        base = load_config(args.config, args.overrides)
+        load_config(args.config, args.overrides)  # fail early on a bad config
         runs = []
         for combo in combos(sweeps):
             n_dev = int(combo.get("devices", jax.device_count()))

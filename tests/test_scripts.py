@@ -1,0 +1,51 @@
+"""Command-line contracts of the benchmark and GPU-check scripts (CPU-checkable parts)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["model.n_layers=2", "model.d_model=64", "model.ffn_dim=128", "model.max_seq_len=32",
+         "data.seq_len=32"]
+
+
+def run(script, *args, timeout=300):
+    env = dict(os.environ, FSDP_JAX_CPU_DEVICES="8")
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT, env=env)
+
+
+def test_benchmark_json_document():
+    r = run("benchmark.py", "--config", "configs/tiny.yaml", "--strategies", "zero3", "--steps", "2",
+            "--warmup", "1", "--json", "--baselines", "--sweep", "devices=8", *SMALL)
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(r.stdout)
+    assert doc["devices"] == 8 and doc["backend"] == "cpu" and doc["config"] == "configs/tiny.yaml"
+    names = [x["strategy"] for x in doc["results"]]
+    assert names == ["full_shard", "single_device", "plain_dp"]
+    for x in doc["results"]:
+        for key in ("compile_s", "step_s_median", "step_s_min", "step_s_max", "tokens_per_s", "mfu",
+                    "peak_bytes"):
+            assert key in x
+        assert x["step_s_min"] <= x["step_s_median"] <= x["step_s_max"]
+        assert x["tokens_per_s"] > 0 and x["peak_bytes"] > 0 and x["mfu"] is None  # CPU: no peak FLOP/s
+    assert doc["results"][1]["devices"] == 1
+
+
+def test_benchmark_bad_input():
+    for args, word in [(["--sweep", "model.n_layers"], "--sweep"), (["--strategies", "zero9"], "zero9"),
+                       (["--sweep", "devices=16"], "devices"), (["train.nope=1"], "train.nope")]:
+        r = run("benchmark.py", "--config", "configs/tiny.yaml", "--steps", "1", *args)
+        assert r.returncode == 2, (args, r.stderr[-500:])
+        assert word in r.stderr and "Traceback" not in r.stderr
+
+
+def test_gpu_flags_are_appended_not_overriding():
+    from fsdp_jax.xla_flags import GPU_FSDP_FLAGS, apply_gpu_fsdp_flags
+    env = {"XLA_FLAGS": "--xla_gpu_enable_latency_hiding_scheduler=false"}
+    out = apply_gpu_fsdp_flags(env)
+    assert "--xla_gpu_enable_latency_hiding_scheduler=false" in out
+    assert "--xla_gpu_enable_latency_hiding_scheduler=true" not in out
+    assert all(f in out for f in GPU_FSDP_FLAGS[1:])
