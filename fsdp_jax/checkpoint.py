@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 
 MANIFEST = "fsdp_jax_manifest.json"
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
@@ -133,8 +134,9 @@ class Checkpointer:
         self.partial: list[Path] = (sorted(self.directory.glob(f"*{TMP_SUFFIX}*"))
                                     if self.directory.is_dir() else [])
         self._in_flight: collections.deque[int] = collections.deque()
+        # (not orbax's read_only option: it logs warnings on every use)
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=not read_only, read_only=read_only,
+            max_to_keep=None if read_only else keep, create=not read_only,
             cleanup_tmp_directories=not read_only,
             async_options=ocp.AsyncOptions(post_finalization_callback=self._write_manifest))
         self._mngr = ocp.CheckpointManager(self.directory, options=options, item_names=_ITEMS)
@@ -145,6 +147,8 @@ class Checkpointer:
         """Start writing `state` (any pytree of jax.Arrays) and `extras` (JSON-able) as
         `step`. Returns after the device-to-host copy, so `state` may be donated next;
         waits first for the previous save. A step that already exists is an error."""
+        if self.read_only:
+            raise ValueError(f"{self.directory}: this Checkpointer is read-only")
         if jax.process_index() == 0:
             self._in_flight.append(step)
         try:
@@ -210,8 +214,8 @@ class Checkpointer:
 
     def saved_metadata(self, step: int) -> dict[str, Any]:
         """{path: ArrayMetadata (shape, dtype)} of the saved state, from orbax's metadata."""
-        md = ocp.PyTreeCheckpointer().metadata(self.step_dir(step) / "state")
-        return tree_paths(md.item_metadata.tree)
+        md = ocp.PyTreeCheckpointHandler().metadata(epath.Path(self.step_dir(step) / "state"))
+        return tree_paths(md.tree)
 
     def check_fits(self, step: int, target) -> None:
         """CheckpointError listing the paths whose saved shapes differ from `target`'s."""
@@ -304,7 +308,9 @@ class Checkpointer:
         return out
 
     def _set_aside(self, steps: list[int]) -> None:
-        if steps and jax.process_index() == 0:
+        if not steps:  # the same list on every process
+            return
+        if jax.process_index() == 0:
             dest = self.directory.with_name(self.directory.name + ".damaged")
             dest.mkdir(parents=True, exist_ok=True)
             for s in steps:

@@ -191,10 +191,11 @@ def _config_changes(saved: dict | None, cfg: Config) -> list[str]:
     """One line naming the config keys that differ from the checkpoint's, if any."""
     if not saved:
         return []
-    now = config_to_dict(cfg)
-    flat = lambda d: {f"{k}.{j}" if isinstance(v, dict) else k: w  # noqa: E731
-                      for k, v in d.items() for j, w in (v.items() if isinstance(v, dict) else [(k, v)])}
-    a, b = flat(saved), flat(now)
+
+    def flat(d: dict) -> dict:
+        return {f"{k}.{j}" if isinstance(v, dict) else k: w for k, v in d.items()
+                for j, w in (v.items() if isinstance(v, dict) else [(k, v)])}
+    a, b = flat(saved), flat(config_to_dict(cfg))
     diff = [f"{k} {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)]
     return [f"resuming with a config that differs from the checkpoint's: {', '.join(diff)}"] if diff else []
 
@@ -235,8 +236,13 @@ class MetricsLog:
         """Drop records after `step` (written by a run that died after its last checkpoint)."""
         if not self.enabled or not self.path.exists():
             return
-        keep = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= step]
+        keep = []
+        for line in self.path.read_text().splitlines():
+            try:
+                if json.loads(line).get("step", 0) <= step:
+                    keep.append(line)
+            except ValueError:  # a line cut short by a crash
+                pass
         tmp = self.path.with_name(f".{self.path.name}.tmp")
         tmp.write_text("".join(line + "\n" for line in keep))
         os.replace(tmp, self.path)
@@ -271,6 +277,8 @@ class _StopSignals:
             os.write(2, f"\n{signal.Signals(signum).name} again: exiting now\n".encode())
             os._exit(128 + signum)
         self.signum = signum
+        os.write(2, f"\n{signal.Signals(signum).name}: finishing this step, then checkpointing and "
+                    "exiting (send it again to exit now)\n".encode())
 
     @property
     def name(self) -> str | None:
@@ -299,14 +307,15 @@ def train(cfg: Config, *, init_params: Callable | None = None, progress: bool = 
     returns a summary dict (final train/val loss, tokens/s, sample; `preempted` when a
     signal or `stop_after` (a step number) ended it early, after checkpointing).
     Raises TrainingDiverged after `train.max_nonfinite_steps` skipped steps in a row."""
-    run = setup(cfg, init_params)
-    try:
-        return _loop(run, cfg, progress, stop_after)
-    finally:
-        run.checkpointer.close()  # waits for checkpoint writes in flight
+    with _StopSignals() as signals:  # from here on, until the last write is committed
+        run = setup(cfg, init_params)
+        try:
+            return _loop(run, cfg, progress, stop_after, signals)
+        finally:
+            run.checkpointer.close()  # waits for checkpoint writes in flight
 
 
-def _loop(run: Run, cfg: Config, progress: bool, stop_after: int | None) -> dict:
+def _loop(run: Run, cfg: Config, progress: bool, stop_after: int | None, signals: _StopSignals) -> dict:
     c, ckpt = cfg.train, run.checkpointer
     if run.is_main:
         run.run_dir.mkdir(parents=True, exist_ok=True)
@@ -354,68 +363,69 @@ def _loop(run: Run, cfg: Config, progress: bool, stop_after: int | None) -> dict
         return {"step": done, "data": batches.get_state(), "rng": _rng_to_json(run.rng),
                 "config": config_to_dict(cfg)}
 
-    with _StopSignals() as signals:
-        for step_i in range(start_step, c.steps):
-            done = step_i + 1
-            local = next(batches)
-            if done in nan_steps:
-                local = local.copy()
-                local[:, 0] = cfg.model.vocab_size
-            state, metrics = compiled(state, global_batch(run.plan, local))
-            pending.append((done, metrics))
-            stop = signals.requested() or done == stop_after
-            save = stop or done == c.steps or bool(c.checkpoint_every and done % c.checkpoint_every == 0)
-            if len(pending) >= max(1, c.max_inflight_steps) or done == c.steps or save:
-                while pending:  # bounded run-ahead: on CPU, unbounded queues hit rendezvous timeouts
-                    s, m = pending.popleft()
-                    loss, gnorm, skipped = float(m["loss"]), float(m["grad_norm"]), int(m["skipped"])
-                    if skipped:
-                        streak.append(s)
-                        if run.is_main:
-                            print(f"warning: step {s}: non-finite loss/grad norm ({loss}, {gnorm}); "
-                                  f"update skipped ({len(streak)} in a row)", flush=True)
-                    else:
-                        streak.clear()
-                    window.append((loss, gnorm))
-                    if bar is not None:
-                        bar.update(1)
-                        bar.set_postfix(loss=f"{loss:.3f}")
-            if len(streak) >= c.max_nonfinite_steps:
-                ckpt.wait()
-                last = ckpt.latest_step()
-                raise TrainingDiverged(
-                    f"{len(streak)} non-finite steps in a row (steps {streak[0]}-{streak[-1]}, "
-                    f"train.max_nonfinite_steps={c.max_nonfinite_steps}); stopped. Newest checkpoint: "
-                    + (f"step {last} in {ckpt.directory}" if last is not None else "none"))
-            if window and (done % c.log_every == 0 or done == c.steps or stop) and not pending:
-                now = time.perf_counter()
-                dt = (now - last_log_t) / max(1, done - last_log_step)
-                tps = tokens_per_step / dt
-                rec = {"step": done, "loss": float(np.mean([w[0] for w in window])),
-                       "lr": float(run.schedule(done - 1)), "grad_norm": float(np.mean([w[1] for w in window])),
-                       "step_time_s": dt, "tokens_per_s": tps, "mfu": mfu(fpt, tps, jax.device_count(), peak),
-                       "compiled_peak_bytes": mem["peak"]}
-                dm = device_memory()
-                if dm:
-                    rec["peak_bytes_in_use"] = dm["peak_bytes_in_use"]
-                log.write(rec)
-                summary.update(train_loss=rec["loss"], tokens_per_s=tps)
-                window.clear()
-                last_log_t, last_log_step = time.perf_counter(), done
-            if val and not stop and (done % c.eval_every == 0 or done == c.steps):
-                vl = evaluate(run, state.params, val)
-                log.write({"step": done, "val_loss": vl})
-                summary["val_loss"] = vl
+    for step_i in range(start_step, c.steps):
+        done = step_i + 1
+        local = next(batches)
+        if done in nan_steps:
+            local = local.copy()
+            local[:, 0] = cfg.model.vocab_size
+        state, metrics = compiled(state, global_batch(run.plan, local))
+        pending.append((done, metrics))
+        stop = signals.requested() or done == stop_after
+        save = stop or done == c.steps or bool(c.checkpoint_every and done % c.checkpoint_every == 0)
+        if len(pending) >= max(1, c.max_inflight_steps) or done == c.steps or save:
+            while pending:  # bounded run-ahead: on CPU, unbounded queues hit rendezvous timeouts
+                s, m = pending.popleft()
+                loss, gnorm, skipped = float(m["loss"]), float(m["grad_norm"]), int(m["skipped"])
+                if skipped:
+                    streak.append(s)
+                    if run.is_main:
+                        print(f"warning: step {s}: non-finite loss/grad norm ({loss}, {gnorm}); "
+                              f"update skipped ({len(streak)} in a row)", flush=True)
+                else:
+                    streak.clear()
+                window.append((loss, gnorm))
                 if bar is not None:
-                    bar.write(f"step {done}: val_loss {vl:.4f} ({vl / math.log(2):.3f} bits/token)")
-                last_log_t = time.perf_counter()
-            # No periodic checkpoint inside a run of skipped steps: the newest one stays
-            # the last good update (the state is unchanged, only the data position moved).
-            if save and (not streak or stop or done == c.steps):
-                ckpt.save(done, state, extras(done))
-            if stop:
-                summary["preempted"] = signals.name or f"stop_after={stop_after}"
-                break
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{loss:.3f}")
+        if len(streak) >= c.max_nonfinite_steps:
+            if bar is not None:
+                bar.close()
+            ckpt.wait()
+            last = ckpt.latest_step()
+            raise TrainingDiverged(
+                f"{len(streak)} non-finite steps in a row (steps {streak[0]}-{streak[-1]}, "
+                f"train.max_nonfinite_steps={c.max_nonfinite_steps}); stopped. Newest checkpoint: "
+                + (f"step {last} in {ckpt.directory}" if last is not None else "none"))
+        if window and (done % c.log_every == 0 or done == c.steps or stop) and not pending:
+            now = time.perf_counter()
+            dt = (now - last_log_t) / max(1, done - last_log_step)
+            tps = tokens_per_step / dt
+            rec = {"step": done, "loss": float(np.mean([w[0] for w in window])),
+                   "lr": float(run.schedule(done - 1)), "grad_norm": float(np.mean([w[1] for w in window])),
+                   "step_time_s": dt, "tokens_per_s": tps, "mfu": mfu(fpt, tps, jax.device_count(), peak),
+                   "compiled_peak_bytes": mem["peak"]}
+            dm = device_memory()
+            if dm:
+                rec["peak_bytes_in_use"] = dm["peak_bytes_in_use"]
+            log.write(rec)
+            summary.update(train_loss=rec["loss"], tokens_per_s=tps)
+            window.clear()
+            last_log_t, last_log_step = time.perf_counter(), done
+        if val and not stop and (done % c.eval_every == 0 or done == c.steps):
+            vl = evaluate(run, state.params, val)
+            log.write({"step": done, "val_loss": vl})
+            summary["val_loss"] = vl
+            if bar is not None:
+                bar.write(f"step {done}: val_loss {vl:.4f} ({vl / math.log(2):.3f} bits/token)")
+            last_log_t = time.perf_counter()
+        # No periodic checkpoint inside a run of skipped steps: the newest one stays
+        # the last good update (the state is unchanged, only the data position moved).
+        if save and (not streak or stop or done == c.steps):
+            ckpt.save(done, state, extras(done))
+        if stop:
+            summary["preempted"] = signals.name or f"stop_after={stop_after}"
+            break
     if bar is not None:
         bar.close()
     run.state = state
