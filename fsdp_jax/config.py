@@ -90,12 +90,21 @@ class TrainConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    coordinator: str | None = None      # host:port of process 0; null = auto-detect (SLURM, Open MPI, ...)
+    num_processes: int | None = None
+    process_id: int | None = None
+    init_timeout_s: int = 300
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     model: ModelConfig = ModelConfig()
     mesh: MeshConfig = MeshConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
+    distributed: DistributedConfig = DistributedConfig()
     precision: str = "params=float32,compute=float32"
     remat: str = "dots"
     run_dir: str = "runs/tiny"
@@ -312,6 +321,12 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
     _check(0 <= mesh.max_replicated_fraction <= 1, "mesh.max_replicated_fraction",
            mesh.max_replicated_fraction, "must be in [0, 1]")
     _check(cfg.remat in REMAT_POLICIES, "remat", cfg.remat, f"allowed: {', '.join(REMAT_POLICIES)}")
+    dist = cfg.distributed
+    _check(dist.num_processes is None or dist.num_processes >= 1, "distributed.num_processes",
+           dist.num_processes, "must be >= 1 (or null to auto-detect)")
+    _check(dist.process_id is None or 0 <= dist.process_id < (dist.num_processes or 1),
+           "distributed.process_id", dist.process_id, "must be in [0, num_processes)")
+    _check(dist.init_timeout_s > 0, "distributed.init_timeout_s", dist.init_timeout_s, "must be > 0")
     try:
         Policy.parse(cfg.precision)
     except (ValueError, TypeError) as e:

@@ -35,11 +35,17 @@ def main(argv: list[str] | None = None) -> int:
         jax.config.update("jax_compilation_cache_dir", cache)
 
     from fsdp_jax.cli import BAD_INPUT, fail
-    from fsdp_jax.config import load_config
+    from fsdp_jax.config import ConfigError, load_config
+    from fsdp_jax.distributed import maybe_initialize
     from fsdp_jax.train import TrainingDiverged, train
 
     try:
         cfg = load_config(args.config, args.overrides)
+        d = cfg.distributed
+        try:  # before any computation: joins this process to the others, if any
+            maybe_initialize(d.coordinator, d.num_processes, d.process_id, d.init_timeout_s)
+        except ValueError as e:
+            raise ConfigError("distributed", str(e)) from None
         train(cfg, progress=not args.no_progress)
     except BAD_INPUT as e:
         return fail(e)

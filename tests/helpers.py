@@ -1,11 +1,14 @@
 """Tiny models and a single-device reference trainer shared by the tests."""
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
 from fsdp_jax.adapters import from_nnx
+from fsdp_jax.data import prepare_text
 from fsdp_jax.models import Llama, LlamaConfig, cross_entropy
 
 TINY = LlamaConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -57,3 +60,17 @@ def max_abs_diff(a, b) -> float:
     """Largest absolute difference over matching leaves (compared on the host)."""
     return max(float(np.max(np.abs(np.asarray(x, np.float32) - np.asarray(y, np.float32))))
                for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def synthetic_corpus(out: Path) -> Path:
+    """Deterministic text, independent of the Python version (unlike the stdlib corpus)."""
+    src = out / "src"
+    src.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    words = ["def", "return", "self", "value", "index", "import", "class", "None", "for", "in"]
+    for f in range(6):
+        lines = [f"{rng.choice(words)} {rng.choice(words)}_{rng.integers(100)}(x): return x * {i % 7}"
+                 for i in range(400)]
+        (src / f"m{f}.py").write_text("\n".join(lines) + "\n")
+    prepare_text([src], out / "data", val_fraction=0.2, pattern="*.py")
+    return out / "data"

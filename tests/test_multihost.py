@@ -77,3 +77,71 @@ def test_distributed_settings_must_be_complete():
     assert detected_cluster({"SLURM_NTASKS": "4", "SLURM_JOB_ID": "1"}) == "slurm"
     assert detected_cluster({"SLURM_NTASKS": "1", "SLURM_JOB_ID": "1"}) is None
     assert detected_cluster({"OMPI_COMM_WORLD_SIZE": "2"}) == "openmpi"
+
+
+TINY = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+        "model.ffn_dim=128", "model.max_seq_len=32", "data.seq_len=32", "train.global_batch=16",
+        "train.eval_every=0", "train.sample_tokens=0", "train.log_every=1", "train.checkpoint_every=0",
+        "data.source=none", "optimizer.warmup_steps=2", "train.steps=5"]
+
+
+def train_cmd(corpus, run_dir, *extra):
+    return [sys.executable, str(ROOT / "scripts" / "train.py"), "--config", "configs/tiny.yaml",
+            "--no-progress", *TINY, f"data.path={corpus}", f"run_dir={run_dir}", *extra]
+
+
+def losses(run_dir):
+    import json
+    return [r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r]
+
+
+def test_two_processes_train_like_one_and_checkpoints_move_between_process_counts(tmp_path):
+    import jax
+    import numpy as np
+
+    from fsdp_jax import checkpoint as ck
+    from fsdp_jax.adapters import from_nnx
+    from fsdp_jax.config import load_config
+    from fsdp_jax.mesh import make_mesh
+    from fsdp_jax.models.llama import Llama
+    from fsdp_jax.optim import build_optimizer
+    from fsdp_jax.state import abstract_state
+    from fsdp_jax.strategy import make_plan
+    from helpers import synthetic_corpus
+
+    corpus = synthetic_corpus(tmp_path / "c")
+    env = dict(os.environ, FSDP_JAX_CPU_DEVICES="8")
+    one = subprocess.run(train_cmd(corpus, tmp_path / "one"), capture_output=True, text=True,
+                         timeout=240, cwd=ROOT, env=env)
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = launch("--processes", "2", "--devices-per-process", "4", "--",
+                 *train_cmd(corpus, tmp_path / "two"), timeout=300)
+    assert two.returncode == 0, two.stdout[-3000:]
+    assert "[0] fsdp_jax:" in two.stdout and "[1] fsdp_jax:" not in two.stdout  # process 0 prints
+    np.testing.assert_allclose(losses(tmp_path / "two"), losses(tmp_path / "one"), rtol=1e-5)
+    assert len(losses(tmp_path / "two")) == 5
+
+    # the 2-process checkpoint (each process wrote its shards) restores in this single
+    # process on 8 devices and on 4 devices, with equal values
+    cfg = load_config(tmp_path / "two" / "config.yaml")
+    model = from_nnx(lambda rngs: Llama(cfg.model, rngs=rngs, remat=cfg.remat))
+    opt, _ = build_optimizer(cfg.optimizer, cfg.train.steps)
+    restored = []
+    for devices in (jax.devices(), jax.devices()[:4]):
+        plan = make_plan(model.abstract_params, opt, make_mesh(devices=devices), "full_shard",
+                         model.logical_axes)
+        state, _ = ck.restore(tmp_path / "two" / "checkpoints", abstract_state(plan, model.abstract_params, opt))
+        restored.append(jax.tree.map(np.asarray, state.params))
+    for a, b in zip(jax.tree.leaves(restored[0]), jax.tree.leaves(restored[1])):
+        np.testing.assert_array_equal(a, b)
+    plan = make_plan(model.abstract_params, opt, make_mesh(), "full_shard", model.logical_axes)
+    ref, _ = ck.restore(tmp_path / "one" / "checkpoints", abstract_state(plan, model.abstract_params, opt))
+    for a, b in zip(jax.tree.leaves(restored[0]), jax.tree.leaves(ref.params)):
+        np.testing.assert_allclose(a, np.asarray(b), atol=1e-5)
+
+    # and one process resumes the 2-process run
+    more = subprocess.run(train_cmd(corpus, tmp_path / "two", "train.steps=7"), capture_output=True,
+                          text=True, timeout=240, cwd=ROOT, env=env)
+    assert more.returncode == 0, more.stderr[-2000:]
+    assert len(losses(tmp_path / "two")) == 7

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from fsdp_jax.config import load_config
-from fsdp_jax.data import prepare_text
 from fsdp_jax.train import train
+from helpers import synthetic_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).parent / "golden" / "tiny_losses.json"
@@ -20,20 +20,6 @@ TINY = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_h
         "model.ffn_dim=128", "model.max_seq_len=32", "data.seq_len=32", "train.global_batch=16",
         "train.eval_every=0", "train.sample_tokens=0", "train.log_every=1", "train.checkpoint_every=0",
         "data.source=none", "optimizer.warmup_steps=2"]
-
-
-def synthetic_corpus(out: Path) -> Path:
-    """Deterministic text, independent of the Python version (unlike the stdlib corpus)."""
-    src = out / "src"
-    src.mkdir(parents=True)
-    rng = np.random.default_rng(0)
-    words = ["def", "return", "self", "value", "index", "import", "class", "None", "for", "in"]
-    for f in range(6):
-        lines = [f"{rng.choice(words)} {rng.choice(words)}_{rng.integers(100)}(x): return x * {i % 7}"
-                 for i in range(400)]
-        (src / f"m{f}.py").write_text("\n".join(lines) + "\n")
-    prepare_text([src], out / "data", val_fraction=0.2, pattern="*.py")
-    return out / "data"
 
 
 @pytest.fixture(scope="module")
