@@ -26,7 +26,7 @@ the compute dtype, D = d_model, Q = heads x head_dim, K = kv_heads x head_dim,
 F = ffn_dim, H = heads, S = seq_len, L = layers, V = vocab:
 
 * every layer keeps its input (the scan carry), c*D per token, whatever the policy;
-* plus what the remat policy saves per token per layer (`SAVED_PER_TOKEN`):
+* plus what the remat policy saves per token per layer (`saved_per_token`):
   none: c*(3D + 2Q + 2K + 4F) + H*S*(4 + c) (norm outputs, q/k/v, attention output,
   SwiGLU gate/up/silu/product, softmax probabilities in f32 and compute dtype);
   dots: c*(2Q + 2K + 2D + 2F) + 4*H*S (every matmul output, including the f32
@@ -44,7 +44,10 @@ unstacked param (embedding or head) plus one layer's unreduced grads in the redu
 dtype; shard_grad_op keeps the whole model, and the backward layer loop stacks the
 grads of those gathered params at full size (reduce dtype) before they are reduced;
 shard_opt / no_shard hold a compute-dtype copy of the model only when the compute
-dtype differs from the param dtype.
+dtype differs from the param dtype. The optimizer update runs after the activations
+are freed: grads plus one param-layout temporary and one optimizer-state-layout
+temporary (`update`). So total = params + optimizer + batch + grads +
+max(gathered + activations, update).
 
 XLA:CPU upcasts bf16 matmuls and collectives to f32 (DESIGN.md), so with bf16
 compute a CPU compile's temp is larger than the same program's on GPU/TPU.
@@ -54,7 +57,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import re
 import subprocess
@@ -71,7 +73,7 @@ from fsdp_jax import rules as rl
 from fsdp_jax.memory import (collective_report, compiled_memory, shard_bytes, tree_bytes,
                              tree_bytes_per_device)
 from fsdp_jax.precision import Policy
-from fsdp_jax.strategy import STRATEGIES, get_strategy
+from fsdp_jax.strategy import get_strategy
 
 # The classic table's order: DDP, ZeRO-1, ZeRO-2, ZeRO-3, then HSDP.
 STRATEGY_ORDER = ("no_shard", "shard_opt", "shard_grad_op", "full_shard", "hybrid_shard")
@@ -91,7 +93,7 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
           "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 
 
-def parse_bytes(text: str | int) -> int:
+def parse_bytes(text: str | int, what: str = "--device-memory") -> int:
     """'80GB' -> 80e9, '80GiB' -> 80 * 2**30, '141G' -> 141e9, '1.5TB', '4096' (bytes).
     K/M/G/T are decimal (as GPU vendors quote memory), Ki/Mi/Gi/Ti binary."""
     if isinstance(text, int) and not isinstance(text, bool):
@@ -99,16 +101,16 @@ def parse_bytes(text: str | int) -> int:
     else:
         m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)(?:[eE](\d+))?\s*([KMGTkmgt]i?)?[Bb]?\s*", str(text))
         if not m:
-            raise PlanError(f"--device-memory: {text!r} is not a size; use e.g. 80GB, 80GiB, 141GB")
+            raise PlanError(f"{what}: {text!r} is not a size; use e.g. 80GB, 80GiB, 141GB")
         value = float(m.group(1)) * (10 ** int(m.group(2)) if m.group(2) else 1)
         unit = (m.group(3) or "").lower()
     n = int(value * _UNITS[unit])
     if n <= 0:
-        raise PlanError(f"--device-memory: {text!r} must be > 0")
+        raise PlanError(f"{what}: {text!r} must be > 0")
     return n
 
 
-def parse_strategies(text: str | Sequence[str] | None) -> list[str]:
+def parse_strategies(text: str | Sequence[str] | None, what: str = "--strategies") -> list[str]:
     """'all' (or None) -> every strategy in STRATEGY_ORDER; 'a,b' -> canonical names (aliases ok)."""
     if text is None or (isinstance(text, str) and text.strip().lower() == "all"):
         return list(STRATEGY_ORDER)
@@ -120,11 +122,11 @@ def parse_strategies(text: str | Sequence[str] | None) -> list[str]:
         try:
             s = get_strategy(n).name
         except ValueError as e:
-            raise PlanError(f"--strategies: {e}") from None
+            raise PlanError(f"{what}: {e}") from None
         if s not in out:
             out.append(s)
     if not out:
-        raise PlanError(f"--strategies: {text!r} names no strategy; use all or e.g. full_shard,no_shard")
+        raise PlanError(f"{what}: {text!r} names no strategy; use all or e.g. full_shard,no_shard")
     return out
 
 
@@ -277,12 +279,18 @@ def analytic_memory(build: StepBuild) -> dict[str, int]:
                                                policy.reduce_dtype)["whole"]
     else:  # shard_opt, no_shard: params already whole; a cast copy if dtypes differ
         gathered = cc["whole"] if policy.compute_dtype != policy.param_dtype else 0
-    n_batch = build.mesh.shape.get(ax.DATA, 1) * build.mesh.shape.get(ax.FSDP, 1)
-    per_dev = cfg.train.global_batch // cfg.train.microbatches // n_batch
-    act = activation_bytes(cfg.model, cfg.remat, per_dev, cfg.data.seq_len, policy.compute_dtype)
+    act = activation_bytes(cfg.model, cfg.remat, _batch_per_device(build), cfg.data.seq_len,
+                           policy.compute_dtype)
+    # the optimizer update runs after the backward pass has freed its activations: grads
+    # plus one param-layout temporary (new params before they overwrite the donated
+    # buffer; under ZeRO-1 the all-gathered updated params) and one update in the
+    # optimizer-state layout
+    opt_layout = rl.explain(st.params, plan.mesh, build.model.logical_axes, plan.rules, s.opt_state,
+                            build.cfg.mesh.min_shard_size, allow_unshardable=True)
+    update = params + sum(r.bytes_per_device for r in opt_layout)
     out = {"params": params, "grads": grads, "optimizer": optimizer, "gathered": gathered,
-           "activations": act["total"], "batch": batch}
-    out["total"] = sum(out.values())
+           "activations": act["total"], "update": update, "batch": batch}
+    out["total"] = params + optimizer + batch + grads + max(gathered + act["total"], update)
     out["states"] = params + grads + optimizer  # the classic table's "total per device"
     return out
 
@@ -290,11 +298,16 @@ def analytic_memory(build: StepBuild) -> dict[str, int]:
 def activations_by_remat(build: StepBuild) -> dict[str, int]:
     """Analytic activation bytes per device for every remat policy with a formula."""
     cfg = build.cfg
-    policy = Policy.parse(cfg.precision)
-    n_batch = build.mesh.shape.get(ax.DATA, 1) * build.mesh.shape.get(ax.FSDP, 1)
-    per_dev = cfg.train.global_batch // cfg.train.microbatches // n_batch
-    return {name: activation_bytes(cfg.model, name, per_dev, cfg.data.seq_len, policy.compute_dtype)["total"]
-            for name in ("none", "dots", "dots_no_batch", "save_qkv_attn_mlp_out", "save_attn_mlp_out", "full")}
+    dtype = Policy.parse(cfg.precision).compute_dtype
+    return {name: activation_bytes(cfg.model, name, _batch_per_device(build), cfg.data.seq_len, dtype)["total"]
+            for name in ("none", "dots", "dots_no_batch", "save_qkv_attn_mlp_out", "save_attn_mlp_out",
+                         "full")}
+
+
+def _batch_per_device(build: StepBuild) -> int:
+    """Sequences per device per microbatch: the batch dim is sharded over data x fsdp."""
+    n = build.mesh.shape.get(ax.DATA, 1) * build.mesh.shape.get(ax.FSDP, 1)
+    return build.cfg.train.global_batch // build.cfg.train.microbatches // n
 
 
 # ----------------------------------------------------------------------------- warnings
@@ -358,47 +371,80 @@ def sharding_warnings(rows, report: dict[str, Any] | None, strategy: str, mesh_s
 
 # ----------------------------------------------------------------------------- one strategy
 
+def replicated_threshold_for(param_bytes: int, threshold: int | None = None) -> int:
+    """The size from which a replicated parameter is flagged: `threshold`, or by default
+    the larger of 1 MiB and 0.1% of all parameter bytes (so a 70B model's stacked norm
+    scales, 2.6 MB each, pass, while a replicated embedding table does not)."""
+    return threshold if threshold is not None else max(DEFAULT_REPLICATED_THRESHOLD, param_bytes // 1000)
+
+
+def inspect_compiled(plan, compiled, *, logical_axes=None, analytic_total: int | None = None,
+                     compute_dtype="float32", replicated_threshold: int | None = None) -> dict[str, Any]:
+    """Rows, collectives, compiled memory and warnings for any compiled train step.
+
+    `plan`: the ShardingPlan the step was made with; `compiled`: `step.lower(...).compile()`;
+    `logical_axes`: the params' logical names (their `layers` dim marks the scanned
+    stack, which enables the hoisted-gather check); `analytic_total`: an estimate to
+    hold the compiled peak against. Works for any model: nothing here is Llama-specific.
+    """
+    mem = compiled_memory(compiled)
+    report = collective_report(compiled.as_text())
+    mesh = {k: int(v) for k, v in plan.mesh.shape.items()}
+    abstract = jax.tree.unflatten(jax.tree.structure(plan.params),
+                                  [jax.ShapeDtypeStruct(r.shape, r.dtype) for r in plan.rows])
+    layer_gather = None
+    if logical_axes is not None:
+        # outside the layer loop only unstacked params (embedding, head) should be gathered,
+        # in whatever dtype the program moves them (f32 on CPU even under bf16 compute)
+        layer_gather = _compute_copy(abstract, plan, logical_axes, "float32")["unstacked"]
+    platform = plan.mesh.devices.flat[0].platform
+    threshold = replicated_threshold_for(sum(r.total_bytes for r in plan.rows), replicated_threshold)
+    warnings = sharding_warnings(
+        plan.rows, report, plan.strategy.name, mesh, analytic_total=analytic_total,
+        compiled_peak=mem["peak"], layer_gather_bytes=layer_gather,
+        cpu_upcast=platform == "cpu" and np.dtype(compute_dtype) != np.float32,
+        replicated_threshold=threshold)
+    return {"mesh": mesh, "platform": platform, "rows": [r.as_dict() for r in plan.rows],
+            "collectives": report, "compiled": mem, "warnings": warnings,
+            "replicated_threshold": threshold}
+
+
 def plan_strategy(cfg, strategy: str, devices: Sequence[jax.Device] | None = None, *,
-                  inspect: bool = False,
-                  replicated_threshold: int = DEFAULT_REPLICATED_THRESHOLD) -> dict[str, Any]:
+                  inspect: bool = False, replicated_threshold: int | None = None) -> dict[str, Any]:
     """Build, analyse and AOT-compile one strategy in this process (needs the devices).
-    Returns a JSON-able dict: mesh, analytic, compiled, compile_s, activations_by_remat,
-    warnings; with `inspect`, also rows and collectives."""
+    Returns a JSON-able dict: mesh, analytic, compiled, argument_vs_analytic, compile_s,
+    collectives_per_step, activations_by_remat, replicated_fraction, warnings; with
+    `inspect`, also rows and the full collective report."""
     t0 = time.perf_counter()
     b = build_step(cfg, strategy, devices)
     analytic = analytic_memory(b)
     compiled = b.compile()
     compile_s = time.perf_counter() - t0
-    mem = compiled_memory(compiled)
-    mesh = {k: int(v) for k, v in b.mesh.shape.items()}
+    ins = inspect_compiled(b.plan, compiled, logical_axes=b.model.logical_axes,
+                           analytic_total=analytic["total"],
+                           compute_dtype=Policy.parse(cfg.precision).compute_dtype,
+                           replicated_threshold=replicated_threshold)
+    mem = ins["compiled"]
     out: dict[str, Any] = {
-        "mesh": mesh, "analytic": analytic,
+        "mesh": ins["mesh"], "analytic": analytic,
         "compiled": {k: mem[k] for k in ("argument", "output", "alias", "temp", "peak", "xla_peak")},
         "argument_vs_analytic": (mem["argument"] / (analytic["params"] + analytic["optimizer"]
                                                     + analytic["batch"])) - 1,
-        "compile_s": round(compile_s, 2), "platform": b.mesh.devices.flat[0].platform,
+        "compile_s": round(compile_s, 2), "platform": ins["platform"],
+        "collectives_per_step": ins["collectives"]["per_step"],
         "activations_by_remat": activations_by_remat(b),
+        "warnings": ins["warnings"],
     }
     try:
-        frac = rl.check_sufficiently_sharded(b.plan.rows, b.plan.strategy.params, b.mesh,
-                                             cfg.mesh.max_replicated_fraction)
+        out["replicated_fraction"] = rl.check_sufficiently_sharded(
+            b.plan.rows, b.plan.strategy.params, b.mesh, cfg.mesh.max_replicated_fraction)
     except rl.ShardingError as e:
-        frac, out["trainer_refuses"] = None, str(e)
-    out["replicated_fraction"] = frac
-    report = collective_report(compiled.as_text()) if inspect else None
-    # all-gathers outside the layer loop may move the unstacked params (embedding, head),
-    # in the dtype the program gathers them in (f32 on CPU even under bf16 compute)
-    unstacked = _compute_copy(b.state.params, b.plan, b.model.logical_axes, "float32")["unstacked"]
-    out["warnings"] = sharding_warnings(
-        b.plan.rows, report, b.strategy, mesh, analytic_total=analytic["total"],
-        compiled_peak=mem["peak"], layer_gather_bytes=unstacked,
-        cpu_upcast=out["platform"] == "cpu" and Policy.parse(cfg.precision).compute_dtype != np.float32,
-        replicated_threshold=replicated_threshold)
-    if "trainer_refuses" in out:
-        out["warnings"].insert(0, "the trainer would refuse this plan: " + out["trainer_refuses"])
+        out["replicated_fraction"] = None
+        out["warnings"].insert(0, f"the trainer would refuse this plan: {e}")
     if inspect:
-        out["rows"] = [r.as_dict() for r in b.plan.rows]
-        out["collectives"] = report
+        out["rows"] = ins["rows"]
+        out["collectives"] = ins["collectives"]
+        out["replicated_threshold"] = ins["replicated_threshold"]
     return out
 
 
@@ -417,7 +463,7 @@ def _devices_for(n: int) -> list[jax.Device] | None:
 
 
 def run_strategies(cfg, n_devices: int, strategies: Sequence[str], *, inspect: bool = False,
-                   replicated_threshold: int = DEFAULT_REPLICATED_THRESHOLD) -> dict[str, dict]:
+                   replicated_threshold: int | None = None) -> dict[str, dict]:
     """`plan_strategy` for each strategy on `n_devices`: in this process when it has
     that many devices, otherwise in a child process with `n_devices` fake CPU devices."""
     devices = _devices_for(n_devices)
@@ -534,15 +580,16 @@ def format_table(doc: dict[str, Any]) -> str:
              f"(1 {unit} = {k:.0e} bytes)"]
     lines += ["  " + n for n in doc["notes"]]
     lines.append("")
-    lines.append("analytic (from the sharding plan and formulas):")
+    lines.append("analytic (states from the sharding plan, the rest from formulas; total = states + "
+                 "batch + max(gathered + activ, update)):")
     hdr = (f"{'strategy':<14}{'as':<13}{'params':>9}{'grads':>9}{'optim':>9}{'states':>9}"
-           f"{'B/param':>9}{'gathered':>9}{'activ':>9}{'total':>9}")
+           f"{'B/param':>9}{'gathered':>9}{'activ':>9}{'update':>9}{'total':>9}")
     lines += [hdr, "-" * len(hdr)]
     for name, r in doc["strategies"].items():
         a = r["analytic"]
         lines.append(f"{name:<14}{r['classic_name']:<13}{gb(a['params'])}{gb(a['grads'])}"
                      f"{gb(a['optimizer'])}{gb(a['states'])}{r['bytes_per_param']:9.2f}"
-                     f"{gb(a['gathered'])}{gb(a['activations'])}{gb(a['total'])}")
+                     f"{gb(a['gathered'])}{gb(a['activations'])}{gb(a['update'])}{gb(a['total'])}")
     lines.append("")
     lines.append("compiled (memory_analysis() of the AOT-compiled train step; measured):")
     hdr = (f"{'strategy':<14}{'mesh':<10}{'argument':>9}{'arg/ana':>8}{'temp':>9}{'peak':>9}"
@@ -579,11 +626,14 @@ def plot_plan(doc: dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
 
     names = list(doc["strategies"])
-    parts = ("params", "grads", "optimizer", "gathered", "activations")
-    fig, axis = plt.subplots(figsize=(1.6 * len(names) + 3, 4.5))
+    an = [doc["strategies"][n]["analytic"] for n in names]
+    parts = {p: [a[p] for a in an] for p in ("params", "grads", "optimizer", "gathered", "activations")}
+    # when the optimizer update's scratch outgrows the backward pass, show the excess
+    parts["update (excess)"] = [max(0, a["update"] - a["gathered"] - a["activations"]) for a in an]
+    fig, axis = plt.subplots(figsize=(1.6 * len(names) + 5, 4.5))
     bottom = np.zeros(len(names))
-    for part in parts:
-        vals = np.array([doc["strategies"][n]["analytic"][part] / 1e9 for n in names])
+    for part, vals in parts.items():
+        vals = np.array(vals) / 1e9
         axis.bar(names, vals, bottom=bottom, label=f"{part} (analytic)")
         bottom += vals
     peaks = [doc["strategies"][n]["compiled"]["peak"] / 1e9 for n in names]
@@ -593,7 +643,7 @@ def plot_plan(doc: dict[str, Any], path: str) -> None:
     axis.set_xticks(range(len(names)), [f"{n}\n({doc['strategies'][n]['classic_name']})" for n in names])
     axis.set_ylabel("GB per device")
     axis.set_title(f"{doc['config']}: {doc['params'] / 1e9:.2f}B params on {doc['devices']} devices")
-    axis.legend(fontsize=8, loc="upper right")
+    axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -601,16 +651,21 @@ def plot_plan(doc: dict[str, Any], path: str) -> None:
 
 def format_inspection(name: str, r: dict[str, Any]) -> str:
     """Text form of one `plan_strategy(..., inspect=True)` result."""
+    rows = r["rows"]
+    wp = max([len("path")] + [len(x["path"]) for x in rows]) + 2
+    ws = max([len("spec")] + [len(x["spec"]) for x in rows]) + 2
+    wsh = max([len("shape")] + [len(str(tuple(x["shape"]))) for x in rows]) + 2
     lines = [f"{name} on mesh {r['mesh']}: per-parameter layout at rest"]
-    hdr = f"{'path':<28}{'shape':<22}{'dtype':<9}{'spec':<26}{'bytes/dev':>12}  why"
+    hdr = f"{'path':<{wp}}{'shape':<{wsh}}{'dtype':<10}{'spec':<{ws}}{'bytes/device':>14}  why"
     lines += [hdr, "-" * len(hdr)]
-    for row in r["rows"]:
-        lines.append(f"{row['path']:<28}{str(tuple(row['shape'])):<22}{row['dtype']:<9}{row['spec']:<26}"
-                     f"{row['bytes_per_device']:>12,}  {row['reason']}")
+    for row in rows:
+        lines.append(f"{row['path']:<{wp}}{str(tuple(row['shape'])):<{wsh}}{row['dtype']:<10}"
+                     f"{row['spec']:<{ws}}{row['bytes_per_device']:>14,}  {row['reason']}")
+    lines.append(f"{'total':<{wp + wsh + 10 + ws}}{sum(x['bytes_per_device'] for x in rows):>14,}")
     rep = r["collectives"]
     lines.append("")
     loops = ", ".join(f"{lp['op_name'] or lp['body']} x{lp['trip_count']}" for lp in rep["loops"]) or "none"
-    lines.append(f"collectives in the compiled step (per device; loops: {loops})")
+    lines.append(f"collectives in the compiled step, per device (loops: {loops})")
     hdr = f"{'op':<20}{'where':<14}{'in HLO':>7}{'runs/step':>10}{'bytes/step':>14}  dtypes"
     lines += [hdr, "-" * len(hdr)]
     for where in ("inside_loop", "outside_loop"):
@@ -619,6 +674,9 @@ def format_inspection(name: str, r: dict[str, Any]) -> str:
                          f"{fmt_bytes(e['bytes_per_step']):>14}  {e['dtypes']}")
     for op, e in sorted(rep["per_step"].items()):
         lines.append(f"{op:<20}{'total':<14}{'':>7}{e['count']:>10}{fmt_bytes(e['bytes']):>14}")
+    if r.get("platform") == "cpu":
+        lines.append("(XLA:CPU: gradient reductions show as all-reduce, never reduce-scatter, and bf16 "
+                     "collectives run in f32; GPU/TPU compiles differ)")
     c, a = r["compiled"], r["analytic"]
     lines.append("")
     lines.append(f"memory per device: compiled peak {fmt_bytes(c['peak'])} (argument "

@@ -27,8 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", required=True, help="YAML config (configs/*.yaml)")
     ap.add_argument("--devices", required=True, help="number of devices")
     ap.add_argument("--strategy", default=None, help="strategy (default: the config's mesh.strategy)")
-    ap.add_argument("--replicated-threshold", default="1MiB",
-                    help="flag replicated params at least this big (default 1MiB)")
+    ap.add_argument("--replicated-threshold", default="auto",
+                    help="flag replicated params at least this big, e.g. 4MiB (default auto: "
+                         "the larger of 1 MiB and 0.1%% of all parameter bytes)")
     ap.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     ap.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     try:
@@ -46,25 +47,30 @@ def main(argv: list[str] | None = None) -> int:
             raise PlanError(f"--devices: {args.devices!r} is not an integer") from None
         if n < 1:
             raise PlanError(f"--devices: {n} must be >= 1")
-        threshold = parse_bytes(args.replicated_threshold)
+        threshold = (None if args.replicated_threshold == "auto"
+                     else parse_bytes(args.replicated_threshold, "--replicated-threshold"))
         if args.strategy is not None:
-            parse_strategies(args.strategy)
+            parse_strategies(args.strategy, "--strategy")
     except PlanError as e:
         return fail(e)
 
+    from fsdp_jax.config import load_config
+    from fsdp_jax.strategy import get_strategy
+    try:
+        cfg = load_config(args.config, args.overrides)
+        strategy = get_strategy(args.strategy or cfg.mesh.strategy).name
+    except BAD_INPUT as e:
+        return fail(e)
+
     import jax
-    jax.config.update("jax_num_cpu_devices", n)
+    jax.config.update("jax_num_cpu_devices", n)  # the CPU backend only; before JAX initialises
     cache = os.environ.get("FSDP_JAX_CACHE_DIR")
     if cache:
         jax.config.update("jax_compilation_cache_dir", cache)
 
-    from fsdp_jax.config import load_config
     from fsdp_jax.planner import check_inputs, format_inspection, run_strategies
-    from fsdp_jax.strategy import get_strategy
 
     try:
-        cfg = load_config(args.config, args.overrides)
-        strategy = get_strategy(args.strategy or cfg.mesh.strategy).name
         check_inputs(cfg, n, [strategy])
         result = run_strategies(cfg, n, [strategy], inspect=True, replicated_threshold=threshold)[strategy]
     except BAD_INPUT + (PlanError,) as e:

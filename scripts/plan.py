@@ -51,17 +51,21 @@ def main(argv: list[str] | None = None) -> int:
     except PlanError as e:
         return fail(e)
 
+    from fsdp_jax.config import load_config
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except BAD_INPUT as e:
+        return fail(e)
+
     import jax
-    jax.config.update("jax_num_cpu_devices", n)  # CPU backend only; before JAX initialises
+    jax.config.update("jax_num_cpu_devices", n)  # the CPU backend only; before JAX initialises
     cache = os.environ.get("FSDP_JAX_CACHE_DIR")
     if cache:
         jax.config.update("jax_compilation_cache_dir", cache)
 
-    from fsdp_jax.config import load_config
     from fsdp_jax.planner import format_table, plan_config, plot_plan
 
     try:
-        cfg = load_config(args.config, args.overrides)
         doc = plan_config(cfg, n, strategies, device_memory=mem, config_name=args.config)
     except BAD_INPUT + (PlanError,) as e:
         return fail(e)
