@@ -60,7 +60,7 @@ def test_golden_loss_curve(corpus, tmp_path):
 
 def test_run_dir_holds_config_and_metrics(corpus, tmp_path):
     summary = run_tiny(corpus, tmp_path / "r", "train.sample_tokens=8", "train.eval_every=2",
-                       "train.eval_batches=2", steps=2)
+                       "train.eval_batches=2", "train.tensorboard=true", steps=2)
     run_dir = tmp_path / "r"
     resolved = load_config(run_dir / "config.yaml")
     assert resolved.train.steps == 2 and resolved.data.path == str(corpus)
@@ -70,6 +70,8 @@ def test_run_dir_holds_config_and_metrics(corpus, tmp_path):
         assert key in step_rec
     assert any("val_loss" in r for r in records)
     assert isinstance(summary["sample"], str) and len(summary["sample"]) > 0
+    events = list((run_dir / "tb").glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 0
 
 
 def cli(*args, timeout=240):
