@@ -200,12 +200,16 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, pl
         grad_norm = optax.global_norm(grads)
         if clip is not None:
             grads, _ = clip.update(grads, clip.init(grads))
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        new = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
+        def apply(st: TrainState, g) -> TrainState:
+            updates, opt_state = optimizer.update(g, st.opt_state, st.params)
+            return TrainState(step=st.step + 1, params=optax.apply_updates(st.params, updates),
+                              opt_state=opt_state)
+
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        if skip_nonfinite:
-            new = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, state)
+        if skip_nonfinite:  # a conditional, not a select over the state: no extra pass over it
+            new = jax.lax.cond(ok, apply, lambda st, g: st, state, grads)
+        else:
+            new = apply(state, grads)
         metrics = {"loss": loss.astype(policy.output_dtype), "grad_norm": grad_norm,
                    "skipped": (~ok).astype(jnp.int32)}
         if has_aux:
