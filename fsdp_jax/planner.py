@@ -44,10 +44,9 @@ unstacked param (embedding or head) plus one layer's unreduced grads in the redu
 dtype; shard_grad_op keeps the whole model, and the backward layer loop stacks the
 grads of those gathered params at full size (reduce dtype) before they are reduced;
 shard_opt / no_shard hold a compute-dtype copy of the model only when the compute
-dtype differs from the param dtype. The optimizer update runs after the activations
-are freed: grads plus one param-layout temporary and one optimizer-state-layout
-temporary (`update`). So total = params + optimizer + batch + grads +
-max(gathered + activations, update).
+dtype differs from the param dtype. total = params + optimizer + batch + grads +
+gathered + activations: the optimizer update (after the backward pass) runs in place
+on the donated state and needs less than the backward pass.
 
 XLA:CPU upcasts bf16 matmuls and collectives to f32 (DESIGN.md), so with bf16
 compute a CPU compile's temp is larger than the same program's on GPU/TPU.
@@ -281,16 +280,9 @@ def analytic_memory(build: StepBuild) -> dict[str, int]:
         gathered = cc["whole"] if policy.compute_dtype != policy.param_dtype else 0
     act = activation_bytes(cfg.model, cfg.remat, _batch_per_device(build), cfg.data.seq_len,
                            policy.compute_dtype)
-    # the optimizer update runs after the backward pass has freed its activations: grads
-    # plus one param-layout temporary (new params before they overwrite the donated
-    # buffer; under ZeRO-1 the all-gathered updated params) and one update in the
-    # optimizer-state layout
-    opt_layout = rl.explain(st.params, plan.mesh, build.model.logical_axes, plan.rules, s.opt_state,
-                            build.cfg.mesh.min_shard_size, allow_unshardable=True)
-    update = params + sum(r.bytes_per_device for r in opt_layout)
     out = {"params": params, "grads": grads, "optimizer": optimizer, "gathered": gathered,
-           "activations": act["total"], "update": update, "batch": batch}
-    out["total"] = params + optimizer + batch + grads + max(gathered + act["total"], update)
+           "activations": act["total"], "batch": batch}
+    out["total"] = sum(out.values())
     out["states"] = params + grads + optimizer  # the classic table's "total per device"
     return out
 
@@ -580,16 +572,16 @@ def format_table(doc: dict[str, Any]) -> str:
              f"(1 {unit} = {k:.0e} bytes)"]
     lines += ["  " + n for n in doc["notes"]]
     lines.append("")
-    lines.append("analytic (states from the sharding plan, the rest from formulas; total = states + "
-                 "batch + max(gathered + activ, update)):")
+    lines.append("analytic (states = params + grads + optimizer, from the sharding plan; gathered and "
+                 "activations from formulas; total = states + gathered + activations + batch):")
     hdr = (f"{'strategy':<14}{'as':<13}{'params':>9}{'grads':>9}{'optim':>9}{'states':>9}"
-           f"{'B/param':>9}{'gathered':>9}{'activ':>9}{'update':>9}{'total':>9}")
+           f"{'B/param':>9}{'gathered':>9}{'activ':>9}{'total':>9}")
     lines += [hdr, "-" * len(hdr)]
     for name, r in doc["strategies"].items():
         a = r["analytic"]
         lines.append(f"{name:<14}{r['classic_name']:<13}{gb(a['params'])}{gb(a['grads'])}"
                      f"{gb(a['optimizer'])}{gb(a['states'])}{r['bytes_per_param']:9.2f}"
-                     f"{gb(a['gathered'])}{gb(a['activations'])}{gb(a['update'])}{gb(a['total'])}")
+                     f"{gb(a['gathered'])}{gb(a['activations'])}{gb(a['total'])}")
     lines.append("")
     lines.append("compiled (memory_analysis() of the AOT-compiled train step; measured):")
     hdr = (f"{'strategy':<14}{'mesh':<10}{'argument':>9}{'arg/ana':>8}{'temp':>9}{'peak':>9}"
@@ -619,7 +611,7 @@ def format_table(doc: dict[str, Any]) -> str:
 
 
 def plot_plan(doc: dict[str, Any], path: str) -> None:
-    """Stacked bars per strategy (params, grads, optimizer, gathered, activations, analytic)
+    """Stacked bars per strategy (params, grads, optimizer, gathered, activations: analytic)
     with the compiled peak as a marker and the device memory as a line; PNG via Agg."""
     import matplotlib
     matplotlib.use("Agg")
@@ -628,8 +620,6 @@ def plot_plan(doc: dict[str, Any], path: str) -> None:
     names = list(doc["strategies"])
     an = [doc["strategies"][n]["analytic"] for n in names]
     parts = {p: [a[p] for a in an] for p in ("params", "grads", "optimizer", "gathered", "activations")}
-    # when the optimizer update's scratch outgrows the backward pass, show the excess
-    parts["update (excess)"] = [max(0, a["update"] - a["gathered"] - a["activations"]) for a in an]
     fig, axis = plt.subplots(figsize=(1.6 * len(names) + 5, 4.5))
     bottom = np.zeros(len(names))
     for part, vals in parts.items():
