@@ -355,6 +355,7 @@ def _loop(run: Run, cfg: Config, progress: bool, stop_after: int | None, signals
     pending: deque = deque()
     window: list[tuple[float, float]] = []  # (loss, grad_norm) since the last log
     last_log_t, last_log_step = time.perf_counter(), start_step
+    eval_s = 0.0  # evaluation time inside the current log window, not counted as step time
     summary: dict[str, Any] = {"compile_s": compile_s, "params": n_params}
     nan_steps = _injected_nan_steps()
     streak: list[int] = []  # the current run of skipped (non-finite) steps
@@ -399,7 +400,7 @@ def _loop(run: Run, cfg: Config, progress: bool, stop_after: int | None, signals
                 + (f"step {last} in {ckpt.directory}" if last is not None else "none"))
         if window and (done % c.log_every == 0 or done == c.steps or stop) and not pending:
             now = time.perf_counter()
-            dt = (now - last_log_t) / max(1, done - last_log_step)
+            dt = (now - last_log_t - eval_s) / max(1, done - last_log_step)
             tps = tokens_per_step / dt
             rec = {"step": done, "loss": float(np.mean([w[0] for w in window])),
                    "lr": float(run.schedule(done - 1)), "grad_norm": float(np.mean([w[1] for w in window])),
@@ -411,14 +412,15 @@ def _loop(run: Run, cfg: Config, progress: bool, stop_after: int | None, signals
             log.write(rec)
             summary.update(train_loss=rec["loss"], tokens_per_s=tps)
             window.clear()
-            last_log_t, last_log_step = time.perf_counter(), done
+            last_log_t, last_log_step, eval_s = time.perf_counter(), done, 0.0
         if val and not stop and (done % c.eval_every == 0 or done == c.steps):
+            t_eval = time.perf_counter()
             vl = evaluate(run, state.params, val)
             log.write({"step": done, "val_loss": vl})
             summary["val_loss"] = vl
             if bar is not None:
                 bar.write(f"step {done}: val_loss {vl:.4f} ({vl / math.log(2):.3f} bits/token)")
-            last_log_t = time.perf_counter()
+            eval_s += time.perf_counter() - t_eval
         # No periodic checkpoint inside a run of skipped steps: the newest one stays
         # the last good update (the state is unchanged, only the data position moved).
         if save and (not streak or stop or done == c.steps):
