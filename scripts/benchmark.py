@@ -90,7 +90,7 @@ def bench_fsdp(cfg, strategy: str, devices, steps: int, warmup: int):
     compiled = step.lower(state, batch).compile()
     compile_s = time.perf_counter() - t
     _, times = time_steps(compiled, state, batch, steps, warmup)
-    return compile_s, times, compiled_memory(compiled)["peak"]
+    return compile_s, times, compiled_memory(compiled)
 
 
 def bench_plain_dp(cfg, devices, steps: int, warmup: int):
@@ -130,7 +130,7 @@ def bench_plain_dp(cfg, devices, steps: int, warmup: int):
     compiled = jitted.lower((params, opt_state), batch).compile()
     compile_s = time.perf_counter() - t
     _, times = time_steps(compiled, (params, opt_state), batch, steps, warmup)
-    return compile_s, times, compiled_memory(compiled)["peak"]
+    return compile_s, times, compiled_memory(compiled)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -191,19 +191,21 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(("single_device", lambda: bench_fsdp(cfg, "no_shard", devices[:1], args.steps, args.warmup)))
             rows.append(("plain_dp", lambda: bench_plain_dp(cfg, devices, args.steps, args.warmup)))
         for name, fn in rows:
-            compile_s, times, peak_bytes = fn()
+            compile_s, times, mem = fn()
+            peak_bytes = mem["peak"]
             med = statistics.median(times)
             rec = {"strategy": name, "devices": 1 if name == "single_device" else n_dev,
                    "compile_s": round(compile_s, 4), "step_s_median": med, "step_s_min": min(times),
                    "step_s_max": max(times), "tokens_per_s": tokens / med,
                    "mfu": mfu(fpt, tokens / med, 1 if name == "single_device" else n_dev, peak),
-                   "peak_bytes": int(peak_bytes), **{k: v for k, v in combo.items() if k != "devices"}}
+                   "peak_bytes": int(peak_bytes), "argument_bytes": mem["argument"], **{k: v for k, v in combo.items() if k != "devices"}}
             results.append(rec)
             if not args.json:
                 extra = " ".join(f"{k}={v}" for k, v in combo.items())
                 print(f"{name:14s} {extra:24s} compile {compile_s:7.2f}s  step {med * 1e3:8.1f} ms "
                       f"[{min(times) * 1e3:.1f}-{max(times) * 1e3:.1f}]  {tokens / med:10.0f} tok/s  "
-                      f"peak {peak_bytes / 2**20:8.1f} MiB", flush=True)
+                      f"peak {peak_bytes / 2**20:8.1f} MiB  state+batch {mem['argument'] / 2**20:7.2f} MiB",
+                      flush=True)
     doc = {"config": args.config, "devices": jax.device_count(), "backend": jax.default_backend(),
            "device_kind": devices_all[0].device_kind, "steps": args.steps, "overrides": args.overrides,
            "sweeps": {k: v for k, v in sweeps}, "results": results}
@@ -215,22 +217,26 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def plot(doc: dict, key: str, out: str) -> None:
+    """One line per strategy and combination of the other swept keys, against `key`."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    others = [k for k in doc["sweeps"] if k != key]
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    by_strategy: dict[str, list[dict]] = {}
+    lines: dict[str, list[dict]] = {}
     for r in doc["results"]:
-        by_strategy.setdefault(r["strategy"], []).append(r)
-    for name, rs in by_strategy.items():
-        xs = [float(r.get(key, r.get("devices"))) if key != "devices" else r["devices"] for r in rs]
+        label = " ".join([r["strategy"]] + [f"{k.rsplit('.', 1)[-1]}={r.get(k)}" for k in others])
+        lines.setdefault(label, []).append(r)
+    for label, rs in lines.items():
+        xs = [r["devices"] if key == "devices" else float(r[key]) for r in rs]
         for ax, field, scale in zip(axes, ("step_s_median", "compile_s", "peak_bytes"), (1e3, 1, 2**-20)):
-            ax.plot(xs, [r[field] * scale for r in rs], "o-", label=name)
+            ax.plot(xs, [r[field] * scale for r in rs], "o-", label=label)
     for ax, title in zip(axes, ("step time (ms)", "compile time (s)", "compiled peak per device (MiB)")):
         ax.set(xlabel=key, title=title)
         ax.grid(alpha=0.3)
-    axes[0].legend()
+    axes[1].legend()
+    fig.suptitle(f"{doc['config']} on {doc['devices']} x {doc['device_kind']}")
     fig.tight_layout()
     fig.savefig(out, dpi=100)
 
