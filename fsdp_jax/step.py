@@ -197,7 +197,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, pl
             grads = jax.tree.map(lambda g: g / microbatches, acc)
             loss = loss_sum / microbatches
         grads = wrt.full_grads(grads, grad_sh)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         if clip is not None:
             grads, _ = clip.update(grads, clip.init(grads))
         def apply(st: TrainState, g) -> TrainState:

@@ -115,7 +115,7 @@ def test_materialised_nnx_module_state_and_linen_variables():
         sm = shard_model(given, SGD, mesh)
         assert jax.tree.map(lambda a: a.sharding.spec, sm.state.params) == \
             jax.tree.map(lambda a: a.sharding.spec, from_fn.state.params)
-    y = shard_model(module, SGD, mesh).apply(nnx.state(module, nnx.Param).to_pure_dict(), x)
+    y = shard_model(module, SGD, mesh).apply(nnx.to_pure_dict(nnx.state(module, nnx.Param)), x)
     np.testing.assert_allclose(y, module(x), rtol=1e-6)
 
     tokens = jnp.zeros((1, linen_ex.CFG.max_len), jnp.int32)

@@ -133,7 +133,7 @@ def test_clipping_matches_single_device(batches):
 def test_grad_norm_is_global(batches):
     m, loss_fn = tiny_llama()
     p0 = jax.jit(m.init)(jax.random.key(0))
-    ref = optax.global_norm(jax.grad(loss_fn)(p0, batches[0]))
+    ref = optax.tree.norm(jax.grad(loss_fn)(p0, batches[0]))
     _, plan, _ = run_fsdp("full_shard", optax.sgd(0.0), [])
     state, _ = fj.init_train_state(m.init, optax.sgd(0.0), plan.mesh, jax.random.key(0),
                                    logical_axes=m.logical_axes)
