@@ -437,3 +437,24 @@ def load_safetensors(path: str | os.PathLike, abstract_params) -> Any:
                                             lambda idx: np.asarray(src[idx]).astype(sds.dtype))
     leaves = [place(name, sds) for name, sds in want.items()]
     return jax.tree.unflatten(jax.tree.structure(abstract_params), leaves)
+
+
+def load_init_params(path: str | os.PathLike, abstract_params) -> Any:
+    """Params for a run's `init_from`, laid out as `abstract_params` (ShapeDtypeStructs
+    with shardings): a safetensors file (scripts/export.py) or a run / checkpoint
+    directory (its newest step that restores; only params are read, damaged steps are
+    reported on process 0). Failures raise CheckpointError("init_from: ...")."""
+    p = Path(path)
+    try:
+        if p.is_file() or p.suffix == ".safetensors":
+            return load_safetensors(p, abstract_params)
+        d = p / "checkpoints" if (p / "checkpoints").is_dir() else p
+        if not d.is_dir():
+            raise CheckpointError(f"{path}: no such file or directory")
+        params, _, notes = Checkpointer(d, read_only=True, keep=None).restore_params(abstract_params)
+        for n in notes:
+            if jax.process_index() == 0:
+                print(f"warning: {n}", flush=True)
+        return params
+    except CheckpointError as e:
+        raise CheckpointError(f"init_from: {e}") from None

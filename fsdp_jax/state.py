@@ -68,6 +68,17 @@ def init_train_state(init_params: Callable[[jax.Array], Any], optimizer: optax.G
     return state, plan
 
 
+def state_from_params(params, optimizer: optax.GradientTransformation, plan: ShardingPlan) -> TrainState:
+    """A step-0 TrainState around existing params (in `plan.params` layout) with fresh
+    optimizer state; params are passed as arguments, not baked into the program, and
+    donated (do not use `params` afterwards)."""
+    def init(p):
+        return TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=optimizer.init(p))
+    with jax.set_mesh(plan.mesh):
+        return jax.jit(init, in_shardings=(plan.params,), out_shardings=state_shardings(plan),
+                       donate_argnums=0)(params)
+
+
 def shard_params(params, plan: ShardingPlan):
     """Place an existing param tree (host or device arrays) into `plan`'s at-rest layout."""
     return jax.device_put(params, plan.params)

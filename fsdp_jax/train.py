@@ -2,47 +2,45 @@
 
 `setup(cfg)` builds everything a run needs and returns it as a `Run`; `train(cfg)`
 runs the loop, logging to a tqdm bar, `metrics.jsonl` and (optionally)
-TensorBoard, evaluating every `eval_every` steps and sampling text at the end.
+TensorBoard (`fsdp_jax.metrics_log`), evaluating every `eval_every` steps and
+sampling text at the end.
 
 Fault tolerance: checkpoints go to `<run_dir>/checkpoints` every `checkpoint_every`
 steps and at the end (asynchronously); running the same command again resumes
 exactly from the newest checkpoint that restores (data order and LR schedule
 included). SIGTERM/SIGINT finish the step, checkpoint and return normally; a
-second signal exits at once. `max_nonfinite_steps` skipped steps in a row raise
+second signal exits at once (`fsdp_jax.preemption`). `max_nonfinite_steps` skipped steps in a row raise
 `TrainingDiverged` with the last good checkpoint intact.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
-import signal
-import threading
 import time
 from collections import deque
 from pathlib import Path
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from fsdp_jax import data as data_lib
 from fsdp_jax.adapters import ModelFns, from_nnx
-from fsdp_jax.checkpoint import Checkpointer, CheckpointError, Restored, load_safetensors
+from fsdp_jax.checkpoint import Checkpointer, Restored, load_init_params
 from fsdp_jax.config import Config, check_data, config_to_dict, save_config, validate
 from fsdp_jax.memory import compiled_memory
+from fsdp_jax.metrics_log import LogWindow, MetricsLog, sample_text
 from fsdp_jax.mesh import make_mesh
-from fsdp_jax.models.llama import Llama, count_params, cross_entropy, flops_per_token, sample
+from fsdp_jax.models.llama import Llama, count_params, cross_entropy, flops_per_token
 from fsdp_jax.optim import build_optimizer
-from fsdp_jax.perf import device_memory, mfu, peak_flops
+from fsdp_jax.perf import peak_flops
 from fsdp_jax.precision import Policy
-from fsdp_jax.state import TrainState, abstract_state, init_train_state, state_shardings
-from fsdp_jax.step import make_eval_step, make_train_step, sharding_context
-from fsdp_jax.strategy import ShardingPlan, batch_divisor, make_plan
+from fsdp_jax.preemption import StopSignals
+from fsdp_jax.state import TrainState, abstract_state, init_train_state, state_from_params
+from fsdp_jax.step import make_eval_step, make_train_step
+from fsdp_jax.strategy import ShardingPlan, make_plan
 
 # Test hook: comma-separated step numbers (1-based, as logged) whose loss is made NaN
 # by feeding an out-of-range token (jnp.take fills it with NaN), e.g. "5,6,7".
@@ -147,36 +145,6 @@ def setup(cfg: Config, init_params: Callable | None = None, *, resume: bool = Tr
                run_dir, is_main, ckpt, rng, restored, start)
 
 
-def state_from_params(params, optimizer, plan: ShardingPlan) -> TrainState:
-    """A step-0 TrainState around existing params (in `plan.params` layout) with fresh
-    optimizer state; params are passed as arguments, not baked into the program."""
-    def init(p):
-        return TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=optimizer.init(p))
-    with jax.set_mesh(plan.mesh):
-        return jax.jit(init, in_shardings=(plan.params,), out_shardings=state_shardings(plan),
-                       donate_argnums=0)(params)
-
-
-def load_init_params(path: str, abstract_params):
-    """Params for `init_from`, laid out as `abstract_params` (ShapeDtypeStructs with
-    shardings): a safetensors file (scripts/export.py) or a run / checkpoint directory
-    (its newest checkpoint that restores; only params are read)."""
-    p = Path(path)
-    try:
-        if p.is_file() or p.suffix == ".safetensors":
-            return load_safetensors(p, abstract_params)
-        d = p / "checkpoints" if (p / "checkpoints").is_dir() else p
-        if not d.is_dir():
-            raise CheckpointError(f"{path}: no such file or directory")
-        params, _, notes = Checkpointer(d, read_only=True, keep=None).restore_params(abstract_params)
-        for n in notes:
-            if jax.process_index() == 0:
-                print(f"warning: {n}", flush=True)
-        return params
-    except CheckpointError as e:
-        raise CheckpointError(f"init_from: {e}") from None
-
-
 def _rng_from(saved: dict | None, default: jax.Array) -> jax.Array:
     if not saved:
         return default
@@ -210,89 +178,6 @@ def evaluate(run: Run, params, batches) -> float:
     return float(np.mean([float(x) for x in losses]))
 
 
-class MetricsLog:
-    """Appends JSON lines to run_dir/metrics.jsonl (process 0) and mirrors scalars to
-    TensorBoard when enabled."""
-
-    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool):
-        self.enabled = enabled
-        self.path = run_dir / "metrics.jsonl"
-        self.tb = None
-        if enabled and tensorboard:
-            from tensorboardX import SummaryWriter
-            self.tb = SummaryWriter(str(run_dir / "tb"))
-
-    def write(self, record: dict) -> None:
-        if not self.enabled:
-            return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-        if self.tb is not None:
-            for k, v in record.items():
-                if k != "step" and isinstance(v, (int, float)) and v is not None:
-                    self.tb.add_scalar(k, v, record["step"])
-
-    def truncate(self, step: int) -> None:
-        """Drop records after `step` (written by a run that died after its last checkpoint)."""
-        if not self.enabled or not self.path.exists():
-            return
-        keep = []
-        for line in self.path.read_text().splitlines():
-            try:
-                if json.loads(line).get("step", 0) <= step:
-                    keep.append(line)
-            except ValueError:  # a line cut short by a crash
-                pass
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text("".join(line + "\n" for line in keep))
-        os.replace(tmp, self.path)
-
-    def close(self):
-        if self.tb is not None:
-            self.tb.close()
-
-
-class _StopSignals:
-    """SIGTERM / SIGINT ask the loop to stop after the current step (it checkpoints and
-    returns normally); a second signal exits at once. Handlers are installed only in
-    the main thread and restored on exit."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self):
-        self.signum: int | None = None
-        self._old: dict = {}
-
-    def __enter__(self) -> "_StopSignals":
-        if threading.current_thread() is threading.main_thread():
-            self._old = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for s, h in self._old.items():
-            signal.signal(s, h)
-
-    def _handle(self, signum, frame) -> None:
-        if self.signum is not None:
-            os.write(2, f"\n{signal.Signals(signum).name} again: exiting now\n".encode())
-            os._exit(128 + signum)
-        self.signum = signum
-        os.write(2, f"\n{signal.Signals(signum).name}: finishing this step, then checkpointing and "
-                    "exiting (send it again to exit now)\n".encode())
-
-    @property
-    def name(self) -> str | None:
-        return None if self.signum is None else signal.Signals(self.signum).name
-
-    def requested(self) -> bool:
-        """Whether any process got a signal (all processes agree, so all stop at one step)."""
-        flag = self.signum is not None
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-            flag = bool(np.max(multihost_utils.process_allgather(np.int32(flag))))
-        return flag
-
-
 def _injected_nan_steps() -> set[int]:
     text = os.environ.get(INJECT_NAN_ENV, "")
     try:
@@ -307,7 +192,7 @@ def train(cfg: Config, *, init_params: Callable | None = None, progress: bool = 
     returns a summary dict (final train/val loss, tokens/s, sample; `preempted` when a
     signal or `stop_after` (a step number) ended it early, after checkpointing).
     Raises TrainingDiverged after `train.max_nonfinite_steps` skipped steps in a row."""
-    with _StopSignals() as signals:  # from here on, until the last write is committed
+    with StopSignals() as signals:  # from here on, until the last write is committed
         run = setup(cfg, init_params)
         try:
             return _loop(run, cfg, progress, stop_after, signals)
@@ -315,7 +200,7 @@ def train(cfg: Config, *, init_params: Callable | None = None, progress: bool = 
             run.checkpointer.close()  # waits for checkpoint writes in flight
 
 
-def _loop(run: Run, cfg: Config, progress: bool, stop_after: int | None, signals: _StopSignals) -> dict:
+def _loop(run: Run, cfg: Config, progress: bool, stop_after: int | None, signals: StopSignals) -> dict:
     c, ckpt = cfg.train, run.checkpointer
     if run.is_main:
         run.run_dir.mkdir(parents=True, exist_ok=True)
@@ -338,9 +223,6 @@ def _loop(run: Run, cfg: Config, progress: bool, stop_after: int | None, signals
     compile_s = time.perf_counter() - t0
     mem = compiled_memory(compiled)
     n_params = count_params(cfg.model)
-    fpt = flops_per_token(cfg.model, cfg.data.seq_len)
-    peak = peak_flops(jax.devices()[0], Policy.parse(cfg.precision).compute_dtype.name)
-    tokens_per_step = c.global_batch * cfg.data.seq_len
     if run.is_main:
         print(f"fsdp_jax: {n_params / 1e6:.2f}M params | {jax.device_count()} devices "
               f"{dict(run.mesh.shape)} | {run.plan.strategy.name} | {cfg.precision} | remat {cfg.remat} | "
@@ -353,9 +235,10 @@ def _loop(run: Run, cfg: Config, progress: bool, stop_after: int | None, signals
         bar = tqdm(total=c.steps, initial=start_step, dynamic_ncols=True, desc="train")
     state = run.state
     pending: deque = deque()
-    window: list[tuple[float, float]] = []  # (loss, grad_norm) since the last log
-    last_log_t, last_log_step = time.perf_counter(), start_step
-    eval_s = 0.0  # evaluation time inside the current log window, not counted as step time
+    window = LogWindow(start_step, schedule=run.schedule, tokens_per_step=c.global_batch * cfg.data.seq_len,
+                       flops_per_token=flops_per_token(cfg.model, cfg.data.seq_len),
+                       peak_flops=peak_flops(jax.devices()[0], Policy.parse(cfg.precision).compute_dtype.name),
+                       n_devices=jax.device_count(), compiled_peak_bytes=mem["peak"])
     summary: dict[str, Any] = {"compile_s": compile_s, "params": n_params}
     nan_steps = _injected_nan_steps()
     streak: list[int] = []  # the current run of skipped (non-finite) steps
@@ -385,7 +268,7 @@ def _loop(run: Run, cfg: Config, progress: bool, stop_after: int | None, signals
                               f"update skipped ({len(streak)} in a row)", flush=True)
                 else:
                     streak.clear()
-                window.append((loss, gnorm))
+                window.add(loss, gnorm)
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(loss=f"{loss:.3f}")
@@ -399,20 +282,10 @@ def _loop(run: Run, cfg: Config, progress: bool, stop_after: int | None, signals
                 f"train.max_nonfinite_steps={c.max_nonfinite_steps}); stopped. Newest checkpoint: "
                 + (f"step {last} in {ckpt.directory}" if last is not None else "none"))
         if window and (done % c.log_every == 0 or done == c.steps or stop) and not pending:
-            now = time.perf_counter()
-            dt = (now - last_log_t - eval_s) / max(1, done - last_log_step)
-            tps = tokens_per_step / dt
-            rec = {"step": done, "loss": float(np.mean([w[0] for w in window])),
-                   "lr": float(run.schedule(done - 1)), "grad_norm": float(np.mean([w[1] for w in window])),
-                   "step_time_s": dt, "tokens_per_s": tps, "mfu": mfu(fpt, tps, jax.device_count(), peak),
-                   "compiled_peak_bytes": mem["peak"]}
-            dm = device_memory()
-            if dm:
-                rec["peak_bytes_in_use"] = dm["peak_bytes_in_use"]
+            rec = window.record(done)
             log.write(rec)
-            summary.update(train_loss=rec["loss"], tokens_per_s=tps)
-            window.clear()
-            last_log_t, last_log_step, eval_s = time.perf_counter(), done, 0.0
+            summary.update(train_loss=rec["loss"], tokens_per_s=rec["tokens_per_s"])
+            window.reset(done)
         if val and not stop and (done % c.eval_every == 0 or done == c.steps):
             t_eval = time.perf_counter()
             vl = evaluate(run, state.params, val)
@@ -420,7 +293,7 @@ def _loop(run: Run, cfg: Config, progress: bool, stop_after: int | None, signals
             summary["val_loss"] = vl
             if bar is not None:
                 bar.write(f"step {done}: val_loss {vl:.4f} ({vl / math.log(2):.3f} bits/token)")
-            eval_s += time.perf_counter() - t_eval
+            window.add_eval_time(time.perf_counter() - t_eval)
         # No periodic checkpoint inside a run of skipped steps: the newest one stays
         # the last good update (the state is unchanged, only the data position moved).
         if save and (not streak or stop or done == c.steps):
@@ -437,46 +310,15 @@ def _loop(run: Run, cfg: Config, progress: bool, stop_after: int | None, signals
         if run.is_main:
             print(f"stopped ({summary['preempted']}) after step {done}: checkpoint "
                   f"{ckpt.step_dir(done)} written", flush=True)
-        log.close()
-        summary["run"] = run
-        return summary
-    if c.sample_tokens:
-        summary["sample"] = _sample_text(run, state.params, val)
-    if run.is_main:
-        print(f"final: train_loss {summary.get('train_loss', float('nan')):.4f}"
-              + (f" | val_loss {summary['val_loss']:.4f} nats/token" if "val_loss" in summary else ""),
-              flush=True)
-        if "sample" in summary:
-            print("sample:\n" + summary["sample"], flush=True)
+    else:
+        if c.sample_tokens:
+            summary["sample"] = sample_text(run.model, run.plan, cfg, state.params, val, run.rng)
+        if run.is_main:
+            print(f"final: train_loss {summary.get('train_loss', float('nan')):.4f}"
+                  + (f" | val_loss {summary['val_loss']:.4f} nats/token" if "val_loss" in summary else ""),
+                  flush=True)
+            if "sample" in summary:
+                print("sample:\n" + summary["sample"], flush=True)
     log.close()
     summary["run"] = run
     return summary
-
-
-def _sample_text(run: Run, params, val) -> str:
-    """A short continuation of a validation prompt, decoded as bytes (byte tokenizer).
-    The forward runs sharded like training (the prompt is repeated over the batch
-    devices), so it works for any model the run can train, on every process."""
-    cfg, plan = run.cfg, run.plan
-    n = batch_divisor(plan.mesh)
-    window = cfg.model.max_seq_len
-    policy = Policy.parse(cfg.precision)
-
-    def fwd(p, buf, pos):
-        tokens = jnp.broadcast_to(buf[None, :], (n, window))
-        logits = run.model.apply(policy.cast_to_compute(p), tokens)
-        return jax.lax.dynamic_index_in_dim(logits[0], pos - 1, keepdims=False).astype(jnp.float32)
-
-    replicated = NamedSharding(plan.mesh, P())
-    jitted = jax.jit(fwd, in_shardings=(plan.params, replicated, replicated), out_shardings=replicated)
-
-    def next_logits(buf, pos):
-        with sharding_context(plan):
-            return jax.device_get(jitted(params, jnp.asarray(buf), jnp.int32(pos)))
-
-    prompt = (np.asarray(val[0][0][:48]) if val else np.frombuffer(b"def ", np.uint8)).astype(np.int32)
-    out = sample(next_logits, prompt, cfg.train.sample_tokens, window, run.rng)
-    if data_lib.load_meta(cfg.data.path).get("tokenizer") == "bytes":
-        text = bytes(prompt.tolist()).decode("utf-8", "replace")
-        return text + "\u2016" + bytes([t % 256 for t in out]).decode("utf-8", "replace")
-    return " ".join(map(str, out))
