@@ -9,7 +9,9 @@ functions as `fsdp_jax.train.setup`), but from abstract inputs only
 (`ShapeDtypeStruct`s carrying shardings, `fsdp_jax.state.abstract_state`), and
 AOT-compiles it: nothing is allocated, so a 7B or 70B model plans on a laptop.
 When this process has fewer than N devices, the compile runs in a child process
-with N fake CPU devices (`jax_num_cpu_devices=N`).
+with N fake CPU devices (`jax_num_cpu_devices=N`). The user's side (parsing sizes and
+strategy lists, the scripts' start-up, the warnings' wording, the tables and the plot)
+is `fsdp_jax.plan_report`, whose public names are importable from here too.
 
 Two sets of numbers, kept apart:
 
@@ -57,7 +59,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -71,70 +72,13 @@ from fsdp_jax import axes as ax
 from fsdp_jax import rules as rl
 from fsdp_jax.memory import (collective_report, compiled_memory, shard_bytes, tree_bytes,
                              tree_bytes_per_device)
+from fsdp_jax.plan_report import (  # noqa: F401  (some only re-exported)
+    CLASSIC_NAMES, COMPILED_OVER_ANALYTIC, DEFAULT_REPLICATED_THRESHOLD, STRATEGY_ORDER, PlanError,
+    check_inputs, fmt_bytes, format_inspection, format_table, load_planning_config, parse_bytes,
+    parse_devices, parse_strategies, plot_plan, replicated_threshold_for, sharding_warnings,
+    use_cpu_devices)
 from fsdp_jax.precision import Policy
 from fsdp_jax.strategy import get_strategy
-
-# The classic table's order: DDP, ZeRO-1, ZeRO-2, ZeRO-3, then HSDP.
-STRATEGY_ORDER = ("no_shard", "shard_opt", "shard_grad_op", "full_shard", "hybrid_shard")
-CLASSIC_NAMES = {"no_shard": "DDP", "shard_opt": "ZeRO-1", "shard_grad_op": "ZeRO-2",
-                 "full_shard": "FSDP/ZeRO-3", "hybrid_shard": "HSDP"}
-DEFAULT_REPLICATED_THRESHOLD = 1 << 20  # bytes: replicated params at least this big are flagged
-COMPILED_OVER_ANALYTIC = 0.10  # flag a compiled peak this much above the analytic total
-
-
-class PlanError(ValueError):
-    """Bad planner input (device count, memory size, strategy list)."""
-
-
-# ----------------------------------------------------------------------------- inputs
-
-_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
-          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
-
-
-def parse_bytes(text: str | int, what: str = "--device-memory") -> int:
-    """'80GB' -> 80e9, '80GiB' -> 80 * 2**30, '141G' -> 141e9, '1.5TB', '4096' (bytes).
-    K/M/G/T are decimal (as GPU vendors quote memory), Ki/Mi/Gi/Ti binary."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        value, unit = float(text), ""
-    else:
-        m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)(?:[eE](\d+))?\s*([KMGTkmgt]i?)?[Bb]?\s*", str(text))
-        if not m:
-            raise PlanError(f"{what}: {text!r} is not a size; use e.g. 80GB, 80GiB, 141GB")
-        value = float(m.group(1)) * (10 ** int(m.group(2)) if m.group(2) else 1)
-        unit = (m.group(3) or "").lower()
-    n = int(value * _UNITS[unit])
-    if n <= 0:
-        raise PlanError(f"{what}: {text!r} must be > 0")
-    return n
-
-
-def parse_strategies(text: str | Sequence[str] | None, what: str = "--strategies") -> list[str]:
-    """'all' (or None) -> every strategy in STRATEGY_ORDER; 'a,b' -> canonical names (aliases ok)."""
-    if text is None or (isinstance(text, str) and text.strip().lower() == "all"):
-        return list(STRATEGY_ORDER)
-    names = text.split(",") if isinstance(text, str) else list(text)
-    out = []
-    for n in (x.strip() for x in names):
-        if not n:
-            continue
-        try:
-            s = get_strategy(n).name
-        except ValueError as e:
-            raise PlanError(f"{what}: {e}") from None
-        if s not in out:
-            out.append(s)
-    if not out:
-        raise PlanError(f"{what}: {text!r} names no strategy; use all or e.g. full_shard,no_shard")
-    return out
-
-
-def fmt_bytes(n: float) -> str:
-    """Decimal units, as GPU memory is quoted: 13.48 GB."""
-    for unit, k in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if abs(n) >= k:
-            return f"{n / k:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 # ----------------------------------------------------------------------------- the step, abstractly
@@ -302,73 +246,7 @@ def _batch_per_device(build: StepBuild) -> int:
     return build.cfg.train.global_batch // build.cfg.train.microbatches // n
 
 
-# ----------------------------------------------------------------------------- warnings
-
-def _as_row(r) -> dict[str, Any]:
-    return r.as_dict() if hasattr(r, "as_dict") else dict(r)
-
-
-def sharding_warnings(rows, report: dict[str, Any] | None, strategy: str, mesh_shape_: dict[str, int],
-                      *, analytic_total: int | None = None, compiled_peak: int | None = None,
-                      layer_gather_bytes: int | None = None, cpu_upcast: bool = False,
-                      replicated_threshold: int = DEFAULT_REPLICATED_THRESHOLD) -> list[str]:
-    """Problems a user can act on, one sentence each.
-
-    `rows`: the plan's at-rest rows (`LeafSharding` or their `as_dict()`); `report`:
-    `collective_report` of the compiled step; `layer_gather_bytes`: the bytes one
-    step may legitimately all-gather outside the layer loop (unstacked params), so
-    anything well above it means the per-layer gathers were hoisted.
-    """
-    s = get_strategy(strategy)
-    out: list[str] = []
-    rows = [_as_row(r) for r in rows]
-    group = [a for a in s.params if mesh_shape_.get(a, 1) > 1]
-    if group:
-        big = [r for r in rows if not any(a in r["spec"] for a in group)
-               and r["total_bytes"] >= replicated_threshold]
-        for r in sorted(big, key=lambda r: -r["total_bytes"]):
-            out.append(f"replicated parameter: {r['path']} {tuple(r['shape'])} {r['spec']} holds "
-                       f"{fmt_bytes(r['total_bytes'])} on every device ({r['reason']}); annotate it "
-                       f"with logical names that map to fsdp (e.g. 'embed'), or fix the rule that "
-                       f"maps it to no axis")
-    if report is not None:
-        a2a = report["per_step"].get("all-to-all")
-        if a2a:
-            names = sorted({n.split("/")[-1] for w in ("inside_loop", "outside_loop")
-                            for n in report[w].get("all-to-all", {}).get("op_names", [])})[:4]
-            out.append(f"activations resharded with all-to-all: {a2a['count']} per step, "
-                       f"{fmt_bytes(a2a['bytes'])} (ops: {', '.join(names) or '?'}); the partitioner "
-                       f"chose its own activation layout: constrain block inputs/outputs to "
-                       f"batch over (data, fsdp) with flax.linen.with_logical_constraint")
-        ag_out = report["outside_loop"].get("all-gather", {}).get("bytes", 0)
-        if group and not s.gather_once and layer_gather_bytes is not None:
-            if not report["loops"]:
-                if report["per_step"].get("all-gather"):
-                    out.append("no layer loop in the compiled step: parameter all-gathers cannot be "
-                               "checked for hoisting; scan the layers (nnx.scan) to keep them per layer")
-            elif ag_out > 1.5 * layer_gather_bytes + (1 << 20):
-                out.append(f"parameter all-gathers hoisted out of the layer loop: {fmt_bytes(ag_out)} "
-                           f"gathered outside it (expected <= {fmt_bytes(layer_gather_bytes)} for the "
-                           f"unstacked params), so the full model is resident; check that the layer "
-                           f"params stay inside the scanned body and that nothing constrains them "
-                           f"to a replicated layout")
-    if analytic_total and compiled_peak and compiled_peak > (1 + COMPILED_OVER_ANALYTIC) * analytic_total:
-        why = (" XLA:CPU upcasts bf16 matmuls and collectives to f32, which inflates temp: "
-               "recheck on the target accelerator" if cpu_upcast else "")
-        out.append(f"{strategy}: compiled peak {fmt_bytes(compiled_peak)} exceeds the analytic "
-                   f"estimate {fmt_bytes(analytic_total)} by {compiled_peak / analytic_total - 1:.0%} "
-                   f"(> {COMPILED_OVER_ANALYTIC:.0%}).{why}")
-    return out
-
-
 # ----------------------------------------------------------------------------- one strategy
-
-def replicated_threshold_for(param_bytes: int, threshold: int | None = None) -> int:
-    """The size from which a replicated parameter is flagged: `threshold`, or by default
-    the larger of 1 MiB and 0.1% of all parameter bytes (so a 70B model's stacked norm
-    scales, 2.6 MB each, pass, while a replicated embedding table does not)."""
-    return threshold if threshold is not None else max(DEFAULT_REPLICATED_THRESHOLD, param_bytes // 1000)
-
 
 def inspect_compiled(plan, compiled, *, logical_axes=None, analytic_total: int | None = None,
                      compute_dtype="float32", replicated_threshold: int | None = None) -> dict[str, Any]:
@@ -480,10 +358,7 @@ def _child_main() -> int:
     """`python -m fsdp_jax.planner` < request.json: compile on N fake CPU devices,
     print the results as JSON. Set up before JAX initialises its backends."""
     req = json.loads(sys.stdin.read())
-    jax.config.update("jax_num_cpu_devices", int(req["devices"]))
-    cache = os.environ.get("FSDP_JAX_CACHE_DIR")
-    if cache:
-        jax.config.update("jax_compilation_cache_dir", cache)
+    use_cpu_devices(int(req["devices"]))
     from fsdp_jax.cli import BAD_INPUT, fail
     from fsdp_jax.config import config_from_dict
     try:
@@ -495,16 +370,6 @@ def _child_main() -> int:
         return fail(e)
     json.dump(out, sys.stdout)
     return 0
-
-
-def check_inputs(cfg, n_devices: int, strategies: Sequence[str]) -> None:
-    """Device count, mesh and batch divisibility for every strategy, before compiling."""
-    from fsdp_jax.config import validate
-    if not isinstance(n_devices, int) or isinstance(n_devices, bool) or n_devices < 1:
-        raise PlanError(f"--devices: {n_devices!r} must be a positive integer")
-    validate(cfg, n_devices=n_devices)  # mesh sizes and batch divisibility (hybrid keeps data*fsdp)
-    for s in strategies:
-        get_strategy(s)
 
 
 def plan_config(cfg, n_devices: int, strategies: Sequence[str] | str | None = None, *,
@@ -556,124 +421,6 @@ def _abstract_params(cfg):
     from fsdp_jax.adapters import from_nnx
     from fsdp_jax.models.llama import Llama
     return from_nnx(lambda rngs: Llama(cfg.model, rngs=rngs)).abstract_params
-
-
-# ----------------------------------------------------------------------------- output
-
-def format_table(doc: dict[str, Any]) -> str:
-    """The classic per-device table (params, grads, optimizer state, states total),
-    then measured vs analytic columns, fit and headroom."""
-    biggest = max(max(r["compiled"]["peak"], r["analytic"]["total"]) for r in doc["strategies"].values())
-    unit, k = next((u, k) for u, k in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3), ("B", 1))
-                   if biggest >= 10 * k or k == 1)
-    gb = lambda n: f"{n / k:9.2f}"  # noqa: E731
-    lines = [f"{doc['config'] or 'config'}: {doc['params'] / 1e9:.3f}B params "
-             f"({doc['params']:,}), {doc['devices']} devices; bytes per device in {unit} "
-             f"(1 {unit} = {k:.0e} bytes)"]
-    lines += ["  " + n for n in doc["notes"]]
-    lines.append("")
-    lines.append("analytic (states = params + grads + optimizer, from the sharding plan; gathered and "
-                 "activations from formulas; total = states + gathered + activations + batch):")
-    hdr = (f"{'strategy':<14}{'as':<13}{'params':>9}{'grads':>9}{'optim':>9}{'states':>9}"
-           f"{'B/param':>9}{'gathered':>9}{'activ':>9}{'total':>9}")
-    lines += [hdr, "-" * len(hdr)]
-    for name, r in doc["strategies"].items():
-        a = r["analytic"]
-        lines.append(f"{name:<14}{r['classic_name']:<13}{gb(a['params'])}{gb(a['grads'])}"
-                     f"{gb(a['optimizer'])}{gb(a['states'])}{r['bytes_per_param']:9.2f}"
-                     f"{gb(a['gathered'])}{gb(a['activations'])}{gb(a['total'])}")
-    lines.append("")
-    lines.append("compiled (memory_analysis() of the AOT-compiled train step; measured):")
-    hdr = (f"{'strategy':<14}{'mesh':<10}{'argument':>9}{'arg/ana':>8}{'temp':>9}{'peak':>9}"
-           f"{'fits':>6}{'headroom':>10}{'compile':>9}")
-    lines += [hdr, "-" * len(hdr)]
-    for name, r in doc["strategies"].items():
-        c, m = r["compiled"], r["mesh"]
-        fits = "-" if r["fits"] is None else ("yes" if r["fits"] else "NO")
-        head = "" if r["headroom"] is None else gb(r["headroom"])
-        lines.append(f"{name:<14}{m.get('data', 1)}x{m.get('fsdp', 1)}x{m.get('tensor', 1):<6}"
-                     f"{gb(c['argument'])}{r['argument_vs_analytic']:+8.2%}{gb(c['temp'])}"
-                     f"{gb(c['peak'])}{fits:>6}{head:>10}{r['compile_s']:8.1f}s")
-    if doc.get("device_memory"):
-        lines.append(f"device memory {fmt_bytes(doc['device_memory'])}; fits = compiled peak "
-                     f"<= device memory")
-    first = next(iter(doc["strategies"].values()))
-    act = first["activations_by_remat"]
-    lines.append("")
-    lines.append("analytic activations per device by remat policy (same batch): " + ", ".join(
-        f"{name} {fmt_bytes(v)}" for name, v in act.items()))
-    warns = [(n, w) for n, r in doc["strategies"].items() for w in r["warnings"]]
-    if warns:
-        lines.append("")
-        lines += [f"warning [{n}]: {w}" for n, w in warns]
-    lines.append(f"planned in {doc['wall_s']:.1f}s")
-    return "\n".join(lines)
-
-
-def plot_plan(doc: dict[str, Any], path: str) -> None:
-    """Stacked bars per strategy (params, grads, optimizer, gathered, activations: analytic)
-    with the compiled peak as a marker and the device memory as a line; PNG via Agg."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(doc["strategies"])
-    an = [doc["strategies"][n]["analytic"] for n in names]
-    parts = {p: [a[p] for a in an] for p in ("params", "grads", "optimizer", "gathered", "activations")}
-    fig, axis = plt.subplots(figsize=(1.6 * len(names) + 5, 4.5))
-    bottom = np.zeros(len(names))
-    for part, vals in parts.items():
-        vals = np.array(vals) / 1e9
-        axis.bar(names, vals, bottom=bottom, label=f"{part} (analytic)")
-        bottom += vals
-    peaks = [doc["strategies"][n]["compiled"]["peak"] / 1e9 for n in names]
-    axis.scatter(names, peaks, marker="_", s=900, color="k", zorder=3, label="compiled peak")
-    if doc.get("device_memory"):
-        axis.axhline(doc["device_memory"] / 1e9, color="r", ls="--", label="device memory")
-    axis.set_xticks(range(len(names)), [f"{n}\n({doc['strategies'][n]['classic_name']})" for n in names])
-    axis.set_ylabel("GB per device")
-    axis.set_title(f"{doc['config']}: {doc['params'] / 1e9:.2f}B params on {doc['devices']} devices")
-    axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def format_inspection(name: str, r: dict[str, Any]) -> str:
-    """Text form of one `plan_strategy(..., inspect=True)` result."""
-    rows = r["rows"]
-    wp = max([len("path")] + [len(x["path"]) for x in rows]) + 2
-    ws = max([len("spec")] + [len(x["spec"]) for x in rows]) + 2
-    wsh = max([len("shape")] + [len(str(tuple(x["shape"]))) for x in rows]) + 2
-    lines = [f"{name} on mesh {r['mesh']}: per-parameter layout at rest"]
-    hdr = f"{'path':<{wp}}{'shape':<{wsh}}{'dtype':<10}{'spec':<{ws}}{'bytes/device':>14}  why"
-    lines += [hdr, "-" * len(hdr)]
-    for row in rows:
-        lines.append(f"{row['path']:<{wp}}{str(tuple(row['shape'])):<{wsh}}{row['dtype']:<10}"
-                     f"{row['spec']:<{ws}}{row['bytes_per_device']:>14,}  {row['reason']}")
-    lines.append(f"{'total':<{wp + wsh + 10 + ws}}{sum(x['bytes_per_device'] for x in rows):>14,}")
-    rep = r["collectives"]
-    lines.append("")
-    loops = ", ".join(f"{lp['op_name'] or lp['body']} x{lp['trip_count']}" for lp in rep["loops"]) or "none"
-    lines.append(f"collectives in the compiled step, per device (loops: {loops})")
-    hdr = f"{'op':<20}{'where':<14}{'in HLO':>7}{'runs/step':>10}{'bytes/step':>14}  dtypes"
-    lines += [hdr, "-" * len(hdr)]
-    for where in ("inside_loop", "outside_loop"):
-        for op, e in sorted(rep[where].items()):
-            lines.append(f"{op:<20}{where:<14}{e['count']:>7}{e['runs']:>10}"
-                         f"{fmt_bytes(e['bytes_per_step']):>14}  {e['dtypes']}")
-    for op, e in sorted(rep["per_step"].items()):
-        lines.append(f"{op:<20}{'total':<14}{'':>7}{e['count']:>10}{fmt_bytes(e['bytes']):>14}")
-    if r.get("platform") == "cpu":
-        lines.append("(XLA:CPU: gradient reductions show as all-reduce, never reduce-scatter, and bf16 "
-                     "collectives run in f32; GPU/TPU compiles differ)")
-    c, a = r["compiled"], r["analytic"]
-    lines.append("")
-    lines.append(f"memory per device: compiled peak {fmt_bytes(c['peak'])} (argument "
-                 f"{fmt_bytes(c['argument'])}, temp {fmt_bytes(c['temp'])}); analytic total "
-                 f"{fmt_bytes(a['total'])}")
-    lines += [f"warning: {w}" for w in r["warnings"]] or ["no warnings"]
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

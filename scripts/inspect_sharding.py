@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 
@@ -38,37 +37,26 @@ def main(argv: list[str] | None = None) -> int:
         return 2 if e.code else 0
 
     from fsdp_jax.cli import BAD_INPUT, fail
-    from fsdp_jax.planner import PlanError, parse_bytes, parse_strategies
+    from fsdp_jax.plan_report import (PlanError, load_planning_config, parse_bytes, parse_devices,
+                                      parse_strategies)
 
     try:
-        try:
-            n = int(args.devices)
-        except ValueError:
-            raise PlanError(f"--devices: {args.devices!r} is not an integer") from None
-        if n < 1:
-            raise PlanError(f"--devices: {n} must be >= 1")
+        n = parse_devices(args.devices)
         threshold = (None if args.replicated_threshold == "auto"
                      else parse_bytes(args.replicated_threshold, "--replicated-threshold"))
         if args.strategy is not None:
             parse_strategies(args.strategy, "--strategy")
     except PlanError as e:
         return fail(e)
-
-    from fsdp_jax.config import load_config
     from fsdp_jax.strategy import get_strategy
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_planning_config(args.config, args.overrides, n)  # JAX: n CPU devices, from here on
         strategy = get_strategy(args.strategy or cfg.mesh.strategy).name
     except BAD_INPUT as e:
         return fail(e)
 
-    import jax
-    jax.config.update("jax_num_cpu_devices", n)  # the CPU backend only; before JAX initialises
-    cache = os.environ.get("FSDP_JAX_CACHE_DIR")
-    if cache:
-        jax.config.update("jax_compilation_cache_dir", cache)
-
-    from fsdp_jax.planner import check_inputs, format_inspection, run_strategies
+    from fsdp_jax.plan_report import check_inputs, format_inspection
+    from fsdp_jax.planner import run_strategies
 
     try:
         check_inputs(cfg, n, [strategy])

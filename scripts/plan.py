@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 
@@ -37,33 +36,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2 if e.code else 0
 
     from fsdp_jax.cli import BAD_INPUT, fail
-    from fsdp_jax.planner import PlanError, parse_bytes, parse_strategies
+    from fsdp_jax.plan_report import (PlanError, load_planning_config, parse_bytes, parse_devices,
+                                      parse_strategies)
 
     try:
-        try:
-            n = int(args.devices)
-        except ValueError:
-            raise PlanError(f"--devices: {args.devices!r} is not an integer") from None
-        if n < 1:
-            raise PlanError(f"--devices: {n} must be >= 1")
+        n = parse_devices(args.devices)
         mem = parse_bytes(args.device_memory) if args.device_memory is not None else None
         strategies = parse_strategies(args.strategies)
     except PlanError as e:
         return fail(e)
-
-    from fsdp_jax.config import load_config
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_planning_config(args.config, args.overrides, n)  # JAX: n CPU devices, from here on
     except BAD_INPUT as e:
         return fail(e)
 
-    import jax
-    jax.config.update("jax_num_cpu_devices", n)  # the CPU backend only; before JAX initialises
-    cache = os.environ.get("FSDP_JAX_CACHE_DIR")
-    if cache:
-        jax.config.update("jax_compilation_cache_dir", cache)
-
-    from fsdp_jax.planner import format_table, plan_config, plot_plan
+    from fsdp_jax.plan_report import format_table, plot_plan
+    from fsdp_jax.planner import plan_config
 
     try:
         doc = plan_config(cfg, n, strategies, device_memory=mem, config_name=args.config)
