@@ -108,6 +108,7 @@ class Config:
     precision: str = "params=float32,compute=float32"
     remat: str = "dots"
     run_dir: str = "runs/tiny"
+    xla_gpu_flags: str = "none"         # none | fsdp: fsdp_jax.xla_flags.GPU_FSDP_FLAGS (set before start-up)
     init_from: str | None = None        # params to start from: a .safetensors file, run or checkpoint dir
 
 
@@ -116,7 +117,7 @@ _SECTIONS: dict[str, type] = {k: t for k, t in typing.get_type_hints(Config).ite
 _OVERRIDE_ALIASES = {"strategy": "mesh.strategy", "steps": "train.steps", "lr": "optimizer.lr"}
 _FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 _CHOICES = {"model.attention": ("xla", "cudnn"), "optimizer.name": ("adamw", "sgd", "adafactor"),
-            "data.source": ("stdlib", "none")}
+            "data.source": ("stdlib", "none"), "xla_gpu_flags": ("none", "fsdp")}
 
 
 def _all_keys() -> list[str]:
@@ -281,6 +282,8 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
             _coerce(key, v, typing.get_type_hints(type(sub))[f.name])
             if key in _CHOICES:
                 _check(v in _CHOICES[key], key, v, f"allowed: {', '.join(_CHOICES[key])}")
+    _check(cfg.xla_gpu_flags in _CHOICES["xla_gpu_flags"], "xla_gpu_flags", cfg.xla_gpu_flags,
+           f"allowed: {', '.join(_CHOICES['xla_gpu_flags'])}")
     m, mesh, opt, data, tr = cfg.model, cfg.mesh, cfg.optimizer, cfg.data, cfg.train
     positive = {"model": ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
                           "max_seq_len", "rope_theta", "norm_eps"),

@@ -37,10 +37,13 @@ def main(argv: list[str] | None = None) -> int:
     from fsdp_jax.cli import BAD_INPUT, fail
     from fsdp_jax.config import ConfigError, load_config
     from fsdp_jax.distributed import maybe_initialize
+    from fsdp_jax.xla_flags import apply_gpu_fsdp_flags
     from fsdp_jax.train import TrainingDiverged, train
 
     try:
         cfg = load_config(args.config, args.overrides)
+        if cfg.xla_gpu_flags == "fsdp":  # XLA reads XLA_FLAGS when the backend starts: do it first
+            apply_gpu_fsdp_flags()
         d = cfg.distributed
         try:  # before any computation: joins this process to the others, if any
             maybe_initialize(d.coordinator, d.num_processes, d.process_id, d.init_timeout_s)

@@ -49,3 +49,15 @@ def test_gpu_flags_are_appended_not_overriding():
     assert "--xla_gpu_enable_latency_hiding_scheduler=false" in out
     assert "--xla_gpu_enable_latency_hiding_scheduler=true" not in out
     assert all(f in out for f in GPU_FSDP_FLAGS[1:])
+
+
+def test_xla_gpu_flags_config_option():
+    from fsdp_jax.config import ConfigError, load_config
+    assert load_config(ROOT / "configs" / "tiny.yaml").xla_gpu_flags == "none"
+    assert load_config(ROOT / "configs" / "tiny.yaml", ["xla_gpu_flags=fsdp"]).xla_gpu_flags == "fsdp"
+    try:
+        load_config(ROOT / "configs" / "tiny.yaml", ["xla_gpu_flags=yes"])
+    except ConfigError as e:
+        assert "xla_gpu_flags" in str(e) and "none, fsdp" in str(e)
+    else:
+        raise AssertionError("xla_gpu_flags=yes was accepted")
