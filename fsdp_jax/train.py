@@ -271,7 +271,6 @@ def _loop(run: Run, cfg: Config, progress: bool, stop_after: int | None, signals
                 window.add(loss, gnorm)
                 if bar is not None:
                     bar.update(1)
-                    bar.set_postfix(loss=f"{loss:.3f}")
         if len(streak) >= c.max_nonfinite_steps:
             if bar is not None:
                 bar.close()
@@ -286,6 +285,10 @@ def _loop(run: Run, cfg: Config, progress: bool, stop_after: int | None, signals
             log.write(rec)
             summary.update(train_loss=rec["loss"], tokens_per_s=rec["tokens_per_s"])
             window.reset(done)
+            if bar is not None:  # the logged window's figures, as in metrics.jsonl
+                bar.set_postfix(loss=f"{rec['loss']:.3f}", lr=f"{rec['lr']:.2e}",
+                                gnorm=f"{rec['grad_norm']:.2f}", tok_s=f"{rec['tokens_per_s']:.0f}",
+                                mfu=f"{rec['mfu']:.1%}" if rec.get("mfu") else "n/a")
         if val and not stop and (done % c.eval_every == 0 or done == c.steps):
             t_eval = time.perf_counter()
             vl = evaluate(run, state.params, val)
