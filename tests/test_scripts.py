@@ -61,3 +61,16 @@ def test_xla_gpu_flags_config_option():
         assert "xla_gpu_flags" in str(e) and "none, fsdp" in str(e)
     else:
         raise AssertionError("xla_gpu_flags=yes was accepted")
+
+
+def test_gpu_check_throughput_path_runs_on_cpu(tmp_path):
+    """The GPU script's throughput check, with XLA attention so the CPU can run it."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--config", "configs/tiny.yaml",
+                        "--only", "throughput", "--steps", "1", "--json", str(tmp_path / "r.json"),
+                        "model.attention=xla", *SMALL], capture_output=True, text=True, timeout=300,
+                       cwd=ROOT, env=env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    res = json.loads((tmp_path / "r.json").read_text())["throughput"]
+    assert res["devices"] == 8 and res["global_batch"] == 64 and res["tokens_per_s"] > 0
+    assert "| throughput" in r.stdout and "precision" not in r.stdout.split("| check")[-1]
