@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import jax
 
 # Dense peak TFLOP/s per device by compute dtype (vendor datasheets, no sparsity).
@@ -43,3 +45,18 @@ def device_memory() -> dict[str, int] | None:
     return {"bytes_in_use": int(stats.get("bytes_in_use", 0)),
             "peak_bytes_in_use": int(stats.get("peak_bytes_in_use", 0)),
             "bytes_limit": int(stats.get("bytes_limit", 0))}
+
+
+def time_steps(step_fn, state, batch, steps: int, warmup: int):
+    """Run `warmup` then `steps` calls of `state, metrics = step_fn(state, batch)`,
+    blocking on each step's metrics; returns (state, last metrics, per-step wall seconds)."""
+    for _ in range(warmup):
+        state, m = step_fn(state, batch)
+        jax.block_until_ready(m)
+    times, m = [], None
+    for _ in range(steps):
+        t = time.perf_counter()
+        state, m = step_fn(state, batch)
+        jax.block_until_ready(m)
+        times.append(time.perf_counter() - t)
+    return state, m, times

@@ -110,6 +110,13 @@ class StepBuild:
     def compile(self):
         return self.step.lower(self.state, self.batch).compile()
 
+    def init_state(self, rng: jax.Array):
+        """A concrete TrainState in the plan's layout (sharded init: params are created
+        shard by shard, never whole on one device), for running the step."""
+        from fsdp_jax.state import state_from_params
+        params = jax.jit(self.model.init, out_shardings=self.plan.params)(rng)
+        return state_from_params(params, self.optimizer, self.plan)
+
 
 def build_step(cfg, strategy: str | None = None, devices: Sequence[jax.Device] | None = None,
                mesh_sizes: tuple[int, int, int] | None = None) -> StepBuild:

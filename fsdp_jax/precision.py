@@ -69,12 +69,6 @@ class Policy:
     def cast_to_compute(self, tree):
         return _cast_floats(tree, self.compute_dtype)
 
-    def cast_to_param(self, tree):
-        return _cast_floats(tree, self.param_dtype)
-
-    def cast_to_output(self, tree):
-        return _cast_floats(tree, self.output_dtype)
-
 
 def _cast_floats(tree, dtype):
     return jax.tree.map(

@@ -302,7 +302,6 @@ def logical_axes_of(tree):
             tree, is_leaf=lambda x: isinstance(x, nn.spmd.LogicallyPartitioned))):
         specs = nn.get_partition_spec(tree)
         values = nn.unbox(tree)
-        specs = jax.tree.map(lambda s: s, specs, is_leaf=lambda x: isinstance(x, P))
     else:
         return tree, None
     flat_vals, treedef = jax.tree.flatten(values)

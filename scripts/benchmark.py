@@ -44,52 +44,24 @@ def combos(sweeps):
             yield {key: v, **tail}
 
 
-def time_steps(step_fn, state, batch, steps: int, warmup: int):
-    import jax
-    for _ in range(warmup):
-        state, m = step_fn(state, batch)
-        jax.block_until_ready(m)
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        state, m = step_fn(state, batch)
-        jax.block_until_ready(m)
-        times.append(time.perf_counter() - t)
-    return state, times
-
-
 def bench_fsdp(cfg, strategy: str, devices, steps: int, warmup: int):
-    """Compile and time the trainer's own step for `strategy` on `devices`."""
+    """Compile and time the trainer's own step (`fsdp_jax.planner.build_step`) for
+    `strategy` on `devices`."""
     import jax
     import numpy as np
 
-    import fsdp_jax as fj
-    from fsdp_jax.adapters import from_nnx
     from fsdp_jax.memory import compiled_memory
-    from fsdp_jax.models.llama import Llama
-    from fsdp_jax.optim import build_optimizer
-    from fsdp_jax.train import make_loss_fn
+    from fsdp_jax.perf import time_steps
+    from fsdp_jax.planner import build_step
 
-    n = len(devices)
-    m = cfg.mesh
-    if strategy == "hybrid_shard" and n >= 4:
-        mesh = fj.make_mesh(data=2, fsdp=-1, tensor=m.tensor, devices=devices)
-    else:
-        mesh = fj.make_mesh(data=1, fsdp=-1, tensor=m.tensor, devices=devices)
-    model = from_nnx(lambda r: Llama(cfg.model, rngs=r, remat=cfg.remat))
-    tx, _ = build_optimizer(cfg.optimizer, cfg.train.steps)
-    state, plan = fj.init_train_state(model.init, tx, mesh, jax.random.key(0), strategy,
-                                      logical_axes=model.logical_axes,
-                                      min_shard_size=m.min_shard_size, max_replicated_fraction=None)
-    step = fj.make_train_step(make_loss_fn(model), tx, plan, microbatches=cfg.train.microbatches,
-                              clip_norm=cfg.optimizer.clip_norm, precision=cfg.precision)
-    tokens = np.random.default_rng(0).integers(
-        0, cfg.model.vocab_size, (cfg.train.global_batch, cfg.data.seq_len + 1), dtype=np.int32)
-    batch = jax.device_put(tokens, plan.batch)
+    build = build_step(cfg, strategy, devices)
+    state = build.init_state(jax.random.key(0))
+    tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, build.batch.shape, dtype=np.int32)
+    batch = jax.device_put(tokens, build.plan.batch)
     t = time.perf_counter()
-    compiled = step.lower(state, batch).compile()
+    compiled = build.step.lower(state, batch).compile()
     compile_s = time.perf_counter() - t
-    _, times = time_steps(compiled, state, batch, steps, warmup)
+    _, _, times = time_steps(compiled, state, batch, steps, warmup)
     return compile_s, times, compiled_memory(compiled)
 
 
@@ -104,6 +76,7 @@ def bench_plain_dp(cfg, devices, steps: int, warmup: int):
     from fsdp_jax.memory import compiled_memory
     from fsdp_jax.models.llama import Llama, cross_entropy
     from fsdp_jax.optim import build_optimizer
+    from fsdp_jax.perf import time_steps
 
     mesh = Mesh(np.asarray(devices), ("dp",))
     model = from_nnx(lambda r: Llama(cfg.model, rngs=r, remat=cfg.remat))
@@ -129,7 +102,7 @@ def bench_plain_dp(cfg, devices, steps: int, warmup: int):
     t = time.perf_counter()
     compiled = jitted.lower((params, opt_state), batch).compile()
     compile_s = time.perf_counter() - t
-    _, times = time_steps(compiled, (params, opt_state), batch, steps, warmup)
+    _, _, times = time_steps(compiled, (params, opt_state), batch, steps, warmup)
     return compile_s, times, compiled_memory(compiled)
 
 

@@ -26,14 +26,11 @@ def throughput(config: str, steps: int, overrides: list[str]) -> dict:
     import jax
     import numpy as np
 
-    import fsdp_jax as fj
-    from fsdp_jax.adapters import from_nnx
     from fsdp_jax.config import load_config
     from fsdp_jax.memory import compiled_memory
-    from fsdp_jax.models.llama import Llama, count_params, flops_per_token
-    from fsdp_jax.optim import build_optimizer
-    from fsdp_jax.perf import device_memory, mfu, peak_flops
-    from fsdp_jax.train import make_loss_fn
+    from fsdp_jax.models.llama import count_params, flops_per_token
+    from fsdp_jax.perf import device_memory, mfu, peak_flops, time_steps
+    from fsdp_jax.planner import build_step
 
     n = jax.device_count()
     # 8 sequences of 2048 per GPU: with cuDNN attention (no saved S x S logits) and `dots`
@@ -41,28 +38,15 @@ def throughput(config: str, steps: int, overrides: list[str]) -> dict:
     # `dots_no_batch` column as the stand-in), so it fits an 80 GB H100 as well as an H200.
     cfg = load_config(config, ["precision=params=float32,compute=bfloat16", "model.attention=cudnn",
                                "remat=dots", f"train.global_batch={8 * n}", *overrides])
-    mesh = fj.make_mesh(fsdp=-1)
-    model = from_nnx(lambda r: Llama(cfg.model, rngs=r, remat=cfg.remat))
-    tx, _ = build_optimizer(cfg.optimizer, cfg.train.steps)
-    state, plan = fj.init_train_state(model.init, tx, mesh, jax.random.key(0), "full_shard",
-                                      logical_axes=model.logical_axes, max_replicated_fraction=None)
-    step = fj.make_train_step(make_loss_fn(model), tx, plan, microbatches=cfg.train.microbatches,
-                              clip_norm=cfg.optimizer.clip_norm, precision=cfg.precision)
-    b = max(cfg.train.global_batch, n)
-    tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (b, cfg.data.seq_len + 1), np.int32)
-    batch = jax.device_put(tokens, plan.batch)
+    build = build_step(cfg, "full_shard")  # the trainer's step, on all local devices
+    state = build.init_state(jax.random.key(0))
+    b = cfg.train.global_batch
+    tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, build.batch.shape, np.int32)
+    batch = jax.device_put(tokens, build.plan.batch)
     t = time.perf_counter()
-    compiled = step.lower(state, batch).compile()
+    compiled = build.step.lower(state, batch).compile()
     compile_s = time.perf_counter() - t
-    for _ in range(2):
-        state, m = compiled(state, batch)
-    jax.block_until_ready(m)
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        state, m = compiled(state, batch)
-        jax.block_until_ready(m)
-        times.append(time.perf_counter() - t)
+    _, m, times = time_steps(compiled, state, batch, steps, warmup=2)
     med = statistics.median(times)
     tps = b * cfg.data.seq_len / med
     peak = peak_flops(jax.devices()[0], "bfloat16")

@@ -12,7 +12,6 @@ already cast to the compute dtype by the train step, so activations follow them.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
