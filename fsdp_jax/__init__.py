@@ -1,6 +1,7 @@
 """fsdp_jax: Fully Sharded Data Parallel (ZeRO-3 and relatives) for JAX and Flax."""
 
-from fsdp_jax import axes, checkpoint, memory, planner
+from fsdp_jax import axes
+from fsdp_jax.build import Built, build
 from fsdp_jax.adapters import ModelFns, ShardedModel, from_linen, from_nnx, shard_model
 from fsdp_jax.mesh import MeshError, make_mesh
 from fsdp_jax.precision import Policy, cast_params_for_compute
@@ -13,7 +14,7 @@ from fsdp_jax.step import (BatchError, CompiledStep, make_eval_step, make_train_
 from fsdp_jax.strategy import ALIASES, STRATEGIES, ShardingPlan, Strategy, get_strategy, make_plan
 
 __all__ = [
-    "axes", "checkpoint", "memory", "planner", "ModelFns", "ShardedModel", "from_linen", "from_nnx", "shard_model", "trainable_leaves", "MeshError", "make_mesh", "Policy", "cast_params_for_compute", "REMAT_POLICIES",
+    "Built", "build", "axes", "checkpoint", "memory", "ModelFns", "ShardedModel", "from_linen", "from_nnx", "shard_model", "trainable_leaves", "MeshError", "make_mesh", "Policy", "cast_params_for_compute", "REMAT_POLICIES",
     "get_policy", "with_remat", "DEFAULT_MIN_SHARD_SIZE", "DEFAULT_RULES", "LeafSharding",
     "ShardingError", "check_sufficiently_sharded", "explain", "logical_axes_of",
     "logical_to_spec", "TrainState", "abstract_state", "init_train_state", "shard_params",
@@ -22,3 +23,13 @@ __all__ = [
     "make_plan",
 ]
 __version__ = "0.1.0"
+
+
+_LAZY = {"checkpoint", "memory"}  # heavy (orbax, tensorstore): loaded on first use
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+        return importlib.import_module(f"fsdp_jax.{name}")
+    raise AttributeError(f"module 'fsdp_jax' has no attribute {name!r}")

@@ -41,9 +41,10 @@ from jax.sharding import Mesh
 from fsdp_jax import rules as rl
 from fsdp_jax.memory import tree_bytes_per_device
 from fsdp_jax.rules import logical_axes_of
-from fsdp_jax.state import TrainState, init_train_state, state_shardings
+from fsdp_jax.build import build
+from fsdp_jax.state import TrainState
 from fsdp_jax.step import CompiledStep, LossFn, make_eval_step, make_train_step, trainable_leaves
-from fsdp_jax.strategy import ShardingPlan, Strategy, make_plan
+from fsdp_jax.strategy import ShardingPlan, Strategy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,18 +211,13 @@ def shard_model(model: Any, optimizer: optax.GradientTransformation, mesh: Mesh,
     """
     fns, params = _adapt(model, rng)
     mask = None if trainable is None else _trainable_mask(fns, trainable)
-    axes_ = fns.logical_axes if logical_axes is None else logical_axes
-    if params is None:
-        if rng is None:
-            raise ValueError("shard_model: this model is initialised sharded from an init "
-                             "function; pass rng=jax.random.key(seed)")
-        state, plan = init_train_state(fns.init, optimizer, mesh, rng, strategy, axes_, rules,
-                                       min_shard_size, max_replicated_fraction)
-    else:
-        plan = make_plan(fns.abstract_params, optimizer, mesh, strategy, axes_, rules,
-                         min_shard_size, max_replicated_fraction)
-        state = _place(params, optimizer, plan)
-    return ShardedModel(state=state, plan=plan, optimizer=optimizer, model=fns, trainable=mask)
+    if params is None and rng is None:
+        raise ValueError("shard_model: this model is initialised sharded from an init "
+                         "function; pass rng=jax.random.key(seed)")
+    built = build(fns, optimizer, mesh, strategy, logical_axes=logical_axes, rules=rules,
+                  min_shard_size=min_shard_size, max_replicated_fraction=max_replicated_fraction)
+    state = built.init_state(rng) if params is None else built.place(params)
+    return ShardedModel(state=state, plan=built.plan, optimizer=optimizer, model=fns, trainable=mask)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -278,19 +274,6 @@ def _plain(tree):
         names = None if names is None else _to_pure(values, names)
         return nnx.to_pure_dict(values), names
     return meta.unbox(values), names
-
-
-def _place(params, optimizer, plan: ShardingPlan) -> TrainState:
-    """Copy materialised params into the plan's layout (never aliasing the caller's
-    arrays, which the step donates) and initialise the optimizer state sharded."""
-    sh = state_shardings(plan)
-
-    def init(p):
-        return TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=optimizer.init(p))
-
-    with jax.set_mesh(plan.mesh):
-        p = jax.device_put(params, plan.params, may_alias=False)
-        return jax.jit(init, out_shardings=sh)(p)
 
 
 def _check_arrays(tree) -> None:

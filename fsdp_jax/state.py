@@ -17,7 +17,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from fsdp_jax import rules as rl
-from fsdp_jax.strategy import ShardingPlan, Strategy, make_plan
+from fsdp_jax.strategy import ShardingPlan, Strategy
 
 
 class TrainState(struct.PyTreeNode):
@@ -54,29 +54,13 @@ def init_train_state(init_params: Callable[[jax.Array], Any], optimizer: optax.G
     matching tree of logical-name tuples, or None for the fallback rule.
     Returns the sharded TrainState (step 0) and the ShardingPlan used.
     """
-    abstract_params = jax.eval_shape(init_params, rng)
-    plan = make_plan(abstract_params, optimizer, mesh, strategy, logical_axes, rules,
-                     min_shard_size, max_replicated_fraction)
-
-    def init(rng):
-        params = init_params(rng)
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                          opt_state=optimizer.init(params))
-
-    with jax.set_mesh(mesh):
-        state = jax.jit(init, out_shardings=state_shardings(plan))(rng)
-    return state, plan
-
-
-def state_from_params(params, optimizer: optax.GradientTransformation, plan: ShardingPlan) -> TrainState:
-    """A step-0 TrainState around existing params (in `plan.params` layout) with fresh
-    optimizer state; params are passed as arguments, not baked into the program, and
-    donated (do not use `params` afterwards)."""
-    def init(p):
-        return TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=optimizer.init(p))
-    with jax.set_mesh(plan.mesh):
-        return jax.jit(init, in_shardings=(plan.params,), out_shardings=state_shardings(plan),
-                       donate_argnums=0)(params)
+    from fsdp_jax.adapters import ModelFns
+    from fsdp_jax.build import build
+    model = ModelFns(init=init_params, apply=None, logical_axes=logical_axes,
+                     abstract_params=jax.eval_shape(init_params, rng))
+    built = build(model, optimizer, mesh, strategy, rules=rules, min_shard_size=min_shard_size,
+                  max_replicated_fraction=max_replicated_fraction)
+    return built.init_state(rng), built.plan
 
 
 def shard_params(params, plan: ShardingPlan):

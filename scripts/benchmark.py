@@ -45,14 +45,14 @@ def combos(sweeps):
 
 
 def bench_fsdp(cfg, strategy: str, devices, steps: int, warmup: int):
-    """Compile and time the trainer's own step (`fsdp_jax.planner.build_step`) for
+    """Compile and time the trainer's own step (`fsdp_jax.app.planner.build_step`) for
     `strategy` on `devices`."""
     import jax
     import numpy as np
 
     from fsdp_jax.memory import compiled_memory
     from fsdp_jax.perf import time_steps
-    from fsdp_jax.planner import build_step
+    from fsdp_jax.app.planner import build_step
 
     build = build_step(cfg, strategy, devices)
     state = build.init_state(jax.random.key(0))
@@ -74,8 +74,8 @@ def bench_plain_dp(cfg, devices, steps: int, warmup: int):
 
     from fsdp_jax.adapters import from_nnx
     from fsdp_jax.memory import compiled_memory
-    from fsdp_jax.models.llama import Llama, cross_entropy
-    from fsdp_jax.optim import build_optimizer
+    from fsdp_jax.app.models.llama import Llama, cross_entropy
+    from fsdp_jax.app.optim import build_optimizer
     from fsdp_jax.perf import time_steps
 
     mesh = Mesh(np.asarray(devices), ("dp",))
@@ -127,9 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     jax.config.update("jax_num_cpu_devices", int(os.environ.get("FSDP_JAX_CPU_DEVICES", "8")))
     jax.config.update("jax_enable_compilation_cache", False)
 
-    from fsdp_jax.cli import BAD_INPUT, fail
-    from fsdp_jax.config import ConfigError, load_config, validate
-    from fsdp_jax.models.llama import flops_per_token
+    from fsdp_jax.app.cli import BAD_INPUT, fail
+    from fsdp_jax.app.config import ConfigError, load_config, validate
+    from fsdp_jax.app.models.llama import flops_per_token
     from fsdp_jax.perf import mfu, peak_flops
     from fsdp_jax.precision import Policy
     from fsdp_jax.strategy import get_strategy

@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2 if e.code else 0
 
     from fsdp_jax.checkpoint import CheckpointError, export_safetensors
-    from fsdp_jax.cli import BAD_INPUT, fail
+    from fsdp_jax.app.cli import BAD_INPUT, fail
 
     run_dir = Path(args.run_dir)
     directory = run_dir / "checkpoints" if (run_dir / "checkpoints").is_dir() else run_dir

@@ -36,8 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:
         return 2 if e.code else 0
 
-    from fsdp_jax.cli import BAD_INPUT, fail
-    from fsdp_jax.plan_report import (PlanError, load_planning_config, parse_bytes, parse_devices,
+    from fsdp_jax.app.cli import BAD_INPUT, fail
+    from fsdp_jax.app.plan_report import (PlanError, load_planning_config, parse_bytes, parse_devices,
                                       parse_strategies)
 
     try:
@@ -55,8 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     except BAD_INPUT as e:
         return fail(e)
 
-    from fsdp_jax.plan_report import check_inputs, format_inspection
-    from fsdp_jax.planner import run_strategies
+    from fsdp_jax.app.plan_report import check_inputs, format_inspection
+    from fsdp_jax.app.planner import run_strategies
 
     try:
         check_inputs(cfg, n, [strategy])

@@ -35,8 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # argparse printed its usage error
         return 2 if e.code else 0
 
-    from fsdp_jax.cli import BAD_INPUT, fail
-    from fsdp_jax.plan_report import (PlanError, load_planning_config, parse_bytes, parse_devices,
+    from fsdp_jax.app.cli import BAD_INPUT, fail
+    from fsdp_jax.app.plan_report import (PlanError, load_planning_config, parse_bytes, parse_devices,
                                       parse_strategies)
 
     try:
@@ -50,8 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     except BAD_INPUT as e:
         return fail(e)
 
-    from fsdp_jax.plan_report import format_table, plot_plan
-    from fsdp_jax.planner import plan_config
+    from fsdp_jax.app.plan_report import format_table, plot_plan
+    from fsdp_jax.app.planner import plan_config
 
     try:
         doc = plan_config(cfg, n, strategies, device_memory=mem, config_name=args.config)

@@ -44,7 +44,7 @@ def _parse(argv):
 
 def main(argv=None) -> int:
     args = _parse(argv)
-    from fsdp_jax import data  # after parsing: --help and bad flags stay fast
+    from fsdp_jax.app import data  # after parsing: --help and bad flags stay fast
 
     try:
         if args.bin is not None:

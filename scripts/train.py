@@ -34,11 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     if cache:
         jax.config.update("jax_compilation_cache_dir", cache)
 
-    from fsdp_jax.cli import BAD_INPUT, fail
-    from fsdp_jax.config import ConfigError, load_config
+    from fsdp_jax.app.cli import BAD_INPUT, fail
+    from fsdp_jax.app.config import ConfigError, load_config
     from fsdp_jax.distributed import maybe_initialize
     from fsdp_jax.xla_flags import apply_gpu_fsdp_flags
-    from fsdp_jax.train import TrainingDiverged, train
+    from fsdp_jax.app.loop import TrainingDiverged, train
 
     try:
         cfg = load_config(args.config, args.overrides)

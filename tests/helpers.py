@@ -8,8 +8,8 @@ import numpy as np
 import optax
 
 from fsdp_jax.adapters import from_nnx
-from fsdp_jax.data import prepare_text
-from fsdp_jax.models import Llama, LlamaConfig, cross_entropy
+from fsdp_jax.app.data import prepare_text
+from fsdp_jax.app.models import Llama, LlamaConfig, cross_entropy
 
 TINY = LlamaConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
                    ffn_dim=128, max_seq_len=32)

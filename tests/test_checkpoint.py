@@ -22,15 +22,15 @@ import pytest
 
 from fsdp_jax import checkpoint as ck
 from fsdp_jax.adapters import from_nnx
-from fsdp_jax.cli import BAD_INPUT
-from fsdp_jax.config import load_config
-from fsdp_jax.data import prepare_text
+from fsdp_jax.app.cli import BAD_INPUT
+from fsdp_jax.app.config import load_config
+from fsdp_jax.app.data import prepare_text
 from fsdp_jax.mesh import make_mesh
-from fsdp_jax.models import Llama
-from fsdp_jax.optim import build_optimizer
+from fsdp_jax.app.models import Llama
+from fsdp_jax.app.optim import build_optimizer
 from fsdp_jax.state import abstract_state
 from fsdp_jax.strategy import make_plan
-from fsdp_jax.train import TrainingDiverged, setup, train
+from fsdp_jax.app.loop import TrainingDiverged, setup, train
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 20
@@ -151,7 +151,7 @@ def test_restore_onto_other_meshes_and_continue(straight, n_devices, data, strat
     for leaf, sds in zip(jax.tree.leaves(state), jax.tree.leaves(target)):
         assert leaf.sharding == sds.sharding
     from fsdp_jax.step import make_train_step
-    from fsdp_jax.train import make_loss_fn
+    from fsdp_jax.app.loop import make_loss_fn
     step = make_train_step(make_loss_fn(model), opt, plan)
     batch = jax.device_put(np.full((16, 33), 7, np.int32), plan.batch)
     state, metrics = step(state, batch)

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fsdp_jax import data
+from fsdp_jax.app import data
 
 SCRIPT = Path(__file__).parent.parent / "scripts" / "prepare_data.py"
 

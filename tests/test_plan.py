@@ -15,13 +15,13 @@ import optax
 import pytest
 
 import fsdp_jax as fj
-import fsdp_jax.models.llama as llama
-from fsdp_jax import data as data_lib
-from fsdp_jax import planner as pl
-from fsdp_jax import train as train_lib
-from fsdp_jax.config import load_config
+import fsdp_jax.app.models.llama as llama
+from fsdp_jax.app import data as data_lib
+from fsdp_jax.app import planner as pl
+from fsdp_jax.app import loop as train_lib
+from fsdp_jax.app.config import load_config
 from fsdp_jax.memory import collective_report, compiled_memory
-from fsdp_jax.models.llama import count_params
+from fsdp_jax.app.models.llama import count_params
 from helpers import TINY, tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,7 +42,7 @@ def run_script(name, *args):
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     out = tmp_path_factory.mktemp("corpus") / "bytes"
-    data_lib.prepare_text([ROOT / "fsdp_jax" / "planner.py"], out, val_fraction=0.1)
+    data_lib.prepare_text([ROOT / "fsdp_jax" / "app" / "planner.py"], out, val_fraction=0.1)
     return out
 
 

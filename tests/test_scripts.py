@@ -52,7 +52,7 @@ def test_gpu_flags_are_appended_not_overriding():
 
 
 def test_xla_gpu_flags_config_option():
-    from fsdp_jax.config import ConfigError, load_config
+    from fsdp_jax.app.config import ConfigError, load_config
     assert load_config(ROOT / "configs" / "tiny.yaml").xla_gpu_flags == "none"
     assert load_config(ROOT / "configs" / "tiny.yaml", ["xla_gpu_flags=fsdp"]).xla_gpu_flags == "fsdp"
     try:

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fsdp_jax.config import load_config
-from fsdp_jax.train import train
+from fsdp_jax.app.config import load_config
+from fsdp_jax.app.loop import train
 from helpers import synthetic_corpus
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -6,8 +6,8 @@ from __future__ import annotations
 import sys
 
 from fsdp_jax.checkpoint import CheckpointError
-from fsdp_jax.config import ConfigError
-from fsdp_jax.data import DataError
+from fsdp_jax.app.config import ConfigError
+from fsdp_jax.app.data import DataError
 from fsdp_jax.mesh import MeshError
 from fsdp_jax.rules import ShardingError
 from fsdp_jax.step import BatchError

@@ -1,5 +1,5 @@
 """Reference models. They name logical dims only; sharding is applied from outside."""
 
-from fsdp_jax.models.llama import Llama, LlamaConfig, count_params, cross_entropy, flops_per_token
+from fsdp_jax.app.models.llama import Llama, LlamaConfig, count_params, cross_entropy, flops_per_token
 
 __all__ = ["Llama", "LlamaConfig", "count_params", "cross_entropy", "flops_per_token"]

@@ -23,7 +23,7 @@ import yaml
 
 from fsdp_jax.mesh import MeshError, resolve_mesh_shape
 from fsdp_jax.precision import Policy
-from fsdp_jax.models.llama import LlamaConfig, count_params  # noqa: F401 (re-exported)
+from fsdp_jax.app.models.llama import LlamaConfig, count_params  # noqa: F401 (re-exported)
 from fsdp_jax.remat import REMAT_POLICIES
 from fsdp_jax.strategy import ALIASES, STRATEGIES
 

@@ -2,14 +2,14 @@
 
 `setup(cfg)` builds everything a run needs and returns it as a `Run`; `train(cfg)`
 runs the loop, logging to a tqdm bar, `metrics.jsonl` and (optionally)
-TensorBoard (`fsdp_jax.metrics_log`), evaluating every `eval_every` steps and
+TensorBoard (`fsdp_jax.app.metrics_log`), evaluating every `eval_every` steps and
 sampling text at the end.
 
 Fault tolerance: checkpoints go to `<run_dir>/checkpoints` every `checkpoint_every`
 steps and at the end (asynchronously); running the same command again resumes
 exactly from the newest checkpoint that restores (data order and LR schedule
 included). SIGTERM/SIGINT finish the step, checkpoint and return normally; a
-second signal exits at once (`fsdp_jax.preemption`). `max_nonfinite_steps` skipped steps in a row raise
+second signal exits at once (`fsdp_jax.app.preemption`). `max_nonfinite_steps` skipped steps in a row raise
 `TrainingDiverged` with the last good checkpoint intact.
 """
 
@@ -26,21 +26,21 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from fsdp_jax import data as data_lib
+from fsdp_jax.app import data as data_lib
 from fsdp_jax.adapters import ModelFns, from_nnx
 from fsdp_jax.checkpoint import Checkpointer, Restored, load_init_params
-from fsdp_jax.config import Config, check_data, config_to_dict, save_config, validate
+from fsdp_jax.app.config import Config, check_data, config_to_dict, save_config, validate
 from fsdp_jax.memory import compiled_memory
-from fsdp_jax.metrics_log import LogWindow, MetricsLog, sample_text
+from fsdp_jax.app.metrics_log import LogWindow, MetricsLog, sample_text
 from fsdp_jax.mesh import make_mesh
-from fsdp_jax.models.llama import Llama, count_params, cross_entropy, flops_per_token
-from fsdp_jax.optim import build_optimizer
+from fsdp_jax.app.models.llama import Llama, count_params, cross_entropy, flops_per_token
+from fsdp_jax.app.optim import build_optimizer
 from fsdp_jax.perf import peak_flops
 from fsdp_jax.precision import Policy
-from fsdp_jax.preemption import StopSignals
-from fsdp_jax.state import TrainState, abstract_state, init_train_state, state_from_params
-from fsdp_jax.step import make_eval_step, make_train_step
-from fsdp_jax.strategy import ShardingPlan, make_plan
+from fsdp_jax.app.preemption import StopSignals
+from fsdp_jax.build import build
+from fsdp_jax.state import TrainState
+from fsdp_jax.strategy import ShardingPlan
 
 # Test hook: comma-separated step numbers (1-based, as logged) whose loss is made NaN
 # by feeding an out-of-range token (jnp.take fills it with NaN), e.g. "5,6,7".
@@ -105,20 +105,25 @@ def setup(cfg: Config, init_params: Callable | None = None, *, resume: bool = Tr
     model = from_nnx(lambda rngs: Llama(cfg.model, rngs=rngs, remat=cfg.remat))
     optimizer, schedule = build_optimizer(cfg.optimizer, cfg.train.steps)
     rng = jax.random.key(cfg.train.seed)
-    init_fn = init_params or model.init
     run_dir, is_main = Path(cfg.run_dir), jax.process_index() == 0
     ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.train.keep_checkpoints)
     if is_main:
         for p in ckpt.partial:
             print(f"warning: ignoring partial checkpoint {p} (its save was interrupted); removed",
                   flush=True)
-    abstract = jax.eval_shape(init_fn, rng)
-    plan = make_plan(abstract, optimizer, mesh, cfg.mesh.strategy, model.logical_axes,
-                     min_shard_size=cfg.mesh.min_shard_size,
-                     max_replicated_fraction=cfg.mesh.max_replicated_fraction)
+    if init_params is not None:
+        model = dataclasses.replace(model, init=init_params,
+                                    abstract_params=jax.eval_shape(init_params, rng))
+    loss_fn = make_loss_fn(model)
+    built = build(model, optimizer, mesh, cfg.mesh.strategy, loss_fn=loss_fn,
+                  min_shard_size=cfg.mesh.min_shard_size,
+                  max_replicated_fraction=cfg.mesh.max_replicated_fraction,
+                  microbatches=cfg.train.microbatches, clip_norm=cfg.optimizer.clip_norm,
+                  precision=cfg.precision)
+    plan = built.plan
     restored, start = None, 0
     if resume and ckpt.steps():
-        restored = ckpt.restore(abstract_state(plan, abstract, optimizer), set_aside_damaged=True)
+        restored = ckpt.restore(built.abstract_state, set_aside_damaged=True)
         state, start = restored.state, int(restored.extras.get("step", restored.step))
         rng = _rng_from(restored.extras.get("rng"), rng)
         if is_main:
@@ -127,21 +132,12 @@ def setup(cfg: Config, init_params: Callable | None = None, *, resume: bool = Tr
             print(f"resuming from checkpoint step {restored.step} ({ckpt.step_dir(restored.step)})",
                   flush=True)
     elif cfg.init_from:
-        sharded = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                               abstract, plan.params)
-        state = state_from_params(load_init_params(cfg.init_from, sharded), optimizer, plan)
+        state = built.state_from_params(load_init_params(cfg.init_from, built.abstract_state.params))
         if is_main:
             print(f"initialised params from {cfg.init_from}", flush=True)
     else:
-        state, plan = init_train_state(
-            init_fn, optimizer, mesh, rng, cfg.mesh.strategy, logical_axes=model.logical_axes,
-            min_shard_size=cfg.mesh.min_shard_size,
-            max_replicated_fraction=cfg.mesh.max_replicated_fraction)
-    loss_fn = make_loss_fn(model)
-    train_step = make_train_step(loss_fn, optimizer, plan, microbatches=cfg.train.microbatches,
-                                 clip_norm=cfg.optimizer.clip_norm, precision=cfg.precision)
-    eval_step = make_eval_step(loss_fn, plan, precision=cfg.precision)
-    return Run(cfg, mesh, model, optimizer, schedule, plan, state, train_step, eval_step, loss_fn,
+        state = built.init_state(rng)
+    return Run(cfg, mesh, model, optimizer, schedule, plan, state, built.train_step, built.eval_step, loss_fn,
                run_dir, is_main, ckpt, rng, restored, start)
 
 

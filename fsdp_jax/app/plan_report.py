@@ -2,14 +2,14 @@
 
     mem = parse_bytes("80GB")                      # sizes as GPU vendors quote them
     names = parse_strategies("ddp,zero3")          # canonical strategy names
-    print(format_table(doc))                       # a `fsdp_jax.planner.plan_config` document
+    print(format_table(doc))                       # a `fsdp_jax.app.planner.plan_config` document
 
 In: device counts, memory sizes and strategy lists as the scripts take them (bad
 input raises `PlanError`, whose message names the flag), their check against the
 config, and the scripts' start-up (`load_planning_config`: the config, then JAX on
 N CPU devices). Out: the warnings a user can act on, the per-strategy table, the bar
 chart and the per-parameter / collectives inspection, all from the planner's
-JSON-able dicts. Building, analysing and compiling the step is `fsdp_jax.planner`.
+JSON-able dicts. Building, analysing and compiling the step is `fsdp_jax.app.planner`.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def parse_devices(text: str | int, what: str = "--devices") -> int:
 
 def check_inputs(cfg, n_devices: int, strategies: Sequence[str]) -> None:
     """Device count, mesh and batch divisibility for every strategy, before compiling."""
-    from fsdp_jax.config import validate
+    from fsdp_jax.app.config import validate
     if not isinstance(n_devices, int) or isinstance(n_devices, bool) or n_devices < 1:
         raise PlanError(f"--devices: {n_devices!r} must be a positive integer")
     validate(cfg, n_devices=n_devices)  # mesh sizes and batch divisibility (hybrid keeps data*fsdp)
@@ -114,9 +114,9 @@ def use_cpu_devices(n_devices: int) -> None:
 
 def load_planning_config(path, overrides: Sequence[str], n_devices: int):
     """The planning scripts' start-up: the config at `path` with dotted key=value
-    `overrides` (its errors, `fsdp_jax.cli.BAD_INPUT`, propagate before JAX is
+    `overrides` (its errors, `fsdp_jax.app.cli.BAD_INPUT`, propagate before JAX is
     touched), then `use_cpu_devices(n_devices)`. Returns the config."""
-    from fsdp_jax.config import load_config
+    from fsdp_jax.app.config import load_config
     cfg = load_config(path, overrides)
     use_cpu_devices(n_devices)
     return cfg

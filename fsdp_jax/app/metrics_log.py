@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from fsdp_jax import data as data_lib
-from fsdp_jax.models.llama import sample
+from fsdp_jax.app import data as data_lib
+from fsdp_jax.app.models.llama import sample
 from fsdp_jax.perf import device_memory, mfu
 from fsdp_jax.precision import Policy
 from fsdp_jax.step import sharding_context
@@ -36,7 +36,7 @@ from fsdp_jax.strategy import ShardingPlan, batch_divisor
 
 if TYPE_CHECKING:
     from fsdp_jax.adapters import ModelFns
-    from fsdp_jax.config import Config
+    from fsdp_jax.app.config import Config
 
 
 class MetricsLog:

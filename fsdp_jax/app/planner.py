@@ -5,13 +5,13 @@
 
 For each strategy the planner builds the train step the trainer builds (the same
 model, loss, optimizer, precision, remat and microbatches, from the same builder
-functions as `fsdp_jax.train.setup`), but from abstract inputs only
+functions as `fsdp_jax.app.loop.setup`), but from abstract inputs only
 (`ShapeDtypeStruct`s carrying shardings, `fsdp_jax.state.abstract_state`), and
 AOT-compiles it: nothing is allocated, so a 7B or 70B model plans on a laptop.
 When this process has fewer than N devices, the compile runs in a child process
 with N fake CPU devices (`jax_num_cpu_devices=N`). The user's side (parsing sizes and
 strategy lists, the scripts' start-up, the warnings' wording, the tables and the plot)
-is `fsdp_jax.plan_report`, whose public names are importable from here too.
+is `fsdp_jax.app.plan_report`, whose public names are importable from here too.
 
 Two sets of numbers, kept apart:
 
@@ -72,7 +72,7 @@ from fsdp_jax import axes as ax
 from fsdp_jax import rules as rl
 from fsdp_jax.memory import (collective_report, compiled_memory, shard_bytes, tree_bytes,
                              tree_bytes_per_device)
-from fsdp_jax.plan_report import (  # noqa: F401  (some only re-exported)
+from fsdp_jax.app.plan_report import (  # noqa: F401  (some only re-exported)
     CLASSIC_NAMES, COMPILED_OVER_ANALYTIC, DEFAULT_REPLICATED_THRESHOLD, STRATEGY_ORDER, PlanError,
     check_inputs, fmt_bytes, format_inspection, format_table, load_planning_config, parse_bytes,
     parse_devices, parse_strategies, plot_plan, replicated_threshold_for, sharding_warnings,
@@ -106,6 +106,7 @@ class StepBuild:
     state: Any  # TrainState of sharded ShapeDtypeStructs
     batch: jax.ShapeDtypeStruct
     step: Any  # CompiledStep
+    built: Any  # fsdp_jax.build.Built
 
     def compile(self):
         return self.step.lower(self.state, self.batch).compile()
@@ -113,26 +114,21 @@ class StepBuild:
     def init_state(self, rng: jax.Array):
         """A concrete TrainState in the plan's layout (sharded init: params are created
         shard by shard, never whole on one device), for running the step."""
-        from fsdp_jax.state import state_from_params
-        params = jax.jit(self.model.init, out_shardings=self.plan.params)(rng)
-        return state_from_params(params, self.optimizer, self.plan)
+        return self.built.init_state(rng)
 
 
 def build_step(cfg, strategy: str | None = None, devices: Sequence[jax.Device] | None = None,
                mesh_sizes: tuple[int, int, int] | None = None) -> StepBuild:
     """The trainer's train step for `cfg` under `strategy` on `devices`, from abstract
-    inputs: the same builders as `fsdp_jax.train.setup` (from_nnx(Llama), build_optimizer,
-    make_plan, make_loss_fn, make_train_step with the config's microbatches, clip_norm and
-    precision), minus the sharded init. The replicated-fraction check is not enforced
-    here (the planner reports it instead)."""
+    inputs: `fsdp_jax.build.build` with the trainer's model, loss, optimizer and step
+    options (as `fsdp_jax.app.loop.setup`), minus the state. The replicated-fraction
+    check is not enforced here (the planner reports it instead)."""
     from fsdp_jax.adapters import from_nnx
+    from fsdp_jax.app.loop import make_loss_fn
+    from fsdp_jax.app.models.llama import Llama
+    from fsdp_jax.app.optim import build_optimizer
+    from fsdp_jax.build import build
     from fsdp_jax.mesh import make_mesh
-    from fsdp_jax.models.llama import Llama
-    from fsdp_jax.optim import build_optimizer
-    from fsdp_jax.state import abstract_state
-    from fsdp_jax.step import make_train_step
-    from fsdp_jax.strategy import make_plan
-    from fsdp_jax.train import make_loss_fn
 
     strategy = get_strategy(strategy or cfg.mesh.strategy).name
     devices = list(jax.devices() if devices is None else devices)
@@ -140,14 +136,14 @@ def build_step(cfg, strategy: str | None = None, devices: Sequence[jax.Device] |
     mesh = make_mesh(*sizes, devices=devices)
     model = from_nnx(lambda rngs: Llama(cfg.model, rngs=rngs, remat=cfg.remat))
     optimizer, _ = build_optimizer(cfg.optimizer, cfg.train.steps)
-    plan = make_plan(model.abstract_params, optimizer, mesh, strategy, model.logical_axes,
-                     min_shard_size=cfg.mesh.min_shard_size, max_replicated_fraction=None)
-    state = abstract_state(plan, model.abstract_params, optimizer)
+    built = build(model, optimizer, mesh, strategy, loss_fn=make_loss_fn(model),
+                  min_shard_size=cfg.mesh.min_shard_size, max_replicated_fraction=None,
+                  microbatches=cfg.train.microbatches, clip_norm=cfg.optimizer.clip_norm,
+                  precision=cfg.precision)
     batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.data.seq_len + 1), np.int32,
-                                 sharding=plan.batch)
-    step = make_train_step(make_loss_fn(model), optimizer, plan, microbatches=cfg.train.microbatches,
-                           clip_norm=cfg.optimizer.clip_norm, precision=cfg.precision)
-    return StepBuild(cfg, strategy, mesh, model, optimizer, plan, state, batch, step)
+                                 sharding=built.plan.batch)
+    return StepBuild(cfg, strategy, mesh, model, optimizer, built.plan, built.abstract_state, batch,
+                     built.train_step, built)
 
 
 # ----------------------------------------------------------------------------- analytic
@@ -347,11 +343,11 @@ def run_strategies(cfg, n_devices: int, strategies: Sequence[str], *, inspect: b
     if devices is not None:
         return {s: plan_strategy(cfg, s, devices, inspect=inspect,
                                  replicated_threshold=replicated_threshold) for s in strategies}
-    from fsdp_jax.config import config_to_dict
+    from fsdp_jax.app.config import config_to_dict
     request = {"config": config_to_dict(cfg), "devices": n_devices, "strategies": list(strategies),
                "inspect": inspect, "replicated_threshold": replicated_threshold}
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-m", "fsdp_jax.planner"], input=json.dumps(request),
+    proc = subprocess.run([sys.executable, "-m", "fsdp_jax.app.planner"], input=json.dumps(request),
                           capture_output=True, text=True, env=env)
     if proc.returncode == 2:
         raise PlanError(proc.stderr.strip().splitlines()[-1].removeprefix("error: "))
@@ -362,12 +358,12 @@ def run_strategies(cfg, n_devices: int, strategies: Sequence[str], *, inspect: b
 
 
 def _child_main() -> int:
-    """`python -m fsdp_jax.planner` < request.json: compile on N fake CPU devices,
+    """`python -m fsdp_jax.app.planner` < request.json: compile on N fake CPU devices,
     print the results as JSON. Set up before JAX initialises its backends."""
     req = json.loads(sys.stdin.read())
     use_cpu_devices(int(req["devices"]))
-    from fsdp_jax.cli import BAD_INPUT, fail
-    from fsdp_jax.config import config_from_dict
+    from fsdp_jax.app.cli import BAD_INPUT, fail
+    from fsdp_jax.app.config import config_from_dict
     try:
         cfg = config_from_dict(req["config"])
         out = {s: plan_strategy(cfg, s, jax.devices()[:req["devices"]], inspect=req["inspect"],
@@ -387,7 +383,7 @@ def plan_config(cfg, n_devices: int, strategies: Sequence[str] | str | None = No
     activations, batch, states, total}, "compiled": {argument, output, alias, temp, peak,
     xla_peak}, "fits", "headroom", "bytes_per_param", "compile_s", "warnings", ...}}}.
     `fits` and `headroom` use the compiled peak (None without `device_memory`)."""
-    from fsdp_jax.models.llama import count_params
+    from fsdp_jax.app.models.llama import count_params
     t0 = time.perf_counter()
     names = parse_strategies(strategies)
     check_inputs(cfg, n_devices, names)
@@ -407,7 +403,7 @@ def plan_config(cfg, n_devices: int, strategies: Sequence[str] | str | None = No
              f"global_batch {cfg.train.global_batch} x seq {cfg.data.seq_len}, "
              f"microbatches {cfg.train.microbatches}",
              "analytic params/optimizer/batch come from the sharding plan; grads, gathered and "
-             "activations from formulas (fsdp_jax.planner docstring); compiled = memory_analysis() "
+             "activations from formulas (fsdp_jax.app.planner docstring); compiled = memory_analysis() "
              "of the AOT-compiled train step (grads live in its temp)"]
     if "hybrid_shard" in results:
         m = results["hybrid_shard"]["mesh"]
@@ -426,7 +422,7 @@ def plan_config(cfg, n_devices: int, strategies: Sequence[str] | str | None = No
 
 def _abstract_params(cfg):
     from fsdp_jax.adapters import from_nnx
-    from fsdp_jax.models.llama import Llama
+    from fsdp_jax.app.models.llama import Llama
     return from_nnx(lambda rngs: Llama(cfg.model, rngs=rngs)).abstract_params
 
 
