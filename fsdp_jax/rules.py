@@ -19,7 +19,9 @@ passing ``shard_axes``: every ``fsdp`` produced by a rule is replaced by them.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -48,22 +50,73 @@ DEFAULT_RULES: Rules = {
 }
 DEFAULT_MIN_SHARD_SIZE = 2**14  # elements; smaller unannotated leaves stay replicated
 DEFAULT_MAX_REPLICATED_FRACTION = 0.02
+# Replicated parameter bytes under this are a warning, not an error, whatever their
+# fraction: 16 MiB per device is noise on any accelerator, while a small model
+# (biases, norms, a 64-wide MLP) can easily be mostly below min_shard_size.
+DEFAULT_MIN_REPLICATED_BYTES = 16 << 20
 
 
 class ShardingError(ValueError):
     """A leaf or tree that cannot be sharded as asked; the message names the fix."""
 
 
+class UnknownNamesWarning(UserWarning):
+    """Logical names the rules table does not map: those dims get no mesh axis."""
+
+
+class ReplicatedWarning(UserWarning):
+    """More than the allowed fraction of parameter bytes is replicated, but so few
+    bytes that replicating them costs no memory worth refusing the run for."""
+
+
+# ----------------------------------------------------------------------------- decisions
+
+class Why(str, enum.Enum):
+    """The kinds of reason one leaf's spec has (`Note.kind`)."""
+    SCALAR = "scalar"                      # 0-d leaf: replicated
+    LOGICAL = "logical"                    # mapped: ((name, axes), ...) of the dims that got an axis
+    UNNAMED_TRAILING = "unnamed_trailing"  # dims: trailing dims without a logical name: unsharded
+    UNKNOWN_NAMES = "unknown_names"        # names: not in the rules table: no axis
+    NOT_DIVISIBLE = "not_divisible"        # name, axes, dim, size, n: rule axis does not divide
+    NO_SHARD_AXIS = "no_shard_axis"        # unannotated, and no shard axis of size > 1
+    THRESHOLD = "threshold"                # size, limit: below min_shard_size: replicated
+    FALLBACK = "fallback"                  # dim, size, axes, n: largest divisible dim
+    UNSHARDABLE = "unshardable"            # axes, n: nothing divides the shard group
+
+
+@dataclasses.dataclass(frozen=True)
+class Note:
+    """One structured reason; which fields are set depends on `kind` (see `Why`)."""
+    kind: Why
+    names: tuple[str, ...] = ()
+    mapped: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    axes: tuple[str, ...] = ()
+    dims: tuple[int, ...] = ()
+    dim: int | None = None
+    size: int | None = None
+    n: int | None = None
+    limit: int | None = None
+
+
 @dataclasses.dataclass(frozen=True)
 class LeafSharding:
-    """How one leaf shards, and why (one row of `explain`)."""
+    """How one leaf shards (`spec`) and why (`notes`, structured; `reason` is the
+    same as one line of prose, `format_notes(notes)`)."""
     path: str
     shape: tuple[int, ...]
     dtype: str
     spec: P
     bytes_per_device: int
     total_bytes: int
-    reason: str
+    notes: tuple[Note, ...] = ()
+
+    @property
+    def reason(self) -> str:
+        return format_notes(self.notes)
+
+    @property
+    def kinds(self) -> tuple[Why, ...]:
+        return tuple(n.kind for n in self.notes)
 
     @property
     def replicated(self) -> bool:
@@ -133,6 +186,24 @@ def flax_rules(rules: Rules | None = None) -> tuple[tuple[str, MeshAxes], ...]:
     return tuple((k, v) for k, v in rules.items())
 
 
+def merge_rules(overrides: Mapping[str, Any] | None, base: Rules | None = None,
+                mesh_axes: Sequence[str] = ax.MESH_AXES) -> dict[str, MeshAxes]:
+    """`base` (default DEFAULT_RULES) with `overrides` on top. A value is a mesh axis
+    name, a list/tuple of them, or None. Raises ShardingError naming the logical
+    name, the value and the allowed axes when a value is not one of `mesh_axes`."""
+    out = dict(DEFAULT_RULES if base is None else base)
+    for name, value in (overrides or {}).items():
+        vals = (value,) if value is None or isinstance(value, str) else (
+            tuple(value) if isinstance(value, (list, tuple)) else (value,))
+        vals = tuple(v for v in vals if v is not None) if value is None else vals
+        bad = [v for v in vals if not isinstance(v, str) or v not in mesh_axes]
+        if not isinstance(name, str) or bad or len(set(vals)) != len(vals):
+            raise ShardingError(f"rule {name!r}: {value!r} is not a mesh axis, a list of distinct "
+                                f"mesh axes or null; mesh axes: {', '.join(mesh_axes)}")
+        out[name] = _entry(vals)
+    return out
+
+
 def _bytes_per_device(shape, dtype, spec: P, mesh: Mesh) -> tuple[int, int]:
     itemsize = np.dtype(dtype).itemsize
     total = math.prod(shape) * itemsize
@@ -148,75 +219,126 @@ def _fallback_dim(shape, n: int) -> int | None:
     return None
 
 
-def plan_leaf(path: str, shape: Sequence[int], dtype, names: Sequence[str | None] | None,
-              mesh: Mesh, rules: Rules | None = None,
-              shard_axes: Sequence[str] = (ax.FSDP,),
-              min_shard_size: int = DEFAULT_MIN_SHARD_SIZE) -> tuple[LeafSharding, str | None]:
-    """Resolve one leaf to a spec and a reason.
+def decide_leaf(shape: Sequence[int], names: Sequence[str | None] | None, mesh: Mesh,
+                rules: Rules | None = None, shard_axes: Sequence[str] = (ax.FSDP,),
+                min_shard_size: int = DEFAULT_MIN_SHARD_SIZE) -> tuple[P, tuple[Note, ...]]:
+    """The spec of one leaf of `shape` and the structured reasons for it (no prose).
 
-    Returns (row, problem): problem is a message when the leaf is at least
-    `min_shard_size` elements, should shard, yet no dim divides the shard group.
+    `names`: logical dim names (None: unannotated, use the fallback rule). Fewer
+    names than dims leave the trailing dims unsharded (as Flax and JAX do); more
+    names than dims raise ShardingError. A `Why.UNSHARDABLE` note marks a leaf that
+    is at least `min_shard_size` elements, should shard, yet has no dim divisible
+    by the shard group.
     """
     shape = tuple(int(d) for d in shape)
     rules = DEFAULT_RULES if rules is None else rules
     group = tuple(a for a in shard_axes if mesh.shape.get(a, 1) > 1)
     group_n = math.prod(mesh.shape[a] for a in group)
     size = math.prod(shape)
-
-    def done(entries, reason, problem=None):
-        spec = P(*entries)
-        per_dev, total = _bytes_per_device(shape, dtype, spec, mesh)
-        row = LeafSharding(path, shape, np.dtype(dtype).name, spec, per_dev, total, reason)
-        return row, problem
-
     if not shape:
-        return done((), "scalar: replicated")
-    if names is not None and len(names) != len(shape):
-        raise ShardingError(f"{path}: logical names {tuple(names)} have {len(names)} entries "
+        return P(), (Note(Why.SCALAR),)
+    if names is not None and len(names) > len(shape):
+        raise ShardingError(f"logical names {tuple(names)} have {len(names)} entries "
                             f"but the shape {shape} has {len(shape)} dims")
 
     entries: list = [None] * len(shape)
-    notes: list[str] = []
-    unknown: list[str] = []
+    notes: list[Note] = []
+    not_divisible = unknown = False
     if names is not None:
+        names = tuple(names)
+        trailing = tuple(range(len(names), len(shape)))
+        names = names + (None,) * len(trailing)
         for i, (d, e) in enumerate(zip(shape, logical_to_spec(names, rules, shard_axes))):
             kept = [a for a in _as_tuple(e) if mesh.shape.get(a, 1) > 1]  # size-1 axes add nothing
             while kept and d % math.prod(mesh.shape[a] for a in kept):
                 kept.pop()  # drop the innermost axis until the dim divides
             if d % axis_size(mesh, e):
-                notes.append(f"{names[i]}->{'x'.join(_as_tuple(e))} does not divide dim {i} "
-                             f"(size {d}) by {axis_size(mesh, e)}")
+                not_divisible = True
+                notes.append(Note(Why.NOT_DIVISIBLE, names=(names[i],), axes=_as_tuple(e), dim=i,
+                                  size=d, n=axis_size(mesh, e)))
             entries[i] = _entry(kept)
-        unknown = [n for n in names if n is not None and n not in rules]
-        mapped = [f"{n}->{'x'.join(_as_tuple(e))}" for n, e in zip(names, entries) if e is not None]
-        parts = ["logical: " + (", ".join(mapped) if mapped else "no dim maps to a mesh axis")]
-        if unknown:
-            parts.append(f"names not in the rules table: {', '.join(unknown)}")
-        parts += notes
-    else:
-        parts = []
+        unknown_names = tuple(n for n in names if n is not None and n not in rules)
+        unknown = bool(unknown_names)
+        mapped = tuple((n, _as_tuple(e)) for n, e in zip(names, entries) if e is not None)
+        head = [Note(Why.LOGICAL, mapped=mapped)]
+        if trailing:
+            head.append(Note(Why.UNNAMED_TRAILING, dims=trailing))
+        if unknown_names:
+            head.append(Note(Why.UNKNOWN_NAMES, names=unknown_names))
+        notes = head + notes
 
     used = {a for e in entries for a in _as_tuple(e)}
     on_group = any(a in used for a in group)
-    needs_fallback = names is None or bool(notes) or bool(unknown)
+    needs_fallback = names is None or not_divisible or unknown
     if group_n == 1 or on_group or not needs_fallback:
         if names is None:
-            parts.append("fallback: no shard axis of size > 1: replicated")
-        return done(entries, "; ".join(parts))
+            notes.append(Note(Why.NO_SHARD_AXIS))
+        return P(*entries), tuple(notes)
     if size < min_shard_size:
-        parts.append(f"threshold: {size} elements < min_shard_size {min_shard_size}: replicated")
-        return done(entries, "; ".join(parts))
+        notes.append(Note(Why.THRESHOLD, size=size, limit=min_shard_size))
+        return P(*entries), tuple(notes)
     free = tuple(a for a in group if a not in used)
     n = math.prod(mesh.shape[a] for a in free)
     dim = _fallback_dim([d if entries[i] is None else 0 for i, d in enumerate(shape)], n) if n > 1 else None
     if dim is None or entries[dim] is not None:
-        parts.append(f"unshardable: no dim divisible by {'x'.join(free) or 'the group'}={n}")
-        problem = (f"{path}: shape {shape} ({size} elements) has no dim divisible by the "
-                   f"shard group {'x'.join(group)}={group_n}")
-        return done(entries, "; ".join(parts), problem)
+        notes.append(Note(Why.UNSHARDABLE, axes=free or group, n=n if free else group_n))
+        return P(*entries), tuple(notes)
     entries[dim] = _entry(free)
-    parts.append(f"fallback: dim {dim} (size {shape[dim]}) over {'x'.join(free)}={n}")
-    return done(entries, "; ".join(parts))
+    notes.append(Note(Why.FALLBACK, dim=dim, size=shape[dim], axes=free, n=n))
+    return P(*entries), tuple(notes)
+
+
+# ----------------------------------------------------------------------------- explanations
+
+def format_note(note: Note) -> str:
+    """One reason as prose (the wording may change; tests assert `Note`s)."""
+    k, x = note.kind, "x".join(note.axes)
+    if k is Why.SCALAR:
+        return "scalar: replicated"
+    if k is Why.LOGICAL:
+        return "logical: " + (", ".join(f"{n}->{'x'.join(a)}" for n, a in note.mapped)
+                              or "no dim maps to a mesh axis")
+    if k is Why.UNNAMED_TRAILING:
+        return f"no logical name for dim(s) {', '.join(map(str, note.dims))}: unsharded"
+    if k is Why.UNKNOWN_NAMES:
+        return f"names not in the rules table: {', '.join(note.names)}"
+    if k is Why.NOT_DIVISIBLE:
+        return (f"{note.names[0]}->{x} does not divide dim {note.dim} (size {note.size}) "
+                f"by {note.n}")
+    if k is Why.NO_SHARD_AXIS:
+        return "fallback: no shard axis of size > 1: replicated"
+    if k is Why.THRESHOLD:
+        return f"threshold: {note.size} elements < min_shard_size {note.limit}: replicated"
+    if k is Why.FALLBACK:
+        return f"fallback: dim {note.dim} (size {note.size}) over {x}={note.n}"
+    if k is Why.UNSHARDABLE:
+        return f"unshardable: no dim divisible by {x or 'the group'}={note.n}"
+    raise ValueError(f"unknown reason kind {k!r}")
+
+
+def format_notes(notes: Sequence[Note]) -> str:
+    return "; ".join(format_note(n) for n in notes)
+
+
+def plan_leaf(path: str, shape: Sequence[int], dtype, names: Sequence[str | None] | None,
+              mesh: Mesh, rules: Rules | None = None,
+              shard_axes: Sequence[str] = (ax.FSDP,),
+              min_shard_size: int = DEFAULT_MIN_SHARD_SIZE) -> tuple[LeafSharding, str | None]:
+    """`decide_leaf` as an `explain` row: (row, problem), where problem is a message
+    when the leaf should shard but no dim divides the shard group."""
+    shape = tuple(int(d) for d in shape)
+    try:
+        spec, notes = decide_leaf(shape, names, mesh, rules, shard_axes, min_shard_size)
+    except ShardingError as e:
+        raise ShardingError(f"{path}: {e}") from None
+    per_dev, total = _bytes_per_device(shape, dtype, spec, mesh)
+    row = LeafSharding(path, shape, np.dtype(dtype).name, spec, per_dev, total, notes)
+    problem = None
+    if Why.UNSHARDABLE in row.kinds:
+        group = tuple(a for a in shard_axes if mesh.shape.get(a, 1) > 1)
+        problem = (f"{path}: shape {shape} ({math.prod(shape)} elements) has no dim divisible by "
+                   f"the shard group {'x'.join(group)}={axis_size(mesh, group)}")
+    return row, problem
 
 
 def explain(params, mesh: Mesh, logical_axes=None, rules: Rules | None = None,
@@ -262,25 +384,79 @@ def specs_from_rows(params, rows: Sequence[LeafSharding]):
     return jax.tree.unflatten(treedef, [r.spec for r in rows])
 
 
+def unknown_names(rows: Sequence[LeafSharding]) -> tuple[str, ...]:
+    """Every logical name (sorted) that some row's rules table did not know."""
+    return tuple(sorted({n for r in rows for note in r.notes if note.kind is Why.UNKNOWN_NAMES
+                         for n in note.names}))
+
+
+def warn_unknown_names(rows: Sequence[LeafSharding], mesh: Mesh) -> tuple[str, ...]:
+    """Warn (UnknownNamesWarning) naming the logical names the rules table does not
+    map, and the `rules=` fix; names equal to a mesh axis (a model written against
+    its own mesh, as Gemma's sharding config is) are suggested as mapping to it."""
+    names = unknown_names(rows)
+    if names:
+        sizes = {a: int(n) for a, n in mesh.shape.items()}
+        fix = ", ".join(f"{n!r}: {n!r}" if n in sizes else f"{n!r}: <mesh axis or None>"
+                        for n in names)
+        no_tp = (f" (so no dim shards over tensor={sizes[ax.TENSOR]})"
+                 if sizes.get(ax.TENSOR, 1) > 1 else "")
+        warnings.warn(
+            f"logical names not in the rules table get no mesh axis{no_tp}: {', '.join(names)}; "
+            f"fix: rules={{**fsdp_jax.DEFAULT_RULES, {fix}}} (or mesh.rules in the YAML config)",
+            UnknownNamesWarning, stacklevel=3)
+    return names
+
+
+@dataclasses.dataclass(frozen=True)
+class Summary:
+    """Totals over a plan's rows: `bytes_per_device` and `total_bytes` of all
+    params, `replicated_bytes` (total bytes of leaves sharded over no shard axis),
+    `replicated_fraction` of total bytes, and the shard group's axes."""
+    bytes_per_device: int
+    total_bytes: int
+    replicated_bytes: int
+    replicated_fraction: float
+    group: tuple[str, ...]
+
+
+def summarize(rows: Sequence[LeafSharding], shard_axes: Sequence[str], mesh: Mesh) -> Summary:
+    group = tuple(a for a in shard_axes if mesh.shape.get(a, 1) > 1)
+    total = sum(r.total_bytes for r in rows)
+    rep = (sum(r.total_bytes for r in rows if not any(a in _as_tuple(e) for e in r.spec for a in group))
+           if group else 0)
+    return Summary(sum(r.bytes_per_device for r in rows), total, rep, rep / (total or 1), group)
+
+
+def format_summary(s: Summary) -> str:
+    over = "x".join(s.group) or "no shard axis"
+    return (f"total: {s.bytes_per_device:,} B/device of {s.total_bytes:,} B of params; "
+            f"replicated over {over}: {s.replicated_fraction:.1%} ({s.replicated_bytes:,} B)")
+
+
 def check_sufficiently_sharded(rows: Sequence[LeafSharding], shard_axes: Sequence[str],
                                mesh: Mesh,
-                               max_replicated_fraction: float = DEFAULT_MAX_REPLICATED_FRACTION) -> float:
+                               max_replicated_fraction: float = DEFAULT_MAX_REPLICATED_FRACTION,
+                               min_replicated_bytes: int = DEFAULT_MIN_REPLICATED_BYTES) -> float:
     """Fail when more than `max_replicated_fraction` of parameter bytes are not
-    sharded over any of `shard_axes`. Returns the replicated fraction."""
-    group = [a for a in shard_axes if mesh.shape.get(a, 1) > 1]
-    if not group:
-        return 0.0
-    total = sum(r.total_bytes for r in rows) or 1
+    sharded over any of `shard_axes`, unless those replicated bytes are under
+    `min_replicated_bytes` (then warn: a small model loses nothing by replicating).
+    Returns the replicated fraction."""
+    s = summarize(rows, shard_axes, mesh)
+    if not s.group or s.replicated_fraction <= max_replicated_fraction:
+        return s.replicated_fraction
+    group = s.group
     bad = [r for r in rows if not any(a in _as_tuple(e) for e in r.spec for a in group)]
-    frac = sum(r.total_bytes for r in bad) / total
-    if frac > max_replicated_fraction:
-        worst = sorted(bad, key=lambda r: -r.total_bytes)[:5]
-        listing = ", ".join(f"{r.path} {r.shape} ({r.reason})" for r in worst)
-        raise ShardingError(
-            f"{frac:.1%} of parameter bytes are replicated over {'x'.join(group)} "
-            f"(allowed {max_replicated_fraction:.0%}); largest: {listing}. Fix: annotate "
-            "these leaves with logical names that map to fsdp, or lower min_shard_size")
-    return frac
+    worst = sorted(bad, key=lambda r: -r.total_bytes)[:5]
+    listing = ", ".join(f"{r.path} {r.shape} ({r.reason})" for r in worst)
+    msg = (f"{s.replicated_fraction:.1%} of parameter bytes are replicated over {'x'.join(group)} "
+           f"(allowed {max_replicated_fraction:.0%}); largest: {listing}. Fix: annotate "
+           "these leaves with logical names that map to fsdp, or lower min_shard_size")
+    if s.replicated_bytes < min_replicated_bytes:
+        warnings.warn(f"{msg} (not an error: {s.replicated_bytes:,} replicated bytes are under "
+                      f"min_replicated_bytes {min_replicated_bytes:,})", ReplicatedWarning, stacklevel=2)
+        return s.replicated_fraction
+    raise ShardingError(msg)
 
 
 def logical_axes_of(tree):

@@ -134,13 +134,17 @@ def make_plan(abstract_params, optimizer: optax.GradientTransformation, mesh: Me
               strategy: str | Strategy = "full_shard", logical_axes=None,
               rules: rl.Rules | None = None,
               min_shard_size: int = rl.DEFAULT_MIN_SHARD_SIZE,
-              max_replicated_fraction: float | None = rl.DEFAULT_MAX_REPLICATED_FRACTION) -> ShardingPlan:
+              max_replicated_fraction: float | None = rl.DEFAULT_MAX_REPLICATED_FRACTION,
+              min_replicated_bytes: int = rl.DEFAULT_MIN_REPLICATED_BYTES) -> ShardingPlan:
     """Shardings of params (at rest and in compute), grads and optimizer state.
 
     `abstract_params`: a tree of arrays or ShapeDtypeStructs. `logical_axes`: a
     matching tree of logical-name tuples (None for unannotated leaves), or None.
-    Under a strategy that shards params, fails when more than
-    `max_replicated_fraction` of parameter bytes stay replicated (None: no check).
+    `rules`: logical name -> mesh axes (default `rules.DEFAULT_RULES`; merge your
+    changes over it). Under a strategy that shards params, fails when more than
+    `max_replicated_fraction` of parameter bytes stay replicated (None: no check),
+    unless the replicated bytes are under `min_replicated_bytes` (then it warns).
+    Warns once (UnknownNamesWarning) when logical names are not in `rules`.
     """
     s = get_strategy(strategy)
     rules = rl.DEFAULT_RULES if rules is None else rules
@@ -152,8 +156,10 @@ def make_plan(abstract_params, optimizer: optax.GradientTransformation, mesh: Me
     for axes_ in {s.params, s.grads, s.opt_state, ()}:
         cache[axes_] = rows(axes_)
     specs = {k: rl.specs_from_rows(abstract_params, v) for k, v in cache.items()}
+    rl.warn_unknown_names(cache[()], mesh)
     if s.params and max_replicated_fraction is not None:
-        rl.check_sufficiently_sharded(cache[s.params], s.params, mesh, max_replicated_fraction)
+        rl.check_sufficiently_sharded(cache[s.params], s.params, mesh, max_replicated_fraction,
+                                      min_replicated_bytes)
     compute = specs[()] if s.gather_once else specs[s.params]
     batch_axes = tuple(a for a in (ax.DATA, ax.FSDP) if a in mesh.shape)
     return ShardingPlan(

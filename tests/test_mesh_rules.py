@@ -1,13 +1,16 @@
 """Mesh construction, the logical rules table, the fallback rule and explain."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
 import fsdp_jax as fj
-from fsdp_jax.rules import plan_leaf
+from fsdp_jax.rules import Note, Why, decide_leaf, plan_leaf
 
 
 def test_mesh_fills_minus_one():
@@ -40,15 +43,17 @@ def test_logical_to_spec_first_dim_wins_and_fsdp_expands():
 
 def test_fallback_largest_divisible_dim_and_threshold():
     mesh = fj.make_mesh(fsdp=8)
-    row, _ = plan_leaf("w", (100, 512), "float32", None, mesh)
-    assert row.spec == P(None, "fsdp") and "fallback: dim 1" in row.reason
+    assert decide_leaf((100, 512), None, mesh) == (
+        P(None, "fsdp"), (Note(Why.FALLBACK, dim=1, size=512, axes=("fsdp",), n=8),))
     row, _ = plan_leaf("w", (1024, 36), "float32", None, mesh)
     assert row.spec == P("fsdp", None)
     assert row.bytes_per_device == 1024 * 36 * 4 // 8
-    row, _ = plan_leaf("bias", (512,), "float32", None, mesh)
-    assert row.spec == P(None) and "threshold" in row.reason
-    row, _ = plan_leaf("b", (8, 4096), "float32", None, mesh, min_shard_size=10**9)
-    assert row.replicated and "min_shard_size" in row.reason
+    assert decide_leaf((512,), None, mesh) == (P(None), (Note(Why.THRESHOLD, size=512, limit=2**14),))
+    spec, notes = decide_leaf((8, 4096), None, mesh, min_shard_size=10**9)
+    assert spec == P(None, None) and notes == (Note(Why.THRESHOLD, size=8 * 4096, limit=10**9),)
+    assert decide_leaf((), None, mesh) == (P(), (Note(Why.SCALAR),))
+    assert decide_leaf((64, 512), None, fj.make_mesh(data=8, fsdp=1)) == (
+        P(None, None), (Note(Why.NO_SHARD_AXIS),))
 
 
 def test_unshardable_leaf_is_reported_by_path_shape_and_axis_size():
@@ -64,16 +69,51 @@ def test_unshardable_leaf_is_reported_by_path_shape_and_axis_size():
 
 def test_logical_rule_that_does_not_divide_falls_back():
     mesh = fj.make_mesh(fsdp=8)
-    row, _ = plan_leaf("w", (100, 1024), "float32", ("embed", "mlp"), mesh)
-    assert row.spec == P(None, "fsdp")
-    assert "does not divide dim 0" in row.reason and "fallback: dim 1" in row.reason
+    spec, notes = decide_leaf((100, 1024), ("embed", "mlp"), mesh)
+    assert spec == P(None, "fsdp")
+    assert [n.kind for n in notes] == [Why.LOGICAL, Why.NOT_DIVISIBLE, Why.FALLBACK]
+    assert notes[1] == Note(Why.NOT_DIVISIBLE, names=("embed",), axes=("fsdp",), dim=0, size=100, n=8)
+    assert (notes[2].dim, notes[2].axes) == (1, ("fsdp",))
 
 
 def test_unknown_logical_names_fall_back_and_explain_says_so():
     mesh = fj.make_mesh(fsdp=8)
     rows = fj.explain({"w": jnp.zeros((48, 512))}, mesh, logical_axes={"w": ("my_in", "my_out")})
     assert rows[0].spec == P(None, "fsdp")
-    assert "not in the rules table: my_in, my_out" in rows[0].reason and "fallback" in rows[0].reason
+    assert rows[0].kinds == (Why.LOGICAL, Why.UNKNOWN_NAMES, Why.FALLBACK)
+    assert rows[0].notes[1].names == ("my_in", "my_out")
+    assert "my_in, my_out" in rows[0].reason  # the prose names them too
+
+
+@pytest.mark.parametrize("names", [("fsdp", "tensor"), ("embed_dim", "ffw")])
+def test_unknown_names_warn_once_with_the_rules_fix(names):
+    """A model naming dims the table does not know (Gemma's sharding config names them
+    after mesh axes) gets no tensor parallelism: make_plan says so, once, with the fix."""
+    mesh = fj.make_mesh(fsdp=4, tensor=2)
+    params = {"a": jax.ShapeDtypeStruct((64, 256), jnp.float32),
+              "b": jax.ShapeDtypeStruct((256, 64), jnp.float32)}
+    axes_ = {"a": names, "b": names[::-1]}
+    with pytest.warns(fj.UnknownNamesWarning) as rec:
+        plan = fj.make_plan(params, optax.sgd(0.1), mesh, "full_shard", axes_)
+    assert len(rec) == 1
+    msg = str(rec[0].message)
+    assert all(n in msg for n in names) and "rules=" in msg and "tensor=2" in msg
+    assert not any("tensor" in str(r.spec) for r in plan.rows)
+    rules = fj.merge_rules({names[0]: "fsdp", names[1]: "tensor"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plan = fj.make_plan(params, optax.sgd(0.1), mesh, "full_shard", axes_, rules)
+    assert [r.spec for r in plan.rows] == [P("fsdp", "tensor"), P("tensor", "fsdp")]
+
+
+def test_fewer_names_than_dims_leave_trailing_dims_unsharded():
+    mesh = fj.make_mesh(fsdp=4, tensor=2)
+    spec, notes = decide_leaf((64, 4, 16), ("embed", "heads"), mesh)
+    assert spec == P("fsdp", "tensor", None)
+    assert notes == (Note(Why.LOGICAL, mapped=(("embed", ("fsdp",)), ("heads", ("tensor",)))),
+                     Note(Why.UNNAMED_TRAILING, dims=(2,)))
+    with pytest.raises(fj.ShardingError, match=r"w: logical names .* 3 entries .* 2 dims"):
+        plan_leaf("w", (64, 16), "float32", ("embed", "heads", "kv"), mesh)
 
 
 def test_explain_rows_carry_everything():
@@ -83,7 +123,10 @@ def test_explain_rows_carry_everything():
     d = rows[0].as_dict()
     assert d == {"path": "w", "shape": [64, 256], "dtype": "bfloat16", "spec": "P(fsdp, None)",
                  "bytes_per_device": 64 * 256 * 2 // 8, "total_bytes": 64 * 256 * 2,
-                 "reason": "logical: embed->fsdp"}
+                 "reason": rows[0].reason}
+    assert rows[0].notes == (Note(Why.LOGICAL, mapped=(("embed", ("fsdp",)),)),)
+    assert all(isinstance(fj.rules.format_note(Note(k)), str) for k in Why
+               if k not in (Why.NOT_DIVISIBLE,))  # every kind has prose
 
 
 def test_sufficiently_sharded_check():
@@ -93,8 +136,28 @@ def test_sufficiently_sharded_check():
     axes_ = {"w": ("embed", "mlp"), "big_norm": ("norm",)}
     rows = fj.explain(params, mesh, axes_)
     with pytest.raises(fj.ShardingError, match=r"11\.1% of parameter bytes are replicated.*big_norm"):
-        fj.check_sufficiently_sharded(rows, ("fsdp",), mesh)
+        fj.check_sufficiently_sharded(rows, ("fsdp",), mesh, min_replicated_bytes=0)
     assert fj.check_sufficiently_sharded(rows, ("fsdp",), mesh, 0.2) == pytest.approx(4096 / (64 * 512 + 4096))
+    # the same fraction in few bytes (16 KiB, under the 16 MiB floor) warns instead of failing
+    with pytest.warns(fj.rules.ReplicatedWarning, match="11.1%"):
+        assert fj.check_sufficiently_sharded(rows, ("fsdp",), mesh) == pytest.approx(0.111, abs=1e-3)
+    s = fj.rules.summarize(rows, ("fsdp",), mesh)
+    assert (s.total_bytes, s.replicated_bytes, s.bytes_per_device) == (
+        (64 * 512 + 4096) * 4, 4096 * 4, 64 * 512 * 4 // 8 + 4096 * 4)
+    # large replicated bytes (abstract: nothing allocated) still fail at the default floor
+    big = {"w": jax.ShapeDtypeStruct((4096, 8192), jnp.float32),
+           "big_norm": jax.ShapeDtypeStruct((2**23,), jnp.float32)}
+    with pytest.raises(fj.ShardingError, match="big_norm"):
+        fj.check_sufficiently_sharded(fj.explain(big, mesh, axes_), ("fsdp",), mesh)
+
+
+def test_merge_rules_validates_mesh_axes():
+    r = fj.merge_rules({"mlp": None, "heads": ["fsdp", "tensor"], "new": "data"})
+    assert r["mlp"] is None and r["heads"] == ("fsdp", "tensor") and r["new"] == "data"
+    assert r["embed"] == fj.DEFAULT_RULES["embed"]
+    for bad in ("model", ["fsdp", "fsdp"], 3):
+        with pytest.raises(fj.ShardingError, match="mesh axes: data, fsdp, tensor"):
+            fj.merge_rules({"mlp": bad})
 
 
 def test_logical_axes_from_nnx_and_linen():
