@@ -140,6 +140,7 @@ class ShardedModel:
     optimizer: optax.GradientTransformation
     model: ModelFns
     trainable: Any = None
+    precision: Any = None
 
     @property
     def apply(self) -> Callable[..., Any] | None:
@@ -158,10 +159,12 @@ class ShardedModel:
         batch)` gets the params tree in the compute dtype; kwargs: microbatches,
         clip_norm, precision, remat, has_aux, skip_nonfinite, donate."""
         kwargs.setdefault("trainable", self.trainable)
+        kwargs.setdefault("precision", self.precision)
         return make_train_step(loss_fn, self.optimizer, self.plan, **kwargs)
 
     def eval_step(self, loss_fn: LossFn, **kwargs) -> CompiledStep:
         """`make_eval_step(loss_fn, plan, **kwargs)`: `eval_step(params, batch) -> {"loss"}`."""
+        kwargs.setdefault("precision", self.precision)
         return make_eval_step(loss_fn, self.plan, **kwargs)
 
     def bytes_per_device(self, state: TrainState | None = None) -> dict[str, int]:
@@ -175,13 +178,16 @@ class ShardedModel:
     def explain(self) -> str:
         """One line per param: path, shape, spec, bytes per device, and why
         (logical names, fallback rule, names not in the rules table, threshold);
-        `(frozen)` marks params that get no grads."""
+        `(frozen)` marks params that get no grads. A last line sums it up: param
+        bytes per device and the fraction replicated over the shard axes."""
         keep = [True] * len(self.plan.rows) if self.trainable is None else jax.tree.leaves(self.trainable)
         width = max((len(r.path) for r in self.plan.rows), default=0)
-        return "\n".join(
-            f"{r.path:<{width}}  {str(r.shape):<16} {rl.spec_str(r.spec):<28} "
-            f"{r.bytes_per_device:>10} B/device  {r.reason}{'' if k else ' (frozen)'}"
-            for r, k in zip(self.plan.rows, keep))
+        lines = [f"{r.path:<{width}}  {str(r.shape):<16} {rl.spec_str(r.spec):<28} "
+                 f"{r.bytes_per_device:>10} B/device  {r.reason}{'' if k else ' (frozen)'}"
+                 for r, k in zip(self.plan.rows, keep)]
+        summary = rl.summarize(self.plan.rows, self.plan.strategy.params or self.plan.strategy.opt_state,
+                               self.plan.mesh)
+        return "\n".join(lines + [rl.format_summary(summary)])
 
 
 def shard_model(model: Any, optimizer: optax.GradientTransformation, mesh: Mesh,
@@ -189,7 +195,8 @@ def shard_model(model: Any, optimizer: optax.GradientTransformation, mesh: Mesh,
                 trainable: Any = None, logical_axes: Any = None, rules: rl.Rules | None = None,
                 min_shard_size: int = rl.DEFAULT_MIN_SHARD_SIZE,
                 max_replicated_fraction: float | None = rl.DEFAULT_MAX_REPLICATED_FRACTION,
-                ) -> ShardedModel:
+                min_replicated_bytes: int = rl.DEFAULT_MIN_REPLICATED_BYTES,
+                precision: Any = None) -> ShardedModel:
     """Shard any Flax (NNX or Linen) or plain-pytree model for FSDP training.
 
     `model`: a `ModelFns` (`from_nnx`, `from_linen`), an init function
@@ -204,7 +211,10 @@ def shard_model(model: Any, optimizer: optax.GradientTransformation, mesh: Mesh,
     stay sharded and are never differentiated; give them no optimizer state with
     `optax.multi_transform({...: tx, ...: optax.set_to_zero()}, labels)`.
     `logical_axes`: a tree of logical-name tuples overriding the model's metadata.
-    `rules`, `min_shard_size`, `max_replicated_fraction`: as in `make_plan`.
+    `rules`, `min_shard_size`, `max_replicated_fraction`, `min_replicated_bytes`: as
+    in `make_plan`. `precision`: a `Policy` or its string; its `param_dtype` is the
+    dtype the master params (and the optimizer state that follows them) are stored
+    in, and it is the default precision of `.train_step` / `.eval_step`.
 
     Returns a ShardedModel: `.state` (TrainState), `.plan` (ShardingPlan),
     `.train_step(loss_fn, ...)`, `.apply`, `.explain()`, `.bytes_per_device()`.
@@ -215,9 +225,11 @@ def shard_model(model: Any, optimizer: optax.GradientTransformation, mesh: Mesh,
         raise ValueError("shard_model: this model is initialised sharded from an init "
                          "function; pass rng=jax.random.key(seed)")
     built = build(fns, optimizer, mesh, strategy, logical_axes=logical_axes, rules=rules,
-                  min_shard_size=min_shard_size, max_replicated_fraction=max_replicated_fraction)
+                  min_shard_size=min_shard_size, max_replicated_fraction=max_replicated_fraction,
+                  min_replicated_bytes=min_replicated_bytes, precision=precision)
     state = built.init_state(rng) if params is None else built.place(params)
-    return ShardedModel(state=state, plan=built.plan, optimizer=optimizer, model=fns, trainable=mask)
+    return ShardedModel(state=state, plan=built.plan, optimizer=optimizer, model=built.model,
+                        trainable=mask, precision=precision)
 
 
 # ----------------------------------------------------------------------------- helpers

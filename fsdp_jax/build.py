@@ -25,6 +25,7 @@ import optax
 from jax.sharding import Mesh
 
 from fsdp_jax import rules as rl
+from fsdp_jax.precision import Policy
 from fsdp_jax.state import TrainState, abstract_state, state_shardings
 from fsdp_jax.step import CompiledStep, LossFn, make_eval_step, make_train_step
 from fsdp_jax.strategy import ShardingPlan, Strategy, make_plan
@@ -52,9 +53,11 @@ class Built:
 
     def _init_from(self, params_fn, *args, donate: bool = False) -> TrainState:
         optimizer = self.optimizer
+        dtypes = self.abstract_state.params
 
         def init(*a):
-            p = params_fn(*a)
+            # master params in the planned dtype (precision's param_dtype), optimizer state after them
+            p = jax.tree.map(lambda x, d: x.astype(d.dtype), params_fn(*a), dtypes)
             return TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=optimizer.init(p))
         with jax.set_mesh(self.plan.mesh):
             return jax.jit(init, out_shardings=state_shardings(self.plan),
@@ -81,24 +84,50 @@ class Built:
         return self._init_from(lambda x: x, params, donate=True)
 
 
+def with_param_dtype(model, dtype):
+    """`model` (a dataclass with `abstract_params` and `init`) whose floating params
+    are `dtype`: its abstract params say so and its init casts. Unchanged when
+    they already are."""
+    dtype = jnp.dtype(dtype)
+
+    def cast_dtype(d):
+        return dtype if jnp.issubdtype(d, jnp.floating) else d
+    leaves = jax.tree.leaves(model.abstract_params)
+    if all(cast_dtype(x.dtype) == x.dtype for x in leaves):
+        return model
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, cast_dtype(x.dtype)),
+                            model.abstract_params)
+    init = model.init
+    if init is not None:
+        def init(rng, _init=model.init):
+            return jax.tree.map(lambda x: x.astype(cast_dtype(x.dtype)), _init(rng))
+    return dataclasses.replace(model, init=init, abstract_params=abstract)
+
+
 def build(model, optimizer: optax.GradientTransformation, mesh: Mesh,
           strategy: str | Strategy = "full_shard", *, loss_fn: LossFn | None = None,
           logical_axes: Any = None, rules: rl.Rules | None = None,
           min_shard_size: int = rl.DEFAULT_MIN_SHARD_SIZE,
           max_replicated_fraction: float | None = rl.DEFAULT_MAX_REPLICATED_FRACTION,
+          min_replicated_bytes: int = rl.DEFAULT_MIN_REPLICATED_BYTES,
           has_aux: bool = False, **step_options) -> Built:
     """Plan, abstract state and steps for `model` under `strategy` on `mesh`.
 
     `model`: a `ModelFns` (`from_nnx`, `from_linen`) or anything with
-    `abstract_params`, `logical_axes` and `init`. `logical_axes` overrides the
-    model's names. `rules`, `min_shard_size`, `max_replicated_fraction`: as in
-    `make_plan`. With `loss_fn(params, batch)`, `step_options` go to
-    `make_train_step` (microbatches, clip_norm, precision, remat, skip_nonfinite,
+    `abstract_params`, `logical_axes` and `init` (a dataclass). `logical_axes`
+    overrides the model's names. `rules`, `min_shard_size`, `max_replicated_fraction`,
+    `min_replicated_bytes`: as in `make_plan`. The precision's `param_dtype` is the
+    dtype of the master params: floating params (and so the optimizer state that
+    follows them, e.g. Adam's moments) are stored in it, whatever the model's init
+    returns (without `precision`: the model's own dtypes). With `loss_fn(params,
+    batch)`, `step_options` go to `make_train_step` (microbatches, clip_norm, precision, remat, skip_nonfinite,
     donate, trainable); `precision` also goes to `make_eval_step`.
     """
     axes_ = model.logical_axes if logical_axes is None else logical_axes
+    if step_options.get("precision") is not None:  # no precision given: the model's own dtypes
+        model = with_param_dtype(model, Policy.parse(step_options["precision"]).param_dtype)
     plan = make_plan(model.abstract_params, optimizer, mesh, strategy, axes_, rules,
-                     min_shard_size, max_replicated_fraction)
+                     min_shard_size, max_replicated_fraction, min_replicated_bytes)
     abstract = abstract_state(plan, model.abstract_params, optimizer)
     train_step = eval_step = None
     if loss_fn is not None:

@@ -98,3 +98,26 @@ def test_shard_grad_op_gathers_once_outside_the_loop():
     rep = collective_report(compiled.as_text())
     assert "all-gather" not in rep["inside_loop"]
     assert _gathers(rep, "outside_loop")["count"] >= 7
+
+
+def test_planner_counts_bf16_master_params_and_the_compiled_step_agrees():
+    """precision params=bfloat16 halves params and Adam moments in the planner's analytic
+    figures, and the compiled step's argument bytes are exactly those figures."""
+    from fsdp_jax.app import planner as pl
+    from fsdp_jax.app.config import load_config
+    small = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+             "model.ffn_dim=128", "model.max_seq_len=32", "data.seq_len=32", "train.global_batch=16"]
+    root = __import__("pathlib").Path(__file__).resolve().parents[1]
+    out = {}
+    for p in ("float32", "bfloat16"):
+        cfg = load_config(root / "configs" / "tiny.yaml", small + [f"precision=params={p},compute=bfloat16"])
+        b = pl.build_step(cfg, "full_shard")
+        out[p] = (b, pl.analytic_memory(b))
+    (b16, a16), (_, a32) = out["bfloat16"], out["float32"]
+    assert 2 * a16["params"] == a32["params"]
+    ints = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((b16.state.opt_state, b16.state.step))
+               if x.dtype.kind == "i")  # the step and optax's counts stay int32
+    assert ints < 64 and 2 * (a16["optimizer"] - ints) == a32["optimizer"] - ints
+    assert {x.dtype.name for x in jax.tree.leaves(b16.state.params)} == {"bfloat16"}
+    mem = compiled_memory(b16.compile())
+    assert mem["argument"] == a16["params"] + a16["optimizer"] + a16["batch"]

@@ -225,3 +225,28 @@ def test_bf16_compute_trains_close_to_fp32(batches):
     s16, _, l16 = run_fsdp("full_shard", opt, batches, precision="params=float32,compute=bfloat16")
     assert jax.tree.leaves(s16.params)[0].dtype == jnp.float32  # master weights stay fp32
     np.testing.assert_allclose(l16, l32, rtol=2e-2)
+
+
+def test_bf16_params_store_master_weights_and_adam_moments_in_bf16(batches):
+    """precision params=bfloat16: the state (params and Adam's moments, which follow
+    the params) is bf16 before and after steps, holding half the bytes of fp32."""
+    from fsdp_jax.memory import tree_bytes_per_device
+    m, loss_fn = tiny_llama()
+    opt, mesh = optax.adamw(1e-3), fj.make_mesh(fsdp=8)
+    b16 = fj.build(m, opt, mesh, loss_fn=loss_fn, precision="params=bfloat16,compute=bfloat16")
+    b32 = fj.build(m, opt, mesh, precision="params=float32,compute=bfloat16")  # its state only
+    moments = lambda st: [x for x in jax.tree.leaves(st.opt_state) if x.ndim]  # noqa: E731
+    for built, dtype in ((b16, jnp.bfloat16), (b32, jnp.float32)):
+        assert {x.dtype for x in jax.tree.leaves(built.abstract_state.params)} == {jnp.dtype(dtype)}
+        assert {x.dtype for x in moments(built.abstract_state)} == {jnp.dtype(dtype)}
+    for part in (lambda st: st.params, moments):
+        assert 2 * tree_bytes_per_device(part(b16.abstract_state)) == tree_bytes_per_device(
+            part(b32.abstract_state)) > 0
+    state = b16.init_state(jax.random.key(0))
+    l16 = []
+    for b in batches[:3]:
+        state, metrics = b16.train_step(state, b)
+        l16.append(float(metrics["loss"]))
+    assert {x.dtype for x in jax.tree.leaves(state.params) + moments(state)} == {jnp.dtype(jnp.bfloat16)}
+    assert tree_bytes_per_device(state.params) == tree_bytes_per_device(b16.abstract_state.params)
+    assert l16[-1] < l16[0]

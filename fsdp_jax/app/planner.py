@@ -84,13 +84,15 @@ from fsdp_jax.strategy import get_strategy
 # ----------------------------------------------------------------------------- the step, abstractly
 
 def mesh_shape(cfg, strategy: str, n_devices: int) -> tuple[int, int, int]:
-    """(data, fsdp, tensor) for `strategy` on `n_devices`: the config's mesh, except
-    that hybrid_shard needs a data axis: when the config has data=1 the fsdp axis is
-    split into data=2 x fsdp/2 (fsdp stays within a host, data goes across)."""
+    """(data, fsdp, tensor) for `strategy` on `n_devices`: the config's mesh, resolved
+    exactly as the trainer resolves it (`fsdp_jax.mesh.make_mesh`), for every
+    strategy. The planner builds the trainer's step, never a neighbour of it: with
+    data=1, hybrid_shard plans what the trainer would run (the fsdp axis over every
+    device, like full_shard); set mesh.data > 1 to plan replicas over data.
+    `strategy` is accepted for callers that pick a mesh per strategy."""
     from fsdp_jax.mesh import resolve_mesh_shape
+    del strategy
     data, fsdp, tensor = resolve_mesh_shape((cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor), n_devices)
-    if strategy == "hybrid_shard" and data == 1 and fsdp % 2 == 0 and fsdp >= 4:
-        data, fsdp = 2, fsdp // 2
     return data, fsdp, tensor
 
 
@@ -421,9 +423,12 @@ def plan_config(cfg, n_devices: int, strategies: Sequence[str] | str | None = No
 
 
 def _abstract_params(cfg):
+    """The master params as the trainer stores them (in the precision's param dtype)."""
     from fsdp_jax.adapters import from_nnx
     from fsdp_jax.app.models.llama import Llama
-    return from_nnx(lambda rngs: Llama(cfg.model, rngs=rngs)).abstract_params
+    from fsdp_jax.build import with_param_dtype
+    model = from_nnx(lambda rngs: Llama(cfg.model, rngs=rngs))
+    return with_param_dtype(model, Policy.parse(cfg.precision).param_dtype).abstract_params
 
 
 if __name__ == "__main__":
