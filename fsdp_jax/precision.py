@@ -14,6 +14,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from fsdp_jax.mesh import constrain
+
 _FIELDS = {"params": "param_dtype", "param": "param_dtype",
            "compute": "compute_dtype", "reduce": "reduce_dtype", "output": "output_dtype"}
 _ALIASES = {"fp32": "float32", "f32": "float32", "bf16": "bfloat16", "fp16": "float16",
@@ -89,7 +91,7 @@ def cast_params_for_compute(params, policy: Policy, shardings):
 
 def _cast_leaf(x, sharding, compute_dtype, reduce_dtype):
     if not jnp.issubdtype(x.dtype, jnp.floating):
-        return jax.lax.with_sharding_constraint(x, sharding)
+        return constrain(x, sharding)
     return _make_cast(sharding, jnp.dtype(compute_dtype), jnp.dtype(reduce_dtype))(x)
 
 
@@ -97,13 +99,13 @@ def _cast_leaf(x, sharding, compute_dtype, reduce_dtype):
 def _make_cast(sharding, compute_dtype, reduce_dtype):
     @jax.custom_vjp
     def cast(x):
-        return jax.lax.with_sharding_constraint(x.astype(compute_dtype), sharding)
+        return constrain(x.astype(compute_dtype), sharding)
 
     def fwd(x):
         return cast(x), jnp.zeros((), x.dtype)  # residual carries only the dtype
 
     def bwd(res, g):
-        g = jax.lax.with_sharding_constraint(g.astype(reduce_dtype), sharding)
+        g = constrain(g.astype(reduce_dtype), sharding)
         return (g.astype(res.dtype),)
 
     cast.defvjp(fwd, bwd)

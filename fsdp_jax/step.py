@@ -13,9 +13,13 @@
    lives in that layout;
 5. the global grad norm is taken across shards, grads are clipped, optax updates
    the state in its sharded layout, and non-finite steps are skipped;
+   (each of 2-5 is its own function below: `microbatched`, `compute_value_and_grad`,
+   `Trainable`, `clip_grads`, `guarded_update`)
 6. the old state is donated, so params and optimizer state are updated in place.
 Activation constraints in the model (`flax.linen.with_logical_constraint`) resolve
-through the same rules table, made current while the step is traced.
+through the same rules table, made current while the step is traced. On a mesh of
+Explicit axes (`make_mesh(..., axis_types="explicit")`) every layout change above is
+a `jax.sharding.reshard` instead of a sharding constraint (`fsdp_jax.mesh.constrain`).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import fsdp_jax.remat as remat_lib
 from fsdp_jax import rules as rl
+from fsdp_jax.mesh import constrain
 from fsdp_jax.precision import Policy, cast_params_for_compute
 from fsdp_jax.state import TrainState, state_shardings
 from fsdp_jax.strategy import ShardingPlan, batch_divisor
@@ -94,7 +99,7 @@ def _split_microbatches(batch, k: int):
     return jax.tree.map(lambda x: jnp.moveaxis(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 1, 0), batch)
 
 
-class _Wrt:
+class Trainable:
     """What the step differentiates: the whole param tree (`trainable` None, the
     default) or the list of trainable leaves, with frozen leaves held constant."""
 
@@ -120,7 +125,7 @@ class _Wrt:
         if self.keep is None:
             return grads
         it = iter(grads)
-        out = [next(it) if k else jax.lax.with_sharding_constraint(jnp.zeros(p.shape, p.dtype), s)
+        out = [next(it) if k else _zeros_like(p, s)
                for p, k, s in zip(self.leaves, self.keep, self.treedef.flatten_up_to(grad_sh))]
         return self.treedef.unflatten(out)
 
@@ -140,6 +145,93 @@ def trainable_leaves(params, trainable) -> list[bool]:
     return [bool(b) for b in flat]
 
 
+def _zeros_like(p, sharding):
+    return constrain(jnp.zeros(p.shape, p.dtype), sharding)
+
+
+# ----------------------------------------------------------------------------- the step's parts
+
+GradFn = Callable[[Any, Any], tuple[Any, Any, Any]]  # (params, batch) -> (loss, aux, grads)
+
+
+def compute_value_and_grad(loss_fn: LossFn, policy: Policy, plan: ShardingPlan, wrt: Trainable,
+                           has_aux: bool = False) -> GradFn:
+    """`(params, batch) -> (loss f32, aux, grads)`: params are cast to the compute dtype
+    in their at-rest layout, laid out for compute (gathered once under
+    shard_grad_op), `loss_fn` is differentiated with respect to `wrt`'s leaves, and
+    grads come back in the reduce dtype constrained to the grad layout (so their
+    cross-device reduction is a reduce-scatter under ZeRO-2/3)."""
+    grad_sh, compute_sh, rest_sh = plan.grads, plan.compute, plan.params
+
+    def grad_fn(params, batch):
+        def f(x):
+            pc = cast_params_for_compute(wrt.join(x), policy, rest_sh)
+            if compute_sh is not rest_sh:
+                pc = constrain(pc, compute_sh)
+            out = loss_fn(pc, batch)
+            loss, aux = out if has_aux else (out, None)
+            return loss.astype(jnp.float32), aux
+        (loss, aux), grads = jax.value_and_grad(f, has_aux=True)(wrt.select(params))
+        return loss, aux, constrain(grads, wrt.select(grad_sh))
+    return grad_fn
+
+
+def microbatched(grad_fn: GradFn, microbatches: int, grad_shardings=None,
+                 grads_like: Callable[[Any], Any] = lambda params: params) -> GradFn:
+    """`grad_fn` over `microbatches` slices of the batch, scanned: mean loss, mean
+    grads (summed into an accumulator laid out as `grad_shardings`, a tree matching
+    the grads, or None) and the slices' aux stacked on a leading dim. Slice j takes
+    rows j, j+k, j+2k, ... so each slice still spans every device. `grads_like(params)`
+    has the grads' shapes and dtypes (default: params). microbatches=1 is `grad_fn`."""
+    if microbatches < 1:
+        raise ValueError(f"microbatches must be >= 1, got {microbatches}")
+    if microbatches == 1:
+        return grad_fn
+
+    def place(tree):
+        return tree if grad_shardings is None else constrain(tree, grad_shardings)
+
+    def run(params, batch):
+        def body(carry, mb):
+            acc, loss_sum = carry
+            loss, aux, g = grad_fn(params, mb)
+            acc = jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, g)
+            return (place(acc), loss_sum + loss), aux
+        zeros = place(jax.tree.map(lambda g: jnp.zeros(g.shape, g.dtype), grads_like(params)))
+        (acc, loss_sum), aux = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)),
+                                            _split_microbatches(batch, microbatches))
+        return loss_sum / microbatches, aux, jax.tree.map(lambda g: g / microbatches, acc)
+    return run
+
+
+def clip_grads(grads, clip_norm: float | None):
+    """(grads scaled to global norm <= clip_norm (unchanged when None), the global
+    norm before clipping, taken across shards)."""
+    norm = optax.tree.norm(grads)
+    if clip_norm:
+        grads, _ = optax.clip_by_global_norm(clip_norm).update(grads, optax.EmptyState())
+    return grads, norm
+
+
+def apply_update(optimizer: optax.GradientTransformation, state: TrainState, grads) -> TrainState:
+    """One optax update of `state` (in its sharded layout) by `grads`."""
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    return TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),
+                      opt_state=opt_state)
+
+
+def guarded_update(optimizer: optax.GradientTransformation, state: TrainState, grads, ok,
+                   skip_nonfinite: bool = True) -> TrainState:
+    """`apply_update` when `ok` (a traced bool: loss and grad norm finite); the state
+    unchanged when not and `skip_nonfinite`."""
+    def apply(st: TrainState, g) -> TrainState:
+        return apply_update(optimizer, st, g)
+
+    if skip_nonfinite:  # a conditional, not a select over the state: no extra pass over it
+        return jax.lax.cond(ok, apply, lambda st, g: st, state, grads)
+    return apply(state, grads)
+
+
 def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, plan: ShardingPlan, *,
                     microbatches: int = 1, clip_norm: float | None = None,
                     precision: Policy | str | None = None, remat: str = "none",
@@ -151,7 +243,11 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, pl
     `has_aux`); `params` arrive in the compute dtype. `batch` is a pytree whose
     leaves have a leading global-batch dim. metrics: `loss` (output dtype),
     `grad_norm` (global, before clipping), `skipped` (1 when a non-finite loss or
-    grad norm left the state unchanged), plus `aux` when given.
+    grad norm left the state unchanged), plus `aux` when given (stacked over
+    microbatches when there are several).
+
+    The step is the composition `microbatched(compute_value_and_grad)` ->
+    `Trainable.full_grads` -> `clip_grads` -> `guarded_update`, each usable alone.
 
     `trainable` (frozen params, LoRA-style fine-tuning): None (every leaf is
     differentiated), or a tree of Python bools matching params (a prefix is
@@ -165,51 +261,15 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, pl
         raise ValueError(f"microbatches must be >= 1, got {microbatches}")
     policy = Policy.parse(precision)
     loss_fn = remat_lib.with_remat(loss_fn, remat)
-    clip = optax.clip_by_global_norm(clip_norm) if clip_norm else None
-    grad_sh, compute_sh, rest_sh = plan.grads, plan.compute, plan.params
-
-    def value_and_grad(params, batch, wrt: _Wrt):
-        def f(x):
-            pc = cast_params_for_compute(wrt.join(x), policy, rest_sh)
-            if compute_sh is not rest_sh:
-                pc = jax.lax.with_sharding_constraint(pc, compute_sh)
-            out = loss_fn(pc, batch)
-            loss, aux = out if has_aux else (out, None)
-            return loss.astype(jnp.float32), aux
-        (loss, aux), grads = jax.value_and_grad(f, has_aux=True)(wrt.select(params))
-        return loss, aux, jax.lax.with_sharding_constraint(grads, wrt.select(grad_sh))
 
     def step(state: TrainState, batch):
-        wrt = _Wrt(state.params, trainable)
-        g_sh = wrt.select(grad_sh)
-        if microbatches == 1:
-            loss, aux, grads = value_and_grad(state.params, batch, wrt)
-        else:
-            def body(carry, mb):
-                acc, loss_sum = carry
-                loss, aux, g = value_and_grad(state.params, mb, wrt)
-                acc = jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, g)
-                return (jax.lax.with_sharding_constraint(acc, g_sh), loss_sum + loss), aux
-            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), wrt.select(state.params))
-            zeros = jax.lax.with_sharding_constraint(zeros, g_sh)
-            (acc, loss_sum), aux = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)),
-                                                _split_microbatches(batch, microbatches))
-            grads = jax.tree.map(lambda g: g / microbatches, acc)
-            loss = loss_sum / microbatches
-        grads = wrt.full_grads(grads, grad_sh)
-        grad_norm = optax.tree.norm(grads)
-        if clip is not None:
-            grads, _ = clip.update(grads, clip.init(grads))
-        def apply(st: TrainState, g) -> TrainState:
-            updates, opt_state = optimizer.update(g, st.opt_state, st.params)
-            return TrainState(step=st.step + 1, params=optax.apply_updates(st.params, updates),
-                              opt_state=opt_state)
-
+        wrt = Trainable(state.params, trainable)
+        grad_fn = microbatched(compute_value_and_grad(loss_fn, policy, plan, wrt, has_aux),
+                               microbatches, wrt.select(plan.grads), wrt.select)
+        loss, aux, grads = grad_fn(state.params, batch)
+        grads, grad_norm = clip_grads(wrt.full_grads(grads, plan.grads), clip_norm)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        if skip_nonfinite:  # a conditional, not a select over the state: no extra pass over it
-            new = jax.lax.cond(ok, apply, lambda st, g: st, state, grads)
-        else:
-            new = apply(state, grads)
+        new = guarded_update(optimizer, state, grads, ok, skip_nonfinite)
         metrics = {"loss": loss.astype(policy.output_dtype), "grad_norm": grad_norm,
                    "skipped": (~ok).astype(jnp.int32)}
         if has_aux:
@@ -228,7 +288,7 @@ def make_eval_step(loss_fn: LossFn, plan: ShardingPlan, *, precision: Policy | s
     policy = Policy.parse(precision)
 
     def step(params, batch):
-        pc = policy.cast_to_compute(jax.lax.with_sharding_constraint(params, plan.params))
+        pc = policy.cast_to_compute(constrain(params, plan.params))
         out = loss_fn(pc, batch)
         loss = out[0] if has_aux else out
         return {"loss": loss.astype(policy.output_dtype)}

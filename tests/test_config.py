@@ -119,9 +119,35 @@ def test_bad_values_name_the_key(override, key):
     assert msg.startswith(f"{key}: ") and "\n" not in msg
 
 
-def test_aliases_for_strategy_are_accepted():
-    for name in ("zero3", "fsdp", "zero2", "zero1", "ddp", "hsdp", "shard_grad_op", "hybrid_shard"):
-        assert load_config(TINY, [f"mesh.strategy={name}"]).mesh.strategy == name
+def test_mesh_rules_merge_over_the_defaults_and_round_trip(tmp_path):
+    from fsdp_jax.rules import DEFAULT_RULES
+    assert Config().mesh.rules == {k: list(v) if isinstance(v, tuple) else v
+                                   for k, v in DEFAULT_RULES.items()}
+    p = tmp_path / "c.yaml"
+    p.write_text("mesh:\n  rules:\n    mlp: fsdp\n    ffw: [fsdp, tensor]\n    vocab: null\n")
+    cfg = load_config(p, ["mesh.rules.heads=null", "mesh.rules.embed_dim=fsdp"])
+    r = cfg.mesh.rules
+    assert (r["mlp"], r["ffw"], r["vocab"], r["heads"], r["embed_dim"]) == (
+        "fsdp", ["fsdp", "tensor"], None, None, "fsdp")
+    assert r["embed"] == "fsdp" and r["batch"] == ["data", "fsdp"]  # untouched defaults stay
+    save_config(cfg, tmp_path / "run" / "config.yaml")  # the run saves the resolved table
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert saved["mesh"]["rules"] == r and load_config(tmp_path / "run" / "config.yaml") == cfg
+
+
+@pytest.mark.parametrize("override, key", [
+    ("mesh.rules.mlp=model", "mesh.rules.mlp"),          # not a mesh axis
+    ("mesh.rules.mlp=[fsdp, fsdp]", "mesh.rules.mlp"),   # an axis twice
+    ("mesh.rules.mlp=3", "mesh.rules.mlp"),
+    ("mesh.rules=[mlp]", "mesh.rules"),                   # not a mapping
+    ("mesh.axis_types=manual", "mesh.axis_types"),
+    ("mesh.min_replicated_bytes=-1", "mesh.min_replicated_bytes"),
+])
+def test_bad_mesh_rules_name_the_rule(override, key):
+    with pytest.raises(ConfigError) as e:
+        load_config(TINY, [override])
+    assert e.value.key == key and "\n" not in str(e.value)
+    assert "data, fsdp, tensor" in str(e.value) or key != "mesh.rules.mlp"
 
 
 def test_device_checks():

@@ -250,3 +250,113 @@ def test_bf16_params_store_master_weights_and_adam_moments_in_bf16(batches):
     assert {x.dtype for x in jax.tree.leaves(state.params) + moments(state)} == {jnp.dtype(jnp.bfloat16)}
     assert tree_bytes_per_device(state.params) == tree_bytes_per_device(b16.abstract_state.params)
     assert l16[-1] < l16[0]
+
+
+# -- the step's parts, each on its own -------------------------------------------------------
+
+def _mlp_loss(p, batch, out_sharding=None):
+    x, y = batch
+    kw = {} if out_sharding is None else {"out_sharding": out_sharding}
+    h = jnp.tanh(jnp.dot(x, p["w1"], **kw))
+    return jnp.mean((jnp.dot(h, p["w2"], **kw) - y) ** 2), jnp.mean(h)
+
+
+def _mlp(rng=0):
+    k1, k2, k3 = jax.random.split(jax.random.key(rng), 3)
+    p = {"w1": jax.random.normal(k1, (64, 256)) * 0.05, "w2": jax.random.normal(k2, (256, 64)) * 0.05}
+    x = jax.random.normal(k3, (32, 64))
+    return p, (x, jnp.sin(x))
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_microbatched_averages_loss_and_grads_and_stacks_aux(k):
+    p, batch = _mlp()
+
+    def grad_fn(params, b):
+        (loss, aux), g = jax.value_and_grad(_mlp_loss, has_aux=True)(params, b)
+        return loss, aux, g
+    loss1, _, g1 = jax.jit(grad_fn)(p, batch)
+    loss_k, aux_k, g_k = jax.jit(fj.step.microbatched(grad_fn, k))(p, batch)
+    np.testing.assert_allclose(float(loss_k), float(loss1), rtol=1e-6)
+    assert max_abs_diff(g_k, g1) < 1e-7 and aux_k.shape == (k,)
+    # slice j is rows j, j+k, ...: its aux is the model's on exactly those rows
+    np.testing.assert_allclose(float(aux_k[1]), float(_mlp_loss(p, jax.tree.map(lambda x: x[1::k], batch))[1]),
+                               rtol=1e-6)
+    assert fj.step.microbatched(grad_fn, 1) is grad_fn
+    with pytest.raises(ValueError, match="microbatches must be >= 1"):
+        fj.step.microbatched(grad_fn, 0)
+
+
+def test_trainable_differentiates_only_trainable_leaves():
+    p, batch = _mlp()
+    mesh = fj.make_mesh(fsdp=8)
+    sh = {"w1": jax.NamedSharding(mesh, P("fsdp", None)), "w2": jax.NamedSharding(mesh, P(None, "fsdp"))}
+    wrt = fj.step.Trainable(p, {"w1": False, "w2": True})
+    assert wrt.keep == [False, True] and len(wrt.select(p)) == 1
+    g = jax.grad(lambda x: _mlp_loss(wrt.join(x), batch)[0])(wrt.select(p))
+    full = jax.jit(lambda g: wrt.full_grads(g, sh))(g)
+    ref = jax.grad(lambda q: _mlp_loss(q, batch)[0])(p)
+    assert float(jnp.max(jnp.abs(full["w1"]))) == 0.0 and full["w1"].sharding.spec == P("fsdp", None)
+    assert max_abs_diff(full["w2"], ref["w2"]) < 1e-7
+    everything = fj.step.Trainable(p, None)
+    assert everything.select(p) is p and everything.full_grads(ref, sh) is ref
+
+
+def test_clip_grads_scales_to_the_global_norm():
+    g = {"a": jnp.full((4,), 3.0), "b": jnp.full((9,), 4.0)}  # norm sqrt(36 + 144)
+    norm = np.sqrt(4 * 9 + 9 * 16)
+    clipped, n = fj.step.clip_grads(g, 1.0)
+    assert float(n) == pytest.approx(norm) and float(optax.tree.norm(clipped)) == pytest.approx(1.0)
+    same, n = fj.step.clip_grads(g, None)
+    assert same is g and float(n) == pytest.approx(norm)
+    same, _ = fj.step.clip_grads(g, 100.0)
+    assert max_abs_diff(same, g) == 0.0
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_guarded_update_applies_only_finite_steps(skip):
+    opt = optax.sgd(0.1)
+    p = {"w": jnp.ones((4,))}
+    st = fj.TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=opt.init(p))
+    g = {"w": jnp.full((4,), 2.0)}
+    upd = jax.jit(lambda s, g, ok: fj.step.guarded_update(opt, s, g, ok, skip))
+    new = upd(st, g, jnp.bool_(True))
+    assert int(new.step) == 1 and float(new.params["w"][0]) == pytest.approx(0.8)
+    new = upd(st, g, jnp.bool_(False))
+    if skip:
+        assert int(new.step) == 0 and max_abs_diff(new.params, p) == 0.0
+    else:
+        assert int(new.step) == 1 and float(new.params["w"][0]) == pytest.approx(0.8)
+
+
+@pytest.mark.parametrize("strategy, mesh_kw, micro", [
+    ("full_shard", dict(fsdp=8), 2), ("shard_grad_op", dict(fsdp=8), 1),
+    ("hybrid_shard", dict(data=2, fsdp=4), 1), ("full_shard", dict(fsdp=4, tensor=2), 1)])
+def test_explicit_axes_model_with_out_sharding_trains_like_one_device(strategy, mesh_kw, micro):
+    """A model written for JAX's explicit sharding mode (`out_sharding=` on its matmuls)
+    trains on an Explicit mesh with every strategy, as a single device does; on the
+    default Auto mesh such a model is rejected by JAX itself."""
+    p, batch = _mlp()
+    axes_ = {"w1": ("embed", "mlp"), "w2": ("mlp", "embed")}
+    act = fj.logical_to_spec(("batch", None))  # P(("data", "fsdp"), None)
+
+    def loss_fn(params, b):
+        return _mlp_loss(params, b, out_sharding=act)[0]
+    model = fj.ModelFns(init=lambda rng: _mlp()[0], apply=None, logical_axes=axes_,
+                        abstract_params=jax.eval_shape(lambda: p))
+    opt = optax.adamw(1e-2)
+    mesh = fj.make_mesh(**mesh_kw, axis_types="explicit")
+    built = fj.build(model, opt, mesh, strategy, loss_fn=loss_fn, microbatches=micro)
+    state = built.init_state(jax.random.key(0))
+    assert state.params["w1"].sharding.spec == built.plan.params["w1"].spec
+    losses = []
+    for _ in range(3):
+        state, metrics = built.train_step(state, batch)
+        losses.append(float(metrics["loss"]))
+    ref_params, ref_losses = reference_train(lambda q, b: _mlp_loss(q, b)[0], opt, p, [batch] * 3)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert max_abs_diff(state.params, ref_params) < 1e-5
+    if strategy == "full_shard" and micro == 2:
+        with pytest.raises(ValueError, match="Auto"):
+            auto = fj.build(model, opt, fj.make_mesh(**mesh_kw), strategy, loss_fn=loss_fn)
+            auto.train_step(auto.init_state(jax.random.key(0)), batch)

@@ -21,7 +21,9 @@ from typing import Any
 
 import yaml
 
-from fsdp_jax.mesh import MeshError, resolve_mesh_shape
+from fsdp_jax import rules as rl
+from fsdp_jax.axes import MESH_AXES
+from fsdp_jax.mesh import AXIS_TYPES, MeshError, resolve_mesh_shape
 from fsdp_jax.precision import Policy
 from fsdp_jax.app.models.llama import LlamaConfig, count_params  # noqa: F401 (re-exported)
 from fsdp_jax.remat import REMAT_POLICIES
@@ -40,6 +42,28 @@ class ConfigError(ValueError):
 ModelConfig = LlamaConfig
 
 
+Rules = dict[str, Any]
+
+
+def resolved_rules(overrides: Mapping | None = None) -> Rules:
+    """`overrides` (logical name -> mesh axis, list of axes, or null) merged over
+    `fsdp_jax.rules.DEFAULT_RULES`, in YAML-friendly form (lists, not tuples).
+    Raises ConfigError naming mesh.rules.NAME when a value is not a mesh axis."""
+    if overrides is not None and not isinstance(overrides, Mapping):
+        raise ConfigError("mesh.rules", f"{overrides!r} is not a mapping of logical name -> mesh "
+                          "axis (e.g. {mlp: tensor, embed: fsdp})")
+    out = {}
+    for name, value in {**rl.DEFAULT_RULES, **(overrides or {})}.items():
+        try:
+            merged = rl.merge_rules({name: value}, {})
+        except rl.ShardingError:
+            raise ConfigError(f"mesh.rules.{name}", f"{value!r} is invalid; a mesh axis "
+                              f"({', '.join(MESH_AXES)}), a list of them, or null") from None
+        v = merged[str(name)]
+        out[str(name)] = list(v) if isinstance(v, tuple) else v
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
     data: int = 1                       # each size >= 1, or -1 (one axis) = the remaining devices
@@ -48,6 +72,11 @@ class MeshConfig:
     strategy: str = "full_shard"        # a name of fsdp_jax.strategy.STRATEGIES or an alias
     min_shard_size: int = 16384         # leaves with fewer elements stay replicated
     max_replicated_fraction: float = 0.02
+    min_replicated_bytes: int = rl.DEFAULT_MIN_REPLICATED_BYTES  # under this, over the fraction only warns
+    axis_types: str = "auto"            # auto | explicit (JAX's sharding-in-types mode)
+    # logical name -> mesh axis / list / null, merged over fsdp_jax.rules.DEFAULT_RULES (the
+    # resolved table is what the run saves in config.yaml)
+    rules: Rules = dataclasses.field(default_factory=resolved_rules)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +146,8 @@ _SECTIONS: dict[str, type] = {k: t for k, t in typing.get_type_hints(Config).ite
 _OVERRIDE_ALIASES = {"strategy": "mesh.strategy", "steps": "train.steps", "lr": "optimizer.lr"}
 _FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 _CHOICES = {"model.attention": ("xla", "cudnn"), "optimizer.name": ("adamw", "sgd", "adafactor"),
-            "data.source": ("stdlib", "none"), "xla_gpu_flags": ("none", "fsdp")}
+            "data.source": ("stdlib", "none"), "xla_gpu_flags": ("none", "fsdp"),
+            "mesh.axis_types": tuple(AXIS_TYPES)}
 
 
 def _all_keys() -> list[str]:
@@ -160,6 +190,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         if isinstance(value, str):
             return value
         raise ConfigError(key, f"{value!r} is not a string")
+    if tp == Rules:
+        return resolved_rules(value)
     raise TypeError(f"{key}: unsupported annotation {tp!r}")  # a bug here, not in the YAML
 
 
@@ -221,6 +253,19 @@ def apply_overrides(raw: Mapping, overrides: Sequence[str]) -> dict:
             raise ConfigError("override", f"{item!r} is not key=value (e.g. train.steps=20)")
         if key in _SECTIONS:
             raise ConfigError(key, f"is a section; override one of its keys ({key}.KEY=VALUE)")
+        if key.startswith("mesh.rules.") and len(key) > len("mesh.rules."):
+            try:  # one rule: mesh.rules.mlp=tensor, mesh.rules.batch=[data,fsdp], mesh.rules.kv=null
+                value = yaml.safe_load(text)
+            except yaml.YAMLError:
+                raise ConfigError(key, f"cannot parse value {text!r}") from None
+            mesh_ = out.setdefault("mesh", {})
+            if not isinstance(mesh_, dict):
+                raise ConfigError("mesh", f"expected a mapping of keys, got {mesh_!r}")
+            rules_ = mesh_.get("rules") or {}
+            if not isinstance(rules_, Mapping):
+                raise ConfigError("mesh.rules", f"{rules_!r} is not a mapping")
+            mesh_["rules"] = {**rules_, key[len("mesh.rules."):]: value}
+            continue
         tp = _field_type(key)
         if tp is None:
             head = key.partition(".")[0]
@@ -323,6 +368,8 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
     _check(mesh.min_shard_size >= 0, "mesh.min_shard_size", mesh.min_shard_size, "must be >= 0")
     _check(0 <= mesh.max_replicated_fraction <= 1, "mesh.max_replicated_fraction",
            mesh.max_replicated_fraction, "must be in [0, 1]")
+    _check(mesh.min_replicated_bytes >= 0, "mesh.min_replicated_bytes", mesh.min_replicated_bytes,
+           "must be >= 0")
     _check(cfg.remat in REMAT_POLICIES, "remat", cfg.remat, f"allowed: {', '.join(REMAT_POLICIES)}")
     dist = cfg.distributed
     _check(dist.num_processes is None or dist.num_processes >= 1, "distributed.num_processes",

@@ -101,7 +101,7 @@ def setup(cfg: Config, init_params: Callable | None = None, *, resume: bool = Tr
     Raises CheckpointError when checkpoints exist but none restores or fits."""
     validate(cfg, n_devices=jax.device_count())
     prepare_data(cfg)
-    mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, axis_types=cfg.mesh.axis_types)
     model = from_nnx(lambda rngs: Llama(cfg.model, rngs=rngs, remat=cfg.remat))
     optimizer, schedule = build_optimizer(cfg.optimizer, cfg.train.steps)
     rng = jax.random.key(cfg.train.seed)
@@ -115,9 +115,10 @@ def setup(cfg: Config, init_params: Callable | None = None, *, resume: bool = Tr
         model = dataclasses.replace(model, init=init_params,
                                     abstract_params=jax.eval_shape(init_params, rng))
     loss_fn = make_loss_fn(model)
-    built = build(model, optimizer, mesh, cfg.mesh.strategy, loss_fn=loss_fn,
+    built = build(model, optimizer, mesh, cfg.mesh.strategy, loss_fn=loss_fn, rules=cfg.mesh.rules,
                   min_shard_size=cfg.mesh.min_shard_size,
                   max_replicated_fraction=cfg.mesh.max_replicated_fraction,
+                  min_replicated_bytes=cfg.mesh.min_replicated_bytes,
                   microbatches=cfg.train.microbatches, clip_norm=cfg.optimizer.clip_norm,
                   precision=cfg.precision)
     plan = built.plan

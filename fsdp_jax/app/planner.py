@@ -135,10 +135,10 @@ def build_step(cfg, strategy: str | None = None, devices: Sequence[jax.Device] |
     strategy = get_strategy(strategy or cfg.mesh.strategy).name
     devices = list(jax.devices() if devices is None else devices)
     sizes = mesh_sizes or mesh_shape(cfg, strategy, len(devices))
-    mesh = make_mesh(*sizes, devices=devices)
+    mesh = make_mesh(*sizes, devices=devices, axis_types=cfg.mesh.axis_types)
     model = from_nnx(lambda rngs: Llama(cfg.model, rngs=rngs, remat=cfg.remat))
     optimizer, _ = build_optimizer(cfg.optimizer, cfg.train.steps)
-    built = build(model, optimizer, mesh, strategy, loss_fn=make_loss_fn(model),
+    built = build(model, optimizer, mesh, strategy, loss_fn=make_loss_fn(model), rules=cfg.mesh.rules,
                   min_shard_size=cfg.mesh.min_shard_size, max_replicated_fraction=None,
                   microbatches=cfg.train.microbatches, clip_norm=cfg.optimizer.clip_norm,
                   precision=cfg.precision)
@@ -312,7 +312,8 @@ def plan_strategy(cfg, strategy: str, devices: Sequence[jax.Device] | None = Non
     }
     try:
         out["replicated_fraction"] = rl.check_sufficiently_sharded(
-            b.plan.rows, b.plan.strategy.params, b.mesh, cfg.mesh.max_replicated_fraction)
+            b.plan.rows, b.plan.strategy.params, b.mesh, cfg.mesh.max_replicated_fraction,
+            cfg.mesh.min_replicated_bytes)
     except rl.ShardingError as e:
         out["replicated_fraction"] = None
         out["warnings"].insert(0, f"the trainer would refuse this plan: {e}")
