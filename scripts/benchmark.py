@@ -122,6 +122,10 @@ def main(argv: list[str] | None = None) -> int:
         args = ap.parse_args(argv)
     except SystemExit as e:
         return 2 if e.code else 0
+    from fsdp_jax.app.extras import available, missing_message
+    if args.plot and not available("matplotlib"):  # before any benchmark runs
+        print(f"error: {missing_message('matplotlib', '--plot')}", file=sys.stderr)
+        return 1
 
     import jax
     jax.config.update("jax_num_cpu_devices", int(os.environ.get("FSDP_JAX_CPU_DEVICES", "8")))
@@ -191,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def plot(doc: dict, key: str, out: str) -> None:
     """One line per strategy and combination of the other swept keys, against `key`."""
-    import matplotlib
+    from fsdp_jax.app.extras import require
+    matplotlib = require("matplotlib", "--plot")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

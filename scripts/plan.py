@@ -50,7 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     except BAD_INPUT as e:
         return fail(e)
 
+    from fsdp_jax.app.extras import available, missing_message
     from fsdp_jax.app.plan_report import format_table, plot_plan
+    if args.plot and not available("matplotlib"):  # before compiling anything
+        print(f"error: {missing_message('matplotlib', '--plot')}", file=sys.stderr)
+        return 1
     from fsdp_jax.app.planner import plan_config
 
     try:

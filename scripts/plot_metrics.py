@@ -24,7 +24,8 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def plot(records: list[dict], out: Path) -> None:
-    import matplotlib
+    from fsdp_jax.app.extras import require
+    matplotlib = require("matplotlib", "plot_metrics.py")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -65,7 +66,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {path}: no logged training steps yet", file=sys.stderr)
         return 2
     out = Path(args.out) if args.out else Path(args.run_dir) / "metrics.png"
-    plot(records, out)
+    from fsdp_jax.app.extras import MissingExtra
+    try:
+        plot(records, out)
+    except MissingExtra as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     print(out)
     return 0
 

@@ -140,7 +140,6 @@ def test_mesh_rules_merge_over_the_defaults_and_round_trip(tmp_path):
     ("mesh.rules.mlp=[fsdp, fsdp]", "mesh.rules.mlp"),   # an axis twice
     ("mesh.rules.mlp=3", "mesh.rules.mlp"),
     ("mesh.rules=[mlp]", "mesh.rules"),                   # not a mapping
-    ("mesh.axis_types=manual", "mesh.axis_types"),
     ("mesh.min_replicated_bytes=-1", "mesh.min_replicated_bytes"),
 ])
 def test_bad_mesh_rules_name_the_rule(override, key):

@@ -23,7 +23,7 @@ import yaml
 
 from fsdp_jax import rules as rl
 from fsdp_jax.axes import MESH_AXES
-from fsdp_jax.mesh import AXIS_TYPES, MeshError, resolve_mesh_shape
+from fsdp_jax.mesh import MeshError, resolve_mesh_shape
 from fsdp_jax.precision import Policy
 from fsdp_jax.app.models.llama import LlamaConfig, count_params  # noqa: F401 (re-exported)
 from fsdp_jax.remat import REMAT_POLICIES
@@ -73,7 +73,6 @@ class MeshConfig:
     min_shard_size: int = 16384         # leaves with fewer elements stay replicated
     max_replicated_fraction: float = 0.02
     min_replicated_bytes: int = rl.DEFAULT_MIN_REPLICATED_BYTES  # under this, over the fraction only warns
-    axis_types: str = "auto"            # auto | explicit (JAX's sharding-in-types mode)
     # logical name -> mesh axis / list / null, merged over fsdp_jax.rules.DEFAULT_RULES (the
     # resolved table is what the run saves in config.yaml)
     rules: Rules = dataclasses.field(default_factory=resolved_rules)
@@ -146,8 +145,7 @@ _SECTIONS: dict[str, type] = {k: t for k, t in typing.get_type_hints(Config).ite
 _OVERRIDE_ALIASES = {"strategy": "mesh.strategy", "steps": "train.steps", "lr": "optimizer.lr"}
 _FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 _CHOICES = {"model.attention": ("xla", "cudnn"), "optimizer.name": ("adamw", "sgd", "adafactor"),
-            "data.source": ("stdlib", "none"), "xla_gpu_flags": ("none", "fsdp"),
-            "mesh.axis_types": tuple(AXIS_TYPES)}
+            "data.source": ("stdlib", "none"), "xla_gpu_flags": ("none", "fsdp")}
 
 
 def _all_keys() -> list[str]:
@@ -384,6 +382,10 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
                           "(e.g. params=float32,compute=bfloat16)") from None
     _check(tr.global_batch % tr.microbatches == 0, "train.global_batch", tr.global_batch,
            f"must be divisible by train.microbatches={tr.microbatches}")
+    if tr.tensorboard:
+        from fsdp_jax.app.extras import available, missing_message
+        _check(available("tensorboardX"), "train.tensorboard", tr.tensorboard,
+               missing_message("tensorboardX", "train.tensorboard=true") + ", or set it to false")
     if n_devices is None:
         return
     try:

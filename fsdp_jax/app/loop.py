@@ -101,7 +101,7 @@ def setup(cfg: Config, init_params: Callable | None = None, *, resume: bool = Tr
     Raises CheckpointError when checkpoints exist but none restores or fits."""
     validate(cfg, n_devices=jax.device_count())
     prepare_data(cfg)
-    mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, axis_types=cfg.mesh.axis_types)
+    mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
     model = from_nnx(lambda rngs: Llama(cfg.model, rngs=rngs, remat=cfg.remat))
     optimizer, schedule = build_optimizer(cfg.optimizer, cfg.train.steps)
     rng = jax.random.key(cfg.train.seed)

@@ -251,7 +251,8 @@ def format_table(doc: dict[str, Any]) -> str:
 def plot_plan(doc: dict[str, Any], path: str) -> None:
     """Stacked bars per strategy (params, grads, optimizer, gathered, activations: analytic)
     with the compiled peak as a marker and the device memory as a line; PNG via Agg."""
-    import matplotlib
+    from fsdp_jax.app.extras import require
+    matplotlib = require("matplotlib", "--plot")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

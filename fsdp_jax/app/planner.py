@@ -135,7 +135,7 @@ def build_step(cfg, strategy: str | None = None, devices: Sequence[jax.Device] |
     strategy = get_strategy(strategy or cfg.mesh.strategy).name
     devices = list(jax.devices() if devices is None else devices)
     sizes = mesh_sizes or mesh_shape(cfg, strategy, len(devices))
-    mesh = make_mesh(*sizes, devices=devices, axis_types=cfg.mesh.axis_types)
+    mesh = make_mesh(*sizes, devices=devices)
     model = from_nnx(lambda rngs: Llama(cfg.model, rngs=rngs, remat=cfg.remat))
     optimizer, _ = build_optimizer(cfg.optimizer, cfg.train.steps)
     built = build(model, optimizer, mesh, strategy, loss_fn=make_loss_fn(model), rules=cfg.mesh.rules,
