@@ -79,8 +79,8 @@ def test_linen_example_parity_with_logical_names():
     ex = load_example("linen_transformer")
     model = ex.make_model()
     sm = shard_model(model, SGD, fj.make_mesh(fsdp=8), "full_shard", rng=jax.random.key(0))
-    reasons = {r.path: r.reason for r in sm.plan.rows}
-    assert reasons["block_0/attn/wq"] == "logical: embed->fsdp"
+    notes = {r.path: r.notes for r in sm.plan.rows}
+    assert notes["block_0/attn/wq"] == (fj.Note(fj.Why.LOGICAL, mapped=(("embed", ("fsdp",)),)),)
     assert sm.state.params["block_0"]["mlp"]["wo"].sharding.spec == P(None, "fsdp")
     loss_fn, batches = ex.make_loss_fn(model), ex.make_batches(5)
     state, losses = train(sm, loss_fn, batches)
@@ -142,13 +142,15 @@ class UnknownNames(nn.Module):
 
 def test_linen_names_not_in_the_rules_table_fall_back_and_train():
     model = from_linen(UnknownNames(), jax.ShapeDtypeStruct((1, 64), jnp.float32))
-    sm = shard_model(model, SGD, fj.make_mesh(fsdp=8), rng=jax.random.key(0))
+    with pytest.warns(fj.UnknownNamesWarning, match="features, hidden"):
+        sm = shard_model(model, SGD, fj.make_mesh(fsdp=8), rng=jax.random.key(0))
     rows = {r.path: r for r in sm.plan.rows}
-    assert rows["w1"].reason == ("logical: no dim maps to a mesh axis; names not in the rules "
-                                 "table: features, hidden; fallback: dim 1 (size 512) over fsdp=8")
+    Why = fj.Why
+    assert rows["w1"].kinds == (Why.LOGICAL, Why.UNKNOWN_NAMES, Why.FALLBACK)
+    assert rows["w1"].notes[1].names == ("features", "hidden") and rows["w1"].notes[2].dim == 1
     assert rows["w1"].spec == P(None, "fsdp")
-    assert rows["w2"].reason == "logical: embed->fsdp; names not in the rules table: hidden"
-    assert "names not in the rules table: features, hidden" in sm.explain()
+    assert rows["w2"].kinds == (Why.LOGICAL, Why.UNKNOWN_NAMES) and rows["w2"].notes[1].names == ("hidden",)
+    assert rows["w1"].reason in sm.explain()
 
     def loss_fn(params, batch):
         x, y = batch
@@ -158,6 +160,63 @@ def test_linen_names_not_in_the_rules_table_fall_back_and_train():
     state, losses = train(sm, loss_fn, batches)
     assert_parity(state, losses, reference_train(loss_fn, SGD, jax.jit(model.init)(jax.random.key(0)),
                                                  batches))
+
+
+class LinenAttention(nn.Module):
+    """Flax's own attention layer, annotated as Flax's lm1b example does: two logical
+    names (embed, kv) on its 3-D (embed, heads, head_dim) kernels."""
+
+    @nn.compact
+    def __call__(self, x):
+        init = nn.with_logical_partitioning(nn.initializers.xavier_uniform(), ("embed", "kv"))
+        x = x + nn.MultiHeadDotProductAttention(num_heads=4, qkv_features=64, kernel_init=init,
+                                                use_bias=False, deterministic=True)(x)
+        return nn.Dense(64, kernel_init=nn.with_logical_partitioning(
+            nn.initializers.lecun_normal(), ("embed", "mlp")), use_bias=False)(x)
+
+
+def test_linen_attention_with_fewer_names_than_dims_shards_and_trains():
+    model = from_linen(LinenAttention(), jax.ShapeDtypeStruct((1, 8, 64), jnp.float32))
+    with pytest.warns(fj.rules.ReplicatedWarning):  # the small out kernel (16 KiB) replicates
+        sm = shard_model(model, SGD, fj.make_mesh(fsdp=8), rng=jax.random.key(0))
+    rows = {r.path: r for r in sm.plan.rows}
+    q = rows["MultiHeadDotProductAttention_0/query/kernel"]
+    assert q.shape == (64, 4, 16) and q.spec == P("fsdp", None, None)
+    assert q.notes[1] == fj.Note(fj.Why.UNNAMED_TRAILING, dims=(2,))
+    # the out kernel is (heads, head_dim, embed) but named (embed, kv) on its leading dims:
+    # heads=4 does not divide by 8, and 4096 elements are under min_shard_size: replicated
+    out = rows["MultiHeadDotProductAttention_0/out/kernel"]
+    assert out.shape == (4, 16, 64) and out.replicated
+    assert out.kinds == (fj.Why.LOGICAL, fj.Why.UNNAMED_TRAILING, fj.Why.NOT_DIVISIBLE, fj.Why.THRESHOLD)
+    assert q.reason in sm.explain()
+
+    def loss_fn(params, batch):
+        x, y = batch
+        return jnp.mean((model.apply(params, x) - y) ** 2)
+    x = jax.random.normal(jax.random.key(1), (16, 8, 64))
+    batches = [(x, jnp.sin(x))] * 3
+    state, losses = train(sm, loss_fn, batches)
+    assert_parity(state, losses, reference_train(loss_fn, SGD, jax.jit(model.init)(jax.random.key(0)),
+                                                 batches))
+
+
+def test_readme_plain_call_runs_a_small_unannotated_model():
+    """Two nnx.Linear(64, 128) layers: every leaf is under min_shard_size, so all of it is
+    replicated; a few hundred KiB cost nothing, so this warns instead of failing."""
+    class Two(nnx.Module):
+        def __init__(self, rngs):
+            self.a, self.b = nnx.Linear(64, 128, rngs=rngs), nnx.Linear(128, 64, rngs=rngs)
+
+        def __call__(self, x):
+            return self.b(jax.nn.relu(self.a(x)))
+    with pytest.warns(fj.rules.ReplicatedWarning, match="100.0% of parameter bytes"):
+        sm = shard_model(from_nnx(Two), optax.adamw(1e-3), fj.make_mesh(fsdp=8), rng=jax.random.key(0))
+    n = (64 * 128 + 128 + 128 * 64 + 64) * 4
+    last = sm.explain().splitlines()[-1]
+    assert last == f"total: {n:,} B/device of {n:,} B of params; replicated over fsdp: 100.0% ({n:,} B)"
+    with pytest.raises(fj.ShardingError, match="100.0% of parameter bytes"):  # the floor is a setting
+        shard_model(from_nnx(Two), optax.adamw(1e-3), fj.make_mesh(fsdp=8), rng=jax.random.key(0),
+                    min_replicated_bytes=1024)
 
 
 class LoRAMLP(nnx.Module):
@@ -189,7 +248,7 @@ def test_frozen_params_lora_finetune():
     sm = shard_model(model, opt, fj.make_mesh(fsdp=8), rng=jax.random.key(0),
                      trainable=nnx.LoRAParam, max_replicated_fraction=0.1)
     assert sm.trainable == jax.tree_util.tree_map_with_path(lambda p, _: _is_lora(p), model.abstract_params)
-    assert "logical: embed->fsdp (frozen)" in sm.explain()
+    assert f"{sm.plan.rows[-1].reason} (frozen)" in sm.explain() and not sm.trainable["up"]["kernel"]
     # frozen params keep no optimizer state: the state is exactly the adapters' momentum
     lora_bytes = sum(x.size * 4 for p, x in jax.tree_util.tree_flatten_with_path(sm.state.params)[0]
                      if _is_lora(p))
