@@ -11,6 +11,15 @@ from fsdp_jax.adapters import from_nnx
 from fsdp_jax.app.data import prepare_text
 from fsdp_jax.app.models import Llama, LlamaConfig, cross_entropy
 
+# configs/tiny.yaml shrunk to compile in seconds: the model, sequence and batch
+TINY_MODEL_OVERRIDES = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+                        "model.ffn_dim=128", "model.max_seq_len=32", "data.seq_len=32",
+                        "train.global_batch=16"]
+# ... run on a prepared corpus (the `corpus` fixture): no eval or sample, every step logged
+TINY_RUN_OVERRIDES = TINY_MODEL_OVERRIDES + ["train.eval_every=0", "train.sample_tokens=0",
+                                             "train.log_every=1", "data.source=none",
+                                             "optimizer.warmup_steps=2"]
+
 TINY = LlamaConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
                    ffn_dim=128, max_seq_len=32)
 

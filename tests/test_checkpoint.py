@@ -24,20 +24,17 @@ from fsdp_jax import checkpoint as ck
 from fsdp_jax.adapters import from_nnx
 from fsdp_jax.app.cli import BAD_INPUT
 from fsdp_jax.app.config import load_config
-from fsdp_jax.app.data import prepare_text
 from fsdp_jax.mesh import make_mesh
 from fsdp_jax.app.models import Llama
 from fsdp_jax.app.optim import build_optimizer
 from fsdp_jax.state import abstract_state
 from fsdp_jax.strategy import make_plan
 from fsdp_jax.app.loop import TrainingDiverged, setup, train
+from helpers import TINY_RUN_OVERRIDES
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 20
-TINY = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
-        "model.ffn_dim=128", "model.max_seq_len=32", "data.seq_len=32", "train.global_batch=16",
-        "train.eval_every=0", "train.sample_tokens=0", "train.log_every=1", "data.source=none",
-        "optimizer.warmup_steps=2", f"train.steps={STEPS}"]
+TINY = TINY_RUN_OVERRIDES + [f"train.steps={STEPS}"]
 
 
 def overrides(corpus, run_dir, *extra):
@@ -85,20 +82,6 @@ def final_state(run_dir: Path, cfg):
 
 def biggest_file(step_dir: Path) -> Path:
     return max((f for f in (step_dir / "state").rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ckpt_corpus")
-    rng = np.random.default_rng(0)
-    words = ["def", "return", "self", "value", "index", "import", "class", "None", "for", "in"]
-    (out / "src").mkdir()
-    for f in range(4):
-        lines = [f"{rng.choice(words)} {rng.choice(words)}_{rng.integers(100)}(x): return x * {i % 7}"
-                 for i in range(300)]
-        (out / "src" / f"m{f}.py").write_text("\n".join(lines) + "\n")
-    prepare_text([out / "src"], out / "data", val_fraction=0.2, pattern="*.py")
-    return out / "data"
 
 
 @pytest.fixture(scope="module")

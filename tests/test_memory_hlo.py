@@ -9,7 +9,7 @@ import pytest
 
 import fsdp_jax as fj
 from fsdp_jax.memory import collective_report, compiled_memory, shard_bytes, state_bytes_per_device, tree_bytes
-from helpers import TINY, tiny_llama
+from helpers import TINY, TINY_MODEL_OVERRIDES, tiny_llama
 
 # wider than TINY so the replicated norm scales stay well under 1% of the state
 MEM_CFG = dataclasses.replace(TINY, d_model=128, ffn_dim=384)
@@ -105,12 +105,11 @@ def test_planner_counts_bf16_master_params_and_the_compiled_step_agrees():
     figures, and the compiled step's argument bytes are exactly those figures."""
     from fsdp_jax.app import planner as pl
     from fsdp_jax.app.config import load_config
-    small = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
-             "model.ffn_dim=128", "model.max_seq_len=32", "data.seq_len=32", "train.global_batch=16"]
     root = __import__("pathlib").Path(__file__).resolve().parents[1]
     out = {}
     for p in ("float32", "bfloat16"):
-        cfg = load_config(root / "configs" / "tiny.yaml", small + [f"precision=params={p},compute=bfloat16"])
+        cfg = load_config(root / "configs" / "tiny.yaml",
+                          TINY_MODEL_OVERRIDES + [f"precision=params={p},compute=bfloat16"])
         b = pl.build_step(cfg, "full_shard")
         out[p] = (b, pl.analytic_memory(b))
     (b16, a16), (_, a32) = out["bfloat16"], out["float32"]

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import TINY_RUN_OVERRIDES
+
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = [sys.executable, str(ROOT / "scripts" / "launch_local.py")]
 
@@ -79,10 +81,7 @@ def test_distributed_settings_must_be_complete():
     assert detected_cluster({"OMPI_COMM_WORLD_SIZE": "2"}) == "openmpi"
 
 
-TINY = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
-        "model.ffn_dim=128", "model.max_seq_len=32", "data.seq_len=32", "train.global_batch=16",
-        "train.eval_every=0", "train.sample_tokens=0", "train.log_every=1", "train.checkpoint_every=0",
-        "data.source=none", "optimizer.warmup_steps=2", "train.steps=5"]
+TINY = TINY_RUN_OVERRIDES + ["train.checkpoint_every=0", "train.steps=5"]
 
 
 def train_cmd(corpus, run_dir, *extra):
@@ -96,7 +95,7 @@ def losses(run_dir):
             if "loss" in r]
 
 
-def test_two_processes_train_like_one_and_checkpoints_move_between_process_counts(tmp_path):
+def test_two_processes_train_like_one_and_checkpoints_move_between_process_counts(corpus, tmp_path):
     import jax
     import numpy as np
 
@@ -108,9 +107,7 @@ def test_two_processes_train_like_one_and_checkpoints_move_between_process_count
     from fsdp_jax.app.optim import build_optimizer
     from fsdp_jax.state import abstract_state
     from fsdp_jax.strategy import make_plan
-    from helpers import synthetic_corpus
 
-    corpus = synthetic_corpus(tmp_path / "c")
     env = dict(os.environ, FSDP_JAX_CPU_DEVICES="8")
     one = subprocess.run(train_cmd(corpus, tmp_path / "one"), capture_output=True, text=True,
                          timeout=240, cwd=ROOT, env=env)
