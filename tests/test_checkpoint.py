@@ -32,6 +32,9 @@ from fsdp_jax.strategy import make_plan
 from fsdp_jax.app.loop import TrainingDiverged, setup, train
 from helpers import TINY_RUN_OVERRIDES
 
+# end-to-end training runs and subprocesses: the whole file is outside the fast subset
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 20
 TINY = TINY_RUN_OVERRIDES + [f"train.steps={STEPS}"]

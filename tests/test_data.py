@@ -184,6 +184,7 @@ def _run(*args):
                           capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.slow
 def test_script_writes_corpus(corpus, tmp_path):
     src, _, _ = corpus
     r = _run("--out", tmp_path / "s", src, "--pattern", "*.txt", "--val-fraction", "0.2")
@@ -191,6 +192,7 @@ def test_script_writes_corpus(corpus, tmp_path):
     assert data.load_meta(tmp_path / "s")["val_fraction"] == 0.2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", [
     ["--out", "OUT", "MISSING"],                        # missing source
     ["--out", "OUT", "EMPTY"],                          # empty corpus

@@ -50,6 +50,7 @@ def assert_parity(state, losses, ref):
     assert losses[-1] < losses[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["nnx_mlp", "linen_transformer", "pytree_model"])
 def test_example_runs_and_learns(name):
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(ROOT / ".jax_cache"),

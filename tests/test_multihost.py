@@ -36,6 +36,7 @@ GLOBAL_MESH = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_two_processes_form_one_hybrid_mesh(tmp_path):
     script = tmp_path / "mesh.py"
     script.write_text(GLOBAL_MESH)
@@ -48,6 +49,7 @@ def test_two_processes_form_one_hybrid_mesh(tmp_path):
         assert "RESULT explicit 2 8 [[0, 0, 0, 0], [1, 1, 1, 1]] 12.0" in line
 
 
+@pytest.mark.slow
 def test_launcher_fails_fast_when_one_process_dies(tmp_path):
     script = tmp_path / "die.py"
     script.write_text(textwrap.dedent("""
@@ -95,6 +97,7 @@ def losses(run_dir):
             if "loss" in r]
 
 
+@pytest.mark.slow
 def test_two_processes_train_like_one_and_checkpoints_move_between_process_counts(corpus, tmp_path):
     import jax
     import numpy as np

@@ -62,6 +62,7 @@ def doc(cfg):
     return pl.plan_config(cfg, 8, "all", device_memory=pl.parse_bytes("1GB"), config_name="tiny")
 
 
+@pytest.mark.slow
 def test_compiled_figures_are_the_trainers_step(cfg, doc):
     run = train_lib.setup(cfg)  # the trainer's own build: real sharded init, real first batch
     local = data_lib.make_dataset(cfg.data.path, "train", cfg.data.seq_len, cfg.train.global_batch,
@@ -73,6 +74,7 @@ def test_compiled_figures_are_the_trainers_step(cfg, doc):
     assert got["temp"] > 0 and got["peak"] >= got["argument"] + got["temp"] - got["alias"]
 
 
+@pytest.mark.slow
 def test_analytic_agrees_with_compiled_and_the_textbook(doc, cfg):
     s = doc["strategies"]
     assert list(s) == list(pl.STRATEGY_ORDER)
@@ -105,6 +107,7 @@ def test_analytic_agrees_with_compiled_and_the_textbook(doc, cfg):
     assert "DDP" in table and "ZeRO-1" in table and "ZeRO-2" in table and "FSDP/ZeRO-3" in table
 
 
+@pytest.mark.slow
 def test_plans_more_devices_than_this_process_in_a_child(cfg):
     assert len(jax.devices()) == 8
     r = pl.run_strategies(cfg, 16, ["full_shard"])["full_shard"]
@@ -113,6 +116,7 @@ def test_plans_more_devices_than_this_process_in_a_child(cfg):
     assert abs(r["compiled"]["argument"] - state) <= 0.02 * state
 
 
+@pytest.mark.slow
 def test_plan_script_json_and_plot(overrides, tmp_path):
     png = tmp_path / "plan.png"
     p = run_script("plan.py", "--config", TINY_YAML, "--devices", 8, "--json", "--device-memory",
@@ -213,6 +217,7 @@ ENTRY %main (a: f32[8]) -> f32[8] {
     assert rep["loops"][0]["trip_count"] == 5
 
 
+@pytest.mark.slow
 def test_inspect_script_json(overrides):
     p = run_script("inspect_sharding.py", "--config", TINY_YAML, "--devices", 8, "--strategy", "zero3",
                    "--json", *overrides)
@@ -236,6 +241,7 @@ def _script_main(name):
     return mod.main
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script,args,needle", [
     ("plan.py", ["--config", "configs/nope.yaml", "--devices", "8"], "nope.yaml"),
     ("plan.py", ["--config", TINY_YAML, "--devices", "7"], "global_batch"),  # after JAX is set up

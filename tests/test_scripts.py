@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["model.n_layers=2", "model.d_model=64", "model.ffn_dim=128", "model.max_seq_len=32",
          "data.seq_len=32"]
@@ -17,6 +19,7 @@ def run(script, *args, timeout=300):
                           text=True, timeout=timeout, cwd=ROOT, env=env)
 
 
+@pytest.mark.slow
 def test_benchmark_json_document():
     r = run("benchmark.py", "--config", "configs/tiny.yaml", "--strategies", "zero3", "--steps", "2",
             "--warmup", "1", "--json", "--baselines", "--sweep", "devices=8", *SMALL)
@@ -34,6 +37,7 @@ def test_benchmark_json_document():
     assert doc["results"][1]["devices"] == 1
 
 
+@pytest.mark.slow
 def test_benchmark_bad_input():
     for args, word in [(["--sweep", "model.n_layers"], "--sweep"), (["--strategies", "zero9"], "zero9"),
                        (["--sweep", "devices=16"], "devices"), (["train.nope=1"], "train.nope")]:
@@ -63,6 +67,7 @@ def test_xla_gpu_flags_config_option():
         raise AssertionError("xla_gpu_flags=yes was accepted")
 
 
+@pytest.mark.slow
 def test_gpu_check_throughput_path_runs_on_cpu(tmp_path):
     """The GPU script's throughput check, with XLA attention so the CPU can run it."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")

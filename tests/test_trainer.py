@@ -14,6 +14,9 @@ from fsdp_jax.app.config import load_config
 from fsdp_jax.app.loop import train
 from helpers import TINY_RUN_OVERRIDES
 
+# end-to-end training runs and subprocesses: the whole file is outside the fast subset
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).parent / "golden" / "tiny_losses.json"
 TINY = TINY_RUN_OVERRIDES + ["train.checkpoint_every=0"]
@@ -75,7 +78,6 @@ def cli(*args, timeout=240):
 # The messages themselves are pinned in process (tests/test_config.py); these check the
 # command line's contract once per stage: parsing the config, and checks that need the
 # devices or the data.
-@pytest.mark.slow
 @pytest.mark.parametrize("overrides, words", [
     (["train.stepz=3"], ["train.stepz", "did you mean", "train.steps"]),
     (["train.global_batch=12"], ["train.global_batch", "12", "8"]),
