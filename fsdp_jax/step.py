@@ -140,6 +140,19 @@ def trainable_leaves(params, trainable) -> list[bool]:
     return [bool(b) for b in flat]
 
 
+def guarded_apply(ok, state, new_state):
+    """`new_state` where the scalar bool `ok` holds, else `state` (leaf by leaf; any
+    pytrees of the same structure, e.g. TrainStates).
+
+    A per-leaf select, not a `lax.cond` over the whole update: XLA fuses each select
+    into the fusion that computes that leaf's update, which writes into the donated
+    buffer, so skipping costs no copy. A `cond` makes the update a separate
+    computation whose result XLA:GPU materialises in fresh buffers: a whole extra
+    copy of the state in temp (Llama-2-7B on 8 x H100: 107.8 vs 34.6 GB temp under
+    no_shard; tests/test_targets.py checks this on a GPU-target compile)."""
+    return jax.tree.map(lambda new, old: jnp.where(ok, new, old), new_state, state)
+
+
 def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, plan: ShardingPlan, *,
                     microbatches: int = 1, clip_norm: float | None = None,
                     precision: Policy | str | None = None, remat: str = "none",
@@ -206,10 +219,9 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, pl
                               opt_state=opt_state)
 
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        if skip_nonfinite:  # a conditional, not a select over the state: no extra pass over it
-            new = jax.lax.cond(ok, apply, lambda st, g: st, state, grads)
-        else:
-            new = apply(state, grads)
+        new = apply(state, grads)
+        if skip_nonfinite:
+            new = guarded_apply(ok, state, new)
         metrics = {"loss": loss.astype(policy.output_dtype), "grad_norm": grad_norm,
                    "skipped": (~ok).astype(jnp.int32)}
         if has_aux:

@@ -118,11 +118,13 @@ class StepBuild:
 
 
 def build_step(cfg, strategy: str | None = None, devices: Sequence[jax.Device] | None = None,
-               mesh_sizes: tuple[int, int, int] | None = None) -> StepBuild:
+               mesh_sizes: tuple[int, int, int] | None = None, **step_options) -> StepBuild:
     """The trainer's train step for `cfg` under `strategy` on `devices`, from abstract
     inputs: `fsdp_jax.build.build` with the trainer's model, loss, optimizer and step
     options (as `fsdp_jax.app.loop.setup`), minus the state. The replicated-fraction
-    check is not enforced here (the planner reports it instead)."""
+    check is not enforced here (the planner reports it instead). `step_options` go to
+    `make_train_step` on top of the trainer's (e.g. skip_nonfinite=False, to measure
+    what the guard costs)."""
     from fsdp_jax.adapters import from_nnx
     from fsdp_jax.app.loop import make_loss_fn
     from fsdp_jax.app.models.llama import Llama
@@ -139,7 +141,7 @@ def build_step(cfg, strategy: str | None = None, devices: Sequence[jax.Device] |
     built = build(model, optimizer, mesh, strategy, loss_fn=make_loss_fn(model),
                   min_shard_size=cfg.mesh.min_shard_size, max_replicated_fraction=None,
                   microbatches=cfg.train.microbatches, clip_norm=cfg.optimizer.clip_norm,
-                  precision=cfg.precision)
+                  precision=cfg.precision, **step_options)
     batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.data.seq_len + 1), np.int32,
                                  sharding=built.plan.batch)
     return StepBuild(cfg, strategy, mesh, model, optimizer, built.plan, built.abstract_state, batch,
@@ -283,13 +285,17 @@ def inspect_compiled(plan, compiled, *, logical_axes=None, analytic_total: int |
 
 
 def plan_strategy(cfg, strategy: str, devices: Sequence[jax.Device] | None = None, *,
-                  inspect: bool = False, replicated_threshold: int | None = None) -> dict[str, Any]:
-    """Build, analyse and AOT-compile one strategy in this process (needs the devices).
+                  inspect: bool = False, replicated_threshold: int | None = None,
+                  mesh_sizes: tuple[int, int, int] | None = None,
+                  step_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Build, analyse and AOT-compile one strategy in this process (needs the devices:
+    real, fake CPU, or compile-only GPU-target devices from `fsdp_jax.targets`).
     Returns a JSON-able dict: mesh, analytic, compiled, argument_vs_analytic, compile_s,
     collectives_per_step, activations_by_remat, replicated_fraction, warnings; with
-    `inspect`, also rows and the full collective report."""
+    `inspect`, also rows, the full collective report and the per-collective `schedule`
+    (`fsdp_jax.hlo.collective_schedule`)."""
     t0 = time.perf_counter()
-    b = build_step(cfg, strategy, devices)
+    b = build_step(cfg, strategy, devices, mesh_sizes, **(step_options or {}))
     analytic = analytic_memory(b)
     compiled = b.compile()
     compile_s = time.perf_counter() - t0
@@ -318,6 +324,7 @@ def plan_strategy(cfg, strategy: str, devices: Sequence[jax.Device] | None = Non
         out["rows"] = ins["rows"]
         out["collectives"] = ins["collectives"]
         out["replicated_threshold"] = ins["replicated_threshold"]
+        out["schedule"] = ins["schedule"]
     return out
 
 
@@ -336,40 +343,74 @@ def _devices_for(n: int) -> list[jax.Device] | None:
 
 
 def run_strategies(cfg, n_devices: int, strategies: Sequence[str], *, inspect: bool = False,
-                   replicated_threshold: int | None = None) -> dict[str, dict]:
+                   replicated_threshold: int | None = None, target=None,
+                   step_options: dict[str, Any] | None = None) -> dict[str, dict]:
     """`plan_strategy` for each strategy on `n_devices`: in this process when it has
-    that many devices, otherwise in a child process with `n_devices` fake CPU devices."""
-    devices = _devices_for(n_devices)
+    that many devices, otherwise in a child process with `n_devices` fake CPU devices.
+    With `target` (a `fsdp_jax.targets.Target`), always in a child process that
+    compiles for that GPU target (the CUDA plugin on its path only: `targets.child_env`)."""
+    devices = None if target is not None else _devices_for(n_devices)
     if devices is not None:
-        return {s: plan_strategy(cfg, s, devices, inspect=inspect,
-                                 replicated_threshold=replicated_threshold) for s in strategies}
+        return {s: plan_strategy(cfg, s, devices, inspect=inspect, replicated_threshold=replicated_threshold,
+                                 step_options=step_options) for s in strategies}
     from fsdp_jax.app.config import config_to_dict
     request = {"config": config_to_dict(cfg), "devices": n_devices, "strategies": list(strategies),
-               "inspect": inspect, "replicated_threshold": replicated_threshold}
+               "inspect": inspect, "replicated_threshold": replicated_threshold,
+               "step_options": step_options or {}}
     env = dict(os.environ, JAX_PLATFORMS="cpu")
+    where = f"{n_devices} CPU devices"
+    if target is not None:
+        from fsdp_jax import targets
+        env = targets.child_env(env)  # raises PluginMissing (a TargetError) naming the install step
+        request["target"] = {"name": target.name, "hosts": target.hosts,
+                             "gpus_per_host": target.gpus_per_host}
+        where = target.describe()
     proc = subprocess.run([sys.executable, "-m", "fsdp_jax.app.planner"], input=json.dumps(request),
                           capture_output=True, text=True, env=env)
     if proc.returncode == 2:
         raise PlanError(proc.stderr.strip().splitlines()[-1].removeprefix("error: "))
     if proc.returncode != 0:
-        raise RuntimeError(f"planner child process ({n_devices} CPU devices) failed with exit code "
+        raise RuntimeError(f"planner child process ({where}) failed with exit code "
                            f"{proc.returncode}:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout)
 
 
+def target_mesh_sizes(cfg, strategy: str, n_devices: int, hosts: int) -> tuple[int, int, int]:
+    """Mesh sizes on a `hosts`-host cluster: `mesh_shape`, except that hybrid_shard on a
+    config without its own data axis puts `data` across the hosts and `fsdp` within one
+    (HSDP's layout: reduce-scatter over NVLink, a gradient all-reduce across hosts)."""
+    data, fsdp, tensor = mesh_shape(cfg, strategy, n_devices)
+    if (strategy == "hybrid_shard" and hosts > 1 and cfg.mesh.data in (1, -1)
+            and (data * fsdp) % hosts == 0 and data * fsdp // hosts > 1):
+        data, fsdp = hosts, data * fsdp // hosts
+    return data, fsdp, tensor
+
+
 def _child_main() -> int:
-    """`python -m fsdp_jax.app.planner` < request.json: compile on N fake CPU devices,
-    print the results as JSON. Set up before JAX initialises its backends."""
+    """`python -m fsdp_jax.app.planner` < request.json: compile on N fake CPU devices
+    (or, with "target", on compile-only GPU devices), print the results as JSON. Set
+    up before JAX initialises its backends."""
     req = json.loads(sys.stdin.read())
-    use_cpu_devices(int(req["devices"]))
+    target = req.get("target")
+    if target is None:
+        use_cpu_devices(int(req["devices"]))
     from fsdp_jax.app.cli import BAD_INPUT, fail
     from fsdp_jax.app.config import config_from_dict
+    from fsdp_jax.targets import TargetError
     try:
         cfg = config_from_dict(req["config"])
-        out = {s: plan_strategy(cfg, s, jax.devices()[:req["devices"]], inspect=req["inspect"],
-                                replicated_threshold=req["replicated_threshold"])
+        sizes = {}
+        if target is None:
+            devices = jax.devices()[:req["devices"]]
+        else:
+            from fsdp_jax import targets
+            devices = targets.gpu_devices(target["name"], target["hosts"], target["gpus_per_host"])
+            sizes = {s: target_mesh_sizes(cfg, s, len(devices), target["hosts"]) for s in req["strategies"]}
+        out = {s: plan_strategy(cfg, s, devices, inspect=req["inspect"],
+                                replicated_threshold=req["replicated_threshold"],
+                                mesh_sizes=sizes.get(s), step_options=req.get("step_options"))
                for s in req["strategies"]}
-    except BAD_INPUT + (PlanError,) as e:
+    except BAD_INPUT + (PlanError, TargetError) as e:
         return fail(e)
     json.dump(out, sys.stdout)
     return 0
