@@ -70,6 +70,7 @@ import numpy as np
 
 from fsdp_jax import axes as ax
 from fsdp_jax import rules as rl
+from fsdp_jax.hlo import collective_schedule, involuntary_rematerializations, schedule_warnings
 from fsdp_jax.memory import (collective_report, compiled_memory, shard_bytes, tree_bytes,
                              tree_bytes_per_device)
 from fsdp_jax.app.plan_report import (  # noqa: F401  (some only re-exported)
@@ -273,15 +274,32 @@ def inspect_compiled(plan, compiled, *, logical_axes=None, analytic_total: int |
         # in whatever dtype the program moves them (f32 on CPU even under bf16 compute)
         layer_gather = _compute_copy(abstract, plan, logical_axes, "float32")["unstacked"]
     platform = plan.mesh.devices.flat[0].platform
+    hosts = [d.process_index for d in plan.mesh.devices.flat]  # partition id -> host
+    schedule = collective_schedule(compiled.as_text(), hosts)
     threshold = replicated_threshold_for(sum(r.total_bytes for r in plan.rows), replicated_threshold)
     warnings = sharding_warnings(
         plan.rows, report, plan.strategy.name, mesh, analytic_total=analytic_total,
         compiled_peak=mem["peak"], layer_gather_bytes=layer_gather,
         cpu_upcast=platform == "cpu" and np.dtype(compute_dtype) != np.float32,
         replicated_threshold=threshold)
+    if platform != "cpu":  # XLA:CPU never reduce-scatters, upcasts bf16 and runs collectives in sync
+        grad_axes = [a for a in plan.strategy.grads if mesh.get(a, 1) > 1]
+        warnings += schedule_warnings(
+            schedule, compute_dtype=np.dtype(compute_dtype).name, shards_grads=bool(grad_axes),
+            param_bytes_threshold=_param_sized(plan))
     return {"mesh": mesh, "platform": platform, "rows": [r.as_dict() for r in plan.rows],
             "collectives": report, "compiled": mem, "warnings": warnings,
-            "replicated_threshold": threshold}
+            "replicated_threshold": threshold, "schedule": schedule}
+
+
+def _param_sized(plan) -> int:
+    """From how many bytes a collective counts as moving parameters / their grads: half
+    the smallest sharded leaf (per layer when stacked: 3 or more dims), at least 4 KiB,
+    so that norm scales and loss scalars never count."""
+    axes_ = set(plan.strategy.params + plan.strategy.opt_state)
+    sharded = [r for r in plan.rows if axes_ & set(jax.tree.leaves(tuple(r.spec)))]
+    sizes = [r.total_bytes // (r.shape[0] if len(r.shape) > 2 else 1) for r in sharded]
+    return max(1 << 12, min(sizes, default=1 << 21) // 2)
 
 
 def plan_strategy(cfg, strategy: str, devices: Sequence[jax.Device] | None = None, *,
@@ -372,7 +390,33 @@ def run_strategies(cfg, n_devices: int, strategies: Sequence[str], *, inspect: b
     if proc.returncode != 0:
         raise RuntimeError(f"planner child process ({where}) failed with exit code "
                            f"{proc.returncode}:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout)
+    out = json.loads(proc.stdout)
+    for name, log in _logs_by_strategy(proc.stderr).items():
+        for r in involuntary_rematerializations(log):
+            if name in out:
+                out[name]["warnings"].append(
+                    f"involuntary full rematerialization of {r['tensor']} {r['shape']} (op {r['op_name'] or '?'}): "
+                    f"the partitioner could not go from sharding {r['from']} to {r['to']} without "
+                    f"materialising the whole tensor on every device; constrain it (or its producer) "
+                    f"to a layout that maps onto the target one")
+    return out
+
+
+_STRATEGY_MARK = "fsdp_jax.app.planner: compiling "
+
+
+def _logs_by_strategy(stderr: str) -> dict[str, str]:
+    """The child's stderr (XLA's own log lines included) cut at the marker printed
+    before each strategy's compile."""
+    out: dict[str, list[str]] = {}
+    current = None
+    for line in stderr.splitlines():
+        if line.startswith(_STRATEGY_MARK):
+            current = line[len(_STRATEGY_MARK):].strip()
+            out[current] = []
+        elif current is not None:
+            out[current].append(line)
+    return {k: "\n".join(v) for k, v in out.items()}
 
 
 def target_mesh_sizes(cfg, strategy: str, n_devices: int, hosts: int) -> tuple[int, int, int]:
@@ -406,10 +450,13 @@ def _child_main() -> int:
             from fsdp_jax import targets
             devices = targets.gpu_devices(target["name"], target["hosts"], target["gpus_per_host"])
             sizes = {s: target_mesh_sizes(cfg, s, len(devices), target["hosts"]) for s in req["strategies"]}
-        out = {s: plan_strategy(cfg, s, devices, inspect=req["inspect"],
-                                replicated_threshold=req["replicated_threshold"],
-                                mesh_sizes=sizes.get(s), step_options=req.get("step_options"))
-               for s in req["strategies"]}
+        out = {}
+        for s in req["strategies"]:
+            print(_STRATEGY_MARK + s, file=sys.stderr, flush=True)  # XLA logs to the same fd 2
+            out[s] = plan_strategy(cfg, s, devices, inspect=req["inspect"],
+                                   replicated_threshold=req["replicated_threshold"],
+                                   mesh_sizes=sizes.get(s), step_options=req.get("step_options"))
+            sys.stderr.flush()
     except BAD_INPUT + (PlanError, TargetError) as e:
         return fail(e)
     json.dump(out, sys.stdout)
@@ -417,23 +464,30 @@ def _child_main() -> int:
 
 
 def plan_config(cfg, n_devices: int, strategies: Sequence[str] | str | None = None, *,
-                device_memory: int | None = None, config_name: str = "") -> dict[str, Any]:
+                device_memory: int | None = None, config_name: str = "", target=None) -> dict[str, Any]:
     """The planner's JSON document for `cfg` on `n_devices` (bytes per device, ints):
     {"config", "devices", "params", "param_bytes", "device_memory", "wall_s", "notes",
-    "strategies": {name: {"mesh", "analytic": {params, grads, optimizer, gathered,
-    activations, batch, states, total}, "compiled": {argument, output, alias, temp, peak,
-    xla_peak}, "fits", "headroom", "bytes_per_param", "compile_s", "warnings", ...}}}.
-    `fits` and `headroom` use the compiled peak (None without `device_memory`)."""
+    "target", "strategies": {name: {"mesh", "analytic": {params, grads, optimizer,
+    gathered, activations, batch, states, total}, "compiled": {argument, output, alias,
+    temp, peak, xla_peak}, "terms": {argument, temp, peak: compiled / analytic - 1},
+    "fits", "headroom", "bytes_per_param", "compile_s", "warnings", ...}}}.
+    `fits` and `headroom` use the compiled peak (None without `device_memory`). With
+    `target` (`fsdp_jax.targets.Target`) the step is compiled by XLA:GPU for that GPU
+    and cluster shape (deviceless), and `device_memory` defaults to the target's."""
     from fsdp_jax.app.models.llama import count_params
     t0 = time.perf_counter()
     names = parse_strategies(strategies)
     check_inputs(cfg, n_devices, names)
-    results = run_strategies(cfg, n_devices, names)
+    if target is not None and device_memory is None:
+        from fsdp_jax.targets import device_memory as target_memory
+        device_memory = target_memory(target.name)
+    results = run_strategies(cfg, n_devices, names, target=target)
     n_params = count_params(cfg.model)
     policy = Policy.parse(cfg.precision)
     for name, r in results.items():
         r["classic_name"] = CLASSIC_NAMES[name]
         r["bytes_per_param"] = round(r["analytic"]["states"] / n_params, 3)  # per device
+        r["terms"] = analytic_vs_compiled(r["analytic"], r["compiled"])
         if device_memory:
             r["fits"] = r["compiled"]["peak"] <= device_memory
             r["headroom"] = device_memory - r["compiled"]["peak"]
@@ -450,15 +504,30 @@ def plan_config(cfg, n_devices: int, strategies: Sequence[str] | str | None = No
         m = results["hybrid_shard"]["mesh"]
         notes.append(f"hybrid_shard uses data={m['data']} x fsdp={m['fsdp']} (params sharded within "
                      f"fsdp, replicated over data)")
+    if target is not None:
+        notes.insert(0, f"compiled by XLA:GPU for {target.describe()} (deviceless AOT: no GPU used; "
+                        f"no autotuning); device memory {device_memory / 1e9:.2f} GB unless given")
     platforms = {r["platform"] for r in results.values()}
     if "cpu" in platforms and policy.compute_dtype != np.dtype("float32"):
         notes.append("compiled on CPU: XLA:CPU upcasts bf16 matmuls and collectives to f32, so "
                      "compiled temp overstates a GPU/TPU compile")
     doc = {"config": config_name, "devices": n_devices, "params": n_params,
+           "target": None if target is None else {"name": target.name, "hosts": target.hosts,
+                                                  "gpus_per_host": target.gpus_per_host},
            "param_bytes": tree_bytes(_abstract_params(cfg)), "device_memory": device_memory,
            "strategies": results, "notes": notes}
     doc["wall_s"] = round(time.perf_counter() - t0, 1)
     return doc
+
+
+def analytic_vs_compiled(analytic: dict[str, int], compiled: dict[str, int]) -> dict[str, float]:
+    """How far the compiled program is from the analytic model, per term (compiled /
+    analytic - 1): `argument` (params + optimizer + batch), `temp` (grads + gathered +
+    activations: everything transient) and `peak` (total)."""
+    pairs = {"argument": (compiled["argument"], analytic["params"] + analytic["optimizer"] + analytic["batch"]),
+             "temp": (compiled["temp"], analytic["grads"] + analytic["gathered"] + analytic["activations"]),
+             "peak": (compiled["peak"], analytic["total"])}
+    return {k: (c / a - 1 if a else float("nan")) for k, (c, a) in pairs.items()}
 
 
 def _abstract_params(cfg):
