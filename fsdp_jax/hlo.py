@@ -328,6 +328,34 @@ def schedule_totals(schedule: list[dict[str, Any]]) -> dict[str, dict[str, int]]
     return tot
 
 
+def wire_bytes(c: dict[str, Any]) -> int:
+    """Bytes one device sends per step for collective record `c` with ring algorithms over
+    its group of n: all-gather (n-1)/n of the gathered result, reduce-scatter (n-1) x
+    its shard (= (n-1)/n of the full operand), all-reduce 2 (n-1)/n of the buffer,
+    all-to-all (n-1)/n, collective-permute the whole buffer."""
+    n = c["group_size"] or 1
+    if n <= 1 and c["op"] != "collective-permute":
+        return 0
+    factor = {"all-gather": (n - 1) / n, "reduce-scatter": n - 1, "all-reduce": 2 * (n - 1) / n,
+              "all-to-all": (n - 1) / n, "collective-permute": 1}[c["op"]]
+    return int(round(c["bytes_per_step"] * factor))
+
+
+def communication(schedule: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-step traffic per device by collective kind: {op: {"runs", "bytes" (results),
+    "wire_bytes" (sent, `wire_bytes`), "cross_host_wire_bytes"}, "total_wire_bytes"}."""
+    out: dict[str, Any] = {}
+    for c in schedule:
+        e = out.setdefault(c["op"], {"runs": 0, "bytes": 0, "wire_bytes": 0, "cross_host_wire_bytes": 0})
+        w = wire_bytes(c)
+        e["runs"] += c["runs"]
+        e["bytes"] += c["bytes_per_step"]
+        e["wire_bytes"] += w
+        e["cross_host_wire_bytes"] += w if c["crosses_hosts"] else 0
+    out["total_wire_bytes"] = sum(e["wire_bytes"] for e in out.values())
+    return out
+
+
 # ----------------------------------------------------------------------------- warnings
 
 def involuntary_rematerializations(log: str) -> list[dict[str, str]]:
@@ -373,23 +401,37 @@ def schedule_warnings(schedule: list[dict[str, Any]], *, compute_dtype: str | No
     out: list[str] = []
     big = param_bytes_threshold if param_bytes_threshold is not None else 1 << 20
     has_loops = any(c["loop"] for c in schedule)
+    found: dict[tuple[str, str, str | None, str], list[dict[str, Any]]] = defaultdict(list)
     for c in schedule:
-        where = f"{c['phase']} pass" + (f", inside loop {c['loop']}" if c["loop"] else ", outside any loop")
-        if (shards_grads and c["op"] == "all-reduce" and c["phase"] == "backward" and c["bytes"] >= big
+        if c["bytes"] < big:
+            continue
+        if (shards_grads and c["op"] == "all-reduce" and c["phase"] == "backward"
                 and not c["crosses_hosts"]):
-            out.append(f"gradient all-reduce where a reduce-scatter was expected: {c['name']} "
-                       f"{c['dtype']} {_fmt(c['bytes'])} x{c['runs']} ({where}); every device then holds "
-                       f"full-size grads: check that the grads are constrained to the sharded layout")
+            found[("grad-all-reduce", c["op"], c["loop"], c["phase"])].append(c)
         if (compute_dtype in ("bfloat16", "float16") and c["op"] == "all-gather" and c["dtype"] == "float32"
-                and c["bytes"] >= big):
-            out.append(f"float32 all-gather under {compute_dtype} compute: {c['name']} {_fmt(c['bytes'])} "
-                       f"x{c['runs']} ({where}) moves twice the bytes; cast params to the compute dtype "
-                       f"in their sharded layout before they are gathered")
-        if c["bytes"] >= big and (not c["async"] or (c["overlap"] is not None and c["overlap"]["ops"] == 0)):
-            why = "synchronous" if not c["async"] else "async, but nothing is scheduled between start and done"
-            out.append(f"{c['op']} with no compute overlapping it: {c['name']} {c['dtype']} "
-                       f"{_fmt(c['bytes'])} x{c['runs']} ({where}; {why}); the step waits for it: "
-                       f"see fsdp_jax.xla_flags for the scheduler flags")
+                and c["phase"] in ("forward", "backward")):
+            found[("f32-gather", c["op"], c["loop"], c["phase"])].append(c)
+        if not c["async"] or (c["overlap"] is not None and c["overlap"]["ops"] == 0):
+            found[("no-overlap", c["op"], c["loop"], c["phase"])].append(c)
+    for (kind, op, loop, phase), cs in found.items():
+        where = f"{phase} pass, " + (f"inside loop {loop}" if loop else "outside any loop")
+        sizes = sorted({c["bytes"] for c in cs})
+        size = _fmt(sizes[0]) if len(sizes) == 1 else f"{_fmt(sizes[0])}-{_fmt(sizes[-1])}"
+        what = (f"{len(cs)} {op}{'s' if len(cs) > 1 else ''} ({', '.join(c['name'] for c in cs[:4])}"
+                f"{', ...' if len(cs) > 4 else ''}; {cs[0]['dtype']}, {size} each, "
+                f"{_fmt(sum(c['bytes_per_step'] for c in cs))} per step; {where})")
+        if kind == "grad-all-reduce":
+            out.append(f"gradient all-reduce where a reduce-scatter was expected: {what}; every device "
+                       f"then sums full-size grads and keeps a slice: check that the grads are "
+                       f"constrained to the sharded layout where they are produced")
+        elif kind == "f32-gather":
+            out.append(f"float32 all-gather under {compute_dtype} compute: {what}; it moves twice the "
+                       f"bytes: cast params to the compute dtype in their sharded layout before the gather")
+        else:
+            sync = [c for c in cs if not c["async"]]
+            why = "synchronous" if sync else "async, but nothing is scheduled between start and done"
+            out.append(f"{op} with no compute overlapping it: {what}; {why}, so the step waits "
+                       f"for it: see fsdp_jax.xla_flags for the scheduler flags")
     if gathers_per_layer and layer_gather_bytes is not None and has_loops:
         outside = sum(c["bytes"] for c in schedule if c["op"] == "all-gather" and not c["loop"])
         if outside > 1.5 * layer_gather_bytes + (1 << 20):

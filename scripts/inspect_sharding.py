@@ -38,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
                          "the larger of 1 MiB and 0.1%% of all parameter bytes)")
     ap.add_argument("--target", default=None, help="compile for this GPU (h100, h200, a100) instead of CPU")
     ap.add_argument("--hosts", default=None, help="with --target: hosts the devices are spread over (default 1)")
+    ap.add_argument("--xla-flags", default=None,
+                    help="XLA options for this compile only, e.g. '--xla_gpu_enable_pipelined_all_gather=true' "
+                         "(compare schedules with and without: fsdp_jax.xla_flags)")
     ap.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     ap.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     try:
@@ -56,11 +59,13 @@ def main(argv: list[str] | None = None) -> int:
             raise PlanError(f"--hosts: {args.hosts!r} needs --target (hosts of a GPU cluster)")
         target = None if args.target is None else make_target(
             args.target, devices=n, hosts=None if args.hosts is None else parse_devices(args.hosts, "--hosts"))
+        from fsdp_jax.xla_flags import parse_flags
+        options = parse_flags(args.xla_flags) if args.xla_flags else None
         threshold = (None if args.replicated_threshold == "auto"
                      else parse_bytes(args.replicated_threshold, "--replicated-threshold"))
         if args.strategy is not None:
             parse_strategies(args.strategy, "--strategy")
-    except (PlanError, TargetError) as e:
+    except (PlanError, TargetError, ValueError) as e:
         return fail(e)
     from fsdp_jax.strategy import get_strategy
     try:
@@ -75,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_inputs(cfg, n, [strategy])
         result = run_strategies(cfg, n, [strategy], inspect=True, replicated_threshold=threshold,
-                                target=target)[strategy]
+                                target=target, compiler_options=options)[strategy]
     except BAD_INPUT + (PlanError, TargetError) as e:
         return fail(e)
     if args.json:

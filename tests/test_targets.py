@@ -331,15 +331,19 @@ def test_replica_group_spellings(text, groups):
 def test_warnings_name_what_to_fix():
     base = {"name": "x", "runs": 2, "loop": "jit(step)/transpose(jvp())/while", "phase": "backward",
             "async": True, "pipelined": False, "overlap": {"ops": 3, "gemms": 1, "names": []},
-            "group_size": 8, "crosses_hosts": False, "bytes": 1 << 22, "dtype": "bfloat16"}
+            "group_size": 8, "crosses_hosts": False, "bytes": 1 << 22, "bytes_per_step": 2 << 22,
+            "dtype": "bfloat16"}
     sched = [dict(base, op="all-reduce"), dict(base, op="all-gather", dtype="float32", name="g"),
              dict(base, op="reduce-scatter", overlap={"ops": 0, "gemms": 0, "names": []}),
              dict(base, op="all-reduce", crosses_hosts=True, name="dcn")]
     w = hlo.schedule_warnings(sched, compute_dtype="bfloat16", shards_grads=True)
     assert len(w) == 3
-    assert w[0].startswith("gradient all-reduce where a reduce-scatter was expected: x")
-    assert w[1].startswith("float32 all-gather under bfloat16 compute: g")
+    assert w[0].startswith("gradient all-reduce where a reduce-scatter was expected: 1 all-reduce (x; ")
+    assert w[1].startswith("float32 all-gather under bfloat16 compute: 1 all-gather (g; ")
     assert w[2].startswith("reduce-scatter with no compute overlapping it")
+    assert "inside loop jit(step)/transpose(jvp())/while" in w[0] and "8.39 MB per step" in w[0]
+    # the optimizer update's f32 gather of updated params (ZeRO-1) is not a compute gather
+    assert not hlo.schedule_warnings([dict(sched[1], phase="other", loop=None)], compute_dtype="bfloat16")
     assert not hlo.schedule_warnings(sched[:1], compute_dtype="bfloat16", shards_grads=False)
     hoisted = [dict(base, op="all-gather", loop=None, bytes=50 << 20)]
     assert "hoisted out of the layer loop" in hlo.schedule_warnings(

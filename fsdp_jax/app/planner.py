@@ -70,7 +70,8 @@ import numpy as np
 
 from fsdp_jax import axes as ax
 from fsdp_jax import rules as rl
-from fsdp_jax.hlo import collective_schedule, involuntary_rematerializations, schedule_warnings
+from fsdp_jax.hlo import (collective_schedule, communication, involuntary_rematerializations,
+                          schedule_warnings)
 from fsdp_jax.memory import (collective_report, compiled_memory, shard_bytes, tree_bytes,
                              tree_bytes_per_device)
 from fsdp_jax.app.plan_report import (  # noqa: F401  (some only re-exported)
@@ -109,8 +110,18 @@ class StepBuild:
     step: Any  # CompiledStep
     built: Any  # fsdp_jax.build.Built
 
-    def compile(self):
-        return self.step.lower(self.state, self.batch).compile()
+    def compile(self, compiler_options: dict[str, Any] | None = None):
+        """AOT-compile the step; `compiler_options`: XLA debug options for this compile
+        only (e.g. {"xla_gpu_enable_while_loop_double_buffering": "true"})."""
+        lowered = self.step.lower(self.state, self.batch)
+        if not compiler_options:
+            return lowered.compile()
+        try:
+            return lowered.compile(compiler_options=compiler_options)
+        except Exception as e:  # XLA rejects unknown options / values with a generic error type
+            if "option" in str(e).lower() or "flag" in str(e).lower():
+                raise PlanError(f"--xla-flags: {' '.join(str(e).split())[:300]}") from None
+            raise
 
     def init_state(self, rng: jax.Array):
         """A concrete TrainState in the plan's layout (sharded init: params are created
@@ -305,7 +316,8 @@ def _param_sized(plan) -> int:
 def plan_strategy(cfg, strategy: str, devices: Sequence[jax.Device] | None = None, *,
                   inspect: bool = False, replicated_threshold: int | None = None,
                   mesh_sizes: tuple[int, int, int] | None = None,
-                  step_options: dict[str, Any] | None = None) -> dict[str, Any]:
+                  step_options: dict[str, Any] | None = None,
+                  compiler_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Build, analyse and AOT-compile one strategy in this process (needs the devices:
     real, fake CPU, or compile-only GPU-target devices from `fsdp_jax.targets`).
     Returns a JSON-able dict: mesh, analytic, compiled, argument_vs_analytic, compile_s,
@@ -315,7 +327,7 @@ def plan_strategy(cfg, strategy: str, devices: Sequence[jax.Device] | None = Non
     t0 = time.perf_counter()
     b = build_step(cfg, strategy, devices, mesh_sizes, **(step_options or {}))
     analytic = analytic_memory(b)
-    compiled = b.compile()
+    compiled = b.compile(compiler_options)
     compile_s = time.perf_counter() - t0
     ins = inspect_compiled(b.plan, compiled, logical_axes=b.model.logical_axes,
                            analytic_total=analytic["total"],
@@ -329,6 +341,7 @@ def plan_strategy(cfg, strategy: str, devices: Sequence[jax.Device] | None = Non
                                                     + analytic["batch"])) - 1,
         "compile_s": round(compile_s, 2), "platform": ins["platform"],
         "collectives_per_step": ins["collectives"]["per_step"],
+        "communication": communication(ins["schedule"]),
         "activations_by_remat": activations_by_remat(b),
         "warnings": ins["warnings"],
     }
@@ -362,7 +375,8 @@ def _devices_for(n: int) -> list[jax.Device] | None:
 
 def run_strategies(cfg, n_devices: int, strategies: Sequence[str], *, inspect: bool = False,
                    replicated_threshold: int | None = None, target=None,
-                   step_options: dict[str, Any] | None = None) -> dict[str, dict]:
+                   step_options: dict[str, Any] | None = None,
+                   compiler_options: dict[str, Any] | None = None) -> dict[str, dict]:
     """`plan_strategy` for each strategy on `n_devices`: in this process when it has
     that many devices, otherwise in a child process with `n_devices` fake CPU devices.
     With `target` (a `fsdp_jax.targets.Target`), always in a child process that
@@ -370,11 +384,12 @@ def run_strategies(cfg, n_devices: int, strategies: Sequence[str], *, inspect: b
     devices = None if target is not None else _devices_for(n_devices)
     if devices is not None:
         return {s: plan_strategy(cfg, s, devices, inspect=inspect, replicated_threshold=replicated_threshold,
-                                 step_options=step_options) for s in strategies}
+                                 step_options=step_options, compiler_options=compiler_options)
+                for s in strategies}
     from fsdp_jax.app.config import config_to_dict
     request = {"config": config_to_dict(cfg), "devices": n_devices, "strategies": list(strategies),
                "inspect": inspect, "replicated_threshold": replicated_threshold,
-               "step_options": step_options or {}}
+               "step_options": step_options or {}, "compiler_options": compiler_options or {}}
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     where = f"{n_devices} CPU devices"
     if target is not None:
@@ -455,7 +470,8 @@ def _child_main() -> int:
             print(_STRATEGY_MARK + s, file=sys.stderr, flush=True)  # XLA logs to the same fd 2
             out[s] = plan_strategy(cfg, s, devices, inspect=req["inspect"],
                                    replicated_threshold=req["replicated_threshold"],
-                                   mesh_sizes=sizes.get(s), step_options=req.get("step_options"))
+                                   mesh_sizes=sizes.get(s), step_options=req.get("step_options"),
+                                   compiler_options=req.get("compiler_options"))
             sys.stderr.flush()
     except BAD_INPUT + (PlanError, TargetError) as e:
         return fail(e)
