@@ -223,13 +223,18 @@ def apply_update(optimizer: optax.GradientTransformation, state: TrainState, gra
 def guarded_update(optimizer: optax.GradientTransformation, state: TrainState, grads, ok,
                    skip_nonfinite: bool = True) -> TrainState:
     """`apply_update` when `ok` (a traced bool: loss and grad norm finite); the state
-    unchanged when not and `skip_nonfinite`."""
-    def apply(st: TrainState, g) -> TrainState:
-        return apply_update(optimizer, st, g)
+    unchanged when not and `skip_nonfinite`.
 
-    if skip_nonfinite:  # a conditional, not a select over the state: no extra pass over it
-        return jax.lax.cond(ok, apply, lambda st, g: st, state, grads)
-    return apply(state, grads)
+    The skip is a per-leaf select, not a `lax.cond` over the whole update: XLA fuses
+    each select into the fusion that computes that leaf's update, which writes into
+    the donated buffer, so skipping costs no copy. A `cond` makes the update a
+    separate computation whose result XLA:GPU materialises in fresh buffers: a whole
+    extra copy of the state in temp (Llama-2-7B on 8 x H100: 107.8 vs 34.6 GB temp
+    under no_shard; tests/test_targets.py checks this on a GPU-target compile)."""
+    new = apply_update(optimizer, state, grads)
+    if not skip_nonfinite:
+        return new
+    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, state)
 
 
 def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, plan: ShardingPlan, *,

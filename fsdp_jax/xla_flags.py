@@ -28,3 +28,15 @@ def apply_gpu_fsdp_flags(environ=os.environ) -> str:
     extra = [f for f in GPU_FSDP_FLAGS if f.split("=")[0] not in have]
     environ["XLA_FLAGS"] = " ".join([current, *extra]).strip()
     return environ["XLA_FLAGS"]
+
+
+def parse_flags(text: str) -> dict[str, str]:
+    """'--xla_a=true --xla_b=123' -> {"xla_a": "true", "xla_b": "123"} (compile options).
+    Raises ValueError naming the flag when one is not `--xla_name=value`."""
+    out = {}
+    for tok in text.split():
+        name, eq, value = tok.lstrip("-").partition("=")
+        if not eq or not name.startswith("xla_") or not value:
+            raise ValueError(f"--xla-flags: {tok!r} is not of the form --xla_<name>=<value>")
+        out[name] = value
+    return out

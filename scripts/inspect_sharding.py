@@ -3,13 +3,20 @@
 
     python scripts/inspect_sharding.py --config configs/tiny.yaml --devices 8 --strategy full_shard
     python scripts/inspect_sharding.py --config configs/llama2_7b.yaml --devices 8 --strategy zero3 --json
+    python scripts/inspect_sharding.py --config configs/llama2_7b.yaml --target h100 --devices 16 --hosts 2
 
 Prints a per-parameter table (path, shape, dtype, spec, bytes per device, why), the
 collectives of the AOT-compiled train step (count and bytes per step, inside and
 outside the layer loop; in-loop bytes are multiplied by the loop's trip count), and
 warnings a user can act on: large replicated parameters, parameter all-gathers
 hoisted out of the layer loop, activations resharded with all-to-all, and a compiled
-peak more than 10% above the analytic estimate. Trailing key=value arguments
+peak more than 10% above the analytic estimate. With --target (h100, h200, a100; XLA:GPU,
+deviceless, after `python -m fsdp_jax.targets install`) it also lists every collective of
+the scheduled GPU program: kind, dtype, bytes, loop, forward/backward, async or not, the
+compute scheduled between its start and done, and whether its group crosses hosts; and
+warns about gradient all-reduces where a reduce-scatter was expected, float32 gathers
+under bfloat16 compute, collectives nothing overlaps, and the partitioner's involuntary
+full rematerializations (naming the tensor). Trailing key=value arguments
 override the config. Exit codes: 0 success, 2 bad input, 1 anything else.
 """
 
@@ -29,6 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replicated-threshold", default="auto",
                     help="flag replicated params at least this big, e.g. 4MiB (default auto: "
                          "the larger of 1 MiB and 0.1%% of all parameter bytes)")
+    ap.add_argument("--target", default=None, help="compile for this GPU (h100, h200, a100) instead of CPU")
+    ap.add_argument("--hosts", default=None, help="with --target: hosts the devices are spread over (default 1)")
+    ap.add_argument("--xla-flags", default=None,
+                    help="XLA options for this compile only, e.g. '--xla_gpu_enable_pipelined_all_gather=true' "
+                         "(compare schedules with and without: fsdp_jax.xla_flags)")
     ap.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     ap.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     try:
@@ -39,14 +51,21 @@ def main(argv: list[str] | None = None) -> int:
     from fsdp_jax.app.cli import BAD_INPUT, fail
     from fsdp_jax.app.plan_report import (PlanError, load_planning_config, parse_bytes, parse_devices,
                                       parse_strategies)
+    from fsdp_jax.targets import TargetError, make_target
 
     try:
         n = parse_devices(args.devices)
+        if args.hosts is not None and args.target is None:
+            raise PlanError(f"--hosts: {args.hosts!r} needs --target (hosts of a GPU cluster)")
+        target = None if args.target is None else make_target(
+            args.target, devices=n, hosts=None if args.hosts is None else parse_devices(args.hosts, "--hosts"))
+        from fsdp_jax.xla_flags import parse_flags
+        options = parse_flags(args.xla_flags) if args.xla_flags else None
         threshold = (None if args.replicated_threshold == "auto"
                      else parse_bytes(args.replicated_threshold, "--replicated-threshold"))
         if args.strategy is not None:
             parse_strategies(args.strategy, "--strategy")
-    except PlanError as e:
+    except (PlanError, TargetError, ValueError) as e:
         return fail(e)
     from fsdp_jax.strategy import get_strategy
     try:
@@ -60,11 +79,14 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         check_inputs(cfg, n, [strategy])
-        result = run_strategies(cfg, n, [strategy], inspect=True, replicated_threshold=threshold)[strategy]
-    except BAD_INPUT + (PlanError,) as e:
+        result = run_strategies(cfg, n, [strategy], inspect=True, replicated_threshold=threshold,
+                                target=target, compiler_options=options)[strategy]
+    except BAD_INPUT + (PlanError, TargetError) as e:
         return fail(e)
     if args.json:
-        json.dump({"config": args.config, "devices": n, "strategy": strategy, **result}, sys.stdout, indent=1)
+        json.dump({"config": args.config, "devices": n, "strategy": strategy,
+                   "target": args.target, "hosts": None if target is None else target.hosts, **result},
+                  sys.stdout, indent=1)
         print()
     else:
         print(format_inspection(strategy, result))

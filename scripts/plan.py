@@ -4,11 +4,15 @@
     python scripts/plan.py --config configs/llama2_7b.yaml --devices 8 --device-memory 80GB
     python scripts/plan.py --config configs/llama2_70b.yaml --devices 64 --json
     python scripts/plan.py --config configs/tiny.yaml --devices 8 --plot plan.png remat=full
+    python scripts/plan.py --config configs/llama2_70b.yaml --target h100 --devices 64 --hosts 8
 
 For each strategy: analytic bytes (params, grads, optimizer state, gathered params,
 activations) and the compiled train step's memory_analysis() (argument, output,
 alias, temp, peak), AOT-compiled from abstract inputs on N devices (N fake CPU
-devices when this machine has fewer; nothing is allocated). Trailing key=value
+devices when this machine has fewer; nothing is allocated). With --target (h100, h200,
+a100) the step is compiled by XLA:GPU for that GPU, --devices in total over --hosts
+hosts, on this machine without a GPU (needs `python -m fsdp_jax.targets install`
+once); --device-memory then defaults to the target's. Trailing key=value
 arguments override the config as in scripts/train.py. Exit codes: 0 success, 2 bad
 input (one line on stderr), 1 anything else.
 """
@@ -27,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--devices", required=True, help="number of devices to plan for")
     ap.add_argument("--strategies", default="all", help="all, or a comma list (aliases ok: ddp,zero3)")
     ap.add_argument("--device-memory", default=None, help="per-device memory, e.g. 80GB, 80GiB, 141GB")
+    ap.add_argument("--target", default=None, help="compile for this GPU (h100, h200, a100) instead of CPU")
+    ap.add_argument("--hosts", default=None, help="with --target: hosts the devices are spread over (default 1)")
     ap.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     ap.add_argument("--plot", default=None, help="write a bar chart PNG here")
     ap.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. remat=full")
@@ -38,12 +44,17 @@ def main(argv: list[str] | None = None) -> int:
     from fsdp_jax.app.cli import BAD_INPUT, fail
     from fsdp_jax.app.plan_report import (PlanError, load_planning_config, parse_bytes, parse_devices,
                                       parse_strategies)
+    from fsdp_jax.targets import TargetError, make_target
 
     try:
         n = parse_devices(args.devices)
         mem = parse_bytes(args.device_memory) if args.device_memory is not None else None
         strategies = parse_strategies(args.strategies)
-    except PlanError as e:
+        if args.hosts is not None and args.target is None:
+            raise PlanError(f"--hosts: {args.hosts!r} needs --target (hosts of a GPU cluster)")
+        target = None if args.target is None else make_target(
+            args.target, devices=n, hosts=None if args.hosts is None else parse_devices(args.hosts, "--hosts"))
+    except (PlanError, TargetError) as e:
         return fail(e)
     try:
         cfg = load_planning_config(args.config, args.overrides, n)  # JAX: n CPU devices, from here on
@@ -58,8 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     from fsdp_jax.app.planner import plan_config
 
     try:
-        doc = plan_config(cfg, n, strategies, device_memory=mem, config_name=args.config)
-    except BAD_INPUT + (PlanError,) as e:
+        doc = plan_config(cfg, n, strategies, device_memory=mem, config_name=args.config, target=target)
+    except BAD_INPUT + (PlanError, TargetError) as e:
         return fail(e)
     if args.plot:
         plot_plan(doc, args.plot)

@@ -221,7 +221,10 @@ def format_table(doc: dict[str, Any]) -> str:
                      f"{gb(a['optimizer'])}{gb(a['states'])}{r['bytes_per_param']:9.2f}"
                      f"{gb(a['gathered'])}{gb(a['activations'])}{gb(a['total'])}")
     lines.append("")
-    lines.append("compiled (memory_analysis() of the AOT-compiled train step; measured):")
+    tgt = doc.get("target")
+    on = (f"XLA:GPU for {tgt['name']}, {tgt['hosts']} x {tgt['gpus_per_host']} GPUs" if tgt
+          else "/".join(sorted({r.get("platform", "?") for r in doc["strategies"].values()})))
+    lines.append(f"compiled (memory_analysis() of the AOT-compiled train step, {on}; measured):")
     hdr = (f"{'strategy':<14}{'mesh':<10}{'argument':>9}{'arg/ana':>8}{'temp':>9}{'peak':>9}"
            f"{'fits':>6}{'headroom':>10}{'compile':>9}")
     lines += [hdr, "-" * len(hdr)]
@@ -235,6 +238,14 @@ def format_table(doc: dict[str, Any]) -> str:
     if doc.get("device_memory"):
         lines.append(f"device memory {fmt_bytes(doc['device_memory'])}; fits = compiled peak "
                      f"<= device memory")
+    if all("terms" in r for r in doc["strategies"].values()):
+        lines.append("")
+        lines.append("compiled vs analytic, per term (compiled / analytic - 1): argument = params + "
+                     "optimizer + batch; temp = grads + gathered + activations; peak = total")
+        for name, r in doc["strategies"].items():
+            t = r["terms"]
+            lines.append(f"{name:<14}argument {t['argument']:+8.2%}   temp {t['temp']:+8.2%}   "
+                         f"peak {t['peak']:+8.2%}")
     first = next(iter(doc["strategies"].values()))
     act = first["activations_by_remat"]
     lines.append("")
@@ -303,6 +314,9 @@ def format_inspection(name: str, r: dict[str, Any]) -> str:
                          f"{fmt_bytes(e['bytes_per_step']):>14}  {e['dtypes']}")
     for op, e in sorted(rep["per_step"].items()):
         lines.append(f"{op:<20}{'total':<14}{'':>7}{e['count']:>10}{fmt_bytes(e['bytes']):>14}")
+    if r.get("schedule"):
+        lines.append("")
+        lines += format_schedule(r["schedule"])
     if r.get("platform") == "cpu":
         lines.append("(XLA:CPU: gradient reductions show as all-reduce, never reduce-scatter, and bf16 "
                      "collectives run in f32; GPU/TPU compiles differ)")
@@ -314,3 +328,27 @@ def format_inspection(name: str, r: dict[str, Any]) -> str:
     lines += [f"warning: {w}" for w in r["warnings"]] or ["no warnings"]
     return "\n".join(lines)
 
+
+
+def format_schedule(schedule: list[dict[str, Any]]) -> list[str]:
+    """One line per collective of `fsdp_jax.hlo.collective_schedule`: kind, dtype, bytes,
+    runs per step, loop and pass, async, compute scheduled between start and done, and
+    the replica group (size; whether it crosses hosts)."""
+    lines = ["every collective of the scheduled program (bytes per device per run; overlap = compute "
+             "ops scheduled between start and done, of them GEMMs)"]
+    hdr = (f"{'op':<19}{'dtype':<10}{'bytes':>11}{'runs':>6}  {'pass':<9}{'loop':<30}{'async':<7}"
+           f"{'overlap':<14}{'group':<6}hosts")
+    lines += [hdr, "-" * len(hdr)]
+    for c in sorted(schedule, key=lambda c: (c["phase"], c["loop"] or "", c["op"])):
+        if not c["async"]:
+            ov = "sync"
+        elif c["overlap"] is None:
+            ov = "pipelined"
+        else:
+            ov = f"{c['overlap']['ops']} ({c['overlap']['gemms']} gemm)"
+        loop = (c["loop"] or "-")[-29:]
+        hosts = "-" if c["crosses_hosts"] is None else ("across" if c["crosses_hosts"] else "within")
+        lines.append(f"{c['op']:<19}{c['dtype']:<10}{fmt_bytes(c['bytes']):>11}{c['runs']:>6}  "
+                     f"{c['phase']:<9}{loop:<30}{'yes' if c['async'] else 'no':<7}{ov:<14}"
+                     f"{c['group_size'] or '?'!s:<6}{hosts}")
+    return lines

@@ -70,6 +70,8 @@ import numpy as np
 
 from fsdp_jax import axes as ax
 from fsdp_jax import rules as rl
+from fsdp_jax.hlo import (collective_schedule, communication, involuntary_rematerializations,
+                          schedule_warnings)
 from fsdp_jax.memory import (collective_report, compiled_memory, shard_bytes, tree_bytes,
                              tree_bytes_per_device)
 from fsdp_jax.app.plan_report import (  # noqa: F401  (some only re-exported)
@@ -110,8 +112,18 @@ class StepBuild:
     step: Any  # CompiledStep
     built: Any  # fsdp_jax.build.Built
 
-    def compile(self):
-        return self.step.lower(self.state, self.batch).compile()
+    def compile(self, compiler_options: dict[str, Any] | None = None):
+        """AOT-compile the step; `compiler_options`: XLA debug options for this compile
+        only (e.g. {"xla_gpu_enable_while_loop_double_buffering": "true"})."""
+        lowered = self.step.lower(self.state, self.batch)
+        if not compiler_options:
+            return lowered.compile()
+        try:
+            return lowered.compile(compiler_options=compiler_options)
+        except Exception as e:  # XLA rejects unknown options / values with a generic error type
+            if "option" in str(e).lower() or "flag" in str(e).lower():
+                raise PlanError(f"--xla-flags: {' '.join(str(e).split())[:300]}") from None
+            raise
 
     def init_state(self, rng: jax.Array):
         """A concrete TrainState in the plan's layout (sharded init: params are created
@@ -120,11 +132,13 @@ class StepBuild:
 
 
 def build_step(cfg, strategy: str | None = None, devices: Sequence[jax.Device] | None = None,
-               mesh_sizes: tuple[int, int, int] | None = None) -> StepBuild:
+               mesh_sizes: tuple[int, int, int] | None = None, **step_options) -> StepBuild:
     """The trainer's train step for `cfg` under `strategy` on `devices`, from abstract
     inputs: `fsdp_jax.build.build` with the trainer's model, loss, optimizer and step
     options (as `fsdp_jax.app.loop.setup`), minus the state. The replicated-fraction
-    check is not enforced here (the planner reports it instead)."""
+    check is not enforced here (the planner reports it instead). `step_options` go to
+    `make_train_step` on top of the trainer's (e.g. skip_nonfinite=False, to measure
+    what the guard costs)."""
     from fsdp_jax.adapters import from_nnx
     from fsdp_jax.app.loop import make_loss_fn
     from fsdp_jax.app.models.llama import Llama
@@ -141,7 +155,7 @@ def build_step(cfg, strategy: str | None = None, devices: Sequence[jax.Device] |
     built = build(model, optimizer, mesh, strategy, loss_fn=make_loss_fn(model), rules=cfg.mesh.rules,
                   min_shard_size=cfg.mesh.min_shard_size, max_replicated_fraction=None,
                   microbatches=cfg.train.microbatches, clip_norm=cfg.optimizer.clip_norm,
-                  precision=cfg.precision)
+                  precision=cfg.precision, **step_options)
     batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.data.seq_len + 1), np.int32,
                                  sharding=built.plan.batch)
     return StepBuild(cfg, strategy, mesh, model, optimizer, built.plan, built.abstract_state, batch,
@@ -273,27 +287,49 @@ def inspect_compiled(plan, compiled, *, logical_axes=None, analytic_total: int |
         # in whatever dtype the program moves them (f32 on CPU even under bf16 compute)
         layer_gather = _compute_copy(abstract, plan, logical_axes, "float32")["unstacked"]
     platform = plan.mesh.devices.flat[0].platform
+    hosts = [d.process_index for d in plan.mesh.devices.flat]  # partition id -> host
+    schedule = collective_schedule(compiled.as_text(), hosts)
     threshold = replicated_threshold_for(sum(r.total_bytes for r in plan.rows), replicated_threshold)
     warnings = sharding_warnings(
         plan.rows, report, plan.strategy.name, mesh, analytic_total=analytic_total,
         compiled_peak=mem["peak"], layer_gather_bytes=layer_gather,
         cpu_upcast=platform == "cpu" and np.dtype(compute_dtype) != np.float32,
         replicated_threshold=threshold)
+    if platform != "cpu":  # XLA:CPU never reduce-scatters, upcasts bf16 and runs collectives in sync
+        grad_axes = [a for a in plan.strategy.grads if mesh.get(a, 1) > 1]
+        warnings += schedule_warnings(
+            schedule, compute_dtype=np.dtype(compute_dtype).name, shards_grads=bool(grad_axes),
+            param_bytes_threshold=_param_sized(plan))
     return {"mesh": mesh, "platform": platform, "rows": [r.as_dict() for r in plan.rows],
             "collectives": report, "compiled": mem, "warnings": warnings,
-            "replicated_threshold": threshold}
+            "replicated_threshold": threshold, "schedule": schedule}
+
+
+def _param_sized(plan) -> int:
+    """From how many bytes a collective counts as moving parameters / their grads: half
+    the smallest sharded leaf (per layer when stacked: 3 or more dims), at least 4 KiB,
+    so that norm scales and loss scalars never count."""
+    axes_ = set(plan.strategy.params + plan.strategy.opt_state)
+    sharded = [r for r in plan.rows if axes_ & set(jax.tree.leaves(tuple(r.spec)))]
+    sizes = [r.total_bytes // (r.shape[0] if len(r.shape) > 2 else 1) for r in sharded]
+    return max(1 << 12, min(sizes, default=1 << 21) // 2)
 
 
 def plan_strategy(cfg, strategy: str, devices: Sequence[jax.Device] | None = None, *,
-                  inspect: bool = False, replicated_threshold: int | None = None) -> dict[str, Any]:
-    """Build, analyse and AOT-compile one strategy in this process (needs the devices).
+                  inspect: bool = False, replicated_threshold: int | None = None,
+                  mesh_sizes: tuple[int, int, int] | None = None,
+                  step_options: dict[str, Any] | None = None,
+                  compiler_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Build, analyse and AOT-compile one strategy in this process (needs the devices:
+    real, fake CPU, or compile-only GPU-target devices from `fsdp_jax.targets`).
     Returns a JSON-able dict: mesh, analytic, compiled, argument_vs_analytic, compile_s,
     collectives_per_step, activations_by_remat, replicated_fraction, warnings; with
-    `inspect`, also rows and the full collective report."""
+    `inspect`, also rows, the full collective report and the per-collective `schedule`
+    (`fsdp_jax.hlo.collective_schedule`)."""
     t0 = time.perf_counter()
-    b = build_step(cfg, strategy, devices)
+    b = build_step(cfg, strategy, devices, mesh_sizes, **(step_options or {}))
     analytic = analytic_memory(b)
-    compiled = b.compile()
+    compiled = b.compile(compiler_options)
     compile_s = time.perf_counter() - t0
     ins = inspect_compiled(b.plan, compiled, logical_axes=b.model.logical_axes,
                            analytic_total=analytic["total"],
@@ -307,6 +343,7 @@ def plan_strategy(cfg, strategy: str, devices: Sequence[jax.Device] | None = Non
                                                     + analytic["batch"])) - 1,
         "compile_s": round(compile_s, 2), "platform": ins["platform"],
         "collectives_per_step": ins["collectives"]["per_step"],
+        "communication": communication(ins["schedule"]),
         "activations_by_remat": activations_by_remat(b),
         "warnings": ins["warnings"],
     }
@@ -321,6 +358,7 @@ def plan_strategy(cfg, strategy: str, devices: Sequence[jax.Device] | None = Non
         out["rows"] = ins["rows"]
         out["collectives"] = ins["collectives"]
         out["replicated_threshold"] = ins["replicated_threshold"]
+        out["schedule"] = ins["schedule"]
     return out
 
 
@@ -339,63 +377,136 @@ def _devices_for(n: int) -> list[jax.Device] | None:
 
 
 def run_strategies(cfg, n_devices: int, strategies: Sequence[str], *, inspect: bool = False,
-                   replicated_threshold: int | None = None) -> dict[str, dict]:
+                   replicated_threshold: int | None = None, target=None,
+                   step_options: dict[str, Any] | None = None,
+                   compiler_options: dict[str, Any] | None = None) -> dict[str, dict]:
     """`plan_strategy` for each strategy on `n_devices`: in this process when it has
-    that many devices, otherwise in a child process with `n_devices` fake CPU devices."""
-    devices = _devices_for(n_devices)
+    that many devices, otherwise in a child process with `n_devices` fake CPU devices.
+    With `target` (a `fsdp_jax.targets.Target`), always in a child process that
+    compiles for that GPU target (the CUDA plugin on its path only: `targets.child_env`)."""
+    devices = None if target is not None else _devices_for(n_devices)
     if devices is not None:
-        return {s: plan_strategy(cfg, s, devices, inspect=inspect,
-                                 replicated_threshold=replicated_threshold) for s in strategies}
+        return {s: plan_strategy(cfg, s, devices, inspect=inspect, replicated_threshold=replicated_threshold,
+                                 step_options=step_options, compiler_options=compiler_options)
+                for s in strategies}
     from fsdp_jax.app.config import config_to_dict
     request = {"config": config_to_dict(cfg), "devices": n_devices, "strategies": list(strategies),
-               "inspect": inspect, "replicated_threshold": replicated_threshold}
+               "inspect": inspect, "replicated_threshold": replicated_threshold,
+               "step_options": step_options or {}, "compiler_options": compiler_options or {}}
     env = dict(os.environ, JAX_PLATFORMS="cpu")
+    where = f"{n_devices} CPU devices"
+    if target is not None:
+        from fsdp_jax import targets
+        env = targets.child_env(env)  # raises PluginMissing (a TargetError) naming the install step
+        request["target"] = {"name": target.name, "hosts": target.hosts,
+                             "gpus_per_host": target.gpus_per_host}
+        where = target.describe()
     proc = subprocess.run([sys.executable, "-m", "fsdp_jax.app.planner"], input=json.dumps(request),
                           capture_output=True, text=True, env=env)
     if proc.returncode == 2:
         raise PlanError(proc.stderr.strip().splitlines()[-1].removeprefix("error: "))
     if proc.returncode != 0:
-        raise RuntimeError(f"planner child process ({n_devices} CPU devices) failed with exit code "
+        raise RuntimeError(f"planner child process ({where}) failed with exit code "
                            f"{proc.returncode}:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout)
+    out = json.loads(proc.stdout)
+    for name, log in _logs_by_strategy(proc.stderr).items():
+        for r in involuntary_rematerializations(log):
+            if name in out:
+                out[name]["warnings"].append(
+                    f"involuntary full rematerialization of {r['tensor']} {r['shape']} (op {r['op_name'] or '?'}): "
+                    f"the partitioner could not go from sharding {r['from']} to {r['to']} without "
+                    f"materialising the whole tensor on every device; constrain it (or its producer) "
+                    f"to a layout that maps onto the target one")
+    return out
+
+
+_STRATEGY_MARK = "fsdp_jax.app.planner: compiling "
+
+
+def _logs_by_strategy(stderr: str) -> dict[str, str]:
+    """The child's stderr (XLA's own log lines included) cut at the marker printed
+    before each strategy's compile."""
+    out: dict[str, list[str]] = {}
+    current = None
+    for line in stderr.splitlines():
+        if line.startswith(_STRATEGY_MARK):
+            current = line[len(_STRATEGY_MARK):].strip()
+            out[current] = []
+        elif current is not None:
+            out[current].append(line)
+    return {k: "\n".join(v) for k, v in out.items()}
+
+
+def target_mesh_sizes(cfg, strategy: str, n_devices: int, hosts: int) -> tuple[int, int, int]:
+    """Mesh sizes on a `hosts`-host cluster: `mesh_shape`, except that hybrid_shard on a
+    config without its own data axis puts `data` across the hosts and `fsdp` within one
+    (HSDP's layout: reduce-scatter over NVLink, a gradient all-reduce across hosts)."""
+    data, fsdp, tensor = mesh_shape(cfg, strategy, n_devices)
+    if (strategy == "hybrid_shard" and hosts > 1 and cfg.mesh.data in (1, -1)
+            and (data * fsdp) % hosts == 0 and data * fsdp // hosts > 1):
+        data, fsdp = hosts, data * fsdp // hosts
+    return data, fsdp, tensor
 
 
 def _child_main() -> int:
-    """`python -m fsdp_jax.app.planner` < request.json: compile on N fake CPU devices,
-    print the results as JSON. Set up before JAX initialises its backends."""
+    """`python -m fsdp_jax.app.planner` < request.json: compile on N fake CPU devices
+    (or, with "target", on compile-only GPU devices), print the results as JSON. Set
+    up before JAX initialises its backends."""
     req = json.loads(sys.stdin.read())
-    use_cpu_devices(int(req["devices"]))
+    target = req.get("target")
+    if target is None:
+        use_cpu_devices(int(req["devices"]))
     from fsdp_jax.app.cli import BAD_INPUT, fail
     from fsdp_jax.app.config import config_from_dict
+    from fsdp_jax.targets import TargetError
     try:
         cfg = config_from_dict(req["config"])
-        out = {s: plan_strategy(cfg, s, jax.devices()[:req["devices"]], inspect=req["inspect"],
-                                replicated_threshold=req["replicated_threshold"])
-               for s in req["strategies"]}
-    except BAD_INPUT + (PlanError,) as e:
+        sizes = {}
+        if target is None:
+            devices = jax.devices()[:req["devices"]]
+        else:
+            from fsdp_jax import targets
+            devices = targets.gpu_devices(target["name"], target["hosts"], target["gpus_per_host"])
+            sizes = {s: target_mesh_sizes(cfg, s, len(devices), target["hosts"]) for s in req["strategies"]}
+        out = {}
+        for s in req["strategies"]:
+            print(_STRATEGY_MARK + s, file=sys.stderr, flush=True)  # XLA logs to the same fd 2
+            out[s] = plan_strategy(cfg, s, devices, inspect=req["inspect"],
+                                   replicated_threshold=req["replicated_threshold"],
+                                   mesh_sizes=sizes.get(s), step_options=req.get("step_options"),
+                                   compiler_options=req.get("compiler_options"))
+            sys.stderr.flush()
+    except BAD_INPUT + (PlanError, TargetError) as e:
         return fail(e)
     json.dump(out, sys.stdout)
     return 0
 
 
 def plan_config(cfg, n_devices: int, strategies: Sequence[str] | str | None = None, *,
-                device_memory: int | None = None, config_name: str = "") -> dict[str, Any]:
+                device_memory: int | None = None, config_name: str = "", target=None) -> dict[str, Any]:
     """The planner's JSON document for `cfg` on `n_devices` (bytes per device, ints):
     {"config", "devices", "params", "param_bytes", "device_memory", "wall_s", "notes",
-    "strategies": {name: {"mesh", "analytic": {params, grads, optimizer, gathered,
-    activations, batch, states, total}, "compiled": {argument, output, alias, temp, peak,
-    xla_peak}, "fits", "headroom", "bytes_per_param", "compile_s", "warnings", ...}}}.
-    `fits` and `headroom` use the compiled peak (None without `device_memory`)."""
+    "target", "strategies": {name: {"mesh", "analytic": {params, grads, optimizer,
+    gathered, activations, batch, states, total}, "compiled": {argument, output, alias,
+    temp, peak, xla_peak}, "terms": {argument, temp, peak: compiled / analytic - 1},
+    "fits", "headroom", "bytes_per_param", "compile_s", "warnings", ...}}}.
+    `fits` and `headroom` use the compiled peak (None without `device_memory`). With
+    `target` (`fsdp_jax.targets.Target`) the step is compiled by XLA:GPU for that GPU
+    and cluster shape (deviceless), and `device_memory` defaults to the target's."""
     from fsdp_jax.app.models.llama import count_params
     t0 = time.perf_counter()
     names = parse_strategies(strategies)
     check_inputs(cfg, n_devices, names)
-    results = run_strategies(cfg, n_devices, names)
+    if target is not None and device_memory is None:
+        from fsdp_jax.targets import device_memory as target_memory
+        device_memory = target_memory(target.name)
+    results = run_strategies(cfg, n_devices, names, target=target)
     n_params = count_params(cfg.model)
     policy = Policy.parse(cfg.precision)
     for name, r in results.items():
         r["classic_name"] = CLASSIC_NAMES[name]
         r["bytes_per_param"] = round(r["analytic"]["states"] / n_params, 3)  # per device
+        r["terms"] = analytic_vs_compiled(r["analytic"], r["compiled"])
         if device_memory:
             r["fits"] = r["compiled"]["peak"] <= device_memory
             r["headroom"] = device_memory - r["compiled"]["peak"]
@@ -412,15 +523,30 @@ def plan_config(cfg, n_devices: int, strategies: Sequence[str] | str | None = No
         m = results["hybrid_shard"]["mesh"]
         notes.append(f"hybrid_shard uses data={m['data']} x fsdp={m['fsdp']} (params sharded within "
                      f"fsdp, replicated over data)")
+    if target is not None:
+        notes.insert(0, f"compiled by XLA:GPU for {target.describe()} (deviceless AOT: no GPU used; "
+                        f"no autotuning); device memory {device_memory / 1e9:.2f} GB unless given")
     platforms = {r["platform"] for r in results.values()}
     if "cpu" in platforms and policy.compute_dtype != np.dtype("float32"):
         notes.append("compiled on CPU: XLA:CPU upcasts bf16 matmuls and collectives to f32, so "
                      "compiled temp overstates a GPU/TPU compile")
     doc = {"config": config_name, "devices": n_devices, "params": n_params,
+           "target": None if target is None else {"name": target.name, "hosts": target.hosts,
+                                                  "gpus_per_host": target.gpus_per_host},
            "param_bytes": tree_bytes(_abstract_params(cfg)), "device_memory": device_memory,
            "strategies": results, "notes": notes}
     doc["wall_s"] = round(time.perf_counter() - t0, 1)
     return doc
+
+
+def analytic_vs_compiled(analytic: dict[str, int], compiled: dict[str, int]) -> dict[str, float]:
+    """How far the compiled program is from the analytic model, per term (compiled /
+    analytic - 1): `argument` (params + optimizer + batch), `temp` (grads + gathered +
+    activations: everything transient) and `peak` (total)."""
+    pairs = {"argument": (compiled["argument"], analytic["params"] + analytic["optimizer"] + analytic["batch"]),
+             "temp": (compiled["temp"], analytic["grads"] + analytic["gathered"] + analytic["activations"]),
+             "peak": (compiled["peak"], analytic["total"])}
+    return {k: (c / a - 1 if a else float("nan")) for k, (c, a) in pairs.items()}
 
 
 def _abstract_params(cfg):

@@ -1,0 +1,254 @@
+"""Compile for a real GPU cluster on a machine without a GPU (deviceless AOT).
+
+    python -m fsdp_jax.targets install            # once: the CUDA compile-only plugin
+    env = targets.child_env()                     # for a child process that compiles
+    # in that child (the plugin on its path, jax_platforms=cpu):
+    devices = targets.gpu_devices("h100", hosts=2, gpus_per_host=4)
+    mesh = fsdp_jax.make_mesh(data=2, fsdp=4, devices=devices)
+    compiled = jax.jit(step).lower(*abstract_args).compile()   # XLA:GPU, sm_90
+
+Targets are data: `fsdp_jax/gpu_targets/<name>.txtpb`, a text
+`stream_executor.GpuTargetConfigProto` written from the chip's public specification
+(SM count, clocks, memory size and bandwidth, L2, shared memory, compute
+capability). `jax.experimental.topologies.get_topology_desc(platform="cuda", ...)`
+turns one into `hosts x gpus_per_host` compile-only devices; a `Mesh` of them and
+`jit(...).lower(<ShapeDtypeStructs with shardings>).compile()` run the full XLA:GPU
+pipeline, with real `memory_analysis()` and the scheduled GPU HLO.
+
+Why a private folder: JAX imports every installed PJRT plugin at start-up, and the
+CUDA plugin, on a machine without a GPU, prints absl warnings to stderr on every
+`import jax`, even with `JAX_PLATFORMS=cpu`. So the plugin is installed with
+`pip install --target` into `plugin_dir()` (outside site-packages), and only the
+processes that compile for a GPU target put that folder on their path
+(`child_env()`); normal CPU runs never see it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+_DATA = Path(__file__).resolve().parent / "gpu_targets"
+PLUGIN_PACKAGES = ("jax-cuda12-plugin", "jax-cuda12-pjrt")
+INSTALL_HINT = "python -m fsdp_jax.targets install"
+
+
+class TargetError(ValueError):
+    """Bad target input (unknown name, topology that does not divide) or a missing plugin."""
+
+
+class PluginMissing(TargetError):
+    """The CUDA compile-only plugin is not installed for this jax."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """A named GPU target and the cluster shape to compile for."""
+    name: str
+    hosts: int = 1
+    gpus_per_host: int = 8
+
+    @property
+    def devices(self) -> int:
+        return self.hosts * self.gpus_per_host
+
+    @property
+    def topology(self) -> str:
+        """get_topology_desc's shape: slices x hosts x devices per host."""
+        return f"1x{self.hosts}x{self.gpus_per_host}"
+
+    def describe(self) -> str:
+        return f"{self.name} ({device_name(self.name)}), {self.hosts} x {self.gpus_per_host} GPUs"
+
+
+def target_names() -> list[str]:
+    """Names of the shipped targets: h100, h200, a100 (files in fsdp_jax/gpu_targets)."""
+    return sorted(p.stem for p in _DATA.glob("*.txtpb"))
+
+
+def target_config(name: str) -> str:
+    """The text GpuTargetConfigProto of target `name`."""
+    path = _DATA / f"{name}.txtpb"
+    if name not in target_names():
+        raise TargetError(f"--target: unknown GPU target {name!r}; known: {', '.join(target_names())}")
+    return path.read_text()
+
+
+def device_name(name: str) -> str:
+    """The device description of target `name` (e.g. 'NVIDIA H100 80GB HBM3 (SXM5)')."""
+    for line in target_config(name).splitlines():
+        if line.strip().startswith("device_description_str:"):
+            return line.split(":", 1)[1].strip().strip('"')
+    return name
+
+
+def device_memory(name: str) -> int:
+    """Bytes of device memory of target `name` (its `device_memory_size`)."""
+    for line in target_config(name).splitlines():
+        if line.strip().startswith("device_memory_size:"):
+            return int(line.split(":", 1)[1])
+    raise TargetError(f"GPU target {name!r} has no device_memory_size")
+
+
+def make_target(name: str, devices: int | None = None, hosts: int | None = None,
+                gpus_per_host: int | None = None) -> Target:
+    """Validate a target request: `devices` in total over `hosts` (default 1), or
+    `hosts` x `gpus_per_host`. Raises TargetError naming the flag and the value."""
+    target_config(name)
+    for flag, v in (("--devices", devices), ("--hosts", hosts), ("--gpus-per-host", gpus_per_host)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise TargetError(f"{flag}: {v!r} must be a positive integer")
+    hosts = hosts or 1
+    if gpus_per_host is None:
+        if devices is None:
+            raise TargetError("--devices: give the total number of GPUs (or --gpus-per-host)")
+        if devices % hosts:
+            raise TargetError(f"--hosts: {devices} devices do not divide into {hosts} hosts; "
+                              f"make --devices a multiple of --hosts")
+        gpus_per_host = devices // hosts
+    elif devices is not None and devices != hosts * gpus_per_host:
+        raise TargetError(f"--devices: {devices} is not --hosts ({hosts}) x --gpus-per-host "
+                          f"({gpus_per_host}) = {hosts * gpus_per_host}")
+    return Target(name, hosts, gpus_per_host)
+
+
+# ----------------------------------------------------------------------------- the plugin
+
+def _jax_version() -> str:
+    from importlib.metadata import version
+    return version("jax")
+
+
+def plugin_dir(jax_version: str | None = None) -> Path:
+    """Where the plugin for `jax_version` (default: the installed jax) lives:
+    $FSDP_JAX_PLUGIN_DIR, else ~/.cache/fsdp_jax/cuda12-plugin-<jax version>."""
+    base = os.environ.get("FSDP_JAX_PLUGIN_DIR")
+    if base:
+        return Path(base)
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "fsdp_jax" / f"cuda12-plugin-{jax_version or _jax_version()}"
+
+
+def plugin_installed(path: Path | None = None) -> bool:
+    """True when `path` (default `plugin_dir()`) holds the plugin pinned to this jax."""
+    path = path or plugin_dir()
+    v = _jax_version()
+    return ((path / "jax_plugins" / "xla_cuda12" / "__init__.py").is_file()
+            and (path / f"jax_cuda12_plugin-{v}.dist-info").is_dir()
+            and (path / f"jax_cuda12_pjrt-{v}.dist-info").is_dir())
+
+
+def _missing_message() -> str:
+    return (f"the CUDA compile-only plugin for jax {_jax_version()} is not installed (looked in "
+            f"{plugin_dir()}); install it with `{INSTALL_HINT}`")
+
+
+def install(quiet: bool = True) -> Path:
+    """Install jax-cuda12-plugin and jax-cuda12-pjrt pinned to the installed jax into
+    `plugin_dir()` (pip --target --no-deps: no NVIDIA runtime wheels, ~480 MB).
+    Does nothing when already there. Raises RuntimeError when pip fails (e.g. no
+    plugin exists for this jax version)."""
+    dest = plugin_dir()
+    if plugin_installed(dest):
+        return dest
+    v = _jax_version()
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".", dir=dest.parent))
+    cmd = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "--no-deps",
+           "--target", str(tmp), *(f"{p}=={v}" for p in PLUGIN_PACKAGES)]
+    proc = subprocess.run(cmd + (["-q"] if quiet else []), capture_output=quiet, text=True)
+    if proc.returncode != 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tail = (proc.stderr or "").strip().splitlines()[-1:] if quiet else []
+        raise RuntimeError(f"could not install {' and '.join(PLUGIN_PACKAGES)} =={v} (the CUDA "
+                           f"plugin pinned to this jax): pip exited {proc.returncode}"
+                           + (f": {tail[0]}" if tail else ""))
+    if dest.exists():
+        shutil.rmtree(dest)
+    tmp.rename(dest)  # atomic: a half-finished install is never taken for a whole one
+    if not plugin_installed(dest):
+        raise RuntimeError(f"pip installed into {dest} but the plugin for jax {v} is not there")
+    return dest
+
+
+def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for a child process that compiles for GPU targets: the plugin folder
+    first on PYTHONPATH and JAX_PLATFORMS=cpu (without it the plugin calls cuInit and
+    fails). Raises PluginMissing when the plugin is not installed."""
+    if not plugin_installed():
+        raise PluginMissing(_missing_message())
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(plugin_dir()), env.get("PYTHONPATH")) if p)
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def enable_in_process() -> None:
+    """Put the plugin on this process's path (before JAX initialises its backends) and
+    restrict JAX to the CPU platform, so `gpu_devices` works here. Prefer a child
+    process (`child_env`): once enabled, this process prints the plugin's warnings."""
+    if not plugin_installed():
+        raise PluginMissing(_missing_message())
+    if str(plugin_dir()) not in sys.path:
+        sys.path.insert(0, str(plugin_dir()))
+    import jax
+    jax.config.update("jax_platforms", "cpu")
+
+
+def gpu_devices(name: str, hosts: int = 1, gpus_per_host: int = 8) -> list:
+    """`hosts x gpus_per_host` compile-only devices of GPU target `name`, host-major
+    (device i is on host i // gpus_per_host; `process_index` says which). Needs the
+    plugin on this process's path (`child_env` / `enable_in_process`) and
+    jax_platforms=cpu. The devices compile but cannot run anything (no device_put)."""
+    t = make_target(name, hosts=hosts, gpus_per_host=gpus_per_host)
+    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+        raise PluginMissing(_missing_message() + " (and run in a process from "
+                            "fsdp_jax.targets.child_env(), or call enable_in_process() first)")
+    import jax
+    from jax.experimental import topologies
+    if jax.config.jax_platforms != "cpu":
+        jax.config.update("jax_platforms", "cpu")  # else the plugin calls cuInit and fails
+    topo = topologies.get_topology_desc(platform="cuda", target_config=target_config(t.name),
+                                        topology=t.topology)
+    devices = sorted(topo.devices, key=lambda d: (d.process_index, d.id))
+    if len(devices) != t.devices:
+        raise RuntimeError(f"topology {t.topology} gave {len(devices)} devices, expected {t.devices}")
+    return devices
+
+
+# ----------------------------------------------------------------------------- CLI
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m fsdp_jax.targets install | check | list`."""
+    argv = sys.argv[1:] if argv is None else argv
+    cmd = argv[0] if argv else "check"
+    if cmd == "list":
+        for n in target_names():
+            print(f"{n}: {device_name(n)}, {device_memory(n) / 2**30:.1f} GiB")
+        return 0
+    if cmd == "install":
+        try:
+            path = install()
+        except RuntimeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        print(f"CUDA compile-only plugin for jax {_jax_version()}: {path}")
+        return 0
+    if cmd == "check":
+        if plugin_installed():
+            print(f"installed: {plugin_dir()}")
+            return 0
+        print(f"error: {_missing_message()}", file=sys.stderr)
+        return 1
+    print(f"error: unknown command {cmd!r}; use install, check or list", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

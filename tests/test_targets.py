@@ -1,0 +1,361 @@
+"""Deviceless compiles for real GPU targets (fsdp_jax.targets): the reference Llama at test
+size compiled by XLA:GPU for 8 x H100 (and 2 hosts x 4) shows the FSDP collective pattern
+the strategies promise, the memory the planner predicts, and no extra state copy from the
+non-finite guard. XLA:CPU cannot show any of this (no reduce-scatter, bf16 upcast).
+
+The CUDA compile-only plugin is installed by README's set-up command
+(`python -m fsdp_jax.targets install`) into a private folder; without it these tests FAIL
+(they do not skip), naming that command. All GPU compiles run in one child process
+(module-scoped fixture `gpu`), the only process that sees the plugin."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fsdp_jax import hlo, targets
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_YAML = ROOT / "configs" / "tiny.yaml"
+# configs/tiny.yaml shrunk to compile in seconds; 2 scanned layers
+SMALL = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+         "model.ffn_dim=128", "model.max_seq_len=32", "data.seq_len=32", "train.global_batch=16",
+         "train.steps=10"]
+BF16 = "precision=params=float32,compute=bfloat16,reduce=bfloat16"
+# Measured on the jobs below (h100 x 8, bf16 compute, remat dots): compiled temp / analytic
+# (grads + gathered + activations) and compiled peak / analytic total; see README
+# "Compiling for your cluster from a laptop". The analytic model ignores small f32 norm
+# statistics, RoPE tables and XLA's scratch, which dominate at this tiny size.
+PEAK_TOLERANCE = 0.35
+
+# name -> (strategy, hosts, gpus_per_host, overrides, step options)
+JOBS = {
+    "full_shard": ("full_shard", 1, 8, [BF16], {}),
+    "full_shard_f32": ("full_shard", 1, 8, ["precision=float32"], {}),
+    "full_shard_reduce_f32": ("full_shard", 1, 8, ["precision=params=float32,compute=bfloat16,reduce=float32"], {}),
+    "shard_grad_op": ("shard_grad_op", 1, 8, [BF16], {}),
+    "shard_opt": ("shard_opt", 1, 8, [BF16], {}),
+    "no_shard": ("no_shard", 1, 8, [BF16], {}),
+    "no_shard_unguarded": ("no_shard", 1, 8, [BF16], {"skip_nonfinite": False}),
+    "hybrid_shard": ("hybrid_shard", 2, 4, [BF16], {}),
+}
+
+_CHILD = r"""
+import json, sys
+from fsdp_jax import targets
+from fsdp_jax.app.config import load_config
+from fsdp_jax.app.planner import plan_strategy, target_mesh_sizes
+req = json.loads(sys.stdin.read())
+out = {"targets": {}}
+for name in targets.target_names():   # every shipped target config parses on this jax
+    devs = targets.gpu_devices(name, 1, 2)
+    out["targets"][name] = devs[0].device_kind
+devices = {}
+for name, (strategy, hosts, per, overrides, opts) in req["jobs"].items():
+    cfg = load_config(req["config"], req["small"] + overrides)
+    key = (hosts, per)
+    if key not in devices:
+        devices[key] = targets.gpu_devices("h100", hosts, per)
+    devs = devices[key]
+    out[name] = plan_strategy(cfg, strategy, devs, inspect=True, step_options=opts,
+                              mesh_sizes=target_mesh_sizes(cfg, strategy, len(devs), hosts))
+    out[name]["hosts_of_devices"] = [d.process_index for d in devs]
+json.dump(out, sys.stdout)
+"""
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    """Compile every job of JOBS for H100 targets in one child process; its results."""
+    assert targets.plugin_installed(), (
+        f"the CUDA compile-only plugin is not installed in {targets.plugin_dir()}: run "
+        f"`python -m fsdp_jax.targets install` (README's set-up command does); if it fails, no "
+        f"jax-cuda12-plugin matches this jax and GPU-target compiles are unavailable")
+    req = {"config": str(TINY_YAML), "small": SMALL, "jobs": JOBS}
+    proc = subprocess.run([sys.executable, "-c", _CHILD], input=json.dumps(req), capture_output=True,
+                          text=True, env=targets.child_env(dict(os.environ, PYTHONPATH=str(ROOT))),
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+def _colls(r, op, **where):
+    return [c for c in r["schedule"] if c["op"] == op and all(c[k] == v for k, v in where.items())]
+
+
+def _param_sized(r, op):
+    """Collectives of `op` that move parameters (not norm scales or loss scalars)."""
+    return [c for c in _colls(r, op) if c["bytes"] >= 4096]
+
+
+# ----------------------------------------------------------------------------- targets, plugin
+
+slow = pytest.mark.slow
+
+
+@slow
+def test_every_target_config_parses_on_this_jax(gpu):
+    assert set(gpu["targets"]) == set(targets.target_names()) >= {"h100", "h200", "a100"}
+    assert "H100" in gpu["targets"]["h100"] and "A100" in gpu["targets"]["a100"]
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"name": "h999", "devices": 8}, "--target: unknown GPU target 'h999'; known: a100, h100, h200"),
+    ({"name": "h100", "devices": 8, "hosts": 3}, "--hosts: 8 devices do not divide into 3 hosts"),
+    ({"name": "h100", "devices": 8, "hosts": 2, "gpus_per_host": 8}, "--devices: 8 is not --hosts (2)"),
+    ({"name": "h100", "devices": 0}, "--devices: 0 must be a positive integer"),
+    ({"name": "h100", "hosts": 2}, "--devices: give the total number"),
+])
+def test_bad_target_requests_name_the_flag(kwargs, needle):
+    with pytest.raises(targets.TargetError, match=None) as e:
+        targets.make_target(**kwargs)
+    assert needle in str(e.value)
+
+
+def test_topology_is_host_major():
+    t = targets.make_target("h200", devices=64, hosts=8)
+    assert (t.hosts, t.gpus_per_host, t.topology) == (8, 8, "1x8x8")
+    assert targets.device_memory("h200") > 140e9 > targets.device_memory("h100") > 80e9
+
+
+def test_missing_plugin_names_the_install_command(monkeypatch, tmp_path):
+    monkeypatch.setenv("FSDP_JAX_PLUGIN_DIR", str(tmp_path / "none"))
+    with pytest.raises(targets.PluginMissing, match="python -m fsdp_jax.targets install"):
+        targets.child_env()
+
+
+def test_cpu_runs_never_see_the_plugin():
+    """The plugin lives outside site-packages: a normal process imports jax without the
+    CUDA plugin's stderr lines and finds no jax_plugins.xla_cuda12."""
+    code = ("import importlib.util, jax; jax.devices(); "
+            "print(importlib.util.find_spec('jax_plugins.xla_cuda12') is None)")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=dict(env, JAX_PLATFORMS="cpu"), cwd="/")
+    assert proc.returncode == 0 and proc.stdout.strip() == "True", proc.stderr
+    assert "cuda" not in proc.stderr.lower(), proc.stderr
+
+
+@pytest.mark.parametrize("script, args, needle", [
+    ("plan.py", ["--target", "h999", "--devices", "8"], "--target: unknown GPU target"),
+    ("plan.py", ["--target", "h100", "--devices", "8", "--hosts", "3"], "do not divide into 3 hosts"),
+    ("inspect_sharding.py", ["--target", "h100", "--devices", "8", "--hosts", "0"], "--hosts: 0 must be >= 1"),
+    ("plan.py", ["--devices", "8", "--hosts", "2"], "--hosts: '2' needs --target"),
+    ("plan.py", ["--target", "h100", "--devices", "8", "PLUGIN_MISSING"], "python -m fsdp_jax.targets install"),
+])
+def test_scripts_bad_target_input_exit_2_with_one_line(script, args, needle, tmp_path):
+    env = dict(os.environ)
+    if "PLUGIN_MISSING" in args:
+        args = [a for a in args if a != "PLUGIN_MISSING"]
+        env["FSDP_JAX_PLUGIN_DIR"] = str(tmp_path / "none")
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / script), "--config", str(TINY_YAML),
+                           *args], capture_output=True, text=True, cwd=ROOT, env=env)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], proc.stderr
+    assert proc.stdout == ""
+
+
+# ----------------------------------------------------------------------------- collectives
+
+@slow
+def test_full_shard_bf16_gathers_per_layer_and_reduce_scatters_in_the_backward_loop(gpu):
+    r = gpu["full_shard"]
+    assert r["platform"] == "cuda"
+    gathers = _param_sized(r, "all-gather")
+    in_loop = [c for c in gathers if c["loop"]]
+    assert {c["phase"] for c in in_loop} == {"forward", "backward"}
+    assert all(c["dtype"] == "bfloat16" for c in gathers), [(c["name"], c["dtype"]) for c in gathers]
+    assert all(c["async"] and c["group_size"] == 8 for c in gathers)
+    for c in in_loop:  # once per layer, per pass
+        assert c["runs"] == 2 and "while" in c["loop"]
+    scatters = _colls(r, "reduce-scatter", phase="backward")
+    assert scatters and all(c["loop"] and c["dtype"] == "bfloat16" for c in scatters), r["schedule"]
+    assert not _param_sized(r, "all-reduce"), "param-sized all-reduce under full_shard"
+    # the gathers in the loop move one layer: bytes x runs = the stacked params in bf16
+    layer_bytes = sum(c["bytes"] for c in in_loop if c["phase"] == "forward")
+    stacked = sum(x["total_bytes"] // 2 for x in r["rows"] if len(x["shape"]) >= 3)  # f32 -> bf16
+    assert layer_bytes * 2 == stacked
+
+
+@slow
+@pytest.mark.xfail(strict=True, reason="defect found by this compile: with reduce=float32 the bf16 "
+                   "cotangent is reduce-scattered in bf16 and cast to f32 only in the sharded layout "
+                   "(fsdp_jax.precision casts after the implicit per-layer gather's transpose)")
+def test_full_shard_reduce_float32_reduce_scatters_in_float32(gpu):
+    scatters = _colls(gpu["full_shard_reduce_f32"], "reduce-scatter", phase="backward")
+    assert scatters and all(c["dtype"] == "float32" for c in scatters)
+
+
+@slow
+def test_full_shard_f32_compute_gathers_f32(gpu):
+    gathers = _param_sized(gpu["full_shard_f32"], "all-gather")
+    assert gathers and all(c["dtype"] == "float32" for c in gathers)
+    assert all(c["dtype"] == "float32" for c in _colls(gpu["full_shard_f32"], "reduce-scatter"))
+
+
+@slow
+def test_shard_grad_op_gathers_once_outside_the_loop(gpu):
+    r = gpu["shard_grad_op"]
+    gathers = _param_sized(r, "all-gather")
+    assert gathers and all(c["loop"] is None and c["runs"] == 1 for c in gathers)
+    assert sum(c["bytes"] for c in gathers) == sum(x["total_bytes"] // 2 for x in r["rows"]
+                                                   if any(a in x["spec"] for a in ("fsdp", "data")))
+    assert _colls(r, "reduce-scatter") and not _param_sized(r, "all-reduce")
+
+
+@slow
+def test_no_shard_all_reduces_grads_and_gathers_nothing(gpu):
+    r = gpu["no_shard"]
+    assert not _colls(r, "all-gather") and not _colls(r, "reduce-scatter")
+    grads = [c for c in _param_sized(r, "all-reduce") if c["phase"] == "backward"]
+    assert grads and all(c["group_size"] == 8 for c in grads)
+
+
+@slow
+def test_shard_opt_all_reduces_grads_and_shards_the_optimizer_state(gpu):
+    r, ddp = gpu["shard_opt"], gpu["no_shard"]
+    assert _param_sized(r, "all-reduce") and not _colls(r, "reduce-scatter", phase="backward")
+    # updated params leave the sharded update through an all-gather (outside any loop)
+    assert any(c["loop"] is None for c in _param_sized(r, "all-gather"))
+    assert r["analytic"]["optimizer"] * 7 < ddp["analytic"]["optimizer"]
+    assert r["compiled"]["argument"] < ddp["compiled"]["argument"]
+
+
+@slow
+def test_hybrid_shard_scatters_within_a_host_and_reduces_across_hosts(gpu):
+    r = gpu["hybrid_shard"]
+    assert r["mesh"] == {"data": 2, "fsdp": 4, "tensor": 1}
+    scatters = _colls(r, "reduce-scatter", phase="backward")
+    assert scatters and all(c["group_size"] == 4 and c["crosses_hosts"] is False for c in scatters)
+    across = [c for c in _param_sized(r, "all-reduce") if c["crosses_hosts"]]
+    assert across and all(c["group_size"] == 2 for c in across)
+    gathers = _param_sized(r, "all-gather")
+    assert gathers and all(c["crosses_hosts"] is False for c in gathers)
+    assert not any("reduce-scatter was expected" in w for w in r["warnings"])
+
+
+# ----------------------------------------------------------------------------- memory
+
+@slow
+def test_full_shard_holds_one_eighth_of_no_shard(gpu):
+    """Exactly 1/8, once the batch, the replicated small leaves (norm scales: params and
+    both Adam moments) and the scalar counters are taken out."""
+    fs, ddp = gpu["full_shard"], gpu["no_shard"]
+    replicated = 3 * sum(x["bytes_per_device"] for x in fs["rows"] if "fsdp" not in x["spec"])
+    state_ddp = ddp["compiled"]["argument"] - ddp["analytic"]["batch"]
+    scalars = state_ddp - 3 * sum(x["total_bytes"] for x in ddp["rows"])  # step, Adam count, ...
+    assert 0 < scalars < 64
+    state_fs = fs["compiled"]["argument"] - fs["analytic"]["batch"]
+    assert 8 * (state_fs - replicated - scalars) == state_ddp - replicated - scalars
+
+
+@slow
+def test_nonfinite_guard_costs_no_state_copy(gpu):
+    """The guard (skip_nonfinite, on by default) must not make XLA:GPU write the new state
+    into fresh buffers: its temp stays that of the unguarded step (a lax.cond over the
+    update added a whole state copy: 1.72 MB vs 1.08 MB temp here)."""
+    on, off = gpu["no_shard"]["compiled"], gpu["no_shard_unguarded"]["compiled"]
+    batch = gpu["no_shard"]["analytic"]["batch"]
+    assert on["alias"] == off["alias"] == on["argument"] - batch  # every state buffer donated
+    assert abs(on["temp"] - off["temp"]) < 0.05 * on["argument"], (on, off)
+
+
+@slow
+def test_planner_analytic_is_within_tolerance_of_the_gpu_compile(gpu):
+    for name in ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard"):
+        r = gpu[name]
+        a, c = r["analytic"], r["compiled"]
+        assert c["argument"] == a["params"] + a["optimizer"] + a["batch"], name
+        assert abs(c["peak"] / a["total"] - 1) < PEAK_TOLERANCE, (name, c["peak"], a["total"])
+
+
+# ----------------------------------------------------------------------------- HLO analysis units
+
+_HLO = """HloModule m, is_scheduled=true
+
+%body (p: (s32[], bf16[8,16])) -> (s32[], bf16[8,16]) {
+  %p = (s32[], bf16[8,16]{1,0}) parameter(0)
+  %x = bf16[8,16]{1,0} get-tuple-element(%p), index=1
+  %ags = ((bf16[8,16]{1,0}, bf16[2,16]{1,0}), (bf16[64,16]{1,0}, bf16[16,16]{1,0})) all-gather-start(%x, %x), replica_groups=[2,4]<=[8], dimensions={0}, metadata={op_name="jit(step)/transpose(jvp())/while/body/dot"}
+  %f1 = bf16[8,16]{1,0} fusion(%x), kind=kCustom, calls=%gemm_fusion_dot.1
+  %f2 = bf16[8,16]{1,0} fusion(%f1), kind=kLoop, calls=%fused_add
+  %agd = (bf16[64,16]{1,0}, bf16[16,16]{1,0}) all-gather-done(%ags)
+  %ars = f32[1024]{0} all-reduce-start(%y), replica_groups=mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_1'}, to_apply=%add
+  %ard = f32[1024]{0} all-reduce-done(%ars)
+  ROOT %t = (s32[], bf16[8,16]{1,0}) tuple(%i, %x)
+}
+
+%cond (p: (s32[], bf16[8,16])) -> pred[] {
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (a: bf16[8,16]) -> bf16[8,16] {
+  %a = bf16[8,16]{1,0} parameter(0)
+  %w = (s32[], bf16[8,16]{1,0}) while(%t0), condition=%cond, body=%body, metadata={op_name="jit(step)/transpose(jvp())/while"}, backend_config={"known_trip_count":{"n":"3"}}
+  %ar = f32[4096]{0} all-reduce(%a), replica_groups={{0,1,2,3},{4,5,6,7}}, to_apply=%add
+  ROOT %r = bf16[8,16]{1,0} get-tuple-element(%w), index=1
+}
+"""
+
+
+def test_schedule_reads_async_pairs_overlap_groups_and_hosts():
+    sched = {c["name"]: c for c in hlo.collective_schedule(_HLO, hosts=[0] * 4 + [1] * 4)}
+    ag = sched["ags"]
+    assert (ag["op"], ag["dtype"], ag["bytes"], ag["elements"], ag["runs"]) == ("all-gather", "bfloat16",
+                                                                                 (64 + 16) * 16 * 2, 2, 3)
+    assert ag["phase"] == "backward" and ag["loop"] == "jit(step)/transpose(jvp())/while"
+    assert ag["async"] and ag["overlap"] == {"ops": 2, "gemms": 1, "names": ["f1", "f2"]}
+    assert (ag["group_size"], ag["crosses_hosts"]) == (4, False)
+    ar = sched["ars"]  # groups over axis_1 of ids [2,4]T(1,0) reshaped (4, 2): {0,4}, {1,5}, ...
+    assert (ar["group_size"], ar["crosses_hosts"], ar["overlap"]["ops"]) == (2, True, 0)
+    sync = sched["ar"]
+    assert not sync["async"] and sync["loop"] is None and sync["phase"] == "other"
+    assert (sync["group_size"], sync["crosses_hosts"], sync["bytes"]) == (4, False, 16384)
+    assert hlo.schedule_totals(list(sched.values()))["all-gather"] == {"count": 3, "bytes": 3 * 2560}
+
+
+@pytest.mark.parametrize("text, groups", [
+    ("replica_groups={{0,2},{1,3}}, x", [[0, 2], [1, 3]]),
+    ("replica_groups=[2,2]<=[4], x", [[0, 1], [2, 3]]),
+    ("replica_groups=[2,2]<=[2,2]T(1,0), x", [[0, 2], [1, 3]]),
+    ("replica_groups=mesh['a'=2,'b'=2] {'a'}, x", [[0, 2], [1, 3]]),
+    ("replica_groups={}, x", [[0, 1, 2, 3]]),
+])
+def test_replica_group_spellings(text, groups):
+    assert hlo.replica_groups(text, 4) == groups
+
+
+def test_warnings_name_what_to_fix():
+    base = {"name": "x", "runs": 2, "loop": "jit(step)/transpose(jvp())/while", "phase": "backward",
+            "async": True, "pipelined": False, "overlap": {"ops": 3, "gemms": 1, "names": []},
+            "group_size": 8, "crosses_hosts": False, "bytes": 1 << 22, "bytes_per_step": 2 << 22,
+            "dtype": "bfloat16"}
+    sched = [dict(base, op="all-reduce"), dict(base, op="all-gather", dtype="float32", name="g"),
+             dict(base, op="reduce-scatter", overlap={"ops": 0, "gemms": 0, "names": []}),
+             dict(base, op="all-reduce", crosses_hosts=True, name="dcn")]
+    w = hlo.schedule_warnings(sched, compute_dtype="bfloat16", shards_grads=True)
+    assert len(w) == 3
+    assert w[0].startswith("gradient all-reduce where a reduce-scatter was expected: 1 all-reduce (x; ")
+    assert w[1].startswith("float32 all-gather under bfloat16 compute: 1 all-gather (g; ")
+    assert w[2].startswith("reduce-scatter with no compute overlapping it")
+    assert "inside loop jit(step)/transpose(jvp())/while" in w[0] and "8.39 MB per step" in w[0]
+    # the optimizer update's f32 gather of updated params (ZeRO-1) is not a compute gather
+    assert not hlo.schedule_warnings([dict(sched[1], phase="other", loop=None)], compute_dtype="bfloat16")
+    assert not hlo.schedule_warnings(sched[:1], compute_dtype="bfloat16", shards_grads=False)
+    hoisted = [dict(base, op="all-gather", loop=None, bytes=50 << 20)]
+    assert "hoisted out of the layer loop" in hlo.schedule_warnings(
+        hoisted + sched[:1], gathers_per_layer=True, layer_gather_bytes=1 << 20)[-1]
+
+
+def test_involuntary_rematerialization_names_the_tensor():
+    log = ("E0000 spmd_partitioner.cc:613] [spmd] Involuntary full rematerialization. The compiler was "
+           "not able to go from sharding {devices=[8,1]<=[8]} to {devices=[1,8]<=[8]} without doing a "
+           "full rematerialization of the tensor for HLO operation: %reshape.7 = bf16[64,128]{1,0} "
+           "reshape(%p.1), sharding={devices=[8,1]<=[8]}, metadata={op_name=\"jit(step)/reshape\"}. You "
+           "probably want to enrich the sharding annotations to prevent this from happening.")
+    [r] = hlo.involuntary_rematerializations("other line\n" + log)
+    assert r == {"tensor": "reshape.7", "shape": "bf16[64,128]{1,0}", "from": "{devices=[8,1]<=[8]}",
+                 "to": "{devices=[1,8]<=[8]}", "op_name": "jit(step)/reshape"}
