@@ -15,8 +15,9 @@ The first three are initialised directly in their sharded layout (`jax.eval_shap
 -> plan -> `jit(init, out_shardings=...)`): the full model never lands on one
 device. The last two are already materialised and are placed onto the plan's
 shardings. Leaves without logical names use the fallback rule
-(`fsdp_jax.rules`); names the rules table does not know fall back too, and
-`ShardedModel.explain()` says so.
+(`fsdp_jax.rules`); names the rules table does not know fall back too, planning
+warns once naming them (`rules.UnknownNamesWarning`), and `ShardedModel.explain()`
+says so per leaf. Fewer names than dims leave the trailing dims unsharded.
 
 Flax NNX modules are split into a graph definition and a pure-dict param tree
 (portable: checkpoints, safetensors export and optax see plain nested dicts);

@@ -147,7 +147,9 @@ def make_plan(abstract_params, optimizer: optax.GradientTransformation, mesh: Me
     Warns once (UnknownNamesWarning) when logical names are not in `rules`.
     """
     s = get_strategy(strategy)
-    rules = rl.DEFAULT_RULES if rules is None else rules
+    # validated, and lists (from YAML) as tuples, the form Flax's logical_axis_rules takes
+    rules = rl.DEFAULT_RULES if rules is None else rl.merge_rules(
+        rules, {}, mesh_axes=tuple(dict.fromkeys(ax.MESH_AXES + tuple(mesh.axis_names))))
 
     def rows(shard_axes):
         return rl.explain(abstract_params, mesh, logical_axes, rules, shard_axes, min_shard_size)

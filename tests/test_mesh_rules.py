@@ -17,6 +17,11 @@ def test_mesh_fills_minus_one():
     mesh = fj.make_mesh(data=2, fsdp=-1, tensor=1)
     assert dict(mesh.shape) == {"data": 2, "fsdp": 4, "tensor": 1}
     assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
+    explicit = fj.make_mesh(fsdp=8, axis_types="explicit")
+    assert all(t == jax.sharding.AxisType.Explicit for t in explicit.axis_types)
+    assert fj.mesh.is_explicit(explicit) and not fj.mesh.is_explicit(mesh)
+    with pytest.raises(fj.MeshError, match="axis_types 'manual': choose one of auto, explicit"):
+        fj.make_mesh(fsdp=8, axis_types="manual")
 
 
 @pytest.mark.parametrize("sizes, words", [

@@ -74,6 +74,11 @@ def test_compiled_figures_are_the_trainers_step(cfg, doc):
     assert got["temp"] > 0 and got["peak"] >= got["argument"] + got["temp"] - got["alias"]
 
 
+# analytic total / compiled peak, measured on jax 0.10.2 for this config (SMALL, 8 devices)
+TOTAL_OVER_PEAK = {"no_shard": 1.035, "shard_opt": 1.050, "shard_grad_op": 1.160,
+                   "full_shard": 1.431, "hybrid_shard": 1.431}
+
+
 @pytest.mark.slow
 def test_analytic_agrees_with_compiled_and_the_textbook(doc, cfg):
     s = doc["strategies"]
@@ -84,11 +89,14 @@ def test_analytic_agrees_with_compiled_and_the_textbook(doc, cfg):
         a, c = r["analytic"], r["compiled"]
         assert KEYS_ANALYTIC <= set(a) and KEYS_COMPILED <= set(c), name
         assert all(isinstance(v, int) for v in [*a.values(), *c.values()]), name
-        state = a["params"] + a["optimizer"] + a["batch"]
-        assert abs(c["argument"] - state) <= 0.02 * c["argument"], name
+        # params + optimizer state + batch are exact: the compiled step's arguments, to the byte
+        assert c["argument"] == a["params"] + a["optimizer"] + a["batch"], name
         assert r["fits"] is True and r["headroom"] == 10**9 - c["peak"], name
-        # the whole estimate is in the compiled program's range (CPU, f32 compute)
-        assert 0.5 * c["peak"] <= a["total"] <= 1.5 * c["peak"], (name, a["total"], c["peak"])
+        # the whole estimate never undershoots the compiled peak here, and its ratio to it is
+        # pinned at what was measured (CPU, f32 compute; TOTAL_OVER_PEAK):
+        # a change to the formulas or to what XLA allocates shows as a move of more than 5%
+        ratio = a["total"] / c["peak"]
+        assert ratio >= 1.0 and ratio == pytest.approx(TOTAL_OVER_PEAK[name], rel=0.05), (name, ratio)
     # fp32 params + fp32 grads + AdamW mu, nu: 16 bytes per parameter without sharding
     assert s["no_shard"]["bytes_per_param"] == pytest.approx(16, rel=0.01)
     assert s["shard_opt"]["bytes_per_param"] == pytest.approx(4 + 4 + 8 / 8, rel=0.02)

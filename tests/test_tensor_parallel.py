@@ -92,3 +92,22 @@ def test_linen_example_fsdp_x_tensor_parity():
     ref_params, ref_losses = reference_train(loss_fn, opt, jax.jit(model.init)(jax.random.key(0)), batches)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert max_abs_diff(state.params, ref_params) < 1e-6 and losses[-1] < losses[0]
+
+
+def test_mesh_rules_from_the_config_reach_the_trainers_plan():
+    """`mesh.rules` in the YAML config is merged over the defaults and passed through
+    `build` by the planner's (= the trainer's) step builder: no compile needed to see it."""
+    from pathlib import Path
+
+    from fsdp_jax.app import planner as pl
+    from fsdp_jax.app.config import load_config
+    from helpers import TINY_MODEL_OVERRIDES
+    tiny = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
+    base = TINY_MODEL_OVERRIDES + ["mesh.fsdp=4", "mesh.tensor=2"]
+    specs = {}
+    for extra in ([], ["mesh.rules.mlp=null", "mesh.rules.embed=[fsdp]"]):
+        b = pl.build_step(load_config(tiny, base + extra), "full_shard", jax.devices())
+        specs[len(extra)] = {r.path: r.spec for r in b.plan.rows}
+    assert specs[0]["blocks/mlp/w_up"] == P(None, "fsdp", "tensor")
+    assert specs[2]["blocks/mlp/w_up"] == P(None, "fsdp", None)  # mlp -> no axis
+    assert specs[2]["blocks/attn/wq"] == specs[0]["blocks/attn/wq"]  # the other rows unchanged

@@ -296,7 +296,7 @@ def test_trainable_differentiates_only_trainable_leaves():
     g = jax.grad(lambda x: _mlp_loss(wrt.join(x), batch)[0])(wrt.select(p))
     full = jax.jit(lambda g: wrt.full_grads(g, sh))(g)
     ref = jax.grad(lambda q: _mlp_loss(q, batch)[0])(p)
-    assert float(jnp.max(jnp.abs(full["w1"]))) == 0.0 and full["w1"].sharding.spec == P("fsdp", None)
+    assert float(jnp.max(jnp.abs(full["w1"]))) == 0.0 and full["w1"].sharding.is_equivalent_to(sh["w1"], 2)
     assert max_abs_diff(full["w2"], ref["w2"]) < 1e-7
     everything = fj.step.Trainable(p, None)
     assert everything.select(p) is p and everything.full_grads(ref, sh) is ref
@@ -344,7 +344,7 @@ def test_explicit_axes_model_with_out_sharding_trains_like_one_device(strategy, 
         return _mlp_loss(params, b, out_sharding=act)[0]
     model = fj.ModelFns(init=lambda rng: _mlp()[0], apply=None, logical_axes=axes_,
                         abstract_params=jax.eval_shape(lambda: p))
-    opt = optax.adamw(1e-2)
+    opt = optax.sgd(0.5, momentum=0.9)  # SGD: parity to rounding (AdamW amplifies it, DESIGN.md)
     mesh = fj.make_mesh(**mesh_kw, axis_types="explicit")
     built = fj.build(model, opt, mesh, strategy, loss_fn=loss_fn, microbatches=micro)
     state = built.init_state(jax.random.key(0))
@@ -355,7 +355,7 @@ def test_explicit_axes_model_with_out_sharding_trains_like_one_device(strategy, 
         losses.append(float(metrics["loss"]))
     ref_params, ref_losses = reference_train(lambda q, b: _mlp_loss(q, b)[0], opt, p, [batch] * 3)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    assert max_abs_diff(state.params, ref_params) < 1e-5
+    assert max_abs_diff(state.params, ref_params) < 1e-6 and losses[-1] < losses[0]
     if strategy == "full_shard" and micro == 2:
         with pytest.raises(ValueError, match="Auto"):
             auto = fj.build(model, opt, fj.make_mesh(**mesh_kw), strategy, loss_fn=loss_fn)
