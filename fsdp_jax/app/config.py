@@ -109,7 +109,8 @@ class Config:
     remat: str = "dots"
     run_dir: str = "runs/tiny"
     xla_gpu_flags: str = "none"         # none | fsdp: fsdp_jax.xla_flags.GPU_FSDP_FLAGS (set before start-up)
-    init_from: str | None = None        # params to start from: a .safetensors file, run or checkpoint dir
+    init_from: str | None = None        # params to start from: a .safetensors file, run or checkpoint dir,
+                                        # or hf:DIR (a Hugging Face Llama; its config.json sets model.*)
 
 
 _SECTIONS: dict[str, type] = {k: t for k, t in typing.get_type_hints(Config).items()
@@ -264,7 +265,8 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
     if not isinstance(raw, Mapping):
         raise ConfigError(str(path), f"top level must be a mapping of sections, got "
                           f"{type(raw).__name__}")
-    return config_from_dict(apply_overrides(raw, overrides))
+    from fsdp_jax.app.hf import model_section_from_hf  # init_from=hf:PATH fills the model section
+    return config_from_dict(model_section_from_hf(apply_overrides(raw, overrides)))
 
 
 def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
