@@ -172,7 +172,7 @@ def _tokenizer(kind: str | None):
         return None
     from fsdp_jax.app.tokenizer import TokenizerError, load_tokenizer
     try:
-        return load_tokenizer(kind)
+        return load_tokenizer(kind, require_eos=False)
     except TokenizerError as e:
         print(f"warning: sample shown as token ids: {e}", flush=True)
         return None

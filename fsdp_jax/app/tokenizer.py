@@ -84,9 +84,11 @@ def _named_eos(file: Path) -> str | None:
     return eos.get("content") if isinstance(eos, dict) else eos
 
 
-def load_tokenizer(path: str | os.PathLike, eos: str | None = None) -> Tokenizer:
+def load_tokenizer(path: str | os.PathLike, eos: str | None = None, require_eos: bool = True
+                   ) -> Tokenizer:
     """Load a tokenizer; `eos` names the end-of-document token (default: the
-    tokenizer_config.json beside it, the SentencePiece model's eos, or a common name)."""
+    tokenizer_config.json beside it, the SentencePiece model's eos, or a common name).
+    Without `require_eos` (decoding only) a missing EOS gives eos_id -1."""
     file, kind = tokenizer_file(path)
     if kind == "hf":
         from tokenizers import Tokenizer as HFTokenizer
@@ -112,6 +114,8 @@ def load_tokenizer(path: str | os.PathLike, eos: str | None = None) -> Tokenizer
             eos_id = None if eos_id == tok.unk_id() and eos != tok.id_to_piece(tok.unk_id()) else eos_id
         else:
             eos_id = tok.eos_id() if tok.eos_id() >= 0 else None
+    if eos_id is None and not require_eos:
+        eos_id = -1
     if eos_id is None:
         raise TokenizerError(f"tokenizer {str(file)!r}: no EOS token "
                              f"{'named ' + repr(eos) if eos else 'found'}; pass --eos TOKEN")
