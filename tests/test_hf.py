@@ -317,3 +317,21 @@ def test_trainer_refuses_bad_checkpoint_before_writing(tmp_path):
     yml.write_text(f"init_from: hf:{bad['gelu']}\n")
     with pytest.raises(ConfigError, match="hidden_act"):
         load_config(yml)
+
+
+def test_llama2_7b_finetune_config_agrees_with_the_published_config_json(tmp_path):
+    """configs/llama2_7b_finetune.yaml states Llama-2-7b-hf's shapes; its (transformers
+    4.31) config.json must map onto exactly them."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "bos_token_id": 1, "eos_token_id": 2,
+        "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+        "intermediate_size": 11008, "max_position_embeddings": 4096, "model_type": "llama",
+        "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 32,
+        "pretraining_tp": 1, "rms_norm_eps": 1e-05, "rope_scaling": None,
+        "tie_word_embeddings": False, "torch_dtype": "float16",
+        "transformers_version": "4.31.0.dev0", "use_cache": True, "vocab_size": 32000}))
+    path = ROOT / "configs" / "llama2_7b_finetune.yaml"
+    planned = load_config(path)  # the checkpoint is absent: the stated fields
+    assert load_config(path, [f"init_from=hf:{tmp_path}"]).model == planned.model
+    from fsdp_jax.app.models import count_params
+    assert count_params(planned.model) == 6_738_415_616
