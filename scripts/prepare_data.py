@@ -62,6 +62,7 @@ def _parse(argv):
 
 def _check_vocab(args) -> None:
     """--model: the tokenizer's vocab must fit the model's embedding table."""
+    from fsdp_jax.app.data import DataError
     from fsdp_jax.app.tokenizer import load_tokenizer
 
     tok = load_tokenizer(args.tokenizer, args.eos)
@@ -70,13 +71,17 @@ def _check_vocab(args) -> None:
 
         vocab = model_config_from_hf(read_config_json(args.model), f"{args.model}/config.json").vocab_size
         if tok.vocab_size > vocab:
-            raise ValueError(f"--tokenizer {args.tokenizer}: vocab size {tok.vocab_size} exceeds "
+            raise DataError(f"--tokenizer {args.tokenizer}: vocab size {tok.vocab_size} exceeds "
                              f"--model {args.model} vocab_size {vocab}; use the model's own tokenizer")
 
 
 def main(argv=None) -> int:
     args = _parse(argv)
     from fsdp_jax.app import data  # after parsing: --help and bad flags stay fast
+    from fsdp_jax.app.config import ConfigError
+    from fsdp_jax.app.tokenizer import TokenizerError
+    from fsdp_jax.checkpoint import CheckpointError
+    BAD_INPUT = (data.DataError, TokenizerError, ConfigError, CheckpointError)
 
     try:
         if args.bin is not None:
@@ -93,7 +98,7 @@ def main(argv=None) -> int:
         else:
             meta = data.prepare_text(args.sources, args.out, args.val_fraction, args.seed,
                                      pattern=args.pattern)
-    except (data.DataError, ValueError) as e:  # DataError, ConfigError, CheckpointError, TokenizerError
+    except BAD_INPUT as e:  # DataError; --tokenizer/--model: TokenizerError, ConfigError, CheckpointError
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     except OSError as e:

@@ -63,6 +63,7 @@ LAYER_TENSORS = {"attn/wq": ("self_attn.q_proj.weight", "qkv"),
 TOP_TENSORS = {"embed": ("model.embed_tokens.weight", "id"),
                "final_norm/scale": ("model.norm.weight", "id"),
                "head": ("lm_head.weight", "t")}
+_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 _FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 _IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")  # old 4.x buffers
 
@@ -170,8 +171,10 @@ def model_section_from_hf(raw: Mapping) -> dict:
     derived = model_config_from_hf(read_config_json(path), str(path / "config.json"))
     model = dict(section)
     for field, key in FIELDS.items():
-        theirs = getattr(derived, field)
-        if field in model and model[field] != theirs:
+        theirs, mine = getattr(derived, field), model.get(field)
+        if isinstance(theirs, float) and isinstance(mine, str) and _FLOAT.fullmatch(mine.strip()):
+            mine = float(mine)  # PyYAML reads 1e4 (no dot) as a string
+        if field in model and mine != theirs:
             raise ConfigError(f"model.{field}", f"{model[field]!r} disagrees with "
                               f"{path / 'config.json'} ({key}={theirs!r}); remove it or make it agree")
         model[field] = theirs
