@@ -335,3 +335,25 @@ def test_llama2_7b_finetune_config_agrees_with_the_published_config_json(tmp_pat
     assert load_config(path, [f"init_from=hf:{tmp_path}"]).model == planned.model
     from fsdp_jax.app.models import count_params
     assert count_params(planned.model) == 6_738_415_616
+
+
+def test_export_of_a_run_trained_from_scratch_carries_the_corpus_tokenizer(tmp_path):
+    from fsdp_jax.app.data import prepare_text
+    prepare_text([ROOT / "configs"], tmp_path / "d", val_fraction=0.3,
+                 tokenizer=str(GOLDEN / "llama_gqa" / "tokenizer.json"))
+    yml = tmp_path / "c.yaml"
+    yml.write_text(f"model: {{vocab_size: 256, d_model: 64, n_layers: 1, n_heads: 4, n_kv_heads: 4, "
+                   f"ffn_dim: 64, max_seq_len: 32, tie_word_embeddings: true}}\n"
+                   f"data: {{seq_len: 32, path: {tmp_path / 'd'}}}\n")
+    cfg = load_config(yml)
+    params = from_nnx(lambda r: Llama(cfg.model, rngs=r)).init(jax.random.key(0))
+    with Checkpointer(tmp_path / "ck") as ck:
+        ck.save(1, {"params": params}, {"config": config_to_dict(cfg)})
+    export_hf(tmp_path / "ck", tmp_path / "out")
+    got = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert got["eos_token_id"] == 2 and got["tie_word_embeddings"] is True and got["head_dim"] == 16
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == \
+        (GOLDEN / "llama_gqa" / "tokenizer.json").read_bytes()
+    assert (tmp_path / "out" / "tokenizer_config.json").is_file()
+    back = hf.HFCheckpoint(tmp_path / "out")
+    assert back.config.n_layers == 1 and "lm_head.weight" not in back.where

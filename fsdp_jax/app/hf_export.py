@@ -28,7 +28,7 @@ import numpy as np
 from fsdp_jax.app import hf
 from fsdp_jax.app.models.llama import LlamaConfig
 from fsdp_jax.app.safetensors_io import check_file, write_safetensors
-from fsdp_jax.checkpoint import Checkpointer, CheckpointError, shape_mismatches
+from fsdp_jax.checkpoint import Checkpointer, CheckpointError, shape_mismatches, tree_paths
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
                    "special_tokens_map.json", "generation_config.json")
@@ -83,14 +83,14 @@ def _saved_config(ckpt: Checkpointer, step: int):
                               "export it with a run directory written by scripts/train.py") from None
 
 
-def _token_ids_and_tokenizer(cfg) -> tuple[dict, list[Path]]:
-    """(bos/eos/pad ids for config.json, tokenizer files to copy) from the HF model the
-    run was imported from, else from the corpus' tokenizer."""
+def _token_ids_and_tokenizer(cfg) -> tuple[dict, list[tuple[Path, str]]]:
+    """(bos/eos/pad ids for config.json, [(tokenizer file, name to copy it as)]) from
+    the HF model the run was imported from, else from the corpus' tokenizer."""
     if hf.is_hf(cfg.init_from) and (hf.hf_dir(cfg.init_from) / "config.json").is_file():
         src = hf.hf_dir(cfg.init_from)
         raw = json.loads((src / "config.json").read_text())
         ids = {k: raw[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in raw}
-        return ids, [src / f for f in TOKENIZER_FILES if (src / f).is_file()]
+        return ids, [(src / f, f) for f in TOKENIZER_FILES if (src / f).is_file()]
     meta = Path(cfg.data.path) / "meta.json"
     try:
         m = json.loads(meta.read_text())
@@ -99,9 +99,9 @@ def _token_ids_and_tokenizer(cfg) -> tuple[dict, list[Path]]:
     tok = m.get("tokenizer")
     if tok in (None, "bytes", "external") or not Path(tok).is_file():
         return {}, []
-    files = [Path(tok)] + [Path(tok).parent / f for f in TOKENIZER_FILES[2:]
-                           if (Path(tok).parent / f).is_file()]
-    return ({"eos_token_id": m["eos_id"]} if "eos_id" in m else {}), files
+    main = (Path(tok), "tokenizer.json" if Path(tok).suffix == ".json" else "tokenizer.model")
+    side = [(Path(tok).parent / f, f) for f in TOKENIZER_FILES[2:] if (Path(tok).parent / f).is_file()]
+    return ({"eos_token_id": m["eos_id"]} if "eos_id" in m else {}), [main] + side
 
 
 def export_hf(directory: str | os.PathLike, out: str | os.PathLike, *, dtype: str | None = None,
@@ -123,8 +123,7 @@ def export_hf(directory: str | os.PathLike, out: str | os.PathLike, *, dtype: st
     run_cfg = _saved_config(ckpt, s)
     cfg = run_cfg.model
     abstract = from_nnx(lambda r: Llama(cfg, rngs=r)).abstract_params
-    from fsdp_jax.checkpoint import tree_paths
-    want = {p: v for p, v in tree_paths({"params": abstract}).items()}
+    want = tree_paths({"params": abstract})
     saved = {p: m for p, m in ckpt.saved_metadata(s).items() if p.startswith("params/")}
     bad = shape_mismatches(saved, want)
     if bad:
@@ -178,11 +177,7 @@ def export_hf(directory: str | os.PathLike, out: str | os.PathLike, *, dtype: st
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         float_dt = (out_dt or np.dtype(entries[0][2])).name
         (tmp / "config.json").write_text(json.dumps(hf_config(cfg, float_dt, token_ids), indent=2) + "\n")
-        for f in tok_files:
-            target = "tokenizer.json" if f.suffix == ".json" and f.name.startswith("tokenizer") \
-                and f.name != "tokenizer_config.json" else f.name
-            if f.suffix == ".model":
-                target = "tokenizer.model"
+        for f, target in tok_files:
             shutil.copyfile(f, tmp / target)
         if out.exists():
             out.rmdir()  # empty, checked above
