@@ -361,8 +361,11 @@ def check_data(cfg: Config) -> None:
     meta = path / "meta.json"
     if meta.is_file():
         try:
-            vocab = int(json.loads(meta.read_text())["vocab_size"])
+            m = json.loads(meta.read_text())
+            vocab = int(m["vocab_size"])
         except (ValueError, KeyError, TypeError):
             raise ConfigError("data.path", f"{str(meta)!r} is not a valid meta.json") from None
+        tok = m.get("tokenizer")
+        by = f" (tokenizer {tok})" if tok not in (None, "bytes", "external") else ""
         _check(vocab <= cfg.model.vocab_size, "model.vocab_size", cfg.model.vocab_size,
-               f"must be >= the corpus vocab_size {vocab} in {meta}")
+               f"must be >= the corpus vocab_size {vocab} in {meta}{by}")
