@@ -7,7 +7,6 @@ llama_tied (4 q / 1 kv head, tied, rope_theta 5e5, eps 1e-6, fp16 single file) â
 the logits transformers computes for fixed tokens.
 """
 
-import dataclasses
 import importlib.util
 import json
 import shutil

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from fsdp_jax.app import data
-from fsdp_jax.app.tokenizer import TokenizerError, load_tokenizer, read_documents
+from fsdp_jax.app.tokenizer import load_tokenizer, read_documents
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "golden" / "hf"
