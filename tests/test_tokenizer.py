@@ -186,3 +186,20 @@ def test_walkthrough_import_tokenize_train_sample_export(tmp_path, capsys):
     back = load_params(HFCheckpoint(out), s["run"].state.params)  # same shapes and shardings
     for path, leaf in [("embed", back["embed"]), ("blocks/attn/wq", back["blocks"]["attn"]["wq"])]:
         assert np.array_equal(np.asarray(leaf), ck.read_leaf(12, f"params/{path}"))
+
+
+def test_large_vocab_is_stored_as_uint32(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    vocab = {f"w{i}": i for i in range(70_000)} | {"[UNK]": 70_000, "</s>": 70_001}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("w69999 w1 w65536 nope " * 50)
+    (src / "b.txt").write_text("w70 w65535")
+    meta = data.prepare_text([src], tmp_path / "out", val_fraction=0.1, tokenizer=str(tmp_path))
+    assert meta["dtype"] == "uint32" and meta["vocab_size"] == 70_002 and meta["eos_id"] == 70_001
+    train = np.fromfile(tmp_path / "out" / "train.bin", np.uint32).tolist()
+    val = np.fromfile(tmp_path / "out" / "val.bin", np.uint32).tolist()
+    assert sorted([train, val]) == sorted([[69999, 1, 65536, 70_000] * 50 + [70_001], [70, 65535, 70_001]])
