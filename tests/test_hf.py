@@ -356,3 +356,21 @@ def test_export_of_a_run_trained_from_scratch_carries_the_corpus_tokenizer(tmp_p
     assert (tmp_path / "out" / "tokenizer_config.json").is_file()
     back = hf.HFCheckpoint(tmp_path / "out")
     assert back.config.n_layers == 1 and "lm_head.weight" not in back.where
+
+
+def test_export_script_hf_bad_input_exits_2_with_one_line(tmp_path, capsys):
+    ck, _ = saved_run(tmp_path, "llama_tied", perturb=False)
+    export = script("export")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("keep me")
+    for args, word in [(["--hf", str(tmp_path / "full")], "already exists"),
+                       (["--hf", str(tmp_path / "a"), "--max-shard-size", "5 parsecs"], "--max-shard-size"),
+                       (["--hf", str(tmp_path / "no" / "b")], "parent directory"),
+                       (["--hf", str(tmp_path / "c"), "--step", "9"], "step 9")]:
+        rc = export.main([str(ck.parent), *args])
+        err = capsys.readouterr().err
+        assert rc == 2 and err.startswith("error: ") and err.count("\n") == 1 and word in err, (args, err)
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(("c.", "run", "d"))) == ["full"]
+    assert (tmp_path / "full" / "x").read_text() == "keep me"
+    assert export.main([str(ck.parent), "--hf", str(tmp_path / "ok"), "--max-shard-size", "60KB"]) == 0
+    assert len(list((tmp_path / "ok").glob("model-*-of-*.safetensors"))) > 1
