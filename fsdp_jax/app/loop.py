@@ -98,7 +98,8 @@ def setup(cfg: Config, init_params: Callable | None = None, *, resume: bool = Tr
     The state comes from, in order: the newest checkpoint in `<run_dir>/checkpoints`
     that restores (when `resume`; laid out for this mesh and strategy, whatever wrote
     it), else `cfg.init_from` (params from a safetensors file, another run or, as
-    `hf:DIR`, a Hugging Face Llama read shard by shard; fresh optimizer state), else `init_params(rng) -> params` (default: the model's init).
+    `hf:DIR`, a Hugging Face Llama read shard by shard; fresh optimizer state), else
+    `init_params(rng) -> params` (default: the model's init).
     Raises CheckpointError when checkpoints exist but none restores or fits."""
     validate(cfg, n_devices=jax.device_count())
     run_dir = Path(cfg.run_dir)
