@@ -1,7 +1,13 @@
 #!/usr/bin/env python
-"""Export a run's params as one consolidated safetensors file.
+"""Export a run's params as one consolidated safetensors file, or as a Hugging Face model.
 
     python scripts/export.py RUN_DIR --out model.safetensors [--dtype bfloat16] [--step N]
+    python scripts/export.py RUN_DIR --hf OUT_DIR [--dtype bfloat16] [--max-shard-size 5GB]
+
+--hf writes a directory `transformers.LlamaForCausalLM.from_pretrained(OUT_DIR)` loads:
+config.json, model.safetensors (or shards + model.safetensors.index.json above
+--max-shard-size) and the tokenizer files of the model the run was imported from
+(init_from=hf:DIR) or of its corpus (fsdp_jax.app.hf_export).
 
 RUN_DIR is a train run directory (its checkpoints/ is used) or a checkpoint
 directory. Keys are slash-separated param paths ("blocks/attn/wq"); stacked layers
@@ -21,11 +27,33 @@ from pathlib import Path
 DTYPES = ("float32", "bfloat16", "float16")
 
 
+_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
+
+
+def _size(text: str) -> int:
+    from fsdp_jax.checkpoint import CheckpointError
+    t = text.strip().upper()
+    for unit, mult in sorted(_UNITS.items(), key=lambda kv: -len(kv[0])):
+        if t.endswith(unit):
+            try:
+                n = float(t[:-len(unit)])
+            except ValueError:
+                break
+            if n > 0:
+                return int(n * mult)
+            break
+    raise CheckpointError(f"--max-shard-size {text!r}: expected a size like 5GB, 500MB or 2GiB")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[1].strip(),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dir", help="train run directory or checkpoint directory")
-    ap.add_argument("--out", required=True, help="output .safetensors file")
+    dest = ap.add_mutually_exclusive_group(required=True)
+    dest.add_argument("--out", help="output .safetensors file")
+    dest.add_argument("--hf", help="output Hugging Face model directory (must not exist)")
+    ap.add_argument("--max-shard-size", default="5GB",
+                    help="--hf: largest weight file, e.g. 5GB, 500MB (default 5GB)")
     ap.add_argument("--dtype", choices=DTYPES, default=None,
                     help="cast floating-point params (default: as saved)")
     ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
@@ -42,6 +70,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not directory.is_dir():
             raise CheckpointError(f"{run_dir}: no such run or checkpoint directory")
+        if args.hf:
+            from fsdp_jax.app.hf_export import export_hf
+            info = export_hf(directory, args.hf, dtype=args.dtype, step=args.step,
+                             max_shard_bytes=_size(args.max_shard_size))
+            print(f"exported step {info['step']}: {info['tensors']} tensors in {info['files']} "
+                  f"file(s), {info['bytes'] / 2**20:.2f} MiB -> {info['path']}", flush=True)
+            return 0
         if not Path(args.out).parent.resolve().is_dir():
             raise CheckpointError(f"--out {args.out}: its directory does not exist")
         info = export_safetensors(directory, args.out, dtype=args.dtype, step=args.step)

@@ -3,6 +3,14 @@
     python scripts/prepare_data.py --out data/stdlib --stdlib
     python scripts/prepare_data.py --out data/mine notes/ book.txt --pattern '*.txt'
     python scripts/prepare_data.py --out data/mine --bin train.bin --val-bin val.bin --vocab-size 32000
+    python scripts/prepare_data.py --out data/mine docs/ --tokenizer checkpoints/Llama-2-7b-hf
+
+--tokenizer takes a Hugging Face tokenizer.json, a SentencePiece .model or a model
+directory holding one: each file (each line of a .jsonl file, {"text": ...}) is a
+document, encoded as encode(doc) + [eos], with the library's threads and a progress
+bar; token dtype from the vocab size; meta.json records the tokenizer so the
+trainer's text sample decodes with it. --model DIR (a Hugging Face model) checks
+that the tokenizer's vocab fits the model's before anything is written.
 
 Exit codes: 0 success, 2 bad input (one line on stderr), 1 anything else.
 """
@@ -31,31 +39,67 @@ def _parse(argv):
     p.add_argument("--val-bin", help="pre-tokenized val token file")
     p.add_argument("--vocab-size", type=int, help="vocabulary of the --bin files")
     p.add_argument("--dtype", choices=("uint16", "uint32"), help="dtype of the --bin files")
+    p.add_argument("--tokenizer", default="bytes",
+                   help="bytes (default), a tokenizer.json, a SentencePiece .model or a model dir")
+    p.add_argument("--eos", help="end-of-document token (default: from the tokenizer)")
+    p.add_argument("--threads", type=int, default=None, help="encoding threads (default: all)")
+    p.add_argument("--model", help="Hugging Face model dir whose vocab_size the tokenizer must fit")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     modes = [bool(args.sources), args.stdlib, args.bin is not None]
     if sum(modes) != 1:
         p.error("give exactly one of: SOURCES..., --stdlib, --bin")
     if args.bin is not None and (args.val_bin is None or args.vocab_size is None):
         p.error("--bin needs --val-bin and --vocab-size")
+    if args.tokenizer != "bytes" and not args.sources and not args.stdlib:
+        p.error("--tokenizer applies to SOURCES... or --stdlib, not to --bin files")
+    if (args.eos or args.model) and args.tokenizer == "bytes":
+        p.error("--eos and --model need --tokenizer")
     if not 0 < args.val_fraction < 1:
         p.error(f"--val-fraction {args.val_fraction}: must be in (0, 1)")
     return args
 
 
+def _check_vocab(args) -> None:
+    """--model: the tokenizer's vocab must fit the model's embedding table."""
+    from fsdp_jax.app.data import DataError
+    from fsdp_jax.app.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(args.tokenizer, args.eos)
+    if args.model:
+        from fsdp_jax.app.hf import model_config_from_hf, read_config_json
+
+        vocab = model_config_from_hf(read_config_json(args.model), f"{args.model}/config.json").vocab_size
+        if tok.vocab_size > vocab:
+            raise DataError(f"--tokenizer {args.tokenizer}: vocab size {tok.vocab_size} exceeds "
+                             f"--model {args.model} vocab_size {vocab}; use the model's own tokenizer")
+
+
 def main(argv=None) -> int:
     args = _parse(argv)
     from fsdp_jax.app import data  # after parsing: --help and bad flags stay fast
+    from fsdp_jax.app.config import ConfigError
+    from fsdp_jax.app.tokenizer import TokenizerError
+    from fsdp_jax.checkpoint import CheckpointError
+    BAD_INPUT = (data.DataError, TokenizerError, ConfigError, CheckpointError)
 
     try:
         if args.bin is not None:
             meta = data.prepare_bin(args.bin, args.val_bin, args.out, args.vocab_size, args.dtype)
+        elif args.tokenizer != "bytes":
+            _check_vocab(args)
+            tok = dict(tokenizer=args.tokenizer, eos=args.eos, threads=args.threads,
+                       progress=not args.no_progress)
+            meta = (data.prepare_stdlib(args.out, args.val_fraction, args.seed, **tok) if args.stdlib
+                    else data.prepare_text(args.sources, args.out, args.val_fraction, args.seed,
+                                           pattern=args.pattern, **tok))
         elif args.stdlib:
             meta = data.prepare_stdlib(args.out, args.val_fraction, args.seed)
         else:
             meta = data.prepare_text(args.sources, args.out, args.val_fraction, args.seed,
                                      pattern=args.pattern)
-    except data.DataError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except BAD_INPUT as e:  # DataError; --tokenizer/--model: TokenizerError, ConfigError, CheckpointError
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     except OSError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -3,7 +3,9 @@
 Config (`config`), data pipeline (`data`), reference model (`models`), optimizer
 from config (`optim`), the training loop (`loop`), metrics and sampling
 (`metrics_log`), preemption signals (`preemption`), the command-line conventions
-(`cli`) and the planner / inspector front ends (`planner`, `plan_report`).
+(`cli`), the planner / inspector front ends (`planner`, `plan_report`), real
+tokenizers (`tokenizer`) and Hugging Face Llama checkpoints in (`hf`) and out
+(`hf_export`), over sliced safetensors I/O (`safetensors_io`).
 
 The library (`fsdp_jax.*` outside this package) never imports from here.
 """

@@ -137,7 +137,8 @@ class Config:
     remat: str = "dots"
     run_dir: str = "runs/tiny"
     xla_gpu_flags: str = "none"         # none | fsdp: fsdp_jax.xla_flags.GPU_FSDP_FLAGS (set before start-up)
-    init_from: str | None = None        # params to start from: a .safetensors file, run or checkpoint dir
+    init_from: str | None = None        # params to start from: a .safetensors file, run or checkpoint dir,
+                                        # or hf:DIR (a Hugging Face Llama; its config.json sets model.*)
 
 
 _SECTIONS: dict[str, type] = {k: t for k, t in typing.get_type_hints(Config).items()
@@ -307,7 +308,8 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
     if not isinstance(raw, Mapping):
         raise ConfigError(str(path), f"top level must be a mapping of sections, got "
                           f"{type(raw).__name__}")
-    return config_from_dict(apply_overrides(raw, overrides))
+    from fsdp_jax.app.hf import model_section_from_hf  # init_from=hf:PATH fills the model section
+    return config_from_dict(model_section_from_hf(apply_overrides(raw, overrides)))
 
 
 def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
@@ -408,8 +410,11 @@ def check_data(cfg: Config) -> None:
     meta = path / "meta.json"
     if meta.is_file():
         try:
-            vocab = int(json.loads(meta.read_text())["vocab_size"])
+            m = json.loads(meta.read_text())
+            vocab = int(m["vocab_size"])
         except (ValueError, KeyError, TypeError):
             raise ConfigError("data.path", f"{str(meta)!r} is not a valid meta.json") from None
+        tok = m.get("tokenizer")
+        by = f" (tokenizer {tok})" if tok not in (None, "bytes", "external") else ""
         _check(vocab <= cfg.model.vocab_size, "model.vocab_size", cfg.model.vocab_size,
-               f"must be >= the corpus vocab_size {vocab} in {meta}")
+               f"must be >= the corpus vocab_size {vocab} in {meta}{by}")

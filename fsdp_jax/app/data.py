@@ -25,7 +25,6 @@ import grain
 import numpy as np
 
 SPLITS = ("train", "val")
-TOKENIZERS = ("bytes",)
 _STREAM = {"train": 0, "val": 1, "eval": 2}  # keeps the splits' random offsets independent
 _NEVER_ENDS = 2**62                          # grain needs a length; steps never reach it
 
@@ -73,6 +72,18 @@ def _collect(sources: Sequence[str | os.PathLike], pattern: str,
     return [f for f in files if f.stat().st_size > 0]
 
 
+def _split_files(files: list[Path], val_fraction: float, seed: int) -> tuple[list[Path], list[Path]]:
+    """(train, val): the files shuffled with `seed`; whole files from the end, about
+    `val_fraction` of the bytes, are val (in the order they are written). One file: no val."""
+    total = sum(f.stat().st_size for f in files)
+    files = [files[i] for i in np.random.default_rng(seed).permutation(len(files))]
+    val, val_bytes = [], 0
+    while files[:-1 - len(val)] and val_bytes < val_fraction * total:  # whole files, from the end
+        val.append(files[-1 - len(val)])
+        val_bytes += val[-1].stat().st_size
+    return files[:len(files) - len(val)], val[::-1]
+
+
 def _write_corpus(files: list[Path], out_dir: str | os.PathLike, val_fraction: float, seed: int,
                   meta_extra: dict) -> dict:
     if not 0 < val_fraction < 1:
@@ -81,12 +92,7 @@ def _write_corpus(files: list[Path], out_dir: str | os.PathLike, val_fraction: f
     if total == 0:
         raise DataError("empty corpus: no non-empty files found in the sources")
     dtype = token_dtype(256)
-    files = [files[i] for i in np.random.default_rng(seed).permutation(len(files))]
-    val, val_bytes = [], 0
-    while files[:-1 - len(val)] and val_bytes < val_fraction * total:  # whole files, from the end
-        val.append(files[-1 - len(val)])
-        val_bytes += val[-1].stat().st_size
-    train = files[:len(files) - len(val)]
+    train, val = _split_files(files, val_fraction, seed)
     split = "files" if val else "bytes"  # one file: its last val_fraction of bytes become val
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -94,7 +100,7 @@ def _write_corpus(files: list[Path], out_dir: str | os.PathLike, val_fraction: f
     counts = {"train.bin": 0, "val.bin": 0}
     try:
         with open(tmp["train.bin"], "wb") as ft, open(tmp["val.bin"], "wb") as fv:
-            for name, fh, group in (("train.bin", ft, train), ("val.bin", fv, val[::-1])):
+            for name, fh, group in (("train.bin", ft, train), ("val.bin", fv, val)):
                 for f in group:
                     arr = np.frombuffer(f.read_bytes(), np.uint8).astype(dtype)
                     if split == "bytes":
@@ -121,7 +127,7 @@ def _write_corpus(files: list[Path], out_dir: str | os.PathLike, val_fraction: f
 
 def prepare_text(sources: Sequence[str | os.PathLike], out_dir: str | os.PathLike,
                  val_fraction: float = 0.05, seed: int = 0, tokenizer: str = "bytes",
-                 pattern: str = "*", exclude: Sequence[str] = ()) -> dict:
+                 pattern: str = "*", exclude: Sequence[str] = (), **tokenize) -> dict:
     """Tokenize text files and directories (searched recursively for `pattern`, skipping
     hidden entries and directories named in `exclude`) into `out_dir`; returns meta.
 
@@ -129,21 +135,81 @@ def prepare_text(sources: Sequence[str | os.PathLike], out_dir: str | os.PathLik
     end, about `val_fraction` of the bytes, become val.bin, so validation text is unseen.
     A single file is split by bytes instead (meta "split": "bytes"). Any bytes are
     accepted; the byte tokenizer needs no UTF-8.
+
+    `tokenizer`: "bytes", or the path of a Hugging Face tokenizer.json, a SentencePiece
+    .model or a model directory holding one (`fsdp_jax.app.tokenizer`); then each file
+    (each line of a .jsonl file) is a document, `encode(doc) + [eos]`, and `tokenize`
+    takes `eos` (token name), `threads` and `progress`.
     """
-    if tokenizer not in TOKENIZERS:
-        raise DataError(f"tokenizer {tokenizer!r}: allowed {', '.join(TOKENIZERS)}; for others "
-                        "tokenize yourself and use prepare_bin")
     files = _collect(sources, pattern, exclude)
-    return _write_corpus(files, out_dir, val_fraction, seed,
-                         {"sources": [str(s) for s in sources], "pattern": pattern})
+    extra = {"sources": [str(s) for s in sources], "pattern": pattern}
+    if tokenizer != "bytes":
+        return _write_tokenized(files, out_dir, val_fraction, seed, tokenizer, extra, **tokenize)
+    return _write_corpus(files, out_dir, val_fraction, seed, extra)
 
 
-def prepare_stdlib(out_dir: str | os.PathLike, val_fraction: float = 0.05, seed: int = 0) -> dict:
-    """The default corpus: the top-level modules of this Python's stdlib (~4.7 MB of bytes)."""
+def _write_tokenized(files: list[Path], out_dir: str | os.PathLike, val_fraction: float, seed: int,
+                     tokenizer: str, meta_extra: dict, eos: str | None = None,
+                     threads: int | None = None, progress: bool = False) -> dict:
+    """As `_write_corpus`, with a real tokenizer: every document becomes
+    `encode(doc) + [eos]`; the split is the same (whole files; one file: its last
+    val_fraction of tokens). Token dtype from the tokenizer's vocab size."""
+    from fsdp_jax.app.tokenizer import TokenizerError, encode_corpus, load_tokenizer
+
+    if not 0 < val_fraction < 1:
+        raise DataError(f"val_fraction {val_fraction!r}: must be in (0, 1)")
+    if not files:
+        raise DataError("empty corpus: no non-empty files found in the sources")
+    try:
+        tok = load_tokenizer(tokenizer, eos)
+    except TokenizerError as e:
+        raise DataError(str(e)) from None
+    dtype = token_dtype(tok.vocab_size)
+    train, val = _split_files(files, val_fraction, seed)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = {n: out / f".{n}.tmp.{os.getpid()}" for n in ("train.bin", "val.bin")}
+    counts, docs = {}, 0
+    try:
+        for name, group in (("train.bin", train), ("val.bin", val)):
+            with open(tmp[name], "wb") as fh:
+                try:
+                    d, counts[name] = encode_corpus(tok, group, lambda ids: ids.astype(dtype).tofile(fh),
+                                                    threads, progress)
+                except TokenizerError as e:
+                    raise DataError(str(e)) from None
+                docs += d
+        split = "files" if val else "tokens"
+        if not val:  # one file: its last val_fraction of tokens become val
+            tokens = np.fromfile(tmp["train.bin"], dtype)
+            cut = len(tokens) - max(1, int(round(val_fraction * len(tokens))))
+            tokens[:cut].tofile(tmp["train.bin"])
+            tokens[cut:].tofile(tmp["val.bin"])
+            counts = {"train.bin": cut, "val.bin": len(tokens) - cut}
+        if min(counts.values()) == 0:
+            raise DataError(f"corpus of {sum(counts.values())} tokens is too small to split with "
+                            f"val_fraction {val_fraction}")
+        meta = {"vocab_size": tok.vocab_size, "dtype": dtype.name, "tokenizer": tok.path,
+                "tokenizer_kind": tok.kind, "eos_id": tok.eos_id,
+                "train_tokens": counts["train.bin"], "val_tokens": counts["val.bin"],
+                "documents": docs, **meta_extra, "val_fraction": val_fraction, "seed": seed,
+                "split": split, "train_files": len(train), "val_files": len(val)}
+        return _commit(out, tmp, meta)
+    finally:
+        for t in tmp.values():
+            t.unlink(missing_ok=True)
+
+
+def prepare_stdlib(out_dir: str | os.PathLike, val_fraction: float = 0.05, seed: int = 0,
+                   tokenizer: str = "bytes", **tokenize) -> dict:
+    """The default corpus: the top-level modules of this Python's stdlib (~4.7 MB of bytes);
+    `tokenizer` and `tokenize` as in `prepare_text`."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(root.glob("*.py"))
-    return _write_corpus([f for f in files if f.stat().st_size > 0], out_dir, val_fraction, seed,
-                         {"sources": [str(root / "*.py")], "pattern": "*.py"})
+    files = [f for f in sorted(root.glob("*.py")) if f.stat().st_size > 0]
+    extra = {"sources": [str(root / "*.py")], "pattern": "*.py"}
+    if tokenizer != "bytes":
+        return _write_tokenized(files, out_dir, val_fraction, seed, tokenizer, extra, **tokenize)
+    return _write_corpus(files, out_dir, val_fraction, seed, extra)
 
 
 def ensure_stdlib(out_dir: str | os.PathLike) -> dict:

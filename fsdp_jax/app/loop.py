@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from fsdp_jax.app import data as data_lib
+from fsdp_jax.app import hf
 from fsdp_jax.adapters import ModelFns, from_nnx
 from fsdp_jax.checkpoint import Checkpointer, Restored, load_init_params
 from fsdp_jax.app.config import Config, check_data, config_to_dict, save_config, validate
@@ -96,10 +97,15 @@ def setup(cfg: Config, init_params: Callable | None = None, *, resume: bool = Tr
 
     The state comes from, in order: the newest checkpoint in `<run_dir>/checkpoints`
     that restores (when `resume`; laid out for this mesh and strategy, whatever wrote
-    it), else `cfg.init_from` (params from a safetensors file or another run, fresh
-    optimizer state), else `init_params(rng) -> params` (default: the model's init).
+    it), else `cfg.init_from` (params from a safetensors file, another run or, as
+    `hf:DIR`, a Hugging Face Llama read shard by shard; fresh optimizer state), else
+    `init_params(rng) -> params` (default: the model's init).
     Raises CheckpointError when checkpoints exist but none restores or fits."""
     validate(cfg, n_devices=jax.device_count())
+    run_dir = Path(cfg.run_dir)
+    hf_ckpt = None
+    if hf.is_hf(cfg.init_from) and not (run_dir / "checkpoints").is_dir():
+        hf_ckpt = hf.open_init(cfg.init_from, cfg.model)  # bad checkpoint: fail before writing
     prepare_data(cfg)
     mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
     model = from_nnx(lambda rngs: Llama(cfg.model, rngs=rngs, remat=cfg.remat))
@@ -132,6 +138,11 @@ def setup(cfg: Config, init_params: Callable | None = None, *, resume: bool = Tr
                 print(f"warning: {w}", flush=True)
             print(f"resuming from checkpoint step {restored.step} ({ckpt.step_dir(restored.step)})",
                   flush=True)
+    elif hf.is_hf(cfg.init_from):  # a Hugging Face checkpoint, read shard by shard
+        hf_ckpt = hf_ckpt or hf.open_init(cfg.init_from, cfg.model)
+        state = built.state_from_params(hf.load_params(hf_ckpt, built.abstract_state.params))
+        if is_main:
+            print(f"initialised params from {cfg.init_from}", flush=True)
     elif cfg.init_from:
         state = built.state_from_params(load_init_params(cfg.init_from, built.abstract_state.params))
         if is_main:

@@ -130,12 +130,14 @@ class LogWindow:
 
 def sample_text(model: ModelFns, plan: ShardingPlan, cfg: Config, params, val, rng: jax.Array) -> str:
     """A short continuation (`cfg.train.sample_tokens` tokens) of a validation prompt
-    (the first 48 tokens of `val`'s first batch, else "def "), decoded as bytes (byte
-    tokenizer) or else as token ids. `params` are in `plan.params` layout; the forward
-    runs sharded like training (the prompt is repeated over the batch devices), so it
-    works for any model the run can train, on every process."""
+    (the first 48 tokens of `val`'s first batch, else "def "), decoded with the corpus'
+    tokenizer (meta.json: bytes, or the path of a tokenizer.json / SentencePiece model)
+    or else shown as token ids. The window is the trained length (data.seq_len, at most
+    model.max_seq_len). `params` are in `plan.params` layout; the forward runs sharded
+    like training (the prompt is repeated over the batch devices), so it works for any
+    model the run can train, on every process."""
     n = batch_divisor(plan.mesh)
-    window = cfg.model.max_seq_len
+    window = min(cfg.model.max_seq_len, cfg.data.seq_len)
     policy = Policy.parse(cfg.precision)
 
     def fwd(p, buf, pos):
@@ -150,9 +152,27 @@ def sample_text(model: ModelFns, plan: ShardingPlan, cfg: Config, params, val, r
         with sharding_context(plan):
             return jax.device_get(jitted(params, jnp.asarray(buf), jnp.int32(pos)))
 
-    prompt = (np.asarray(val[0][0][:48]) if val else np.frombuffer(b"def ", np.uint8)).astype(np.int32)
+    kind = data_lib.load_meta(cfg.data.path).get("tokenizer")
+    tok = _tokenizer(kind)
+    default = tok.encode("def ") if tok else list(b"def ")
+    prompt = (np.asarray(val[0][0][:48]) if val else np.asarray(default)).astype(np.int32)
     out = sample(next_logits, prompt, cfg.train.sample_tokens, window, rng)
-    if data_lib.load_meta(cfg.data.path).get("tokenizer") == "bytes":
+    if kind == "bytes":
         text = bytes(prompt.tolist()).decode("utf-8", "replace")
         return text + "\u2016" + bytes([t % 256 for t in out]).decode("utf-8", "replace")
+    if tok is not None:
+        return tok.decode(prompt.tolist()) + "\u2016" + tok.decode(out)
     return " ".join(map(str, out))
+
+
+def _tokenizer(kind: str | None):
+    """The corpus tokenizer named in meta.json, or None (bytes, external ids, or a
+    tokenizer file that is gone: the sample is then shown as ids)."""
+    if kind in (None, "bytes", "external"):
+        return None
+    from fsdp_jax.app.tokenizer import TokenizerError, load_tokenizer
+    try:
+        return load_tokenizer(kind, require_eos=False)
+    except TokenizerError as e:
+        print(f"warning: sample shown as token ids: {e}", flush=True)
+        return None

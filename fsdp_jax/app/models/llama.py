@@ -2,7 +2,10 @@
 
 Token embedding -> N x [RMSNorm -> causal self-attention (RoPE, grouped-query
 heads, no biases) -> residual; RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm ->
-untied output head. Init normal(0, 0.02), norm scales 1.
+output head (its own (D, V) param, or the embedding table when
+`tie_word_embeddings`). Init normal(0, 0.02), norm scales 1. The layout matches
+Hugging Face's LlamaForCausalLM up to transposes (rotate-half RoPE, q head n uses
+kv head n // (H / K)); `fsdp_jax.app.hf` converts both ways.
 
 Every parameter and activation names its dims with logical names from
 `fsdp_jax.axes`; this module knows no mesh, strategy or optimizer. Params arrive
@@ -37,6 +40,7 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     scan_layers: bool = True
     attention: str = "xla"  # xla | cudnn (jax.nn.dot_product_attention implementation)
+    tie_word_embeddings: bool = False  # output head = embed.T (no separate head param)
 
     @property
     def head_dim(self) -> int:
@@ -151,7 +155,8 @@ class Llama(nnx.Module):
         else:
             self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.head = _param(rngs, (cfg.d_model, cfg.vocab_size), (EMBED, VOCAB))
+        if not cfg.tie_word_embeddings:
+            self.head = _param(rngs, (cfg.d_model, cfg.vocab_size), (EMBED, VOCAB))
 
     def __call__(self, tokens):
         b, s = tokens.shape
@@ -173,7 +178,11 @@ class Llama(nnx.Module):
             for blk in self.blocks:
                 x = block_fn(blk, x)
         x = self.final_norm(x)
-        logits = (x.reshape(b * s, -1) @ self.head[...]).reshape(b, s, -1)
+        x2 = x.reshape(b * s, -1)
+        if self.cfg.tie_word_embeddings:
+            logits = (x2 @ self.embed[...].T).reshape(b, s, -1)  # (B*S, D) @ (D, V)
+        else:
+            logits = (x2 @ self.head[...]).reshape(b, s, -1)
         return constrain(logits, (BATCH, LENGTH, VOCAB))
 
 
@@ -183,19 +192,23 @@ def cross_entropy(logits, targets):
 
 
 def count_params(cfg: LlamaConfig) -> int:
-    """Parameter count: embeddings, untied head, per-layer attention + SwiGLU + 2 norms, final norm."""
+    """Parameter count: embeddings, head (unless tied), per-layer attention + SwiGLU + 2 norms,
+    final norm."""
     d, f, h, kvh = cfg.d_model, cfg.ffn_dim, cfg.n_heads, cfg.n_kv_heads
     dh = cfg.head_dim
     attn = d * h * dh + 2 * d * kvh * dh + h * dh * d
     per_layer = attn + 3 * d * f + 2 * d
-    return 2 * cfg.vocab_size * d + cfg.n_layers * per_layer + d
+    tables = 1 if cfg.tie_word_embeddings else 2
+    return tables * cfg.vocab_size * d + cfg.n_layers * per_layer + d
 
 
 def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
     """Training FLOPs per token: 6 x (params used in matmuls: all but the embedding
     lookup) plus causal attention scores and values, 6 x L x S x D (PaLM appendix B
     counts 12 x L x S x D for full attention; causal masking does half the work)."""
-    matmul_params = count_params(cfg) - cfg.vocab_size * cfg.d_model
+    # a tied table is used by the head matmul, so only an untied one is lookup-only
+    lookup_only = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.d_model
+    matmul_params = count_params(cfg) - lookup_only
     return 6.0 * matmul_params + 6.0 * cfg.n_layers * seq_len * cfg.d_model
 
 

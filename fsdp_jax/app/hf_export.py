@@ -1,0 +1,188 @@
+"""A run's params -> a Hugging Face Llama directory `LlamaForCausalLM.from_pretrained` loads.
+
+    export_hf("runs/ft", "out/ft-hf", dtype="bfloat16")   # scripts/export.py RUN --hf OUT
+
+Writes `config.json` (both the transformers 5.x `rope_parameters` and the 4.x
+top-level `rope_theta`), the weights as `model.safetensors`, or as
+`model-0000i-of-0000n.safetensors` plus `model.safetensors.index.json` when they
+exceed `max_shard_bytes`, and the tokenizer files of the model it was imported from
+(or of the corpus). The model config comes from the checkpoint's saved config.
+
+Leaves are read one at a time from the checkpoint (never the optimizer state); the
+tensors are ordered leaf by leaf (all layers' q_proj, then all k_proj, ...) so each
+stacked leaf is read once; the index maps each name to its file, which is all
+`from_pretrained` needs. Everything goes to a temporary directory renamed to OUT at
+the end; each file is re-read with the `safetensors` library before that.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from fsdp_jax.app import hf
+from fsdp_jax.app.models.llama import LlamaConfig
+from fsdp_jax.app.safetensors_io import check_file, write_safetensors
+from fsdp_jax.checkpoint import Checkpointer, CheckpointError, shape_mismatches, tree_paths
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
+                   "special_tokens_map.json", "generation_config.json")
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size "5GB"
+
+
+def hf_config(cfg: LlamaConfig, dtype: str, token_ids: dict | None = None) -> dict:
+    """config.json for `cfg` (keys as transformers writes them, sorted)."""
+    d = {"architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+         "head_dim": cfg.head_dim, "hidden_act": "silu", "hidden_size": cfg.d_model,
+         "initializer_range": 0.02, "intermediate_size": cfg.ffn_dim,
+         "max_position_embeddings": cfg.max_seq_len, "mlp_bias": False, "model_type": "llama",
+         "num_attention_heads": cfg.n_heads, "num_hidden_layers": cfg.n_layers,
+         "num_key_value_heads": cfg.n_kv_heads, "pretraining_tp": 1, "rms_norm_eps": cfg.norm_eps,
+         "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"},
+         "rope_scaling": None, "rope_theta": cfg.rope_theta,
+         "tie_word_embeddings": cfg.tie_word_embeddings, "dtype": dtype, "torch_dtype": dtype,
+         "use_cache": True, "vocab_size": cfg.vocab_size, **(token_ids or {})}
+    return dict(sorted(d.items()))
+
+
+def _pick_step(ckpt: Checkpointer, step: int | None) -> int:
+    steps = ckpt.steps()
+    if not steps:
+        raise CheckpointError(f"{ckpt.directory}: no complete checkpoint")
+    if step is not None:
+        if step not in steps:
+            raise CheckpointError(f"{ckpt.directory}: no checkpoint for step {step}; steps: "
+                                  f"{', '.join(map(str, steps))}")
+        return step
+    for s in steps[::-1]:
+        try:
+            if ckpt.check_files(s) is None:
+                return s
+        except FileNotFoundError:  # no manifest (older writer): use it unverified
+            return s
+    raise CheckpointError(f"{ckpt.directory}: every checkpoint step is damaged")
+
+
+def _saved_config(ckpt: Checkpointer, step: int):
+    import orbax.checkpoint as ocp
+    from fsdp_jax.app.config import ConfigError, config_from_dict
+
+    try:
+        extras = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(
+            ckpt.step_dir(step) / "extras", args=ocp.args.JsonRestore())
+        return config_from_dict(extras["config"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        if isinstance(e, ConfigError):
+            raise CheckpointError(f"{ckpt.step_dir(step)}: saved config is invalid ({e})") from None
+        raise CheckpointError(f"{ckpt.step_dir(step)}: no saved run config in extras/ ({e}); "
+                              "export it with a run directory written by scripts/train.py") from None
+
+
+def _token_ids_and_tokenizer(cfg) -> tuple[dict, list[tuple[Path, str]]]:
+    """(bos/eos/pad ids for config.json, [(tokenizer file, name to copy it as)]) from
+    the HF model the run was imported from, else from the corpus' tokenizer."""
+    if hf.is_hf(cfg.init_from) and (hf.hf_dir(cfg.init_from) / "config.json").is_file():
+        src = hf.hf_dir(cfg.init_from)
+        raw = json.loads((src / "config.json").read_text())
+        ids = {k: raw[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in raw}
+        return ids, [(src / f, f) for f in TOKENIZER_FILES if (src / f).is_file()]
+    meta = Path(cfg.data.path) / "meta.json"
+    try:
+        m = json.loads(meta.read_text())
+    except (OSError, ValueError):
+        return {}, []
+    tok = m.get("tokenizer")
+    if tok in (None, "bytes", "external") or not Path(tok).is_file():
+        return {}, []
+    main = (Path(tok), "tokenizer.json" if Path(tok).suffix == ".json" else "tokenizer.model")
+    side = [(Path(tok).parent / f, f) for f in TOKENIZER_FILES[2:] if (Path(tok).parent / f).is_file()]
+    return ({"eos_token_id": m["eos_id"]} if "eos_id" in m else {}), [main] + side
+
+
+def export_hf(directory: str | os.PathLike, out: str | os.PathLike, *, dtype: str | None = None,
+              step: int | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> dict:
+    """Export checkpoint `directory`'s params (newest usable step, or `step`) as a
+    Hugging Face Llama directory `out` (must not exist, or be empty). `dtype` casts
+    the floating params (default: as saved). Returns {"step", "files", "tensors",
+    "bytes", "path"}. Raises CheckpointError (one line) on bad input, writing nothing."""
+    from fsdp_jax.adapters import from_nnx
+    from fsdp_jax.app.models.llama import Llama
+
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CheckpointError(f"--hf {out}: already exists; choose a new directory")
+    if not out.absolute().parent.is_dir():
+        raise CheckpointError(f"--hf {out}: its parent directory does not exist")
+    ckpt = Checkpointer(directory, read_only=True)
+    s = _pick_step(ckpt, step)
+    run_cfg = _saved_config(ckpt, s)
+    cfg = run_cfg.model
+    abstract = from_nnx(lambda r: Llama(cfg, rngs=r)).abstract_params
+    want = tree_paths({"params": abstract})
+    saved = {p: m for p, m in ckpt.saved_metadata(s).items() if p.startswith("params/")}
+    bad = shape_mismatches(saved, want)
+    if bad:
+        raise CheckpointError(f"{ckpt.step_dir(s)}: params do not match its saved model config "
+                              f"({'; '.join(bad)})")
+    out_dt = np.dtype(dtype) if dtype else None
+    shapes = hf.expected_tensors(cfg)
+    entries, source = [], {}  # HF name -> (our leaf path, layer index or None, kind)
+    for path, (names, kind) in hf.leaf_sources(cfg).items():
+        stacked = cfg.scan_layers and path.startswith("blocks/")
+        dt = out_dt or np.dtype(saved[f"params/{path}"].dtype)
+        for i, name in enumerate(names):
+            entries.append((name, shapes[name], dt))
+            source[name] = (path, i if stacked else None, kind)
+    files: list[list] = [[]]
+    size = 0
+    for e in entries:
+        n = math.prod(e[1]) * e[2].itemsize
+        if files[-1] and size + n > max_shard_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(e)
+        size += n
+    names = (["model.safetensors"] if len(files) == 1 else
+             [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))])
+    cache: dict[str, np.ndarray] = {}
+
+    def fetch(name: str) -> np.ndarray:
+        path, layer, kind = source[name]
+        if path not in cache:
+            cache.clear()  # one leaf in host memory at a time
+            cache[path] = np.asarray(ckpt.read_leaf(s, f"params/{path}"))
+        arr = cache[path] if layer is None else cache[path][layer]
+        return hf.to_hf(kind, arr)
+
+    token_ids, tok_files = _token_ids_and_tokenizer(run_cfg)
+    tmp = out.absolute().parent / f".{out.name}.tmp.{os.getpid()}"
+    total = 0
+    try:
+        tmp.mkdir()
+        for fname, group in zip(names, files):
+            total += write_safetensors(tmp / fname, group, fetch, {"format": "pt"})
+            got = check_file(tmp / fname)
+            for name, shape, dt in group:
+                if got.get(name, (None,))[0] != list(shape):
+                    raise RuntimeError(f"{fname}: {name} reads back as {got.get(name)}")
+        if len(files) > 1:
+            index = {"metadata": {"total_size": sum(math.prod(e[1]) * e[2].itemsize for e in entries),
+                                  "total_parameters": sum(math.prod(e[1]) for e in entries)},
+                     "weight_map": dict(sorted((e[0], f) for f, g in zip(names, files) for e in g))}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        float_dt = (out_dt or np.dtype(entries[0][2])).name
+        (tmp / "config.json").write_text(json.dumps(hf_config(cfg, float_dt, token_ids), indent=2) + "\n")
+        for f, target in tok_files:
+            shutil.copyfile(f, tmp / target)
+        if out.exists():
+            out.rmdir()  # empty, checked above
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return {"step": s, "files": len(files), "tensors": len(entries), "bytes": total, "path": str(out)}
