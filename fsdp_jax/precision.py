@@ -35,7 +35,8 @@ def _dtype(name) -> jnp.dtype:
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
-    """param_dtype: master weights and optimizer state. compute_dtype: params and
+    """param_dtype: master weights and optimizer state (`fsdp_jax.build` and
+    `shard_model(precision=...)` store floating params in it). compute_dtype: params and
     activations in forward/backward. reduce_dtype: gradients when reduced across
     devices. output_dtype: the loss and metrics."""
     param_dtype: jnp.dtype = jnp.dtype("float32")

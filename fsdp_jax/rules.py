@@ -19,7 +19,6 @@ passing ``shard_axes``: every ``fsdp`` produced by a rule is replaced by them.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
 import warnings
 from collections.abc import Mapping, Sequence
@@ -30,6 +29,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from fsdp_jax import axes as ax
+from fsdp_jax.reasons import Note, Why, format_note, format_notes  # noqa: F401 (re-exported)
 
 MeshAxes = str | tuple[str, ...] | None
 Rules = Mapping[str, MeshAxes]
@@ -70,33 +70,6 @@ class ReplicatedWarning(UserWarning):
 
 
 # ----------------------------------------------------------------------------- decisions
-
-class Why(str, enum.Enum):
-    """The kinds of reason one leaf's spec has (`Note.kind`)."""
-    SCALAR = "scalar"                      # 0-d leaf: replicated
-    LOGICAL = "logical"                    # mapped: ((name, axes), ...) of the dims that got an axis
-    UNNAMED_TRAILING = "unnamed_trailing"  # dims: trailing dims without a logical name: unsharded
-    UNKNOWN_NAMES = "unknown_names"        # names: not in the rules table: no axis
-    NOT_DIVISIBLE = "not_divisible"        # name, axes, dim, size, n: rule axis does not divide
-    NO_SHARD_AXIS = "no_shard_axis"        # unannotated, and no shard axis of size > 1
-    THRESHOLD = "threshold"                # size, limit: below min_shard_size: replicated
-    FALLBACK = "fallback"                  # dim, size, axes, n: largest divisible dim
-    UNSHARDABLE = "unshardable"            # axes, n: nothing divides the shard group
-
-
-@dataclasses.dataclass(frozen=True)
-class Note:
-    """One structured reason; which fields are set depends on `kind` (see `Why`)."""
-    kind: Why
-    names: tuple[str, ...] = ()
-    mapped: tuple[tuple[str, tuple[str, ...]], ...] = ()
-    axes: tuple[str, ...] = ()
-    dims: tuple[int, ...] = ()
-    dim: int | None = None
-    size: int | None = None
-    n: int | None = None
-    limit: int | None = None
-
 
 @dataclasses.dataclass(frozen=True)
 class LeafSharding:
@@ -286,38 +259,6 @@ def decide_leaf(shape: Sequence[int], names: Sequence[str | None] | None, mesh: 
     entries[dim] = _entry(free)
     notes.append(Note(Why.FALLBACK, dim=dim, size=shape[dim], axes=free, n=n))
     return P(*entries), tuple(notes)
-
-
-# ----------------------------------------------------------------------------- explanations
-
-def format_note(note: Note) -> str:
-    """One reason as prose (the wording may change; tests assert `Note`s)."""
-    k, x = note.kind, "x".join(note.axes)
-    if k is Why.SCALAR:
-        return "scalar: replicated"
-    if k is Why.LOGICAL:
-        return "logical: " + (", ".join(f"{n}->{'x'.join(a)}" for n, a in note.mapped)
-                              or "no dim maps to a mesh axis")
-    if k is Why.UNNAMED_TRAILING:
-        return f"no logical name for dim(s) {', '.join(map(str, note.dims))}: unsharded"
-    if k is Why.UNKNOWN_NAMES:
-        return f"names not in the rules table: {', '.join(note.names)}"
-    if k is Why.NOT_DIVISIBLE:
-        return (f"{note.names[0]}->{x} does not divide dim {note.dim} (size {note.size}) "
-                f"by {note.n}")
-    if k is Why.NO_SHARD_AXIS:
-        return "fallback: no shard axis of size > 1: replicated"
-    if k is Why.THRESHOLD:
-        return f"threshold: {note.size} elements < min_shard_size {note.limit}: replicated"
-    if k is Why.FALLBACK:
-        return f"fallback: dim {note.dim} (size {note.size}) over {x}={note.n}"
-    if k is Why.UNSHARDABLE:
-        return f"unshardable: no dim divisible by {x or 'the group'}={note.n}"
-    raise ValueError(f"unknown reason kind {k!r}")
-
-
-def format_notes(notes: Sequence[Note]) -> str:
-    return "; ".join(format_note(n) for n in notes)
 
 
 def plan_leaf(path: str, shape: Sequence[int], dtype, names: Sequence[str | None] | None,

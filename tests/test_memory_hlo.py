@@ -33,6 +33,7 @@ def compiled_adamw():
     return {s: compile_step(s, optax.adamw(1e-3), cfg=MEM_CFG) for s in MESHES}
 
 
+@pytest.mark.slow
 def test_argument_bytes_equal_the_analytic_formula(compiled_adamw):
     for s, (compiled, abstract, batch, m) in compiled_adamw.items():
         mem = compiled_memory(compiled)
@@ -41,6 +42,7 @@ def test_argument_bytes_equal_the_analytic_formula(compiled_adamw):
         assert mem["alias"] >= state_bytes_per_device(abstract)["total"] - 4, s  # state donated
 
 
+@pytest.mark.slow
 def test_full_shard_holds_one_eighth(compiled_adamw):
     full = compiled_adamw["full_shard"]
     none = compiled_adamw["no_shard"]
@@ -50,6 +52,7 @@ def test_full_shard_holds_one_eighth(compiled_adamw):
     assert abs(full_state - none_state / 8) <= 0.01 * none_state / 8 + batch_b
 
 
+@pytest.mark.slow
 def test_each_strategy_matches_the_textbook_split(compiled_adamw):
     m = compiled_adamw["no_shard"][3]
     p = tree_bytes(m.abstract_params)  # fp32 params, total
@@ -86,6 +89,7 @@ def test_full_shard_gathers_each_layer_inside_the_loop_forward_and_backward():
     assert outside["count"] <= 2  # only the embedding table and output head (not in the loop)
 
 
+@pytest.mark.slow
 def test_no_shard_has_no_parameter_all_gather():
     compiled, *_ = compile_step("no_shard", optax.sgd(0.1))
     rep = collective_report(compiled.as_text())
@@ -93,6 +97,7 @@ def test_no_shard_has_no_parameter_all_gather():
     assert rep["outside_loop"]["all-reduce"]["count"] >= 1  # DDP gradient all-reduce
 
 
+@pytest.mark.slow
 def test_shard_grad_op_gathers_once_outside_the_loop():
     compiled, *_ = compile_step("shard_grad_op", optax.sgd(0.1), remat="full")
     rep = collective_report(compiled.as_text())

@@ -171,6 +171,7 @@ def test_inspector_flags_a_replicated_parameter():
     assert {r["path"]: r["spec"] for r in out["rows"]}["table"] == "P(None, None)"
 
 
+@pytest.mark.slow
 def test_inspector_flags_activations_without_constraints(monkeypatch):
     monkeypatch.setattr(llama, "constrain", lambda x, names: x)  # a model that states no activation layout
     m, loss_fn = tiny_llama(TINY)

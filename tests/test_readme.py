@@ -3,9 +3,12 @@
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_readme_api_example_runs(capsys):
     text = (ROOT / "README.md").read_text()
     block = re.search(r"## Public API in one example\s+```python\n(.*?)```", text, re.S).group(1)

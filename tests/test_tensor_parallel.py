@@ -7,6 +7,7 @@ import re
 import jax
 import numpy as np
 import optax
+import pytest
 from jax.sharding import PartitionSpec as P
 
 import fsdp_jax as fj
@@ -28,6 +29,7 @@ def collectives(hlo: str) -> dict[str, list[tuple[str, str]]]:
     return out
 
 
+@pytest.mark.slow
 def test_llama_fsdp_x_tensor_parity_and_collectives():
     m, loss_fn = tiny_llama()  # d_model 64, 4 heads, 2 kv heads, ffn 128, vocab 256
     mesh = fj.make_mesh(fsdp=4, tensor=2)
@@ -68,6 +70,7 @@ def test_llama_fsdp_x_tensor_parity_and_collectives():
     assert state.params["blocks"]["mlp"]["w_up"].sharding.spec == P(None, "fsdp", "tensor")
 
 
+@pytest.mark.slow
 def test_linen_example_fsdp_x_tensor_parity():
     """The Linen example's MaxText-style names (heads, mlp, vocab -> tensor) on 4 x 2."""
     import importlib.util

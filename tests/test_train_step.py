@@ -48,7 +48,11 @@ def reference(batches):
     return out
 
 
-@pytest.mark.parametrize("strategy", list(STRATEGY_MESH))
+# full_shard in the fast subset; the other strategies with the whole suite
+ALL_STRATEGIES = [s if s == "full_shard" else pytest.param(s, marks=pytest.mark.slow) for s in STRATEGY_MESH]
+
+
+@pytest.mark.parametrize("strategy", ALL_STRATEGIES)
 def test_parity_sgd_momentum(strategy, batches, reference):
     state, plan, losses = run_fsdp(strategy, optax.sgd(0.5, momentum=0.9), batches)
     ref_params, ref_losses = reference["sgd"]
@@ -58,7 +62,7 @@ def test_parity_sgd_momentum(strategy, batches, reference):
     assert int(state.step) == len(batches)
 
 
-@pytest.mark.parametrize("strategy", list(STRATEGY_MESH))
+@pytest.mark.parametrize("strategy", ALL_STRATEGIES)
 def test_parity_adamw(strategy, batches, reference):
     state, plan, losses = run_fsdp(strategy, optax.adamw(1e-3), batches)
     ref_params, ref_losses = reference["adamw"]
@@ -90,6 +94,7 @@ def test_full_shard_spans_data_and_fsdp():
     assert state.params["head"].sharding.spec == P(("data", "fsdp"), None)
 
 
+@pytest.mark.slow
 def test_grad_accumulation_equals_full_batch():
     opt = optax.sgd(0.5, momentum=0.9)
     big = token_batches(3, batch=32)
@@ -99,6 +104,7 @@ def test_grad_accumulation_equals_full_batch():
     assert max_abs_diff(s4.params, s1.params) < 1e-6
 
 
+@pytest.mark.slow
 def test_grad_accumulator_lives_in_grad_sharding():
     """Under ZeRO-3 the microbatch loop carries sharded grad accumulators, never a
     full-size copy of the stacked layer weights."""
@@ -141,6 +147,7 @@ def test_grad_norm_is_global(batches):
     np.testing.assert_allclose(float(metrics["grad_norm"]), float(ref), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_nonfinite_step_is_skipped(batches):
     m, loss_fn = tiny_llama()
     opt = optax.adamw(1e-2)
@@ -331,7 +338,8 @@ def test_guarded_update_applies_only_finite_steps(skip):
 
 @pytest.mark.parametrize("strategy, mesh_kw, micro", [
     ("full_shard", dict(fsdp=8), 2), ("shard_grad_op", dict(fsdp=8), 1),
-    ("hybrid_shard", dict(data=2, fsdp=4), 1), ("full_shard", dict(fsdp=4, tensor=2), 1)])
+    pytest.param("hybrid_shard", dict(data=2, fsdp=4), 1, marks=pytest.mark.slow),
+    pytest.param("full_shard", dict(fsdp=4, tensor=2), 1, marks=pytest.mark.slow)])
 def test_explicit_axes_model_with_out_sharding_trains_like_one_device(strategy, mesh_kw, micro):
     """A model written for JAX's explicit sharding mode (`out_sharding=` on its matmuls)
     trains on an Explicit mesh with every strategy, as a single device does; on the
