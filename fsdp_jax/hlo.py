@@ -386,12 +386,13 @@ def _fmt(n: float) -> str:
 def schedule_warnings(schedule: list[dict[str, Any]], *, compute_dtype: str | None = None,
                       shards_grads: bool = False, gathers_per_layer: bool = False,
                       param_bytes_threshold: int | None = None,
-                      layer_gather_bytes: int | None = None) -> list[str]:
+                      layer_gather_bytes: int | None = None, replicated_group: int = 1) -> list[str]:
     """Problems in a compiled schedule a user can act on, one sentence each.
 
     `shards_grads`: the strategy reduce-scatters grads (ZeRO-2/3, HSDP), so a
     parameter-sized all-reduce in the backward pass that stays within a host means
-    the reduce-scatter was lost (HSDP's cross-host all-reduce of shards is expected);
+    the reduce-scatter was lost, except over `replicated_group` devices (HSDP: the `data`
+    axis size, over which grad shards are all-reduced by design);
     `compute_dtype`: params are gathered in this dtype, so a float32 gather under
     bfloat16 compute doubles the traffic; `param_bytes_threshold`: from how many bytes
     a collective counts as parameter-sized (default 1 MiB); `gathers_per_layer` with
@@ -406,7 +407,7 @@ def schedule_warnings(schedule: list[dict[str, Any]], *, compute_dtype: str | No
         if c["bytes"] < big:
             continue
         if (shards_grads and c["op"] == "all-reduce" and c["phase"] == "backward"
-                and not c["crosses_hosts"]):
+                and not (replicated_group > 1 and c["group_size"] == replicated_group)):
             found[("grad-all-reduce", c["op"], c["loop"], c["phase"])].append(c)
         if (compute_dtype in ("bfloat16", "float16") and c["op"] == "all-gather" and c["dtype"] == "float32"
                 and c["phase"] in ("forward", "backward")):

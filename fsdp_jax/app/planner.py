@@ -295,9 +295,11 @@ def inspect_compiled(plan, compiled, *, logical_axes=None, analytic_total: int |
         replicated_threshold=threshold)
     if platform != "cpu":  # XLA:CPU never reduce-scatters, upcasts bf16 and runs collectives in sync
         grad_axes = [a for a in plan.strategy.grads if mesh.get(a, 1) > 1]
+        # batch axes the grads stay replicated over (HSDP's data axis): all-reduced by design
+        replicated = int(np.prod([mesh.get(a, 1) for a in (ax.DATA, ax.FSDP) if a not in plan.strategy.grads]))
         warnings += schedule_warnings(
             schedule, compute_dtype=np.dtype(compute_dtype).name, shards_grads=bool(grad_axes),
-            param_bytes_threshold=_param_sized(plan))
+            param_bytes_threshold=_param_sized(plan), replicated_group=replicated)
     return {"mesh": mesh, "platform": platform, "rows": [r.as_dict() for r in plan.rows],
             "collectives": report, "compiled": mem, "warnings": warnings,
             "replicated_threshold": threshold, "schedule": schedule}
