@@ -246,6 +246,26 @@ def test_hybrid_shard_scatters_within_a_host_and_reduces_across_hosts(gpu):
     assert not any("reduce-scatter was expected" in w for w in r["warnings"])
 
 
+@slow
+def test_communication_volume_matches_zero3_and_ddp_theory(gpu):
+    """Bytes each device sends per step (ring algorithms, `hlo.wire_bytes`) against
+    theory, with P = the sharded params in bf16 and N = 8: ZeRO-3 gathers the stacked
+    layers twice (forward, backward) and the unstacked embedding and head once, and
+    reduce-scatters every grad once: (2 stacked + unstacked + P) (N-1)/N, about 3P for a
+    deep model; DDP all-reduces every grad: 2P (N-1)/N."""
+    fs, ddp = gpu["full_shard"], gpu["no_shard"]
+    rows = fs["rows"]
+    sharded = [x for x in rows if "fsdp" in x["spec"]]
+    stacked = sum(x["total_bytes"] // 2 for x in sharded if len(x["shape"]) >= 3)
+    p = sum(x["total_bytes"] // 2 for x in sharded)
+    com = fs["communication"]
+    assert com["all-gather"]["wire_bytes"] == pytest.approx((2 * stacked + (p - stacked)) * 7 / 8, rel=0.01)
+    assert com["reduce-scatter"]["wire_bytes"] == pytest.approx(p * 7 / 8, rel=0.01)
+    every = sum(x["total_bytes"] // 2 for x in ddp["rows"])
+    assert ddp["communication"]["total_wire_bytes"] == pytest.approx(2 * every * 7 / 8, rel=0.02)
+    assert set(ddp["communication"]) == {"all-reduce", "total_wire_bytes"}
+
+
 # ----------------------------------------------------------------------------- memory
 
 @slow
