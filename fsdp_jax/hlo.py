@@ -242,10 +242,6 @@ def _phase(op_name: str) -> str | None:
     return None
 
 
-def _is_compute(op: str, rest: str) -> bool:
-    return op in _COMPUTE_OPS
-
-
 def _is_gemm(op: str, line: str) -> bool:
     return (op == "custom-call" and "gemm" in line) or (op == "fusion" and "gemm_fusion" in line) \
         or op in ("dot", "convolution")
@@ -293,7 +289,7 @@ def collective_schedule(hlo: str, hosts: list[int] | None = None) -> list[dict[s
                     pipelined = True  # done in a later iteration / another computation
                 else:
                     between = parsed[k + 1:position[done[1]]]
-                    comp = [b for b in between if _is_compute(b[2], b[4])]
+                    comp = [b for b in between if b[2] in _COMPUTE_OPS]
                     overlap = {"ops": len(comp), "gemms": sum(_is_gemm(b[2], b[4]) for b in comp),
                                "names": [b[1] for b in comp[:6]]}
                     if not op_name:
