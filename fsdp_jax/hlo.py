@@ -242,10 +242,6 @@ def _phase(op_name: str) -> str | None:
     return None
 
 
-def _is_compute(op: str, rest: str) -> bool:
-    return op in _COMPUTE_OPS
-
-
 def _is_gemm(op: str, line: str) -> bool:
     return (op == "custom-call" and "gemm" in line) or (op == "fusion" and "gemm_fusion" in line) \
         or op in ("dot", "convolution")
@@ -293,7 +289,7 @@ def collective_schedule(hlo: str, hosts: list[int] | None = None) -> list[dict[s
                     pipelined = True  # done in a later iteration / another computation
                 else:
                     between = parsed[k + 1:position[done[1]]]
-                    comp = [b for b in between if _is_compute(b[2], b[4])]
+                    comp = [b for b in between if b[2] in _COMPUTE_OPS]
                     overlap = {"ops": len(comp), "gemms": sum(_is_gemm(b[2], b[4]) for b in comp),
                                "names": [b[1] for b in comp[:6]]}
                     if not op_name:
@@ -386,12 +382,13 @@ def _fmt(n: float) -> str:
 def schedule_warnings(schedule: list[dict[str, Any]], *, compute_dtype: str | None = None,
                       shards_grads: bool = False, gathers_per_layer: bool = False,
                       param_bytes_threshold: int | None = None,
-                      layer_gather_bytes: int | None = None) -> list[str]:
+                      layer_gather_bytes: int | None = None, replicated_group: int = 1) -> list[str]:
     """Problems in a compiled schedule a user can act on, one sentence each.
 
     `shards_grads`: the strategy reduce-scatters grads (ZeRO-2/3, HSDP), so a
     parameter-sized all-reduce in the backward pass that stays within a host means
-    the reduce-scatter was lost (HSDP's cross-host all-reduce of shards is expected);
+    the reduce-scatter was lost, except over `replicated_group` devices (HSDP: the `data`
+    axis size, over which grad shards are all-reduced by design);
     `compute_dtype`: params are gathered in this dtype, so a float32 gather under
     bfloat16 compute doubles the traffic; `param_bytes_threshold`: from how many bytes
     a collective counts as parameter-sized (default 1 MiB); `gathers_per_layer` with
@@ -406,7 +403,7 @@ def schedule_warnings(schedule: list[dict[str, Any]], *, compute_dtype: str | No
         if c["bytes"] < big:
             continue
         if (shards_grads and c["op"] == "all-reduce" and c["phase"] == "backward"
-                and not c["crosses_hosts"]):
+                and not (replicated_group > 1 and c["group_size"] == replicated_group)):
             found[("grad-all-reduce", c["op"], c["loop"], c["phase"])].append(c)
         if (compute_dtype in ("bfloat16", "float16") and c["op"] == "all-gather" and c["dtype"] == "float32"
                 and c["phase"] in ("forward", "backward")):

@@ -121,13 +121,15 @@ def make_target(name: str, devices: int | None = None, hosts: int | None = None,
 # ----------------------------------------------------------------------------- the plugin
 
 def _jax_version() -> str:
+    """The jaxlib version: the CUDA plugin is built with, and pinned to, jaxlib (a jax
+    patch release such as 0.12.0.1 may run on jaxlib 0.12.0)."""
     from importlib.metadata import version
-    return version("jax")
+    return version("jaxlib")
 
 
 def plugin_dir(jax_version: str | None = None) -> Path:
-    """Where the plugin for `jax_version` (default: the installed jax) lives:
-    $FSDP_JAX_PLUGIN_DIR, else ~/.cache/fsdp_jax/cuda12-plugin-<jax version>."""
+    """Where the plugin for `jax_version` (default: the installed jaxlib's) lives:
+    $FSDP_JAX_PLUGIN_DIR, else ~/.cache/fsdp_jax/cuda12-plugin-<jaxlib version>."""
     base = os.environ.get("FSDP_JAX_PLUGIN_DIR")
     if base:
         return Path(base)
@@ -145,12 +147,12 @@ def plugin_installed(path: Path | None = None) -> bool:
 
 
 def _missing_message() -> str:
-    return (f"the CUDA compile-only plugin for jax {_jax_version()} is not installed (looked in "
+    return (f"the CUDA compile-only plugin for jaxlib {_jax_version()} is not installed (looked in "
             f"{plugin_dir()}); install it with `{INSTALL_HINT}`")
 
 
 def install(quiet: bool = True) -> Path:
-    """Install jax-cuda12-plugin and jax-cuda12-pjrt pinned to the installed jax into
+    """Install jax-cuda12-plugin and jax-cuda12-pjrt pinned to the installed jaxlib into
     `plugin_dir()` (pip --target --no-deps: no NVIDIA runtime wheels, ~480 MB).
     Does nothing when already there. Raises RuntimeError when pip fails (e.g. no
     plugin exists for this jax version)."""
@@ -238,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         except RuntimeError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
-        print(f"CUDA compile-only plugin for jax {_jax_version()}: {path}")
+        print(f"CUDA compile-only plugin for jaxlib {_jax_version()}: {path}")
         return 0
     if cmd == "check":
         if plugin_installed():

@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", default=None, help="compile for this GPU (h100, h200, a100) instead of CPU")
     ap.add_argument("--hosts", default=None, help="with --target: hosts the devices are spread over (default 1)")
     ap.add_argument("--xla-flags", default=None,
-                    help="XLA options for this compile only, e.g. '--xla_gpu_enable_pipelined_all_gather=true' "
+                    help="XLA options for this compile only, e.g. --xla-flags=--xla_gpu_enable_pipelined_all_gather=true "
                          "(compare schedules with and without: fsdp_jax.xla_flags)")
     ap.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     ap.add_argument("overrides", nargs="*", help="dotted key=value overrides")

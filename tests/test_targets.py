@@ -163,7 +163,7 @@ def test_scripts_bad_target_input_exit_2_with_one_line(script, args, needle, tmp
 @slow
 def test_full_shard_bf16_gathers_per_layer_and_reduce_scatters_in_the_backward_loop(gpu):
     r = gpu["full_shard"]
-    assert r["platform"] == "cuda"
+    assert r["platform"] == "gpu"
     gathers = _param_sized(r, "all-gather")
     in_loop = [c for c in gathers if c["loop"]]
     assert {c["phase"] for c in in_loop} == {"forward", "backward"}
@@ -203,7 +203,16 @@ def test_shard_grad_op_gathers_once_outside_the_loop(gpu):
     assert gathers and all(c["loop"] is None and c["runs"] == 1 for c in gathers)
     assert sum(c["bytes"] for c in gathers) == sum(x["total_bytes"] // 2 for x in r["rows"]
                                                    if any(a in x["spec"] for a in ("fsdp", "data")))
-    assert _colls(r, "reduce-scatter") and not _param_sized(r, "all-reduce")
+
+
+@slow
+@pytest.mark.xfail(strict=True, reason="defect found by this compile: under shard_grad_op XLA:GPU "
+                   "all-reduces each layer's full-size bf16 grads inside the backward loop and keeps a "
+                   "slice (Llama-2-7B on 8 x H100: 7 all-reduces of 34-90 MB per layer), instead of "
+                   "reduce-scattering them; the inspector warns about it")
+def test_shard_grad_op_reduce_scatters_grads(gpu):
+    r = gpu["shard_grad_op"]
+    assert not [c for c in _param_sized(r, "all-reduce") if c["phase"] == "backward"]
 
 
 @slow
@@ -235,6 +244,26 @@ def test_hybrid_shard_scatters_within_a_host_and_reduces_across_hosts(gpu):
     gathers = _param_sized(r, "all-gather")
     assert gathers and all(c["crosses_hosts"] is False for c in gathers)
     assert not any("reduce-scatter was expected" in w for w in r["warnings"])
+
+
+@slow
+def test_communication_volume_matches_zero3_and_ddp_theory(gpu):
+    """Bytes each device sends per step (ring algorithms, `hlo.wire_bytes`) against
+    theory, with P = the sharded params in bf16 and N = 8: ZeRO-3 gathers the stacked
+    layers twice (forward, backward) and the unstacked embedding and head once, and
+    reduce-scatters every grad once: (2 stacked + unstacked + P) (N-1)/N, about 3P for a
+    deep model; DDP all-reduces every grad: 2P (N-1)/N."""
+    fs, ddp = gpu["full_shard"], gpu["no_shard"]
+    rows = fs["rows"]
+    sharded = [x for x in rows if "fsdp" in x["spec"]]
+    stacked = sum(x["total_bytes"] // 2 for x in sharded if len(x["shape"]) >= 3)
+    p = sum(x["total_bytes"] // 2 for x in sharded)
+    com = fs["communication"]
+    assert com["all-gather"]["wire_bytes"] == pytest.approx((2 * stacked + (p - stacked)) * 7 / 8, rel=0.01)
+    assert com["reduce-scatter"]["wire_bytes"] == pytest.approx(p * 7 / 8, rel=0.01)
+    every = sum(x["total_bytes"] // 2 for x in ddp["rows"])
+    assert ddp["communication"]["total_wire_bytes"] == pytest.approx(2 * every * 7 / 8, rel=0.02)
+    assert set(ddp["communication"]) == {"all-reduce", "total_wire_bytes"}
 
 
 # ----------------------------------------------------------------------------- memory
@@ -335,8 +364,8 @@ def test_warnings_name_what_to_fix():
             "dtype": "bfloat16"}
     sched = [dict(base, op="all-reduce"), dict(base, op="all-gather", dtype="float32", name="g"),
              dict(base, op="reduce-scatter", overlap={"ops": 0, "gemms": 0, "names": []}),
-             dict(base, op="all-reduce", crosses_hosts=True, name="dcn")]
-    w = hlo.schedule_warnings(sched, compute_dtype="bfloat16", shards_grads=True)
+             dict(base, op="all-reduce", group_size=2, name="dcn")]
+    w = hlo.schedule_warnings(sched, compute_dtype="bfloat16", shards_grads=True, replicated_group=2)
     assert len(w) == 3
     assert w[0].startswith("gradient all-reduce where a reduce-scatter was expected: 1 all-reduce (x; ")
     assert w[1].startswith("float32 all-gather under bfloat16 compute: 1 all-gather (g; ")

@@ -9,7 +9,11 @@ functions as `fsdp_jax.app.loop.setup`), but from abstract inputs only
 (`ShapeDtypeStruct`s carrying shardings, `fsdp_jax.state.abstract_state`), and
 AOT-compiles it: nothing is allocated, so a 7B or 70B model plans on a laptop.
 When this process has fewer than N devices, the compile runs in a child process
-with N fake CPU devices (`jax_num_cpu_devices=N`). The user's side (parsing sizes and
+with N fake CPU devices (`jax_num_cpu_devices=N`). With a GPU target
+(`fsdp_jax.targets.Target`: h100, h200, a100 as hosts x GPUs) the child compiles with
+XLA:GPU for compile-only devices of that target instead (deviceless AOT; the CUDA
+plugin is on that child's path only), and the result also carries the per-collective
+schedule (`fsdp_jax.hlo`), its communication volume and the GPU-only warnings. The user's side (parsing sizes and
 strategy lists, the scripts' start-up, the warnings' wording, the tables and the plot)
 is `fsdp_jax.app.plan_report`, whose public names are importable from here too.
 
@@ -297,9 +301,11 @@ def inspect_compiled(plan, compiled, *, logical_axes=None, analytic_total: int |
         replicated_threshold=threshold)
     if platform != "cpu":  # XLA:CPU never reduce-scatters, upcasts bf16 and runs collectives in sync
         grad_axes = [a for a in plan.strategy.grads if mesh.get(a, 1) > 1]
+        # batch axes the grads stay replicated over (HSDP's data axis): all-reduced by design
+        replicated = int(np.prod([mesh.get(a, 1) for a in (ax.DATA, ax.FSDP) if a not in plan.strategy.grads]))
         warnings += schedule_warnings(
             schedule, compute_dtype=np.dtype(compute_dtype).name, shards_grads=bool(grad_axes),
-            param_bytes_threshold=_param_sized(plan))
+            param_bytes_threshold=_param_sized(plan), replicated_group=replicated)
     return {"mesh": mesh, "platform": platform, "rows": [r.as_dict() for r in plan.rows],
             "collectives": report, "compiled": mem, "warnings": warnings,
             "replicated_threshold": threshold, "schedule": schedule}
