@@ -165,6 +165,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, pl
         raise ValueError(f"microbatches must be >= 1, got {microbatches}")
     policy = Policy.parse(precision)
     loss_fn = remat_lib.with_remat(loss_fn, remat)
+    loss_fn = jax.named_scope("forward")(loss_fn)  # profiler names; backward: transpose(jvp(forward))
     clip = optax.clip_by_global_norm(clip_norm) if clip_norm else None
     grad_sh, compute_sh, rest_sh = plan.grads, plan.compute, plan.params
 
@@ -200,6 +201,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, pl
         grad_norm = optax.tree.norm(grads)
         if clip is not None:
             grads, _ = clip.update(grads, clip.init(grads))
+        @jax.named_scope("optimizer")
         def apply(st: TrainState, g) -> TrainState:
             updates, opt_state = optimizer.update(g, st.opt_state, st.params)
             return TrainState(step=st.step + 1, params=optax.apply_updates(st.params, updates),
