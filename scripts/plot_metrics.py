@@ -26,7 +26,7 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 # The breakdown columns of a train record (fsdp_jax.app.timing.WINDOW), in stacking order.
-CATEGORIES = ("device", "data", "checkpoint", "eval", "compile", "profile", "other")
+CATEGORIES = ("device", "data", "checkpoint", "eval", "compile", "profile", "log", "other")
 
 
 def time_fractions(train: list[dict]) -> dict[str, list[float]]:

@@ -56,7 +56,7 @@ class FakeClock:
 
 def test_timer_charges_time_to_the_current_category_and_windows_add_up():
     clock = FakeClock()
-    t = timing.StepTimer(clock)
+    t = timing.StepTimer(clock=clock)
     clock.t += 1.0                 # other 1
     t.switch("compile"); clock.t += 5.0
     t.switch("data"); clock.t += 0.5
@@ -64,7 +64,7 @@ def test_timer_charges_time_to_the_current_category_and_windows_add_up():
     t.switch("other"); clock.t += 0.25
     w = t.window()
     assert w == {"t_data_s": 0.5, "t_device_s": 2.0, "t_checkpoint_s": 0.0, "t_eval_s": 0.0,
-                 "t_compile_s": 5.0, "t_profile_s": 0.0, "t_other_s": 1.25, "t_wall_s": 8.75}
+                 "t_compile_s": 5.0, "t_profile_s": 0.0, "t_log_s": 0.0, "t_other_s": 1.25, "t_wall_s": 8.75}
     t.cut()
     t.switch("checkpoint"); clock.t += 3.0
     t.switch("eval"); clock.t += 1.0          # still running when the window is read
@@ -153,29 +153,36 @@ def test_train_step_has_forward_backward_and_optimizer_scopes():
 # ----------------------------------------------------------------------------- W&B
 
 
-def wandb_history(run_dir: Path) -> dict[int, dict]:
+def wandb_history(run_dir: Path, timeout_s: float = 60.0) -> dict[int, dict]:
     """{step: history row} read back from the offline run's .wandb file: a LevelDB-style
     log (32 KiB blocks of records with a 7-byte header: crc, length, type) of
-    wandb's Record protobufs after a 7-byte ':W&B' file header."""
+    wandb's Record protobufs after a 7-byte ':W&B' file header. wandb's service may
+    still be writing it after `finish()` returns: wait for the run's exit record."""
     from wandb.proto import wandb_internal_pb2 as pb
 
     (path,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
-    data, pos, block, buf, rows = path.read_bytes(), 7, 32768, b"", {}
-    assert data[:4] == b":W&B"
-    while pos + 7 <= len(data):
-        if block - pos % block < 7:  # block trailer padding
-            pos += block - pos % block
-            continue
-        _, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        buf, pos = buf + data[pos + 7:pos + 7 + n], pos + 7 + n
-        if kind in (1, 4):  # FULL or LAST
-            rec = pb.Record()
-            rec.ParseFromString(buf)
-            buf = b""
-            if rec.WhichOneof("record_type") == "history":
-                row = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item}
-                rows[rec.history.step.num] = {k: v for k, v in row.items() if not k.startswith("_")}
-    return rows
+    deadline = time.monotonic() + timeout_s
+    while True:
+        data, pos, block, buf, rows, done = path.read_bytes(), 7, 32768, b"", {}, False
+        assert data[:4] == b":W&B"
+        while pos + 7 <= len(data):
+            if block - pos % block < 7:  # block trailer padding
+                pos += block - pos % block
+                continue
+            _, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
+            buf, pos = buf + data[pos + 7:pos + 7 + n], pos + 7 + n
+            if kind in (1, 4):  # FULL or LAST
+                rec = pb.Record()
+                rec.ParseFromString(buf)
+                buf, what = b"", rec.WhichOneof("record_type")
+                done |= what == "exit"
+                if what == "history":
+                    row = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item}
+                    rows[rec.history.step.num] = {k: v for k, v in row.items() if not k.startswith("_")}
+        if done or time.monotonic() > deadline:
+            assert done, f"{path}: no exit record after {timeout_s} s"
+            return rows
+        time.sleep(0.2)
 
 
 def merged_by_step(records: list[dict]) -> dict[int, dict]:

@@ -192,6 +192,7 @@ def train(cfg: Config, *, init_params: Callable | None = None, progress: bool = 
     Raises TrainingDiverged after `train.max_nonfinite_steps` skipped steps in a row."""
     with StopSignals() as signals:  # from here on, until the last write is committed
         t_setup = time.perf_counter()
+        injected_data_delay()  # a bad test-hook value fails here, before anything is written
         run = setup(cfg, init_params)
         run.setup_s = time.perf_counter() - t_setup
         try:
@@ -201,13 +202,13 @@ def train(cfg: Config, *, init_params: Callable | None = None, progress: bool = 
 
 
 def _loop(run: Run, cfg: Config, progress: bool, stop_after: int | None, signals: StopSignals) -> dict:
-    timer = StepTimer()  # where the wall time goes (fsdp_jax.app.timing)
-    data_delay = injected_data_delay()  # test hook, checked before anything is written
+    timer = StepTimer("setup")  # where the wall time goes (fsdp_jax.app.timing)
+    data_delay = injected_data_delay()  # test hook (checked in train() already)
     c, ckpt = cfg.train, run.checkpointer
     if run.is_main:
         run.run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run.run_dir / "config.yaml")
-    log = MetricsLog(run.run_dir, run.is_main, c.tensorboard, wandb=wandb_settings(cfg))
+    log = MetricsLog(run.run_dir, run.is_main, c.tensorboard, wandb=wandb_settings(cfg), timer=timer)
     if run.restored is not None:
         log.truncate(run.start_step)
     pi, pc = jax.process_index(), jax.process_count()
@@ -221,6 +222,7 @@ def _loop(run: Run, cfg: Config, progress: bool, stop_after: int | None, signals
     profiler = ProfileWindow(c.profile, run.run_dir / "profile", timer, run.is_main)
 
     timer.switch("compile")
+    timer.cut()  # the first logged window starts here
     t0 = time.perf_counter()
     first = global_batch(run.plan, batches.batch(start_step))
     compiled = run.train_step.lower(run.state, first).compile()

@@ -11,7 +11,8 @@ record:
      "compiled_peak_bytes", "bytes_in_use", "peak_bytes_in_use" (these two only where
      the device reports them: GPU, TPU),
      "t_data_s", "t_device_s", "t_checkpoint_s", "t_eval_s", "t_compile_s",
-     "t_profile_s", "t_other_s", "t_wall_s" (with a StepTimer: fsdp_jax.app.timing)}
+     "t_profile_s", "t_log_s", "t_other_s", "t_wall_s" (with a StepTimer:
+     fsdp_jax.app.timing)}
 
 loss and grad_norm are means over the window; step time is wall time per step,
 evaluation, compilation and profiler start/stop excluded. The `t_*_s` columns are
@@ -24,6 +25,7 @@ training) for the run's final report.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -50,21 +52,39 @@ if TYPE_CHECKING:
 
 class MetricsLog:
     """Appends JSON lines to run_dir/metrics.jsonl (process 0) and mirrors scalars to
-    TensorBoard when enabled."""
+    TensorBoard and W&B (`wandb`: `wandb_settings(cfg)`) when enabled. With a
+    `timer`, the time spent starting the loggers and writing is charged to `log`."""
 
-    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool, wandb: dict | None = None):
-        self.enabled = enabled
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool, wandb: dict | None = None,
+                 timer: StepTimer | None = None):
+        self.enabled, self.timer = enabled, timer
         self.path = run_dir / "metrics.jsonl"
         self.tb = self.wandb = None
-        if enabled and tensorboard:
-            from tensorboardX import SummaryWriter
-            self.tb = SummaryWriter(str(run_dir / "tb"))
-        if enabled and wandb is not None:
-            self.wandb = _wandb_run(run_dir, **wandb)
+        with self._timed():
+            if enabled and tensorboard:
+                from tensorboardX import SummaryWriter
+                self.tb = SummaryWriter(str(run_dir / "tb"))
+            if enabled and wandb is not None:
+                self.wandb = _wandb_run(run_dir, **wandb)
+
+    @contextlib.contextmanager
+    def _timed(self):
+        before = self.timer.current if self.timer is not None else None
+        if before is not None:
+            self.timer.switch("log")
+        try:
+            yield
+        finally:
+            if before is not None:
+                self.timer.switch(before)
 
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
+        with self._timed():
+            self._write(record)
+
+    def _write(self, record: dict) -> None:
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         if self.tb is not None:
@@ -90,11 +110,12 @@ class MetricsLog:
         os.replace(tmp, self.path)
 
     def close(self):
-        if self.tb is not None:
-            self.tb.close()
-        if self.wandb is not None:
-            self.wandb.finish()
-            self.wandb = None
+        with self._timed():
+            if self.tb is not None:
+                self.tb.close()
+            if self.wandb is not None:
+                self.wandb.finish()
+                self.wandb = None
 
 
 def wandb_settings(cfg: Config) -> dict | None:
@@ -129,9 +150,10 @@ class LogWindow:
 
     With a `timer` (fsdp_jax.app.timing.StepTimer) the record carries its `t_*_s`
     breakdown and the window's wall time is the timer's (the first window then
-    includes what the timer saw before it, e.g. compilation); `reset` cuts the
-    timer's window. `warn(message)` is called once if the device's measured peak
-    exceeds `compiled_peak_bytes` by more than 10%."""
+    includes what the timer saw before it, e.g. compilation); `record` cuts the
+    timer's window, so the windows tile the loop (writing a record falls in the next
+    one). `warn(message)` is called once if the device's measured peak exceeds
+    `compiled_peak_bytes` by more than 10%."""
 
     def __init__(self, step: int, *, schedule: Callable[[int], Any], tokens_per_step: int,
                  flops_per_token: float, peak_flops: float | None, n_devices: int,
@@ -143,17 +165,12 @@ class LogWindow:
         self.compiled_peak_bytes = compiled_peak_bytes
         self.timer, self.warn = timer, warn
         self.values: list[tuple[float, float]] = []
-        self._start(step)
-
-    def _start(self, step: int) -> None:
-        self.values.clear()
-        self.t, self.step, self.eval_s = time.perf_counter(), step, 0.0
+        self.reset(step)
 
     def reset(self, step: int) -> None:
         """Start a new window after `step` (now)."""
-        self._start(step)
-        if self.timer is not None:
-            self.timer.cut()
+        self.values.clear()
+        self.t, self.step, self.eval_s = time.perf_counter(), step, 0.0
 
     def add(self, loss: float, grad_norm: float) -> None:
         self.values.append((loss, grad_norm))
@@ -165,20 +182,27 @@ class LogWindow:
         return bool(self.values)
 
     def record(self, step: int) -> dict:
-        """The train record for the window ending at `step` (1-based; does not reset)."""
+        """The train record for the window ending at `step` (1-based; does not reset the
+        losses, but starts the timer's next window)."""
         n = max(1, step - self.step)
-        if self.timer is not None:
+        before = self.timer.current if self.timer is not None else None
+        if before is not None:
+            self.timer.switch("log")  # computing the record is logging work too
+        lr = float(self.schedule(step - 1))  # the first call compiles the schedule
+        dm = device_memory()
+        if before is not None:
             tw = self.timer.window()
+            self.timer.cut()
+            self.timer.switch(before)
             dt = (tw["t_wall_s"] - tw["t_eval_s"] - tw["t_compile_s"] - tw["t_profile_s"]) / n
         else:
             tw, dt = {}, (time.perf_counter() - self.t - self.eval_s) / n
         tps = self.tokens_per_step / dt
         rec = {"step": step, "loss": float(np.mean([w[0] for w in self.values])),
-               "lr": float(self.schedule(step - 1)), "grad_norm": float(np.mean([w[1] for w in self.values])),
+               "lr": lr, "grad_norm": float(np.mean([w[1] for w in self.values])),
                "step_time_s": dt, "tokens_per_s": tps,
                "mfu": mfu(self.flops_per_token, tps, self.n_devices, self.peak_flops),
                "compiled_peak_bytes": self.compiled_peak_bytes}
-        dm = device_memory()
         if dm:
             rec["bytes_in_use"], rec["peak_bytes_in_use"] = dm["bytes_in_use"], dm["peak_bytes_in_use"]
             excess = memory_excess(dm["peak_bytes_in_use"], self.compiled_peak_bytes)

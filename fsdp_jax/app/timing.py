@@ -16,6 +16,7 @@ trainer charges
     eval        evaluation, including the eval step's first compile;
     compile     compiling the train step (once, in the first window);
     profile     starting and stopping the profiler trace;
+    log         writing metrics (metrics.jsonl, TensorBoard, W&B, starting W&B);
     sample      the text sample after training (goodput only);
     other       the rest.
 
@@ -29,8 +30,10 @@ host waited for. The categories still add up to the wall time, but `data` is the
 upper bound on the data stall, not a measurement of it (a device trace, see
 `train.profile`, shows the true overlap).
 
-Goodput = device / wall over the whole run, wall counted from before `setup`
-(model, state init or checkpoint restore, counted as `setup`) to the end of training.
+Goodput = device / wall over the whole run, wall counted from before `setup` (model,
+state init or checkpoint restore, the run directory, loggers and data pipeline: all
+counted as `setup`) to the end of training. The first logged window starts when the
+train step starts compiling.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ from fsdp_jax.app.config import ConfigError, parse_profile
 INJECT_DATA_DELAY_ENV = "FSDP_JAX_INJECT_DATA_DELAY_S"
 
 # Categories of a logged window, in the order they are reported (`t_<name>_s` columns).
-WINDOW = ("data", "device", "checkpoint", "eval", "compile", "profile", "other")
+WINDOW = ("data", "device", "checkpoint", "eval", "compile", "profile", "log", "other")
 # Categories of the whole run (`total_<name>_s` in the goodput record).
 RUN = ("setup",) + WINDOW[:-1] + ("sample", "other")
 PRODUCTIVE = "device"
@@ -60,11 +63,13 @@ class StepTimer:
 
     `window()` returns the `t_<category>_s` columns and `t_wall_s` since the last
     `cut()` (or since construction); `totals()` the seconds per category since
-    construction. `clock` is injectable for tests."""
+    construction. `category` is the first one charged (the trainer starts in `setup`
+    and cuts when it starts compiling, so setup is in the goodput, not in a window);
+    `clock` is injectable for tests."""
 
-    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+    def __init__(self, category: str = "other", clock: Callable[[], float] = time.perf_counter):
         self._clock = clock
-        self.current = "other"
+        self.current = category
         self._t = self._start = self._cut_t = clock()
         self._total = dict.fromkeys(RUN, 0.0)
         self._at_cut = dict(self._total)
