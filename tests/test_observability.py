@@ -131,6 +131,27 @@ def test_memory_excess_warns_only_above_ten_percent():
     assert "120.0 MiB exceeds the compiled estimate 100.0 MiB by 20%" in msg
 
 
+def test_window_record_carries_device_memory_and_warns_once(monkeypatch):
+    from fsdp_jax.app import metrics_log
+    stats = {"bytes_in_use": 90 * 2**20, "peak_bytes_in_use": 130 * 2**20, "bytes_limit": 2**34}
+    monkeypatch.setattr(metrics_log, "device_memory", lambda: stats)  # what a GPU reports
+    warnings, clock = [], FakeClock()
+    timer = timing.StepTimer(clock=clock)
+    w = metrics_log.LogWindow(0, schedule=lambda i: 1e-3, tokens_per_step=100, flops_per_token=6.0,
+                              peak_flops=None, n_devices=8, compiled_peak_bytes=100 * 2**20,
+                              timer=timer, warn=warnings.append)
+    for step in (1, 2):
+        timer.switch("device"); clock.t += 0.5
+        timer.switch("other")
+        w.add(2.0, 1.0)
+        rec = w.record(step)
+        w.reset(step)
+        assert rec["bytes_in_use"] == 90 * 2**20 and rec["peak_bytes_in_use"] == 130 * 2**20
+        assert rec["t_device_s"] == rec["t_wall_s"] == rec["step_time_s"] == 0.5
+        assert rec["tokens_per_s"] == 200.0
+    assert len(warnings) == 1 and "exceeds the compiled estimate 100.0 MiB by 30%" in warnings[0]
+
+
 # ----------------------------------------------------------------------------- named scopes
 
 
