@@ -67,7 +67,7 @@ def plot(records: list[dict], out: Path) -> None:
         if goodputs:
             title += " | goodput " + ", ".join(f"{g['goodput']:.0%} (to step {g['step']})" for g in goodputs)
         ax3.set(xlabel="step", ylabel="fraction of window wall time", title=title, ylim=(0, 1))
-        ax3.legend(fontsize=8, loc="lower right")
+        ax3.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(out, dpi=100)
 

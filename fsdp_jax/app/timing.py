@@ -4,8 +4,8 @@ summary at the end, and the profiler window (`train.profile=START:END`).
 `StepTimer` splits one process's wall clock into categories with `switch(name)`:
 from that call on, time is charged to `name` until the next switch, so the
 categories of a window add up to its wall time exactly, and `other` (the loop's own
-bookkeeping: logging, the progress bar) is what no named category claimed. The
-trainer charges
+bookkeeping, the progress bar) is what no named category claimed. The trainer
+charges
 
     data        the host fetching the next batch and placing it on the devices
                 (`next(batches)` + `make_array_from_process_local_data`);
@@ -16,7 +16,8 @@ trainer charges
     eval        evaluation, including the eval step's first compile;
     compile     compiling the train step (once, in the first window);
     profile     starting and stopping the profiler trace;
-    log         writing metrics (metrics.jsonl, TensorBoard, W&B, starting W&B);
+    log         starting the loggers (W&B), computing each record (the first one
+                compiles the LR schedule) and writing it (metrics.jsonl, TB, W&B);
     sample      the text sample after training (goodput only);
     other       the rest.
 
@@ -27,12 +28,12 @@ devices' whole step time. With k > 1 the host fetches and dispatches up to k ste
 before blocking, so device work overlaps host work: a step's device time spent while
 the host was fetching data is charged to `data`, and `device` is only the part the
 host waited for. The categories still add up to the wall time, but `data` is then an
-upper bound on the data stall, not a measurement of it (a device trace, see
-`train.profile`, shows the true overlap).
+upper bound on the data stall, not a measurement of it, and goodput a lower bound
+(a device trace, see `train.profile`, shows the true overlap).
 
 Goodput = device / wall over the whole run, wall counted from before `setup` (model,
-state init or checkpoint restore, the run directory, loggers and data pipeline: all
-counted as `setup`) to the end of training. The first logged window starts when the
+state init or checkpoint restore, the run directory and data pipeline: all counted as
+`setup`) to the end of training. The first logged window starts when the
 train step starts compiling.
 """
 
