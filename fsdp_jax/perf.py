@@ -37,14 +37,27 @@ def mfu(flops_per_token: float, tokens_per_s: float, n_devices: int, peak: float
 
 
 def device_memory() -> dict[str, int] | None:
-    """`memory_stats()` of the first local device (bytes in use and peak), where the
-    backend reports it (GPU, TPU); None on CPU."""
-    stats = jax.local_devices()[0].memory_stats()
+    """`memory_stats()` of this process's devices, where the backend reports it (GPU,
+    TPU): bytes in use, peak bytes in use and the limit, each the largest over the
+    local devices (FSDP balances them; the fullest one is the one that runs out).
+    None on CPU, which reports nothing (use the compiled peak there)."""
+    stats = [d.memory_stats() for d in jax.local_devices()]
+    stats = [s for s in stats if s]
     if not stats:
         return None
-    return {"bytes_in_use": int(stats.get("bytes_in_use", 0)),
-            "peak_bytes_in_use": int(stats.get("peak_bytes_in_use", 0)),
-            "bytes_limit": int(stats.get("bytes_limit", 0))}
+    return {k: max(int(s.get(k, 0)) for s in stats)
+            for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit")}
+
+
+def memory_excess(measured_peak: int, estimate: int, tolerance: float = 0.10) -> str | None:
+    """A warning when the measured per-device peak exceeds the `estimate` (the compiled
+    step's memory_analysis peak) by more than `tolerance`; else None."""
+    if not estimate or measured_peak <= estimate * (1 + tolerance):
+        return None
+    return (f"measured device memory peak {measured_peak / 2**20:.1f} MiB exceeds the compiled "
+            f"estimate {estimate / 2**20:.1f} MiB by {measured_peak / estimate - 1:.0%} "
+            f"(> {tolerance:.0%}): something outside the train step holds device memory "
+            f"(eval, batches in flight, fragmentation); leave headroom when planning")
 
 
 def time_steps(step_fn, state, batch, steps: int, warmup: int):

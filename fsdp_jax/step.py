@@ -213,6 +213,7 @@ def clip_grads(grads, clip_norm: float | None):
     return grads, norm
 
 
+@jax.named_scope("optimizer")
 def apply_update(optimizer: optax.GradientTransformation, state: TrainState, grads) -> TrainState:
     """One optax update of `state` (in its sharded layout) by `grads`."""
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -266,6 +267,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, pl
         raise ValueError(f"microbatches must be >= 1, got {microbatches}")
     policy = Policy.parse(precision)
     loss_fn = remat_lib.with_remat(loss_fn, remat)
+    loss_fn = jax.named_scope("forward")(loss_fn)  # profiler names; backward: transpose(jvp(forward))
 
     def step(state: TrainState, batch):
         wrt = Trainable(state.params, trainable)

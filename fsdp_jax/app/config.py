@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import json
 import re
 import typing
@@ -115,6 +116,14 @@ class TrainConfig:
     sample_tokens: int = 200            # generated after training; 0 = none
     max_inflight_steps: int = 1         # steps dispatched before blocking on a loss
     max_nonfinite_steps: int = 3        # skipped (non-finite) steps in a row before the run stops
+    profile: str | None = None          # "START:END": jax.profiler trace of those steps (1-based) -> run_dir/profile
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingConfig:
+    wandb: bool = False                 # also log metrics.jsonl's records to Weights & Biases (WANDB_MODE=offline works)
+    wandb_project: str = "fsdp_jax"
+    wandb_run_name: str | None = None   # null = W&B picks one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +142,7 @@ class Config:
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
     distributed: DistributedConfig = DistributedConfig()
+    logging: LoggingConfig = LoggingConfig()
     precision: str = "params=float32,compute=float32"
     remat: str = "dots"
     run_dir: str = "runs/tiny"
@@ -188,7 +198,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     if tp is str:
         if isinstance(value, str):
             return value
-        raise ConfigError(key, f"{value!r} is not a string")
+        hint = " (quote it in YAML: an unquoted 2:4 reads as a base-60 number)" if isinstance(value, int) else ""
+        raise ConfigError(key, f"{value!r} is not a string{hint}")
     if tp == Rules:
         return resolved_rules(value)
     raise TypeError(f"{key}: unsupported annotation {tp!r}")  # a bug here, not in the YAML
@@ -382,6 +393,12 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
     except (ValueError, TypeError) as e:
         raise ConfigError("precision", f"{cfg.precision!r} is invalid; {e} "
                           "(e.g. params=float32,compute=bfloat16)") from None
+    if tr.profile is not None:
+        _, last = parse_profile(tr.profile)
+        _check(last <= tr.steps, "train.profile", tr.profile, f"END must be <= train.steps={tr.steps}")
+    if cfg.logging.wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("logging.wandb", "true, but the wandb package is not installed; "
+                          "pip install wandb, or set logging.wandb=false")
     _check(tr.global_batch % tr.microbatches == 0, "train.global_batch", tr.global_batch,
            f"must be divisible by train.microbatches={tr.microbatches}")
     if tr.tensorboard:
@@ -398,6 +415,18 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
     _check(micro % (data_n * fsdp_n) == 0, "train.global_batch", tr.global_batch,
            f"global_batch / microbatches = {micro} must be divisible by the batch-sharding "
            f"devices data*fsdp = {data_n}*{fsdp_n} = {data_n * fsdp_n} on {n_devices} devices")
+
+
+def parse_profile(text: str) -> tuple[int, int]:
+    """`train.profile` "START:END" -> (START, END): steps, 1-based, 1 <= START <= END."""
+    head, sep, tail = str(text).partition(":")
+    try:
+        first, last = int(head), int(tail)
+    except ValueError:
+        first = last = 0
+    _check(bool(sep) and 1 <= first <= last, "train.profile", text,
+           "must be START:END, steps with 1 <= START <= END (e.g. 2:4)")
+    return first, last
 
 
 def check_data(cfg: Config) -> None:

@@ -32,7 +32,8 @@ from fsdp_jax.adapters import ModelFns, from_nnx
 from fsdp_jax.checkpoint import Checkpointer, Restored, load_init_params
 from fsdp_jax.app.config import Config, check_data, config_to_dict, save_config, validate
 from fsdp_jax.memory import compiled_memory
-from fsdp_jax.app.metrics_log import LogWindow, MetricsLog, sample_text
+from fsdp_jax.app.metrics_log import LogWindow, MetricsLog, sample_text, wandb_settings
+from fsdp_jax.app.timing import ProfileWindow, StepTimer, format_goodput, format_window, goodput, injected_data_delay
 from fsdp_jax.mesh import make_mesh
 from fsdp_jax.app.models.llama import Llama, count_params, cross_entropy, flops_per_token
 from fsdp_jax.app.optim import build_optimizer
@@ -71,6 +72,7 @@ class Run:
     rng: jax.Array | None = None            # the run's seed-derived key (saved in checkpoints)
     restored: Restored | None = None        # the checkpoint this run resumed from
     start_step: int = 0                     # steps (batches) done before this run started
+    setup_s: float = 0.0                    # wall seconds train() spent in setup (for goodput)
 
 
 def make_loss_fn(model: ModelFns) -> Callable:
@@ -201,7 +203,10 @@ def train(cfg: Config, *, init_params: Callable | None = None, progress: bool = 
     signal or `stop_after` (a step number) ended it early, after checkpointing).
     Raises TrainingDiverged after `train.max_nonfinite_steps` skipped steps in a row."""
     with StopSignals() as signals:  # from here on, until the last write is committed
+        t_setup = time.perf_counter()
+        injected_data_delay()  # a bad test-hook value fails here, before anything is written
         run = setup(cfg, init_params)
+        run.setup_s = time.perf_counter() - t_setup
         try:
             return _loop(run, cfg, progress, stop_after, signals)
         finally:
@@ -209,11 +214,13 @@ def train(cfg: Config, *, init_params: Callable | None = None, progress: bool = 
 
 
 def _loop(run: Run, cfg: Config, progress: bool, stop_after: int | None, signals: StopSignals) -> dict:
+    timer = StepTimer("setup")  # where the wall time goes (fsdp_jax.app.timing)
+    data_delay = injected_data_delay()  # test hook (checked in train() already)
     c, ckpt = cfg.train, run.checkpointer
     if run.is_main:
         run.run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run.run_dir / "config.yaml")
-    log = MetricsLog(run.run_dir, run.is_main, c.tensorboard)
+    log = MetricsLog(run.run_dir, run.is_main, c.tensorboard, wandb=wandb_settings(cfg), timer=timer)
     if run.restored is not None:
         log.truncate(run.start_step)
     pi, pc = jax.process_index(), jax.process_count()
@@ -224,11 +231,15 @@ def _loop(run: Run, cfg: Config, progress: bool, stop_after: int | None, signals
                       else {"step": start_step})
     val = (data_lib.eval_batches(cfg.data.path, cfg.data.seq_len, c.global_batch, c.eval_batches,
                                  cfg.data.seed, pi, pc) if c.eval_every and c.eval_batches else [])
+    profiler = ProfileWindow(c.profile, run.run_dir / "profile", timer, run.is_main)
 
+    timer.switch("compile")
+    timer.cut()  # the first logged window starts here
     t0 = time.perf_counter()
     first = global_batch(run.plan, batches.batch(start_step))
     compiled = run.train_step.lower(run.state, first).compile()
     compile_s = time.perf_counter() - t0
+    timer.switch("other")
     mem = compiled_memory(compiled)
     n_params = count_params(cfg.model)
     if run.is_main:
@@ -246,7 +257,8 @@ def _loop(run: Run, cfg: Config, progress: bool, stop_after: int | None, signals
     window = LogWindow(start_step, schedule=run.schedule, tokens_per_step=c.global_batch * cfg.data.seq_len,
                        flops_per_token=flops_per_token(cfg.model, cfg.data.seq_len),
                        peak_flops=peak_flops(jax.devices()[0], Policy.parse(cfg.precision).compute_dtype.name),
-                       n_devices=jax.device_count(), compiled_peak_bytes=mem["peak"])
+                       n_devices=jax.device_count(), compiled_peak_bytes=mem["peak"],
+                       timer=timer, warn=print if run.is_main else None)
     summary: dict[str, Any] = {"compile_s": compile_s, "params": n_params}
     nan_steps = _injected_nan_steps()
     streak: list[int] = []  # the current run of skipped (non-finite) steps
@@ -255,13 +267,20 @@ def _loop(run: Run, cfg: Config, progress: bool, stop_after: int | None, signals
         return {"step": done, "data": batches.get_state(), "rng": _rng_to_json(run.rng),
                 "config": config_to_dict(cfg)}
 
+    done = start_step  # the last step done, also when none is left to do
     for step_i in range(start_step, c.steps):
         done = step_i + 1
+        profiler.step_begin(done)
+        timer.switch("data")
         local = next(batches)
+        if data_delay:
+            time.sleep(data_delay)
         if done in nan_steps:
             local = local.copy()
             local[:, 0] = cfg.model.vocab_size
-        state, metrics = compiled(state, global_batch(run.plan, local))
+        batch = global_batch(run.plan, local)
+        timer.switch("device")  # dispatch here, and blocking on results below
+        state, metrics = compiled(state, batch)
         pending.append((done, metrics))
         stop = signals.requested() or done == stop_after
         save = stop or done == c.steps or bool(c.checkpoint_every and done % c.checkpoint_every == 0)
@@ -279,6 +298,8 @@ def _loop(run: Run, cfg: Config, progress: bool, stop_after: int | None, signals
                 window.add(loss, gnorm)
                 if bar is not None:
                     bar.update(1)
+        timer.switch("other")
+        profiler.step_end(done, pending)
         if len(streak) >= c.max_nonfinite_steps:
             if bar is not None:
                 bar.close()
@@ -296,8 +317,9 @@ def _loop(run: Run, cfg: Config, progress: bool, stop_after: int | None, signals
             if bar is not None:  # the logged window's figures, as in metrics.jsonl
                 bar.set_postfix(loss=f"{rec['loss']:.3f}", lr=f"{rec['lr']:.2e}",
                                 gnorm=f"{rec['grad_norm']:.2f}", tok_s=f"{rec['tokens_per_s']:.0f}",
-                                mfu=f"{rec['mfu']:.1%}" if rec.get("mfu") else "n/a")
+                                mfu=f"{rec['mfu']:.1%}" if rec.get("mfu") else "n/a", time=format_window(rec))
         if val and not stop and (done % c.eval_every == 0 or done == c.steps):
+            timer.switch("eval")
             t_eval = time.perf_counter()
             vl = evaluate(run, state.params, val)
             log.write({"step": done, "val_loss": vl})
@@ -305,15 +327,22 @@ def _loop(run: Run, cfg: Config, progress: bool, stop_after: int | None, signals
             if bar is not None:
                 bar.write(f"step {done}: val_loss {vl:.4f} ({vl / math.log(2):.3f} bits/token)")
             window.add_eval_time(time.perf_counter() - t_eval)
+            timer.switch("other")
         # No periodic checkpoint inside a run of skipped steps: the newest one stays
         # the last good update (the state is unchanged, only the data position moved).
+        timer.switch("checkpoint")
         if save and (not streak or stop or done == c.steps):
             ckpt.save(done, state, extras(done))
+        timer.switch("other")
         if stop:
             summary["preempted"] = signals.name or f"stop_after={stop_after}"
             break
     if bar is not None:
         bar.close()
+    profiler.close(done, pending)
+    timer.switch("checkpoint")
+    ckpt.wait()  # the writes' commit is part of the run's checkpoint cost
+    timer.switch("sample")
     run.state = state
     summary["final_step"] = int(state.step)
     if "preempted" in summary:
@@ -330,6 +359,11 @@ def _loop(run: Run, cfg: Config, progress: bool, stop_after: int | None, signals
                   flush=True)
             if "sample" in summary:
                 print("sample:\n" + summary["sample"], flush=True)
+    good = goodput(timer.totals(), run.setup_s)
+    log.write({"step": done, **{k: v for k, v in good.items() if k != "largest_losses"}})
+    summary["goodput"] = good
+    if run.is_main:
+        print(format_goodput(good), flush=True)
     log.close()
     summary["run"] = run
     return summary

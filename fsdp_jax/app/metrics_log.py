@@ -1,21 +1,31 @@
-"""What a training run reports: `metrics.jsonl` (+ TensorBoard), its train records
-and the text sample at the end.
+"""What a training run reports: `metrics.jsonl` (+ TensorBoard, + Weights & Biases),
+its train records and the text sample at the end.
 
 `MetricsLog` appends one JSON object per line to `<run_dir>/metrics.jsonl` on
-process 0 and mirrors the numeric values to TensorBoard (`<run_dir>/tb`) when
-enabled. `LogWindow` turns the steps since the last record into one train record:
+process 0, mirrors the numeric values to TensorBoard (`<run_dir>/tb`) when enabled,
+and logs every record, same keys, to W&B (`logging.wandb`; files under
+`<run_dir>/wandb`). `LogWindow` turns the steps since the last record into one train
+record:
 
     {"step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "mfu",
-     "compiled_peak_bytes", "peak_bytes_in_use" (only where the device reports it)}
+     "compiled_peak_bytes", "bytes_in_use", "peak_bytes_in_use" (these two only where
+     the device reports them: GPU, TPU),
+     "t_data_s", "t_device_s", "t_checkpoint_s", "t_eval_s", "t_compile_s",
+     "t_profile_s", "t_log_s", "t_other_s", "t_wall_s" (with a StepTimer:
+     fsdp_jax.app.timing)}
 
 loss and grad_norm are means over the window; step time is wall time per step,
-evaluation excluded. Evaluation writes its own `{"step", "val_loss"}` records.
+evaluation, compilation and profiler start/stop excluded. The `t_*_s` columns are
+the window's wall seconds by category and add up to `t_wall_s`. Evaluation writes
+its own `{"step", "val_loss"}` records, and the end of a run one goodput record
+(`{"step", "goodput", "total_wall_s", "total_<category>_s"}`).
 `sample_text` continues a validation prompt with the trained params (sharded like
 training) for the run's final report.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -29,7 +39,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from fsdp_jax.app import data as data_lib
 from fsdp_jax.app.models.llama import sample
-from fsdp_jax.perf import device_memory, mfu
+from fsdp_jax.perf import device_memory, memory_excess, mfu
 from fsdp_jax.precision import Policy
 from fsdp_jax.step import sharding_context
 from fsdp_jax.strategy import ShardingPlan, batch_divisor
@@ -37,29 +47,52 @@ from fsdp_jax.strategy import ShardingPlan, batch_divisor
 if TYPE_CHECKING:
     from fsdp_jax.adapters import ModelFns
     from fsdp_jax.app.config import Config
+    from fsdp_jax.app.timing import StepTimer
 
 
 class MetricsLog:
     """Appends JSON lines to run_dir/metrics.jsonl (process 0) and mirrors scalars to
-    TensorBoard when enabled."""
+    TensorBoard and W&B (`wandb`: `wandb_settings(cfg)`) when enabled. With a
+    `timer`, the time spent starting the loggers and writing is charged to `log`."""
 
-    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool):
-        self.enabled = enabled
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool, wandb: dict | None = None,
+                 timer: StepTimer | None = None):
+        self.enabled, self.timer = enabled, timer
         self.path = run_dir / "metrics.jsonl"
-        self.tb = None
-        if enabled and tensorboard:
-            from tensorboardX import SummaryWriter
-            self.tb = SummaryWriter(str(run_dir / "tb"))
+        self.tb = self.wandb = None
+        with self._timed():
+            if enabled and tensorboard:
+                from tensorboardX import SummaryWriter
+                self.tb = SummaryWriter(str(run_dir / "tb"))
+            if enabled and wandb is not None:
+                self.wandb = _wandb_run(run_dir, **wandb)
+
+    @contextlib.contextmanager
+    def _timed(self):
+        before = self.timer.current if self.timer is not None else None
+        if before is not None:
+            self.timer.switch("log")
+        try:
+            yield
+        finally:
+            if before is not None:
+                self.timer.switch(before)
 
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
+        with self._timed():
+            self._write(record)
+
+    def _write(self, record: dict) -> None:
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         if self.tb is not None:
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)) and v is not None:
                     self.tb.add_scalar(k, v, record["step"])
+        if self.wandb is not None:  # records of one step merge into one W&B history row
+            self.wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
 
     def truncate(self, step: int) -> None:
         """Drop records after `step` (written by a run that died after its last checkpoint)."""
@@ -77,8 +110,34 @@ class MetricsLog:
         os.replace(tmp, self.path)
 
     def close(self):
-        if self.tb is not None:
-            self.tb.close()
+        with self._timed():
+            if self.tb is not None:
+                self.tb.close()
+            if self.wandb is not None:
+                self.wandb.finish()
+                self.wandb = None
+
+
+def wandb_settings(cfg: Config) -> dict | None:
+    """`MetricsLog`'s `wandb` argument from the config's logging section (None: off)."""
+    lg = cfg.logging
+    if not lg.wandb:
+        return None
+    from fsdp_jax.app.config import config_to_dict
+    return {"project": lg.wandb_project, "name": lg.wandb_run_name, "config": config_to_dict(cfg)}
+
+
+def _wandb_run(run_dir: Path, project: str, name: str | None, config: dict):
+    """A W&B run writing under run_dir/wandb; the mode (online, offline, disabled)
+    comes from W&B's own settings, e.g. WANDB_MODE=offline (no network needed)."""
+    try:
+        import wandb
+    except ImportError:  # validate() checks this first; here for direct MetricsLog users
+        from fsdp_jax.app.config import ConfigError
+        raise ConfigError("logging.wandb", "true, but the wandb package is not installed; "
+                          "pip install wandb, or set logging.wandb=false") from None
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return wandb.init(project=project, name=name, dir=str(run_dir), config=config)
 
 
 class LogWindow:
@@ -87,15 +146,24 @@ class LogWindow:
     `schedule(i)`: the learning rate of 0-based step i. `tokens_per_step` (global
     batch x sequence length), `flops_per_token`, `peak_flops` (per device, for MFU;
     None when unknown), `n_devices` and `compiled_peak_bytes` are fixed for a run.
-    `add_eval_time` takes time spent evaluating inside the window out of step time."""
+    `add_eval_time` takes time spent evaluating inside the window out of step time.
+
+    With a `timer` (fsdp_jax.app.timing.StepTimer) the record carries its `t_*_s`
+    breakdown and the window's wall time is the timer's (the first window then
+    includes what the timer saw before it, e.g. compilation); `record` cuts the
+    timer's window, so the windows tile the loop (writing a record falls in the next
+    one). `warn(message)` is called once if the device's measured peak exceeds
+    `compiled_peak_bytes` by more than 10%."""
 
     def __init__(self, step: int, *, schedule: Callable[[int], Any], tokens_per_step: int,
                  flops_per_token: float, peak_flops: float | None, n_devices: int,
-                 compiled_peak_bytes: int):
+                 compiled_peak_bytes: int, timer: StepTimer | None = None,
+                 warn: Callable[[str], None] | None = None):
         self.schedule = schedule
         self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
         self.peak_flops, self.n_devices = peak_flops, n_devices
         self.compiled_peak_bytes = compiled_peak_bytes
+        self.timer, self.warn = timer, warn
         self.values: list[tuple[float, float]] = []
         self.reset(step)
 
@@ -114,17 +182,34 @@ class LogWindow:
         return bool(self.values)
 
     def record(self, step: int) -> dict:
-        """The train record for the window ending at `step` (1-based; does not reset)."""
-        dt = (time.perf_counter() - self.t - self.eval_s) / max(1, step - self.step)
+        """The train record for the window ending at `step` (1-based; does not reset the
+        losses, but starts the timer's next window)."""
+        n = max(1, step - self.step)
+        before = self.timer.current if self.timer is not None else None
+        if before is not None:
+            self.timer.switch("log")  # computing the record is logging work too
+        lr = float(self.schedule(step - 1))  # the first call compiles the schedule
+        dm = device_memory()
+        if before is not None:
+            tw = self.timer.window()
+            self.timer.cut()
+            self.timer.switch(before)
+            dt = (tw["t_wall_s"] - tw["t_eval_s"] - tw["t_compile_s"] - tw["t_profile_s"]) / n
+        else:
+            tw, dt = {}, (time.perf_counter() - self.t - self.eval_s) / n
         tps = self.tokens_per_step / dt
         rec = {"step": step, "loss": float(np.mean([w[0] for w in self.values])),
-               "lr": float(self.schedule(step - 1)), "grad_norm": float(np.mean([w[1] for w in self.values])),
+               "lr": lr, "grad_norm": float(np.mean([w[1] for w in self.values])),
                "step_time_s": dt, "tokens_per_s": tps,
                "mfu": mfu(self.flops_per_token, tps, self.n_devices, self.peak_flops),
                "compiled_peak_bytes": self.compiled_peak_bytes}
-        dm = device_memory()
         if dm:
-            rec["peak_bytes_in_use"] = dm["peak_bytes_in_use"]
+            rec["bytes_in_use"], rec["peak_bytes_in_use"] = dm["bytes_in_use"], dm["peak_bytes_in_use"]
+            excess = memory_excess(dm["peak_bytes_in_use"], self.compiled_peak_bytes)
+            if excess and self.warn is not None:
+                self.warn(f"warning: {excess}")
+                self.warn = None  # once per run
+        rec.update(tw)
         return rec
 
 
