@@ -274,7 +274,7 @@ def verify(model: Any, optimizer: optax.GradientTransformation | None = None, lo
         raise VerifyError(f"verify: devices ({devices}) and steps ({steps}) must be >= 1")
     names = _strategy_names(strategies)
     factory = model if isinstance(model, str) else None
-    have = _devices_for(devices)
+    have = devices_for(devices)
     if in_subprocess or (have is None and factory is not None):
         if factory is None:
             raise VerifyError("verify: in_subprocess=True needs the model as a 'module:function' "
@@ -318,7 +318,7 @@ def _strategy_names(strategies) -> list[str]:
     return out
 
 
-def _devices_for(n: int) -> list[jax.Device] | None:
+def devices_for(n: int) -> list[jax.Device] | None:
     """n devices of one platform in this process (the default backend's first, then
     CPU), or None."""
     if len(jax.devices()) >= n:
@@ -385,7 +385,7 @@ def _compare(model, optimizer, loss_fn, batch, batches, names: list[str], devs: 
     paths = [rl.path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(p0)[0]]
     reports = {}
     for name in names:
-        mesh = make_mesh(*_mesh_shape(name, len(devs)), devices=devs)
+        mesh = make_mesh(*strategy_mesh_shape(name, len(devs)), devices=devs)
         reports[name] = _run_strategy(fns, optimizer, loss_fn, opts, mesh, name, key,
                                       check_init and params is None, p0, host_batches, ref_loss,
                                       ref_gnorm, ref_params, paths, tol)
@@ -443,7 +443,7 @@ def _build(fns, optimizer, mesh, strategy, loss_fn, opts):
         raise VerifyError(f"verify: {strategy}: {e}") from None
 
 
-def _mesh_shape(strategy: str, n: int) -> tuple[int, int, int]:
+def strategy_mesh_shape(strategy: str, n: int) -> tuple[int, int, int]:
     """(data, fsdp, tensor): every device on fsdp; hybrid_shard needs a data axis and
     gets data=2 x fsdp=n/2 (as the planner does) when n is even and at least 4."""
     if strategy == "hybrid_shard" and n % 2 == 0 and n >= 4:
