@@ -64,12 +64,14 @@ def shrunk_model(m, n: int):
 
 
 def _rows(model_cfg, min_shard_size: int, strategy: str, devices, remat: str):
+    """{param path: (shape, at-rest spec)} of the reference model under `strategy`."""
+    import optax
+
     from fsdp_jax.adapters import from_nnx
     from fsdp_jax.app.models.llama import Llama
     from fsdp_jax.mesh import make_mesh
     from fsdp_jax.strategy import make_plan
     from fsdp_jax.verify import strategy_mesh_shape
-    import optax
     fns = from_nnx(lambda rngs: Llama(model_cfg, rngs=rngs, remat=remat))
     mesh = make_mesh(*strategy_mesh_shape(strategy, len(devices)), devices=devices)
     plan = make_plan(fns.abstract_params, optax.sgd(0.1), mesh, strategy, fns.logical_axes,
@@ -88,8 +90,10 @@ def shrink_config(cfg, n: int, strategies, devices):
     # min_shard_size: the same params must stay replicated for being small
     full = _rows(cfg.model, cfg.mesh.min_shard_size, strategies[0], devices, cfg.remat)
     small_shapes = {p: s for p, (s, _) in _rows(model, 1, strategies[0], devices, cfg.remat).items()}
-    below = [math.prod(small_shapes[p]) for p, (s, _) in full.items() if math.prod(s) < cfg.mesh.min_shard_size]
-    above = [math.prod(small_shapes[p]) for p, (s, _) in full.items() if math.prod(s) >= cfg.mesh.min_shard_size]
+    small = {p: math.prod(s) < cfg.mesh.min_shard_size
+             for p, (s, _) in full.items()}
+    below = [math.prod(small_shapes[p]) for p in full if small[p]]
+    above = [math.prod(small_shapes[p]) for p in full if not small[p]]
     threshold = max(below, default=0) + 1
     if above and min(above) < threshold:
         raise RuntimeError("cannot shrink this model keeping which params stay replicated; "
@@ -170,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         except RuntimeError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
-        notes += [f"{n_params / 1e6:.1f}M params: shrunk to verify on CPU ({count_params(cfg.model) / 1e6:.2f}M); "
+        reduced = count_params(cfg.model) / 1e6
+        notes += [f"{n_params / 1e6:.1f}M params: shrunk to verify on CPU ({reduced:.2f}M); "
                   + ", ".join(f"{k} {a} -> {b}" for k, a, b in ((k, *v) for k, v in changed.items())),
                   "kept: every dim's divisibility by the device count, the logical names, "
                   "global_batch, precision, remat, microbatches, optimizer"] + more
