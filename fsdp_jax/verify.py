@@ -1,0 +1,577 @@
+"""Does my model train the same under every strategy? One call, before renting a cluster.
+
+    report = fsdp_jax.verify(model, optax.adamw(1e-3), loss_fn, batch, devices=8, steps=3)
+    print(report.format()); assert report.passed
+
+`verify` trains `steps` steps on ONE device (the reference) and the same steps under each
+strategy on `devices` devices, from the same initial params and the same batches, all
+through `fsdp_jax.build.build` (the road the trainer and `shard_model` take). Per
+strategy it reports the relative loss difference at every step, the relative grad-norm
+difference, the parameter difference after every step (per leaf), the state bytes per
+device and the collectives per step of the compiled step (`fsdp_jax.memory`), and
+passes or fails against a `Tolerance` chosen from the optimizer and the compute dtype
+(`TOLERANCES`, measured: README "Verify a model"). A failure names the first step at
+which anything diverged, and the leaves that diverged there, worst first.
+
+What it catches: anything whose result depends on how many devices hold the batch or
+the params: a `shard_map` block that forgets a cross-device `psum`, `psum` where
+`pmean` was meant, per-device randomness (the same dropout key on every shard), a
+custom op or constraint that is wrong under one layout. What it cannot see: bugs
+that also break the one-device run (it compares, it does not judge the model), and
+effects that need more steps than it runs.
+
+Devices. The N devices must exist in the process that runs the comparison. When this
+process has fewer, pass the model as a `"module:function"` factory spec instead of
+objects: `verify` then runs in a child process started with N fake CPU devices, where
+`module.function(**factory_kwargs)` returns a dict of `verify`'s arguments (`model`,
+`optimizer`, `loss_fn`, `batch` or `batches`, and any options). The module must be
+importable there (the child gets this process's `sys.path`); objects cannot cross the
+process boundary, so with objects and too few devices `verify` raises `VerifyError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+from fsdp_jax import rules as rl
+from fsdp_jax.build import build
+from fsdp_jax.memory import collective_report, compiled_memory, state_bytes_per_device
+from fsdp_jax.mesh import make_mesh
+from fsdp_jax.precision import Policy
+from fsdp_jax.strategy import STRATEGIES, get_strategy
+
+DEFAULT_STRATEGIES = ("no_shard", "shard_opt", "shard_grad_op", "full_shard", "hybrid_shard")
+
+
+class VerifyError(ValueError):
+    """Bad input to `verify`: unknown strategy, a batch that cannot split over the
+    devices, a model that does not initialise, a loss that fails, too few devices."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    """Pass/fail limits. `loss_rtol`: |loss - ref| / |ref| at every step.
+    `grad_norm_rtol`: the same for the global grad norm. `param_rtol`: per leaf,
+    ||p - p_ref|| / ||p_ref|| (Frobenius) after every step."""
+    name: str
+    loss_rtol: float
+    grad_norm_rtol: float
+    param_rtol: float
+
+
+# From benchmarks/verify_tolerances.py (README "Verify a model": the table and the
+# command): the largest difference any strategy showed on healthy models (the reference
+# Llama, a Linen and an NNX MLP; 5 steps on 8 CPU devices), times a margin of 9-30,
+# rounded up. Loss differences in bf16 come from the forward pass, so both bf16
+# presets share one loss limit; Adam-like updates amplify rounding in near-zero grads,
+# hence their looser param limits. Comments: the measured maxima (loss, grad norm, param).
+TOLERANCES: dict[str, Tolerance] = {t.name: t for t in (
+    Tolerance("sgd-f32", loss_rtol=2e-6, grad_norm_rtol=2e-6, param_rtol=1e-6),  # 1.2e-7 8.6e-8 5.2e-8
+    Tolerance("adaptive-f32", loss_rtol=1e-5, grad_norm_rtol=1e-5, param_rtol=5e-5),  # 3.5e-7 2.0e-7 2.5e-6
+    Tolerance("sgd-bf16", loss_rtol=2e-3, grad_norm_rtol=2e-3, param_rtol=1e-2),  # 1.3e-4 1.6e-4 6.2e-4
+    Tolerance("adaptive-bf16", loss_rtol=2e-3, grad_norm_rtol=2e-2, param_rtol=5e-2),  # 2.7e-5 9.9e-4 5.6e-3
+)}
+
+# Optimizer-state fields that make an update scale-free (Adam-like): such updates
+# amplify rounding on near-zero grads, so they get the looser limits.
+_ADAPTIVE_FIELDS = {"nu", "nu_max", "v_row", "v_col", "v", "sum_of_squares", "grad_sqr", "exp_avg_sq"}
+
+
+def optimizer_kind(optimizer: optax.GradientTransformation, abstract_params) -> str:
+    """`adaptive` when the optimizer keeps second-moment state (Adam, AdamW, Adafactor,
+    RMSProp, Adagrad) or is sign-based (Lion), else `sgd`."""
+    found = []
+
+    def visit(x):
+        if isinstance(x, tuple) and hasattr(x, "_fields"):
+            if _ADAPTIVE_FIELDS & set(x._fields) or "Lion" in type(x).__name__:
+                found.append(type(x).__name__)
+            for v in x:
+                visit(v)
+        elif isinstance(x, (tuple, list)):
+            for v in x:
+                visit(v)
+        elif isinstance(x, Mapping):
+            for v in x.values():
+                visit(v)
+    visit(jax.eval_shape(optimizer.init, abstract_params))
+    return "adaptive" if found else "sgd"
+
+
+def default_tolerance(optimizer, abstract_params, precision=None) -> Tolerance:
+    """The `TOLERANCES` preset for this optimizer (sgd / adaptive) and compute dtype
+    (f32, or bf16 for any 16-bit compute)."""
+    compute = Policy.parse(precision).compute_dtype
+    width = "f32" if np.dtype(compute).itemsize >= 4 else "bf16"
+    return TOLERANCES[f"{optimizer_kind(optimizer, abstract_params)}-{width}"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Divergence:
+    """The first step (1-based) at which a strategy left the tolerance. `loss` /
+    `grad_norm`: relative errors at that step when they exceeded, else None.
+    `leaves`: (path, relative error) of every leaf over `param_rtol` after that
+    step, worst first."""
+    step: int
+    loss: float | None
+    grad_norm: float | None
+    leaves: tuple[tuple[str, float], ...]
+
+    def describe(self, tol: Tolerance) -> str:
+        parts = []
+        if self.loss is not None:
+            parts.append(f"loss rel diff {self.loss:.3g} > {tol.loss_rtol:g}")
+        if self.grad_norm is not None:
+            parts.append(f"grad-norm rel diff {self.grad_norm:.3g} > {tol.grad_norm_rtol:g}")
+        if self.leaves:
+            path, err = self.leaves[0]
+            more = f" (+{len(self.leaves) - 1} more leaves)" if len(self.leaves) > 1 else ""
+            parts.append(f"param {path} rel diff {err:.3g} > {tol.param_rtol:g}{more}")
+        return f"step {self.step}: " + "; ".join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategyReport:
+    """One strategy against the one-device reference. Per-step lists are 1-based
+    steps in order. `param_rel_diff`: the worst leaf's ||p - p_ref|| / ||p_ref||
+    after each step; `param_max_abs_diff`: the largest element difference after
+    the last step; `worst_leaf`: the leaf with the largest relative difference
+    after the last step. `init_max_abs_diff`: this strategy's own sharded init
+    against the reference init (reported, not judged: training starts from the
+    reference init either way; None for materialised params). `state_bytes`:
+    per-device params / opt_state / step / total; `peak_bytes`: the compiled
+    step's peak (memory_analysis); `collectives_per_step`: {op: {count, bytes}}."""
+    strategy: str
+    mesh: dict[str, int]
+    passed: bool
+    loss_rel_diff: list[float]
+    grad_norm_rel_diff: list[float]
+    param_rel_diff: list[float]
+    param_max_abs_diff: float
+    worst_leaf: str
+    init_max_abs_diff: float | None
+    state_bytes: dict[str, int]
+    peak_bytes: int
+    collectives_per_step: dict[str, dict[str, int]]
+    first_divergence: Divergence | None
+
+    @property
+    def max_loss_rel_diff(self) -> float:
+        return max(self.loss_rel_diff)
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyReport:
+    """`verify`'s result: the reference run and one StrategyReport per strategy."""
+    devices: int
+    steps: int
+    platform: str
+    tolerance: Tolerance
+    optimizer_kind: str
+    precision: str
+    reference_loss: list[float]
+    reference_grad_norm: list[float]
+    strategies: dict[str, StrategyReport]
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed for r in self.strategies.values())
+
+    @property
+    def failed(self) -> list[str]:
+        return [n for n, r in self.strategies.items() if not r.passed]
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["passed"] = self.passed
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> VerifyReport:
+        d = dict(d)
+        d.pop("passed", None)
+        d["tolerance"] = Tolerance(**d["tolerance"])
+        strategies = {}
+        for name, r in d["strategies"].items():
+            r = dict(r)
+            fd = r["first_divergence"]
+            if fd is not None:
+                r["first_divergence"] = Divergence(fd["step"], fd["loss"], fd["grad_norm"],
+                                                   tuple((p, e) for p, e in fd["leaves"]))
+            strategies[name] = StrategyReport(**r)
+        d["strategies"] = strategies
+        return cls(**d)
+
+    def format(self) -> str:
+        """A table (one row per strategy) and one line per failure."""
+        t = self.tolerance
+        lines = [f"verify: {self.steps} steps, 1 device vs {self.devices} {self.platform} devices, "
+                 f"{self.optimizer_kind} optimizer, precision {self.precision}; tolerance "
+                 f"{t.name} (loss {t.loss_rtol:g}, grad norm {t.grad_norm_rtol:g}, "
+                 f"params {t.param_rtol:g})",
+                 "reference loss " + " ".join(f"{x:.6f}" for x in self.reference_loss)]
+        head = (f"{'strategy':<14} {'data x fsdp':<12} {'loss rel':>9} {'gnorm rel':>9} {'param rel':>9} "
+                f"{'param abs':>9} {'state/dev':>10} {'collectives/step':<34} result")
+        lines += [head, "-" * len(head)]
+        for name, r in self.strategies.items():
+            mesh = f"{r.mesh.get('data', 1)} x {r.mesh.get('fsdp', 1)}"
+            coll = ", ".join(f"{op.replace('all-', 'a').replace('reduce-scatter', 'rs')} {c['count']}"
+                             for op, c in sorted(r.collectives_per_step.items())) or "none"
+            lines.append(f"{name:<14} {mesh:<12} {r.max_loss_rel_diff:>9.2e} {max(r.grad_norm_rel_diff):>9.2e} "
+                         f"{max(r.param_rel_diff):>9.2e} {r.param_max_abs_diff:>9.2e} "
+                         f"{_mib(r.state_bytes['total']):>10} {coll:<34} {'PASS' if r.passed else 'FAIL'}")
+        for name, r in self.strategies.items():
+            if r.first_divergence is not None:
+                lines.append(f"FAIL {name}: first divergence at {r.first_divergence.describe(t)}")
+            if r.init_max_abs_diff:
+                lines.append(f"note {name}: its own sharded init differs from the one-device init by "
+                             f"{r.init_max_abs_diff:.3g} (verify trains both from the same init)")
+        lines.append(f"{'PASS' if self.passed else 'FAIL'}: "
+                     + ("every strategy trains like one device" if self.passed
+                        else f"{', '.join(self.failed)} diverged from one device"))
+        return "\n".join(lines)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
+# ----------------------------------------------------------------------------- entry point
+
+def verify(model: Any, optimizer: optax.GradientTransformation | None = None, loss_fn=None,
+           batch: Any = None, *, strategies: Sequence[str] | None = None, devices: int = 8,
+           steps: int = 3, batches: Sequence[Any] | None = None, seed: int = 0,
+           tolerance: Tolerance | str | None = None, check_init: bool = True,
+           in_subprocess: bool | None = None,
+           factory_kwargs: Mapping[str, Any] | None = None, **options) -> VerifyReport:
+    """Train `steps` steps on one device and under each strategy on `devices` devices;
+    compare.
+
+    `model`: anything `fsdp_jax.shard_model` accepts (a `from_nnx` / `from_linen`
+    ModelFns, an init function, an `nnx.Module`, a params tree), or a
+    `"module:function"` factory spec (module docstring). `loss_fn(params, batch)`:
+    a scalar mean loss. `batch`: one pytree batch with a leading global-batch dim
+    divisible by `devices` (used for every step), or `batches`: one per step.
+    `strategies`: names or aliases (default: all five). `seed`: init rng.
+    `tolerance`: a Tolerance, a `TOLERANCES` name, or None (from the optimizer and
+    `precision`). `check_init`: also run each strategy's own sharded init and report
+    how far it is from the one-device init (`init_max_abs_diff`; one compile per
+    strategy; training starts from the one-device init either way). `in_subprocess`:
+    None runs in this process when it has `devices` devices, else in a child
+    (factory specs only); True forces the child.
+    `options`: `precision`, `microbatches`, `clip_norm`, `remat`, `has_aux`,
+    `trainable` (the train step's), `min_shard_size`, `max_replicated_fraction`
+    (default None: not checked), `rules`, `logical_axes` (the plan's).
+
+    Returns a VerifyReport; raises VerifyError on bad input.
+    """
+    if devices < 1 or steps < 1:
+        raise VerifyError(f"verify: devices ({devices}) and steps ({steps}) must be >= 1")
+    names = _strategy_names(strategies)
+    factory = model if isinstance(model, str) else None
+    have = devices_for(devices)
+    if in_subprocess or (have is None and factory is not None):
+        if factory is None:
+            raise VerifyError("verify: in_subprocess=True needs the model as a 'module:function' "
+                              "factory spec (objects cannot cross into the child process)")
+        return _run_child(factory, dict(factory_kwargs or {}), names, devices, steps, seed, tolerance,
+                          dict(options, check_init=check_init))
+    if have is None:
+        raise VerifyError(
+            f"verify: this process has {len(jax.devices())} {jax.default_backend()} device(s), fewer "
+            f"than devices={devices}; start it with {devices} devices (jax.config.update("
+            f"'jax_num_cpu_devices', {devices}) before JAX starts) or pass the model as a "
+            "'module:function' factory spec, which runs in a child process with that many CPU devices")
+    if factory is not None:
+        kwargs = _call_factory(factory, factory_kwargs)
+        kwargs.update(options)  # the caller's options win over the factory's
+        model = kwargs.pop("model")
+        optimizer, loss_fn = kwargs.pop("optimizer"), kwargs.pop("loss_fn")
+        batch, batches = kwargs.pop("batch", batch), kwargs.pop("batches", batches)
+        options = kwargs
+    if optimizer is None or loss_fn is None or (batch is None and batches is None):
+        raise VerifyError("verify: needs model, optimizer, loss_fn and batch (or batches)")
+    return _compare(model, optimizer, loss_fn, batch, batches, names, have, steps, seed,
+                    tolerance, check_init, options)
+
+
+def _strategy_names(strategies) -> list[str]:
+    if strategies is None:
+        return list(DEFAULT_STRATEGIES)
+    if isinstance(strategies, str):
+        strategies = [s for s in strategies.split(",") if s.strip()]
+    out = []
+    for s in strategies:
+        try:
+            name = get_strategy(s).name
+        except ValueError as e:
+            raise VerifyError(f"verify: strategies: {e}") from None
+        if name not in out:
+            out.append(name)
+    if not out:
+        raise VerifyError(f"verify: strategies names no strategy; choose from {', '.join(STRATEGIES)}")
+    return out
+
+
+def devices_for(n: int) -> list[jax.Device] | None:
+    """n devices of one platform in this process (the default backend's first, then
+    CPU), or None."""
+    if len(jax.devices()) >= n:
+        return list(jax.devices())[:n]
+    try:
+        cpu = jax.devices("cpu")
+    except RuntimeError:
+        return None
+    return list(cpu)[:n] if len(cpu) >= n else None
+
+
+def _call_factory(spec: str, kwargs: Mapping[str, Any] | None) -> dict:
+    mod_name, sep, fn_name = spec.partition(":")
+    if not sep or not mod_name or not fn_name:
+        raise VerifyError(f"verify: model {spec!r}: a factory spec is 'module:function'")
+    try:
+        fn = getattr(importlib.import_module(mod_name), fn_name)
+    except (ImportError, AttributeError) as e:
+        raise VerifyError(f"verify: model {spec!r}: cannot import it: {e}") from None
+    out = fn(**dict(kwargs or {}))
+    if not isinstance(out, Mapping) or not {"model", "optimizer", "loss_fn"} <= set(out):
+        raise VerifyError(f"verify: factory {spec} must return a dict with model, optimizer, "
+                          "loss_fn and batch (or batches)")
+    return dict(out)
+
+
+# ----------------------------------------------------------------------------- the comparison
+
+_BUILD_OPTIONS = ("logical_axes", "rules", "min_shard_size", "max_replicated_fraction")
+_STEP_OPTIONS = ("precision", "microbatches", "clip_norm", "remat", "has_aux", "trainable",
+                 "skip_nonfinite")
+
+
+def _compare(model, optimizer, loss_fn, batch, batches, names: list[str], devs: list[jax.Device],
+             steps: int, seed: int, tolerance, check_init: bool,
+             options: Mapping[str, Any]) -> VerifyReport:
+    unknown = sorted(set(options) - set(_BUILD_OPTIONS) - set(_STEP_OPTIONS))
+    if unknown:
+        raise VerifyError(f"verify: unknown option(s) {', '.join(unknown)}; allowed: "
+                          f"{', '.join(_BUILD_OPTIONS + _STEP_OPTIONS)}")
+    opts = {"max_replicated_fraction": None, **options}
+    host_batches = _host_batches(batch, batches, steps, len(devs), opts.get("microbatches", 1))
+    from fsdp_jax.adapters import _adapt  # the shard_model adapter: same model forms accepted
+    key = jax.random.key(seed)
+    with _user_code("the model does not initialise"):
+        fns, params = _adapt(model, key)
+    tol = _tolerance(tolerance, optimizer, fns, opts.get("precision"))
+
+    ref_mesh = make_mesh(1, 1, 1, devices=devs[:1])
+    ref = _build(fns, optimizer, ref_mesh, "no_shard", loss_fn, opts)
+    with _user_code("the model does not initialise"):
+        state = ref.init_state(key) if params is None else ref.place(params)
+    p0 = _host(state.params)
+    with _user_code("loss_fn fails on the batch"):
+        step = ref.train_step.lower(state, _put(host_batches[0], ref.plan.batch)).compile()
+    ref_loss, ref_gnorm, ref_params = [], [], []
+    for b in host_batches:
+        state, m = step(state, _put(b, ref.plan.batch))
+        ref_loss.append(float(m["loss"]))  # blocking each step bounds the work in flight (CPU)
+        ref_gnorm.append(float(m["grad_norm"]))
+        ref_params.append(_host(state.params))
+    del state
+
+    paths = [rl.path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(p0)[0]]
+    reports = {}
+    for name in names:
+        mesh = make_mesh(*strategy_mesh_shape(name, len(devs)), devices=devs)
+        reports[name] = _run_strategy(fns, optimizer, loss_fn, opts, mesh, name, key,
+                                      check_init and params is None, p0, host_batches, ref_loss,
+                                      ref_gnorm, ref_params, paths, tol)
+    return VerifyReport(
+        devices=len(devs), steps=steps, platform=devs[0].platform, tolerance=tol,
+        optimizer_kind=optimizer_kind(optimizer, fns.abstract_params),
+        precision=str(Policy.parse(opts.get("precision"))), reference_loss=ref_loss,
+        reference_grad_norm=ref_gnorm, strategies=reports)
+
+
+def _run_strategy(fns, optimizer, loss_fn, opts, mesh, name, key, sharded_init, p0, host_batches,
+                  ref_loss, ref_gnorm, ref_params, paths, tol) -> StrategyReport:
+    built = _build(fns, optimizer, mesh, name, loss_fn, opts)
+    init_diff = None
+    if sharded_init:  # the strategy's own init, for the record (training starts from p0)
+        own = built.init_state(key)
+        init_diff = max(float(np.max(np.abs(a - b), initial=0.0))
+                        for a, b in zip(jax.tree.leaves(_host(own.params)), jax.tree.leaves(p0)))
+        del own
+    state = built.place(p0)
+    step = built.train_step.lower(state, _put(host_batches[0], built.plan.batch)).compile()
+    collectives = {op: dict(v) for op, v in collective_report(step.as_text())["per_step"].items()}
+    peak = compiled_memory(step)["peak"]
+    loss_d, gnorm_d, param_d, first = [], [], [], None
+    for i, b in enumerate(host_batches):
+        state, m = step(state, _put(b, built.plan.batch))
+        loss_d.append(_rel(float(m["loss"]), ref_loss[i]))
+        gnorm_d.append(_rel(float(m["grad_norm"]), ref_gnorm[i]))
+        leaf_d = [_leaf_rel(a, r) for a, r in zip(jax.tree.leaves(_host(state.params)),
+                                                  jax.tree.leaves(ref_params[i]))]
+        param_d.append(max(leaf_d, default=0.0))
+        if first is None:
+            bad = sorted(((p, e) for p, e in zip(paths, leaf_d) if not e <= tol.param_rtol),
+                         key=lambda pe: -pe[1])
+            over_loss, over_gnorm = not loss_d[-1] <= tol.loss_rtol, not gnorm_d[-1] <= tol.grad_norm_rtol
+            if bad or over_loss or over_gnorm:
+                first = Divergence(i + 1, loss_d[-1] if over_loss else None,
+                                   gnorm_d[-1] if over_gnorm else None, tuple(bad))
+    last = jax.tree.leaves(_host(state.params))
+    worst = int(np.argmax(leaf_d)) if leaf_d else 0
+    max_abs = max((float(np.max(np.abs(a - r), initial=0.0))
+                   for a, r in zip(last, jax.tree.leaves(ref_params[-1]))), default=0.0)
+    return StrategyReport(
+        strategy=name, mesh={k: int(v) for k, v in mesh.shape.items()}, passed=first is None,
+        loss_rel_diff=loss_d, grad_norm_rel_diff=gnorm_d, param_rel_diff=param_d,
+        param_max_abs_diff=max_abs, worst_leaf=paths[worst] if paths else "",
+        init_max_abs_diff=init_diff, state_bytes=state_bytes_per_device(built.abstract_state),
+        peak_bytes=int(peak), collectives_per_step=collectives, first_divergence=first)
+
+
+def _build(fns, optimizer, mesh, strategy, loss_fn, opts):
+    try:
+        return build(fns, optimizer, mesh, strategy, loss_fn=loss_fn, **opts)
+    except rl.ShardingError as e:
+        raise VerifyError(f"verify: {strategy}: {e}") from None
+
+
+def strategy_mesh_shape(strategy: str, n: int) -> tuple[int, int, int]:
+    """(data, fsdp, tensor): every device on fsdp; hybrid_shard needs a data axis and
+    gets data=2 x fsdp=n/2 (as the planner does) when n is even and at least 4."""
+    if strategy == "hybrid_shard" and n % 2 == 0 and n >= 4:
+        return 2, n // 2, 1
+    return 1, n, 1
+
+
+def _host_batches(batch, batches, steps: int, n: int, microbatches: int) -> list:
+    """`steps` host copies of the batches, each leaf's leading dim checked against
+    n x microbatches."""
+    if batches is None:
+        batches = [batch] * steps
+    batches = list(batches)
+    if len(batches) < steps:
+        raise VerifyError(f"verify: batches has {len(batches)} batches, fewer than steps={steps}")
+    out = [jax.tree.map(np.asarray, b) for b in batches[:steps]]
+    for path, x in jax.tree_util.tree_flatten_with_path(out[0])[0]:
+        b = x.shape[0] if x.ndim else None
+        if b is None or b % (n * microbatches):
+            raise VerifyError(f"verify: batch leaf {rl.path_str(path) or '<root>'} has leading dim {b}, "
+                              f"which cannot split over devices={n} x microbatches={microbatches}; "
+                              f"use a global batch that is a multiple of {n * microbatches}")
+    return out
+
+
+def _tolerance(tolerance, optimizer, fns, precision) -> Tolerance:
+    if isinstance(tolerance, Tolerance):
+        return tolerance
+    if tolerance is None:
+        return default_tolerance(optimizer, fns.abstract_params, precision)
+    if tolerance not in TOLERANCES:
+        raise VerifyError(f"verify: tolerance {tolerance!r}: choose a Tolerance or one of "
+                          f"{', '.join(TOLERANCES)}")
+    return TOLERANCES[tolerance]
+
+
+class _user_code:
+    """Turn an exception raised by the caller's model or loss into a one-line VerifyError
+    (the original stays chained as its cause)."""
+
+    def __init__(self, what: str):
+        self.what = what
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, tp, e, tb):
+        if e is None or isinstance(e, VerifyError) or not isinstance(e, Exception):
+            return False
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise VerifyError(f"verify: {self.what}: {type(e).__name__}: {first}") from e
+
+
+def _put(batch, sharding):
+    return jax.device_put(batch, sharding)
+
+
+def _host(tree):
+    return jax.tree.map(lambda x: np.asarray(x, np.float64), jax.device_get(tree))
+
+
+def _rel(x: float, ref: float) -> float:
+    if x == ref or (np.isnan(x) and np.isnan(ref)):
+        return 0.0
+    d = abs(x - ref) / max(abs(ref), 1e-30)
+    return float(d) if np.isfinite(d) else float("inf")
+
+
+def _leaf_rel(a: np.ndarray, ref: np.ndarray) -> float:
+    """||a - ref|| / ||ref|| (Frobenius, float64); inf for non-finite differences."""
+    num = float(np.linalg.norm((a - ref).ravel()))
+    if num == 0.0:
+        return 0.0
+    d = num / max(float(np.linalg.norm(ref.ravel())), 1e-30)
+    return d if np.isfinite(d) else float("inf")
+
+
+# ----------------------------------------------------------------------------- the child process
+
+def _run_child(factory: str, factory_kwargs: dict, names: list[str], devices: int, steps: int,
+               seed: int, tolerance, options: dict) -> VerifyReport:
+    if isinstance(tolerance, Tolerance):
+        tolerance = dataclasses.asdict(tolerance)
+    request = {"factory": factory, "factory_kwargs": factory_kwargs, "strategies": names,
+               "devices": devices, "steps": steps, "seed": seed, "tolerance": tolerance,
+               "options": options}
+    try:
+        text = json.dumps(request)
+    except TypeError as e:
+        raise VerifyError(f"verify: options for the child process must be JSON data ({e}); "
+                          "return the others from the factory") from None
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    code = "import sys; from fsdp_jax.verify import _child_main; sys.exit(_child_main())"
+    proc = subprocess.run([sys.executable, "-c", code], input=text, capture_output=True,
+                          text=True, env=env)
+    if proc.returncode == 2:
+        raise VerifyError((proc.stderr.strip().splitlines() or ["child failed"])[-1].removeprefix("error: "))
+    if proc.returncode != 0:
+        raise RuntimeError(f"verify child process ({devices} CPU devices) failed with exit code "
+                           f"{proc.returncode}:\n{proc.stderr[-4000:]}")
+    return VerifyReport.from_dict(json.loads(proc.stdout))
+
+
+def _child_main() -> int:
+    """stdin: the request JSON; stdout: the report JSON. Exit 2 with one line on bad input."""
+    req = json.loads(sys.stdin.read())
+    jax.config.update("jax_num_cpu_devices", int(req["devices"]))
+    cache = os.environ.get("FSDP_JAX_CACHE_DIR")
+    if cache:
+        jax.config.update("jax_compilation_cache_dir", cache)
+    tol, options = req["tolerance"], dict(req["options"])
+    check_init = options.pop("check_init", True)
+    try:
+        report = verify(req["factory"], strategies=req["strategies"], devices=req["devices"],
+                        steps=req["steps"], seed=req["seed"], in_subprocess=False,
+                        tolerance=Tolerance(**tol) if isinstance(tol, dict) else tol,
+                        check_init=check_init, factory_kwargs=req["factory_kwargs"], **options)
+    except (VerifyError, rl.ShardingError) as e:
+        print("error: " + " ".join(str(e).split()), file=sys.stderr)
+        return 2
+    json.dump(report.to_dict(), sys.stdout)
+    return 0
+
+
