@@ -156,13 +156,14 @@ def test_reference_llama_passes_under_every_strategy_sgd_and_adamw():
         assert list(r.strategies) == ["no_shard", "shard_opt", "shard_grad_op", "full_shard", "hybrid_shard"]
         assert r.reference_loss[-1] < r.reference_loss[0]
         s = r.strategies
-        # the sharded layouts really ran: ZeRO-3 holds 1/8 of the params, DDP all of them
-        assert s["full_shard"].state_bytes["params"] * 8 == pytest.approx(
-            s["no_shard"].state_bytes["params"], rel=0.01)
+        # the sharded layouts really ran: ZeRO-3 holds 1/8 of the params (plus the small
+        # replicated norm scales), DDP all of them
+        assert 7 * s["full_shard"].state_bytes["params"] < s["no_shard"].state_bytes["params"]
         assert s["hybrid_shard"].mesh == {"data": 2, "fsdp": 4, "tensor": 1}
         assert "all-gather" in s["full_shard"].collectives_per_step
         assert "all-gather" not in s["no_shard"].collectives_per_step
-        assert all(x.init_max_abs_diff == 0.0 for x in s.values()) or opt is not SGD
+        if opt is SGD:  # each strategy's own sharded init draws the same bits as one device
+            assert [x.init_max_abs_diff for x in s.values()] == [0.0] * 5
         assert all(len(x.loss_rel_diff) == 3 and x.first_divergence is None for x in s.values())
 
 
@@ -196,6 +197,31 @@ def test_dropout_bits_do_not_depend_on_the_sharding_with_either_threefry_setting
         jax.config.update("jax_threefry_partitionable", old)
     assert r.passed, r.format()
     assert r.strategies["full_shard"].max_loss_rel_diff < 1e-6
+
+
+def test_random_bits_under_gspmd_do_not_depend_on_the_sharding():
+    """The fact behind the README's randomness paragraph, for every key implementation
+    and both settings of jax_threefry_partitionable (where it is still settable)."""
+    mesh = fj.make_mesh(fsdp=8)
+    rows = jax.sharding.NamedSharding(mesh, P(BATCH_AXES))
+    x = jnp.arange(16 * 64, dtype=jnp.float32).reshape(16, 64) + 1
+
+    def drop(key, x):
+        return jnp.where(jax.random.bernoulli(key, 0.5, x.shape), x, 0.0)
+    old = getattr(jax.config, "jax_threefry_partitionable", None)
+    try:
+        for partitionable in ((True, False) if old is not None else (None,)):
+            if partitionable is not None:
+                jax.config.update("jax_threefry_partitionable", partitionable)
+            for impl in ("threefry2x32", "rbg", "unsafe_rbg"):
+                key = jax.random.key(3, impl=impl)
+                one = np.asarray(jax.jit(drop)(key, x))
+                eight = np.asarray(jax.jit(drop, out_shardings=rows)(key, jax.device_put(x, rows)))
+                assert 0.3 < (one == 0).mean() < 0.7
+                np.testing.assert_array_equal(one, eight, err_msg=f"{impl} {partitionable}")
+    finally:
+        if old is not None:
+            jax.config.update("jax_threefry_partitionable", old)
 
 
 def test_correct_shard_map_batch_statistics_pass():
