@@ -333,6 +333,30 @@ def test_factory_spec_runs_in_a_child_with_more_devices_than_this_process():
         fj.verify(*linen_setup(), devices=8, in_subprocess=True)
 
 
+def _load_script():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("verify_script", ROOT / "scripts" / "verify.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("config, n", [("llama2_7b", 8), ("llama2_7b", 16), ("llama2_70b", 64),
+                                       ("llama_1b", 8)])
+def test_shrunk_dims_keep_their_divisibility_by_every_mesh_axis(config, n):
+    import math
+
+    from fsdp_jax.app.config import load_config
+    m = load_config(ROOT / "configs" / f"{config}.yaml").model
+    small, changed = _load_script().shrunk_model(m, n)
+    for k in ("d_model", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size"):
+        a, b = getattr(m, k), getattr(small, k)
+        assert b <= a and math.gcd(a, n) == math.gcd(b, n), (k, a, b)
+    assert small.n_heads // small.n_kv_heads == m.n_heads // m.n_kv_heads  # grouped-query ratio
+    assert small.head_dim % 2 == 0 and small.n_layers == 2
+    assert changed["model.d_model"] == (m.d_model, small.d_model) and small.d_model <= 1024
+
+
 def _cli(*args):
     return subprocess.run([sys.executable, str(ROOT / "scripts" / "verify.py"), *args],
                           capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=900)
