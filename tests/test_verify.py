@@ -397,3 +397,15 @@ def test_cli_bad_input_exit_2_one_line(args, match):
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and match in lines[0] and lines[0].startswith("error: "), out.stderr
     assert out.stdout == ""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bug, code", [("none", 0), ("local_mean", 1)])
+def test_example_passes_healthy_and_fails_broken(bug, code):
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "verify_model.py"), "--bug", bug],
+                         capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=900)
+    assert out.returncode == code, out.stderr[-3000:]
+    last = out.stdout.strip().splitlines()[-1]
+    assert last.startswith("PASS" if code == 0 else "FAIL"), out.stdout
+    if code:
+        assert "first divergence at step 1: loss rel diff" in out.stdout
