@@ -466,7 +466,7 @@ def _host_batches(batch, batches, steps: int, n: int, microbatches: int) -> list
     if len(batches) < steps:
         raise VerifyError(f"verify: batches has {len(batches)} batches, fewer than steps={steps}")
     out = [jax.tree.map(np.asarray, b) for b in batches[:steps]]
-    for path, x in jax.tree_util.tree_flatten_with_path(out[0])[0]:
+    for path, x in (leaf for one in out for leaf in jax.tree_util.tree_flatten_with_path(one)[0]):
         b = x.shape[0] if x.ndim else None
         if b is None or b % (n * microbatches):
             raise VerifyError(f"verify: batch leaf {rl.path_str(path) or '<root>'} has leading dim {b}, "

@@ -32,25 +32,32 @@ import math
 import sys
 
 
-def shrink_dim(size: int, target: int, n: int, even: bool = False) -> int:
-    """The smallest size >= `target` (or the nearest above it) with the same gcd with
-    `n` as `size` (so divisible by exactly the same mesh-axis sizes), never above `size`."""
+def shrink_dim(size: int, target: int, n: int) -> int:
+    """The smallest size >= `target` with the same gcd with `n` as `size` (so divisible
+    by exactly the same mesh-axis sizes), never above `size`."""
     g = math.gcd(size, n)
     new = max(g, -(-target // g) * g)
-    while new < size and (math.gcd(new, n) != g or (even and new % 2)):
+    while new < size and math.gcd(new, n) != g:
         new += g
     return min(new, size)
 
 
 def shrunk_model(m, n: int):
     """(reduced LlamaConfig, {key: (old, new)}) for `m` on `n` devices: 2 layers, about
-    8 heads of head_dim 16, ffn ~2x d_model, vocab 256, each dim gcd-preserving."""
+    8 heads (the grouped-query ratio kept), d_model ~128, ffn ~2x d_model, vocab ~256;
+    every dim a rule can map to a mesh axis keeps its gcd with `n`."""
     ratio = m.n_heads // m.n_kv_heads
     kv = shrink_dim(m.n_kv_heads, max(1, 8 // ratio), n)
     heads = kv * ratio  # keeps the grouped-query ratio
     if math.gcd(heads, n) != math.gcd(m.n_heads, n):
         heads = shrink_dim(m.n_heads, heads, n)
-    head_dim = shrink_dim(m.head_dim, max(2, 128 // heads), n, even=True)
+    # head_dim maps to no mesh axis; d_model = heads x head_dim (sharded over fsdp) must
+    # keep its divisibility, so take the smallest even head_dim that gives it that
+    head_dim = max(2, 128 // heads)
+    head_dim += head_dim % 2
+    while head_dim < m.head_dim and math.gcd(heads * head_dim, n) != math.gcd(m.d_model, n):
+        head_dim += 2
+    head_dim = min(head_dim, m.head_dim)
     d_model = heads * head_dim
     new = dataclasses.replace(
         m, n_layers=min(m.n_layers, 2), n_heads=heads, n_kv_heads=kv, d_model=d_model,
@@ -100,7 +107,6 @@ def shrink_config(cfg, n: int, strategies, devices):
                            "run with --max-params 0 to verify it at full size")
     if threshold != cfg.mesh.min_shard_size:
         changed["mesh.min_shard_size"] = (cfg.mesh.min_shard_size, threshold)
-    compared = 0
     for s in strategies:
         a = _rows(cfg.model, cfg.mesh.min_shard_size, s, devices, cfg.remat)
         b = _rows(model, threshold, s, devices, cfg.remat)
@@ -108,12 +114,11 @@ def shrink_config(cfg, n: int, strategies, devices):
             if a[path][1] != b[path][1]:
                 raise RuntimeError(f"reduced model shards {path} as {b[path][1]} under {s}, the full "
                                    f"model as {a[path][1]}; run with --max-params 0")
-            compared += 1
     cfg = dataclasses.replace(cfg, model=model, data=dataclasses.replace(cfg.data, seq_len=seq),
                               mesh=dataclasses.replace(cfg.mesh, min_shard_size=threshold))
     notes = [f"same sharding decision for every param under every strategy ({len(a)} params x "
              f"{len(strategies)} strategies compared, full vs reduced)"]
-    return cfg, changed, notes, compared
+    return cfg, changed, notes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     n_params = count_params(cfg.model)
     if args.max_params and n_params > args.max_params:
         try:
-            cfg, changed, more, _ = shrink_config(cfg, n, strategies, devices)
+            cfg, changed, more = shrink_config(cfg, n, strategies, devices)
         except RuntimeError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1

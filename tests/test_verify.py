@@ -156,13 +156,14 @@ def test_reference_llama_passes_under_every_strategy_sgd_and_adamw():
         assert list(r.strategies) == ["no_shard", "shard_opt", "shard_grad_op", "full_shard", "hybrid_shard"]
         assert r.reference_loss[-1] < r.reference_loss[0]
         s = r.strategies
-        # the sharded layouts really ran: ZeRO-3 holds 1/8 of the params, DDP all of them
-        assert s["full_shard"].state_bytes["params"] * 8 == pytest.approx(
-            s["no_shard"].state_bytes["params"], rel=0.01)
+        # the sharded layouts really ran: ZeRO-3 holds 1/8 of the params (plus the small
+        # replicated norm scales), DDP all of them
+        assert 7 * s["full_shard"].state_bytes["params"] < s["no_shard"].state_bytes["params"]
         assert s["hybrid_shard"].mesh == {"data": 2, "fsdp": 4, "tensor": 1}
         assert "all-gather" in s["full_shard"].collectives_per_step
         assert "all-gather" not in s["no_shard"].collectives_per_step
-        assert all(x.init_max_abs_diff == 0.0 for x in s.values()) or opt is not SGD
+        if opt is SGD:  # each strategy's own sharded init draws the same bits as one device
+            assert [x.init_max_abs_diff for x in s.values()] == [0.0] * 5
         assert all(len(x.loss_rel_diff) == 3 and x.first_divergence is None for x in s.values())
 
 
@@ -196,6 +197,31 @@ def test_dropout_bits_do_not_depend_on_the_sharding_with_either_threefry_setting
         jax.config.update("jax_threefry_partitionable", old)
     assert r.passed, r.format()
     assert r.strategies["full_shard"].max_loss_rel_diff < 1e-6
+
+
+def test_random_bits_under_gspmd_do_not_depend_on_the_sharding():
+    """The fact behind the README's randomness paragraph, for every key implementation
+    and both settings of jax_threefry_partitionable (where it is still settable)."""
+    mesh = fj.make_mesh(fsdp=8)
+    rows = jax.sharding.NamedSharding(mesh, P(BATCH_AXES))
+    x = jnp.arange(16 * 64, dtype=jnp.float32).reshape(16, 64) + 1
+
+    def drop(key, x):
+        return jnp.where(jax.random.bernoulli(key, 0.5, x.shape), x, 0.0)
+    old = getattr(jax.config, "jax_threefry_partitionable", None)
+    try:
+        for partitionable in ((True, False) if old is not None else (None,)):
+            if partitionable is not None:
+                jax.config.update("jax_threefry_partitionable", partitionable)
+            for impl in ("threefry2x32", "rbg", "unsafe_rbg"):
+                key = jax.random.key(3, impl=impl)
+                one = np.asarray(jax.jit(drop)(key, x))
+                eight = np.asarray(jax.jit(drop, out_shardings=rows)(key, jax.device_put(x, rows)))
+                assert 0.3 < (one == 0).mean() < 0.7
+                np.testing.assert_array_equal(one, eight, err_msg=f"{impl} {partitionable}")
+    finally:
+        if old is not None:
+            jax.config.update("jax_threefry_partitionable", old)
 
 
 def test_correct_shard_map_batch_statistics_pass():
@@ -307,6 +333,30 @@ def test_factory_spec_runs_in_a_child_with_more_devices_than_this_process():
         fj.verify(*linen_setup(), devices=8, in_subprocess=True)
 
 
+def _load_script():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("verify_script", ROOT / "scripts" / "verify.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("config, n", [("llama2_7b", 8), ("llama2_7b", 16), ("llama2_70b", 64),
+                                       ("llama_1b", 8)])
+def test_shrunk_dims_keep_their_divisibility_by_every_mesh_axis(config, n):
+    import math
+
+    from fsdp_jax.app.config import load_config
+    m = load_config(ROOT / "configs" / f"{config}.yaml").model
+    small, changed = _load_script().shrunk_model(m, n)
+    for k in ("d_model", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size"):
+        a, b = getattr(m, k), getattr(small, k)
+        assert b <= a and math.gcd(a, n) == math.gcd(b, n), (k, a, b)
+    assert small.n_heads // small.n_kv_heads == m.n_heads // m.n_kv_heads  # grouped-query ratio
+    assert small.head_dim % 2 == 0 and small.n_layers == 2
+    assert changed["model.d_model"] == (m.d_model, small.d_model) and small.d_model <= 1024
+
+
 def _cli(*args):
     return subprocess.run([sys.executable, str(ROOT / "scripts" / "verify.py"), *args],
                           capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=900)
@@ -347,3 +397,15 @@ def test_cli_bad_input_exit_2_one_line(args, match):
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and match in lines[0] and lines[0].startswith("error: "), out.stderr
     assert out.stdout == ""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bug, code", [("none", 0), ("local_mean", 1)])
+def test_example_passes_healthy_and_fails_broken(bug, code):
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "verify_model.py"), "--bug", bug],
+                         capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=900)
+    assert out.returncode == code, out.stderr[-3000:]
+    last = out.stdout.strip().splitlines()[-1]
+    assert last.startswith("PASS" if code == 0 else "FAIL"), out.stdout
+    if code:
+        assert "first divergence at step 1: loss rel diff" in out.stdout
