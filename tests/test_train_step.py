@@ -124,6 +124,7 @@ def test_grad_accumulator_lives_in_grad_sharding():
         assert full not in state_types
 
 
+@pytest.mark.slow
 def test_clipping_matches_single_device(batches):
     m, loss_fn = tiny_llama()
     opt = optax.sgd(0.5)
@@ -226,6 +227,7 @@ def test_plain_dict_model_trains_with_fallback_rule():
     assert max_abs_diff(state.params, ref_params) < 1e-6 and losses[-1] < losses[0]
 
 
+@pytest.mark.slow
 def test_bf16_compute_trains_close_to_fp32(batches):
     opt = optax.sgd(0.5, momentum=0.9)
     _, _, l32 = run_fsdp("full_shard", opt, batches)
