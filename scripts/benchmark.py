@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -123,31 +122,41 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:
         return 2 if e.code else 0
 
-    import jax
-    jax.config.update("jax_num_cpu_devices", int(os.environ.get("FSDP_JAX_CPU_DEVICES", "8")))
-    jax.config.update("jax_enable_compilation_cache", False)
+    import math
 
-    from fsdp_jax.app.cli import BAD_INPUT, fail
-    from fsdp_jax.app.config import ConfigError, load_config, validate
+    import jax
+
+    from fsdp_jax.app.cli import BAD_INPUT, check_out_file, env_int, fail
+    from fsdp_jax.app.config import ConfigError, check_backend, load_config, validate
     from fsdp_jax.app.models.llama import flops_per_token
     from fsdp_jax.perf import mfu, peak_flops
     from fsdp_jax.precision import Policy
     from fsdp_jax.strategy import get_strategy
 
     try:
+        jax.config.update("jax_num_cpu_devices", env_int("FSDP_JAX_CPU_DEVICES", 8))
+        jax.config.update("jax_enable_compilation_cache", False)
         if args.steps < 1 or args.warmup < 0:
             raise ConfigError("--steps", f"{args.steps} / --warmup {args.warmup}: need steps >= 1, warmup >= 0")
+        if args.peak_tflops is not None and not (math.isfinite(args.peak_tflops) and args.peak_tflops > 0):
+            raise ConfigError("--peak-tflops", f"{args.peak_tflops}: must be a finite number > 0")
+        if args.plot:
+            check_out_file(args.plot, "--plot")
         sweeps = parse_sweeps(args.sweep)
         strategies = [get_strategy(s).name for s in args.strategies.split(",") if s]
         load_config(args.config, args.overrides)  # fail early on a bad config
         runs = []
         for combo in combos(sweeps):
-            n_dev = int(combo.get("devices", jax.device_count()))
+            try:
+                n_dev = int(combo.get("devices", jax.device_count()))
+            except ValueError:
+                raise ConfigError("devices", f"{combo['devices']!r} is not an integer") from None
             if not 1 <= n_dev <= jax.device_count():
                 raise ConfigError("devices", f"{n_dev}: choose 1..{jax.device_count()}")
             cfg = load_config(args.config, list(args.overrides) + [f"{k}={v}" for k, v in combo.items()
                                                                      if k != "devices"])
             validate(cfg, n_devices=n_dev)
+            check_backend(cfg, jax.default_backend())
             runs.append((combo, cfg, n_dev))
     except (*BAD_INPUT, ValueError) as e:
         return fail(e)

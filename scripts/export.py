@@ -34,19 +34,32 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # argparse printed its one-line usage error
         return 2 if e.code else 0
 
+    import os
+
     from fsdp_jax.checkpoint import CheckpointError, export_safetensors
-    from fsdp_jax.app.cli import BAD_INPUT, fail
+    from fsdp_jax.app.cli import BAD_INPUT, ENVIRONMENT, fail, fail_env
 
     run_dir = Path(args.run_dir)
     directory = run_dir / "checkpoints" if (run_dir / "checkpoints").is_dir() else run_dir
+    out = Path(args.out)
     try:
         if not directory.is_dir():
             raise CheckpointError(f"{run_dir}: no such run or checkpoint directory")
-        if not Path(args.out).parent.resolve().is_dir():
+        if out.is_dir():
+            raise CheckpointError(f"--out {args.out}: is a directory; give a file path, e.g. "
+                                  f"{out / 'model.safetensors'}")
+        if not out.absolute().parent.is_dir():
             raise CheckpointError(f"--out {args.out}: its directory does not exist")
-        info = export_safetensors(directory, args.out, dtype=args.dtype, step=args.step)
+        if not os.access(out.absolute().parent, os.W_OK | os.X_OK) or (
+                out.exists() and not os.access(out, os.W_OK)):
+            raise CheckpointError(f"--out {args.out}: not writable here; choose a writable place")
+        if args.step is not None and args.step < 0:
+            raise CheckpointError(f"--step {args.step}: must be >= 0")
+        info = export_safetensors(directory, out, dtype=args.dtype, step=args.step)
     except BAD_INPUT as e:
         return fail(e)
+    except ENVIRONMENT as e:  # e.g. the disk filled up while writing: no partial file is left
+        return fail_env(e)
     print(f"exported step {info['step']}: {info['tensors']} tensors, {info['bytes'] / 2**20:.2f} MiB "
           f"-> {info['path']}", flush=True)
     return 0

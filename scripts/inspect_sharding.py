@@ -45,7 +45,11 @@ def main(argv: list[str] | None = None) -> int:
         threshold = (None if args.replicated_threshold == "auto"
                      else parse_bytes(args.replicated_threshold, "--replicated-threshold"))
         if args.strategy is not None:
-            parse_strategies(args.strategy, "--strategy")
+            names = parse_strategies(args.strategy, "--strategy")
+            if len(names) != 1 or args.strategy.strip().lower() == "all":
+                raise PlanError(f"--strategy: {args.strategy!r} must name one strategy "
+                                "(scripts/plan.py compares several)")
+            args.strategy = names[0]
     except PlanError as e:
         return fail(e)
     from fsdp_jax.strategy import get_strategy

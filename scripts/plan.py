@@ -35,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # argparse printed its usage error
         return 2 if e.code else 0
 
-    from fsdp_jax.app.cli import BAD_INPUT, fail
+    from fsdp_jax.app.cli import BAD_INPUT, check_out_file, fail
+    from fsdp_jax.app.config import ConfigError
     from fsdp_jax.app.plan_report import (PlanError, load_planning_config, parse_bytes, parse_devices,
                                       parse_strategies)
 
@@ -43,7 +44,9 @@ def main(argv: list[str] | None = None) -> int:
         n = parse_devices(args.devices)
         mem = parse_bytes(args.device_memory) if args.device_memory is not None else None
         strategies = parse_strategies(args.strategies)
-    except PlanError as e:
+        if args.plot:
+            check_out_file(args.plot, "--plot")
+    except (PlanError, ConfigError) as e:
         return fail(e)
     try:
         cfg = load_planning_config(args.config, args.overrides, n)  # JAX: n CPU devices, from here on

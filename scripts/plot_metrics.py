@@ -8,19 +8,32 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 
 def read_metrics(path: Path) -> list[dict]:
     records = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a UTF-8 text file") from None
+    for i, line in enumerate(text.splitlines(), 1):
         if line.strip():
             try:
-                records.append(json.loads(line))
+                rec = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{i}: not JSON ({e.msg})") from None
+            if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
+                raise ValueError(f"{path}:{i}: not a metrics record (an object with an integer step)")
+            records.append(rec)
     return records
+
+
+def _num(v) -> float:
+    """A logged value; null (a non-finite value, see "nonfinite") plots as a gap."""
+    return float("nan") if v is None else float(v)
 
 
 def plot(records: list[dict], out: Path) -> None:
@@ -31,9 +44,9 @@ def plot(records: list[dict], out: Path) -> None:
     train = [r for r in records if "loss" in r]
     val = [r for r in records if "val_loss" in r]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    ax1.plot([r["step"] for r in train], [r["loss"] for r in train], label="train")
+    ax1.plot([r["step"] for r in train], [_num(r["loss"]) for r in train], label="train")
     if val:
-        ax1.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation")
+        ax1.plot([r["step"] for r in val], [_num(r["val_loss"]) for r in val], "o-", label="validation")
     ax1.set(xlabel="step", ylabel="loss (nats/token)", title="loss")
     ax1.legend()
     ax1.grid(alpha=0.3)
@@ -65,6 +78,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {path}: no logged training steps yet", file=sys.stderr)
         return 2
     out = Path(args.out) if args.out else Path(args.run_dir) / "metrics.png"
+    if out.is_dir() or not out.absolute().parent.is_dir() or not os.access(out.absolute().parent, os.W_OK):
+        print(f"error: --out {str(out)!r}: not a writable file path (a directory, or its directory "
+              "is missing or read-only)", file=sys.stderr)
+        return 2
     plot(records, out)
     print(out)
     return 0

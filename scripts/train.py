@@ -29,18 +29,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2 if e.code else 0
 
     import jax
-    jax.config.update("jax_num_cpu_devices", int(os.environ.get("FSDP_JAX_CPU_DEVICES", "8")))
-    cache = os.environ.get("FSDP_JAX_CACHE_DIR")
-    if cache:
-        jax.config.update("jax_compilation_cache_dir", cache)
 
-    from fsdp_jax.app.cli import BAD_INPUT, fail
+    from fsdp_jax.app.cli import BAD_INPUT, ENVIRONMENT, env_int, fail, fail_env
     from fsdp_jax.app.config import ConfigError, load_config
     from fsdp_jax.distributed import maybe_initialize
     from fsdp_jax.xla_flags import apply_gpu_fsdp_flags
     from fsdp_jax.app.loop import TrainingDiverged, train
 
     try:
+        jax.config.update("jax_num_cpu_devices", env_int("FSDP_JAX_CPU_DEVICES", 8))
+        cache = os.environ.get("FSDP_JAX_CACHE_DIR")
+        if cache:
+            jax.config.update("jax_compilation_cache_dir", cache)
         cfg = load_config(args.config, args.overrides)
         if cfg.xla_gpu_flags == "fsdp":  # XLA reads XLA_FLAGS when the backend starts: do it first
             apply_gpu_fsdp_flags()
@@ -52,9 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         train(cfg, progress=not args.no_progress)
     except BAD_INPUT as e:
         return fail(e)
-    except TrainingDiverged as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 1
+    except (TrainingDiverged, *ENVIRONMENT) as e:
+        return fail_env(e)
     return 0
 
 

@@ -29,7 +29,9 @@ import numpy as np
 from fsdp_jax.app import data as data_lib
 from fsdp_jax.adapters import ModelFns, from_nnx
 from fsdp_jax.checkpoint import Checkpointer, Restored, load_init_params
-from fsdp_jax.app.config import Config, check_data, config_to_dict, save_config, validate
+from fsdp_jax.app.config import (Config, ConfigError, check_backend, check_data, config_to_dict,
+                                 save_config, validate)
+from fsdp_jax.app.run_dir import RunDirLock, check_dir_path
 from fsdp_jax.memory import compiled_memory
 from fsdp_jax.app.metrics_log import LogWindow, MetricsLog, sample_text
 from fsdp_jax.mesh import make_mesh
@@ -83,7 +85,11 @@ def prepare_data(cfg: Config) -> None:
     """Prepare the default stdlib corpus on first use (process 0), then check the data."""
     if cfg.data.source == "stdlib" and not (Path(cfg.data.path) / "meta.json").exists():
         if jax.process_index() == 0:
-            data_lib.ensure_stdlib(cfg.data.path)
+            try:
+                data_lib.ensure_stdlib(cfg.data.path)
+            except OSError as e:
+                raise ConfigError("data.path", f"{cfg.data.path!r}: cannot prepare the stdlib "
+                                  f"corpus there ({e.strerror or e})") from None
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
             multihost_utils.sync_global_devices("fsdp_jax:prepare_data")
@@ -177,9 +183,36 @@ def evaluate(run: Run, params, batches) -> float:
 def _injected_nan_steps() -> set[int]:
     text = os.environ.get(INJECT_NAN_ENV, "")
     try:
-        return {int(x) for x in text.split(",") if x.strip()}
+        steps = {int(x) for x in text.split(",") if x.strip()}
     except ValueError:
-        raise ValueError(f"{INJECT_NAN_ENV}={text!r}: expected comma-separated step numbers") from None
+        steps = {0}
+    if any(s < 1 for s in steps):
+        raise ConfigError(INJECT_NAN_ENV, f"{text!r} is invalid; expected comma-separated step "
+                          "numbers >= 1, e.g. 5,6,7")
+    return steps
+
+
+def preflight(cfg: Config) -> None:
+    """Every check of the run's inputs that needs no writing: the config against the
+    devices and backend, the environment hooks, and the places the run will write
+    (run_dir; data.path when the corpus is to be prepared). Raises ConfigError."""
+    validate(cfg, n_devices=jax.device_count())
+    check_backend(cfg, jax.default_backend())
+    _injected_nan_steps()
+    check_dir_path(cfg.run_dir, "run_dir")
+    if cfg.data.source == "stdlib" and not (Path(cfg.data.path) / "meta.json").exists():
+        check_dir_path(cfg.data.path, "data.path")
+
+
+def check_tokens(local: np.ndarray, vocab_size: int, step: int, data_path: str) -> None:
+    """A batch's token ids are in [0, vocab_size): an id outside would only show up as
+    a NaN loss (the embedding lookup fills it), so name the data instead."""
+    lo, hi = int(local.min()), int(local.max())
+    if lo < 0 or hi >= vocab_size:
+        bad = hi if hi >= vocab_size else lo
+        raise data_lib.DataError(f"data.path {data_path!r}: step {step}'s batch holds token id {bad}, "
+                                 f"outside model.vocab_size={vocab_size}; the corpus does not match "
+                                 "the model (its meta.json vocab_size is wrong?)")
 
 
 def train(cfg: Config, *, init_params: Callable | None = None, progress: bool = True,
@@ -189,11 +222,13 @@ def train(cfg: Config, *, init_params: Callable | None = None, progress: bool = 
     signal or `stop_after` (a step number) ended it early, after checkpointing).
     Raises TrainingDiverged after `train.max_nonfinite_steps` skipped steps in a row."""
     with StopSignals() as signals:  # from here on, until the last write is committed
-        run = setup(cfg, init_params)
-        try:
-            return _loop(run, cfg, progress, stop_after, signals)
-        finally:
-            run.checkpointer.close()  # waits for checkpoint writes in flight
+        preflight(cfg)  # bad input fails here, before anything is written
+        with RunDirLock(cfg.run_dir):  # one writer per run_dir
+            run = setup(cfg, init_params)
+            try:
+                return _loop(run, cfg, progress, stop_after, signals)
+            finally:
+                run.checkpointer.close()  # waits for checkpoint writes in flight
 
 
 def _loop(run: Run, cfg: Config, progress: bool, stop_after: int | None, signals: StopSignals) -> dict:
@@ -202,8 +237,7 @@ def _loop(run: Run, cfg: Config, progress: bool, stop_after: int | None, signals
         run.run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run.run_dir / "config.yaml")
     log = MetricsLog(run.run_dir, run.is_main, c.tensorboard)
-    if run.restored is not None:
-        log.truncate(run.start_step)
+    log.truncate(run.start_step)  # a fresh start (0) drops the rows of a run that died before saving
     pi, pc = jax.process_index(), jax.process_count()
     batches = data_lib.make_dataset(cfg.data.path, "train", cfg.data.seq_len, c.global_batch,
                                     cfg.data.seed, pi, pc)
@@ -246,6 +280,8 @@ def _loop(run: Run, cfg: Config, progress: bool, stop_after: int | None, signals
     for step_i in range(start_step, c.steps):
         done = step_i + 1
         local = next(batches)
+        check_tokens(local, cfg.model.vocab_size, done, cfg.data.path)
+        ckpt.check()  # a failed background save stops the run now, not at the next save
         if done in nan_steps:
             local = local.copy()
             local[:, 0] = cfg.model.vocab_size
@@ -312,7 +348,11 @@ def _loop(run: Run, cfg: Config, progress: bool, stop_after: int | None, signals
     else:
         if c.sample_tokens:
             summary["sample"] = sample_text(run.model, run.plan, cfg, state.params, val, run.rng)
-        if run.is_main:
+        if run.is_main and start_step >= c.steps:
+            print(f"nothing to do: the run already finished train.steps={c.steps} "
+                  f"(checkpoint step {run.restored.step if run.restored else start_step}); "
+                  "raise train.steps to train further", flush=True)
+        elif run.is_main:
             print(f"final: train_loss {summary.get('train_loss', float('nan')):.4f}"
                   + (f" | val_loss {summary['val_loss']:.4f} nats/token" if "val_loss" in summary else ""),
                   flush=True)
