@@ -23,6 +23,14 @@ import sys
 import time
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the project's error format: one line on stderr, exit code 2."""
+
+    def error(self, message):
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
 def parse_sweeps(items: list[str]) -> list[tuple[str, list[str]]]:
     out = []
     for item in items:
@@ -106,7 +114,7 @@ def bench_plain_dp(cfg, devices, steps: int, warmup: int):
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="fsdp_jax benchmark")
+    ap = _Parser(description="fsdp_jax benchmark")
     ap.add_argument("--config", required=True)
     ap.add_argument("--strategies", default="full_shard,shard_grad_op,shard_opt,no_shard,hybrid_shard")
     ap.add_argument("--steps", type=int, default=10)

@@ -18,12 +18,21 @@ import argparse
 import sys
 from pathlib import Path
 
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with the project's error format: one line on stderr, exit code 2."""
+
+    def error(self, message):
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
 DTYPES = ("float32", "bfloat16", "float16")
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[1].strip(),
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = _Parser(description=__doc__.splitlines()[1].strip(),
+                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dir", help="train run directory or checkpoint directory")
     ap.add_argument("--out", required=True, help="output .safetensors file")
     ap.add_argument("--dtype", choices=DTYPES, default=None,

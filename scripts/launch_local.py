@@ -24,6 +24,14 @@ import threading
 import time
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the project's error format: one line on stderr, exit code 2."""
+
+    def error(self, message):
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
 MAX_PROCESSES = 1024
 
 
@@ -61,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         argv, command = argv[:i], argv[i + 1:]
     else:
         command = []
-    ap = argparse.ArgumentParser(description="run a command as P local jax.distributed processes")
+    ap = _Parser(description="run a command as P local jax.distributed processes")
     ap.add_argument("--processes", type=int, required=True)
     ap.add_argument("--devices-per-process", type=int, default=4)
     ap.add_argument("--port", type=int, default=0, help="coordinator port (default: a free one)")

@@ -13,6 +13,14 @@ import sys
 from pathlib import Path
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the project's error format: one line on stderr, exit code 2."""
+
+    def error(self, message):
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
 def read_metrics(path: Path) -> list[dict]:
     records = []
     try:
@@ -58,7 +66,7 @@ def plot(records: list[dict], out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Plot RUN_DIR/metrics.jsonl")
+    ap = _Parser(description="Plot RUN_DIR/metrics.jsonl")
     ap.add_argument("run_dir")
     ap.add_argument("--out", help="PNG path (default RUN_DIR/metrics.png)")
     try:

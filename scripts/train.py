@@ -17,9 +17,17 @@ import os
 import sys
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the project's error format: one line on stderr, exit code 2."""
+
+    def error(self, message):
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[1].strip(),
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = _Parser(description=__doc__.splitlines()[1].strip(),
+                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True, help="YAML config (configs/*.yaml)")
     ap.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     ap.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.steps=20")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import time
 from collections import deque
 from pathlib import Path
@@ -28,7 +29,8 @@ import numpy as np
 
 from fsdp_jax.app import data as data_lib
 from fsdp_jax.adapters import ModelFns, from_nnx
-from fsdp_jax.checkpoint import Checkpointer, Restored, load_init_params
+from fsdp_jax.checkpoint import (CheckpointError, Checkpointer, Restored, load_init_params,
+                                 read_safetensors)
 from fsdp_jax.app.config import (Config, ConfigError, check_backend, check_data, config_to_dict,
                                  save_config, validate)
 from fsdp_jax.app.run_dir import RunDirLock, check_dir_path
@@ -202,6 +204,15 @@ def preflight(cfg: Config) -> None:
     check_dir_path(cfg.run_dir, "run_dir")
     if cfg.data.source == "stdlib" and not (Path(cfg.data.path) / "meta.json").exists():
         check_dir_path(cfg.data.path, "data.path")
+    if cfg.init_from and not re.match(r"[A-Za-z][\w+.-]*:", cfg.init_from):  # scheme:... is not a path
+        init = Path(cfg.init_from)
+        if not init.exists():
+            raise ConfigError("init_from", f"{cfg.init_from!r}: no such file or directory")
+        if init.is_file():
+            try:
+                read_safetensors(init)  # the header only
+            except CheckpointError as e:
+                raise CheckpointError(f"init_from: {e}") from None
 
 
 def check_tokens(local: np.ndarray, vocab_size: int, step: int, data_path: str) -> None:

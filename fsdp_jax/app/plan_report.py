@@ -47,12 +47,12 @@ def parse_bytes(text: str | int, what: str = "--device-memory") -> int:
     """'80GB' -> 80e9, '80GiB' -> 80 * 2**30, '141G' -> 141e9, '1.5TB', '4096' (bytes).
     K/M/G/T are decimal (as GPU vendors quote memory), Ki/Mi/Gi/Ti binary."""
     if isinstance(text, int) and not isinstance(text, bool):
-        value, unit = float(text), ""
+        value, unit = (float(text) if abs(text) < 2**63 else float("inf")), ""
     else:
         m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)(?:[eE](\d+))?\s*([KMGTkmgt]i?)?[Bb]?\s*", str(text))
         if not m:
             raise PlanError(f"{what}: {text!r} is not a size; use e.g. 80GB, 80GiB, 141GB")
-        value = float(m.group(1)) * (10 ** int(m.group(2)) if m.group(2) else 1)
+        value = float(m.group(1) + (f"e{m.group(2)}" if m.group(2) else ""))  # 1e400 -> inf
         unit = (m.group(3) or "").lower()
     total = value * _UNITS[unit]
     if not total < 2**63:  # 1e400GB is inf (and int(inf) raises); nothing has 8 EiB per device

@@ -60,6 +60,7 @@ class RunDirLock:
     def __init__(self, run_dir: str | os.PathLike, key: str = "run_dir"):
         self.run_dir, self.key = Path(run_dir), key
         self._fd: int | None = None
+        self._created = False
 
     def __enter__(self) -> "RunDirLock":
         status, msg = 0, ""
@@ -76,6 +77,7 @@ class RunDirLock:
         return self
 
     def _acquire(self) -> tuple[int, str]:
+        self._created = not self.run_dir.exists()
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.run_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
@@ -94,7 +96,15 @@ class RunDirLock:
         self._fd = fd
         return 0, ""
 
-    def __exit__(self, *exc) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # drops the flock; the file stays (unlinking it would race)
-            self._fd = None
+    def __exit__(self, exc_type, *exc) -> None:
+        if self._fd is None:
+            return
+        if exc_type is not None and self._created:
+            # A run that failed before writing anything (e.g. init_from does not fit the
+            # model) leaves no directory behind: only the lock and empty directories go.
+            (self.run_dir / LOCK_NAME).unlink(missing_ok=True)
+            for d in sorted(self.run_dir.rglob("*"), reverse=True) + [self.run_dir]:
+                if d.is_dir() and not any(d.iterdir()):
+                    d.rmdir()
+        os.close(self._fd)  # drops the flock; the file stays (unlinking it would race)
+        self._fd = None
