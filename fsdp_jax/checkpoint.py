@@ -248,7 +248,19 @@ class Checkpointer:
         """Raise CheckpointWriteError if a background save has failed (cheap; call it
         every step so a full disk stops the run at the failing save, not the next one)."""
         with self._write_errors():
-            self._mngr.check_for_errors()
+            self._mngr.check_for_errors()  # the checkpointer's commit thread
+            if self._finalized():  # the manager's finalize thread (it runs our manifest callback)
+                self._mngr.wait_until_finished()  # returns at once; raises what that thread raised
+
+    def _finalized(self) -> bool:
+        """Whether the manager's save-finalize thread has ended (so waiting costs nothing).
+        Orbax keeps no public flag for it; without the attribute, say no (the error then
+        shows at the next save or wait)."""
+        thread = getattr(self._mngr, "_finalize_thread", None)
+        try:
+            return bool(thread.map(lambda t: t is not None and not t.is_alive()))
+        except AttributeError:
+            return False
 
     def _write_manifest(self) -> None:
         # Orbax calls this on the primary process once every process finished writing,
