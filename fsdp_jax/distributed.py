@@ -102,6 +102,8 @@ def maybe_initialize(coordinator: str | None = None, num_processes: int | None =
             raise ValueError(f"process_id {process_id} is invalid; must be in [0, {num_processes})")
         if num_processes == 1:
             return "single"
+        if process_id != 0:
+            _wait_for_coordinator(coordinator, timeout_s)
         _initialize(jax, coordinator_address=coordinator, num_processes=num_processes,
                     process_id=process_id, initialization_timeout=timeout_s,
                     coordinator_bind_address=bind_address(coordinator, environ))
@@ -111,6 +113,26 @@ def maybe_initialize(coordinator: str | None = None, num_processes: int | None =
         _initialize(jax, initialization_timeout=timeout_s)
         return cluster
     return "single"
+
+
+def _wait_for_coordinator(coordinator: str, timeout_s: float) -> None:
+    """Connect to the coordinator's port until it answers (process 0 may start later).
+    JAX's client aborts the whole process (SIGABRT, a C++ stack trace) when it cannot
+    register, so an unreachable coordinator is reported here first, as one line."""
+    import socket
+    import time
+    host, _, port = coordinator.rpartition(":")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=2):
+                return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise DistributedInitError(
+                    f"the coordinator {coordinator} did not answer within {timeout_s} s "
+                    f"({e.strerror or e}); check that process 0 runs and the address is right") from None
+        time.sleep(0.5)
 
 
 def _initialize(jax, **kwargs) -> None:

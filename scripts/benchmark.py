@@ -37,7 +37,10 @@ def parse_sweeps(items: list[str]) -> list[tuple[str, list[str]]]:
         key, sep, values = item.partition("=")
         if not sep or not key or not values:
             raise ValueError(f"--sweep {item!r}: expected KEY=V1,V2,... (e.g. model.n_layers=4,8,16)")
-        out.append((key, [v for v in values.split(",") if v]))
+        vals = [v for v in values.split(",") if v.strip()]
+        if not vals:
+            raise ValueError(f"--sweep {item!r}: no values; expected KEY=V1,V2,...")
+        out.append((key, vals))
     return out
 
 

@@ -41,7 +41,7 @@ def read_metrics(path: Path) -> list[dict]:
 
 def _num(v) -> float:
     """A logged value; null (a non-finite value, see "nonfinite") plots as a gap."""
-    return float("nan") if v is None else float(v)
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else float("nan")
 
 
 def plot(records: list[dict], out: Path) -> None:

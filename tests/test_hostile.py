@@ -238,6 +238,14 @@ def test_bad_trainer_inputs_one_line_exit_2_nothing_written(corpus, tmp_path, ca
     latin1.write_bytes("model:\n  d_model: 64  # größe\n".encode("latin-1"))
     listed = tmp_path / "list.yaml"
     listed.write_text("- 1\n- 2\n")
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)  # reading it would block forever
+    bad_meta = tmp_path / "bad_meta"
+    bad_meta.mkdir()
+    for f in ("train.bin", "val.bin"):
+        (bad_meta / f).write_bytes((corpus / f).read_bytes())
+    meta = json.loads((corpus / "meta.json").read_text())
+    (bad_meta / "meta.json").write_text(json.dumps({**meta, "dtype": "object"}))
     tiny = ROOT / "configs" / "tiny.yaml"
     run_dir = tmp_path / "run"
     base = TINY + [f"data.path={corpus}", f"run_dir={run_dir}"]
@@ -257,6 +265,8 @@ def test_bad_trainer_inputs_one_line_exit_2_nothing_written(corpus, tmp_path, ca
         ([], {}, tmp_path, [str(tmp_path), "directory"]),
         ([], {}, tmp_path / "missing.yaml", ["missing.yaml", "not found"]),
         ([], {}, listed, ["list.yaml", "mapping"]),
+        ([], {}, fifo, ["fifo.yaml", "regular file"]),
+        ([f"data.path={bad_meta}"], {}, tiny, ["meta.json", "uint16"]),
         (["train.steps"], {}, tiny, ["key=value"]),
         (["model.d_model=[64"], {}, tiny, ["model.d_model"]),
         (["trian.steps=3"], {}, tiny, ["trian.steps", "did you mean train.steps"]),
@@ -365,7 +375,9 @@ def test_every_script_rejects_bad_flags_with_one_line(corpus, tmp_path, capsys, 
                          ["--out", tmp_path / "d", "--stdlib", "--seed", "-1"],
                          ["--out", tmp_path / "d", "--bin", a_file],
                          ["--out", tmp_path / "d", "--bin", a_file, "--val-bin", a_file, "--vocab-size", "0"],
-                         ["--out", tmp_path / "d", tmp_path / "no_such_source"]],
+                         ["--out", tmp_path / "d", tmp_path / "no_such_source"],
+                         ["--out", tmp_path / "d", corpus.parent / "src", "--pattern", "/etc/*"],
+                         ["--out", tmp_path / "d", corpus.parent / "src", "--pattern", "../*"]],
         "plot_metrics": [[tmp_path / "no_run"], *[[d] for d in bad_metrics.values()],
                          [good_run, "--out", tmp_path], [good_run, "--out", a_file / "x.png"]],
         "benchmark": [["--config", tiny, "--steps", "0"], ["--config", tiny, "--warmup", "-1"],
@@ -373,7 +385,8 @@ def test_every_script_rejects_bad_flags_with_one_line(corpus, tmp_path, capsys, 
                       ["--config", tiny, "--peak-tflops", "inf"], ["--config", tiny, "--sweep", "devices=abc"],
                       ["--config", tiny, "--sweep", "devices=0"], ["--config", tiny, "--strategies", "zero9"],
                       ["--config", tiny, "--plot", tmp_path, *small], ["--config", tiny, "--steps", "x"],
-                      ["--config", tiny, "model.attention=cudnn", *small]],
+                      ["--config", tiny, "model.attention=cudnn", *small],
+                      ["--config", tiny, "--sweep", "model.n_layers=,"]],
         "launch_local": [["--processes", "0", "--", "true"], ["--processes", "abc", "--", "true"],
                          ["--processes", "2", "--port", "70000", "--", "true"],
                          ["--processes", "2", "--port", "-1", "--", "true"],
@@ -572,6 +585,21 @@ def test_a_failed_background_save_is_reported_without_another_save(tmp_path, mon
             time.sleep(0.01)
     c.close()  # reported once; closing does not raise it again
     assert c.steps() == []
+
+
+def test_unreachable_coordinator_is_one_line_exit_1(corpus, tmp_path, capsys):
+    """A peer whose coordinator never answers: JAX's client would abort the process with a
+    C++ stack trace; the trainer says so in one line first."""
+    import socket
+    with socket.socket() as s:  # bound, never listening: connections are refused
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        rc, _, err = call("train", "--config", ROOT / "configs" / "tiny.yaml", "--no-progress", *TINY,
+                          f"data.path={corpus}", f"run_dir={tmp_path / 'run'}",
+                          f"distributed.coordinator=127.0.0.1:{port}", "distributed.num_processes=2",
+                          "distributed.process_id=1", "distributed.init_timeout_s=1", capsys=capsys)
+    one_line(rc, err, f"127.0.0.1:{port}", "did not answer", code=1)
+    assert not (tmp_path / "run").exists()
 
 
 # -- faults: two trainers, one run_dir --------------------------------------------------------------

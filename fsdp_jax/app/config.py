@@ -257,6 +257,8 @@ def apply_overrides(raw: Mapping, overrides: Sequence[str]) -> dict:
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
     """Read a YAML config, apply `key=value` overrides, build and validate (no device checks)."""
     path = Path(path)
+    if path.exists() and not path.is_file() and not path.is_dir():  # a FIFO or device would block
+        raise ConfigError(str(path), "is not a regular file")
     try:
         raw = yaml.safe_load(path.read_text())
     except FileNotFoundError:

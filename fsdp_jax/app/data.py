@@ -87,6 +87,8 @@ def _collect(sources: Sequence[str | os.PathLike], pattern: str,
         if p.is_file():
             files[p.resolve()] = None
         elif p.is_dir():
+            if not pattern or Path(pattern).is_absolute() or ".." in Path(pattern).parts:
+                raise DataError(f"pattern {pattern!r}: must be a relative file glob, e.g. '*.txt'")
             for f in sorted(p.rglob(pattern)):
                 rel = f.relative_to(p).parts
                 if f.is_file() and not any(s.startswith(".") or s in exclude for s in rel[:-1]) \
@@ -237,6 +239,8 @@ def load_meta(data_dir: str | os.PathLike) -> dict:
     try:
         meta = json.loads((d / "meta.json").read_text())
         dt = np.dtype(meta["dtype"])
+        if dt not in (np.uint16, np.uint32):
+            raise ValueError(f"dtype {meta['dtype']!r}: allowed uint16, uint32")
         expect = {"train.bin": meta["train_tokens"], "val.bin": meta["val_tokens"]}
     except FileNotFoundError:
         raise DataError(f"{str(d)!r}: meta.json not found; prepare it with "

@@ -96,6 +96,7 @@ def prepare_data(cfg: Config) -> None:
             from jax.experimental import multihost_utils
             multihost_utils.sync_global_devices("fsdp_jax:prepare_data")
     check_data(cfg)
+    data_lib.load_meta(cfg.data.path)  # meta.json's dtype and the bins' sizes, before any write
 
 
 def setup(cfg: Config, init_params: Callable | None = None, *, resume: bool = True) -> Run:
@@ -132,8 +133,12 @@ def setup(cfg: Config, init_params: Callable | None = None, *, resume: bool = Tr
     restored, start = None, 0
     if resume and ckpt.steps():
         restored = ckpt.restore(built.abstract_state, set_aside_damaged=True)
-        state, start = restored.state, int(restored.extras.get("step", restored.step))
-        rng = _rng_from(restored.extras.get("rng"), rng)
+        try:  # extras are JSON anyone can edit: a bad value names the checkpoint, not a traceback
+            state, start = restored.state, int(restored.extras.get("step", restored.step))
+            rng = _rng_from(restored.extras.get("rng"), rng)
+        except (ValueError, TypeError, KeyError) as e:
+            raise CheckpointError(f"checkpoint {ckpt.step_dir(restored.step)}: invalid extras "
+                                  f"(step / rng: {' '.join(str(e).split())[:160]})") from None
         if is_main:
             for w in restored.warnings + _config_changes(restored.extras.get("config"), cfg):
                 print(f"warning: {w}", flush=True)
