@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax
 
-    from fsdp_jax.app.cli import BAD_INPUT, check_out_file, env_int, fail
+    from fsdp_jax.app.cli import BAD_INPUT, check_out_file, env_int, fail, require
     from fsdp_jax.app.config import ConfigError, check_backend, load_config, validate
     from fsdp_jax.app.models.llama import flops_per_token
     from fsdp_jax.perf import mfu, peak_flops
@@ -153,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("--peak-tflops", f"{args.peak_tflops}: must be a finite number > 0")
         if args.plot:
             check_out_file(args.plot, "--plot")
+            require("matplotlib", "--plot")
         sweeps = parse_sweeps(args.sweep)
         strategies = [get_strategy(s).name for s in args.strategies.split(",") if s]
         load_config(args.config, args.overrides)  # fail early on a bad config

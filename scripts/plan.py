@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # argparse printed its usage error
         return 2 if e.code else 0
 
-    from fsdp_jax.app.cli import BAD_INPUT, check_out_file, fail
+    from fsdp_jax.app.cli import BAD_INPUT, check_out_file, fail, require
     from fsdp_jax.app.config import ConfigError
     from fsdp_jax.app.plan_report import (PlanError, load_planning_config, parse_bytes, parse_devices,
                                       parse_strategies)
@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         strategies = parse_strategies(args.strategies)
         if args.plot:
             check_out_file(args.plot, "--plot")
+            require("matplotlib", "--plot")
     except (PlanError, ConfigError) as e:
         return fail(e)
     try:

@@ -90,6 +90,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --out {str(out)!r}: not a writable file path (a directory, or its directory "
               "is missing or read-only)", file=sys.stderr)
         return 2
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("error: plotting needs the matplotlib package (pip install matplotlib)", file=sys.stderr)
+        return 2
     plot(records, out)
     print(out)
     return 0

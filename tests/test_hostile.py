@@ -420,6 +420,29 @@ def test_every_script_rejects_bad_flags_with_one_line(corpus, tmp_path, capsys, 
     assert rc == 0 and (tmp_path / "ok.png").is_file(), err  # null (non-finite) losses plot as gaps
 
 
+def test_missing_optional_packages_are_named(corpus, tmp_path, capsys, monkeypatch):
+    """tensorboardX and matplotlib are optional: asking for them without them is one line."""
+    import importlib.util
+    real = importlib.util.find_spec
+    missing = {"tensorboardX", "matplotlib"}
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in missing else real(name, *a))
+    for m in missing:
+        monkeypatch.setitem(sys.modules, m, None)  # `import m` raises ImportError
+    tiny = ROOT / "configs" / "tiny.yaml"
+    run = tmp_path / "run"
+    rc, _, err = call("train", "--config", tiny, "--no-progress", *TINY, f"data.path={corpus}", f"run_dir={run}",
+                      "train.tensorboard=true", capsys=capsys)
+    one_line(rc, err, "train.tensorboard", "tensorboardX")
+    assert not run.exists()
+    rc, _, err = call("plan", "--config", tiny, "--devices", "8", "--plot", tmp_path / "p.png", capsys=capsys)
+    one_line(rc, err, "--plot", "matplotlib")
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    rc, _, err = call("plot_metrics", tmp_path / "m", capsys=capsys)
+    one_line(rc, err, "matplotlib")
+    assert listing(tmp_path) == ["m", "m/metrics.jsonl"]
+
+
 # -- metrics: JSON only, no rows of a dead run, a clear line for a finished run ---------------------
 
 def test_metrics_are_strict_json_with_null_for_nonfinite(tmp_path):

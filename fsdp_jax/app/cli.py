@@ -54,6 +54,13 @@ def env_int(name: str, default: int, low: int = 1, high: int = 1 << 16) -> int:
     return v
 
 
+def require(module: str, flag: str) -> None:
+    """ConfigError naming `flag` when the optional package `module` is not installed."""
+    import importlib.util
+    if importlib.util.find_spec(module) is None:
+        raise ConfigError(flag, f"needs the {module} package (pip install {module})")
+
+
 def check_out_file(path: str, flag: str) -> None:
     """ConfigError naming `flag` unless `path` can be written as a file: not a
     directory, in an existing, writable directory. Writes nothing."""

@@ -16,6 +16,7 @@ second signal exits at once (`fsdp_jax.app.preemption`). `max_nonfinite_steps` s
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
 import re
@@ -206,6 +207,9 @@ def preflight(cfg: Config) -> None:
     validate(cfg, n_devices=jax.device_count())
     check_backend(cfg, jax.default_backend())
     _injected_nan_steps()
+    if cfg.train.tensorboard and importlib.util.find_spec("tensorboardX") is None:
+        raise ConfigError("train.tensorboard", "true needs the tensorboardX package "
+                          "(pip install tensorboardX), or set it to false")
     check_dir_path(cfg.run_dir, "run_dir")
     if cfg.data.source == "stdlib" and not (Path(cfg.data.path) / "meta.json").exists():
         check_dir_path(cfg.data.path, "data.path")
