@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax
 
-    from fsdp_jax.app.cli import BAD_INPUT, ENVIRONMENT, env_int, fail, fail_env
+    from fsdp_jax.app.cli import BAD_INPUT, ENVIRONMENT, env_int, fail, fail_env, fail_internal
     from fsdp_jax.app.config import ConfigError, load_config
     from fsdp_jax.distributed import maybe_initialize
     from fsdp_jax.xla_flags import apply_gpu_fsdp_flags
@@ -62,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         return fail(e)
     except (TrainingDiverged, *ENVIRONMENT) as e:
         return fail_env(e)
+    except Exception as e:  # out of device memory, or a bug: still one line (exit 1)
+        return fail_internal(e)
     return 0
 
 

@@ -628,6 +628,28 @@ def test_unreachable_coordinator_is_one_line_exit_1(corpus, tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
+def test_environment_failures_and_the_unexpected_are_one_line_exit_1(tmp_path, capsys, monkeypatch):
+    """Whatever the run raises that is not bad input: one line, exit 1 (the class, by type)."""
+    from fsdp_jax.app import loop
+    from fsdp_jax.app.run_dir import RunDirBusy
+    from fsdp_jax.distributed import DistributedInitError
+    failures = [OSError(errno.ENOSPC, "No space left on device"), PermissionError(13, "Permission denied"),
+                RunDirBusy("run_dir busy"), ck.CheckpointWriteError("writing checkpoint step 4 failed"),
+                DistributedInitError("peer died"), loop.TrainingDiverged("3 non-finite steps"),
+                RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.20TiB\n  more"),
+                KeyError("a bug")]
+    args = ["--config", ROOT / "configs" / "tiny.yaml", "--no-progress", f"run_dir={tmp_path / 'run'}"]
+    for exc in failures:
+        def boom(*a, exc=exc, **k):
+            raise exc
+        monkeypatch.setattr(loop, "train", boom)
+        rc, _, err = call("train", *args, capsys=capsys)
+        one_line(rc, err, code=1)
+    monkeypatch.setenv("FSDP_JAX_TRACEBACK", "1")
+    with pytest.raises(KeyError):
+        call("train", *args, capsys=capsys)
+
+
 # -- faults: two trainers, one run_dir --------------------------------------------------------------
 
 def test_second_trainer_is_refused_naming_the_holder(corpus, tmp_path, capsys):

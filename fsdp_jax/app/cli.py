@@ -39,6 +39,17 @@ def fail_env(e: BaseException) -> int:
     return 1
 
 
+def fail_internal(e: BaseException) -> int:
+    """Anything else (a bug, or the device running out of memory): one line and exit
+    code 1; FSDP_JAX_TRACEBACK=1 re-raises for the full traceback."""
+    if os.environ.get("FSDP_JAX_TRACEBACK"):
+        raise e
+    msg = " ".join(str(e).split())
+    hint = "" if "RESOURCE_EXHAUSTED" in msg else " (FSDP_JAX_TRACEBACK=1 shows the traceback)"
+    print(f"error: {type(e).__name__}: {msg[:400]}{hint}", file=sys.stderr, flush=True)
+    return 1
+
+
 def env_int(name: str, default: int, low: int = 1, high: int = 1 << 16) -> int:
     """An integer environment variable in [low, high] (`default` when unset or empty);
     ConfigError naming the variable otherwise."""
