@@ -7,7 +7,9 @@ On CPU the process gets 8 host devices (FSDP_JAX_CPU_DEVICES to change). Running
 same command again resumes from <run_dir>/checkpoints. Exit codes: 0 success (also
 after SIGTERM/SIGINT: the step finishes and a checkpoint is written), 2 bad input
 (one line on stderr naming the problem, e.g. a checkpoint that does not fit the
-model), 1 anything else (e.g. train.max_nonfinite_steps non-finite steps in a row).
+model), 1 anything else (e.g. train.max_nonfinite_steps non-finite steps in a row, a
+full disk, a run_dir another trainer holds), always as one line; FSDP_JAX_TRACEBACK=1
+shows the traceback of an unexpected error.
 """
 
 from __future__ import annotations
