@@ -10,7 +10,10 @@ steps and at the end (asynchronously); running the same command again resumes
 exactly from the newest checkpoint that restores (data order and LR schedule
 included). SIGTERM/SIGINT finish the step, checkpoint and return normally; a
 second signal exits at once (`fsdp_jax.app.preemption`). `max_nonfinite_steps` skipped steps in a row raise
-`TrainingDiverged` with the last good checkpoint intact.
+`TrainingDiverged` with the last good checkpoint intact. Bad input is found by
+`preflight` before anything is written; process 0 then holds `<run_dir>/.lock`
+(`fsdp_jax.app.run_dir`), so a second trainer on the same run_dir is refused; a save
+that fails (disk full) raises `CheckpointWriteError` at the next step.
 """
 
 from __future__ import annotations
@@ -203,7 +206,8 @@ def _injected_nan_steps() -> set[int]:
 def preflight(cfg: Config) -> None:
     """Every check of the run's inputs that needs no writing: the config against the
     devices and backend, the environment hooks, and the places the run will write
-    (run_dir; data.path when the corpus is to be prepared). Raises ConfigError."""
+    (run_dir; data.path when the corpus is to be prepared), init_from's header. Raises
+    ConfigError or CheckpointError (both bad input)."""
     validate(cfg, n_devices=jax.device_count())
     check_backend(cfg, jax.default_backend())
     _injected_nan_steps()
