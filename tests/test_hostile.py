@@ -292,6 +292,7 @@ def test_bad_trainer_inputs_one_line_exit_2_nothing_written(corpus, tmp_path, ca
          for n in sorted(HOSTILE_SAFETENSORS)]
     if sys.platform == "linux":  # sysfs refuses new directories, even to root
         cases.append((["run_dir=/sys/fsdp_jax_hostile_run"], {}, tiny, ["run_dir"]))
+        cases.append((["data.source=stdlib", "data.path=/sys/fsdp_jax_hostile_data"], {}, tiny, ["data.path"]))
     if hasattr(os, "geteuid") and os.geteuid() != 0:  # root writes anywhere
         ro = tmp_path / "ro"
         ro.mkdir()
