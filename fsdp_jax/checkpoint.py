@@ -6,7 +6,7 @@ directory per step, written by `orbax.checkpoint.CheckpointManager`:
     <step>/state/                  the TrainState: params, optimizer state, step
                                    (OCDBT; each process writes only its own shards)
     <step>/extras/                 JSON: loop step, data-iterator state, RNG key, config
-    <step>/fsdp_jax_manifest.json  the size of every file above
+    <step>/fsdp_jax_manifest.json  the size and CRC-32 of every file above
 
 `save` returns once the arrays are copied off the devices; the files are written in
 the background while training continues. Orbax writes into
@@ -20,11 +20,12 @@ Restoring takes the target layout as a tree of `jax.ShapeDtypeStruct`s with
 shardings, e.g. `fsdp_jax.state.abstract_state(plan, abstract_params, optimizer)`:
 the same call restores onto 1 device, 4 devices, a 2x4 `hybrid_shard` mesh or as
 `no_shard`; each process reads only the shards it needs. Before reading arrays it
-checks the manifest (a truncated or deleted file -> that step is damaged: the newest
-earlier step that restores is used instead, and the skipped ones are reported) and
-the saved shapes against the target (a mismatch is a `CheckpointError` naming the
-paths and shapes, never a fallback). Bit flips that keep file sizes are not
-detected here.
+checks the manifest (a truncated, deleted or changed file -> that step is damaged:
+the newest earlier step that restores is used instead, and the skipped ones are
+reported) and the saved shapes against the target (a mismatch is a `CheckpointError`
+naming the paths and shapes, never a fallback). Checksums are computed by the
+background save (after every process wrote its files) and verified by reading every
+file once before a restore.
 
 `export_safetensors` writes consolidated params one leaf at a time (read to host
 memory, never the optimizer state); `load_safetensors` reads them back straight into
@@ -34,11 +35,16 @@ a sharded layout, each process reading only its shards.
 from __future__ import annotations
 
 import collections
+import contextlib
+import errno
 import json
+import logging
 import math
 import os
 import shutil
+import sys
 import time
+import zlib
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
@@ -59,6 +65,43 @@ class CheckpointError(ValueError):
     The message is one line naming the directory, step and problem."""
 
 
+class CheckpointWriteError(RuntimeError):
+    """A save failed in the environment (disk full, permissions, I/O error). The message
+    is one line naming the step, the cause and the newest committed step, which is
+    intact: fix the cause and run the same command again to resume from it."""
+
+
+class _OrbaxErrorsRaised(logging.Filter):
+    """Drops orbax's ERROR records that carry a traceback: the same exception is
+    re-raised to the Checkpointer's caller, which reports it as one line (a failed
+    save otherwise prints one traceback per background thread)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and "orbax" in record.pathname
+                    and (record.exc_info or "raised an exception" in record.getMessage()
+                         or "failed" in record.getMessage().lower()))
+
+
+_ORBAX_FILTER = _OrbaxErrorsRaised()
+_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EIO)
+
+
+def _quiet_closed_loop_callbacks() -> None:
+    """After a failed save orbax closes its event loop while tensorstore still completes
+    the other writes; each completion's callback then raises 'Event loop is closed',
+    which Python prints as an unraisable traceback (dozens per failed save). Drop those,
+    pass every other unraisable exception to the previous hook. Installed once."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_fsdp_jax", False):
+        return
+
+    def hook(u):
+        if not (isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed"):
+            previous(u)
+    hook._fsdp_jax = True
+    sys.unraisablehook = hook
+
+
 class Restored(NamedTuple):
     state: Any          # the restored tree, laid out as the target
     extras: dict        # the JSON saved with it
@@ -76,6 +119,15 @@ def tree_paths(tree) -> dict[str, Any]:
         return str(k)
     return {"/".join(key(k) for k in path): leaf
             for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def file_crc32(path: str | os.PathLike, chunk: int = 1 << 24) -> str:
+    """CRC-32 of a file's bytes as 8 hex digits (zlib: about 1 GB/s, the GIL released)."""
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            crc = zlib.crc32(block, crc)
+    return f"{crc:08x}"
 
 
 def _one_line(e: BaseException, limit: int = 240) -> str:
@@ -134,6 +186,9 @@ class Checkpointer:
         self.partial: list[Path] = (sorted(self.directory.glob(f"*{TMP_SUFFIX}*"))
                                     if self.directory.is_dir() else [])
         self._in_flight: collections.deque[int] = collections.deque()
+        self._pending: int | None = None  # the newest step handed to orbax (every process)
+        logging.getLogger("absl").addFilter(_ORBAX_FILTER)  # idempotent
+        _quiet_closed_loop_callbacks()
         # (not orbax's read_only option: it logs warnings on every use)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None if read_only else keep, create=not read_only,
@@ -149,17 +204,63 @@ class Checkpointer:
         waits first for the previous save. A step that already exists is an error."""
         if self.read_only:
             raise ValueError(f"{self.directory}: this Checkpointer is read-only")
+        self.wait()  # the previous save's failure is reported as that step's
         if jax.process_index() == 0:
             self._in_flight.append(step)
-        try:
-            self._mngr.save(step, args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), extras=ocp.args.JsonSave(extras or {})), force=True)
-        except BaseException:
-            if self._in_flight and self._in_flight[-1] == step:
-                self._in_flight.pop()
-            raise
+        self._pending = step
+        with self._write_errors():
+            try:
+                self._mngr.save(step, args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state), extras=ocp.args.JsonSave(extras or {})),
+                    force=True)
+            except BaseException:
+                if self._in_flight and self._in_flight[-1] == step:
+                    self._in_flight.pop()
+                raise
         if not self.async_save:
             self.wait()
+
+    @contextlib.contextmanager
+    def _write_errors(self):
+        """OS errors of a save (also raised later, from its background thread) ->
+        CheckpointWriteError naming the step; bad arguments propagate unchanged."""
+        try:
+            yield
+        except (CheckpointError, CheckpointWriteError, TypeError):
+            raise
+        except Exception as e:  # orbax wraps thread errors in several types; keep the cause
+            self._in_flight.clear()  # the failed step's manifest will never be written
+            cause = e
+            while cause.__cause__ is not None and not isinstance(cause, OSError):
+                cause = cause.__cause__
+            # tensorstore's messages are long paths; lead with the OS reason when it has one
+            text = str(cause)
+            reason = next((os.strerror(n) for n in _WRITE_ERRNOS if os.strerror(n) in text), None)
+            committed = self.latest_step()
+            raise CheckpointWriteError(
+                f"writing checkpoint step {self._pending} in {self.directory} failed"
+                + (f": {reason}" if reason else "") + f" ({_one_line(cause, 160)}); "
+                "the newest complete checkpoint is "
+                + (f"step {committed}, intact" if committed is not None else "none")
+                + ": fix the cause and run the same command again to resume") from e
+
+    def check(self) -> None:
+        """Raise CheckpointWriteError if a background save has failed (cheap; call it
+        every step so a full disk stops the run at the failing save, not the next one)."""
+        with self._write_errors():
+            self._mngr.check_for_errors()  # the checkpointer's commit thread
+            if self._finalized():  # the manager's finalize thread (it runs our manifest callback)
+                self._mngr.wait_until_finished()  # returns at once; raises what that thread raised
+
+    def _finalized(self) -> bool:
+        """Whether the manager's save-finalize thread has ended (so waiting costs nothing).
+        Orbax keeps no public flag for it; without the attribute, say no (the error then
+        shows at the next save or wait)."""
+        thread = getattr(self._mngr, "_finalize_thread", None)
+        try:
+            return bool(thread.map(lambda t: t is not None and not t.is_alive()))
+        except AttributeError:
+            return False
 
     def _write_manifest(self) -> None:
         # Orbax calls this on the primary process once every process finished writing,
@@ -168,15 +269,26 @@ class Checkpointer:
         tmp = sorted(self.directory.glob(f"{step}{TMP_SUFFIX}*"))
         d = tmp[-1] if tmp else self.directory / str(step)
         # Item files only: orbax rewrites its own step metadata after this point.
-        files = {str(f.relative_to(d)): f.stat().st_size
-                 for item in _ITEMS for f in sorted((d / item).rglob("*")) if f.is_file()}
-        (d / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=0))
+        paths = [f for item in _ITEMS for f in sorted((d / item).rglob("*")) if f.is_file()]
+        files = {str(f.relative_to(d)): f.stat().st_size for f in paths}
+        crc = {str(f.relative_to(d)): file_crc32(f) for f in paths}  # catches flips that keep sizes
+        (d / MANIFEST).write_text(json.dumps({"step": step, "files": files, "crc32": crc}, indent=0))
 
     def wait(self) -> None:
-        """Block until the writes in flight are committed (raises their errors)."""
-        self._mngr.wait_until_finished()
+        """Block until the writes in flight are committed (raises CheckpointWriteError
+        for a failed one)."""
+        with self._write_errors():
+            self._mngr.wait_until_finished()
 
     def close(self) -> None:
+        """Wait for the writes in flight (raising CheckpointWriteError for a failed one)
+        and release orbax's threads."""
+        try:
+            self.wait()
+        except BaseException:
+            with contextlib.suppress(Exception):  # it would raise the same failure again
+                self._mngr.close()
+            raise
         self._mngr.close()
 
     def __enter__(self) -> "Checkpointer":
@@ -200,16 +312,20 @@ class Checkpointer:
 
     def check_files(self, step: int) -> str | None:
         """Compare `step`'s files with its manifest: None when all are there with their
-        sizes; else the problem (first missing or resized file). Raises FileNotFoundError
-        when the step has no manifest."""
+        sizes and CRC-32 checksums (manifests written before checksums: sizes only);
+        else the problem (first missing, resized or changed file). Raises
+        FileNotFoundError when the step has no manifest."""
         d = self.step_dir(step)
         manifest = json.loads((d / MANIFEST).read_text())
+        crc = manifest.get("crc32", {})
         for rel, size in manifest["files"].items():
             f = d / rel
             if not f.is_file():
                 return f"{rel} is missing"
             if f.stat().st_size != size:
                 return f"{rel} has {f.stat().st_size} bytes, {size} when saved"
+            if rel in crc and file_crc32(f) != crc[rel]:
+                return f"{rel} has changed since it was saved (CRC-32 {file_crc32(f)}, {crc[rel]} when saved)"
         return None
 
     def saved_metadata(self, step: int) -> dict[str, Any]:
@@ -395,27 +511,42 @@ def export_safetensors(directory: str | os.PathLike, out: str | os.PathLike, *,
     return {"step": s, "tensors": len(leaves), "bytes": out.stat().st_size, "path": str(out)}
 
 
+_ST_MAX_HEADER = 100 << 20  # bytes; as the safetensors format itself limits it
+
+
+def _int_list(v) -> bool:
+    return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)
+
+
 def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """{name: read-only memmapped array} of a safetensors file (no data is read yet)."""
     path = Path(path)
     try:
+        size = path.stat().st_size
         with open(path, "rb") as f:
             n = int.from_bytes(f.read(8), "little")
+            # The header length comes from the file: check it before reading that much.
+            if size < 8 or not 2 <= n <= min(size - 8, _ST_MAX_HEADER):
+                raise ValueError(f"header length {n} does not fit a file of {size} bytes")
             header = json.loads(f.read(n))
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
         header.pop("__metadata__", None)
-        size = path.stat().st_size
         out = {}
         for name, h in header.items():
+            if not (isinstance(h, dict) and h.get("dtype") in _ST_DTYPES and _int_list(h.get("shape"))
+                    and _int_list(h.get("data_offsets")) and len(h["data_offsets"]) == 2):
+                raise ValueError(f"tensor {name!r}: bad header entry {str(h)[:80]}")
             b, e = h["data_offsets"]
             dt = np.dtype(_ST_DTYPES[h["dtype"]])
-            if 8 + n + e > size or e - b != math.prod(h["shape"]) * dt.itemsize:
+            if not 0 <= b <= e or 8 + n + e > size or e - b != math.prod(h["shape"]) * dt.itemsize:
                 raise ValueError(f"tensor {name!r} lies outside the file or has the wrong size")
             out[name] = (np.memmap(path, dtype=dt, mode="r", offset=8 + n + b, shape=tuple(h["shape"]))
                          if e > b else np.zeros(h["shape"], dt))
         return out
     except FileNotFoundError:
         raise CheckpointError(f"{path}: safetensors file not found") from None
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
         raise CheckpointError(f"{path}: not a valid safetensors file ({_one_line(e)})") from None
 
 

@@ -18,10 +18,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with the project's error format: one line on stderr, exit code 2."""
+
+    def error(self, message):
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 def parse_sweeps(items: list[str]) -> list[tuple[str, list[str]]]:
@@ -30,7 +37,10 @@ def parse_sweeps(items: list[str]) -> list[tuple[str, list[str]]]:
         key, sep, values = item.partition("=")
         if not sep or not key or not values:
             raise ValueError(f"--sweep {item!r}: expected KEY=V1,V2,... (e.g. model.n_layers=4,8,16)")
-        out.append((key, [v for v in values.split(",") if v]))
+        vals = [v for v in values.split(",") if v.strip()]
+        if not vals:
+            raise ValueError(f"--sweep {item!r}: no values; expected KEY=V1,V2,...")
+        out.append((key, vals))
     return out
 
 
@@ -107,7 +117,7 @@ def bench_plain_dp(cfg, devices, steps: int, warmup: int):
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="fsdp_jax benchmark")
+    ap = _Parser(description="fsdp_jax benchmark")
     ap.add_argument("--config", required=True)
     ap.add_argument("--strategies", default="full_shard,shard_grad_op,shard_opt,no_shard,hybrid_shard")
     ap.add_argument("--steps", type=int, default=10)
@@ -127,31 +137,42 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {missing_message('matplotlib', '--plot')}", file=sys.stderr)
         return 1
 
-    import jax
-    jax.config.update("jax_num_cpu_devices", int(os.environ.get("FSDP_JAX_CPU_DEVICES", "8")))
-    jax.config.update("jax_enable_compilation_cache", False)
+    import math
 
-    from fsdp_jax.app.cli import BAD_INPUT, fail
-    from fsdp_jax.app.config import ConfigError, load_config, validate
+    import jax
+
+    from fsdp_jax.app.cli import BAD_INPUT, check_out_file, env_int, fail, require
+    from fsdp_jax.app.config import ConfigError, check_backend, load_config, validate
     from fsdp_jax.app.models.llama import flops_per_token
     from fsdp_jax.perf import mfu, peak_flops
     from fsdp_jax.precision import Policy
     from fsdp_jax.strategy import get_strategy
 
     try:
+        jax.config.update("jax_num_cpu_devices", env_int("FSDP_JAX_CPU_DEVICES", 8))
+        jax.config.update("jax_enable_compilation_cache", False)
         if args.steps < 1 or args.warmup < 0:
             raise ConfigError("--steps", f"{args.steps} / --warmup {args.warmup}: need steps >= 1, warmup >= 0")
+        if args.peak_tflops is not None and not (math.isfinite(args.peak_tflops) and args.peak_tflops > 0):
+            raise ConfigError("--peak-tflops", f"{args.peak_tflops}: must be a finite number > 0")
+        if args.plot:
+            check_out_file(args.plot, "--plot")
+            require("matplotlib", "--plot")
         sweeps = parse_sweeps(args.sweep)
         strategies = [get_strategy(s).name for s in args.strategies.split(",") if s]
         load_config(args.config, args.overrides)  # fail early on a bad config
         runs = []
         for combo in combos(sweeps):
-            n_dev = int(combo.get("devices", jax.device_count()))
+            try:
+                n_dev = int(combo.get("devices", jax.device_count()))
+            except ValueError:
+                raise ConfigError("devices", f"{combo['devices']!r} is not an integer") from None
             if not 1 <= n_dev <= jax.device_count():
                 raise ConfigError("devices", f"{n_dev}: choose 1..{jax.device_count()}")
             cfg = load_config(args.config, list(args.overrides) + [f"{k}={v}" for k, v in combo.items()
                                                                      if k != "devices"])
             validate(cfg, n_devices=n_dev)
+            check_backend(cfg, jax.default_backend())
             runs.append((combo, cfg, n_dev))
     except (*BAD_INPUT, ValueError) as e:
         return fail(e)

@@ -24,6 +24,15 @@ import argparse
 import sys
 from pathlib import Path
 
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with the project's error format: one line on stderr, exit code 2."""
+
+    def error(self, message):
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -46,8 +55,8 @@ def _size(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[1].strip(),
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = _Parser(description=__doc__.splitlines()[1].strip(),
+                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dir", help="train run directory or checkpoint directory")
     dest = ap.add_mutually_exclusive_group(required=True)
     dest.add_argument("--out", help="output .safetensors file")
@@ -62,14 +71,19 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # argparse printed its one-line usage error
         return 2 if e.code else 0
 
+    import os
+
     from fsdp_jax.checkpoint import CheckpointError, export_safetensors
-    from fsdp_jax.app.cli import BAD_INPUT, fail
+    from fsdp_jax.app.cli import BAD_INPUT, ENVIRONMENT, fail, fail_env
 
     run_dir = Path(args.run_dir)
     directory = run_dir / "checkpoints" if (run_dir / "checkpoints").is_dir() else run_dir
+    out = Path(args.out or args.hf)
     try:
         if not directory.is_dir():
             raise CheckpointError(f"{run_dir}: no such run or checkpoint directory")
+        if args.step is not None and args.step < 0:
+            raise CheckpointError(f"--step {args.step}: must be >= 0")
         if args.hf:
             from fsdp_jax.app.hf_export import export_hf
             info = export_hf(directory, args.hf, dtype=args.dtype, step=args.step,
@@ -77,11 +91,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"exported step {info['step']}: {info['tensors']} tensors in {info['files']} "
                   f"file(s), {info['bytes'] / 2**20:.2f} MiB -> {info['path']}", flush=True)
             return 0
-        if not Path(args.out).parent.resolve().is_dir():
+        if out.is_dir():
+            raise CheckpointError(f"--out {args.out}: is a directory; give a file path, e.g. "
+                                  f"{out / 'model.safetensors'}")
+        if not out.absolute().parent.is_dir():
             raise CheckpointError(f"--out {args.out}: its directory does not exist")
-        info = export_safetensors(directory, args.out, dtype=args.dtype, step=args.step)
+        if not os.access(out.absolute().parent, os.W_OK | os.X_OK) or (
+                out.exists() and not os.access(out, os.W_OK)):
+            raise CheckpointError(f"--out {args.out}: not writable here; choose a writable place")
+        info = export_safetensors(directory, out, dtype=args.dtype, step=args.step)
     except BAD_INPUT as e:
         return fail(e)
+    except ENVIRONMENT as e:  # e.g. the disk filled up while writing: no partial file is left
+        return fail_env(e)
     print(f"exported step {info['step']}: {info['tensors']} tensors, {info['bytes'] / 2**20:.2f} MiB "
           f"-> {info['path']}", flush=True)
     return 0

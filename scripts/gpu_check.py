@@ -116,14 +116,39 @@ def collective_check() -> dict:
             "ok": ag.get("bf16", 0) > 0 and sum(rs.values()) > 0}
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the project's error format: one line on stderr, exit code 2."""
+
+    def error(self, message):
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser()
+    ap = _Parser()
     ap.add_argument("--config", default="configs/llama_1b.yaml")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--json", help="write all results here")
     ap.add_argument("--only", default="throughput,precision,collectives")
     ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args(argv)
+    try:
+        args = ap.parse_args(argv)
+    except SystemExit as e:
+        return 2 if e.code else 0
+    bad = [n for n in args.only.split(",") if n not in ("throughput", "precision", "collectives")]
+    if bad or args.steps < 1:
+        print(f"error: --only {args.only!r} / --steps {args.steps}: checks are throughput, precision, "
+              "collectives; steps >= 1", file=sys.stderr)
+        return 2
+    from fsdp_jax.app.cli import BAD_INPUT, check_out_file, fail
+    from fsdp_jax.app.config import load_config
+    try:
+        if "throughput" in args.only.split(","):
+            load_config(args.config, args.overrides)  # a bad config: one line now, not a traceback later
+        if args.json:
+            check_out_file(args.json, "--json")
+    except BAD_INPUT as e:
+        return fail(e)
     import jax
     print(f"jax {jax.__version__} | backend {jax.default_backend()} | {jax.device_count()} x "
           f"{jax.devices()[0].device_kind}", flush=True)

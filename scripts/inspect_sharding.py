@@ -27,9 +27,17 @@ import json
 import sys
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the project's error format: one line on stderr, exit code 2."""
+
+    def error(self, message):
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[1].strip(),
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = _Parser(description=__doc__.splitlines()[1].strip(),
+                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True, help="YAML config (configs/*.yaml)")
     ap.add_argument("--devices", required=True, help="number of devices")
     ap.add_argument("--strategy", default=None, help="strategy (default: the config's mesh.strategy)")
@@ -64,7 +72,11 @@ def main(argv: list[str] | None = None) -> int:
         threshold = (None if args.replicated_threshold == "auto"
                      else parse_bytes(args.replicated_threshold, "--replicated-threshold"))
         if args.strategy is not None:
-            parse_strategies(args.strategy, "--strategy")
+            names = parse_strategies(args.strategy, "--strategy")
+            if len(names) != 1 or args.strategy.strip().lower() == "all":
+                raise PlanError(f"--strategy: {args.strategy!r} must name one strategy "
+                                "(scripts/plan.py compares several)")
+            args.strategy = names[0]
     except (PlanError, TargetError, ValueError) as e:
         return fail(e)
     from fsdp_jax.strategy import get_strategy

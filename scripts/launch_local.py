@@ -4,8 +4,9 @@
     python scripts/launch_local.py --processes 2 --devices-per-process 4 -- \
         python scripts/train.py --config configs/tiny.yaml
 
-Each process gets FSDP_JAX_COORDINATOR (a free localhost port), FSDP_JAX_NUM_PROCESSES,
-FSDP_JAX_PROCESS_ID and FSDP_JAX_CPU_DEVICES; its output lines are prefixed with
+Each process gets FSDP_JAX_COORDINATOR (a free localhost port; the coordinator
+service listens on 127.0.0.1 only), FSDP_JAX_NUM_PROCESSES, FSDP_JAX_PROCESS_ID and
+FSDP_JAX_CPU_DEVICES; its output lines are prefixed with
 `[i]`. Fails fast: when one process exits non-zero the others are stopped
 (SIGTERM, then SIGKILL after --grace seconds) and the launcher exits with that
 code. SIGINT/SIGTERM to the launcher are forwarded to every process.
@@ -21,6 +22,17 @@ import subprocess
 import sys
 import threading
 import time
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with the project's error format: one line on stderr, exit code 2."""
+
+    def error(self, message):
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+MAX_PROCESSES = 1024
 
 
 def free_port() -> int:
@@ -57,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         argv, command = argv[:i], argv[i + 1:]
     else:
         command = []
-    ap = argparse.ArgumentParser(description="run a command as P local jax.distributed processes")
+    ap = _Parser(description="run a command as P local jax.distributed processes")
     ap.add_argument("--processes", type=int, required=True)
     ap.add_argument("--devices-per-process", type=int, default=4)
     ap.add_argument("--port", type=int, default=0, help="coordinator port (default: a free one)")
@@ -69,16 +81,26 @@ def main(argv: list[str] | None = None) -> int:
     if not command:
         print("error: no command: put it after `--`", file=sys.stderr)
         return 2
-    if args.processes < 1 or args.devices_per_process < 1:
-        print(f"error: --processes {args.processes} and --devices-per-process "
-              f"{args.devices_per_process} must be >= 1", file=sys.stderr)
+    for flag, v, lo, hi in (("--processes", args.processes, 1, MAX_PROCESSES),
+                            ("--devices-per-process", args.devices_per_process, 1, 1 << 16),
+                            ("--port", args.port, 0, 65535)):
+        if not lo <= v <= hi:
+            print(f"error: {flag} {v}: must be in {lo}..{hi}", file=sys.stderr)
+            return 2
+    if not 0 <= args.grace <= 3600:  # (also rejects nan)
+        print(f"error: --grace {args.grace}: must be in 0..3600 seconds", file=sys.stderr)
         return 2
     port = args.port or free_port()
     lock = threading.Lock()
     procs: list[subprocess.Popen] = []
     pumps = []
     for i in range(args.processes):
+        # The coordinator (process 0) listens on loopback only: JAX's default is every
+        # interface, an unauthenticated service. fsdp_jax.distributed binds a loopback
+        # coordinator address there; JAX_COORDINATOR_BIND_ADDRESS does the same for a
+        # command that calls jax.distributed.initialize itself.
         env = dict(os.environ, FSDP_JAX_COORDINATOR=f"127.0.0.1:{port}",
+                   JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{port}",
                    FSDP_JAX_NUM_PROCESSES=str(args.processes), FSDP_JAX_PROCESS_ID=str(i),
                    FSDP_JAX_CPU_DEVICES=str(args.devices_per_process), JAX_PLATFORMS="cpu",
                    PYTHONUNBUFFERED="1")

@@ -24,9 +24,17 @@ import json
 import sys
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the project's error format: one line on stderr, exit code 2."""
+
+    def error(self, message):
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[1].strip(),
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = _Parser(description=__doc__.splitlines()[1].strip(),
+                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True, help="YAML config (configs/*.yaml)")
     ap.add_argument("--devices", required=True, help="number of devices to plan for")
     ap.add_argument("--strategies", default="all", help="all, or a comma list (aliases ok: ddp,zero3)")
@@ -41,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # argparse printed its usage error
         return 2 if e.code else 0
 
-    from fsdp_jax.app.cli import BAD_INPUT, fail
+    from fsdp_jax.app.cli import BAD_INPUT, check_out_file, fail, require
+    from fsdp_jax.app.config import ConfigError
     from fsdp_jax.app.plan_report import (PlanError, load_planning_config, parse_bytes, parse_devices,
                                       parse_strategies)
     from fsdp_jax.targets import TargetError, make_target
@@ -54,7 +63,10 @@ def main(argv: list[str] | None = None) -> int:
             raise PlanError(f"--hosts: {args.hosts!r} needs --target (hosts of a GPU cluster)")
         target = None if args.target is None else make_target(
             args.target, devices=n, hosts=None if args.hosts is None else parse_devices(args.hosts, "--hosts"))
-    except (PlanError, TargetError) as e:
+        if args.plot:
+            check_out_file(args.plot, "--plot")
+            require("matplotlib", "--plot")
+    except (PlanError, TargetError, ConfigError) as e:
         return fail(e)
     try:
         cfg = load_planning_config(args.config, args.overrides, n)  # JAX: n CPU devices, from here on

@@ -10,18 +10,34 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the project's error format: one line on stderr, exit code 2."""
+
+    def error(self, message):
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
 def read_metrics(path: Path) -> list[dict]:
     records = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a UTF-8 text file") from None
+    for i, line in enumerate(text.splitlines(), 1):
         if line.strip():
             try:
-                records.append(json.loads(line))
+                rec = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{i}: not JSON ({e.msg})") from None
+            if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
+                raise ValueError(f"{path}:{i}: not a metrics record (an object with an integer step)")
+            records.append(rec)
     return records
 
 
@@ -33,6 +49,11 @@ def time_fractions(train: list[dict]) -> dict[str, list[float]]:
     """{category: [fraction of each window's wall time]} for records with `t_wall_s`."""
     rows = [r for r in train if r.get("t_wall_s")]
     return {k: [r.get(f"t_{k}_s", 0.0) / r["t_wall_s"] for r in rows] for k in CATEGORIES}
+
+
+def _num(v) -> float:
+    """A logged value; null (a non-finite value, see "nonfinite") plots as a gap."""
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else float("nan")
 
 
 def plot(records: list[dict], out: Path) -> None:
@@ -47,9 +68,9 @@ def plot(records: list[dict], out: Path) -> None:
     goodputs = [r for r in records if "goodput" in r]
     fig, axes = plt.subplots(1, 3 if timed else 2, figsize=(16 if timed else 11, 4))
     ax1, ax2 = axes[0], axes[1]
-    ax1.plot([r["step"] for r in train], [r["loss"] for r in train], label="train")
+    ax1.plot([r["step"] for r in train], [_num(r["loss"]) for r in train], label="train")
     if val:
-        ax1.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation")
+        ax1.plot([r["step"] for r in val], [_num(r["val_loss"]) for r in val], "o-", label="validation")
     ax1.set(xlabel="step", ylabel="loss (nats/token)", title="loss")
     ax1.legend()
     ax1.grid(alpha=0.3)
@@ -74,7 +95,7 @@ def plot(records: list[dict], out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Plot RUN_DIR/metrics.jsonl")
+    ap = _Parser(description="Plot RUN_DIR/metrics.jsonl")
     ap.add_argument("run_dir")
     ap.add_argument("--out", help="PNG path (default RUN_DIR/metrics.png)")
     try:
@@ -94,12 +115,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {path}: no logged training steps yet", file=sys.stderr)
         return 2
     out = Path(args.out) if args.out else Path(args.run_dir) / "metrics.png"
-    from fsdp_jax.app.extras import MissingExtra
+    if out.is_dir() or not out.absolute().parent.is_dir() or not os.access(out.absolute().parent, os.W_OK):
+        print(f"error: --out {str(out)!r}: not a writable file path (a directory, or its directory "
+              "is missing or read-only)", file=sys.stderr)
+        return 2
     try:
-        plot(records, out)
-    except MissingExtra as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("error: plotting needs the matplotlib package (pip install matplotlib)", file=sys.stderr)
+        return 2
+    plot(records, out)
     print(out)
     return 0
 

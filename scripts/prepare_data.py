@@ -55,8 +55,12 @@ def _parse(argv):
         p.error("--tokenizer applies to SOURCES... or --stdlib, not to --bin files")
     if (args.eos or args.model) and args.tokenizer == "bytes":
         p.error("--eos and --model need --tokenizer")
-    if not 0 < args.val_fraction < 1:
+    if not 0 < args.val_fraction < 1:  # (also rejects nan)
         p.error(f"--val-fraction {args.val_fraction}: must be in (0, 1)")
+    if args.seed < 0:
+        p.error(f"--seed {args.seed}: must be >= 0")
+    if args.vocab_size is not None and not 0 < args.vocab_size <= 2**32:
+        p.error(f"--vocab-size {args.vocab_size}: must be in 1..2**32")
     return args
 
 
@@ -83,6 +87,10 @@ def main(argv=None) -> int:
     from fsdp_jax.checkpoint import CheckpointError
     BAD_INPUT = (data.DataError, TokenizerError, ConfigError, CheckpointError)
 
+    problem = data.dir_problem(args.out)
+    if problem:
+        print(f"error: --out {args.out!r} {problem}", file=sys.stderr)
+        return 2
     try:
         if args.bin is not None:
             meta = data.prepare_bin(args.bin, args.val_bin, args.out, args.vocab_size, args.dtype)
@@ -101,8 +109,8 @@ def main(argv=None) -> int:
     except BAD_INPUT as e:  # DataError; --tokenizer/--model: TokenizerError, ConfigError, CheckpointError
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    except OSError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except OSError as e:  # the environment (disk full, I/O error): one line, nothing half-written
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 1
     print(f"{args.out}: train {meta['train_tokens']:,} tokens, val {meta['val_tokens']:,} tokens "
           f"(vocab {meta['vocab_size']}, {meta['dtype']})")

@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import importlib.util
 import json
+import math
 import re
 import typing
 from collections.abc import Mapping, Sequence
@@ -155,6 +156,7 @@ _SECTIONS: dict[str, type] = {k: t for k, t in typing.get_type_hints(Config).ite
                               if dataclasses.is_dataclass(t)}
 _OVERRIDE_ALIASES = {"strategy": "mesh.strategy", "steps": "train.steps", "lr": "optimizer.lr"}
 _FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+_INT_LIMIT = 2**31
 _CHOICES = {"model.attention": ("xla", "cudnn"), "optimizer.name": ("adamw", "sgd", "adafactor"),
             "data.source": ("stdlib", "none"), "xla_gpu_flags": ("none", "fsdp")}
 
@@ -187,14 +189,20 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         raise ConfigError(key, f"{value!r} is not a boolean; use true or false")
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
+            if not -_INT_LIMIT <= value < _INT_LIMIT:  # seeds, sizes and steps reach int32/C long
+                raise ConfigError(key, f"{value!r} is out of range; must be in [-2**31, 2**31)")
             return value
         raise ConfigError(key, f"{value!r} is not an integer")
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str) and _FLOAT_RE.fullmatch(value.strip()):
-            return float(value)  # PyYAML reads 3e-3 (no dot) as a string
-        raise ConfigError(key, f"{value!r} is not a number")
+            out = float(value) if abs(value) < 1e308 or isinstance(value, float) else math.inf
+        elif isinstance(value, str) and _FLOAT_RE.fullmatch(value.strip()):
+            out = float(value)  # PyYAML reads 3e-3 (no dot) as a string
+        else:
+            raise ConfigError(key, f"{value!r} is not a number")
+        if not math.isfinite(out):  # .inf / .nan would only surface as NaN params
+            raise ConfigError(key, f"{value!r} is not a finite number")
+        return out
     if tp is str:
         if isinstance(value, str):
             return value
@@ -304,12 +312,19 @@ def apply_overrides(raw: Mapping, overrides: Sequence[str]) -> dict:
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
     """Read a YAML config, apply `key=value` overrides, build and validate (no device checks)."""
     path = Path(path)
+    if path.exists() and not path.is_file() and not path.is_dir():  # a FIFO or device would block
+        raise ConfigError(str(path), "is not a regular file")
     try:
         raw = yaml.safe_load(path.read_text())
     except FileNotFoundError:
         raise ConfigError(str(path), "config file not found") from None
+    except IsADirectoryError:
+        raise ConfigError(str(path), "is a directory, not a YAML config file") from None
     except OSError as e:
         raise ConfigError(str(path), f"cannot read config file ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(str(path), f"not a UTF-8 text file (byte {e.start}: "
+                          f"{e.object[e.start:e.start + 1]!r})") from None
     except yaml.YAMLError as e:
         where = getattr(e, "problem_mark", None)
         at = f" at line {where.line + 1}" if where else ""
@@ -368,7 +383,11 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
            f"head dim d_model/n_heads={m.d_model // m.n_heads} must be even for RoPE")
     _check(data.seq_len <= m.max_seq_len, "data.seq_len", data.seq_len,
            f"must be <= model.max_seq_len={m.max_seq_len}")
-    _check(bool(data.path), "data.path", data.path, "must be a directory path")
+    _check(bool(data.path.strip()), "data.path", data.path, "must be a directory path")
+    for key, v in (("data.seed", data.seed), ("train.seed", tr.seed)):
+        _check(v >= 0, key, v, "must be >= 0")
+    _check(bool(cfg.run_dir.strip()), "run_dir", cfg.run_dir,
+           "must be a directory path (not empty: the run would write into the current directory)")
     sizes = (mesh.data, mesh.fsdp, mesh.tensor)
     for n, v in zip(("data", "fsdp", "tensor"), sizes):
         _check(v >= 1 or v == -1, f"mesh.{n}", v, "must be >= 1, or -1 for the remaining devices")
@@ -387,6 +406,8 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
            dist.num_processes, "must be >= 1 (or null to auto-detect)")
     _check(dist.process_id is None or 0 <= dist.process_id < (dist.num_processes or 1),
            "distributed.process_id", dist.process_id, "must be in [0, num_processes)")
+    if dist.coordinator is not None:
+        check_coordinator(dist.coordinator, "distributed.coordinator")
     _check(dist.init_timeout_s > 0, "distributed.init_timeout_s", dist.init_timeout_s, "must be > 0")
     try:
         Policy.parse(cfg.precision)
@@ -427,6 +448,19 @@ def parse_profile(text: str) -> tuple[int, int]:
     _check(bool(sep) and 1 <= first <= last, "train.profile", text,
            "must be START:END, steps with 1 <= START <= END (e.g. 2:4)")
     return first, last
+
+
+def check_coordinator(address: str, key: str) -> None:
+    """`address` is host:port with a port in 1..65535 (IPv6 as [addr]:port)."""
+    host, sep, port = address.rpartition(":")
+    _check(bool(sep and host.strip("[]") and port.isdigit() and 0 < int(port) < 65536), key, address,
+           "must be HOST:PORT with a port in 1..65535, e.g. 127.0.0.1:1234")
+
+
+def check_backend(cfg: Config, backend: str) -> None:
+    """Settings that need a particular JAX backend ("cpu", "gpu", "tpu")."""
+    _check(cfg.model.attention != "cudnn" or backend == "gpu", "model.attention", cfg.model.attention,
+           f"needs a CUDA GPU (cuDNN); this run's JAX backend is {backend}: use model.attention=xla")
 
 
 def check_data(cfg: Config) -> None:

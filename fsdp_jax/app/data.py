@@ -54,6 +54,30 @@ def _commit(out: Path, tmp_files: dict[str, Path], meta: dict) -> dict:
     return meta
 
 
+def dir_problem(path: str | os.PathLike) -> str | None:
+    """Why `path` cannot be (created as) a writable directory, or None: it is a file, it
+    lies under a file, or its nearest existing ancestor is not writable. Writes nothing."""
+    p = Path(path).absolute()
+    if p.exists() and not p.is_dir():
+        return "is a file, not a directory"
+    existing = p
+    while not existing.exists():  # a path under a file does not "exist" either
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"lies under {str(existing)!r}, which is a file"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return (f"is not writable ({str(existing)!r} is read-only for this user); "
+                "choose a writable place")
+    return None
+
+
+def _check_out(out_dir: str | os.PathLike) -> Path:
+    problem = dir_problem(out_dir)
+    if problem:
+        raise DataError(f"output directory {str(out_dir)!r} {problem}")
+    return Path(out_dir)
+
+
 def _collect(sources: Sequence[str | os.PathLike], pattern: str,
              exclude: Sequence[str]) -> list[Path]:
     files: dict[Path, None] = {}
@@ -62,6 +86,8 @@ def _collect(sources: Sequence[str | os.PathLike], pattern: str,
         if p.is_file():
             files[p.resolve()] = None
         elif p.is_dir():
+            if not pattern or Path(pattern).is_absolute() or ".." in Path(pattern).parts:
+                raise DataError(f"pattern {pattern!r}: must be a relative file glob, e.g. '*.txt'")
             for f in sorted(p.rglob(pattern)):
                 rel = f.relative_to(p).parts
                 if f.is_file() and not any(s.startswith(".") or s in exclude for s in rel[:-1]) \
@@ -88,6 +114,9 @@ def _write_corpus(files: list[Path], out_dir: str | os.PathLike, val_fraction: f
                   meta_extra: dict) -> dict:
     if not 0 < val_fraction < 1:
         raise DataError(f"val_fraction {val_fraction!r}: must be in (0, 1)")
+    if not isinstance(seed, int) or seed < 0:
+        raise DataError(f"seed {seed!r}: must be an integer >= 0")
+    _check_out(out_dir)
     total = sum(f.stat().st_size for f in files)
     if total == 0:
         raise DataError("empty corpus: no non-empty files found in the sources")
@@ -232,7 +261,7 @@ def prepare_bin(train_bin: str | os.PathLike, val_bin: str | os.PathLike,
     dt = token_dtype(vocab_size) if dtype is None else np.dtype(dtype)
     if vocab_size > np.iinfo(dt).max + 1:
         raise DataError(f"vocab_size {vocab_size} does not fit dtype {dt.name}; use uint32")
-    out = Path(out_dir)
+    out = _check_out(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tmp, counts = {}, {}
     try:
@@ -276,6 +305,8 @@ def load_meta(data_dir: str | os.PathLike) -> dict:
     try:
         meta = json.loads((d / "meta.json").read_text())
         dt = np.dtype(meta["dtype"])
+        if dt not in (np.uint16, np.uint32):
+            raise ValueError(f"dtype {meta['dtype']!r}: allowed uint16, uint32")
         expect = {"train.bin": meta["train_tokens"], "val.bin": meta["val_tokens"]}
     except FileNotFoundError:
         raise DataError(f"{str(d)!r}: meta.json not found; prepare it with "

@@ -10,14 +10,19 @@ steps and at the end (asynchronously); running the same command again resumes
 exactly from the newest checkpoint that restores (data order and LR schedule
 included). SIGTERM/SIGINT finish the step, checkpoint and return normally; a
 second signal exits at once (`fsdp_jax.app.preemption`). `max_nonfinite_steps` skipped steps in a row raise
-`TrainingDiverged` with the last good checkpoint intact.
+`TrainingDiverged` with the last good checkpoint intact. Bad input is found by
+`preflight` before anything is written; process 0 then holds `<run_dir>/.lock`
+(`fsdp_jax.app.run_dir`), so a second trainer on the same run_dir is refused; a save
+that fails (disk full) raises `CheckpointWriteError` at the next step.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
+import re
 import time
 from collections import deque
 from pathlib import Path
@@ -29,8 +34,11 @@ import numpy as np
 from fsdp_jax.app import data as data_lib
 from fsdp_jax.app import hf
 from fsdp_jax.adapters import ModelFns, from_nnx
-from fsdp_jax.checkpoint import Checkpointer, Restored, load_init_params
-from fsdp_jax.app.config import Config, check_data, config_to_dict, save_config, validate
+from fsdp_jax.checkpoint import (CheckpointError, Checkpointer, Restored, load_init_params,
+                                 read_safetensors)
+from fsdp_jax.app.config import (Config, ConfigError, check_backend, check_data, config_to_dict,
+                                 save_config, validate)
+from fsdp_jax.app.run_dir import RunDirLock, check_dir_path
 from fsdp_jax.memory import compiled_memory
 from fsdp_jax.app.metrics_log import LogWindow, MetricsLog, sample_text, wandb_settings
 from fsdp_jax.app.timing import ProfileWindow, StepTimer, format_goodput, format_window, goodput, injected_data_delay
@@ -86,11 +94,16 @@ def prepare_data(cfg: Config) -> None:
     """Prepare the default stdlib corpus on first use (process 0), then check the data."""
     if cfg.data.source == "stdlib" and not (Path(cfg.data.path) / "meta.json").exists():
         if jax.process_index() == 0:
-            data_lib.ensure_stdlib(cfg.data.path)
+            try:
+                data_lib.ensure_stdlib(cfg.data.path)
+            except OSError as e:
+                raise ConfigError("data.path", f"{cfg.data.path!r}: cannot prepare the stdlib "
+                                  f"corpus there ({e.strerror or e})") from None
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
             multihost_utils.sync_global_devices("fsdp_jax:prepare_data")
     check_data(cfg)
+    data_lib.load_meta(cfg.data.path)  # meta.json's dtype and the bins' sizes, before any write
 
 
 def setup(cfg: Config, init_params: Callable | None = None, *, resume: bool = True) -> Run:
@@ -133,8 +146,12 @@ def setup(cfg: Config, init_params: Callable | None = None, *, resume: bool = Tr
     restored, start = None, 0
     if resume and ckpt.steps():
         restored = ckpt.restore(built.abstract_state, set_aside_damaged=True)
-        state, start = restored.state, int(restored.extras.get("step", restored.step))
-        rng = _rng_from(restored.extras.get("rng"), rng)
+        try:  # extras are JSON anyone can edit: a bad value names the checkpoint, not a traceback
+            state, start = restored.state, int(restored.extras.get("step", restored.step))
+            rng = _rng_from(restored.extras.get("rng"), rng)
+        except (ValueError, TypeError, KeyError) as e:
+            raise CheckpointError(f"checkpoint {ckpt.step_dir(restored.step)}: invalid extras "
+                                  f"(step / rng: {' '.join(str(e).split())[:160]})") from None
         if is_main:
             for w in restored.warnings + _config_changes(restored.extras.get("config"), cfg):
                 print(f"warning: {w}", flush=True)
@@ -191,9 +208,49 @@ def evaluate(run: Run, params, batches) -> float:
 def _injected_nan_steps() -> set[int]:
     text = os.environ.get(INJECT_NAN_ENV, "")
     try:
-        return {int(x) for x in text.split(",") if x.strip()}
+        steps = {int(x) for x in text.split(",") if x.strip()}
     except ValueError:
-        raise ValueError(f"{INJECT_NAN_ENV}={text!r}: expected comma-separated step numbers") from None
+        steps = {0}
+    if any(s < 1 for s in steps):
+        raise ConfigError(INJECT_NAN_ENV, f"{text!r} is invalid; expected comma-separated step "
+                          "numbers >= 1, e.g. 5,6,7")
+    return steps
+
+
+def preflight(cfg: Config) -> None:
+    """Every check of the run's inputs that needs no writing: the config against the
+    devices and backend, the environment hooks, and the places the run will write
+    (run_dir; data.path when the corpus is to be prepared), init_from's header. Raises
+    ConfigError or CheckpointError (both bad input)."""
+    validate(cfg, n_devices=jax.device_count())
+    check_backend(cfg, jax.default_backend())
+    _injected_nan_steps()
+    if cfg.train.tensorboard and importlib.util.find_spec("tensorboardX") is None:
+        raise ConfigError("train.tensorboard", "true needs the tensorboardX package "
+                          "(pip install tensorboardX), or set it to false")
+    check_dir_path(cfg.run_dir, "run_dir")
+    if cfg.data.source == "stdlib" and not (Path(cfg.data.path) / "meta.json").exists():
+        check_dir_path(cfg.data.path, "data.path")
+    if cfg.init_from and not re.match(r"[A-Za-z][\w+.-]*:", cfg.init_from):  # scheme:... is not a path
+        init = Path(cfg.init_from)
+        if not init.exists():
+            raise ConfigError("init_from", f"{cfg.init_from!r}: no such file or directory")
+        if init.is_file():
+            try:
+                read_safetensors(init)  # the header only
+            except CheckpointError as e:
+                raise CheckpointError(f"init_from: {e}") from None
+
+
+def check_tokens(local: np.ndarray, vocab_size: int, step: int, data_path: str) -> None:
+    """A batch's token ids are in [0, vocab_size): an id outside would only show up as
+    a NaN loss (the embedding lookup fills it), so name the data instead."""
+    lo, hi = int(local.min()), int(local.max())
+    if lo < 0 or hi >= vocab_size:
+        bad = hi if hi >= vocab_size else lo
+        raise data_lib.DataError(f"data.path {data_path!r}: step {step}'s batch holds token id {bad}, "
+                                 f"outside model.vocab_size={vocab_size}; the corpus does not match "
+                                 "the model (its meta.json vocab_size is wrong?)")
 
 
 def train(cfg: Config, *, init_params: Callable | None = None, progress: bool = True,
@@ -204,13 +261,15 @@ def train(cfg: Config, *, init_params: Callable | None = None, progress: bool = 
     Raises TrainingDiverged after `train.max_nonfinite_steps` skipped steps in a row."""
     with StopSignals() as signals:  # from here on, until the last write is committed
         t_setup = time.perf_counter()
-        injected_data_delay()  # a bad test-hook value fails here, before anything is written
-        run = setup(cfg, init_params)
-        run.setup_s = time.perf_counter() - t_setup
-        try:
-            return _loop(run, cfg, progress, stop_after, signals)
-        finally:
-            run.checkpointer.close()  # waits for checkpoint writes in flight
+        preflight(cfg)  # bad input fails here, before anything is written
+        injected_data_delay()  # a bad test-hook value fails here too
+        with RunDirLock(cfg.run_dir):  # one writer per run_dir
+            run = setup(cfg, init_params)
+            run.setup_s = time.perf_counter() - t_setup
+            try:
+                return _loop(run, cfg, progress, stop_after, signals)
+            finally:
+                run.checkpointer.close()  # waits for checkpoint writes in flight
 
 
 def _loop(run: Run, cfg: Config, progress: bool, stop_after: int | None, signals: StopSignals) -> dict:
@@ -221,8 +280,7 @@ def _loop(run: Run, cfg: Config, progress: bool, stop_after: int | None, signals
         run.run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run.run_dir / "config.yaml")
     log = MetricsLog(run.run_dir, run.is_main, c.tensorboard, wandb=wandb_settings(cfg), timer=timer)
-    if run.restored is not None:
-        log.truncate(run.start_step)
+    log.truncate(run.start_step)  # a fresh start (0) drops the rows of a run that died before saving
     pi, pc = jax.process_index(), jax.process_count()
     batches = data_lib.make_dataset(cfg.data.path, "train", cfg.data.seq_len, c.global_batch,
                                     cfg.data.seed, pi, pc)
@@ -275,6 +333,8 @@ def _loop(run: Run, cfg: Config, progress: bool, stop_after: int | None, signals
         local = next(batches)
         if data_delay:
             time.sleep(data_delay)
+        check_tokens(local, cfg.model.vocab_size, done, cfg.data.path)
+        ckpt.check()  # a failed background save stops the run now, not at the next save
         if done in nan_steps:
             local = local.copy()
             local[:, 0] = cfg.model.vocab_size
@@ -353,7 +413,11 @@ def _loop(run: Run, cfg: Config, progress: bool, stop_after: int | None, signals
     else:
         if c.sample_tokens:
             summary["sample"] = sample_text(run.model, run.plan, cfg, state.params, val, run.rng)
-        if run.is_main:
+        if run.is_main and start_step >= c.steps:
+            print(f"nothing to do: the run already finished train.steps={c.steps} "
+                  f"(checkpoint step {run.restored.step if run.restored else start_step}); "
+                  "raise train.steps to train further", flush=True)
+        elif run.is_main:
             print(f"final: train_loss {summary.get('train_loss', float('nan')):.4f}"
                   + (f" | val_loss {summary['val_loss']:.4f} nats/token" if "val_loss" in summary else ""),
                   flush=True)

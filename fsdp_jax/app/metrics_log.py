@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -48,6 +49,15 @@ if TYPE_CHECKING:
     from fsdp_jax.adapters import ModelFns
     from fsdp_jax.app.config import Config
     from fsdp_jax.app.timing import StepTimer
+
+
+def json_safe(record: dict) -> dict:
+    """`record` with non-finite floats as null (bare NaN/Infinity is not JSON) and their
+    keys listed under "nonfinite", e.g. {"loss": null, "nonfinite": ["loss"]}."""
+    bad = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
+    if not bad:
+        return record
+    return {**{k: None if k in bad else v for k, v in record.items()}, "nonfinite": bad}
 
 
 class MetricsLog:
@@ -86,7 +96,7 @@ class MetricsLog:
 
     def _write(self, record: dict) -> None:
         with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
         if self.tb is not None:
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)) and v is not None:
@@ -101,10 +111,11 @@ class MetricsLog:
         keep = []
         for line in self.path.read_text().splitlines():
             try:
-                if json.loads(line).get("step", 0) <= step:
-                    keep.append(line)
+                rec = json.loads(line)
             except ValueError:  # a line cut short by a crash
-                pass
+                continue
+            if isinstance(rec, dict) and isinstance(rec.get("step", 0), int) and rec.get("step", 0) <= step:
+                keep.append(line)
         tmp = self.path.with_name(f".{self.path.name}.tmp")
         tmp.write_text("".join(line + "\n" for line in keep))
         os.replace(tmp, self.path)

@@ -29,7 +29,8 @@ STRATEGY_ORDER = ("no_shard", "shard_opt", "shard_grad_op", "full_shard", "hybri
 CLASSIC_NAMES = {"no_shard": "DDP", "shard_opt": "ZeRO-1", "shard_grad_op": "ZeRO-2",
                  "full_shard": "FSDP/ZeRO-3", "hybrid_shard": "HSDP"}
 DEFAULT_REPLICATED_THRESHOLD = 1 << 20  # bytes: replicated params at least this big are flagged
-COMPILED_OVER_ANALYTIC = 0.10  # flag a compiled peak this much above the analytic total
+COMPILED_OVER_ANALYTIC = 0.10
+MAX_DEVICES = 1 << 16  # fake CPU devices are real threads and buffers: bound what a typo asks for  # flag a compiled peak this much above the analytic total
 
 
 class PlanError(ValueError):
@@ -46,14 +47,17 @@ def parse_bytes(text: str | int, what: str = "--device-memory") -> int:
     """'80GB' -> 80e9, '80GiB' -> 80 * 2**30, '141G' -> 141e9, '1.5TB', '4096' (bytes).
     K/M/G/T are decimal (as GPU vendors quote memory), Ki/Mi/Gi/Ti binary."""
     if isinstance(text, int) and not isinstance(text, bool):
-        value, unit = float(text), ""
+        value, unit = (float(text) if abs(text) < 2**63 else float("inf")), ""
     else:
         m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)(?:[eE](\d+))?\s*([KMGTkmgt]i?)?[Bb]?\s*", str(text))
         if not m:
             raise PlanError(f"{what}: {text!r} is not a size; use e.g. 80GB, 80GiB, 141GB")
-        value = float(m.group(1)) * (10 ** int(m.group(2)) if m.group(2) else 1)
+        value = float(m.group(1) + (f"e{m.group(2)}" if m.group(2) else ""))  # 1e400 -> inf
         unit = (m.group(3) or "").lower()
-    n = int(value * _UNITS[unit])
+    total = value * _UNITS[unit]
+    if not total < 2**63:  # 1e400GB is inf (and int(inf) raises); nothing has 8 EiB per device
+        raise PlanError(f"{what}: {text!r} is too large; at most 8 EiB")
+    n = int(total)
     if n <= 0:
         raise PlanError(f"{what}: {text!r} must be > 0")
     return n
@@ -85,8 +89,8 @@ def parse_devices(text: str | int, what: str = "--devices") -> int:
         n = int(text)
     except ValueError:
         raise PlanError(f"{what}: {text!r} is not an integer") from None
-    if n < 1:
-        raise PlanError(f"{what}: {n} must be >= 1")
+    if not 1 <= n <= MAX_DEVICES:
+        raise PlanError(f"{what}: {n} must be in 1..{MAX_DEVICES}")
     return n
 
 
