@@ -112,6 +112,9 @@ OUT_OF_RANGE: dict[str, typing.Any] = {
     "distributed.process_id": -1, "distributed.init_timeout_s": 0,
     "precision": "params=float99", "remat": "sometimes", "run_dir": "", "xla_gpu_flags": "yes",
     "init_from": "/nonexistent/model.safetensors",
+    "mesh.min_replicated_bytes": -1, "mesh.rules": {"embed": "nowhere"},
+    "model.tie_word_embeddings": None, "train.profile": "4:2",
+    "logging.wandb": None, "logging.wandb_project": None, "logging.wandb_run_name": None,
 }
 
 
@@ -123,7 +126,8 @@ def _base(type_hint):
 def wrong_types(tp) -> list:
     """Values of the wrong type for a field annotated `tp` (as YAML would deliver them)."""
     return {int: ["abc", 1.5, True, [1]], float: ["abc", True, [1.0], {"a": 1}],
-            bool: ["maybe", 2, None], str: [[1, 2], {"a": "b"}, 3]}[_base(tp)]
+            bool: ["maybe", 2, None], str: [[1, 2], {"a": "b"}, 3],
+            config_lib.Rules: ["embed", 3, [1, 2], {"embed": 3}]}[_base(tp)]
 
 
 def field_types() -> dict[str, typing.Any]:
