@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
+from fsdp_jax import offload as offload_lib
 from fsdp_jax import rules as rl
 from fsdp_jax.state import TrainState, abstract_state, state_shardings
 from fsdp_jax.step import CompiledStep, LossFn, make_eval_step, make_train_step
@@ -53,9 +54,12 @@ class Built:
     def _init_from(self, params_fn, *args, donate: bool = False) -> TrainState:
         optimizer = self.optimizer
 
-        def init(*a):
-            p = params_fn(*a)
-            return TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=optimizer.init(p))
+        plan = self.plan
+
+        def init(*a):  # on the device; offloaded parts then go to host memory
+            p = offload_lib.fetch(params_fn(*a), plan.params)
+            st = TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=optimizer.init(p))
+            return offload_lib.store_state(st, plan)
         with jax.set_mesh(self.plan.mesh):
             return jax.jit(init, out_shardings=state_shardings(self.plan),
                            donate_argnums=(0,) if donate else ())(*args)
@@ -72,7 +76,7 @@ class Built:
         copied into the plan's layout (the caller's arrays are never aliased, since the
         step donates its state), with fresh optimizer state."""
         with jax.set_mesh(self.plan.mesh):
-            p = jax.device_put(params, self.plan.params, may_alias=False)
+            p = jax.device_put(params, offload_lib.on_device(self.plan.params), may_alias=False)
         return self._init_from(lambda x: x, p)
 
     def state_from_params(self, params) -> TrainState:
@@ -86,7 +90,7 @@ def build(model, optimizer: optax.GradientTransformation, mesh: Mesh,
           logical_axes: Any = None, rules: rl.Rules | None = None,
           min_shard_size: int = rl.DEFAULT_MIN_SHARD_SIZE,
           max_replicated_fraction: float | None = rl.DEFAULT_MAX_REPLICATED_FRACTION,
-          has_aux: bool = False, **step_options) -> Built:
+          has_aux: bool = False, offload: str = "none", **step_options) -> Built:
     """Plan, abstract state and steps for `model` under `strategy` on `mesh`.
 
     `model`: a `ModelFns` (`from_nnx`, `from_linen`) or anything with
@@ -94,11 +98,13 @@ def build(model, optimizer: optax.GradientTransformation, mesh: Mesh,
     model's names. `rules`, `min_shard_size`, `max_replicated_fraction`: as in
     `make_plan`. With `loss_fn(params, batch)`, `step_options` go to
     `make_train_step` (microbatches, clip_norm, precision, remat, skip_nonfinite,
-    donate, trainable); `precision` also goes to `make_eval_step`.
+    donate, trainable); `precision` also goes to `make_eval_step`. `offload`
+    ("none" | "optimizer" | "optimizer+params"): state kept in host memory between
+    steps (`fsdp_jax.offload`).
     """
     axes_ = model.logical_axes if logical_axes is None else logical_axes
     plan = make_plan(model.abstract_params, optimizer, mesh, strategy, axes_, rules,
-                     min_shard_size, max_replicated_fraction)
+                     min_shard_size, max_replicated_fraction, offload=offload)
     abstract = abstract_state(plan, model.abstract_params, optimizer)
     train_step = eval_step = None
     if loss_fn is not None:

@@ -14,6 +14,9 @@
 5. the global grad norm is taken across shards, grads are clipped, optax updates
    the state in its sharded layout, and non-finite steps are skipped;
 6. the old state is donated, so params and optimizer state are updated in place.
+7. with host offload (`plan.offload`), host-resident params are brought to the device
+   before 3, offloaded optimizer state (and f32 master params) only after the grad norm
+   of 5 exists, and the new state is written back to host memory (`fsdp_jax.offload`).
 Activation constraints in the model (`flax.linen.with_logical_constraint`) resolve
 through the same rules table, made current while the step is traced.
 """
@@ -31,6 +34,7 @@ import optax
 from flax import linen as nn
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+import fsdp_jax.offload as offload_lib
 import fsdp_jax.remat as remat_lib
 from fsdp_jax import rules as rl
 from fsdp_jax.precision import Policy, cast_params_for_compute
@@ -166,7 +170,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, pl
     policy = Policy.parse(precision)
     loss_fn = remat_lib.with_remat(loss_fn, remat)
     clip = optax.clip_by_global_norm(clip_norm) if clip_norm else None
-    grad_sh, compute_sh, rest_sh = plan.grads, plan.compute, plan.params
+    grad_sh, compute_sh, rest_sh = plan.grads, plan.compute, offload_lib.on_device(plan.params)
 
     def value_and_grad(params, batch, wrt: _Wrt):
         def f(x):
@@ -180,6 +184,8 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, pl
         return loss, aux, jax.lax.with_sharding_constraint(grads, wrt.select(grad_sh))
 
     def step(state: TrainState, batch):
+        at_rest = state  # offloaded params come to the device now, for the forward pass
+        state = state.replace(params=offload_lib.fetch(state.params, plan.params))
         wrt = _Wrt(state.params, trainable)
         g_sh = wrt.select(grad_sh)
         if microbatches == 1:
@@ -200,6 +206,8 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, pl
         grad_norm = optax.tree.norm(grads)
         if clip is not None:
             grads, _ = clip.update(grads, clip.init(grads))
+        # offloaded optimizer state (and f32 master params) come once the grads exist
+        state = offload_lib.fetch_state(at_rest, plan, after=grad_norm)
         def apply(st: TrainState, g) -> TrainState:
             updates, opt_state = optimizer.update(g, st.opt_state, st.params)
             return TrainState(step=st.step + 1, params=optax.apply_updates(st.params, updates),
@@ -210,6 +218,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, pl
             new = jax.lax.cond(ok, apply, lambda st, g: st, state, grads)
         else:
             new = apply(state, grads)
+        new = offload_lib.store_state(new, plan)  # back to host memory, where offloaded
         metrics = {"loss": loss.astype(policy.output_dtype), "grad_norm": grad_norm,
                    "skipped": (~ok).astype(jnp.int32)}
         if has_aux:
@@ -228,7 +237,9 @@ def make_eval_step(loss_fn: LossFn, plan: ShardingPlan, *, precision: Policy | s
     policy = Policy.parse(precision)
 
     def step(params, batch):
-        pc = policy.cast_to_compute(jax.lax.with_sharding_constraint(params, plan.params))
+        params = offload_lib.fetch(params, plan.params)
+        pc = policy.cast_to_compute(jax.lax.with_sharding_constraint(
+            params, offload_lib.on_device(plan.params)))
         out = loss_fn(pc, batch)
         loss = out[0] if has_aux else out
         return {"loss": loss.astype(policy.output_dtype)}

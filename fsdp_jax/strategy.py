@@ -28,6 +28,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from fsdp_jax import axes as ax
+from fsdp_jax import offload as offload_lib
 from fsdp_jax import rules as rl
 
 
@@ -75,7 +76,9 @@ class ShardingPlan:
     `params` is the layout at rest (and in the train state), `compute` the layout
     the forward pass starts from, `grads` where gradients are reduced to,
     `opt_state` the optimizer state, `batch` the leading batch dim of inputs.
-    `rows` explain each parameter's at-rest spec.
+    `rows` explain each parameter's at-rest spec. `offload` names which of params /
+    opt_state rest in host memory (their shardings then carry memory kind
+    `pinned_host`; `fsdp_jax.offload`).
     """
     strategy: Strategy
     mesh: Mesh
@@ -86,6 +89,7 @@ class ShardingPlan:
     batch: NamedSharding
     rows: tuple[rl.LeafSharding, ...]
     rules: Any
+    offload: str = "none"
 
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, P())
@@ -134,15 +138,19 @@ def make_plan(abstract_params, optimizer: optax.GradientTransformation, mesh: Me
               strategy: str | Strategy = "full_shard", logical_axes=None,
               rules: rl.Rules | None = None,
               min_shard_size: int = rl.DEFAULT_MIN_SHARD_SIZE,
-              max_replicated_fraction: float | None = rl.DEFAULT_MAX_REPLICATED_FRACTION) -> ShardingPlan:
+              max_replicated_fraction: float | None = rl.DEFAULT_MAX_REPLICATED_FRACTION,
+              offload: str = "none") -> ShardingPlan:
     """Shardings of params (at rest and in compute), grads and optimizer state.
 
     `abstract_params`: a tree of arrays or ShapeDtypeStructs. `logical_axes`: a
     matching tree of logical-name tuples (None for unannotated leaves), or None.
     Under a strategy that shards params, fails when more than
     `max_replicated_fraction` of parameter bytes stay replicated (None: no check).
+    `offload` ("none" | "optimizer" | "optimizer+params"): which state rests in host
+    memory; raises `fsdp_jax.offload.OffloadError` where the backend has none.
     """
     s = get_strategy(strategy)
+    off = offload_lib.check_supported(offload, mesh.devices.flat)
     rules = rl.DEFAULT_RULES if rules is None else rules
 
     def rows(shard_axes):
@@ -156,16 +164,20 @@ def make_plan(abstract_params, optimizer: optax.GradientTransformation, mesh: Me
         rl.check_sufficiently_sharded(cache[s.params], s.params, mesh, max_replicated_fraction)
     compute = specs[()] if s.gather_once else specs[s.params]
     batch_axes = tuple(a for a in (ax.DATA, ax.FSDP) if a in mesh.shape)
+    params, opt_state = offload_lib.at_rest(
+        _named(mesh, specs[s.params]),
+        opt_state_shardings(optimizer, abstract_params, specs[s.opt_state], mesh, s.opt_state,
+                            min_shard_size), off)
     return ShardingPlan(
         strategy=s, mesh=mesh,
-        params=_named(mesh, specs[s.params]),
+        params=params,
         compute=_named(mesh, compute),
         grads=_named(mesh, specs[s.grads]),
-        opt_state=opt_state_shardings(optimizer, abstract_params, specs[s.opt_state], mesh,
-                                      s.opt_state, min_shard_size),
+        opt_state=opt_state,
         batch=NamedSharding(mesh, P(batch_axes)),
         rows=tuple(cache[s.params]),
         rules=rules,
+        offload=off.name,
     )
 
 

@@ -24,6 +24,7 @@ import yaml
 from fsdp_jax.mesh import MeshError, resolve_mesh_shape
 from fsdp_jax.precision import Policy
 from fsdp_jax.app.models.llama import LlamaConfig, count_params  # noqa: F401 (re-exported)
+from fsdp_jax.offload import OFFLOADS
 from fsdp_jax.remat import REMAT_POLICIES
 from fsdp_jax.strategy import ALIASES, STRATEGIES
 
@@ -107,6 +108,7 @@ class Config:
     distributed: DistributedConfig = DistributedConfig()
     precision: str = "params=float32,compute=float32"
     remat: str = "dots"
+    offload: str = "none"               # none | optimizer | optimizer+params: state kept in host memory
     run_dir: str = "runs/tiny"
     xla_gpu_flags: str = "none"         # none | fsdp: fsdp_jax.xla_flags.GPU_FSDP_FLAGS (set before start-up)
     init_from: str | None = None        # params to start from: a .safetensors file, run or checkpoint dir
@@ -324,6 +326,7 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
     _check(0 <= mesh.max_replicated_fraction <= 1, "mesh.max_replicated_fraction",
            mesh.max_replicated_fraction, "must be in [0, 1]")
     _check(cfg.remat in REMAT_POLICIES, "remat", cfg.remat, f"allowed: {', '.join(REMAT_POLICIES)}")
+    _check(cfg.offload in OFFLOADS, "offload", cfg.offload, f"allowed: {', '.join(OFFLOADS)}")
     dist = cfg.distributed
     _check(dist.num_processes is None or dist.num_processes >= 1, "distributed.num_processes",
            dist.num_processes, "must be >= 1 (or null to auto-detect)")

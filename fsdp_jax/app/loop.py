@@ -29,7 +29,9 @@ import numpy as np
 from fsdp_jax.app import data as data_lib
 from fsdp_jax.adapters import ModelFns, from_nnx
 from fsdp_jax.checkpoint import Checkpointer, Restored, load_init_params
-from fsdp_jax.app.config import Config, check_data, config_to_dict, save_config, validate
+from fsdp_jax import offload as offload_lib
+from fsdp_jax import remat as remat_lib
+from fsdp_jax.app.config import Config, ConfigError, check_data, config_to_dict, save_config, validate
 from fsdp_jax.memory import compiled_memory
 from fsdp_jax.app.metrics_log import LogWindow, MetricsLog, sample_text
 from fsdp_jax.mesh import make_mesh
@@ -90,6 +92,20 @@ def prepare_data(cfg: Config) -> None:
     check_data(cfg)
 
 
+def check_offload(cfg: Config) -> None:
+    """ConfigError naming `offload` / `remat` when they move state or activations to host
+    memory and this backend has none."""
+    try:
+        offload_lib.check_supported(cfg.offload, jax.devices())
+    except offload_lib.OffloadError as e:
+        raise ConfigError("offload", str(e).removeprefix("offload: ")) from None
+    if cfg.remat in remat_lib.OFFLOADING and not offload_lib.host_memory_available(jax.devices()):
+        raise ConfigError("remat", f"{cfg.remat!r} offloads activations to host memory "
+                          f"({offload_lib.HOST}), which this backend "
+                          f"({jax.devices()[0].platform}) does not offer; use a policy without "
+                          "offload_ (e.g. dots)")
+
+
 def setup(cfg: Config, init_params: Callable | None = None, *, resume: bool = True) -> Run:
     """Validate against the devices, prepare data, build mesh, model, optimizer,
     sharded state and the jitted steps.
@@ -100,6 +116,7 @@ def setup(cfg: Config, init_params: Callable | None = None, *, resume: bool = Tr
     optimizer state), else `init_params(rng) -> params` (default: the model's init).
     Raises CheckpointError when checkpoints exist but none restores or fits."""
     validate(cfg, n_devices=jax.device_count())
+    check_offload(cfg)
     prepare_data(cfg)
     mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
     model = from_nnx(lambda rngs: Llama(cfg.model, rngs=rngs, remat=cfg.remat))
@@ -119,7 +136,7 @@ def setup(cfg: Config, init_params: Callable | None = None, *, resume: bool = Tr
                   min_shard_size=cfg.mesh.min_shard_size,
                   max_replicated_fraction=cfg.mesh.max_replicated_fraction,
                   microbatches=cfg.train.microbatches, clip_norm=cfg.optimizer.clip_norm,
-                  precision=cfg.precision)
+                  precision=cfg.precision, offload=cfg.offload)
     plan = built.plan
     restored, start = None, 0
     if resume and ckpt.steps():
@@ -311,7 +328,9 @@ def _loop(run: Run, cfg: Config, progress: bool, stop_after: int | None, signals
                   f"{ckpt.step_dir(done)} written", flush=True)
     else:
         if c.sample_tokens:
-            summary["sample"] = sample_text(run.model, run.plan, cfg, state.params, val, run.rng)
+            summary["sample"] = sample_text(  # sampling reads params on the device
+                run.model, dataclasses.replace(run.plan, params=offload_lib.on_device(run.plan.params)),
+                cfg, jax.device_put(state.params, offload_lib.on_device(run.plan.params)), val, run.rng)
         if run.is_main:
             print(f"final: train_loss {summary.get('train_loss', float('nan')):.4f}"
                   + (f" | val_loss {summary['val_loss']:.4f} nats/token" if "val_loss" in summary else ""),
