@@ -4,12 +4,16 @@
     python scripts/plan.py --config configs/llama2_7b.yaml --devices 8 --device-memory 80GB
     python scripts/plan.py --config configs/llama2_70b.yaml --devices 64 --json
     python scripts/plan.py --config configs/tiny.yaml --devices 8 --plot plan.png remat=full
+    python scripts/plan.py --config configs/llama2_7b.yaml --devices 8 --device-memory 80GB --offload all
 
 For each strategy: analytic bytes (params, grads, optimizer state, gathered params,
 activations) and the compiled train step's memory_analysis() (argument, output,
 alias, temp, peak), AOT-compiled from abstract inputs on N devices (N fake CPU
 devices when this machine has fewer; nothing is allocated). Trailing key=value
-arguments override the config as in scripts/train.py. Exit codes: 0 success, 2 bad
+arguments override the config as in scripts/train.py. `--offload` plans with
+optimizer state / params in host memory (a setting, a comma list or `all`: then one
+plan per setting and a strategy x offload table; --json gives {"offload": {setting:
+plan}}). Exit codes: 0 success, 2 bad
 input (one line on stderr), 1 anything else.
 """
 
@@ -29,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device-memory", default=None, help="per-device memory, e.g. 80GB, 80GiB, 141GB")
     ap.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     ap.add_argument("--plot", default=None, help="write a bar chart PNG here")
+    ap.add_argument("--offload", default=None,
+                    help="none | optimizer | optimizer+params, a comma list, or all (default: the config's)")
     ap.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. remat=full")
     try:
         args = ap.parse_args(argv)
@@ -43,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         n = parse_devices(args.devices)
         mem = parse_bytes(args.device_memory) if args.device_memory is not None else None
         strategies = parse_strategies(args.strategies)
+        offloads = _parse_offloads(args.offload)
     except PlanError as e:
         return fail(e)
     try:
@@ -50,13 +57,28 @@ def main(argv: list[str] | None = None) -> int:
     except BAD_INPUT as e:
         return fail(e)
 
-    from fsdp_jax.app.plan_report import format_table, plot_plan
-    from fsdp_jax.app.planner import plan_config
+    import dataclasses
 
+    from fsdp_jax.app.plan_report import format_table, plot_plan
+    from fsdp_jax.app.planner import format_offload_table, plan_config
+
+    docs = {}
     try:
-        doc = plan_config(cfg, n, strategies, device_memory=mem, config_name=args.config)
+        for o in offloads or [cfg.offload]:
+            docs[o] = plan_config(dataclasses.replace(cfg, offload=o), n, strategies,
+                                  device_memory=mem, config_name=args.config)
     except BAD_INPUT + (PlanError,) as e:
         return fail(e)
+    if len(docs) > 1:
+        if args.json:
+            json.dump({"offload": docs}, sys.stdout, indent=1)
+            print()
+        else:
+            for o, doc in docs.items():
+                print(f"=== offload {o}\n{format_table(doc)}\n")
+            print(format_offload_table(docs))
+        return 0
+    doc = next(iter(docs.values()))
     if args.plot:
         plot_plan(doc, args.plot)
     if args.json:
@@ -67,6 +89,19 @@ def main(argv: list[str] | None = None) -> int:
         if args.plot:
             print(f"plot: {args.plot}")
     return 0
+
+
+def _parse_offloads(text: str | None) -> list[str] | None:
+    from fsdp_jax.app.plan_report import PlanError
+    from fsdp_jax.offload import OFFLOADS
+    if text is None:
+        return None
+    names = list(OFFLOADS) if text.strip() == "all" else [t.strip() for t in text.split(",")]
+    bad = [t for t in names if t not in OFFLOADS]
+    if bad or not names:
+        raise PlanError(f"--offload: {bad[0] if bad else text!r} is not one of "
+                        f"{', '.join(OFFLOADS)} (or all, or a comma list)")
+    return list(dict.fromkeys(names))
 
 
 if __name__ == "__main__":
