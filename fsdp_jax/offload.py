@@ -198,3 +198,17 @@ def store_state(state, plan):
     """Inside jit: `state` with its offloaded parts written back to host memory."""
     return state.replace(params=store(state.params, plan.params),
                          opt_state=store(state.opt_state, plan.opt_state))
+
+
+def transfer_bytes(abstract_state, offload: "str | Offload") -> dict[str, int]:
+    """Host<->device bytes per device per train step under `offload`, from the state's
+    sharded shapes: `to_device` (offloaded params twice, for the forward pass and again
+    for the update, plus the optimizer state) and `to_host` (what is written back)."""
+    o = get_offload(offload)
+
+    def nbytes(tree):
+        return sum(int(np.prod(x.sharding.shard_shape(x.shape), dtype=np.int64)) * np.dtype(x.dtype).itemsize
+                   for x in jax.tree.leaves(tree))
+    p = nbytes(abstract_state.params) if o.params else 0
+    s = nbytes(abstract_state.opt_state) if o.opt_state else 0
+    return {"to_device": 2 * p + s, "to_host": p + s}

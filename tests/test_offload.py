@@ -264,3 +264,41 @@ def test_config_rejects_unknown_offload(value):
     from fsdp_jax.app.config import ConfigError, config_from_dict
     with pytest.raises(ConfigError, match=r"offload.*allowed: none, optimizer, optimizer\+params"):
         config_from_dict({"offload": value})
+
+
+# ---- planner -------------------------------------------------------------------------
+
+def test_planner_host_bytes_analytic_equal_compiled():
+    """The planner's analytic host bytes (from the sharding plan) equal the compiled
+    program's host-resident argument bytes (from its parameter layouts)."""
+    from fsdp_jax.app.config import config_from_dict
+    from fsdp_jax.app.planner import plan_strategy
+    model = {k: getattr(CFG, k) for k in ("vocab_size", "d_model", "n_layers", "n_heads",
+                                          "n_kv_heads", "ffn_dim", "max_seq_len")}
+    out = {}
+    for o in ("none", "optimizer+params"):
+        cfg = config_from_dict({"model": model, "data": {"seq_len": 16}, "remat": "none",
+                                "train": {"global_batch": 8}, "offload": o})
+        out[o] = plan_strategy(cfg, "full_shard", jax.devices()[:8])
+    a, c = out["optimizer+params"]["analytic"], out["optimizer+params"]["compiled"]
+    assert a["host"] > 0 and a["host"] == c["host_argument"]
+    assert c["device_argument"] == a["params"] + a["optimizer"] + a["batch"] - a["host"]
+    assert out["none"]["compiled"]["host_argument"] == out["none"]["analytic"]["host"] == 0
+    # per step: params in twice (forward, update) and out once, optimizer state in and out
+    opt = a["optimizer"] - 4  # less the replicated int32 step counter, which stays on the device
+    assert a["transfer_per_step"] == 3 * a["params"] + 2 * opt
+    assert a["device_total"] < out["none"]["analytic"]["device_total"]
+
+
+def test_plan_script_rejects_bad_offload(capsys):
+    import importlib.util
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("plan_script", root / "scripts" / "plan.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for bad in ("gpu", "none,params", ""):
+        assert mod.main(["--config", str(root / "configs" / "tiny.yaml"), "--devices", "8",
+                         "--offload", bad]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--offload" in err and "optimizer+params" in err

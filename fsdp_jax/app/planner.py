@@ -257,8 +257,11 @@ def offload_memory(build: StepBuild, analytic: dict[str, int]) -> dict[str, int]
                        if np.issubdtype(x.dtype, np.floating)) if off.params else 0
     largest = max((shard_bytes(x) for x in jax.tree.leaves(st.params)), default=0)
     update = int(largest * ((1 if off.params else 0) + (opt / params if off.opt_state and params else 0)))
+    from fsdp_jax.offload import transfer_bytes
+    moved = transfer_bytes(st, off)
     return {"host": host, "host_per_host": host * DEVICES_PER_HOST,
-            "device_total": analytic["total"] - host + compute_copy + update}
+            "device_total": analytic["total"] - host + compute_copy + update,
+            "transfer_per_step": moved["to_device"] + moved["to_host"]}
 
 
 def activations_by_remat(build: StepBuild) -> dict[str, int]:
@@ -482,7 +485,8 @@ def format_offload_table(docs: dict[str, dict[str, Any]]) -> str:
     lines = [f"offload: bytes per device (analytic device_total / compiled device_peak) and host "
              f"bytes (per device / per host of {DEVICES_PER_HOST})"
              + (f"; fits = analytic and compiled <= {fmt_bytes(mem)}" if mem else "")]
-    hdr = f"{'strategy':<14}{'offload':<18}{'device ana':>11}{'device cmp':>11}{'host/dev':>10}{'host/host':>11}{'fits':>9}"
+    hdr = (f"{'strategy':<14}{'offload':<18}{'device ana':>11}{'device cmp':>11}{'host/dev':>10}"
+           f"{'host/host':>11}{'H<->D/step':>11}{'fits':>9}")
     lines += [hdr, "-" * len(hdr)]
     for name in first["strategies"]:
         for off, doc in docs.items():
@@ -492,7 +496,8 @@ def format_offload_table(docs: dict[str, dict[str, Any]]) -> str:
                 f"{'yes' if r['fits_analytic'] else 'NO'}/{'yes' if r['fits'] else 'NO'}")
             lines.append(f"{name:<14}{off:<18}{fmt_bytes(a['device_total']):>11}"
                          f"{fmt_bytes(c['device_peak']):>11}{fmt_bytes(a['host']):>10}"
-                         f"{fmt_bytes(a['host_per_host']):>11}{fits:>9}")
+                         f"{fmt_bytes(a['host_per_host']):>11}{fmt_bytes(a['transfer_per_step']):>11}"
+                         f"{fits:>9}")
     if mem and "none" in docs:
         only = [n for n in first["strategies"]
                 if not docs["none"]["strategies"][n]["fits_analytic"]
