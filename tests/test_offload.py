@@ -302,3 +302,32 @@ def test_plan_script_rejects_bad_offload(capsys):
                          "--offload", bad]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "--offload" in err and "optimizer+params" in err
+
+
+# ---- the trainer -----------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_trainer_offloaded_run_resumes_without_offload(tmp_path):
+    """scripts/train.py's loop with offload=optimizer+params (eval and sampling
+    included), then the same run resumed with offload=none from its checkpoint."""
+    from pathlib import Path
+    from fsdp_jax.app.config import load_config
+    from fsdp_jax.app.loop import train
+    from helpers import synthetic_corpus
+    root = Path(__file__).resolve().parents[1]
+    corpus = synthetic_corpus(tmp_path / "corpus")
+    base = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=1",
+            "model.ffn_dim=64", "model.max_seq_len=16", "data.seq_len=16", "train.global_batch=8",
+            "train.eval_every=2", "train.eval_batches=1", "train.sample_tokens=4", "train.log_every=1",
+            "train.checkpoint_every=2", "data.source=none", f"data.path={corpus}",
+            f"run_dir={tmp_path / 'run'}"]
+
+    def go(offload, steps):
+        cfg = load_config(root / "configs" / "tiny.yaml", base + [f"offload={offload}", f"train.steps={steps}"])
+        return train(cfg, progress=False)
+    first = go("optimizer+params", 2)
+    assert kinds(first["run"].state.params) == {ol.HOST} and "sample" in first
+    resumed = go("none", 4)
+    assert resumed["run"].start_step == 2 and resumed["final_step"] == 4
+    assert kinds(resumed["run"].state.opt_state) == {"device"}
+    assert np.isfinite(resumed["val_loss"])
