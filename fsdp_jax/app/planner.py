@@ -161,6 +161,9 @@ def saved_per_token(model_cfg, remat: str, seq_len: int, compute_bytes: int) -> 
         "dots_no_batch": c * (q + 2 * k + 2 * d + 2 * f),
         "save_attn_mlp_out": c * 2 * d,
         "save_qkv_attn_mlp_out": c * (q + 2 * k + 2 * d),
+        # offloading policies: what they save rests in host memory, none on the device
+        # (host bytes: save_attn_mlp_out, save_qkv_attn_mlp_out, dots_no_batch respectively)
+        "offload_attn_mlp_out": 0, "offload_qkv_attn_mlp_out": 0, "offload_dots_no_batch": 0,
     }
     if remat not in table:
         raise PlanError(f"remat: no activation formula for policy {remat!r}; known: {', '.join(table)}")
