@@ -331,3 +331,36 @@ def test_trainer_offloaded_run_resumes_without_offload(tmp_path):
     assert resumed["run"].start_step == 2 and resumed["final_step"] == 4
     assert kinds(resumed["run"].state.opt_state) == {"device"}
     assert np.isfinite(resumed["val_loss"])
+
+
+def _script(name):
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "scripts" / name
+    spec = importlib.util.spec_from_file_location(name.removesuffix(".py"), path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod, path.parents[1]
+
+
+@pytest.mark.parametrize("args,needle", [(["--rounds", "0"], "--rounds"), (["offload=gpu"], "offload"),
+                                         (["--strategy", "zero9"], "zero9")])
+def test_bench_offload_bad_input_exits_2(args, needle, capsys):
+    mod, root = _script("bench_offload.py")
+    assert mod.main(["--config", str(root / "configs" / "tiny.yaml"), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle in err
+
+
+@pytest.mark.slow
+def test_bench_offload_json(capsys):
+    import json
+    mod, root = _script("bench_offload.py")
+    assert mod.main(["--config", str(root / "configs" / "tiny.yaml"), "--rounds", "1", "--steps", "1",
+                     "--json", "model.d_model=32", "model.n_layers=1", "model.n_heads=2",
+                     "model.n_kv_heads=1", "model.ffn_dim=64", "model.max_seq_len=16",
+                     "data.seq_len=16", "train.global_batch=8"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    r = doc["results"]
+    assert set(r) == set(ol.OFFLOADS) and r["none"]["ratio_to_none"] == 1.0
+    assert r["none"]["to_device_bytes"] == 0 < r["optimizer"]["to_device_bytes"] < r["optimizer+params"]["to_device_bytes"]
