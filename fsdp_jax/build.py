@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
+from fsdp_jax import offload as offload_lib
 from fsdp_jax import rules as rl
 from fsdp_jax.precision import Policy
 from fsdp_jax.state import TrainState, abstract_state, state_shardings
@@ -55,10 +56,14 @@ class Built:
         optimizer = self.optimizer
         dtypes = self.abstract_state.params
 
-        def init(*a):
+        plan = self.plan
+
+        def init(*a):  # on the device; offloaded parts then go to host memory
             # master params in the planned dtype (precision's param_dtype), optimizer state after them
             p = jax.tree.map(lambda x, d: x.astype(d.dtype), params_fn(*a), dtypes)
-            return TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=optimizer.init(p))
+            p = offload_lib.fetch(p, plan.params)
+            st = TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=optimizer.init(p))
+            return offload_lib.store_state(st, plan)
         with jax.set_mesh(self.plan.mesh):
             return jax.jit(init, out_shardings=state_shardings(self.plan),
                            donate_argnums=(0,) if donate else ())(*args)
@@ -75,7 +80,7 @@ class Built:
         copied into the plan's layout (the caller's arrays are never aliased, since the
         step donates its state), with fresh optimizer state."""
         with jax.set_mesh(self.plan.mesh):
-            p = jax.device_put(params, self.plan.params, may_alias=False)
+            p = jax.device_put(params, offload_lib.on_device(self.plan.params), may_alias=False)
         return self._init_from(lambda x: x, p)
 
     def state_from_params(self, params) -> TrainState:
@@ -110,7 +115,7 @@ def build(model, optimizer: optax.GradientTransformation, mesh: Mesh,
           min_shard_size: int = rl.DEFAULT_MIN_SHARD_SIZE,
           max_replicated_fraction: float | None = rl.DEFAULT_MAX_REPLICATED_FRACTION,
           min_replicated_bytes: int = rl.DEFAULT_MIN_REPLICATED_BYTES,
-          has_aux: bool = False, **step_options) -> Built:
+          has_aux: bool = False, offload: str = "none", **step_options) -> Built:
     """Plan, abstract state and steps for `model` under `strategy` on `mesh`.
 
     `model`: a `ModelFns` (`from_nnx`, `from_linen`) or anything with
@@ -121,13 +126,16 @@ def build(model, optimizer: optax.GradientTransformation, mesh: Mesh,
     follows them, e.g. Adam's moments) are stored in it, whatever the model's init
     returns (without `precision`: the model's own dtypes). With `loss_fn(params,
     batch)`, `step_options` go to `make_train_step` (microbatches, clip_norm, precision, remat, skip_nonfinite,
-    donate, trainable); `precision` also goes to `make_eval_step`.
+    donate, trainable); `precision` also goes to `make_eval_step`. `offload`
+    ("none" | "optimizer" | "optimizer+params"): state kept in host memory between
+    steps (`fsdp_jax.offload`).
     """
     axes_ = model.logical_axes if logical_axes is None else logical_axes
     if step_options.get("precision") is not None:  # no precision given: the model's own dtypes
         model = with_param_dtype(model, Policy.parse(step_options["precision"]).param_dtype)
     plan = make_plan(model.abstract_params, optimizer, mesh, strategy, axes_, rules,
-                     min_shard_size, max_replicated_fraction, min_replicated_bytes)
+                     min_shard_size, max_replicated_fraction, min_replicated_bytes,
+                     offload=offload)
     abstract = abstract_state(plan, model.abstract_params, optimizer)
     train_step = eval_step = None
     if loss_fn is not None:

@@ -3,6 +3,11 @@
 Models wrap each block with `with_remat(block_fn, name)`; the train step can also wrap
 a whole loss function. Names tagged with `jax.ad_checkpoint.checkpoint_name` in
 the reference model (`attn_out`, `mlp_out`, `qkv`) can be saved selectively.
+
+The `offload_*` policies keep nothing extra on the device either: the residuals they
+name are copied to host memory (`pinned_host`) in the forward pass and brought back in
+the backward pass, instead of being recomputed. They need a backend with host memory
+kinds (`fsdp_jax.offload.host_memory_available`); `OFFLOADING` lists them.
 """
 
 from __future__ import annotations
@@ -21,7 +26,16 @@ REMAT_POLICIES: dict[str, Callable | None] = {
     "dots_no_batch": cp.dots_with_no_batch_dims_saveable,
     "save_attn_mlp_out": cp.save_only_these_names("attn_out", "mlp_out"),
     "save_qkv_attn_mlp_out": cp.save_only_these_names("qkv", "attn_out", "mlp_out"),
+    # offloaded to host instead of saved on the device or recomputed
+    "offload_attn_mlp_out": cp.save_and_offload_only_these_names(
+        names_which_can_be_saved=(), names_which_can_be_offloaded=("attn_out", "mlp_out"),
+        offload_src="device", offload_dst="pinned_host"),
+    "offload_qkv_attn_mlp_out": cp.save_and_offload_only_these_names(
+        names_which_can_be_saved=(), names_which_can_be_offloaded=("qkv", "attn_out", "mlp_out"),
+        offload_src="device", offload_dst="pinned_host"),
+    "offload_dots_no_batch": cp.offload_dot_with_no_batch_dims("device", "pinned_host"),
 }
+OFFLOADING = frozenset(n for n in REMAT_POLICIES if n.startswith("offload_"))
 
 
 def get_policy(name: str):

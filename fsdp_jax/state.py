@@ -47,11 +47,12 @@ def init_train_state(init_params: Callable[[jax.Array], Any], optimizer: optax.G
                      logical_axes=None, rules: rl.Rules | None = None,
                      min_shard_size: int = rl.DEFAULT_MIN_SHARD_SIZE,
                      max_replicated_fraction: float | None = rl.DEFAULT_MAX_REPLICATED_FRACTION,
-                     ) -> tuple[TrainState, ShardingPlan]:
+                     offload: str = "none") -> tuple[TrainState, ShardingPlan]:
     """Initialise params and optimizer state directly in their sharded layout.
 
     `init_params(rng)` returns the param tree (plain arrays). `logical_axes`: a
-    matching tree of logical-name tuples, or None for the fallback rule.
+    matching tree of logical-name tuples, or None for the fallback rule. `offload`:
+    which state rests in host memory (`fsdp_jax.offload`).
     Returns the sharded TrainState (step 0) and the ShardingPlan used.
     """
     from fsdp_jax.adapters import ModelFns
@@ -59,10 +60,11 @@ def init_train_state(init_params: Callable[[jax.Array], Any], optimizer: optax.G
     model = ModelFns(init=init_params, apply=None, logical_axes=logical_axes,
                      abstract_params=jax.eval_shape(init_params, rng))
     built = build(model, optimizer, mesh, strategy, rules=rules, min_shard_size=min_shard_size,
-                  max_replicated_fraction=max_replicated_fraction)
+                  max_replicated_fraction=max_replicated_fraction, offload=offload)
     return built.init_state(rng), built.plan
 
 
 def shard_params(params, plan: ShardingPlan):
-    """Place an existing param tree (host or device arrays) into `plan`'s at-rest layout."""
+    """Place an existing param tree (host or device arrays) into `plan`'s at-rest layout
+    (host memory too, when the plan offloads params)."""
     return jax.device_put(params, plan.params)

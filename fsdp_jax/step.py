@@ -16,6 +16,9 @@
    (each of 2-5 is its own function below: `microbatched`, `compute_value_and_grad`,
    `Trainable`, `clip_grads`, `guarded_update`)
 6. the old state is donated, so params and optimizer state are updated in place.
+7. with host offload (`plan.offload`), host-resident params are brought to the device
+   before 3, offloaded optimizer state (and f32 master params) only after the grad norm
+   of 5 exists, and the new state is written back to host memory (`fsdp_jax.offload`).
 Activation constraints in the model (`flax.linen.with_logical_constraint`) resolve
 through the same rules table, made current while the step is traced. On a mesh of
 Explicit axes (`make_mesh(..., axis_types="explicit")`) every layout change above is
@@ -35,6 +38,7 @@ import optax
 from flax import linen as nn
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+import fsdp_jax.offload as offload_lib
 import fsdp_jax.remat as remat_lib
 from fsdp_jax import rules as rl
 from fsdp_jax.mesh import constrain
@@ -161,7 +165,8 @@ def compute_value_and_grad(loss_fn: LossFn, policy: Policy, plan: ShardingPlan, 
     shard_grad_op), `loss_fn` is differentiated with respect to `wrt`'s leaves, and
     grads come back in the reduce dtype constrained to the grad layout (so their
     cross-device reduction is a reduce-scatter under ZeRO-2/3)."""
-    grad_sh, compute_sh, rest_sh = plan.grads, plan.compute, plan.params
+    grad_sh, compute_sh = plan.grads, plan.compute
+    rest_sh = offload_lib.on_device(plan.params)  # host-resident params arrive here first
 
     def grad_fn(params, batch):
         def f(x):
@@ -270,13 +275,18 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, pl
     loss_fn = jax.named_scope("forward")(loss_fn)  # profiler names; backward: transpose(jvp(forward))
 
     def step(state: TrainState, batch):
+        at_rest = state  # offloaded params come to the device now, for the forward pass
+        state = state.replace(params=offload_lib.fetch(state.params, plan.params))
         wrt = Trainable(state.params, trainable)
         grad_fn = microbatched(compute_value_and_grad(loss_fn, policy, plan, wrt, has_aux),
                                microbatches, wrt.select(plan.grads), wrt.select)
         loss, aux, grads = grad_fn(state.params, batch)
         grads, grad_norm = clip_grads(wrt.full_grads(grads, plan.grads), clip_norm)
+        # offloaded optimizer state (and f32 master params) come once the grads exist
+        state = offload_lib.fetch_state(at_rest, plan, after=grad_norm)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         new = guarded_update(optimizer, state, grads, ok, skip_nonfinite)
+        new = offload_lib.store_state(new, plan)  # back to host memory, where offloaded
         metrics = {"loss": loss.astype(policy.output_dtype), "grad_norm": grad_norm,
                    "skipped": (~ok).astype(jnp.int32)}
         if has_aux:
@@ -295,7 +305,8 @@ def make_eval_step(loss_fn: LossFn, plan: ShardingPlan, *, precision: Policy | s
     policy = Policy.parse(precision)
 
     def step(params, batch):
-        pc = policy.cast_to_compute(constrain(params, plan.params))
+        params = offload_lib.fetch(params, plan.params)
+        pc = policy.cast_to_compute(constrain(params, offload_lib.on_device(plan.params)))
         out = loss_fn(pc, batch)
         loss = out[0] if has_aux else out
         return {"loss": loss.astype(policy.output_dtype)}

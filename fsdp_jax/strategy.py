@@ -28,6 +28,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from fsdp_jax import axes as ax
+from fsdp_jax import offload as offload_lib
 from fsdp_jax import rules as rl
 
 
@@ -75,7 +76,9 @@ class ShardingPlan:
     `params` is the layout at rest (and in the train state), `compute` the layout
     the forward pass starts from, `grads` where gradients are reduced to,
     `opt_state` the optimizer state, `batch` the leading batch dim of inputs.
-    `rows` explain each parameter's at-rest spec.
+    `rows` explain each parameter's at-rest spec. `offload` names which of params /
+    opt_state rest in host memory (their shardings then carry memory kind
+    `pinned_host`; `fsdp_jax.offload`).
     """
     strategy: Strategy
     mesh: Mesh
@@ -86,6 +89,7 @@ class ShardingPlan:
     batch: NamedSharding
     rows: tuple[rl.LeafSharding, ...]
     rules: Any
+    offload: str = "none"
 
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, P())
@@ -135,7 +139,8 @@ def make_plan(abstract_params, optimizer: optax.GradientTransformation, mesh: Me
               rules: rl.Rules | None = None,
               min_shard_size: int = rl.DEFAULT_MIN_SHARD_SIZE,
               max_replicated_fraction: float | None = rl.DEFAULT_MAX_REPLICATED_FRACTION,
-              min_replicated_bytes: int = rl.DEFAULT_MIN_REPLICATED_BYTES) -> ShardingPlan:
+              min_replicated_bytes: int = rl.DEFAULT_MIN_REPLICATED_BYTES,
+              offload: str = "none") -> ShardingPlan:
     """Shardings of params (at rest and in compute), grads and optimizer state.
 
     `abstract_params`: a tree of arrays or ShapeDtypeStructs. `logical_axes`: a
@@ -145,8 +150,11 @@ def make_plan(abstract_params, optimizer: optax.GradientTransformation, mesh: Me
     `max_replicated_fraction` of parameter bytes stay replicated (None: no check),
     unless the replicated bytes are under `min_replicated_bytes` (then it warns).
     Warns once (UnknownNamesWarning) when logical names are not in `rules`.
+    `offload` ("none" | "optimizer" | "optimizer+params"): which state rests in host
+    memory; raises `fsdp_jax.offload.OffloadError` where the backend has none.
     """
     s = get_strategy(strategy)
+    off = offload_lib.check_supported(offload, mesh.devices.flat)
     # validated, and lists (from YAML) as tuples, the form Flax's logical_axis_rules takes
     rules = rl.DEFAULT_RULES if rules is None else rl.merge_rules(
         rules, {}, mesh_axes=tuple(dict.fromkeys(ax.MESH_AXES + tuple(mesh.axis_names))))
@@ -164,16 +172,20 @@ def make_plan(abstract_params, optimizer: optax.GradientTransformation, mesh: Me
                                       min_replicated_bytes)
     compute = specs[()] if s.gather_once else specs[s.params]
     batch_axes = tuple(a for a in (ax.DATA, ax.FSDP) if a in mesh.shape)
+    params, opt_state = offload_lib.at_rest(
+        _named(mesh, specs[s.params]),
+        opt_state_shardings(optimizer, abstract_params, specs[s.opt_state], mesh, s.opt_state,
+                            min_shard_size), off)
     return ShardingPlan(
         strategy=s, mesh=mesh,
-        params=_named(mesh, specs[s.params]),
+        params=params,
         compute=_named(mesh, compute),
         grads=_named(mesh, specs[s.grads]),
-        opt_state=opt_state_shardings(optimizer, abstract_params, specs[s.opt_state], mesh,
-                                      s.opt_state, min_shard_size),
+        opt_state=opt_state,
         batch=NamedSharding(mesh, P(batch_axes)),
         rows=tuple(cache[s.params]),
         rules=rules,
+        offload=off.name,
     )
 
 

@@ -5,6 +5,7 @@
     python scripts/plan.py --config configs/llama2_70b.yaml --devices 64 --json
     python scripts/plan.py --config configs/tiny.yaml --devices 8 --plot plan.png remat=full
     python scripts/plan.py --config configs/llama2_70b.yaml --target h100 --devices 64 --hosts 8
+    python scripts/plan.py --config configs/llama2_7b.yaml --devices 8 --device-memory 80GB --offload all
 
 For each strategy: analytic bytes (params, grads, optimizer state, gathered params,
 activations) and the compiled train step's memory_analysis() (argument, output,
@@ -13,7 +14,10 @@ devices when this machine has fewer; nothing is allocated). With --target (h100,
 a100) the step is compiled by XLA:GPU for that GPU, --devices in total over --hosts
 hosts, on this machine without a GPU (needs `python -m fsdp_jax.targets install`
 once); --device-memory then defaults to the target's. Trailing key=value
-arguments override the config as in scripts/train.py. Exit codes: 0 success, 2 bad
+arguments override the config as in scripts/train.py. `--offload` plans with
+optimizer state / params in host memory (a setting, a comma list or `all`: then one
+plan per setting and a strategy x offload table; --json gives {"offload": {setting:
+plan}}). Exit codes: 0 success, 2 bad
 input (one line on stderr), 1 anything else.
 """
 
@@ -43,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hosts", default=None, help="with --target: hosts the devices are spread over (default 1)")
     ap.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     ap.add_argument("--plot", default=None, help="write a bar chart PNG here")
+    ap.add_argument("--offload", default=None,
+                    help="none | optimizer | optimizer+params, a comma list, or all (default: the config's)")
     ap.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. remat=full")
     try:
         args = ap.parse_args(argv)
@@ -59,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         n = parse_devices(args.devices)
         mem = parse_bytes(args.device_memory) if args.device_memory is not None else None
         strategies = parse_strategies(args.strategies)
+        offloads = _parse_offloads(args.offload)
         if args.hosts is not None and args.target is None:
             raise PlanError(f"--hosts: {args.hosts!r} needs --target (hosts of a GPU cluster)")
         target = None if args.target is None else make_target(
@@ -73,17 +80,32 @@ def main(argv: list[str] | None = None) -> int:
     except BAD_INPUT as e:
         return fail(e)
 
+    import dataclasses
+
     from fsdp_jax.app.extras import available, missing_message
     from fsdp_jax.app.plan_report import format_table, plot_plan
     if args.plot and not available("matplotlib"):  # before compiling anything
         print(f"error: {missing_message('matplotlib', '--plot')}", file=sys.stderr)
         return 1
-    from fsdp_jax.app.planner import plan_config
+    from fsdp_jax.app.planner import format_offload_table, plan_config
 
+    docs = {}
     try:
-        doc = plan_config(cfg, n, strategies, device_memory=mem, config_name=args.config, target=target)
+        for o in offloads or [cfg.offload]:
+            docs[o] = plan_config(dataclasses.replace(cfg, offload=o), n, strategies,
+                                  device_memory=mem, config_name=args.config, target=target)
     except BAD_INPUT + (PlanError, TargetError) as e:
         return fail(e)
+    if len(docs) > 1:
+        if args.json:
+            json.dump({"offload": docs}, sys.stdout, indent=1)
+            print()
+        else:
+            for o, doc in docs.items():
+                print(f"=== offload {o}\n{format_table(doc)}\n")
+            print(format_offload_table(docs))
+        return 0
+    doc = next(iter(docs.values()))
     if args.plot:
         plot_plan(doc, args.plot)
     if args.json:
@@ -94,6 +116,19 @@ def main(argv: list[str] | None = None) -> int:
         if args.plot:
             print(f"plot: {args.plot}")
     return 0
+
+
+def _parse_offloads(text: str | None) -> list[str] | None:
+    from fsdp_jax.app.plan_report import PlanError
+    from fsdp_jax.offload import OFFLOADS
+    if text is None:
+        return None
+    names = list(OFFLOADS) if text.strip() == "all" else [t.strip() for t in text.split(",")]
+    bad = [t for t in names if t not in OFFLOADS]
+    if bad or not names:
+        raise PlanError(f"--offload: {bad[0] if bad else text!r} is not one of "
+                        f"{', '.join(OFFLOADS)} (or all, or a comma list)")
+    return list(dict.fromkeys(names))
 
 
 if __name__ == "__main__":

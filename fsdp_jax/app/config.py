@@ -28,6 +28,7 @@ from fsdp_jax.axes import MESH_AXES
 from fsdp_jax.mesh import MeshError, resolve_mesh_shape
 from fsdp_jax.precision import Policy
 from fsdp_jax.app.models.llama import LlamaConfig, count_params  # noqa: F401 (re-exported)
+from fsdp_jax.offload import OFFLOADS
 from fsdp_jax.remat import REMAT_POLICIES
 from fsdp_jax.strategy import ALIASES, STRATEGIES
 
@@ -146,6 +147,7 @@ class Config:
     logging: LoggingConfig = LoggingConfig()
     precision: str = "params=float32,compute=float32"
     remat: str = "dots"
+    offload: str = "none"               # none | optimizer | optimizer+params: state kept in host memory
     run_dir: str = "runs/tiny"
     xla_gpu_flags: str = "none"         # none | fsdp: fsdp_jax.xla_flags.GPU_FSDP_FLAGS (set before start-up)
     init_from: str | None = None        # params to start from: a .safetensors file, run or checkpoint dir,
@@ -401,6 +403,7 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
     _check(mesh.min_replicated_bytes >= 0, "mesh.min_replicated_bytes", mesh.min_replicated_bytes,
            "must be >= 0")
     _check(cfg.remat in REMAT_POLICIES, "remat", cfg.remat, f"allowed: {', '.join(REMAT_POLICIES)}")
+    _check(cfg.offload in OFFLOADS, "offload", cfg.offload, f"allowed: {', '.join(OFFLOADS)}")
     dist = cfg.distributed
     _check(dist.num_processes is None or dist.num_processes >= 1, "distributed.num_processes",
            dist.num_processes, "must be >= 1 (or null to auto-detect)")

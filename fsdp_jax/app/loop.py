@@ -39,6 +39,8 @@ from fsdp_jax.checkpoint import (CheckpointError, Checkpointer, Restored, load_i
 from fsdp_jax.app.config import (Config, ConfigError, check_backend, check_data, config_to_dict,
                                  save_config, validate)
 from fsdp_jax.app.run_dir import RunDirLock, check_dir_path
+from fsdp_jax import offload as offload_lib
+from fsdp_jax import remat as remat_lib
 from fsdp_jax.memory import compiled_memory
 from fsdp_jax.app.metrics_log import LogWindow, MetricsLog, sample_text, wandb_settings
 from fsdp_jax.app.timing import ProfileWindow, StepTimer, format_goodput, format_window, goodput, injected_data_delay
@@ -106,6 +108,20 @@ def prepare_data(cfg: Config) -> None:
     data_lib.load_meta(cfg.data.path)  # meta.json's dtype and the bins' sizes, before any write
 
 
+def check_offload(cfg: Config) -> None:
+    """ConfigError naming `offload` / `remat` when they move state or activations to host
+    memory and this backend has none."""
+    try:
+        offload_lib.check_supported(cfg.offload, jax.devices())
+    except offload_lib.OffloadError as e:
+        raise ConfigError("offload", str(e).removeprefix("offload: ")) from None
+    if cfg.remat in remat_lib.OFFLOADING and not offload_lib.host_memory_available(jax.devices()):
+        raise ConfigError("remat", f"{cfg.remat!r} offloads activations to host memory "
+                          f"({offload_lib.HOST}), which this backend "
+                          f"({jax.devices()[0].platform}) does not offer; use a policy without "
+                          "offload_ (e.g. dots)")
+
+
 def setup(cfg: Config, init_params: Callable | None = None, *, resume: bool = True) -> Run:
     """Validate against the devices, prepare data, build mesh, model, optimizer,
     sharded state and the jitted steps.
@@ -117,6 +133,7 @@ def setup(cfg: Config, init_params: Callable | None = None, *, resume: bool = Tr
     `init_params(rng) -> params` (default: the model's init).
     Raises CheckpointError when checkpoints exist but none restores or fits."""
     validate(cfg, n_devices=jax.device_count())
+    check_offload(cfg)
     run_dir = Path(cfg.run_dir)
     hf_ckpt = None
     if hf.is_hf(cfg.init_from) and not (run_dir / "checkpoints").is_dir():
@@ -141,7 +158,7 @@ def setup(cfg: Config, init_params: Callable | None = None, *, resume: bool = Tr
                   max_replicated_fraction=cfg.mesh.max_replicated_fraction,
                   min_replicated_bytes=cfg.mesh.min_replicated_bytes,
                   microbatches=cfg.train.microbatches, clip_norm=cfg.optimizer.clip_norm,
-                  precision=cfg.precision)
+                  precision=cfg.precision, offload=cfg.offload)
     plan = built.plan
     restored, start = None, 0
     if resume and ckpt.steps():
@@ -412,7 +429,9 @@ def _loop(run: Run, cfg: Config, progress: bool, stop_after: int | None, signals
                   f"{ckpt.step_dir(done)} written", flush=True)
     else:
         if c.sample_tokens:
-            summary["sample"] = sample_text(run.model, run.plan, cfg, state.params, val, run.rng)
+            summary["sample"] = sample_text(  # sampling reads params on the device
+                run.model, dataclasses.replace(run.plan, params=offload_lib.on_device(run.plan.params)),
+                cfg, jax.device_put(state.params, offload_lib.on_device(run.plan.params)), val, run.rng)
         if run.is_main and start_step >= c.steps:
             print(f"nothing to do: the run already finished train.steps={c.steps} "
                   f"(checkpoint step {run.restored.step if run.restored else start_step}); "

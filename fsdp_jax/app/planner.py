@@ -159,7 +159,7 @@ def build_step(cfg, strategy: str | None = None, devices: Sequence[jax.Device] |
     built = build(model, optimizer, mesh, strategy, loss_fn=make_loss_fn(model), rules=cfg.mesh.rules,
                   min_shard_size=cfg.mesh.min_shard_size, max_replicated_fraction=None,
                   microbatches=cfg.train.microbatches, clip_norm=cfg.optimizer.clip_norm,
-                  precision=cfg.precision, **step_options)
+                  precision=cfg.precision, offload=cfg.offload, **step_options)
     batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.data.seq_len + 1), np.int32,
                                  sharding=built.plan.batch)
     return StepBuild(cfg, strategy, mesh, model, optimizer, built.plan, built.abstract_state, batch,
@@ -181,6 +181,9 @@ def saved_per_token(model_cfg, remat: str, seq_len: int, compute_bytes: int) -> 
         "dots_no_batch": c * (q + 2 * k + 2 * d + 2 * f),
         "save_attn_mlp_out": c * 2 * d,
         "save_qkv_attn_mlp_out": c * (q + 2 * k + 2 * d),
+        # offloading policies: what they save rests in host memory, none on the device
+        # (host bytes: save_attn_mlp_out, save_qkv_attn_mlp_out, dots_no_batch respectively)
+        "offload_attn_mlp_out": 0, "offload_qkv_attn_mlp_out": 0, "offload_dots_no_batch": 0,
     }
     if remat not in table:
         raise PlanError(f"remat: no activation formula for policy {remat!r}; known: {', '.join(table)}")
@@ -251,7 +254,37 @@ def analytic_memory(build: StepBuild) -> dict[str, int]:
            "activations": act["total"], "batch": batch}
     out["total"] = sum(out.values())
     out["states"] = params + grads + optimizer  # the classic table's "total per device"
+    out.update(offload_memory(build, out))
     return out
+
+
+DEVICES_PER_HOST = 8  # for bytes per host: GPUs per node (the planner's fake devices share one)
+
+
+def offload_memory(build: StepBuild, analytic: dict[str, int]) -> dict[str, int]:
+    """Host offload (`cfg.offload`) split of the analytic bytes: `host` (per device: its
+    share of the offloaded params / optimizer state, resting in its host's pinned
+    memory), `host_per_host` (x DEVICES_PER_HOST) and `device_total`: the total minus
+    what rests on the host, plus what comes back transiently: the compute-dtype copy of
+    offloaded params (sharded as at rest) for the forward/backward pass, and one
+    leaf's params + optimizer state during the update (assumes XLA streams the update
+    leaf by leaf; a schedule that fetches all at once needs the full state again)."""
+    from fsdp_jax.offload import get_offload
+    off = get_offload(build.plan.offload)
+    st = build.state
+    params = tree_bytes_per_device(st.params)
+    opt = tree_bytes_per_device(st.opt_state)
+    host = (params if off.params else 0) + (opt if off.opt_state else 0)
+    c = np.dtype(Policy.parse(build.cfg.precision).compute_dtype).itemsize
+    compute_copy = sum(shard_bytes(x) // x.dtype.itemsize * c for x in jax.tree.leaves(st.params)
+                       if np.issubdtype(x.dtype, np.floating)) if off.params else 0
+    largest = max((shard_bytes(x) for x in jax.tree.leaves(st.params)), default=0)
+    update = int(largest * ((1 if off.params else 0) + (opt / params if off.opt_state and params else 0)))
+    from fsdp_jax.offload import transfer_bytes
+    moved = transfer_bytes(st, off)
+    return {"host": host, "host_per_host": host * DEVICES_PER_HOST,
+            "device_total": analytic["total"] - host + compute_copy + update,
+            "transfer_per_step": moved["to_device"] + moved["to_host"]}
 
 
 def activations_by_remat(build: StepBuild) -> dict[str, int]:
@@ -342,9 +375,13 @@ def plan_strategy(cfg, strategy: str, devices: Sequence[jax.Device] | None = Non
                            compute_dtype=Policy.parse(cfg.precision).compute_dtype,
                            replicated_threshold=replicated_threshold)
     mem = ins["compiled"]
+    mem.update(_compiled_host(compiled, mem))
     out: dict[str, Any] = {
         "mesh": ins["mesh"], "analytic": analytic,
-        "compiled": {k: mem[k] for k in ("argument", "output", "alias", "temp", "peak", "xla_peak")},
+        "compiled": {k: mem[k] for k in ("argument", "output", "alias", "temp", "peak", "xla_peak",
+                                          "device_argument", "host_argument", "device_peak",
+                                          "host_reported")},
+        "offload": cfg.offload,
         "argument_vs_analytic": (mem["argument"] / (analytic["params"] + analytic["optimizer"]
                                                     + analytic["batch"])) - 1,
         "compile_s": round(compile_s, 2), "platform": ins["platform"],
@@ -366,6 +403,23 @@ def plan_strategy(cfg, strategy: str, devices: Sequence[jax.Device] | None = Non
         out["replicated_threshold"] = ins["replicated_threshold"]
         out["schedule"] = ins["schedule"]
     return out
+
+
+def _compiled_host(compiled, mem: dict[str, int]) -> dict[str, int]:
+    """Host/device split of a compiled step's memory: `device_argument` / `host_argument`
+    from the parameter layouts of the compiled program (host-resident = memory space
+    S(5)); `host_reported`: memory_analysis()'s host bytes (argument + temp + output -
+    alias; 0 where the backend does not report them, e.g. CPU); `device_peak`: the peak
+    without host-resident bytes (on such backends, the peak minus the host arguments)."""
+    from fsdp_jax.offload import entry_argument_bytes
+    ma = compiled.memory_analysis()
+    host = {k: int(getattr(ma, f"host_{k}_size_in_bytes", 0) or 0)
+            for k in ("argument", "output", "alias", "temp")}
+    reported = host["argument"] + host["output"] - host["alias"] + host["temp"]
+    entry = entry_argument_bytes(compiled.as_text())
+    device_peak = mem["peak"] if reported else mem["peak"] - entry["host"]
+    return {"device_argument": entry["device"], "host_argument": entry["host"],
+            "host_reported": reported, "device_peak": device_peak}
 
 
 # ----------------------------------------------------------------------------- many strategies, any N
@@ -513,18 +567,23 @@ def plan_config(cfg, n_devices: int, strategies: Sequence[str] | str | None = No
         r["classic_name"] = CLASSIC_NAMES[name]
         r["bytes_per_param"] = round(r["analytic"]["states"] / n_params, 3)  # per device
         r["terms"] = analytic_vs_compiled(r["analytic"], r["compiled"])
-        if device_memory:
-            r["fits"] = r["compiled"]["peak"] <= device_memory
-            r["headroom"] = device_memory - r["compiled"]["peak"]
-            r["fits_analytic"] = r["analytic"]["total"] <= device_memory
+        if device_memory:  # device_peak / device_total: without host-resident (offloaded) bytes
+            r["fits"] = r["compiled"]["device_peak"] <= device_memory
+            r["headroom"] = device_memory - r["compiled"]["device_peak"]
+            r["fits_analytic"] = r["analytic"]["device_total"] <= device_memory
         else:
             r["fits"] = r["headroom"] = r["fits_analytic"] = None
-    notes = [f"{n_devices} devices; precision {policy}; remat {cfg.remat}; "
+    notes = [f"{n_devices} devices; precision {policy}; remat {cfg.remat}; offload {cfg.offload}; "
              f"global_batch {cfg.train.global_batch} x seq {cfg.data.seq_len}, "
              f"microbatches {cfg.train.microbatches}",
              "analytic params/optimizer/batch come from the sharding plan; grads, gathered and "
              "activations from formulas (fsdp_jax.app.planner docstring); compiled = memory_analysis() "
              "of the AOT-compiled train step (grads live in its temp)"]
+    if cfg.offload != "none":
+        notes.append(f"offload {cfg.offload}: host = per-device bytes resting in pinned host memory "
+                     f"(x{DEVICES_PER_HOST} per host); fits uses device_peak / device_total, which "
+                     "leave them out (on CPU the compiled program moves nothing, so its device_peak "
+                     "misses the transient device copies the analytic device_total counts)")
     if "hybrid_shard" in results:
         m = results["hybrid_shard"]["mesh"]
         notes.append(f"hybrid_shard uses data={m['data']} x fsdp={m['fsdp']} (params sharded within "
@@ -553,6 +612,35 @@ def analytic_vs_compiled(analytic: dict[str, int], compiled: dict[str, int]) -> 
              "temp": (compiled["temp"], analytic["grads"] + analytic["gathered"] + analytic["activations"]),
              "peak": (compiled["peak"], analytic["total"])}
     return {k: (c / a - 1 if a else float("nan")) for k, (c, a) in pairs.items()}
+
+
+def format_offload_table(docs: dict[str, dict[str, Any]]) -> str:
+    """Strategy x offload setting: device bytes (analytic device_total, compiled
+    device_peak), host bytes per device and per host, and whether it fits."""
+    first = next(iter(docs.values()))
+    mem = first.get("device_memory")
+    lines = [f"offload: bytes per device (analytic device_total / compiled device_peak) and host "
+             f"bytes (per device / per host of {DEVICES_PER_HOST})"
+             + (f"; fits = analytic and compiled <= {fmt_bytes(mem)}" if mem else "")]
+    hdr = (f"{'strategy':<14}{'offload':<18}{'device ana':>11}{'device cmp':>11}{'host/dev':>10}"
+           f"{'host/host':>11}{'H<->D/step':>11}{'fits':>9}")
+    lines += [hdr, "-" * len(hdr)]
+    for name in first["strategies"]:
+        for off, doc in docs.items():
+            r = doc["strategies"][name]
+            a, c = r["analytic"], r["compiled"]
+            fits = "-" if r["fits"] is None else (
+                f"{'yes' if r['fits_analytic'] else 'NO'}/{'yes' if r['fits'] else 'NO'}")
+            lines.append(f"{name:<14}{off:<18}{fmt_bytes(a['device_total']):>11}"
+                         f"{fmt_bytes(c['device_peak']):>11}{fmt_bytes(a['host']):>10}"
+                         f"{fmt_bytes(a['host_per_host']):>11}{fmt_bytes(a['transfer_per_step']):>11}"
+                         f"{fits:>9}")
+    if mem and "none" in docs:
+        only = [n for n in first["strategies"]
+                if not docs["none"]["strategies"][n]["fits_analytic"]
+                and any(d["strategies"][n]["fits_analytic"] for o, d in docs.items() if o != "none")]
+        lines.append("fits only with offload (analytic): " + (", ".join(only) or "none"))
+    return "\n".join(lines)
 
 
 def _abstract_params(cfg):

@@ -1,0 +1,365 @@
+"""Host offload: optimizer state / master weights at rest in pinned_host memory, and the
+offloading remat policies. Offloaded runs must match the non-offloaded run, the compiled
+program must take the offloaded state from host memory, checkpoints must restore across
+offload settings, and a backend without host memory must give one clear line."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import fsdp_jax as fj
+from fsdp_jax import offload as ol
+from fsdp_jax import remat as remat_lib
+from fsdp_jax.build import build
+from fsdp_jax.app.models import LlamaConfig
+from helpers import max_abs_diff, tiny_llama as _tiny_llama, token_batches as _token_batches
+
+# smaller than helpers.TINY: these tests compile many steps on a shared CPU
+CFG = LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=64,
+                  max_seq_len=16)
+
+
+def tiny_llama(remat="none"):
+    return _tiny_llama(CFG, remat=remat)
+
+
+def token_batches(n, batch=8):
+    return _token_batches(n, batch=batch, seq=16, vocab=64)
+
+
+OPTIMIZERS = {"sgd": lambda: optax.sgd(0.5, momentum=0.9), "adamw": lambda: optax.adamw(1e-3)}
+STRATEGY_MESH = {"full_shard": dict(fsdp=8), "shard_grad_op": dict(fsdp=8), "shard_opt": dict(fsdp=8),
+                 "no_shard": dict(fsdp=8), "hybrid_shard": dict(data=2, fsdp=4)}
+
+
+def kinds(tree) -> set[str]:
+    return {x.sharding.memory_kind for x in jax.tree.leaves(tree)}
+
+
+def run(offload, opt="adamw", strategy="full_shard", n=3, remat="none", batch=8, **step_kw):
+    m, loss_fn = tiny_llama(remat=remat)
+    b = build(m, OPTIMIZERS[opt](), fj.make_mesh(**STRATEGY_MESH[strategy]), strategy,
+              loss_fn=loss_fn, offload=offload, **step_kw)
+    state = b.init_state(jax.random.key(0))
+    metrics = []
+    for x in token_batches(n, batch):
+        state, mt = b.train_step(state, x)
+        metrics.append({k: float(v) for k, v in mt.items()})
+    return b, state, metrics
+
+
+@pytest.fixture(scope="module")
+def baseline():
+    """The non-offloaded 10-step runs, per optimizer (computed on first use)."""
+    cache = {}
+
+    def get(opt, **kw):
+        key = (opt, tuple(sorted(kw.items())))
+        if key not in cache:
+            cache[key] = run("none", opt, **kw)
+        return cache[key]
+    return get
+
+
+def check_matches(offload, opt, baseline, n):
+    _, ref_state, ref_metrics = baseline(opt, n=n)
+    b, state, metrics = run(offload, opt, n=n)
+    assert max_abs_diff(state.params, ref_state.params) < 1e-6
+    assert max_abs_diff(state.opt_state, ref_state.opt_state) < 1e-6
+    np.testing.assert_allclose([m["loss"] for m in metrics], [m["loss"] for m in ref_metrics], rtol=1e-6)
+    assert metrics[-1]["loss"] < metrics[0]["loss"]  # it trains
+    assert int(state.step) == n
+    # where the state lives, after 10 donated steps
+    assert kinds(state.opt_state) == {ol.HOST}
+    assert kinds(state.params) == ({ol.HOST} if offload == "optimizer+params" else {"device"})
+    assert kinds(state.step) == {"device"}
+    assert kinds(ref_state.params) == kinds(ref_state.opt_state) == {"device"}
+    # and the abstract state (AOT and checkpoint target) says the same
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(b.abstract_state.opt_state)} == {ol.HOST}
+
+
+def test_offloaded_steps_match_no_offload(baseline):
+    check_matches("optimizer+params", "adamw", baseline, n=3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
+@pytest.mark.parametrize("offload", ["optimizer", "optimizer+params"])
+def test_ten_steps_match_no_offload(offload, opt, baseline):
+    check_matches(offload, opt, baseline, n=10)
+
+
+def test_grad_accumulation_and_clipping_hold(baseline):
+    kw = dict(microbatches=2, clip_norm=0.05, batch=16)
+    _, ref_state, ref_metrics = baseline("adamw", **kw)
+    _, state, metrics = run("optimizer+params", "adamw", **kw)
+    assert all(m["grad_norm"] > 0.05 for m in metrics)  # clipping was active on every step
+    assert max_abs_diff(state.params, ref_state.params) < 1e-6
+    np.testing.assert_allclose([m["grad_norm"] for m in metrics], [m["grad_norm"] for m in ref_metrics],
+                               rtol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", list(STRATEGY_MESH))
+def test_every_strategy(strategy, baseline):
+    _, ref_state, _ = baseline("sgd", strategy=strategy, n=3)
+    _, state, _ = run("optimizer+params", "sgd", strategy=strategy, n=3)
+    assert max_abs_diff(state.params, ref_state.params) < 1e-6
+    assert kinds(state.params) == kinds(state.opt_state) == {ol.HOST}
+
+
+@pytest.mark.parametrize("offload", ["optimizer", "optimizer+params"])
+def test_compiled_device_argument_bytes_drop_by_offloaded_state(offload):
+    m, loss_fn = tiny_llama()
+    mesh = fj.make_mesh(fsdp=8)
+    batch = token_batches(1)[0]
+    args = {}
+    for o in ("none", offload):
+        b = build(m, optax.adamw(1e-3), mesh, "full_shard", loss_fn=loss_fn, offload=o)
+        compiled = b.train_step.lower(b.abstract_state, batch).compile()
+        args[o] = ol.entry_argument_bytes(compiled.as_text())
+        ma = compiled.memory_analysis()
+        if getattr(ma, "host_argument_size_in_bytes", 0):  # backends that report host bytes
+            assert ma.host_argument_size_in_bytes == args[o]["host"]
+    abstract = b.abstract_state
+    # the offloaded state's per-device bytes, from the shardings alone
+    expected = sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
+                   for part in ((abstract.params, abstract.opt_state) if offload == "optimizer+params"
+                                else (abstract.opt_state,))
+                   for x in jax.tree.leaves(part))
+    assert expected > 0
+    assert args["none"]["host"] == 0
+    assert args[offload]["host"] == expected
+    assert args["none"]["device"] - args[offload]["device"] == expected
+    assert ol.offloaded_bytes(abstract)["host"] == expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", sorted(remat_lib.OFFLOADING))
+def test_offloading_remat_same_loss_and_grads_as_none(policy):
+    batch = token_batches(1)[0]
+    out = {}
+    for name in ("none", policy):
+        m, loss_fn = tiny_llama(remat=name)
+        p = jax.jit(m.init)(jax.random.key(0))
+        out[name] = jax.jit(jax.value_and_grad(loss_fn))(p, batch)
+        jaxpr = str(jax.make_jaxpr(jax.value_and_grad(loss_fn))(p, batch))
+        # the policy really sends residuals to host memory (and `none` does not)
+        assert ("<host>" in jaxpr) == (name != "none")
+    assert abs(float(out[policy][0]) - float(out["none"][0])) < 1e-6
+    assert max_abs_diff(out[policy][1], out["none"][1]) < 1e-6
+
+
+def test_offloading_remat_in_the_sharded_step_with_offloaded_state(baseline):
+    _, ref_state, ref_metrics = baseline("sgd", n=3)
+    _, state, metrics = run("optimizer", "sgd", n=3, remat="offload_attn_mlp_out")
+    np.testing.assert_allclose([m["loss"] for m in metrics], [m["loss"] for m in ref_metrics], rtol=1e-6)
+    assert max_abs_diff(state.params, ref_state.params) < 1e-6
+
+
+def test_eval_step_and_placement_with_offloaded_params():
+    m, loss_fn = tiny_llama()
+    mesh = fj.make_mesh(fsdp=8)
+    batch = token_batches(1)[0]
+    params = jax.jit(m.init)(jax.random.key(0))
+    losses = {}
+    for o in ("none", "optimizer+params"):
+        b = build(m, optax.adamw(1e-3), mesh, "full_shard", loss_fn=loss_fn, offload=o)
+        st = b.place(params)
+        assert kinds(st.params) == ({ol.HOST} if o != "none" else {"device"})
+        losses[o] = float(b.eval_step(st.params, batch)["loss"])
+    assert losses["none"] == losses["optimizer+params"]
+
+
+def test_checkpoints_restore_across_offload_settings(tmp_path):
+    from fsdp_jax.checkpoint import Checkpointer
+    m, loss_fn = tiny_llama()
+    mesh = fj.make_mesh(fsdp=8)
+    batches = token_batches(3)
+    B = {o: build(m, optax.adamw(1e-3), mesh, "full_shard", loss_fn=loss_fn, offload=o)
+         for o in ol.OFFLOADS}
+    # reference: three steps without offload
+    ref = B["none"].init_state(jax.random.key(0))
+    for x in batches:
+        ref, _ = B["none"].train_step(ref, x)
+    # offloaded -> saved -> resumed without offload -> saved -> resumed offloaded (optimizer only)
+    st, _ = B["optimizer+params"].train_step(B["optimizer+params"].init_state(jax.random.key(0)), batches[0])
+    with Checkpointer(tmp_path / "a") as c:
+        c.save(1, st)
+        c.wait()
+        st = c.restore(B["none"].abstract_state).state
+    assert kinds(st.params) == kinds(st.opt_state) == {"device"}
+    st, _ = B["none"].train_step(st, batches[1])
+    with Checkpointer(tmp_path / "b") as c:
+        c.save(2, st)
+        c.wait()
+        st = c.restore(B["optimizer"].abstract_state).state
+    assert kinds(st.opt_state) == {ol.HOST} and kinds(st.params) == {"device"}
+    st, _ = B["optimizer"].train_step(st, batches[2])
+    assert int(st.step) == 3
+    assert max_abs_diff(st.params, ref.params) < 1e-6
+    assert max_abs_diff(st.opt_state, ref.opt_state) < 1e-6
+
+
+# ---- bad input -----------------------------------------------------------------------
+
+def test_unknown_offload_name_lists_choices():
+    with pytest.raises(ol.OffloadError, match=r"'gpu'.*none, optimizer, optimizer\+params"):
+        ol.get_offload("gpu")
+    m, _ = tiny_llama()
+    with pytest.raises(ol.OffloadError, match="offload"):
+        build(m, optax.sgd(0.1), fj.make_mesh(fsdp=8), offload="params")
+
+
+@pytest.mark.parametrize("offload", ["optimizer", "optimizer+params"])
+def test_no_host_memory_kinds_gives_one_clear_line(offload, monkeypatch):
+    monkeypatch.setattr(ol, "host_memory_available", lambda devices: False)
+    m, _ = tiny_llama()
+    with pytest.raises(ol.OffloadError) as e:
+        build(m, optax.sgd(0.1), fj.make_mesh(fsdp=8), offload=offload)
+    msg = str(e.value)
+    assert "\n" not in msg and offload in msg and "pinned_host" in msg and "offload: none" in msg
+    # "none" needs nothing from the backend
+    build(m, optax.sgd(0.1), fj.make_mesh(fsdp=8), offload="none")
+
+
+def test_probe_rejects_devices_without_pinned_host():
+    class NoHost:
+        platform = "fake"
+
+        def addressable_memories(self):
+            return []
+
+    class Old:  # a device from a jax without memories
+        platform = "fake"
+    assert ol.host_memory_available(jax.devices())  # CPU has pinned_host
+    assert not ol.host_memory_available([NoHost()])
+    assert not ol.host_memory_available([Old()])
+    with pytest.raises(ol.OffloadError, match="fake"):
+        ol.check_supported("optimizer", [NoHost()])
+
+
+@pytest.mark.parametrize("override,key", [("offload=optimizer", "offload"),
+                                          ("remat=offload_attn_mlp_out", "remat")])
+def test_trainer_config_without_host_memory_is_bad_input(override, key, monkeypatch, capsys):
+    from fsdp_jax.app.cli import BAD_INPUT, fail
+    from fsdp_jax.app.config import ConfigError, config_from_dict
+    from fsdp_jax.app.loop import check_offload
+    k, v = override.split("=")
+    cfg = config_from_dict({k: v})
+    check_offload(cfg)  # fine on CPU
+    monkeypatch.setattr(ol, "host_memory_available", lambda devices: False)
+    with pytest.raises(ConfigError) as e:
+        check_offload(cfg)
+    assert e.value.key == key and isinstance(e.value, BAD_INPUT)
+    assert fail(e.value) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and v in err and "pinned_host" in err
+
+
+@pytest.mark.parametrize("value", ["gpu", "params", "", "Optimizer+Params+Activations"])
+def test_config_rejects_unknown_offload(value):
+    from fsdp_jax.app.config import ConfigError, config_from_dict
+    with pytest.raises(ConfigError, match=r"offload.*allowed: none, optimizer, optimizer\+params"):
+        config_from_dict({"offload": value})
+
+
+# ---- planner -------------------------------------------------------------------------
+
+def test_planner_host_bytes_analytic_equal_compiled():
+    """The planner's analytic host bytes (from the sharding plan) equal the compiled
+    program's host-resident argument bytes (from its parameter layouts)."""
+    from fsdp_jax.app.config import config_from_dict
+    from fsdp_jax.app.planner import plan_strategy
+    model = {k: getattr(CFG, k) for k in ("vocab_size", "d_model", "n_layers", "n_heads",
+                                          "n_kv_heads", "ffn_dim", "max_seq_len")}
+    out = {}
+    for o in ("none", "optimizer+params"):
+        cfg = config_from_dict({"model": model, "data": {"seq_len": 16}, "remat": "none",
+                                "train": {"global_batch": 8}, "offload": o})
+        out[o] = plan_strategy(cfg, "full_shard", jax.devices()[:8])
+    a, c = out["optimizer+params"]["analytic"], out["optimizer+params"]["compiled"]
+    assert a["host"] > 0 and a["host"] == c["host_argument"]
+    assert c["device_argument"] == a["params"] + a["optimizer"] + a["batch"] - a["host"]
+    assert out["none"]["compiled"]["host_argument"] == out["none"]["analytic"]["host"] == 0
+    # per step: params in twice (forward, update) and out once, optimizer state in and out
+    opt = a["optimizer"] - 4  # less the replicated int32 step counter, which stays on the device
+    assert a["transfer_per_step"] == 3 * a["params"] + 2 * opt
+    assert a["device_total"] < out["none"]["analytic"]["device_total"]
+
+
+def test_plan_script_rejects_bad_offload(capsys):
+    import importlib.util
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("plan_script", root / "scripts" / "plan.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for bad in ("gpu", "none,params", ""):
+        assert mod.main(["--config", str(root / "configs" / "tiny.yaml"), "--devices", "8",
+                         "--offload", bad]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--offload" in err and "optimizer+params" in err
+
+
+# ---- the trainer -----------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_trainer_offloaded_run_resumes_without_offload(tmp_path):
+    """scripts/train.py's loop with offload=optimizer+params (eval and sampling
+    included), then the same run resumed with offload=none from its checkpoint."""
+    from pathlib import Path
+    from fsdp_jax.app.config import load_config
+    from fsdp_jax.app.loop import train
+    from helpers import synthetic_corpus
+    root = Path(__file__).resolve().parents[1]
+    corpus = synthetic_corpus(tmp_path / "corpus")
+    base = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=1",
+            "model.ffn_dim=64", "model.max_seq_len=16", "data.seq_len=16", "train.global_batch=8",
+            "train.eval_every=2", "train.eval_batches=1", "train.sample_tokens=4", "train.log_every=1",
+            "train.checkpoint_every=2", "data.source=none", f"data.path={corpus}",
+            f"run_dir={tmp_path / 'run'}"]
+
+    def go(offload, steps):
+        cfg = load_config(root / "configs" / "tiny.yaml", base + [f"offload={offload}", f"train.steps={steps}"])
+        return train(cfg, progress=False)
+    first = go("optimizer+params", 2)
+    assert kinds(first["run"].state.params) == {ol.HOST} and "sample" in first
+    resumed = go("none", 4)
+    assert resumed["run"].start_step == 2 and resumed["final_step"] == 4
+    assert kinds(resumed["run"].state.opt_state) == {"device"}
+    assert np.isfinite(resumed["val_loss"])
+
+
+def _script(name):
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "scripts" / name
+    spec = importlib.util.spec_from_file_location(name.removesuffix(".py"), path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod, path.parents[1]
+
+
+@pytest.mark.parametrize("args,needle", [(["--rounds", "0"], "--rounds"), (["offload=gpu"], "offload"),
+                                         (["--strategy", "zero9"], "zero9")])
+def test_bench_offload_bad_input_exits_2(args, needle, capsys):
+    mod, root = _script("bench_offload.py")
+    assert mod.main(["--config", str(root / "configs" / "tiny.yaml"), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle in err
+
+
+@pytest.mark.slow
+def test_bench_offload_json(capsys):
+    import json
+    mod, root = _script("bench_offload.py")
+    assert mod.main(["--config", str(root / "configs" / "tiny.yaml"), "--rounds", "1", "--steps", "1",
+                     "--json", "model.d_model=32", "model.n_layers=1", "model.n_heads=2",
+                     "model.n_kv_heads=1", "model.ffn_dim=64", "model.max_seq_len=16",
+                     "data.seq_len=16", "train.global_batch=8"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    r = doc["results"]
+    assert set(r) == set(ol.OFFLOADS) and r["none"]["ratio_to_none"] == 1.0
+    assert r["none"]["to_device_bytes"] == 0 < r["optimizer"]["to_device_bytes"] < r["optimizer+params"]["to_device_bytes"]
