@@ -115,6 +115,7 @@ OUT_OF_RANGE: dict[str, typing.Any] = {
     "mesh.min_replicated_bytes": -1, "mesh.rules": {"embed": "nowhere"},
     "model.tie_word_embeddings": None, "train.profile": "4:2",
     "logging.wandb": None, "logging.wandb_project": None, "logging.wandb_run_name": None,
+    "offload": "everything",
 }
 
 

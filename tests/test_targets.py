@@ -142,7 +142,7 @@ def test_cpu_runs_never_see_the_plugin():
 @pytest.mark.parametrize("script, args, needle", [
     ("plan.py", ["--target", "h999", "--devices", "8"], "--target: unknown GPU target"),
     ("plan.py", ["--target", "h100", "--devices", "8", "--hosts", "3"], "do not divide into 3 hosts"),
-    ("inspect_sharding.py", ["--target", "h100", "--devices", "8", "--hosts", "0"], "--hosts: 0 must be >= 1"),
+    ("inspect_sharding.py", ["--target", "h100", "--devices", "8", "--hosts", "0"], "--hosts: 0 must be in 1..65536"),
     ("plan.py", ["--devices", "8", "--hosts", "2"], "--hosts: '2' needs --target"),
     ("plan.py", ["--target", "h100", "--devices", "8", "PLUGIN_MISSING"], "python -m fsdp_jax.targets install"),
 ])
