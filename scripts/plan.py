@@ -82,11 +82,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import dataclasses
 
-    from fsdp_jax.app.extras import available, missing_message
     from fsdp_jax.app.plan_report import format_table, plot_plan
-    if args.plot and not available("matplotlib"):  # before compiling anything
-        print(f"error: {missing_message('matplotlib', '--plot')}", file=sys.stderr)
-        return 1
     from fsdp_jax.app.planner import format_offload_table, plan_config
 
     docs = {}

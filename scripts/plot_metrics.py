@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        print("error: plotting needs the matplotlib package (pip install matplotlib)", file=sys.stderr)
+        from fsdp_jax.app.extras import missing_message
+        print(f"error: {missing_message('matplotlib', 'plotting')}", file=sys.stderr)
         return 2
     plot(records, out)
     print(out)

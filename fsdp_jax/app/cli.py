@@ -67,9 +67,9 @@ def env_int(name: str, default: int, low: int = 1, high: int = 1 << 16) -> int:
 
 def require(module: str, flag: str) -> None:
     """ConfigError naming `flag` when the optional package `module` is not installed."""
-    import importlib.util
-    if importlib.util.find_spec(module) is None:
-        raise ConfigError(flag, f"needs the {module} package (pip install {module})")
+    from fsdp_jax.app.extras import available, missing_message
+    if not available(module):
+        raise ConfigError(flag, missing_message(module, "it").removeprefix("it "))
 
 
 def check_out_file(path: str, flag: str) -> None:
