@@ -83,6 +83,19 @@ class _OrbaxErrorsRaised(logging.Filter):
 
 
 _ORBAX_FILTER = _OrbaxErrorsRaised()
+
+
+class _UnretrievedOrbaxWrites(logging.Filter):
+    """asyncio's "exception was never retrieved" records for orbax's write tasks after a
+    failed save: the save's own error is raised (and reported once) by `check`/`wait`,
+    so these would only repeat it as tracebacks."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        return not ("exception was never retrieved" in msg and "orbax" in msg)
+
+
+_ASYNCIO_FILTER = _UnretrievedOrbaxWrites()
 _WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EIO)
 
 
@@ -188,6 +201,7 @@ class Checkpointer:
         self._in_flight: collections.deque[int] = collections.deque()
         self._pending: int | None = None  # the newest step handed to orbax (every process)
         logging.getLogger("absl").addFilter(_ORBAX_FILTER)  # idempotent
+        logging.getLogger("asyncio").addFilter(_ASYNCIO_FILTER)
         _quiet_closed_loop_callbacks()
         # (not orbax's read_only option: it logs warnings on every use)
         options = ocp.CheckpointManagerOptions(
