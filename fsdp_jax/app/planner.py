@@ -424,17 +424,6 @@ def _compiled_host(compiled, mem: dict[str, int]) -> dict[str, int]:
 
 # ----------------------------------------------------------------------------- many strategies, any N
 
-def _devices_for(n: int) -> list[jax.Device] | None:
-    """n devices of one platform in this process (the default backend first, then
-    CPU), or None when none has that many."""
-    if len(jax.devices()) >= n:
-        return list(jax.devices())[:n]
-    try:
-        cpu = jax.devices("cpu")
-    except RuntimeError:
-        return None
-    return list(cpu)[:n] if len(cpu) >= n else None
-
 
 def run_strategies(cfg, n_devices: int, strategies: Sequence[str], *, inspect: bool = False,
                    replicated_threshold: int | None = None, target=None,
@@ -444,7 +433,8 @@ def run_strategies(cfg, n_devices: int, strategies: Sequence[str], *, inspect: b
     that many devices, otherwise in a child process with `n_devices` fake CPU devices.
     With `target` (a `fsdp_jax.targets.Target`), always in a child process that
     compiles for that GPU target (the CUDA plugin on its path only: `targets.child_env`)."""
-    devices = None if target is not None else _devices_for(n_devices)
+    from fsdp_jax.verify import devices_for
+    devices = None if target is not None else devices_for(n_devices)
     if devices is not None:
         return {s: plan_strategy(cfg, s, devices, inspect=inspect, replicated_threshold=replicated_threshold,
                                  step_options=step_options, compiler_options=compiler_options)
