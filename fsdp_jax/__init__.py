@@ -14,8 +14,8 @@ from fsdp_jax.state import TrainState, abstract_state, init_train_state, shard_p
 from fsdp_jax.step import (BatchError, CompiledStep, make_eval_step, make_train_step, sharding_context,
                            trainable_leaves)
 from fsdp_jax.strategy import ALIASES, STRATEGIES, ShardingPlan, Strategy, get_strategy, make_plan
-from fsdp_jax.verify import (TOLERANCES, Divergence, StrategyReport, Tolerance, VerifyError, VerifyReport,
-                             verify)
+from fsdp_jax.verify import VerifyError, verify
+from fsdp_jax.verify_report import TOLERANCES, Divergence, StrategyReport, Tolerance, VerifyReport
 
 __all__ = [
     "Built", "build", "axes", "rules", "checkpoint", "memory", "ModelFns", "ShardedModel", "from_linen", "from_nnx", "shard_model", "trainable_leaves", "MeshError", "make_mesh", "Policy", "cast_params_for_compute", "REMAT_POLICIES",

@@ -19,7 +19,8 @@ from jax.sharding import PartitionSpec as P
 
 import fsdp_jax as fj
 from fsdp_jax import axes as ax
-from fsdp_jax.verify import TOLERANCES, VerifyError, default_tolerance, optimizer_kind
+from fsdp_jax.verify import VerifyError
+from fsdp_jax.verify_report import TOLERANCES, default_tolerance, optimizer_kind
 from helpers import tiny_llama, token_batches
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
