@@ -4,7 +4,7 @@
     python scripts/bench_offload.py --config configs/tiny.yaml [--strategy full_shard]
         [--rounds 5] [--steps 3] [--json] [key=value ...]
 
-Builds the trainer's step (`fsdp_jax.app.planner.build_step`) once per offload setting
+Builds the trainer's step (`fsdp_jax.app.step_build.build_step`) once per offload setting
 (none, optimizer, optimizer+params), compiles all three, then runs `rounds` rounds; each
 round times `steps` steps of every setting in turn (blocking on each step). Reports the
 median step time per setting, its ratio to `none`, and the host<->device bytes per step
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from fsdp_jax.app.cli import BAD_INPUT, fail
     from fsdp_jax.app.config import ConfigError, load_config, validate
-    from fsdp_jax.app.planner import build_step
+    from fsdp_jax.app.step_build import build_step
     from fsdp_jax.offload import OFFLOADS, OffloadError, transfer_bytes
 
     try:

@@ -30,7 +30,7 @@ def throughput(config: str, steps: int, overrides: list[str]) -> dict:
     from fsdp_jax.memory import compiled_memory
     from fsdp_jax.app.models.llama import count_params, flops_per_token
     from fsdp_jax.perf import device_memory, mfu, peak_flops, time_steps
-    from fsdp_jax.app.planner import build_step
+    from fsdp_jax.app.step_build import build_step
 
     n = jax.device_count()
     # 8 sequences of 2048 per GPU: with cuDNN attention (no saved S x S logits) and `dots`

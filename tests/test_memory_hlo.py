@@ -108,15 +108,16 @@ def test_shard_grad_op_gathers_once_outside_the_loop():
 def test_planner_counts_bf16_master_params_and_the_compiled_step_agrees():
     """precision params=bfloat16 halves params and Adam moments in the planner's analytic
     figures, and the compiled step's argument bytes are exactly those figures."""
-    from fsdp_jax.app import planner as pl
     from fsdp_jax.app.config import load_config
+    from fsdp_jax.app.memory_model import analytic_memory
+    from fsdp_jax.app.step_build import build_step
     root = __import__("pathlib").Path(__file__).resolve().parents[1]
     out = {}
     for p in ("float32", "bfloat16"):
         cfg = load_config(root / "configs" / "tiny.yaml",
                           TINY_MODEL_OVERRIDES + [f"precision=params={p},compute=bfloat16"])
-        b = pl.build_step(cfg, "full_shard")
-        out[p] = (b, pl.analytic_memory(b))
+        b = build_step(cfg, "full_shard")
+        out[p] = (b, analytic_memory(b))
     (b16, a16), (_, a32) = out["bfloat16"], out["float32"]
     assert 2 * a16["params"] == a32["params"]
     ints = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((b16.state.opt_state, b16.state.step))

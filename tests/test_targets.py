@@ -47,7 +47,8 @@ _CHILD = r"""
 import json, sys
 from fsdp_jax import targets
 from fsdp_jax.app.config import load_config
-from fsdp_jax.app.planner import plan_strategy, target_mesh_sizes
+from fsdp_jax.app.planner import plan_strategy
+from fsdp_jax.app.step_build import target_mesh_sizes
 req = json.loads(sys.stdin.read())
 out = {"targets": {}}
 for name in targets.target_names():   # every shipped target config parses on this jax

@@ -102,14 +102,14 @@ def test_mesh_rules_from_the_config_reach_the_trainers_plan():
     `build` by the planner's (= the trainer's) step builder: no compile needed to see it."""
     from pathlib import Path
 
-    from fsdp_jax.app import planner as pl
     from fsdp_jax.app.config import load_config
+    from fsdp_jax.app.step_build import build_step
     from helpers import TINY_MODEL_OVERRIDES
     tiny = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
     base = TINY_MODEL_OVERRIDES + ["mesh.fsdp=4", "mesh.tensor=2"]
     specs = {}
     for extra in ([], ["mesh.rules.mlp=null", "mesh.rules.embed=[fsdp]"]):
-        b = pl.build_step(load_config(tiny, base + extra), "full_shard", jax.devices())
+        b = build_step(load_config(tiny, base + extra), "full_shard", jax.devices())
         specs[len(extra)] = {r.path: r.spec for r in b.plan.rows}
     assert specs[0]["blocks/mlp/w_up"] == P(None, "fsdp", "tensor")
     assert specs[2]["blocks/mlp/w_up"] == P(None, "fsdp", None)  # mlp -> no axis

@@ -3,7 +3,8 @@
 Config (`config`), data pipeline (`data`), reference model (`models`), optimizer
 from config (`optim`), the training loop (`loop`), metrics and sampling
 (`metrics_log`), preemption signals (`preemption`), the command-line conventions
-(`cli`), the planner / inspector front ends (`planner`, `plan_report`), real
+(`cli`), the planner / inspector front ends (`planner`, `plan_report`) over the
+trainer's abstract step (`step_build`) and its memory formulas (`memory_model`), real
 tokenizers (`tokenizer`) and Hugging Face Llama checkpoints in (`hf`) and out
 (`hf_export`), over sliced safetensors I/O (`safetensors_io`).
 

@@ -6,8 +6,8 @@
 For each strategy the planner builds the train step the trainer builds (the same
 model, loss, optimizer, precision, remat and microbatches, from the same builder
 functions as `fsdp_jax.app.loop.setup`), but from abstract inputs only
-(`ShapeDtypeStruct`s carrying shardings, `fsdp_jax.state.abstract_state`), and
-AOT-compiles it: nothing is allocated, so a 7B or 70B model plans on a laptop.
+(`ShapeDtypeStruct`s carrying shardings, `fsdp_jax.state.abstract_state`:
+`fsdp_jax.app.step_build`), and AOT-compiles it: nothing is allocated, so a 7B or 70B model plans on a laptop.
 When this process has fewer than N devices, the compile runs in a child process
 with N fake CPU devices (`jax_num_cpu_devices=N`). With a GPU target
 (`fsdp_jax.targets.Target`: h100, h200, a100 as hosts x GPUs) the child compiles with
@@ -20,39 +20,12 @@ is `fsdp_jax.app.plan_report`, whose public names are importable from here too.
 Two sets of numbers, kept apart:
 
 * **analytic**: params, optimizer state and batch from the sharding plan (exact
-  shard shapes); grads, gathered params and activations from the formulas below.
+  shard shapes); grads, gathered params and activations from the formulas in
+  `fsdp_jax.app.memory_model`.
 * **compiled**: `memory_analysis()` of the compiled step (`fsdp_jax.memory.compiled_memory`):
   argument (params + optimizer state + batch), output, alias (donated), temp
   (everything transient: grads, gathered params, activations, optimizer-update
   scratch) and the peak. Grads never appear as arguments; they live in temp.
-
-Activation formula (reference Llama, bytes per device), with T = tokens per device
-per microbatch (global_batch / microbatches / (data x fsdp) x seq_len), c = bytes of
-the compute dtype, D = d_model, Q = heads x head_dim, K = kv_heads x head_dim,
-F = ffn_dim, H = heads, S = seq_len, L = layers, V = vocab:
-
-* every layer keeps its input (the scan carry), c*D per token, whatever the policy;
-* plus what the remat policy saves per token per layer (`saved_per_token`):
-  none: c*(3D + 2Q + 2K + 4F) + H*S*(4 + c) (norm outputs, q/k/v, attention output,
-  SwiGLU gate/up/silu/product, softmax probabilities in f32 and compute dtype);
-  dots: c*(2Q + 2K + 2D + 2F) + 4*H*S (every matmul output, including the f32
-  attention logits of `jax.nn.dot_product_attention`'s XLA path, which is the
-  S-squared term); dots_no_batch: c*(Q + 2K + 2D + 2F) (projections only);
-  save_attn_mlp_out: 2cD; save_qkv_attn_mlp_out: c*(Q + 2K + 2D); full: 0;
-* plus one layer's backward working set (its recomputed activations and the f32
-  attention-logit gradient), T*(none + 4*H*S);
-* plus the head: T*(c*D + V*(c + 4 + 4)) (final norm output, logits, f32
-  log-softmax and its gradient).
-Small f32 norm statistics, RoPE tables and masks are ignored. Gathered params
-(transient full-size copies in the compute dtype): full_shard / hybrid_shard keep
-two layers in flight (the one computing, the next one prefetched) plus the largest
-unstacked param (embedding or head) plus one layer's unreduced grads in the reduce
-dtype; shard_grad_op keeps the whole model, and the backward layer loop stacks the
-grads of those gathered params at full size (reduce dtype) before they are reduced;
-shard_opt / no_shard hold a compute-dtype copy of the model only when the compute
-dtype differs from the param dtype. total = params + optimizer + batch + grads +
-gathered + activations: the optimizer update (after the backward pass) runs in place
-on the donated state and needs less than the backward pass.
 
 XLA:CPU upcasts bf16 matmuls and collectives to f32 (DESIGN.md), so with bf16
 compute a CPU compile's temp is larger than the same program's on GPU/TPU.
@@ -60,7 +33,6 @@ compute a CPU compile's temp is larger than the same program's on GPU/TPU.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -76,230 +48,16 @@ from fsdp_jax import axes as ax
 from fsdp_jax import rules as rl
 from fsdp_jax.hlo import (collective_schedule, communication, involuntary_rematerializations,
                           schedule_warnings)
-from fsdp_jax.memory import (collective_report, compiled_memory, shard_bytes, tree_bytes,
-                             tree_bytes_per_device)
+from fsdp_jax.memory import collective_report, compiled_memory, tree_bytes
+from fsdp_jax.precision import Policy
+from fsdp_jax.app.memory_model import (DEVICES_PER_HOST, activations_by_remat, analytic_memory,
+                                       analytic_vs_compiled, compute_copy_bytes)
 from fsdp_jax.app.plan_report import (  # noqa: F401  (some only re-exported)
     CLASSIC_NAMES, COMPILED_OVER_ANALYTIC, DEFAULT_REPLICATED_THRESHOLD, STRATEGY_ORDER, PlanError,
     check_inputs, fmt_bytes, format_inspection, format_table, load_planning_config, parse_bytes,
     parse_devices, parse_strategies, plot_plan, replicated_threshold_for, sharding_warnings,
     use_cpu_devices)
-from fsdp_jax.precision import Policy
-from fsdp_jax.strategy import get_strategy
-
-
-# ----------------------------------------------------------------------------- the step, abstractly
-
-def mesh_shape(cfg, strategy: str, n_devices: int) -> tuple[int, int, int]:
-    """(data, fsdp, tensor) for `strategy` on `n_devices`: the config's mesh, resolved
-    exactly as the trainer resolves it (`fsdp_jax.mesh.make_mesh`), for every
-    strategy. The planner builds the trainer's step, never a neighbour of it: with
-    data=1, hybrid_shard plans what the trainer would run (the fsdp axis over every
-    device, like full_shard); set mesh.data > 1 to plan replicas over data.
-    `strategy` is accepted for callers that pick a mesh per strategy."""
-    from fsdp_jax.mesh import resolve_mesh_shape
-    del strategy
-    data, fsdp, tensor = resolve_mesh_shape((cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor), n_devices)
-    return data, fsdp, tensor
-
-
-@dataclasses.dataclass
-class StepBuild:
-    """One strategy's train step built abstractly, as the trainer would build it."""
-    cfg: Any
-    strategy: str
-    mesh: jax.sharding.Mesh
-    model: Any  # fsdp_jax.adapters.ModelFns
-    optimizer: Any
-    plan: Any  # ShardingPlan
-    state: Any  # TrainState of sharded ShapeDtypeStructs
-    batch: jax.ShapeDtypeStruct
-    step: Any  # CompiledStep
-    built: Any  # fsdp_jax.build.Built
-
-    def compile(self, compiler_options: dict[str, Any] | None = None):
-        """AOT-compile the step; `compiler_options`: XLA debug options for this compile
-        only (e.g. {"xla_gpu_enable_while_loop_double_buffering": "true"})."""
-        lowered = self.step.lower(self.state, self.batch)
-        if not compiler_options:
-            return lowered.compile()
-        try:
-            return lowered.compile(compiler_options=compiler_options)
-        except Exception as e:  # XLA rejects unknown options / values with a generic error type
-            if "option" in str(e).lower() or "flag" in str(e).lower():
-                raise PlanError(f"--xla-flags: {' '.join(str(e).split())[:300]}") from None
-            raise
-
-    def init_state(self, rng: jax.Array):
-        """A concrete TrainState in the plan's layout (sharded init: params are created
-        shard by shard, never whole on one device), for running the step."""
-        return self.built.init_state(rng)
-
-
-def build_step(cfg, strategy: str | None = None, devices: Sequence[jax.Device] | None = None,
-               mesh_sizes: tuple[int, int, int] | None = None, **step_options) -> StepBuild:
-    """The trainer's train step for `cfg` under `strategy` on `devices`, from abstract
-    inputs: `fsdp_jax.build.build` with the trainer's model, loss, optimizer and step
-    options (as `fsdp_jax.app.loop.setup`), minus the state. The replicated-fraction
-    check is not enforced here (the planner reports it instead). `step_options` go to
-    `make_train_step` on top of the trainer's (e.g. skip_nonfinite=False, to measure
-    what the guard costs)."""
-    from fsdp_jax.adapters import from_nnx
-    from fsdp_jax.app.loop import make_loss_fn
-    from fsdp_jax.app.models.llama import Llama
-    from fsdp_jax.app.optim import build_optimizer
-    from fsdp_jax.build import build
-    from fsdp_jax.mesh import make_mesh
-
-    strategy = get_strategy(strategy or cfg.mesh.strategy).name
-    devices = list(jax.devices() if devices is None else devices)
-    sizes = mesh_sizes or mesh_shape(cfg, strategy, len(devices))
-    mesh = make_mesh(*sizes, devices=devices)
-    model = from_nnx(lambda rngs: Llama(cfg.model, rngs=rngs, remat=cfg.remat))
-    optimizer, _ = build_optimizer(cfg.optimizer, cfg.train.steps)
-    built = build(model, optimizer, mesh, strategy, loss_fn=make_loss_fn(model), rules=cfg.mesh.rules,
-                  min_shard_size=cfg.mesh.min_shard_size, max_replicated_fraction=None,
-                  microbatches=cfg.train.microbatches, clip_norm=cfg.optimizer.clip_norm,
-                  precision=cfg.precision, offload=cfg.offload, **step_options)
-    batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.data.seq_len + 1), np.int32,
-                                 sharding=built.plan.batch)
-    return StepBuild(cfg, strategy, mesh, model, optimizer, built.plan, built.abstract_state, batch,
-                     built.train_step, built)
-
-
-# ----------------------------------------------------------------------------- analytic
-
-def saved_per_token(model_cfg, remat: str, seq_len: int, compute_bytes: int) -> int:
-    """Bytes one layer keeps per token for the backward pass under `remat`, beyond
-    its input (see the module docstring)."""
-    c, d, f, h = compute_bytes, model_cfg.d_model, model_cfg.ffn_dim, model_cfg.n_heads
-    q = h * model_cfg.head_dim
-    k = model_cfg.n_kv_heads * model_cfg.head_dim
-    table = {
-        "none": c * (3 * d + 2 * q + 2 * k + 4 * f) + h * seq_len * (4 + c),
-        "full": 0,
-        "dots": c * (2 * q + 2 * k + 2 * d + 2 * f) + 4 * h * seq_len,
-        "dots_no_batch": c * (q + 2 * k + 2 * d + 2 * f),
-        "save_attn_mlp_out": c * 2 * d,
-        "save_qkv_attn_mlp_out": c * (q + 2 * k + 2 * d),
-        # offloading policies: what they save rests in host memory, none on the device
-        # (host bytes: save_attn_mlp_out, save_qkv_attn_mlp_out, dots_no_batch respectively)
-        "offload_attn_mlp_out": 0, "offload_qkv_attn_mlp_out": 0, "offload_dots_no_batch": 0,
-    }
-    if remat not in table:
-        raise PlanError(f"remat: no activation formula for policy {remat!r}; known: {', '.join(table)}")
-    return table[remat]
-
-
-def activation_bytes(model_cfg, remat: str, batch_per_device: int, seq_len: int,
-                     compute_dtype="float32") -> dict[str, int]:
-    """Activation bytes per device for the reference Llama: `layers` (what the layer
-    loop keeps for backward), `working` (one layer's backward), `head` (logits and
-    loss), and `total`. `batch_per_device`: sequences per device per microbatch."""
-    c = np.dtype(compute_dtype).itemsize
-    t = batch_per_device * seq_len
-    d, h, v = model_cfg.d_model, model_cfg.n_heads, model_cfg.vocab_size
-    layers = model_cfg.n_layers * t * (c * d + saved_per_token(model_cfg, remat, seq_len, c))
-    working = t * (saved_per_token(model_cfg, "none", seq_len, c) + 4 * h * seq_len)
-    head = t * (c * d + v * (c + 4 + 4))
-    return {"layers": layers, "working": working, "head": head, "total": layers + working + head}
-
-
-def _compute_copy(abstract_params, plan, logical_axes, dtype) -> dict[str, int]:
-    """Per-device bytes of params in the compute layout (data/fsdp gathered, tensor
-    sharding kept) in `dtype`: `whole` model, one `layer` of the stacked (scanned)
-    params, the `largest_unstacked` leaf and all `unstacked` leaves together."""
-    rows = rl.explain(abstract_params, plan.mesh, logical_axes, plan.rules, (), 0,
-                      allow_unshardable=True)
-    names = (jax.tree.leaves(logical_axes, is_leaf=lambda x: x is None or isinstance(x, tuple))
-             if logical_axes is not None else [])
-    names = names if len(names) == len(rows) else [None] * len(rows)
-    item = np.dtype(dtype).itemsize
-    out = {"whole": 0, "layer": 0, "largest_unstacked": 0, "unstacked": 0}
-    for row, nm in zip(rows, names):
-        b = row.bytes_per_device // np.dtype(row.dtype).itemsize * item
-        out["whole"] += b
-        if nm and nm[0] == ax.LAYERS and row.shape:
-            out["layer"] += b // row.shape[0]
-        else:
-            out["largest_unstacked"] = max(out["largest_unstacked"], b)
-            out["unstacked"] += b
-    return out
-
-
-def analytic_memory(build: StepBuild) -> dict[str, int]:
-    """Per-device bytes by formula (no compile): params, optimizer (incl. the step
-    counter), batch, grads, gathered, activations and total."""
-    cfg, plan, st = build.cfg, build.plan, build.state
-    policy = Policy.parse(cfg.precision)
-    s = plan.strategy
-    params = tree_bytes_per_device(st.params)
-    optimizer = tree_bytes_per_device(st.opt_state) + tree_bytes_per_device(st.step)
-    batch = shard_bytes(build.batch)
-    grads = sum(shard_bytes(jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=g))
-                for p, g in zip(jax.tree.leaves(st.params), jax.tree.leaves(plan.grads)))
-    if cfg.train.microbatches > 1:
-        grads *= 2  # the accumulator plus one microbatch's grads
-    cc = _compute_copy(st.params, plan, build.model.logical_axes, policy.compute_dtype)
-    if s.params and not s.gather_once:  # full_shard, hybrid_shard: per layer
-        layer_r = _compute_copy(st.params, plan, build.model.logical_axes, policy.reduce_dtype)["layer"]
-        gathered = 2 * cc["layer"] + cc["largest_unstacked"] + layer_r
-    elif s.params:  # shard_grad_op: whole model gathered once, and its unreduced grads
-        gathered = cc["whole"] + _compute_copy(st.params, plan, build.model.logical_axes,
-                                               policy.reduce_dtype)["whole"]
-    else:  # shard_opt, no_shard: params already whole; a cast copy if dtypes differ
-        gathered = cc["whole"] if policy.compute_dtype != policy.param_dtype else 0
-    act = activation_bytes(cfg.model, cfg.remat, _batch_per_device(build), cfg.data.seq_len,
-                           policy.compute_dtype)
-    out = {"params": params, "grads": grads, "optimizer": optimizer, "gathered": gathered,
-           "activations": act["total"], "batch": batch}
-    out["total"] = sum(out.values())
-    out["states"] = params + grads + optimizer  # the classic table's "total per device"
-    out.update(offload_memory(build, out))
-    return out
-
-
-DEVICES_PER_HOST = 8  # for bytes per host: GPUs per node (the planner's fake devices share one)
-
-
-def offload_memory(build: StepBuild, analytic: dict[str, int]) -> dict[str, int]:
-    """Host offload (`cfg.offload`) split of the analytic bytes: `host` (per device: its
-    share of the offloaded params / optimizer state, resting in its host's pinned
-    memory), `host_per_host` (x DEVICES_PER_HOST) and `device_total`: the total minus
-    what rests on the host, plus what comes back transiently: the compute-dtype copy of
-    offloaded params (sharded as at rest) for the forward/backward pass, and one
-    leaf's params + optimizer state during the update (assumes XLA streams the update
-    leaf by leaf; a schedule that fetches all at once needs the full state again)."""
-    from fsdp_jax.offload import get_offload
-    off = get_offload(build.plan.offload)
-    st = build.state
-    params = tree_bytes_per_device(st.params)
-    opt = tree_bytes_per_device(st.opt_state)
-    host = (params if off.params else 0) + (opt if off.opt_state else 0)
-    c = np.dtype(Policy.parse(build.cfg.precision).compute_dtype).itemsize
-    compute_copy = sum(shard_bytes(x) // x.dtype.itemsize * c for x in jax.tree.leaves(st.params)
-                       if np.issubdtype(x.dtype, np.floating)) if off.params else 0
-    largest = max((shard_bytes(x) for x in jax.tree.leaves(st.params)), default=0)
-    update = int(largest * ((1 if off.params else 0) + (opt / params if off.opt_state and params else 0)))
-    from fsdp_jax.offload import transfer_bytes
-    moved = transfer_bytes(st, off)
-    return {"host": host, "host_per_host": host * DEVICES_PER_HOST,
-            "device_total": analytic["total"] - host + compute_copy + update,
-            "transfer_per_step": moved["to_device"] + moved["to_host"]}
-
-
-def activations_by_remat(build: StepBuild) -> dict[str, int]:
-    """Analytic activation bytes per device for every remat policy with a formula."""
-    cfg = build.cfg
-    dtype = Policy.parse(cfg.precision).compute_dtype
-    return {name: activation_bytes(cfg.model, name, _batch_per_device(build), cfg.data.seq_len, dtype)["total"]
-            for name in ("none", "dots", "dots_no_batch", "save_qkv_attn_mlp_out", "save_attn_mlp_out",
-                         "full")}
-
-
-def _batch_per_device(build: StepBuild) -> int:
-    """Sequences per device per microbatch: the batch dim is sharded over data x fsdp."""
-    n = build.mesh.shape.get(ax.DATA, 1) * build.mesh.shape.get(ax.FSDP, 1)
-    return build.cfg.train.global_batch // build.cfg.train.microbatches // n
+from fsdp_jax.app.step_build import build_step, target_mesh_sizes
 
 
 # ----------------------------------------------------------------------------- one strategy
@@ -322,7 +80,7 @@ def inspect_compiled(plan, compiled, *, logical_axes=None, analytic_total: int |
     if logical_axes is not None:
         # outside the layer loop only unstacked params (embedding, head) should be gathered,
         # in whatever dtype the program moves them (f32 on CPU even under bf16 compute)
-        layer_gather = _compute_copy(abstract, plan, logical_axes, "float32")["unstacked"]
+        layer_gather = compute_copy_bytes(abstract, plan, logical_axes, "float32")["unstacked"]
     platform = plan.mesh.devices.flat[0].platform
     hosts = [d.process_index for d in plan.mesh.devices.flat]  # partition id -> host
     schedule = collective_schedule(compiled.as_text(), hosts)
@@ -487,17 +245,6 @@ def _logs_by_strategy(stderr: str) -> dict[str, str]:
     return {k: "\n".join(v) for k, v in out.items()}
 
 
-def target_mesh_sizes(cfg, strategy: str, n_devices: int, hosts: int) -> tuple[int, int, int]:
-    """Mesh sizes on a `hosts`-host cluster: `mesh_shape`, except that hybrid_shard on a
-    config without its own data axis puts `data` across the hosts and `fsdp` within one
-    (HSDP's layout: reduce-scatter over NVLink, a gradient all-reduce across hosts)."""
-    data, fsdp, tensor = mesh_shape(cfg, strategy, n_devices)
-    if (strategy == "hybrid_shard" and hosts > 1 and cfg.mesh.data in (1, -1)
-            and (data * fsdp) % hosts == 0 and data * fsdp // hosts > 1):
-        data, fsdp = hosts, data * fsdp // hosts
-    return data, fsdp, tensor
-
-
 def _child_main() -> int:
     """`python -m fsdp_jax.app.planner` < request.json: compile on N fake CPU devices
     (or, with "target", on compile-only GPU devices), print the results as JSON. Set
@@ -567,7 +314,7 @@ def plan_config(cfg, n_devices: int, strategies: Sequence[str] | str | None = No
              f"global_batch {cfg.train.global_batch} x seq {cfg.data.seq_len}, "
              f"microbatches {cfg.train.microbatches}",
              "analytic params/optimizer/batch come from the sharding plan; grads, gathered and "
-             "activations from formulas (fsdp_jax.app.planner docstring); compiled = memory_analysis() "
+             "activations from formulas (fsdp_jax.app.memory_model docstring); compiled = memory_analysis() "
              "of the AOT-compiled train step (grads live in its temp)"]
     if cfg.offload != "none":
         notes.append(f"offload {cfg.offload}: host = per-device bytes resting in pinned host memory "
@@ -592,16 +339,6 @@ def plan_config(cfg, n_devices: int, strategies: Sequence[str] | str | None = No
            "strategies": results, "notes": notes}
     doc["wall_s"] = round(time.perf_counter() - t0, 1)
     return doc
-
-
-def analytic_vs_compiled(analytic: dict[str, int], compiled: dict[str, int]) -> dict[str, float]:
-    """How far the compiled program is from the analytic model, per term (compiled /
-    analytic - 1): `argument` (params + optimizer + batch), `temp` (grads + gathered +
-    activations: everything transient) and `peak` (total)."""
-    pairs = {"argument": (compiled["argument"], analytic["params"] + analytic["optimizer"] + analytic["batch"]),
-             "temp": (compiled["temp"], analytic["grads"] + analytic["gathered"] + analytic["activations"]),
-             "peak": (compiled["peak"], analytic["total"])}
-    return {k: (c / a - 1 if a else float("nan")) for k, (c, a) in pairs.items()}
 
 
 def format_offload_table(docs: dict[str, dict[str, Any]]) -> str:

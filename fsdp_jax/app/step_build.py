@@ -1,0 +1,113 @@
+"""The trainer's train step for a config, built from abstract inputs: one concept, the
+step the planner measures and the benchmarks time.
+
+    b = build_step(cfg, "full_shard", jax.devices()[:8])
+    compiled = b.compile()
+
+`build_step` is `fsdp_jax.build.build` with the trainer's model, loss, optimizer and
+step options (as `fsdp_jax.app.loop.setup`), from `ShapeDtypeStruct`s carrying
+shardings: nothing is allocated. `mesh_shape` resolves the config's mesh exactly as
+the trainer does; `target_mesh_sizes` lays hybrid_shard over a multi-host GPU target.
+The formulas that estimate its memory are `fsdp_jax.app.memory_model`; compiling and
+reporting it for many strategies is `fsdp_jax.app.planner`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from fsdp_jax.app.plan_report import PlanError
+from fsdp_jax.strategy import get_strategy
+
+
+def mesh_shape(cfg, strategy: str, n_devices: int) -> tuple[int, int, int]:
+    """(data, fsdp, tensor) for `strategy` on `n_devices`: the config's mesh, resolved
+    exactly as the trainer resolves it (`fsdp_jax.mesh.make_mesh`), for every
+    strategy. The planner builds the trainer's step, never a neighbour of it: with
+    data=1, hybrid_shard plans what the trainer would run (the fsdp axis over every
+    device, like full_shard); set mesh.data > 1 to plan replicas over data.
+    `strategy` is accepted for callers that pick a mesh per strategy."""
+    from fsdp_jax.mesh import resolve_mesh_shape
+    del strategy
+    data, fsdp, tensor = resolve_mesh_shape((cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor), n_devices)
+    return data, fsdp, tensor
+
+
+def target_mesh_sizes(cfg, strategy: str, n_devices: int, hosts: int) -> tuple[int, int, int]:
+    """Mesh sizes on a `hosts`-host cluster: `mesh_shape`, except that hybrid_shard on a
+    config without its own data axis puts `data` across the hosts and `fsdp` within one
+    (HSDP's layout: reduce-scatter over NVLink, a gradient all-reduce across hosts)."""
+    data, fsdp, tensor = mesh_shape(cfg, strategy, n_devices)
+    if (strategy == "hybrid_shard" and hosts > 1 and cfg.mesh.data in (1, -1)
+            and (data * fsdp) % hosts == 0 and data * fsdp // hosts > 1):
+        data, fsdp = hosts, data * fsdp // hosts
+    return data, fsdp, tensor
+
+
+@dataclasses.dataclass
+class StepBuild:
+    """One strategy's train step built abstractly, as the trainer would build it."""
+    cfg: Any
+    strategy: str
+    mesh: jax.sharding.Mesh
+    model: Any  # fsdp_jax.adapters.ModelFns
+    optimizer: Any
+    plan: Any  # ShardingPlan
+    state: Any  # TrainState of sharded ShapeDtypeStructs
+    batch: jax.ShapeDtypeStruct
+    step: Any  # CompiledStep
+    built: Any  # fsdp_jax.build.Built
+
+    def compile(self, compiler_options: dict[str, Any] | None = None):
+        """AOT-compile the step; `compiler_options`: XLA debug options for this compile
+        only (e.g. {"xla_gpu_enable_while_loop_double_buffering": "true"})."""
+        lowered = self.step.lower(self.state, self.batch)
+        if not compiler_options:
+            return lowered.compile()
+        try:
+            return lowered.compile(compiler_options=compiler_options)
+        except Exception as e:  # XLA rejects unknown options / values with a generic error type
+            if "option" in str(e).lower() or "flag" in str(e).lower():
+                raise PlanError(f"--xla-flags: {' '.join(str(e).split())[:300]}") from None
+            raise
+
+    def init_state(self, rng: jax.Array):
+        """A concrete TrainState in the plan's layout (sharded init: params are created
+        shard by shard, never whole on one device), for running the step."""
+        return self.built.init_state(rng)
+
+
+def build_step(cfg, strategy: str | None = None, devices: Sequence[jax.Device] | None = None,
+               mesh_sizes: tuple[int, int, int] | None = None, **step_options) -> StepBuild:
+    """The trainer's train step for `cfg` under `strategy` on `devices`, from abstract
+    inputs: `fsdp_jax.build.build` with the trainer's model, loss, optimizer and step
+    options (as `fsdp_jax.app.loop.setup`), minus the state. The replicated-fraction
+    check is not enforced here (the planner reports it instead). `step_options` go to
+    `make_train_step` on top of the trainer's (e.g. skip_nonfinite=False, to measure
+    what the guard costs)."""
+    from fsdp_jax.adapters import from_nnx
+    from fsdp_jax.app.loop import make_loss_fn
+    from fsdp_jax.app.models.llama import Llama
+    from fsdp_jax.app.optim import build_optimizer
+    from fsdp_jax.build import build
+    from fsdp_jax.mesh import make_mesh
+
+    strategy = get_strategy(strategy or cfg.mesh.strategy).name
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = mesh_sizes or mesh_shape(cfg, strategy, len(devices))
+    mesh = make_mesh(*sizes, devices=devices)
+    model = from_nnx(lambda rngs: Llama(cfg.model, rngs=rngs, remat=cfg.remat))
+    optimizer, _ = build_optimizer(cfg.optimizer, cfg.train.steps)
+    built = build(model, optimizer, mesh, strategy, loss_fn=make_loss_fn(model), rules=cfg.mesh.rules,
+                  min_shard_size=cfg.mesh.min_shard_size, max_replicated_fraction=None,
+                  microbatches=cfg.train.microbatches, clip_norm=cfg.optimizer.clip_norm,
+                  precision=cfg.precision, offload=cfg.offload, **step_options)
+    batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.data.seq_len + 1), np.int32,
+                                 sharding=built.plan.batch)
+    return StepBuild(cfg, strategy, mesh, model, optimizer, built.plan, built.abstract_state, batch,
+                     built.train_step, built)
