@@ -1,5 +1,5 @@
-"""8 CPU devices for every test, a persistent compilation cache, and the shared
-corpus fixture."""
+"""8 CPU devices for every test, a persistent compilation cache, LLVM at -O0, and the
+shared corpus fixture."""
 
 import os
 import pathlib
@@ -8,6 +8,13 @@ import jax
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+# The tests check sharding, HLO, bytes and numerics, not the speed of XLA:CPU's machine
+# code, and most of a CPU compile is LLVM optimising it: at -O0 the tiny Llama's step
+# compiles 2-3x faster with the same HLO, collectives and memory_analysis() bytes
+# (benchmarks/compile_opt_level.py). Child processes inherit it; GPU-target compiles are
+# unaffected (their results were compared equal). Set before the CPU backend starts.
+os.environ["XLA_FLAGS"] = " ".join(
+    [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0"]).strip()
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_compilation_cache_dir", str(ROOT / ".jax_cache"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
