@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax
 
-    from fsdp_jax.app.cli import BAD_INPUT, check_out_file, env_int, fail, require
+    from fsdp_jax.app.cli import BAD_INPUT, check_out_file, fail, require, use_cpu_devices
     from fsdp_jax.app.config import ConfigError, check_backend, load_config, validate
     from fsdp_jax.app.models.llama import flops_per_token
     from fsdp_jax.perf import mfu, peak_flops
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     from fsdp_jax.strategy import get_strategy
 
     try:
-        jax.config.update("jax_num_cpu_devices", env_int("FSDP_JAX_CPU_DEVICES", 8))
+        use_cpu_devices()
         jax.config.update("jax_enable_compilation_cache", False)
         if args.steps < 1 or args.warmup < 0:
             raise ConfigError("--steps", f"{args.steps} / --warmup {args.warmup}: need steps >= 1, warmup >= 0")

@@ -40,14 +40,14 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax
 
-    from fsdp_jax.app.cli import BAD_INPUT, ENVIRONMENT, env_int, fail, fail_env, fail_internal
+    from fsdp_jax.app.cli import BAD_INPUT, ENVIRONMENT, fail, fail_env, fail_internal, use_cpu_devices
     from fsdp_jax.app.config import ConfigError, load_config
     from fsdp_jax.distributed import maybe_initialize
     from fsdp_jax.xla_flags import apply_gpu_fsdp_flags
     from fsdp_jax.app.loop import TrainingDiverged, train
 
     try:
-        jax.config.update("jax_num_cpu_devices", env_int("FSDP_JAX_CPU_DEVICES", 8))
+        use_cpu_devices()
         cache = os.environ.get("FSDP_JAX_CACHE_DIR")
         if cache:
             jax.config.update("jax_compilation_cache_dir", cache)

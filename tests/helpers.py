@@ -1,5 +1,7 @@
 """Tiny models and a single-device reference trainer shared by the tests."""
 
+import importlib.util
+import os
 from pathlib import Path
 
 import jax
@@ -10,6 +12,8 @@ import optax
 from fsdp_jax.adapters import from_nnx
 from fsdp_jax.app.data import prepare_text
 from fsdp_jax.app.models import Llama, LlamaConfig, cross_entropy
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # configs/tiny.yaml shrunk to compile in seconds: the model, sequence and batch
 TINY_MODEL_OVERRIDES = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
@@ -83,3 +87,54 @@ def synthetic_corpus(out: Path) -> Path:
         (src / f"m{f}.py").write_text("\n".join(lines) + "\n")
     prepare_text([src], out / "data", val_fraction=0.2, pattern="*.py")
     return out / "data"
+
+
+_SCRIPTS: dict = {}
+
+
+def script(name: str):
+    """scripts/<name>.py as a module (loaded once), to call its `main(argv)` in process."""
+    name = name.removesuffix(".py")
+    if name not in _SCRIPTS:
+        spec = importlib.util.spec_from_file_location(f"_script_{name}", ROOT / "scripts" / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        _SCRIPTS[name] = mod
+    return _SCRIPTS[name]
+
+
+def call(name: str, *args, capsys, env: dict | None = None):
+    """(exit code, stdout, stderr) of scripts/<name>.py main(args), in this process (its 8 CPU
+    devices, the repo root as working directory, `env` set for the call). One subprocess test
+    per script keeps the `if __name__ == "__main__"` entry covered; the tables of bad input run
+    here, without a Python start-up each."""
+    capsys.readouterr()
+    old_env = {k: os.environ.get(k) for k in (env or {})}
+    cwd = os.getcwd()
+    os.environ.update(env or {})
+    os.chdir(ROOT)
+    try:
+        rc = script(name).main([str(a) for a in args])
+    except SystemExit as e:  # a parser that exits on its own
+        rc = e.code
+    finally:
+        os.chdir(cwd)
+        for k, v in old_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def one_line(rc, err, *words, code=2):
+    """The bad-input contract: exit `code`, one non-empty line on stderr, `error: ...` naming
+    `words`, no traceback. Returns the line."""
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert rc == code, (rc, err[-2000:])
+    assert "Traceback" not in err, err[-2000:]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err[-2000:]
+    for w in words:
+        assert str(w) in lines[0], (w, lines[0])
+    return lines[0]

@@ -16,7 +16,6 @@ the kind is caught too:
 
 import ast
 import errno
-import importlib.util
 import json
 import os
 import signal
@@ -38,7 +37,7 @@ from fsdp_jax.app.data import prepare_bin
 from fsdp_jax.app.metrics_log import MetricsLog
 from fsdp_jax.app.run_dir import LOCK_NAME, RunDirLock
 from fsdp_jax.distributed import bind_address, is_loopback
-from helpers import synthetic_corpus
+from helpers import call, one_line, synthetic_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
@@ -50,40 +49,6 @@ TINY = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_h
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     return synthetic_corpus(tmp_path_factory.mktemp("hostile_corpus"))
-
-
-_SCRIPTS: dict = {}
-
-
-def script(name):
-    if name not in _SCRIPTS:
-        spec = importlib.util.spec_from_file_location(f"_hostile_{name}", ROOT / "scripts" / f"{name}.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        _SCRIPTS[name] = mod
-    return _SCRIPTS[name]
-
-
-def call(name, *args, capsys):
-    """(exit code, stdout, stderr) of scripts/<name>.py main(args), in process."""
-    capsys.readouterr()
-    try:
-        rc = script(name).main([str(a) for a in args])
-    except SystemExit as e:  # prepare_data exits from its parser
-        rc = e.code
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def one_line(rc, err, *words, code=2):
-    """The contract: exit `code`, one non-empty line on stderr, `error: ...` naming `words`."""
-    lines = [l for l in err.splitlines() if l.strip()]
-    assert rc == code, (rc, err[-2000:])
-    assert "Traceback" not in err, err[-2000:]
-    assert len(lines) == 1 and lines[0].startswith("error: "), err[-2000:]
-    for w in words:
-        assert str(w) in lines[0], (w, lines[0])
-    return lines[0]
 
 
 def listing(d: Path) -> list[str]:
@@ -328,6 +293,8 @@ def test_every_script_rejects_bad_flags_with_one_line(corpus, tmp_path, capsys, 
     a_file.write_text("x")
     empty_ckpts = tmp_path / "ckpts"
     empty_ckpts.mkdir()
+    empty_dir = tmp_path / "empty"
+    empty_dir.mkdir()
     latin1 = tmp_path / "latin1.yaml"
     latin1.write_bytes(b"model: {d_model: 64}  # \xe4\n")
     bad_metrics = {}
@@ -382,6 +349,8 @@ def test_every_script_rejects_bad_flags_with_one_line(corpus, tmp_path, capsys, 
                          ["--out", tmp_path / "d", "--bin", a_file],
                          ["--out", tmp_path / "d", "--bin", a_file, "--val-bin", a_file, "--vocab-size", "0"],
                          ["--out", tmp_path / "d", tmp_path / "no_such_source"],
+                         ["--out", tmp_path / "d", empty_dir],             # no text in the sources
+                         ["--out", tmp_path / "d", "--stdlib", "--bogus"],  # an unknown flag
                          ["--out", tmp_path / "d", corpus.parent / "src", "--pattern", "/etc/*"],
                          ["--out", tmp_path / "d", corpus.parent / "src", "--pattern", "../*"]],
         "plot_metrics": [[tmp_path / "no_run"], *[[d] for d in bad_metrics.values()],
@@ -392,7 +361,9 @@ def test_every_script_rejects_bad_flags_with_one_line(corpus, tmp_path, capsys, 
                       ["--config", tiny, "--sweep", "devices=0"], ["--config", tiny, "--strategies", "zero9"],
                       ["--config", tiny, "--plot", tmp_path, *small], ["--config", tiny, "--steps", "x"],
                       ["--config", tiny, "model.attention=cudnn", *small],
-                      ["--config", tiny, "--sweep", "model.n_layers=,"]],
+                      ["--config", tiny, "--sweep", "model.n_layers=,"],
+                      ["--config", tiny, "--sweep", "model.n_layers"], ["--config", tiny, "--sweep", "devices=16"],
+                      ["--config", tiny, "--steps", "1", "train.nope=1"]],
         "gpu_check": [["--only", "speed"], ["--steps", "x"], ["--steps", "0"], ["--config", tiny, "--only", "throughput",
                                                                "optimizer.lr=-1"],
                       ["--only", "precision", "--json", tmp_path]],

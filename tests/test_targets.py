@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from fsdp_jax import hlo, targets
+from helpers import call, one_line
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_YAML = ROOT / "configs" / "tiny.yaml"
@@ -148,16 +149,14 @@ def test_cpu_runs_never_see_the_plugin():
     ("plan.py", ["--devices", "8", "--hosts", "2"], "--hosts: '2' needs --target"),
     ("plan.py", ["--target", "h100", "--devices", "8", "PLUGIN_MISSING"], "python -m fsdp_jax.targets install"),
 ])
-def test_scripts_bad_target_input_exit_2_with_one_line(script, args, needle, tmp_path):
-    env = dict(os.environ)
+def test_scripts_bad_target_input_exit_2_with_one_line(script, args, needle, tmp_path, capsys):
+    env = {}
     if "PLUGIN_MISSING" in args:
         args = [a for a in args if a != "PLUGIN_MISSING"]
         env["FSDP_JAX_PLUGIN_DIR"] = str(tmp_path / "none")
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / script), "--config", str(TINY_YAML),
-                           *args], capture_output=True, text=True, cwd=ROOT, env=env)
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], proc.stderr
-    assert proc.stdout == ""
+    rc, out, err = call(script, "--config", TINY_YAML, *args, capsys=capsys, env=env)
+    one_line(rc, err, needle)
+    assert out == ""
 
 
 # ----------------------------------------------------------------------------- collectives

@@ -65,6 +65,17 @@ def env_int(name: str, default: int, low: int = 1, high: int = 1 << 16) -> int:
     return v
 
 
+def use_cpu_devices(env: str = "FSDP_JAX_CPU_DEVICES", default: int = 8) -> int:
+    """Give this process `$env` (default 8) CPU host devices. JAX takes the setting only
+    before its backends start; when they already run with that count (main() called from a
+    notebook or a test), nothing is changed. ConfigError names `env` when it is not a count."""
+    import jax
+    n = env_int(env, default)
+    if jax.config.jax_num_cpu_devices != n:
+        jax.config.update("jax_num_cpu_devices", n)
+    return n
+
+
 def require(module: str, flag: str) -> None:
     """ConfigError naming `flag` when the optional package `module` is not installed."""
     from fsdp_jax.app.extras import available, missing_message
