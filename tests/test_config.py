@@ -199,3 +199,17 @@ def test_check_data(tmp_path):
         check_data(cfg)
     assert e.value.key == "model.vocab_size"
     check_data(load_config(TINY, [f"data.path={tmp_path}", "model.vocab_size=32000"]))
+
+
+def test_resume_names_changed_keys_but_not_keys_older_checkpoints_lack():
+    from fsdp_jax.app.loop import _config_changes
+    cfg = load_config(TINY)
+    saved = config_to_dict(cfg)
+    assert _config_changes(saved, cfg) == []
+    old = {k: dict(v) if isinstance(v, dict) else v for k, v in saved.items()}
+    del old["offload"], old["logging"], old["train"]["profile"]  # written before these keys existed
+    assert _config_changes(old, cfg) == []
+    moved = load_config(TINY, ["offload=optimizer", "train.steps=9"])
+    [line] = _config_changes(old, moved)
+    assert "offload 'none' -> 'optimizer'" in line and f"train.steps {cfg.train.steps} -> 9" in line
+    assert "logging" not in line and "profile" not in line

@@ -200,14 +200,17 @@ def _rng_to_json(key: jax.Array) -> dict:
 
 
 def _config_changes(saved: dict | None, cfg: Config) -> list[str]:
-    """One line naming the config keys that differ from the checkpoint's, if any."""
+    """One line naming the config keys that differ from the checkpoint's, if any. A key the
+    checkpoint's config lacks (it was written by an older release) counts only when this run
+    sets it away from its default, which is what the older release did."""
     if not saved:
         return []
 
     def flat(d: dict) -> dict:
         return {f"{k}.{j}" if isinstance(v, dict) else k: w for k, v in d.items()
                 for j, w in (v.items() if isinstance(v, dict) else [(k, v)])}
-    a, b = flat(saved), flat(config_to_dict(cfg))
+    a, b, default = flat(saved), flat(config_to_dict(cfg)), flat(config_to_dict(Config()))
+    a.update({k: default[k] for k in b.keys() - a.keys() if k in default})
     diff = [f"{k} {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)]
     return [f"resuming with a config that differs from the checkpoint's: {', '.join(diff)}"] if diff else []
 
