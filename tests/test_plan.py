@@ -248,7 +248,6 @@ def test_inspect_script_json(overrides):
 
 @pytest.mark.parametrize("script,args,needle", [
     ("plan.py", ["--config", "configs/nope.yaml", "--devices", "8"], "nope.yaml"),
-    ("plan.py", ["--config", TINY_YAML, "--devices", "7"], "global_batch"),  # after JAX is set up
     ("plan.py", ["--config", TINY_YAML, "--devices", "eight"], "--devices"),
     ("plan.py", ["--config", TINY_YAML, "--devices", "0"], "--devices"),
     ("plan.py", ["--config", TINY_YAML, "--devices", "8", "--device-memory", "lots"], "--device-memory"),
@@ -260,6 +259,14 @@ def test_bad_input_exits_2_with_one_line(script, args, needle, capsys):
     rc, out, err = call(script, *args, capsys=capsys)
     one_line(rc, err, needle)
     assert out == ""
+
+
+@pytest.mark.slow
+def test_device_count_that_cannot_split_the_batch_exits_2():
+    """Found after JAX is set up with 7 devices, so in a process of its own."""
+    p = run_script("plan.py", "--config", TINY_YAML, "--devices", "7")
+    one_line(p.returncode, p.stderr, "global_batch")
+    assert p.stdout == ""
 
 
 def test_parse_bytes():
