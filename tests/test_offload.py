@@ -90,6 +90,7 @@ def test_ten_steps_match_no_offload(offload, opt, baseline):
     check_matches(offload, opt, baseline, n=10)
 
 
+@pytest.mark.slow
 def test_grad_accumulation_and_clipping_hold(baseline):
     kw = dict(microbatches=2, clip_norm=0.05, batch=16)
     _, ref_state, ref_metrics = baseline("adamw", **kw)
@@ -151,6 +152,7 @@ def test_offloading_remat_same_loss_and_grads_as_none(policy):
     assert max_abs_diff(out[policy][1], out["none"][1]) < 1e-6
 
 
+@pytest.mark.slow
 def test_offloading_remat_in_the_sharded_step_with_offloaded_state(baseline):
     _, ref_state, ref_metrics = baseline("sgd", n=3)
     _, state, metrics = run("optimizer", "sgd", n=3, remat="offload_attn_mlp_out")
