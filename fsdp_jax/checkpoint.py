@@ -39,7 +39,6 @@ import contextlib
 import errno
 import json
 import logging
-import math
 import os
 import shutil
 import sys
@@ -50,10 +49,11 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
+
+from fsdp_jax.safetensors_io import SafetensorsError, SafetensorsFile, write_safetensors
 
 MANIFEST = "fsdp_jax_manifest.json"
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
@@ -472,12 +472,6 @@ def latest_step(directory: str | os.PathLike) -> int | None:
 
 # -- safetensors ----------------------------------------------------------------------------
 
-_ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-              "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U64": np.uint64,
-              "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_}
-_ST_NAMES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
-
-
 def export_safetensors(directory: str | os.PathLike, out: str | os.PathLike, *,
                        dtype: str | np.dtype | None = None, step: int | None = None,
                        prefix: str = "params") -> dict:
@@ -501,86 +495,46 @@ def export_safetensors(directory: str | os.PathLike, out: str | os.PathLike, *,
     def out_dtype(m):
         dt = np.dtype(m.dtype)
         return cast if cast is not None and np.issubdtype(dt, np.floating) else dt
-    header: dict[str, Any] = {"__metadata__": {"format": "np", "fsdp_jax_step": str(s),
-                                               "source": str(ckpt.step_dir(s))}}
-    offset = 0
-    for name, m in sorted(leaves.items()):
-        n = math.prod(m.shape) * out_dtype(m).itemsize
-        header[name] = {"dtype": _ST_NAMES[out_dtype(m)], "shape": list(m.shape),
-                        "data_offsets": [offset, offset + n]}
-        offset += n
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)
-    out = Path(out)
-    tmp = out.with_name(f".{out.name}.tmp.{os.getpid()}")
+    entries = [(name, tuple(m.shape), out_dtype(m)) for name, m in sorted(leaves.items())]
+    size = write_safetensors(out, entries, lambda name: ckpt.read_leaf(s, f"{prefix}/{name}"),
+                             {"format": "np", "fsdp_jax_step": str(s), "source": str(ckpt.step_dir(s))})
+    return {"step": s, "tensors": len(leaves), "bytes": size, "path": str(out)}
+
+
+def open_safetensors(path: str | os.PathLike) -> SafetensorsFile:
+    """The checked header of a safetensors file (no data is read yet); a missing or
+    invalid file is a CheckpointError naming it."""
     try:
-        with open(tmp, "wb") as f:
-            f.write(len(head).to_bytes(8, "little") + head)
-            for name, m in sorted(leaves.items()):
-                arr = np.ascontiguousarray(ckpt.read_leaf(s, f"{prefix}/{name}").astype(out_dtype(m)))
-                f.write(memoryview(arr.reshape(-1).view(np.uint8)))
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return {"step": s, "tensors": len(leaves), "bytes": out.stat().st_size, "path": str(out)}
-
-
-_ST_MAX_HEADER = 100 << 20  # bytes; as the safetensors format itself limits it
-
-
-def _int_list(v) -> bool:
-    return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)
+        return SafetensorsFile(path)
+    except SafetensorsError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """{name: read-only memmapped array} of a safetensors file (no data is read yet)."""
-    path = Path(path)
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            # The header length comes from the file: check it before reading that much.
-            if size < 8 or not 2 <= n <= min(size - 8, _ST_MAX_HEADER):
-                raise ValueError(f"header length {n} does not fit a file of {size} bytes")
-            header = json.loads(f.read(n))
-        if not isinstance(header, dict):
-            raise ValueError("the header is not a JSON object")
-        header.pop("__metadata__", None)
-        out = {}
-        for name, h in header.items():
-            if not (isinstance(h, dict) and h.get("dtype") in _ST_DTYPES and _int_list(h.get("shape"))
-                    and _int_list(h.get("data_offsets")) and len(h["data_offsets"]) == 2):
-                raise ValueError(f"tensor {name!r}: bad header entry {str(h)[:80]}")
-            b, e = h["data_offsets"]
-            dt = np.dtype(_ST_DTYPES[h["dtype"]])
-            if not 0 <= b <= e or 8 + n + e > size or e - b != math.prod(h["shape"]) * dt.itemsize:
-                raise ValueError(f"tensor {name!r} lies outside the file or has the wrong size")
-            out[name] = (np.memmap(path, dtype=dt, mode="r", offset=8 + n + b, shape=tuple(h["shape"]))
-                         if e > b else np.zeros(h["shape"], dt))
-        return out
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: safetensors file not found") from None
-    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
-        raise CheckpointError(f"{path}: not a valid safetensors file ({_one_line(e)})") from None
+    f = open_safetensors(path)
+    return {name: f.memmap(name) for name in f.tensors}
 
 
 def load_safetensors(path: str | os.PathLike, abstract_params) -> Any:
     """Params from a safetensors file, laid out as `abstract_params` (ShapeDtypeStructs;
-    with a sharding each process reads only its shards) and cast to their dtypes.
+    with a sharding each process reads only its shards' rows) and cast to their dtypes.
     Missing/extra names or shapes that differ raise CheckpointError listing them."""
-    tensors = read_safetensors(path)
+    f = open_safetensors(path)
     want = tree_paths(abstract_params)
-    bad = shape_mismatches(tensors, want)
+    bad = shape_mismatches({n: jax.ShapeDtypeStruct(f.shape(n), f.dtype(n)) for n in f.tensors}, want)
     if bad:
         raise CheckpointError(f"{path} does not fit the model ({'; '.join(bad)})")
 
     def place(name, sds):
-        src = tensors[name]
         if getattr(sds, "sharding", None) is None:
-            return jnp.asarray(np.asarray(src).astype(sds.dtype))
+            return jnp.asarray(f.read(name, dtype=sds.dtype))
         return jax.make_array_from_callback(sds.shape, sds.sharding,
-                                            lambda idx: np.asarray(src[idx]).astype(sds.dtype))
-    leaves = [place(name, sds) for name, sds in want.items()]
+                                            lambda idx: f.read(name, *idx, dtype=sds.dtype))
+    try:
+        leaves = [place(name, sds) for name, sds in want.items()]
+    except SafetensorsError as e:  # the file changed (truncated) after its header was checked
+        raise CheckpointError(str(e)) from None
     return jax.tree.unflatten(jax.tree.structure(abstract_params), leaves)
 
 

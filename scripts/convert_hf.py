@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     from fsdp_jax.app import hf
     from fsdp_jax.app.cli import BAD_INPUT, fail
     from fsdp_jax.app.models.llama import Llama, LlamaConfig
-    from fsdp_jax.app.safetensors_io import write_safetensors
+    from fsdp_jax.safetensors_io import write_safetensors
     from fsdp_jax.checkpoint import CheckpointError, tree_paths
 
     out = Path(args.out)

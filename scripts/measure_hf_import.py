@@ -62,7 +62,7 @@ def write_checkpoint(d: Path, args) -> int:
 
     from fsdp_jax.app.hf import expected_tensors
     from fsdp_jax.app.models.llama import LlamaConfig
-    from fsdp_jax.app.safetensors_io import write_safetensors
+    from fsdp_jax.safetensors_io import write_safetensors
 
     cfg = LlamaConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.layers,
                       n_heads=args.d_model // 64, n_kv_heads=max(1, args.d_model // 256),

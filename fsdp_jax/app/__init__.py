@@ -6,7 +6,7 @@ from config (`optim`), the training loop (`loop`), metrics and sampling
 (`cli`), the planner / inspector front ends (`planner`, `plan_report`) over the
 trainer's abstract step (`step_build`) and its memory formulas (`memory_model`), real
 tokenizers (`tokenizer`) and Hugging Face Llama checkpoints in (`hf`) and out
-(`hf_export`), over sliced safetensors I/O (`safetensors_io`).
+(`hf_export`), over the library's sliced safetensors I/O (`fsdp_jax.safetensors_io`).
 
 The library (`fsdp_jax.*` outside this package) never imports from here.
 """

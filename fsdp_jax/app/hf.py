@@ -38,7 +38,7 @@ import numpy as np
 
 from fsdp_jax.app.config import ConfigError
 from fsdp_jax.app.models.llama import LlamaConfig
-from fsdp_jax.app.safetensors_io import SafetensorsError, SafetensorsFile
+from fsdp_jax.safetensors_io import SafetensorsError, SafetensorsFile
 from fsdp_jax.checkpoint import CheckpointError, tree_paths
 
 PREFIX = "hf:"

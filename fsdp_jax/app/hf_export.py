@@ -27,7 +27,7 @@ import numpy as np
 
 from fsdp_jax.app import hf
 from fsdp_jax.app.models.llama import LlamaConfig
-from fsdp_jax.app.safetensors_io import check_file, write_safetensors
+from fsdp_jax.safetensors_io import check_file, write_safetensors
 from fsdp_jax.checkpoint import Checkpointer, CheckpointError, shape_mismatches, tree_paths
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
