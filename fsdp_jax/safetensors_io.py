@@ -168,10 +168,11 @@ def write_safetensors(path: str | os.PathLike, entries: Sequence[tuple[str, tupl
         with open(tmp, "wb") as f:
             f.write(len(head).to_bytes(8, "little") + head)
             for name, shape, dt in entries:
-                arr = np.ascontiguousarray(np.asarray(fetch(name)).astype(dt, copy=False))
+                arr = np.asarray(fetch(name)).astype(dt, copy=False)
                 if arr.shape != tuple(shape):
                     raise ValueError(f"{name}: got shape {arr.shape}, expected {tuple(shape)}")
-                f.write(memoryview(arr.reshape(-1).view(np.uint8)))
+                # ascontiguousarray makes 0-d arrays 1-d: check the shape first
+                f.write(memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8)))
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
