@@ -35,7 +35,7 @@ from fsdp_jax.app import data as data_lib
 from fsdp_jax.app import hf
 from fsdp_jax.adapters import ModelFns, from_nnx
 from fsdp_jax.checkpoint import (CheckpointError, Checkpointer, Restored, load_init_params,
-                                 read_safetensors)
+                                 open_safetensors)
 from fsdp_jax.app.config import (Config, ConfigError, check_backend, check_data, config_to_dict,
                                  save_config, validate)
 from fsdp_jax.app.run_dir import RunDirLock, check_dir_path
@@ -257,7 +257,7 @@ def preflight(cfg: Config) -> None:
             raise ConfigError("init_from", f"{cfg.init_from!r}: no such file or directory")
         if init.is_file():
             try:
-                read_safetensors(init)  # the header only
+                open_safetensors(init)  # the header only
             except CheckpointError as e:
                 raise CheckpointError(f"init_from: {e}") from None
 
