@@ -15,6 +15,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # unaffected (their results were compared equal). Set before the CPU backend starts.
 os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0"]).strip()
+# The suite is 8 CPU devices on any machine: on a GPU host the xdist workers would
+# otherwise each claim the GPU (scripts/gpu_check.py is the GPU check).
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_compilation_cache_dir", str(ROOT / ".jax_cache"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
