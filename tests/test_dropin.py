@@ -77,6 +77,7 @@ def test_nnx_example_parity():
     assert state.params["blocks"][1]["down"]["kernel"].sharding.spec == P(None, "fsdp")  # stays sharded
 
 
+@pytest.mark.slow
 def test_linen_example_parity_with_logical_names():
     ex = load_example("linen_transformer")
     model = ex.make_model()

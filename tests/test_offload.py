@@ -79,6 +79,7 @@ def check_matches(offload, opt, baseline, n):
     assert {x.sharding.memory_kind for x in jax.tree.leaves(b.abstract_state.opt_state)} == {ol.HOST}
 
 
+@pytest.mark.slow
 def test_offloaded_steps_match_no_offload(baseline):
     check_matches("optimizer+params", "adamw", baseline, n=3)
 
