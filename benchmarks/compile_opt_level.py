@@ -72,8 +72,9 @@ def main() -> None:
     print("| LLVM | " + " | ".join(keys) + " |")
     print("|---" * (len(keys) + 1) + "|")
     for label, r in rows.items():
-        print(f"| {label} | " + " | ".join(f"{r[k]:.3g}" if isinstance(r[k], float) else str(r[k])
-                                          for k in keys) + " |")
+        print(f"| {label} | " + " | ".join(
+            f"{r[k]:.7g}" if k == "loss" else f"{r[k]:.3g}" if isinstance(r[k], float) else str(r[k])
+            for k in keys) + " |")
 
 
 if __name__ == "__main__":
