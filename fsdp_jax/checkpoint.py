@@ -510,12 +510,6 @@ def open_safetensors(path: str | os.PathLike) -> SafetensorsFile:
         raise CheckpointError(str(e)) from None
 
 
-def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
-    """{name: read-only memmapped array} of a safetensors file (no data is read yet)."""
-    f = open_safetensors(path)
-    return {name: f.memmap(name) for name in f.tensors}
-
-
 def load_safetensors(path: str | os.PathLike, abstract_params) -> Any:
     """Params from a safetensors file, laid out as `abstract_params` (ShapeDtypeStructs;
     with a sharding each process reads only its shards' rows) and cast to their dtypes.

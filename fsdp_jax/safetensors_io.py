@@ -13,7 +13,7 @@ is read (the length before reading that much, every entry's dtype, shape and byt
 range), so a hostile file is one `SafetensorsError` line naming it. `read` takes a
 block of a tensor — a slice per leading dimension — with `os.pread`, so only the
 rows of that block enter host memory (no memory map keeping the file's pages
-resident; `memmap` gives one where a caller wants lazy whole arrays), converting to the requested dtype in bounded chunks. The `safetensors`
+resident), converting to the requested dtype in bounded chunks. The `safetensors`
 library itself validates files this project writes (`check_file`), but its numpy
 backend cannot slice bfloat16 tensors (safetensors 0.8: "data type 'bfloat16' not
 understood"), the dtype most Llama checkpoints ship, and its writer needs every
@@ -127,13 +127,6 @@ class SafetensorsFile:
                 block = np.frombuffer(raw, dt).reshape((b - a,) + row_shape)
                 out[a - r0:b - r0] = block[(slice(None),) + rest]
         return out if shape else out.reshape(())
-
-    def memmap(self, name: str) -> np.ndarray:
-        """The whole tensor as a read-only memory map (no data is read yet)."""
-        dt, shape, off = self.tensors[name]
-        if not math.prod(shape):
-            return np.zeros(shape, dt)
-        return np.memmap(self.path, dtype=dt, mode="r", offset=off, shape=shape)
 
 
 def check_file(path: str | os.PathLike) -> dict[str, tuple[list[int], str]]:

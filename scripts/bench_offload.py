@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -36,15 +35,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2 if e.code else 0
 
     import jax
-    jax.config.update("jax_num_cpu_devices", int(os.environ.get("FSDP_JAX_CPU_DEVICES", "8")))
     import numpy as np
 
-    from fsdp_jax.app.cli import BAD_INPUT, fail
+    from fsdp_jax.app.cli import BAD_INPUT, fail, use_cpu_devices
     from fsdp_jax.app.config import ConfigError, load_config, validate
     from fsdp_jax.app.step_build import build_step
     from fsdp_jax.offload import OFFLOADS, OffloadError, transfer_bytes
 
     try:
+        use_cpu_devices()
         if args.rounds < 1 or args.steps < 1:
             raise ConfigError("--rounds", f"{args.rounds} / --steps {args.steps}: both must be >= 1")
         cfg = load_config(args.config, args.overrides)

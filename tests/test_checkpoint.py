@@ -210,8 +210,7 @@ def test_export_round_trip_and_init_from(corpus, straight, tmp_path, capsys):
         np.testing.assert_array_equal(loaded[k], v)
     assert run_script("export", straight["dir"], "--out", tmp_path / "bf16.safetensors",
                       "--dtype", "bfloat16", "--step", 15) == 0
-    bf16 = ck.read_safetensors(tmp_path / "bf16.safetensors")
-    assert str(bf16["embed"].dtype) == "bfloat16"
+    assert str(ck.open_safetensors(tmp_path / "bf16.safetensors").dtype("embed")) == "bfloat16"
     # init_from: the file's values, placed sharded, fresh optimizer state, step 0.
     run = setup(config(corpus, tmp_path / "ft", f"init_from={out}"))
     assert run.start_step == 0 and int(run.state.step) == 0

@@ -191,7 +191,7 @@ def test_hostile_safetensors_files_are_checkpoint_errors(tmp_path, name):
     path = tmp_path / f"{name}.safetensors"
     path.write_bytes(HOSTILE_SAFETENSORS[name])
     with pytest.raises(ck.CheckpointError, match="not a valid safetensors file"):
-        ck.read_safetensors(path)
+        ck.open_safetensors(path)
 
 
 def test_bad_trainer_inputs_one_line_exit_2_nothing_written(corpus, tmp_path, capsys, monkeypatch):
@@ -387,7 +387,7 @@ def test_every_script_rejects_bad_flags_with_one_line(corpus, tmp_path, capsys, 
                     raise AssertionError(f"{name} {[str(a) for a in args]}: {e}") from None
         with monkeypatch.context() as m:  # the environment variables the scripts read
             m.setenv("FSDP_JAX_CPU_DEVICES", "many")
-            for name in ("train", "benchmark"):
+            for name in ("train", "benchmark", "bench_offload"):
                 rc, _, err = call(name, "--config", tiny, capsys=capsys)
                 one_line(rc, err, "FSDP_JAX_CPU_DEVICES")
     finally:
