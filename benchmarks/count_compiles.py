@@ -9,6 +9,7 @@ processes (scripts run by subprocess tests) are not counted. This is where the s
 cold time goes (README "Tests")."""
 
 import collections
+import hashlib
 import json
 import os
 import sys
@@ -29,8 +30,10 @@ def _install() -> None:
         try:
             return original(backend, module, *args, **kwargs)
         finally:
+            s = time.perf_counter() - t
             name = str(module.operation.attributes["sym_name"]).strip('"')
-            _rows.append((_current["test"], name, time.perf_counter() - t))
+            text = module.operation.get_asm(enable_debug_info=False)
+            _rows.append((_current["test"], name, s, hashlib.sha1(text.encode()).hexdigest()[:12]))
     compiler.backend_compile_and_load = counted
 
 
@@ -51,11 +54,15 @@ def pytest_sessionfinish(session):
 def summary(folder: Path) -> str:
     rows = [r for f in sorted(folder.glob("*.json")) for r in json.loads(f.read_text())]
     by_name, count, by_file = collections.Counter(), collections.Counter(), collections.Counter()
-    for test, name, s in rows:
+    seen, repeat_s = set(), 0.0
+    for test, name, s, digest in rows:
         by_name[name] += s
         count[name] += 1
         by_file[(test or "?").split("::")[0]] += s
-    lines = [f"{len(rows)} compiles, {sum(by_name.values()):.0f} s", "", "seconds  compiles  program"]
+        repeat_s += s if digest in seen else 0.0
+        seen.add(digest)
+    lines = [f"{len(rows)} compiles, {sum(by_name.values()):.0f} s; {len(seen)} distinct programs "
+             f"({repeat_s:.0f} s compiling a program again)", "", "seconds  compiles  program"]
     lines += [f"{s:7.1f}  {count[n]:8d}  {n}" for n, s in by_name.most_common(10)]
     lines += ["", "seconds  test file"] + [f"{s:7.1f}  {f}" for f, s in by_file.most_common(15)]
     return "\n".join(lines)
