@@ -61,7 +61,9 @@ def test_xla_gpu_flags_config_option():
 @pytest.mark.slow
 def test_gpu_check_throughput_path_runs_on_cpu(tmp_path):
     """The GPU script's throughput check, with XLA attention so the CPU can run it."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    # the suite's XLA_FLAGS (tests/conftest.py: fast CPU compiles) plus 8 host devices
+    env = dict(os.environ, XLA_FLAGS=" ".join([os.environ.get("XLA_FLAGS", ""),
+                                               "--xla_force_host_platform_device_count=8"]).strip())
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--config", "configs/tiny.yaml",
                         "--only", "throughput", "--steps", "1", "--json", str(tmp_path / "r.json"),
                         "model.attention=xla", *SMALL], capture_output=True, text=True, timeout=300,

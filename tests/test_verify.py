@@ -376,13 +376,14 @@ def test_cli_tiny_config_passes_and_prints_json(capsys):
 
 
 @pytest.mark.slow
-def test_cli_shrinks_a_7b_config_keeping_every_sharding_decision():
-    out = _cli("--config", "configs/llama2_7b.yaml", "--strategies", "full_shard", "--steps", "2")
-    assert out.returncode == 0, out.stderr[-3000:] + out.stdout
-    assert "shrunk to verify on CPU" in out.stdout
-    assert "model.d_model 4096 -> " in out.stdout and "model.n_layers 32 -> 2" in out.stdout
-    assert "same sharding decision for every param under every strategy" in out.stdout
-    assert "PASS" in out.stdout.splitlines()[-1]
+def test_cli_shrinks_a_7b_config_keeping_every_sharding_decision(capsys):
+    rc, out, err = call("verify", "--config", "configs/llama2_7b.yaml", "--strategies", "full_shard",
+                        "--steps", "2", capsys=capsys)
+    assert rc == 0, err[-3000:] + out
+    assert "shrunk to verify on CPU" in out
+    assert "model.d_model 4096 -> " in out and "model.n_layers 32 -> 2" in out
+    assert "same sharding decision for every param under every strategy" in out
+    assert "PASS" in out.splitlines()[-1]
 
 
 @pytest.mark.parametrize("args, match", [
