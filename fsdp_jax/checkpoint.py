@@ -314,8 +314,10 @@ class Checkpointer:
     # -- listing and checking -------------------------------------------------------------
 
     def steps(self) -> list[int]:
-        """Committed steps, ascending (interrupted saves are not listed)."""
-        return sorted(self._mngr.all_steps())
+        """Committed steps, ascending (interrupted saves are not listed). Orbax lists a
+        step from the moment its save starts; it is committed once its directory carries
+        its final name (orbax renames the tmp directory last), so only those count."""
+        return sorted(s for s in self._mngr.all_steps() if self.step_dir(s).is_dir())
 
     def latest_step(self) -> int | None:
         steps = self.steps()

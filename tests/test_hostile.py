@@ -592,6 +592,23 @@ def test_a_failed_background_save_is_reported_without_another_save(tmp_path, mon
     assert c.steps() == []
 
 
+def test_a_save_in_flight_is_not_called_committed(tmp_path, monkeypatch):
+    """Orbax lists a step as soon as its save starts; until the step's directory has its
+    final name it is not committed, so a failure message must not call it intact."""
+    c = ck.Checkpointer(tmp_path / "ckpts", keep=None)
+    c.save(3, _small_state(0))
+    c.wait()
+    (tmp_path / "ckpts" / f"7{ck.TMP_SUFFIX}").mkdir()  # step 7 being written
+    monkeypatch.setattr(c._mngr, "all_steps", lambda *a, **k: [3, 7])
+    assert c.steps() == [3] and c.latest_step() == 3
+    c._pending = 7
+    with pytest.raises(ck.CheckpointWriteError, match="step 7 .*the newest complete checkpoint is step 3, intact"):
+        with c._write_errors():
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.undo()
+    c.close()
+
+
 def test_unreachable_coordinator_is_one_line_exit_1(corpus, tmp_path, capsys):
     """A peer whose coordinator never answers: JAX's client would abort the process with a
     C++ stack trace; the trainer says so in one line first."""
