@@ -174,9 +174,10 @@ def _shapes(type_str: str) -> list[tuple[str, int]]:
 
 
 def result_shapes(type_str: str, op: str, is_start: bool) -> list[tuple[str, int]]:
-    """(dtype, elements) of what a collective produces. An async all-gather /
-    reduce-scatter / all-to-all `-start` returns ((operands), (results)): keep the results."""
-    if is_start and op != "all-reduce" and type_str.startswith("(("):
+    """(dtype, elements) of what a collective produces. An async `-start` that returns
+    ((operands), results) keeps the results: all-gather, reduce-scatter and all-to-all on
+    every XLA, and all-reduce from XLA 0.12 on (before, its start returned the result alone)."""
+    if is_start and type_str.startswith("(("):
         parts = _top_level(type_str)
         if len(parts) >= 2:
             return _shapes(parts[1])
