@@ -30,10 +30,13 @@ def _xla_knows(flag: str) -> bool:
     env = dict(os.environ, XLA_FLAGS=flag, JAX_PLATFORMS="cpu")
     known = subprocess.run([sys.executable, "-c", "import jax; jax.numpy.zeros(1).block_until_ready()"],
                            env=env, capture_output=True).returncode == 0
-    CACHE.mkdir(exist_ok=True)
-    tmp = memo.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(known))
-    tmp.replace(memo)
+    try:  # best effort: a read-only checkout probes again next time
+        CACHE.mkdir(exist_ok=True)
+        tmp = memo.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(known))
+        tmp.replace(memo)
+    except OSError:
+        pass
     return known
 
 # The tests check sharding, HLO, bytes and numerics, not the speed of XLA:CPU's machine
