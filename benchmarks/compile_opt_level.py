@@ -37,7 +37,9 @@ state, plan = fj.init_train_state(m.init, opt, fj.make_mesh(data=1, fsdp=-1, ten
 t1 = time.perf_counter()
 step = fj.make_train_step(loss_fn, opt, plan, precision="params=float32,compute=bfloat16")
 batch = token_batches(1)[0]
-compiled = step.lower(state, batch).compile()
+lowered = step.lower(state, batch)
+t_lower = time.perf_counter()
+compiled = lowered.compile()
 t2 = time.perf_counter()
 mem, text = compiled.memory_analysis(), compiled.as_text()
 state, metrics = step(state, batch)
@@ -45,7 +47,8 @@ t3 = time.perf_counter()
 state, metrics = step(state, batch)
 jax.block_until_ready(metrics)
 t4 = time.perf_counter()
-print(json.dumps({"init_s": t1 - t0, "step_compile_s": t2 - t1, "first_call_s": t3 - t2,
+print(json.dumps({"init_s": t1 - t0, "step_trace_lower_s": t_lower - t1,
+                  "step_compile_s": t2 - t_lower, "first_call_s": t3 - t2,
                   "step_s": t4 - t3, "temp_bytes": mem.temp_size_in_bytes,
                   "argument_bytes": mem.argument_size_in_bytes,
                   "all_gathers": text.count("all-gather("), "all_reduces": text.count("all-reduce("),
@@ -71,6 +74,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error(f"--repeats {args.repeats}: need at least 1")
     rows = {}
     o0 = "--xla_backend_optimization_level=0"
     for label, flags in [("default (-O2)", ""), ("-O0", o0),

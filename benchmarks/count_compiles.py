@@ -68,5 +68,17 @@ def summary(folder: Path) -> str:
     return "\n".join(lines)
 
 
+def main(argv: list[str]) -> int:
+    folder = Path(argv[0] if argv else OUT)
+    try:
+        if not any(folder.glob("*.json")):
+            raise ValueError("no *.json files (run pytest with -p count_compiles first)")
+        print(summary(folder))
+    except (OSError, ValueError, TypeError) as e:  # ValueError: bad JSON or rows
+        print(f"error: {folder}: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 if __name__ == "__main__":
-    print(summary(Path(sys.argv[1] if len(sys.argv) > 1 else OUT)))
+    sys.exit(main(sys.argv[1:]))

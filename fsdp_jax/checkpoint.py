@@ -53,7 +53,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from fsdp_jax.safetensors_io import SafetensorsError, SafetensorsFile, write_safetensors
+from fsdp_jax.safetensors_io import SafetensorsError, SafetensorsFile, one_line, write_safetensors
 
 MANIFEST = "fsdp_jax_manifest.json"
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
@@ -141,11 +141,6 @@ def file_crc32(path: str | os.PathLike, chunk: int = 1 << 24) -> str:
         while block := f.read(chunk):
             crc = zlib.crc32(block, crc)
     return f"{crc:08x}"
-
-
-def _one_line(e: BaseException, limit: int = 240) -> str:
-    msg = " ".join(str(e).split()) or type(e).__name__
-    return msg if len(msg) <= limit else msg[:limit] + "..."
 
 
 def _sync(name: str) -> None:
@@ -253,7 +248,7 @@ class Checkpointer:
             committed = self.latest_step()
             raise CheckpointWriteError(
                 f"writing checkpoint step {self._pending} in {self.directory} failed"
-                + (f": {reason}" if reason else "") + f" ({_one_line(cause, 160)}); "
+                + (f": {reason}" if reason else "") + f" ({one_line(cause, 160)}); "
                 "the newest complete checkpoint is "
                 + (f"step {committed}, intact" if committed is not None else "none")
                 + ": fix the cause and run the same command again to resume") from e
@@ -379,14 +374,14 @@ class Checkpointer:
                 problem = None
                 notes.append(f"checkpoint step {s} has no {MANIFEST}: restoring it unverified")
             except (OSError, ValueError, KeyError, TypeError) as e:
-                problem = f"unreadable {MANIFEST} ({_one_line(e)})"
+                problem = f"unreadable {MANIFEST} ({one_line(e)})"
             if problem is None:
                 try:
                     return fn(s), s, notes
                 except CheckpointError:
                     raise
                 except Exception as e:  # orbax / tensorstore raise many types on bad files
-                    problem = _one_line(e)
+                    problem = one_line(e)
             failed.append(f"step {s}: {problem}")
             notes.append(f"checkpoint step {s} in {self.directory} is damaged ({problem}); "
                          "falling back to the previous one")

@@ -48,7 +48,9 @@ class SafetensorsError(ValueError):
     is one line naming the file."""
 
 
-def _one_line(e: BaseException, limit: int = 240) -> str:
+def one_line(e: BaseException, limit: int = 240) -> str:
+    """An exception's message on one line of at most `limit` characters (also used by
+    `fsdp_jax.checkpoint` for its error messages)."""
     msg = " ".join(str(e).split()) or type(e).__name__
     return msg if len(msg) <= limit else msg[:limit] + "..."
 
@@ -90,7 +92,7 @@ class SafetensorsFile:
         except FileNotFoundError:
             raise SafetensorsError(f"{self.path}: safetensors file not found") from None
         except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
-            raise SafetensorsError(f"{self.path}: not a valid safetensors file ({_one_line(e)})") from None
+            raise SafetensorsError(f"{self.path}: not a valid safetensors file ({one_line(e)})") from None
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self.tensors[name][1]

@@ -13,11 +13,11 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CACHE = ROOT / ".jax_cache"
-# XLA:CPU's older loop emitters compile the tiny Llama's step ~4x faster than its MLIR fusion
-# emitters, with the same HLO, collectives, argument bytes and loss (temp bytes differ by
-# 256 B); benchmarks/compile_opt_level.py measures both. jaxlib 0.11+ no longer registers
-# the flag, and XLA aborts on an unknown XLA_FLAGS entry, so a child process tries it once
-# per jaxlib version (the answer is kept next to the compilation cache).
+# XLA:CPU's older loop emitters compile the tiny Llama's step 2.8x faster than its MLIR fusion
+# emitters, with the same collectives, argument bytes and loss (temp +256 B; two scatter-adds
+# become while loops); benchmarks/compile_opt_level.py measures both. jaxlib 0.12.0.1 no
+# longer registers the flag, and XLA aborts on an unknown XLA_FLAGS entry, so a child process
+# tries it once per jaxlib version (the answer is kept next to the compilation cache).
 FAST_CODEGEN = "--xla_cpu_use_fusion_emitters=false"
 
 
