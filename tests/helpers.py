@@ -92,15 +92,24 @@ def synthetic_corpus(out: Path) -> Path:
 _SCRIPTS: dict = {}
 
 
-def script(name: str):
-    """scripts/<name>.py as a module (loaded once), to call its `main(argv)` in process."""
+def _load(folder: str, name: str):
     name = name.removesuffix(".py")
-    if name not in _SCRIPTS:
-        spec = importlib.util.spec_from_file_location(f"_script_{name}", ROOT / "scripts" / f"{name}.py")
+    if (folder, name) not in _SCRIPTS:
+        spec = importlib.util.spec_from_file_location(f"_{folder}_{name}", ROOT / folder / f"{name}.py")
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
-        _SCRIPTS[name] = mod
-    return _SCRIPTS[name]
+        _SCRIPTS[folder, name] = mod
+    return _SCRIPTS[folder, name]
+
+
+def script(name: str):
+    """scripts/<name>.py as a module (loaded once), to call its `main(argv)` in process."""
+    return _load("scripts", name)
+
+
+def example(name: str):
+    """examples/<name>.py as a module (loaded once): its model, data and `main`."""
+    return _load("examples", name)
 
 
 def call(name: str, *args, capsys, env: dict | None = None):

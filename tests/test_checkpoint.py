@@ -6,7 +6,6 @@ One straight 20-step run (module fixture) is the reference: every interrupted an
 resumed run must end with bit-identical params and identical per-step losses.
 """
 
-import importlib.util
 import json
 import os
 import shutil
@@ -30,7 +29,7 @@ from fsdp_jax.app.optim import build_optimizer
 from fsdp_jax.state import abstract_state
 from fsdp_jax.strategy import make_plan
 from fsdp_jax.app.loop import TrainingDiverged, setup, train
-from helpers import TINY_RUN_OVERRIDES
+from helpers import TINY_RUN_OVERRIDES, call, script
 
 # end-to-end training runs and subprocesses: the whole file is outside the fast subset
 pytestmark = pytest.mark.slow
@@ -192,11 +191,8 @@ def test_nonfinite_steps_are_skipped_then_the_run_stops(corpus, tmp_path, monkey
     assert all(np.isfinite(x).all() for x in host(state.params))
 
 
-def run_script(name, *args, timeout=120):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.main([str(a) for a in args])
+def run_script(name, *args):
+    return script(name).main([str(a) for a in args])
 
 
 def test_export_round_trip_and_init_from(corpus, straight, tmp_path, capsys):
@@ -229,17 +225,20 @@ def test_export_round_trip_and_init_from(corpus, straight, tmp_path, capsys):
     assert "error: " in capsys.readouterr().err
 
 
-# -- subprocesses: signals, kill -9, exit codes ------------------------------------------------
+# -- signals and kill -9 need a trainer process; the resumes and exit codes run in process -------
 
-def cli(corpus, run_dir, *extra, env=None, wait=True, timeout=120):
+def here(corpus, run_dir, *extra, capsys, env=None):
+    """(exit code, stdout, stderr) of scripts/train.py's main() in this process."""
+    return call("train", "--config", "configs/tiny.yaml", "--no-progress", *overrides(corpus, run_dir, *extra),
+                capsys=capsys, env=env)
+
+
+def start(corpus, run_dir, *extra):
+    """`python scripts/train.py ...` started in a child process (to signal or kill)."""
     cmd = [sys.executable, str(ROOT / "scripts" / "train.py"), "--config", "configs/tiny.yaml",
            "--no-progress", *overrides(corpus, run_dir, *extra)]
-    env = dict(os.environ, FSDP_JAX_CPU_DEVICES="8", FSDP_JAX_CACHE_DIR=str(ROOT / ".jax_cache"),
-               **(env or {}))
-    if not wait:
-        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True)
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    env = dict(os.environ, FSDP_JAX_CPU_DEVICES="8", FSDP_JAX_CACHE_DIR=str(ROOT / ".jax_cache"))
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def wait_for(predicate, timeout=90.0, poll=0.005):
@@ -256,9 +255,9 @@ def logged_steps(run_dir: Path) -> int:
     return len(p.read_text().splitlines()) if p.exists() else 0
 
 
-def test_sigterm_finishes_the_step_checkpoints_exits_0_and_resumes_exactly(corpus, straight, tmp_path):
+def test_sigterm_finishes_the_step_checkpoints_exits_0_and_resumes_exactly(corpus, straight, tmp_path, capsys):
     run_dir = tmp_path / "run"
-    proc = cli(corpus, run_dir, "train.checkpoint_every=0", wait=False)
+    proc = start(corpus, run_dir, "train.checkpoint_every=0")
     try:
         assert wait_for(lambda: logged_steps(run_dir) >= 1 or proc.poll() is not None)
         proc.send_signal(signal.SIGTERM)
@@ -269,17 +268,17 @@ def test_sigterm_finishes_the_step_checkpoints_exits_0_and_resumes_exactly(corpu
     assert "stopped (SIGTERM)" in out
     stopped = ck.latest_step(run_dir / "checkpoints")
     assert 1 <= stopped < STEPS, out
-    r = cli(corpus, run_dir, "train.checkpoint_every=0")
-    assert r.returncode == 0, r.stderr
-    assert f"resuming from checkpoint step {stopped}" in r.stdout
+    rc, out, err = here(corpus, run_dir, "train.checkpoint_every=0", capsys=capsys)
+    assert rc == 0, err
+    assert f"resuming from checkpoint step {stopped}" in out
     assert_same(final_state(run_dir, straight["cfg"]), straight["state"])
     assert records(run_dir) == straight["records"]
 
 
-def test_kill_9_mid_save_then_resume(corpus, straight, tmp_path):
+def test_kill_9_mid_save_then_resume(corpus, straight, tmp_path, capsys):
     run_dir = tmp_path / "run"
     ckpts = run_dir / "checkpoints"
-    proc = cli(corpus, run_dir, "train.checkpoint_every=1", "train.keep_checkpoints=2", wait=False)
+    proc = start(corpus, run_dir, "train.checkpoint_every=1", "train.keep_checkpoints=2")
     try:
         # Once a few checkpoints exist, kill while the next one is being written.
         caught = wait_for(lambda: (logged_steps(run_dir) >= 3 and any(ckpts.glob(f"*{ck.TMP_SUFFIX}*")))
@@ -296,27 +295,28 @@ def test_kill_9_mid_save_then_resume(corpus, straight, tmp_path):
         shutil.copytree(ckpts / str(newest), fake)
         biggest_file(fake).unlink()
         partial = [fake]
-    r = cli(corpus, run_dir, "train.checkpoint_every=1", "train.keep_checkpoints=2")
-    assert r.returncode == 0, r.stderr
-    assert f"ignoring partial checkpoint {partial[0]}" in r.stdout
+    rc, out, err = here(corpus, run_dir, "train.checkpoint_every=1", "train.keep_checkpoints=2", capsys=capsys)
+    assert rc == 0, err
+    assert f"ignoring partial checkpoint {partial[0]}" in out
     assert not any(ckpts.glob(f"*{ck.TMP_SUFFIX}*"))
     assert_same(final_state(run_dir, straight["cfg"]), straight["state"])
     assert records(run_dir) == straight["records"]
 
 
-def test_shape_mismatch_exits_2_naming_paths_and_shapes(corpus, straight, tmp_path):
+def test_shape_mismatch_exits_2_naming_paths_and_shapes(corpus, straight, tmp_path, capsys):
     run_dir = copy_run(straight["dir"], tmp_path / "run")
-    r = cli(corpus, run_dir, "model.d_model=32")
-    assert r.returncode == 2, r.stderr
-    lines = [l for l in r.stderr.splitlines() if l.strip() and "warn" not in l.lower()]
-    assert len(lines) == 1 and lines[0].startswith("error: checkpoint "), r.stderr
-    assert "does not fit the model" in lines[0] and "Traceback" not in r.stderr
+    rc, _, err = here(corpus, run_dir, "model.d_model=32", capsys=capsys)
+    assert rc == 2, err
+    lines = [l for l in err.splitlines() if l.strip() and "warn" not in l.lower()]
+    assert len(lines) == 1 and lines[0].startswith("error: checkpoint "), err
+    assert "does not fit the model" in lines[0] and "Traceback" not in err
     assert "params/embed: checkpoint (256, 64) vs model (256, 32)" in lines[0]
     assert ck.Checkpointer(run_dir / "checkpoints", read_only=True).steps() == [10, 15, 20]
 
 
-def test_nonfinite_stop_exits_1(corpus, tmp_path):
-    r = cli(corpus, tmp_path / "run", "train.checkpoint_every=2", env={"FSDP_JAX_INJECT_NAN_STEPS": "5,6,7"})
-    assert r.returncode == 1, r.stderr
-    assert "error: 3 non-finite steps in a row (steps 5-7" in r.stderr and "step 4 in" in r.stderr
-    assert "warning: step 5: non-finite" in r.stdout
+def test_nonfinite_stop_exits_1(corpus, tmp_path, capsys):
+    rc, out, err = here(corpus, tmp_path / "run", "train.checkpoint_every=2",
+                        env={"FSDP_JAX_INJECT_NAN_STEPS": "5,6,7"}, capsys=capsys)
+    assert rc == 1, err
+    assert "error: 3 non-finite steps in a row (steps 5-7" in err and "step 4 in" in err
+    assert "warning: step 5: non-finite" in out

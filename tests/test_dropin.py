@@ -2,7 +2,6 @@
 and plain pytrees, init functions and materialised params, unknown logical names,
 frozen params; parity with a single device; the examples run."""
 
-import importlib.util
 import os
 import pathlib
 import re
@@ -20,18 +19,11 @@ from jax.sharding import PartitionSpec as P
 
 import fsdp_jax as fj
 from fsdp_jax.adapters import from_linen, from_nnx, shard_model
-from helpers import max_abs_diff, reference_train
+from helpers import example, max_abs_diff, reference_train
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 SGD = optax.sgd(0.1, momentum=0.9)
-
-
-def load_example(name: str):
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def train(sm, loss_fn, batches, **step_kw):
@@ -50,23 +42,36 @@ def assert_parity(state, losses, ref):
     assert losses[-1] < losses[0]
 
 
+def check_example_output(out: str):
+    losses = [float(x) for x in re.findall(r"^step \d+ loss ([\d.]+)$", out, re.M)]
+    assert len(losses) == 8 and losses[-1] < losses[0], out
+    m = re.search(r"^per-device bytes: params (\d+) opt_state (\d+) total (\d+)$", out, re.M)
+    assert m and int(m.group(1)) > 0, out
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["nnx_mlp", "linen_transformer", "pytree_model"])
-def test_example_runs_and_learns(name):
+def test_example_runs_and_learns_as_a_script():
+    """`python examples/nnx_mlp.py`, the way a user runs it (its own process, its own 8 devices)."""
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(ROOT / ".jax_cache"),
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
-    out = subprocess.run([sys.executable, str(EXAMPLES / f"{name}.py"), "--steps", "8"],
+    out = subprocess.run([sys.executable, str(EXAMPLES / "nnx_mlp.py"), "--steps", "8"],
                          capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
-    losses = [float(x) for x in re.findall(r"^step \d+ loss ([\d.]+)$", out.stdout, re.M)]
-    assert len(losses) == 8 and losses[-1] < losses[0], out.stdout
-    m = re.search(r"^per-device bytes: params (\d+) opt_state (\d+) total (\d+)$", out.stdout, re.M)
-    assert m and int(m.group(1)) > 0, out.stdout
+    check_example_output(out.stdout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["linen_transformer", "pytree_model"])
+def test_example_runs_and_learns(name, capsys):
+    """The other examples' main(), in this process (the same 8 CPU devices)."""
+    capsys.readouterr()
+    example(name).main(steps=8)
+    check_example_output(capsys.readouterr().out)
 
 
 @pytest.mark.slow
 def test_nnx_example_parity():
-    ex = load_example("nnx_mlp")
+    ex = example("nnx_mlp")
     model = ex.make_model()
     sm = shard_model(model, SGD, fj.make_mesh(fsdp=8), "full_shard", rng=jax.random.key(0))
     assert sm.state.params["blocks"][0]["up"]["kernel"].sharding.spec == P("fsdp", None)
@@ -79,7 +84,7 @@ def test_nnx_example_parity():
 
 @pytest.mark.slow
 def test_linen_example_parity_with_logical_names():
-    ex = load_example("linen_transformer")
+    ex = example("linen_transformer")
     model = ex.make_model()
     sm = shard_model(model, SGD, fj.make_mesh(fsdp=8), "full_shard", rng=jax.random.key(0))
     notes = {r.path: r.notes for r in sm.plan.rows}
@@ -93,7 +98,7 @@ def test_linen_example_parity_with_logical_names():
 
 @pytest.mark.slow
 def test_pytree_example_parity_from_init_fn_and_from_materialised_params():
-    ex = load_example("pytree_model")
+    ex = example("pytree_model")
     mesh = fj.make_mesh(fsdp=8)
     sm = shard_model(ex.init, SGD, mesh, "full_shard", rng=jax.random.key(0))
     assert isinstance(sm.state.params, ex.Classifier) and sm.apply is None
@@ -110,7 +115,7 @@ def test_pytree_example_parity_from_init_fn_and_from_materialised_params():
 
 @pytest.mark.slow
 def test_materialised_nnx_module_state_and_linen_variables():
-    nnx_ex, linen_ex = load_example("nnx_mlp"), load_example("linen_transformer")
+    nnx_ex, linen_ex = example("nnx_mlp"), example("linen_transformer")
     mesh = fj.make_mesh(fsdp=8)
     with nnx.use_eager_sharding(False):
         module = nnx_ex.MLP(rngs=nnx.Rngs(0))

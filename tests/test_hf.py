@@ -7,7 +7,6 @@ llama_tied (4 q / 1 kv head, tied, rope_theta 5e5, eps 1e-6, fp16 in 3 shards) â
 the logits transformers computes for fixed tokens.
 """
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -29,19 +28,13 @@ from fsdp_jax.build import build
 from fsdp_jax.checkpoint import Checkpointer, CheckpointError
 from fsdp_jax.mesh import make_mesh
 from fsdp_jax.step import sharding_context
+from helpers import script
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "golden" / "hf"
 MODELS = ("llama_gqa", "llama_tied")
 MESHES = {"full_shard": (1, 8, 1), "shard_grad_op": (1, 8, 1), "shard_opt": (1, 8, 1),
           "no_shard": (1, 8, 1), "hybrid_shard": (2, 4, 1)}
-
-
-def script(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def golden_logits(name):

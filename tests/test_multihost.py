@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import TINY_RUN_OVERRIDES
+from helpers import TINY_RUN_OVERRIDES, call
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = [sys.executable, str(ROOT / "scripts" / "launch_local.py")]
@@ -79,9 +79,9 @@ def test_distributed_settings_must_be_complete():
 TINY = TINY_RUN_OVERRIDES + ["train.checkpoint_every=0", "train.steps=5"]
 
 
-def train_cmd(corpus, run_dir, *extra):
-    return [sys.executable, str(ROOT / "scripts" / "train.py"), "--config", "configs/tiny.yaml",
-            "--no-progress", *TINY, f"data.path={corpus}", f"run_dir={run_dir}", *extra]
+def train_args(corpus, run_dir, *extra):
+    return ["--config", "configs/tiny.yaml", "--no-progress", *TINY, f"data.path={corpus}", f"run_dir={run_dir}",
+            *extra]
 
 
 def losses(run_dir):
@@ -91,7 +91,8 @@ def losses(run_dir):
 
 
 @pytest.mark.slow
-def test_two_processes_train_like_one_and_checkpoints_move_between_process_counts(corpus, tmp_path):
+def test_two_processes_train_like_one_and_checkpoints_move_between_process_counts(corpus, tmp_path, capsys):
+    """The 2-process run (launch_local) against the same run in this one process."""
     import jax
     import numpy as np
 
@@ -104,12 +105,10 @@ def test_two_processes_train_like_one_and_checkpoints_move_between_process_count
     from fsdp_jax.state import abstract_state
     from fsdp_jax.strategy import make_plan
 
-    env = dict(os.environ, FSDP_JAX_CPU_DEVICES="8")
-    one = subprocess.run(train_cmd(corpus, tmp_path / "one"), capture_output=True, text=True,
-                         timeout=240, cwd=ROOT, env=env)
-    assert one.returncode == 0, one.stderr[-2000:]
-    two = launch("--processes", "2", "--devices-per-process", "4", "--",
-                 *train_cmd(corpus, tmp_path / "two"), timeout=300)
+    rc, _, err = call("train", *train_args(corpus, tmp_path / "one"), capsys=capsys)
+    assert rc == 0, err[-2000:]
+    two = launch("--processes", "2", "--devices-per-process", "4", "--", sys.executable,
+                 str(ROOT / "scripts" / "train.py"), *train_args(corpus, tmp_path / "two"), timeout=300)
     assert two.returncode == 0, two.stdout[-3000:]
     assert "[0] fsdp_jax:" in two.stdout and "[1] fsdp_jax:" not in two.stdout  # process 0 prints
     np.testing.assert_allclose(losses(tmp_path / "two"), losses(tmp_path / "one"), rtol=1e-5)
@@ -134,7 +133,6 @@ def test_two_processes_train_like_one_and_checkpoints_move_between_process_count
         np.testing.assert_allclose(a, np.asarray(b), atol=1e-5)
 
     # and one process resumes the 2-process run
-    more = subprocess.run(train_cmd(corpus, tmp_path / "two", "train.steps=7"), capture_output=True,
-                          text=True, timeout=240, cwd=ROOT, env=env)
-    assert more.returncode == 0, more.stderr[-2000:]
+    rc, _, err = call("train", *train_args(corpus, tmp_path / "two", "train.steps=7"), capsys=capsys)
+    assert rc == 0, err[-2000:]
     assert len(losses(tmp_path / "two")) == 7

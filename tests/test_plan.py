@@ -128,12 +128,12 @@ def test_plans_more_devices_than_this_process_in_a_child(cfg):
 
 
 @pytest.mark.slow
-def test_plan_script_json_and_plot(overrides, tmp_path):
+def test_plan_script_json_and_plot(overrides, tmp_path, capsys):
     png = tmp_path / "plan.png"
-    p = run_script("plan.py", "--config", TINY_YAML, "--devices", 8, "--json", "--device-memory",
-                   "80GiB", "--plot", png, *overrides)
-    assert p.returncode == 0, p.stderr
-    d = json.loads(p.stdout)
+    rc, out, err = call("plan", "--config", TINY_YAML, "--devices", 8, "--json", "--device-memory",
+                        "80GiB", "--plot", png, *overrides, capsys=capsys)
+    assert rc == 0, err
+    d = json.loads(out)
     assert d["devices"] == 8 and d["device_memory"] == 80 * 2**30
     assert set(d["strategies"]) == set(pl.STRATEGY_ORDER)
     for r in d["strategies"].values():

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import call
+
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["model.n_layers=2", "model.d_model=64", "model.ffn_dim=128", "model.max_seq_len=32",
          "data.seq_len=32"]
@@ -59,16 +61,20 @@ def test_xla_gpu_flags_config_option():
 
 
 @pytest.mark.slow
-def test_gpu_check_throughput_path_runs_on_cpu(tmp_path):
-    """The GPU script's throughput check, with XLA attention so the CPU can run it."""
-    # the suite's XLA_FLAGS (tests/conftest.py: fast CPU compiles) plus 8 host devices
-    env = dict(os.environ, XLA_FLAGS=" ".join([os.environ.get("XLA_FLAGS", ""),
-                                               "--xla_force_host_platform_device_count=8"]).strip())
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--config", "configs/tiny.yaml",
-                        "--only", "throughput", "--steps", "1", "--json", str(tmp_path / "r.json"),
-                        "model.attention=xla", *SMALL], capture_output=True, text=True, timeout=300,
-                       cwd=ROOT, env=env)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+def test_gpu_check_throughput_path_runs_on_cpu(tmp_path, capsys):
+    """The GPU script's throughput check, with XLA attention so the CPU can run it (in this
+    process: its 8 CPU devices)."""
+    rc, out, err = call("gpu_check", "--config", "configs/tiny.yaml", "--only", "throughput", "--steps", "1",
+                        "--json", tmp_path / "r.json", "model.attention=xla", *SMALL, capsys=capsys)
+    assert rc == 0, out[-2000:] + err[-2000:]
     res = json.loads((tmp_path / "r.json").read_text())["throughput"]
     assert res["devices"] == 8 and res["global_batch"] == 64 and res["tokens_per_s"] > 0
-    assert "| throughput" in r.stdout and "precision" not in r.stdout.split("| check")[-1]
+    assert "| throughput" in out and "precision" not in out.split("| check")[-1]
+
+
+def test_gpu_check_entry_point_bad_input_exits_2():
+    """`python scripts/gpu_check.py`'s own entry point, once: bad input is one line, exit 2."""
+    r = run("gpu_check.py", "--only", "speed")
+    assert r.returncode == 2 and r.stdout == "", r.stderr
+    assert [l for l in r.stderr.splitlines() if l.strip()] == [
+        "error: --only 'speed' / --steps 10: checks are throughput, precision, collectives; steps >= 1"]

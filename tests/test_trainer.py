@@ -53,7 +53,7 @@ def test_golden_loss_curve(corpus, tmp_path):
     assert losses[-1] < losses[0] - 0.5  # and it learns
 
 
-def test_run_dir_holds_config_and_metrics(corpus, tmp_path):
+def test_run_dir_holds_config_and_metrics(corpus, tmp_path, capsys):
     summary = run_tiny(corpus, tmp_path / "r", "train.sample_tokens=8", "train.eval_every=2",
                        "train.eval_batches=2", "train.tensorboard=true", steps=2)
     run_dir = tmp_path / "r"
@@ -67,6 +67,10 @@ def test_run_dir_holds_config_and_metrics(corpus, tmp_path):
     assert isinstance(summary["sample"], str) and len(summary["sample"]) > 0
     events = list((run_dir / "tb").glob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 0
+    # scripts/plot_metrics.py draws the run's metrics (train and eval rows)
+    rc, out, err = call("plot_metrics", run_dir, capsys=capsys)
+    assert rc == 0, err
+    assert (run_dir / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def cli(*args, timeout=240):
@@ -92,12 +96,3 @@ def test_missing_config_file_exits_2():
     """The script's own entry point (`python scripts/train.py`), once: one line, exit 2."""
     r = cli("--config", "configs/nope.yaml")
     one_line(r.returncode, r.stderr, "nope.yaml")
-
-
-def test_plot_metrics(corpus, tmp_path):
-    run_tiny(corpus, tmp_path / "p", steps=2)
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "plot_metrics.py"), str(tmp_path / "p")],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    png = tmp_path / "p" / "metrics.png"
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
