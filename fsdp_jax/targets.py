@@ -179,15 +179,29 @@ def install(quiet: bool = True) -> Path:
     return dest
 
 
-def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
+KERNEL_CACHE_FLAG = "--xla_gpu_kernel_cache_file"
+
+
+def child_env(env: dict[str, str] | None = None,
+              kernel_cache: str | os.PathLike | None = None) -> dict[str, str]:
     """Environment for a child process that compiles for GPU targets: the plugin folder
     first on PYTHONPATH and JAX_PLATFORMS=cpu (without it the plugin calls cuInit and
-    fails). Raises PluginMissing when the plugin is not installed."""
+    fails). Raises PluginMissing when the plugin is not installed.
+
+    `kernel_cache`: a file, new or written only by that child, for XLA:GPU's compiled
+    kernel cache (XLA_FLAGS `--xla_gpu_kernel_cache_file`, unless XLA_FLAGS names one
+    already). Compiling one model under several strategies, later compiles reuse the
+    earlier ones' kernels (most of a small step's compile is building its ~140 kernels),
+    with the same optimized HLO. Never share the file between processes that run at the
+    same time: a damaged cache file makes every later compile fail."""
     if not plugin_installed():
         raise PluginMissing(_missing_message())
     env = dict(os.environ if env is None else env)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(plugin_dir()), env.get("PYTHONPATH")) if p)
     env["JAX_PLATFORMS"] = "cpu"
+    flags = env.get("XLA_FLAGS", "")
+    if kernel_cache is not None and KERNEL_CACHE_FLAG not in flags:
+        env["XLA_FLAGS"] = f"{flags} {KERNEL_CACHE_FLAG}={os.fspath(kernel_cache)}".strip()
     return env
 
 

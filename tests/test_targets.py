@@ -71,18 +71,20 @@ json.dump(out, sys.stdout)
 
 
 @pytest.fixture(scope="module")
-def gpu():
-    """Compile every job of JOBS for H100 targets in one child process; its results."""
+def gpu(tmp_path_factory):
+    """Compile every job of JOBS for H100 targets in one child process (XLA:GPU's kernel
+    cache in a file of its own: later jobs reuse earlier jobs' kernels); its results."""
     assert targets.plugin_installed(), (
         f"the CUDA compile-only plugin is not installed in {targets.plugin_dir()}: run "
         f"`python -m fsdp_jax.targets install` (README's set-up command does); if it fails, no "
         f"jax-cuda12-plugin matches this jax and GPU-target compiles are unavailable")
     req = {"config": str(TINY_YAML), "small": SMALL, "jobs": JOBS}
+    kernels = tmp_path_factory.mktemp("xla_gpu") / "kernels.bin"
     proc = subprocess.run([sys.executable, "-c", _CHILD], input=json.dumps(req), capture_output=True,
-                          text=True, env=targets.child_env(dict(os.environ, PYTHONPATH=str(ROOT))),
-                          cwd=ROOT)
+                          text=True, env=targets.child_env(dict(os.environ, PYTHONPATH=str(ROOT)),
+                                                           kernel_cache=kernels), cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout)
+    return dict(json.loads(proc.stdout), kernel_cache_bytes=kernels.stat().st_size if kernels.exists() else 0)
 
 
 def _colls(r, op, **where):
@@ -122,6 +124,18 @@ def test_topology_is_host_major():
     t = targets.make_target("h200", devices=64, hosts=8)
     assert (t.hosts, t.gpus_per_host, t.topology) == (8, 8, "1x8x8")
     assert targets.device_memory("h200") > 140e9 > targets.device_memory("h100") > 80e9
+
+
+@slow
+def test_child_env_names_a_kernel_cache_only_when_asked(tmp_path, gpu):
+    flag = targets.KERNEL_CACHE_FLAG
+    assert flag not in targets.child_env({"XLA_FLAGS": "--xla_dump_to=/x"}).get("XLA_FLAGS", "")
+    env = targets.child_env({"XLA_FLAGS": "--xla_dump_to=/x"}, kernel_cache=tmp_path / "k.bin")
+    assert env["XLA_FLAGS"] == f"--xla_dump_to=/x {flag}={tmp_path / 'k.bin'}"
+    mine = f"{flag}=/mine.bin"
+    assert targets.child_env({"XLA_FLAGS": mine}, kernel_cache=tmp_path / "k.bin")["XLA_FLAGS"] == mine
+    # and this jaxlib's XLA:GPU takes the flag and writes the cache (the fixture's compiles)
+    assert gpu["kernel_cache_bytes"] > 0
 
 
 def test_missing_plugin_names_the_install_command(monkeypatch, tmp_path):

@@ -37,8 +37,10 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -203,14 +205,17 @@ def run_strategies(cfg, n_devices: int, strategies: Sequence[str], *, inspect: b
                "step_options": step_options or {}, "compiler_options": compiler_options or {}}
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     where = f"{n_devices} CPU devices"
-    if target is not None:
-        from fsdp_jax import targets
-        env = targets.child_env(env)  # raises PluginMissing (a TargetError) naming the install step
-        request["target"] = {"name": target.name, "hosts": target.hosts,
-                             "gpus_per_host": target.gpus_per_host}
-        where = target.describe()
-    proc = subprocess.run([sys.executable, "-m", "fsdp_jax.app.planner"], input=json.dumps(request),
-                          capture_output=True, text=True, env=env)
+    with tempfile.TemporaryDirectory(prefix="fsdp_jax-plan-") as scratch:
+        if target is not None:
+            from fsdp_jax import targets
+            # raises PluginMissing (a TargetError) naming the install step; the strategies
+            # compiled in the child reuse each other's GPU kernels (a cache of its own)
+            env = targets.child_env(env, kernel_cache=Path(scratch) / "xla_gpu_kernels.bin")
+            request["target"] = {"name": target.name, "hosts": target.hosts,
+                                 "gpus_per_host": target.gpus_per_host}
+            where = target.describe()
+        proc = subprocess.run([sys.executable, "-m", "fsdp_jax.app.planner"], input=json.dumps(request),
+                              capture_output=True, text=True, env=env)
     if proc.returncode == 2:
         raise PlanError(proc.stderr.strip().splitlines()[-1].removeprefix("error: "))
     if proc.returncode != 0:
