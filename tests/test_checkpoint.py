@@ -6,6 +6,7 @@ One straight 20-step run (module fixture) is the reference: every interrupted an
 resumed run must end with bit-identical params and identical per-step losses.
 """
 
+import gc
 import json
 import os
 import shutil
@@ -157,6 +158,10 @@ def test_damaged_newest_falls_back_and_resume_is_exact(corpus, straight, tmp_pat
     assert records(run_dir) == straight["records"]
 
 
+# Orbax reads every shard concurrently; when one read fails, the reads still pending are
+# dropped unawaited and complain when garbage-collected ("Exception ignored in: <coroutine
+# _read_array_index_and_device_put>"), in whichever later test that happens. Collected here.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_deleted_files_fall_back_and_nothing_restorable_is_an_error(straight, tmp_path):
     d = copy_run(straight["dir"] / "checkpoints", tmp_path / "ckpts")
     target = target_for(straight["cfg"], make_mesh(), "full_shard")[0]
@@ -173,6 +178,7 @@ def test_deleted_files_fall_back_and_nothing_restorable_is_an_error(straight, tm
     with pytest.raises(ck.CheckpointError, match="no checkpoint restores.*step 20.*step 15.*step 10"):
         ck.Checkpointer(d, read_only=True).restore(target)
     assert ck.CheckpointError in BAD_INPUT  # -> exit 2, one line
+    gc.collect()  # orbax's abandoned shard reads (see above)
 
 
 def test_nonfinite_steps_are_skipped_then_the_run_stops(corpus, tmp_path, monkeypatch, capsys):
