@@ -3,6 +3,8 @@ offloading remat policies. Offloaded runs must match the non-offloaded run, the 
 program must take the offloaded state from host memory, checkpoints must restore across
 offload settings, and a backend without host memory must give one clear line."""
 
+from pathlib import Path
+
 import jax
 import numpy as np
 import optax
@@ -13,7 +15,9 @@ from fsdp_jax import offload as ol
 from fsdp_jax import remat as remat_lib
 from fsdp_jax.build import build
 from fsdp_jax.app.models import LlamaConfig
-from helpers import max_abs_diff, tiny_llama as _tiny_llama, token_batches as _token_batches
+from helpers import call, max_abs_diff, script, tiny_llama as _tiny_llama, token_batches as _token_batches
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # smaller than helpers.TINY: these tests compile many steps on a shared CPU
 CFG = LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=64,
@@ -288,31 +292,20 @@ def test_planner_host_bytes_analytic_equal_compiled():
 
 
 def test_plan_script_rejects_bad_offload(capsys):
-    import importlib.util
-    from pathlib import Path
-    root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("plan_script", root / "scripts" / "plan.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
     for bad in ("gpu", "none,params", ""):
-        assert mod.main(["--config", str(root / "configs" / "tiny.yaml"), "--devices", "8",
-                         "--offload", bad]) == 2
-        err = capsys.readouterr().err
-        assert err.count("\n") == 1 and "--offload" in err and "optimizer+params" in err
+        rc, _, err = call("plan", "--config", ROOT / "configs" / "tiny.yaml", "--devices", "8", "--offload", bad,
+                          capsys=capsys)
+        assert rc == 2 and err.count("\n") == 1 and "--offload" in err and "optimizer+params" in err
 
 
 # ---- the trainer -----------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_trainer_offloaded_run_resumes_without_offload(tmp_path):
+def test_trainer_offloaded_run_resumes_without_offload(corpus, tmp_path):
     """scripts/train.py's loop with offload=optimizer+params (eval and sampling
     included), then the same run resumed with offload=none from its checkpoint."""
-    from pathlib import Path
     from fsdp_jax.app.config import load_config
     from fsdp_jax.app.loop import train
-    from helpers import synthetic_corpus
-    root = Path(__file__).resolve().parents[1]
-    corpus = synthetic_corpus(tmp_path / "corpus")
     base = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=1",
             "model.ffn_dim=64", "model.max_seq_len=16", "data.seq_len=16", "train.global_batch=8",
             "train.eval_every=2", "train.eval_batches=1", "train.sample_tokens=4", "train.log_every=1",
@@ -320,7 +313,7 @@ def test_trainer_offloaded_run_resumes_without_offload(tmp_path):
             f"run_dir={tmp_path / 'run'}"]
 
     def go(offload, steps):
-        cfg = load_config(root / "configs" / "tiny.yaml", base + [f"offload={offload}", f"train.steps={steps}"])
+        cfg = load_config(ROOT / "configs" / "tiny.yaml", base + [f"offload={offload}", f"train.steps={steps}"])
         return train(cfg, progress=False)
     first = go("optimizer+params", 2)
     assert kinds(first["run"].state.params) == {ol.HOST} and "sample" in first
@@ -330,21 +323,10 @@ def test_trainer_offloaded_run_resumes_without_offload(tmp_path):
     assert np.isfinite(resumed["val_loss"])
 
 
-def _script(name):
-    import importlib.util
-    from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "scripts" / name
-    spec = importlib.util.spec_from_file_location(name.removesuffix(".py"), path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod, path.parents[1]
-
-
 @pytest.mark.parametrize("args,needle", [(["--rounds", "0"], "--rounds"), (["offload=gpu"], "offload"),
                                          (["--strategy", "zero9"], "zero9")])
 def test_bench_offload_bad_input_exits_2(args, needle, capsys):
-    mod, root = _script("bench_offload.py")
-    assert mod.main(["--config", str(root / "configs" / "tiny.yaml"), *args]) == 2
+    assert script("bench_offload").main(["--config", str(ROOT / "configs" / "tiny.yaml"), *args]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and needle in err
 
@@ -352,8 +334,7 @@ def test_bench_offload_bad_input_exits_2(args, needle, capsys):
 @pytest.mark.slow
 def test_bench_offload_json(capsys):
     import json
-    mod, root = _script("bench_offload.py")
-    assert mod.main(["--config", str(root / "configs" / "tiny.yaml"), "--rounds", "1", "--steps", "1",
+    assert script("bench_offload").main(["--config", str(ROOT / "configs" / "tiny.yaml"), "--rounds", "1", "--steps", "1",
                      "--json", "model.d_model=32", "model.n_layers=1", "model.n_heads=2",
                      "model.n_kv_heads=1", "model.ffn_dim=64", "model.max_seq_len=16",
                      "data.seq_len=16", "train.global_batch=8"]) == 0

@@ -21,12 +21,21 @@ def run(script, *args, timeout=300):
                           text=True, timeout=timeout, cwd=ROOT, env=env)
 
 
+@pytest.fixture
+def compilation_cache_restored():
+    """benchmark.main() turns the persistent compilation cache off (it times cold compiles)."""
+    import jax
+    was = jax.config.jax_enable_compilation_cache
+    yield
+    jax.config.update("jax_enable_compilation_cache", was)
+
+
 @pytest.mark.slow
-def test_benchmark_json_document():
-    r = run("benchmark.py", "--config", "configs/tiny.yaml", "--strategies", "zero3", "--steps", "2",
-            "--warmup", "1", "--json", "--baselines", "--sweep", "devices=8", *SMALL)
-    assert r.returncode == 0, r.stderr[-2000:]
-    doc = json.loads(r.stdout)
+def test_benchmark_json_document(capsys, compilation_cache_restored):
+    rc, out, err = call("benchmark", "--config", "configs/tiny.yaml", "--strategies", "zero3", "--steps", "2",
+                        "--warmup", "1", "--json", "--baselines", "--sweep", "devices=8", *SMALL, capsys=capsys)
+    assert rc == 0, err[-2000:]
+    doc = json.loads(out)
     assert doc["devices"] == 8 and doc["backend"] == "cpu" and doc["config"] == "configs/tiny.yaml"
     names = [x["strategy"] for x in doc["results"]]
     assert names == ["full_shard", "single_device", "plain_dp"]
@@ -37,6 +46,14 @@ def test_benchmark_json_document():
         assert x["step_s_min"] <= x["step_s_median"] <= x["step_s_max"]
         assert x["tokens_per_s"] > 0 and x["peak_bytes"] > 0 and x["mfu"] is None  # CPU: no peak FLOP/s
     assert doc["results"][1]["devices"] == 1
+
+
+def test_benchmark_entry_point_bad_input_exits_2():
+    """`python scripts/benchmark.py`'s own entry point, once: a missing flag is one line, exit 2."""
+    r = run("benchmark.py", "--strategies", "zero3")
+    assert r.returncode == 2 and r.stdout == "", r.stderr
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "--config" in lines[0], r.stderr
 
 
 def test_gpu_flags_are_appended_not_overriding():

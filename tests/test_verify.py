@@ -21,7 +21,7 @@ import fsdp_jax as fj
 from fsdp_jax import axes as ax
 from fsdp_jax.verify import VerifyError
 from fsdp_jax.verify_report import TOLERANCES, default_tolerance, optimizer_kind
-from helpers import call, example, one_line, tiny_llama, token_batches
+from helpers import call, example, one_line, script, tiny_llama, token_batches
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BATCH_AXES = (ax.DATA, ax.FSDP)
@@ -335,14 +335,6 @@ def test_factory_spec_runs_in_a_child_with_more_devices_than_this_process():
         fj.verify(*linen_setup(), devices=8, in_subprocess=True)
 
 
-def _load_script():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("verify_script", ROOT / "scripts" / "verify.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.mark.parametrize("config, n", [("llama2_7b", 8), ("llama2_7b", 16), ("llama2_70b", 64),
                                        ("llama_1b", 8)])
 def test_shrunk_dims_keep_their_divisibility_by_every_mesh_axis(config, n):
@@ -350,7 +342,7 @@ def test_shrunk_dims_keep_their_divisibility_by_every_mesh_axis(config, n):
 
     from fsdp_jax.app.config import load_config
     m = load_config(ROOT / "configs" / f"{config}.yaml").model
-    small, changed = _load_script().shrunk_model(m, n)
+    small, changed = script("verify").shrunk_model(m, n)
     for k in ("d_model", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size"):
         a, b = getattr(m, k), getattr(small, k)
         assert b <= a and math.gcd(a, n) == math.gcd(b, n), (k, a, b)
@@ -364,26 +356,20 @@ def _cli(*args):
                           capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=900)
 
 
-@pytest.mark.slow
-def test_cli_tiny_config_passes_and_prints_json(capsys):
-    rc, out, err = call("verify", "--config", "configs/tiny.yaml", "--strategies", "full_shard,no_shard",
-                        "--steps", "2", "--json", "model.n_layers=1", "model.d_model=64", "model.ffn_dim=128",
-                        "data.seq_len=16", "mesh.min_shard_size=1", capsys=capsys)
-    assert rc == 0, err[-3000:]
-    doc = json.loads(out)
-    assert doc["passed"] and set(doc["strategies"]) == {"full_shard", "no_shard"}
-    assert doc["shrunk"] == {}
-
 
 @pytest.mark.slow
 def test_cli_shrinks_a_7b_config_keeping_every_sharding_decision(capsys):
-    rc, out, err = call("verify", "--config", "configs/llama2_7b.yaml", "--strategies", "full_shard",
-                        "--steps", "2", capsys=capsys)
+    """The command line end to end: a config too big for the CPU is shrunk keeping every
+    sharding decision, two strategies (one by alias) pass, one JSON document."""
+    rc, out, err = call("verify", "--config", "configs/llama2_7b.yaml", "--strategies", "full_shard,ddp",
+                        "--steps", "2", "--json", capsys=capsys)
     assert rc == 0, err[-3000:] + out
-    assert "shrunk to verify on CPU" in out
-    assert "model.d_model 4096 -> " in out and "model.n_layers 32 -> 2" in out
-    assert "same sharding decision for every param under every strategy" in out
-    assert "PASS" in out.splitlines()[-1]
+    doc = json.loads(out)
+    assert doc["passed"] and set(doc["strategies"]) == {"full_shard", "no_shard"}
+    assert doc["shrunk"]["model.n_layers"] == [32, 2] and doc["shrunk"]["model.d_model"][0] == 4096
+    notes = "\n".join(doc["notes"])
+    assert "shrunk to verify on CPU" in notes and "model.d_model 4096 -> " in notes
+    assert "same sharding decision for every param under every strategy" in notes
 
 
 @pytest.mark.parametrize("args, match", [
