@@ -59,16 +59,17 @@ os.environ.setdefault("FSDP_JAX_CACHE_DIR", str(CACHE))
 
 
 # Heaviest files first, by their summed `--durations=0` seconds in a cold whole-suite run on
-# 2 cores (offload 99, targets 81, train_step 78, hostile 58, checkpoint 55, verify 55,
-# dropin 34, multihost 31, plan 30, scripts 21, trainer 20, memory_hlo 14, hf 11,
-# observability 9, tokenizer 9, tensor_parallel 7, layering 6; the rest under 4). pyproject's addopts turn off xdist's reordering by test count, so
-# `--dist loadfile` hands files out in this order as workers free up (longest first): a
-# 30 s file never starts last and leaves a core idle at the end. The order only affects
-# wall time; files not listed follow in collection order.
-HEAVY_FIRST = ("test_offload.py", "test_targets.py", "test_train_step.py", "test_hostile.py",
-               "test_checkpoint.py", "test_verify.py", "test_dropin.py", "test_multihost.py",
-               "test_plan.py", "test_scripts.py", "test_trainer.py", "test_memory_hlo.py", "test_hf.py",
-               "test_observability.py", "test_tokenizer.py", "test_tensor_parallel.py", "test_layering.py")
+# 2 cores (offload 88, train_step 66, verify 46, checkpoint 44, targets 41, dropin 36,
+# hostile 33, multihost 28, plan 27, trainer 15, scripts 15, memory_hlo 13, hf 11,
+# observability 10, tensor_parallel 9, tokenizer 8, layering 5; the rest under 4).
+# pyproject's addopts turn off xdist's reordering by test count, so `--dist loadfile` hands
+# files out in this order as workers free up (longest first): a 28 s file never starts last
+# and leaves a core idle at the end. The order only affects wall time; files not listed
+# follow in collection order.
+HEAVY_FIRST = ("test_offload.py", "test_train_step.py", "test_verify.py", "test_checkpoint.py",
+               "test_targets.py", "test_dropin.py", "test_hostile.py", "test_multihost.py", "test_plan.py",
+               "test_trainer.py", "test_scripts.py", "test_memory_hlo.py", "test_hf.py",
+               "test_observability.py", "test_tensor_parallel.py", "test_tokenizer.py", "test_layering.py")
 
 
 def pytest_collection_modifyitems(items):
