@@ -133,9 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:
         return 2 if e.code else 0
     from fsdp_jax.app.extras import available, missing_message
-    if args.plot and not available("matplotlib"):  # before any benchmark runs
+    if args.plot and not available("matplotlib"):  # before any benchmark runs (or JAX starts)
         print(f"error: {missing_message('matplotlib', '--plot')}", file=sys.stderr)
-        return 1
+        return 2  # a feature asked for without its extra: bad input, as in the other scripts
 
     import math
 

@@ -411,8 +411,9 @@ def test_missing_optional_packages_are_named(corpus, tmp_path, capsys, monkeypat
                       "train.tensorboard=true", capsys=capsys)
     one_line(rc, err, "train.tensorboard", "tensorboardX")
     assert not run.exists()
-    rc, _, err = call("plan", "--config", tiny, "--devices", "8", "--plot", tmp_path / "p.png", capsys=capsys)
-    one_line(rc, err, "--plot", "matplotlib")
+    for script, args in (("plan", ["--devices", "8"]), ("benchmark", [])):
+        rc, _, err = call(script, "--config", tiny, *args, "--plot", tmp_path / "p.png", capsys=capsys)
+        one_line(rc, err, "--plot", "matplotlib")
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
     rc, _, err = call("plot_metrics", tmp_path / "m", capsys=capsys)
