@@ -451,10 +451,13 @@ def test_fresh_start_drops_a_dead_runs_rows_and_a_finished_run_says_so(corpus, t
         return [r["step"] for r in rows if "loss" in r]
     assert train_steps() == [1, 2, 3]
     capsys.readouterr()
-    train(cfg, progress=False)  # again: finished
+    again = train(cfg, progress=False)  # again: finished
     out = capsys.readouterr().out
     assert "nothing to do" in out and "nan" not in out.lower()
     assert train_steps() == [1, 2, 3]
+    # and it says so without compiling a step it will not run
+    assert again["compile_s"] == 0.0 and "compiled in" not in out
+    assert again["final_step"] == 3
 
 
 @pytest.mark.slow

@@ -313,18 +313,20 @@ def _loop(run: Run, cfg: Config, progress: bool, stop_after: int | None, signals
 
     timer.switch("compile")
     timer.cut()  # the first logged window starts here
-    t0 = time.perf_counter()
-    first = global_batch(run.plan, batches.batch(start_step))
-    compiled = run.train_step.lower(run.state, first).compile()
-    compile_s = time.perf_counter() - t0
-    timer.switch("other")
-    mem = compiled_memory(compiled)
     n_params = count_params(cfg.model)
-    if run.is_main:
-        print(f"fsdp_jax: {n_params / 1e6:.2f}M params | {jax.device_count()} devices "
-              f"{dict(run.mesh.shape)} | {run.plan.strategy.name} | {cfg.precision} | remat {cfg.remat} | "
-              f"compiled in {compile_s:.1f}s | per-device state "
-              f"{mem['argument'] / 2**20:.1f} MiB, peak {mem['peak'] / 2**20:.1f} MiB", flush=True)
+    compiled, compile_s, mem = None, 0.0, {"peak": None}
+    if start_step < c.steps:  # a finished run launched again has no step to compile
+        t0 = time.perf_counter()
+        first = global_batch(run.plan, batches.batch(start_step))
+        compiled = run.train_step.lower(run.state, first).compile()
+        compile_s = time.perf_counter() - t0
+        mem = compiled_memory(compiled)
+        if run.is_main:
+            print(f"fsdp_jax: {n_params / 1e6:.2f}M params | {jax.device_count()} devices "
+                  f"{dict(run.mesh.shape)} | {run.plan.strategy.name} | {cfg.precision} | remat {cfg.remat} | "
+                  f"compiled in {compile_s:.1f}s | per-device state "
+                  f"{mem['argument'] / 2**20:.1f} MiB, peak {mem['peak'] / 2**20:.1f} MiB", flush=True)
+    timer.switch("other")
 
     bar = None
     if run.is_main and progress:
