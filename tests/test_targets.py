@@ -217,6 +217,21 @@ def test_full_shard_reduce_float32_reduce_scatters_in_float32(gpu):
 
 
 @slow
+def test_plan_script_target_path_builds_what_the_fixture_compiled(gpu, capsys):
+    """`scripts/plan.py --target` end to end (the planner's own child process, with its
+    kernel cache): the same compiled bytes and collectives as the fixture's compile of
+    that job."""
+    rc, out, err = call("plan", "--config", TINY_YAML, "--target", "h100", "--devices", 8, "--strategies",
+                        "full_shard", "--json", *SMALL, "precision=float32", capsys=capsys)
+    assert rc == 0, err[-3000:]
+    r, want = json.loads(out)["strategies"]["full_shard"], gpu["full_shard_f32"]
+    assert r["platform"] == want["platform"] == "gpu" and r["mesh"] == want["mesh"]
+    assert r["compiled"] == want["compiled"] and r["compiled"]["peak"] > 0
+    assert r["collectives_per_step"] == want["collectives_per_step"]
+    assert r["collectives_per_step"]["reduce-scatter"]["count"] > 0  # XLA:GPU's, not XLA:CPU's
+
+
+@slow
 def test_full_shard_f32_compute_gathers_f32(gpu):
     gathers = _param_sized(gpu["full_shard_f32"], "all-gather")
     assert gathers and all(c["dtype"] == "float32" for c in gathers)
