@@ -193,14 +193,22 @@ def child_env(env: dict[str, str] | None = None,
     already). Compiling one model under several strategies, later compiles reuse the
     earlier ones' kernels (most of a small step's compile is building its ~140 kernels),
     with the same optimized HLO. Never share the file between processes that run at the
-    same time: a damaged cache file makes every later compile fail."""
+    same time: a damaged cache file makes every later compile fail. A file XLA_FLAGS names
+    must be in an existing, writable directory (TargetError otherwise, before any compile);
+    an empty value (`--xla_gpu_kernel_cache_file=`) turns the cache off."""
     if not plugin_installed():
         raise PluginMissing(_missing_message())
     env = dict(os.environ if env is None else env)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(plugin_dir()), env.get("PYTHONPATH")) if p)
     env["JAX_PLATFORMS"] = "cpu"
     flags = env.get("XLA_FLAGS", "")
-    if kernel_cache is not None and KERNEL_CACHE_FLAG not in flags:
+    named = [f.split("=", 1)[1] for f in flags.split() if f.startswith(KERNEL_CACHE_FLAG + "=")]
+    if named:
+        folder = Path(named[-1]).absolute().parent
+        if named[-1] and not (folder.is_dir() and os.access(folder, os.W_OK)):
+            raise TargetError(f"XLA_FLAGS {KERNEL_CACHE_FLAG}={named[-1]}: its directory {folder} "
+                              "does not exist or is not writable (an empty value turns the cache off)")
+    elif kernel_cache is not None:
         env["XLA_FLAGS"] = f"{flags} {KERNEL_CACHE_FLAG}={os.fspath(kernel_cache)}".strip()
     return env
 

@@ -77,6 +77,15 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order within a file kept
 
 
+@pytest.fixture
+def compilation_cache_restored():
+    """For tests that call benchmark.main() in process: it turns the persistent compilation
+    cache off (it times cold compiles)."""
+    was = jax.config.jax_enable_compilation_cache
+    yield
+    jax.config.update("jax_enable_compilation_cache", was)
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory):
     """A small deterministic byte corpus (helpers.synthetic_corpus), prepared once per session."""

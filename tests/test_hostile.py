@@ -287,7 +287,8 @@ def test_bad_trainer_inputs_one_line_exit_2_nothing_written(corpus, tmp_path, ca
 
 # -- every script's flags ---------------------------------------------------------------------------
 
-def test_every_script_rejects_bad_flags_with_one_line(corpus, tmp_path, capsys, monkeypatch):
+def test_every_script_rejects_bad_flags_with_one_line(corpus, tmp_path, capsys, monkeypatch,
+                                                      compilation_cache_restored):
     tiny = ROOT / "configs" / "tiny.yaml"
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
@@ -376,22 +377,18 @@ def test_every_script_rejects_bad_flags_with_one_line(corpus, tmp_path, capsys, 
                          ["--processes", "1", "--", str(tmp_path / "no_such_command")]],
     }
     before = listing(tmp_path)
-    cache = jax.config.jax_enable_compilation_cache
-    try:
-        for name, rows in table.items():
-            for args in rows:
-                rc, _, err = call(name, *args, capsys=capsys)
-                try:
-                    one_line(rc, err)
-                except AssertionError as e:
-                    raise AssertionError(f"{name} {[str(a) for a in args]}: {e}") from None
-        with monkeypatch.context() as m:  # the environment variables the scripts read
-            m.setenv("FSDP_JAX_CPU_DEVICES", "many")
-            for name in ("train", "benchmark", "bench_offload"):
-                rc, _, err = call(name, "--config", tiny, capsys=capsys)
-                one_line(rc, err, "FSDP_JAX_CPU_DEVICES")
-    finally:
-        jax.config.update("jax_enable_compilation_cache", cache)  # benchmark.main turns it off
+    for name, rows in table.items():
+        for args in rows:
+            rc, _, err = call(name, *args, capsys=capsys)
+            try:
+                one_line(rc, err)
+            except AssertionError as e:
+                raise AssertionError(f"{name} {[str(a) for a in args]}: {e}") from None
+    with monkeypatch.context() as m:  # the environment variables the scripts read
+        m.setenv("FSDP_JAX_CPU_DEVICES", "many")
+        for name in ("train", "benchmark", "bench_offload"):
+            rc, _, err = call(name, "--config", tiny, capsys=capsys)
+            one_line(rc, err, "FSDP_JAX_CPU_DEVICES")
     assert listing(tmp_path) == before  # nothing written by any of them
     rc, out, err = call("plot_metrics", good_run, "--out", tmp_path / "ok.png", capsys=capsys)
     assert rc == 0 and (tmp_path / "ok.png").is_file(), err  # null (non-finite) losses plot as gaps

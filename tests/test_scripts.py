@@ -21,15 +21,6 @@ def run(script, *args, timeout=300):
                           text=True, timeout=timeout, cwd=ROOT, env=env)
 
 
-@pytest.fixture
-def compilation_cache_restored():
-    """benchmark.main() turns the persistent compilation cache off (it times cold compiles)."""
-    import jax
-    was = jax.config.jax_enable_compilation_cache
-    yield
-    jax.config.update("jax_enable_compilation_cache", was)
-
-
 @pytest.mark.slow
 def test_benchmark_json_document(capsys, compilation_cache_restored):
     rc, out, err = call("benchmark", "--config", "configs/tiny.yaml", "--strategies", "zero3", "--steps", "2",

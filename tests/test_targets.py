@@ -132,8 +132,14 @@ def test_child_env_names_a_kernel_cache_only_when_asked(tmp_path, gpu):
     assert flag not in targets.child_env({"XLA_FLAGS": "--xla_dump_to=/x"}).get("XLA_FLAGS", "")
     env = targets.child_env({"XLA_FLAGS": "--xla_dump_to=/x"}, kernel_cache=tmp_path / "k.bin")
     assert env["XLA_FLAGS"] == f"--xla_dump_to=/x {flag}={tmp_path / 'k.bin'}"
-    mine = f"{flag}=/mine.bin"
+    mine = f"{flag}={tmp_path / 'mine.bin'}"
     assert targets.child_env({"XLA_FLAGS": mine}, kernel_cache=tmp_path / "k.bin")["XLA_FLAGS"] == mine
+    off = f"--xla_dump_to=/x {flag}="  # an empty value: no cache, and none added
+    assert targets.child_env({"XLA_FLAGS": off}, kernel_cache=tmp_path / "k.bin")["XLA_FLAGS"] == off
+    (tmp_path / "a_file").write_text("")
+    for bad in (tmp_path / "missing" / "k.bin", tmp_path / "a_file" / "k.bin"):
+        with pytest.raises(targets.TargetError, match=f"its directory {bad.parent} does not exist or is not"):
+            targets.child_env({"XLA_FLAGS": f"{flag}={bad}"})
     # and this jaxlib's XLA:GPU takes the flag and writes the cache (the fixture's compiles)
     assert gpu["kernel_cache_bytes"] > 0
 
@@ -163,12 +169,21 @@ def test_cpu_runs_never_see_the_plugin():
     ("inspect_sharding.py", ["--target", "h100", "--devices", "8", "--hosts", "0"], "--hosts: 0 must be in 1..65536"),
     ("plan.py", ["--devices", "8", "--hosts", "2"], "--hosts: '2' needs --target"),
     ("plan.py", ["--target", "h100", "--devices", "8", "PLUGIN_MISSING"], "python -m fsdp_jax.targets install"),
+    # XLA_FLAGS for the compiling child: a kernel cache nowhere to write, a flag XLA lacks
+    ("plan.py", ["--target", "h100", "--devices", "8", "XLA_FLAGS=--xla_gpu_kernel_cache_file=/nonexistent/k.bin"],
+     "XLA_FLAGS --xla_gpu_kernel_cache_file=/nonexistent/k.bin: its directory /nonexistent does not exist"),
+    ("inspect_sharding.py", ["--target", "h100", "--devices", "8", "--strategy", "full_shard",
+                             "XLA_FLAGS=--xla_gpu_no_such_flag=1"],
+     "XLA_FLAGS: Unknown flag in XLA_FLAGS: --xla_gpu_no_such_flag=1"),
 ])
 def test_scripts_bad_target_input_exit_2_with_one_line(script, args, needle, tmp_path, capsys):
     env = {}
     if "PLUGIN_MISSING" in args:
         args = [a for a in args if a != "PLUGIN_MISSING"]
         env["FSDP_JAX_PLUGIN_DIR"] = str(tmp_path / "none")
+    for a in [a for a in args if a.startswith("XLA_FLAGS=")]:  # the children's, after the suite's own
+        args.remove(a)
+        env["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {a.removeprefix('XLA_FLAGS=')}".strip()
     rc, out, err = call(script, "--config", TINY_YAML, *args, capsys=capsys, env=env)
     one_line(rc, err, needle)
     assert out == ""

@@ -314,7 +314,7 @@ def _loop(run: Run, cfg: Config, progress: bool, stop_after: int | None, signals
     timer.switch("compile")
     timer.cut()  # the first logged window starts here
     n_params = count_params(cfg.model)
-    compiled, compile_s, mem = None, 0.0, {"peak": None}
+    compiled, compile_s, mem = None, 0.0, {}
     if start_step < c.steps:  # a finished run launched again has no step to compile
         t0 = time.perf_counter()
         first = global_batch(run.plan, batches.batch(start_step))
@@ -337,7 +337,7 @@ def _loop(run: Run, cfg: Config, progress: bool, stop_after: int | None, signals
     window = LogWindow(start_step, schedule=run.schedule, tokens_per_step=c.global_batch * cfg.data.seq_len,
                        flops_per_token=flops_per_token(cfg.model, cfg.data.seq_len),
                        peak_flops=peak_flops(jax.devices()[0], Policy.parse(cfg.precision).compute_dtype.name),
-                       n_devices=jax.device_count(), compiled_peak_bytes=mem["peak"],
+                       n_devices=jax.device_count(), compiled_peak_bytes=mem.get("peak"),
                        timer=timer, warn=print if run.is_main else None)
     summary: dict[str, Any] = {"compile_s": compile_s, "params": n_params}
     nan_steps = _injected_nan_steps()

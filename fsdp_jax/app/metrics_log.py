@@ -156,7 +156,8 @@ class LogWindow:
 
     `schedule(i)`: the learning rate of 0-based step i. `tokens_per_step` (global
     batch x sequence length), `flops_per_token`, `peak_flops` (per device, for MFU;
-    None when unknown), `n_devices` and `compiled_peak_bytes` are fixed for a run.
+    None when unknown), `n_devices` and `compiled_peak_bytes` (None when no step was
+    compiled: a finished run launched again) are fixed for a run.
     `add_eval_time` takes time spent evaluating inside the window out of step time.
 
     With a `timer` (fsdp_jax.app.timing.StepTimer) the record carries its `t_*_s`
@@ -168,7 +169,7 @@ class LogWindow:
 
     def __init__(self, step: int, *, schedule: Callable[[int], Any], tokens_per_step: int,
                  flops_per_token: float, peak_flops: float | None, n_devices: int,
-                 compiled_peak_bytes: int, timer: StepTimer | None = None,
+                 compiled_peak_bytes: int | None, timer: StepTimer | None = None,
                  warn: Callable[[str], None] | None = None):
         self.schedule = schedule
         self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token

@@ -33,6 +33,7 @@ compute a CPU compile's temp is larger than the same program's on GPU/TPU.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -205,7 +206,9 @@ def run_strategies(cfg, n_devices: int, strategies: Sequence[str], *, inspect: b
                "step_options": step_options or {}, "compiler_options": compiler_options or {}}
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     where = f"{n_devices} CPU devices"
-    with tempfile.TemporaryDirectory(prefix="fsdp_jax-plan-") as scratch:
+    scratch_dir = (tempfile.TemporaryDirectory(prefix="fsdp_jax-plan-") if target is not None
+                   else contextlib.nullcontext())
+    with scratch_dir as scratch:
         if target is not None:
             from fsdp_jax import targets
             # raises PluginMissing (a TargetError) naming the install step; the strategies
@@ -218,6 +221,9 @@ def run_strategies(cfg, n_devices: int, strategies: Sequence[str], *, inspect: b
                               capture_output=True, text=True, env=env)
     if proc.returncode == 2:
         raise PlanError(proc.stderr.strip().splitlines()[-1].removeprefix("error: "))
+    unknown = [l for l in proc.stderr.splitlines() if "Unknown flag in XLA_FLAGS" in l]
+    if unknown:  # XLA aborts the child on a flag this jaxlib does not know: the user's input
+        raise PlanError(f"XLA_FLAGS: {unknown[0].split('] ', 1)[-1]} (this jax's XLA does not know it)")
     if proc.returncode != 0:
         raise RuntimeError(f"planner child process ({where}) failed with exit code "
                            f"{proc.returncode}:\n{proc.stderr[-4000:]}")
