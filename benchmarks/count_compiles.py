@@ -6,7 +6,7 @@ cache misses) and the seconds each took, by program name and by test; and a summ
 
 Run it on a fresh clone (empty `.jax_cache/`) to see what a cold suite compiles; child
 processes (scripts run by subprocess tests) are not counted. This is where the suite's
-cold time goes (README "Tests")."""
+cold time goes (CONTRIBUTING.md "Tests")."""
 
 import collections
 import hashlib

@@ -30,7 +30,7 @@ BF16 = "precision=params=float32,compute=bfloat16,reduce=bfloat16"
 # Compiled peak / analytic total - 1, measured on the jobs below (h100 x 8, bf16 compute,
 # remat dots): full_shard -1.2%, shard_grad_op +5.9%, no_shard -6.4%, hybrid_shard -2.3%.
 # At full size the formulas are upper bounds further off (7B: -4% to -28%, 70B: -4% to
-# -32%; README "Compiling for your cluster from a laptop").
+# -32%; docs/planning.md "Compiling for your cluster from a laptop").
 PEAK_TOLERANCE = 0.10
 
 # name -> (strategy, hosts, gpus_per_host, overrides, step options)
