@@ -33,6 +33,10 @@ from helpers import script
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "golden" / "hf"
 MODELS = ("llama_gqa", "llama_tied")
+# tiny checkpoints of every family (tests/golden/make_hf_family_goldens.py), 2 x 40 tokens:
+# longer than their sliding windows (8) and original RoPE contexts (16)
+FAMILY_MODELS = ("llama3", "llama32_tied", "llama_yarn", "mistral_swa", "qwen2", "qwen3",
+                 "gemma3_text")
 MESHES = {"full_shard": (1, 8, 1), "shard_grad_op": (1, 8, 1), "shard_opt": (1, 8, 1),
           "no_shard": (1, 8, 1), "hybrid_shard": (2, 4, 1)}
 
@@ -81,6 +85,51 @@ def test_import_matches_transformers_logits_every_strategy(name, strategy):
         check_against_golden(name, strategy="full_shard", mesh_shape=(1, 4, 2))
     else:
         check_against_golden(name, strategy=strategy, mesh_shape=MESHES[strategy])
+
+
+@pytest.mark.parametrize("name", FAMILY_MODELS)
+def test_family_import_matches_transformers_logits(name):
+    """Scanned full_shard and unscanned fsdp x tensor, each within 1e-4 of transformers."""
+    params = check_against_golden(name)
+    check_against_golden(name, scan=False, mesh_shape=(1, 4, 2))
+    cfg = hf.HFCheckpoint(GOLDEN / name).config
+    assert set(params["blocks"]["attn"]) >= ({"bq", "bk", "bv"} if name == "qwen2" else set())
+    assert ("q_norm" in params["blocks"]["attn"]) == (name in ("qwen3", "gemma3_text"))
+    assert ("post_mlp_norm" in params["blocks"]) == (name == "gemma3_text")
+    from fsdp_jax.app.models import count_params
+    assert count_params(cfg) == sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", [s for s in MESHES if s != "full_shard"])
+@pytest.mark.parametrize("name", FAMILY_MODELS)
+def test_family_import_matches_transformers_logits_every_strategy(name, strategy):
+    check_against_golden(name, strategy=strategy, mesh_shape=MESHES[strategy])
+
+
+FAMILY_CONFIGS = {  # golden -> the decoder fields its config.json must switch on
+    "llama3": dict(rope_type="llama3", rope_factor=8.0, rope_low_freq_factor=1.0,
+                   rope_high_freq_factor=4.0, rope_original_max_len=16, rope_theta=5e5),
+    "llama32_tied": dict(rope_type="llama3", rope_factor=32.0, tie_word_embeddings=True,
+                         n_kv_heads=1),
+    "llama_yarn": dict(rope_type="yarn", rope_factor=4.0, rope_original_max_len=16,
+                       rope_beta_fast=32.0, rope_beta_slow=1.0),
+    "mistral_swa": dict(sliding_window=8, global_every=0, kv_channels=16),
+    "qwen2": dict(qkv_bias=True, rope_theta=1e6, qk_norm=False),
+    "qwen3": dict(qk_norm=True, kv_channels=32, tie_word_embeddings=True, qkv_bias=False),
+    "gemma3_text": dict(kv_channels=32, sliding_window=8, global_every=2, rope_local_theta=1e4,
+                        rope_theta=1e6, rope_type="linear", rope_factor=2.0,
+                        query_pre_attn_scalar=24.0, attn_softcap=0.0, final_softcap=3.0,
+                        mlp_activation="gelu_pytorch_tanh", norm_plus_one=True,
+                        sandwich_norm=True, embed_scale=True, qk_norm=True, n_layers=3),
+}
+
+
+@pytest.mark.parametrize("name", FAMILY_MODELS)
+def test_family_config_mapping(name):
+    c = hf.HFCheckpoint(GOLDEN / name).config
+    for field, want in FAMILY_CONFIGS[name].items():
+        assert getattr(c, field) == want, (field, getattr(c, field), want)
 
 
 def as_4x_config(src: Path, dst: Path, keep_theta: bool) -> Path:
@@ -244,9 +293,9 @@ def _bad_dirs(tmp):
             ("mlpbias", {"mlp_bias": True}, "mlp_bias"),
             ("llama3", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}},
              "rope_parameters"),
-            ("scaling4x", {"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),
+            ("scaling4x", {"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling"),
             ("window", {"model_type": "mistral", "sliding_window": 4096}, "sliding_window"),
-            ("headdim", {"head_dim": 16}, "head_dim"),
+            ("headdim", {"head_dim": 16}, "q_proj.weight"),  # config and tensors disagree
             ("nohidden", {"hidden_size": None}, "hidden_size"),
             ("badheads", {"num_key_value_heads": 3}, "num_key_value_heads"),
             ("arch", {"architectures": ["LlamaForSequenceClassification"]}, "architectures")]:
@@ -276,6 +325,51 @@ def _bad_dirs(tmp):
     d = copy("noconfig")
     (d / "config.json").unlink()
     cases.append(("noconfig", d, "config.json"))
+    return cases + _bad_family_dirs(tmp)
+
+
+def _bad_family_dirs(tmp):
+    """Family checkpoints whose config.json and tensors disagree, or that set what the
+    decoder does not compute: (case, directory, word the error line must contain)."""
+    cases = []
+    for case, src, change, word in [
+            ("l3_missing", "llama3", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5,
+                                                          "factor": 8.0, "high_freq_factor": 4.0,
+                                                          "original_max_position_embeddings": 16}},
+             "low_freq_factor"),
+            ("l3_4x_missing", "llama3", {"rope_parameters": None, "rope_theta": 5e5,
+                                         "rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+             "rope_scaling"),
+            ("longrope", "llama3", {"rope_parameters": {"rope_type": "longrope", "factor": 2.0}},
+             "longrope"),
+            ("yarn_extra", "llama_yarn", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0,
+                                                              "mrope_section": [1, 2]}}, "mrope_section"),
+            ("window_ctx", "mistral_swa", {"sliding_window": 4096}, "sliding_window"),
+            ("qwen_window", "qwen2", {"use_sliding_window": True, "sliding_window": 8},
+             "use_sliding_window"),
+            ("pattern", "gemma3_text", {"layer_types": ["full_attention", "sliding_attention",
+                                                        "sliding_attention"]}, "layer_types"),
+            ("pattern_len", "gemma3_text", {"layer_types": ["sliding_attention"]}, "layer_types"),
+            ("softcap", "gemma3_text", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+            ("local_rope", "gemma3_text", {"rope_parameters": {
+                "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}},
+             "rope_parameters"),
+            ("bidir", "gemma3_text", {"use_bidirectional_attention": True}, "use_bidirectional"),
+            ("arch_mix", "qwen3", {"architectures": ["LlamaForCausalLM"]}, "architectures"),
+            ("o_bias", "qwen3", {"attention_bias": True}, "attention_bias"),
+            ("qwen3_as_qwen2", "qwen3", {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]},
+             "q_proj.bias"),  # qwen2 wants biases the checkpoint lacks
+            ("qwen2_as_llama", "qwen2", {"model_type": "llama", "architectures": ["LlamaForCausalLM"]},
+             "proj.bias"),  # biases present, the config says none
+            ("headdim_norm", "qwen3", {"head_dim": 16}, "q_proj.weight")]:
+        d = Path(shutil.copytree(GOLDEN / src, tmp / case))
+        edit_config(d, **change)
+        cases.append((case, d, word))
+    d = Path(shutil.copytree(GOLDEN / "qwen3", tmp / "qnorm_size"))
+    rewrite_tensor(d, "model.safetensors", "model.layers.1.self_attn.q_norm.weight",
+                   np.ones(16, np.float32))
+    cases.append(("qnorm_size", d, "model.layers.1.self_attn.q_norm.weight"))
     return cases
 
 

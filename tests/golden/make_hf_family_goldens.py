@@ -25,7 +25,9 @@ every sliding window (8) and every original RoPE context (16) below, so both mat
   qwen3         q/k RMSNorm over head_dim 32 (hidden / heads = 16), tied
   gemma3_text   layers sliding/full/sliding (window 8, local base 1e4; global linear
                 rope factor 2, base 1e6), head_dim 32, query_pre_attn_scalar 24,
-                attention softcap 5, final softcap 3, gelu_pytorch_tanh, tied
+                final softcap 3, gelu_pytorch_tanh, tied (no attention softcap:
+                transformers 5.24's Gemma 3 reads attn_logit_softcapping but never
+                applies it, so the importer refuses a non-null one)
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ MODELS = {
     "gemma3_text": ("Gemma3TextConfig", dict(
         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-        sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
+        sliding_window=8, query_pre_attn_scalar=24,
         final_logit_softcapping=3.0, hidden_activation="gelu_pytorch_tanh",
         tie_word_embeddings=True, pad_token_id=0,
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
