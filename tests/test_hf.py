@@ -228,6 +228,49 @@ def test_export_is_what_transformers_expects_and_round_trips_bit_exact(tmp_path,
         assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
+# keys transformers writes that no loader reads back: the BC default of a replaced key
+# (Gemma 3's `_sliding_window_pattern`), Qwen's `max_window_layers` while windows are off
+_UNREAD_KEYS = ("transformers_version", "dtype", "_sliding_window_pattern", "max_window_layers")
+
+
+@pytest.mark.parametrize("name", FAMILY_MODELS)
+def test_family_export_writes_its_family_and_round_trips_bit_exact(tmp_path, name):
+    ck, params = saved_run(tmp_path, name)
+    out = tmp_path / "hf_out"
+    export_hf(ck, out)
+    wm, shapes = index_and_shapes(out)
+    assert shapes == index_and_shapes(GOLDEN / name)[1]  # the family's tensor names and shapes
+    got, want = (json.loads((p / "config.json").read_text()) for p in (out, GOLDEN / name))
+    for k, v in want.items():
+        if k not in _UNREAD_KEYS:
+            assert got.get(k) == v, (k, got.get(k), v)
+    rope = got["rope_parameters"].get("full_attention", got["rope_parameters"])
+    if rope["rope_type"] != "default":  # 4.x keys too: older transformers must not fall back
+        assert got["rope_scaling"] == {k: v for k, v in rope.items() if k != "rope_theta"}
+    assert got["rope_theta"] == rope["rope_theta"]
+    back, _, _ = imported(out, strategy="hybrid_shard", mesh_shape=(2, 4, 1))
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(back)):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    as4 = tmp_path / "as4x"  # the 4.x keys alone map onto the same architecture
+    shutil.copytree(out, as4)
+    edit_config(as4, rope_parameters=None, **({"layer_types": None} if "layer_types" in got else {}))
+    assert hf.HFCheckpoint(as4).config == hf.HFCheckpoint(out).config
+
+
+def test_export_refuses_a_model_no_family_computes(tmp_path):
+    yml = tmp_path / "c.yaml"
+    yml.write_text("model: {vocab_size: 256, d_model: 64, n_layers: 1, n_heads: 4, n_kv_heads: 4, "
+                   "ffn_dim: 64, max_seq_len: 32, qkv_bias: true, qk_norm: true}\n"
+                   f"data: {{seq_len: 32, path: {tmp_path / 'd'}}}\n")
+    cfg = load_config(yml)
+    params = from_nnx(lambda r: Llama(cfg.model, rngs=r)).init(jax.random.key(0))
+    with Checkpointer(tmp_path / "ck") as ck:
+        ck.save(1, {"params": params}, {"config": config_to_dict(cfg)})
+    with pytest.raises(CheckpointError, match="no Hugging Face family"):
+        export_hf(tmp_path / "ck", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_export_bf16_single_file_and_refusals(tmp_path):
     ck, params = saved_run(tmp_path, "llama_gqa", perturb=False)
     out = tmp_path / "bf16"
