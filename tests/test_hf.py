@@ -504,3 +504,64 @@ def test_export_script_hf_bad_input_exits_2_with_one_line(tmp_path, capsys):
     assert (tmp_path / "full" / "x").read_text() == "keep me"
     assert export.main([str(ck.parent), "--hf", str(tmp_path / "ok"), "--max-shard-size", "60KB"]) == 0
     assert len(list((tmp_path / "ok").glob("model-*-of-*.safetensors"))) > 1
+
+
+# The published config.json of each family's reference model (as on the Hugging Face Hub;
+# Gemma 3 4B: the text_config of the multimodal checkpoint, as a gemma3_text config), the
+# shipped config that must state exactly its architecture, and the published total.
+PUBLISHED = {
+    "llama3_1_8b": (8_030_261_248, {
+        "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096,
+        "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 131072,
+        "mlp_bias": False, "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32,
+        "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+        "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "transformers_version": "4.43.0.dev0", "use_cache": True, "vocab_size": 128256}),
+    "qwen2_5_7b": (7_615_616_512, {
+        "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
+        "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 3584, "initializer_range": 0.02,
+        "intermediate_size": 18944, "max_position_embeddings": 131072, "max_window_layers": 28,
+        "model_type": "qwen2", "num_attention_heads": 28, "num_hidden_layers": 28,
+        "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+        "sliding_window": 131072, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "transformers_version": "4.40.1", "use_cache": True, "use_mrope": False,
+        "use_sliding_window": False, "vocab_size": 152064}),
+    "qwen3_8b": (8_190_735_360, {
+        "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+        "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 12288,
+        "max_position_embeddings": 40960, "max_window_layers": 36, "model_type": "qwen3",
+        "num_attention_heads": 32, "num_hidden_layers": 36, "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.51.0",
+        "use_cache": True, "use_sliding_window": False, "vocab_size": 151936}),
+    "mistral_7b": (7_241_732_096, {
+        "architectures": ["MistralForCausalLM"], "bos_token_id": 1, "eos_token_id": 2,
+        "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+        "intermediate_size": 14336, "max_position_embeddings": 32768, "model_type": "mistral",
+        "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "sliding_window": 4096,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.34.0.dev0",
+        "use_cache": True, "vocab_size": 32000}),
+    "gemma3_4b": (3_880_263_168, {  # keys the published text_config omits take Gemma3TextConfig's defaults
+        "architectures": ["Gemma3ForCausalLM"], "hidden_size": 2560, "intermediate_size": 10240,
+        "model_type": "gemma3_text", "num_hidden_layers": 34,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024,
+        "vocab_size": 262208, "max_position_embeddings": 131072}),
+}
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_family_configs_state_the_published_architectures_and_counts(tmp_path, name):
+    """configs/NAME.yaml states the published model's architecture: its config.json maps
+    onto exactly that model section, and count_params is the published total."""
+    from fsdp_jax.app.models import count_params
+    total, published = PUBLISHED[name]
+    (tmp_path / "config.json").write_text(json.dumps(published))
+    path = ROOT / "configs" / f"{name}.yaml"
+    planned = load_config(path)
+    assert load_config(path, [f"init_from=hf:{tmp_path}"]).model == planned.model
+    assert count_params(planned.model) == total

@@ -33,7 +33,10 @@ FAMILIES = {
                     {"rms_norm_eps": 1e-6, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
                      "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256,
                      "sliding_window": 4096, "tie_word_embeddings": True, "head_dim": 256,
-                     "sliding_window_pattern": 6}),
+                     "sliding_window_pattern": 6, "vocab_size": 262208, "hidden_size": 2304,
+                     "intermediate_size": 9216, "num_hidden_layers": 26,
+                     "num_attention_heads": 8, "num_key_value_heads": 4,
+                     "max_position_embeddings": 131072}),
 }
 ARCHITECTURES = tuple(f[0] for f in FAMILIES.values())
 MODEL_TYPES = tuple(FAMILIES)
@@ -189,6 +192,8 @@ def model_config_from_hf(raw: Mapping, where: str = "config.json",
     if any(a not in allowed for a in arch):
         raise bad("architectures", f"allowed for model_type {mt}: {', '.join(sorted(allowed))}")
     defaults = FAMILIES[mt][2]
+    raw = {**{k: v for k, v in defaults.items() if k not in ("rope_theta", "rope_local_base_freq")},
+           **raw}  # what transformers' config class fills in for an absent key
     max_pos = raw.get("max_position_embeddings", 2048)
     # RoPE: 5.x rope_parameters (flat, or keyed by layer type for Gemma 3); 4.x rope_scaling
     # + rope_theta (+ rope_local_base_freq)
