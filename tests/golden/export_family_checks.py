@@ -1,7 +1,12 @@
 #!/usr/bin/env python
-"""Export each family golden, fine-tuned by a little float32 noise, for transformers to check.
+"""Family goldens, project side (no torch): import errors per strategy; exports for transformers.
 
-Project side (no torch), then the golden venv's `--check` on each directory:
+    PYTHONPATH=$PWD python tests/golden/export_family_checks.py --import-errors
+
+prints, per golden and per strategy (8 CPU devices; fsdp_x_tensor = full_shard on
+fsdp 4 x tensor 2, unscanned layers), the max abs difference of the imported model's
+logits from transformers' (docs/hf_models.md records it). Then the export check,
+project side first and the golden venv's `--check` on each directory:
 
     PYTHONPATH=$PWD python tests/golden/export_family_checks.py OUT
     for d in OUT/*/; do n=$(basename $d)
@@ -27,6 +32,40 @@ import numpy as np
 
 GOLDEN = Path(__file__).resolve().parent / "hf"
 NAMES = ("llama3", "llama32_tied", "llama_yarn", "mistral_swa", "qwen2", "qwen3", "gemma3_text")
+
+
+MESHES = {"full_shard": (1, 8, 1), "shard_grad_op": (1, 8, 1), "shard_opt": (1, 8, 1),
+          "no_shard": (1, 8, 1), "hybrid_shard": (2, 4, 1), "fsdp_x_tensor": (1, 4, 2)}
+
+
+def import_errors() -> int:
+    import optax
+
+    from fsdp_jax.adapters import from_nnx
+    from fsdp_jax.app import hf
+    from fsdp_jax.app.models import Llama
+    from fsdp_jax.build import build
+    from fsdp_jax.mesh import make_mesh
+    from fsdp_jax.safetensors_io import SafetensorsFile
+    from fsdp_jax.step import sharding_context
+
+    print("| golden | " + " | ".join(MESHES) + " |\n|---|" + "---:|" * len(MESHES))
+    for name in ("llama_gqa", "llama_tied") + NAMES:
+        f = SafetensorsFile(GOLDEN / f"{name}_logits.safetensors")
+        tokens, want = f.read("tokens"), f.read("logits")
+        row = []
+        for strategy, shape in MESHES.items():
+            scan = strategy != "fsdp_x_tensor"
+            ckpt = hf.HFCheckpoint(GOLDEN / name, base=hf.LlamaConfig(scan_layers=scan))
+            m = from_nnx(lambda r: Llama(ckpt.config, rngs=r))
+            built = build(m, optax.sgd(0.1), make_mesh(*shape),
+                          "full_shard" if strategy == "fsdp_x_tensor" else strategy, min_shard_size=0)
+            params = hf.load_params(ckpt, built.abstract_state.params)
+            with sharding_context(built.plan):
+                got = jax.jit(m.apply)(params, np.tile(tokens, (4, 1)))
+            row.append(float(np.abs(np.asarray(got)[:len(tokens)] - want).max()))
+        print(f"| {name} | " + " | ".join(f"{e:.2g}" for e in row) + " |", flush=True)
+    return 0
 
 
 def main(out: Path) -> int:
@@ -62,4 +101,7 @@ def main(out: Path) -> int:
 if __name__ == "__main__":
     if len(sys.argv) != 2:
         sys.exit(__doc__)
+    if sys.argv[1] == "--import-errors":
+        jax.config.update("jax_num_cpu_devices", 8)
+        sys.exit(import_errors())
     sys.exit(main(Path(sys.argv[1])))
