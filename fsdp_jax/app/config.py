@@ -152,7 +152,7 @@ class Config:
     run_dir: str = "runs/tiny"
     xla_gpu_flags: str = "none"         # none | fsdp: fsdp_jax.xla_flags.GPU_FSDP_FLAGS (set before start-up)
     init_from: str | None = None        # params to start from: a .safetensors file, run or checkpoint dir,
-                                        # or hf:DIR (a Hugging Face Llama; its config.json sets model.*)
+                                        # or hf:DIR (a Hugging Face model, docs/hf_models.md; its config.json sets model.*)
 
 
 _SECTIONS: dict[str, type] = {k: t for k, t in typing.get_type_hints(Config).items()
