@@ -5,8 +5,8 @@ Token embedding (times sqrt(D) for Gemma) -> N x [RMSNorm -> causal self-attenti
 `models/rope.py`, sliding window on all layers or on a pattern of them, soft-capped
 scores) -> (post-norm) -> residual; RMSNorm -> gated MLP (SiLU or tanh-GELU) ->
 (post-norm) -> residual] -> RMSNorm -> output head (its own (D, V) param, or the
-embedding table when `tie_word_embeddings`) -> (soft cap). Init normal(0, 0.02),
-norm scales 1 (or 0 with `norm_plus_one`), biases 0. With every `LlamaConfig`
+embedding table when `tie_word_embeddings`) -> (soft cap). Init normal(0, 0.02)
+(biases too), norm scales 1 (or 0 with `norm_plus_one`). With every `LlamaConfig`
 switch at its default this is the Llama-2 reference, param for param. The layout
 matches Hugging Face's *ForCausalLM of each family up to transposes (rotate-half
 RoPE, q head n uses kv head n // (H / K)); `fsdp_jax.app.hf` converts both ways.
@@ -147,11 +147,11 @@ class Attention(nnx.Module):
         self.wk = _param(rngs, (d, kvh, dh), (EMBED, KV_HEADS, KV))
         self.wv = _param(rngs, (d, kvh, dh), (EMBED, KV_HEADS, KV))
         self.wo = _param(rngs, (h, dh, d), (HEADS, KV, EMBED))
-        if cfg.qkv_bias:
-            zeros = nnx.initializers.zeros
-            self.bq = _param(rngs, (h, dh), (HEADS, KV), zeros)
-            self.bk = _param(rngs, (kvh, dh), (KV_HEADS, KV), zeros)
-            self.bv = _param(rngs, (kvh, dh), (KV_HEADS, KV), zeros)
+        if cfg.qkv_bias:  # drawn like the weights: softmax ignores a per-query constant, so
+            # a k bias gets tiny gradients (RoPE aside) and from zero would move by noise
+            self.bq = _param(rngs, (h, dh), (HEADS, KV))
+            self.bk = _param(rngs, (kvh, dh), (KV_HEADS, KV))
+            self.bv = _param(rngs, (kvh, dh), (KV_HEADS, KV))
         if cfg.qk_norm:
             self.q_norm = RMSNorm(dh, cfg.norm_eps, cfg.norm_plus_one)
             self.k_norm = RMSNorm(dh, cfg.norm_eps, cfg.norm_plus_one)
