@@ -6,7 +6,7 @@ Token embedding (times sqrt(D) for Gemma) -> N x [RMSNorm -> causal self-attenti
 scores) -> (post-norm) -> residual; RMSNorm -> gated MLP (SiLU or tanh-GELU) ->
 (post-norm) -> residual] -> RMSNorm -> output head (its own (D, V) param, or the
 embedding table when `tie_word_embeddings`) -> (soft cap). Init normal(0, 0.02)
-(biases too), norm scales 1 (or 0 with `norm_plus_one`). With every `LlamaConfig`
+(biases too, and the w of `norm_plus_one`'s 1 + w), Llama norm scales 1. With every `LlamaConfig`
 switch at its default this is the Llama-2 reference, param for param. The layout
 matches Hugging Face's *ForCausalLM of each family up to transposes (rotate-half
 RoPE, q head n uses kv head n // (H / K)); `fsdp_jax.app.hf` converts both ways.
@@ -102,11 +102,16 @@ def _param(rngs: nnx.Rngs, shape, names, init=_init):
 
 
 class RMSNorm(nnx.Module):
-    """RMSNorm over the last dim in float32, scaled by w (or by 1 + w: `plus_one`)."""
+    """RMSNorm over the last dim in float32, scaled by w (or by 1 + w: `plus_one`, with w
+    drawn N(0, 0.02) from `rngs`, not 0: a zero w's relative change over a step is
+    rounding noise wherever its gradient is near 0, which verify.py's check reads as
+    divergence)."""
 
-    def __init__(self, dim: int, eps: float, plus_one: bool = False):
-        init = nnx.initializers.zeros if plus_one else nnx.initializers.ones
-        self.scale = nnx.Param(nnx.with_partitioning(init, (NORM,))(None, (dim,)))
+    def __init__(self, dim: int, eps: float, plus_one: bool = False, rngs: nnx.Rngs | None = None):
+        if plus_one:
+            self.scale = _param(rngs, (dim,), (NORM,))
+        else:
+            self.scale = nnx.Param(nnx.with_partitioning(nnx.initializers.ones, (NORM,))(None, (dim,)))
         self.eps = eps
         self.plus_one = plus_one
 
@@ -153,8 +158,8 @@ class Attention(nnx.Module):
             self.bk = _param(rngs, (kvh, dh), (KV_HEADS, KV))
             self.bv = _param(rngs, (kvh, dh), (KV_HEADS, KV))
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(dh, cfg.norm_eps, cfg.norm_plus_one)
-            self.k_norm = RMSNorm(dh, cfg.norm_eps, cfg.norm_plus_one)
+            self.q_norm = RMSNorm(dh, cfg.norm_eps, cfg.norm_plus_one, rngs)
+            self.k_norm = RMSNorm(dh, cfg.norm_eps, cfg.norm_plus_one, rngs)
         self.cfg = cfg
         self.impl = cfg.attention
 
@@ -226,14 +231,14 @@ class FeedForward(nnx.Module):
 class Block(nnx.Module):
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         po = cfg.norm_plus_one
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, po)
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, po, rngs)
         self.attn = Attention(cfg, rngs)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, po)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, po, rngs)
         self.mlp = FeedForward(cfg, rngs)
         self.sandwich = cfg.sandwich_norm
         if cfg.sandwich_norm:
-            self.post_attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, po)
-            self.post_mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, po)
+            self.post_attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, po, rngs)
+            self.post_mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, po, rngs)
 
     def __call__(self, x, local=None):  # (B, S, D) -> (B, S, D)
         x = constrain(x, (BATCH, LENGTH, EMBED))
@@ -260,7 +265,7 @@ class Llama(nnx.Module):
             self.blocks = make(rngs)
         else:
             self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
-        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_plus_one)
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_plus_one, rngs)
         if not cfg.tie_word_embeddings:
             self.head = _param(rngs, (cfg.d_model, cfg.vocab_size), (EMBED, VOCAB))
 
