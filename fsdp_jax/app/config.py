@@ -357,17 +357,13 @@ def _check_decoder(m: LlamaConfig) -> None:
            "a layer pattern needs model.sliding_window > 0")
     _check(m.rope_local_theta == 0 or m.global_every > 0, "model.rope_local_theta",
            m.rope_local_theta, "only sliding layers of a pattern (model.global_every > 0) use it")
-    _check(m.rope_type == "default" or m.rope_factor > 0, "model.rope_factor", m.rope_factor,
-           f"must be > 0 for rope_type {m.rope_type}")
+    for n in ("rope_factor", "rope_low_freq_factor", "rope_beta_fast", "rope_beta_slow"):
+        _check(getattr(m, n) > 0, f"model.{n}", getattr(m, n), "must be > 0")
+    _check(m.rope_high_freq_factor > m.rope_low_freq_factor, "model.rope_high_freq_factor",
+           m.rope_high_freq_factor, f"must be > model.rope_low_freq_factor={m.rope_low_freq_factor}")
     if m.rope_type in ("llama3", "yarn"):
         _check(m.rope_original_max_len > 0, "model.rope_original_max_len", m.rope_original_max_len,
                f"rope_type {m.rope_type} needs the original context length (> 0)")
-    if m.rope_type == "llama3":
-        _check(m.rope_high_freq_factor > m.rope_low_freq_factor > 0, "model.rope_high_freq_factor",
-               m.rope_high_freq_factor, f"must be > model.rope_low_freq_factor={m.rope_low_freq_factor} > 0")
-    if m.rope_type == "yarn":
-        _check(m.rope_beta_fast > 0 and m.rope_beta_slow > 0, "model.rope_beta_fast",
-               (m.rope_beta_fast, m.rope_beta_slow), "yarn's beta_fast and beta_slow must be > 0")
 
 
 def validate(cfg: Config, n_devices: int | None = None) -> None:
