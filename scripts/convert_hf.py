@@ -1,12 +1,12 @@
 #!/usr/bin/env python
-"""Convert a Hugging Face Llama checkpoint into this project's safetensors params.
+"""Convert a Hugging Face checkpoint (Llama, Mistral, Qwen2/3, Gemma 3) into this project's params.
 
     python scripts/convert_hf.py checkpoints/Llama-2-7b-hf --out llama2_7b.safetensors \
         [--dtype bfloat16] [--config-out llama2_7b_model.yaml]
 
 Reads config.json and model.safetensors (or the shards of model.safetensors.index.json),
-checks every tensor against the config (refusing what the reference Llama cannot
-express: one line naming the field), and writes one file keyed like the trainer's
+checks every tensor against the config (refusing what the decoder cannot
+compute: one line naming the field; docs/hf_models.md), and writes one file keyed like the trainer's
 params ("blocks/attn/wq", layers stacked on a leading dim), one leaf in host memory
 at a time. Train from it with `init_from=llama2_7b.safetensors` and the model
 section printed here (or written by --config-out). Training straight from the

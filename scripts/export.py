@@ -4,8 +4,8 @@
     python scripts/export.py RUN_DIR --out model.safetensors [--dtype bfloat16] [--step N]
     python scripts/export.py RUN_DIR --hf OUT_DIR [--dtype bfloat16] [--max-shard-size 5GB]
 
---hf writes a directory `transformers.LlamaForCausalLM.from_pretrained(OUT_DIR)` loads:
-config.json, model.safetensors (or shards + model.safetensors.index.json above
+--hf writes a directory `transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)` loads
+as the model's family (Llama, Mistral, Qwen2, Qwen3, Gemma 3; docs/hf_models.md): config.json, model.safetensors (or shards + model.safetensors.index.json above
 --max-shard-size) and the tokenizer files of the model the run was imported from
 (init_from=hf:DIR) or of its corpus (fsdp_jax.app.hf_export).
 

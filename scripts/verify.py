@@ -61,7 +61,8 @@ def shrunk_model(m, n: int):
     d_model = heads * head_dim
     new = dataclasses.replace(
         m, n_layers=min(m.n_layers, 2), n_heads=heads, n_kv_heads=kv, d_model=d_model,
-        ffn_dim=shrink_dim(m.ffn_dim, 2 * d_model, n), vocab_size=shrink_dim(m.vocab_size, 256, n))
+        ffn_dim=shrink_dim(m.ffn_dim, 2 * d_model, n), vocab_size=shrink_dim(m.vocab_size, 256, n),
+        kv_channels=head_dim if m.kv_channels else 0)
     changed = {f"model.{k}": (getattr(m, k), getattr(new, k))
                for k in ("n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
                if getattr(m, k) != getattr(new, k)}

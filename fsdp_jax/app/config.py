@@ -28,6 +28,7 @@ from fsdp_jax.axes import MESH_AXES
 from fsdp_jax.mesh import MeshError, resolve_mesh_shape
 from fsdp_jax.precision import Policy
 from fsdp_jax.app.models.llama import LlamaConfig, count_params  # noqa: F401 (re-exported)
+from fsdp_jax.app.models.rope import ROPE_TYPES
 from fsdp_jax.offload import OFFLOADS
 from fsdp_jax.remat import REMAT_POLICIES
 from fsdp_jax.strategy import ALIASES, STRATEGIES
@@ -151,7 +152,7 @@ class Config:
     run_dir: str = "runs/tiny"
     xla_gpu_flags: str = "none"         # none | fsdp: fsdp_jax.xla_flags.GPU_FSDP_FLAGS (set before start-up)
     init_from: str | None = None        # params to start from: a .safetensors file, run or checkpoint dir,
-                                        # or hf:DIR (a Hugging Face Llama; its config.json sets model.*)
+                                        # or hf:DIR (a Hugging Face model, docs/hf_models.md; its config.json sets model.*)
 
 
 _SECTIONS: dict[str, type] = {k: t for k, t in typing.get_type_hints(Config).items()
@@ -159,7 +160,8 @@ _SECTIONS: dict[str, type] = {k: t for k, t in typing.get_type_hints(Config).ite
 _OVERRIDE_ALIASES = {"strategy": "mesh.strategy", "steps": "train.steps", "lr": "optimizer.lr"}
 _FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 _INT_LIMIT = 2**31
-_CHOICES = {"model.attention": ("xla", "cudnn"), "optimizer.name": ("adamw", "sgd", "adafactor"),
+_CHOICES = {"model.attention": ("xla", "cudnn"), "model.rope_type": ROPE_TYPES,
+            "model.mlp_activation": ("silu", "gelu_pytorch_tanh"), "optimizer.name": ("adamw", "sgd", "adafactor"),
             "data.source": ("stdlib", "none"), "xla_gpu_flags": ("none", "fsdp")}
 
 
@@ -345,6 +347,25 @@ def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
         raise ConfigError(key, f"{value!r} is invalid; {allowed}")
 
 
+def _check_decoder(m: LlamaConfig) -> None:
+    """The family switches of the decoder (docs/hf_models.md)."""
+    for n in ("sliding_window", "global_every", "rope_local_theta", "attn_softcap",
+              "query_pre_attn_scalar", "final_softcap", "rope_attention_factor", "rope_mscale",
+              "rope_mscale_all_dim", "rope_original_max_len"):
+        _check(getattr(m, n) >= 0, f"model.{n}", getattr(m, n), "must be >= 0 (0 = off)")
+    _check(m.global_every == 0 or m.sliding_window > 0, "model.global_every", m.global_every,
+           "a layer pattern needs model.sliding_window > 0")
+    _check(m.rope_local_theta == 0 or m.global_every > 0, "model.rope_local_theta",
+           m.rope_local_theta, "only sliding layers of a pattern (model.global_every > 0) use it")
+    for n in ("rope_factor", "rope_low_freq_factor", "rope_beta_fast", "rope_beta_slow"):
+        _check(getattr(m, n) > 0, f"model.{n}", getattr(m, n), "must be > 0")
+    _check(m.rope_high_freq_factor > m.rope_low_freq_factor, "model.rope_high_freq_factor",
+           m.rope_high_freq_factor, f"must be > model.rope_low_freq_factor={m.rope_low_freq_factor}")
+    if m.rope_type in ("llama3", "yarn"):
+        _check(m.rope_original_max_len > 0, "model.rope_original_max_len", m.rope_original_max_len,
+               f"rope_type {m.rope_type} needs the original context length (> 0)")
+
+
 def validate(cfg: Config, n_devices: int | None = None) -> None:
     """Range and cross-field checks; with `n_devices`, also the mesh and batch divisibility."""
     for section in _SECTIONS:
@@ -377,12 +398,14 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
         _check(0 <= getattr(opt, n) < 1, f"optimizer.{n}", getattr(opt, n), "must be in [0, 1)")
     _check(opt.clip_norm is None or opt.clip_norm > 0, "optimizer.clip_norm", opt.clip_norm,
            "must be > 0, or null for no clipping")
-    _check(m.d_model % m.n_heads == 0, "model.d_model", m.d_model,
-           f"must be divisible by model.n_heads={m.n_heads}")
+    _check(m.kv_channels > 0 or m.d_model % m.n_heads == 0, "model.d_model", m.d_model,
+           f"must be divisible by model.n_heads={m.n_heads} (or set model.kv_channels)")
     _check(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads", m.n_kv_heads,
            f"must divide model.n_heads={m.n_heads}")
-    _check((m.d_model // m.n_heads) % 2 == 0, "model.d_model", m.d_model,
-           f"head dim d_model/n_heads={m.d_model // m.n_heads} must be even for RoPE")
+    _check(m.kv_channels >= 0, "model.kv_channels", m.kv_channels, "must be >= 0 (0 = d_model/n_heads)")
+    _check(m.head_dim % 2 == 0, "model.kv_channels" if m.kv_channels else "model.d_model",
+           m.kv_channels or m.d_model, f"head dim {m.head_dim} must be even for RoPE")
+    _check_decoder(m)
     _check(data.seq_len <= m.max_seq_len, "data.seq_len", data.seq_len,
            f"must be <= model.max_seq_len={m.max_seq_len}")
     _check(bool(data.path.strip()), "data.path", data.path, "must be a directory path")

@@ -1,20 +1,21 @@
-"""Hugging Face Llama-family checkpoints -> the reference Llama, loaded sharded.
+"""Hugging Face checkpoints of the decoder families -> the reference decoder, loaded sharded.
 
-    init_from: hf:/path/to/Llama-2-7b-hf       # config.json + model.safetensors[.index.json]
+    init_from: hf:/path/to/Llama-3.1-8B       # config.json + model.safetensors[.index.json]
 
-`model_config_from_hf` maps `config.json` onto `LlamaConfig` and refuses, with one
-line naming the field, what the reference model cannot compute (another
-activation, biases, sliding windows, rope scaling, a head_dim other than
-hidden_size / heads, ...). Both config generations are read: transformers 5.x
-writes `rope_parameters: {rope_theta, rope_type}`, 4.x a top-level `rope_theta`
-(absent: 10000). `load_config` calls `model_section_from_hf` so a config with
-`init_from: hf:PATH` gets its model section from the checkpoint (keys the YAML
-sets must agree) and the run's saved config.yaml is complete.
+`model_config_from_hf` (fsdp_jax.app.hf_config) maps `config.json` of a llama,
+mistral, qwen2, qwen3 or gemma3_text model onto `LlamaConfig` and refuses, with one
+line naming the field, what the decoder cannot compute. `load_config` calls
+`model_section_from_hf` so a config with `init_from: hf:PATH` gets its model section
+from the checkpoint (keys the YAML sets must agree) and the run's saved config.yaml is
+complete. `HFCheckpoint` then checks every tensor against what the config implies
+(a bias the config does not have, a q_norm of the wrong size: one line naming it).
 
 Layout (measured against transformers' LlamaForCausalLM, DESIGN.md): per layer
 `q/k/v_proj.weight.T` reshaped to (D, H, Dh), `o_proj.weight.T` to (H, Dh, D),
-`gate/up/down_proj.weight.T`, norms as they are, the head `lm_head.weight.T` (or
-the embedding table when tied). Both sides use rotate-half RoPE and map query head
+`gate/up/down_proj.weight.T`, norms as they are, q/k/v biases (Qwen2) reshaped to
+(N, Dh), the head `lm_head.weight.T` (or the embedding table when tied). Gemma 3's
+`post_attention_layernorm` is our `post_attn_norm` and its `pre_feedforward_layernorm`
+our `mlp_norm` (in the other families `post_attention_layernorm` is the pre-MLP norm). Both sides use rotate-half RoPE and map query head
 n to kv head n // (H / K), so no permutation. Scanned layers stack on a leading
 `layers` dim.
 
@@ -26,7 +27,6 @@ the host copy, so host memory holds one shard at a time, never the model.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 from collections.abc import Mapping
@@ -37,19 +37,13 @@ import jax
 import numpy as np
 
 from fsdp_jax.app.config import ConfigError
+from fsdp_jax.app.hf_config import (ARCH_FIELDS, ARCHITECTURES, FAMILIES, FIELDS,  # noqa: F401
+                                    MODEL_TYPES, model_config_from_hf)
 from fsdp_jax.app.models.llama import LlamaConfig
 from fsdp_jax.safetensors_io import SafetensorsError, SafetensorsFile
 from fsdp_jax.checkpoint import CheckpointError, tree_paths
 
 PREFIX = "hf:"
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
-MODEL_TYPES = ("llama", "mistral")
-# LlamaConfig field <- config.json key (after rope/eps defaults are applied)
-FIELDS = {"vocab_size": "vocab_size", "d_model": "hidden_size", "n_layers": "num_hidden_layers",
-          "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads",
-          "ffn_dim": "intermediate_size", "max_seq_len": "max_position_embeddings",
-          "rope_theta": "rope_theta", "norm_eps": "rms_norm_eps",
-          "tie_word_embeddings": "tie_word_embeddings"}
 # per-layer params: our path under a block -> (HF name under model.layers.N, layout kind)
 LAYER_TENSORS = {"attn/wq": ("self_attn.q_proj.weight", "qkv"),
                  "attn/wk": ("self_attn.k_proj.weight", "qkv"),
@@ -60,6 +54,14 @@ LAYER_TENSORS = {"attn/wq": ("self_attn.q_proj.weight", "qkv"),
                  "mlp/w_down": ("mlp.down_proj.weight", "t"),
                  "attn_norm/scale": ("input_layernorm.weight", "id"),
                  "mlp_norm/scale": ("post_attention_layernorm.weight", "id")}
+BIAS_TENSORS = {"attn/bq": ("self_attn.q_proj.bias", "bias"),
+                "attn/bk": ("self_attn.k_proj.bias", "bias"),
+                "attn/bv": ("self_attn.v_proj.bias", "bias")}
+QK_NORM_TENSORS = {"attn/q_norm/scale": ("self_attn.q_norm.weight", "id"),
+                   "attn/k_norm/scale": ("self_attn.k_norm.weight", "id")}
+SANDWICH_TENSORS = {"post_attn_norm/scale": ("post_attention_layernorm.weight", "id"),
+                    "mlp_norm/scale": ("pre_feedforward_layernorm.weight", "id"),
+                    "post_mlp_norm/scale": ("post_feedforward_layernorm.weight", "id")}
 TOP_TENSORS = {"embed": ("model.embed_tokens.weight", "id"),
                "final_norm/scale": ("model.norm.weight", "id"),
                "head": ("lm_head.weight", "t")}
@@ -92,71 +94,6 @@ def read_config_json(path: str | Path) -> dict:
     return raw
 
 
-def model_config_from_hf(raw: Mapping, where: str = "config.json",
-                         base: LlamaConfig = LlamaConfig()) -> LlamaConfig:
-    """LlamaConfig for an HF config dict; non-architecture fields (scan_layers,
-    attention) come from `base`. ConfigError(`where`, ...) names the refused field."""
-    def bad(key, why):
-        return ConfigError(where, f"{key}={raw.get(key)!r}: {why}")
-
-    mt = raw.get("model_type")
-    if mt not in MODEL_TYPES:
-        raise bad("model_type", f"not a Llama-family model (allowed: {', '.join(MODEL_TYPES)})")
-    arch = raw.get("architectures") or []
-    if any(a not in ARCHITECTURES for a in arch):
-        raise bad("architectures", f"allowed: {', '.join(ARCHITECTURES)}")
-    act = raw.get("hidden_act", "silu")
-    if act != "silu":
-        raise bad("hidden_act", "the reference Llama's MLP is SwiGLU (silu) only")
-    for key in ("attention_bias", "mlp_bias"):
-        if raw.get(key, False):
-            raise bad(key, "the reference Llama has no biases")
-    if raw.get("sliding_window") is not None and raw.get("use_sliding_window", True):
-        raise bad("sliding_window", "the reference Llama attends causally over the whole "
-                  "sequence (allowed: null)")
-    if float(raw.get("attention_dropout", 0.0) or 0.0) != 0.0:
-        raise bad("attention_dropout", "the reference Llama has no dropout (allowed: 0)")
-    if float(raw.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise bad("partial_rotary_factor", "RoPE rotates the whole head (allowed: 1)")
-    rope = raw.get("rope_parameters") or {}
-    if not isinstance(rope, Mapping):
-        raise bad("rope_parameters", "expected an object {rope_type, rope_theta}")
-    scaling = raw.get("rope_scaling")
-    for key, r in (("rope_parameters", rope), ("rope_scaling", scaling or {})):
-        kind = r.get("rope_type", r.get("type", "default")) if isinstance(r, Mapping) else r
-        if kind != "default":
-            raise bad(key, "rope scaling is not implemented by the reference Llama "
-                      "(allowed: null or rope_type default)")
-    theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
-    vals = {"rope_theta": theta, "rms_norm_eps": raw.get("rms_norm_eps", 1e-6),
-            "tie_word_embeddings": raw.get("tie_word_embeddings", False),
-            "num_key_value_heads": raw.get("num_key_value_heads") or raw.get("num_attention_heads"),
-            "max_position_embeddings": raw.get("max_position_embeddings", 2048)}
-    kw: dict[str, Any] = {}
-    for field, key in FIELDS.items():
-        v = vals[key] if key in vals else raw.get(key)
-        if v is None:
-            raise ConfigError(where, f"{key}: missing (a Llama config.json has it)")
-        want = type(getattr(base, field))
-        ok = (isinstance(v, bool) if want is bool else
-              isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
-              and (want is float or float(v).is_integer()))
-        if not ok:
-            raise ConfigError(where, f"{key}={v!r}: expected a "
-                              f"{'boolean' if want is bool else 'positive number'}")
-        kw[field] = want(v)
-    cfg = dataclasses.replace(base, **kw)
-    if cfg.d_model % cfg.n_heads or cfg.n_heads % cfg.n_kv_heads:
-        raise ConfigError(where, f"hidden_size={cfg.d_model}, num_attention_heads={cfg.n_heads}, "
-                          f"num_key_value_heads={cfg.n_kv_heads}: heads must divide hidden_size "
-                          "and kv heads must divide heads")
-    hd = raw.get("head_dim")
-    if hd is not None and hd != cfg.head_dim:
-        raise bad("head_dim", f"the reference Llama's head dim is hidden_size / "
-                  f"num_attention_heads = {cfg.head_dim}")
-    return cfg
-
-
 def model_section_from_hf(raw: Mapping) -> dict:
     """A raw config dict whose `model` section is filled from `init_from: hf:PATH`'s
     config.json (when that file exists; else unchanged). A model key the YAML sets
@@ -170,7 +107,8 @@ def model_section_from_hf(raw: Mapping) -> dict:
         return dict(raw)  # config_from_dict reports it
     derived = model_config_from_hf(read_config_json(path), str(path / "config.json"))
     model = dict(section)
-    for field, key in FIELDS.items():
+    for field in ARCH_FIELDS:
+        key = FIELDS.get(field, field)
         theirs, mine = getattr(derived, field), model.get(field)
         if isinstance(theirs, float) and isinstance(mine, str) and _FLOAT.fullmatch(mine.strip()):
             mine = float(mine)  # PyYAML reads 1e4 (no dot) as a string
@@ -184,24 +122,36 @@ def model_section_from_hf(raw: Mapping) -> dict:
 def check_model_config(model: LlamaConfig, path: Path) -> None:
     """ConfigError when `model` (the run's) differs from the checkpoint's config.json."""
     derived = model_config_from_hf(read_config_json(path), str(path / "config.json"), base=model)
-    for field, key in FIELDS.items():
+    for field in ARCH_FIELDS:
         if getattr(model, field) != getattr(derived, field):
             raise ConfigError(f"model.{field}", f"{getattr(model, field)!r} but {path}/config.json "
-                              f"has {key}={getattr(derived, field)!r}")
+                              f"implies {FIELDS.get(field, field)}={getattr(derived, field)!r}")
 
 
 # -- tensor layout -------------------------------------------------------------------------
 
+def layer_tensors(cfg: LlamaConfig) -> dict[str, tuple[str, str]]:
+    """{our path under a block: (HF name under model.layers.N, layout kind)} for `cfg`."""
+    out = dict(LAYER_TENSORS)
+    if cfg.qkv_bias:
+        out.update(BIAS_TENSORS)
+    if cfg.qk_norm:
+        out.update(QK_NORM_TENSORS)
+    if cfg.sandwich_norm:
+        out.update(SANDWICH_TENSORS)
+    return out
+
+
 def expected_tensors(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """{HF tensor name: shape} of a checkpoint for `cfg`."""
     d, f, dh = cfg.d_model, cfg.ffn_dim, cfg.head_dim
-    per = {"self_attn.q_proj.weight": (cfg.n_heads * dh, d),
-           "self_attn.k_proj.weight": (cfg.n_kv_heads * dh, d),
-           "self_attn.v_proj.weight": (cfg.n_kv_heads * dh, d),
-           "self_attn.o_proj.weight": (d, cfg.n_heads * dh),
-           "mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d),
-           "mlp.down_proj.weight": (d, f),
-           "input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,)}
+    shapes = {"attn/wq": (cfg.n_heads * dh, d), "attn/wk": (cfg.n_kv_heads * dh, d),
+              "attn/wv": (cfg.n_kv_heads * dh, d), "attn/wo": (d, cfg.n_heads * dh),
+              "mlp/w_gate": (f, d), "mlp/w_up": (f, d), "mlp/w_down": (d, f),
+              "attn/bq": (cfg.n_heads * dh,), "attn/bk": (cfg.n_kv_heads * dh,),
+              "attn/bv": (cfg.n_kv_heads * dh,), "attn/q_norm/scale": (dh,),
+              "attn/k_norm/scale": (dh,)}
+    per = {name: shapes.get(ours, (d,)) for ours, (name, _) in layer_tensors(cfg).items()}
     out = {"model.embed_tokens.weight": (cfg.vocab_size, d)}
     for i in range(cfg.n_layers):
         out.update({f"model.layers.{i}.{k}": s for k, s in per.items()})
@@ -218,7 +168,7 @@ def leaf_sources(cfg: LlamaConfig) -> dict[str, tuple[list[str], str]]:
     for ours, (name, kind) in TOP_TENSORS.items():
         if ours != "head" or not cfg.tie_word_embeddings:
             out[ours] = ([name], kind)
-    for ours, (name, kind) in LAYER_TENSORS.items():
+    for ours, (name, kind) in layer_tensors(cfg).items():
         if cfg.scan_layers:
             out[f"blocks/{ours}"] = ([f"model.layers.{i}.{name}" for i in range(cfg.n_layers)], kind)
         else:
@@ -243,6 +193,9 @@ def read_block(f: SafetensorsFile, name: str, kind: str, idx: tuple[slice, ...],
         n0, n1 = _span(idx[1], shape[1])
         w = f.read(name, slice(n0 * dh, n1 * dh), idx[0], dtype=dtype)  # (n*Dh, d)
         return w.reshape(n1 - n0, dh, -1)[:, idx[2], :].transpose(2, 0, 1)
+    if kind == "bias":  # ours (N, Dh) = b.reshape(N, Dh), b (N*Dh,)
+        n0, n1 = _span(idx[0], shape[0])
+        return f.read(name, slice(n0 * dh, n1 * dh), dtype=dtype).reshape(n1 - n0, dh)[:, idx[1]]
     if kind == "o":  # ours (H, Dh, D) = w.T.reshape(H, Dh, D), w (D, H*Dh)
         h0, h1 = _span(idx[0], shape[0])
         w = f.read(name, idx[2], slice(h0 * dh, h1 * dh), dtype=dtype)  # (d, h*Dh)
@@ -258,6 +211,8 @@ def to_hf(kind: str, ours: np.ndarray) -> np.ndarray:
         return ours.T
     if kind == "qkv":
         return ours.reshape(ours.shape[0], -1).T
+    if kind == "bias":
+        return ours.reshape(-1)
     if kind == "o":
         return ours.reshape(-1, ours.shape[-1]).T
     raise ValueError(kind)
@@ -313,8 +268,8 @@ class HFCheckpoint:
         extra = [n for n in self.where if n not in want and not _IGNORED.fullmatch(n)
                  and not (tied_head and n == "lm_head.weight")]
         if extra:
-            raise CheckpointError(f"hf:{self.path}: unexpected tensor {extra[0]} (the reference "
-                                  "Llama has no such parameter)")
+            raise CheckpointError(f"hf:{self.path}: unexpected tensor {extra[0]} (the model "
+                                  "config.json describes has no such parameter)")
         for n, shape in want.items():
             got = self.where[n].shape(n)
             if got != shape:

@@ -1,11 +1,14 @@
-"""A run's params -> a Hugging Face Llama directory `LlamaForCausalLM.from_pretrained` loads.
+"""A run's params -> a Hugging Face directory of its family that `from_pretrained` loads.
 
     export_hf("runs/ft", "out/ft-hf", dtype="bfloat16")   # scripts/export.py RUN --hf OUT
 
-Writes `config.json` (both the transformers 5.x `rope_parameters` and the 4.x
-top-level `rope_theta`), the weights as `model.safetensors`, or as
-`model-0000i-of-0000n.safetensors` plus `model.safetensors.index.json` when they
-exceed `max_shard_bytes`, and the tokenizer files of the model it was imported from
+Writes `config.json` in the model's family (llama, mistral, qwen2, qwen3 or
+gemma3_text: the one the run was imported from when it still fits, else the first
+whose config maps back onto exactly this architecture; `hf_config.config_json`),
+with both the transformers 5.x `rope_parameters` and the 4.x `rope_scaling` /
+top-level `rope_theta`, so an older transformers does not load default RoPE; the
+weights as `model.safetensors`, or as `model-0000i-of-0000n.safetensors` plus
+`model.safetensors.index.json` when they exceed `max_shard_bytes`, and the tokenizer files of the model it was imported from
 (or of the corpus). The model config comes from the checkpoint's saved config.
 
 Leaves are read one at a time from the checkpoint (never the optimizer state); the
@@ -26,6 +29,8 @@ from pathlib import Path
 import numpy as np
 
 from fsdp_jax.app import hf
+from fsdp_jax.app.config import ConfigError
+from fsdp_jax.app.hf_config import config_json
 from fsdp_jax.app.models.llama import LlamaConfig
 from fsdp_jax.safetensors_io import check_file, write_safetensors
 from fsdp_jax.checkpoint import Checkpointer, CheckpointError, shape_mismatches, tree_paths
@@ -35,19 +40,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size "5GB"
 
 
-def hf_config(cfg: LlamaConfig, dtype: str, token_ids: dict | None = None) -> dict:
-    """config.json for `cfg` (keys as transformers writes them, sorted)."""
-    d = {"architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-         "head_dim": cfg.head_dim, "hidden_act": "silu", "hidden_size": cfg.d_model,
-         "initializer_range": 0.02, "intermediate_size": cfg.ffn_dim,
-         "max_position_embeddings": cfg.max_seq_len, "mlp_bias": False, "model_type": "llama",
-         "num_attention_heads": cfg.n_heads, "num_hidden_layers": cfg.n_layers,
-         "num_key_value_heads": cfg.n_kv_heads, "pretraining_tp": 1, "rms_norm_eps": cfg.norm_eps,
-         "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"},
-         "rope_scaling": None, "rope_theta": cfg.rope_theta,
-         "tie_word_embeddings": cfg.tie_word_embeddings, "dtype": dtype, "torch_dtype": dtype,
-         "use_cache": True, "vocab_size": cfg.vocab_size, **(token_ids or {})}
-    return dict(sorted(d.items()))
+def hf_config(cfg: LlamaConfig, dtype: str, token_ids: dict | None = None,
+              hint: str | None = None) -> dict:
+    """config.json for `cfg` in its family (`hint`: the model_type to prefer), keys as
+    transformers writes them, sorted (fsdp_jax.app.hf_config.config_json)."""
+    return config_json(cfg, dtype, token_ids, hint)
 
 
 def _pick_step(ckpt: Checkpointer, step: int | None) -> int:
@@ -129,6 +126,13 @@ def export_hf(directory: str | os.PathLike, out: str | os.PathLike, *, dtype: st
     if bad:
         raise CheckpointError(f"{ckpt.step_dir(s)}: params do not match its saved model config "
                               f"({'; '.join(bad)})")
+    hint = None
+    if hf.is_hf(run_cfg.init_from) and (hf.hf_dir(run_cfg.init_from) / "config.json").is_file():
+        hint = hf.read_config_json(hf.hf_dir(run_cfg.init_from)).get("model_type")
+    try:
+        hf_config(cfg, "float32", hint=hint)  # refuses before anything is written
+    except ConfigError as e:
+        raise CheckpointError(f"{ckpt.step_dir(s)}: {e}") from None
     out_dt = np.dtype(dtype) if dtype else None
     shapes = hf.expected_tensors(cfg)
     entries, source = [], {}  # HF name -> (our leaf path, layer index or None, kind)
@@ -176,7 +180,7 @@ def export_hf(directory: str | os.PathLike, out: str | os.PathLike, *, dtype: st
                      "weight_map": dict(sorted((e[0], f) for f, g in zip(names, files) for e in g))}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         float_dt = (out_dt or np.dtype(entries[0][2])).name
-        (tmp / "config.json").write_text(json.dumps(hf_config(cfg, float_dt, token_ids), indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(hf_config(cfg, float_dt, token_ids, hint), indent=2) + "\n")
         for f, target in tok_files:
             shutil.copyfile(f, tmp / target)
         if out.exists():

@@ -1,15 +1,21 @@
-"""Reference Llama-style decoder in Flax NNX.
+"""Reference decoder in Flax NNX: Llama 2/3.x, Mistral, Qwen2.5, Qwen3 and Gemma 3 by config.
 
-Token embedding -> N x [RMSNorm -> causal self-attention (RoPE, grouped-query
-heads, no biases) -> residual; RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm ->
-output head (its own (D, V) param, or the embedding table when
-`tie_word_embeddings`). Init normal(0, 0.02), norm scales 1. The layout matches
-Hugging Face's LlamaForCausalLM up to transposes (rotate-half RoPE, q head n uses
-kv head n // (H / K)); `fsdp_jax.app.hf` converts both ways.
+Token embedding (times sqrt(D) for Gemma) -> N x [RMSNorm -> causal self-attention
+(grouped-query heads; optional q/k/v biases, per-head q/k RMSNorm, RoPE of
+`models/rope.py`, sliding window on all layers or on a pattern of them, soft-capped
+scores) -> (post-norm) -> residual; RMSNorm -> gated MLP (SiLU or tanh-GELU) ->
+(post-norm) -> residual] -> RMSNorm -> output head (its own (D, V) param, or the
+embedding table when `tie_word_embeddings`) -> (soft cap). Init normal(0, 0.02)
+(biases too, and the w of `norm_plus_one`'s 1 + w), Llama norm scales 1. With every `LlamaConfig`
+switch at its default this is the Llama-2 reference, param for param. The layout
+matches Hugging Face's *ForCausalLM of each family up to transposes (rotate-half
+RoPE, q head n uses kv head n // (H / K)); `fsdp_jax.app.hf` converts both ways.
 
 Every parameter and activation names its dims with logical names from
 `fsdp_jax.axes`; this module knows no mesh, strategy or optimizer. Params arrive
 already cast to the compute dtype by the train step, so activations follow them.
+A layer pattern (`global_every`) passes a per-layer "sliding" flag through the
+layer scan, so scanned layers stay one module.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 import optax
 from flax import linen as nn
@@ -24,11 +31,14 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from fsdp_jax.axes import BATCH, EMBED, HEADS, KV, KV_HEADS, LAYERS, LENGTH, MLP, NORM, VOCAB
+from fsdp_jax.app.models.rope import apply_rope, rope_tables
 from fsdp_jax.remat import get_policy
 
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
+    """The decoder's architecture. Defaults are the Llama-2 reference; each family
+    switch below is off by default and adds params only when on (docs/hf_models.md)."""
     vocab_size: int = 256
     d_model: int = 256
     n_layers: int = 4
@@ -41,10 +51,42 @@ class LlamaConfig:
     scan_layers: bool = True
     attention: str = "xla"  # xla | cudnn (jax.nn.dot_product_attention implementation)
     tie_word_embeddings: bool = False  # output head = embed.T (no separate head param)
+    kv_channels: int = 0  # per-head width; 0 = d_model // n_heads (`head_dim` resolves it)
+    # RoPE scaling (of global layers): default | linear | llama3 | yarn (models/rope.py)
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0  # llama3
+    rope_high_freq_factor: float = 4.0  # llama3
+    rope_original_max_len: int = 0  # llama3 / yarn: original_max_position_embeddings
+    rope_beta_fast: float = 32.0  # yarn
+    rope_beta_slow: float = 1.0  # yarn
+    rope_attention_factor: float = 0.0  # yarn; 0 = derived from factor (and mscales)
+    rope_mscale: float = 0.0  # yarn
+    rope_mscale_all_dim: float = 0.0  # yarn
+    rope_truncate: bool = True  # yarn
+    qkv_bias: bool = False  # q/k/v projection biases (Qwen2)
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3, Gemma 3)
+    sliding_window: int = 0  # keys within this many positions (query included); 0 = all
+    global_every: int = 0  # >0: layer i is global (full attention) when (i+1) % this == 0,
+    #                        the others slide with `rope_local_theta` RoPE; 0: all layers alike
+    rope_local_theta: float = 0.0  # base of the sliding layers' RoPE; 0 = rope_theta
+    attn_softcap: float = 0.0  # cap * tanh(scores / cap); 0 = off
+    query_pre_attn_scalar: float = 0.0  # scores scaled by this ** -0.5; 0 = head_dim
+    mlp_activation: str = "silu"  # silu | gelu_pytorch_tanh (gated MLP)
+    norm_plus_one: bool = False  # RMSNorm scales by (1 + w), w initialised 0 (Gemma)
+    sandwich_norm: bool = False  # extra norms on the attention and MLP outputs (Gemma)
+    embed_scale: bool = False  # embeddings times sqrt(d_model) in the compute dtype (Gemma)
+    final_softcap: float = 0.0  # logits = cap * tanh(logits / cap); 0 = off
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.kv_channels or self.d_model // self.n_heads
+
+    def is_local(self, layer: int) -> bool:
+        """Whether `layer` attends through the sliding window."""
+        if not self.sliding_window:
+            return False
+        return not self.global_every or (layer + 1) % self.global_every != 0
 
 
 def constrain(x, names):
@@ -55,29 +97,52 @@ def constrain(x, names):
 _init = nnx.initializers.normal(0.02)
 
 
-def _param(rngs: nnx.Rngs, shape, names):
-    return nnx.Param(nnx.with_partitioning(_init, names)(rngs.params(), shape))
+def _param(rngs: nnx.Rngs, shape, names, init=_init):
+    return nnx.Param(nnx.with_partitioning(init, names)(rngs.params(), shape))
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float):
-        self.scale = nnx.Param(nnx.with_partitioning(nnx.initializers.ones, (NORM,))(None, (dim,)))
+    """RMSNorm over the last dim in float32, scaled by w (or by 1 + w: `plus_one`, with w
+    drawn N(0, 0.02) from `rngs`, not 0: a zero w's relative change over a step is
+    rounding noise wherever its gradient is near 0, which verify.py's check reads as
+    divergence)."""
+
+    def __init__(self, dim: int, eps: float, plus_one: bool = False, rngs: nnx.Rngs | None = None):
+        if plus_one:
+            self.scale = _param(rngs, (dim,), (NORM,))
+        else:
+            self.scale = nnx.Param(nnx.with_partitioning(nnx.initializers.ones, (NORM,))(None, (dim,)))
         self.eps = eps
+        self.plus_one = plus_one
 
     def __call__(self, x):
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+        w = self.scale[...].astype(jnp.float32)
+        return (y * (1.0 + w if self.plus_one else w)).astype(x.dtype)
 
 
 def rope(x, positions, theta: float):
-    """Rotary position embedding on (B, S, H, Dh), rotating halves."""
+    """Rotary position embedding on (B, S, H, Dh), rotating halves (plain RoPE)."""
     dh = x.shape[-1]
     freqs = theta ** (-jnp.arange(0, dh // 2, dtype=jnp.float32) * 2 / dh)  # (Dh/2,)
     ang = positions[:, None].astype(jnp.float32) * freqs[None, :]  # (S, Dh/2)
-    cos, sin = jnp.cos(ang)[None, :, None, :], jnp.sin(ang)[None, :, None, :]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(x.dtype)
+    return apply_rope(x, jnp.cos(ang), jnp.sin(ang))
+
+
+def softcap(x, cap: float):
+    return x if not cap else jnp.tanh(x / cap) * cap
+
+
+def _attend_capped(q, k, v, scale, cap, mask):
+    """Grouped-query attention with soft-capped scores (softmax in float32)."""
+    b, s, h, dh = q.shape
+    kvh = k.shape[2]
+    qg = q.reshape(b, s, kvh, h // kvh, dh)
+    sc = jnp.einsum("bskgd,btkd->bkgst", qg, k).astype(jnp.float32) * scale
+    sc = jnp.where(mask, softcap(sc, cap), -jnp.inf)
+    p = jax.nn.softmax(sc, axis=-1).astype(v.dtype)
+    return jnp.einsum("bkgst,btkd->bskgd", p, v).reshape(b, s, h, dh)
 
 
 class Attention(nnx.Module):
@@ -87,24 +152,60 @@ class Attention(nnx.Module):
         self.wk = _param(rngs, (d, kvh, dh), (EMBED, KV_HEADS, KV))
         self.wv = _param(rngs, (d, kvh, dh), (EMBED, KV_HEADS, KV))
         self.wo = _param(rngs, (h, dh, d), (HEADS, KV, EMBED))
-        self.theta = cfg.rope_theta
+        if cfg.qkv_bias:  # drawn like the weights: softmax ignores a per-query constant, so
+            # a k bias gets tiny gradients (RoPE aside) and from zero would move by noise
+            self.bq = _param(rngs, (h, dh), (HEADS, KV))
+            self.bk = _param(rngs, (kvh, dh), (KV_HEADS, KV))
+            self.bv = _param(rngs, (kvh, dh), (KV_HEADS, KV))
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(dh, cfg.norm_eps, cfg.norm_plus_one, rngs)
+            self.k_norm = RMSNorm(dh, cfg.norm_eps, cfg.norm_plus_one, rngs)
+        self.cfg = cfg
         self.impl = cfg.attention
 
-    def __call__(self, x):  # x: (B, S, D)
+    def __call__(self, x, local=None):  # x: (B, S, D); local: this layer slides (pattern only)
+        cfg = self.cfg
         b, s, d = x.shape
         x2 = x.reshape(b * s, d)  # flat rows: XLA:CPU's fast matmul path (DESIGN.md)
 
-        def proj(w):  # (D, H, Dh) -> (B, S, H, Dh)
+        def proj(w, bias=None):  # (D, H, Dh) -> (B, S, H, Dh)
             _, hh, dh = w.shape
             y = (x2 @ w.reshape(d, hh * dh)).reshape(b, s, hh, dh)
+            if bias is not None:
+                y = y + bias[...]
             return constrain(checkpoint_name(y, "qkv"), (BATCH, LENGTH, HEADS, KV))
 
-        pos = jnp.arange(s)
-        q = rope(proj(self.wq[...]), pos, self.theta)
-        k = rope(proj(self.wk[...]), pos, self.theta)
-        v = proj(self.wv[...])
-        o = jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                         implementation=None if self.impl == "xla" else self.impl)
+        q = proj(self.wq[...], self.bq if cfg.qkv_bias else None)
+        k = proj(self.wk[...], self.bk if cfg.qkv_bias else None)
+        v = proj(self.wv[...], self.bv if cfg.qkv_bias else None)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if cfg.rope_type == "default" and not cfg.global_every:
+            pos = jnp.arange(s)
+            q, k = rope(q, pos, cfg.rope_theta), rope(k, pos, cfg.rope_theta)
+        else:
+            cos, sin = rope_tables(cfg, s)
+            if local is not None:
+                lc, ls = rope_tables(cfg, s, local=True)
+                cos, sin = jnp.where(local, lc, cos), jnp.where(local, ls, sin)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+        qi, ki = jnp.arange(s)[:, None], jnp.arange(s)[None, :]
+        if cfg.attn_softcap or local is not None:
+            mask = ki <= qi
+            if cfg.sliding_window:
+                inside = qi - ki < cfg.sliding_window
+                mask = mask & (inside if local is None else (inside | ~local))
+            if cfg.attn_softcap:
+                o = _attend_capped(q, k, v, scale, cfg.attn_softcap, mask)
+            else:
+                o = jax.nn.dot_product_attention(q, k, v, mask=mask[None, None], scale=scale,
+                                                 implementation=None if self.impl == "xla" else self.impl)
+        else:
+            window = (cfg.sliding_window - 1, 0) if cfg.sliding_window else None
+            o = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=window,
+                                             scale=None if not cfg.query_pre_attn_scalar else scale,
+                                             implementation=None if self.impl == "xla" else self.impl)
         wo = self.wo[...]
         out = o.reshape(b * s, -1) @ wo.reshape(-1, d)  # (B*S, D)
         return checkpoint_name(out.reshape(b, s, d), "attn_out")
@@ -115,26 +216,36 @@ class FeedForward(nnx.Module):
         self.w_gate = _param(rngs, (cfg.d_model, cfg.ffn_dim), (EMBED, MLP))
         self.w_up = _param(rngs, (cfg.d_model, cfg.ffn_dim), (EMBED, MLP))
         self.w_down = _param(rngs, (cfg.ffn_dim, cfg.d_model), (MLP, EMBED))
+        self.gelu = cfg.mlp_activation == "gelu_pytorch_tanh"
 
     def __call__(self, x):  # (B, S, D)
         b, s, d = x.shape
         x2 = x.reshape(b * s, d)
-        hid = jax.nn.silu(x2 @ self.w_gate[...]) * (x2 @ self.w_up[...])  # (B*S, F)
+        g = x2 @ self.w_gate[...]
+        act = jax.nn.gelu(g, approximate=True) if self.gelu else jax.nn.silu(g)
+        hid = act * (x2 @ self.w_up[...])  # (B*S, F)
         hid = constrain(hid, (BATCH, MLP))
         return checkpoint_name((hid @ self.w_down[...]).reshape(b, s, d), "mlp_out")
 
 
 class Block(nnx.Module):
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        po = cfg.norm_plus_one
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, po, rngs)
         self.attn = Attention(cfg, rngs)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, po, rngs)
         self.mlp = FeedForward(cfg, rngs)
+        self.sandwich = cfg.sandwich_norm
+        if cfg.sandwich_norm:
+            self.post_attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, po, rngs)
+            self.post_mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, po, rngs)
 
-    def __call__(self, x):  # (B, S, D) -> (B, S, D)
+    def __call__(self, x, local=None):  # (B, S, D) -> (B, S, D)
         x = constrain(x, (BATCH, LENGTH, EMBED))
-        x = x + self.attn(self.attn_norm(x))
-        x = x + self.mlp(self.mlp_norm(x))
+        a = self.attn(self.attn_norm(x), local)
+        x = x + (self.post_attn_norm(a) if self.sandwich else a)
+        m = self.mlp(self.mlp_norm(x))
+        x = x + (self.post_mlp_norm(m) if self.sandwich else m)
         return constrain(x, (BATCH, LENGTH, EMBED))
 
 
@@ -154,36 +265,48 @@ class Llama(nnx.Module):
             self.blocks = make(rngs)
         else:
             self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
-        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_plus_one, rngs)
         if not cfg.tie_word_embeddings:
             self.head = _param(rngs, (cfg.d_model, cfg.vocab_size), (EMBED, VOCAB))
 
     def __call__(self, tokens):
+        cfg = self.cfg
         b, s = tokens.shape
         # Gather the table over its embed dim before the lookup, as for any FSDP
         # param; left sharded, the partitioner turns the gather into all-to-alls.
         emb = constrain(self.embed[...], (VOCAB, None))  # (V, D)
         x = jnp.take(emb, tokens, axis=0).astype(emb.dtype)  # (B, S, D)
+        if cfg.embed_scale:  # sqrt(D) rounded to the compute dtype, as transformers does
+            x = x * jnp.asarray(np.float32(cfg.d_model ** 0.5), emb.dtype)
         x = constrain(x, (BATCH, LENGTH, EMBED))
-        block_fn = (lambda blk, h: blk(h))
+        pattern = bool(cfg.sliding_window and cfg.global_every)  # per-layer local flag
+        block_fn = (lambda blk, h, loc: blk(h, loc)) if pattern else (lambda blk, h: blk(h))
         if self.remat != "none":
             block_fn = nnx.remat(block_fn, policy=get_policy(self.remat))
-        if self.cfg.scan_layers:
+        if cfg.scan_layers and pattern:
+            flags = jnp.asarray([cfg.is_local(i) for i in range(cfg.n_layers)])
+
+            @nnx.scan(in_axes=(0, nnx.Carry, 0), out_axes=nnx.Carry,
+                      transform_metadata={nnx.PARTITION_NAME: LAYERS})
+            def run_pattern(blk, h, loc):
+                return block_fn(blk, h, loc)
+            x = run_pattern(self.blocks, x, flags)
+        elif cfg.scan_layers:
             @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry,
                       transform_metadata={nnx.PARTITION_NAME: LAYERS})
             def run(blk, h):
                 return block_fn(blk, h)
             x = run(self.blocks, x)
         else:
-            for blk in self.blocks:
-                x = block_fn(blk, x)
+            for i, blk in enumerate(self.blocks):
+                x = block_fn(blk, x, jnp.asarray(cfg.is_local(i))) if pattern else block_fn(blk, x)
         x = self.final_norm(x)
         x2 = x.reshape(b * s, -1)
-        if self.cfg.tie_word_embeddings:
+        if cfg.tie_word_embeddings:
             logits = (x2 @ self.embed[...].T).reshape(b, s, -1)  # (B*S, D) @ (D, V)
         else:
             logits = (x2 @ self.head[...]).reshape(b, s, -1)
-        return constrain(logits, (BATCH, LENGTH, VOCAB))
+        return constrain(softcap(logits, cfg.final_softcap), (BATCH, LENGTH, VOCAB))
 
 
 def cross_entropy(logits, targets):
@@ -192,24 +315,36 @@ def cross_entropy(logits, targets):
 
 
 def count_params(cfg: LlamaConfig) -> int:
-    """Parameter count: embeddings, head (unless tied), per-layer attention + SwiGLU + 2 norms,
-    final norm."""
+    """Parameter count: embeddings, head (unless tied), per-layer attention (+ q/k/v
+    biases, q/k norms) + gated MLP + 2 norms (4 with `sandwich_norm`), final norm."""
     d, f, h, kvh = cfg.d_model, cfg.ffn_dim, cfg.n_heads, cfg.n_kv_heads
     dh = cfg.head_dim
     attn = d * h * dh + 2 * d * kvh * dh + h * dh * d
-    per_layer = attn + 3 * d * f + 2 * d
+    attn += (h + 2 * kvh) * dh if cfg.qkv_bias else 0
+    attn += 2 * dh if cfg.qk_norm else 0
+    per_layer = attn + 3 * d * f + (4 if cfg.sandwich_norm else 2) * d
     tables = 1 if cfg.tie_word_embeddings else 2
     return tables * cfg.vocab_size * d + cfg.n_layers * per_layer + d
 
 
+def _attended_fraction(cfg: LlamaConfig, seq_len: int, layer: int) -> float:
+    """Keys a causal query attends, summed over queries, relative to full causal."""
+    w, s = cfg.sliding_window, seq_len
+    if not cfg.is_local(layer) or w >= s:
+        return 1.0
+    return (w * (w + 1) / 2 + (s - w) * w) / (s * (s + 1) / 2)
+
+
 def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
     """Training FLOPs per token: 6 x (params used in matmuls: all but the embedding
-    lookup) plus causal attention scores and values, 6 x L x S x D (PaLM appendix B
-    counts 12 x L x S x D for full attention; causal masking does half the work)."""
+    lookup) plus causal attention scores and values, 6 x L x S x H x Dh (PaLM appendix
+    B counts 12 x L x S x D for full attention; causal masking does half the work; a
+    sliding layer does the fraction of that work its window leaves)."""
     # a tied table is used by the head matmul, so only an untied one is lookup-only
     lookup_only = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.d_model
     matmul_params = count_params(cfg) - lookup_only
-    return 6.0 * matmul_params + 6.0 * cfg.n_layers * seq_len * cfg.d_model
+    layers = sum(_attended_fraction(cfg, seq_len, i) for i in range(cfg.n_layers))
+    return 6.0 * matmul_params + 6.0 * layers * seq_len * cfg.n_heads * cfg.head_dim
 
 
 def sample(next_logits, prompt, n_new: int, window: int, rng, temperature: float = 0.8) -> list[int]:
