@@ -131,7 +131,7 @@ def _write_corpus(files: list[Path], out_dir: str | os.PathLike, val_fraction: f
         with open(tmp["train.bin"], "wb") as ft, open(tmp["val.bin"], "wb") as fv:
             for name, fh, group in (("train.bin", ft, train), ("val.bin", fv, val)):
                 for f in group:
-                    arr = np.frombuffer(f.read_bytes(), np.uint8).astype(dtype)
+                    arr = np.frombuffer(_file_bytes(f), np.uint8).astype(dtype)
                     if split == "bytes":
                         cut = len(arr) - max(1, int(round(val_fraction * len(arr))))
                         arr[:cut].tofile(ft)
@@ -154,6 +154,18 @@ def _write_corpus(files: list[Path], out_dir: str | os.PathLike, val_fraction: f
             t.unlink(missing_ok=True)
 
 
+def _file_bytes(f: Path) -> bytes:
+    """The byte tokenizer's text of a file: its bytes, or for a .jsonl file each line's
+    {"text": ...} as UTF-8 followed by a newline (parsed exactly as with a real tokenizer)."""
+    if f.suffix != ".jsonl":
+        return f.read_bytes()
+    from fsdp_jax.app.tokenizer import TokenizerError, read_documents
+    try:
+        return b"".join(doc.encode("utf-8", errors="replace") + b"\n" for doc in read_documents(f))
+    except TokenizerError as e:
+        raise DataError(str(e)) from None
+
+
 def prepare_text(sources: Sequence[str | os.PathLike], out_dir: str | os.PathLike,
                  val_fraction: float = 0.05, seed: int = 0, tokenizer: str = "bytes",
                  pattern: str = "*", exclude: Sequence[str] = (), **tokenize) -> dict:
@@ -163,7 +175,8 @@ def prepare_text(sources: Sequence[str | os.PathLike], out_dir: str | os.PathLik
     The split is by file: the file list is shuffled with `seed` and whole files from its
     end, about `val_fraction` of the bytes, become val.bin, so validation text is unseen.
     A single file is split by bytes instead (meta "split": "bytes"). Any bytes are
-    accepted; the byte tokenizer needs no UTF-8.
+    accepted; the byte tokenizer needs no UTF-8. A .jsonl file is parsed whatever the
+    tokenizer: one {"text": ...} document per line (bytes: its UTF-8 and a newline).
 
     `tokenizer`: "bytes", or the path of a Hugging Face tokenizer.json, a SentencePiece
     .model or a model directory holding one (`fsdp_jax.app.tokenizer`); then each file
