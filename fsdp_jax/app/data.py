@@ -321,6 +321,10 @@ def load_meta(data_dir: str | os.PathLike) -> dict:
         if dt not in (np.uint16, np.uint32):
             raise ValueError(f"dtype {meta['dtype']!r}: allowed uint16, uint32")
         expect = {"train.bin": meta["train_tokens"], "val.bin": meta["val_tokens"]}
+        if meta.get("format") == "packed":  # fsdp_jax.app.sft_data: per-token mask and segment files
+            for s in SPLITS:
+                expect[f"{s}.mask.bin"] = meta[f"{s}_tokens"] / dt.itemsize
+                expect[f"{s}.seg.bin"] = meta[f"{s}_tokens"] * 2 / dt.itemsize
     except FileNotFoundError:
         raise DataError(f"{str(d)!r}: meta.json not found; prepare it with "
                         f"scripts/prepare_data.py --out {d}") from None
