@@ -71,13 +71,52 @@ class RMSNorm(nnx.Module):
 
 
 def rope(x, positions, theta: float):
-    """Rotary position embedding on (B, S, H, Dh), rotating halves."""
+    """Rotary position embedding on (B, S, H, Dh), rotating halves; `positions` (S,) or
+    (B, S) (packed rows: each example's positions restart at 0)."""
     dh = x.shape[-1]
     freqs = theta ** (-jnp.arange(0, dh // 2, dtype=jnp.float32) * 2 / dh)  # (Dh/2,)
-    ang = positions[:, None].astype(jnp.float32) * freqs[None, :]  # (S, Dh/2)
-    cos, sin = jnp.cos(ang)[None, :, None, :], jnp.sin(ang)[None, :, None, :]
+    ang = positions[..., None].astype(jnp.float32) * freqs  # (S, Dh/2) or (B, S, Dh/2)
+    ang = ang[None] if ang.ndim == 2 else ang  # (B|1, S, Dh/2)
+    cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(x.dtype)
+
+
+def segment_mask(segment_ids):
+    """(B, 1, S, S) bool: query i may attend to key j when both are in the same segment
+    (causality is applied separately)."""
+    return (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+
+
+def packed_layout(segment_ids):
+    """cuDNN's packed-sequence layout of segment ids (B, S) with segments numbered 1, 2, ...
+    from the left (0 = padding, at the end): (seqlen (B, S), offsets (B, S + 1)), int32,
+    -1 past each row's last segment (`jax._src.cudnn.fused_attention_stablehlo`)."""
+    b, s = segment_ids.shape
+    ids = jnp.arange(1, s + 1)  # a row holds at most S segments
+    seqlen = jnp.sum(segment_ids[:, None, :] == ids[None, :, None], axis=-1)  # (B, S)
+    offsets = jnp.concatenate([jnp.zeros((b, 1), jnp.int32),
+                               jnp.cumsum(seqlen, axis=-1).astype(jnp.int32)], axis=-1)
+    used = jnp.concatenate([seqlen > 0, jnp.zeros((b, 1), bool)], axis=-1)
+    offsets = jnp.where(used, offsets, -1)
+    return jnp.where(seqlen > 0, seqlen, -1).astype(jnp.int32), offsets
+
+
+def attention(q, k, v, segment_ids, impl: str):
+    """Causal attention (B, S, H, Dh) that never crosses a segment boundary when
+    `segment_ids` (B, S) is given. `xla`: a (B, 1, S, S) mask with is_causal.
+    `cudnn`: jax.nn.dot_product_attention takes no segment ids, so the packed rows go to
+    the cuDNN fused attention under it as per-row segment lengths and offsets
+    (PADDING_CAUSAL, cuDNN's packed layout; GPU only, untestable on CPU)."""
+    if segment_ids is None:
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                            implementation=None if impl == "xla" else impl)
+    if impl == "xla":
+        return jax.nn.dot_product_attention(q, k, v, mask=segment_mask(segment_ids), is_causal=True)
+    from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention as cudnn_attn
+    seqlen, offsets = packed_layout(segment_ids)
+    return cudnn_attn(q, k, v, q_seqlen=seqlen, kv_seqlen=seqlen, q_offsets=offsets, kv_offsets=offsets,
+                      scale=1.0 / q.shape[-1] ** 0.5, mask_type=MaskType.PADDING_CAUSAL)
 
 
 class Attention(nnx.Module):
@@ -90,7 +129,7 @@ class Attention(nnx.Module):
         self.theta = cfg.rope_theta
         self.impl = cfg.attention
 
-    def __call__(self, x):  # x: (B, S, D)
+    def __call__(self, x, segment_ids=None, positions=None):  # x: (B, S, D)
         b, s, d = x.shape
         x2 = x.reshape(b * s, d)  # flat rows: XLA:CPU's fast matmul path (DESIGN.md)
 
@@ -99,12 +138,11 @@ class Attention(nnx.Module):
             y = (x2 @ w.reshape(d, hh * dh)).reshape(b, s, hh, dh)
             return constrain(checkpoint_name(y, "qkv"), (BATCH, LENGTH, HEADS, KV))
 
-        pos = jnp.arange(s)
+        pos = jnp.arange(s) if positions is None else positions  # (S,) or (B, S)
         q = rope(proj(self.wq[...]), pos, self.theta)
         k = rope(proj(self.wk[...]), pos, self.theta)
         v = proj(self.wv[...])
-        o = jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                         implementation=None if self.impl == "xla" else self.impl)
+        o = attention(q, k, v, segment_ids, self.impl)
         wo = self.wo[...]
         out = o.reshape(b * s, -1) @ wo.reshape(-1, d)  # (B*S, D)
         return checkpoint_name(out.reshape(b, s, d), "attn_out")
@@ -131,15 +169,16 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = FeedForward(cfg, rngs)
 
-    def __call__(self, x):  # (B, S, D) -> (B, S, D)
+    def __call__(self, x, segment_ids=None, positions=None):  # (B, S, D) -> (B, S, D)
         x = constrain(x, (BATCH, LENGTH, EMBED))
-        x = x + self.attn(self.attn_norm(x))
+        x = x + self.attn(self.attn_norm(x), segment_ids, positions)
         x = x + self.mlp(self.mlp_norm(x))
         return constrain(x, (BATCH, LENGTH, EMBED))
 
 
 class Llama(nnx.Module):
-    """`Llama(cfg, rngs=nnx.Rngs(0), remat="dots")(tokens (B, S) int) -> logits (B, S, V)`."""
+    """`Llama(cfg, rngs=nnx.Rngs(0), remat="dots")(tokens (B, S) int) -> logits (B, S, V)`;
+    optional `segment_ids` and `positions` (B, S) for packed rows."""
 
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, remat: str = "none"):
         self.cfg = cfg
@@ -158,14 +197,16 @@ class Llama(nnx.Module):
         if not cfg.tie_word_embeddings:
             self.head = _param(rngs, (cfg.d_model, cfg.vocab_size), (EMBED, VOCAB))
 
-    def __call__(self, tokens):
+    def __call__(self, tokens, segment_ids=None, positions=None):
+        """tokens (B, S) int -> logits (B, S, V). Packed rows: `segment_ids` (B, S) keep
+        attention inside each example, `positions` (B, S) restart RoPE per example."""
         b, s = tokens.shape
         # Gather the table over its embed dim before the lookup, as for any FSDP
         # param; left sharded, the partitioner turns the gather into all-to-alls.
         emb = constrain(self.embed[...], (VOCAB, None))  # (V, D)
         x = jnp.take(emb, tokens, axis=0).astype(emb.dtype)  # (B, S, D)
         x = constrain(x, (BATCH, LENGTH, EMBED))
-        block_fn = (lambda blk, h: blk(h))
+        block_fn = (lambda blk, h: blk(h, segment_ids, positions))
         if self.remat != "none":
             block_fn = nnx.remat(block_fn, policy=get_policy(self.remat))
         if self.cfg.scan_layers:
