@@ -52,6 +52,7 @@ from fsdp_jax.precision import Policy
 from fsdp_jax.app.preemption import StopSignals
 from fsdp_jax.build import build
 from fsdp_jax.state import TrainState
+from fsdp_jax.step import TokenSum
 from fsdp_jax.strategy import ShardingPlan
 
 # Test hook: comma-separated step numbers (1-based, as logged) whose loss is made NaN
@@ -85,10 +86,24 @@ class Run:
     setup_s: float = 0.0                    # wall seconds train() spent in setup (for goodput)
 
 
+def token_loss(logits, targets, weights) -> TokenSum:
+    """Cross-entropy summed over the weighted (trained) targets, and their count: the step
+    divides by the global batch's count (`fsdp_jax.step.TokenSum`)."""
+    import optax
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(np.float32), targets)
+    w = weights.astype(np.float32)
+    return TokenSum((losses * w).sum(), w.sum())
+
+
 def make_loss_fn(model: ModelFns) -> Callable:
-    """Next-token cross-entropy on int32 tokens (B, S + 1)."""
-    def loss_fn(params, tokens):
-        return cross_entropy(model.apply(params, tokens[:, :-1]), tokens[:, 1:])
+    """Next-token cross-entropy on int32 tokens (B, S + 1) (the mean), or on a packed /
+    document-masked batch dict (`fsdp_jax.app.packing.batch_from_rows`): attention and
+    positions per segment, the loss over the weighted targets of the global batch."""
+    def loss_fn(params, batch):
+        if isinstance(batch, dict):
+            logits = model.apply(params, batch["inputs"], batch["segment_ids"], batch["positions"])
+            return token_loss(logits, batch["targets"], batch["weights"])
+        return cross_entropy(model.apply(params, batch[:, :-1]), batch[:, 1:])
     return loss_fn
 
 
