@@ -100,3 +100,4 @@ def test_byte_corpus_parses_jsonl_like_a_real_tokenizer(tmp_path):
     meta = data.prepare_text([src], tmp_path / "o", val_fraction=0.1)
     stream = np.concatenate([np.fromfile(tmp_path / "o" / f"{s}.bin", meta["dtype"]) for s in ("train", "val")])
     assert bytes(stream.astype(np.uint8)) == ("alpha\nbéta\ngamma\n" * 20).encode()
+    assert meta["max_token_id"] == max("alpha\nbéta\ngamma\n".encode())

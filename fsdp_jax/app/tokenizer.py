@@ -139,13 +139,18 @@ def load_tokenizer(path: str | os.PathLike, eos: str | None = None, require_eos:
 
 
 def read_documents(file: Path) -> Iterator[str]:
-    """A text file is one document; a .jsonl file holds one per line ({"text": ...}).
-    Bytes that are not UTF-8 are replaced (U+FFFD)."""
-    text = file.read_bytes().decode("utf-8", errors="replace")
+    """A text file is one document (read whole); a .jsonl file holds one per line
+    ({"text": ...}), read as a stream. Bytes that are not UTF-8 are replaced (U+FFFD)."""
     if file.suffix != ".jsonl":
-        yield text
+        yield file.read_bytes().decode("utf-8", errors="replace")
         return
-    for n, line in enumerate(text.splitlines(), 1):
+    with open(file, "rb") as fh:
+        lines = (raw.decode("utf-8", errors="replace") for raw in fh)
+        yield from _jsonl_texts(file, lines)
+
+
+def _jsonl_texts(file: Path, lines: Iterable[str]) -> Iterator[str]:
+    for n, line in enumerate(lines, 1):
         if line.strip():
             try:
                 yield json.loads(line)["text"]
