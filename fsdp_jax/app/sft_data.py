@@ -40,7 +40,7 @@ from fsdp_jax.app.examples import (ExampleEncoder, ExampleError, find_chat_templ
                                    special_tokens)
 from fsdp_jax.app.packing import PackStats, batch_from_rows, cut, pack
 
-BATCH_BYTES = 4 << 20          # text per encode call
+BATCH_BYTES = 1 << 20          # text per encode call (its Python token lists dominate memory)
 PACK_TOKENS = 1 << 21          # tokens buffered before a pack (and at least 256 rows' worth)
 _STREAM = {"train": 3, "val": 4}
 
