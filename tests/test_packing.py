@@ -174,3 +174,30 @@ def test_empty_examples_are_counted_and_reported(tmp_path, capsys):
     assert rc == 0 and "skipped (nothing to train on) 2, first at" in out and "mixed.jsonl:31" in out
     meta = json.loads((tmp_path / "o" / "meta.json").read_text())
     assert meta["empty_skipped"] == 2 and meta["examples"] == 62
+
+
+def test_document_mask_config_on_token_corpora(tmp_path):
+    from fsdp_jax.app import data
+    from fsdp_jax.app.config import ConfigError, check_data, load_config
+    from fsdp_jax.app.loop import make_batches
+    src = tmp_path / "d.jsonl"
+    src.write_text("\n".join(json.dumps({"text": f"doc {i} " + "word " * (i % 9 + 1)}) for i in range(80)))
+    data.prepare_text([src], tmp_path / "tok", val_fraction=0.1, tokenizer=str(CHAT / "llama2"))
+    data.prepare_text([src], tmp_path / "bytes", val_fraction=0.1)
+    over = ["data.seq_len=32", "train.global_batch=4", "data.document_mask=true", "data.source=none",
+            "model.max_seq_len=32"]
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", over + [f"data.path={tmp_path / 'tok'}"])
+    check_data(cfg)
+    train, val = make_batches(cfg, 0, 1)
+    b = next(train)
+    eos = json.loads((tmp_path / "tok" / "meta.json").read_text())["eos_id"]
+    for r in range(4):
+        ends = np.flatnonzero(b["inputs"][r] == eos)
+        assert len(ends) and (b["positions"][r][ends[:-1] + 1] == 0).all()  # restart after each EOS
+        assert (np.diff(b["segment_ids"][r]) == (b["inputs"][r][:-1] == eos)).all()
+    with pytest.raises(ConfigError, match="data.document_mask.*EOS"):
+        check_data(load_config(ROOT / "configs" / "tiny.yaml", over + [f"data.path={tmp_path / 'bytes'}"]))
+    packed = tmp_path / "packed"
+    prepare_examples([chats(tmp_path / "c.jsonl", 200)], packed, row_len=64, tokenizer=str(CHAT / "llama2"))
+    with pytest.raises(ConfigError, match="data.seq_len.*row length 64"):
+        check_data(load_config(ROOT / "configs" / "tiny.yaml", ["data.seq_len=32", f"data.path={packed}", "data.source=none"]))
