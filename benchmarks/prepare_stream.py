@@ -66,14 +66,14 @@ def make_corpus(path: Path, mb: int, mode: str, seed: int = 0) -> int:
     return size
 
 
-def measure(src: Path, out: Path, mode: str, threads: int | None, row_len: int) -> dict:
-    cmd = [sys.executable, str(ROOT / "scripts" / "prepare_data.py"), "--out", str(out), str(src),
+def measure(src: Path, out: Path, mode: str, threads: int | None, row_len: int, root: Path = ROOT) -> dict:
+    cmd = [sys.executable, str(root / "scripts" / "prepare_data.py"), "--out", str(out), str(src),
            "--tokenizer", str(TOKENIZER), "--no-progress"]
     if mode == "pack":
         cmd += ["--pack", str(row_len)]
     if threads:
         cmd += ["--threads", str(threads)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(root)}
     t0 = time.perf_counter()
     res = subprocess.run([sys.executable, "-c", _WRAP, *cmd], capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
@@ -96,6 +96,8 @@ def main(argv=None) -> int:
     ap.add_argument("--row-len", type=int, default=1024)
     ap.add_argument("--scratch", default=None, help="scratch directory (default: a temp dir)")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--root", type=Path, default=ROOT,
+                    help="the checkout whose prepare_data.py runs (e.g. an older release, to compare)")
     args = ap.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory(dir=args.scratch) as tmp:
@@ -103,7 +105,8 @@ def main(argv=None) -> int:
             src = Path(tmp) / f"corpus_{mb}.jsonl"
             nbytes = make_corpus(src, mb, args.mode)
             for th in args.threads:
-                r = measure(src, Path(tmp) / f"out_{mb}_{th}", args.mode, th or None, args.row_len)
+                r = measure(src, Path(tmp) / f"out_{mb}_{th}", args.mode, th or None, args.row_len,
+                            args.root)
                 r = {"mode": args.mode, "input_mb": round(nbytes / 1e6, 1), "threads": th or "default",
                      **r, "mb_per_s": round(nbytes / 1e6 / r["wall_s"], 2)}
                 rows.append(r)
