@@ -101,3 +101,12 @@ def test_byte_corpus_parses_jsonl_like_a_real_tokenizer(tmp_path):
     stream = np.concatenate([np.fromfile(tmp_path / "o" / f"{s}.bin", meta["dtype"]) for s in ("train", "val")])
     assert bytes(stream.astype(np.uint8)) == ("alpha\nbéta\ngamma\n" * 20).encode()
     assert meta["max_token_id"] == max("alpha\nbéta\ngamma\n".encode())
+
+
+def test_sentencepiece_masks_by_byte_offsets(tmp_path):
+    from test_tokenizer import train_sentencepiece
+    tok = load_tokenizer(train_sentencepiece(tmp_path / "sp"))
+    ex = ExampleEncoder(tok).encode_batch([({"prompt": "def f(x): café", "completion": " return x"}, "f:1")])[0]
+    assert ex.tokens[:-1].tolist() == tok.encode("def f(x): café return x")  # encoded whole
+    assert tok.decode(ex.tokens[ex.mask == 1][:-1]) == "return x" and ex.mask[-1] == 1
+    assert ex.mask[:-3].sum() == 0

@@ -60,7 +60,7 @@ class Tokenizer:
             return [(e.ids, [a for a, _ in e.offsets])
                     for e in self._tok.encode_batch(texts, add_special_tokens=False)]
         out = []
-        for text, proto in zip(texts, self._tok.encode(texts, out_type="immutable_proto", num_threads=threads or -1)):
+        for text, proto in zip(texts, self._tok.encode(texts, return_type="proto", num_threads=threads or -1)):
             char_of = np.repeat(np.arange(len(text) + 1), [len(c.encode("utf-8", errors="replace"))
                                                             for c in text] + [1])
             out.append(([p.id for p in proto.pieces], [int(char_of[min(p.begin, len(char_of) - 1)])
