@@ -201,3 +201,35 @@ def test_document_mask_config_on_token_corpora(tmp_path):
     prepare_examples([chats(tmp_path / "c.jsonl", 200)], packed, row_len=64, tokenizer=str(CHAT / "llama2"))
     with pytest.raises(ConfigError, match="data.seq_len.*row length 64"):
         check_data(load_config(ROOT / "configs" / "tiny.yaml", ["data.seq_len=32", f"data.path={packed}", "data.source=none"]))
+
+
+def test_a_killed_prepare_leaves_the_previous_corpus_and_the_next_run_cleans_up(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+    from fsdp_jax.app import data, sft_data
+    from fsdp_jax.app.examples import ExampleEncoder
+    src = chats(tmp_path / "c.jsonl", 300)
+    out = tmp_path / "o"
+    before = prepare_examples([src], out, row_len=128, tokenizer=str(CHAT / "llama2"))
+    files = {f.name: f.read_bytes() for f in out.iterdir()}
+    # a run that dies mid-stream (after writing rows): the previous corpus stays complete
+    monkeypatch.setattr(sft_data, "BATCH_BYTES", 2000)
+    calls = {"n": 0}
+    real = ExampleEncoder.encode_batch
+
+    def dying(self, items, threads=None):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt  # as a kill would stop it, mid-stream
+        return real(self, items, threads)
+    monkeypatch.setattr(ExampleEncoder, "encode_batch", dying)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_examples([src], out, row_len=64, tokenizer=str(CHAT / "llama2"))
+    assert data.load_meta(out) == before and {f.name: f.read_bytes() for f in out.iterdir()} == files
+    # SIGKILL leaves temporary files of a dead process; the next run removes them
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    (out / f".train.bin.tmp.{dead}").write_bytes(b"partial")
+    monkeypatch.setattr(ExampleEncoder, "encode_batch", real)
+    after = prepare_examples([src], out, row_len=64, tokenizer=str(CHAT / "llama2"))
+    assert after["row_len"] == 64 and not list(out.glob(".*.tmp.*"))
