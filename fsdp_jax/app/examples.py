@@ -188,7 +188,7 @@ class ChatRenderer:
                 if m["role"] != "assistant":
                     continue
                 before = self.render(messages[:i], add_generation_prompt=True)
-                upto = self.render(messages[:i + 1])
+                upto = text if i == len(messages) - 1 else self.render(messages[:i + 1])
                 if not (text.startswith(upto) and upto.startswith(before)):
                     raise ExampleError(f"{where}: the chat template does not render the conversation "
                                        f"as a growing prefix (assistant turn {i}), so its loss mask "
