@@ -11,7 +11,7 @@ from fsdp_jax.rules import (DEFAULT_MIN_SHARD_SIZE, DEFAULT_RULES, LeafSharding,
                             UnknownNamesWarning, Why, check_sufficiently_sharded, explain,
                             logical_axes_of, logical_to_spec, merge_rules)
 from fsdp_jax.state import TrainState, abstract_state, init_train_state, shard_params, state_shardings
-from fsdp_jax.step import (BatchError, CompiledStep, make_eval_step, make_train_step, sharding_context,
+from fsdp_jax.step import (BatchError, CompiledStep, TokenSum, make_eval_step, make_train_step, sharding_context,
                            trainable_leaves)
 from fsdp_jax.strategy import ALIASES, STRATEGIES, ShardingPlan, Strategy, get_strategy, make_plan
 from fsdp_jax.verify import VerifyError, verify
@@ -22,7 +22,7 @@ __all__ = [
     "get_policy", "with_remat", "DEFAULT_MIN_SHARD_SIZE", "DEFAULT_RULES", "LeafSharding",
     "ShardingError", "UnknownNamesWarning", "Note", "Why", "merge_rules", "check_sufficiently_sharded", "explain", "logical_axes_of",
     "logical_to_spec", "TrainState", "abstract_state", "init_train_state", "shard_params",
-    "state_shardings", "BatchError", "CompiledStep", "make_eval_step", "make_train_step",
+    "state_shardings", "BatchError", "CompiledStep", "TokenSum", "make_eval_step", "make_train_step",
     "sharding_context", "ALIASES", "STRATEGIES", "ShardingPlan", "Strategy", "get_strategy",
     "make_plan", "verify", "VerifyReport", "StrategyReport", "Divergence", "Tolerance", "TOLERANCES",
     "VerifyError", "OFFLOADS", "OffloadError", "targets", "hlo",

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +46,28 @@ from fsdp_jax.precision import Policy, cast_params_for_compute
 from fsdp_jax.state import TrainState, state_shardings
 from fsdp_jax.strategy import ShardingPlan, batch_divisor
 
-LossFn = Callable[[Any, Any], Any]  # (params, batch) -> loss or (loss, aux)
+LossFn = Callable[[Any, Any], Any]  # (params, batch) -> loss or (loss, aux); loss: scalar or TokenSum
+
+
+class TokenSum(NamedTuple):
+    """A loss to be averaged over the tokens of the GLOBAL batch: `loss_fn` returns the
+    sum of its per-token losses over the (micro)batch it sees and how many tokens
+    (unmasked targets) that sum covers. The step adds totals and counts over
+    microbatches (and, being a global jitted computation, over devices) and divides
+    once: loss = sum of all token losses / number of all tokens, and the gradient is
+    that mean's. A scalar loss is instead averaged per microbatch (mean of means),
+    which differs from this whenever microbatches hold different token counts."""
+    total: Any  # f32 scalar: sum of token losses
+    count: Any  # f32 scalar: tokens summed
+
+
+def normalize(loss, grads):
+    """(mean loss, grads of the mean) from a TokenSum and its summed grads; a scalar
+    loss and its grads unchanged."""
+    if not isinstance(loss, TokenSum):
+        return loss, grads
+    n = jnp.maximum(loss.count, 1.0)
+    return loss.total / n, jax.tree.map(lambda g: (g / n).astype(g.dtype), grads)
 
 
 class BatchError(ValueError):
@@ -175,8 +196,12 @@ def compute_value_and_grad(loss_fn: LossFn, policy: Policy, plan: ShardingPlan, 
                 pc = constrain(pc, compute_sh)
             out = loss_fn(pc, batch)
             loss, aux = out if has_aux else (out, None)
-            return loss.astype(jnp.float32), aux
-        (loss, aux), grads = jax.value_and_grad(f, has_aux=True)(wrt.select(params))
+            if isinstance(loss, TokenSum):  # differentiate the sum; the count rides along
+                return loss.total.astype(jnp.float32), (aux, loss.count.astype(jnp.float32))
+            return loss.astype(jnp.float32), (aux, None)
+        (loss, (aux, count)), grads = jax.value_and_grad(f, has_aux=True)(wrt.select(params))
+        if count is not None:
+            loss = TokenSum(loss, count)
         return loss, aux, constrain(grads, wrt.select(grad_sh))
     return grad_fn
 
@@ -185,7 +210,9 @@ def microbatched(grad_fn: GradFn, microbatches: int, grad_shardings=None,
                  grads_like: Callable[[Any], Any] = lambda params: params) -> GradFn:
     """`grad_fn` over `microbatches` slices of the batch, scanned: mean loss, mean
     grads (summed into an accumulator laid out as `grad_shardings`, a tree matching
-    the grads, or None) and the slices' aux stacked on a leading dim. Slice j takes
+    the grads, or None) and the slices' aux stacked on a leading dim; for a `TokenSum`
+    loss the summed TokenSum and summed grads instead (`normalize` divides once by the
+    total count). Slice j takes
     rows j, j+k, j+2k, ... so each slice still spans every device. `grads_like(params)`
     has the grads' shapes and dtypes (default: params). microbatches=1 is `grad_fn`."""
     if microbatches < 1:
@@ -201,10 +228,14 @@ def microbatched(grad_fn: GradFn, microbatches: int, grad_shardings=None,
             acc, loss_sum = carry
             loss, aux, g = grad_fn(params, mb)
             acc = jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, g)
-            return (place(acc), loss_sum + loss), aux
+            return (place(acc), jax.tree.map(jnp.add, loss_sum, loss)), aux
         zeros = place(jax.tree.map(lambda g: jnp.zeros(g.shape, g.dtype), grads_like(params)))
-        (acc, loss_sum), aux = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)),
-                                            _split_microbatches(batch, microbatches))
+        mbs = _split_microbatches(batch, microbatches)
+        loss_shape = jax.eval_shape(lambda: grad_fn(params, jax.tree.map(lambda x: x[0], mbs))[0])
+        loss0 = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), loss_shape)
+        (acc, loss_sum), aux = jax.lax.scan(body, (zeros, loss0), mbs)
+        if isinstance(loss_sum, TokenSum):
+            return loss_sum, aux, acc
         return loss_sum / microbatches, aux, jax.tree.map(lambda g: g / microbatches, acc)
     return run
 
@@ -250,8 +281,11 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, pl
                     donate: bool = True, trainable: Any = None) -> CompiledStep:
     """A jitted `step(state, batch) -> (state, metrics)` for `plan`'s mesh and strategy.
 
-    `loss_fn(params, batch)` returns a scalar mean loss (or `(loss, aux)` with
-    `has_aux`); `params` arrive in the compute dtype. `batch` is a pytree whose
+    `loss_fn(params, batch)` returns a scalar mean loss, or a `TokenSum(total, count)`
+    to average over the tokens of the whole global batch (masked fine-tuning
+    losses: every microbatch and device weighs by its token count; metrics then hold
+    `tokens`, the global count), or `(loss, aux)` with `has_aux`; `params` arrive in
+    the compute dtype. `batch` is a pytree whose
     leaves have a leading global-batch dim. metrics: `loss` (output dtype),
     `grad_norm` (global, before clipping), `skipped` (1 when a non-finite loss or
     grad norm left the state unchanged), plus `aux` when given (stacked over
@@ -281,6 +315,8 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, pl
         grad_fn = microbatched(compute_value_and_grad(loss_fn, policy, plan, wrt, has_aux),
                                microbatches, wrt.select(plan.grads), wrt.select)
         loss, aux, grads = grad_fn(state.params, batch)
+        tokens = loss.count if isinstance(loss, TokenSum) else None
+        loss, grads = normalize(loss, grads)
         grads, grad_norm = clip_grads(wrt.full_grads(grads, plan.grads), clip_norm)
         # offloaded optimizer state (and f32 master params) come once the grads exist
         state = offload_lib.fetch_state(at_rest, plan, after=grad_norm)
@@ -291,6 +327,8 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, pl
                    "skipped": (~ok).astype(jnp.int32)}
         if has_aux:
             metrics["aux"] = aux
+        if tokens is not None:
+            metrics["tokens"] = tokens  # the global batch's trained (unmasked) tokens
         return new, metrics
 
     sh = state_shardings(plan)
@@ -301,7 +339,8 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, pl
 
 def make_eval_step(loss_fn: LossFn, plan: ShardingPlan, *, precision: Policy | str | None = None,
                    has_aux: bool = False) -> CompiledStep:
-    """A jitted `eval_step(params, batch) -> {"loss": ...}` (no state change)."""
+    """A jitted `eval_step(params, batch) -> {"loss": ...}` (no state change); with a
+    `TokenSum` loss also `loss_sum` and `tokens`."""
     policy = Policy.parse(precision)
 
     def step(params, batch):
@@ -309,6 +348,10 @@ def make_eval_step(loss_fn: LossFn, plan: ShardingPlan, *, precision: Policy | s
         pc = policy.cast_to_compute(constrain(params, offload_lib.on_device(plan.params)))
         out = loss_fn(pc, batch)
         loss = out[0] if has_aux else out
+        if isinstance(loss, TokenSum):  # the sum and count too, to average over many batches
+            total, count = loss.total.astype(jnp.float32), loss.count.astype(jnp.float32)
+            return {"loss": (total / jnp.maximum(count, 1.0)).astype(policy.output_dtype),
+                    "loss_sum": total, "tokens": count}
         return {"loss": loss.astype(policy.output_dtype)}
 
     jitted = jax.jit(step, in_shardings=(plan.params, plan.batch),

@@ -12,6 +12,15 @@ bar; token dtype from the vocab size; meta.json records the tokenizer so the
 trainer's text sample decodes with it. --model DIR (a Hugging Face model) checks
 that the tokenizer's vocab fits the model's before anything is written.
 
+--pack ROW_LEN prepares fine-tuning examples instead (docs/finetuning_data.md): each
+.jsonl line is a chat {"messages": [...]} (rendered with the tokenizer's chat template),
+an instruction {"prompt", "completion"} or a plain {"text"}; a text file is one plain
+example. Only assistant turns / completions are trained on (--train-on-all: every
+token); examples are packed into rows of ROW_LEN tokens with segment ids, longer ones
+truncated or split (--overflow); the packing report is printed.
+
+    python scripts/prepare_data.py --out data/sft chats.jsonl --pack 512 --tokenizer ckpt/
+
 Exit codes: 0 success, 2 bad input (one line on stderr), 1 anything else.
 """
 
@@ -45,7 +54,23 @@ def _parse(argv):
     p.add_argument("--threads", type=int, default=None, help="encoding threads (default: all)")
     p.add_argument("--model", help="Hugging Face model dir whose vocab_size the tokenizer must fit")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--pack", type=int, metavar="ROW_LEN",
+                   help="fine-tuning examples packed into rows of ROW_LEN tokens")
+    p.add_argument("--train-on-all", action="store_true",
+                   help="--pack: train on every token (default: assistant turns / completions only)")
+    p.add_argument("--overflow", choices=("truncate", "split"), default="truncate",
+                   help="--pack: an example longer than a row is truncated (default) or split")
+    p.add_argument("--chat-template", help="--pack: a jinja chat template file (default: the tokenizer's)")
     args = p.parse_args(argv)
+    if args.threads is not None and args.threads < 1:
+        p.error(f"--threads {args.threads}: must be >= 1")
+    if args.pack is not None:
+        if not args.sources:
+            p.error("--pack needs SOURCES... (jsonl or text files)")
+        if not 2 <= args.pack < 2**16:
+            p.error(f"--pack {args.pack}: must be in 2..65535")
+    elif args.train_on_all or args.chat_template or args.overflow != "truncate":
+        p.error("--train-on-all, --overflow and --chat-template need --pack")
     modes = [bool(args.sources), args.stdlib, args.bin is not None]
     if sum(modes) != 1:
         p.error("give exactly one of: SOURCES..., --stdlib, --bin")
@@ -92,6 +117,23 @@ def main(argv=None) -> int:
         print(f"error: --out {args.out!r} {problem}", file=sys.stderr)
         return 2
     try:
+        if args.pack is not None:
+            if args.tokenizer != "bytes":
+                _check_vocab(args)
+            from fsdp_jax.app.sft_data import prepare_examples
+            meta = prepare_examples(args.sources, args.out, args.pack, args.val_fraction, args.seed,
+                                    tokenizer=args.tokenizer, pattern=args.pattern, eos=args.eos,
+                                    chat_template=args.chat_template,
+                                    train_on="all" if args.train_on_all else "targets",
+                                    overflow=args.overflow, threads=args.threads,
+                                    progress=not args.no_progress)
+            pk = meta["packing"]
+            print(f"{args.out}: {meta['examples']:,} examples ({', '.join(f'{k} {v}' for k, v in meta['kinds'].items())}) "
+                  f"-> train {meta['train_rows']:,} rows, val {meta['val_rows']:,} rows of {meta['row_len']} "
+                  f"tokens; packing efficiency {pk['efficiency']:.2%}; truncated {pk['truncated']}, "
+                  f"split {pk['split']}, skipped (nothing to train on) {pk['empty']}"
+                  + (f", first at {meta['first_empty']}" if meta["first_empty"] else ""))
+            return 0
         if args.bin is not None:
             meta = data.prepare_bin(args.bin, args.val_bin, args.out, args.vocab_size, args.dtype)
         elif args.tokenizer != "bytes":

@@ -68,7 +68,7 @@ OUT_OF_RANGE: dict[str, typing.Any] = {
     "optimizer.name": "adam9", "optimizer.lr": 0.0, "optimizer.warmup_steps": -1,
     "optimizer.min_lr_ratio": 2.0, "optimizer.b1": 1.0, "optimizer.b2": -0.1, "optimizer.eps": 0.0,
     "optimizer.weight_decay": -0.1, "optimizer.momentum": 1.0, "optimizer.clip_norm": 0.0,
-    "data.path": "", "data.source": "web", "data.seq_len": 0, "data.seed": -1,
+    "data.path": "", "data.source": "web", "data.seq_len": 0, "data.seed": -1, "data.document_mask": None,
     "train.steps": 0, "train.global_batch": 0, "train.microbatches": 0, "train.seed": -1,
     "train.log_every": 0, "train.eval_every": -1, "train.eval_batches": -1,
     "train.checkpoint_every": -1, "train.keep_checkpoints": 0, "train.tensorboard": None,

@@ -102,6 +102,7 @@ class DataConfig:
     source: str = "stdlib"              # stdlib: prepare the stdlib corpus there if missing; none
     seq_len: int = 128
     seed: int = 0
+    document_mask: bool = False         # token corpora: attention and positions restart after each EOS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -505,5 +506,12 @@ def check_data(cfg: Config) -> None:
             raise ConfigError("data.path", f"{str(meta)!r} is not a valid meta.json") from None
         tok = m.get("tokenizer")
         by = f" (tokenizer {tok})" if tok not in (None, "bytes", "external") else ""
+        if m.get("format") == "packed":  # fine-tuning rows (fsdp_jax.app.sft_data): fixed length
+            _check(cfg.data.seq_len == m.get("row_len"), "data.seq_len", cfg.data.seq_len,
+                   f"must equal the packed corpus' row length {m.get('row_len')} in {meta}")
+        elif cfg.data.document_mask:
+            _check(isinstance(m.get("eos_id"), int) and m["eos_id"] >= 0, "data.document_mask", True,
+                   f"needs a corpus with an EOS token ending each document; {meta} has none "
+                   "(prepare it with --tokenizer)")
         _check(vocab <= cfg.model.vocab_size, "model.vocab_size", cfg.model.vocab_size,
                f"must be >= the corpus vocab_size {vocab} in {meta}{by}")

@@ -126,12 +126,13 @@ def _write_corpus(files: list[Path], out_dir: str | os.PathLike, val_fraction: f
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tmp = {n: out / f".{n}.tmp.{os.getpid()}" for n in ("train.bin", "val.bin")}
-    counts = {"train.bin": 0, "val.bin": 0}
+    counts, top = {"train.bin": 0, "val.bin": 0}, -1
     try:
         with open(tmp["train.bin"], "wb") as ft, open(tmp["val.bin"], "wb") as fv:
             for name, fh, group in (("train.bin", ft, train), ("val.bin", fv, val)):
                 for f in group:
-                    arr = np.frombuffer(f.read_bytes(), np.uint8).astype(dtype)
+                    arr = np.frombuffer(_file_bytes(f), np.uint8).astype(dtype)
+                    top = max(top, int(arr.max())) if len(arr) else top
                     if split == "bytes":
                         cut = len(arr) - max(1, int(round(val_fraction * len(arr))))
                         arr[:cut].tofile(ft)
@@ -144,7 +145,7 @@ def _write_corpus(files: list[Path], out_dir: str | os.PathLike, val_fraction: f
         if min(counts.values()) == 0:
             raise DataError(f"corpus of {total} bytes is too small to split with "
                             f"val_fraction {val_fraction}")
-        meta = {"vocab_size": 256, "dtype": dtype.name, "tokenizer": "bytes",
+        meta = {"vocab_size": 256, "dtype": dtype.name, "tokenizer": "bytes", "max_token_id": top,
                 "train_tokens": counts["train.bin"], "val_tokens": counts["val.bin"],
                 **meta_extra, "val_fraction": val_fraction, "seed": seed, "split": split,
                 "train_files": len(train), "val_files": len(val)}
@@ -152,6 +153,18 @@ def _write_corpus(files: list[Path], out_dir: str | os.PathLike, val_fraction: f
     finally:
         for t in tmp.values():
             t.unlink(missing_ok=True)
+
+
+def _file_bytes(f: Path) -> bytes:
+    """The byte tokenizer's text of a file: its bytes, or for a .jsonl file each line's
+    {"text": ...} as UTF-8 followed by a newline (parsed exactly as with a real tokenizer)."""
+    if f.suffix != ".jsonl":
+        return f.read_bytes()
+    from fsdp_jax.app.tokenizer import TokenizerError, read_documents
+    try:
+        return b"".join(doc.encode("utf-8", errors="replace") + b"\n" for doc in read_documents(f))
+    except TokenizerError as e:
+        raise DataError(str(e)) from None
 
 
 def prepare_text(sources: Sequence[str | os.PathLike], out_dir: str | os.PathLike,
@@ -163,7 +176,8 @@ def prepare_text(sources: Sequence[str | os.PathLike], out_dir: str | os.PathLik
     The split is by file: the file list is shuffled with `seed` and whole files from its
     end, about `val_fraction` of the bytes, become val.bin, so validation text is unseen.
     A single file is split by bytes instead (meta "split": "bytes"). Any bytes are
-    accepted; the byte tokenizer needs no UTF-8.
+    accepted; the byte tokenizer needs no UTF-8. A .jsonl file is parsed whatever the
+    tokenizer: one {"text": ...} document per line (bytes: its UTF-8 and a newline).
 
     `tokenizer`: "bytes", or the path of a Hugging Face tokenizer.json, a SentencePiece
     .model or a model directory holding one (`fsdp_jax.app.tokenizer`); then each file
@@ -198,28 +212,29 @@ def _write_tokenized(files: list[Path], out_dir: str | os.PathLike, val_fraction
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tmp = {n: out / f".{n}.tmp.{os.getpid()}" for n in ("train.bin", "val.bin")}
-    counts, docs = {}, 0
+    counts, docs, top = {}, 0, [-1]
     try:
         for name, group in (("train.bin", train), ("val.bin", val)):
             with open(tmp[name], "wb") as fh:
+                def write(ids, fh=fh):
+                    top[0] = max(top[0], int(ids.max())) if len(ids) else top[0]
+                    ids.astype(dtype).tofile(fh)
                 try:
-                    d, counts[name] = encode_corpus(tok, group, lambda ids: ids.astype(dtype).tofile(fh),
-                                                    threads, progress)
+                    d, counts[name] = encode_corpus(tok, group, write, threads, progress)
                 except TokenizerError as e:
                     raise DataError(str(e)) from None
                 docs += d
         split = "files" if val else "tokens"
         if not val:  # one file: its last val_fraction of tokens become val
-            tokens = np.fromfile(tmp["train.bin"], dtype)
-            cut = len(tokens) - max(1, int(round(val_fraction * len(tokens))))
-            tokens[:cut].tofile(tmp["train.bin"])
-            tokens[cut:].tofile(tmp["val.bin"])
-            counts = {"train.bin": cut, "val.bin": len(tokens) - cut}
+            n = counts["train.bin"]
+            cut = n - max(1, int(round(val_fraction * n)))
+            _move_tail(tmp["train.bin"], tmp["val.bin"], cut, dtype)
+            counts = {"train.bin": cut, "val.bin": n - cut}
         if min(counts.values()) == 0:
             raise DataError(f"corpus of {sum(counts.values())} tokens is too small to split with "
                             f"val_fraction {val_fraction}")
         meta = {"vocab_size": tok.vocab_size, "dtype": dtype.name, "tokenizer": tok.path,
-                "tokenizer_kind": tok.kind, "eos_id": tok.eos_id,
+                "tokenizer_kind": tok.kind, "eos_id": tok.eos_id, "max_token_id": top[0],
                 "train_tokens": counts["train.bin"], "val_tokens": counts["val.bin"],
                 "documents": docs, **meta_extra, "val_fraction": val_fraction, "seed": seed,
                 "split": split, "train_files": len(train), "val_files": len(val)}
@@ -227,6 +242,17 @@ def _write_tokenized(files: list[Path], out_dir: str | os.PathLike, val_fraction
     finally:
         for t in tmp.values():
             t.unlink(missing_ok=True)
+
+
+def _move_tail(src: Path, dst: Path, cut: int, dtype: np.dtype, chunk: int = 1 << 22) -> None:
+    """Tokens [cut:] of `src` become `dst` and `src` is truncated to [:cut], a chunk at a
+    time (memory bounded, whatever the corpus size)."""
+    tokens = np.memmap(src, dtype, "r")
+    with open(dst, "wb") as fh:
+        for i in range(cut, len(tokens), chunk):
+            np.asarray(tokens[i:i + chunk]).tofile(fh)
+    del tokens
+    os.truncate(src, cut * dtype.itemsize)
 
 
 def prepare_stdlib(out_dir: str | os.PathLike, val_fraction: float = 0.05, seed: int = 0,
@@ -263,7 +289,7 @@ def prepare_bin(train_bin: str | os.PathLike, val_bin: str | os.PathLike,
         raise DataError(f"vocab_size {vocab_size} does not fit dtype {dt.name}; use uint32")
     out = _check_out(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tmp, counts = {}, {}
+    tmp, counts, tops = {}, {}, []
     try:
         for name, src in (("train.bin", Path(train_bin)), ("val.bin", Path(val_bin))):
             if not src.is_file():
@@ -275,6 +301,7 @@ def prepare_bin(train_bin: str | os.PathLike, val_bin: str | os.PathLike,
             counts[name] = size // dt.itemsize
             if check_tokens:
                 top = _max_token(np.memmap(src, dtype=dt, mode="r"))
+                tops.append(top)
                 if top >= vocab_size:
                     raise DataError(f"token file {str(src)!r}: token id {top} >= vocab_size "
                                     f"{vocab_size} (wrong --dtype or --vocab-size?)")
@@ -287,6 +314,7 @@ def prepare_bin(train_bin: str | os.PathLike, val_bin: str | os.PathLike,
             except OSError:
                 shutil.copyfile(src, tmp[name])
         meta = {"vocab_size": vocab_size, "dtype": dt.name, "tokenizer": "external",
+                **({"max_token_id": max(tops)} if len(tops) == 2 else {}),
                 "train_tokens": counts["train.bin"], "val_tokens": counts["val.bin"],
                 "sources": [str(train_bin), str(val_bin)]}
         return _commit(out, tmp, meta)
@@ -308,6 +336,10 @@ def load_meta(data_dir: str | os.PathLike) -> dict:
         if dt not in (np.uint16, np.uint32):
             raise ValueError(f"dtype {meta['dtype']!r}: allowed uint16, uint32")
         expect = {"train.bin": meta["train_tokens"], "val.bin": meta["val_tokens"]}
+        if meta.get("format") == "packed":  # fsdp_jax.app.sft_data: per-token mask and segment files
+            for s in SPLITS:
+                expect[f"{s}.mask.bin"] = meta[f"{s}_tokens"] / dt.itemsize
+                expect[f"{s}.seg.bin"] = meta[f"{s}_tokens"] * 2 / dt.itemsize
     except FileNotFoundError:
         raise DataError(f"{str(d)!r}: meta.json not found; prepare it with "
                         f"scripts/prepare_data.py --out {d}") from None

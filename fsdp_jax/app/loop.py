@@ -52,6 +52,7 @@ from fsdp_jax.precision import Policy
 from fsdp_jax.app.preemption import StopSignals
 from fsdp_jax.build import build
 from fsdp_jax.state import TrainState
+from fsdp_jax.step import TokenSum
 from fsdp_jax.strategy import ShardingPlan
 
 # Test hook: comma-separated step numbers (1-based, as logged) whose loss is made NaN
@@ -85,10 +86,24 @@ class Run:
     setup_s: float = 0.0                    # wall seconds train() spent in setup (for goodput)
 
 
+def token_loss(logits, targets, weights) -> TokenSum:
+    """Cross-entropy summed over the weighted (trained) targets, and their count: the step
+    divides by the global batch's count (`fsdp_jax.step.TokenSum`)."""
+    import optax
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(np.float32), targets)
+    w = weights.astype(np.float32)
+    return TokenSum((losses * w).sum(), w.sum())
+
+
 def make_loss_fn(model: ModelFns) -> Callable:
-    """Next-token cross-entropy on int32 tokens (B, S + 1)."""
-    def loss_fn(params, tokens):
-        return cross_entropy(model.apply(params, tokens[:, :-1]), tokens[:, 1:])
+    """Next-token cross-entropy on int32 tokens (B, S + 1) (the mean), or on a packed /
+    document-masked batch dict (`fsdp_jax.app.packing.batch_from_rows`): attention and
+    positions per segment, the loss over the weighted targets of the global batch."""
+    def loss_fn(params, batch):
+        if isinstance(batch, dict):
+            logits = model.apply(params, batch["inputs"], batch["segment_ids"], batch["positions"])
+            return token_loss(logits, batch["targets"], batch["weights"])
+        return cross_entropy(model.apply(params, batch[:, :-1]), batch[:, 1:])
     return loss_fn
 
 
@@ -215,14 +230,45 @@ def _config_changes(saved: dict | None, cfg: Config) -> list[str]:
     return [f"resuming with a config that differs from the checkpoint's: {', '.join(diff)}"] if diff else []
 
 
-def global_batch(plan: ShardingPlan, local: np.ndarray) -> jax.Array:
-    """This process's rows -> one global array sharded over (data, fsdp)."""
-    return jax.make_array_from_process_local_data(plan.batch, local)
+def global_batch(plan: ShardingPlan, local):
+    """This process's rows (an array, or a packed batch dict) -> global arrays sharded
+    over (data, fsdp)."""
+    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(plan.batch, x), local)
 
 
 def evaluate(run: Run, params, batches) -> float:
-    losses = [run.eval_step(params, global_batch(run.plan, b))["loss"] for b in batches]
-    return float(np.mean([float(x) for x in losses]))
+    """Mean val loss: per token over all batches for packed / document-masked batches
+    (sum of token losses / trained tokens: the example-level loss of held-out
+    examples), else the mean of the batches' means."""
+    outs = [run.eval_step(params, global_batch(run.plan, b)) for b in batches]
+    if outs and "tokens" in outs[0]:
+        return float(sum(float(o["loss_sum"]) for o in outs) / max(1.0, sum(float(o["tokens"]) for o in outs)))
+    return float(np.mean([float(o["loss"]) for o in outs]))
+
+
+def make_batches(cfg: Config, process_index: int, process_count: int):
+    """(train iterator, val batches) for the corpus at data.path: packed fine-tuning rows
+    (`fsdp_jax.app.sft_data`), or windows of a token corpus (`fsdp_jax.app.data`), as
+    batch dicts with document masks when data.document_mask."""
+    c, meta = cfg.train, data_lib.load_meta(cfg.data.path)
+    n_val = c.eval_batches if c.eval_every else 0
+    if meta.get("format") == "packed":
+        from fsdp_jax.app import sft_data
+        batches = sft_data.make_packed_dataset(cfg.data.path, "train", c.global_batch, cfg.data.seed,
+                                               process_index, process_count)
+        val = (sft_data.packed_eval_batches(cfg.data.path, c.global_batch, n_val, process_index,
+                                            process_count) if n_val else [])
+        return batches, val
+    batches = data_lib.make_dataset(cfg.data.path, "train", cfg.data.seq_len, c.global_batch,
+                                    cfg.data.seed, process_index, process_count)
+    val = (data_lib.eval_batches(cfg.data.path, cfg.data.seq_len, c.global_batch, n_val,
+                                 cfg.data.seed, process_index, process_count) if n_val else [])
+    if cfg.data.document_mask:
+        from fsdp_jax.app.packing import batch_from_windows
+        eos = int(meta["eos_id"])
+        batches.dataset = batches.dataset.map(lambda w: batch_from_windows(w, eos))
+        val = [batch_from_windows(w, eos) for w in val]
+    return batches, val
 
 
 def _injected_nan_steps() -> set[int]:
@@ -265,6 +311,8 @@ def preflight(cfg: Config) -> None:
 def check_tokens(local: np.ndarray, vocab_size: int, step: int, data_path: str) -> None:
     """A batch's token ids are in [0, vocab_size): an id outside would only show up as
     a NaN loss (the embedding lookup fills it), so name the data instead."""
+    if isinstance(local, dict):
+        local = local["inputs"]
     lo, hi = int(local.min()), int(local.max())
     if lo < 0 or hi >= vocab_size:
         bad = hi if hi >= vocab_size else lo
@@ -302,13 +350,10 @@ def _loop(run: Run, cfg: Config, progress: bool, stop_after: int | None, signals
     log = MetricsLog(run.run_dir, run.is_main, c.tensorboard, wandb=wandb_settings(cfg), timer=timer)
     log.truncate(run.start_step)  # a fresh start (0) drops the rows of a run that died before saving
     pi, pc = jax.process_index(), jax.process_count()
-    batches = data_lib.make_dataset(cfg.data.path, "train", cfg.data.seq_len, c.global_batch,
-                                    cfg.data.seed, pi, pc)
+    batches, val = make_batches(cfg, pi, pc)
     start_step = run.start_step
     batches.set_state(run.restored.extras.get("data", {"step": start_step}) if run.restored
                       else {"step": start_step})
-    val = (data_lib.eval_batches(cfg.data.path, cfg.data.seq_len, c.global_batch, c.eval_batches,
-                                 cfg.data.seed, pi, pc) if c.eval_every and c.eval_batches else [])
     profiler = ProfileWindow(c.profile, run.run_dir / "profile", timer, run.is_main)
 
     timer.switch("compile")
@@ -358,8 +403,12 @@ def _loop(run: Run, cfg: Config, progress: bool, stop_after: int | None, signals
         check_tokens(local, cfg.model.vocab_size, done, cfg.data.path)
         ckpt.check()  # a failed background save stops the run now, not at the next save
         if done in nan_steps:
-            local = local.copy()
-            local[:, 0] = cfg.model.vocab_size
+            if isinstance(local, dict):
+                local = {**local, "inputs": local["inputs"].copy()}
+                local["inputs"][:, 0] = cfg.model.vocab_size
+            else:
+                local = local.copy()
+                local[:, 0] = cfg.model.vocab_size
         batch = global_batch(run.plan, local)
         timer.switch("device")  # dispatch here, and blocking on results below
         state, metrics = compiled(state, batch)
@@ -370,6 +419,7 @@ def _loop(run: Run, cfg: Config, progress: bool, stop_after: int | None, signals
             while pending:  # bounded run-ahead: on CPU, unbounded queues hit rendezvous timeouts
                 s, m = pending.popleft()
                 loss, gnorm, skipped = float(m["loss"]), float(m["grad_norm"]), int(m["skipped"])
+                trained = float(m["tokens"]) if "tokens" in m else None
                 if skipped:
                     streak.append(s)
                     if run.is_main:
@@ -377,7 +427,7 @@ def _loop(run: Run, cfg: Config, progress: bool, stop_after: int | None, signals
                               f"update skipped ({len(streak)} in a row)", flush=True)
                 else:
                     streak.clear()
-                window.add(loss, gnorm)
+                window.add(loss, gnorm, trained)
                 if bar is not None:
                     bar.update(1)
         timer.switch("other")

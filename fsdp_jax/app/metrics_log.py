@@ -184,8 +184,10 @@ class LogWindow:
         self.values.clear()
         self.t, self.step, self.eval_s = time.perf_counter(), step, 0.0
 
-    def add(self, loss: float, grad_norm: float) -> None:
-        self.values.append((loss, grad_norm))
+    def add(self, loss: float, grad_norm: float, trained_tokens: float | None = None) -> None:
+        """One step's figures; `trained_tokens`: the unmasked targets of its global batch
+        (packed / masked batches), logged as trained_tokens and trained_tokens_per_s."""
+        self.values.append((loss, grad_norm, trained_tokens))
 
     def add_eval_time(self, seconds: float) -> None:
         self.eval_s += seconds
@@ -221,6 +223,10 @@ class LogWindow:
             if excess and self.warn is not None:
                 self.warn(f"warning: {excess}")
                 self.warn = None  # once per run
+        trained = [w[2] for w in self.values if w[2] is not None]
+        if trained:
+            rec["trained_tokens"] = int(sum(trained))
+            rec["trained_tokens_per_s"] = sum(trained) / len(trained) / dt
         rec.update(tw)
         return rec
 
@@ -252,7 +258,7 @@ def sample_text(model: ModelFns, plan: ShardingPlan, cfg: Config, params, val, r
     kind = data_lib.load_meta(cfg.data.path).get("tokenizer")
     tok = _tokenizer(kind)
     default = tok.encode("def ") if tok else list(b"def ")
-    prompt = (np.asarray(val[0][0][:48]) if val else np.asarray(default)).astype(np.int32)
+    prompt = (_val_prompt(val[0]) if val else np.asarray(default)).astype(np.int32)
     out = sample(next_logits, prompt, cfg.train.sample_tokens, window, rng)
     if kind == "bytes":
         text = bytes(prompt.tolist()).decode("utf-8", "replace")
@@ -260,6 +266,16 @@ def sample_text(model: ModelFns, plan: ShardingPlan, cfg: Config, params, val, r
     if tok is not None:
         return tok.decode(prompt.tolist()) + "\u2016" + tok.decode(out)
     return " ".join(map(str, out))
+
+
+def _val_prompt(batch) -> np.ndarray:
+    """The first 48 tokens of a val batch's first row; of a packed row, its first
+    example up to its first trained target (the whole prompt whose answer was held out)."""
+    if not isinstance(batch, dict):
+        return np.asarray(batch[0][:48])
+    seg, w = np.asarray(batch["segment_ids"][0]), np.asarray(batch["weights"][0])
+    first = int(np.argmax(w > 0)) if (w > 0).any() else 47
+    return np.asarray(batch["inputs"][0][:first + 1][seg[:first + 1] == seg[0]])
 
 
 def _tokenizer(kind: str | None):

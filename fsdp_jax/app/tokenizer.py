@@ -51,6 +51,22 @@ class Tokenizer:
             return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
         return self._tok.encode(texts, out_type=int, num_threads=threads or -1)
 
+    def encode_offsets(self, texts: list[str], threads: int | None = None
+                       ) -> list[tuple[list[int], list[int]]]:
+        """(ids, the character index where each token starts) per text, no special tokens
+        added. SentencePiece gives byte offsets into the UTF-8 text; they are mapped back
+        to characters."""
+        if self.kind == "hf":
+            return [(e.ids, [a for a, _ in e.offsets])
+                    for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+        out = []
+        for text, proto in zip(texts, self._tok.encode(texts, return_type="proto", num_threads=threads or -1)):
+            char_of = np.repeat(np.arange(len(text) + 1), [len(c.encode("utf-8", errors="replace"))
+                                                            for c in text] + [1])
+            out.append(([p.id for p in proto.pieces], [int(char_of[min(p.begin, len(char_of) - 1)])
+                                                       for p in proto.pieces]))
+        return out
+
     def decode(self, ids: Iterable[int]) -> str:
         ids = [int(i) for i in ids]
         if self.kind == "hf":
@@ -123,13 +139,18 @@ def load_tokenizer(path: str | os.PathLike, eos: str | None = None, require_eos:
 
 
 def read_documents(file: Path) -> Iterator[str]:
-    """A text file is one document; a .jsonl file holds one per line ({"text": ...}).
-    Bytes that are not UTF-8 are replaced (U+FFFD)."""
-    text = file.read_bytes().decode("utf-8", errors="replace")
+    """A text file is one document (read whole); a .jsonl file holds one per line
+    ({"text": ...}), read as a stream. Bytes that are not UTF-8 are replaced (U+FFFD)."""
     if file.suffix != ".jsonl":
-        yield text
+        yield file.read_bytes().decode("utf-8", errors="replace")
         return
-    for n, line in enumerate(text.splitlines(), 1):
+    with open(file, "rb") as fh:
+        lines = (raw.decode("utf-8", errors="replace") for raw in fh)
+        yield from _jsonl_texts(file, lines)
+
+
+def _jsonl_texts(file: Path, lines: Iterable[str]) -> Iterator[str]:
+    for n, line in enumerate(lines, 1):
         if line.strip():
             try:
                 yield json.loads(line)["text"]

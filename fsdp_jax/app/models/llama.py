@@ -123,11 +123,15 @@ class RMSNorm(nnx.Module):
 
 
 def rope(x, positions, theta: float):
-    """Rotary position embedding on (B, S, H, Dh), rotating halves (plain RoPE)."""
+    """Rotary position embedding on (B, S, H, Dh), rotating halves; `positions` (S,) or
+    (B, S) (packed rows: each example's positions restart at 0)."""
     dh = x.shape[-1]
     freqs = theta ** (-jnp.arange(0, dh // 2, dtype=jnp.float32) * 2 / dh)  # (Dh/2,)
-    ang = positions[:, None].astype(jnp.float32) * freqs[None, :]  # (S, Dh/2)
-    return apply_rope(x, jnp.cos(ang), jnp.sin(ang))
+    ang = positions[..., None].astype(jnp.float32) * freqs  # (S, Dh/2) or (B, S, Dh/2)
+    ang = ang[None] if ang.ndim == 2 else ang  # (B|1, S, Dh/2)
+    cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(x.dtype)
 
 
 def softcap(x, cap: float):
@@ -140,9 +144,46 @@ def _attend_capped(q, k, v, scale, cap, mask):
     kvh = k.shape[2]
     qg = q.reshape(b, s, kvh, h // kvh, dh)
     sc = jnp.einsum("bskgd,btkd->bkgst", qg, k).astype(jnp.float32) * scale
-    sc = jnp.where(mask, softcap(sc, cap), -jnp.inf)
+    sc = jnp.where(mask[:, :, None] if mask.ndim == 4 else mask, softcap(sc, cap), -jnp.inf)
     p = jax.nn.softmax(sc, axis=-1).astype(v.dtype)
     return jnp.einsum("bkgst,btkd->bskgd", p, v).reshape(b, s, h, dh)
+
+
+def segment_mask(segment_ids):
+    """(B, 1, S, S) bool: query i may attend to key j when both are in the same segment
+    (causality is applied separately)."""
+    return (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+
+
+def packed_layout(segment_ids):
+    """cuDNN's packed-sequence layout of segment ids (B, S) with segments numbered 1, 2, ...
+    from the left (0 = padding, at the end): (seqlen (B, S), offsets (B, S + 1)), int32,
+    -1 past each row's last segment (`jax._src.cudnn.fused_attention_stablehlo`)."""
+    b, s = segment_ids.shape
+    ids = jnp.arange(1, s + 1)  # a row holds at most S segments
+    seqlen = jnp.sum(segment_ids[:, None, :] == ids[None, :, None], axis=-1)  # (B, S)
+    offsets = jnp.concatenate([jnp.zeros((b, 1), jnp.int32),
+                               jnp.cumsum(seqlen, axis=-1).astype(jnp.int32)], axis=-1)
+    used = jnp.concatenate([seqlen > 0, jnp.zeros((b, 1), bool)], axis=-1)
+    offsets = jnp.where(used, offsets, -1)
+    return jnp.where(seqlen > 0, seqlen, -1).astype(jnp.int32), offsets
+
+
+def attention(q, k, v, segment_ids, impl: str):
+    """Causal attention (B, S, H, Dh) that never crosses a segment boundary when
+    `segment_ids` (B, S) is given. `xla`: a (B, 1, S, S) mask with is_causal.
+    `cudnn`: jax.nn.dot_product_attention takes no segment ids, so the packed rows go to
+    the cuDNN fused attention under it as per-row segment lengths and offsets
+    (PADDING_CAUSAL, cuDNN's packed layout; GPU only, untestable on CPU)."""
+    if segment_ids is None:
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                            implementation=None if impl == "xla" else impl)
+    if impl == "xla":
+        return jax.nn.dot_product_attention(q, k, v, mask=segment_mask(segment_ids), is_causal=True)
+    from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention as cudnn_attn
+    seqlen, offsets = packed_layout(segment_ids)
+    return cudnn_attn(q, k, v, q_seqlen=seqlen, kv_seqlen=seqlen, q_offsets=offsets, kv_offsets=offsets,
+                      scale=1.0 / q.shape[-1] ** 0.5, mask_type=MaskType.PADDING_CAUSAL)
 
 
 class Attention(nnx.Module):
@@ -163,7 +204,8 @@ class Attention(nnx.Module):
         self.cfg = cfg
         self.impl = cfg.attention
 
-    def __call__(self, x, local=None):  # x: (B, S, D); local: this layer slides (pattern only)
+    def __call__(self, x, local=None, segment_ids=None, positions=None):
+        # x: (B, S, D); local: this layer slides (pattern only); segment_ids, positions: (B, S)
         cfg = self.cfg
         b, s, d = x.shape
         x2 = x.reshape(b * s, d)  # flat rows: XLA:CPU's fast matmul path (DESIGN.md)
@@ -181,26 +223,34 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if cfg.rope_type == "default" and not cfg.global_every:
-            pos = jnp.arange(s)
+            pos = jnp.arange(s) if positions is None else positions  # (S,) or (B, S)
             q, k = rope(q, pos, cfg.rope_theta), rope(k, pos, cfg.rope_theta)
         else:
             cos, sin = rope_tables(cfg, s)
             if local is not None:
                 lc, ls = rope_tables(cfg, s, local=True)
                 cos, sin = jnp.where(local, lc, cos), jnp.where(local, ls, sin)
+            if positions is not None:  # packed rows: each example's positions restart at 0
+                cos, sin = cos[positions], sin[positions]  # (B, S, Dh/2)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         qi, ki = jnp.arange(s)[:, None], jnp.arange(s)[None, :]
-        if cfg.attn_softcap or local is not None:
+        if cfg.attn_softcap or local is not None or (segment_ids is not None and self.impl == "xla"):
             mask = ki <= qi
             if cfg.sliding_window:
                 inside = qi - ki < cfg.sliding_window
                 mask = mask & (inside if local is None else (inside | ~local))
+            mask = mask[None, None] if segment_ids is None else mask[None, None] & segment_mask(segment_ids)
             if cfg.attn_softcap:
                 o = _attend_capped(q, k, v, scale, cfg.attn_softcap, mask)
             else:
-                o = jax.nn.dot_product_attention(q, k, v, mask=mask[None, None], scale=scale,
+                o = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale,
                                                  implementation=None if self.impl == "xla" else self.impl)
+        elif segment_ids is not None:  # cuDNN's packed layout: plain causal attention only
+            if cfg.sliding_window or cfg.query_pre_attn_scalar:
+                raise ValueError("model.attention=cudnn with packed rows computes plain causal attention "
+                                 "only (no sliding window or query_pre_attn_scalar); use model.attention=xla")
+            o = attention(q, k, v, segment_ids, self.impl)
         else:
             window = (cfg.sliding_window - 1, 0) if cfg.sliding_window else None
             o = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=window,
@@ -240,9 +290,9 @@ class Block(nnx.Module):
             self.post_attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, po, rngs)
             self.post_mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, po, rngs)
 
-    def __call__(self, x, local=None):  # (B, S, D) -> (B, S, D)
+    def __call__(self, x, local=None, segment_ids=None, positions=None):  # (B, S, D) -> (B, S, D)
         x = constrain(x, (BATCH, LENGTH, EMBED))
-        a = self.attn(self.attn_norm(x), local)
+        a = self.attn(self.attn_norm(x), local, segment_ids, positions)
         x = x + (self.post_attn_norm(a) if self.sandwich else a)
         m = self.mlp(self.mlp_norm(x))
         x = x + (self.post_mlp_norm(m) if self.sandwich else m)
@@ -250,7 +300,8 @@ class Block(nnx.Module):
 
 
 class Llama(nnx.Module):
-    """`Llama(cfg, rngs=nnx.Rngs(0), remat="dots")(tokens (B, S) int) -> logits (B, S, V)`."""
+    """`Llama(cfg, rngs=nnx.Rngs(0), remat="dots")(tokens (B, S) int) -> logits (B, S, V)`;
+    optional `segment_ids` and `positions` (B, S) for packed rows."""
 
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, remat: str = "none"):
         self.cfg = cfg
@@ -269,7 +320,9 @@ class Llama(nnx.Module):
         if not cfg.tie_word_embeddings:
             self.head = _param(rngs, (cfg.d_model, cfg.vocab_size), (EMBED, VOCAB))
 
-    def __call__(self, tokens):
+    def __call__(self, tokens, segment_ids=None, positions=None):
+        """tokens (B, S) int -> logits (B, S, V). Packed rows: `segment_ids` (B, S) keep
+        attention inside each example, `positions` (B, S) restart RoPE per example."""
         cfg = self.cfg
         b, s = tokens.shape
         # Gather the table over its embed dim before the lookup, as for any FSDP
@@ -280,7 +333,8 @@ class Llama(nnx.Module):
             x = x * jnp.asarray(np.float32(cfg.d_model ** 0.5), emb.dtype)
         x = constrain(x, (BATCH, LENGTH, EMBED))
         pattern = bool(cfg.sliding_window and cfg.global_every)  # per-layer local flag
-        block_fn = (lambda blk, h, loc: blk(h, loc)) if pattern else (lambda blk, h: blk(h))
+        block_fn = ((lambda blk, h, loc: blk(h, loc, segment_ids, positions)) if pattern
+                    else (lambda blk, h: blk(h, None, segment_ids, positions)))
         if self.remat != "none":
             block_fn = nnx.remat(block_fn, policy=get_policy(self.remat))
         if cfg.scan_layers and pattern:

@@ -101,7 +101,9 @@ def rope_tables(cfg, seq_len: int, local: bool = False):
 
 
 def apply_rope(x, cos, sin):
-    """Rotate-half RoPE on (B, S, H, Dh) with (S, Dh/2) tables, in float32."""
-    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    """Rotate-half RoPE on (B, S, H, Dh) with (S, Dh/2) or per-row (B, S, Dh/2) tables, in float32."""
+    c, s = cos[..., None, :], sin[..., None, :]
+    if c.ndim == 3:
+        c, s = c[None], s[None]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * c - x2 * s, x1 * s + x2 * c], axis=-1).astype(x.dtype)

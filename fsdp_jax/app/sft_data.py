@@ -1,0 +1,317 @@
+"""Packed fine-tuning corpora: prepared as a stream, read as resumable batches.
+
+    meta = prepare_examples(["chats.jsonl"], "data/sft", row_len=512, tokenizer="ckpt/")
+
+A packed corpus directory holds, per split (train, val), `<split>.bin` (tokens, rows x
+row_len, uint16/uint32), `<split>.mask.bin` (uint8: 1 where the token is a training
+target) and `<split>.seg.bin` (uint16: the example's number in its row, 0 = padding),
+and `meta.json` (`"format": "packed"`, `row_len`, counts, the packing report and
+`max_token_id`), written last.
+
+Preparing is a stream: records are read line by line, encoded in batches of about
+`BATCH_BYTES` of text (the tokenizer's own threads), packed a buffer at a time (best-fit
+decreasing, `fsdp_jax.app.packing`) and appended to temporary files; memory is bounded
+by the buffer, not the corpus. The split is by example: example i (counted over the
+sources in order) is held out for val when a hash of (seed, i) falls below
+`val_fraction`, so val examples are never trained on. Only when everything is written
+are the files renamed into place and meta.json written; a kill leaves the previous
+corpus (or none) and temporary files that the next run removes.
+
+Batches: the rows of step s are a pure function of (seed, s): global row slot
+g = s * global_batch + r is row perm_e[g mod n] of epoch e = g // n, perm_e a
+permutation drawn from (seed, e). Each process takes its slice of the global batch's
+rows, so 1 or N processes see the same global batch, and a run resumes at any step on
+any number of processes.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import grain
+import numpy as np
+
+from fsdp_jax.app import data as data_lib
+from fsdp_jax.app.data import DataError, _commit, _rows, token_dtype
+from fsdp_jax.app.examples import (ExampleEncoder, ExampleError, find_chat_template, read_records,
+                                   special_tokens)
+from fsdp_jax.app.packing import PackStats, batch_from_rows, cut, pack
+
+BATCH_BYTES = 1 << 20          # text per encode call (its Python token lists dominate memory)
+PACK_TOKENS = 1 << 21          # tokens buffered before a pack (and at least 256 rows' worth)
+_STREAM = {"train": 3, "val": 4}
+
+
+def _held_out(seed: int, index: np.ndarray, fraction: float) -> np.ndarray:
+    """splitmix64 of (seed, example index) < fraction: the val examples."""
+    with np.errstate(over="ignore"):
+        z = index.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15) * np.uint64(seed + 1)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    return (z >> np.uint64(11)).astype(np.float64) / 2.0**53 < fraction
+
+
+def _text_size(rec) -> int:
+    """Characters of text in a record (what an encode batch is sized by)."""
+    if isinstance(rec, str):
+        return len(rec)
+    if isinstance(rec, dict):
+        return sum(_text_size(v) for v in rec.values())
+    if isinstance(rec, list):
+        return sum(_text_size(v) for v in rec)
+    return 8
+
+
+def _remove_stale(out: Path) -> None:
+    """Temporary files of earlier runs whose process is gone (a killed prepare)."""
+    for f in out.glob(".*.tmp.*"):
+        try:
+            pid = int(f.name.rsplit(".", 1)[1])
+            os.kill(pid, 0)
+        except (ValueError, ProcessLookupError):
+            f.unlink(missing_ok=True)
+        except PermissionError:
+            pass
+
+
+class _SplitWriter:
+    """Buffers one split's examples, packs them a buffer at a time, appends the rows."""
+
+    FILES = ("bin", "mask.bin", "seg.bin")
+
+    def __init__(self, out: Path, split: str, row_len: int, dtype, overflow: str):
+        self.row_len, self.dtype, self.overflow = row_len, dtype, overflow
+        self.tmp = {f"{split}.{k}": out / f".{split}.{k}.tmp.{os.getpid()}" for k in self.FILES}
+        self.fh = [open(p, "wb") for p in self.tmp.values()]
+        self.buf: list[tuple[np.ndarray, np.ndarray]] = []
+        self.buffered = 0
+        self.stats = PackStats()
+        self.trained = 0
+        self.max_token = -1
+        self.limit = max(PACK_TOKENS, 256 * row_len)
+
+    def add(self, tokens: np.ndarray, mask: np.ndarray) -> None:
+        for t, m in cut(tokens, mask, self.row_len, self.overflow, self.stats):
+            self.buf.append((t, m))
+            self.buffered += len(t)
+        if self.buffered >= self.limit:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.buf:
+            return
+        tok, msk, seg = pack(self.buf, self.row_len, self.dtype)
+        for fh, arr in zip(self.fh, (tok, msk, seg)):
+            arr.tofile(fh)
+        real = sum(len(t) for t, _ in self.buf)
+        self.stats.add(PackStats(examples=len(self.buf), rows=len(tok), real_tokens=real,
+                                 row_tokens=tok.size))
+        self.trained += int(batch_from_rows(tok, msk, seg)["weights"].sum())
+        self.max_token = max(self.max_token, int(tok.max()))
+        self.buf, self.buffered = [], 0
+
+    def close(self) -> None:
+        self.flush()
+        for fh in self.fh:
+            fh.close()
+
+    def discard(self) -> None:
+        for fh in self.fh:
+            fh.close()
+        for p in self.tmp.values():
+            p.unlink(missing_ok=True)
+
+
+def prepare_examples(sources: Sequence[str | os.PathLike], out_dir: str | os.PathLike, row_len: int,
+                     val_fraction: float = 0.05, seed: int = 0, tokenizer: str = "bytes",
+                     pattern: str = "*", exclude: Sequence[str] = (), eos: str | None = None,
+                     chat_template: str | None = None, train_on: str = "targets",
+                     overflow: str = "truncate", threads: int | None = None,
+                     progress: bool = False) -> dict:
+    """Encode chat / instruction / plain examples (`fsdp_jax.app.examples`) from `sources`
+    and pack them into rows of `row_len` tokens in `out_dir` (module docstring); returns
+    meta. `tokenizer`: "bytes" or a tokenizer path (`fsdp_jax.app.tokenizer`); its chat
+    template comes from beside it unless `chat_template` (a file) is given. Raises
+    DataError (one line naming file and line) on bad input, before anything is in place."""
+    from fsdp_jax.app.tokenizer import TokenizerError, load_tokenizer
+
+    if not 0 < val_fraction < 1:
+        raise DataError(f"val_fraction {val_fraction!r}: must be in (0, 1)")
+    if not isinstance(row_len, int) or not 2 <= row_len < 2**16:
+        raise DataError(f"row length {row_len!r}: must be in 2..65535")
+    if threads is not None and threads < 1:
+        raise DataError(f"threads {threads}: must be >= 1")
+    if overflow not in ("truncate", "split"):
+        raise DataError(f"overflow {overflow!r}: allowed truncate, split")
+    out = data_lib._check_out(out_dir)
+    files = data_lib._collect(sources, pattern, exclude)
+    if not files:
+        raise DataError("empty corpus: no non-empty files found in the sources")
+    try:
+        tok = None if tokenizer == "bytes" else load_tokenizer(tokenizer, eos)
+        template = (Path(chat_template).read_text() if chat_template
+                    else None if tok is None else find_chat_template(tokenizer))
+        enc = ExampleEncoder(tok, template, {} if tok is None else special_tokens(tokenizer), train_on)
+    except (TokenizerError, ExampleError) as e:
+        raise DataError(str(e)) from None
+    except OSError as e:
+        raise DataError(f"chat template {chat_template!r}: {e.strerror or e}") from None
+    vocab = 256 if tok is None else tok.vocab_size
+    dtype = token_dtype(vocab)
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    _remove_stale(out)
+    writers = {s: _SplitWriter(out, s, row_len, dtype, overflow) for s in ("train", "val")}
+    kinds: dict[str, int] = {}
+    first_empty = None
+    index = 0
+    from tqdm import tqdm
+    bar = tqdm(total=sum(f.stat().st_size for f in files), unit="B", unit_scale=True,
+               desc="prepare", disable=not progress, dynamic_ncols=True)
+    try:
+        batch: list[tuple[dict, str]] = []
+        size = 0
+
+        def flush():
+            nonlocal index, first_empty
+            if not batch:
+                return
+            examples = enc.encode_batch(batch, threads)
+            val = _held_out(seed, np.arange(index, index + len(examples)), val_fraction)
+            for (rec, where), ex, v in zip(batch, examples, val):
+                kinds[ex.kind] = kinds.get(ex.kind, 0) + 1
+                w = writers["val" if v else "train"]
+                before = w.stats.empty
+                w.add(ex.tokens, ex.mask)
+                if w.stats.empty > before and first_empty is None:
+                    first_empty = where
+            index += len(examples)
+            batch.clear()
+
+        for f in files:
+            for n, rec in read_records(f):
+                batch.append((rec, f"{f}:{n}"))
+                size += _text_size(rec)
+                if size >= BATCH_BYTES:
+                    flush()
+                    size = 0
+            bar.update(f.stat().st_size)
+        flush()
+        bar.close()
+        for w in writers.values():
+            w.close()
+        stats = PackStats()
+        for w in writers.values():
+            stats.add(w.stats)
+        if stats.rows == 0:
+            where = f" (first: {first_empty})" if first_empty else ""
+            raise DataError(f"no example has anything to train on: {stats.empty} of {index} examples "
+                            f"have an empty loss mask{where}")
+        if writers["train"].stats.rows == 0 or writers["val"].stats.rows == 0:
+            raise DataError(f"{index} examples are too few to split with val_fraction {val_fraction}: "
+                            f"train has {writers['train'].stats.rows} rows, val "
+                            f"{writers['val'].stats.rows}")
+        meta = {"format": "packed", "row_len": row_len, "vocab_size": vocab, "dtype": dtype.name,
+                "tokenizer": "bytes" if tok is None else tok.path,
+                **({} if tok is None else {"tokenizer_kind": tok.kind, "eos_id": tok.eos_id}),
+                "max_token_id": max(w.max_token for w in writers.values()),
+                "train_tokens": writers["train"].stats.row_tokens,
+                "val_tokens": writers["val"].stats.row_tokens,
+                "train_rows": writers["train"].stats.rows, "val_rows": writers["val"].stats.rows,
+                "train_trained_tokens": writers["train"].trained,
+                "val_trained_tokens": writers["val"].trained,
+                "examples": index, "kinds": kinds, "empty_skipped": stats.empty,
+                "first_empty": first_empty, "packing": stats.as_dict(),
+                "train_on": train_on, "overflow": overflow, "sources": [str(s) for s in sources],
+                "pattern": pattern, "val_fraction": val_fraction, "seed": seed, "split": "examples"}
+        tmp = {name: p for w in writers.values() for name, p in w.tmp.items()}
+        return _commit(out, tmp, meta)
+    except (ExampleError, TokenizerError) as e:
+        raise DataError(str(e)) from None
+    finally:
+        bar.close()
+        for w in writers.values():
+            w.discard()
+        if created and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()  # bad input: leave no trace
+
+
+# ----------------------------------------------------------------------------- reading
+
+class PackedRows:
+    """Read-only memmaps of one split's rows; pickles by path (for grain workers)."""
+
+    def __init__(self, data_dir: str | os.PathLike, split: str):
+        meta = data_lib.load_meta(data_dir)
+        if meta.get("format") != "packed":
+            raise DataError(f"{str(data_dir)!r}: not a packed corpus (prepare it with "
+                            "scripts/prepare_data.py --pack ROW_LEN)")
+        self.data_dir, self.split, self.row_len = str(data_dir), split, meta["row_len"]
+        d = Path(data_dir)
+        self.tokens = np.memmap(d / f"{split}.bin", meta["dtype"], "r").reshape(-1, self.row_len)
+        self.mask = np.memmap(d / f"{split}.mask.bin", np.uint8, "r").reshape(-1, self.row_len)
+        self.seg = np.memmap(d / f"{split}.seg.bin", np.uint16, "r").reshape(-1, self.row_len)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def batch(self, rows: np.ndarray) -> dict[str, np.ndarray]:
+        return batch_from_rows(self.tokens[rows], self.mask[rows], self.seg[rows])
+
+    def __getstate__(self):
+        return {"data_dir": self.data_dir, "split": self.split}
+
+    def __setstate__(self, state):
+        self.__init__(state["data_dir"], state["split"])
+
+
+@functools.lru_cache(maxsize=4)
+def _epoch_perm(n: int, seed: int, stream: int, epoch: int) -> np.ndarray:
+    return np.random.default_rng([seed, stream, epoch]).permutation(n)
+
+
+def row_indices(n_rows: int, global_batch: int, seed: int, step: int, stream: int = _STREAM["train"]
+                ) -> np.ndarray:
+    """The global batch of step `step`: row indices, a pure function of (seed, step)."""
+    g = step * global_batch + np.arange(global_batch)
+    epoch, slot = np.divmod(g, n_rows)
+    out = np.empty(global_batch, np.int64)
+    for e in np.unique(epoch):
+        sel = epoch == e
+        out[sel] = _epoch_perm(n_rows, seed, stream, int(e))[slot[sel]]
+    return out
+
+
+def _packed_at(step: int, *, rows: PackedRows, global_batch: int, seed: int, mine: slice):
+    return rows.batch(row_indices(len(rows), global_batch, seed, step)[mine])
+
+
+def make_packed_dataset(data_dir: str | os.PathLike, split: str, global_batch: int, seed: int,
+                        process_index: int = 0, process_count: int = 1) -> data_lib.BatchIterator:
+    """An iterator of this process's rows of each step's global batch, as
+    `batch_from_rows` dicts of (global_batch // process_count, row_len)."""
+    rows = PackedRows(data_dir, split)
+    fn = functools.partial(_packed_at, rows=rows, global_batch=global_batch, seed=seed,
+                           mine=_rows(global_batch, process_index, process_count))
+    return data_lib.BatchIterator(grain.MapDataset.range(data_lib._NEVER_ENDS).map(fn))
+
+
+def packed_eval_batches(data_dir: str | os.PathLike, batch: int, n_batches: int,
+                        process_index: int = 0, process_count: int = 1) -> list[dict]:
+    """Every val row once (at most n_batches x batch), in order, this process's slice of each
+    batch; the last batch is filled with rows of zero weight. Summing loss and trained
+    tokens over them gives the example-level val loss of the held-out examples."""
+    rows = PackedRows(data_dir, "val")
+    mine = _rows(batch, process_index, process_count)
+    n = min(len(rows), n_batches * batch)
+    out = []
+    for start in range(0, n, batch):
+        idx = np.arange(start, start + batch)
+        b = rows.batch(np.minimum(idx, len(rows) - 1))
+        b["weights"][idx >= n] = 0.0
+        out.append({k: v[mine] for k, v in b.items()})
+    return out
