@@ -21,23 +21,28 @@ from fsdp_jax.strategy import ShardingPlan, Strategy
 
 
 class TrainState(struct.PyTreeNode):
-    """step: int32 scalar (replicated); params: master weights; opt_state: optax state."""
+    """step: int32 scalar (replicated); params: master weights; opt_state: optax state;
+    model_state: the model's non-trainable variables (Linen `batch_stats`, NNX
+    `BatchStat`, ...; `fsdp_jax.model_state`), None for a model without them (then
+    the tree has exactly the leaves it had before model state existed)."""
     step: jax.Array
     params: Any
     opt_state: Any
+    model_state: Any = None
 
 
 def state_shardings(plan: ShardingPlan) -> TrainState:
     """The NamedSharding tree of a TrainState under `plan`."""
     return TrainState(step=NamedSharding(plan.mesh, P()), params=plan.params,
-                      opt_state=plan.opt_state)
+                      opt_state=plan.opt_state, model_state=plan.model_state)
 
 
-def abstract_state(plan: ShardingPlan, abstract_params, optimizer) -> TrainState:
+def abstract_state(plan: ShardingPlan, abstract_params, optimizer, abstract_model_state=None) -> TrainState:
     """TrainState of ShapeDtypeStructs carrying `plan`'s shardings (nothing allocated);
     the target tree for AOT compilation and for checkpoint restore."""
     opt = jax.eval_shape(optimizer.init, abstract_params)
-    shapes = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=abstract_params, opt_state=opt)
+    shapes = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=abstract_params, opt_state=opt,
+                        model_state=abstract_model_state)
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                         shapes, state_shardings(plan))
 
