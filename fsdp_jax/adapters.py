@@ -110,7 +110,8 @@ def from_nnx(make_module: Callable[[nnx.Rngs], nnx.Module]) -> ModelFns:
 
 
 def from_linen(module: nn.Module, *example_args, state: tuple[str, ...] = ("batch_stats",),
-               rngs: tuple[str, ...] = ("dropout",), **example_kwargs) -> ModelFns:
+               rngs: tuple[str, ...] = ("dropout",), axis_names: tuple[str, ...] = (),
+               **example_kwargs) -> ModelFns:
     """Adapt a Linen `module` initialised by `module.init(rng, *example_args,
     **example_kwargs)`; the `"params"` collection is trained.
 
@@ -125,6 +126,10 @@ def from_linen(module: nn.Module, *example_args, state: tuple[str, ...] = ("batc
     `(out, new_state)` (the state unchanged when not `train`); `train` is also passed
     to the module when its `__call__` takes `train` (and `deterministic=not train`
     when it takes `deterministic`); `rng` feeds the `rngs` streams when training.
+    `axis_names`: collective axis names the module uses for pmap-style data
+    parallelism (Flax's ImageNet ResNet: `BatchNorm(axis_name="batch")`). Under
+    GSPMD a batch mean already spans the global batch, so apply binds each name to
+    a size-1 `vmap` axis, over which `pmean` is the identity.
     """
     rngs = tuple(rngs)
 
@@ -154,7 +159,13 @@ def from_linen(module: nn.Module, *example_args, state: tuple[str, ...] = ("batc
         v = variables(rng)
         return _plain({c: v[c] for c in cols})[0]
 
-    def apply(params, *args, state=None, rng=None, train=True, **kwargs):
+    def apply(params, *args, **kwargs):
+        fn = _apply
+        for name in axis_names:  # bind pmap-era axis names; size 1, so pmean is the identity
+            fn = _bound(fn, name)
+        return fn(params, *args, **kwargs)
+
+    def _apply(params, *args, state=None, rng=None, train=True, **kwargs):
         if "train" in params_of:
             kwargs.setdefault("train", train)
         if "deterministic" in params_of:
@@ -171,6 +182,15 @@ def from_linen(module: nn.Module, *example_args, state: tuple[str, ...] = ("batc
     return ModelFns(init=init, apply=apply, logical_axes=names, abstract_params=values,
                     abstract_model_state=s_values, model_state_axes=s_names,
                     init_state=init_state if cols else None)
+
+
+def _bound(fn, name: str):
+    """`fn` run under a size-1 `vmap` axis called `name` (inputs and outputs unchanged)."""
+    def run(*args, **kwargs):
+        out = jax.vmap(lambda a, k: fn(*a, **k), axis_name=name, axis_size=1, in_axes=None,
+                       out_axes=0)(args, kwargs)
+        return jax.tree.map(lambda x: x[0], out)
+    return run
 
 
 def _stream_keys(names: tuple[str, ...], rng) -> dict[str, jax.Array]:
