@@ -207,10 +207,10 @@ def microbatched(grad_fn: GradFn, microbatches: int, grad_shardings=None,
         ctx = batch if isinstance(batch, ms_lib.StepInput) else None
         data = batch if ctx is None else ctx.batch
 
-        def body(carry, j_mb):
-            acc, loss_sum, mstate = carry
-            j, mb = j_mb
+        def body(carry, mb):
+            acc, loss_sum, mstate = carry  # mstate: None (no leaves) without model state
             if ctx is not None:  # the model's state carried from slice to slice
+                j, mb = mb
                 mb = ctx.for_microbatch(mb, mstate, j)
             loss, aux, g = grad_fn(params, mb)
             if ctx is not None:
@@ -219,8 +219,9 @@ def microbatched(grad_fn: GradFn, microbatches: int, grad_shardings=None,
             return (place(acc), loss_sum + loss, mstate), aux
         zeros = place(jax.tree.map(lambda g: jnp.zeros(g.shape, g.dtype), grads_like(params)))
         init = (zeros, jnp.zeros((), jnp.float32), None if ctx is None else ctx.state)
+        xs = _split_microbatches(data, microbatches)
         (acc, loss_sum, mstate), aux = jax.lax.scan(
-            body, init, (jnp.arange(microbatches), _split_microbatches(data, microbatches)))
+            body, init, xs if ctx is None else (jnp.arange(microbatches), xs))
         if ctx is not None:
             aux = (aux, mstate)
         return loss_sum / microbatches, aux, jax.tree.map(lambda g: g / microbatches, acc)
