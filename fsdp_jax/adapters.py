@@ -49,6 +49,7 @@ from jax.sharding import Mesh
 from fsdp_jax import model_state as ms_lib
 from fsdp_jax import rules as rl
 from fsdp_jax.memory import tree_bytes_per_device
+from fsdp_jax.nnx_parts import NnxParts, abstract_of, pure_names
 from fsdp_jax.rules import logical_axes_of
 from fsdp_jax.build import build
 from fsdp_jax.state import TrainState
@@ -94,7 +95,7 @@ def from_nnx(make_module: Callable[[nnx.Rngs], nnx.Module]) -> ModelFns:
     """
     with nnx.use_eager_sharding(False):
         abstract = nnx.eval_shape(lambda: make_module(nnx.Rngs(0)))
-    parts = _NnxParts(*nnx.split(abstract, nnx.Param, nnx.RngState, ...))
+    parts = NnxParts(*nnx.split(abstract, nnx.Param, nnx.RngState, ...))
 
     def init(rng):
         with nnx.use_eager_sharding(False):
@@ -106,7 +107,7 @@ def from_nnx(make_module: Callable[[nnx.Rngs], nnx.Module]) -> ModelFns:
             module = make_module(nnx.Rngs(rng))
         return nnx.to_pure_dict(nnx.split(module, nnx.Param, nnx.RngState, ...)[3])
 
-    return parts.fns(init, init_state)
+    return ModelFns(**parts.fns_fields(init, init_state))
 
 
 def from_linen(module: nn.Module, *example_args, state: tuple[str, ...] = ("batch_stats",),
@@ -196,65 +197,6 @@ def _bound(fn, name: str):
 def _stream_keys(names: tuple[str, ...], rng) -> dict[str, jax.Array]:
     """One key per RNG stream name: `fold_in(rng, i)`."""
     return {n: jax.random.fold_in(rng, i) for i, n in enumerate(names)}
-
-
-@dataclasses.dataclass(frozen=True)
-class _NnxParts:
-    """An NNX module split into graphdef, Params, RngState and the rest (model state)."""
-    graphdef: Any
-    params: nnx.State
-    rng: nnx.State
-    rest: nnx.State
-
-    @property
-    def stateful(self) -> bool:
-        return bool(jax.tree.leaves(self.rest))
-
-    def bind(self, params, state=None, rng=None) -> nnx.Module:
-        """The module holding `params`, model `state` (default: the abstract one's
-        shapes; pass it for a stateful model) and RNG streams seeded from `rng`."""
-        p = jax.tree.map(lambda x: x, self.params)
-        nnx.replace_by_pure_dict(p, params)
-        rest = jax.tree.map(lambda x: x, self.rest)
-        if state is not None:
-            nnx.replace_by_pure_dict(rest, state)
-        r = jax.tree.map(lambda x: x, self.rng)
-        if jax.tree.leaves(r):
-            base = jax.random.key(0) if rng is None else rng
-            pure = nnx.to_pure_dict(r)
-            leaves, treedef = jax.tree.flatten(pure)
-            seeded = [jax.random.fold_in(base, i) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
-                      else jnp.zeros(x.shape, x.dtype) for i, x in enumerate(leaves)]
-            nnx.replace_by_pure_dict(r, jax.tree.unflatten(treedef, seeded))
-        return nnx.merge(self.graphdef, p, r, rest)
-
-    def apply(self, params, *args, state=None, rng=None, train=True, **kwargs):
-        module = self.bind(params, state, rng)
-        module.train() if train else module.eval()
-        out = module(*args, **kwargs)
-        if not self.stateful:
-            return out
-        return out, nnx.to_pure_dict(nnx.split(module, nnx.Param, nnx.RngState, ...)[3])
-
-    def fns(self, init, init_state) -> ModelFns:
-        _, logical_axes = logical_axes_of(self.params)
-        stateful = self.stateful
-        s_axes = None
-        if stateful:
-            _, s_names = logical_axes_of(self.rest)
-            s_axes = None if s_names is None else _to_pure(self.rest, s_names)
-        return ModelFns(
-            init=init, apply=self.apply,
-            logical_axes=None if logical_axes is None else _to_pure(self.params, logical_axes),
-            abstract_params=nnx.to_pure_dict(_abstract(self.params)), bind=self.bind,
-            nnx_state=self.params,
-            abstract_model_state=nnx.to_pure_dict(_abstract(self.rest)) if stateful else None,
-            model_state_axes=s_axes, init_state=init_state if stateful else None,
-            needs_rng=bool(jax.tree.leaves(self.rng)))
-
-
-def _abstract(state):
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -416,8 +358,8 @@ def _from_init(init_fn: Callable[[jax.Array], Any], rng: jax.Array) -> ModelFns:
 
 def _from_nnx_instance(module: nnx.Module) -> tuple[ModelFns, Any, Any]:
     graphdef, state, rng, rest = nnx.split(module, nnx.Param, nnx.RngState, ...)
-    parts = _NnxParts(graphdef, _abstract(state), _abstract(rng), _abstract(rest))
-    fns = parts.fns(None, None)
+    parts = NnxParts(graphdef, abstract_of(state), abstract_of(rng), abstract_of(rest))
+    fns = ModelFns(**parts.fns_fields(None, None))
     return fns, nnx.to_pure_dict(state), nnx.to_pure_dict(rest) if parts.stateful else None
 
 
@@ -426,7 +368,7 @@ def _plain(tree):
     become pure dicts, Linen boxes are unboxed."""
     values, names = logical_axes_of(tree)
     if isinstance(values, nnx.State):
-        names = None if names is None else _to_pure(values, names)
+        names = None if names is None else pure_names(values, names)
         return nnx.to_pure_dict(values), names
     return meta.unbox(values), names
 
@@ -437,16 +379,6 @@ def _check_arrays(tree) -> None:
             raise TypeError(f"shard_model: params leaf {rl.path_str(path) or '<root>'} is a "
                             f"{type(x).__name__}, not an array; keep only arrays in the params tree "
                             "(e.g. equinox: eqx.partition(model, eqx.is_array))")
-
-
-def _to_pure(abs_state, axes_state):
-    """Pure-dict tree of name tuples in the same nesting as `nnx.to_pure_dict(abs_state)`."""
-    pure = nnx.to_pure_dict(abs_state)
-    leaves, treedef = jax.tree.flatten(pure)
-    names = jax.tree.leaves(axes_state, is_leaf=lambda x: x is None or isinstance(x, tuple))
-    if len(names) != len(leaves):
-        return None
-    return jax.tree.unflatten(treedef, names)
 
 
 _NNX_FILTERS = tuple(getattr(nnx.filterlib, n) for n in (
