@@ -103,7 +103,11 @@ class Built:
 
     def state_from_params(self, params) -> TrainState:
         """Step-0 state around `params` already in `plan.params` layout (donated: do not
-        use `params` afterwards), with fresh optimizer state."""
+        use `params` afterwards), with fresh optimizer state. Models without
+        non-trainable state only (else `place(params, model_state)`)."""
+        if self.plan.model_state is not None:
+            raise ms_lib.StateError("state_from_params: this model has state; use "
+                                    "place(params, model_state) or init_state(rng)")
         return self._init_from(lambda x: x, params, donate=True)
 
 

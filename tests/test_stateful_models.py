@@ -340,6 +340,27 @@ def test_old_checkpoint_without_model_state_still_restores(tmp_path):
     assert len(jax.tree.leaves(sm.state)) == len(jax.tree.leaves(old))
 
 
+def test_checkpoint_with_state_onto_a_model_without_names_the_state(tmp_path):
+    """Restoring a checkpoint that holds model state onto a stateless target (or the
+    reverse) is a CheckpointError naming the model_state paths, not a fallback."""
+    from fsdp_jax.checkpoint import CheckpointError
+    params = {"w": jnp.ones((8, 4))}
+    opt = SGD.init(params)
+    with_state = fj.TrainState(step=jnp.asarray(1, jnp.int32), params=params, opt_state=opt,
+                               model_state={"bn": {"mean": jnp.zeros((4,))}})
+    without = fj.TrainState(step=jnp.asarray(1, jnp.int32), params=params, opt_state=opt)
+    for saved, target, pattern in ((with_state, without, r"model_state/bn/mean: only in the checkpoint"),
+                                   (without, with_state, r"model_state/bn/mean: not in the checkpoint")):
+        d = tmp_path / pattern.split(":")[1].strip().split()[0]
+        with Checkpointer(d, async_save=False) as ckpt:
+            ckpt.save(1, saved)
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])), target)
+        with pytest.raises(CheckpointError, match=pattern) as e:
+            Checkpointer(d, read_only=True).restore(abstract)
+        assert "\n" not in str(e.value)
+
+
 # ----------------------------------------------------------------------------- bad input
 
 class _Counting(nn.Module):
