@@ -4,6 +4,7 @@ from fsdp_jax import axes, rules
 from fsdp_jax.build import Built, build
 from fsdp_jax.adapters import ModelFns, ShardedModel, from_linen, from_nnx, shard_model
 from fsdp_jax.mesh import MeshError, make_mesh
+from fsdp_jax.model_state import StateError
 from fsdp_jax.offload import OFFLOADS, OffloadError
 from fsdp_jax.precision import Policy, cast_params_for_compute
 from fsdp_jax.remat import REMAT_POLICIES, get_policy, with_remat
@@ -25,7 +26,7 @@ __all__ = [
     "state_shardings", "BatchError", "CompiledStep", "TokenSum", "make_eval_step", "make_train_step",
     "sharding_context", "ALIASES", "STRATEGIES", "ShardingPlan", "Strategy", "get_strategy",
     "make_plan", "verify", "VerifyReport", "StrategyReport", "Divergence", "Tolerance", "TOLERANCES",
-    "VerifyError", "OFFLOADS", "OffloadError", "targets", "hlo",
+    "VerifyError", "StateError", "OFFLOADS", "OffloadError", "targets", "hlo",
 ]
 __version__ = "0.1.0"
 

@@ -22,11 +22,18 @@ says so per leaf. Fewer names than dims leave the trailing dims unsharded.
 Flax NNX modules are split into a graph definition and a pure-dict param tree
 (portable: checkpoints, safetensors export and optax see plain nested dicts);
 `nnx.merge(graphdef, params)` accepts it.
+
+Models with non-trainable state (Linen collections such as `batch_stats`, NNX
+`BatchStat` or any other non-Param `Variable`) carry it in `TrainState.model_state`,
+and their `apply(params, *args, state=, rng=, train=)` returns `(out, new_state)`;
+NNX `Rngs` are split out and re-seeded from the step's key (`fsdp_jax.model_state`,
+docs/stateful_models.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -35,12 +42,14 @@ import jax.numpy as jnp
 import optax
 from flax import linen as nn
 from flax import nnx
-from flax.core import meta
+from flax.core import meta, unfreeze
 from flax.nnx import traversals
 from jax.sharding import Mesh
 
+from fsdp_jax import model_state as ms_lib
 from fsdp_jax import rules as rl
 from fsdp_jax.memory import tree_bytes_per_device
+from fsdp_jax.nnx_parts import NnxParts, abstract_of, pure_names
 from fsdp_jax.rules import logical_axes_of
 from fsdp_jax.build import build
 from fsdp_jax.state import TrainState
@@ -56,74 +65,138 @@ class ModelFns:
     NNX models also carry `bind(params) -> nnx.Module` and `nnx_state`, the
     abstract `nnx.State` (Variable types, for NNX filters such as
     `trainable=nnx.LoRAParam`). `init` is None for already materialised params,
-    `apply` None where the caller applies the params itself."""
+    `apply` None where the caller applies the params itself.
+
+    Models with non-trainable state: `abstract_model_state` (its shapes, a pure tree),
+    `model_state_axes` (logical names or None), `init_state(rng) -> state`; their
+    `apply(params, *args, state=, rng=, train=True)` returns `(out, new_state)`.
+    `needs_rng`: the model draws random numbers from its own streams (NNX `Rngs`), so
+    the train step must be given a run key."""
     init: Callable[[jax.Array], Any] | None
     apply: Callable[..., Any] | None
     logical_axes: Any
     abstract_params: Any
-    bind: Callable[[Any], Any] | None = None
+    bind: Callable[..., Any] | None = None
     nnx_state: Any = None
+    abstract_model_state: Any = None
+    model_state_axes: Any = None
+    init_state: Callable[[jax.Array], Any] | None = None
+    needs_rng: bool = False
 
 
 def from_nnx(make_module: Callable[[nnx.Rngs], nnx.Module]) -> ModelFns:
-    """Adapt `make_module(rngs) -> nnx.Module` whose state is all `nnx.Param`s.
+    """Adapt `make_module(rngs) -> nnx.Module`.
 
-    `nnx.with_partitioning` metadata becomes `logical_axes`. The module is never
-    built concretely here: shapes come from `nnx.eval_shape`.
+    `nnx.Param`s are trained; every other `Variable` (`BatchStat`, ...) is model state
+    (`TrainState.model_state`); `nnx.Rngs` state is not carried but re-seeded each
+    step from the step's key. `nnx.with_partitioning` metadata becomes
+    `logical_axes`. The module is never built concretely here: shapes come from
+    `nnx.eval_shape`.
     """
     with nnx.use_eager_sharding(False):
         abstract = nnx.eval_shape(lambda: make_module(nnx.Rngs(0)))
-    graphdef, abs_state, rest = nnx.split(abstract, nnx.Param, ...)
-    _reject_non_params(rest, "from_nnx")
-    _, logical_axes = logical_axes_of(abs_state)
-    pure_axes = None if logical_axes is None else _to_pure(abs_state, logical_axes)
+    parts = NnxParts(*nnx.split(abstract, nnx.Param, nnx.RngState, ...))
 
     def init(rng):
         with nnx.use_eager_sharding(False):
             module = make_module(nnx.Rngs(rng))
         return nnx.to_pure_dict(nnx.split(module, nnx.Param, ...)[1])
 
-    def bind(params):
-        state = jax.tree.map(lambda x: x, abs_state)
-        nnx.replace_by_pure_dict(state, params)
-        return nnx.merge(graphdef, state)
+    def init_state(rng):
+        with nnx.use_eager_sharding(False):
+            module = make_module(nnx.Rngs(rng))
+        return nnx.to_pure_dict(nnx.split(module, nnx.Param, nnx.RngState, ...)[3])
 
-    def apply(params, *args, **kwargs):
-        return bind(params)(*args, **kwargs)
-
-    return ModelFns(init=init, apply=apply, logical_axes=pure_axes,
-                    abstract_params=nnx.to_pure_dict(abs_state), bind=bind, nnx_state=abs_state)
+    return ModelFns(**parts.fns_fields(init, init_state))
 
 
-def from_linen(module: nn.Module, *example_args, **example_kwargs) -> ModelFns:
+def from_linen(module: nn.Module, *example_args, state: tuple[str, ...] = ("batch_stats",),
+               rngs: tuple[str, ...] = ("dropout",), axis_names: tuple[str, ...] = (),
+               **example_kwargs) -> ModelFns:
     """Adapt a Linen `module` initialised by `module.init(rng, *example_args,
-    **example_kwargs)`; only the `"params"` collection is trained.
+    **example_kwargs)`; the `"params"` collection is trained.
 
+    `state`: the collections carried as model state (`TrainState.model_state`,
+    updated by each train step as `mutable=state`); a collection the module creates
+    that is neither `params` nor declared here is a `StateError` naming it. `rngs`:
+    the RNG streams the model draws from (each gets its own key from the step's).
     Example inputs may be arrays or `jax.ShapeDtypeStruct`s (only shapes matter).
     `nn.with_logical_partitioning` metadata becomes `logical_axes`; params are
-    unboxed. `apply(params, *args, **kwargs)` is `module.apply({"params": params}, ...)`.
+    unboxed. `apply(params, *args, state=None, rng=None, train=True, **kwargs)` is
+    `module.apply({"params": params, **state}, ...)`: with model state it returns
+    `(out, new_state)` (the state unchanged when not `train`); `train` is also passed
+    to the module when its `__call__` takes `train` (and `deterministic=not train`
+    when it takes `deterministic`); `rng` feeds the `rngs` streams when training.
+    `axis_names`: collective axis names the module uses for pmap-style data
+    parallelism (Flax's ImageNet ResNet: `BatchNorm(axis_name="batch")`). Under
+    GSPMD a batch mean already spans the global batch, so apply binds each name to
+    a size-1 `vmap` axis, over which `pmean` is the identity.
     """
+    rngs = tuple(rngs)
+
     def variables(rng):
         args, kwargs = jax.tree.map(
             lambda a: jnp.zeros(a.shape, a.dtype) if isinstance(a, jax.ShapeDtypeStruct) else a,
             (example_args, example_kwargs))
-        return module.init(rng, *args, **kwargs)
+        return module.init({"params": rng, **_stream_keys(rngs, jax.random.fold_in(rng, 1))},
+                           *args, **kwargs)
 
     abstract = jax.eval_shape(variables, jax.random.key(0))
-    extra = sorted(set(abstract) - {"params"})
+    extra = sorted(set(abstract) - {"params"} - set(state))
     if extra:
-        raise ValueError(f"from_linen: {type(module).__name__} also creates the collections "
-                         f"{', '.join(extra)}; only 'params' is trained here. Pass shard_model an "
-                         "init function returning the tree to train and apply the rest in loss_fn")
+        raise ms_lib.StateError(
+            f"from_linen: {type(module).__name__} creates the collection {extra[0]!r}, which is "
+            f"neither trained ('params') nor declared as state (state={tuple(state)!r}); declare "
+            f"it: from_linen(module, ..., state={tuple(state) + tuple(extra)!r})")
+    cols = tuple(c for c in state if c in abstract)
     values, names = _plain(abstract["params"])
+    s_values, s_names = _plain({c: abstract[c] for c in cols}) if cols else (None, None)
+    params_of = inspect.signature(module.__call__).parameters
 
     def init(rng):
         return _plain(variables(rng)["params"])[0]
 
-    def apply(params, *args, **kwargs):
-        return module.apply({"params": params}, *args, **kwargs)
+    def init_state(rng):
+        v = variables(rng)
+        return _plain({c: v[c] for c in cols})[0]
 
-    return ModelFns(init=init, apply=apply, logical_axes=names, abstract_params=values)
+    def apply(params, *args, **kwargs):
+        fn = _apply
+        for name in axis_names:  # bind pmap-era axis names; size 1, so pmean is the identity
+            fn = _bound(fn, name)
+        return fn(params, *args, **kwargs)
+
+    def _apply(params, *args, state=None, rng=None, train=True, **kwargs):
+        if "train" in params_of:
+            kwargs.setdefault("train", train)
+        if "deterministic" in params_of:
+            kwargs.setdefault("deterministic", not train)
+        streams = _stream_keys(rngs, rng) if train and rng is not None else None
+        variables_ = {"params": params, **(state or {})}
+        if not cols:
+            return module.apply(variables_, *args, rngs=streams, **kwargs)
+        if not train:
+            return module.apply(variables_, *args, rngs=streams, **kwargs), state
+        out, new = module.apply(variables_, *args, rngs=streams, mutable=list(cols), **kwargs)
+        return out, {c: unfreeze(new[c]) if c in new else state[c] for c in cols}
+
+    return ModelFns(init=init, apply=apply, logical_axes=names, abstract_params=values,
+                    abstract_model_state=s_values, model_state_axes=s_names,
+                    init_state=init_state if cols else None)
+
+
+def _bound(fn, name: str):
+    """`fn` run under a size-1 `vmap` axis called `name` (inputs and outputs unchanged)."""
+    def run(*args, **kwargs):
+        out = jax.vmap(lambda a, k: fn(*a, **k), axis_name=name, axis_size=1, in_axes=None,
+                       out_axes=0)(args, kwargs)
+        return jax.tree.map(lambda x: x[0], out)
+    return run
+
+
+def _stream_keys(names: tuple[str, ...], rng) -> dict[str, jax.Array]:
+    """One key per RNG stream name: `fold_in(rng, i)`."""
+    return {n: jax.random.fold_in(rng, i) for i, n in enumerate(names)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +215,12 @@ class ShardedModel:
     model: ModelFns
     trainable: Any = None
     precision: Any = None
+    rng: Any = None
+
+    @property
+    def _extended(self) -> bool:
+        """Whether the loss takes the extended call (`fsdp_jax.model_state`)."""
+        return self.plan.model_state is not None or self.model.needs_rng
 
     @property
     def apply(self) -> Callable[..., Any] | None:
@@ -158,14 +237,26 @@ class ShardedModel:
         """`make_train_step(loss_fn, optimizer, plan, trainable=..., **kwargs)`:
         a jitted, donating `step(state, batch) -> (state, metrics)`. `loss_fn(params,
         batch)` gets the params tree in the compute dtype; kwargs: microbatches,
-        clip_norm, precision, remat, has_aux, skip_nonfinite, donate."""
+        clip_norm, precision, remat, has_aux, skip_nonfinite, donate, rng.
+
+        A model with state or its own RNG streams (NNX `Rngs`) takes the extended call
+        `loss_fn(params, batch, state=, rng=, train=)` and returns `(loss, new_state)`
+        when it has state (`fsdp_jax.model_state`); its run key `rng` defaults to the
+        `rng` given to `shard_model`."""
         kwargs.setdefault("trainable", self.trainable)
         kwargs.setdefault("precision", self.precision)
+        if self._extended and kwargs.get("rng") is None:
+            if self.rng is None and self.model.needs_rng:
+                raise ms_lib.StateError("train_step: the model draws random numbers (NNX Rngs) "
+                                        "but has no run key; pass train_step(loss_fn, rng=jax.random.key(seed))")
+            kwargs["rng"] = self.rng
         return make_train_step(loss_fn, self.optimizer, self.plan, **kwargs)
 
     def eval_step(self, loss_fn: LossFn, **kwargs) -> CompiledStep:
-        """`make_eval_step(loss_fn, plan, **kwargs)`: `eval_step(params, batch) -> {"loss"}`."""
+        """`make_eval_step(loss_fn, plan, **kwargs)`: `eval_step(params, batch) -> {"loss"}`
+        (`eval_step(params, model_state, batch)` for a model with state), deterministic."""
         kwargs.setdefault("precision", self.precision)
+        kwargs.setdefault("extended", self._extended)
         return make_eval_step(loss_fn, self.plan, **kwargs)
 
     def bytes_per_device(self, state: TrainState | None = None) -> dict[str, int]:
@@ -173,13 +264,16 @@ class ShardedModel:
         shardings only, so a donated state works too): params, opt_state, total."""
         s = self.state if state is None else state
         out = {"params": tree_bytes_per_device(s.params), "opt_state": tree_bytes_per_device(s.opt_state)}
-        out["total"] = out["params"] + out["opt_state"] + tree_bytes_per_device(s.step)
+        if s.model_state is not None:
+            out["model_state"] = tree_bytes_per_device(s.model_state)
+        out["total"] = sum(out.values()) + tree_bytes_per_device(s.step)
         return out
 
     def explain(self) -> str:
         """One line per param: path, shape, spec, bytes per device, and why
         (logical names, fallback rule, names not in the rules table, threshold);
-        `(frozen)` marks params that get no grads. A last line sums it up: param
+        `(frozen)` marks params that get no grads; the model state's leaves follow,
+        `state:`-prefixed, with the same reasons. A last line sums it up: param
         bytes per device and the fraction replicated over the shard axes."""
         keep = [True] * len(self.plan.rows) if self.trainable is None else jax.tree.leaves(self.trainable)
         width = max((len(r.path) for r in self.plan.rows), default=0)
@@ -188,7 +282,7 @@ class ShardedModel:
                  for r, k in zip(self.plan.rows, keep)]
         summary = rl.summarize(self.plan.rows, self.plan.strategy.params or self.plan.strategy.opt_state,
                                self.plan.mesh)
-        return "\n".join(lines + [rl.format_summary(summary)])
+        return "\n".join(lines + ms_lib.rows_lines(self.plan.state_rows) + [rl.format_summary(summary)])
 
 
 def shard_model(model: Any, optimizer: optax.GradientTransformation, mesh: Mesh,
@@ -220,7 +314,7 @@ def shard_model(model: Any, optimizer: optax.GradientTransformation, mesh: Mesh,
     Returns a ShardedModel: `.state` (TrainState), `.plan` (ShardingPlan),
     `.train_step(loss_fn, ...)`, `.apply`, `.explain()`, `.bytes_per_device()`.
     """
-    fns, params = _adapt(model, rng)
+    fns, params, model_state = _adapt(model, rng)
     mask = None if trainable is None else _trainable_mask(fns, trainable)
     if params is None and rng is None:
         raise ValueError("shard_model: this model is initialised sharded from an init "
@@ -228,17 +322,18 @@ def shard_model(model: Any, optimizer: optax.GradientTransformation, mesh: Mesh,
     built = build(fns, optimizer, mesh, strategy, logical_axes=logical_axes, rules=rules,
                   min_shard_size=min_shard_size, max_replicated_fraction=max_replicated_fraction,
                   min_replicated_bytes=min_replicated_bytes, precision=precision)
-    state = built.init_state(rng) if params is None else built.place(params)
+    state = built.init_state(rng) if params is None else built.place(params, model_state)
     return ShardedModel(state=state, plan=built.plan, optimizer=optimizer, model=built.model,
-                        trainable=mask, precision=precision)
+                        trainable=mask, precision=precision, rng=rng)
 
 
 # ----------------------------------------------------------------------------- helpers
 
-def _adapt(model, rng) -> tuple[ModelFns, Any]:
-    """(ModelFns, materialised params or None when `fns.init` builds them)."""
+def _adapt(model, rng) -> tuple[ModelFns, Any, Any]:
+    """(ModelFns, materialised params or None when `fns.init` builds them, materialised
+    model state or None)."""
     if isinstance(model, ModelFns):
-        return model, None
+        return model, None, None
     if isinstance(model, nnx.Module):
         return _from_nnx_instance(model)
     if isinstance(model, nn.Module):
@@ -246,11 +341,11 @@ def _adapt(model, rng) -> tuple[ModelFns, Any]:
                         "to initialise; pass from_linen(module, example_input) or its variables")
     leaves = jax.tree.leaves(model)
     if callable(model) and len(leaves) == 1 and leaves[0] is model:  # a function, not a callable pytree
-        return _from_init(model, jax.random.key(0) if rng is None else rng), None
+        return _from_init(model, jax.random.key(0) if rng is None else rng), None, None
     values, names = _plain(model)
     _check_arrays(values)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), values)
-    return ModelFns(init=None, apply=None, logical_axes=names, abstract_params=abstract), values
+    return ModelFns(init=None, apply=None, logical_axes=names, abstract_params=abstract), values, None
 
 
 def _from_init(init_fn: Callable[[jax.Array], Any], rng: jax.Array) -> ModelFns:
@@ -261,22 +356,11 @@ def _from_init(init_fn: Callable[[jax.Array], Any], rng: jax.Array) -> ModelFns:
                     logical_axes=names, abstract_params=values)
 
 
-def _from_nnx_instance(module: nnx.Module) -> tuple[ModelFns, Any]:
-    graphdef, state, rest = nnx.split(module, nnx.Param, ...)
-    _reject_non_params(rest, "shard_model")
-    abs_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
-    _, names = logical_axes_of(state)
-    pure_axes = None if names is None else _to_pure(state, names)
-
-    def bind(params):
-        s = jax.tree.map(lambda x: x, abs_state)
-        nnx.replace_by_pure_dict(s, params)
-        return nnx.merge(graphdef, s)
-
-    fns = ModelFns(init=None, apply=lambda params, *a, **kw: bind(params)(*a, **kw),
-                   logical_axes=pure_axes, abstract_params=nnx.to_pure_dict(abs_state),
-                   bind=bind, nnx_state=abs_state)
-    return fns, nnx.to_pure_dict(state)
+def _from_nnx_instance(module: nnx.Module) -> tuple[ModelFns, Any, Any]:
+    graphdef, state, rng, rest = nnx.split(module, nnx.Param, nnx.RngState, ...)
+    parts = NnxParts(graphdef, abstract_of(state), abstract_of(rng), abstract_of(rest))
+    fns = ModelFns(**parts.fns_fields(None, None))
+    return fns, nnx.to_pure_dict(state), nnx.to_pure_dict(rest) if parts.stateful else None
 
 
 def _plain(tree):
@@ -284,7 +368,7 @@ def _plain(tree):
     become pure dicts, Linen boxes are unboxed."""
     values, names = logical_axes_of(tree)
     if isinstance(values, nnx.State):
-        names = None if names is None else _to_pure(values, names)
+        names = None if names is None else pure_names(values, names)
         return nnx.to_pure_dict(values), names
     return meta.unbox(values), names
 
@@ -295,24 +379,6 @@ def _check_arrays(tree) -> None:
             raise TypeError(f"shard_model: params leaf {rl.path_str(path) or '<root>'} is a "
                             f"{type(x).__name__}, not an array; keep only arrays in the params tree "
                             "(e.g. equinox: eqx.partition(model, eqx.is_array))")
-
-
-def _reject_non_params(rest, who: str) -> None:
-    if jax.tree.leaves(rest):
-        kinds = sorted({type(v).__name__ for v in jax.tree.leaves(
-            rest, is_leaf=lambda x: isinstance(x, nnx.Variable))})
-        raise ValueError(f"{who}: the module holds non-Param state ({', '.join(kinds)}); "
-                         "keep only nnx.Param variables (pass RNGs as call arguments)")
-
-
-def _to_pure(abs_state, axes_state):
-    """Pure-dict tree of name tuples in the same nesting as `nnx.to_pure_dict(abs_state)`."""
-    pure = nnx.to_pure_dict(abs_state)
-    leaves, treedef = jax.tree.flatten(pure)
-    names = jax.tree.leaves(axes_state, is_leaf=lambda x: x is None or isinstance(x, tuple))
-    if len(names) != len(leaves):
-        return None
-    return jax.tree.unflatten(treedef, names)
 
 
 _NNX_FILTERS = tuple(getattr(nnx.filterlib, n) for n in (

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
+from fsdp_jax import model_state as ms_lib
 from fsdp_jax import offload as offload_lib
 from fsdp_jax import rules as rl
 from fsdp_jax.precision import Policy
@@ -52,9 +53,10 @@ class Built:
     def mesh(self) -> Mesh:
         return self.plan.mesh
 
-    def _init_from(self, params_fn, *args, donate: bool = False) -> TrainState:
+    def _init_from(self, params_fn, *args, donate: bool = False, state_fn=None) -> TrainState:
         optimizer = self.optimizer
         dtypes = self.abstract_state.params
+        state_dtypes = self.abstract_state.model_state
 
         plan = self.plan
 
@@ -62,7 +64,13 @@ class Built:
             # master params in the planned dtype (precision's param_dtype), optimizer state after them
             p = jax.tree.map(lambda x, d: x.astype(d.dtype), params_fn(*a), dtypes)
             p = offload_lib.fetch(p, plan.params)
-            st = TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=optimizer.init(p))
+            ms = None
+            if state_fn is not None:
+                ms = state_fn(*a)
+                ms_lib.check_structure(ms, state_dtypes, "the model's initial state")
+                ms = jax.tree.map(lambda x, d: jnp.asarray(x).astype(d.dtype), ms, state_dtypes)
+            st = TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=optimizer.init(p),
+                            model_state=ms)
             return offload_lib.store_state(st, plan)
         with jax.set_mesh(self.plan.mesh):
             return jax.jit(init, out_shardings=state_shardings(self.plan),
@@ -73,19 +81,33 @@ class Built:
         if self.model.init is None:
             raise ValueError("this model has no init function (it was given as materialised "
                              "params): use place(params)")
-        return self._init_from(self.model.init, rng)
+        state_fn = getattr(self.model, "init_state", None) if self.plan.model_state is not None else None
+        return self._init_from(self.model.init, rng, state_fn=state_fn)
 
-    def place(self, params) -> TrainState:
+    def place(self, params, model_state=None) -> TrainState:
         """Step-0 state around materialised `params` (host or device arrays, any layout),
         copied into the plan's layout (the caller's arrays are never aliased, since the
-        step donates its state), with fresh optimizer state."""
+        step donates its state), with fresh optimizer state. A model with state needs
+        its materialised `model_state` too."""
+        if (model_state is None) != (self.plan.model_state is None):
+            raise ms_lib.StateError(
+                "place: this model has state; pass place(params, model_state)" if model_state is None
+                else "place: model_state given for a model without state")
         with jax.set_mesh(self.plan.mesh):
             p = jax.device_put(params, offload_lib.on_device(self.plan.params), may_alias=False)
-        return self._init_from(lambda x: x, p)
+            if model_state is None:
+                return self._init_from(lambda x: x, p)
+            ms_lib.check_structure(model_state, self.abstract_state.model_state, "place: model_state")
+            ms = jax.device_put(model_state, self.plan.model_state, may_alias=False)
+        return self._init_from(lambda x, m: x, p, ms, state_fn=lambda x, m: m)
 
     def state_from_params(self, params) -> TrainState:
         """Step-0 state around `params` already in `plan.params` layout (donated: do not
-        use `params` afterwards), with fresh optimizer state."""
+        use `params` afterwards), with fresh optimizer state. Models without
+        non-trainable state only (else `place(params, model_state)`)."""
+        if self.plan.model_state is not None:
+            raise ms_lib.StateError("state_from_params: this model has state; use "
+                                    "place(params, model_state) or init_state(rng)")
         return self._init_from(lambda x: x, params, donate=True)
 
 
@@ -126,21 +148,30 @@ def build(model, optimizer: optax.GradientTransformation, mesh: Mesh,
     follows them, e.g. Adam's moments) are stored in it, whatever the model's init
     returns (without `precision`: the model's own dtypes). With `loss_fn(params,
     batch)`, `step_options` go to `make_train_step` (microbatches, clip_norm, precision, remat, skip_nonfinite,
-    donate, trainable); `precision` also goes to `make_eval_step`. `offload`
+    donate, trainable, rng); `precision` also goes to `make_eval_step`. A model with
+    non-trainable state (`model.abstract_model_state`, `fsdp_jax.model_state`) gets it
+    planned, initialised (`model.init_state`) and carried in `TrainState.model_state`;
+    a model that draws its own random numbers (`model.needs_rng`) needs `rng`. `offload`
     ("none" | "optimizer" | "optimizer+params"): state kept in host memory between
     steps (`fsdp_jax.offload`).
     """
     axes_ = model.logical_axes if logical_axes is None else logical_axes
     if step_options.get("precision") is not None:  # no precision given: the model's own dtypes
         model = with_param_dtype(model, Policy.parse(step_options["precision"]).param_dtype)
+    abs_ms = getattr(model, "abstract_model_state", None)
     plan = make_plan(model.abstract_params, optimizer, mesh, strategy, axes_, rules,
                      min_shard_size, max_replicated_fraction, min_replicated_bytes,
-                     offload=offload)
-    abstract = abstract_state(plan, model.abstract_params, optimizer)
+                     offload=offload, abstract_model_state=abs_ms,
+                     model_state_axes=getattr(model, "model_state_axes", None))
+    abstract = abstract_state(plan, model.abstract_params, optimizer, abs_ms)
     train_step = eval_step = None
     if loss_fn is not None:
+        needs_rng = getattr(model, "needs_rng", False)
+        if needs_rng and step_options.get("rng") is None:
+            raise ms_lib.StateError("build: the model draws random numbers (NNX Rngs) but the step "
+                                    "has no run key; pass rng=jax.random.key(seed)")
         train_step = make_train_step(loss_fn, optimizer, plan, has_aux=has_aux, **step_options)
         eval_step = make_eval_step(loss_fn, plan, precision=step_options.get("precision"),
-                                   has_aux=has_aux)
+                                   has_aux=has_aux, extended=needs_rng or step_options.get("rng") is not None)
     return Built(model=model, optimizer=optimizer, plan=plan, abstract_state=abstract,
                  train_step=train_step, eval_step=eval_step)

@@ -348,6 +348,8 @@ class Checkpointer:
         """CheckpointError listing the paths whose saved shapes differ from `target`'s."""
         want = tree_paths(target)
         tops = {p.split("/")[0] for p in want}  # a partial target ({"params": ...}) checks its part
+        if {"params", "opt_state"} <= tops:  # a whole TrainState: model state on either side counts
+            tops.add("model_state")
         saved = {p: m for p, m in self.saved_metadata(step).items() if p.split("/")[0] in tops}
         bad = shape_mismatches(saved, want)
         if bad:

@@ -38,10 +38,13 @@ def tree_bytes(tree) -> int:
 
 def state_bytes_per_device(abstract_state) -> dict[str, int]:
     """Per-device bytes of a TrainState of sharded ShapeDtypeStructs (or arrays):
-    `params`, `opt_state`, `step` and `total`."""
+    `params`, `opt_state`, `step`, `model_state` (only for a model with non-trainable
+    state: BatchNorm statistics, ...) and `total`."""
     out = {"params": tree_bytes_per_device(abstract_state.params),
            "opt_state": tree_bytes_per_device(abstract_state.opt_state),
            "step": tree_bytes_per_device(abstract_state.step)}
+    if getattr(abstract_state, "model_state", None) is not None:
+        out["model_state"] = tree_bytes_per_device(abstract_state.model_state)
     out["total"] = sum(out.values())
     return out
 

@@ -19,6 +19,10 @@
 7. with host offload (`plan.offload`), host-resident params are brought to the device
    before 3, offloaded optimizer state (and f32 master params) only after the grad norm
    of 5 exists, and the new state is written back to host memory (`fsdp_jax.offload`).
+Models with non-trainable state (BatchNorm statistics) or randomness (dropout) take
+the extended call `loss_fn(params, batch, state=, rng=, train=)` and return their new
+state; it rides through 2-5 beside the loss and is kept or skipped with the update
+(`fsdp_jax.model_state`).
 Activation constraints in the model (`flax.linen.with_logical_constraint`) resolve
 through the same rules table, made current while the step is traced. On a mesh of
 Explicit axes (`make_mesh(..., axis_types="explicit")`) every layout change above is
@@ -38,6 +42,7 @@ import optax
 from flax import linen as nn
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+import fsdp_jax.model_state as ms_lib
 import fsdp_jax.offload as offload_lib
 import fsdp_jax.remat as remat_lib
 from fsdp_jax import rules as rl
@@ -212,7 +217,8 @@ def microbatched(grad_fn: GradFn, microbatches: int, grad_shardings=None,
     grads (summed into an accumulator laid out as `grad_shardings`, a tree matching
     the grads, or None) and the slices' aux stacked on a leading dim; for a `TokenSum`
     loss the summed TokenSum and summed grads instead (`normalize` divides once by the
-    total count). Slice j takes
+    total count). A `model_state.StepInput` batch threads the model state through the
+    slices (aux is then `(stacked aux, final state)`, as grad_fn's is `(aux, state)`). Slice j takes
     rows j, j+k, j+2k, ... so each slice still spans every device. `grads_like(params)`
     has the grads' shapes and dtypes (default: params). microbatches=1 is `grad_fn`."""
     if microbatches < 1:
@@ -224,16 +230,30 @@ def microbatched(grad_fn: GradFn, microbatches: int, grad_shardings=None,
         return tree if grad_shardings is None else constrain(tree, grad_shardings)
 
     def run(params, batch):
+        ctx = batch if isinstance(batch, ms_lib.StepInput) else None
+        data = batch if ctx is None else ctx.batch
+
         def body(carry, mb):
-            acc, loss_sum = carry
+            acc, loss_sum, mstate = carry  # mstate: None (no leaves) without model state
+            if ctx is not None:  # the model's state carried from slice to slice
+                j, mb = mb
+                mb = ctx.for_microbatch(mb, mstate, j)
             loss, aux, g = grad_fn(params, mb)
+            if ctx is not None:
+                aux, mstate = aux
             acc = jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, g)
-            return (place(acc), jax.tree.map(jnp.add, loss_sum, loss)), aux
+            return (place(acc), jax.tree.map(jnp.add, loss_sum, loss), mstate), aux
         zeros = place(jax.tree.map(lambda g: jnp.zeros(g.shape, g.dtype), grads_like(params)))
-        mbs = _split_microbatches(batch, microbatches)
-        loss_shape = jax.eval_shape(lambda: grad_fn(params, jax.tree.map(lambda x: x[0], mbs))[0])
+        xs = _split_microbatches(data, microbatches)
+        first = jax.tree.map(lambda x: x[0], xs)
+        mb0 = first if ctx is None else ctx.for_microbatch(first, ctx.state, 0)
+        loss_shape = jax.eval_shape(lambda: grad_fn(params, mb0)[0])
         loss0 = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), loss_shape)
-        (acc, loss_sum), aux = jax.lax.scan(body, (zeros, loss0), mbs)
+        init = (zeros, loss0, None if ctx is None else ctx.state)
+        (acc, loss_sum, mstate), aux = jax.lax.scan(
+            body, init, xs if ctx is None else (jnp.arange(microbatches), xs))
+        if ctx is not None:
+            aux = (aux, mstate)
         if isinstance(loss_sum, TokenSum):
             return loss_sum, aux, acc
         return loss_sum / microbatches, aux, jax.tree.map(lambda g: g / microbatches, acc)
@@ -253,8 +273,8 @@ def clip_grads(grads, clip_norm: float | None):
 def apply_update(optimizer: optax.GradientTransformation, state: TrainState, grads) -> TrainState:
     """One optax update of `state` (in its sharded layout) by `grads`."""
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    return TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),
-                      opt_state=opt_state)
+    return state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
+                         opt_state=opt_state)
 
 
 def guarded_update(optimizer: optax.GradientTransformation, state: TrainState, grads, ok,
@@ -278,7 +298,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, pl
                     microbatches: int = 1, clip_norm: float | None = None,
                     precision: Policy | str | None = None, remat: str = "none",
                     has_aux: bool = False, skip_nonfinite: bool = True,
-                    donate: bool = True, trainable: Any = None) -> CompiledStep:
+                    donate: bool = True, trainable: Any = None, rng: Any = None) -> CompiledStep:
     """A jitted `step(state, batch) -> (state, metrics)` for `plan`'s mesh and strategy.
 
     `loss_fn(params, batch)` returns a scalar mean loss, or a `TokenSum(total, count)`
@@ -301,14 +321,29 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, pl
     computed), so `grad_norm` and clipping cover the trainable leaves only. Pair it
     with an optimizer that leaves frozen leaves alone and keeps no state for them,
     e.g. `optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()}, labels)`.
+
+    Model state and randomness (`fsdp_jax.model_state`): when `plan.model_state` is not
+    None or `rng` (the run key: a typed key, key data or an int seed) is given,
+    `loss_fn` is called `loss_fn(params, batch, state=state.model_state, rng=key,
+    train=True)` with key `fold_in(rng, state.step)` (None without `rng`), and, with
+    model state, returns `(loss, new_state)` (`((loss, aux), new_state)` with
+    `has_aux`); the new state is kept when the step is and skipped when it is not.
     """
     if microbatches < 1:
         raise ValueError(f"microbatches must be >= 1, got {microbatches}")
     policy = Policy.parse(precision)
+    key_data = ms_lib.run_key(rng)
+    extended = plan.model_state is not None or key_data is not None
+    user_aux = has_aux
+    if extended:  # the wrapped loss returns (loss, (aux, new model state))
+        loss_fn, has_aux = _extended(loss_fn, plan.model_state is not None, user_aux), True
     loss_fn = remat_lib.with_remat(loss_fn, remat)
     loss_fn = jax.named_scope("forward")(loss_fn)  # profiler names; backward: transpose(jvp(forward))
 
     def step(state: TrainState, batch):
+        if extended:  # the batch travels with the model state and the step's key
+            batch = ms_lib.StepInput(batch, state.model_state,
+                                     None if key_data is None else ms_lib.step_key(key_data, state.step))
         at_rest = state  # offloaded params come to the device now, for the forward pass
         state = state.replace(params=offload_lib.fetch(state.params, plan.params))
         wrt = Trainable(state.params, trainable)
@@ -322,10 +357,15 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, pl
         state = offload_lib.fetch_state(at_rest, plan, after=grad_norm)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         new = guarded_update(optimizer, state, grads, ok, skip_nonfinite)
+        if extended:
+            aux, new_ms = aux
+            if skip_nonfinite:
+                new_ms = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_ms, state.model_state)
+            new = new.replace(model_state=new_ms)
         new = offload_lib.store_state(new, plan)  # back to host memory, where offloaded
         metrics = {"loss": loss.astype(policy.output_dtype), "grad_norm": grad_norm,
                    "skipped": (~ok).astype(jnp.int32)}
-        if has_aux:
+        if user_aux:
             metrics["aux"] = aux
         if tokens is not None:
             metrics["tokens"] = tokens  # the global batch's trained (unmasked) tokens
@@ -337,23 +377,49 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, pl
     return CompiledStep(jitted, plan, lambda b: check_batch(b, plan, microbatches))
 
 
-def make_eval_step(loss_fn: LossFn, plan: ShardingPlan, *, precision: Policy | str | None = None,
-                   has_aux: bool = False) -> CompiledStep:
-    """A jitted `eval_step(params, batch) -> {"loss": ...}` (no state change); with a
-    `TokenSum` loss also `loss_sum` and `tokens`."""
-    policy = Policy.parse(precision)
+def _extended(loss_fn: LossFn, stateful: bool, has_aux: bool, train: bool = True):
+    """`(params, StepInput) -> (loss, (aux, new model state))` around the extended call
+    `loss_fn(params, batch, state=, rng=, train=)` (`fsdp_jax.model_state`)."""
+    def f(params, inp: ms_lib.StepInput):
+        out = loss_fn(params, inp.batch, state=inp.state, rng=inp.rng, train=train)
+        new = None
+        if stateful:
+            out, new = ms_lib.split_output(out, inp.state, has_aux)
+        loss, aux = out if has_aux else (out, None)
+        return loss, (aux, new)
+    return f
 
-    def step(params, batch):
+
+def make_eval_step(loss_fn: LossFn, plan: ShardingPlan, *, precision: Policy | str | None = None,
+                   has_aux: bool = False, extended: bool | None = None) -> CompiledStep:
+    """A jitted `eval_step(params, batch) -> {"loss": ...}` (no state change); with a
+    `TokenSum` loss also `loss_sum` and `tokens`.
+
+    A model with state (`plan.model_state`) is evaluated as `eval_step(params,
+    model_state, batch)` through the extended call with `rng=None, train=False`
+    (deterministic: no dropout, BatchNorm on its running statistics); the state the
+    loss returns is dropped. `extended` (default: whether the model has state): use
+    the extended call also for a model without state (dropout only)."""
+    policy = Policy.parse(precision)
+    stateful = plan.model_state is not None
+    extended = stateful if extended is None else extended or stateful
+
+    def step(params, *rest):
+        *mstate, batch = rest
         params = offload_lib.fetch(params, plan.params)
         pc = policy.cast_to_compute(constrain(params, offload_lib.on_device(plan.params)))
-        out = loss_fn(pc, batch)
-        loss = out[0] if has_aux else out
+        if extended:
+            loss, _ = _extended(loss_fn, stateful, has_aux, train=False)(
+                pc, ms_lib.StepInput(batch, mstate[0] if stateful else None, None))
+        else:
+            out = loss_fn(pc, batch)
+            loss = out[0] if has_aux else out
         if isinstance(loss, TokenSum):  # the sum and count too, to average over many batches
             total, count = loss.total.astype(jnp.float32), loss.count.astype(jnp.float32)
             return {"loss": (total / jnp.maximum(count, 1.0)).astype(policy.output_dtype),
                     "loss_sum": total, "tokens": count}
         return {"loss": loss.astype(policy.output_dtype)}
 
-    jitted = jax.jit(step, in_shardings=(plan.params, plan.batch),
-                     out_shardings=NamedSharding(plan.mesh, P()))
+    in_sh = (plan.params, plan.model_state, plan.batch) if stateful else (plan.params, plan.batch)
+    jitted = jax.jit(step, in_shardings=in_sh, out_shardings=NamedSharding(plan.mesh, P()))
     return CompiledStep(jitted, plan, lambda b: check_batch(b, plan))

@@ -78,7 +78,9 @@ class ShardingPlan:
     `opt_state` the optimizer state, `batch` the leading batch dim of inputs.
     `rows` explain each parameter's at-rest spec. `offload` names which of params /
     opt_state rest in host memory (their shardings then carry memory kind
-    `pinned_host`; `fsdp_jax.offload`).
+    `pinned_host`; `fsdp_jax.offload`). `model_state`: shardings of the model's
+    non-trainable variables (None when it has none), laid out like params at rest
+    (same rules, same shard axes; always on the device); `state_rows` explain them.
     """
     strategy: Strategy
     mesh: Mesh
@@ -90,6 +92,8 @@ class ShardingPlan:
     rows: tuple[rl.LeafSharding, ...]
     rules: Any
     offload: str = "none"
+    model_state: Any = None
+    state_rows: tuple[rl.LeafSharding, ...] = ()
 
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, P())
@@ -140,7 +144,8 @@ def make_plan(abstract_params, optimizer: optax.GradientTransformation, mesh: Me
               min_shard_size: int = rl.DEFAULT_MIN_SHARD_SIZE,
               max_replicated_fraction: float | None = rl.DEFAULT_MAX_REPLICATED_FRACTION,
               min_replicated_bytes: int = rl.DEFAULT_MIN_REPLICATED_BYTES,
-              offload: str = "none") -> ShardingPlan:
+              offload: str = "none", abstract_model_state=None,
+              model_state_axes=None) -> ShardingPlan:
     """Shardings of params (at rest and in compute), grads and optimizer state.
 
     `abstract_params`: a tree of arrays or ShapeDtypeStructs. `logical_axes`: a
@@ -152,6 +157,9 @@ def make_plan(abstract_params, optimizer: optax.GradientTransformation, mesh: Me
     Warns once (UnknownNamesWarning) when logical names are not in `rules`.
     `offload` ("none" | "optimizer" | "optimizer+params"): which state rests in host
     memory; raises `fsdp_jax.offload.OffloadError` where the backend has none.
+    `abstract_model_state` (with `model_state_axes`, names as for params): the model's
+    non-trainable variables, sharded like params at rest by the same rules (small
+    leaves replicated); None for a model without them.
     """
     s = get_strategy(strategy)
     off = offload_lib.check_supported(offload, mesh.devices.flat)
@@ -176,6 +184,11 @@ def make_plan(abstract_params, optimizer: optax.GradientTransformation, mesh: Me
         _named(mesh, specs[s.params]),
         opt_state_shardings(optimizer, abstract_params, specs[s.opt_state], mesh, s.opt_state,
                             min_shard_size), off)
+    state_rows, state_sh = (), None
+    if abstract_model_state is not None:
+        state_rows = tuple(rl.explain(abstract_model_state, mesh, model_state_axes, rules, s.params,
+                                      min_shard_size, allow_unshardable=True))
+        state_sh = _named(mesh, rl.specs_from_rows(abstract_model_state, state_rows))
     return ShardingPlan(
         strategy=s, mesh=mesh,
         params=params,
@@ -186,6 +199,8 @@ def make_plan(abstract_params, optimizer: optax.GradientTransformation, mesh: Me
         rows=tuple(cache[s.params]),
         rules=rules,
         offload=off.name,
+        model_state=state_sh,
+        state_rows=state_rows,
     )
 
 

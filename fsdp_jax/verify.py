@@ -172,7 +172,7 @@ def _call_factory(spec: str, kwargs: Mapping[str, Any] | None) -> dict:
 
 _BUILD_OPTIONS = ("logical_axes", "rules", "min_shard_size", "max_replicated_fraction")
 _STEP_OPTIONS = ("precision", "microbatches", "clip_norm", "remat", "has_aux", "trainable",
-                 "skip_nonfinite")
+                 "skip_nonfinite", "rng")
 
 
 def _compare(model, optimizer, loss_fn, batch, batches, names: list[str], devs: list[jax.Device],
@@ -187,14 +187,14 @@ def _compare(model, optimizer, loss_fn, batch, batches, names: list[str], devs: 
     from fsdp_jax.adapters import _adapt  # the shard_model adapter: same model forms accepted
     key = jax.random.key(seed)
     with _user_code("the model does not initialise"):
-        fns, params = _adapt(model, key)
+        fns, params, mstate = _adapt(model, key)
     tol = _tolerance(tolerance, optimizer, fns, opts.get("precision"))
 
     ref_mesh = make_mesh(1, 1, 1, devices=devs[:1])
     ref = _build(fns, optimizer, ref_mesh, "no_shard", loss_fn, opts)
     with _user_code("the model does not initialise"):
-        state = ref.init_state(key) if params is None else ref.place(params)
-    p0 = _host(state.params)
+        state = ref.init_state(key) if params is None else ref.place(params, mstate)
+    p0, ms0 = _host(state.params), _host(state.model_state)
     with _user_code("loss_fn fails on the batch"):
         step = ref.train_step.lower(state, _put(host_batches[0], ref.plan.batch)).compile()
     ref_loss, ref_gnorm, ref_params = [], [], []
@@ -202,15 +202,18 @@ def _compare(model, optimizer, loss_fn, batch, batches, names: list[str], devs: 
         state, m = step(state, _put(b, ref.plan.batch))
         ref_loss.append(float(m["loss"]))  # blocking each step bounds the work in flight (CPU)
         ref_gnorm.append(float(m["grad_norm"]))
-        ref_params.append(_host(state.params))
+        ref_params.append(_host((state.params, state.model_state)))
     del state
 
-    paths = [rl.path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(p0)[0]]
+    # params, then the model's state (BatchNorm statistics: over the global batch, so
+    # they must agree too), prefixed state:
+    paths = ([rl.path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(p0)[0]]
+             + ["state:" + rl.path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(ms0)[0]])
     reports = {}
     for name in names:
         mesh = make_mesh(*strategy_mesh_shape(name, len(devs)), devices=devs)
         reports[name] = _run_strategy(fns, optimizer, loss_fn, opts, mesh, name, key,
-                                      check_init and params is None, p0, host_batches, ref_loss,
+                                      check_init and params is None, (p0, ms0), host_batches, ref_loss,
                                       ref_gnorm, ref_params, paths, tol)
     return VerifyReport(
         devices=len(devs), steps=steps, platform=devs[0].platform, tolerance=tol,
@@ -219,8 +222,9 @@ def _compare(model, optimizer, loss_fn, batch, batches, names: list[str], devs: 
         reference_grad_norm=ref_gnorm, strategies=reports)
 
 
-def _run_strategy(fns, optimizer, loss_fn, opts, mesh, name, key, sharded_init, p0, host_batches,
+def _run_strategy(fns, optimizer, loss_fn, opts, mesh, name, key, sharded_init, start, host_batches,
                   ref_loss, ref_gnorm, ref_params, paths, tol) -> StrategyReport:
+    p0, ms0 = start
     built = _build(fns, optimizer, mesh, name, loss_fn, opts)
     init_diff = None
     if sharded_init:  # the strategy's own init, for the record (training starts from p0)
@@ -228,7 +232,7 @@ def _run_strategy(fns, optimizer, loss_fn, opts, mesh, name, key, sharded_init, 
         init_diff = max(float(np.max(np.abs(a - b), initial=0.0))
                         for a, b in zip(jax.tree.leaves(_host(own.params)), jax.tree.leaves(p0)))
         del own
-    state = built.place(p0)
+    state = built.place(p0, ms0)
     step = built.train_step.lower(state, _put(host_batches[0], built.plan.batch)).compile()
     collectives = {op: dict(v) for op, v in collective_report(step.as_text())["per_step"].items()}
     peak = compiled_memory(step)["peak"]
@@ -237,7 +241,7 @@ def _run_strategy(fns, optimizer, loss_fn, opts, mesh, name, key, sharded_init, 
         state, m = step(state, _put(b, built.plan.batch))
         loss_d.append(_rel(float(m["loss"]), ref_loss[i]))
         gnorm_d.append(_rel(float(m["grad_norm"]), ref_gnorm[i]))
-        leaf_d = [_leaf_rel(a, r) for a, r in zip(jax.tree.leaves(_host(state.params)),
+        leaf_d = [_leaf_rel(a, r) for a, r in zip(jax.tree.leaves(_host((state.params, state.model_state))),
                                                   jax.tree.leaves(ref_params[i]))]
         param_d.append(max(leaf_d, default=0.0))
         if first is None:
@@ -247,7 +251,7 @@ def _run_strategy(fns, optimizer, loss_fn, opts, mesh, name, key, sharded_init, 
             if bad or over_loss or over_gnorm:
                 first = Divergence(i + 1, loss_d[-1] if over_loss else None,
                                    gnorm_d[-1] if over_gnorm else None, tuple(bad))
-    last = jax.tree.leaves(_host(state.params))
+    last = jax.tree.leaves(_host((state.params, state.model_state)))
     worst = int(np.argmax(leaf_d)) if leaf_d else 0
     max_abs = max((float(np.max(np.abs(a - r), initial=0.0))
                    for a, r in zip(last, jax.tree.leaves(ref_params[-1]))), default=0.0)

@@ -13,11 +13,13 @@ from fsdp_jax.app.data import DataError, dir_problem
 from fsdp_jax.app.run_dir import RunDirBusy
 from fsdp_jax.distributed import DistributedInitError
 from fsdp_jax.mesh import MeshError
+from fsdp_jax.model_state import StateError
 from fsdp_jax.rules import ShardingError
 from fsdp_jax.step import BatchError
 
 BAD_INPUT: tuple[type[BaseException], ...] = (ConfigError, DataError, MeshError, ShardingError,
-                                               BatchError, CheckpointError, FileNotFoundError)
+                                               BatchError, CheckpointError, StateError,
+                                               FileNotFoundError)
 
 
 def fail(e: BaseException) -> int:

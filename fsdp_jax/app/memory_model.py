@@ -110,12 +110,13 @@ def compute_copy_bytes(abstract_params, plan, logical_axes, dtype) -> dict[str, 
 
 def analytic_memory(build: StepBuild) -> dict[str, int]:
     """Per-device bytes by formula (no compile): params, optimizer (incl. the step
-    counter), batch, grads, gathered, activations and total."""
+    counter and any non-trainable model state), batch, grads, gathered, activations and total."""
     cfg, plan, st = build.cfg, build.plan, build.state
     policy = Policy.parse(cfg.precision)
     s = plan.strategy
     params = tree_bytes_per_device(st.params)
-    optimizer = tree_bytes_per_device(st.opt_state) + tree_bytes_per_device(st.step)
+    optimizer = (tree_bytes_per_device(st.opt_state) + tree_bytes_per_device(st.step)
+                 + tree_bytes_per_device(st.model_state))  # non-trainable model state (0 when none)
     batch = shard_bytes(build.batch)
     grads = sum(shard_bytes(jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=g))
                 for p, g in zip(jax.tree.leaves(st.params), jax.tree.leaves(plan.grads)))
