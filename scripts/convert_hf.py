@@ -25,8 +25,9 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[1].strip(),
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    from fsdp_jax.app.flags import Parser
+    ap = Parser(description=__doc__.splitlines()[1].strip(),
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("hf_dir", help="Hugging Face model directory (config.json + safetensors)")
     ap.add_argument("--out", required=True, help="output .safetensors file (must not exist)")
     ap.add_argument("--dtype", choices=DTYPES, default="float32",

@@ -69,26 +69,18 @@ def main(argv: list[str] | None = None) -> int:
         argv, command = argv[:i], argv[i + 1:]
     else:
         command = []
+    from fsdp_jax.app.flags import int_in, real_in
     ap = _Parser(description="run a command as P local jax.distributed processes")
-    ap.add_argument("--processes", type=int, required=True)
-    ap.add_argument("--devices-per-process", type=int, default=4)
-    ap.add_argument("--port", type=int, default=0, help="coordinator port (default: a free one)")
-    ap.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
+    ap.add_argument("--processes", type=int_in(1, MAX_PROCESSES), required=True)
+    ap.add_argument("--devices-per-process", type=int_in(1, 1 << 16), default=4)
+    ap.add_argument("--port", type=int_in(0, 65535), default=0, help="coordinator port (default: a free one)")
+    ap.add_argument("--grace", type=real_in(0, 3600), default=10.0, help="seconds between SIGTERM and SIGKILL")
     try:
         args = ap.parse_args(argv)
     except SystemExit as e:
         return 2 if e.code else 0
     if not command:
         print("error: no command: put it after `--`", file=sys.stderr)
-        return 2
-    for flag, v, lo, hi in (("--processes", args.processes, 1, MAX_PROCESSES),
-                            ("--devices-per-process", args.devices_per_process, 1, 1 << 16),
-                            ("--port", args.port, 0, 65535)):
-        if not lo <= v <= hi:
-            print(f"error: {flag} {v}: must be in {lo}..{hi}", file=sys.stderr)
-            return 2
-    if not 0 <= args.grace <= 3600:  # (also rejects nan)
-        print(f"error: --grace {args.grace}: must be in 0..3600 seconds", file=sys.stderr)
         return 2
     port = args.port or free_port()
     lock = threading.Lock()
