@@ -50,8 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     from fsdp_jax.safetensors_io import write_safetensors
     from fsdp_jax.checkpoint import CheckpointError, tree_paths
 
+    from fsdp_jax.xla_flags import check_xla_flags
     out = Path(args.out)
     try:
+        check_xla_flags()  # before the params are built on the CPU backend
         for p, flag in ((out, "--out"), (Path(args.config_out) if args.config_out else None, "--config-out")):
             if p is not None and p.exists():
                 raise CheckpointError(f"{flag} {p}: already exists; choose a new path")

@@ -80,7 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(args.run_dir)
     directory = run_dir / "checkpoints" if (run_dir / "checkpoints").is_dir() else run_dir
     out = Path(args.out or args.hf)
+    from fsdp_jax.xla_flags import check_xla_flags
     try:
+        check_xla_flags()  # before the checkpoint is read onto the CPU backend
         max_shard_bytes = _size(args.max_shard_size)  # checked whatever the destination
         if not directory.is_dir():
             raise CheckpointError(f"{run_dir}: no such run or checkpoint directory")

@@ -155,7 +155,10 @@ def main(argv: list[str] | None = None) -> int:
         return fail(e)
 
     from fsdp_jax.app.plan_report import use_cpu_devices
-    use_cpu_devices(n)  # before JAX starts: n CPU devices when this machine has fewer
+    try:
+        use_cpu_devices(n)  # before JAX starts: n CPU devices when this machine has fewer
+    except BAD_INPUT as e:
+        return fail(e)
 
     import jax
     import numpy as np
