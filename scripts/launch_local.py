@@ -7,9 +7,12 @@
 Each process gets FSDP_JAX_COORDINATOR (a free localhost port; the coordinator
 service listens on 127.0.0.1 only), FSDP_JAX_NUM_PROCESSES, FSDP_JAX_PROCESS_ID and
 FSDP_JAX_CPU_DEVICES; its output lines are prefixed with
-`[i]`. Fails fast: when one process exits non-zero the others are stopped
-(SIGTERM, then SIGKILL after --grace seconds) and the launcher exits with that
-code. SIGINT/SIGTERM to the launcher are forwarded to every process.
+`[i]`. Fails fast: when one process exits non-zero or dies (kill -9, out of memory) the
+launcher says which in one line on stderr, the others are stopped (SIGTERM, then SIGKILL
+after --grace seconds: a survivor blocked in a collective with the dead peer cannot act
+on SIGTERM) and the launcher exits with that code (1 for a process killed by a signal).
+A trainer's committed checkpoints are untouched: run the same command again to resume.
+SIGINT/SIGTERM to the launcher are forwarded to every process.
 """
 
 from __future__ import annotations
@@ -121,9 +124,11 @@ def main(argv: list[str] | None = None) -> int:
         failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
         if failed:
             i, rc = failed[0]
+            how = (f" (killed by {signal.Signals(-rc).name}: the others cannot finish a step without it)"
+                   if rc < 0 and -rc in signal.valid_signals() else "")
             with lock:
-                print(f"launch_local: process {i} exited with {rc}; stopping the others", file=sys.stderr,
-                      flush=True)
+                print(f"error: launch_local: process {i} exited with {rc}{how}; stopping the other "
+                      f"{len(procs) - 1} (SIGTERM, SIGKILL after {args.grace:g} s)", file=sys.stderr, flush=True)
             stop_all(procs, args.grace)
             break
         if all(c == 0 for c in codes):

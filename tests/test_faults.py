@@ -95,3 +95,84 @@ def test_checkpoints_made_read_only_mid_run_stop_at_that_save_then_resume_exactl
                            cwd=ROOT, timeout=600)
     assert again.returncode == 0 and "resuming from checkpoint step 2" in again.stdout, again.stderr[-3000:]
     _assert_same_params(tmp_path / "ref", run_dir, 8)
+
+
+# -- a peer process that dies ----------------------------------------------------------------------
+
+LAUNCH = [sys.executable, str(ROOT / "scripts" / "launch_local.py"), "--processes", "2",
+          "--devices-per-process", "4", "--grace", "5", "--"]
+
+
+def _two_process_train(corpus, run_dir: Path, steps: int = 10) -> list[str]:
+    return [*LAUNCH, sys.executable, str(ROOT / "scripts" / "train.py"), "--config", TINY_YAML, "--no-progress",
+            *TINY_RUN_OVERRIDES, f"data.path={corpus}", f"run_dir={run_dir}", f"train.steps={steps}",
+            "train.checkpoint_every=2", "train.keep_checkpoints=10"]
+
+
+def _child_with(parent: int, process_id: int) -> int | None:
+    """The pid of the launcher's child that is `process_id` of the job (from /proc)."""
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            env = (d / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent and f"FSDP_JAX_PROCESS_ID={process_id}".encode() in env:
+            return int(d.name)
+    return None
+
+
+@pytest.fixture(scope="module")
+def two_process_reference(corpus, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("peer_ref") / "run"
+    r = subprocess.run(_two_process_train(corpus, run_dir), capture_output=True, text=True, cwd=ROOT,
+                       env=_train_env(), timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    return run_dir
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the peer's pid in /proc")
+@pytest.mark.parametrize("when", ["mid_step", "mid_save"])
+def test_a_peer_killed_mid_run_stops_the_job_with_one_line_and_the_run_resumes_exactly(
+        when, corpus, tmp_path, two_process_reference):
+    """kill -9 of process 1 of a 2-process run, after step 4 is committed (in a step) or
+    as soon as a later step's checkpoint is being written (its tmp directory exists). The
+    survivor is blocked in a collective with the dead peer: the launcher says which
+    process died in one line, stops the survivor within its grace, exits 1. The committed
+    checkpoints restore, and the same command resumes from the newest one to the end,
+    bit-identical to a run that never lost a peer."""
+    run_dir = tmp_path / "run"
+    ckpts = run_dir / "checkpoints"
+    cmd = _two_process_train(corpus, run_dir)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env=_train_env(FSDP_JAX_INJECT_DATA_DELAY_S="0.3"))
+    try:
+        deadline = time.monotonic() + 400
+        while not _committed(ckpts, 4) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if when == "mid_save":
+            while (not any(ckpts.glob(f"*{ck.TMP_SUFFIX}*")) and proc.poll() is None
+                   and time.monotonic() < deadline):
+                time.sleep(0.002)
+        peer = _child_with(proc.pid, 1)
+        assert peer is not None and proc.poll() is None, "the job ended before the kill"
+        os.kill(peer, 9)
+        saving = sorted(p.name for p in ckpts.glob(f"*{ck.TMP_SUFFIX}*"))
+        assert bool(saving) or when == "mid_step", "no save in flight at the kill"
+        killed_at = time.monotonic()
+        out, err = proc.communicate(timeout=120)
+        stopped_in = time.monotonic() - killed_at
+    finally:
+        proc.kill()
+    line = one_line(proc.returncode, err, "process 1 exited with -9", "SIGKILL", code=1)
+    assert stopped_in < 5 + 15, (stopped_in, line)  # the grace, plus the launcher's polling
+    assert "Traceback" not in out, out[-3000:]
+    committed = ck.Checkpointer(ckpts, read_only=True).steps()
+    assert committed and committed[-1] >= 4 and committed[-1] < 10, committed
+    again = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=_train_env(), timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-2000:]
+    assert f"[0] resuming from checkpoint step {committed[-1]}" in again.stdout, again.stdout[-3000:]
+    _assert_same_params(two_process_reference, run_dir, 10)
