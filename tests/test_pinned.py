@@ -213,3 +213,38 @@ def test_crc_is_checked_when_params_are_restored_and_exported(tmp_path, capsys):
     with pytest.raises(ck.CheckpointError, match="step 2: .*changed since it was saved"):
         ck.export_safetensors(d, tmp_path / "m2.safetensors", step=2)
     assert not (tmp_path / "m2.safetensors").exists()
+
+
+# -- verify's tolerances, against differences that sit near them -----------------------------------
+
+def _scaled_by_shard_count(eps: float):
+    """(model, loss_fn): the Linen MLP of test_verify whose loss is multiplied by
+    1 + eps * (k - 1), k the number of batch shards (1 on one device, 8 on 8): a bug whose
+    relative loss and grad-norm differences are 7 * eps, as small as we choose."""
+    from test_verify import linen_setup, per_shard
+    model, loss_fn = linen_setup()
+
+    def scaled(params, b):
+        k = per_shard(lambda xl: jax.lax.psum(jnp.ones((), jnp.float32), ("data", "fsdp")),
+                      out_specs=P())(b["x"])
+        return loss_fn(params, b) * (1.0 + eps * (k - 1.0))
+    return model, scaled
+
+
+@pytest.mark.slow
+def test_verify_tolerances_sit_between_a_near_healthy_and_a_near_broken_model():
+    """sgd-f32 limits loss 2e-6 and grad norm 2e-6 (relative). A sharding-dependent
+    difference of 0.25x the limit passes, 2.5x fails at step 1 naming loss and grad norm.
+    Mutation: every tolerance loosened 10x or more -> the broken one passes; tightened 4x or
+    more -> the healthy one fails."""
+    from test_verify import run
+    # the differences are fixed numbers (not derived from the tolerance under test)
+    near_ok = run(*_scaled_by_shard_count(5e-7 / 7), strategies=("full_shard",))
+    assert near_ok.passed, near_ok.format()
+    s = near_ok.strategies["full_shard"]
+    assert 2e-7 < s.max_loss_rel_diff < 1e-6, s.loss_rel_diff  # the bug's 5e-7, plus rounding
+    near_bad = run(*_scaled_by_shard_count(5e-6 / 7), strategies=("full_shard",))
+    assert not near_bad.passed
+    d = near_bad.strategies["full_shard"].first_divergence
+    assert d.step == 1 and d.loss is not None and d.grad_norm is not None
+    assert 4e-6 < d.loss < 6e-6, d.loss
