@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -65,6 +66,7 @@ TOP_TENSORS = {"embed": ("model.embed_tokens.weight", "id"),
                "head": ("lm_head.weight", "t")}
 _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 _FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 _IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")  # old 4.x buffers
 
 
@@ -103,7 +105,7 @@ def model_config_from_hf(raw: Mapping, where: str = "config.json",
     if mt not in MODEL_TYPES:
         raise bad("model_type", f"not a Llama-family model (allowed: {', '.join(MODEL_TYPES)})")
     arch = raw.get("architectures") or []
-    if any(a not in ARCHITECTURES for a in arch):
+    if not isinstance(arch, list) or any(a not in ARCHITECTURES for a in arch):
         raise bad("architectures", f"allowed: {', '.join(ARCHITECTURES)}")
     act = raw.get("hidden_act", "silu")
     if act != "silu":
@@ -114,9 +116,15 @@ def model_config_from_hf(raw: Mapping, where: str = "config.json",
     if raw.get("sliding_window") is not None and raw.get("use_sliding_window", True):
         raise bad("sliding_window", "the reference Llama attends causally over the whole "
                   "sequence (allowed: null)")
-    if float(raw.get("attention_dropout", 0.0) or 0.0) != 0.0:
+    def number(key, default):
+        v = raw.get(key, default)
+        v = default if v is None else v
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise bad(key, "expected a finite number")
+        return float(v)
+    if number("attention_dropout", 0.0) != 0.0:
         raise bad("attention_dropout", "the reference Llama has no dropout (allowed: 0)")
-    if float(raw.get("partial_rotary_factor", 1.0)) != 1.0:
+    if number("partial_rotary_factor", 1.0) != 1.0:
         raise bad("partial_rotary_factor", "RoPE rotates the whole head (allowed: 1)")
     rope = raw.get("rope_parameters") or {}
     if not isinstance(rope, Mapping):
@@ -128,6 +136,8 @@ def model_config_from_hf(raw: Mapping, where: str = "config.json",
             raise bad(key, "rope scaling is not implemented by the reference Llama "
                       "(allowed: null or rope_type default)")
     theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
+    if "rope_theta" in rope and raw.get("rope_theta") is not None and raw["rope_theta"] != theta:
+        raise bad("rope_theta", f"disagrees with rope_parameters.rope_theta={theta!r}")
     vals = {"rope_theta": theta, "rms_norm_eps": raw.get("rms_norm_eps", 1e-6),
             "tie_word_embeddings": raw.get("tie_word_embeddings", False),
             "num_key_value_heads": raw.get("num_key_value_heads") or raw.get("num_attention_heads"),
@@ -139,11 +149,12 @@ def model_config_from_hf(raw: Mapping, where: str = "config.json",
             raise ConfigError(where, f"{key}: missing (a Llama config.json has it)")
         want = type(getattr(base, field))
         ok = (isinstance(v, bool) if want is bool else
-              isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
-              and (want is float or float(v).is_integer()))
+              isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < 2**31
+              and math.isfinite(v) and (want is float or float(v).is_integer()))
         if not ok:
             raise ConfigError(where, f"{key}={v!r}: expected a "
-                              f"{'boolean' if want is bool else 'positive number'}")
+                              f"{'boolean' if want is bool else 'finite positive number below 2**31'}"
+                              f"{'' if want is not int else ', an integer'}")
         kw[field] = want(v)
     cfg = dataclasses.replace(base, **kw)
     if cfg.d_model % cfg.n_heads or cfg.n_heads % cfg.n_kv_heads:
@@ -304,6 +315,11 @@ class HFCheckpoint:
             for name in f.tensors:
                 if weight_map is None or weight_map.get(name) == fname:
                     self.where[name] = f
+        # before listing the tensors the config implies (a loop over its layers)
+        held = 1 + max((int(m.group(1)) for n in self.where if (m := _LAYER.match(n))), default=-1)
+        if held != self.config.n_layers:
+            raise CheckpointError(f"hf:{self.path}: config.json num_hidden_layers="
+                                  f"{self.config.n_layers}, but the tensors hold {held} layers")
         want = expected_tensors(self.config)
         missing = [n for n in want if n not in self.where]
         if missing:
