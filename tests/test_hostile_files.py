@@ -298,3 +298,55 @@ def test_damaged_hf_directories_are_one_line_exit_2_nothing_written(tmp_path, ca
                             f"run_dir={run_dir}", capsys=capsys)
         _refused(rc, out, err, f"train {how}", run_dir, failures)
     assert not failures, "\n".join(failures)
+
+
+# -- tokenizer files --------------------------------------------------------------------------------
+
+def test_hostile_tokenizer_files_are_one_line_exit_2_nothing_written(tmp_path, capsys):
+    """Missing, not JSON, not UTF-8, the wrong schema, an empty vocabulary, a damaged
+    SentencePiece model, a directory without one: `load_tokenizer` raises TokenizerError
+    (one line), and scripts/prepare_data.py --tokenizer says so in one line, exit 2,
+    writing no corpus."""
+    from fsdp_jax.app.tokenizer import TokenizerError, load_tokenizer
+    good = json.loads((GOLDEN_HF / "tokenizer.json").read_text())
+    cases = {
+        "missing.json": None,
+        "not_json.json": b"{not json",
+        "latin1.json": b'{"model": "\xe4"}',
+        "empty.json": b"",
+        "a_list.json": b"[1, 2, 3]",
+        "no_model.json": json.dumps({k: v for k, v in good.items() if k != "model"}).encode(),
+        "model_not_object.json": json.dumps({**good, "model": 3}).encode(),
+        "unknown_model_type.json": json.dumps({**good, "model": {**good["model"], "type": "Nope"}}).encode(),
+        "vocab_a_string.json": json.dumps({**good, "model": {**good["model"], "vocab": "abc"}}).encode(),
+        "empty_vocab.json": json.dumps({**good, "model": {**good["model"], "vocab": {}, "merges": []},
+                                        "added_tokens": []}).encode(),
+        "damaged.model": b"\x00\x01 not a sentencepiece model",
+        "empty_dir": "dir",
+    }
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("hello world\n" * 20)
+    failures = []
+    for name, blob in cases.items():
+        p = tmp_path / name
+        if blob == "dir":
+            p.mkdir()
+        elif blob is not None:
+            p.write_bytes(blob)
+        try:
+            load_tokenizer(p)
+            failures.append(f"{name}: loaded")
+        except TokenizerError as e:
+            if "\n" in str(e).strip() or name.split(".")[0] not in str(e):
+                failures.append(f"{name}: {e}")
+        except Exception as e:
+            failures.append(f"{name}: {type(e).__name__}: {str(e)[:200]}")
+        out = tmp_path / f"corpus_{name}"
+        rc, _, err = call("prepare_data", "--out", out, "--tokenizer", p, src, capsys=capsys)
+        try:
+            one_line(rc, err, name.split(".")[0])
+            assert not out.exists()
+        except AssertionError as e:
+            failures.append(f"prepare_data {name}: {str(e)[-300:]}")
+    assert not failures, "\n".join(failures)
