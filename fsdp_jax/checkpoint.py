@@ -43,6 +43,7 @@ import os
 import shutil
 import sys
 import time
+import warnings
 import zlib
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
@@ -113,6 +114,31 @@ def _quiet_closed_loop_callbacks() -> None:
             previous(u)
     hook._fsdp_jax = True
     sys.unraisablehook = hook
+
+
+def _release_stranded_waits() -> int:
+    """After a failed save: wake orbax's save threads still waiting for a signal the
+    failed step will never send (e.g. "directory created", when creating the step's
+    directory failed) and cancel them. Left alone they block for orbax's coordination
+    timeout (300 s), and the process cannot exit meanwhile (they are not daemons).
+    Returns how many were released; 0 when this orbax keeps no such threads."""
+    try:
+        import threading
+
+        from orbax.checkpoint._src.futures import future as _future
+        kind = _future._SignalingThread
+    except (ImportError, AttributeError):
+        return 0
+    released = 0
+    # their save coroutines, created and now never run, would each warn at exit
+    warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
+    for t in threading.enumerate():
+        if isinstance(t, kind) and t.is_alive():
+            with contextlib.suppress(Exception):
+                t.cancel()  # checked once the wait ends: the thread returns without running
+                _future.set_signals(t._receive_signals, operation_id=t._operation_id)
+                released += 1
+    return released
 
 
 class Restored(NamedTuple):
@@ -239,6 +265,7 @@ class Checkpointer:
             raise
         except Exception as e:  # orbax wraps thread errors in several types; keep the cause
             self._in_flight.clear()  # the failed step's manifest will never be written
+            _release_stranded_waits()
             cause = e
             while cause.__cause__ is not None and not isinstance(cause, OSError):
                 cause = cause.__cause__

@@ -80,6 +80,7 @@ class SafetensorsFile:
             self.metadata = header.pop("__metadata__", None) or {}
             self.base = 8 + n
             self.tensors: dict[str, tuple[np.dtype, tuple[int, ...], int]] = {}
+            spans: list[tuple[int, int, str]] = []
             for name, h in header.items():
                 if not (isinstance(h, dict) and h.get("dtype") in DTYPES and _int_list(h.get("shape"))
                         and _int_list(h.get("data_offsets")) and len(h["data_offsets"]) == 2):
@@ -89,6 +90,13 @@ class SafetensorsFile:
                 if not b <= e or self.base + e > size or e - b != math.prod(h["shape"]) * dt.itemsize:
                     raise ValueError(f"tensor {name!r} lies outside the file or has the wrong size")
                 self.tensors[name] = (dt, tuple(h["shape"]), self.base + b)
+                spans.append((b, e, name))
+            # tensors may not share bytes (the format's own reader refuses that too): an
+            # overlap would hand one tensor another's values
+            spans.sort()
+            for (_, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
+                if b1 < e0 and b1 < e1:
+                    raise ValueError(f"tensors {n0!r} and {n1!r} overlap in the file")
         except FileNotFoundError:
             raise SafetensorsError(f"{self.path}: safetensors file not found") from None
         except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:

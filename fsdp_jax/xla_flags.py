@@ -66,3 +66,47 @@ def _typed(value: str) -> bool | int | float | str:
         except ValueError:
             pass
     return value
+
+
+# XLA's fatal log line for an XLA_FLAGS entry its build does not register
+UNKNOWN_FLAG = "Unknown flag in XLA_FLAGS"
+
+
+class XlaFlagsError(ValueError):
+    """XLA_FLAGS holds an entry this jaxlib's XLA does not know (bad input): XLA would
+    abort the process with a fatal log when its backend starts."""
+
+
+def unknown_flag(stderr: str) -> str | None:
+    """The entry XLA refused, from the stderr of a process it aborted over XLA_FLAGS
+    (`... parse_flags_from_env.cc:234] Unknown flag in XLA_FLAGS: --xla_nope=1`), else None."""
+    for line in stderr.splitlines():
+        if UNKNOWN_FLAG in line:
+            return line.split(UNKNOWN_FLAG, 1)[1].lstrip(": ").strip()
+    return None
+
+
+_PROBE = "import jaxlib.xla_client as xc; xc.make_cpu_client()"
+_probed: dict[str, str | None] = {}
+
+
+def check_xla_flags(environ=os.environ) -> None:
+    """Raise XlaFlagsError naming the entry of XLA_FLAGS this jaxlib's XLA does not know,
+    before this process starts a backend (which would abort it with XLA's fatal log).
+    A child process that starts only jaxlib's CPU client parses the flags (about 0.2 s,
+    once per XLA_FLAGS value and process). Once this process's backends run, XLA has read
+    the flags already and nothing is probed."""
+    flags = environ.get("XLA_FLAGS", "").strip()
+    if not flags:
+        return
+    from jax._src import xla_bridge
+    if xla_bridge.backends_are_initialized():
+        return
+    if flags not in _probed:
+        import subprocess
+        import sys
+        env = dict(environ, JAX_PLATFORMS="cpu")
+        proc = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True)
+        _probed[flags] = unknown_flag(proc.stderr) if proc.returncode else None
+    if _probed[flags]:
+        raise XlaFlagsError(f"XLA_FLAGS: {UNKNOWN_FLAG}: {_probed[flags]} (this jax's XLA does not know it)")

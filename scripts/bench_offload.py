@@ -22,11 +22,12 @@ import time
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="offload step-time benchmark")
+    from fsdp_jax.app.flags import Parser, int_in
+    ap = Parser(description="offload step-time benchmark")
     ap.add_argument("--config", required=True)
     ap.add_argument("--strategy", default="full_shard")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--rounds", type=int_in(1), default=5)
+    ap.add_argument("--steps", type=int_in(1), default=3)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("overrides", nargs="*")
     try:
@@ -44,8 +45,6 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         use_cpu_devices()
-        if args.rounds < 1 or args.steps < 1:
-            raise ConfigError("--rounds", f"{args.rounds} / --steps {args.steps}: both must be >= 1")
         cfg = load_config(args.config, args.overrides)
         validate(cfg, n_devices=jax.device_count())
         runs = {}

@@ -117,14 +117,15 @@ def bench_plain_dp(cfg, devices, steps: int, warmup: int):
 
 
 def main(argv: list[str] | None = None) -> int:
+    from fsdp_jax.app.flags import int_in, real_in
     ap = _Parser(description="fsdp_jax benchmark")
     ap.add_argument("--config", required=True)
     ap.add_argument("--strategies", default="full_shard,shard_grad_op,shard_opt,no_shard,hybrid_shard")
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int_in(1), default=10)
+    ap.add_argument("--warmup", type=int_in(0), default=2)
     ap.add_argument("--sweep", action="append", default=[], help="KEY=V1,V2 (repeatable)")
     ap.add_argument("--baselines", action="store_true", help="add single_device and plain_dp rows")
-    ap.add_argument("--peak-tflops", type=float, default=None, help="peak TFLOP/s per device for MFU")
+    ap.add_argument("--peak-tflops", type=real_in(0, above=True), default=None, help="peak TFLOP/s per device for MFU")
     ap.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     ap.add_argument("--plot", help="PNG of step time / compile time / memory against the first sweep key")
     ap.add_argument("overrides", nargs="*")
@@ -132,8 +133,6 @@ def main(argv: list[str] | None = None) -> int:
         args = ap.parse_args(argv)
     except SystemExit as e:
         return 2 if e.code else 0
-    import math
-
     import jax
 
     from fsdp_jax.app.cli import BAD_INPUT, check_out_file, fail, require, use_cpu_devices
@@ -145,15 +144,13 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         use_cpu_devices()
-        if args.steps < 1 or args.warmup < 0:
-            raise ConfigError("--steps", f"{args.steps} / --warmup {args.warmup}: need steps >= 1, warmup >= 0")
-        if args.peak_tflops is not None and not (math.isfinite(args.peak_tflops) and args.peak_tflops > 0):
-            raise ConfigError("--peak-tflops", f"{args.peak_tflops}: must be a finite number > 0")
         if args.plot:
             check_out_file(args.plot, "--plot")
             require("matplotlib", "--plot")
         sweeps = parse_sweeps(args.sweep)
         strategies = [get_strategy(s).name for s in args.strategies.split(",") if s]
+        if not strategies:
+            raise ConfigError("--strategies", f"{args.strategies!r} names no strategy")
         load_config(args.config, args.overrides)  # fail early on a bad config
         jax.config.update("jax_enable_compilation_cache", False)  # inputs checked: time cold compiles
         runs = []
@@ -161,9 +158,9 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 n_dev = int(combo.get("devices", jax.device_count()))
             except ValueError:
-                raise ConfigError("devices", f"{combo['devices']!r} is not an integer") from None
+                raise ConfigError("--sweep devices", f"{combo['devices']!r} is not an integer") from None
             if not 1 <= n_dev <= jax.device_count():
-                raise ConfigError("devices", f"{n_dev}: choose 1..{jax.device_count()}")
+                raise ConfigError("--sweep devices", f"{n_dev}: choose 1..{jax.device_count()}")
             cfg = load_config(args.config, list(args.overrides) + [f"{k}={v}" for k, v in combo.items()
                                                                      if k != "devices"])
             validate(cfg, n_devices=n_dev)

@@ -25,8 +25,9 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[1].strip(),
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    from fsdp_jax.app.flags import Parser
+    ap = Parser(description=__doc__.splitlines()[1].strip(),
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("hf_dir", help="Hugging Face model directory (config.json + safetensors)")
     ap.add_argument("--out", required=True, help="output .safetensors file (must not exist)")
     ap.add_argument("--dtype", choices=DTYPES, default="float32",
@@ -49,8 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     from fsdp_jax.safetensors_io import write_safetensors
     from fsdp_jax.checkpoint import CheckpointError, tree_paths
 
+    from fsdp_jax.xla_flags import check_xla_flags
     out = Path(args.out)
     try:
+        check_xla_flags()  # before the params are built on the CPU backend
         for p, flag in ((out, "--out"), (Path(args.config_out) if args.config_out else None, "--config-out")):
             if p is not None and p.exists():
                 raise CheckpointError(f"{flag} {p}: already exists; choose a new path")

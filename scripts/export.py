@@ -48,13 +48,14 @@ def _size(text: str) -> int:
                 n = float(t[:-len(unit)])
             except ValueError:
                 break
-            if n > 0:
+            if 0 < n * mult < 2**63:  # (also refuses nan and inf)
                 return int(n * mult)
             break
     raise CheckpointError(f"--max-shard-size {text!r}: expected a size like 5GB, 500MB or 2GiB")
 
 
 def main(argv: list[str] | None = None) -> int:
+    from fsdp_jax.app.flags import int_in
     ap = _Parser(description=__doc__.splitlines()[1].strip(),
                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dir", help="train run directory or checkpoint directory")
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="--hf: largest weight file, e.g. 5GB, 500MB (default 5GB)")
     ap.add_argument("--dtype", choices=DTYPES, default=None,
                     help="cast floating-point params (default: as saved)")
-    ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
+    ap.add_argument("--step", type=int_in(0), default=None, help="checkpoint step (default: newest)")
     try:
         args = ap.parse_args(argv)
     except SystemExit as e:  # argparse printed its one-line usage error
@@ -79,15 +80,16 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(args.run_dir)
     directory = run_dir / "checkpoints" if (run_dir / "checkpoints").is_dir() else run_dir
     out = Path(args.out or args.hf)
+    from fsdp_jax.xla_flags import check_xla_flags
     try:
+        check_xla_flags()  # before the checkpoint is read onto the CPU backend
+        max_shard_bytes = _size(args.max_shard_size)  # checked whatever the destination
         if not directory.is_dir():
             raise CheckpointError(f"{run_dir}: no such run or checkpoint directory")
-        if args.step is not None and args.step < 0:
-            raise CheckpointError(f"--step {args.step}: must be >= 0")
         if args.hf:
             from fsdp_jax.app.hf_export import export_hf
             info = export_hf(directory, args.hf, dtype=args.dtype, step=args.step,
-                             max_shard_bytes=_size(args.max_shard_size))
+                             max_shard_bytes=max_shard_bytes)
             print(f"exported step {info['step']}: {info['tensors']} tensors in {info['files']} "
                   f"file(s), {info['bytes'] / 2**20:.2f} MiB -> {info['path']}", flush=True)
             return 0

@@ -125,9 +125,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv: list[str] | None = None) -> int:
+    from fsdp_jax.app.flags import int_in
     ap = _Parser()
     ap.add_argument("--config", default="configs/llama_1b.yaml")
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=int_in(1), default=10)
     ap.add_argument("--json", help="write all results here")
     ap.add_argument("--only", default="throughput,precision,collectives")
     ap.add_argument("overrides", nargs="*")

@@ -7,9 +7,12 @@
 Each process gets FSDP_JAX_COORDINATOR (a free localhost port; the coordinator
 service listens on 127.0.0.1 only), FSDP_JAX_NUM_PROCESSES, FSDP_JAX_PROCESS_ID and
 FSDP_JAX_CPU_DEVICES; its output lines are prefixed with
-`[i]`. Fails fast: when one process exits non-zero the others are stopped
-(SIGTERM, then SIGKILL after --grace seconds) and the launcher exits with that
-code. SIGINT/SIGTERM to the launcher are forwarded to every process.
+`[i]`. Fails fast: when one process exits non-zero or dies (kill -9, out of memory) the
+launcher says which in one line on stderr, the others are stopped (SIGTERM, then SIGKILL
+after --grace seconds: a survivor blocked in a collective with the dead peer cannot act
+on SIGTERM) and the launcher exits with that code (1 for a process killed by a signal).
+A trainer's committed checkpoints are untouched: run the same command again to resume.
+SIGINT/SIGTERM to the launcher are forwarded to every process.
 """
 
 from __future__ import annotations
@@ -69,26 +72,18 @@ def main(argv: list[str] | None = None) -> int:
         argv, command = argv[:i], argv[i + 1:]
     else:
         command = []
+    from fsdp_jax.app.flags import int_in, real_in
     ap = _Parser(description="run a command as P local jax.distributed processes")
-    ap.add_argument("--processes", type=int, required=True)
-    ap.add_argument("--devices-per-process", type=int, default=4)
-    ap.add_argument("--port", type=int, default=0, help="coordinator port (default: a free one)")
-    ap.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
+    ap.add_argument("--processes", type=int_in(1, MAX_PROCESSES), required=True)
+    ap.add_argument("--devices-per-process", type=int_in(1, 1 << 16), default=4)
+    ap.add_argument("--port", type=int_in(0, 65535), default=0, help="coordinator port (default: a free one)")
+    ap.add_argument("--grace", type=real_in(0, 3600), default=10.0, help="seconds between SIGTERM and SIGKILL")
     try:
         args = ap.parse_args(argv)
     except SystemExit as e:
         return 2 if e.code else 0
     if not command:
         print("error: no command: put it after `--`", file=sys.stderr)
-        return 2
-    for flag, v, lo, hi in (("--processes", args.processes, 1, MAX_PROCESSES),
-                            ("--devices-per-process", args.devices_per_process, 1, 1 << 16),
-                            ("--port", args.port, 0, 65535)):
-        if not lo <= v <= hi:
-            print(f"error: {flag} {v}: must be in {lo}..{hi}", file=sys.stderr)
-            return 2
-    if not 0 <= args.grace <= 3600:  # (also rejects nan)
-        print(f"error: --grace {args.grace}: must be in 0..3600 seconds", file=sys.stderr)
         return 2
     port = args.port or free_port()
     lock = threading.Lock()
@@ -129,9 +124,11 @@ def main(argv: list[str] | None = None) -> int:
         failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
         if failed:
             i, rc = failed[0]
+            how = (f" (killed by {signal.Signals(-rc).name}: the others cannot finish a step without it)"
+                   if rc < 0 and -rc in signal.valid_signals() else "")
             with lock:
-                print(f"launch_local: process {i} exited with {rc}; stopping the others", file=sys.stderr,
-                      flush=True)
+                print(f"error: launch_local: process {i} exited with {rc}{how}; stopping the other "
+                      f"{len(procs) - 1} (SIGTERM, SIGKILL after {args.grace:g} s)", file=sys.stderr, flush=True)
             stop_all(procs, args.grace)
             break
         if all(c == 0 for c in codes):

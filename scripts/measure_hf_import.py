@@ -130,13 +130,17 @@ def measure(path: str, naive: bool) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[1].strip())
-    ap.add_argument("--d-model", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=2560)
+    from fsdp_jax.app.flags import Parser, int_in
+    ap = Parser(description=__doc__.splitlines()[1].strip())
+    ap.add_argument("--d-model", type=int_in(8, 1 << 16), default=256)
+    ap.add_argument("--layers", type=int_in(1, 1024), default=4)
+    ap.add_argument("--vocab", type=int_in(2, 1 << 20), default=2560)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    try:
+        args = ap.parse_args(argv)
+    except SystemExit as e:  # the parser printed its one-line error
+        return 2 if e.code else 0
     if args.child:
         print(json.dumps(measure(args.child[0], args.child[1] == "naive")))
         return 0

@@ -29,6 +29,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from fsdp_jax.app.flags import int_in
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, no usage block
@@ -51,10 +53,10 @@ def _parse(argv):
     p.add_argument("--tokenizer", default="bytes",
                    help="bytes (default), a tokenizer.json, a SentencePiece .model or a model dir")
     p.add_argument("--eos", help="end-of-document token (default: from the tokenizer)")
-    p.add_argument("--threads", type=int, default=None, help="encoding threads (default: all)")
+    p.add_argument("--threads", type=int_in(1), default=None, help="encoding threads (default: all)")
     p.add_argument("--model", help="Hugging Face model dir whose vocab_size the tokenizer must fit")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--pack", type=int, metavar="ROW_LEN",
+    p.add_argument("--pack", type=int_in(2), metavar="ROW_LEN",
                    help="fine-tuning examples packed into rows of ROW_LEN tokens")
     p.add_argument("--train-on-all", action="store_true",
                    help="--pack: train on every token (default: assistant turns / completions only)")

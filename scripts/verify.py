@@ -123,14 +123,15 @@ def shrink_config(cfg, n: int, strategies, devices):
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[1].strip(),
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    from fsdp_jax.app.flags import Parser, int_in, real_in
+    ap = Parser(description=__doc__.splitlines()[1].strip(),
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True, help="YAML config (configs/*.yaml)")
     ap.add_argument("--strategies", default="all", help="all, or a comma list (aliases ok: ddp,zero3)")
     ap.add_argument("--devices", default="8", help="devices to verify on (default 8)")
-    ap.add_argument("--steps", type=int, default=3, help="train steps compared (default 3)")
-    ap.add_argument("--seed", type=int, default=0, help="init and batch seed")
-    ap.add_argument("--max-params", type=float, default=20e6,
+    ap.add_argument("--steps", type=int_in(1), default=3, help="train steps compared (default 3)")
+    ap.add_argument("--seed", type=int_in(0, 2**63 - 1), default=0, help="init and batch seed")
+    ap.add_argument("--max-params", type=real_in(0), default=20e6,
                     help="shrink models with more params than this (0: never shrink)")
     ap.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     ap.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. optimizer.name=sgd")
@@ -145,8 +146,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         n = parse_devices(args.devices)
         strategies = parse_strategies(args.strategies)
-        if args.steps < 1:
-            raise PlanError(f"--steps: {args.steps}; must be >= 1")
     except PlanError as e:
         return fail(e)
     from fsdp_jax.app.config import load_config, validate
@@ -157,7 +156,10 @@ def main(argv: list[str] | None = None) -> int:
         return fail(e)
 
     from fsdp_jax.app.plan_report import use_cpu_devices
-    use_cpu_devices(n)  # before JAX starts: n CPU devices when this machine has fewer
+    try:
+        use_cpu_devices(n)  # before JAX starts: n CPU devices when this machine has fewer
+    except BAD_INPUT as e:
+        return fail(e)
 
     import jax
     import numpy as np

@@ -152,7 +152,7 @@ def test_prepare_bad_input_table(tmp_path, capsys):
         assert rc == 2 and err.startswith("error: ") and err.count("\n") == 1, (name, err)
         assert want in err and f"{name}.jsonl" in err, (name, err)
         assert not out.exists(), name
-    for argv, want in [(["--threads", "-3"], "--threads -3"), (["--pack", "1"], "--pack 1"),
+    for argv, want in [(["--threads", "-3"], "--threads: -3 is invalid"), (["--pack", "1"], "--pack: 1 is invalid"),
                        (["--overflow", "split"], "need --pack")]:
         src = tmp_path / "notjson.jsonl"
         with pytest.raises(SystemExit) as e:

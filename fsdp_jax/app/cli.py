@@ -16,10 +16,11 @@ from fsdp_jax.mesh import MeshError
 from fsdp_jax.model_state import StateError
 from fsdp_jax.rules import ShardingError
 from fsdp_jax.step import BatchError
+from fsdp_jax.xla_flags import XlaFlagsError, check_xla_flags
 
 BAD_INPUT: tuple[type[BaseException], ...] = (ConfigError, DataError, MeshError, ShardingError,
                                                BatchError, CheckpointError, StateError,
-                                               FileNotFoundError)
+                                               FileNotFoundError, XlaFlagsError)
 
 
 def fail(e: BaseException) -> int:
@@ -70,8 +71,10 @@ def env_int(name: str, default: int, low: int = 1, high: int = 1 << 16) -> int:
 def use_cpu_devices(env: str = "FSDP_JAX_CPU_DEVICES", default: int = 8) -> int:
     """Give this process `$env` (default 8) CPU host devices. JAX takes the setting only
     before its backends start; when they already run with that count (main() called from a
-    notebook or a test), nothing is changed. ConfigError names `env` when it is not a count."""
+    notebook or a test), nothing is changed. ConfigError names `env` when it is not a count;
+    XlaFlagsError names an XLA_FLAGS entry XLA would abort the process over."""
     import jax
+    check_xla_flags()
     n = env_int(env, default)
     if jax.config.jax_num_cpu_devices != n:
         jax.config.update("jax_num_cpu_devices", n)

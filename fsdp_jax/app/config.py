@@ -15,6 +15,7 @@ import difflib
 import importlib.util
 import json
 import math
+import os
 import re
 import typing
 from collections.abc import Mapping, Sequence
@@ -229,10 +230,27 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
     return cls(**{k: _coerce(f"{prefix}.{k}", v, hints[k]) for k, v in raw.items()})
 
 
+# Paths a user may write as ~/x (as a shell would expand them); init_from also as hf:~/x.
+_PATH_KEYS = (("run_dir",), ("data", "path"), ("init_from",))
+
+
+def expand_user_paths(d: Mapping) -> dict:
+    """A copy of the raw config dict with a leading `~` expanded in its path keys."""
+    out = {k: dict(v) if isinstance(v, Mapping) else v for k, v in d.items()}
+    for keys in _PATH_KEYS:
+        holder = out if len(keys) == 1 else out.get(keys[0])
+        v = holder.get(keys[-1]) if isinstance(holder, dict) else None
+        if isinstance(v, str):
+            prefix = "hf:" if v.startswith("hf:") else ""
+            holder[keys[-1]] = prefix + os.path.expanduser(v[len(prefix):])
+    return out
+
+
 def config_from_dict(d: Mapping) -> Config:
     """Build a Config from plain nested mappings (missing keys take defaults) and validate it."""
     if not isinstance(d, Mapping):
         raise ConfigError("config", f"expected a mapping at the top level, got {type(d).__name__}")
+    d = expand_user_paths(d)
     hints = typing.get_type_hints(Config)
     kwargs = {}
     for k, v in d.items():
@@ -340,7 +358,7 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
         raise ConfigError(str(path), f"top level must be a mapping of sections, got "
                           f"{type(raw).__name__}")
     from fsdp_jax.app.hf import model_section_from_hf  # init_from=hf:PATH fills the model section
-    return config_from_dict(model_section_from_hf(apply_overrides(raw, overrides)))
+    return config_from_dict(model_section_from_hf(expand_user_paths(apply_overrides(raw, overrides))))
 
 
 def _check(ok: bool, key: str, value: Any, allowed: str) -> None:

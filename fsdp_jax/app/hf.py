@@ -28,6 +28,7 @@ the host copy, so host memory holds one shard at a time, never the model.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -67,6 +68,7 @@ TOP_TENSORS = {"embed": ("model.embed_tokens.weight", "id"),
                "head": ("lm_head.weight", "t")}
 _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 _FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 _IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")  # old 4.x buffers
 
 
@@ -259,6 +261,11 @@ class HFCheckpoint:
             for name in f.tensors:
                 if weight_map is None or weight_map.get(name) == fname:
                     self.where[name] = f
+        # before listing the tensors the config implies (a loop over its layers)
+        held = 1 + max((int(m.group(1)) for n in self.where if (m := _LAYER.match(n))), default=-1)
+        if held != self.config.n_layers:
+            raise CheckpointError(f"hf:{self.path}: config.json num_hidden_layers="
+                                  f"{self.config.n_layers}, but the tensors hold {held} layers")
         want = expected_tensors(self.config)
         missing = [n for n in want if n not in self.where]
         if missing:

@@ -16,6 +16,7 @@ naming the key (one line).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -94,6 +95,15 @@ def _rope_fields(r: Mapping, key: str, bad, max_pos: int) -> dict:
     return out
 
 
+def _number(raw: Mapping, key: str, default: float, bad) -> float:
+    """A finite number (None: `default`), else bad(key, ...)."""
+    v = raw.get(key, default)
+    v = default if v is None else v
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise bad(key, "expected a finite number")
+    return float(v)
+
+
 def _family_fields(raw: Mapping, mt: str, bad, n_layers: int) -> dict:
     """The decoder switches `raw` (of model_type `mt`) sets, as LlamaConfig fields."""
     _, act_key, defaults = FAMILIES[mt]
@@ -107,9 +117,9 @@ def _family_fields(raw: Mapping, mt: str, bad, n_layers: int) -> dict:
         raise bad("mlp_bias", "the decoder's MLP has no biases")
     if raw.get("attention_bias", False):
         raise bad("attention_bias", "an o_proj bias is not implemented (q/k/v biases are: Qwen2)")
-    if float(raw.get("attention_dropout", 0.0) or 0.0) != 0.0:
+    if _number(raw, "attention_dropout", 0.0, bad) != 0.0:
         raise bad("attention_dropout", "the decoder has no dropout (allowed: 0)")
-    if float(raw.get("partial_rotary_factor", 1.0) or 1.0) != 1.0:
+    if _number(raw, "partial_rotary_factor", 1.0, bad) != 1.0:
         raise bad("partial_rotary_factor", "RoPE rotates the whole head (allowed: 1)")
     out["qkv_bias"] = mt == "qwen2"
     out["qk_norm"] = mt in ("qwen3", "gemma3_text")
@@ -187,6 +197,8 @@ def model_config_from_hf(raw: Mapping, where: str = "config.json",
     if mt not in MODEL_TYPES:
         raise bad("model_type", f"not a supported decoder family (allowed: {', '.join(MODEL_TYPES)})")
     arch = raw.get("architectures") or []
+    if not isinstance(arch, list):
+        raise bad("architectures", "expected a list of class names")
     allowed = ({"LlamaForCausalLM", "MistralForCausalLM"} if mt in ("llama", "mistral")
                else {FAMILIES[mt][0]})  # a windowless Mistral is a Llama
     if any(a not in allowed for a in arch):
@@ -213,6 +225,8 @@ def model_config_from_hf(raw: Mapping, where: str = "config.json",
         if scaling and _rope_fields(scaling, "rope_scaling", bad, max_pos) != rope_kw:
             raise bad("rope_scaling", "disagrees with rope_parameters")
         theta = rope.get("rope_theta", raw.get("rope_theta", defaults["rope_theta"]))
+        if "rope_theta" in rope and raw.get("rope_theta") is not None and raw["rope_theta"] != theta:
+            raise bad("rope_theta", f"disagrees with rope_parameters.rope_theta={theta!r}")
     else:
         rope_kw = _rope_fields(scaling, "rope_scaling", bad, max_pos) if scaling else {}
         theta = raw.get("rope_theta", defaults["rope_theta"])
@@ -229,11 +243,12 @@ def model_config_from_hf(raw: Mapping, where: str = "config.json",
             raise ConfigError(where, f"{key}: missing (a {mt} config.json has it)")
         want = type(getattr(base, field))
         ok = (isinstance(v, bool) if want is bool else
-              isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
-              and (want is float or float(v).is_integer()))
+              isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < 2**31
+              and math.isfinite(v) and (want is float or float(v).is_integer()))
         if not ok:
             raise ConfigError(where, f"{key}={v!r}: expected a "
-                              f"{'boolean' if want is bool else 'positive number'}")
+                              f"{'boolean' if want is bool else 'finite positive number below 2**31'}"
+                              f"{'' if want is not int else ', an integer'}")
         kw[field] = want(v)
     if kw["n_heads"] % kw["n_kv_heads"]:
         raise ConfigError(where, f"num_attention_heads={kw['n_heads']}, num_key_value_heads="

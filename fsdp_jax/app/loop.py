@@ -50,6 +50,7 @@ from fsdp_jax.app.optim import build_optimizer
 from fsdp_jax.perf import peak_flops
 from fsdp_jax.precision import Policy
 from fsdp_jax.app.preemption import StopSignals
+from fsdp_jax.app.token_check import check_corpus_vocab
 from fsdp_jax.build import build
 from fsdp_jax.state import TrainState
 from fsdp_jax.step import TokenSum
@@ -283,11 +284,12 @@ def _injected_nan_steps() -> set[int]:
     return steps
 
 
-def preflight(cfg: Config) -> None:
+def preflight(cfg: Config, progress: bool = False) -> None:
     """Every check of the run's inputs that needs no writing: the config against the
     devices and backend, the environment hooks, and the places the run will write
-    (run_dir; data.path when the corpus is to be prepared), init_from's header. Raises
-    ConfigError or CheckpointError (both bad input)."""
+    (run_dir; data.path when the corpus is to be prepared), init_from's header, the
+    corpus's token ids against model.vocab_size (`token_check`; a prepared corpus only:
+    the stdlib one is bytes). Raises ConfigError, DataError or CheckpointError (bad input)."""
     validate(cfg, n_devices=jax.device_count())
     check_backend(cfg, jax.default_backend())
     _injected_nan_steps()
@@ -297,6 +299,9 @@ def preflight(cfg: Config) -> None:
     check_dir_path(cfg.run_dir, "run_dir")
     if cfg.data.source == "stdlib" and not (Path(cfg.data.path) / "meta.json").exists():
         check_dir_path(cfg.data.path, "data.path")
+    else:
+        check_data(cfg)
+        check_corpus_vocab(cfg.data.path, cfg.model.vocab_size, progress)
     if cfg.init_from and not re.match(r"[A-Za-z][\w+.-]*:", cfg.init_from):  # scheme:... is not a path
         init = Path(cfg.init_from)
         if not init.exists():
@@ -329,7 +334,7 @@ def train(cfg: Config, *, init_params: Callable | None = None, progress: bool = 
     Raises TrainingDiverged after `train.max_nonfinite_steps` skipped steps in a row."""
     with StopSignals() as signals:  # from here on, until the last write is committed
         t_setup = time.perf_counter()
-        preflight(cfg)  # bad input fails here, before anything is written
+        preflight(cfg, progress)  # bad input fails here, before anything is written
         injected_data_delay()  # a bad test-hook value fails here too
         with RunDirLock(cfg.run_dir):  # one writer per run_dir
             run = setup(cfg, init_params)

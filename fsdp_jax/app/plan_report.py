@@ -109,7 +109,10 @@ def check_inputs(cfg, n_devices: int, strategies: Sequence[str]) -> None:
 def use_cpu_devices(n_devices: int) -> None:
     """Before JAX initialises its backends: give the CPU backend (only; other backends
     keep their devices) `n_devices` devices, and use the compilation cache in
-    $FSDP_JAX_CACHE_DIR when it is set."""
+    $FSDP_JAX_CACHE_DIR when it is set. XlaFlagsError names an XLA_FLAGS entry XLA
+    would abort the process over (`fsdp_jax.xla_flags.check_xla_flags`)."""
+    from fsdp_jax.xla_flags import check_xla_flags
+    check_xla_flags()
     jax.config.update("jax_num_cpu_devices", n_devices)
     cache = os.environ.get("FSDP_JAX_CACHE_DIR")
     if cache:

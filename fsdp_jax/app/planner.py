@@ -221,9 +221,10 @@ def run_strategies(cfg, n_devices: int, strategies: Sequence[str], *, inspect: b
                               capture_output=True, text=True, env=env)
     if proc.returncode == 2:
         raise PlanError(proc.stderr.strip().splitlines()[-1].removeprefix("error: "))
-    unknown = [l for l in proc.stderr.splitlines() if "Unknown flag in XLA_FLAGS" in l]
+    from fsdp_jax.xla_flags import UNKNOWN_FLAG, unknown_flag
+    unknown = unknown_flag(proc.stderr)
     if unknown:  # XLA aborts the child on a flag this jaxlib does not know: the user's input
-        raise PlanError(f"XLA_FLAGS: {unknown[0].split('] ', 1)[-1]} (this jax's XLA does not know it)")
+        raise PlanError(f"XLA_FLAGS: {UNKNOWN_FLAG}: {unknown} (this jax's XLA does not know it)")
     if proc.returncode != 0:
         raise RuntimeError(f"planner child process ({where}) failed with exit code "
                            f"{proc.returncode}:\n{proc.stderr[-4000:]}")

@@ -114,6 +114,8 @@ def load_tokenizer(path: str | os.PathLike, eos: str | None = None, require_eos:
             raise TokenizerError(f"tokenizer {str(file)!r}: cannot load as a Hugging Face "
                                  f"tokenizer.json ({' '.join(str(e).split())[:160]})") from None
         vocab = tok.get_vocab(with_added_tokens=True)
+        if not vocab:
+            raise TokenizerError(f"tokenizer {str(file)!r}: the vocabulary is empty")
         names = [eos] if eos else [n for n in (_named_eos(file),) if n] + list(EOS_CANDIDATES)
         eos_id = next((vocab[n] for n in names if n in vocab), None)
         size = max(vocab.values()) + 1

@@ -1,0 +1,178 @@
+"""Faults in the middle of a run (issue #28): a checkpoint directory that stops being
+writable, and a peer process that dies. The contract: one line naming what failed (the
+save's step; the dead process), exit code 1, the newest committed checkpoint intact, and
+running the same command again resumes exactly."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fsdp_jax import checkpoint as ck
+from helpers import TINY_RUN_OVERRIDES, one_line
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_YAML = str(ROOT / "configs" / "tiny.yaml")
+
+
+def _final_params(run_dir: Path, step: int) -> dict:
+    c = ck.Checkpointer(run_dir / "checkpoints", read_only=True)
+    return {p: c.read_leaf(step, p) for p in c.saved_metadata(step) if p.startswith("params/")}
+
+
+def _assert_same_params(a: Path, b: Path, step: int) -> None:
+    pa, pb = _final_params(a, step), _final_params(b, step)
+    assert pa.keys() == pb.keys() and pa
+    for k in pa:
+        np.testing.assert_array_equal(pa[k], pb[k], err_msg=k)
+
+
+def _committed(ckpts: Path, step: int) -> bool:
+    return (ckpts / str(step) / ck.MANIFEST).is_file()
+
+
+def _logged_steps(run_dir: Path) -> list[int]:
+    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    return [r["step"] for r in rows if "loss" in r]
+
+
+def _train_env(**extra) -> dict:
+    return dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", **extra)
+
+
+# setpriv: the trainer runs as root without the capabilities that ignore file permissions,
+# so a directory made read-only refuses it as it would refuse any user
+NO_DAC = ["setpriv", "--inh-caps=-dac_override,-dac_read_search",
+          "--bounding-set=-dac_override,-dac_read_search"]
+
+
+def _can_be_refused() -> bool:
+    if not hasattr(os, "geteuid"):
+        return False
+    return os.geteuid() != 0 or shutil.which("setpriv") is not None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _can_be_refused(), reason="needs a non-root user or setpriv to drop root's override")
+def test_checkpoints_made_read_only_mid_run_stop_at_that_save_then_resume_exactly(corpus, tmp_path):
+    """chmod 555 of the checkpoint directory once step 2 is committed: the save of step 4
+    fails with EACCES in orbax's threads. One line naming step 4, Permission denied and
+    step 2 intact, exit 1, no step past the failed save's next one trained; with the
+    permission back, the same command resumes from step 2 and ends bit-identical to a run
+    that never failed."""
+    args = ["--config", TINY_YAML, "--no-progress", *TINY_RUN_OVERRIDES, f"data.path={corpus}",
+            "train.steps=8", "train.checkpoint_every=2", "train.keep_checkpoints=5"]
+    prefix = NO_DAC if os.geteuid() == 0 else []
+    train = [*prefix, sys.executable, str(ROOT / "scripts" / "train.py"), *args]
+    ref = subprocess.run(train + [f"run_dir={tmp_path / 'ref'}"], capture_output=True, text=True,
+                         env=_train_env(), cwd=ROOT, timeout=600)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    ckpts = run_dir / "checkpoints"
+    proc = subprocess.Popen(train + [f"run_dir={run_dir}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=_train_env(FSDP_JAX_INJECT_DATA_DELAY_S="0.4"), cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 300
+        while not _committed(ckpts, 2) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _committed(ckpts, 2), "step 2 was never committed"
+        ckpts.chmod(0o555)
+        out, err = proc.communicate(timeout=120)  # (it hung for orbax's 300 s timeout before)
+    finally:
+        proc.kill()
+        ckpts.chmod(0o755)
+    line = one_line(proc.returncode, err, "writing checkpoint step 4", "Permission denied", "step 2, intact", code=1)
+    assert "Traceback" not in out, out[-2000:]
+    assert ck.Checkpointer(ckpts, read_only=True).steps() == [2], line
+    assert max(_logged_steps(run_dir)) <= 5, _logged_steps(run_dir)  # stopped at the failure, not later
+    again = subprocess.run(train + [f"run_dir={run_dir}"], capture_output=True, text=True, env=_train_env(),
+                           cwd=ROOT, timeout=600)
+    assert again.returncode == 0 and "resuming from checkpoint step 2" in again.stdout, again.stderr[-3000:]
+    _assert_same_params(tmp_path / "ref", run_dir, 8)
+
+
+# -- a peer process that dies ----------------------------------------------------------------------
+
+LAUNCH = [sys.executable, str(ROOT / "scripts" / "launch_local.py"), "--processes", "2",
+          "--devices-per-process", "4", "--grace", "5", "--"]
+
+
+def _two_process_train(corpus, run_dir: Path, steps: int = 10) -> list[str]:
+    return [*LAUNCH, sys.executable, str(ROOT / "scripts" / "train.py"), "--config", TINY_YAML, "--no-progress",
+            *TINY_RUN_OVERRIDES, f"data.path={corpus}", f"run_dir={run_dir}", f"train.steps={steps}",
+            "train.checkpoint_every=2", "train.keep_checkpoints=10"]
+
+
+def _child_with(parent: int, process_id: int) -> int | None:
+    """The pid of the launcher's child that is `process_id` of the job (from /proc)."""
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            env = (d / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent and f"FSDP_JAX_PROCESS_ID={process_id}".encode() in env:
+            return int(d.name)
+    return None
+
+
+@pytest.fixture(scope="module")
+def two_process_reference(corpus, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("peer_ref") / "run"
+    r = subprocess.run(_two_process_train(corpus, run_dir), capture_output=True, text=True, cwd=ROOT,
+                       env=_train_env(), timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    return run_dir
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the peer's pid in /proc")
+@pytest.mark.parametrize("when", ["mid_step", "mid_save"])
+def test_a_peer_killed_mid_run_stops_the_job_with_one_line_and_the_run_resumes_exactly(
+        when, corpus, tmp_path, two_process_reference):
+    """kill -9 of process 1 of a 2-process run, after step 4 is committed (in a step) or
+    as soon as a later step's checkpoint is being written (its tmp directory exists). The
+    survivor is blocked in a collective with the dead peer: the launcher says which
+    process died in one line, stops the survivor within its grace, exits 1. The committed
+    checkpoints restore, and the same command resumes from the newest one to the end,
+    bit-identical to a run that never lost a peer."""
+    run_dir = tmp_path / "run"
+    ckpts = run_dir / "checkpoints"
+    cmd = _two_process_train(corpus, run_dir)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env=_train_env(FSDP_JAX_INJECT_DATA_DELAY_S="0.3"))
+    try:
+        deadline = time.monotonic() + 400
+        while not _committed(ckpts, 4) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if when == "mid_save":
+            while (not any(ckpts.glob(f"*{ck.TMP_SUFFIX}*")) and proc.poll() is None
+                   and time.monotonic() < deadline):
+                time.sleep(0.002)
+        peer = _child_with(proc.pid, 1)
+        assert peer is not None and proc.poll() is None, "the job ended before the kill"
+        os.kill(peer, 9)
+        saving = sorted(p.name for p in ckpts.glob(f"*{ck.TMP_SUFFIX}*"))
+        assert bool(saving) or when == "mid_step", "no save in flight at the kill"
+        killed_at = time.monotonic()
+        out, err = proc.communicate(timeout=120)
+        stopped_in = time.monotonic() - killed_at
+    finally:
+        proc.kill()
+    line = one_line(proc.returncode, err, "process 1 exited with -9", "SIGKILL", code=1)
+    assert stopped_in < 5 + 15, (stopped_in, line)  # the grace, plus the launcher's polling
+    assert "Traceback" not in out, out[-3000:]
+    committed = ck.Checkpointer(ckpts, read_only=True).steps()
+    assert committed and committed[-1] >= 4 and committed[-1] < 10, committed
+    again = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=_train_env(), timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-2000:]
+    assert f"[0] resuming from checkpoint step {committed[-1]}" in again.stdout, again.stdout[-3000:]
+    _assert_same_params(two_process_reference, run_dir, 10)
