@@ -24,6 +24,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from fsdp_jax.axes import BATCH, EMBED, HEADS, KV, KV_HEADS, LAYERS, LENGTH, MLP, NORM, VOCAB
+from fsdp_jax import layer_gather
 from fsdp_jax.remat import get_policy
 
 
@@ -166,8 +167,11 @@ class Llama(nnx.Module):
         x = jnp.take(emb, tokens, axis=0).astype(emb.dtype)  # (B, S, D)
         x = constrain(x, (BATCH, LENGTH, EMBED))
         block_fn = (lambda blk, h: blk(h))
-        if self.remat != "none":
-            block_fn = nnx.remat(block_fn, policy=get_policy(self.remat))
+        if self.cfg.scan_layers:  # the train step's per-layer cast + gather (ZeRO-2/3)
+            block_fn = (lambda blk, h: layer_gather.gather_module(blk)(h))
+        policy = layer_gather.block_policy(self.remat)
+        if policy is not None:
+            block_fn = nnx.remat(block_fn, policy=policy)
         if self.cfg.scan_layers:
             @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry,
                       transform_metadata={nnx.PARTITION_NAME: LAYERS})
