@@ -224,8 +224,10 @@ def test_full_shard_bf16_gathers_per_layer_and_reduce_scatters_in_the_backward_l
 
 @slow
 @pytest.mark.xfail(strict=True, reason="defect found by this compile: with reduce=float32 the bf16 "
-                   "cotangent is reduce-scattered in bf16 and cast to f32 only in the sharded layout "
-                   "(fsdp_jax.precision casts after the implicit per-layer gather's transpose)")
+                   "cotangent is reduce-scattered in bf16 and cast to f32 only in the sharded layout: "
+                   "GSPMD reduces the weight grad at the bf16 dot that makes it; a cast to f32 before "
+                   "the at-rest constraint (measured in a per-layer custom_vjp) gives a full-size bf16 "
+                   "all-reduce instead (BENCHMARKS.md, issue 26)")
 def test_full_shard_reduce_float32_reduce_scatters_in_float32(gpu):
     scatters = _colls(gpu["full_shard_reduce_f32"], "reduce-scatter", phase="backward")
     assert scatters and all(c["dtype"] == "float32" for c in scatters)
