@@ -120,12 +120,26 @@ def gather_module(module):
     if current() is None:
         return module
     graphdef, state, rest = nnx.split(module, nnx.Param, ...)
-    values, names = rl.logical_axes_of(state)
     pure = nnx.to_pure_dict(state)
-    names = nnx.to_pure_dict(names) if names is not None else jax.tree.map(lambda _: None, pure)
+    names: dict = {}
+    for path, v in state.flat_state():
+        node = names
+        for k in path[:-1]:
+            node = node.setdefault(k, {})
+        node[path[-1]] = _logical_names(v)
     new = gather(pure, names)
     nnx.replace_by_pure_dict(state, new)
     return nnx.merge(graphdef, state, rest)
+
+
+def _logical_names(v) -> tuple | None:
+    """A Variable's logical names as written (`nnx.get_partition_spec` maps them through
+    the current rules, i.e. to mesh axes, inside a train step)."""
+    md = v.get_metadata()
+    for key in ("out_sharding", "sharding_names", "sharding"):
+        if md.get(key) is not None:
+            return tuple(md[key])
+    return None
 
 
 def _leaf(x, names, lg: LayerGather):

@@ -467,3 +467,16 @@ def test_involuntary_rematerialization_names_the_tensor():
     [r] = hlo.involuntary_rematerializations("other line\n" + log)
     assert r == {"tensor": "reshape.7", "shape": "bf16[64,128]{1,0}", "from": "{devices=[8,1]<=[8]}",
                  "to": "{devices=[1,8]<=[8]}", "op_name": "jit(step)/reshape"}
+
+
+@pytest.mark.parametrize("type_str, op, want", [
+    # one operand: (operand, result); several: ((operands), (results)); a done: the result
+    ("(bf16[512,4096]{1,0}, bf16[4096,4096]{1,0})", "all-gather", [("bf16", 4096 * 4096)]),
+    ("(bf16[4096,4096]{1,0}, bf16[512,4096]{1,0})", "reduce-scatter", [("bf16", 512 * 4096)]),
+    ("((bf16[8,16]{1,0}, bf16[2,16]{1,0}), (bf16[64,16]{1,0}, bf16[16,16]{1,0}))", "all-gather",
+     [("bf16", 64 * 16), ("bf16", 16 * 16)]),
+])
+def test_async_start_counts_its_result_only(type_str, op, want):
+    """A 7B layer's single-operand all-gather-start was counted as operand + result (9/8 of
+    the gathered bytes at N=8) before."""
+    assert hlo.result_shapes(type_str, op, is_start=True) == want
