@@ -122,7 +122,7 @@ def gather_module(module):
     graphdef, state, rest = nnx.split(module, nnx.Param, ...)
     pure = nnx.to_pure_dict(state)
     names: dict = {}
-    for path, v in state.flat_state():
+    for path, v in nnx.to_flat_state(state):
         node = names
         for k in path[:-1]:
             node = node.setdefault(k, {})
