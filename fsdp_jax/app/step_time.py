@@ -38,7 +38,8 @@ def model_flops_per_token(model, seq_len: int) -> tuple[float, float]:
     """(matmul FLOPs per token of forward + backward, of which attention's S x S part)."""
     from fsdp_jax.app.models.llama import count_params
     d, v = model.d_model, model.vocab_size
-    matmul = count_params(model) - v * d  # the embedding lookup does no matmul (a tied head does)
+    # the embedding lookup does no matmul; a tied head multiplies by the same table
+    matmul = count_params(model) - (0 if model.tie_word_embeddings else v * d)
     attn = 12 * model.n_layers * model.n_heads * model.head_dim * seq_len
     return 6 * matmul + attn, attn
 
