@@ -246,6 +246,11 @@ def test_plan_script_target_path_builds_what_the_fixture_compiled(gpu, capsys):
     assert r["compiled"] == want["compiled"] and r["compiled"]["peak"] > 0
     assert r["collectives_per_step"] == want["collectives_per_step"]
     assert r["collectives_per_step"]["reduce-scatter"]["count"] > 0  # XLA:GPU's, not XLA:CPU's
+    # the step-time roofline over that program's traffic (fsdp_jax.app.step_time)
+    from fsdp_jax.app import step_time
+    from fsdp_jax.app.config import load_config
+    cfg = load_config(TINY_YAML, SMALL + ["precision=float32"])
+    assert r["predicted"] == step_time.predict(cfg, "h100", 8, r) and r["predicted"]["step_s"] > 0
 
 
 @slow

@@ -62,10 +62,10 @@ def predict(cfg, target: str, n_devices: int, result: dict[str, Any]) -> dict[st
     update_s = (a["grads"] + 2 * (a["params"] + a["optimizer"])) / HBM_BYTES_PER_S[target]
     step_s = max(compute_s, comm_s) + update_s
     model_flops = tokens * per_token
-    return {"step_s": round(step_s, 4), "tokens_per_s_per_gpu": round(tokens / step_s, 1),
-            "tflops_per_gpu": round(model_flops / step_s / 1e12, 1),
-            "mfu": round(model_flops / step_s / peak, 4),
-            "compute_s": round(compute_s, 4), "comm_s": round(comm_s, 4), "update_s": round(update_s, 4),
+    g = lambda x: float(f"{x:.4g}")  # noqa: E731  (4 significant digits: tiny test steps too)
+    return {"step_s": g(step_s), "tokens_per_s_per_gpu": g(tokens / step_s),
+            "tflops_per_gpu": g(model_flops / step_s / 1e12), "mfu": g(model_flops / step_s / peak),
+            "compute_s": g(compute_s), "comm_s": g(comm_s), "update_s": g(update_s),
             "bound": "compute" if compute_s >= comm_s else "communication"}
 
 
