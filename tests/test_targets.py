@@ -10,6 +10,7 @@ The CUDA compile-only plugin is installed by README's set-up command
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -169,6 +170,12 @@ def test_cpu_runs_never_see_the_plugin():
     ("inspect_sharding.py", ["--target", "h100", "--devices", "8", "--hosts", "0"], "--hosts: 0 must be in 1..65536"),
     ("plan.py", ["--devices", "8", "--hosts", "2"], "--hosts: '2' needs --target"),
     ("plan.py", ["--target", "h100", "--devices", "8", "PLUGIN_MISSING"], "python -m fsdp_jax.targets install"),
+    # what compile-only GPU devices cannot do: host memory kinds; cuDNN without its library
+    ("plan.py", ["--target", "h100", "--devices", "8", "--strategies", "full_shard", "--offload", "optimizer"],
+     "compile-only h100 devices offer no pinned_host memory kind"),
+    ("plan.py", ["--target", "h100", "--devices", "8", "--strategies", "full_shard", "NO_CUDNN",
+                 "model.attention=cudnn", "precision=params=float32,compute=bfloat16"],
+     "model.attention=cudnn: NVIDIA's cuDNN library is not in the compile folder"),
     # XLA_FLAGS for the compiling child: a kernel cache nowhere to write, a flag XLA lacks
     ("plan.py", ["--target", "h100", "--devices", "8", "XLA_FLAGS=--xla_gpu_kernel_cache_file=/nonexistent/k.bin"],
      "XLA_FLAGS --xla_gpu_kernel_cache_file=/nonexistent/k.bin: its directory /nonexistent does not exist"),
@@ -178,6 +185,12 @@ def test_cpu_runs_never_see_the_plugin():
 ])
 def test_scripts_bad_target_input_exit_2_with_one_line(script, args, needle, tmp_path, capsys):
     env = {}
+    if "NO_CUDNN" in args:  # the plugin without the cuDNN wheel (a copy of its folder)
+        args = [a for a in args if a != "NO_CUDNN"]
+        shutil.copytree(targets.plugin_dir(), tmp_path / "plugin",
+                        ignore=shutil.ignore_patterns("nvidia", "nvidia_cudnn_cu12-*"))
+        env["FSDP_JAX_PLUGIN_DIR"] = str(tmp_path / "plugin")
+        args += SMALL
     if "PLUGIN_MISSING" in args:
         args = [a for a in args if a != "PLUGIN_MISSING"]
         env["FSDP_JAX_PLUGIN_DIR"] = str(tmp_path / "none")
