@@ -176,10 +176,14 @@ def _shapes(type_str: str) -> list[tuple[str, int]]:
 def result_shapes(type_str: str, op: str, is_start: bool) -> list[tuple[str, int]]:
     """(dtype, elements) of what a collective produces. An async `-start` that returns
     ((operands), results) keeps the results: all-gather, reduce-scatter and all-to-all on
-    every XLA, and all-reduce from XLA 0.12 on (before, its start returned the result alone)."""
+    every XLA (with one operand the start returns (operand, result)), and all-reduce from XLA 0.12 on (before, its start returned the result alone)."""
     if is_start and type_str.startswith("(("):
         parts = _top_level(type_str)
         if len(parts) >= 2:
+            return _shapes(parts[1])
+    if is_start and op in ("all-gather", "reduce-scatter", "all-to-all") and type_str.startswith("("):
+        parts = _top_level(type_str)  # one operand: (operand, result)
+        if len(parts) == 2:
             return _shapes(parts[1])
     if is_start and op == "collective-permute":
         parts = _top_level(type_str)

@@ -45,6 +45,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import fsdp_jax.model_state as ms_lib
 import fsdp_jax.offload as offload_lib
 import fsdp_jax.remat as remat_lib
+from fsdp_jax import layer_gather
 from fsdp_jax import rules as rl
 from fsdp_jax.mesh import constrain
 from fsdp_jax.precision import Policy, cast_params_for_compute
@@ -193,13 +194,25 @@ def compute_value_and_grad(loss_fn: LossFn, policy: Policy, plan: ShardingPlan, 
     cross-device reduction is a reduce-scatter under ZeRO-2/3)."""
     grad_sh, compute_sh = plan.grads, plan.compute
     rest_sh = offload_lib.on_device(plan.params)  # host-resident params arrive here first
+    lg = _layer_gather(plan, policy)
 
     def grad_fn(params, batch):
+        # a model that gathers its own layers (fsdp_jax.layer_gather) gets its stacked
+        # layer params at rest in the param dtype: it casts and gathers them per layer
+        hooked = lg is not None and layer_gather.model_gathers(
+            loss_fn, policy.cast_to_compute(params if wrt.keep is None else wrt.join(wrt.select(params))),
+            batch, lg)
+
         def f(x):
-            pc = cast_params_for_compute(wrt.join(x), policy, rest_sh)
+            full = wrt.join(x)
+            pc = cast_params_for_compute(full, policy, rest_sh)
             if compute_sh is not rest_sh:
                 pc = constrain(pc, compute_sh)
-            out = loss_fn(pc, batch)
+            if hooked:
+                pc = jax.tree.map(lambda layered, p, c, r: constrain(p, r) if layered else c,
+                                  plan.layered, full, pc, rest_sh)
+            with layer_gather.active(lg if hooked else None):
+                out = loss_fn(pc, batch)
             loss, aux = out if has_aux else (out, None)
             if isinstance(loss, TokenSum):  # differentiate the sum; the count rides along
                 return loss.total.astype(jnp.float32), (aux, loss.count.astype(jnp.float32))
@@ -209,6 +222,19 @@ def compute_value_and_grad(loss_fn: LossFn, policy: Policy, plan: ShardingPlan, 
             loss = TokenSum(loss, count)
         return loss, aux, constrain(grads, wrt.select(grad_sh))
     return grad_fn
+
+
+def _layer_gather(plan: ShardingPlan, policy: Policy) -> layer_gather.LayerGather | None:
+    """The per-layer gather a layer-gathering model applies under `plan`: ZeRO-2 only
+    (`gather_once`; None otherwise, and without logical names or with host-resident
+    params). ZeRO-3's per-layer gathers stay XLA's: explicit ones measured no better
+    on XLA:GPU (hybrid_shard's grads became an all-reduce over every device)."""
+    if plan.layered is None or plan.offload != "none" or not plan.strategy.gather_once:
+        return None
+    return layer_gather.LayerGather(
+        mesh=plan.mesh, rules=plan.rules, shard_axes=plan.strategy.params,
+        compute_dtype=policy.compute_dtype, reduce_dtype=policy.reduce_dtype,
+        keep=plan.strategy.gather_once)
 
 
 def microbatched(grad_fn: GradFn, microbatches: int, grad_shardings=None,

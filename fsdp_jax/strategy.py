@@ -76,7 +76,10 @@ class ShardingPlan:
     `params` is the layout at rest (and in the train state), `compute` the layout
     the forward pass starts from, `grads` where gradients are reduced to,
     `opt_state` the optimizer state, `batch` the leading batch dim of inputs.
-    `rows` explain each parameter's at-rest spec. `offload` names which of params /
+    `rows` explain each parameter's at-rest spec. `layered` (None without logical
+    names) marks the leaves stacked over scanned layers: a model that gathers its
+    layers itself (`fsdp_jax.layer_gather`) casts and gathers those inside its layer
+    loop (ZeRO-2 then keeps them at rest until the loop). `offload` names which of params /
     opt_state rest in host memory (their shardings then carry memory kind
     `pinned_host`; `fsdp_jax.offload`). `model_state`: shardings of the model's
     non-trainable variables (None when it has none), laid out like params at rest
@@ -94,6 +97,7 @@ class ShardingPlan:
     offload: str = "none"
     model_state: Any = None
     state_rows: tuple[rl.LeafSharding, ...] = ()
+    layered: Any = None  # tree of bools: leaf stacked over scanned layers (logical `layers`)
 
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, P())
@@ -201,6 +205,9 @@ def make_plan(abstract_params, optimizer: optax.GradientTransformation, mesh: Me
         offload=off.name,
         model_state=state_sh,
         state_rows=state_rows,
+        layered=None if logical_axes is None else jax.tree.map(
+            lambda n: bool(n) and ax.LAYERS in n, logical_axes,
+            is_leaf=lambda x: x is None or isinstance(x, tuple)),
     )
 
 

@@ -146,6 +146,25 @@ def plugin_installed(path: Path | None = None) -> bool:
             and (path / f"jax_cuda12_pjrt-{v}.dist-info").is_dir())
 
 
+CUDNN_PACKAGE = "nvidia-cudnn-cu12"
+
+
+def cudnn_installed(path: Path | None = None) -> bool:
+    """True when `path` (default `plugin_dir()`) also holds NVIDIA's cuDNN wheel, which
+    `jax.nn.dot_product_attention(implementation="cudnn")` asks for while tracing."""
+    path = path or plugin_dir()
+    return any(path.glob("nvidia_cudnn_cu12-*.dist-info"))
+
+
+def _cudnn_requirement(path: Path) -> str:
+    """The plugin's own pin on cuDNN (its `with-cuda` extra), e.g. 'nvidia-cudnn-cu12<10.0,>=9.8'."""
+    for meta in path.glob("jax_cuda12_plugin-*.dist-info/METADATA"):
+        for line in meta.read_text().splitlines():
+            if line.startswith("Requires-Dist:") and CUDNN_PACKAGE in line:
+                return line.split(":", 1)[1].split(";", 1)[0].strip().replace(" ", "")
+    return CUDNN_PACKAGE
+
+
 def _missing_message() -> str:
     return (f"the CUDA compile-only plugin for jaxlib {_jax_version()} is not installed (looked in "
             f"{plugin_dir()}); install it with `{INSTALL_HINT}`")
@@ -153,12 +172,13 @@ def _missing_message() -> str:
 
 def install(quiet: bool = True) -> Path:
     """Install jax-cuda12-plugin and jax-cuda12-pjrt pinned to the installed jaxlib into
-    `plugin_dir()` (pip --target --no-deps: no NVIDIA runtime wheels, ~480 MB).
-    Does nothing when already there. Raises RuntimeError when pip fails (e.g. no
+    `plugin_dir()` (pip --target --no-deps, ~480 MB), then NVIDIA's cuDNN wheel as the
+    plugin pins it (for `attention: cudnn`; no other NVIDIA runtime wheel). Does nothing
+    for what is already there. Raises RuntimeError when pip fails (e.g. no
     plugin exists for this jax version)."""
     dest = plugin_dir()
     if plugin_installed(dest):
-        return dest
+        return _install_cudnn(dest, quiet)
     v = _jax_version()
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".", dir=dest.parent))
@@ -176,6 +196,23 @@ def install(quiet: bool = True) -> Path:
     tmp.rename(dest)  # atomic: a half-finished install is never taken for a whole one
     if not plugin_installed(dest):
         raise RuntimeError(f"pip installed into {dest} but the plugin for jax {v} is not there")
+    return _install_cudnn(dest, quiet)
+
+
+def _install_cudnn(dest: Path, quiet: bool) -> Path:
+    """NVIDIA's cuDNN wheel (pinned as the plugin pins it; ~720 MB download, 1.1 GB) into
+    `dest`, next to the plugin, for compiles with `model.attention=cudnn`. cuDNN alone is
+    enough for the deviceless compile (measured on jax 0.10.2: no cuBLAS or NVRTC wheel)."""
+    if cudnn_installed(dest):
+        return dest
+    req = _cudnn_requirement(dest)
+    cmd = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "--no-deps",
+           "--target", str(dest), req]
+    proc = subprocess.run(cmd + (["-q"] if quiet else []), capture_output=quiet, text=True)
+    if proc.returncode != 0 or not cudnn_installed(dest):
+        tail = (proc.stderr or "").strip().splitlines()[-1:] if quiet else []
+        raise RuntimeError(f"could not install {req} into {dest}: pip exited {proc.returncode}"
+                           + (f": {tail[0]}" if tail else ""))
     return dest
 
 

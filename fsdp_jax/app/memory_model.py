@@ -25,12 +25,16 @@ F = ffn_dim, H = heads, S = seq_len, L = layers, V = vocab:
   attention-logit gradient), T*(none + 4*H*S);
 * plus the head: T*(c*D + V*(c + 4 + 4)) (final norm output, logits, f32
   log-softmax and its gradient).
+With `attention: cudnn` (flash attention) every S-squared term goes: `none` keeps the f32
+softmax statistics (4H) instead of the probabilities, `dots` saves no attention matmul
+(the fused kernel's are not dots: c*(Q + 2K + 2D + 2F)), and the working set has no
+logit gradient.
 Small f32 norm statistics, RoPE tables and masks are ignored. Gathered params
 (transient full-size copies in the compute dtype): full_shard / hybrid_shard keep
 two layers in flight (the one computing, the next one prefetched) plus the largest
 unstacked param (embedding or head) plus one layer's unreduced grads in the reduce
-dtype; shard_grad_op keeps the whole model, and the backward layer loop stacks the
-grads of those gathered params at full size (reduce dtype) before they are reduced;
+dtype; shard_grad_op keeps the whole model (gathered layer by layer in the forward
+pass, `fsdp_jax.layer_gather`) plus one layer's unreduced grads;
 shard_opt / no_shard hold a compute-dtype copy of the model only when the compute
 dtype differs from the param dtype. total = params + optimizer + batch + grads +
 gathered + activations: the optimizer update (after the backward pass) runs in place
@@ -56,10 +60,14 @@ def saved_per_token(model_cfg, remat: str, seq_len: int, compute_bytes: int) -> 
     c, d, f, h = compute_bytes, model_cfg.d_model, model_cfg.ffn_dim, model_cfg.n_heads
     q = h * model_cfg.head_dim
     k = model_cfg.n_kv_heads * model_cfg.head_dim
+    if _flash(model_cfg):  # no S x S logits: f32 softmax statistics; its matmuls are no dots
+        probs, dots_attn = 4 * h, -c * q
+    else:
+        probs, dots_attn = h * seq_len * (4 + c), 4 * h * seq_len
     table = {
-        "none": c * (3 * d + 2 * q + 2 * k + 4 * f) + h * seq_len * (4 + c),
+        "none": c * (3 * d + 2 * q + 2 * k + 4 * f) + probs,
         "full": 0,
-        "dots": c * (2 * q + 2 * k + 2 * d + 2 * f) + 4 * h * seq_len,
+        "dots": c * (2 * q + 2 * k + 2 * d + 2 * f) + dots_attn,
         "dots_no_batch": c * (q + 2 * k + 2 * d + 2 * f),
         "save_attn_mlp_out": c * 2 * d,
         "save_qkv_attn_mlp_out": c * (q + 2 * k + 2 * d),
@@ -72,6 +80,11 @@ def saved_per_token(model_cfg, remat: str, seq_len: int, compute_bytes: int) -> 
     return table[remat]
 
 
+def _flash(model_cfg) -> bool:
+    """cuDNN flash attention (`attention: cudnn`) keeps no S x S attention logits."""
+    return getattr(model_cfg, "attention", "xla") == "cudnn"
+
+
 def activation_bytes(model_cfg, remat: str, batch_per_device: int, seq_len: int,
                      compute_dtype="float32") -> dict[str, int]:
     """Activation bytes per device for the reference Llama: `layers` (what the layer
@@ -81,7 +94,7 @@ def activation_bytes(model_cfg, remat: str, batch_per_device: int, seq_len: int,
     t = batch_per_device * seq_len
     d, h, v = model_cfg.d_model, model_cfg.n_heads, model_cfg.vocab_size
     layers = model_cfg.n_layers * t * (c * d + saved_per_token(model_cfg, remat, seq_len, c))
-    working = t * (saved_per_token(model_cfg, "none", seq_len, c) + 4 * h * seq_len)
+    working = t * (saved_per_token(model_cfg, "none", seq_len, c) + (0 if _flash(model_cfg) else 4 * h * seq_len))
     head = t * (c * d + v * (c + 4 + 4))
     return {"layers": layers, "working": working, "head": head, "total": layers + working + head}
 
@@ -126,9 +139,10 @@ def analytic_memory(build: StepBuild) -> dict[str, int]:
     if s.params and not s.gather_once:  # full_shard, hybrid_shard: per layer
         layer_r = compute_copy_bytes(st.params, plan, build.model.logical_axes, policy.reduce_dtype)["layer"]
         gathered = 2 * cc["layer"] + cc["largest_unstacked"] + layer_r
-    elif s.params:  # shard_grad_op: whole model gathered once, and its unreduced grads
+    elif s.params:  # shard_grad_op: the whole model gathered (kept for the backward) and
+        # one layer's unreduced grads (each layer's are reduce-scattered in the backward loop)
         gathered = cc["whole"] + compute_copy_bytes(st.params, plan, build.model.logical_axes,
-                                               policy.reduce_dtype)["whole"]
+                                                    policy.reduce_dtype)["layer"]
     else:  # shard_opt, no_shard: params already whole; a cast copy if dtypes differ
         gathered = cc["whole"] if policy.compute_dtype != policy.param_dtype else 0
     act = activation_bytes(cfg.model, cfg.remat, _batch_per_device(build), cfg.data.seq_len,

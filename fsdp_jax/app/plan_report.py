@@ -258,6 +258,8 @@ def format_table(doc: dict[str, Any]) -> str:
     lines.append("")
     lines.append("analytic activations per device by remat policy (same batch): " + ", ".join(
         f"{name} {fmt_bytes(v)}" for name, v in act.items()))
+    from fsdp_jax.app.step_time import format_predictions
+    lines += format_predictions(doc)
     warns = [(n, w) for n, r in doc["strategies"].items() for w in r["warnings"]]
     if warns:
         lines.append("")

@@ -267,6 +267,8 @@ def _child_main() -> int:
         use_cpu_devices(int(req["devices"]))
     from fsdp_jax.app.cli import BAD_INPUT, fail
     from fsdp_jax.app.config import config_from_dict
+    from fsdp_jax import targets
+    from fsdp_jax.offload import OffloadError
     from fsdp_jax.targets import TargetError
     try:
         cfg = config_from_dict(req["config"])
@@ -287,6 +289,18 @@ def _child_main() -> int:
             sys.stderr.flush()
     except BAD_INPUT + (PlanError, TargetError) as e:
         return fail(e)
+    except OffloadError as e:
+        if target is None:
+            raise
+        return fail(TargetError(
+            f"{e} (compile-only {target['name']} devices offer no pinned_host memory kind: a GPU-target "
+            f"plan cannot place state in host memory; plan --offload without --target)"))
+    except RuntimeError as e:
+        if target is None or "cuDNN" not in str(e):
+            raise
+        return fail(TargetError(
+            f"model.attention=cudnn: NVIDIA's cuDNN library is not in the compile folder ({e}); install it with "
+            f"`{targets.INSTALL_HINT}` (it adds NVIDIA's cuDNN wheel next to the CUDA plugin)"))
     json.dump(out, sys.stdout)
     return 0
 
@@ -322,6 +336,9 @@ def plan_config(cfg, n_devices: int, strategies: Sequence[str] | str | None = No
             r["fits_analytic"] = r["analytic"]["device_total"] <= device_memory
         else:
             r["fits"] = r["headroom"] = r["fits_analytic"] = None
+        if target is not None and r.get("platform") == "gpu":  # a roofline over its traffic
+            from fsdp_jax.app.step_time import predict
+            r["predicted"] = predict(cfg, target.name, n_devices, r)
     notes = [f"{n_devices} devices; precision {policy}; remat {cfg.remat}; offload {cfg.offload}; "
              f"global_batch {cfg.train.global_batch} x seq {cfg.data.seq_len}, "
              f"microbatches {cfg.train.microbatches}",

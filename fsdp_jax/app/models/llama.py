@@ -31,6 +31,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from fsdp_jax.axes import BATCH, EMBED, HEADS, KV, KV_HEADS, LAYERS, LENGTH, MLP, NORM, VOCAB
+from fsdp_jax import layer_gather
 from fsdp_jax.app.models.rope import apply_rope, rope_tables
 from fsdp_jax.remat import get_policy
 
@@ -333,10 +334,13 @@ class Llama(nnx.Module):
             x = x * jnp.asarray(np.float32(cfg.d_model ** 0.5), emb.dtype)
         x = constrain(x, (BATCH, LENGTH, EMBED))
         pattern = bool(cfg.sliding_window and cfg.global_every)  # per-layer local flag
-        block_fn = ((lambda blk, h, loc: blk(h, loc, segment_ids, positions)) if pattern
-                    else (lambda blk, h: blk(h, None, segment_ids, positions)))
-        if self.remat != "none":
-            block_fn = nnx.remat(block_fn, policy=get_policy(self.remat))
+        # scanned layers: the train step's per-layer cast + gather (ZeRO-2/3, fsdp_jax.layer_gather)
+        wrap = layer_gather.gather_module if cfg.scan_layers else (lambda blk: blk)
+        block_fn = ((lambda blk, h, loc: wrap(blk)(h, loc, segment_ids, positions)) if pattern
+                    else (lambda blk, h: wrap(blk)(h, None, segment_ids, positions)))
+        policy = layer_gather.block_policy(self.remat)
+        if policy is not None:
+            block_fn = nnx.remat(block_fn, policy=policy)
         if cfg.scan_layers and pattern:
             flags = jnp.asarray([cfg.is_local(i) for i in range(cfg.n_layers)])
 

@@ -1,0 +1,50 @@
+"""Flash attention (`model.attention=cudnn`) in the plan: the analytic model has no S x S
+terms for it, and the GPU-target compile (cuDNN wheel from `python -m fsdp_jax.targets
+install`) goes through and holds less than XLA's attention."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fsdp_jax import targets
+from fsdp_jax.app.config import load_config
+from fsdp_jax.app.memory_model import activation_bytes
+from helpers import call
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_YAML = ROOT / "configs" / "tiny.yaml"
+
+
+@pytest.mark.parametrize("remat", ["none", "dots", "dots_no_batch", "save_attn_mlp_out", "full"])
+def test_flash_attention_activations_are_linear_in_the_sequence(remat):
+    """Doubling seq (same tokens per device) keeps flash attention's activations; XLA's
+    attention grows with S for the policies that keep or recompute the logits."""
+    def act(attention, seq, batch):
+        cfg = load_config(ROOT / "configs" / "llama2_7b.yaml", [f"model.attention={attention}"])
+        return activation_bytes(cfg.model, remat, batch, seq, "bfloat16")["total"]
+    assert act("cudnn", 8192, 1) == act("cudnn", 4096, 2)
+    assert act("xla", 8192, 1) > act("xla", 4096, 2)  # the working set's logit gradient at least
+    assert act("cudnn", 4096, 2) < act("xla", 4096, 2)
+
+
+@pytest.mark.slow
+def test_gpu_target_compiles_cudnn_attention_with_less_memory(capsys):
+    assert targets.cudnn_installed(), (
+        f"NVIDIA's cuDNN wheel is not in {targets.plugin_dir()}: run `python -m fsdp_jax.targets install`")
+    small = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+             "model.ffn_dim=128", "model.max_seq_len=512", "data.seq_len=512", "train.global_batch=16",
+             "precision=params=float32,compute=bfloat16", "remat=dots"]
+    peaks = {}
+    for attention in ("xla", "cudnn"):
+        rc, out, err = call("plan", "--config", TINY_YAML, "--target", "h100", "--devices", 8, "--strategies",
+                            "full_shard", "--json", *small, f"model.attention={attention}", capsys=capsys)
+        assert rc == 0, err[-3000:]
+        r = json.loads(out)["strategies"]["full_shard"]
+        peaks[attention] = (r["compiled"]["peak"], r["analytic"]["total"])
+    (xla_c, xla_a), (cud_c, cud_a) = peaks["xla"], peaks["cudnn"]
+    # at seq 512 the S x S logits are most of XLA's attention memory: flash attention holds
+    # under a fifth of it, compiled and analytic alike. (Measured: compiled 52.08 vs 6.58 MB,
+    # analytic 45.51 vs 7.51 MB: the analytic model is 13% under XLA's compile and 14% over
+    # cuDNN's at this size, outside the issue's 10%; at 7B it is within 2-14%, docs/planning.md.)
+    assert cud_c < xla_c / 5 and cud_a < xla_a / 5, peaks

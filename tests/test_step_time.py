@@ -1,0 +1,63 @@
+"""The planner's step-time roofline (fsdp_jax.app.step_time) against hand-derived figures."""
+
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from fsdp_jax.app import step_time
+from fsdp_jax.app.config import load_config
+from fsdp_jax.app.models.llama import Llama
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cfg(*overrides):
+    return load_config(ROOT / "configs" / "llama2_7b.yaml", list(overrides))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_model_flops_count_every_matmul_weight_once(tied):
+    """6 x (every param the model multiplies by: all but the embedding table unless the head
+    is tied to it, counted from the built model's shapes) + PaLM's 12 L d S attention."""
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", [f"model.tie_word_embeddings={str(tied).lower()}"])
+    m = cfg.model
+    with nnx.use_eager_sharding(False):
+        model = nnx.eval_shape(lambda: Llama(m, rngs=nnx.Rngs(0)))
+    sizes = {"/".join(str(getattr(k, "key", k)) for k in p): int(np.prod(x.shape))
+             for p, x in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(model, nnx.Param)))[0]}
+    matmul = sum(n for k, n in sizes.items() if not k.startswith("embed") or tied)
+    norms = sum(n for k, n in sizes.items() if "norm" in k)
+    per_token, attn = step_time.model_flops_per_token(m, 128)
+    assert attn == 12 * m.n_layers * m.d_model * 128
+    assert per_token == 6 * matmul + attn  # norm scales are counted as params too (tiny)
+    assert norms < 0.01 * matmul
+
+
+def test_compute_bound_step_is_compute_plus_update():
+    cfg = _cfg("train.global_batch=16", "remat=dots")
+    a = {"grads": 8 * 10**9, "params": 4 * 10**9, "optimizer": 16 * 10**9}
+    p = step_time.predict(cfg, "h100", 8, {"analytic": a, "communication": {"total_wire_bytes": 0}})
+    tokens = 16 * cfg.data.seq_len / 8
+    per_token, _ = step_time.model_flops_per_token(cfg.model, cfg.data.seq_len)
+    compute = tokens * per_token / (989e12 * step_time.GEMM_EFFICIENCY)
+    update = (8e9 + 2 * 20e9) / 3.35e12
+    assert p["step_s"] == pytest.approx(compute + update, abs=1e-4)
+    assert p["tokens_per_s_per_gpu"] == pytest.approx(tokens / p["step_s"], rel=1e-3)
+    assert p["mfu"] == pytest.approx(p["tflops_per_gpu"] * 1e12 / 989e12, rel=1e-2)
+    assert p["bound"] == "compute"
+    # remat full recomputes the forward: a third more FLOPs
+    full = step_time.predict(_cfg("train.global_batch=16", "remat=full"), "h100", 8,
+                             {"analytic": a, "communication": {}})
+    assert full["compute_s"] == pytest.approx(p["compute_s"] * 4 / 3, rel=1e-3)
+
+
+def test_cross_host_bytes_go_over_the_network():
+    cfg = _cfg("train.global_batch=16")
+    a = {"grads": 0, "params": 0, "optimizer": 0}
+    com = {"all-gather": {"wire_bytes": 100e9, "cross_host_wire_bytes": 50e9}, "total_wire_bytes": 100e9}
+    p = step_time.predict(cfg, "h100", 16, {"analytic": a, "communication": com})
+    assert p["comm_s"] == pytest.approx(50e9 / 450e9 + 50e9 / 50e9, rel=1e-3)
+    assert p["bound"] == "communication" and p["step_s"] == pytest.approx(p["comm_s"], rel=1e-3)
