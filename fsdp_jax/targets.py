@@ -1,6 +1,7 @@
-"""Compile for a real GPU cluster on a machine without a GPU (deviceless AOT).
+"""Compile for a real GPU cluster or TPU slice on a machine without one (deviceless AOT).
 
     python -m fsdp_jax.targets install            # once: the CUDA compile-only plugin
+    python -m fsdp_jax.targets install tpu        # once: libtpu, for TPU targets (fsdp_jax.tpu_targets)
     env = targets.child_env()                     # for a child process that compiles
     # in that child (the plugin on its path, jax_platforms=cpu):
     devices = targets.gpu_devices("h100", hosts=2, gpus_per_host=4)
@@ -20,7 +21,10 @@ CUDA plugin, on a machine without a GPU, prints absl warnings to stderr on every
 `import jax`, even with `JAX_PLATFORMS=cpu`. So the plugin is installed with
 `pip install --target` into `plugin_dir()` (outside site-packages), and only the
 processes that compile for a GPU target put that folder on their path
-(`child_env()`); normal CPU runs never see it.
+(`child_env()`); normal CPU runs never see it. TPU targets (`v4`, `v5e`, `v5p`, `v6e`, or
+`v5p-64`-style accelerator types; several slices over the data-center network) go the
+same road with libtpu in a folder of its own (`plugin_dir("tpu")`): one `Target`, one
+`child_env(target=...)`, one `target_devices(target)`.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from fsdp_jax import tpu_targets as tpu
+
 _DATA = Path(__file__).resolve().parent / "gpu_targets"
 PLUGIN_PACKAGES = ("jax-cuda12-plugin", "jax-cuda12-pjrt")
 INSTALL_HINT = "python -m fsdp_jax.targets install"
@@ -44,15 +50,26 @@ class TargetError(ValueError):
 
 
 class PluginMissing(TargetError):
-    """The CUDA compile-only plugin is not installed for this jax."""
+    """The compile-only plugin (CUDA) or libtpu is not installed for this jax."""
 
 
 @dataclass(frozen=True)
 class Target:
-    """A named GPU target and the cluster shape to compile for."""
+    """A named accelerator and the cluster shape to compile for.
+
+    GPU (`h100`, ...): `hosts` x `gpus_per_host` GPUs. TPU (`v5p`, ...): `hosts` slices
+    over the data-center network, each `topology_name` (e.g. "2x4x4") with
+    `gpus_per_host` devices; the hosts within a slice come from libtpu's topology. Either
+    way `hosts` counts the groups the slow network joins: hybrid_shard puts `data` across
+    them and `fsdp` within one."""
     name: str
     hosts: int = 1
     gpus_per_host: int = 8
+    topology_name: str | None = None
+
+    @property
+    def platform(self) -> str:
+        return "tpu" if self.topology_name else "gpu"
 
     @property
     def devices(self) -> int:
@@ -60,28 +77,53 @@ class Target:
 
     @property
     def topology(self) -> str:
-        """get_topology_desc's shape: slices x hosts x devices per host."""
+        """get_topology_desc's shape: GPU `1 x hosts x per host`; TPU `gen:AxB[xC]` per slice."""
+        if self.topology_name:
+            return f"{self.name}:{self.topology_name}"
         return f"1x{self.hosts}x{self.gpus_per_host}"
 
     def describe(self) -> str:
+        if self.topology_name:
+            return (f"{self.name} ({device_name(self.name)}), {self.hosts} slice(s) of {self.topology_name} "
+                    f"({self.gpus_per_host} devices each)")
         return f"{self.name} ({device_name(self.name)}), {self.hosts} x {self.gpus_per_host} GPUs"
 
+    def as_dict(self) -> dict:
+        return {"name": self.name, "hosts": self.hosts, "gpus_per_host": self.gpus_per_host,
+                "topology_name": self.topology_name}
 
-def target_names() -> list[str]:
-    """Names of the shipped targets: h100, h200, a100 (files in fsdp_jax/gpu_targets)."""
-    return sorted(p.stem for p in _DATA.glob("*.txtpb"))
+
+def target_names(platform: str | None = None) -> list[str]:
+    """Names of the shipped targets: the GPUs a100, h100, h200 (files in
+    fsdp_jax/gpu_targets) and the TPU generations v4, v5e, v5p, v6e; `platform` "gpu" or
+    "tpu" keeps one kind."""
+    gpus = sorted(p.stem for p in _DATA.glob("*.txtpb"))
+    return {"gpu": gpus, "tpu": list(tpu.TPU_SPECS)}.get(platform, gpus + list(tpu.TPU_SPECS))
+
+
+def _gpu_names() -> list[str]:
+    return target_names("gpu")
 
 
 def target_config(name: str) -> str:
-    """The text GpuTargetConfigProto of target `name`."""
+    """The text GpuTargetConfigProto of GPU target `name`."""
     path = _DATA / f"{name}.txtpb"
-    if name not in target_names():
+    if name not in _gpu_names():
         raise TargetError(f"--target: unknown GPU target {name!r}; known: {', '.join(target_names())}")
     return path.read_text()
 
 
+def _tpu_spec(name: str) -> tpu.TpuSpec:
+    try:
+        return tpu.split_name(name)[0]
+    except tpu.TopologyError as e:
+        raise TargetError(str(e)) from None
+
+
 def device_name(name: str) -> str:
-    """The device description of target `name` (e.g. 'NVIDIA H100 80GB HBM3 (SXM5)')."""
+    """The device description of target `name` (e.g. 'NVIDIA H100 80GB HBM3 (SXM5)', 'TPU v5')."""
+    if tpu.is_tpu(name):
+        return _tpu_spec(name).device_kind
     for line in target_config(name).splitlines():
         if line.strip().startswith("device_description_str:"):
             return line.split(":", 1)[1].strip().strip('"')
@@ -89,21 +131,70 @@ def device_name(name: str) -> str:
 
 
 def device_memory(name: str) -> int:
-    """Bytes of device memory of target `name` (its `device_memory_size`)."""
+    """Bytes of memory per device of target `name`: a GPU target's `device_memory_size`, a
+    TPU's published HBM per chip over the devices libtpu makes of one chip."""
+    if tpu.is_tpu(name):
+        spec = _tpu_spec(name)
+        return spec.hbm_bytes // spec.devices_per_chip
     for line in target_config(name).splitlines():
         if line.strip().startswith("device_memory_size:"):
             return int(line.split(":", 1)[1])
     raise TargetError(f"GPU target {name!r} has no device_memory_size")
 
 
-def make_target(name: str, devices: int | None = None, hosts: int | None = None,
-                gpus_per_host: int | None = None) -> Target:
-    """Validate a target request: `devices` in total over `hosts` (default 1), or
-    `hosts` x `gpus_per_host`. Raises TargetError naming the flag and the value."""
-    target_config(name)
-    for flag, v in (("--devices", devices), ("--hosts", hosts), ("--gpus-per-host", gpus_per_host)):
+def _positive(**flags) -> None:
+    for flag, v in flags.items():
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            raise TargetError(f"{flag}: {v!r} must be a positive integer")
+            raise TargetError(f"--{flag.replace('_', '-')}: {v!r} must be a positive integer")
+
+
+def make_tpu_target(name: str, devices: int | None = None, slices: int | None = None,
+                    topology: str | None = None) -> Target:
+    """A TPU target: `name` a generation (`v5p`) or accelerator type (`v5p-64`, one slice's
+    size); `devices` chips in total over `slices` (default 1), or one slice's `topology`."""
+    _positive(devices=devices, slices=slices)
+    slices = slices or 1
+    try:
+        spec, typed_chips = tpu.split_name(name)
+        if topology is not None:
+            topo, chips = tpu.parse_topology(spec, topology)
+        else:
+            if typed_chips is None and devices is None:
+                raise TargetError("--devices: give the number of TPU chips (or --topology, or an "
+                                  "accelerator type such as v5p-64)")
+            if typed_chips is not None:
+                chips = typed_chips
+            else:
+                if devices % (slices * spec.devices_per_chip):
+                    raise TargetError(f"--slices: {devices} devices do not divide into {slices} slices of "
+                                      f"whole {spec.name} chips")
+                chips = devices // slices // spec.devices_per_chip
+            topo = tpu.default_topology(spec, chips)
+        per_slice = chips * spec.devices_per_chip
+        if devices is not None and devices != per_slice * slices:
+            raise TargetError(f"--devices: {devices} is not {slices} slice(s) x {per_slice} devices of "
+                              f"{spec.name}:{topo}")
+    except tpu.TopologyError as e:
+        raise TargetError(str(e)) from None
+    return Target(spec.name, slices, per_slice, topo)
+
+
+def make_target(name: str, devices: int | None = None, hosts: int | None = None,
+                gpus_per_host: int | None = None, *, slices: int | None = None,
+                topology: str | None = None) -> Target:
+    """Validate a target request. GPU: `devices` in total over `hosts` (default 1), or
+    `hosts` x `gpus_per_host`. TPU (`make_tpu_target`): `devices` over `slices`, or a
+    `topology`. Raises TargetError naming the flag and the value."""
+    if tpu.is_tpu(name):
+        if hosts is not None or gpus_per_host is not None:
+            raise TargetError(f"--hosts: a TPU target's hosts come from its topology; use --slices "
+                              f"for several {name} slices")
+        return make_tpu_target(name, devices, slices, topology)
+    if slices is not None or topology is not None:
+        raise TargetError(f"--{'slices' if slices is not None else 'topology'}: only for TPU targets "
+                          f"({', '.join(tpu.TPU_SPECS)}); {name} uses --hosts")
+    target_config(name)
+    _positive(devices=devices, hosts=hosts, gpus_per_host=gpus_per_host)
     hosts = hosts or 1
     if gpus_per_host is None:
         if devices is None:
@@ -127,19 +218,36 @@ def _jax_version() -> str:
     return version("jaxlib")
 
 
-def plugin_dir(jax_version: str | None = None) -> Path:
-    """Where the plugin for `jax_version` (default: the installed jaxlib's) lives:
-    $FSDP_JAX_PLUGIN_DIR, else ~/.cache/fsdp_jax/cuda12-plugin-<jaxlib version>."""
-    base = os.environ.get("FSDP_JAX_PLUGIN_DIR")
+KINDS = ("cuda", "tpu")
+
+
+def plugin_dir(jax_version: str | None = None, kind: str = "cuda") -> Path:
+    """Where the compile-only plugin of `kind` for `jax_version` (default: the installed
+    jaxlib's) lives. cuda: $FSDP_JAX_PLUGIN_DIR, else
+    ~/.cache/fsdp_jax/cuda12-plugin-<jaxlib version>; tpu: $FSDP_JAX_LIBTPU_DIR, else
+    ~/.cache/fsdp_jax/libtpu-<jaxlib version>."""
+    base = os.environ.get("FSDP_JAX_LIBTPU_DIR" if kind == "tpu" else "FSDP_JAX_PLUGIN_DIR")
     if base:
         return Path(base)
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "fsdp_jax" / f"cuda12-plugin-{jax_version or _jax_version()}"
+    stem = "libtpu" if kind == "tpu" else "cuda12-plugin"
+    return cache / "fsdp_jax" / f"{stem}-{jax_version or _jax_version()}"
 
 
-def plugin_installed(path: Path | None = None) -> bool:
-    """True when `path` (default `plugin_dir()`) holds the plugin pinned to this jax."""
-    path = path or plugin_dir()
+def _libtpu_pinned(path: Path) -> bool:
+    want = tpu.libtpu_requirement().split("==", 1)[-1]
+    for info in path.glob("libtpu-*.dist-info"):
+        have = info.name[len("libtpu-"):-len(".dist-info")]
+        if have == want or (want.endswith("*") and have.startswith(want[:-1])):
+            return (path / "libtpu" / "__init__.py").is_file()
+    return False
+
+
+def plugin_installed(path: Path | None = None, kind: str = "cuda") -> bool:
+    """True when `path` (default `plugin_dir(kind=kind)`) holds the plugin pinned to this jax."""
+    path = path or plugin_dir(kind=kind)
+    if kind == "tpu":
+        return _libtpu_pinned(path)
     v = _jax_version()
     return ((path / "jax_plugins" / "xla_cuda12" / "__init__.py").is_file()
             and (path / f"jax_cuda12_plugin-{v}.dist-info").is_dir()
@@ -165,38 +273,43 @@ def _cudnn_requirement(path: Path) -> str:
     return CUDNN_PACKAGE
 
 
-def _missing_message() -> str:
+def _missing_message(kind: str = "cuda") -> str:
+    if kind == "tpu":
+        return (f"libtpu for jaxlib {_jax_version()} is not installed (looked in {plugin_dir(kind='tpu')}); "
+                f"install it with `{INSTALL_HINT} tpu`")
     return (f"the CUDA compile-only plugin for jaxlib {_jax_version()} is not installed (looked in "
             f"{plugin_dir()}); install it with `{INSTALL_HINT}`")
 
 
-def install(quiet: bool = True) -> Path:
-    """Install jax-cuda12-plugin and jax-cuda12-pjrt pinned to the installed jaxlib into
-    `plugin_dir()` (pip --target --no-deps, ~480 MB), then NVIDIA's cuDNN wheel as the
-    plugin pins it (for `attention: cudnn`; no other NVIDIA runtime wheel). Does nothing
-    for what is already there. Raises RuntimeError when pip fails (e.g. no
-    plugin exists for this jax version)."""
-    dest = plugin_dir()
-    if plugin_installed(dest):
-        return _install_cudnn(dest, quiet)
+def install(quiet: bool = True, kind: str = "cuda") -> Path:
+    """Install the compile-only plugin of `kind`, pinned to the installed jaxlib, into
+    `plugin_dir(kind=kind)` (pip --target --no-deps): cuda: jax-cuda12-plugin and
+    jax-cuda12-pjrt (~480 MB), then NVIDIA's cuDNN wheel as the plugin pins it (for
+    `attention: cudnn`; no other NVIDIA runtime wheel); tpu: the libtpu of jax's `tpu`
+    extra, ~680 MB. Does nothing for what is already there. Raises RuntimeError when pip
+    fails (e.g. no plugin exists for this jax version)."""
+    dest = plugin_dir(kind=kind)
+    if plugin_installed(dest, kind):
+        return dest if kind == "tpu" else _install_cudnn(dest, quiet)
     v = _jax_version()
+    packages = [tpu.libtpu_requirement()] if kind == "tpu" else [f"{p}=={v}" for p in PLUGIN_PACKAGES]
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".", dir=dest.parent))
     cmd = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "--no-deps",
-           "--target", str(tmp), *(f"{p}=={v}" for p in PLUGIN_PACKAGES)]
+           "--target", str(tmp), *packages]
     proc = subprocess.run(cmd + (["-q"] if quiet else []), capture_output=quiet, text=True)
     if proc.returncode != 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tail = (proc.stderr or "").strip().splitlines()[-1:] if quiet else []
-        raise RuntimeError(f"could not install {' and '.join(PLUGIN_PACKAGES)} =={v} (the CUDA "
+        raise RuntimeError(f"could not install {' and '.join(packages)} (the {kind} compile-only "
                            f"plugin pinned to this jax): pip exited {proc.returncode}"
                            + (f": {tail[0]}" if tail else ""))
     if dest.exists():
         shutil.rmtree(dest)
     tmp.rename(dest)  # atomic: a half-finished install is never taken for a whole one
-    if not plugin_installed(dest):
-        raise RuntimeError(f"pip installed into {dest} but the plugin for jax {v} is not there")
-    return _install_cudnn(dest, quiet)
+    if not plugin_installed(dest, kind):
+        raise RuntimeError(f"pip installed into {dest} but the {kind} plugin for jax {v} is not there")
+    return dest if kind == "tpu" else _install_cudnn(dest, quiet)
 
 
 def _install_cudnn(dest: Path, quiet: bool) -> Path:
@@ -220,10 +333,12 @@ KERNEL_CACHE_FLAG = "--xla_gpu_kernel_cache_file"
 
 
 def child_env(env: dict[str, str] | None = None,
-              kernel_cache: str | os.PathLike | None = None) -> dict[str, str]:
-    """Environment for a child process that compiles for GPU targets: the plugin folder
-    first on PYTHONPATH and JAX_PLATFORMS=cpu (without it the plugin calls cuInit and
-    fails). Raises PluginMissing when the plugin is not installed.
+              kernel_cache: str | os.PathLike | None = None, target: Target | None = None) -> dict[str, str]:
+    """Environment for a child process that compiles for `target` (default: GPU targets):
+    the plugin folder first on PYTHONPATH and JAX_PLATFORMS=cpu (without it the CUDA
+    plugin calls cuInit and fails). Raises PluginMissing when the plugin is not installed.
+    For a TPU target: libtpu's folder, TPU_WORKER_HOSTNAMES=localhost (else libtpu logs
+    an error about it) and ALLOW_MULTIPLE_LIBTPU_LOAD=1; `kernel_cache` is GPU-only and ignored.
 
     `kernel_cache`: a file, new or written only by that child, for XLA:GPU's compiled
     kernel cache (XLA_FLAGS `--xla_gpu_kernel_cache_file`, unless XLA_FLAGS names one
@@ -233,6 +348,17 @@ def child_env(env: dict[str, str] | None = None,
     same time: a damaged cache file makes every later compile fail. A file XLA_FLAGS names
     must be in an existing, writable directory (TargetError otherwise, before any compile);
     an empty value (`--xla_gpu_kernel_cache_file=`) turns the cache off."""
+    if target is not None and target.platform == "tpu":
+        if not plugin_installed(kind="tpu"):
+            raise PluginMissing(_missing_message("tpu"))
+        env = dict(os.environ if env is None else env)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(plugin_dir(kind="tpu")), env.get("PYTHONPATH")) if p)
+        env["JAX_PLATFORMS"] = "cpu"
+        env.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+        # compile-only: no chip to guard, so several compiling processes (test workers, two
+        # planners) may load libtpu at once instead of failing on /tmp/libtpu_lockfile
+        env.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+        return env
     if not plugin_installed():
         raise PluginMissing(_missing_message())
     env = dict(os.environ if env is None else env)
@@ -283,32 +409,67 @@ def gpu_devices(name: str, hosts: int = 1, gpus_per_host: int = 8) -> list:
     return devices
 
 
+def target_devices(target: Target) -> list:
+    """Compile-only devices of `target`, host-major (GPU) or slice-major (TPU), in a process
+    from `child_env(target=target)`. Raises TargetError for a TPU topology libtpu rejects."""
+    if target.platform == "gpu":
+        return gpu_devices(target.name, target.hosts, target.gpus_per_host)
+    if importlib.util.find_spec("libtpu") is None:
+        raise PluginMissing(_missing_message("tpu") + " (and run in a process from "
+                            "fsdp_jax.targets.child_env(target=...))")
+    spec = _tpu_spec(target.name)
+    try:
+        devices = tpu.tpu_devices(spec, target.topology_name, target.hosts)
+    except tpu.TopologyError as e:
+        raise TargetError(str(e)) from None
+    if len(devices) != target.devices:
+        raise TargetError(f"--topology: {target.topology} x {target.hosts} slice(s) gave {len(devices)} "
+                          f"devices, expected {target.devices}")
+    return devices
+
+
+def dcn_groups(devices) -> list[int]:
+    """Per device, the group the slow network joins: its host (GPU: NVLink within a host)
+    or its slice (TPU: ICI within a slice, the data-center network between slices)."""
+    if devices and devices[0].platform == "tpu":
+        return [getattr(d, "slice_index", 0) for d in devices]
+    return [d.process_index for d in devices]
+
+
 # ----------------------------------------------------------------------------- CLI
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m fsdp_jax.targets install | check | list`."""
+    """`python -m fsdp_jax.targets install [cuda|tpu|all] | check [cuda|tpu] | list`."""
     argv = sys.argv[1:] if argv is None else argv
     cmd = argv[0] if argv else "check"
     if cmd == "list":
         for n in target_names():
-            print(f"{n}: {device_name(n)}, {device_memory(n) / 2**30:.1f} GiB")
+            print(f"{n}: {device_name(n)}, {device_memory(n) / 2**30:.1f} GiB per device")
         return 0
-    if cmd == "install":
-        try:
-            path = install()
-        except RuntimeError as e:
-            print(f"error: {e}", file=sys.stderr)
+    if cmd not in ("install", "check") or len(argv) > 2:
+        print(f"error: unknown command {' '.join(argv)!r}; use install [cuda|tpu|all], check [cuda|tpu] "
+              "or list", file=sys.stderr)
+        return 2
+    which = argv[1] if len(argv) > 1 else "cuda"
+    kinds = KINDS if which == "all" and cmd == "install" else (which,)
+    if any(k not in KINDS for k in kinds):
+        print(f"error: {cmd} {which!r}: choose cuda, tpu" + (" or all" if cmd == "install" else ""),
+              file=sys.stderr)
+        return 2
+    for kind in kinds:
+        if cmd == "install":
+            try:
+                path = install(kind=kind)
+            except RuntimeError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 1
+            print(f"{'libtpu' if kind == 'tpu' else 'CUDA compile-only plugin'} for jaxlib {_jax_version()}: {path}")
+        elif plugin_installed(kind=kind):
+            print(f"installed: {plugin_dir(kind=kind)}")
+        else:
+            print(f"error: {_missing_message(kind)}", file=sys.stderr)
             return 1
-        print(f"CUDA compile-only plugin for jaxlib {_jax_version()}: {path}")
-        return 0
-    if cmd == "check":
-        if plugin_installed():
-            print(f"installed: {plugin_dir()}")
-            return 0
-        print(f"error: {_missing_message()}", file=sys.stderr)
-        return 1
-    print(f"error: unknown command {cmd!r}; use install, check or list", file=sys.stderr)
-    return 2
+    return 0
 
 
 if __name__ == "__main__":

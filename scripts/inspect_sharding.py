@@ -39,13 +39,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = _Parser(description=__doc__.splitlines()[1].strip(),
                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True, help="YAML config (configs/*.yaml)")
-    ap.add_argument("--devices", required=True, help="number of devices")
+    from fsdp_jax.app.plan_report import add_target_arguments
+    add_target_arguments(ap)
     ap.add_argument("--strategy", default=None, help="strategy (default: the config's mesh.strategy)")
     ap.add_argument("--replicated-threshold", default="auto",
                     help="flag replicated params at least this big, e.g. 4MiB (default auto: "
                          "the larger of 1 MiB and 0.1%% of all parameter bytes)")
-    ap.add_argument("--target", default=None, help="compile for this GPU (h100, h200, a100) instead of CPU")
-    ap.add_argument("--hosts", default=None, help="with --target: hosts the devices are spread over (default 1)")
     ap.add_argument("--xla-flags", default=None,
                     help="XLA options for this compile only, e.g. --xla-flags=--xla_gpu_enable_pipelined_all_gather=true "
                          "(compare schedules with and without: fsdp_jax.xla_flags)")
@@ -57,16 +56,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2 if e.code else 0
 
     from fsdp_jax.app.cli import BAD_INPUT, fail
-    from fsdp_jax.app.plan_report import (PlanError, load_planning_config, parse_bytes, parse_devices,
-                                      parse_strategies)
-    from fsdp_jax.targets import TargetError, make_target
+    from fsdp_jax.app.plan_report import (PlanError, load_planning_config, parse_bytes,
+                                      parse_strategies, resolve_target)
+    from fsdp_jax.targets import TargetError
 
     try:
-        n = parse_devices(args.devices)
-        if args.hosts is not None and args.target is None:
-            raise PlanError(f"--hosts: {args.hosts!r} needs --target (hosts of a GPU cluster)")
-        target = None if args.target is None else make_target(
-            args.target, devices=n, hosts=None if args.hosts is None else parse_devices(args.hosts, "--hosts"))
+        n, target = resolve_target(args)
         from fsdp_jax.xla_flags import parse_flags
         options = parse_flags(args.xla_flags) if args.xla_flags else None
         threshold = (None if args.replicated_threshold == "auto"

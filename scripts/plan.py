@@ -40,11 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = _Parser(description=__doc__.splitlines()[1].strip(),
                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True, help="YAML config (configs/*.yaml)")
-    ap.add_argument("--devices", required=True, help="number of devices to plan for")
+    from fsdp_jax.app.plan_report import add_target_arguments
+    add_target_arguments(ap)
     ap.add_argument("--strategies", default="all", help="all, or a comma list (aliases ok: ddp,zero3)")
     ap.add_argument("--device-memory", default=None, help="per-device memory, e.g. 80GB, 80GiB, 141GB")
-    ap.add_argument("--target", default=None, help="compile for this GPU (h100, h200, a100) instead of CPU")
-    ap.add_argument("--hosts", default=None, help="with --target: hosts the devices are spread over (default 1)")
     ap.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     ap.add_argument("--plot", default=None, help="write a bar chart PNG here")
     ap.add_argument("--offload", default=None,
@@ -57,19 +56,15 @@ def main(argv: list[str] | None = None) -> int:
 
     from fsdp_jax.app.cli import BAD_INPUT, check_out_file, fail, require
     from fsdp_jax.app.config import ConfigError
-    from fsdp_jax.app.plan_report import (PlanError, load_planning_config, parse_bytes, parse_devices,
-                                      parse_strategies)
-    from fsdp_jax.targets import TargetError, make_target
+    from fsdp_jax.app.plan_report import (PlanError, load_planning_config, parse_bytes,
+                                      parse_strategies, resolve_target)
+    from fsdp_jax.targets import TargetError
 
     try:
-        n = parse_devices(args.devices)
+        n, target = resolve_target(args)
         mem = parse_bytes(args.device_memory) if args.device_memory is not None else None
         strategies = parse_strategies(args.strategies)
         offloads = _parse_offloads(args.offload)
-        if args.hosts is not None and args.target is None:
-            raise PlanError(f"--hosts: {args.hosts!r} needs --target (hosts of a GPU cluster)")
-        target = None if args.target is None else make_target(
-            args.target, devices=n, hosts=None if args.hosts is None else parse_devices(args.hosts, "--hosts"))
         if args.plot:
             check_out_file(args.plot, "--plot")
             require("matplotlib", "--plot")

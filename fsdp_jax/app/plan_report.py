@@ -94,6 +94,39 @@ def parse_devices(text: str | int, what: str = "--devices") -> int:
     return n
 
 
+def add_target_arguments(ap) -> None:
+    """The device and target flags plan.py and inspect_sharding.py share."""
+    ap.add_argument("--devices", default=None,
+                    help="number of devices (with a TPU accelerator type or --topology: implied)")
+    ap.add_argument("--target", default=None,
+                    help="compile for this accelerator instead of CPU: a GPU (h100, h200, a100), a TPU "
+                         "generation (v4, v5e, v5p, v6e) or accelerator type (v5p-64, v6e-256)")
+    ap.add_argument("--hosts", default=None, help="with a GPU --target: hosts the devices are spread over (default 1)")
+    ap.add_argument("--slices", default=None,
+                    help="with a TPU --target: slices over the data-center network (default 1; "
+                         "hybrid_shard puts data across them, fsdp within one)")
+    ap.add_argument("--topology", default=None, help="with a TPU --target: one slice's shape, e.g. 2x4x4 or 16x16")
+
+
+def resolve_target(args):
+    """(device count, Target or None) from `add_target_arguments`' flags; PlanError /
+    TargetError naming the flag."""
+    from fsdp_jax.targets import make_target
+    for flag in ("hosts", "slices", "topology"):
+        if getattr(args, flag) is not None and args.target is None:
+            raise PlanError(f"--{flag}: {getattr(args, flag)!r} needs --target")
+    n = None if args.devices is None else parse_devices(args.devices)
+    if args.target is None:
+        if n is None:
+            raise PlanError("--devices: give the number of devices to plan for")
+        return n, None
+    target = make_target(args.target, devices=n,
+                         hosts=None if args.hosts is None else parse_devices(args.hosts, "--hosts"),
+                         slices=None if args.slices is None else parse_devices(args.slices, "--slices"),
+                         topology=args.topology)
+    return parse_devices(target.devices), target
+
+
 def check_inputs(cfg, n_devices: int, strategies: Sequence[str]) -> None:
     """Device count, mesh and batch divisibility for every strategy, before compiling."""
     from fsdp_jax.app.config import validate
@@ -229,7 +262,9 @@ def format_table(doc: dict[str, Any]) -> str:
                      f"{gb(a['gathered'])}{gb(a['activations'])}{gb(a['total'])}")
     lines.append("")
     tgt = doc.get("target")
-    on = (f"XLA:GPU for {tgt['name']}, {tgt['hosts']} x {tgt['gpus_per_host']} GPUs" if tgt
+    on = (f"XLA:TPU for {tgt['name']}, {tgt['hosts']} slice(s) of {tgt['topology_name']}"
+          if tgt and tgt.get("topology_name") else
+          f"XLA:GPU for {tgt['name']}, {tgt['hosts']} x {tgt['gpus_per_host']} GPUs" if tgt
           else "/".join(sorted({r.get("platform", "?") for r in doc["strategies"].values()})))
     lines.append(f"compiled (memory_analysis() of the AOT-compiled train step, {on}; measured):")
     hdr = (f"{'strategy':<14}{'mesh':<10}{'argument':>9}{'arg/ana':>8}{'temp':>9}{'peak':>9}"

@@ -10,9 +10,9 @@ functions as `fsdp_jax.app.loop.setup`), but from abstract inputs only
 `fsdp_jax.app.step_build`), and AOT-compiles it: nothing is allocated, so a 7B or 70B model plans on a laptop.
 When this process has fewer than N devices, the compile runs in a child process
 with N fake CPU devices (`jax_num_cpu_devices=N`). With a GPU target
-(`fsdp_jax.targets.Target`: h100, h200, a100 as hosts x GPUs) the child compiles with
-XLA:GPU for compile-only devices of that target instead (deviceless AOT; the CUDA
-plugin is on that child's path only), and the result also carries the per-collective
+(`fsdp_jax.targets.Target`: h100, h200, a100 as hosts x GPUs; v4, v5e, v5p, v6e as TPU
+slices) the child compiles with XLA:GPU / XLA:TPU for compile-only devices of that target
+instead (deviceless AOT; the CUDA plugin or libtpu is on that child's path only), and the result also carries the per-collective
 schedule (`fsdp_jax.hlo`), its communication volume and the GPU-only warnings. The user's side (parsing sizes and
 strategy lists, the scripts' start-up, the warnings' wording, the tables and the plot)
 is `fsdp_jax.app.plan_report`, whose public names are importable from here too.
@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -85,7 +86,8 @@ def inspect_compiled(plan, compiled, *, logical_axes=None, analytic_total: int |
         # in whatever dtype the program moves them (f32 on CPU even under bf16 compute)
         layer_gather = compute_copy_bytes(abstract, plan, logical_axes, "float32")["unstacked"]
     platform = plan.mesh.devices.flat[0].platform
-    hosts = [d.process_index for d in plan.mesh.devices.flat]  # partition id -> host
+    from fsdp_jax.targets import dcn_groups
+    hosts = dcn_groups(list(plan.mesh.devices.flat))  # partition id -> host (GPU) or slice (TPU)
     schedule = collective_schedule(compiled.as_text(), hosts)
     threshold = replicated_threshold_for(sum(r.total_bytes for r in plan.rows), replicated_threshold)
     warnings = sharding_warnings(
@@ -129,7 +131,13 @@ def plan_strategy(cfg, strategy: str, devices: Sequence[jax.Device] | None = Non
     t0 = time.perf_counter()
     b = build_step(cfg, strategy, devices, mesh_sizes, **(step_options or {}))
     analytic = analytic_memory(b)
-    compiled = b.compile(compiler_options)
+    try:
+        compiled = b.compile(compiler_options)
+    except Exception as e:  # XLA:TPU refuses a program that cannot fit its HBM
+        refused = over_memory(e)
+        if refused is None:
+            raise
+        return _refused_result(b, cfg, analytic, refused, time.perf_counter() - t0)
     compile_s = time.perf_counter() - t0
     ins = inspect_compiled(b.plan, compiled, logical_axes=b.model.logical_axes,
                            analytic_total=analytic["total"],
@@ -164,6 +172,48 @@ def plan_strategy(cfg, strategy: str, devices: Sequence[jax.Device] | None = Non
         out["replicated_threshold"] = ins["replicated_threshold"]
         out["schedule"] = ins["schedule"]
     return out
+
+
+_OOM = re.compile(r"RESOURCE_EXHAUSTED: Ran out of memory in memory space (\w+)|"
+                  r"RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+                  r"temporaries \(([\d.]+)([KMGTP]?)\) exceeds available HBM \(([\d.]+)([KMGTP]?)\)")
+
+
+def _xla_bytes(number: str, unit: str) -> int:
+    """XLA's human-readable bytes ('104.34G': binary prefixes) as an int."""
+    return int(float(number) * 1024 ** ("KMGTP".index(unit) + 1 if unit else 0))
+
+
+def over_memory(error: Exception) -> dict[str, int] | None:
+    """{"temp", "available"} bytes when `error` is XLA:TPU refusing to compile a program whose
+    temporaries exceed the chip's HBM (it does not emit such a program, where XLA:GPU and
+    XLA:CPU do); None for any other error."""
+    m = _OOM.search(str(error))
+    if m is None or m.group(2) is None:
+        return None
+    return {"temp": _xla_bytes(m.group(2), m.group(3)), "available": _xla_bytes(m.group(4), m.group(5))}
+
+
+def _refused_result(b, cfg, analytic: dict[str, int], refused: dict[str, int], compile_s: float) -> dict[str, Any]:
+    """A strategy the target's compiler refused for memory: the argument bytes from the plan
+    (equal to the compiled ones wherever a compile succeeds), the temporaries XLA said it
+    needs, and no schedule."""
+    argument = analytic["params"] + analytic["optimizer"] + analytic["batch"]
+    peak = argument + refused["temp"]
+    mesh = {k: int(v) for k, v in b.plan.mesh.shape.items()}
+    return {
+        "mesh": mesh, "analytic": analytic,
+        "compiled": {"argument": argument, "output": 0, "alias": 0, "temp": refused["temp"], "peak": peak,
+                     "xla_peak": None, "device_argument": argument, "host_argument": 0,
+                     "device_peak": peak, "host_reported": 0},
+        "refused": refused, "offload": cfg.offload, "argument_vs_analytic": 0.0,
+        "compile_s": round(compile_s, 2), "platform": b.plan.mesh.devices.flat[0].platform,
+        "collectives_per_step": {}, "communication": {}, "activations_by_remat": activations_by_remat(b),
+        "replicated_fraction": None,
+        "warnings": [f"the compiler refused this program: its temporaries need {refused['temp'] / 1e9:.2f} GB "
+                     f"and the chip offers {refused['available'] / 1e9:.2f} GB, so it does not fit; "
+                     f"compiled argument/peak are the plan's argument bytes + those temporaries"],
+    }
 
 
 def _compiled_host(compiled, mem: dict[str, int]) -> dict[str, int]:
@@ -213,9 +263,8 @@ def run_strategies(cfg, n_devices: int, strategies: Sequence[str], *, inspect: b
             from fsdp_jax import targets
             # raises PluginMissing (a TargetError) naming the install step; the strategies
             # compiled in the child reuse each other's GPU kernels (a cache of its own)
-            env = targets.child_env(env, kernel_cache=Path(scratch) / "xla_gpu_kernels.bin")
-            request["target"] = {"name": target.name, "hosts": target.hosts,
-                                 "gpus_per_host": target.gpus_per_host}
+            env = targets.child_env(env, kernel_cache=Path(scratch) / "xla_gpu_kernels.bin", target=target)
+            request["target"] = target.as_dict()
             where = target.describe()
         proc = subprocess.run([sys.executable, "-m", "fsdp_jax.app.planner"], input=json.dumps(request),
                               capture_output=True, text=True, env=env)
@@ -277,8 +326,9 @@ def _child_main() -> int:
             devices = jax.devices()[:req["devices"]]
         else:
             from fsdp_jax import targets
-            devices = targets.gpu_devices(target["name"], target["hosts"], target["gpus_per_host"])
-            sizes = {s: target_mesh_sizes(cfg, s, len(devices), target["hosts"]) for s in req["strategies"]}
+            t = targets.Target(**target)
+            devices = targets.target_devices(t)
+            sizes = {s: target_mesh_sizes(cfg, s, len(devices), t.hosts) for s in req["strategies"]}
         out = {}
         for s in req["strategies"]:
             print(_STRATEGY_MARK + s, file=sys.stderr, flush=True)  # XLA logs to the same fd 2
@@ -355,15 +405,15 @@ def plan_config(cfg, n_devices: int, strategies: Sequence[str] | str | None = No
         notes.append(f"hybrid_shard uses data={m['data']} x fsdp={m['fsdp']} (params sharded within "
                      f"fsdp, replicated over data)")
     if target is not None:
-        notes.insert(0, f"compiled by XLA:GPU for {target.describe()} (deviceless AOT: no GPU used; "
-                        f"no autotuning); device memory {device_memory / 1e9:.2f} GB unless given")
+        notes.insert(0, f"compiled by XLA:{target.platform.upper()} for {target.describe()} (deviceless AOT: "
+                        f"no {target.platform.upper()} used; no autotuning); device memory "
+                        f"{device_memory / 1e9:.2f} GB unless given")
     platforms = {r["platform"] for r in results.values()}
     if "cpu" in platforms and policy.compute_dtype != np.dtype("float32"):
         notes.append("compiled on CPU: XLA:CPU upcasts bf16 matmuls and collectives to f32, so "
                      "compiled temp overstates a GPU/TPU compile")
     doc = {"config": config_name, "devices": n_devices, "params": n_params,
-           "target": None if target is None else {"name": target.name, "hosts": target.hosts,
-                                                  "gpus_per_host": target.gpus_per_host},
+           "target": None if target is None else target.as_dict(),
            "param_bytes": tree_bytes(_abstract_params(cfg)), "device_memory": device_memory,
            "strategies": results, "notes": notes}
     doc["wall_s"] = round(time.perf_counter() - t0, 1)
