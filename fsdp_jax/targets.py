@@ -101,14 +101,10 @@ def target_names(platform: str | None = None) -> list[str]:
     return {"gpu": gpus, "tpu": list(tpu.TPU_SPECS)}.get(platform, gpus + list(tpu.TPU_SPECS))
 
 
-def _gpu_names() -> list[str]:
-    return target_names("gpu")
-
-
 def target_config(name: str) -> str:
     """The text GpuTargetConfigProto of GPU target `name`."""
     path = _DATA / f"{name}.txtpb"
-    if name not in _gpu_names():
+    if name not in target_names("gpu"):
         raise TargetError(f"--target: unknown GPU target {name!r}; known: {', '.join(target_names())}")
     return path.read_text()
 

@@ -134,7 +134,7 @@ def two_process_reference(corpus, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the peer's pid in /proc")
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs Linux /proc to find the peer process")
 @pytest.mark.parametrize("when", ["mid_step", "mid_save"])
 def test_a_peer_killed_mid_run_stops_the_job_with_one_line_and_the_run_resumes_exactly(
         when, corpus, tmp_path, two_process_reference):
