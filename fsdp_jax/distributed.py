@@ -7,6 +7,8 @@
   rank, JAX_COORDINATOR_ADDRESS set) -> `jax.distributed.initialize()` auto-detects;
 * otherwise one process: nothing is initialised.
 On CPU the collectives between processes run over gloo (JAX's CPU default).
+With `peer_timeout_s`, a `fsdp_jax.peer_watch.PeerWatch` thread stops this process in
+one line (exit 1) when a peer stops responding; call `finished()` at a normal end.
 """
 
 from __future__ import annotations
@@ -74,12 +76,14 @@ def bind_address(coordinator: str, environ=os.environ) -> str | None:
 
 def maybe_initialize(coordinator: str | None = None, num_processes: int | None = None,
                      process_id: int | None = None, timeout_s: int = 300,
-                     environ=os.environ) -> str:
+                     environ=os.environ, peer_timeout_s: float | None = None, peer_note: str = "") -> str:
     """Initialise `jax.distributed` when this run has several processes.
 
     Returns how: "explicit", the detected cluster's name, or "single" (nothing done).
     Raises ValueError (one line naming the setting or variable) for incomplete or bad
     explicit settings, DistributedInitError when joining the other processes fails.
+    `peer_timeout_s` (> 0) starts a PeerWatch once joined (JAX's own heartbeat timeout is
+    raised past it); `peer_note` ends the line it prints.
     """
     import jax
 
@@ -106,13 +110,44 @@ def maybe_initialize(coordinator: str | None = None, num_processes: int | None =
             _wait_for_coordinator(coordinator, timeout_s)
         _initialize(jax, coordinator_address=coordinator, num_processes=num_processes,
                     process_id=process_id, initialization_timeout=timeout_s,
-                    coordinator_bind_address=bind_address(coordinator, environ))
+                    coordinator_bind_address=bind_address(coordinator, environ), **_heartbeat(peer_timeout_s))
+        _watch_peers(peer_timeout_s, peer_note)
         return "explicit"
     cluster = detected_cluster(environ)
     if cluster:
-        _initialize(jax, initialization_timeout=timeout_s)
+        _initialize(jax, initialization_timeout=timeout_s, **_heartbeat(peer_timeout_s))
+        _watch_peers(peer_timeout_s, peer_note)
         return cluster
     return "single"
+
+
+_WATCH = None
+
+
+def _heartbeat(peer_timeout_s: float | None) -> dict:
+    from fsdp_jax.peer_watch import jax_heartbeat_for
+    return {"heartbeat_timeout_seconds": jax_heartbeat_for(peer_timeout_s)} if peer_timeout_s else {}
+
+
+def _watch_peers(peer_timeout_s: float | None, note: str) -> None:
+    global _WATCH
+    if not peer_timeout_s:
+        return
+    from jax._src import distributed as jax_distributed  # the client: no public accessor
+
+    from fsdp_jax.peer_watch import PeerWatch
+    state = jax_distributed.global_state
+    if state.client is None or state.num_processes < 2:
+        return
+    _WATCH = PeerWatch(state.client, state.process_id, state.num_processes, peer_timeout_s, note).start()
+
+
+def finished() -> None:
+    """This process ends normally: stop its peer watch (the others stop waiting for it)."""
+    global _WATCH
+    if _WATCH is not None:
+        _WATCH.finish()
+        _WATCH = None
 
 
 def _wait_for_coordinator(coordinator: str, timeout_s: float) -> None:

@@ -27,6 +27,10 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+PEER_NOTE = ("the newest committed checkpoint is intact (a save in flight never commits without every "
+             "process): run the same command again to resume")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = _Parser(description=__doc__.splitlines()[1].strip(),
                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -42,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from fsdp_jax.app.cli import BAD_INPUT, ENVIRONMENT, fail, fail_env, fail_internal, use_cpu_devices
     from fsdp_jax.app.config import ConfigError, load_config
-    from fsdp_jax.distributed import maybe_initialize
+    from fsdp_jax.distributed import finished, maybe_initialize
     from fsdp_jax.xla_flags import apply_gpu_fsdp_flags
     from fsdp_jax.app.loop import TrainingDiverged, train
 
@@ -56,10 +60,12 @@ def main(argv: list[str] | None = None) -> int:
             apply_gpu_fsdp_flags()
         d = cfg.distributed
         try:  # before any computation: joins this process to the others, if any
-            maybe_initialize(d.coordinator, d.num_processes, d.process_id, d.init_timeout_s)
+            maybe_initialize(d.coordinator, d.num_processes, d.process_id, d.init_timeout_s,
+                             peer_timeout_s=d.peer_timeout_s, peer_note=PEER_NOTE)
         except ValueError as e:
             raise ConfigError("distributed", str(e)) from None
         train(cfg, progress=not args.no_progress)
+        finished()
     except BAD_INPUT as e:
         return fail(e)
     except (TrainingDiverged, *ENVIRONMENT) as e:

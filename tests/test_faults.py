@@ -176,3 +176,51 @@ def test_a_peer_killed_mid_run_stops_the_job_with_one_line_and_the_run_resumes_e
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-2000:]
     assert f"[0] resuming from checkpoint step {committed[-1]}" in again.stdout, again.stdout[-3000:]
     _assert_same_params(two_process_reference, run_dir, 10)
+
+
+# -- a peer that dies under a launcher that does not stop the others (SLURM, mpirun) ------------------
+
+@pytest.mark.slow
+def test_a_peer_killed_without_a_launcher_to_stop_the_job_the_survivor_stops_itself(
+        corpus, tmp_path, two_process_reference):
+    """The two processes started as SLURM or mpirun would (each on its own, nobody watching
+    them), process 1 killed (-9) in a step after step 4 is committed. The survivor's peer
+    watch (distributed.peer_timeout_s=5) stops it in one line naming process 1 and saying
+    the newest checkpoint is intact, exit 1, long before JAX's heartbeat abort (exit 134
+    after 100 s); the same job resumes from that checkpoint, bit-identical to a run that
+    never lost a peer. Mutation: distributed.peer_timeout_s=0 (no watch) -> exit 134."""
+    from test_peer_watch import _free_port
+    run_dir = tmp_path / "run"
+    ckpts = run_dir / "checkpoints"
+    port = _free_port()
+    cmd = [sys.executable, str(ROOT / "scripts" / "train.py"), "--config", TINY_YAML, "--no-progress",
+           *TINY_RUN_OVERRIDES, f"data.path={corpus}", f"run_dir={run_dir}", "train.steps=10",
+           "train.checkpoint_every=2", "train.keep_checkpoints=10", "distributed.peer_timeout_s=5"]
+    procs = []
+    for i in range(2):
+        env = _train_env(FSDP_JAX_INJECT_DATA_DELAY_S="0.3", FSDP_JAX_COORDINATOR=f"127.0.0.1:{port}",
+                         FSDP_JAX_NUM_PROCESSES="2", FSDP_JAX_PROCESS_ID=str(i), FSDP_JAX_CPU_DEVICES="4")
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                      env=env))
+    try:
+        deadline = time.monotonic() + 400
+        while not _committed(ckpts, 4) and procs[0].poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert procs[0].poll() is None and procs[1].poll() is None, "the job ended before the kill"
+        procs[1].kill()
+        killed_at = time.monotonic()
+        out, err = procs[0].communicate(timeout=90)
+        stopped_in = time.monotonic() - killed_at
+    finally:
+        for p in procs:
+            p.kill()
+    line = one_line(procs[0].returncode, err, "process 1 of 2 stopped responding", "stopping process 0",
+                    "checkpoint is intact", code=1)
+    assert stopped_in < 5 + 15, (stopped_in, line)  # the timeout, a few beats, and a loaded machine
+    committed = ck.Checkpointer(ckpts, read_only=True).steps()
+    assert committed and 4 <= committed[-1] < 10, committed
+    again = subprocess.run(_two_process_train(corpus, run_dir), capture_output=True, text=True, cwd=ROOT,
+                           env=_train_env(), timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-2000:]
+    assert f"[0] resuming from checkpoint step {committed[-1]}" in again.stdout, again.stdout[-3000:]
+    _assert_same_params(two_process_reference, run_dir, 10)

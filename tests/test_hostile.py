@@ -75,6 +75,7 @@ OUT_OF_RANGE: dict[str, typing.Any] = {
     "train.sample_tokens": -1, "train.max_inflight_steps": 0, "train.max_nonfinite_steps": 0,
     "distributed.coordinator": "nohost", "distributed.num_processes": 0,
     "distributed.process_id": -1, "distributed.init_timeout_s": 0,
+    "distributed.peer_timeout_s": -1.0,
     "precision": "params=float99", "remat": "sometimes", "run_dir": "", "xla_gpu_flags": "yes",
     "init_from": "/nonexistent/model.safetensors",
     "mesh.min_replicated_bytes": -1, "mesh.rules": {"embed": "nowhere"},

@@ -137,6 +137,7 @@ class DistributedConfig:
     num_processes: int | None = None
     process_id: int | None = None
     init_timeout_s: int = 300
+    peer_timeout_s: float = 60.0        # a peer silent this long stops the others in one line, exit 1; 0 = off
 
 
 @dataclasses.dataclass(frozen=True)
@@ -454,6 +455,8 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
     if dist.coordinator is not None:
         check_coordinator(dist.coordinator, "distributed.coordinator")
     _check(dist.init_timeout_s > 0, "distributed.init_timeout_s", dist.init_timeout_s, "must be > 0")
+    _check(0 <= dist.peer_timeout_s <= 86400, "distributed.peer_timeout_s", dist.peer_timeout_s,
+           "must be in [0, 86400] seconds (0 = no peer watch)")
     try:
         Policy.parse(cfg.precision)
     except (ValueError, TypeError) as e:

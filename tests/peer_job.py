@@ -1,0 +1,47 @@
+"""One process of a small jax.distributed job for tests/test_peer_watch.py: joins through
+fsdp_jax.distributed.maybe_initialize (the FSDP_JAX_* variables) with a peer watch, then
+runs cross-process sums forever; the process named by PEER_JOB_VICTIM kills itself with
+SIGKILL after PEER_JOB_STEPS sums (PEER_JOB_VICTIM=-1: every process stops normally after
+that many sums and calls finished(), process 0 after PEER_JOB_TAIL_S seconds more of
+work alone). Prints `step N` after each sum."""
+
+import os
+import signal
+import sys
+
+import numpy as np
+
+
+def main() -> int:
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from fsdp_jax.distributed import finished, maybe_initialize
+    jax.config.update("jax_num_cpu_devices", 2)
+    maybe_initialize(timeout_s=60, peer_timeout_s=float(os.environ["PEER_JOB_TIMEOUT_S"]),
+                     peer_note="test note")
+    victim, steps = int(os.environ["PEER_JOB_VICTIM"]), int(os.environ["PEER_JOB_STEPS"])
+    mesh = jax.make_mesh((jax.device_count(),), ("x",))
+    sharding = NamedSharding(mesh, P("x"))
+    total = jax.jit(jnp.sum)
+    n = jax.device_count()
+    step = 0
+    while True:
+        x = jax.make_array_from_callback((n,), sharding, lambda idx: np.arange(n, dtype=np.float32)[idx])
+        assert float(total(x)) == n * (n - 1) / 2
+        step += 1
+        print(f"step {step}", flush=True)
+        if step == steps:
+            if victim == jax.process_index():
+                os.kill(os.getpid(), signal.SIGKILL)
+            if victim < 0:
+                if jax.process_index() == 0:  # work on alone, the watch still on
+                    import time
+                    time.sleep(float(os.environ.get("PEER_JOB_TAIL_S", "0")))
+                finished()
+                return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
