@@ -188,7 +188,8 @@ def test_a_peer_killed_without_a_launcher_to_stop_the_job_the_survivor_stops_its
     watch (distributed.peer_timeout_s=5) stops it in one line naming process 1 and saying
     the newest checkpoint is intact, exit 1, long before JAX's heartbeat abort (exit 134
     after 100 s); the same job resumes from that checkpoint, bit-identical to a run that
-    never lost a peer. Mutation: distributed.peer_timeout_s=0 (no watch) -> exit 134."""
+    never lost a peer. Mutation: distributed.peer_timeout_s=0 (no watch) -> SIGABRT after
+    100 s (exit 134 in a shell), JAX's multi-line log."""
     from test_peer_watch import _free_port
     run_dir = tmp_path / "run"
     ckpts = run_dir / "checkpoints"

@@ -48,21 +48,30 @@ def hf_config(cfg: LlamaConfig, dtype: str, token_ids: dict | None = None,
 
 
 def _pick_step(ckpt: Checkpointer, step: int | None) -> int:
+    """The newest step whose files match their manifest (sizes and CRC-32), or exactly
+    `step`, checked too: a damaged `step`, or every step damaged, is a CheckpointError
+    naming the file; a damaged newer step is skipped with a warning naming it."""
     steps = ckpt.steps()
     if not steps:
         raise CheckpointError(f"{ckpt.directory}: no complete checkpoint")
-    if step is not None:
-        if step not in steps:
-            raise CheckpointError(f"{ckpt.directory}: no checkpoint for step {step}; steps: "
-                                  f"{', '.join(map(str, steps))}")
-        return step
-    for s in steps[::-1]:
+    if step is not None and step not in steps:
+        raise CheckpointError(f"{ckpt.directory}: no checkpoint for step {step}; steps: "
+                              f"{', '.join(map(str, steps))}")
+    failed = []
+    for s in [step] if step is not None else steps[::-1]:
         try:
-            if ckpt.check_files(s) is None:
-                return s
+            problem = ckpt.check_files(s)
         except FileNotFoundError:  # no manifest (older writer): use it unverified
             return s
-    raise CheckpointError(f"{ckpt.directory}: every checkpoint step is damaged")
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            problem = f"unreadable manifest ({' '.join(str(e).split())[:200]})"
+        if problem is None:
+            return s
+        failed.append(f"step {s}: {problem}")
+        if step is None:
+            print(f"warning: checkpoint step {s} in {ckpt.directory} is damaged ({problem}); "
+                  "falling back to the previous one", flush=True)
+    raise CheckpointError(f"{ckpt.directory}: no checkpoint to export ({'; '.join(failed)})")
 
 
 def _saved_config(ckpt: Checkpointer, step: int):
