@@ -248,3 +248,107 @@ def test_verify_tolerances_sit_between_a_near_healthy_and_a_near_broken_model():
     d = near_bad.strategies["full_shard"].first_divergence
     assert d.step == 1 and d.loss is not None and d.grad_norm is not None
     assert 4e-6 < d.loss < 6e-6, d.loss
+
+
+# -- the other presets: adaptive-f32, sgd-bf16, adaptive-bf16 ---------------------------------------
+
+def _grad_scaled_by_shard_count(eps: float):
+    """(model, loss_fn): the same MLP whose loss value is exact but whose gradient is
+    multiplied by 1 + eps * (k - 1) (k batch shards): a grad-norm difference of 7 * eps
+    with none in the loss (as a backward-only reduction bug gives)."""
+    from test_verify import linen_setup, per_shard
+    model, loss_fn = linen_setup()
+
+    @jax.custom_vjp
+    def scale_grad(loss, s):
+        return loss
+
+    def fwd(loss, s):
+        return loss, s
+
+    def bwd(s, g):
+        return g * s, jnp.zeros_like(s)
+    scale_grad.defvjp(fwd, bwd)
+
+    def scaled(params, b):
+        k = per_shard(lambda xl: jax.lax.psum(jnp.ones((), jnp.float32), ("data", "fsdp")),
+                      out_specs=P())(b["x"])
+        return scale_grad(loss_fn(params, b).astype(jnp.float32), 1.0 + eps * (k - 1.0))
+    return model, scaled
+
+
+def _loss_scaled_in_f32(eps: float):
+    """_scaled_by_shard_count with the scaling done in float32 (a bf16 loss would round
+    1 + 5e-4 to 1)."""
+    from test_verify import linen_setup, per_shard
+    model, loss_fn = linen_setup()
+
+    def scaled(params, b):
+        k = per_shard(lambda xl: jax.lax.psum(jnp.ones((), jnp.float32), ("data", "fsdp")),
+                      out_specs=P())(b["x"])
+        return loss_fn(params, b).astype(jnp.float32) * (1.0 + eps * (k - 1.0))
+    return model, scaled
+
+
+BF16 = "params=float32,compute=bfloat16"
+# preset -> (optimizer, precision, {metric: (a difference that must pass, one that must fail)});
+# fixed numbers, 0.25x and 2.5x today's limits (not derived from the tolerance under test)
+PRESET_PINS = {
+    "adaptive-f32": (lambda: optax.adamw(3e-3), None, {"loss": (2.5e-6, 2.5e-5), "grad_norm": (2.5e-6, 2.5e-5)}),
+    "sgd-bf16": (lambda: optax.sgd(0.1, momentum=0.9), BF16, {"loss": (5e-4, 5e-3), "grad_norm": (5e-4, 5e-3)}),
+    "adaptive-bf16": (lambda: optax.adamw(3e-3), BF16, {"loss": (5e-4, 5e-3), "grad_norm": (5e-3, 5e-2)}),
+}
+
+
+@pytest.mark.parametrize("preset", PRESET_PINS)
+def test_verify_presets_sit_between_a_near_healthy_and_a_near_broken_model(preset):
+    """Each preset other than sgd-f32 (above), chosen by verify from the optimizer and the
+    compute dtype, for its loss and its grad-norm limit separately: a sharding-dependent
+    difference of 0.25x the limit passes, 2.5x fails at step 1 naming that metric (and
+    only it, for the grad-only bug). Mutation: a preset's loss or grad-norm limit loosened
+    10x or more -> its broken model passes; tightened 4x or more -> its healthy one fails."""
+    from test_verify import run
+    make_opt, precision, pins = PRESET_PINS[preset]
+    bugs = {"loss": _loss_scaled_in_f32, "grad_norm": _grad_scaled_by_shard_count}
+    for metric, (ok_size, bad_size) in pins.items():
+        for size, should_pass in ((ok_size, True), (bad_size, False)):
+            r = run(*bugs[metric](size / 7), strategies=("full_shard",), optimizer=make_opt(),
+                    precision=precision)
+            assert r.tolerance.name == preset, r.tolerance
+            s = r.strategies["full_shard"]
+            measured = s.max_loss_rel_diff if metric == "loss" else max(s.grad_norm_rel_diff)
+            # the bug's size, plus the healthy rounding noise (bf16: up to ~2e-4)
+            noise = 3e-4 if precision else 2e-7
+            assert 0.5 * size - noise < measured < 1.5 * size + noise, (metric, size, measured)
+            assert r.passed == should_pass, (metric, size, r.format())
+            if not should_pass:
+                d = s.first_divergence
+                assert d.step == 1, d
+                assert (d.loss if metric == "loss" else d.grad_norm) is not None, d
+                if metric == "grad_norm":
+                    assert d.loss is None, d
+
+
+def test_every_preset_limit_sits_5_to_100x_above_what_healthy_models_measure():
+    """benchmarks/verify_tolerances.json holds the largest difference each healthy model
+    (the reference Llama, the Linen and NNX MLPs; SGD and AdamW; f32 and bf16 compute;
+    every strategy, 5 steps) showed against one device, measured by verify itself:
+    regenerate it with `PYTHONPATH=$PWD JAX_PLATFORMS=cpu python
+    benchmarks/verify_tolerances.py --steps 5`. Every limit of every preset, param_rtol
+    included, must leave healthy models 5x room and be no more than 100x their noise.
+    Mutation: any limit loosened 1000x (or tightened 4x where the margin is under 20)."""
+    rows = json.loads((ROOT / "benchmarks" / "verify_tolerances.json").read_text())
+    from fsdp_jax.verify_report import TOLERANCES
+    kinds = {"sgd": "sgd", "adamw": "adaptive"}
+    seen = set()
+    for name, tol in TOLERANCES.items():
+        kind, width = name.split("-")
+        mine = [r for r in rows if kinds[r["optimizer"]] == kind and r["compute"] == width]
+        assert len(mine) == 3, (name, mine)  # the three models
+        for field, column in (("loss_rtol", "loss_rel"), ("grad_norm_rtol", "grad_norm_rel"),
+                              ("param_rtol", "param_rel")):
+            healthy = max(r[column] for r in mine)
+            limit = getattr(tol, field)
+            assert 5 * healthy <= limit <= 100 * healthy, (name, field, limit, healthy)
+            seen.add((name, field))
+    assert len(seen) == 12
