@@ -110,23 +110,18 @@ def maybe_initialize(coordinator: str | None = None, num_processes: int | None =
             _wait_for_coordinator(coordinator, timeout_s)
         _initialize(jax, coordinator_address=coordinator, num_processes=num_processes,
                     process_id=process_id, initialization_timeout=timeout_s,
-                    coordinator_bind_address=bind_address(coordinator, environ), **_heartbeat(peer_timeout_s))
+                    coordinator_bind_address=bind_address(coordinator, environ), peer_timeout_s=peer_timeout_s)
         _watch_peers(peer_timeout_s, peer_note)
         return "explicit"
     cluster = detected_cluster(environ)
     if cluster:
-        _initialize(jax, initialization_timeout=timeout_s, **_heartbeat(peer_timeout_s))
+        _initialize(jax, initialization_timeout=timeout_s, peer_timeout_s=peer_timeout_s)
         _watch_peers(peer_timeout_s, peer_note)
         return cluster
     return "single"
 
 
 _WATCH = None
-
-
-def _heartbeat(peer_timeout_s: float | None) -> dict:
-    from fsdp_jax.peer_watch import jax_heartbeat_for
-    return {"heartbeat_timeout_seconds": jax_heartbeat_for(peer_timeout_s)} if peer_timeout_s else {}
 
 
 def _watch_peers(peer_timeout_s: float | None, note: str) -> None:
@@ -142,9 +137,19 @@ def _watch_peers(peer_timeout_s: float | None, note: str) -> None:
     _WATCH = PeerWatch(state.client, state.process_id, state.num_processes, peer_timeout_s, note).start()
 
 
+def await_peer_verdict() -> None:
+    """Before reporting an error from a step of a multi-process run: give the peer watch
+    (if any) its time to find a dead peer, which it then names in its own line (exit 1).
+    Returns at once without a watch, or when every peer still answers."""
+    if _WATCH is not None:
+        _WATCH.await_verdict()
+
+
 def finished() -> None:
     """This process ends normally: stop its peer watch (the others stop waiting for it)."""
     global _WATCH
+    from fsdp_jax import coord_service
+    coord_service.finished()
     if _WATCH is not None:
         _WATCH.finish()
         _WATCH = None
@@ -170,16 +175,27 @@ def _wait_for_coordinator(coordinator: str, timeout_s: float) -> None:
         time.sleep(0.5)
 
 
-def _initialize(jax, **kwargs) -> None:
+def _initialize(jax, peer_timeout_s: float | None = None, **kwargs) -> None:
+    """jax.distributed.initialize(**kwargs); with a peer watch, JAX's heartbeat timeout
+    is raised past it and process 0's coordination service runs in a child process (so
+    that process 0's death does not abort the others: fsdp_jax.coord_service)."""
+    import contextlib
     import inspect
+
+    from fsdp_jax import coord_service, peer_watch
     bind = kwargs.get("coordinator_bind_address")
     if "coordinator_bind_address" in kwargs and (
             "coordinator_bind_address" not in inspect.signature(jax.distributed.initialize).parameters):
         del kwargs["coordinator_bind_address"]  # a JAX without the argument reads the variable
         if bind:
             os.environ["JAX_COORDINATOR_BIND_ADDRESS"] = bind
+    outside = contextlib.nullcontext()
+    if peer_timeout_s:
+        kwargs["heartbeat_timeout_seconds"] = peer_watch.jax_heartbeat_for(peer_timeout_s)
+        outside = coord_service.service_outside(linger_s=2 * peer_timeout_s + 10)
     try:
-        jax.distributed.initialize(**kwargs)
+        with outside:
+            jax.distributed.initialize(**kwargs)
     except (RuntimeError, ValueError, OSError) as e:  # XlaRuntimeError is a RuntimeError
         msg = " ".join(str(e).split())
         raise DistributedInitError(

@@ -20,8 +20,10 @@ service's key-value store (one key per process, a counter) and exits first:
 The thread keeps running while the main thread is blocked in a collective (the
 key-value calls and XLA's compiles release the GIL), so it exits with `os._exit(1)`.
 A process that ends normally calls `finish()`: its beat becomes "done" and nobody
-waits for it. Not covered: process 0 itself dying kills the coordination service, and
-JAX's client aborts the survivors at once (before any Python thread can act).
+waits for it. Process 0 itself dying would take the coordination service down with it
+(JAX's clients abort at once when the service is gone): fsdp_jax.distributed runs the
+service in a child of process 0 while a watch is on (fsdp_jax.coord_service), so the
+others read process 0's silence like any other.
 """
 
 from __future__ import annotations
@@ -135,6 +137,23 @@ class PeerWatch:
         self._thread = threading.Thread(target=self._run, name="fsdp_jax-peer-watch", daemon=True)
         self._thread.start()
         return self
+
+    def await_verdict(self) -> None:
+        """For an error that a dead peer may have caused (a collective failing with
+        "connection reset by peer", a save whose barrier failed): block until every other
+        process has beaten again (they are alive: return, the error is the news) or the
+        watch finds one gone, names it in its line and stops this process (no return).
+        At most the timeout, a few beats and process 0's wait for the others."""
+        if self._thread is None or self._stop.is_set():
+            return
+        others = [p for p in range(self.n) if p != self.me]
+        before = self._all_beats()
+        deadline = self.clock() + self.timeout_s + 6 * self.interval + 3.0
+        while self._thread.is_alive() and self.clock() < deadline:
+            self._thread.join(self.interval)
+            now = self._all_beats()
+            if all(now.get(p) == DONE or now.get(p) not in (None, before.get(p)) for p in others):
+                return
 
     def finish(self) -> None:
         """This process ended normally: nobody waits for its beats any more."""

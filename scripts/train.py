@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from fsdp_jax.app.cli import BAD_INPUT, ENVIRONMENT, fail, fail_env, fail_internal, use_cpu_devices
     from fsdp_jax.app.config import ConfigError, load_config
-    from fsdp_jax.distributed import finished, maybe_initialize
+    from fsdp_jax.distributed import await_peer_verdict, finished, maybe_initialize
     from fsdp_jax.xla_flags import apply_gpu_fsdp_flags
     from fsdp_jax.app.loop import TrainingDiverged, train
 
@@ -69,8 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     except BAD_INPUT as e:
         return fail(e)
     except (TrainingDiverged, *ENVIRONMENT) as e:
+        await_peer_verdict()  # a multi-process run: a dead peer is named by the watch instead
         return fail_env(e)
-    except Exception as e:  # out of device memory, or a bug: still one line (exit 1)
+    except Exception as e:  # out of device memory, a dead peer, or a bug: still one line (exit 1)
+        await_peer_verdict()  # e.g. a collective reset by a dead peer: the watch names the peer
         return fail_internal(e)
     return 0
 

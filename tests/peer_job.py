@@ -17,7 +17,7 @@ def main() -> int:
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from fsdp_jax.distributed import finished, maybe_initialize
+    from fsdp_jax.distributed import await_peer_verdict, finished, maybe_initialize
     jax.config.update("jax_num_cpu_devices", 2)
     maybe_initialize(timeout_s=60, peer_timeout_s=float(os.environ["PEER_JOB_TIMEOUT_S"]),
                      peer_note="test note")
@@ -29,7 +29,13 @@ def main() -> int:
     step = 0
     while True:
         x = jax.make_array_from_callback((n,), sharding, lambda idx: np.arange(n, dtype=np.float32)[idx])
-        assert float(total(x)) == n * (n - 1) / 2
+        try:  # gloo may raise "connection reset by peer" rather than wait: as scripts/train.py
+            got = float(total(x))
+        except Exception as e:
+            await_peer_verdict()
+            print(f"error: {' '.join(str(e).split())[:300]}", file=sys.stderr, flush=True)
+            return 1
+        assert got == n * (n - 1) / 2
         step += 1
         print(f"step {step}", flush=True)
         if step == steps:

@@ -181,15 +181,18 @@ def test_a_peer_killed_mid_run_stops_the_job_with_one_line_and_the_run_resumes_e
 # -- a peer that dies under a launcher that does not stop the others (SLURM, mpirun) ------------------
 
 @pytest.mark.slow
+@pytest.mark.parametrize("victim", [1, 0])
 def test_a_peer_killed_without_a_launcher_to_stop_the_job_the_survivor_stops_itself(
-        corpus, tmp_path, two_process_reference):
+        victim, corpus, tmp_path, two_process_reference):
     """The two processes started as SLURM or mpirun would (each on its own, nobody watching
-    them), process 1 killed (-9) in a step after step 4 is committed. The survivor's peer
-    watch (distributed.peer_timeout_s=5) stops it in one line naming process 1 and saying
-    the newest checkpoint is intact, exit 1, long before JAX's heartbeat abort (exit 134
-    after 100 s); the same job resumes from that checkpoint, bit-identical to a run that
-    never lost a peer. Mutation: distributed.peer_timeout_s=0 (no watch) -> SIGABRT after
-    100 s (exit 134 in a shell), JAX's multi-line log."""
+    them), one killed (-9) in a step after step 4 is committed: process 1, or process 0
+    (whose coordination service runs in a child of its own, fsdp_jax.coord_service). The
+    survivor's peer watch (distributed.peer_timeout_s=5) stops it in one line naming the
+    dead process and saying the newest checkpoint is intact, exit 1, long before JAX's
+    heartbeat abort; the same job resumes from that checkpoint, bit-identical to a run
+    that never lost a peer. Mutations: distributed.peer_timeout_s=0 (no watch) -> SIGABRT
+    after 100 s (exit 134 in a shell) with JAX's multi-line log when process 1 dies, at
+    once when process 0 dies; the service inside process 0 -> the same at once."""
     from test_peer_watch import _free_port
     run_dir = tmp_path / "run"
     ckpts = run_dir / "checkpoints"
@@ -203,19 +206,21 @@ def test_a_peer_killed_without_a_launcher_to_stop_the_job_the_survivor_stops_its
                          FSDP_JAX_NUM_PROCESSES="2", FSDP_JAX_PROCESS_ID=str(i), FSDP_JAX_CPU_DEVICES="4")
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                                       env=env))
+    survivor = procs[1 - victim]
     try:
         deadline = time.monotonic() + 400
-        while not _committed(ckpts, 4) and procs[0].poll() is None and time.monotonic() < deadline:
+        while not _committed(ckpts, 4) and survivor.poll() is None and time.monotonic() < deadline:
             time.sleep(0.01)
         assert procs[0].poll() is None and procs[1].poll() is None, "the job ended before the kill"
-        procs[1].kill()
+        procs[victim].kill()
         killed_at = time.monotonic()
-        out, err = procs[0].communicate(timeout=90)
+        out, err = survivor.communicate(timeout=90)
         stopped_in = time.monotonic() - killed_at
     finally:
         for p in procs:
             p.kill()
-    line = one_line(procs[0].returncode, err, "process 1 of 2 stopped responding", "stopping process 0",
+    who = "the coordinator, process 0 of 2" if victim == 0 else "process 1 of 2"
+    line = one_line(survivor.returncode, err, f"{who} stopped responding", f"stopping process {1 - victim}",
                     "checkpoint is intact", code=1)
     assert stopped_in < 5 + 15, (stopped_in, line)  # the timeout, a few beats, and a loaded machine
     committed = ck.Checkpointer(ckpts, read_only=True).steps()

@@ -179,25 +179,28 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_survivors_of_a_killed_peer_stop_in_bounded_time_with_one_line():
-    """3 processes in a loop of cross-process sums; process 2 kills itself (SIGKILL) after
-    step 5, leaving processes 0 and 1 blocked in the next sum. Each stops on its own (no
-    launcher stops it) within the peer timeout plus a few beats, one line naming process
-    2, exit 1; JAX's heartbeat abort (exit 134) never comes. Mutation: no watch -> both
-    wait for JAX's 100 s heartbeat and abort with exit 134."""
+@pytest.mark.parametrize("victim, who", [(2, "process 2 of 3"), (0, "the coordinator, process 0 of 3")])
+def test_survivors_of_a_killed_peer_stop_in_bounded_time_with_one_line(victim, who):
+    """3 processes in a loop of cross-process sums; one kills itself (SIGKILL) after step
+    5, leaving the other two blocked in the next sum. Each stops on its own (no launcher
+    stops it) within the peer timeout plus a few beats, one line naming the dead process,
+    exit 1; JAX's abort never comes. Mutations: no watch -> JAX's heartbeat abort after
+    100 s (process 2) or at once (process 0); the service inside process 0 (no
+    coord_service child) -> process 0's death aborts the others at once (exit 134)."""
     timeout_s = 4.0
-    procs = _start_job(3, victim=2, steps=5, timeout_s=timeout_s, port=_free_port())
+    procs = _start_job(3, victim=victim, steps=5, timeout_s=timeout_s, port=_free_port())
+    survivors = [i for i in range(3) if i != victim]
     try:
-        procs[2].wait(timeout=240)
+        procs[victim].wait(timeout=240)
         killed_at = time.monotonic()
-        results = [p.communicate(timeout=60) for p in procs[:2]]
+        results = {i: procs[i].communicate(timeout=60) for i in survivors}
         stopped_in = time.monotonic() - killed_at
     finally:
         for p in procs:
             p.kill()
-    assert procs[2].returncode == -signal.SIGKILL
-    for i, (out, err) in enumerate(results):
-        line = one_line(procs[i].returncode, err, "process 2 of 3 stopped responding", f"stopping process {i}",
+    assert procs[victim].returncode == -signal.SIGKILL
+    for i, (out, err) in results.items():
+        line = one_line(procs[i].returncode, err, f"{who} stopped responding", f"stopping process {i}",
                         "test note", code=1)
         assert "step 5" in out, out[-500:]
     assert stopped_in < timeout_s + 3 * pw.interval_for(timeout_s) + 4, (stopped_in, line)
@@ -217,3 +220,19 @@ def test_a_job_that_ends_normally_is_not_stopped():
             p.kill()
     for p, (out, err) in zip(procs, results):
         assert p.returncode == 0 and "step 30" in out and "error" not in err, err[-2000:]
+
+
+def test_awaiting_the_verdict_returns_once_every_peer_beats_again_and_never_when_one_is_gone():
+    """After an error in a step: peers that still beat -> return within a few beats (the
+    error is reported); a silent peer -> the watch stops the process naming it."""
+    store, stop = Store(), threading.Event()
+    _beating(store, 1, stop)
+    _beating(store, 2, stop)
+    w, exits, out, done = _watch(store, 0, 3)
+    w.start()
+    t0 = time.monotonic()
+    w.await_verdict()
+    assert time.monotonic() - t0 < 4 * w.interval + 0.5 and exits == []
+    stop.set()  # now both go silent
+    w.await_verdict()
+    assert done.wait(5) and exits == [1] and "stopped responding" in out.getvalue()
