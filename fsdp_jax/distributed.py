@@ -129,7 +129,6 @@ def _watch_peers(peer_timeout_s: float | None, note: str) -> None:
     if not peer_timeout_s:
         return
     from jax._src import distributed as jax_distributed  # the client: no public accessor
-
     from fsdp_jax.peer_watch import PeerWatch
     state = jax_distributed.global_state
     if state.client is None or state.num_processes < 2:

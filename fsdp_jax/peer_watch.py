@@ -28,11 +28,12 @@ others read process 0's silence like any other.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 PREFIX = "fsdp_jax/peer_watch/"
 DONE = "done"
@@ -113,10 +114,8 @@ class PeerWatch:
 
     def _beat(self) -> None:
         self._count += 1
-        try:
+        with contextlib.suppress(Exception):  # the watch never raises
             self.client.key_value_set(beat_key(self.me), str(self._count), allow_overwrite=True)
-        except Exception:
-            pass
 
     def _all_beats(self) -> dict[int, str]:
         try:
@@ -132,7 +131,7 @@ class PeerWatch:
 
     # -- the thread -------------------------------------------------------------------------------
 
-    def start(self) -> "PeerWatch":
+    def start(self) -> PeerWatch:
         self._beat()
         self._thread = threading.Thread(target=self._run, name="fsdp_jax-peer-watch", daemon=True)
         self._thread.start()
@@ -160,10 +159,8 @@ class PeerWatch:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
-        try:
+        with contextlib.suppress(Exception):  # the watch never raises
             self.client.key_value_set(beat_key(self.me), DONE, allow_overwrite=True)
-        except Exception:
-            pass
 
     def _run(self) -> None:
         others = [p for p in range(self.n) if p != self.me]
@@ -187,10 +184,8 @@ class PeerWatch:
         (its own exit takes the coordination service down with it), then stop."""
         if self._stop.is_set():
             return
-        try:
+        with contextlib.suppress(Exception):  # the watch never raises
             self.client.key_value_set(DEAD_KEY, f"{process} {silent_s:.3f}", allow_overwrite=True)
-        except Exception:
-            pass
         waiting = {p for p in range(1, self.n) if p != process and p not in silence.done}
         deadline = self.clock() + 3 * self.interval + 2.0
         while waiting and self.clock() < deadline:
@@ -201,10 +196,8 @@ class PeerWatch:
     def _stop_here(self, published: str) -> None:
         if self._stop.is_set():
             return
-        try:
+        with contextlib.suppress(Exception):  # the watch never raises
             self.client.key_value_set(f"{PREFIX}ack/{self.me}", "1", allow_overwrite=True)
-        except Exception:
-            pass
         head, _, tail = published.partition(" ")
         try:
             process, silent_s = int(head), float(tail)
@@ -215,10 +208,8 @@ class PeerWatch:
     def _say_and_exit(self, process: int, silent_s: float) -> None:
         stream = self.stream or sys.stderr
         for s in (sys.stdout, stream):
-            try:
+            with contextlib.suppress(Exception):  # the watch never raises
                 s.flush()
-            except Exception:
-                pass
         try:
             stream.write(f"error: {describe(process, self.n, silent_s, self.me, self.note)}\n")
             stream.flush()

@@ -15,7 +15,8 @@ import numpy as np
 def main() -> int:
     import jax
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from fsdp_jax.distributed import await_peer_verdict, finished, maybe_initialize
     jax.config.update("jax_num_cpu_devices", 2)

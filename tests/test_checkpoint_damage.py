@@ -13,9 +13,9 @@ import shutil
 from pathlib import Path
 
 import pytest
+from helpers import TINY_RUN_OVERRIDES, call, one_line, script
 
 from fsdp_jax import checkpoint as ck
-from helpers import TINY_RUN_OVERRIDES, call, one_line, script
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_YAML = ROOT / "configs" / "tiny.yaml"
@@ -122,7 +122,7 @@ def test_export_refuses_a_damaged_step_asked_for_and_skips_a_damaged_newest(dama
 @pytest.mark.parametrize("dest", EXPORTS)
 def test_export_of_a_run_whose_every_step_is_damaged_is_one_line(damage, dest, trained, tmp_path, capsys):
     run, files = _damaged_copy(trained, tmp_path, damage, [2, 4])
-    rc, out, err = call("export", run, *EXPORTS[dest](tmp_path), capsys=capsys)
+    rc, _, err = call("export", run, *EXPORTS[dest](tmp_path), capsys=capsys)
     line = one_line(rc, err, "step 4", "step 2", files[0], DAMAGE[damage][1])
     assert [p.name for p in tmp_path.iterdir()] == ["run"], line
 
@@ -132,13 +132,13 @@ def test_export_of_a_run_whose_every_step_is_damaged_is_one_line(damage, dest, t
 def test_training_from_checkpoints_whose_every_step_is_damaged_is_one_line(damage, how, trained, corpus, tmp_path,
                                                                            capsys):
     """Resuming the run (or init_from=its checkpoints into a new run): one line naming
-    both steps and the file, exit 2; the checkpoints are neither moved nor changed and
-    a new run directory is not created."""
+    both steps and the file, exit 2; the checkpoints are neither moved nor changed, and
+    the new run gets no checkpoint."""
     run, files = _damaged_copy(trained, tmp_path, damage, [2, 4])
     before = _listing(run)
     target = run if how == "resume" else tmp_path / "new"
     extra = [f"init_from={run / 'checkpoints'}"] if how == "init_from" else []
-    rc, out, err = call("train", "--config", TINY_YAML, "--no-progress", *TINY_RUN_OVERRIDES, f"data.path={corpus}",
+    rc, _, err = call("train", "--config", TINY_YAML, "--no-progress", *TINY_RUN_OVERRIDES, f"data.path={corpus}",
                         f"run_dir={target}", "train.steps=6", "train.checkpoint_every=2", *extra, capsys=capsys)
     line = one_line(rc, err, "step 4", "step 2", files[0], DAMAGE[damage][1])
     assert _listing(run) == before, line

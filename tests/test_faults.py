@@ -214,7 +214,7 @@ def test_a_peer_killed_without_a_launcher_to_stop_the_job_the_survivor_stops_its
         assert procs[0].poll() is None and procs[1].poll() is None, "the job ended before the kill"
         procs[victim].kill()
         killed_at = time.monotonic()
-        out, err = survivor.communicate(timeout=90)
+        _, err = survivor.communicate(timeout=90)
         stopped_in = time.monotonic() - killed_at
     finally:
         for p in procs:
