@@ -6,7 +6,9 @@ step the planner measures and the benchmarks time.
 
 `build_step` is `fsdp_jax.build.build` with the trainer's model, loss, optimizer and
 step options (as `fsdp_jax.app.loop.setup`), from `ShapeDtypeStruct`s carrying
-shardings: nothing is allocated. `mesh_shape` resolves the config's mesh exactly as
+shardings: nothing is allocated. Its batch is the trainer's: int32 tokens (B, S + 1),
+or for a packed corpus or data.document_mask the dict of (B, S) arrays with segment
+ids, positions and weights (`abstract_batch`). `mesh_shape` resolves the config's mesh exactly as
 the trainer does; `target_mesh_sizes` lays hybrid_shard over a multi-host GPU target.
 The formulas that estimate its memory are `fsdp_jax.app.memory_model`; compiling and
 reporting it for many strategies is `fsdp_jax.app.planner`.
