@@ -36,6 +36,7 @@ import numpy as np
 
 from fsdp_jax.app import data as data_lib
 from fsdp_jax.app.data import DataError, _commit, _rows, token_dtype
+from fsdp_jax.app.encode_pool import EncoderSpec, encode_batches
 from fsdp_jax.app.examples import (ExampleEncoder, ExampleError, find_chat_template, read_records,
                                    special_tokens)
 from fsdp_jax.app.packing import PackStats, batch_from_rows, cut, pack
@@ -131,11 +132,13 @@ def prepare_examples(sources: Sequence[str | os.PathLike], out_dir: str | os.Pat
                      pattern: str = "*", exclude: Sequence[str] = (), eos: str | None = None,
                      chat_template: str | None = None, train_on: str = "targets",
                      overflow: str = "truncate", threads: int | None = None,
-                     progress: bool = False) -> dict:
+                     progress: bool = False, workers: int = 1) -> dict:
     """Encode chat / instruction / plain examples (`fsdp_jax.app.examples`) from `sources`
     and pack them into rows of `row_len` tokens in `out_dir` (module docstring); returns
     meta. `tokenizer`: "bytes" or a tokenizer path (`fsdp_jax.app.tokenizer`); its chat
-    template comes from beside it unless `chat_template` (a file) is given. Raises
+    template comes from beside it unless `chat_template` (a file) is given. `workers` > 1
+    renders and tokenizes in that many processes (`fsdp_jax.app.encode_pool`), the output
+    identical to one worker's; `threads`: the tokenizer's threads (per worker). Raises
     DataError (one line naming file and line) on bad input, before anything is in place."""
     from fsdp_jax.app.tokenizer import TokenizerError, load_tokenizer
 
@@ -145,6 +148,8 @@ def prepare_examples(sources: Sequence[str | os.PathLike], out_dir: str | os.Pat
         raise DataError(f"row length {row_len!r}: must be in 2..65535")
     if threads is not None and threads < 1:
         raise DataError(f"threads {threads}: must be >= 1")
+    if not isinstance(workers, int) or workers < 1:
+        raise DataError(f"workers {workers!r}: must be an integer >= 1")
     if overflow not in ("truncate", "split"):
         raise DataError(f"overflow {overflow!r}: allowed truncate, split")
     out = data_lib._check_out(out_dir)
@@ -155,7 +160,9 @@ def prepare_examples(sources: Sequence[str | os.PathLike], out_dir: str | os.Pat
         tok = None if tokenizer == "bytes" else load_tokenizer(tokenizer, eos)
         template = (Path(chat_template).read_text() if chat_template
                     else None if tok is None else find_chat_template(tokenizer))
-        enc = ExampleEncoder(tok, template, {} if tok is None else special_tokens(tokenizer), train_on)
+        spec = EncoderSpec(tokenizer, eos, template, {} if tok is None else special_tokens(tokenizer),
+                           train_on, threads)
+        enc = ExampleEncoder(tok, template, spec.specials, train_on)  # checks them, here and now
     except (TokenizerError, ExampleError) as e:
         raise DataError(str(e)) from None
     except OSError as e:
@@ -173,16 +180,22 @@ def prepare_examples(sources: Sequence[str | os.PathLike], out_dir: str | os.Pat
     bar = tqdm(total=sum(f.stat().st_size for f in files), unit="B", unit_scale=True,
                desc="prepare", disable=not progress, dynamic_ncols=True)
     try:
-        batch: list[tuple[dict, str]] = []
-        size = 0
+        def batches():  # (record, "file:line") lists of about BATCH_BYTES of text, in order
+            batch, size = [], 0
+            for f in files:
+                for n, rec in read_records(f):
+                    batch.append((rec, f"{f}:{n}"))
+                    size += _text_size(rec)
+                    if size >= BATCH_BYTES:
+                        yield batch
+                        batch, size = [], 0
+                bar.update(f.stat().st_size)
+            if batch:
+                yield batch
 
-        def flush():
-            nonlocal index, first_empty
-            if not batch:
-                return
-            examples = enc.encode_batch(batch, threads)
+        for items, examples in encode_batches(spec, batches(), workers, encoder=enc):
             val = _held_out(seed, np.arange(index, index + len(examples)), val_fraction)
-            for (rec, where), ex, v in zip(batch, examples, val):
+            for (rec, where), ex, v in zip(items, examples, val):
                 kinds[ex.kind] = kinds.get(ex.kind, 0) + 1
                 w = writers["val" if v else "train"]
                 before = w.stats.empty
@@ -190,17 +203,6 @@ def prepare_examples(sources: Sequence[str | os.PathLike], out_dir: str | os.Pat
                 if w.stats.empty > before and first_empty is None:
                     first_empty = where
             index += len(examples)
-            batch.clear()
-
-        for f in files:
-            for n, rec in read_records(f):
-                batch.append((rec, f"{f}:{n}"))
-                size += _text_size(rec)
-                if size >= BATCH_BYTES:
-                    flush()
-                    size = 0
-            bar.update(f.stat().st_size)
-        flush()
         bar.close()
         for w in writers.values():
             w.close()

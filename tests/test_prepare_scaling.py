@@ -1,0 +1,116 @@
+"""prepare_data at scale: examples rendered and tokenized by several worker processes give
+the one-worker corpus byte for byte (and the same first error), and bad values of the
+scaling flags are one line, exit 2."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fsdp_jax.app import sft_data
+from fsdp_jax.app.data import DataError
+from fsdp_jax.app.sft_data import prepare_examples
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA2 = str(ROOT / "tests" / "golden" / "chat" / "llama2")
+
+
+def mixed(path: Path, n: int, seed: int = 0) -> Path:
+    """Chats (one to three turns, some with a system message), instructions and plain texts."""
+    rng = np.random.default_rng(seed)
+    words = "the a cat dog sat ran on mat far home red blue é 猫 \n".split(" ")
+
+    def say(k):
+        return " ".join(rng.choice(words, int(rng.integers(1, k))))
+    with open(path, "w") as f:
+        for i in range(n):
+            kind = i % 4
+            if kind < 2:
+                msgs = [{"role": "system", "content": say(6)}] if i % 8 == 0 else []
+                for _ in range(int(rng.integers(1, 4))):
+                    msgs += [{"role": "user", "content": say(10)}, {"role": "assistant", "content": say(20)}]
+                rec = {"messages": msgs}
+            elif kind == 2:
+                rec = {"prompt": say(10), "completion": say(15)}
+            else:
+                rec = {"text": say(30)}
+            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    return path
+
+
+def corpus_files(d: Path) -> dict:
+    return {f.name: f.read_bytes() for f in sorted(d.iterdir())}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tokenizer", [LLAMA2, "bytes"])
+def test_workers_give_the_one_worker_corpus_byte_for_byte(tmp_path, monkeypatch, tokenizer):
+    srcs = [mixed(tmp_path / "a.jsonl", 500, 0), mixed(tmp_path / "b.jsonl", 300, 1)]
+    (tmp_path / "c.txt").write_text("a plain text file, one example " * 20)
+    srcs.append(tmp_path / "c.txt")
+    monkeypatch.setattr(sft_data, "BATCH_BYTES", 3000)  # many batches: several in flight per worker
+    tpl = tmp_path / "t.jinja"  # the byte tokenizer has no template of its own
+    tpl.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}</s>{% endfor %}"
+                   "{% if add_generation_prompt %}<assistant>{% endif %}")
+    kw = dict(row_len=128, tokenizer=tokenizer, val_fraction=0.1, overflow="split",
+              chat_template=None if tokenizer != "bytes" else str(tpl))
+    one = prepare_examples(srcs, tmp_path / "w1", **kw)
+    two = prepare_examples(srcs, tmp_path / "w2", workers=2, **kw)
+    three = prepare_examples(srcs, tmp_path / "w3", workers=3, **kw)
+    assert one == two == three and one["examples"] == 801 and set(one["kinds"]) >= {"instruction", "plain"}
+    assert corpus_files(tmp_path / "w1") == corpus_files(tmp_path / "w2") == corpus_files(tmp_path / "w3")
+
+
+@pytest.mark.slow
+def test_workers_raise_the_error_one_worker_raises_first(tmp_path, monkeypatch):
+    """A template error in an early batch beats bad JSON read later (and vice versa)."""
+    monkeypatch.setattr(sft_data, "BATCH_BYTES", 500)
+    tpl = tmp_path / "t.jinja"
+    tpl.write_text("{{ raise_exception('no system') if messages[0].role == 'system' }}"
+                   "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
+    good = json.dumps({"messages": [{"role": "user", "content": "hi " * 10},
+                                    {"role": "assistant", "content": "hello " * 10}]})
+    system = json.dumps({"messages": [{"role": "system", "content": "s"},
+                                      {"role": "assistant", "content": "a"}]})
+    cases = {"render_first": [good] * 5 + [system] + [good] * 30 + ["{bad json"],
+             "json_first": [good] * 5 + ["{bad json"] + [good] * 30 + [system],
+             "role": [good] * 20 + [json.dumps({"messages": [{"role": "bot", "content": "x"}]})] + [good] * 20}
+    for name, lines in cases.items():
+        src = tmp_path / f"{name}.jsonl"
+        src.write_text("\n".join(lines) + "\n")
+        errs = []
+        for workers in (1, 2):
+            out = tmp_path / f"o_{name}_{workers}"
+            with pytest.raises(DataError) as e:
+                prepare_examples([src], out, row_len=64, tokenizer=LLAMA2, chat_template=str(tpl),
+                                 workers=workers)
+            errs.append(str(e.value))
+            assert not out.exists()
+        assert errs[0] == errs[1], (name, errs)
+        assert f"{name}.jsonl:" in errs[0]
+
+
+def test_scaling_flags_bad_values_exit_2_with_one_line(tmp_path, capsys):
+    from test_packing import prep_script
+    prep = prep_script()
+    src = tmp_path / "x.jsonl"
+    src.write_text(json.dumps({"prompt": "p", "completion": "c"}) + "\n")
+    table = [
+        (["--pack", "64", "--workers", "0"], "--workers: 0 is invalid"),
+        (["--pack", "64", "--workers", "-2"], "--workers: -2 is invalid"),
+        (["--pack", "64", "--workers", "two"], "--workers: 'two' is not an integer"),
+        (["--pack", "64", "--workers", "1.5"], "--workers: '1.5' is not an integer"),
+        (["--workers", "2"], "need --pack"),
+        (["--pack", "64", "--threads", "0"], "--threads: 0 is invalid"),
+    ]
+    for argv, want in table:
+        with pytest.raises(SystemExit) as e:
+            prep.main(["--out", str(tmp_path / "o"), str(src), "--no-progress", *argv])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, (argv, err)
+        assert want in err, (argv, err)
+        assert not (tmp_path / "o").exists()
+    for bad in (0, -1, 1.5, "2"):
+        with pytest.raises(DataError, match="workers .* must be an integer >= 1"):
+            prepare_examples([src], tmp_path / "o", row_len=64, workers=bad)
