@@ -114,3 +114,103 @@ def test_scaling_flags_bad_values_exit_2_with_one_line(tmp_path, capsys):
     for bad in (0, -1, 1.5, "2"):
         with pytest.raises(DataError, match="workers .* must be an integer >= 1"):
             prepare_examples([src], tmp_path / "o", row_len=64, workers=bad)
+
+
+# ----------------------------------------------------------------------------- long text files
+
+def long_text(path: Path, n_bytes: int, seed: int = 0) -> Path:
+    """Text with words, runs of spaces and newlines, multi-byte characters and bytes that are
+    not UTF-8 (a lone 0xff, a truncated 3-byte character), about n_bytes long."""
+    rng = np.random.default_rng(seed)
+    words = [w.encode() for w in "the a cat dog sat ran on mat far home 猫 é 🙂 1234567 x\ty".split()]
+    words += [b"  ", b"\n", b"\n\n", b"   \n", b"\xff", b"\xe7\x8c", b"</s>"]
+    parts, size = [], 0
+    while size < n_bytes:
+        w = words[int(rng.integers(len(words)))] + (b" " if rng.random() < 0.8 else b"")
+        parts.append(w)
+        size += len(w)
+    path.write_bytes(b"".join(parts))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory):
+    from test_tokenizer import train_bpe, train_sentencepiece
+    d = tmp_path_factory.mktemp("toks")
+    return {"bytes": "bytes", "llama2": LLAMA2, "bytelevel_bpe": str(train_bpe(d / "bpe", 400)),
+            "sentencepiece": str(train_sentencepiece(d / "sp"))}
+
+
+def small_windows(monkeypatch, long_bytes=20_000, window=3000, overlap=256):
+    from fsdp_jax.app import tokenizer
+    monkeypatch.setattr(tokenizer, "LONG_BYTES", long_bytes)
+    monkeypatch.setattr(tokenizer, "WINDOW_CHARS", window)
+    monkeypatch.setattr(tokenizer, "OVERLAP_CHARS", overlap)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["bytes", "llama2", "bytelevel_bpe", "sentencepiece"])
+def test_a_long_text_file_streams_to_the_same_corpus(tmp_path, monkeypatch, tokenizers, name):
+    """A text file over LONG_BYTES is read and encoded in windows (here 3,000 characters:
+    ~70 of them); the corpus is byte for byte the one made from the whole file."""
+    from fsdp_jax.app import data
+    tok = tokenizers[name]
+    big = long_text(tmp_path / "big.txt", 200_000)
+    small = long_text(tmp_path / "small.txt", 3_000, seed=1)
+    jsonl = mixed(tmp_path / "m.jsonl", 60)
+    tpl = tmp_path / "t.jinja"
+    tpl.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+                   "{% if add_generation_prompt %}<assistant>{% endif %}")
+    runs = {"text2": dict(fn=data.prepare_text, srcs=[big, small], kw={}),
+            "text1": dict(fn=data.prepare_text, srcs=[big], kw={}),
+            "split": dict(fn=prepare_examples, srcs=[jsonl, big, small],
+                          kw=dict(row_len=256, overflow="split", chat_template=str(tpl))),
+            "truncate": dict(fn=prepare_examples, srcs=[jsonl, big, small],
+                             kw=dict(row_len=256, chat_template=str(tpl)))}
+    for what, r in runs.items():
+        whole = r["fn"](r["srcs"], tmp_path / f"whole_{what}", val_fraction=0.3, tokenizer=tok, **r["kw"])
+        with monkeypatch.context() as m:
+            small_windows(m)
+            streamed = r["fn"](r["srcs"], tmp_path / f"stream_{what}", val_fraction=0.3, tokenizer=tok,
+                               **r["kw"])
+        assert streamed == whole, what
+        assert corpus_files(tmp_path / f"stream_{what}") == corpus_files(tmp_path / f"whole_{what}"), what
+    if name != "bytes":  # and the stream is the whole file's encode + [eos], checked directly
+        from fsdp_jax.app.tokenizer import encode_long, load_tokenizer, text_chunks
+        t = load_tokenizer(tok)
+        chunks = list(text_chunks(big, 1000))  # chunk edges split multi-byte characters
+        assert "".join(chunks) == big.read_bytes().decode("utf-8", errors="replace")
+        got = np.concatenate(list(encode_long(t, chunks, window=3000, overlap=256)))
+        assert got.tolist() == t.encode("".join(chunks))
+
+
+@pytest.mark.slow
+def test_a_long_text_file_is_prepared_in_bounded_memory(tmp_path, monkeypatch):
+    """Python's peak allocation while preparing a long text file (--pack and a token
+    stream), streamed in 16k-character windows and packed 32k tokens at a time, is the
+    same for a 1 MB and a 3 MB file (about 2.8 MB); read whole, the 1 MB file takes 92 MB. (BENCHMARKS.md "Streaming prepare" measures RSS.)"""
+    import tracemalloc
+    from fsdp_jax.app import data
+    small = tmp_path / "small.jsonl"
+    small.write_text("".join(json.dumps({"text": f"example {i} " * 5}) + "\n" for i in range(40)))
+    peaks = {}
+    for mb, streamed in ((0.1, True), (1, True), (3, True), (1, False)):  # 0.1: warm-up (imports)
+        big = long_text(tmp_path / f"big{mb}.txt", int(mb * 1_000_000))
+        with monkeypatch.context() as m:
+            m.setattr(sft_data, "PACK_TOKENS", 1 << 13)
+            if streamed:
+                small_windows(m, long_bytes=1 << 16, window=1 << 14, overlap=1 << 11)
+            tracemalloc.start()
+            try:
+                prepare_examples([small, big], tmp_path / f"pack_{mb}_{streamed}", row_len=128,
+                                 overflow="split", val_fraction=0.3, tokenizer=LLAMA2)
+                data.prepare_text([big], tmp_path / f"text_{mb}_{streamed}", tokenizer=LLAMA2)
+                peaks[mb, streamed] = tracemalloc.get_traced_memory()[1]
+            finally:
+                tracemalloc.stop()
+    print("peak Python allocation (MB):", {f"{mb} MB {'streamed' if s else 'whole'}": round(v / 1e6, 1)
+                                           for (mb, s), v in peaks.items()})
+    assert peaks[3, True] < 1.2 * peaks[1, True] and peaks[3, True] < 3e6  # flat in the file size
+    assert peaks[1, False] > 2 * 1e6 and peaks[1, False] > 10 * peaks[1, True]  # whole: it grows
+    for what in ("pack", "text"):  # the same corpora, streamed or not
+        assert corpus_files(tmp_path / f"{what}_1_True") == corpus_files(tmp_path / f"{what}_1_False")

@@ -5,9 +5,12 @@
         ...                       # the same (items, examples) pairs, in the same order, as workers=1
 
 Rendering a chat template is Python (jinja2) and holds the GIL, so threads cannot
-spread it over cores: `workers` > 1 starts that many processes (the `spawn` method:
-no fork of a process that already runs JAX's or the tokenizer's threads), each of
-which loads the tokenizer and compiles the template once and encodes whole batches.
+spread it over cores: `workers` > 1 starts that many processes (the `forkserver`
+method: a fresh server process imports this module once and forks the workers, so no
+process that already runs JAX's or the tokenizer's threads is forked, and the imports
+are paid once), each of which loads the tokenizer and compiles the template once and
+encodes whole batches. As with any `multiprocessing` start method but fork, a script
+that calls this must guard its entry point with `if __name__ == "__main__":`.
 The main process submits batches and takes the results back strictly in input
 order, with at most `2 x workers` batches in flight, so the output is byte for byte
 the output of one worker and memory stays bounded by the batches in flight. An
@@ -60,21 +63,24 @@ def _encode(items: list) -> list[Example]:
 
 def encode_batches(spec: EncoderSpec, batches: Iterable[list], workers: int = 1,
                    encoder: ExampleEncoder | None = None) -> Iterator[tuple[list, list[Example]]]:
-    """(items, `encoder.encode_batch(items)`) for each batch of (record, "file:line") items,
-    in input order; `workers` processes (1: this process, with `encoder` if given)."""
+    """(items, `encoder.encode_batch(items)`) for each batch (a list) of (record, "file:line")
+    items, in input order; `workers` processes (1: this process, with `encoder` if given).
+    Anything else in `batches` (a long file the caller streams itself) comes back as
+    (it, None), in its place in the order."""
     if workers < 1:
         raise ValueError(f"workers {workers}: must be >= 1")
     if workers == 1:
         enc = encoder or spec.build()
         for items in batches:
-            yield items, enc.encode_batch(items, spec.threads)
+            yield items, (enc.encode_batch(items, spec.threads) if isinstance(items, list) else None)
         return
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
     from concurrent.futures.process import BrokenProcessPool
 
-    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=_init_worker, initargs=(spec,))
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["__main__", __name__])  # imported once, in the server
+    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=(spec,))
     pending: collections.deque = collections.deque()
     try:
         it = iter(batches)
@@ -87,6 +93,12 @@ def encode_batches(spec: EncoderSpec, batches: Iterable[list], workers: int = 1,
                 for _, fut in pending:
                     fut.result()
                 raise
+            if not isinstance(items, list):  # not a batch (a long file): passed on, in order
+                while pending:
+                    first, fut = pending.popleft()
+                    yield first, fut.result()
+                yield items, None
+                continue
             pending.append((items, pool.submit(_encode, items)))
             if len(pending) >= 2 * workers:
                 first, fut = pending.popleft()

@@ -40,6 +40,7 @@ from fsdp_jax.app.encode_pool import EncoderSpec, encode_batches
 from fsdp_jax.app.examples import (ExampleEncoder, ExampleError, find_chat_template, read_records,
                                    special_tokens)
 from fsdp_jax.app.packing import PackStats, batch_from_rows, cut, pack
+from fsdp_jax.app.tokenizer import encode_long, is_long, text_chunks
 
 BATCH_BYTES = 1 << 20          # text per encode call (its Python token lists dominate memory)
 PACK_TOKENS = 1 << 21          # tokens buffered before a pack (and at least 256 rows' worth)
@@ -79,6 +80,17 @@ def _remove_stale(out: Path) -> None:
             pass
 
 
+def _long_tokens(file: Path, tok):
+    """A long text file's tokens as a stream (`fsdp_jax.app.tokenizer.encode_long`), as
+    `ExampleEncoder` would encode it whole: UTF-8 bytes, or encode(text) + [eos]."""
+    if tok is None:
+        for text in text_chunks(file):
+            yield np.frombuffer(text.encode("utf-8", errors="replace"), np.uint8).astype(np.int32)
+        return
+    yield from encode_long(tok, text_chunks(file))
+    yield np.asarray([tok.eos_id], np.int32)
+
+
 class _SplitWriter:
     """Buffers one split's examples, packs them a buffer at a time, appends the rows."""
 
@@ -97,9 +109,43 @@ class _SplitWriter:
 
     def add(self, tokens: np.ndarray, mask: np.ndarray) -> None:
         for t, m in cut(tokens, mask, self.row_len, self.overflow, self.stats):
-            self.buf.append((t, m))
-            self.buffered += len(t)
-        if self.buffered >= self.limit:
+            self._piece(t, m)
+
+    def add_stream(self, chunks) -> None:
+        """One plain example (every token trained) given as token arrays in order, never
+        whole in memory: the pieces `add` would make of their concatenation, in order."""
+        n, kept, carry, L = 0, 0, np.zeros(0, np.int32), self.row_len
+        for c in chunks:
+            n += len(c)
+            if self.overflow == "truncate":  # keep the first row, count the rest
+                if len(carry) < L:
+                    carry = np.concatenate([carry, c[:L - len(carry)]])
+                continue
+            carry = np.concatenate([carry, c])
+            full = len(carry) // L * L
+            for i in range(0, full, L):
+                kept += self._keep(carry[i:i + L])
+            carry = carry[full:]
+        kept += self._keep(carry)
+        if n > L:
+            if self.overflow == "truncate":
+                self.stats.truncated += 1
+                self.stats.dropped_tokens += n - L
+            else:
+                self.stats.split += 1
+        if not kept:
+            self.stats.empty += 1
+
+    def _keep(self, tokens: np.ndarray) -> int:
+        if len(tokens) <= 1:  # a target needs a token before it in the same piece (`cut`)
+            return 0
+        self._piece(tokens.astype(np.int32), np.ones(len(tokens), np.uint8))
+        return 1
+
+    def _piece(self, tokens: np.ndarray, mask: np.ndarray) -> None:
+        self.buf.append((tokens, mask))
+        self.buffered += len(tokens)
+        if self.buffered >= self.limit:  # per piece: a long example never fills memory
             self.flush()
 
     def flush(self) -> None:
@@ -183,6 +229,13 @@ def prepare_examples(sources: Sequence[str | os.PathLike], out_dir: str | os.Pat
         def batches():  # (record, "file:line") lists of about BATCH_BYTES of text, in order
             batch, size = [], 0
             for f in files:
+                if is_long(f):  # one plain example, streamed by this process
+                    if batch:
+                        yield batch
+                    batch, size = [], 0
+                    yield f
+                    bar.update(f.stat().st_size)
+                    continue
                 for n, rec in read_records(f):
                     batch.append((rec, f"{f}:{n}"))
                     size += _text_size(rec)
@@ -194,6 +247,16 @@ def prepare_examples(sources: Sequence[str | os.PathLike], out_dir: str | os.Pat
                 yield batch
 
         for items, examples in encode_batches(spec, batches(), workers, encoder=enc):
+            if examples is None:  # `items` is a long text file: one plain example
+                w = writers["val" if _held_out(seed, np.arange(index, index + 1), val_fraction)[0]
+                            else "train"]
+                before = w.stats.empty
+                w.add_stream(_long_tokens(items, tok))
+                kinds["plain"] = kinds.get("plain", 0) + 1
+                if w.stats.empty > before and first_empty is None:
+                    first_empty = f"{items}:1"
+                index += 1
+                continue
             val = _held_out(seed, np.arange(index, index + len(examples)), val_fraction)
             for (rec, where), ex, v in zip(items, examples, val):
                 kinds[ex.kind] = kinds.get(ex.kind, 0) + 1
