@@ -28,6 +28,7 @@ Exit codes: 0 success, 2 bad input (one line on stderr), 1 anything else.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from fsdp_jax.app.flags import int_in
@@ -111,6 +112,8 @@ def _check_vocab(args) -> None:
 
 def main(argv=None) -> int:
     args = _parse(argv)
+    if args.threads:  # Hugging Face tokenizers take their thread count from the environment
+        os.environ["RAYON_NUM_THREADS"] = str(args.threads)
     from fsdp_jax.app import data  # after parsing: --help and bad flags stay fast
     from fsdp_jax.app.config import ConfigError
     from fsdp_jax.app.tokenizer import TokenizerError

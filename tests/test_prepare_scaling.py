@@ -190,6 +190,7 @@ def test_a_long_text_file_is_prepared_in_bounded_memory(tmp_path, monkeypatch):
     stream), streamed in 16k-character windows and packed 32k tokens at a time, is the
     same for a 1 MB and a 3 MB file (about 2.8 MB); read whole, the 1 MB file takes 92 MB. (BENCHMARKS.md "Streaming prepare" measures RSS.)"""
     import tracemalloc
+
     from fsdp_jax.app import data
     small = tmp_path / "small.jsonl"
     small.write_text("".join(json.dumps({"text": f"example {i} " * 5}) + "\n" for i in range(40)))
