@@ -11,7 +11,10 @@ and `meta.json` (`"format": "packed"`, `row_len`, counts, the packing report and
 Preparing is a stream: records are read line by line, encoded in batches of about
 `BATCH_BYTES` of text (the tokenizer's own threads), packed a buffer at a time (best-fit
 decreasing, `fsdp_jax.app.packing`) and appended to temporary files; memory is bounded
-by the buffer, not the corpus. The split is by example: example i (counted over the
+by the buffer, not the corpus. A text file over `tokenizer.LONG_BYTES` is one plain
+example read and encoded in windows (`fsdp_jax.app.tokenizer.encode_long`), its pieces
+packed as they come. `workers` > 1 encodes batches in worker processes
+(`fsdp_jax.app.encode_pool`), in order: the same corpus as one worker. The split is by example: example i (counted over the
 sources in order) is held out for val when a hash of (seed, i) falls below
 `val_fraction`, so val examples are never trained on. Only when everything is written
 are the files renamed into place and meta.json written; a kill leaves the previous

@@ -6,7 +6,8 @@
     tok.decode(ids); tok.vocab_size; tok.eos_id
 
 `encode_corpus` turns documents into one flat token stream, `encode(doc) + [eos]`
-per document, encoding batches with the library's own threads (the Rust
+per document (a text file over LONG_BYTES read and encoded in overlapping windows by
+`encode_long`, never whole, with the same tokens), encoding batches with the library's own threads (the Rust
 `encode_batch` of `tokenizers`, SentencePiece's `num_threads`) and showing a
 progress bar. `fsdp_jax.app.data.prepare_text(..., tokenizer=PATH)` writes it as a
 corpus (train.bin/val.bin/meta.json; meta.json records the tokenizer path so the
