@@ -46,10 +46,12 @@ def corpus_files(d: Path) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("tokenizer", [LLAMA2, "bytes"])
 def test_workers_give_the_one_worker_corpus_byte_for_byte(tmp_path, monkeypatch, tokenizer):
-    srcs = [mixed(tmp_path / "a.jsonl", 500, 0), mixed(tmp_path / "b.jsonl", 300, 1)]
     (tmp_path / "c.txt").write_text("a plain text file, one example " * 20)
-    srcs.append(tmp_path / "c.txt")
+    long_text(tmp_path / "long.txt", 30_000)  # streamed by the main process, in its place
+    srcs = [mixed(tmp_path / "a.jsonl", 500, 0), tmp_path / "long.txt", mixed(tmp_path / "b.jsonl", 300, 1),
+            tmp_path / "c.txt"]
     monkeypatch.setattr(sft_data, "BATCH_BYTES", 3000)  # many batches: several in flight per worker
+    small_windows(monkeypatch, long_bytes=10_000, window=4000, overlap=256)
     tpl = tmp_path / "t.jinja"  # the byte tokenizer has no template of its own
     tpl.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}</s>{% endfor %}"
                    "{% if add_generation_prompt %}<assistant>{% endif %}")
@@ -58,7 +60,7 @@ def test_workers_give_the_one_worker_corpus_byte_for_byte(tmp_path, monkeypatch,
     one = prepare_examples(srcs, tmp_path / "w1", **kw)
     two = prepare_examples(srcs, tmp_path / "w2", workers=2, **kw)
     three = prepare_examples(srcs, tmp_path / "w3", workers=3, **kw)
-    assert one == two == three and one["examples"] == 801 and set(one["kinds"]) >= {"instruction", "plain"}
+    assert one == two == three and one["examples"] == 802 and set(one["kinds"]) >= {"instruction", "plain"}
     assert corpus_files(tmp_path / "w1") == corpus_files(tmp_path / "w2") == corpus_files(tmp_path / "w3")
 
 
