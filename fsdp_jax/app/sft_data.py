@@ -14,9 +14,9 @@ decreasing, `fsdp_jax.app.packing`) and appended to temporary files; memory is b
 by the buffer, not the corpus. A text file over `tokenizer.LONG_BYTES` is one plain
 example read and encoded in windows (`fsdp_jax.app.tokenizer.encode_long`), its pieces
 packed as they come. `workers` > 1 encodes batches in worker processes
-(`fsdp_jax.app.encode_pool`), in order: the same corpus as one worker. The split is by example: example i (counted over the
-sources in order) is held out for val when a hash of (seed, i) falls below
-`val_fraction`, so val examples are never trained on. Only when everything is written
+(`fsdp_jax.app.encode_pool`), in order: the same corpus as one worker. The split is by
+example: example i (counted over the sources in order) is held out for val when a hash
+of (seed, i) falls below `val_fraction`, so val examples are never trained on. Only when everything is written
 are the files renamed into place and meta.json written; a kill leaves the previous
 corpus (or none) and temporary files that the next run removes.
 
