@@ -76,4 +76,5 @@ def test_planner_compiles_the_trainers_packed_step(packed, tmp_path):
     tokens = pl.plan_strategy(_cfg(tmp_path / "nothing", f"run_dir={tmp_path / 'run2'}"),
                               "full_shard", jax.devices()[:8])
     assert tokens["analytic"]["batch"] == 16 * 33 * 4 // 8
-    assert got["compiled"]["argument"] - tokens["compiled"]["argument"] == 5 * 16 * 32 * 4 // 8 - 16 * 33 * 4 // 8
+    assert got["compiled"]["argument"] - tokens["compiled"]["argument"] == \
+        5 * 16 * 32 * 4 // 8 - 16 * 33 * 4 // 8

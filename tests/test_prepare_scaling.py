@@ -77,7 +77,8 @@ def test_workers_raise_the_error_one_worker_raises_first(tmp_path, monkeypatch):
                                       {"role": "assistant", "content": "a"}]})
     cases = {"render_first": [good] * 5 + [system] + [good] * 30 + ["{bad json"],
              "json_first": [good] * 5 + ["{bad json"] + [good] * 30 + [system],
-             "role": [good] * 20 + [json.dumps({"messages": [{"role": "bot", "content": "x"}]})] + [good] * 20}
+             "role": [good] * 20 + [json.dumps({"messages": [{"role": "bot", "content": "x"}]})]
+             + [good] * 20}
     for name, lines in cases.items():
         src = tmp_path / f"{name}.jsonl"
         src.write_text("\n".join(lines) + "\n")
@@ -190,7 +191,8 @@ def test_a_long_text_file_streams_to_the_same_corpus(tmp_path, monkeypatch, toke
 def test_a_long_text_file_is_prepared_in_bounded_memory(tmp_path, monkeypatch):
     """Python's peak allocation while preparing a long text file (--pack and a token
     stream), streamed in 16k-character windows and packed 32k tokens at a time, is the
-    same for a 1 MB and a 3 MB file (about 2.8 MB); read whole, the 1 MB file takes 92 MB. (BENCHMARKS.md "Streaming prepare" measures RSS.)"""
+    same for a 1 MB and a 3 MB file (about 2.8 MB); read whole, the 1 MB file takes 92 MB.
+    (BENCHMARKS.md "Streaming prepare" measures RSS.)"""
     import tracemalloc
 
     from fsdp_jax.app import data

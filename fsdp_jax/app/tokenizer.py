@@ -175,7 +175,8 @@ def _agree(cur: tuple[np.ndarray, np.ndarray], nxt: tuple[np.ndarray, np.ndarray
     for p in cand[np.argsort(np.abs(cand - (lo + hi) // 2), kind="stable")]:
         i, j = int(np.searchsorted(cs, p)), int(np.searchsorted(ns, p))
         if (i >= 1 and j >= 1 and j < len(ns) and ns[j] == p and i + 2 <= len(ci) and j + 2 <= len(ni)
-                and (ci[i - 1:i + 2] == ni[j - 1:j + 2]).all() and (cs[i - 1:i + 2] == ns[j - 1:j + 2]).all()):
+                and (ci[i - 1:i + 2] == ni[j - 1:j + 2]).all()
+                and (cs[i - 1:i + 2] == ns[j - 1:j + 2]).all()):
             return int(p)
     return None
 
