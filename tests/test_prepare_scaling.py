@@ -219,3 +219,17 @@ def test_a_long_text_file_is_prepared_in_bounded_memory(tmp_path, monkeypatch):
     assert peaks[1, False] > 2 * 1e6 and peaks[1, False] > 10 * peaks[1, True]  # whole: it grows
     for what in ("pack", "text"):  # the same corpora, streamed or not
         assert corpus_files(tmp_path / f"{what}_1_True") == corpus_files(tmp_path / f"{what}_1_False")
+
+
+def test_threads_reach_hugging_face_tokenizers(tmp_path, monkeypatch, capsys):
+    """--threads N is the Rayon pool size of `tokenizers` (it reads RAYON_NUM_THREADS when the
+    pool starts: the prepare process sets it before any encoding)."""
+    import os
+
+    from test_packing import prep_script
+    monkeypatch.setenv("RAYON_NUM_THREADS", "7")  # restored after the test
+    src = tmp_path / "x.jsonl"
+    src.write_text("".join(json.dumps({"text": f"doc {i} " * 9}) + "\n" for i in range(30)))
+    assert prep_script().main(["--out", str(tmp_path / "o"), str(src), "--tokenizer", LLAMA2,
+                               "--threads", "1", "--no-progress"]) == 0
+    assert os.environ["RAYON_NUM_THREADS"] == "1"
