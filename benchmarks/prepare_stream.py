@@ -3,6 +3,7 @@
 
     python benchmarks/prepare_stream.py --sizes 100 300 --mode pack --json benchmarks/prepare_stream.json
     python benchmarks/prepare_stream.py --sizes 100 300 --mode text
+    python benchmarks/prepare_stream.py --sizes 20 --mode pack --workers 1 2    # processes
 
 Makes a .jsonl corpus of each size (MB) in a scratch directory, then runs
 prepare_data.py on it in a fresh process and reports that process's peak RSS (its
@@ -66,13 +67,16 @@ def make_corpus(path: Path, mb: int, mode: str, seed: int = 0) -> int:
     return size
 
 
-def measure(src: Path, out: Path, mode: str, threads: int | None, row_len: int, root: Path = ROOT) -> dict:
+def measure(src: Path, out: Path, mode: str, threads: int | None, row_len: int, root: Path = ROOT,
+            workers: int = 1) -> dict:
     cmd = [sys.executable, str(root / "scripts" / "prepare_data.py"), "--out", str(out), str(src),
            "--tokenizer", str(TOKENIZER), "--no-progress"]
     if mode == "pack":
         cmd += ["--pack", str(row_len)]
     if threads:
         cmd += ["--threads", str(threads)]
+    if workers != 1:
+        cmd += ["--workers", str(workers)]
     env = {**os.environ, "PYTHONPATH": str(root)}
     t0 = time.perf_counter()
     res = subprocess.run([sys.executable, "-c", _WRAP, *cmd], capture_output=True, text=True, env=env)
@@ -93,6 +97,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", type=int, nargs="+", default=[100, 300], help="corpus sizes in MB")
     ap.add_argument("--mode", choices=("pack", "text"), default="pack")
     ap.add_argument("--threads", type=int, nargs="+", default=[0], help="--threads values (0 = default)")
+    ap.add_argument("--workers", type=int, nargs="+", default=[1],
+                    help="--pack: --workers values (processes; RSS is then the largest process's)")
     ap.add_argument("--row-len", type=int, default=1024)
     ap.add_argument("--scratch", default=None, help="scratch directory (default: a temp dir)")
     ap.add_argument("--json", help="write the results here")
@@ -104,18 +110,18 @@ def main(argv=None) -> int:
         for mb in args.sizes:
             src = Path(tmp) / f"corpus_{mb}.jsonl"
             nbytes = make_corpus(src, mb, args.mode)
-            for th in args.threads:
-                r = measure(src, Path(tmp) / f"out_{mb}_{th}", args.mode, th or None, args.row_len,
-                            args.root)
+            for th, wk in [(t, w) for t in args.threads for w in args.workers]:
+                r = measure(src, Path(tmp) / f"out_{mb}_{th}_{wk}", args.mode, th or None, args.row_len,
+                            args.root, wk)
                 r = {"mode": args.mode, "input_mb": round(nbytes / 1e6, 1), "threads": th or "default",
-                     **r, "mb_per_s": round(nbytes / 1e6 / r["wall_s"], 2)}
+                     "workers": wk, **r, "mb_per_s": round(nbytes / 1e6 / r["wall_s"], 2)}
                 rows.append(r)
                 print(json.dumps(r), flush=True)
             src.unlink()
-    print("\n| mode | input MB | threads | peak RSS MB | MB/s | wall s | tokens |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| mode | input MB | threads | workers | peak RSS MB | MB/s | wall s | tokens |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['mode']} | {r['input_mb']} | {r['threads']} | {r['peak_rss_mb']} | {r['mb_per_s']} | "
+        print(f"| {r['mode']} | {r['input_mb']} | {r['threads']} | {r['workers']} | {r['peak_rss_mb']} | {r['mb_per_s']} | "
               f"{r['wall_s']} | {r['tokens']:,} |")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")

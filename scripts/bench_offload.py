@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from fsdp_jax.app.cli import BAD_INPUT, fail, use_cpu_devices
     from fsdp_jax.app.config import ConfigError, load_config, validate
-    from fsdp_jax.app.step_build import build_step
+    from fsdp_jax.app.step_build import build_step, sample_batch
     from fsdp_jax.offload import OFFLOADS, OffloadError, transfer_bytes
 
     try:
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in OFFLOADS:
             import dataclasses
             b = build_step(dataclasses.replace(cfg, offload=name), args.strategy)
-            tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, b.batch.shape, dtype=np.int32)
+            tokens = sample_batch(cfg, b.batch, np.random.default_rng(0))
             batch = jax.device_put(tokens, b.plan.batch)
             state = b.init_state(jax.random.key(0))
             compiled = b.step.lower(state, batch).compile()

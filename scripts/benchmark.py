@@ -62,11 +62,11 @@ def bench_fsdp(cfg, strategy: str, devices, steps: int, warmup: int):
 
     from fsdp_jax.memory import compiled_memory
     from fsdp_jax.perf import time_steps
-    from fsdp_jax.app.step_build import build_step
+    from fsdp_jax.app.step_build import build_step, sample_batch
 
     build = build_step(cfg, strategy, devices)
     state = build.init_state(jax.random.key(0))
-    tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, build.batch.shape, dtype=np.int32)
+    tokens = sample_batch(cfg, build.batch, np.random.default_rng(0))  # tokens, or a packed batch
     batch = jax.device_put(tokens, build.plan.batch)
     t = time.perf_counter()
     compiled = build.step.lower(state, batch).compile()

@@ -17,7 +17,8 @@ that the tokenizer's vocab fits the model's before anything is written.
 an instruction {"prompt", "completion"} or a plain {"text"}; a text file is one plain
 example. Only assistant turns / completions are trained on (--train-on-all: every
 token); examples are packed into rows of ROW_LEN tokens with segment ids, longer ones
-truncated or split (--overflow); the packing report is printed.
+truncated or split (--overflow); the packing report is printed. --workers N renders
+and tokenizes in N processes (the output is identical to one worker's).
 
     python scripts/prepare_data.py --out data/sft chats.jsonl --pack 512 --tokenizer ckpt/
 
@@ -27,6 +28,7 @@ Exit codes: 0 success, 2 bad input (one line on stderr), 1 anything else.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from fsdp_jax.app.flags import int_in
@@ -63,6 +65,8 @@ def _parse(argv):
     p.add_argument("--overflow", choices=("truncate", "split"), default="truncate",
                    help="--pack: an example longer than a row is truncated (default) or split")
     p.add_argument("--chat-template", help="--pack: a jinja chat template file (default: the tokenizer's)")
+    p.add_argument("--workers", type=int_in(1), default=1,
+                   help="--pack: processes rendering and tokenizing examples (default 1; same output)")
     args = p.parse_args(argv)
     if args.threads is not None and args.threads < 1:
         p.error(f"--threads {args.threads}: must be >= 1")
@@ -71,8 +75,8 @@ def _parse(argv):
             p.error("--pack needs SOURCES... (jsonl or text files)")
         if not 2 <= args.pack < 2**16:
             p.error(f"--pack {args.pack}: must be in 2..65535")
-    elif args.train_on_all or args.chat_template or args.overflow != "truncate":
-        p.error("--train-on-all, --overflow and --chat-template need --pack")
+    elif args.train_on_all or args.chat_template or args.overflow != "truncate" or args.workers != 1:
+        p.error("--train-on-all, --overflow, --chat-template and --workers need --pack")
     modes = [bool(args.sources), args.stdlib, args.bin is not None]
     if sum(modes) != 1:
         p.error("give exactly one of: SOURCES..., --stdlib, --bin")
@@ -108,6 +112,8 @@ def _check_vocab(args) -> None:
 
 def main(argv=None) -> int:
     args = _parse(argv)
+    if args.threads:  # Hugging Face tokenizers take their thread count from the environment
+        os.environ["RAYON_NUM_THREADS"] = str(args.threads)
     from fsdp_jax.app import data  # after parsing: --help and bad flags stay fast
     from fsdp_jax.app.config import ConfigError
     from fsdp_jax.app.tokenizer import TokenizerError
@@ -128,7 +134,7 @@ def main(argv=None) -> int:
                                     chat_template=args.chat_template,
                                     train_on="all" if args.train_on_all else "targets",
                                     overflow=args.overflow, threads=args.threads,
-                                    progress=not args.no_progress)
+                                    progress=not args.no_progress, workers=args.workers)
             pk = meta["packing"]
             print(f"{args.out}: {meta['examples']:,} examples ({', '.join(f'{k} {v}' for k, v in meta['kinds'].items())}) "
                   f"-> train {meta['train_rows']:,} rows, val {meta['val_rows']:,} rows of {meta['row_len']} "

@@ -51,7 +51,7 @@ BAD_FLAG_VALUES: dict[str, dict[str, list[str] | str]] = {
                      "--val-bin": "read with --bin only (test_hostile's script table)", "--vocab-size": ["0", "-3"], "--dtype": ["int8"],
                      "--tokenizer": ["{missing}"], "--eos": ["{missing}"], "--threads": ["-3", "0"],
                      "--model": ["{missing}"], "--pack": ["1", "0", "-4", "x"], "--overflow": ["wrap"],
-                     "--chat-template": ["{missing}"]},
+                     "--chat-template": ["{missing}"], "--workers": ["0", "-2", "x", "1.5"]},
     "train": {"--config": ["{missing}", "{dir}"]},
     "verify": {"--config": ["{missing}"], "--strategies": ["zero9"], "--devices": NEG_ZERO_NAN,
                "--steps": NEG_ZERO_NAN, "--seed": ["-1", "x"], "--max-params": ["-5", "nan", "inf", "x"]},

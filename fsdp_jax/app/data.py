@@ -18,7 +18,7 @@ import json
 import os
 import shutil
 import sysconfig
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import grain
@@ -128,20 +128,19 @@ def _write_corpus(files: list[Path], out_dir: str | os.PathLike, val_fraction: f
     tmp = {n: out / f".{n}.tmp.{os.getpid()}" for n in ("train.bin", "val.bin")}
     counts, top = {"train.bin": 0, "val.bin": 0}, -1
     try:
-        with open(tmp["train.bin"], "wb") as ft, open(tmp["val.bin"], "wb") as fv:
-            for name, fh, group in (("train.bin", ft, train), ("val.bin", fv, val)):
+        for name, group in (("train.bin", train), ("val.bin", val)):
+            with open(tmp[name], "wb") as fh:
                 for f in group:
-                    arr = np.frombuffer(_file_bytes(f), np.uint8).astype(dtype)
-                    top = max(top, int(arr.max())) if len(arr) else top
-                    if split == "bytes":
-                        cut = len(arr) - max(1, int(round(val_fraction * len(arr))))
-                        arr[:cut].tofile(ft)
-                        arr[cut:].tofile(fv)
-                        counts["train.bin"] += cut
-                        counts["val.bin"] += len(arr) - cut
-                    else:
+                    for chunk in _file_bytes(f):  # a stream: no file is read whole
+                        arr = np.frombuffer(chunk, np.uint8).astype(dtype)
+                        top = max(top, int(arr.max())) if len(arr) else top
                         arr.tofile(fh)
                         counts[name] += len(arr)
+        if split == "bytes" and counts["train.bin"]:  # one file: its last val_fraction of bytes become val
+            n = counts["train.bin"]
+            cut = n - max(1, int(round(val_fraction * n)))
+            _move_tail(tmp["train.bin"], tmp["val.bin"], cut, dtype)
+            counts = {"train.bin": cut, "val.bin": n - cut}
         if min(counts.values()) == 0:
             raise DataError(f"corpus of {total} bytes is too small to split with "
                             f"val_fraction {val_fraction}")
@@ -155,14 +154,25 @@ def _write_corpus(files: list[Path], out_dir: str | os.PathLike, val_fraction: f
             t.unlink(missing_ok=True)
 
 
-def _file_bytes(f: Path) -> bytes:
-    """The byte tokenizer's text of a file: its bytes, or for a .jsonl file each line's
-    {"text": ...} as UTF-8 followed by a newline (parsed exactly as with a real tokenizer)."""
+def _file_bytes(f: Path, chunk: int = 1 << 22) -> Iterator[bytes]:
+    """The byte tokenizer's text of a file, `chunk` bytes at a time: its bytes, or for a
+    .jsonl file each line's {"text": ...} as UTF-8 followed by a newline (parsed exactly
+    as with a real tokenizer)."""
     if f.suffix != ".jsonl":
-        return f.read_bytes()
+        with open(f, "rb") as fh:
+            while block := fh.read(chunk):
+                yield block
+        return
     from fsdp_jax.app.tokenizer import TokenizerError, read_documents
     try:
-        return b"".join(doc.encode("utf-8", errors="replace") + b"\n" for doc in read_documents(f))
+        parts, size = [], 0
+        for doc in read_documents(f):
+            parts.append(doc.encode("utf-8", errors="replace") + b"\n")
+            size += len(parts[-1])
+            if size >= chunk:
+                yield b"".join(parts)
+                parts, size = [], 0
+        yield b"".join(parts)
     except TokenizerError as e:
         raise DataError(str(e)) from None
 

@@ -130,7 +130,7 @@ def analytic_memory(build: StepBuild) -> dict[str, int]:
     params = tree_bytes_per_device(st.params)
     optimizer = (tree_bytes_per_device(st.opt_state) + tree_bytes_per_device(st.step)
                  + tree_bytes_per_device(st.model_state))  # non-trainable model state (0 when none)
-    batch = shard_bytes(build.batch)
+    batch = tree_bytes_per_device(build.batch)  # tokens, or the packed batch's arrays
     grads = sum(shard_bytes(jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=g))
                 for p, g in zip(jax.tree.leaves(st.params), jax.tree.leaves(plan.grads)))
     if cfg.train.microbatches > 1:

@@ -11,9 +11,12 @@ and `meta.json` (`"format": "packed"`, `row_len`, counts, the packing report and
 Preparing is a stream: records are read line by line, encoded in batches of about
 `BATCH_BYTES` of text (the tokenizer's own threads), packed a buffer at a time (best-fit
 decreasing, `fsdp_jax.app.packing`) and appended to temporary files; memory is bounded
-by the buffer, not the corpus. The split is by example: example i (counted over the
-sources in order) is held out for val when a hash of (seed, i) falls below
-`val_fraction`, so val examples are never trained on. Only when everything is written
+by the buffer, not the corpus. A text file over `tokenizer.LONG_BYTES` is one plain
+example read and encoded in windows (`fsdp_jax.app.tokenizer.encode_long`), its pieces
+packed as they come. `workers` > 1 encodes batches in worker processes
+(`fsdp_jax.app.encode_pool`), in order: the same corpus as one worker. The split is by
+example: example i (counted over the sources in order) is held out for val when a hash
+of (seed, i) falls below `val_fraction`, so val examples are never trained on. Only when everything is written
 are the files renamed into place and meta.json written; a kill leaves the previous
 corpus (or none) and temporary files that the next run removes.
 
@@ -36,9 +39,11 @@ import numpy as np
 
 from fsdp_jax.app import data as data_lib
 from fsdp_jax.app.data import DataError, _commit, _rows, token_dtype
+from fsdp_jax.app.encode_pool import EncoderSpec, encode_batches
 from fsdp_jax.app.examples import (ExampleEncoder, ExampleError, find_chat_template, read_records,
                                    special_tokens)
 from fsdp_jax.app.packing import PackStats, batch_from_rows, cut, pack
+from fsdp_jax.app.tokenizer import encode_long, is_long, text_chunks
 
 BATCH_BYTES = 1 << 20          # text per encode call (its Python token lists dominate memory)
 PACK_TOKENS = 1 << 21          # tokens buffered before a pack (and at least 256 rows' worth)
@@ -78,6 +83,17 @@ def _remove_stale(out: Path) -> None:
             pass
 
 
+def _long_tokens(file: Path, tok):
+    """A long text file's tokens as a stream (`fsdp_jax.app.tokenizer.encode_long`), as
+    `ExampleEncoder` would encode it whole: UTF-8 bytes, or encode(text) + [eos]."""
+    if tok is None:
+        for text in text_chunks(file):
+            yield np.frombuffer(text.encode("utf-8", errors="replace"), np.uint8).astype(np.int32)
+        return
+    yield from encode_long(tok, text_chunks(file))
+    yield np.asarray([tok.eos_id], np.int32)
+
+
 class _SplitWriter:
     """Buffers one split's examples, packs them a buffer at a time, appends the rows."""
 
@@ -96,9 +112,43 @@ class _SplitWriter:
 
     def add(self, tokens: np.ndarray, mask: np.ndarray) -> None:
         for t, m in cut(tokens, mask, self.row_len, self.overflow, self.stats):
-            self.buf.append((t, m))
-            self.buffered += len(t)
-        if self.buffered >= self.limit:
+            self._piece(t, m)
+
+    def add_stream(self, chunks) -> None:
+        """One plain example (every token trained) given as token arrays in order, never
+        whole in memory: the pieces `add` would make of their concatenation, in order."""
+        n, kept, carry, L = 0, 0, np.zeros(0, np.int32), self.row_len
+        for c in chunks:
+            n += len(c)
+            if self.overflow == "truncate":  # keep the first row, count the rest
+                if len(carry) < L:
+                    carry = np.concatenate([carry, c[:L - len(carry)]])
+                continue
+            carry = np.concatenate([carry, c])
+            full = len(carry) // L * L
+            for i in range(0, full, L):
+                kept += self._keep(carry[i:i + L])
+            carry = carry[full:]
+        kept += self._keep(carry)
+        if n > L:
+            if self.overflow == "truncate":
+                self.stats.truncated += 1
+                self.stats.dropped_tokens += n - L
+            else:
+                self.stats.split += 1
+        if not kept:
+            self.stats.empty += 1
+
+    def _keep(self, tokens: np.ndarray) -> int:
+        if len(tokens) <= 1:  # a target needs a token before it in the same piece (`cut`)
+            return 0
+        self._piece(tokens.astype(np.int32), np.ones(len(tokens), np.uint8))
+        return 1
+
+    def _piece(self, tokens: np.ndarray, mask: np.ndarray) -> None:
+        self.buf.append((tokens, mask))
+        self.buffered += len(tokens)
+        if self.buffered >= self.limit:  # per piece: a long example never fills memory
             self.flush()
 
     def flush(self) -> None:
@@ -131,11 +181,13 @@ def prepare_examples(sources: Sequence[str | os.PathLike], out_dir: str | os.Pat
                      pattern: str = "*", exclude: Sequence[str] = (), eos: str | None = None,
                      chat_template: str | None = None, train_on: str = "targets",
                      overflow: str = "truncate", threads: int | None = None,
-                     progress: bool = False) -> dict:
+                     progress: bool = False, workers: int = 1) -> dict:
     """Encode chat / instruction / plain examples (`fsdp_jax.app.examples`) from `sources`
     and pack them into rows of `row_len` tokens in `out_dir` (module docstring); returns
     meta. `tokenizer`: "bytes" or a tokenizer path (`fsdp_jax.app.tokenizer`); its chat
-    template comes from beside it unless `chat_template` (a file) is given. Raises
+    template comes from beside it unless `chat_template` (a file) is given. `workers` > 1
+    renders and tokenizes in that many processes (`fsdp_jax.app.encode_pool`), the output
+    identical to one worker's; `threads`: the tokenizer's threads (per worker). Raises
     DataError (one line naming file and line) on bad input, before anything is in place."""
     from fsdp_jax.app.tokenizer import TokenizerError, load_tokenizer
 
@@ -145,6 +197,8 @@ def prepare_examples(sources: Sequence[str | os.PathLike], out_dir: str | os.Pat
         raise DataError(f"row length {row_len!r}: must be in 2..65535")
     if threads is not None and threads < 1:
         raise DataError(f"threads {threads}: must be >= 1")
+    if not isinstance(workers, int) or workers < 1:
+        raise DataError(f"workers {workers!r}: must be an integer >= 1")
     if overflow not in ("truncate", "split"):
         raise DataError(f"overflow {overflow!r}: allowed truncate, split")
     out = data_lib._check_out(out_dir)
@@ -155,7 +209,9 @@ def prepare_examples(sources: Sequence[str | os.PathLike], out_dir: str | os.Pat
         tok = None if tokenizer == "bytes" else load_tokenizer(tokenizer, eos)
         template = (Path(chat_template).read_text() if chat_template
                     else None if tok is None else find_chat_template(tokenizer))
-        enc = ExampleEncoder(tok, template, {} if tok is None else special_tokens(tokenizer), train_on)
+        spec = EncoderSpec(tokenizer, eos, template, {} if tok is None else special_tokens(tokenizer),
+                           train_on, threads)
+        enc = ExampleEncoder(tok, template, spec.specials, train_on)  # checks them, here and now
     except (TokenizerError, ExampleError) as e:
         raise DataError(str(e)) from None
     except OSError as e:
@@ -173,16 +229,39 @@ def prepare_examples(sources: Sequence[str | os.PathLike], out_dir: str | os.Pat
     bar = tqdm(total=sum(f.stat().st_size for f in files), unit="B", unit_scale=True,
                desc="prepare", disable=not progress, dynamic_ncols=True)
     try:
-        batch: list[tuple[dict, str]] = []
-        size = 0
+        def batches():  # (record, "file:line") lists of about BATCH_BYTES of text, in order
+            batch, size = [], 0
+            for f in files:
+                if is_long(f):  # one plain example, streamed by this process
+                    if batch:
+                        yield batch
+                    batch, size = [], 0
+                    yield f
+                    bar.update(f.stat().st_size)
+                    continue
+                for n, rec in read_records(f):
+                    batch.append((rec, f"{f}:{n}"))
+                    size += _text_size(rec)
+                    if size >= BATCH_BYTES:
+                        yield batch
+                        batch, size = [], 0
+                bar.update(f.stat().st_size)
+            if batch:
+                yield batch
 
-        def flush():
-            nonlocal index, first_empty
-            if not batch:
-                return
-            examples = enc.encode_batch(batch, threads)
+        for items, examples in encode_batches(spec, batches(), workers, encoder=enc):
+            if examples is None:  # `items` is a long text file: one plain example
+                w = writers["val" if _held_out(seed, np.arange(index, index + 1), val_fraction)[0]
+                            else "train"]
+                before = w.stats.empty
+                w.add_stream(_long_tokens(items, tok))
+                kinds["plain"] = kinds.get("plain", 0) + 1
+                if w.stats.empty > before and first_empty is None:
+                    first_empty = f"{items}:1"
+                index += 1
+                continue
             val = _held_out(seed, np.arange(index, index + len(examples)), val_fraction)
-            for (rec, where), ex, v in zip(batch, examples, val):
+            for (rec, where), ex, v in zip(items, examples, val):
                 kinds[ex.kind] = kinds.get(ex.kind, 0) + 1
                 w = writers["val" if v else "train"]
                 before = w.stats.empty
@@ -190,17 +269,6 @@ def prepare_examples(sources: Sequence[str | os.PathLike], out_dir: str | os.Pat
                 if w.stats.empty > before and first_empty is None:
                     first_empty = where
             index += len(examples)
-            batch.clear()
-
-        for f in files:
-            for n, rec in read_records(f):
-                batch.append((rec, f"{f}:{n}"))
-                size += _text_size(rec)
-                if size >= BATCH_BYTES:
-                    flush()
-                    size = 0
-            bar.update(f.stat().st_size)
-        flush()
         bar.close()
         for w in writers.values():
             w.close()

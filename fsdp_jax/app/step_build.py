@@ -6,7 +6,9 @@ step the planner measures and the benchmarks time.
 
 `build_step` is `fsdp_jax.build.build` with the trainer's model, loss, optimizer and
 step options (as `fsdp_jax.app.loop.setup`), from `ShapeDtypeStruct`s carrying
-shardings: nothing is allocated. `mesh_shape` resolves the config's mesh exactly as
+shardings: nothing is allocated. Its batch is the trainer's: int32 tokens (B, S + 1),
+or for a packed corpus or data.document_mask the dict of (B, S) arrays with segment
+ids, positions and weights (`abstract_batch`). `mesh_shape` resolves the config's mesh exactly as
 the trainer does; `target_mesh_sizes` lays hybrid_shard over a multi-host GPU target.
 The formulas that estimate its memory are `fsdp_jax.app.memory_model`; compiling and
 reporting it for many strategies is `fsdp_jax.app.planner`.
@@ -15,7 +17,9 @@ reporting it for many strategies is `fsdp_jax.app.planner`.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -49,6 +53,44 @@ def target_mesh_sizes(cfg, strategy: str, n_devices: int, hosts: int) -> tuple[i
     return data, fsdp, tensor
 
 
+# The packed batch (`fsdp_jax.app.packing.batch_from_rows` / `batch_from_windows`): (B, S) each.
+PACKED_BATCH = {"inputs": np.int32, "targets": np.int32, "weights": np.float32,
+                "segment_ids": np.int32, "positions": np.int32}
+
+
+def packed_batch(cfg) -> bool:
+    """Whether the trainer feeds this config packed batch dicts (segment ids, positions,
+    weights), as `fsdp_jax.app.loop.make_batches` decides: data.document_mask, or a
+    packed fine-tuning corpus (meta.json "format": "packed") at data.path."""
+    if cfg.data.document_mask:
+        return True
+    try:
+        return json.loads((Path(cfg.data.path) / "meta.json").read_text()).get("format") == "packed"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def abstract_batch(cfg, sharding):
+    """The global batch the trainer's step takes, as ShapeDtypeStructs with `sharding`:
+    int32 (B, S + 1) tokens, or the packed dict of (B, S) arrays (`packed_batch`)."""
+    b, s = cfg.train.global_batch, cfg.data.seq_len
+    if packed_batch(cfg):
+        return {k: jax.ShapeDtypeStruct((b, s), dt, sharding=sharding) for k, dt in PACKED_BATCH.items()}
+    return jax.ShapeDtypeStruct((b, s + 1), np.int32, sharding=sharding)
+
+
+def sample_batch(cfg, batch, rng: np.random.Generator):
+    """A concrete host batch shaped like `batch` (`abstract_batch`) for timing the step:
+    random tokens; a packed batch holds two examples per row, every target trained."""
+    if not isinstance(batch, dict):
+        return rng.integers(0, cfg.model.vocab_size, batch.shape, dtype=np.int32)
+    from fsdp_jax.app.packing import batch_from_rows
+    shape = batch["inputs"].shape
+    tokens = rng.integers(0, cfg.model.vocab_size, shape, dtype=np.int32)
+    seg = np.where(np.arange(shape[1]) < shape[1] // 2, 1, 2) * np.ones(shape, np.int32)
+    return batch_from_rows(tokens, np.ones(shape, np.uint8), seg)
+
+
 @dataclasses.dataclass
 class StepBuild:
     """One strategy's train step built abstractly, as the trainer would build it."""
@@ -59,7 +101,7 @@ class StepBuild:
     optimizer: Any
     plan: Any  # ShardingPlan
     state: Any  # TrainState of sharded ShapeDtypeStructs
-    batch: jax.ShapeDtypeStruct
+    batch: Any  # the trainer's batch: int32 (B, S + 1) tokens, or `packed_batch`'s dict
     step: Any  # CompiledStep
     built: Any  # fsdp_jax.build.Built
 
@@ -107,7 +149,6 @@ def build_step(cfg, strategy: str | None = None, devices: Sequence[jax.Device] |
                   min_shard_size=cfg.mesh.min_shard_size, max_replicated_fraction=None,
                   microbatches=cfg.train.microbatches, clip_norm=cfg.optimizer.clip_norm,
                   precision=cfg.precision, offload=cfg.offload, **step_options)
-    batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.data.seq_len + 1), np.int32,
-                                 sharding=built.plan.batch)
+    batch = abstract_batch(cfg, built.plan.batch)
     return StepBuild(cfg, strategy, mesh, model, optimizer, built.plan, built.abstract_state, batch,
                      built.train_step, built)

@@ -6,7 +6,8 @@
     tok.decode(ids); tok.vocab_size; tok.eos_id
 
 `encode_corpus` turns documents into one flat token stream, `encode(doc) + [eos]`
-per document, encoding batches with the library's own threads (the Rust
+per document (a text file over LONG_BYTES read and encoded in overlapping windows by
+`encode_long`, never whole, with the same tokens), encoding batches with the library's own threads (the Rust
 `encode_batch` of `tokenizers`, SentencePiece's `num_threads`) and showing a
 progress bar. `fsdp_jax.app.data.prepare_text(..., tokenizer=PATH)` writes it as a
 corpus (train.bin/val.bin/meta.json; meta.json records the tokenizer path so the
@@ -15,6 +16,7 @@ trainer's text sample decodes with it).
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import json
 import os
@@ -27,6 +29,9 @@ import numpy as np
 # Tried in order when neither --eos nor a tokenizer_config.json names the EOS token.
 EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eot_id|>")
 BATCH_BYTES = 4 << 20  # text per encode call
+LONG_BYTES = 16 << 20  # a text file larger than this is read and encoded as a stream (encode_long)
+WINDOW_CHARS = 1 << 20  # text per encode call of a long document
+OVERLAP_CHARS = 1 << 13  # text two consecutive windows share; they are cut where they agree
 
 
 class TokenizerError(ValueError):
@@ -140,6 +145,98 @@ def load_tokenizer(path: str | os.PathLike, eos: str | None = None, require_eos:
     return Tokenizer(str(file), kind, int(size), int(eos_id), tok)
 
 
+def is_long(file: Path) -> bool:
+    """A text file (not .jsonl) over LONG_BYTES: read and encoded as a stream, never whole."""
+    return file.suffix != ".jsonl" and file.stat().st_size > LONG_BYTES
+
+
+def text_chunks(file: Path, chunk_bytes: int | None = None) -> Iterator[str]:
+    """A text file's text, `chunk_bytes` (default WINDOW_CHARS) of it at a time; bytes that are not UTF-8 are
+    replaced (U+FFFD) exactly as decoding the whole file would replace them."""
+    dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    with open(file, "rb") as fh:
+        while True:
+            raw = fh.read(chunk_bytes or WINDOW_CHARS)
+            text = dec.decode(raw, final=not raw)
+            if text:
+                yield text
+            if not raw:
+                return
+
+
+def _agree(cur: tuple[np.ndarray, np.ndarray], nxt: tuple[np.ndarray, np.ndarray], lo: int, hi: int
+           ) -> int | None:
+    """A character position p in [lo, hi] where both encodings (ids, absolute token starts)
+    start a token, and agree on the token before p and the two from p; None if none."""
+    (ci, cs), (ni, ns) = cur, nxt
+    first = np.ones(len(cs), bool)
+    first[1:] = cs[1:] != cs[:-1]  # byte-fallback tokens of one character share its start
+    cand = cs[first & (cs >= lo) & (cs <= hi)]
+    for p in cand[np.argsort(np.abs(cand - (lo + hi) // 2), kind="stable")]:
+        i, j = int(np.searchsorted(cs, p)), int(np.searchsorted(ns, p))
+        if (i >= 1 and j >= 1 and j < len(ns) and ns[j] == p and i + 2 <= len(ci) and j + 2 <= len(ni)
+                and (ci[i - 1:i + 2] == ni[j - 1:j + 2]).all()
+                and (cs[i - 1:i + 2] == ns[j - 1:j + 2]).all()):
+            return int(p)
+    return None
+
+
+def encode_long(tok: Tokenizer, chunks: Iterable[str], window: int | None = None,
+                overlap: int | None = None) -> Iterator[np.ndarray]:
+    """The token ids of one document given as text chunks, as int64 arrays in order whose
+    concatenation is `tok.encode("".join(chunks))`, in memory bounded by `window`.
+
+    The text is encoded in windows of about `window` characters; consecutive windows
+    overlap by `overlap` characters, and the first window's tokens are kept up to a
+    position p in the middle of the overlap where both encodings start a token and agree
+    on the tokens around p (the second window's from p on). Tokenizers are local (BPE
+    merges and SentencePiece pieces stay within pre-tokens / a few characters), so far
+    from both windows' edges each equals the whole text's encoding; where no such p
+    exists (one pre-token longer than the overlap) the window grows until one does."""
+    window = window or WINDOW_CHARS
+    overlap = min(overlap or OVERLAP_CHARS, window // 2)
+    q = overlap // 4
+    it = iter(chunks)
+    buf, base, more = "", 0, True  # buf: the text from absolute character `base`
+
+    def fill(upto: int) -> None:
+        nonlocal buf, more
+        parts, n = [buf], len(buf)
+        while more and base + n < upto:
+            c = next(it, None)
+            if c is None:
+                more = False
+            else:
+                parts.append(c)
+                n += len(c)
+        buf = "".join(parts)
+
+    def enc(start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:  # absolute token starts
+        text = buf[start - base:stop - base]
+        ids, starts = tok.encode_offsets([text])[0] if text else ([], [])
+        return np.asarray(ids, np.int64), np.asarray(starts, np.int64) + start
+
+    a0 = 0  # tokens before a0 are emitted
+    fill(window)
+    end = min(base + len(buf), window)
+    cur = enc(0, end)  # the window [base, end)
+    while more or end < base + len(buf):
+        nb = end - overlap
+        fill(nb + window)
+        nxt_end = min(base + len(buf), nb + window)
+        nxt = enc(nb, nxt_end)
+        p = _agree(cur, nxt, nb + q, end - q)
+        if p is None:  # no safe cut in this overlap: the window grows
+            end = nxt_end
+            cur = enc(base, end)
+            continue
+        ids, starts = cur
+        yield ids[(starts >= a0) & (starts < p)]
+        a0, cur, end, buf, base = p, nxt, nxt_end, buf[nb - base:], nb
+    ids, starts = cur
+    yield ids[starts >= a0]
+
+
 def read_documents(file: Path) -> Iterator[str]:
     """A text file is one document (read whole); a .jsonl file holds one per line
     ({"text": ...}), read as a stream. Bytes that are not UTF-8 are replaced (U+FFFD)."""
@@ -182,6 +279,16 @@ def encode_corpus(tok: Tokenizer, files: list[Path], write: Callable[[np.ndarray
             batch.clear()
 
     for f in files:
+        if is_long(f):  # one document, read and encoded as a stream
+            flush()
+            size = n = 0
+            for ids in encode_long(tok, text_chunks(f)):
+                write(ids)
+                n += len(ids)
+            write(np.asarray([tok.eos_id], np.int64))
+            docs, tokens = docs + 1, tokens + n + 1
+            bar.update(f.stat().st_size)
+            continue
         for doc in read_documents(f):
             batch.append(doc)
             size += len(doc)
