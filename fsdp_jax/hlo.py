@@ -347,7 +347,42 @@ def collective_schedule(hlo: str, hosts: list[int] | None = None) -> list[dict[s
                         "loop": lp["op_name"] or lp["body"] if lp else None,
                         "loop_trip_count": lp["trip_count"] if lp else None,
                         "phase": phase, "async": is_start, "pipelined": pipelined, "overlap": overlap,
-                        "group_size": group_size, "crosses_hosts": crosses, "op_name": op_name})
+                        "group_size": group_size, "crosses_hosts": crosses, "op_name": op_name,
+                        "channel_id": int(ch.group(1)) if (ch := _CHANNEL_RE.search(line)) else None})
+    return _merge_collective_fusions(out, comps)
+
+
+_CHANNEL_RE = re.compile(r"\bchannel_id=(\d+)")
+_FUSION_CALL_RE = re.compile(r"\sfusion\(.*\bcalls=%?([\w.\-]+)")
+
+
+def _merge_collective_fusions(records: list[dict[str, Any]], comps: dict[str, list[str]]) -> list[dict[str, Any]]:
+    """XLA:TPU's async collective fusion spreads one collective over several fusions (an
+    `async-collective-start`, compute fusions that carry it on, an `async-collective-done`),
+    each fused computation holding a copy of the collective with the same channel_id: keep
+    one record per (channel_id, computation the fusions sit in), asynchronous, overlapped by
+    the carrying fusions."""
+    caller = {}
+    for cname, lines in comps.items():
+        for line in lines:
+            m = _FUSION_CALL_RE.search(line)
+            if m:
+                caller.setdefault(m.group(1), cname)
+    groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+    out = []
+    for r in records:
+        if r["channel_id"] is not None and r["computation"] in caller:
+            key = (r["channel_id"], caller[r["computation"]])
+            if not groups[key]:
+                out.append(r)
+            groups[key].append(r)
+        else:
+            out.append(r)
+    for copies in groups.values():
+        if len(copies) > 1:
+            carriers = [c["computation"] for c in copies[1:]]
+            copies[0].update({"async": True, "pipelined": False,
+                              "overlap": {"ops": len(carriers), "gemms": 0, "names": carriers[:6]}})
     return out
 
 

@@ -317,3 +317,41 @@ def test_tpu_schedule_counts_scan_trips_and_cross_slice_transfers():
     com = hlo.communication(sched)
     assert com["all-reduce"]["cross_host_wire_bytes"] == 2 * (2 - 1) / 2 * 32 * 8 * 128 * 4
     assert com["all-gather"]["wire_bytes"] == 80 * 512 * 256 * 2 * 3 / 4
+
+
+# XLA:TPU's async collective fusion: one all-gather (channel 5) carried by a start fusion, a
+# compute fusion and a done fusion, each fused computation holding a copy of it.
+_FUSED_AG = """HloModule m
+
+%start_comp (p.0: bf16[4,256]) -> bf16[512,256] {
+  %p.0 = bf16[4,256]{1,0} parameter(0)
+  ROOT %ag.1 = bf16[512,256]{1,0} all-gather(%p.0), channel_id=5, replica_groups={{0,1,2,3}}, dimensions={0}, use_global_device_ids=true
+}
+
+%carry_comp (p.1: bf16[4,256]) -> bf16[512,256] {
+  %p.1 = bf16[4,256]{1,0} parameter(0)
+  ROOT %ag.2 = bf16[512,256]{1,0} all-gather(%p.1), channel_id=5, replica_groups={{0,1,2,3}}, dimensions={0}, use_global_device_ids=true
+}
+
+%done_comp (p.2: bf16[4,256]) -> bf16[512,256] {
+  %p.2 = bf16[4,256]{1,0} parameter(0)
+  ROOT %ag.3 = bf16[512,256]{1,0} all-gather(%p.2), channel_id=5, replica_groups={{0,1,2,3}}, dimensions={0}, use_global_device_ids=true
+}
+
+ENTRY %main (a: bf16[4,256]) -> bf16[512,256] {
+  %a = bf16[4,256]{1,0} parameter(0)
+  %async-collective-start.1 = bf16[512,256]{1,0} fusion(%a), kind=kCustom, calls=%start_comp
+  %fusion.7 = bf16[512,256]{1,0} fusion(%a), kind=kOutput, calls=%carry_comp
+  ROOT %async-collective-done.1 = bf16[512,256]{1,0} fusion(%a), kind=kCustom, calls=%done_comp
+}
+"""
+
+
+def test_a_collective_carried_by_several_fusions_counts_once():
+    from fsdp_jax import hlo
+    sched = hlo.collective_schedule(_FUSED_AG, hosts=[0, 0, 0, 0])
+    assert len(sched) == 1
+    (ag,) = sched
+    assert ag["op"] == "all-gather" and ag["bytes"] == 512 * 256 * 2 and ag["runs"] == 1
+    assert ag["async"] and ag["overlap"]["ops"] == 2  # the carrying and the done fusion
+    assert not hlo.schedule_warnings(sched, compute_dtype="bfloat16", shards_grads=True)
