@@ -296,7 +296,7 @@ def collective_schedule(hlo: str, hosts: list[int] | None = None) -> list[dict[s
                 parsed.append((i, m.group(1), m.group(3), m.group(2), line))
         position = {name: k for k, (_, name, _, _, _) in enumerate(parsed)}
         for k, (i, name, op, type_str, line) in enumerate(parsed):
-            base = op[:-6] if op.endswith("-start") else op
+            base = op.removesuffix("-start")
             megascale = _MEGASCALE_RE.search(line) if op == "send" else None
             if megascale:  # a cross-slice collective: its buffer is the send's first operand
                 base = megascale.group(1).lower().replace("_", "-")

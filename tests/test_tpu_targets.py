@@ -211,6 +211,7 @@ def test_tpu_prediction_is_the_gpu_roofline_with_the_chips_figures():
 
 def test_tiled_bytes_pads_the_minor_dims_to_the_first_tile():
     from types import SimpleNamespace as L
+
     from fsdp_jax.tpu_targets import tiled_bytes
     assert tiled_bytes((), 4, L(major_to_minor=(), tiling=((128,),))) == 512       # a scalar: 128 elements
     assert tiled_bytes((2, 33), 4, L(major_to_minor=(0, 1), tiling=((2, 128),))) == 2 * 128 * 4
@@ -264,7 +265,7 @@ def test_analytic_argument_bytes_are_the_compiled_ones_on_every_tpu(name, device
            "strategies": list(STRATEGIES)}
     env = targets.child_env(dict(os.environ), target=t)
     proc = subprocess.run([sys.executable, "-c", _ARGUMENT_CHILD, json.dumps(req)], capture_output=True,
-                          text=True, env=env, cwd=ROOT)
+                          text=True, env=env, cwd=ROOT, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(got) == set(STRATEGIES)
