@@ -356,3 +356,15 @@ def test_a_collective_carried_by_several_fusions_counts_once():
     assert ag["op"] == "all-gather" and ag["bytes"] == 512 * 256 * 2 and ag["runs"] == 1
     assert ag["async"] and ag["overlap"]["ops"] == 2  # the carrying and the done fusion
     assert not hlo.schedule_warnings(sched, compute_dtype="bfloat16", shards_grads=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target, topology, batch", [("v5p", "3x3x3", 27), ("v5e", "3x5", 15)])
+def test_a_topology_libtpu_rejects_is_one_line(target, topology, batch, capsys):
+    """A well-formed shape that is no TPU slice: libtpu says so in the compiling child, and the
+    script says it in one line naming --topology (exit 2)."""
+    _libtpu()
+    rc, out, err = call("plan", "--config", TINY_YAML, "--target", target, "--topology", topology,
+                        "--strategies", "full_shard", f"train.global_batch={batch}", capsys=capsys)
+    one_line(rc, err, "--topology", f"{target}:{topology}", "not a valid TPU topology")
+    assert out == ""
