@@ -18,6 +18,10 @@ update, loss/norm reductions), `async` (start/done pair), `overlap` (compute
 instructions the schedule puts between start and done: fusions, GEMMs, custom calls;
 None when the pair straddles a loop iteration, `pipelined`), `group_size` and
 `crosses_hosts` (from the replica groups and, when given, each device's host).
+A TPU program for several slices sends its cross-slice collectives as Megascale host
+transfers (`send` with `_xla_megascale_transfer_type`): each is recorded as that collective
+(op from the transfer type, bytes of the sent buffer, `crosses_hosts` True, `group_size`
+the number of slices in `hosts`).
 """
 
 from __future__ import annotations
@@ -42,6 +46,9 @@ _INSTR_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][\w\-]*
 _OP_NAME_RE = re.compile(r'op_name="([^"]*)"')
 _COLLECTIVE_RE = {op: re.compile(rf"\s{op}(-start)?\(") for op in COLLECTIVES}
 _COMPUTE_OPS = ("fusion", "custom-call", "convolution", "dot")
+# XLA:TPU lowers a collective across slices (over the data-center network) to a host-transfer
+# `send` for the Megascale runtime: `_xla_megascale_transfer_type="ALL_REDUCE"` (or ALL_GATHER, ...)
+_MEGASCALE_RE = re.compile(r'_xla_megascale_transfer_type="(\w+)"')
 _REMAT_RE = re.compile(r"Involuntary full rematerialization.*?from sharding (.*?) to (.*?) without doing"
                        r".*?HLO operation: %?([\w.\-]+) = (\S+)(.*?)(?:You probably|$)")
 
@@ -67,9 +74,26 @@ def parse_computations(hlo: str) -> tuple[dict[str, list[str]], str | None]:
     return comps, entry
 
 
+_CONST_RE = re.compile(r"^\s*%?([\w.\-]+)\s*=\s*s32\[\]\S*\s+constant\((\d+)\)")
+_LT_RE = re.compile(r"^\s*ROOT\s+%?[\w.\-]+\s*=\s*pred\[\]\S*\s+compare\(%?[\w.\-]+,\s*%?([\w.\-]+)\),"
+                    r"\s*direction=LT")
+
+
+def _counted_trips(cond: list[str]) -> int | None:
+    """The trip count of a while loop whose condition is `i < N` with a constant N (a scan
+    counts i from 0 by 1): XLA:TPU's scheduled HLO carries no `known_trip_count`."""
+    consts = {m.group(1): int(m.group(2)) for m in map(_CONST_RE.match, cond) if m}
+    for line in cond:
+        m = _LT_RE.match(line)
+        if m and m.group(1) in consts:
+            return consts[m.group(1)]
+    return None
+
+
 def call_graph(comps: dict[str, list[str]]):
     """Edges caller -> [(callee, runs per caller run)], plus the while loops found:
-    a while body runs its known trip count per run of its caller (1 if unknown)."""
+    a while body runs its known trip count per run of its caller (XLA:GPU's
+    `known_trip_count`, else a condition `i < constant`; 1 if unknown)."""
     edges: dict[str, list[tuple[str, int]]] = defaultdict(list)
     loops: list[dict[str, Any]] = []
     for name, lines in comps.items():
@@ -78,7 +102,9 @@ def call_graph(comps: dict[str, list[str]]):
             trip = None
             if is_while:
                 m = _TRIP_RE.search(line)
-                trip = int(m.group(1)) if m else None
+                cond = re.search(r"\bcondition=%?([\w.\-]+)", line)
+                trip = int(m.group(1)) if m else (_counted_trips(comps.get(cond.group(1), []))
+                                                   if cond else None)
             for m in _CALLS_RE.finditer(line):
                 names = [m.group(2)] if m.group(2) else [n.strip().lstrip("%") for n in m.group(3).split(",")]
                 for callee in names:
@@ -270,11 +296,15 @@ def collective_schedule(hlo: str, hosts: list[int] | None = None) -> list[dict[s
                 parsed.append((i, m.group(1), m.group(3), m.group(2), line))
         position = {name: k for k, (_, name, _, _, _) in enumerate(parsed)}
         for k, (i, name, op, type_str, line) in enumerate(parsed):
-            base = op[:-6] if op.endswith("-start") else op
+            base = op.removesuffix("-start")
+            megascale = _MEGASCALE_RE.search(line) if op == "send" else None
+            if megascale:  # a cross-slice collective: its buffer is the send's first operand
+                base = megascale.group(1).lower().replace("_", "-")
             if base not in COLLECTIVES or op.endswith("-done"):
                 continue
-            is_start = op.endswith("-start")
-            shapes = result_shapes(type_str, base, is_start)
+            is_start = op.endswith("-start") or bool(megascale)
+            shapes = (_shapes(_top_level(type_str)[0])[:1] if megascale
+                      else result_shapes(type_str, base, is_start))
             nbytes = sum(n * _DTYPE_BYTES[dt] for dt, n in shapes)
             dtypes = Counter()
             for dt, n in shapes:
@@ -288,7 +318,7 @@ def collective_schedule(hlo: str, hosts: list[int] | None = None) -> list[dict[s
             overlap = None
             pipelined = False
             if is_start:
-                done = next((d for d in parsed[k + 1:] if d[2] == base + "-done"
+                done = next((d for d in parsed[k + 1:] if d[2] == ("send-done" if megascale else base + "-done")
                              and re.search(rf"\(%?{re.escape(name)}[),]", d[4])), None)
                 if done is None:
                     pipelined = True  # done in a later iteration / another computation
@@ -301,11 +331,13 @@ def collective_schedule(hlo: str, hosts: list[int] | None = None) -> list[dict[s
                         om = _OP_NAME_RE.search(done[4])
                         op_name = om.group(1) if om else ""
                         phase = _phase(op_name) or phase
-            groups = replica_groups(line, n_dev)
+            groups = None if megascale else replica_groups(line, n_dev)
             group_size = max((len(g) for g in groups), default=None) if groups else None
             crosses = None
             if groups and hosts:
                 crosses = any(len({hosts[d] for d in g if d < len(hosts)}) > 1 for g in groups)
+            if megascale:  # one device per slice takes part (its peers in the other slices)
+                group_size, crosses = (len(set(hosts)) if hosts else None), True
             k_runs = runs.get(cname, 1)
             out.append({"op": base, "name": name, "computation": cname, "dtype": _DTYPE_NAMES.get(dtype, dtype),
                         "dtypes": {_DTYPE_NAMES.get(d, d): b for d, b in dtypes.items()},
@@ -315,7 +347,42 @@ def collective_schedule(hlo: str, hosts: list[int] | None = None) -> list[dict[s
                         "loop": lp["op_name"] or lp["body"] if lp else None,
                         "loop_trip_count": lp["trip_count"] if lp else None,
                         "phase": phase, "async": is_start, "pipelined": pipelined, "overlap": overlap,
-                        "group_size": group_size, "crosses_hosts": crosses, "op_name": op_name})
+                        "group_size": group_size, "crosses_hosts": crosses, "op_name": op_name,
+                        "channel_id": int(ch.group(1)) if (ch := _CHANNEL_RE.search(line)) else None})
+    return _merge_collective_fusions(out, comps)
+
+
+_CHANNEL_RE = re.compile(r"\bchannel_id=(\d+)")
+_FUSION_CALL_RE = re.compile(r"\sfusion\(.*\bcalls=%?([\w.\-]+)")
+
+
+def _merge_collective_fusions(records: list[dict[str, Any]], comps: dict[str, list[str]]) -> list[dict[str, Any]]:
+    """XLA:TPU's async collective fusion spreads one collective over several fusions (an
+    `async-collective-start`, compute fusions that carry it on, an `async-collective-done`),
+    each fused computation holding a copy of the collective with the same channel_id: keep
+    one record per (channel_id, computation the fusions sit in), asynchronous, overlapped by
+    the carrying fusions."""
+    caller = {}
+    for cname, lines in comps.items():
+        for line in lines:
+            m = _FUSION_CALL_RE.search(line)
+            if m:
+                caller.setdefault(m.group(1), cname)
+    groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+    out = []
+    for r in records:
+        if r["channel_id"] is not None and r["computation"] in caller:
+            key = (r["channel_id"], caller[r["computation"]])
+            if not groups[key]:
+                out.append(r)
+            groups[key].append(r)
+        else:
+            out.append(r)
+    for copies in groups.values():
+        if len(copies) > 1:
+            carriers = [c["computation"] for c in copies[1:]]
+            copies[0].update({"async": True, "pipelined": False,
+                              "overlap": {"ops": len(carriers), "gemms": 0, "names": carriers[:6]}})
     return out
 
 

@@ -39,7 +39,8 @@ class TpuSpec:
     lets a program use (it refuses to compile a program whose temporaries exceed it, and
     names the figure: v5p 95.74 GiB of the published 95 GB / 96 GiB, v6e 31.25 GiB of
     32, v5e 15.75 GiB of 16, v4 15.25 GiB per core; libtpu 0.0.42.1). `ici_bw`:
-    bidirectional inter-chip bandwidth per chip, bytes/s (None where the page gives none)."""
+    bidirectional inter-chip bandwidth per chip, bytes/s; `dcn_bw`: data-center network
+    bandwidth per chip, bytes/s (None where the pages give none)."""
     name: str
     device_kind: str          # what jax's compile-only devices call it
     hbm_bytes: int
@@ -51,18 +52,28 @@ class TpuSpec:
     max_chips: int            # largest single slice
     source: str
     devices_per_chip: int = 1  # compile-only devices libtpu makes of one chip (v4: its 2 cores)
+    dcn_bw: float | None = None
 
 
 GB, GIB = 10**9, 2**30
 TPU_SPECS: dict[str, TpuSpec] = {s.name: s for s in (
-    TpuSpec("v4", "TPU v4", int(30.5 * GIB), 275e12, 1200 * GB, None, 3, True, 4096,
-            "cloud.google.com/tpu/docs/v4: 275 TFLOP/s bf16, HBM2 32 GiB at 1200 GB/s", 2),
+    # Figures from the Cloud TPU system-architecture pages (docs.cloud.google.com/tpu/docs/<gen>,
+    # read 2026-12): v4 gives no per-chip ICI figure, so it is the page's all-reduce
+    # bandwidth per Pod (1.1 PB/s over 4096 chips) x 2 directions; v5p's page now gives
+    # ICI 1200 GBps bidirectional and DCN 50 Gbps per chip (its older text: "Interchip
+    # Interconnect BW 4800 Gbps"); v5e's DCN is its 2 x 100 Gbps NICs per 8-chip host.
+    TpuSpec("v4", "TPU v4", int(30.5 * GIB), 275e12, 1200 * GB, 2 * 1.1e15 / 4096, 3, True, 4096,
+            "cloud.google.com/tpu/docs/v4: 275 TFLOP/s bf16, HBM2 32 GiB at 1200 GBps, all-reduce "
+            "1.1 PB/s per 4096-chip Pod", 2),
     TpuSpec("v5e", "TPU v5 lite", int(15.75 * GIB), 197e12, 819 * GB, 400 * GB, 2, False, 256,
-            "cloud.google.com/tpu/docs/v5e: 197 TFLOP/s bf16, HBM2 16 GB at 819 GB/s, ICI 400 GB/s"),
-    TpuSpec("v5p", "TPU v5", int(95.74 * GIB), 459e12, 2765 * GB, 600 * GB, 3, True, 8960,
-            "cloud.google.com/tpu/docs/v5p: 459 TFLOP/s bf16, HBM2e 95 GB at 2765 GB/s, ICI 4800 Gbps"),
+            "cloud.google.com/tpu/docs/v5e: 197 TFLOP/s bf16, HBM2 16 GB at 819 GBps, ICI 400 GBps "
+            "bidirectional, 2 x 100 Gbps NICs per 8-chip host", dcn_bw=2 * 100e9 / 8 / 8),
+    TpuSpec("v5p", "TPU v5", int(95.74 * GIB), 459e12, 2765 * GB, 1200 * GB, 3, True, 8960,
+            "cloud.google.com/tpu/docs/v5p: 459 TFLOP/s bf16, HBM2e 95 GiB at 2765 GBps, ICI 1200 GBps "
+            "bidirectional, DCN 50 Gbps per chip", dcn_bw=50e9 / 8),
     TpuSpec("v6e", "TPU v6 lite", int(31.25 * GIB), 918e12, 1638 * GB, 800 * GB, 2, False, 256,
-            "cloud.google.com/tpu/docs/v6e: 918 TFLOP/s bf16, HBM 32 GB at 1638 GB/s, ICI 800 GB/s"),
+            "cloud.google.com/tpu/docs/v6e: 918 TFLOP/s bf16, HBM 32 GB at 1638 GBps, ICI 800 GBps "
+            "bidirectional"),
 )}
 _TYPE = re.compile(r"^(v\d+[a-z]*)-(\d+)$")
 
@@ -113,6 +124,30 @@ def parse_topology(spec: TpuSpec, text: str) -> tuple[str, int]:
         raise TopologyError(f"--topology: {text!r} has {chips} chips; a {spec.name} slice has at most "
                             f"{spec.max_chips}")
     return text, chips
+
+
+def device_peaks(name: str) -> dict[str, float | None]:
+    """Roofline figures per compile-only device of TPU generation `name` (v4: a core, half a
+    chip): `flops` (dense bf16 peak), `fast` (ICI bytes/s one device sends: half the
+    bidirectional figure, which is also the pages' all-reduce bandwidth per chip), `slow`
+    (data-center network bytes/s, None where unpublished) and `hbm` (bytes/s)."""
+    spec = split_name(name)[0]
+    k = spec.devices_per_chip
+    return {"flops": spec.peak_bf16_flops / k, "fast": spec.ici_bw / 2 / k,
+            "slow": spec.dcn_bw / k if spec.dcn_bw else None, "hbm": spec.hbm_bw / k}
+
+
+def tiled_bytes(shape, itemsize: int, layout) -> int:
+    """Bytes XLA:TPU allocates for an array of `shape` in `layout` (a compiled program's
+    `input_formats[...].layout`: `major_to_minor` and `tiling`): the minor-most dims, in
+    memory order, padded up to the first-level tile (e.g. (8, 128) for f32 matrices, (128,)
+    for a scalar, which takes 128 elements). Inner tile levels only reorder within a tile."""
+    dims = [shape[i] for i in layout.major_to_minor] or [1]
+    tile = layout.tiling[0] if layout.tiling else ()
+    dims = [1] * (len(tile) - len(dims)) + dims
+    for k, t in enumerate(tile, start=len(dims) - len(tile)):
+        dims[k] = -(-dims[k] // t) * t
+    return math.prod(dims) * itemsize
 
 
 def libtpu_requirement() -> str:

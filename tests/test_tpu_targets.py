@@ -144,3 +144,227 @@ def test_tiny_compiles_for_two_v5p_slices(capsys):
         assert r["compiled"]["peak"] > 0 and 0 <= excess < 32 * 1024, excess
         assert r["collectives_per_step"]  # XLA:TPU's collectives, read by the same inspector
     assert hs["compiled"]["argument"] > fs["compiled"]["argument"]  # replicated over the 2 slices
+    # the predicted step time (fsdp_jax.app.step_time): hybrid_shard's gradient all-reduce
+    # crosses the slices, timed at v5p's data-center network bandwidth per chip
+    from fsdp_jax.tpu_targets import device_peaks
+    cross = sum(e.get("cross_host_wire_bytes", 0) for e in hs["communication"].values() if isinstance(e, dict))
+    assert cross > 0 and fs["predicted"] and hs["predicted"]
+    assert hs["predicted"]["comm_s"] >= 0.999 * cross / device_peaks("v5p")["slow"]
+    assert "tok/s/dev" in call("plan", "--config", TINY_YAML, "--target", "v5p", "--devices", 8,
+                               "--strategies", "full_shard", *tiny, "model.d_model=256", "model.n_heads=2",
+                               "model.n_kv_heads=2", "model.ffn_dim=512", capsys=capsys)[1]
+
+
+# ----------------------------------------------------------------------------- predicted step time
+
+@pytest.mark.parametrize("gen, pod_chips, allreduce_per_pod", [
+    ("v5e", 256, 51.2e12),   # the Cloud TPU pages' "All-reduce bandwidth per Pod"
+    ("v6e", 256, 102.4e12),
+    ("v4", 4096, 1.1e15),
+])
+def test_ici_per_direction_is_the_pages_allreduce_bandwidth_per_chip(gen, pod_chips, allreduce_per_pod):
+    """Half the bidirectional ICI figure per chip (what one chip sends) is what each page's
+    Pod all-reduce bandwidth gives per chip: two published figures that agree."""
+    from fsdp_jax.tpu_targets import TPU_SPECS, device_peaks
+    spec = TPU_SPECS[gen]
+    assert device_peaks(gen)["fast"] * spec.devices_per_chip == pytest.approx(allreduce_per_pod / pod_chips)
+
+
+def test_tpu_device_peaks_are_per_compile_only_device():
+    from fsdp_jax.tpu_targets import device_peaks
+    assert device_peaks("v5p-64") == {"flops": 459e12, "fast": 600e9, "slow": 50e9 / 8, "hbm": 2765e9}
+    v4 = device_peaks("v4")  # libtpu makes a device of each of a v4 chip's 2 TensorCores
+    assert v4["flops"] == 275e12 / 2 and v4["hbm"] == 1200e9 / 2
+    assert device_peaks("v5e")["slow"] == 200e9 / 8 / 8  # 2 x 100 Gbps NICs per 8-chip host
+    assert device_peaks("v6e")["slow"] is None  # the v6e page gives no DCN figure
+
+
+def _tpu_cfg(*overrides):
+    from fsdp_jax.app.config import load_config
+    return load_config(ROOT / "configs" / "llama2_7b.yaml", list(overrides))
+
+
+def test_tpu_prediction_is_the_gpu_roofline_with_the_chips_figures():
+    """Hand-derived: v5p, compute at GEMM_EFFICIENCY of 459 TFLOP/s, ICI traffic at 600 GB/s
+    per direction, cross-slice traffic at 50 Gbps, the update over 2765 GB/s of HBM."""
+    from fsdp_jax.app import step_time
+    cfg = _tpu_cfg("train.global_batch=16", "remat=dots")
+    a = {"grads": 8 * 10**9, "params": 4 * 10**9, "optimizer": 16 * 10**9}
+    com = {"all-gather": {"wire_bytes": 30e9, "cross_host_wire_bytes": 0},
+           "all-reduce": {"wire_bytes": 1e9, "cross_host_wire_bytes": 1e9}, "total_wire_bytes": 31e9}
+    p = step_time.predict(cfg, "v5p", 8, {"analytic": a, "communication": com})
+    tokens = 16 * cfg.data.seq_len / 8
+    per_token, _ = step_time.model_flops_per_token(cfg.model, cfg.data.seq_len)
+    compute = tokens * per_token / (459e12 * step_time.GEMM_EFFICIENCY)
+    comm = 30e9 / 600e9 + 1e9 / 6.25e9
+    update = (8e9 + 2 * 20e9) / 2765e9
+    assert p["compute_s"] == pytest.approx(compute, rel=1e-3)
+    assert p["comm_s"] == pytest.approx(comm, rel=1e-3)
+    assert p["step_s"] == pytest.approx(max(compute, comm) + update, rel=1e-3)
+    assert p["mfu"] == pytest.approx(tokens * per_token / p["step_s"] / 459e12, rel=1e-3)
+    # v6e publishes no DCN bandwidth: traffic across slices cannot be timed, so no prediction
+    assert step_time.predict(cfg, "v6e", 8, {"analytic": a, "communication": com}) is None
+    com_ici = {"all-gather": com["all-gather"], "total_wire_bytes": 30e9}
+    assert step_time.predict(cfg, "v6e", 8, {"analytic": a, "communication": com_ici})["comm_s"] == \
+        pytest.approx(30e9 / 400e9, rel=1e-3)
+
+
+def test_tiled_bytes_pads_the_minor_dims_to_the_first_tile():
+    from types import SimpleNamespace as L
+
+    from fsdp_jax.tpu_targets import tiled_bytes
+    assert tiled_bytes((), 4, L(major_to_minor=(), tiling=((128,),))) == 512       # a scalar: 128 elements
+    assert tiled_bytes((2, 33), 4, L(major_to_minor=(0, 1), tiling=((2, 128),))) == 2 * 128 * 4
+    assert tiled_bytes((256, 30), 4, L(major_to_minor=(1, 0), tiling=((8, 128),))) == 32 * 256 * 4
+    assert tiled_bytes((3, 512, 32), 2, L(major_to_minor=(0, 2, 1), tiling=((16, 128), (2, 1)))) == 3 * 32 * 512 * 2
+
+
+# A child with libtpu on its path: for each strategy, the analytic argument bytes (from the
+# sharding plan, fsdp_jax.app.memory_model) against memory_analysis()'s, and the tile padding
+# XLA:TPU's own input layouts imply.
+_ARGUMENT_CHILD = """
+import json, sys, jax, numpy as np
+from fsdp_jax import targets, tpu_targets
+from fsdp_jax.app.config import load_config
+from fsdp_jax.app.memory_model import analytic_memory
+from fsdp_jax.app.step_build import build_step
+req = json.loads(sys.argv[1])
+devices = targets.target_devices(targets.Target(**req["target"]))
+cfg = load_config(req["config"], req["overrides"])
+out = {}
+for strategy in req["strategies"]:
+    b = build_step(cfg, strategy, devices)
+    a = analytic_memory(b)
+    compiled = b.compile()
+    leaves = jax.tree.leaves((b.state, b.batch))
+    layouts = [f.layout for f in jax.tree.leaves(compiled.input_formats, is_leaf=lambda f: hasattr(f, "layout"))]
+    assert len(layouts) == len(leaves), (len(layouts), len(leaves))
+    padding = sum(tpu_targets.tiled_bytes(x.sharding.shard_shape(x.shape), np.dtype(x.dtype).itemsize, lay)
+                  - int(np.prod(x.sharding.shard_shape(x.shape))) * np.dtype(x.dtype).itemsize
+                  for x, lay in zip(leaves, layouts))
+    out[strategy] = {"analytic": a["params"] + a["optimizer"] + a["batch"], "padding": padding,
+                     "compiled": compiled.memory_analysis().argument_size_in_bytes}
+print(json.dumps(out))
+"""
+TPU_TINY = ["model.d_model=256", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=2",
+            "model.ffn_dim=512", "model.max_seq_len=32", "data.seq_len=32", "train.global_batch=16"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, devices", [("v4", 8), ("v5e", 8), ("v5p", 8), ("v6e", 8)])
+def test_analytic_argument_bytes_are_the_compiled_ones_on_every_tpu(name, devices):
+    """Every strategy, tiny model, each TPU generation: memory_analysis()'s argument bytes
+    are exactly the plan's shard bytes plus XLA:TPU's tile padding, read from the compiled
+    program's own input layouts; the padding is only the scalars (a step counter takes 128
+    elements) and the token batch's row of seq + 1 = 33 (padded to 128 lanes): the weights
+    and optimizer state, multiples of the tiles here, pad nothing."""
+    _libtpu()
+    from fsdp_jax.strategy import STRATEGIES
+    t = targets.make_target(name, devices=devices)
+    req = {"target": t.as_dict(), "config": str(ROOT / TINY_YAML), "overrides": TPU_TINY,
+           "strategies": list(STRATEGIES)}
+    env = targets.child_env(dict(os.environ), target=t)
+    proc = subprocess.run([sys.executable, "-c", _ARGUMENT_CHILD, json.dumps(req)], capture_output=True,
+                          text=True, env=env, cwd=ROOT, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(got) == set(STRATEGIES)
+    batch_rows = 16 // devices  # per device, (rows, 33) int32 padded to (rows, 128)
+    for strategy, r in got.items():
+        assert r["compiled"] == r["analytic"] + r["padding"], (strategy, r)
+        scalars = r["padding"] - batch_rows * (128 - 33) * 4
+        assert scalars > 0 and scalars % (127 * 4) == 0, (strategy, r)  # int32 scalars: 4 -> 512 bytes
+
+
+# XLA:TPU's scheduled HLO, cut down: a scan whose while carries no known_trip_count (its
+# condition is `i < 80`), an all-gather inside it, and a cross-slice all-reduce sent to the
+# Megascale runtime as a host transfer (what a 2-slice compile emits for hybrid_shard).
+_TPU_HLO = """HloModule m
+
+%cond (p.1: (s32[], f32[128,256])) -> pred[] {
+  %c = s32[]{:T(128)} constant(80)
+  %p.1 = (s32[]{:T(128)}, f32[128,256]{1,0:T(8,128)}) parameter(0)
+  %i = s32[]{:T(128)} get-tuple-element(%p.1), index=0
+  ROOT %lt = pred[]{:T(512)} compare(%i, %c), direction=LT, metadata={op_name="jit(step)/while/cond/lt"}
+}
+
+%body (p.2: (s32[], f32[128,256])) -> (s32[], f32[128,256]) {
+  %p.2 = (s32[]{:T(128)}, f32[128,256]{1,0:T(8,128)}) parameter(0)
+  %x = f32[128,256]{1,0:T(8,128)} get-tuple-element(%p.2), index=1
+  %ag = bf16[512,256]{1,0:T(8,128)(2,1)} all-gather(%x), channel_id=1, replica_groups={{0,1,2,3}}, dimensions={0}, use_global_device_ids=true, metadata={op_name="jit(step)/jvp(forward)/while/body/all_gather"}
+  ROOT %t = (s32[]{:T(128)}, f32[128,256]{1,0:T(8,128)}) tuple(%i2, %x)
+}
+
+ENTRY %main (a: f32[32,8,128]) -> f32[32,8,128] {
+  %a = f32[32,8,128]{2,1,0:T(8,128)} parameter(0)
+  %w = (s32[]{:T(128)}, f32[128,256]{1,0:T(8,128)}) while(%init), condition=%cond, body=%body, metadata={op_name="jit(step)/jvp(forward)/while"}
+  %after-all = token[] after-all()
+  %send = (f32[32,8,128]{2,1,0:T(8,128)}, u32[], token[]) send(%a, %after-all), channel_id=3, is_host_transfer=true, frontend_attributes={_xla_host_transfer_handler_name="xla_megascale_runtime",_xla_host_transfer_rendezvous="all-reduce.95_0",_xla_megascale_reduce_operation="SUM",_xla_megascale_target="{1,2}x{0:3}",_xla_megascale_transfer_type="ALL_REDUCE"}
+  %fusion.1 = f32[32,8,128]{2,1,0:T(8,128)} fusion(%a), kind=kLoop, calls=%f
+  %send-done = token[] send-done(%send), channel_id=3, is_host_transfer=true
+  ROOT %r = f32[32,8,128]{2,1,0:T(8,128)} copy(%a)
+}
+"""
+
+
+def test_tpu_schedule_counts_scan_trips_and_cross_slice_transfers():
+    from fsdp_jax import hlo
+    sched = hlo.collective_schedule(_TPU_HLO, hosts=[0, 0, 0, 0, 1, 1, 1, 1])
+    by_op = {c["op"]: c for c in sched}
+    ag, ar = by_op["all-gather"], by_op["all-reduce"]
+    assert ag["runs"] == 80 and ag["loop_trip_count"] == 80 and ag["crosses_hosts"] is False
+    assert ar["name"] == "send" and ar["bytes"] == 32 * 8 * 128 * 4 and ar["crosses_hosts"] is True
+    assert ar["group_size"] == 2 and ar["async"] and ar["overlap"]["ops"] == 1  # the fusion before send-done
+    com = hlo.communication(sched)
+    assert com["all-reduce"]["cross_host_wire_bytes"] == 2 * (2 - 1) / 2 * 32 * 8 * 128 * 4
+    assert com["all-gather"]["wire_bytes"] == 80 * 512 * 256 * 2 * 3 / 4
+
+
+# XLA:TPU's async collective fusion: one all-gather (channel 5) carried by a start fusion, a
+# compute fusion and a done fusion, each fused computation holding a copy of it.
+_FUSED_AG = """HloModule m
+
+%start_comp (p.0: bf16[4,256]) -> bf16[512,256] {
+  %p.0 = bf16[4,256]{1,0} parameter(0)
+  ROOT %ag.1 = bf16[512,256]{1,0} all-gather(%p.0), channel_id=5, replica_groups={{0,1,2,3}}, dimensions={0}, use_global_device_ids=true
+}
+
+%carry_comp (p.1: bf16[4,256]) -> bf16[512,256] {
+  %p.1 = bf16[4,256]{1,0} parameter(0)
+  ROOT %ag.2 = bf16[512,256]{1,0} all-gather(%p.1), channel_id=5, replica_groups={{0,1,2,3}}, dimensions={0}, use_global_device_ids=true
+}
+
+%done_comp (p.2: bf16[4,256]) -> bf16[512,256] {
+  %p.2 = bf16[4,256]{1,0} parameter(0)
+  ROOT %ag.3 = bf16[512,256]{1,0} all-gather(%p.2), channel_id=5, replica_groups={{0,1,2,3}}, dimensions={0}, use_global_device_ids=true
+}
+
+ENTRY %main (a: bf16[4,256]) -> bf16[512,256] {
+  %a = bf16[4,256]{1,0} parameter(0)
+  %async-collective-start.1 = bf16[512,256]{1,0} fusion(%a), kind=kCustom, calls=%start_comp
+  %fusion.7 = bf16[512,256]{1,0} fusion(%a), kind=kOutput, calls=%carry_comp
+  ROOT %async-collective-done.1 = bf16[512,256]{1,0} fusion(%a), kind=kCustom, calls=%done_comp
+}
+"""
+
+
+def test_a_collective_carried_by_several_fusions_counts_once():
+    from fsdp_jax import hlo
+    sched = hlo.collective_schedule(_FUSED_AG, hosts=[0, 0, 0, 0])
+    assert len(sched) == 1
+    (ag,) = sched
+    assert ag["op"] == "all-gather" and ag["bytes"] == 512 * 256 * 2 and ag["runs"] == 1
+    assert ag["async"] and ag["overlap"]["ops"] == 2  # the carrying and the done fusion
+    assert not hlo.schedule_warnings(sched, compute_dtype="bfloat16", shards_grads=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target, topology, batch", [("v5p", "3x3x3", 27), ("v5e", "3x5", 15)])
+def test_a_topology_libtpu_rejects_is_one_line(target, topology, batch, capsys):
+    """A well-formed shape that is no TPU slice: libtpu says so in the compiling child, and the
+    script says it in one line naming --topology (exit 2)."""
+    _libtpu()
+    rc, out, err = call("plan", "--config", TINY_YAML, "--target", target, "--topology", topology,
+                        "--strategies", "full_shard", f"train.global_batch={batch}", capsys=capsys)
+    one_line(rc, err, "--topology", f"{target}:{topology}", "not a valid TPU topology")
+    assert out == ""

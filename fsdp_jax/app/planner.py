@@ -386,7 +386,7 @@ def plan_config(cfg, n_devices: int, strategies: Sequence[str] | str | None = No
             r["fits_analytic"] = r["analytic"]["device_total"] <= device_memory
         else:
             r["fits"] = r["headroom"] = r["fits_analytic"] = None
-        if target is not None and r.get("platform") == "gpu":  # a roofline over its traffic
+        if target is not None and not r.get("refused"):  # a roofline over its traffic (GPU or TPU)
             from fsdp_jax.app.step_time import predict
             r["predicted"] = predict(cfg, target.name, n_devices, r)
     notes = [f"{n_devices} devices; precision {policy}; remat {cfg.remat}; offload {cfg.offload}; "

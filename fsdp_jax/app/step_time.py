@@ -1,7 +1,13 @@
-"""Predicted step time of a GPU-target plan: a roofline over the compiled program's traffic.
+"""Predicted step time of a GPU- or TPU-target plan: a roofline over the compiled program's traffic.
 
     pred = predict(cfg, "h100", n_devices, strategy_result)   # planner's per-strategy dict
-    pred["step_s"], pred["tokens_per_s_per_gpu"], pred["mfu"]
+    pred["step_s"], pred["tokens_per_s_per_gpu"], pred["mfu"]   # per device: a GPU or TPU chip
+
+TPU targets (`v5p`, ...) take the Cloud TPU pages' per-chip figures
+(`fsdp_jax.tpu_targets.TPU_SPECS`): ICI within a slice in place of NVLink (half the
+bidirectional figure per direction, which is also the pages' all-reduce bandwidth per
+chip), the data-center network across slices in place of the NIC, and the same
+GEMM_EFFICIENCY (an assumption for the MXUs as for the tensor cores).
 
 Inputs: the model's FLOPs from its shape (PaLM's count: 6 x matmul params + 12 x layers x
 d_attn x seq per token; `remat: full` adds the recomputed forward), the bytes the compiled
@@ -44,10 +50,24 @@ def model_flops_per_token(model, seq_len: int) -> tuple[float, float]:
     return 6 * matmul + attn, attn
 
 
-def predict(cfg, target: str, n_devices: int, result: dict[str, Any]) -> dict[str, Any]:
-    """Predicted step time, tokens/s per GPU, TFLOP/s per GPU and MFU for one strategy's
-    planner result on `target` (a name in SPECS)."""
-    peak, nvlink, net = SPECS[target]
+def peaks(target: str) -> tuple[float, float, float | None, float]:
+    """(dense bf16 FLOP/s, fast-link bytes/s sent per device, slow-network bytes/s per
+    device or None, HBM bytes/s) of one device of `target`: a GPU in SPECS (NVLink within a
+    host, the NIC across hosts) or a TPU generation (ICI within a slice, the data-center
+    network across slices; `fsdp_jax.tpu_targets.device_peaks`, the Cloud TPU pages' figures)."""
+    if target in SPECS:
+        return (*SPECS[target], HBM_BYTES_PER_S[target])
+    from fsdp_jax.tpu_targets import device_peaks
+    p = device_peaks(target)
+    return p["flops"], p["fast"], p["slow"], p["hbm"]
+
+
+def predict(cfg, target: str, n_devices: int, result: dict[str, Any]) -> dict[str, Any] | None:
+    """Predicted step time, tokens/s per device (GPU or TPU chip; a v4 core), TFLOP/s per
+    device and MFU for one strategy's planner result on `target` (a name in SPECS or a TPU
+    generation). None when the program crosses a network whose bandwidth is unpublished
+    (v4 and v6e slices over the data-center network)."""
+    peak, nvlink, net, hbm = peaks(target)
     seq, batch = cfg.data.seq_len, cfg.train.global_batch
     tokens = seq * batch / n_devices  # per device per step
     per_token, attn = model_flops_per_token(cfg.model, seq)
@@ -56,10 +76,12 @@ def predict(cfg, target: str, n_devices: int, result: dict[str, Any]) -> dict[st
     com = result.get("communication") or {}
     total = com.get("total_wire_bytes", 0)
     cross = sum(e.get("cross_host_wire_bytes", 0) for e in com.values() if isinstance(e, dict))
-    comm_s = (total - cross) / nvlink + cross / net
+    if cross and net is None:
+        return None
+    comm_s = (total - cross) / nvlink + (cross / net if cross else 0.0)
     # the update reads grads, params and optimizer state and writes params and state
     a = result["analytic"]
-    update_s = (a["grads"] + 2 * (a["params"] + a["optimizer"])) / HBM_BYTES_PER_S[target]
+    update_s = (a["grads"] + 2 * (a["params"] + a["optimizer"])) / hbm
     step_s = max(compute_s, comm_s) + update_s
     model_flops = tokens * per_token
     g = lambda x: float(f"{x:.4g}")  # noqa: E731  (4 significant digits: tiny test steps too)
@@ -76,7 +98,8 @@ def format_predictions(doc: dict[str, Any]) -> list[str]:
         return []
     lines = ["", f"predicted step time (roofline over the compiled program's traffic; compute at "
                  f"{GEMM_EFFICIENCY:.0%} of the dense bf16 peak; fsdp_jax.app.step_time):"]
-    hdr = (f"{'strategy':<14}{'step s':>9}{'compute':>9}{'comm':>9}{'update':>9}{'tok/s/GPU':>11}"
+    per = "dev" if (doc.get("target") or {}).get("topology_name") else "GPU"  # a TPU chip (v4: core)
+    hdr = (f"{'strategy':<14}{'step s':>9}{'compute':>9}{'comm':>9}{'update':>9}{'tok/s/' + per:>11}"
            f"{'TFLOP/s':>9}{'MFU':>7}  bound")
     lines += [hdr, "-" * len(hdr)]
     for n, p in rows:
