@@ -7,7 +7,8 @@ with their ranges, so a bad number is refused by the parser naming the flag.
 
 A value outside its range (or not a number, or not finite) ends the parse with one line
 on stderr, `error: argument --steps: -5 is invalid; must be an integer >= 1`, and
-exit code 2 (scripts turn the parser's SystemExit into their return code).
+exit code 2 (`fsdp_jax.app.cli.exits.run_command` turns the parser's SystemExit into the
+command's return code).
 """
 
 from __future__ import annotations
@@ -18,7 +19,12 @@ import sys
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse with the project's error format: one line on stderr, exit code 2."""
+    """argparse with the project's error format: one line on stderr, exit code 2. The
+    description keeps its line breaks (a command's docstring, examples included)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
         print(f"error: {message}", file=sys.stderr, flush=True)
@@ -64,3 +70,9 @@ def real_in(low: float, high: float | None = None, *, above: bool = False):
     parse.__name__ = "number"
     parse.bounds = (low, high)
     return parse
+
+
+class UsageError(ValueError):
+    """Flags that parse one by one but not together (`--bin` without `--val-bin`): a
+    command's body raises it before any work; `run_command` prints `error: <message>`,
+    as the parser does, and returns exit code 2."""
