@@ -36,9 +36,9 @@ def bench_fsdp(cfg, strategy: str, devices, steps: int, warmup: int):
     import jax
     import numpy as np
 
+    from fsdp_jax.app.step_build import build_step
     from fsdp_jax.memory import compiled_memory
     from fsdp_jax.perf import time_steps
-    from fsdp_jax.app.step_build import build_step
 
     build = build_step(cfg, strategy, devices)
     state = build.init_state(jax.random.key(0))
@@ -56,12 +56,13 @@ def bench_plain_dp(cfg, devices, steps: int, warmup: int):
     import jax
     import numpy as np
     import optax
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from fsdp_jax.adapters import from_nnx
-    from fsdp_jax.memory import compiled_memory
     from fsdp_jax.app.models.llama import Llama, cross_entropy
     from fsdp_jax.app.optim import build_optimizer
+    from fsdp_jax.memory import compiled_memory
     from fsdp_jax.perf import time_steps
 
     mesh = Mesh(np.asarray(devices), ("dp",))

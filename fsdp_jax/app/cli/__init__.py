@@ -23,7 +23,8 @@ _LAZY = {"BAD_INPUT": "exits", "ENVIRONMENT": "exits", "fail": "exits", "fail_en
          "env_int": "devices", "require": "args", "check_out_file": "args", "Parser": "flags",
          "int_in": "flags", "real_in": "flags"}
 
-__all__ = sorted(_LAZY)
+__all__ = ["BAD_INPUT", "ENVIRONMENT", "Parser", "check_out_file", "env_int", "fail", "fail_env",
+           "fail_internal", "int_in", "real_in", "require", "run_command", "use_cpu_devices"]
 
 
 def __getattr__(name: str):

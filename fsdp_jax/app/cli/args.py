@@ -21,15 +21,15 @@ def add_config(ap: argparse.ArgumentParser, *, required: bool = True, default: s
     ap.add_argument("overrides", nargs="*", help=f"dotted key=value overrides, e.g. {example}")
 
 
-def add_devices(ap: argparse.ArgumentParser, default: str | None = None, help: str | None = None) -> None:
-    """`--devices N` (checked later by `fsdp_jax.app.plan_report.parse_devices`)."""
-    ap.add_argument("--devices", default=default, help=help or f"number of devices (default {default})")
+def add_devices(ap: argparse.ArgumentParser, default: str | None = None, text: str | None = None) -> None:
+    """`--devices N` (checked later by `fsdp_jax.app.plan_report.parse_devices`); `text`: its help."""
+    ap.add_argument("--devices", default=default, help=text or f"number of devices (default {default})")
 
 
 def add_target(ap: argparse.ArgumentParser) -> None:
     """The device and target flags of plan and inspect (read by
     `fsdp_jax.app.plan_report.resolve_target`)."""
-    add_devices(ap, help="number of devices (with a TPU accelerator type or --topology: implied)")
+    add_devices(ap, text="number of devices (with a TPU accelerator type or --topology: implied)")
     ap.add_argument("--target", default=None,
                     help="compile for this accelerator instead of CPU: a GPU (h100, h200, a100), a TPU "
                          "generation (v4, v5e, v5p, v6e) or accelerator type (v5p-64, v6e-256)")

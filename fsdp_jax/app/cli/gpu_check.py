@@ -29,10 +29,10 @@ def throughput(config: str, steps: int, overrides: list[str]) -> dict:
     import numpy as np
 
     from fsdp_jax.app.config import load_config
-    from fsdp_jax.memory import compiled_memory
     from fsdp_jax.app.models.llama import count_params, flops_per_token
-    from fsdp_jax.perf import device_memory, mfu, peak_flops, time_steps
     from fsdp_jax.app.step_build import build_step
+    from fsdp_jax.memory import compiled_memory
+    from fsdp_jax.perf import device_memory, mfu, peak_flops, time_steps
 
     n = jax.device_count()
     # 8 sequences of 2048 per GPU: with cuDNN attention (no saved S x S logits) and `dots`
@@ -68,8 +68,8 @@ def precision_check() -> dict:
 
     import fsdp_jax as fj
     from fsdp_jax.adapters import from_nnx
-    from fsdp_jax.app.models.llama import Llama, LlamaConfig
     from fsdp_jax.app.loop import make_loss_fn
+    from fsdp_jax.app.models.llama import Llama, LlamaConfig
 
     cfg = LlamaConfig(vocab_size=512, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768,
                       max_seq_len=256)
@@ -94,9 +94,9 @@ def collective_check() -> dict:
 
     import fsdp_jax as fj
     from fsdp_jax.adapters import from_nnx
-    from fsdp_jax.memory import collective_report
-    from fsdp_jax.app.models.llama import Llama, LlamaConfig
     from fsdp_jax.app.loop import make_loss_fn
+    from fsdp_jax.app.models.llama import Llama, LlamaConfig
+    from fsdp_jax.memory import collective_report
 
     n = jax.device_count()
     if n < 2:

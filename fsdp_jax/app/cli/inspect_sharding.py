@@ -46,8 +46,7 @@ def build_parser(prog: str | None = None) -> Parser:
 
 
 def run(args) -> int:
-    from fsdp_jax.app.plan_report import (PlanError, load_planning_config, parse_bytes,
-                                          parse_strategies, resolve_target)
+    from fsdp_jax.app.plan_report import PlanError, load_planning_config, parse_bytes, parse_strategies, resolve_target
     from fsdp_jax.strategy import get_strategy
     from fsdp_jax.xla_flags import parse_flags
 

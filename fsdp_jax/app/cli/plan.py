@@ -67,8 +67,14 @@ def run(args) -> int:
     import dataclasses
 
     from fsdp_jax.app.cli.args import check_out_file, require
-    from fsdp_jax.app.plan_report import (format_table, load_planning_config, parse_bytes,
-                                          parse_strategies, plot_plan, resolve_target)
+    from fsdp_jax.app.plan_report import (
+        format_table,
+        load_planning_config,
+        parse_bytes,
+        parse_strategies,
+        plot_plan,
+        resolve_target,
+    )
 
     n, target = resolve_target(args)
     mem = parse_bytes(args.device_memory) if args.device_memory is not None else None

@@ -36,7 +36,7 @@ def build_parser(prog: str | None = None) -> Parser:
     ap = Parser(prog=prog, description=__doc__)
     add_config(ap, example="optimizer.name=sgd")
     ap.add_argument("--strategies", default="all", help="all, or a comma list (aliases ok: ddp,zero3)")
-    add_devices(ap, "8", help="devices to verify on (default 8)")
+    add_devices(ap, "8", text="devices to verify on (default 8)")
     ap.add_argument("--steps", type=int_in(1), default=3, help="train steps compared (default 3)")
     ap.add_argument("--seed", type=int_in(0, 2**63 - 1), default=0, help="init and batch seed")
     ap.add_argument("--max-params", type=real_in(0), default=20e6,
