@@ -30,7 +30,7 @@ def run_command(parser: argparse.ArgumentParser, body: Callable[[argparse.Namesp
     try:
         return body(args)
     except UsageError as e:  # flags that do not go together: one line, as the parser's
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
         return 2
     except Exception as e:
         from fsdp_jax.app.cli.exits import BAD_INPUT, ENVIRONMENT, fail, fail_env, fail_internal
