@@ -18,8 +18,9 @@ def run_command(parser: argparse.ArgumentParser, body: Callable[[argparse.Namesp
                 argv: list[str] | None = None, *, errors: Callable[[], Errors] | None = None) -> int:
     """The one main wrapper: parse `argv` with `parser` (a bad flag: its one line, exit 2;
     `--help`: exit 0), then return `body(args)`, mapping what it raises to exit codes:
-    `UsageError` -> its line, 2 (as the parser's own errors); `BAD_INPUT` (and the command's own bad-input classes) -> one line, 2; `ENVIRONMENT`
-    (and the command's own) -> one line, 1; anything else -> `fail_internal`, 1.
+    `UsageError` -> its line, 2 (as the parser's own errors); `BAD_INPUT` (and the
+    command's own bad-input classes) -> one line, 2; `ENVIRONMENT` (and the command's
+    own) -> one line, 1; anything else -> `fail_internal`, one line, 1.
 
     `errors`: a function returning the command's extra (bad input, environment) exception
     classes, called only when `body` raises, so a command imports them lazily."""
