@@ -157,6 +157,7 @@ def test_the_shim_and_the_console_entry_give_the_same_exit_and_line(script, tmp_
     flag, values = next((f, v) for f, v in BAD_FLAG_VALUES[script].items() if not isinstance(v, str))
     for d in ("a_dir", "new", "run", "src"):
         (tmp_path / d).mkdir()
+    (tmp_path / "a_file").write_text("x")
     (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
     (tmp_path / "src" / "a.txt").write_text("some text\n" * 50)
     args = _fill(BASE_ARGS[script] + [flag, values[0]] + TAIL_ARGS.get(script, []), tmp_path)
