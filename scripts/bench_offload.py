@@ -1,91 +1,9 @@
 #!/usr/bin/env python
-"""Step time with host offload against none, interleaved so machine load hits every setting alike.
+"""`fsdp-jax bench-offload` as a script: the same flags and exit codes (fsdp_jax/app/cli/bench_offload.py)."""
 
-    python scripts/bench_offload.py --config configs/tiny.yaml [--strategy full_shard]
-        [--rounds 5] [--steps 3] [--json] [key=value ...]
-
-Builds the trainer's step (`fsdp_jax.app.step_build.build_step`) once per offload setting
-(none, optimizer, optimizer+params), compiles all three, then runs `rounds` rounds; each
-round times `steps` steps of every setting in turn (blocking on each step). Reports the
-median step time per setting, its ratio to `none`, and the host<->device bytes per step
-and device (`fsdp_jax.offload.transfer_bytes`). On CPU the memory kinds share one RAM, so
-the ratio shows the program's overhead, not PCIe time. Exit codes: 0, 2 bad input, 1 other.
-"""
-
-from __future__ import annotations
-
-import argparse
-import json
-import statistics
 import sys
-import time
 
-
-def main(argv: list[str] | None = None) -> int:
-    from fsdp_jax.app.flags import Parser, int_in
-    ap = Parser(description="offload step-time benchmark")
-    ap.add_argument("--config", required=True)
-    ap.add_argument("--strategy", default="full_shard")
-    ap.add_argument("--rounds", type=int_in(1), default=5)
-    ap.add_argument("--steps", type=int_in(1), default=3)
-    ap.add_argument("--json", action="store_true")
-    ap.add_argument("overrides", nargs="*")
-    try:
-        args = ap.parse_args(argv)
-    except SystemExit as e:
-        return 2 if e.code else 0
-
-    import jax
-    import numpy as np
-
-    from fsdp_jax.app.cli import BAD_INPUT, fail, use_cpu_devices
-    from fsdp_jax.app.config import ConfigError, load_config, validate
-    from fsdp_jax.app.step_build import build_step, sample_batch
-    from fsdp_jax.offload import OFFLOADS, OffloadError, transfer_bytes
-
-    try:
-        use_cpu_devices()
-        cfg = load_config(args.config, args.overrides)
-        validate(cfg, n_devices=jax.device_count())
-        runs = {}
-        for name in OFFLOADS:
-            import dataclasses
-            b = build_step(dataclasses.replace(cfg, offload=name), args.strategy)
-            tokens = sample_batch(cfg, b.batch, np.random.default_rng(0))
-            batch = jax.device_put(tokens, b.plan.batch)
-            state = b.init_state(jax.random.key(0))
-            compiled = b.step.lower(state, batch).compile()
-            state, m = compiled(state, batch)  # warm-up
-            float(m["loss"])
-            runs[name] = [compiled, state, batch, [], transfer_bytes(b.state, name)]
-    except (*BAD_INPUT, OffloadError, ValueError) as e:
-        return fail(e)
-    for _ in range(args.rounds):
-        for r in runs.values():
-            compiled, state, batch, times, _ = r
-            for _ in range(args.steps):
-                t = time.perf_counter()
-                state, m = compiled(state, batch)
-                float(m["loss"])
-                times.append(time.perf_counter() - t)
-            r[1] = state
-    base = statistics.median(runs["none"][3])
-    out = {"config": args.config, "strategy": args.strategy, "overrides": args.overrides,
-           "devices": jax.device_count(), "backend": jax.default_backend(),
-           "rounds": args.rounds, "steps": args.steps, "results": {}}
-    for name, (_, _, _, times, moved) in runs.items():
-        med = statistics.median(times)
-        out["results"][name] = {"step_s_median": med, "step_s_min": min(times), "ratio_to_none": med / base,
-                                "to_device_bytes": moved["to_device"], "to_host_bytes": moved["to_host"]}
-    if args.json:
-        print(json.dumps(out))
-    else:
-        for name, r in out["results"].items():
-            print(f"{name:18s} step {r['step_s_median'] * 1e3:8.1f} ms (min {r['step_s_min'] * 1e3:.1f})  "
-                  f"x{r['ratio_to_none']:.3f} vs none  host->device {r['to_device_bytes'] / 2**20:7.2f} MiB  "
-                  f"device->host {r['to_host_bytes'] / 2**20:7.2f} MiB per step per device", flush=True)
-    return 0
-
+from fsdp_jax.app.cli.bench_offload import main
 
 if __name__ == "__main__":
     sys.exit(main())

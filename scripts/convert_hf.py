@@ -1,87 +1,9 @@
 #!/usr/bin/env python
-"""Convert a Hugging Face checkpoint (Llama, Mistral, Qwen2/3, Gemma 3) into this project's params.
+"""`fsdp-jax convert` as a script: the same flags and exit codes (fsdp_jax/app/cli/convert.py)."""
 
-    python scripts/convert_hf.py checkpoints/Llama-2-7b-hf --out llama2_7b.safetensors \
-        [--dtype bfloat16] [--config-out llama2_7b_model.yaml]
-
-Reads config.json and model.safetensors (or the shards of model.safetensors.index.json),
-checks every tensor against the config (refusing what the decoder cannot
-compute: one line naming the field; docs/hf_models.md), and writes one file keyed like the trainer's
-params ("blocks/attn/wq", layers stacked on a leading dim), one leaf in host memory
-at a time. Train from it with `init_from=llama2_7b.safetensors` and the model
-section printed here (or written by --config-out). Training straight from the
-checkpoint needs no conversion: `init_from=hf:checkpoints/Llama-2-7b-hf`.
-Exit codes: 0 success, 2 bad input (one line on stderr, nothing written), 1 anything else.
-"""
-
-from __future__ import annotations
-
-import argparse
-import dataclasses
 import sys
-from pathlib import Path
 
-DTYPES = ("float32", "bfloat16", "float16")
-
-
-def main(argv: list[str] | None = None) -> int:
-    from fsdp_jax.app.flags import Parser
-    ap = Parser(description=__doc__.splitlines()[1].strip(),
-                formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("hf_dir", help="Hugging Face model directory (config.json + safetensors)")
-    ap.add_argument("--out", required=True, help="output .safetensors file (must not exist)")
-    ap.add_argument("--dtype", choices=DTYPES, default="float32",
-                    help="dtype of the written params (default float32, the trainer's params)")
-    ap.add_argument("--config-out", help="also write the model section as YAML here")
-    ap.add_argument("--no-scan", action="store_true", help="per-layer params (model.scan_layers=false)")
-    try:
-        args = ap.parse_args(argv)
-    except SystemExit as e:  # argparse printed its one-line usage error
-        return 2 if e.code else 0
-
-    import jax.numpy as jnp
-    import numpy as np
-    import yaml
-
-    from fsdp_jax.adapters import from_nnx
-    from fsdp_jax.app import hf
-    from fsdp_jax.app.cli import BAD_INPUT, fail
-    from fsdp_jax.app.models.llama import Llama, LlamaConfig
-    from fsdp_jax.safetensors_io import write_safetensors
-    from fsdp_jax.checkpoint import CheckpointError, tree_paths
-
-    from fsdp_jax.xla_flags import check_xla_flags
-    out = Path(args.out)
-    try:
-        check_xla_flags()  # before the params are built on the CPU backend
-        for p, flag in ((out, "--out"), (Path(args.config_out) if args.config_out else None, "--config-out")):
-            if p is not None and p.exists():
-                raise CheckpointError(f"{flag} {p}: already exists; choose a new path")
-            if p is not None and not p.absolute().parent.is_dir():
-                raise CheckpointError(f"{flag} {p}: its directory does not exist")
-        ckpt = hf.HFCheckpoint(args.hf_dir, base=LlamaConfig(scan_layers=not args.no_scan))
-    except BAD_INPUT as e:
-        return fail(e)
-    cfg = ckpt.config
-    want = tree_paths(from_nnx(lambda r: Llama(cfg, rngs=r)).abstract_params)
-    sources = hf.leaf_sources(cfg)
-    dt = np.dtype(jnp.dtype(args.dtype))  # bfloat16 via ml_dtypes
-    entries = [(p, tuple(sds.shape), dt) for p, sds in sorted(want.items())]
-
-    def fetch(path: str):
-        names, kind = sources[path]
-        shape = tuple(want[path].shape)
-        stacked = cfg.scan_layers and path.startswith("blocks/")
-        return ckpt.read(names, kind, tuple(slice(0, n) for n in shape), shape, dt, stacked)
-
-    size = write_safetensors(out, entries, fetch, {"format": "np", "source": f"hf:{args.hf_dir}"})
-    section = yaml.safe_dump({"model": dataclasses.asdict(cfg)}, sort_keys=False)
-    if args.config_out:
-        Path(args.config_out).write_text(section)
-    print(f"converted hf:{args.hf_dir} ({ckpt.nbytes() / 2**20:.2f} MiB stored): {len(entries)} "
-          f"tensors, {size / 2**20:.2f} MiB -> {out}\n{section}", end="", flush=True)
-    return 0
-
+from fsdp_jax.app.cli.convert import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -103,8 +103,10 @@ def _load(folder: str, name: str):
 
 
 def script(name: str):
-    """scripts/<name>.py as a module (loaded once), to call its `main(argv)` in process."""
-    return _load("scripts", name)
+    """The command module behind scripts/<name>.py (`fsdp_jax.app.cli.entry.SCRIPTS`: the
+    script is a shim over its `main`), to call `main(argv)` in process."""
+    from fsdp_jax.app.cli.entry import SCRIPTS, command_module
+    return command_module(SCRIPTS[name.removesuffix(".py")])
 
 
 def example(name: str):
@@ -113,7 +115,7 @@ def example(name: str):
 
 
 def call(name: str, *args, capsys, env: dict | None = None):
-    """(exit code, stdout, stderr) of scripts/<name>.py main(args), in this process (its 8 CPU
+    """(exit code, stdout, stderr) of scripts/<name>.py's main(args) (its command module), in this process (its 8 CPU
     devices, the repo root as working directory, `env` set for the call). One subprocess test
     per script keeps the `if __name__ == "__main__"` entry covered; the tables of bad input run
     here, without a Python start-up each."""

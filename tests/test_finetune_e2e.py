@@ -3,7 +3,6 @@ prepare_data.py --pack with the golden Llama tokenizer and its chat template -> 
 the tiny golden Llama -> example-level eval loss on the held-out examples falls, the
 metrics log trained tokens, and the run resumes from its checkpoint."""
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -33,10 +32,9 @@ def chat_set(path: Path, n: int = 240, seed: int = 0) -> Path:
 
 
 def script(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """The command module behind scripts/<name>.py (the script is a shim over its main)."""
+    from fsdp_jax.app.cli.entry import SCRIPTS, command_module
+    return command_module(SCRIPTS[name])
 
 
 @pytest.mark.slow

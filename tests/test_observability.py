@@ -8,7 +8,6 @@ import json
 import os
 import re
 import struct
-import sys
 import time
 from pathlib import Path
 
@@ -320,11 +319,8 @@ def test_cli_bad_profile_or_delay_exits_2_writing_nothing(tmp_path, args, key, c
 
 
 def test_plot_shows_the_breakdown_and_goodput(tmp_path):
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        import plot_metrics
-    finally:
-        sys.path.pop(0)
+    from fsdp_jax.app import metrics_plot as plot_metrics
+    from fsdp_jax.app.cli import plot as plot_command
     recs = [{"step": s, "loss": 3.0 - s / 10, "tokens_per_s": 100.0, "t_data_s": 0.1, "t_device_s": 0.8,
              "t_checkpoint_s": 0.0, "t_eval_s": 0.05, "t_compile_s": 2.0 if s == 2 else 0.0,
              "t_profile_s": 0.0, "t_other_s": 0.05, "t_wall_s": 1.0 + (2.0 if s == 2 else 0.0)}
@@ -336,5 +332,5 @@ def test_plot_shows_the_breakdown_and_goodput(tmp_path):
         assert sum(f[i] for f in fractions.values()) == pytest.approx(1.0)
     assert fractions["compile"][0] == pytest.approx(2 / 3) and fractions["device"][1] == pytest.approx(0.8)
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    assert plot_metrics.main([str(tmp_path)]) == 0
+    assert plot_command.main([str(tmp_path)]) == 0
     assert (tmp_path / "metrics.png").stat().st_size > 0

@@ -1,7 +1,6 @@
 """Real tokenizers (fsdp_jax.app.tokenizer) in corpora and samples, and the CPU
 walk-through of the Llama fine-tune (import, tokenize, train, export)."""
 
-import importlib.util
 import json
 import re
 import sysconfig
@@ -20,10 +19,9 @@ FILES = ("textwrap.py", "string.py", "bisect.py", "heapq.py", "keyword.py", "col
 
 
 def script(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """The command module behind scripts/<name>.py (the script is a shim over its main)."""
+    from fsdp_jax.app.cli.entry import SCRIPTS, command_module
+    return command_module(SCRIPTS[name])
 
 
 def train_bpe(out: Path, vocab: int, eos: bool = True) -> Path:

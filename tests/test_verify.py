@@ -21,7 +21,7 @@ import fsdp_jax as fj
 from fsdp_jax import axes as ax
 from fsdp_jax.verify import VerifyError
 from fsdp_jax.verify_report import TOLERANCES, default_tolerance, optimizer_kind
-from helpers import call, example, one_line, script, tiny_llama, token_batches
+from helpers import call, example, one_line, tiny_llama, token_batches
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BATCH_AXES = (ax.DATA, ax.FSDP)
@@ -341,8 +341,9 @@ def test_shrunk_dims_keep_their_divisibility_by_every_mesh_axis(config, n):
     import math
 
     from fsdp_jax.app.config import load_config
+    from fsdp_jax.app.verify_shrink import shrunk_model
     m = load_config(ROOT / "configs" / f"{config}.yaml").model
-    small, changed = script("verify").shrunk_model(m, n)
+    small, changed = shrunk_model(m, n)
     for k in ("d_model", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size"):
         a, b = getattr(m, k), getattr(small, k)
         assert b <= a and math.gcd(a, n) == math.gcd(b, n), (k, a, b)

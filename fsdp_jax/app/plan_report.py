@@ -14,14 +14,13 @@ JSON-able dicts. Building, analysing and compiling the step is `fsdp_jax.app.pla
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Sequence
 from typing import Any
 
-import jax
 import numpy as np
 
+from fsdp_jax.app.cli.devices import use_cpu_devices  # noqa: F401  (the planner's child imports it here)
 from fsdp_jax.strategy import get_strategy
 
 # The classic table's order: DDP, ZeRO-1, ZeRO-2, ZeRO-3, then HSDP.
@@ -94,22 +93,8 @@ def parse_devices(text: str | int, what: str = "--devices") -> int:
     return n
 
 
-def add_target_arguments(ap) -> None:
-    """The device and target flags plan.py and inspect_sharding.py share."""
-    ap.add_argument("--devices", default=None,
-                    help="number of devices (with a TPU accelerator type or --topology: implied)")
-    ap.add_argument("--target", default=None,
-                    help="compile for this accelerator instead of CPU: a GPU (h100, h200, a100), a TPU "
-                         "generation (v4, v5e, v5p, v6e) or accelerator type (v5p-64, v6e-256)")
-    ap.add_argument("--hosts", default=None, help="with a GPU --target: hosts the devices are spread over (default 1)")
-    ap.add_argument("--slices", default=None,
-                    help="with a TPU --target: slices over the data-center network (default 1; "
-                         "hybrid_shard puts data across them, fsdp within one)")
-    ap.add_argument("--topology", default=None, help="with a TPU --target: one slice's shape, e.g. 2x4x4 or 16x16")
-
-
 def resolve_target(args):
-    """(device count, Target or None) from `add_target_arguments`' flags; PlanError /
+    """(device count, Target or None) from the target flags (`fsdp_jax.app.cli.args.add_target`); PlanError /
     TargetError naming the flag."""
     from fsdp_jax.targets import make_target
     for flag in ("hosts", "slices", "topology"):
@@ -138,19 +123,6 @@ def check_inputs(cfg, n_devices: int, strategies: Sequence[str]) -> None:
 
 
 # ----------------------------------------------------------------------------- start-up
-
-def use_cpu_devices(n_devices: int) -> None:
-    """Before JAX initialises its backends: give the CPU backend (only; other backends
-    keep their devices) `n_devices` devices, and use the compilation cache in
-    $FSDP_JAX_CACHE_DIR when it is set. XlaFlagsError names an XLA_FLAGS entry XLA
-    would abort the process over (`fsdp_jax.xla_flags.check_xla_flags`)."""
-    from fsdp_jax.xla_flags import check_xla_flags
-    check_xla_flags()
-    jax.config.update("jax_num_cpu_devices", n_devices)
-    cache = os.environ.get("FSDP_JAX_CACHE_DIR")
-    if cache:
-        jax.config.update("jax_compilation_cache_dir", cache)
-
 
 def load_planning_config(path, overrides: Sequence[str], n_devices: int):
     """The planning scripts' start-up: the config at `path` with dotted key=value

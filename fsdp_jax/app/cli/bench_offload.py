@@ -1,0 +1,97 @@
+"""Step time with host offload against none, interleaved so machine load hits every setting alike.
+
+    python scripts/bench_offload.py --config configs/tiny.yaml [--strategy full_shard]
+        [--rounds 5] [--steps 3] [--json] [key=value ...]
+    fsdp-jax bench-offload ...   (the same command)
+
+Builds the trainer's step (`fsdp_jax.app.step_build.build_step`) once per offload setting
+(none, optimizer, optimizer+params), compiles all three, then runs `rounds` rounds; each
+round times `steps` steps of every setting in turn (blocking on each step). Reports the
+median step time per setting, its ratio to `none`, and the host<->device bytes per step
+and device (`fsdp_jax.offload.transfer_bytes`). On CPU the memory kinds share one RAM, so
+the ratio shows the program's overhead, not PCIe time. Exit codes: 0, 2 bad input, 1 other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+
+from fsdp_jax.app.cli.args import add_config
+from fsdp_jax.app.cli.flags import Parser, UsageError, int_in
+
+
+def build_parser(prog: str | None = None) -> Parser:
+    ap = Parser(prog=prog, description=__doc__)
+    add_config(ap, example="remat=full")
+    ap.add_argument("--strategy", default="full_shard", help="strategy (default full_shard)")
+    ap.add_argument("--rounds", type=int_in(1), default=5, help="rounds of every setting (default 5)")
+    ap.add_argument("--steps", type=int_in(1), default=3, help="steps per setting per round (default 3)")
+    ap.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+    return ap
+
+
+def _errors():
+    from fsdp_jax.offload import OffloadError
+    return (OffloadError,), ()
+
+
+def run(args) -> int:
+    import jax
+    import numpy as np
+
+    from fsdp_jax.app.cli.devices import use_cpu_devices
+    from fsdp_jax.app.config import load_config, validate
+    from fsdp_jax.app.step_build import build_step, sample_batch
+    from fsdp_jax.offload import OFFLOADS, transfer_bytes
+    from fsdp_jax.strategy import get_strategy
+
+    try:
+        get_strategy(args.strategy)
+    except ValueError as e:  # an unknown name, listing the choices
+        raise UsageError(f"--strategy: {e}") from None
+    use_cpu_devices()
+    cfg = load_config(args.config, args.overrides)
+    validate(cfg, n_devices=jax.device_count())
+    runs = {}
+    for name in OFFLOADS:
+        b = build_step(dataclasses.replace(cfg, offload=name), args.strategy)
+        tokens = sample_batch(cfg, b.batch, np.random.default_rng(0))
+        batch = jax.device_put(tokens, b.plan.batch)
+        state = b.init_state(jax.random.key(0))
+        compiled = b.step.lower(state, batch).compile()
+        state, m = compiled(state, batch)  # warm-up
+        float(m["loss"])
+        runs[name] = [compiled, state, batch, [], transfer_bytes(b.state, name)]
+    for _ in range(args.rounds):
+        for r in runs.values():
+            compiled, state, batch, times, _ = r
+            for _ in range(args.steps):
+                t = time.perf_counter()
+                state, m = compiled(state, batch)
+                float(m["loss"])
+                times.append(time.perf_counter() - t)
+            r[1] = state
+    base = statistics.median(runs["none"][3])
+    out = {"config": args.config, "strategy": args.strategy, "overrides": args.overrides,
+           "devices": jax.device_count(), "backend": jax.default_backend(),
+           "rounds": args.rounds, "steps": args.steps, "results": {}}
+    for name, (_, _, _, times, moved) in runs.items():
+        med = statistics.median(times)
+        out["results"][name] = {"step_s_median": med, "step_s_min": min(times), "ratio_to_none": med / base,
+                                "to_device_bytes": moved["to_device"], "to_host_bytes": moved["to_host"]}
+    if args.json:
+        print(json.dumps(out))
+    else:
+        for name, r in out["results"].items():
+            print(f"{name:18s} step {r['step_s_median'] * 1e3:8.1f} ms (min {r['step_s_min'] * 1e3:.1f})  "
+                  f"x{r['ratio_to_none']:.3f} vs none  host->device {r['to_device_bytes'] / 2**20:7.2f} MiB  "
+                  f"device->host {r['to_host_bytes'] / 2**20:7.2f} MiB per step per device", flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    from fsdp_jax.app.cli.command import run_command
+    return run_command(build_parser(prog), run, argv, errors=_errors)

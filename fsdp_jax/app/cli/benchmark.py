@@ -1,0 +1,121 @@
+"""Measure compile time, step time, tokens/s, MFU and peak memory per strategy.
+
+    fsdp-jax benchmark --config configs/tiny.yaml [--strategies full_shard,no_shard]
+        [--steps 10] [--warmup 2] [--sweep model.n_layers=4,8,16,32] [--sweep devices=1,2,4,8]
+        [--baselines] [--peak-tflops T] [--json] [--plot sweep.png] [key=value ...]
+
+(`python scripts/benchmark.py ...` is the same command; the runners are
+`fsdp_jax.app.bench`.) Inputs are random tokens (no data set needed). `--baselines` adds two reference
+rows at the same global batch: the same model on one device (`single_device`) and
+a plain hand-written JAX data-parallel loop (`plain_dp`: replicated params, batch
+sharded, `jax.jit` + `jax.value_and_grad` + optax, no fsdp_jax code in the step).
+The sweep key `devices` runs on the first N devices. The persistent compilation
+cache is off, so compile times are real. On CPU the process gets
+FSDP_JAX_CPU_DEVICES (default 8) host devices. Exit codes: 0, 2 bad input, 1 other.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+from fsdp_jax.app.cli.args import add_config
+from fsdp_jax.app.cli.flags import Parser, UsageError, int_in, real_in
+
+
+def build_parser(prog: str | None = None) -> Parser:
+    ap = Parser(prog=prog, description=__doc__)
+    add_config(ap, example="model.n_layers=4")
+    ap.add_argument("--strategies", default="full_shard,shard_grad_op,shard_opt,no_shard,hybrid_shard")
+    ap.add_argument("--steps", type=int_in(1), default=10)
+    ap.add_argument("--warmup", type=int_in(0), default=2)
+    ap.add_argument("--sweep", action="append", default=[], help="KEY=V1,V2 (repeatable)")
+    ap.add_argument("--baselines", action="store_true", help="add single_device and plain_dp rows")
+    ap.add_argument("--peak-tflops", type=real_in(0, above=True), default=None,
+                    help="peak TFLOP/s per device for MFU")
+    ap.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+    ap.add_argument("--plot", help="PNG of step time / compile time / memory against the first sweep key")
+    return ap
+
+
+def run(args) -> int:
+    import jax
+
+    from fsdp_jax.app.bench import bench_fsdp, bench_plain_dp, combos, parse_sweeps, plot
+    from fsdp_jax.app.cli.args import check_out_file, require
+    from fsdp_jax.app.cli.devices import use_cpu_devices
+    from fsdp_jax.app.config import ConfigError, check_backend, load_config, validate
+    from fsdp_jax.app.models.llama import flops_per_token
+    from fsdp_jax.perf import mfu, peak_flops
+    from fsdp_jax.precision import Policy
+    from fsdp_jax.strategy import get_strategy
+
+    use_cpu_devices()
+    if args.plot:
+        check_out_file(args.plot, "--plot")
+        require("matplotlib", "--plot")
+    try:  # ValueError names the flag
+        sweeps = parse_sweeps(args.sweep)
+        strategies = [get_strategy(s).name for s in args.strategies.split(",") if s]
+    except ValueError as e:
+        raise UsageError(" ".join(str(e).split())) from None
+    if not strategies:
+        raise ConfigError("--strategies", f"{args.strategies!r} names no strategy")
+    load_config(args.config, args.overrides)  # fail early on a bad config
+    jax.config.update("jax_enable_compilation_cache", False)  # inputs checked: time cold compiles
+    runs = []
+    for combo in combos(sweeps):
+        try:
+            n_dev = int(combo.get("devices", jax.device_count()))
+        except ValueError:
+            raise ConfigError("--sweep devices", f"{combo['devices']!r} is not an integer") from None
+        if not 1 <= n_dev <= jax.device_count():
+            raise ConfigError("--sweep devices", f"{n_dev}: choose 1..{jax.device_count()}")
+        cfg = load_config(args.config, list(args.overrides) + [f"{k}={v}" for k, v in combo.items()
+                                                                 if k != "devices"])
+        validate(cfg, n_devices=n_dev)
+        check_backend(cfg, jax.default_backend())
+        runs.append((combo, cfg, n_dev))
+
+    devices_all = jax.devices()
+    results = []
+    for combo, cfg, n_dev in runs:
+        devices = devices_all[:n_dev]
+        fpt = flops_per_token(cfg.model, cfg.data.seq_len)
+        peak = peak_flops(devices[0], Policy.parse(cfg.precision).compute_dtype.name, args.peak_tflops)
+        tokens = cfg.train.global_batch * cfg.data.seq_len
+        rows = [(s, lambda s=s: bench_fsdp(cfg, s, devices, args.steps, args.warmup)) for s in strategies]
+        if args.baselines:
+            rows.append(("single_device",
+                         lambda: bench_fsdp(cfg, "no_shard", devices[:1], args.steps, args.warmup)))
+            rows.append(("plain_dp", lambda: bench_plain_dp(cfg, devices, args.steps, args.warmup)))
+        for name, fn in rows:
+            compile_s, times, mem = fn()
+            peak_bytes = mem["peak"]
+            med = statistics.median(times)
+            rec = {"strategy": name, "devices": 1 if name == "single_device" else n_dev,
+                   "compile_s": round(compile_s, 4), "step_s_median": med, "step_s_min": min(times),
+                   "step_s_max": max(times), "tokens_per_s": tokens / med,
+                   "mfu": mfu(fpt, tokens / med, 1 if name == "single_device" else n_dev, peak),
+                   "peak_bytes": int(peak_bytes), "argument_bytes": mem["argument"],
+                   **{k: v for k, v in combo.items() if k != "devices"}}
+            results.append(rec)
+            if not args.json:
+                extra = " ".join(f"{k}={v}" for k, v in combo.items())
+                print(f"{name:14s} {extra:24s} compile {compile_s:7.2f}s  step {med * 1e3:8.1f} ms "
+                      f"[{min(times) * 1e3:.1f}-{max(times) * 1e3:.1f}]  {tokens / med:10.0f} tok/s  "
+                      f"peak {peak_bytes / 2**20:8.1f} MiB  state+batch {mem['argument'] / 2**20:7.2f} MiB",
+                      flush=True)
+    doc = {"config": args.config, "devices": jax.device_count(), "backend": jax.default_backend(),
+           "device_kind": devices_all[0].device_kind, "steps": args.steps, "overrides": args.overrides,
+           "sweeps": {k: v for k, v in sweeps}, "results": results}
+    if args.json:
+        print(json.dumps(doc))
+    if args.plot and sweeps:
+        plot(doc, sweeps[0][0], args.plot)
+    return 0
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    from fsdp_jax.app.cli.command import run_command
+    return run_command(build_parser(prog), run, argv)

@@ -1,0 +1,43 @@
+"""The one main wrapper of every command: parse, run, map exceptions to exit codes
+(`fsdp_jax.app.cli.exits`). Import-light: the error classes load only when the command's
+body raises, so `--help` and a bad flag never import JAX."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+from fsdp_jax.app.cli.flags import UsageError
+
+Classes = tuple[type[BaseException], ...]
+Errors = tuple[Classes, Classes]
+
+
+def run_command(parser: argparse.ArgumentParser, body: Callable[[argparse.Namespace], int],
+                argv: list[str] | None = None, *, errors: Callable[[], Errors] | None = None) -> int:
+    """The one main wrapper: parse `argv` with `parser` (a bad flag: its one line, exit 2;
+    `--help`: exit 0), then return `body(args)`, mapping what it raises to exit codes:
+    `UsageError` -> its line, 2 (as the parser's own errors); `BAD_INPUT` (and the
+    command's own bad-input classes) -> one line, 2; `ENVIRONMENT` (and the command's
+    own) -> one line, 1; anything else -> `fail_internal`, one line, 1.
+
+    `errors`: a function returning the command's extra (bad input, environment) exception
+    classes, called only when `body` raises, so a command imports them lazily."""
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # the parser printed its one line (or the help)
+        return 2 if e.code else 0
+    try:
+        return body(args)
+    except UsageError as e:  # flags that do not go together: one line, as the parser's
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+        return 2
+    except Exception as e:
+        from fsdp_jax.app.cli.exits import BAD_INPUT, ENVIRONMENT, fail, fail_env, fail_internal
+        bad, env = errors() if errors is not None else ((), ())
+        if isinstance(e, BAD_INPUT + bad):
+            return fail(e)
+        if isinstance(e, ENVIRONMENT + env):
+            return fail_env(e)
+        return fail_internal(e)

@@ -1,0 +1,102 @@
+"""Export a run's params as one consolidated safetensors file, or as a Hugging Face model.
+
+    fsdp-jax export RUN_DIR --out model.safetensors [--dtype bfloat16] [--step N]
+    fsdp-jax export RUN_DIR --hf OUT_DIR [--dtype bfloat16] [--max-shard-size 5GB]
+
+(`python scripts/export.py ...` is the same command.) --hf writes a directory
+`transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)` loads as the model's family
+(Llama, Mistral, Qwen2, Qwen3, Gemma 3; docs/hf_models.md): config.json,
+model.safetensors (or shards + model.safetensors.index.json above --max-shard-size) and
+the tokenizer files of the model the run was imported from (init_from=hf:DIR) or of its
+corpus (fsdp_jax.app.hf_export).
+
+RUN_DIR is a train run directory (its checkpoints/ is used) or a checkpoint
+directory. Keys are slash-separated param paths ("blocks/attn/wq"); stacked layers
+keep their leading layer dim. Leaves are read one at a time into host memory (the
+optimizer state is never read), so no accelerator is needed. The newest checkpoint
+that passes its manifest check is used unless --step is given. Train from the file
+with `init_from=model.safetensors`. Exit codes: 0 success, 2 bad input (one line on
+stderr), 1 anything else (e.g. the disk filled up while writing: no partial file is left).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from fsdp_jax.app.cli.flags import Parser, int_in
+
+DTYPES = ("float32", "bfloat16", "float16")
+_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
+
+
+def parse_size(text: str, flag: str = "--max-shard-size") -> int:
+    """A positive byte size like 5GB, 500MB or 2GiB; CheckpointError naming `flag`."""
+    from fsdp_jax.checkpoint import CheckpointError
+    t = text.strip().upper()
+    for unit, mult in sorted(_UNITS.items(), key=lambda kv: -len(kv[0])):
+        if t.endswith(unit):
+            try:
+                n = float(t[:-len(unit)])
+            except ValueError:
+                break
+            if 0 < n * mult < 2**63:  # (also refuses nan and inf)
+                return int(n * mult)
+            break
+    raise CheckpointError(f"{flag} {text!r}: expected a size like 5GB, 500MB or 2GiB")
+
+
+def build_parser(prog: str | None = None) -> Parser:
+    ap = Parser(prog=prog, description=__doc__)
+    ap.add_argument("run_dir", help="train run directory or checkpoint directory")
+    dest = ap.add_mutually_exclusive_group(required=True)
+    dest.add_argument("--out", help="output .safetensors file")
+    dest.add_argument("--hf", help="output Hugging Face model directory (must not exist)")
+    ap.add_argument("--max-shard-size", default="5GB",
+                    help="--hf: largest weight file, e.g. 5GB, 500MB (default 5GB)")
+    ap.add_argument("--dtype", choices=DTYPES, default=None,
+                    help="cast floating-point params (default: as saved)")
+    ap.add_argument("--step", type=int_in(0), default=None, help="checkpoint step (default: newest)")
+    return ap
+
+
+def _check_out_file(out: Path, flag_value: str) -> None:
+    from fsdp_jax.checkpoint import CheckpointError
+    if out.is_dir():
+        raise CheckpointError(f"--out {flag_value}: is a directory; give a file path, e.g. "
+                              f"{out / 'model.safetensors'}")
+    if not out.absolute().parent.is_dir():
+        raise CheckpointError(f"--out {flag_value}: its directory does not exist")
+    if not os.access(out.absolute().parent, os.W_OK | os.X_OK) or (
+            out.exists() and not os.access(out, os.W_OK)):
+        raise CheckpointError(f"--out {flag_value}: not writable here; choose a writable place")
+
+
+def run(args) -> int:
+    from fsdp_jax.checkpoint import CheckpointError, export_safetensors
+    from fsdp_jax.xla_flags import check_xla_flags
+
+    run_dir = Path(args.run_dir)
+    directory = run_dir / "checkpoints" if (run_dir / "checkpoints").is_dir() else run_dir
+    check_xla_flags()  # before the checkpoint is read onto the CPU backend
+    max_shard_bytes = parse_size(args.max_shard_size)  # checked whatever the destination
+    if not directory.is_dir():
+        raise CheckpointError(f"{run_dir}: no such run or checkpoint directory")
+    if args.hf:
+        from fsdp_jax.app.hf_export import export_hf
+        info = export_hf(directory, args.hf, dtype=args.dtype, step=args.step,
+                         max_shard_bytes=max_shard_bytes)
+        print(f"exported step {info['step']}: {info['tensors']} tensors in {info['files']} "
+              f"file(s), {info['bytes'] / 2**20:.2f} MiB -> {info['path']}", flush=True)
+        return 0
+    out = Path(args.out)
+    _check_out_file(out, args.out)
+    info = export_safetensors(directory, out, dtype=args.dtype, step=args.step)
+    print(f"exported step {info['step']}: {info['tensors']} tensors, {info['bytes'] / 2**20:.2f} MiB "
+          f"-> {info['path']}", flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    from fsdp_jax.app.cli.command import run_command
+    return run_command(build_parser(prog), run, argv)

@@ -1,0 +1,176 @@
+"""Peak host memory of `init_from=hf:` (fsdp_jax.app.hf.load_params) against the model's size.
+
+    python scripts/measure_hf_import.py --d-model 256 --layers 4 --vocab 2560 [--json]
+    fsdp-jax measure-hf-import ...   (the same command)
+
+Writes a random bfloat16 Hugging Face Llama checkpoint (config.json + sharded
+safetensors, no torch needed) to a temporary directory, plans full_shard over the
+8 CPU devices, then imports it, sampling this process's resident set size
+(/proc/self/status VmRSS, every 2 ms, and getrusage's exact high-water mark). On CPU
+the imported float32 params themselves live in host memory (the "devices"), so the
+figure to read is the peak increase over the params' own bytes: a loader that
+staged the whole model on the host first shows about twice the params. For
+comparison it repeats the import the naive way (read every tensor whole, convert,
+stack, then device_put the tree) in a fresh process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from fsdp_jax.app.cli.flags import Parser, int_in
+
+
+def rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class Peak:
+    """Highest VmRSS seen while the block runs (2 ms sampling)."""
+
+    def __enter__(self):
+        self.peak, self._stop = rss(), threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+        return self
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, rss())
+            time.sleep(0.002)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, rss())
+
+
+def write_checkpoint(d: Path, args) -> int:
+    import ml_dtypes
+    import numpy as np
+
+    from fsdp_jax.app.hf import expected_tensors
+    from fsdp_jax.app.models.llama import LlamaConfig
+    from fsdp_jax.safetensors_io import write_safetensors
+
+    cfg = LlamaConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.layers,
+                      n_heads=args.d_model // 64, n_kv_heads=max(1, args.d_model // 256),
+                      ffn_dim=int(args.d_model * 8 / 3) // 64 * 64, max_seq_len=256)
+    (d / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
+        "intermediate_size": cfg.ffn_dim, "max_position_embeddings": 256, "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": False}))
+    rng = np.random.default_rng(0)
+    shapes = list(expected_tensors(cfg).items())
+    files, weight_map, total = [[]], {}, 0
+    for name, shape in shapes:  # ~4 shards
+        if files[-1] and sum(int(np.prod(s)) for _, s in files[-1]) * 2 > \
+                sum(int(np.prod(s)) for _, s in shapes) * 2 / 4:
+            files.append([])
+        files[-1].append((name, shape))
+    for i, group in enumerate(files):
+        fname = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+        total += write_safetensors(
+            d / fname, [(n, s, np.dtype(ml_dtypes.bfloat16)) for n, s in group],
+            lambda n: rng.standard_normal(dict(shapes)[n], np.float32).astype(ml_dtypes.bfloat16))
+        weight_map.update({n: fname for n, _ in group})
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return total
+
+
+def measure(path: str, naive: bool) -> dict:
+    import jax
+    jax.config.update("jax_num_cpu_devices", 8)
+    import numpy as np
+    import optax
+
+    from fsdp_jax.adapters import from_nnx
+    from fsdp_jax.app import hf
+    from fsdp_jax.app.models.llama import Llama
+    from fsdp_jax.build import build
+    from fsdp_jax.mesh import make_mesh
+
+    ckpt = hf.HFCheckpoint(path)
+    m = from_nnx(lambda r: Llama(ckpt.config, rngs=r))
+    built = build(m, optax.sgd(0.1), make_mesh(1, 8, 1), "full_shard")
+    abstract = built.abstract_state.params
+    params_bytes = sum(int(np.prod(x.shape)) * 4 for x in jax.tree.leaves(abstract))
+    before, hwm_before = rss(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    with Peak() as p:
+        if naive:  # the whole model as host arrays first, then placed
+            from fsdp_jax.checkpoint import tree_paths
+            want = tree_paths(abstract)
+            full = [ckpt.read(names, kind, tuple(slice(0, n) for n in want[k].shape),
+                              tuple(want[k].shape), np.float32, k.startswith("blocks/"))
+                    for k, (names, kind) in ((k, hf.leaf_sources(ckpt.config)[k]) for k in want)]
+            params = jax.device_put(jax.tree.unflatten(jax.tree.structure(abstract), full),
+                                    jax.tree.map(lambda x: x.sharding, abstract))
+        else:
+            params = hf.load_params(ckpt, abstract)
+        jax.block_until_ready(params)
+    after = rss()
+    hwm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = max(p.peak, hwm if hwm > hwm_before else 0)
+    return {"naive": naive, "stored_bytes": ckpt.nbytes(), "params_bytes_f32": params_bytes,
+            "rss_before": before, "rss_after": after, "rss_peak": peak,
+            "peak_increase": peak - before}
+
+
+def build_parser(prog: str | None = None) -> Parser:
+    ap = Parser(prog=prog, description=__doc__)
+    ap.add_argument("--d-model", type=int_in(8, 1 << 16), default=256)
+    ap.add_argument("--layers", type=int_in(1, 1024), default=4)
+    ap.add_argument("--vocab", type=int_in(2, 1 << 20), default=2560)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    return ap
+
+
+def run(args) -> int:
+    if args.child:
+        print(json.dumps(measure(args.child[0], args.child[1] == "naive")))
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        write_checkpoint(Path(tmp), args)
+        rows = []
+        for mode in ("sharded", "naive"):
+            r = subprocess.run([sys.executable, "-m", "fsdp_jax.app.cli", "measure-hf-import", "--child",
+                                tmp, mode], capture_output=True, text=True,
+                               env=dict(os.environ, JAX_PLATFORMS="cpu"))
+            if r.returncode:
+                print(r.stderr[-2000:], file=sys.stderr)
+                return 1
+            rows.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    mib = 2**20
+    print(f"checkpoint: {rows[0]['stored_bytes'] / mib:.1f} MiB bf16 -> "
+          f"{rows[0]['params_bytes_f32'] / mib:.1f} MiB float32 params over 8 CPU devices")
+    print(f"{'import':<9}{'RSS before':>12}{'peak':>10}{'peak - before':>15}{'/ params':>10}{'/ stored':>10}")
+    for r in rows:
+        inc = r["rss_peak"] - r["rss_before"]
+        print(f"{'naive' if r['naive'] else 'sharded':<9}{r['rss_before'] / mib:>10.1f}M"
+              f"{r['rss_peak'] / mib:>9.1f}M{inc / mib:>13.1f}M{inc / r['params_bytes_f32']:>10.2f}"
+              f"{inc / r['stored_bytes']:>10.2f}")
+    return 0
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    from fsdp_jax.app.cli.command import run_command
+    return run_command(build_parser(prog), run, argv)

@@ -1,0 +1,161 @@
+"""Prepare a token corpus directory (train.bin, val.bin, meta.json) for training.
+
+    fsdp-jax prepare --out data/stdlib --stdlib
+    fsdp-jax prepare --out data/mine notes/ book.txt --pattern '*.txt'
+    fsdp-jax prepare --out data/mine --bin train.bin --val-bin val.bin --vocab-size 32000
+    fsdp-jax prepare --out data/mine docs/ --tokenizer checkpoints/Llama-2-7b-hf
+
+(`python scripts/prepare_data.py ...` is the same command.) --tokenizer takes a Hugging Face tokenizer.json, a SentencePiece .model or a model
+directory holding one: each file (each line of a .jsonl file, {"text": ...}) is a
+document, encoded as encode(doc) + [eos], with the library's threads and a progress
+bar; token dtype from the vocab size; meta.json records the tokenizer so the
+trainer's text sample decodes with it. --model DIR (a Hugging Face model) checks
+that the tokenizer's vocab fits the model's before anything is written.
+
+--pack ROW_LEN prepares fine-tuning examples instead (docs/finetuning_data.md): each
+.jsonl line is a chat {"messages": [...]} (rendered with the tokenizer's chat template),
+an instruction {"prompt", "completion"} or a plain {"text"}; a text file is one plain
+example. Only assistant turns / completions are trained on (--train-on-all: every
+token); examples are packed into rows of ROW_LEN tokens with segment ids, longer ones
+truncated or split (--overflow); the packing report is printed. --workers N renders
+and tokenizes in N processes (the output is identical to one worker's).
+
+    fsdp-jax prepare --out data/sft chats.jsonl --pack 512 --tokenizer ckpt/
+
+Exit codes: 0 success, 2 bad input (one line on stderr), 1 anything else (the disk, an
+I/O error: one line, nothing half-written).
+"""
+
+from __future__ import annotations
+
+import os
+
+from fsdp_jax.app.cli.flags import Parser, UsageError, int_in
+
+
+def build_parser(prog: str | None = None) -> Parser:
+    p = Parser(prog=prog, description=__doc__)
+    p.add_argument("sources", nargs="*", help="text files or directories (searched recursively)")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--stdlib", action="store_true", help="use this Python's stdlib source")
+    p.add_argument("--pattern", default="*", help="file glob inside directories (default '*')")
+    p.add_argument("--val-fraction", type=float, default=0.05)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bin", help="pre-tokenized train token file")
+    p.add_argument("--val-bin", help="pre-tokenized val token file")
+    p.add_argument("--vocab-size", type=int, help="vocabulary of the --bin files")
+    p.add_argument("--dtype", choices=("uint16", "uint32"), help="dtype of the --bin files")
+    p.add_argument("--tokenizer", default="bytes",
+                   help="bytes (default), a tokenizer.json, a SentencePiece .model or a model dir")
+    p.add_argument("--eos", help="end-of-document token (default: from the tokenizer)")
+    p.add_argument("--threads", type=int_in(1), default=None, help="encoding threads (default: all)")
+    p.add_argument("--model", help="Hugging Face model dir whose vocab_size the tokenizer must fit")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--pack", type=int_in(2), metavar="ROW_LEN",
+                   help="fine-tuning examples packed into rows of ROW_LEN tokens")
+    p.add_argument("--train-on-all", action="store_true",
+                   help="--pack: train on every token (default: assistant turns / completions only)")
+    p.add_argument("--overflow", choices=("truncate", "split"), default="truncate",
+                   help="--pack: an example longer than a row is truncated (default) or split")
+    p.add_argument("--chat-template", help="--pack: a jinja chat template file (default: the tokenizer's)")
+    p.add_argument("--workers", type=int_in(1), default=1,
+                   help="--pack: processes rendering and tokenizing examples (default 1; same output)")
+    return p
+
+
+def check_flags(args) -> None:
+    """UsageError for flags that do not go together or are out of range (before any work)."""
+    if args.threads is not None and args.threads < 1:
+        raise UsageError(f"--threads {args.threads}: must be >= 1")
+    if args.pack is not None:
+        if not args.sources:
+            raise UsageError("--pack needs SOURCES... (jsonl or text files)")
+        if not 2 <= args.pack < 2**16:
+            raise UsageError(f"--pack {args.pack}: must be in 2..65535")
+    elif args.train_on_all or args.chat_template or args.overflow != "truncate" or args.workers != 1:
+        raise UsageError("--train-on-all, --overflow, --chat-template and --workers need --pack")
+    modes = [bool(args.sources), args.stdlib, args.bin is not None]
+    if sum(modes) != 1:
+        raise UsageError("give exactly one of: SOURCES..., --stdlib, --bin")
+    if args.bin is not None and (args.val_bin is None or args.vocab_size is None):
+        raise UsageError("--bin needs --val-bin and --vocab-size")
+    if args.tokenizer != "bytes" and not args.sources and not args.stdlib:
+        raise UsageError("--tokenizer applies to SOURCES... or --stdlib, not to --bin files")
+    if (args.eos or args.model) and args.tokenizer == "bytes":
+        raise UsageError("--eos and --model need --tokenizer")
+    if not 0 < args.val_fraction < 1:  # (also rejects nan)
+        raise UsageError(f"--val-fraction {args.val_fraction}: must be in (0, 1)")
+    if args.seed < 0:
+        raise UsageError(f"--seed {args.seed}: must be >= 0")
+    if args.vocab_size is not None and not 0 < args.vocab_size <= 2**32:
+        raise UsageError(f"--vocab-size {args.vocab_size}: must be in 1..2**32")
+
+
+def _check_vocab(args) -> None:
+    """--model: the tokenizer's vocab must fit the model's embedding table."""
+    from fsdp_jax.app.data import DataError
+    from fsdp_jax.app.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(args.tokenizer, args.eos)
+    if args.model:
+        from fsdp_jax.app.hf import model_config_from_hf, read_config_json
+
+        vocab = model_config_from_hf(read_config_json(args.model), f"{args.model}/config.json").vocab_size
+        if tok.vocab_size > vocab:
+            raise DataError(f"--tokenizer {args.tokenizer}: vocab size {tok.vocab_size} exceeds "
+                             f"--model {args.model} vocab_size {vocab}; use the model's own tokenizer")
+
+
+def _errors():
+    from fsdp_jax.app.tokenizer import TokenizerError
+    return (TokenizerError,), ()
+
+
+def run(args) -> int:
+    check_flags(args)
+    if args.threads:  # Hugging Face tokenizers take their thread count from the environment
+        os.environ["RAYON_NUM_THREADS"] = str(args.threads)
+    from fsdp_jax.app import data  # after the flags are checked: --help and bad flags stay fast
+
+    problem = data.dir_problem(args.out)
+    if problem:
+        raise UsageError(f"--out {args.out!r} {problem}")
+    if args.pack is not None:
+        if args.tokenizer != "bytes":
+            _check_vocab(args)
+        from fsdp_jax.app.sft_data import prepare_examples
+        meta = prepare_examples(args.sources, args.out, args.pack, args.val_fraction, args.seed,
+                                tokenizer=args.tokenizer, pattern=args.pattern, eos=args.eos,
+                                chat_template=args.chat_template,
+                                train_on="all" if args.train_on_all else "targets",
+                                overflow=args.overflow, threads=args.threads,
+                                progress=not args.no_progress, workers=args.workers)
+        pk = meta["packing"]
+        print(f"{args.out}: {meta['examples']:,} examples ({', '.join(f'{k} {v}' for k, v in meta['kinds'].items())}) "
+              f"-> train {meta['train_rows']:,} rows, val {meta['val_rows']:,} rows of {meta['row_len']} "
+              f"tokens; packing efficiency {pk['efficiency']:.2%}; truncated {pk['truncated']}, "
+              f"split {pk['split']}, skipped (nothing to train on) {pk['empty']}"
+              + (f", first at {meta['first_empty']}" if meta["first_empty"] else ""))
+        return 0
+    if args.bin is not None:
+        meta = data.prepare_bin(args.bin, args.val_bin, args.out, args.vocab_size, args.dtype)
+    elif args.tokenizer != "bytes":
+        _check_vocab(args)
+        tok = dict(tokenizer=args.tokenizer, eos=args.eos, threads=args.threads,
+                   progress=not args.no_progress)
+        meta = (data.prepare_stdlib(args.out, args.val_fraction, args.seed, **tok) if args.stdlib
+                else data.prepare_text(args.sources, args.out, args.val_fraction, args.seed,
+                                       pattern=args.pattern, **tok))
+    elif args.stdlib:
+        meta = data.prepare_stdlib(args.out, args.val_fraction, args.seed)
+    else:
+        meta = data.prepare_text(args.sources, args.out, args.val_fraction, args.seed,
+                                 pattern=args.pattern)
+    print(f"{args.out}: train {meta['train_tokens']:,} tokens, val {meta['val_tokens']:,} tokens "
+          f"(vocab {meta['vocab_size']}, {meta['dtype']})")
+    return 0
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    from fsdp_jax.app.cli.command import run_command
+    return run_command(build_parser(prog), run, argv, errors=_errors)

@@ -1,0 +1,125 @@
+"""Does the trainer's model train the same on one device and under each strategy on N?
+
+    fsdp-jax verify --config configs/tiny.yaml
+    fsdp-jax verify --config configs/llama2_7b.yaml --devices 8 --steps 3 --json
+    fsdp-jax verify --config configs/small.yaml --strategies zero3,ddp optimizer.name=sgd
+
+(`python scripts/verify.py ...` is the same command.) `fsdp_jax.verify` on the config's
+model (fsdp_jax/app/models/llama.py), loss, optimizer, precision, remat, microbatches and clipping, with random tokens of the config's batch
+shape: `--steps` steps on one device, the same steps under each strategy on `--devices`
+devices (fake CPU devices when this machine has fewer). The optimizer runs at its peak
+learning rate (warmup skipped) so that the few steps make full-size updates.
+
+A config too big for this machine (over --max-params, default 20M) is verified at a
+reduced depth and width that keeps every sharding decision: each dim shrinks to a size
+with the same divisibility by the device count (so by every mesh axis), the logical names
+are the model's own, `mesh.min_shard_size` is rescaled so the same params stay
+replicated, and the per-param specs of the full and the reduced model are compared
+under every strategy before anything runs (`fsdp_jax.app.verify_shrink`). The output
+says which dims shrank and to what. Trailing key=value arguments override the config as in `fsdp-jax train`.
+
+Exit codes: 0 every strategy passed, 1 a strategy failed verification (or an
+environment failure), 2 bad input (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+
+from fsdp_jax.app.cli.args import add_config, add_devices
+from fsdp_jax.app.cli.flags import Parser, int_in, real_in
+
+
+def build_parser(prog: str | None = None) -> Parser:
+    ap = Parser(prog=prog, description=__doc__)
+    add_config(ap, example="optimizer.name=sgd")
+    ap.add_argument("--strategies", default="all", help="all, or a comma list (aliases ok: ddp,zero3)")
+    add_devices(ap, "8", text="devices to verify on (default 8)")
+    ap.add_argument("--steps", type=int_in(1), default=3, help="train steps compared (default 3)")
+    ap.add_argument("--seed", type=int_in(0, 2**63 - 1), default=0, help="init and batch seed")
+    ap.add_argument("--max-params", type=real_in(0), default=20e6,
+                    help="shrink models with more params than this (0: never shrink)")
+    ap.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+    return ap
+
+
+def _errors():
+    from fsdp_jax.app.plan_report import PlanError
+    from fsdp_jax.verify import VerifyError
+    return (PlanError, VerifyError), ()
+
+
+def run(args) -> int:
+    from fsdp_jax.app.cli.devices import use_cpu_devices
+    from fsdp_jax.app.config import load_config, validate
+    from fsdp_jax.app.plan_report import parse_devices, parse_strategies
+
+    n = parse_devices(args.devices)
+    strategies = parse_strategies(args.strategies)
+    cfg = load_config(args.config, args.overrides)
+    validate(cfg)
+    use_cpu_devices(n)  # before JAX starts: n CPU devices when this machine has fewer
+
+    import jax
+    import numpy as np
+
+    from fsdp_jax.adapters import from_nnx
+    from fsdp_jax.app.cli.exits import fail_env
+    from fsdp_jax.app.loop import make_loss_fn
+    from fsdp_jax.app.models.llama import Llama, count_params
+    from fsdp_jax.app.optim import build_optimizer
+    from fsdp_jax.app.verify_shrink import shrink_config
+    from fsdp_jax.verify import devices_for, verify
+
+    devices = devices_for(n)
+    if devices is None:
+        print(f"error: --devices {n}: this machine has {len(jax.devices())} devices", file=sys.stderr)
+        return 1
+    notes, changed = [], {}
+    n_params = count_params(cfg.model)
+    if args.max_params and n_params > args.max_params:
+        try:
+            cfg, changed, more = shrink_config(cfg, n, strategies, devices)
+        except RuntimeError as e:  # cannot shrink keeping the decisions: exit 1, one line
+            return fail_env(e)
+        reduced = count_params(cfg.model) / 1e6
+        notes += [f"{n_params / 1e6:.1f}M params: shrunk to verify on CPU ({reduced:.2f}M); "
+                  + ", ".join(f"{k} {a} -> {b}" for k, a, b in ((k, *v) for k, v in changed.items())),
+                  "kept: every dim's divisibility by the device count, the logical names, "
+                  "global_batch, precision, remat, microbatches, optimizer"] + more
+    if cfg.model.attention != "xla" and devices[0].platform == "cpu":
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="xla"))
+        notes.append("model.attention cudnn -> xla (CPU devices)")
+    if cfg.mesh.tensor != 1:
+        notes.append(f"mesh.tensor={cfg.mesh.tensor} ignored: verify compares the data-parallel "
+                     "strategies on (data, fsdp) meshes")
+    notes.append(f"optimizer {cfg.optimizer.name} at its peak lr {cfg.optimizer.lr:g} (warmup skipped); "
+                 f"batches: random tokens ({cfg.train.global_batch}, {cfg.data.seq_len + 1})")
+
+    model = from_nnx(lambda rngs: Llama(cfg.model, rngs=rngs, remat=cfg.remat))
+    optimizer, _ = build_optimizer(dataclasses.replace(cfg.optimizer, warmup_steps=0), cfg.train.steps)
+    rng = np.random.default_rng(args.seed)
+    batches = [rng.integers(0, cfg.model.vocab_size, (cfg.train.global_batch, cfg.data.seq_len + 1),
+                            dtype=np.int32) for _ in range(args.steps)]
+    report = verify(model, optimizer, make_loss_fn(model), batches=batches, strategies=strategies,
+                    devices=n, steps=args.steps, seed=args.seed, precision=cfg.precision,
+                    microbatches=cfg.train.microbatches, clip_norm=cfg.optimizer.clip_norm,
+                    min_shard_size=cfg.mesh.min_shard_size)
+    if args.json:
+        doc = {"config": args.config, "shrunk": {k: list(v) for k, v in changed.items()},
+               "notes": notes, **report.to_dict()}
+        json.dump(doc, sys.stdout, indent=1)
+        print()
+    else:
+        print(f"config {args.config}")
+        for line in notes:
+            print(f"  {line}")
+        print(report.format())
+    return 0 if report.passed else 1
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    from fsdp_jax.app.cli.command import run_command
+    return run_command(build_parser(prog), run, argv, errors=_errors)

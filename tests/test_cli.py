@@ -1,0 +1,240 @@
+"""The command-line package (fsdp_jax/app/cli): `fsdp-jax <command>`, the scripts/ shims over
+the same commands, the one parser and the one main wrapper's exit codes."""
+
+import ast
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+from test_hostile_flags import BAD_FLAG_VALUES, BASE_ARGS, TAIL_ARGS, _fill
+
+from fsdp_jax.app.cli import command as command_lib
+from fsdp_jax.app.cli import entry
+from fsdp_jax.app.cli.flags import Parser, UsageError
+from helpers import one_line
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIMS = sorted(p.stem for p in (ROOT / "scripts").glob("*.py"))
+
+
+def run_entry(argv, capsys):
+    """(exit code, stdout, stderr) of the `fsdp-jax` console entry called with `argv`, in process."""
+    capsys.readouterr()
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        rc = entry.main([str(a) for a in argv])
+    finally:
+        os.chdir(cwd)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+# ----------------------------------------------------------------------------- help
+
+
+@pytest.mark.parametrize("command", list(entry.COMMANDS))
+def test_every_command_has_help(command, capsys):
+    rc, out, err = run_entry([command, "--help"], capsys)
+    assert rc == 0 and not err
+    assert out.startswith(f"usage: fsdp-jax {command} ")
+    module = entry.command_module(command)
+    assert module.__doc__.split("\n")[0] in out  # the command's own description
+
+
+def test_top_level_help_lists_every_command(capsys):
+    rc, out, err = run_entry(["--help"], capsys)
+    assert rc == 0 and not err
+    listed = [line.split()[0] for line in out.split("commands:\n")[1].splitlines() if line.startswith("  ")]
+    assert listed == list(entry.COMMANDS)
+
+
+@pytest.mark.parametrize("argv, words", [([], "required: COMMAND"), (["trian"], "invalid choice: 'trian'"),
+                                         (["--bogus"], "required: COMMAND"),
+                                         (["train", "--bogus", "--config", "configs/tiny.yaml"],
+                                          "unrecognized arguments: --bogus"),
+                                         (["plan"], "required: --config"),
+                                         (["export", "run"], "one of the arguments --out --hf is required")])
+def test_entry_usage_errors_are_one_line_exit_2(argv, words, capsys):
+    rc, out, err = run_entry(argv, capsys)
+    assert words in one_line(rc, err) and not out
+
+
+# ----------------------------------------------------------------------------- bad flags, both ways
+
+
+def _first_bad_values():
+    """(script, command, flag, value, argv) for the first bad value of every flag of every script
+    (tests/test_hostile_flags.py's table)."""
+    for script, table in BAD_FLAG_VALUES.items():
+        for flag, values in table.items():
+            if not isinstance(values, str):
+                yield (script, entry.SCRIPTS[script], flag, values[0],
+                       BASE_ARGS[script] + [flag, values[0]] + TAIL_ARGS.get(script, []))
+
+
+BAD = list(_first_bad_values())
+
+
+@pytest.mark.parametrize("script, command, flag, value, argv", BAD, ids=[f"{b[1]}{b[2]}" for b in BAD])
+def test_bad_flags_through_the_entry_are_one_line_exit_2(script, command, flag, value, argv, tmp_path, capsys,
+                                                         compilation_cache_restored):
+    """Every flag's bad value, given to `fsdp-jax <command>`: one line naming it, exit 2,
+    nothing written, and the same line the script's main gives."""
+    for d in ("a_dir", "new", "run", "src"):
+        (tmp_path / d).mkdir()
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    (tmp_path / "src" / "a.txt").write_text("some text to tokenize\n" * 50)
+    args = _fill(argv, tmp_path)
+    before = sorted(tmp_path.rglob("*"))
+    rc, _, err = run_entry([command, *args], capsys)
+    line = one_line(rc, err)
+    assert flag in line or _fill([value], tmp_path)[0] in line, line
+    assert sorted(tmp_path.rglob("*")) == before
+    # the module behind scripts/<script>.py, called as the script calls it
+    capsys.readouterr()
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        rc2 = entry.script_main(script, args)
+    finally:
+        os.chdir(cwd)
+    assert (rc2, capsys.readouterr().err) == (rc, err)
+
+
+# ----------------------------------------------------------------------------- the shims
+
+
+def test_every_script_is_a_shim_over_its_command():
+    """scripts/<name>.py imports `main` from the command's module and calls it: nothing else."""
+    assert sorted(entry.SCRIPTS) == SHIMS, "add the script to fsdp_jax.app.cli.entry.SCRIPTS"
+    assert set(entry.SCRIPTS.values()) == set(entry.COMMANDS)
+    for name in SHIMS:
+        text = (ROOT / "scripts" / f"{name}.py").read_text()
+        tree = ast.parse(text)
+        imports = [n for n in tree.body if isinstance(n, ast.ImportFrom)]
+        module = f"fsdp_jax.app.cli.{entry.COMMANDS[entry.SCRIPTS[name]][0]}"
+        assert [(i.module, [a.name for a in i.names]) for i in imports] == [(module, ["main"])], name
+        assert len([n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]) == 0, name
+        assert len(text.splitlines()) <= 12, name
+
+
+def test_one_parser_class_and_one_use_cpu_devices():
+    """The argparse subclass and `use_cpu_devices` are defined once (fsdp_jax/app/cli)."""
+    sources = [p for d in ("fsdp_jax", "scripts", "examples", "benchmarks") for p in (ROOT / d).rglob("*.py")]
+    parsers, devices = [], []
+    for p in sources:
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ClassDef) and any(
+                    getattr(b, "attr", getattr(b, "id", "")) == "ArgumentParser" for b in node.bases):
+                parsers.append(f"{p.relative_to(ROOT)}:{node.name}")
+            if isinstance(node, ast.FunctionDef) and node.name == "use_cpu_devices":
+                devices.append(str(p.relative_to(ROOT)))
+    assert parsers == ["fsdp_jax/app/cli/flags.py:Parser"]
+    assert devices == ["fsdp_jax/app/cli/devices.py"]
+
+
+def _console(*args, cwd=ROOT):
+    """`fsdp-jax ARGS` as pip's console-script wrapper runs it: the entry point declared in
+    pyproject.toml's [project.scripts], called with sys.argv[0] = 'fsdp-jax'."""
+    target = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]["fsdp-jax"]
+    module, func = target.split(":")
+    code = f"import sys; sys.argv[0] = 'fsdp-jax'; from {module} import {func}; sys.exit({func}())"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, "-c", code, *map(str, args)], cwd=cwd, capture_output=True,
+                          text=True, env=env, timeout=120)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", SHIMS)
+def test_the_shim_and_the_console_entry_give_the_same_exit_and_line(script, tmp_path):
+    """`python scripts/X.py <bad flag>` and `fsdp-jax <command> <bad flag>` (the declared entry
+    point, in a fresh process each): the same exit code 2 and the same one line."""
+    flag, values = next((f, v) for f, v in BAD_FLAG_VALUES[script].items() if not isinstance(v, str))
+    for d in ("a_dir", "new", "run", "src"):
+        (tmp_path / d).mkdir()
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    (tmp_path / "src" / "a.txt").write_text("some text\n" * 50)
+    args = _fill(BASE_ARGS[script] + [flag, values[0]] + TAIL_ARGS.get(script, []), tmp_path)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    shim = subprocess.run([sys.executable, str(ROOT / "scripts" / f"{script}.py"), *args], cwd=ROOT,
+                          capture_output=True, text=True, env=env, timeout=120)
+    console = _console(entry.SCRIPTS[script], *args)
+    assert (shim.returncode, shim.stderr, shim.stdout) == (console.returncode, console.stderr, console.stdout)
+    one_line(shim.returncode, shim.stderr)
+
+
+@pytest.mark.slow
+def test_console_entry_help_and_unknown_command():
+    r = _console("--help")
+    assert r.returncode == 0 and "usage: fsdp-jax" in r.stdout and "measure-hf-import" in r.stdout
+    r = _console("nope")
+    assert one_line(r.returncode, r.stderr).startswith("error: argument COMMAND: invalid choice: 'nope'")
+    r = _console("verify", "--help")
+    assert r.returncode == 0 and r.stdout.startswith("usage: fsdp-jax verify ")
+
+
+# ----------------------------------------------------------------------------- the main wrapper
+
+
+def _raise(e):
+    def body(args):
+        raise e
+    return body
+
+
+def _make(kind, msg):
+    from fsdp_jax.app.config import ConfigError
+    from fsdp_jax.app.run_dir import RunDirBusy
+    from fsdp_jax.checkpoint import CheckpointError, CheckpointWriteError
+    return {"config": ConfigError("train.steps", msg), "checkpoint": CheckpointError(msg),
+            "missing": FileNotFoundError(msg), "usage": UsageError(msg),
+            "write": CheckpointWriteError(msg), "busy": RunDirBusy(msg), "disk": OSError(28, msg),
+            "bug": IndexError(msg), "oom": RuntimeError(f"RESOURCE_EXHAUSTED: {msg}")}[kind]
+
+
+# kind of exception -> exit code (2: the user's input; 1: the environment or a bug)
+WRAPPER_TABLE = [("config", 2), ("checkpoint", 2), ("missing", 2), ("usage", 2), ("write", 1), ("busy", 1),
+                 ("disk", 1), ("bug", 1), ("oom", 1)]
+
+
+@pytest.mark.parametrize("kind, code", WRAPPER_TABLE)
+def test_run_command_maps_what_the_body_raises_to_one_line_and_its_exit_code(kind, code, capsys, monkeypatch):
+    monkeypatch.delenv("FSDP_JAX_TRACEBACK", raising=False)
+    rc = command_lib.run_command(Parser(prog="t"), _raise(_make(kind, "it went\nwrong here")), [])
+    err = capsys.readouterr().err
+    assert "it went wrong here" in one_line(rc, err, code=code)
+    if kind == "bug":
+        assert "IndexError" in err and "FSDP_JAX_TRACEBACK=1" in err
+
+
+def test_run_command_takes_a_commands_own_error_classes(capsys):
+    class Mine(RuntimeError):
+        pass
+    errors = lambda: ((Mine,), ())  # noqa: E731
+    assert command_lib.run_command(Parser(), _raise(Mine("bad thing")), [], errors=errors) == 2
+    assert capsys.readouterr().err == "error: bad thing\n"
+    errors = lambda: ((), (Mine,))  # noqa: E731
+    assert command_lib.run_command(Parser(), _raise(Mine("gone")), [], errors=errors) == 1
+    assert capsys.readouterr().err == "error: gone\n"
+
+
+def test_run_command_traceback_on_request(monkeypatch):
+    monkeypatch.setenv("FSDP_JAX_TRACEBACK", "1")
+    with pytest.raises(KeyError):
+        command_lib.run_command(Parser(), _raise(KeyError("x")), [])
+
+
+def test_parser_errors_never_reach_the_body(capsys):
+    ap = Parser()
+    ap.add_argument("--n", type=int, required=True)
+    called = []
+    assert command_lib.run_command(ap, called.append, ["--n", "x"]) == 2
+    assert one_line(2, capsys.readouterr().err).startswith("error: argument --n: invalid int value")
+    assert command_lib.run_command(ap, lambda a: called.append(a) or 0, ["--help"]) == 0
+    assert not called
