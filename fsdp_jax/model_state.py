@@ -33,11 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from fsdp_jax import rules as rl
-
-
-class StateError(ValueError):
-    """The model's state is misused: a loss that does not return the updated state, a
-    state whose structure or shapes change, a collection nobody declared. One line."""
+from fsdp_jax.errors import StateError  # noqa: F401 (re-exported)
 
 
 class StepInput(NamedTuple):

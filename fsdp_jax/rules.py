@@ -30,6 +30,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from fsdp_jax import axes as ax
 from fsdp_jax.reasons import Note, Why, format_note, format_notes  # noqa: F401 (re-exported)
+from fsdp_jax.errors import ShardingError, UnknownNamesWarning, ReplicatedWarning  # noqa: F401 (re-exported)
 
 MeshAxes = str | tuple[str, ...] | None
 Rules = Mapping[str, MeshAxes]
@@ -54,19 +55,6 @@ DEFAULT_MAX_REPLICATED_FRACTION = 0.02
 # fraction: 16 MiB per device is noise on any accelerator, while a small model
 # (biases, norms, a 64-wide MLP) can easily be mostly below min_shard_size.
 DEFAULT_MIN_REPLICATED_BYTES = 16 << 20
-
-
-class ShardingError(ValueError):
-    """A leaf or tree that cannot be sharded as asked; the message names the fix."""
-
-
-class UnknownNamesWarning(UserWarning):
-    """Logical names the rules table does not map: those dims get no mesh axis."""
-
-
-class ReplicatedWarning(UserWarning):
-    """More than the allowed fraction of parameter bytes is replicated, but so few
-    bytes that replicating them costs no memory worth refusing the run for."""
 
 
 # ----------------------------------------------------------------------------- decisions

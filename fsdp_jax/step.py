@@ -51,6 +51,7 @@ from fsdp_jax.mesh import constrain
 from fsdp_jax.precision import Policy, cast_params_for_compute
 from fsdp_jax.state import TrainState, state_shardings
 from fsdp_jax.strategy import ShardingPlan, batch_divisor
+from fsdp_jax.errors import BatchError  # noqa: F401 (re-exported)
 
 LossFn = Callable[[Any, Any], Any]  # (params, batch) -> loss or (loss, aux); loss: scalar or TokenSum
 
@@ -74,10 +75,6 @@ def normalize(loss, grads):
         return loss, grads
     n = jnp.maximum(loss.count, 1.0)
     return loss.total / n, jax.tree.map(lambda g: (g / n).astype(g.dtype), grads)
-
-
-class BatchError(ValueError):
-    """A batch whose leading dim cannot be split over the devices / microbatches."""
 
 
 @contextlib.contextmanager

@@ -39,18 +39,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fsdp_jax import tpu_targets as tpu
+from fsdp_jax.errors import TargetError, PluginMissing  # noqa: F401 (re-exported)
 
 _DATA = Path(__file__).resolve().parent / "gpu_targets"
 PLUGIN_PACKAGES = ("jax-cuda12-plugin", "jax-cuda12-pjrt")
 INSTALL_HINT = "python -m fsdp_jax.targets install"
-
-
-class TargetError(ValueError):
-    """Bad target input (unknown name, topology that does not divide) or a missing plugin."""
-
-
-class PluginMissing(TargetError):
-    """The compile-only plugin (CUDA) or libtpu is not installed for this jax."""
 
 
 @dataclass(frozen=True)

@@ -33,14 +33,7 @@ from fsdp_jax.app.models.rope import ROPE_TYPES
 from fsdp_jax.offload import OFFLOADS
 from fsdp_jax.remat import REMAT_POLICIES
 from fsdp_jax.strategy import ALIASES, STRATEGIES
-
-
-class ConfigError(ValueError):
-    """A bad config value; `key` is the dotted key (or file) the message names."""
-
-    def __init__(self, key: str, message: str):
-        self.key = key
-        super().__init__(f"{key}: {message}")
+from fsdp_jax.errors import ConfigError  # noqa: F401 (re-exported)
 
 
 # The model section is the reference model's own config dataclass.

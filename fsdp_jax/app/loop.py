@@ -55,14 +55,11 @@ from fsdp_jax.build import build
 from fsdp_jax.state import TrainState
 from fsdp_jax.step import TokenSum
 from fsdp_jax.strategy import ShardingPlan
+from fsdp_jax.errors import TrainingDiverged  # noqa: F401 (re-exported)
 
 # Test hook: comma-separated step numbers (1-based, as logged) whose loss is made NaN
 # by feeding an out-of-range token (jnp.take fills it with NaN), e.g. "5,6,7".
 INJECT_NAN_ENV = "FSDP_JAX_INJECT_NAN_STEPS"
-
-
-class TrainingDiverged(RuntimeError):
-    """`train.max_nonfinite_steps` skipped steps in a row; the checkpoints are intact."""
 
 
 @dataclasses.dataclass

@@ -23,14 +23,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from fsdp_jax.errors import TokenizerError  # noqa: F401 (re-exported)
 
 # Tried in order when neither --eos nor a tokenizer_config.json names the EOS token.
 EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eot_id|>")
 BATCH_BYTES = 4 << 20  # text per encode call
-
-
-class TokenizerError(ValueError):
-    """A tokenizer that cannot be found or loaded, or lacks an EOS token (one line)."""
 
 
 @dataclasses.dataclass(frozen=True)
