@@ -37,7 +37,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from fsdp_jax.app.config import ConfigError
+from fsdp_jax.errors import ConfigError
 from fsdp_jax.app.hf_config import (ARCH_FIELDS, ARCHITECTURES, FAMILIES, FIELDS,  # noqa: F401
                                     MODEL_TYPES, model_config_from_hf)
 from fsdp_jax.app.models.llama import LlamaConfig

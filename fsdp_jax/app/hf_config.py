@@ -20,7 +20,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from fsdp_jax.app.config import ConfigError
+from fsdp_jax.errors import ConfigError
 from fsdp_jax.app.models.llama import LlamaConfig
 
 # model_type -> (architecture, MLP activation key, transformers' config defaults used when a
