@@ -113,3 +113,27 @@ def _describe(out) -> str:
     if isinstance(out, tuple):
         return f"a tuple of {len(out)}"
     return f"a {type(out).__name__}" + (f" of shape {tuple(out.shape)}" if hasattr(out, "shape") else "")
+
+
+# ----------------------------------------------------------------------------- in the step
+
+def with_model_state(new, aux, state, ok, skip_nonfinite: bool):
+    """(`new` carrying the loss's new model state, the user's aux) from the extended
+    loss's `(aux, new model state)`; the old model state is kept when the step is skipped."""
+    aux, new_ms = aux
+    if skip_nonfinite:
+        new_ms = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_ms, state.model_state)
+    return new.replace(model_state=new_ms), aux
+
+
+def extended_loss(loss_fn, stateful: bool, has_aux: bool, train: bool = True):
+    """`(params, StepInput) -> (loss, (aux, new model state))` around the extended call
+    `loss_fn(params, batch, state=, rng=, train=)` (see above)."""
+    def f(params, inp: StepInput):
+        out = loss_fn(params, inp.batch, state=inp.state, rng=inp.rng, train=train)
+        new = None
+        if stateful:
+            out, new = split_output(out, inp.state, has_aux)
+        loss, aux = out if has_aux else (out, None)
+        return loss, (aux, new)
+    return f
