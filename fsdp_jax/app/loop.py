@@ -51,7 +51,7 @@ def train(cfg: Config, *, init_params: Callable | None = None, progress: bool = 
     returns a summary dict (final train/val loss, tokens/s, sample; `preempted` when a
     signal or `stop_after` (a step number) ended it early, after checkpointing).
     `faults`: what to break, for tests (None: `Faults.from_env()`, the commands' test
-    hook). `hooks`: in place of `default_hooks(cfg, ...)`.
+    hook). `hooks`: more hooks, run after the trainer's own (`default_hooks`).
     Raises TrainingDiverged after `train.max_nonfinite_steps` skipped steps in a row."""
     with StopSignals() as signals:  # from here on, until the last write is committed
         t_setup = time.perf_counter()
@@ -139,7 +139,7 @@ def _read_metrics(lp: LoopState) -> None:
 def _loop(run: Run, progress: bool, stop_after: int | None, signals: StopSignals, faults: Faults,
           hooks: list[Hook] | None) -> dict:
     lp, compiled, profiler = _start(run, progress)
-    hooks = default_hooks(run.cfg, profiler) if hooks is None else hooks
+    hooks = default_hooks(run.cfg, profiler) + list(hooks or ())
     c, timer = run.cfg.train, lp.timer
     for step_i in range(run.start_step, c.steps):
         lp.done = step_i + 1
