@@ -19,7 +19,7 @@ it with `rng=None, train=False` and ignores the state it returns. The adapters'
 `apply(params, *args, state=, rng=, train=)` does the model's half of this.
 
 Randomness: the key of step `s` is `fold_in(run_key, s)`, and microbatch `j` of `k > 1`
-gets `fold_in(that, j)`. `jax.random` bits do not depend on the device count (DESIGN.md),
+gets `fold_in(that, j)`. `jax.random` bits do not depend on the device count (docs/design.md),
 so dropout is the same on 1 and N devices, under every strategy, and after a resume.
 Microbatches thread the state: microbatch j sees the state microbatch j-1 returned
 (as PyTorch's BatchNorm does under gradient accumulation).

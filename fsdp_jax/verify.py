@@ -10,7 +10,7 @@ strategy it reports the relative loss difference at every step, the relative gra
 difference, the parameter difference after every step (per leaf), the state bytes per
 device and the collectives per step of the compiled step (`fsdp_jax.memory`), and
 passes or fails against a `Tolerance` chosen from the optimizer and the compute dtype
-(`TOLERANCES`, measured: README "Verify a model"). A failure names the first step at
+(`TOLERANCES`, measured: docs/verify.md). A failure names the first step at
 which anything diverged, and the leaves that diverged there, worst first.
 
 What it catches: anything whose result depends on how many devices hold the batch or

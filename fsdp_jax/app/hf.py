@@ -10,7 +10,7 @@ from the checkpoint (keys the YAML sets must agree) and the run's saved config.y
 complete. `HFCheckpoint` then checks every tensor against what the config implies
 (a bias the config does not have, a q_norm of the wrong size: one line naming it).
 
-Layout (measured against transformers' LlamaForCausalLM, DESIGN.md): per layer
+Layout (measured against transformers' LlamaForCausalLM, docs/design.md): per layer
 `q/k/v_proj.weight.T` reshaped to (D, H, Dh), `o_proj.weight.T` to (H, Dh, D),
 `gate/up/down_proj.weight.T`, norms as they are, q/k/v biases (Qwen2) reshaped to
 (N, Dh), the head `lm_head.weight.T` (or the embedding table when tied). Gemma 3's

@@ -147,7 +147,7 @@ class Attention(nnx.Module):
         # x: (B, S, D); local: this layer slides (pattern only); segment_ids, positions: (B, S)
         cfg = self.cfg
         b, s, d = x.shape
-        x2 = x.reshape(b * s, d)  # flat rows: XLA:CPU's fast matmul path (DESIGN.md)
+        x2 = x.reshape(b * s, d)  # flat rows: XLA:CPU's fast matmul path (docs/design.md)
 
         def proj(w, bias=None):  # (D, H, Dh) -> (B, S, H, Dh)
             _, hh, dh = w.shape
