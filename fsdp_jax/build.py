@@ -10,14 +10,14 @@ from is the caller's choice, each a method on the result: a sharded init from th
 model's init function, materialised params placed onto the plan, params already in
 the plan's layout, or a checkpoint restored onto `built.abstract_state`.
 
-The trainer (`fsdp_jax.app.loop.setup`), the planner (`fsdp_jax.app.step_build.build_step`)
-and the drop-in entry point (`fsdp_jax.adapters.shard_model`) all call `build`.
+The trainer (`fsdp_jax.app.run_setup.setup`, via `fsdp_jax.app.trainer_build`), the planner (`fsdp_jax.app.step_build.build_step`)
+the drop-in entry point (`fsdp_jax.adapters.shard_model`) and `init_train_state` all call `build`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +27,7 @@ from jax.sharding import Mesh
 from fsdp_jax import model_state as ms_lib
 from fsdp_jax import offload as offload_lib
 from fsdp_jax import rules as rl
+from fsdp_jax.model_fns import ModelFns
 from fsdp_jax.precision import Policy
 from fsdp_jax.state import TrainState, abstract_state, state_shardings
 from fsdp_jax.step import CompiledStep, LossFn, make_eval_step, make_train_step
@@ -41,7 +42,7 @@ class Built:
     batch. `abstract_state`: the TrainState as sharded ShapeDtypeStructs (AOT
     compile target, checkpoint restore target). `train_step` / `eval_step`: jitted
     steps (None without a `loss_fn`). `model`: anything with `init(rng) -> params`
-    and `abstract_params` (a `fsdp_jax.adapters.ModelFns`)."""
+    and `abstract_params` (a `fsdp_jax.model_fns.ModelFns`)."""
     model: Any
     optimizer: optax.GradientTransformation
     plan: ShardingPlan
@@ -175,3 +176,23 @@ def build(model, optimizer: optax.GradientTransformation, mesh: Mesh,
                                    has_aux=has_aux, extended=needs_rng or step_options.get("rng") is not None)
     return Built(model=model, optimizer=optimizer, plan=plan, abstract_state=abstract,
                  train_step=train_step, eval_step=eval_step)
+
+
+def init_train_state(init_params: Callable[[jax.Array], Any], optimizer: optax.GradientTransformation,
+                     mesh: Mesh, rng: jax.Array, strategy: str | Strategy = "full_shard",
+                     logical_axes=None, rules: rl.Rules | None = None,
+                     min_shard_size: int = rl.DEFAULT_MIN_SHARD_SIZE,
+                     max_replicated_fraction: float | None = rl.DEFAULT_MAX_REPLICATED_FRACTION,
+                     offload: str = "none") -> tuple[TrainState, ShardingPlan]:
+    """Initialise params and optimizer state directly in their sharded layout.
+
+    `init_params(rng)` returns the param tree (plain arrays). `logical_axes`: a
+    matching tree of logical-name tuples, or None for the fallback rule. `offload`:
+    which state rests in host memory (`fsdp_jax.offload`).
+    Returns the sharded TrainState (step 0) and the ShardingPlan used.
+    """
+    model = ModelFns(init=init_params, apply=None, logical_axes=logical_axes,
+                     abstract_params=jax.eval_shape(init_params, rng))
+    built = build(model, optimizer, mesh, strategy, rules=rules, min_shard_size=min_shard_size,
+                  max_replicated_fraction=max_replicated_fraction, offload=offload)
+    return built.init_state(rng), built.plan

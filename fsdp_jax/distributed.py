@@ -14,15 +14,11 @@ one line (exit 1) when a peer stops responding; call `finished()` at a normal en
 from __future__ import annotations
 
 import os
+from fsdp_jax.errors import DistributedInitError, one_line  # noqa: F401 (re-exported)
 
 ENV_COORDINATOR = "FSDP_JAX_COORDINATOR"
 ENV_NUM_PROCESSES = "FSDP_JAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "FSDP_JAX_PROCESS_ID"
-
-
-class DistributedInitError(RuntimeError):
-    """Joining the other processes failed (a dead or unreachable peer, a timeout): an
-    environment failure. The message is one line."""
 
 
 def _env_int(environ, name: str, low: int = 0) -> int | None:
@@ -196,8 +192,7 @@ def _initialize(jax, peer_timeout_s: float | None = None, **kwargs) -> None:
         with outside:
             jax.distributed.initialize(**kwargs)
     except (RuntimeError, ValueError, OSError) as e:  # XlaRuntimeError is a RuntimeError
-        msg = " ".join(str(e).split())
         raise DistributedInitError(
-            f"jax.distributed.initialize failed ({msg[:300]}); check that every process "
+            f"jax.distributed.initialize failed ({one_line(e, 300)}); check that every process "
             f"started and can reach the coordinator {kwargs.get('coordinator_address') or ''}".rstrip()
         ) from None

@@ -10,10 +10,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from fsdp_jax.axes import MESH_AXES
-
-
-class MeshError(ValueError):
-    """Mesh sizes that cannot be laid over the available devices."""
+from fsdp_jax.errors import MeshError  # noqa: F401 (re-exported)
 
 
 def resolve_mesh_shape(sizes: Sequence[int], n_devices: int) -> tuple[int, ...]:

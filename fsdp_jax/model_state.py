@@ -19,7 +19,7 @@ it with `rng=None, train=False` and ignores the state it returns. The adapters'
 `apply(params, *args, state=, rng=, train=)` does the model's half of this.
 
 Randomness: the key of step `s` is `fold_in(run_key, s)`, and microbatch `j` of `k > 1`
-gets `fold_in(that, j)`. `jax.random` bits do not depend on the device count (DESIGN.md),
+gets `fold_in(that, j)`. `jax.random` bits do not depend on the device count (docs/design.md),
 so dropout is the same on 1 and N devices, under every strategy, and after a resume.
 Microbatches thread the state: microbatch j sees the state microbatch j-1 returned
 (as PyTorch's BatchNorm does under gradient accumulation).
@@ -33,11 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from fsdp_jax import rules as rl
-
-
-class StateError(ValueError):
-    """The model's state is misused: a loss that does not return the updated state, a
-    state whose structure or shapes change, a collection nobody declared. One line."""
+from fsdp_jax.errors import StateError  # noqa: F401 (re-exported)
 
 
 class StepInput(NamedTuple):
@@ -117,3 +113,27 @@ def _describe(out) -> str:
     if isinstance(out, tuple):
         return f"a tuple of {len(out)}"
     return f"a {type(out).__name__}" + (f" of shape {tuple(out.shape)}" if hasattr(out, "shape") else "")
+
+
+# ----------------------------------------------------------------------------- in the step
+
+def with_model_state(new, aux, state, ok, skip_nonfinite: bool):
+    """(`new` carrying the loss's new model state, the user's aux) from the extended
+    loss's `(aux, new model state)`; the old model state is kept when the step is skipped."""
+    aux, new_ms = aux
+    if skip_nonfinite:
+        new_ms = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_ms, state.model_state)
+    return new.replace(model_state=new_ms), aux
+
+
+def extended_loss(loss_fn, stateful: bool, has_aux: bool, train: bool = True):
+    """`(params, StepInput) -> (loss, (aux, new model state))` around the extended call
+    `loss_fn(params, batch, state=, rng=, train=)` (see above)."""
+    def f(params, inp: StepInput):
+        out = loss_fn(params, inp.batch, state=inp.state, rng=inp.rng, train=train)
+        new = None
+        if stateful:
+            out, new = split_output(out, inp.state, has_aux)
+        loss, aux = out if has_aux else (out, None)
+        return loss, (aux, new)
+    return f

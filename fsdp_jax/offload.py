@@ -34,13 +34,10 @@ from typing import Any
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
+from fsdp_jax.errors import OffloadError  # noqa: F401 (re-exported)
 
 HOST = "pinned_host"
 DEVICE = "device"
-
-
-class OffloadError(ValueError):
-    """An offload setting this backend or jax cannot run (or an unknown name)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,6 +30,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from fsdp_jax import axes as ax
 from fsdp_jax.reasons import Note, Why, format_note, format_notes  # noqa: F401 (re-exported)
+from fsdp_jax.flax_names import logical_axes_of  # noqa: F401 (re-exported)
+from fsdp_jax.errors import ShardingError, UnknownNamesWarning, ReplicatedWarning  # noqa: F401 (re-exported)
 
 MeshAxes = str | tuple[str, ...] | None
 Rules = Mapping[str, MeshAxes]
@@ -54,19 +56,6 @@ DEFAULT_MAX_REPLICATED_FRACTION = 0.02
 # fraction: 16 MiB per device is noise on any accelerator, while a small model
 # (biases, norms, a 64-wide MLP) can easily be mostly below min_shard_size.
 DEFAULT_MIN_REPLICATED_BYTES = 16 << 20
-
-
-class ShardingError(ValueError):
-    """A leaf or tree that cannot be sharded as asked; the message names the fix."""
-
-
-class UnknownNamesWarning(UserWarning):
-    """Logical names the rules table does not map: those dims get no mesh axis."""
-
-
-class ReplicatedWarning(UserWarning):
-    """More than the allowed fraction of parameter bytes is replicated, but so few
-    bytes that replicating them costs no memory worth refusing the run for."""
 
 
 # ----------------------------------------------------------------------------- decisions
@@ -398,32 +387,3 @@ def check_sufficiently_sharded(rows: Sequence[LeafSharding], shard_axes: Sequenc
                       f"min_replicated_bytes {min_replicated_bytes:,})", ReplicatedWarning, stacklevel=2)
         return s.replicated_fraction
     raise ShardingError(msg)
-
-
-def logical_axes_of(tree):
-    """Logical names carried as metadata: Flax NNX `State`s of Variables created with
-    `nnx.with_partitioning`, or Linen variables boxed by `nn.with_logical_partitioning`.
-
-    Returns (values, logical_axes): the plain value tree and a matching tree of
-    name tuples (None where a leaf has no annotation), or (tree, None) when nothing
-    carries metadata.
-    """
-    from flax import linen as nn
-    from flax import nnx
-
-    if isinstance(tree, nnx.State) or any(isinstance(x, nnx.Variable) for x in jax.tree.leaves(
-            tree, is_leaf=lambda x: isinstance(x, nnx.Variable))):
-        specs = nnx.get_partition_spec(tree)
-        values = tree
-    elif any(isinstance(x, nn.spmd.LogicallyPartitioned) for x in jax.tree.leaves(
-            tree, is_leaf=lambda x: isinstance(x, nn.spmd.LogicallyPartitioned))):
-        specs = nn.get_partition_spec(tree)
-        values = nn.unbox(tree)
-    else:
-        return tree, None
-    flat_vals, treedef = jax.tree.flatten(values)
-    flat_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
-    if len(flat_specs) != len(flat_vals):
-        return values, None
-    names = [tuple(s) if len(s) else (None if np.ndim(v) else ()) for s, v in zip(flat_specs, flat_vals)]
-    return values, jax.tree.unflatten(treedef, names)

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
+from fsdp_jax.errors import SafetensorsError, one_line  # noqa: F401 (re-exported)
 
 DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
           "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U64": np.uint64,
@@ -41,18 +42,6 @@ DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dt
 NAMES = {np.dtype(v): k for k, v in DTYPES.items()}
 MAX_HEADER = 100 << 20  # bytes; as the safetensors format itself limits it
 _CHUNK_BYTES = 64 << 20  # bound on the raw bytes read per pread
-
-
-class SafetensorsError(ValueError):
-    """A file that is not valid safetensors, or a tensor it does not hold. The message
-    is one line naming the file."""
-
-
-def one_line(e: BaseException, limit: int = 240) -> str:
-    """An exception's message on one line of at most `limit` characters (also used by
-    `fsdp_jax.checkpoint` for its error messages)."""
-    msg = " ".join(str(e).split()) or type(e).__name__
-    return msg if len(msg) <= limit else msg[:limit] + "..."
 
 
 def _int_list(v) -> bool:

@@ -8,16 +8,13 @@ out_shardings=...)` materialises each shard where it lives.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-from fsdp_jax import rules as rl
-from fsdp_jax.strategy import ShardingPlan, Strategy
+from fsdp_jax.strategy import ShardingPlan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,28 +63,6 @@ def abstract_state(plan: ShardingPlan, abstract_params, optimizer, abstract_mode
                         model_state=abstract_model_state)
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                         shapes, state_shardings(plan))
-
-
-def init_train_state(init_params: Callable[[jax.Array], Any], optimizer: optax.GradientTransformation,
-                     mesh: Mesh, rng: jax.Array, strategy: str | Strategy = "full_shard",
-                     logical_axes=None, rules: rl.Rules | None = None,
-                     min_shard_size: int = rl.DEFAULT_MIN_SHARD_SIZE,
-                     max_replicated_fraction: float | None = rl.DEFAULT_MAX_REPLICATED_FRACTION,
-                     offload: str = "none") -> tuple[TrainState, ShardingPlan]:
-    """Initialise params and optimizer state directly in their sharded layout.
-
-    `init_params(rng)` returns the param tree (plain arrays). `logical_axes`: a
-    matching tree of logical-name tuples, or None for the fallback rule. `offload`:
-    which state rests in host memory (`fsdp_jax.offload`).
-    Returns the sharded TrainState (step 0) and the ShardingPlan used.
-    """
-    from fsdp_jax.adapters import ModelFns
-    from fsdp_jax.build import build
-    model = ModelFns(init=init_params, apply=None, logical_axes=logical_axes,
-                     abstract_params=jax.eval_shape(init_params, rng))
-    built = build(model, optimizer, mesh, strategy, rules=rules, min_shard_size=min_shard_size,
-                  max_replicated_fraction=max_replicated_fraction, offload=offload)
-    return built.init_state(rng), built.plan
 
 
 def shard_params(params, plan: ShardingPlan):

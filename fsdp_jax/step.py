@@ -37,7 +37,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import linen as nn
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -51,6 +50,8 @@ from fsdp_jax.mesh import constrain
 from fsdp_jax.precision import Policy, cast_params_for_compute
 from fsdp_jax.state import TrainState, state_shardings
 from fsdp_jax.strategy import ShardingPlan, batch_divisor
+from fsdp_jax.errors import BatchError  # noqa: F401 (re-exported)
+from fsdp_jax.trainable import Trainable, trainable_leaves  # noqa: F401 (re-exported)
 
 LossFn = Callable[[Any, Any], Any]  # (params, batch) -> loss or (loss, aux); loss: scalar or TokenSum
 
@@ -74,10 +75,6 @@ def normalize(loss, grads):
         return loss, grads
     n = jnp.maximum(loss.count, 1.0)
     return loss.total / n, jax.tree.map(lambda g: (g / n).astype(g.dtype), grads)
-
-
-class BatchError(ValueError):
-    """A batch whose leading dim cannot be split over the devices / microbatches."""
 
 
 @contextlib.contextmanager
@@ -128,56 +125,6 @@ def _split_microbatches(batch, k: int):
     # (B, ...) -> (B/k, k, ...) keeps each device's rows on that device; microbatch j
     # takes rows j, j+k, j+2k, ... so every microbatch spans all devices.
     return jax.tree.map(lambda x: jnp.moveaxis(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 1, 0), batch)
-
-
-class Trainable:
-    """What the step differentiates: the whole param tree (`trainable` None, the
-    default) or the list of trainable leaves, with frozen leaves held constant."""
-
-    def __init__(self, params, trainable):
-        self.leaves, self.treedef = jax.tree.flatten(params)
-        self.keep = None if trainable is None else trainable_leaves(params, trainable)
-
-    def select(self, tree):
-        """`tree` (params-shaped) as the differentiated argument: itself, or its trainable leaves."""
-        if self.keep is None:
-            return tree
-        return [x for x, k in zip(self.treedef.flatten_up_to(tree), self.keep) if k]
-
-    def join(self, x):
-        """The full param tree from the differentiated argument and the frozen leaves."""
-        if self.keep is None:
-            return x
-        it = iter(x)
-        return self.treedef.unflatten([next(it) if k else p for p, k in zip(self.leaves, self.keep)])
-
-    def full_grads(self, grads, grad_sh):
-        """Params-shaped grads: zeros (in the grad layout) for frozen leaves."""
-        if self.keep is None:
-            return grads
-        it = iter(grads)
-        out = [next(it) if k else _zeros_like(p, s)
-               for p, k, s in zip(self.leaves, self.keep, self.treedef.flatten_up_to(grad_sh))]
-        return self.treedef.unflatten(out)
-
-
-def trainable_leaves(params, trainable) -> list[bool]:
-    """One Python bool per leaf of `params` from `trainable`: a tree of bools matching
-    `params` (or a prefix of it, broadcast), or a callable `params -> that tree`."""
-    mask = trainable(params) if callable(trainable) else trainable
-    try:
-        full = jax.tree.map(lambda b, sub: jax.tree.map(lambda _: b, sub), mask, params)
-        flat = jax.tree.structure(params).flatten_up_to(full)
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"trainable does not match the params tree: {e}") from None
-    bad = [b for b in flat if not isinstance(b, (bool, np.bool_))]
-    if bad:
-        raise ValueError(f"trainable leaves must be Python bools, got {type(bad[0]).__name__}")
-    return [bool(b) for b in flat]
-
-
-def _zeros_like(p, sharding):
-    return constrain(jnp.zeros(p.shape, p.dtype), sharding)
 
 
 # ----------------------------------------------------------------------------- the step's parts
@@ -362,7 +309,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, pl
     extended = plan.model_state is not None or key_data is not None
     user_aux = has_aux
     if extended:  # the wrapped loss returns (loss, (aux, new model state))
-        loss_fn, has_aux = _extended(loss_fn, plan.model_state is not None, user_aux), True
+        loss_fn, has_aux = ms_lib.extended_loss(loss_fn, plan.model_state is not None, user_aux), True
     loss_fn = remat_lib.with_remat(loss_fn, remat)
     loss_fn = jax.named_scope("forward")(loss_fn)  # profiler names; backward: transpose(jvp(forward))
 
@@ -384,10 +331,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, pl
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         new = guarded_update(optimizer, state, grads, ok, skip_nonfinite)
         if extended:
-            aux, new_ms = aux
-            if skip_nonfinite:
-                new_ms = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_ms, state.model_state)
-            new = new.replace(model_state=new_ms)
+            new, aux = ms_lib.with_model_state(new, aux, state, ok, skip_nonfinite)
         new = offload_lib.store_state(new, plan)  # back to host memory, where offloaded
         metrics = {"loss": loss.astype(policy.output_dtype), "grad_norm": grad_norm,
                    "skipped": (~ok).astype(jnp.int32)}
@@ -401,19 +345,6 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, pl
     jitted = jax.jit(step, in_shardings=(sh, plan.batch), out_shardings=(sh, NamedSharding(plan.mesh, P())),
                      donate_argnums=(0,) if donate else ())
     return CompiledStep(jitted, plan, lambda b: check_batch(b, plan, microbatches))
-
-
-def _extended(loss_fn: LossFn, stateful: bool, has_aux: bool, train: bool = True):
-    """`(params, StepInput) -> (loss, (aux, new model state))` around the extended call
-    `loss_fn(params, batch, state=, rng=, train=)` (`fsdp_jax.model_state`)."""
-    def f(params, inp: ms_lib.StepInput):
-        out = loss_fn(params, inp.batch, state=inp.state, rng=inp.rng, train=train)
-        new = None
-        if stateful:
-            out, new = ms_lib.split_output(out, inp.state, has_aux)
-        loss, aux = out if has_aux else (out, None)
-        return loss, (aux, new)
-    return f
 
 
 def make_eval_step(loss_fn: LossFn, plan: ShardingPlan, *, precision: Policy | str | None = None,
@@ -435,7 +366,7 @@ def make_eval_step(loss_fn: LossFn, plan: ShardingPlan, *, precision: Policy | s
         params = offload_lib.fetch(params, plan.params)
         pc = policy.cast_to_compute(constrain(params, offload_lib.on_device(plan.params)))
         if extended:
-            loss, _ = _extended(loss_fn, stateful, has_aux, train=False)(
+            loss, _ = ms_lib.extended_loss(loss_fn, stateful, has_aux, train=False)(
                 pc, ms_lib.StepInput(batch, mstate[0] if stateful else None, None))
         else:
             out = loss_fn(pc, batch)

@@ -26,10 +26,7 @@ import dataclasses
 import importlib.metadata
 import math
 import re
-
-
-class TopologyError(ValueError):
-    """A TPU generation, accelerator type or topology that does not exist."""
+from fsdp_jax.errors import TopologyError  # noqa: F401 (re-exported)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,7 @@ strategy it reports the relative loss difference at every step, the relative gra
 difference, the parameter difference after every step (per leaf), the state bytes per
 device and the collectives per step of the compiled step (`fsdp_jax.memory`), and
 passes or fails against a `Tolerance` chosen from the optimizer and the compute dtype
-(`TOLERANCES`, measured: README "Verify a model"). A failure names the first step at
+(`TOLERANCES`, measured: docs/verify.md). A failure names the first step at
 which anything diverged, and the leaves that diverged there, worst first.
 
 What it catches: anything whose result depends on how many devices hold the batch or
@@ -55,13 +55,9 @@ from fsdp_jax.precision import Policy
 from fsdp_jax.strategy import STRATEGIES, get_strategy
 from fsdp_jax.verify_report import (TOLERANCES, Divergence, StrategyReport, Tolerance, VerifyReport,
                                     default_tolerance, optimizer_kind)
+from fsdp_jax.errors import VerifyError, one_line  # noqa: F401 (re-exported)
 
 DEFAULT_STRATEGIES = ("no_shard", "shard_opt", "shard_grad_op", "full_shard", "hybrid_shard")
-
-
-class VerifyError(ValueError):
-    """Bad input to `verify`: unknown strategy, a batch that cannot split over the
-    devices, a model that does not initialise, a loss that fails, too few devices."""
 
 
 # ----------------------------------------------------------------------------- entry point
@@ -390,7 +386,7 @@ def _child_main() -> int:
                         tolerance=Tolerance(**tol) if isinstance(tol, dict) else tol,
                         check_init=check_init, factory_kwargs=req["factory_kwargs"], **options)
     except (VerifyError, rl.ShardingError) as e:
-        print("error: " + " ".join(str(e).split()), file=sys.stderr)
+        print("error: " + one_line(e, 4000), file=sys.stderr)
         return 2
     json.dump(report.to_dict(), sys.stdout)
     return 0

@@ -28,7 +28,7 @@ class Tolerance:
     param_rtol: float
 
 
-# From benchmarks/verify_tolerances.py (README "Verify a model": the table and the
+# From benchmarks/verify_tolerances.py (docs/verify.md: the table and the
 # command): the largest difference any strategy showed on healthy models (the reference
 # Llama, a Linen and an NNX MLP; 5 steps on 8 CPU devices), times a margin of 9-30,
 # rounded up. Loss differences in bf16 come from the forward pass, so both bf16

@@ -12,6 +12,7 @@ computation; for one compile, `compile(compiler_options=parse_flags(...))`.
 from __future__ import annotations
 
 import os
+from fsdp_jax.errors import XlaFlagsError  # noqa: F401 (re-exported)
 
 # flag -> what the GPU compile showed (jax 0.10.2, 1B full_shard, 8 x H100)
 EVALUATED: dict[str, str] = {
@@ -70,11 +71,6 @@ def _typed(value: str) -> bool | int | float | str:
 
 # XLA's fatal log line for an XLA_FLAGS entry its build does not register
 UNKNOWN_FLAG = "Unknown flag in XLA_FLAGS"
-
-
-class XlaFlagsError(ValueError):
-    """XLA_FLAGS holds an entry this jaxlib's XLA does not know (bad input): XLA would
-    abort the process with a fatal log when its backend starts."""
 
 
 def unknown_flag(stderr: str) -> str | None:

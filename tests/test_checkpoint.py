@@ -181,11 +181,11 @@ def test_deleted_files_fall_back_and_nothing_restorable_is_an_error(straight, tm
     gc.collect()  # orbax's abandoned shard reads (see above)
 
 
-def test_nonfinite_steps_are_skipped_then_the_run_stops(corpus, tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("FSDP_JAX_INJECT_NAN_STEPS", "3,6,7,8")
+def test_nonfinite_steps_are_skipped_then_the_run_stops(corpus, tmp_path, capsys):
+    from fsdp_jax.app.faults import Faults
     cfg = config(corpus, tmp_path / "run", "train.checkpoint_every=2", "train.max_nonfinite_steps=3")
     with pytest.raises(TrainingDiverged, match=r"3 non-finite steps in a row \(steps 6-8.*step 4"):
-        train(cfg, progress=False)
+        train(cfg, progress=False, faults=Faults(nan_steps=frozenset({3, 6, 7, 8})))
     out = capsys.readouterr().out
     for s in (3, 6, 7, 8):
         assert f"warning: step {s}: non-finite" in out

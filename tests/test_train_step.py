@@ -350,7 +350,7 @@ def test_explicit_axes_model_with_out_sharding_trains_like_one_device(strategy, 
         return _mlp_loss(params, b, out_sharding=act)[0]
     model = fj.ModelFns(init=lambda rng: _mlp()[0], apply=None, logical_axes=axes_,
                         abstract_params=jax.eval_shape(lambda: p))
-    opt = optax.sgd(0.5, momentum=0.9)  # SGD: parity to rounding (AdamW amplifies it, DESIGN.md)
+    opt = optax.sgd(0.5, momentum=0.9)  # SGD: parity to rounding (AdamW amplifies it, docs/design.md)
     mesh = fj.make_mesh(**mesh_kw, axis_types="explicit")
     built = fj.build(model, opt, mesh, strategy, loss_fn=loss_fn, microbatches=micro)
     state = built.init_state(jax.random.key(0))

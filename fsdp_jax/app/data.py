@@ -23,14 +23,11 @@ from pathlib import Path
 
 import grain
 import numpy as np
+from fsdp_jax.errors import DataError  # noqa: F401 (re-exported)
 
 SPLITS = ("train", "val")
 _STREAM = {"train": 0, "val": 1, "eval": 2}  # keeps the splits' random offsets independent
 _NEVER_ENDS = 2**62                          # grain needs a length; steps never reach it
-
-
-class DataError(ValueError):
-    """Bad corpus input or a missing/incomplete corpus; the message is one line."""
 
 
 def token_dtype(vocab_size: int) -> np.dtype:

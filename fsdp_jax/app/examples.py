@@ -35,15 +35,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from fsdp_jax.errors import ExampleError  # noqa: F401 (re-exported)
 
 ROLES = ("system", "user", "assistant", "tool")
 TRAIN_ON = ("targets", "all")  # targets: assistant turns / completions / plain text; all: every token
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
                 "mask_token")
-
-
-class ExampleError(ValueError):
-    """A bad example or template; the message is one line naming file and line."""
 
 
 @dataclasses.dataclass(frozen=True)

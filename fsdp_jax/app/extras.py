@@ -14,12 +14,9 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from fsdp_jax.errors import MissingExtra  # noqa: F401 (re-exported)
 
 EXTRAS = {"tensorboardX": "tensorboard", "matplotlib": "plot"}  # import name -> extra
-
-
-class MissingExtra(ImportError):
-    """A feature's optional package is not installed; the message says how to install it."""
 
 
 def missing_message(module: str, feature: str) -> str:

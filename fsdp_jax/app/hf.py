@@ -10,7 +10,7 @@ from the checkpoint (keys the YAML sets must agree) and the run's saved config.y
 complete. `HFCheckpoint` then checks every tensor against what the config implies
 (a bias the config does not have, a q_norm of the wrong size: one line naming it).
 
-Layout (measured against transformers' LlamaForCausalLM, DESIGN.md): per layer
+Layout (measured against transformers' LlamaForCausalLM, docs/design.md): per layer
 `q/k/v_proj.weight.T` reshaped to (D, H, Dh), `o_proj.weight.T` to (H, Dh, D),
 `gate/up/down_proj.weight.T`, norms as they are, q/k/v biases (Qwen2) reshaped to
 (N, Dh), the head `lm_head.weight.T` (or the embedding table when tied). Gemma 3's
@@ -37,7 +37,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from fsdp_jax.app.config import ConfigError
+from fsdp_jax.errors import ConfigError
 from fsdp_jax.app.hf_config import (ARCH_FIELDS, ARCHITECTURES, FAMILIES, FIELDS,  # noqa: F401
                                     MODEL_TYPES, model_config_from_hf)
 from fsdp_jax.app.models.llama import LlamaConfig

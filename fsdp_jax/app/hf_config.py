@@ -20,7 +20,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from fsdp_jax.app.config import ConfigError
+from fsdp_jax.errors import ConfigError
 from fsdp_jax.app.models.llama import LlamaConfig
 
 # model_type -> (architecture, MLP activation key, transformers' config defaults used when a
@@ -185,30 +185,10 @@ def _family_fields(raw: Mapping, mt: str, bad, n_layers: int) -> dict:
     return out
 
 
-def model_config_from_hf(raw: Mapping, where: str = "config.json",
-                         base: LlamaConfig = LlamaConfig()) -> LlamaConfig:
-    """LlamaConfig for an HF config dict of any family in FAMILIES; non-architecture
-    fields (scan_layers, attention) come from `base`. ConfigError(`where`, ...) names
-    the refused field."""
-    def bad(key, why):
-        return ConfigError(where, f"{key}={raw.get(key)!r}: {why}")
-
-    mt = raw.get("model_type")
-    if mt not in MODEL_TYPES:
-        raise bad("model_type", f"not a supported decoder family (allowed: {', '.join(MODEL_TYPES)})")
-    arch = raw.get("architectures") or []
-    if not isinstance(arch, list):
-        raise bad("architectures", "expected a list of class names")
-    allowed = ({"LlamaForCausalLM", "MistralForCausalLM"} if mt in ("llama", "mistral")
-               else {FAMILIES[mt][0]})  # a windowless Mistral is a Llama
-    if any(a not in allowed for a in arch):
-        raise bad("architectures", f"allowed for model_type {mt}: {', '.join(sorted(allowed))}")
-    defaults = FAMILIES[mt][2]
-    raw = {**{k: v for k, v in defaults.items() if k not in ("rope_theta", "rope_local_base_freq")},
-           **raw}  # what transformers' config class fills in for an absent key
-    max_pos = raw.get("max_position_embeddings", 2048)
-    # RoPE: 5.x rope_parameters (flat, or keyed by layer type for Gemma 3); 4.x rope_scaling
-    # + rope_theta (+ rope_local_base_freq)
+def _rope_of(raw: Mapping, mt: str, defaults: Mapping, bad, max_pos: int):
+    """(rope fields, rope_theta, Gemma 3's local theta or None) of an HF config: 5.x
+    rope_parameters (flat, or keyed by layer type for Gemma 3), or 4.x rope_scaling +
+    rope_theta (+ rope_local_base_freq)."""
     rope = raw.get("rope_parameters")
     scaling = raw.get("rope_scaling")
     local_theta = None
@@ -232,6 +212,32 @@ def model_config_from_hf(raw: Mapping, where: str = "config.json",
         theta = raw.get("rope_theta", defaults["rope_theta"])
     if mt == "gemma3_text" and local_theta is None:
         local_theta = raw.get("rope_local_base_freq", defaults["rope_local_base_freq"])
+    return rope_kw, theta, local_theta
+
+
+def model_config_from_hf(raw: Mapping, where: str = "config.json",
+                         base: LlamaConfig = LlamaConfig()) -> LlamaConfig:
+    """LlamaConfig for an HF config dict of any family in FAMILIES; non-architecture
+    fields (scan_layers, attention) come from `base`. ConfigError(`where`, ...) names
+    the refused field."""
+    def bad(key, why):
+        return ConfigError(where, f"{key}={raw.get(key)!r}: {why}")
+
+    mt = raw.get("model_type")
+    if mt not in MODEL_TYPES:
+        raise bad("model_type", f"not a supported decoder family (allowed: {', '.join(MODEL_TYPES)})")
+    arch = raw.get("architectures") or []
+    if not isinstance(arch, list):
+        raise bad("architectures", "expected a list of class names")
+    allowed = ({"LlamaForCausalLM", "MistralForCausalLM"} if mt in ("llama", "mistral")
+               else {FAMILIES[mt][0]})  # a windowless Mistral is a Llama
+    if any(a not in allowed for a in arch):
+        raise bad("architectures", f"allowed for model_type {mt}: {', '.join(sorted(allowed))}")
+    defaults = FAMILIES[mt][2]
+    raw = {**{k: v for k, v in defaults.items() if k not in ("rope_theta", "rope_local_base_freq")},
+           **raw}  # what transformers' config class fills in for an absent key
+    max_pos = raw.get("max_position_embeddings", 2048)
+    rope_kw, theta, local_theta = _rope_of(raw, mt, defaults, bad, max_pos)
     vals = {"rope_theta": theta, "rms_norm_eps": raw.get("rms_norm_eps", defaults["rms_norm_eps"]),
             "tie_word_embeddings": raw.get("tie_word_embeddings", defaults.get("tie_word_embeddings", False)),
             "num_key_value_heads": raw.get("num_key_value_heads") or raw.get("num_attention_heads"),

@@ -110,14 +110,30 @@ def _token_ids_and_tokenizer(cfg) -> tuple[dict, list[tuple[Path, str]]]:
     return ({"eos_token_id": m["eos_id"]} if "eos_id" in m else {}), [main] + side
 
 
+def _shard_files(entries: list, max_shard_bytes: int) -> tuple[list[list], list[str]]:
+    """`entries` (name, shape, dtype) in files of at most `max_shard_bytes` each (a larger
+    tensor gets a file of its own), and the files' names as Hugging Face numbers them."""
+    files: list[list] = [[]]
+    size = 0
+    for e in entries:
+        n = math.prod(e[1]) * e[2].itemsize
+        if files[-1] and size + n > max_shard_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(e)
+        size += n
+    names = (["model.safetensors"] if len(files) == 1 else
+             [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))])
+    return files, names
+
+
 def export_hf(directory: str | os.PathLike, out: str | os.PathLike, *, dtype: str | None = None,
               step: int | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> dict:
     """Export checkpoint `directory`'s params (newest usable step, or `step`) as a
     Hugging Face Llama directory `out` (must not exist, or be empty). `dtype` casts
     the floating params (default: as saved). Returns {"step", "files", "tensors",
     "bytes", "path"}. Raises CheckpointError (one line) on bad input, writing nothing."""
-    from fsdp_jax.adapters import from_nnx
-    from fsdp_jax.app.models.llama import Llama
+    from fsdp_jax.app.trainer_build import trainer_model
 
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -128,7 +144,7 @@ def export_hf(directory: str | os.PathLike, out: str | os.PathLike, *, dtype: st
     s = _pick_step(ckpt, step)
     run_cfg = _saved_config(ckpt, s)
     cfg = run_cfg.model
-    abstract = from_nnx(lambda r: Llama(cfg, rngs=r)).abstract_params
+    abstract = trainer_model(cfg).abstract_params
     want = tree_paths({"params": abstract})
     saved = {p: m for p, m in ckpt.saved_metadata(s).items() if p.startswith("params/")}
     bad = shape_mismatches(saved, want)
@@ -151,17 +167,7 @@ def export_hf(directory: str | os.PathLike, out: str | os.PathLike, *, dtype: st
         for i, name in enumerate(names):
             entries.append((name, shapes[name], dt))
             source[name] = (path, i if stacked else None, kind)
-    files: list[list] = [[]]
-    size = 0
-    for e in entries:
-        n = math.prod(e[1]) * e[2].itemsize
-        if files[-1] and size + n > max_shard_bytes:
-            files.append([])
-            size = 0
-        files[-1].append(e)
-        size += n
-    names = (["model.safetensors"] if len(files) == 1 else
-             [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))])
+    files, names = _shard_files(entries, max_shard_bytes)
     cache: dict[str, np.ndarray] = {}
 
     def fetch(name: str) -> np.ndarray:

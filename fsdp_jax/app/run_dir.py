@@ -26,12 +26,9 @@ import numpy as np
 
 from fsdp_jax.app.config import ConfigError
 from fsdp_jax.app.data import dir_problem
+from fsdp_jax.errors import RunDirBusy  # noqa: F401 (re-exported)
 
 LOCK_NAME = ".lock"
-
-
-class RunDirBusy(RuntimeError):
-    """Another live trainer holds the run directory (an environment failure: exit 1)."""
 
 
 def check_dir_path(path: str, key: str) -> None:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from fsdp_jax.errors import TokenizerError  # noqa: F401 (re-exported)
 
 # Tried in order when neither --eos nor a tokenizer_config.json names the EOS token.
 EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eot_id|>")
@@ -32,10 +33,6 @@ BATCH_BYTES = 4 << 20  # text per encode call
 LONG_BYTES = 16 << 20  # a text file larger than this is read and encoded as a stream (encode_long)
 WINDOW_CHARS = 1 << 20  # text per encode call of a long document
 OVERLAP_CHARS = 1 << 13  # text two consecutive windows share; they are cut where they agree
-
-
-class TokenizerError(ValueError):
-    """A tokenizer that cannot be found or loaded, or lacks an EOS token (one line)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Checkpoints: asynchronous sharded saves with Orbax, restore onto any mesh, export.
+"""The Checkpointer: asynchronous sharded saves with Orbax, restore onto any mesh.
 
 A checkpoint directory (the trainer uses `<run_dir>/checkpoints`) holds one
 directory per step, written by `orbax.checkpoint.CheckpointManager`:
@@ -6,7 +6,7 @@ directory per step, written by `orbax.checkpoint.CheckpointManager`:
     <step>/state/                  the TrainState: params, optimizer state, step
                                    (OCDBT; each process writes only its own shards)
     <step>/extras/                 JSON: loop step, data-iterator state, RNG key, config
-    <step>/fsdp_jax_manifest.json  the size and CRC-32 of every file above
+    <step>/fsdp_jax_manifest.json  the size and CRC-32 of every file above (`manifest`)
 
 `save` returns once the arrays are copied off the devices; the files are written in
 the background while training continues. Orbax writes into
@@ -23,13 +23,7 @@ the same call restores onto 1 device, 4 devices, a 2x4 `hybrid_shard` mesh or as
 checks the manifest (a truncated, deleted or changed file -> that step is damaged:
 the newest earlier step that restores is used instead, and the skipped ones are
 reported) and the saved shapes against the target (a mismatch is a `CheckpointError`
-naming the paths and shapes, never a fallback). Checksums are computed by the
-background save (after every process wrote its files) and verified by reading every
-file once before a restore.
-
-`export_safetensors` writes consolidated params one leaf at a time (read to host
-memory, never the optimizer state); `load_safetensors` reads them back straight into
-a sharded layout, each process reading only its shards.
+naming the paths and shapes, never a fallback).
 """
 
 from __future__ import annotations
@@ -37,108 +31,22 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
-import json
-import logging
 import os
 import shutil
-import sys
 import time
-import warnings
-import zlib
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from fsdp_jax.safetensors_io import SafetensorsError, SafetensorsFile, one_line, write_safetensors
+from fsdp_jax.checkpoint import manifest as mf, orbax_logs
+from fsdp_jax.checkpoint.manifest import ITEMS, MANIFEST, TMP_SUFFIX, shape_mismatches, tree_paths
+from fsdp_jax.errors import CheckpointError, CheckpointWriteError, one_line
 
-MANIFEST = "fsdp_jax_manifest.json"
-TMP_SUFFIX = ".orbax-checkpoint-tmp"
-_ITEMS = ("state", "extras")
-
-
-class CheckpointError(ValueError):
-    """No usable checkpoint, a damaged one, or one that does not fit the model.
-    The message is one line naming the directory, step and problem."""
-
-
-class CheckpointWriteError(RuntimeError):
-    """A save failed in the environment (disk full, permissions, I/O error). The message
-    is one line naming the step, the cause and the newest committed step, which is
-    intact: fix the cause and run the same command again to resume from it."""
-
-
-class _OrbaxErrorsRaised(logging.Filter):
-    """Drops orbax's ERROR records that carry a traceback: the same exception is
-    re-raised to the Checkpointer's caller, which reports it as one line (a failed
-    save otherwise prints one traceback per background thread)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.levelno >= logging.ERROR and "orbax" in record.pathname
-                    and (record.exc_info or "raised an exception" in record.getMessage()
-                         or "failed" in record.getMessage().lower()))
-
-
-_ORBAX_FILTER = _OrbaxErrorsRaised()
-
-
-class _UnretrievedOrbaxWrites(logging.Filter):
-    """asyncio's "exception was never retrieved" records for orbax's write tasks after a
-    failed save: the save's own error is raised (and reported once) by `check`/`wait`,
-    so these would only repeat it as tracebacks."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        msg = record.getMessage()
-        return not ("exception was never retrieved" in msg and "orbax" in msg)
-
-
-_ASYNCIO_FILTER = _UnretrievedOrbaxWrites()
 _WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EIO)
-
-
-def _quiet_closed_loop_callbacks() -> None:
-    """After a failed save orbax closes its event loop while tensorstore still completes
-    the other writes; each completion's callback then raises 'Event loop is closed',
-    which Python prints as an unraisable traceback (dozens per failed save). Drop those,
-    pass every other unraisable exception to the previous hook. Installed once."""
-    previous = sys.unraisablehook
-    if getattr(previous, "_fsdp_jax", False):
-        return
-
-    def hook(u):
-        if not (isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed"):
-            previous(u)
-    hook._fsdp_jax = True
-    sys.unraisablehook = hook
-
-
-def _release_stranded_waits() -> int:
-    """After a failed save: wake orbax's save threads still waiting for a signal the
-    failed step will never send (e.g. "directory created", when creating the step's
-    directory failed) and cancel them. Left alone they block for orbax's coordination
-    timeout (300 s), and the process cannot exit meanwhile (they are not daemons).
-    Returns how many were released; 0 when this orbax keeps no such threads."""
-    try:
-        import threading
-
-        from orbax.checkpoint._src.futures import future as _future
-        kind = _future._SignalingThread
-    except (ImportError, AttributeError):
-        return 0
-    released = 0
-    # their save coroutines, created and now never run, would each warn at exit
-    warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
-    for t in threading.enumerate():
-        if isinstance(t, kind) and t.is_alive():
-            with contextlib.suppress(Exception):
-                t.cancel()  # checked once the wait ends: the thread returns without running
-                _future.set_signals(t._receive_signals, operation_id=t._operation_id)
-                released += 1
-    return released
 
 
 class Restored(NamedTuple):
@@ -148,53 +56,12 @@ class Restored(NamedTuple):
     warnings: list      # one line each: damaged steps skipped, unverified steps
 
 
-def tree_paths(tree) -> dict[str, Any]:
-    """{"params/blocks/attn/wq": leaf, ...}: slash-joined keys, attribute names and
-    indices, so a TrainState, its saved metadata and a safetensors file agree."""
-    def key(k):
-        for attr in ("key", "name", "idx"):
-            if hasattr(k, attr):
-                return str(getattr(k, attr))
-        return str(k)
-    return {"/".join(key(k) for k in path): leaf
-            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
-
-
-def file_crc32(path: str | os.PathLike, chunk: int = 1 << 24) -> str:
-    """CRC-32 of a file's bytes as 8 hex digits (zlib: about 1 GB/s, the GIL released)."""
-    crc = 0
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            crc = zlib.crc32(block, crc)
-    return f"{crc:08x}"
-
 
 def _sync(name: str) -> None:
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
         multihost_utils.sync_global_devices(f"fsdp_jax:{name}")
 
-
-def shape_mismatches(saved: dict[str, Any], target: dict[str, Any], limit: int = 10) -> list[str]:
-    """Lines `path: checkpoint (shape) vs model (shape)` for leaves whose shapes differ
-    or that exist on one side only. Parameters come first; when any parameter differs,
-    optimizer-state leaves (which follow them) are only counted."""
-    probs: list[tuple[str, str]] = []
-    for p in sorted(saved.keys() | target.keys()):
-        a, b = saved.get(p), target.get(p)
-        if a is None:
-            probs.append((p, f"{p}: not in the checkpoint (model {tuple(b.shape)})"))
-        elif b is None:
-            probs.append((p, f"{p}: only in the checkpoint {tuple(a.shape)}"))
-        elif tuple(a.shape) != tuple(b.shape):
-            probs.append((p, f"{p}: checkpoint {tuple(a.shape)} vs model {tuple(b.shape)}"))
-    params = [m for p, m in probs if p.startswith("params/")]
-    others = [m for p, m in probs if not p.startswith("params/")]
-    shown = params or others
-    out = shown[:limit] + ([f"and {len(shown) - limit} more"] if len(shown) > limit else [])
-    if params and others:
-        out.append(f"plus {len(others)} optimizer-state/other leaves")
-    return out
 
 
 class Checkpointer:
@@ -221,15 +88,13 @@ class Checkpointer:
                                     if self.directory.is_dir() else [])
         self._in_flight: collections.deque[int] = collections.deque()
         self._pending: int | None = None  # the newest step handed to orbax (every process)
-        logging.getLogger("absl").addFilter(_ORBAX_FILTER)  # idempotent
-        logging.getLogger("asyncio").addFilter(_ASYNCIO_FILTER)
-        _quiet_closed_loop_callbacks()
+        orbax_logs.install()
         # (not orbax's read_only option: it logs warnings on every use)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None if read_only else keep, create=not read_only,
             cleanup_tmp_directories=not read_only,
             async_options=ocp.AsyncOptions(post_finalization_callback=self._write_manifest))
-        self._mngr = ocp.CheckpointManager(self.directory, options=options, item_names=_ITEMS)
+        self._mngr = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
 
     # -- saving ---------------------------------------------------------------------------
 
@@ -265,7 +130,7 @@ class Checkpointer:
             raise
         except Exception as e:  # orbax wraps thread errors in several types; keep the cause
             self._in_flight.clear()  # the failed step's manifest will never be written
-            _release_stranded_waits()
+            orbax_logs.release_stranded_waits()
             cause = e
             while cause.__cause__ is not None and not isinstance(cause, OSError):
                 cause = cause.__cause__
@@ -303,12 +168,7 @@ class Checkpointer:
         # before it renames the tmp directory: the manifest commits with the checkpoint.
         step = self._in_flight.popleft()
         tmp = sorted(self.directory.glob(f"{step}{TMP_SUFFIX}*"))
-        d = tmp[-1] if tmp else self.directory / str(step)
-        # Item files only: orbax rewrites its own step metadata after this point.
-        paths = [f for item in _ITEMS for f in sorted((d / item).rglob("*")) if f.is_file()]
-        files = {str(f.relative_to(d)): f.stat().st_size for f in paths}
-        crc = {str(f.relative_to(d)): file_crc32(f) for f in paths}  # catches flips that keep sizes
-        (d / MANIFEST).write_text(json.dumps({"step": step, "files": files, "crc32": crc}, indent=0))
+        mf.write_manifest(tmp[-1] if tmp else self.directory / str(step), step)
 
     def wait(self) -> None:
         """Block until the writes in flight are committed (raises CheckpointWriteError
@@ -353,18 +213,7 @@ class Checkpointer:
         sizes and CRC-32 checksums (manifests written before checksums: sizes only);
         else the problem (first missing, resized or changed file). Raises
         FileNotFoundError when the step has no manifest."""
-        d = self.step_dir(step)
-        manifest = json.loads((d / MANIFEST).read_text())
-        crc = manifest.get("crc32", {})
-        for rel, size in manifest["files"].items():
-            f = d / rel
-            if not f.is_file():
-                return f"{rel} is missing"
-            if f.stat().st_size != size:
-                return f"{rel} has {f.stat().st_size} bytes, {size} when saved"
-            if rel in crc and file_crc32(f) != crc[rel]:
-                return f"{rel} has changed since it was saved (CRC-32 {file_crc32(f)}, {crc[rel]} when saved)"
-        return None
+        return mf.check_files(self.step_dir(step))
 
     def saved_metadata(self, step: int) -> dict[str, Any]:
         """{path: ArrayMetadata (shape, dtype)} of the saved state, from orbax's metadata."""
@@ -495,85 +344,3 @@ def latest_step(directory: str | os.PathLike) -> int | None:
         return None
     return Checkpointer(directory, read_only=True).latest_step()
 
-
-# -- safetensors ----------------------------------------------------------------------------
-
-def export_safetensors(directory: str | os.PathLike, out: str | os.PathLike, *,
-                       dtype: str | np.dtype | None = None, step: int | None = None,
-                       prefix: str = "params") -> dict:
-    """Write the `prefix` subtree of a checkpoint as one safetensors file with keys like
-    "blocks/attn/wq", one leaf at a time: host memory holds one array, the optimizer
-    state is never read. `dtype` casts floating leaves (e.g. "bfloat16"). Uses the
-    newest usable step unless `step` is given. Returns {"step", "tensors", "bytes", "path"}."""
-    ckpt = Checkpointer(directory, read_only=True)
-    cast = None if dtype is None else np.dtype(dtype)
-
-    def meta(s):
-        leaves = {p[len(prefix) + 1:]: m for p, m in ckpt.saved_metadata(s).items()
-                  if p.startswith(prefix + "/")}
-        if not leaves:
-            raise CheckpointError(f"{ckpt.step_dir(s)}: no '{prefix}' subtree in the saved state")
-        return leaves
-    leaves, s, notes = ckpt._try_steps(step, meta)
-    for n in notes:
-        print(f"warning: {n}", flush=True)
-
-    def out_dtype(m):
-        dt = np.dtype(m.dtype)
-        return cast if cast is not None and np.issubdtype(dt, np.floating) else dt
-    entries = [(name, tuple(m.shape), out_dtype(m)) for name, m in sorted(leaves.items())]
-    size = write_safetensors(out, entries, lambda name: ckpt.read_leaf(s, f"{prefix}/{name}"),
-                             {"format": "np", "fsdp_jax_step": str(s), "source": str(ckpt.step_dir(s))})
-    return {"step": s, "tensors": len(leaves), "bytes": size, "path": str(out)}
-
-
-def open_safetensors(path: str | os.PathLike) -> SafetensorsFile:
-    """The checked header of a safetensors file (no data is read yet); a missing or
-    invalid file is a CheckpointError naming it."""
-    try:
-        return SafetensorsFile(path)
-    except SafetensorsError as e:
-        raise CheckpointError(str(e)) from None
-
-
-def load_safetensors(path: str | os.PathLike, abstract_params) -> Any:
-    """Params from a safetensors file, laid out as `abstract_params` (ShapeDtypeStructs;
-    with a sharding each process reads only its shards' rows) and cast to their dtypes.
-    Missing/extra names or shapes that differ raise CheckpointError listing them."""
-    f = open_safetensors(path)
-    want = tree_paths(abstract_params)
-    bad = shape_mismatches({n: jax.ShapeDtypeStruct(f.shape(n), f.dtype(n)) for n in f.tensors}, want)
-    if bad:
-        raise CheckpointError(f"{path} does not fit the model ({'; '.join(bad)})")
-
-    def place(name, sds):
-        if getattr(sds, "sharding", None) is None:
-            return jnp.asarray(f.read(name, dtype=sds.dtype))
-        return jax.make_array_from_callback(sds.shape, sds.sharding,
-                                            lambda idx: f.read(name, *idx, dtype=sds.dtype))
-    try:
-        leaves = [place(name, sds) for name, sds in want.items()]
-    except SafetensorsError as e:  # the file changed (truncated) after its header was checked
-        raise CheckpointError(str(e)) from None
-    return jax.tree.unflatten(jax.tree.structure(abstract_params), leaves)
-
-
-def load_init_params(path: str | os.PathLike, abstract_params) -> Any:
-    """Params for a run's `init_from`, laid out as `abstract_params` (ShapeDtypeStructs
-    with shardings): a safetensors file (scripts/export.py) or a run / checkpoint
-    directory (its newest step that restores; only params are read, damaged steps are
-    reported on process 0). Failures raise CheckpointError("init_from: ...")."""
-    p = Path(path)
-    try:
-        if p.is_file() or p.suffix == ".safetensors":
-            return load_safetensors(p, abstract_params)
-        d = p / "checkpoints" if (p / "checkpoints").is_dir() else p
-        if not d.is_dir():
-            raise CheckpointError(f"{path}: no such file or directory")
-        params, _, notes = Checkpointer(d, read_only=True, keep=None).restore_params(abstract_params)
-        for n in notes:
-            if jax.process_index() == 0:
-                print(f"warning: {n}", flush=True)
-        return params
-    except CheckpointError as e:
-        raise CheckpointError(f"init_from: {e}") from None
