@@ -75,7 +75,7 @@ def format_predictions(doc: dict[str, Any]) -> list[str]:
     if not rows:
         return []
     lines = ["", f"predicted step time (roofline over the compiled program's traffic; compute at "
-                 f"{GEMM_EFFICIENCY:.0%} of the dense bf16 peak; fsdp_jax.app.step_time):"]
+                 f"{GEMM_EFFICIENCY:.0%} of the dense bf16 peak; fsdp_jax.app.fit.step_time):"]
     hdr = (f"{'strategy':<14}{'step s':>9}{'compute':>9}{'comm':>9}{'update':>9}{'tok/s/GPU':>11}"
            f"{'TFLOP/s':>9}{'MFU':>7}  bound")
     lines += [hdr, "-" * len(hdr)]
