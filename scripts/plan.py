@@ -6,6 +6,7 @@
     python scripts/plan.py --config configs/tiny.yaml --devices 8 --plot plan.png remat=full
     python scripts/plan.py --config configs/llama2_70b.yaml --target h100 --devices 64 --hosts 8
     python scripts/plan.py --config configs/llama2_7b.yaml --devices 8 --device-memory 80GB --offload all
+    python scripts/plan.py --config configs/llama2_70b.yaml --target h100 --devices 8 --search --vary batch
 
 For each strategy: analytic bytes (params, grads, optimizer state, gathered params,
 activations) and the compiled train step's memory_analysis() (argument, output,
@@ -17,8 +18,10 @@ once); --device-memory then defaults to the target's. Trailing key=value
 arguments override the config as in scripts/train.py. `--offload` plans with
 optimizer state / params in host memory (a setting, a comma list or `all`: then one
 plan per setting and a strategy x offload table; --json gives {"offload": {setting:
-plan}}). Exit codes: 0 success, 2 bad
-input (one line on stderr), 1 anything else.
+plan}}). `--search` finds the fastest configuration that fits instead (strategy x remat x
+microbatches x offload, and batch / seq with --vary; `fsdp_jax.app.fit.search`): a ranked
+table, the winner as YAML; nothing fits -> one line naming the least device memory that
+would, exit 2. Exit codes: 0 success, 2 bad input (one line on stderr), 1 anything else.
 """
 
 from __future__ import annotations
@@ -48,6 +51,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", default=None, help="write a bar chart PNG here")
     ap.add_argument("--offload", default=None,
                     help="none | optimizer | optimizer+params, a comma list, or all (default: the config's)")
+    ap.add_argument("--search", action="store_true",
+                    help="search strategy x remat x microbatches x offload for the fastest config that fits")
+    ap.add_argument("--remat", default=None, help="with --search: remat policies to try (comma list, or all)")
+    ap.add_argument("--microbatches", default=None,
+                    help="with --search: microbatch counts to try (default: powers of two dividing the batch)")
+    ap.add_argument("--vary", default=None, help="with --search: also vary batch and/or seq (e.g. batch,seq)")
+    ap.add_argument("--headroom", default=None, help="with --search: device memory kept free (10%% default, or 8GB)")
+    ap.add_argument("--host-memory", default=None, help="with --search: pinned host memory per host (e.g. 1TB)")
+    ap.add_argument("--max-compiles", default="4", help="with --search: compile at most this many candidates")
+    ap.add_argument("--rows", default="10", help="with --search: rows of the ranked table")
     ap.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. remat=full")
     try:
         args = ap.parse_args(argv)
@@ -60,6 +73,11 @@ def main(argv: list[str] | None = None) -> int:
                                       parse_strategies, resolve_target)
     from fsdp_jax.targets import TargetError
 
+    if args.search:
+        return _search(args)
+    for flag in ("remat", "microbatches", "vary", "headroom", "host_memory"):
+        if getattr(args, flag) is not None:
+            return fail(PlanError(f"--{flag.replace('_', '-')}: only with --search"))
     try:
         n, target = resolve_target(args)
         mem = parse_bytes(args.device_memory) if args.device_memory is not None else None
@@ -106,6 +124,53 @@ def main(argv: list[str] | None = None) -> int:
         print(format_table(doc))
         if args.plot:
             print(f"plot: {args.plot}")
+    return 0
+
+
+def _search(args) -> int:
+    """plan.py --search: parse, search, print; nothing fits -> one line, exit 2."""
+    from fsdp_jax.app.cli import BAD_INPUT, fail
+    from fsdp_jax.app.config import ConfigError
+    from fsdp_jax.app.fit.report import (PlanError, load_planning_config, parse_bytes, parse_devices,
+                                         parse_strategies, resolve_target)
+    from fsdp_jax.app.fit.search import Limits, SearchError, SearchSpace, search
+    from fsdp_jax.app.fit import search_report as sr
+    from fsdp_jax.targets import TargetError, device_memory
+
+    try:
+        if args.plot:
+            raise SearchError("--plot: not with --search")
+        n, target = resolve_target(args)
+        if args.device_memory is not None:
+            mem = parse_bytes(args.device_memory)
+        elif target is not None:
+            mem = device_memory(target.name)
+        else:
+            raise SearchError("--search: give --device-memory (or a --target, whose memory is known)")
+        headroom, fraction = sr.parse_headroom(args.headroom)
+        space = SearchSpace(strategies=tuple(parse_strategies(args.strategies)), remats=sr.parse_remats(args.remat),
+                            microbatches=sr.parse_microbatches(args.microbatches),
+                            offloads=sr.parse_offloads(args.offload), vary=sr.parse_vary(args.vary))
+        limits = Limits(device_memory=mem, headroom=headroom, headroom_fraction=fraction,
+                        host_memory=None if args.host_memory is None else parse_bytes(args.host_memory, "--host-memory"),
+                        max_compiles=parse_devices(args.max_compiles, "--max-compiles") if args.max_compiles != "0" else 0)
+        rows = parse_devices(args.rows, "--rows")
+    except (PlanError, TargetError, ConfigError) as e:
+        return fail(e)
+    try:
+        cfg = load_planning_config(args.config, args.overrides, n)
+        progress = lambda msg: print(f"search: {msg}", file=sys.stderr, flush=True)  # noqa: E731
+        doc = search(cfg, n, space, limits, target=target, config_name=args.config, progress=progress)
+    except BAD_INPUT + (PlanError, TargetError) as e:
+        return fail(e)
+    doc["yaml"] = sr.winner_yaml(doc)
+    if args.json:
+        json.dump(doc, sys.stdout, indent=1)
+        print()
+    else:
+        print(sr.format_search(doc, rows))
+    if doc["winner"] is None:
+        return fail(SearchError(sr.nothing_fits_message(doc)))
     return 0
 
 
