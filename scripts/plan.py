@@ -59,8 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vary", default=None, help="with --search: also vary batch and/or seq (e.g. batch,seq)")
     ap.add_argument("--headroom", default=None, help="with --search: device memory kept free (10%% default, or 8GB)")
     ap.add_argument("--host-memory", default=None, help="with --search: pinned host memory per host (e.g. 1TB)")
-    ap.add_argument("--max-compiles", default="4", help="with --search: compile at most this many candidates")
-    ap.add_argument("--rows", default="10", help="with --search: rows of the ranked table")
+    ap.add_argument("--max-compiles", default=None, help="with --search: compile at most this many candidates (default 4; 0: analytic only)")
+    ap.add_argument("--rows", default=None, help="with --search: rows of the ranked table (default 10)")
     ap.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. remat=full")
     try:
         args = ap.parse_args(argv)
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.search:
         return _search(args)
-    for flag in ("remat", "microbatches", "vary", "headroom", "host_memory"):
+    for flag in ("remat", "microbatches", "vary", "headroom", "host_memory", "max_compiles", "rows"):
         if getattr(args, flag) is not None:
             return fail(PlanError(f"--{flag.replace('_', '-')}: only with --search"))
     try:
@@ -153,8 +153,9 @@ def _search(args) -> int:
                             offloads=sr.parse_offloads(args.offload), vary=sr.parse_vary(args.vary))
         limits = Limits(device_memory=mem, headroom=headroom, headroom_fraction=fraction,
                         host_memory=None if args.host_memory is None else parse_bytes(args.host_memory, "--host-memory"),
-                        max_compiles=parse_devices(args.max_compiles, "--max-compiles") if args.max_compiles != "0" else 0)
-        rows = parse_devices(args.rows, "--rows")
+                        max_compiles=(4 if args.max_compiles is None else 0 if args.max_compiles.strip() == "0"
+                                      else parse_devices(args.max_compiles, "--max-compiles")))
+        rows = 10 if args.rows is None else parse_devices(args.rows, "--rows")
     except (PlanError, TargetError, ConfigError) as e:
         return fail(e)
     try:

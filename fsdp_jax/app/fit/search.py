@@ -58,7 +58,7 @@ VARY = ("batch", "seq")
 # when its analytic total x (1 - ANALYTIC_OVER) is still over the budget.
 ANALYTIC_OVER = 0.35
 HOST_LINK_BYTES_PER_S = 50e9  # PCIe 5 x16 per direction per GPU; offload transfers assumed not hidden
-MIN_SEQ = 128
+MIN_SEQ = 16
 
 
 class SearchError(PlanError):
@@ -399,6 +399,10 @@ def search(cfg, n_devices: int, space: SearchSpace, limits: Limits, *, target=No
                   devices_for(n_devices))
     for c in cands:
         c["overrides"] = overrides(cfg, c)
+    host = [c["analytic"]["host_per_host"] for c in cands if c["reason"] == "host memory over --host-memory"]
+    if len(host) == len(cands):
+        raise SearchError(f"--host-memory: {limits.host_memory / 1e9:.2f} GB per host is less than every candidate "
+                          f"needs (at least {min(host) / 1e9:.2f} GB); allow more, or add --offload none")
     dropped = sum(c["status"] == "dropped" for c in cands)
     say(f"analytic pass: {len(cands) - dropped} kept, {dropped} dropped, {time.perf_counter() - t0:.1f} s")
     compiled_n = 0

@@ -9,6 +9,7 @@ Bad input raises `SearchError` (a `PlanError`), whose message names the flag.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import yaml
@@ -148,10 +149,15 @@ def winner_yaml(doc: dict[str, Any]) -> str:
     return yaml.safe_dump(tree, sort_keys=False)
 
 
+def ceil_gb(n: int) -> str:
+    """Bytes as GB rounded up to 0.01 GB (a memory size that still holds `n`)."""
+    return f"{math.ceil(n / 1e7) / 100:.2f}GB"
+
+
 def nothing_fits_message(doc: dict[str, Any]) -> str:
     """The one line for a search that found nothing, naming the least device memory that fits."""
     need = doc["smallest_fitting_memory"]
     tail = ("" if need is None else
-            f"; the smallest device memory that would fit is {fmt_bytes(need)} (same headroom rule)")
+            f"; the smallest device memory that would fit is {ceil_gb(need)} (same headroom rule)")
     return (f"--search: none of {doc['counts']['candidates']} configurations fits in "
             f"{fmt_bytes(doc['device_memory'])} per device minus {fmt_bytes(doc['headroom'])} headroom{tail}")
