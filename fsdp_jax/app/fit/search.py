@@ -208,18 +208,40 @@ def analytic_communication(cfg, strategy: str, sizes: tuple[int, int, int], host
     return {"total_wire_bytes": int(total), "analytic": {"cross_host_wire_bytes": int(cross)}}
 
 
+def recompute_flops_per_token(model, seq_len: int, remat: str) -> float:
+    """Forward matmul FLOPs per token the backward pass recomputes under `remat` beyond what
+    `step_time.predict` counts (it counts `full` only). Per layer, with D, F, Q = heads x
+    head_dim, K = kv heads x head_dim, S: qkv 2D(Q+2K), attention core 4SQ, out 2QD, gate+up
+    4DF, down 2FD; `dots` saves every matmul output, `dots_no_batch` all but the attention
+    core, `save_qkv_attn_mlp_out` recomputes the core and gate/up, `save_attn_mlp_out` also
+    qkv (its `attn_out` is after the out projection, `mlp_out` after down)."""
+    d, f = model.d_model, model.ffn_dim
+    q, k = model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim
+    qkv, core, gate_up = 2 * d * (q + 2 * k), 4 * seq_len * q, 4 * d * f
+    per_layer = {"dots_no_batch": core, "save_qkv_attn_mlp_out": core + gate_up,
+                 "save_attn_mlp_out": qkv + core + gate_up}
+    name = remat.removeprefix("offload_")
+    name = {"attn_mlp_out": "save_attn_mlp_out", "qkv_attn_mlp_out": "save_qkv_attn_mlp_out"}.get(name, name)
+    return float(model.n_layers * per_layer.get(name, 0))
+
+
 def predict_step(cfg, target_name: str, n_devices: int, result: dict[str, Any]) -> dict[str, Any]:
-    """`step_time.predict` plus the offload transfers (`analytic.transfer_per_step` over
-    HOST_LINK_BYTES_PER_S, not hidden: the update waits for them)."""
-    from fsdp_jax.app.fit.step_time import predict
+    """`step_time.predict` plus what it leaves out: the recompute of remat policies other
+    than `full` (`recompute_flops_per_token`, at the same GEMM efficiency) and the offload
+    transfers (`analytic.transfer_per_step` over HOST_LINK_BYTES_PER_S, not hidden: the
+    update waits for them). step = max(compute + recompute, comm) + update + host."""
+    from fsdp_jax.app.fit.step_time import GEMM_EFFICIENCY, SPECS, predict
     p = predict(cfg, target_name, n_devices, result)
+    tokens = cfg.data.seq_len * cfg.train.global_batch / n_devices
+    extra_s = tokens * recompute_flops_per_token(cfg.model, cfg.data.seq_len, cfg.remat) / (
+        SPECS[target_name][0] * GEMM_EFFICIENCY)
     host_s = result["analytic"].get("transfer_per_step", 0) / HOST_LINK_BYTES_PER_S
-    if host_s:
-        step = p["step_s"] + host_s
-        scale = p["step_s"] / step
-        p.update(step_s=float(f"{step:.4g}"), tokens_per_s_per_gpu=float(f"{p['tokens_per_s_per_gpu'] * scale:.4g}"),
-                 tflops_per_gpu=float(f"{p['tflops_per_gpu'] * scale:.4g}"), mfu=float(f"{p['mfu'] * scale:.4g}"))
-    p["host_s"] = float(f"{host_s:.4g}")
+    g = lambda x: float(f"{x:.4g}")  # noqa: E731
+    step = max(p["compute_s"] + extra_s, p["comm_s"]) + p["update_s"] + host_s
+    scale = p["step_s"] / step if step else 1.0
+    p.update(step_s=g(step), tokens_per_s_per_gpu=g(tokens / step), tflops_per_gpu=g(p["tflops_per_gpu"] * scale),
+             mfu=g(p["mfu"] * scale), recompute_s=g(extra_s), host_s=g(host_s),
+             bound="compute" if p["compute_s"] + extra_s >= p["comm_s"] else "communication")
     return p
 
 
