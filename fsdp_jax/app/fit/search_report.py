@@ -99,8 +99,8 @@ def _gb(n: float | None) -> str:
 
 
 def format_search(doc: dict[str, Any], rows: int = 10) -> str:
-    """The ranked table: the best `rows` candidates that fit or sit at the edge, then why
-    the others were dropped, then the winner's overrides."""
+    """The ranked table: the best `rows` candidates that fit and the best 3 at the memory edge
+    (not compiled: they may fit), then why the others were dropped, then the winner's overrides."""
     tgt = doc["target"]
     where = f"{tgt['name']} x {doc['devices']}" if tgt else f"{doc['devices']} devices (CPU compile)"
     c = doc["counts"]
@@ -112,7 +112,9 @@ def format_search(doc: dict[str, Any], rows: int = 10) -> str:
     hdr = (f"{'#':>3} {'device':>9} {'by':<8} {'free':>9} {'host/host':>9} {'step s':>8} "
            f"{'tok/s/GPU':>10} {'MFU':>6}  {'status':<6} overrides")
     lines += [hdr, "-" * len(hdr)]
-    shown = [x for x in doc["candidates"] if x["status"] != "dropped"][:rows]
+    fits = [x for x in doc["candidates"] if x["status"] == "fits"][:rows]
+    edge = [x for x in doc["candidates"] if x["status"] == "edge"][:3]  # maybe: not compiled
+    shown = sorted(fits + edge, key=lambda x: x["rank"])
     for x in shown:
         p, peak = x["predicted"], (x["compiled"] or {}).get("device_peak", x["analytic"]["device_total"])
         lines.append(f"{x['rank']:>3} {fmt_bytes(peak):>9} {'compiled' if x['compiled'] else 'analytic':<8} "
