@@ -226,3 +226,25 @@ def test_pruning_keeps_edge_candidates_within_the_model_error(cfg):
         assert c["status"] == want, (se.overrides(cfg, c), dev, mid)
         seen.add(want)
     assert seen == {"fits", "edge", "dropped"}
+
+
+def test_recompute_per_remat_policy_by_hand(cfg):
+    """d 64, ffn 128, q 4 x 16, kv 2 x 16, seq 32, 2 layers: qkv 2*64*(64+64) = 16384, attention
+    core 4*32*64 = 8192, gate+up 4*64*128 = 32768 FLOPs per token per layer."""
+    m, s = cfg.model, cfg.data.seq_len
+    got = {r: se.recompute_flops_per_token(m, s, r) for r in se.DEVICE_REMATS + ("offload_attn_mlp_out",)}
+    assert got == {"none": 0, "dots": 0, "full": 0,  # full: step_time.predict counts it already
+                   "dots_no_batch": 2 * 8192, "save_qkv_attn_mlp_out": 2 * (8192 + 32768),
+                   "save_attn_mlp_out": 2 * (16384 + 8192 + 32768), "offload_attn_mlp_out": 2 * (16384 + 8192 + 32768)}
+    import dataclasses
+    from fsdp_jax.app.fit import step_time
+    res = {"analytic": {"grads": 0, "params": 0, "optimizer": 0}, "communication": {"total_wire_bytes": 0}}
+    with_remat = lambda r: dataclasses.replace(cfg, remat=r)  # noqa: E731
+    dots, saved = (se.predict_step(with_remat(r), "h100", 8, res) for r in ("dots", "save_attn_mlp_out"))
+    tokens = s * cfg.train.global_batch / 8
+    extra = tokens * got["save_attn_mlp_out"] / (989e12 * step_time.GEMM_EFFICIENCY)
+    assert saved["step_s"] - dots["step_s"] == pytest.approx(extra, rel=2e-3)
+    res["analytic"]["transfer_per_step"] = 5 * 10**9
+    host = se.predict_step(with_remat("dots"), "h100", 8, res)
+    assert host["host_s"] == pytest.approx(0.1)  # 5 GB at 50 GB/s, not hidden
+    assert host["step_s"] == pytest.approx(dots["step_s"] + 0.1, rel=1e-3)
