@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import call, one_line
 
 from fsdp_jax.app.config import load_config
 from fsdp_jax.app.fit import search as se
 from fsdp_jax.app.fit.report import COMPILED_OVER_ANALYTIC
 from fsdp_jax.app.fit.step_build import mesh_shape
-from helpers import call, one_line
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_YAML = ROOT / "configs" / "tiny.yaml"
@@ -47,7 +47,8 @@ def compiled_grid(cfg):
     assert targets.plugin_installed(), f"run `{targets.INSTALL_HINT}` (the CUDA compile-only plugin)"
     target = targets.make_target("h100", devices=8)
     cands = _cands(cfg, se.Limits(device_memory=10**12))
-    results = se.compile_candidates(cfg, 8, cands, target, progress=lambda m: None)
+    from fsdp_jax.app.fit.search_compile import compile_candidates
+    results = compile_candidates(cfg, 8, cands, target, progress=lambda m: None)
     return cands, [r["compiled"]["device_peak"] for r in results], target
 
 
@@ -237,6 +238,7 @@ def test_recompute_per_remat_policy_by_hand(cfg):
                    "dots_no_batch": 2 * 8192, "save_qkv_attn_mlp_out": 2 * (8192 + 32768),
                    "save_attn_mlp_out": 2 * (16384 + 8192 + 32768), "offload_attn_mlp_out": 2 * (16384 + 8192 + 32768)}
     import dataclasses
+
     from fsdp_jax.app.fit import step_time
     res = {"analytic": {"grads": 0, "params": 0, "optimizer": 0}, "communication": {"total_wire_bytes": 0}}
     with_remat = lambda r: dataclasses.replace(cfg, remat=r)  # noqa: E731

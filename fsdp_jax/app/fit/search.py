@@ -26,22 +26,17 @@ and host offload (and, when asked, batch and sequence length), cheap first.
 Candidates with host offload (or an offloading remat policy) are judged by the analytic
 model only: compile-only GPU/TPU devices offer no host memory kind, and XLA:CPU moves
 nothing between memory kinds, so no compiler here measures their device peak.
-The user's side (flags, table, YAML) is `fsdp_jax.app.fit.search_report`.
+Compiling is `fsdp_jax.app.fit.search_compile`; the user's side (flags, table, YAML) is
+`fsdp_jax.app.fit.search_report`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import math
-import os
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -313,86 +308,6 @@ def pick_to_compile(ranked: list[dict], limits: Limits, already: int) -> list[di
     return [c for c in ranked if any(c is x for x in top + edge)][:max(limits.max_compiles - already, 0)]
 
 
-# ----------------------------------------------------------------------------- compiling
-
-_MARK = "fsdp_jax.app.fit.search: "
-
-
-def _label(c: dict[str, Any]) -> str:
-    return (f"{c['strategy']} remat={c['remat']} microbatches={c['microbatches']} "
-            f"batch={c['global_batch']}x{c['seq_len']}")
-
-
-def compile_candidates(cfg, n_devices: int, cands: list[dict], target, progress: Callable[[str], None],
-                       kernel_cache: Path | None = None) -> list[dict]:
-    """`estimate.plan_strategy` results for `cands`: on CPU in this process (it has the
-    devices; the persistent compilation cache applies), for a target in one child process
-    whose compiles share one XLA:GPU kernel cache file (`kernel_cache`)."""
-    from fsdp_jax.app.fit.estimate import plan_strategy
-    if target is None:
-        from fsdp_jax.verify import devices_for
-        devices, out = devices_for(n_devices), []
-        for i, c in enumerate(cands):
-            progress(f"[{i + 1}/{len(cands)}] compiling {_label(c)} on {n_devices} CPU devices")
-            t0 = time.perf_counter()
-            out.append(plan_strategy(candidate_config(cfg, c), c["strategy"], devices,
-                                     mesh_sizes=tuple(c["mesh"].values())))
-            progress(f"[{i + 1}/{len(cands)}] done in {time.perf_counter() - t0:.1f} s")
-        return out
-    from fsdp_jax import targets
-    from fsdp_jax.app.config import config_to_dict
-    with tempfile.TemporaryDirectory(prefix="fsdp_jax-search-") as scratch:
-        env = targets.child_env(dict(os.environ, JAX_PLATFORMS="cpu"), target=target,
-                                kernel_cache=kernel_cache or Path(scratch) / "xla_gpu_kernels.bin")
-        out_file = Path(scratch) / "results.json"
-        request = {"target": target.as_dict(), "out": str(out_file),
-                   "jobs": [{"config": config_to_dict(candidate_config(cfg, c)), "strategy": c["strategy"],
-                             "mesh": list(c["mesh"].values()), "label": _label(c)} for c in cands]}
-        proc = subprocess.Popen([sys.executable, "-m", "fsdp_jax.app.fit.search"], stdin=subprocess.PIPE,
-                                stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
-        proc.stdin.write(json.dumps(request))
-        proc.stdin.close()
-        tail: list[str] = []
-        for line in proc.stderr:
-            if line.startswith(_MARK):
-                progress(line[len(_MARK):].rstrip())
-            else:
-                tail = (tail + [line.rstrip()])[-60:]
-        rc = proc.wait()
-        if rc == 2:
-            raise PlanError((tail[-1] if tail else "compile child: bad input").removeprefix("error: "))
-        if rc != 0:
-            raise RuntimeError(f"search compile child ({target.describe()}) failed with exit code {rc}:\n"
-                               + "\n".join(tail))
-        return json.loads(out_file.read_text())
-
-
-def _child_main() -> int:
-    """`python -m fsdp_jax.app.fit.search` < request: compile each job for the target in this
-    one process (one kernel cache), write the results to request["out"]."""
-    req = json.loads(sys.stdin.read())
-    from fsdp_jax import targets
-    from fsdp_jax.app.cli import BAD_INPUT, fail
-    from fsdp_jax.app.config import config_from_dict
-    from fsdp_jax.app.fit.estimate import plan_strategy
-    from fsdp_jax.targets import TargetError
-    try:
-        devices = targets.target_devices(targets.Target(**req["target"]))
-        out, jobs = [], req["jobs"]
-        for i, job in enumerate(jobs):
-            print(f"{_MARK}[{i + 1}/{len(jobs)}] compiling {job['label']} for {req['target']['name']}",
-                  file=sys.stderr, flush=True)
-            t0 = time.perf_counter()
-            out.append(plan_strategy(config_from_dict(job["config"]), job["strategy"], devices,
-                                     mesh_sizes=tuple(job["mesh"])))
-            print(f"{_MARK}[{i + 1}/{len(jobs)}] done in {time.perf_counter() - t0:.1f} s", file=sys.stderr,
-                  flush=True)
-    except BAD_INPUT + (PlanError, TargetError) as e:
-        return fail(e)
-    Path(req["out"]).write_text(json.dumps(out))
-    return 0
-
-
 # ----------------------------------------------------------------------------- the search
 
 def search(cfg, n_devices: int, space: SearchSpace, limits: Limits, *, target=None, config_name: str = "",
@@ -444,6 +359,7 @@ def search(cfg, n_devices: int, space: SearchSpace, limits: Limits, *, target=No
             break
         say(f"compiling {len(todo)} candidate(s) near the top and the memory edge"
             + (f" for {target.describe()} (one process, one kernel cache)" if target is not None else ""))
+        from fsdp_jax.app.fit.search_compile import compile_candidates
         for c, r in zip(todo, compile_candidates(cfg, n_devices, todo, target, say)):
             _apply_compiled(cfg, c, r, limits, n_devices, target.name if gpu else None)
         compiled_n += len(todo)
@@ -494,6 +410,3 @@ def _apply_compiled(cfg, c: dict, r: dict, limits: Limits, n_devices: int, gpu_n
                                       {"analytic": c["analytic"], "communication": r["communication"]})
         c["predicted"]["source"] = "compiled"
 
-
-if __name__ == "__main__":
-    sys.exit(_child_main())

@@ -104,11 +104,11 @@ def format_search(doc: dict[str, Any], rows: int = 10) -> str:
     tgt = doc["target"]
     where = f"{tgt['name']} x {doc['devices']}" if tgt else f"{doc['devices']} devices (CPU compile)"
     c = doc["counts"]
-    lines = [f"search: {doc['config'] or 'config'} on {where}; device memory {fmt_bytes(doc['device_memory'])}, "
-             f"headroom {fmt_bytes(doc['headroom'])} -> budget {fmt_bytes(doc['budget'])}; "
-             f"ranked by {doc['ranked_by']}",
-             f"{c['candidates']} candidates, {c['dropped']} dropped, {c['compiled']} compiled, "
-             f"{c['fits']} fit; {doc['wall_s']} s"]
+    lines = [(f"search: {doc['config'] or 'config'} on {where}; device memory {fmt_bytes(doc['device_memory'])}, "
+              f"headroom {fmt_bytes(doc['headroom'])} -> budget {fmt_bytes(doc['budget'])}; "
+              f"ranked by {doc['ranked_by']}"),
+             (f"{c['candidates']} candidates, {c['dropped']} dropped, {c['compiled']} compiled, "
+              f"{c['fits']} fit; {doc['wall_s']} s")]
     hdr = (f"{'#':>3} {'device':>9} {'by':<8} {'free':>9} {'host/host':>9} {'step s':>8} "
            f"{'tok/s/GPU':>10} {'MFU':>6}  {'status':<6} overrides")
     lines += [hdr, "-" * len(hdr)]
