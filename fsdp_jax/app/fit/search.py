@@ -180,24 +180,25 @@ def enumerate_candidates(cfg, n_devices: int, space: SearchSpace,
 
 def analytic_communication(cfg, strategy: str, sizes: tuple[int, int, int], hosts: int) -> dict[str, Any]:
     """Wire bytes each device sends per step (ring algorithms), by strategy, with P the params
-    in the compute dtype, R in the gradient-reduce dtype, F = fsdp, D = data, M microbatches:
-    DDP 2R(N-1)/N; ZeRO-1 that plus P(N-1)/N (updated params); ZeRO-2 M(P + R)(F-1)/F; ZeRO-3
-    M(2P + R)(F-1)/F; HSDP that plus 2(R/F)(D-1)/D across data. All bytes of a group that
-    spans hosts count as cross-host. A compiled candidate replaces this with its program's."""
+    in the compute dtype, F = fsdp, D = data, N = D x F, M microbatches: DDP 2P(N-1)/N (ZeRO-1
+    the same plus P(N-1)/N for the updated params); ZeRO-2 2MP(F-1)/F; ZeRO-3 3MP(F-1)/F; HSDP
+    that plus 2(P/F)(D-1)/D across data. Gradients travel in the compute dtype: the XLA:GPU
+    compiles of 7B and 70B reduce-scatter bf16 grads even under reduce=float32 (BENCHMARKS.md:
+    these formulas are within 0.3% of their all-gather + reduce-scatter + all-reduce bytes).
+    All bytes of a group that spans hosts count as cross-host. A compiled candidate replaces
+    this with its program's own bytes."""
     from fsdp_jax.app.models.llama import count_params
     from fsdp_jax.precision import Policy
-    pol = Policy.parse(cfg.precision)
-    n_p = count_params(cfg.model)
-    p, r = n_p * np.dtype(pol.compute_dtype).itemsize, n_p * np.dtype(pol.reduce_dtype).itemsize
+    p = count_params(cfg.model) * np.dtype(Policy.parse(cfg.precision).compute_dtype).itemsize
     data, fsdp, _ = sizes
     n, m = data * fsdp, cfg.train.microbatches
     ring = lambda k: (k - 1) / k if k > 1 else 0.0  # noqa: E731
     if strategy in ("no_shard", "shard_opt"):
-        within = 2 * r * ring(n) + (p * ring(n) if strategy == "shard_opt" else 0)
+        within = 2 * p * ring(n) + (p * ring(n) if strategy == "shard_opt" else 0)
         across = 0.0
     else:
-        within = m * ((p if strategy == "shard_grad_op" else 2 * p) + r) * ring(fsdp)
-        across = 2 * r / fsdp * ring(data) if strategy == "hybrid_shard" else 0.0
+        within = m * (2 if strategy == "shard_grad_op" else 3) * p * ring(fsdp)
+        across = 2 * p / fsdp * ring(data) if strategy == "hybrid_shard" else 0.0
     spans = hosts > 1 and (n if strategy in ("no_shard", "shard_opt") else fsdp) > n // hosts
     total = within + across
     cross = total if spans else (across if hosts > 1 and data > 1 else 0.0)
