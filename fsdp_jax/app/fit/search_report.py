@@ -130,8 +130,13 @@ def format_search(doc: dict[str, Any], rows: int = 10) -> str:
     lines += [f"note: {n}" for n in doc["notes"]]
     w = doc["winner"]
     if w is not None:
-        lines += ["", f"winner: {' '.join(w['overrides'])}", "as YAML (paste into the config):",
-                  winner_yaml(doc).rstrip()]
+        lines += ["", f"winner: {' '.join(w['overrides'])}"]
+        lines += [f"  compiled schedule warning: {x}" for x in (w["compiled"] or {}).get("warnings", [])]
+        if w["compiled"] is None:
+            lines.append("  not compiled: judged by the analytic model alone (host offload: no compiler here "
+                         "measures its device peak; check it on the GPU)" if w["offload"] != "none" else
+                         "  not compiled: judged by the analytic model (raise --max-compiles to compile it)")
+        lines += ["as YAML (paste into the config):", winner_yaml(doc).rstrip()]
     return "\n".join(lines)
 
 
