@@ -21,7 +21,9 @@ and host offload (and, when asked, batch and sequence length), cheap first.
    best-ranked just over the edge), all in one child process sharing XLA:GPU's kernel
    cache (on CPU, in this process with the persistent compilation cache). A compiled
    candidate fits when its compiled device peak is within the budget; its prediction is
-   then redone over the compiled program's own collective bytes.
+   then redone over the compiled program's own collective bytes. Another round follows
+   while an uncompiled candidate still ranks above the best verified fit, up to
+   `Limits.max_compiles` compiles in all.
 
 Candidates with host offload (or an offloading remat policy) are judged by the analytic
 model only: compile-only GPU/TPU devices offer no host memory kind, and XLA:CPU moves
@@ -300,10 +302,17 @@ def device_peak(c: dict[str, Any]) -> int:
     return c["compiled"]["device_peak"] if c.get("compiled") else c["analytic"]["device_total"]
 
 
+def verified(c: dict[str, Any]) -> bool:
+    """A candidate that fits and that no compile here could still overturn."""
+    return c["status"] == "fits" and (c["compiled"] is not None or not c["compilable"])
+
+
 def pick_to_compile(ranked: list[dict], limits: Limits, already: int) -> list[dict]:
-    """The `top` best-ranked compilable candidates that fit analytically and the `edge`
-    best-ranked compilable ones over the edge, at most `max_compiles - already`."""
-    todo = [c for c in ranked if c["compilable"] and c["compiled"] is None and c["status"] != "dropped"]
+    """Among the candidates ranked above the best verified one (all, before any is): the `top`
+    best-ranked uncompiled ones that fit analytically and the `edge` best-ranked at the memory
+    edge, at most `max_compiles - already`. Empty when the best-ranked fit is verified."""
+    stop = next((i for i, c in enumerate(ranked) if verified(c)), len(ranked))
+    todo = [c for c in ranked[:stop] if c["compilable"] and c["compiled"] is None and c["status"] != "dropped"]
     top = [c for c in todo if c["status"] == "fits"][:limits.top]
     edge = [c for c in todo if c["status"] == "edge"][:limits.edge]
     return [c for c in ranked if any(c is x for x in top + edge)][:max(limits.max_compiles - already, 0)]
@@ -364,12 +373,12 @@ def search(cfg, n_devices: int, space: SearchSpace, limits: Limits, *, target=No
         for c, r in zip(todo, compile_candidates(cfg, n_devices, todo, target, say)):
             _apply_compiled(cfg, c, r, limits, n_devices, target.name if gpu else None)
         compiled_n += len(todo)
-        if any(c["compiled"] and c["status"] == "fits" for c in cands):
-            break
     ranked = rank(cands)
     for i, c in enumerate(ranked):
         c["rank"] = i + 1
-    winner = next((c for c in ranked if c["status"] == "fits"), None)
+    # the best verified fit (any fit with --max-compiles 0); without one, the best analytic fit
+    fits = [c for c in ranked if c["status"] == "fits"]
+    winner = next((c for c in fits if verified(c) or limits.max_compiles == 0), fits[0] if fits else None)
     measured = [c for c in cands if c["reason"] != "host memory over --host-memory"]
     smallest = min((device_peak(c) for c in measured), default=None)
     counts: dict[str, int] = {}
