@@ -93,8 +93,11 @@ def test_search_winner_compiles_within_the_budget(cfg, compiled_grid):
     assert w is not None and w["compiled"] is not None and w["compiled"]["platform"] == "gpu"
     assert w["compiled"]["device_peak"] <= doc["budget"] == mem - doc["headroom"]
     assert w["predicted"]["source"] == "compiled" and w["rank"] == min(
-        c["rank"] for c in doc["candidates"] if c["status"] == "fits")
+        c["rank"] for c in doc["candidates"] if se.verified(c))
     assert 1 <= doc["counts"]["compiled"] <= 4  # only a few were compiled
+    above = [c for c in doc["candidates"] if c["rank"] < w["rank"]]
+    if doc["counts"]["compiled"] < 4:  # compiles left: nothing above the winner could still fit
+        assert all(c["status"] == "dropped" for c in above)
     assert any(c["status"] == "dropped" for c in doc["candidates"])
 
 
