@@ -10,6 +10,9 @@ the predicted step time — and reports it:
 * `step_time`    the predicted step time on a GPU target
 * `estimate`     analytic + compiled memory of a config, per strategy (`plan_config`)
 * `report`       the user's side: parsing flags, warnings, tables, the plot
+* `search`       the fastest configuration that fits: strategy x remat x microbatches x
+                 offload (x batch, seq), pruned analytically, a few compiled (`search_compile`),
+                 reported by `search_report` (plan.py --search)
 
 The old module paths (`fsdp_jax.app.planner`, `plan_report`, `memory_model`, `step_time`,
 `step_build`) stay importable: `fsdp_jax.app` maps them onto these modules.
