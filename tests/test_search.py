@@ -121,6 +121,7 @@ def test_json_document_schema_and_yaml_winner(capsys):
         assert {"params", "grads", "optimizer", "activations", "device_total", "host"} <= set(c["analytic"])
         assert {"step_s", "tokens_per_s_per_gpu", "mfu", "host_s", "source"} <= set(c["predicted"])
         assert c["compiled"] is None
+        assert c["device_peak"] == c["analytic"]["device_total"] == doc["device_memory"] - c["free"]
         assert (c["status"] == "fits") == (c["analytic"]["device_total"] <= doc["budget"])
     w = doc["winner"]
     assert w == next(c for c in cands if c["status"] == "fits")

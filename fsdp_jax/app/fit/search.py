@@ -327,8 +327,8 @@ def search(cfg, n_devices: int, space: SearchSpace, limits: Limits, *, target=No
            progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """The search document (JSON-able): {"config", "devices", "target", "device_memory",
     "headroom", "budget", "ranked_by", "space", "counts", "candidates" (ranked, every one
-    with "overrides", "analytic", "predicted", "compiled" or None, "status": fits | edge |
-    dropped, "reason"), "dropped" (reason -> count), "winner" (a candidate or None),
+    with "overrides", "analytic", "predicted", "compiled" or None, "device_peak" and "free"
+    (device memory minus that peak), "status": fits | edge | dropped, "reason"), "dropped" (reason -> count), "winner" (a candidate or None),
     "smallest_fitting_memory" (bytes: the least device memory any candidate would fit in,
     headroom kept), "notes", "wall_s"}. Needs `n_devices` devices in this process (fake
     CPU devices will do) for the analytic pass. Raises SearchError for an empty space or
@@ -379,6 +379,8 @@ def search(cfg, n_devices: int, space: SearchSpace, limits: Limits, *, target=No
     ranked = rank(cands)
     for i, c in enumerate(ranked):
         c["rank"] = i + 1
+        c["device_peak"] = device_peak(c)  # compiled when compiled, else analytic
+        c["free"] = limits.device_memory - c["device_peak"]  # what it leaves of the device memory
     # the best verified fit (any fit with --max-compiles 0); without one, the best analytic fit
     fits = [c for c in ranked if c["status"] == "fits"]
     winner = next((c for c in fits if verified(c) or limits.max_compiles == 0), fits[0] if fits else None)

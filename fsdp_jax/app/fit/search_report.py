@@ -116,9 +116,9 @@ def format_search(doc: dict[str, Any], rows: int = 10) -> str:
     edge = [x for x in doc["candidates"] if x["status"] == "edge"][:3]  # maybe: not compiled
     shown = sorted(fits + edge, key=lambda x: x["rank"])
     for x in shown:
-        p, peak = x["predicted"], (x["compiled"] or {}).get("device_peak", x["analytic"]["device_total"])
+        p, peak = x["predicted"], x["device_peak"]
         lines.append(f"{x['rank']:>3} {fmt_bytes(peak):>9} {'compiled' if x['compiled'] else 'analytic':<8} "
-                     f"{fmt_bytes(doc['budget'] + doc['headroom'] - peak):>9} "
+                     f"{fmt_bytes(x['free']):>9} "
                      f"{fmt_bytes(x['analytic']['host_per_host']):>9} "
                      f"{p['step_s']:>8.3g} {p['tokens_per_s_per_gpu']:>10,.0f} {p['mfu']:>6.1%}  "
                      f"{x['status']:<6} {' '.join(x['overrides'])}")
