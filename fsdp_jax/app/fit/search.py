@@ -37,8 +37,10 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -365,17 +367,19 @@ def search(cfg, n_devices: int, space: SearchSpace, limits: Limits, *, target=No
     dropped = sum(c["status"] == "dropped" for c in cands)
     say(f"analytic pass: {len(cands) - dropped} kept, {dropped} dropped, {time.perf_counter() - t0:.1f} s")
     compiled_n = 0
-    while True:
-        ranked = rank(cands)
-        todo = pick_to_compile(ranked, limits, compiled_n)
-        if not todo:
-            break
-        say(f"compiling {len(todo)} candidate(s) near the top and the memory edge"
-            + (f" for {target.describe()} (one process, one kernel cache)" if target is not None else ""))
-        from fsdp_jax.app.fit.search_compile import compile_candidates
-        for c, r in zip(todo, compile_candidates(cfg, n_devices, todo, target, say)):
-            _apply_compiled(cfg, c, r, limits, n_devices, target.name if gpu else None)
-        compiled_n += len(todo)
+    with tempfile.TemporaryDirectory(prefix="fsdp_jax-search-") as scratch:  # one kernel cache, every round
+        kernels = Path(scratch) / "xla_gpu_kernels.bin"
+        while True:
+            ranked = rank(cands)
+            todo = pick_to_compile(ranked, limits, compiled_n)
+            if not todo:
+                break
+            say(f"compiling {len(todo)} candidate(s) near the top and the memory edge"
+                + (f" for {target.describe()} (one process, the kernel cache shared)" if target is not None else ""))
+            from fsdp_jax.app.fit.search_compile import compile_candidates
+            for c, r in zip(todo, compile_candidates(cfg, n_devices, todo, target, say, kernel_cache=kernels)):
+                _apply_compiled(cfg, c, r, limits, n_devices, target.name if gpu else None)
+            compiled_n += len(todo)
     ranked = rank(cands)
     for i, c in enumerate(ranked):
         c["rank"] = i + 1
