@@ -60,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--headroom", default=None, help="with --search: device memory kept free (10%% default, or 8GB)")
     ap.add_argument("--host-memory", default=None, help="with --search: pinned host memory per host (e.g. 1TB)")
     ap.add_argument("--max-compiles", default=None, help="with --search: compile at most this many candidates (default 4; 0: analytic only)")
+    ap.add_argument("--progress", action="store_true",
+                    help="with --search: progress lines on stderr even when it is not a terminal")
     ap.add_argument("--rows", default=None, help="with --search: rows of the ranked table (default 10)")
     ap.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. remat=full")
     try:
@@ -75,8 +77,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.search:
         return _search(args)
-    for flag in ("remat", "microbatches", "vary", "headroom", "host_memory", "max_compiles", "rows"):
-        if getattr(args, flag) is not None:
+    for flag in ("remat", "microbatches", "vary", "headroom", "host_memory", "max_compiles", "rows", "progress"):
+        if getattr(args, flag) not in (None, False):
             return fail(PlanError(f"--{flag.replace('_', '-')}: only with --search"))
     try:
         n, target = resolve_target(args)
@@ -160,7 +162,8 @@ def _search(args) -> int:
         return fail(e)
     try:
         cfg = load_planning_config(args.config, args.overrides, n)
-        progress = lambda msg: print(f"search: {msg}", file=sys.stderr, flush=True)  # noqa: E731
+        show = args.progress or sys.stderr.isatty()  # else stderr holds only an error's one line
+        progress = (lambda msg: print(f"search: {msg}", file=sys.stderr, flush=True)) if show else None
         doc = search(cfg, n, space, limits, target=target, config_name=args.config, progress=progress)
     except BAD_INPUT + (PlanError, TargetError) as e:
         return fail(e)
