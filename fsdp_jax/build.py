@@ -10,7 +10,7 @@ from is the caller's choice, each a method on the result: a sharded init from th
 model's init function, materialised params placed onto the plan, params already in
 the plan's layout, or a checkpoint restored onto `built.abstract_state`.
 
-The trainer (`fsdp_jax.app.run_setup.setup`, via `fsdp_jax.app.trainer_build`), the planner (`fsdp_jax.app.step_build.build_step`)
+The trainer (`fsdp_jax.app.run_setup.setup`, via `fsdp_jax.app.trainer_build`), the planner (`fsdp_jax.app.fit.step_build.build_step`)
 the drop-in entry point (`fsdp_jax.adapters.shard_model`) and `init_train_state` all call `build`.
 """
 

@@ -9,7 +9,7 @@ import pytest
 
 from fsdp_jax import targets
 from fsdp_jax.app.config import load_config
-from fsdp_jax.app.memory_model import activation_bytes
+from fsdp_jax.app.fit.memory_model import activation_bytes
 from helpers import call
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -44,7 +44,11 @@ BAD_FLAG_VALUES: dict[str, dict[str, list[str] | str]] = {
     "plan": {"--config": ["{missing}"], "--devices": NEG_ZERO_NAN, "--strategies": ["zero9", ","],
              "--device-memory": ["-5GB", "0", "lots", "1e400GB"], "--target": ["h9000"],
              "--hosts": ["0", "abc"], "--plot": ["{dir}", "{file}/x.png"], "--offload": ["everything"],
-             "--slices": ["0", "abc"], "--topology": ["2x2x2", "3x"]},
+             "--slices": ["0", "abc"], "--topology": ["2x2x2", "3x"],
+             # the --search flags (their values with --search: tests/test_search.py)
+             "--remat": ["sometimes", ","], "--microbatches": ["0", "x"], "--vary": ["width"],
+             "--headroom": ["100%", "-5%", "lots"], "--host-memory": ["lots", "-1GB"],
+             "--max-compiles": ["-1", "x"], "--rows": ["0", "x"]},
     "plot_metrics": {"--out": ["{dir}", "{file}/x.png"]},
     "prepare_data": {"--out": ["{file}", "{file}/sub"], "--pattern": ["/etc/*", "../*"],
                      "--val-fraction": ["2", "nan", "-0.1"], "--seed": ["-1", "x"], "--bin": ["{file}"],

@@ -113,8 +113,8 @@ def test_planner_counts_bf16_master_params_and_the_compiled_step_agrees():
     """precision params=bfloat16 halves params and Adam moments in the planner's analytic
     figures, and the compiled step's argument bytes are exactly those figures."""
     from fsdp_jax.app.config import load_config
-    from fsdp_jax.app.memory_model import analytic_memory
-    from fsdp_jax.app.step_build import build_step
+    from fsdp_jax.app.fit.memory_model import analytic_memory
+    from fsdp_jax.app.fit.step_build import build_step
     root = __import__("pathlib").Path(__file__).resolve().parents[1]
     out = {}
     for p in ("float32", "bfloat16"):

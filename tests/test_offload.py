@@ -273,7 +273,7 @@ def test_planner_host_bytes_analytic_equal_compiled():
     """The planner's analytic host bytes (from the sharding plan) equal the compiled
     program's host-resident argument bytes (from its parameter layouts)."""
     from fsdp_jax.app.config import config_from_dict
-    from fsdp_jax.app.planner import plan_strategy
+    from fsdp_jax.app.fit.estimate import plan_strategy
     model = {k: getattr(CFG, k) for k in ("vocab_size", "d_model", "n_layers", "n_heads",
                                           "n_kv_heads", "ffn_dim", "max_seq_len")}
     out = {}

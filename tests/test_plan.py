@@ -16,7 +16,7 @@ import pytest
 import fsdp_jax as fj
 import fsdp_jax.app.models.llama as llama
 from fsdp_jax.app import data as data_lib
-from fsdp_jax.app import planner as pl
+from fsdp_jax.app.fit import estimate as pl
 from fsdp_jax.app import loop as train_lib
 from fsdp_jax.app.config import load_config
 from fsdp_jax.memory import collective_report, compiled_memory

@@ -50,8 +50,8 @@ _CHILD = r"""
 import json, sys
 from fsdp_jax import targets
 from fsdp_jax.app.config import load_config
-from fsdp_jax.app.planner import plan_strategy
-from fsdp_jax.app.step_build import target_mesh_sizes
+from fsdp_jax.app.fit.estimate import plan_strategy
+from fsdp_jax.app.fit.step_build import target_mesh_sizes
 req = json.loads(sys.stdin.read())
 out = {"targets": {}}
 for name in targets.target_names("gpu"):   # every shipped GPU target config parses on this jax
@@ -259,8 +259,8 @@ def test_plan_script_target_path_builds_what_the_fixture_compiled(gpu, capsys):
     assert r["compiled"] == want["compiled"] and r["compiled"]["peak"] > 0
     assert r["collectives_per_step"] == want["collectives_per_step"]
     assert r["collectives_per_step"]["reduce-scatter"]["count"] > 0  # XLA:GPU's, not XLA:CPU's
-    # the step-time roofline over that program's traffic (fsdp_jax.app.step_time)
-    from fsdp_jax.app import step_time
+    # the step-time roofline over that program's traffic (fsdp_jax.app.fit.step_time)
+    from fsdp_jax.app.fit import step_time
     from fsdp_jax.app.config import load_config
     cfg = load_config(TINY_YAML, SMALL + ["precision=float32"])
     assert r["predicted"] == step_time.predict(cfg, "h100", 8, r) and r["predicted"]["step_s"] > 0

@@ -103,7 +103,7 @@ def test_mesh_rules_from_the_config_reach_the_trainers_plan():
     from pathlib import Path
 
     from fsdp_jax.app.config import load_config
-    from fsdp_jax.app.step_build import build_step
+    from fsdp_jax.app.fit.step_build import build_step
     from helpers import TINY_MODEL_OVERRIDES
     tiny = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
     base = TINY_MODEL_OVERRIDES + ["mesh.fsdp=4", "mesh.tensor=2"]

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from fsdp_jax import targets
-from fsdp_jax.app.planner import over_memory
+from fsdp_jax.app.fit.estimate import over_memory
 from helpers import ROOT, TINY_MODEL_OVERRIDES, call, one_line
 
 TINY_YAML = "configs/tiny.yaml"
@@ -144,7 +144,7 @@ def test_tiny_compiles_for_two_v5p_slices(capsys):
         assert r["compiled"]["peak"] > 0 and 0 <= excess < 32 * 1024, excess
         assert r["collectives_per_step"]  # XLA:TPU's collectives, read by the same inspector
     assert hs["compiled"]["argument"] > fs["compiled"]["argument"]  # replicated over the 2 slices
-    # the predicted step time (fsdp_jax.app.step_time): hybrid_shard's gradient all-reduce
+    # the predicted step time (fsdp_jax.app.fit.step_time): hybrid_shard's gradient all-reduce
     # crosses the slices, timed at v5p's data-center network bandwidth per chip
     from fsdp_jax.tpu_targets import device_peaks
     cross = sum(e.get("cross_host_wire_bytes", 0) for e in hs["communication"].values() if isinstance(e, dict))
@@ -187,7 +187,7 @@ def _tpu_cfg(*overrides):
 def test_tpu_prediction_is_the_gpu_roofline_with_the_chips_figures():
     """Hand-derived: v5p, compute at GEMM_EFFICIENCY of 459 TFLOP/s, ICI traffic at 600 GB/s
     per direction, cross-slice traffic at 50 Gbps, the update over 2765 GB/s of HBM."""
-    from fsdp_jax.app import step_time
+    from fsdp_jax.app.fit import step_time
     cfg = _tpu_cfg("train.global_batch=16", "remat=dots")
     a = {"grads": 8 * 10**9, "params": 4 * 10**9, "optimizer": 16 * 10**9}
     com = {"all-gather": {"wire_bytes": 30e9, "cross_host_wire_bytes": 0},
@@ -220,14 +220,14 @@ def test_tiled_bytes_pads_the_minor_dims_to_the_first_tile():
 
 
 # A child with libtpu on its path: for each strategy, the analytic argument bytes (from the
-# sharding plan, fsdp_jax.app.memory_model) against memory_analysis()'s, and the tile padding
+# sharding plan, fsdp_jax.app.fit.memory_model) against memory_analysis()'s, and the tile padding
 # XLA:TPU's own input layouts imply.
 _ARGUMENT_CHILD = """
 import json, sys, jax, numpy as np
 from fsdp_jax import targets, tpu_targets
 from fsdp_jax.app.config import load_config
-from fsdp_jax.app.memory_model import analytic_memory
-from fsdp_jax.app.step_build import build_step
+from fsdp_jax.app.fit.memory_model import analytic_memory
+from fsdp_jax.app.fit.step_build import build_step
 req = json.loads(sys.argv[1])
 devices = targets.target_devices(targets.Target(**req["target"]))
 cfg = load_config(req["config"], req["overrides"])

@@ -31,12 +31,12 @@ def combos(sweeps):
 
 
 def bench_fsdp(cfg, strategy: str, devices, steps: int, warmup: int):
-    """Compile and time the trainer's own step (`fsdp_jax.app.step_build.build_step`) for
+    """Compile and time the trainer's own step (`fsdp_jax.app.fit.step_build.build_step`) for
     `strategy` on `devices`."""
     import jax
     import numpy as np
 
-    from fsdp_jax.app.step_build import build_step, sample_batch
+    from fsdp_jax.app.fit.step_build import build_step, sample_batch
     from fsdp_jax.memory import compiled_memory
     from fsdp_jax.perf import time_steps
 

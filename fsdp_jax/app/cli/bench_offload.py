@@ -4,7 +4,7 @@
         [--rounds 5] [--steps 3] [--json] [key=value ...]
     fsdp-jax bench-offload ...   (the same command)
 
-Builds the trainer's step (`fsdp_jax.app.step_build.build_step`) once per offload setting
+Builds the trainer's step (`fsdp_jax.app.fit.step_build.build_step`) once per offload setting
 (none, optimizer, optimizer+params), compiles all three, then runs `rounds` rounds; each
 round times `steps` steps of every setting in turn (blocking on each step). Reports the
 median step time per setting, its ratio to `none`, and the host<->device bytes per step
@@ -44,7 +44,7 @@ def run(args) -> int:
 
     from fsdp_jax.app.cli.devices import use_cpu_devices
     from fsdp_jax.app.config import load_config, validate
-    from fsdp_jax.app.step_build import build_step, sample_batch
+    from fsdp_jax.app.fit.step_build import build_step, sample_batch
     from fsdp_jax.offload import OFFLOADS, transfer_bytes
     from fsdp_jax.strategy import get_strategy
 

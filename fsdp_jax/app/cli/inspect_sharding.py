@@ -46,7 +46,7 @@ def build_parser(prog: str | None = None) -> Parser:
 
 
 def run(args) -> int:
-    from fsdp_jax.app.plan_report import PlanError, load_planning_config, parse_bytes, parse_strategies, resolve_target
+    from fsdp_jax.app.fit.report import PlanError, load_planning_config, parse_bytes, parse_strategies, resolve_target
     from fsdp_jax.strategy import get_strategy
     from fsdp_jax.xla_flags import parse_flags
 
@@ -66,8 +66,8 @@ def run(args) -> int:
     cfg = load_planning_config(args.config, args.overrides, n)  # JAX: n CPU devices, from here on
     strategy = get_strategy(args.strategy or cfg.mesh.strategy).name
 
-    from fsdp_jax.app.plan_report import check_inputs, format_inspection
-    from fsdp_jax.app.planner import run_strategies
+    from fsdp_jax.app.fit.report import check_inputs, format_inspection
+    from fsdp_jax.app.fit.estimate import run_strategies
 
     check_inputs(cfg, n, [strategy])
     result = run_strategies(cfg, n, [strategy], inspect=True, replicated_threshold=threshold,

@@ -5,6 +5,7 @@
     fsdp-jax plan --config configs/tiny.yaml --devices 8 --plot plan.png remat=full
     fsdp-jax plan --config configs/llama2_70b.yaml --target h100 --devices 64 --hosts 8
     fsdp-jax plan --config configs/llama2_7b.yaml --devices 8 --device-memory 80GB --offload all
+    fsdp-jax plan --config configs/llama2_70b.yaml --target h100 --devices 8 --search --vary batch
 
 (`python scripts/plan.py ...` is the same command.) For each strategy: analytic bytes
 (params, grads, optimizer state, gathered params, activations) and the compiled train
@@ -16,8 +17,11 @@ GPU, --devices in total over --hosts hosts, on this machine without a GPU (needs
 target's. Trailing key=value arguments override the config as in `fsdp-jax train`.
 `--offload` plans with optimizer state / params in host memory (a setting, a comma list
 or `all`: then one plan per setting and a strategy x offload table; --json gives
-{"offload": {setting: plan}}). Exit codes: 0 success, 2 bad input (one line on stderr),
-1 anything else.
+{"offload": {setting: plan}}). `--search` finds the fastest configuration that fits instead
+(strategy x remat x microbatches x offload, and batch / seq with --vary;
+`fsdp_jax.app.fit.search`): a ranked table, the winner as YAML; nothing fits -> one line
+naming the least device memory that would, exit 2. Exit codes: 0 success, 2 bad input (one
+line on stderr), 1 anything else.
 """
 
 from __future__ import annotations
@@ -39,19 +43,35 @@ def build_parser(prog: str | None = None) -> Parser:
     ap.add_argument("--plot", default=None, help="write a bar chart PNG here")
     ap.add_argument("--offload", default=None,
                     help="none | optimizer | optimizer+params, a comma list, or all (default: the config's)")
+    ap.add_argument("--search", action="store_true",
+                    help="search strategy x remat x microbatches x offload for the fastest config that fits")
+    ap.add_argument("--remat", default=None, help="with --search: remat policies to try (comma list, or all)")
+    ap.add_argument("--microbatches", default=None,
+                    help="with --search: microbatch counts to try (default: powers of two dividing the batch)")
+    ap.add_argument("--vary", default=None, help="with --search: also vary batch and/or seq (e.g. batch,seq)")
+    ap.add_argument("--headroom", default=None, help="with --search: device memory kept free (10%% default, or 8GB)")
+    ap.add_argument("--host-memory", default=None, help="with --search: pinned host memory per host (e.g. 1TB)")
+    ap.add_argument("--max-compiles", default=None,
+                    help="with --search: compile at most this many candidates (default 4; 0: analytic only)")
+    ap.add_argument("--progress", action="store_true",
+                    help="with --search: progress lines on stderr even when it is not a terminal")
+    ap.add_argument("--rows", default=None, help="with --search: rows of the ranked table (default 10)")
     return ap
+
+
+SEARCH_ONLY = ("remat", "microbatches", "vary", "headroom", "host_memory", "max_compiles", "rows", "progress")
 
 
 def planning_errors():
     """The planning commands' own bad-input classes (plan, inspect)."""
-    from fsdp_jax.app.plan_report import PlanError
+    from fsdp_jax.app.fit.report import PlanError
     from fsdp_jax.targets import TargetError
     return (PlanError, TargetError), ()
 
 
 def parse_offloads(text: str | None) -> list[str] | None:
     """`--offload`: None (the config's), one setting, a comma list, or `all`."""
-    from fsdp_jax.app.plan_report import PlanError
+    from fsdp_jax.app.fit.report import PlanError
     from fsdp_jax.offload import OFFLOADS
     if text is None:
         return None
@@ -63,11 +83,59 @@ def parse_offloads(text: str | None) -> list[str] | None:
     return list(dict.fromkeys(names))
 
 
+def search_command(args) -> int:
+    """plan --search: parse, search, print; nothing fits -> one line, exit 2."""
+    from fsdp_jax.app.fit import search_report as sr
+    from fsdp_jax.app.fit.report import (load_planning_config, parse_bytes, parse_devices, parse_strategies,
+                                         resolve_target)
+    from fsdp_jax.app.fit.search import Limits, SearchError, SearchSpace, search
+    from fsdp_jax.targets import device_memory
+
+    if args.plot:
+        raise SearchError("--plot: not with --search")
+    n, target = resolve_target(args)
+    if args.device_memory is not None:
+        mem = parse_bytes(args.device_memory)
+    elif target is not None:
+        mem = device_memory(target.name)
+    else:
+        raise SearchError("--search: give --device-memory (or a --target, whose memory is known)")
+    headroom, fraction = sr.parse_headroom(args.headroom)
+    space = SearchSpace(strategies=tuple(parse_strategies(args.strategies)), remats=sr.parse_remats(args.remat),
+                        microbatches=sr.parse_microbatches(args.microbatches),
+                        offloads=sr.parse_offloads(args.offload), vary=sr.parse_vary(args.vary))
+    limits = Limits(device_memory=mem, headroom=headroom, headroom_fraction=fraction,
+                    host_memory=None if args.host_memory is None else parse_bytes(args.host_memory, "--host-memory"),
+                    max_compiles=(4 if args.max_compiles is None else 0 if args.max_compiles.strip() == "0"
+                                  else parse_devices(args.max_compiles, "--max-compiles")))
+    rows = 10 if args.rows is None else parse_devices(args.rows, "--rows")
+    cfg = load_planning_config(args.config, args.overrides, n)
+    show = args.progress or sys.stderr.isatty()  # else stderr holds only an error's one line
+    progress = (lambda msg: print(f"search: {msg}", file=sys.stderr, flush=True)) if show else None
+    doc = search(cfg, n, space, limits, target=target, config_name=args.config, progress=progress)
+    doc["yaml"] = sr.winner_yaml(doc)
+    if args.json:
+        json.dump(doc, sys.stdout, indent=1)
+        print()
+    else:
+        print(sr.format_search(doc, rows))
+    if doc["winner"] is None:
+        raise SearchError(sr.nothing_fits_message(doc))
+    return 0
+
+
 def run(args) -> int:
     import dataclasses
 
+    from fsdp_jax.app.fit.report import PlanError
+    if args.search:
+        return search_command(args)
+    for flag in SEARCH_ONLY:
+        if getattr(args, flag) not in (None, False):
+            raise PlanError(f"--{flag.replace('_', '-')}: only with --search")
+
     from fsdp_jax.app.cli.args import check_out_file, require
-    from fsdp_jax.app.plan_report import (
+    from fsdp_jax.app.fit.report import (
         format_table,
         load_planning_config,
         parse_bytes,
@@ -85,7 +153,7 @@ def run(args) -> int:
         require("matplotlib", "--plot")
     cfg = load_planning_config(args.config, args.overrides, n)  # JAX: n CPU devices, from here on
 
-    from fsdp_jax.app.planner import format_offload_table, plan_config
+    from fsdp_jax.app.fit.estimate import format_offload_table, plan_config
     docs = {}
     for o in offloads or [cfg.offload]:
         docs[o] = plan_config(dataclasses.replace(cfg, offload=o), n, strategies,

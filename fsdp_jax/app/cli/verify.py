@@ -46,7 +46,7 @@ def build_parser(prog: str | None = None) -> Parser:
 
 
 def _errors():
-    from fsdp_jax.app.plan_report import PlanError
+    from fsdp_jax.app.fit.report import PlanError
     from fsdp_jax.verify import VerifyError
     return (PlanError, VerifyError), ()
 
@@ -54,7 +54,7 @@ def _errors():
 def run(args) -> int:
     from fsdp_jax.app.cli.devices import use_cpu_devices
     from fsdp_jax.app.config import load_config, validate
-    from fsdp_jax.app.plan_report import parse_devices, parse_strategies
+    from fsdp_jax.app.fit.report import parse_devices, parse_strategies
 
     n = parse_devices(args.devices)
     strategies = parse_strategies(args.strategies)

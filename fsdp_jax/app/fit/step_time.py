@@ -97,7 +97,7 @@ def format_predictions(doc: dict[str, Any]) -> list[str]:
     if not rows:
         return []
     lines = ["", f"predicted step time (roofline over the compiled program's traffic; compute at "
-                 f"{GEMM_EFFICIENCY:.0%} of the dense bf16 peak; fsdp_jax.app.step_time):"]
+                 f"{GEMM_EFFICIENCY:.0%} of the dense bf16 peak; fsdp_jax.app.fit.step_time):"]
     per = "dev" if (doc.get("target") or {}).get("topology_name") else "GPU"  # a TPU chip (v4: core)
     hdr = (f"{'strategy':<14}{'step s':>9}{'compute':>9}{'comm':>9}{'update':>9}{'tok/s/' + per:>11}"
            f"{'TFLOP/s':>9}{'MFU':>7}  bound")

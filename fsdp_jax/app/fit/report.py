@@ -2,14 +2,14 @@
 
     mem = parse_bytes("80GB")                      # sizes as GPU vendors quote them
     names = parse_strategies("ddp,zero3")          # canonical strategy names
-    print(format_table(doc))                       # a `fsdp_jax.app.planner.plan_config` document
+    print(format_table(doc))                       # a `fsdp_jax.app.fit.estimate.plan_config` document
 
 In: device counts, memory sizes and strategy lists as the scripts take them (bad
 input raises `PlanError`, whose message names the flag), their check against the
 config, and the scripts' start-up (`load_planning_config`: the config, then JAX on
 N CPU devices). Out: the warnings a user can act on, the per-strategy table, the bar
 chart and the per-parameter / collectives inspection, all from the planner's
-JSON-able dicts. Building, analysing and compiling the step is `fsdp_jax.app.planner`.
+JSON-able dicts. Building, analysing and compiling the step is `fsdp_jax.app.fit.estimate`.
 """
 
 from __future__ import annotations
@@ -265,7 +265,7 @@ def format_table(doc: dict[str, Any]) -> str:
     lines.append("")
     lines.append("analytic activations per device by remat policy (same batch): " + ", ".join(
         f"{name} {fmt_bytes(v)}" for name, v in act.items()))
-    from fsdp_jax.app.step_time import format_predictions
+    from fsdp_jax.app.fit.step_time import format_predictions
     lines += format_predictions(doc)
     warns = [(n, w) for n, r in doc["strategies"].items() for w in r["warnings"]]
     if warns:

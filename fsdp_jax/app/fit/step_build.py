@@ -10,8 +10,8 @@ shardings: nothing is allocated. Its batch is the trainer's: int32 tokens (B, S 
 or for a packed corpus or data.document_mask the dict of (B, S) arrays with segment
 ids, positions and weights (`abstract_batch`). `mesh_shape` resolves the config's mesh exactly as
 the trainer does; `target_mesh_sizes` lays hybrid_shard over a multi-host GPU target.
-The formulas that estimate its memory are `fsdp_jax.app.memory_model`; compiling and
-reporting it for many strategies is `fsdp_jax.app.planner`.
+The formulas that estimate its memory are `fsdp_jax.app.fit.memory_model`; compiling and
+reporting it for many strategies is `fsdp_jax.app.fit.estimate`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from fsdp_jax.app.plan_report import PlanError
+from fsdp_jax.app.fit.report import PlanError
 from fsdp_jax.strategy import get_strategy
 
 

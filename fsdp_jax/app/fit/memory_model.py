@@ -1,7 +1,7 @@
 """Per-device memory of the trainer's step by formula, without compiling: one concept,
 the analytic memory model the planner holds the compiled step against.
 
-    b = build_step(cfg, "full_shard", devices)      # fsdp_jax.app.step_build
+    b = build_step(cfg, "full_shard", devices)      # fsdp_jax.app.fit.step_build
     analytic_memory(b)   # {params, grads, optimizer, gathered, activations, batch, total, ...}
 
 Params, optimizer state and batch come from the sharding plan (exact shard shapes);
@@ -48,8 +48,8 @@ import numpy as np
 
 from fsdp_jax import axes as ax
 from fsdp_jax import rules as rl
-from fsdp_jax.app.plan_report import PlanError
-from fsdp_jax.app.step_build import StepBuild
+from fsdp_jax.app.fit.report import PlanError
+from fsdp_jax.app.fit.step_build import StepBuild
 from fsdp_jax.memory import shard_bytes, tree_bytes_per_device
 from fsdp_jax.precision import Policy
 

@@ -7,7 +7,7 @@ For each strategy the planner builds the train step the trainer builds (the same
 model, loss, optimizer, precision, remat and microbatches, from the same builder
 functions as `fsdp_jax.app.loop.setup`), but from abstract inputs only
 (`ShapeDtypeStruct`s carrying shardings, `fsdp_jax.state.abstract_state`:
-`fsdp_jax.app.step_build`), and AOT-compiles it: nothing is allocated, so a 7B or 70B model plans on a laptop.
+`fsdp_jax.app.fit.step_build`), and AOT-compiles it: nothing is allocated, so a 7B or 70B model plans on a laptop.
 When this process has fewer than N devices, the compile runs in a child process
 with N fake CPU devices (`jax_num_cpu_devices=N`). With a GPU target
 (`fsdp_jax.targets.Target`: h100, h200, a100 as hosts x GPUs; v4, v5e, v5p, v6e as TPU
@@ -15,13 +15,13 @@ slices) the child compiles with XLA:GPU / XLA:TPU for compile-only devices of th
 instead (deviceless AOT; the CUDA plugin or libtpu is on that child's path only), and the result also carries the per-collective
 schedule (`fsdp_jax.hlo`), its communication volume and the GPU-only warnings. The user's side (parsing sizes and
 strategy lists, the scripts' start-up, the warnings' wording, the tables and the plot)
-is `fsdp_jax.app.plan_report`, whose public names are importable from here too.
+is `fsdp_jax.app.fit.report`, whose public names are importable from here too.
 
 Two sets of numbers, kept apart:
 
 * **analytic**: params, optimizer state and batch from the sharding plan (exact
   shard shapes); grads, gathered params and activations from the formulas in
-  `fsdp_jax.app.memory_model`.
+  `fsdp_jax.app.fit.memory_model`.
 * **compiled**: `memory_analysis()` of the compiled step (`fsdp_jax.memory.compiled_memory`):
   argument (params + optimizer state + batch), output, alias (donated), temp
   (everything transient: grads, gathered params, activations, optimizer-update
@@ -54,14 +54,14 @@ from fsdp_jax.hlo import (collective_schedule, communication, involuntary_remate
                           schedule_warnings)
 from fsdp_jax.memory import collective_report, compiled_memory, tree_bytes
 from fsdp_jax.precision import Policy
-from fsdp_jax.app.memory_model import (DEVICES_PER_HOST, activations_by_remat, analytic_memory,
+from fsdp_jax.app.fit.memory_model import (DEVICES_PER_HOST, activations_by_remat, analytic_memory,
                                        analytic_vs_compiled, compute_copy_bytes)
-from fsdp_jax.app.plan_report import (  # noqa: F401  (some only re-exported)
+from fsdp_jax.app.fit.report import (  # noqa: F401  (some only re-exported)
     CLASSIC_NAMES, COMPILED_OVER_ANALYTIC, DEFAULT_REPLICATED_THRESHOLD, STRATEGY_ORDER, PlanError,
     check_inputs, fmt_bytes, format_inspection, format_table, load_planning_config, parse_bytes,
     parse_devices, parse_strategies, plot_plan, replicated_threshold_for, sharding_warnings,
     use_cpu_devices)
-from fsdp_jax.app.step_build import build_step, target_mesh_sizes
+from fsdp_jax.app.fit.step_build import build_step, target_mesh_sizes
 
 
 # ----------------------------------------------------------------------------- one strategy
@@ -266,7 +266,7 @@ def run_strategies(cfg, n_devices: int, strategies: Sequence[str], *, inspect: b
             env = targets.child_env(env, kernel_cache=Path(scratch) / "xla_gpu_kernels.bin", target=target)
             request["target"] = target.as_dict()
             where = target.describe()
-        proc = subprocess.run([sys.executable, "-m", "fsdp_jax.app.planner"], input=json.dumps(request),
+        proc = subprocess.run([sys.executable, "-m", "fsdp_jax.app.fit.estimate"], input=json.dumps(request),
                               capture_output=True, text=True, env=env)
     if proc.returncode == 2:
         raise PlanError(proc.stderr.strip().splitlines()[-1].removeprefix("error: "))
@@ -289,7 +289,7 @@ def run_strategies(cfg, n_devices: int, strategies: Sequence[str], *, inspect: b
     return out
 
 
-_STRATEGY_MARK = "fsdp_jax.app.planner: compiling "
+_STRATEGY_MARK = "fsdp_jax.app.fit.estimate: compiling "
 
 
 def _logs_by_strategy(stderr: str) -> dict[str, str]:
@@ -307,7 +307,7 @@ def _logs_by_strategy(stderr: str) -> dict[str, str]:
 
 
 def _child_main() -> int:
-    """`python -m fsdp_jax.app.planner` < request.json: compile on N fake CPU devices
+    """`python -m fsdp_jax.app.fit.estimate` < request.json: compile on N fake CPU devices
     (or, with "target", on compile-only GPU devices), print the results as JSON. Set
     up before JAX initialises its backends."""
     req = json.loads(sys.stdin.read())
@@ -387,13 +387,13 @@ def plan_config(cfg, n_devices: int, strategies: Sequence[str] | str | None = No
         else:
             r["fits"] = r["headroom"] = r["fits_analytic"] = None
         if target is not None and not r.get("refused"):  # a roofline over its traffic (GPU or TPU)
-            from fsdp_jax.app.step_time import predict
+            from fsdp_jax.app.fit.step_time import predict
             r["predicted"] = predict(cfg, target.name, n_devices, r)
     notes = [f"{n_devices} devices; precision {policy}; remat {cfg.remat}; offload {cfg.offload}; "
              f"global_batch {cfg.train.global_batch} x seq {cfg.data.seq_len}, "
              f"microbatches {cfg.train.microbatches}",
              "analytic params/optimizer/batch come from the sharding plan; grads, gathered and "
-             "activations from formulas (fsdp_jax.app.memory_model docstring); compiled = memory_analysis() "
+             "activations from formulas (fsdp_jax.app.fit.memory_model docstring); compiled = memory_analysis() "
              "of the AOT-compiled train step (grads live in its temp)"]
     if cfg.offload != "none":
         notes.append(f"offload {cfg.offload}: host = per-device bytes resting in pinned host memory "

@@ -1,0 +1,19 @@
+"""Will it fit, and how fast? The planner, in one package.
+
+One meaning of "plan" across the project: a *plan* is the sharding plan the library
+computes once per model (`fsdp_jax.build`, `fsdp_jax.rules`). This package does not make
+plans; it *fits* a config to hardware — per-device memory, analytic and compiled, and
+the predicted step time — and reports it:
+
+* `step_build`   the trainer's train step built from abstract inputs only
+* `memory_model` the analytic memory formulas (params, grads, optimizer, activations)
+* `step_time`    the predicted step time on a GPU target
+* `estimate`     analytic + compiled memory of a config, per strategy (`plan_config`)
+* `report`       the user's side: parsing flags, warnings, tables, the plot
+* `search`       the fastest configuration that fits: strategy x remat x microbatches x
+                 offload (x batch, seq), pruned analytically, a few compiled (`search_compile`),
+                 reported by `search_report` (plan.py --search)
+
+The old module paths (`fsdp_jax.app.planner`, `plan_report`, `memory_model`, `step_time`,
+`step_build`) stay importable: `fsdp_jax.app` maps them onto these modules.
+"""

@@ -1,0 +1,253 @@
+"""plan.py --search (fsdp_jax.app.fit.search): pruning against compiled programs, the ranked
+document, and bad input."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from helpers import call, one_line
+
+from fsdp_jax.app.config import load_config
+from fsdp_jax.app.fit import search as se
+from fsdp_jax.app.fit.report import COMPILED_OVER_ANALYTIC
+from fsdp_jax.app.fit.step_build import mesh_shape
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_YAML = ROOT / "configs" / "tiny.yaml"
+# configs/tiny.yaml shrunk to compile in seconds; bf16 compute as on a GPU
+SMALL = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+         "model.ffn_dim=128", "model.max_seq_len=32", "data.seq_len=32", "train.global_batch=16",
+         "train.steps=10", "precision=params=float32,compute=bfloat16"]
+GRID = se.SearchSpace(strategies=("no_shard", "shard_grad_op", "full_shard"), remats=("none", "full"),
+                      microbatches=(1, 2), offloads=("none",))
+
+
+def _cands(cfg, limits, space=GRID):
+    from fsdp_jax.verify import devices_for
+    cands, _ = se.enumerate_candidates(cfg, 8, space, lambda s: mesh_shape(cfg, s, 8))
+    se.analytic_pass(cfg, 8, cands, limits, 1, 8, "h100", devices_for(8))
+    return cands
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return load_config(TINY_YAML, SMALL)
+
+
+@pytest.fixture(scope="module")
+def compiled_grid(cfg):
+    """Every candidate of GRID compiled for 8 x H100 (one child process, one kernel cache)."""
+    from fsdp_jax import targets
+    assert targets.plugin_installed(), f"run `{targets.INSTALL_HINT}` (the CUDA compile-only plugin)"
+    target = targets.make_target("h100", devices=8)
+    cands = _cands(cfg, se.Limits(device_memory=10**12))
+    from fsdp_jax.app.fit.search_compile import compile_candidates
+    results = compile_candidates(cfg, 8, cands, target, progress=lambda m: None)
+    return cands, [r["compiled"]["device_peak"] for r in results], target
+
+
+@pytest.mark.slow
+def test_pruning_never_drops_a_candidate_whose_compiled_program_fits(cfg, compiled_grid):
+    """For a budget at every candidate's compiled peak (the tightest edges there are), the
+    analytic pass keeps every candidate whose compiled device peak fits, and it does prune."""
+    cands, peaks, _ = compiled_grid
+    assert len(cands) == 12 and len(set(peaks)) > 4
+    pruned_somewhere = False
+    for budget in sorted(set(peaks)):
+        fresh = _cands(cfg, se.Limits(device_memory=budget, headroom_fraction=None))
+        for c, peak in zip(fresh, peaks):
+            if peak <= budget:
+                assert c["status"] != "dropped", (budget, se.overrides(cfg, c), peak, c["analytic"]["device_total"])
+            pruned_somewhere |= c["status"] == "dropped"
+    assert pruned_somewhere
+
+
+@pytest.mark.slow
+def test_analytic_memory_ranks_candidates_as_the_gpu_compile_does(cfg, compiled_grid):
+    """Within the model's stated error of each compiled peak, and in the same order wherever
+    two candidates' analytic totals differ by more than that error."""
+    cands, peaks, _ = compiled_grid
+    ana = [c["analytic"]["device_total"] for c in cands]
+    for a, p, c in zip(ana, peaks, cands):
+        assert -se.ANALYTIC_OVER <= p / a - 1 <= COMPILED_OVER_ANALYTIC, (se.overrides(cfg, c), p, a)
+    for i in range(len(cands)):
+        for j in range(len(cands)):
+            if ana[i] * (1 - se.ANALYTIC_OVER) > ana[j] * (1 + COMPILED_OVER_ANALYTIC):
+                assert peaks[i] > peaks[j], (se.overrides(cfg, cands[i]), se.overrides(cfg, cands[j]))
+
+
+@pytest.mark.slow
+def test_search_winner_compiles_within_the_budget(cfg, compiled_grid):
+    """The search on the GPU target with a budget between the grid's peaks: its winner is
+    compiled, fits the device memory minus the headroom, and is the best-ranked survivor."""
+    _, peaks, target = compiled_grid
+    mem = int(sorted(peaks)[len(peaks) // 2] / 0.9)  # 10% headroom: the median peak just fits
+    doc = se.search(cfg, 8, GRID, se.Limits(device_memory=mem), target=target)
+    w = doc["winner"]
+    assert w is not None and w["compiled"] is not None and w["compiled"]["platform"] == "gpu"
+    assert w["compiled"]["device_peak"] <= doc["budget"] == mem - doc["headroom"]
+    assert w["predicted"]["source"] == "compiled" and w["rank"] == min(
+        c["rank"] for c in doc["candidates"] if se.verified(c))
+    assert 1 <= doc["counts"]["compiled"] <= 4  # only a few were compiled
+    above = [c for c in doc["candidates"] if c["rank"] < w["rank"]]
+    if doc["counts"]["compiled"] < 4:  # compiles left: nothing above the winner could still fit
+        assert all(c["status"] == "dropped" for c in above)
+    assert any(c["status"] == "dropped" for c in doc["candidates"])
+
+
+def test_json_document_schema_and_yaml_winner(capsys):
+    rc, out, err = call("plan.py", "--config", TINY_YAML, "--devices", "8", "--device-memory", "1.2MB", "--search",
+                        "--max-compiles", "0", "--vary", "batch,seq", "--json", *SMALL, capsys=capsys)
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert {"config", "devices", "target", "device_memory", "headroom", "budget", "ranked_by", "space",
+            "counts", "candidates", "dropped", "winner", "smallest_fitting_memory", "notes", "wall_s",
+            "yaml"} <= set(doc)
+    assert doc["budget"] == doc["device_memory"] - doc["headroom"] == 1_080_000
+    assert doc["ranked_by"].startswith("analytic cost")  # no GPU target: said so
+    cands = doc["candidates"]
+    assert len(cands) == doc["counts"]["candidates"] > 100
+    assert {(c["global_batch"], c["seq_len"]) for c in cands} >= {(16, 32), (8, 32), (32, 16)}
+    speeds = [c["predicted"]["tokens_per_s_per_gpu"] for c in cands]
+    assert speeds == sorted(speeds, reverse=True) and [c["rank"] for c in cands] == list(range(1, len(cands) + 1))
+    for c in cands:
+        assert c["status"] in ("fits", "edge", "dropped") and isinstance(c["reason"], str)
+        assert {"params", "grads", "optimizer", "activations", "device_total", "host"} <= set(c["analytic"])
+        assert {"step_s", "tokens_per_s_per_gpu", "mfu", "host_s", "source"} <= set(c["predicted"])
+        assert c["compiled"] is None
+        assert c["device_peak"] == c["analytic"]["device_total"] == doc["device_memory"] - c["free"]
+        assert (c["status"] == "fits") == (c["analytic"]["device_total"] <= doc["budget"])
+    w = doc["winner"]
+    assert w == next(c for c in cands if c["status"] == "fits")
+    snippet = yaml.safe_load(doc["yaml"])
+    assert snippet["mesh"]["strategy"] == w["strategy"] and snippet["remat"] == w["remat"]
+    assert snippet["train"]["microbatches"] == w["microbatches"] and snippet["offload"] == w["offload"]
+    assert {c["status"] for c in cands} == {"fits", "edge", "dropped"}
+    assert sum(doc["dropped"].values()) == len(cands) - doc["counts"]["fits"]
+
+
+def test_table_and_progress(capsys):
+    rc, out, err = call("plan.py", "--config", TINY_YAML, "--devices", "8", "--device-memory", "40MB", "--search",
+                        "--max-compiles", "0", "--rows", "3", "--offload", "none", "--progress", *SMALL,
+                        capsys=capsys)
+    assert rc == 0, err
+    assert "search: " in err and "candidates; analytic pass" in err
+    rows = [l for l in out.splitlines() if re.match(r"\s+\d+ ", l)]
+    assert len(rows) == 3 and "mesh.strategy=" in rows[0]
+    assert "winner: mesh.strategy=" in out and "\nmesh:\n  strategy: " in out
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--remat", ""], "--remat"),
+    (["--remat", "sometimes"], "--remat"),
+    (["--microbatches", "0"], "--microbatches"),
+    (["--microbatches", "two"], "--microbatches"),
+    (["--microbatches", ","], "--microbatches"),
+    (["--microbatches", "3"], "search space is empty"),      # divides no per-device batch (2)
+    (["--offload", "everything"], "--offload"),
+    (["--offload", ","], "--offload"),
+    (["--strategies", ","], "--strategies"),
+    (["--vary", "width"], "--vary"),
+    (["--headroom", "100%"], "--headroom"),                   # impossible constraints
+    (["--headroom", "2GB"], "--headroom"),
+    (["--headroom", "-5%"], "--headroom"),
+    (["--offload", "optimizer", "--host-memory", "1KB"], "--host-memory"),
+    (["--host-memory", "lots"], "--host-memory"),
+    (["--max-compiles", "-1"], "--max-compiles"),
+    (["--rows", "x"], "--rows"),
+    (["--plot", "p.png"], "--plot"),
+])
+def test_bad_search_input_exits_2_with_one_line(args, needle, capsys):
+    rc, out, err = call("plan.py", "--config", TINY_YAML, "--devices", "8", "--device-memory", "1GB", "--search",
+                        "--max-compiles", "0", *args, *SMALL, capsys=capsys)
+    one_line(rc, err, needle)  # no progress lines: stderr is not a terminal
+    assert out == ""
+
+
+@pytest.mark.parametrize("flag,value", [("--remat", "full"), ("--vary", "batch"), ("--headroom", "5%")])
+def test_search_flags_need_search(flag, value, capsys):
+    rc, _, err = call("plan.py", "--config", TINY_YAML, "--devices", "8", flag, value, capsys=capsys)
+    one_line(rc, err, flag, "--search")
+
+
+def test_cpu_search_needs_a_device_memory(capsys):
+    rc, _, err = call("plan.py", "--config", TINY_YAML, "--devices", "8", "--search", capsys=capsys)
+    one_line(rc, err, "--device-memory")
+
+
+def test_nothing_fits_names_the_smallest_memory_that_does(capsys):
+    base = ["--config", TINY_YAML, "--devices", "8", "--search", "--max-compiles", "0", "--offload", "none", *SMALL]
+    rc, _, err = call("plan.py", *base, "--device-memory", "100KB", capsys=capsys)
+    line = one_line(rc, err,
+                    "none of", "fits", "smallest device memory")
+    need = re.search(r"would fit is ([\d.]+GB)", line).group(1)
+    rc, out, err = call("plan.py", *base, "--device-memory", need, "--json", capsys=capsys)
+    assert rc == 0, err
+    assert json.loads(out)["winner"] is not None
+    smaller = f"{float(need[:-2]) - 0.01:.2f}GB"
+    rc, _, err = call("plan.py", *base, "--device-memory", smaller, capsys=capsys)
+    assert rc == 2  # the named size is the least that fits, to the 0.01 GB it is printed in
+
+
+def test_analytic_communication_matches_the_textbook(cfg):
+    """ZeRO-3 3P(N-1)/N, ZeRO-2 2P(N-1)/N, DDP 2P(N-1)/N per device per step with P the params
+    in the compute dtype (BENCHMARKS.md: the GPU compile's bytes at 7B and 70B), x microbatches
+    for the sharded strategies; HSDP's cross-host all-reduce of the fsdp shards."""
+    import dataclasses
+
+    from fsdp_jax.app.models.llama import count_params
+    p, f = 2 * count_params(cfg.model), 7 / 8  # bf16 compute
+    wire = lambda c, s, sizes=(1, 8, 1), hosts=1: se.analytic_communication(c, s, sizes, hosts)  # noqa: E731
+    assert wire(cfg, "no_shard")["total_wire_bytes"] == int(2 * p * f)
+    assert wire(cfg, "shard_grad_op")["total_wire_bytes"] == int(2 * p * f)
+    assert wire(cfg, "full_shard")["total_wire_bytes"] == int(3 * p * f)
+    two = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, microbatches=2))
+    assert wire(two, "full_shard")["total_wire_bytes"] == int(2 * 3 * p * f)
+    hsdp = wire(cfg, "hybrid_shard", (2, 4, 1), 2)
+    assert hsdp["analytic"]["cross_host_wire_bytes"] == int(2 * p / 4 * 0.5)
+    assert hsdp["total_wire_bytes"] == int(3 * p * 3 / 4 + 2 * p / 4 * 0.5)
+    assert wire(cfg, "full_shard", (1, 8, 1), 2)["analytic"]["cross_host_wire_bytes"] == int(3 * p * f)
+
+
+def test_pruning_keeps_edge_candidates_within_the_model_error(cfg):
+    """Analytic over budget by less than ANALYTIC_OVER: kept as edge (to compile), not dropped;
+    beyond: dropped; offload candidates (never compiled here) are held to the analytic total."""
+    space = se.dataclasses.replace(GRID, offloads=("none", "optimizer"))
+    base = _cands(cfg, se.Limits(device_memory=10**12), space)
+    mid = sorted(c["analytic"]["device_total"] for c in base)[len(base) // 2]
+    again = _cands(cfg, se.Limits(device_memory=mid, headroom_fraction=None), space)
+    seen = set()
+    for c in again:
+        dev = c["analytic"]["device_total"]
+        a = c["analytic"]
+        exact = a["params"] + a["optimizer"] + a["batch"]
+        lower = exact + (a["total"] - exact) * (1 - se.ANALYTIC_OVER)
+        want = ("fits" if dev <= mid else "edge" if c["offload"] == "none" and lower <= mid else "dropped")
+        assert c["status"] == want, (se.overrides(cfg, c), dev, mid)
+        seen.add(want)
+    assert seen == {"fits", "edge", "dropped"}
+
+
+def test_recompute_per_remat_policy_by_hand(cfg):
+    """d 64, ffn 128, q 4 x 16, kv 2 x 16, seq 32, 2 layers: qkv 2*64*(64+64) = 16384, attention
+    core 4*32*64 = 8192, gate+up 4*64*128 = 32768 FLOPs per token per layer."""
+    m, s = cfg.model, cfg.data.seq_len
+    got = {r: se.recompute_flops_per_token(m, s, r) for r in se.DEVICE_REMATS + ("offload_attn_mlp_out",)}
+    assert got == {"none": 0, "dots": 0, "full": 0,  # full: step_time.predict counts it already
+                   "dots_no_batch": 2 * 8192, "save_qkv_attn_mlp_out": 2 * (8192 + 32768),
+                   "save_attn_mlp_out": 2 * (16384 + 8192 + 32768), "offload_attn_mlp_out": 2 * (16384 + 8192 + 32768)}
+    import dataclasses
+
+    from fsdp_jax.app.fit import step_time
+    res = {"analytic": {"grads": 0, "params": 0, "optimizer": 0}, "communication": {"total_wire_bytes": 0}}
+    with_remat = lambda r: dataclasses.replace(cfg, remat=r)  # noqa: E731
+    dots, saved = (se.predict_step(with_remat(r), "h100", 8, res) for r in ("dots", "save_attn_mlp_out"))
+    tokens = s * cfg.train.global_batch / 8
+    extra = tokens * got["save_attn_mlp_out"] / (989e12 * step_time.GEMM_EFFICIENCY)
+    assert saved["step_s"] - dots["step_s"] == pytest.approx(extra, rel=2e-3)
+    res["analytic"]["transfer_per_step"] = 5 * 10**9
+    host = se.predict_step(with_remat("dots"), "h100", 8, res)
+    assert host["host_s"] == pytest.approx(0.1)  # 5 GB at 50 GB/s, not hidden
+    assert host["step_s"] == pytest.approx(dots["step_s"] + 0.1, rel=1e-3)
