@@ -51,6 +51,7 @@ from fsdp_jax.mesh import constrain
 from fsdp_jax.precision import Policy, cast_params_for_compute
 from fsdp_jax.state import TrainState, state_shardings
 from fsdp_jax.strategy import ShardingPlan, batch_divisor
+from fsdp_jax.xla_flags import step_compiler_options
 
 LossFn = Callable[[Any, Any], Any]  # (params, batch) -> loss or (loss, aux); loss: scalar or TokenSum
 
@@ -399,7 +400,8 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, pl
 
     sh = state_shardings(plan)
     jitted = jax.jit(step, in_shardings=(sh, plan.batch), out_shardings=(sh, NamedSharding(plan.mesh, P())),
-                     donate_argnums=(0,) if donate else ())
+                     donate_argnums=(0,) if donate else (),
+                     compiler_options=step_compiler_options(plan.mesh.devices.flat, bool(plan.strategy.params)))
     return CompiledStep(jitted, plan, lambda b: check_batch(b, plan, microbatches))
 
 
