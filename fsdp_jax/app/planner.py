@@ -348,6 +348,12 @@ def _child_main() -> int:
             sys.stderr.flush()
     except BAD_INPUT + (PlanError, TargetError) as e:
         return fail(e)
+    except OffloadError as e:  # compile-only GPU devices plan it (target_offload); others refuse
+        if target is None:
+            raise
+        return fail(TargetError(
+            f"{e} (compile-only {target['name']} devices offer no pinned_host memory kind: plan --offload "
+            f"without --target)"))
     except RuntimeError as e:
         if target is None or "cuDNN" not in str(e):
             raise
