@@ -3,8 +3,8 @@ compile, the host side by formula. One concept: what `plan.py --target ... --off
 reports where XLA cannot compile the offloaded program.
 
 The CUDA plugin's compile-only devices offer no `pinned_host` memory kind (jax 0.10.2 and
-0.12.0.1: `addressable_memories()` has none, and a program whose shardings name one does not
-lower), so the offloaded step cannot be compiled for the target. Instead:
+0.12.0.1; `fsdp_jax.offload.check_supported` refuses an offload there), so the offloaded step
+is not compiled for the target. Instead:
 
     device side = the target compile of the same step without offload
                   - the state that offload moves to the host (analytic, exact: shard bytes)
