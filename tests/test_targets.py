@@ -308,6 +308,7 @@ def test_two_collectives_in_flight_overlap_the_gathers_xla_012_left_exposed(gpu)
 ])
 def test_step_compiler_options_only_for_gpu_steps_that_gather(platform, shards, xla_flags, want):
     from types import SimpleNamespace
+
     from fsdp_jax.xla_flags import step_compiler_options
     devs = [SimpleNamespace(platform=platform)] * 8
     assert step_compiler_options(devs, shards, environ={"XLA_FLAGS": xla_flags}) == want

@@ -53,8 +53,8 @@ from fsdp_jax import rules as rl
 from fsdp_jax.hlo import (collective_schedule, communication, involuntary_rematerializations,
                           schedule_warnings)
 from fsdp_jax.memory import collective_report, compiled_memory, tree_bytes
-from fsdp_jax.precision import Policy
 from fsdp_jax.offload import OffloadError
+from fsdp_jax.precision import Policy
 from fsdp_jax.app.memory_model import (DEVICES_PER_HOST, activations_by_remat, analytic_memory,
                                        analytic_vs_compiled, compute_copy_bytes)
 from fsdp_jax.app.plan_report import (  # noqa: F401  (some only re-exported)

@@ -20,7 +20,8 @@ them is exact; the transient terms are the analytic model's.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from fsdp_jax.app.memory_model import offload_memory
 
