@@ -52,6 +52,7 @@ from fsdp_jax.state import TrainState, state_shardings
 from fsdp_jax.strategy import ShardingPlan, batch_divisor
 from fsdp_jax.errors import BatchError  # noqa: F401 (re-exported)
 from fsdp_jax.trainable import Trainable, trainable_leaves  # noqa: F401 (re-exported)
+from fsdp_jax.xla_flags import step_compiler_options
 
 LossFn = Callable[[Any, Any], Any]  # (params, batch) -> loss or (loss, aux); loss: scalar or TokenSum
 
@@ -343,7 +344,8 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, pl
 
     sh = state_shardings(plan)
     jitted = jax.jit(step, in_shardings=(sh, plan.batch), out_shardings=(sh, NamedSharding(plan.mesh, P())),
-                     donate_argnums=(0,) if donate else ())
+                     donate_argnums=(0,) if donate else (),
+                     compiler_options=step_compiler_options(plan.mesh.devices.flat, bool(plan.strategy.params)))
     return CompiledStep(jitted, plan, lambda b: check_batch(b, plan, microbatches))
 
 

@@ -35,6 +35,28 @@ EVALUATED: dict[str, str] = {
 GPU_FSDP_FLAGS: tuple[str, ...] = tuple(f for f, why in EVALUATED.items() if why.startswith("kept"))
 
 
+# XLA:GPU compile options every train step that shards params compiles with on GPUs
+# (`step_compiler_options`; `jax.jit(compiler_options=...)`, so XLA_FLAGS need not name them).
+# Evidence (deviceless XLA:GPU, Llama-2-7B on 8 x H100, full_shard, remat full; BENCHMARKS.md
+# "Exposed collectives on jax 0.12"): XLA 0.12's latency-hiding scheduler keeps one async
+# collective in flight by default, so in the backward loop the next layer's re-gather and this
+# layer's reduce-scatter compete for it: one gather per layer ran synchronously and one forward
+# gather had nothing scheduled under it (10.8% of the step's collective bytes exposed). With 2
+# in flight, every gather overlaps compute (2.6% exposed: one reduce-scatter per layer; 70B on
+# 64 GPUs: 17.4% -> 1.45%). jax 0.10.2 exposes nothing either way (its 7B peak: +1%).
+STEP_OPTIONS_GPU: dict[str, int] = {"xla_gpu_experimental_parallel_collective_overlap_limit": 2}
+
+
+def step_compiler_options(devices, shards_params: bool, environ=os.environ) -> dict[str, int] | None:
+    """`STEP_OPTIONS_GPU` for a step on GPU `devices` (real or compile-only) whose strategy
+    shards params, less any option the user's XLA_FLAGS sets (theirs win); None otherwise."""
+    devices = list(devices)
+    if not shards_params or not devices or devices[0].platform != "gpu":
+        return None
+    user = {f.lstrip("-").split("=")[0] for f in environ.get("XLA_FLAGS", "").split()}
+    return {k: v for k, v in STEP_OPTIONS_GPU.items() if k not in user} or None
+
+
 def apply_gpu_fsdp_flags(environ=os.environ) -> str:
     """Append GPU_FSDP_FLAGS to XLA_FLAGS (flags already set by the user win)."""
     current = environ.get("XLA_FLAGS", "")

@@ -76,8 +76,10 @@ def test_compiled_figures_are_the_trainers_step(cfg, doc):
 # analytic total / compiled peak, measured on jax 0.10.2 for this config (SMALL, 8 devices)
 # (re-measured after the non-finite guard became a per-leaf select: XLA:CPU does not fuse
 # that select into the in-place update as XLA:GPU does (tests/test_targets.py), so every
-# CPU peak rose by ~3%, and no_shard's now exceeds the formula, which assumes in place)
-TOTAL_OVER_PEAK = {"no_shard": 0.973, "shard_opt": 1.037, "shard_grad_op": 1.140,
+# CPU peak rose by ~3%, and no_shard's now exceeds the formula, which assumes in place;
+# shard_grad_op's formula gained the layer its backward loop slices out of the kept stack,
+# measured on the GPU-target compile (issue 26): 1.140 -> 1.247 here)
+TOTAL_OVER_PEAK = {"no_shard": 0.973, "shard_opt": 1.037, "shard_grad_op": 1.247,
                    "full_shard": 1.394, "hybrid_shard": 1.394}
 
 

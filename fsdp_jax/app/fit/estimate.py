@@ -53,6 +53,7 @@ from fsdp_jax import rules as rl
 from fsdp_jax.hlo import (collective_schedule, communication, involuntary_rematerializations,
                           schedule_warnings)
 from fsdp_jax.memory import collective_report, compiled_memory, tree_bytes
+from fsdp_jax.offload import OffloadError
 from fsdp_jax.precision import Policy
 from fsdp_jax.app.fit.memory_model import (DEVICES_PER_HOST, activations_by_remat, analytic_memory,
                                        analytic_vs_compiled, compute_copy_bytes)
@@ -129,7 +130,16 @@ def plan_strategy(cfg, strategy: str, devices: Sequence[jax.Device] | None = Non
     `inspect`, also rows, the full collective report and the per-collective `schedule`
     (`fsdp_jax.hlo.collective_schedule`)."""
     t0 = time.perf_counter()
-    b = build_step(cfg, strategy, devices, mesh_sizes, **(step_options or {}))
+    try:
+        b = build_step(cfg, strategy, devices, mesh_sizes, **(step_options or {}))
+    except OffloadError:
+        if not devices or devices[0].platform != "gpu":
+            raise  # compile-only GPU devices: no host memory kind (fsdp_jax.app.fit.target_offload)
+        from fsdp_jax.app.fit.target_offload import plan_without_host_memory
+        return plan_without_host_memory(
+            plan_strategy, cfg, strategy, devices, devices[0].device_kind, inspect=inspect,
+            replicated_threshold=replicated_threshold, mesh_sizes=mesh_sizes, step_options=step_options,
+            compiler_options=compiler_options)
     analytic = analytic_memory(b)
     try:
         compiled = b.compile(compiler_options)
@@ -317,7 +327,6 @@ def _child_main() -> int:
     from fsdp_jax.app.cli import BAD_INPUT, fail
     from fsdp_jax.app.config import config_from_dict
     from fsdp_jax import targets
-    from fsdp_jax.offload import OffloadError
     from fsdp_jax.targets import TargetError
     try:
         cfg = config_from_dict(req["config"])
@@ -339,12 +348,12 @@ def _child_main() -> int:
             sys.stderr.flush()
     except BAD_INPUT + (PlanError, TargetError) as e:
         return fail(e)
-    except OffloadError as e:
+    except OffloadError as e:  # compile-only GPU devices plan it (target_offload); others refuse
         if target is None:
             raise
         return fail(TargetError(
-            f"{e} (compile-only {target['name']} devices offer no pinned_host memory kind: a GPU-target "
-            f"plan cannot place state in host memory; plan --offload without --target)"))
+            f"{e} (compile-only {target['name']} devices offer no pinned_host memory kind: plan --offload "
+            f"without --target)"))
     except RuntimeError as e:
         if target is None or "cuDNN" not in str(e):
             raise

@@ -34,9 +34,14 @@ Small f32 norm statistics, RoPE tables and masks are ignored. Gathered params
 two layers in flight (the one computing, the next one prefetched) plus the largest
 unstacked param (embedding or head) plus one layer's unreduced grads in the reduce
 dtype; shard_grad_op keeps the whole model (gathered layer by layer in the forward
-pass, `fsdp_jax.layer_gather`) plus one layer's unreduced grads;
+pass, `fsdp_jax.layer_gather`) plus one layer's unreduced grads and the copy of one
+layer that the backward loop slices out of the kept stack;
 shard_opt / no_shard hold a compute-dtype copy of the model only when the compute
-dtype differs from the param dtype. total = params + optimizer + batch + grads +
+dtype differs from the param dtype. Grads (and the unreduced layer grads above) are
+held in `grad_dtype`: the dtype of the dots that produce them (XLA reduces a weight
+gradient at its dot, so under bf16 compute they are reduced and held in bf16 until the
+update casts them, whatever the reduce dtype; the GPU-compiled 7B step holds its stacked
+grads as bf16). total = params + optimizer + batch + grads +
 gathered + activations: the optimizer update (after the backward pass) runs in place
 on the donated state and needs less than the backward pass.
 """
@@ -131,18 +136,21 @@ def analytic_memory(build: StepBuild) -> dict[str, int]:
     optimizer = (tree_bytes_per_device(st.opt_state) + tree_bytes_per_device(st.step)
                  + tree_bytes_per_device(st.model_state))  # non-trainable model state (0 when none)
     batch = tree_bytes_per_device(build.batch)  # tokens, or the packed batch's arrays
-    grads = sum(shard_bytes(jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=g))
+    gd = grad_dtype(policy)
+    grads = sum(shard_bytes(jax.ShapeDtypeStruct(p.shape, _held(p.dtype, gd), sharding=g))
                 for p, g in zip(jax.tree.leaves(st.params), jax.tree.leaves(plan.grads)))
     if cfg.train.microbatches > 1:
         grads *= 2  # the accumulator plus one microbatch's grads
     cc = compute_copy_bytes(st.params, plan, build.model.logical_axes, policy.compute_dtype)
     if s.params and not s.gather_once:  # full_shard, hybrid_shard: per layer
-        layer_r = compute_copy_bytes(st.params, plan, build.model.logical_axes, policy.reduce_dtype)["layer"]
+        layer_r = compute_copy_bytes(st.params, plan, build.model.logical_axes, gd)["layer"]
         gathered = 2 * cc["layer"] + cc["largest_unstacked"] + layer_r
-    elif s.params:  # shard_grad_op: the whole model gathered (kept for the backward) and
-        # one layer's unreduced grads (each layer's are reduce-scattered in the backward loop)
-        gathered = cc["whole"] + compute_copy_bytes(st.params, plan, build.model.logical_axes,
-                                                    policy.reduce_dtype)["layer"]
+    elif s.params:  # shard_grad_op: the whole model gathered (kept for the backward), the
+        # layer the backward loop slices out of that stack (XLA copies it: a
+        # dynamic-slice per layer), and one layer's unreduced grads (each layer's are
+        # reduce-scattered in the backward loop)
+        gathered = cc["whole"] + cc["layer"] + compute_copy_bytes(st.params, plan, build.model.logical_axes,
+                                                                  gd)["layer"]
     else:  # shard_opt, no_shard: params already whole; a cast copy if dtypes differ
         gathered = cc["whole"] if policy.compute_dtype != policy.param_dtype else 0
     act = activation_bytes(cfg.model, cfg.remat, _batch_per_device(build), cfg.data.seq_len,
@@ -155,19 +163,34 @@ def analytic_memory(build: StepBuild) -> dict[str, int]:
     return out
 
 
+def grad_dtype(policy: Policy):
+    """The dtype grads are reduced and held in until the update: the narrower of the
+    compute and reduce dtypes. A weight gradient is a partial sum made by a dot in the
+    compute dtype, and the partitioner reduces it at that dot (BENCHMARKS.md, issue 26:
+    `reduce=float32` under bf16 compute still reduce-scatters in bf16)."""
+    c, r = np.dtype(policy.compute_dtype), np.dtype(policy.reduce_dtype)
+    return c if c.itemsize < r.itemsize else r
+
+
+def _held(param_dtype, gd):
+    """A floating param's grad is held in `gd`; other leaves keep their dtype."""
+    return gd if np.issubdtype(np.dtype(param_dtype), np.floating) else param_dtype
+
+
 DEVICES_PER_HOST = 8  # for bytes per host: GPUs per node (the planner's fake devices share one)
 
 
-def offload_memory(build: StepBuild, analytic: dict[str, int]) -> dict[str, int]:
+def offload_memory(build: StepBuild, analytic: dict[str, int], offload: str | None = None) -> dict[str, int]:
     """Host offload (`cfg.offload`) split of the analytic bytes: `host` (per device: its
     share of the offloaded params / optimizer state, resting in its host's pinned
     memory), `host_per_host` (x DEVICES_PER_HOST) and `device_total`: the total minus
     what rests on the host, plus what comes back transiently: the compute-dtype copy of
     offloaded params (sharded as at rest) for the forward/backward pass, and one
     leaf's params + optimizer state during the update (assumes XLA streams the update
-    leaf by leaf; a schedule that fetches all at once needs the full state again)."""
+    leaf by leaf; a schedule that fetches all at once needs the full state again).
+    `offload`: the setting to split for (default: the build's own)."""
     from fsdp_jax.offload import get_offload
-    off = get_offload(build.plan.offload)
+    off = get_offload(build.plan.offload if offload is None else offload)
     st = build.state
     params = tree_bytes_per_device(st.params)
     opt = tree_bytes_per_device(st.opt_state)
