@@ -35,8 +35,6 @@ Compiling is `fsdp_jax.app.fit.search_compile`; the user's side (flags, table, Y
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import math
 import tempfile
 import time
 from collections.abc import Callable
@@ -47,143 +45,23 @@ import jax
 import numpy as np
 
 from fsdp_jax.app.fit.memory_model import analytic_memory, saved_per_token
-from fsdp_jax.app.fit.report import STRATEGY_ORDER, PlanError
+from fsdp_jax.app.fit.search_space import (  # noqa: F401 (re-exported)
+    ANALYTIC_OVER,
+    DEVICE_REMATS,
+    HOST_LINK_BYTES_PER_S,
+    MIN_SEQ,
+    OFFLOAD_SETTINGS,
+    VARY,
+    Limits,
+    SearchError,
+    SearchSpace,
+    candidate_config,
+    enumerate_candidates,
+    overrides,
+    shapes,
+)
 from fsdp_jax.app.fit.step_build import build_step, mesh_shape, target_mesh_sizes
 
-DEVICE_REMATS = ("none", "dots", "dots_no_batch", "save_qkv_attn_mlp_out", "save_attn_mlp_out", "full")
-OFFLOAD_SETTINGS = ("none", "optimizer", "optimizer+params")
-VARY = ("batch", "seq")
-# The analytic transient bytes (grads, gathered params, activations: the total minus the
-# exact params + optimizer + batch) overstate the compiled program's by at most this much.
-# Measured on XLA:GPU for H100: totals 4-32% below at 7B and 70B (docs/planning.md); on a
-# 30-candidate tiny grid the transient rest from -44% (full_shard with 2 microbatches) to
-# +11% (shard_grad_op, remat none). A candidate is pruned only when `lower_bound` (the rest
-# x (1 - ANALYTIC_OVER)) is still over the budget; tests/test_search.py holds it.
-ANALYTIC_OVER = 0.5
-HOST_LINK_BYTES_PER_S = 50e9  # PCIe 5 x16 per direction per GPU; offload transfers assumed not hidden
-MIN_SEQ = 16
-
-
-class SearchError(PlanError):
-    """Bad search input: an empty search space or an impossible constraint (exit code 2)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class SearchSpace:
-    """What to vary. `microbatches` None: every power of two dividing the per-device batch.
-    `vary`: "batch" (per-device batch 1, 2, 4, ... up to the config's: the global batch
-    changes) and/or "seq" (sequence length halved down to MIN_SEQ, the global batch scaled
-    to keep the tokens per step)."""
-    strategies: tuple[str, ...] = STRATEGY_ORDER
-    remats: tuple[str, ...] = DEVICE_REMATS
-    microbatches: tuple[int, ...] | None = None
-    offloads: tuple[str, ...] = OFFLOAD_SETTINGS
-    vary: tuple[str, ...] = ()
-
-
-@dataclasses.dataclass(frozen=True)
-class Limits:
-    """`device_memory` per device; `headroom` kept free (bytes, or a fraction of the device
-    memory when `headroom_fraction` is set); `host_memory`: pinned host bytes per host
-    (None: unlimited); how many candidates to compile."""
-    device_memory: int
-    headroom: int = 0
-    headroom_fraction: float | None = 0.10
-    host_memory: int | None = None
-    top: int = 2
-    edge: int = 1
-    max_compiles: int = 4
-
-    @property
-    def headroom_bytes(self) -> int:
-        if self.headroom_fraction is not None:
-            return int(self.device_memory * self.headroom_fraction)
-        return self.headroom
-
-    @property
-    def budget(self) -> int:
-        return self.device_memory - self.headroom_bytes
-
-    def memory_for(self, peak: int) -> int:
-        """The smallest device memory whose budget holds `peak`."""
-        if self.headroom_fraction is not None:
-            return math.ceil(peak / (1 - self.headroom_fraction))
-        return peak + self.headroom
-
-
-# ----------------------------------------------------------------------------- candidates
-
-def candidate_config(cfg, c: dict[str, Any]):
-    """`cfg` with candidate `c`'s strategy, remat, microbatches, offload, batch and seq."""
-    return dataclasses.replace(
-        cfg, remat=c["remat"], offload=c["offload"],
-        mesh=dataclasses.replace(cfg.mesh, strategy=c["strategy"]),
-        train=dataclasses.replace(cfg.train, microbatches=c["microbatches"], global_batch=c["global_batch"]),
-        data=dataclasses.replace(cfg.data, seq_len=c["seq_len"]))
-
-
-def overrides(cfg, c: dict[str, Any]) -> list[str]:
-    """Candidate `c` as key=value overrides of `cfg` (batch and seq only where they change)."""
-    out = [f"mesh.strategy={c['strategy']}", f"remat={c['remat']}", f"train.microbatches={c['microbatches']}",
-           f"offload={c['offload']}"]
-    if c["global_batch"] != cfg.train.global_batch:
-        out.append(f"train.global_batch={c['global_batch']}")
-    if c["seq_len"] != cfg.data.seq_len:
-        out.append(f"data.seq_len={c['seq_len']}")
-    return out
-
-
-def _pow2_upto(n: int) -> list[int]:
-    return [1 << k for k in range(int(math.log2(n)) + 1)] if n >= 1 else []
-
-
-def shapes(cfg, n_devices: int, vary: tuple[str, ...]) -> list[tuple[int, int]]:
-    """(global batch, seq len) pairs to try."""
-    data, fsdp, _ = mesh_shape(cfg, "full_shard", n_devices)
-    dp, gb0, seq0 = data * fsdp, cfg.train.global_batch, cfg.data.seq_len
-    seqs = [seq0]
-    if "seq" in vary:
-        seqs += [s for s in (seq0 // 2, seq0 // 4) if s >= MIN_SEQ and seq0 % s == 0]
-    out = []
-    for s in seqs:
-        gbs = [gb0 * seq0 // s]
-        if "batch" in vary:
-            per_device = max(gb0 // dp, 1) * seq0 // s
-            gbs = [p * dp for p in _pow2_upto(per_device)] + [g for g in gbs if g % dp == 0]
-        out += [(g, s) for g in dict.fromkeys(gbs)]
-    return out
-
-
-def enumerate_candidates(cfg, n_devices: int, space: SearchSpace,
-                         mesh_for: Callable[[str], tuple[int, int, int]]) -> tuple[list[dict], list[str]]:
-    """Every valid candidate (batch divisible by microbatches x batch-sharding devices) and
-    notes on what was skipped. SearchError when none is valid."""
-    notes, out = [], []
-    for strategy in space.strategies:
-        sizes = mesh_for(strategy)
-        if strategy == "hybrid_shard" and sizes[0] == 1 and "full_shard" in space.strategies:
-            notes.append("hybrid_shard skipped: with data=1 it is full_shard (set mesh.data or --hosts)")
-            continue
-        dp = sizes[0] * sizes[1]
-        for (gb, seq), remat, offload in itertools.product(shapes(cfg, n_devices, space.vary), space.remats,
-                                                           space.offloads):
-            if gb % dp:
-                continue
-            per_device = gb // dp
-            mbs = space.microbatches or tuple(_pow2_upto(per_device))
-            for m in mbs:
-                if per_device % m == 0:
-                    out.append({"strategy": strategy, "remat": remat, "microbatches": m, "offload": offload,
-                                "global_batch": gb, "seq_len": seq, "mesh": dict(zip(("data", "fsdp", "tensor"),
-                                                                                      map(int, sizes)))})
-    if not out:
-        mb = "every power of two" if space.microbatches is None else ",".join(map(str, space.microbatches))
-        raise SearchError(f"--search: the search space is empty: no microbatch count ({mb}) divides the "
-                          f"per-device batch of global_batch={cfg.train.global_batch} on {n_devices} devices")
-    return out, notes
-
-
-# ----------------------------------------------------------------------------- analytic pass
 
 def analytic_communication(cfg, strategy: str, sizes: tuple[int, int, int], hosts: int) -> dict[str, Any]:
     """Wire bytes each device sends per step (ring algorithms), by strategy, with P the params
@@ -339,14 +217,7 @@ def search(cfg, n_devices: int, space: SearchSpace, limits: Limits, *, target=No
     from fsdp_jax.verify import devices_for
     t0 = time.perf_counter()
     say = progress or (lambda msg: None)
-    if limits.budget <= 0:
-        raise SearchError(f"--headroom: {limits.headroom_bytes / 1e9:.2f} GB leaves nothing of the "
-                          f"{limits.device_memory / 1e9:.2f} GB device memory")
-    bad = [r for r in space.remats if r not in DEVICE_REMATS and not r.startswith("offload_")]
-    for r in space.remats:
-        saved_per_token(cfg.model, r, cfg.data.seq_len, 2)  # PlanError for a policy without a formula
-    if bad or not (space.strategies and space.remats and space.offloads):
-        raise SearchError("--search: the search space is empty (a strategy, remat and offload list is needed)")
+    _check_space(cfg, space, limits)
     hosts = target.hosts if target is not None else 1
     per_host = target.gpus_per_host if target is not None else min(n_devices, 8)
     if target is not None:
@@ -366,20 +237,7 @@ def search(cfg, n_devices: int, space: SearchSpace, limits: Limits, *, target=No
                           f"needs (at least {min(host) / 1e9:.2f} GB); allow more, or add --offload none")
     dropped = sum(c["status"] == "dropped" for c in cands)
     say(f"analytic pass: {len(cands) - dropped} kept, {dropped} dropped, {time.perf_counter() - t0:.1f} s")
-    compiled_n = 0
-    with tempfile.TemporaryDirectory(prefix="fsdp_jax-search-") as scratch:  # one kernel cache, every round
-        kernels = Path(scratch) / "xla_gpu_kernels.bin"
-        while True:
-            ranked = rank(cands)
-            todo = pick_to_compile(ranked, limits, compiled_n)
-            if not todo:
-                break
-            say(f"compiling {len(todo)} candidate(s) near the top and the memory edge"
-                + (f" for {target.describe()} (one process, the kernel cache shared)" if target is not None else ""))
-            from fsdp_jax.app.fit.search_compile import compile_candidates
-            for c, r in zip(todo, compile_candidates(cfg, n_devices, todo, target, say, kernel_cache=kernels)):
-                _apply_compiled(cfg, c, r, limits, n_devices, target.name if gpu else None)
-            compiled_n += len(todo)
+    compiled_n = _compile_rounds(cfg, n_devices, cands, limits, target, gpu, say)
     ranked = rank(cands)
     for i, c in enumerate(ranked):
         c["rank"] = i + 1
@@ -411,6 +269,40 @@ def search(cfg, n_devices: int, space: SearchSpace, limits: Limits, *, target=No
             "candidates": ranked, "dropped": counts, "winner": winner,
             "smallest_fitting_memory": None if smallest is None else limits.memory_for(smallest),
             "notes": notes, "wall_s": round(time.perf_counter() - t0, 1)}
+
+
+def _check_space(cfg, space: SearchSpace, limits: Limits) -> None:
+    """SearchError for an empty space or an impossible headroom; PlanError for a remat
+    policy the memory model has no formula for."""
+    if limits.budget <= 0:
+        raise SearchError(f"--headroom: {limits.headroom_bytes / 1e9:.2f} GB leaves nothing of the "
+                          f"{limits.device_memory / 1e9:.2f} GB device memory")
+    bad = [r for r in space.remats if r not in DEVICE_REMATS and not r.startswith("offload_")]
+    for r in space.remats:
+        saved_per_token(cfg.model, r, cfg.data.seq_len, 2)  # PlanError for a policy without a formula
+    if bad or not (space.strategies and space.remats and space.offloads):
+        raise SearchError("--search: the search space is empty (a strategy, remat and offload list is needed)")
+
+
+def _compile_rounds(cfg, n_devices: int, cands: list[dict], limits: Limits, target, gpu: bool,
+                    say: Callable[[str], None]) -> int:
+    """Compile rounds (one kernel cache for all): the best-ranked uncompiled candidates near
+    the top and the memory edge, until none ranks above the best verified fit; the count."""
+    compiled_n = 0
+    with tempfile.TemporaryDirectory(prefix="fsdp_jax-search-") as scratch:  # one kernel cache, every round
+        kernels = Path(scratch) / "xla_gpu_kernels.bin"
+        while True:
+            ranked = rank(cands)
+            todo = pick_to_compile(ranked, limits, compiled_n)
+            if not todo:
+                break
+            say(f"compiling {len(todo)} candidate(s) near the top and the memory edge"
+                + (f" for {target.describe()} (one process, the kernel cache shared)" if target is not None else ""))
+            from fsdp_jax.app.fit.search_compile import compile_candidates
+            for c, r in zip(todo, compile_candidates(cfg, n_devices, todo, target, say, kernel_cache=kernels)):
+                _apply_compiled(cfg, c, r, limits, n_devices, target.name if gpu else None)
+            compiled_n += len(todo)
+    return compiled_n
 
 
 def _apply_compiled(cfg, c: dict, r: dict, limits: Limits, n_devices: int, gpu_name: str | None) -> None:

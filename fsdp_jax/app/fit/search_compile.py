@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_jax.app.fit.report import PlanError
-from fsdp_jax.app.fit.search import candidate_config
+from fsdp_jax.app.fit.search_space import candidate_config
 
 _MARK = "fsdp_jax.app.fit.search_compile: "
 
