@@ -19,12 +19,14 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 
 
 def main() -> int:
-    from fsdp_jax import targets
     import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
-    from fsdp_jax.app.models.llama import attention
     import jax._src.cudnn.fused_attention_stablehlo as fa
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from fsdp_jax import targets
+    from fsdp_jax.app.models.llama import attention
     # jax asks the *default* backend (CPU here) for the compute capability; the target
     # is an H100 (sm_90), so answer for it
     fa.check_compute_capability = lambda c: tuple(int(x) for x in c.split(".")) <= (9, 0)

@@ -23,10 +23,10 @@ sys.path.insert(0, str(ROOT / "tests"))
 jax.config.update("jax_num_cpu_devices", 8)
 
 import optax  # noqa: E402
+from test_verify import classification_batches, linen_setup, nnx_setup  # noqa: E402
 
 import fsdp_jax as fj  # noqa: E402
 from helpers import tiny_llama, token_batches  # noqa: E402
-from test_verify import classification_batches, linen_setup, nnx_setup  # noqa: E402
 
 NO_LIMIT = fj.Tolerance("measure", float("inf"), float("inf"), float("inf"))
 

@@ -44,13 +44,12 @@ from jax.sharding import Mesh
 
 from fsdp_jax import model_state as ms_lib
 from fsdp_jax import rules as rl
-from fsdp_jax.memory import tree_bytes_per_device
 from fsdp_jax.build import build
+from fsdp_jax.memory import tree_bytes_per_device
 from fsdp_jax.model_fns import ModelFns, _adapt, from_linen, from_nnx  # noqa: F401 (re-exported)
 from fsdp_jax.state import TrainState
 from fsdp_jax.step import CompiledStep, LossFn, make_eval_step, make_train_step, trainable_leaves
 from fsdp_jax.strategy import ShardingPlan, Strategy
-
 
 
 @dataclasses.dataclass(frozen=True)

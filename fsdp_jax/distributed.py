@@ -14,6 +14,7 @@ one line (exit 1) when a peer stops responding; call `finished()` at a normal en
 from __future__ import annotations
 
 import os
+
 from fsdp_jax.errors import DistributedInitError, one_line  # noqa: F401 (re-exported)
 
 ENV_COORDINATOR = "FSDP_JAX_COORDINATOR"
@@ -125,6 +126,7 @@ def _watch_peers(peer_timeout_s: float | None, note: str) -> None:
     if not peer_timeout_s:
         return
     from jax._src import distributed as jax_distributed  # the client: no public accessor
+
     from fsdp_jax.peer_watch import PeerWatch
     state = jax_distributed.global_state
     if state.client is None or state.num_processes < 2:

@@ -33,8 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from fsdp_jax.hlo_calls import (_OP_NAME_RE, _reach, call_graph, enclosing_loops,  # noqa: F401
-                               executions, parse_computations)
+from fsdp_jax.hlo_calls import _OP_NAME_RE, _reach, call_graph, enclosing_loops, executions, parse_computations  # noqa: F401
 
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 _DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "f64": 8, "s32": 4, "u32": 4, "s8": 1, "u8": 1,

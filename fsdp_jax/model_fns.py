@@ -26,7 +26,6 @@ from fsdp_jax.nnx_parts import NnxParts, abstract_of, pure_names
 from fsdp_jax.rules import logical_axes_of
 
 
-
 @dataclasses.dataclass(frozen=True)
 class ModelFns:
     """init(rng) -> params; apply(params, *args) -> output; logical_axes: a tree of

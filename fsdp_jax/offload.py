@@ -34,6 +34,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
+
 from fsdp_jax.errors import OffloadError  # noqa: F401 (re-exported)
 
 HOST = "pinned_host"

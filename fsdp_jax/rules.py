@@ -26,12 +26,13 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from fsdp_jax import axes as ax
-from fsdp_jax.reasons import Note, Why, format_note, format_notes  # noqa: F401 (re-exported)
+from fsdp_jax.errors import ReplicatedWarning, ShardingError, UnknownNamesWarning  # noqa: F401 (re-exported)
 from fsdp_jax.flax_names import logical_axes_of  # noqa: F401 (re-exported)
-from fsdp_jax.errors import ShardingError, UnknownNamesWarning, ReplicatedWarning  # noqa: F401 (re-exported)
+from fsdp_jax.reasons import Note, Why, format_note, format_notes  # noqa: F401 (re-exported)
 
 MeshAxes = str | tuple[str, ...] | None
 Rules = Mapping[str, MeshAxes]

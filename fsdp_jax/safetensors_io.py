@@ -34,6 +34,7 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
+
 from fsdp_jax.errors import SafetensorsError, one_line  # noqa: F401 (re-exported)
 
 DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,

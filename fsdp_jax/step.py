@@ -39,18 +39,19 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import linen as nn
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import fsdp_jax.model_state as ms_lib
 import fsdp_jax.offload as offload_lib
 import fsdp_jax.remat as remat_lib
 from fsdp_jax import layer_gather
 from fsdp_jax import rules as rl
+from fsdp_jax.errors import BatchError  # noqa: F401 (re-exported)
 from fsdp_jax.mesh import constrain
 from fsdp_jax.precision import Policy, cast_params_for_compute
 from fsdp_jax.state import TrainState, state_shardings
 from fsdp_jax.strategy import ShardingPlan, batch_divisor
-from fsdp_jax.errors import BatchError  # noqa: F401 (re-exported)
 from fsdp_jax.trainable import Trainable, trainable_leaves  # noqa: F401 (re-exported)
 from fsdp_jax.xla_flags import step_compiler_options
 

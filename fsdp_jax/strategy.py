@@ -25,7 +25,8 @@ from typing import Any
 import jax
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from fsdp_jax import axes as ax
 from fsdp_jax import offload as offload_lib

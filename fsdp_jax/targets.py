@@ -36,9 +36,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fsdp_jax import tpu_targets as tpu
-from fsdp_jax.errors import TargetError, PluginMissing  # noqa: F401 (re-exported)
-from fsdp_jax.plugins import (CUDNN_PACKAGE, INSTALL_HINT, KINDS, PLUGIN_PACKAGES, _jax_version,  # noqa: F401
-                              _missing_message, cudnn_installed, install, plugin_dir, plugin_installed)
+from fsdp_jax.errors import PluginMissing, TargetError  # noqa: F401 (re-exported)
+from fsdp_jax.plugins import (  # noqa: F401
+    CUDNN_PACKAGE,
+    INSTALL_HINT,
+    KINDS,
+    PLUGIN_PACKAGES,
+    _jax_version,
+    _missing_message,
+    cudnn_installed,
+    install,
+    plugin_dir,
+    plugin_installed,
+)
 
 _DATA = Path(__file__).resolve().parent / "gpu_targets"
 

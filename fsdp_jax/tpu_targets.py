@@ -26,6 +26,7 @@ import dataclasses
 import importlib.metadata
 import math
 import re
+
 from fsdp_jax.errors import TopologyError  # noqa: F401 (re-exported)
 
 

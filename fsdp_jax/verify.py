@@ -49,13 +49,20 @@ import optax
 
 from fsdp_jax import rules as rl
 from fsdp_jax.build import build
+from fsdp_jax.errors import VerifyError, one_line  # noqa: F401 (re-exported)
 from fsdp_jax.memory import collective_report, compiled_memory, state_bytes_per_device
 from fsdp_jax.mesh import make_mesh
 from fsdp_jax.precision import Policy
 from fsdp_jax.strategy import STRATEGIES, get_strategy
-from fsdp_jax.verify_report import (TOLERANCES, Divergence, StrategyReport, Tolerance, VerifyReport,
-                                    default_tolerance, optimizer_kind)
-from fsdp_jax.errors import VerifyError, one_line  # noqa: F401 (re-exported)
+from fsdp_jax.verify_report import (
+    TOLERANCES,
+    Divergence,
+    StrategyReport,
+    Tolerance,
+    VerifyReport,
+    default_tolerance,
+    optimizer_kind,
+)
 
 DEFAULT_STRATEGIES = ("no_shard", "shard_opt", "shard_grad_op", "full_shard", "hybrid_shard")
 

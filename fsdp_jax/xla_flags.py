@@ -12,6 +12,7 @@ computation; for one compile, `compile(compiler_options=parse_flags(...))`.
 from __future__ import annotations
 
 import os
+
 from fsdp_jax.errors import XlaFlagsError  # noqa: F401 (re-exported)
 
 # flag -> what the GPU compile showed (jax 0.10.2, 1B full_shard, 8 x H100)

@@ -24,12 +24,12 @@ from fsdp_jax import checkpoint as ck
 from fsdp_jax.adapters import from_nnx
 from fsdp_jax.app.cli import BAD_INPUT
 from fsdp_jax.app.config import load_config
-from fsdp_jax.mesh import make_mesh
+from fsdp_jax.app.loop import TrainingDiverged, setup, train
 from fsdp_jax.app.models import Llama
 from fsdp_jax.app.optim import build_optimizer
+from fsdp_jax.mesh import make_mesh
 from fsdp_jax.state import abstract_state
 from fsdp_jax.strategy import make_plan
-from fsdp_jax.app.loop import TrainingDiverged, setup, train
 from helpers import TINY_RUN_OVERRIDES, call, script
 
 # end-to-end training runs and subprocesses: the whole file is outside the fast subset
@@ -136,8 +136,8 @@ def test_restore_onto_other_meshes_and_continue(straight, n_devices, data, strat
     assert_same(state, straight["state"])
     for leaf, sds in zip(jax.tree.leaves(state), jax.tree.leaves(target)):
         assert leaf.sharding == sds.sharding
-    from fsdp_jax.step import make_train_step
     from fsdp_jax.app.loop import make_loss_fn
+    from fsdp_jax.step import make_train_step
     step = make_train_step(make_loss_fn(model), opt, plan)
     batch = jax.device_put(np.full((16, 33), 7, np.int32), plan.batch)
     state, metrics = step(state, batch)

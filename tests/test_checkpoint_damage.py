@@ -13,9 +13,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import TINY_RUN_OVERRIDES, call, one_line, script
 
 from fsdp_jax import checkpoint as ck
+from helpers import TINY_RUN_OVERRIDES, call, one_line, script
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_YAML = ROOT / "configs" / "tiny.yaml"

@@ -5,8 +5,17 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fsdp_jax.app.config import (Config, ConfigError, check_data, config_from_dict, config_to_dict,
-                             count_params, load_config, save_config, validate)
+from fsdp_jax.app.config import (
+    Config,
+    ConfigError,
+    check_data,
+    config_from_dict,
+    config_to_dict,
+    count_params,
+    load_config,
+    save_config,
+    validate,
+)
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
 TINY = Path(__file__).parent.parent / "configs" / "tiny.yaml"

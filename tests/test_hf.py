@@ -25,10 +25,10 @@ from fsdp_jax.app import hf
 from fsdp_jax.app.config import ConfigError, config_to_dict, load_config
 from fsdp_jax.app.hf_export import export_hf
 from fsdp_jax.app.models import Llama
-from fsdp_jax.safetensors_io import SafetensorsFile, write_safetensors
 from fsdp_jax.build import build
 from fsdp_jax.checkpoint import Checkpointer, CheckpointError
 from fsdp_jax.mesh import make_mesh
+from fsdp_jax.safetensors_io import SafetensorsFile, write_safetensors
 from fsdp_jax.step import sharding_context
 from helpers import script
 

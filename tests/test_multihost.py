@@ -99,9 +99,9 @@ def test_two_processes_train_like_one_and_checkpoints_move_between_process_count
     from fsdp_jax import checkpoint as ck
     from fsdp_jax.adapters import from_nnx
     from fsdp_jax.app.config import load_config
-    from fsdp_jax.mesh import make_mesh
     from fsdp_jax.app.models.llama import Llama
     from fsdp_jax.app.optim import build_optimizer
+    from fsdp_jax.mesh import make_mesh
     from fsdp_jax.state import abstract_state
     from fsdp_jax.strategy import make_plan
 

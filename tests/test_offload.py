@@ -13,9 +13,11 @@ import pytest
 import fsdp_jax as fj
 from fsdp_jax import offload as ol
 from fsdp_jax import remat as remat_lib
-from fsdp_jax.build import build
 from fsdp_jax.app.models import LlamaConfig
-from helpers import call, max_abs_diff, script, tiny_llama as _tiny_llama, token_batches as _token_batches
+from fsdp_jax.build import build
+from helpers import call, max_abs_diff, script
+from helpers import tiny_llama as _tiny_llama
+from helpers import token_batches as _token_batches
 
 ROOT = Path(__file__).resolve().parents[1]
 

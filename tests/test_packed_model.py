@@ -1,7 +1,6 @@
 """The model on packed rows: attention never crosses an example boundary and RoPE
 restarts per example, so a packed row's logits equal each example run alone."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

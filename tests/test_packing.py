@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 
 from fsdp_jax.app import packing
-from fsdp_jax.app.sft_data import (make_packed_dataset, packed_eval_batches, prepare_examples,
-                                   row_indices)
+from fsdp_jax.app.sft_data import make_packed_dataset, packed_eval_batches, prepare_examples, row_indices
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAT = ROOT / "tests" / "golden" / "chat"
@@ -202,6 +201,7 @@ def test_document_mask_config_on_token_corpora(tmp_path):
 def test_a_killed_prepare_leaves_the_previous_corpus_and_the_next_run_cleans_up(tmp_path, monkeypatch):
     import subprocess
     import sys
+
     from fsdp_jax.app import data, sft_data
     from fsdp_jax.app.examples import ExampleEncoder
     src = chats(tmp_path / "c.jsonl", 300)

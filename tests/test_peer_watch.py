@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import one_line
 
 from fsdp_jax import peer_watch as pw
+from helpers import one_line
 
 ROOT = Path(__file__).resolve().parents[1]
 

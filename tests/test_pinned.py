@@ -3,7 +3,6 @@ it names is changed (the mutation is in its docstring; each was applied and seen
 """
 
 import json
-import os
 from pathlib import Path
 
 import jax

@@ -16,11 +16,11 @@ import pytest
 import fsdp_jax as fj
 import fsdp_jax.app.models.llama as llama
 from fsdp_jax.app import data as data_lib
-from fsdp_jax.app.fit import estimate as pl
 from fsdp_jax.app import loop as train_lib
 from fsdp_jax.app.config import load_config
-from fsdp_jax.memory import collective_report, compiled_memory
+from fsdp_jax.app.fit import estimate as pl
 from fsdp_jax.app.models.llama import count_params
+from fsdp_jax.memory import collective_report, compiled_memory
 from helpers import TINY, call, one_line, tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from fsdp_jax.app import loop as train_lib
-from fsdp_jax.app.fit import estimate as pl
 from fsdp_jax.app.config import load_config
-from fsdp_jax.app.sft_data import prepare_examples
+from fsdp_jax.app.fit import estimate as pl
 from fsdp_jax.app.fit.step_build import PACKED_BATCH, build_step, packed_batch, sample_batch
+from fsdp_jax.app.sft_data import prepare_examples
 from fsdp_jax.memory import compiled_memory
 
 ROOT = Path(__file__).resolve().parents[1]

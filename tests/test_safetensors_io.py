@@ -9,7 +9,8 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from fsdp_jax import checkpoint as ck
 from fsdp_jax import safetensors_io as sio

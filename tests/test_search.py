@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import call, one_line
 
 from fsdp_jax.app.config import load_config
 from fsdp_jax.app.fit import search as se
 from fsdp_jax.app.fit.report import COMPILED_OVER_ANALYTIC
 from fsdp_jax.app.fit.step_build import mesh_shape
+from helpers import call, one_line
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_YAML = ROOT / "configs" / "tiny.yaml"

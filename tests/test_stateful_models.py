@@ -10,6 +10,7 @@ import optax
 import pytest
 from flax import linen as nn
 from flax import nnx, struct
+from third_party.flax_resnet import ResNet, ResNetBlock
 
 import fsdp_jax as fj
 from fsdp_jax.adapters import from_linen, from_nnx, shard_model
@@ -19,7 +20,6 @@ from fsdp_jax.memory import state_bytes_per_device
 from fsdp_jax.model_state import StateError
 from fsdp_jax.verify import strategy_mesh_shape
 from helpers import example
-from third_party.flax_resnet import ResNet, ResNetBlock
 
 STRATEGIES = ("full_shard", "shard_grad_op", "shard_opt", "no_shard", "hybrid_shard")
 SGD = optax.sgd(0.05, momentum=0.9)

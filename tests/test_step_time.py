@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from fsdp_jax.app.fit import step_time
 from fsdp_jax.app.config import load_config
+from fsdp_jax.app.fit import step_time
 from fsdp_jax.app.models.llama import Llama
 
 ROOT = Path(__file__).resolve().parents[1]

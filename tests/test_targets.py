@@ -269,8 +269,8 @@ def test_plan_script_target_path_builds_what_the_fixture_compiled(gpu, capsys):
     assert r["collectives_per_step"] == want["collectives_per_step"]
     assert r["collectives_per_step"]["reduce-scatter"]["count"] > 0  # XLA:GPU's, not XLA:CPU's
     # the step-time roofline over that program's traffic (fsdp_jax.app.fit.step_time)
-    from fsdp_jax.app.fit import step_time
     from fsdp_jax.app.config import load_config
+    from fsdp_jax.app.fit import step_time
     cfg = load_config(TINY_YAML, SMALL + ["precision=float32"])
     assert r["predicted"] == step_time.predict(cfg, "h100", 8, r) and r["predicted"]["step_s"] > 0
 

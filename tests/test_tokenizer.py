@@ -158,8 +158,8 @@ def test_tokenizer_vocab_larger_than_model_is_refused_by_trainer(tmp_path):
 def test_walkthrough_import_tokenize_train_sample_export(tmp_path, capsys):
     """README "Fine-tune a Llama checkpoint": configs/hf_tiny_finetune.yaml end to end."""
     from fsdp_jax.app.config import load_config
-    from fsdp_jax.app.loop import train
     from fsdp_jax.app.hf import HFCheckpoint, load_params
+    from fsdp_jax.app.loop import train
     from fsdp_jax.checkpoint import Checkpointer
     d, run, out = tmp_path / "data", tmp_path / "run", tmp_path / "hf_out"
     assert script("prepare_data").main(["--out", str(d), "--stdlib", "--no-progress", "--tokenizer",

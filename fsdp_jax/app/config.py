@@ -12,16 +12,51 @@ and limits), `config_parse` (YAML and `key=value` overrides -> Config) and
 `config_checks` (checks across fields, devices, backend and corpus).
 """
 
-from fsdp_jax.app.config_checks import (_check, _check_decoder, check_backend,  # noqa: F401
-                                        check_coordinator, check_data, parse_profile, validate)
-from fsdp_jax.app.config_parse import (_OVERRIDE_ALIASES, _PATH_KEYS, _build, _unknown,  # noqa: F401
-                                       apply_overrides, config_from_dict, config_to_dict,
-                                       expand_user_paths, load_config, save_config)
-from fsdp_jax.app.config_schema import (_FLOAT_RE, _INT_LIMIT, _SECTIONS, LIMITS, MODEL_CHOICES,  # noqa: F401
-                                        MODEL_LIMITS, Config, DataConfig, DistributedConfig,
-                                        LoggingConfig, MeshConfig, ModelConfig, OptimizerConfig,
-                                        Rules, TrainConfig, _all_keys, _coerce, _field_type,
-                                        check_fields, field_limits, limit, resolved_rules)
+from fsdp_jax.app.config_checks import (  # noqa: F401
+                                        _check,
+                                        _check_decoder,
+                                        check_backend,
+                                        check_coordinator,
+                                        check_data,
+                                        parse_profile,
+                                        validate,
+)
+from fsdp_jax.app.config_parse import (  # noqa: F401
+                                        _OVERRIDE_ALIASES,
+                                        _PATH_KEYS,
+                                        _build,
+                                        _unknown,
+                                        apply_overrides,
+                                        config_from_dict,
+                                        config_to_dict,
+                                        expand_user_paths,
+                                        load_config,
+                                        save_config,
+)
+from fsdp_jax.app.config_schema import (  # noqa: F401
+                                        _FLOAT_RE,
+                                        _INT_LIMIT,
+                                        _SECTIONS,
+                                        LIMITS,
+                                        MODEL_CHOICES,
+                                        MODEL_LIMITS,
+                                        Config,
+                                        DataConfig,
+                                        DistributedConfig,
+                                        LoggingConfig,
+                                        MeshConfig,
+                                        ModelConfig,
+                                        OptimizerConfig,
+                                        Rules,
+                                        TrainConfig,
+                                        _all_keys,
+                                        _coerce,
+                                        _field_type,
+                                        check_fields,
+                                        field_limits,
+                                        limit,
+                                        resolved_rules,
+)
 from fsdp_jax.app.models.llama import LlamaConfig, count_params  # noqa: F401 (re-exported)
 from fsdp_jax.errors import ConfigError  # noqa: F401 (re-exported)
 

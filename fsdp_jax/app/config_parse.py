@@ -121,7 +121,7 @@ def apply_overrides(raw: Mapping, overrides: Sequence[str]) -> dict:
                      [f"{k}.KEY" if k in _SECTIONS else k for k in typing.get_type_hints(Config)])
             raise _unknown(key, _all_keys(), shown)
         if tp in (str, str | None):  # keep strings verbatim: 'a: b' or '1,2' must not become YAML
-            value = None if tp != str and text.strip() in ("null", "~", "None", "") else text
+            value = None if tp is not str and text.strip() in ("null", "~", "None", "") else text
         else:
             try:
                 value = yaml.safe_load(text)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import grain
 import numpy as np
+
 from fsdp_jax.errors import DataError  # noqa: F401 (re-exported)
 
 SPLITS = ("train", "val")

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from fsdp_jax.errors import ExampleError  # noqa: F401 (re-exported)
 
 ROLES = ("system", "user", "assistant", "tool")

@@ -28,7 +28,6 @@ the host copy, so host memory holds one shard at a time, never the model.
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -37,12 +36,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from fsdp_jax.errors import ConfigError
-from fsdp_jax.app.hf_config import (ARCH_FIELDS, ARCHITECTURES, FAMILIES, FIELDS,  # noqa: F401
-                                    MODEL_TYPES, model_config_from_hf)
+from fsdp_jax.app.hf_config import ARCH_FIELDS, ARCHITECTURES, FAMILIES, FIELDS, MODEL_TYPES, model_config_from_hf  # noqa: F401
 from fsdp_jax.app.models.llama import LlamaConfig
-from fsdp_jax.safetensors_io import SafetensorsError, SafetensorsFile
 from fsdp_jax.checkpoint import CheckpointError, tree_paths
+from fsdp_jax.errors import ConfigError
+from fsdp_jax.safetensors_io import SafetensorsError, SafetensorsFile
 
 PREFIX = "hf:"
 # per-layer params: our path under a block -> (HF name under model.layers.N, layout kind)

@@ -20,8 +20,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from fsdp_jax.errors import ConfigError
 from fsdp_jax.app.models.llama import LlamaConfig
+from fsdp_jax.errors import ConfigError
 
 # model_type -> (architecture, MLP activation key, transformers' config defaults used when a
 # key is absent); what each family's config.json switches on is in `_family_fields`.

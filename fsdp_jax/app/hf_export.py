@@ -32,8 +32,8 @@ from fsdp_jax.app import hf
 from fsdp_jax.app.config import ConfigError
 from fsdp_jax.app.hf_config import config_json
 from fsdp_jax.app.models.llama import LlamaConfig
-from fsdp_jax.safetensors_io import check_file, write_safetensors
 from fsdp_jax.checkpoint import Checkpointer, CheckpointError, shape_mismatches, tree_paths
+from fsdp_jax.safetensors_io import check_file, write_safetensors
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
                    "special_tokens_map.json", "generation_config.json")
@@ -76,6 +76,7 @@ def _pick_step(ckpt: Checkpointer, step: int | None) -> int:
 
 def _saved_config(ckpt: Checkpointer, step: int):
     import orbax.checkpoint as ocp
+
     from fsdp_jax.app.config import ConfigError, config_from_dict
 
     try:

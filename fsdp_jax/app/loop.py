@@ -34,8 +34,7 @@ from fsdp_jax.app.metrics_log import LogWindow, MetricsLog, wandb_settings
 from fsdp_jax.app.models.llama import count_params, flops_per_token
 from fsdp_jax.app.preemption import StopSignals
 from fsdp_jax.app.run_dir import RunDirLock
-from fsdp_jax.app.run_setup import (Run, _config_changes, check_offload, preflight,  # noqa: F401
-                                    prepare_data, setup)
+from fsdp_jax.app.run_setup import Run, _config_changes, check_offload, preflight, prepare_data, setup  # noqa: F401
 from fsdp_jax.app.timing import ProfileWindow, StepTimer, format_goodput, goodput
 from fsdp_jax.app.trainer_build import make_loss_fn, token_loss  # noqa: F401 (re-exported)
 from fsdp_jax.errors import TrainingDiverged  # noqa: F401 (re-exported)

@@ -40,8 +40,7 @@ import numpy as np
 from fsdp_jax.app import data as data_lib
 from fsdp_jax.app.data import DataError, _commit, _rows, token_dtype
 from fsdp_jax.app.encode_pool import EncoderSpec, encode_batches
-from fsdp_jax.app.examples import (ExampleEncoder, ExampleError, find_chat_template, read_records,
-                                   special_tokens)
+from fsdp_jax.app.examples import ExampleEncoder, ExampleError, find_chat_template, read_records, special_tokens
 from fsdp_jax.app.packing import PackStats, batch_from_rows, cut, pack
 from fsdp_jax.app.tokenizer import encode_long, is_long, text_chunks
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fsdp_jax.app.data import DataError, SPLITS, load_meta
+from fsdp_jax.app.data import SPLITS, DataError, load_meta
 
 META_KEY = "max_token_id"
 CHUNK = 1 << 24           # tokens per max() over the memmap (32-64 MB)

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from fsdp_jax.errors import TokenizerError  # noqa: F401 (re-exported)
 
 # Tried in order when neither --eos nor a tokenizer_config.json names the EOS token.

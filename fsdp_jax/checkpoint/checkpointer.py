@@ -42,7 +42,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from fsdp_jax.checkpoint import manifest as mf, orbax_logs
+from fsdp_jax.checkpoint import manifest as mf
+from fsdp_jax.checkpoint import orbax_logs
 from fsdp_jax.checkpoint.manifest import ITEMS, MANIFEST, TMP_SUFFIX, shape_mismatches, tree_paths
 from fsdp_jax.errors import CheckpointError, CheckpointWriteError, one_line
 

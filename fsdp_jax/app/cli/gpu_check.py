@@ -29,8 +29,8 @@ def throughput(config: str, steps: int, overrides: list[str]) -> dict:
     import numpy as np
 
     from fsdp_jax.app.config import load_config
-    from fsdp_jax.app.models.llama import count_params, flops_per_token
     from fsdp_jax.app.fit.step_build import build_step
+    from fsdp_jax.app.models.llama import count_params, flops_per_token
     from fsdp_jax.memory import compiled_memory
     from fsdp_jax.perf import device_memory, mfu, peak_flops, time_steps
 

@@ -66,8 +66,8 @@ def run(args) -> int:
     cfg = load_planning_config(args.config, args.overrides, n)  # JAX: n CPU devices, from here on
     strategy = get_strategy(args.strategy or cfg.mesh.strategy).name
 
-    from fsdp_jax.app.fit.report import check_inputs, format_inspection
     from fsdp_jax.app.fit.estimate import run_strategies
+    from fsdp_jax.app.fit.report import check_inputs, format_inspection
 
     check_inputs(cfg, n, [strategy])
     result = run_strategies(cfg, n, [strategy], inspect=True, replicated_threshold=threshold,

@@ -86,8 +86,13 @@ def parse_offloads(text: str | None) -> list[str] | None:
 def search_command(args) -> int:
     """plan --search: parse, search, print; nothing fits -> one line, exit 2."""
     from fsdp_jax.app.fit import search_report as sr
-    from fsdp_jax.app.fit.report import (load_planning_config, parse_bytes, parse_devices, parse_strategies,
-                                         resolve_target)
+    from fsdp_jax.app.fit.report import (
+        load_planning_config,
+        parse_bytes,
+        parse_devices,
+        parse_strategies,
+        resolve_target,
+    )
     from fsdp_jax.app.fit.search import Limits, SearchError, SearchSpace, search
     from fsdp_jax.targets import device_memory
 

@@ -36,9 +36,9 @@ def _errors():
 
 def run(args) -> int:
     from fsdp_jax.app.cli.devices import use_cpu_devices
+    from fsdp_jax.app.cli.exits import BAD_INPUT
     from fsdp_jax.app.config import ConfigError, load_config
     from fsdp_jax.app.loop import train
-    from fsdp_jax.app.cli.exits import BAD_INPUT
     from fsdp_jax.distributed import await_peer_verdict, finished, maybe_initialize
     from fsdp_jax.xla_flags import apply_gpu_fsdp_flags
 

@@ -50,20 +50,37 @@ import numpy as np
 
 from fsdp_jax import axes as ax
 from fsdp_jax import rules as rl
-from fsdp_jax.hlo import (collective_schedule, communication, involuntary_rematerializations,
-                          schedule_warnings)
+from fsdp_jax.app.fit.memory_model import (
+    DEVICES_PER_HOST,
+    activations_by_remat,
+    analytic_memory,
+    analytic_vs_compiled,
+    compute_copy_bytes,
+)
+from fsdp_jax.app.fit.report import (  # noqa: F401  (some only re-exported)
+    CLASSIC_NAMES,
+    COMPILED_OVER_ANALYTIC,
+    DEFAULT_REPLICATED_THRESHOLD,
+    STRATEGY_ORDER,
+    PlanError,
+    check_inputs,
+    fmt_bytes,
+    format_inspection,
+    format_table,
+    load_planning_config,
+    parse_bytes,
+    parse_devices,
+    parse_strategies,
+    plot_plan,
+    replicated_threshold_for,
+    sharding_warnings,
+    use_cpu_devices,
+)
+from fsdp_jax.app.fit.step_build import build_step, target_mesh_sizes
+from fsdp_jax.hlo import collective_schedule, communication, involuntary_rematerializations, schedule_warnings
 from fsdp_jax.memory import collective_report, compiled_memory, tree_bytes
 from fsdp_jax.offload import OffloadError
 from fsdp_jax.precision import Policy
-from fsdp_jax.app.fit.memory_model import (DEVICES_PER_HOST, activations_by_remat, analytic_memory,
-                                       analytic_vs_compiled, compute_copy_bytes)
-from fsdp_jax.app.fit.report import (  # noqa: F401  (some only re-exported)
-    CLASSIC_NAMES, COMPILED_OVER_ANALYTIC, DEFAULT_REPLICATED_THRESHOLD, STRATEGY_ORDER, PlanError,
-    check_inputs, fmt_bytes, format_inspection, format_table, load_planning_config, parse_bytes,
-    parse_devices, parse_strategies, plot_plan, replicated_threshold_for, sharding_warnings,
-    use_cpu_devices)
-from fsdp_jax.app.fit.step_build import build_step, target_mesh_sizes
-
 
 # ----------------------------------------------------------------------------- one strategy
 
@@ -324,9 +341,9 @@ def _child_main() -> int:
     target = req.get("target")
     if target is None:
         use_cpu_devices(int(req["devices"]))
+    from fsdp_jax import targets
     from fsdp_jax.app.cli import BAD_INPUT, fail
     from fsdp_jax.app.config import config_from_dict
-    from fsdp_jax import targets
     from fsdp_jax.targets import TargetError
     try:
         cfg = config_from_dict(req["config"])

@@ -69,7 +69,8 @@ def attention(q, k, v, segment_ids, impl: str):
                                             implementation=None if impl == "xla" else impl)
     if impl == "xla":
         return jax.nn.dot_product_attention(q, k, v, mask=segment_mask(segment_ids), is_causal=True)
-    from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention as cudnn_attn
+    from jax._src.cudnn.fused_attention_stablehlo import MaskType
+    from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cudnn_attn
     seqlen, offsets = packed_layout(segment_ids)
     return cudnn_attn(q, k, v, q_seqlen=seqlen, kv_seqlen=seqlen, q_offsets=offsets, kv_offsets=offsets,
                       scale=1.0 / q.shape[-1] ** 0.5, mask_type=MaskType.PADDING_CAUSAL)

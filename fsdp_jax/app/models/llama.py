@@ -23,18 +23,17 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import linen as nn
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from fsdp_jax.axes import BATCH, EMBED, HEADS, KV, KV_HEADS, LAYERS, LENGTH, MLP, NORM, VOCAB
 from fsdp_jax import layer_gather
-from fsdp_jax.app.models.attention import (_attend_capped, attention, packed_layout, rope,  # noqa: F401
-                                           segment_mask, softcap)
+from fsdp_jax.app.models.attention import _attend_capped, attention, packed_layout, rope, segment_mask, softcap  # noqa: F401
 from fsdp_jax.app.models.rope import apply_rope, rope_tables
+from fsdp_jax.axes import BATCH, EMBED, HEADS, KV, KV_HEADS, LAYERS, LENGTH, MLP, NORM, VOCAB
 from fsdp_jax.remat import get_policy
 
 
