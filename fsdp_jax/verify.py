@@ -27,9 +27,7 @@ objects: `verify` then runs in a child process started with N fake CPU devices, 
 `optimizer`, `loss_fn`, `batch` or `batches`, and any options). The module must be
 importable there (the child gets this process's `sys.path`); objects cannot cross the
 process boundary, so with objects and too few devices `verify` raises `VerifyError`.
-
-This module runs the comparison; the report it returns and the tolerances it judges
-by are `fsdp_jax.verify_report`.
+This module runs the comparison; its report and tolerances are `fsdp_jax.verify_report`.
 """
 
 from __future__ import annotations
