@@ -30,8 +30,8 @@ def use_cpu_devices(n: int | None = None, *, env: str = ENV_DEVICES, default: in
     devices) `n` devices, or `$env` (default 8) when `n` is None, and use the compilation
     cache in $FSDP_JAX_CACHE_DIR when it is set. Returns the count.
 
-    JAX takes the count only before its backends start; when they already run with that
-    count (main() called from a notebook or a test), nothing is changed. ConfigError names
+    JAX takes the count only before its backends start; when they already run (main()
+    called from a notebook or a test), nothing is changed. ConfigError names
     `env` when it is not a count; XlaFlagsError names an XLA_FLAGS entry XLA would abort
     the process over (`fsdp_jax.xla_flags.check_xla_flags`)."""
     import jax
@@ -41,7 +41,10 @@ def use_cpu_devices(n: int | None = None, *, env: str = ENV_DEVICES, default: in
     if n is None:
         n = env_int(env, default)
     if jax.config.jax_num_cpu_devices != n:
-        jax.config.update("jax_num_cpu_devices", n)
+        try:
+            jax.config.update("jax_num_cpu_devices", n)
+        except RuntimeError:  # backends already started (a notebook, a test): they keep their
+            pass  # count; the planner compiles for n devices in a child process then
     cache = os.environ.get(ENV_CACHE)
     if cache:
         jax.config.update("jax_compilation_cache_dir", cache)

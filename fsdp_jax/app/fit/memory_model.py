@@ -137,10 +137,10 @@ def analytic_memory(build: StepBuild) -> dict[str, int]:
                  + tree_bytes_per_device(st.model_state))  # non-trainable model state (0 when none)
     batch = tree_bytes_per_device(build.batch)  # tokens, or the packed batch's arrays
     gd = grad_dtype(policy)
-    grads = sum(shard_bytes(jax.ShapeDtypeStruct(p.shape, _held(p.dtype, gd), sharding=g))
-                for p, g in zip(jax.tree.leaves(st.params), jax.tree.leaves(plan.grads)))
-    if cfg.train.microbatches > 1:
-        grads *= 2  # the accumulator plus one microbatch's grads
+    pairs = list(zip(jax.tree.leaves(st.params), jax.tree.leaves(plan.grads)))
+    grads = sum(shard_bytes(jax.ShapeDtypeStruct(p.shape, _held(p.dtype, gd), sharding=g)) for p, g in pairs)
+    if cfg.train.microbatches > 1:  # plus the accumulator, in the params' dtype (fsdp_jax.step)
+        grads += sum(shard_bytes(jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=g)) for p, g in pairs)
     cc = compute_copy_bytes(st.params, plan, build.model.logical_axes, policy.compute_dtype)
     if s.params and not s.gather_once:  # full_shard, hybrid_shard: per layer
         layer_r = compute_copy_bytes(st.params, plan, build.model.logical_axes, gd)["layer"]
