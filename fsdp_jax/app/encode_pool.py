@@ -40,23 +40,8 @@ from pathlib import Path
 import numpy as np
 
 from fsdp_jax.app import encode_worker
+from fsdp_jax.app.encode_worker import EncoderSpec  # noqa: F401 (re-exported: the pool's API)
 from fsdp_jax.app.examples import Example, ExampleEncoder
-
-
-@dataclasses.dataclass(frozen=True)
-class EncoderSpec:
-    """What a worker needs to build the `ExampleEncoder` (paths and text: sent to it as JSON)."""
-    tokenizer: str                  # "bytes" or a tokenizer path (`fsdp_jax.app.tokenizer`)
-    eos: str | None = None
-    chat_template: str | None = None  # the template's source text
-    specials: dict = dataclasses.field(default_factory=dict)
-    train_on: str = "targets"
-    threads: int | None = None
-
-    def build(self) -> ExampleEncoder:
-        from fsdp_jax.app.tokenizer import load_tokenizer
-        tok = None if self.tokenizer == "bytes" else load_tokenizer(self.tokenizer, self.eos)
-        return ExampleEncoder(tok, self.chat_template, self.specials, self.train_on)
 
 
 def encode_batches(spec: EncoderSpec, batches: Iterable[list], workers: int = 1,

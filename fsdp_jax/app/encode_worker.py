@@ -16,6 +16,7 @@ tokenizer and template modules, not `fsdp_jax/__init__` (JAX: 1.3 s per worker).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import queue
@@ -23,14 +24,35 @@ import signal
 import struct
 import sys
 import threading
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from fsdp_jax.app.examples import ExampleEncoder
 
 LEN = struct.Struct("<Q")
 
 BOOT = ("import sys, types; p = types.ModuleType('fsdp_jax'); p.__path__ = [sys.argv[1]]; "
         "sys.modules['fsdp_jax'] = p; from fsdp_jax.app.encode_worker import main; main()")
+
+
+@dataclasses.dataclass(frozen=True)
+class EncoderSpec:
+    """What a worker needs to build the `ExampleEncoder` (paths and text: sent to it as JSON);
+    `fsdp_jax.app.encode_pool.EncoderSpec`."""
+    tokenizer: str                  # "bytes" or a tokenizer path (`fsdp_jax.app.tokenizer`)
+    eos: str | None = None
+    chat_template: str | None = None  # the template's source text
+    specials: dict = dataclasses.field(default_factory=dict)
+    train_on: str = "targets"
+    threads: int | None = None
+
+    def build(self) -> ExampleEncoder:
+        from fsdp_jax.app.examples import ExampleEncoder
+        from fsdp_jax.app.tokenizer import load_tokenizer
+        tok = None if self.tokenizer == "bytes" else load_tokenizer(self.tokenizer, self.eos)
+        return ExampleEncoder(tok, self.chat_template, self.specials, self.train_on)
 
 
 def write_frame(f: BinaryIO, *parts: bytes) -> None:
@@ -81,15 +103,10 @@ def main() -> None:
     spec_frame = read_frame(stdin)
     if spec_frame is None:
         return
-    from fsdp_jax.app.encode_pool import EncoderSpec
     spec = EncoderSpec(**json.loads(spec_frame))
-    threads = spec.threads or 1
-    try:
-        encoder, failed = spec.build(), None
-    except Exception as e:  # told with every batch: the parent raises it in order
-        encoder, failed = None, e
-    # Requests are read by a thread of their own, so that stdin is always drained: the parent
-    # never blocks writing a batch while this process blocks writing a reply it has not read.
+    # Requests are read by a thread of their own, so that stdin is always drained (from
+    # before the tokenizer loads): the parent never blocks writing a batch while this process
+    # is busy, and a reply this process writes is never stuck behind a batch it has not read.
     requests: queue.Queue = queue.Queue()
 
     def read_requests():
@@ -100,6 +117,11 @@ def main() -> None:
             pass
         requests.put(None)
     threading.Thread(target=read_requests, daemon=True).start()
+    threads = spec.threads or 1
+    try:
+        encoder, failed = spec.build(), None
+    except Exception as e:  # told with every batch: the parent raises it in order
+        encoder, failed = None, e
     try:
         while (frame := requests.get()) is not None:
             try:
