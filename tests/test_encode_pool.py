@@ -201,3 +201,14 @@ def test_a_workers_error_is_raised_as_its_class_with_its_message():
         assert type(back) is cls, (e, back)
         want = str(e) if cls is type(e) else f"an encoding worker failed: {type(e).__name__}: {e}"
         assert str(back) == want
+
+
+def test_a_worker_that_cannot_start_is_one_oserror_with_its_last_line(monkeypatch):
+    monkeypatch.setattr(encode_pool, "WORKER_ARGV",
+                        [sys.executable, "-c", "import sys; print('x'); sys.exit('no module named tokenizers')"])
+    procs = spy_on_workers(monkeypatch)
+    batch = [({"text": "hi"}, "x:1")]
+    with pytest.raises(OSError, match=r"^encoding worker [12] of 2 \(pid \d+\) exited with code 1: "
+                                      r"no module named tokenizers$"):
+        list(encode_batches(EncoderSpec("bytes"), [batch] * 4, workers=2))
+    assert len(procs) == 2 and all(p.returncode is not None for p in procs)

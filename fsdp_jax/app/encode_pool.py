@@ -163,8 +163,15 @@ class _Pool:
             code = p.wait(5)
         except subprocess.TimeoutExpired:
             code = None
-        how = ("stopped answering" if code is None else
-               f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}")
+        if code is None:
+            how = "stopped answering"
+        elif code < 0:
+            try:
+                how = f"was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                how = f"was killed by signal {-code}"
+        else:
+            how = f"exited with code {code}"
         self.logs[i].seek(0)
         last = [ln for ln in self.logs[i].read()[-2000:].decode(errors="replace").splitlines() if ln.strip()]
         why = f": {last[-1].strip()[:200]}" if last else " (out of memory, or a signal)"
