@@ -20,8 +20,9 @@ from typing import Any
 import jax
 
 from fsdp_jax.app.fit.one_strategy import plan_strategy
-from fsdp_jax.app.fit.report import PlanError, use_cpu_devices
+from fsdp_jax.app.fit.report import use_cpu_devices
 from fsdp_jax.app.fit.step_build import target_mesh_sizes
+from fsdp_jax.errors import PlanError
 from fsdp_jax.hlo import involuntary_rematerializations
 from fsdp_jax.offload import OffloadError
 

@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from fsdp_jax.app.fit.report import PlanError
+from fsdp_jax.errors import PlanError, one_line
 from fsdp_jax.strategy import get_strategy
 
 
@@ -115,7 +115,7 @@ class StepBuild:
             return lowered.compile(compiler_options=compiler_options)
         except Exception as e:  # XLA rejects unknown options / values with a generic error type
             if "option" in str(e).lower() or "flag" in str(e).lower():
-                raise PlanError(f"--xla-flags: {' '.join(str(e).split())[:300]}") from None
+                raise PlanError(f"--xla-flags: {one_line(e, 300)}") from None
             raise
 
     def init_state(self, rng: jax.Array):
