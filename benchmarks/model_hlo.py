@@ -19,12 +19,12 @@ import jax.numpy as jnp
 
 def main(path: str) -> int:
     jax.config.update("jax_num_cpu_devices", 8)
-    from fsdp_jax.adapters import from_nnx
     from fsdp_jax.app.config import load_config
-    from fsdp_jax.app.models.llama import Llama, cross_entropy
+    from fsdp_jax.app.models.llama import cross_entropy
+    from fsdp_jax.app.trainer_build import trainer_model
 
     cfg = load_config(path).model
-    m = from_nnx(lambda r: Llama(cfg, rngs=r, remat="dots"))
+    m = trainer_model(cfg, "dots")
     params = m.init(jax.random.key(0))
     tok = jnp.zeros((2, 129), jnp.int32)
 

@@ -23,6 +23,8 @@ import subprocess
 import sys
 import time
 
+from fsdp_jax.errors import one_line
+
 AFTER_DONE_S = 5.0  # the others' shutdown barrier completes with process 0's: a short wait
 
 
@@ -92,7 +94,7 @@ def _serve(spec: str, linger_s: float) -> int:
         from jax._src.lib import _jax
         service = _jax.get_distributed_runtime_service(*args, **kwargs)
     except Exception as e:  # e.g. the port is taken
-        print(f"{type(e).__name__}: {' '.join(str(e).split())}", flush=True)
+        print(f"{type(e).__name__}: {one_line(e, None)}", flush=True)
         return 1
     print("ready", flush=True)
     devnull = os.open(os.devnull, os.O_WRONLY)  # nobody reads our output any more

@@ -17,11 +17,11 @@ of them); this module imports nothing from the project.
 from __future__ import annotations
 
 
-def one_line(e: BaseException, limit: int = 240) -> str:
-    """An exception's message on one line of at most `limit` characters (its type name
-    when it has no message)."""
+def one_line(e: BaseException, limit: int | None = 240) -> str:
+    """An exception's message on one line of at most `limit` characters (None: all of
+    it; its type name when it has no message)."""
     msg = " ".join(str(e).split()) or type(e).__name__
-    return msg if len(msg) <= limit else msg[:limit] + "..."
+    return msg if limit is None or len(msg) <= limit else msg[:limit] + "..."
 
 
 # ----------------------------------------------------------------------- library: bad input
@@ -123,6 +123,14 @@ class TokenizerError(ValueError):
 
 class ExampleError(ValueError):
     """A bad example or template; the message is one line naming file and line."""
+
+
+class PlanError(ValueError):
+    """Bad planner input (device count, memory size, strategy list)."""
+
+
+class SearchError(PlanError):
+    """Bad search input: an empty search space or an impossible constraint (exit code 2)."""
 
 
 class MissingExtra(ImportError):

@@ -58,6 +58,8 @@ from fsdp_jax.verify_report import (
     StrategyReport,
     Tolerance,
     VerifyReport,
+    _leaf_rel,
+    _rel,
     default_tolerance,
     optimizer_kind,
 )
@@ -331,22 +333,6 @@ def _put(batch, sharding):
 
 def _host(tree):
     return jax.tree.map(lambda x: np.asarray(x, np.float64), jax.device_get(tree))
-
-
-def _rel(x: float, ref: float) -> float:
-    if x == ref or (np.isnan(x) and np.isnan(ref)):
-        return 0.0
-    d = abs(x - ref) / max(abs(ref), 1e-30)
-    return float(d) if np.isfinite(d) else float("inf")
-
-
-def _leaf_rel(a: np.ndarray, ref: np.ndarray) -> float:
-    """||a - ref|| / ||ref|| (Frobenius, float64); inf for non-finite differences."""
-    num = float(np.linalg.norm((a - ref).ravel()))
-    if num == 0.0:
-        return 0.0
-    d = num / max(float(np.linalg.norm(ref.ravel())), 1e-30)
-    return d if np.isfinite(d) else float("inf")
 
 
 # ----------------------------------------------------------------------------- the child process

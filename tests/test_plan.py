@@ -41,7 +41,7 @@ def run_script(name, *args):
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     out = tmp_path_factory.mktemp("corpus") / "bytes"
-    data_lib.prepare_text([ROOT / "fsdp_jax" / "app" / "fit" / "estimate.py"], out, val_fraction=0.1)
+    data_lib.prepare_text([ROOT / "fsdp_jax" / "app" / "fit"], out, val_fraction=0.1, pattern="*.py")
     return out
 
 

@@ -59,14 +59,14 @@ def bench_plain_dp(cfg, devices, steps: int, warmup: int):
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from fsdp_jax.adapters import from_nnx
-    from fsdp_jax.app.models.llama import Llama, cross_entropy
+    from fsdp_jax.app.models.llama import cross_entropy
     from fsdp_jax.app.optim import build_optimizer
+    from fsdp_jax.app.trainer_build import trainer_model
     from fsdp_jax.memory import compiled_memory
     from fsdp_jax.perf import time_steps
 
     mesh = Mesh(np.asarray(devices), ("dp",))
-    model = from_nnx(lambda r: Llama(cfg.model, rngs=r, remat=cfg.remat))
+    model = trainer_model(cfg.model, cfg.remat)
     tx, _ = build_optimizer(cfg.optimizer, cfg.train.steps)
     if cfg.optimizer.clip_norm:
         tx = optax.chain(optax.clip_by_global_norm(cfg.optimizer.clip_norm), tx)

@@ -36,7 +36,10 @@ from typing import Any
 
 import numpy as np
 
-from fsdp_jax.errors import ExampleError  # noqa: F401 (re-exported)
+from fsdp_jax.errors import (
+    ExampleError,  # noqa: F401 (re-exported)
+    one_line,
+)
 
 ROLES = ("system", "user", "assistant", "tool")
 TRAIN_ON = ("targets", "all")  # targets: assistant turns / completions / plain text; all: every token
@@ -169,7 +172,7 @@ class ChatRenderer:
         try:
             self.template = compile_template(source)
         except Exception as e:  # jinja2.TemplateSyntaxError
-            raise ExampleError(f"chat template: does not compile ({' '.join(str(e).split())[:160]})") \
+            raise ExampleError(f"chat template: does not compile ({one_line(e, 160)})") \
                 from None
         self.specials = specials
 
@@ -196,7 +199,7 @@ class ChatRenderer:
             raise
         except Exception as e:  # jinja2.TemplateError (raise_exception), TypeError, ...
             raise ExampleError(f"{where}: the chat template fails to render "
-                               f"({type(e).__name__}: {' '.join(str(e).split())[:160]})") from None
+                               f"({type(e).__name__}: {one_line(e, 160)})") from None
         return text, spans
 
 

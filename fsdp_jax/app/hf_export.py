@@ -33,6 +33,7 @@ from fsdp_jax.app.config import ConfigError
 from fsdp_jax.app.hf_config import config_json
 from fsdp_jax.app.models.llama import LlamaConfig
 from fsdp_jax.checkpoint import Checkpointer, CheckpointError, shape_mismatches, tree_paths
+from fsdp_jax.errors import one_line
 from fsdp_jax.safetensors_io import check_file, write_safetensors
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
@@ -64,7 +65,7 @@ def _pick_step(ckpt: Checkpointer, step: int | None) -> int:
         except FileNotFoundError:  # no manifest (older writer): use it unverified
             return s
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            problem = f"unreadable manifest ({' '.join(str(e).split())[:200]})"
+            problem = f"unreadable manifest ({one_line(e, 200)})"
         if problem is None:
             return s
         failed.append(f"step {s}: {problem}")

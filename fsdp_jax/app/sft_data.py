@@ -1,4 +1,4 @@
-"""Packed fine-tuning corpora: prepared as a stream, read as resumable batches.
+"""Packed fine-tuning corpora, prepared as a stream.
 
     meta = prepare_examples(["chats.jsonl"], "data/sft", row_len=512, tokenizer="ckpt/")
 
@@ -20,33 +20,37 @@ of (seed, i) falls below `val_fraction`, so val examples are never trained on. O
 are the files renamed into place and meta.json written; a kill leaves the previous
 corpus (or none) and temporary files that the next run removes.
 
-Batches: the rows of step s are a pure function of (seed, s): global row slot
-g = s * global_batch + r is row perm_e[g mod n] of epoch e = g // n, perm_e a
-permutation drawn from (seed, e). Each process takes its slice of the global batch's
-rows, so 1 or N processes see the same global batch, and a run resumes at any step on
-any number of processes.
+Reading a packed corpus back as resumable batches is `fsdp_jax.app.packed_rows`
+(`make_packed_dataset`, `packed_eval_batches`, `row_indices`); those names are
+importable from here too.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Sequence
 from pathlib import Path
 
-import grain
 import numpy as np
 
 from fsdp_jax.app import data as data_lib
-from fsdp_jax.app.data import DataError, _commit, _rows, token_dtype
+from fsdp_jax.app.data import DataError, _commit, token_dtype
 from fsdp_jax.app.encode_pool import EncoderSpec, encode_batches
 from fsdp_jax.app.examples import ExampleEncoder, ExampleError, find_chat_template, read_records, special_tokens
+from fsdp_jax.app.packed_rows import (  # noqa: F401 (re-exported)
+    _STREAM,
+    PackedRows,
+    _epoch_perm,
+    _packed_at,
+    make_packed_dataset,
+    packed_eval_batches,
+    row_indices,
+)
 from fsdp_jax.app.packing import PackStats, batch_from_rows, cut, pack
 from fsdp_jax.app.tokenizer import encode_long, is_long, text_chunks
 
 BATCH_BYTES = 1 << 20          # text per encode call (its Python token lists dominate memory)
 PACK_TOKENS = 1 << 21          # tokens buffered before a pack (and at least 256 rows' worth)
-_STREAM = {"train": 3, "val": 4}
 
 
 def _held_out(seed: int, index: np.ndarray, fraction: float) -> np.ndarray:
@@ -175,6 +179,91 @@ class _SplitWriter:
             p.unlink(missing_ok=True)
 
 
+def _check_options(val_fraction, row_len, threads, workers, overflow) -> None:
+    """`prepare_examples`' numeric and named options, before anything is read."""
+    if not 0 < val_fraction < 1:
+        raise DataError(f"val_fraction {val_fraction!r}: must be in (0, 1)")
+    if not isinstance(row_len, int) or not 2 <= row_len < 2**16:
+        raise DataError(f"row length {row_len!r}: must be in 2..65535")
+    if threads is not None and threads < 1:
+        raise DataError(f"threads {threads}: must be >= 1")
+    if not isinstance(workers, int) or workers < 1:
+        raise DataError(f"workers {workers!r}: must be an integer >= 1")
+    if overflow not in ("truncate", "split"):
+        raise DataError(f"overflow {overflow!r}: allowed truncate, split")
+
+
+def _encoder(tokenizer: str, eos, chat_template, train_on: str, threads):
+    """(tokenizer or None for bytes, the workers' EncoderSpec, this process's ExampleEncoder),
+    checked here and now; DataError on a bad tokenizer or template."""
+    from fsdp_jax.app.tokenizer import TokenizerError, load_tokenizer
+    try:
+        tok = None if tokenizer == "bytes" else load_tokenizer(tokenizer, eos)
+        template = (Path(chat_template).read_text() if chat_template
+                    else None if tok is None else find_chat_template(tokenizer))
+        spec = EncoderSpec(tokenizer, eos, template, {} if tok is None else special_tokens(tokenizer),
+                           train_on, threads)
+        enc = ExampleEncoder(tok, template, spec.specials, train_on)  # checks them, here and now
+    except (TokenizerError, ExampleError) as e:
+        raise DataError(str(e)) from None
+    except OSError as e:
+        raise DataError(f"chat template {chat_template!r}: {e.strerror or e}") from None
+    return tok, spec, enc
+
+
+def _text_batches(files, bar):
+    """(record, "file:line") lists of about BATCH_BYTES of text, in order; a long text
+    file is yielded as its path (one plain example, streamed by this process)."""
+    batch, size = [], 0
+    for f in files:
+        if is_long(f):  # one plain example, streamed by this process
+            if batch:
+                yield batch
+            batch, size = [], 0
+            yield f
+            bar.update(f.stat().st_size)
+            continue
+        for n, rec in read_records(f):
+            batch.append((rec, f"{f}:{n}"))
+            size += _text_size(rec)
+            if size >= BATCH_BYTES:
+                yield batch
+                batch, size = [], 0
+        bar.update(f.stat().st_size)
+    if batch:
+        yield batch
+
+
+def _packed_meta(writers, index: int, first_empty, val_fraction: float, *, row_len, vocab_size, dtype, tok,
+                 kinds, train_on, overflow, sources, pattern, seed) -> dict:
+    """meta.json of the written splits; DataError when nothing trains or a split is empty."""
+    stats = PackStats()
+    for w in writers.values():
+        stats.add(w.stats)
+    if stats.rows == 0:
+        where = f" (first: {first_empty})" if first_empty else ""
+        raise DataError(f"no example has anything to train on: {stats.empty} of {index} examples "
+                        f"have an empty loss mask{where}")
+    if writers["train"].stats.rows == 0 or writers["val"].stats.rows == 0:
+        raise DataError(f"{index} examples are too few to split with val_fraction {val_fraction}: "
+                        f"train has {writers['train'].stats.rows} rows, val "
+                        f"{writers['val'].stats.rows}")
+    meta = {"format": "packed", "row_len": row_len, "vocab_size": vocab_size, "dtype": dtype,
+            "tokenizer": "bytes" if tok is None else tok.path,
+            **({} if tok is None else {"tokenizer_kind": tok.kind, "eos_id": tok.eos_id}),
+            "max_token_id": max(w.max_token for w in writers.values()),
+            "train_tokens": writers["train"].stats.row_tokens,
+            "val_tokens": writers["val"].stats.row_tokens,
+            "train_rows": writers["train"].stats.rows, "val_rows": writers["val"].stats.rows,
+            "train_trained_tokens": writers["train"].trained,
+            "val_trained_tokens": writers["val"].trained,
+            "examples": index, "kinds": kinds, "empty_skipped": stats.empty,
+            "first_empty": first_empty, "packing": stats.as_dict(),
+            "train_on": train_on, "overflow": overflow, "sources": sources,
+            "pattern": pattern, "val_fraction": val_fraction, "seed": seed, "split": "examples"}
+    return meta
+
+
 def prepare_examples(sources: Sequence[str | os.PathLike], out_dir: str | os.PathLike, row_len: int,
                      val_fraction: float = 0.05, seed: int = 0, tokenizer: str = "bytes",
                      pattern: str = "*", exclude: Sequence[str] = (), eos: str | None = None,
@@ -188,33 +277,14 @@ def prepare_examples(sources: Sequence[str | os.PathLike], out_dir: str | os.Pat
     renders and tokenizes in that many processes (`fsdp_jax.app.encode_pool`), the output
     identical to one worker's; `threads`: the tokenizer's threads (per worker). Raises
     DataError (one line naming file and line) on bad input, before anything is in place."""
-    from fsdp_jax.app.tokenizer import TokenizerError, load_tokenizer
+    from fsdp_jax.app.tokenizer import TokenizerError
 
-    if not 0 < val_fraction < 1:
-        raise DataError(f"val_fraction {val_fraction!r}: must be in (0, 1)")
-    if not isinstance(row_len, int) or not 2 <= row_len < 2**16:
-        raise DataError(f"row length {row_len!r}: must be in 2..65535")
-    if threads is not None and threads < 1:
-        raise DataError(f"threads {threads}: must be >= 1")
-    if not isinstance(workers, int) or workers < 1:
-        raise DataError(f"workers {workers!r}: must be an integer >= 1")
-    if overflow not in ("truncate", "split"):
-        raise DataError(f"overflow {overflow!r}: allowed truncate, split")
+    _check_options(val_fraction, row_len, threads, workers, overflow)
     out = data_lib._check_out(out_dir)
     files = data_lib._collect(sources, pattern, exclude)
     if not files:
         raise DataError("empty corpus: no non-empty files found in the sources")
-    try:
-        tok = None if tokenizer == "bytes" else load_tokenizer(tokenizer, eos)
-        template = (Path(chat_template).read_text() if chat_template
-                    else None if tok is None else find_chat_template(tokenizer))
-        spec = EncoderSpec(tokenizer, eos, template, {} if tok is None else special_tokens(tokenizer),
-                           train_on, threads)
-        enc = ExampleEncoder(tok, template, spec.specials, train_on)  # checks them, here and now
-    except (TokenizerError, ExampleError) as e:
-        raise DataError(str(e)) from None
-    except OSError as e:
-        raise DataError(f"chat template {chat_template!r}: {e.strerror or e}") from None
+    tok, spec, enc = _encoder(tokenizer, eos, chat_template, train_on, threads)
     vocab = 256 if tok is None else tok.vocab_size
     dtype = token_dtype(vocab)
     created = not out.exists()
@@ -228,27 +298,7 @@ def prepare_examples(sources: Sequence[str | os.PathLike], out_dir: str | os.Pat
     bar = tqdm(total=sum(f.stat().st_size for f in files), unit="B", unit_scale=True,
                desc="prepare", disable=not progress, dynamic_ncols=True)
     try:
-        def batches():  # (record, "file:line") lists of about BATCH_BYTES of text, in order
-            batch, size = [], 0
-            for f in files:
-                if is_long(f):  # one plain example, streamed by this process
-                    if batch:
-                        yield batch
-                    batch, size = [], 0
-                    yield f
-                    bar.update(f.stat().st_size)
-                    continue
-                for n, rec in read_records(f):
-                    batch.append((rec, f"{f}:{n}"))
-                    size += _text_size(rec)
-                    if size >= BATCH_BYTES:
-                        yield batch
-                        batch, size = [], 0
-                bar.update(f.stat().st_size)
-            if batch:
-                yield batch
-
-        for items, examples in encode_batches(spec, batches(), workers, encoder=enc):
+        for items, examples in encode_batches(spec, _text_batches(files, bar), workers, encoder=enc):
             if examples is None:  # `items` is a long text file: one plain example
                 w = writers["val" if _held_out(seed, np.arange(index, index + 1), val_fraction)[0]
                             else "train"]
@@ -271,30 +321,9 @@ def prepare_examples(sources: Sequence[str | os.PathLike], out_dir: str | os.Pat
         bar.close()
         for w in writers.values():
             w.close()
-        stats = PackStats()
-        for w in writers.values():
-            stats.add(w.stats)
-        if stats.rows == 0:
-            where = f" (first: {first_empty})" if first_empty else ""
-            raise DataError(f"no example has anything to train on: {stats.empty} of {index} examples "
-                            f"have an empty loss mask{where}")
-        if writers["train"].stats.rows == 0 or writers["val"].stats.rows == 0:
-            raise DataError(f"{index} examples are too few to split with val_fraction {val_fraction}: "
-                            f"train has {writers['train'].stats.rows} rows, val "
-                            f"{writers['val'].stats.rows}")
-        meta = {"format": "packed", "row_len": row_len, "vocab_size": vocab, "dtype": dtype.name,
-                "tokenizer": "bytes" if tok is None else tok.path,
-                **({} if tok is None else {"tokenizer_kind": tok.kind, "eos_id": tok.eos_id}),
-                "max_token_id": max(w.max_token for w in writers.values()),
-                "train_tokens": writers["train"].stats.row_tokens,
-                "val_tokens": writers["val"].stats.row_tokens,
-                "train_rows": writers["train"].stats.rows, "val_rows": writers["val"].stats.rows,
-                "train_trained_tokens": writers["train"].trained,
-                "val_trained_tokens": writers["val"].trained,
-                "examples": index, "kinds": kinds, "empty_skipped": stats.empty,
-                "first_empty": first_empty, "packing": stats.as_dict(),
-                "train_on": train_on, "overflow": overflow, "sources": [str(s) for s in sources],
-                "pattern": pattern, "val_fraction": val_fraction, "seed": seed, "split": "examples"}
+        meta = _packed_meta(writers, index, first_empty, val_fraction, row_len=row_len, vocab_size=vocab,
+                            dtype=dtype.name, tok=tok, kinds=kinds, train_on=train_on, overflow=overflow,
+                            sources=[str(s) for s in sources], pattern=pattern, seed=seed)
         tmp = {name: p for w in writers.values() for name, p in w.tmp.items()}
         return _commit(out, tmp, meta)
     except (ExampleError, TokenizerError) as e:
@@ -305,80 +334,3 @@ def prepare_examples(sources: Sequence[str | os.PathLike], out_dir: str | os.Pat
             w.discard()
         if created and out.is_dir() and not any(out.iterdir()):
             out.rmdir()  # bad input: leave no trace
-
-
-# ----------------------------------------------------------------------------- reading
-
-class PackedRows:
-    """Read-only memmaps of one split's rows; pickles by path (for grain workers)."""
-
-    def __init__(self, data_dir: str | os.PathLike, split: str):
-        meta = data_lib.load_meta(data_dir)
-        if meta.get("format") != "packed":
-            raise DataError(f"{str(data_dir)!r}: not a packed corpus (prepare it with "
-                            "scripts/prepare_data.py --pack ROW_LEN)")
-        self.data_dir, self.split, self.row_len = str(data_dir), split, meta["row_len"]
-        d = Path(data_dir)
-        self.tokens = np.memmap(d / f"{split}.bin", meta["dtype"], "r").reshape(-1, self.row_len)
-        self.mask = np.memmap(d / f"{split}.mask.bin", np.uint8, "r").reshape(-1, self.row_len)
-        self.seg = np.memmap(d / f"{split}.seg.bin", np.uint16, "r").reshape(-1, self.row_len)
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def batch(self, rows: np.ndarray) -> dict[str, np.ndarray]:
-        return batch_from_rows(self.tokens[rows], self.mask[rows], self.seg[rows])
-
-    def __getstate__(self):
-        return {"data_dir": self.data_dir, "split": self.split}
-
-    def __setstate__(self, state):
-        self.__init__(state["data_dir"], state["split"])
-
-
-@functools.lru_cache(maxsize=4)
-def _epoch_perm(n: int, seed: int, stream: int, epoch: int) -> np.ndarray:
-    return np.random.default_rng([seed, stream, epoch]).permutation(n)
-
-
-def row_indices(n_rows: int, global_batch: int, seed: int, step: int, stream: int = _STREAM["train"]
-                ) -> np.ndarray:
-    """The global batch of step `step`: row indices, a pure function of (seed, step)."""
-    g = step * global_batch + np.arange(global_batch)
-    epoch, slot = np.divmod(g, n_rows)
-    out = np.empty(global_batch, np.int64)
-    for e in np.unique(epoch):
-        sel = epoch == e
-        out[sel] = _epoch_perm(n_rows, seed, stream, int(e))[slot[sel]]
-    return out
-
-
-def _packed_at(step: int, *, rows: PackedRows, global_batch: int, seed: int, mine: slice):
-    return rows.batch(row_indices(len(rows), global_batch, seed, step)[mine])
-
-
-def make_packed_dataset(data_dir: str | os.PathLike, split: str, global_batch: int, seed: int,
-                        process_index: int = 0, process_count: int = 1) -> data_lib.BatchIterator:
-    """An iterator of this process's rows of each step's global batch, as
-    `batch_from_rows` dicts of (global_batch // process_count, row_len)."""
-    rows = PackedRows(data_dir, split)
-    fn = functools.partial(_packed_at, rows=rows, global_batch=global_batch, seed=seed,
-                           mine=_rows(global_batch, process_index, process_count))
-    return data_lib.BatchIterator(grain.MapDataset.range(data_lib._NEVER_ENDS).map(fn))
-
-
-def packed_eval_batches(data_dir: str | os.PathLike, batch: int, n_batches: int,
-                        process_index: int = 0, process_count: int = 1) -> list[dict]:
-    """Every val row once (at most n_batches x batch), in order, this process's slice of each
-    batch; the last batch is filled with rows of zero weight. Summing loss and trained
-    tokens over them gives the example-level val loss of the held-out examples."""
-    rows = PackedRows(data_dir, "val")
-    mine = _rows(batch, process_index, process_count)
-    n = min(len(rows), n_batches * batch)
-    out = []
-    for start in range(0, n, batch):
-        idx = np.arange(start, start + batch)
-        b = rows.batch(np.minimum(idx, len(rows) - 1))
-        b["weights"][idx >= n] = 0.0
-        out.append({k: v[mine] for k, v in b.items()})
-    return out

@@ -26,7 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from fsdp_jax.errors import TokenizerError  # noqa: F401 (re-exported)
+from fsdp_jax.errors import (
+    TokenizerError,  # noqa: F401 (re-exported)
+    one_line,
+)
 
 # Tried in order when neither --eos nor a tokenizer_config.json names the EOS token.
 EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eot_id|>")
@@ -115,7 +118,7 @@ def load_tokenizer(path: str | os.PathLike, eos: str | None = None, require_eos:
             tok = HFTokenizer.from_file(str(file))
         except Exception as e:  # the Rust loader raises bare Exception on bad JSON
             raise TokenizerError(f"tokenizer {str(file)!r}: cannot load as a Hugging Face "
-                                 f"tokenizer.json ({' '.join(str(e).split())[:160]})") from None
+                                 f"tokenizer.json ({one_line(e, 160)})") from None
         vocab = tok.get_vocab(with_added_tokens=True)
         if not vocab:
             raise TokenizerError(f"tokenizer {str(file)!r}: the vocabulary is empty")
@@ -128,7 +131,7 @@ def load_tokenizer(path: str | os.PathLike, eos: str | None = None, require_eos:
             tok = spm.SentencePieceProcessor(model_file=str(file))
         except (OSError, RuntimeError) as e:
             raise TokenizerError(f"tokenizer {str(file)!r}: cannot load as a SentencePiece "
-                                 f"model ({' '.join(str(e).split())[:160]})") from None
+                                 f"model ({one_line(e, 160)})") from None
         size = tok.get_piece_size()
         if eos:
             eos_id = tok.piece_to_id(eos)

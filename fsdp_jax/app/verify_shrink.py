@@ -53,12 +53,11 @@ def _rows(model_cfg, min_shard_size: int, strategy: str, devices, remat: str):
     """{param path: (shape, at-rest spec)} of the reference model under `strategy`."""
     import optax
 
-    from fsdp_jax.adapters import from_nnx
-    from fsdp_jax.app.models.llama import Llama
+    from fsdp_jax.app.trainer_build import trainer_model
     from fsdp_jax.mesh import make_mesh
     from fsdp_jax.strategy import make_plan
     from fsdp_jax.verify import strategy_mesh_shape
-    fns = from_nnx(lambda rngs: Llama(model_cfg, rngs=rngs, remat=remat))
+    fns = trainer_model(model_cfg, remat)
     mesh = make_mesh(*strategy_mesh_shape(strategy, len(devices)), devices=devices)
     plan = make_plan(fns.abstract_params, optax.sgd(0.1), mesh, strategy, fns.logical_axes,
                      min_shard_size=min_shard_size, max_replicated_fraction=None)

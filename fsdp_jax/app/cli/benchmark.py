@@ -21,6 +21,7 @@ import statistics
 
 from fsdp_jax.app.cli.args import add_config
 from fsdp_jax.app.cli.flags import Parser, UsageError, int_in, real_in
+from fsdp_jax.errors import one_line
 
 
 def build_parser(prog: str | None = None) -> Parser:
@@ -58,7 +59,7 @@ def run(args) -> int:
         sweeps = parse_sweeps(args.sweep)
         strategies = [get_strategy(s).name for s in args.strategies.split(",") if s]
     except ValueError as e:
-        raise UsageError(" ".join(str(e).split())) from None
+        raise UsageError(one_line(e, None)) from None
     if not strategies:
         raise ConfigError("--strategies", f"{args.strategies!r} names no strategy")
     load_config(args.config, args.overrides)  # fail early on a bad config

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable
 
 from fsdp_jax.app.cli.flags import UsageError
+from fsdp_jax.errors import one_line
 
 Classes = tuple[type[BaseException], ...]
 Errors = tuple[Classes, Classes]
@@ -31,7 +32,7 @@ def run_command(parser: argparse.ArgumentParser, body: Callable[[argparse.Namesp
     try:
         return body(args)
     except UsageError as e:  # flags that do not go together: one line, as the parser's
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+        print(f"error: {one_line(e, None)}", file=sys.stderr, flush=True)
         return 2
     except Exception as e:
         from fsdp_jax.app.cli.exits import BAD_INPUT, ENVIRONMENT, fail, fail_env, fail_internal

@@ -49,9 +49,9 @@ def run(args) -> int:
     import numpy as np
     import yaml
 
-    from fsdp_jax.adapters import from_nnx
     from fsdp_jax.app import hf
-    from fsdp_jax.app.models.llama import Llama, LlamaConfig
+    from fsdp_jax.app.models.llama import LlamaConfig
+    from fsdp_jax.app.trainer_build import trainer_model
     from fsdp_jax.checkpoint import tree_paths
     from fsdp_jax.safetensors_io import write_safetensors
     from fsdp_jax.xla_flags import check_xla_flags
@@ -61,7 +61,7 @@ def run(args) -> int:
     _check_new_files((out, "--out"), (Path(args.config_out) if args.config_out else None, "--config-out"))
     ckpt = hf.HFCheckpoint(args.hf_dir, base=LlamaConfig(scan_layers=not args.no_scan))
     cfg = ckpt.config
-    want = tree_paths(from_nnx(lambda r: Llama(cfg, rngs=r)).abstract_params)
+    want = tree_paths(trainer_model(cfg).abstract_params)
     sources = hf.leaf_sources(cfg)
     dt = np.dtype(jnp.dtype(args.dtype))  # bfloat16 via ml_dtypes
     entries = [(p, tuple(sds.shape), dt) for p, sds in sorted(want.items())]

@@ -16,6 +16,7 @@ from fsdp_jax.app.data import DataError
 from fsdp_jax.app.run_dir import RunDirBusy
 from fsdp_jax.checkpoint import CheckpointError, CheckpointWriteError
 from fsdp_jax.distributed import DistributedInitError
+from fsdp_jax.errors import one_line
 from fsdp_jax.mesh import MeshError
 from fsdp_jax.model_state import StateError
 from fsdp_jax.rules import ShardingError
@@ -31,19 +32,15 @@ ENVIRONMENT: tuple[type[BaseException], ...] = (CheckpointWriteError, RunDirBusy
                                                 OSError)
 
 
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split())
-
-
 def fail(e: BaseException) -> int:
     """Print `error: <one line>` to stderr and return exit code 2."""
-    print(f"error: {_one_line(e) or type(e).__name__}", file=sys.stderr, flush=True)
+    print(f"error: {one_line(e, None)}", file=sys.stderr, flush=True)
     return 2
 
 
 def fail_env(e: BaseException) -> int:
     """Print `error: <one line>` to stderr and return exit code 1."""
-    print(f"error: {_one_line(e) or type(e).__name__}", file=sys.stderr, flush=True)
+    print(f"error: {one_line(e, None)}", file=sys.stderr, flush=True)
     return 1
 
 
@@ -52,7 +49,7 @@ def fail_internal(e: BaseException) -> int:
     code 1; FSDP_JAX_TRACEBACK=1 re-raises for the full traceback."""
     if os.environ.get("FSDP_JAX_TRACEBACK"):
         raise e
-    msg = _one_line(e)
+    msg = one_line(e, 400) if str(e).strip() else ""
     hint = "" if "RESOURCE_EXHAUSTED" in msg else " (FSDP_JAX_TRACEBACK=1 shows the traceback)"
-    print(f"error: {type(e).__name__}: {msg[:400]}{hint}", file=sys.stderr, flush=True)
+    print(f"error: {type(e).__name__}: {msg}{hint}", file=sys.stderr, flush=True)
     return 1

@@ -67,13 +67,13 @@ def precision_check() -> dict:
     import optax
 
     import fsdp_jax as fj
-    from fsdp_jax.adapters import from_nnx
     from fsdp_jax.app.loop import make_loss_fn
-    from fsdp_jax.app.models.llama import Llama, LlamaConfig
+    from fsdp_jax.app.models.llama import LlamaConfig
+    from fsdp_jax.app.trainer_build import trainer_model
 
     cfg = LlamaConfig(vocab_size=512, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768,
                       max_seq_len=256)
-    model = from_nnx(lambda r: Llama(cfg, rngs=r, remat="none"))
+    model = trainer_model(cfg, "none")
     tokens = np.random.default_rng(1).integers(0, 512, (max(8, jax.device_count()), 257), np.int32)
     out = {}
     for name in ("float32", "bfloat16"):
@@ -93,9 +93,9 @@ def collective_check() -> dict:
     import optax
 
     import fsdp_jax as fj
-    from fsdp_jax.adapters import from_nnx
     from fsdp_jax.app.loop import make_loss_fn
-    from fsdp_jax.app.models.llama import Llama, LlamaConfig
+    from fsdp_jax.app.models.llama import LlamaConfig
+    from fsdp_jax.app.trainer_build import trainer_model
     from fsdp_jax.memory import collective_report
 
     n = jax.device_count()
@@ -103,7 +103,7 @@ def collective_check() -> dict:
         return {"skipped": f"needs >= 2 devices, have {n}"}
     cfg = LlamaConfig(vocab_size=512, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768,
                       max_seq_len=128)
-    model = from_nnx(lambda r: Llama(cfg, rngs=r, remat="dots"))
+    model = trainer_model(cfg, "dots")
     tx = optax.adamw(1e-3)
     plan = fj.make_plan(model.abstract_params, tx, fj.make_mesh(fsdp=-1), "full_shard", model.logical_axes)
     abstract = fj.abstract_state(plan, model.abstract_params, tx)

@@ -99,14 +99,13 @@ def measure(path: str, naive: bool) -> dict:
     import numpy as np
     import optax
 
-    from fsdp_jax.adapters import from_nnx
     from fsdp_jax.app import hf
-    from fsdp_jax.app.models.llama import Llama
+    from fsdp_jax.app.trainer_build import trainer_model
     from fsdp_jax.build import build
     from fsdp_jax.mesh import make_mesh
 
     ckpt = hf.HFCheckpoint(path)
-    m = from_nnx(lambda r: Llama(ckpt.config, rngs=r))
+    m = trainer_model(ckpt.config)
     built = build(m, optax.sgd(0.1), make_mesh(1, 8, 1), "full_shard")
     abstract = built.abstract_state.params
     params_bytes = sum(int(np.prod(x.shape)) * 4 for x in jax.tree.leaves(abstract))

@@ -65,11 +65,11 @@ def run(args) -> int:
     import jax
     import numpy as np
 
-    from fsdp_jax.adapters import from_nnx
     from fsdp_jax.app.cli.exits import fail_env
     from fsdp_jax.app.loop import make_loss_fn
-    from fsdp_jax.app.models.llama import Llama, count_params
+    from fsdp_jax.app.models.llama import count_params
     from fsdp_jax.app.optim import build_optimizer
+    from fsdp_jax.app.trainer_build import trainer_model
     from fsdp_jax.app.verify_shrink import shrink_config
     from fsdp_jax.verify import devices_for, verify
 
@@ -98,7 +98,7 @@ def run(args) -> int:
     notes.append(f"optimizer {cfg.optimizer.name} at its peak lr {cfg.optimizer.lr:g} (warmup skipped); "
                  f"batches: random tokens ({cfg.train.global_batch}, {cfg.data.seq_len + 1})")
 
-    model = from_nnx(lambda rngs: Llama(cfg.model, rngs=rngs, remat=cfg.remat))
+    model = trainer_model(cfg.model, cfg.remat)
     optimizer, _ = build_optimizer(dataclasses.replace(cfg.optimizer, warmup_steps=0), cfg.train.steps)
     rng = np.random.default_rng(args.seed)
     batches = [rng.integers(0, cfg.model.vocab_size, (cfg.train.global_batch, cfg.data.seq_len + 1),

@@ -9,6 +9,10 @@ the predicted step time — and reports it:
 * `memory_model` the analytic memory formulas (params, grads, optimizer, activations)
 * `step_time`    the predicted step time on a GPU target
 * `estimate`     analytic + compiled memory of a config, per strategy (`plan_config`)
+* `one_strategy` one strategy built, analysed and AOT-compiled in this process
+                 (`plan_strategy`); what the compiled step holds: `inspection`; a
+                 compiler's refusal for memory: `refusal`
+* `compile_child` many strategies on N devices, in a child process when this one lacks them
 * `report`       the user's side: parsing flags, warnings, tables, the plot
 * `search`       the fastest configuration that fits: strategy x remat x microbatches x
                  offload (x batch, seq), pruned analytically, a few compiled (`search_compile`),

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from fsdp_jax.app.cli.devices import use_cpu_devices  # noqa: F401  (the planner's child imports it here)
+from fsdp_jax.errors import PlanError  # noqa: F401 (re-exported)
 from fsdp_jax.strategy import get_strategy
 
 # The classic table's order: DDP, ZeRO-1, ZeRO-2, ZeRO-3, then HSDP.
@@ -30,10 +31,6 @@ CLASSIC_NAMES = {"no_shard": "DDP", "shard_opt": "ZeRO-1", "shard_grad_op": "ZeR
 DEFAULT_REPLICATED_THRESHOLD = 1 << 20  # bytes: replicated params at least this big are flagged
 COMPILED_OVER_ANALYTIC = 0.10
 MAX_DEVICES = 1 << 16  # fake CPU devices are real threads and buffers: bound what a typo asks for  # flag a compiled peak this much above the analytic total
-
-
-class PlanError(ValueError):
-    """Bad planner input (device count, memory size, strategy list)."""
 
 
 # ----------------------------------------------------------------------------- inputs

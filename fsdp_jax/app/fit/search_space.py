@@ -11,8 +11,9 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from fsdp_jax.app.fit.report import STRATEGY_ORDER, PlanError
+from fsdp_jax.app.fit.report import STRATEGY_ORDER, PlanError  # noqa: F401 (re-exported)
 from fsdp_jax.app.fit.step_build import mesh_shape
+from fsdp_jax.errors import SearchError  # noqa: F401 (re-exported)
 
 DEVICE_REMATS = ("none", "dots", "dots_no_batch", "save_qkv_attn_mlp_out", "save_attn_mlp_out", "full")
 OFFLOAD_SETTINGS = ("none", "optimizer", "optimizer+params")
@@ -26,10 +27,6 @@ VARY = ("batch", "seq")
 ANALYTIC_OVER = 0.5
 HOST_LINK_BYTES_PER_S = 50e9  # PCIe 5 x16 per direction per GPU; offload transfers assumed not hidden
 MIN_SEQ = 16
-
-
-class SearchError(PlanError):
-    """Bad search input: an empty search space or an impossible constraint (exit code 2)."""
 
 
 @dataclasses.dataclass(frozen=True)

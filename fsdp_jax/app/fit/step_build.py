@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from fsdp_jax.app.fit.report import PlanError
+from fsdp_jax.errors import PlanError, one_line
 from fsdp_jax.strategy import get_strategy
 
 
@@ -115,7 +115,7 @@ class StepBuild:
             return lowered.compile(compiler_options=compiler_options)
         except Exception as e:  # XLA rejects unknown options / values with a generic error type
             if "option" in str(e).lower() or "flag" in str(e).lower():
-                raise PlanError(f"--xla-flags: {' '.join(str(e).split())[:300]}") from None
+                raise PlanError(f"--xla-flags: {one_line(e, 300)}") from None
             raise
 
     def init_state(self, rng: jax.Array):
@@ -132,23 +132,18 @@ def build_step(cfg, strategy: str | None = None, devices: Sequence[jax.Device] |
     check is not enforced here (the planner reports it instead). `step_options` go to
     `make_train_step` on top of the trainer's (e.g. skip_nonfinite=False, to measure
     what the guard costs)."""
-    from fsdp_jax.adapters import from_nnx
-    from fsdp_jax.app.loop import make_loss_fn
-    from fsdp_jax.app.models.llama import Llama
     from fsdp_jax.app.optim import build_optimizer
-    from fsdp_jax.build import build
+    from fsdp_jax.app.trainer_build import build_from_config, trainer_model
     from fsdp_jax.mesh import make_mesh
 
     strategy = get_strategy(strategy or cfg.mesh.strategy).name
     devices = list(jax.devices() if devices is None else devices)
     sizes = mesh_sizes or mesh_shape(cfg, strategy, len(devices))
     mesh = make_mesh(*sizes, devices=devices)
-    model = from_nnx(lambda rngs: Llama(cfg.model, rngs=rngs, remat=cfg.remat))
+    model = trainer_model(cfg.model, cfg.remat)
     optimizer, _ = build_optimizer(cfg.optimizer, cfg.train.steps)
-    built = build(model, optimizer, mesh, strategy, loss_fn=make_loss_fn(model), rules=cfg.mesh.rules,
-                  min_shard_size=cfg.mesh.min_shard_size, max_replicated_fraction=None,
-                  microbatches=cfg.train.microbatches, clip_norm=cfg.optimizer.clip_norm,
-                  precision=cfg.precision, offload=cfg.offload, **step_options)
+    built = build_from_config(cfg, model, optimizer, mesh, strategy, max_replicated_fraction=None,
+                              **step_options)
     batch = abstract_batch(cfg, built.plan.batch)
     return StepBuild(cfg, strategy, mesh, model, optimizer, built.plan, built.abstract_state, batch,
                      built.train_step, built)
