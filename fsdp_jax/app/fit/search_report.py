@@ -110,7 +110,8 @@ def format_search(doc: dict[str, Any], rows: int = 10) -> str:
              (f"{c['candidates']} candidates, {c['dropped']} dropped, {c['compiled']} compiled, "
               f"{c['fits']} fit; {doc['wall_s']} s")]
     hdr = (f"{'#':>3} {'device':>9} {'by':<8} {'free':>9} {'host/host':>9} {'step s':>8} "
-           f"{'tok/s/GPU':>10} {'MFU':>6}  {'status':<6} overrides")
+           f"{'tok/s/' + ('chip' if tgt and tgt.get('topology_name') else 'GPU'):>10} {'MFU':>6}  "
+           f"{'status':<6} overrides")
     lines += [hdr, "-" * len(hdr)]
     fits = [x for x in doc["candidates"] if x["status"] == "fits"][:rows]
     edge = [x for x in doc["candidates"] if x["status"] == "edge"][:3]  # maybe: not compiled
