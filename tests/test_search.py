@@ -292,3 +292,30 @@ def test_tpu_slices_without_a_published_network_rank_by_the_analytic_cost():
     assert se.ranking_target(targets.make_target("v5p", devices=16, slices=2)) == ("v5p", None)
     assert se.ranking_target(targets.make_target("v6e", devices=8)) == ("v6e", None)
     assert se.ranking_target(None)[0] == "h100"
+
+
+@pytest.mark.slow
+def test_offload_candidates_compile_on_a_gpu_target(cfg):
+    """On a GPU target an optimizer-offload candidate is compiled (the step without offload
+    compiled for 8 x H100, its device side planned from it: fsdp_jax.app.fit.target_offload),
+    not judged by the analytic model alone: the same compiled arguments as the offload-free
+    candidate, minus the optimizer state resting on the host."""
+    from fsdp_jax import targets
+    from fsdp_jax.app.fit.search_report import format_search
+    from fsdp_jax.app.fit.target_offload import BASIS
+    assert targets.plugin_installed(), f"run `{targets.INSTALL_HINT}` (the CUDA compile-only plugin)"
+    space = se.SearchSpace(strategies=("full_shard",), remats=("none",), microbatches=(1,),
+                           offloads=("none", "optimizer"))
+    doc = se.search(cfg, 8, space, se.Limits(device_memory=10**12, top=2), target=targets.make_target("h100", 8))
+    by = {c["offload"]: c for c in doc["candidates"]}
+    assert set(by) == {"none", "optimizer"} and doc["counts"]["compiled"] == 2
+    plain, off = by["none"], by["optimizer"]
+    assert off["compilable"] and off["compiled"]["platform"] == "gpu" and off["compiled"]["basis"] == BASIS
+    assert plain["compiled"]["basis"] == "compiled"
+    host = off["analytic"]["host"]
+    assert host > 0 and off["compiled"]["argument"] == plain["compiled"]["argument"]
+    assert off["device_peak"] == off["compiled"]["device_peak"] < plain["compiled"]["device_peak"]
+    assert off["compiled"]["device_peak"] > plain["compiled"]["device_peak"] - host  # + its transient copies
+    assert "offload candidates compile for the GPU target" in " ".join(doc["notes"])
+    doc["winner"] = off
+    assert "the target's compile of this step without offload" in format_search(doc)

@@ -27,9 +27,12 @@ and host offload (and, when asked, batch and sequence length), cheap first.
    while an uncompiled candidate still ranks above the best verified fit, up to
    `Limits.max_compiles` compiles in all.
 
-Candidates with host offload (or an offloading remat policy) are judged by the analytic
-model only: compile-only GPU/TPU devices offer no host memory kind, and XLA:CPU moves
-nothing between memory kinds, so no compiler here measures their device peak.
+Candidates with state offload compile on a GPU target as `plan.py --target ... --offload X`
+does: compile-only GPU devices offer no host memory kind, so the step compiles without
+offload and its device side is that compile minus the state resting on the host plus its
+transient device copies (`fsdp_jax.app.fit.target_offload`). Elsewhere (TPU targets, CPU,
+where XLA:CPU moves nothing between memory kinds) and for offloading remat policies they
+are judged by the analytic model only.
 Compiling is `fsdp_jax.app.fit.search_compile`; the user's side (flags, table, YAML) is
 `fsdp_jax.app.fit.search_report`.
 """
@@ -149,15 +152,19 @@ def ranking_target(target) -> tuple[str, str | None]:
     return target.name, None
 
 
-def compilable(c: dict[str, Any]) -> bool:
-    """Whether a compiler here can measure `c`'s device peak (no host memory involved)."""
+def compilable(c: dict[str, Any], gpu_target: bool = False) -> bool:
+    """Whether a compiler here can measure `c`'s device peak: no host memory involved, or
+    (`gpu_target`) a state offload, whose device side a compile-only GPU target plans from
+    the same step compiled without offload (`fsdp_jax.app.fit.target_offload`). An
+    offloading remat policy moves activations, which that does not model."""
     from fsdp_jax.remat import OFFLOADING
-    return c["offload"] == "none" and c["remat"] not in OFFLOADING
+    return c["remat"] not in OFFLOADING and (c["offload"] == "none" or gpu_target)
 
 
 def analytic_pass(cfg, n_devices: int, cands: list[dict], limits: Limits, hosts: int,
-                  per_host: int, target_name: str, devices) -> None:
-    """Fill each candidate's `analytic`, `predicted` and first `status` in place."""
+                  per_host: int, target_name: str, devices, gpu_target: bool = False) -> None:
+    """Fill each candidate's `analytic`, `predicted` and first `status` in place;
+    `gpu_target`: compiles go to a GPU target, where offload candidates compile too."""
     builds: dict[tuple[str, str], Any] = {}
     for c in cands:
         key = (c["strategy"], c["offload"])
@@ -174,7 +181,7 @@ def analytic_pass(cfg, n_devices: int, cands: list[dict], limits: Limits, hosts:
         comm = analytic_communication(ccfg, c["strategy"], tuple(c["mesh"].values()), hosts)
         c["predicted"] = predict_step(ccfg, target_name, n_devices, {"analytic": a, "communication": comm})
         c["predicted"]["source"] = "analytic"
-        c["compilable"] = compilable(c)
+        c["compilable"] = compilable(c, gpu_target)
         c["compiled"] = None
         dev = a["device_total"]
         if limits.host_memory is not None and a["host_per_host"] > limits.host_memory:
@@ -249,7 +256,9 @@ def search(cfg, n_devices: int, space: SearchSpace, limits: Limits, *, target=No
     say(f"{len(cands)} candidates; analytic pass (memory model + roofline) ...")
     predict_on, cost_note = ranking_target(target)
     gpu = cost_note is None  # a prediction for the target (a GPU or a TPU chip)
-    analytic_pass(cfg, n_devices, cands, limits, hosts, per_host, predict_on, devices_for(n_devices))
+    gpu_target = target is not None and target.platform == "gpu"
+    analytic_pass(cfg, n_devices, cands, limits, hosts, per_host, predict_on, devices_for(n_devices),
+                  gpu_target=gpu_target)
     for c in cands:
         c["overrides"] = overrides(cfg, c)
     host = [c["analytic"]["host_per_host"] for c in cands if c["reason"] == "host memory over --host-memory"]
@@ -275,8 +284,11 @@ def search(cfg, n_devices: int, space: SearchSpace, limits: Limits, *, target=No
             counts[c["reason"]] = counts.get(c["reason"], 0) + 1
     if cost_note:
         notes.append(cost_note)
-    notes.append(f"offload candidates are judged by the analytic model only; host<->device transfers at "
-                 f"{HOST_LINK_BYTES_PER_S / 1e9:.0f} GB/s per GPU are added to their step, not hidden")
+    notes.append(("offload candidates compile for the GPU target without offload, their device side planned "
+                  "from that compile (fsdp_jax.app.fit.target_offload)" if gpu_target else
+                  "offload candidates are judged by the analytic model only")
+                 + f"; host<->device transfers at {HOST_LINK_BYTES_PER_S / 1e9:.0f} GB/s per GPU are added "
+                   "to their step, not hidden")
     return {"config": config_name, "devices": n_devices, "target": None if target is None else target.as_dict(),
             "device_memory": limits.device_memory, "headroom": limits.headroom_bytes, "budget": limits.budget,
             "ranked_by": (f"predicted tokens/s per {'chip' if target.platform == 'tpu' else 'GPU'}" if gpu
@@ -332,7 +344,7 @@ def _apply_compiled(cfg, c: dict, r: dict, limits: Limits, n_devices: int, gpu_n
     mem = r["compiled"]
     c["compiled"] = {k: mem[k] for k in ("argument", "temp", "peak", "device_peak")}
     c["compiled"].update(compile_s=r["compile_s"], platform=r["platform"], warnings=r["warnings"],
-                         refused=r.get("refused"))
+                         refused=r.get("refused"), basis=r.get("offload_basis", "compiled"))
     if mem["device_peak"] <= limits.budget:
         c["status"], c["reason"] = "fits", "compiled"
     else:

@@ -133,6 +133,9 @@ def format_search(doc: dict[str, Any], rows: int = 10) -> str:
     if w is not None:
         lines += ["", f"winner: {' '.join(w['overrides'])}"]
         lines += [f"  compiled schedule warning: {x}" for x in (w["compiled"] or {}).get("warnings", [])]
+        if w["compiled"] and w["compiled"].get("basis", "compiled") != "compiled":
+            lines.append("  device peak: the target's compile of this step without offload - the state resting "
+                         "on the host + its transient device copies (fsdp_jax.app.fit.target_offload)")
         if w["compiled"] is None:
             lines.append("  not compiled: judged by the analytic model alone (host offload: no compiler here "
                          "measures its device peak; check it on the GPU)" if w["offload"] != "none" else
