@@ -148,6 +148,24 @@ def tiled_bytes(shape, itemsize: int, layout) -> int:
     return math.prod(dims) * itemsize
 
 
+def tile_padding(args, compiled) -> int:
+    """Bytes per device XLA:TPU adds to the arguments `args` (a pytree of sharded arrays or
+    ShapeDtypeStructs, in the order the step takes them) by padding each shard to the tiles
+    of `compiled`'s own input layouts (`tiled_bytes` minus the shard's bytes). Host-resident
+    arguments count too, as memory_analysis()'s argument bytes count them."""
+    import jax
+    import numpy as np
+    leaves = jax.tree.leaves(args)
+    layouts = [f.layout for f in jax.tree.leaves(compiled.input_formats, is_leaf=lambda f: hasattr(f, "layout"))]
+    if len(layouts) != len(leaves):
+        raise ValueError(f"{len(leaves)} arguments but {len(layouts)} input layouts")
+    total = 0
+    for x, layout in zip(leaves, layouts):
+        shape, itemsize = x.sharding.shard_shape(x.shape), np.dtype(x.dtype).itemsize
+        total += tiled_bytes(shape, itemsize, layout) - math.prod(shape) * itemsize
+    return total
+
+
 def libtpu_requirement() -> str:
     """The libtpu pin of the installed jax's `tpu` extra (e.g. `libtpu==0.0.42.*`)."""
     for req in importlib.metadata.requires("jax") or []:

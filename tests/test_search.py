@@ -251,3 +251,71 @@ def test_recompute_per_remat_policy_by_hand(cfg):
     host = se.predict_step(with_remat("dots"), "h100", 8, res)
     assert host["host_s"] == pytest.approx(0.1)  # 5 GB at 50 GB/s, not hidden
     assert host["step_s"] == pytest.approx(dots["step_s"] + 0.1, rel=1e-3)
+
+
+def test_tpu_target_search_ranks_by_the_tpu_chip_prediction(cfg):
+    """--search on a TPU target ranks by step_time's prediction with that chip's figures,
+    not H100's: hand-derived compute time at v5p's 459 TFLOP/s (x GEMM_EFFICIENCY), ICI
+    at 600 GB/s per direction; the ranking is by those tokens/s per chip. No compile (the
+    analytic pass alone), so no libtpu needed."""
+    from fsdp_jax import targets
+    from fsdp_jax.app.fit.search_report import format_search
+    from fsdp_jax.app.fit.step_time import GEMM_EFFICIENCY, model_flops_per_token
+    target = targets.make_target("v5p", devices=8)
+    doc = se.search(cfg, 8, GRID, se.Limits(device_memory=10**12, max_compiles=0), target=target)
+    assert doc["ranked_by"] == "predicted tokens/s per chip"
+    assert not any("H100" in n for n in doc["notes"])
+    tokens = cfg.data.seq_len * cfg.train.global_batch / 8
+    per_token, attn = model_flops_per_token(cfg.model, cfg.data.seq_len)
+    for c in doc["candidates"]:
+        p = c["predicted"]
+        recompute = (per_token - attn) / 3 + attn / 3 if c["remat"] == "full" else 0.0
+        assert p["compute_s"] == pytest.approx(tokens * (per_token + recompute) / (459e12 * GEMM_EFFICIENCY),
+                                               rel=1e-3)
+        wire = se.analytic_communication(se.candidate_config(cfg, c), c["strategy"], tuple(c["mesh"].values()),
+                                         1)["total_wire_bytes"]
+        assert p["comm_s"] == pytest.approx(wire / 600e9, rel=1e-3, abs=1e-9)
+        assert p["mfu"] == pytest.approx(tokens * per_token / p["step_s"] / 459e12, rel=2e-3)
+    speeds = [c["predicted"]["tokens_per_s_per_gpu"] for c in doc["candidates"]]
+    assert speeds == sorted(speeds, reverse=True)
+    assert "tok/s/chip" in format_search(doc)
+    # the same grid on H100 predicts other figures: the ranking above is not H100's
+    h100 = se.search(cfg, 8, GRID, se.Limits(device_memory=10**12, max_compiles=0),
+                     target=targets.make_target("h100", devices=8))
+    assert h100["candidates"][0]["predicted"]["compute_s"] < doc["candidates"][0]["predicted"]["compute_s"]
+
+
+def test_tpu_slices_without_a_published_network_rank_by_the_analytic_cost():
+    from fsdp_jax import targets
+    name, note = se.ranking_target(targets.make_target("v6e", devices=16, slices=2))
+    assert name == "h100" and "v6e publishes no data-center network bandwidth" in note
+    assert se.ranking_target(targets.make_target("v5p", devices=16, slices=2)) == ("v5p", None)
+    assert se.ranking_target(targets.make_target("v6e", devices=8)) == ("v6e", None)
+    assert se.ranking_target(None)[0] == "h100"
+
+
+@pytest.mark.slow
+def test_offload_candidates_compile_on_a_gpu_target(cfg):
+    """On a GPU target an optimizer-offload candidate is compiled (the step without offload
+    compiled for 8 x H100, its device side planned from it: fsdp_jax.app.fit.target_offload),
+    not judged by the analytic model alone: the same compiled arguments as the offload-free
+    candidate, minus the optimizer state resting on the host."""
+    from fsdp_jax import targets
+    from fsdp_jax.app.fit.search_report import format_search
+    from fsdp_jax.app.fit.target_offload import BASIS
+    assert targets.plugin_installed(), f"run `{targets.INSTALL_HINT}` (the CUDA compile-only plugin)"
+    space = se.SearchSpace(strategies=("full_shard",), remats=("none",), microbatches=(1,),
+                           offloads=("none", "optimizer"))
+    doc = se.search(cfg, 8, space, se.Limits(device_memory=10**12, top=2), target=targets.make_target("h100", 8))
+    by = {c["offload"]: c for c in doc["candidates"]}
+    assert set(by) == {"none", "optimizer"} and doc["counts"]["compiled"] == 2
+    plain, off = by["none"], by["optimizer"]
+    assert off["compilable"] and off["compiled"]["platform"] == "gpu" and off["compiled"]["basis"] == BASIS
+    assert plain["compiled"]["basis"] == "compiled"
+    host = off["analytic"]["host"]
+    assert host > 0 and off["compiled"]["argument"] == plain["compiled"]["argument"]
+    assert off["device_peak"] == off["compiled"]["device_peak"] < plain["compiled"]["device_peak"]
+    assert off["compiled"]["device_peak"] > plain["compiled"]["device_peak"] - host  # + its transient copies
+    assert "offload candidates compile for the GPU target" in " ".join(doc["notes"])
+    doc["winner"] = off
+    assert "the target's compile of this step without offload" in format_search(doc)

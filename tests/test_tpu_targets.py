@@ -142,6 +142,7 @@ def test_tiny_compiles_for_two_v5p_slices(capsys):
         a = r["analytic"]
         excess = r["compiled"]["argument"] - (a["params"] + a["optimizer"] + a["batch"])
         assert r["compiled"]["peak"] > 0 and 0 <= excess < 32 * 1024, excess
+        assert excess == a["tile_padding"] and r["argument_vs_analytic"] == 0.0  # the plan counts it
         assert r["collectives_per_step"]  # XLA:TPU's collectives, read by the same inspector
     assert hs["compiled"]["argument"] > fs["compiled"]["argument"]  # replicated over the 2 slices
     # the predicted step time (fsdp_jax.app.fit.step_time): hybrid_shard's gradient all-reduce
@@ -274,6 +275,34 @@ def test_analytic_argument_bytes_are_the_compiled_ones_on_every_tpu(name, device
         assert r["compiled"] == r["analytic"] + r["padding"], (strategy, r)
         scalars = r["padding"] - batch_rows * (128 - 33) * 4
         assert scalars > 0 and scalars % (127 * 4) == 0, (strategy, r)  # int32 scalars: 4 -> 512 bytes
+
+
+@pytest.mark.slow
+def test_planner_argument_bytes_equal_the_compiled_ones_on_tpu(capsys):
+    """plan.py --target v5e on configs/tiny.yaml as written: the planner's own analytic argument
+    bytes (params + optimizer + batch shards + XLA:TPU's tile padding) are the compiled
+    argument bytes exactly, in the JSON and the table's arg/ana column. Without the padding
+    full_shard's compiled arguments are over a third larger here (small shards and scalars
+    fill whole tiles)."""
+    _libtpu()
+    from fsdp_jax.app.fit.report import format_table
+    rc, out, err = call("plan", "--config", TINY_YAML, "--target", "v5e", "--devices", 8,
+                        "--strategies", "shard_opt,full_shard", "--json", capsys=capsys)
+    assert rc == 0, err[-3000:]
+    doc = json.loads(out)
+    for name, r in doc["strategies"].items():
+        a, c = r["analytic"], r["compiled"]
+        unpadded = a["params"] + a["optimizer"] + a["batch"]
+        # the raw ratio was +37% for full_shard, +7% for shard_opt
+        assert a["tile_padding"] > (0.3 if name == "full_shard" else 0.05) * unpadded, (name, a)
+        assert c["argument"] == unpadded + a["tile_padding"], (name, a, c)
+        assert r["argument_vs_analytic"] == 0.0 and r["terms"]["argument"] == 0.0, (name, r["terms"])
+    table = format_table(doc)
+    rows = [line.split() for line in table.splitlines() if line.startswith(("shard_opt ", "full_shard "))]
+    compiled_rows = [r for r in rows if r[1] == "1x8x1"]  # strategy, mesh, argument, arg/ana, ...
+    assert len(compiled_rows) == 2 and all(r[3] == "+0.00%" for r in compiled_rows), table
+    assert sum(r[1:3] == ["argument", "+0.00%"] for r in rows) == 2, table  # the per-term lines
+    assert "tile padding" in table
 
 
 # XLA:TPU's scheduled HLO, cut down: a scan whose while carries no known_trip_count (its

@@ -222,11 +222,18 @@ def _batch_per_device(build: StepBuild) -> int:
     return build.cfg.train.global_batch // build.cfg.train.microbatches // n
 
 
+def argument_bytes(analytic: dict[str, int]) -> int:
+    """The step's argument bytes per device by the analytic model: params + optimizer state +
+    batch shards, plus `tile_padding` where the plan has one (XLA:TPU pads each argument
+    to its layout's tiles: `fsdp_jax.tpu_targets.tile_padding`)."""
+    return analytic["params"] + analytic["optimizer"] + analytic["batch"] + analytic.get("tile_padding", 0)
+
+
 def analytic_vs_compiled(analytic: dict[str, int], compiled: dict[str, int]) -> dict[str, float]:
     """How far the compiled program is from the analytic model, per term (compiled /
-    analytic - 1): `argument` (params + optimizer + batch), `temp` (grads + gathered +
+    analytic - 1): `argument` (`argument_bytes`), `temp` (grads + gathered +
     activations: everything transient) and `peak` (total)."""
-    pairs = {"argument": (compiled["argument"], analytic["params"] + analytic["optimizer"] + analytic["batch"]),
+    pairs = {"argument": (compiled["argument"], argument_bytes(analytic)),
              "temp": (compiled["temp"], analytic["grads"] + analytic["gathered"] + analytic["activations"]),
              "peak": (compiled["peak"], analytic["total"])}
     return {k: (c / a - 1 if a else float("nan")) for k, (c, a) in pairs.items()}

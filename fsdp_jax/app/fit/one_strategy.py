@@ -13,7 +13,7 @@ import jax
 
 from fsdp_jax import rules as rl
 from fsdp_jax.app.fit.inspection import inspect_compiled
-from fsdp_jax.app.fit.memory_model import activations_by_remat, analytic_memory
+from fsdp_jax.app.fit.memory_model import activations_by_remat, analytic_memory, argument_bytes
 from fsdp_jax.app.fit.refusal import _refused_result, over_memory
 from fsdp_jax.app.fit.step_build import build_step
 from fsdp_jax.hlo import communication
@@ -52,6 +52,10 @@ def plan_strategy(cfg, strategy: str, devices: Sequence[jax.Device] | None = Non
             raise
         return _refused_result(b, cfg, analytic, refused, time.perf_counter() - t0)
     compile_s = time.perf_counter() - t0
+    if b.mesh.devices.flat[0].platform == "tpu":  # XLA:TPU pads every argument to its layout's tiles
+        from fsdp_jax.tpu_targets import tile_padding
+        analytic["tile_padding"] = tile_padding((b.state, b.batch), compiled)
+        analytic["total"] += analytic["tile_padding"]
     ins = inspect_compiled(b.plan, compiled, logical_axes=b.model.logical_axes,
                            analytic_total=analytic["total"],
                            compute_dtype=Policy.parse(cfg.precision).compute_dtype,
@@ -64,8 +68,7 @@ def plan_strategy(cfg, strategy: str, devices: Sequence[jax.Device] | None = Non
                                           "device_argument", "host_argument", "device_peak",
                                           "host_reported")},
         "offload": cfg.offload,
-        "argument_vs_analytic": (mem["argument"] / (analytic["params"] + analytic["optimizer"]
-                                                    + analytic["batch"])) - 1,
+        "argument_vs_analytic": mem["argument"] / argument_bytes(analytic) - 1,
         "compile_s": round(compile_s, 2), "platform": ins["platform"],
         "collectives_per_step": ins["collectives"]["per_step"],
         "communication": communication(ins["schedule"]),

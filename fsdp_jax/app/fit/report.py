@@ -229,6 +229,11 @@ def format_table(doc: dict[str, Any]) -> str:
         lines.append(f"{name:<14}{r['classic_name']:<13}{gb(a['params'])}{gb(a['grads'])}"
                      f"{gb(a['optimizer'])}{gb(a['states'])}{r['bytes_per_param']:9.2f}"
                      f"{gb(a['gathered'])}{gb(a['activations'])}{gb(a['total'])}")
+    pads = {n: r["analytic"]["tile_padding"] for n, r in doc["strategies"].items() if "tile_padding" in r["analytic"]}
+    if pads:
+        lines.append("total and the argument bytes below include XLA:TPU's tile padding of the arguments "
+                     "(each shard padded to its input layout's tiles): "
+                     + ", ".join(f"{n} {fmt_bytes(v)}" for n, v in pads.items()))
     lines.append("")
     tgt = doc.get("target")
     on = (f"XLA:TPU for {tgt['name']}, {tgt['hosts']} slice(s) of {tgt['topology_name']}"
@@ -252,7 +257,7 @@ def format_table(doc: dict[str, Any]) -> str:
     if all("terms" in r for r in doc["strategies"].values()):
         lines.append("")
         lines.append("compiled vs analytic, per term (compiled / analytic - 1): argument = params + "
-                     "optimizer + batch; temp = grads + gathered + activations; peak = total")
+                     "optimizer + batch (+ tile padding on TPU); temp = grads + gathered + activations; peak = total")
         for name, r in doc["strategies"].items():
             t = r["terms"]
             lines.append(f"{name:<14}argument {t['argument']:+8.2%}   temp {t['temp']:+8.2%}   "

@@ -15,8 +15,10 @@ and host offload (and, when asked, batch and sequence length), cheap first.
    under the budget (device memory minus headroom; params, optimizer state and batch are
    exact, only the transient rest carries that error: `lower_bound`), so no candidate whose
    compiled program would fit is dropped here.
-3. Rank by predicted tokens/s per GPU (without a GPU target: by the same roofline with
-   H100 figures, an analytic cost and not a prediction for this machine).
+3. Rank by predicted tokens/s per device: a GPU, or a TPU chip with that generation's
+   figures (`ranking_target`; without a target, or across slices of a TPU generation
+   whose data-center bandwidth is unpublished: by the same roofline with H100 figures, an
+   analytic cost and not a prediction for this machine).
 4. Compile only a few (`Limits.top` best-ranked that fit analytically, `Limits.edge`
    best-ranked just over the edge), all in one child process sharing XLA:GPU's kernel
    cache (on CPU, in this process with the persistent compilation cache). A compiled
@@ -25,9 +27,12 @@ and host offload (and, when asked, batch and sequence length), cheap first.
    while an uncompiled candidate still ranks above the best verified fit, up to
    `Limits.max_compiles` compiles in all.
 
-Candidates with host offload (or an offloading remat policy) are judged by the analytic
-model only: compile-only GPU/TPU devices offer no host memory kind, and XLA:CPU moves
-nothing between memory kinds, so no compiler here measures their device peak.
+Candidates with state offload compile on a GPU target as `plan.py --target ... --offload X`
+does: compile-only GPU devices offer no host memory kind, so the step compiles without
+offload and its device side is that compile minus the state resting on the host plus its
+transient device copies (`fsdp_jax.app.fit.target_offload`). Elsewhere (TPU targets, CPU,
+where XLA:CPU moves nothing between memory kinds) and for offloading remat policies they
+are judged by the analytic model only.
 Compiling is `fsdp_jax.app.fit.search_compile`; the user's side (flags, table, YAML) is
 `fsdp_jax.app.fit.search_report`.
 """
@@ -107,16 +112,20 @@ def recompute_flops_per_token(model, seq_len: int, remat: str) -> float:
     return float(model.n_layers * per_layer.get(name, 0))
 
 
-def predict_step(cfg, target_name: str, n_devices: int, result: dict[str, Any]) -> dict[str, Any]:
+def predict_step(cfg, target_name: str, n_devices: int, result: dict[str, Any]) -> dict[str, Any] | None:
     """`step_time.predict` plus what it leaves out: the recompute of remat policies other
     than `full` (`recompute_flops_per_token`, at the same GEMM efficiency) and the offload
     transfers (`analytic.transfer_per_step` over HOST_LINK_BYTES_PER_S, not hidden: the
-    update waits for them). step = max(compute + recompute, comm) + update + host."""
-    from fsdp_jax.app.fit.step_time import GEMM_EFFICIENCY, SPECS, predict
+    update waits for them). step = max(compute + recompute, comm) + update + host. `target_name`:
+    a GPU in step_time.SPECS or a TPU generation (its chip's figures, `step_time.peaks`); None
+    where step_time.predict has none (traffic over an unpublished network)."""
+    from fsdp_jax.app.fit.step_time import GEMM_EFFICIENCY, peaks, predict
     p = predict(cfg, target_name, n_devices, result)
+    if p is None:  # crosses a network whose bandwidth is unpublished
+        return None
     tokens = cfg.data.seq_len * cfg.train.global_batch / n_devices
     extra_s = tokens * recompute_flops_per_token(cfg.model, cfg.data.seq_len, cfg.remat) / (
-        SPECS[target_name][0] * GEMM_EFFICIENCY)
+        peaks(target_name)[0] * GEMM_EFFICIENCY)
     host_s = result["analytic"].get("transfer_per_step", 0) / HOST_LINK_BYTES_PER_S
     g = lambda x: float(f"{x:.4g}")  # noqa: E731
     step = max(p["compute_s"] + extra_s, p["comm_s"]) + p["update_s"] + host_s
@@ -127,15 +136,35 @@ def predict_step(cfg, target_name: str, n_devices: int, result: dict[str, Any]) 
     return p
 
 
-def compilable(c: dict[str, Any]) -> bool:
-    """Whether a compiler here can measure `c`'s device peak (no host memory involved)."""
+def ranking_target(target) -> tuple[str, str | None]:
+    """(the step_time target the search predicts with, a note when that is not a prediction
+    for `target`): the target itself, GPU or TPU (a TPU chip's peak, ICI and HBM figures);
+    without a target, or for several slices of a TPU generation whose data-center
+    bandwidth is unpublished (v4, v6e), the H100 roofline as an analytic cost."""
+    if target is None:
+        return "h100", ("no GPU/TPU target: ranked by the analytic cost (the H100 roofline of step_time over "
+                        "analytic collective bytes), not a prediction for this machine")
+    from fsdp_jax.app.fit.step_time import peaks
+    if target.hosts > 1 and peaks(target.name)[2] is None:
+        return "h100", (f"{target.name} publishes no data-center network bandwidth and this target spans "
+                        f"{target.hosts} slices: ranked by the analytic cost (the H100 roofline), not a "
+                        f"prediction for {target.name}")
+    return target.name, None
+
+
+def compilable(c: dict[str, Any], gpu_target: bool = False) -> bool:
+    """Whether a compiler here can measure `c`'s device peak: no host memory involved, or
+    (`gpu_target`) a state offload, whose device side a compile-only GPU target plans from
+    the same step compiled without offload (`fsdp_jax.app.fit.target_offload`). An
+    offloading remat policy moves activations, which that does not model."""
     from fsdp_jax.remat import OFFLOADING
-    return c["offload"] == "none" and c["remat"] not in OFFLOADING
+    return c["remat"] not in OFFLOADING and (c["offload"] == "none" or gpu_target)
 
 
 def analytic_pass(cfg, n_devices: int, cands: list[dict], limits: Limits, hosts: int,
-                  per_host: int, target_name: str, devices) -> None:
-    """Fill each candidate's `analytic`, `predicted` and first `status` in place."""
+                  per_host: int, target_name: str, devices, gpu_target: bool = False) -> None:
+    """Fill each candidate's `analytic`, `predicted` and first `status` in place;
+    `gpu_target`: compiles go to a GPU target, where offload candidates compile too."""
     builds: dict[tuple[str, str], Any] = {}
     for c in cands:
         key = (c["strategy"], c["offload"])
@@ -152,7 +181,7 @@ def analytic_pass(cfg, n_devices: int, cands: list[dict], limits: Limits, hosts:
         comm = analytic_communication(ccfg, c["strategy"], tuple(c["mesh"].values()), hosts)
         c["predicted"] = predict_step(ccfg, target_name, n_devices, {"analytic": a, "communication": comm})
         c["predicted"]["source"] = "analytic"
-        c["compilable"] = compilable(c)
+        c["compilable"] = compilable(c, gpu_target)
         c["compiled"] = None
         dev = a["device_total"]
         if limits.host_memory is not None and a["host_per_host"] > limits.host_memory:
@@ -213,7 +242,6 @@ def search(cfg, n_devices: int, space: SearchSpace, limits: Limits, *, target=No
     headroom kept), "notes", "wall_s"}. Needs `n_devices` devices in this process (fake
     CPU devices will do) for the analytic pass. Raises SearchError for an empty space or
     an impossible constraint; a search that finds nothing returns winner None."""
-    from fsdp_jax.app.fit.step_time import SPECS
     from fsdp_jax.verify import devices_for
     t0 = time.perf_counter()
     say = progress or (lambda msg: None)
@@ -226,9 +254,11 @@ def search(cfg, n_devices: int, space: SearchSpace, limits: Limits, *, target=No
         mesh_for = lambda s: mesh_shape(cfg, s, n_devices)  # noqa: E731
     cands, notes = enumerate_candidates(cfg, n_devices, space, mesh_for)
     say(f"{len(cands)} candidates; analytic pass (memory model + roofline) ...")
-    gpu = target is not None and target.name in SPECS
-    analytic_pass(cfg, n_devices, cands, limits, hosts, per_host, target.name if gpu else "h100",
-                  devices_for(n_devices))
+    predict_on, cost_note = ranking_target(target)
+    gpu = cost_note is None  # a prediction for the target (a GPU or a TPU chip)
+    gpu_target = target is not None and target.platform == "gpu"
+    analytic_pass(cfg, n_devices, cands, limits, hosts, per_host, predict_on, devices_for(n_devices),
+                  gpu_target=gpu_target)
     for c in cands:
         c["overrides"] = overrides(cfg, c)
     host = [c["analytic"]["host_per_host"] for c in cands if c["reason"] == "host memory over --host-memory"]
@@ -252,14 +282,17 @@ def search(cfg, n_devices: int, space: SearchSpace, limits: Limits, *, target=No
     for c in cands:
         if c["status"] != "fits":
             counts[c["reason"]] = counts.get(c["reason"], 0) + 1
-    if not gpu:
-        notes.append("no GPU target: ranked by the analytic cost (the H100 roofline of step_time over "
-                     "analytic collective bytes), not a prediction for this machine")
-    notes.append(f"offload candidates are judged by the analytic model only; host<->device transfers at "
-                 f"{HOST_LINK_BYTES_PER_S / 1e9:.0f} GB/s per GPU are added to their step, not hidden")
+    if cost_note:
+        notes.append(cost_note)
+    notes.append(("offload candidates compile for the GPU target without offload, their device side planned "
+                  "from that compile (fsdp_jax.app.fit.target_offload)" if gpu_target else
+                  "offload candidates are judged by the analytic model only")
+                 + f"; host<->device transfers at {HOST_LINK_BYTES_PER_S / 1e9:.0f} GB/s per GPU are added "
+                   "to their step, not hidden")
     return {"config": config_name, "devices": n_devices, "target": None if target is None else target.as_dict(),
             "device_memory": limits.device_memory, "headroom": limits.headroom_bytes, "budget": limits.budget,
-            "ranked_by": ("predicted tokens/s per GPU" if gpu else "analytic cost (no GPU target)"),
+            "ranked_by": (f"predicted tokens/s per {'chip' if target.platform == 'tpu' else 'GPU'}" if gpu
+                          else "analytic cost (no GPU/TPU prediction)"),
             "space": {"strategies": list(space.strategies), "remats": list(space.remats),
                       "microbatches": None if space.microbatches is None else list(space.microbatches),
                       "offloads": list(space.offloads), "vary": list(space.vary)},
@@ -311,13 +344,14 @@ def _apply_compiled(cfg, c: dict, r: dict, limits: Limits, n_devices: int, gpu_n
     mem = r["compiled"]
     c["compiled"] = {k: mem[k] for k in ("argument", "temp", "peak", "device_peak")}
     c["compiled"].update(compile_s=r["compile_s"], platform=r["platform"], warnings=r["warnings"],
-                         refused=r.get("refused"))
+                         refused=r.get("refused"), basis=r.get("offload_basis", "compiled"))
     if mem["device_peak"] <= limits.budget:
         c["status"], c["reason"] = "fits", "compiled"
     else:
         c["status"], c["reason"] = "dropped", "over memory (compiled)"
-    if gpu_name is not None and r.get("platform") == "gpu":
-        c["predicted"] = predict_step(candidate_config(cfg, c), gpu_name, n_devices,
-                                      {"analytic": c["analytic"], "communication": r["communication"]})
-        c["predicted"]["source"] = "compiled"
+    if gpu_name is not None and r.get("platform") in ("gpu", "tpu") and not r.get("refused"):
+        p = predict_step(candidate_config(cfg, c), gpu_name, n_devices,
+                         {"analytic": c["analytic"], "communication": r["communication"]})
+        if p is not None:
+            c["predicted"] = {**p, "source": "compiled"}
 

@@ -110,7 +110,8 @@ def format_search(doc: dict[str, Any], rows: int = 10) -> str:
              (f"{c['candidates']} candidates, {c['dropped']} dropped, {c['compiled']} compiled, "
               f"{c['fits']} fit; {doc['wall_s']} s")]
     hdr = (f"{'#':>3} {'device':>9} {'by':<8} {'free':>9} {'host/host':>9} {'step s':>8} "
-           f"{'tok/s/GPU':>10} {'MFU':>6}  {'status':<6} overrides")
+           f"{'tok/s/' + ('chip' if tgt and tgt.get('topology_name') else 'GPU'):>10} {'MFU':>6}  "
+           f"{'status':<6} overrides")
     lines += [hdr, "-" * len(hdr)]
     fits = [x for x in doc["candidates"] if x["status"] == "fits"][:rows]
     edge = [x for x in doc["candidates"] if x["status"] == "edge"][:3]  # maybe: not compiled
@@ -132,6 +133,9 @@ def format_search(doc: dict[str, Any], rows: int = 10) -> str:
     if w is not None:
         lines += ["", f"winner: {' '.join(w['overrides'])}"]
         lines += [f"  compiled schedule warning: {x}" for x in (w["compiled"] or {}).get("warnings", [])]
+        if w["compiled"] and w["compiled"].get("basis", "compiled") != "compiled":
+            lines.append("  device peak: the target's compile of this step without offload - the state resting "
+                         "on the host + its transient device copies (fsdp_jax.app.fit.target_offload)")
         if w["compiled"] is None:
             lines.append("  not compiled: judged by the analytic model alone (host offload: no compiler here "
                          "measures its device peak; check it on the GPU)" if w["offload"] != "none" else
