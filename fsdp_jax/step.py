@@ -49,7 +49,7 @@ from fsdp_jax import layer_gather
 from fsdp_jax import rules as rl
 from fsdp_jax.errors import BatchError  # noqa: F401 (re-exported)
 from fsdp_jax.mesh import constrain
-from fsdp_jax.precision import Policy, cast_params_for_compute
+from fsdp_jax.precision import Policy, cast_params_for_compute, lay_out_for_compute, reducing, widens
 from fsdp_jax.state import TrainState, state_shardings
 from fsdp_jax.strategy import ShardingPlan, batch_divisor
 from fsdp_jax.trainable import Trainable, trainable_leaves  # noqa: F401 (re-exported)
@@ -155,12 +155,13 @@ def compute_value_and_grad(loss_fn: LossFn, policy: Policy, plan: ShardingPlan, 
         def f(x):
             full = wrt.join(x)
             pc = cast_params_for_compute(full, policy, rest_sh)
-            if compute_sh is not rest_sh:
-                pc = constrain(pc, compute_sh)
+            if compute_sh is not rest_sh:  # (grads scattered from f32 dots: see precision.matmul)
+                pc = (lay_out_for_compute(pc, compute_sh, rest_sh) if widens(policy)
+                      else constrain(pc, compute_sh))
             if hooked:
                 pc = jax.tree.map(lambda layered, p, c, r: constrain(p, r) if layered else c,
                                   plan.layered, full, pc, rest_sh)
-            with layer_gather.active(lg if hooked else None):
+            with layer_gather.active(lg if hooked else None), reducing(policy):
                 out = loss_fn(pc, batch)
             loss, aux = out if has_aux else (out, None)
             if isinstance(loss, TokenSum):  # differentiate the sum; the count rides along

@@ -44,6 +44,7 @@ JOBS = {
     "full_shard_f32": ("full_shard", 1, 8, ["precision=float32"], {}),
     "full_shard_reduce_f32": ("full_shard", 1, 8, ["precision=params=float32,compute=bfloat16,reduce=float32"], {}),
     "shard_grad_op": ("shard_grad_op", 1, 8, [BF16], {}),
+    "shard_grad_op_reduce_f32": ("shard_grad_op", 1, 8, ["precision=params=float32,compute=bfloat16,reduce=float32"], {}),
     "shard_opt": ("shard_opt", 1, 8, [BF16], {}),
     "no_shard": ("no_shard", 1, 8, [BF16], {}),
     "no_shard_unguarded": ("no_shard", 1, 8, [BF16], {"skip_nonfinite": False}),
@@ -245,14 +246,20 @@ def test_full_shard_bf16_gathers_per_layer_and_reduce_scatters_in_the_backward_l
 
 
 @slow
-@pytest.mark.xfail(strict=True, reason="defect found by this compile: with reduce=float32 the bf16 "
-                   "cotangent is reduce-scattered in bf16 and cast to f32 only in the sharded layout: "
-                   "GSPMD reduces the weight grad at the bf16 dot that makes it; a cast to f32 before "
-                   "the at-rest constraint (measured in a per-layer custom_vjp) gives a full-size bf16 "
-                   "all-reduce instead (BENCHMARKS.md, issue 26)")
-def test_full_shard_reduce_float32_reduce_scatters_in_float32(gpu):
-    scatters = _colls(gpu["full_shard_reduce_f32"], "reduce-scatter", phase="backward")
-    assert scatters and all(c["dtype"] == "float32" for c in scatters)
+@pytest.mark.parametrize("job", ["full_shard_reduce_f32", "shard_grad_op_reduce_f32"])
+def test_reduce_float32_reduce_scatters_in_float32(gpu, job):
+    """PyTorch FSDP's reduce_dtype=float32 under bf16 compute: weight grads are summed across
+    devices in f32 (fsdp_jax.precision.matmul / take), the gathers still move bf16, and the
+    per-layer scatter moves twice the bf16 run's bytes."""
+    r, bf16 = gpu[job], gpu[job.removesuffix("_reduce_f32")]
+    scatters = _colls(r, "reduce-scatter", phase="backward")
+    assert scatters and all(c["dtype"] == "float32" for c in scatters), r["schedule"]
+    assert all(c["dtype"] == "bfloat16" for c in _param_sized(r, "all-gather"))
+    assert not _param_sized(r, "all-reduce"), "param-sized all-reduce under " + job
+
+    def in_loop(x):
+        return sum(c["bytes"] for c in _colls(x, "reduce-scatter", phase="backward") if c["loop"])
+    assert in_loop(r) == 2 * in_loop(bf16) > 0
 
 
 @slow

@@ -34,6 +34,7 @@ from fsdp_jax import layer_gather
 from fsdp_jax.app.models.attention import _attend_capped, attention, packed_layout, rope, segment_mask, softcap  # noqa: F401
 from fsdp_jax.app.models.rope import apply_rope, rope_tables
 from fsdp_jax.axes import BATCH, EMBED, HEADS, KV, KV_HEADS, LAYERS, LENGTH, MLP, NORM, VOCAB
+from fsdp_jax.precision import matmul, take
 from fsdp_jax.remat import get_policy
 
 
@@ -150,7 +151,7 @@ class Attention(nnx.Module):
 
         def proj(w, bias=None):  # (D, H, Dh) -> (B, S, H, Dh)
             _, hh, dh = w.shape
-            y = (x2 @ w.reshape(d, hh * dh)).reshape(b, s, hh, dh)
+            y = matmul(x2, w.reshape(d, hh * dh)).reshape(b, s, hh, dh)
             if bias is not None:
                 y = y + bias[...]
             return constrain(checkpoint_name(y, "qkv"), (BATCH, LENGTH, HEADS, KV))
@@ -195,7 +196,7 @@ class Attention(nnx.Module):
                                              scale=None if not cfg.query_pre_attn_scalar else scale,
                                              implementation=None if self.impl == "xla" else self.impl)
         wo = self.wo[...]
-        out = o.reshape(b * s, -1) @ wo.reshape(-1, d)  # (B*S, D)
+        out = matmul(o.reshape(b * s, -1), wo.reshape(-1, d))  # (B*S, D)
         return checkpoint_name(out.reshape(b, s, d), "attn_out")
 
 
@@ -209,11 +210,11 @@ class FeedForward(nnx.Module):
     def __call__(self, x):  # (B, S, D)
         b, s, d = x.shape
         x2 = x.reshape(b * s, d)
-        g = x2 @ self.w_gate[...]
+        g = matmul(x2, self.w_gate[...])
         act = jax.nn.gelu(g, approximate=True) if self.gelu else jax.nn.silu(g)
-        hid = act * (x2 @ self.w_up[...])  # (B*S, F)
+        hid = act * matmul(x2, self.w_up[...])  # (B*S, F)
         hid = constrain(hid, (BATCH, MLP))
-        return checkpoint_name((hid @ self.w_down[...]).reshape(b, s, d), "mlp_out")
+        return checkpoint_name(matmul(hid, self.w_down[...]).reshape(b, s, d), "mlp_out")
 
 
 class Block(nnx.Module):
@@ -266,7 +267,7 @@ class Llama(nnx.Module):
         # Gather the table over its embed dim before the lookup, as for any FSDP
         # param; left sharded, the partitioner turns the gather into all-to-alls.
         emb = constrain(self.embed[...], (VOCAB, None))  # (V, D)
-        x = jnp.take(emb, tokens, axis=0).astype(emb.dtype)  # (B, S, D)
+        x = take(emb, tokens, lambda g: constrain(g, (VOCAB, EMBED))).astype(emb.dtype)  # (B, S, D)
         if cfg.embed_scale:  # sqrt(D) rounded to the compute dtype, as transformers does
             x = x * jnp.asarray(np.float32(cfg.d_model ** 0.5), emb.dtype)
         x = constrain(x, (BATCH, LENGTH, EMBED))
@@ -298,9 +299,9 @@ class Llama(nnx.Module):
         x = self.final_norm(x)
         x2 = x.reshape(b * s, -1)
         if cfg.tie_word_embeddings:
-            logits = (x2 @ self.embed[...].T).reshape(b, s, -1)  # (B*S, D) @ (D, V)
+            logits = matmul(x2, self.embed[...].T).reshape(b, s, -1)  # (B*S, D) @ (D, V)
         else:
-            logits = (x2 @ self.head[...]).reshape(b, s, -1)
+            logits = matmul(x2, self.head[...]).reshape(b, s, -1)
         return constrain(softcap(logits, cfg.final_softcap), (BATCH, LENGTH, VOCAB))
 
 
