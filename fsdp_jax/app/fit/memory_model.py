@@ -142,15 +142,16 @@ def analytic_memory(build: StepBuild) -> dict[str, int]:
     if cfg.train.microbatches > 1:  # plus the accumulator, in the params' dtype (fsdp_jax.step)
         grads += sum(shard_bytes(jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=g)) for p, g in pairs)
     cc = compute_copy_bytes(st.params, plan, build.model.logical_axes, policy.compute_dtype)
+    # one layer's unreduced grads come from the reference model's weight dots in the reduce
+    # dtype (fsdp_jax.precision.matmul); the reduced shards are held in `gd`
+    layer_r = compute_copy_bytes(st.params, plan, build.model.logical_axes, policy.reduce_dtype)["layer"]
     if s.params and not s.gather_once:  # full_shard, hybrid_shard: per layer
-        layer_r = compute_copy_bytes(st.params, plan, build.model.logical_axes, gd)["layer"]
         gathered = 2 * cc["layer"] + cc["largest_unstacked"] + layer_r
     elif s.params:  # shard_grad_op: the whole model gathered (kept for the backward), the
         # layer the backward loop slices out of that stack (XLA copies it: a
         # dynamic-slice per layer), and one layer's unreduced grads (each layer's are
         # reduce-scattered in the backward loop)
-        gathered = cc["whole"] + cc["layer"] + compute_copy_bytes(st.params, plan, build.model.logical_axes,
-                                                                  gd)["layer"]
+        gathered = cc["whole"] + cc["layer"] + layer_r
     else:  # shard_opt, no_shard: params already whole; a cast copy if dtypes differ
         gathered = cc["whole"] if policy.compute_dtype != policy.param_dtype else 0
     act = activation_bytes(cfg.model, cfg.remat, _batch_per_device(build), cfg.data.seq_len,
