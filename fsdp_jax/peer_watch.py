@@ -65,6 +65,10 @@ def describe(process: int, num_processes: int, silent_s: float, me: int, note: s
     return f"{line}; {note}" if note else line
 
 
+# What the coordination service's client raises (jax.errors.JaxRuntimeError: NOT_FOUND,
+# ALREADY_EXISTS, the service unreachable) is a RuntimeError; anything else is a bug and surfaces.
+STORE_ERRORS = (RuntimeError,)
+
 class Silence:
     """When each watched process's beat last changed, on this process's clock."""
 
@@ -109,18 +113,18 @@ class PeerWatch:
     def _get(self, key: str) -> str | None:
         try:
             return self.client.key_value_try_get(key)
-        except Exception:  # NOT_FOUND, or the coordinator unreachable: nothing seen this time
+        except STORE_ERRORS:  # NOT_FOUND, or the coordinator unreachable: nothing seen this time
             return None
 
     def _beat(self) -> None:
         self._count += 1
-        with contextlib.suppress(Exception):  # the watch never raises
+        with contextlib.suppress(*STORE_ERRORS):  # a failed write: the watch carries on
             self.client.key_value_set(beat_key(self.me), str(self._count), allow_overwrite=True)
 
     def _all_beats(self) -> dict[int, str]:
         try:
             entries = self.client.key_value_dir_get(PREFIX + "beat/")
-        except Exception:
+        except STORE_ERRORS:  # the coordinator unreachable: nothing seen this time
             return {}
         out = {}
         for key, value in entries:
@@ -159,7 +163,7 @@ class PeerWatch:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
-        with contextlib.suppress(Exception):  # the watch never raises
+        with contextlib.suppress(*STORE_ERRORS):  # a failed write: the watch carries on
             self.client.key_value_set(beat_key(self.me), DONE, allow_overwrite=True)
 
     def _run(self) -> None:
@@ -184,7 +188,7 @@ class PeerWatch:
         (its own exit takes the coordination service down with it), then stop."""
         if self._stop.is_set():
             return
-        with contextlib.suppress(Exception):  # the watch never raises
+        with contextlib.suppress(*STORE_ERRORS):  # a failed write: the watch carries on
             self.client.key_value_set(DEAD_KEY, f"{process} {silent_s:.3f}", allow_overwrite=True)
         waiting = {p for p in range(1, self.n) if p != process and p not in silence.done}
         deadline = self.clock() + 3 * self.interval + 2.0
@@ -196,7 +200,7 @@ class PeerWatch:
     def _stop_here(self, published: str) -> None:
         if self._stop.is_set():
             return
-        with contextlib.suppress(Exception):  # the watch never raises
+        with contextlib.suppress(*STORE_ERRORS):  # a failed write: the watch carries on
             self.client.key_value_set(f"{PREFIX}ack/{self.me}", "1", allow_overwrite=True)
         head, _, tail = published.partition(" ")
         try:
@@ -208,7 +212,7 @@ class PeerWatch:
     def _say_and_exit(self, process: int, silent_s: float) -> None:
         stream = self.stream or sys.stderr
         for s in (sys.stdout, stream):
-            with contextlib.suppress(Exception):  # the watch never raises
+            with contextlib.suppress(OSError, ValueError):  # a closed or broken stream
                 s.flush()
         try:
             stream.write(f"error: {describe(process, self.n, silent_s, self.me, self.note)}\n")

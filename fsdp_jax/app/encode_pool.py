@@ -207,6 +207,6 @@ def _error(reply: dict) -> Exception:
     if isinstance(cls, type) and issubclass(cls, Exception):
         try:
             return cls(*reply.get("args", [message]))
-        except Exception:
+        except (TypeError, ValueError):  # a class that wants other arguments: named below
             pass
     return RuntimeError(f"an encoding worker failed: {name}: {message}")

@@ -33,7 +33,6 @@ from fsdp_jax.app.config import ConfigError
 from fsdp_jax.app.hf_config import config_json
 from fsdp_jax.app.models.llama import LlamaConfig
 from fsdp_jax.checkpoint import Checkpointer, CheckpointError, shape_mismatches, tree_paths
-from fsdp_jax.errors import one_line
 from fsdp_jax.safetensors_io import check_file, write_safetensors
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
@@ -49,31 +48,12 @@ def hf_config(cfg: LlamaConfig, dtype: str, token_ids: dict | None = None,
 
 
 def _pick_step(ckpt: Checkpointer, step: int | None) -> int:
-    """The newest step whose files match their manifest (sizes and CRC-32), or exactly
-    `step`, checked too: a damaged `step`, or every step damaged, is a CheckpointError
-    naming the file; a damaged newer step is skipped with a warning naming it."""
-    steps = ckpt.steps()
-    if not steps:
-        raise CheckpointError(f"{ckpt.directory}: no complete checkpoint")
-    if step is not None and step not in steps:
-        raise CheckpointError(f"{ckpt.directory}: no checkpoint for step {step}; steps: "
-                              f"{', '.join(map(str, steps))}")
-    failed = []
-    for s in [step] if step is not None else steps[::-1]:
-        try:
-            problem = ckpt.check_files(s)
-        except FileNotFoundError:  # no manifest (older writer): use it unverified
-            return s
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            problem = f"unreadable manifest ({one_line(e, 200)})"
-        if problem is None:
-            return s
-        failed.append(f"step {s}: {problem}")
-        if step is None:
-            print(f"warning: checkpoint step {s} in {ckpt.directory} is damaged ({problem}); "
-                  "falling back to the previous one", flush=True)
-    raise CheckpointError(f"{ckpt.directory}: no checkpoint to export ({'; '.join(failed)})")
-
+    """`Checkpointer.usable_step`: the newest step whose files match their manifest (sizes
+    and CRC-32), or exactly `step`; a damaged newer step is skipped with a warning naming it."""
+    s, notes = ckpt.usable_step(step)
+    for note in notes:
+        print(f"warning: {note}", flush=True)
+    return s
 
 def _saved_config(ckpt: Checkpointer, step: int):
     import orbax.checkpoint as ocp

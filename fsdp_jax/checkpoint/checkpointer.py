@@ -235,6 +235,13 @@ class Checkpointer:
                 "the model config differs from the run that saved it: restore with that config "
                 "or start a new run_dir (init_from can start from its exported params)")
 
+    def usable_step(self, step: int | None = None) -> tuple[int, list[str]]:
+        """(the newest step whose files match their manifest, or exactly `step`, checked
+        too; the notes on damaged steps skipped): `restore`'s choice without reading the
+        arrays. CheckpointError when none is usable."""
+        _, s, notes = self._try_steps(step, lambda s: None)
+        return s, notes
+
     def _try_steps(self, step: int | None, fn: Callable[[int], Any]) -> tuple[Any, int, list[str]]:
         """fn(s) for the newest usable step (or exactly `step`): damaged steps (manifest
         mismatch, read errors) are skipped and reported; CheckpointError propagates."""
@@ -252,7 +259,7 @@ class Checkpointer:
             except FileNotFoundError:
                 problem = None
                 notes.append(f"checkpoint step {s} has no {MANIFEST}: restoring it unverified")
-            except (OSError, ValueError, KeyError, TypeError) as e:
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # a malformed manifest
                 problem = f"unreadable {MANIFEST} ({one_line(e)})"
             if problem is None:
                 try:
