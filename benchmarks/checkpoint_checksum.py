@@ -39,8 +39,12 @@ def main() -> None:
     sharding = NamedSharding(mesh, P("fsdp"))
     n_leaves = 8
     rows = int(args.gib * 2**30 / 4 / n_leaves / 1024) // 8 * 8
-    state = {f"w{i}": jax.jit(lambda k: jax.random.normal(k, (rows, 1024), jnp.float32),
-                              out_shardings=sharding)(jax.random.key(i)) for i in range(n_leaves)}
+    state = {
+        f"w{i}": jax.jit(lambda k: jax.random.normal(k, (rows, 1024), jnp.float32), out_shardings=sharding)(
+            jax.random.key(i)
+        )
+        for i in range(n_leaves)
+    }
     nbytes = sum(x.nbytes for x in state.values())
     root = Path(tempfile.mkdtemp(dir=args.dir))
     try:
@@ -61,10 +65,19 @@ def main() -> None:
         jax.block_until_ready(r.state)
         restore_s = time.perf_counter() - t
         on_disk = sum(f.stat().st_size for f in files)
-        print(json.dumps({"state_bytes": nbytes, "files_bytes": on_disk, "files": len(files),
-                          "save_s": round(save_s, 3), "crc32_s": round(crc_s, 3),
-                          "crc32_GB_per_s": round(on_disk / crc_s / 1e9, 2),
-                          "restore_with_verify_s": round(restore_s, 3)}))
+        print(
+            json.dumps(
+                {
+                    "state_bytes": nbytes,
+                    "files_bytes": on_disk,
+                    "files": len(files),
+                    "save_s": round(save_s, 3),
+                    "crc32_s": round(crc_s, 3),
+                    "crc32_GB_per_s": round(on_disk / crc_s / 1e9, 2),
+                    "restore_with_verify_s": round(restore_s, 3),
+                }
+            )
+        )
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -61,8 +61,7 @@ def measure(flags: str) -> dict | None:
     """The child's figures, or None where this jaxlib does not know one of `flags`."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
     env.update(XLA_FLAGS=flags, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-c", _CHILD, str(ROOT / "tests")], env=env,
-                          capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-c", _CHILD, str(ROOT / "tests")], env=env, capture_output=True, text=True)
     if "Unknown flag in XLA_FLAGS" in proc.stderr:
         return None
     if proc.returncode:
@@ -78,8 +77,11 @@ def main() -> None:
         ap.error(f"--repeats {args.repeats}: need at least 1")
     rows = {}
     o0 = "--xla_backend_optimization_level=0"
-    for label, flags in [("default (-O2)", ""), ("-O0", o0),
-                         ("-O0, older emitters", o0 + " --xla_cpu_use_fusion_emitters=false")]:
+    for label, flags in [
+        ("default (-O2)", ""),
+        ("-O0", o0),
+        ("-O0, older emitters", o0 + " --xla_cpu_use_fusion_emitters=false"),
+    ]:
         runs = [measure(flags) for _ in range(args.repeats)]
         if None in runs:
             print(f"{label}: this jaxlib does not know `{flags}`", file=sys.stderr)
@@ -89,9 +91,13 @@ def main() -> None:
     print("| XLA:CPU | " + " | ".join(keys) + " |")
     print("|---" * (len(keys) + 1) + "|")
     for label, r in rows.items():
-        print(f"| {label} | " + " | ".join(
-            f"{r[k]:.7g}" if k == "loss" else f"{r[k]:.3g}" if isinstance(r[k], float) else str(r[k])
-            for k in keys) + " |")
+        print(
+            f"| {label} | "
+            + " | ".join(
+                f"{r[k]:.7g}" if k == "loss" else f"{r[k]:.3g}" if isinstance(r[k], float) else str(r[k]) for k in keys
+            )
+            + " |"
+        )
 
 
 if __name__ == "__main__":

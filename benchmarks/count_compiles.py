@@ -23,6 +23,7 @@ _current = {"test": None}
 
 def _install() -> None:
     import jax._src.compiler as compiler  # the one call every cache miss goes through
+
     original = compiler.backend_compile_and_load
 
     def counted(backend, module, *args, **kwargs):
@@ -34,6 +35,7 @@ def _install() -> None:
             name = str(module.operation.attributes["sym_name"]).strip('"')
             text = module.operation.get_asm(enable_debug_info=False)
             _rows.append((_current["test"], name, s, hashlib.sha1(text.encode()).hexdigest()[:12]))
+
     compiler.backend_compile_and_load = counted
 
 
@@ -61,8 +63,12 @@ def summary(folder: Path) -> str:
         by_file[(test or "?").split("::")[0]] += s
         repeat_s += s if digest in seen else 0.0
         seen.add(digest)
-    lines = [f"{len(rows)} compiles, {sum(by_name.values()):.0f} s; {len(seen)} distinct programs "
-             f"({repeat_s:.0f} s compiling a program again)", "", "seconds  compiles  program"]
+    lines = [
+        f"{len(rows)} compiles, {sum(by_name.values()):.0f} s; {len(seen)} distinct programs "
+        f"({repeat_s:.0f} s compiling a program again)",
+        "",
+        "seconds  compiles  program",
+    ]
     lines += [f"{s:7.1f}  {count[n]:8d}  {n}" for n, s in by_name.most_common(10)]
     lines += ["", "seconds  test file"] + [f"{s:7.1f}  {f}" for f, s in by_file.most_common(15)]
     return "\n".join(lines)

@@ -27,6 +27,7 @@ def main() -> int:
 
     from fsdp_jax import targets
     from fsdp_jax.app.models.llama import attention
+
     # jax asks the *default* backend (CPU here) for the compute capability; the target
     # is an H100 (sm_90), so answer for it
     fa.check_compute_capability = lambda c: tuple(int(x) for x in c.split(".")) <= (9, 0)
@@ -39,14 +40,21 @@ def main() -> int:
     def loss(q, k, v, seg):
         return attention(q, k, v, seg, "cudnn").astype(jnp.float32).sum()
 
-    args = (jax.ShapeDtypeStruct((b, s, h, dh), jnp.bfloat16, sharding=rep),
-            jax.ShapeDtypeStruct((b, s, kv, dh), jnp.bfloat16, sharding=rep),
-            jax.ShapeDtypeStruct((b, s, kv, dh), jnp.bfloat16, sharding=rep),
-            jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=rep))
+    args = (
+        jax.ShapeDtypeStruct((b, s, h, dh), jnp.bfloat16, sharding=rep),
+        jax.ShapeDtypeStruct((b, s, kv, dh), jnp.bfloat16, sharding=rep),
+        jax.ShapeDtypeStruct((b, s, kv, dh), jnp.bfloat16, sharding=rep),
+        jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=rep),
+    )
     compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
     text = compiled.as_text()
-    calls = sorted({line.split('custom_call_target="')[1].split('"')[0]
-                    for line in text.splitlines() if 'custom_call_target="__cudnn' in line})
+    calls = sorted(
+        {
+            line.split('custom_call_target="')[1].split('"')[0]
+            for line in text.splitlines()
+            if 'custom_call_target="__cudnn' in line
+        }
+    )
     print(f"compiled for {dev[0].device_kind}: cuDNN custom calls {calls}")
     return 0 if any("fmha" in c.lower() for c in calls) else 1
 

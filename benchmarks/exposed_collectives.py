@@ -59,8 +59,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hosts", type=int, default=1)
     ap.add_argument("--per-host", type=int, default=8)
     ap.add_argument("--min-bytes", type=int, default=1 << 20)
-    ap.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
-                    help="compile options as a JSON object (repeatable; default: now='{}')")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=JSON",
+        help="compile options as a JSON object (repeatable; default: now='{}')",
+    )
     ap.add_argument("overrides", nargs="*", help="config overrides, key=value")
     args = ap.parse_args(argv)
     variants = {}
@@ -74,13 +79,34 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: --variant {v!r}: give NAME=<JSON object of compile options>", file=sys.stderr)
             return 2
     from fsdp_jax import targets
-    req = {"config": str(Path(args.config).resolve()), "overrides": args.overrides, "strategy": args.strategy,
-           "target": args.target, "hosts": args.hosts, "per_host": args.per_host,
-           "min_bytes": args.min_bytes, "variants": variants}
-    env = targets.child_env(dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(ROOT)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))))
-    proc = subprocess.run([sys.executable, "-c", _CHILD], input=json.dumps(req), text=True, env=env,
-                          cwd=ROOT, stderr=subprocess.PIPE, check=False)
+
+    req = {
+        "config": str(Path(args.config).resolve()),
+        "overrides": args.overrides,
+        "strategy": args.strategy,
+        "target": args.target,
+        "hosts": args.hosts,
+        "per_host": args.per_host,
+        "min_bytes": args.min_bytes,
+        "variants": variants,
+    }
+    env = targets.child_env(
+        dict(
+            os.environ,
+            PYTHONPATH=os.pathsep.join(
+                [str(ROOT)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
+            ),
+        )
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD],
+        input=json.dumps(req),
+        text=True,
+        env=env,
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        check=False,
+    )
     if proc.returncode:
         print(proc.stderr[-3000:], file=sys.stderr)
     return proc.returncode

@@ -34,7 +34,11 @@ def main(path: str) -> int:
     text = jax.jit(jax.value_and_grad(loss)).lower(params).compile().as_text()
     for line in text.splitlines():
         if re.match(r"^\s*\d+ [\"{]", line) or line.strip() in (
-                "FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            "FileNames",
+            "FunctionNames",
+            "FileLocations",
+            "StackFrames",
+        ):
             continue  # the source-location tables
         print(re.sub(r",? ?stack_frame_id=\d+", "", re.sub(r", metadata=\{[^}]*\}", "", line)))
     return 0

@@ -30,12 +30,16 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = ROOT / "tests" / "golden" / "chat" / "llama2"
-WORDS = ("the of and to in is for on with as by at from that this it be are was were an or "
-         "function value return list string number file data model train token loss batch "
-         "device memory shard layer param grad step example answer question").split()
+WORDS = (
+    "the of and to in is for on with as by at from that this it be are was were an or "
+    "function value return list string number file data model train token loss batch "
+    "device memory shard layer param grad step example answer question"
+).split()
 
-_WRAP = ("import resource, subprocess, sys, json; rc = subprocess.run(sys.argv[1:]).returncode; "
-         "print(json.dumps({'rc': rc, 'maxrss_kb': resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}))")
+_WRAP = (
+    "import resource, subprocess, sys, json; rc = subprocess.run(sys.argv[1:]).returncode; "
+    "print(json.dumps({'rc': rc, 'maxrss_kb': resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}))"
+)
 
 
 def make_corpus(path: Path, mb: int, mode: str, seed: int = 0) -> int:
@@ -45,11 +49,11 @@ def make_corpus(path: Path, mb: int, mode: str, seed: int = 0) -> int:
 
     def words(lo, hi):
         return " ".join(rng.choice(WORDS, int(rng.integers(lo, hi))))
+
     pool = []
     for _ in range(4096):
         if mode == "pack":
-            pool.append([{"role": "user", "content": words(5, 80)},
-                         {"role": "assistant", "content": words(10, 300)}])
+            pool.append([{"role": "user", "content": words(5, 80)}, {"role": "assistant", "content": words(10, 300)}])
         else:
             pool.append(words(50, 800))
     target, size, i = mb * 10**6, 0, 0
@@ -67,10 +71,19 @@ def make_corpus(path: Path, mb: int, mode: str, seed: int = 0) -> int:
     return size
 
 
-def measure(src: Path, out: Path, mode: str, threads: int | None, row_len: int, root: Path = ROOT,
-            workers: int = 1) -> dict:
-    cmd = [sys.executable, str(root / "scripts" / "prepare_data.py"), "--out", str(out), str(src),
-           "--tokenizer", str(TOKENIZER), "--no-progress"]
+def measure(
+    src: Path, out: Path, mode: str, threads: int | None, row_len: int, root: Path = ROOT, workers: int = 1
+) -> dict:
+    cmd = [
+        sys.executable,
+        str(root / "scripts" / "prepare_data.py"),
+        "--out",
+        str(out),
+        str(src),
+        "--tokenizer",
+        str(TOKENIZER),
+        "--no-progress",
+    ]
     if mode == "pack":
         cmd += ["--pack", str(row_len)]
     if threads:
@@ -87,9 +100,12 @@ def measure(src: Path, out: Path, mode: str, threads: int | None, row_len: int, 
     if stats["rc"]:
         raise SystemExit(f"benchmark: prepare_data exited {stats['rc']}: {res.stderr.strip()[-400:]}")
     meta = json.loads((out / "meta.json").read_text())
-    return {"wall_s": round(wall, 2), "peak_rss_mb": round(stats["maxrss_kb"] / 1024, 1),
-            "tokens": meta["train_tokens"] + meta["val_tokens"],
-            **({"packing_efficiency": meta["packing"]["efficiency"]} if mode == "pack" else {})}
+    return {
+        "wall_s": round(wall, 2),
+        "peak_rss_mb": round(stats["maxrss_kb"] / 1024, 1),
+        "tokens": meta["train_tokens"] + meta["val_tokens"],
+        **({"packing_efficiency": meta["packing"]["efficiency"]} if mode == "pack" else {}),
+    }
 
 
 def main(argv=None) -> int:
@@ -97,13 +113,22 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", type=int, nargs="+", default=[100, 300], help="corpus sizes in MB")
     ap.add_argument("--mode", choices=("pack", "text"), default="pack")
     ap.add_argument("--threads", type=int, nargs="+", default=[0], help="--threads values (0 = default)")
-    ap.add_argument("--workers", type=int, nargs="+", default=[1],
-                    help="--pack: --workers values (processes; RSS is then the largest process's)")
+    ap.add_argument(
+        "--workers",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="--pack: --workers values (processes; RSS is then the largest process's)",
+    )
     ap.add_argument("--row-len", type=int, default=1024)
     ap.add_argument("--scratch", default=None, help="scratch directory (default: a temp dir)")
     ap.add_argument("--json", help="write the results here")
-    ap.add_argument("--root", type=Path, default=ROOT,
-                    help="the checkout whose prepare_data.py runs (e.g. an older release, to compare)")
+    ap.add_argument(
+        "--root",
+        type=Path,
+        default=ROOT,
+        help="the checkout whose prepare_data.py runs (e.g. an older release, to compare)",
+    )
     args = ap.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory(dir=args.scratch) as tmp:
@@ -111,18 +136,25 @@ def main(argv=None) -> int:
             src = Path(tmp) / f"corpus_{mb}.jsonl"
             nbytes = make_corpus(src, mb, args.mode)
             for th, wk in [(t, w) for t in args.threads for w in args.workers]:
-                r = measure(src, Path(tmp) / f"out_{mb}_{th}_{wk}", args.mode, th or None, args.row_len,
-                            args.root, wk)
-                r = {"mode": args.mode, "input_mb": round(nbytes / 1e6, 1), "threads": th or "default",
-                     "workers": wk, **r, "mb_per_s": round(nbytes / 1e6 / r["wall_s"], 2)}
+                r = measure(src, Path(tmp) / f"out_{mb}_{th}_{wk}", args.mode, th or None, args.row_len, args.root, wk)
+                r = {
+                    "mode": args.mode,
+                    "input_mb": round(nbytes / 1e6, 1),
+                    "threads": th or "default",
+                    "workers": wk,
+                    **r,
+                    "mb_per_s": round(nbytes / 1e6 / r["wall_s"], 2),
+                }
                 rows.append(r)
                 print(json.dumps(r), flush=True)
             src.unlink()
     print("\n| mode | input MB | threads | workers | peak RSS MB | MB/s | wall s | tokens |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['mode']} | {r['input_mb']} | {r['threads']} | {r['workers']} | {r['peak_rss_mb']} | {r['mb_per_s']} | "
-              f"{r['wall_s']} | {r['tokens']:,} |")
+        print(
+            f"| {r['mode']} | {r['input_mb']} | {r['threads']} | {r['workers']} | {r['peak_rss_mb']} | {r['mb_per_s']} | "
+            f"{r['wall_s']} | {r['tokens']:,} |"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
     return 0

@@ -35,30 +35,49 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=5)
     args = ap.parse_args()
-    models = {"llama": (*tiny_llama(), token_batches(args.steps)),
-              "linen_mlp": (*linen_setup(), classification_batches(args.steps)),
-              "nnx_mlp": (*nnx_setup(reg="pmean"), classification_batches(args.steps))}
+    models = {
+        "llama": (*tiny_llama(), token_batches(args.steps)),
+        "linen_mlp": (*linen_setup(), classification_batches(args.steps)),
+        "nnx_mlp": (*nnx_setup(reg="pmean"), classification_batches(args.steps)),
+    }
     opts = {"sgd": optax.sgd(0.1, momentum=0.9), "adamw": optax.adamw(3e-3)}
     rows = []
     for mname, (model, loss_fn, batches) in models.items():
         for oname, opt in opts.items():
             for prec in ("f32", "bf16"):
-                r = fj.verify(model, opt, loss_fn, batches=batches, devices=8, steps=args.steps,
-                              min_shard_size=1, check_init=False, tolerance=NO_LIMIT,
-                              precision="params=float32,compute=bfloat16" if prec == "bf16" else None)
+                r = fj.verify(
+                    model,
+                    opt,
+                    loss_fn,
+                    batches=batches,
+                    devices=8,
+                    steps=args.steps,
+                    min_shard_size=1,
+                    check_init=False,
+                    tolerance=NO_LIMIT,
+                    precision="params=float32,compute=bfloat16" if prec == "bf16" else None,
+                )
                 s = r.strategies.values()
-                rows.append({"model": mname, "optimizer": oname, "compute": prec,
-                             "loss_rel": max(x.max_loss_rel_diff for x in s),
-                             "grad_norm_rel": max(max(x.grad_norm_rel_diff) for x in s),
-                             "param_rel": max(max(x.param_rel_diff) for x in s),
-                             "param_abs": max(x.param_max_abs_diff for x in s)})
+                rows.append(
+                    {
+                        "model": mname,
+                        "optimizer": oname,
+                        "compute": prec,
+                        "loss_rel": max(x.max_loss_rel_diff for x in s),
+                        "grad_norm_rel": max(max(x.grad_norm_rel_diff) for x in s),
+                        "param_rel": max(max(x.param_rel_diff) for x in s),
+                        "param_abs": max(x.param_max_abs_diff for x in s),
+                    }
+                )
                 print(rows[-1], flush=True)
     (ROOT / "benchmarks" / "verify_tolerances.json").write_text(json.dumps(rows, indent=1) + "\n")
     print("| model | optimizer | compute | loss rel | grad-norm rel | param rel (leaf, Frobenius) | param max abs |")
     print("|---|---|---|---|---|---|---|")
     for x in rows:
-        print(f"| {x['model']} | {x['optimizer']} | {x['compute']} | {x['loss_rel']:.1e} | "
-              f"{x['grad_norm_rel']:.1e} | {x['param_rel']:.1e} | {x['param_abs']:.1e} |")
+        print(
+            f"| {x['model']} | {x['optimizer']} | {x['compute']} | {x['loss_rel']:.1e} | "
+            f"{x['grad_norm_rel']:.1e} | {x['param_rel']:.1e} | {x['param_abs']:.1e} |"
+        )
     return 0
 
 

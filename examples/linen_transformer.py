@@ -58,11 +58,11 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x):  # (B, S, D)
         c = self.cfg
-        qkv = [param(self, n, (c.d_model, c.n_heads, c.head_dim), ("embed", "heads", "kv"))
-               for n in ("wq", "wk", "wv")]
+        qkv = [param(self, n, (c.d_model, c.n_heads, c.head_dim), ("embed", "heads", "kv")) for n in ("wq", "wk", "wv")]
         wo = param(self, "wo", (c.n_heads, c.head_dim, c.d_model), ("heads", "kv", "embed"))
-        q, k, v = (constrain(jnp.einsum("bsd,dhk->bshk", x, w), ("batch", "length", "heads", "kv"))
-                   for w in qkv)  # (B, S, H, Dh)
+        q, k, v = (
+            constrain(jnp.einsum("bsd,dhk->bshk", x, w), ("batch", "length", "heads", "kv")) for w in qkv
+        )  # (B, S, H, Dh)
         o = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # (B, S, H, Dh)
         return jnp.einsum("bshk,hkd->bsd", o, wo)
 
@@ -92,6 +92,7 @@ class Block(nn.Module):
 
 class Transformer(nn.Module):
     """tokens (B, S) int -> logits (B, S, vocab)."""
+
     cfg: Config
 
     @nn.compact
@@ -131,6 +132,7 @@ def make_loss_fn(model):
     def loss_fn(params, tokens):  # tokens (B, S + 1)
         logits = model.apply(params, tokens[:, :-1])
         return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
     return loss_fn
 
 

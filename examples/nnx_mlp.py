@@ -24,9 +24,13 @@ D_MODEL, D_HIDDEN, N_BLOCKS = 64, 256, 2
 
 def dense(n_in: int, n_out: int, names, rngs: nnx.Rngs) -> nnx.Linear:
     """nnx.Linear whose kernel dims are named `names` (its bias takes the output name)."""
-    return nnx.Linear(n_in, n_out, rngs=rngs,
-                      kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), names),
-                      bias_init=nnx.with_partitioning(nnx.initializers.zeros, names[1:]))
+    return nnx.Linear(
+        n_in,
+        n_out,
+        rngs=rngs,
+        kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), names),
+        bias_init=nnx.with_partitioning(nnx.initializers.zeros, names[1:]),
+    )
 
 
 class MLPBlock(nnx.Module):
@@ -43,8 +47,7 @@ class MLPBlock(nnx.Module):
 class MLP(nnx.Module):
     """x (B, D) -> y (B, D): N residual MLP blocks and a linear readout."""
 
-    def __init__(self, d: int = D_MODEL, hidden: int = D_HIDDEN, n_blocks: int = N_BLOCKS, *,
-                 rngs: nnx.Rngs):
+    def __init__(self, d: int = D_MODEL, hidden: int = D_HIDDEN, n_blocks: int = N_BLOCKS, *, rngs: nnx.Rngs):
         self.blocks = nnx.List([MLPBlock(d, hidden, rngs=rngs) for _ in range(n_blocks)])
         self.readout = dense(d, d, ("embed", None), rngs)
 
@@ -61,7 +64,7 @@ def make_model():
 
 def make_batches(n: int, batch: int = 32, seed: int = 1):
     """Regression targets from a fixed random teacher: y = sin(x @ A)."""
-    a = jax.random.normal(jax.random.key(seed), (D_MODEL, D_MODEL)) / D_MODEL ** 0.5
+    a = jax.random.normal(jax.random.key(seed), (D_MODEL, D_MODEL)) / D_MODEL**0.5
     xs = [jax.random.normal(jax.random.key(seed + 1 + i), (batch, D_MODEL)) for i in range(n)]
     return [(x, jnp.sin(x @ a)) for x in xs]
 
@@ -70,6 +73,7 @@ def make_loss_fn(model):
     def loss_fn(params, batch):
         x, y = batch
         return jnp.mean((model.apply(params, x) - y) ** 2)
+
     return loss_fn
 
 

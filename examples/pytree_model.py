@@ -35,7 +35,7 @@ class Classifier(NamedTuple):
 
 
 def dense(rng, n_in: int, n_out: int, scale: float = 1.0) -> Dense:
-    return Dense(scale * jax.random.normal(rng, (n_in, n_out)) / n_in ** 0.5, jnp.zeros((n_out,)))
+    return Dense(scale * jax.random.normal(rng, (n_in, n_out)) / n_in**0.5, jnp.zeros((n_out,)))
 
 
 def init(rng) -> Classifier:
@@ -64,7 +64,7 @@ def make_batches(n: int, batch: int = 32, seed: int = 1):
     x = jax.random.normal(jax.random.key(seed + 1), (128, D_IN))
     y = jnp.argmax(x @ a, axis=-1)
     starts = [(i * batch) % 128 for i in range(n)]
-    return [(x[s:s + batch], y[s:s + batch]) for s in starts]
+    return [(x[s : s + batch], y[s : s + batch]) for s in starts]
 
 
 def main(steps: int = 20):

@@ -37,17 +37,18 @@ IMAGE, CLASSES, BATCH = 16, 4, 32
 def make_model():
     """A two-stage ResNet (8 and 16 filters) on 16x16 RGB images."""
     net = ResNet(stage_sizes=[1, 1], block_cls=ResNetBlock, num_classes=CLASSES, num_filters=8)
-    return from_linen(net, jax.ShapeDtypeStruct((BATCH, IMAGE, IMAGE, 3), jnp.float32),
-                      axis_names=("batch",))
+    return from_linen(net, jax.ShapeDtypeStruct((BATCH, IMAGE, IMAGE, 3), jnp.float32), axis_names=("batch",))
 
 
 def make_loss_fn(model):
     """The extended loss (fsdp_jax.model_state): gets the BatchNorm statistics as
     `state`, returns the updated ones; `train=False` in eval uses the running averages."""
+
     def loss_fn(params, batch, *, state, rng, train):
         logits, state = model.apply(params, batch["image"], state=state, rng=rng, train=train)
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
         return loss, state
+
     return loss_fn
 
 
@@ -61,7 +62,7 @@ def make_batches(n: int, seed: int = 0):
         h = IMAGE // 2
         for i, c in enumerate(label):
             r, col = divmod(int(c), 2)
-            img[i, r * h:(r + 1) * h, col * h:(col + 1) * h] += 2.0
+            img[i, r * h : (r + 1) * h, col * h : (col + 1) * h] += 2.0
         out.append({"image": jnp.asarray(img), "label": jnp.asarray(label, jnp.int32)})
     return out
 
@@ -69,22 +70,31 @@ def make_batches(n: int, seed: int = 0):
 def main(steps: int = 20, ckpt_dir: str | None = None, strategy: str = "full_shard"):
     model = make_model()
     mesh = fj.make_mesh(fsdp=8)
-    sm = shard_model(model, optax.sgd(0.05, momentum=0.9), mesh, strategy,
-                     rng=jax.random.key(0), min_shard_size=256, max_replicated_fraction=None)
+    sm = shard_model(
+        model,
+        optax.sgd(0.05, momentum=0.9),
+        mesh,
+        strategy,
+        rng=jax.random.key(0),
+        min_shard_size=256,
+        max_replicated_fraction=None,
+    )
     print(sm.explain())
     b = sm.bytes_per_device()
-    print(f"per-device bytes: params {b['params']} opt_state {b['opt_state']} "
-          f"model_state {b['model_state']} total {b['total']}")
+    print(
+        f"per-device bytes: params {b['params']} opt_state {b['opt_state']} "
+        f"model_state {b['model_state']} total {b['total']}"
+    )
     loss_fn = make_loss_fn(model)
     step, evaluate = sm.train_step(loss_fn), sm.eval_step(loss_fn)
     batches = make_batches(steps)
     state, ckpt = sm.state, None
     if ckpt_dir:
         from fsdp_jax.checkpoint import Checkpointer
+
         ckpt = Checkpointer(ckpt_dir, keep=2, async_save=False)
         if ckpt.latest_step() is not None:  # resume: the same call, the state's own layout as target
-            target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                                  state)
+            target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
             state = ckpt.restore(target).state
             print(f"resumed at step {int(state.step)}")
     for i in range(int(state.step), steps):

@@ -56,6 +56,7 @@ def make(bug: str = "none"):
         def center(hl):
             mean = hl.mean(0, keepdims=True)
             return hl - (mean if bug == "local_mean" else jax.lax.pmean(mean, BATCH_AXES))
+
         h = per_device(center, P(BATCH_AXES))(h)
         logits = h @ m.head[...]  # (B, C)
         xent = -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), batch["y"][:, None], -1))
@@ -65,8 +66,10 @@ def make(bug: str = "none"):
         return xent + 0.1 * penalty
 
     rng = np.random.default_rng(0)
-    batches = [{"x": rng.normal(size=(BATCH, D)).astype(np.float32),
-                "y": rng.integers(0, C, (BATCH,)).astype(np.int32)} for _ in range(3)]
+    batches = [
+        {"x": rng.normal(size=(BATCH, D)).astype(np.float32), "y": rng.integers(0, C, (BATCH,)).astype(np.int32)}
+        for _ in range(3)
+    ]
     return model, loss_fn, batches
 
 
@@ -75,8 +78,7 @@ def main() -> int:
     ap.add_argument("--bug", choices=("none", "psum", "local_mean"), default="none")
     args = ap.parse_args()
     model, loss_fn, batches = make(args.bug)
-    report = fj.verify(model, optax.adamw(1e-3), loss_fn, batches=batches, devices=8, steps=3,
-                       min_shard_size=1024)
+    report = fj.verify(model, optax.adamw(1e-3), loss_fn, batches=batches, devices=8, steps=3, min_shard_size=1024)
     print(report.format())
     return 0 if report.passed else 1
 

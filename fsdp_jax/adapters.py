@@ -62,6 +62,7 @@ class ShardedModel:
     param. `model`: the adapted model (`apply`, `bind` for NNX, `logical_axes`).
     `trainable`: a bool tree matching params (None: everything trains).
     """
+
     state: TrainState
     plan: ShardingPlan
     optimizer: optax.GradientTransformation
@@ -100,8 +101,10 @@ class ShardedModel:
         kwargs.setdefault("precision", self.precision)
         if self._extended and kwargs.get("rng") is None:
             if self.rng is None and self.model.needs_rng:
-                raise ms_lib.StateError("train_step: the model draws random numbers (NNX Rngs) "
-                                        "but has no run key; pass train_step(loss_fn, rng=jax.random.key(seed))")
+                raise ms_lib.StateError(
+                    "train_step: the model draws random numbers (NNX Rngs) "
+                    "but has no run key; pass train_step(loss_fn, rng=jax.random.key(seed))"
+                )
             kwargs["rng"] = self.rng
         return make_train_step(loss_fn, self.optimizer, self.plan, **kwargs)
 
@@ -130,21 +133,32 @@ class ShardedModel:
         bytes per device and the fraction replicated over the shard axes."""
         keep = [True] * len(self.plan.rows) if self.trainable is None else jax.tree.leaves(self.trainable)
         width = max((len(r.path) for r in self.plan.rows), default=0)
-        lines = [f"{r.path:<{width}}  {str(r.shape):<16} {rl.spec_str(r.spec):<28} "
-                 f"{r.bytes_per_device:>10} B/device  {r.reason}{'' if k else ' (frozen)'}"
-                 for r, k in zip(self.plan.rows, keep)]
-        summary = rl.summarize(self.plan.rows, self.plan.strategy.params or self.plan.strategy.opt_state,
-                               self.plan.mesh)
+        lines = [
+            f"{r.path:<{width}}  {str(r.shape):<16} {rl.spec_str(r.spec):<28} "
+            f"{r.bytes_per_device:>10} B/device  {r.reason}{'' if k else ' (frozen)'}"
+            for r, k in zip(self.plan.rows, keep)
+        ]
+        summary = rl.summarize(
+            self.plan.rows, self.plan.strategy.params or self.plan.strategy.opt_state, self.plan.mesh
+        )
         return "\n".join(lines + ms_lib.rows_lines(self.plan.state_rows) + [rl.format_summary(summary)])
 
 
-def shard_model(model: Any, optimizer: optax.GradientTransformation, mesh: Mesh,
-                strategy: str | Strategy = "full_shard", *, rng: jax.Array | None = None,
-                trainable: Any = None, logical_axes: Any = None, rules: rl.Rules | None = None,
-                min_shard_size: int = rl.DEFAULT_MIN_SHARD_SIZE,
-                max_replicated_fraction: float | None = rl.DEFAULT_MAX_REPLICATED_FRACTION,
-                min_replicated_bytes: int = rl.DEFAULT_MIN_REPLICATED_BYTES,
-                precision: Any = None) -> ShardedModel:
+def shard_model(
+    model: Any,
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    strategy: str | Strategy = "full_shard",
+    *,
+    rng: jax.Array | None = None,
+    trainable: Any = None,
+    logical_axes: Any = None,
+    rules: rl.Rules | None = None,
+    min_shard_size: int = rl.DEFAULT_MIN_SHARD_SIZE,
+    max_replicated_fraction: float | None = rl.DEFAULT_MAX_REPLICATED_FRACTION,
+    min_replicated_bytes: int = rl.DEFAULT_MIN_REPLICATED_BYTES,
+    precision: Any = None,
+) -> ShardedModel:
     """Shard any Flax (NNX or Linen) or plain-pytree model for FSDP training.
 
     `model`: a `ModelFns` (`from_nnx`, `from_linen`), an init function
@@ -170,27 +184,48 @@ def shard_model(model: Any, optimizer: optax.GradientTransformation, mesh: Mesh,
     fns, params, model_state = _adapt(model, rng)
     mask = None if trainable is None else _trainable_mask(fns, trainable)
     if params is None and rng is None:
-        raise ValueError("shard_model: this model is initialised sharded from an init "
-                         "function; pass rng=jax.random.key(seed)")
-    built = build(fns, optimizer, mesh, strategy, logical_axes=logical_axes, rules=rules,
-                  min_shard_size=min_shard_size, max_replicated_fraction=max_replicated_fraction,
-                  min_replicated_bytes=min_replicated_bytes, precision=precision)
+        raise ValueError(
+            "shard_model: this model is initialised sharded from an init function; pass rng=jax.random.key(seed)"
+        )
+    built = build(
+        fns,
+        optimizer,
+        mesh,
+        strategy,
+        logical_axes=logical_axes,
+        rules=rules,
+        min_shard_size=min_shard_size,
+        max_replicated_fraction=max_replicated_fraction,
+        min_replicated_bytes=min_replicated_bytes,
+        precision=precision,
+    )
     state = built.init_state(rng) if params is None else built.place(params, model_state)
-    return ShardedModel(state=state, plan=built.plan, optimizer=optimizer, model=built.model,
-                        trainable=mask, precision=precision, rng=rng)
+    return ShardedModel(
+        state=state,
+        plan=built.plan,
+        optimizer=optimizer,
+        model=built.model,
+        trainable=mask,
+        precision=precision,
+        rng=rng,
+    )
 
 
-_NNX_FILTERS = tuple(getattr(nnx.filterlib, n) for n in (
-    "All", "Any", "Not", "OfType", "PathContains", "PathIn", "WithTag", "Everything", "Nothing"))
+_NNX_FILTERS = tuple(
+    getattr(nnx.filterlib, n)
+    for n in ("All", "Any", "Not", "OfType", "PathContains", "PathIn", "WithTag", "Everything", "Nothing")
+)
 
 
 def _trainable_mask(fns: ModelFns, trainable):
     """`trainable` (bool tree, callable or NNX filter) as a bool tree matching the params."""
     if _is_nnx_filter(trainable):
         if fns.nnx_state is None:
-            raise ValueError(f"shard_model: trainable={trainable!r} is an NNX filter, which needs an "
-                             "NNX model (from_nnx or an nnx.Module); pass a bool tree or a "
-                             "callable params -> bool tree instead")
+            raise ValueError(
+                f"shard_model: trainable={trainable!r} is an NNX filter, which needs an "
+                "NNX model (from_nnx or an nnx.Module); pass a bool tree or a "
+                "callable params -> bool tree instead"
+            )
         trainable = _nnx_filter_mask(fns.nnx_state, trainable)
     keep = trainable_leaves(fns.abstract_params, trainable)
     return jax.tree.unflatten(jax.tree.structure(fns.abstract_params), keep)

@@ -43,6 +43,7 @@ class Built:
     compile target, checkpoint restore target). `train_step` / `eval_step`: jitted
     steps (None without a `loss_fn`). `model`: anything with `init(rng) -> params`
     and `abstract_params` (a `fsdp_jax.model_fns.ModelFns`)."""
+
     model: Any
     optimizer: optax.GradientTransformation
     plan: ShardingPlan
@@ -70,18 +71,16 @@ class Built:
                 ms = state_fn(*a)
                 ms_lib.check_structure(ms, state_dtypes, "the model's initial state")
                 ms = jax.tree.map(lambda x, d: jnp.asarray(x).astype(d.dtype), ms, state_dtypes)
-            st = TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=optimizer.init(p),
-                            model_state=ms)
+            st = TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=optimizer.init(p), model_state=ms)
             return offload_lib.store_state(st, plan)
+
         with jax.set_mesh(self.plan.mesh):
-            return jax.jit(init, out_shardings=state_shardings(self.plan),
-                           donate_argnums=(0,) if donate else ())(*args)
+            return jax.jit(init, out_shardings=state_shardings(self.plan), donate_argnums=(0,) if donate else ())(*args)
 
     def init_state(self, rng: jax.Array) -> TrainState:
         """Step-0 state from `model.init(rng)`, created shard by shard in the plan's layout."""
         if self.model.init is None:
-            raise ValueError("this model has no init function (it was given as materialised "
-                             "params): use place(params)")
+            raise ValueError("this model has no init function (it was given as materialised params): use place(params)")
         state_fn = getattr(self.model, "init_state", None) if self.plan.model_state is not None else None
         return self._init_from(self.model.init, rng, state_fn=state_fn)
 
@@ -92,8 +91,10 @@ class Built:
         its materialised `model_state` too."""
         if (model_state is None) != (self.plan.model_state is None):
             raise ms_lib.StateError(
-                "place: this model has state; pass place(params, model_state)" if model_state is None
-                else "place: model_state given for a model without state")
+                "place: this model has state; pass place(params, model_state)"
+                if model_state is None
+                else "place: model_state given for a model without state"
+            )
         with jax.set_mesh(self.plan.mesh):
             p = jax.device_put(params, offload_lib.on_device(self.plan.params), may_alias=False)
             if model_state is None:
@@ -107,8 +108,9 @@ class Built:
         use `params` afterwards), with fresh optimizer state. Models without
         non-trainable state only (else `place(params, model_state)`)."""
         if self.plan.model_state is not None:
-            raise ms_lib.StateError("state_from_params: this model has state; use "
-                                    "place(params, model_state) or init_state(rng)")
+            raise ms_lib.StateError(
+                "state_from_params: this model has state; use place(params, model_state) or init_state(rng)"
+            )
         return self._init_from(lambda x: x, params, donate=True)
 
 
@@ -120,25 +122,36 @@ def with_param_dtype(model, dtype):
 
     def cast_dtype(d):
         return dtype if jnp.issubdtype(d, jnp.floating) else d
+
     leaves = jax.tree.leaves(model.abstract_params)
     if all(cast_dtype(x.dtype) == x.dtype for x in leaves):
         return model
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, cast_dtype(x.dtype)),
-                            model.abstract_params)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, cast_dtype(x.dtype)), model.abstract_params)
     init = model.init
     if init is not None:
+
         def init(rng, _init=model.init):
             return jax.tree.map(lambda x: x.astype(cast_dtype(x.dtype)), _init(rng))
+
     return dataclasses.replace(model, init=init, abstract_params=abstract)
 
 
-def build(model, optimizer: optax.GradientTransformation, mesh: Mesh,
-          strategy: str | Strategy = "full_shard", *, loss_fn: LossFn | None = None,
-          logical_axes: Any = None, rules: rl.Rules | None = None,
-          min_shard_size: int = rl.DEFAULT_MIN_SHARD_SIZE,
-          max_replicated_fraction: float | None = rl.DEFAULT_MAX_REPLICATED_FRACTION,
-          min_replicated_bytes: int = rl.DEFAULT_MIN_REPLICATED_BYTES,
-          has_aux: bool = False, offload: str = "none", **step_options) -> Built:
+def build(
+    model,
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    strategy: str | Strategy = "full_shard",
+    *,
+    loss_fn: LossFn | None = None,
+    logical_axes: Any = None,
+    rules: rl.Rules | None = None,
+    min_shard_size: int = rl.DEFAULT_MIN_SHARD_SIZE,
+    max_replicated_fraction: float | None = rl.DEFAULT_MAX_REPLICATED_FRACTION,
+    min_replicated_bytes: int = rl.DEFAULT_MIN_REPLICATED_BYTES,
+    has_aux: bool = False,
+    offload: str = "none",
+    **step_options,
+) -> Built:
     """Plan, abstract state and steps for `model` under `strategy` on `mesh`.
 
     `model`: a `ModelFns` (`from_nnx`, `from_linen`) or anything with
@@ -160,30 +173,54 @@ def build(model, optimizer: optax.GradientTransformation, mesh: Mesh,
     if step_options.get("precision") is not None:  # no precision given: the model's own dtypes
         model = with_param_dtype(model, Policy.parse(step_options["precision"]).param_dtype)
     abs_ms = getattr(model, "abstract_model_state", None)
-    plan = make_plan(model.abstract_params, optimizer, mesh, strategy, axes_, rules,
-                     min_shard_size, max_replicated_fraction, min_replicated_bytes,
-                     offload=offload, abstract_model_state=abs_ms,
-                     model_state_axes=getattr(model, "model_state_axes", None))
+    plan = make_plan(
+        model.abstract_params,
+        optimizer,
+        mesh,
+        strategy,
+        axes_,
+        rules,
+        min_shard_size,
+        max_replicated_fraction,
+        min_replicated_bytes,
+        offload=offload,
+        abstract_model_state=abs_ms,
+        model_state_axes=getattr(model, "model_state_axes", None),
+    )
     abstract = abstract_state(plan, model.abstract_params, optimizer, abs_ms)
     train_step = eval_step = None
     if loss_fn is not None:
         needs_rng = getattr(model, "needs_rng", False)
         if needs_rng and step_options.get("rng") is None:
-            raise ms_lib.StateError("build: the model draws random numbers (NNX Rngs) but the step "
-                                    "has no run key; pass rng=jax.random.key(seed)")
+            raise ms_lib.StateError(
+                "build: the model draws random numbers (NNX Rngs) but the step "
+                "has no run key; pass rng=jax.random.key(seed)"
+            )
         train_step = make_train_step(loss_fn, optimizer, plan, has_aux=has_aux, **step_options)
-        eval_step = make_eval_step(loss_fn, plan, precision=step_options.get("precision"),
-                                   has_aux=has_aux, extended=needs_rng or step_options.get("rng") is not None)
-    return Built(model=model, optimizer=optimizer, plan=plan, abstract_state=abstract,
-                 train_step=train_step, eval_step=eval_step)
+        eval_step = make_eval_step(
+            loss_fn,
+            plan,
+            precision=step_options.get("precision"),
+            has_aux=has_aux,
+            extended=needs_rng or step_options.get("rng") is not None,
+        )
+    return Built(
+        model=model, optimizer=optimizer, plan=plan, abstract_state=abstract, train_step=train_step, eval_step=eval_step
+    )
 
 
-def init_train_state(init_params: Callable[[jax.Array], Any], optimizer: optax.GradientTransformation,
-                     mesh: Mesh, rng: jax.Array, strategy: str | Strategy = "full_shard",
-                     logical_axes=None, rules: rl.Rules | None = None,
-                     min_shard_size: int = rl.DEFAULT_MIN_SHARD_SIZE,
-                     max_replicated_fraction: float | None = rl.DEFAULT_MAX_REPLICATED_FRACTION,
-                     offload: str = "none") -> tuple[TrainState, ShardingPlan]:
+def init_train_state(
+    init_params: Callable[[jax.Array], Any],
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    rng: jax.Array,
+    strategy: str | Strategy = "full_shard",
+    logical_axes=None,
+    rules: rl.Rules | None = None,
+    min_shard_size: int = rl.DEFAULT_MIN_SHARD_SIZE,
+    max_replicated_fraction: float | None = rl.DEFAULT_MAX_REPLICATED_FRACTION,
+    offload: str = "none",
+) -> tuple[TrainState, ShardingPlan]:
     """Initialise params and optimizer state directly in their sharded layout.
 
     `init_params(rng)` returns the param tree (plain arrays). `logical_axes`: a
@@ -191,8 +228,17 @@ def init_train_state(init_params: Callable[[jax.Array], Any], optimizer: optax.G
     which state rests in host memory (`fsdp_jax.offload`).
     Returns the sharded TrainState (step 0) and the ShardingPlan used.
     """
-    model = ModelFns(init=init_params, apply=None, logical_axes=logical_axes,
-                     abstract_params=jax.eval_shape(init_params, rng))
-    built = build(model, optimizer, mesh, strategy, rules=rules, min_shard_size=min_shard_size,
-                  max_replicated_fraction=max_replicated_fraction, offload=offload)
+    model = ModelFns(
+        init=init_params, apply=None, logical_axes=logical_axes, abstract_params=jax.eval_shape(init_params, rng)
+    )
+    built = build(
+        model,
+        optimizer,
+        mesh,
+        strategy,
+        rules=rules,
+        min_shard_size=min_shard_size,
+        max_replicated_fraction=max_replicated_fraction,
+        offload=offload,
+    )
     return built.init_state(rng), built.plan

@@ -49,9 +49,14 @@ _CHILD: _Outside | None = None
 def start(args: tuple, kwargs: dict, linger_s: float, timeout_s: float = 60.0) -> _Outside:
     """Start the child with JAX's arguments; RuntimeError (one line) when it cannot."""
     global _CHILD
-    proc = subprocess.Popen([sys.executable, "-m", "fsdp_jax.coord_service", json.dumps([list(args), kwargs]),
-                             str(linger_s)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, bufsize=1)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fsdp_jax.coord_service", json.dumps([list(args), kwargs]), str(linger_s)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+    )
     ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
     line = proc.stdout.readline().strip() if ready else ""
     if line != "ready":
@@ -67,6 +72,7 @@ def service_outside(linger_s: float):
     """Within the block, `jax.distributed.initialize` on process 0 starts its service in
     a child process. A JAX without the hook it replaces keeps its own service."""
     from jax._src import distributed as jd
+
     lib = getattr(jd, "_jax", None)
     real = getattr(lib, "get_distributed_runtime_service", None)
     if real is None:
@@ -75,6 +81,7 @@ def service_outside(linger_s: float):
 
     def outside(*args, **kwargs):
         return start(args, kwargs, linger_s)
+
     lib.get_distributed_runtime_service = outside
     try:
         yield
@@ -92,6 +99,7 @@ def _serve(spec: str, linger_s: float) -> int:
     args, kwargs = json.loads(spec)
     try:
         from jax._src.lib import _jax
+
         service = _jax.get_distributed_runtime_service(*args, **kwargs)
     except Exception as e:  # e.g. the port is taken
         print(f"{type(e).__name__}: {one_line(e, None)}", flush=True)

@@ -50,6 +50,7 @@ def detected_cluster(environ=os.environ) -> str | None:
 def is_loopback(host: str) -> bool:
     """True for localhost, 127.0.0.0/8 and ::1 (with or without IPv6 brackets)."""
     import ipaddress
+
     host = host.strip("[]")
     if host == "localhost":
         return True
@@ -71,9 +72,15 @@ def bind_address(coordinator: str, environ=os.environ) -> str | None:
     return environ.get("JAX_COORDINATOR_BIND_ADDRESS") or None
 
 
-def maybe_initialize(coordinator: str | None = None, num_processes: int | None = None,
-                     process_id: int | None = None, timeout_s: int = 300,
-                     environ=os.environ, peer_timeout_s: float | None = None, peer_note: str = "") -> str:
+def maybe_initialize(
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    timeout_s: int = 300,
+    environ=os.environ,
+    peer_timeout_s: float | None = None,
+    peer_note: str = "",
+) -> str:
     """Initialise `jax.distributed` when this run has several processes.
 
     Returns how: "explicit", the detected cluster's name, or "single" (nothing done).
@@ -94,20 +101,26 @@ def maybe_initialize(coordinator: str | None = None, num_processes: int | None =
             raise ValueError(
                 "set coordinator, num_processes and process_id together "
                 f"(got coordinator={coordinator!r}, num_processes={num_processes!r}, "
-                f"process_id={process_id!r})")
+                f"process_id={process_id!r})"
+            )
         host, sep, port = coordinator.rpartition(":")
         if not (sep and host.strip("[]") and port.isdigit() and 0 < int(port) < 65536):
-            raise ValueError(f"coordinator {coordinator!r} is invalid; expected HOST:PORT with a "
-                             "port in 1..65535")
+            raise ValueError(f"coordinator {coordinator!r} is invalid; expected HOST:PORT with a port in 1..65535")
         if not 0 <= process_id < num_processes:
             raise ValueError(f"process_id {process_id} is invalid; must be in [0, {num_processes})")
         if num_processes == 1:
             return "single"
         if process_id != 0:
             _wait_for_coordinator(coordinator, timeout_s)
-        _initialize(jax, coordinator_address=coordinator, num_processes=num_processes,
-                    process_id=process_id, initialization_timeout=timeout_s,
-                    coordinator_bind_address=bind_address(coordinator, environ), peer_timeout_s=peer_timeout_s)
+        _initialize(
+            jax,
+            coordinator_address=coordinator,
+            num_processes=num_processes,
+            process_id=process_id,
+            initialization_timeout=timeout_s,
+            coordinator_bind_address=bind_address(coordinator, environ),
+            peer_timeout_s=peer_timeout_s,
+        )
         _watch_peers(peer_timeout_s, peer_note)
         return "explicit"
     cluster = detected_cluster(environ)
@@ -128,6 +141,7 @@ def _watch_peers(peer_timeout_s: float | None, note: str) -> None:
     from jax._src import distributed as jax_distributed  # the client: no public accessor
 
     from fsdp_jax.peer_watch import PeerWatch
+
     state = jax_distributed.global_state
     if state.client is None or state.num_processes < 2:
         return
@@ -146,6 +160,7 @@ def finished() -> None:
     """This process ends normally: stop its peer watch (the others stop waiting for it)."""
     global _WATCH
     from fsdp_jax import coord_service
+
     coord_service.finished()
     if _WATCH is not None:
         _WATCH.finish()
@@ -158,6 +173,7 @@ def _wait_for_coordinator(coordinator: str, timeout_s: float) -> None:
     register, so an unreachable coordinator is reported here first, as one line."""
     import socket
     import time
+
     host, _, port = coordinator.rpartition(":")
     deadline = time.monotonic() + timeout_s
     while True:
@@ -168,7 +184,8 @@ def _wait_for_coordinator(coordinator: str, timeout_s: float) -> None:
             if time.monotonic() >= deadline:
                 raise DistributedInitError(
                     f"the coordinator {coordinator} did not answer within {timeout_s} s "
-                    f"({e.strerror or e}); check that process 0 runs and the address is right") from None
+                    f"({e.strerror or e}); check that process 0 runs and the address is right"
+                ) from None
         time.sleep(0.5)
 
 
@@ -180,9 +197,11 @@ def _initialize(jax, peer_timeout_s: float | None = None, **kwargs) -> None:
     import inspect
 
     from fsdp_jax import coord_service, peer_watch
+
     bind = kwargs.get("coordinator_bind_address")
     if "coordinator_bind_address" in kwargs and (
-            "coordinator_bind_address" not in inspect.signature(jax.distributed.initialize).parameters):
+        "coordinator_bind_address" not in inspect.signature(jax.distributed.initialize).parameters
+    ):
         del kwargs["coordinator_bind_address"]  # a JAX without the argument reads the variable
         if bind:
             os.environ["JAX_COORDINATOR_BIND_ADDRESS"] = bind

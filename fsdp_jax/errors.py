@@ -26,6 +26,7 @@ def one_line(e: BaseException, limit: int | None = 240) -> str:
 
 # ----------------------------------------------------------------------- library: bad input
 
+
 class MeshError(ValueError):
     """Mesh sizes that cannot be laid over the available devices."""
 
@@ -81,6 +82,7 @@ class CheckpointError(ValueError):
 
 # --------------------------------------------------------------------- library: environment
 
+
 class CheckpointWriteError(RuntimeError):
     """A save failed in the environment (disk full, permissions, I/O error). The message
     is one line naming the step, the cause and the newest committed step, which is
@@ -94,6 +96,7 @@ class DistributedInitError(RuntimeError):
 
 # --------------------------------------------------------------------------- library: warnings
 
+
 class UnknownNamesWarning(UserWarning):
     """Logical names the rules table does not map: those dims get no mesh axis."""
 
@@ -104,6 +107,7 @@ class ReplicatedWarning(UserWarning):
 
 
 # ------------------------------------------------------------------ application (fsdp_jax.app)
+
 
 class ConfigError(ValueError):
     """A bad config value; `key` is the dotted key (or file) the message names."""

@@ -20,12 +20,15 @@ def logical_axes_of(tree):
     from flax import linen as nn
     from flax import nnx
 
-    if isinstance(tree, nnx.State) or any(isinstance(x, nnx.Variable) for x in jax.tree.leaves(
-            tree, is_leaf=lambda x: isinstance(x, nnx.Variable))):
+    if isinstance(tree, nnx.State) or any(
+        isinstance(x, nnx.Variable) for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    ):
         specs = nnx.get_partition_spec(tree)
         values = tree
-    elif any(isinstance(x, nn.spmd.LogicallyPartitioned) for x in jax.tree.leaves(
-            tree, is_leaf=lambda x: isinstance(x, nn.spmd.LogicallyPartitioned))):
+    elif any(
+        isinstance(x, nn.spmd.LogicallyPartitioned)
+        for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nn.spmd.LogicallyPartitioned))
+    ):
         specs = nn.get_partition_spec(tree)
         values = nn.unbox(tree)
     else:

@@ -36,8 +36,23 @@ import numpy as np
 from fsdp_jax.hlo_calls import _OP_NAME_RE, _reach, call_graph, enclosing_loops, executions, parse_computations  # noqa: F401
 
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
-_DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "f64": 8, "s32": 4, "u32": 4, "s8": 1, "u8": 1,
-                "pred": 1, "s64": 8, "u64": 8, "s16": 2, "u16": 2, "f8e4m3fn": 1, "f8e5m2": 1}
+_DTYPE_BYTES = {
+    "f32": 4,
+    "bf16": 2,
+    "f16": 2,
+    "f64": 8,
+    "s32": 4,
+    "u32": 4,
+    "s8": 1,
+    "u8": 1,
+    "pred": 1,
+    "s64": 8,
+    "u64": 8,
+    "s16": 2,
+    "u16": 2,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+}
 _DTYPE_NAMES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "f64": "float64"}
 _SHAPE_RE = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\]")
 _INSTR_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][\w\-]*)\((.*)$")
@@ -46,11 +61,14 @@ _COMPUTE_OPS = ("fusion", "custom-call", "convolution", "dot")
 # XLA:TPU lowers a collective across slices (over the data-center network) to a host-transfer
 # `send` for the Megascale runtime: `_xla_megascale_transfer_type="ALL_REDUCE"` (or ALL_GATHER, ...)
 _MEGASCALE_RE = re.compile(r'_xla_megascale_transfer_type="(\w+)"')
-_REMAT_RE = re.compile(r"Involuntary full rematerialization.*?from sharding (.*?) to (.*?) without doing"
-                       r".*?HLO operation: %?([\w.\-]+) = (\S+)(.*?)(?:You probably|$)")
+_REMAT_RE = re.compile(
+    r"Involuntary full rematerialization.*?from sharding (.*?) to (.*?) without doing"
+    r".*?HLO operation: %?([\w.\-]+) = (\S+)(.*?)(?:You probably|$)"
+)
 
 
 # ----------------------------------------------------------------------------- types, groups
+
 
 def _top_level(s: str) -> list[str]:
     """Top-level comma-separated parts of a tuple type '(a, (b, c), d)'."""
@@ -142,6 +160,7 @@ def _iota(spec: str, n: int) -> np.ndarray:
 
 # ----------------------------------------------------------------------------- the schedule
 
+
 def _phase(op_name: str) -> str | None:
     if "transpose(" in op_name:
         return "backward"
@@ -151,8 +170,11 @@ def _phase(op_name: str) -> str | None:
 
 
 def _is_gemm(op: str, line: str) -> bool:
-    return (op == "custom-call" and "gemm" in line) or (op == "fusion" and "gemm_fusion" in line) \
+    return (
+        (op == "custom-call" and "gemm" in line)
+        or (op == "fusion" and "gemm_fusion" in line)
         or op in ("dot", "convolution")
+    )
 
 
 def collective_schedule(hlo: str, hosts: list[int] | None = None) -> list[dict[str, Any]]:
@@ -180,8 +202,7 @@ def collective_schedule(hlo: str, hosts: list[int] | None = None) -> list[dict[s
             if base not in COLLECTIVES or op.endswith("-done"):
                 continue
             is_start = op.endswith("-start") or bool(megascale)
-            shapes = (_shapes(_top_level(type_str)[0])[:1] if megascale
-                      else result_shapes(type_str, base, is_start))
+            shapes = _shapes(_top_level(type_str)[0])[:1] if megascale else result_shapes(type_str, base, is_start)
             nbytes = sum(n * _DTYPE_BYTES[dt] for dt, n in shapes)
             dtypes = Counter()
             for dt, n in shapes:
@@ -195,15 +216,25 @@ def collective_schedule(hlo: str, hosts: list[int] | None = None) -> list[dict[s
             overlap = None
             pipelined = False
             if is_start:
-                done = next((d for d in parsed[k + 1:] if d[2] == ("send-done" if megascale else base + "-done")
-                             and re.search(rf"\(%?{re.escape(name)}[),]", d[4])), None)
+                done = next(
+                    (
+                        d
+                        for d in parsed[k + 1 :]
+                        if d[2] == ("send-done" if megascale else base + "-done")
+                        and re.search(rf"\(%?{re.escape(name)}[),]", d[4])
+                    ),
+                    None,
+                )
                 if done is None:
                     pipelined = True  # done in a later iteration / another computation
                 else:
-                    between = parsed[k + 1:position[done[1]]]
+                    between = parsed[k + 1 : position[done[1]]]
                     comp = [b for b in between if b[2] in _COMPUTE_OPS]
-                    overlap = {"ops": len(comp), "gemms": sum(_is_gemm(b[2], b[4]) for b in comp),
-                               "names": [b[1] for b in comp[:6]]}
+                    overlap = {
+                        "ops": len(comp),
+                        "gemms": sum(_is_gemm(b[2], b[4]) for b in comp),
+                        "names": [b[1] for b in comp[:6]],
+                    }
                     if not op_name:
                         om = _OP_NAME_RE.search(done[4])
                         op_name = om.group(1) if om else ""
@@ -216,16 +247,30 @@ def collective_schedule(hlo: str, hosts: list[int] | None = None) -> list[dict[s
             if megascale:  # one device per slice takes part (its peers in the other slices)
                 group_size, crosses = (len(set(hosts)) if hosts else None), True
             k_runs = runs.get(cname, 1)
-            out.append({"op": base, "name": name, "computation": cname, "dtype": _DTYPE_NAMES.get(dtype, dtype),
-                        "dtypes": {_DTYPE_NAMES.get(d, d): b for d, b in dtypes.items()},
-                        "hlo_dtypes": dict(hlo_dtypes),
-                        "elements": len(shapes), "bytes": nbytes, "runs": k_runs,
-                        "bytes_per_step": nbytes * k_runs,
-                        "loop": lp["op_name"] or lp["body"] if lp else None,
-                        "loop_trip_count": lp["trip_count"] if lp else None,
-                        "phase": phase, "async": is_start, "pipelined": pipelined, "overlap": overlap,
-                        "group_size": group_size, "crosses_hosts": crosses, "op_name": op_name,
-                        "channel_id": int(ch.group(1)) if (ch := _CHANNEL_RE.search(line)) else None})
+            out.append(
+                {
+                    "op": base,
+                    "name": name,
+                    "computation": cname,
+                    "dtype": _DTYPE_NAMES.get(dtype, dtype),
+                    "dtypes": {_DTYPE_NAMES.get(d, d): b for d, b in dtypes.items()},
+                    "hlo_dtypes": dict(hlo_dtypes),
+                    "elements": len(shapes),
+                    "bytes": nbytes,
+                    "runs": k_runs,
+                    "bytes_per_step": nbytes * k_runs,
+                    "loop": lp["op_name"] or lp["body"] if lp else None,
+                    "loop_trip_count": lp["trip_count"] if lp else None,
+                    "phase": phase,
+                    "async": is_start,
+                    "pipelined": pipelined,
+                    "overlap": overlap,
+                    "group_size": group_size,
+                    "crosses_hosts": crosses,
+                    "op_name": op_name,
+                    "channel_id": int(ch.group(1)) if (ch := _CHANNEL_RE.search(line)) else None,
+                }
+            )
     return _merge_collective_fusions(out, comps)
 
 
@@ -258,8 +303,13 @@ def _merge_collective_fusions(records: list[dict[str, Any]], comps: dict[str, li
     for copies in groups.values():
         if len(copies) > 1:
             carriers = [c["computation"] for c in copies[1:]]
-            copies[0].update({"async": True, "pipelined": False,
-                              "overlap": {"ops": len(carriers), "gemms": 0, "names": carriers[:6]}})
+            copies[0].update(
+                {
+                    "async": True,
+                    "pipelined": False,
+                    "overlap": {"ops": len(carriers), "gemms": 0, "names": carriers[:6]},
+                }
+            )
     return out
 
 
@@ -281,8 +331,13 @@ def wire_bytes(c: dict[str, Any]) -> int:
     n = c["group_size"] or 1
     if n <= 1 and c["op"] != "collective-permute":
         return 0
-    factor = {"all-gather": (n - 1) / n, "reduce-scatter": n - 1, "all-reduce": 2 * (n - 1) / n,
-              "all-to-all": (n - 1) / n, "collective-permute": 1}[c["op"]]
+    factor = {
+        "all-gather": (n - 1) / n,
+        "reduce-scatter": n - 1,
+        "all-reduce": 2 * (n - 1) / n,
+        "all-to-all": (n - 1) / n,
+        "collective-permute": 1,
+    }[c["op"]]
     return int(round(c["bytes_per_step"] * factor))
 
 
@@ -303,6 +358,7 @@ def communication(schedule: list[dict[str, Any]]) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- warnings
 
+
 def involuntary_rematerializations(log: str) -> list[dict[str, str]]:
     """The SPMD partitioner's "Involuntary full rematerialization" messages in a
     compile's stderr: [{"tensor", "shape", "from", "to", "op_name"}]."""
@@ -312,12 +368,18 @@ def involuntary_rematerializations(log: str) -> list[dict[str, str]]:
             continue
         m = _REMAT_RE.search(line)
         if not m:
-            out.append({"tensor": "?", "shape": "?", "from": "?", "to": "?", "op_name": "",
-                        "line": line.strip()[:300]})
+            out.append({"tensor": "?", "shape": "?", "from": "?", "to": "?", "op_name": "", "line": line.strip()[:300]})
             continue
         op = _OP_NAME_RE.search(m.group(5))
-        out.append({"tensor": m.group(3), "shape": m.group(4), "from": m.group(1).rstrip("."),
-                    "to": m.group(2).rstrip("."), "op_name": op.group(1) if op else ""})
+        out.append(
+            {
+                "tensor": m.group(3),
+                "shape": m.group(4),
+                "from": m.group(1).rstrip("."),
+                "to": m.group(2).rstrip("."),
+                "op_name": op.group(1) if op else "",
+            }
+        )
     return out
 
 
@@ -328,10 +390,16 @@ def _fmt(n: float) -> str:
     return f"{int(n)} B"
 
 
-def schedule_warnings(schedule: list[dict[str, Any]], *, compute_dtype: str | None = None,
-                      shards_grads: bool = False, gathers_per_layer: bool = False,
-                      param_bytes_threshold: int | None = None,
-                      layer_gather_bytes: int | None = None, replicated_group: int = 1) -> list[str]:
+def schedule_warnings(
+    schedule: list[dict[str, Any]],
+    *,
+    compute_dtype: str | None = None,
+    shards_grads: bool = False,
+    gathers_per_layer: bool = False,
+    param_bytes_threshold: int | None = None,
+    layer_gather_bytes: int | None = None,
+    replicated_group: int = 1,
+) -> list[str]:
     """Problems in a compiled schedule a user can act on, one sentence each.
 
     `shards_grads`: the strategy reduce-scatters grads (ZeRO-2/3, HSDP), so a
@@ -351,11 +419,19 @@ def schedule_warnings(schedule: list[dict[str, Any]], *, compute_dtype: str | No
     for c in schedule:
         if c["bytes"] < big:
             continue
-        if (shards_grads and c["op"] == "all-reduce" and c["phase"] == "backward"
-                and not (replicated_group > 1 and c["group_size"] == replicated_group)):
+        if (
+            shards_grads
+            and c["op"] == "all-reduce"
+            and c["phase"] == "backward"
+            and not (replicated_group > 1 and c["group_size"] == replicated_group)
+        ):
             found[("grad-all-reduce", c["op"], c["loop"], c["phase"])].append(c)
-        if (compute_dtype in ("bfloat16", "float16") and c["op"] == "all-gather" and c["dtype"] == "float32"
-                and c["phase"] in ("forward", "backward")):
+        if (
+            compute_dtype in ("bfloat16", "float16")
+            and c["op"] == "all-gather"
+            and c["dtype"] == "float32"
+            and c["phase"] in ("forward", "backward")
+        ):
             found[("f32-gather", c["op"], c["loop"], c["phase"])].append(c)
         if not c["async"] or (c["overlap"] is not None and c["overlap"]["ops"] == 0):
             found[("no-overlap", c["op"], c["loop"], c["phase"])].append(c)
@@ -363,26 +439,36 @@ def schedule_warnings(schedule: list[dict[str, Any]], *, compute_dtype: str | No
         where = f"{phase} pass, " + (f"inside loop {loop}" if loop else "outside any loop")
         sizes = sorted({c["bytes"] for c in cs})
         size = _fmt(sizes[0]) if len(sizes) == 1 else f"{_fmt(sizes[0])}-{_fmt(sizes[-1])}"
-        what = (f"{len(cs)} {op}{'s' if len(cs) > 1 else ''} ({', '.join(c['name'] for c in cs[:4])}"
-                f"{', ...' if len(cs) > 4 else ''}; {cs[0]['dtype']}, {size} each, "
-                f"{_fmt(sum(c['bytes_per_step'] for c in cs))} per step; {where})")
+        what = (
+            f"{len(cs)} {op}{'s' if len(cs) > 1 else ''} ({', '.join(c['name'] for c in cs[:4])}"
+            f"{', ...' if len(cs) > 4 else ''}; {cs[0]['dtype']}, {size} each, "
+            f"{_fmt(sum(c['bytes_per_step'] for c in cs))} per step; {where})"
+        )
         if kind == "grad-all-reduce":
-            out.append(f"gradient all-reduce where a reduce-scatter was expected: {what}; every device "
-                       f"then sums full-size grads and keeps a slice: check that the grads are "
-                       f"constrained to the sharded layout where they are produced")
+            out.append(
+                f"gradient all-reduce where a reduce-scatter was expected: {what}; every device "
+                f"then sums full-size grads and keeps a slice: check that the grads are "
+                f"constrained to the sharded layout where they are produced"
+            )
         elif kind == "f32-gather":
-            out.append(f"float32 all-gather under {compute_dtype} compute: {what}; it moves twice the "
-                       f"bytes: cast params to the compute dtype in their sharded layout before the gather")
+            out.append(
+                f"float32 all-gather under {compute_dtype} compute: {what}; it moves twice the "
+                f"bytes: cast params to the compute dtype in their sharded layout before the gather"
+            )
         else:
             sync = [c for c in cs if not c["async"]]
             why = "synchronous" if sync else "async, but nothing is scheduled between start and done"
-            out.append(f"{op} with no compute overlapping it: {what}; {why}, so the step waits "
-                       f"for it: see fsdp_jax.xla_flags for the scheduler flags")
+            out.append(
+                f"{op} with no compute overlapping it: {what}; {why}, so the step waits "
+                f"for it: see fsdp_jax.xla_flags for the scheduler flags"
+            )
     if gathers_per_layer and layer_gather_bytes is not None and has_loops:
         outside = sum(c["bytes"] for c in schedule if c["op"] == "all-gather" and not c["loop"])
         if outside > 1.5 * layer_gather_bytes + (1 << 20):
-            out.append(f"whole-model gather hoisted out of the layer loop: {_fmt(outside)} all-gathered "
-                       f"outside any loop (expected <= {_fmt(layer_gather_bytes)}, the unstacked params), "
-                       f"so every layer's params are resident at once; keep the layer params inside the "
-                       f"scanned body and do not constrain them to a replicated layout")
+            out.append(
+                f"whole-model gather hoisted out of the layer loop: {_fmt(outside)} all-gathered "
+                f"outside any loop (expected <= {_fmt(layer_gather_bytes)}, the unstacked params), "
+                f"so every layer's params are resident at once; keep the layer params inside the "
+                f"scanned body and do not constrain them to a replicated layout"
+            )
     return out

@@ -9,8 +9,10 @@ from collections import defaultdict
 from typing import Any
 
 _COMP_RE = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*(?:\([^)]*\)|\(.*\))\s*->.*\{\s*$")
-_CALLS_RE = re.compile(r"\b(body|condition|calls|to_apply)=%?([\w.\-]+)"
-                       r"|\b(?:branch_computations|called_computations)=\{([^}]*)\}")
+_CALLS_RE = re.compile(
+    r"\b(body|condition|calls|to_apply)=%?([\w.\-]+)"
+    r"|\b(?:branch_computations|called_computations)=\{([^}]*)\}"
+)
 _TRIP_RE = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)"?')
 _OP_NAME_RE = re.compile(r'op_name="([^"]*)"')
 
@@ -35,8 +37,10 @@ def parse_computations(hlo: str) -> tuple[dict[str, list[str]], str | None]:
 
 
 _CONST_RE = re.compile(r"^\s*%?([\w.\-]+)\s*=\s*s32\[\]\S*\s+constant\((\d+)\)")
-_LT_RE = re.compile(r"^\s*ROOT\s+%?[\w.\-]+\s*=\s*pred\[\]\S*\s+compare\(%?[\w.\-]+,\s*%?([\w.\-]+)\),"
-                    r"\s*direction=LT")
+_LT_RE = re.compile(
+    r"^\s*ROOT\s+%?[\w.\-]+\s*=\s*pred\[\]\S*\s+compare\(%?[\w.\-]+,\s*%?([\w.\-]+)\),"
+    r"\s*direction=LT"
+)
 
 
 def _counted_trips(cond: list[str]) -> int | None:
@@ -63,16 +67,16 @@ def call_graph(comps: dict[str, list[str]]):
             if is_while:
                 m = _TRIP_RE.search(line)
                 cond = re.search(r"\bcondition=%?([\w.\-]+)", line)
-                trip = int(m.group(1)) if m else (_counted_trips(comps.get(cond.group(1), []))
-                                                   if cond else None)
+                trip = int(m.group(1)) if m else (_counted_trips(comps.get(cond.group(1), [])) if cond else None)
             for m in _CALLS_RE.finditer(line):
                 names = [m.group(2)] if m.group(2) else [n.strip().lstrip("%") for n in m.group(3).split(",")]
                 for callee in names:
                     if is_while and m.group(1) == "body":
                         edges[name].append((callee, trip or 1))
                         op = _OP_NAME_RE.search(line)
-                        loops.append({"body": callee, "parent": name, "trip_count": trip,
-                                      "op_name": op.group(1) if op else ""})
+                        loops.append(
+                            {"body": callee, "parent": name, "trip_count": trip, "op_name": op.group(1) if op else ""}
+                        )
                     elif is_while and m.group(1) == "condition":
                         edges[name].append((callee, (trip or 1) + 1))
                     else:
@@ -82,8 +86,11 @@ def call_graph(comps: dict[str, list[str]]):
 
 def executions(comps, edges, entry: str | None) -> dict[str, int]:
     """How many times each computation runs per call of the entry computation."""
-    roots = [entry] if entry in comps else [c for c in comps if not any(
-        c == callee for es in edges.values() for callee, _ in es)]
+    roots = (
+        [entry]
+        if entry in comps
+        else [c for c in comps if not any(c == callee for es in edges.values() for callee, _ in es)]
+    )
     order: list[str] = []
     seen: set[str] = set()
     for r in roots:  # post-order DFS; HLO call graphs are acyclic

@@ -49,6 +49,7 @@ class LayerGather:
     """What `gather` does while a train step is traced: shard params over `shard_axes`
     of `mesh` by `rules` at rest, compute in `compute_dtype`, reduce grads in
     `reduce_dtype`, and `keep` the gathered copy for the backward pass (ZeRO-2)."""
+
     mesh: Mesh
     rules: Any
     shard_axes: tuple[str, ...]
@@ -117,6 +118,7 @@ def gather_module(module):
     """`gather` over a Flax NNX module's `nnx.Param`s (names from their partitioning
     metadata); returns a module to call in its place."""
     from flax import nnx
+
     if current() is None:
         return module
     graphdef, state, rest = nnx.split(module, nnx.Param, ...)

@@ -40,9 +40,11 @@ def state_bytes_per_device(abstract_state) -> dict[str, int]:
     """Per-device bytes of a TrainState of sharded ShapeDtypeStructs (or arrays):
     `params`, `opt_state`, `step`, `model_state` (only for a model with non-trainable
     state: BatchNorm statistics, ...) and `total`."""
-    out = {"params": tree_bytes_per_device(abstract_state.params),
-           "opt_state": tree_bytes_per_device(abstract_state.opt_state),
-           "step": tree_bytes_per_device(abstract_state.step)}
+    out = {
+        "params": tree_bytes_per_device(abstract_state.params),
+        "opt_state": tree_bytes_per_device(abstract_state.opt_state),
+        "step": tree_bytes_per_device(abstract_state.step),
+    }
     if getattr(abstract_state, "model_state", None) is not None:
         out["model_state"] = tree_bytes_per_device(abstract_state.model_state)
     out["total"] = sum(out.values())
@@ -58,15 +60,20 @@ def compiled_memory(compiled) -> dict[str, int]:
     roughly the argument bytes there, leaving out temp, so it is not used alone).
     """
     ma = compiled.memory_analysis()
-    out = {"argument": int(ma.argument_size_in_bytes), "output": int(ma.output_size_in_bytes),
-           "alias": int(ma.alias_size_in_bytes), "temp": int(ma.temp_size_in_bytes),
-           "code": int(getattr(ma, "generated_code_size_in_bytes", 0))}
+    out = {
+        "argument": int(ma.argument_size_in_bytes),
+        "output": int(ma.output_size_in_bytes),
+        "alias": int(ma.alias_size_in_bytes),
+        "temp": int(ma.temp_size_in_bytes),
+        "code": int(getattr(ma, "generated_code_size_in_bytes", 0)),
+    }
     out["xla_peak"] = int(getattr(ma, "peak_memory_in_bytes", 0) or 0)
     out["peak"] = max(out["xla_peak"], out["argument"] + out["output"] - out["alias"] + out["temp"])
     return out
 
 
 # ----------------------------------------------------------------------------- HLO
+
 
 def collective_report(hlo: str) -> dict[str, Any]:
     """Count collectives in compiled HLO text, split into those inside a while loop
@@ -90,8 +97,9 @@ def collective_report(hlo: str) -> dict[str, Any]:
     report: dict[str, Any] = {"inside_loop": {}, "outside_loop": {}}
     for c in hlo_lib.collective_schedule(hlo):
         where = "inside_loop" if c["loop"] else "outside_loop"
-        e = report[where].setdefault(c["op"], {"count": 0, "bytes": 0, "runs": 0, "bytes_per_step": 0,
-                                                "dtypes": Counter(), "op_names": []})
+        e = report[where].setdefault(
+            c["op"], {"count": 0, "bytes": 0, "runs": 0, "bytes_per_step": 0, "dtypes": Counter(), "op_names": []}
+        )
         e["count"] += 1
         e["bytes"] += c["bytes"]
         e["runs"] += c["runs"]

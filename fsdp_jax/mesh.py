@@ -28,21 +28,27 @@ def resolve_mesh_shape(sizes: Sequence[int], n_devices: int) -> tuple[int, ...]:
     if -1 in sizes:
         if n_devices % known:
             raise MeshError(
-                f"mesh sizes ({named}) cannot fill {n_devices} devices: "
-                f"{n_devices} is not divisible by {known}")
+                f"mesh sizes ({named}) cannot fill {n_devices} devices: {n_devices} is not divisible by {known}"
+            )
         sizes = tuple(n_devices // known if s == -1 else s for s in sizes)
     if math.prod(sizes) != n_devices:
         raise MeshError(
             f"mesh sizes ({named}) multiply to {math.prod(sizes)} but there are "
-            f"{n_devices} devices; make the product {n_devices} or set one size to -1")
+            f"{n_devices} devices; make the product {n_devices} or set one size to -1"
+        )
     return sizes
 
 
 AXIS_TYPES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
 
 
-def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1,
-              devices: Sequence[jax.Device] | None = None, axis_types: str = "auto") -> Mesh:
+def make_mesh(
+    data: int = 1,
+    fsdp: int = -1,
+    tensor: int = 1,
+    devices: Sequence[jax.Device] | None = None,
+    axis_types: str = "auto",
+) -> Mesh:
     """Mesh with axes (`data`, `fsdp`, `tensor`), all of one axis type.
 
     One size may be -1 to take the remaining devices. With several processes the
@@ -66,9 +72,10 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1,
     per_proc = len(devices) // n_proc
     if n_proc > 1 and shape[0] % n_proc == 0 and math.prod(shape[1:]) * (shape[0] // n_proc) == per_proc:
         from jax.experimental import mesh_utils
+
         grid = mesh_utils.create_hybrid_device_mesh(
-            (shape[0] // n_proc, shape[1], shape[2]), (n_proc, 1, 1), devices=devices,
-            process_is_granule=True)
+            (shape[0] // n_proc, shape[1], shape[2]), (n_proc, 1, 1), devices=devices, process_is_granule=True
+        )
         return Mesh(grid, MESH_AXES, axis_types=axis_types)
     if devices == list(jax.devices()):
         return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types)

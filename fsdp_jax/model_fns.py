@@ -41,6 +41,7 @@ class ModelFns:
     `apply(params, *args, state=, rng=, train=True)` returns `(out, new_state)`.
     `needs_rng`: the model draws random numbers from its own streams (NNX `Rngs`), so
     the train step must be given a run key."""
+
     init: Callable[[jax.Array], Any] | None
     apply: Callable[..., Any] | None
     logical_axes: Any
@@ -79,9 +80,14 @@ def from_nnx(make_module: Callable[[nnx.Rngs], nnx.Module]) -> ModelFns:
     return ModelFns(**parts.fns_fields(init, init_state))
 
 
-def from_linen(module: nn.Module, *example_args, state: tuple[str, ...] = ("batch_stats",),
-               rngs: tuple[str, ...] = ("dropout",), axis_names: tuple[str, ...] = (),
-               **example_kwargs) -> ModelFns:
+def from_linen(
+    module: nn.Module,
+    *example_args,
+    state: tuple[str, ...] = ("batch_stats",),
+    rngs: tuple[str, ...] = ("dropout",),
+    axis_names: tuple[str, ...] = (),
+    **example_kwargs,
+) -> ModelFns:
     """Adapt a Linen `module` initialised by `module.init(rng, *example_args,
     **example_kwargs)`; the `"params"` collection is trained.
 
@@ -106,9 +112,9 @@ def from_linen(module: nn.Module, *example_args, state: tuple[str, ...] = ("batc
     def variables(rng):
         args, kwargs = jax.tree.map(
             lambda a: jnp.zeros(a.shape, a.dtype) if isinstance(a, jax.ShapeDtypeStruct) else a,
-            (example_args, example_kwargs))
-        return module.init({"params": rng, **_stream_keys(rngs, jax.random.fold_in(rng, 1))},
-                           *args, **kwargs)
+            (example_args, example_kwargs),
+        )
+        return module.init({"params": rng, **_stream_keys(rngs, jax.random.fold_in(rng, 1))}, *args, **kwargs)
 
     abstract = jax.eval_shape(variables, jax.random.key(0))
     extra = sorted(set(abstract) - {"params"} - set(state))
@@ -116,7 +122,8 @@ def from_linen(module: nn.Module, *example_args, state: tuple[str, ...] = ("batc
         raise ms_lib.StateError(
             f"from_linen: {type(module).__name__} creates the collection {extra[0]!r}, which is "
             f"neither trained ('params') nor declared as state (state={tuple(state)!r}); declare "
-            f"it: from_linen(module, ..., state={tuple(state) + tuple(extra)!r})")
+            f"it: from_linen(module, ..., state={tuple(state) + tuple(extra)!r})"
+        )
     cols = tuple(c for c in state if c in abstract)
     values, names = _plain(abstract["params"])
     s_values, s_names = _plain({c: abstract[c] for c in cols}) if cols else (None, None)
@@ -149,17 +156,24 @@ def from_linen(module: nn.Module, *example_args, state: tuple[str, ...] = ("batc
         out, new = module.apply(variables_, *args, rngs=streams, mutable=list(cols), **kwargs)
         return out, {c: unfreeze(new[c]) if c in new else state[c] for c in cols}
 
-    return ModelFns(init=init, apply=apply, logical_axes=names, abstract_params=values,
-                    abstract_model_state=s_values, model_state_axes=s_names,
-                    init_state=init_state if cols else None)
+    return ModelFns(
+        init=init,
+        apply=apply,
+        logical_axes=names,
+        abstract_params=values,
+        abstract_model_state=s_values,
+        model_state_axes=s_names,
+        init_state=init_state if cols else None,
+    )
 
 
 def _bound(fn, name: str):
     """`fn` run under a size-1 `vmap` axis called `name` (inputs and outputs unchanged)."""
+
     def run(*args, **kwargs):
-        out = jax.vmap(lambda a, k: fn(*a, **k), axis_name=name, axis_size=1, in_axes=None,
-                       out_axes=0)(args, kwargs)
+        out = jax.vmap(lambda a, k: fn(*a, **k), axis_name=name, axis_size=1, in_axes=None, out_axes=0)(args, kwargs)
         return jax.tree.map(lambda x: x[0], out)
+
     return run
 
 
@@ -170,6 +184,7 @@ def _stream_keys(names: tuple[str, ...], rng) -> dict[str, jax.Array]:
 
 # ----------------------------------------------------------------------------- helpers
 
+
 def _adapt(model, rng) -> tuple[ModelFns, Any, Any]:
     """(ModelFns, materialised params or None when `fns.init` builds them, materialised
     model state or None)."""
@@ -178,8 +193,10 @@ def _adapt(model, rng) -> tuple[ModelFns, Any, Any]:
     if isinstance(model, nnx.Module):
         return _from_nnx_instance(model)
     if isinstance(model, nn.Module):
-        raise TypeError(f"shard_model: a Linen module ({type(model).__name__}) needs example inputs "
-                        "to initialise; pass from_linen(module, example_input) or its variables")
+        raise TypeError(
+            f"shard_model: a Linen module ({type(model).__name__}) needs example inputs "
+            "to initialise; pass from_linen(module, example_input) or its variables"
+        )
     leaves = jax.tree.leaves(model)
     if callable(model) and len(leaves) == 1 and leaves[0] is model:  # a function, not a callable pytree
         return _from_init(model, jax.random.key(0) if rng is None else rng), None, None
@@ -193,8 +210,7 @@ def _from_init(init_fn: Callable[[jax.Array], Any], rng: jax.Array) -> ModelFns:
     """Adapt `init_fn(rng) -> params` (plain, Linen-boxed, or an NNX State)."""
     values, names = _plain(jax.eval_shape(init_fn, rng))
     _check_arrays(values)
-    return ModelFns(init=lambda rng: _plain(init_fn(rng))[0], apply=None,
-                    logical_axes=names, abstract_params=values)
+    return ModelFns(init=lambda rng: _plain(init_fn(rng))[0], apply=None, logical_axes=names, abstract_params=values)
 
 
 def _from_nnx_instance(module: nnx.Module) -> tuple[ModelFns, Any, Any]:
@@ -217,6 +233,8 @@ def _plain(tree):
 def _check_arrays(tree) -> None:
     for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
         if not (hasattr(x, "shape") and hasattr(x, "dtype")):
-            raise TypeError(f"shard_model: params leaf {rl.path_str(path) or '<root>'} is a "
-                            f"{type(x).__name__}, not an array; keep only arrays in the params tree "
-                            "(e.g. equinox: eqx.partition(model, eqx.is_array))")
+            raise TypeError(
+                f"shard_model: params leaf {rl.path_str(path) or '<root>'} is a "
+                f"{type(x).__name__}, not an array; keep only arrays in the params tree "
+                "(e.g. equinox: eqx.partition(model, eqx.is_array))"
+            )

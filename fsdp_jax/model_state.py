@@ -39,6 +39,7 @@ from fsdp_jax.errors import StateError  # noqa: F401 (re-exported)
 class StepInput(NamedTuple):
     """What the step's grad function receives in place of the batch in the extended
     call: the batch, the model state before it, the step's key (or None)."""
+
     batch: Any
     state: Any
     rng: Any
@@ -70,15 +71,22 @@ def check_structure(new, like, what: str) -> None:
     if jax.tree.structure(new) != jax.tree.structure(like):
         a, b = set(_paths(new)), set(_paths(like))
         extra, missing = sorted(a - b), sorted(b - a)
-        detail = (f"it has {extra[0]} which the model state has not" if extra else
-                  f"it lacks {missing[0]}" if missing else
-                  f"its structure {jax.tree.structure(new)} differs")
-        raise StateError(f"{what} does not match the model state: {detail}; return the state "
-                         "the model's apply gave back, with every collection it was given")
+        detail = (
+            f"it has {extra[0]} which the model state has not"
+            if extra
+            else f"it lacks {missing[0]}"
+            if missing
+            else f"its structure {jax.tree.structure(new)} differs"
+        )
+        raise StateError(
+            f"{what} does not match the model state: {detail}; return the state "
+            "the model's apply gave back, with every collection it was given"
+        )
     for (p, x), y in zip(jax.tree_util.tree_flatten_with_path(new)[0], jax.tree.leaves(like)):
         if tuple(jnp.shape(x)) != tuple(y.shape):
-            raise StateError(f"{what}: model state leaf {rl.path_str(p)} changed shape "
-                             f"{tuple(y.shape)} -> {tuple(jnp.shape(x))}")
+            raise StateError(
+                f"{what}: model state leaf {rl.path_str(p)} changed shape {tuple(y.shape)} -> {tuple(jnp.shape(x))}"
+            )
 
 
 def split_output(out, state, has_aux: bool):
@@ -86,12 +94,15 @@ def split_output(out, state, has_aux: bool):
     StateError when the loss did not return the state, or one of another structure.
     The new state is cast to the old one's dtypes."""
     n = len(jax.tree.leaves(state))
-    if not (isinstance(out, tuple) and len(out) == 2) or (has_aux and not (
-            isinstance(out[0], tuple) and len(out[0]) == 2)):
+    if not (isinstance(out, tuple) and len(out) == 2) or (
+        has_aux and not (isinstance(out[0], tuple) and len(out[0]) == 2)
+    ):
         want = "((loss, aux), new_state)" if has_aux else "(loss, new_state)"
-        raise StateError(f"loss_fn returned {_describe(out)}, not {want}: the model has state "
-                         f"({n} leaves, e.g. {_paths(state)[0]}); return the state its apply gave "
-                         "back (apply(params, x, state=state, rng=rng, train=train) -> (out, state))")
+        raise StateError(
+            f"loss_fn returned {_describe(out)}, not {want}: the model has state "
+            f"({n} leaves, e.g. {_paths(state)[0]}); return the state its apply gave "
+            "back (apply(params, x, state=state, rng=rng, train=train) -> (out, state))"
+        )
     body, new = out
     check_structure(new, state, "the state loss_fn returned")
     new = jax.tree.map(lambda x, y: jnp.asarray(x).astype(y.dtype), new, state)
@@ -101,8 +112,11 @@ def split_output(out, state, has_aux: bool):
 def rows_lines(rows) -> list[str]:
     """`explain()` lines for the model state's leaves (`state:` prefixed paths)."""
     width = max((len(r.path) for r in rows), default=0) + 6
-    return [f"{'state:' + r.path:<{width}}  {str(r.shape):<16} {rl.spec_str(r.spec):<28} "
-            f"{r.bytes_per_device:>10} B/device  {r.reason} (model state, not trained)" for r in rows]
+    return [
+        f"{'state:' + r.path:<{width}}  {str(r.shape):<16} {rl.spec_str(r.spec):<28} "
+        f"{r.bytes_per_device:>10} B/device  {r.reason} (model state, not trained)"
+        for r in rows
+    ]
 
 
 def _paths(tree) -> list[str]:
@@ -117,6 +131,7 @@ def _describe(out) -> str:
 
 # ----------------------------------------------------------------------------- in the step
 
+
 def with_model_state(new, aux, state, ok, skip_nonfinite: bool):
     """(`new` carrying the loss's new model state, the user's aux) from the extended
     loss's `(aux, new model state)`; the old model state is kept when the step is skipped."""
@@ -129,6 +144,7 @@ def with_model_state(new, aux, state, ok, skip_nonfinite: bool):
 def extended_loss(loss_fn, stateful: bool, has_aux: bool, train: bool = True):
     """`(params, StepInput) -> (loss, (aux, new model state))` around the extended call
     `loss_fn(params, batch, state=, rng=, train=)` (see above)."""
+
     def f(params, inp: StepInput):
         out = loss_fn(params, inp.batch, state=inp.state, rng=inp.rng, train=train)
         new = None
@@ -136,4 +152,5 @@ def extended_loss(loss_fn, stateful: bool, has_aux: bool, train: bool = True):
             out, new = split_output(out, inp.state, has_aux)
         loss, aux = out if has_aux else (out, None)
         return loss, (aux, new)
+
     return f

@@ -18,6 +18,7 @@ from fsdp_jax.rules import logical_axes_of
 @dataclasses.dataclass(frozen=True)
 class NnxParts:
     """An NNX module split into graphdef, Params, RngState and the rest (model state)."""
+
     graphdef: Any
     params: nnx.State
     rng: nnx.State
@@ -40,8 +41,12 @@ class NnxParts:
             base = jax.random.key(0) if rng is None else rng
             pure = nnx.to_pure_dict(r)
             leaves, treedef = jax.tree.flatten(pure)
-            seeded = [jax.random.fold_in(base, i) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
-                      else jnp.zeros(x.shape, x.dtype) for i, x in enumerate(leaves)]
+            seeded = [
+                jax.random.fold_in(base, i)
+                if jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+                else jnp.zeros(x.shape, x.dtype)
+                for i, x in enumerate(leaves)
+            ]
             nnx.replace_by_pure_dict(r, jax.tree.unflatten(treedef, seeded))
         return nnx.merge(self.graphdef, p, r, rest)
 
@@ -62,13 +67,17 @@ class NnxParts:
             _, s_names = logical_axes_of(self.rest)
             s_axes = None if s_names is None else pure_names(self.rest, s_names)
         return dict(
-            init=init, apply=self.apply,
+            init=init,
+            apply=self.apply,
             logical_axes=None if logical_axes is None else pure_names(self.params, logical_axes),
-            abstract_params=nnx.to_pure_dict(abstract_of(self.params)), bind=self.bind,
+            abstract_params=nnx.to_pure_dict(abstract_of(self.params)),
+            bind=self.bind,
             nnx_state=self.params,
             abstract_model_state=nnx.to_pure_dict(abstract_of(self.rest)) if stateful else None,
-            model_state_axes=s_axes, init_state=init_state if stateful else None,
-            needs_rng=bool(jax.tree.leaves(self.rng)))
+            model_state_axes=s_axes,
+            init_state=init_state if stateful else None,
+            needs_rng=bool(jax.tree.leaves(self.rng)),
+        )
 
 
 def abstract_of(state):

@@ -44,6 +44,7 @@ DEVICE = "device"
 @dataclasses.dataclass(frozen=True)
 class Offload:
     """Which parts of the train state live in host memory between steps."""
+
     name: str
     params: bool
     opt_state: bool
@@ -53,11 +54,14 @@ class Offload:
         return self.params or self.opt_state
 
 
-OFFLOADS: dict[str, Offload] = {o.name: o for o in (
-    Offload("none", params=False, opt_state=False),
-    Offload("optimizer", params=False, opt_state=True),
-    Offload("optimizer+params", params=True, opt_state=True),
-)}
+OFFLOADS: dict[str, Offload] = {
+    o.name: o
+    for o in (
+        Offload("none", params=False, opt_state=False),
+        Offload("optimizer", params=False, opt_state=True),
+        Offload("optimizer+params", params=True, opt_state=True),
+    )
+}
 
 
 def get_offload(name: "str | Offload | None") -> Offload:
@@ -93,7 +97,8 @@ def check_supported(offload: "str | Offload", devices: Sequence[Any]) -> Offload
         platform = getattr(devices[0], "platform", "?") if len(devices) else "?"
         raise OffloadError(
             f"offload: {o.name!r} needs host memory kinds ({HOST}), which this backend "
-            f"({platform}, jax {jax.__version__}) does not offer; use offload: none")
+            f"({platform}, jax {jax.__version__}) does not offer; use offload: none"
+        )
     return o
 
 
@@ -112,15 +117,13 @@ def with_kind(shardings, kind: str):
 
 def on_device(shardings):
     """The device-memory twin of `shardings` (host-kind leaves become `device`; others unchanged)."""
-    return jax.tree.map(lambda s: s.with_memory_kind(DEVICE) if is_host(s) else s, shardings,
-                        is_leaf=_is_sharding)
+    return jax.tree.map(lambda s: s.with_memory_kind(DEVICE) if is_host(s) else s, shardings, is_leaf=_is_sharding)
 
 
 def at_rest(params, opt_state, offload: "str | Offload"):
     """(params, opt_state) shardings with the offloaded ones in `pinned_host` memory."""
     o = get_offload(offload)
-    return (with_kind(params, HOST) if o.params else params,
-            with_kind(opt_state, HOST) if o.opt_state else opt_state)
+    return (with_kind(params, HOST) if o.params else params, with_kind(opt_state, HOST) if o.opt_state else opt_state)
 
 
 def fetch(tree, shardings, after: Any = None):
@@ -132,16 +135,19 @@ def fetch(tree, shardings, after: Any = None):
         return tree
     if after is not None:
         tree, _ = jax.lax.optimization_barrier((tree, after))
-    return jax.tree.map(lambda x, s: jax.device_put(x, s.with_memory_kind(DEVICE)) if is_host(s) else x,
-                        tree, shardings, is_leaf=_is_sharding)
+    return jax.tree.map(
+        lambda x, s: jax.device_put(x, s.with_memory_kind(DEVICE)) if is_host(s) else x,
+        tree,
+        shardings,
+        is_leaf=_is_sharding,
+    )
 
 
 def store(tree, shardings):
     """Inside jit: the leaves whose at-rest sharding is host-kind, written back to host memory."""
     if not any(is_host(s) for s in jax.tree.leaves(shardings, is_leaf=_is_sharding)):
         return tree
-    return jax.tree.map(lambda x, s: jax.device_put(x, s) if is_host(s) else x,
-                        tree, shardings, is_leaf=_is_sharding)
+    return jax.tree.map(lambda x, s: jax.device_put(x, s) if is_host(s) else x, tree, shardings, is_leaf=_is_sharding)
 
 
 def offloaded_bytes(abstract_tree) -> dict[str, int]:
@@ -162,8 +168,23 @@ def offloaded_bytes(abstract_tree) -> dict[str, int]:
 # f32[8,16]{1,0:S(5)}: XLA's layout of an entry parameter; S(5) is the host memory space.
 _ENTRY = re.compile(r"entry_computation_layout=\{\((.*?)\)->")
 _SHAPE = re.compile(r"\b(pred|[a-z]+\d+)\[([\d,]*)\](\{[^}]*\})?")
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
-                "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_DTYPE_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+}
 HOST_MEMORY_SPACE = "S(5)"
 
 
@@ -188,14 +209,14 @@ def entry_argument_bytes(compiled_text: str) -> dict[str, int]:
 def fetch_state(state, plan, after: Any = None):
     """Inside jit: a TrainState-like `state` (with `.replace`) whose offloaded params and
     optimizer state are moved to the device, ordered after `after` when given."""
-    return state.replace(params=fetch(state.params, plan.params, after),
-                         opt_state=fetch(state.opt_state, plan.opt_state, after))
+    return state.replace(
+        params=fetch(state.params, plan.params, after), opt_state=fetch(state.opt_state, plan.opt_state, after)
+    )
 
 
 def store_state(state, plan):
     """Inside jit: `state` with its offloaded parts written back to host memory."""
-    return state.replace(params=store(state.params, plan.params),
-                         opt_state=store(state.opt_state, plan.opt_state))
+    return state.replace(params=store(state.params, plan.params), opt_state=store(state.opt_state, plan.opt_state))
 
 
 def transfer_bytes(abstract_state, offload: "str | Offload") -> dict[str, int]:
@@ -205,8 +226,11 @@ def transfer_bytes(abstract_state, offload: "str | Offload") -> dict[str, int]:
     o = get_offload(offload)
 
     def nbytes(tree):
-        return sum(int(np.prod(x.sharding.shard_shape(x.shape), dtype=np.int64)) * np.dtype(x.dtype).itemsize
-                   for x in jax.tree.leaves(tree))
+        return sum(
+            int(np.prod(x.sharding.shard_shape(x.shape), dtype=np.int64)) * np.dtype(x.dtype).itemsize
+            for x in jax.tree.leaves(tree)
+        )
+
     p = nbytes(abstract_state.params) if o.params else 0
     s = nbytes(abstract_state.opt_state) if o.opt_state else 0
     return {"to_device": 2 * p + s, "to_host": p + s}

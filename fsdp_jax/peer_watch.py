@@ -60,14 +60,17 @@ def jax_heartbeat_for(timeout_s: float) -> int:
 def describe(process: int, num_processes: int, silent_s: float, me: int, note: str = "") -> str:
     """The one line (without "error: ") a survivor prints."""
     who = "the coordinator, process 0" if process == 0 else f"process {process}"
-    line = (f"{who} of {num_processes} stopped responding (no heartbeat for {silent_s:.0f} s: "
-            f"killed, out of memory, or hung); stopping process {me}")
+    line = (
+        f"{who} of {num_processes} stopped responding (no heartbeat for {silent_s:.0f} s: "
+        f"killed, out of memory, or hung); stopping process {me}"
+    )
     return f"{line}; {note}" if note else line
 
 
 # What the coordination service's client raises (jax.errors.JaxRuntimeError: NOT_FOUND,
 # ALREADY_EXISTS, the service unreachable) is a RuntimeError; anything else is a bug and surfaces.
 STORE_ERRORS = (RuntimeError,)
+
 
 class Silence:
     """When each watched process's beat last changed, on this process's clock."""
@@ -98,8 +101,17 @@ class PeerWatch:
     """The watch thread of one process (see the module docstring). `client` is JAX's
     DistributedRuntimeClient (key_value_set / key_value_try_get / key_value_dir_get)."""
 
-    def __init__(self, client, process_id: int, num_processes: int, timeout_s: float, note: str = "",
-                 exit_fn: Callable[[int], None] = os._exit, stream=None, clock=time.monotonic):
+    def __init__(
+        self,
+        client,
+        process_id: int,
+        num_processes: int,
+        timeout_s: float,
+        note: str = "",
+        exit_fn: Callable[[int], None] = os._exit,
+        stream=None,
+        clock=time.monotonic,
+    ):
         self.client, self.me, self.n = client, process_id, num_processes
         self.timeout_s, self.note = float(timeout_s), note
         self.interval = interval_for(self.timeout_s)

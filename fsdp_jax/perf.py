@@ -45,8 +45,7 @@ def device_memory() -> dict[str, int] | None:
     stats = [s for s in stats if s]
     if not stats:
         return None
-    return {k: max(int(s.get(k, 0)) for s in stats)
-            for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit")}
+    return {k: max(int(s.get(k, 0)) for s in stats) for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit")}
 
 
 def memory_excess(measured_peak: int, estimate: int, tolerance: float = 0.10) -> str | None:
@@ -54,10 +53,12 @@ def memory_excess(measured_peak: int, estimate: int, tolerance: float = 0.10) ->
     step's memory_analysis peak) by more than `tolerance`; else None."""
     if not estimate or measured_peak <= estimate * (1 + tolerance):
         return None
-    return (f"measured device memory peak {measured_peak / 2**20:.1f} MiB exceeds the compiled "
-            f"estimate {estimate / 2**20:.1f} MiB by {measured_peak / estimate - 1:.0%} "
-            f"(> {tolerance:.0%}): something outside the train step holds device memory "
-            f"(eval, batches in flight, fragmentation); leave headroom when planning")
+    return (
+        f"measured device memory peak {measured_peak / 2**20:.1f} MiB exceeds the compiled "
+        f"estimate {estimate / 2**20:.1f} MiB by {measured_peak / estimate - 1:.0%} "
+        f"(> {tolerance:.0%}): something outside the train step holds device memory "
+        f"(eval, batches in flight, fragmentation); leave headroom when planning"
+    )
 
 
 def time_steps(step_fn, state, batch, steps: int, warmup: int):

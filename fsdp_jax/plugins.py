@@ -26,6 +26,7 @@ def _jax_version() -> str:
     """The jaxlib version: the CUDA plugin is built with, and pinned to, jaxlib (a jax
     patch release such as 0.12.0.1 may run on jaxlib 0.12.0)."""
     from importlib.metadata import version
+
     return version("jaxlib")
 
 
@@ -48,7 +49,7 @@ def plugin_dir(jax_version: str | None = None, kind: str = "cuda") -> Path:
 def _libtpu_pinned(path: Path) -> bool:
     want = tpu.libtpu_requirement().split("==", 1)[-1]
     for info in path.glob("libtpu-*.dist-info"):
-        have = info.name[len("libtpu-"):-len(".dist-info")]
+        have = info.name[len("libtpu-") : -len(".dist-info")]
         if have == want or (want.endswith("*") and have.startswith(want[:-1])):
             return (path / "libtpu" / "__init__.py").is_file()
     return False
@@ -60,9 +61,11 @@ def plugin_installed(path: Path | None = None, kind: str = "cuda") -> bool:
     if kind == "tpu":
         return _libtpu_pinned(path)
     v = _jax_version()
-    return ((path / "jax_plugins" / "xla_cuda12" / "__init__.py").is_file()
-            and (path / f"jax_cuda12_plugin-{v}.dist-info").is_dir()
-            and (path / f"jax_cuda12_pjrt-{v}.dist-info").is_dir())
+    return (
+        (path / "jax_plugins" / "xla_cuda12" / "__init__.py").is_file()
+        and (path / f"jax_cuda12_plugin-{v}.dist-info").is_dir()
+        and (path / f"jax_cuda12_pjrt-{v}.dist-info").is_dir()
+    )
 
 
 CUDNN_PACKAGE = "nvidia-cudnn-cu12"
@@ -86,10 +89,14 @@ def _cudnn_requirement(path: Path) -> str:
 
 def _missing_message(kind: str = "cuda") -> str:
     if kind == "tpu":
-        return (f"libtpu for jaxlib {_jax_version()} is not installed (looked in {plugin_dir(kind='tpu')}); "
-                f"install it with `{INSTALL_HINT} tpu`")
-    return (f"the CUDA compile-only plugin for jaxlib {_jax_version()} is not installed (looked in "
-            f"{plugin_dir()}); install it with `{INSTALL_HINT}`")
+        return (
+            f"libtpu for jaxlib {_jax_version()} is not installed (looked in {plugin_dir(kind='tpu')}); "
+            f"install it with `{INSTALL_HINT} tpu`"
+        )
+    return (
+        f"the CUDA compile-only plugin for jaxlib {_jax_version()} is not installed (looked in "
+        f"{plugin_dir()}); install it with `{INSTALL_HINT}`"
+    )
 
 
 def install(quiet: bool = True, kind: str = "cuda") -> Path:
@@ -106,15 +113,25 @@ def install(quiet: bool = True, kind: str = "cuda") -> Path:
     packages = [tpu.libtpu_requirement()] if kind == "tpu" else [f"{p}=={v}" for p in PLUGIN_PACKAGES]
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".", dir=dest.parent))
-    cmd = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "--no-deps",
-           "--target", str(tmp), *packages]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--disable-pip-version-check",
+        "--no-deps",
+        "--target",
+        str(tmp),
+        *packages,
+    ]
     proc = subprocess.run(cmd + (["-q"] if quiet else []), capture_output=quiet, text=True)
     if proc.returncode != 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tail = (proc.stderr or "").strip().splitlines()[-1:] if quiet else []
-        raise RuntimeError(f"could not install {' and '.join(packages)} (the {kind} compile-only "
-                           f"plugin pinned to this jax): pip exited {proc.returncode}"
-                           + (f": {tail[0]}" if tail else ""))
+        raise RuntimeError(
+            f"could not install {' and '.join(packages)} (the {kind} compile-only "
+            f"plugin pinned to this jax): pip exited {proc.returncode}" + (f": {tail[0]}" if tail else "")
+        )
     if dest.exists():
         shutil.rmtree(dest)
     tmp.rename(dest)  # atomic: a half-finished install is never taken for a whole one
@@ -130,11 +147,21 @@ def _install_cudnn(dest: Path, quiet: bool) -> Path:
     if cudnn_installed(dest):
         return dest
     req = _cudnn_requirement(dest)
-    cmd = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "--no-deps",
-           "--target", str(dest), req]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--disable-pip-version-check",
+        "--no-deps",
+        "--target",
+        str(dest),
+        req,
+    ]
     proc = subprocess.run(cmd + (["-q"] if quiet else []), capture_output=quiet, text=True)
     if proc.returncode != 0 or not cudnn_installed(dest):
         tail = (proc.stderr or "").strip().splitlines()[-1:] if quiet else []
-        raise RuntimeError(f"could not install {req} into {dest}: pip exited {proc.returncode}"
-                           + (f": {tail[0]}" if tail else ""))
+        raise RuntimeError(
+            f"could not install {req} into {dest}: pip exited {proc.returncode}" + (f": {tail[0]}" if tail else "")
+        )
     return dest

@@ -17,10 +17,21 @@ import jax.numpy as jnp
 
 from fsdp_jax.mesh import constrain
 
-_FIELDS = {"params": "param_dtype", "param": "param_dtype",
-           "compute": "compute_dtype", "reduce": "reduce_dtype", "output": "output_dtype"}
-_ALIASES = {"fp32": "float32", "f32": "float32", "bf16": "bfloat16", "fp16": "float16",
-            "f16": "float16", "half": "float16"}
+_FIELDS = {
+    "params": "param_dtype",
+    "param": "param_dtype",
+    "compute": "compute_dtype",
+    "reduce": "reduce_dtype",
+    "output": "output_dtype",
+}
+_ALIASES = {
+    "fp32": "float32",
+    "f32": "float32",
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "f16": "float16",
+    "half": "float16",
+}
 _ALLOWED = ("float32", "bfloat16", "float16")
 
 
@@ -29,8 +40,7 @@ def _dtype(name) -> jnp.dtype:
         name = jnp.dtype(name).name
     key = _ALIASES.get(name.lower(), name.lower())
     if key not in _ALLOWED:
-        raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(_ALLOWED)} "
-                         f"(or {', '.join(_ALIASES)})")
+        raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(_ALLOWED)} (or {', '.join(_ALIASES)})")
     return jnp.dtype(key)
 
 
@@ -40,6 +50,7 @@ class Policy:
     `shard_model(precision=...)` store floating params in it). compute_dtype: params and
     activations in forward/backward. reduce_dtype: gradients when reduced across
     devices. output_dtype: the loss and metrics."""
+
     param_dtype: jnp.dtype = jnp.dtype("float32")
     compute_dtype: jnp.dtype = jnp.dtype("float32")
     reduce_dtype: jnp.dtype = jnp.dtype("float32")
@@ -61,22 +72,24 @@ class Policy:
                 continue
             k, v = (x.strip() for x in part.split("=", 1))
             if k not in _FIELDS:
-                raise ValueError(f"precision: unknown field {k!r} in {spec!r}; "
-                                 f"use {', '.join(sorted(set(_FIELDS) - {'param'}))}")
+                raise ValueError(
+                    f"precision: unknown field {k!r} in {spec!r}; use {', '.join(sorted(set(_FIELDS) - {'param'}))}"
+                )
             kwargs[_FIELDS[k]] = v
         return cls(**kwargs)
 
     def __str__(self) -> str:
-        return (f"params={self.param_dtype.name},compute={self.compute_dtype.name},"
-                f"reduce={self.reduce_dtype.name},output={self.output_dtype.name}")
+        return (
+            f"params={self.param_dtype.name},compute={self.compute_dtype.name},"
+            f"reduce={self.reduce_dtype.name},output={self.output_dtype.name}"
+        )
 
     def cast_to_compute(self, tree):
         return _cast_floats(tree, self.compute_dtype)
 
 
 def _cast_floats(tree, dtype):
-    return jax.tree.map(
-        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
 def cast_params_for_compute(params, policy: Policy, shardings):
@@ -166,7 +179,6 @@ def _make_matmul(reduce_dtype):
 
     mm.defvjp(fwd, bwd)
     return mm
-
 
 
 def take(table, ids, grad_layout=lambda g: g):

@@ -15,20 +15,22 @@ from collections.abc import Callable, Sequence
 
 class Why(str, enum.Enum):
     """The kinds of reason one leaf's spec has (`Note.kind`)."""
-    SCALAR = "scalar"                      # 0-d leaf: replicated
-    LOGICAL = "logical"                    # mapped: ((name, axes), ...) of the dims that got an axis
+
+    SCALAR = "scalar"  # 0-d leaf: replicated
+    LOGICAL = "logical"  # mapped: ((name, axes), ...) of the dims that got an axis
     UNNAMED_TRAILING = "unnamed_trailing"  # dims: trailing dims without a logical name: unsharded
-    UNKNOWN_NAMES = "unknown_names"        # names: not in the rules table: no axis
-    NOT_DIVISIBLE = "not_divisible"        # name, axes, dim, size, n: rule axis does not divide
-    NO_SHARD_AXIS = "no_shard_axis"        # unannotated, and no shard axis of size > 1
-    THRESHOLD = "threshold"                # size, limit: below min_shard_size: replicated
-    FALLBACK = "fallback"                  # dim, size, axes, n: largest divisible dim
-    UNSHARDABLE = "unshardable"            # axes, n: nothing divides the shard group
+    UNKNOWN_NAMES = "unknown_names"  # names: not in the rules table: no axis
+    NOT_DIVISIBLE = "not_divisible"  # name, axes, dim, size, n: rule axis does not divide
+    NO_SHARD_AXIS = "no_shard_axis"  # unannotated, and no shard axis of size > 1
+    THRESHOLD = "threshold"  # size, limit: below min_shard_size: replicated
+    FALLBACK = "fallback"  # dim, size, axes, n: largest divisible dim
+    UNSHARDABLE = "unshardable"  # axes, n: nothing divides the shard group
 
 
 @dataclasses.dataclass(frozen=True)
 class Note:
     """One structured reason; which fields are set depends on `kind` (see `Why`)."""
+
     kind: Why
     names: tuple[str, ...] = ()
     mapped: tuple[tuple[str, tuple[str, ...]], ...] = ()
@@ -47,12 +49,14 @@ def _axes(note: Note) -> str:
 # The prose of each kind of reason, as data (wording may change; tests assert Notes).
 PROSE: dict[Why, Callable[[Note], str]] = {
     Why.SCALAR: lambda n: "scalar: replicated",
-    Why.LOGICAL: lambda n: "logical: " + (", ".join(f"{name}->{'x'.join(a)}" for name, a in n.mapped)
-                                           or "no dim maps to a mesh axis"),
+    Why.LOGICAL: lambda n: (
+        "logical: " + (", ".join(f"{name}->{'x'.join(a)}" for name, a in n.mapped) or "no dim maps to a mesh axis")
+    ),
     Why.UNNAMED_TRAILING: lambda n: f"no logical name for dim(s) {', '.join(map(str, n.dims))}: unsharded",
     Why.UNKNOWN_NAMES: lambda n: f"names not in the rules table: {', '.join(n.names)}",
-    Why.NOT_DIVISIBLE: lambda n: (f"{', '.join(n.names)}->{_axes(n)} does not divide dim {n.dim} "
-                                  f"(size {n.size}) by {n.n}"),
+    Why.NOT_DIVISIBLE: lambda n: (
+        f"{', '.join(n.names)}->{_axes(n)} does not divide dim {n.dim} (size {n.size}) by {n.n}"
+    ),
     Why.NO_SHARD_AXIS: lambda n: "fallback: no shard axis of size > 1: replicated",
     Why.THRESHOLD: lambda n: f"threshold: {n.size} elements < min_shard_size {n.limit}: replicated",
     Why.FALLBACK: lambda n: f"fallback: dim {n.dim} (size {n.size}) over {_axes(n)}={n.n}",

@@ -28,11 +28,17 @@ REMAT_POLICIES: dict[str, Callable | None] = {
     "save_qkv_attn_mlp_out": cp.save_only_these_names("qkv", "attn_out", "mlp_out"),
     # offloaded to host instead of saved on the device or recomputed
     "offload_attn_mlp_out": cp.save_and_offload_only_these_names(
-        names_which_can_be_saved=(), names_which_can_be_offloaded=("attn_out", "mlp_out"),
-        offload_src="device", offload_dst="pinned_host"),
+        names_which_can_be_saved=(),
+        names_which_can_be_offloaded=("attn_out", "mlp_out"),
+        offload_src="device",
+        offload_dst="pinned_host",
+    ),
     "offload_qkv_attn_mlp_out": cp.save_and_offload_only_these_names(
-        names_which_can_be_saved=(), names_which_can_be_offloaded=("qkv", "attn_out", "mlp_out"),
-        offload_src="device", offload_dst="pinned_host"),
+        names_which_can_be_saved=(),
+        names_which_can_be_offloaded=("qkv", "attn_out", "mlp_out"),
+        offload_src="device",
+        offload_dst="pinned_host",
+    ),
     "offload_dots_no_batch": cp.offload_dot_with_no_batch_dims("device", "pinned_host"),
 }
 OFFLOADING = frozenset(n for n in REMAT_POLICIES if n.startswith("offload_"))

@@ -61,10 +61,12 @@ DEFAULT_MIN_REPLICATED_BYTES = 16 << 20
 
 # ----------------------------------------------------------------------------- decisions
 
+
 @dataclasses.dataclass(frozen=True)
 class LeafSharding:
     """How one leaf shards (`spec`) and why (`notes`, structured; `reason` is the
     same as one line of prose, `format_notes(notes)`)."""
+
     path: str
     shape: tuple[int, ...]
     dtype: str
@@ -86,9 +88,15 @@ class LeafSharding:
         return all(e is None for e in self.spec)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"path": self.path, "shape": list(self.shape), "dtype": self.dtype,
-                "spec": spec_str(self.spec), "bytes_per_device": self.bytes_per_device,
-                "total_bytes": self.total_bytes, "reason": self.reason}
+        return {
+            "path": self.path,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "spec": spec_str(self.spec),
+            "bytes_per_device": self.bytes_per_device,
+            "total_bytes": self.total_bytes,
+            "reason": self.reason,
+        }
 
 
 def spec_str(spec: P) -> str:
@@ -98,6 +106,7 @@ def spec_str(spec: P) -> str:
         if isinstance(e, tuple):
             return "(" + ",".join(e) + ")"
         return e
+
     return "P(" + ", ".join(one(e) for e in spec) + ")"
 
 
@@ -122,8 +131,9 @@ def axis_size(mesh: Mesh, axes_: MeshAxes) -> int:
     return math.prod(mesh.shape.get(a, 1) for a in _as_tuple(axes_))
 
 
-def logical_to_spec(names: Sequence[str | None], rules: Rules | None = None,
-                    shard_axes: Sequence[str] = (ax.FSDP,)) -> P:
+def logical_to_spec(
+    names: Sequence[str | None], rules: Rules | None = None, shard_axes: Sequence[str] = (ax.FSDP,)
+) -> P:
     """PartitionSpec for logical dim `names` under `rules`.
 
     Unknown names and None map to no axis. Each mesh axis is used once: the first
@@ -135,7 +145,7 @@ def logical_to_spec(names: Sequence[str | None], rules: Rules | None = None,
     for name in names:
         mapped: list[str] = []
         for a in _as_tuple(rules.get(name) if name is not None else None):
-            for b in (tuple(shard_axes) if a == ax.FSDP else (a,)):
+            for b in tuple(shard_axes) if a == ax.FSDP else (a,):
                 if b not in used:
                     mapped.append(b)
         used.update(mapped)
@@ -149,20 +159,26 @@ def flax_rules(rules: Rules | None = None) -> tuple[tuple[str, MeshAxes], ...]:
     return tuple((k, v) for k, v in rules.items())
 
 
-def merge_rules(overrides: Mapping[str, Any] | None, base: Rules | None = None,
-                mesh_axes: Sequence[str] = ax.MESH_AXES) -> dict[str, MeshAxes]:
+def merge_rules(
+    overrides: Mapping[str, Any] | None, base: Rules | None = None, mesh_axes: Sequence[str] = ax.MESH_AXES
+) -> dict[str, MeshAxes]:
     """`base` (default DEFAULT_RULES) with `overrides` on top. A value is a mesh axis
     name, a list/tuple of them, or None. Raises ShardingError naming the logical
     name, the value and the allowed axes when a value is not one of `mesh_axes`."""
     out = dict(DEFAULT_RULES if base is None else base)
     for name, value in (overrides or {}).items():
-        vals = (value,) if value is None or isinstance(value, str) else (
-            tuple(value) if isinstance(value, (list, tuple)) else (value,))
+        vals = (
+            (value,)
+            if value is None or isinstance(value, str)
+            else (tuple(value) if isinstance(value, (list, tuple)) else (value,))
+        )
         vals = tuple(v for v in vals if v is not None) if value is None else vals
         bad = [v for v in vals if not isinstance(v, str) or v not in mesh_axes]
         if not isinstance(name, str) or bad or len(set(vals)) != len(vals):
-            raise ShardingError(f"rule {name!r}: {value!r} is not a mesh axis, a list of distinct "
-                                f"mesh axes or null; mesh axes: {', '.join(mesh_axes)}")
+            raise ShardingError(
+                f"rule {name!r}: {value!r} is not a mesh axis, a list of distinct "
+                f"mesh axes or null; mesh axes: {', '.join(mesh_axes)}"
+            )
         out[name] = _entry(vals)
     return out
 
@@ -182,9 +198,14 @@ def _fallback_dim(shape, n: int) -> int | None:
     return None
 
 
-def decide_leaf(shape: Sequence[int], names: Sequence[str | None] | None, mesh: Mesh,
-                rules: Rules | None = None, shard_axes: Sequence[str] = (ax.FSDP,),
-                min_shard_size: int = DEFAULT_MIN_SHARD_SIZE) -> tuple[P, tuple[Note, ...]]:
+def decide_leaf(
+    shape: Sequence[int],
+    names: Sequence[str | None] | None,
+    mesh: Mesh,
+    rules: Rules | None = None,
+    shard_axes: Sequence[str] = (ax.FSDP,),
+    min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
+) -> tuple[P, tuple[Note, ...]]:
     """The spec of one leaf of `shape` and the structured reasons for it (no prose).
 
     `names`: logical dim names (None: unannotated, use the fallback rule). Fewer
@@ -201,8 +222,9 @@ def decide_leaf(shape: Sequence[int], names: Sequence[str | None] | None, mesh: 
     if not shape:
         return P(), (Note(Why.SCALAR),)
     if names is not None and len(names) > len(shape):
-        raise ShardingError(f"logical names {tuple(names)} have {len(names)} entries "
-                            f"but the shape {shape} has {len(shape)} dims")
+        raise ShardingError(
+            f"logical names {tuple(names)} have {len(names)} entries but the shape {shape} has {len(shape)} dims"
+        )
 
     entries: list = [None] * len(shape)
     notes: list[Note] = []
@@ -217,8 +239,9 @@ def decide_leaf(shape: Sequence[int], names: Sequence[str | None] | None, mesh: 
                 kept.pop()  # drop the innermost axis until the dim divides
             if d % axis_size(mesh, e):
                 not_divisible = True
-                notes.append(Note(Why.NOT_DIVISIBLE, names=(names[i],), axes=_as_tuple(e), dim=i,
-                                  size=d, n=axis_size(mesh, e)))
+                notes.append(
+                    Note(Why.NOT_DIVISIBLE, names=(names[i],), axes=_as_tuple(e), dim=i, size=d, n=axis_size(mesh, e))
+                )
             entries[i] = _entry(kept)
         unknown_names = tuple(n for n in names if n is not None and n not in rules)
         unknown = bool(unknown_names)
@@ -251,10 +274,16 @@ def decide_leaf(shape: Sequence[int], names: Sequence[str | None] | None, mesh: 
     return P(*entries), tuple(notes)
 
 
-def plan_leaf(path: str, shape: Sequence[int], dtype, names: Sequence[str | None] | None,
-              mesh: Mesh, rules: Rules | None = None,
-              shard_axes: Sequence[str] = (ax.FSDP,),
-              min_shard_size: int = DEFAULT_MIN_SHARD_SIZE) -> tuple[LeafSharding, str | None]:
+def plan_leaf(
+    path: str,
+    shape: Sequence[int],
+    dtype,
+    names: Sequence[str | None] | None,
+    mesh: Mesh,
+    rules: Rules | None = None,
+    shard_axes: Sequence[str] = (ax.FSDP,),
+    min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
+) -> tuple[LeafSharding, str | None]:
     """`decide_leaf` as an `explain` row: (row, problem), where problem is a message
     when the leaf should shard but no dim divides the shard group."""
     shape = tuple(int(d) for d in shape)
@@ -267,15 +296,22 @@ def plan_leaf(path: str, shape: Sequence[int], dtype, names: Sequence[str | None
     problem = None
     if Why.UNSHARDABLE in row.kinds:
         group = tuple(a for a in shard_axes if mesh.shape.get(a, 1) > 1)
-        problem = (f"{path}: shape {shape} ({math.prod(shape)} elements) has no dim divisible by "
-                   f"the shard group {'x'.join(group)}={axis_size(mesh, group)}")
+        problem = (
+            f"{path}: shape {shape} ({math.prod(shape)} elements) has no dim divisible by "
+            f"the shard group {'x'.join(group)}={axis_size(mesh, group)}"
+        )
     return row, problem
 
 
-def explain(params, mesh: Mesh, logical_axes=None, rules: Rules | None = None,
-            shard_axes: Sequence[str] = (ax.FSDP,),
-            min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
-            allow_unshardable: bool = False) -> list[LeafSharding]:
+def explain(
+    params,
+    mesh: Mesh,
+    logical_axes=None,
+    rules: Rules | None = None,
+    shard_axes: Sequence[str] = (ax.FSDP,),
+    min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
+    allow_unshardable: bool = False,
+) -> list[LeafSharding]:
     """Per leaf of `params` (arrays or ShapeDtypeStructs): path, shape, dtype, spec,
     bytes per device and why.
 
@@ -296,16 +332,19 @@ def explain(params, mesh: Mesh, logical_axes=None, rules: Rules | None = None,
     for (path, leaf), nm in zip(leaves, names):
         if isinstance(nm, P):
             nm = tuple(nm) if len(nm) or not np.shape(leaf) else None
-        row, problem = plan_leaf(path_str(path), np.shape(leaf), leaf.dtype, nm, mesh,
-                                 rules, shard_axes, min_shard_size)
+        row, problem = plan_leaf(
+            path_str(path), np.shape(leaf), leaf.dtype, nm, mesh, rules, shard_axes, min_shard_size
+        )
         rows.append(row)
         if problem:
             problems.append(problem)
     if problems and not allow_unshardable:
         raise ShardingError(
-            f"{len(problems)} parameter(s) cannot shard: " + "; ".join(problems)
+            f"{len(problems)} parameter(s) cannot shard: "
+            + "; ".join(problems)
             + ". Fix: pad that dim to a multiple of the shard group, pick an fsdp size "
-              "that divides it, or annotate the leaf with logical names")
+            "that divides it, or annotate the leaf with logical names"
+        )
     return rows
 
 
@@ -317,8 +356,7 @@ def specs_from_rows(params, rows: Sequence[LeafSharding]):
 
 def unknown_names(rows: Sequence[LeafSharding]) -> tuple[str, ...]:
     """Every logical name (sorted) that some row's rules table did not know."""
-    return tuple(sorted({n for r in rows for note in r.notes if note.kind is Why.UNKNOWN_NAMES
-                         for n in note.names}))
+    return tuple(sorted({n for r in rows for note in r.notes if note.kind is Why.UNKNOWN_NAMES for n in note.names}))
 
 
 def warn_unknown_names(rows: Sequence[LeafSharding], mesh: Mesh) -> tuple[str, ...]:
@@ -328,14 +366,14 @@ def warn_unknown_names(rows: Sequence[LeafSharding], mesh: Mesh) -> tuple[str, .
     names = unknown_names(rows)
     if names:
         sizes = {a: int(n) for a, n in mesh.shape.items()}
-        fix = ", ".join(f"{n!r}: {n!r}" if n in sizes else f"{n!r}: <mesh axis or None>"
-                        for n in names)
-        no_tp = (f" (so no dim shards over tensor={sizes[ax.TENSOR]})"
-                 if sizes.get(ax.TENSOR, 1) > 1 else "")
+        fix = ", ".join(f"{n!r}: {n!r}" if n in sizes else f"{n!r}: <mesh axis or None>" for n in names)
+        no_tp = f" (so no dim shards over tensor={sizes[ax.TENSOR]})" if sizes.get(ax.TENSOR, 1) > 1 else ""
         warnings.warn(
             f"logical names not in the rules table get no mesh axis{no_tp}: {', '.join(names)}; "
             f"fix: rules={{**fsdp_jax.DEFAULT_RULES, {fix}}} (or mesh.rules in the YAML config)",
-            UnknownNamesWarning, stacklevel=3)
+            UnknownNamesWarning,
+            stacklevel=3,
+        )
     return names
 
 
@@ -344,6 +382,7 @@ class Summary:
     """Totals over a plan's rows: `bytes_per_device` and `total_bytes` of all
     params, `replicated_bytes` (total bytes of leaves sharded over no shard axis),
     `replicated_fraction` of total bytes, and the shard group's axes."""
+
     bytes_per_device: int
     total_bytes: int
     replicated_bytes: int
@@ -354,21 +393,25 @@ class Summary:
 def summarize(rows: Sequence[LeafSharding], shard_axes: Sequence[str], mesh: Mesh) -> Summary:
     group = tuple(a for a in shard_axes if mesh.shape.get(a, 1) > 1)
     total = sum(r.total_bytes for r in rows)
-    rep = (sum(r.total_bytes for r in rows if not any(a in _as_tuple(e) for e in r.spec for a in group))
-           if group else 0)
+    rep = sum(r.total_bytes for r in rows if not any(a in _as_tuple(e) for e in r.spec for a in group)) if group else 0
     return Summary(sum(r.bytes_per_device for r in rows), total, rep, rep / (total or 1), group)
 
 
 def format_summary(s: Summary) -> str:
     over = "x".join(s.group) or "no shard axis"
-    return (f"total: {s.bytes_per_device:,} B/device of {s.total_bytes:,} B of params; "
-            f"replicated over {over}: {s.replicated_fraction:.1%} ({s.replicated_bytes:,} B)")
+    return (
+        f"total: {s.bytes_per_device:,} B/device of {s.total_bytes:,} B of params; "
+        f"replicated over {over}: {s.replicated_fraction:.1%} ({s.replicated_bytes:,} B)"
+    )
 
 
-def check_sufficiently_sharded(rows: Sequence[LeafSharding], shard_axes: Sequence[str],
-                               mesh: Mesh,
-                               max_replicated_fraction: float = DEFAULT_MAX_REPLICATED_FRACTION,
-                               min_replicated_bytes: int = DEFAULT_MIN_REPLICATED_BYTES) -> float:
+def check_sufficiently_sharded(
+    rows: Sequence[LeafSharding],
+    shard_axes: Sequence[str],
+    mesh: Mesh,
+    max_replicated_fraction: float = DEFAULT_MAX_REPLICATED_FRACTION,
+    min_replicated_bytes: int = DEFAULT_MIN_REPLICATED_BYTES,
+) -> float:
     """Fail when more than `max_replicated_fraction` of parameter bytes are not
     sharded over any of `shard_axes`, unless those replicated bytes are under
     `min_replicated_bytes` (then warn: a small model loses nothing by replicating).
@@ -380,11 +423,17 @@ def check_sufficiently_sharded(rows: Sequence[LeafSharding], shard_axes: Sequenc
     bad = [r for r in rows if not any(a in _as_tuple(e) for e in r.spec for a in group)]
     worst = sorted(bad, key=lambda r: -r.total_bytes)[:5]
     listing = ", ".join(f"{r.path} {r.shape} ({r.reason})" for r in worst)
-    msg = (f"{s.replicated_fraction:.1%} of parameter bytes are replicated over {'x'.join(group)} "
-           f"(allowed {max_replicated_fraction:.0%}); largest: {listing}. Fix: annotate "
-           "these leaves with logical names that map to fsdp, or lower min_shard_size")
+    msg = (
+        f"{s.replicated_fraction:.1%} of parameter bytes are replicated over {'x'.join(group)} "
+        f"(allowed {max_replicated_fraction:.0%}); largest: {listing}. Fix: annotate "
+        "these leaves with logical names that map to fsdp, or lower min_shard_size"
+    )
     if s.replicated_bytes < min_replicated_bytes:
-        warnings.warn(f"{msg} (not an error: {s.replicated_bytes:,} replicated bytes are under "
-                      f"min_replicated_bytes {min_replicated_bytes:,})", ReplicatedWarning, stacklevel=2)
+        warnings.warn(
+            f"{msg} (not an error: {s.replicated_bytes:,} replicated bytes are under "
+            f"min_replicated_bytes {min_replicated_bytes:,})",
+            ReplicatedWarning,
+            stacklevel=2,
+        )
         return s.replicated_fraction
     raise ShardingError(msg)

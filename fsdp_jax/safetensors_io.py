@@ -37,9 +37,21 @@ import numpy as np
 
 from fsdp_jax.errors import SafetensorsError, one_line  # noqa: F401 (re-exported)
 
-DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-          "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U64": np.uint64,
-          "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_}
+DTYPES = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U64": np.uint64,
+    "U32": np.uint32,
+    "U16": np.uint16,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
 NAMES = {np.dtype(v): k for k, v in DTYPES.items()}
 MAX_HEADER = 100 << 20  # bytes; as the safetensors format itself limits it
 _CHUNK_BYTES = 64 << 20  # bound on the raw bytes read per pread
@@ -72,8 +84,13 @@ class SafetensorsFile:
             self.tensors: dict[str, tuple[np.dtype, tuple[int, ...], int]] = {}
             spans: list[tuple[int, int, str]] = []
             for name, h in header.items():
-                if not (isinstance(h, dict) and h.get("dtype") in DTYPES and _int_list(h.get("shape"))
-                        and _int_list(h.get("data_offsets")) and len(h["data_offsets"]) == 2):
+                if not (
+                    isinstance(h, dict)
+                    and h.get("dtype") in DTYPES
+                    and _int_list(h.get("shape"))
+                    and _int_list(h.get("data_offsets"))
+                    and len(h["data_offsets"]) == 2
+                ):
                     raise ValueError(f"tensor {name!r}: bad header entry {str(h)[:80]}")
                 b, e = h["data_offsets"]
                 dt = np.dtype(DTYPES[h["dtype"]])
@@ -114,7 +131,7 @@ class SafetensorsFile:
         r0, r1, _ = (rows or slice(None)).indices(shape[0]) if shape else (0, 1, 1)
         row_shape = tuple(shape[1:])
         row_bytes = math.prod(row_shape) * dt.itemsize
-        out_row = tuple(len(range(*s.indices(d))) for s, d in zip(rest, row_shape)) + row_shape[len(rest):]
+        out_row = tuple(len(range(*s.indices(d))) for s, d in zip(rest, row_shape)) + row_shape[len(rest) :]
         out = np.empty((r1 - r0,) + out_row, out_dt)
         step = max(1, _CHUNK_BYTES // max(1, row_bytes))
         with open(self.path, "rb") as f:
@@ -125,7 +142,7 @@ class SafetensorsFile:
                 if len(raw) != (b - a) * row_bytes:
                     raise SafetensorsError(f"{self.path}: tensor {name!r} is truncated")
                 block = np.frombuffer(raw, dt).reshape((b - a,) + row_shape)
-                out[a - r0:b - r0] = block[(slice(None),) + rest]
+                out[a - r0 : b - r0] = block[(slice(None),) + rest]
         return out if shape else out.reshape(())
 
 
@@ -142,16 +159,19 @@ def check_file(path: str | os.PathLike) -> dict[str, tuple[list[int], str]]:
     return out
 
 
-def write_safetensors(path: str | os.PathLike, entries: Sequence[tuple[str, tuple[int, ...], np.dtype]],
-                      fetch: Callable[[str], np.ndarray], metadata: dict[str, str] | None = None) -> int:
+def write_safetensors(
+    path: str | os.PathLike,
+    entries: Sequence[tuple[str, tuple[int, ...], np.dtype]],
+    fetch: Callable[[str], np.ndarray],
+    metadata: dict[str, str] | None = None,
+) -> int:
     """Write `entries` (name, shape, dtype) in this order, each from `fetch(name)`
     (cast to its dtype; its shape must match). Returns the file size in bytes."""
     header: dict = {"__metadata__": dict(metadata or {})}
     offset = 0
     for name, shape, dt in entries:
         n = math.prod(shape) * np.dtype(dt).itemsize
-        header[name] = {"dtype": NAMES[np.dtype(dt)], "shape": list(shape),
-                        "data_offsets": [offset, offset + n]}
+        header[name] = {"dtype": NAMES[np.dtype(dt)], "shape": list(shape), "data_offsets": [offset, offset + n]}
         offset += n
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)

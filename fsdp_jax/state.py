@@ -28,6 +28,7 @@ class TrainState:
     None, `model_state`: a state without model state has exactly the tree (paths,
     leaves, checkpoint layout) of the three-field TrainState of earlier releases, so
     their checkpoints restore unchanged."""
+
     step: jax.Array
     params: Any
     opt_state: Any
@@ -52,18 +53,22 @@ jax.tree_util.register_pytree_with_keys(TrainState, _flatten, _unflatten)
 
 def state_shardings(plan: ShardingPlan) -> TrainState:
     """The NamedSharding tree of a TrainState under `plan`."""
-    return TrainState(step=NamedSharding(plan.mesh, P()), params=plan.params,
-                      opt_state=plan.opt_state, model_state=plan.model_state)
+    return TrainState(
+        step=NamedSharding(plan.mesh, P()), params=plan.params, opt_state=plan.opt_state, model_state=plan.model_state
+    )
 
 
 def abstract_state(plan: ShardingPlan, abstract_params, optimizer, abstract_model_state=None) -> TrainState:
     """TrainState of ShapeDtypeStructs carrying `plan`'s shardings (nothing allocated);
     the target tree for AOT compilation and for checkpoint restore."""
     opt = jax.eval_shape(optimizer.init, abstract_params)
-    shapes = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=abstract_params, opt_state=opt,
-                        model_state=abstract_model_state)
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                        shapes, state_shardings(plan))
+    shapes = TrainState(
+        step=jax.ShapeDtypeStruct((), jnp.int32),
+        params=abstract_params,
+        opt_state=opt,
+        model_state=abstract_model_state,
+    )
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, state_shardings(plan))
 
 
 def shard_params(params, plan: ShardingPlan):

@@ -66,6 +66,7 @@ class TokenSum(NamedTuple):
     once: loss = sum of all token losses / number of all tokens, and the gradient is
     that mean's. A scalar loss is instead averaged per microbatch (mean of means),
     which differs from this whenever microbatches hold different token counts."""
+
     total: Any  # f32 scalar: sum of token losses
     count: Any  # f32 scalar: tokens summed
 
@@ -120,7 +121,8 @@ def check_batch(batch, plan: ShardingPlan, microbatches: int = 1) -> None:
             raise BatchError(
                 f"batch leaf {rl.path_str(path) or '<root>'} has leading dim {b}, which must be "
                 f"divisible by microbatches ({microbatches}) x data x fsdp ({n}) = "
-                f"{n * microbatches}; change the global batch size or the mesh")
+                f"{n * microbatches}; change the global batch size or the mesh"
+            )
 
 
 def _split_microbatches(batch, k: int):
@@ -134,8 +136,9 @@ def _split_microbatches(batch, k: int):
 GradFn = Callable[[Any, Any], tuple[Any, Any, Any]]  # (params, batch) -> (loss, aux, grads)
 
 
-def compute_value_and_grad(loss_fn: LossFn, policy: Policy, plan: ShardingPlan, wrt: Trainable,
-                           has_aux: bool = False) -> GradFn:
+def compute_value_and_grad(
+    loss_fn: LossFn, policy: Policy, plan: ShardingPlan, wrt: Trainable, has_aux: bool = False
+) -> GradFn:
     """`(params, batch) -> (loss f32, aux, grads)`: params are cast to the compute dtype
     in their at-rest layout, laid out for compute (gathered once under
     shard_grad_op), `loss_fn` is differentiated with respect to `wrt`'s leaves, and
@@ -149,28 +152,30 @@ def compute_value_and_grad(loss_fn: LossFn, policy: Policy, plan: ShardingPlan, 
         # a model that gathers its own layers (fsdp_jax.layer_gather) gets its stacked
         # layer params at rest in the param dtype: it casts and gathers them per layer
         hooked = lg is not None and layer_gather.model_gathers(
-            loss_fn, policy.cast_to_compute(params if wrt.keep is None else wrt.join(wrt.select(params))),
-            batch, lg)
+            loss_fn, policy.cast_to_compute(params if wrt.keep is None else wrt.join(wrt.select(params))), batch, lg
+        )
 
         def f(x):
             full = wrt.join(x)
             pc = cast_params_for_compute(full, policy, rest_sh)
             if compute_sh is not rest_sh:  # (grads scattered from f32 dots: see precision.matmul)
-                pc = (lay_out_for_compute(pc, compute_sh, rest_sh) if widens(policy)
-                      else constrain(pc, compute_sh))
+                pc = lay_out_for_compute(pc, compute_sh, rest_sh) if widens(policy) else constrain(pc, compute_sh)
             if hooked:
-                pc = jax.tree.map(lambda layered, p, c, r: constrain(p, r) if layered else c,
-                                  plan.layered, full, pc, rest_sh)
+                pc = jax.tree.map(
+                    lambda layered, p, c, r: constrain(p, r) if layered else c, plan.layered, full, pc, rest_sh
+                )
             with layer_gather.active(lg if hooked else None), reducing(policy):
                 out = loss_fn(pc, batch)
             loss, aux = out if has_aux else (out, None)
             if isinstance(loss, TokenSum):  # differentiate the sum; the count rides along
                 return loss.total.astype(jnp.float32), (aux, loss.count.astype(jnp.float32))
             return loss.astype(jnp.float32), (aux, None)
+
         (loss, (aux, count)), grads = jax.value_and_grad(f, has_aux=True)(wrt.select(params))
         if count is not None:
             loss = TokenSum(loss, count)
         return loss, aux, constrain(grads, wrt.select(grad_sh))
+
     return grad_fn
 
 
@@ -182,13 +187,18 @@ def _layer_gather(plan: ShardingPlan, policy: Policy) -> layer_gather.LayerGathe
     if plan.layered is None or plan.offload != "none" or not plan.strategy.gather_once:
         return None
     return layer_gather.LayerGather(
-        mesh=plan.mesh, rules=plan.rules, shard_axes=plan.strategy.params,
-        compute_dtype=policy.compute_dtype, reduce_dtype=policy.reduce_dtype,
-        keep=plan.strategy.gather_once)
+        mesh=plan.mesh,
+        rules=plan.rules,
+        shard_axes=plan.strategy.params,
+        compute_dtype=policy.compute_dtype,
+        reduce_dtype=policy.reduce_dtype,
+        keep=plan.strategy.gather_once,
+    )
 
 
-def microbatched(grad_fn: GradFn, microbatches: int, grad_shardings=None,
-                 grads_like: Callable[[Any], Any] = lambda params: params) -> GradFn:
+def microbatched(
+    grad_fn: GradFn, microbatches: int, grad_shardings=None, grads_like: Callable[[Any], Any] = lambda params: params
+) -> GradFn:
     """`grad_fn` over `microbatches` slices of the batch, scanned: mean loss, mean
     grads (summed into an accumulator laid out as `grad_shardings`, a tree matching
     the grads, or None) and the slices' aux stacked on a leading dim; for a `TokenSum`
@@ -219,6 +229,7 @@ def microbatched(grad_fn: GradFn, microbatches: int, grad_shardings=None,
                 aux, mstate = aux
             acc = jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, g)
             return (place(acc), jax.tree.map(jnp.add, loss_sum, loss), mstate), aux
+
         zeros = place(jax.tree.map(lambda g: jnp.zeros(g.shape, g.dtype), grads_like(params)))
         xs = _split_microbatches(data, microbatches)
         first = jax.tree.map(lambda x: x[0], xs)
@@ -226,13 +237,13 @@ def microbatched(grad_fn: GradFn, microbatches: int, grad_shardings=None,
         loss_shape = jax.eval_shape(lambda: grad_fn(params, mb0)[0])
         loss0 = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), loss_shape)
         init = (zeros, loss0, None if ctx is None else ctx.state)
-        (acc, loss_sum, mstate), aux = jax.lax.scan(
-            body, init, xs if ctx is None else (jnp.arange(microbatches), xs))
+        (acc, loss_sum, mstate), aux = jax.lax.scan(body, init, xs if ctx is None else (jnp.arange(microbatches), xs))
         if ctx is not None:
             aux = (aux, mstate)
         if isinstance(loss_sum, TokenSum):
             return loss_sum, aux, acc
         return loss_sum / microbatches, aux, jax.tree.map(lambda g: g / microbatches, acc)
+
     return run
 
 
@@ -249,12 +260,12 @@ def clip_grads(grads, clip_norm: float | None):
 def apply_update(optimizer: optax.GradientTransformation, state: TrainState, grads) -> TrainState:
     """One optax update of `state` (in its sharded layout) by `grads`."""
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    return state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
-                         opt_state=opt_state)
+    return state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates), opt_state=opt_state)
 
 
-def guarded_update(optimizer: optax.GradientTransformation, state: TrainState, grads, ok,
-                   skip_nonfinite: bool = True) -> TrainState:
+def guarded_update(
+    optimizer: optax.GradientTransformation, state: TrainState, grads, ok, skip_nonfinite: bool = True
+) -> TrainState:
     """`apply_update` when `ok` (a traced bool: loss and grad norm finite); the state
     unchanged when not and `skip_nonfinite`.
 
@@ -270,11 +281,21 @@ def guarded_update(optimizer: optax.GradientTransformation, state: TrainState, g
     return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, state)
 
 
-def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, plan: ShardingPlan, *,
-                    microbatches: int = 1, clip_norm: float | None = None,
-                    precision: Policy | str | None = None, remat: str = "none",
-                    has_aux: bool = False, skip_nonfinite: bool = True,
-                    donate: bool = True, trainable: Any = None, rng: Any = None) -> CompiledStep:
+def make_train_step(
+    loss_fn: LossFn,
+    optimizer: optax.GradientTransformation,
+    plan: ShardingPlan,
+    *,
+    microbatches: int = 1,
+    clip_norm: float | None = None,
+    precision: Policy | str | None = None,
+    remat: str = "none",
+    has_aux: bool = False,
+    skip_nonfinite: bool = True,
+    donate: bool = True,
+    trainable: Any = None,
+    rng: Any = None,
+) -> CompiledStep:
     """A jitted `step(state, batch) -> (state, metrics)` for `plan`'s mesh and strategy.
 
     `loss_fn(params, batch)` returns a scalar mean loss, or a `TokenSum(total, count)`
@@ -318,13 +339,18 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, pl
 
     def step(state: TrainState, batch):
         if extended:  # the batch travels with the model state and the step's key
-            batch = ms_lib.StepInput(batch, state.model_state,
-                                     None if key_data is None else ms_lib.step_key(key_data, state.step))
+            batch = ms_lib.StepInput(
+                batch, state.model_state, None if key_data is None else ms_lib.step_key(key_data, state.step)
+            )
         at_rest = state  # offloaded params come to the device now, for the forward pass
         state = state.replace(params=offload_lib.fetch(state.params, plan.params))
         wrt = Trainable(state.params, trainable)
-        grad_fn = microbatched(compute_value_and_grad(loss_fn, policy, plan, wrt, has_aux),
-                               microbatches, wrt.select(plan.grads), wrt.select)
+        grad_fn = microbatched(
+            compute_value_and_grad(loss_fn, policy, plan, wrt, has_aux),
+            microbatches,
+            wrt.select(plan.grads),
+            wrt.select,
+        )
         loss, aux, grads = grad_fn(state.params, batch)
         tokens = loss.count if isinstance(loss, TokenSum) else None
         loss, grads = normalize(loss, grads)
@@ -336,8 +362,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, pl
         if extended:
             new, aux = ms_lib.with_model_state(new, aux, state, ok, skip_nonfinite)
         new = offload_lib.store_state(new, plan)  # back to host memory, where offloaded
-        metrics = {"loss": loss.astype(policy.output_dtype), "grad_norm": grad_norm,
-                   "skipped": (~ok).astype(jnp.int32)}
+        metrics = {"loss": loss.astype(policy.output_dtype), "grad_norm": grad_norm, "skipped": (~ok).astype(jnp.int32)}
         if user_aux:
             metrics["aux"] = aux
         if tokens is not None:
@@ -345,14 +370,24 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, pl
         return new, metrics
 
     sh = state_shardings(plan)
-    jitted = jax.jit(step, in_shardings=(sh, plan.batch), out_shardings=(sh, NamedSharding(plan.mesh, P())),
-                     donate_argnums=(0,) if donate else (),
-                     compiler_options=step_compiler_options(plan.mesh.devices.flat, bool(plan.strategy.params)))
+    jitted = jax.jit(
+        step,
+        in_shardings=(sh, plan.batch),
+        out_shardings=(sh, NamedSharding(plan.mesh, P())),
+        donate_argnums=(0,) if donate else (),
+        compiler_options=step_compiler_options(plan.mesh.devices.flat, bool(plan.strategy.params)),
+    )
     return CompiledStep(jitted, plan, lambda b: check_batch(b, plan, microbatches))
 
 
-def make_eval_step(loss_fn: LossFn, plan: ShardingPlan, *, precision: Policy | str | None = None,
-                   has_aux: bool = False, extended: bool | None = None) -> CompiledStep:
+def make_eval_step(
+    loss_fn: LossFn,
+    plan: ShardingPlan,
+    *,
+    precision: Policy | str | None = None,
+    has_aux: bool = False,
+    extended: bool | None = None,
+) -> CompiledStep:
     """A jitted `eval_step(params, batch) -> {"loss": ...}` (no state change); with a
     `TokenSum` loss also `loss_sum` and `tokens`.
 
@@ -371,14 +406,18 @@ def make_eval_step(loss_fn: LossFn, plan: ShardingPlan, *, precision: Policy | s
         pc = policy.cast_to_compute(constrain(params, offload_lib.on_device(plan.params)))
         if extended:
             loss, _ = ms_lib.extended_loss(loss_fn, stateful, has_aux, train=False)(
-                pc, ms_lib.StepInput(batch, mstate[0] if stateful else None, None))
+                pc, ms_lib.StepInput(batch, mstate[0] if stateful else None, None)
+            )
         else:
             out = loss_fn(pc, batch)
             loss = out[0] if has_aux else out
         if isinstance(loss, TokenSum):  # the sum and count too, to average over many batches
             total, count = loss.total.astype(jnp.float32), loss.count.astype(jnp.float32)
-            return {"loss": (total / jnp.maximum(count, 1.0)).astype(policy.output_dtype),
-                    "loss_sum": total, "tokens": count}
+            return {
+                "loss": (total / jnp.maximum(count, 1.0)).astype(policy.output_dtype),
+                "loss_sum": total,
+                "tokens": count,
+            }
         return {"loss": loss.astype(policy.output_dtype)}
 
     in_sh = (plan.params, plan.model_state, plan.batch) if stateful else (plan.params, plan.batch)

@@ -37,6 +37,7 @@ from fsdp_jax import rules as rl
 class Strategy:
     """Which mesh axes shard each kind of state. `gather_once` keeps params gathered
     for the whole step (ZeRO-2) instead of letting XLA gather per layer."""
+
     name: str
     params: tuple[str, ...]
     grads: tuple[str, ...]
@@ -46,17 +47,37 @@ class Strategy:
 
 
 _DP = (ax.DATA, ax.FSDP)
-STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
-    Strategy("full_shard", _DP, _DP, _DP, description="ZeRO-3: params, grads and optimizer state sharded"),
-    Strategy("shard_grad_op", _DP, _DP, _DP, gather_once=True,
-             description="ZeRO-2: params gathered once per step, grads and optimizer state sharded"),
-    Strategy("shard_opt", (), (), _DP, description="ZeRO-1: optimizer state sharded"),
-    Strategy("no_shard", (), (), (), description="DDP: everything replicated"),
-    Strategy("hybrid_shard", (ax.FSDP,), (ax.FSDP,), (ax.FSDP,),
-             description="HSDP: sharded within fsdp, replicated over data"),
-)}
-ALIASES = {"zero3": "full_shard", "fsdp": "full_shard", "zero2": "shard_grad_op",
-           "zero1": "shard_opt", "ddp": "no_shard", "hsdp": "hybrid_shard"}
+STRATEGIES: dict[str, Strategy] = {
+    s.name: s
+    for s in (
+        Strategy("full_shard", _DP, _DP, _DP, description="ZeRO-3: params, grads and optimizer state sharded"),
+        Strategy(
+            "shard_grad_op",
+            _DP,
+            _DP,
+            _DP,
+            gather_once=True,
+            description="ZeRO-2: params gathered once per step, grads and optimizer state sharded",
+        ),
+        Strategy("shard_opt", (), (), _DP, description="ZeRO-1: optimizer state sharded"),
+        Strategy("no_shard", (), (), (), description="DDP: everything replicated"),
+        Strategy(
+            "hybrid_shard",
+            (ax.FSDP,),
+            (ax.FSDP,),
+            (ax.FSDP,),
+            description="HSDP: sharded within fsdp, replicated over data",
+        ),
+    )
+}
+ALIASES = {
+    "zero3": "full_shard",
+    "fsdp": "full_shard",
+    "zero2": "shard_grad_op",
+    "zero1": "shard_opt",
+    "ddp": "no_shard",
+    "hsdp": "hybrid_shard",
+}
 
 
 def get_strategy(name: str | Strategy) -> Strategy:
@@ -65,8 +86,9 @@ def get_strategy(name: str | Strategy) -> Strategy:
         return name
     key = ALIASES.get(str(name).lower(), str(name).lower())
     if key not in STRATEGIES:
-        raise ValueError(f"unknown strategy {name!r}; choose one of "
-                         f"{', '.join(STRATEGIES)} (aliases: {', '.join(ALIASES)})")
+        raise ValueError(
+            f"unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)} (aliases: {', '.join(ALIASES)})"
+        )
     return STRATEGIES[key]
 
 
@@ -86,6 +108,7 @@ class ShardingPlan:
     non-trainable variables (None when it has none), laid out like params at rest
     (same rules, same shard axes; always on the device); `state_rows` explain them.
     """
+
     strategy: Strategy
     mesh: Mesh
     params: Any
@@ -108,9 +131,14 @@ def _named(mesh: Mesh, specs):
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
 
-def opt_state_shardings(optimizer: optax.GradientTransformation, abstract_params,
-                        param_specs, mesh: Mesh, shard_axes: Sequence[str],
-                        min_shard_size: int = rl.DEFAULT_MIN_SHARD_SIZE):
+def opt_state_shardings(
+    optimizer: optax.GradientTransformation,
+    abstract_params,
+    param_specs,
+    mesh: Mesh,
+    shard_axes: Sequence[str],
+    min_shard_size: int = rl.DEFAULT_MIN_SHARD_SIZE,
+):
     """NamedShardings for `optimizer`'s state, derived from the params' specs.
 
     Param-shaped state (Adam moments, momentum) reuses the param spec via
@@ -134,23 +162,34 @@ def opt_state_shardings(optimizer: optax.GradientTransformation, abstract_params
         row, _ = rl.plan_leaf("", np.shape(leaf), leaf.dtype, None, mesh, None, shard_axes, min_shard_size)
         return row.spec
 
-    paired = jax.tree.map(lambda p, s: (p, s), abstract_params, param_specs,
-                          is_leaf=lambda x: isinstance(x, P))
+    paired = jax.tree.map(lambda p, s: (p, s), abstract_params, param_specs, is_leaf=lambda x: isinstance(x, P))
     specs = optax.tree_utils.tree_map_params(
-        optimizer, for_param, abstract_state, paired, transform_non_params=non_param,
-        is_leaf=lambda x: isinstance(x, optax.MaskedNode) or (
-            isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], P)))
+        optimizer,
+        for_param,
+        abstract_state,
+        paired,
+        transform_non_params=non_param,
+        is_leaf=lambda x: (
+            isinstance(x, optax.MaskedNode) or (isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], P))
+        ),
+    )
     return _named(mesh, specs)
 
 
-def make_plan(abstract_params, optimizer: optax.GradientTransformation, mesh: Mesh,
-              strategy: str | Strategy = "full_shard", logical_axes=None,
-              rules: rl.Rules | None = None,
-              min_shard_size: int = rl.DEFAULT_MIN_SHARD_SIZE,
-              max_replicated_fraction: float | None = rl.DEFAULT_MAX_REPLICATED_FRACTION,
-              min_replicated_bytes: int = rl.DEFAULT_MIN_REPLICATED_BYTES,
-              offload: str = "none", abstract_model_state=None,
-              model_state_axes=None) -> ShardingPlan:
+def make_plan(
+    abstract_params,
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    strategy: str | Strategy = "full_shard",
+    logical_axes=None,
+    rules: rl.Rules | None = None,
+    min_shard_size: int = rl.DEFAULT_MIN_SHARD_SIZE,
+    max_replicated_fraction: float | None = rl.DEFAULT_MAX_REPLICATED_FRACTION,
+    min_replicated_bytes: int = rl.DEFAULT_MIN_REPLICATED_BYTES,
+    offload: str = "none",
+    abstract_model_state=None,
+    model_state_axes=None,
+) -> ShardingPlan:
     """Shardings of params (at rest and in compute), grads and optimizer state.
 
     `abstract_params`: a tree of arrays or ShapeDtypeStructs. `logical_axes`: a
@@ -169,8 +208,11 @@ def make_plan(abstract_params, optimizer: optax.GradientTransformation, mesh: Me
     s = get_strategy(strategy)
     off = offload_lib.check_supported(offload, mesh.devices.flat)
     # validated, and lists (from YAML) as tuples, the form Flax's logical_axis_rules takes
-    rules = rl.DEFAULT_RULES if rules is None else rl.merge_rules(
-        rules, {}, mesh_axes=tuple(dict.fromkeys(ax.MESH_AXES + tuple(mesh.axis_names))))
+    rules = (
+        rl.DEFAULT_RULES
+        if rules is None
+        else rl.merge_rules(rules, {}, mesh_axes=tuple(dict.fromkeys(ax.MESH_AXES + tuple(mesh.axis_names))))
+    )
 
     def rows(shard_axes):
         return rl.explain(abstract_params, mesh, logical_axes, rules, shard_axes, min_shard_size)
@@ -181,21 +223,25 @@ def make_plan(abstract_params, optimizer: optax.GradientTransformation, mesh: Me
     specs = {k: rl.specs_from_rows(abstract_params, v) for k, v in cache.items()}
     rl.warn_unknown_names(cache[()], mesh)
     if s.params and max_replicated_fraction is not None:
-        rl.check_sufficiently_sharded(cache[s.params], s.params, mesh, max_replicated_fraction,
-                                      min_replicated_bytes)
+        rl.check_sufficiently_sharded(cache[s.params], s.params, mesh, max_replicated_fraction, min_replicated_bytes)
     compute = specs[()] if s.gather_once else specs[s.params]
     batch_axes = tuple(a for a in (ax.DATA, ax.FSDP) if a in mesh.shape)
     params, opt_state = offload_lib.at_rest(
         _named(mesh, specs[s.params]),
-        opt_state_shardings(optimizer, abstract_params, specs[s.opt_state], mesh, s.opt_state,
-                            min_shard_size), off)
+        opt_state_shardings(optimizer, abstract_params, specs[s.opt_state], mesh, s.opt_state, min_shard_size),
+        off,
+    )
     state_rows, state_sh = (), None
     if abstract_model_state is not None:
-        state_rows = tuple(rl.explain(abstract_model_state, mesh, model_state_axes, rules, s.params,
-                                      min_shard_size, allow_unshardable=True))
+        state_rows = tuple(
+            rl.explain(
+                abstract_model_state, mesh, model_state_axes, rules, s.params, min_shard_size, allow_unshardable=True
+            )
+        )
         state_sh = _named(mesh, rl.specs_from_rows(abstract_model_state, state_rows))
     return ShardingPlan(
-        strategy=s, mesh=mesh,
+        strategy=s,
+        mesh=mesh,
         params=params,
         compute=_named(mesh, compute),
         grads=_named(mesh, specs[s.grads]),
@@ -206,9 +252,11 @@ def make_plan(abstract_params, optimizer: optax.GradientTransformation, mesh: Me
         offload=off.name,
         model_state=state_sh,
         state_rows=state_rows,
-        layered=None if logical_axes is None else jax.tree.map(
-            lambda n: bool(n) and ax.LAYERS in n, logical_axes,
-            is_leaf=lambda x: x is None or isinstance(x, tuple)),
+        layered=None
+        if logical_axes is None
+        else jax.tree.map(
+            lambda n: bool(n) and ax.LAYERS in n, logical_axes, is_leaf=lambda x: x is None or isinstance(x, tuple)
+        ),
     )
 
 

@@ -62,6 +62,7 @@ class Target:
     `gpus_per_host` devices; the hosts within a slice come from libtpu's topology. Either
     way `hosts` counts the groups the slow network joins: hybrid_shard puts `data` across
     them and `fsdp` within one."""
+
     name: str
     hosts: int = 1
     gpus_per_host: int = 8
@@ -84,13 +85,19 @@ class Target:
 
     def describe(self) -> str:
         if self.topology_name:
-            return (f"{self.name} ({device_name(self.name)}), {self.hosts} slice(s) of {self.topology_name} "
-                    f"({self.gpus_per_host} devices each)")
+            return (
+                f"{self.name} ({device_name(self.name)}), {self.hosts} slice(s) of {self.topology_name} "
+                f"({self.gpus_per_host} devices each)"
+            )
         return f"{self.name} ({device_name(self.name)}), {self.hosts} x {self.gpus_per_host} GPUs"
 
     def as_dict(self) -> dict:
-        return {"name": self.name, "hosts": self.hosts, "gpus_per_host": self.gpus_per_host,
-                "topology_name": self.topology_name}
+        return {
+            "name": self.name,
+            "hosts": self.hosts,
+            "gpus_per_host": self.gpus_per_host,
+            "topology_name": self.topology_name,
+        }
 
 
 def target_names(platform: str | None = None) -> list[str]:
@@ -144,8 +151,9 @@ def _positive(**flags) -> None:
             raise TargetError(f"--{flag.replace('_', '-')}: {v!r} must be a positive integer")
 
 
-def make_tpu_target(name: str, devices: int | None = None, slices: int | None = None,
-                    topology: str | None = None) -> Target:
+def make_tpu_target(
+    name: str, devices: int | None = None, slices: int | None = None, topology: str | None = None
+) -> Target:
     """A TPU target: `name` a generation (`v5p`) or accelerator type (`v5p-64`, one slice's
     size); `devices` chips in total over `slices` (default 1), or one slice's `topology`."""
     _positive(devices=devices, slices=slices)
@@ -156,39 +164,51 @@ def make_tpu_target(name: str, devices: int | None = None, slices: int | None = 
             topo, chips = tpu.parse_topology(spec, topology)
         else:
             if typed_chips is None and devices is None:
-                raise TargetError("--devices: give the number of TPU chips (or --topology, or an "
-                                  "accelerator type such as v5p-64)")
+                raise TargetError(
+                    "--devices: give the number of TPU chips (or --topology, or an accelerator type such as v5p-64)"
+                )
             if typed_chips is not None:
                 chips = typed_chips
             else:
                 if devices % (slices * spec.devices_per_chip):
-                    raise TargetError(f"--slices: {devices} devices do not divide into {slices} slices of "
-                                      f"whole {spec.name} chips")
+                    raise TargetError(
+                        f"--slices: {devices} devices do not divide into {slices} slices of whole {spec.name} chips"
+                    )
                 chips = devices // slices // spec.devices_per_chip
             topo = tpu.default_topology(spec, chips)
         per_slice = chips * spec.devices_per_chip
         if devices is not None and devices != per_slice * slices:
-            raise TargetError(f"--devices: {devices} is not {slices} slice(s) x {per_slice} devices of "
-                              f"{spec.name}:{topo}")
+            raise TargetError(
+                f"--devices: {devices} is not {slices} slice(s) x {per_slice} devices of {spec.name}:{topo}"
+            )
     except tpu.TopologyError as e:
         raise TargetError(str(e)) from None
     return Target(spec.name, slices, per_slice, topo)
 
 
-def make_target(name: str, devices: int | None = None, hosts: int | None = None,
-                gpus_per_host: int | None = None, *, slices: int | None = None,
-                topology: str | None = None) -> Target:
+def make_target(
+    name: str,
+    devices: int | None = None,
+    hosts: int | None = None,
+    gpus_per_host: int | None = None,
+    *,
+    slices: int | None = None,
+    topology: str | None = None,
+) -> Target:
     """Validate a target request. GPU: `devices` in total over `hosts` (default 1), or
     `hosts` x `gpus_per_host`. TPU (`make_tpu_target`): `devices` over `slices`, or a
     `topology`. Raises TargetError naming the flag and the value."""
     if tpu.is_tpu(name):
         if hosts is not None or gpus_per_host is not None:
-            raise TargetError(f"--hosts: a TPU target's hosts come from its topology; use --slices "
-                              f"for several {name} slices")
+            raise TargetError(
+                f"--hosts: a TPU target's hosts come from its topology; use --slices for several {name} slices"
+            )
         return make_tpu_target(name, devices, slices, topology)
     if slices is not None or topology is not None:
-        raise TargetError(f"--{'slices' if slices is not None else 'topology'}: only for TPU targets "
-                          f"({', '.join(tpu.TPU_SPECS)}); {name} uses --hosts")
+        raise TargetError(
+            f"--{'slices' if slices is not None else 'topology'}: only for TPU targets "
+            f"({', '.join(tpu.TPU_SPECS)}); {name} uses --hosts"
+        )
     target_config(name)
     _positive(devices=devices, hosts=hosts, gpus_per_host=gpus_per_host)
     hosts = hosts or 1
@@ -196,20 +216,24 @@ def make_target(name: str, devices: int | None = None, hosts: int | None = None,
         if devices is None:
             raise TargetError("--devices: give the total number of GPUs (or --gpus-per-host)")
         if devices % hosts:
-            raise TargetError(f"--hosts: {devices} devices do not divide into {hosts} hosts; "
-                              f"make --devices a multiple of --hosts")
+            raise TargetError(
+                f"--hosts: {devices} devices do not divide into {hosts} hosts; make --devices a multiple of --hosts"
+            )
         gpus_per_host = devices // hosts
     elif devices is not None and devices != hosts * gpus_per_host:
-        raise TargetError(f"--devices: {devices} is not --hosts ({hosts}) x --gpus-per-host "
-                          f"({gpus_per_host}) = {hosts * gpus_per_host}")
+        raise TargetError(
+            f"--devices: {devices} is not --hosts ({hosts}) x --gpus-per-host "
+            f"({gpus_per_host}) = {hosts * gpus_per_host}"
+        )
     return Target(name, hosts, gpus_per_host)
 
 
 KERNEL_CACHE_FLAG = "--xla_gpu_kernel_cache_file"
 
 
-def child_env(env: dict[str, str] | None = None,
-              kernel_cache: str | os.PathLike | None = None, target: Target | None = None) -> dict[str, str]:
+def child_env(
+    env: dict[str, str] | None = None, kernel_cache: str | os.PathLike | None = None, target: Target | None = None
+) -> dict[str, str]:
     """Environment for a child process that compiles for `target` (default: GPU targets):
     the plugin folder first on PYTHONPATH and JAX_PLATFORMS=cpu (without it the CUDA
     plugin calls cuInit and fails). Raises PluginMissing when the plugin is not installed.
@@ -245,8 +269,10 @@ def child_env(env: dict[str, str] | None = None,
     if named:
         folder = Path(named[-1]).absolute().parent
         if named[-1] and not (folder.is_dir() and os.access(folder, os.W_OK)):
-            raise TargetError(f"XLA_FLAGS {KERNEL_CACHE_FLAG}={named[-1]}: its directory {folder} "
-                              "does not exist or is not writable (an empty value turns the cache off)")
+            raise TargetError(
+                f"XLA_FLAGS {KERNEL_CACHE_FLAG}={named[-1]}: its directory {folder} "
+                "does not exist or is not writable (an empty value turns the cache off)"
+            )
     elif kernel_cache is not None:
         env["XLA_FLAGS"] = f"{flags} {KERNEL_CACHE_FLAG}={os.fspath(kernel_cache)}".strip()
     return env
@@ -261,6 +287,7 @@ def enable_in_process() -> None:
     if str(plugin_dir()) not in sys.path:
         sys.path.insert(0, str(plugin_dir()))
     import jax
+
     jax.config.update("jax_platforms", "cpu")
 
 
@@ -271,14 +298,16 @@ def gpu_devices(name: str, hosts: int = 1, gpus_per_host: int = 8) -> list:
     jax_platforms=cpu. The devices compile but cannot run anything (no device_put)."""
     t = make_target(name, hosts=hosts, gpus_per_host=gpus_per_host)
     if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
-        raise PluginMissing(_missing_message() + " (and run in a process from "
-                            "fsdp_jax.targets.child_env(), or call enable_in_process() first)")
+        raise PluginMissing(
+            _missing_message() + " (and run in a process from "
+            "fsdp_jax.targets.child_env(), or call enable_in_process() first)"
+        )
     import jax
     from jax.experimental import topologies
+
     if jax.config.jax_platforms != "cpu":
         jax.config.update("jax_platforms", "cpu")  # else the plugin calls cuInit and fails
-    topo = topologies.get_topology_desc(platform="cuda", target_config=target_config(t.name),
-                                        topology=t.topology)
+    topo = topologies.get_topology_desc(platform="cuda", target_config=target_config(t.name), topology=t.topology)
     devices = sorted(topo.devices, key=lambda d: (d.process_index, d.id))
     if len(devices) != t.devices:
         raise RuntimeError(f"topology {t.topology} gave {len(devices)} devices, expected {t.devices}")
@@ -291,16 +320,19 @@ def target_devices(target: Target) -> list:
     if target.platform == "gpu":
         return gpu_devices(target.name, target.hosts, target.gpus_per_host)
     if importlib.util.find_spec("libtpu") is None:
-        raise PluginMissing(_missing_message("tpu") + " (and run in a process from "
-                            "fsdp_jax.targets.child_env(target=...))")
+        raise PluginMissing(
+            _missing_message("tpu") + " (and run in a process from fsdp_jax.targets.child_env(target=...))"
+        )
     spec = _tpu_spec(target.name)
     try:
         devices = tpu.tpu_devices(spec, target.topology_name, target.hosts)
     except tpu.TopologyError as e:
         raise TargetError(str(e)) from None
     if len(devices) != target.devices:
-        raise TargetError(f"--topology: {target.topology} x {target.hosts} slice(s) gave {len(devices)} "
-                          f"devices, expected {target.devices}")
+        raise TargetError(
+            f"--topology: {target.topology} x {target.hosts} slice(s) gave {len(devices)} "
+            f"devices, expected {target.devices}"
+        )
     return devices
 
 
@@ -314,6 +346,7 @@ def dcn_groups(devices) -> list[int]:
 
 # ----------------------------------------------------------------------------- CLI
 
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m fsdp_jax.targets install [cuda|tpu|all] | check [cuda|tpu] | list`."""
     argv = sys.argv[1:] if argv is None else argv
@@ -323,14 +356,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{n}: {device_name(n)}, {device_memory(n) / 2**30:.1f} GiB per device")
         return 0
     if cmd not in ("install", "check") or len(argv) > 2:
-        print(f"error: unknown command {' '.join(argv)!r}; use install [cuda|tpu|all], check [cuda|tpu] "
-              "or list", file=sys.stderr)
+        print(
+            f"error: unknown command {' '.join(argv)!r}; use install [cuda|tpu|all], check [cuda|tpu] or list",
+            file=sys.stderr,
+        )
         return 2
     which = argv[1] if len(argv) > 1 else "cuda"
     kinds = KINDS if which == "all" and cmd == "install" else (which,)
     if any(k not in KINDS for k in kinds):
-        print(f"error: {cmd} {which!r}: choose cuda, tpu" + (" or all" if cmd == "install" else ""),
-              file=sys.stderr)
+        print(f"error: {cmd} {which!r}: choose cuda, tpu" + (" or all" if cmd == "install" else ""), file=sys.stderr)
         return 2
     for kind in kinds:
         if cmd == "install":

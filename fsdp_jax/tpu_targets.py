@@ -39,40 +39,86 @@ class TpuSpec:
     32, v5e 15.75 GiB of 16, v4 15.25 GiB per core; libtpu 0.0.42.1). `ici_bw`:
     bidirectional inter-chip bandwidth per chip, bytes/s; `dcn_bw`: data-center network
     bandwidth per chip, bytes/s (None where the pages give none)."""
+
     name: str
-    device_kind: str          # what jax's compile-only devices call it
+    device_kind: str  # what jax's compile-only devices call it
     hbm_bytes: int
     peak_bf16_flops: float
-    hbm_bw: float             # bytes/s
+    hbm_bw: float  # bytes/s
     ici_bw: float | None
-    dims: int                 # torus dimensions: 2 (v5e, v6e) or 3 (v4, v5p)
-    cores_in_name: bool       # accelerator type counts TensorCores (2 per chip), not chips
-    max_chips: int            # largest single slice
+    dims: int  # torus dimensions: 2 (v5e, v6e) or 3 (v4, v5p)
+    cores_in_name: bool  # accelerator type counts TensorCores (2 per chip), not chips
+    max_chips: int  # largest single slice
     source: str
     devices_per_chip: int = 1  # compile-only devices libtpu makes of one chip (v4: its 2 cores)
     dcn_bw: float | None = None
 
 
 GB, GIB = 10**9, 2**30
-TPU_SPECS: dict[str, TpuSpec] = {s.name: s for s in (
-    # Figures from the Cloud TPU system-architecture pages (docs.cloud.google.com/tpu/docs/<gen>,
-    # read 2026-12): v4 gives no per-chip ICI figure, so it is the page's all-reduce
-    # bandwidth per Pod (1.1 PB/s over 4096 chips) x 2 directions; v5p's page now gives
-    # ICI 1200 GBps bidirectional and DCN 50 Gbps per chip (its older text: "Interchip
-    # Interconnect BW 4800 Gbps"); v5e's DCN is its 2 x 100 Gbps NICs per 8-chip host.
-    TpuSpec("v4", "TPU v4", int(30.5 * GIB), 275e12, 1200 * GB, 2 * 1.1e15 / 4096, 3, True, 4096,
+TPU_SPECS: dict[str, TpuSpec] = {
+    s.name: s
+    for s in (
+        # Figures from the Cloud TPU system-architecture pages (docs.cloud.google.com/tpu/docs/<gen>,
+        # read 2026-12): v4 gives no per-chip ICI figure, so it is the page's all-reduce
+        # bandwidth per Pod (1.1 PB/s over 4096 chips) x 2 directions; v5p's page now gives
+        # ICI 1200 GBps bidirectional and DCN 50 Gbps per chip (its older text: "Interchip
+        # Interconnect BW 4800 Gbps"); v5e's DCN is its 2 x 100 Gbps NICs per 8-chip host.
+        TpuSpec(
+            "v4",
+            "TPU v4",
+            int(30.5 * GIB),
+            275e12,
+            1200 * GB,
+            2 * 1.1e15 / 4096,
+            3,
+            True,
+            4096,
             "cloud.google.com/tpu/docs/v4: 275 TFLOP/s bf16, HBM2 32 GiB at 1200 GBps, all-reduce "
-            "1.1 PB/s per 4096-chip Pod", 2),
-    TpuSpec("v5e", "TPU v5 lite", int(15.75 * GIB), 197e12, 819 * GB, 400 * GB, 2, False, 256,
+            "1.1 PB/s per 4096-chip Pod",
+            2,
+        ),
+        TpuSpec(
+            "v5e",
+            "TPU v5 lite",
+            int(15.75 * GIB),
+            197e12,
+            819 * GB,
+            400 * GB,
+            2,
+            False,
+            256,
             "cloud.google.com/tpu/docs/v5e: 197 TFLOP/s bf16, HBM2 16 GB at 819 GBps, ICI 400 GBps "
-            "bidirectional, 2 x 100 Gbps NICs per 8-chip host", dcn_bw=2 * 100e9 / 8 / 8),
-    TpuSpec("v5p", "TPU v5", int(95.74 * GIB), 459e12, 2765 * GB, 1200 * GB, 3, True, 8960,
+            "bidirectional, 2 x 100 Gbps NICs per 8-chip host",
+            dcn_bw=2 * 100e9 / 8 / 8,
+        ),
+        TpuSpec(
+            "v5p",
+            "TPU v5",
+            int(95.74 * GIB),
+            459e12,
+            2765 * GB,
+            1200 * GB,
+            3,
+            True,
+            8960,
             "cloud.google.com/tpu/docs/v5p: 459 TFLOP/s bf16, HBM2e 95 GiB at 2765 GBps, ICI 1200 GBps "
-            "bidirectional, DCN 50 Gbps per chip", dcn_bw=50e9 / 8),
-    TpuSpec("v6e", "TPU v6 lite", int(31.25 * GIB), 918e12, 1638 * GB, 800 * GB, 2, False, 256,
-            "cloud.google.com/tpu/docs/v6e: 918 TFLOP/s bf16, HBM 32 GB at 1638 GBps, ICI 800 GBps "
-            "bidirectional"),
-)}
+            "bidirectional, DCN 50 Gbps per chip",
+            dcn_bw=50e9 / 8,
+        ),
+        TpuSpec(
+            "v6e",
+            "TPU v6 lite",
+            int(31.25 * GIB),
+            918e12,
+            1638 * GB,
+            800 * GB,
+            2,
+            False,
+            256,
+            "cloud.google.com/tpu/docs/v6e: 918 TFLOP/s bf16, HBM 32 GB at 1638 GBps, ICI 800 GBps bidirectional",
+        ),
+    )
+}
 _TYPE = re.compile(r"^(v\d+[a-z]*)-(\d+)$")
 
 
@@ -92,8 +138,9 @@ def split_name(name: str) -> tuple[TpuSpec, int | None]:
     if count is None:
         return spec, None
     if spec.cores_in_name and count % 2:
-        raise TopologyError(f"--target: {name!r}: {gen} accelerator types count TensorCores, 2 per chip; "
-                            f"{count} is odd")
+        raise TopologyError(
+            f"--target: {name!r}: {gen} accelerator types count TensorCores, 2 per chip; {count} is odd"
+        )
     return spec, count // 2 if spec.cores_in_name else count
 
 
@@ -102,8 +149,10 @@ def default_topology(spec: TpuSpec, chips: int) -> str:
     v5p), dims powers of two, as square as they go. Raises TopologyError when `chips` is
     not a power of two or exceeds the generation's largest slice."""
     if chips < 1 or chips & (chips - 1) or chips > spec.max_chips:
-        raise TopologyError(f"--devices: {chips} chips per slice is not a {spec.name} slice size "
-                            f"(a power of two up to {spec.max_chips}); give --topology")
+        raise TopologyError(
+            f"--devices: {chips} chips per slice is not a {spec.name} slice size "
+            f"(a power of two up to {spec.max_chips}); give --topology"
+        )
     dims = [1] * spec.dims
     for _ in range(int(math.log2(chips))):
         dims[dims.index(min(dims))] *= 2
@@ -115,12 +164,10 @@ def parse_topology(spec: TpuSpec, text: str) -> tuple[str, int]:
     parts = text.split("x")
     if len(parts) != spec.dims or not all(p.isdigit() and int(p) > 0 for p in parts):
         example = "2x2x2" if spec.dims == 3 else "4x4"
-        raise TopologyError(f"--topology: {text!r} is not a {spec.dims}-D {spec.name} topology "
-                            f"(e.g. {example})")
+        raise TopologyError(f"--topology: {text!r} is not a {spec.dims}-D {spec.name} topology (e.g. {example})")
     chips = math.prod(int(p) for p in parts)
     if chips > spec.max_chips:
-        raise TopologyError(f"--topology: {text!r} has {chips} chips; a {spec.name} slice has at most "
-                            f"{spec.max_chips}")
+        raise TopologyError(f"--topology: {text!r} has {chips} chips; a {spec.name} slice has at most {spec.max_chips}")
     return text, chips
 
 
@@ -131,8 +178,12 @@ def device_peaks(name: str) -> dict[str, float | None]:
     (data-center network bytes/s, None where unpublished) and `hbm` (bytes/s)."""
     spec = split_name(name)[0]
     k = spec.devices_per_chip
-    return {"flops": spec.peak_bf16_flops / k, "fast": spec.ici_bw / 2 / k,
-            "slow": spec.dcn_bw / k if spec.dcn_bw else None, "hbm": spec.hbm_bw / k}
+    return {
+        "flops": spec.peak_bf16_flops / k,
+        "fast": spec.ici_bw / 2 / k,
+        "slow": spec.dcn_bw / k if spec.dcn_bw else None,
+        "hbm": spec.hbm_bw / k,
+    }
 
 
 def tiled_bytes(shape, itemsize: int, layout) -> int:
@@ -155,6 +206,7 @@ def tile_padding(args, compiled) -> int:
     arguments count too, as memory_analysis()'s argument bytes count them."""
     import jax
     import numpy as np
+
     leaves = jax.tree.leaves(args)
     layouts = [f.layout for f in jax.tree.leaves(compiled.input_formats, is_leaf=lambda f: hasattr(f, "layout"))]
     if len(layouts) != len(leaves):
@@ -180,6 +232,7 @@ def tpu_devices(spec: TpuSpec, topology: str, slices: int) -> list:
     libtpu on this process's path and jax_platforms=cpu."""
     import jax
     from jax.experimental import topologies
+
     if jax.config.jax_platforms != "cpu":
         jax.config.update("jax_platforms", "cpu")
     chips = math.prod(int(p) for p in topology.split("x"))
@@ -191,6 +244,8 @@ def tpu_devices(spec: TpuSpec, topology: str, slices: int) -> list:
     except Exception as e:
         if "INVALID_ARGUMENT" not in str(e):  # not the shape: libtpu itself failed
             raise
-        raise TopologyError(f"--topology: {spec.name}:{topology} x {slices} slice(s) is not a valid TPU "
-                            f"topology: {str(e).splitlines()[0]}") from None
+        raise TopologyError(
+            f"--topology: {spec.name}:{topology} x {slices} slice(s) is not a valid TPU "
+            f"topology: {str(e).splitlines()[0]}"
+        ) from None
     return sorted(desc.devices, key=lambda d: (getattr(d, "slice_index", 0), d.process_index, d.id))

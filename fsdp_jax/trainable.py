@@ -41,8 +41,10 @@ class Trainable:
         if self.keep is None:
             return grads
         it = iter(grads)
-        out = [next(it) if k else _zeros_like(p, s)
-               for p, k, s in zip(self.leaves, self.keep, self.treedef.flatten_up_to(grad_sh))]
+        out = [
+            next(it) if k else _zeros_like(p, s)
+            for p, k, s in zip(self.leaves, self.keep, self.treedef.flatten_up_to(grad_sh))
+        ]
         return self.treedef.unflatten(out)
 
 

@@ -69,12 +69,24 @@ DEFAULT_STRATEGIES = ("no_shard", "shard_opt", "shard_grad_op", "full_shard", "h
 
 # ----------------------------------------------------------------------------- entry point
 
-def verify(model: Any, optimizer: optax.GradientTransformation | None = None, loss_fn=None,
-           batch: Any = None, *, strategies: Sequence[str] | None = None, devices: int = 8,
-           steps: int = 3, batches: Sequence[Any] | None = None, seed: int = 0,
-           tolerance: Tolerance | str | None = None, check_init: bool = True,
-           in_subprocess: bool | None = None,
-           factory_kwargs: Mapping[str, Any] | None = None, **options) -> VerifyReport:
+
+def verify(
+    model: Any,
+    optimizer: optax.GradientTransformation | None = None,
+    loss_fn=None,
+    batch: Any = None,
+    *,
+    strategies: Sequence[str] | None = None,
+    devices: int = 8,
+    steps: int = 3,
+    batches: Sequence[Any] | None = None,
+    seed: int = 0,
+    tolerance: Tolerance | str | None = None,
+    check_init: bool = True,
+    in_subprocess: bool | None = None,
+    factory_kwargs: Mapping[str, Any] | None = None,
+    **options,
+) -> VerifyReport:
     """Train `steps` steps on one device and under each strategy on `devices` devices;
     compare.
 
@@ -103,16 +115,27 @@ def verify(model: Any, optimizer: optax.GradientTransformation | None = None, lo
     have = devices_for(devices)
     if in_subprocess or (have is None and factory is not None):
         if factory is None:
-            raise VerifyError("verify: in_subprocess=True needs the model as a 'module:function' "
-                              "factory spec (objects cannot cross into the child process)")
-        return _run_child(factory, dict(factory_kwargs or {}), names, devices, steps, seed, tolerance,
-                          dict(options, check_init=check_init))
+            raise VerifyError(
+                "verify: in_subprocess=True needs the model as a 'module:function' "
+                "factory spec (objects cannot cross into the child process)"
+            )
+        return _run_child(
+            factory,
+            dict(factory_kwargs or {}),
+            names,
+            devices,
+            steps,
+            seed,
+            tolerance,
+            dict(options, check_init=check_init),
+        )
     if have is None:
         raise VerifyError(
             f"verify: this process has {len(jax.devices())} {jax.default_backend()} device(s), fewer "
             f"than devices={devices}; start it with {devices} devices (jax.config.update("
             f"'jax_num_cpu_devices', {devices}) before JAX starts) or pass the model as a "
-            "'module:function' factory spec, which runs in a child process with that many CPU devices")
+            "'module:function' factory spec, which runs in a child process with that many CPU devices"
+        )
     if factory is not None:
         kwargs = _call_factory(factory, factory_kwargs)
         kwargs.update(options)  # the caller's options win over the factory's
@@ -122,8 +145,7 @@ def verify(model: Any, optimizer: optax.GradientTransformation | None = None, lo
         options = kwargs
     if optimizer is None or loss_fn is None or (batch is None and batches is None):
         raise VerifyError("verify: needs model, optimizer, loss_fn and batch (or batches)")
-    return _compare(model, optimizer, loss_fn, batch, batches, names, have, steps, seed,
-                    tolerance, check_init, options)
+    return _compare(model, optimizer, loss_fn, batch, batches, names, have, steps, seed, tolerance, check_init, options)
 
 
 def _strategy_names(strategies) -> list[str]:
@@ -166,28 +188,41 @@ def _call_factory(spec: str, kwargs: Mapping[str, Any] | None) -> dict:
         raise VerifyError(f"verify: model {spec!r}: cannot import it: {e}") from None
     out = fn(**dict(kwargs or {}))
     if not isinstance(out, Mapping) or not {"model", "optimizer", "loss_fn"} <= set(out):
-        raise VerifyError(f"verify: factory {spec} must return a dict with model, optimizer, "
-                          "loss_fn and batch (or batches)")
+        raise VerifyError(
+            f"verify: factory {spec} must return a dict with model, optimizer, loss_fn and batch (or batches)"
+        )
     return dict(out)
 
 
 # ----------------------------------------------------------------------------- the comparison
 
 _BUILD_OPTIONS = ("logical_axes", "rules", "min_shard_size", "max_replicated_fraction")
-_STEP_OPTIONS = ("precision", "microbatches", "clip_norm", "remat", "has_aux", "trainable",
-                 "skip_nonfinite", "rng")
+_STEP_OPTIONS = ("precision", "microbatches", "clip_norm", "remat", "has_aux", "trainable", "skip_nonfinite", "rng")
 
 
-def _compare(model, optimizer, loss_fn, batch, batches, names: list[str], devs: list[jax.Device],
-             steps: int, seed: int, tolerance, check_init: bool,
-             options: Mapping[str, Any]) -> VerifyReport:
+def _compare(
+    model,
+    optimizer,
+    loss_fn,
+    batch,
+    batches,
+    names: list[str],
+    devs: list[jax.Device],
+    steps: int,
+    seed: int,
+    tolerance,
+    check_init: bool,
+    options: Mapping[str, Any],
+) -> VerifyReport:
     unknown = sorted(set(options) - set(_BUILD_OPTIONS) - set(_STEP_OPTIONS))
     if unknown:
-        raise VerifyError(f"verify: unknown option(s) {', '.join(unknown)}; allowed: "
-                          f"{', '.join(_BUILD_OPTIONS + _STEP_OPTIONS)}")
+        raise VerifyError(
+            f"verify: unknown option(s) {', '.join(unknown)}; allowed: {', '.join(_BUILD_OPTIONS + _STEP_OPTIONS)}"
+        )
     opts = {"max_replicated_fraction": None, **options}
     host_batches = _host_batches(batch, batches, steps, len(devs), opts.get("microbatches", 1))
     from fsdp_jax.adapters import _adapt  # the shard_model adapter: same model forms accepted
+
     key = jax.random.key(seed)
     with _user_code("the model does not initialise"):
         fns, params, mstate = _adapt(model, key)
@@ -210,30 +245,68 @@ def _compare(model, optimizer, loss_fn, batch, batches, names: list[str], devs: 
 
     # params, then the model's state (BatchNorm statistics: over the global batch, so
     # they must agree too), prefixed state:
-    paths = ([rl.path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(p0)[0]]
-             + ["state:" + rl.path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(ms0)[0]])
+    paths = [rl.path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(p0)[0]] + [
+        "state:" + rl.path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(ms0)[0]
+    ]
     reports = {}
     for name in names:
         mesh = make_mesh(*strategy_mesh_shape(name, len(devs)), devices=devs)
-        reports[name] = _run_strategy(fns, optimizer, loss_fn, opts, mesh, name, key,
-                                      check_init and params is None, (p0, ms0), host_batches, ref_loss,
-                                      ref_gnorm, ref_params, paths, tol)
+        reports[name] = _run_strategy(
+            fns,
+            optimizer,
+            loss_fn,
+            opts,
+            mesh,
+            name,
+            key,
+            check_init and params is None,
+            (p0, ms0),
+            host_batches,
+            ref_loss,
+            ref_gnorm,
+            ref_params,
+            paths,
+            tol,
+        )
     return VerifyReport(
-        devices=len(devs), steps=steps, platform=devs[0].platform, tolerance=tol,
+        devices=len(devs),
+        steps=steps,
+        platform=devs[0].platform,
+        tolerance=tol,
         optimizer_kind=optimizer_kind(optimizer, fns.abstract_params),
-        precision=str(Policy.parse(opts.get("precision"))), reference_loss=ref_loss,
-        reference_grad_norm=ref_gnorm, strategies=reports)
+        precision=str(Policy.parse(opts.get("precision"))),
+        reference_loss=ref_loss,
+        reference_grad_norm=ref_gnorm,
+        strategies=reports,
+    )
 
 
-def _run_strategy(fns, optimizer, loss_fn, opts, mesh, name, key, sharded_init, start, host_batches,
-                  ref_loss, ref_gnorm, ref_params, paths, tol) -> StrategyReport:
+def _run_strategy(
+    fns,
+    optimizer,
+    loss_fn,
+    opts,
+    mesh,
+    name,
+    key,
+    sharded_init,
+    start,
+    host_batches,
+    ref_loss,
+    ref_gnorm,
+    ref_params,
+    paths,
+    tol,
+) -> StrategyReport:
     p0, ms0 = start
     built = _build(fns, optimizer, mesh, name, loss_fn, opts)
     init_diff = None
     if sharded_init:  # the strategy's own init, for the record (training starts from p0)
         own = built.init_state(key)
-        init_diff = max(float(np.max(np.abs(a - b), initial=0.0))
-                        for a, b in zip(jax.tree.leaves(_host(own.params)), jax.tree.leaves(p0)))
+        init_diff = max(
+            float(np.max(np.abs(a - b), initial=0.0))
+            for a, b in zip(jax.tree.leaves(_host(own.params)), jax.tree.leaves(p0))
+        )
         del own
     state = built.place(p0, ms0)
     step = built.train_step.lower(state, _put(host_batches[0], built.plan.batch)).compile()
@@ -244,26 +317,38 @@ def _run_strategy(fns, optimizer, loss_fn, opts, mesh, name, key, sharded_init, 
         state, m = step(state, _put(b, built.plan.batch))
         loss_d.append(_rel(float(m["loss"]), ref_loss[i]))
         gnorm_d.append(_rel(float(m["grad_norm"]), ref_gnorm[i]))
-        leaf_d = [_leaf_rel(a, r) for a, r in zip(jax.tree.leaves(_host((state.params, state.model_state))),
-                                                  jax.tree.leaves(ref_params[i]))]
+        leaf_d = [
+            _leaf_rel(a, r)
+            for a, r in zip(jax.tree.leaves(_host((state.params, state.model_state))), jax.tree.leaves(ref_params[i]))
+        ]
         param_d.append(max(leaf_d, default=0.0))
         if first is None:
-            bad = sorted(((p, e) for p, e in zip(paths, leaf_d) if not e <= tol.param_rtol),
-                         key=lambda pe: -pe[1])
+            bad = sorted(((p, e) for p, e in zip(paths, leaf_d) if not e <= tol.param_rtol), key=lambda pe: -pe[1])
             over_loss, over_gnorm = not loss_d[-1] <= tol.loss_rtol, not gnorm_d[-1] <= tol.grad_norm_rtol
             if bad or over_loss or over_gnorm:
-                first = Divergence(i + 1, loss_d[-1] if over_loss else None,
-                                   gnorm_d[-1] if over_gnorm else None, tuple(bad))
+                first = Divergence(
+                    i + 1, loss_d[-1] if over_loss else None, gnorm_d[-1] if over_gnorm else None, tuple(bad)
+                )
     last = jax.tree.leaves(_host((state.params, state.model_state)))
     worst = int(np.argmax(leaf_d)) if leaf_d else 0
-    max_abs = max((float(np.max(np.abs(a - r), initial=0.0))
-                   for a, r in zip(last, jax.tree.leaves(ref_params[-1]))), default=0.0)
+    max_abs = max(
+        (float(np.max(np.abs(a - r), initial=0.0)) for a, r in zip(last, jax.tree.leaves(ref_params[-1]))), default=0.0
+    )
     return StrategyReport(
-        strategy=name, mesh={k: int(v) for k, v in mesh.shape.items()}, passed=first is None,
-        loss_rel_diff=loss_d, grad_norm_rel_diff=gnorm_d, param_rel_diff=param_d,
-        param_max_abs_diff=max_abs, worst_leaf=paths[worst] if paths else "",
-        init_max_abs_diff=init_diff, state_bytes=state_bytes_per_device(built.abstract_state),
-        peak_bytes=int(peak), collectives_per_step=collectives, first_divergence=first)
+        strategy=name,
+        mesh={k: int(v) for k, v in mesh.shape.items()},
+        passed=first is None,
+        loss_rel_diff=loss_d,
+        grad_norm_rel_diff=gnorm_d,
+        param_rel_diff=param_d,
+        param_max_abs_diff=max_abs,
+        worst_leaf=paths[worst] if paths else "",
+        init_max_abs_diff=init_diff,
+        state_bytes=state_bytes_per_device(built.abstract_state),
+        peak_bytes=int(peak),
+        collectives_per_step=collectives,
+        first_divergence=first,
+    )
 
 
 def _build(fns, optimizer, mesh, strategy, loss_fn, opts):
@@ -293,9 +378,11 @@ def _host_batches(batch, batches, steps: int, n: int, microbatches: int) -> list
     for path, x in (leaf for one in out for leaf in jax.tree_util.tree_flatten_with_path(one)[0]):
         b = x.shape[0] if x.ndim else None
         if b is None or b % (n * microbatches):
-            raise VerifyError(f"verify: batch leaf {rl.path_str(path) or '<root>'} has leading dim {b}, "
-                              f"which cannot split over devices={n} x microbatches={microbatches}; "
-                              f"use a global batch that is a multiple of {n * microbatches}")
+            raise VerifyError(
+                f"verify: batch leaf {rl.path_str(path) or '<root>'} has leading dim {b}, "
+                f"which cannot split over devices={n} x microbatches={microbatches}; "
+                f"use a global batch that is a multiple of {n * microbatches}"
+            )
     return out
 
 
@@ -305,8 +392,7 @@ def _tolerance(tolerance, optimizer, fns, precision) -> Tolerance:
     if tolerance is None:
         return default_tolerance(optimizer, fns.abstract_params, precision)
     if tolerance not in TOLERANCES:
-        raise VerifyError(f"verify: tolerance {tolerance!r}: choose a Tolerance or one of "
-                          f"{', '.join(TOLERANCES)}")
+        raise VerifyError(f"verify: tolerance {tolerance!r}: choose a Tolerance or one of {', '.join(TOLERANCES)}")
     return TOLERANCES[tolerance]
 
 
@@ -337,28 +423,38 @@ def _host(tree):
 
 # ----------------------------------------------------------------------------- the child process
 
-def _run_child(factory: str, factory_kwargs: dict, names: list[str], devices: int, steps: int,
-               seed: int, tolerance, options: dict) -> VerifyReport:
+
+def _run_child(
+    factory: str, factory_kwargs: dict, names: list[str], devices: int, steps: int, seed: int, tolerance, options: dict
+) -> VerifyReport:
     if isinstance(tolerance, Tolerance):
         tolerance = dataclasses.asdict(tolerance)
-    request = {"factory": factory, "factory_kwargs": factory_kwargs, "strategies": names,
-               "devices": devices, "steps": steps, "seed": seed, "tolerance": tolerance,
-               "options": options}
+    request = {
+        "factory": factory,
+        "factory_kwargs": factory_kwargs,
+        "strategies": names,
+        "devices": devices,
+        "steps": steps,
+        "seed": seed,
+        "tolerance": tolerance,
+        "options": options,
+    }
     try:
         text = json.dumps(request)
     except TypeError as e:
-        raise VerifyError(f"verify: options for the child process must be JSON data ({e}); "
-                          "return the others from the factory") from None
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        raise VerifyError(
+            f"verify: options for the child process must be JSON data ({e}); return the others from the factory"
+        ) from None
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     code = "import sys; from fsdp_jax.verify import _child_main; sys.exit(_child_main())"
-    proc = subprocess.run([sys.executable, "-c", code], input=text, capture_output=True,
-                          text=True, env=env)
+    proc = subprocess.run([sys.executable, "-c", code], input=text, capture_output=True, text=True, env=env)
     if proc.returncode == 2:
         raise VerifyError((proc.stderr.strip().splitlines() or ["child failed"])[-1].removeprefix("error: "))
     if proc.returncode != 0:
-        raise RuntimeError(f"verify child process ({devices} CPU devices) failed with exit code "
-                           f"{proc.returncode}:\n{proc.stderr[-4000:]}")
+        raise RuntimeError(
+            f"verify child process ({devices} CPU devices) failed with exit code "
+            f"{proc.returncode}:\n{proc.stderr[-4000:]}"
+        )
     return VerifyReport.from_dict(json.loads(proc.stdout))
 
 
@@ -372,14 +468,20 @@ def _child_main() -> int:
     tol, options = req["tolerance"], dict(req["options"])
     check_init = options.pop("check_init", True)
     try:
-        report = verify(req["factory"], strategies=req["strategies"], devices=req["devices"],
-                        steps=req["steps"], seed=req["seed"], in_subprocess=False,
-                        tolerance=Tolerance(**tol) if isinstance(tol, dict) else tol,
-                        check_init=check_init, factory_kwargs=req["factory_kwargs"], **options)
+        report = verify(
+            req["factory"],
+            strategies=req["strategies"],
+            devices=req["devices"],
+            steps=req["steps"],
+            seed=req["seed"],
+            in_subprocess=False,
+            tolerance=Tolerance(**tol) if isinstance(tol, dict) else tol,
+            check_init=check_init,
+            factory_kwargs=req["factory_kwargs"],
+            **options,
+        )
     except (VerifyError, rl.ShardingError) as e:
         print("error: " + one_line(e, 4000), file=sys.stderr)
         return 2
     json.dump(report.to_dict(), sys.stdout)
     return 0
-
-

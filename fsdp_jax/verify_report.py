@@ -22,6 +22,7 @@ class Tolerance:
     """Pass/fail limits. `loss_rtol`: |loss - ref| / |ref| at every step.
     `grad_norm_rtol`: the same for the global grad norm. `param_rtol`: per leaf,
     ||p - p_ref|| / ||p_ref|| (Frobenius) after every step."""
+
     name: str
     loss_rtol: float
     grad_norm_rtol: float
@@ -50,12 +51,15 @@ def _leaf_rel(a: np.ndarray, ref: np.ndarray) -> float:
 # rounded up. Loss differences in bf16 come from the forward pass, so both bf16
 # presets share one loss limit; Adam-like updates amplify rounding in near-zero grads,
 # hence their looser param limits. Comments: the measured maxima (loss, grad norm, param).
-TOLERANCES: dict[str, Tolerance] = {t.name: t for t in (
-    Tolerance("sgd-f32", loss_rtol=2e-6, grad_norm_rtol=2e-6, param_rtol=1e-6),  # 1.2e-7 8.6e-8 5.2e-8
-    Tolerance("adaptive-f32", loss_rtol=1e-5, grad_norm_rtol=1e-5, param_rtol=5e-5),  # 3.5e-7 2.0e-7 2.5e-6
-    Tolerance("sgd-bf16", loss_rtol=2e-3, grad_norm_rtol=2e-3, param_rtol=1e-2),  # 1.3e-4 1.6e-4 6.2e-4
-    Tolerance("adaptive-bf16", loss_rtol=2e-3, grad_norm_rtol=2e-2, param_rtol=5e-2),  # 2.7e-5 9.9e-4 5.6e-3
-)}
+TOLERANCES: dict[str, Tolerance] = {
+    t.name: t
+    for t in (
+        Tolerance("sgd-f32", loss_rtol=2e-6, grad_norm_rtol=2e-6, param_rtol=1e-6),  # 1.2e-7 8.6e-8 5.2e-8
+        Tolerance("adaptive-f32", loss_rtol=1e-5, grad_norm_rtol=1e-5, param_rtol=5e-5),  # 3.5e-7 2.0e-7 2.5e-6
+        Tolerance("sgd-bf16", loss_rtol=2e-3, grad_norm_rtol=2e-3, param_rtol=1e-2),  # 1.3e-4 1.6e-4 6.2e-4
+        Tolerance("adaptive-bf16", loss_rtol=2e-3, grad_norm_rtol=2e-2, param_rtol=5e-2),  # 2.7e-5 9.9e-4 5.6e-3
+    )
+}
 
 # Optimizer-state fields that make an update scale-free (Adam-like): such updates
 # amplify rounding on near-zero grads, so they get the looser limits.
@@ -79,6 +83,7 @@ def optimizer_kind(optimizer: optax.GradientTransformation, abstract_params) -> 
         elif isinstance(x, Mapping):
             for v in x.values():
                 visit(v)
+
     visit(jax.eval_shape(optimizer.init, abstract_params))
     return "adaptive" if found else "sgd"
 
@@ -97,6 +102,7 @@ class Divergence:
     `grad_norm`: relative errors at that step when they exceeded, else None.
     `leaves`: (path, relative error) of every leaf over `param_rtol` after that
     step, worst first."""
+
     step: int
     loss: float | None
     grad_norm: float | None
@@ -126,6 +132,7 @@ class StrategyReport:
     reference init either way; None for materialised params). `state_bytes`:
     per-device params / opt_state / step / total; `peak_bytes`: the compiled
     step's peak (memory_analysis); `collectives_per_step`: {op: {count, bytes}}."""
+
     strategy: str
     mesh: dict[str, int]
     passed: bool
@@ -148,6 +155,7 @@ class StrategyReport:
 @dataclasses.dataclass(frozen=True)
 class VerifyReport:
     """`verify`'s result: the reference run and one StrategyReport per strategy."""
+
     devices: int
     steps: int
     platform: str
@@ -181,8 +189,9 @@ class VerifyReport:
             r = dict(r)
             fd = r["first_divergence"]
             if fd is not None:
-                r["first_divergence"] = Divergence(fd["step"], fd["loss"], fd["grad_norm"],
-                                                   tuple((p, e) for p, e in fd["leaves"]))
+                r["first_divergence"] = Divergence(
+                    fd["step"], fd["loss"], fd["grad_norm"], tuple((p, e) for p, e in fd["leaves"])
+                )
             strategies[name] = StrategyReport(**r)
         d["strategies"] = strategies
         return cls(**d)
@@ -190,30 +199,48 @@ class VerifyReport:
     def format(self) -> str:
         """A table (one row per strategy) and one line per failure."""
         t = self.tolerance
-        lines = [f"verify: {self.steps} steps, 1 device vs {self.devices} {self.platform} devices, "
-                 f"{self.optimizer_kind} optimizer, precision {self.precision}; tolerance "
-                 f"{t.name} (loss {t.loss_rtol:g}, grad norm {t.grad_norm_rtol:g}, "
-                 f"params {t.param_rtol:g})",
-                 "reference loss " + " ".join(f"{x:.6f}" for x in self.reference_loss)]
-        head = (f"{'strategy':<14} {'data x fsdp':<12} {'loss rel':>9} {'gnorm rel':>9} {'param rel':>9} "
-                f"{'param abs':>9} {'state/dev':>10} {'collectives/step':<34} result")
+        lines = [
+            f"verify: {self.steps} steps, 1 device vs {self.devices} {self.platform} devices, "
+            f"{self.optimizer_kind} optimizer, precision {self.precision}; tolerance "
+            f"{t.name} (loss {t.loss_rtol:g}, grad norm {t.grad_norm_rtol:g}, "
+            f"params {t.param_rtol:g})",
+            "reference loss " + " ".join(f"{x:.6f}" for x in self.reference_loss),
+        ]
+        head = (
+            f"{'strategy':<14} {'data x fsdp':<12} {'loss rel':>9} {'gnorm rel':>9} {'param rel':>9} "
+            f"{'param abs':>9} {'state/dev':>10} {'collectives/step':<34} result"
+        )
         lines += [head, "-" * len(head)]
         for name, r in self.strategies.items():
             mesh = f"{r.mesh.get('data', 1)} x {r.mesh.get('fsdp', 1)}"
-            coll = ", ".join(f"{op.replace('all-', 'a').replace('reduce-scatter', 'rs')} {c['count']}"
-                             for op, c in sorted(r.collectives_per_step.items())) or "none"
-            lines.append(f"{name:<14} {mesh:<12} {r.max_loss_rel_diff:>9.2e} {max(r.grad_norm_rel_diff):>9.2e} "
-                         f"{max(r.param_rel_diff):>9.2e} {r.param_max_abs_diff:>9.2e} "
-                         f"{_mib(r.state_bytes['total']):>10} {coll:<34} {'PASS' if r.passed else 'FAIL'}")
+            coll = (
+                ", ".join(
+                    f"{op.replace('all-', 'a').replace('reduce-scatter', 'rs')} {c['count']}"
+                    for op, c in sorted(r.collectives_per_step.items())
+                )
+                or "none"
+            )
+            lines.append(
+                f"{name:<14} {mesh:<12} {r.max_loss_rel_diff:>9.2e} {max(r.grad_norm_rel_diff):>9.2e} "
+                f"{max(r.param_rel_diff):>9.2e} {r.param_max_abs_diff:>9.2e} "
+                f"{_mib(r.state_bytes['total']):>10} {coll:<34} {'PASS' if r.passed else 'FAIL'}"
+            )
         for name, r in self.strategies.items():
             if r.first_divergence is not None:
                 lines.append(f"FAIL {name}: first divergence at {r.first_divergence.describe(t)}")
             if r.init_max_abs_diff:
-                lines.append(f"note {name}: its own sharded init differs from the one-device init by "
-                             f"{r.init_max_abs_diff:.3g} (verify trains both from the same init)")
-        lines.append(f"{'PASS' if self.passed else 'FAIL'}: "
-                     + ("every strategy trains like one device" if self.passed
-                        else f"{', '.join(self.failed)} diverged from one device"))
+                lines.append(
+                    f"note {name}: its own sharded init differs from the one-device init by "
+                    f"{r.init_max_abs_diff:.3g} (verify trains both from the same init)"
+                )
+        lines.append(
+            f"{'PASS' if self.passed else 'FAIL'}: "
+            + (
+                "every strategy trains like one device"
+                if self.passed
+                else f"{', '.join(self.failed)} diverged from one device"
+            )
+        )
         return "\n".join(lines)
 
 

@@ -17,20 +17,16 @@ from fsdp_jax.errors import XlaFlagsError  # noqa: F401 (re-exported)
 
 # flag -> what the GPU compile showed (jax 0.10.2, 1B full_shard, 8 x H100)
 EVALUATED: dict[str, str] = {
-    "--xla_gpu_enable_while_loop_double_buffering=true":
-        "kept: unrolls the layer loops by 2 so the next layer's gathers overlap this layer's "
-        "matmuls (the largest forward gather has 11 GEMMs scheduled under it, vs 7), "
-        "temp 4.47 vs 4.85 GB",
-    "--xla_gpu_enable_latency_hiding_scheduler=true":
-        "dropped: no change (already XLA:GPU's default; turning it off changed nothing either)",
-    "--xla_gpu_all_gather_combine_threshold_bytes=134217728":
-        "dropped: merges each layer's 7 gathers into one 121 MB gather with no GEMM scheduled "
-        "under it (was 1-7 per gather); fewer collectives (8 vs 15), temp -0.15 GB",
+    "--xla_gpu_enable_while_loop_double_buffering=true": "kept: unrolls the layer loops by 2 so the next layer's gathers overlap this layer's "
+    "matmuls (the largest forward gather has 11 GEMMs scheduled under it, vs 7), "
+    "temp 4.47 vs 4.85 GB",
+    "--xla_gpu_enable_latency_hiding_scheduler=true": "dropped: no change (already XLA:GPU's default; turning it off changed nothing either)",
+    "--xla_gpu_all_gather_combine_threshold_bytes=134217728": "dropped: merges each layer's 7 gathers into one 121 MB gather with no GEMM scheduled "
+    "under it (was 1-7 per gather); fewer collectives (8 vs 15), temp -0.15 GB",
     "--xla_gpu_reduce_scatter_combine_threshold_bytes=134217728": "dropped: with the one above",
     "--xla_gpu_all_reduce_combine_threshold_bytes=134217728": "dropped: with the one above",
-    "--xla_gpu_enable_pipelined_all_gather=true":
-        "not adopted: peels the first layer's gathers out of the forward loop; overlap and "
-        "temp nearly unchanged",
+    "--xla_gpu_enable_pipelined_all_gather=true": "not adopted: peels the first layer's gathers out of the forward loop; overlap and "
+    "temp nearly unchanged",
 }
 
 GPU_FSDP_FLAGS: tuple[str, ...] = tuple(f for f, why in EVALUATED.items() if why.startswith("kept"))
@@ -119,11 +115,13 @@ def check_xla_flags(environ=os.environ) -> None:
     if not flags:
         return
     from jax._src import xla_bridge
+
     if xla_bridge.backends_are_initialized():
         return
     if flags not in _probed:
         import subprocess
         import sys
+
         env = dict(environ, JAX_PLATFORMS="cpu")
         proc = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True)
         _probed[flags] = unknown_flag(proc.stderr) if proc.returncode else None

@@ -28,8 +28,12 @@ def _xla_knows(flag: str) -> bool:
     except (OSError, ValueError):
         pass
     env = dict(os.environ, XLA_FLAGS=flag, JAX_PLATFORMS="cpu")
-    known = subprocess.run([sys.executable, "-c", "import jax; jax.numpy.zeros(1).block_until_ready()"],
-                           env=env, capture_output=True).returncode == 0
+    known = (
+        subprocess.run(
+            [sys.executable, "-c", "import jax; jax.numpy.zeros(1).block_until_ready()"], env=env, capture_output=True
+        ).returncode
+        == 0
+    )
     try:  # best effort: a read-only checkout probes again next time
         CACHE.mkdir(exist_ok=True)
         tmp = memo.with_suffix(f".{os.getpid()}.tmp")
@@ -38,6 +42,7 @@ def _xla_knows(flag: str) -> bool:
     except OSError:
         pass
     return known
+
 
 # The tests check sharding, HLO, bytes and numerics, not the speed of XLA:CPU's machine
 # code, and most of a CPU compile is LLVM optimising it: at -O0 the tiny Llama's init and
@@ -48,7 +53,8 @@ def _xla_knows(flag: str) -> bool:
 # collectives and bytes were compared equal). Set before the CPU backend starts.
 os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0"]
-    + ([FAST_CODEGEN] if _xla_knows(FAST_CODEGEN) else [])).strip()
+    + ([FAST_CODEGEN] if _xla_knows(FAST_CODEGEN) else [])
+).strip()
 # The suite is 8 CPU devices on any machine: on a GPU host the xdist workers would
 # otherwise each claim the GPU (scripts/gpu_check.py is the GPU check).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -66,10 +72,25 @@ os.environ.setdefault("FSDP_JAX_CACHE_DIR", str(CACHE))
 # files out in this order as workers free up (longest first): a 28 s file never starts last
 # and leaves a core idle at the end. The order only affects wall time; files not listed
 # follow in collection order.
-HEAVY_FIRST = ("test_offload.py", "test_train_step.py", "test_verify.py", "test_checkpoint.py",
-               "test_targets.py", "test_dropin.py", "test_hostile.py", "test_multihost.py", "test_plan.py",
-               "test_trainer.py", "test_scripts.py", "test_memory_hlo.py", "test_hf.py",
-               "test_observability.py", "test_tensor_parallel.py", "test_tokenizer.py", "test_layering.py")
+HEAVY_FIRST = (
+    "test_offload.py",
+    "test_train_step.py",
+    "test_verify.py",
+    "test_checkpoint.py",
+    "test_targets.py",
+    "test_dropin.py",
+    "test_hostile.py",
+    "test_multihost.py",
+    "test_plan.py",
+    "test_trainer.py",
+    "test_scripts.py",
+    "test_memory_hlo.py",
+    "test_hf.py",
+    "test_observability.py",
+    "test_tensor_parallel.py",
+    "test_tokenizer.py",
+    "test_layering.py",
+)
 
 
 def pytest_collection_modifyitems(items):
@@ -90,4 +111,5 @@ def compilation_cache_restored():
 def corpus(tmp_path_factory):
     """A small deterministic byte corpus (helpers.synthetic_corpus), prepared once per session."""
     from helpers import synthetic_corpus
+
     return synthetic_corpus(tmp_path_factory.mktemp("corpus"))

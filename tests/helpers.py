@@ -16,16 +16,26 @@ from fsdp_jax.app.models import Llama, LlamaConfig, cross_entropy
 ROOT = Path(__file__).resolve().parents[1]
 
 # configs/tiny.yaml shrunk to compile in seconds: the model, sequence and batch
-TINY_MODEL_OVERRIDES = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
-                        "model.ffn_dim=128", "model.max_seq_len=32", "data.seq_len=32",
-                        "train.global_batch=16"]
+TINY_MODEL_OVERRIDES = [
+    "model.d_model=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.ffn_dim=128",
+    "model.max_seq_len=32",
+    "data.seq_len=32",
+    "train.global_batch=16",
+]
 # ... run on a prepared corpus (the `corpus` fixture): no eval or sample, every step logged
-TINY_RUN_OVERRIDES = TINY_MODEL_OVERRIDES + ["train.eval_every=0", "train.sample_tokens=0",
-                                             "train.log_every=1", "data.source=none",
-                                             "optimizer.warmup_steps=2"]
+TINY_RUN_OVERRIDES = TINY_MODEL_OVERRIDES + [
+    "train.eval_every=0",
+    "train.sample_tokens=0",
+    "train.log_every=1",
+    "data.source=none",
+    "optimizer.warmup_steps=2",
+]
 
-TINY = LlamaConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                   ffn_dim=128, max_seq_len=32)
+TINY = LlamaConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=32)
 
 
 def tiny_llama(cfg: LlamaConfig = TINY, remat: str = "none"):
@@ -34,6 +44,7 @@ def tiny_llama(cfg: LlamaConfig = TINY, remat: str = "none"):
 
     def loss_fn(params, tokens):
         return cross_entropy(m.apply(params, tokens[:, :-1]), tokens[:, 1:])
+
     return m, loss_fn
 
 
@@ -71,8 +82,10 @@ def reference_train(loss_fn, optimizer, params, batches, clip_norm=None):
 
 def max_abs_diff(a, b) -> float:
     """Largest absolute difference over matching leaves (compared on the host)."""
-    return max(float(np.max(np.abs(np.asarray(x, np.float32) - np.asarray(y, np.float32))))
-               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    return max(
+        float(np.max(np.abs(np.asarray(x, np.float32) - np.asarray(y, np.float32))))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+    )
 
 
 def synthetic_corpus(out: Path) -> Path:
@@ -82,8 +95,9 @@ def synthetic_corpus(out: Path) -> Path:
     rng = np.random.default_rng(0)
     words = ["def", "return", "self", "value", "index", "import", "class", "None", "for", "in"]
     for f in range(6):
-        lines = [f"{rng.choice(words)} {rng.choice(words)}_{rng.integers(100)}(x): return x * {i % 7}"
-                 for i in range(400)]
+        lines = [
+            f"{rng.choice(words)} {rng.choice(words)}_{rng.integers(100)}(x): return x * {i % 7}" for i in range(400)
+        ]
         (src / f"m{f}.py").write_text("\n".join(lines) + "\n")
     prepare_text([src], out / "data", val_fraction=0.2, pattern="*.py")
     return out / "data"
@@ -106,6 +120,7 @@ def script(name: str):
     """The command module behind scripts/<name>.py (`fsdp_jax.app.cli.entry.SCRIPTS`: the
     script is a shim over its `main`), to call `main(argv)` in process."""
     from fsdp_jax.app.cli.entry import SCRIPTS, command_module
+
     return command_module(SCRIPTS[name.removesuffix(".py")])
 
 

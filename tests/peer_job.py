@@ -19,9 +19,9 @@ def main() -> int:
     from jax.sharding import PartitionSpec as P
 
     from fsdp_jax.distributed import await_peer_verdict, finished, maybe_initialize
+
     jax.config.update("jax_num_cpu_devices", 2)
-    maybe_initialize(timeout_s=60, peer_timeout_s=float(os.environ["PEER_JOB_TIMEOUT_S"]),
-                     peer_note="test note")
+    maybe_initialize(timeout_s=60, peer_timeout_s=float(os.environ["PEER_JOB_TIMEOUT_S"]), peer_note="test note")
     victim, steps = int(os.environ["PEER_JOB_VICTIM"]), int(os.environ["PEER_JOB_STEPS"])
     mesh = jax.make_mesh((jax.device_count(),), ("x",))
     sharding = NamedSharding(mesh, P("x"))
@@ -45,6 +45,7 @@ def main() -> int:
             if victim < 0:
                 if jax.process_index() == 0:  # work on alone, the watch still on
                     import time
+
                     time.sleep(float(os.environ.get("PEER_JOB_TAIL_S", "0")))
                 finished()
                 return 0

@@ -93,8 +93,7 @@ def straight(corpus, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("straight") / "run"
     cfg = config(corpus, run_dir, "train.checkpoint_every=5")
     summary = train(cfg, progress=False)
-    return {"dir": run_dir, "cfg": cfg, "state": jax.device_get(summary["run"].state),
-            "records": records(run_dir)}
+    return {"dir": run_dir, "cfg": cfg, "state": jax.device_get(summary["run"].state), "records": records(run_dir)}
 
 
 def copy_run(src: Path, dst: Path) -> Path:
@@ -103,6 +102,7 @@ def copy_run(src: Path, dst: Path) -> Path:
 
 
 # -- in process -------------------------------------------------------------------------------
+
 
 def test_checkpoint_contents(straight):
     d = straight["dir"] / "checkpoints"
@@ -122,12 +122,14 @@ def test_exact_resume_in_process(corpus, straight, tmp_path):
     assert ck.latest_step(tmp_path / "run" / "checkpoints") == 10
     second = train(cfg, progress=False)
     assert second["run"].start_step == 10 and "preempted" not in second
-    assert_same(second["run"].state, straight["state"])           # bit-identical
-    assert records(tmp_path / "run") == straight["records"]        # losses, lr, grad norms, data order
+    assert_same(second["run"].state, straight["state"])  # bit-identical
+    assert records(tmp_path / "run") == straight["records"]  # losses, lr, grad norms, data order
 
 
-@pytest.mark.parametrize("n_devices, data, strategy", [
-    (4, 1, "full_shard"), (8, 2, "hybrid_shard"), (1, 1, "full_shard"), (8, 1, "no_shard")])
+@pytest.mark.parametrize(
+    "n_devices, data, strategy",
+    [(4, 1, "full_shard"), (8, 2, "hybrid_shard"), (1, 1, "full_shard"), (8, 1, "no_shard")],
+)
 def test_restore_onto_other_meshes_and_continue(straight, n_devices, data, strategy):
     mesh = make_mesh(data=data, fsdp=-1, devices=jax.devices()[:n_devices])
     cfg = straight["cfg"]
@@ -138,6 +140,7 @@ def test_restore_onto_other_meshes_and_continue(straight, n_devices, data, strat
         assert leaf.sharding == sds.sharding
     from fsdp_jax.app.loop import make_loss_fn
     from fsdp_jax.step import make_train_step
+
     step = make_train_step(make_loss_fn(model), opt, plan)
     batch = jax.device_put(np.full((16, 33), 7, np.int32), plan.batch)
     state, metrics = step(state, batch)
@@ -183,6 +186,7 @@ def test_deleted_files_fall_back_and_nothing_restorable_is_an_error(straight, tm
 
 def test_nonfinite_steps_are_skipped_then_the_run_stops(corpus, tmp_path, capsys):
     from fsdp_jax.app.faults import Faults
+
     cfg = config(corpus, tmp_path / "run", "train.checkpoint_every=2", "train.max_nonfinite_steps=3")
     with pytest.raises(TrainingDiverged, match=r"3 non-finite steps in a row \(steps 6-8.*step 4"):
         train(cfg, progress=False, faults=Faults(nan_steps=frozenset({3, 6, 7, 8})))
@@ -203,6 +207,7 @@ def run_script(name, *args):
 
 def test_export_round_trip_and_init_from(corpus, straight, tmp_path, capsys):
     from safetensors.numpy import load_file
+
     params = ck.tree_paths(straight["state"].params)
     out = tmp_path / "model.safetensors"
     assert run_script("export", straight["dir"], "--out", out) == 0
@@ -210,8 +215,12 @@ def test_export_round_trip_and_init_from(corpus, straight, tmp_path, capsys):
     assert loaded.keys() == params.keys() and "blocks/attn/wq" in loaded
     for k, v in params.items():
         np.testing.assert_array_equal(loaded[k], v)
-    assert run_script("export", straight["dir"], "--out", tmp_path / "bf16.safetensors",
-                      "--dtype", "bfloat16", "--step", 15) == 0
+    assert (
+        run_script(
+            "export", straight["dir"], "--out", tmp_path / "bf16.safetensors", "--dtype", "bfloat16", "--step", 15
+        )
+        == 0
+    )
     assert str(ck.open_safetensors(tmp_path / "bf16.safetensors").dtype("embed")) == "bfloat16"
     # init_from: the file's values, placed sharded, fresh optimizer state, step 0.
     run = setup(config(corpus, tmp_path / "ft", f"init_from={out}"))
@@ -223,8 +232,11 @@ def test_export_round_trip_and_init_from(corpus, straight, tmp_path, capsys):
     # init_from a run directory reads only its params.
     run = setup(config(corpus, tmp_path / "ft2", f"init_from={straight['dir']}"))
     assert_same(run.state.params, straight["state"].params)
-    with pytest.raises(ck.CheckpointError, match=r"init_from: .*blocks/attn/wq: checkpoint \(2, 64, 4, 16\) "
-                                                 r"vs model \(2, 32, 4, 8\)"):
+    with pytest.raises(
+        ck.CheckpointError,
+        match=r"init_from: .*blocks/attn/wq: checkpoint \(2, 64, 4, 16\) "
+        r"vs model \(2, 32, 4, 8\)",
+    ):
         setup(config(corpus, tmp_path / "ft3", f"init_from={out}", "model.d_model=32"))
     capsys.readouterr()
     assert run_script("export", tmp_path / "nope", "--out", tmp_path / "x.safetensors") == 2
@@ -233,16 +245,30 @@ def test_export_round_trip_and_init_from(corpus, straight, tmp_path, capsys):
 
 # -- signals and kill -9 need a trainer process; the resumes and exit codes run in process -------
 
+
 def here(corpus, run_dir, *extra, capsys, env=None):
     """(exit code, stdout, stderr) of scripts/train.py's main() in this process."""
-    return call("train", "--config", "configs/tiny.yaml", "--no-progress", *overrides(corpus, run_dir, *extra),
-                capsys=capsys, env=env)
+    return call(
+        "train",
+        "--config",
+        "configs/tiny.yaml",
+        "--no-progress",
+        *overrides(corpus, run_dir, *extra),
+        capsys=capsys,
+        env=env,
+    )
 
 
 def start(corpus, run_dir, *extra):
     """`python scripts/train.py ...` started in a child process (to signal or kill)."""
-    cmd = [sys.executable, str(ROOT / "scripts" / "train.py"), "--config", "configs/tiny.yaml",
-           "--no-progress", *overrides(corpus, run_dir, *extra)]
+    cmd = [
+        sys.executable,
+        str(ROOT / "scripts" / "train.py"),
+        "--config",
+        "configs/tiny.yaml",
+        "--no-progress",
+        *overrides(corpus, run_dir, *extra),
+    ]
     env = dict(os.environ, FSDP_JAX_CPU_DEVICES="8", FSDP_JAX_CACHE_DIR=str(ROOT / ".jax_cache"))
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -287,8 +313,9 @@ def test_kill_9_mid_save_then_resume(corpus, straight, tmp_path, capsys):
     proc = start(corpus, run_dir, "train.checkpoint_every=1", "train.keep_checkpoints=2")
     try:
         # Once a few checkpoints exist, kill while the next one is being written.
-        caught = wait_for(lambda: (logged_steps(run_dir) >= 3 and any(ckpts.glob(f"*{ck.TMP_SUFFIX}*")))
-                          or proc.poll() is not None)
+        caught = wait_for(
+            lambda: (logged_steps(run_dir) >= 3 and any(ckpts.glob(f"*{ck.TMP_SUFFIX}*"))) or proc.poll() is not None
+        )
         proc.kill()  # SIGKILL
         proc.communicate(timeout=30)
     finally:
@@ -321,8 +348,9 @@ def test_shape_mismatch_exits_2_naming_paths_and_shapes(corpus, straight, tmp_pa
 
 
 def test_nonfinite_stop_exits_1(corpus, tmp_path, capsys):
-    rc, out, err = here(corpus, tmp_path / "run", "train.checkpoint_every=2",
-                        env={"FSDP_JAX_INJECT_NAN_STEPS": "5,6,7"}, capsys=capsys)
+    rc, out, err = here(
+        corpus, tmp_path / "run", "train.checkpoint_every=2", env={"FSDP_JAX_INJECT_NAN_STEPS": "5,6,7"}, capsys=capsys
+    )
     assert rc == 1, err
     assert "error: 3 non-finite steps in a row (steps 5-7" in err and "step 4 in" in err
     assert "warning: step 5: non-finite" in out

@@ -28,9 +28,19 @@ def trained(corpus, tmp_path_factory):
     cwd = os.getcwd()
     os.chdir(ROOT)
     try:
-        rc = script("train").main([
-            "--config", str(TINY_YAML), "--no-progress", *TINY_RUN_OVERRIDES, f"data.path={corpus}",
-            f"run_dir={run}", "train.steps=4", "train.checkpoint_every=2", "train.keep_checkpoints=5"])
+        rc = script("train").main(
+            [
+                "--config",
+                str(TINY_YAML),
+                "--no-progress",
+                *TINY_RUN_OVERRIDES,
+                f"data.path={corpus}",
+                f"run_dir={run}",
+                "train.steps=4",
+                "train.checkpoint_every=2",
+                "train.keep_checkpoints=5",
+            ]
+        )
     finally:
         os.chdir(cwd)
     assert rc == 0
@@ -129,8 +139,9 @@ def test_export_of_a_run_whose_every_step_is_damaged_is_one_line(damage, dest, t
 
 @pytest.mark.parametrize("damage", DAMAGE)
 @pytest.mark.parametrize("how", ["resume", "init_from"])
-def test_training_from_checkpoints_whose_every_step_is_damaged_is_one_line(damage, how, trained, corpus, tmp_path,
-                                                                           capsys):
+def test_training_from_checkpoints_whose_every_step_is_damaged_is_one_line(
+    damage, how, trained, corpus, tmp_path, capsys
+):
     """Resuming the run (or init_from=its checkpoints into a new run): one line naming
     both steps and the file, exit 2; the checkpoints are neither moved nor changed, and
     the new run gets no checkpoint."""
@@ -138,8 +149,19 @@ def test_training_from_checkpoints_whose_every_step_is_damaged_is_one_line(damag
     before = _listing(run)
     target = run if how == "resume" else tmp_path / "new"
     extra = [f"init_from={run / 'checkpoints'}"] if how == "init_from" else []
-    rc, _, err = call("train", "--config", TINY_YAML, "--no-progress", *TINY_RUN_OVERRIDES, f"data.path={corpus}",
-                        f"run_dir={target}", "train.steps=6", "train.checkpoint_every=2", *extra, capsys=capsys)
+    rc, _, err = call(
+        "train",
+        "--config",
+        TINY_YAML,
+        "--no-progress",
+        *TINY_RUN_OVERRIDES,
+        f"data.path={corpus}",
+        f"run_dir={target}",
+        "train.steps=6",
+        "train.checkpoint_every=2",
+        *extra,
+        capsys=capsys,
+    )
     line = one_line(rc, err, "step 4", "step 2", files[0], DAMAGE[damage][1])
     assert _listing(run) == before, line
     assert not (tmp_path / "run" / "checkpoints.damaged").exists()

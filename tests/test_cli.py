@@ -52,12 +52,17 @@ def test_top_level_help_lists_every_command(capsys):
     assert listed == list(entry.COMMANDS)
 
 
-@pytest.mark.parametrize("argv, words", [([], "required: COMMAND"), (["trian"], "invalid choice: 'trian'"),
-                                         (["--bogus"], "required: COMMAND"),
-                                         (["train", "--bogus", "--config", "configs/tiny.yaml"],
-                                          "unrecognized arguments: --bogus"),
-                                         (["plan"], "required: --config"),
-                                         (["export", "run"], "one of the arguments --out --hf is required")])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        ([], "required: COMMAND"),
+        (["trian"], "invalid choice: 'trian'"),
+        (["--bogus"], "required: COMMAND"),
+        (["train", "--bogus", "--config", "configs/tiny.yaml"], "unrecognized arguments: --bogus"),
+        (["plan"], "required: --config"),
+        (["export", "run"], "one of the arguments --out --hf is required"),
+    ],
+)
 def test_entry_usage_errors_are_one_line_exit_2(argv, words, capsys):
     rc, out, err = run_entry(argv, capsys)
     assert words in one_line(rc, err) and not out
@@ -72,16 +77,22 @@ def _first_bad_values():
     for script, table in BAD_FLAG_VALUES.items():
         for flag, values in table.items():
             if not isinstance(values, str):
-                yield (script, entry.SCRIPTS[script], flag, values[0],
-                       BASE_ARGS[script] + [flag, values[0]] + TAIL_ARGS.get(script, []))
+                yield (
+                    script,
+                    entry.SCRIPTS[script],
+                    flag,
+                    values[0],
+                    BASE_ARGS[script] + [flag, values[0]] + TAIL_ARGS.get(script, []),
+                )
 
 
 BAD = list(_first_bad_values())
 
 
 @pytest.mark.parametrize("script, command, flag, value, argv", BAD, ids=[f"{b[1]}{b[2]}" for b in BAD])
-def test_bad_flags_through_the_entry_are_one_line_exit_2(script, command, flag, value, argv, tmp_path, capsys,
-                                                         compilation_cache_restored):
+def test_bad_flags_through_the_entry_are_one_line_exit_2(
+    script, command, flag, value, argv, tmp_path, capsys, compilation_cache_restored
+):
     """Every flag's bad value, given to `fsdp-jax <command>`: one line naming it, exit 2,
     nothing written, and the same line the script's main gives."""
     for d in ("a_dir", "new", "run", "src"):
@@ -130,7 +141,8 @@ def test_one_parser_class_and_one_use_cpu_devices():
     for p in sources:
         for node in ast.walk(ast.parse(p.read_text())):
             if isinstance(node, ast.ClassDef) and any(
-                    getattr(b, "attr", getattr(b, "id", "")) == "ArgumentParser" for b in node.bases):
+                getattr(b, "attr", getattr(b, "id", "")) == "ArgumentParser" for b in node.bases
+            ):
                 parsers.append(f"{p.relative_to(ROOT)}:{node.name}")
             if isinstance(node, ast.FunctionDef) and node.name == "use_cpu_devices":
                 devices.append(str(p.relative_to(ROOT)))
@@ -145,8 +157,9 @@ def _console(*args, cwd=ROOT):
     module, func = target.split(":")
     code = f"import sys; sys.argv[0] = 'fsdp-jax'; from {module} import {func}; sys.exit({func}())"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, "-c", code, *map(str, args)], cwd=cwd, capture_output=True,
-                          text=True, env=env, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", code, *map(str, args)], cwd=cwd, capture_output=True, text=True, env=env, timeout=120
+    )
 
 
 @pytest.mark.slow
@@ -162,8 +175,14 @@ def test_the_shim_and_the_console_entry_give_the_same_exit_and_line(script, tmp_
     (tmp_path / "src" / "a.txt").write_text("some text\n" * 50)
     args = _fill(BASE_ARGS[script] + [flag, values[0]] + TAIL_ARGS.get(script, []), tmp_path)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    shim = subprocess.run([sys.executable, str(ROOT / "scripts" / f"{script}.py"), *args], cwd=ROOT,
-                          capture_output=True, text=True, env=env, timeout=120)
+    shim = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / f"{script}.py"), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     console = _console(entry.SCRIPTS[script], *args)
     assert (shim.returncode, shim.stderr, shim.stdout) == (console.returncode, console.stderr, console.stdout)
     one_line(shim.returncode, shim.stderr)
@@ -185,6 +204,7 @@ def test_console_entry_help_and_unknown_command():
 def _raise(e):
     def body(args):
         raise e
+
     return body
 
 
@@ -192,15 +212,32 @@ def _make(kind, msg):
     from fsdp_jax.app.config import ConfigError
     from fsdp_jax.app.run_dir import RunDirBusy
     from fsdp_jax.checkpoint import CheckpointError, CheckpointWriteError
-    return {"config": ConfigError("train.steps", msg), "checkpoint": CheckpointError(msg),
-            "missing": FileNotFoundError(msg), "usage": UsageError(msg),
-            "write": CheckpointWriteError(msg), "busy": RunDirBusy(msg), "disk": OSError(28, msg),
-            "bug": IndexError(msg), "oom": RuntimeError(f"RESOURCE_EXHAUSTED: {msg}")}[kind]
+
+    return {
+        "config": ConfigError("train.steps", msg),
+        "checkpoint": CheckpointError(msg),
+        "missing": FileNotFoundError(msg),
+        "usage": UsageError(msg),
+        "write": CheckpointWriteError(msg),
+        "busy": RunDirBusy(msg),
+        "disk": OSError(28, msg),
+        "bug": IndexError(msg),
+        "oom": RuntimeError(f"RESOURCE_EXHAUSTED: {msg}"),
+    }[kind]
 
 
 # kind of exception -> exit code (2: the user's input; 1: the environment or a bug)
-WRAPPER_TABLE = [("config", 2), ("checkpoint", 2), ("missing", 2), ("usage", 2), ("write", 1), ("busy", 1),
-                 ("disk", 1), ("bug", 1), ("oom", 1)]
+WRAPPER_TABLE = [
+    ("config", 2),
+    ("checkpoint", 2),
+    ("missing", 2),
+    ("usage", 2),
+    ("write", 1),
+    ("busy", 1),
+    ("disk", 1),
+    ("bug", 1),
+    ("oom", 1),
+]
 
 
 @pytest.mark.parametrize("kind, code", WRAPPER_TABLE)
@@ -216,6 +253,7 @@ def test_run_command_maps_what_the_body_raises_to_one_line_and_its_exit_code(kin
 def test_run_command_takes_a_commands_own_error_classes(capsys):
     class Mine(RuntimeError):
         pass
+
     errors = lambda: ((Mine,), ())  # noqa: E731
     assert command_lib.run_command(Parser(), _raise(Mine("bad thing")), [], errors=errors) == 2
     assert capsys.readouterr().err == "error: bad thing\n"

@@ -45,10 +45,20 @@ def test_llama2_7b_param_count():
 
 
 def test_overrides_dotted_float_bool_null_and_aliases():
-    cfg = load_config(TINY, ["train.steps=20", "optimizer.lr=1e-3", "optimizer.b2=3e-1",
-                             "train.tensorboard=true", "optimizer.clip_norm=null",
-                             "strategy=no_shard", "precision=params=float32,compute=bfloat16",
-                             "model.rope_theta=500000", "init_from=runs/a: b"])
+    cfg = load_config(
+        TINY,
+        [
+            "train.steps=20",
+            "optimizer.lr=1e-3",
+            "optimizer.b2=3e-1",
+            "train.tensorboard=true",
+            "optimizer.clip_norm=null",
+            "strategy=no_shard",
+            "precision=params=float32,compute=bfloat16",
+            "model.rope_theta=500000",
+            "init_from=runs/a: b",
+        ],
+    )
     assert cfg.train.steps == 20
     assert cfg.optimizer.lr == 1e-3 and isinstance(cfg.optimizer.lr, float)
     assert cfg.optimizer.b2 == 0.3
@@ -73,11 +83,14 @@ def test_empty_yaml_gives_defaults(tmp_path):
     assert load_config(p) == Config()
 
 
-@pytest.mark.parametrize("override, key, hint", [
-    ("train.stpes=3", "train.stpes", "did you mean train.steps"),
-    ("optimzer.lr=3", "optimzer.lr", "did you mean optimizer.lr"),
-    ("remta=full", "remta", "did you mean remat"),
-])
+@pytest.mark.parametrize(
+    "override, key, hint",
+    [
+        ("train.stpes=3", "train.stpes", "did you mean train.steps"),
+        ("optimzer.lr=3", "optimzer.lr", "did you mean optimizer.lr"),
+        ("remta=full", "remta", "did you mean remat"),
+    ],
+)
 def test_unknown_override_suggests(override, key, hint):
     with pytest.raises(ConfigError, match=hint) as e:
         load_config(TINY, [override])
@@ -94,32 +107,35 @@ def test_unknown_key_in_file_suggests(tmp_path):
         load_config(p)
 
 
-@pytest.mark.parametrize("override, key", [
-    ("train.steps=abc", "train.steps"),
-    ("train.steps=true", "train.steps"),         # bool is not an int
-    ("train.steps=2.5", "train.steps"),
-    ("optimizer.lr=fast", "optimizer.lr"),
-    ("optimizer.lr=true", "optimizer.lr"),
-    ("model.scan_layers=1", "model.scan_layers"),
-    ("train.steps=0", "train.steps"),
-    ("optimizer.lr=-1e-3", "optimizer.lr"),
-    ("optimizer.min_lr_ratio=1.5", "optimizer.min_lr_ratio"),
-    ("optimizer.warmup_steps=-1", "optimizer.warmup_steps"),
-    ("optimizer.name=lion", "optimizer.name"),
-    ("model.attention=flash", "model.attention"),
-    ("data.source=web", "data.source"),
-    ("mesh.strategy=zero4", "mesh.strategy"),
-    ("remat=everything", "remat"),
-    ("precision=params=float64", "precision"),
-    ("precision=compute=int8", "precision"),
-    ("model.d_model=250", "model.d_model"),       # not divisible by 4 heads
-    ("model.n_kv_heads=3", "model.n_kv_heads"),
-    ("data.seq_len=256", "data.seq_len"),         # > max_seq_len 128
-    ("train.microbatches=3", "train.global_batch"),
-    ("mesh.data=-1", "mesh"),                     # two -1 axes
-    ("model", "override"),
-    ("model=3", "model"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("train.steps=abc", "train.steps"),
+        ("train.steps=true", "train.steps"),  # bool is not an int
+        ("train.steps=2.5", "train.steps"),
+        ("optimizer.lr=fast", "optimizer.lr"),
+        ("optimizer.lr=true", "optimizer.lr"),
+        ("model.scan_layers=1", "model.scan_layers"),
+        ("train.steps=0", "train.steps"),
+        ("optimizer.lr=-1e-3", "optimizer.lr"),
+        ("optimizer.min_lr_ratio=1.5", "optimizer.min_lr_ratio"),
+        ("optimizer.warmup_steps=-1", "optimizer.warmup_steps"),
+        ("optimizer.name=lion", "optimizer.name"),
+        ("model.attention=flash", "model.attention"),
+        ("data.source=web", "data.source"),
+        ("mesh.strategy=zero4", "mesh.strategy"),
+        ("remat=everything", "remat"),
+        ("precision=params=float64", "precision"),
+        ("precision=compute=int8", "precision"),
+        ("model.d_model=250", "model.d_model"),  # not divisible by 4 heads
+        ("model.n_kv_heads=3", "model.n_kv_heads"),
+        ("data.seq_len=256", "data.seq_len"),  # > max_seq_len 128
+        ("train.microbatches=3", "train.global_batch"),
+        ("mesh.data=-1", "mesh"),  # two -1 axes
+        ("model", "override"),
+        ("model=3", "model"),
+    ],
+)
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(ConfigError) as e:
         load_config(TINY, [override])
@@ -130,27 +146,35 @@ def test_bad_values_name_the_key(override, key):
 
 def test_mesh_rules_merge_over_the_defaults_and_round_trip(tmp_path):
     from fsdp_jax.rules import DEFAULT_RULES
-    assert Config().mesh.rules == {k: list(v) if isinstance(v, tuple) else v
-                                   for k, v in DEFAULT_RULES.items()}
+
+    assert Config().mesh.rules == {k: list(v) if isinstance(v, tuple) else v for k, v in DEFAULT_RULES.items()}
     p = tmp_path / "c.yaml"
     p.write_text("mesh:\n  rules:\n    mlp: fsdp\n    ffw: [fsdp, tensor]\n    vocab: null\n")
     cfg = load_config(p, ["mesh.rules.heads=null", "mesh.rules.embed_dim=fsdp"])
     r = cfg.mesh.rules
     assert (r["mlp"], r["ffw"], r["vocab"], r["heads"], r["embed_dim"]) == (
-        "fsdp", ["fsdp", "tensor"], None, None, "fsdp")
+        "fsdp",
+        ["fsdp", "tensor"],
+        None,
+        None,
+        "fsdp",
+    )
     assert r["embed"] == "fsdp" and r["batch"] == ["data", "fsdp"]  # untouched defaults stay
     save_config(cfg, tmp_path / "run" / "config.yaml")  # the run saves the resolved table
     saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
     assert saved["mesh"]["rules"] == r and load_config(tmp_path / "run" / "config.yaml") == cfg
 
 
-@pytest.mark.parametrize("override, key", [
-    ("mesh.rules.mlp=model", "mesh.rules.mlp"),          # not a mesh axis
-    ("mesh.rules.mlp=[fsdp, fsdp]", "mesh.rules.mlp"),   # an axis twice
-    ("mesh.rules.mlp=3", "mesh.rules.mlp"),
-    ("mesh.rules=[mlp]", "mesh.rules"),                   # not a mapping
-    ("mesh.min_replicated_bytes=-1", "mesh.min_replicated_bytes"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("mesh.rules.mlp=model", "mesh.rules.mlp"),  # not a mesh axis
+        ("mesh.rules.mlp=[fsdp, fsdp]", "mesh.rules.mlp"),  # an axis twice
+        ("mesh.rules.mlp=3", "mesh.rules.mlp"),
+        ("mesh.rules=[mlp]", "mesh.rules"),  # not a mapping
+        ("mesh.min_replicated_bytes=-1", "mesh.min_replicated_bytes"),
+    ],
+)
 def test_bad_mesh_rules_name_the_rule(override, key):
     with pytest.raises(ConfigError) as e:
         load_config(TINY, [override])
@@ -166,7 +190,7 @@ def test_device_checks():
     validate(cfg, n_devices=4)
     cfg = load_config(TINY, ["train.global_batch=16", "train.microbatches=4"])
     with pytest.raises(ConfigError, match="train.global_batch"):
-        validate(cfg, n_devices=8)          # 4 per microbatch over 8 devices
+        validate(cfg, n_devices=8)  # 4 per microbatch over 8 devices
     validate(load_config(TINY, ["mesh.data=2", "mesh.fsdp=4"]), n_devices=8)
     with pytest.raises(ConfigError) as e:
         validate(load_config(TINY, ["mesh.fsdp=3"]), n_devices=8)
@@ -212,6 +236,7 @@ def test_check_data(tmp_path):
 
 def test_resume_names_changed_keys_but_not_keys_older_checkpoints_lack():
     from fsdp_jax.app.loop import _config_changes
+
     cfg = load_config(TINY)
     saved = config_to_dict(cfg)
     assert _config_changes(saved, cfg) == []

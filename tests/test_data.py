@@ -96,7 +96,7 @@ def test_batches_shape_dtype_and_content(corpus):
     assert b.shape == (8, 17) and b.dtype == np.int32
     tokens = np.fromfile(out / "train.bin", np.uint16)
     row = b[3]
-    starts = [i for i in range(len(tokens) - 16) if np.array_equal(tokens[i:i + 17], row)]
+    starts = [i for i in range(len(tokens) - 16) if np.array_equal(tokens[i : i + 17], row)]
     assert starts, "each row is a contiguous window of train.bin"
 
 
@@ -132,8 +132,7 @@ def test_state_restore_resumes_exactly(corpus):
 def test_process_slices_concatenate_to_global_batch(corpus):
     _, out, _ = corpus
     single = data.make_dataset(out, "train", 16, 8, seed=0)
-    parts = [data.make_dataset(out, "train", 16, 8, seed=0, process_index=i, process_count=2)
-             for i in range(2)]
+    parts = [data.make_dataset(out, "train", 16, 8, seed=0, process_index=i, process_count=2) for i in range(2)]
     for _ in range(3):
         glob = next(single)
         halves = [next(p) for p in parts]
@@ -180,8 +179,7 @@ def test_prepare_bin_pretokenized(tmp_path):
 
 
 def _run(*args):
-    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)],
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True, timeout=60)
 
 
 @pytest.mark.slow

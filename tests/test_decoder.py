@@ -16,13 +16,24 @@ from fsdp_jax.app.models import Llama, LlamaConfig, count_params, flops_per_toke
 from fsdp_jax.app.models.rope import inv_freq
 from fsdp_jax.checkpoint import tree_paths
 
-TINY = LlamaConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=48,
-                   max_seq_len=32)
-GEMMA = dataclasses.replace(TINY, kv_channels=16, qk_norm=True, sliding_window=4, global_every=2,
-                            rope_local_theta=100.0, query_pre_attn_scalar=24.0,
-                            mlp_activation="gelu_pytorch_tanh", norm_plus_one=True,
-                            sandwich_norm=True, embed_scale=True, final_softcap=5.0,
-                            tie_word_embeddings=True, rope_type="linear", rope_factor=4.0)
+TINY = LlamaConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=32)
+GEMMA = dataclasses.replace(
+    TINY,
+    kv_channels=16,
+    qk_norm=True,
+    sliding_window=4,
+    global_every=2,
+    rope_local_theta=100.0,
+    query_pre_attn_scalar=24.0,
+    mlp_activation="gelu_pytorch_tanh",
+    norm_plus_one=True,
+    sandwich_norm=True,
+    embed_scale=True,
+    final_softcap=5.0,
+    tie_word_embeddings=True,
+    rope_type="linear",
+    rope_factor=4.0,
+)
 
 
 def params_of(cfg):
@@ -33,20 +44,36 @@ def params_of(cfg):
 def test_defaults_are_the_llama2_reference_param_for_param():
     _, p = params_of(TINY)
     assert sorted(tree_paths(p)) == sorted(
-        ["embed", "head", "final_norm/scale"] + [f"blocks/{k}" for k in (
-            "attn/wq", "attn/wk", "attn/wv", "attn/wo", "mlp/w_gate", "mlp/w_up", "mlp/w_down",
-            "attn_norm/scale", "mlp_norm/scale")])
+        ["embed", "head", "final_norm/scale"]
+        + [
+            f"blocks/{k}"
+            for k in (
+                "attn/wq",
+                "attn/wk",
+                "attn/wv",
+                "attn/wo",
+                "mlp/w_gate",
+                "mlp/w_up",
+                "mlp/w_down",
+                "attn_norm/scale",
+                "mlp_norm/scale",
+            )
+        ]
+    )
     # the planner's numbers for existing configs: PaLM's formula with D = H x Dh
     cfg = load_config("configs/llama2_7b.yaml").model
     assert flops_per_token(cfg, 4096) == 6.0 * (count_params(cfg) - 32000 * 4096) + 6.0 * 32 * 4096 * 4096
 
 
-@pytest.mark.parametrize("switches, new", [
-    (dict(qkv_bias=True), {"blocks/attn/bq", "blocks/attn/bk", "blocks/attn/bv"}),
-    (dict(qk_norm=True), {"blocks/attn/q_norm/scale", "blocks/attn/k_norm/scale"}),
-    (dict(sandwich_norm=True), {"blocks/post_attn_norm/scale", "blocks/post_mlp_norm/scale"}),
-    (dict(kv_channels=24, sliding_window=4, global_every=3, attn_softcap=30.0), set()),
-])
+@pytest.mark.parametrize(
+    "switches, new",
+    [
+        (dict(qkv_bias=True), {"blocks/attn/bq", "blocks/attn/bk", "blocks/attn/bv"}),
+        (dict(qk_norm=True), {"blocks/attn/q_norm/scale", "blocks/attn/k_norm/scale"}),
+        (dict(sandwich_norm=True), {"blocks/post_attn_norm/scale", "blocks/post_mlp_norm/scale"}),
+        (dict(kv_channels=24, sliding_window=4, global_every=3, attn_softcap=30.0), set()),
+    ],
+)
 def test_switches_add_exactly_their_params_and_count_params_counts_them(switches, new):
     cfg = dataclasses.replace(TINY, **switches)
     m, p = params_of(cfg)
@@ -104,17 +131,20 @@ def test_rope_inverse_frequencies():
     assert f[0] == f0[0] and f[-1] == pytest.approx(f0[-1] / 4, rel=1e-6)
 
 
-@pytest.mark.parametrize("override, key", [
-    ("model.rope_type=dynamic", "model.rope_type"),
-    ("model.mlp_activation=relu", "model.mlp_activation"),
-    ("model.global_every=6", "model.global_every"),  # a pattern without a window
-    ("model.rope_local_theta=1e4", "model.rope_local_theta"),
-    ("model.rope_type=llama3", "model.rope_original_max_len"),
-    ("model.kv_channels=15", "model.kv_channels"),
-    ("model.kv_channels=-2", "model.kv_channels"),
-    ("model.sliding_window=-1", "model.sliding_window"),
-    ("model.attn_softcap=-5", "model.attn_softcap"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("model.rope_type=dynamic", "model.rope_type"),
+        ("model.mlp_activation=relu", "model.mlp_activation"),
+        ("model.global_every=6", "model.global_every"),  # a pattern without a window
+        ("model.rope_local_theta=1e4", "model.rope_local_theta"),
+        ("model.rope_type=llama3", "model.rope_original_max_len"),
+        ("model.kv_channels=15", "model.kv_channels"),
+        ("model.kv_channels=-2", "model.kv_channels"),
+        ("model.sliding_window=-1", "model.sliding_window"),
+        ("model.attn_softcap=-5", "model.attn_softcap"),
+    ],
+)
 def test_bad_decoder_switches_name_the_key(override, key):
     with pytest.raises(ConfigError) as e:
         load_config("configs/tiny.yaml", [override])

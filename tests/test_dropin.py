@@ -52,10 +52,17 @@ def check_example_output(out: str):
 @pytest.mark.slow
 def test_example_runs_and_learns_as_a_script():
     """`python examples/nnx_mlp.py`, the way a user runs it (its own process, its own 8 devices)."""
-    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(ROOT / ".jax_cache"),
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
-    out = subprocess.run([sys.executable, str(EXAMPLES / "nnx_mlp.py"), "--steps", "8"],
-                         capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    env = dict(
+        os.environ, JAX_COMPILATION_CACHE_DIR=str(ROOT / ".jax_cache"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0"
+    )
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLES / "nnx_mlp.py"), "--steps", "8"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     check_example_output(out.stdout)
 
@@ -77,8 +84,7 @@ def test_nnx_example_parity():
     assert sm.state.params["blocks"][0]["up"]["kernel"].sharding.spec == P("fsdp", None)
     loss_fn, batches = ex.make_loss_fn(model), ex.make_batches(5)
     state, losses = train(sm, loss_fn, batches)
-    assert_parity(state, losses, reference_train(loss_fn, SGD, jax.jit(model.init)(jax.random.key(0)),
-                                                 batches))
+    assert_parity(state, losses, reference_train(loss_fn, SGD, jax.jit(model.init)(jax.random.key(0)), batches))
     assert state.params["blocks"][1]["down"]["kernel"].sharding.spec == P(None, "fsdp")  # stays sharded
 
 
@@ -92,8 +98,7 @@ def test_linen_example_parity_with_logical_names():
     assert sm.state.params["block_0"]["mlp"]["wo"].sharding.spec == P(None, "fsdp")
     loss_fn, batches = ex.make_loss_fn(model), ex.make_batches(5)
     state, losses = train(sm, loss_fn, batches)
-    assert_parity(state, losses, reference_train(loss_fn, SGD, jax.jit(model.init)(jax.random.key(0)),
-                                                 batches))
+    assert_parity(state, losses, reference_train(loss_fn, SGD, jax.jit(model.init)(jax.random.key(0)), batches))
 
 
 @pytest.mark.slow
@@ -123,8 +128,9 @@ def test_materialised_nnx_module_state_and_linen_variables():
     x = jnp.ones((8, nnx_ex.D_MODEL))
     for given in (module, nnx.state(module, nnx.Param)):  # a module instance, or its State
         sm = shard_model(given, SGD, mesh)
-        assert jax.tree.map(lambda a: a.sharding.spec, sm.state.params) == \
-            jax.tree.map(lambda a: a.sharding.spec, from_fn.state.params)
+        assert jax.tree.map(lambda a: a.sharding.spec, sm.state.params) == jax.tree.map(
+            lambda a: a.sharding.spec, from_fn.state.params
+        )
     y = shard_model(module, SGD, mesh).apply(nnx.to_pure_dict(nnx.state(module, nnx.Param)), x)
     np.testing.assert_allclose(y, module(x), rtol=1e-6)
 
@@ -134,8 +140,10 @@ def test_materialised_nnx_module_state_and_linen_variables():
     for given, rng in ((variables, None), (init_fn, jax.random.key(0))):  # materialised / sharded init
         sm = shard_model(given, SGD, mesh, rng=rng)
         assert sm.state.params["params"]["block_0"]["attn"]["wo"].sharding.spec == P(None, None, "fsdp")
-        assert not any(isinstance(v, nn.LogicallyPartitioned) for v in jax.tree.leaves(
-            sm.state.params, is_leaf=lambda v: isinstance(v, nn.LogicallyPartitioned)))
+        assert not any(
+            isinstance(v, nn.LogicallyPartitioned)
+            for v in jax.tree.leaves(sm.state.params, is_leaf=lambda v: isinstance(v, nn.LogicallyPartitioned))
+        )
     assert max_abs_diff(sm.state.params, nn.unbox(variables)) < 1e-6
 
 
@@ -165,11 +173,11 @@ def test_linen_names_not_in_the_rules_table_fall_back_and_train():
     def loss_fn(params, batch):
         x, y = batch
         return jnp.mean((model.apply(params, x) - y) ** 2)
+
     x = jax.random.normal(jax.random.key(1), (16, 64))
     batches = [(x, jnp.sin(x))] * 3
     state, losses = train(sm, loss_fn, batches)
-    assert_parity(state, losses, reference_train(loss_fn, SGD, jax.jit(model.init)(jax.random.key(0)),
-                                                 batches))
+    assert_parity(state, losses, reference_train(loss_fn, SGD, jax.jit(model.init)(jax.random.key(0)), batches))
 
 
 class LinenAttention(nn.Module):
@@ -179,10 +187,14 @@ class LinenAttention(nn.Module):
     @nn.compact
     def __call__(self, x):
         init = nn.with_logical_partitioning(nn.initializers.xavier_uniform(), ("embed", "kv"))
-        x = x + nn.MultiHeadDotProductAttention(num_heads=4, qkv_features=64, kernel_init=init,
-                                                use_bias=False, deterministic=True)(x)
-        return nn.Dense(64, kernel_init=nn.with_logical_partitioning(
-            nn.initializers.lecun_normal(), ("embed", "mlp")), use_bias=False)(x)
+        x = x + nn.MultiHeadDotProductAttention(
+            num_heads=4, qkv_features=64, kernel_init=init, use_bias=False, deterministic=True
+        )(x)
+        return nn.Dense(
+            64,
+            kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp")),
+            use_bias=False,
+        )(x)
 
 
 def test_linen_attention_with_fewer_names_than_dims_shards_and_trains():
@@ -203,30 +215,33 @@ def test_linen_attention_with_fewer_names_than_dims_shards_and_trains():
     def loss_fn(params, batch):
         x, y = batch
         return jnp.mean((model.apply(params, x) - y) ** 2)
+
     x = jax.random.normal(jax.random.key(1), (16, 8, 64))
     batches = [(x, jnp.sin(x))] * 3
     state, losses = train(sm, loss_fn, batches)
-    assert_parity(state, losses, reference_train(loss_fn, SGD, jax.jit(model.init)(jax.random.key(0)),
-                                                 batches))
+    assert_parity(state, losses, reference_train(loss_fn, SGD, jax.jit(model.init)(jax.random.key(0)), batches))
 
 
 def test_readme_plain_call_runs_a_small_unannotated_model():
     """Two nnx.Linear(64, 128) layers: every leaf is under min_shard_size, so all of it is
     replicated; a few hundred KiB cost nothing, so this warns instead of failing."""
+
     class Two(nnx.Module):
         def __init__(self, rngs):
             self.a, self.b = nnx.Linear(64, 128, rngs=rngs), nnx.Linear(128, 64, rngs=rngs)
 
         def __call__(self, x):
             return self.b(jax.nn.relu(self.a(x)))
+
     with pytest.warns(fj.rules.ReplicatedWarning, match="100.0% of parameter bytes"):
         sm = shard_model(from_nnx(Two), optax.adamw(1e-3), fj.make_mesh(fsdp=8), rng=jax.random.key(0))
     n = (64 * 128 + 128 + 128 * 64 + 64) * 4
     last = sm.explain().splitlines()[-1]
     assert last == f"total: {n:,} B/device of {n:,} B of params; replicated over fsdp: 100.0% ({n:,} B)"
     with pytest.raises(fj.ShardingError, match="100.0% of parameter bytes"):  # the floor is a setting
-        shard_model(from_nnx(Two), optax.adamw(1e-3), fj.make_mesh(fsdp=8), rng=jax.random.key(0),
-                    min_replicated_bytes=1024)
+        shard_model(
+            from_nnx(Two), optax.adamw(1e-3), fj.make_mesh(fsdp=8), rng=jax.random.key(0), min_replicated_bytes=1024
+        )
 
 
 class LoRAMLP(nnx.Module):
@@ -234,10 +249,16 @@ class LoRAMLP(nnx.Module):
 
     def __init__(self, rngs: nnx.Rngs, d: int = 64, hidden: int = 256, rank: int = 4):
         def lora(n_in, n_out, names):
-            return nnx.LoRALinear(n_in, n_out, lora_rank=rank, rngs=rngs,
-                                  kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), names),
-                                  a_metadata={"out_sharding": (names[0], None)},
-                                  b_metadata={"out_sharding": (None, names[1])})
+            return nnx.LoRALinear(
+                n_in,
+                n_out,
+                lora_rank=rank,
+                rngs=rngs,
+                kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), names),
+                a_metadata={"out_sharding": (names[0], None)},
+                b_metadata={"out_sharding": (None, names[1])},
+            )
+
         self.up = lora(d, hidden, ("embed", "mlp"))
         self.down = lora(hidden, d, ("mlp", "embed"))
 
@@ -252,22 +273,24 @@ def _is_lora(path) -> bool:
 def test_frozen_params_lora_finetune():
     model = from_nnx(lambda r: LoRAMLP(r))
     labels = lambda p: jax.tree_util.tree_map_with_path(  # noqa: E731
-        lambda path, _: "train" if _is_lora(path) else "frozen", p)
+        lambda path, _: "train" if _is_lora(path) else "frozen", p
+    )
     opt = optax.multi_transform({"train": SGD, "frozen": optax.set_to_zero()}, labels)
     # tiny model: the rank-4 adapters' replicated halves are a large share of its bytes
-    sm = shard_model(model, opt, fj.make_mesh(fsdp=8), rng=jax.random.key(0),
-                     trainable=nnx.LoRAParam, max_replicated_fraction=0.1)
+    sm = shard_model(
+        model, opt, fj.make_mesh(fsdp=8), rng=jax.random.key(0), trainable=nnx.LoRAParam, max_replicated_fraction=0.1
+    )
     assert sm.trainable == jax.tree_util.tree_map_with_path(lambda p, _: _is_lora(p), model.abstract_params)
     kernel = next(r for r in sm.plan.rows if r.path == "up/kernel")
     assert f"{kernel.reason} (frozen)" in sm.explain() and not sm.trainable["up"]["kernel"]
     # frozen params keep no optimizer state: the state is exactly the adapters' momentum
-    lora_bytes = sum(x.size * 4 for p, x in jax.tree_util.tree_flatten_with_path(sm.state.params)[0]
-                     if _is_lora(p))
+    lora_bytes = sum(x.size * 4 for p, x in jax.tree_util.tree_flatten_with_path(sm.state.params)[0] if _is_lora(p))
     assert sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(sm.state.opt_state)) == lora_bytes
 
     def loss_fn(params, batch):
         x, y = batch
         return jnp.mean((model.apply(params, x) - y) ** 2)
+
     xs = [jax.random.normal(jax.random.key(i), (32, 64)) for i in range(5)]
     batches = [(x, jnp.sin(x)) for x in xs]
     p0 = jax.jit(model.init)(jax.random.key(0))
@@ -276,8 +299,11 @@ def test_frozen_params_lora_finetune():
     reduce_types = {}
     for name, mask in (("masked", sm.trainable), ("all", None)):
         hlo = sm.train_step(loss_fn, trainable=mask).lower(sm.state, batches[0]).compile().as_text()
-        reduce_types[name] = " ".join(l.split("=", 1)[1].split(" all-reduce")[0] for l in hlo.splitlines()
-                                      if re.search(r"\s(all-reduce|reduce-scatter)(-start)?\(", l))
+        reduce_types[name] = " ".join(
+            l.split("=", 1)[1].split(" all-reduce")[0]
+            for l in hlo.splitlines()
+            if re.search(r"\s(all-reduce|reduce-scatter)(-start)?\(", l)
+        )
     assert "f32[256,64]" in reduce_types["all"] and "f32[64,256]" in reduce_types["all"]
     assert "f32[256,64]" not in reduce_types["masked"] and "f32[64,256]" not in reduce_types["masked"]
 
@@ -288,8 +314,9 @@ def test_frozen_params_lora_finetune():
     assert state.params["up"]["kernel"].sharding.spec == P("fsdp", None)  # frozen params stay sharded
 
     # the microbatch accumulator carries only the trainable leaves; same result
-    sm2 = shard_model(model, opt, fj.make_mesh(fsdp=8), rng=jax.random.key(0),
-                      trainable=nnx.LoRAParam, max_replicated_fraction=0.1)
+    sm2 = shard_model(
+        model, opt, fj.make_mesh(fsdp=8), rng=jax.random.key(0), trainable=nnx.LoRAParam, max_replicated_fraction=0.1
+    )
     state2, losses2 = train(sm2, loss_fn, batches, microbatches=2)
     np.testing.assert_allclose(losses2, losses, rtol=1e-5)
     assert max_abs_diff(state2.params, state.params) < 1e-6

@@ -51,6 +51,7 @@ def test_no_pickle_in_the_main_process_or_the_workers(tmp_path, monkeypatch):
 
     def no(*a, **k):
         raise AssertionError("pickle used")
+
     for name in ("dumps", "loads", "dump", "load", "Pickler", "Unpickler"):
         monkeypatch.setattr(pickle, name, no)
     monkeypatch.setattr(reduction.ForkingPickler, "dumps", no)  # what multiprocessing pickles with
@@ -85,6 +86,7 @@ def spy_on_workers(monkeypatch) -> list:
     def spy(*a, **k):
         procs.append(popen(*a, **k))
         return procs[-1]
+
     monkeypatch.setattr(encode_pool.subprocess, "Popen", spy)
     return procs
 
@@ -92,6 +94,7 @@ def spy_on_workers(monkeypatch) -> list:
 @pytest.mark.slow
 def test_a_killed_worker_is_one_line_exit_1_and_nothing_in_out(tmp_path, monkeypatch, capsys):
     from test_packing import prep_script
+
     monkeypatch.setattr(encode_pool, "WORKER_ARGV", worker_argv(KILL_ON_THIRD_BATCH))
     monkeypatch.setattr(sft_data, "BATCH_BYTES", 2000)
     procs = spy_on_workers(monkeypatch)
@@ -99,8 +102,9 @@ def test_a_killed_worker_is_one_line_exit_1_and_nothing_in_out(tmp_path, monkeyp
     for out in (tmp_path / "new", tmp_path / "existing"):  # made by the run / there before it
         if out.name == "existing":
             out.mkdir()
-        code = prep_script().main(["--out", str(out), str(src), "--pack", "128", "--tokenizer", LLAMA2,
-                                   "--workers", "2", "--no-progress"])
+        code = prep_script().main(
+            ["--out", str(out), str(src), "--pack", "128", "--tokenizer", LLAMA2, "--workers", "2", "--no-progress"]
+        )
         err = capsys.readouterr().err
         assert code == 1 and err.startswith("error: encoding worker ") and err.count("\n") == 1, err
         assert "was killed by SIGKILL" in err, err
@@ -139,7 +143,8 @@ def _alive(pid: int) -> bool:
 def test_workers_end_when_their_parent_is_killed(tmp_path):
     """The parent SIGKILLed (no clean-up runs): each worker reads the end of its stdin and exits."""
     script = tmp_path / "parent.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {str(Path(PKG).parent)!r})
         from fsdp_jax.app.encode_pool import EncoderSpec, _Pool
@@ -148,9 +153,14 @@ def test_workers_end_when_their_parent_is_killed(tmp_path):
         assert pool.result(i)[0].tokens.tolist() == [104, 105]
         print(" ".join(str(p.pid) for p in pool.procs), flush=True)
         time.sleep(600)
-    """))
-    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
-                              env=dict(os.environ, PYTHONPATH=str(Path(PKG).parent)))
+    """)
+    )
+    parent = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(Path(PKG).parent)),
+    )
     try:
         pids = [int(p) for p in parent.stdout.readline().split()]
         assert len(pids) == 2 and all(_alive(p) for p in pids)
@@ -167,6 +177,7 @@ def test_workers_end_when_their_parent_is_killed(tmp_path):
 
 def test_frames_round_trip_and_a_cut_frame_is_an_eof_error():
     import io
+
     buf = io.BytesIO()
     payloads = [b"", b"x", json.dumps({"a": [1, 2]}).encode(), bytes(range(256)) * 300]
     for p in payloads:
@@ -190,12 +201,17 @@ def test_a_workers_error_is_raised_as_its_class_with_its_message():
     from fsdp_jax.app.data import DataError
     from fsdp_jax.app.examples import ExampleError
     from fsdp_jax.app.tokenizer import TokenizerError
-    table = [(ExampleError("a.jsonl:3: unknown role 'bot'"), ExampleError),
-             (TokenizerError("tok: no EOS"), TokenizerError), (DataError("bad"), DataError),
-             (KeyError("messages"), KeyError), (TypeError("can only concatenate str"), TypeError),
-             (UnicodeEncodeError("utf-8", "\udcff", 0, 1, "surrogates not allowed"), UnicodeEncodeError),
-             (ValueError(object()), ValueError),  # arguments JSON cannot carry: made from the message
-             (OfAnotherLibrary("boom"), RuntimeError)]  # a class the main process cannot name
+
+    table = [
+        (ExampleError("a.jsonl:3: unknown role 'bot'"), ExampleError),
+        (TokenizerError("tok: no EOS"), TokenizerError),
+        (DataError("bad"), DataError),
+        (KeyError("messages"), KeyError),
+        (TypeError("can only concatenate str"), TypeError),
+        (UnicodeEncodeError("utf-8", "\udcff", 0, 1, "surrogates not allowed"), UnicodeEncodeError),
+        (ValueError(object()), ValueError),  # arguments JSON cannot carry: made from the message
+        (OfAnotherLibrary("boom"), RuntimeError),
+    ]  # a class the main process cannot name
     for e, cls in table:
         back = encode_pool._error(json.loads(encode_worker.error_reply(e)))
         assert type(back) is cls, (e, back)
@@ -204,11 +220,17 @@ def test_a_workers_error_is_raised_as_its_class_with_its_message():
 
 
 def test_a_worker_that_cannot_start_is_one_oserror_with_its_last_line(monkeypatch):
-    monkeypatch.setattr(encode_pool, "WORKER_ARGV",
-                        [sys.executable, "-c", "import sys; print('x'); sys.exit('no module named tokenizers')"])
+    monkeypatch.setattr(
+        encode_pool,
+        "WORKER_ARGV",
+        [sys.executable, "-c", "import sys; print('x'); sys.exit('no module named tokenizers')"],
+    )
     procs = spy_on_workers(monkeypatch)
     batch = [({"text": "hi"}, "x:1")]
-    with pytest.raises(OSError, match=r"^encoding worker [12] of 2 \(pid \d+\) exited with code 1: "
-                                      r"no module named tokenizers$"):
+    with pytest.raises(
+        OSError,
+        match=r"^encoding worker [12] of 2 \(pid \d+\) exited with code 1: "
+        r"no module named tokenizers$",
+    ):
         list(encode_batches(EncoderSpec("bytes"), [batch] * 4, workers=2))
     assert len(procs) == 2 and all(p.returncode is not None for p in procs)

@@ -44,49 +44,59 @@ def test_chat_mask_covers_every_assistant_turn_and_nothing_else(name):
                 assert "".join(m["content"].split()) in "".join(trained.split())
             else:
                 assert "".join(m["content"].split()) not in "".join(trained.split())
-        assert enc.encode_batch([({"messages": row["messages"]}, "x:1")])[0].mask.sum() \
-            < len(ex.tokens)
+        assert enc.encode_batch([({"messages": row["messages"]}, "x:1")])[0].mask.sum() < len(ex.tokens)
 
 
 def test_instruction_masks_completion_and_eos_plain_masks_all():
     tok = load_tokenizer(CHAT / "llama2")
     enc = ExampleEncoder(tok)
-    ins, plain = enc.encode_batch([({"prompt": "Q: one plus one?\nA:", "completion": " two"}, "f:1"),
-                                   ({"text": "just text"}, "f:2")])
+    ins, plain = enc.encode_batch(
+        [({"prompt": "Q: one plus one?\nA:", "completion": " two"}, "f:1"), ({"text": "just text"}, "f:2")]
+    )
     assert ins.tokens[-1] == tok.eos_id and ins.mask[-1] == 1
     assert tok.decode(ins.tokens[ins.mask == 1][:-1]).strip() == "two"
     assert ins.mask[:3].sum() == 0
     assert plain.mask.all() and plain.tokens[-1] == tok.eos_id
     every = ExampleEncoder(tok, train_on="all").encode_batch(
-        [({"prompt": "Q: one plus one?\nA:", "completion": " two"}, "f:1")])[0]
+        [({"prompt": "Q: one plus one?\nA:", "completion": " two"}, "f:1")]
+    )[0]
     assert every.mask.all() and every.tokens.tolist() == ins.tokens.tolist()
 
 
 def test_byte_tokenizer_reads_the_same_records():
     enc = ExampleEncoder(None, find_chat_template(CHAT / "qwen25"), special_tokens(CHAT / "qwen25"))
     conv = GOLDENS["qwen25"][1]
-    ins, plain, chat = enc.encode_batch([({"prompt": "é?", "completion": "ü!"}, "f:1"),
-                                         ({"text": "{\"not\": json}"}, "f:2"),
-                                         ({"messages": conv["messages"]}, "f:3")])
+    ins, plain, chat = enc.encode_batch(
+        [
+            ({"prompt": "é?", "completion": "ü!"}, "f:1"),
+            ({"text": '{"not": json}'}, "f:2"),
+            ({"messages": conv["messages"]}, "f:3"),
+        ]
+    )
     assert bytes(ins.tokens.astype(np.uint8)) == "é?ü!".encode()
     assert bytes(ins.tokens[ins.mask == 1].astype(np.uint8)) == "ü!".encode()
-    assert bytes(plain.tokens.astype(np.uint8)) == b"{\"not\": json}" and plain.mask.all()
+    assert bytes(plain.tokens.astype(np.uint8)) == b'{"not": json}' and plain.mask.all()
     assert bytes(chat.tokens.astype(np.uint8)).decode() == conv["text"]
     trained = bytes(chat.tokens[chat.mask == 1].astype(np.uint8)).decode()
     assert trained == "Paris<|im_end|>\nRome<|im_end|>\n"
 
 
-@pytest.mark.parametrize("rec, match", [
-    ({"messages": [{"role": "user"}]}, "needs a \"role\" and a \"content\""),
-    ({"messages": [{"content": "hi"}]}, "needs a \"role\" and a \"content\""),
-    ({"messages": [{"role": "wizard", "content": "hi"}]}, "unknown role 'wizard'"),
-    ({"messages": []}, "non-empty list"),
-    ({"prompt": "only a prompt"}, "\"prompt\" and \"completion\" strings"),
-    ({"txt": "typo"}, "expected"),
-    ([1, 2], "expected a JSON object"),
-    ({"messages": [{"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}]},
-     "fails to render .*roles must alternate"),
-])
+@pytest.mark.parametrize(
+    "rec, match",
+    [
+        ({"messages": [{"role": "user"}]}, 'needs a "role" and a "content"'),
+        ({"messages": [{"content": "hi"}]}, 'needs a "role" and a "content"'),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "unknown role 'wizard'"),
+        ({"messages": []}, "non-empty list"),
+        ({"prompt": "only a prompt"}, '"prompt" and "completion" strings'),
+        ({"txt": "typo"}, "expected"),
+        ([1, 2], "expected a JSON object"),
+        (
+            {"messages": [{"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}]},
+            "fails to render .*roles must alternate",
+        ),
+    ],
+)
 def test_bad_records_name_the_place(rec, match):
     with pytest.raises(ExampleError, match=f"^data.jsonl:7: .*{match}"):
         encoder("llama2").encode_batch([(rec, "data.jsonl:7")])
@@ -94,6 +104,7 @@ def test_bad_records_name_the_place(rec, match):
 
 def test_byte_corpus_parses_jsonl_like_a_real_tokenizer(tmp_path):
     from fsdp_jax.app import data
+
     src = tmp_path / "d.jsonl"
     src.write_text("\n".join(json.dumps({"text": t}) for t in ["alpha", "béta", "gamma"] * 20) + "\n")
     meta = data.prepare_text([src], tmp_path / "o", val_fraction=0.1)
@@ -104,6 +115,7 @@ def test_byte_corpus_parses_jsonl_like_a_real_tokenizer(tmp_path):
 
 def test_sentencepiece_masks_by_byte_offsets(tmp_path):
     from test_tokenizer import train_sentencepiece
+
     tok = load_tokenizer(train_sentencepiece(tmp_path / "sp"))
     ex = ExampleEncoder(tok).encode_batch([({"prompt": "def f(x): café", "completion": " return x"}, "f:1")])[0]
     assert ex.tokens[:-1].tolist() == tok.encode("def f(x): café return x")  # encoded whole

@@ -31,8 +31,11 @@ def test_every_optional_import_has_an_extra_in_pyproject():
 
 def test_require_names_the_feature_and_the_pip_line(missing):
     missing.add("matplotlib")
-    with pytest.raises(extras.MissingExtra, match=r"--plot needs the matplotlib package.*"
-                                                  r"pip install 'fsdp_jax\[plot\]'"):
+    with pytest.raises(
+        extras.MissingExtra,
+        match=r"--plot needs the matplotlib package.*"
+        r"pip install 'fsdp_jax\[plot\]'",
+    ):
         extras.require("matplotlib", "--plot")
     missing.clear()
     assert extras.require("matplotlib", "--plot").__name__ == "matplotlib"
@@ -50,8 +53,10 @@ def test_tensorboard_without_tensorboardx_is_a_config_error(missing):
 @pytest.mark.slow
 def test_plot_metrics_without_matplotlib_exits_2_with_one_line(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
-    code = ("import runpy, sys; sys.modules['matplotlib'] = None; sys.argv[0] = 'plot_metrics.py'; "
-            "runpy.run_path('scripts/plot_metrics.py', run_name='__main__')")
+    code = (
+        "import runpy, sys; sys.modules['matplotlib'] = None; sys.argv[0] = 'plot_metrics.py'; "
+        "runpy.run_path('scripts/plot_metrics.py', run_name='__main__')"
+    )
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 2, r.stderr  # a requested feature whose package is missing: bad input
     assert r.stderr.strip().count("\n") == 0 and "fsdp_jax[plot]" in r.stderr

@@ -48,8 +48,7 @@ def _train_env(**extra) -> dict:
 
 # setpriv: the trainer runs as root without the capabilities that ignore file permissions,
 # so a directory made read-only refuses it as it would refuse any user
-NO_DAC = ["setpriv", "--inh-caps=-dac_override,-dac_read_search",
-          "--bounding-set=-dac_override,-dac_read_search"]
+NO_DAC = ["setpriv", "--inh-caps=-dac_override,-dac_read_search", "--bounding-set=-dac_override,-dac_read_search"]
 
 
 def _can_be_refused() -> bool:
@@ -66,17 +65,32 @@ def test_checkpoints_made_read_only_mid_run_stop_at_that_save_then_resume_exactl
     step 2 intact, exit 1, no step past the failed save's next one trained; with the
     permission back, the same command resumes from step 2 and ends bit-identical to a run
     that never failed."""
-    args = ["--config", TINY_YAML, "--no-progress", *TINY_RUN_OVERRIDES, f"data.path={corpus}",
-            "train.steps=8", "train.checkpoint_every=2", "train.keep_checkpoints=5"]
+    args = [
+        "--config",
+        TINY_YAML,
+        "--no-progress",
+        *TINY_RUN_OVERRIDES,
+        f"data.path={corpus}",
+        "train.steps=8",
+        "train.checkpoint_every=2",
+        "train.keep_checkpoints=5",
+    ]
     prefix = NO_DAC if os.geteuid() == 0 else []
     train = [*prefix, sys.executable, str(ROOT / "scripts" / "train.py"), *args]
-    ref = subprocess.run(train + [f"run_dir={tmp_path / 'ref'}"], capture_output=True, text=True,
-                         env=_train_env(), cwd=ROOT, timeout=600)
+    ref = subprocess.run(
+        train + [f"run_dir={tmp_path / 'ref'}"], capture_output=True, text=True, env=_train_env(), cwd=ROOT, timeout=600
+    )
     assert ref.returncode == 0, ref.stderr[-3000:]
     run_dir = tmp_path / "run"
     ckpts = run_dir / "checkpoints"
-    proc = subprocess.Popen(train + [f"run_dir={run_dir}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=_train_env(FSDP_JAX_INJECT_DATA_DELAY_S="0.4"), cwd=ROOT)
+    proc = subprocess.Popen(
+        train + [f"run_dir={run_dir}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_train_env(FSDP_JAX_INJECT_DATA_DELAY_S="0.4"),
+        cwd=ROOT,
+    )
     try:
         deadline = time.monotonic() + 300
         while not _committed(ckpts, 2) and proc.poll() is None and time.monotonic() < deadline:
@@ -91,22 +105,43 @@ def test_checkpoints_made_read_only_mid_run_stop_at_that_save_then_resume_exactl
     assert "Traceback" not in out, out[-2000:]
     assert ck.Checkpointer(ckpts, read_only=True).steps() == [2], line
     assert max(_logged_steps(run_dir)) <= 5, _logged_steps(run_dir)  # stopped at the failure, not later
-    again = subprocess.run(train + [f"run_dir={run_dir}"], capture_output=True, text=True, env=_train_env(),
-                           cwd=ROOT, timeout=600)
+    again = subprocess.run(
+        train + [f"run_dir={run_dir}"], capture_output=True, text=True, env=_train_env(), cwd=ROOT, timeout=600
+    )
     assert again.returncode == 0 and "resuming from checkpoint step 2" in again.stdout, again.stderr[-3000:]
     _assert_same_params(tmp_path / "ref", run_dir, 8)
 
 
 # -- a peer process that dies ----------------------------------------------------------------------
 
-LAUNCH = [sys.executable, str(ROOT / "scripts" / "launch_local.py"), "--processes", "2",
-          "--devices-per-process", "4", "--grace", "5", "--"]
+LAUNCH = [
+    sys.executable,
+    str(ROOT / "scripts" / "launch_local.py"),
+    "--processes",
+    "2",
+    "--devices-per-process",
+    "4",
+    "--grace",
+    "5",
+    "--",
+]
 
 
 def _two_process_train(corpus, run_dir: Path, steps: int = 10) -> list[str]:
-    return [*LAUNCH, sys.executable, str(ROOT / "scripts" / "train.py"), "--config", TINY_YAML, "--no-progress",
-            *TINY_RUN_OVERRIDES, f"data.path={corpus}", f"run_dir={run_dir}", f"train.steps={steps}",
-            "train.checkpoint_every=2", "train.keep_checkpoints=10"]
+    return [
+        *LAUNCH,
+        sys.executable,
+        str(ROOT / "scripts" / "train.py"),
+        "--config",
+        TINY_YAML,
+        "--no-progress",
+        *TINY_RUN_OVERRIDES,
+        f"data.path={corpus}",
+        f"run_dir={run_dir}",
+        f"train.steps={steps}",
+        "train.checkpoint_every=2",
+        "train.keep_checkpoints=10",
+    ]
 
 
 def _child_with(parent: int, process_id: int) -> int | None:
@@ -127,8 +162,9 @@ def _child_with(parent: int, process_id: int) -> int | None:
 @pytest.fixture(scope="module")
 def two_process_reference(corpus, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("peer_ref") / "run"
-    r = subprocess.run(_two_process_train(corpus, run_dir), capture_output=True, text=True, cwd=ROOT,
-                       env=_train_env(), timeout=600)
+    r = subprocess.run(
+        _two_process_train(corpus, run_dir), capture_output=True, text=True, cwd=ROOT, env=_train_env(), timeout=600
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     return run_dir
 
@@ -137,7 +173,8 @@ def two_process_reference(corpus, tmp_path_factory):
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs Linux /proc to find the peer process")
 @pytest.mark.parametrize("when", ["mid_step", "mid_save"])
 def test_a_peer_killed_mid_run_stops_the_job_with_one_line_and_the_run_resumes_exactly(
-        when, corpus, tmp_path, two_process_reference):
+    when, corpus, tmp_path, two_process_reference
+):
     """kill -9 of process 1 of a 2-process run, after step 4 is committed (in a step) or
     as soon as a later step's checkpoint is being written (its tmp directory exists). The
     survivor is blocked in a collective with the dead peer: the launcher says which
@@ -147,15 +184,20 @@ def test_a_peer_killed_mid_run_stops_the_job_with_one_line_and_the_run_resumes_e
     run_dir = tmp_path / "run"
     ckpts = run_dir / "checkpoints"
     cmd = _two_process_train(corpus, run_dir)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            env=_train_env(FSDP_JAX_INJECT_DATA_DELAY_S="0.3"))
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=_train_env(FSDP_JAX_INJECT_DATA_DELAY_S="0.3"),
+    )
     try:
         deadline = time.monotonic() + 400
         while not _committed(ckpts, 4) and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.01)
         if when == "mid_save":
-            while (not any(ckpts.glob(f"*{ck.TMP_SUFFIX}*")) and proc.poll() is None
-                   and time.monotonic() < deadline):
+            while not any(ckpts.glob(f"*{ck.TMP_SUFFIX}*")) and proc.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.002)
         peer = _child_with(proc.pid, 1)
         assert peer is not None and proc.poll() is None, "the job ended before the kill"
@@ -180,10 +222,12 @@ def test_a_peer_killed_mid_run_stops_the_job_with_one_line_and_the_run_resumes_e
 
 # -- a peer that dies under a launcher that does not stop the others (SLURM, mpirun) ------------------
 
+
 @pytest.mark.slow
 @pytest.mark.parametrize("victim", [1, 0])
 def test_a_peer_killed_without_a_launcher_to_stop_the_job_the_survivor_stops_itself(
-        victim, corpus, tmp_path, two_process_reference):
+    victim, corpus, tmp_path, two_process_reference
+):
     """The two processes started as SLURM or mpirun would (each on its own, nobody watching
     them), one killed (-9) in a step after step 4 is committed: process 1, or process 0
     (whose coordination service runs in a child of its own, fsdp_jax.coord_service). The
@@ -194,18 +238,36 @@ def test_a_peer_killed_without_a_launcher_to_stop_the_job_the_survivor_stops_its
     after 100 s (exit 134 in a shell) with JAX's multi-line log when process 1 dies, at
     once when process 0 dies; the service inside process 0 -> the same at once."""
     from test_peer_watch import _free_port
+
     run_dir = tmp_path / "run"
     ckpts = run_dir / "checkpoints"
     port = _free_port()
-    cmd = [sys.executable, str(ROOT / "scripts" / "train.py"), "--config", TINY_YAML, "--no-progress",
-           *TINY_RUN_OVERRIDES, f"data.path={corpus}", f"run_dir={run_dir}", "train.steps=10",
-           "train.checkpoint_every=2", "train.keep_checkpoints=10", "distributed.peer_timeout_s=5"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "scripts" / "train.py"),
+        "--config",
+        TINY_YAML,
+        "--no-progress",
+        *TINY_RUN_OVERRIDES,
+        f"data.path={corpus}",
+        f"run_dir={run_dir}",
+        "train.steps=10",
+        "train.checkpoint_every=2",
+        "train.keep_checkpoints=10",
+        "distributed.peer_timeout_s=5",
+    ]
     procs = []
     for i in range(2):
-        env = _train_env(FSDP_JAX_INJECT_DATA_DELAY_S="0.3", FSDP_JAX_COORDINATOR=f"127.0.0.1:{port}",
-                         FSDP_JAX_NUM_PROCESSES="2", FSDP_JAX_PROCESS_ID=str(i), FSDP_JAX_CPU_DEVICES="4")
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                                      env=env))
+        env = _train_env(
+            FSDP_JAX_INJECT_DATA_DELAY_S="0.3",
+            FSDP_JAX_COORDINATOR=f"127.0.0.1:{port}",
+            FSDP_JAX_NUM_PROCESSES="2",
+            FSDP_JAX_PROCESS_ID=str(i),
+            FSDP_JAX_CPU_DEVICES="4",
+        )
+        procs.append(
+            subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+        )
     survivor = procs[1 - victim]
     try:
         deadline = time.monotonic() + 400
@@ -220,13 +282,20 @@ def test_a_peer_killed_without_a_launcher_to_stop_the_job_the_survivor_stops_its
         for p in procs:
             p.kill()
     who = "the coordinator, process 0 of 2" if victim == 0 else "process 1 of 2"
-    line = one_line(survivor.returncode, err, f"{who} stopped responding", f"stopping process {1 - victim}",
-                    "checkpoint is intact", code=1)
+    line = one_line(
+        survivor.returncode,
+        err,
+        f"{who} stopped responding",
+        f"stopping process {1 - victim}",
+        "checkpoint is intact",
+        code=1,
+    )
     assert stopped_in < 5 + 15, (stopped_in, line)  # the timeout, a few beats, and a loaded machine
     committed = ck.Checkpointer(ckpts, read_only=True).steps()
     assert committed and 4 <= committed[-1] < 10, committed
-    again = subprocess.run(_two_process_train(corpus, run_dir), capture_output=True, text=True, cwd=ROOT,
-                           env=_train_env(), timeout=600)
+    again = subprocess.run(
+        _two_process_train(corpus, run_dir), capture_output=True, text=True, cwd=ROOT, env=_train_env(), timeout=600
+    )
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-2000:]
     assert f"[0] resuming from checkpoint step {committed[-1]}" in again.stdout, again.stdout[-3000:]
     _assert_same_params(two_process_reference, run_dir, 10)

@@ -23,8 +23,10 @@ def chat_set(path: Path, n: int = 240, seed: int = 0) -> Path:
     with open(path, "w") as f:
         for i in range(n):
             thing, color = THINGS[i % len(THINGS)], COLORS[(i * 7) % len(COLORS)]
-            msgs = [{"role": "user", "content": f"What color is the {thing}?"},
-                    {"role": "assistant", "content": f"The {thing} is {color}."}]
+            msgs = [
+                {"role": "user", "content": f"What color is the {thing}?"},
+                {"role": "assistant", "content": f"The {thing} is {color}."},
+            ]
             if rng.random() < 0.3:
                 msgs.insert(0, {"role": "system", "content": "Answer briefly."})
             f.write(json.dumps({"messages": msgs}) + "\n")
@@ -34,6 +36,7 @@ def chat_set(path: Path, n: int = 240, seed: int = 0) -> Path:
 def script(name):
     """The command module behind scripts/<name>.py (the script is a shim over its main)."""
     from fsdp_jax.app.cli.entry import SCRIPTS, command_module
+
     return command_module(SCRIPTS[name])
 
 
@@ -41,17 +44,44 @@ def script(name):
 def test_chat_finetune_end_to_end(tmp_path, capsys):
     from fsdp_jax.app.config import load_config
     from fsdp_jax.app.loop import train
+
     src, d, run = chat_set(tmp_path / "chats.jsonl"), tmp_path / "sft", tmp_path / "run"
-    assert script("prepare_data").main(["--out", str(d), str(src), "--pack", "64", "--no-progress",
-                                        "--tokenizer", str(CHAT / "llama2"), "--val-fraction", "0.15",
-                                        "--model", str(GOLDEN / "llama_gqa")]) == 0
+    assert (
+        script("prepare_data").main(
+            [
+                "--out",
+                str(d),
+                str(src),
+                "--pack",
+                "64",
+                "--no-progress",
+                "--tokenizer",
+                str(CHAT / "llama2"),
+                "--val-fraction",
+                "0.15",
+                "--model",
+                str(GOLDEN / "llama_gqa"),
+            ]
+        )
+        == 0
+    )
     assert "packing efficiency" in capsys.readouterr().out
     meta = json.loads((d / "meta.json").read_text())
     assert meta["kinds"] == {"chat": 240} and meta["val_rows"] > 0
-    over = [f"data.path={d}", f"run_dir={run}", "data.seq_len=64", "train.steps=24", "train.log_every=4",
-            "train.eval_every=12", "train.eval_batches=4", "train.checkpoint_every=12",
-            "train.sample_tokens=8", "train.global_batch=8", "optimizer.lr=3e-3",
-            f"init_from=hf:{GOLDEN / 'llama_gqa'}"]
+    over = [
+        f"data.path={d}",
+        f"run_dir={run}",
+        "data.seq_len=64",
+        "train.steps=24",
+        "train.log_every=4",
+        "train.eval_every=12",
+        "train.eval_batches=4",
+        "train.checkpoint_every=12",
+        "train.sample_tokens=8",
+        "train.global_batch=8",
+        "optimizer.lr=3e-3",
+        f"init_from=hf:{GOLDEN / 'llama_gqa'}",
+    ]
     s = train(load_config(ROOT / "configs" / "hf_tiny_finetune.yaml", over), progress=False)
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     train_recs = [r for r in recs if "loss" in r]
@@ -61,6 +91,8 @@ def test_chat_finetune_end_to_end(tmp_path, capsys):
     assert len(vals) == 2 and vals[-1] < vals[0]
     print("val loss (held-out examples, per trained token):", vals, "sample:", s["sample"])
     # the trainer resumes a packed run from its checkpoint (batch order: tests/test_packing.py)
-    s2 = train(load_config(ROOT / "configs" / "hf_tiny_finetune.yaml", over[:4] + ["train.steps=30"] + over[5:]),
-               progress=False)
+    s2 = train(
+        load_config(ROOT / "configs" / "hf_tiny_finetune.yaml", over[:4] + ["train.steps=30"] + over[5:]),
+        progress=False,
+    )
     assert s2["final_step"] == 30

@@ -20,9 +20,11 @@ TINY_YAML = ROOT / "configs" / "tiny.yaml"
 def test_flash_attention_activations_are_linear_in_the_sequence(remat):
     """Doubling seq (same tokens per device) keeps flash attention's activations; XLA's
     attention grows with S for the policies that keep or recompute the logits."""
+
     def act(attention, seq, batch):
         cfg = load_config(ROOT / "configs" / "llama2_7b.yaml", [f"model.attention={attention}"])
         return activation_bytes(cfg.model, remat, batch, seq, "bfloat16")["total"]
+
     assert act("cudnn", 8192, 1) == act("cudnn", 4096, 2)
     assert act("xla", 8192, 1) > act("xla", 4096, 2)  # the working set's logit gradient at least
     assert act("cudnn", 4096, 2) < act("xla", 4096, 2)
@@ -31,14 +33,37 @@ def test_flash_attention_activations_are_linear_in_the_sequence(remat):
 @pytest.mark.slow
 def test_gpu_target_compiles_cudnn_attention_with_less_memory(capsys):
     assert targets.cudnn_installed(), (
-        f"NVIDIA's cuDNN wheel is not in {targets.plugin_dir()}: run `python -m fsdp_jax.targets install`")
-    small = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
-             "model.ffn_dim=128", "model.max_seq_len=512", "data.seq_len=512", "train.global_batch=16",
-             "precision=params=float32,compute=bfloat16", "remat=dots"]
+        f"NVIDIA's cuDNN wheel is not in {targets.plugin_dir()}: run `python -m fsdp_jax.targets install`"
+    )
+    small = [
+        "model.d_model=64",
+        "model.n_layers=2",
+        "model.n_heads=4",
+        "model.n_kv_heads=2",
+        "model.ffn_dim=128",
+        "model.max_seq_len=512",
+        "data.seq_len=512",
+        "train.global_batch=16",
+        "precision=params=float32,compute=bfloat16",
+        "remat=dots",
+    ]
     peaks = {}
     for attention in ("xla", "cudnn"):
-        rc, out, err = call("plan", "--config", TINY_YAML, "--target", "h100", "--devices", 8, "--strategies",
-                            "full_shard", "--json", *small, f"model.attention={attention}", capsys=capsys)
+        rc, out, err = call(
+            "plan",
+            "--config",
+            TINY_YAML,
+            "--target",
+            "h100",
+            "--devices",
+            8,
+            "--strategies",
+            "full_shard",
+            "--json",
+            *small,
+            f"model.attention={attention}",
+            capsys=capsys,
+        )
         assert rc == 0, err[-3000:]
         r = json.loads(out)["strategies"]["full_shard"]
         peaks[attention] = (r["compiled"]["peak"], r["analytic"]["total"])

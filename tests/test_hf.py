@@ -37,10 +37,14 @@ GOLDEN = ROOT / "tests" / "golden" / "hf"
 MODELS = ("llama_gqa", "llama_tied")
 # tiny checkpoints of every family (tests/golden/make_hf_family_goldens.py), 2 x 40 tokens:
 # longer than their sliding windows (8) and original RoPE contexts (16)
-FAMILY_MODELS = ("llama3", "llama32_tied", "llama_yarn", "mistral_swa", "qwen2", "qwen3",
-                 "gemma3_text")
-MESHES = {"full_shard": (1, 8, 1), "shard_grad_op": (1, 8, 1), "shard_opt": (1, 8, 1),
-          "no_shard": (1, 8, 1), "hybrid_shard": (2, 4, 1)}
+FAMILY_MODELS = ("llama3", "llama32_tied", "llama_yarn", "mistral_swa", "qwen2", "qwen3", "gemma3_text")
+MESHES = {
+    "full_shard": (1, 8, 1),
+    "shard_grad_op": (1, 8, 1),
+    "shard_opt": (1, 8, 1),
+    "no_shard": (1, 8, 1),
+    "hybrid_shard": (2, 4, 1),
+}
 
 
 def golden_logits(name):
@@ -60,7 +64,7 @@ def logits_of(params, m, plan, tokens):
     batch = jnp.asarray(np.tile(tokens, (4, 1)))  # 8 rows: divisible by every batch sharding
     with sharding_context(plan):
         out = jax.jit(m.apply)(params, batch)
-    return np.asarray(out)[:len(tokens)]
+    return np.asarray(out)[: len(tokens)]
 
 
 def check_against_golden(name, path=None, **kw):
@@ -99,6 +103,7 @@ def test_family_import_matches_transformers_logits(name):
     assert ("q_norm" in params["blocks"]["attn"]) == (name in ("qwen3", "gemma3_text"))
     assert ("post_mlp_norm" in params["blocks"]) == (name == "gemma3_text")
     from fsdp_jax.app.models import count_params
+
     assert count_params(cfg) == sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
 
 
@@ -110,20 +115,39 @@ def test_family_import_matches_transformers_logits_every_strategy(name, strategy
 
 
 FAMILY_CONFIGS = {  # golden -> the decoder fields its config.json must switch on
-    "llama3": dict(rope_type="llama3", rope_factor=8.0, rope_low_freq_factor=1.0,
-                   rope_high_freq_factor=4.0, rope_original_max_len=16, rope_theta=5e5),
-    "llama32_tied": dict(rope_type="llama3", rope_factor=32.0, tie_word_embeddings=True,
-                         n_kv_heads=1),
-    "llama_yarn": dict(rope_type="yarn", rope_factor=4.0, rope_original_max_len=16,
-                       rope_beta_fast=32.0, rope_beta_slow=1.0),
+    "llama3": dict(
+        rope_type="llama3",
+        rope_factor=8.0,
+        rope_low_freq_factor=1.0,
+        rope_high_freq_factor=4.0,
+        rope_original_max_len=16,
+        rope_theta=5e5,
+    ),
+    "llama32_tied": dict(rope_type="llama3", rope_factor=32.0, tie_word_embeddings=True, n_kv_heads=1),
+    "llama_yarn": dict(
+        rope_type="yarn", rope_factor=4.0, rope_original_max_len=16, rope_beta_fast=32.0, rope_beta_slow=1.0
+    ),
     "mistral_swa": dict(sliding_window=8, global_every=0, kv_channels=16),
     "qwen2": dict(qkv_bias=True, rope_theta=1e6, qk_norm=False),
     "qwen3": dict(qk_norm=True, kv_channels=32, tie_word_embeddings=True, qkv_bias=False),
-    "gemma3_text": dict(kv_channels=32, sliding_window=8, global_every=2, rope_local_theta=1e4,
-                        rope_theta=1e6, rope_type="linear", rope_factor=2.0,
-                        query_pre_attn_scalar=24.0, attn_softcap=0.0, final_softcap=3.0,
-                        mlp_activation="gelu_pytorch_tanh", norm_plus_one=True,
-                        sandwich_norm=True, embed_scale=True, qk_norm=True, n_layers=3),
+    "gemma3_text": dict(
+        kv_channels=32,
+        sliding_window=8,
+        global_every=2,
+        rope_local_theta=1e4,
+        rope_theta=1e6,
+        rope_type="linear",
+        rope_factor=2.0,
+        query_pre_attn_scalar=24.0,
+        attn_softcap=0.0,
+        final_softcap=3.0,
+        mlp_activation="gelu_pytorch_tanh",
+        norm_plus_one=True,
+        sandwich_norm=True,
+        embed_scale=True,
+        qk_norm=True,
+        n_layers=3,
+    ),
 }
 
 
@@ -157,9 +181,18 @@ def test_transformers_4x_config_and_unscanned_layers(tmp_path):
 
 def test_config_mapping():
     c = hf.HFCheckpoint(GOLDEN / "llama_tied").config
-    assert (c.vocab_size, c.d_model, c.n_layers, c.n_heads, c.n_kv_heads, c.ffn_dim, c.max_seq_len,
-            c.rope_theta, c.norm_eps, c.tie_word_embeddings) == (256, 64, 2, 4, 1, 128, 64, 5e5,
-                                                                  1e-6, True)
+    assert (
+        c.vocab_size,
+        c.d_model,
+        c.n_layers,
+        c.n_heads,
+        c.n_kv_heads,
+        c.ffn_dim,
+        c.max_seq_len,
+        c.rope_theta,
+        c.norm_eps,
+        c.tie_word_embeddings,
+    ) == (256, 64, 2, 4, 1, 128, 64, 5e5, 1e-6, True)
 
 
 def test_load_config_takes_model_from_config_json(tmp_path):
@@ -174,6 +207,7 @@ def test_load_config_takes_model_from_config_json(tmp_path):
 
 
 # -- export --------------------------------------------------------------------------------
+
 
 def saved_run(tmp_path, name, perturb=True):
     """A checkpoint dir holding params imported from golden `name` (plus float32 noise no
@@ -194,8 +228,11 @@ def saved_run(tmp_path, name, perturb=True):
 def index_and_shapes(d: Path) -> tuple[dict, dict]:
     """(weight_map, {name: shape}) of an HF directory, read with the safetensors library."""
     idx = d / "model.safetensors.index.json"
-    wm = (json.loads(idx.read_text())["weight_map"] if idx.exists()
-          else {k: "model.safetensors" for k in safe_open(str(d / "model.safetensors"), "np").keys()})
+    wm = (
+        json.loads(idx.read_text())["weight_map"]
+        if idx.exists()
+        else {k: "model.safetensors" for k in safe_open(str(d / "model.safetensors"), "np").keys()}
+    )
     shapes = {}
     for f in set(wm.values()):
         with safe_open(str(d / f), "np") as h:
@@ -261,9 +298,11 @@ def test_family_export_writes_its_family_and_round_trips_bit_exact(tmp_path, nam
 
 def test_export_refuses_a_model_no_family_computes(tmp_path):
     yml = tmp_path / "c.yaml"
-    yml.write_text("model: {vocab_size: 256, d_model: 64, n_layers: 1, n_heads: 4, n_kv_heads: 4, "
-                   "ffn_dim: 64, max_seq_len: 32, qkv_bias: true, qk_norm: true}\n"
-                   f"data: {{seq_len: 32, path: {tmp_path / 'd'}}}\n")
+    yml.write_text(
+        "model: {vocab_size: 256, d_model: 64, n_layers: 1, n_heads: 4, n_kv_heads: 4, "
+        "ffn_dim: 64, max_seq_len: 32, qkv_bias: true, qk_norm: true}\n"
+        f"data: {{seq_len: 32, path: {tmp_path / 'd'}}}\n"
+    )
     cfg = load_config(yml)
     params = from_nnx(lambda r: Llama(cfg.model, rngs=r)).init(jax.random.key(0))
     with Checkpointer(tmp_path / "ck") as ck:
@@ -291,11 +330,17 @@ def test_export_bf16_single_file_and_refusals(tmp_path):
 
 # -- conversion script and bad input --------------------------------------------------------
 
+
 def test_convert_script_writes_init_from_params(tmp_path, capsys):
     out = tmp_path / "m.safetensors"
-    assert script("convert_hf").main([str(GOLDEN / "llama_gqa"), "--out", str(out),
-                                      "--config-out", str(tmp_path / "m.yaml")]) == 0
+    assert (
+        script("convert_hf").main(
+            [str(GOLDEN / "llama_gqa"), "--out", str(out), "--config-out", str(tmp_path / "m.yaml")]
+        )
+        == 0
+    )
     from fsdp_jax.checkpoint import load_safetensors
+
     params, m, plan = imported(GOLDEN / "llama_gqa")
     abstract = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=p.sharding), params)
     loaded = load_safetensors(out, abstract)
@@ -326,24 +371,26 @@ def rewrite_tensor(d: Path, fname: str, name: str, array=None, extra: dict | Non
 
 def _bad_dirs(tmp):
     """(case, directory, word the error line must contain)."""
+
     def copy(case):
         return Path(shutil.copytree(GOLDEN / "llama_gqa", tmp / case))
+
     q = "model.layers.0.self_attn.q_proj.weight"
     qfile = json.loads((GOLDEN / "llama_gqa" / "model.safetensors.index.json").read_text())["weight_map"][q]
     cases = []
     for case, change, word in [
-            ("gpt2", {"model_type": "gpt2"}, "model_type"),
-            ("gelu", {"hidden_act": "gelu"}, "hidden_act"),
-            ("bias", {"attention_bias": True}, "attention_bias"),
-            ("mlpbias", {"mlp_bias": True}, "mlp_bias"),
-            ("llama3", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}},
-             "rope_parameters"),
-            ("scaling4x", {"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling"),
-            ("window", {"model_type": "mistral", "sliding_window": 4096}, "sliding_window"),
-            ("headdim", {"head_dim": 16}, "q_proj.weight"),  # config and tensors disagree
-            ("nohidden", {"hidden_size": None}, "hidden_size"),
-            ("badheads", {"num_key_value_heads": 3}, "num_key_value_heads"),
-            ("arch", {"architectures": ["LlamaForSequenceClassification"]}, "architectures")]:
+        ("gpt2", {"model_type": "gpt2"}, "model_type"),
+        ("gelu", {"hidden_act": "gelu"}, "hidden_act"),
+        ("bias", {"attention_bias": True}, "attention_bias"),
+        ("mlpbias", {"mlp_bias": True}, "mlp_bias"),
+        ("llama3", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}, "rope_parameters"),
+        ("scaling4x", {"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling"),
+        ("window", {"model_type": "mistral", "sliding_window": 4096}, "sliding_window"),
+        ("headdim", {"head_dim": 16}, "q_proj.weight"),  # config and tensors disagree
+        ("nohidden", {"hidden_size": None}, "hidden_size"),
+        ("badheads", {"num_key_value_heads": 3}, "num_key_value_heads"),
+        ("arch", {"architectures": ["LlamaForSequenceClassification"]}, "architectures"),
+    ]:
         d = copy(case)
         edit_config(d, **change)
         cases.append((case, d, word))
@@ -378,42 +425,76 @@ def _bad_family_dirs(tmp):
     decoder does not compute: (case, directory, word the error line must contain)."""
     cases = []
     for case, src, change, word in [
-            ("l3_missing", "llama3", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5,
-                                                          "factor": 8.0, "high_freq_factor": 4.0,
-                                                          "original_max_position_embeddings": 16}},
-             "low_freq_factor"),
-            ("l3_4x_missing", "llama3", {"rope_parameters": None, "rope_theta": 5e5,
-                                         "rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
-             "rope_scaling"),
-            ("longrope", "llama3", {"rope_parameters": {"rope_type": "longrope", "factor": 2.0}},
-             "longrope"),
-            ("yarn_extra", "llama_yarn", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0,
-                                                              "mrope_section": [1, 2]}}, "mrope_section"),
-            ("window_ctx", "mistral_swa", {"sliding_window": 4096}, "sliding_window"),
-            ("qwen_window", "qwen2", {"use_sliding_window": True, "sliding_window": 8},
-             "use_sliding_window"),
-            ("pattern", "gemma3_text", {"layer_types": ["full_attention", "sliding_attention",
-                                                        "sliding_attention"]}, "layer_types"),
-            ("pattern_len", "gemma3_text", {"layer_types": ["sliding_attention"]}, "layer_types"),
-            ("softcap", "gemma3_text", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
-            ("local_rope", "gemma3_text", {"rope_parameters": {
-                "full_attention": {"rope_type": "default", "rope_theta": 1e6},
-                "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}},
-             "rope_parameters"),
-            ("bidir", "gemma3_text", {"use_bidirectional_attention": True}, "use_bidirectional"),
-            ("arch_mix", "qwen3", {"architectures": ["LlamaForCausalLM"]}, "architectures"),
-            ("o_bias", "qwen3", {"attention_bias": True}, "attention_bias"),
-            ("qwen3_as_qwen2", "qwen3", {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]},
-             "q_proj.bias"),  # qwen2 wants biases the checkpoint lacks
-            ("qwen2_as_llama", "qwen2", {"model_type": "llama", "architectures": ["LlamaForCausalLM"]},
-             "proj.bias"),  # biases present, the config says none
-            ("headdim_norm", "qwen3", {"head_dim": 16}, "q_proj.weight")]:
+        (
+            "l3_missing",
+            "llama3",
+            {
+                "rope_parameters": {
+                    "rope_type": "llama3",
+                    "rope_theta": 5e5,
+                    "factor": 8.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 16,
+                }
+            },
+            "low_freq_factor",
+        ),
+        (
+            "l3_4x_missing",
+            "llama3",
+            {"rope_parameters": None, "rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+            "rope_scaling",
+        ),
+        ("longrope", "llama3", {"rope_parameters": {"rope_type": "longrope", "factor": 2.0}}, "longrope"),
+        (
+            "yarn_extra",
+            "llama_yarn",
+            {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "mrope_section": [1, 2]}},
+            "mrope_section",
+        ),
+        ("window_ctx", "mistral_swa", {"sliding_window": 4096}, "sliding_window"),
+        ("qwen_window", "qwen2", {"use_sliding_window": True, "sliding_window": 8}, "use_sliding_window"),
+        (
+            "pattern",
+            "gemma3_text",
+            {"layer_types": ["full_attention", "sliding_attention", "sliding_attention"]},
+            "layer_types",
+        ),
+        ("pattern_len", "gemma3_text", {"layer_types": ["sliding_attention"]}, "layer_types"),
+        ("softcap", "gemma3_text", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+        (
+            "local_rope",
+            "gemma3_text",
+            {
+                "rope_parameters": {
+                    "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                    "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+                }
+            },
+            "rope_parameters",
+        ),
+        ("bidir", "gemma3_text", {"use_bidirectional_attention": True}, "use_bidirectional"),
+        ("arch_mix", "qwen3", {"architectures": ["LlamaForCausalLM"]}, "architectures"),
+        ("o_bias", "qwen3", {"attention_bias": True}, "attention_bias"),
+        (
+            "qwen3_as_qwen2",
+            "qwen3",
+            {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]},
+            "q_proj.bias",
+        ),  # qwen2 wants biases the checkpoint lacks
+        (
+            "qwen2_as_llama",
+            "qwen2",
+            {"model_type": "llama", "architectures": ["LlamaForCausalLM"]},
+            "proj.bias",
+        ),  # biases present, the config says none
+        ("headdim_norm", "qwen3", {"head_dim": 16}, "q_proj.weight"),
+    ]:
         d = Path(shutil.copytree(GOLDEN / src, tmp / case))
         edit_config(d, **change)
         cases.append((case, d, word))
     d = Path(shutil.copytree(GOLDEN / "qwen3", tmp / "qnorm_size"))
-    rewrite_tensor(d, "model.safetensors", "model.layers.1.self_attn.q_norm.weight",
-                   np.ones(16, np.float32))
+    rewrite_tensor(d, "model.safetensors", "model.layers.1.self_attn.q_norm.weight", np.ones(16, np.float32))
     cases.append(("qnorm_size", d, "model.layers.1.self_attn.q_norm.weight"))
     return cases
 
@@ -432,15 +513,17 @@ def test_bad_checkpoints_exit_2_with_one_line_and_write_nothing(tmp_path, capsys
 def test_trainer_refuses_bad_checkpoint_before_writing(tmp_path):
     from fsdp_jax.app.loop import setup
     from helpers import synthetic_corpus
+
     data = synthetic_corpus(tmp_path / "c")
     bad = dict((c, d) for c, d, _ in _bad_dirs(tmp_path))
-    for case, exc in (("noshard", CheckpointError), ("shape", CheckpointError),
-                      ("noconfig", CheckpointError)):
+    for case, exc in (("noshard", CheckpointError), ("shape", CheckpointError), ("noconfig", CheckpointError)):
         yml = tmp_path / f"{case}.yaml"
         run_dir = tmp_path / f"run_{case}"
-        yml.write_text(f"init_from: hf:{bad[case]}\nmodel: {{vocab_size: 256, d_model: 64, n_heads: 8, "
-                       f"n_kv_heads: 2, ffn_dim: 128, n_layers: 2, max_seq_len: 64}}\n"
-                       f"data: {{seq_len: 32, path: {data}, source: none}}\nrun_dir: {run_dir}\n")
+        yml.write_text(
+            f"init_from: hf:{bad[case]}\nmodel: {{vocab_size: 256, d_model: 64, n_heads: 8, "
+            f"n_kv_heads: 2, ffn_dim: 128, n_layers: 2, max_seq_len: 64}}\n"
+            f"data: {{seq_len: 32, path: {data}, source: none}}\nrun_dir: {run_dir}\n"
+        )
         with pytest.raises(exc):
             setup(load_config(yml))
         assert not run_dir.exists(), case
@@ -453,29 +536,52 @@ def test_trainer_refuses_bad_checkpoint_before_writing(tmp_path):
 def test_llama2_7b_finetune_config_agrees_with_the_published_config_json(tmp_path):
     """configs/llama2_7b_finetune.yaml states Llama-2-7b-hf's shapes; its (transformers
     4.31) config.json must map onto exactly them."""
-    (tmp_path / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "bos_token_id": 1, "eos_token_id": 2,
-        "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
-        "intermediate_size": 11008, "max_position_embeddings": 4096, "model_type": "llama",
-        "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 32,
-        "pretraining_tp": 1, "rms_norm_eps": 1e-05, "rope_scaling": None,
-        "tie_word_embeddings": False, "torch_dtype": "float16",
-        "transformers_version": "4.31.0.dev0", "use_cache": True, "vocab_size": 32000}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "bos_token_id": 1,
+                "eos_token_id": 2,
+                "hidden_act": "silu",
+                "hidden_size": 4096,
+                "initializer_range": 0.02,
+                "intermediate_size": 11008,
+                "max_position_embeddings": 4096,
+                "model_type": "llama",
+                "num_attention_heads": 32,
+                "num_hidden_layers": 32,
+                "num_key_value_heads": 32,
+                "pretraining_tp": 1,
+                "rms_norm_eps": 1e-05,
+                "rope_scaling": None,
+                "tie_word_embeddings": False,
+                "torch_dtype": "float16",
+                "transformers_version": "4.31.0.dev0",
+                "use_cache": True,
+                "vocab_size": 32000,
+            }
+        )
+    )
     path = ROOT / "configs" / "llama2_7b_finetune.yaml"
     planned = load_config(path)  # the checkpoint is absent: the stated fields
     assert load_config(path, [f"init_from=hf:{tmp_path}"]).model == planned.model
     from fsdp_jax.app.models import count_params
+
     assert count_params(planned.model) == 6_738_415_616
 
 
 def test_export_of_a_run_trained_from_scratch_carries_the_corpus_tokenizer(tmp_path):
     from fsdp_jax.app.data import prepare_text
-    prepare_text([ROOT / "configs"], tmp_path / "d", val_fraction=0.3,
-                 tokenizer=str(GOLDEN / "llama_gqa" / "tokenizer.json"))
+
+    prepare_text(
+        [ROOT / "configs"], tmp_path / "d", val_fraction=0.3, tokenizer=str(GOLDEN / "llama_gqa" / "tokenizer.json")
+    )
     yml = tmp_path / "c.yaml"
-    yml.write_text(f"model: {{vocab_size: 256, d_model: 64, n_layers: 1, n_heads: 4, n_kv_heads: 4, "
-                   f"ffn_dim: 64, max_seq_len: 32, tie_word_embeddings: true}}\n"
-                   f"data: {{seq_len: 32, path: {tmp_path / 'd'}}}\n")
+    yml.write_text(
+        f"model: {{vocab_size: 256, d_model: 64, n_layers: 1, n_heads: 4, n_kv_heads: 4, "
+        f"ffn_dim: 64, max_seq_len: 32, tie_word_embeddings: true}}\n"
+        f"data: {{seq_len: 32, path: {tmp_path / 'd'}}}\n"
+    )
     cfg = load_config(yml)
     params = from_nnx(lambda r: Llama(cfg.model, rngs=r)).init(jax.random.key(0))
     with Checkpointer(tmp_path / "ck") as ck:
@@ -483,8 +589,7 @@ def test_export_of_a_run_trained_from_scratch_carries_the_corpus_tokenizer(tmp_p
     export_hf(tmp_path / "ck", tmp_path / "out")
     got = json.loads((tmp_path / "out" / "config.json").read_text())
     assert got["eos_token_id"] == 2 and got["tie_word_embeddings"] is True and got["head_dim"] == 16
-    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == \
-        (GOLDEN / "llama_gqa" / "tokenizer.json").read_bytes()
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (GOLDEN / "llama_gqa" / "tokenizer.json").read_bytes()
     assert (tmp_path / "out" / "tokenizer_config.json").is_file()
     back = hf.HFCheckpoint(tmp_path / "out")
     assert back.config.n_layers == 1 and "lm_head.weight" not in back.where
@@ -495,10 +600,12 @@ def test_export_script_hf_bad_input_exits_2_with_one_line(tmp_path, capsys):
     export = script("export")
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("keep me")
-    for args, word in [(["--hf", str(tmp_path / "full")], "already exists"),
-                       (["--hf", str(tmp_path / "a"), "--max-shard-size", "5 parsecs"], "--max-shard-size"),
-                       (["--hf", str(tmp_path / "no" / "b")], "parent directory"),
-                       (["--hf", str(tmp_path / "c"), "--step", "9"], "step 9")]:
+    for args, word in [
+        (["--hf", str(tmp_path / "full")], "already exists"),
+        (["--hf", str(tmp_path / "a"), "--max-shard-size", "5 parsecs"], "--max-shard-size"),
+        (["--hf", str(tmp_path / "no" / "b")], "parent directory"),
+        (["--hf", str(tmp_path / "c"), "--step", "9"], "step 9"),
+    ]:
         rc = export.main([str(ck.parent), *args])
         err = capsys.readouterr().err
         assert rc == 2 and err.startswith("error: ") and err.count("\n") == 1 and word in err, (args, err)
@@ -512,47 +619,140 @@ def test_export_script_hf_bad_input_exits_2_with_one_line(tmp_path, capsys):
 # Gemma 3 4B: the text_config of the multimodal checkpoint, as a gemma3_text config), the
 # shipped config that must state exactly its architecture, and the published total.
 PUBLISHED = {
-    "llama3_1_8b": (8_030_261_248, {
-        "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-        "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096,
-        "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 131072,
-        "mlp_bias": False, "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32,
-        "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
-        "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-        "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-        "transformers_version": "4.43.0.dev0", "use_cache": True, "vocab_size": 128256}),
-    "qwen2_5_7b": (7_615_616_512, {
-        "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
-        "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 3584, "initializer_range": 0.02,
-        "intermediate_size": 18944, "max_position_embeddings": 131072, "max_window_layers": 28,
-        "model_type": "qwen2", "num_attention_heads": 28, "num_hidden_layers": 28,
-        "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
-        "sliding_window": 131072, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-        "transformers_version": "4.40.1", "use_cache": True, "use_mrope": False,
-        "use_sliding_window": False, "vocab_size": 152064}),
-    "qwen3_8b": (8_190_735_360, {
-        "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-        "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
-        "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 12288,
-        "max_position_embeddings": 40960, "max_window_layers": 36, "model_type": "qwen3",
-        "num_attention_heads": 32, "num_hidden_layers": 36, "num_key_value_heads": 8,
-        "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
-        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.51.0",
-        "use_cache": True, "use_sliding_window": False, "vocab_size": 151936}),
-    "mistral_7b": (7_241_732_096, {
-        "architectures": ["MistralForCausalLM"], "bos_token_id": 1, "eos_token_id": 2,
-        "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
-        "intermediate_size": 14336, "max_position_embeddings": 32768, "model_type": "mistral",
-        "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
-        "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "sliding_window": 4096,
-        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.34.0.dev0",
-        "use_cache": True, "vocab_size": 32000}),
-    "gemma3_4b": (3_880_263_168, {  # keys the published text_config omits take Gemma3TextConfig's defaults
-        "architectures": ["Gemma3ForCausalLM"], "hidden_size": 2560, "intermediate_size": 10240,
-        "model_type": "gemma3_text", "num_hidden_layers": 34,
-        "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024,
-        "vocab_size": 262208, "max_position_embeddings": 131072}),
+    "llama3_1_8b": (
+        8_030_261_248,
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "bos_token_id": 128000,
+            "eos_token_id": 128001,
+            "hidden_act": "silu",
+            "hidden_size": 4096,
+            "initializer_range": 0.02,
+            "intermediate_size": 14336,
+            "max_position_embeddings": 131072,
+            "mlp_bias": False,
+            "model_type": "llama",
+            "num_attention_heads": 32,
+            "num_hidden_layers": 32,
+            "num_key_value_heads": 8,
+            "pretraining_tp": 1,
+            "rms_norm_eps": 1e-05,
+            "rope_scaling": {
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+                "rope_type": "llama3",
+            },
+            "rope_theta": 500000.0,
+            "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16",
+            "transformers_version": "4.43.0.dev0",
+            "use_cache": True,
+            "vocab_size": 128256,
+        },
+    ),
+    "qwen2_5_7b": (
+        7_615_616_512,
+        {
+            "architectures": ["Qwen2ForCausalLM"],
+            "attention_dropout": 0.0,
+            "bos_token_id": 151643,
+            "eos_token_id": 151643,
+            "hidden_act": "silu",
+            "hidden_size": 3584,
+            "initializer_range": 0.02,
+            "intermediate_size": 18944,
+            "max_position_embeddings": 131072,
+            "max_window_layers": 28,
+            "model_type": "qwen2",
+            "num_attention_heads": 28,
+            "num_hidden_layers": 28,
+            "num_key_value_heads": 4,
+            "rms_norm_eps": 1e-06,
+            "rope_theta": 1000000.0,
+            "sliding_window": 131072,
+            "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16",
+            "transformers_version": "4.40.1",
+            "use_cache": True,
+            "use_mrope": False,
+            "use_sliding_window": False,
+            "vocab_size": 152064,
+        },
+    ),
+    "qwen3_8b": (
+        8_190_735_360,
+        {
+            "architectures": ["Qwen3ForCausalLM"],
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "bos_token_id": 151643,
+            "eos_token_id": 151645,
+            "head_dim": 128,
+            "hidden_act": "silu",
+            "hidden_size": 4096,
+            "initializer_range": 0.02,
+            "intermediate_size": 12288,
+            "max_position_embeddings": 40960,
+            "max_window_layers": 36,
+            "model_type": "qwen3",
+            "num_attention_heads": 32,
+            "num_hidden_layers": 36,
+            "num_key_value_heads": 8,
+            "rms_norm_eps": 1e-06,
+            "rope_scaling": None,
+            "rope_theta": 1000000,
+            "sliding_window": None,
+            "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16",
+            "transformers_version": "4.51.0",
+            "use_cache": True,
+            "use_sliding_window": False,
+            "vocab_size": 151936,
+        },
+    ),
+    "mistral_7b": (
+        7_241_732_096,
+        {
+            "architectures": ["MistralForCausalLM"],
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "hidden_act": "silu",
+            "hidden_size": 4096,
+            "initializer_range": 0.02,
+            "intermediate_size": 14336,
+            "max_position_embeddings": 32768,
+            "model_type": "mistral",
+            "num_attention_heads": 32,
+            "num_hidden_layers": 32,
+            "num_key_value_heads": 8,
+            "rms_norm_eps": 1e-05,
+            "rope_theta": 10000.0,
+            "sliding_window": 4096,
+            "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16",
+            "transformers_version": "4.34.0.dev0",
+            "use_cache": True,
+            "vocab_size": 32000,
+        },
+    ),
+    "gemma3_4b": (
+        3_880_263_168,
+        {  # keys the published text_config omits take Gemma3TextConfig's defaults
+            "architectures": ["Gemma3ForCausalLM"],
+            "hidden_size": 2560,
+            "intermediate_size": 10240,
+            "model_type": "gemma3_text",
+            "num_hidden_layers": 34,
+            "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+            "sliding_window": 1024,
+            "vocab_size": 262208,
+            "max_position_embeddings": 131072,
+        },
+    ),
 }
 
 
@@ -561,6 +761,7 @@ def test_family_configs_state_the_published_architectures_and_counts(tmp_path, n
     """configs/NAME.yaml states the published model's architecture: its config.json maps
     onto exactly that model section, and count_params is the published total."""
     from fsdp_jax.app.models import count_params
+
     total, published = PUBLISHED[name]
     (tmp_path / "config.json").write_text(json.dumps(published))
     path = ROOT / "configs" / f"{name}.yaml"

@@ -40,10 +40,23 @@ from fsdp_jax.distributed import bind_address, is_loopback
 from helpers import call, one_line, synthetic_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
-        "model.ffn_dim=128", "model.max_seq_len=32", "data.seq_len=32", "train.global_batch=16",
-        "train.eval_every=0", "train.sample_tokens=0", "train.log_every=1", "train.checkpoint_every=0",
-        "data.source=none", "optimizer.warmup_steps=2", "train.steps=3"]
+TINY = [
+    "model.d_model=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.ffn_dim=128",
+    "model.max_seq_len=32",
+    "data.seq_len=32",
+    "train.global_batch=16",
+    "train.eval_every=0",
+    "train.sample_tokens=0",
+    "train.log_every=1",
+    "train.checkpoint_every=0",
+    "data.source=none",
+    "optimizer.warmup_steps=2",
+    "train.steps=3",
+]
 
 
 @pytest.fixture(scope="module")
@@ -60,35 +73,92 @@ def listing(d: Path) -> list[str]:
 # A value outside what each key allows (None: every value of its type is allowed). A new
 # config field must get an entry here: test_every_config_field_is_in_the_range_table.
 OUT_OF_RANGE: dict[str, typing.Any] = {
-    "model.vocab_size": 0, "model.d_model": 0, "model.n_layers": 0, "model.n_heads": 0,
-    "model.n_kv_heads": 0, "model.ffn_dim": -1, "model.max_seq_len": 0, "model.rope_theta": 0.0,
-    "model.norm_eps": -1e-5, "model.scan_layers": None, "model.attention": "flash",
-    "mesh.data": 0, "mesh.fsdp": -2, "mesh.tensor": 0, "mesh.strategy": "zero9",
-    "mesh.min_shard_size": -1, "mesh.max_replicated_fraction": 1.5,
-    "optimizer.name": "adam9", "optimizer.lr": 0.0, "optimizer.warmup_steps": -1,
-    "optimizer.min_lr_ratio": 2.0, "optimizer.b1": 1.0, "optimizer.b2": -0.1, "optimizer.eps": 0.0,
-    "optimizer.weight_decay": -0.1, "optimizer.momentum": 1.0, "optimizer.clip_norm": 0.0,
-    "data.path": "", "data.source": "web", "data.seq_len": 0, "data.seed": -1, "data.document_mask": None,
-    "train.steps": 0, "train.global_batch": 0, "train.microbatches": 0, "train.seed": -1,
-    "train.log_every": 0, "train.eval_every": -1, "train.eval_batches": -1,
-    "train.checkpoint_every": -1, "train.keep_checkpoints": 0, "train.tensorboard": None,
-    "train.sample_tokens": -1, "train.max_inflight_steps": 0, "train.max_nonfinite_steps": 0,
-    "distributed.coordinator": "nohost", "distributed.num_processes": 0,
-    "distributed.process_id": -1, "distributed.init_timeout_s": 0,
+    "model.vocab_size": 0,
+    "model.d_model": 0,
+    "model.n_layers": 0,
+    "model.n_heads": 0,
+    "model.n_kv_heads": 0,
+    "model.ffn_dim": -1,
+    "model.max_seq_len": 0,
+    "model.rope_theta": 0.0,
+    "model.norm_eps": -1e-5,
+    "model.scan_layers": None,
+    "model.attention": "flash",
+    "mesh.data": 0,
+    "mesh.fsdp": -2,
+    "mesh.tensor": 0,
+    "mesh.strategy": "zero9",
+    "mesh.min_shard_size": -1,
+    "mesh.max_replicated_fraction": 1.5,
+    "optimizer.name": "adam9",
+    "optimizer.lr": 0.0,
+    "optimizer.warmup_steps": -1,
+    "optimizer.min_lr_ratio": 2.0,
+    "optimizer.b1": 1.0,
+    "optimizer.b2": -0.1,
+    "optimizer.eps": 0.0,
+    "optimizer.weight_decay": -0.1,
+    "optimizer.momentum": 1.0,
+    "optimizer.clip_norm": 0.0,
+    "data.path": "",
+    "data.source": "web",
+    "data.seq_len": 0,
+    "data.seed": -1,
+    "data.document_mask": None,
+    "train.steps": 0,
+    "train.global_batch": 0,
+    "train.microbatches": 0,
+    "train.seed": -1,
+    "train.log_every": 0,
+    "train.eval_every": -1,
+    "train.eval_batches": -1,
+    "train.checkpoint_every": -1,
+    "train.keep_checkpoints": 0,
+    "train.tensorboard": None,
+    "train.sample_tokens": -1,
+    "train.max_inflight_steps": 0,
+    "train.max_nonfinite_steps": 0,
+    "distributed.coordinator": "nohost",
+    "distributed.num_processes": 0,
+    "distributed.process_id": -1,
+    "distributed.init_timeout_s": 0,
     "distributed.peer_timeout_s": -1.0,
-    "precision": "params=float99", "remat": "sometimes", "run_dir": "", "xla_gpu_flags": "yes",
+    "precision": "params=float99",
+    "remat": "sometimes",
+    "run_dir": "",
+    "xla_gpu_flags": "yes",
     "init_from": "/nonexistent/model.safetensors",
-    "mesh.min_replicated_bytes": -1, "mesh.rules": {"embed": "nowhere"},
-    "model.tie_word_embeddings": None, "model.kv_channels": -2, "model.rope_type": "dynamic",
-    "model.rope_factor": 0.0, "model.rope_low_freq_factor": 0.0, "model.rope_high_freq_factor": 0.5,
-    "model.rope_original_max_len": -1, "model.rope_beta_fast": 0.0, "model.rope_beta_slow": -1.0,
-    "model.rope_attention_factor": -1.0, "model.rope_mscale": -1.0, "model.rope_mscale_all_dim": -1.0,
-    "model.rope_truncate": None, "model.qkv_bias": None, "model.qk_norm": None,
-    "model.sliding_window": -1, "model.global_every": -1, "model.rope_local_theta": -1.0,
-    "model.attn_softcap": -1.0, "model.query_pre_attn_scalar": -1.0, "model.mlp_activation": "relu",
-    "model.norm_plus_one": None, "model.sandwich_norm": None, "model.embed_scale": None,
-    "model.final_softcap": -1.0, "train.profile": "4:2",
-    "logging.wandb": None, "logging.wandb_project": None, "logging.wandb_run_name": None,
+    "mesh.min_replicated_bytes": -1,
+    "mesh.rules": {"embed": "nowhere"},
+    "model.tie_word_embeddings": None,
+    "model.kv_channels": -2,
+    "model.rope_type": "dynamic",
+    "model.rope_factor": 0.0,
+    "model.rope_low_freq_factor": 0.0,
+    "model.rope_high_freq_factor": 0.5,
+    "model.rope_original_max_len": -1,
+    "model.rope_beta_fast": 0.0,
+    "model.rope_beta_slow": -1.0,
+    "model.rope_attention_factor": -1.0,
+    "model.rope_mscale": -1.0,
+    "model.rope_mscale_all_dim": -1.0,
+    "model.rope_truncate": None,
+    "model.qkv_bias": None,
+    "model.qk_norm": None,
+    "model.sliding_window": -1,
+    "model.global_every": -1,
+    "model.rope_local_theta": -1.0,
+    "model.attn_softcap": -1.0,
+    "model.query_pre_attn_scalar": -1.0,
+    "model.mlp_activation": "relu",
+    "model.norm_plus_one": None,
+    "model.sandwich_norm": None,
+    "model.embed_scale": None,
+    "model.final_softcap": -1.0,
+    "train.profile": "4:2",
+    "logging.wandb": None,
+    "logging.wandb_project": None,
+    "logging.wandb_run_name": None,
     "offload": "everything",
 }
 
@@ -100,9 +170,13 @@ def _base(type_hint):
 
 def wrong_types(tp) -> list:
     """Values of the wrong type for a field annotated `tp` (as YAML would deliver them)."""
-    return {int: ["abc", 1.5, True, [1]], float: ["abc", True, [1.0], {"a": 1}],
-            bool: ["maybe", 2, None], str: [[1, 2], {"a": "b"}, 3],
-            config_lib.Rules: ["embed", 3, [1, 2], {"embed": 3}]}[_base(tp)]
+    return {
+        int: ["abc", 1.5, True, [1]],
+        float: ["abc", True, [1.0], {"a": 1}],
+        bool: ["maybe", 2, None],
+        str: [[1, 2], {"a": "b"}, 3],
+        config_lib.Rules: ["embed", 3, [1, 2], {"embed": 3}],
+    }[_base(tp)]
 
 
 def field_types() -> dict[str, typing.Any]:
@@ -146,7 +220,7 @@ def test_every_config_field_rejects_wrong_types_and_out_of_range_values(corpus, 
         if _base(tp) is float:
             cases += [(key, "yaml", v) for v in (float("inf"), float("-inf"), float("nan"), 10**400)]
         if _base(tp) is int:
-            cases += [(key, "yaml", v) for v in (2**31, -2**63, 10**30)]
+            cases += [(key, "yaml", v) for v in (2**31, -(2**63), 10**30)]
     for key, how, value in cases:
         if how == "yaml":
             cfg_file.write_text(yaml.safe_dump(with_value(raw, key, value)))
@@ -167,6 +241,7 @@ def test_every_config_field_rejects_wrong_types_and_out_of_range_values(corpus, 
 
 # -- the trainer's other inputs ---------------------------------------------------------------------
 
+
 def _safetensors_bytes(header: dict | bytes, n: int | None = None, data: bytes = b"") -> bytes:
     head = header if isinstance(header, bytes) else json.dumps(header).encode()
     return (len(head) if n is None else n).to_bytes(8, "little") + head + data
@@ -181,15 +256,18 @@ HOSTILE_SAFETENSORS = {
     "header_past_eof": _safetensors_bytes(b"{}", n=5000),
     "header_not_object": _safetensors_bytes(b"[1, 2, 3]   "),
     "header_not_json": _safetensors_bytes(b"{not json}  "),
-    "header_not_utf8": _safetensors_bytes(b"{\"\xff\xfe\": 1}  "),
+    "header_not_utf8": _safetensors_bytes(b'{"\xff\xfe": 1}  '),
     "deep_nesting": _safetensors_bytes(b"[" * 100000 + b"]" * 100000),
     "bad_dtype": _safetensors_bytes({"w": {"dtype": "F128", "shape": [2], "data_offsets": [0, 8]}}, data=b"\0" * 8),
-    "negative_shape": _safetensors_bytes({"w": {"dtype": "F32", "shape": [-2, -1], "data_offsets": [0, 8]}},
-                                         data=b"\0" * 8),
-    "offsets_outside": _safetensors_bytes({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}},
-                                          data=b"\0" * 8),
-    "offsets_reversed": _safetensors_bytes({"w": {"dtype": "F32", "shape": [0], "data_offsets": [8, 0]}},
-                                           data=b"\0" * 8),
+    "negative_shape": _safetensors_bytes(
+        {"w": {"dtype": "F32", "shape": [-2, -1], "data_offsets": [0, 8]}}, data=b"\0" * 8
+    ),
+    "offsets_outside": _safetensors_bytes(
+        {"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, data=b"\0" * 8
+    ),
+    "offsets_reversed": _safetensors_bytes(
+        {"w": {"dtype": "F32", "shape": [0], "data_offsets": [8, 0]}}, data=b"\0" * 8
+    ),
     "entry_not_object": _safetensors_bytes({"w": [1, 2]}),
     "huge_shape": _safetensors_bytes({"w": {"dtype": "F32", "shape": [2**40, 2**40], "data_offsets": [0, 0]}}),
 }
@@ -255,20 +333,38 @@ def test_bad_trainer_inputs_one_line_exit_2_nothing_written(corpus, tmp_path, ca
         ([], {"FSDP_JAX_INJECT_NAN_STEPS": "abc"}, tiny, ["FSDP_JAX_INJECT_NAN_STEPS"]),
         ([], {"FSDP_JAX_INJECT_NAN_STEPS": "3,0"}, tiny, ["FSDP_JAX_INJECT_NAN_STEPS"]),
         ([], {"FSDP_JAX_NUM_PROCESSES": "abc"}, tiny, ["FSDP_JAX_NUM_PROCESSES"]),
-        ([], {"FSDP_JAX_NUM_PROCESSES": "2", "FSDP_JAX_COORDINATOR": "127.0.0.1:1",
-              "FSDP_JAX_PROCESS_ID": "-1"}, tiny, ["FSDP_JAX_PROCESS_ID"]),
-        ([], {"FSDP_JAX_NUM_PROCESSES": "2", "FSDP_JAX_COORDINATOR": "127.0.0.1:1",
-              "FSDP_JAX_PROCESS_ID": "2"}, tiny, ["process_id 2"]),
-        ([], {"FSDP_JAX_NUM_PROCESSES": "2", "FSDP_JAX_COORDINATOR": "nohost",
-              "FSDP_JAX_PROCESS_ID": "0"}, tiny, ["coordinator", "nohost"]),
+        (
+            [],
+            {"FSDP_JAX_NUM_PROCESSES": "2", "FSDP_JAX_COORDINATOR": "127.0.0.1:1", "FSDP_JAX_PROCESS_ID": "-1"},
+            tiny,
+            ["FSDP_JAX_PROCESS_ID"],
+        ),
+        (
+            [],
+            {"FSDP_JAX_NUM_PROCESSES": "2", "FSDP_JAX_COORDINATOR": "127.0.0.1:1", "FSDP_JAX_PROCESS_ID": "2"},
+            tiny,
+            ["process_id 2"],
+        ),
+        (
+            [],
+            {"FSDP_JAX_NUM_PROCESSES": "2", "FSDP_JAX_COORDINATOR": "nohost", "FSDP_JAX_PROCESS_ID": "0"},
+            tiny,
+            ["coordinator", "nohost"],
+        ),
         ([], {"FSDP_JAX_NUM_PROCESSES": "2"}, tiny, ["together"]),
         ([], {"SLURM_NTASKS": "abc", "SLURM_JOB_ID": "1"}, tiny, ["SLURM_NTASKS"]),
         ([], {"OMPI_COMM_WORLD_SIZE": "-3"}, tiny, ["OMPI_COMM_WORLD_SIZE"]),
-        (["distributed.coordinator=127.0.0.1:99999", "distributed.num_processes=2",
-          "distributed.process_id=0"], {}, tiny, ["distributed.coordinator"]),
+        (
+            ["distributed.coordinator=127.0.0.1:99999", "distributed.num_processes=2", "distributed.process_id=0"],
+            {},
+            tiny,
+            ["distributed.coordinator"],
+        ),
         (["distributed.num_processes=2", "distributed.process_id=5"], {}, tiny, ["distributed.process_id"]),
-    ] + [([f"init_from={st / n}"], {}, tiny, ["init_from", "not a valid safetensors"])
-         for n in sorted(HOSTILE_SAFETENSORS)]
+    ] + [
+        ([f"init_from={st / n}"], {}, tiny, ["init_from", "not a valid safetensors"])
+        for n in sorted(HOSTILE_SAFETENSORS)
+    ]
     if sys.platform == "linux":  # sysfs refuses new directories, even to root
         cases.append((["run_dir=/sys/fsdp_jax_hostile_run"], {}, tiny, ["run_dir"]))
         cases.append((["data.source=stdlib", "data.path=/sys/fsdp_jax_hostile_data"], {}, tiny, ["data.path"]))
@@ -296,8 +392,10 @@ def test_bad_trainer_inputs_one_line_exit_2_nothing_written(corpus, tmp_path, ca
 
 # -- every script's flags ---------------------------------------------------------------------------
 
-def test_every_script_rejects_bad_flags_with_one_line(corpus, tmp_path, capsys, monkeypatch,
-                                                      compilation_cache_restored):
+
+def test_every_script_rejects_bad_flags_with_one_line(
+    corpus, tmp_path, capsys, monkeypatch, compilation_cache_restored
+):
     tiny = ROOT / "configs" / "tiny.yaml"
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
@@ -308,82 +406,123 @@ def test_every_script_rejects_bad_flags_with_one_line(corpus, tmp_path, capsys, 
     latin1 = tmp_path / "latin1.yaml"
     latin1.write_bytes(b"model: {d_model: 64}  # \xe4\n")
     bad_metrics = {}
-    for name, text in {"notjson": b"{\"step\": 1, \"loss\": 2}\n{oops\n", "list": b"[1, 2]\n",
-                       "nostep": b"{\"loss\": 1.0}\n", "latin1": b"{\"step\": 1}\n\xe4\xe4\n",
-                       "nologged": b"{\"step\": 1, \"val_loss\": 2.0}\n"}.items():
+    for name, text in {
+        "notjson": b'{"step": 1, "loss": 2}\n{oops\n',
+        "list": b"[1, 2]\n",
+        "nostep": b'{"loss": 1.0}\n',
+        "latin1": b'{"step": 1}\n\xe4\xe4\n',
+        "nologged": b'{"step": 1, "val_loss": 2.0}\n',
+    }.items():
         (tmp_path / name).mkdir()
         (tmp_path / name / "metrics.jsonl").write_bytes(text)
         bad_metrics[name] = tmp_path / name
     good_run = tmp_path / "good_run"
     good_run.mkdir()
-    (good_run / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": null, '
-                                            '"nonfinite": ["loss"]}\n')
-    small = ["model.n_layers=2", "model.d_model=64", "model.ffn_dim=128", "model.max_seq_len=32",
-             "data.seq_len=32"]
+    (good_run / "metrics.jsonl").write_text(
+        '{"step": 1, "loss": 2.0}\n{"step": 2, "loss": null, "nonfinite": ["loss"]}\n'
+    )
+    small = ["model.n_layers=2", "model.d_model=64", "model.ffn_dim=128", "model.max_seq_len=32", "data.seq_len=32"]
     table = {
-        "train": [[], ["--config"], ["--bogus"], ["--config", tiny, "notkeyvalue"],
-                  ["--config", tmp_path / "none.yaml"], ["--config", latin1], ["--config", tmp_path]],
-        "plan": [[], ["--config", tiny], ["--config", tiny, "--devices", "0"],
-                 ["--config", tiny, "--devices", "abc"], ["--config", tiny, "--devices", "99999999"],
-                 ["--config", tiny, "--devices", "8", "--device-memory", "1e400GB"],
-                 ["--config", tiny, "--devices", "8", "--device-memory", "-5GB"],
-                 ["--config", tiny, "--devices", "8", "--device-memory", "0"],
-                 ["--config", tiny, "--devices", "8", "--device-memory", "lots"],
-                 ["--config", tiny, "--devices", "8", "--strategies", "zero9"],
-                 ["--config", tiny, "--devices", "8", "--strategies", ","],
-                 ["--config", tiny, "--devices", "8", "--plot", tmp_path],
-                 ["--config", tiny, "--devices", "8", "--plot", a_file / "x.png"],
-                 ["--config", tiny, "--devices", "8", "optimizer.lr=.nan"],
-                 ["--config", latin1, "--devices", "8"]],
-        "inspect_sharding": [["--config", tiny, "--devices", "8", "--strategy", "full_shard,no_shard"],
-                             ["--config", tiny, "--devices", "8", "--strategy", "all"],
-                             ["--config", tiny, "--devices", "8", "--strategy", "zero9"],
-                             ["--config", tiny, "--devices", "-1"],
-                             ["--config", tiny, "--devices", "8", "--replicated-threshold", "1e400GB"],
-                             ["--config", tiny, "--devices", "8", "--replicated-threshold", "big"],
-                             ["--config", tiny, "--devices", "8", "mesh.data=0"]],
-        "export": [[tmp_path / "no_run", "--out", tmp_path / "m.safetensors"],
-                   [empty_ckpts, "--out", tmp_path],
-                   [empty_ckpts, "--out", tmp_path / "missing_dir" / "m.safetensors"],
-                   [empty_ckpts, "--out", a_file / "m.safetensors"],
-                   [empty_ckpts, "--out", tmp_path / "m.safetensors", "--dtype", "float8"],
-                   [empty_ckpts, "--out", tmp_path / "m.safetensors", "--step", "-1"],
-                   [empty_ckpts, "--out", tmp_path / "m.safetensors", "--step", "x"],
-                   [empty_ckpts, "--out", tmp_path / "m.safetensors"]],  # no checkpoint in it
-        "prepare_data": [["--out", a_file, corpus.parent / "src"],
-                         ["--out", a_file / "sub", corpus.parent / "src"],
-                         ["--out", tmp_path / "d"],
-                         ["--out", tmp_path / "d", "--stdlib", "--val-fraction", "2"],
-                         ["--out", tmp_path / "d", "--stdlib", "--val-fraction", "nan"],
-                         ["--out", tmp_path / "d", "--stdlib", "--seed", "-1"],
-                         ["--out", tmp_path / "d", "--bin", a_file],
-                         ["--out", tmp_path / "d", "--bin", a_file, "--val-bin", a_file, "--vocab-size", "0"],
-                         ["--out", tmp_path / "d", tmp_path / "no_such_source"],
-                         ["--out", tmp_path / "d", empty_dir],             # no text in the sources
-                         ["--out", tmp_path / "d", "--stdlib", "--bogus"],  # an unknown flag
-                         ["--out", tmp_path / "d", corpus.parent / "src", "--pattern", "/etc/*"],
-                         ["--out", tmp_path / "d", corpus.parent / "src", "--pattern", "../*"]],
-        "plot_metrics": [[tmp_path / "no_run"], *[[d] for d in bad_metrics.values()],
-                         [good_run, "--out", tmp_path], [good_run, "--out", a_file / "x.png"]],
-        "benchmark": [["--config", tiny, "--steps", "0"], ["--config", tiny, "--warmup", "-1"],
-                      ["--config", tiny, "--peak-tflops", "-1"], ["--config", tiny, "--peak-tflops", "nan"],
-                      ["--config", tiny, "--peak-tflops", "inf"], ["--config", tiny, "--sweep", "devices=abc"],
-                      ["--config", tiny, "--sweep", "devices=0"], ["--config", tiny, "--strategies", "zero9"],
-                      ["--config", tiny, "--plot", tmp_path, *small], ["--config", tiny, "--steps", "x"],
-                      ["--config", tiny, "model.attention=cudnn", *small],
-                      ["--config", tiny, "--sweep", "model.n_layers=,"],
-                      ["--config", tiny, "--sweep", "model.n_layers"], ["--config", tiny, "--sweep", "devices=16"],
-                      ["--config", tiny, "--steps", "1", "train.nope=1"]],
-        "gpu_check": [["--only", "speed"], ["--steps", "x"], ["--steps", "0"], ["--config", tiny, "--only", "throughput",
-                                                               "optimizer.lr=-1"],
-                      ["--only", "precision", "--json", tmp_path]],
-        "launch_local": [["--processes", "0", "--", "true"], ["--processes", "abc", "--", "true"],
-                         ["--processes", "2", "--port", "70000", "--", "true"],
-                         ["--processes", "2", "--port", "-1", "--", "true"],
-                         ["--processes", "2", "--grace", "-1", "--", "true"],
-                         ["--processes", "2", "--grace", "nan", "--", "true"],
-                         ["--processes", "2"],
-                         ["--processes", "1", "--", str(tmp_path / "no_such_command")]],
+        "train": [
+            [],
+            ["--config"],
+            ["--bogus"],
+            ["--config", tiny, "notkeyvalue"],
+            ["--config", tmp_path / "none.yaml"],
+            ["--config", latin1],
+            ["--config", tmp_path],
+        ],
+        "plan": [
+            [],
+            ["--config", tiny],
+            ["--config", tiny, "--devices", "0"],
+            ["--config", tiny, "--devices", "abc"],
+            ["--config", tiny, "--devices", "99999999"],
+            ["--config", tiny, "--devices", "8", "--device-memory", "1e400GB"],
+            ["--config", tiny, "--devices", "8", "--device-memory", "-5GB"],
+            ["--config", tiny, "--devices", "8", "--device-memory", "0"],
+            ["--config", tiny, "--devices", "8", "--device-memory", "lots"],
+            ["--config", tiny, "--devices", "8", "--strategies", "zero9"],
+            ["--config", tiny, "--devices", "8", "--strategies", ","],
+            ["--config", tiny, "--devices", "8", "--plot", tmp_path],
+            ["--config", tiny, "--devices", "8", "--plot", a_file / "x.png"],
+            ["--config", tiny, "--devices", "8", "optimizer.lr=.nan"],
+            ["--config", latin1, "--devices", "8"],
+        ],
+        "inspect_sharding": [
+            ["--config", tiny, "--devices", "8", "--strategy", "full_shard,no_shard"],
+            ["--config", tiny, "--devices", "8", "--strategy", "all"],
+            ["--config", tiny, "--devices", "8", "--strategy", "zero9"],
+            ["--config", tiny, "--devices", "-1"],
+            ["--config", tiny, "--devices", "8", "--replicated-threshold", "1e400GB"],
+            ["--config", tiny, "--devices", "8", "--replicated-threshold", "big"],
+            ["--config", tiny, "--devices", "8", "mesh.data=0"],
+        ],
+        "export": [
+            [tmp_path / "no_run", "--out", tmp_path / "m.safetensors"],
+            [empty_ckpts, "--out", tmp_path],
+            [empty_ckpts, "--out", tmp_path / "missing_dir" / "m.safetensors"],
+            [empty_ckpts, "--out", a_file / "m.safetensors"],
+            [empty_ckpts, "--out", tmp_path / "m.safetensors", "--dtype", "float8"],
+            [empty_ckpts, "--out", tmp_path / "m.safetensors", "--step", "-1"],
+            [empty_ckpts, "--out", tmp_path / "m.safetensors", "--step", "x"],
+            [empty_ckpts, "--out", tmp_path / "m.safetensors"],
+        ],  # no checkpoint in it
+        "prepare_data": [
+            ["--out", a_file, corpus.parent / "src"],
+            ["--out", a_file / "sub", corpus.parent / "src"],
+            ["--out", tmp_path / "d"],
+            ["--out", tmp_path / "d", "--stdlib", "--val-fraction", "2"],
+            ["--out", tmp_path / "d", "--stdlib", "--val-fraction", "nan"],
+            ["--out", tmp_path / "d", "--stdlib", "--seed", "-1"],
+            ["--out", tmp_path / "d", "--bin", a_file],
+            ["--out", tmp_path / "d", "--bin", a_file, "--val-bin", a_file, "--vocab-size", "0"],
+            ["--out", tmp_path / "d", tmp_path / "no_such_source"],
+            ["--out", tmp_path / "d", empty_dir],  # no text in the sources
+            ["--out", tmp_path / "d", "--stdlib", "--bogus"],  # an unknown flag
+            ["--out", tmp_path / "d", corpus.parent / "src", "--pattern", "/etc/*"],
+            ["--out", tmp_path / "d", corpus.parent / "src", "--pattern", "../*"],
+        ],
+        "plot_metrics": [
+            [tmp_path / "no_run"],
+            *[[d] for d in bad_metrics.values()],
+            [good_run, "--out", tmp_path],
+            [good_run, "--out", a_file / "x.png"],
+        ],
+        "benchmark": [
+            ["--config", tiny, "--steps", "0"],
+            ["--config", tiny, "--warmup", "-1"],
+            ["--config", tiny, "--peak-tflops", "-1"],
+            ["--config", tiny, "--peak-tflops", "nan"],
+            ["--config", tiny, "--peak-tflops", "inf"],
+            ["--config", tiny, "--sweep", "devices=abc"],
+            ["--config", tiny, "--sweep", "devices=0"],
+            ["--config", tiny, "--strategies", "zero9"],
+            ["--config", tiny, "--plot", tmp_path, *small],
+            ["--config", tiny, "--steps", "x"],
+            ["--config", tiny, "model.attention=cudnn", *small],
+            ["--config", tiny, "--sweep", "model.n_layers=,"],
+            ["--config", tiny, "--sweep", "model.n_layers"],
+            ["--config", tiny, "--sweep", "devices=16"],
+            ["--config", tiny, "--steps", "1", "train.nope=1"],
+        ],
+        "gpu_check": [
+            ["--only", "speed"],
+            ["--steps", "x"],
+            ["--steps", "0"],
+            ["--config", tiny, "--only", "throughput", "optimizer.lr=-1"],
+            ["--only", "precision", "--json", tmp_path],
+        ],
+        "launch_local": [
+            ["--processes", "0", "--", "true"],
+            ["--processes", "abc", "--", "true"],
+            ["--processes", "2", "--port", "70000", "--", "true"],
+            ["--processes", "2", "--port", "-1", "--", "true"],
+            ["--processes", "2", "--grace", "-1", "--", "true"],
+            ["--processes", "2", "--grace", "nan", "--", "true"],
+            ["--processes", "2"],
+            ["--processes", "1", "--", str(tmp_path / "no_such_command")],
+        ],
     }
     before = listing(tmp_path)
     for name, rows in table.items():
@@ -406,6 +545,7 @@ def test_every_script_rejects_bad_flags_with_one_line(corpus, tmp_path, capsys, 
 def test_missing_optional_packages_are_named(corpus, tmp_path, capsys, monkeypatch):
     """tensorboardX and matplotlib are optional: asking for them without them is one line."""
     import importlib.util
+
     real = importlib.util.find_spec
     missing = {"tensorboardX", "matplotlib"}
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in missing else real(name, *a))
@@ -413,8 +553,17 @@ def test_missing_optional_packages_are_named(corpus, tmp_path, capsys, monkeypat
         monkeypatch.setitem(sys.modules, m, None)  # `import m` raises ImportError
     tiny = ROOT / "configs" / "tiny.yaml"
     run = tmp_path / "run"
-    rc, _, err = call("train", "--config", tiny, "--no-progress", *TINY, f"data.path={corpus}", f"run_dir={run}",
-                      "train.tensorboard=true", capsys=capsys)
+    rc, _, err = call(
+        "train",
+        "--config",
+        tiny,
+        "--no-progress",
+        *TINY,
+        f"data.path={corpus}",
+        f"run_dir={run}",
+        "train.tensorboard=true",
+        capsys=capsys,
+    )
     one_line(rc, err, "train.tensorboard", "tensorboardX")
     assert not run.exists()
     for script, args in (("plan", ["--devices", "8"]), ("benchmark", [])):
@@ -429,6 +578,7 @@ def test_missing_optional_packages_are_named(corpus, tmp_path, capsys, monkeypat
 
 # -- metrics: JSON only, no rows of a dead run, a clear line for a finished run ---------------------
 
+
 def test_metrics_are_strict_json_with_null_for_nonfinite(tmp_path):
     log = MetricsLog(tmp_path, True, False)
     log.write({"step": 1, "loss": float("nan"), "grad_norm": float("inf"), "lr": 0.1})
@@ -436,6 +586,7 @@ def test_metrics_are_strict_json_with_null_for_nonfinite(tmp_path):
 
     def refuse(name):
         raise ValueError(f"bare {name} in metrics.jsonl")
+
     rows = [json.loads(l, parse_constant=refuse) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert rows[0] == {"step": 1, "loss": None, "grad_norm": None, "lr": 0.1, "nonfinite": ["loss", "grad_norm"]}
     assert rows[1] == {"step": 2, "loss": 1.5}
@@ -444,17 +595,20 @@ def test_metrics_are_strict_json_with_null_for_nonfinite(tmp_path):
 @pytest.mark.slow
 def test_fresh_start_drops_a_dead_runs_rows_and_a_finished_run_says_so(corpus, tmp_path, capsys):
     from fsdp_jax.app.loop import train
+
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     # A run killed before its first checkpoint left rows 1..4 and no checkpoint.
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 9.0}) + "\n"
-                                                   for s in (1, 2, 3, 4)) + '{"step": 5, "lo')
-    cfg = config_lib.load_config(ROOT / "configs" / "tiny.yaml",
-                                 TINY + [f"data.path={corpus}", f"run_dir={run_dir}"])
+    (run_dir / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "loss": 9.0}) + "\n" for s in (1, 2, 3, 4)) + '{"step": 5, "lo'
+    )
+    cfg = config_lib.load_config(ROOT / "configs" / "tiny.yaml", TINY + [f"data.path={corpus}", f"run_dir={run_dir}"])
     train(cfg, progress=False)
+
     def train_steps():  # rows of train windows (the goodput summary row has no loss)
         rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
         return [r["step"] for r in rows if "loss" in r]
+
     assert train_steps() == [1, 2, 3]
     capsys.readouterr()
     again = train(cfg, progress=False)  # again: finished
@@ -473,18 +627,29 @@ def test_token_ids_outside_the_vocabulary_name_the_data(tmp_path, capsys):
     tokens.tofile(tmp_path / "t.bin")
     tokens.tofile(tmp_path / "v.bin")
     prepare_bin(tmp_path / "t.bin", tmp_path / "v.bin", tmp_path / "data", vocab_size=100, check_tokens=False)
-    rc, _, err = call("train", "--config", ROOT / "configs" / "tiny.yaml", "--no-progress", *TINY,
-                      f"data.path={tmp_path / 'data'}", f"run_dir={tmp_path / 'run'}", "model.vocab_size=128",
-                      capsys=capsys)
+    rc, _, err = call(
+        "train",
+        "--config",
+        ROOT / "configs" / "tiny.yaml",
+        "--no-progress",
+        *TINY,
+        f"data.path={tmp_path / 'data'}",
+        f"run_dir={tmp_path / 'run'}",
+        "model.vocab_size=128",
+        capsys=capsys,
+    )
     one_line(rc, err, "data.path", "token id", "model.vocab_size=128")
 
 
 # -- checkpoints: content checksums -----------------------------------------------------------------
 
+
 def _small_state(seed):
     rng = np.random.default_rng(seed)
-    return {"w": jax.numpy.asarray(rng.standard_normal((64, 256), np.float32)),
-            "b": jax.numpy.asarray(rng.standard_normal((256,), np.float32))}
+    return {
+        "w": jax.numpy.asarray(rng.standard_normal((64, 256), np.float32)),
+        "b": jax.numpy.asarray(rng.standard_normal((256,), np.float32)),
+    }
 
 
 def _biggest(step_dir: Path) -> Path:
@@ -522,6 +687,7 @@ def test_flipped_bytes_that_keep_sizes_are_detected_and_skipped(tmp_path):
 
 # -- faults: a save that fails (disk full) ----------------------------------------------------------
 
+
 def _final_params(run_dir: Path, step: int):
     c = ck.Checkpointer(run_dir / "checkpoints", read_only=True)
     return {p: c.read_leaf(step, p) for p in c.saved_metadata(step) if p.startswith("params/")}
@@ -529,12 +695,20 @@ def _final_params(run_dir: Path, step: int):
 
 @pytest.mark.slow
 def test_failed_save_stops_with_one_line_keeps_the_previous_checkpoint_and_resumes_exactly(
-        corpus, tmp_path, capsys, monkeypatch):
+    corpus, tmp_path, capsys, monkeypatch
+):
     """ENOSPC raised inside the background save of step 4 (where a full disk raises it):
     exit 1 at that save with one line, step 2 intact, and the resume ends bit-identical
     to a run that never failed."""
-    args = ["--config", ROOT / "configs" / "tiny.yaml", "--no-progress", *TINY, f"data.path={corpus}",
-            "train.steps=6", "train.checkpoint_every=2"]
+    args = [
+        "--config",
+        ROOT / "configs" / "tiny.yaml",
+        "--no-progress",
+        *TINY,
+        f"data.path={corpus}",
+        "train.steps=6",
+        "train.checkpoint_every=2",
+    ]
     rc, _, err = call("train", *args, f"run_dir={tmp_path / 'ref'}", capsys=capsys)
     assert rc == 0, err
     real = ck.Checkpointer._write_manifest
@@ -543,6 +717,7 @@ def test_failed_save_stops_with_one_line_keeps_the_previous_checkpoint_and_resum
         if self._in_flight and self._in_flight[0] == 4:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real(self)
+
     run_dir = tmp_path / "run"
     with monkeypatch.context() as m:
         m.setattr(ck.Checkpointer, "_write_manifest", full_disk)
@@ -559,8 +734,10 @@ def test_failed_save_stops_with_one_line_keeps_the_previous_checkpoint_and_resum
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (sys.platform == "linux" and hasattr(os, "geteuid") and os.geteuid() == 0),
-                    reason="mounts a small tmpfs (root on Linux)")
+@pytest.mark.skipif(
+    not (sys.platform == "linux" and hasattr(os, "geteuid") and os.geteuid() == 0),
+    reason="mounts a small tmpfs (root on Linux)",
+)
 def test_real_full_disk_one_line_then_resume(corpus, tmp_path, capsys):
     """A real ENOSPC from the file system (a 2.5 MB tmpfs) under the trainer's background
     saves: one line, exit 1, the newest complete checkpoint named and intact; with room
@@ -570,8 +747,17 @@ def test_real_full_disk_one_line_then_resume(corpus, tmp_path, capsys):
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2500k", "tmpfs", str(mnt)]).returncode:
         pytest.skip("cannot mount a tmpfs here")
     try:
-        args = ["--config", "configs/tiny.yaml", "--no-progress", *TINY, f"data.path={corpus}",
-                f"run_dir={mnt / 'run'}", "train.steps=12", "train.checkpoint_every=2", "train.keep_checkpoints=10"]
+        args = [
+            "--config",
+            "configs/tiny.yaml",
+            "--no-progress",
+            *TINY,
+            f"data.path={corpus}",
+            f"run_dir={mnt / 'run'}",
+            "train.steps=12",
+            "train.checkpoint_every=2",
+            "train.keep_checkpoints=10",
+        ]
         rc, out, err = call("train", *args, capsys=capsys)
         line = one_line(rc, err, "No space left on device", "intact", code=1)
         assert "Traceback" not in out
@@ -587,8 +773,10 @@ def test_real_full_disk_one_line_then_resume(corpus, tmp_path, capsys):
 def test_a_failed_background_save_is_reported_without_another_save(tmp_path, monkeypatch):
     """The loop calls check() every step: the failure shows as soon as the background
     write ends, naming its step, not at the next save (which may be far away)."""
+
     def full_disk(self):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
     monkeypatch.setattr(ck.Checkpointer, "_write_manifest", full_disk)
     c = ck.Checkpointer(tmp_path / "ckpts", keep=None)
     c.save(7, _small_state(0))
@@ -622,13 +810,24 @@ def test_unreachable_coordinator_is_one_line_exit_1(corpus, tmp_path, capsys):
     """A peer whose coordinator never answers: JAX's client would abort the process with a
     C++ stack trace; the trainer says so in one line first."""
     import socket
+
     with socket.socket() as s:  # bound, never listening: connections are refused
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-        rc, _, err = call("train", "--config", ROOT / "configs" / "tiny.yaml", "--no-progress", *TINY,
-                          f"data.path={corpus}", f"run_dir={tmp_path / 'run'}",
-                          f"distributed.coordinator=127.0.0.1:{port}", "distributed.num_processes=2",
-                          "distributed.process_id=1", "distributed.init_timeout_s=1", capsys=capsys)
+        rc, _, err = call(
+            "train",
+            "--config",
+            ROOT / "configs" / "tiny.yaml",
+            "--no-progress",
+            *TINY,
+            f"data.path={corpus}",
+            f"run_dir={tmp_path / 'run'}",
+            f"distributed.coordinator=127.0.0.1:{port}",
+            "distributed.num_processes=2",
+            "distributed.process_id=1",
+            "distributed.init_timeout_s=1",
+            capsys=capsys,
+        )
     one_line(rc, err, f"127.0.0.1:{port}", "did not answer", code=1)
     assert not (tmp_path / "run").exists()
 
@@ -638,15 +837,23 @@ def test_environment_failures_and_the_unexpected_are_one_line_exit_1(tmp_path, c
     from fsdp_jax.app import loop
     from fsdp_jax.app.run_dir import RunDirBusy
     from fsdp_jax.distributed import DistributedInitError
-    failures = [OSError(errno.ENOSPC, "No space left on device"), PermissionError(13, "Permission denied"),
-                RunDirBusy("run_dir busy"), ck.CheckpointWriteError("writing checkpoint step 4 failed"),
-                DistributedInitError("peer died"), loop.TrainingDiverged("3 non-finite steps"),
-                RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.20TiB\n  more"),
-                KeyError("a bug")]
+
+    failures = [
+        OSError(errno.ENOSPC, "No space left on device"),
+        PermissionError(13, "Permission denied"),
+        RunDirBusy("run_dir busy"),
+        ck.CheckpointWriteError("writing checkpoint step 4 failed"),
+        DistributedInitError("peer died"),
+        loop.TrainingDiverged("3 non-finite steps"),
+        RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.20TiB\n  more"),
+        KeyError("a bug"),
+    ]
     args = ["--config", ROOT / "configs" / "tiny.yaml", "--no-progress", f"run_dir={tmp_path / 'run'}"]
     for exc in failures:
+
         def boom(*a, exc=exc, **k):
             raise exc
+
         monkeypatch.setattr(loop, "train", boom)
         rc, _, err = call("train", *args, capsys=capsys)
         one_line(rc, err, code=1)
@@ -657,12 +864,21 @@ def test_environment_failures_and_the_unexpected_are_one_line_exit_1(tmp_path, c
 
 # -- faults: two trainers, one run_dir --------------------------------------------------------------
 
+
 def test_second_trainer_is_refused_naming_the_holder(corpus, tmp_path, capsys):
     run_dir = tmp_path / "run"
     with RunDirLock(run_dir):
         before = listing(run_dir)
-        rc, _, err = call("train", "--config", ROOT / "configs" / "tiny.yaml", "--no-progress", *TINY,
-                          f"data.path={corpus}", f"run_dir={run_dir}", capsys=capsys)
+        rc, _, err = call(
+            "train",
+            "--config",
+            ROOT / "configs" / "tiny.yaml",
+            "--no-progress",
+            *TINY,
+            f"data.path={corpus}",
+            f"run_dir={run_dir}",
+            capsys=capsys,
+        )
         one_line(rc, err, "in use by another trainer", f"pid {os.getpid()}", "host", code=1)
         assert listing(run_dir) == before == [LOCK_NAME]
     with RunDirLock(run_dir):  # released: the next one gets it
@@ -682,17 +898,26 @@ def test_a_failed_start_leaves_no_run_dir(tmp_path):
 def test_lock_of_a_killed_trainer_does_not_block_the_resume(tmp_path):
     run_dir = tmp_path / "run"
     holder = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(f"""
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
             import time
             from fsdp_jax.app.run_dir import RunDirLock
             with RunDirLock({str(run_dir)!r}):
                 print("LOCKED", flush=True)
                 time.sleep(300)
-        """)], stdout=subprocess.PIPE, text=True, cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu"))
+        """),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu"),
+    )
     try:
         assert holder.stdout.readline().strip() == "LOCKED"
         from fsdp_jax.app.run_dir import RunDirBusy
+
         with pytest.raises(RunDirBusy, match=f"pid {holder.pid} "):
             with RunDirLock(run_dir):
                 pass
@@ -706,6 +931,7 @@ def test_lock_of_a_killed_trainer_does_not_block_the_resume(tmp_path):
 
 
 # -- the coordinator listens on loopback; the lock is process 0's ---------------------------------
+
 
 def test_bind_address_rules(monkeypatch):
     monkeypatch.delenv("JAX_COORDINATOR_BIND_ADDRESS", raising=False)
@@ -754,10 +980,25 @@ def test_local_launch_coordinator_listens_on_loopback_only(tmp_path):
     script_file = tmp_path / "listen.py"
     script_file.write_text(LISTEN_SCRIPT)
     env = {k: v for k, v in os.environ.items() if k != "JAX_COORDINATOR_BIND_ADDRESS"}
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "launch_local.py"), "--processes", "2",
-                        "--devices-per-process", "2", "--", sys.executable, str(script_file), str(tmp_path / "run")],
-                       capture_output=True, text=True, timeout=240, cwd=ROOT,
-                       env=dict(env, PYTHONPATH=str(ROOT)))
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "launch_local.py"),
+            "--processes",
+            "2",
+            "--devices-per-process",
+            "2",
+            "--",
+            sys.executable,
+            str(script_file),
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+        env=dict(env, PYTHONPATH=str(ROOT)),
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     listen = [l for l in r.stdout.splitlines() if "LISTEN" in l]
     assert len(listen) == 1, r.stdout[-3000:]

@@ -25,14 +25,16 @@ BAD_FLAG = "--xla_no_such_flag_fsdp_jax=1"
 
 def test_check_xla_flags_names_the_entry_before_a_backend_starts(monkeypatch):
     from jax._src import xla_bridge
+
     monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
     monkeypatch.setattr(xla_flags, "_probed", {})
     env = dict(os.environ, XLA_FLAGS=f"--xla_backend_optimization_level=0 {BAD_FLAG}")
     with pytest.raises(xla_flags.XlaFlagsError, match=f"XLA_FLAGS: .*{BAD_FLAG}"):
         xla_flags.check_xla_flags(env)
     # flags XLA knows (a GPU one too: one registry) pass; an unset XLA_FLAGS probes nothing
-    xla_flags.check_xla_flags(dict(os.environ, XLA_FLAGS="--xla_gpu_enable_latency_hiding_scheduler=true "
-                                                         "--xla_backend_optimization_level=0"))
+    xla_flags.check_xla_flags(
+        dict(os.environ, XLA_FLAGS="--xla_gpu_enable_latency_hiding_scheduler=true --xla_backend_optimization_level=0")
+    )
     xla_flags.check_xla_flags({})
     assert len(xla_flags._probed) == 2
     # once the backend runs, XLA has read the flags: no probe
@@ -42,8 +44,10 @@ def test_check_xla_flags_names_the_entry_before_a_backend_starts(monkeypatch):
 
 
 def test_unknown_flag_parses_xla_fatal_line():
-    err = ("I1130 pjrt_client.cc:579] PjRt-IFRT device count\n"
-           "F1130 20:32:05.635319    5288 parse_flags_from_env.cc:234] Unknown flag in XLA_FLAGS: --xla_x=1\n")
+    err = (
+        "I1130 pjrt_client.cc:579] PjRt-IFRT device count\n"
+        "F1130 20:32:05.635319    5288 parse_flags_from_env.cc:234] Unknown flag in XLA_FLAGS: --xla_x=1\n"
+    )
     assert xla_flags.unknown_flag(err) == "--xla_x=1"
     assert xla_flags.unknown_flag("F1130 something else\n") is None
 
@@ -56,8 +60,14 @@ def test_unknown_xla_flag_in_every_computing_script_is_one_line_exit_2(tmp_path,
     ckpts = tmp_path / "ckpts"
     ckpts.mkdir()
     table = {
-        "train.py": ["--config", tiny, "--no-progress", *TINY_RUN_OVERRIDES, f"data.path={corpus}",
-                     f"run_dir={tmp_path / 'run'}"],
+        "train.py": [
+            "--config",
+            tiny,
+            "--no-progress",
+            *TINY_RUN_OVERRIDES,
+            f"data.path={corpus}",
+            f"run_dir={tmp_path / 'run'}",
+        ],
         "plan.py": ["--config", tiny, "--devices", "8"],
         "inspect_sharding.py": ["--config", tiny, "--devices", "8"],
         "verify.py": ["--config", tiny],
@@ -66,12 +76,22 @@ def test_unknown_xla_flag_in_every_computing_script_is_one_line_exit_2(tmp_path,
         "export.py": [str(ckpts), "--out", str(tmp_path / "m.safetensors")],
         "convert_hf.py": [str(ROOT / "tests/golden/hf/llama_gqa"), "--out", str(tmp_path / "c.safetensors")],
     }
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {BAD_FLAG}".strip())
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(ROOT),
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {BAD_FLAG}".strip(),
+    )
     failures = []
     for name, args in table.items():
-        r = subprocess.run([sys.executable, str(ROOT / "scripts" / name), *args], capture_output=True,
-                           text=True, env=env, cwd=tmp_path, timeout=300)
+        r = subprocess.run(
+            [sys.executable, str(ROOT / "scripts" / name), *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=tmp_path,
+            timeout=300,
+        )
         try:
             one_line(r.returncode, r.stderr, "XLA_FLAGS", BAD_FLAG)
         except AssertionError as e:
@@ -81,6 +101,7 @@ def test_unknown_xla_flag_in_every_computing_script_is_one_line_exit_2(tmp_path,
 
 
 # -- paths written with ~ ---------------------------------------------------------------------------
+
 
 def test_tilde_in_path_keys_is_expanded(tmp_path, monkeypatch, corpus):
     home = tmp_path / "home"
@@ -111,8 +132,17 @@ def test_train_with_a_tilde_run_dir_writes_under_home(tmp_path, monkeypatch, cor
     home.mkdir()
     monkeypatch.setenv("HOME", str(home))
     monkeypatch.chdir(tmp_path)
-    rc, _, err = call("train", "--config", ROOT / "configs" / "tiny.yaml", "--no-progress", *TINY_RUN_OVERRIDES,
-                      "train.steps=1", f"data.path={corpus}", "run_dir=~/run", capsys=capsys)
+    rc, _, err = call(
+        "train",
+        "--config",
+        ROOT / "configs" / "tiny.yaml",
+        "--no-progress",
+        *TINY_RUN_OVERRIDES,
+        "train.steps=1",
+        f"data.path={corpus}",
+        "run_dir=~/run",
+        capsys=capsys,
+    )
     assert rc == 0, err
     assert (home / "run" / "config.yaml").is_file()
     assert not (ROOT / "~").exists() and not (tmp_path / "~").exists()

@@ -25,6 +25,7 @@ def listing(d: Path) -> list[str]:
 
 # -- token ids outside the model's vocabulary -------------------------------------------------------
 
+
 def corpus_with(tmp_path: Path, name: str, train_ids, val_ids, vocab: int = 256, **meta_extra) -> Path:
     """A prepared corpus whose meta.json says `vocab`; `meta_extra` set in meta.json
     (max_token_id=None: the key removed, as in a corpus prepared before it existed)."""
@@ -44,27 +45,40 @@ def corpus_with(tmp_path: Path, name: str, train_ids, val_ids, vocab: int = 256,
     return out
 
 
-def test_corpus_token_ids_outside_the_vocabulary_are_refused_before_anything_is_written(tmp_path, capsys,
-                                                                                         monkeypatch):
+def test_corpus_token_ids_outside_the_vocabulary_are_refused_before_anything_is_written(tmp_path, capsys, monkeypatch):
     """Before: found batch by batch after config.yaml was written and the step compiled
     (and an id only in val.bin, or in a window no step drew, not at all)."""
     ok = np.arange(4000) % 200
     bad_val = np.concatenate([ok[:999], [300]])  # the last token of val.bin
     cases = {  # name: (corpus, words the line must hold)
-        "old corpus, bad id in train": (corpus_with(tmp_path, "t", np.r_[ok, 256], ok[:1000], max_token_id=None),
-                                        ["token id 256", "train.bin", "model.vocab_size=256"]),
-        "old corpus, bad id last in val": (corpus_with(tmp_path, "v", ok, bad_val, max_token_id=None),
-                                           ["token id 300", "val.bin", "model.vocab_size=256"]),
-        "meta says 999": (corpus_with(tmp_path, "m", ok, ok[:1000], max_token_id=999),
-                          ["token id 999", "meta.json", "model.vocab_size=256"]),
-        "meta max_token_id not an id": (corpus_with(tmp_path, "n", ok, ok[:1000], max_token_id="lots"),
-                                        ["meta.json", "max_token_id"]),
-        "meta max_token_id negative": (corpus_with(tmp_path, "g", ok, ok[:1000], max_token_id=-1),
-                                       ["meta.json", "max_token_id"]),
-        "meta max_token_id a bool": (corpus_with(tmp_path, "b", ok, ok[:1000], max_token_id=True),
-                                     ["meta.json", "max_token_id"]),
-        "meta max_token_id a float": (corpus_with(tmp_path, "f", ok, ok[:1000], max_token_id=12.5),
-                                      ["meta.json", "max_token_id"]),
+        "old corpus, bad id in train": (
+            corpus_with(tmp_path, "t", np.r_[ok, 256], ok[:1000], max_token_id=None),
+            ["token id 256", "train.bin", "model.vocab_size=256"],
+        ),
+        "old corpus, bad id last in val": (
+            corpus_with(tmp_path, "v", ok, bad_val, max_token_id=None),
+            ["token id 300", "val.bin", "model.vocab_size=256"],
+        ),
+        "meta says 999": (
+            corpus_with(tmp_path, "m", ok, ok[:1000], max_token_id=999),
+            ["token id 999", "meta.json", "model.vocab_size=256"],
+        ),
+        "meta max_token_id not an id": (
+            corpus_with(tmp_path, "n", ok, ok[:1000], max_token_id="lots"),
+            ["meta.json", "max_token_id"],
+        ),
+        "meta max_token_id negative": (
+            corpus_with(tmp_path, "g", ok, ok[:1000], max_token_id=-1),
+            ["meta.json", "max_token_id"],
+        ),
+        "meta max_token_id a bool": (
+            corpus_with(tmp_path, "b", ok, ok[:1000], max_token_id=True),
+            ["meta.json", "max_token_id"],
+        ),
+        "meta max_token_id a float": (
+            corpus_with(tmp_path, "f", ok, ok[:1000], max_token_id=12.5),
+            ["meta.json", "max_token_id"],
+        ),
     }
     scanned = []
     real_scan = token_check.scan_max_token_id
@@ -72,8 +86,17 @@ def test_corpus_token_ids_outside_the_vocabulary_are_refused_before_anything_is_
     run_dir = tmp_path / "run"
     for name, (corpus, words) in cases.items():
         before, scanned[:] = listing(corpus), []
-        rc, out, err = call("train", "--config", TINY_YAML, "--no-progress", *TINY_RUN_OVERRIDES, "train.steps=2",
-                            f"data.path={corpus}", f"run_dir={run_dir}", capsys=capsys)
+        rc, out, err = call(
+            "train",
+            "--config",
+            TINY_YAML,
+            "--no-progress",
+            *TINY_RUN_OVERRIDES,
+            "train.steps=2",
+            f"data.path={corpus}",
+            f"run_dir={run_dir}",
+            capsys=capsys,
+        )
         try:
             one_line(rc, err, "data.path" if "token id" in words[0] else "meta.json", str(corpus), *words)
         except AssertionError as e:
@@ -113,14 +136,27 @@ GOLDEN_HF = ROOT / "tests" / "golden" / "hf" / "llama_gqa"  # 6 shards + index, 
 MISTRAL = {"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": None}
 
 # config.json keys of the llama / mistral families: bad values of each class
-_NUMBERS = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-            "intermediate_size", "max_position_embeddings", "rope_theta", "rms_norm_eps"]
+_NUMBERS = [
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "max_position_embeddings",
+    "rope_theta",
+    "rms_norm_eps",
+]
 _WRONG_TYPE = ["abc", [64], {"a": 1}, True]
 _OUT_OF_RANGE = [0, -1, 10**30, 1.5]
 _NON_FINITE = [float("nan"), float("inf"), float("-inf")]
 CONFIG_CASES: list[tuple[str, object]] = (
-    [(k, v) for k in _NUMBERS for v in _WRONG_TYPE + _OUT_OF_RANGE + _NON_FINITE
-     if not (k in ("rope_theta", "rms_norm_eps") and v == 1.5)]            # a float is fine there
+    [
+        (k, v)
+        for k in _NUMBERS
+        for v in _WRONG_TYPE + _OUT_OF_RANGE + _NON_FINITE
+        if not (k in ("rope_theta", "rms_norm_eps") and v == 1.5)
+    ]  # a float is fine there
     + [("tie_word_embeddings", v) for v in ["yes", 1, [True]]]
     + [("head_dim", v) for v in [16, "8", -8, float("nan")]]
     + [("model_type", v) for v in ["gpt2", 3, None]]
@@ -130,14 +166,27 @@ CONFIG_CASES: list[tuple[str, object]] = (
     + [("attention_dropout", v) for v in [0.1, "abc", [0.0], float("nan")]]
     + [("partial_rotary_factor", v) for v in [0.5, "abc", [1.0], float("nan")]]
     + [("sliding_window", 4096)]
-    + [("rope_parameters", v) for v in ["default", [1], {"rope_type": "llama3", "factor": 8.0},
-                                        {"rope_type": "default", "rope_theta": -1.0},
-                                        {"rope_type": "default", "rope_theta": "abc"},
-                                        {"rope_type": "default", "rope_theta": float("nan")}]]
+    + [
+        ("rope_parameters", v)
+        for v in [
+            "default",
+            [1],
+            {"rope_type": "llama3", "factor": 8.0},
+            {"rope_type": "default", "rope_theta": -1.0},
+            {"rope_type": "default", "rope_theta": "abc"},
+            {"rope_type": "default", "rope_theta": float("nan")},
+        ]
+    ]
     + [("rope_scaling", v) for v in [{"type": "linear", "factor": 2.0}, "dynamic", 3]]
     # consistent in itself, inconsistent with the tensors
-    + [("hidden_size", 128), ("intermediate_size", 64), ("vocab_size", 512), ("num_key_value_heads", 4),
-       ("num_hidden_layers", 3), ("num_hidden_layers", 10**9)]
+    + [
+        ("hidden_size", 128),
+        ("intermediate_size", 64),
+        ("vocab_size", 512),
+        ("num_key_value_heads", 4),
+        ("num_hidden_layers", 3),
+        ("num_hidden_layers", 10**9),
+    ]
     # (tie_word_embeddings=true over a checkpoint with lm_head.weight is accepted, as
     # transformers accepts it: the head is the embedding and lm_head.weight is unused)
 )
@@ -161,7 +210,7 @@ def _damage(d: Path, how: str) -> None:
     f = _shard(d)
     blob = f.read_bytes()
     n = int.from_bytes(blob[:8], "little")
-    header = json.loads(blob[8:8 + n])
+    header = json.loads(blob[8 : 8 + n])
     if how == "truncated":
         f.write_bytes(blob[: len(blob) // 2])
     elif how == "truncated_header":
@@ -183,7 +232,7 @@ def _damage(d: Path, how: str) -> None:
             e["dtype"] = "Q7"
         head = json.dumps(header).encode()
         head += b" " * (-len(head) % 8)
-        f.write_bytes(len(head).to_bytes(8, "little") + head + blob[8 + n:])
+        f.write_bytes(len(head).to_bytes(8, "little") + head + blob[8 + n :])
     elif how == "empty_file":
         f.write_bytes(b"")
     elif how == "a_directory":
@@ -220,11 +269,29 @@ def _damage(d: Path, how: str) -> None:
         raise ValueError(how)
 
 
-DAMAGE = ["truncated", "truncated_header", "bad_header_json", "header_len_past_eof", "offsets_past_end",
-          "offsets_overlap", "shape_vs_offsets", "bad_dtype", "empty_file", "a_directory", "missing_shard",
-          "index_not_json", "index_without_weight_map", "index_weight_map_a_list",
-          "index_names_a_tensor_elsewhere", "index_shard_outside_dir", "no_weights", "no_config",
-          "config_not_json", "config_a_list", "config_latin1"]
+DAMAGE = [
+    "truncated",
+    "truncated_header",
+    "bad_header_json",
+    "header_len_past_eof",
+    "offsets_past_end",
+    "offsets_overlap",
+    "shape_vs_offsets",
+    "bad_dtype",
+    "empty_file",
+    "a_directory",
+    "missing_shard",
+    "index_not_json",
+    "index_without_weight_map",
+    "index_weight_map_a_list",
+    "index_names_a_tensor_elsewhere",
+    "index_shard_outside_dir",
+    "no_weights",
+    "no_config",
+    "config_not_json",
+    "config_a_list",
+    "config_latin1",
+]
 
 
 def _refused(rc, out, err, label, out_file: Path, failures: list) -> None:
@@ -243,6 +310,7 @@ def test_hostile_hf_config_keys_are_one_line_bad_input(tmp_path, capsys):
     scripts/convert_hf.py: one line, exit 2, nothing written."""
     from fsdp_jax.app import hf
     from fsdp_jax.app.cli import BAD_INPUT
+
     failures = []
     n = 0
     for family, extra in (("llama", {}), ("mistral", MISTRAL)):
@@ -269,9 +337,15 @@ def test_hostile_hf_config_keys_are_one_line_bad_input(tmp_path, capsys):
             n += 1
     assert not failures, "\n".join(failures)
     assert n == 2 * len(CONFIG_CASES) > 200
-    for key, value in [("hidden_size", "abc"), ("vocab_size", 0), ("rope_theta", float("nan")),
-                       ("rms_norm_eps", float("inf")), ("hidden_size", 128), ("model_type", "gpt2"),
-                       ("attention_dropout", "abc")]:
+    for key, value in [
+        ("hidden_size", "abc"),
+        ("vocab_size", 0),
+        ("rope_theta", float("nan")),
+        ("rms_norm_eps", float("inf")),
+        ("hidden_size", 128),
+        ("model_type", "gpt2"),
+        ("attention_dropout", "abc"),
+    ]:
         d = _hf_copy(tmp_path, f"script_{key}_{value}", {key: value})
         o = tmp_path / f"o_{key}.safetensors"
         rc, _, err = call("convert_hf", d, "--out", o, capsys=capsys)
@@ -293,14 +367,25 @@ def test_damaged_hf_directories_are_one_line_exit_2_nothing_written(tmp_path, ca
         o = tmp_path / f"o_{how}.safetensors"
         rc, out, err = call("convert_hf", d, "--out", o, capsys=capsys)
         _refused(rc, out, err, f"convert_hf {how}", o, failures)
-        rc, out, err = call("train", "--config", bare, "--no-progress", f"init_from=hf:{d}", "data.seq_len=32",
-                            "train.steps=1", "data.source=none", f"data.path={tmp_path / 'nodata'}",
-                            f"run_dir={run_dir}", capsys=capsys)
+        rc, out, err = call(
+            "train",
+            "--config",
+            bare,
+            "--no-progress",
+            f"init_from=hf:{d}",
+            "data.seq_len=32",
+            "train.steps=1",
+            "data.source=none",
+            f"data.path={tmp_path / 'nodata'}",
+            f"run_dir={run_dir}",
+            capsys=capsys,
+        )
         _refused(rc, out, err, f"train {how}", run_dir, failures)
     assert not failures, "\n".join(failures)
 
 
 # -- tokenizer files --------------------------------------------------------------------------------
+
 
 def test_hostile_tokenizer_files_are_one_line_exit_2_nothing_written(tmp_path, capsys):
     """Missing, not JSON, not UTF-8, the wrong schema, an empty vocabulary, a damaged
@@ -308,6 +393,7 @@ def test_hostile_tokenizer_files_are_one_line_exit_2_nothing_written(tmp_path, c
     (one line), and scripts/prepare_data.py --tokenizer says so in one line, exit 2,
     writing no corpus."""
     from fsdp_jax.app.tokenizer import TokenizerError, load_tokenizer
+
     good = json.loads((GOLDEN_HF / "tokenizer.json").read_text())
     cases = {
         "missing.json": None,
@@ -319,8 +405,9 @@ def test_hostile_tokenizer_files_are_one_line_exit_2_nothing_written(tmp_path, c
         "model_not_object.json": json.dumps({**good, "model": 3}).encode(),
         "unknown_model_type.json": json.dumps({**good, "model": {**good["model"], "type": "Nope"}}).encode(),
         "vocab_a_string.json": json.dumps({**good, "model": {**good["model"], "vocab": "abc"}}).encode(),
-        "empty_vocab.json": json.dumps({**good, "model": {**good["model"], "vocab": {}, "merges": []},
-                                        "added_tokens": []}).encode(),
+        "empty_vocab.json": json.dumps(
+            {**good, "model": {**good["model"], "vocab": {}, "merges": []}, "added_tokens": []}
+        ).encode(),
         "damaged.model": b"\x00\x01 not a sentencepiece model",
         "empty_dir": "dir",
     }

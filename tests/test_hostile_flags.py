@@ -21,49 +21,111 @@ NEG_ZERO_NAN = ["-5", "0", "nan", "abc"]
 # script -> {flag: the values it must refuse with one line naming it, or a string: why no
 # value is bad input for it}
 BAD_FLAG_VALUES: dict[str, dict[str, list[str] | str]] = {
-    "bench_offload": {"--config": ["{missing}"], "--strategy": ["zero9"], "--rounds": NEG_ZERO_NAN,
-                      "--steps": NEG_ZERO_NAN},
-    "benchmark": {"--config": ["{missing}"], "--strategies": ["zero9", ","], "--steps": NEG_ZERO_NAN,
-                  "--warmup": ["-1", "1.5", "x"], "--sweep": ["devices=0", "devices=abc", "model.n_layers"],
-                  "--peak-tflops": ["-1", "0", "nan", "inf"], "--plot": ["{dir}", "{file}/x.png"]},
-    "convert_hf": {"--out": ["{dir}", "{file}", "{missing}/x/m.safetensors"], "--dtype": ["float8"],
-                   "--config-out": ["{dir}", "{file}", "{missing}/x/m.yaml"]},
-    "export": {"--out": ["{dir}", "{missing}/x/m.safetensors"], "--hf": ["{dir}", "{file}"],
-               "--max-shard-size": ["-5GB", "0", "lots", "1e400GB"], "--dtype": ["float8"],
-               "--step": ["-1", "x"]},
-    "gpu_check": {"--config": ["{missing}"], "--steps": NEG_ZERO_NAN, "--json": ["{dir}"],
-                  "--only": ["speed", ","]},
-    "inspect_sharding": {"--config": ["{missing}"], "--devices": NEG_ZERO_NAN, "--strategy": ["zero9"],
-                         "--replicated-threshold": ["-1GB", "big", "1e400GB"], "--target": ["h9000"],
-                         "--hosts": ["0", "abc", "-2"], "--xla-flags": ["not_a_flag", "--xla_x"],
-                         "--slices": ["0", "abc", "-2"], "--topology": ["2x2x2", "x"]},
-    "launch_local": {"--processes": ["0", "abc", "-1"], "--devices-per-process": ["0", "-1", "x"],
-                     "--port": ["-1", "70000", "x"], "--grace": ["-1", "nan", "inf"]},
-    "measure_hf_import": {"--d-model": NEG_ZERO_NAN, "--layers": NEG_ZERO_NAN, "--vocab": NEG_ZERO_NAN,
-                          "--child": "internal: the script's own child process"},
-    "plan": {"--config": ["{missing}"], "--devices": NEG_ZERO_NAN, "--strategies": ["zero9", ","],
-             "--device-memory": ["-5GB", "0", "lots", "1e400GB"], "--target": ["h9000"],
-             "--hosts": ["0", "abc"], "--plot": ["{dir}", "{file}/x.png"], "--offload": ["everything"],
-             "--slices": ["0", "abc"], "--topology": ["2x2x2", "3x"],
-             # the --search flags (their values with --search: tests/test_search.py)
-             "--remat": ["sometimes", ","], "--microbatches": ["0", "x"], "--vary": ["width"],
-             "--headroom": ["100%", "-5%", "lots"], "--host-memory": ["lots", "-1GB"],
-             "--max-compiles": ["-1", "x"], "--rows": ["0", "x"]},
+    "bench_offload": {
+        "--config": ["{missing}"],
+        "--strategy": ["zero9"],
+        "--rounds": NEG_ZERO_NAN,
+        "--steps": NEG_ZERO_NAN,
+    },
+    "benchmark": {
+        "--config": ["{missing}"],
+        "--strategies": ["zero9", ","],
+        "--steps": NEG_ZERO_NAN,
+        "--warmup": ["-1", "1.5", "x"],
+        "--sweep": ["devices=0", "devices=abc", "model.n_layers"],
+        "--peak-tflops": ["-1", "0", "nan", "inf"],
+        "--plot": ["{dir}", "{file}/x.png"],
+    },
+    "convert_hf": {
+        "--out": ["{dir}", "{file}", "{missing}/x/m.safetensors"],
+        "--dtype": ["float8"],
+        "--config-out": ["{dir}", "{file}", "{missing}/x/m.yaml"],
+    },
+    "export": {
+        "--out": ["{dir}", "{missing}/x/m.safetensors"],
+        "--hf": ["{dir}", "{file}"],
+        "--max-shard-size": ["-5GB", "0", "lots", "1e400GB"],
+        "--dtype": ["float8"],
+        "--step": ["-1", "x"],
+    },
+    "gpu_check": {"--config": ["{missing}"], "--steps": NEG_ZERO_NAN, "--json": ["{dir}"], "--only": ["speed", ","]},
+    "inspect_sharding": {
+        "--config": ["{missing}"],
+        "--devices": NEG_ZERO_NAN,
+        "--strategy": ["zero9"],
+        "--replicated-threshold": ["-1GB", "big", "1e400GB"],
+        "--target": ["h9000"],
+        "--hosts": ["0", "abc", "-2"],
+        "--xla-flags": ["not_a_flag", "--xla_x"],
+        "--slices": ["0", "abc", "-2"],
+        "--topology": ["2x2x2", "x"],
+    },
+    "launch_local": {
+        "--processes": ["0", "abc", "-1"],
+        "--devices-per-process": ["0", "-1", "x"],
+        "--port": ["-1", "70000", "x"],
+        "--grace": ["-1", "nan", "inf"],
+    },
+    "measure_hf_import": {
+        "--d-model": NEG_ZERO_NAN,
+        "--layers": NEG_ZERO_NAN,
+        "--vocab": NEG_ZERO_NAN,
+        "--child": "internal: the script's own child process",
+    },
+    "plan": {
+        "--config": ["{missing}"],
+        "--devices": NEG_ZERO_NAN,
+        "--strategies": ["zero9", ","],
+        "--device-memory": ["-5GB", "0", "lots", "1e400GB"],
+        "--target": ["h9000"],
+        "--hosts": ["0", "abc"],
+        "--plot": ["{dir}", "{file}/x.png"],
+        "--offload": ["everything"],
+        "--slices": ["0", "abc"],
+        "--topology": ["2x2x2", "3x"],
+        # the --search flags (their values with --search: tests/test_search.py)
+        "--remat": ["sometimes", ","],
+        "--microbatches": ["0", "x"],
+        "--vary": ["width"],
+        "--headroom": ["100%", "-5%", "lots"],
+        "--host-memory": ["lots", "-1GB"],
+        "--max-compiles": ["-1", "x"],
+        "--rows": ["0", "x"],
+    },
     "plot_metrics": {"--out": ["{dir}", "{file}/x.png"]},
-    "prepare_data": {"--out": ["{file}", "{file}/sub"], "--pattern": ["/etc/*", "../*"],
-                     "--val-fraction": ["2", "nan", "-0.1"], "--seed": ["-1", "x"], "--bin": ["{file}"],
-                     "--val-bin": "read with --bin only (test_hostile's script table)", "--vocab-size": ["0", "-3"], "--dtype": ["int8"],
-                     "--tokenizer": ["{missing}"], "--eos": ["{missing}"], "--threads": ["-3", "0"],
-                     "--model": ["{missing}"], "--pack": ["1", "0", "-4", "x"], "--overflow": ["wrap"],
-                     "--chat-template": ["{missing}"], "--workers": ["0", "-2", "x", "1.5"]},
+    "prepare_data": {
+        "--out": ["{file}", "{file}/sub"],
+        "--pattern": ["/etc/*", "../*"],
+        "--val-fraction": ["2", "nan", "-0.1"],
+        "--seed": ["-1", "x"],
+        "--bin": ["{file}"],
+        "--val-bin": "read with --bin only (test_hostile's script table)",
+        "--vocab-size": ["0", "-3"],
+        "--dtype": ["int8"],
+        "--tokenizer": ["{missing}"],
+        "--eos": ["{missing}"],
+        "--threads": ["-3", "0"],
+        "--model": ["{missing}"],
+        "--pack": ["1", "0", "-4", "x"],
+        "--overflow": ["wrap"],
+        "--chat-template": ["{missing}"],
+        "--workers": ["0", "-2", "x", "1.5"],
+    },
     "train": {"--config": ["{missing}", "{dir}"]},
-    "verify": {"--config": ["{missing}"], "--strategies": ["zero9"], "--devices": NEG_ZERO_NAN,
-               "--steps": NEG_ZERO_NAN, "--seed": ["-1", "x"], "--max-params": ["-5", "nan", "inf", "x"]},
+    "verify": {
+        "--config": ["{missing}"],
+        "--strategies": ["zero9"],
+        "--devices": NEG_ZERO_NAN,
+        "--steps": NEG_ZERO_NAN,
+        "--seed": ["-1", "x"],
+        "--max-params": ["-5", "nan", "inf", "x"],
+    },
 }
 
 # The other flags a script needs to get as far as checking the one under test.
 BASE_ARGS: dict[str, list[str]] = {
-    "bench_offload": ["--config", "configs/tiny.yaml"], "benchmark": ["--config", "configs/tiny.yaml"],
+    "bench_offload": ["--config", "configs/tiny.yaml"],
+    "benchmark": ["--config", "configs/tiny.yaml"],
     "convert_hf": ["tests/golden/hf/llama_gqa", "--out", "{new}/m.safetensors"],
     "export": ["{dir}", "--out", "{new}/m.safetensors"],
     "gpu_check": ["--only", "throughput"],
@@ -73,7 +135,8 @@ BASE_ARGS: dict[str, list[str]] = {
     "plan": ["--config", "configs/tiny.yaml", "--devices", "8"],
     "plot_metrics": ["{run}"],
     "prepare_data": ["--out", "{new}/d", "{src}"],
-    "train": [], "verify": ["--config", "configs/tiny.yaml"],
+    "train": [],
+    "verify": ["--config", "configs/tiny.yaml"],
 }
 TAIL_ARGS = {"launch_local": ["--", "true"]}
 # flags whose range check another open issue adds (remove the entry once it is merged)
@@ -91,6 +154,7 @@ def value_flags(name: str) -> dict[str, argparse.Action]:
     def grab(self, *a, **k):
         seen["parser"] = self
         raise _Parsed
+
     real = argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args
     argparse.ArgumentParser.parse_args = argparse.ArgumentParser.parse_known_args = grab
     try:
@@ -121,15 +185,24 @@ def test_every_numeric_flag_has_a_range():
     """A flag parsed as a number says its range in the parser (fsdp_jax.app.flags): a bare
     `type=int` takes -5 (the issue's `verify.py --max-params -5`). prepare_data.py checks
     its numbers itself (issue 25 owns that script)."""
-    bare = [(name, flag) for name in SCRIPTS for flag, a in value_flags(name).items()
-            if a.type in (int, float) and name != "prepare_data"]
+    bare = [
+        (name, flag)
+        for name in SCRIPTS
+        for flag, a in value_flags(name).items()
+        if a.type in (int, float) and name != "prepare_data"
+    ]
     assert not bare, f"use fsdp_jax.app.flags.int_in / real_in for {bare}"
 
 
 def _fill(args, tmp_path):
-    subs = {"{dir}": str(tmp_path / "a_dir"), "{file}": str(tmp_path / "a_file"),
-            "{missing}": str(tmp_path / "missing"), "{new}": str(tmp_path / "new"),
-            "{run}": str(tmp_path / "run"), "{src}": str(tmp_path / "src")}
+    subs = {
+        "{dir}": str(tmp_path / "a_dir"),
+        "{file}": str(tmp_path / "a_file"),
+        "{missing}": str(tmp_path / "missing"),
+        "{new}": str(tmp_path / "new"),
+        "{run}": str(tmp_path / "run"),
+        "{src}": str(tmp_path / "src"),
+    }
     out = []
     for a in args:
         for k, v in subs.items():

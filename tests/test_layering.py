@@ -22,14 +22,15 @@ def _imports(path: Path) -> set[str]:
 def test_library_modules_never_import_the_application():
     lib = [p for p in PKG.rglob("*.py") if "app" not in p.relative_to(PKG).parts]
     assert len(lib) > 10
-    bad = {p.name: sorted(m for m in _imports(p) if m.startswith("fsdp_jax.app"))
-           for p in lib}
+    bad = {p.name: sorted(m for m in _imports(p) if m.startswith("fsdp_jax.app")) for p in lib}
     assert not {k: v for k, v in bad.items() if v}
 
 
 def test_import_fsdp_jax_loads_neither_orbax_nor_the_trainer():
-    code = ("import sys, fsdp_jax; print(sorted(m for m in sys.modules if m.startswith("
-            "('orbax', 'tensorstore', 'grain', 'fsdp_jax.app', 'fsdp_jax.checkpoint'))))")
+    code = (
+        "import sys, fsdp_jax; print(sorted(m for m in sys.modules if m.startswith("
+        "('orbax', 'tensorstore', 'grain', 'fsdp_jax.app', 'fsdp_jax.checkpoint'))))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
     # and the lazy names still resolve

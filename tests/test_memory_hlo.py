@@ -14,8 +14,13 @@ from helpers import TINY, TINY_MODEL_OVERRIDES, tiny_llama
 # wider than TINY so the replicated norm scales stay well under 1% of the state
 MEM_CFG = dataclasses.replace(TINY, d_model=128, ffn_dim=384)
 
-MESHES = {"full_shard": dict(fsdp=8), "shard_grad_op": dict(fsdp=8), "shard_opt": dict(fsdp=8),
-          "no_shard": dict(fsdp=8), "hybrid_shard": dict(data=2, fsdp=4)}
+MESHES = {
+    "full_shard": dict(fsdp=8),
+    "shard_grad_op": dict(fsdp=8),
+    "shard_opt": dict(fsdp=8),
+    "no_shard": dict(fsdp=8),
+    "hybrid_shard": dict(data=2, fsdp=4),
+}
 
 
 def compile_step(strategy, optimizer, mesh_kw=None, remat="none", microbatches=1, cfg=TINY):
@@ -56,8 +61,9 @@ def test_full_shard_holds_one_eighth(compiled_adamw):
 def test_each_strategy_matches_the_textbook_split(compiled_adamw):
     m = compiled_adamw["no_shard"][3]
     p = tree_bytes(m.abstract_params)  # fp32 params, total
-    norms = tree_bytes([v for k, v in jax.tree_util.tree_flatten_with_path(m.abstract_params)[0]
-                        if "norm" in jax.tree_util.keystr(k)])  # replicated by the rules (norm -> None)
+    norms = tree_bytes(
+        [v for k, v in jax.tree_util.tree_flatten_with_path(m.abstract_params)[0] if "norm" in jax.tree_util.keystr(k)]
+    )  # replicated by the rules (norm -> None)
     expect = {  # (params, optimizer state = Adam mu + nu) per device, before the replicated norm scales
         "full_shard": ((p - norms) / 8, 2 * (p - norms) / 8),
         "shard_grad_op": ((p - norms) / 8, 2 * (p - norms) / 8),
@@ -115,17 +121,20 @@ def test_planner_counts_bf16_master_params_and_the_compiled_step_agrees():
     from fsdp_jax.app.config import load_config
     from fsdp_jax.app.fit.memory_model import analytic_memory
     from fsdp_jax.app.fit.step_build import build_step
+
     root = __import__("pathlib").Path(__file__).resolve().parents[1]
     out = {}
     for p in ("float32", "bfloat16"):
-        cfg = load_config(root / "configs" / "tiny.yaml",
-                          TINY_MODEL_OVERRIDES + [f"precision=params={p},compute=bfloat16"])
+        cfg = load_config(
+            root / "configs" / "tiny.yaml", TINY_MODEL_OVERRIDES + [f"precision=params={p},compute=bfloat16"]
+        )
         b = build_step(cfg, "full_shard")
         out[p] = (b, analytic_memory(b))
     (b16, a16), (_, a32) = out["bfloat16"], out["float32"]
     assert 2 * a16["params"] == a32["params"]
-    ints = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((b16.state.opt_state, b16.state.step))
-               if x.dtype.kind == "i")  # the step and optax's counts stay int32
+    ints = sum(
+        x.size * x.dtype.itemsize for x in jax.tree.leaves((b16.state.opt_state, b16.state.step)) if x.dtype.kind == "i"
+    )  # the step and optax's counts stay int32
     assert ints < 64 and 2 * (a16["optimizer"] - ints) == a32["optimizer"] - ints
     assert {x.dtype.name for x in jax.tree.leaves(b16.state.params)} == {"bfloat16"}
     mem = compiled_memory(b16.compile())

@@ -24,12 +24,15 @@ def test_mesh_fills_minus_one():
         fj.make_mesh(fsdp=8, axis_types="manual")
 
 
-@pytest.mark.parametrize("sizes, words", [
-    ((3, -1, 1), ["data=3", "8 devices", "not divisible"]),
-    ((2, 2, 1), ["multiply to 4", "8 devices"]),
-    ((-1, -1, 1), ["at most one axis may be -1"]),
-    ((0, 8, 1), ["positive"]),
-])
+@pytest.mark.parametrize(
+    "sizes, words",
+    [
+        ((3, -1, 1), ["data=3", "8 devices", "not divisible"]),
+        ((2, 2, 1), ["multiply to 4", "8 devices"]),
+        ((-1, -1, 1), ["at most one axis may be -1"]),
+        ((0, 8, 1), ["positive"]),
+    ],
+)
 def test_mesh_errors_name_sizes_and_count(sizes, words):
     with pytest.raises(fj.MeshError) as e:
         fj.make_mesh(*sizes)
@@ -49,7 +52,9 @@ def test_logical_to_spec_first_dim_wins_and_fsdp_expands():
 def test_fallback_largest_divisible_dim_and_threshold():
     mesh = fj.make_mesh(fsdp=8)
     assert decide_leaf((100, 512), None, mesh) == (
-        P(None, "fsdp"), (Note(Why.FALLBACK, dim=1, size=512, axes=("fsdp",), n=8),))
+        P(None, "fsdp"),
+        (Note(Why.FALLBACK, dim=1, size=512, axes=("fsdp",), n=8),),
+    )
     row, _ = plan_leaf("w", (1024, 36), "float32", None, mesh)
     assert row.spec == P("fsdp", None)
     assert row.bytes_per_device == 1024 * 36 * 4 // 8
@@ -57,8 +62,7 @@ def test_fallback_largest_divisible_dim_and_threshold():
     spec, notes = decide_leaf((8, 4096), None, mesh, min_shard_size=10**9)
     assert spec == P(None, None) and notes == (Note(Why.THRESHOLD, size=8 * 4096, limit=10**9),)
     assert decide_leaf((), None, mesh) == (P(), (Note(Why.SCALAR),))
-    assert decide_leaf((64, 512), None, fj.make_mesh(data=8, fsdp=1)) == (
-        P(None, None), (Note(Why.NO_SHARD_AXIS),))
+    assert decide_leaf((64, 512), None, fj.make_mesh(data=8, fsdp=1)) == (P(None, None), (Note(Why.NO_SHARD_AXIS),))
 
 
 def test_unshardable_leaf_is_reported_by_path_shape_and_axis_size():
@@ -95,8 +99,7 @@ def test_unknown_names_warn_once_with_the_rules_fix(names):
     """A model naming dims the table does not know (Gemma's sharding config names them
     after mesh axes) gets no tensor parallelism: make_plan says so, once, with the fix."""
     mesh = fj.make_mesh(fsdp=4, tensor=2)
-    params = {"a": jax.ShapeDtypeStruct((64, 256), jnp.float32),
-              "b": jax.ShapeDtypeStruct((256, 64), jnp.float32)}
+    params = {"a": jax.ShapeDtypeStruct((64, 256), jnp.float32), "b": jax.ShapeDtypeStruct((256, 64), jnp.float32)}
     axes_ = {"a": names, "b": names[::-1]}
     with pytest.warns(fj.UnknownNamesWarning) as rec:
         plan = fj.make_plan(params, optax.sgd(0.1), mesh, "full_shard", axes_)
@@ -115,20 +118,27 @@ def test_fewer_names_than_dims_leave_trailing_dims_unsharded():
     mesh = fj.make_mesh(fsdp=4, tensor=2)
     spec, notes = decide_leaf((64, 4, 16), ("embed", "heads"), mesh)
     assert spec == P("fsdp", "tensor", None)
-    assert notes == (Note(Why.LOGICAL, mapped=(("embed", ("fsdp",)), ("heads", ("tensor",)))),
-                     Note(Why.UNNAMED_TRAILING, dims=(2,)))
+    assert notes == (
+        Note(Why.LOGICAL, mapped=(("embed", ("fsdp",)), ("heads", ("tensor",)))),
+        Note(Why.UNNAMED_TRAILING, dims=(2,)),
+    )
     with pytest.raises(fj.ShardingError, match=r"w: logical names .* 3 entries .* 2 dims"):
         plan_leaf("w", (64, 16), "float32", ("embed", "heads", "kv"), mesh)
 
 
 def test_explain_rows_carry_everything():
     mesh = fj.make_mesh(fsdp=8)
-    rows = fj.explain({"w": jax.ShapeDtypeStruct((64, 256), jnp.bfloat16)}, mesh,
-                      logical_axes={"w": ("embed", "mlp")})
+    rows = fj.explain({"w": jax.ShapeDtypeStruct((64, 256), jnp.bfloat16)}, mesh, logical_axes={"w": ("embed", "mlp")})
     d = rows[0].as_dict()
-    assert d == {"path": "w", "shape": [64, 256], "dtype": "bfloat16", "spec": "P(fsdp, None)",
-                 "bytes_per_device": 64 * 256 * 2 // 8, "total_bytes": 64 * 256 * 2,
-                 "reason": rows[0].reason}
+    assert d == {
+        "path": "w",
+        "shape": [64, 256],
+        "dtype": "bfloat16",
+        "spec": "P(fsdp, None)",
+        "bytes_per_device": 64 * 256 * 2 // 8,
+        "total_bytes": 64 * 256 * 2,
+        "reason": rows[0].reason,
+    }
     assert rows[0].notes == (Note(Why.LOGICAL, mapped=(("embed", ("fsdp",)),)),)
     assert set(fj.reasons.PROSE) == set(Why)  # every kind of reason has prose
 
@@ -147,10 +157,15 @@ def test_sufficiently_sharded_check():
         assert fj.check_sufficiently_sharded(rows, ("fsdp",), mesh) == pytest.approx(0.111, abs=1e-3)
     s = fj.rules.summarize(rows, ("fsdp",), mesh)
     assert (s.total_bytes, s.replicated_bytes, s.bytes_per_device) == (
-        (64 * 512 + 4096) * 4, 4096 * 4, 64 * 512 * 4 // 8 + 4096 * 4)
+        (64 * 512 + 4096) * 4,
+        4096 * 4,
+        64 * 512 * 4 // 8 + 4096 * 4,
+    )
     # large replicated bytes (abstract: nothing allocated) still fail at the default floor
-    big = {"w": jax.ShapeDtypeStruct((4096, 8192), jnp.float32),
-           "big_norm": jax.ShapeDtypeStruct((2**23,), jnp.float32)}
+    big = {
+        "w": jax.ShapeDtypeStruct((4096, 8192), jnp.float32),
+        "big_norm": jax.ShapeDtypeStruct((2**23,), jnp.float32),
+    }
     with pytest.raises(fj.ShardingError, match="big_norm"):
         fj.check_sufficiently_sharded(fj.explain(big, mesh, axes_), ("fsdp",), mesh)
 
@@ -174,14 +189,18 @@ def test_logical_axes_from_nnx_and_linen():
             w = self.param("w", nn.with_logical_partitioning(nn.initializers.normal(), ("embed", "mlp")), (4, 8))
             b = self.param("b", nn.initializers.zeros, (8,))
             return x @ w + b
+
     variables = jax.eval_shape(Lin().init, jax.random.key(0), jnp.ones((1, 4)))
     values, names = fj.logical_axes_of(variables)
     assert names["params"]["w"] == ("embed", "mlp") and names["params"]["b"] is None
     assert values["params"]["w"].shape == (4, 8)
 
     with nnx.use_eager_sharding(False):
-        m = nnx.eval_shape(lambda: nnx.Linear(4, 8, kernel_init=nnx.with_partitioning(
-            nnx.initializers.normal(), ("embed", "mlp")), rngs=nnx.Rngs(0)))
+        m = nnx.eval_shape(
+            lambda: nnx.Linear(
+                4, 8, kernel_init=nnx.with_partitioning(nnx.initializers.normal(), ("embed", "mlp")), rngs=nnx.Rngs(0)
+            )
+        )
     _, names = fj.logical_axes_of(nnx.state(m, nnx.Param))
     flat = jax.tree.leaves(names, is_leaf=lambda x: x is None or isinstance(x, tuple))
     assert ("embed", "mlp") in flat and None in flat
@@ -200,7 +219,11 @@ def test_strategy_lookup_and_aliases():
 def test_precision_and_remat_parse():
     p = fj.Policy.parse("params=float32,compute=bfloat16")
     assert (p.param_dtype, p.compute_dtype, p.reduce_dtype, p.output_dtype) == (
-        np.dtype("float32"), jnp.bfloat16, np.dtype("float32"), np.dtype("float32"))
+        np.dtype("float32"),
+        jnp.bfloat16,
+        np.dtype("float32"),
+        np.dtype("float32"),
+    )
     assert fj.Policy.parse(str(p)) == p
     assert fj.Policy.parse("bf16").compute_dtype == jnp.bfloat16
     with pytest.raises(ValueError, match="unknown field 'comp'"):

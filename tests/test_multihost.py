@@ -16,8 +16,9 @@ LAUNCH = [sys.executable, str(ROOT / "scripts" / "launch_local.py")]
 
 
 def launch(*args, timeout=180, env=None):
-    return subprocess.run([*LAUNCH, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env=dict(os.environ, **(env or {})))
+    return subprocess.run(
+        [*LAUNCH, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=dict(os.environ, **(env or {}))
+    )
 
 
 GLOBAL_MESH = textwrap.dedent("""
@@ -52,13 +53,15 @@ def test_two_processes_form_one_hybrid_mesh(tmp_path):
 @pytest.mark.slow
 def test_launcher_fails_fast_when_one_process_dies(tmp_path):
     script = tmp_path / "die.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import os, sys, time
         if os.environ["FSDP_JAX_PROCESS_ID"] == "1":
             time.sleep(1)
             os.kill(os.getpid(), 9)
         time.sleep(300)   # process 0 would hang forever waiting for its peer
-    """))
+    """)
+    )
     t = time.monotonic()
     r = launch("--processes", "2", "--grace", "5", "--", sys.executable, str(script), timeout=90)
     assert r.returncode != 0
@@ -68,6 +71,7 @@ def test_launcher_fails_fast_when_one_process_dies(tmp_path):
 
 def test_distributed_settings_must_be_complete():
     from fsdp_jax.distributed import detected_cluster, maybe_initialize
+
     with pytest.raises(ValueError, match="set coordinator, num_processes and process_id together"):
         maybe_initialize(coordinator="127.0.0.1:1234", environ={})
     assert maybe_initialize(environ={}) == "single"
@@ -80,14 +84,21 @@ TINY = TINY_RUN_OVERRIDES + ["train.checkpoint_every=0", "train.steps=5"]
 
 
 def train_args(corpus, run_dir, *extra):
-    return ["--config", "configs/tiny.yaml", "--no-progress", *TINY, f"data.path={corpus}", f"run_dir={run_dir}",
-            *extra]
+    return [
+        "--config",
+        "configs/tiny.yaml",
+        "--no-progress",
+        *TINY,
+        f"data.path={corpus}",
+        f"run_dir={run_dir}",
+        *extra,
+    ]
 
 
 def losses(run_dir):
     import json
-    return [r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-            if "loss" in r]
+
+    return [r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
 
 
 @pytest.mark.slow
@@ -107,8 +118,17 @@ def test_two_processes_train_like_one_and_checkpoints_move_between_process_count
 
     rc, _, err = call("train", *train_args(corpus, tmp_path / "one"), capsys=capsys)
     assert rc == 0, err[-2000:]
-    two = launch("--processes", "2", "--devices-per-process", "4", "--", sys.executable,
-                 str(ROOT / "scripts" / "train.py"), *train_args(corpus, tmp_path / "two"), timeout=300)
+    two = launch(
+        "--processes",
+        "2",
+        "--devices-per-process",
+        "4",
+        "--",
+        sys.executable,
+        str(ROOT / "scripts" / "train.py"),
+        *train_args(corpus, tmp_path / "two"),
+        timeout=300,
+    )
     assert two.returncode == 0, two.stdout[-3000:]
     assert "[0] fsdp_jax:" in two.stdout and "[1] fsdp_jax:" not in two.stdout  # process 0 prints
     np.testing.assert_allclose(losses(tmp_path / "two"), losses(tmp_path / "one"), rtol=1e-5)
@@ -121,8 +141,7 @@ def test_two_processes_train_like_one_and_checkpoints_move_between_process_count
     opt, _ = build_optimizer(cfg.optimizer, cfg.train.steps)
     restored = []
     for devices in (jax.devices(), jax.devices()[:4]):
-        plan = make_plan(model.abstract_params, opt, make_mesh(devices=devices), "full_shard",
-                         model.logical_axes)
+        plan = make_plan(model.abstract_params, opt, make_mesh(devices=devices), "full_shard", model.logical_axes)
         state, _ = ck.restore(tmp_path / "two" / "checkpoints", abstract_state(plan, model.abstract_params, opt))
         restored.append(jax.tree.map(np.asarray, state.params))
     for a, b in zip(jax.tree.leaves(restored[0]), jax.tree.leaves(restored[1])):

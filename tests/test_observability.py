@@ -25,10 +25,21 @@ from fsdp_jax.perf import memory_excess
 from helpers import call, one_line, synthetic_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
-        "model.ffn_dim=128", "model.max_seq_len=32", "data.seq_len=32", "train.global_batch=16",
-        "train.eval_every=0", "train.sample_tokens=0", "train.checkpoint_every=0",
-        "data.source=none", "optimizer.warmup_steps=2"]
+TINY = [
+    "model.d_model=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.ffn_dim=128",
+    "model.max_seq_len=32",
+    "data.seq_len=32",
+    "train.global_batch=16",
+    "train.eval_every=0",
+    "train.sample_tokens=0",
+    "train.checkpoint_every=0",
+    "data.source=none",
+    "optimizer.warmup_steps=2",
+]
 NAMED = [f"t_{k}_s" for k in timing.WINDOW if k != "other"]
 HAVE_WANDB = importlib.util.find_spec("wandb") is not None
 
@@ -55,17 +66,32 @@ class FakeClock:
 def test_timer_charges_time_to_the_current_category_and_windows_add_up():
     clock = FakeClock()
     t = timing.StepTimer(clock=clock)
-    clock.t += 1.0                 # other 1
-    t.switch("compile"); clock.t += 5.0
-    t.switch("data"); clock.t += 0.5
-    t.switch("device"); clock.t += 2.0
-    t.switch("other"); clock.t += 0.25
+    clock.t += 1.0  # other 1
+    t.switch("compile")
+    clock.t += 5.0
+    t.switch("data")
+    clock.t += 0.5
+    t.switch("device")
+    clock.t += 2.0
+    t.switch("other")
+    clock.t += 0.25
     w = t.window()
-    assert w == {"t_data_s": 0.5, "t_device_s": 2.0, "t_checkpoint_s": 0.0, "t_eval_s": 0.0,
-                 "t_compile_s": 5.0, "t_profile_s": 0.0, "t_log_s": 0.0, "t_other_s": 1.25, "t_wall_s": 8.75}
+    assert w == {
+        "t_data_s": 0.5,
+        "t_device_s": 2.0,
+        "t_checkpoint_s": 0.0,
+        "t_eval_s": 0.0,
+        "t_compile_s": 5.0,
+        "t_profile_s": 0.0,
+        "t_log_s": 0.0,
+        "t_other_s": 1.25,
+        "t_wall_s": 8.75,
+    }
     t.cut()
-    t.switch("checkpoint"); clock.t += 3.0
-    t.switch("eval"); clock.t += 1.0          # still running when the window is read
+    t.switch("checkpoint")
+    clock.t += 3.0
+    t.switch("eval")
+    clock.t += 1.0  # still running when the window is read
     w2 = t.window()
     assert w2["t_checkpoint_s"] == 3.0 and w2["t_eval_s"] == 1.0 and w2["t_compile_s"] == 0.0
     assert sum(w2[k] for k in w2 if k != "t_wall_s") == pytest.approx(w2["t_wall_s"]) == 4.0
@@ -131,15 +157,25 @@ def test_memory_excess_warns_only_above_ten_percent():
 
 def test_window_record_carries_device_memory_and_warns_once(monkeypatch):
     from fsdp_jax.app import metrics_log
+
     stats = {"bytes_in_use": 90 * 2**20, "peak_bytes_in_use": 130 * 2**20, "bytes_limit": 2**34}
     monkeypatch.setattr(metrics_log, "device_memory", lambda: stats)  # what a GPU reports
     warnings, clock = [], FakeClock()
     timer = timing.StepTimer(clock=clock)
-    w = metrics_log.LogWindow(0, schedule=lambda i: 1e-3, tokens_per_step=100, flops_per_token=6.0,
-                              peak_flops=None, n_devices=8, compiled_peak_bytes=100 * 2**20,
-                              timer=timer, warn=warnings.append)
+    w = metrics_log.LogWindow(
+        0,
+        schedule=lambda i: 1e-3,
+        tokens_per_step=100,
+        flops_per_token=6.0,
+        peak_flops=None,
+        n_devices=8,
+        compiled_peak_bytes=100 * 2**20,
+        timer=timer,
+        warn=warnings.append,
+    )
     for step in (1, 2):
-        timer.switch("device"); clock.t += 0.5
+        timer.switch("device")
+        clock.t += 0.5
         timer.switch("other")
         w.add(2.0, 1.0)
         rec = w.record(step)
@@ -188,8 +224,8 @@ def wandb_history(run_dir: Path, timeout_s: float = 60.0) -> dict[int, dict]:
             if block - pos % block < 7:  # block trailer padding
                 pos += block - pos % block
                 continue
-            _, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
-            buf, pos = buf + data[pos + 7:pos + 7 + n], pos + 7 + n
+            _, n, kind = struct.unpack("<IHB", data[pos : pos + 7])
+            buf, pos = buf + data[pos + 7 : pos + 7 + n], pos + 7 + n
             if kind in (1, 4):  # FULL or LAST
                 rec = pb.Record()
                 rec.ParseFromString(buf)
@@ -216,8 +252,11 @@ def test_wandb_sink_logs_the_same_records(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     log = MetricsLog(tmp_path, True, False, wandb={"project": "t", "name": "n", "config": {"a": 1}})
-    recs = [{"step": 1, "loss": 2.5, "mfu": None, "t_wall_s": 0.5}, {"step": 1, "val_loss": 2.25},
-            {"step": 3, "loss": 2.0, "mfu": None, "t_wall_s": 0.25}]
+    recs = [
+        {"step": 1, "loss": 2.5, "mfu": None, "t_wall_s": 0.5},
+        {"step": 1, "val_loss": 2.25},
+        {"step": 3, "loss": 2.0, "mfu": None, "t_wall_s": 0.25},
+    ]
     for r in recs:
         log.write(r)
     log.close()
@@ -241,8 +280,15 @@ def observed_run(tmp_path_factory):
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        cfg = tiny_cfg(f"data.path={corpus}", f"run_dir={run_dir}", "train.steps=8", "train.log_every=4",
-                       "train.checkpoint_every=4", "train.profile=2:4", f"logging.wandb={str(HAVE_WANDB).lower()}")
+        cfg = tiny_cfg(
+            f"data.path={corpus}",
+            f"run_dir={run_dir}",
+            "train.steps=8",
+            "train.log_every=4",
+            "train.checkpoint_every=4",
+            "train.profile=2:4",
+            f"logging.wandb={str(HAVE_WANDB).lower()}",
+        )
         t0 = time.perf_counter()
         summary = train(cfg, progress=False)
         wall = time.perf_counter() - t0
@@ -258,13 +304,14 @@ def test_injected_data_delay_shows_in_the_data_column_and_columns_add_up(observe
     windows = [r for r in records if "loss" in r]
     assert [r["step"] for r in windows] == [4, 8]
     for r in windows:
-        assert r["t_data_s"] >= 4 * DELAY_S            # 4 steps per window, each delayed
+        assert r["t_data_s"] >= 4 * DELAY_S  # 4 steps per window, each delayed
         named = sum(r[k] for k in NAMED)
         assert abs(named - r["t_wall_s"]) <= 0.05 * r["t_wall_s"], r
         assert named + r["t_other_s"] == pytest.approx(r["t_wall_s"])
         # step_time_s leaves out compile and profiler start/stop, so throughput is the loop's
-        assert r["step_time_s"] * 4 == pytest.approx(r["t_wall_s"] - r["t_compile_s"] - r["t_profile_s"]
-                                                     - r["t_eval_s"], rel=1e-6)
+        assert r["step_time_s"] * 4 == pytest.approx(
+            r["t_wall_s"] - r["t_compile_s"] - r["t_profile_s"] - r["t_eval_s"], rel=1e-6
+        )
     assert windows[0]["t_compile_s"] > 0 and windows[1]["t_compile_s"] == 0
     # the data stall is the delay, not the device: the first window without compile
     assert windows[1]["t_data_s"] < 4 * DELAY_S + 0.5 * windows[1]["t_wall_s"]
@@ -303,14 +350,29 @@ def test_wandb_offline_history_equals_metrics_jsonl(observed_run):
     assert wandb_history(run_dir) == merged_by_step(records)
 
 
-@pytest.mark.parametrize("args,key", [(["train.profile=4:2"], "train.profile"),
-                                      (["train.profile=0:1"], "train.profile"),
-                                      ([], timing.INJECT_DATA_DELAY_ENV)])
+@pytest.mark.parametrize(
+    "args,key",
+    [
+        (["train.profile=4:2"], "train.profile"),
+        (["train.profile=0:1"], "train.profile"),
+        ([], timing.INJECT_DATA_DELAY_ENV),
+    ],
+)
 def test_cli_bad_profile_or_delay_exits_2_writing_nothing(tmp_path, args, key, capsys):
     corpus = synthetic_corpus(tmp_path / "corpus")
     env = {key: "-3"} if key == timing.INJECT_DATA_DELAY_ENV else {}
-    rc, _, err = call("train", "--config", "configs/tiny.yaml", "--no-progress", *TINY, f"data.path={corpus}",
-                      f"run_dir={tmp_path / 'run'}", *args, capsys=capsys, env=env)
+    rc, _, err = call(
+        "train",
+        "--config",
+        "configs/tiny.yaml",
+        "--no-progress",
+        *TINY,
+        f"data.path={corpus}",
+        f"run_dir={tmp_path / 'run'}",
+        *args,
+        capsys=capsys,
+        env=env,
+    )
     assert one_line(rc, err).startswith(f"error: {key}: ")
     assert not (tmp_path / "run").exists()
 
@@ -321,12 +383,32 @@ def test_cli_bad_profile_or_delay_exits_2_writing_nothing(tmp_path, args, key, c
 def test_plot_shows_the_breakdown_and_goodput(tmp_path):
     from fsdp_jax.app import metrics_plot as plot_metrics
     from fsdp_jax.app.cli import plot as plot_command
-    recs = [{"step": s, "loss": 3.0 - s / 10, "tokens_per_s": 100.0, "t_data_s": 0.1, "t_device_s": 0.8,
-             "t_checkpoint_s": 0.0, "t_eval_s": 0.05, "t_compile_s": 2.0 if s == 2 else 0.0,
-             "t_profile_s": 0.0, "t_other_s": 0.05, "t_wall_s": 1.0 + (2.0 if s == 2 else 0.0)}
-            for s in (2, 4)]
-    recs.append({"step": 4, "goodput": 0.4, "total_wall_s": 4.0, "total_device_s": 1.6,
-                 **{f"total_{k}_s": 0.4 for k in timing.RUN if k != "device"}})
+
+    recs = [
+        {
+            "step": s,
+            "loss": 3.0 - s / 10,
+            "tokens_per_s": 100.0,
+            "t_data_s": 0.1,
+            "t_device_s": 0.8,
+            "t_checkpoint_s": 0.0,
+            "t_eval_s": 0.05,
+            "t_compile_s": 2.0 if s == 2 else 0.0,
+            "t_profile_s": 0.0,
+            "t_other_s": 0.05,
+            "t_wall_s": 1.0 + (2.0 if s == 2 else 0.0),
+        }
+        for s in (2, 4)
+    ]
+    recs.append(
+        {
+            "step": 4,
+            "goodput": 0.4,
+            "total_wall_s": 4.0,
+            "total_device_s": 1.6,
+            **{f"total_{k}_s": 0.4 for k in timing.RUN if k != "device"},
+        }
+    )
     fractions = plot_metrics.time_fractions([r for r in recs if "loss" in r])
     for i in range(2):
         assert sum(f[i] for f in fractions.values()) == pytest.approx(1.0)

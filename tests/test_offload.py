@@ -22,8 +22,7 @@ from helpers import token_batches as _token_batches
 ROOT = Path(__file__).resolve().parents[1]
 
 # smaller than helpers.TINY: these tests compile many steps on a shared CPU
-CFG = LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=64,
-                  max_seq_len=16)
+CFG = LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=64, max_seq_len=16)
 
 
 def tiny_llama(remat="none"):
@@ -35,8 +34,13 @@ def token_batches(n, batch=8):
 
 
 OPTIMIZERS = {"sgd": lambda: optax.sgd(0.5, momentum=0.9), "adamw": lambda: optax.adamw(1e-3)}
-STRATEGY_MESH = {"full_shard": dict(fsdp=8), "shard_grad_op": dict(fsdp=8), "shard_opt": dict(fsdp=8),
-                 "no_shard": dict(fsdp=8), "hybrid_shard": dict(data=2, fsdp=4)}
+STRATEGY_MESH = {
+    "full_shard": dict(fsdp=8),
+    "shard_grad_op": dict(fsdp=8),
+    "shard_opt": dict(fsdp=8),
+    "no_shard": dict(fsdp=8),
+    "hybrid_shard": dict(data=2, fsdp=4),
+}
 
 
 def kinds(tree) -> set[str]:
@@ -45,8 +49,15 @@ def kinds(tree) -> set[str]:
 
 def run(offload, opt="adamw", strategy="full_shard", n=3, remat="none", batch=8, **step_kw):
     m, loss_fn = tiny_llama(remat=remat)
-    b = build(m, OPTIMIZERS[opt](), fj.make_mesh(**STRATEGY_MESH[strategy]), strategy,
-              loss_fn=loss_fn, offload=offload, **step_kw)
+    b = build(
+        m,
+        OPTIMIZERS[opt](),
+        fj.make_mesh(**STRATEGY_MESH[strategy]),
+        strategy,
+        loss_fn=loss_fn,
+        offload=offload,
+        **step_kw,
+    )
     state = b.init_state(jax.random.key(0))
     metrics = []
     for x in token_batches(n, batch):
@@ -65,6 +76,7 @@ def baseline():
         if key not in cache:
             cache[key] = run("none", opt, **kw)
         return cache[key]
+
     return get
 
 
@@ -99,8 +111,7 @@ def test_grad_accumulation_and_clipping_hold(baseline):
     _, state, metrics = run("optimizer+params", "adamw", **kw)
     assert all(m["grad_norm"] > 0.05 for m in metrics)  # clipping was active on every step
     assert max_abs_diff(state.params, ref_state.params) < 1e-6
-    np.testing.assert_allclose([m["grad_norm"] for m in metrics], [m["grad_norm"] for m in ref_metrics],
-                               rtol=1e-6)
+    np.testing.assert_allclose([m["grad_norm"] for m in metrics], [m["grad_norm"] for m in ref_metrics], rtol=1e-6)
 
 
 @pytest.mark.slow
@@ -127,10 +138,11 @@ def test_compiled_device_argument_bytes_drop_by_offloaded_state(offload):
             assert ma.host_argument_size_in_bytes == args[o]["host"]
     abstract = b.abstract_state
     # the offloaded state's per-device bytes, from the shardings alone
-    expected = sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
-                   for part in ((abstract.params, abstract.opt_state) if offload == "optimizer+params"
-                                else (abstract.opt_state,))
-                   for x in jax.tree.leaves(part))
+    expected = sum(
+        int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
+        for part in ((abstract.params, abstract.opt_state) if offload == "optimizer+params" else (abstract.opt_state,))
+        for x in jax.tree.leaves(part)
+    )
     assert expected > 0
     assert args["none"]["host"] == 0
     assert args[offload]["host"] == expected
@@ -178,11 +190,11 @@ def test_eval_step_and_placement_with_offloaded_params():
 
 def test_checkpoints_restore_across_offload_settings(tmp_path):
     from fsdp_jax.checkpoint import Checkpointer
+
     m, loss_fn = tiny_llama()
     mesh = fj.make_mesh(fsdp=8)
     batches = token_batches(3)
-    B = {o: build(m, optax.adamw(1e-3), mesh, "full_shard", loss_fn=loss_fn, offload=o)
-         for o in ol.OFFLOADS}
+    B = {o: build(m, optax.adamw(1e-3), mesh, "full_shard", loss_fn=loss_fn, offload=o) for o in ol.OFFLOADS}
     # reference: three steps without offload
     ref = B["none"].init_state(jax.random.key(0))
     for x in batches:
@@ -207,6 +219,7 @@ def test_checkpoints_restore_across_offload_settings(tmp_path):
 
 
 # ---- bad input -----------------------------------------------------------------------
+
 
 def test_unknown_offload_name_lists_choices():
     with pytest.raises(ol.OffloadError, match=r"'gpu'.*none, optimizer, optimizer\+params"):
@@ -237,6 +250,7 @@ def test_probe_rejects_devices_without_pinned_host():
 
     class Old:  # a device from a jax without memories
         platform = "fake"
+
     assert ol.host_memory_available(jax.devices())  # CPU has pinned_host
     assert not ol.host_memory_available([NoHost()])
     assert not ol.host_memory_available([Old()])
@@ -244,12 +258,12 @@ def test_probe_rejects_devices_without_pinned_host():
         ol.check_supported("optimizer", [NoHost()])
 
 
-@pytest.mark.parametrize("override,key", [("offload=optimizer", "offload"),
-                                          ("remat=offload_attn_mlp_out", "remat")])
+@pytest.mark.parametrize("override,key", [("offload=optimizer", "offload"), ("remat=offload_attn_mlp_out", "remat")])
 def test_trainer_config_without_host_memory_is_bad_input(override, key, monkeypatch, capsys):
     from fsdp_jax.app.cli import BAD_INPUT, fail
     from fsdp_jax.app.config import ConfigError, config_from_dict
     from fsdp_jax.app.loop import check_offload
+
     k, v = override.split("=")
     cfg = config_from_dict({k: v})
     check_offload(cfg)  # fine on CPU
@@ -265,23 +279,29 @@ def test_trainer_config_without_host_memory_is_bad_input(override, key, monkeypa
 @pytest.mark.parametrize("value", ["gpu", "params", "", "Optimizer+Params+Activations"])
 def test_config_rejects_unknown_offload(value):
     from fsdp_jax.app.config import ConfigError, config_from_dict
+
     with pytest.raises(ConfigError, match=r"offload.*allowed: none, optimizer, optimizer\+params"):
         config_from_dict({"offload": value})
 
 
 # ---- planner -------------------------------------------------------------------------
 
+
 def test_planner_host_bytes_analytic_equal_compiled():
     """The planner's analytic host bytes (from the sharding plan) equal the compiled
     program's host-resident argument bytes (from its parameter layouts)."""
     from fsdp_jax.app.config import config_from_dict
     from fsdp_jax.app.fit.estimate import plan_strategy
-    model = {k: getattr(CFG, k) for k in ("vocab_size", "d_model", "n_layers", "n_heads",
-                                          "n_kv_heads", "ffn_dim", "max_seq_len")}
+
+    model = {
+        k: getattr(CFG, k)
+        for k in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len")
+    }
     out = {}
     for o in ("none", "optimizer+params"):
-        cfg = config_from_dict({"model": model, "data": {"seq_len": 16}, "remat": "none",
-                                "train": {"global_batch": 8}, "offload": o})
+        cfg = config_from_dict(
+            {"model": model, "data": {"seq_len": 16}, "remat": "none", "train": {"global_batch": 8}, "offload": o}
+        )
         out[o] = plan_strategy(cfg, "full_shard", jax.devices()[:8])
     a, c = out["optimizer+params"]["analytic"], out["optimizer+params"]["compiled"]
     assert a["host"] > 0 and a["host"] == c["host_argument"]
@@ -295,12 +315,14 @@ def test_planner_host_bytes_analytic_equal_compiled():
 
 def test_plan_script_rejects_bad_offload(capsys):
     for bad in ("gpu", "none,params", ""):
-        rc, _, err = call("plan", "--config", ROOT / "configs" / "tiny.yaml", "--devices", "8", "--offload", bad,
-                          capsys=capsys)
+        rc, _, err = call(
+            "plan", "--config", ROOT / "configs" / "tiny.yaml", "--devices", "8", "--offload", bad, capsys=capsys
+        )
         assert rc == 2 and err.count("\n") == 1 and "--offload" in err and "optimizer+params" in err
 
 
 # ---- the trainer -----------------------------------------------------------------------
+
 
 @pytest.mark.slow
 def test_trainer_offloaded_run_resumes_without_offload(corpus, tmp_path):
@@ -308,15 +330,30 @@ def test_trainer_offloaded_run_resumes_without_offload(corpus, tmp_path):
     included), then the same run resumed with offload=none from its checkpoint."""
     from fsdp_jax.app.config import load_config
     from fsdp_jax.app.loop import train
-    base = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=1",
-            "model.ffn_dim=64", "model.max_seq_len=16", "data.seq_len=16", "train.global_batch=8",
-            "train.eval_every=2", "train.eval_batches=1", "train.sample_tokens=4", "train.log_every=1",
-            "train.checkpoint_every=2", "data.source=none", f"data.path={corpus}",
-            f"run_dir={tmp_path / 'run'}"]
+
+    base = [
+        "model.d_model=32",
+        "model.n_layers=2",
+        "model.n_heads=2",
+        "model.n_kv_heads=1",
+        "model.ffn_dim=64",
+        "model.max_seq_len=16",
+        "data.seq_len=16",
+        "train.global_batch=8",
+        "train.eval_every=2",
+        "train.eval_batches=1",
+        "train.sample_tokens=4",
+        "train.log_every=1",
+        "train.checkpoint_every=2",
+        "data.source=none",
+        f"data.path={corpus}",
+        f"run_dir={tmp_path / 'run'}",
+    ]
 
     def go(offload, steps):
         cfg = load_config(ROOT / "configs" / "tiny.yaml", base + [f"offload={offload}", f"train.steps={steps}"])
         return train(cfg, progress=False)
+
     first = go("optimizer+params", 2)
     assert kinds(first["run"].state.params) == {ol.HOST} and "sample" in first
     resumed = go("none", 4)
@@ -325,8 +362,9 @@ def test_trainer_offloaded_run_resumes_without_offload(corpus, tmp_path):
     assert np.isfinite(resumed["val_loss"])
 
 
-@pytest.mark.parametrize("args,needle", [(["--rounds", "0"], "--rounds"), (["offload=gpu"], "offload"),
-                                         (["--strategy", "zero9"], "zero9")])
+@pytest.mark.parametrize(
+    "args,needle", [(["--rounds", "0"], "--rounds"), (["offload=gpu"], "offload"), (["--strategy", "zero9"], "zero9")]
+)
 def test_bench_offload_bad_input_exits_2(args, needle, capsys):
     assert script("bench_offload").main(["--config", str(ROOT / "configs" / "tiny.yaml"), *args]) == 2
     err = capsys.readouterr().err
@@ -336,11 +374,32 @@ def test_bench_offload_bad_input_exits_2(args, needle, capsys):
 @pytest.mark.slow
 def test_bench_offload_json(capsys):
     import json
-    assert script("bench_offload").main(["--config", str(ROOT / "configs" / "tiny.yaml"), "--rounds", "1", "--steps", "1",
-                     "--json", "model.d_model=32", "model.n_layers=1", "model.n_heads=2",
-                     "model.n_kv_heads=1", "model.ffn_dim=64", "model.max_seq_len=16",
-                     "data.seq_len=16", "train.global_batch=8"]) == 0
+
+    assert (
+        script("bench_offload").main(
+            [
+                "--config",
+                str(ROOT / "configs" / "tiny.yaml"),
+                "--rounds",
+                "1",
+                "--steps",
+                "1",
+                "--json",
+                "model.d_model=32",
+                "model.n_layers=1",
+                "model.n_heads=2",
+                "model.n_kv_heads=1",
+                "model.ffn_dim=64",
+                "model.max_seq_len=16",
+                "data.seq_len=16",
+                "train.global_batch=8",
+            ]
+        )
+        == 0
+    )
     doc = json.loads(capsys.readouterr().out)
     r = doc["results"]
     assert set(r) == set(ol.OFFLOADS) and r["none"]["ratio_to_none"] == 1.0
-    assert r["none"]["to_device_bytes"] == 0 < r["optimizer"]["to_device_bytes"] < r["optimizer+params"]["to_device_bytes"]
+    assert (
+        r["none"]["to_device_bytes"] == 0 < r["optimizer"]["to_device_bytes"] < r["optimizer+params"]["to_device_bytes"]
+    )

@@ -12,8 +12,9 @@ from fsdp_jax.app.packing import batch_from_rows, pack
 
 @pytest.mark.parametrize("scan, remat", [(True, "none"), (False, "dots")])
 def test_packed_logits_equal_examples_run_alone(scan, remat):
-    cfg = LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64,
-                      max_seq_len=32, scan_layers=scan)
+    cfg = LlamaConfig(
+        vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32, scan_layers=scan
+    )
     with nnx.use_eager_sharding(False):
         model = Llama(cfg, rngs=nnx.Rngs(0), remat=remat)
     rng = np.random.default_rng(1)
@@ -21,8 +22,7 @@ def test_packed_logits_equal_examples_run_alone(scan, remat):
     examples = [(rng.integers(0, 64, n), np.ones(n, np.uint8)) for n in lengths]
     tok, msk, seg = pack(examples, 32)
     b = batch_from_rows(tok, msk, seg)
-    packed = np.asarray(model(jnp.asarray(b["inputs"]), jnp.asarray(b["segment_ids"]),
-                              jnp.asarray(b["positions"])))
+    packed = np.asarray(model(jnp.asarray(b["inputs"]), jnp.asarray(b["segment_ids"]), jnp.asarray(b["positions"])))
     worst = 0.0
     for r in range(len(tok)):
         for s in range(1, seg[r].max() + 1):

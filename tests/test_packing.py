@@ -18,6 +18,7 @@ CHAT = ROOT / "tests" / "golden" / "chat"
 def prep_script():
     """`fsdp-jax prepare` (scripts/prepare_data.py is a shim over it)."""
     from fsdp_jax.app.cli import prepare
+
     return prepare
 
 
@@ -39,8 +40,7 @@ def test_best_fit_fills_rows_on_a_ragged_set():
 
 
 def test_pack_segments_positions_and_targets_stay_in_their_example():
-    ex = [(np.arange(10, 15), np.array([0, 0, 1, 1, 1], np.uint8)),
-          (np.arange(20, 23), np.array([0, 1, 1], np.uint8))]
+    ex = [(np.arange(10, 15), np.array([0, 0, 1, 1, 1], np.uint8)), (np.arange(20, 23), np.array([0, 1, 1], np.uint8))]
     tok, msk, seg = packing.pack(ex, 10)
     assert tok.tolist() == [[10, 11, 12, 13, 14, 20, 21, 22, 0, 0]]
     assert seg.tolist() == [[1, 1, 1, 1, 1, 2, 2, 2, 0, 0]]
@@ -51,8 +51,7 @@ def test_pack_segments_positions_and_targets_stay_in_their_example():
     assert b["weights"].tolist() == [[0, 1, 1, 1, 0, 1, 1, 0, 0, 0]]
 
 
-@pytest.mark.parametrize("overflow, rows, truncated, split, dropped", [
-    ("truncate", 1, 1, 0, 6), ("split", 2, 0, 1, 0)])
+@pytest.mark.parametrize("overflow, rows, truncated, split, dropped", [("truncate", 1, 1, 0, 6), ("split", 2, 0, 1, 0)])
 def test_overflow_is_counted(overflow, rows, truncated, split, dropped):
     stats = packing.PackStats()
     pieces = packing.cut(np.arange(16), np.ones(16, np.uint8), 10, overflow, stats)
@@ -75,8 +74,9 @@ def chats(path: Path, n: int, seed: int = 0) -> Path:
         for i in range(n):
             q = " ".join(rng.choice(words, int(rng.integers(1, 12))))
             a = " ".join(rng.choice(words, int(rng.integers(1, 20))))
-            f.write(json.dumps({"messages": [{"role": "user", "content": q},
-                                             {"role": "assistant", "content": a}]}) + "\n")
+            f.write(
+                json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}) + "\n"
+            )
     return path
 
 
@@ -88,8 +88,10 @@ def test_prepare_examples_round_trip_and_efficiency(tmp_path):
     assert meta["max_token_id"] < meta["vocab_size"] and meta["examples"] == 1500
     assert meta["train_rows"] > 0 and meta["val_rows"] > 0
     # every example lands in exactly one row of one split
-    segs = sum(int(np.fromfile(tmp_path / "o" / f"{s}.seg.bin", np.uint16).reshape(-1, 512).max(1).sum())
-               for s in ("train", "val"))
+    segs = sum(
+        int(np.fromfile(tmp_path / "o" / f"{s}.seg.bin", np.uint16).reshape(-1, 512).max(1).sum())
+        for s in ("train", "val")
+    )
     assert segs == 1500
     ev = packed_eval_batches(tmp_path / "o", 4, 1000)
     assert sum(int(b["weights"].sum()) for b in ev) == meta["val_trained_tokens"]
@@ -120,37 +122,59 @@ def test_order_is_a_pure_function_of_seed_and_step(tmp_path, procs):
 def test_prepare_bad_input_table(tmp_path, capsys):
     prep = prep_script()
     tpl_bad = tmp_path / "bad.jinja"
-    tpl_bad.write_text("{{ raise_exception('no system messages here') if messages[0].role == 'system' }}"
-                       "{% for m in messages %}{{ m.content }}{% endfor %}")
-    good = json.dumps({"messages": [{"role": "user", "content": "hi"},
-                                    {"role": "assistant", "content": "hello"}]})
+    tpl_bad.write_text(
+        "{{ raise_exception('no system messages here') if messages[0].role == 'system' }}"
+        "{% for m in messages %}{{ m.content }}{% endfor %}"
+    )
+    good = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]})
     empty = json.dumps({"messages": [{"role": "user", "content": "hi"}]})  # no assistant turn
     cases = [
         ("notjson", [good, "{not json"], [], ":2: not JSON"),
         ("norole", [good, json.dumps({"messages": [{"content": "x"}]})], [], ":2: message 0 needs"),
         ("nocontent", [json.dumps({"messages": [{"role": "user"}]})], [], ":1: message 0 needs"),
-        ("role", [good, good, json.dumps({"messages": [{"role": "bot", "content": "x"}]})], [],
-         ":3: message 0 has unknown role 'bot'"),
-        ("render", [good, json.dumps({"messages": [{"role": "system", "content": "s"},
-                                                   {"role": "assistant", "content": "a"}]})],
-         ["--chat-template", str(tpl_bad)], ":2: the chat template fails to render"),
-        ("allempty", [empty, empty, json.dumps({"messages": [{"role": "system", "content": "s"},
-                                                             {"role": "user", "content": "u"}]})], [],
-         "no example has anything to train on: 3 of 3 examples have an empty loss mask (first: "),
+        (
+            "role",
+            [good, good, json.dumps({"messages": [{"role": "bot", "content": "x"}]})],
+            [],
+            ":3: message 0 has unknown role 'bot'",
+        ),
+        (
+            "render",
+            [
+                good,
+                json.dumps({"messages": [{"role": "system", "content": "s"}, {"role": "assistant", "content": "a"}]}),
+            ],
+            ["--chat-template", str(tpl_bad)],
+            ":2: the chat template fails to render",
+        ),
+        (
+            "allempty",
+            [
+                empty,
+                empty,
+                json.dumps({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]}),
+            ],
+            [],
+            "no example has anything to train on: 3 of 3 examples have an empty loss mask (first: ",
+        ),
         ("instruction", [json.dumps({"prompt": 1, "completion": "x"})], [], ":1: an instruction needs"),
     ]
     for name, lines, extra, want in cases:
         src = tmp_path / f"{name}.jsonl"
         src.write_text("\n".join(lines) + "\n")
         out = tmp_path / f"out_{name}"
-        rc = prep.main(["--out", str(out), str(src), "--pack", "64", "--no-progress",
-                        "--tokenizer", str(CHAT / "llama2"), *extra])
+        rc = prep.main(
+            ["--out", str(out), str(src), "--pack", "64", "--no-progress", "--tokenizer", str(CHAT / "llama2"), *extra]
+        )
         err = capsys.readouterr().err
         assert rc == 2 and err.startswith("error: ") and err.count("\n") == 1, (name, err)
         assert want in err and f"{name}.jsonl" in err, (name, err)
         assert not out.exists(), name
-    for argv, want in [(["--threads", "-3"], "--threads: -3 is invalid"), (["--pack", "1"], "--pack: 1 is invalid"),
-                       (["--overflow", "split"], "need --pack")]:
+    for argv, want in [
+        (["--threads", "-3"], "--threads: -3 is invalid"),
+        (["--pack", "1"], "--pack: 1 is invalid"),
+        (["--overflow", "split"], "need --pack"),
+    ]:
         src = tmp_path / "notjson.jsonl"
         rc = prep.main(["--out", str(tmp_path / "o2"), str(src), *argv])
         err = capsys.readouterr().err
@@ -158,13 +182,29 @@ def test_prepare_bad_input_table(tmp_path, capsys):
 
 
 def test_empty_examples_are_counted_and_reported(tmp_path, capsys):
-    good = [json.dumps({"messages": [{"role": "user", "content": f"q{i}"},
-                                     {"role": "assistant", "content": "yes " * (i % 7 + 1)}]}) for i in range(60)]
+    good = [
+        json.dumps(
+            {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "yes " * (i % 7 + 1)}]}
+        )
+        for i in range(60)
+    ]
     empty = json.dumps({"messages": [{"role": "user", "content": "hi"}]})
     src = tmp_path / "mixed.jsonl"
     src.write_text("\n".join(good[:30] + [empty, empty] + good[30:]) + "\n")
-    rc = prep_script().main(["--out", str(tmp_path / "o"), str(src), "--pack", "64", "--no-progress",
-                             "--tokenizer", str(CHAT / "llama2"), "--val-fraction", "0.2"])
+    rc = prep_script().main(
+        [
+            "--out",
+            str(tmp_path / "o"),
+            str(src),
+            "--pack",
+            "64",
+            "--no-progress",
+            "--tokenizer",
+            str(CHAT / "llama2"),
+            "--val-fraction",
+            "0.2",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0 and "skipped (nothing to train on) 2, first at" in out and "mixed.jsonl:31" in out
     meta = json.loads((tmp_path / "o" / "meta.json").read_text())
@@ -175,12 +215,18 @@ def test_document_mask_config_on_token_corpora(tmp_path):
     from fsdp_jax.app import data
     from fsdp_jax.app.config import ConfigError, check_data, load_config
     from fsdp_jax.app.loop import make_batches
+
     src = tmp_path / "d.jsonl"
     src.write_text("\n".join(json.dumps({"text": f"doc {i} " + "word " * (i % 9 + 1)}) for i in range(80)))
     data.prepare_text([src], tmp_path / "tok", val_fraction=0.1, tokenizer=str(CHAT / "llama2"))
     data.prepare_text([src], tmp_path / "bytes", val_fraction=0.1)
-    over = ["data.seq_len=32", "train.global_batch=4", "data.document_mask=true", "data.source=none",
-            "model.max_seq_len=32"]
+    over = [
+        "data.seq_len=32",
+        "train.global_batch=4",
+        "data.document_mask=true",
+        "data.source=none",
+        "model.max_seq_len=32",
+    ]
     cfg = load_config(ROOT / "configs" / "tiny.yaml", over + [f"data.path={tmp_path / 'tok'}"])
     check_data(cfg)
     train, val = make_batches(cfg, 0, 1)
@@ -195,7 +241,9 @@ def test_document_mask_config_on_token_corpora(tmp_path):
     packed = tmp_path / "packed"
     prepare_examples([chats(tmp_path / "c.jsonl", 200)], packed, row_len=64, tokenizer=str(CHAT / "llama2"))
     with pytest.raises(ConfigError, match="data.seq_len.*row length 64"):
-        check_data(load_config(ROOT / "configs" / "tiny.yaml", ["data.seq_len=32", f"data.path={packed}", "data.source=none"]))
+        check_data(
+            load_config(ROOT / "configs" / "tiny.yaml", ["data.seq_len=32", f"data.path={packed}", "data.source=none"])
+        )
 
 
 def test_a_killed_prepare_leaves_the_previous_corpus_and_the_next_run_cleans_up(tmp_path, monkeypatch):
@@ -204,6 +252,7 @@ def test_a_killed_prepare_leaves_the_previous_corpus_and_the_next_run_cleans_up(
 
     from fsdp_jax.app import data, sft_data
     from fsdp_jax.app.examples import ExampleEncoder
+
     src = chats(tmp_path / "c.jsonl", 300)
     out = tmp_path / "o"
     before = prepare_examples([src], out, row_len=128, tokenizer=str(CHAT / "llama2"))
@@ -218,13 +267,15 @@ def test_a_killed_prepare_leaves_the_previous_corpus_and_the_next_run_cleans_up(
         if calls["n"] == 3:
             raise KeyboardInterrupt  # as a kill would stop it, mid-stream
         return real(self, items, threads)
+
     monkeypatch.setattr(ExampleEncoder, "encode_batch", dying)
     with pytest.raises(KeyboardInterrupt):
         prepare_examples([src], out, row_len=64, tokenizer=str(CHAT / "llama2"))
     assert data.load_meta(out) == before and {f.name: f.read_bytes() for f in out.iterdir()} == files
     # SIGKILL leaves temporary files of a dead process; the next run removes them
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                          text=True).stdout.strip()
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    ).stdout.strip()
     (out / f".train.bin.tmp.{dead}").write_bytes(b"partial")
     monkeypatch.setattr(ExampleEncoder, "encode_batch", real)
     after = prepare_examples([src], out, row_len=64, tokenizer=str(CHAT / "llama2"))

@@ -31,8 +31,7 @@ SILENCE_CASES = {
     "never seen: silent since the watch started": ([(1, {}), (2.5, {})], 2, [1]),
     "unreadable (absent) counts as silence": ([(1, {1: "1"}), (2, {}), (3.5, {})], 2, [1]),
     "done is never stale": ([(1, {1: "1"}), (2, {1: pw.DONE}), (50, {})], 2, []),
-    "the longest silent first": ([(0.5, {1: "1", 2: "1"}), (1, {1: "1", 2: "2"}), (4, {1: "1", 2: "2"})], 2,
-                                 [1, 2]),
+    "the longest silent first": ([(0.5, {1: "1", 2: "1"}), (1, {1: "1", 2: "2"}), (4, {1: "1", 2: "2"})], 2, [1, 2]),
     "only the silent one of two": ([(1, {1: "1", 2: "1"}), (3.5, {1: "2", 2: "1"})], 2, [2]),
 }
 
@@ -52,12 +51,15 @@ def test_the_watch_speaks_before_jax_heartbeat_and_beats_often_enough():
         assert pw.jax_heartbeat_for(t) >= max(100, 2 * t)
         assert 0.1 <= pw.interval_for(t) <= min(5.0, max(0.1, t / 3))
     line = pw.describe(3, 8, 61.4, 0, "resume")
-    assert line == ("process 3 of 8 stopped responding (no heartbeat for 61 s: killed, out of memory, "
-                    "or hung); stopping process 0; resume")
+    assert line == (
+        "process 3 of 8 stopped responding (no heartbeat for 61 s: killed, out of memory, "
+        "or hung); stopping process 0; resume"
+    )
     assert pw.describe(0, 2, 5, 1).startswith("the coordinator, process 0 of 2 stopped responding")
 
 
 # -- the watch thread against an in-memory store ------------------------------------------------------
+
 
 class Store:
     """The three key-value calls of JAX's DistributedRuntimeClient, in memory."""
@@ -89,6 +91,7 @@ def _watch(store, me, n, timeout=0.6):
     def exit_fn(code):
         exits.append(code)
         done.set()
+
     return pw.PeerWatch(store, me, n, timeout, note="note", exit_fn=exit_fn, stream=out), exits, out, done
 
 
@@ -99,6 +102,7 @@ def _beating(store, process, stop):
             i += 1
             store.key_value_set(pw.beat_key(process), str(i), allow_overwrite=True)
             time.sleep(0.05)
+
     t = threading.Thread(target=run, daemon=True)
     t.start()
     return t
@@ -115,6 +119,7 @@ def test_process_0_names_the_silent_peer_publishes_it_and_waits_for_the_others()
             time.sleep(0.01)
         acked.append(time.monotonic())
         store.key_value_set(f"{pw.PREFIX}ack/1", "1")
+
     threading.Thread(target=ack_when_published, daemon=True).start()
     t0 = time.monotonic()
     w.start()
@@ -158,21 +163,41 @@ def test_a_finished_process_is_not_waited_for():
 
 # -- real processes: gloo collectives, one killed ----------------------------------------------------
 
-def _start_job(n: int, victim: int, steps: int, timeout_s: float, port: int, tail_s: float = 0
-               ) -> list[subprocess.Popen]:
+
+def _start_job(
+    n: int, victim: int, steps: int, timeout_s: float, port: int, tail_s: float = 0
+) -> list[subprocess.Popen]:
     procs = []
     for i in range(n):
-        env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", FSDP_JAX_COORDINATOR=f"127.0.0.1:{port}",
-                   FSDP_JAX_NUM_PROCESSES=str(n), FSDP_JAX_PROCESS_ID=str(i), PEER_JOB_VICTIM=str(victim),
-                   PEER_JOB_STEPS=str(steps), PEER_JOB_TIMEOUT_S=str(timeout_s), PEER_JOB_TAIL_S=str(tail_s),
-                   PYTHONUNBUFFERED="1")
-        procs.append(subprocess.Popen([sys.executable, str(ROOT / "tests" / "peer_job.py")], env=env, cwd=ROOT,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        env = dict(
+            os.environ,
+            PYTHONPATH=str(ROOT),
+            JAX_PLATFORMS="cpu",
+            FSDP_JAX_COORDINATOR=f"127.0.0.1:{port}",
+            FSDP_JAX_NUM_PROCESSES=str(n),
+            FSDP_JAX_PROCESS_ID=str(i),
+            PEER_JOB_VICTIM=str(victim),
+            PEER_JOB_STEPS=str(steps),
+            PEER_JOB_TIMEOUT_S=str(timeout_s),
+            PEER_JOB_TAIL_S=str(tail_s),
+            PYTHONUNBUFFERED="1",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(ROOT / "tests" / "peer_job.py")],
+                env=env,
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     return procs
 
 
 def _free_port() -> int:
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -200,8 +225,9 @@ def test_survivors_of_a_killed_peer_stop_in_bounded_time_with_one_line(victim, w
             p.kill()
     assert procs[victim].returncode == -signal.SIGKILL
     for i, (out, err) in results.items():
-        line = one_line(procs[i].returncode, err, f"{who} stopped responding", f"stopping process {i}",
-                        "test note", code=1)
+        line = one_line(
+            procs[i].returncode, err, f"{who} stopped responding", f"stopping process {i}", "test note", code=1
+        )
         assert "step 5" in out, out[-500:]
     assert stopped_in < timeout_s + 3 * pw.interval_for(timeout_s) + 4, (stopped_in, line)
 

@@ -22,9 +22,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # -- the non-finite guard looks at the grad norm too ------------------------------------------------
 
+
 def _grad_times(factor: float):
     """Identity whose gradient is multiplied by `factor` (inf, nan): a finite loss with a
     non-finite gradient, as an overflow in the backward pass alone gives."""
+
     @jax.custom_vjp
     def f(x):
         return x
@@ -34,6 +36,7 @@ def _grad_times(factor: float):
 
     def bwd(_, g):
         return (g * factor,)
+
     f.defvjp(fwd, bwd)
     return f
 
@@ -45,12 +48,14 @@ def test_a_finite_loss_with_a_nonfinite_grad_norm_is_skipped(factor):
     mesh = fj.make_mesh(fsdp=8)
     params = {"w": jnp.ones((64, 32), jnp.float32)}
     opt = optax.sgd(0.1)
-    state, plan = fj.init_train_state(lambda r: params, opt, mesh, jax.random.key(0),
-                                      logical_axes={"w": ("embed", "mlp")}, min_shard_size=1)
+    state, plan = fj.init_train_state(
+        lambda r: params, opt, mesh, jax.random.key(0), logical_axes={"w": ("embed", "mlp")}, min_shard_size=1
+    )
     blowup = _grad_times(factor)
 
     def loss_fn(p, x):
         return jnp.mean((x @ blowup(p["w"])) ** 2)
+
     step = fj.make_train_step(loss_fn, opt, plan, donate=False)
     x = jnp.ones((16, 64), jnp.float32)
     new, m = step(state, x)
@@ -64,6 +69,7 @@ def test_a_finite_loss_with_a_nonfinite_grad_norm_is_skipped(factor):
 
 # -- optimizer state shaped unlike its param, large enough to shard --------------------------------
 
+
 def test_adafactor_factored_state_above_the_threshold_is_sharded_and_trains_like_one_device():
     """Adafactor keeps a (rows,) and a (cols,) second moment for a (rows, cols) param:
     no param spec fits them, so the fallback rule shards them. Above min_shard_size they
@@ -74,8 +80,9 @@ def test_adafactor_factored_state_above_the_threshold_is_sharded_and_trains_like
     opt = optax.adafactor(1e-2, min_dim_size_to_factor=128)
     params = {"w": jax.random.normal(jax.random.key(1), (256, 512), jnp.float32) * 0.05}
     axes_ = {"w": ("embed", "mlp")}
-    state, plan = fj.init_train_state(lambda r: params, opt, mesh, jax.random.key(0), logical_axes=axes_,
-                                      min_shard_size=256)
+    state, plan = fj.init_train_state(
+        lambda r: params, opt, mesh, jax.random.key(0), logical_axes=axes_, min_shard_size=256
+    )
     leaves = jax.tree_util.tree_flatten_with_path(jax.eval_shape(opt.init, params))[0]
     factored = {}
     for (path, leaf), sh in zip(leaves, jax.tree.leaves(plan.opt_state)):
@@ -88,6 +95,7 @@ def test_adafactor_factored_state_above_the_threshold_is_sharded_and_trains_like
 
     def loss_fn(p, xb):
         return jnp.mean(jnp.tanh(xb @ p["w"]) ** 2)
+
     rng = np.random.default_rng(0)
     batches = [jnp.asarray(rng.normal(size=(16, 256)), jnp.float32) for _ in range(3)]
     step = fj.make_train_step(loss_fn, opt, plan)
@@ -99,6 +107,7 @@ def test_adafactor_factored_state_above_the_threshold_is_sharded_and_trains_like
 
 # -- eval step and sampler compute in the compute dtype ---------------------------------------------
 
+
 def test_eval_step_computes_in_the_compute_dtype():
     """Mutation: make_eval_step without `policy.cast_to_compute` -> the loss sees f32 params."""
     m, loss_fn = tiny_llama()
@@ -109,6 +118,7 @@ def test_eval_step_computes_in_the_compute_dtype():
     def recording_loss(params, tokens):
         seen.extend({x.dtype for x in jax.tree.leaves(params)})
         return loss_fn(params, tokens)
+
     batch = token_batches(1)[0]
     bf16 = fj.make_eval_step(recording_loss, plan, precision="params=float32,compute=bfloat16")
     loss16 = float(bf16(state.params, batch)["loss"])
@@ -127,17 +137,27 @@ def test_sampler_computes_in_the_compute_dtype(corpus, tmp_path):
     from fsdp_jax.app.config import load_config
     from fsdp_jax.app.metrics_log import sample_text
     from helpers import TINY_RUN_OVERRIDES
-    cfg = load_config(ROOT / "configs" / "tiny.yaml", TINY_RUN_OVERRIDES + [
-        f"data.path={corpus}", f"run_dir={tmp_path / 'run'}", "train.sample_tokens=2",
-        "precision=params=float32,compute=bfloat16"])
+
+    cfg = load_config(
+        ROOT / "configs" / "tiny.yaml",
+        TINY_RUN_OVERRIDES
+        + [
+            f"data.path={corpus}",
+            f"run_dir={tmp_path / 'run'}",
+            "train.sample_tokens=2",
+            "precision=params=float32,compute=bfloat16",
+        ],
+    )
     m, _ = tiny_llama()
-    state, plan = fj.init_train_state(m.init, optax.sgd(0.1), fj.make_mesh(fsdp=8), jax.random.key(0),
-                                      logical_axes=m.logical_axes)
+    state, plan = fj.init_train_state(
+        m.init, optax.sgd(0.1), fj.make_mesh(fsdp=8), jax.random.key(0), logical_axes=m.logical_axes
+    )
     seen = []
 
     def apply(params, tokens):
         seen.extend({x.dtype for x in jax.tree.leaves(params)})
         return m.apply(params, tokens)
+
     text = sample_text(dataclasses.replace(m, apply=apply), plan, cfg, state.params, None, jax.random.key(0))
     assert isinstance(text, str) and "\u2016" in text
     assert set(seen) == {jnp.dtype(jnp.bfloat16)}, seen
@@ -145,12 +165,18 @@ def test_sampler_computes_in_the_compute_dtype(corpus, tmp_path):
 
 # -- the fallback rule: the largest divisible dim, and the threshold's boundary ---------------------
 
+
 def test_fallback_takes_the_largest_divisible_dim_of_several():
     """Mutation: the first divisible dim (or the last) -> one of these fails."""
     mesh = fj.make_mesh(fsdp=8)
-    cases = {(24, 64): P(None, "fsdp"), (64, 24): P("fsdp", None), (16, 40, 8): P(None, "fsdp", None),
-             (8, 8, 24): P(None, None, "fsdp"), (48, 48): P("fsdp", None),  # a tie: the first
-             (12, 64, 10): P(None, "fsdp", None)}
+    cases = {
+        (24, 64): P(None, "fsdp"),
+        (64, 24): P("fsdp", None),
+        (16, 40, 8): P(None, "fsdp", None),
+        (8, 8, 24): P(None, None, "fsdp"),
+        (48, 48): P("fsdp", None),  # a tie: the first
+        (12, 64, 10): P(None, "fsdp", None),
+    }
     for shape, want in cases.items():
         spec, notes = rl.decide_leaf(shape, None, mesh, min_shard_size=1)
         assert spec == want, (shape, spec)
@@ -167,12 +193,18 @@ def test_replicate_threshold_boundary_is_exact():
         assert at == P("fsdp", None) and below == P(None, None), (limit, at, below)
         assert notes[-1].kind == rl.Why.THRESHOLD and notes[-1].size == limit
         # the same through a plan: a leaf at the limit is sharded, and annotated leaves too
-        plan = fj.make_plan({"a": jax.ShapeDtypeStruct((limit // 8, 8), jnp.float32)}, optax.sgd(0.1), mesh,
-                            min_shard_size=limit, max_replicated_fraction=None)
+        plan = fj.make_plan(
+            {"a": jax.ShapeDtypeStruct((limit // 8, 8), jnp.float32)},
+            optax.sgd(0.1),
+            mesh,
+            min_shard_size=limit,
+            max_replicated_fraction=None,
+        )
         assert plan.params["a"].spec == P("fsdp", None)
 
 
 # -- CRC checks on the restore and export paths -----------------------------------------------------
+
 
 def _two_steps(d: Path):
     states = {s: {"params": {"w": jnp.full((64, 256), float(s)), "b": jnp.arange(256.0) * s}} for s in (1, 2)}
@@ -216,17 +248,19 @@ def test_crc_is_checked_when_params_are_restored_and_exported(tmp_path, capsys):
 
 # -- verify's tolerances, against differences that sit near them -----------------------------------
 
+
 def _scaled_by_shard_count(eps: float):
     """(model, loss_fn): the Linen MLP of test_verify whose loss is multiplied by
     1 + eps * (k - 1), k the number of batch shards (1 on one device, 8 on 8): a bug whose
     relative loss and grad-norm differences are 7 * eps, as small as we choose."""
     from test_verify import linen_setup, per_shard
+
     model, loss_fn = linen_setup()
 
     def scaled(params, b):
-        k = per_shard(lambda xl: jax.lax.psum(jnp.ones((), jnp.float32), ("data", "fsdp")),
-                      out_specs=P())(b["x"])
+        k = per_shard(lambda xl: jax.lax.psum(jnp.ones((), jnp.float32), ("data", "fsdp")), out_specs=P())(b["x"])
         return loss_fn(params, b) * (1.0 + eps * (k - 1.0))
+
     return model, scaled
 
 
@@ -237,6 +271,7 @@ def test_verify_tolerances_sit_between_a_near_healthy_and_a_near_broken_model():
     Mutation: every tolerance loosened 10x or more -> the broken one passes; tightened 4x or
     more -> the healthy one fails."""
     from test_verify import run
+
     # the differences are fixed numbers (not derived from the tolerance under test)
     near_ok = run(*_scaled_by_shard_count(5e-7 / 7), strategies=("full_shard",))
     assert near_ok.passed, near_ok.format()
@@ -251,11 +286,13 @@ def test_verify_tolerances_sit_between_a_near_healthy_and_a_near_broken_model():
 
 # -- the other presets: adaptive-f32, sgd-bf16, adaptive-bf16 ---------------------------------------
 
+
 def _grad_scaled_by_shard_count(eps: float):
     """(model, loss_fn): the same MLP whose loss value is exact but whose gradient is
     multiplied by 1 + eps * (k - 1) (k batch shards): a grad-norm difference of 7 * eps
     with none in the loss (as a backward-only reduction bug gives)."""
     from test_verify import linen_setup, per_shard
+
     model, loss_fn = linen_setup()
 
     @jax.custom_vjp
@@ -267,12 +304,13 @@ def _grad_scaled_by_shard_count(eps: float):
 
     def bwd(s, g):
         return g * s, jnp.zeros_like(s)
+
     scale_grad.defvjp(fwd, bwd)
 
     def scaled(params, b):
-        k = per_shard(lambda xl: jax.lax.psum(jnp.ones((), jnp.float32), ("data", "fsdp")),
-                      out_specs=P())(b["x"])
+        k = per_shard(lambda xl: jax.lax.psum(jnp.ones((), jnp.float32), ("data", "fsdp")), out_specs=P())(b["x"])
         return scale_grad(loss_fn(params, b).astype(jnp.float32), 1.0 + eps * (k - 1.0))
+
     return model, scaled
 
 
@@ -280,12 +318,13 @@ def _loss_scaled_in_f32(eps: float):
     """_scaled_by_shard_count with the scaling done in float32 (a bf16 loss would round
     1 + 5e-4 to 1)."""
     from test_verify import linen_setup, per_shard
+
     model, loss_fn = linen_setup()
 
     def scaled(params, b):
-        k = per_shard(lambda xl: jax.lax.psum(jnp.ones((), jnp.float32), ("data", "fsdp")),
-                      out_specs=P())(b["x"])
+        k = per_shard(lambda xl: jax.lax.psum(jnp.ones((), jnp.float32), ("data", "fsdp")), out_specs=P())(b["x"])
         return loss_fn(params, b).astype(jnp.float32) * (1.0 + eps * (k - 1.0))
+
     return model, scaled
 
 
@@ -307,12 +346,12 @@ def test_verify_presets_sit_between_a_near_healthy_and_a_near_broken_model(prese
     only it, for the grad-only bug). Mutation: a preset's loss or grad-norm limit loosened
     10x or more -> its broken model passes; tightened 4x or more -> its healthy one fails."""
     from test_verify import run
+
     make_opt, precision, pins = PRESET_PINS[preset]
     bugs = {"loss": _loss_scaled_in_f32, "grad_norm": _grad_scaled_by_shard_count}
     for metric, (ok_size, bad_size) in pins.items():
         for size, should_pass in ((ok_size, True), (bad_size, False)):
-            r = run(*bugs[metric](size / 7), strategies=("full_shard",), optimizer=make_opt(),
-                    precision=precision)
+            r = run(*bugs[metric](size / 7), strategies=("full_shard",), optimizer=make_opt(), precision=precision)
             assert r.tolerance.name == preset, r.tolerance
             s = r.strategies["full_shard"]
             measured = s.max_loss_rel_diff if metric == "loss" else max(s.grad_norm_rel_diff)
@@ -338,14 +377,18 @@ def test_every_preset_limit_sits_5_to_100x_above_what_healthy_models_measure():
     Mutation: any limit loosened 1000x (or tightened 4x where the margin is under 20)."""
     rows = json.loads((ROOT / "benchmarks" / "verify_tolerances.json").read_text())
     from fsdp_jax.verify_report import TOLERANCES
+
     kinds = {"sgd": "sgd", "adamw": "adaptive"}
     seen = set()
     for name, tol in TOLERANCES.items():
         kind, width = name.split("-")
         mine = [r for r in rows if kinds[r["optimizer"]] == kind and r["compute"] == width]
         assert len(mine) == 3, (name, mine)  # the three models
-        for field, column in (("loss_rtol", "loss_rel"), ("grad_norm_rtol", "grad_norm_rel"),
-                              ("param_rtol", "param_rel")):
+        for field, column in (
+            ("loss_rtol", "loss_rel"),
+            ("grad_norm_rtol", "grad_norm_rel"),
+            ("param_rtol", "param_rel"),
+        ):
             healthy = max(r[column] for r in mine)
             limit = getattr(tol, field)
             assert 5 * healthy <= limit <= 100 * healthy, (name, field, limit, healthy)

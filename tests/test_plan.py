@@ -26,16 +26,29 @@ from helpers import TINY, call, one_line, tiny_llama
 ROOT = Path(__file__).resolve().parents[1]
 TINY_YAML = ROOT / "configs" / "tiny.yaml"
 # configs/tiny.yaml shrunk to compile in seconds
-SMALL = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
-         "model.ffn_dim=128", "model.max_seq_len=32", "data.seq_len=32", "train.global_batch=16",
-         "train.steps=10"]
+SMALL = [
+    "model.d_model=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.ffn_dim=128",
+    "model.max_seq_len=32",
+    "data.seq_len=32",
+    "train.global_batch=16",
+    "train.steps=10",
+]
 KEYS_ANALYTIC = {"params", "grads", "optimizer", "gathered", "activations", "total"}
 KEYS_COMPILED = {"argument", "output", "alias", "temp", "peak"}
 
 
 def run_script(name, *args):
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / name), *map(str, args)],
-                          capture_output=True, text=True, cwd=ROOT, env=dict(os.environ))
+    return subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / name), *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=dict(os.environ),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +60,7 @@ def corpus(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def overrides(corpus, tmp_path_factory):
-    return SMALL + [f"data.path={corpus}", "data.source=none",
-                    f"run_dir={tmp_path_factory.mktemp('run')}"]
+    return SMALL + [f"data.path={corpus}", "data.source=none", f"run_dir={tmp_path_factory.mktemp('run')}"]
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +76,9 @@ def doc(cfg):
 @pytest.mark.slow
 def test_compiled_figures_are_the_trainers_step(cfg, doc):
     run = train_lib.setup(cfg)  # the trainer's own build: real sharded init, real first batch
-    local = data_lib.make_dataset(cfg.data.path, "train", cfg.data.seq_len, cfg.train.global_batch,
-                                  cfg.data.seed).batch(0)
+    local = data_lib.make_dataset(
+        cfg.data.path, "train", cfg.data.seq_len, cfg.train.global_batch, cfg.data.seed
+    ).batch(0)
     compiled = run.train_step.lower(run.state, train_lib.global_batch(run.plan, local)).compile()
     mem = compiled_memory(compiled)
     got = doc["strategies"][cfg.mesh.strategy]["compiled"]
@@ -79,8 +92,13 @@ def test_compiled_figures_are_the_trainers_step(cfg, doc):
 # CPU peak rose by ~3%, and no_shard's now exceeds the formula, which assumes in place;
 # shard_grad_op's formula gained the layer its backward loop slices out of the kept stack,
 # measured on the GPU-target compile (issue 26): 1.140 -> 1.247 here)
-TOTAL_OVER_PEAK = {"no_shard": 0.973, "shard_opt": 1.037, "shard_grad_op": 1.247,
-                   "full_shard": 1.394, "hybrid_shard": 1.394}
+TOTAL_OVER_PEAK = {
+    "no_shard": 0.973,
+    "shard_opt": 1.037,
+    "shard_grad_op": 1.247,
+    "full_shard": 1.394,
+    "hybrid_shard": 1.394,
+}
 
 
 @pytest.mark.slow
@@ -132,8 +150,20 @@ def test_plans_more_devices_than_this_process_in_a_child(cfg):
 @pytest.mark.slow
 def test_plan_script_json_and_plot(overrides, tmp_path, capsys):
     png = tmp_path / "plan.png"
-    rc, out, err = call("plan", "--config", TINY_YAML, "--devices", 8, "--json", "--device-memory",
-                        "80GiB", "--plot", png, *overrides, capsys=capsys)
+    rc, out, err = call(
+        "plan",
+        "--config",
+        TINY_YAML,
+        "--devices",
+        8,
+        "--json",
+        "--device-memory",
+        "80GiB",
+        "--plot",
+        png,
+        *overrides,
+        capsys=capsys,
+    )
     assert rc == 0, err
     d = json.loads(out)
     assert d["devices"] == 8 and d["device_memory"] == 80 * 2**30
@@ -148,8 +178,7 @@ def _compile(loss_fn, init, logical_axes, strategy="full_shard", rules=None):
     mesh = fj.make_mesh(fsdp=8)
     opt = optax.sgd(0.1)
     abstract = jax.eval_shape(init, jax.random.key(0))
-    plan = fj.make_plan(abstract, opt, mesh, strategy, logical_axes, rules=rules,
-                        max_replicated_fraction=None)
+    plan = fj.make_plan(abstract, opt, mesh, strategy, logical_axes, rules=rules, max_replicated_fraction=None)
     state = fj.abstract_state(plan, abstract, opt)
     batch = jax.ShapeDtypeStruct((16, 33), jnp.int32, sharding=plan.batch)
     compiled = fj.make_train_step(loss_fn, opt, plan).lower(state, batch).compile()
@@ -159,9 +188,12 @@ def _compile(loss_fn, init, logical_axes, strategy="full_shard", rules=None):
 def test_inspector_flags_a_replicated_parameter():
     def init(rng):
         k = jax.random.split(rng, 3)
-        return {"w_in": jax.random.normal(k[0], (256, 512)) * 0.02,
-                "w_out": jax.random.normal(k[1], (512, 256)) * 0.02,
-                "table": jax.random.normal(k[2], (1024, 512)) * 0.02}  # 2 MiB, deliberately replicated
+        return {
+            "w_in": jax.random.normal(k[0], (256, 512)) * 0.02,
+            "w_out": jax.random.normal(k[1], (512, 256)) * 0.02,
+            "table": jax.random.normal(k[2], (1024, 512)) * 0.02,
+        }  # 2 MiB, deliberately replicated
+
     axes = {"w_in": ("embed", "mlp"), "w_out": ("mlp", "embed"), "table": ("norm", "norm")}
 
     def loss_fn(p, tok):
@@ -187,17 +219,43 @@ def test_inspector_flags_activations_without_constraints(monkeypatch):
 
 
 def test_warnings_for_hoisted_gathers_and_an_underestimate():
-    rows = [{"path": "w", "shape": [64, 64], "dtype": "float32", "spec": "P(fsdp, None)",
-             "bytes_per_device": 2048, "total_bytes": 16384, "reason": "logical: embed->fsdp"}]
-    report = {"inside_loop": {}, "outside_loop": {"all-gather": {"count": 9, "bytes": 50 << 20}},
-              "per_step": {"all-gather": {"count": 9, "bytes": 50 << 20}},
-              "loops": [{"body": "b", "parent": "main", "trip_count": 4, "op_name": "while"}]}
-    w = pl.sharding_warnings(rows, report, "full_shard", {"data": 1, "fsdp": 8, "tensor": 1},
-                             analytic_total=100, compiled_peak=120, layer_gather_bytes=1 << 20)
+    rows = [
+        {
+            "path": "w",
+            "shape": [64, 64],
+            "dtype": "float32",
+            "spec": "P(fsdp, None)",
+            "bytes_per_device": 2048,
+            "total_bytes": 16384,
+            "reason": "logical: embed->fsdp",
+        }
+    ]
+    report = {
+        "inside_loop": {},
+        "outside_loop": {"all-gather": {"count": 9, "bytes": 50 << 20}},
+        "per_step": {"all-gather": {"count": 9, "bytes": 50 << 20}},
+        "loops": [{"body": "b", "parent": "main", "trip_count": 4, "op_name": "while"}],
+    }
+    w = pl.sharding_warnings(
+        rows,
+        report,
+        "full_shard",
+        {"data": 1, "fsdp": 8, "tensor": 1},
+        analytic_total=100,
+        compiled_peak=120,
+        layer_gather_bytes=1 << 20,
+    )
     assert any(x.startswith("parameter all-gathers hoisted") for x in w)
     assert any("exceeds the analytic estimate" in x for x in w)
-    ok = pl.sharding_warnings(rows, report, "shard_grad_op", {"data": 1, "fsdp": 8, "tensor": 1},
-                              analytic_total=100, compiled_peak=105, layer_gather_bytes=1 << 20)
+    ok = pl.sharding_warnings(
+        rows,
+        report,
+        "shard_grad_op",
+        {"data": 1, "fsdp": 8, "tensor": 1},
+        analytic_total=100,
+        compiled_peak=105,
+        layer_gather_bytes=1 << 20,
+    )
     assert ok == []  # ZeRO-2 gathers outside the loop by design
 
 
@@ -226,15 +284,15 @@ ENTRY %main (a: f32[8]) -> f32[8] {
     ag = rep["inside_loop"]["all-gather"]
     assert (ag["count"], ag["bytes"], ag["runs"], ag["bytes_per_step"]) == (1, 256, 5, 1280)
     assert rep["outside_loop"]["all-reduce"]["bytes_per_step"] == 32
-    assert rep["per_step"] == {"all-gather": {"count": 5, "bytes": 1280},
-                               "all-reduce": {"count": 1, "bytes": 32}}
+    assert rep["per_step"] == {"all-gather": {"count": 5, "bytes": 1280}, "all-reduce": {"count": 1, "bytes": 32}}
     assert rep["loops"][0]["trip_count"] == 5
 
 
 @pytest.mark.slow
 def test_inspect_script_json(overrides):
-    p = run_script("inspect_sharding.py", "--config", TINY_YAML, "--devices", 8, "--strategy", "zero3",
-                   "--json", *overrides)
+    p = run_script(
+        "inspect_sharding.py", "--config", TINY_YAML, "--devices", 8, "--strategy", "zero3", "--json", *overrides
+    )
     assert p.returncode == 0, p.stderr
     d = json.loads(p.stdout)
     assert d["strategy"] == "full_shard"
@@ -251,15 +309,18 @@ def test_inspect_script_json(overrides):
     assert d["warnings"] == []
 
 
-@pytest.mark.parametrize("script,args,needle", [
-    ("plan.py", ["--config", "configs/nope.yaml", "--devices", "8"], "nope.yaml"),
-    ("plan.py", ["--config", TINY_YAML, "--devices", "eight"], "--devices"),
-    ("plan.py", ["--config", TINY_YAML, "--devices", "0"], "--devices"),
-    ("plan.py", ["--config", TINY_YAML, "--devices", "8", "--device-memory", "lots"], "--device-memory"),
-    ("plan.py", ["--config", TINY_YAML, "--devices", "8", "--strategies", "zero9"], "zero9"),
-    ("inspect_sharding.py", ["--config", TINY_YAML, "--devices", "8", "--strategy", "zero4"], "zero4"),
-    ("inspect_sharding.py", ["--config", "configs/nope.yaml", "--devices", "8"], "nope.yaml"),
-])
+@pytest.mark.parametrize(
+    "script,args,needle",
+    [
+        ("plan.py", ["--config", "configs/nope.yaml", "--devices", "8"], "nope.yaml"),
+        ("plan.py", ["--config", TINY_YAML, "--devices", "eight"], "--devices"),
+        ("plan.py", ["--config", TINY_YAML, "--devices", "0"], "--devices"),
+        ("plan.py", ["--config", TINY_YAML, "--devices", "8", "--device-memory", "lots"], "--device-memory"),
+        ("plan.py", ["--config", TINY_YAML, "--devices", "8", "--strategies", "zero9"], "zero9"),
+        ("inspect_sharding.py", ["--config", TINY_YAML, "--devices", "8", "--strategy", "zero4"], "zero4"),
+        ("inspect_sharding.py", ["--config", "configs/nope.yaml", "--devices", "8"], "nope.yaml"),
+    ],
+)
 def test_bad_input_exits_2_with_one_line(script, args, needle, capsys):
     rc, out, err = call(script, *args, capsys=capsys)
     one_line(rc, err, needle)

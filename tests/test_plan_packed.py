@@ -18,9 +18,18 @@ from fsdp_jax.app.sft_data import prepare_examples
 from fsdp_jax.memory import compiled_memory
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
-         "model.ffn_dim=128", "model.max_seq_len=32", "data.seq_len=32", "train.global_batch=16",
-         "train.steps=10", "data.source=none"]
+SMALL = [
+    "model.d_model=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.ffn_dim=128",
+    "model.max_seq_len=32",
+    "data.seq_len=32",
+    "train.global_batch=16",
+    "train.steps=10",
+    "data.source=none",
+]
 KEYS = ("argument", "output", "alias", "temp", "peak")
 
 
@@ -30,8 +39,10 @@ def packed(tmp_path_factory):
     rng = np.random.default_rng(0)
     with open(d / "ex.jsonl", "w") as f:
         for i in range(200):
-            f.write(json.dumps({"prompt": "q" * int(rng.integers(1, 9)),
-                                "completion": "a" * int(rng.integers(1, 12))}) + "\n")
+            f.write(
+                json.dumps({"prompt": "q" * int(rng.integers(1, 9)), "completion": "a" * int(rng.integers(1, 12))})
+                + "\n"
+            )
     prepare_examples([d / "ex.jsonl"], d / "corpus", row_len=32, val_fraction=0.1)
     return d / "corpus"
 
@@ -46,16 +57,15 @@ def test_abstract_batch_is_the_packed_dict_when_the_trainer_packs(packed, tmp_pa
     assert packed_batch(_cfg(tmp_path / "nothing", "data.document_mask=true"))
     b = build_step(cfg, "full_shard", jax.devices()[:8])
     assert sorted(b.batch) == sorted(PACKED_BATCH)
-    assert {k: (v.shape, v.dtype) for k, v in b.batch.items()} == \
-        {k: ((16, 32), np.dtype(dt)) for k, dt in PACKED_BATCH.items()}
+    assert {k: (v.shape, v.dtype) for k, v in b.batch.items()} == {
+        k: ((16, 32), np.dtype(dt)) for k, dt in PACKED_BATCH.items()
+    }
     # the trainer's own first batch has exactly these arrays, shapes and dtypes
     train, _ = train_lib.make_batches(cfg, 0, 1)
     real = next(train)
-    assert {k: (v.shape, v.dtype) for k, v in real.items()} == \
-        {k: (v.shape, v.dtype) for k, v in b.batch.items()}
+    assert {k: (v.shape, v.dtype) for k, v in real.items()} == {k: (v.shape, v.dtype) for k, v in b.batch.items()}
     fake = sample_batch(cfg, b.batch, np.random.default_rng(0))
-    assert {k: (v.shape, v.dtype) for k, v in fake.items()} == \
-        {k: (v.shape, v.dtype) for k, v in real.items()}
+    assert {k: (v.shape, v.dtype) for k, v in fake.items()} == {k: (v.shape, v.dtype) for k, v in real.items()}
     # the lowered step takes the segment ids and positions as arguments
     text = b.step.lower(b.state, b.batch).as_text()
     assert text.count("tensor<16x32xi32>") >= 4 and "tensor<16x32xf32>" in text
@@ -73,8 +83,8 @@ def test_planner_compiles_the_trainers_packed_step(packed, tmp_path):
     # the batch's five (B, S) arrays, sharded over 8 devices, in the analytic figure
     assert got["analytic"]["batch"] == 5 * 16 * 32 * 4 // 8
     # and not the token batch's figures: planning the unpacked step would differ
-    tokens = pl.plan_strategy(_cfg(tmp_path / "nothing", f"run_dir={tmp_path / 'run2'}"),
-                              "full_shard", jax.devices()[:8])
+    tokens = pl.plan_strategy(
+        _cfg(tmp_path / "nothing", f"run_dir={tmp_path / 'run2'}"), "full_shard", jax.devices()[:8]
+    )
     assert tokens["analytic"]["batch"] == 16 * 33 * 4 // 8
-    assert got["compiled"]["argument"] - tokens["compiled"]["argument"] == \
-        5 * 16 * 32 * 4 // 8 - 16 * 33 * 4 // 8
+    assert got["compiled"]["argument"] - tokens["compiled"]["argument"] == 5 * 16 * 32 * 4 // 8 - 16 * 33 * 4 // 8

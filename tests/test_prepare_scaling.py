@@ -23,6 +23,7 @@ def mixed(path: Path, n: int, seed: int = 0) -> Path:
 
     def say(k):
         return " ".join(rng.choice(words, int(rng.integers(1, k))))
+
     with open(path, "w") as f:
         for i in range(n):
             kind = i % 4
@@ -48,15 +49,26 @@ def corpus_files(d: Path) -> dict:
 def test_workers_give_the_one_worker_corpus_byte_for_byte(tmp_path, monkeypatch, tokenizer):
     (tmp_path / "c.txt").write_text("a plain text file, one example " * 20)
     long_text(tmp_path / "long.txt", 30_000)  # streamed by the main process, in its place
-    srcs = [mixed(tmp_path / "a.jsonl", 500, 0), tmp_path / "long.txt", mixed(tmp_path / "b.jsonl", 300, 1),
-            tmp_path / "c.txt"]
+    srcs = [
+        mixed(tmp_path / "a.jsonl", 500, 0),
+        tmp_path / "long.txt",
+        mixed(tmp_path / "b.jsonl", 300, 1),
+        tmp_path / "c.txt",
+    ]
     monkeypatch.setattr(sft_data, "BATCH_BYTES", 3000)  # many batches: several in flight per worker
     small_windows(monkeypatch, long_bytes=10_000, window=4000, overlap=256)
     tpl = tmp_path / "t.jinja"  # the byte tokenizer has no template of its own
-    tpl.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}</s>{% endfor %}"
-                   "{% if add_generation_prompt %}<assistant>{% endif %}")
-    kw = dict(row_len=128, tokenizer=tokenizer, val_fraction=0.1, overflow="split",
-              chat_template=None if tokenizer != "bytes" else str(tpl))
+    tpl.write_text(
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}</s>{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    kw = dict(
+        row_len=128,
+        tokenizer=tokenizer,
+        val_fraction=0.1,
+        overflow="split",
+        chat_template=None if tokenizer != "bytes" else str(tpl),
+    )
     one = prepare_examples(srcs, tmp_path / "w1", **kw)
     two = prepare_examples(srcs, tmp_path / "w2", workers=2, **kw)
     three = prepare_examples(srcs, tmp_path / "w3", workers=3, **kw)
@@ -69,16 +81,19 @@ def test_workers_raise_the_error_one_worker_raises_first(tmp_path, monkeypatch):
     """A template error in an early batch beats bad JSON read later (and vice versa)."""
     monkeypatch.setattr(sft_data, "BATCH_BYTES", 500)
     tpl = tmp_path / "t.jinja"
-    tpl.write_text("{{ raise_exception('no system') if messages[0].role == 'system' }}"
-                   "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
-    good = json.dumps({"messages": [{"role": "user", "content": "hi " * 10},
-                                    {"role": "assistant", "content": "hello " * 10}]})
-    system = json.dumps({"messages": [{"role": "system", "content": "s"},
-                                      {"role": "assistant", "content": "a"}]})
-    cases = {"render_first": [good] * 5 + [system] + [good] * 30 + ["{bad json"],
-             "json_first": [good] * 5 + ["{bad json"] + [good] * 30 + [system],
-             "role": [good] * 20 + [json.dumps({"messages": [{"role": "bot", "content": "x"}]})]
-             + [good] * 20}
+    tpl.write_text(
+        "{{ raise_exception('no system') if messages[0].role == 'system' }}"
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    )
+    good = json.dumps(
+        {"messages": [{"role": "user", "content": "hi " * 10}, {"role": "assistant", "content": "hello " * 10}]}
+    )
+    system = json.dumps({"messages": [{"role": "system", "content": "s"}, {"role": "assistant", "content": "a"}]})
+    cases = {
+        "render_first": [good] * 5 + [system] + [good] * 30 + ["{bad json"],
+        "json_first": [good] * 5 + ["{bad json"] + [good] * 30 + [system],
+        "role": [good] * 20 + [json.dumps({"messages": [{"role": "bot", "content": "x"}]})] + [good] * 20,
+    }
     for name, lines in cases.items():
         src = tmp_path / f"{name}.jsonl"
         src.write_text("\n".join(lines) + "\n")
@@ -86,8 +101,7 @@ def test_workers_raise_the_error_one_worker_raises_first(tmp_path, monkeypatch):
         for workers in (1, 2):
             out = tmp_path / f"o_{name}_{workers}"
             with pytest.raises(DataError) as e:
-                prepare_examples([src], out, row_len=64, tokenizer=LLAMA2, chat_template=str(tpl),
-                                 workers=workers)
+                prepare_examples([src], out, row_len=64, tokenizer=LLAMA2, chat_template=str(tpl), workers=workers)
             errs.append(str(e.value))
             assert not out.exists()
         assert errs[0] == errs[1], (name, errs)
@@ -96,6 +110,7 @@ def test_workers_raise_the_error_one_worker_raises_first(tmp_path, monkeypatch):
 
 def test_scaling_flags_bad_values_exit_2_with_one_line(tmp_path, capsys):
     from test_packing import prep_script
+
     prep = prep_script()
     src = tmp_path / "x.jsonl"
     src.write_text(json.dumps({"prompt": "p", "completion": "c"}) + "\n")
@@ -120,6 +135,7 @@ def test_scaling_flags_bad_values_exit_2_with_one_line(tmp_path, capsys):
 
 # ----------------------------------------------------------------------------- long text files
 
+
 def long_text(path: Path, n_bytes: int, seed: int = 0) -> Path:
     """Text with words, runs of spaces and newlines, multi-byte characters and bytes that are
     not UTF-8 (a lone 0xff, a truncated 3-byte character), about n_bytes long."""
@@ -138,13 +154,19 @@ def long_text(path: Path, n_bytes: int, seed: int = 0) -> Path:
 @pytest.fixture(scope="module")
 def tokenizers(tmp_path_factory):
     from test_tokenizer import train_bpe, train_sentencepiece
+
     d = tmp_path_factory.mktemp("toks")
-    return {"bytes": "bytes", "llama2": LLAMA2, "bytelevel_bpe": str(train_bpe(d / "bpe", 400)),
-            "sentencepiece": str(train_sentencepiece(d / "sp"))}
+    return {
+        "bytes": "bytes",
+        "llama2": LLAMA2,
+        "bytelevel_bpe": str(train_bpe(d / "bpe", 400)),
+        "sentencepiece": str(train_sentencepiece(d / "sp")),
+    }
 
 
 def small_windows(monkeypatch, long_bytes=20_000, window=3000, overlap=256):
     from fsdp_jax.app import tokenizer
+
     monkeypatch.setattr(tokenizer, "LONG_BYTES", long_bytes)
     monkeypatch.setattr(tokenizer, "WINDOW_CHARS", window)
     monkeypatch.setattr(tokenizer, "OVERLAP_CHARS", overlap)
@@ -156,29 +178,36 @@ def test_a_long_text_file_streams_to_the_same_corpus(tmp_path, monkeypatch, toke
     """A text file over LONG_BYTES is read and encoded in windows (here 3,000 characters:
     ~70 of them); the corpus is byte for byte the one made from the whole file."""
     from fsdp_jax.app import data
+
     tok = tokenizers[name]
     big = long_text(tmp_path / "big.txt", 200_000)
     small = long_text(tmp_path / "small.txt", 3_000, seed=1)
     jsonl = mixed(tmp_path / "m.jsonl", 60)
     tpl = tmp_path / "t.jinja"
-    tpl.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
-                   "{% if add_generation_prompt %}<assistant>{% endif %}")
-    runs = {"text2": dict(fn=data.prepare_text, srcs=[big, small], kw={}),
-            "text1": dict(fn=data.prepare_text, srcs=[big], kw={}),
-            "split": dict(fn=prepare_examples, srcs=[jsonl, big, small],
-                          kw=dict(row_len=256, overflow="split", chat_template=str(tpl))),
-            "truncate": dict(fn=prepare_examples, srcs=[jsonl, big, small],
-                             kw=dict(row_len=256, chat_template=str(tpl)))}
+    tpl.write_text(
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    runs = {
+        "text2": dict(fn=data.prepare_text, srcs=[big, small], kw={}),
+        "text1": dict(fn=data.prepare_text, srcs=[big], kw={}),
+        "split": dict(
+            fn=prepare_examples,
+            srcs=[jsonl, big, small],
+            kw=dict(row_len=256, overflow="split", chat_template=str(tpl)),
+        ),
+        "truncate": dict(fn=prepare_examples, srcs=[jsonl, big, small], kw=dict(row_len=256, chat_template=str(tpl))),
+    }
     for what, r in runs.items():
         whole = r["fn"](r["srcs"], tmp_path / f"whole_{what}", val_fraction=0.3, tokenizer=tok, **r["kw"])
         with monkeypatch.context() as m:
             small_windows(m)
-            streamed = r["fn"](r["srcs"], tmp_path / f"stream_{what}", val_fraction=0.3, tokenizer=tok,
-                               **r["kw"])
+            streamed = r["fn"](r["srcs"], tmp_path / f"stream_{what}", val_fraction=0.3, tokenizer=tok, **r["kw"])
         assert streamed == whole, what
         assert corpus_files(tmp_path / f"stream_{what}") == corpus_files(tmp_path / f"whole_{what}"), what
     if name != "bytes":  # and the stream is the whole file's encode + [eos], checked directly
         from fsdp_jax.app.tokenizer import encode_long, load_tokenizer, text_chunks
+
         t = load_tokenizer(tok)
         chunks = list(text_chunks(big, 1000))  # chunk edges split multi-byte characters
         assert "".join(chunks) == big.read_bytes().decode("utf-8", errors="replace")
@@ -195,6 +224,7 @@ def test_a_long_text_file_is_prepared_in_bounded_memory(tmp_path, monkeypatch):
     import tracemalloc
 
     from fsdp_jax.app import data
+
     small = tmp_path / "small.jsonl"
     small.write_text("".join(json.dumps({"text": f"example {i} " * 5}) + "\n" for i in range(40)))
     peaks = {}
@@ -206,14 +236,22 @@ def test_a_long_text_file_is_prepared_in_bounded_memory(tmp_path, monkeypatch):
                 small_windows(m, long_bytes=1 << 16, window=1 << 14, overlap=1 << 11)
             tracemalloc.start()
             try:
-                prepare_examples([small, big], tmp_path / f"pack_{mb}_{streamed}", row_len=128,
-                                 overflow="split", val_fraction=0.3, tokenizer=LLAMA2)
+                prepare_examples(
+                    [small, big],
+                    tmp_path / f"pack_{mb}_{streamed}",
+                    row_len=128,
+                    overflow="split",
+                    val_fraction=0.3,
+                    tokenizer=LLAMA2,
+                )
                 data.prepare_text([big], tmp_path / f"text_{mb}_{streamed}", tokenizer=LLAMA2)
                 peaks[mb, streamed] = tracemalloc.get_traced_memory()[1]
             finally:
                 tracemalloc.stop()
-    print("peak Python allocation (MB):", {f"{mb} MB {'streamed' if s else 'whole'}": round(v / 1e6, 1)
-                                           for (mb, s), v in peaks.items()})
+    print(
+        "peak Python allocation (MB):",
+        {f"{mb} MB {'streamed' if s else 'whole'}": round(v / 1e6, 1) for (mb, s), v in peaks.items()},
+    )
     assert peaks[3, True] < 1.2 * peaks[1, True] and peaks[3, True] < 3e6  # flat in the file size
     assert peaks[1, False] > 2 * 1e6 and peaks[1, False] > 10 * peaks[1, True]  # whole: it grows
     for what in ("pack", "text"):  # the same corpora, streamed or not
@@ -226,9 +264,14 @@ def test_threads_reach_hugging_face_tokenizers(tmp_path, monkeypatch, capsys):
     import os
 
     from test_packing import prep_script
+
     monkeypatch.setenv("RAYON_NUM_THREADS", "7")  # restored after the test
     src = tmp_path / "x.jsonl"
     src.write_text("".join(json.dumps({"text": f"doc {i} " * 9}) + "\n" for i in range(30)))
-    assert prep_script().main(["--out", str(tmp_path / "o"), str(src), "--tokenizer", LLAMA2,
-                               "--threads", "1", "--no-progress"]) == 0
+    assert (
+        prep_script().main(
+            ["--out", str(tmp_path / "o"), str(src), "--tokenizer", LLAMA2, "--threads", "1", "--no-progress"]
+        )
+        == 0
+    )
     assert os.environ["RAYON_NUM_THREADS"] == "1"

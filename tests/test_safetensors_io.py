@@ -30,14 +30,16 @@ ARRAYS = {
 @pytest.fixture
 def written(tmp_path):
     path = tmp_path / "t.safetensors"
-    size = sio.write_safetensors(path, [(n, a.shape, a.dtype) for n, a in ARRAYS.items()],
-                                 ARRAYS.__getitem__, {"format": "np"})
+    size = sio.write_safetensors(
+        path, [(n, a.shape, a.dtype) for n, a in ARRAYS.items()], ARRAYS.__getitem__, {"format": "np"}
+    )
     assert size == path.stat().st_size
     return path
 
 
 def test_writer_agrees_with_the_reference_reader(written):
     from safetensors.numpy import load_file
+
     assert sio.check_file(written)["bf16"] == ([4, 8, 5], "BF16")
     ref = load_file(written)
     for n, a in ARRAYS.items():
@@ -64,8 +66,7 @@ def test_every_block_equals_numpy_slicing(written, monkeypatch, chunk):
                 got = f.read(n, *idx)
                 assert got.dtype == a.dtype and got.shape == want.shape, (n, idx)
                 np.testing.assert_array_equal(got, want)
-    np.testing.assert_array_equal(f.read("bf16", slice(1, 3), dtype=np.float32),
-                                  ARRAYS["bf16"][1:3].astype(np.float32))
+    np.testing.assert_array_equal(f.read("bf16", slice(1, 3), dtype=np.float32), ARRAYS["bf16"][1:3].astype(np.float32))
     assert f.dtype("bf16") == ml_dtypes.bfloat16
     with pytest.raises(sio.SafetensorsError, match="no tensor 'nope'"):
         f.read("nope")
@@ -73,11 +74,14 @@ def test_every_block_equals_numpy_slicing(written, monkeypatch, chunk):
 
 def test_truncated_file_is_one_line_naming_it(written):
     f = sio.SafetensorsFile(written)
-    written.write_bytes(written.read_bytes()[:f.tensors["mask"][2]])  # the last tensor cut off
+    written.write_bytes(written.read_bytes()[: f.tensors["mask"][2]])  # the last tensor cut off
     with pytest.raises(sio.SafetensorsError, match="'mask' is truncated"):
         f.read("mask")  # checked before the file changed
-    with pytest.raises(ck.CheckpointError, match=f"{written}: not a valid safetensors file "
-                                                 r"\(tensor 'mask' lies outside the file"):
+    with pytest.raises(
+        ck.CheckpointError,
+        match=f"{written}: not a valid safetensors file "
+        r"\(tensor 'mask' lies outside the file",
+    ):
         ck.open_safetensors(written)
 
 
@@ -90,11 +94,18 @@ def test_load_safetensors_places_shards(written):
     dtypes = {"bf16": np.float32}
 
     def abstract(shapes):
-        return {n: jax.ShapeDtypeStruct(shapes.get(n, a.shape), dtypes.get(n, a.dtype),
-                                        sharding=NamedSharding(mesh, specs.get(n, P())))
-                for n, a in ARRAYS.items()}
-    with pytest.raises(ck.CheckpointError, match=r"does not fit the model \(bf16: checkpoint \(4, 8, 5\) "
-                                                 r"vs model \(4, 16, 5\)\)"):
+        return {
+            n: jax.ShapeDtypeStruct(
+                shapes.get(n, a.shape), dtypes.get(n, a.dtype), sharding=NamedSharding(mesh, specs.get(n, P()))
+            )
+            for n, a in ARRAYS.items()
+        }
+
+    with pytest.raises(
+        ck.CheckpointError,
+        match=r"does not fit the model \(bf16: checkpoint \(4, 8, 5\) "
+        r"vs model \(4, 16, 5\)\)",
+    ):
         ck.load_safetensors(written, abstract({"bf16": (4, 16, 5)}))
     want = abstract({})
     loaded = ck.load_safetensors(written, want)

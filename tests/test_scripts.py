@@ -11,28 +11,47 @@ import pytest
 from helpers import call
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL = ["model.n_layers=2", "model.d_model=64", "model.ffn_dim=128", "model.max_seq_len=32",
-         "data.seq_len=32"]
+SMALL = ["model.n_layers=2", "model.d_model=64", "model.ffn_dim=128", "model.max_seq_len=32", "data.seq_len=32"]
 
 
 def run(script, *args, timeout=300):
     env = dict(os.environ, FSDP_JAX_CPU_DEVICES="8")
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args], capture_output=True,
-                          text=True, timeout=timeout, cwd=ROOT, env=env)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=env,
+    )
 
 
 @pytest.mark.slow
 def test_benchmark_json_document(capsys, compilation_cache_restored):
-    rc, out, err = call("benchmark", "--config", "configs/tiny.yaml", "--strategies", "zero3", "--steps", "2",
-                        "--warmup", "1", "--json", "--baselines", "--sweep", "devices=8", *SMALL, capsys=capsys)
+    rc, out, err = call(
+        "benchmark",
+        "--config",
+        "configs/tiny.yaml",
+        "--strategies",
+        "zero3",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--json",
+        "--baselines",
+        "--sweep",
+        "devices=8",
+        *SMALL,
+        capsys=capsys,
+    )
     assert rc == 0, err[-2000:]
     doc = json.loads(out)
     assert doc["devices"] == 8 and doc["backend"] == "cpu" and doc["config"] == "configs/tiny.yaml"
     names = [x["strategy"] for x in doc["results"]]
     assert names == ["full_shard", "single_device", "plain_dp"]
     for x in doc["results"]:
-        for key in ("compile_s", "step_s_median", "step_s_min", "step_s_max", "tokens_per_s", "mfu",
-                    "peak_bytes"):
+        for key in ("compile_s", "step_s_median", "step_s_min", "step_s_max", "tokens_per_s", "mfu", "peak_bytes"):
             assert key in x
         assert x["step_s_min"] <= x["step_s_median"] <= x["step_s_max"]
         assert x["tokens_per_s"] > 0 and x["peak_bytes"] > 0 and x["mfu"] is None  # CPU: no peak FLOP/s
@@ -49,6 +68,7 @@ def test_benchmark_entry_point_bad_input_exits_2():
 
 def test_gpu_flags_are_appended_not_overriding():
     from fsdp_jax.xla_flags import GPU_FSDP_FLAGS, apply_gpu_fsdp_flags
+
     env = {"XLA_FLAGS": "--xla_gpu_enable_latency_hiding_scheduler=false"}
     out = apply_gpu_fsdp_flags(env)
     assert "--xla_gpu_enable_latency_hiding_scheduler=false" in out
@@ -58,6 +78,7 @@ def test_gpu_flags_are_appended_not_overriding():
 
 def test_xla_gpu_flags_config_option():
     from fsdp_jax.app.config import ConfigError, load_config
+
     assert load_config(ROOT / "configs" / "tiny.yaml").xla_gpu_flags == "none"
     assert load_config(ROOT / "configs" / "tiny.yaml", ["xla_gpu_flags=fsdp"]).xla_gpu_flags == "fsdp"
     try:
@@ -72,8 +93,20 @@ def test_xla_gpu_flags_config_option():
 def test_gpu_check_throughput_path_runs_on_cpu(tmp_path, capsys):
     """The GPU script's throughput check, with XLA attention so the CPU can run it (in this
     process: its 8 CPU devices)."""
-    rc, out, err = call("gpu_check", "--config", "configs/tiny.yaml", "--only", "throughput", "--steps", "1",
-                        "--json", tmp_path / "r.json", "model.attention=xla", *SMALL, capsys=capsys)
+    rc, out, err = call(
+        "gpu_check",
+        "--config",
+        "configs/tiny.yaml",
+        "--only",
+        "throughput",
+        "--steps",
+        "1",
+        "--json",
+        tmp_path / "r.json",
+        "model.attention=xla",
+        *SMALL,
+        capsys=capsys,
+    )
     assert rc == 0, out[-2000:] + err[-2000:]
     res = json.loads((tmp_path / "r.json").read_text())["throughput"]
     assert res["devices"] == 8 and res["global_batch"] == 64 and res["tokens_per_s"] > 0
@@ -85,4 +118,5 @@ def test_gpu_check_entry_point_bad_input_exits_2():
     r = run("gpu_check.py", "--only", "speed")
     assert r.returncode == 2 and r.stdout == "", r.stderr
     assert [l for l in r.stderr.splitlines() if l.strip()] == [
-        "error: --only 'speed' / --steps 10: checks are throughput, precision, collectives; steps >= 1"]
+        "error: --only 'speed' / --steps 10: checks are throughput, precision, collectives; steps >= 1"
+    ]

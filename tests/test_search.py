@@ -17,15 +17,29 @@ from helpers import call, one_line
 ROOT = Path(__file__).resolve().parents[1]
 TINY_YAML = ROOT / "configs" / "tiny.yaml"
 # configs/tiny.yaml shrunk to compile in seconds; bf16 compute as on a GPU
-SMALL = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
-         "model.ffn_dim=128", "model.max_seq_len=32", "data.seq_len=32", "train.global_batch=16",
-         "train.steps=10", "precision=params=float32,compute=bfloat16"]
-GRID = se.SearchSpace(strategies=("no_shard", "shard_grad_op", "full_shard"), remats=("none", "full"),
-                      microbatches=(1, 2), offloads=("none",))
+SMALL = [
+    "model.d_model=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.ffn_dim=128",
+    "model.max_seq_len=32",
+    "data.seq_len=32",
+    "train.global_batch=16",
+    "train.steps=10",
+    "precision=params=float32,compute=bfloat16",
+]
+GRID = se.SearchSpace(
+    strategies=("no_shard", "shard_grad_op", "full_shard"),
+    remats=("none", "full"),
+    microbatches=(1, 2),
+    offloads=("none",),
+)
 
 
 def _cands(cfg, limits, space=GRID):
     from fsdp_jax.verify import devices_for
+
     cands, _ = se.enumerate_candidates(cfg, 8, space, lambda s: mesh_shape(cfg, s, 8))
     se.analytic_pass(cfg, 8, cands, limits, 1, 8, "h100", devices_for(8))
     return cands
@@ -40,10 +54,12 @@ def cfg():
 def compiled_grid(cfg):
     """Every candidate of GRID compiled for 8 x H100 (one child process, one kernel cache)."""
     from fsdp_jax import targets
+
     assert targets.plugin_installed(), f"run `{targets.INSTALL_HINT}` (the CUDA compile-only plugin)"
     target = targets.make_target("h100", devices=8)
     cands = _cands(cfg, se.Limits(device_memory=10**12))
     from fsdp_jax.app.fit.search_compile import compile_candidates
+
     results = compile_candidates(cfg, 8, cands, target, progress=lambda m: None)
     return cands, [r["compiled"]["device_peak"] for r in results], target
 
@@ -89,7 +105,8 @@ def test_search_winner_compiles_within_the_budget(cfg, compiled_grid):
     assert w is not None and w["compiled"] is not None and w["compiled"]["platform"] == "gpu"
     assert w["compiled"]["device_peak"] <= doc["budget"] == mem - doc["headroom"]
     assert w["predicted"]["source"] == "compiled" and w["rank"] == min(
-        c["rank"] for c in doc["candidates"] if se.verified(c))
+        c["rank"] for c in doc["candidates"] if se.verified(c)
+    )
     assert 1 <= doc["counts"]["compiled"] <= 4  # only a few were compiled
     above = [c for c in doc["candidates"] if c["rank"] < w["rank"]]
     if doc["counts"]["compiled"] < 4:  # compiles left: nothing above the winner could still fit
@@ -98,13 +115,43 @@ def test_search_winner_compiles_within_the_budget(cfg, compiled_grid):
 
 
 def test_json_document_schema_and_yaml_winner(capsys):
-    rc, out, err = call("plan.py", "--config", TINY_YAML, "--devices", "8", "--device-memory", "1.2MB", "--search",
-                        "--max-compiles", "0", "--vary", "batch,seq", "--json", *SMALL, capsys=capsys)
+    rc, out, err = call(
+        "plan.py",
+        "--config",
+        TINY_YAML,
+        "--devices",
+        "8",
+        "--device-memory",
+        "1.2MB",
+        "--search",
+        "--max-compiles",
+        "0",
+        "--vary",
+        "batch,seq",
+        "--json",
+        *SMALL,
+        capsys=capsys,
+    )
     assert rc == 0, err
     doc = json.loads(out)
-    assert {"config", "devices", "target", "device_memory", "headroom", "budget", "ranked_by", "space",
-            "counts", "candidates", "dropped", "winner", "smallest_fitting_memory", "notes", "wall_s",
-            "yaml"} <= set(doc)
+    assert {
+        "config",
+        "devices",
+        "target",
+        "device_memory",
+        "headroom",
+        "budget",
+        "ranked_by",
+        "space",
+        "counts",
+        "candidates",
+        "dropped",
+        "winner",
+        "smallest_fitting_memory",
+        "notes",
+        "wall_s",
+        "yaml",
+    } <= set(doc)
     assert doc["budget"] == doc["device_memory"] - doc["headroom"] == 1_080_000
     assert doc["ranked_by"].startswith("analytic cost")  # no GPU target: said so
     cands = doc["candidates"]
@@ -129,9 +176,25 @@ def test_json_document_schema_and_yaml_winner(capsys):
 
 
 def test_table_and_progress(capsys):
-    rc, out, err = call("plan.py", "--config", TINY_YAML, "--devices", "8", "--device-memory", "40MB", "--search",
-                        "--max-compiles", "0", "--rows", "3", "--offload", "none", "--progress", *SMALL,
-                        capsys=capsys)
+    rc, out, err = call(
+        "plan.py",
+        "--config",
+        TINY_YAML,
+        "--devices",
+        "8",
+        "--device-memory",
+        "40MB",
+        "--search",
+        "--max-compiles",
+        "0",
+        "--rows",
+        "3",
+        "--offload",
+        "none",
+        "--progress",
+        *SMALL,
+        capsys=capsys,
+    )
     assert rc == 0, err
     assert "search: " in err and "candidates; analytic pass" in err
     rows = [l for l in out.splitlines() if re.match(r"\s+\d+ ", l)]
@@ -139,29 +202,45 @@ def test_table_and_progress(capsys):
     assert "winner: mesh.strategy=" in out and "\nmesh:\n  strategy: " in out
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--remat", ""], "--remat"),
-    (["--remat", "sometimes"], "--remat"),
-    (["--microbatches", "0"], "--microbatches"),
-    (["--microbatches", "two"], "--microbatches"),
-    (["--microbatches", ","], "--microbatches"),
-    (["--microbatches", "3"], "search space is empty"),      # divides no per-device batch (2)
-    (["--offload", "everything"], "--offload"),
-    (["--offload", ","], "--offload"),
-    (["--strategies", ","], "--strategies"),
-    (["--vary", "width"], "--vary"),
-    (["--headroom", "100%"], "--headroom"),                   # impossible constraints
-    (["--headroom", "2GB"], "--headroom"),
-    (["--headroom", "-5%"], "--headroom"),
-    (["--offload", "optimizer", "--host-memory", "1KB"], "--host-memory"),
-    (["--host-memory", "lots"], "--host-memory"),
-    (["--max-compiles", "-1"], "--max-compiles"),
-    (["--rows", "x"], "--rows"),
-    (["--plot", "p.png"], "--plot"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--remat", ""], "--remat"),
+        (["--remat", "sometimes"], "--remat"),
+        (["--microbatches", "0"], "--microbatches"),
+        (["--microbatches", "two"], "--microbatches"),
+        (["--microbatches", ","], "--microbatches"),
+        (["--microbatches", "3"], "search space is empty"),  # divides no per-device batch (2)
+        (["--offload", "everything"], "--offload"),
+        (["--offload", ","], "--offload"),
+        (["--strategies", ","], "--strategies"),
+        (["--vary", "width"], "--vary"),
+        (["--headroom", "100%"], "--headroom"),  # impossible constraints
+        (["--headroom", "2GB"], "--headroom"),
+        (["--headroom", "-5%"], "--headroom"),
+        (["--offload", "optimizer", "--host-memory", "1KB"], "--host-memory"),
+        (["--host-memory", "lots"], "--host-memory"),
+        (["--max-compiles", "-1"], "--max-compiles"),
+        (["--rows", "x"], "--rows"),
+        (["--plot", "p.png"], "--plot"),
+    ],
+)
 def test_bad_search_input_exits_2_with_one_line(args, needle, capsys):
-    rc, out, err = call("plan.py", "--config", TINY_YAML, "--devices", "8", "--device-memory", "1GB", "--search",
-                        "--max-compiles", "0", *args, *SMALL, capsys=capsys)
+    rc, out, err = call(
+        "plan.py",
+        "--config",
+        TINY_YAML,
+        "--devices",
+        "8",
+        "--device-memory",
+        "1GB",
+        "--search",
+        "--max-compiles",
+        "0",
+        *args,
+        *SMALL,
+        capsys=capsys,
+    )
     one_line(rc, err, needle)  # no progress lines: stderr is not a terminal
     assert out == ""
 
@@ -180,8 +259,7 @@ def test_cpu_search_needs_a_device_memory(capsys):
 def test_nothing_fits_names_the_smallest_memory_that_does(capsys):
     base = ["--config", TINY_YAML, "--devices", "8", "--search", "--max-compiles", "0", "--offload", "none", *SMALL]
     rc, _, err = call("plan.py", *base, "--device-memory", "100KB", capsys=capsys)
-    line = one_line(rc, err,
-                    "none of", "fits", "smallest device memory")
+    line = one_line(rc, err, "none of", "fits", "smallest device memory")
     need = re.search(r"would fit is ([\d.]+GB)", line).group(1)
     rc, out, err = call("plan.py", *base, "--device-memory", need, "--json", capsys=capsys)
     assert rc == 0, err
@@ -198,6 +276,7 @@ def test_analytic_communication_matches_the_textbook(cfg):
     import dataclasses
 
     from fsdp_jax.app.models.llama import count_params
+
     p, f = 2 * count_params(cfg.model), 7 / 8  # bf16 compute
     wire = lambda c, s, sizes=(1, 8, 1), hosts=1: se.analytic_communication(c, s, sizes, hosts)  # noqa: E731
     assert wire(cfg, "no_shard")["total_wire_bytes"] == int(2 * p * f)
@@ -224,7 +303,7 @@ def test_pruning_keeps_edge_candidates_within_the_model_error(cfg):
         a = c["analytic"]
         exact = a["params"] + a["optimizer"] + a["batch"]
         lower = exact + (a["total"] - exact) * (1 - se.ANALYTIC_OVER)
-        want = ("fits" if dev <= mid else "edge" if c["offload"] == "none" and lower <= mid else "dropped")
+        want = "fits" if dev <= mid else "edge" if c["offload"] == "none" and lower <= mid else "dropped"
         assert c["status"] == want, (se.overrides(cfg, c), dev, mid)
         seen.add(want)
     assert seen == {"fits", "edge", "dropped"}
@@ -235,12 +314,19 @@ def test_recompute_per_remat_policy_by_hand(cfg):
     core 4*32*64 = 8192, gate+up 4*64*128 = 32768 FLOPs per token per layer."""
     m, s = cfg.model, cfg.data.seq_len
     got = {r: se.recompute_flops_per_token(m, s, r) for r in se.DEVICE_REMATS + ("offload_attn_mlp_out",)}
-    assert got == {"none": 0, "dots": 0, "full": 0,  # full: step_time.predict counts it already
-                   "dots_no_batch": 2 * 8192, "save_qkv_attn_mlp_out": 2 * (8192 + 32768),
-                   "save_attn_mlp_out": 2 * (16384 + 8192 + 32768), "offload_attn_mlp_out": 2 * (16384 + 8192 + 32768)}
+    assert got == {
+        "none": 0,
+        "dots": 0,
+        "full": 0,  # full: step_time.predict counts it already
+        "dots_no_batch": 2 * 8192,
+        "save_qkv_attn_mlp_out": 2 * (8192 + 32768),
+        "save_attn_mlp_out": 2 * (16384 + 8192 + 32768),
+        "offload_attn_mlp_out": 2 * (16384 + 8192 + 32768),
+    }
     import dataclasses
 
     from fsdp_jax.app.fit import step_time
+
     res = {"analytic": {"grads": 0, "params": 0, "optimizer": 0}, "communication": {"total_wire_bytes": 0}}
     with_remat = lambda r: dataclasses.replace(cfg, remat=r)  # noqa: E731
     dots, saved = (se.predict_step(with_remat(r), "h100", 8, res) for r in ("dots", "save_attn_mlp_out"))
@@ -261,6 +347,7 @@ def test_tpu_target_search_ranks_by_the_tpu_chip_prediction(cfg):
     from fsdp_jax import targets
     from fsdp_jax.app.fit.search_report import format_search
     from fsdp_jax.app.fit.step_time import GEMM_EFFICIENCY, model_flops_per_token
+
     target = targets.make_target("v5p", devices=8)
     doc = se.search(cfg, 8, GRID, se.Limits(device_memory=10**12, max_compiles=0), target=target)
     assert doc["ranked_by"] == "predicted tokens/s per chip"
@@ -270,23 +357,25 @@ def test_tpu_target_search_ranks_by_the_tpu_chip_prediction(cfg):
     for c in doc["candidates"]:
         p = c["predicted"]
         recompute = (per_token - attn) / 3 + attn / 3 if c["remat"] == "full" else 0.0
-        assert p["compute_s"] == pytest.approx(tokens * (per_token + recompute) / (459e12 * GEMM_EFFICIENCY),
-                                               rel=1e-3)
-        wire = se.analytic_communication(se.candidate_config(cfg, c), c["strategy"], tuple(c["mesh"].values()),
-                                         1)["total_wire_bytes"]
+        assert p["compute_s"] == pytest.approx(tokens * (per_token + recompute) / (459e12 * GEMM_EFFICIENCY), rel=1e-3)
+        wire = se.analytic_communication(se.candidate_config(cfg, c), c["strategy"], tuple(c["mesh"].values()), 1)[
+            "total_wire_bytes"
+        ]
         assert p["comm_s"] == pytest.approx(wire / 600e9, rel=1e-3, abs=1e-9)
         assert p["mfu"] == pytest.approx(tokens * per_token / p["step_s"] / 459e12, rel=2e-3)
     speeds = [c["predicted"]["tokens_per_s_per_gpu"] for c in doc["candidates"]]
     assert speeds == sorted(speeds, reverse=True)
     assert "tok/s/chip" in format_search(doc)
     # the same grid on H100 predicts other figures: the ranking above is not H100's
-    h100 = se.search(cfg, 8, GRID, se.Limits(device_memory=10**12, max_compiles=0),
-                     target=targets.make_target("h100", devices=8))
+    h100 = se.search(
+        cfg, 8, GRID, se.Limits(device_memory=10**12, max_compiles=0), target=targets.make_target("h100", devices=8)
+    )
     assert h100["candidates"][0]["predicted"]["compute_s"] < doc["candidates"][0]["predicted"]["compute_s"]
 
 
 def test_tpu_slices_without_a_published_network_rank_by_the_analytic_cost():
     from fsdp_jax import targets
+
     name, note = se.ranking_target(targets.make_target("v6e", devices=16, slices=2))
     assert name == "h100" and "v6e publishes no data-center network bandwidth" in note
     assert se.ranking_target(targets.make_target("v5p", devices=16, slices=2)) == ("v5p", None)
@@ -303,9 +392,11 @@ def test_offload_candidates_compile_on_a_gpu_target(cfg):
     from fsdp_jax import targets
     from fsdp_jax.app.fit.search_report import format_search
     from fsdp_jax.app.fit.target_offload import BASIS
+
     assert targets.plugin_installed(), f"run `{targets.INSTALL_HINT}` (the CUDA compile-only plugin)"
-    space = se.SearchSpace(strategies=("full_shard",), remats=("none",), microbatches=(1,),
-                           offloads=("none", "optimizer"))
+    space = se.SearchSpace(
+        strategies=("full_shard",), remats=("none",), microbatches=(1,), offloads=("none", "optimizer")
+    )
     doc = se.search(cfg, 8, space, se.Limits(device_memory=10**12, top=2), target=targets.make_target("h100", 8))
     by = {c["offload"]: c for c in doc["candidates"]}
     assert set(by) == {"none", "optimizer"} and doc["counts"]["compiled"] == 2

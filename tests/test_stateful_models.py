@@ -29,6 +29,7 @@ STEPS = 5
 
 # ----------------------------------------------------------------------------- the models
 
+
 def resnet():
     net = ResNet(stage_sizes=[1, 1], block_cls=ResNetBlock, num_classes=4, num_filters=8)
     return from_linen(net, jax.ShapeDtypeStruct((16, 16, 16, 3), jnp.float32), axis_names=("batch",))
@@ -36,14 +37,20 @@ def resnet():
 
 def image_batches(n, seed=0):
     k = jax.random.key(seed)
-    return [{"image": jax.random.normal(jax.random.fold_in(k, i), (16, 16, 16, 3)),
-             "label": jax.random.randint(jax.random.fold_in(k, 100 + i), (16,), 0, 4)} for i in range(n)]
+    return [
+        {
+            "image": jax.random.normal(jax.random.fold_in(k, i), (16, 16, 16, 3)),
+            "label": jax.random.randint(jax.random.fold_in(k, 100 + i), (16,), 0, 4),
+        }
+        for i in range(n)
+    ]
 
 
 def resnet_loss(model):
     def loss_fn(params, batch, *, state, rng, train):
         logits, state = model.apply(params, batch["image"], state=state, rng=rng, train=train)
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean(), state
+
     return loss_fn
 
 
@@ -52,8 +59,13 @@ class BnDropNet(nnx.Module):
     zero up to rounding), BatchNorm, relu, Dropout, Linear."""
 
     def __init__(self, rngs: nnx.Rngs, rate: float = 0.3):
-        self.up = nnx.Linear(32, 64, use_bias=False, rngs=rngs,
-                             kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", "mlp")))
+        self.up = nnx.Linear(
+            32,
+            64,
+            use_bias=False,
+            rngs=rngs,
+            kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", "mlp")),
+        )
         self.bn = nnx.BatchNorm(64, rngs=rngs)
         self.drop = nnx.Dropout(rate, rngs=rngs)
         self.out = nnx.Linear(64, 4, rngs=rngs)
@@ -68,19 +80,24 @@ def nnx_model(rate=0.3):
 
 def vector_batches(n, seed=0):
     k = jax.random.key(seed)
-    return [{"x": jax.random.normal(jax.random.fold_in(k, i), (16, 32)),
-             "y": jax.random.normal(jax.random.fold_in(k, 100 + i), (16, 4))} for i in range(n)]
+    return [
+        {
+            "x": jax.random.normal(jax.random.fold_in(k, i), (16, 32)),
+            "y": jax.random.normal(jax.random.fold_in(k, 100 + i), (16, 4)),
+        }
+        for i in range(n)
+    ]
 
 
 def nnx_loss(model):
     def loss_fn(params, batch, *, state, rng, train):
         out, state = model.apply(params, batch["x"], state=state, rng=rng, train=train)
         return jnp.mean((out - batch["y"]) ** 2), state
+
     return loss_fn
 
 
-MODELS = {"flax_resnet": (resnet, resnet_loss, image_batches),
-          "nnx_bn_dropout": (nnx_model, nnx_loss, vector_batches)}
+MODELS = {"flax_resnet": (resnet, resnet_loss, image_batches), "nnx_bn_dropout": (nnx_model, nnx_loss, vector_batches)}
 
 
 def mesh_for(strategy, n=8):
@@ -90,8 +107,15 @@ def mesh_for(strategy, n=8):
 def train(name, strategy, n, steps=STEPS, **step_kw):
     make, make_loss, make_batches = MODELS[name]
     model = make()
-    sm = shard_model(model, SGD, mesh_for(strategy, n), strategy, rng=jax.random.key(0),
-                     min_shard_size=MIN_SHARD, max_replicated_fraction=None)
+    sm = shard_model(
+        model,
+        SGD,
+        mesh_for(strategy, n),
+        strategy,
+        rng=jax.random.key(0),
+        min_shard_size=MIN_SHARD,
+        max_replicated_fraction=None,
+    )
     step = sm.train_step(make_loss(model), **step_kw)
     state, losses = sm.state, []
     for b in make_batches(steps):
@@ -101,11 +125,14 @@ def train(name, strategy, n, steps=STEPS, **step_kw):
 
 
 def tree_max_diff(a, b):
-    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)), initial=0.0))
-               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    return max(
+        float(np.max(np.abs(np.asarray(x) - np.asarray(y)), initial=0.0))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+    )
 
 
 # ----------------------------------------------------------------------------- parity
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(MODELS))
@@ -123,9 +150,22 @@ def test_parity_with_one_device_under_every_strategy(name):
             specs = [x.sharding.spec for x in jax.tree.leaves(sm.state.params)]
             assert any(any(e is not None for e in s) for s in specs)
     # the state moved (BatchNorm statistics updated by the step)
-    assert tree_max_diff(ref.model_state, jax.device_get(shard_model(
-        MODELS[name][0](), SGD, mesh_for("no_shard", 1), "no_shard", rng=jax.random.key(0),
-        max_replicated_fraction=None).state.model_state)) > 1e-3
+    assert (
+        tree_max_diff(
+            ref.model_state,
+            jax.device_get(
+                shard_model(
+                    MODELS[name][0](),
+                    SGD,
+                    mesh_for("no_shard", 1),
+                    "no_shard",
+                    rng=jax.random.key(0),
+                    max_replicated_fraction=None,
+                ).state.model_state
+            ),
+        )
+        > 1e-3
+    )
 
 
 @pytest.mark.slow
@@ -140,11 +180,15 @@ def test_resnet_matches_a_plain_flax_training_loop():
     @jax.jit
     def step(params, stats, opt, batch):
         def f(p):  # pmap-era axis name bound to size 1, as the adapter does
-            logits, new = jax.vmap(lambda x: net.apply({"params": p, "batch_stats": stats}, x, train=True,
-                                                       mutable=["batch_stats"]),
-                                   axis_name="batch", axis_size=1, in_axes=None)(batch["image"])
+            logits, new = jax.vmap(
+                lambda x: net.apply({"params": p, "batch_stats": stats}, x, train=True, mutable=["batch_stats"]),
+                axis_name="batch",
+                axis_size=1,
+                in_axes=None,
+            )(batch["image"])
             loss = optax.softmax_cross_entropy_with_integer_labels(logits[0], batch["label"]).mean()
             return loss, jax.tree.map(lambda x: x[0], new["batch_stats"])
+
         (loss, new_stats), g = jax.value_and_grad(f, has_aux=True)(params)
         u, opt = SGD.update(g, opt, params)
         return optax.apply_updates(params, u), new_stats, opt, loss
@@ -171,6 +215,7 @@ def test_dropout_key_changes_per_step_and_eval_is_deterministic():
     def first_loss(rng):
         state = jax.tree.map(lambda x: x.copy(), sm.state)  # the step donates
         return float(sm.train_step(loss_fn, rng=rng)(state, batch)[1]["loss"])
+
     assert first_loss(jax.random.key(1)) == first_loss(jax.random.key(1))
     assert first_loss(jax.random.key(1)) != first_loss(jax.random.key(2))
     ev = sm.eval_step(loss_fn)
@@ -195,10 +240,18 @@ def test_microbatches_thread_the_state_and_agree_with_one_device():
 
 # ----------------------------------------------------------------------------- every door
 
+
 def test_explain_bytes_and_build_list_the_state():
     model = resnet()
-    sm = shard_model(model, SGD, mesh_for("full_shard"), "full_shard", rng=jax.random.key(0),
-                     min_shard_size=MIN_SHARD, max_replicated_fraction=None)
+    sm = shard_model(
+        model,
+        SGD,
+        mesh_for("full_shard"),
+        "full_shard",
+        rng=jax.random.key(0),
+        min_shard_size=MIN_SHARD,
+        max_replicated_fraction=None,
+    )
     text = sm.explain()
     state_lines = [ln for ln in text.splitlines() if ln.startswith("state:")]
     assert len(state_lines) == len(jax.tree.leaves(sm.state.model_state)) == 12
@@ -207,15 +260,26 @@ def test_explain_bytes_and_build_list_the_state():
     b = sm.bytes_per_device()
     stats_bytes = sum(x.size * 4 for x in jax.tree.leaves(sm.state.model_state))  # replicated
     assert b["model_state"] == stats_bytes and b["total"] == b["params"] + b["opt_state"] + stats_bytes + 4
-    built = build(model, SGD, mesh_for("full_shard"), "full_shard", min_shard_size=MIN_SHARD,
-                  max_replicated_fraction=None)
+    built = build(
+        model, SGD, mesh_for("full_shard"), "full_shard", min_shard_size=MIN_SHARD, max_replicated_fraction=None
+    )
     assert state_bytes_per_device(built.abstract_state)["model_state"] == stats_bytes
     # a large state leaf shards by the fallback rule under a sharding strategy, not otherwise
-    big = fj.make_plan({"w": jax.ShapeDtypeStruct((64, 512), jnp.float32)}, SGD, mesh_for("full_shard"),
-                       "full_shard", abstract_model_state={"stats": jax.ShapeDtypeStruct((1024, 64), jnp.float32)})
+    big = fj.make_plan(
+        {"w": jax.ShapeDtypeStruct((64, 512), jnp.float32)},
+        SGD,
+        mesh_for("full_shard"),
+        "full_shard",
+        abstract_model_state={"stats": jax.ShapeDtypeStruct((1024, 64), jnp.float32)},
+    )
     assert big.model_state["stats"].spec[0] in (("data", "fsdp"), "fsdp")
-    rep = fj.make_plan({"w": jax.ShapeDtypeStruct((64, 512), jnp.float32)}, SGD, mesh_for("no_shard"),
-                       "no_shard", abstract_model_state={"stats": jax.ShapeDtypeStruct((1024, 64), jnp.float32)})
+    rep = fj.make_plan(
+        {"w": jax.ShapeDtypeStruct((64, 512), jnp.float32)},
+        SGD,
+        mesh_for("no_shard"),
+        "no_shard",
+        abstract_model_state={"stats": jax.ShapeDtypeStruct((1024, 64), jnp.float32)},
+    )
     assert all(e is None for e in rep.model_state["stats"].spec)
 
 
@@ -231,19 +295,40 @@ def test_verify_compares_params_and_model_state():
     absolute) from one device, from the order of the cross-device sum alone; its loss
     agrees to 1.7e-7. It passes the table's `adaptive-f32` entry (param rtol 5e-5)."""
     model = nnx_model()
-    report = fj.verify(model, SGD, nnx_loss(model), batches=vector_batches(3), steps=3,
-                       strategies=["full_shard", "hybrid_shard"], min_shard_size=MIN_SHARD,
-                       rng=jax.random.key(3))
+    report = fj.verify(
+        model,
+        SGD,
+        nnx_loss(model),
+        batches=vector_batches(3),
+        steps=3,
+        strategies=["full_shard", "hybrid_shard"],
+        min_shard_size=MIN_SHARD,
+        rng=jax.random.key(3),
+    )
     assert report.passed and report.tolerance.name == "sgd-f32", report.format()
     assert report.strategies["full_shard"].state_bytes["model_state"] == 2 * 64 * 4
     model = resnet()
-    strict = fj.verify(model, SGD, resnet_loss(model), batches=image_batches(3), steps=3,
-                       strategies=["full_shard"], min_shard_size=MIN_SHARD)
+    strict = fj.verify(
+        model,
+        SGD,
+        resnet_loss(model),
+        batches=image_batches(3),
+        steps=3,
+        strategies=["full_shard"],
+        min_shard_size=MIN_SHARD,
+    )
     assert not strict.passed and "BatchNorm" in strict.strategies["full_shard"].worst_leaf
     assert max(strict.strategies["full_shard"].loss_rel_diff) < 1e-6
-    report = fj.verify(model, SGD, resnet_loss(model), batches=image_batches(3), steps=3,
-                       strategies=["full_shard", "hybrid_shard"], min_shard_size=MIN_SHARD,
-                       tolerance="adaptive-f32")
+    report = fj.verify(
+        model,
+        SGD,
+        resnet_loss(model),
+        batches=image_batches(3),
+        steps=3,
+        strategies=["full_shard", "hybrid_shard"],
+        min_shard_size=MIN_SHARD,
+        tolerance="adaptive-f32",
+    )
     assert report.passed, report.format()
 
 
@@ -251,23 +336,40 @@ def test_verify_sees_a_per_device_batch_statistic():
     """What verify is for: BatchNorm statistics taken per device (a shard_map over the
     batch without a pmean) differ from the global batch's, and verify says so."""
     from jax.sharding import PartitionSpec as P
+
     model = nnx_model(rate=0.0)
 
     def loss_fn(params, batch, *, state, rng, train):
         def local(x, y):  # each device normalises its own rows: the classic DDP BatchNorm bug
             out, _ = model.apply(params, x, state=state, rng=rng, train=train)
             return jnp.mean((out - y) ** 2)[None]
+
         mesh = jax.sharding.get_abstract_mesh()
-        per = jax.shard_map(local, mesh=mesh, in_specs=(P(("data", "fsdp")), P(("data", "fsdp"))),
-                            out_specs=P(("data", "fsdp")), check_vma=False)(batch["x"], batch["y"])
+        per = jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(P(("data", "fsdp")), P(("data", "fsdp"))),
+            out_specs=P(("data", "fsdp")),
+            check_vma=False,
+        )(batch["x"], batch["y"])
         return jnp.mean(per), state
-    report = fj.verify(model, SGD, loss_fn, batches=vector_batches(2), steps=2,
-                       strategies=["full_shard"], min_shard_size=MIN_SHARD, rng=jax.random.key(3))
+
+    report = fj.verify(
+        model,
+        SGD,
+        loss_fn,
+        batches=vector_batches(2),
+        steps=2,
+        strategies=["full_shard"],
+        min_shard_size=MIN_SHARD,
+        rng=jax.random.key(3),
+    )
     assert not report.passed
     assert report.strategies["full_shard"].loss_rel_diff[0] > 1e-3
 
 
 # ----------------------------------------------------------------------------- checkpoints
+
 
 def _abstract(state):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
@@ -280,8 +382,16 @@ def test_resume_with_state_is_bit_exact_and_restores_onto_another_mesh(name, tmp
     model, batches = make(), make_batches(STEPS)
 
     def fresh(strategy="full_shard"):
-        return shard_model(model, SGD, mesh_for(strategy), strategy, rng=jax.random.key(0),
-                           min_shard_size=MIN_SHARD, max_replicated_fraction=None)
+        return shard_model(
+            model,
+            SGD,
+            mesh_for(strategy),
+            strategy,
+            rng=jax.random.key(0),
+            min_shard_size=MIN_SHARD,
+            max_replicated_fraction=None,
+        )
+
     sm = fresh()
     step = sm.train_step(make_loss(model))
     state = sm.state
@@ -318,6 +428,7 @@ def test_resume_with_state_is_bit_exact_and_restores_onto_another_mesh(name, tmp
 
 class _OldTrainState(struct.PyTreeNode):
     """The TrainState of releases before model state: step, params, opt_state."""
+
     step: jax.Array
     params: object
     opt_state: object
@@ -344,24 +455,33 @@ def test_checkpoint_with_state_onto_a_model_without_names_the_state(tmp_path):
     """Restoring a checkpoint that holds model state onto a stateless target (or the
     reverse) is a CheckpointError naming the model_state paths, not a fallback."""
     from fsdp_jax.checkpoint import CheckpointError
+
     params = {"w": jnp.ones((8, 4))}
     opt = SGD.init(params)
-    with_state = fj.TrainState(step=jnp.asarray(1, jnp.int32), params=params, opt_state=opt,
-                               model_state={"bn": {"mean": jnp.zeros((4,))}})
+    with_state = fj.TrainState(
+        step=jnp.asarray(1, jnp.int32), params=params, opt_state=opt, model_state={"bn": {"mean": jnp.zeros((4,))}}
+    )
     without = fj.TrainState(step=jnp.asarray(1, jnp.int32), params=params, opt_state=opt)
-    for saved, target, pattern in ((with_state, without, r"model_state/bn/mean: only in the checkpoint"),
-                                   (without, with_state, r"model_state/bn/mean: not in the checkpoint")):
+    for saved, target, pattern in (
+        (with_state, without, r"model_state/bn/mean: only in the checkpoint"),
+        (without, with_state, r"model_state/bn/mean: not in the checkpoint"),
+    ):
         d = tmp_path / pattern.split(":")[1].strip().split()[0]
         with Checkpointer(d, async_save=False) as ckpt:
             ckpt.save(1, saved)
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-            x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])), target)
+        abstract = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(
+                x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            ),
+            target,
+        )
         with pytest.raises(CheckpointError, match=pattern) as e:
             Checkpointer(d, read_only=True).restore(abstract)
         assert "\n" not in str(e.value)
 
 
 # ----------------------------------------------------------------------------- bad input
+
 
 class _Counting(nn.Module):
     """A Linen module with a collection nobody declared ('counters')."""
@@ -377,27 +497,42 @@ def _nnx_state_loss(model, ret):
     def loss_fn(params, batch, *, state, rng, train):
         out, new = model.apply(params, batch["x"], state=state, rng=rng, train=train)
         return ret(jnp.mean((out - batch["y"]) ** 2), new)
+
     return loss_fn
 
 
 BAD = [
-    ("forgets the state", lambda: _nnx_state_loss(nnx_model(), lambda loss, new: loss),
-     r"loss_fn returned a .*not \(loss, new_state\).*bn/mean"),
-    ("drops a leaf", lambda: _nnx_state_loss(nnx_model(), lambda loss, new: (loss, {"bn": {"mean": new["bn"]["mean"]}})),
-     r"does not match the model state: it lacks bn/var"),
-    ("adds a leaf", lambda: _nnx_state_loss(nnx_model(), lambda loss, new: (loss, {**new, "extra": jnp.zeros(3)})),
-     r"does not match the model state: it has extra"),
-    ("changes a shape", lambda: _nnx_state_loss(
-        nnx_model(), lambda loss, new: (loss, {"bn": {"mean": new["bn"]["mean"][:3], "var": new["bn"]["var"]}})),
-     r"model state leaf bn/mean changed shape \(64,\) -> \(3,\)"),
+    (
+        "forgets the state",
+        lambda: _nnx_state_loss(nnx_model(), lambda loss, new: loss),
+        r"loss_fn returned a .*not \(loss, new_state\).*bn/mean",
+    ),
+    (
+        "drops a leaf",
+        lambda: _nnx_state_loss(nnx_model(), lambda loss, new: (loss, {"bn": {"mean": new["bn"]["mean"]}})),
+        r"does not match the model state: it lacks bn/var",
+    ),
+    (
+        "adds a leaf",
+        lambda: _nnx_state_loss(nnx_model(), lambda loss, new: (loss, {**new, "extra": jnp.zeros(3)})),
+        r"does not match the model state: it has extra",
+    ),
+    (
+        "changes a shape",
+        lambda: _nnx_state_loss(
+            nnx_model(), lambda loss, new: (loss, {"bn": {"mean": new["bn"]["mean"][:3], "var": new["bn"]["var"]}})
+        ),
+        r"model state leaf bn/mean changed shape \(64,\) -> \(3,\)",
+    ),
 ]
 
 
 @pytest.mark.parametrize("what,make_loss,pattern", BAD, ids=[b[0] for b in BAD])
 def test_bad_loss_contract_is_one_line_before_anything_runs(what, make_loss, pattern):
     model = nnx_model()
-    sm = shard_model(model, SGD, mesh_for("no_shard", 1), "no_shard", rng=jax.random.key(0),
-                     max_replicated_fraction=None)
+    sm = shard_model(
+        model, SGD, mesh_for("no_shard", 1), "no_shard", rng=jax.random.key(0), max_replicated_fraction=None
+    )
     step = sm.train_step(make_loss())
     with pytest.raises(StateError, match=pattern) as e:
         step.lower(sm.state, vector_batches(1)[0])  # tracing: nothing has run
@@ -405,16 +540,31 @@ def test_bad_loss_contract_is_one_line_before_anything_runs(what, make_loss, pat
 
 
 BAD_MODELS = [
-    ("undeclared collection", lambda: from_linen(_Counting(), jnp.zeros((2, 3))),
-     r"from_linen: _Counting creates the collection 'counters', which is neither trained \('params'\) "
-     r"nor declared as state"),
-    ("NNX Rngs and no run key", lambda: build(nnx_model(), SGD, mesh_for("no_shard", 1), "no_shard",
-                                               loss_fn=lambda p, b: 0.0, max_replicated_fraction=None),
-     r"draws random numbers .* pass rng="),
-    ("place without the state", lambda: build(nnx_model(), SGD, mesh_for("no_shard", 1), "no_shard",
-                                               max_replicated_fraction=None).place(
-        jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), nnx_model().abstract_params)),
-     r"this model has state; pass place\(params, model_state\)"),
+    (
+        "undeclared collection",
+        lambda: from_linen(_Counting(), jnp.zeros((2, 3))),
+        r"from_linen: _Counting creates the collection 'counters', which is neither trained \('params'\) "
+        r"nor declared as state",
+    ),
+    (
+        "NNX Rngs and no run key",
+        lambda: build(
+            nnx_model(),
+            SGD,
+            mesh_for("no_shard", 1),
+            "no_shard",
+            loss_fn=lambda p, b: 0.0,
+            max_replicated_fraction=None,
+        ),
+        r"draws random numbers .* pass rng=",
+    ),
+    (
+        "place without the state",
+        lambda: build(nnx_model(), SGD, mesh_for("no_shard", 1), "no_shard", max_replicated_fraction=None).place(
+            jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), nnx_model().abstract_params)
+        ),
+        r"this model has state; pass place\(params, model_state\)",
+    ),
 ]
 
 
@@ -427,17 +577,20 @@ def test_bad_model_state_setup_is_one_line(what, call, pattern):
 
 def test_state_error_is_bad_input_for_the_cli():
     from fsdp_jax.app import cli
+
     assert issubclass(StateError, cli.BAD_INPUT)
 
 
 def test_declared_collection_trains():
     model = from_linen(_Counting(), jax.ShapeDtypeStruct((8, 3), jnp.float32), state=("counters",))
-    sm = shard_model(model, SGD, mesh_for("full_shard"), "full_shard", rng=jax.random.key(0),
-                     max_replicated_fraction=None)
+    sm = shard_model(
+        model, SGD, mesh_for("full_shard"), "full_shard", rng=jax.random.key(0), max_replicated_fraction=None
+    )
 
     def loss_fn(params, batch, *, state, rng, train):
         out, state = model.apply(params, batch, state=state, rng=rng, train=train)
-        return jnp.mean(out ** 2), state
+        return jnp.mean(out**2), state
+
     step = sm.train_step(loss_fn)
     state = sm.state
     assert int(state.model_state["counters"]["n"]) == 1  # init ran the module once
@@ -468,13 +621,20 @@ def test_kill_9_then_resume_is_bit_exact(tmp_path):
     import subprocess
     import sys
     import time
+
     root = pathlib.Path(__file__).resolve().parents[1]
     ckpt = tmp_path / "ckpt"
-    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(root / ".jax_cache"),
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
-    proc = subprocess.Popen([sys.executable, str(root / "examples" / "resnet_batchnorm.py"), "--steps", "6",
-                             "--ckpt-dir", str(ckpt)], cwd=root, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
+    env = dict(
+        os.environ, JAX_COMPILATION_CACHE_DIR=str(root / ".jax_cache"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, str(root / "examples" / "resnet_batchnorm.py"), "--steps", "6", "--ckpt-dir", str(ckpt)],
+        cwd=root,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         end, seen = time.monotonic() + 300, ""
         while time.monotonic() < end and not seen.startswith("step 3 "):

@@ -26,8 +26,10 @@ def test_model_flops_count_every_matmul_weight_once(tied):
     m = cfg.model
     with nnx.use_eager_sharding(False):
         model = nnx.eval_shape(lambda: Llama(m, rngs=nnx.Rngs(0)))
-    sizes = {"/".join(str(getattr(k, "key", k)) for k in p): int(np.prod(x.shape))
-             for p, x in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(model, nnx.Param)))[0]}
+    sizes = {
+        "/".join(str(getattr(k, "key", k)) for k in p): int(np.prod(x.shape))
+        for p, x in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(model, nnx.Param)))[0]
+    }
     matmul = sum(n for k, n in sizes.items() if not k.startswith("embed") or tied)
     norms = sum(n for k, n in sizes.items() if "norm" in k)
     per_token, attn = step_time.model_flops_per_token(m, 128)
@@ -49,8 +51,9 @@ def test_compute_bound_step_is_compute_plus_update():
     assert p["mfu"] == pytest.approx(p["tflops_per_gpu"] * 1e12 / 989e12, rel=1e-2)
     assert p["bound"] == "compute"
     # remat full recomputes the forward: a third more FLOPs
-    full = step_time.predict(_cfg("train.global_batch=16", "remat=full"), "h100", 8,
-                             {"analytic": a, "communication": {}})
+    full = step_time.predict(
+        _cfg("train.global_batch=16", "remat=full"), "h100", 8, {"analytic": a, "communication": {}}
+    )
     assert full["compute_s"] == pytest.approx(p["compute_s"] * 4 / 3, rel=1e-3)
 
 

@@ -24,9 +24,17 @@ from helpers import call, one_line
 ROOT = Path(__file__).resolve().parents[1]
 TINY_YAML = ROOT / "configs" / "tiny.yaml"
 # configs/tiny.yaml shrunk to compile in seconds; 2 scanned layers
-SMALL = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
-         "model.ffn_dim=128", "model.max_seq_len=32", "data.seq_len=32", "train.global_batch=16",
-         "train.steps=10"]
+SMALL = [
+    "model.d_model=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.ffn_dim=128",
+    "model.max_seq_len=32",
+    "data.seq_len=32",
+    "train.global_batch=16",
+    "train.steps=10",
+]
 BF16 = "precision=params=float32,compute=bfloat16,reduce=bfloat16"
 # Compiled peak / analytic total - 1, measured on the jobs below (h100 x 8, bf16 compute,
 # remat dots), jax 0.10.2 / 0.12.0.1: full_shard +1.4% / +2.6%, shard_grad_op +5.1% / +5.7%,
@@ -35,8 +43,16 @@ BF16 = "precision=params=float32,compute=bfloat16,reduce=bfloat16"
 # +2.4% (BENCHMARKS.md, "Analytic memory against the GPU compile").
 PEAK_TOLERANCE = 0.10
 
-WIDE = ["model.d_model=4096", "model.n_heads=32", "model.n_kv_heads=32", "model.ffn_dim=11008",
-        "model.vocab_size=4096", "model.max_seq_len=1024", "data.seq_len=1024", "train.global_batch=8"]
+WIDE = [
+    "model.d_model=4096",
+    "model.n_heads=32",
+    "model.n_kv_heads=32",
+    "model.ffn_dim=11008",
+    "model.vocab_size=4096",
+    "model.max_seq_len=1024",
+    "data.seq_len=1024",
+    "train.global_batch=8",
+]
 ONE_IN_FLIGHT = "xla_gpu_experimental_parallel_collective_overlap_limit"
 # name -> (strategy, hosts, gpus_per_host, overrides, step options[, compiler options])
 JOBS = {
@@ -44,7 +60,13 @@ JOBS = {
     "full_shard_f32": ("full_shard", 1, 8, ["precision=float32"], {}),
     "full_shard_reduce_f32": ("full_shard", 1, 8, ["precision=params=float32,compute=bfloat16,reduce=float32"], {}),
     "shard_grad_op": ("shard_grad_op", 1, 8, [BF16], {}),
-    "shard_grad_op_reduce_f32": ("shard_grad_op", 1, 8, ["precision=params=float32,compute=bfloat16,reduce=float32"], {}),
+    "shard_grad_op_reduce_f32": (
+        "shard_grad_op",
+        1,
+        8,
+        ["precision=params=float32,compute=bfloat16,reduce=float32"],
+        {},
+    ),
     "shard_opt": ("shard_opt", 1, 8, [BF16], {}),
     "no_shard": ("no_shard", 1, 8, [BF16], {}),
     "no_shard_unguarded": ("no_shard", 1, 8, [BF16], {"skip_nonfinite": False}),
@@ -90,12 +112,18 @@ def gpu(tmp_path_factory):
     assert targets.plugin_installed(), (
         f"the CUDA compile-only plugin is not installed in {targets.plugin_dir()}: run "
         f"`python -m fsdp_jax.targets install` (README's set-up command does); if it fails, no "
-        f"jax-cuda12-plugin matches this jax and GPU-target compiles are unavailable")
+        f"jax-cuda12-plugin matches this jax and GPU-target compiles are unavailable"
+    )
     req = {"config": str(TINY_YAML), "small": SMALL, "jobs": JOBS}
     kernels = tmp_path_factory.mktemp("xla_gpu") / "kernels.bin"
-    proc = subprocess.run([sys.executable, "-c", _CHILD], input=json.dumps(req), capture_output=True,
-                          text=True, env=targets.child_env(dict(os.environ, PYTHONPATH=str(ROOT)),
-                                                           kernel_cache=kernels), cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD],
+        input=json.dumps(req),
+        capture_output=True,
+        text=True,
+        env=targets.child_env(dict(os.environ, PYTHONPATH=str(ROOT)), kernel_cache=kernels),
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return dict(json.loads(proc.stdout), kernel_cache_bytes=kernels.stat().st_size if kernels.exists() else 0)
 
@@ -120,13 +148,16 @@ def test_every_target_config_parses_on_this_jax(gpu):
     assert "H100" in gpu["targets"]["h100"] and "A100" in gpu["targets"]["a100"]
 
 
-@pytest.mark.parametrize("kwargs, needle", [
-    ({"name": "h999", "devices": 8}, "--target: unknown GPU target 'h999'; known: a100, h100, h200"),
-    ({"name": "h100", "devices": 8, "hosts": 3}, "--hosts: 8 devices do not divide into 3 hosts"),
-    ({"name": "h100", "devices": 8, "hosts": 2, "gpus_per_host": 8}, "--devices: 8 is not --hosts (2)"),
-    ({"name": "h100", "devices": 0}, "--devices: 0 must be a positive integer"),
-    ({"name": "h100", "hosts": 2}, "--devices: give the total number"),
-])
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        ({"name": "h999", "devices": 8}, "--target: unknown GPU target 'h999'; known: a100, h100, h200"),
+        ({"name": "h100", "devices": 8, "hosts": 3}, "--hosts: 8 devices do not divide into 3 hosts"),
+        ({"name": "h100", "devices": 8, "hosts": 2, "gpus_per_host": 8}, "--devices: 8 is not --hosts (2)"),
+        ({"name": "h100", "devices": 0}, "--devices: 0 must be a positive integer"),
+        ({"name": "h100", "hosts": 2}, "--devices: give the total number"),
+    ],
+)
 def test_bad_target_requests_name_the_flag(kwargs, needle):
     with pytest.raises(targets.TargetError, match=None) as e:
         targets.make_target(**kwargs)
@@ -166,39 +197,67 @@ def test_missing_plugin_names_the_install_command(monkeypatch, tmp_path):
 def test_cpu_runs_never_see_the_plugin():
     """The plugin lives outside site-packages: a normal process imports jax without the
     CUDA plugin's stderr lines and finds no jax_plugins.xla_cuda12."""
-    code = ("import importlib.util, jax; jax.devices(); "
-            "print(importlib.util.find_spec('jax_plugins') is None "
-            "or importlib.util.find_spec('jax_plugins.xla_cuda12') is None)")
+    code = (
+        "import importlib.util, jax; jax.devices(); "
+        "print(importlib.util.find_spec('jax_plugins') is None "
+        "or importlib.util.find_spec('jax_plugins.xla_cuda12') is None)"
+    )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=dict(env, JAX_PLATFORMS="cpu"), cwd="/")
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=dict(env, JAX_PLATFORMS="cpu"), cwd="/"
+    )
     assert proc.returncode == 0 and proc.stdout.strip() == "True", proc.stderr
     assert "cuda" not in proc.stderr.lower(), proc.stderr
 
 
-@pytest.mark.parametrize("script, args, needle", [
-    ("plan.py", ["--target", "h999", "--devices", "8"], "--target: unknown GPU target"),
-    ("plan.py", ["--target", "h100", "--devices", "8", "--hosts", "3"], "do not divide into 3 hosts"),
-    ("inspect_sharding.py", ["--target", "h100", "--devices", "8", "--hosts", "0"], "--hosts: 0 must be in 1..65536"),
-    ("plan.py", ["--devices", "8", "--hosts", "2"], "--hosts: '2' needs --target"),
-    ("plan.py", ["--target", "h100", "--devices", "8", "PLUGIN_MISSING"], "python -m fsdp_jax.targets install"),
-    # what compile-only GPU devices cannot do: cuDNN without its library
-    ("plan.py", ["--target", "h100", "--devices", "8", "--strategies", "full_shard", "NO_CUDNN",
-                 "model.attention=cudnn", "precision=params=float32,compute=bfloat16"],
-     "model.attention=cudnn: NVIDIA's cuDNN library is not in the compile folder"),
-    # XLA_FLAGS for the compiling child: a kernel cache nowhere to write, a flag XLA lacks
-    ("plan.py", ["--target", "h100", "--devices", "8", "XLA_FLAGS=--xla_gpu_kernel_cache_file=/nonexistent/k.bin"],
-     "XLA_FLAGS --xla_gpu_kernel_cache_file=/nonexistent/k.bin: its directory /nonexistent does not exist"),
-    ("inspect_sharding.py", ["--target", "h100", "--devices", "8", "--strategy", "full_shard",
-                             "XLA_FLAGS=--xla_gpu_no_such_flag=1"],
-     "XLA_FLAGS: Unknown flag in XLA_FLAGS: --xla_gpu_no_such_flag=1"),
-])
+@pytest.mark.parametrize(
+    "script, args, needle",
+    [
+        ("plan.py", ["--target", "h999", "--devices", "8"], "--target: unknown GPU target"),
+        ("plan.py", ["--target", "h100", "--devices", "8", "--hosts", "3"], "do not divide into 3 hosts"),
+        (
+            "inspect_sharding.py",
+            ["--target", "h100", "--devices", "8", "--hosts", "0"],
+            "--hosts: 0 must be in 1..65536",
+        ),
+        ("plan.py", ["--devices", "8", "--hosts", "2"], "--hosts: '2' needs --target"),
+        ("plan.py", ["--target", "h100", "--devices", "8", "PLUGIN_MISSING"], "python -m fsdp_jax.targets install"),
+        # what compile-only GPU devices cannot do: cuDNN without its library
+        (
+            "plan.py",
+            [
+                "--target",
+                "h100",
+                "--devices",
+                "8",
+                "--strategies",
+                "full_shard",
+                "NO_CUDNN",
+                "model.attention=cudnn",
+                "precision=params=float32,compute=bfloat16",
+            ],
+            "model.attention=cudnn: NVIDIA's cuDNN library is not in the compile folder",
+        ),
+        # XLA_FLAGS for the compiling child: a kernel cache nowhere to write, a flag XLA lacks
+        (
+            "plan.py",
+            ["--target", "h100", "--devices", "8", "XLA_FLAGS=--xla_gpu_kernel_cache_file=/nonexistent/k.bin"],
+            "XLA_FLAGS --xla_gpu_kernel_cache_file=/nonexistent/k.bin: its directory /nonexistent does not exist",
+        ),
+        (
+            "inspect_sharding.py",
+            ["--target", "h100", "--devices", "8", "--strategy", "full_shard", "XLA_FLAGS=--xla_gpu_no_such_flag=1"],
+            "XLA_FLAGS: Unknown flag in XLA_FLAGS: --xla_gpu_no_such_flag=1",
+        ),
+    ],
+)
 def test_scripts_bad_target_input_exit_2_with_one_line(script, args, needle, tmp_path, capsys):
     env = {}
     if "NO_CUDNN" in args:  # the plugin without the cuDNN wheel (a copy of its folder)
         args = [a for a in args if a != "NO_CUDNN"]
-        shutil.copytree(targets.plugin_dir(), tmp_path / "plugin",
-                        ignore=shutil.ignore_patterns("nvidia", "nvidia_cudnn_cu12-*"))
+        shutil.copytree(
+            targets.plugin_dir(), tmp_path / "plugin", ignore=shutil.ignore_patterns("nvidia", "nvidia_cudnn_cu12-*")
+        )
         env["FSDP_JAX_PLUGIN_DIR"] = str(tmp_path / "plugin")
         args += SMALL
     if "PLUGIN_MISSING" in args:
@@ -214,6 +273,7 @@ def test_scripts_bad_target_input_exit_2_with_one_line(script, args, needle, tmp
 
 # ----------------------------------------------------------------------------- collectives
 
+
 @slow
 def test_full_shard_bf16_gathers_per_layer_and_reduce_scatters_in_the_backward_loop(gpu):
     r = gpu["full_shard"]
@@ -227,8 +287,9 @@ def test_full_shard_bf16_gathers_per_layer_and_reduce_scatters_in_the_backward_l
     # re-gather from XLA 0.12 on: at this test size its scheduler finds nothing to put
     # between start and done and emits a plain all-gather (the inspector warns about it)
     old_xla = tuple(int(x) for x in jax.__version__.split(".")[:2]) < (0, 12)
-    assert all(c["async"] for c in gathers if old_xla or c["phase"] != "backward"), \
-        [(c["name"], c["phase"], c["async"]) for c in gathers]
+    assert all(c["async"] for c in gathers if old_xla or c["phase"] != "backward"), [
+        (c["name"], c["phase"], c["async"]) for c in gathers
+    ]
     if any(not c["async"] for c in gathers):
         assert any("synchronous" in w and "all-gather" in w for w in r["warnings"]), r["warnings"]
     for c in in_loop:  # once per layer, per pass
@@ -259,6 +320,7 @@ def test_reduce_float32_reduce_scatters_in_float32(gpu, job):
 
     def in_loop(x):
         return sum(c["bytes"] for c in _colls(x, "reduce-scatter", phase="backward") if c["loop"])
+
     assert in_loop(r) == 2 * in_loop(bf16) > 0
 
 
@@ -267,8 +329,21 @@ def test_plan_script_target_path_builds_what_the_fixture_compiled(gpu, capsys):
     """`scripts/plan.py --target` end to end (the planner's own child process, with its
     kernel cache): the same compiled bytes and collectives as the fixture's compile of
     that job."""
-    rc, out, err = call("plan", "--config", TINY_YAML, "--target", "h100", "--devices", 8, "--strategies",
-                        "full_shard", "--json", *SMALL, "precision=float32", capsys=capsys)
+    rc, out, err = call(
+        "plan",
+        "--config",
+        TINY_YAML,
+        "--target",
+        "h100",
+        "--devices",
+        8,
+        "--strategies",
+        "full_shard",
+        "--json",
+        *SMALL,
+        "precision=float32",
+        capsys=capsys,
+    )
     assert rc == 0, err[-3000:]
     r, want = json.loads(out)["strategies"]["full_shard"], gpu["full_shard_f32"]
     assert r["platform"] == want["platform"] == "gpu" and r["mesh"] == want["mesh"]
@@ -278,6 +353,7 @@ def test_plan_script_target_path_builds_what_the_fixture_compiled(gpu, capsys):
     # the step-time roofline over that program's traffic (fsdp_jax.app.fit.step_time)
     from fsdp_jax.app.config import load_config
     from fsdp_jax.app.fit import step_time
+
     cfg = load_config(TINY_YAML, SMALL + ["precision=float32"])
     assert r["predicted"] == step_time.predict(cfg, "h100", 8, r) and r["predicted"]["step_s"] > 0
 
@@ -285,8 +361,9 @@ def test_plan_script_target_path_builds_what_the_fixture_compiled(gpu, capsys):
 def _exposed(r, op):
     """Bytes per step of parameter-sized `op`s the step waits for: synchronous, or async
     with nothing scheduled between start and done."""
-    return sum(c["bytes_per_step"] for c in _param_sized(r, op)
-               if not c["async"] or not (c["overlap"] or {}).get("ops"))
+    return sum(
+        c["bytes_per_step"] for c in _param_sized(r, op) if not c["async"] or not (c["overlap"] or {}).get("ops")
+    )
 
 
 @slow
@@ -301,22 +378,28 @@ def test_two_collectives_in_flight_overlap_the_gathers_xla_012_left_exposed(gpu)
     if tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 12):
         assert _exposed(one, "all-gather") > 0
         assert _exposed(now, "all-gather") < _exposed(one, "all-gather") / 2, (
-            _exposed(now, "all-gather"), _exposed(one, "all-gather"))
+            _exposed(now, "all-gather"),
+            _exposed(one, "all-gather"),
+        )
     else:
         assert _exposed(now, "all-gather") <= _exposed(one, "all-gather")
 
 
-@pytest.mark.parametrize("platform, shards, xla_flags, want", [
-    ("gpu", True, "", {ONE_IN_FLIGHT: 2}),
-    ("gpu", True, f"--xla_dump_to=/x --{ONE_IN_FLIGHT}=3", None),  # the user's own value wins
-    ("gpu", False, "", None),   # no_shard / shard_opt: no per-layer gathers to overlap
-    ("cpu", True, "", None),
-    ("tpu", True, "", None),
-])
+@pytest.mark.parametrize(
+    "platform, shards, xla_flags, want",
+    [
+        ("gpu", True, "", {ONE_IN_FLIGHT: 2}),
+        ("gpu", True, f"--xla_dump_to=/x --{ONE_IN_FLIGHT}=3", None),  # the user's own value wins
+        ("gpu", False, "", None),  # no_shard / shard_opt: no per-layer gathers to overlap
+        ("cpu", True, "", None),
+        ("tpu", True, "", None),
+    ],
+)
 def test_step_compiler_options_only_for_gpu_steps_that_gather(platform, shards, xla_flags, want):
     from types import SimpleNamespace
 
     from fsdp_jax.xla_flags import step_compiler_options
+
     devs = [SimpleNamespace(platform=platform)] * 8
     assert step_compiler_options(devs, shards, environ={"XLA_FLAGS": xla_flags}) == want
 
@@ -339,7 +422,8 @@ def test_shard_grad_op_gathers_each_layer_once_and_keeps_it_for_the_backward(gpu
     assert all(c["runs"] == 2 and "while" in c["loop"] for c in gathers if c["loop"])
     assert all(c["dtype"] == "bfloat16" and c["async"] for c in gathers)
     assert sum(c["bytes_per_step"] for c in gathers) == sum(
-        x["total_bytes"] // 2 for x in r["rows"] if any(a in x["spec"] for a in ("fsdp", "data")))
+        x["total_bytes"] // 2 for x in r["rows"] if any(a in x["spec"] for a in ("fsdp", "data"))
+    )
 
 
 @slow
@@ -411,6 +495,7 @@ def test_communication_volume_matches_zero3_zero2_and_ddp_theory(gpu):
 
 
 # ----------------------------------------------------------------------------- memory
+
 
 @slow
 def test_full_shard_holds_one_eighth_of_no_shard(gpu):
@@ -494,8 +579,13 @@ ENTRY %main (a: bf16[8,16]) -> bf16[8,16] {
 """
 
 
-@pytest.mark.parametrize("start_type", ["f32[1024]{0}",  # XLA 0.10: the result
-                                        "((f32[1024]{0}), f32[1024]{0})"])  # 0.12: ((operands), result)
+@pytest.mark.parametrize(
+    "start_type",
+    [
+        "f32[1024]{0}",  # XLA 0.10: the result
+        "((f32[1024]{0}), f32[1024]{0})",
+    ],
+)  # 0.12: ((operands), result)
 def test_async_all_reduce_counts_its_result_once_in_either_spelling(start_type):
     text = _HLO.replace("%ars = f32[1024]{0} all-reduce-start", f"%ars = {start_type} all-reduce-start")
     ar = {c["name"]: c for c in hlo.collective_schedule(text)}["ars"]
@@ -505,8 +595,13 @@ def test_async_all_reduce_counts_its_result_once_in_either_spelling(start_type):
 def test_schedule_reads_async_pairs_overlap_groups_and_hosts():
     sched = {c["name"]: c for c in hlo.collective_schedule(_HLO, hosts=[0] * 4 + [1] * 4)}
     ag = sched["ags"]
-    assert (ag["op"], ag["dtype"], ag["bytes"], ag["elements"], ag["runs"]) == ("all-gather", "bfloat16",
-                                                                                 (64 + 16) * 16 * 2, 2, 3)
+    assert (ag["op"], ag["dtype"], ag["bytes"], ag["elements"], ag["runs"]) == (
+        "all-gather",
+        "bfloat16",
+        (64 + 16) * 16 * 2,
+        2,
+        3,
+    )
     assert ag["phase"] == "backward" and ag["loop"] == "jit(step)/transpose(jvp())/while"
     assert ag["async"] and ag["overlap"] == {"ops": 2, "gemms": 1, "names": ["f1", "f2"]}
     assert (ag["group_size"], ag["crosses_hosts"]) == (4, False)
@@ -518,25 +613,41 @@ def test_schedule_reads_async_pairs_overlap_groups_and_hosts():
     assert hlo.schedule_totals(list(sched.values()))["all-gather"] == {"count": 3, "bytes": 3 * 2560}
 
 
-@pytest.mark.parametrize("text, groups", [
-    ("replica_groups={{0,2},{1,3}}, x", [[0, 2], [1, 3]]),
-    ("replica_groups=[2,2]<=[4], x", [[0, 1], [2, 3]]),
-    ("replica_groups=[2,2]<=[2,2]T(1,0), x", [[0, 2], [1, 3]]),
-    ("replica_groups=mesh['a'=2,'b'=2] {'a'}, x", [[0, 2], [1, 3]]),
-    ("replica_groups={}, x", [[0, 1, 2, 3]]),
-])
+@pytest.mark.parametrize(
+    "text, groups",
+    [
+        ("replica_groups={{0,2},{1,3}}, x", [[0, 2], [1, 3]]),
+        ("replica_groups=[2,2]<=[4], x", [[0, 1], [2, 3]]),
+        ("replica_groups=[2,2]<=[2,2]T(1,0), x", [[0, 2], [1, 3]]),
+        ("replica_groups=mesh['a'=2,'b'=2] {'a'}, x", [[0, 2], [1, 3]]),
+        ("replica_groups={}, x", [[0, 1, 2, 3]]),
+    ],
+)
 def test_replica_group_spellings(text, groups):
     assert hlo.replica_groups(text, 4) == groups
 
 
 def test_warnings_name_what_to_fix():
-    base = {"name": "x", "runs": 2, "loop": "jit(step)/transpose(jvp())/while", "phase": "backward",
-            "async": True, "pipelined": False, "overlap": {"ops": 3, "gemms": 1, "names": []},
-            "group_size": 8, "crosses_hosts": False, "bytes": 1 << 22, "bytes_per_step": 2 << 22,
-            "dtype": "bfloat16"}
-    sched = [dict(base, op="all-reduce"), dict(base, op="all-gather", dtype="float32", name="g"),
-             dict(base, op="reduce-scatter", overlap={"ops": 0, "gemms": 0, "names": []}),
-             dict(base, op="all-reduce", group_size=2, name="dcn")]
+    base = {
+        "name": "x",
+        "runs": 2,
+        "loop": "jit(step)/transpose(jvp())/while",
+        "phase": "backward",
+        "async": True,
+        "pipelined": False,
+        "overlap": {"ops": 3, "gemms": 1, "names": []},
+        "group_size": 8,
+        "crosses_hosts": False,
+        "bytes": 1 << 22,
+        "bytes_per_step": 2 << 22,
+        "dtype": "bfloat16",
+    }
+    sched = [
+        dict(base, op="all-reduce"),
+        dict(base, op="all-gather", dtype="float32", name="g"),
+        dict(base, op="reduce-scatter", overlap={"ops": 0, "gemms": 0, "names": []}),
+        dict(base, op="all-reduce", group_size=2, name="dcn"),
+    ]
     w = hlo.schedule_warnings(sched, compute_dtype="bfloat16", shards_grads=True, replicated_group=2)
     assert len(w) == 3
     assert w[0].startswith("gradient all-reduce where a reduce-scatter was expected: 1 all-reduce (x; ")
@@ -547,28 +658,43 @@ def test_warnings_name_what_to_fix():
     assert not hlo.schedule_warnings([dict(sched[1], phase="other", loop=None)], compute_dtype="bfloat16")
     assert not hlo.schedule_warnings(sched[:1], compute_dtype="bfloat16", shards_grads=False)
     hoisted = [dict(base, op="all-gather", loop=None, bytes=50 << 20)]
-    assert "hoisted out of the layer loop" in hlo.schedule_warnings(
-        hoisted + sched[:1], gathers_per_layer=True, layer_gather_bytes=1 << 20)[-1]
+    assert (
+        "hoisted out of the layer loop"
+        in hlo.schedule_warnings(hoisted + sched[:1], gathers_per_layer=True, layer_gather_bytes=1 << 20)[-1]
+    )
 
 
 def test_involuntary_rematerialization_names_the_tensor():
-    log = ("E0000 spmd_partitioner.cc:613] [spmd] Involuntary full rematerialization. The compiler was "
-           "not able to go from sharding {devices=[8,1]<=[8]} to {devices=[1,8]<=[8]} without doing a "
-           "full rematerialization of the tensor for HLO operation: %reshape.7 = bf16[64,128]{1,0} "
-           "reshape(%p.1), sharding={devices=[8,1]<=[8]}, metadata={op_name=\"jit(step)/reshape\"}. You "
-           "probably want to enrich the sharding annotations to prevent this from happening.")
+    log = (
+        "E0000 spmd_partitioner.cc:613] [spmd] Involuntary full rematerialization. The compiler was "
+        "not able to go from sharding {devices=[8,1]<=[8]} to {devices=[1,8]<=[8]} without doing a "
+        "full rematerialization of the tensor for HLO operation: %reshape.7 = bf16[64,128]{1,0} "
+        'reshape(%p.1), sharding={devices=[8,1]<=[8]}, metadata={op_name="jit(step)/reshape"}. You '
+        "probably want to enrich the sharding annotations to prevent this from happening."
+    )
     [r] = hlo.involuntary_rematerializations("other line\n" + log)
-    assert r == {"tensor": "reshape.7", "shape": "bf16[64,128]{1,0}", "from": "{devices=[8,1]<=[8]}",
-                 "to": "{devices=[1,8]<=[8]}", "op_name": "jit(step)/reshape"}
+    assert r == {
+        "tensor": "reshape.7",
+        "shape": "bf16[64,128]{1,0}",
+        "from": "{devices=[8,1]<=[8]}",
+        "to": "{devices=[1,8]<=[8]}",
+        "op_name": "jit(step)/reshape",
+    }
 
 
-@pytest.mark.parametrize("type_str, op, want", [
-    # one operand: (operand, result); several: ((operands), (results)); a done: the result
-    ("(bf16[512,4096]{1,0}, bf16[4096,4096]{1,0})", "all-gather", [("bf16", 4096 * 4096)]),
-    ("(bf16[4096,4096]{1,0}, bf16[512,4096]{1,0})", "reduce-scatter", [("bf16", 512 * 4096)]),
-    ("((bf16[8,16]{1,0}, bf16[2,16]{1,0}), (bf16[64,16]{1,0}, bf16[16,16]{1,0}))", "all-gather",
-     [("bf16", 64 * 16), ("bf16", 16 * 16)]),
-])
+@pytest.mark.parametrize(
+    "type_str, op, want",
+    [
+        # one operand: (operand, result); several: ((operands), (results)); a done: the result
+        ("(bf16[512,4096]{1,0}, bf16[4096,4096]{1,0})", "all-gather", [("bf16", 4096 * 4096)]),
+        ("(bf16[4096,4096]{1,0}, bf16[512,4096]{1,0})", "reduce-scatter", [("bf16", 512 * 4096)]),
+        (
+            "((bf16[8,16]{1,0}, bf16[2,16]{1,0}), (bf16[64,16]{1,0}, bf16[16,16]{1,0}))",
+            "all-gather",
+            [("bf16", 64 * 16), ("bf16", 16 * 16)],
+        ),
+    ],
+)
 def test_async_start_counts_its_result_only(type_str, op, want):
     """A 7B layer's single-operand all-gather-start was counted as operand + result (9/8 of
     the gathered bytes at N=8) before."""

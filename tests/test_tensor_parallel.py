@@ -21,8 +21,11 @@ def collectives(hlo: str) -> dict[str, list[tuple[str, str]]]:
     """op -> (result type, JAX op_name) of each collective in compiled HLO text."""
     out: dict[str, list[tuple[str, str]]] = {}
     for line in hlo.splitlines():
-        m = re.search(r"=\s*(.*?)\s(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)"
-                      r"(?:-start)?\(", line)
+        m = re.search(
+            r"=\s*(.*?)\s(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)"
+            r"(?:-start)?\(",
+            line,
+        )
         if m:
             name = re.search(r'op_name="([^"]*)"', line)
             out.setdefault(m.group(2), []).append((m.group(1).split("{")[0], name.group(1) if name else ""))
@@ -105,6 +108,7 @@ def test_mesh_rules_from_the_config_reach_the_trainers_plan():
     from fsdp_jax.app.config import load_config
     from fsdp_jax.app.fit.step_build import build_step
     from helpers import TINY_MODEL_OVERRIDES
+
     tiny = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
     base = TINY_MODEL_OVERRIDES + ["mesh.fsdp=4", "mesh.tensor=2"]
     specs = {}

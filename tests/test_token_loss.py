@@ -16,8 +16,7 @@ from fsdp_jax.app.packing import batch_from_rows, pack
 from fsdp_jax.build import build
 from fsdp_jax.mesh import make_mesh
 
-CFG = LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64,
-                  max_seq_len=32)
+CFG = LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32)
 
 
 def packed_batch(rows=32, seed=0):
@@ -27,7 +26,7 @@ def packed_batch(rows=32, seed=0):
     while len(examples) < 6 * rows:
         n = int(rng.integers(3, 30))
         m = np.zeros(n, np.uint8)
-        m[int(rng.integers(1, n)):] = 1  # a "completion" of random length
+        m[int(rng.integers(1, n)) :] = 1  # a "completion" of random length
         examples.append((rng.integers(0, 64, n), m))
     tok, msk, seg = pack(examples, 32)
     b = batch_from_rows(tok[:rows], msk[:rows], seg[:rows])
@@ -42,8 +41,15 @@ def model_fns():
 def run_step(microbatches, batch, devices=1, loss_fn=None):
     fns = model_fns()
     mesh = make_mesh(1, devices, 1, devices=jax.devices()[:devices])
-    built = build(fns, optax.sgd(0.5), mesh, "full_shard", loss_fn=loss_fn or make_loss_fn(fns),
-                  microbatches=microbatches, max_replicated_fraction=None)
+    built = build(
+        fns,
+        optax.sgd(0.5),
+        mesh,
+        "full_shard",
+        loss_fn=loss_fn or make_loss_fn(fns),
+        microbatches=microbatches,
+        max_replicated_fraction=None,
+    )
     state = built.init_state(jax.random.key(0))
     new, m = built.train_step(state, jax.device_put(batch, built.plan.batch))
     return {k: float(v) for k, v in m.items()}, jax.tree.map(np.asarray, new.params)
@@ -71,14 +77,20 @@ def test_global_token_mean_is_independent_of_microbatches_and_devices():
     def mean_of_means(params, b):  # what a per-microbatch mean would train on
         t = make_loss_fn(fns)(params, b)
         return t.total / jax.numpy.maximum(t.count, 1.0)
+
     m4, _ = run_step(4, batch, loss_fn=mean_of_means)
     assert abs(m4["loss"] - m1["loss"]) > 1e-3  # the two differ on ragged masks: the test can fail
 
 
 def verify_factory(microbatches: int):
     fns = model_fns()
-    return {"model": fns, "optimizer": optax.adamw(1e-3), "loss_fn": make_loss_fn(fns),
-            "batches": [packed_batch(32, s) for s in range(3)], "microbatches": microbatches}
+    return {
+        "model": fns,
+        "optimizer": optax.adamw(1e-3),
+        "loss_fn": make_loss_fn(fns),
+        "batches": [packed_batch(32, s) for s in range(3)],
+        "microbatches": microbatches,
+    }
 
 
 @pytest.mark.slow

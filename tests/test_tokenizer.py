@@ -21,19 +21,27 @@ FILES = ("textwrap.py", "string.py", "bisect.py", "heapq.py", "keyword.py", "col
 def script(name):
     """The command module behind scripts/<name>.py (the script is a shim over its main)."""
     from fsdp_jax.app.cli.entry import SCRIPTS, command_module
+
     return command_module(SCRIPTS[name])
 
 
 def train_bpe(out: Path, vocab: int, eos: bool = True) -> Path:
     """A byte-level BPE trained with `tokenizers` on a few stdlib files."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     specials = ["<|endoftext|>"] if eos else []
-    tok.train([str(STDLIB / f) for f in FILES[:4]],
-              trainers.BpeTrainer(vocab_size=vocab, special_tokens=specials, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train(
+        [str(STDLIB / f) for f in FILES[:4]],
+        trainers.BpeTrainer(
+            vocab_size=vocab,
+            special_tokens=specials,
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
     return out / "tokenizer.json"
@@ -41,10 +49,17 @@ def train_bpe(out: Path, vocab: int, eos: bool = True) -> Path:
 
 def train_sentencepiece(out: Path, vocab: int = 600) -> Path:
     import sentencepiece as spm
+
     out.mkdir(parents=True, exist_ok=True)
-    spm.SentencePieceTrainer.train(input=",".join(str(STDLIB / f) for f in FILES[:4]),
-                                   model_prefix=str(out / "sp"), vocab_size=vocab, model_type="bpe",
-                                   character_coverage=0.995, minloglevel=2, byte_fallback=True)
+    spm.SentencePieceTrainer.train(
+        input=",".join(str(STDLIB / f) for f in FILES[:4]),
+        model_prefix=str(out / "sp"),
+        vocab_size=vocab,
+        model_type="bpe",
+        character_coverage=0.995,
+        minloglevel=2,
+        byte_fallback=True,
+    )
     return out / "sp.model"
 
 
@@ -96,20 +111,17 @@ def test_hf_bpe_corpus_is_encode_plus_eos_per_document(tmp_path):
 def test_sentencepiece_corpus_is_encode_plus_eos_per_document(tmp_path):
     sp = train_sentencepiece(tmp_path / "sp")
     src = sources(tmp_path)
-    meta = data.prepare_text([src], tmp_path / "out", val_fraction=0.2, seed=3, tokenizer=str(sp),
-                             threads=2)
+    meta = data.prepare_text([src], tmp_path / "out", val_fraction=0.2, seed=3, tokenizer=str(sp), threads=2)
     assert meta["tokenizer_kind"] == "sentencepiece" and meta["vocab_size"] == 600
     check_corpus(tmp_path / "out", src, sp, meta)
 
 
 def test_single_file_splits_by_tokens(tmp_path):
     tj = GOLDEN / "llama_gqa"  # a model directory: its tokenizer.json and tokenizer_config.json
-    meta = data.prepare_text([STDLIB / "textwrap.py"], tmp_path / "out", val_fraction=0.1,
-                             tokenizer=str(tj))
+    meta = data.prepare_text([STDLIB / "textwrap.py"], tmp_path / "out", val_fraction=0.1, tokenizer=str(tj))
     tok = load_tokenizer(tj)
     assert tok.eos_id == 2 and tok.vocab_size == 256  # </s> named by tokenizer_config.json
-    assert meta["split"] == "tokens" and meta["val_tokens"] == round(0.1 * (meta["train_tokens"]
-                                                                           + meta["val_tokens"]))
+    assert meta["split"] == "tokens" and meta["val_tokens"] == round(0.1 * (meta["train_tokens"] + meta["val_tokens"]))
     both = np.concatenate([np.fromfile(tmp_path / "out" / f"{s}.bin", np.uint16) for s in ("train", "val")])
     assert both.tolist() == tok.encode((STDLIB / "textwrap.py").read_text()) + [2]
 
@@ -122,13 +134,15 @@ def test_bad_tokenizers_exit_2_and_write_nothing(tmp_path, capsys):
     (tmp_path / "junk.json").write_text("{not json")
     (tmp_path / "junk.model").write_bytes(b"\x00garbage")
     (tmp_path / "empty").mkdir()
-    cases = [([str(tmp_path / "missing.json")], "not found"),
-             ([str(tmp_path / "empty")], "no tokenizer.json"),
-             ([str(tmp_path / "junk.json")], "cannot load"),
-             ([str(tmp_path / "junk.model")], "cannot load"),
-             ([str(noeos)], "--eos"),
-             ([str(big), "--eos", "<nope>"], "<nope>"),
-             ([str(big), "--model", str(GOLDEN / "llama_gqa")], "vocab size 300 exceeds")]
+    cases = [
+        ([str(tmp_path / "missing.json")], "not found"),
+        ([str(tmp_path / "empty")], "no tokenizer.json"),
+        ([str(tmp_path / "junk.json")], "cannot load"),
+        ([str(tmp_path / "junk.model")], "cannot load"),
+        ([str(noeos)], "--eos"),
+        ([str(big), "--eos", "<nope>"], "<nope>"),
+        ([str(big), "--model", str(GOLDEN / "llama_gqa")], "vocab size 300 exceeds"),
+    ]
     for i, (args, word) in enumerate(cases):
         out = tmp_path / f"out{i}"
         rc = prep.main(["--out", str(out), str(src), "--no-progress", "--tokenizer", *args])
@@ -144,11 +158,14 @@ def test_bad_tokenizers_exit_2_and_write_nothing(tmp_path, capsys):
 def test_tokenizer_vocab_larger_than_model_is_refused_by_trainer(tmp_path):
     from fsdp_jax.app.config import ConfigError, load_config
     from fsdp_jax.app.loop import setup
+
     big = train_bpe(tmp_path / "big", 300)
     data.prepare_text([sources(tmp_path)], tmp_path / "d", val_fraction=0.2, tokenizer=str(big))
     yml = tmp_path / "c.yaml"
-    yml.write_text(f"init_from: hf:{GOLDEN / 'llama_gqa'}\nrun_dir: {tmp_path / 'run'}\n"
-                   f"data: {{seq_len: 32, path: {tmp_path / 'd'}, source: none}}\n")
+    yml.write_text(
+        f"init_from: hf:{GOLDEN / 'llama_gqa'}\nrun_dir: {tmp_path / 'run'}\n"
+        f"data: {{seq_len: 32, path: {tmp_path / 'd'}, source: none}}\n"
+    )
     with pytest.raises(ConfigError, match=r"model\.vocab_size.*256.*vocab_size 300.*tokenizer .*big"):
         setup(load_config(yml))
     assert not (tmp_path / "run").exists()
@@ -161,16 +178,40 @@ def test_walkthrough_import_tokenize_train_sample_export(tmp_path, capsys):
     from fsdp_jax.app.hf import HFCheckpoint, load_params
     from fsdp_jax.app.loop import train
     from fsdp_jax.checkpoint import Checkpointer
+
     d, run, out = tmp_path / "data", tmp_path / "run", tmp_path / "hf_out"
-    assert script("prepare_data").main(["--out", str(d), "--stdlib", "--no-progress", "--tokenizer",
-                                        str(GOLDEN / "llama_gqa"), "--model", str(GOLDEN / "llama_gqa")]) == 0
-    cfg = load_config(ROOT / "configs" / "hf_tiny_finetune.yaml",
-                      [f"data.path={d}", f"run_dir={run}", "train.steps=12", "train.log_every=4",
-                       "train.eval_every=12", "train.checkpoint_every=12", "train.sample_tokens=24",
-                       f"init_from=hf:{GOLDEN / 'llama_gqa'}"])
+    assert (
+        script("prepare_data").main(
+            [
+                "--out",
+                str(d),
+                "--stdlib",
+                "--no-progress",
+                "--tokenizer",
+                str(GOLDEN / "llama_gqa"),
+                "--model",
+                str(GOLDEN / "llama_gqa"),
+            ]
+        )
+        == 0
+    )
+    cfg = load_config(
+        ROOT / "configs" / "hf_tiny_finetune.yaml",
+        [
+            f"data.path={d}",
+            f"run_dir={run}",
+            "train.steps=12",
+            "train.log_every=4",
+            "train.eval_every=12",
+            "train.checkpoint_every=12",
+            "train.sample_tokens=24",
+            f"init_from=hf:{GOLDEN / 'llama_gqa'}",
+        ],
+    )
     s = train(cfg, progress=False)
-    losses = [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines()
-              if "loss" in json.loads(x)]
+    losses = [
+        json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines() if "loss" in json.loads(x)
+    ]
     assert losses[-1] < losses[0]  # it trains from the imported weights
     prompt, _, cont = s["sample"].partition("\u2016")
     tok = load_tokenizer(GOLDEN / "llama_gqa")
@@ -188,6 +229,7 @@ def test_walkthrough_import_tokenize_train_sample_export(tmp_path, capsys):
 
 def test_large_vocab_is_stored_as_uint32(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
+
     vocab = {f"w{i}": i for i in range(70_000)} | {"[UNK]": 70_000, "</s>": 70_001}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()

@@ -16,15 +16,18 @@ from helpers import ROOT, TINY_MODEL_OVERRIDES, call, one_line
 TINY_YAML = "configs/tiny.yaml"
 
 
-@pytest.mark.parametrize("kwargs, want", [
-    ({"name": "v5p", "devices": 8}, ("v5p", 1, 8, "2x2x2")),
-    ({"name": "v5p-64"}, ("v5p", 1, 32, "2x4x4")),          # v5p types count TensorCores: 32 chips
-    ({"name": "v6e-256"}, ("v6e", 1, 256, "16x16")),        # v6e types count chips
-    ({"name": "v5e", "devices": 16, "slices": 2}, ("v5e", 2, 8, "2x4")),
-    ({"name": "v5p", "topology": "4x4x4", "slices": 2}, ("v5p", 2, 64, "4x4x4")),
-    ({"name": "v4", "devices": 16}, ("v4", 1, 16, "2x2x2")),  # libtpu makes 2 devices of a v4 chip
-    ({"name": "v5e", "devices": 1}, ("v5e", 1, 1, "1x1")),
-])
+@pytest.mark.parametrize(
+    "kwargs, want",
+    [
+        ({"name": "v5p", "devices": 8}, ("v5p", 1, 8, "2x2x2")),
+        ({"name": "v5p-64"}, ("v5p", 1, 32, "2x4x4")),  # v5p types count TensorCores: 32 chips
+        ({"name": "v6e-256"}, ("v6e", 1, 256, "16x16")),  # v6e types count chips
+        ({"name": "v5e", "devices": 16, "slices": 2}, ("v5e", 2, 8, "2x4")),
+        ({"name": "v5p", "topology": "4x4x4", "slices": 2}, ("v5p", 2, 64, "4x4x4")),
+        ({"name": "v4", "devices": 16}, ("v4", 1, 16, "2x2x2")),  # libtpu makes 2 devices of a v4 chip
+        ({"name": "v5e", "devices": 1}, ("v5e", 1, 1, "1x1")),
+    ],
+)
 def test_tpu_target_requests(kwargs, want):
     t = targets.make_target(**kwargs)
     assert (t.name, t.hosts, t.gpus_per_host, t.topology_name) == want
@@ -32,22 +35,25 @@ def test_tpu_target_requests(kwargs, want):
     assert targets.Target(**t.as_dict()) == t  # what the planner's child receives
 
 
-@pytest.mark.parametrize("kwargs, needle", [
-    ({"name": "v9", "devices": 8}, "--target: unknown TPU generation 'v9'; known: v4, v5e, v5p, v6e"),
-    ({"name": "v5p", "devices": 12}, "--devices: 12 chips per slice is not a v5p slice size"),
-    ({"name": "v5e", "devices": 512}, "a power of two up to 256"),
-    ({"name": "v5p", "devices": 8, "slices": 3}, "--slices: 8 devices do not divide into 3 slices"),
-    ({"name": "v5p", "topology": "2x2"}, "--topology: '2x2' is not a 3-D v5p topology"),
-    ({"name": "v6e", "topology": "4x0"}, "--topology: '4x0' is not a 2-D v6e topology"),
-    ({"name": "v5e", "topology": "32x32"}, "has 1024 chips; a v5e slice has at most 256"),
-    ({"name": "v5p", "topology": "2x2x2", "devices": 16}, "--devices: 16 is not 1 slice(s) x 8 devices"),
-    ({"name": "v5p-63"}, "count TensorCores, 2 per chip; 63 is odd"),
-    ({"name": "v5p", "devices": 8, "hosts": 2}, "--hosts: a TPU target's hosts come from its topology"),
-    ({"name": "h100", "devices": 8, "slices": 2}, "--slices: only for TPU targets"),
-    ({"name": "h100", "devices": 8, "topology": "2x2"}, "--topology: only for TPU targets"),
-    ({"name": "v5p", "devices": 0}, "--devices: 0 must be a positive integer"),
-    ({"name": "v5p"}, "--devices: give the number of TPU chips"),
-])
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        ({"name": "v9", "devices": 8}, "--target: unknown TPU generation 'v9'; known: v4, v5e, v5p, v6e"),
+        ({"name": "v5p", "devices": 12}, "--devices: 12 chips per slice is not a v5p slice size"),
+        ({"name": "v5e", "devices": 512}, "a power of two up to 256"),
+        ({"name": "v5p", "devices": 8, "slices": 3}, "--slices: 8 devices do not divide into 3 slices"),
+        ({"name": "v5p", "topology": "2x2"}, "--topology: '2x2' is not a 3-D v5p topology"),
+        ({"name": "v6e", "topology": "4x0"}, "--topology: '4x0' is not a 2-D v6e topology"),
+        ({"name": "v5e", "topology": "32x32"}, "has 1024 chips; a v5e slice has at most 256"),
+        ({"name": "v5p", "topology": "2x2x2", "devices": 16}, "--devices: 16 is not 1 slice(s) x 8 devices"),
+        ({"name": "v5p-63"}, "count TensorCores, 2 per chip; 63 is odd"),
+        ({"name": "v5p", "devices": 8, "hosts": 2}, "--hosts: a TPU target's hosts come from its topology"),
+        ({"name": "h100", "devices": 8, "slices": 2}, "--slices: only for TPU targets"),
+        ({"name": "h100", "devices": 8, "topology": "2x2"}, "--topology: only for TPU targets"),
+        ({"name": "v5p", "devices": 0}, "--devices: 0 must be a positive integer"),
+        ({"name": "v5p"}, "--devices: give the number of TPU chips"),
+    ],
+)
 def test_bad_tpu_requests_name_the_flag(kwargs, needle):
     with pytest.raises(targets.TargetError) as e:
         targets.make_target(**kwargs)
@@ -65,44 +71,58 @@ def test_device_memory_is_what_xla_tpu_enforces():
 
 
 def test_compiler_refusal_is_read_as_does_not_fit():
-    msg = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
-           "temporaries (104.34G) exceeds available HBM (95.74G).")
+    msg = (
+        "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+        "temporaries (104.34G) exceeds available HBM (95.74G)."
+    )
     got = over_memory(RuntimeError(msg))
     assert got == {"temp": int(104.34 * 2**30), "available": int(95.74 * 2**30)}
     assert over_memory(RuntimeError("INVALID_ARGUMENT: something else")) is None
 
 
-@pytest.mark.parametrize("args, words", [
-    (["--target", "v9", "--devices", 8], ["--target", "v9"]),
-    (["--target", "v5p", "--devices", 12], ["--devices", "12"]),
-    (["--target", "v5p", "--devices", 8, "--slices", 3], ["--slices"]),
-    (["--target", "v5p", "--topology", "2x2"], ["--topology"]),
-    (["--target", "v5p", "--devices", 8, "--hosts", 2], ["--hosts"]),
-    (["--target", "h100", "--devices", 8, "--slices", 2], ["--slices"]),
-    (["--devices", 8, "--slices", 2], ["--slices", "needs --target"]),
-    (["--devices", 8, "--topology", "2x2x2"], ["--topology", "needs --target"]),
-    (["--target", "v5p"], ["--devices"]),
-    ([], ["--devices"]),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--target", "v9", "--devices", 8], ["--target", "v9"]),
+        (["--target", "v5p", "--devices", 12], ["--devices", "12"]),
+        (["--target", "v5p", "--devices", 8, "--slices", 3], ["--slices"]),
+        (["--target", "v5p", "--topology", "2x2"], ["--topology"]),
+        (["--target", "v5p", "--devices", 8, "--hosts", 2], ["--hosts"]),
+        (["--target", "h100", "--devices", 8, "--slices", 2], ["--slices"]),
+        (["--devices", 8, "--slices", 2], ["--slices", "needs --target"]),
+        (["--devices", 8, "--topology", "2x2x2"], ["--topology", "needs --target"]),
+        (["--target", "v5p"], ["--devices"]),
+        ([], ["--devices"]),
+    ],
+)
 @pytest.mark.parametrize("script", ["plan", "inspect_sharding"])
 def test_scripts_refuse_bad_tpu_flags_in_one_line(script, args, words, capsys, tmp_path):
-    rc, out, err = call(script, "--config", TINY_YAML, *args, capsys=capsys,
-                        env={"FSDP_JAX_LIBTPU_DIR": str(tmp_path)})
+    rc, out, err = call(script, "--config", TINY_YAML, *args, capsys=capsys, env={"FSDP_JAX_LIBTPU_DIR": str(tmp_path)})
     one_line(rc, err, *words)
     assert out == ""
 
 
 def test_missing_libtpu_names_the_install_command(capsys, tmp_path):
-    rc, out, err = call("plan", "--config", TINY_YAML, "--target", "v5p", "--devices", 8, capsys=capsys,
-                        env={"FSDP_JAX_LIBTPU_DIR": str(tmp_path / "none")})
+    rc, out, err = call(
+        "plan",
+        "--config",
+        TINY_YAML,
+        "--target",
+        "v5p",
+        "--devices",
+        8,
+        capsys=capsys,
+        env={"FSDP_JAX_LIBTPU_DIR": str(tmp_path / "none")},
+    )
     one_line(rc, err, "libtpu", "python -m fsdp_jax.targets install tpu")
 
 
 def test_cpu_processes_never_see_libtpu():
     """libtpu lives outside site-packages: a normal process neither finds it nor logs about TPUs."""
     code = "import importlib.util, jax; jax.devices(); print(importlib.util.find_spec('libtpu') is None)"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=dict(os.environ, JAX_PLATFORMS=""), cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS=""), cwd=ROOT
+    )
     assert proc.stdout.strip() == "True", proc.stderr[-2000:]
     assert "TPU" not in proc.stderr, proc.stderr[-2000:]
 
@@ -113,7 +133,8 @@ def test_cpu_processes_never_see_libtpu():
 def _libtpu():
     assert targets.plugin_installed(kind="tpu"), (
         f"libtpu is not installed in {targets.plugin_dir(kind='tpu')}: run `python -m fsdp_jax.targets "
-        "install tpu` (README's set-up command does)")
+        "install tpu` (README's set-up command does)"
+    )
 
 
 @pytest.mark.slow
@@ -125,11 +146,31 @@ def test_tiny_compiles_for_two_v5p_slices(capsys):
     and the stacked norm scales (2, 256) fill whole tiles (under 32 KiB in all; at 7B
     the two agree to 0.00%, docs/planning.md)."""
     _libtpu()
-    tiny = [o for o in TINY_MODEL_OVERRIDES if not o.startswith(("model.d_model", "model.ffn_dim",
-                                                                  "model.n_heads", "model.n_kv_heads"))]
-    rc, out, err = call("plan", "--config", TINY_YAML, "--target", "v5p", "--devices", 8, "--slices", 2,
-                        "--strategies", "full_shard,hybrid_shard", "--json", *tiny, "model.d_model=256",
-                        "model.n_heads=2", "model.n_kv_heads=2", "model.ffn_dim=512", capsys=capsys)
+    tiny = [
+        o
+        for o in TINY_MODEL_OVERRIDES
+        if not o.startswith(("model.d_model", "model.ffn_dim", "model.n_heads", "model.n_kv_heads"))
+    ]
+    rc, out, err = call(
+        "plan",
+        "--config",
+        TINY_YAML,
+        "--target",
+        "v5p",
+        "--devices",
+        8,
+        "--slices",
+        2,
+        "--strategies",
+        "full_shard,hybrid_shard",
+        "--json",
+        *tiny,
+        "model.d_model=256",
+        "model.n_heads=2",
+        "model.n_kv_heads=2",
+        "model.ffn_dim=512",
+        capsys=capsys,
+    )
     assert rc == 0, err[-3000:]
     doc = json.loads(out)
     assert doc["target"] == {"name": "v5p", "hosts": 2, "gpus_per_host": 4, "topology_name": "2x2x1"}
@@ -148,31 +189,55 @@ def test_tiny_compiles_for_two_v5p_slices(capsys):
     # the predicted step time (fsdp_jax.app.fit.step_time): hybrid_shard's gradient all-reduce
     # crosses the slices, timed at v5p's data-center network bandwidth per chip
     from fsdp_jax.tpu_targets import device_peaks
+
     cross = sum(e.get("cross_host_wire_bytes", 0) for e in hs["communication"].values() if isinstance(e, dict))
     assert cross > 0 and fs["predicted"] and hs["predicted"]
     assert hs["predicted"]["comm_s"] >= 0.999 * cross / device_peaks("v5p")["slow"]
-    assert "tok/s/dev" in call("plan", "--config", TINY_YAML, "--target", "v5p", "--devices", 8,
-                               "--strategies", "full_shard", *tiny, "model.d_model=256", "model.n_heads=2",
-                               "model.n_kv_heads=2", "model.ffn_dim=512", capsys=capsys)[1]
+    assert (
+        "tok/s/dev"
+        in call(
+            "plan",
+            "--config",
+            TINY_YAML,
+            "--target",
+            "v5p",
+            "--devices",
+            8,
+            "--strategies",
+            "full_shard",
+            *tiny,
+            "model.d_model=256",
+            "model.n_heads=2",
+            "model.n_kv_heads=2",
+            "model.ffn_dim=512",
+            capsys=capsys,
+        )[1]
+    )
 
 
 # ----------------------------------------------------------------------------- predicted step time
 
-@pytest.mark.parametrize("gen, pod_chips, allreduce_per_pod", [
-    ("v5e", 256, 51.2e12),   # the Cloud TPU pages' "All-reduce bandwidth per Pod"
-    ("v6e", 256, 102.4e12),
-    ("v4", 4096, 1.1e15),
-])
+
+@pytest.mark.parametrize(
+    "gen, pod_chips, allreduce_per_pod",
+    [
+        ("v5e", 256, 51.2e12),  # the Cloud TPU pages' "All-reduce bandwidth per Pod"
+        ("v6e", 256, 102.4e12),
+        ("v4", 4096, 1.1e15),
+    ],
+)
 def test_ici_per_direction_is_the_pages_allreduce_bandwidth_per_chip(gen, pod_chips, allreduce_per_pod):
     """Half the bidirectional ICI figure per chip (what one chip sends) is what each page's
     Pod all-reduce bandwidth gives per chip: two published figures that agree."""
     from fsdp_jax.tpu_targets import TPU_SPECS, device_peaks
+
     spec = TPU_SPECS[gen]
     assert device_peaks(gen)["fast"] * spec.devices_per_chip == pytest.approx(allreduce_per_pod / pod_chips)
 
 
 def test_tpu_device_peaks_are_per_compile_only_device():
     from fsdp_jax.tpu_targets import device_peaks
+
     assert device_peaks("v5p-64") == {"flops": 459e12, "fast": 600e9, "slow": 50e9 / 8, "hbm": 2765e9}
     v4 = device_peaks("v4")  # libtpu makes a device of each of a v4 chip's 2 TensorCores
     assert v4["flops"] == 275e12 / 2 and v4["hbm"] == 1200e9 / 2
@@ -182,6 +247,7 @@ def test_tpu_device_peaks_are_per_compile_only_device():
 
 def _tpu_cfg(*overrides):
     from fsdp_jax.app.config import load_config
+
     return load_config(ROOT / "configs" / "llama2_7b.yaml", list(overrides))
 
 
@@ -189,10 +255,14 @@ def test_tpu_prediction_is_the_gpu_roofline_with_the_chips_figures():
     """Hand-derived: v5p, compute at GEMM_EFFICIENCY of 459 TFLOP/s, ICI traffic at 600 GB/s
     per direction, cross-slice traffic at 50 Gbps, the update over 2765 GB/s of HBM."""
     from fsdp_jax.app.fit import step_time
+
     cfg = _tpu_cfg("train.global_batch=16", "remat=dots")
     a = {"grads": 8 * 10**9, "params": 4 * 10**9, "optimizer": 16 * 10**9}
-    com = {"all-gather": {"wire_bytes": 30e9, "cross_host_wire_bytes": 0},
-           "all-reduce": {"wire_bytes": 1e9, "cross_host_wire_bytes": 1e9}, "total_wire_bytes": 31e9}
+    com = {
+        "all-gather": {"wire_bytes": 30e9, "cross_host_wire_bytes": 0},
+        "all-reduce": {"wire_bytes": 1e9, "cross_host_wire_bytes": 1e9},
+        "total_wire_bytes": 31e9,
+    }
     p = step_time.predict(cfg, "v5p", 8, {"analytic": a, "communication": com})
     tokens = 16 * cfg.data.seq_len / 8
     per_token, _ = step_time.model_flops_per_token(cfg.model, cfg.data.seq_len)
@@ -206,15 +276,17 @@ def test_tpu_prediction_is_the_gpu_roofline_with_the_chips_figures():
     # v6e publishes no DCN bandwidth: traffic across slices cannot be timed, so no prediction
     assert step_time.predict(cfg, "v6e", 8, {"analytic": a, "communication": com}) is None
     com_ici = {"all-gather": com["all-gather"], "total_wire_bytes": 30e9}
-    assert step_time.predict(cfg, "v6e", 8, {"analytic": a, "communication": com_ici})["comm_s"] == \
-        pytest.approx(30e9 / 400e9, rel=1e-3)
+    assert step_time.predict(cfg, "v6e", 8, {"analytic": a, "communication": com_ici})["comm_s"] == pytest.approx(
+        30e9 / 400e9, rel=1e-3
+    )
 
 
 def test_tiled_bytes_pads_the_minor_dims_to_the_first_tile():
     from types import SimpleNamespace as L
 
     from fsdp_jax.tpu_targets import tiled_bytes
-    assert tiled_bytes((), 4, L(major_to_minor=(), tiling=((128,),))) == 512       # a scalar: 128 elements
+
+    assert tiled_bytes((), 4, L(major_to_minor=(), tiling=((128,),))) == 512  # a scalar: 128 elements
     assert tiled_bytes((2, 33), 4, L(major_to_minor=(0, 1), tiling=((2, 128),))) == 2 * 128 * 4
     assert tiled_bytes((256, 30), 4, L(major_to_minor=(1, 0), tiling=((8, 128),))) == 32 * 256 * 4
     assert tiled_bytes((3, 512, 32), 2, L(major_to_minor=(0, 2, 1), tiling=((16, 128), (2, 1)))) == 3 * 32 * 512 * 2
@@ -247,8 +319,16 @@ for strategy in req["strategies"]:
                      "compiled": compiled.memory_analysis().argument_size_in_bytes}
 print(json.dumps(out))
 """
-TPU_TINY = ["model.d_model=256", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=2",
-            "model.ffn_dim=512", "model.max_seq_len=32", "data.seq_len=32", "train.global_batch=16"]
+TPU_TINY = [
+    "model.d_model=256",
+    "model.n_layers=2",
+    "model.n_heads=2",
+    "model.n_kv_heads=2",
+    "model.ffn_dim=512",
+    "model.max_seq_len=32",
+    "data.seq_len=32",
+    "train.global_batch=16",
+]
 
 
 @pytest.mark.slow
@@ -261,12 +341,23 @@ def test_analytic_argument_bytes_are_the_compiled_ones_on_every_tpu(name, device
     and optimizer state, multiples of the tiles here, pad nothing."""
     _libtpu()
     from fsdp_jax.strategy import STRATEGIES
+
     t = targets.make_target(name, devices=devices)
-    req = {"target": t.as_dict(), "config": str(ROOT / TINY_YAML), "overrides": TPU_TINY,
-           "strategies": list(STRATEGIES)}
+    req = {
+        "target": t.as_dict(),
+        "config": str(ROOT / TINY_YAML),
+        "overrides": TPU_TINY,
+        "strategies": list(STRATEGIES),
+    }
     env = targets.child_env(dict(os.environ), target=t)
-    proc = subprocess.run([sys.executable, "-c", _ARGUMENT_CHILD, json.dumps(req)], capture_output=True,
-                          text=True, env=env, cwd=ROOT, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", _ARGUMENT_CHILD, json.dumps(req)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(got) == set(STRATEGIES)
@@ -286,8 +377,20 @@ def test_planner_argument_bytes_equal_the_compiled_ones_on_tpu(capsys):
     fill whole tiles)."""
     _libtpu()
     from fsdp_jax.app.fit.report import format_table
-    rc, out, err = call("plan", "--config", TINY_YAML, "--target", "v5e", "--devices", 8,
-                        "--strategies", "shard_opt,full_shard", "--json", capsys=capsys)
+
+    rc, out, err = call(
+        "plan",
+        "--config",
+        TINY_YAML,
+        "--target",
+        "v5e",
+        "--devices",
+        8,
+        "--strategies",
+        "shard_opt,full_shard",
+        "--json",
+        capsys=capsys,
+    )
     assert rc == 0, err[-3000:]
     doc = json.loads(out)
     for name, r in doc["strategies"].items():
@@ -338,6 +441,7 @@ ENTRY %main (a: f32[32,8,128]) -> f32[32,8,128] {
 
 def test_tpu_schedule_counts_scan_trips_and_cross_slice_transfers():
     from fsdp_jax import hlo
+
     sched = hlo.collective_schedule(_TPU_HLO, hosts=[0, 0, 0, 0, 1, 1, 1, 1])
     by_op = {c["op"]: c for c in sched}
     ag, ar = by_op["all-gather"], by_op["all-reduce"]
@@ -379,6 +483,7 @@ ENTRY %main (a: bf16[4,256]) -> bf16[512,256] {
 
 def test_a_collective_carried_by_several_fusions_counts_once():
     from fsdp_jax import hlo
+
     sched = hlo.collective_schedule(_FUSED_AG, hosts=[0, 0, 0, 0])
     assert len(sched) == 1
     (ag,) = sched
@@ -393,7 +498,18 @@ def test_a_topology_libtpu_rejects_is_one_line(target, topology, batch, capsys):
     """A well-formed shape that is no TPU slice: libtpu says so in the compiling child, and the
     script says it in one line naming --topology (exit 2)."""
     _libtpu()
-    rc, out, err = call("plan", "--config", TINY_YAML, "--target", target, "--topology", topology,
-                        "--strategies", "full_shard", f"train.global_batch={batch}", capsys=capsys)
+    rc, out, err = call(
+        "plan",
+        "--config",
+        TINY_YAML,
+        "--target",
+        target,
+        "--topology",
+        topology,
+        "--strategies",
+        "full_shard",
+        f"train.global_batch={batch}",
+        capsys=capsys,
+    )
     one_line(rc, err, "--topology", f"{target}:{topology}", "not a valid TPU topology")
     assert out == ""

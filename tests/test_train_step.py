@@ -24,8 +24,7 @@ def run_fsdp(strategy, optimizer, batches, mesh_kw=None, grad_norms=None, **step
     """(state, plan, losses) after a step per batch; each step's grad norm goes to `grad_norms`."""
     m, loss_fn = tiny_llama()
     mesh = fj.make_mesh(**(mesh_kw or STRATEGY_MESH[strategy]))
-    state, plan = fj.init_train_state(m.init, optimizer, mesh, jax.random.key(0), strategy,
-                                      logical_axes=m.logical_axes)
+    state, plan = fj.init_train_state(m.init, optimizer, mesh, jax.random.key(0), strategy, logical_axes=m.logical_axes)
     step = fj.make_train_step(loss_fn, optimizer, plan, **step_kw)
     losses = []
     for b in batches:
@@ -82,11 +81,14 @@ def test_state_layouts_follow_the_strategy():
     m, _ = tiny_llama()
     spec = {}
     for s, kw in STRATEGY_MESH.items():
-        state, plan = fj.init_train_state(m.init, opt, fj.make_mesh(**kw), jax.random.key(0), s,
-                                          logical_axes=m.logical_axes)
-        spec[s] = (state.params["blocks"]["mlp"]["w_up"].sharding.spec,
-                   state.opt_state[0].mu["blocks"]["mlp"]["w_up"].sharding.spec,
-                   state.opt_state[0].count.sharding.spec)
+        state, plan = fj.init_train_state(
+            m.init, opt, fj.make_mesh(**kw), jax.random.key(0), s, logical_axes=m.logical_axes
+        )
+        spec[s] = (
+            state.params["blocks"]["mlp"]["w_up"].sharding.spec,
+            state.opt_state[0].mu["blocks"]["mlp"]["w_up"].sharding.spec,
+            state.opt_state[0].count.sharding.spec,
+        )
     assert spec["full_shard"] == (P(None, "fsdp", None), P(None, "fsdp", None), P())
     assert spec["shard_grad_op"] == spec["full_shard"]
     assert spec["shard_opt"] == (P(None, None, None), P(None, "fsdp", None), P())
@@ -96,8 +98,14 @@ def test_state_layouts_follow_the_strategy():
 
 def test_full_shard_spans_data_and_fsdp():
     m, _ = tiny_llama()
-    state, _ = fj.init_train_state(m.init, optax.sgd(0.1), fj.make_mesh(data=2, fsdp=4),
-                                   jax.random.key(0), "full_shard", logical_axes=m.logical_axes)
+    state, _ = fj.init_train_state(
+        m.init,
+        optax.sgd(0.1),
+        fj.make_mesh(data=2, fsdp=4),
+        jax.random.key(0),
+        "full_shard",
+        logical_axes=m.logical_axes,
+    )
     assert state.params["head"].sharding.spec == P(("data", "fsdp"), None)
 
 
@@ -117,8 +125,9 @@ def test_grad_accumulator_lives_in_grad_sharding():
     full-size copy of the stacked layer weights."""
     opt = optax.sgd(0.5)
     m, loss_fn = tiny_llama()
-    state, plan = fj.init_train_state(m.init, opt, fj.make_mesh(fsdp=8), jax.random.key(0),
-                                      "full_shard", logical_axes=m.logical_axes)
+    state, plan = fj.init_train_state(
+        m.init, opt, fj.make_mesh(fsdp=8), jax.random.key(0), "full_shard", logical_axes=m.logical_axes
+    )
     step = fj.make_train_step(loss_fn, opt, plan, microbatches=4)
     hlo = step.lower(state, token_batches(1, batch=32)[0]).compile().as_text()
     # the microbatch loop is the one whose state holds the (4, 32/4/8, 33) token slices
@@ -148,8 +157,7 @@ def test_clipping_matches_single_device(batches):
 def test_nonfinite_step_is_skipped(batches):
     m, loss_fn = tiny_llama()
     opt = optax.adamw(1e-2)
-    state, plan = fj.init_train_state(m.init, opt, fj.make_mesh(fsdp=8), jax.random.key(0),
-                                      logical_axes=m.logical_axes)
+    state, plan = fj.init_train_state(m.init, opt, fj.make_mesh(fsdp=8), jax.random.key(0), logical_axes=m.logical_axes)
 
     def nan_loss(params, tokens):
         return loss_fn(params, tokens) * jnp.where(tokens[0, 0] == 7, jnp.nan, 1.0)
@@ -166,13 +174,19 @@ def test_nonfinite_step_is_skipped(batches):
 
 def test_optimizer_state_shardings_for_any_optax_transform():
     mesh = fj.make_mesh(fsdp=8)
-    params = {"w": jax.ShapeDtypeStruct((256, 512), jnp.float32),
-              "frozen": jax.ShapeDtypeStruct((512, 64), jnp.float32),
-              "b": jax.ShapeDtypeStruct((512,), jnp.float32)}
+    params = {
+        "w": jax.ShapeDtypeStruct((256, 512), jnp.float32),
+        "frozen": jax.ShapeDtypeStruct((512, 64), jnp.float32),
+        "b": jax.ShapeDtypeStruct((512,), jnp.float32),
+    }
     axes_ = {"w": ("embed", "mlp"), "frozen": ("mlp", "embed"), "b": ("mlp",)}
-    for opt in [optax.sgd(0.1, momentum=0.9), optax.adafactor(1e-3),
-                optax.chain(optax.clip_by_global_norm(1.0),
-                            optax.masked(optax.adam(1e-3), {"w": True, "frozen": False, "b": True}))]:
+    for opt in [
+        optax.sgd(0.1, momentum=0.9),
+        optax.adafactor(1e-3),
+        optax.chain(
+            optax.clip_by_global_norm(1.0), optax.masked(optax.adam(1e-3), {"w": True, "frozen": False, "b": True})
+        ),
+    ]:
         plan = fj.make_plan(params, opt, mesh, "full_shard", axes_)
         st = jax.eval_shape(opt.init, params)
         for x, sh in zip(jax.tree.leaves(st), jax.tree.leaves(plan.opt_state)):
@@ -188,19 +202,24 @@ def test_optimizer_state_shardings_for_any_optax_transform():
 def test_bad_batch_is_a_clear_error():
     m, loss_fn = tiny_llama()
     opt = optax.sgd(0.1)
-    state, plan = fj.init_train_state(m.init, opt, fj.make_mesh(fsdp=8), jax.random.key(0),
-                                      logical_axes=m.logical_axes)
+    state, plan = fj.init_train_state(m.init, opt, fj.make_mesh(fsdp=8), jax.random.key(0), logical_axes=m.logical_axes)
     step = fj.make_train_step(loss_fn, opt, plan, microbatches=2)
-    with pytest.raises(fj.BatchError, match=r"leading dim 12, which must be divisible by "
-                                            r"microbatches \(2\) x data x fsdp \(8\) = 16"):
+    with pytest.raises(
+        fj.BatchError,
+        match=r"leading dim 12, which must be divisible by "
+        r"microbatches \(2\) x data x fsdp \(8\) = 16",
+    ):
         step(state, token_batches(1, batch=12)[0])
 
 
 def test_plain_dict_model_trains_with_fallback_rule():
     def init(rng):
         k1, k2 = jax.random.split(rng)
-        return {"w1": jax.random.normal(k1, (64, 512)) * 0.05, "w2": jax.random.normal(k2, (512, 64)) * 0.05,
-                "bias": jnp.zeros((64,))}
+        return {
+            "w1": jax.random.normal(k1, (64, 512)) * 0.05,
+            "w2": jax.random.normal(k2, (512, 64)) * 0.05,
+            "bias": jnp.zeros((64,)),
+        }
 
     def loss_fn(p, batch):
         x, y = batch
@@ -236,6 +255,7 @@ def test_bf16_params_store_master_weights_and_adam_moments_in_bf16(batches):
     """precision params=bfloat16: the state (params and Adam's moments, which follow
     the params) is bf16 before and after steps, holding half the bytes of fp32."""
     from fsdp_jax.memory import tree_bytes_per_device
+
     m, loss_fn = tiny_llama()
     opt, mesh = optax.adamw(1e-3), fj.make_mesh(fsdp=8)
     b16 = fj.build(m, opt, mesh, loss_fn=loss_fn, precision="params=bfloat16,compute=bfloat16")
@@ -245,8 +265,9 @@ def test_bf16_params_store_master_weights_and_adam_moments_in_bf16(batches):
         assert {x.dtype for x in jax.tree.leaves(built.abstract_state.params)} == {jnp.dtype(dtype)}
         assert {x.dtype for x in moments(built.abstract_state)} == {jnp.dtype(dtype)}
     for part in (lambda st: st.params, moments):
-        assert 2 * tree_bytes_per_device(part(b16.abstract_state)) == tree_bytes_per_device(
-            part(b32.abstract_state)) > 0
+        assert (
+            2 * tree_bytes_per_device(part(b16.abstract_state)) == tree_bytes_per_device(part(b32.abstract_state)) > 0
+        )
     state = b16.init_state(jax.random.key(0))
     l16 = []
     for b in batches[:3]:
@@ -258,6 +279,7 @@ def test_bf16_params_store_master_weights_and_adam_moments_in_bf16(batches):
 
 
 # -- the step's parts, each on its own -------------------------------------------------------
+
 
 def _mlp_loss(p, batch, out_sharding=None):
     x, y = batch
@@ -280,13 +302,15 @@ def test_microbatched_averages_loss_and_grads_and_stacks_aux(k):
     def grad_fn(params, b):
         (loss, aux), g = jax.value_and_grad(_mlp_loss, has_aux=True)(params, b)
         return loss, aux, g
+
     loss1, _, g1 = jax.jit(grad_fn)(p, batch)
     loss_k, aux_k, g_k = jax.jit(fj.step.microbatched(grad_fn, k))(p, batch)
     np.testing.assert_allclose(float(loss_k), float(loss1), rtol=1e-6)
     assert max_abs_diff(g_k, g1) < 1e-7 and aux_k.shape == (k,)
     # slice j is rows j, j+k, ...: its aux is the model's on exactly those rows
-    np.testing.assert_allclose(float(aux_k[1]), float(_mlp_loss(p, jax.tree.map(lambda x: x[1::k], batch))[1]),
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        float(aux_k[1]), float(_mlp_loss(p, jax.tree.map(lambda x: x[1::k], batch))[1]), rtol=1e-6
+    )
     assert fj.step.microbatched(grad_fn, 1) is grad_fn
     with pytest.raises(ValueError, match="microbatches must be >= 1"):
         fj.step.microbatched(grad_fn, 0)
@@ -334,10 +358,15 @@ def test_guarded_update_applies_only_finite_steps(skip):
         assert int(new.step) == 1 and float(new.params["w"][0]) == pytest.approx(0.8)
 
 
-@pytest.mark.parametrize("strategy, mesh_kw, micro", [
-    ("full_shard", dict(fsdp=8), 2), ("shard_grad_op", dict(fsdp=8), 1),
-    pytest.param("hybrid_shard", dict(data=2, fsdp=4), 1, marks=pytest.mark.slow),
-    pytest.param("full_shard", dict(fsdp=4, tensor=2), 1, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "strategy, mesh_kw, micro",
+    [
+        ("full_shard", dict(fsdp=8), 2),
+        ("shard_grad_op", dict(fsdp=8), 1),
+        pytest.param("hybrid_shard", dict(data=2, fsdp=4), 1, marks=pytest.mark.slow),
+        pytest.param("full_shard", dict(fsdp=4, tensor=2), 1, marks=pytest.mark.slow),
+    ],
+)
 def test_explicit_axes_model_with_out_sharding_trains_like_one_device(strategy, mesh_kw, micro):
     """A model written for JAX's explicit sharding mode (`out_sharding=` on its matmuls)
     trains on an Explicit mesh with every strategy, as a single device does; on the
@@ -348,8 +377,10 @@ def test_explicit_axes_model_with_out_sharding_trains_like_one_device(strategy, 
 
     def loss_fn(params, b):
         return _mlp_loss(params, b, out_sharding=act)[0]
-    model = fj.ModelFns(init=lambda rng: _mlp()[0], apply=None, logical_axes=axes_,
-                        abstract_params=jax.eval_shape(lambda: p))
+
+    model = fj.ModelFns(
+        init=lambda rng: _mlp()[0], apply=None, logical_axes=axes_, abstract_params=jax.eval_shape(lambda: p)
+    )
     opt = optax.sgd(0.5, momentum=0.9)  # SGD: parity to rounding (AdamW amplifies it, docs/design.md)
     mesh = fj.make_mesh(**mesh_kw, axis_types="explicit")
     built = fj.build(model, opt, mesh, strategy, loss_fn=loss_fn, microbatches=micro)

@@ -23,13 +23,14 @@ TINY = TINY_RUN_OVERRIDES + ["train.checkpoint_every=0"]
 
 
 def losses_of(run_dir: Path) -> list[float]:
-    return [r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-            if "loss" in r]
+    return [r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
 
 
 def run_tiny(corpus, run_dir, *extra, steps=3):
-    cfg = load_config(ROOT / "configs" / "tiny.yaml",
-                      TINY + [f"data.path={corpus}", f"run_dir={run_dir}", f"train.steps={steps}", *extra])
+    cfg = load_config(
+        ROOT / "configs" / "tiny.yaml",
+        TINY + [f"data.path={corpus}", f"run_dir={run_dir}", f"train.steps={steps}", *extra],
+    )
     return train(cfg, progress=False)
 
 
@@ -54,8 +55,15 @@ def test_golden_loss_curve(corpus, tmp_path):
 
 
 def test_run_dir_holds_config_and_metrics(corpus, tmp_path, capsys):
-    summary = run_tiny(corpus, tmp_path / "r", "train.sample_tokens=8", "train.eval_every=2",
-                       "train.eval_batches=2", "train.tensorboard=true", steps=2)
+    summary = run_tiny(
+        corpus,
+        tmp_path / "r",
+        "train.sample_tokens=8",
+        "train.eval_every=2",
+        "train.eval_batches=2",
+        "train.tensorboard=true",
+        steps=2,
+    )
     run_dir = tmp_path / "r"
     resolved = load_config(run_dir / "config.yaml")
     assert resolved.train.steps == 2 and resolved.data.path == str(corpus)
@@ -75,18 +83,27 @@ def test_run_dir_holds_config_and_metrics(corpus, tmp_path, capsys):
 
 def cli(*args, timeout=240):
     env = dict(os.environ, FSDP_JAX_CPU_DEVICES="8")
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), *args],
-                          capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "train.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=ROOT,
+    )
 
 
 # The messages themselves are pinned in process (tests/test_config.py); these check the
 # command line's contract once per stage: parsing the config, and checks that need the
 # devices or the data.
-@pytest.mark.parametrize("overrides, words", [
-    (["train.stepz=3"], ["train.stepz", "did you mean", "train.steps"]),
-    (["train.global_batch=12"], ["train.global_batch", "12", "8"]),
-    (["data.source=none", "data.path=/nonexistent/corpus"], ["data.path", "/nonexistent/corpus"]),
-])
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        (["train.stepz=3"], ["train.stepz", "did you mean", "train.steps"]),
+        (["train.global_batch=12"], ["train.global_batch", "12", "8"]),
+        (["data.source=none", "data.path=/nonexistent/corpus"], ["data.path", "/nonexistent/corpus"]),
+    ],
+)
 def test_bad_input_exits_2_with_one_line(overrides, words, capsys):
     rc, _, err = call("train", "--config", "configs/tiny.yaml", "--no-progress", *overrides, capsys=capsys)
     one_line(rc, err, *words)

@@ -20,9 +20,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def tiny(corpus, run_dir, *extra):
-    return load_config(ROOT / "configs" / "tiny.yaml",
-                       TINY_RUN_OVERRIDES + ["train.checkpoint_every=0", f"data.path={corpus}",
-                                             f"run_dir={run_dir}", *extra])
+    return load_config(
+        ROOT / "configs" / "tiny.yaml",
+        TINY_RUN_OVERRIDES + ["train.checkpoint_every=0", f"data.path={corpus}", f"run_dir={run_dir}", *extra],
+    )
 
 
 def test_setup_enters_each_stage_once_in_order(corpus, tmp_path):
@@ -34,11 +35,14 @@ def test_setup_enters_each_stage_once_in_order(corpus, tmp_path):
     run.checkpointer.close()
 
 
-@pytest.mark.parametrize("every, stop, want", [
-    (2, None, [2, 4, 5]),      # multiples of every, and the last step
-    (0, None, [5]),            # 0: only the last step
-    (3, 4, [3, 4]),            # and the step the run stops at
-])
+@pytest.mark.parametrize(
+    "every, stop, want",
+    [
+        (2, None, [2, 4, 5]),  # multiples of every, and the last step
+        (0, None, [5]),  # 0: only the last step
+        (3, 4, [3, 4]),  # and the step the run stops at
+    ],
+)
 def test_a_hook_is_due_every_n_steps_the_last_and_when_stopping(every, stop, want):
     h = Hook(every=every)
     due = []
@@ -72,21 +76,28 @@ def test_faults_are_an_argument_and_hooks_run_every_n(corpus, tmp_path, monkeypa
     monkeypatch.setenv(INJECT_NAN_ENV, "abc")
     monkeypatch.setenv(INJECT_DATA_DELAY_ENV, "-1")
     rec = Recorder(every=2)
-    summary = train(tiny(corpus, tmp_path / "run", "train.steps=5", "train.max_nonfinite_steps=3"),
-                    progress=False, faults=Faults(nan_steps=frozenset({2})), hooks=[rec])
+    summary = train(
+        tiny(corpus, tmp_path / "run", "train.steps=5", "train.max_nonfinite_steps=3"),
+        progress=False,
+        faults=Faults(nan_steps=frozenset({2})),
+        hooks=[rec],
+    )
     out = capsys.readouterr().out
     assert "warning: step 2: non-finite" in out and "step 3: non-finite" not in out
     assert rec.steps == [2, 4, 5] and rec.ended == [5]
     assert summary["final_step"] == 4  # step 2's update was skipped
 
 
-@pytest.mark.parametrize("env, key", [
-    ({INJECT_NAN_ENV: "abc"}, INJECT_NAN_ENV),
-    ({INJECT_NAN_ENV: "3,0"}, INJECT_NAN_ENV),
-    ({INJECT_NAN_ENV: "-2"}, INJECT_NAN_ENV),
-    ({INJECT_DATA_DELAY_ENV: "-3"}, INJECT_DATA_DELAY_ENV),
-    ({INJECT_DATA_DELAY_ENV: "nan"}, INJECT_DATA_DELAY_ENV),
-])
+@pytest.mark.parametrize(
+    "env, key",
+    [
+        ({INJECT_NAN_ENV: "abc"}, INJECT_NAN_ENV),
+        ({INJECT_NAN_ENV: "3,0"}, INJECT_NAN_ENV),
+        ({INJECT_NAN_ENV: "-2"}, INJECT_NAN_ENV),
+        ({INJECT_DATA_DELAY_ENV: "-3"}, INJECT_DATA_DELAY_ENV),
+        ({INJECT_DATA_DELAY_ENV: "nan"}, INJECT_DATA_DELAY_ENV),
+    ],
+)
 def test_the_commands_fault_variables_are_checked(env, key):
     with pytest.raises(ConfigError, match=rf"^{key}: .* is invalid"):
         Faults.from_env(env)
@@ -100,6 +111,7 @@ def test_the_commands_fault_variables_parse():
 
 def test_poison_marks_only_the_chosen_steps():
     import numpy as np
+
     f = Faults(nan_steps=frozenset({3}))
     rows = np.zeros((2, 5), np.int32)
     assert f.poison(2, rows, 100) is rows

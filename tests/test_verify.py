@@ -31,8 +31,10 @@ D, H, C = 32, 64, 8  # input features, hidden, classes
 
 def classification_batches(n: int = 3, batch: int = 16, seed: int = 0):
     rng = np.random.default_rng(seed)
-    return [{"x": rng.normal(size=(batch, D)).astype(np.float32),
-             "y": rng.integers(0, C, (batch,)).astype(np.int32)} for _ in range(n)]
+    return [
+        {"x": rng.normal(size=(batch, D)).astype(np.float32), "y": rng.integers(0, C, (batch,)).astype(np.int32)}
+        for _ in range(n)
+    ]
 
 
 def xent(logits, y):
@@ -41,10 +43,12 @@ def xent(logits, y):
 
 # ----------------------------------------------------------------------------- models
 
+
 class LinenMLP(nn.Module):
     """Linen MLP with logical names; `center`: "none", "global" (mean over the whole
     batch, correct) or "local" (a shard_map that forgets its pmean: the mean of
     each device's rows only)."""
+
     center: str = "none"
 
     @nn.compact
@@ -61,21 +65,25 @@ class LinenMLP(nn.Module):
 def per_shard(fn, out_specs=P(BATCH_AXES)):
     """`fn` under shard_map over the batch axes of the current mesh (the train step
     sets it); outside one (shape inference at init) on a one-device mesh."""
+
     def call(x):
         mesh = None
         if jax.sharding.get_abstract_mesh().empty:
             mesh = fj.make_mesh(1, 1, 1, devices=jax.devices()[:1])
         return jax.shard_map(fn, mesh=mesh, in_specs=P(BATCH_AXES), out_specs=out_specs)(x)
+
     return call
 
 
 def _center(h, reduce_across_devices: bool):
     """Subtract the batch mean of `h` (B, F) inside shard_map over the batch axes."""
+
     def body(hl):
         mean = hl.mean(0, keepdims=True)
         if reduce_across_devices:
             mean = jax.lax.pmean(mean, BATCH_AXES)
         return hl - mean
+
     return per_shard(body)(h)
 
 
@@ -85,6 +93,7 @@ def linen_setup(center: str = "none"):
 
     def loss_fn(params, b):
         return xent(model.apply(params, b["x"]), b["y"])
+
     return model, loss_fn
 
 
@@ -114,9 +123,11 @@ def nnx_setup(reg: str = "none", dropout: str = "none"):
             keep = jax.random.bernoulli(jax.random.key(7), 0.5, h.shape)
             h = jnp.where(keep, h / 0.5, 0.0)
         elif dropout == "shard_map":
+
             def drop(hl):
                 keep = jax.random.bernoulli(jax.random.key(7), 0.5, hl.shape)
                 return jnp.where(keep, hl / 0.5, 0.0)
+
             h = per_shard(drop)(h)
         loss = xent(h @ m.head[...], b["y"])
         if reg != "none":
@@ -125,25 +136,34 @@ def nnx_setup(reg: str = "none", dropout: str = "none"):
 
             def penalty(a):
                 return reduce(jnp.mean(a * a), BATCH_AXES)
+
             loss = loss + 0.1 * per_shard(penalty, out_specs=P())(act)
         return loss
+
     return model, loss_fn
 
 
 def factory(kind: str = "linen", center: str = "none"):
     """verify's factory spec target (`test_verify:factory`), for the child process."""
     model, loss_fn = linen_setup(center)
-    return {"model": model, "optimizer": SGD, "loss_fn": loss_fn, "batches": classification_batches(),
-            "min_shard_size": 1}
+    return {
+        "model": model,
+        "optimizer": SGD,
+        "loss_fn": loss_fn,
+        "batches": classification_batches(),
+        "min_shard_size": 1,
+    }
 
 
 def run(model, loss_fn, strategies=("full_shard", "no_shard"), optimizer=SGD, **kw):
     kw.setdefault("batches", classification_batches())
-    return fj.verify(model, optimizer, loss_fn, strategies=strategies, devices=8, steps=3,
-                     min_shard_size=1, check_init=False, **kw)
+    return fj.verify(
+        model, optimizer, loss_fn, strategies=strategies, devices=8, steps=3, min_shard_size=1, check_init=False, **kw
+    )
 
 
 # ----------------------------------------------------------------------------- healthy models pass
+
 
 @pytest.mark.slow
 def test_reference_llama_passes_under_every_strategy():
@@ -151,8 +171,16 @@ def test_reference_llama_passes_under_every_strategy():
     test_tolerance_follows_the_optimizer_and_the_compute_dtype,
     and tests/test_train_step.py holds every strategy to an independent reference with both."""
     model, loss_fn = tiny_llama()
-    r = fj.verify(model, optax.adamw(1e-3), loss_fn, batches=token_batches(3), devices=8, steps=3,
-                  min_shard_size=1, check_init=True)
+    r = fj.verify(
+        model,
+        optax.adamw(1e-3),
+        loss_fn,
+        batches=token_batches(3),
+        devices=8,
+        steps=3,
+        min_shard_size=1,
+        check_init=True,
+    )
     assert r.tolerance == TOLERANCES["adaptive-f32"]
     assert r.passed, r.format()
     assert list(r.strategies) == ["no_shard", "shard_opt", "shard_grad_op", "full_shard", "hybrid_shard"]
@@ -210,9 +238,10 @@ def test_random_bits_under_gspmd_do_not_depend_on_the_sharding():
 
     def drop(key, x):
         return jnp.where(jax.random.bernoulli(key, 0.5, x.shape), x, 0.0)
+
     old = getattr(jax.config, "jax_threefry_partitionable", None)
     try:
-        for partitionable in ((True, False) if old is not None else (None,)):
+        for partitionable in (True, False) if old is not None else (None,):
             if partitionable is not None:
                 jax.config.update("jax_threefry_partitionable", partitionable)
             for impl in ("threefry2x32", "rbg", "unsafe_rbg"):
@@ -232,6 +261,7 @@ def test_correct_shard_map_batch_statistics_pass():
 
 
 # ----------------------------------------------------------------------------- broken models fail
+
 
 def test_shard_map_that_forgets_its_cross_device_mean_fails_at_step_1():
     model, loss_fn = linen_setup("local")
@@ -263,12 +293,12 @@ def test_dropout_whose_bits_change_with_the_sharding_fails():
 
 # ----------------------------------------------------------------------------- tolerances
 
+
 def test_tolerance_follows_the_optimizer_and_the_compute_dtype():
     p = {"w": jax.ShapeDtypeStruct((4, 4), jnp.float32)}
     assert optimizer_kind(optax.sgd(0.1), p) == "sgd"
     assert optimizer_kind(optax.chain(optax.clip(1.0), optax.sgd(0.1, momentum=0.9)), p) == "sgd"
-    for opt in (optax.adamw(1e-3), optax.adafactor(1e-3), optax.lion(1e-4), optax.rmsprop(1e-3),
-                optax.adagrad(1e-2)):
+    for opt in (optax.adamw(1e-3), optax.adafactor(1e-3), optax.lion(1e-4), optax.rmsprop(1e-3), optax.adagrad(1e-2)):
         assert optimizer_kind(opt, p) == "adaptive", opt
     assert default_tolerance(optax.adamw(1e-3), p, "bf16").name == "adaptive-bf16"
     assert default_tolerance(optax.sgd(0.1), p, None).name == "sgd-f32"
@@ -285,6 +315,7 @@ def test_report_round_trips_through_json():
 
 # ----------------------------------------------------------------------------- bad input
 
+
 def _raises(match, *args, **kw):
     with pytest.raises(VerifyError, match=match) as e:
         fj.verify(*args, **kw)
@@ -295,8 +326,9 @@ def test_bad_input_is_one_typed_line():
     model, loss_fn = linen_setup()
     b = classification_batches(1)[0]
     _raises("unknown strategy 'zero4'", model, SGD, loss_fn, b, strategies=["zero4"])
-    _raises("leading dim 12, which cannot split over devices=8", model, SGD, loss_fn,
-            {"x": b["x"][:12], "y": b["y"][:12]})
+    _raises(
+        "leading dim 12, which cannot split over devices=8", model, SGD, loss_fn, {"x": b["x"][:12], "y": b["y"][:12]}
+    )
     _raises("x microbatches=4", model, SGD, loss_fn, b, microbatches=4)
     _raises("batches has 1 batches, fewer than steps=3", model, SGD, loss_fn, batches=[b])
     _raises("fewer than devices=64", model, SGD, loss_fn, b, devices=64)
@@ -307,26 +339,44 @@ def test_bad_input_is_one_typed_line():
 
     def bad_init(rng):
         return {"w": jnp.ones((3, 4)) @ jnp.ones((5, 2))}
-    _raises("the model does not initialise: TypeError: dot_general requires contracting", bad_init,
-            SGD, lambda p, b: jnp.sum(p["w"]), b)
+
+    _raises(
+        "the model does not initialise: TypeError: dot_general requires contracting",
+        bad_init,
+        SGD,
+        lambda p, b: jnp.sum(p["w"]),
+        b,
+    )
 
     def bad_loss(params, batch):
         return params["w1"] @ batch["y"]
+
     _raises("loss_fn fails on the batch", model, SGD, bad_loss, b)
 
 
 # ----------------------------------------------------------------------------- child process + CLI
 
+
 def _env():
-    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
-                JAX_PLATFORMS="cpu", FSDP_JAX_CACHE_DIR=str(ROOT / ".jax_cache"))
+    return dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
+        JAX_PLATFORMS="cpu",
+        FSDP_JAX_CACHE_DIR=str(ROOT / ".jax_cache"),
+    )
 
 
 @pytest.mark.slow
 def test_factory_spec_runs_in_a_child_with_more_devices_than_this_process():
     # this process has 8 devices; 16 need the child process
-    r = fj.verify("test_verify:factory", devices=16, steps=2, strategies=["full_shard"],
-                  factory_kwargs={"center": "local"}, check_init=False)
+    r = fj.verify(
+        "test_verify:factory",
+        devices=16,
+        steps=2,
+        strategies=["full_shard"],
+        factory_kwargs={"center": "local"},
+        check_init=False,
+    )
     assert r.devices == 16 and r.strategies["full_shard"].mesh["fsdp"] == 16
     assert not r.passed and r.strategies["full_shard"].first_divergence.step == 1
     with pytest.raises(VerifyError, match="unknown strategy"):
@@ -335,13 +385,13 @@ def test_factory_spec_runs_in_a_child_with_more_devices_than_this_process():
         fj.verify(*linen_setup(), devices=8, in_subprocess=True)
 
 
-@pytest.mark.parametrize("config, n", [("llama2_7b", 8), ("llama2_7b", 16), ("llama2_70b", 64),
-                                       ("llama_1b", 8)])
+@pytest.mark.parametrize("config, n", [("llama2_7b", 8), ("llama2_7b", 16), ("llama2_70b", 64), ("llama_1b", 8)])
 def test_shrunk_dims_keep_their_divisibility_by_every_mesh_axis(config, n):
     import math
 
     from fsdp_jax.app.config import load_config
     from fsdp_jax.app.verify_shrink import shrunk_model
+
     m = load_config(ROOT / "configs" / f"{config}.yaml").model
     small, changed = shrunk_model(m, n)
     for k in ("d_model", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size"):
@@ -353,17 +403,31 @@ def test_shrunk_dims_keep_their_divisibility_by_every_mesh_axis(config, n):
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / "verify.py"), *args],
-                          capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=900)
-
+    return subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "verify.py"), *args],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        cwd=ROOT,
+        timeout=900,
+    )
 
 
 @pytest.mark.slow
 def test_cli_shrinks_a_7b_config_keeping_every_sharding_decision(capsys):
     """The command line end to end: a config too big for the CPU is shrunk keeping every
     sharding decision, two strategies (one by alias) pass, one JSON document."""
-    rc, out, err = call("verify", "--config", "configs/llama2_7b.yaml", "--strategies", "full_shard,ddp",
-                        "--steps", "2", "--json", capsys=capsys)
+    rc, out, err = call(
+        "verify",
+        "--config",
+        "configs/llama2_7b.yaml",
+        "--strategies",
+        "full_shard,ddp",
+        "--steps",
+        "2",
+        "--json",
+        capsys=capsys,
+    )
     assert rc == 0, err[-3000:] + out
     doc = json.loads(out)
     assert doc["passed"] and set(doc["strategies"]) == {"full_shard", "no_shard"}
@@ -373,12 +437,15 @@ def test_cli_shrinks_a_7b_config_keeping_every_sharding_decision(capsys):
     assert "same sharding decision for every param under every strategy" in notes
 
 
-@pytest.mark.parametrize("args, match", [
-    (["--config", "configs/nope.yaml"], "nope.yaml"),
-    (["--config", "configs/tiny.yaml", "--strategies", "zero4"], "unknown strategy 'zero4'"),
-    (["--config", "configs/tiny.yaml", "--devices", "0"], "--devices"),
-    (["--config", "configs/tiny.yaml", "model.d_modle=64"], "model.d_modle"),
-])
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["--config", "configs/nope.yaml"], "nope.yaml"),
+        (["--config", "configs/tiny.yaml", "--strategies", "zero4"], "unknown strategy 'zero4'"),
+        (["--config", "configs/tiny.yaml", "--devices", "0"], "--devices"),
+        (["--config", "configs/tiny.yaml", "model.d_modle=64"], "model.d_modle"),
+    ],
+)
 def test_cli_bad_input_exit_2_one_line(args, match, capsys):
     rc, out, err = call("verify", *args, capsys=capsys)
     one_line(rc, err, match)

@@ -19,17 +19,29 @@ def make_batches(cfg, process_index: int, process_count: int):
     n_val = c.eval_batches if c.eval_every else 0
     if meta.get("format") == "packed":
         from fsdp_jax.app import sft_data
-        batches = sft_data.make_packed_dataset(cfg.data.path, "train", c.global_batch, cfg.data.seed,
-                                               process_index, process_count)
-        val = (sft_data.packed_eval_batches(cfg.data.path, c.global_batch, n_val, process_index,
-                                            process_count) if n_val else [])
+
+        batches = sft_data.make_packed_dataset(
+            cfg.data.path, "train", c.global_batch, cfg.data.seed, process_index, process_count
+        )
+        val = (
+            sft_data.packed_eval_batches(cfg.data.path, c.global_batch, n_val, process_index, process_count)
+            if n_val
+            else []
+        )
         return batches, val
-    batches = data_lib.make_dataset(cfg.data.path, "train", cfg.data.seq_len, c.global_batch,
-                                    cfg.data.seed, process_index, process_count)
-    val = (data_lib.eval_batches(cfg.data.path, cfg.data.seq_len, c.global_batch, n_val,
-                                 cfg.data.seed, process_index, process_count) if n_val else [])
+    batches = data_lib.make_dataset(
+        cfg.data.path, "train", cfg.data.seq_len, c.global_batch, cfg.data.seed, process_index, process_count
+    )
+    val = (
+        data_lib.eval_batches(
+            cfg.data.path, cfg.data.seq_len, c.global_batch, n_val, cfg.data.seed, process_index, process_count
+        )
+        if n_val
+        else []
+    )
     if cfg.data.document_mask:
         from fsdp_jax.app.packing import batch_from_windows
+
         eos = int(meta["eos_id"])
         batches.dataset = batches.dataset.map(lambda w: batch_from_windows(w, eos))
         val = [batch_from_windows(w, eos) for w in val]
@@ -50,9 +62,11 @@ def check_tokens(local: np.ndarray, vocab_size: int, step: int, data_path: str) 
     lo, hi = int(local.min()), int(local.max())
     if lo < 0 or hi >= vocab_size:
         bad = hi if hi >= vocab_size else lo
-        raise DataError(f"data.path {data_path!r}: step {step}'s batch holds token id {bad}, "
-                        f"outside model.vocab_size={vocab_size}; the corpus does not match "
-                        "the model (its meta.json vocab_size is wrong?)")
+        raise DataError(
+            f"data.path {data_path!r}: step {step}'s batch holds token id {bad}, "
+            f"outside model.vocab_size={vocab_size}; the corpus does not match "
+            "the model (its meta.json vocab_size is wrong?)"
+        )
 
 
 def evaluate(run, params, batches) -> float:

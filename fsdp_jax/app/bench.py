@@ -76,15 +76,14 @@ def bench_plain_dp(cfg, devices, steps: int, warmup: int):
 
     def step(carry, tokens):
         p, s = carry
-        loss, g = jax.value_and_grad(
-            lambda p: cross_entropy(model.apply(p, tokens[:, :-1]), tokens[:, 1:]))(p)
+        loss, g = jax.value_and_grad(lambda p: cross_entropy(model.apply(p, tokens[:, :-1]), tokens[:, 1:]))(p)
         u, s = tx.update(g, s, p)
         return (optax.apply_updates(p, u), s), loss
 
-    jitted = jax.jit(step, in_shardings=((rep, rep), data), out_shardings=((rep, rep), rep),
-                     donate_argnums=0)
+    jitted = jax.jit(step, in_shardings=((rep, rep), data), out_shardings=((rep, rep), rep), donate_argnums=0)
     tokens = np.random.default_rng(0).integers(
-        0, cfg.model.vocab_size, (cfg.train.global_batch, cfg.data.seq_len + 1), dtype=np.int32)
+        0, cfg.model.vocab_size, (cfg.train.global_batch, cfg.data.seq_len + 1), dtype=np.int32
+    )
     batch = jax.device_put(tokens, data)
     t = time.perf_counter()
     compiled = jitted.lower((params, opt_state), batch).compile()
@@ -96,6 +95,7 @@ def bench_plain_dp(cfg, devices, steps: int, warmup: int):
 def plot(doc: dict, key: str, out: str) -> None:
     """One line per strategy and combination of the other swept keys, against `key`."""
     from fsdp_jax.app.extras import require
+
     matplotlib = require("matplotlib", "--plot")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -26,15 +26,31 @@ def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
 
 def _check_decoder(m: LlamaConfig) -> None:
     """How the family switches of the decoder combine (docs/hf_models.md)."""
-    _check(m.global_every == 0 or m.sliding_window > 0, "model.global_every", m.global_every,
-           "a layer pattern needs model.sliding_window > 0")
-    _check(m.rope_local_theta == 0 or m.global_every > 0, "model.rope_local_theta",
-           m.rope_local_theta, "only sliding layers of a pattern (model.global_every > 0) use it")
-    _check(m.rope_high_freq_factor > m.rope_low_freq_factor, "model.rope_high_freq_factor",
-           m.rope_high_freq_factor, f"must be > model.rope_low_freq_factor={m.rope_low_freq_factor}")
+    _check(
+        m.global_every == 0 or m.sliding_window > 0,
+        "model.global_every",
+        m.global_every,
+        "a layer pattern needs model.sliding_window > 0",
+    )
+    _check(
+        m.rope_local_theta == 0 or m.global_every > 0,
+        "model.rope_local_theta",
+        m.rope_local_theta,
+        "only sliding layers of a pattern (model.global_every > 0) use it",
+    )
+    _check(
+        m.rope_high_freq_factor > m.rope_low_freq_factor,
+        "model.rope_high_freq_factor",
+        m.rope_high_freq_factor,
+        f"must be > model.rope_low_freq_factor={m.rope_low_freq_factor}",
+    )
     if m.rope_type in ("llama3", "yarn"):
-        _check(m.rope_original_max_len > 0, "model.rope_original_max_len", m.rope_original_max_len,
-               f"rope_type {m.rope_type} needs the original context length (> 0)")
+        _check(
+            m.rope_original_max_len > 0,
+            "model.rope_original_max_len",
+            m.rope_original_max_len,
+            f"rope_type {m.rope_type} needs the original context length (> 0)",
+        )
 
 
 def validate(cfg: Config, n_devices: int | None = None) -> None:
@@ -42,48 +58,82 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
     with `n_devices`, also the mesh and batch divisibility."""
     check_fields(cfg)
     m, mesh, data, tr = cfg.model, cfg.mesh, cfg.data, cfg.train
-    _check(m.kv_channels > 0 or m.d_model % m.n_heads == 0, "model.d_model", m.d_model,
-           f"must be divisible by model.n_heads={m.n_heads} (or set model.kv_channels)")
-    _check(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads", m.n_kv_heads,
-           f"must divide model.n_heads={m.n_heads}")
+    _check(
+        m.kv_channels > 0 or m.d_model % m.n_heads == 0,
+        "model.d_model",
+        m.d_model,
+        f"must be divisible by model.n_heads={m.n_heads} (or set model.kv_channels)",
+    )
+    _check(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads", m.n_kv_heads, f"must divide model.n_heads={m.n_heads}")
     _check(m.kv_channels >= 0, "model.kv_channels", m.kv_channels, "must be >= 0 (0 = d_model/n_heads)")
-    _check(m.head_dim % 2 == 0, "model.kv_channels" if m.kv_channels else "model.d_model",
-           m.kv_channels or m.d_model, f"head dim {m.head_dim} must be even for RoPE")
+    _check(
+        m.head_dim % 2 == 0,
+        "model.kv_channels" if m.kv_channels else "model.d_model",
+        m.kv_channels or m.d_model,
+        f"head dim {m.head_dim} must be even for RoPE",
+    )
     _check_decoder(m)
-    _check(data.seq_len <= m.max_seq_len, "data.seq_len", data.seq_len,
-           f"must be <= model.max_seq_len={m.max_seq_len}")
+    _check(data.seq_len <= m.max_seq_len, "data.seq_len", data.seq_len, f"must be <= model.max_seq_len={m.max_seq_len}")
     _check(bool(data.path.strip()), "data.path", data.path, "must be a directory path")
-    _check(bool(cfg.run_dir.strip()), "run_dir", cfg.run_dir,
-           "must be a directory path (not empty: the run would write into the current directory)")
+    _check(
+        bool(cfg.run_dir.strip()),
+        "run_dir",
+        cfg.run_dir,
+        "must be a directory path (not empty: the run would write into the current directory)",
+    )
     sizes = (mesh.data, mesh.fsdp, mesh.tensor)
-    _check(sizes.count(-1) <= 1, "mesh", dict(zip(("data", "fsdp", "tensor"), sizes)),
-           "at most one of data, fsdp, tensor may be -1")
-    _check(mesh.strategy.lower() in STRATEGIES or mesh.strategy.lower() in ALIASES, "mesh.strategy",
-           mesh.strategy, f"allowed: {', '.join(STRATEGIES)} (aliases: {', '.join(ALIASES)})")
+    _check(
+        sizes.count(-1) <= 1,
+        "mesh",
+        dict(zip(("data", "fsdp", "tensor"), sizes)),
+        "at most one of data, fsdp, tensor may be -1",
+    )
+    _check(
+        mesh.strategy.lower() in STRATEGIES or mesh.strategy.lower() in ALIASES,
+        "mesh.strategy",
+        mesh.strategy,
+        f"allowed: {', '.join(STRATEGIES)} (aliases: {', '.join(ALIASES)})",
+    )
     _check(cfg.remat in REMAT_POLICIES, "remat", cfg.remat, f"allowed: {', '.join(REMAT_POLICIES)}")
     _check(cfg.offload in OFFLOADS, "offload", cfg.offload, f"allowed: {', '.join(OFFLOADS)}")
     dist = cfg.distributed
-    _check(dist.process_id is None or 0 <= dist.process_id < (dist.num_processes or 1),
-           "distributed.process_id", dist.process_id, "must be in [0, num_processes)")
+    _check(
+        dist.process_id is None or 0 <= dist.process_id < (dist.num_processes or 1),
+        "distributed.process_id",
+        dist.process_id,
+        "must be in [0, num_processes)",
+    )
     if dist.coordinator is not None:
         check_coordinator(dist.coordinator, "distributed.coordinator")
     try:
         Policy.parse(cfg.precision)
     except (ValueError, TypeError) as e:
-        raise ConfigError("precision", f"{cfg.precision!r} is invalid; {e} "
-                          "(e.g. params=float32,compute=bfloat16)") from None
+        raise ConfigError(
+            "precision", f"{cfg.precision!r} is invalid; {e} (e.g. params=float32,compute=bfloat16)"
+        ) from None
     if tr.profile is not None:
         _, last = parse_profile(tr.profile)
         _check(last <= tr.steps, "train.profile", tr.profile, f"END must be <= train.steps={tr.steps}")
     if cfg.logging.wandb and importlib.util.find_spec("wandb") is None:
-        raise ConfigError("logging.wandb", "true, but the wandb package is not installed; "
-                          "pip install wandb, or set logging.wandb=false")
-    _check(tr.global_batch % tr.microbatches == 0, "train.global_batch", tr.global_batch,
-           f"must be divisible by train.microbatches={tr.microbatches}")
+        raise ConfigError(
+            "logging.wandb",
+            "true, but the wandb package is not installed; pip install wandb, or set logging.wandb=false",
+        )
+    _check(
+        tr.global_batch % tr.microbatches == 0,
+        "train.global_batch",
+        tr.global_batch,
+        f"must be divisible by train.microbatches={tr.microbatches}",
+    )
     if tr.tensorboard:
         from fsdp_jax.app.extras import available, missing_message
-        _check(available("tensorboardX"), "train.tensorboard", tr.tensorboard,
-               missing_message("tensorboardX", "train.tensorboard=true") + ", or set it to false")
+
+        _check(
+            available("tensorboardX"),
+            "train.tensorboard",
+            tr.tensorboard,
+            missing_message("tensorboardX", "train.tensorboard=true") + ", or set it to false",
+        )
     if n_devices is None:
         return
     try:
@@ -91,9 +141,13 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
     except MeshError as e:
         raise ConfigError("mesh", str(e)) from None
     micro = tr.global_batch // tr.microbatches
-    _check(micro % (data_n * fsdp_n) == 0, "train.global_batch", tr.global_batch,
-           f"global_batch / microbatches = {micro} must be divisible by the batch-sharding "
-           f"devices data*fsdp = {data_n}*{fsdp_n} = {data_n * fsdp_n} on {n_devices} devices")
+    _check(
+        micro % (data_n * fsdp_n) == 0,
+        "train.global_batch",
+        tr.global_batch,
+        f"global_batch / microbatches = {micro} must be divisible by the batch-sharding "
+        f"devices data*fsdp = {data_n}*{fsdp_n} = {data_n * fsdp_n} on {n_devices} devices",
+    )
 
 
 def parse_profile(text: str) -> tuple[int, int]:
@@ -103,30 +157,45 @@ def parse_profile(text: str) -> tuple[int, int]:
         first, last = int(head), int(tail)
     except ValueError:
         first = last = 0
-    _check(bool(sep) and 1 <= first <= last, "train.profile", text,
-           "must be START:END, steps with 1 <= START <= END (e.g. 2:4)")
+    _check(
+        bool(sep) and 1 <= first <= last,
+        "train.profile",
+        text,
+        "must be START:END, steps with 1 <= START <= END (e.g. 2:4)",
+    )
     return first, last
 
 
 def check_coordinator(address: str, key: str) -> None:
     """`address` is host:port with a port in 1..65535 (IPv6 as [addr]:port)."""
     host, sep, port = address.rpartition(":")
-    _check(bool(sep and host.strip("[]") and port.isdigit() and 0 < int(port) < 65536), key, address,
-           "must be HOST:PORT with a port in 1..65535, e.g. 127.0.0.1:1234")
+    _check(
+        bool(sep and host.strip("[]") and port.isdigit() and 0 < int(port) < 65536),
+        key,
+        address,
+        "must be HOST:PORT with a port in 1..65535, e.g. 127.0.0.1:1234",
+    )
 
 
 def check_backend(cfg: Config, backend: str) -> None:
     """Settings that need a particular JAX backend ("cpu", "gpu", "tpu")."""
-    _check(cfg.model.attention != "cudnn" or backend == "gpu", "model.attention", cfg.model.attention,
-           f"needs a CUDA GPU (cuDNN); this run's JAX backend is {backend}: use model.attention=xla")
+    _check(
+        cfg.model.attention != "cudnn" or backend == "gpu",
+        "model.attention",
+        cfg.model.attention,
+        f"needs a CUDA GPU (cuDNN); this run's JAX backend is {backend}: use model.attention=xla",
+    )
 
 
 def check_data(cfg: Config) -> None:
     """The corpus at data.path exists (train.bin) and its vocabulary fits model.vocab_size."""
     path = Path(cfg.data.path)
     if not (path / "train.bin").is_file():
-        how = ("run scripts/prepare_data.py --out DIR, or set data.source=stdlib"
-               if cfg.data.source == "none" else "prepare it with scripts/prepare_data.py")
+        how = (
+            "run scripts/prepare_data.py --out DIR, or set data.source=stdlib"
+            if cfg.data.source == "none"
+            else "prepare it with scripts/prepare_data.py"
+        )
         raise ConfigError("data.path", f"{str(path)!r}: train.bin not found; {how}")
     meta = path / "meta.json"
     if meta.is_file():
@@ -138,11 +207,22 @@ def check_data(cfg: Config) -> None:
         tok = m.get("tokenizer")
         by = f" (tokenizer {tok})" if tok not in (None, "bytes", "external") else ""
         if m.get("format") == "packed":  # fine-tuning rows (fsdp_jax.app.sft_data): fixed length
-            _check(cfg.data.seq_len == m.get("row_len"), "data.seq_len", cfg.data.seq_len,
-                   f"must equal the packed corpus' row length {m.get('row_len')} in {meta}")
+            _check(
+                cfg.data.seq_len == m.get("row_len"),
+                "data.seq_len",
+                cfg.data.seq_len,
+                f"must equal the packed corpus' row length {m.get('row_len')} in {meta}",
+            )
         elif cfg.data.document_mask:
-            _check(isinstance(m.get("eos_id"), int) and m["eos_id"] >= 0, "data.document_mask", True,
-                   f"needs a corpus with an EOS token ending each document; {meta} has none "
-                   "(prepare it with --tokenizer)")
-        _check(vocab <= cfg.model.vocab_size, "model.vocab_size", cfg.model.vocab_size,
-               f"must be >= the corpus vocab_size {vocab} in {meta}{by}")
+            _check(
+                isinstance(m.get("eos_id"), int) and m["eos_id"] >= 0,
+                "data.document_mask",
+                True,
+                f"needs a corpus with an EOS token ending each document; {meta} has none (prepare it with --tokenizer)",
+            )
+        _check(
+            vocab <= cfg.model.vocab_size,
+            "model.vocab_size",
+            cfg.model.vocab_size,
+            f"must be >= the corpus vocab_size {vocab} in {meta}{by}",
+        )

@@ -25,12 +25,10 @@ from fsdp_jax.errors import ConfigError
 _OVERRIDE_ALIASES = {"strategy": "mesh.strategy", "steps": "train.steps", "lr": "optimizer.lr"}
 
 
-def _unknown(key: str, candidates: Sequence[str],
-             shown: Sequence[str] | None = None) -> ConfigError:
+def _unknown(key: str, candidates: Sequence[str], shown: Sequence[str] | None = None) -> ConfigError:
     close = difflib.get_close_matches(key, list(candidates), n=1, cutoff=0.6)
     hint = f"did you mean {close[0]}?" if close else f"allowed: {', '.join(shown or candidates)}"
     return ConfigError(key, f"unknown key; {hint}")
-
 
 
 def _build(cls: type, raw: Any, prefix: str) -> Any:
@@ -56,7 +54,7 @@ def expand_user_paths(d: Mapping) -> dict:
         v = holder.get(keys[-1]) if isinstance(holder, dict) else None
         if isinstance(v, str):
             prefix = "hf:" if v.startswith("hf:") else ""
-            holder[keys[-1]] = prefix + os.path.expanduser(v[len(prefix):])
+            holder[keys[-1]] = prefix + os.path.expanduser(v[len(prefix) :])
     return out
 
 
@@ -111,14 +109,16 @@ def apply_overrides(raw: Mapping, overrides: Sequence[str]) -> dict:
             rules_ = mesh_.get("rules") or {}
             if not isinstance(rules_, Mapping):
                 raise ConfigError("mesh.rules", f"{rules_!r} is not a mapping")
-            mesh_["rules"] = {**rules_, key[len("mesh.rules."):]: value}
+            mesh_["rules"] = {**rules_, key[len("mesh.rules.") :]: value}
             continue
         tp = _field_type(key)
         if tp is None:
             head = key.partition(".")[0]
-            shown = ([f"{head}.{f.name}" for f in dataclasses.fields(_SECTIONS[head])]
-                     if head in _SECTIONS else
-                     [f"{k}.KEY" if k in _SECTIONS else k for k in typing.get_type_hints(Config)])
+            shown = (
+                [f"{head}.{f.name}" for f in dataclasses.fields(_SECTIONS[head])]
+                if head in _SECTIONS
+                else [f"{k}.KEY" if k in _SECTIONS else k for k in typing.get_type_hints(Config)]
+            )
             raise _unknown(key, _all_keys(), shown)
         if tp in (str, str | None):  # keep strings verbatim: 'a: b' or '1,2' must not become YAML
             value = None if tp is not str and text.strip() in ("null", "~", "None", "") else text
@@ -152,16 +152,18 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
     except OSError as e:
         raise ConfigError(str(path), f"cannot read config file ({e.strerror})") from None
     except UnicodeDecodeError as e:
-        raise ConfigError(str(path), f"not a UTF-8 text file (byte {e.start}: "
-                          f"{e.object[e.start:e.start + 1]!r})") from None
+        raise ConfigError(
+            str(path), f"not a UTF-8 text file (byte {e.start}: {e.object[e.start : e.start + 1]!r})"
+        ) from None
     except yaml.YAMLError as e:
         where = getattr(e, "problem_mark", None)
         at = f" at line {where.line + 1}" if where else ""
-        raise ConfigError(str(path), f"YAML syntax error{at}: "
-                          f"{getattr(e, 'problem', None) or 'invalid YAML'}") from None
+        raise ConfigError(
+            str(path), f"YAML syntax error{at}: {getattr(e, 'problem', None) or 'invalid YAML'}"
+        ) from None
     raw = {} if raw is None else raw
     if not isinstance(raw, Mapping):
-        raise ConfigError(str(path), f"top level must be a mapping of sections, got "
-                          f"{type(raw).__name__}")
+        raise ConfigError(str(path), f"top level must be a mapping of sections, got {type(raw).__name__}")
     from fsdp_jax.app.hf import model_section_from_hf  # init_from=hf:PATH fills the model section
+
     return config_from_dict(model_section_from_hf(expand_user_paths(apply_overrides(raw, overrides))))

@@ -45,16 +45,45 @@ def limit(default: Any, kind: str | None = None, *, choices: tuple[str, ...] | N
 # The model section is the reference model's own config dataclass (fsdp_jax.app.models),
 # which carries no config metadata: its limits are listed here.
 MODEL_LIMITS: dict[str, str] = {
-    **{n: "> 0" for n in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
-                          "max_seq_len", "rope_theta", "norm_eps", "rope_factor", "rope_low_freq_factor",
-                          "rope_beta_fast", "rope_beta_slow")},
-    **{n: "off" for n in ("sliding_window", "global_every", "rope_local_theta", "attn_softcap",
-                          "query_pre_attn_scalar", "final_softcap", "rope_attention_factor", "rope_mscale",
-                          "rope_mscale_all_dim", "rope_original_max_len")},
+    **{
+        n: "> 0"
+        for n in (
+            "vocab_size",
+            "d_model",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "ffn_dim",
+            "max_seq_len",
+            "rope_theta",
+            "norm_eps",
+            "rope_factor",
+            "rope_low_freq_factor",
+            "rope_beta_fast",
+            "rope_beta_slow",
+        )
+    },
+    **{
+        n: "off"
+        for n in (
+            "sliding_window",
+            "global_every",
+            "rope_local_theta",
+            "attn_softcap",
+            "query_pre_attn_scalar",
+            "final_softcap",
+            "rope_attention_factor",
+            "rope_mscale",
+            "rope_mscale_all_dim",
+            "rope_original_max_len",
+        )
+    },
 }
 MODEL_CHOICES: dict[str, tuple[str, ...]] = {
-    "attention": ("xla", "cudnn"), "rope_type": tuple(ROPE_TYPES),
-    "mlp_activation": ("silu", "gelu_pytorch_tanh")}
+    "attention": ("xla", "cudnn"),
+    "rope_type": tuple(ROPE_TYPES),
+    "mlp_activation": ("silu", "gelu_pytorch_tanh"),
+}
 
 # The model section is the reference model's own config dataclass.
 ModelConfig = LlamaConfig
@@ -68,15 +97,19 @@ def resolved_rules(overrides: Mapping | None = None) -> Rules:
     `fsdp_jax.rules.DEFAULT_RULES`, in YAML-friendly form (lists, not tuples).
     Raises ConfigError naming mesh.rules.NAME when a value is not a mesh axis."""
     if overrides is not None and not isinstance(overrides, Mapping):
-        raise ConfigError("mesh.rules", f"{overrides!r} is not a mapping of logical name -> mesh "
-                          "axis (e.g. {mlp: tensor, embed: fsdp})")
+        raise ConfigError(
+            "mesh.rules",
+            f"{overrides!r} is not a mapping of logical name -> mesh axis (e.g. {{mlp: tensor, embed: fsdp}})",
+        )
     out = {}
     for name, value in {**rl.DEFAULT_RULES, **(overrides or {})}.items():
         try:
             merged = rl.merge_rules({name: value}, {})
         except rl.ShardingError:
-            raise ConfigError(f"mesh.rules.{name}", f"{value!r} is invalid; a mesh axis "
-                              f"({', '.join(MESH_AXES)}), a list of them, or null") from None
+            raise ConfigError(
+                f"mesh.rules.{name}",
+                f"{value!r} is invalid; a mesh axis ({', '.join(MESH_AXES)}), a list of them, or null",
+            ) from None
         v = merged[str(name)]
         out[str(name)] = list(v) if isinstance(v, tuple) else v
     return out
@@ -84,13 +117,15 @@ def resolved_rules(overrides: Mapping | None = None) -> Rules:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    data: int = limit(1, "mesh size")                       # each size >= 1, or -1 (one axis) = the remaining devices
+    data: int = limit(1, "mesh size")  # each size >= 1, or -1 (one axis) = the remaining devices
     fsdp: int = limit(-1, "mesh size")
     tensor: int = limit(1, "mesh size")
-    strategy: str = "full_shard"        # a name of fsdp_jax.strategy.STRATEGIES or an alias
-    min_shard_size: int = limit(rl.DEFAULT_MIN_SHARD_SIZE, ">= 0")        # leaves with fewer elements stay replicated
+    strategy: str = "full_shard"  # a name of fsdp_jax.strategy.STRATEGIES or an alias
+    min_shard_size: int = limit(rl.DEFAULT_MIN_SHARD_SIZE, ">= 0")  # leaves with fewer elements stay replicated
     max_replicated_fraction: float = limit(rl.DEFAULT_MAX_REPLICATED_FRACTION, "[0, 1]")
-    min_replicated_bytes: int = limit(rl.DEFAULT_MIN_REPLICATED_BYTES, ">= 0") # under this, over the fraction only warns
+    min_replicated_bytes: int = limit(
+        rl.DEFAULT_MIN_REPLICATED_BYTES, ">= 0"
+    )  # under this, over the fraction only warns
     # logical name -> mesh axis / list / null, merged over fsdp_jax.rules.DEFAULT_RULES (the
     # resolved table is what the run saves in config.yaml)
     rules: Rules = dataclasses.field(default_factory=resolved_rules)
@@ -98,59 +133,63 @@ class MeshConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-    name: str = limit("adamw", choices=("adamw", "sgd", "adafactor"))               # adamw | sgd | adafactor
-    lr: float = limit(3e-3, "> 0")                  # peak; linear warmup then cosine to lr * min_lr_ratio
+    name: str = limit("adamw", choices=("adamw", "sgd", "adafactor"))  # adamw | sgd | adafactor
+    lr: float = limit(3e-3, "> 0")  # peak; linear warmup then cosine to lr * min_lr_ratio
     warmup_steps: int = limit(50, ">= 0")
     min_lr_ratio: float = limit(0.1, "[0, 1]")
     b1: float = limit(0.9, "[0, 1)")
     b2: float = limit(0.95, "[0, 1)")
     eps: float = limit(1e-8, "> 0")
     weight_decay: float = limit(0.1, ">= 0")
-    momentum: float = limit(0.9, "[0, 1)")             # sgd only
-    clip_norm: float | None = limit(1.0, "> 0 or null")     # global-norm clipping; null = off
+    momentum: float = limit(0.9, "[0, 1)")  # sgd only
+    clip_norm: float | None = limit(1.0, "> 0 or null")  # global-norm clipping; null = off
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    path: str = "data/stdlib"           # directory with train.bin, val.bin, meta.json
-    source: str = limit("stdlib", choices=("stdlib", "none"))            # stdlib: prepare the stdlib corpus there if missing; none
+    path: str = "data/stdlib"  # directory with train.bin, val.bin, meta.json
+    source: str = limit(
+        "stdlib", choices=("stdlib", "none")
+    )  # stdlib: prepare the stdlib corpus there if missing; none
     seq_len: int = limit(128, "> 0")
     seed: int = limit(0, ">= 0")
-    document_mask: bool = False         # token corpora: attention and positions restart after each EOS
+    document_mask: bool = False  # token corpora: attention and positions restart after each EOS
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     steps: int = limit(500, "> 0")
-    global_batch: int = limit(16, "> 0")            # sequences per step, over all processes and microbatches
-    microbatches: int = limit(1, "> 0")             # gradient accumulation
+    global_batch: int = limit(16, "> 0")  # sequences per step, over all processes and microbatches
+    microbatches: int = limit(1, "> 0")  # gradient accumulation
     seed: int = limit(0, ">= 0")
     log_every: int = limit(10, "> 0")
-    eval_every: int = limit(100, "off")             # 0 = never
+    eval_every: int = limit(100, "off")  # 0 = never
     eval_batches: int = limit(8, "off")
-    checkpoint_every: int = limit(100, "off")       # 0 = only at the end
+    checkpoint_every: int = limit(100, "off")  # 0 = only at the end
     keep_checkpoints: int = limit(3, "> 0")
     tensorboard: bool = False
-    sample_tokens: int = limit(200, "off")          # generated after training; 0 = none
-    max_inflight_steps: int = limit(1, "> 0")       # steps dispatched before blocking on a loss
-    max_nonfinite_steps: int = limit(3, "> 0")      # skipped (non-finite) steps in a row before the run stops
-    profile: str | None = None          # "START:END": jax.profiler trace of those steps (1-based) -> run_dir/profile
+    sample_tokens: int = limit(200, "off")  # generated after training; 0 = none
+    max_inflight_steps: int = limit(1, "> 0")  # steps dispatched before blocking on a loss
+    max_nonfinite_steps: int = limit(3, "> 0")  # skipped (non-finite) steps in a row before the run stops
+    profile: str | None = None  # "START:END": jax.profiler trace of those steps (1-based) -> run_dir/profile
 
 
 @dataclasses.dataclass(frozen=True)
 class LoggingConfig:
-    wandb: bool = False                 # also log metrics.jsonl's records to Weights & Biases (WANDB_MODE=offline works)
+    wandb: bool = False  # also log metrics.jsonl's records to Weights & Biases (WANDB_MODE=offline works)
     wandb_project: str = "fsdp_jax"
-    wandb_run_name: str | None = None   # null = W&B picks one
+    wandb_run_name: str | None = None  # null = W&B picks one
 
 
 @dataclasses.dataclass(frozen=True)
 class DistributedConfig:
-    coordinator: str | None = None      # host:port of process 0; null = auto-detect (SLURM, Open MPI, ...)
+    coordinator: str | None = None  # host:port of process 0; null = auto-detect (SLURM, Open MPI, ...)
     num_processes: int | None = limit(None, ">= 1 or null")
     process_id: int | None = None
     init_timeout_s: int = limit(300, "> 0")
-    peer_timeout_s: float = limit(60.0, "peer timeout")  # a peer silent this long stops the others in one line, exit 1; 0 = off
+    peer_timeout_s: float = limit(
+        60.0, "peer timeout"
+    )  # a peer silent this long stops the others in one line, exit 1; 0 = off
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,15 +203,16 @@ class Config:
     logging: LoggingConfig = LoggingConfig()
     precision: str = "params=float32,compute=float32"
     remat: str = "dots"
-    offload: str = "none"               # none | optimizer | optimizer+params: state kept in host memory
+    offload: str = "none"  # none | optimizer | optimizer+params: state kept in host memory
     run_dir: str = "runs/tiny"
-    xla_gpu_flags: str = limit("none", choices=("none", "fsdp"))       # none | fsdp: fsdp_jax.xla_flags.GPU_FSDP_FLAGS (set before start-up)
-    init_from: str | None = None        # params to start from: a .safetensors file, run or checkpoint dir,
-                                        # or hf:DIR (a Hugging Face model, docs/hf_models.md; its config.json sets model.*)
+    xla_gpu_flags: str = limit(
+        "none", choices=("none", "fsdp")
+    )  # none | fsdp: fsdp_jax.xla_flags.GPU_FSDP_FLAGS (set before start-up)
+    init_from: str | None = None  # params to start from: a .safetensors file, run or checkpoint dir,
+    # or hf:DIR (a Hugging Face model, docs/hf_models.md; its config.json sets model.*)
 
 
-_SECTIONS: dict[str, type] = {k: t for k, t in typing.get_type_hints(Config).items()
-                              if dataclasses.is_dataclass(t)}
+_SECTIONS: dict[str, type] = {k: t for k, t in typing.get_type_hints(Config).items() if dataclasses.is_dataclass(t)}
 _FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 _INT_LIMIT = 2**31
 
@@ -183,7 +223,6 @@ def _all_keys() -> list[str]:
         sub = _SECTIONS.get(f.name)
         keys += [f"{f.name}.{g.name}" for g in dataclasses.fields(sub)] if sub else [f.name]
     return keys
-
 
 
 def _field_type(dotted: str) -> Any:

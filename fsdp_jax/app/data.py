@@ -70,8 +70,7 @@ def dir_problem(path: str | os.PathLike) -> str | None:
     if not existing.is_dir():
         return f"lies under {str(existing)!r}, which is a file"
     if not os.access(existing, os.W_OK | os.X_OK):
-        return (f"is not writable ({str(existing)!r} is read-only for this user); "
-                "choose a writable place")
+        return f"is not writable ({str(existing)!r} is read-only for this user); choose a writable place"
     return None
 
 
@@ -82,8 +81,7 @@ def _check_out(out_dir: str | os.PathLike) -> Path:
     return Path(out_dir)
 
 
-def _collect(sources: Sequence[str | os.PathLike], pattern: str,
-             exclude: Sequence[str]) -> list[Path]:
+def _collect(sources: Sequence[str | os.PathLike], pattern: str, exclude: Sequence[str]) -> list[Path]:
     files: dict[Path, None] = {}
     for src in sources:
         p = Path(src)
@@ -94,8 +92,11 @@ def _collect(sources: Sequence[str | os.PathLike], pattern: str,
                 raise DataError(f"pattern {pattern!r}: must be a relative file glob, e.g. '*.txt'")
             for f in sorted(p.rglob(pattern)):
                 rel = f.relative_to(p).parts
-                if f.is_file() and not any(s.startswith(".") or s in exclude for s in rel[:-1]) \
-                        and not rel[-1].startswith("."):
+                if (
+                    f.is_file()
+                    and not any(s.startswith(".") or s in exclude for s in rel[:-1])
+                    and not rel[-1].startswith(".")
+                ):
                     files[f.resolve()] = None
         else:
             raise DataError(f"source {str(src)!r}: not found")
@@ -108,14 +109,15 @@ def _split_files(files: list[Path], val_fraction: float, seed: int) -> tuple[lis
     total = sum(f.stat().st_size for f in files)
     files = [files[i] for i in np.random.default_rng(seed).permutation(len(files))]
     val, val_bytes = [], 0
-    while files[:-1 - len(val)] and val_bytes < val_fraction * total:  # whole files, from the end
+    while files[: -1 - len(val)] and val_bytes < val_fraction * total:  # whole files, from the end
         val.append(files[-1 - len(val)])
         val_bytes += val[-1].stat().st_size
-    return files[:len(files) - len(val)], val[::-1]
+    return files[: len(files) - len(val)], val[::-1]
 
 
-def _write_corpus(files: list[Path], out_dir: str | os.PathLike, val_fraction: float, seed: int,
-                  meta_extra: dict) -> dict:
+def _write_corpus(
+    files: list[Path], out_dir: str | os.PathLike, val_fraction: float, seed: int, meta_extra: dict
+) -> dict:
     if not 0 < val_fraction < 1:
         raise DataError(f"val_fraction {val_fraction!r}: must be in (0, 1)")
     if not isinstance(seed, int) or seed < 0:
@@ -146,12 +148,21 @@ def _write_corpus(files: list[Path], out_dir: str | os.PathLike, val_fraction: f
             _move_tail(tmp["train.bin"], tmp["val.bin"], cut, dtype)
             counts = {"train.bin": cut, "val.bin": n - cut}
         if min(counts.values()) == 0:
-            raise DataError(f"corpus of {total} bytes is too small to split with "
-                            f"val_fraction {val_fraction}")
-        meta = {"vocab_size": 256, "dtype": dtype.name, "tokenizer": "bytes", "max_token_id": top,
-                "train_tokens": counts["train.bin"], "val_tokens": counts["val.bin"],
-                **meta_extra, "val_fraction": val_fraction, "seed": seed, "split": split,
-                "train_files": len(train), "val_files": len(val)}
+            raise DataError(f"corpus of {total} bytes is too small to split with val_fraction {val_fraction}")
+        meta = {
+            "vocab_size": 256,
+            "dtype": dtype.name,
+            "tokenizer": "bytes",
+            "max_token_id": top,
+            "train_tokens": counts["train.bin"],
+            "val_tokens": counts["val.bin"],
+            **meta_extra,
+            "val_fraction": val_fraction,
+            "seed": seed,
+            "split": split,
+            "train_files": len(train),
+            "val_files": len(val),
+        }
         return _commit(out, tmp, meta)
     finally:
         for t in tmp.values():
@@ -168,6 +179,7 @@ def _file_bytes(f: Path, chunk: int = 1 << 22) -> Iterator[bytes]:
                 yield block
         return
     from fsdp_jax.app.tokenizer import TokenizerError, read_documents
+
     try:
         parts, size = [], 0
         for doc in read_documents(f):
@@ -181,9 +193,16 @@ def _file_bytes(f: Path, chunk: int = 1 << 22) -> Iterator[bytes]:
         raise DataError(str(e)) from None
 
 
-def prepare_text(sources: Sequence[str | os.PathLike], out_dir: str | os.PathLike,
-                 val_fraction: float = 0.05, seed: int = 0, tokenizer: str = "bytes",
-                 pattern: str = "*", exclude: Sequence[str] = (), **tokenize) -> dict:
+def prepare_text(
+    sources: Sequence[str | os.PathLike],
+    out_dir: str | os.PathLike,
+    val_fraction: float = 0.05,
+    seed: int = 0,
+    tokenizer: str = "bytes",
+    pattern: str = "*",
+    exclude: Sequence[str] = (),
+    **tokenize,
+) -> dict:
     """Tokenize text files and directories (searched recursively for `pattern`, skipping
     hidden entries and directories named in `exclude`) into `out_dir`; returns meta.
 
@@ -205,9 +224,17 @@ def prepare_text(sources: Sequence[str | os.PathLike], out_dir: str | os.PathLik
     return _write_corpus(files, out_dir, val_fraction, seed, extra)
 
 
-def _write_tokenized(files: list[Path], out_dir: str | os.PathLike, val_fraction: float, seed: int,
-                     tokenizer: str, meta_extra: dict, eos: str | None = None,
-                     threads: int | None = None, progress: bool = False) -> dict:
+def _write_tokenized(
+    files: list[Path],
+    out_dir: str | os.PathLike,
+    val_fraction: float,
+    seed: int,
+    tokenizer: str,
+    meta_extra: dict,
+    eos: str | None = None,
+    threads: int | None = None,
+    progress: bool = False,
+) -> dict:
     """As `_write_corpus`, with a real tokenizer: every document becomes
     `encode(doc) + [eos]`; the split is the same (whole files; one file: its last
     val_fraction of tokens). Token dtype from the tokenizer's vocab size."""
@@ -230,9 +257,11 @@ def _write_tokenized(files: list[Path], out_dir: str | os.PathLike, val_fraction
     try:
         for name, group in (("train.bin", train), ("val.bin", val)):
             with open(tmp[name], "wb") as fh:
+
                 def write(ids, fh=fh):
                     top[0] = max(top[0], int(ids.max())) if len(ids) else top[0]
                     ids.astype(dtype).tofile(fh)
+
                 try:
                     d, counts[name] = encode_corpus(tok, group, write, threads, progress)
                 except TokenizerError as e:
@@ -245,13 +274,26 @@ def _write_tokenized(files: list[Path], out_dir: str | os.PathLike, val_fraction
             _move_tail(tmp["train.bin"], tmp["val.bin"], cut, dtype)
             counts = {"train.bin": cut, "val.bin": n - cut}
         if min(counts.values()) == 0:
-            raise DataError(f"corpus of {sum(counts.values())} tokens is too small to split with "
-                            f"val_fraction {val_fraction}")
-        meta = {"vocab_size": tok.vocab_size, "dtype": dtype.name, "tokenizer": tok.path,
-                "tokenizer_kind": tok.kind, "eos_id": tok.eos_id, "max_token_id": top[0],
-                "train_tokens": counts["train.bin"], "val_tokens": counts["val.bin"],
-                "documents": docs, **meta_extra, "val_fraction": val_fraction, "seed": seed,
-                "split": split, "train_files": len(train), "val_files": len(val)}
+            raise DataError(
+                f"corpus of {sum(counts.values())} tokens is too small to split with val_fraction {val_fraction}"
+            )
+        meta = {
+            "vocab_size": tok.vocab_size,
+            "dtype": dtype.name,
+            "tokenizer": tok.path,
+            "tokenizer_kind": tok.kind,
+            "eos_id": tok.eos_id,
+            "max_token_id": top[0],
+            "train_tokens": counts["train.bin"],
+            "val_tokens": counts["val.bin"],
+            "documents": docs,
+            **meta_extra,
+            "val_fraction": val_fraction,
+            "seed": seed,
+            "split": split,
+            "train_files": len(train),
+            "val_files": len(val),
+        }
         return _commit(out, tmp, meta)
     finally:
         for t in tmp.values():
@@ -264,13 +306,14 @@ def _move_tail(src: Path, dst: Path, cut: int, dtype: np.dtype, chunk: int = 1 <
     tokens = np.memmap(src, dtype, "r")
     with open(dst, "wb") as fh:
         for i in range(cut, len(tokens), chunk):
-            np.asarray(tokens[i:i + chunk]).tofile(fh)
+            np.asarray(tokens[i : i + chunk]).tofile(fh)
     del tokens
     os.truncate(src, cut * dtype.itemsize)
 
 
-def prepare_stdlib(out_dir: str | os.PathLike, val_fraction: float = 0.05, seed: int = 0,
-                   tokenizer: str = "bytes", **tokenize) -> dict:
+def prepare_stdlib(
+    out_dir: str | os.PathLike, val_fraction: float = 0.05, seed: int = 0, tokenizer: str = "bytes", **tokenize
+) -> dict:
     """The default corpus: the top-level modules of this Python's stdlib (~4.7 MB of bytes);
     `tokenizer` and `tokenize` as in `prepare_text`."""
     root = Path(sysconfig.get_paths()["stdlib"])
@@ -289,9 +332,14 @@ def ensure_stdlib(out_dir: str | os.PathLike) -> dict:
         return prepare_stdlib(out_dir)
 
 
-def prepare_bin(train_bin: str | os.PathLike, val_bin: str | os.PathLike,
-                out_dir: str | os.PathLike, vocab_size: int, dtype: str | None = None,
-                check_tokens: bool = True) -> dict:
+def prepare_bin(
+    train_bin: str | os.PathLike,
+    val_bin: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    vocab_size: int,
+    dtype: str | None = None,
+    check_tokens: bool = True,
+) -> dict:
     """Adopt token files from any tokenizer: hard-link (or copy) them into `out_dir` as
     train.bin / val.bin and write meta.json. `dtype` defaults to token_dtype(vocab_size)."""
     if vocab_size <= 0:
@@ -310,15 +358,18 @@ def prepare_bin(train_bin: str | os.PathLike, val_bin: str | os.PathLike,
                 raise DataError(f"token file {str(src)!r}: not found")
             size = src.stat().st_size
             if size == 0 or size % dt.itemsize:
-                raise DataError(f"token file {str(src)!r}: {size} bytes is not a non-empty "
-                                f"whole number of {dt.name} tokens")
+                raise DataError(
+                    f"token file {str(src)!r}: {size} bytes is not a non-empty whole number of {dt.name} tokens"
+                )
             counts[name] = size // dt.itemsize
             if check_tokens:
                 top = _max_token(np.memmap(src, dtype=dt, mode="r"))
                 tops.append(top)
                 if top >= vocab_size:
-                    raise DataError(f"token file {str(src)!r}: token id {top} >= vocab_size "
-                                    f"{vocab_size} (wrong --dtype or --vocab-size?)")
+                    raise DataError(
+                        f"token file {str(src)!r}: token id {top} >= vocab_size "
+                        f"{vocab_size} (wrong --dtype or --vocab-size?)"
+                    )
             dst = out / name
             if dst.exists() and dst.samefile(src):
                 continue
@@ -327,10 +378,15 @@ def prepare_bin(train_bin: str | os.PathLike, val_bin: str | os.PathLike,
                 os.link(src, tmp[name])
             except OSError:
                 shutil.copyfile(src, tmp[name])
-        meta = {"vocab_size": vocab_size, "dtype": dt.name, "tokenizer": "external",
-                **({"max_token_id": max(tops)} if len(tops) == 2 else {}),
-                "train_tokens": counts["train.bin"], "val_tokens": counts["val.bin"],
-                "sources": [str(train_bin), str(val_bin)]}
+        meta = {
+            "vocab_size": vocab_size,
+            "dtype": dt.name,
+            "tokenizer": "external",
+            **({"max_token_id": max(tops)} if len(tops) == 2 else {}),
+            "train_tokens": counts["train.bin"],
+            "val_tokens": counts["val.bin"],
+            "sources": [str(train_bin), str(val_bin)],
+        }
         return _commit(out, tmp, meta)
     finally:
         for t in tmp.values():
@@ -338,4 +394,4 @@ def prepare_bin(train_bin: str | os.PathLike, val_bin: str | os.PathLike,
 
 
 def _max_token(tokens: np.ndarray, chunk: int = 1 << 24) -> int:
-    return max(int(tokens[i:i + chunk].max()) for i in range(0, len(tokens), chunk))
+    return max(int(tokens[i : i + chunk].max()) for i in range(0, len(tokens), chunk))

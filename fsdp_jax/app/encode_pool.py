@@ -44,8 +44,9 @@ from fsdp_jax.app.encode_worker import EncoderSpec  # noqa: F401 (re-exported: t
 from fsdp_jax.app.examples import Example, ExampleEncoder
 
 
-def encode_batches(spec: EncoderSpec, batches: Iterable[list], workers: int = 1,
-                   encoder: ExampleEncoder | None = None) -> Iterator[tuple[list, list[Example]]]:
+def encode_batches(
+    spec: EncoderSpec, batches: Iterable[list], workers: int = 1, encoder: ExampleEncoder | None = None
+) -> Iterator[tuple[list, list[Example]]]:
     """(items, `encoder.encode_batch(items)`) for each batch (a list) of (record, "file:line")
     items, in input order; `workers` processes (1: this process, with `encoder` if given).
     Anything else in `batches` (a long file the caller streams itself) comes back as
@@ -99,8 +100,11 @@ class _Pool:
 
     def __init__(self, spec: EncoderSpec, workers: int):
         threads = spec.threads or 1
-        env = dict(os.environ, RAYON_NUM_THREADS=str(threads),  # before `tokenizers` starts its pool
-                   TOKENIZERS_PARALLELISM="true" if threads > 1 else "false")
+        env = dict(
+            os.environ,
+            RAYON_NUM_THREADS=str(threads),  # before `tokenizers` starts its pool
+            TOKENIZERS_PARALLELISM="true" if threads > 1 else "false",
+        )
         self.procs: list[subprocess.Popen] = []
         self.logs: list = []  # each worker's stderr, for the message if it dies
         self.in_hand: list[int] = []
@@ -108,8 +112,9 @@ class _Pool:
             for _ in range(workers):
                 log = tempfile.TemporaryFile()
                 self.logs.append(log)
-                self.procs.append(subprocess.Popen(WORKER_ARGV, stdin=subprocess.PIPE,
-                                                   stdout=subprocess.PIPE, stderr=log, env=env))
+                self.procs.append(
+                    subprocess.Popen(WORKER_ARGV, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env)
+                )
                 self.in_hand.append(0)
             spec_json = json.dumps(dataclasses.asdict(spec)).encode()
             for i in range(workers):
@@ -138,8 +143,10 @@ class _Pool:
         tokens = np.frombuffer(body, "<i4", total)
         mask = np.frombuffer(body, np.uint8, total, offset=4 * total)
         ends = np.cumsum(lens)
-        return [Example(tokens[e - n:e], mask[e - n:e], kind)
-                for e, n, kind in zip(ends.tolist(), lens.tolist(), header["kinds"])]
+        return [
+            Example(tokens[e - n : e], mask[e - n : e], kind)
+            for e, n, kind in zip(ends.tolist(), lens.tolist(), header["kinds"])
+        ]
 
     def _send(self, i: int, payload: bytes) -> None:
         try:
@@ -202,6 +209,7 @@ def _error(reply: dict) -> Exception:
     the project's errors (`fsdp_jax.errors`) and Python's built-in exceptions by name, made
     from the same arguments; anything else a RuntimeError naming it."""
     from fsdp_jax import errors
+
     name, message = reply["error"], reply["message"]
     cls = getattr(errors, name, None) or getattr(builtins, name, None)
     if isinstance(cls, type) and issubclass(cls, Exception):

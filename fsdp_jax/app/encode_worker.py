@@ -33,15 +33,18 @@ if TYPE_CHECKING:
 
 LEN = struct.Struct("<Q")
 
-BOOT = ("import sys, types; p = types.ModuleType('fsdp_jax'); p.__path__ = [sys.argv[1]]; "
-        "sys.modules['fsdp_jax'] = p; from fsdp_jax.app.encode_worker import main; main()")
+BOOT = (
+    "import sys, types; p = types.ModuleType('fsdp_jax'); p.__path__ = [sys.argv[1]]; "
+    "sys.modules['fsdp_jax'] = p; from fsdp_jax.app.encode_worker import main; main()"
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class EncoderSpec:
     """What a worker needs to build the `ExampleEncoder` (paths and text: sent to it as JSON);
     `fsdp_jax.app.encode_pool.EncoderSpec`."""
-    tokenizer: str                  # "bytes" or a tokenizer path (`fsdp_jax.app.tokenizer`)
+
+    tokenizer: str  # "bytes" or a tokenizer path (`fsdp_jax.app.tokenizer`)
     eos: str | None = None
     chat_template: str | None = None  # the template's source text
     specials: dict = dataclasses.field(default_factory=dict)
@@ -51,6 +54,7 @@ class EncoderSpec:
     def build(self) -> ExampleEncoder:
         from fsdp_jax.app.examples import ExampleEncoder
         from fsdp_jax.app.tokenizer import load_tokenizer
+
         tok = None if self.tokenizer == "bytes" else load_tokenizer(self.tokenizer, self.eos)
         return ExampleEncoder(tok, self.chat_template, self.specials, self.train_on)
 
@@ -116,6 +120,7 @@ def main() -> None:
         except (OSError, EOFError):
             pass
         requests.put(None)
+
     threading.Thread(target=read_requests, daemon=True).start()
     threads = spec.threads or 1
     try:

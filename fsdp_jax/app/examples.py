@@ -43,15 +43,14 @@ from fsdp_jax.errors import (
 
 ROLES = ("system", "user", "assistant", "tool")
 TRAIN_ON = ("targets", "all")  # targets: assistant turns / completions / plain text; all: every token
-SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
-                "mask_token")
+SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 @dataclasses.dataclass(frozen=True)
 class Example:
-    tokens: np.ndarray   # int32 (n,)
-    mask: np.ndarray     # uint8 (n,): 1 where the token is a training target
-    kind: str            # chat | instruction | plain
+    tokens: np.ndarray  # int32 (n,)
+    mask: np.ndarray  # uint8 (n,): 1 where the token is a training target
+    kind: str  # chat | instruction | plain
 
 
 def read_records(file: Path) -> Iterator[tuple[int, Any]]:
@@ -75,30 +74,28 @@ def read_records(file: Path) -> Iterator[tuple[int, Any]]:
 def record_kind(rec: Any, where: str) -> str:
     """chat | instruction | plain, or ExampleError naming `where` (file:line)."""
     if not isinstance(rec, dict):
-        raise ExampleError(f"{where}: expected a JSON object with \"messages\", \"prompt\" and "
-                           "\"completion\", or \"text\"")
+        raise ExampleError(f'{where}: expected a JSON object with "messages", "prompt" and "completion", or "text"')
     if "messages" in rec:
         msgs = rec["messages"]
         if not isinstance(msgs, list) or not msgs:
-            raise ExampleError(f"{where}: \"messages\" must be a non-empty list")
+            raise ExampleError(f'{where}: "messages" must be a non-empty list')
         for i, m in enumerate(msgs):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) \
-                    or not isinstance(m.get("content"), str):
-                raise ExampleError(f"{where}: message {i} needs a \"role\" and a \"content\" string")
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ExampleError(f'{where}: message {i} needs a "role" and a "content" string')
             if m["role"] not in ROLES:
-                raise ExampleError(f"{where}: message {i} has unknown role {m['role']!r} "
-                                   f"(allowed: {', '.join(ROLES)})")
+                raise ExampleError(f"{where}: message {i} has unknown role {m['role']!r} (allowed: {', '.join(ROLES)})")
         return "chat"
     if "prompt" in rec or "completion" in rec:
         if not isinstance(rec.get("prompt"), str) or not isinstance(rec.get("completion"), str):
-            raise ExampleError(f"{where}: an instruction needs \"prompt\" and \"completion\" strings")
+            raise ExampleError(f'{where}: an instruction needs "prompt" and "completion" strings')
         return "instruction"
     if isinstance(rec.get("text"), str):
         return "plain"
-    raise ExampleError(f"{where}: expected \"messages\", \"prompt\"+\"completion\" or a \"text\" string")
+    raise ExampleError(f'{where}: expected "messages", "prompt"+"completion" or a "text" string')
 
 
 # ----------------------------------------------------------------------------- chat templates
+
 
 def find_chat_template(tokenizer_path: str | Path) -> str | None:
     """The chat template beside a tokenizer: chat_template.jinja, else tokenizer_config.json's
@@ -154,11 +151,9 @@ def compile_template(source: str):
         raise jinja2.exceptions.TemplateError(message)
 
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[Generation, loopcontrols])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -172,13 +167,13 @@ class ChatRenderer:
         try:
             self.template = compile_template(source)
         except Exception as e:  # jinja2.TemplateSyntaxError
-            raise ExampleError(f"chat template: does not compile ({one_line(e, 160)})") \
-                from None
+            raise ExampleError(f"chat template: does not compile ({one_line(e, 160)})") from None
         self.specials = specials
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        return self.template.render(messages=messages, tools=None, documents=None,
-                                    add_generation_prompt=add_generation_prompt, **self.specials)
+        return self.template.render(
+            messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **self.specials
+        )
 
     def spans(self, messages: list[dict], where: str) -> tuple[str, list[tuple[int, int]]]:
         """(the conversation's text, the [start, end) character spans of its assistant turns)."""
@@ -189,28 +184,33 @@ class ChatRenderer:
                 if m["role"] != "assistant":
                     continue
                 before = self.render(messages[:i], add_generation_prompt=True)
-                upto = text if i == len(messages) - 1 else self.render(messages[:i + 1])
+                upto = text if i == len(messages) - 1 else self.render(messages[: i + 1])
                 if not (text.startswith(upto) and upto.startswith(before)):
-                    raise ExampleError(f"{where}: the chat template does not render the conversation "
-                                       f"as a growing prefix (assistant turn {i}), so its loss mask "
-                                       "cannot be found")
+                    raise ExampleError(
+                        f"{where}: the chat template does not render the conversation "
+                        f"as a growing prefix (assistant turn {i}), so its loss mask "
+                        "cannot be found"
+                    )
                 spans.append((len(before), len(upto)))
         except ExampleError:
             raise
         except Exception as e:  # jinja2.TemplateError (raise_exception), TypeError, ...
-            raise ExampleError(f"{where}: the chat template fails to render "
-                               f"({type(e).__name__}: {one_line(e, 160)})") from None
+            raise ExampleError(
+                f"{where}: the chat template fails to render ({type(e).__name__}: {one_line(e, 160)})"
+            ) from None
         return text, spans
 
 
 # ----------------------------------------------------------------------------- encoding
 
+
 class ExampleEncoder:
     """Records -> `Example`s for one tokenizer (`fsdp_jax.app.tokenizer.Tokenizer`, or
     None for bytes) and chat template (None: chat examples are refused)."""
 
-    def __init__(self, tok=None, chat_template: str | None = None, specials: dict | None = None,
-                 train_on: str = "targets"):
+    def __init__(
+        self, tok=None, chat_template: str | None = None, specials: dict | None = None, train_on: str = "targets"
+    ):
         if train_on not in TRAIN_ON:
             raise ExampleError(f"train_on {train_on!r}: allowed {', '.join(TRAIN_ON)}")
         self.tok, self.train_on = tok, train_on
@@ -222,8 +222,10 @@ class ExampleEncoder:
         kind = record_kind(rec, where)
         if kind == "chat":
             if self.chat is None:
-                raise ExampleError(f"{where}: a chat example needs a chat template (the tokenizer "
-                                   "has none: add chat_template.jinja beside it or pass --chat-template)")
+                raise ExampleError(
+                    f"{where}: a chat example needs a chat template (the tokenizer "
+                    "has none: add chat_template.jinja beside it or pass --chat-template)"
+                )
             text, spans = self.chat.spans(rec["messages"], where)
             return text, spans, kind, False
         if kind == "instruction":

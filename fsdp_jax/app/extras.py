@@ -21,8 +21,10 @@ EXTRAS = {"tensorboardX": "tensorboard", "matplotlib": "plot"}  # import name ->
 
 
 def missing_message(module: str, feature: str) -> str:
-    return (f"{feature} needs the {module} package, which is not installed; "
-            f"pip install 'fsdp_jax[{EXTRAS[module]}]' (or pip install {module})")
+    return (
+        f"{feature} needs the {module} package, which is not installed; "
+        f"pip install 'fsdp_jax[{EXTRAS[module]}]' (or pip install {module})"
+    )
 
 
 def available(module: str) -> bool:

@@ -23,14 +23,15 @@ __all__ = ["Faults", "INJECT_NAN_ENV", "INJECT_DATA_DELAY_ENV"]
 
 
 def nan_steps_from_text(text: str) -> frozenset[int]:
-    """"5,6,7" -> {5, 6, 7}; ConfigError naming INJECT_NAN_ENV unless step numbers >= 1."""
+    """ "5,6,7" -> {5, 6, 7}; ConfigError naming INJECT_NAN_ENV unless step numbers >= 1."""
     try:
         steps = frozenset(int(x) for x in text.split(",") if x.strip())
     except ValueError:
         steps = frozenset({0})
     if any(s < 1 for s in steps):
-        raise ConfigError(INJECT_NAN_ENV, f"{text!r} is invalid; expected comma-separated step "
-                          "numbers >= 1, e.g. 5,6,7")
+        raise ConfigError(
+            INJECT_NAN_ENV, f"{text!r} is invalid; expected comma-separated step numbers >= 1, e.g. 5,6,7"
+        )
     return steps
 
 
@@ -39,6 +40,7 @@ class Faults:
     """What to break in a run: `nan_steps` (1-based step numbers whose batch gets an
     out-of-range token in its first position, so `jnp.take` makes the loss NaN) and
     `data_delay_s` (seconds slept after each batch is read, counted as data time)."""
+
     nan_steps: frozenset[int] = frozenset()
     data_delay_s: float = 0.0
 

@@ -44,26 +44,36 @@ from fsdp_jax.safetensors_io import SafetensorsError, SafetensorsFile
 
 PREFIX = "hf:"
 # per-layer params: our path under a block -> (HF name under model.layers.N, layout kind)
-LAYER_TENSORS = {"attn/wq": ("self_attn.q_proj.weight", "qkv"),
-                 "attn/wk": ("self_attn.k_proj.weight", "qkv"),
-                 "attn/wv": ("self_attn.v_proj.weight", "qkv"),
-                 "attn/wo": ("self_attn.o_proj.weight", "o"),
-                 "mlp/w_gate": ("mlp.gate_proj.weight", "t"),
-                 "mlp/w_up": ("mlp.up_proj.weight", "t"),
-                 "mlp/w_down": ("mlp.down_proj.weight", "t"),
-                 "attn_norm/scale": ("input_layernorm.weight", "id"),
-                 "mlp_norm/scale": ("post_attention_layernorm.weight", "id")}
-BIAS_TENSORS = {"attn/bq": ("self_attn.q_proj.bias", "bias"),
-                "attn/bk": ("self_attn.k_proj.bias", "bias"),
-                "attn/bv": ("self_attn.v_proj.bias", "bias")}
-QK_NORM_TENSORS = {"attn/q_norm/scale": ("self_attn.q_norm.weight", "id"),
-                   "attn/k_norm/scale": ("self_attn.k_norm.weight", "id")}
-SANDWICH_TENSORS = {"post_attn_norm/scale": ("post_attention_layernorm.weight", "id"),
-                    "mlp_norm/scale": ("pre_feedforward_layernorm.weight", "id"),
-                    "post_mlp_norm/scale": ("post_feedforward_layernorm.weight", "id")}
-TOP_TENSORS = {"embed": ("model.embed_tokens.weight", "id"),
-               "final_norm/scale": ("model.norm.weight", "id"),
-               "head": ("lm_head.weight", "t")}
+LAYER_TENSORS = {
+    "attn/wq": ("self_attn.q_proj.weight", "qkv"),
+    "attn/wk": ("self_attn.k_proj.weight", "qkv"),
+    "attn/wv": ("self_attn.v_proj.weight", "qkv"),
+    "attn/wo": ("self_attn.o_proj.weight", "o"),
+    "mlp/w_gate": ("mlp.gate_proj.weight", "t"),
+    "mlp/w_up": ("mlp.up_proj.weight", "t"),
+    "mlp/w_down": ("mlp.down_proj.weight", "t"),
+    "attn_norm/scale": ("input_layernorm.weight", "id"),
+    "mlp_norm/scale": ("post_attention_layernorm.weight", "id"),
+}
+BIAS_TENSORS = {
+    "attn/bq": ("self_attn.q_proj.bias", "bias"),
+    "attn/bk": ("self_attn.k_proj.bias", "bias"),
+    "attn/bv": ("self_attn.v_proj.bias", "bias"),
+}
+QK_NORM_TENSORS = {
+    "attn/q_norm/scale": ("self_attn.q_norm.weight", "id"),
+    "attn/k_norm/scale": ("self_attn.k_norm.weight", "id"),
+}
+SANDWICH_TENSORS = {
+    "post_attn_norm/scale": ("post_attention_layernorm.weight", "id"),
+    "mlp_norm/scale": ("pre_feedforward_layernorm.weight", "id"),
+    "post_mlp_norm/scale": ("post_feedforward_layernorm.weight", "id"),
+}
+TOP_TENSORS = {
+    "embed": ("model.embed_tokens.weight", "id"),
+    "final_norm/scale": ("model.norm.weight", "id"),
+    "head": ("lm_head.weight", "t"),
+}
 _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 _FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
@@ -75,18 +85,20 @@ def is_hf(init_from: str | None) -> bool:
 
 
 def hf_dir(init_from: str) -> Path:
-    return Path(init_from[len(PREFIX):]).expanduser()
+    return Path(init_from[len(PREFIX) :]).expanduser()
 
 
 # -- config.json ---------------------------------------------------------------------------
+
 
 def read_config_json(path: str | Path) -> dict:
     f = Path(path) / "config.json"
     try:
         raw = json.loads(f.read_text())
     except FileNotFoundError:
-        raise CheckpointError(f"hf:{path}: no config.json (expected a Hugging Face model "
-                              "directory: config.json + model.safetensors)") from None
+        raise CheckpointError(
+            f"hf:{path}: no config.json (expected a Hugging Face model directory: config.json + model.safetensors)"
+        ) from None
     except (OSError, ValueError) as e:
         raise ConfigError(str(f), f"not valid JSON ({e})") from None
     if not isinstance(raw, dict):
@@ -113,8 +125,11 @@ def model_section_from_hf(raw: Mapping) -> dict:
         if isinstance(theirs, float) and isinstance(mine, str) and _FLOAT.fullmatch(mine.strip()):
             mine = float(mine)  # PyYAML reads 1e4 (no dot) as a string
         if field in model and mine != theirs:
-            raise ConfigError(f"model.{field}", f"{model[field]!r} disagrees with "
-                              f"{path / 'config.json'} ({key}={theirs!r}); remove it or make it agree")
+            raise ConfigError(
+                f"model.{field}",
+                f"{model[field]!r} disagrees with "
+                f"{path / 'config.json'} ({key}={theirs!r}); remove it or make it agree",
+            )
         model[field] = theirs
     return {**raw, "model": model}
 
@@ -124,11 +139,15 @@ def check_model_config(model: LlamaConfig, path: Path) -> None:
     derived = model_config_from_hf(read_config_json(path), str(path / "config.json"), base=model)
     for field in ARCH_FIELDS:
         if getattr(model, field) != getattr(derived, field):
-            raise ConfigError(f"model.{field}", f"{getattr(model, field)!r} but {path}/config.json "
-                              f"implies {FIELDS.get(field, field)}={getattr(derived, field)!r}")
+            raise ConfigError(
+                f"model.{field}",
+                f"{getattr(model, field)!r} but {path}/config.json "
+                f"implies {FIELDS.get(field, field)}={getattr(derived, field)!r}",
+            )
 
 
 # -- tensor layout -------------------------------------------------------------------------
+
 
 def layer_tensors(cfg: LlamaConfig) -> dict[str, tuple[str, str]]:
     """{our path under a block: (HF name under model.layers.N, layout kind)} for `cfg`."""
@@ -145,12 +164,20 @@ def layer_tensors(cfg: LlamaConfig) -> dict[str, tuple[str, str]]:
 def expected_tensors(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """{HF tensor name: shape} of a checkpoint for `cfg`."""
     d, f, dh = cfg.d_model, cfg.ffn_dim, cfg.head_dim
-    shapes = {"attn/wq": (cfg.n_heads * dh, d), "attn/wk": (cfg.n_kv_heads * dh, d),
-              "attn/wv": (cfg.n_kv_heads * dh, d), "attn/wo": (d, cfg.n_heads * dh),
-              "mlp/w_gate": (f, d), "mlp/w_up": (f, d), "mlp/w_down": (d, f),
-              "attn/bq": (cfg.n_heads * dh,), "attn/bk": (cfg.n_kv_heads * dh,),
-              "attn/bv": (cfg.n_kv_heads * dh,), "attn/q_norm/scale": (dh,),
-              "attn/k_norm/scale": (dh,)}
+    shapes = {
+        "attn/wq": (cfg.n_heads * dh, d),
+        "attn/wk": (cfg.n_kv_heads * dh, d),
+        "attn/wv": (cfg.n_kv_heads * dh, d),
+        "attn/wo": (d, cfg.n_heads * dh),
+        "mlp/w_gate": (f, d),
+        "mlp/w_up": (f, d),
+        "mlp/w_down": (d, f),
+        "attn/bq": (cfg.n_heads * dh,),
+        "attn/bk": (cfg.n_kv_heads * dh,),
+        "attn/bv": (cfg.n_kv_heads * dh,),
+        "attn/q_norm/scale": (dh,),
+        "attn/k_norm/scale": (dh,),
+    }
     per = {name: shapes.get(ours, (d,)) for ours, (name, _) in layer_tensors(cfg).items()}
     out = {"model.embed_tokens.weight": (cfg.vocab_size, d)}
     for i in range(cfg.n_layers):
@@ -182,8 +209,9 @@ def _span(s: slice, n: int) -> tuple[int, int]:
     return a, b
 
 
-def read_block(f: SafetensorsFile, name: str, kind: str, idx: tuple[slice, ...],
-               shape: tuple[int, ...], dh: int, dtype) -> np.ndarray:
+def read_block(
+    f: SafetensorsFile, name: str, kind: str, idx: tuple[slice, ...], shape: tuple[int, ...], dh: int, dtype
+) -> np.ndarray:
     """Our per-layer tensor of `shape`, sliced by `idx`, read from HF tensor `name`."""
     if kind == "id":
         return f.read(name, *idx, dtype=dtype)
@@ -220,6 +248,7 @@ def to_hf(kind: str, ours: np.ndarray) -> np.ndarray:
 
 # -- the checkpoint ------------------------------------------------------------------------
 
+
 class HFCheckpoint:
     """A Hugging Face model directory, checked: config.json maps onto `LlamaConfig`,
     every shard file exists and parses, every tensor has the shape the config implies
@@ -243,14 +272,12 @@ class HFCheckpoint:
         else:
             other = sorted(p.name for p in self.path.glob("*.bin"))
             hint = f" (found {', '.join(other)}: convert it to safetensors first)" if other else ""
-            raise CheckpointError(f"hf:{self.path}: no model.safetensors or "
-                                  f"model.safetensors.index.json{hint}")
+            raise CheckpointError(f"hf:{self.path}: no model.safetensors or model.safetensors.index.json{hint}")
         files: dict[str, SafetensorsFile] = {}
         self.where: dict[str, SafetensorsFile] = {}
         for fname in sorted(set(weight_map.values()) if weight_map else {"model.safetensors"}):
             if not (self.path / fname).is_file():
-                raise CheckpointError(f"hf:{self.path}: shard file {fname} listed in the index "
-                                      "is missing")
+                raise CheckpointError(f"hf:{self.path}: shard file {fname} listed in the index is missing")
             try:
                 files[fname] = SafetensorsFile(self.path / fname)
             except SafetensorsError as e:
@@ -262,42 +289,54 @@ class HFCheckpoint:
         # before listing the tensors the config implies (a loop over its layers)
         held = 1 + max((int(m.group(1)) for n in self.where if (m := _LAYER.match(n))), default=-1)
         if held != self.config.n_layers:
-            raise CheckpointError(f"hf:{self.path}: config.json num_hidden_layers="
-                                  f"{self.config.n_layers}, but the tensors hold {held} layers")
+            raise CheckpointError(
+                f"hf:{self.path}: config.json num_hidden_layers="
+                f"{self.config.n_layers}, but the tensors hold {held} layers"
+            )
         want = expected_tensors(self.config)
         missing = [n for n in want if n not in self.where]
         if missing:
-            raise CheckpointError(f"hf:{self.path}: tensor {missing[0]} is missing"
-                                  + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+            raise CheckpointError(
+                f"hf:{self.path}: tensor {missing[0]} is missing"
+                + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+            )
         tied_head = self.config.tie_word_embeddings and "lm_head.weight" in self.where
-        extra = [n for n in self.where if n not in want and not _IGNORED.fullmatch(n)
-                 and not (tied_head and n == "lm_head.weight")]
+        extra = [
+            n
+            for n in self.where
+            if n not in want and not _IGNORED.fullmatch(n) and not (tied_head and n == "lm_head.weight")
+        ]
         if extra:
-            raise CheckpointError(f"hf:{self.path}: unexpected tensor {extra[0]} (the model "
-                                  "config.json describes has no such parameter)")
+            raise CheckpointError(
+                f"hf:{self.path}: unexpected tensor {extra[0]} (the model config.json describes has no such parameter)"
+            )
         for n, shape in want.items():
             got = self.where[n].shape(n)
             if got != shape:
-                raise CheckpointError(f"hf:{self.path}: tensor {n} has shape {list(got)}, "
-                                      f"config.json implies {list(shape)}")
+                raise CheckpointError(
+                    f"hf:{self.path}: tensor {n} has shape {list(got)}, config.json implies {list(shape)}"
+                )
             if self.where[n].dtype(n).name not in _FLOAT_DTYPES:
-                raise CheckpointError(f"hf:{self.path}: tensor {n} has dtype "
-                                      f"{self.where[n].dtype(n)}, expected a float type")
+                raise CheckpointError(
+                    f"hf:{self.path}: tensor {n} has dtype {self.where[n].dtype(n)}, expected a float type"
+                )
 
     def nbytes(self) -> int:
         """Bytes of the tensors the model uses, as stored."""
         want = expected_tensors(self.config)
         return sum(int(np.prod(s)) * self.where[n].dtype(n).itemsize for n, s in want.items())
 
-    def read(self, names: list[str], kind: str, idx: tuple[slice, ...], shape: tuple[int, ...],
-             dtype, stacked: bool) -> np.ndarray:
+    def read(
+        self, names: list[str], kind: str, idx: tuple[slice, ...], shape: tuple[int, ...], dtype, stacked: bool
+    ) -> np.ndarray:
         """The block `idx` of our leaf of `shape` (stacked: leading layer dim over `names`)."""
         dh = self.config.head_dim
         if not stacked:
             return read_block(self.where[names[0]], names[0], kind, idx, shape, dh, dtype)
         l0, l1 = _span(idx[0], shape[0])
-        return np.stack([read_block(self.where[names[i]], names[i], kind, idx[1:], shape[1:], dh,
-                                    dtype) for i in range(l0, l1)])
+        return np.stack(
+            [read_block(self.where[names[i]], names[i], kind, idx[1:], shape[1:], dh, dtype) for i in range(l0, l1)]
+        )
 
 
 def load_params(ckpt: HFCheckpoint, abstract_params) -> Any:
@@ -308,8 +347,9 @@ def load_params(ckpt: HFCheckpoint, abstract_params) -> Any:
     want = tree_paths(abstract_params)
     if set(want) != set(sources):
         diff = sorted(set(want) ^ set(sources))
-        raise CheckpointError(f"hf:{ckpt.path}: the model's params do not match the checkpoint "
-                              f"layout ({', '.join(diff[:4])})")
+        raise CheckpointError(
+            f"hf:{ckpt.path}: the model's params do not match the checkpoint layout ({', '.join(diff[:4])})"
+        )
     leaves = []
     for path, sds in want.items():
         names, kind = sources[path]

@@ -30,37 +30,72 @@ FAMILIES = {
     "mistral": ("MistralForCausalLM", "hidden_act", {"rms_norm_eps": 1e-6, "rope_theta": 10000.0}),
     "qwen2": ("Qwen2ForCausalLM", "hidden_act", {"rms_norm_eps": 1e-6, "rope_theta": 10000.0}),
     "qwen3": ("Qwen3ForCausalLM", "hidden_act", {"rms_norm_eps": 1e-6, "rope_theta": 10000.0}),
-    "gemma3_text": ("Gemma3ForCausalLM", "hidden_activation",
-                    {"rms_norm_eps": 1e-6, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
-                     "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256,
-                     "sliding_window": 4096, "tie_word_embeddings": True, "head_dim": 256,
-                     "sliding_window_pattern": 6, "vocab_size": 262208, "hidden_size": 2304,
-                     "intermediate_size": 9216, "num_hidden_layers": 26,
-                     "num_attention_heads": 8, "num_key_value_heads": 4,
-                     "max_position_embeddings": 131072}),
+    "gemma3_text": (
+        "Gemma3ForCausalLM",
+        "hidden_activation",
+        {
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 1e6,
+            "rope_local_base_freq": 1e4,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": 256,
+            "sliding_window": 4096,
+            "tie_word_embeddings": True,
+            "head_dim": 256,
+            "sliding_window_pattern": 6,
+            "vocab_size": 262208,
+            "hidden_size": 2304,
+            "intermediate_size": 9216,
+            "num_hidden_layers": 26,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 4,
+            "max_position_embeddings": 131072,
+        },
+    ),
 }
 ARCHITECTURES = tuple(f[0] for f in FAMILIES.values())
 MODEL_TYPES = tuple(FAMILIES)
 # LlamaConfig field <- config.json key (after rope/eps defaults are applied)
-FIELDS = {"vocab_size": "vocab_size", "d_model": "hidden_size", "n_layers": "num_hidden_layers",
-          "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads",
-          "ffn_dim": "intermediate_size", "max_seq_len": "max_position_embeddings",
-          "rope_theta": "rope_theta", "norm_eps": "rms_norm_eps",
-          "tie_word_embeddings": "tie_word_embeddings"}
+FIELDS = {
+    "vocab_size": "vocab_size",
+    "d_model": "hidden_size",
+    "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads",
+    "n_kv_heads": "num_key_value_heads",
+    "ffn_dim": "intermediate_size",
+    "max_seq_len": "max_position_embeddings",
+    "rope_theta": "rope_theta",
+    "norm_eps": "rms_norm_eps",
+    "tie_word_embeddings": "tie_word_embeddings",
+}
 # every architecture field of LlamaConfig (what a checkpoint decides; not scan_layers/attention)
-ARCH_FIELDS = tuple(f.name for f in dataclasses.fields(LlamaConfig)
-                    if f.name not in ("scan_layers", "attention"))
+ARCH_FIELDS = tuple(f.name for f in dataclasses.fields(LlamaConfig) if f.name not in ("scan_layers", "attention"))
 # rope dict keys -> LlamaConfig field, per rope type (required keys first)
-ROPE_KEYS = {"linear": ({"factor": "rope_factor"}, {}),
-             "llama3": ({"factor": "rope_factor", "low_freq_factor": "rope_low_freq_factor",
-                         "high_freq_factor": "rope_high_freq_factor",
-                         "original_max_position_embeddings": "rope_original_max_len"}, {}),
-             "yarn": ({"factor": "rope_factor"},
-                      {"original_max_position_embeddings": "rope_original_max_len",
-                       "beta_fast": "rope_beta_fast", "beta_slow": "rope_beta_slow",
-                       "attention_factor": "rope_attention_factor", "mscale": "rope_mscale",
-                       "mscale_all_dim": "rope_mscale_all_dim", "truncate": "rope_truncate"}),
-             "default": ({}, {})}
+ROPE_KEYS = {
+    "linear": ({"factor": "rope_factor"}, {}),
+    "llama3": (
+        {
+            "factor": "rope_factor",
+            "low_freq_factor": "rope_low_freq_factor",
+            "high_freq_factor": "rope_high_freq_factor",
+            "original_max_position_embeddings": "rope_original_max_len",
+        },
+        {},
+    ),
+    "yarn": (
+        {"factor": "rope_factor"},
+        {
+            "original_max_position_embeddings": "rope_original_max_len",
+            "beta_fast": "rope_beta_fast",
+            "beta_slow": "rope_beta_slow",
+            "attention_factor": "rope_attention_factor",
+            "mscale": "rope_mscale",
+            "mscale_all_dim": "rope_mscale_all_dim",
+            "truncate": "rope_truncate",
+        },
+    ),
+    "default": ({}, {}),
+}
 
 
 def _rope_fields(r: Mapping, key: str, bad, max_pos: int) -> dict:
@@ -78,12 +113,14 @@ def _rope_fields(r: Mapping, key: str, bad, max_pos: int) -> dict:
             if k in required:
                 raise bad(key, f"rope_type {kind} needs {k}")
             continue
-        ok = isinstance(v, bool) if field == "rope_truncate" else (
-            isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0)
+        ok = (
+            isinstance(v, bool)
+            if field == "rope_truncate"
+            else (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0)
+        )
         if not ok:
             raise bad(key, f"{k}={v!r} is invalid (a positive number)")
-        out[field] = v if field == "rope_truncate" else (
-            int(v) if field == "rope_original_max_len" else float(v))
+        out[field] = v if field == "rope_truncate" else (int(v) if field == "rope_original_max_len" else float(v))
     if kind == "yarn":
         out.setdefault("rope_original_max_len", max_pos)
     known = {"rope_type", "type", "rope_theta", "partial_rotary_factor", *required, *optional}
@@ -125,14 +162,12 @@ def _family_fields(raw: Mapping, mt: str, bad, n_layers: int) -> dict:
     out["qk_norm"] = mt in ("qwen3", "gemma3_text")
     gemma = mt == "gemma3_text"
     out.update(norm_plus_one=gemma, sandwich_norm=gemma, embed_scale=gemma)
-    for key, field in (("attn_logit_softcapping", "attn_softcap"),
-                       ("final_logit_softcapping", "final_softcap")):
+    for key, field in (("attn_logit_softcapping", "attn_softcap"), ("final_logit_softcapping", "final_softcap")):
         v = raw.get(key)
         if v is not None and not gemma:
             raise bad(key, f"not read by {mt} models (allowed: null)")
         if v is not None and key == "attn_logit_softcapping":  # 5.24 never passes it on
-            raise bad(key, "transformers' Gemma 3 does not apply it, so its logits would differ "
-                      "(allowed: null)")
+            raise bad(key, "transformers' Gemma 3 does not apply it, so its logits would differ (allowed: null)")
         if v is not None and not (isinstance(v, (int, float)) and v > 0):
             raise bad(key, "expected a positive number or null")
         out[field] = float(v or 0.0)
@@ -147,8 +182,10 @@ def _family_fields(raw: Mapping, mt: str, bad, n_layers: int) -> dict:
     window = get("sliding_window")
     if mt in ("qwen2", "qwen3"):
         if raw.get("use_sliding_window", False):
-            raise bad("use_sliding_window", "Qwen's per-layer windows (max_window_layers) are "
-                      "not implemented (allowed: false)")
+            raise bad(
+                "use_sliding_window",
+                "Qwen's per-layer windows (max_window_layers) are not implemented (allowed: false)",
+            )
         window = None
     elif mt == "llama" and window is not None:
         raise bad("sliding_window", "Llama attends over the whole sequence (allowed: null)")
@@ -167,18 +204,21 @@ def _family_fields(raw: Mapping, mt: str, bad, n_layers: int) -> dict:
         if types is None:
             p = get("sliding_window_pattern")
             types = ["sliding_attention" if (i + 1) % p else "full_attention" for i in range(n_layers)]
-        if not isinstance(types, list) or len(types) != n_layers or any(
-                t not in ("sliding_attention", "full_attention") for t in types):
+        if (
+            not isinstance(types, list)
+            or len(types) != n_layers
+            or any(t not in ("sliding_attention", "full_attention") for t in types)
+        ):
             raise bad("layer_types", f"expected {n_layers} of sliding_attention / full_attention")
         full = [i for i, t in enumerate(types) if t == "full_attention"]
         if len(full) == n_layers:
             return out
         every = full[0] + 1 if full else 0
-        want = ["full_attention" if every and (i + 1) % every == 0 else "sliding_attention"
-                for i in range(n_layers)]
+        want = ["full_attention" if every and (i + 1) % every == 0 else "sliding_attention" for i in range(n_layers)]
         if types != want:
-            raise bad("layer_types", "the decoder's layer pattern is every N-th layer full "
-                      "(Gemma 3's sliding_window_pattern)")
+            raise bad(
+                "layer_types", "the decoder's layer pattern is every N-th layer full (Gemma 3's sliding_window_pattern)"
+            )
     elif types is not None and any(t != "sliding_attention" for t in types):
         raise bad("layer_types", "a window on some layers only is Gemma 3's pattern")
     out.update(sliding_window=window, global_every=every)
@@ -215,11 +255,11 @@ def _rope_of(raw: Mapping, mt: str, defaults: Mapping, bad, max_pos: int):
     return rope_kw, theta, local_theta
 
 
-def model_config_from_hf(raw: Mapping, where: str = "config.json",
-                         base: LlamaConfig = LlamaConfig()) -> LlamaConfig:
+def model_config_from_hf(raw: Mapping, where: str = "config.json", base: LlamaConfig = LlamaConfig()) -> LlamaConfig:
     """LlamaConfig for an HF config dict of any family in FAMILIES; non-architecture
     fields (scan_layers, attention) come from `base`. ConfigError(`where`, ...) names
     the refused field."""
+
     def bad(key, why):
         return ConfigError(where, f"{key}={raw.get(key)!r}: {why}")
 
@@ -229,36 +269,53 @@ def model_config_from_hf(raw: Mapping, where: str = "config.json",
     arch = raw.get("architectures") or []
     if not isinstance(arch, list):
         raise bad("architectures", "expected a list of class names")
-    allowed = ({"LlamaForCausalLM", "MistralForCausalLM"} if mt in ("llama", "mistral")
-               else {FAMILIES[mt][0]})  # a windowless Mistral is a Llama
+    allowed = (
+        {"LlamaForCausalLM", "MistralForCausalLM"} if mt in ("llama", "mistral") else {FAMILIES[mt][0]}
+    )  # a windowless Mistral is a Llama
     if any(a not in allowed for a in arch):
         raise bad("architectures", f"allowed for model_type {mt}: {', '.join(sorted(allowed))}")
     defaults = FAMILIES[mt][2]
-    raw = {**{k: v for k, v in defaults.items() if k not in ("rope_theta", "rope_local_base_freq")},
-           **raw}  # what transformers' config class fills in for an absent key
+    raw = {
+        **{k: v for k, v in defaults.items() if k not in ("rope_theta", "rope_local_base_freq")},
+        **raw,
+    }  # what transformers' config class fills in for an absent key
     max_pos = raw.get("max_position_embeddings", 2048)
     rope_kw, theta, local_theta = _rope_of(raw, mt, defaults, bad, max_pos)
-    vals = {"rope_theta": theta, "rms_norm_eps": raw.get("rms_norm_eps", defaults["rms_norm_eps"]),
-            "tie_word_embeddings": raw.get("tie_word_embeddings", defaults.get("tie_word_embeddings", False)),
-            "num_key_value_heads": raw.get("num_key_value_heads") or raw.get("num_attention_heads"),
-            "max_position_embeddings": max_pos}
+    vals = {
+        "rope_theta": theta,
+        "rms_norm_eps": raw.get("rms_norm_eps", defaults["rms_norm_eps"]),
+        "tie_word_embeddings": raw.get("tie_word_embeddings", defaults.get("tie_word_embeddings", False)),
+        "num_key_value_heads": raw.get("num_key_value_heads") or raw.get("num_attention_heads"),
+        "max_position_embeddings": max_pos,
+    }
     kw: dict[str, Any] = {}
     for field, key in FIELDS.items():
         v = vals[key] if key in vals else raw.get(key)
         if v is None:
             raise ConfigError(where, f"{key}: missing (a {mt} config.json has it)")
         want = type(getattr(base, field))
-        ok = (isinstance(v, bool) if want is bool else
-              isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < 2**31
-              and math.isfinite(v) and (want is float or float(v).is_integer()))
+        ok = (
+            isinstance(v, bool)
+            if want is bool
+            else isinstance(v, (int, float))
+            and not isinstance(v, bool)
+            and 0 < v < 2**31
+            and math.isfinite(v)
+            and (want is float or float(v).is_integer())
+        )
         if not ok:
-            raise ConfigError(where, f"{key}={v!r}: expected a "
-                              f"{'boolean' if want is bool else 'finite positive number below 2**31'}"
-                              f"{'' if want is not int else ', an integer'}")
+            raise ConfigError(
+                where,
+                f"{key}={v!r}: expected a "
+                f"{'boolean' if want is bool else 'finite positive number below 2**31'}"
+                f"{'' if want is not int else ', an integer'}",
+            )
         kw[field] = want(v)
     if kw["n_heads"] % kw["n_kv_heads"]:
-        raise ConfigError(where, f"num_attention_heads={kw['n_heads']}, num_key_value_heads="
-                          f"{kw['n_kv_heads']}: kv heads must divide heads")
+        raise ConfigError(
+            where,
+            f"num_attention_heads={kw['n_heads']}, num_key_value_heads={kw['n_kv_heads']}: kv heads must divide heads",
+        )
     hd = raw.get("head_dim", defaults.get("head_dim"))
     if hd is not None:
         if not isinstance(hd, int) or isinstance(hd, bool) or hd < 2 or hd % 2:
@@ -280,12 +337,16 @@ def model_config_from_hf(raw: Mapping, where: str = "config.json",
 
 # -- the other way: LlamaConfig -> config.json ----------------------------------------------
 
+
 def _rope_dicts(cfg: LlamaConfig) -> tuple[dict, dict | None]:
     """(the 5.x rope_parameters entry, the 4.x rope_scaling dict or None) of global layers."""
     required, optional = ROPE_KEYS[cfg.rope_type]
     always = ("original_max_position_embeddings", "beta_fast", "beta_slow")
-    extra = {k: getattr(cfg, f) for k, f in {**required, **optional}.items()
-             if k in required or k in always or getattr(cfg, f) != getattr(LlamaConfig(), f)}
+    extra = {
+        k: getattr(cfg, f)
+        for k, f in {**required, **optional}.items()
+        if k in required or k in always or getattr(cfg, f) != getattr(LlamaConfig(), f)
+    }
     params = {"rope_theta": cfg.rope_theta, "rope_type": cfg.rope_type, **extra}
     return params, (None if cfg.rope_type == "default" else {"rope_type": cfg.rope_type, **extra})
 
@@ -297,36 +358,52 @@ def _int_if_whole(v: float) -> int | float:
 def _family_json(cfg: LlamaConfig, mt: str) -> dict:
     arch, act_key, _ = FAMILIES[mt]
     params, scaling = _rope_dicts(cfg)
-    d = {"architectures": [arch], "model_type": mt, "attention_dropout": 0.0,
-         "head_dim": cfg.head_dim, act_key: cfg.mlp_activation, "hidden_size": cfg.d_model,
-         "initializer_range": 0.02, "intermediate_size": cfg.ffn_dim,
-         "max_position_embeddings": cfg.max_seq_len, "num_attention_heads": cfg.n_heads,
-         "num_hidden_layers": cfg.n_layers, "num_key_value_heads": cfg.n_kv_heads,
-         "rms_norm_eps": cfg.norm_eps, "rope_parameters": params, "rope_scaling": scaling,
-         "rope_theta": cfg.rope_theta, "tie_word_embeddings": cfg.tie_word_embeddings,
-         "use_cache": True, "vocab_size": cfg.vocab_size}
+    d = {
+        "architectures": [arch],
+        "model_type": mt,
+        "attention_dropout": 0.0,
+        "head_dim": cfg.head_dim,
+        act_key: cfg.mlp_activation,
+        "hidden_size": cfg.d_model,
+        "initializer_range": 0.02,
+        "intermediate_size": cfg.ffn_dim,
+        "max_position_embeddings": cfg.max_seq_len,
+        "num_attention_heads": cfg.n_heads,
+        "num_hidden_layers": cfg.n_layers,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_parameters": params,
+        "rope_scaling": scaling,
+        "rope_theta": cfg.rope_theta,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "use_cache": True,
+        "vocab_size": cfg.vocab_size,
+    }
     n = cfg.n_layers
     if mt == "llama":
         d.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
     elif mt == "mistral":
         d["sliding_window"] = cfg.sliding_window or None
     elif mt in ("qwen2", "qwen3"):
-        d.update(use_sliding_window=False, sliding_window=None, max_window_layers=n,
-                 layer_types=["full_attention"] * n)
+        d.update(use_sliding_window=False, sliding_window=None, max_window_layers=n, layer_types=["full_attention"] * n)
         if mt == "qwen3":
             d["attention_bias"] = False
     elif mt == "gemma3_text":
         every = cfg.global_every if cfg.sliding_window else 1  # 1: every layer full
         types = ["sliding_attention" if cfg.is_local(i) else "full_attention" for i in range(n)]
         local = {"rope_type": "default", "rope_theta": cfg.rope_local_theta or 1e4}
-        d.update(attention_bias=False, layer_types=types,
-                 sliding_window=cfg.sliding_window or cfg.max_seq_len,
-                 sliding_window_pattern=every or n + 1,
-                 rope_parameters={"full_attention": params, "sliding_attention": local},
-                 rope_local_base_freq=local["rope_theta"],
-                 query_pre_attn_scalar=_int_if_whole(cfg.query_pre_attn_scalar or cfg.head_dim),
-                 attn_logit_softcapping=None, final_logit_softcapping=cfg.final_softcap or None,
-                 use_bidirectional_attention=False)
+        d.update(
+            attention_bias=False,
+            layer_types=types,
+            sliding_window=cfg.sliding_window or cfg.max_seq_len,
+            sliding_window_pattern=every or n + 1,
+            rope_parameters={"full_attention": params, "sliding_attention": local},
+            rope_local_base_freq=local["rope_theta"],
+            query_pre_attn_scalar=_int_if_whole(cfg.query_pre_attn_scalar or cfg.head_dim),
+            attn_logit_softcapping=None,
+            final_logit_softcapping=cfg.final_softcap or None,
+            use_bidirectional_attention=False,
+        )
     return d
 
 
@@ -343,14 +420,16 @@ def family_of(cfg: LlamaConfig, hint: str | None = None) -> str | None:
     return None
 
 
-def config_json(cfg: LlamaConfig, dtype: str, token_ids: dict | None = None,
-                hint: str | None = None) -> dict:
+def config_json(cfg: LlamaConfig, dtype: str, token_ids: dict | None = None, hint: str | None = None) -> dict:
     """config.json for `cfg` in its family (keys as transformers writes them, sorted; both
     the 5.x `rope_parameters` and the 4.x `rope_scaling` / `rope_theta`). ConfigError when
     no family computes this architecture."""
     mt = family_of(cfg, hint)
     if mt is None:
-        raise ConfigError("model", "no Hugging Face family (" + ", ".join(FAMILIES) + ") has this "
-                          "combination of decoder switches; it cannot be exported")
+        raise ConfigError(
+            "model",
+            "no Hugging Face family (" + ", ".join(FAMILIES) + ") has this "
+            "combination of decoder switches; it cannot be exported",
+        )
     d = {**_family_json(cfg, mt), "dtype": dtype, "torch_dtype": dtype, **(token_ids or {})}
     return dict(sorted(d.items()))

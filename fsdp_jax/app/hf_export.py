@@ -35,13 +35,17 @@ from fsdp_jax.app.models.llama import LlamaConfig
 from fsdp_jax.checkpoint import Checkpointer, CheckpointError, shape_mismatches, tree_paths
 from fsdp_jax.safetensors_io import check_file, write_safetensors
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
-                   "special_tokens_map.json", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+)
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size "5GB"
 
 
-def hf_config(cfg: LlamaConfig, dtype: str, token_ids: dict | None = None,
-              hint: str | None = None) -> dict:
+def hf_config(cfg: LlamaConfig, dtype: str, token_ids: dict | None = None, hint: str | None = None) -> dict:
     """config.json for `cfg` in its family (`hint`: the model_type to prefer), keys as
     transformers writes them, sorted (fsdp_jax.app.hf_config.config_json)."""
     return config_json(cfg, dtype, token_ids, hint)
@@ -55,6 +59,7 @@ def _pick_step(ckpt: Checkpointer, step: int | None) -> int:
         print(f"warning: {note}", flush=True)
     return s
 
+
 def _saved_config(ckpt: Checkpointer, step: int):
     import orbax.checkpoint as ocp
 
@@ -62,13 +67,16 @@ def _saved_config(ckpt: Checkpointer, step: int):
 
     try:
         extras = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(
-            ckpt.step_dir(step) / "extras", args=ocp.args.JsonRestore())
+            ckpt.step_dir(step) / "extras", args=ocp.args.JsonRestore()
+        )
         return config_from_dict(extras["config"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         if isinstance(e, ConfigError):
             raise CheckpointError(f"{ckpt.step_dir(step)}: saved config is invalid ({e})") from None
-        raise CheckpointError(f"{ckpt.step_dir(step)}: no saved run config in extras/ ({e}); "
-                              "export it with a run directory written by scripts/train.py") from None
+        raise CheckpointError(
+            f"{ckpt.step_dir(step)}: no saved run config in extras/ ({e}); "
+            "export it with a run directory written by scripts/train.py"
+        ) from None
 
 
 def _token_ids_and_tokenizer(cfg) -> tuple[dict, list[tuple[Path, str]]]:
@@ -104,13 +112,22 @@ def _shard_files(entries: list, max_shard_bytes: int) -> tuple[list[list], list[
             size = 0
         files[-1].append(e)
         size += n
-    names = (["model.safetensors"] if len(files) == 1 else
-             [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))])
+    names = (
+        ["model.safetensors"]
+        if len(files) == 1
+        else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
+    )
     return files, names
 
 
-def export_hf(directory: str | os.PathLike, out: str | os.PathLike, *, dtype: str | None = None,
-              step: int | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> dict:
+def export_hf(
+    directory: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    dtype: str | None = None,
+    step: int | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> dict:
     """Export checkpoint `directory`'s params (newest usable step, or `step`) as a
     Hugging Face Llama directory `out` (must not exist, or be empty). `dtype` casts
     the floating params (default: as saved). Returns {"step", "files", "tensors",
@@ -131,8 +148,7 @@ def export_hf(directory: str | os.PathLike, out: str | os.PathLike, *, dtype: st
     saved = {p: m for p, m in ckpt.saved_metadata(s).items() if p.startswith("params/")}
     bad = shape_mismatches(saved, want)
     if bad:
-        raise CheckpointError(f"{ckpt.step_dir(s)}: params do not match its saved model config "
-                              f"({'; '.join(bad)})")
+        raise CheckpointError(f"{ckpt.step_dir(s)}: params do not match its saved model config ({'; '.join(bad)})")
     hint = None
     if hf.is_hf(run_cfg.init_from) and (hf.hf_dir(run_cfg.init_from) / "config.json").is_file():
         hint = hf.read_config_json(hf.hf_dir(run_cfg.init_from)).get("model_type")
@@ -172,9 +188,13 @@ def export_hf(directory: str | os.PathLike, out: str | os.PathLike, *, dtype: st
                 if got.get(name, (None,))[0] != list(shape):
                     raise RuntimeError(f"{fname}: {name} reads back as {got.get(name)}")
         if len(files) > 1:
-            index = {"metadata": {"total_size": sum(math.prod(e[1]) * e[2].itemsize for e in entries),
-                                  "total_parameters": sum(math.prod(e[1]) for e in entries)},
-                     "weight_map": dict(sorted((e[0], f) for f, g in zip(names, files) for e in g))}
+            index = {
+                "metadata": {
+                    "total_size": sum(math.prod(e[1]) * e[2].itemsize for e in entries),
+                    "total_parameters": sum(math.prod(e[1]) for e in entries),
+                },
+                "weight_map": dict(sorted((e[0], f) for f, g in zip(names, files) for e in g)),
+            }
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         float_dt = (out_dt or np.dtype(entries[0][2])).name
         (tmp / "config.json").write_text(json.dumps(hf_config(cfg, float_dt, token_ids, hint), indent=2) + "\n")

@@ -30,21 +30,22 @@ from fsdp_jax.errors import TrainingDiverged
 @dataclasses.dataclass
 class LoopState:
     """What the loop and its hooks share during a run."""
-    run: Any                  # fsdp_jax.app.run_setup.Run
+
+    run: Any  # fsdp_jax.app.run_setup.Run
     cfg: Any
     timer: StepTimer
     log: MetricsLog
-    batches: Any              # the train iterator (get_state / set_state)
-    val: list                 # validation batches (empty: no eval)
+    batches: Any  # the train iterator (get_state / set_state)
+    val: list  # validation batches (empty: no eval)
     window: LogWindow
-    state: Any                # the TrainState being trained
-    last: int                 # train.steps
+    state: Any  # the TrainState being trained
+    last: int  # train.steps
     summary: dict
-    bar: Any = None           # tqdm bar on the main process, or None
-    done: int = 0             # the last step done
-    stop: str | None = None   # why the run stops early (a signal, stop_after), else None
+    bar: Any = None  # tqdm bar on the main process, or None
+    done: int = 0  # the last step done
+    stop: str | None = None  # why the run stops early (a signal, stop_after), else None
     pending: deque = dataclasses.field(default_factory=deque)  # (step, metrics) not yet read
-    streak: list = dataclasses.field(default_factory=list)     # the current run of skipped steps
+    streak: list = dataclasses.field(default_factory=list)  # the current run of skipped steps
 
 
 @dataclasses.dataclass
@@ -52,8 +53,7 @@ class Hook:
     every: int = 0  # 0: only at the last step and when stopping
 
     def due(self, lp: LoopState) -> bool:
-        return (lp.done == lp.last or lp.stop is not None
-                or bool(self.every and lp.done % self.every == 0))
+        return lp.done == lp.last or lp.stop is not None or bool(self.every and lp.done % self.every == 0)
 
     def needs_metrics(self, lp: LoopState) -> bool:
         """Whether this step's metrics must be read (the step finished) before `after_step`."""
@@ -69,6 +69,7 @@ class Hook:
 @dataclasses.dataclass
 class ProfileHook(Hook):
     """A jax.profiler trace over the configured steps (`fsdp_jax.app.timing.ProfileWindow`)."""
+
     profiler: ProfileWindow | None = None
 
     def before_step(self, lp):
@@ -85,6 +86,7 @@ class ProfileHook(Hook):
 class NonFiniteGuard(Hook):
     """Raises TrainingDiverged after `limit` skipped (non-finite) steps in a row; the
     newest checkpoint is the last good update."""
+
     limit: int = 1
 
     def after_step(self, lp):
@@ -98,7 +100,8 @@ class NonFiniteGuard(Hook):
         raise TrainingDiverged(
             f"{len(lp.streak)} non-finite steps in a row (steps {lp.streak[0]}-{lp.streak[-1]}, "
             f"train.max_nonfinite_steps={self.limit}); stopped. Newest checkpoint: "
-            + (f"step {last} in {ckpt.directory}" if last is not None else "none"))
+            + (f"step {last} in {ckpt.directory}" if last is not None else "none")
+        )
 
 
 @dataclasses.dataclass
@@ -114,9 +117,14 @@ class LogHook(Hook):
         lp.summary.update(train_loss=rec["loss"], tokens_per_s=rec["tokens_per_s"])
         lp.window.reset(lp.done)
         if lp.bar is not None:  # the logged window's figures, as in metrics.jsonl
-            lp.bar.set_postfix(loss=f"{rec['loss']:.3f}", lr=f"{rec['lr']:.2e}",
-                               gnorm=f"{rec['grad_norm']:.2f}", tok_s=f"{rec['tokens_per_s']:.0f}",
-                               mfu=f"{rec['mfu']:.1%}" if rec.get("mfu") else "n/a", time=format_window(rec))
+            lp.bar.set_postfix(
+                loss=f"{rec['loss']:.3f}",
+                lr=f"{rec['lr']:.2e}",
+                gnorm=f"{rec['grad_norm']:.2f}",
+                tok_s=f"{rec['tokens_per_s']:.0f}",
+                mfu=f"{rec['mfu']:.1%}" if rec.get("mfu") else "n/a",
+                time=format_window(rec),
+            )
 
 
 @dataclasses.dataclass
@@ -155,8 +163,12 @@ class CheckpointHook(Hook):
 
     @staticmethod
     def extras(lp: LoopState) -> dict:
-        return {"step": lp.done, "data": lp.batches.get_state(), "rng": rng_to_json(lp.run.rng),
-                "config": config_to_dict(lp.cfg)}
+        return {
+            "step": lp.done,
+            "data": lp.batches.get_state(),
+            "rng": rng_to_json(lp.run.rng),
+            "config": config_to_dict(lp.cfg),
+        }
 
     def at_end(self, lp):
         lp.timer.switch("checkpoint")
@@ -167,6 +179,7 @@ class CheckpointHook(Hook):
 class SampleHook(Hook):
     """`train.sample_tokens` tokens of text from the trained model, at the end of a run
     that was not stopped early."""
+
     tokens: int = 0
 
     def at_end(self, lp):
@@ -175,13 +188,24 @@ class SampleHook(Hook):
             return
         run = lp.run
         on_device = offload_lib.on_device(run.plan.params)  # sampling reads params on the device
-        lp.summary["sample"] = sample_text(run.model, dataclasses.replace(run.plan, params=on_device),
-                                           lp.cfg, jax.device_put(lp.state.params, on_device), lp.val, run.rng)
+        lp.summary["sample"] = sample_text(
+            run.model,
+            dataclasses.replace(run.plan, params=on_device),
+            lp.cfg,
+            jax.device_put(lp.state.params, on_device),
+            lp.val,
+            run.rng,
+        )
 
 
 def default_hooks(cfg, profiler: ProfileWindow) -> list[Hook]:
     """The trainer's hooks for `cfg`, in the order they run."""
     c = cfg.train
-    return [ProfileHook(profiler=profiler), NonFiniteGuard(limit=c.max_nonfinite_steps),
-            LogHook(every=c.log_every), EvalHook(every=c.eval_every),
-            CheckpointHook(every=c.checkpoint_every), SampleHook(tokens=c.sample_tokens)]
+    return [
+        ProfileHook(profiler=profiler),
+        NonFiniteGuard(limit=c.max_nonfinite_steps),
+        LogHook(every=c.log_every),
+        EvalHook(every=c.eval_every),
+        CheckpointHook(every=c.checkpoint_every),
+        SampleHook(tokens=c.sample_tokens),
+    ]

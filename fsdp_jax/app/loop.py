@@ -43,9 +43,15 @@ from fsdp_jax.perf import peak_flops
 from fsdp_jax.precision import Policy
 
 
-def train(cfg: Config, *, init_params: Callable | None = None, progress: bool = True,
-          stop_after: int | None = None, faults: Faults | None = None,
-          hooks: list[Hook] | None = None) -> dict:
+def train(
+    cfg: Config,
+    *,
+    init_params: Callable | None = None,
+    progress: bool = True,
+    stop_after: int | None = None,
+    faults: Faults | None = None,
+    hooks: list[Hook] | None = None,
+) -> dict:
     """Train per `cfg`, resuming from `<run_dir>/checkpoints` when it holds a checkpoint;
     returns a summary dict (final train/val loss, tokens/s, sample; `preempted` when a
     signal or `stop_after` (a step number) ended it early, after checkpointing).
@@ -76,26 +82,32 @@ def _start(run: Run, progress: bool) -> tuple[LoopState, Any, ProfileWindow]:
     log = MetricsLog(run.run_dir, run.is_main, c.tensorboard, wandb=wandb_settings(cfg), timer=timer)
     log.truncate(run.start_step)  # a fresh start (0) drops the rows of a run that died before saving
     batches, val = make_batches(cfg, jax.process_index(), jax.process_count())
-    batches.set_state(run.restored.extras.get("data", {"step": run.start_step}) if run.restored
-                      else {"step": run.start_step})
+    batches.set_state(
+        run.restored.extras.get("data", {"step": run.start_step}) if run.restored else {"step": run.start_step}
+    )
     profiler = ProfileWindow(c.profile, run.run_dir / "profile", timer, run.is_main)
     timer.switch("compile")
     timer.cut()  # the first logged window starts here
     compiled, compile_s, mem = _compile(run, batches)
     timer.switch("other")
-    window = LogWindow(run.start_step, schedule=run.schedule,
-                       tokens_per_step=c.global_batch * cfg.data.seq_len,
-                       flops_per_token=flops_per_token(cfg.model, cfg.data.seq_len),
-                       peak_flops=peak_flops(jax.devices()[0], Policy.parse(cfg.precision).compute_dtype.name),
-                       n_devices=jax.device_count(), compiled_peak_bytes=mem.get("peak"),
-                       timer=timer, warn=print if run.is_main else None)
+    window = LogWindow(
+        run.start_step,
+        schedule=run.schedule,
+        tokens_per_step=c.global_batch * cfg.data.seq_len,
+        flops_per_token=flops_per_token(cfg.model, cfg.data.seq_len),
+        peak_flops=peak_flops(jax.devices()[0], Policy.parse(cfg.precision).compute_dtype.name),
+        n_devices=jax.device_count(),
+        compiled_peak_bytes=mem.get("peak"),
+        timer=timer,
+        warn=print if run.is_main else None,
+    )
     bar = None
     if run.is_main and progress:
         from tqdm import tqdm
+
         bar = tqdm(total=c.steps, initial=run.start_step, dynamic_ncols=True, desc="train")
     summary = {"compile_s": compile_s, "params": count_params(cfg.model)}
-    lp = LoopState(run, cfg, timer, log, batches, val, window, run.state, c.steps, summary, bar,
-                   done=run.start_step)
+    lp = LoopState(run, cfg, timer, log, batches, val, window, run.state, c.steps, summary, bar, done=run.start_step)
     return lp, compiled, profiler
 
 
@@ -111,10 +123,13 @@ def _compile(run: Run, batches) -> tuple[Any, float, dict]:
     compile_s = time.perf_counter() - t0
     mem = compiled_memory(compiled)
     if run.is_main:
-        print(f"fsdp_jax: {count_params(cfg.model) / 1e6:.2f}M params | {jax.device_count()} devices "
-              f"{dict(run.mesh.shape)} | {run.plan.strategy.name} | {cfg.precision} | remat {cfg.remat} | "
-              f"compiled in {compile_s:.1f}s | per-device state "
-              f"{mem['argument'] / 2**20:.1f} MiB, peak {mem['peak'] / 2**20:.1f} MiB", flush=True)
+        print(
+            f"fsdp_jax: {count_params(cfg.model) / 1e6:.2f}M params | {jax.device_count()} devices "
+            f"{dict(run.mesh.shape)} | {run.plan.strategy.name} | {cfg.precision} | remat {cfg.remat} | "
+            f"compiled in {compile_s:.1f}s | per-device state "
+            f"{mem['argument'] / 2**20:.1f} MiB, peak {mem['peak'] / 2**20:.1f} MiB",
+            flush=True,
+        )
     return compiled, compile_s, mem
 
 
@@ -126,8 +141,11 @@ def _read_metrics(lp: LoopState) -> None:
         if skipped:
             lp.streak.append(s)
             if lp.run.is_main:
-                print(f"warning: step {s}: non-finite loss/grad norm ({loss}, {gnorm}); "
-                      f"update skipped ({len(lp.streak)} in a row)", flush=True)
+                print(
+                    f"warning: step {s}: non-finite loss/grad norm ({loss}, {gnorm}); "
+                    f"update skipped ({len(lp.streak)} in a row)",
+                    flush=True,
+                )
         else:
             lp.streak.clear()
         lp.window.add(loss, gnorm, float(m["tokens"]) if "tokens" in m else None)
@@ -135,8 +153,9 @@ def _read_metrics(lp: LoopState) -> None:
             lp.bar.update(1)
 
 
-def _loop(run: Run, progress: bool, stop_after: int | None, signals: StopSignals, faults: Faults,
-          hooks: list[Hook] | None) -> dict:
+def _loop(
+    run: Run, progress: bool, stop_after: int | None, signals: StopSignals, faults: Faults, hooks: list[Hook] | None
+) -> dict:
     lp, compiled, profiler = _start(run, progress)
     hooks = default_hooks(run.cfg, profiler) + list(hooks or ())
     c, timer = run.cfg.train, lp.timer
@@ -157,8 +176,11 @@ def _loop(run: Run, progress: bool, stop_after: int | None, signals: StopSignals
         lp.pending.append((lp.done, metrics))
         stopping = signals.requested() or lp.done == stop_after
         lp.stop = (signals.name or f"stop_after={stop_after}") if stopping else None
-        if (len(lp.pending) >= max(1, c.max_inflight_steps) or lp.done == c.steps
-                or any(h.needs_metrics(lp) for h in hooks)):
+        if (
+            len(lp.pending) >= max(1, c.max_inflight_steps)
+            or lp.done == c.steps
+            or any(h.needs_metrics(lp) for h in hooks)
+        ):
             _read_metrics(lp)
         timer.switch("other")
         for h in hooks:
@@ -178,16 +200,23 @@ def _finish(lp: LoopState, hooks: list[Hook]) -> dict:
     run.state = lp.state
     summary["final_step"] = int(lp.state.step)
     if run.is_main and lp.stop is not None:
-        print(f"stopped ({lp.stop}) after step {lp.done}: checkpoint "
-              f"{run.checkpointer.step_dir(lp.done)} written", flush=True)
+        print(
+            f"stopped ({lp.stop}) after step {lp.done}: checkpoint {run.checkpointer.step_dir(lp.done)} written",
+            flush=True,
+        )
     elif run.is_main and run.start_step >= c.steps:
-        print(f"nothing to do: the run already finished train.steps={c.steps} "
-              f"(checkpoint step {run.restored.step if run.restored else run.start_step}); "
-              "raise train.steps to train further", flush=True)
+        print(
+            f"nothing to do: the run already finished train.steps={c.steps} "
+            f"(checkpoint step {run.restored.step if run.restored else run.start_step}); "
+            "raise train.steps to train further",
+            flush=True,
+        )
     elif run.is_main:
-        print(f"final: train_loss {summary.get('train_loss', float('nan')):.4f}"
-              + (f" | val_loss {summary['val_loss']:.4f} nats/token" if "val_loss" in summary else ""),
-              flush=True)
+        print(
+            f"final: train_loss {summary.get('train_loss', float('nan')):.4f}"
+            + (f" | val_loss {summary['val_loss']:.4f} nats/token" if "val_loss" in summary else ""),
+            flush=True,
+        )
         if "sample" in summary:
             print("sample:\n" + summary["sample"], flush=True)
     good = goodput(lp.timer.totals(), run.setup_s)

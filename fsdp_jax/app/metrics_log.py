@@ -66,14 +66,16 @@ class MetricsLog:
     TensorBoard and W&B (`wandb`: `wandb_settings(cfg)`) when enabled. With a
     `timer`, the time spent starting the loggers and writing is charged to `log`."""
 
-    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool, wandb: dict | None = None,
-                 timer: StepTimer | None = None):
+    def __init__(
+        self, run_dir: Path, enabled: bool, tensorboard: bool, wandb: dict | None = None, timer: StepTimer | None = None
+    ):
         self.enabled, self.timer = enabled, timer
         self.path = run_dir / "metrics.jsonl"
         self.tb = self.wandb = None
         with self._timed():
             if enabled and tensorboard:
                 from tensorboardX import SummaryWriter
+
                 self.tb = SummaryWriter(str(run_dir / "tb"))
             if enabled and wandb is not None:
                 self.wandb = _wandb_run(run_dir, **wandb)
@@ -136,6 +138,7 @@ def wandb_settings(cfg: Config) -> dict | None:
     if not lg.wandb:
         return None
     from fsdp_jax.app.config import config_to_dict
+
     return {"project": lg.wandb_project, "name": lg.wandb_run_name, "config": config_to_dict(cfg)}
 
 
@@ -146,8 +149,11 @@ def _wandb_run(run_dir: Path, project: str, name: str | None, config: dict):
         import wandb
     except ImportError:  # validate() checks this first; here for direct MetricsLog users
         from fsdp_jax.app.config import ConfigError
-        raise ConfigError("logging.wandb", "true, but the wandb package is not installed; "
-                          "pip install wandb, or set logging.wandb=false") from None
+
+        raise ConfigError(
+            "logging.wandb",
+            "true, but the wandb package is not installed; pip install wandb, or set logging.wandb=false",
+        ) from None
     run_dir.mkdir(parents=True, exist_ok=True)
     return wandb.init(project=project, name=name, dir=str(run_dir), config=config)
 
@@ -168,10 +174,19 @@ class LogWindow:
     one). `warn(message)` is called once if the device's measured peak exceeds
     `compiled_peak_bytes` by more than 10%."""
 
-    def __init__(self, step: int, *, schedule: Callable[[int], Any], tokens_per_step: int,
-                 flops_per_token: float, peak_flops: float | None, n_devices: int,
-                 compiled_peak_bytes: int | None, timer: StepTimer | None = None,
-                 warn: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        step: int,
+        *,
+        schedule: Callable[[int], Any],
+        tokens_per_step: int,
+        flops_per_token: float,
+        peak_flops: float | None,
+        n_devices: int,
+        compiled_peak_bytes: int | None,
+        timer: StepTimer | None = None,
+        warn: Callable[[str], None] | None = None,
+    ):
         self.schedule = schedule
         self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
         self.peak_flops, self.n_devices = peak_flops, n_devices
@@ -213,11 +228,16 @@ class LogWindow:
         else:
             tw, dt = {}, (time.perf_counter() - self.t - self.eval_s) / n
         tps = self.tokens_per_step / dt
-        rec = {"step": step, "loss": float(np.mean([w[0] for w in self.values])),
-               "lr": lr, "grad_norm": float(np.mean([w[1] for w in self.values])),
-               "step_time_s": dt, "tokens_per_s": tps,
-               "mfu": mfu(self.flops_per_token, tps, self.n_devices, self.peak_flops),
-               "compiled_peak_bytes": self.compiled_peak_bytes}
+        rec = {
+            "step": step,
+            "loss": float(np.mean([w[0] for w in self.values])),
+            "lr": lr,
+            "grad_norm": float(np.mean([w[1] for w in self.values])),
+            "step_time_s": dt,
+            "tokens_per_s": tps,
+            "mfu": mfu(self.flops_per_token, tps, self.n_devices, self.peak_flops),
+            "compiled_peak_bytes": self.compiled_peak_bytes,
+        }
         if dm:
             rec["bytes_in_use"], rec["peak_bytes_in_use"] = dm["bytes_in_use"], dm["peak_bytes_in_use"]
             excess = memory_excess(dm["peak_bytes_in_use"], self.compiled_peak_bytes)
@@ -276,7 +296,7 @@ def _val_prompt(batch) -> np.ndarray:
         return np.asarray(batch[0][:48])
     seg, w = np.asarray(batch["segment_ids"][0]), np.asarray(batch["weights"][0])
     first = int(np.argmax(w > 0)) if (w > 0).any() else 47
-    return np.asarray(batch["inputs"][0][:first + 1][seg[:first + 1] == seg[0]])
+    return np.asarray(batch["inputs"][0][: first + 1][seg[: first + 1] == seg[0]])
 
 
 def _tokenizer(kind: str | None):
@@ -285,6 +305,7 @@ def _tokenizer(kind: str | None):
     if kind in (None, "bytes", "external"):
         return None
     from fsdp_jax.app.tokenizer import TokenizerError, load_tokenizer
+
     try:
         return load_tokenizer(kind, require_eos=False)
     except TokenizerError as e:

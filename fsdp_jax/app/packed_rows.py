@@ -29,8 +29,9 @@ class PackedRows:
     def __init__(self, data_dir: str | os.PathLike, split: str):
         meta = data_lib.load_meta(data_dir)
         if meta.get("format") != "packed":
-            raise DataError(f"{str(data_dir)!r}: not a packed corpus (prepare it with "
-                            "scripts/prepare_data.py --pack ROW_LEN)")
+            raise DataError(
+                f"{str(data_dir)!r}: not a packed corpus (prepare it with scripts/prepare_data.py --pack ROW_LEN)"
+            )
         self.data_dir, self.split, self.row_len = str(data_dir), split, meta["row_len"]
         d = Path(data_dir)
         self.tokens = np.memmap(d / f"{split}.bin", meta["dtype"], "r").reshape(-1, self.row_len)
@@ -55,8 +56,7 @@ def _epoch_perm(n: int, seed: int, stream: int, epoch: int) -> np.ndarray:
     return np.random.default_rng([seed, stream, epoch]).permutation(n)
 
 
-def row_indices(n_rows: int, global_batch: int, seed: int, step: int, stream: int = _STREAM["train"]
-                ) -> np.ndarray:
+def row_indices(n_rows: int, global_batch: int, seed: int, step: int, stream: int = _STREAM["train"]) -> np.ndarray:
     """The global batch of step `step`: row indices, a pure function of (seed, step)."""
     g = step * global_batch + np.arange(global_batch)
     epoch, slot = np.divmod(g, n_rows)
@@ -71,18 +71,30 @@ def _packed_at(step: int, *, rows: PackedRows, global_batch: int, seed: int, min
     return rows.batch(row_indices(len(rows), global_batch, seed, step)[mine])
 
 
-def make_packed_dataset(data_dir: str | os.PathLike, split: str, global_batch: int, seed: int,
-                        process_index: int = 0, process_count: int = 1) -> data_lib.BatchIterator:
+def make_packed_dataset(
+    data_dir: str | os.PathLike,
+    split: str,
+    global_batch: int,
+    seed: int,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> data_lib.BatchIterator:
     """An iterator of this process's rows of each step's global batch, as
     `batch_from_rows` dicts of (global_batch // process_count, row_len)."""
     rows = PackedRows(data_dir, split)
-    fn = functools.partial(_packed_at, rows=rows, global_batch=global_batch, seed=seed,
-                           mine=_rows(global_batch, process_index, process_count))
+    fn = functools.partial(
+        _packed_at,
+        rows=rows,
+        global_batch=global_batch,
+        seed=seed,
+        mine=_rows(global_batch, process_index, process_count),
+    )
     return data_lib.BatchIterator(grain.MapDataset.range(data_lib._NEVER_ENDS).map(fn))
 
 
-def packed_eval_batches(data_dir: str | os.PathLike, batch: int, n_batches: int,
-                        process_index: int = 0, process_count: int = 1) -> list[dict]:
+def packed_eval_batches(
+    data_dir: str | os.PathLike, batch: int, n_batches: int, process_index: int = 0, process_count: int = 1
+) -> list[dict]:
     """Every val row once (at most n_batches x batch), in order, this process's slice of each
     batch; the last batch is filled with rows of zero weight. Summing loss and trained
     tokens over them gives the example-level val loss of the held-out examples."""

@@ -27,14 +27,14 @@ OVERFLOW = ("truncate", "split")
 
 @dataclasses.dataclass
 class PackStats:
-    examples: int = 0          # examples packed (pieces of a split example count once)
+    examples: int = 0  # examples packed (pieces of a split example count once)
     rows: int = 0
-    real_tokens: int = 0       # tokens of examples placed in rows
-    row_tokens: int = 0        # rows x row length
-    truncated: int = 0         # examples cut to one row (overflow="truncate")
-    split: int = 0             # examples cut into several rows' pieces (overflow="split")
-    dropped_tokens: int = 0    # tokens cut off by truncation
-    empty: int = 0             # examples with nothing to train on (skipped)
+    real_tokens: int = 0  # tokens of examples placed in rows
+    row_tokens: int = 0  # rows x row length
+    truncated: int = 0  # examples cut to one row (overflow="truncate")
+    split: int = 0  # examples cut into several rows' pieces (overflow="split")
+    dropped_tokens: int = 0  # tokens cut off by truncation
+    empty: int = 0  # examples with nothing to train on (skipped)
 
     @property
     def efficiency(self) -> float:
@@ -72,8 +72,9 @@ def fit(lengths: Sequence[int], row_len: int) -> list[list[int]]:
     return rows
 
 
-def cut(tokens: np.ndarray, mask: np.ndarray, row_len: int, overflow: str, stats: PackStats
-        ) -> list[tuple[np.ndarray, np.ndarray]]:
+def cut(
+    tokens: np.ndarray, mask: np.ndarray, row_len: int, overflow: str, stats: PackStats
+) -> list[tuple[np.ndarray, np.ndarray]]:
     """One example as pieces of at most row_len tokens that have something to train on
     (empty when nothing is left: counted in stats.empty)."""
     if overflow not in OVERFLOW:
@@ -86,7 +87,7 @@ def cut(tokens: np.ndarray, mask: np.ndarray, row_len: int, overflow: str, stats
             pieces = [(tokens[:row_len], mask[:row_len])]
         else:
             stats.split += 1
-            pieces = [(tokens[i:i + row_len], mask[i:i + row_len]) for i in range(0, len(tokens), row_len)]
+            pieces = [(tokens[i : i + row_len], mask[i : i + row_len]) for i in range(0, len(tokens), row_len)]
     # a target needs a token before it in the same piece: mask[0] trains nothing
     pieces = [(t, m) for t, m in pieces if len(t) > 1 and m[1:].any()]
     if not pieces:
@@ -94,8 +95,9 @@ def cut(tokens: np.ndarray, mask: np.ndarray, row_len: int, overflow: str, stats
     return pieces
 
 
-def pack(examples: Sequence[tuple[np.ndarray, np.ndarray]], row_len: int, dtype=np.int32
-         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def pack(
+    examples: Sequence[tuple[np.ndarray, np.ndarray]], row_len: int, dtype=np.int32
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(tokens (R, L) dtype, mask (R, L) uint8, segment (R, L) uint16) for examples of
     (tokens, mask), each at most row_len long (see `cut`)."""
     if row_len >= 2**16:
@@ -108,7 +110,7 @@ def pack(examples: Sequence[tuple[np.ndarray, np.ndarray]], row_len: int, dtype=
         at = 0
         for s, i in enumerate(members, 1):
             t, m = examples[i]
-            tok[r, at:at + len(t)], msk[r, at:at + len(t)], seg[r, at:at + len(t)] = t, m, s
+            tok[r, at : at + len(t)], msk[r, at : at + len(t)], seg[r, at : at + len(t)] = t, m, s
             at += len(t)
     return tok, msk, seg
 
@@ -134,8 +136,13 @@ def batch_from_rows(tokens: np.ndarray, mask: np.ndarray, seg: np.ndarray) -> di
     weights = np.zeros(tokens.shape, np.float32)
     weights[:, :-1] = mask[:, 1:]
     weights *= same
-    return {"inputs": tokens, "targets": targets, "weights": weights, "segment_ids": seg,
-            "positions": positions_from_segments(seg)}
+    return {
+        "inputs": tokens,
+        "targets": targets,
+        "weights": weights,
+        "segment_ids": seg,
+        "positions": positions_from_segments(seg),
+    }
 
 
 def batch_from_windows(windows: np.ndarray, eos_id: int) -> dict[str, np.ndarray]:
@@ -144,6 +151,10 @@ def batch_from_windows(windows: np.ndarray, eos_id: int) -> dict[str, np.ndarray
     inputs = windows[:, :-1].astype(np.int32)
     ends = (inputs == eos_id).astype(np.int32)
     seg = 1 + np.cumsum(ends, axis=1) - ends  # the EOS belongs to the document it ends
-    return {"inputs": inputs, "targets": windows[:, 1:].astype(np.int32),
-            "weights": np.ones(inputs.shape, np.float32), "segment_ids": seg.astype(np.int32),
-            "positions": positions_from_segments(seg)}
+    return {
+        "inputs": inputs,
+        "targets": windows[:, 1:].astype(np.int32),
+        "weights": np.ones(inputs.shape, np.float32),
+        "segment_ids": seg.astype(np.int32),
+        "positions": positions_from_segments(seg),
+    }

@@ -46,8 +46,11 @@ class StopSignals:
             os.write(2, f"\n{signal.Signals(signum).name} again: exiting now\n".encode())
             os._exit(128 + signum)
         self.signum = signum
-        os.write(2, f"\n{signal.Signals(signum).name}: finishing this step, then checkpointing and "
-                    "exiting (send it again to exit now)\n".encode())
+        os.write(
+            2,
+            f"\n{signal.Signals(signum).name}: finishing this step, then checkpointing and "
+            "exiting (send it again to exit now)\n".encode(),
+        )
 
     @property
     def name(self) -> str | None:
@@ -60,5 +63,6 @@ class StopSignals:
         flag = self.signum is not None
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
+
             flag = bool(np.max(multihost_utils.process_allgather(np.int32(flag))))
         return flag

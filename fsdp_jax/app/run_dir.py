@@ -65,6 +65,7 @@ class RunDirLock:
             status, msg = self._acquire()
         if jax.process_count() > 1:  # every process stops together, with process 0's reason
             from jax.experimental import multihost_utils
+
             status = int(multihost_utils.broadcast_one_to_all(np.int32(status)))
             msg = msg or f"process 0 could not lock {self.run_dir} (see its output)"
         if status == 1:
@@ -85,11 +86,17 @@ class RunDirLock:
         except BlockingIOError:
             holder = _holder(fd)
             os.close(fd)
-            return 1, (f"run_dir {str(self.run_dir)!r} is in use by another trainer ({holder}); "
-                       "wait for it to finish or stop it, or use another run_dir")
+            return 1, (
+                f"run_dir {str(self.run_dir)!r} is in use by another trainer ({holder}); "
+                "wait for it to finish or stop it, or use another run_dir"
+            )
         os.ftruncate(fd, 0)
-        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                 "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}).encode())
+        os.write(
+            fd,
+            json.dumps(
+                {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            ).encode(),
+        )
         self._fd = fd
         return 0, ""
 

@@ -45,6 +45,7 @@ from fsdp_jax.strategy import ShardingPlan
 @dataclasses.dataclass
 class Run:
     """Everything one training run holds."""
+
     cfg: Config
     mesh: jax.sharding.Mesh
     model: ModelFns
@@ -58,13 +59,14 @@ class Run:
     run_dir: Path
     is_main: bool
     checkpointer: Checkpointer | None = None
-    rng: jax.Array | None = None            # the run's seed-derived key (saved in checkpoints)
-    restored: Restored | None = None        # the checkpoint this run resumed from
-    start_step: int = 0                     # steps (batches) done before this run started
-    setup_s: float = 0.0                    # wall seconds train() spent in setup (for goodput)
+    rng: jax.Array | None = None  # the run's seed-derived key (saved in checkpoints)
+    restored: Restored | None = None  # the checkpoint this run resumed from
+    start_step: int = 0  # steps (batches) done before this run started
+    setup_s: float = 0.0  # wall seconds train() spent in setup (for goodput)
 
 
 # ------------------------------------------------------------------------------- checks
+
 
 def check_offload(cfg: Config) -> None:
     """ConfigError naming `offload` / `remat` when they move state or activations to host
@@ -74,10 +76,13 @@ def check_offload(cfg: Config) -> None:
     except offload_lib.OffloadError as e:
         raise ConfigError("offload", str(e).removeprefix("offload: ")) from None
     if cfg.remat in remat_lib.OFFLOADING and not offload_lib.host_memory_available(jax.devices()):
-        raise ConfigError("remat", f"{cfg.remat!r} offloads activations to host memory "
-                          f"({offload_lib.HOST}), which this backend "
-                          f"({jax.devices()[0].platform}) does not offer; use a policy without "
-                          "offload_ (e.g. dots)")
+        raise ConfigError(
+            "remat",
+            f"{cfg.remat!r} offloads activations to host memory "
+            f"({offload_lib.HOST}), which this backend "
+            f"({jax.devices()[0].platform}) does not offer; use a policy without "
+            "offload_ (e.g. dots)",
+        )
 
 
 def preflight(cfg: Config, progress: bool = False) -> None:
@@ -90,8 +95,9 @@ def preflight(cfg: Config, progress: bool = False) -> None:
     check_backend(cfg, jax.default_backend())
     check_offload(cfg)
     if cfg.train.tensorboard and importlib.util.find_spec("tensorboardX") is None:
-        raise ConfigError("train.tensorboard", "true needs the tensorboardX package "
-                          "(pip install tensorboardX), or set it to false")
+        raise ConfigError(
+            "train.tensorboard", "true needs the tensorboardX package (pip install tensorboardX), or set it to false"
+        )
     check_dir_path(cfg.run_dir, "run_dir")
     if cfg.data.source == "stdlib" and not (Path(cfg.data.path) / "meta.json").exists():
         check_dir_path(cfg.data.path, "data.path")
@@ -116,10 +122,12 @@ def prepare_data(cfg: Config) -> None:
             try:
                 data_lib.ensure_stdlib(cfg.data.path)
             except OSError as e:
-                raise ConfigError("data.path", f"{cfg.data.path!r}: cannot prepare the stdlib "
-                                  f"corpus there ({e.strerror or e})") from None
+                raise ConfigError(
+                    "data.path", f"{cfg.data.path!r}: cannot prepare the stdlib corpus there ({e.strerror or e})"
+                ) from None
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
+
             multihost_utils.sync_global_devices("fsdp_jax:prepare_data")
     check_data(cfg)
     data_lib.load_meta(cfg.data.path)  # meta.json's dtype and the bins' sizes, before any write
@@ -127,9 +135,11 @@ def prepare_data(cfg: Config) -> None:
 
 # ------------------------------------------------------------------------------- stages
 
+
 @dataclasses.dataclass
 class _Parts:
     """What the stages produce, filled in stage by stage."""
+
     cfg: Config
     init_params: Callable | None
     resume: bool
@@ -165,8 +175,7 @@ def _model(p: _Parts) -> None:
     p.rng = jax.random.key(cfg.train.seed)
     p.model = trainer_model(cfg.model, cfg.remat)
     if p.init_params is not None:
-        p.model = dataclasses.replace(p.model, init=p.init_params,
-                                      abstract_params=jax.eval_shape(p.init_params, p.rng))
+        p.model = dataclasses.replace(p.model, init=p.init_params, abstract_params=jax.eval_shape(p.init_params, p.rng))
     p.optimizer, p.schedule = build_optimizer(cfg.optimizer, cfg.train.steps)
     p.loss_fn = make_loss_fn(p.model)
 
@@ -194,32 +203,62 @@ def _state(p: _Parts) -> None:
             state, start = restored.state, int(restored.extras.get("step", restored.step))
             rng = _rng_from(restored.extras.get("rng"), rng)
         except (ValueError, TypeError, KeyError) as e:
-            raise CheckpointError(f"checkpoint {ckpt.step_dir(restored.step)}: invalid extras "
-                                  f"(step / rng: {one_line(e, 160)})") from None
+            raise CheckpointError(
+                f"checkpoint {ckpt.step_dir(restored.step)}: invalid extras (step / rng: {one_line(e, 160)})"
+            ) from None
         if is_main:
             for w in restored.warnings + _config_changes(restored.extras.get("config"), cfg):
                 print(f"warning: {w}", flush=True)
-            print(f"resuming from checkpoint step {restored.step} ({ckpt.step_dir(restored.step)})",
-                  flush=True)
+            print(f"resuming from checkpoint step {restored.step} ({ckpt.step_dir(restored.step)})", flush=True)
     elif cfg.init_from:  # a Hugging Face checkpoint (read shard by shard), a file or a run
-        params = (hf.load_params(p.hf_ckpt or hf.open_init(cfg.init_from, cfg.model), built.abstract_state.params)
-                  if hf.is_hf(cfg.init_from) else load_init_params(cfg.init_from, built.abstract_state.params))
+        params = (
+            hf.load_params(p.hf_ckpt or hf.open_init(cfg.init_from, cfg.model), built.abstract_state.params)
+            if hf.is_hf(cfg.init_from)
+            else load_init_params(cfg.init_from, built.abstract_state.params)
+        )
         state = built.state_from_params(params)
         if is_main:
             print(f"initialised params from {cfg.init_from}", flush=True)
     else:
         state = built.init_state(rng)
-    p.run = Run(cfg, p.mesh, p.model, p.optimizer, p.schedule, built.plan, state, built.train_step,
-                built.eval_step, p.loss_fn, run_dir, is_main, ckpt, rng, restored, start)
+    p.run = Run(
+        cfg,
+        p.mesh,
+        p.model,
+        p.optimizer,
+        p.schedule,
+        built.plan,
+        state,
+        built.train_step,
+        built.eval_step,
+        p.loss_fn,
+        run_dir,
+        is_main,
+        ckpt,
+        rng,
+        restored,
+        start,
+    )
 
 
 SETUP_STAGES: tuple[tuple[str, Callable[[_Parts], None]], ...] = (
-    ("validate", _validate), ("data", _data), ("model", _model), ("mesh", _mesh),
-    ("build", _build), ("state", _state))
+    ("validate", _validate),
+    ("data", _data),
+    ("model", _model),
+    ("mesh", _mesh),
+    ("build", _build),
+    ("state", _state),
+)
 
 
-def setup(cfg: Config, init_params: Callable | None = None, *, resume: bool = True,
-          validated: bool = False, on_stage: Callable[[str], None] | None = None) -> Run:
+def setup(
+    cfg: Config,
+    init_params: Callable | None = None,
+    *,
+    resume: bool = True,
+    validated: bool = False,
+    on_stage: Callable[[str], None] | None = None,
+) -> Run:
     """Run `SETUP_STAGES` in order and return the `Run` (see the module docstring).
     `validated`: `preflight` already checked `cfg` against the devices. `on_stage(name)`
     is called as each stage is entered. Raises CheckpointError when checkpoints exist
@@ -233,6 +272,7 @@ def setup(cfg: Config, init_params: Callable | None = None, *, resume: bool = Tr
 
 
 # ------------------------------------------------------------------------- resume extras
+
 
 def _rng_from(saved: dict | None, default: jax.Array) -> jax.Array:
     if not saved:
@@ -252,8 +292,12 @@ def _config_changes(saved: dict | None, cfg: Config) -> list[str]:
         return []
 
     def flat(d: dict) -> dict:
-        return {f"{k}.{j}" if isinstance(v, dict) else k: w for k, v in d.items()
-                for j, w in (v.items() if isinstance(v, dict) else [(k, v)])}
+        return {
+            f"{k}.{j}" if isinstance(v, dict) else k: w
+            for k, v in d.items()
+            for j, w in (v.items() if isinstance(v, dict) else [(k, v)])
+        }
+
     a, b, default = flat(saved), flat(config_to_dict(cfg)), flat(config_to_dict(Config()))
     a.update({k: default[k] for k in b.keys() - a.keys() if k in default})
     diff = [f"{k} {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)]

@@ -49,8 +49,8 @@ from fsdp_jax.app.packed_rows import (  # noqa: F401 (re-exported)
 from fsdp_jax.app.packing import PackStats, batch_from_rows, cut, pack
 from fsdp_jax.app.tokenizer import encode_long, is_long, text_chunks
 
-BATCH_BYTES = 1 << 20          # text per encode call (its Python token lists dominate memory)
-PACK_TOKENS = 1 << 21          # tokens buffered before a pack (and at least 256 rows' worth)
+BATCH_BYTES = 1 << 20  # text per encode call (its Python token lists dominate memory)
+PACK_TOKENS = 1 << 21  # tokens buffered before a pack (and at least 256 rows' worth)
 
 
 def _held_out(seed: int, index: np.ndarray, fraction: float) -> np.ndarray:
@@ -125,12 +125,12 @@ class _SplitWriter:
             n += len(c)
             if self.overflow == "truncate":  # keep the first row, count the rest
                 if len(carry) < L:
-                    carry = np.concatenate([carry, c[:L - len(carry)]])
+                    carry = np.concatenate([carry, c[: L - len(carry)]])
                 continue
             carry = np.concatenate([carry, c])
             full = len(carry) // L * L
             for i in range(0, full, L):
-                kept += self._keep(carry[i:i + L])
+                kept += self._keep(carry[i : i + L])
             carry = carry[full:]
         kept += self._keep(carry)
         if n > L:
@@ -161,8 +161,7 @@ class _SplitWriter:
         for fh, arr in zip(self.fh, (tok, msk, seg)):
             arr.tofile(fh)
         real = sum(len(t) for t, _ in self.buf)
-        self.stats.add(PackStats(examples=len(self.buf), rows=len(tok), real_tokens=real,
-                                 row_tokens=tok.size))
+        self.stats.add(PackStats(examples=len(self.buf), rows=len(tok), real_tokens=real, row_tokens=tok.size))
         self.trained += int(batch_from_rows(tok, msk, seg)["weights"].sum())
         self.max_token = max(self.max_token, int(tok.max()))
         self.buf, self.buffered = [], 0
@@ -197,12 +196,15 @@ def _encoder(tokenizer: str, eos, chat_template, train_on: str, threads):
     """(tokenizer or None for bytes, the workers' EncoderSpec, this process's ExampleEncoder),
     checked here and now; DataError on a bad tokenizer or template."""
     from fsdp_jax.app.tokenizer import TokenizerError, load_tokenizer
+
     try:
         tok = None if tokenizer == "bytes" else load_tokenizer(tokenizer, eos)
-        template = (Path(chat_template).read_text() if chat_template
-                    else None if tok is None else find_chat_template(tokenizer))
-        spec = EncoderSpec(tokenizer, eos, template, {} if tok is None else special_tokens(tokenizer),
-                           train_on, threads)
+        template = (
+            Path(chat_template).read_text() if chat_template else None if tok is None else find_chat_template(tokenizer)
+        )
+        spec = EncoderSpec(
+            tokenizer, eos, template, {} if tok is None else special_tokens(tokenizer), train_on, threads
+        )
         enc = ExampleEncoder(tok, template, spec.specials, train_on)  # checks them, here and now
     except (TokenizerError, ExampleError) as e:
         raise DataError(str(e)) from None
@@ -234,42 +236,85 @@ def _text_batches(files, bar):
         yield batch
 
 
-def _packed_meta(writers, index: int, first_empty, val_fraction: float, *, row_len, vocab_size, dtype, tok,
-                 kinds, train_on, overflow, sources, pattern, seed) -> dict:
+def _packed_meta(
+    writers,
+    index: int,
+    first_empty,
+    val_fraction: float,
+    *,
+    row_len,
+    vocab_size,
+    dtype,
+    tok,
+    kinds,
+    train_on,
+    overflow,
+    sources,
+    pattern,
+    seed,
+) -> dict:
     """meta.json of the written splits; DataError when nothing trains or a split is empty."""
     stats = PackStats()
     for w in writers.values():
         stats.add(w.stats)
     if stats.rows == 0:
         where = f" (first: {first_empty})" if first_empty else ""
-        raise DataError(f"no example has anything to train on: {stats.empty} of {index} examples "
-                        f"have an empty loss mask{where}")
+        raise DataError(
+            f"no example has anything to train on: {stats.empty} of {index} examples have an empty loss mask{where}"
+        )
     if writers["train"].stats.rows == 0 or writers["val"].stats.rows == 0:
-        raise DataError(f"{index} examples are too few to split with val_fraction {val_fraction}: "
-                        f"train has {writers['train'].stats.rows} rows, val "
-                        f"{writers['val'].stats.rows}")
-    meta = {"format": "packed", "row_len": row_len, "vocab_size": vocab_size, "dtype": dtype,
-            "tokenizer": "bytes" if tok is None else tok.path,
-            **({} if tok is None else {"tokenizer_kind": tok.kind, "eos_id": tok.eos_id}),
-            "max_token_id": max(w.max_token for w in writers.values()),
-            "train_tokens": writers["train"].stats.row_tokens,
-            "val_tokens": writers["val"].stats.row_tokens,
-            "train_rows": writers["train"].stats.rows, "val_rows": writers["val"].stats.rows,
-            "train_trained_tokens": writers["train"].trained,
-            "val_trained_tokens": writers["val"].trained,
-            "examples": index, "kinds": kinds, "empty_skipped": stats.empty,
-            "first_empty": first_empty, "packing": stats.as_dict(),
-            "train_on": train_on, "overflow": overflow, "sources": sources,
-            "pattern": pattern, "val_fraction": val_fraction, "seed": seed, "split": "examples"}
+        raise DataError(
+            f"{index} examples are too few to split with val_fraction {val_fraction}: "
+            f"train has {writers['train'].stats.rows} rows, val "
+            f"{writers['val'].stats.rows}"
+        )
+    meta = {
+        "format": "packed",
+        "row_len": row_len,
+        "vocab_size": vocab_size,
+        "dtype": dtype,
+        "tokenizer": "bytes" if tok is None else tok.path,
+        **({} if tok is None else {"tokenizer_kind": tok.kind, "eos_id": tok.eos_id}),
+        "max_token_id": max(w.max_token for w in writers.values()),
+        "train_tokens": writers["train"].stats.row_tokens,
+        "val_tokens": writers["val"].stats.row_tokens,
+        "train_rows": writers["train"].stats.rows,
+        "val_rows": writers["val"].stats.rows,
+        "train_trained_tokens": writers["train"].trained,
+        "val_trained_tokens": writers["val"].trained,
+        "examples": index,
+        "kinds": kinds,
+        "empty_skipped": stats.empty,
+        "first_empty": first_empty,
+        "packing": stats.as_dict(),
+        "train_on": train_on,
+        "overflow": overflow,
+        "sources": sources,
+        "pattern": pattern,
+        "val_fraction": val_fraction,
+        "seed": seed,
+        "split": "examples",
+    }
     return meta
 
 
-def prepare_examples(sources: Sequence[str | os.PathLike], out_dir: str | os.PathLike, row_len: int,
-                     val_fraction: float = 0.05, seed: int = 0, tokenizer: str = "bytes",
-                     pattern: str = "*", exclude: Sequence[str] = (), eos: str | None = None,
-                     chat_template: str | None = None, train_on: str = "targets",
-                     overflow: str = "truncate", threads: int | None = None,
-                     progress: bool = False, workers: int = 1) -> dict:
+def prepare_examples(
+    sources: Sequence[str | os.PathLike],
+    out_dir: str | os.PathLike,
+    row_len: int,
+    val_fraction: float = 0.05,
+    seed: int = 0,
+    tokenizer: str = "bytes",
+    pattern: str = "*",
+    exclude: Sequence[str] = (),
+    eos: str | None = None,
+    chat_template: str | None = None,
+    train_on: str = "targets",
+    overflow: str = "truncate",
+    threads: int | None = None,
+    progress: bool = False,
+    workers: int = 1,
+) -> dict:
     """Encode chat / instruction / plain examples (`fsdp_jax.app.examples`) from `sources`
     and pack them into rows of `row_len` tokens in `out_dir` (module docstring); returns
     meta. `tokenizer`: "bytes" or a tokenizer path (`fsdp_jax.app.tokenizer`); its chat
@@ -295,13 +340,19 @@ def prepare_examples(sources: Sequence[str | os.PathLike], out_dir: str | os.Pat
     first_empty = None
     index = 0
     from tqdm import tqdm
-    bar = tqdm(total=sum(f.stat().st_size for f in files), unit="B", unit_scale=True,
-               desc="prepare", disable=not progress, dynamic_ncols=True)
+
+    bar = tqdm(
+        total=sum(f.stat().st_size for f in files),
+        unit="B",
+        unit_scale=True,
+        desc="prepare",
+        disable=not progress,
+        dynamic_ncols=True,
+    )
     try:
         for items, examples in encode_batches(spec, _text_batches(files, bar), workers, encoder=enc):
             if examples is None:  # `items` is a long text file: one plain example
-                w = writers["val" if _held_out(seed, np.arange(index, index + 1), val_fraction)[0]
-                            else "train"]
+                w = writers["val" if _held_out(seed, np.arange(index, index + 1), val_fraction)[0] else "train"]
                 before = w.stats.empty
                 w.add_stream(_long_tokens(items, tok))
                 kinds["plain"] = kinds.get("plain", 0) + 1
@@ -321,9 +372,22 @@ def prepare_examples(sources: Sequence[str | os.PathLike], out_dir: str | os.Pat
         bar.close()
         for w in writers.values():
             w.close()
-        meta = _packed_meta(writers, index, first_empty, val_fraction, row_len=row_len, vocab_size=vocab,
-                            dtype=dtype.name, tok=tok, kinds=kinds, train_on=train_on, overflow=overflow,
-                            sources=[str(s) for s in sources], pattern=pattern, seed=seed)
+        meta = _packed_meta(
+            writers,
+            index,
+            first_empty,
+            val_fraction,
+            row_len=row_len,
+            vocab_size=vocab,
+            dtype=dtype.name,
+            tok=tok,
+            kinds=kinds,
+            train_on=train_on,
+            overflow=overflow,
+            sources=[str(s) for s in sources],
+            pattern=pattern,
+            seed=seed,
+        )
         tmp = {name: p for w in writers.values() for name, p in w.tmp.items()}
         return _commit(out, tmp, meta)
     except (ExampleError, TokenizerError) as e:

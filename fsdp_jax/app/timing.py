@@ -122,8 +122,10 @@ def goodput(totals: dict[str, float], setup_s: float = 0.0, n_losses: int = 3) -
 def format_goodput(rec: dict) -> str:
     """One line: goodput, productive and wall seconds, the largest losses named."""
     lost = ", ".join(f"{k} {s:.1f}s ({f:.1%})" for k, s, f in rec["largest_losses"]) or "none"
-    return (f"goodput {rec['goodput']:.1%} (device step time {rec[f'total_{PRODUCTIVE}_s']:.1f}s "
-            f"of {rec['total_wall_s']:.1f}s wall); largest losses: {lost}")
+    return (
+        f"goodput {rec['goodput']:.1%} (device step time {rec[f'total_{PRODUCTIVE}_s']:.1f}s "
+        f"of {rec['total_wall_s']:.1f}s wall); largest losses: {lost}"
+    )
 
 
 def format_window(rec: dict, min_fraction: float = 0.01) -> str:

@@ -18,25 +18,27 @@ import numpy as np
 from fsdp_jax.app.data import SPLITS, DataError, load_meta
 
 META_KEY = "max_token_id"
-CHUNK = 1 << 24           # tokens per max() over the memmap (32-64 MB)
-BAR_FROM = 1 << 27        # tokens: scans of more show a progress bar (~0.1 s per 2**24)
+CHUNK = 1 << 24  # tokens per max() over the memmap (32-64 MB)
+BAR_FROM = 1 << 27  # tokens: scans of more show a progress bar (~0.1 s per 2**24)
 
 
 def scan_max_token_id(data_dir: str | os.PathLike, dtype, progress: bool = False) -> tuple[int, str]:
     """(largest id, the split holding it) over every split of the corpus, read in chunks."""
     d = Path(data_dir)
-    files = {s: np.memmap(d / f"{s}.bin", dtype=np.dtype(dtype), mode="r") for s in SPLITS
-             if (d / f"{s}.bin").stat().st_size}
+    files = {
+        s: np.memmap(d / f"{s}.bin", dtype=np.dtype(dtype), mode="r") for s in SPLITS if (d / f"{s}.bin").stat().st_size
+    }
     total = sum(len(t) for t in files.values())
     bar = None
     if progress and total >= BAR_FROM:
         from tqdm import tqdm
+
         bar = tqdm(total=total, unit="tok", unit_scale=True, desc=f"checking token ids in {d}")
     best, where = -1, SPLITS[0]
     try:
         for split, tokens in files.items():
             for i in range(0, len(tokens), CHUNK):
-                top = int(tokens[i:i + CHUNK].max())
+                top = int(tokens[i : i + CHUNK].max())
                 if top > best:
                     best, where = top, split
                 if bar is not None:
@@ -66,6 +68,8 @@ def check_corpus_vocab(data_dir: str | os.PathLike, vocab_size: int, progress: b
     corpus at `data_dir` is < `vocab_size`."""
     top, where = corpus_max_token_id(data_dir, progress)
     if top >= vocab_size:
-        raise DataError(f"data.path {str(data_dir)!r}: token id {top} ({where}) is outside "
-                        f"model.vocab_size={vocab_size}; the corpus does not match the model "
-                        "(prepared with another tokenizer, or its meta.json vocab_size is wrong?)")
+        raise DataError(
+            f"data.path {str(data_dir)!r}: token id {top} ({where}) is outside "
+            f"model.vocab_size={vocab_size}; the corpus does not match the model "
+            "(prepared with another tokenizer, or its meta.json vocab_size is wrong?)"
+        )

@@ -23,7 +23,7 @@ from fsdp_jax.errors import DataError
 
 SPLITS = ("train", "val")
 _STREAM = {"train": 0, "val": 1, "eval": 2}  # keeps the splits' random offsets independent
-_NEVER_ENDS = 2**62                          # grain needs a length; steps never reach it
+_NEVER_ENDS = 2**62  # grain needs a length; steps never reach it
 
 
 def load_meta(data_dir: str | os.PathLike) -> dict:
@@ -40,15 +40,15 @@ def load_meta(data_dir: str | os.PathLike) -> dict:
                 expect[f"{s}.mask.bin"] = meta[f"{s}_tokens"] / dt.itemsize
                 expect[f"{s}.seg.bin"] = meta[f"{s}_tokens"] * 2 / dt.itemsize
     except FileNotFoundError:
-        raise DataError(f"{str(d)!r}: meta.json not found; prepare it with "
-                        f"scripts/prepare_data.py --out {d}") from None
+        raise DataError(f"{str(d)!r}: meta.json not found; prepare it with scripts/prepare_data.py --out {d}") from None
     except (ValueError, KeyError, TypeError) as e:
         raise DataError(f"{str(d / 'meta.json')!r}: invalid ({e})") from None
     for name, n in expect.items():
         f = d / name
         if not f.is_file() or f.stat().st_size != n * dt.itemsize:
-            raise DataError(f"{str(f)!r}: missing or not {n} {dt.name} tokens as meta.json says; "
-                            "prepare the corpus again")
+            raise DataError(
+                f"{str(f)!r}: missing or not {n} {dt.name} tokens as meta.json says; prepare the corpus again"
+            )
     return meta
 
 
@@ -81,8 +81,10 @@ class TokenFile:
 
 def _starts(n_tokens: int, length: int, count: int, *entropy: int) -> np.ndarray:
     if n_tokens < length:
-        raise DataError(f"split has {n_tokens} tokens, fewer than one window of {length} "
-                        "(seq_len + 1); use a shorter data.seq_len or a larger corpus")
+        raise DataError(
+            f"split has {n_tokens} tokens, fewer than one window of {length} "
+            "(seq_len + 1); use a shorter data.seq_len or a larger corpus"
+        )
     return np.random.default_rng(list(entropy)).integers(0, n_tokens - length + 1, size=count)
 
 
@@ -90,14 +92,14 @@ def _rows(global_batch: int, process_index: int, process_count: int) -> slice:
     if process_count < 1 or not 0 <= process_index < process_count:
         raise DataError(f"process_index {process_index} / process_count {process_count}: invalid")
     if global_batch % process_count:
-        raise DataError(f"global batch {global_batch} is not divisible by "
-                        f"{process_count} processes")
+        raise DataError(f"global batch {global_batch} is not divisible by {process_count} processes")
     per = global_batch // process_count
     return slice(process_index * per, (process_index + 1) * per)
 
 
-def _batch_at(step: int, *, tokens: TokenFile, seq_len: int, global_batch: int, seed: int,
-              stream: int, rows: slice) -> np.ndarray:
+def _batch_at(
+    step: int, *, tokens: TokenFile, seq_len: int, global_batch: int, seed: int, stream: int, rows: slice
+) -> np.ndarray:
     starts = _starts(len(tokens), seq_len + 1, global_batch, seed, stream, step)
     return tokens.windows(starts[rows], seq_len + 1)
 
@@ -134,20 +136,41 @@ class BatchIterator:
         self.step = step
 
 
-def make_dataset(data_dir: str | os.PathLike, split: str, seq_len: int, global_batch: int,
-                 seed: int, process_index: int = 0, process_count: int = 1) -> BatchIterator:
+def make_dataset(
+    data_dir: str | os.PathLike,
+    split: str,
+    seq_len: int,
+    global_batch: int,
+    seed: int,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> BatchIterator:
     """Random windows from `split`: an iterator of int32 (global_batch // process_count,
     seq_len + 1), this process's rows of the global batch of each step."""
     tokens = TokenFile.open(data_dir, split)
     rows = _rows(global_batch, process_index, process_count)
     _starts(len(tokens), seq_len + 1, 0)  # fail now, not at the first batch
-    fn = functools.partial(_batch_at, tokens=tokens, seq_len=seq_len, global_batch=global_batch,
-                           seed=seed, stream=_STREAM[split], rows=rows)
+    fn = functools.partial(
+        _batch_at,
+        tokens=tokens,
+        seq_len=seq_len,
+        global_batch=global_batch,
+        seed=seed,
+        stream=_STREAM[split],
+        rows=rows,
+    )
     return BatchIterator(grain.MapDataset.range(_NEVER_ENDS).map(fn))
 
 
-def eval_batches(data_dir: str | os.PathLike, seq_len: int, batch: int, n_batches: int, seed: int,
-                 process_index: int = 0, process_count: int = 1) -> list[np.ndarray]:
+def eval_batches(
+    data_dir: str | os.PathLike,
+    seq_len: int,
+    batch: int,
+    n_batches: int,
+    seed: int,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> list[np.ndarray]:
     """A fixed, deterministic set of `n_batches` val batches, each int32
     (batch // process_count, seq_len + 1) (this process's rows)."""
     tokens = TokenFile.open(data_dir, "val")

@@ -41,9 +41,9 @@ OVERLAP_CHARS = 1 << 13  # text two consecutive windows share; they are cut wher
 
 @dataclasses.dataclass(frozen=True)
 class Tokenizer:
-    path: str            # the file loaded (tokenizer.json or .model), absolute
-    kind: str            # "hf" | "sentencepiece"
-    vocab_size: int      # 1 + the largest id it can produce
+    path: str  # the file loaded (tokenizer.json or .model), absolute
+    kind: str  # "hf" | "sentencepiece"
+    vocab_size: int  # 1 + the largest id it can produce
     eos_id: int
     _tok: Any = dataclasses.field(repr=False, compare=False)
 
@@ -57,20 +57,20 @@ class Tokenizer:
             return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
         return self._tok.encode(texts, out_type=int, num_threads=threads or -1)
 
-    def encode_offsets(self, texts: list[str], threads: int | None = None
-                       ) -> list[tuple[list[int], list[int]]]:
+    def encode_offsets(self, texts: list[str], threads: int | None = None) -> list[tuple[list[int], list[int]]]:
         """(ids, the character index where each token starts) per text, no special tokens
         added. SentencePiece gives byte offsets into the UTF-8 text; they are mapped back
         to characters."""
         if self.kind == "hf":
-            return [(e.ids, [a for a, _ in e.offsets])
-                    for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+            return [(e.ids, [a for a, _ in e.offsets]) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
         out = []
         for text, proto in zip(texts, self._tok.encode(texts, return_type="proto", num_threads=threads or -1)):
-            char_of = np.repeat(np.arange(len(text) + 1), [len(c.encode("utf-8", errors="replace"))
-                                                            for c in text] + [1])
-            out.append(([p.id for p in proto.pieces], [int(char_of[min(p.begin, len(char_of) - 1)])
-                                                       for p in proto.pieces]))
+            char_of = np.repeat(
+                np.arange(len(text) + 1), [len(c.encode("utf-8", errors="replace")) for c in text] + [1]
+            )
+            out.append(
+                ([p.id for p in proto.pieces], [int(char_of[min(p.begin, len(char_of) - 1)]) for p in proto.pieces])
+            )
         return out
 
     def decode(self, ids: Iterable[int]) -> str:
@@ -88,8 +88,7 @@ def tokenizer_file(path: str | os.PathLike) -> tuple[Path, str]:
         for name, kind in (("tokenizer.json", "hf"), ("tokenizer.model", "sentencepiece")):
             if (p / name).is_file():
                 return (p / name).resolve(), kind
-        raise TokenizerError(f"tokenizer {str(path)!r}: directory has no tokenizer.json or "
-                             "tokenizer.model")
+        raise TokenizerError(f"tokenizer {str(path)!r}: directory has no tokenizer.json or tokenizer.model")
     if not p.is_file():
         raise TokenizerError(f"tokenizer {str(path)!r}: not found")
     return p.resolve(), ("hf" if p.suffix == ".json" else "sentencepiece")
@@ -106,19 +105,20 @@ def _named_eos(file: Path) -> str | None:
     return eos.get("content") if isinstance(eos, dict) else eos
 
 
-def load_tokenizer(path: str | os.PathLike, eos: str | None = None, require_eos: bool = True
-                   ) -> Tokenizer:
+def load_tokenizer(path: str | os.PathLike, eos: str | None = None, require_eos: bool = True) -> Tokenizer:
     """Load a tokenizer; `eos` names the end-of-document token (default: the
     tokenizer_config.json beside it, the SentencePiece model's eos, or a common name).
     Without `require_eos` (decoding only) a missing EOS gives eos_id -1."""
     file, kind = tokenizer_file(path)
     if kind == "hf":
         from tokenizers import Tokenizer as HFTokenizer
+
         try:
             tok = HFTokenizer.from_file(str(file))
         except Exception as e:  # the Rust loader raises bare Exception on bad JSON
-            raise TokenizerError(f"tokenizer {str(file)!r}: cannot load as a Hugging Face "
-                                 f"tokenizer.json ({one_line(e, 160)})") from None
+            raise TokenizerError(
+                f"tokenizer {str(file)!r}: cannot load as a Hugging Face tokenizer.json ({one_line(e, 160)})"
+            ) from None
         vocab = tok.get_vocab(with_added_tokens=True)
         if not vocab:
             raise TokenizerError(f"tokenizer {str(file)!r}: the vocabulary is empty")
@@ -127,11 +127,13 @@ def load_tokenizer(path: str | os.PathLike, eos: str | None = None, require_eos:
         size = max(vocab.values()) + 1
     else:
         import sentencepiece as spm
+
         try:
             tok = spm.SentencePieceProcessor(model_file=str(file))
         except (OSError, RuntimeError) as e:
-            raise TokenizerError(f"tokenizer {str(file)!r}: cannot load as a SentencePiece "
-                                 f"model ({one_line(e, 160)})") from None
+            raise TokenizerError(
+                f"tokenizer {str(file)!r}: cannot load as a SentencePiece model ({one_line(e, 160)})"
+            ) from None
         size = tok.get_piece_size()
         if eos:
             eos_id = tok.piece_to_id(eos)
@@ -141,8 +143,9 @@ def load_tokenizer(path: str | os.PathLike, eos: str | None = None, require_eos:
     if eos_id is None and not require_eos:
         eos_id = -1
     if eos_id is None:
-        raise TokenizerError(f"tokenizer {str(file)!r}: no EOS token "
-                             f"{'named ' + repr(eos) if eos else 'found'}; pass --eos TOKEN")
+        raise TokenizerError(
+            f"tokenizer {str(file)!r}: no EOS token {'named ' + repr(eos) if eos else 'found'}; pass --eos TOKEN"
+        )
     return Tokenizer(str(file), kind, int(size), int(eos_id), tok)
 
 
@@ -165,8 +168,7 @@ def text_chunks(file: Path, chunk_bytes: int | None = None) -> Iterator[str]:
                 return
 
 
-def _agree(cur: tuple[np.ndarray, np.ndarray], nxt: tuple[np.ndarray, np.ndarray], lo: int, hi: int
-           ) -> int | None:
+def _agree(cur: tuple[np.ndarray, np.ndarray], nxt: tuple[np.ndarray, np.ndarray], lo: int, hi: int) -> int | None:
     """A character position p in [lo, hi] where both encodings (ids, absolute token starts)
     start a token, and agree on the token before p and the two from p; None if none."""
     (ci, cs), (ni, ns) = cur, nxt
@@ -175,15 +177,23 @@ def _agree(cur: tuple[np.ndarray, np.ndarray], nxt: tuple[np.ndarray, np.ndarray
     cand = cs[first & (cs >= lo) & (cs <= hi)]
     for p in cand[np.argsort(np.abs(cand - (lo + hi) // 2), kind="stable")]:
         i, j = int(np.searchsorted(cs, p)), int(np.searchsorted(ns, p))
-        if (i >= 1 and j >= 1 and j < len(ns) and ns[j] == p and i + 2 <= len(ci) and j + 2 <= len(ni)
-                and (ci[i - 1:i + 2] == ni[j - 1:j + 2]).all()
-                and (cs[i - 1:i + 2] == ns[j - 1:j + 2]).all()):
+        if (
+            i >= 1
+            and j >= 1
+            and j < len(ns)
+            and ns[j] == p
+            and i + 2 <= len(ci)
+            and j + 2 <= len(ni)
+            and (ci[i - 1 : i + 2] == ni[j - 1 : j + 2]).all()
+            and (cs[i - 1 : i + 2] == ns[j - 1 : j + 2]).all()
+        ):
             return int(p)
     return None
 
 
-def encode_long(tok: Tokenizer, chunks: Iterable[str], window: int | None = None,
-                overlap: int | None = None) -> Iterator[np.ndarray]:
+def encode_long(
+    tok: Tokenizer, chunks: Iterable[str], window: int | None = None, overlap: int | None = None
+) -> Iterator[np.ndarray]:
     """The token ids of one document given as text chunks, as int64 arrays in order whose
     concatenation is `tok.encode("".join(chunks))`, in memory bounded by `window`.
 
@@ -213,7 +223,7 @@ def encode_long(tok: Tokenizer, chunks: Iterable[str], window: int | None = None
         buf = "".join(parts)
 
     def enc(start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:  # absolute token starts
-        text = buf[start - base:stop - base]
+        text = buf[start - base : stop - base]
         ids, starts = tok.encode_offsets([text])[0] if text else ([], [])
         return np.asarray(ids, np.int64), np.asarray(starts, np.int64) + start
 
@@ -233,7 +243,7 @@ def encode_long(tok: Tokenizer, chunks: Iterable[str], window: int | None = None
             continue
         ids, starts = cur
         yield ids[(starts >= a0) & (starts < p)]
-        a0, cur, end, buf, base = p, nxt, nxt_end, buf[nb - base:], nb
+        a0, cur, end, buf, base = p, nxt, nxt_end, buf[nb - base :], nb
     ids, starts = cur
     yield ids[starts >= a0]
 
@@ -255,18 +265,28 @@ def _jsonl_texts(file: Path, lines: Iterable[str]) -> Iterator[str]:
             try:
                 yield json.loads(line)["text"]
             except (ValueError, KeyError, TypeError):
-                raise TokenizerError(f"{file}:{n}: expected a JSON object with a \"text\" "
-                                     "string") from None
+                raise TokenizerError(f'{file}:{n}: expected a JSON object with a "text" string') from None
 
 
-def encode_corpus(tok: Tokenizer, files: list[Path], write: Callable[[np.ndarray], None],
-                  threads: int | None = None, progress: bool = True) -> tuple[int, int]:
+def encode_corpus(
+    tok: Tokenizer,
+    files: list[Path],
+    write: Callable[[np.ndarray], None],
+    threads: int | None = None,
+    progress: bool = True,
+) -> tuple[int, int]:
     """Encode `files` in order, calling `write(ids)` with `encode(doc) + [eos]` per
     batch of documents; returns (documents, tokens)."""
     from tqdm import tqdm
 
-    bar = tqdm(total=sum(f.stat().st_size for f in files), unit="B", unit_scale=True,
-               desc="tokenize", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(
+        total=sum(f.stat().st_size for f in files),
+        unit="B",
+        unit_scale=True,
+        desc="tokenize",
+        disable=not progress,
+        dynamic_ncols=True,
+    )
     docs = tokens = 0
     batch: list[str] = []
     size = 0

@@ -39,27 +39,46 @@ def make_loss_fn(model: ModelFns) -> Callable:
     """Next-token cross-entropy on int32 tokens (B, S + 1) (the mean), or on a packed /
     document-masked batch dict (`fsdp_jax.app.packing.batch_from_rows`): attention and
     positions per segment, the loss over the weighted targets of the global batch."""
+
     def loss_fn(params, batch):
         if isinstance(batch, dict):
             logits = model.apply(params, batch["inputs"], batch["segment_ids"], batch["positions"])
             return token_loss(logits, batch["targets"], batch["weights"])
         return cross_entropy(model.apply(params, batch[:, :-1]), batch[:, 1:])
+
     return loss_fn
 
 
-def build_from_config(cfg, model: ModelFns, optimizer: optax.GradientTransformation, mesh: Mesh,
-                      strategy: str | None = None, *, loss_fn: Callable | None = None,
-                      max_replicated_fraction: float | None = _UNSET, **step_options) -> Built:
+def build_from_config(
+    cfg,
+    model: ModelFns,
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    strategy: str | None = None,
+    *,
+    loss_fn: Callable | None = None,
+    max_replicated_fraction: float | None = _UNSET,
+    **step_options,
+) -> Built:
     """`fsdp_jax.build.build` with the run config's mesh rules, step and precision
     options. `strategy` defaults to `cfg.mesh.strategy`, `loss_fn` to `make_loss_fn(model)`,
     `max_replicated_fraction` to the config's (None: not enforced, as the planner wants);
     `step_options` go to `make_train_step` on top of the config's."""
     if max_replicated_fraction is _UNSET:
         max_replicated_fraction = cfg.mesh.max_replicated_fraction
-    return build(model, optimizer, mesh, strategy or cfg.mesh.strategy,
-                 loss_fn=make_loss_fn(model) if loss_fn is None else loss_fn,
-                 rules=cfg.mesh.rules, min_shard_size=cfg.mesh.min_shard_size,
-                 max_replicated_fraction=max_replicated_fraction,
-                 min_replicated_bytes=cfg.mesh.min_replicated_bytes,
-                 microbatches=cfg.train.microbatches, clip_norm=cfg.optimizer.clip_norm,
-                 precision=cfg.precision, offload=cfg.offload, **step_options)
+    return build(
+        model,
+        optimizer,
+        mesh,
+        strategy or cfg.mesh.strategy,
+        loss_fn=make_loss_fn(model) if loss_fn is None else loss_fn,
+        rules=cfg.mesh.rules,
+        min_shard_size=cfg.mesh.min_shard_size,
+        max_replicated_fraction=max_replicated_fraction,
+        min_replicated_bytes=cfg.mesh.min_replicated_bytes,
+        microbatches=cfg.train.microbatches,
+        clip_norm=cfg.optimizer.clip_norm,
+        precision=cfg.precision,
+        offload=cfg.offload,
+        **step_options,
+    )

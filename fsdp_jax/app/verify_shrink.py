@@ -38,12 +38,20 @@ def shrunk_model(m, n: int):
     head_dim = min(head_dim, m.head_dim)
     d_model = heads * head_dim
     new = dataclasses.replace(
-        m, n_layers=min(m.n_layers, 2), n_heads=heads, n_kv_heads=kv, d_model=d_model,
-        ffn_dim=shrink_dim(m.ffn_dim, 2 * d_model, n), vocab_size=shrink_dim(m.vocab_size, 256, n),
-        kv_channels=head_dim if m.kv_channels else 0)
-    changed = {f"model.{k}": (getattr(m, k), getattr(new, k))
-               for k in ("n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
-               if getattr(m, k) != getattr(new, k)}
+        m,
+        n_layers=min(m.n_layers, 2),
+        n_heads=heads,
+        n_kv_heads=kv,
+        d_model=d_model,
+        ffn_dim=shrink_dim(m.ffn_dim, 2 * d_model, n),
+        vocab_size=shrink_dim(m.vocab_size, 256, n),
+        kv_channels=head_dim if m.kv_channels else 0,
+    )
+    changed = {
+        f"model.{k}": (getattr(m, k), getattr(new, k))
+        for k in ("n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
+        if getattr(m, k) != getattr(new, k)
+    }
     if m.head_dim != new.head_dim:
         changed["model.head_dim"] = (m.head_dim, new.head_dim)
     return new, changed
@@ -57,10 +65,18 @@ def _rows(model_cfg, min_shard_size: int, strategy: str, devices, remat: str):
     from fsdp_jax.mesh import make_mesh
     from fsdp_jax.strategy import make_plan
     from fsdp_jax.verify import strategy_mesh_shape
+
     fns = trainer_model(model_cfg, remat)
     mesh = make_mesh(*strategy_mesh_shape(strategy, len(devices)), devices=devices)
-    plan = make_plan(fns.abstract_params, optax.sgd(0.1), mesh, strategy, fns.logical_axes,
-                     min_shard_size=min_shard_size, max_replicated_fraction=None)
+    plan = make_plan(
+        fns.abstract_params,
+        optax.sgd(0.1),
+        mesh,
+        strategy,
+        fns.logical_axes,
+        min_shard_size=min_shard_size,
+        max_replicated_fraction=None,
+    )
     return {r.path: (r.shape, r.spec) for r in plan.rows}
 
 
@@ -75,14 +91,15 @@ def shrink_config(cfg, n: int, strategies, devices):
     # min_shard_size: the same params must stay replicated for being small
     full = _rows(cfg.model, cfg.mesh.min_shard_size, strategies[0], devices, cfg.remat)
     small_shapes = {p: s for p, (s, _) in _rows(model, 1, strategies[0], devices, cfg.remat).items()}
-    small = {p: math.prod(s) < cfg.mesh.min_shard_size
-             for p, (s, _) in full.items()}
+    small = {p: math.prod(s) < cfg.mesh.min_shard_size for p, (s, _) in full.items()}
     below = [math.prod(small_shapes[p]) for p in full if small[p]]
     above = [math.prod(small_shapes[p]) for p in full if not small[p]]
     threshold = max(below, default=0) + 1
     if above and min(above) < threshold:
-        raise RuntimeError("cannot shrink this model keeping which params stay replicated; "
-                           "run with --max-params 0 to verify it at full size")
+        raise RuntimeError(
+            "cannot shrink this model keeping which params stay replicated; "
+            "run with --max-params 0 to verify it at full size"
+        )
     if threshold != cfg.mesh.min_shard_size:
         changed["mesh.min_shard_size"] = (cfg.mesh.min_shard_size, threshold)
     for s in strategies:
@@ -90,10 +107,18 @@ def shrink_config(cfg, n: int, strategies, devices):
         b = _rows(model, threshold, s, devices, cfg.remat)
         for path in a:
             if a[path][1] != b[path][1]:
-                raise RuntimeError(f"reduced model shards {path} as {b[path][1]} under {s}, the full "
-                                   f"model as {a[path][1]}; run with --max-params 0")
-    cfg = dataclasses.replace(cfg, model=model, data=dataclasses.replace(cfg.data, seq_len=seq),
-                              mesh=dataclasses.replace(cfg.mesh, min_shard_size=threshold))
-    notes = [f"same sharding decision for every param under every strategy ({len(a)} params x "
-             f"{len(strategies)} strategies compared, full vs reduced)"]
+                raise RuntimeError(
+                    f"reduced model shards {path} as {b[path][1]} under {s}, the full "
+                    f"model as {a[path][1]}; run with --max-params 0"
+                )
+    cfg = dataclasses.replace(
+        cfg,
+        model=model,
+        data=dataclasses.replace(cfg.data, seq_len=seq),
+        mesh=dataclasses.replace(cfg.mesh, min_shard_size=threshold),
+    )
+    notes = [
+        f"same sharding decision for every param under every strategy ({len(a)} params x "
+        f"{len(strategies)} strategies compared, full vs reduced)"
+    ]
     return cfg, changed, notes

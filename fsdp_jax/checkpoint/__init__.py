@@ -15,20 +15,35 @@ files on disk are unchanged. See docs/checkpoints.md.
 
 from fsdp_jax.checkpoint.checkpointer import Checkpointer, Restored, latest_step, restore
 from fsdp_jax.checkpoint.manifest import (
-                                          ITEMS,
-                                          MANIFEST,
-                                          TMP_SUFFIX,
-                                          check_files,
-                                          file_crc32,
-                                          shape_mismatches,
-                                          tree_paths,
+    ITEMS,
+    MANIFEST,
+    TMP_SUFFIX,
+    check_files,
+    file_crc32,
+    shape_mismatches,
+    tree_paths,
 )
 from fsdp_jax.checkpoint.params_io import export_safetensors, load_init_params, load_safetensors, open_safetensors
 from fsdp_jax.errors import CheckpointError, CheckpointWriteError, one_line
 
 _ITEMS = ITEMS  # the name before the split
 
-__all__ = ["Checkpointer", "Restored", "latest_step", "restore", "MANIFEST", "TMP_SUFFIX",
-           "check_files", "file_crc32", "shape_mismatches", "tree_paths", "export_safetensors",
-           "load_init_params", "load_safetensors", "open_safetensors", "CheckpointError",
-           "CheckpointWriteError", "one_line"]
+__all__ = [
+    "Checkpointer",
+    "Restored",
+    "latest_step",
+    "restore",
+    "MANIFEST",
+    "TMP_SUFFIX",
+    "check_files",
+    "file_crc32",
+    "shape_mismatches",
+    "tree_paths",
+    "export_safetensors",
+    "load_init_params",
+    "load_safetensors",
+    "open_safetensors",
+    "CheckpointError",
+    "CheckpointWriteError",
+    "one_line",
+]

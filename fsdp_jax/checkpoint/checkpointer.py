@@ -51,18 +51,17 @@ _WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EI
 
 
 class Restored(NamedTuple):
-    state: Any          # the restored tree, laid out as the target
-    extras: dict        # the JSON saved with it
-    step: int           # the checkpoint step restored
-    warnings: list      # one line each: damaged steps skipped, unverified steps
-
+    state: Any  # the restored tree, laid out as the target
+    extras: dict  # the JSON saved with it
+    step: int  # the checkpoint step restored
+    warnings: list  # one line each: damaged steps skipped, unverified steps
 
 
 def _sync(name: str) -> None:
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
-        multihost_utils.sync_global_devices(f"fsdp_jax:{name}")
 
+        multihost_utils.sync_global_devices(f"fsdp_jax:{name}")
 
 
 class Checkpointer:
@@ -79,22 +78,24 @@ class Checkpointer:
     coordinates the writes.
     """
 
-    def __init__(self, directory: str | os.PathLike, *, keep: int | None = 3,
-                 async_save: bool = True, read_only: bool = False):
+    def __init__(
+        self, directory: str | os.PathLike, *, keep: int | None = 3, async_save: bool = True, read_only: bool = False
+    ):
         self.directory = Path(directory).absolute()
         self.async_save = async_save
         self.read_only = read_only
         # Interrupted saves, reported before orbax removes them (when not read_only).
-        self.partial: list[Path] = (sorted(self.directory.glob(f"*{TMP_SUFFIX}*"))
-                                    if self.directory.is_dir() else [])
+        self.partial: list[Path] = sorted(self.directory.glob(f"*{TMP_SUFFIX}*")) if self.directory.is_dir() else []
         self._in_flight: collections.deque[int] = collections.deque()
         self._pending: int | None = None  # the newest step handed to orbax (every process)
         orbax_logs.install()
         # (not orbax's read_only option: it logs warnings on every use)
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=None if read_only else keep, create=not read_only,
+            max_to_keep=None if read_only else keep,
+            create=not read_only,
             cleanup_tmp_directories=not read_only,
-            async_options=ocp.AsyncOptions(post_finalization_callback=self._write_manifest))
+            async_options=ocp.AsyncOptions(post_finalization_callback=self._write_manifest),
+        )
         self._mngr = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
 
     # -- saving ---------------------------------------------------------------------------
@@ -111,9 +112,11 @@ class Checkpointer:
         self._pending = step
         with self._write_errors():
             try:
-                self._mngr.save(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardSave(state), extras=ocp.args.JsonSave(extras or {})),
-                    force=True)
+                self._mngr.save(
+                    step,
+                    args=ocp.args.Composite(state=ocp.args.StandardSave(state), extras=ocp.args.JsonSave(extras or {})),
+                    force=True,
+                )
             except BaseException:
                 if self._in_flight and self._in_flight[-1] == step:
                     self._in_flight.pop()
@@ -141,10 +144,12 @@ class Checkpointer:
             committed = self.latest_step()
             raise CheckpointWriteError(
                 f"writing checkpoint step {self._pending} in {self.directory} failed"
-                + (f": {reason}" if reason else "") + f" ({one_line(cause, 160)}); "
+                + (f": {reason}" if reason else "")
+                + f" ({one_line(cause, 160)}); "
                 "the newest complete checkpoint is "
                 + (f"step {committed}, intact" if committed is not None else "none")
-                + ": fix the cause and run the same command again to resume") from e
+                + ": fix the cause and run the same command again to resume"
+            ) from e
 
     def check(self) -> None:
         """Raise CheckpointWriteError if a background save has failed (cheap; call it
@@ -233,7 +238,8 @@ class Checkpointer:
             raise CheckpointError(
                 f"checkpoint {self.step_dir(step)} does not fit the model ({'; '.join(bad)}); "
                 "the model config differs from the run that saved it: restore with that config "
-                "or start a new run_dir (init_from can start from its exported params)")
+                "or start a new run_dir (init_from can start from its exported params)"
+            )
 
     def usable_step(self, step: int | None = None) -> tuple[int, list[str]]:
         """(the newest step whose files match their manifest, or exactly `step`, checked
@@ -249,8 +255,9 @@ class Checkpointer:
         if not steps:
             raise CheckpointError(f"{self.directory}: no complete checkpoint")
         if step is not None and step not in steps:
-            raise CheckpointError(f"{self.directory}: no checkpoint for step {step}; "
-                                  f"steps: {', '.join(map(str, steps))}")
+            raise CheckpointError(
+                f"{self.directory}: no checkpoint for step {step}; steps: {', '.join(map(str, steps))}"
+            )
         notes: list[str] = []
         failed: list[str] = []
         for s in [step] if step is not None else steps[::-1]:
@@ -269,14 +276,14 @@ class Checkpointer:
                 except Exception as e:  # orbax / tensorstore raise many types on bad files
                     problem = one_line(e)
             failed.append(f"step {s}: {problem}")
-            notes.append(f"checkpoint step {s} in {self.directory} is damaged ({problem}); "
-                         "falling back to the previous one")
+            notes.append(
+                f"checkpoint step {s} in {self.directory} is damaged ({problem}); falling back to the previous one"
+            )
         raise CheckpointError(f"{self.directory}: no checkpoint restores ({'; '.join(failed)})")
 
     # -- restoring ------------------------------------------------------------------------
 
-    def restore(self, abstract_state, step: int | None = None, *, set_aside_damaged: bool = False
-                ) -> Restored:
+    def restore(self, abstract_state, step: int | None = None, *, set_aside_damaged: bool = False) -> Restored:
         """Restore the newest usable step (or `step`) laid out as `abstract_state` (a
         tree of ShapeDtypeStructs with shardings; dtypes are cast to the target's).
 
@@ -284,11 +291,15 @@ class Checkpointer:
         `set_aside_damaged` it is moved to `<directory>.damaged/` so the run can save
         that step again. Raises CheckpointError when nothing restores or the shapes
         differ from the target."""
+
         def load(s):
             self.check_fits(s, abstract_state)
-            out = self._mngr.restore(s, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state), extras=ocp.args.JsonRestore()))
+            out = self._mngr.restore(
+                s,
+                args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), extras=ocp.args.JsonRestore()),
+            )
             return out["state"], dict(out["extras"] or {})
+
         (state, extras), s, notes = self._try_steps(step, load)
         if set_aside_damaged and not self.read_only:
             self._set_aside([d for d in self.steps() if d > s])
@@ -297,12 +308,15 @@ class Checkpointer:
     def restore_params(self, abstract_params, step: int | None = None) -> tuple[Any, int, list[str]]:
         """Only the saved `params` subtree, laid out as `abstract_params` (ShapeDtypeStructs
         with shardings); the optimizer state is never read. Returns (params, step, warnings)."""
+
         def load(s):
             self.check_fits(s, {"params": abstract_params})
             target = {"params": abstract_params}
-            args = ocp.args.PyTreeRestore(item=target, partial_restore=True,
-                                          restore_args=ocp.checkpoint_utils.construct_restore_args(target))
+            args = ocp.args.PyTreeRestore(
+                item=target, partial_restore=True, restore_args=ocp.checkpoint_utils.construct_restore_args(target)
+            )
             return ocp.PyTreeCheckpointer().restore(self.step_dir(s) / "state", args=args)["params"]
+
         return self._try_steps(step, load)
 
     def read_leaf(self, step: int, path: str) -> np.ndarray:
@@ -314,8 +328,10 @@ class Checkpointer:
             node = node.setdefault(k, {})
         node[keys[-1]] = 0
         restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
-        out = ocp.PyTreeCheckpointer().restore(self.step_dir(step) / "state", args=ocp.args.PyTreeRestore(
-            item=item, restore_args=restore_args, partial_restore=True))
+        out = ocp.PyTreeCheckpointer().restore(
+            self.step_dir(step) / "state",
+            args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True),
+        )
         for k in keys:
             out = out[k]
         return out
@@ -339,6 +355,7 @@ def restore(directory: str | os.PathLike, abstract_state, step: int | None = Non
     """(state, extras) of the newest usable checkpoint in `directory` (or `step`), laid out
     as `abstract_state`. Damaged steps skipped on the way are reported with warnings.warn."""
     import warnings
+
     ckpt = Checkpointer(directory, read_only=True)
     r = ckpt.restore(abstract_state, step)
     for w in r.warnings:
@@ -351,4 +368,3 @@ def latest_step(directory: str | os.PathLike) -> int | None:
     if not Path(directory).is_dir():
         return None
     return Checkpointer(directory, read_only=True).latest_step()
-

@@ -28,13 +28,14 @@ ITEMS = ("state", "extras")  # the items of a step, each a directory
 def tree_paths(tree) -> dict[str, Any]:
     """{"params/blocks/attn/wq": leaf, ...}: slash-joined keys, attribute names and
     indices, so a TrainState, its saved metadata and a safetensors file agree."""
+
     def key(k):
         for attr in ("key", "name", "idx"):
             if hasattr(k, attr):
                 return str(getattr(k, attr))
         return str(k)
-    return {"/".join(key(k) for k in path): leaf
-            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+    return {"/".join(key(k) for k in path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def file_crc32(path: str | os.PathLike, chunk: int = 1 << 24) -> str:
@@ -66,7 +67,6 @@ def shape_mismatches(saved: dict[str, Any], target: dict[str, Any], limit: int =
     if params and others:
         out.append(f"plus {len(others)} optimizer-state/other leaves")
     return out
-
 
 
 def write_manifest(step_dir: Path, step: int) -> None:

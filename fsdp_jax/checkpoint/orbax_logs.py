@@ -20,9 +20,15 @@ class _OrbaxErrorsRaised(logging.Filter):
     save otherwise prints one traceback per background thread)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.levelno >= logging.ERROR and "orbax" in record.pathname
-                    and (record.exc_info or "raised an exception" in record.getMessage()
-                         or "failed" in record.getMessage().lower()))
+        return not (
+            record.levelno >= logging.ERROR
+            and "orbax" in record.pathname
+            and (
+                record.exc_info
+                or "raised an exception" in record.getMessage()
+                or "failed" in record.getMessage().lower()
+            )
+        )
 
 
 _ORBAX_FILTER = _OrbaxErrorsRaised()
@@ -61,6 +67,7 @@ def _quiet_closed_loop_callbacks() -> None:
     def hook(u):
         if not (isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed"):
             previous(u)
+
     hook._fsdp_jax = True
     sys.unraisablehook = hook
 
@@ -75,6 +82,7 @@ def release_stranded_waits() -> int:
         import threading
 
         from orbax.checkpoint._src.futures import future as _future
+
         kind = _future._SignalingThread
     except (ImportError, AttributeError):
         return 0

@@ -20,9 +20,14 @@ from fsdp_jax.errors import CheckpointError, SafetensorsError
 from fsdp_jax.safetensors_io import SafetensorsFile, write_safetensors
 
 
-def export_safetensors(directory: str | os.PathLike, out: str | os.PathLike, *,
-                       dtype: str | np.dtype | None = None, step: int | None = None,
-                       prefix: str = "params") -> dict:
+def export_safetensors(
+    directory: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    dtype: str | np.dtype | None = None,
+    step: int | None = None,
+    prefix: str = "params",
+) -> dict:
     """Write the `prefix` subtree of a checkpoint as one safetensors file with keys like
     "blocks/attn/wq", one leaf at a time: host memory holds one array, the optimizer
     state is never read. `dtype` casts floating leaves (e.g. "bfloat16"). Uses the
@@ -31,11 +36,11 @@ def export_safetensors(directory: str | os.PathLike, out: str | os.PathLike, *,
     cast = None if dtype is None else np.dtype(dtype)
 
     def meta(s):
-        leaves = {p[len(prefix) + 1:]: m for p, m in ckpt.saved_metadata(s).items()
-                  if p.startswith(prefix + "/")}
+        leaves = {p[len(prefix) + 1 :]: m for p, m in ckpt.saved_metadata(s).items() if p.startswith(prefix + "/")}
         if not leaves:
             raise CheckpointError(f"{ckpt.step_dir(s)}: no '{prefix}' subtree in the saved state")
         return leaves
+
     leaves, s, notes = ckpt._try_steps(step, meta)
     for n in notes:
         print(f"warning: {n}", flush=True)
@@ -43,9 +48,14 @@ def export_safetensors(directory: str | os.PathLike, out: str | os.PathLike, *,
     def out_dtype(m):
         dt = np.dtype(m.dtype)
         return cast if cast is not None and np.issubdtype(dt, np.floating) else dt
+
     entries = [(name, tuple(m.shape), out_dtype(m)) for name, m in sorted(leaves.items())]
-    size = write_safetensors(out, entries, lambda name: ckpt.read_leaf(s, f"{prefix}/{name}"),
-                             {"format": "np", "fsdp_jax_step": str(s), "source": str(ckpt.step_dir(s))})
+    size = write_safetensors(
+        out,
+        entries,
+        lambda name: ckpt.read_leaf(s, f"{prefix}/{name}"),
+        {"format": "np", "fsdp_jax_step": str(s), "source": str(ckpt.step_dir(s))},
+    )
     return {"step": s, "tensors": len(leaves), "bytes": size, "path": str(out)}
 
 
@@ -71,8 +81,8 @@ def load_safetensors(path: str | os.PathLike, abstract_params) -> Any:
     def place(name, sds):
         if getattr(sds, "sharding", None) is None:
             return jnp.asarray(f.read(name, dtype=sds.dtype))
-        return jax.make_array_from_callback(sds.shape, sds.sharding,
-                                            lambda idx: f.read(name, *idx, dtype=sds.dtype))
+        return jax.make_array_from_callback(sds.shape, sds.sharding, lambda idx: f.read(name, *idx, dtype=sds.dtype))
+
     try:
         leaves = [place(name, sds) for name, sds in want.items()]
     except SafetensorsError as e:  # the file changed (truncated) after its header was checked

@@ -25,16 +25,19 @@ def main(hf: str, tokdir: str, chats: str, n: int = 24) -> int:
     rows = [json.loads(line) for line in open(chats) if line.strip()][:n]
     start = exact = 0
     for r in rows:
-        ids = tok.apply_chat_template(r["messages"][:-1], add_generation_prompt=True,
-                                      return_tensors="pt", return_dict=True)["input_ids"]
+        ids = tok.apply_chat_template(
+            r["messages"][:-1], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )["input_ids"]
         out = model.generate(ids, max_new_tokens=12, do_sample=False)
-        got = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+        got = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
         want = r["messages"][-1]["content"]
         start += got.startswith(" ".join(want.split()[:3]))
         exact += got == want
         print(f"{got!r} | trained: {want!r}")
-    print(f"{start}/{len(rows)} answers start with the trained answer's first 3 words; "
-          f"{exact}/{len(rows)} are the trained answer exactly")
+    print(
+        f"{start}/{len(rows)} answers start with the trained answer's first 3 words; "
+        f"{exact}/{len(rows)} are the trained answer exactly"
+    )
     return 0 if start == len(rows) else 1
 
 

@@ -34,8 +34,14 @@ GOLDEN = Path(__file__).resolve().parent / "hf"
 NAMES = ("llama3", "llama32_tied", "llama_yarn", "mistral_swa", "qwen2", "qwen3", "gemma3_text")
 
 
-MESHES = {"full_shard": (1, 8, 1), "shard_grad_op": (1, 8, 1), "shard_opt": (1, 8, 1),
-          "no_shard": (1, 8, 1), "hybrid_shard": (2, 4, 1), "fsdp_x_tensor": (1, 4, 2)}
+MESHES = {
+    "full_shard": (1, 8, 1),
+    "shard_grad_op": (1, 8, 1),
+    "shard_opt": (1, 8, 1),
+    "no_shard": (1, 8, 1),
+    "hybrid_shard": (2, 4, 1),
+    "fsdp_x_tensor": (1, 4, 2),
+}
 
 
 def import_errors() -> int:
@@ -58,12 +64,17 @@ def import_errors() -> int:
             scan = strategy != "fsdp_x_tensor"
             ckpt = hf.HFCheckpoint(GOLDEN / name, base=hf.LlamaConfig(scan_layers=scan))
             m = from_nnx(lambda r: Llama(ckpt.config, rngs=r))
-            built = build(m, optax.sgd(0.1), make_mesh(*shape),
-                          "full_shard" if strategy == "fsdp_x_tensor" else strategy, min_shard_size=0)
+            built = build(
+                m,
+                optax.sgd(0.1),
+                make_mesh(*shape),
+                "full_shard" if strategy == "fsdp_x_tensor" else strategy,
+                min_shard_size=0,
+            )
             params = hf.load_params(ckpt, built.abstract_state.params)
             with sharding_context(built.plan):
                 got = jax.jit(m.apply)(params, np.tile(tokens, (4, 1)))
-            row.append(float(np.abs(np.asarray(got)[:len(tokens)] - want).max()))
+            row.append(float(np.abs(np.asarray(got)[: len(tokens)] - want).max()))
         print(f"| {name} | " + " | ".join(f"{e:.2g}" for e in row) + " |", flush=True)
     return 0
 
@@ -92,8 +103,9 @@ def main(out: Path) -> int:
         tokens = SafetensorsFile(GOLDEN / f"{name}_logits.safetensors").read("tokens")
         logits = np.asarray(jax.jit(m.apply)(params, tokens), np.float32)
         arrays = {"tokens": tokens, "logits": logits}
-        write_safetensors(out / f"{name}.safetensors", [(k, a.shape, a.dtype) for k, a in arrays.items()],
-                          arrays.__getitem__)
+        write_safetensors(
+            out / f"{name}.safetensors", [(k, a.shape, a.dtype) for k, a in arrays.items()], arrays.__getitem__
+        )
         print(f"{out / name}: exported; project logits -> {out / name}.safetensors")
     return 0
 

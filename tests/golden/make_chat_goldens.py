@@ -42,7 +42,8 @@ LLAMA2 = (
     "{% else %}{% set content = message['content'] %}{% endif %}"
     "{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}"
     "{% elif message['role'] == 'assistant' %}{{ ' ' + content.strip() + ' ' + eos_token }}{% endif %}"
-    "{% endfor %}")
+    "{% endfor %}"
+)
 
 LLAMA3 = (
     "{% set loop_messages = messages %}{% for message in loop_messages %}"
@@ -50,7 +51,8 @@ LLAMA3 = (
     "+ message['content'] | trim + '<|eot_id|>' %}"
     "{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}"
     "{{ content }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
 
 QWEN25 = """{%- if tools %}
     {{- '<|im_start|>system\\n' }}
@@ -89,21 +91,31 @@ QWEN25 = """{%- if tools %}
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4."}],
-    [{"role": "system", "content": "You answer in one word."},
-     {"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": "Paris"},
-     {"role": "user", "content": "And of Italy?"}, {"role": "assistant", "content": "Rome"}],
-    [{"role": "user", "content": "def f(x):\n    return x  # café ünïcode"},
-     {"role": "assistant", "content": "  It returns x unchanged.\n"},
-     {"role": "user", "content": "Thanks"}, {"role": "assistant", "content": "You're welcome!"}],
+    [
+        {"role": "system", "content": "You answer in one word."},
+        {"role": "user", "content": "Capital of France?"},
+        {"role": "assistant", "content": "Paris"},
+        {"role": "user", "content": "And of Italy?"},
+        {"role": "assistant", "content": "Rome"},
+    ],
+    [
+        {"role": "user", "content": "def f(x):\n    return x  # café ünïcode"},
+        {"role": "assistant", "content": "  It returns x unchanged.\n"},
+        {"role": "user", "content": "Thanks"},
+        {"role": "assistant", "content": "You're welcome!"},
+    ],
 ]
 
 SPECS = {
     "llama2": dict(template=LLAMA2, where="config", added=[]),
-    "llama3": dict(template=LLAMA3, where="config",
-                   added=["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
-                   bos="<|begin_of_text|>", eos="<|eot_id|>"),
-    "qwen25": dict(template=QWEN25, where="jinja", added=["<|im_start|>", "<|im_end|>"],
-                   eos="<|im_end|>"),
+    "llama3": dict(
+        template=LLAMA3,
+        where="config",
+        added=["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+        bos="<|begin_of_text|>",
+        eos="<|eot_id|>",
+    ),
+    "qwen25": dict(template=QWEN25, where="jinja", added=["<|im_start|>", "<|im_end|>"], eos="<|im_end|>"),
 }
 
 
@@ -118,8 +130,12 @@ def make_tokenizer(name: str, spec: dict) -> Path:
     if spec["added"]:
         tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in spec["added"]])
     tok.save(str(d / "tokenizer.json"))
-    cfg = {"bos_token": spec.get("bos", "<s>"), "eos_token": spec.get("eos", "</s>"),
-           "unk_token": "<unk>", "tokenizer_class": "PreTrainedTokenizerFast"}
+    cfg = {
+        "bos_token": spec.get("bos", "<s>"),
+        "eos_token": spec.get("eos", "</s>"),
+        "unk_token": "<unk>",
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
     if spec["where"] == "config":
         cfg["chat_template"] = spec["template"]
     else:
@@ -139,8 +155,7 @@ def main() -> None:
         for conv in CONVERSATIONS:
             row = {"messages": conv, "text": tok.apply_chat_template(conv, tokenize=False)}
             if name == "qwen25":
-                out = tok.apply_chat_template(conv, tokenize=True, return_dict=True,
-                                              return_assistant_tokens_mask=True)
+                out = tok.apply_chat_template(conv, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
                 row["ids"], row["assistant_masks"] = list(out["input_ids"]), list(out["assistant_masks"])
             else:
                 out = tok.apply_chat_template(conv, tokenize=True, return_dict=True)

@@ -40,41 +40,119 @@ import numpy as np
 
 OUT = Path(__file__).resolve().parent / "hf"
 TOKENS = np.random.RandomState(24).randint(0, 256, size=(2, 40)).astype(np.int64)
-COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-              max_position_embeddings=128, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
+COMMON = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-6,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 MODELS = {
-    "llama3": ("LlamaConfig", dict(
-        num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
-                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 16})),
-    "llama32_tied": ("LlamaConfig", dict(
-        num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True, head_dim=16,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0,
-                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 16})),
-    "llama_yarn": ("LlamaConfig", dict(
-        max_position_embeddings=64, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                         "original_max_position_embeddings": 16, "beta_fast": 32.0,
-                         "beta_slow": 1.0})),
-    "mistral_swa": ("MistralConfig", dict(
-        num_attention_heads=8, num_key_value_heads=2, head_dim=16, sliding_window=8,
-        tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1e4})),
-    "qwen2": ("Qwen2Config", dict(
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-        use_sliding_window=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
-    "qwen3": ("Qwen3Config", dict(
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
-        use_sliding_window=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
-    "gemma3_text": ("Gemma3TextConfig", dict(
-        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-        sliding_window=8, query_pre_attn_scalar=24,
-        final_logit_softcapping=3.0, hidden_activation="gelu_pytorch_tanh",
-        tie_word_embeddings=True, pad_token_id=0,
-        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
+    "llama3": (
+        "LlamaConfig",
+        dict(
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 5e5,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+        ),
+    ),
+    "llama32_tied": (
+        "LlamaConfig",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            tie_word_embeddings=True,
+            head_dim=16,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 5e5,
+                "factor": 32.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+        ),
+    ),
+    "llama_yarn": (
+        "LlamaConfig",
+        dict(
+            max_position_embeddings=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+            },
+        ),
+    ),
+    "mistral_swa": (
+        "MistralConfig",
+        dict(
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=8,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+        ),
+    ),
+    "qwen2": (
+        "Qwen2Config",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            use_sliding_window=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        ),
+    ),
+    "qwen3": (
+        "Qwen3Config",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            tie_word_embeddings=True,
+            use_sliding_window=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        ),
+    ),
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        dict(
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            sliding_window=8,
+            query_pre_attn_scalar=24,
+            final_logit_softcapping=3.0,
+            hidden_activation="gelu_pytorch_tanh",
+            tie_word_embeddings=True,
+            pad_token_id=0,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+        ),
+    ),
 }
 
 
@@ -86,8 +164,7 @@ def make_model(name: str):
     cls, kw = MODELS[name]
     cfg = getattr(transformers, cls)(**{**COMMON, **kw})
     torch.manual_seed(sum(map(ord, name)))
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager",
-                                             dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32).eval()
     gemma = cfg.model_type.startswith("gemma")
     with torch.no_grad():
         for pname, p in model.named_parameters():
@@ -111,8 +188,10 @@ def generate() -> None:
         model, logits = make_model(name)
         model.save_pretrained(d)
         (d / "generation_config.json").unlink(missing_ok=True)
-        save_file({"tokens": TOKENS.astype(np.int32), "logits": logits.astype(np.float32)},
-                  str(OUT / f"{name}_logits.safetensors"))
+        save_file(
+            {"tokens": TOKENS.astype(np.int32), "logits": logits.astype(np.float32)},
+            str(OUT / f"{name}_logits.safetensors"),
+        )
         print(f"{d}: {sorted(p.name for p in d.iterdir())}; logits std {logits.std():.3f}")
 
 
@@ -123,13 +202,14 @@ def check(exported: str, logits: str) -> int:
 
     src = Path(logits) if logits.endswith(".safetensors") else OUT / f"{logits}_logits.safetensors"
     want = load_file(str(src))
-    model = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32,
-                                                 attn_implementation="eager").eval()
+    model = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32, attn_implementation="eager").eval()
     with torch.no_grad():
         got = model(torch.from_numpy(want["tokens"].astype(np.int64))).logits.float().numpy()
     err = float(np.abs(got - want["logits"]).max())
-    print(f"{exported}: from_pretrained OK ({type(model).__name__}, model_type "
-          f"{model.config.model_type}); max |logits - {src.name}| = {err:.3g}")
+    print(
+        f"{exported}: from_pretrained OK ({type(model).__name__}, model_type "
+        f"{model.config.model_type}); max |logits - {src.name}| = {err:.3g}"
+    )
     return 0 if err < 1e-4 else 1
 
 

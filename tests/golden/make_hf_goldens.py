@@ -39,15 +39,34 @@ from pathlib import Path
 import numpy as np
 
 OUT = Path(__file__).resolve().parent / "hf"
-TOKENS = np.array([[1, 17, 42, 99, 3, 250, 7, 7, 128, 64, 32, 5, 201, 13, 77, 2],
-                   [255, 0, 9, 18, 27, 36, 45, 54, 63, 72, 81, 90, 99, 108, 117, 126]], np.int64)
+TOKENS = np.array(
+    [
+        [1, 17, 42, 99, 3, 250, 7, 7, 128, 64, 32, 5, 201, 13, 77, 2],
+        [255, 0, 9, 18, 27, 36, 45, 54, 63, 72, 81, 90, 99, 108, 117, 126],
+    ],
+    np.int64,
+)
 MODELS = {
-    "llama_gqa": dict(kwargs=dict(num_attention_heads=8, num_key_value_heads=2, rope_theta=10000.0,
-                                  rms_norm_eps=1e-5, tie_word_embeddings=False),
-                      dtype="bfloat16", max_shard_size="40KB", tokenizer=True),
-    "llama_tied": dict(kwargs=dict(num_attention_heads=4, num_key_value_heads=1, rope_theta=5e5,
-                                   rms_norm_eps=1e-6, tie_word_embeddings=True),
-                       dtype="float16", max_shard_size="60KB", tokenizer=False),
+    "llama_gqa": dict(
+        kwargs=dict(
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            rope_theta=10000.0,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+        ),
+        dtype="bfloat16",
+        max_shard_size="40KB",
+        tokenizer=True,
+    ),
+    "llama_tied": dict(
+        kwargs=dict(
+            num_attention_heads=4, num_key_value_heads=1, rope_theta=5e5, rms_norm_eps=1e-6, tie_word_embeddings=True
+        ),
+        dtype="float16",
+        max_shard_size="60KB",
+        tokenizer=False,
+    ),
 }
 TOKENIZER_FILES = ("textwrap.py", "string.py", "bisect.py", "heapq.py", "keyword.py")
 
@@ -58,10 +77,18 @@ def make_model(name: str, spec: dict):
 
     kw = dict(spec["kwargs"])
     theta = kw.pop("rope_theta")
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      max_position_embeddings=64, hidden_act="silu", bos_token_id=1,
-                      eos_token_id=2, rope_parameters={"rope_type": "default", "rope_theta": theta},
-                      **kw)
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        max_position_embeddings=64,
+        hidden_act="silu",
+        bos_token_id=1,
+        eos_token_id=2,
+        rope_parameters={"rope_type": "default", "rope_theta": theta},
+        **kw,
+    )
     torch.manual_seed(sum(map(ord, name)))
     model = LlamaForCausalLM(cfg).eval()
     store = getattr(torch, spec["dtype"])
@@ -83,13 +110,15 @@ def train_tokenizer(out: Path) -> None:
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
     tok.decoder = decoders.Metaspace()
-    trainer = trainers.BpeTrainer(vocab_size=256, special_tokens=["<unk>", "<s>", "</s>"],
-                                  limit_alphabet=96, show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=256, special_tokens=["<unk>", "<s>", "</s>"], limit_alphabet=96, show_progress=False
+    )
     root = Path(sysconfig.get_paths()["stdlib"])
     tok.train([str(root / f) for f in TOKENIZER_FILES], trainer)
     tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}, indent=2) + "\n")
+    (out / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}, indent=2) + "\n"
+    )
 
 
 def generate() -> None:
@@ -106,8 +135,10 @@ def generate() -> None:
             (d / extra).unlink(missing_ok=True)
         if spec["tokenizer"]:
             train_tokenizer(d)
-        save_file({"tokens": TOKENS.astype(np.int32), "logits": logits.astype(np.float32)},
-                  str(OUT / f"{name}_logits.safetensors"))
+        save_file(
+            {"tokens": TOKENS.astype(np.int32), "logits": logits.astype(np.float32)},
+            str(OUT / f"{name}_logits.safetensors"),
+        )
         print(f"{d}: {sorted(p.name for p in d.iterdir())}; logits std {logits.std():.3f}")
 
 
@@ -121,8 +152,10 @@ def check(exported: str, golden: str) -> int:
     with torch.no_grad():
         got = model(torch.from_numpy(want["tokens"].astype(np.int64))).logits.float().numpy()
     err = float(np.abs(got - want["logits"]).max())
-    print(f"{exported}: from_pretrained OK ({type(model).__name__}, tied="
-          f"{model.config.tie_word_embeddings}); max |logits - golden {golden}| = {err:.3g}")
+    print(
+        f"{exported}: from_pretrained OK ({type(model).__name__}, tied="
+        f"{model.config.tie_word_embeddings}); max |logits - golden {golden}| = {err:.3g}"
+    )
     return 0 if err < 1e-4 else 1
 
 

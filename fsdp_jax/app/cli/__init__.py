@@ -18,13 +18,37 @@ from __future__ import annotations
 
 import importlib
 
-_LAZY = {"BAD_INPUT": "exits", "ENVIRONMENT": "exits", "fail": "exits", "fail_env": "exits",
-         "fail_internal": "exits", "run_command": "command", "use_cpu_devices": "devices",
-         "env_int": "devices", "require": "args", "check_out_file": "args", "Parser": "flags",
-         "int_in": "flags", "real_in": "flags"}
+_LAZY = {
+    "BAD_INPUT": "exits",
+    "ENVIRONMENT": "exits",
+    "fail": "exits",
+    "fail_env": "exits",
+    "fail_internal": "exits",
+    "run_command": "command",
+    "use_cpu_devices": "devices",
+    "env_int": "devices",
+    "require": "args",
+    "check_out_file": "args",
+    "Parser": "flags",
+    "int_in": "flags",
+    "real_in": "flags",
+}
 
-__all__ = ["BAD_INPUT", "ENVIRONMENT", "Parser", "check_out_file", "env_int", "fail", "fail_env",
-           "fail_internal", "int_in", "real_in", "require", "run_command", "use_cpu_devices"]
+__all__ = [
+    "BAD_INPUT",
+    "ENVIRONMENT",
+    "Parser",
+    "check_out_file",
+    "env_int",
+    "fail",
+    "fail_env",
+    "fail_internal",
+    "int_in",
+    "real_in",
+    "require",
+    "run_command",
+    "use_cpu_devices",
+]
 
 
 def __getattr__(name: str):

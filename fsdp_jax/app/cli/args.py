@@ -1,9 +1,9 @@
 """Argument groups the commands share, and checks of flag values that need no JAX.
 
-    ap = Parser(...)
-    add_config(ap)          # --config FILE + trailing dotted key=value overrides
-    add_target(ap)          # --devices, --target, --hosts, --slices, --topology
-    add_devices(ap, "8")    # --devices alone
+ap = Parser(...)
+add_config(ap)          # --config FILE + trailing dotted key=value overrides
+add_target(ap)          # --devices, --target, --hosts, --slices, --topology
+add_devices(ap, "8")    # --devices alone
 """
 
 from __future__ import annotations
@@ -13,11 +13,16 @@ import os
 from pathlib import Path
 
 
-def add_config(ap: argparse.ArgumentParser, *, required: bool = True, default: str | None = None,
-               example: str = "train.steps=20") -> None:
+def add_config(
+    ap: argparse.ArgumentParser, *, required: bool = True, default: str | None = None, example: str = "train.steps=20"
+) -> None:
     """`--config FILE` (a YAML config) and the trailing `key=value` overrides (`overrides`)."""
-    ap.add_argument("--config", required=required, default=default,
-                    help="YAML config (configs/*.yaml)" + (f"; default {default}" if default else ""))
+    ap.add_argument(
+        "--config",
+        required=required,
+        default=default,
+        help="YAML config (configs/*.yaml)" + (f"; default {default}" if default else ""),
+    )
     ap.add_argument("overrides", nargs="*", help=f"dotted key=value overrides, e.g. {example}")
 
 
@@ -30,13 +35,19 @@ def add_target(ap: argparse.ArgumentParser) -> None:
     """The device and target flags of plan and inspect (read by
     `fsdp_jax.app.fit.report.resolve_target`)."""
     add_devices(ap, text="number of devices (with a TPU accelerator type or --topology: implied)")
-    ap.add_argument("--target", default=None,
-                    help="compile for this accelerator instead of CPU: a GPU (h100, h200, a100), a TPU "
-                         "generation (v4, v5e, v5p, v6e) or accelerator type (v5p-64, v6e-256)")
+    ap.add_argument(
+        "--target",
+        default=None,
+        help="compile for this accelerator instead of CPU: a GPU (h100, h200, a100), a TPU "
+        "generation (v4, v5e, v5p, v6e) or accelerator type (v5p-64, v6e-256)",
+    )
     ap.add_argument("--hosts", default=None, help="with a GPU --target: hosts the devices are spread over (default 1)")
-    ap.add_argument("--slices", default=None,
-                    help="with a TPU --target: slices over the data-center network (default 1; "
-                         "hybrid_shard puts data across them, fsdp within one)")
+    ap.add_argument(
+        "--slices",
+        default=None,
+        help="with a TPU --target: slices over the data-center network (default 1; "
+        "hybrid_shard puts data across them, fsdp within one)",
+    )
     ap.add_argument("--topology", default=None, help="with a TPU --target: one slice's shape, e.g. 2x4x4 or 16x16")
 
 
@@ -44,6 +55,7 @@ def require(module: str, flag: str) -> None:
     """ConfigError naming `flag` when the optional package `module` is not installed."""
     from fsdp_jax.app.config import ConfigError
     from fsdp_jax.app.extras import available, missing_message
+
     if not available(module):
         raise ConfigError(flag, missing_message(module, "it").removeprefix("it "))
 
@@ -53,6 +65,7 @@ def check_out_file(path: str, flag: str) -> None:
     directory, in an existing, writable directory. Writes nothing."""
     from fsdp_jax.app.config import ConfigError
     from fsdp_jax.app.data import dir_problem
+
     p = Path(path).absolute()
     if p.is_dir():
         raise ConfigError(flag, f"{path!r} is a directory; give a file path")

@@ -35,6 +35,7 @@ def build_parser(prog: str | None = None) -> Parser:
 
 def _errors():
     from fsdp_jax.offload import OffloadError
+
     return (OffloadError,), ()
 
 
@@ -75,23 +76,39 @@ def run(args) -> int:
                 times.append(time.perf_counter() - t)
             r[1] = state
     base = statistics.median(runs["none"][3])
-    out = {"config": args.config, "strategy": args.strategy, "overrides": args.overrides,
-           "devices": jax.device_count(), "backend": jax.default_backend(),
-           "rounds": args.rounds, "steps": args.steps, "results": {}}
+    out = {
+        "config": args.config,
+        "strategy": args.strategy,
+        "overrides": args.overrides,
+        "devices": jax.device_count(),
+        "backend": jax.default_backend(),
+        "rounds": args.rounds,
+        "steps": args.steps,
+        "results": {},
+    }
     for name, (_, _, _, times, moved) in runs.items():
         med = statistics.median(times)
-        out["results"][name] = {"step_s_median": med, "step_s_min": min(times), "ratio_to_none": med / base,
-                                "to_device_bytes": moved["to_device"], "to_host_bytes": moved["to_host"]}
+        out["results"][name] = {
+            "step_s_median": med,
+            "step_s_min": min(times),
+            "ratio_to_none": med / base,
+            "to_device_bytes": moved["to_device"],
+            "to_host_bytes": moved["to_host"],
+        }
     if args.json:
         print(json.dumps(out))
     else:
         for name, r in out["results"].items():
-            print(f"{name:18s} step {r['step_s_median'] * 1e3:8.1f} ms (min {r['step_s_min'] * 1e3:.1f})  "
-                  f"x{r['ratio_to_none']:.3f} vs none  host->device {r['to_device_bytes'] / 2**20:7.2f} MiB  "
-                  f"device->host {r['to_host_bytes'] / 2**20:7.2f} MiB per step per device", flush=True)
+            print(
+                f"{name:18s} step {r['step_s_median'] * 1e3:8.1f} ms (min {r['step_s_min'] * 1e3:.1f})  "
+                f"x{r['ratio_to_none']:.3f} vs none  host->device {r['to_device_bytes'] / 2**20:7.2f} MiB  "
+                f"device->host {r['to_host_bytes'] / 2**20:7.2f} MiB per step per device",
+                flush=True,
+            )
     return 0
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     from fsdp_jax.app.cli.command import run_command
+
     return run_command(build_parser(prog), run, argv, errors=_errors)

@@ -32,8 +32,7 @@ def build_parser(prog: str | None = None) -> Parser:
     ap.add_argument("--warmup", type=int_in(0), default=2)
     ap.add_argument("--sweep", action="append", default=[], help="KEY=V1,V2 (repeatable)")
     ap.add_argument("--baselines", action="store_true", help="add single_device and plain_dp rows")
-    ap.add_argument("--peak-tflops", type=real_in(0, above=True), default=None,
-                    help="peak TFLOP/s per device for MFU")
+    ap.add_argument("--peak-tflops", type=real_in(0, above=True), default=None, help="peak TFLOP/s per device for MFU")
     ap.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     ap.add_argument("--plot", help="PNG of step time / compile time / memory against the first sweep key")
     return ap
@@ -72,8 +71,7 @@ def run(args) -> int:
             raise ConfigError("--sweep devices", f"{combo['devices']!r} is not an integer") from None
         if not 1 <= n_dev <= jax.device_count():
             raise ConfigError("--sweep devices", f"{n_dev}: choose 1..{jax.device_count()}")
-        cfg = load_config(args.config, list(args.overrides) + [f"{k}={v}" for k, v in combo.items()
-                                                                 if k != "devices"])
+        cfg = load_config(args.config, list(args.overrides) + [f"{k}={v}" for k, v in combo.items() if k != "devices"])
         validate(cfg, n_devices=n_dev)
         check_backend(cfg, jax.default_backend())
         runs.append((combo, cfg, n_dev))
@@ -87,29 +85,44 @@ def run(args) -> int:
         tokens = cfg.train.global_batch * cfg.data.seq_len
         rows = [(s, lambda s=s: bench_fsdp(cfg, s, devices, args.steps, args.warmup)) for s in strategies]
         if args.baselines:
-            rows.append(("single_device",
-                         lambda: bench_fsdp(cfg, "no_shard", devices[:1], args.steps, args.warmup)))
+            rows.append(("single_device", lambda: bench_fsdp(cfg, "no_shard", devices[:1], args.steps, args.warmup)))
             rows.append(("plain_dp", lambda: bench_plain_dp(cfg, devices, args.steps, args.warmup)))
         for name, fn in rows:
             compile_s, times, mem = fn()
             peak_bytes = mem["peak"]
             med = statistics.median(times)
-            rec = {"strategy": name, "devices": 1 if name == "single_device" else n_dev,
-                   "compile_s": round(compile_s, 4), "step_s_median": med, "step_s_min": min(times),
-                   "step_s_max": max(times), "tokens_per_s": tokens / med,
-                   "mfu": mfu(fpt, tokens / med, 1 if name == "single_device" else n_dev, peak),
-                   "peak_bytes": int(peak_bytes), "argument_bytes": mem["argument"],
-                   **{k: v for k, v in combo.items() if k != "devices"}}
+            rec = {
+                "strategy": name,
+                "devices": 1 if name == "single_device" else n_dev,
+                "compile_s": round(compile_s, 4),
+                "step_s_median": med,
+                "step_s_min": min(times),
+                "step_s_max": max(times),
+                "tokens_per_s": tokens / med,
+                "mfu": mfu(fpt, tokens / med, 1 if name == "single_device" else n_dev, peak),
+                "peak_bytes": int(peak_bytes),
+                "argument_bytes": mem["argument"],
+                **{k: v for k, v in combo.items() if k != "devices"},
+            }
             results.append(rec)
             if not args.json:
                 extra = " ".join(f"{k}={v}" for k, v in combo.items())
-                print(f"{name:14s} {extra:24s} compile {compile_s:7.2f}s  step {med * 1e3:8.1f} ms "
-                      f"[{min(times) * 1e3:.1f}-{max(times) * 1e3:.1f}]  {tokens / med:10.0f} tok/s  "
-                      f"peak {peak_bytes / 2**20:8.1f} MiB  state+batch {mem['argument'] / 2**20:7.2f} MiB",
-                      flush=True)
-    doc = {"config": args.config, "devices": jax.device_count(), "backend": jax.default_backend(),
-           "device_kind": devices_all[0].device_kind, "steps": args.steps, "overrides": args.overrides,
-           "sweeps": {k: v for k, v in sweeps}, "results": results}
+                print(
+                    f"{name:14s} {extra:24s} compile {compile_s:7.2f}s  step {med * 1e3:8.1f} ms "
+                    f"[{min(times) * 1e3:.1f}-{max(times) * 1e3:.1f}]  {tokens / med:10.0f} tok/s  "
+                    f"peak {peak_bytes / 2**20:8.1f} MiB  state+batch {mem['argument'] / 2**20:7.2f} MiB",
+                    flush=True,
+                )
+    doc = {
+        "config": args.config,
+        "devices": jax.device_count(),
+        "backend": jax.default_backend(),
+        "device_kind": devices_all[0].device_kind,
+        "steps": args.steps,
+        "overrides": args.overrides,
+        "sweeps": {k: v for k, v in sweeps},
+        "results": results,
+    }
     if args.json:
         print(json.dumps(doc))
     if args.plot and sweeps:
@@ -119,4 +132,5 @@ def run(args) -> int:
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     from fsdp_jax.app.cli.command import run_command
+
     return run_command(build_parser(prog), run, argv)

@@ -15,8 +15,13 @@ Classes = tuple[type[BaseException], ...]
 Errors = tuple[Classes, Classes]
 
 
-def run_command(parser: argparse.ArgumentParser, body: Callable[[argparse.Namespace], int],
-                argv: list[str] | None = None, *, errors: Callable[[], Errors] | None = None) -> int:
+def run_command(
+    parser: argparse.ArgumentParser,
+    body: Callable[[argparse.Namespace], int],
+    argv: list[str] | None = None,
+    *,
+    errors: Callable[[], Errors] | None = None,
+) -> int:
     """The one main wrapper: parse `argv` with `parser` (a bad flag: its one line, exit 2;
     `--help`: exit 0), then return `body(args)`, mapping what it raises to exit codes:
     `UsageError` -> its line, 2 (as the parser's own errors); `BAD_INPUT` (and the
@@ -36,6 +41,7 @@ def run_command(parser: argparse.ArgumentParser, body: Callable[[argparse.Namesp
         return 2
     except Exception as e:
         from fsdp_jax.app.cli.exits import BAD_INPUT, ENVIRONMENT, fail, fail_env, fail_internal
+
         bad, env = errors() if errors is not None else ((), ())
         if isinstance(e, BAD_INPUT + bad):
             return fail(e)

@@ -28,8 +28,12 @@ def build_parser(prog: str | None = None) -> Parser:
     ap = Parser(prog=prog, description=__doc__)
     ap.add_argument("hf_dir", help="Hugging Face model directory (config.json + safetensors)")
     ap.add_argument("--out", required=True, help="output .safetensors file (must not exist)")
-    ap.add_argument("--dtype", choices=DTYPES, default="float32",
-                    help="dtype of the written params (default float32, the trainer's params)")
+    ap.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="float32",
+        help="dtype of the written params (default float32, the trainer's params)",
+    )
     ap.add_argument("--config-out", help="also write the model section as YAML here")
     ap.add_argument("--no-scan", action="store_true", help="per-layer params (model.scan_layers=false)")
     return ap
@@ -37,6 +41,7 @@ def build_parser(prog: str | None = None) -> Parser:
 
 def _check_new_files(*paths: tuple[Path | None, str]) -> None:
     from fsdp_jax.checkpoint import CheckpointError
+
     for p, flag in paths:
         if p is not None and p.exists():
             raise CheckpointError(f"{flag} {p}: already exists; choose a new path")
@@ -76,11 +81,16 @@ def run(args) -> int:
     section = yaml.safe_dump({"model": dataclasses.asdict(cfg)}, sort_keys=False)
     if args.config_out:
         Path(args.config_out).write_text(section)
-    print(f"converted hf:{args.hf_dir} ({ckpt.nbytes() / 2**20:.2f} MiB stored): {len(entries)} "
-          f"tensors, {size / 2**20:.2f} MiB -> {out}\n{section}", end="", flush=True)
+    print(
+        f"converted hf:{args.hf_dir} ({ckpt.nbytes() / 2**20:.2f} MiB stored): {len(entries)} "
+        f"tensors, {size / 2**20:.2f} MiB -> {out}\n{section}",
+        end="",
+        flush=True,
+    )
     return 0
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     from fsdp_jax.app.cli.command import run_command
+
     return run_command(build_parser(prog), run, argv)

@@ -21,6 +21,7 @@ def env_int(name: str, default: int, low: int = 1, high: int = 1 << 16) -> int:
         v = low - 1
     if not low <= v <= high:
         from fsdp_jax.app.config import ConfigError
+
         raise ConfigError(name, f"{os.environ[name]!r} is invalid; expected an integer in {low}..{high}")
     return v
 
@@ -37,6 +38,7 @@ def use_cpu_devices(n: int | None = None, *, env: str = ENV_DEVICES, default: in
     import jax
 
     from fsdp_jax.xla_flags import check_xla_flags
+
     check_xla_flags()
     if n is None:
         n = env_int(env, default)

@@ -35,10 +35,19 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 # scripts/<name>.py -> the command it is a shim for
 SCRIPTS: dict[str, str] = {
-    "train": "train", "plan": "plan", "inspect_sharding": "inspect", "verify": "verify",
-    "export": "export", "convert_hf": "convert", "prepare_data": "prepare", "plot_metrics": "plot",
-    "launch_local": "launch", "benchmark": "benchmark", "bench_offload": "bench-offload",
-    "gpu_check": "gpu-check", "measure_hf_import": "measure-hf-import",
+    "train": "train",
+    "plan": "plan",
+    "inspect_sharding": "inspect",
+    "verify": "verify",
+    "export": "export",
+    "convert_hf": "convert",
+    "prepare_data": "prepare",
+    "plot_metrics": "plot",
+    "launch_local": "launch",
+    "benchmark": "benchmark",
+    "bench_offload": "bench-offload",
+    "gpu_check": "gpu-check",
+    "measure_hf_import": "measure-hf-import",
 }
 
 
@@ -55,10 +64,12 @@ def script_main(script: str, argv: list[str] | None = None) -> int:
 def build_parser() -> Parser:
     width = max(map(len, COMMANDS))
     listing = "\n".join(f"  {name:<{width}}  {what}" for name, (_, what) in COMMANDS.items())
-    ap = Parser(prog="fsdp-jax", description="Fully Sharded Data Parallel for JAX and Flax: the "
-                "reference trainer and its tools.",
-                usage="%(prog)s [-h] COMMAND [flags ...]",
-                epilog=f"commands:\n{listing}\n\n`fsdp-jax COMMAND --help` shows a command's flags.")
+    ap = Parser(
+        prog="fsdp-jax",
+        description="Fully Sharded Data Parallel for JAX and Flax: the reference trainer and its tools.",
+        usage="%(prog)s [-h] COMMAND [flags ...]",
+        epilog=f"commands:\n{listing}\n\n`fsdp-jax COMMAND --help` shows a command's flags.",
+    )
     ap.add_argument("command", metavar="COMMAND", choices=list(COMMANDS), help="a command (below)")
     return ap
 

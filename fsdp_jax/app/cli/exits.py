@@ -23,13 +23,20 @@ from fsdp_jax.rules import ShardingError
 from fsdp_jax.step import BatchError
 from fsdp_jax.xla_flags import XlaFlagsError
 
-BAD_INPUT: tuple[type[BaseException], ...] = (ConfigError, DataError, MeshError, ShardingError,
-                                               BatchError, CheckpointError, StateError,
-                                               FileNotFoundError, XlaFlagsError)
+BAD_INPUT: tuple[type[BaseException], ...] = (
+    ConfigError,
+    DataError,
+    MeshError,
+    ShardingError,
+    BatchError,
+    CheckpointError,
+    StateError,
+    FileNotFoundError,
+    XlaFlagsError,
+)
 
 # Failures of the environment, not of the input: one line on stderr, exit code 1.
-ENVIRONMENT: tuple[type[BaseException], ...] = (CheckpointWriteError, RunDirBusy, DistributedInitError,
-                                                OSError)
+ENVIRONMENT: tuple[type[BaseException], ...] = (CheckpointWriteError, RunDirBusy, DistributedInitError, OSError)
 
 
 def fail(e: BaseException) -> int:

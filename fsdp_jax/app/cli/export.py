@@ -33,11 +33,12 @@ _UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GI
 def parse_size(text: str, flag: str = "--max-shard-size") -> int:
     """A positive byte size like 5GB, 500MB or 2GiB; CheckpointError naming `flag`."""
     from fsdp_jax.checkpoint import CheckpointError
+
     t = text.strip().upper()
     for unit, mult in sorted(_UNITS.items(), key=lambda kv: -len(kv[0])):
         if t.endswith(unit):
             try:
-                n = float(t[:-len(unit)])
+                n = float(t[: -len(unit)])
             except ValueError:
                 break
             if 0 < n * mult < 2**63:  # (also refuses nan and inf)
@@ -52,23 +53,20 @@ def build_parser(prog: str | None = None) -> Parser:
     dest = ap.add_mutually_exclusive_group(required=True)
     dest.add_argument("--out", help="output .safetensors file")
     dest.add_argument("--hf", help="output Hugging Face model directory (must not exist)")
-    ap.add_argument("--max-shard-size", default="5GB",
-                    help="--hf: largest weight file, e.g. 5GB, 500MB (default 5GB)")
-    ap.add_argument("--dtype", choices=DTYPES, default=None,
-                    help="cast floating-point params (default: as saved)")
+    ap.add_argument("--max-shard-size", default="5GB", help="--hf: largest weight file, e.g. 5GB, 500MB (default 5GB)")
+    ap.add_argument("--dtype", choices=DTYPES, default=None, help="cast floating-point params (default: as saved)")
     ap.add_argument("--step", type=int_in(0), default=None, help="checkpoint step (default: newest)")
     return ap
 
 
 def _check_out_file(out: Path, flag_value: str) -> None:
     from fsdp_jax.checkpoint import CheckpointError
+
     if out.is_dir():
-        raise CheckpointError(f"--out {flag_value}: is a directory; give a file path, e.g. "
-                              f"{out / 'model.safetensors'}")
+        raise CheckpointError(f"--out {flag_value}: is a directory; give a file path, e.g. {out / 'model.safetensors'}")
     if not out.absolute().parent.is_dir():
         raise CheckpointError(f"--out {flag_value}: its directory does not exist")
-    if not os.access(out.absolute().parent, os.W_OK | os.X_OK) or (
-            out.exists() and not os.access(out, os.W_OK)):
+    if not os.access(out.absolute().parent, os.W_OK | os.X_OK) or (out.exists() and not os.access(out, os.W_OK)):
         raise CheckpointError(f"--out {flag_value}: not writable here; choose a writable place")
 
 
@@ -84,19 +82,25 @@ def run(args) -> int:
         raise CheckpointError(f"{run_dir}: no such run or checkpoint directory")
     if args.hf:
         from fsdp_jax.app.hf_export import export_hf
-        info = export_hf(directory, args.hf, dtype=args.dtype, step=args.step,
-                         max_shard_bytes=max_shard_bytes)
-        print(f"exported step {info['step']}: {info['tensors']} tensors in {info['files']} "
-              f"file(s), {info['bytes'] / 2**20:.2f} MiB -> {info['path']}", flush=True)
+
+        info = export_hf(directory, args.hf, dtype=args.dtype, step=args.step, max_shard_bytes=max_shard_bytes)
+        print(
+            f"exported step {info['step']}: {info['tensors']} tensors in {info['files']} "
+            f"file(s), {info['bytes'] / 2**20:.2f} MiB -> {info['path']}",
+            flush=True,
+        )
         return 0
     out = Path(args.out)
     _check_out_file(out, args.out)
     info = export_safetensors(directory, out, dtype=args.dtype, step=args.step)
-    print(f"exported step {info['step']}: {info['tensors']} tensors, {info['bytes'] / 2**20:.2f} MiB "
-          f"-> {info['path']}", flush=True)
+    print(
+        f"exported step {info['step']}: {info['tensors']} tensors, {info['bytes'] / 2**20:.2f} MiB -> {info['path']}",
+        flush=True,
+    )
     return 0
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     from fsdp_jax.app.cli.command import run_command
+
     return run_command(build_parser(prog), run, argv)

@@ -39,6 +39,7 @@ def _bounds(low, high) -> str:
 
 def int_in(low: int, high: int | None = None):
     """An argparse `type`: an integer in [low, high] (no upper limit when `high` is None)."""
+
     def parse(text: str) -> int:
         try:
             v = int(text)
@@ -47,6 +48,7 @@ def int_in(low: int, high: int | None = None):
         if v < low or (high is not None and v > high):
             raise argparse.ArgumentTypeError(f"{text} is invalid; must be an integer {_bounds(low, high)}")
         return v
+
     parse.__name__ = "integer"
     parse.bounds = (low, high)
     return parse
@@ -54,19 +56,20 @@ def int_in(low: int, high: int | None = None):
 
 def real_in(low: float, high: float | None = None, *, above: bool = False):
     """An argparse `type`: a finite number in [low, high] (`above`: strictly > low)."""
+
     def parse(text: str) -> float:
         try:
             v = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        bad = (not math.isfinite(v) or (v <= low if above else v < low)
-               or (high is not None and v > high))
+        bad = not math.isfinite(v) or (v <= low if above else v < low) or (high is not None and v > high)
         if bad:
             lo = f"> {low}" if above else _bounds(low, high)
             if above and high is not None:
                 lo = f"in ({low}, {high}]"
             raise argparse.ArgumentTypeError(f"{text} is invalid; must be a finite number {lo}")
         return v
+
     parse.__name__ = "number"
     parse.bounds = (low, high)
     return parse

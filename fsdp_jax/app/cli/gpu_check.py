@@ -38,8 +38,16 @@ def throughput(config: str, steps: int, overrides: list[str]) -> dict:
     # 8 sequences of 2048 per GPU: with cuDNN attention (no saved S x S logits) and `dots`
     # remat the 1B step needs ~31 GB of activations + 18 GB of states (scripts/plan.py,
     # `dots_no_batch` column as the stand-in), so it fits an 80 GB H100 as well as an H200.
-    cfg = load_config(config, ["precision=params=float32,compute=bfloat16", "model.attention=cudnn",
-                               "remat=dots", f"train.global_batch={8 * n}", *overrides])
+    cfg = load_config(
+        config,
+        [
+            "precision=params=float32,compute=bfloat16",
+            "model.attention=cudnn",
+            "remat=dots",
+            f"train.global_batch={8 * n}",
+            *overrides,
+        ],
+    )
     build = build_step(cfg, "full_shard")  # the trainer's step, on all local devices
     state = build.init_state(jax.random.key(0))
     b = cfg.train.global_batch
@@ -53,12 +61,21 @@ def throughput(config: str, steps: int, overrides: list[str]) -> dict:
     tps = b * cfg.data.seq_len / med
     peak = peak_flops(jax.devices()[0], "bfloat16")
     mem = device_memory() or {}
-    return {"config": config, "params": count_params(cfg.model), "devices": n,
-            "device_kind": jax.devices()[0].device_kind, "global_batch": b, "seq_len": cfg.data.seq_len,
-            "compile_s": compile_s, "step_s_median": med, "tokens_per_s": tps,
-            "mfu": mfu(flops_per_token(cfg.model, cfg.data.seq_len), tps, n, peak),
-            "peak_bytes_in_use": mem.get("peak_bytes_in_use"), "compiled": compiled_memory(compiled),
-            "loss": float(m["loss"])}
+    return {
+        "config": config,
+        "params": count_params(cfg.model),
+        "devices": n,
+        "device_kind": jax.devices()[0].device_kind,
+        "global_batch": b,
+        "seq_len": cfg.data.seq_len,
+        "compile_s": compile_s,
+        "step_s_median": med,
+        "tokens_per_s": tps,
+        "mfu": mfu(flops_per_token(cfg.model, cfg.data.seq_len), tps, n, peak),
+        "peak_bytes_in_use": mem.get("peak_bytes_in_use"),
+        "compiled": compiled_memory(compiled),
+        "loss": float(m["loss"]),
+    }
 
 
 def precision_check() -> dict:
@@ -71,15 +88,20 @@ def precision_check() -> dict:
     from fsdp_jax.app.models.llama import LlamaConfig
     from fsdp_jax.app.trainer_build import trainer_model
 
-    cfg = LlamaConfig(vocab_size=512, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768,
-                      max_seq_len=256)
+    cfg = LlamaConfig(vocab_size=512, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768, max_seq_len=256)
     model = trainer_model(cfg, "none")
     tokens = np.random.default_rng(1).integers(0, 512, (max(8, jax.device_count()), 257), np.int32)
     out = {}
     for name in ("float32", "bfloat16"):
         tx = optax.sgd(0.0)
-        state, plan = fj.init_train_state(model.init, tx, fj.make_mesh(fsdp=-1), jax.random.key(0),
-                                          logical_axes=model.logical_axes, max_replicated_fraction=None)
+        state, plan = fj.init_train_state(
+            model.init,
+            tx,
+            fj.make_mesh(fsdp=-1),
+            jax.random.key(0),
+            logical_axes=model.logical_axes,
+            max_replicated_fraction=None,
+        )
         step = fj.make_train_step(make_loss_fn(model), tx, plan, precision=f"params=float32,compute={name}")
         _, m = step(state, jax.device_put(tokens, plan.batch))
         out[name] = {"loss": float(m["loss"]), "grad_norm": float(m["grad_norm"])}
@@ -101,8 +123,7 @@ def collective_check() -> dict:
     n = jax.device_count()
     if n < 2:
         return {"skipped": f"needs >= 2 devices, have {n}"}
-    cfg = LlamaConfig(vocab_size=512, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768,
-                      max_seq_len=128)
+    cfg = LlamaConfig(vocab_size=512, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768, max_seq_len=128)
     model = trainer_model(cfg, "dots")
     tx = optax.adamw(1e-3)
     plan = fj.make_plan(model.abstract_params, tx, fj.make_mesh(fsdp=-1), "full_shard", model.logical_axes)
@@ -112,10 +133,16 @@ def collective_check() -> dict:
     rep = collective_report(step.lower(abstract, batch).compile().as_text())
     inside = rep["inside_loop"]
     ag = inside.get("all-gather", {}).get("dtypes", {})
-    rs = {**rep["inside_loop"].get("reduce-scatter", {}).get("dtypes", {}),
-          **rep["outside_loop"].get("reduce-scatter", {}).get("dtypes", {})}
-    return {"report": rep, "all_gather_dtypes_in_loop": ag, "reduce_scatter_dtypes": rs,
-            "ok": ag.get("bf16", 0) > 0 and sum(rs.values()) > 0}
+    rs = {
+        **rep["inside_loop"].get("reduce-scatter", {}).get("dtypes", {}),
+        **rep["outside_loop"].get("reduce-scatter", {}).get("dtypes", {}),
+    }
+    return {
+        "report": rep,
+        "all_gather_dtypes_in_loop": ag,
+        "reduce_scatter_dtypes": rs,
+        "ok": ag.get("bf16", 0) > 0 and sum(rs.values()) > 0,
+    }
 
 
 def build_parser(prog: str | None = None) -> Parser:
@@ -130,20 +157,29 @@ def build_parser(prog: str | None = None) -> Parser:
 def run(args) -> int:
     bad = [n for n in args.only.split(",") if n not in ("throughput", "precision", "collectives")]
     if bad or args.steps < 1:
-        raise UsageError(f"--only {args.only!r} / --steps {args.steps}: checks are throughput, precision, "
-                         "collectives; steps >= 1")
+        raise UsageError(
+            f"--only {args.only!r} / --steps {args.steps}: checks are throughput, precision, collectives; steps >= 1"
+        )
     from fsdp_jax.app.cli.args import check_out_file
     from fsdp_jax.app.config import load_config
+
     if "throughput" in args.only.split(","):
         load_config(args.config, args.overrides)  # a bad config: one line now, not a traceback later
     if args.json:
         check_out_file(args.json, "--json")
     import jax
-    print(f"jax {jax.__version__} | backend {jax.default_backend()} | {jax.device_count()} x "
-          f"{jax.devices()[0].device_kind}", flush=True)
+
+    print(
+        f"jax {jax.__version__} | backend {jax.default_backend()} | {jax.device_count()} x "
+        f"{jax.devices()[0].device_kind}",
+        flush=True,
+    )
     results, ok = {}, True
-    checks = {"throughput": lambda: throughput(args.config, args.steps, args.overrides),
-              "precision": precision_check, "collectives": collective_check}
+    checks = {
+        "throughput": lambda: throughput(args.config, args.steps, args.overrides),
+        "precision": precision_check,
+        "collectives": collective_check,
+    }
     for name in args.only.split(","):
         t = time.perf_counter()
         try:
@@ -154,8 +190,10 @@ def run(args) -> int:
             ok = False
         results[name]["wall_s"] = time.perf_counter() - t
         ok = ok and results[name].get("ok", True)
-        print(f"[{name}] " + json.dumps({k: v for k, v in results[name].items() if k != "report"},
-                                        default=str), flush=True)
+        print(
+            f"[{name}] " + json.dumps({k: v for k, v in results[name].items() if k != "report"}, default=str),
+            flush=True,
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1, default=str)
@@ -164,16 +202,21 @@ def run(args) -> int:
     if "tokens_per_s" in tp:
         mfu = f"{tp['mfu']:.1%}" if tp.get("mfu") else "n/a"
         peak = f"{tp['peak_bytes_in_use'] / 2**30:.1f} GiB" if tp.get("peak_bytes_in_use") else "n/a"
-        print(f"| throughput ({tp['params'] / 1e9:.2f}B, bs {tp['global_batch']}x{tp['seq_len']}) | "
-              f"{tp['tokens_per_s']:.0f} tok/s, MFU {mfu}, peak {peak}, step {tp['step_s_median'] * 1e3:.0f} ms |")
+        print(
+            f"| throughput ({tp['params'] / 1e9:.2f}B, bs {tp['global_batch']}x{tp['seq_len']}) | "
+            f"{tp['tokens_per_s']:.0f} tok/s, MFU {mfu}, peak {peak}, step {tp['step_s_median'] * 1e3:.0f} ms |"
+        )
     for name in ("precision", "collectives"):
         if name not in results:
             continue
         r = results[name]
-        print(f"| {name} | {'skipped: ' + r['skipped'] if 'skipped' in r else ('ok' if r.get('ok') else 'FAIL ' + str(r.get('error', '')))} |")
+        print(
+            f"| {name} | {'skipped: ' + r['skipped'] if 'skipped' in r else ('ok' if r.get('ok') else 'FAIL ' + str(r.get('error', '')))} |"
+        )
     return 0 if ok else 1
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     from fsdp_jax.app.cli.command import run_command
+
     return run_command(build_parser(prog), run, argv)

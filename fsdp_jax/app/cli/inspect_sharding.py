@@ -34,13 +34,19 @@ def build_parser(prog: str | None = None) -> Parser:
     add_config(ap, example="remat=full")
     add_target(ap)
     ap.add_argument("--strategy", default=None, help="strategy (default: the config's mesh.strategy)")
-    ap.add_argument("--replicated-threshold", default="auto",
-                    help="flag replicated params at least this big, e.g. 4MiB (default auto: "
-                         "the larger of 1 MiB and 0.1%% of all parameter bytes)")
-    ap.add_argument("--xla-flags", default=None,
-                    help="XLA options for this compile only, e.g. "
-                         "--xla-flags=--xla_gpu_enable_pipelined_all_gather=true "
-                         "(compare schedules with and without: fsdp_jax.xla_flags)")
+    ap.add_argument(
+        "--replicated-threshold",
+        default="auto",
+        help="flag replicated params at least this big, e.g. 4MiB (default auto: "
+        "the larger of 1 MiB and 0.1%% of all parameter bytes)",
+    )
+    ap.add_argument(
+        "--xla-flags",
+        default=None,
+        help="XLA options for this compile only, e.g. "
+        "--xla-flags=--xla_gpu_enable_pipelined_all_gather=true "
+        "(compare schedules with and without: fsdp_jax.xla_flags)",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     return ap
 
@@ -55,13 +61,15 @@ def run(args) -> int:
         options = parse_flags(args.xla_flags) if args.xla_flags else None
     except ValueError as e:  # names the flag
         raise PlanError(str(e)) from None
-    threshold = (None if args.replicated_threshold == "auto"
-                 else parse_bytes(args.replicated_threshold, "--replicated-threshold"))
+    threshold = (
+        None
+        if args.replicated_threshold == "auto"
+        else parse_bytes(args.replicated_threshold, "--replicated-threshold")
+    )
     if args.strategy is not None:
         names = parse_strategies(args.strategy, "--strategy")
         if len(names) != 1 or args.strategy.strip().lower() == "all":
-            raise PlanError(f"--strategy: {args.strategy!r} must name one strategy "
-                            "(the plan command compares several)")
+            raise PlanError(f"--strategy: {args.strategy!r} must name one strategy (the plan command compares several)")
         args.strategy = names[0]
     cfg = load_planning_config(args.config, args.overrides, n)  # JAX: n CPU devices, from here on
     strategy = get_strategy(args.strategy or cfg.mesh.strategy).name
@@ -70,12 +78,22 @@ def run(args) -> int:
     from fsdp_jax.app.fit.report import check_inputs, format_inspection
 
     check_inputs(cfg, n, [strategy])
-    result = run_strategies(cfg, n, [strategy], inspect=True, replicated_threshold=threshold,
-                            target=target, compiler_options=options)[strategy]
+    result = run_strategies(
+        cfg, n, [strategy], inspect=True, replicated_threshold=threshold, target=target, compiler_options=options
+    )[strategy]
     if args.json:
-        json.dump({"config": args.config, "devices": n, "strategy": strategy,
-                   "target": args.target, "hosts": None if target is None else target.hosts, **result},
-                  sys.stdout, indent=1)
+        json.dump(
+            {
+                "config": args.config,
+                "devices": n,
+                "strategy": strategy,
+                "target": args.target,
+                "hosts": None if target is None else target.hosts,
+                **result,
+            },
+            sys.stdout,
+            indent=1,
+        )
         print()
     else:
         print(format_inspection(strategy, result))
@@ -85,4 +103,5 @@ def run(args) -> int:
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     from fsdp_jax.app.cli.command import run_command
     from fsdp_jax.app.cli.plan import planning_errors
+
     return run_command(build_parser(prog), run, argv, errors=planning_errors)

@@ -60,9 +60,11 @@ def stop_all(procs: list[subprocess.Popen], grace: float) -> None:
 
 
 def build_parser(prog: str | None = None) -> Parser:
-    ap = Parser(prog=prog, description=__doc__,
-                usage="%(prog)s [-h] --processes P [--devices-per-process N] [--port PORT] "
-                      "[--grace S] -- COMMAND ...")
+    ap = Parser(
+        prog=prog,
+        description=__doc__,
+        usage="%(prog)s [-h] --processes P [--devices-per-process N] [--port PORT] [--grace S] -- COMMAND ...",
+    )
     ap.add_argument("--processes", type=int_in(1, MAX_PROCESSES), required=True)
     ap.add_argument("--devices-per-process", type=int_in(1, 1 << 16), default=4)
     ap.add_argument("--port", type=int_in(0, 65535), default=0, help="coordinator port (default: a free one)")
@@ -82,14 +84,20 @@ def run(args, command: list[str]) -> int:
         # interface, an unauthenticated service. fsdp_jax.distributed binds a loopback
         # coordinator address there; JAX_COORDINATOR_BIND_ADDRESS does the same for a
         # command that calls jax.distributed.initialize itself.
-        env = dict(os.environ, FSDP_JAX_COORDINATOR=f"127.0.0.1:{port}",
-                   JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{port}",
-                   FSDP_JAX_NUM_PROCESSES=str(args.processes), FSDP_JAX_PROCESS_ID=str(i),
-                   FSDP_JAX_CPU_DEVICES=str(args.devices_per_process), JAX_PLATFORMS="cpu",
-                   PYTHONUNBUFFERED="1")
+        env = dict(
+            os.environ,
+            FSDP_JAX_COORDINATOR=f"127.0.0.1:{port}",
+            JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{port}",
+            FSDP_JAX_NUM_PROCESSES=str(args.processes),
+            FSDP_JAX_PROCESS_ID=str(i),
+            FSDP_JAX_CPU_DEVICES=str(args.devices_per_process),
+            JAX_PLATFORMS="cpu",
+            PYTHONUNBUFFERED="1",
+        )
         try:
-            p = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                 text=True, bufsize=1)
+            p = subprocess.Popen(
+                command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+            )
         except OSError as e:
             stop_all(procs, args.grace)
             raise UsageError(f"cannot start {command[0]!r}: {e.strerror}") from None
@@ -102,6 +110,7 @@ def run(args, command: list[str]) -> int:
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signum)
+
     signal.signal(signal.SIGINT, forward)
     signal.signal(signal.SIGTERM, forward)
 
@@ -111,11 +120,18 @@ def run(args, command: list[str]) -> int:
         failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
         if failed:
             i, rc = failed[0]
-            how = (f" (killed by {signal.Signals(-rc).name}: the others cannot finish a step without it)"
-                   if rc < 0 and -rc in signal.valid_signals() else "")
+            how = (
+                f" (killed by {signal.Signals(-rc).name}: the others cannot finish a step without it)"
+                if rc < 0 and -rc in signal.valid_signals()
+                else ""
+            )
             with lock:
-                print(f"error: launch_local: process {i} exited with {rc}{how}; stopping the other "
-                      f"{len(procs) - 1} (SIGTERM, SIGKILL after {args.grace:g} s)", file=sys.stderr, flush=True)
+                print(
+                    f"error: launch_local: process {i} exited with {rc}{how}; stopping the other "
+                    f"{len(procs) - 1} (SIGTERM, SIGKILL after {args.grace:g} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
             stop_all(procs, args.grace)
             break
         if all(c == 0 for c in codes):
@@ -128,9 +144,10 @@ def run(args, command: list[str]) -> int:
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     from fsdp_jax.app.cli.command import run_command
+
     argv = sys.argv[1:] if argv is None else list(argv)
     command: list[str] = []
     if "--" in argv:
         i = argv.index("--")
-        argv, command = argv[:i], argv[i + 1:]
+        argv, command = argv[:i], argv[i + 1 :]
     return run_command(build_parser(prog), lambda args: run(args, command), argv)

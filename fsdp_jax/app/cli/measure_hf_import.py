@@ -66,28 +66,51 @@ def write_checkpoint(d: Path, args) -> int:
     from fsdp_jax.app.models.llama import LlamaConfig
     from fsdp_jax.safetensors_io import write_safetensors
 
-    cfg = LlamaConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.layers,
-                      n_heads=args.d_model // 64, n_kv_heads=max(1, args.d_model // 256),
-                      ffn_dim=int(args.d_model * 8 / 3) // 64 * 64, max_seq_len=256)
-    (d / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
-        "intermediate_size": cfg.ffn_dim, "max_position_embeddings": 256, "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": False}))
+    cfg = LlamaConfig(
+        vocab_size=args.vocab,
+        d_model=args.d_model,
+        n_layers=args.layers,
+        n_heads=args.d_model // 64,
+        n_kv_heads=max(1, args.d_model // 256),
+        ffn_dim=int(args.d_model * 8 / 3) // 64 * 64,
+        max_seq_len=256,
+    )
+    (d / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "vocab_size": cfg.vocab_size,
+                "hidden_size": cfg.d_model,
+                "num_hidden_layers": cfg.n_layers,
+                "num_attention_heads": cfg.n_heads,
+                "num_key_value_heads": cfg.n_kv_heads,
+                "intermediate_size": cfg.ffn_dim,
+                "max_position_embeddings": 256,
+                "rms_norm_eps": 1e-5,
+                "rope_theta": 10000.0,
+                "hidden_act": "silu",
+                "tie_word_embeddings": False,
+            }
+        )
+    )
     rng = np.random.default_rng(0)
     shapes = list(expected_tensors(cfg).items())
     files, weight_map, total = [[]], {}, 0
     for name, shape in shapes:  # ~4 shards
-        if files[-1] and sum(int(np.prod(s)) for _, s in files[-1]) * 2 > \
-                sum(int(np.prod(s)) for _, s in shapes) * 2 / 4:
+        if (
+            files[-1]
+            and sum(int(np.prod(s)) for _, s in files[-1]) * 2 > sum(int(np.prod(s)) for _, s in shapes) * 2 / 4
+        ):
             files.append([])
         files[-1].append((name, shape))
     for i, group in enumerate(files):
         fname = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
         total += write_safetensors(
-            d / fname, [(n, s, np.dtype(ml_dtypes.bfloat16)) for n, s in group],
-            lambda n: rng.standard_normal(dict(shapes)[n], np.float32).astype(ml_dtypes.bfloat16))
+            d / fname,
+            [(n, s, np.dtype(ml_dtypes.bfloat16)) for n, s in group],
+            lambda n: rng.standard_normal(dict(shapes)[n], np.float32).astype(ml_dtypes.bfloat16),
+        )
         weight_map.update({n: fname for n, _ in group})
     (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return total
@@ -95,6 +118,7 @@ def write_checkpoint(d: Path, args) -> int:
 
 def measure(path: str, naive: bool) -> dict:
     import jax
+
     jax.config.update("jax_num_cpu_devices", 8)
     import numpy as np
     import optax
@@ -113,21 +137,37 @@ def measure(path: str, naive: bool) -> dict:
     with Peak() as p:
         if naive:  # the whole model as host arrays first, then placed
             from fsdp_jax.checkpoint import tree_paths
+
             want = tree_paths(abstract)
-            full = [ckpt.read(names, kind, tuple(slice(0, n) for n in want[k].shape),
-                              tuple(want[k].shape), np.float32, k.startswith("blocks/"))
-                    for k, (names, kind) in ((k, hf.leaf_sources(ckpt.config)[k]) for k in want)]
-            params = jax.device_put(jax.tree.unflatten(jax.tree.structure(abstract), full),
-                                    jax.tree.map(lambda x: x.sharding, abstract))
+            full = [
+                ckpt.read(
+                    names,
+                    kind,
+                    tuple(slice(0, n) for n in want[k].shape),
+                    tuple(want[k].shape),
+                    np.float32,
+                    k.startswith("blocks/"),
+                )
+                for k, (names, kind) in ((k, hf.leaf_sources(ckpt.config)[k]) for k in want)
+            ]
+            params = jax.device_put(
+                jax.tree.unflatten(jax.tree.structure(abstract), full), jax.tree.map(lambda x: x.sharding, abstract)
+            )
         else:
             params = hf.load_params(ckpt, abstract)
         jax.block_until_ready(params)
     after = rss()
     hwm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     peak = max(p.peak, hwm if hwm > hwm_before else 0)
-    return {"naive": naive, "stored_bytes": ckpt.nbytes(), "params_bytes_f32": params_bytes,
-            "rss_before": before, "rss_after": after, "rss_peak": peak,
-            "peak_increase": peak - before}
+    return {
+        "naive": naive,
+        "stored_bytes": ckpt.nbytes(),
+        "params_bytes_f32": params_bytes,
+        "rss_before": before,
+        "rss_after": after,
+        "rss_peak": peak,
+        "peak_increase": peak - before,
+    }
 
 
 def build_parser(prog: str | None = None) -> Parser:
@@ -148,9 +188,12 @@ def run(args) -> int:
         write_checkpoint(Path(tmp), args)
         rows = []
         for mode in ("sharded", "naive"):
-            r = subprocess.run([sys.executable, "-m", "fsdp_jax.app.cli", "measure-hf-import", "--child",
-                                tmp, mode], capture_output=True, text=True,
-                               env=dict(os.environ, JAX_PLATFORMS="cpu"))
+            r = subprocess.run(
+                [sys.executable, "-m", "fsdp_jax.app.cli", "measure-hf-import", "--child", tmp, mode],
+                capture_output=True,
+                text=True,
+                env=dict(os.environ, JAX_PLATFORMS="cpu"),
+            )
             if r.returncode:
                 print(r.stderr[-2000:], file=sys.stderr)
                 return 1
@@ -159,17 +202,22 @@ def run(args) -> int:
         print(json.dumps(rows, indent=2))
         return 0
     mib = 2**20
-    print(f"checkpoint: {rows[0]['stored_bytes'] / mib:.1f} MiB bf16 -> "
-          f"{rows[0]['params_bytes_f32'] / mib:.1f} MiB float32 params over 8 CPU devices")
+    print(
+        f"checkpoint: {rows[0]['stored_bytes'] / mib:.1f} MiB bf16 -> "
+        f"{rows[0]['params_bytes_f32'] / mib:.1f} MiB float32 params over 8 CPU devices"
+    )
     print(f"{'import':<9}{'RSS before':>12}{'peak':>10}{'peak - before':>15}{'/ params':>10}{'/ stored':>10}")
     for r in rows:
         inc = r["rss_peak"] - r["rss_before"]
-        print(f"{'naive' if r['naive'] else 'sharded':<9}{r['rss_before'] / mib:>10.1f}M"
-              f"{r['rss_peak'] / mib:>9.1f}M{inc / mib:>13.1f}M{inc / r['params_bytes_f32']:>10.2f}"
-              f"{inc / r['stored_bytes']:>10.2f}")
+        print(
+            f"{'naive' if r['naive'] else 'sharded':<9}{r['rss_before'] / mib:>10.1f}M"
+            f"{r['rss_peak'] / mib:>9.1f}M{inc / mib:>13.1f}M{inc / r['params_bytes_f32']:>10.2f}"
+            f"{inc / r['stored_bytes']:>10.2f}"
+        )
     return 0
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     from fsdp_jax.app.cli.command import run_command
+
     return run_command(build_parser(prog), run, argv)

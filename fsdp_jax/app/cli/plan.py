@@ -41,20 +41,33 @@ def build_parser(prog: str | None = None) -> Parser:
     ap.add_argument("--device-memory", default=None, help="per-device memory, e.g. 80GB, 80GiB, 141GB")
     ap.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     ap.add_argument("--plot", default=None, help="write a bar chart PNG here")
-    ap.add_argument("--offload", default=None,
-                    help="none | optimizer | optimizer+params, a comma list, or all (default: the config's)")
-    ap.add_argument("--search", action="store_true",
-                    help="search strategy x remat x microbatches x offload for the fastest config that fits")
+    ap.add_argument(
+        "--offload",
+        default=None,
+        help="none | optimizer | optimizer+params, a comma list, or all (default: the config's)",
+    )
+    ap.add_argument(
+        "--search",
+        action="store_true",
+        help="search strategy x remat x microbatches x offload for the fastest config that fits",
+    )
     ap.add_argument("--remat", default=None, help="with --search: remat policies to try (comma list, or all)")
-    ap.add_argument("--microbatches", default=None,
-                    help="with --search: microbatch counts to try (default: powers of two dividing the batch)")
+    ap.add_argument(
+        "--microbatches",
+        default=None,
+        help="with --search: microbatch counts to try (default: powers of two dividing the batch)",
+    )
     ap.add_argument("--vary", default=None, help="with --search: also vary batch and/or seq (e.g. batch,seq)")
     ap.add_argument("--headroom", default=None, help="with --search: device memory kept free (10%% default, or 8GB)")
     ap.add_argument("--host-memory", default=None, help="with --search: pinned host memory per host (e.g. 1TB)")
-    ap.add_argument("--max-compiles", default=None,
-                    help="with --search: compile at most this many candidates (default 4; 0: analytic only)")
-    ap.add_argument("--progress", action="store_true",
-                    help="with --search: progress lines on stderr even when it is not a terminal")
+    ap.add_argument(
+        "--max-compiles",
+        default=None,
+        help="with --search: compile at most this many candidates (default 4; 0: analytic only)",
+    )
+    ap.add_argument(
+        "--progress", action="store_true", help="with --search: progress lines on stderr even when it is not a terminal"
+    )
     ap.add_argument("--rows", default=None, help="with --search: rows of the ranked table (default 10)")
     return ap
 
@@ -66,6 +79,7 @@ def planning_errors():
     """The planning commands' own bad-input classes (plan, inspect)."""
     from fsdp_jax.app.fit.report import PlanError
     from fsdp_jax.targets import TargetError
+
     return (PlanError, TargetError), ()
 
 
@@ -73,13 +87,15 @@ def parse_offloads(text: str | None) -> list[str] | None:
     """`--offload`: None (the config's), one setting, a comma list, or `all`."""
     from fsdp_jax.app.fit.report import PlanError
     from fsdp_jax.offload import OFFLOADS
+
     if text is None:
         return None
     names = list(OFFLOADS) if text.strip() == "all" else [t.strip() for t in text.split(",")]
     bad = [t for t in names if t not in OFFLOADS]
     if bad or not names:
-        raise PlanError(f"--offload: {bad[0] if bad else text!r} is not one of "
-                        f"{', '.join(OFFLOADS)} (or all, or a comma list)")
+        raise PlanError(
+            f"--offload: {bad[0] if bad else text!r} is not one of {', '.join(OFFLOADS)} (or all, or a comma list)"
+        )
     return list(dict.fromkeys(names))
 
 
@@ -106,13 +122,26 @@ def search_command(args) -> int:
     else:
         raise SearchError("--search: give --device-memory (or a --target, whose memory is known)")
     headroom, fraction = sr.parse_headroom(args.headroom)
-    space = SearchSpace(strategies=tuple(parse_strategies(args.strategies)), remats=sr.parse_remats(args.remat),
-                        microbatches=sr.parse_microbatches(args.microbatches),
-                        offloads=sr.parse_offloads(args.offload), vary=sr.parse_vary(args.vary))
-    limits = Limits(device_memory=mem, headroom=headroom, headroom_fraction=fraction,
-                    host_memory=None if args.host_memory is None else parse_bytes(args.host_memory, "--host-memory"),
-                    max_compiles=(4 if args.max_compiles is None else 0 if args.max_compiles.strip() == "0"
-                                  else parse_devices(args.max_compiles, "--max-compiles")))
+    space = SearchSpace(
+        strategies=tuple(parse_strategies(args.strategies)),
+        remats=sr.parse_remats(args.remat),
+        microbatches=sr.parse_microbatches(args.microbatches),
+        offloads=sr.parse_offloads(args.offload),
+        vary=sr.parse_vary(args.vary),
+    )
+    limits = Limits(
+        device_memory=mem,
+        headroom=headroom,
+        headroom_fraction=fraction,
+        host_memory=None if args.host_memory is None else parse_bytes(args.host_memory, "--host-memory"),
+        max_compiles=(
+            4
+            if args.max_compiles is None
+            else 0
+            if args.max_compiles.strip() == "0"
+            else parse_devices(args.max_compiles, "--max-compiles")
+        ),
+    )
     rows = 10 if args.rows is None else parse_devices(args.rows, "--rows")
     cfg = load_planning_config(args.config, args.overrides, n)
     show = args.progress or sys.stderr.isatty()  # else stderr holds only an error's one line
@@ -133,6 +162,7 @@ def run(args) -> int:
     import dataclasses
 
     from fsdp_jax.app.fit.report import PlanError
+
     if args.search:
         return search_command(args)
     for flag in SEARCH_ONLY:
@@ -159,10 +189,17 @@ def run(args) -> int:
     cfg = load_planning_config(args.config, args.overrides, n)  # JAX: n CPU devices, from here on
 
     from fsdp_jax.app.fit.estimate import format_offload_table, plan_config
+
     docs = {}
     for o in offloads or [cfg.offload]:
-        docs[o] = plan_config(dataclasses.replace(cfg, offload=o), n, strategies,
-                              device_memory=mem, config_name=args.config, target=target)
+        docs[o] = plan_config(
+            dataclasses.replace(cfg, offload=o),
+            n,
+            strategies,
+            device_memory=mem,
+            config_name=args.config,
+            target=target,
+        )
     if len(docs) > 1:
         if args.json:
             json.dump({"offload": docs}, sys.stdout, indent=1)
@@ -187,4 +224,5 @@ def run(args) -> int:
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     from fsdp_jax.app.cli.command import run_command
+
     return run_command(build_parser(prog), run, argv, errors=planning_errors)

@@ -38,12 +38,14 @@ def run(args) -> int:
         raise UsageError(f"{path}: no logged training steps yet")
     out = Path(args.out) if args.out else Path(args.run_dir) / "metrics.png"
     if out.is_dir() or not out.absolute().parent.is_dir() or not os.access(out.absolute().parent, os.W_OK):
-        raise UsageError(f"--out {str(out)!r}: not a writable file path (a directory, or its directory "
-                         "is missing or read-only)")
+        raise UsageError(
+            f"--out {str(out)!r}: not a writable file path (a directory, or its directory is missing or read-only)"
+        )
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         from fsdp_jax.app.extras import missing_message
+
         raise UsageError(missing_message("matplotlib", "plotting")) from None
     plot(records, out)
     print(out)
@@ -52,4 +54,5 @@ def run(args) -> int:
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     from fsdp_jax.app.cli.command import run_command
+
     return run_command(build_parser(prog), run, argv)

@@ -45,21 +45,34 @@ def build_parser(prog: str | None = None) -> Parser:
     p.add_argument("--val-bin", help="pre-tokenized val token file")
     p.add_argument("--vocab-size", type=int, help="vocabulary of the --bin files")
     p.add_argument("--dtype", choices=("uint16", "uint32"), help="dtype of the --bin files")
-    p.add_argument("--tokenizer", default="bytes",
-                   help="bytes (default), a tokenizer.json, a SentencePiece .model or a model dir")
+    p.add_argument(
+        "--tokenizer", default="bytes", help="bytes (default), a tokenizer.json, a SentencePiece .model or a model dir"
+    )
     p.add_argument("--eos", help="end-of-document token (default: from the tokenizer)")
     p.add_argument("--threads", type=int_in(1), default=None, help="encoding threads (default: all)")
     p.add_argument("--model", help="Hugging Face model dir whose vocab_size the tokenizer must fit")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--pack", type=int_in(2), metavar="ROW_LEN",
-                   help="fine-tuning examples packed into rows of ROW_LEN tokens")
-    p.add_argument("--train-on-all", action="store_true",
-                   help="--pack: train on every token (default: assistant turns / completions only)")
-    p.add_argument("--overflow", choices=("truncate", "split"), default="truncate",
-                   help="--pack: an example longer than a row is truncated (default) or split")
+    p.add_argument(
+        "--pack", type=int_in(2), metavar="ROW_LEN", help="fine-tuning examples packed into rows of ROW_LEN tokens"
+    )
+    p.add_argument(
+        "--train-on-all",
+        action="store_true",
+        help="--pack: train on every token (default: assistant turns / completions only)",
+    )
+    p.add_argument(
+        "--overflow",
+        choices=("truncate", "split"),
+        default="truncate",
+        help="--pack: an example longer than a row is truncated (default) or split",
+    )
     p.add_argument("--chat-template", help="--pack: a jinja chat template file (default: the tokenizer's)")
-    p.add_argument("--workers", type=int_in(1), default=1,
-                   help="--pack: processes rendering and tokenizing examples (default 1; same output)")
+    p.add_argument(
+        "--workers",
+        type=int_in(1),
+        default=1,
+        help="--pack: processes rendering and tokenizing examples (default 1; same output)",
+    )
     return p
 
 
@@ -102,12 +115,15 @@ def _check_vocab(args) -> None:
 
         vocab = model_config_from_hf(read_config_json(args.model), f"{args.model}/config.json").vocab_size
         if tok.vocab_size > vocab:
-            raise DataError(f"--tokenizer {args.tokenizer}: vocab size {tok.vocab_size} exceeds "
-                             f"--model {args.model} vocab_size {vocab}; use the model's own tokenizer")
+            raise DataError(
+                f"--tokenizer {args.tokenizer}: vocab size {tok.vocab_size} exceeds "
+                f"--model {args.model} vocab_size {vocab}; use the model's own tokenizer"
+            )
 
 
 def _errors():
     from fsdp_jax.app.tokenizer import TokenizerError
+
     return (TokenizerError,), ()
 
 
@@ -124,38 +140,54 @@ def run(args) -> int:
         if args.tokenizer != "bytes":
             _check_vocab(args)
         from fsdp_jax.app.sft_data import prepare_examples
-        meta = prepare_examples(args.sources, args.out, args.pack, args.val_fraction, args.seed,
-                                tokenizer=args.tokenizer, pattern=args.pattern, eos=args.eos,
-                                chat_template=args.chat_template,
-                                train_on="all" if args.train_on_all else "targets",
-                                overflow=args.overflow, threads=args.threads,
-                                progress=not args.no_progress, workers=args.workers)
+
+        meta = prepare_examples(
+            args.sources,
+            args.out,
+            args.pack,
+            args.val_fraction,
+            args.seed,
+            tokenizer=args.tokenizer,
+            pattern=args.pattern,
+            eos=args.eos,
+            chat_template=args.chat_template,
+            train_on="all" if args.train_on_all else "targets",
+            overflow=args.overflow,
+            threads=args.threads,
+            progress=not args.no_progress,
+            workers=args.workers,
+        )
         pk = meta["packing"]
-        print(f"{args.out}: {meta['examples']:,} examples ({', '.join(f'{k} {v}' for k, v in meta['kinds'].items())}) "
-              f"-> train {meta['train_rows']:,} rows, val {meta['val_rows']:,} rows of {meta['row_len']} "
-              f"tokens; packing efficiency {pk['efficiency']:.2%}; truncated {pk['truncated']}, "
-              f"split {pk['split']}, skipped (nothing to train on) {pk['empty']}"
-              + (f", first at {meta['first_empty']}" if meta["first_empty"] else ""))
+        print(
+            f"{args.out}: {meta['examples']:,} examples ({', '.join(f'{k} {v}' for k, v in meta['kinds'].items())}) "
+            f"-> train {meta['train_rows']:,} rows, val {meta['val_rows']:,} rows of {meta['row_len']} "
+            f"tokens; packing efficiency {pk['efficiency']:.2%}; truncated {pk['truncated']}, "
+            f"split {pk['split']}, skipped (nothing to train on) {pk['empty']}"
+            + (f", first at {meta['first_empty']}" if meta["first_empty"] else "")
+        )
         return 0
     if args.bin is not None:
         meta = data.prepare_bin(args.bin, args.val_bin, args.out, args.vocab_size, args.dtype)
     elif args.tokenizer != "bytes":
         _check_vocab(args)
-        tok = dict(tokenizer=args.tokenizer, eos=args.eos, threads=args.threads,
-                   progress=not args.no_progress)
-        meta = (data.prepare_stdlib(args.out, args.val_fraction, args.seed, **tok) if args.stdlib
-                else data.prepare_text(args.sources, args.out, args.val_fraction, args.seed,
-                                       pattern=args.pattern, **tok))
+        tok = dict(tokenizer=args.tokenizer, eos=args.eos, threads=args.threads, progress=not args.no_progress)
+        meta = (
+            data.prepare_stdlib(args.out, args.val_fraction, args.seed, **tok)
+            if args.stdlib
+            else data.prepare_text(args.sources, args.out, args.val_fraction, args.seed, pattern=args.pattern, **tok)
+        )
     elif args.stdlib:
         meta = data.prepare_stdlib(args.out, args.val_fraction, args.seed)
     else:
-        meta = data.prepare_text(args.sources, args.out, args.val_fraction, args.seed,
-                                 pattern=args.pattern)
-    print(f"{args.out}: train {meta['train_tokens']:,} tokens, val {meta['val_tokens']:,} tokens "
-          f"(vocab {meta['vocab_size']}, {meta['dtype']})")
+        meta = data.prepare_text(args.sources, args.out, args.val_fraction, args.seed, pattern=args.pattern)
+    print(
+        f"{args.out}: train {meta['train_tokens']:,} tokens, val {meta['val_tokens']:,} tokens "
+        f"(vocab {meta['vocab_size']}, {meta['dtype']})"
+    )
     return 0
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     from fsdp_jax.app.cli.command import run_command
+
     return run_command(build_parser(prog), run, argv, errors=_errors)

@@ -25,12 +25,15 @@ def build_parser(prog: str | None = None) -> Parser:
     return ap
 
 
-PEER_NOTE = ("the newest committed checkpoint is intact (a save in flight never commits without every "
-             "process): run the same command again to resume")
+PEER_NOTE = (
+    "the newest committed checkpoint is intact (a save in flight never commits without every "
+    "process): run the same command again to resume"
+)
 
 
 def _errors():
     from fsdp_jax.app.loop import TrainingDiverged
+
     return (), (TrainingDiverged,)
 
 
@@ -48,8 +51,14 @@ def run(args) -> int:
         apply_gpu_fsdp_flags()
     d = cfg.distributed
     try:  # before any computation: joins this process to the others, if any
-        maybe_initialize(d.coordinator, d.num_processes, d.process_id, d.init_timeout_s,
-                         peer_timeout_s=d.peer_timeout_s, peer_note=PEER_NOTE)
+        maybe_initialize(
+            d.coordinator,
+            d.num_processes,
+            d.process_id,
+            d.init_timeout_s,
+            peer_timeout_s=d.peer_timeout_s,
+            peer_note=PEER_NOTE,
+        )
     except ValueError as e:
         raise ConfigError("distributed", str(e)) from None
     try:
@@ -65,4 +74,5 @@ def run(args) -> int:
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     from fsdp_jax.app.cli.command import run_command
+
     return run_command(build_parser(prog), run, argv, errors=_errors)

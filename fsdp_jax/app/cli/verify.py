@@ -39,8 +39,9 @@ def build_parser(prog: str | None = None) -> Parser:
     add_devices(ap, "8", text="devices to verify on (default 8)")
     ap.add_argument("--steps", type=int_in(1), default=3, help="train steps compared (default 3)")
     ap.add_argument("--seed", type=int_in(0, 2**63 - 1), default=0, help="init and batch seed")
-    ap.add_argument("--max-params", type=real_in(0), default=20e6,
-                    help="shrink models with more params than this (0: never shrink)")
+    ap.add_argument(
+        "--max-params", type=real_in(0), default=20e6, help="shrink models with more params than this (0: never shrink)"
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     return ap
 
@@ -48,6 +49,7 @@ def build_parser(prog: str | None = None) -> Parser:
 def _errors():
     from fsdp_jax.app.fit.report import PlanError
     from fsdp_jax.verify import VerifyError
+
     return (PlanError, VerifyError), ()
 
 
@@ -85,31 +87,53 @@ def run(args) -> int:
         except RuntimeError as e:  # cannot shrink keeping the decisions: exit 1, one line
             return fail_env(e)
         reduced = count_params(cfg.model) / 1e6
-        notes += [f"{n_params / 1e6:.1f}M params: shrunk to verify on CPU ({reduced:.2f}M); "
-                  + ", ".join(f"{k} {a} -> {b}" for k, a, b in ((k, *v) for k, v in changed.items())),
-                  "kept: every dim's divisibility by the device count, the logical names, "
-                  "global_batch, precision, remat, microbatches, optimizer"] + more
+        notes += [
+            f"{n_params / 1e6:.1f}M params: shrunk to verify on CPU ({reduced:.2f}M); "
+            + ", ".join(f"{k} {a} -> {b}" for k, a, b in ((k, *v) for k, v in changed.items())),
+            "kept: every dim's divisibility by the device count, the logical names, "
+            "global_batch, precision, remat, microbatches, optimizer",
+        ] + more
     if cfg.model.attention != "xla" and devices[0].platform == "cpu":
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="xla"))
         notes.append("model.attention cudnn -> xla (CPU devices)")
     if cfg.mesh.tensor != 1:
-        notes.append(f"mesh.tensor={cfg.mesh.tensor} ignored: verify compares the data-parallel "
-                     "strategies on (data, fsdp) meshes")
-    notes.append(f"optimizer {cfg.optimizer.name} at its peak lr {cfg.optimizer.lr:g} (warmup skipped); "
-                 f"batches: random tokens ({cfg.train.global_batch}, {cfg.data.seq_len + 1})")
+        notes.append(
+            f"mesh.tensor={cfg.mesh.tensor} ignored: verify compares the data-parallel "
+            "strategies on (data, fsdp) meshes"
+        )
+    notes.append(
+        f"optimizer {cfg.optimizer.name} at its peak lr {cfg.optimizer.lr:g} (warmup skipped); "
+        f"batches: random tokens ({cfg.train.global_batch}, {cfg.data.seq_len + 1})"
+    )
 
     model = trainer_model(cfg.model, cfg.remat)
     optimizer, _ = build_optimizer(dataclasses.replace(cfg.optimizer, warmup_steps=0), cfg.train.steps)
     rng = np.random.default_rng(args.seed)
-    batches = [rng.integers(0, cfg.model.vocab_size, (cfg.train.global_batch, cfg.data.seq_len + 1),
-                            dtype=np.int32) for _ in range(args.steps)]
-    report = verify(model, optimizer, make_loss_fn(model), batches=batches, strategies=strategies,
-                    devices=n, steps=args.steps, seed=args.seed, precision=cfg.precision,
-                    microbatches=cfg.train.microbatches, clip_norm=cfg.optimizer.clip_norm,
-                    min_shard_size=cfg.mesh.min_shard_size)
+    batches = [
+        rng.integers(0, cfg.model.vocab_size, (cfg.train.global_batch, cfg.data.seq_len + 1), dtype=np.int32)
+        for _ in range(args.steps)
+    ]
+    report = verify(
+        model,
+        optimizer,
+        make_loss_fn(model),
+        batches=batches,
+        strategies=strategies,
+        devices=n,
+        steps=args.steps,
+        seed=args.seed,
+        precision=cfg.precision,
+        microbatches=cfg.train.microbatches,
+        clip_norm=cfg.optimizer.clip_norm,
+        min_shard_size=cfg.mesh.min_shard_size,
+    )
     if args.json:
-        doc = {"config": args.config, "shrunk": {k: list(v) for k, v in changed.items()},
-               "notes": notes, **report.to_dict()}
+        doc = {
+            "config": args.config,
+            "shrunk": {k: list(v) for k, v in changed.items()},
+            "notes": notes,
+            **report.to_dict(),
+        }
         json.dump(doc, sys.stdout, indent=1)
         print()
     else:
@@ -122,4 +146,5 @@ def run(args) -> int:
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     from fsdp_jax.app.cli.command import run_command
+
     return run_command(build_parser(prog), run, argv, errors=_errors)

@@ -27,47 +27,80 @@ from fsdp_jax.hlo import involuntary_rematerializations
 from fsdp_jax.offload import OffloadError
 
 
-def run_strategies(cfg, n_devices: int, strategies: Sequence[str], *, inspect: bool = False,
-                   replicated_threshold: int | None = None, target=None,
-                   step_options: dict[str, Any] | None = None,
-                   compiler_options: dict[str, Any] | None = None) -> dict[str, dict]:
+def run_strategies(
+    cfg,
+    n_devices: int,
+    strategies: Sequence[str],
+    *,
+    inspect: bool = False,
+    replicated_threshold: int | None = None,
+    target=None,
+    step_options: dict[str, Any] | None = None,
+    compiler_options: dict[str, Any] | None = None,
+) -> dict[str, dict]:
     """`plan_strategy` for each strategy on `n_devices`: in this process when it has
     that many devices, otherwise in a child process with `n_devices` fake CPU devices.
     With `target` (a `fsdp_jax.targets.Target`), always in a child process that
     compiles for that GPU target (the CUDA plugin on its path only: `targets.child_env`)."""
     from fsdp_jax.verify import devices_for
+
     devices = None if target is not None else devices_for(n_devices)
     if devices is not None:
-        return {s: plan_strategy(cfg, s, devices, inspect=inspect, replicated_threshold=replicated_threshold,
-                                 step_options=step_options, compiler_options=compiler_options)
-                for s in strategies}
+        return {
+            s: plan_strategy(
+                cfg,
+                s,
+                devices,
+                inspect=inspect,
+                replicated_threshold=replicated_threshold,
+                step_options=step_options,
+                compiler_options=compiler_options,
+            )
+            for s in strategies
+        }
     from fsdp_jax.app.config import config_to_dict
-    request = {"config": config_to_dict(cfg), "devices": n_devices, "strategies": list(strategies),
-               "inspect": inspect, "replicated_threshold": replicated_threshold,
-               "step_options": step_options or {}, "compiler_options": compiler_options or {}}
+
+    request = {
+        "config": config_to_dict(cfg),
+        "devices": n_devices,
+        "strategies": list(strategies),
+        "inspect": inspect,
+        "replicated_threshold": replicated_threshold,
+        "step_options": step_options or {},
+        "compiler_options": compiler_options or {},
+    }
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     where = f"{n_devices} CPU devices"
-    scratch_dir = (tempfile.TemporaryDirectory(prefix="fsdp_jax-plan-") if target is not None
-                   else contextlib.nullcontext())
+    scratch_dir = (
+        tempfile.TemporaryDirectory(prefix="fsdp_jax-plan-") if target is not None else contextlib.nullcontext()
+    )
     with scratch_dir as scratch:
         if target is not None:
             from fsdp_jax import targets
+
             # raises PluginMissing (a TargetError) naming the install step; the strategies
             # compiled in the child reuse each other's GPU kernels (a cache of its own)
             env = targets.child_env(env, kernel_cache=Path(scratch) / "xla_gpu_kernels.bin", target=target)
             request["target"] = target.as_dict()
             where = target.describe()
-        proc = subprocess.run([sys.executable, "-m", "fsdp_jax.app.fit.estimate"], input=json.dumps(request),
-                              capture_output=True, text=True, env=env)
+        proc = subprocess.run(
+            [sys.executable, "-m", "fsdp_jax.app.fit.estimate"],
+            input=json.dumps(request),
+            capture_output=True,
+            text=True,
+            env=env,
+        )
     if proc.returncode == 2:
         raise PlanError(proc.stderr.strip().splitlines()[-1].removeprefix("error: "))
     from fsdp_jax.xla_flags import UNKNOWN_FLAG, unknown_flag
+
     unknown = unknown_flag(proc.stderr)
     if unknown:  # XLA aborts the child on a flag this jaxlib does not know: the user's input
         raise PlanError(f"XLA_FLAGS: {UNKNOWN_FLAG}: {unknown} (this jax's XLA does not know it)")
     if proc.returncode != 0:
-        raise RuntimeError(f"planner child process ({where}) failed with exit code "
-                           f"{proc.returncode}:\n{proc.stderr[-4000:]}")
+        raise RuntimeError(
+            f"planner child process ({where}) failed with exit code {proc.returncode}:\n{proc.stderr[-4000:]}"
+        )
     out = json.loads(proc.stdout)
     for name, log in _logs_by_strategy(proc.stderr).items():
         for r in involuntary_rematerializations(log):
@@ -76,7 +109,8 @@ def run_strategies(cfg, n_devices: int, strategies: Sequence[str], *, inspect: b
                     f"involuntary full rematerialization of {r['tensor']} {r['shape']} (op {r['op_name'] or '?'}): "
                     f"the partitioner could not go from sharding {r['from']} to {r['to']} without "
                     f"materialising the whole tensor on every device; constrain it (or its producer) "
-                    f"to a layout that maps onto the target one")
+                    f"to a layout that maps onto the target one"
+                )
     return out
 
 
@@ -90,7 +124,7 @@ def _logs_by_strategy(stderr: str) -> dict[str, str]:
     current = None
     for line in stderr.splitlines():
         if line.startswith(_STRATEGY_MARK):
-            current = line[len(_STRATEGY_MARK):].strip()
+            current = line[len(_STRATEGY_MARK) :].strip()
             out[current] = []
         elif current is not None:
             out[current].append(line)
@@ -109,37 +143,51 @@ def _child_main() -> int:
     from fsdp_jax.app.cli import BAD_INPUT, fail
     from fsdp_jax.app.config import config_from_dict
     from fsdp_jax.targets import TargetError
+
     try:
         cfg = config_from_dict(req["config"])
         sizes = {}
         if target is None:
-            devices = jax.devices()[:req["devices"]]
+            devices = jax.devices()[: req["devices"]]
         else:
             from fsdp_jax import targets
+
             t = targets.Target(**target)
             devices = targets.target_devices(t)
             sizes = {s: target_mesh_sizes(cfg, s, len(devices), t.hosts) for s in req["strategies"]}
         out = {}
         for s in req["strategies"]:
             print(_STRATEGY_MARK + s, file=sys.stderr, flush=True)  # XLA logs to the same fd 2
-            out[s] = plan_strategy(cfg, s, devices, inspect=req["inspect"],
-                                   replicated_threshold=req["replicated_threshold"],
-                                   mesh_sizes=sizes.get(s), step_options=req.get("step_options"),
-                                   compiler_options=req.get("compiler_options"))
+            out[s] = plan_strategy(
+                cfg,
+                s,
+                devices,
+                inspect=req["inspect"],
+                replicated_threshold=req["replicated_threshold"],
+                mesh_sizes=sizes.get(s),
+                step_options=req.get("step_options"),
+                compiler_options=req.get("compiler_options"),
+            )
             sys.stderr.flush()
     except BAD_INPUT + (PlanError, TargetError) as e:
         return fail(e)
     except OffloadError as e:  # compile-only GPU devices plan it (target_offload); others refuse
         if target is None:
             raise
-        return fail(TargetError(
-            f"{e} (compile-only {target['name']} devices offer no pinned_host memory kind: plan --offload "
-            f"without --target)"))
+        return fail(
+            TargetError(
+                f"{e} (compile-only {target['name']} devices offer no pinned_host memory kind: plan --offload "
+                f"without --target)"
+            )
+        )
     except RuntimeError as e:
         if target is None or "cuDNN" not in str(e):
             raise
-        return fail(TargetError(
-            f"model.attention=cudnn: NVIDIA's cuDNN library is not in the compile folder ({e}); install it with "
-            f"`{targets.INSTALL_HINT}` (it adds NVIDIA's cuDNN wheel next to the CUDA plugin)"))
+        return fail(
+            TargetError(
+                f"model.attention=cudnn: NVIDIA's cuDNN library is not in the compile folder ({e}); install it with "
+                f"`{targets.INSTALL_HINT}` (it adds NVIDIA's cuDNN wheel next to the CUDA plugin)"
+            )
+        )
     json.dump(out, sys.stdout)
     return 0

@@ -77,8 +77,15 @@ from fsdp_jax.memory import tree_bytes
 from fsdp_jax.precision import Policy
 
 
-def plan_config(cfg, n_devices: int, strategies: Sequence[str] | str | None = None, *,
-                device_memory: int | None = None, config_name: str = "", target=None) -> dict[str, Any]:
+def plan_config(
+    cfg,
+    n_devices: int,
+    strategies: Sequence[str] | str | None = None,
+    *,
+    device_memory: int | None = None,
+    config_name: str = "",
+    target=None,
+) -> dict[str, Any]:
     """The planner's JSON document for `cfg` on `n_devices` (bytes per device, ints):
     {"config", "devices", "params", "param_bytes", "device_memory", "wall_s", "notes",
     "target", "strategies": {name: {"mesh", "analytic": {params, grads, optimizer,
@@ -89,11 +96,13 @@ def plan_config(cfg, n_devices: int, strategies: Sequence[str] | str | None = No
     `target` (`fsdp_jax.targets.Target`) the step is compiled by XLA:GPU for that GPU
     and cluster shape (deviceless), and `device_memory` defaults to the target's."""
     from fsdp_jax.app.models.llama import count_params
+
     t0 = time.perf_counter()
     names = parse_strategies(strategies)
     check_inputs(cfg, n_devices, names)
     if target is not None and device_memory is None:
         from fsdp_jax.targets import device_memory as target_memory
+
         device_memory = target_memory(target.name)
     results = run_strategies(cfg, n_devices, names, target=target)
     n_params = count_params(cfg.model)
@@ -110,34 +119,51 @@ def plan_config(cfg, n_devices: int, strategies: Sequence[str] | str | None = No
             r["fits"] = r["headroom"] = r["fits_analytic"] = None
         if target is not None and not r.get("refused"):  # a roofline over its traffic (GPU or TPU)
             from fsdp_jax.app.fit.step_time import predict
+
             r["predicted"] = predict(cfg, target.name, n_devices, r)
-    notes = [f"{n_devices} devices; precision {policy}; remat {cfg.remat}; offload {cfg.offload}; "
-             f"global_batch {cfg.train.global_batch} x seq {cfg.data.seq_len}, "
-             f"microbatches {cfg.train.microbatches}",
-             "analytic params/optimizer/batch come from the sharding plan; grads, gathered and "
-             "activations from formulas (fsdp_jax.app.fit.memory_model docstring); compiled = memory_analysis() "
-             "of the AOT-compiled train step (grads live in its temp)"]
+    notes = [
+        f"{n_devices} devices; precision {policy}; remat {cfg.remat}; offload {cfg.offload}; "
+        f"global_batch {cfg.train.global_batch} x seq {cfg.data.seq_len}, "
+        f"microbatches {cfg.train.microbatches}",
+        "analytic params/optimizer/batch come from the sharding plan; grads, gathered and "
+        "activations from formulas (fsdp_jax.app.fit.memory_model docstring); compiled = memory_analysis() "
+        "of the AOT-compiled train step (grads live in its temp)",
+    ]
     if cfg.offload != "none":
-        notes.append(f"offload {cfg.offload}: host = per-device bytes resting in pinned host memory "
-                     f"(x{DEVICES_PER_HOST} per host); fits uses device_peak / device_total, which "
-                     "leave them out (on CPU the compiled program moves nothing, so its device_peak "
-                     "misses the transient device copies the analytic device_total counts)")
+        notes.append(
+            f"offload {cfg.offload}: host = per-device bytes resting in pinned host memory "
+            f"(x{DEVICES_PER_HOST} per host); fits uses device_peak / device_total, which "
+            "leave them out (on CPU the compiled program moves nothing, so its device_peak "
+            "misses the transient device copies the analytic device_total counts)"
+        )
     if "hybrid_shard" in results:
         m = results["hybrid_shard"]["mesh"]
-        notes.append(f"hybrid_shard uses data={m['data']} x fsdp={m['fsdp']} (params sharded within "
-                     f"fsdp, replicated over data)")
+        notes.append(
+            f"hybrid_shard uses data={m['data']} x fsdp={m['fsdp']} (params sharded within fsdp, replicated over data)"
+        )
     if target is not None:
-        notes.insert(0, f"compiled by XLA:{target.platform.upper()} for {target.describe()} (deviceless AOT: "
-                        f"no {target.platform.upper()} used; no autotuning); device memory "
-                        f"{device_memory / 1e9:.2f} GB unless given")
+        notes.insert(
+            0,
+            f"compiled by XLA:{target.platform.upper()} for {target.describe()} (deviceless AOT: "
+            f"no {target.platform.upper()} used; no autotuning); device memory "
+            f"{device_memory / 1e9:.2f} GB unless given",
+        )
     platforms = {r["platform"] for r in results.values()}
     if "cpu" in platforms and policy.compute_dtype != np.dtype("float32"):
-        notes.append("compiled on CPU: XLA:CPU upcasts bf16 matmuls and collectives to f32, so "
-                     "compiled temp overstates a GPU/TPU compile")
-    doc = {"config": config_name, "devices": n_devices, "params": n_params,
-           "target": None if target is None else target.as_dict(),
-           "param_bytes": tree_bytes(_abstract_params(cfg)), "device_memory": device_memory,
-           "strategies": results, "notes": notes}
+        notes.append(
+            "compiled on CPU: XLA:CPU upcasts bf16 matmuls and collectives to f32, so "
+            "compiled temp overstates a GPU/TPU compile"
+        )
+    doc = {
+        "config": config_name,
+        "devices": n_devices,
+        "params": n_params,
+        "target": None if target is None else target.as_dict(),
+        "param_bytes": tree_bytes(_abstract_params(cfg)),
+        "device_memory": device_memory,
+        "strategies": results,
+        "notes": notes,
+    }
     doc["wall_s"] = round(time.perf_counter() - t0, 1)
     return doc
 
@@ -147,26 +173,38 @@ def format_offload_table(docs: dict[str, dict[str, Any]]) -> str:
     device_peak), host bytes per device and per host, and whether it fits."""
     first = next(iter(docs.values()))
     mem = first.get("device_memory")
-    lines = [f"offload: bytes per device (analytic device_total / compiled device_peak) and host "
-             f"bytes (per device / per host of {DEVICES_PER_HOST})"
-             + (f"; fits = analytic and compiled <= {fmt_bytes(mem)}" if mem else "")]
-    hdr = (f"{'strategy':<14}{'offload':<18}{'device ana':>11}{'device cmp':>11}{'host/dev':>10}"
-           f"{'host/host':>11}{'H<->D/step':>11}{'fits':>9}")
+    lines = [
+        f"offload: bytes per device (analytic device_total / compiled device_peak) and host "
+        f"bytes (per device / per host of {DEVICES_PER_HOST})"
+        + (f"; fits = analytic and compiled <= {fmt_bytes(mem)}" if mem else "")
+    ]
+    hdr = (
+        f"{'strategy':<14}{'offload':<18}{'device ana':>11}{'device cmp':>11}{'host/dev':>10}"
+        f"{'host/host':>11}{'H<->D/step':>11}{'fits':>9}"
+    )
     lines += [hdr, "-" * len(hdr)]
     for name in first["strategies"]:
         for off, doc in docs.items():
             r = doc["strategies"][name]
             a, c = r["analytic"], r["compiled"]
-            fits = "-" if r["fits"] is None else (
-                f"{'yes' if r['fits_analytic'] else 'NO'}/{'yes' if r['fits'] else 'NO'}")
-            lines.append(f"{name:<14}{off:<18}{fmt_bytes(a['device_total']):>11}"
-                         f"{fmt_bytes(c['device_peak']):>11}{fmt_bytes(a['host']):>10}"
-                         f"{fmt_bytes(a['host_per_host']):>11}{fmt_bytes(a['transfer_per_step']):>11}"
-                         f"{fits:>9}")
+            fits = (
+                "-"
+                if r["fits"] is None
+                else (f"{'yes' if r['fits_analytic'] else 'NO'}/{'yes' if r['fits'] else 'NO'}")
+            )
+            lines.append(
+                f"{name:<14}{off:<18}{fmt_bytes(a['device_total']):>11}"
+                f"{fmt_bytes(c['device_peak']):>11}{fmt_bytes(a['host']):>10}"
+                f"{fmt_bytes(a['host_per_host']):>11}{fmt_bytes(a['transfer_per_step']):>11}"
+                f"{fits:>9}"
+            )
     if mem and "none" in docs:
-        only = [n for n in first["strategies"]
-                if not docs["none"]["strategies"][n]["fits_analytic"]
-                and any(d["strategies"][n]["fits_analytic"] for o, d in docs.items() if o != "none")]
+        only = [
+            n
+            for n in first["strategies"]
+            if not docs["none"]["strategies"][n]["fits_analytic"]
+            and any(d["strategies"][n]["fits_analytic"] for o, d in docs.items() if o != "none")
+        ]
         lines.append("fits only with offload (analytic): " + (", ".join(only) or "none"))
     return "\n".join(lines)
 
@@ -175,6 +213,7 @@ def _abstract_params(cfg):
     """The master params as the trainer stores them (in the precision's param dtype)."""
     from fsdp_jax.app.trainer_build import trainer_model
     from fsdp_jax.build import with_param_dtype
+
     model = trainer_model(cfg.model)
     return with_param_dtype(model, Policy.parse(cfg.precision).param_dtype).abstract_params
 

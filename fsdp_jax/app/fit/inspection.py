@@ -16,8 +16,15 @@ from fsdp_jax.hlo import collective_schedule, schedule_warnings
 from fsdp_jax.memory import collective_report, compiled_memory
 
 
-def inspect_compiled(plan, compiled, *, logical_axes=None, analytic_total: int | None = None,
-                     compute_dtype="float32", replicated_threshold: int | None = None) -> dict[str, Any]:
+def inspect_compiled(
+    plan,
+    compiled,
+    *,
+    logical_axes=None,
+    analytic_total: int | None = None,
+    compute_dtype="float32",
+    replicated_threshold: int | None = None,
+) -> dict[str, Any]:
     """Rows, collectives, compiled memory and warnings for any compiled train step.
 
     `plan`: the ShardingPlan the step was made with; `compiled`: `step.lower(...).compile()`;
@@ -28,8 +35,9 @@ def inspect_compiled(plan, compiled, *, logical_axes=None, analytic_total: int |
     mem = compiled_memory(compiled)
     report = collective_report(compiled.as_text())
     mesh = {k: int(v) for k, v in plan.mesh.shape.items()}
-    abstract = jax.tree.unflatten(jax.tree.structure(plan.params),
-                                  [jax.ShapeDtypeStruct(r.shape, r.dtype) for r in plan.rows])
+    abstract = jax.tree.unflatten(
+        jax.tree.structure(plan.params), [jax.ShapeDtypeStruct(r.shape, r.dtype) for r in plan.rows]
+    )
     layer_gather = None
     if logical_axes is not None:
         # outside the layer loop only unstacked params (embedding, head) should be gathered,
@@ -37,24 +45,42 @@ def inspect_compiled(plan, compiled, *, logical_axes=None, analytic_total: int |
         layer_gather = compute_copy_bytes(abstract, plan, logical_axes, "float32")["unstacked"]
     platform = plan.mesh.devices.flat[0].platform
     from fsdp_jax.targets import dcn_groups
+
     hosts = dcn_groups(list(plan.mesh.devices.flat))  # partition id -> host (GPU) or slice (TPU)
     schedule = collective_schedule(compiled.as_text(), hosts)
     threshold = replicated_threshold_for(sum(r.total_bytes for r in plan.rows), replicated_threshold)
     warnings = sharding_warnings(
-        plan.rows, report, plan.strategy.name, mesh, analytic_total=analytic_total,
-        compiled_peak=mem["peak"], layer_gather_bytes=layer_gather,
+        plan.rows,
+        report,
+        plan.strategy.name,
+        mesh,
+        analytic_total=analytic_total,
+        compiled_peak=mem["peak"],
+        layer_gather_bytes=layer_gather,
         cpu_upcast=platform == "cpu" and np.dtype(compute_dtype) != np.float32,
-        replicated_threshold=threshold)
+        replicated_threshold=threshold,
+    )
     if platform != "cpu":  # XLA:CPU never reduce-scatters, upcasts bf16 and runs collectives in sync
         grad_axes = [a for a in plan.strategy.grads if mesh.get(a, 1) > 1]
         # batch axes the grads stay replicated over (HSDP's data axis): all-reduced by design
         replicated = int(np.prod([mesh.get(a, 1) for a in (ax.DATA, ax.FSDP) if a not in plan.strategy.grads]))
         warnings += schedule_warnings(
-            schedule, compute_dtype=np.dtype(compute_dtype).name, shards_grads=bool(grad_axes),
-            param_bytes_threshold=_param_sized(plan), replicated_group=replicated)
-    return {"mesh": mesh, "platform": platform, "rows": [r.as_dict() for r in plan.rows],
-            "collectives": report, "compiled": mem, "warnings": warnings,
-            "replicated_threshold": threshold, "schedule": schedule}
+            schedule,
+            compute_dtype=np.dtype(compute_dtype).name,
+            shards_grads=bool(grad_axes),
+            param_bytes_threshold=_param_sized(plan),
+            replicated_group=replicated,
+        )
+    return {
+        "mesh": mesh,
+        "platform": platform,
+        "rows": [r.as_dict() for r in plan.rows],
+        "collectives": report,
+        "compiled": mem,
+        "warnings": warnings,
+        "replicated_threshold": threshold,
+        "schedule": schedule,
+    }
 
 
 def _param_sized(plan) -> int:

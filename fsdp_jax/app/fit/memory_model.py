@@ -78,7 +78,9 @@ def saved_per_token(model_cfg, remat: str, seq_len: int, compute_bytes: int) -> 
         "save_qkv_attn_mlp_out": c * (q + 2 * k + 2 * d),
         # offloading policies: what they save rests in host memory, none on the device
         # (host bytes: save_attn_mlp_out, save_qkv_attn_mlp_out, dots_no_batch respectively)
-        "offload_attn_mlp_out": 0, "offload_qkv_attn_mlp_out": 0, "offload_dots_no_batch": 0,
+        "offload_attn_mlp_out": 0,
+        "offload_qkv_attn_mlp_out": 0,
+        "offload_dots_no_batch": 0,
     }
     if remat not in table:
         raise PlanError(f"remat: no activation formula for policy {remat!r}; known: {', '.join(table)}")
@@ -90,8 +92,9 @@ def _flash(model_cfg) -> bool:
     return getattr(model_cfg, "attention", "xla") == "cudnn"
 
 
-def activation_bytes(model_cfg, remat: str, batch_per_device: int, seq_len: int,
-                     compute_dtype="float32") -> dict[str, int]:
+def activation_bytes(
+    model_cfg, remat: str, batch_per_device: int, seq_len: int, compute_dtype="float32"
+) -> dict[str, int]:
     """Activation bytes per device for the reference Llama: `layers` (what the layer
     loop keeps for backward), `working` (one layer's backward), `head` (logits and
     loss), and `total`. `batch_per_device`: sequences per device per microbatch."""
@@ -108,10 +111,12 @@ def compute_copy_bytes(abstract_params, plan, logical_axes, dtype) -> dict[str, 
     """Per-device bytes of params in the compute layout (data/fsdp gathered, tensor
     sharding kept) in `dtype`: `whole` model, one `layer` of the stacked (scanned)
     params, the `largest_unstacked` leaf and all `unstacked` leaves together."""
-    rows = rl.explain(abstract_params, plan.mesh, logical_axes, plan.rules, (), 0,
-                      allow_unshardable=True)
-    names = (jax.tree.leaves(logical_axes, is_leaf=lambda x: x is None or isinstance(x, tuple))
-             if logical_axes is not None else [])
+    rows = rl.explain(abstract_params, plan.mesh, logical_axes, plan.rules, (), 0, allow_unshardable=True)
+    names = (
+        jax.tree.leaves(logical_axes, is_leaf=lambda x: x is None or isinstance(x, tuple))
+        if logical_axes is not None
+        else []
+    )
     names = names if len(names) == len(rows) else [None] * len(rows)
     item = np.dtype(dtype).itemsize
     out = {"whole": 0, "layer": 0, "largest_unstacked": 0, "unstacked": 0}
@@ -133,8 +138,9 @@ def analytic_memory(build: StepBuild) -> dict[str, int]:
     policy = Policy.parse(cfg.precision)
     s = plan.strategy
     params = tree_bytes_per_device(st.params)
-    optimizer = (tree_bytes_per_device(st.opt_state) + tree_bytes_per_device(st.step)
-                 + tree_bytes_per_device(st.model_state))  # non-trainable model state (0 when none)
+    optimizer = (
+        tree_bytes_per_device(st.opt_state) + tree_bytes_per_device(st.step) + tree_bytes_per_device(st.model_state)
+    )  # non-trainable model state (0 when none)
     batch = tree_bytes_per_device(build.batch)  # tokens, or the packed batch's arrays
     gd = grad_dtype(policy)
     pairs = list(zip(jax.tree.leaves(st.params), jax.tree.leaves(plan.grads)))
@@ -154,10 +160,15 @@ def analytic_memory(build: StepBuild) -> dict[str, int]:
         gathered = cc["whole"] + cc["layer"] + layer_r
     else:  # shard_opt, no_shard: params already whole; a cast copy if dtypes differ
         gathered = cc["whole"] if policy.compute_dtype != policy.param_dtype else 0
-    act = activation_bytes(cfg.model, cfg.remat, _batch_per_device(build), cfg.data.seq_len,
-                           policy.compute_dtype)
-    out = {"params": params, "grads": grads, "optimizer": optimizer, "gathered": gathered,
-           "activations": act["total"], "batch": batch}
+    act = activation_bytes(cfg.model, cfg.remat, _batch_per_device(build), cfg.data.seq_len, policy.compute_dtype)
+    out = {
+        "params": params,
+        "grads": grads,
+        "optimizer": optimizer,
+        "gathered": gathered,
+        "activations": act["total"],
+        "batch": batch,
+    }
     out["total"] = sum(out.values())
     out["states"] = params + grads + optimizer  # the classic table's "total per device"
     out.update(offload_memory(build, out))
@@ -191,30 +202,43 @@ def offload_memory(build: StepBuild, analytic: dict[str, int], offload: str | No
     leaf by leaf; a schedule that fetches all at once needs the full state again).
     `offload`: the setting to split for (default: the build's own)."""
     from fsdp_jax.offload import get_offload
+
     off = get_offload(build.plan.offload if offload is None else offload)
     st = build.state
     params = tree_bytes_per_device(st.params)
     opt = tree_bytes_per_device(st.opt_state)
     host = (params if off.params else 0) + (opt if off.opt_state else 0)
     c = np.dtype(Policy.parse(build.cfg.precision).compute_dtype).itemsize
-    compute_copy = sum(shard_bytes(x) // x.dtype.itemsize * c for x in jax.tree.leaves(st.params)
-                       if np.issubdtype(x.dtype, np.floating)) if off.params else 0
+    compute_copy = (
+        sum(
+            shard_bytes(x) // x.dtype.itemsize * c
+            for x in jax.tree.leaves(st.params)
+            if np.issubdtype(x.dtype, np.floating)
+        )
+        if off.params
+        else 0
+    )
     largest = max((shard_bytes(x) for x in jax.tree.leaves(st.params)), default=0)
     update = int(largest * ((1 if off.params else 0) + (opt / params if off.opt_state and params else 0)))
     from fsdp_jax.offload import transfer_bytes
+
     moved = transfer_bytes(st, off)
-    return {"host": host, "host_per_host": host * DEVICES_PER_HOST,
-            "device_total": analytic["total"] - host + compute_copy + update,
-            "transfer_per_step": moved["to_device"] + moved["to_host"]}
+    return {
+        "host": host,
+        "host_per_host": host * DEVICES_PER_HOST,
+        "device_total": analytic["total"] - host + compute_copy + update,
+        "transfer_per_step": moved["to_device"] + moved["to_host"],
+    }
 
 
 def activations_by_remat(build: StepBuild) -> dict[str, int]:
     """Analytic activation bytes per device for every remat policy with a formula."""
     cfg = build.cfg
     dtype = Policy.parse(cfg.precision).compute_dtype
-    return {name: activation_bytes(cfg.model, name, _batch_per_device(build), cfg.data.seq_len, dtype)["total"]
-            for name in ("none", "dots", "dots_no_batch", "save_qkv_attn_mlp_out", "save_attn_mlp_out",
-                         "full")}
+    return {
+        name: activation_bytes(cfg.model, name, _batch_per_device(build), cfg.data.seq_len, dtype)["total"]
+        for name in ("none", "dots", "dots_no_batch", "save_qkv_attn_mlp_out", "save_attn_mlp_out", "full")
+    }
 
 
 def _batch_per_device(build: StepBuild) -> int:
@@ -234,7 +258,9 @@ def analytic_vs_compiled(analytic: dict[str, int], compiled: dict[str, int]) -> 
     """How far the compiled program is from the analytic model, per term (compiled /
     analytic - 1): `argument` (`argument_bytes`), `temp` (grads + gathered +
     activations: everything transient) and `peak` (total)."""
-    pairs = {"argument": (compiled["argument"], argument_bytes(analytic)),
-             "temp": (compiled["temp"], analytic["grads"] + analytic["gathered"] + analytic["activations"]),
-             "peak": (compiled["peak"], analytic["total"])}
+    pairs = {
+        "argument": (compiled["argument"], argument_bytes(analytic)),
+        "temp": (compiled["temp"], analytic["grads"] + analytic["gathered"] + analytic["activations"]),
+        "peak": (compiled["peak"], analytic["total"]),
+    }
     return {k: (c / a - 1 if a else float("nan")) for k, (c, a) in pairs.items()}

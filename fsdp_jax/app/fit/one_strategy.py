@@ -21,11 +21,17 @@ from fsdp_jax.offload import OffloadError
 from fsdp_jax.precision import Policy
 
 
-def plan_strategy(cfg, strategy: str, devices: Sequence[jax.Device] | None = None, *,
-                  inspect: bool = False, replicated_threshold: int | None = None,
-                  mesh_sizes: tuple[int, int, int] | None = None,
-                  step_options: dict[str, Any] | None = None,
-                  compiler_options: dict[str, Any] | None = None) -> dict[str, Any]:
+def plan_strategy(
+    cfg,
+    strategy: str,
+    devices: Sequence[jax.Device] | None = None,
+    *,
+    inspect: bool = False,
+    replicated_threshold: int | None = None,
+    mesh_sizes: tuple[int, int, int] | None = None,
+    step_options: dict[str, Any] | None = None,
+    compiler_options: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Build, analyse and AOT-compile one strategy in this process (needs the devices:
     real, fake CPU, or compile-only GPU-target devices from `fsdp_jax.targets`).
     Returns a JSON-able dict: mesh, analytic, compiled, argument_vs_analytic, compile_s,
@@ -39,10 +45,19 @@ def plan_strategy(cfg, strategy: str, devices: Sequence[jax.Device] | None = Non
         if not devices or devices[0].platform != "gpu":
             raise  # compile-only GPU devices: no host memory kind (fsdp_jax.app.fit.target_offload)
         from fsdp_jax.app.fit.target_offload import plan_without_host_memory
+
         return plan_without_host_memory(
-            plan_strategy, cfg, strategy, devices, devices[0].device_kind, inspect=inspect,
-            replicated_threshold=replicated_threshold, mesh_sizes=mesh_sizes, step_options=step_options,
-            compiler_options=compiler_options)
+            plan_strategy,
+            cfg,
+            strategy,
+            devices,
+            devices[0].device_kind,
+            inspect=inspect,
+            replicated_threshold=replicated_threshold,
+            mesh_sizes=mesh_sizes,
+            step_options=step_options,
+            compiler_options=compiler_options,
+        )
     analytic = analytic_memory(b)
     try:
         compiled = b.compile(compiler_options)
@@ -54,22 +69,41 @@ def plan_strategy(cfg, strategy: str, devices: Sequence[jax.Device] | None = Non
     compile_s = time.perf_counter() - t0
     if b.mesh.devices.flat[0].platform == "tpu":  # XLA:TPU pads every argument to its layout's tiles
         from fsdp_jax.tpu_targets import tile_padding
+
         analytic["tile_padding"] = tile_padding((b.state, b.batch), compiled)
         analytic["total"] += analytic["tile_padding"]
-    ins = inspect_compiled(b.plan, compiled, logical_axes=b.model.logical_axes,
-                           analytic_total=analytic["total"],
-                           compute_dtype=Policy.parse(cfg.precision).compute_dtype,
-                           replicated_threshold=replicated_threshold)
+    ins = inspect_compiled(
+        b.plan,
+        compiled,
+        logical_axes=b.model.logical_axes,
+        analytic_total=analytic["total"],
+        compute_dtype=Policy.parse(cfg.precision).compute_dtype,
+        replicated_threshold=replicated_threshold,
+    )
     mem = ins["compiled"]
     mem.update(_compiled_host(compiled, mem))
     out: dict[str, Any] = {
-        "mesh": ins["mesh"], "analytic": analytic,
-        "compiled": {k: mem[k] for k in ("argument", "output", "alias", "temp", "peak", "xla_peak",
-                                          "device_argument", "host_argument", "device_peak",
-                                          "host_reported")},
+        "mesh": ins["mesh"],
+        "analytic": analytic,
+        "compiled": {
+            k: mem[k]
+            for k in (
+                "argument",
+                "output",
+                "alias",
+                "temp",
+                "peak",
+                "xla_peak",
+                "device_argument",
+                "host_argument",
+                "device_peak",
+                "host_reported",
+            )
+        },
         "offload": cfg.offload,
         "argument_vs_analytic": mem["argument"] / argument_bytes(analytic) - 1,
-        "compile_s": round(compile_s, 2), "platform": ins["platform"],
+        "compile_s": round(compile_s, 2),
+        "platform": ins["platform"],
         "collectives_per_step": ins["collectives"]["per_step"],
         "communication": communication(ins["schedule"]),
         "activations_by_remat": activations_by_remat(b),
@@ -77,8 +111,8 @@ def plan_strategy(cfg, strategy: str, devices: Sequence[jax.Device] | None = Non
     }
     try:
         out["replicated_fraction"] = rl.check_sufficiently_sharded(
-            b.plan.rows, b.plan.strategy.params, b.mesh, cfg.mesh.max_replicated_fraction,
-            cfg.mesh.min_replicated_bytes)
+            b.plan.rows, b.plan.strategy.params, b.mesh, cfg.mesh.max_replicated_fraction, cfg.mesh.min_replicated_bytes
+        )
     except rl.ShardingError as e:
         out["replicated_fraction"] = None
         out["warnings"].insert(0, f"the trainer would refuse this plan: {e}")
@@ -90,7 +124,6 @@ def plan_strategy(cfg, strategy: str, devices: Sequence[jax.Device] | None = Non
     return out
 
 
-
 def _compiled_host(compiled, mem: dict[str, int]) -> dict[str, int]:
     """Host/device split of a compiled step's memory: `device_argument` / `host_argument`
     from the parameter layouts of the compiled program (host-resident = memory space
@@ -98,11 +131,15 @@ def _compiled_host(compiled, mem: dict[str, int]) -> dict[str, int]:
     alias; 0 where the backend does not report them, e.g. CPU); `device_peak`: the peak
     without host-resident bytes (on such backends, the peak minus the host arguments)."""
     from fsdp_jax.offload import entry_argument_bytes
+
     ma = compiled.memory_analysis()
-    host = {k: int(getattr(ma, f"host_{k}_size_in_bytes", 0) or 0)
-            for k in ("argument", "output", "alias", "temp")}
+    host = {k: int(getattr(ma, f"host_{k}_size_in_bytes", 0) or 0) for k in ("argument", "output", "alias", "temp")}
     reported = host["argument"] + host["output"] - host["alias"] + host["temp"]
     entry = entry_argument_bytes(compiled.as_text())
     device_peak = mem["peak"] if reported else mem["peak"] - entry["host"]
-    return {"device_argument": entry["device"], "host_argument": entry["host"],
-            "host_reported": reported, "device_peak": device_peak}
+    return {
+        "device_argument": entry["device"],
+        "host_argument": entry["host"],
+        "host_reported": reported,
+        "device_peak": device_peak,
+    }

@@ -9,9 +9,11 @@ from typing import Any
 
 from fsdp_jax.app.fit.memory_model import activations_by_remat
 
-_OOM = re.compile(r"RESOURCE_EXHAUSTED: Ran out of memory in memory space (\w+)|"
-                  r"RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
-                  r"temporaries \(([\d.]+)([KMGTP]?)\) exceeds available HBM \(([\d.]+)([KMGTP]?)\)")
+_OOM = re.compile(
+    r"RESOURCE_EXHAUSTED: Ran out of memory in memory space (\w+)|"
+    r"RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+    r"temporaries \(([\d.]+)([KMGTP]?)\) exceeds available HBM \(([\d.]+)([KMGTP]?)\)"
+)
 
 
 def _xla_bytes(number: str, unit: str) -> int:
@@ -37,15 +39,32 @@ def _refused_result(b, cfg, analytic: dict[str, int], refused: dict[str, int], c
     peak = argument + refused["temp"]
     mesh = {k: int(v) for k, v in b.plan.mesh.shape.items()}
     return {
-        "mesh": mesh, "analytic": analytic,
-        "compiled": {"argument": argument, "output": 0, "alias": 0, "temp": refused["temp"], "peak": peak,
-                     "xla_peak": None, "device_argument": argument, "host_argument": 0,
-                     "device_peak": peak, "host_reported": 0},
-        "refused": refused, "offload": cfg.offload, "argument_vs_analytic": 0.0,
-        "compile_s": round(compile_s, 2), "platform": b.plan.mesh.devices.flat[0].platform,
-        "collectives_per_step": {}, "communication": {}, "activations_by_remat": activations_by_remat(b),
+        "mesh": mesh,
+        "analytic": analytic,
+        "compiled": {
+            "argument": argument,
+            "output": 0,
+            "alias": 0,
+            "temp": refused["temp"],
+            "peak": peak,
+            "xla_peak": None,
+            "device_argument": argument,
+            "host_argument": 0,
+            "device_peak": peak,
+            "host_reported": 0,
+        },
+        "refused": refused,
+        "offload": cfg.offload,
+        "argument_vs_analytic": 0.0,
+        "compile_s": round(compile_s, 2),
+        "platform": b.plan.mesh.devices.flat[0].platform,
+        "collectives_per_step": {},
+        "communication": {},
+        "activations_by_remat": activations_by_remat(b),
         "replicated_fraction": None,
-        "warnings": [f"the compiler refused this program: its temporaries need {refused['temp'] / 1e9:.2f} GB "
-                     f"and the chip offers {refused['available'] / 1e9:.2f} GB, so it does not fit; "
-                     f"compiled argument/peak are the plan's argument bytes + those temporaries"],
+        "warnings": [
+            f"the compiler refused this program: its temporaries need {refused['temp'] / 1e9:.2f} GB "
+            f"and the chip offers {refused['available'] / 1e9:.2f} GB, so it does not fit; "
+            f"compiled argument/peak are the plan's argument bytes + those temporaries"
+        ],
     }

@@ -79,6 +79,7 @@ def analytic_communication(cfg, strategy: str, sizes: tuple[int, int, int], host
     this with its program's own bytes."""
     from fsdp_jax.app.models.llama import count_params
     from fsdp_jax.precision import Policy
+
     p = count_params(cfg.model) * np.dtype(Policy.parse(cfg.precision).compute_dtype).itemsize
     data, fsdp, _ = sizes
     n, m = data * fsdp, cfg.train.microbatches
@@ -105,8 +106,11 @@ def recompute_flops_per_token(model, seq_len: int, remat: str) -> float:
     d, f = model.d_model, model.ffn_dim
     q, k = model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim
     qkv, core, gate_up = 2 * d * (q + 2 * k), 4 * seq_len * q, 4 * d * f
-    per_layer = {"dots_no_batch": core, "save_qkv_attn_mlp_out": core + gate_up,
-                 "save_attn_mlp_out": qkv + core + gate_up}
+    per_layer = {
+        "dots_no_batch": core,
+        "save_qkv_attn_mlp_out": core + gate_up,
+        "save_attn_mlp_out": qkv + core + gate_up,
+    }
     name = remat.removeprefix("offload_")
     name = {"attn_mlp_out": "save_attn_mlp_out", "qkv_attn_mlp_out": "save_qkv_attn_mlp_out"}.get(name, name)
     return float(model.n_layers * per_layer.get(name, 0))
@@ -120,19 +124,29 @@ def predict_step(cfg, target_name: str, n_devices: int, result: dict[str, Any]) 
     a GPU in step_time.SPECS or a TPU generation (its chip's figures, `step_time.peaks`); None
     where step_time.predict has none (traffic over an unpublished network)."""
     from fsdp_jax.app.fit.step_time import GEMM_EFFICIENCY, peaks, predict
+
     p = predict(cfg, target_name, n_devices, result)
     if p is None:  # crosses a network whose bandwidth is unpublished
         return None
     tokens = cfg.data.seq_len * cfg.train.global_batch / n_devices
-    extra_s = tokens * recompute_flops_per_token(cfg.model, cfg.data.seq_len, cfg.remat) / (
-        peaks(target_name)[0] * GEMM_EFFICIENCY)
+    extra_s = (
+        tokens
+        * recompute_flops_per_token(cfg.model, cfg.data.seq_len, cfg.remat)
+        / (peaks(target_name)[0] * GEMM_EFFICIENCY)
+    )
     host_s = result["analytic"].get("transfer_per_step", 0) / HOST_LINK_BYTES_PER_S
     g = lambda x: float(f"{x:.4g}")  # noqa: E731
     step = max(p["compute_s"] + extra_s, p["comm_s"]) + p["update_s"] + host_s
     scale = p["step_s"] / step if step else 1.0
-    p.update(step_s=g(step), tokens_per_s_per_gpu=g(tokens / step), tflops_per_gpu=g(p["tflops_per_gpu"] * scale),
-             mfu=g(p["mfu"] * scale), recompute_s=g(extra_s), host_s=g(host_s),
-             bound="compute" if p["compute_s"] + extra_s >= p["comm_s"] else "communication")
+    p.update(
+        step_s=g(step),
+        tokens_per_s_per_gpu=g(tokens / step),
+        tflops_per_gpu=g(p["tflops_per_gpu"] * scale),
+        mfu=g(p["mfu"] * scale),
+        recompute_s=g(extra_s),
+        host_s=g(host_s),
+        bound="compute" if p["compute_s"] + extra_s >= p["comm_s"] else "communication",
+    )
     return p
 
 
@@ -142,13 +156,18 @@ def ranking_target(target) -> tuple[str, str | None]:
     without a target, or for several slices of a TPU generation whose data-center
     bandwidth is unpublished (v4, v6e), the H100 roofline as an analytic cost."""
     if target is None:
-        return "h100", ("no GPU/TPU target: ranked by the analytic cost (the H100 roofline of step_time over "
-                        "analytic collective bytes), not a prediction for this machine")
+        return "h100", (
+            "no GPU/TPU target: ranked by the analytic cost (the H100 roofline of step_time over "
+            "analytic collective bytes), not a prediction for this machine"
+        )
     from fsdp_jax.app.fit.step_time import peaks
+
     if target.hosts > 1 and peaks(target.name)[2] is None:
-        return "h100", (f"{target.name} publishes no data-center network bandwidth and this target spans "
-                        f"{target.hosts} slices: ranked by the analytic cost (the H100 roofline), not a "
-                        f"prediction for {target.name}")
+        return "h100", (
+            f"{target.name} publishes no data-center network bandwidth and this target spans "
+            f"{target.hosts} slices: ranked by the analytic cost (the H100 roofline), not a "
+            f"prediction for {target.name}"
+        )
     return target.name, None
 
 
@@ -158,19 +177,37 @@ def compilable(c: dict[str, Any], gpu_target: bool = False) -> bool:
     the same step compiled without offload (`fsdp_jax.app.fit.target_offload`). An
     offloading remat policy moves activations, which that does not model."""
     from fsdp_jax.remat import OFFLOADING
+
     return c["remat"] not in OFFLOADING and (c["offload"] == "none" or gpu_target)
 
 
-def analytic_pass(cfg, n_devices: int, cands: list[dict], limits: Limits, hosts: int,
-                  per_host: int, target_name: str, devices, gpu_target: bool = False) -> None:
+def analytic_pass(
+    cfg,
+    n_devices: int,
+    cands: list[dict],
+    limits: Limits,
+    hosts: int,
+    per_host: int,
+    target_name: str,
+    devices,
+    gpu_target: bool = False,
+) -> None:
     """Fill each candidate's `analytic`, `predicted` and first `status` in place;
     `gpu_target`: compiles go to a GPU target, where offload candidates compile too."""
     builds: dict[tuple[str, str], Any] = {}
     for c in cands:
         key = (c["strategy"], c["offload"])
         if key not in builds:
-            base = candidate_config(cfg, {**c, "remat": cfg.remat, "microbatches": 1,
-                                          "global_batch": cfg.train.global_batch, "seq_len": cfg.data.seq_len})
+            base = candidate_config(
+                cfg,
+                {
+                    **c,
+                    "remat": cfg.remat,
+                    "microbatches": 1,
+                    "global_batch": cfg.train.global_batch,
+                    "seq_len": cfg.data.seq_len,
+                },
+            )
             builds[key] = build_step(base, c["strategy"], devices, tuple(c["mesh"].values()))
         b = builds[key]
         ccfg = candidate_config(cfg, c)
@@ -192,8 +229,11 @@ def analytic_pass(cfg, n_devices: int, cands: list[dict], limits: Limits, hosts:
             c["status"], c["reason"] = "edge", "analytic over the budget, within the model's error"
         else:
             c["status"] = "dropped"
-            c["reason"] = ("over memory (analytic, even at its error bound)" if c["compilable"]
-                           else "over memory (analytic; offload is not compiled)")
+            c["reason"] = (
+                "over memory (analytic, even at its error bound)"
+                if c["compilable"]
+                else "over memory (analytic; offload is not compiled)"
+            )
 
 
 def lower_bound(a: dict[str, int]) -> float:
@@ -225,15 +265,24 @@ def pick_to_compile(ranked: list[dict], limits: Limits, already: int) -> list[di
     edge, at most `max_compiles - already`. Empty when the best-ranked fit is verified."""
     stop = next((i for i, c in enumerate(ranked) if verified(c)), len(ranked))
     todo = [c for c in ranked[:stop] if c["compilable"] and c["compiled"] is None and c["status"] != "dropped"]
-    top = [c for c in todo if c["status"] == "fits"][:limits.top]
-    edge = [c for c in todo if c["status"] == "edge"][:limits.edge]
-    return [c for c in ranked if any(c is x for x in top + edge)][:max(limits.max_compiles - already, 0)]
+    top = [c for c in todo if c["status"] == "fits"][: limits.top]
+    edge = [c for c in todo if c["status"] == "edge"][: limits.edge]
+    return [c for c in ranked if any(c is x for x in top + edge)][: max(limits.max_compiles - already, 0)]
 
 
 # ----------------------------------------------------------------------------- the search
 
-def search(cfg, n_devices: int, space: SearchSpace, limits: Limits, *, target=None, config_name: str = "",
-           progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+
+def search(
+    cfg,
+    n_devices: int,
+    space: SearchSpace,
+    limits: Limits,
+    *,
+    target=None,
+    config_name: str = "",
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
     """The search document (JSON-able): {"config", "devices", "target", "device_memory",
     "headroom", "budget", "ranked_by", "space", "counts", "candidates" (ranked, every one
     with "overrides", "analytic", "predicted", "compiled" or None, "device_peak" and "free"
@@ -243,6 +292,7 @@ def search(cfg, n_devices: int, space: SearchSpace, limits: Limits, *, target=No
     CPU devices will do) for the analytic pass. Raises SearchError for an empty space or
     an impossible constraint; a search that finds nothing returns winner None."""
     from fsdp_jax.verify import devices_for
+
     t0 = time.perf_counter()
     say = progress or (lambda msg: None)
     _check_space(cfg, space, limits)
@@ -257,14 +307,17 @@ def search(cfg, n_devices: int, space: SearchSpace, limits: Limits, *, target=No
     predict_on, cost_note = ranking_target(target)
     gpu = cost_note is None  # a prediction for the target (a GPU or a TPU chip)
     gpu_target = target is not None and target.platform == "gpu"
-    analytic_pass(cfg, n_devices, cands, limits, hosts, per_host, predict_on, devices_for(n_devices),
-                  gpu_target=gpu_target)
+    analytic_pass(
+        cfg, n_devices, cands, limits, hosts, per_host, predict_on, devices_for(n_devices), gpu_target=gpu_target
+    )
     for c in cands:
         c["overrides"] = overrides(cfg, c)
     host = [c["analytic"]["host_per_host"] for c in cands if c["reason"] == "host memory over --host-memory"]
     if len(host) == len(cands):
-        raise SearchError(f"--host-memory: {limits.host_memory / 1e9:.2f} GB per host is less than every candidate "
-                          f"needs (at least {min(host) / 1e9:.2f} GB); allow more, or add --offload none")
+        raise SearchError(
+            f"--host-memory: {limits.host_memory / 1e9:.2f} GB per host is less than every candidate "
+            f"needs (at least {min(host) / 1e9:.2f} GB); allow more, or add --offload none"
+        )
     dropped = sum(c["status"] == "dropped" for c in cands)
     say(f"analytic pass: {len(cands) - dropped} kept, {dropped} dropped, {time.perf_counter() - t0:.1f} s")
     compiled_n = _compile_rounds(cfg, n_devices, cands, limits, target, gpu, say)
@@ -284,32 +337,58 @@ def search(cfg, n_devices: int, space: SearchSpace, limits: Limits, *, target=No
             counts[c["reason"]] = counts.get(c["reason"], 0) + 1
     if cost_note:
         notes.append(cost_note)
-    notes.append(("offload candidates compile for the GPU target without offload, their device side planned "
-                  "from that compile (fsdp_jax.app.fit.target_offload)" if gpu_target else
-                  "offload candidates are judged by the analytic model only")
-                 + f"; host<->device transfers at {HOST_LINK_BYTES_PER_S / 1e9:.0f} GB/s per GPU are added "
-                   "to their step, not hidden")
-    return {"config": config_name, "devices": n_devices, "target": None if target is None else target.as_dict(),
-            "device_memory": limits.device_memory, "headroom": limits.headroom_bytes, "budget": limits.budget,
-            "ranked_by": (f"predicted tokens/s per {'chip' if target.platform == 'tpu' else 'GPU'}" if gpu
-                          else "analytic cost (no GPU/TPU prediction)"),
-            "space": {"strategies": list(space.strategies), "remats": list(space.remats),
-                      "microbatches": None if space.microbatches is None else list(space.microbatches),
-                      "offloads": list(space.offloads), "vary": list(space.vary)},
-            "counts": {"candidates": len(cands), "compiled": compiled_n,
-                       "fits": sum(c["status"] == "fits" for c in cands),
-                       "dropped": sum(c["status"] == "dropped" for c in cands)},
-            "candidates": ranked, "dropped": counts, "winner": winner,
-            "smallest_fitting_memory": None if smallest is None else limits.memory_for(smallest),
-            "notes": notes, "wall_s": round(time.perf_counter() - t0, 1)}
+    notes.append(
+        (
+            "offload candidates compile for the GPU target without offload, their device side planned "
+            "from that compile (fsdp_jax.app.fit.target_offload)"
+            if gpu_target
+            else "offload candidates are judged by the analytic model only"
+        )
+        + f"; host<->device transfers at {HOST_LINK_BYTES_PER_S / 1e9:.0f} GB/s per GPU are added "
+        "to their step, not hidden"
+    )
+    return {
+        "config": config_name,
+        "devices": n_devices,
+        "target": None if target is None else target.as_dict(),
+        "device_memory": limits.device_memory,
+        "headroom": limits.headroom_bytes,
+        "budget": limits.budget,
+        "ranked_by": (
+            f"predicted tokens/s per {'chip' if target.platform == 'tpu' else 'GPU'}"
+            if gpu
+            else "analytic cost (no GPU/TPU prediction)"
+        ),
+        "space": {
+            "strategies": list(space.strategies),
+            "remats": list(space.remats),
+            "microbatches": None if space.microbatches is None else list(space.microbatches),
+            "offloads": list(space.offloads),
+            "vary": list(space.vary),
+        },
+        "counts": {
+            "candidates": len(cands),
+            "compiled": compiled_n,
+            "fits": sum(c["status"] == "fits" for c in cands),
+            "dropped": sum(c["status"] == "dropped" for c in cands),
+        },
+        "candidates": ranked,
+        "dropped": counts,
+        "winner": winner,
+        "smallest_fitting_memory": None if smallest is None else limits.memory_for(smallest),
+        "notes": notes,
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
 
 
 def _check_space(cfg, space: SearchSpace, limits: Limits) -> None:
     """SearchError for an empty space or an impossible headroom; PlanError for a remat
     policy the memory model has no formula for."""
     if limits.budget <= 0:
-        raise SearchError(f"--headroom: {limits.headroom_bytes / 1e9:.2f} GB leaves nothing of the "
-                          f"{limits.device_memory / 1e9:.2f} GB device memory")
+        raise SearchError(
+            f"--headroom: {limits.headroom_bytes / 1e9:.2f} GB leaves nothing of the "
+            f"{limits.device_memory / 1e9:.2f} GB device memory"
+        )
     bad = [r for r in space.remats if r not in DEVICE_REMATS and not r.startswith("offload_")]
     for r in space.remats:
         saved_per_token(cfg.model, r, cfg.data.seq_len, 2)  # PlanError for a policy without a formula
@@ -317,8 +396,9 @@ def _check_space(cfg, space: SearchSpace, limits: Limits) -> None:
         raise SearchError("--search: the search space is empty (a strategy, remat and offload list is needed)")
 
 
-def _compile_rounds(cfg, n_devices: int, cands: list[dict], limits: Limits, target, gpu: bool,
-                    say: Callable[[str], None]) -> int:
+def _compile_rounds(
+    cfg, n_devices: int, cands: list[dict], limits: Limits, target, gpu: bool, say: Callable[[str], None]
+) -> int:
     """Compile rounds (one kernel cache for all): the best-ranked uncompiled candidates near
     the top and the memory edge, until none ranks above the best verified fit; the count."""
     compiled_n = 0
@@ -329,9 +409,12 @@ def _compile_rounds(cfg, n_devices: int, cands: list[dict], limits: Limits, targ
             todo = pick_to_compile(ranked, limits, compiled_n)
             if not todo:
                 break
-            say(f"compiling {len(todo)} candidate(s) near the top and the memory edge"
-                + (f" for {target.describe()} (one process, the kernel cache shared)" if target is not None else ""))
+            say(
+                f"compiling {len(todo)} candidate(s) near the top and the memory edge"
+                + (f" for {target.describe()} (one process, the kernel cache shared)" if target is not None else "")
+            )
             from fsdp_jax.app.fit.search_compile import compile_candidates
+
             for c, r in zip(todo, compile_candidates(cfg, n_devices, todo, target, say, kernel_cache=kernels)):
                 _apply_compiled(cfg, c, r, limits, n_devices, target.name if gpu else None)
             compiled_n += len(todo)
@@ -343,15 +426,23 @@ def _apply_compiled(cfg, c: dict, r: dict, limits: Limits, n_devices: int, gpu_n
     the prediction."""
     mem = r["compiled"]
     c["compiled"] = {k: mem[k] for k in ("argument", "temp", "peak", "device_peak")}
-    c["compiled"].update(compile_s=r["compile_s"], platform=r["platform"], warnings=r["warnings"],
-                         refused=r.get("refused"), basis=r.get("offload_basis", "compiled"))
+    c["compiled"].update(
+        compile_s=r["compile_s"],
+        platform=r["platform"],
+        warnings=r["warnings"],
+        refused=r.get("refused"),
+        basis=r.get("offload_basis", "compiled"),
+    )
     if mem["device_peak"] <= limits.budget:
         c["status"], c["reason"] = "fits", "compiled"
     else:
         c["status"], c["reason"] = "dropped", "over memory (compiled)"
     if gpu_name is not None and r.get("platform") in ("gpu", "tpu") and not r.get("refused"):
-        p = predict_step(candidate_config(cfg, c), gpu_name, n_devices,
-                         {"analytic": c["analytic"], "communication": r["communication"]})
+        p = predict_step(
+            candidate_config(cfg, c),
+            gpu_name,
+            n_devices,
+            {"analytic": c["analytic"], "communication": r["communication"]},
+        )
         if p is not None:
             c["predicted"] = {**p, "source": "compiled"}
-

@@ -27,51 +27,77 @@ _MARK = "fsdp_jax.app.fit.search_compile: "
 
 
 def _label(c: dict[str, Any]) -> str:
-    return (f"{c['strategy']} remat={c['remat']} microbatches={c['microbatches']} "
-            f"batch={c['global_batch']}x{c['seq_len']}")
+    return (
+        f"{c['strategy']} remat={c['remat']} microbatches={c['microbatches']} batch={c['global_batch']}x{c['seq_len']}"
+    )
 
 
-def compile_candidates(cfg, n_devices: int, cands: list[dict], target, progress: Callable[[str], None],
-                       kernel_cache: Path | None = None) -> list[dict]:
+def compile_candidates(
+    cfg, n_devices: int, cands: list[dict], target, progress: Callable[[str], None], kernel_cache: Path | None = None
+) -> list[dict]:
     """`estimate.plan_strategy` results for `cands`: on CPU in this process (it has the
     devices; the persistent compilation cache applies), for a target in one child process
     whose compiles share one XLA:GPU kernel cache file (`kernel_cache`)."""
     from fsdp_jax.app.fit.estimate import plan_strategy
+
     if target is None:
         from fsdp_jax.verify import devices_for
+
         devices, out = devices_for(n_devices), []
         for i, c in enumerate(cands):
             progress(f"[{i + 1}/{len(cands)}] compiling {_label(c)} on {n_devices} CPU devices")
             t0 = time.perf_counter()
-            out.append(plan_strategy(candidate_config(cfg, c), c["strategy"], devices,
-                                     mesh_sizes=tuple(c["mesh"].values())))
+            out.append(
+                plan_strategy(candidate_config(cfg, c), c["strategy"], devices, mesh_sizes=tuple(c["mesh"].values()))
+            )
             progress(f"[{i + 1}/{len(cands)}] done in {time.perf_counter() - t0:.1f} s")
         return out
     from fsdp_jax import targets
     from fsdp_jax.app.config import config_to_dict
+
     with tempfile.TemporaryDirectory(prefix="fsdp_jax-search-") as scratch:
-        env = targets.child_env(dict(os.environ, JAX_PLATFORMS="cpu"), target=target,
-                                kernel_cache=kernel_cache or Path(scratch) / "xla_gpu_kernels.bin")
+        env = targets.child_env(
+            dict(os.environ, JAX_PLATFORMS="cpu"),
+            target=target,
+            kernel_cache=kernel_cache or Path(scratch) / "xla_gpu_kernels.bin",
+        )
         out_file = Path(scratch) / "results.json"
-        request = {"target": target.as_dict(), "out": str(out_file),
-                   "jobs": [{"config": config_to_dict(candidate_config(cfg, c)), "strategy": c["strategy"],
-                             "mesh": list(c["mesh"].values()), "label": _label(c)} for c in cands]}
-        proc = subprocess.Popen([sys.executable, "-m", "fsdp_jax.app.fit.search_compile"], stdin=subprocess.PIPE,
-                                stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+        request = {
+            "target": target.as_dict(),
+            "out": str(out_file),
+            "jobs": [
+                {
+                    "config": config_to_dict(candidate_config(cfg, c)),
+                    "strategy": c["strategy"],
+                    "mesh": list(c["mesh"].values()),
+                    "label": _label(c),
+                }
+                for c in cands
+            ],
+        }
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fsdp_jax.app.fit.search_compile"],
+            stdin=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            text=True,
+            env=env,
+        )
         proc.stdin.write(json.dumps(request))
         proc.stdin.close()
         tail: list[str] = []
         for line in proc.stderr:
             if line.startswith(_MARK):
-                progress(line[len(_MARK):].rstrip())
+                progress(line[len(_MARK) :].rstrip())
             else:
                 tail = (tail + [line.rstrip()])[-60:]
         rc = proc.wait()
         if rc == 2:
             raise PlanError((tail[-1] if tail else "compile child: bad input").removeprefix("error: "))
         if rc != 0:
-            raise RuntimeError(f"search compile child ({target.describe()}) failed with exit code {rc}:\n"
-                               + "\n".join(tail))
+            raise RuntimeError(
+                f"search compile child ({target.describe()}) failed with exit code {rc}:\n" + "\n".join(tail)
+            )
         return json.loads(out_file.read_text())
 
 
@@ -84,17 +110,21 @@ def _child_main() -> int:
     from fsdp_jax.app.config import config_from_dict
     from fsdp_jax.app.fit.estimate import plan_strategy
     from fsdp_jax.targets import TargetError
+
     try:
         devices = targets.target_devices(targets.Target(**req["target"]))
         out, jobs = [], req["jobs"]
         for i, job in enumerate(jobs):
-            print(f"{_MARK}[{i + 1}/{len(jobs)}] compiling {job['label']} for {req['target']['name']}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"{_MARK}[{i + 1}/{len(jobs)}] compiling {job['label']} for {req['target']['name']}",
+                file=sys.stderr,
+                flush=True,
+            )
             t0 = time.perf_counter()
-            out.append(plan_strategy(config_from_dict(job["config"]), job["strategy"], devices,
-                                     mesh_sizes=tuple(job["mesh"])))
-            print(f"{_MARK}[{i + 1}/{len(jobs)}] done in {time.perf_counter() - t0:.1f} s", file=sys.stderr,
-                  flush=True)
+            out.append(
+                plan_strategy(config_from_dict(job["config"]), job["strategy"], devices, mesh_sizes=tuple(job["mesh"]))
+            )
+            print(f"{_MARK}[{i + 1}/{len(jobs)}] done in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     except BAD_INPUT + (PlanError, TargetError) as e:
         return fail(e)
     Path(req["out"]).write_text(json.dumps(out))

@@ -28,6 +28,7 @@ def _items(text: str, flag: str) -> list[str]:
 def parse_remats(text: str | None) -> tuple[str, ...]:
     """None: the device policies (DEVICE_REMATS); 'all' adds the offloading ones; or a list."""
     from fsdp_jax.remat import REMAT_POLICIES
+
     if text is None:
         return DEVICE_REMATS
     if text.strip() == "all":
@@ -104,42 +105,59 @@ def format_search(doc: dict[str, Any], rows: int = 10) -> str:
     tgt = doc["target"]
     where = f"{tgt['name']} x {doc['devices']}" if tgt else f"{doc['devices']} devices (CPU compile)"
     c = doc["counts"]
-    lines = [(f"search: {doc['config'] or 'config'} on {where}; device memory {fmt_bytes(doc['device_memory'])}, "
-              f"headroom {fmt_bytes(doc['headroom'])} -> budget {fmt_bytes(doc['budget'])}; "
-              f"ranked by {doc['ranked_by']}"),
-             (f"{c['candidates']} candidates, {c['dropped']} dropped, {c['compiled']} compiled, "
-              f"{c['fits']} fit; {doc['wall_s']} s")]
-    hdr = (f"{'#':>3} {'device':>9} {'by':<8} {'free':>9} {'host/host':>9} {'step s':>8} "
-           f"{'tok/s/' + ('chip' if tgt and tgt.get('topology_name') else 'GPU'):>10} {'MFU':>6}  "
-           f"{'status':<6} overrides")
+    lines = [
+        (
+            f"search: {doc['config'] or 'config'} on {where}; device memory {fmt_bytes(doc['device_memory'])}, "
+            f"headroom {fmt_bytes(doc['headroom'])} -> budget {fmt_bytes(doc['budget'])}; "
+            f"ranked by {doc['ranked_by']}"
+        ),
+        (
+            f"{c['candidates']} candidates, {c['dropped']} dropped, {c['compiled']} compiled, "
+            f"{c['fits']} fit; {doc['wall_s']} s"
+        ),
+    ]
+    hdr = (
+        f"{'#':>3} {'device':>9} {'by':<8} {'free':>9} {'host/host':>9} {'step s':>8} "
+        f"{'tok/s/' + ('chip' if tgt and tgt.get('topology_name') else 'GPU'):>10} {'MFU':>6}  "
+        f"{'status':<6} overrides"
+    )
     lines += [hdr, "-" * len(hdr)]
     fits = [x for x in doc["candidates"] if x["status"] == "fits"][:rows]
     edge = [x for x in doc["candidates"] if x["status"] == "edge"][:3]  # maybe: not compiled
     shown = sorted(fits + edge, key=lambda x: x["rank"])
     for x in shown:
         p, peak = x["predicted"], x["device_peak"]
-        lines.append(f"{x['rank']:>3} {fmt_bytes(peak):>9} {'compiled' if x['compiled'] else 'analytic':<8} "
-                     f"{fmt_bytes(x['free']):>9} "
-                     f"{fmt_bytes(x['analytic']['host_per_host']):>9} "
-                     f"{p['step_s']:>8.3g} {p['tokens_per_s_per_gpu']:>10,.0f} {p['mfu']:>6.1%}  "
-                     f"{x['status']:<6} {' '.join(x['overrides'])}")
+        lines.append(
+            f"{x['rank']:>3} {fmt_bytes(peak):>9} {'compiled' if x['compiled'] else 'analytic':<8} "
+            f"{fmt_bytes(x['free']):>9} "
+            f"{fmt_bytes(x['analytic']['host_per_host']):>9} "
+            f"{p['step_s']:>8.3g} {p['tokens_per_s_per_gpu']:>10,.0f} {p['mfu']:>6.1%}  "
+            f"{x['status']:<6} {' '.join(x['overrides'])}"
+        )
     if not shown:
         lines.append("    (nothing fits)")
     if doc["dropped"]:
-        lines.append("dropped or not shown: " + "; ".join(f"{n} {why}" for why, n in
-                                                          sorted(doc["dropped"].items(), key=lambda kv: -kv[1])))
+        lines.append(
+            "dropped or not shown: "
+            + "; ".join(f"{n} {why}" for why, n in sorted(doc["dropped"].items(), key=lambda kv: -kv[1]))
+        )
     lines += [f"note: {n}" for n in doc["notes"]]
     w = doc["winner"]
     if w is not None:
         lines += ["", f"winner: {' '.join(w['overrides'])}"]
         lines += [f"  compiled schedule warning: {x}" for x in (w["compiled"] or {}).get("warnings", [])]
         if w["compiled"] and w["compiled"].get("basis", "compiled") != "compiled":
-            lines.append("  device peak: the target's compile of this step without offload - the state resting "
-                         "on the host + its transient device copies (fsdp_jax.app.fit.target_offload)")
+            lines.append(
+                "  device peak: the target's compile of this step without offload - the state resting "
+                "on the host + its transient device copies (fsdp_jax.app.fit.target_offload)"
+            )
         if w["compiled"] is None:
-            lines.append("  not compiled: judged by the analytic model alone (host offload: no compiler here "
-                         "measures its device peak; check it on the GPU)" if w["offload"] != "none" else
-                         "  not compiled: judged by the analytic model (raise --max-compiles to compile it)")
+            lines.append(
+                "  not compiled: judged by the analytic model alone (host offload: no compiler here "
+                "measures its device peak; check it on the GPU)"
+                if w["offload"] != "none"
+                else "  not compiled: judged by the analytic model (raise --max-compiles to compile it)"
+            )
         lines += ["as YAML (paste into the config):", winner_yaml(doc).rstrip()]
     return "\n".join(lines)
 
@@ -168,7 +186,10 @@ def ceil_gb(n: int) -> str:
 def nothing_fits_message(doc: dict[str, Any]) -> str:
     """The one line for a search that found nothing, naming the least device memory that fits."""
     need = doc["smallest_fitting_memory"]
-    tail = ("" if need is None else
-            f"; the smallest device memory that would fit is {ceil_gb(need)} (same headroom rule)")
-    return (f"--search: none of {doc['counts']['candidates']} configurations fits in "
-            f"{fmt_bytes(doc['device_memory'])} per device minus {fmt_bytes(doc['headroom'])} headroom{tail}")
+    tail = (
+        "" if need is None else f"; the smallest device memory that would fit is {ceil_gb(need)} (same headroom rule)"
+    )
+    return (
+        f"--search: none of {doc['counts']['candidates']} configurations fits in "
+        f"{fmt_bytes(doc['device_memory'])} per device minus {fmt_bytes(doc['headroom'])} headroom{tail}"
+    )

@@ -35,6 +35,7 @@ class SearchSpace:
     `vary`: "batch" (per-device batch 1, 2, 4, ... up to the config's: the global batch
     changes) and/or "seq" (sequence length halved down to MIN_SEQ, the global batch scaled
     to keep the tokens per step)."""
+
     strategies: tuple[str, ...] = STRATEGY_ORDER
     remats: tuple[str, ...] = DEVICE_REMATS
     microbatches: tuple[int, ...] | None = None
@@ -47,6 +48,7 @@ class Limits:
     """`device_memory` per device; `headroom` kept free (bytes, or a fraction of the device
     memory when `headroom_fraction` is set); `host_memory`: pinned host bytes per host
     (None: unlimited); how many candidates to compile."""
+
     device_memory: int
     headroom: int = 0
     headroom_fraction: float | None = 0.10
@@ -74,19 +76,27 @@ class Limits:
 
 # ----------------------------------------------------------------------------- candidates
 
+
 def candidate_config(cfg, c: dict[str, Any]):
     """`cfg` with candidate `c`'s strategy, remat, microbatches, offload, batch and seq."""
     return dataclasses.replace(
-        cfg, remat=c["remat"], offload=c["offload"],
+        cfg,
+        remat=c["remat"],
+        offload=c["offload"],
         mesh=dataclasses.replace(cfg.mesh, strategy=c["strategy"]),
         train=dataclasses.replace(cfg.train, microbatches=c["microbatches"], global_batch=c["global_batch"]),
-        data=dataclasses.replace(cfg.data, seq_len=c["seq_len"]))
+        data=dataclasses.replace(cfg.data, seq_len=c["seq_len"]),
+    )
 
 
 def overrides(cfg, c: dict[str, Any]) -> list[str]:
     """Candidate `c` as key=value overrides of `cfg` (batch and seq only where they change)."""
-    out = [f"mesh.strategy={c['strategy']}", f"remat={c['remat']}", f"train.microbatches={c['microbatches']}",
-           f"offload={c['offload']}"]
+    out = [
+        f"mesh.strategy={c['strategy']}",
+        f"remat={c['remat']}",
+        f"train.microbatches={c['microbatches']}",
+        f"offload={c['offload']}",
+    ]
     if c["global_batch"] != cfg.train.global_batch:
         out.append(f"train.global_batch={c['global_batch']}")
     if c["seq_len"] != cfg.data.seq_len:
@@ -115,8 +125,9 @@ def shapes(cfg, n_devices: int, vary: tuple[str, ...]) -> list[tuple[int, int]]:
     return out
 
 
-def enumerate_candidates(cfg, n_devices: int, space: SearchSpace,
-                         mesh_for: Callable[[str], tuple[int, int, int]]) -> tuple[list[dict], list[str]]:
+def enumerate_candidates(
+    cfg, n_devices: int, space: SearchSpace, mesh_for: Callable[[str], tuple[int, int, int]]
+) -> tuple[list[dict], list[str]]:
     """Every valid candidate (batch divisible by microbatches x batch-sharding devices) and
     notes on what was skipped. SearchError when none is valid."""
     notes, out = [], []
@@ -126,21 +137,32 @@ def enumerate_candidates(cfg, n_devices: int, space: SearchSpace,
             notes.append("hybrid_shard skipped: with data=1 it is full_shard (set mesh.data or --hosts)")
             continue
         dp = sizes[0] * sizes[1]
-        for (gb, seq), remat, offload in itertools.product(shapes(cfg, n_devices, space.vary), space.remats,
-                                                           space.offloads):
+        for (gb, seq), remat, offload in itertools.product(
+            shapes(cfg, n_devices, space.vary), space.remats, space.offloads
+        ):
             if gb % dp:
                 continue
             per_device = gb // dp
             mbs = space.microbatches or tuple(_pow2_upto(per_device))
             for m in mbs:
                 if per_device % m == 0:
-                    out.append({"strategy": strategy, "remat": remat, "microbatches": m, "offload": offload,
-                                "global_batch": gb, "seq_len": seq, "mesh": dict(zip(("data", "fsdp", "tensor"),
-                                                                                      map(int, sizes)))})
+                    out.append(
+                        {
+                            "strategy": strategy,
+                            "remat": remat,
+                            "microbatches": m,
+                            "offload": offload,
+                            "global_batch": gb,
+                            "seq_len": seq,
+                            "mesh": dict(zip(("data", "fsdp", "tensor"), map(int, sizes))),
+                        }
+                    )
     if not out:
         mb = "every power of two" if space.microbatches is None else ",".join(map(str, space.microbatches))
-        raise SearchError(f"--search: the search space is empty: no microbatch count ({mb}) divides the "
-                          f"per-device batch of global_batch={cfg.train.global_batch} on {n_devices} devices")
+        raise SearchError(
+            f"--search: the search space is empty: no microbatch count ({mb}) divides the "
+            f"per-device batch of global_batch={cfg.train.global_batch} on {n_devices} devices"
+        )
     return out, notes
 
 

@@ -37,6 +37,7 @@ def mesh_shape(cfg, strategy: str, n_devices: int) -> tuple[int, int, int]:
     device, like full_shard); set mesh.data > 1 to plan replicas over data.
     `strategy` is accepted for callers that pick a mesh per strategy."""
     from fsdp_jax.mesh import resolve_mesh_shape
+
     del strategy
     data, fsdp, tensor = resolve_mesh_shape((cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor), n_devices)
     return data, fsdp, tensor
@@ -47,15 +48,25 @@ def target_mesh_sizes(cfg, strategy: str, n_devices: int, hosts: int) -> tuple[i
     config without its own data axis puts `data` across the hosts and `fsdp` within one
     (HSDP's layout: reduce-scatter over NVLink, a gradient all-reduce across hosts)."""
     data, fsdp, tensor = mesh_shape(cfg, strategy, n_devices)
-    if (strategy == "hybrid_shard" and hosts > 1 and cfg.mesh.data in (1, -1)
-            and (data * fsdp) % hosts == 0 and data * fsdp // hosts > 1):
+    if (
+        strategy == "hybrid_shard"
+        and hosts > 1
+        and cfg.mesh.data in (1, -1)
+        and (data * fsdp) % hosts == 0
+        and data * fsdp // hosts > 1
+    ):
         data, fsdp = hosts, data * fsdp // hosts
     return data, fsdp, tensor
 
 
 # The packed batch (`fsdp_jax.app.packing.batch_from_rows` / `batch_from_windows`): (B, S) each.
-PACKED_BATCH = {"inputs": np.int32, "targets": np.int32, "weights": np.float32,
-                "segment_ids": np.int32, "positions": np.int32}
+PACKED_BATCH = {
+    "inputs": np.int32,
+    "targets": np.int32,
+    "weights": np.float32,
+    "segment_ids": np.int32,
+    "positions": np.int32,
+}
 
 
 def packed_batch(cfg) -> bool:
@@ -85,6 +96,7 @@ def sample_batch(cfg, batch, rng: np.random.Generator):
     if not isinstance(batch, dict):
         return rng.integers(0, cfg.model.vocab_size, batch.shape, dtype=np.int32)
     from fsdp_jax.app.packing import batch_from_rows
+
     shape = batch["inputs"].shape
     tokens = rng.integers(0, cfg.model.vocab_size, shape, dtype=np.int32)
     seg = np.where(np.arange(shape[1]) < shape[1] // 2, 1, 2) * np.ones(shape, np.int32)
@@ -94,6 +106,7 @@ def sample_batch(cfg, batch, rng: np.random.Generator):
 @dataclasses.dataclass
 class StepBuild:
     """One strategy's train step built abstractly, as the trainer would build it."""
+
     cfg: Any
     strategy: str
     mesh: jax.sharding.Mesh
@@ -124,8 +137,13 @@ class StepBuild:
         return self.built.init_state(rng)
 
 
-def build_step(cfg, strategy: str | None = None, devices: Sequence[jax.Device] | None = None,
-               mesh_sizes: tuple[int, int, int] | None = None, **step_options) -> StepBuild:
+def build_step(
+    cfg,
+    strategy: str | None = None,
+    devices: Sequence[jax.Device] | None = None,
+    mesh_sizes: tuple[int, int, int] | None = None,
+    **step_options,
+) -> StepBuild:
     """The trainer's train step for `cfg` under `strategy` on `devices`, from abstract
     inputs: `fsdp_jax.build.build` with the trainer's model, loss, optimizer and step
     options (as `fsdp_jax.app.loop.setup`), minus the state. The replicated-fraction
@@ -142,8 +160,8 @@ def build_step(cfg, strategy: str | None = None, devices: Sequence[jax.Device] |
     mesh = make_mesh(*sizes, devices=devices)
     model = trainer_model(cfg.model, cfg.remat)
     optimizer, _ = build_optimizer(cfg.optimizer, cfg.train.steps)
-    built = build_from_config(cfg, model, optimizer, mesh, strategy, max_replicated_fraction=None,
-                              **step_options)
+    built = build_from_config(cfg, model, optimizer, mesh, strategy, max_replicated_fraction=None, **step_options)
     batch = abstract_batch(cfg, built.plan.batch)
-    return StepBuild(cfg, strategy, mesh, model, optimizer, built.plan, built.abstract_state, batch,
-                     built.train_step, built)
+    return StepBuild(
+        cfg, strategy, mesh, model, optimizer, built.plan, built.abstract_state, batch, built.train_step, built
+    )

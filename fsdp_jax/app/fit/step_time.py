@@ -43,6 +43,7 @@ HBM_BYTES_PER_S = {"h100": 3.35e12, "h200": 4.8e12, "a100": 2.04e12}
 def model_flops_per_token(model, seq_len: int) -> tuple[float, float]:
     """(matmul FLOPs per token of forward + backward, of which attention's S x S part)."""
     from fsdp_jax.app.models.llama import count_params
+
     d, v = model.d_model, model.vocab_size
     # the embedding lookup does no matmul; a tied head multiplies by the same table
     matmul = count_params(model) - (0 if model.tie_word_embeddings else v * d)
@@ -58,6 +59,7 @@ def peaks(target: str) -> tuple[float, float, float | None, float]:
     if target in SPECS:
         return (*SPECS[target], HBM_BYTES_PER_S[target])
     from fsdp_jax.tpu_targets import device_peaks
+
     p = device_peaks(target)
     return p["flops"], p["fast"], p["slow"], p["hbm"]
 
@@ -85,10 +87,16 @@ def predict(cfg, target: str, n_devices: int, result: dict[str, Any]) -> dict[st
     step_s = max(compute_s, comm_s) + update_s
     model_flops = tokens * per_token
     g = lambda x: float(f"{x:.4g}")  # noqa: E731  (4 significant digits: tiny test steps too)
-    return {"step_s": g(step_s), "tokens_per_s_per_gpu": g(tokens / step_s),
-            "tflops_per_gpu": g(model_flops / step_s / 1e12), "mfu": g(model_flops / step_s / peak),
-            "compute_s": g(compute_s), "comm_s": g(comm_s), "update_s": g(update_s),
-            "bound": "compute" if compute_s >= comm_s else "communication"}
+    return {
+        "step_s": g(step_s),
+        "tokens_per_s_per_gpu": g(tokens / step_s),
+        "tflops_per_gpu": g(model_flops / step_s / 1e12),
+        "mfu": g(model_flops / step_s / peak),
+        "compute_s": g(compute_s),
+        "comm_s": g(comm_s),
+        "update_s": g(update_s),
+        "bound": "compute" if compute_s >= comm_s else "communication",
+    }
 
 
 def format_predictions(doc: dict[str, Any]) -> list[str]:
@@ -96,13 +104,20 @@ def format_predictions(doc: dict[str, Any]) -> list[str]:
     rows = [(n, r["predicted"]) for n, r in doc["strategies"].items() if r.get("predicted")]
     if not rows:
         return []
-    lines = ["", f"predicted step time (roofline over the compiled program's traffic; compute at "
-                 f"{GEMM_EFFICIENCY:.0%} of the dense bf16 peak; fsdp_jax.app.fit.step_time):"]
+    lines = [
+        "",
+        f"predicted step time (roofline over the compiled program's traffic; compute at "
+        f"{GEMM_EFFICIENCY:.0%} of the dense bf16 peak; fsdp_jax.app.fit.step_time):",
+    ]
     per = "dev" if (doc.get("target") or {}).get("topology_name") else "GPU"  # a TPU chip (v4: core)
-    hdr = (f"{'strategy':<14}{'step s':>9}{'compute':>9}{'comm':>9}{'update':>9}{'tok/s/' + per:>11}"
-           f"{'TFLOP/s':>9}{'MFU':>7}  bound")
+    hdr = (
+        f"{'strategy':<14}{'step s':>9}{'compute':>9}{'comm':>9}{'update':>9}{'tok/s/' + per:>11}"
+        f"{'TFLOP/s':>9}{'MFU':>7}  bound"
+    )
     lines += [hdr, "-" * len(hdr)]
     for n, p in rows:
-        lines.append(f"{n:<14}{p['step_s']:9.3f}{p['compute_s']:9.3f}{p['comm_s']:9.3f}{p['update_s']:9.3f}"
-                     f"{p['tokens_per_s_per_gpu']:11,.0f}{p['tflops_per_gpu']:9.1f}{p['mfu']:7.1%}  {p['bound']}")
+        lines.append(
+            f"{n:<14}{p['step_s']:9.3f}{p['compute_s']:9.3f}{p['comm_s']:9.3f}{p['update_s']:9.3f}"
+            f"{p['tokens_per_s_per_gpu']:11,.0f}{p['tflops_per_gpu']:9.1f}{p['mfu']:7.1%}  {p['bound']}"
+        )
     return lines

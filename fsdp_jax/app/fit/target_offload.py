@@ -30,17 +30,21 @@ BASIS = "device_side_from_target_compile_host_side_analytic"
 
 def note(device_kind: str, offload: str) -> str:
     """The one line a plan carries for such a result."""
-    return (f"offload {offload} on a GPU target: compile-only {device_kind} devices have no pinned_host "
-            f"memory kind, so device = this step compiled for them without offload - the state resting "
-            f"on the host + its transient device copies; host = analytic (fsdp_jax.app.fit.target_offload)")
+    return (
+        f"offload {offload} on a GPU target: compile-only {device_kind} devices have no pinned_host "
+        f"memory kind, so device = this step compiled for them without offload - the state resting "
+        f"on the host + its transient device copies; host = analytic (fsdp_jax.app.fit.target_offload)"
+    )
 
 
-def plan_without_host_memory(plan_fn: Callable[..., dict[str, Any]], cfg, strategy: str, devices,
-                             device_kind: str, **kwargs) -> dict[str, Any]:
+def plan_without_host_memory(
+    plan_fn: Callable[..., dict[str, Any]], cfg, strategy: str, devices, device_kind: str, **kwargs
+) -> dict[str, Any]:
     """`plan_fn(cfg', strategy, devices, **kwargs)` for `cfg` with offload none (compiled on
     the target), its analytic and compiled terms completed with the host/device split of
     `cfg.offload`. `plan_fn` is `planner.plan_strategy`."""
     from fsdp_jax.app.fit.step_build import build_step
+
     plain = dataclasses.replace(cfg, offload="none")
     r = plan_fn(plain, strategy, devices, **kwargs)
     b = build_step(plain, strategy, devices, kwargs.get("mesh_sizes"), **(kwargs.get("step_options") or {}))

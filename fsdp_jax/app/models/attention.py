@@ -51,8 +51,7 @@ def packed_layout(segment_ids):
     b, s = segment_ids.shape
     ids = jnp.arange(1, s + 1)  # a row holds at most S segments
     seqlen = jnp.sum(segment_ids[:, None, :] == ids[None, :, None], axis=-1)  # (B, S)
-    offsets = jnp.concatenate([jnp.zeros((b, 1), jnp.int32),
-                               jnp.cumsum(seqlen, axis=-1).astype(jnp.int32)], axis=-1)
+    offsets = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), jnp.cumsum(seqlen, axis=-1).astype(jnp.int32)], axis=-1)
     used = jnp.concatenate([seqlen > 0, jnp.zeros((b, 1), bool)], axis=-1)
     offsets = jnp.where(used, offsets, -1)
     return jnp.where(seqlen > 0, seqlen, -1).astype(jnp.int32), offsets
@@ -65,12 +64,21 @@ def attention(q, k, v, segment_ids, impl: str):
     the cuDNN fused attention under it as per-row segment lengths and offsets
     (PADDING_CAUSAL, cuDNN's packed layout; GPU only, untestable on CPU)."""
     if segment_ids is None:
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                            implementation=None if impl == "xla" else impl)
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=None if impl == "xla" else impl)
     if impl == "xla":
         return jax.nn.dot_product_attention(q, k, v, mask=segment_mask(segment_ids), is_causal=True)
     from jax._src.cudnn.fused_attention_stablehlo import MaskType
     from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cudnn_attn
+
     seqlen, offsets = packed_layout(segment_ids)
-    return cudnn_attn(q, k, v, q_seqlen=seqlen, kv_seqlen=seqlen, q_offsets=offsets, kv_offsets=offsets,
-                      scale=1.0 / q.shape[-1] ** 0.5, mask_type=MaskType.PADDING_CAUSAL)
+    return cudnn_attn(
+        q,
+        k,
+        v,
+        q_seqlen=seqlen,
+        kv_seqlen=seqlen,
+        q_offsets=offsets,
+        kv_offsets=offsets,
+        scale=1.0 / q.shape[-1] ** 0.5,
+        mask_type=MaskType.PADDING_CAUSAL,
+    )

@@ -42,6 +42,7 @@ from fsdp_jax.remat import get_policy
 class LlamaConfig:
     """The decoder's architecture. Defaults are the Llama-2 reference; each family
     switch below is off by default and adds params only when on (docs/hf_models.md)."""
+
     vocab_size: int = 256
     d_model: int = 256
     n_layers: int = 4
@@ -183,18 +184,27 @@ class Attention(nnx.Module):
             if cfg.attn_softcap:
                 o = _attend_capped(q, k, v, scale, cfg.attn_softcap, mask)
             else:
-                o = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale,
-                                                 implementation=None if self.impl == "xla" else self.impl)
+                o = jax.nn.dot_product_attention(
+                    q, k, v, mask=mask, scale=scale, implementation=None if self.impl == "xla" else self.impl
+                )
         elif segment_ids is not None:  # cuDNN's packed layout: plain causal attention only
             if cfg.sliding_window or cfg.query_pre_attn_scalar:
-                raise ValueError("model.attention=cudnn with packed rows computes plain causal attention "
-                                 "only (no sliding window or query_pre_attn_scalar); use model.attention=xla")
+                raise ValueError(
+                    "model.attention=cudnn with packed rows computes plain causal attention "
+                    "only (no sliding window or query_pre_attn_scalar); use model.attention=xla"
+                )
             o = attention(q, k, v, segment_ids, self.impl)
         else:
             window = (cfg.sliding_window - 1, 0) if cfg.sliding_window else None
-            o = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=window,
-                                             scale=None if not cfg.query_pre_attn_scalar else scale,
-                                             implementation=None if self.impl == "xla" else self.impl)
+            o = jax.nn.dot_product_attention(
+                q,
+                k,
+                v,
+                is_causal=True,
+                local_window_size=window,
+                scale=None if not cfg.query_pre_attn_scalar else scale,
+                implementation=None if self.impl == "xla" else self.impl,
+            )
         wo = self.wo[...]
         out = matmul(o.reshape(b * s, -1), wo.reshape(-1, d))  # (B*S, D)
         return checkpoint_name(out.reshape(b, s, d), "attn_out")
@@ -248,10 +258,12 @@ class Llama(nnx.Module):
         get_policy(remat)  # fail early on an unknown name
         self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), (VOCAB, EMBED))
         if cfg.scan_layers:
+
             @nnx.split_rngs(splits=cfg.n_layers)
             @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS})
             def make(r):
                 return Block(cfg, r)
+
             self.blocks = make(rngs)
         else:
             self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
@@ -269,29 +281,33 @@ class Llama(nnx.Module):
         emb = constrain(self.embed[...], (VOCAB, None))  # (V, D)
         x = take(emb, tokens, lambda g: constrain(g, (VOCAB, EMBED))).astype(emb.dtype)  # (B, S, D)
         if cfg.embed_scale:  # sqrt(D) rounded to the compute dtype, as transformers does
-            x = x * jnp.asarray(np.float32(cfg.d_model ** 0.5), emb.dtype)
+            x = x * jnp.asarray(np.float32(cfg.d_model**0.5), emb.dtype)
         x = constrain(x, (BATCH, LENGTH, EMBED))
         pattern = bool(cfg.sliding_window and cfg.global_every)  # per-layer local flag
         # scanned layers: the train step's per-layer cast + gather (ZeRO-2/3, fsdp_jax.layer_gather)
         wrap = layer_gather.gather_module if cfg.scan_layers else (lambda blk: blk)
-        block_fn = ((lambda blk, h, loc: wrap(blk)(h, loc, segment_ids, positions)) if pattern
-                    else (lambda blk, h: wrap(blk)(h, None, segment_ids, positions)))
+        block_fn = (
+            (lambda blk, h, loc: wrap(blk)(h, loc, segment_ids, positions))
+            if pattern
+            else (lambda blk, h: wrap(blk)(h, None, segment_ids, positions))
+        )
         policy = layer_gather.block_policy(self.remat)
         if policy is not None:
             block_fn = nnx.remat(block_fn, policy=policy)
         if cfg.scan_layers and pattern:
             flags = jnp.asarray([cfg.is_local(i) for i in range(cfg.n_layers)])
 
-            @nnx.scan(in_axes=(0, nnx.Carry, 0), out_axes=nnx.Carry,
-                      transform_metadata={nnx.PARTITION_NAME: LAYERS})
+            @nnx.scan(in_axes=(0, nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: LAYERS})
             def run_pattern(blk, h, loc):
                 return block_fn(blk, h, loc)
+
             x = run_pattern(self.blocks, x, flags)
         elif cfg.scan_layers:
-            @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry,
-                      transform_metadata={nnx.PARTITION_NAME: LAYERS})
+
+            @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: LAYERS})
             def run(blk, h):
                 return block_fn(blk, h)
+
             x = run(self.blocks, x)
         else:
             for i, blk in enumerate(self.blocks):
@@ -356,7 +372,7 @@ def sample(next_logits, prompt, n_new: int, window: int, rng, temperature: float
     for i in range(n_new):
         ctx = (toks + out)[-window:]
         buf = np.zeros((window,), np.int32)
-        buf[:len(ctx)] = ctx
+        buf[: len(ctx)] = ctx
         logits = np.asarray(next_logits(buf, len(ctx)), np.float64) / max(temperature, 1e-6)
         key = jax.random.fold_in(rng, i)
         out.append(int(jax.random.categorical(key, jnp.asarray(logits))))

@@ -28,8 +28,7 @@ ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def _base_inv_freq(theta: float, dh: int) -> np.ndarray:
-    return (1.0 / (np.float32(theta) ** (np.arange(0, dh, 2, dtype=np.float32) / np.float32(dh)))
-            ).astype(np.float32)
+    return (1.0 / (np.float32(theta) ** (np.arange(0, dh, 2, dtype=np.float32) / np.float32(dh)))).astype(np.float32)
 
 
 def yarn_attention_factor(cfg) -> float:
@@ -39,6 +38,7 @@ def yarn_attention_factor(cfg) -> float:
 
     def mscale(scale, m=1.0):
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
     if cfg.rope_mscale and cfg.rope_mscale_all_dim:
         return float(mscale(f, cfg.rope_mscale) / mscale(f, cfg.rope_mscale_all_dim))
     return mscale(f)
@@ -65,18 +65,21 @@ def inv_freq(cfg, local: bool = False) -> tuple[np.ndarray, float]:
         medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
         return np.where(medium, smoothed, out).astype(np.float32), 1.0
     if kind == "yarn":
+
         def corr(rot):
             return (dh * math.log(old / (rot * 2 * math.pi))) / (2 * math.log(cfg.rope_theta))
+
         low, high = corr(cfg.rope_beta_fast), corr(cfg.rope_beta_slow)
         if cfg.rope_truncate:
             low, high = math.floor(low), math.ceil(high)
         low, high = max(low, 0), min(high, dh - 1)
         if low == high:
             high += 0.001
-        ramp = np.clip((np.arange(dh // 2, dtype=np.float32) - np.float32(low))
-                       / np.float32(high - low), 0, 1).astype(np.float32)
+        ramp = np.clip((np.arange(dh // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1).astype(
+            np.float32
+        )
         extra = (1 - ramp).astype(np.float32)
-        pos = (np.float32(cfg.rope_theta) ** (np.arange(0, dh, 2, dtype=np.float32) / np.float32(dh)))
+        pos = np.float32(cfg.rope_theta) ** (np.arange(0, dh, 2, dtype=np.float32) / np.float32(dh))
         interp = (1.0 / (factor * pos)).astype(np.float32)
         out = interp * (1 - extra) + (1.0 / pos).astype(np.float32) * extra
         return out.astype(np.float32), yarn_attention_factor(cfg)
