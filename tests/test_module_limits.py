@@ -31,8 +31,6 @@ FUNCTION_SKIP: dict[str, str] = {
     "app/hf_config.py:_family_fields": "grown by ruff format; split pending (issue 27)",
     "app/hf_export.py:export_hf": "grown by ruff format; split pending (issue 27)",
     "app/sft_data.py:prepare_examples": "grown by ruff format; split pending (issue 27)",
-    "model_fns.py:from_linen": "grown by ruff format; split pending (issue 27)",
-    "strategy.py:make_plan": "grown by ruff format; split pending (issue 27)",
 }
 
 
