@@ -127,7 +127,6 @@ def from_linen(
     cols = tuple(c for c in state if c in abstract)
     values, names = _plain(abstract["params"])
     s_values, s_names = _plain({c: abstract[c] for c in cols}) if cols else (None, None)
-    params_of = inspect.signature(module.__call__).parameters
 
     def init(rng):
         return _plain(variables(rng)["params"])[0]
@@ -135,6 +134,23 @@ def from_linen(
     def init_state(rng):
         v = variables(rng)
         return _plain({c: v[c] for c in cols})[0]
+
+    return ModelFns(
+        init=init,
+        apply=_linen_apply(module, rngs, cols, axis_names),
+        logical_axes=names,
+        abstract_params=values,
+        abstract_model_state=s_values,
+        model_state_axes=s_names,
+        init_state=init_state if cols else None,
+    )
+
+
+def _linen_apply(module: nn.Module, rngs: tuple[str, ...], cols: tuple[str, ...], axis_names: tuple[str, ...]):
+    """`from_linen`'s `apply(params, *args, state=None, rng=None, train=True, **kwargs)` for
+    `module` with model-state collections `cols`, RNG streams `rngs` and pmap-era
+    `axis_names` (see `from_linen`)."""
+    params_of = inspect.signature(module.__call__).parameters
 
     def apply(params, *args, **kwargs):
         fn = _apply
@@ -156,15 +172,7 @@ def from_linen(
         out, new = module.apply(variables_, *args, rngs=streams, mutable=list(cols), **kwargs)
         return out, {c: unfreeze(new[c]) if c in new else state[c] for c in cols}
 
-    return ModelFns(
-        init=init,
-        apply=apply,
-        logical_axes=names,
-        abstract_params=values,
-        abstract_model_state=s_values,
-        model_state_axes=s_names,
-        init_state=init_state if cols else None,
-    )
+    return apply
 
 
 def _bound(fn, name: str):

@@ -14,11 +14,14 @@ Two ways to say how a leaf shards, both resolved here:
 
 Strategies (``fsdp_jax.strategy``) decide which mesh axes form the shard group by
 passing ``shard_axes``: every ``fsdp`` produced by a rule is replaced by them.
+
+A decision is a `LeafSharding` row (`fsdp_jax.leaf_sharding`); the guard against too
+many replicated bytes over a plan's rows is `fsdp_jax.replication`. Both are
+re-exported here.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import warnings
 from collections.abc import Mapping, Sequence
@@ -32,9 +35,17 @@ from jax.sharding import PartitionSpec as P
 from fsdp_jax import axes as ax
 from fsdp_jax.errors import ReplicatedWarning, ShardingError, UnknownNamesWarning  # noqa: F401 (re-exported)
 from fsdp_jax.flax_names import logical_axes_of  # noqa: F401 (re-exported)
+from fsdp_jax.leaf_sharding import LeafSharding, MeshAxes, _as_tuple, path_str, spec_str  # noqa: F401 (re-exported)
 from fsdp_jax.reasons import Note, Why, format_note, format_notes  # noqa: F401 (re-exported)
+from fsdp_jax.replication import (  # noqa: F401 (re-exported)
+    DEFAULT_MAX_REPLICATED_FRACTION,
+    DEFAULT_MIN_REPLICATED_BYTES,
+    Summary,
+    check_sufficiently_sharded,
+    format_summary,
+    summarize,
+)
 
-MeshAxes = str | tuple[str, ...] | None
 Rules = Mapping[str, MeshAxes]
 
 DEFAULT_RULES: Rules = {
@@ -52,72 +63,9 @@ DEFAULT_RULES: Rules = {
     ax.NORM: None,
 }
 DEFAULT_MIN_SHARD_SIZE = 2**14  # elements; smaller unannotated leaves stay replicated
-DEFAULT_MAX_REPLICATED_FRACTION = 0.02
-# Replicated parameter bytes under this are a warning, not an error, whatever their
-# fraction: 16 MiB per device is noise on any accelerator, while a small model
-# (biases, norms, a 64-wide MLP) can easily be mostly below min_shard_size.
-DEFAULT_MIN_REPLICATED_BYTES = 16 << 20
 
 
 # ----------------------------------------------------------------------------- decisions
-
-
-@dataclasses.dataclass(frozen=True)
-class LeafSharding:
-    """How one leaf shards (`spec`) and why (`notes`, structured; `reason` is the
-    same as one line of prose, `format_notes(notes)`)."""
-
-    path: str
-    shape: tuple[int, ...]
-    dtype: str
-    spec: P
-    bytes_per_device: int
-    total_bytes: int
-    notes: tuple[Note, ...] = ()
-
-    @property
-    def reason(self) -> str:
-        return format_notes(self.notes)
-
-    @property
-    def kinds(self) -> tuple[Why, ...]:
-        return tuple(n.kind for n in self.notes)
-
-    @property
-    def replicated(self) -> bool:
-        return all(e is None for e in self.spec)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "path": self.path,
-            "shape": list(self.shape),
-            "dtype": self.dtype,
-            "spec": spec_str(self.spec),
-            "bytes_per_device": self.bytes_per_device,
-            "total_bytes": self.total_bytes,
-            "reason": self.reason,
-        }
-
-
-def spec_str(spec: P) -> str:
-    def one(e):
-        if e is None:
-            return "None"
-        if isinstance(e, tuple):
-            return "(" + ",".join(e) + ")"
-        return e
-
-    return "P(" + ", ".join(one(e) for e in spec) + ")"
-
-
-def path_str(path) -> str:
-    return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
-
-
-def _as_tuple(m: MeshAxes) -> tuple[str, ...]:
-    if m is None:
-        return ()
-    return (m,) if isinstance(m, str) else tuple(m)
 
 
 def _entry(axes_: Sequence[str]):
@@ -375,65 +323,3 @@ def warn_unknown_names(rows: Sequence[LeafSharding], mesh: Mesh) -> tuple[str, .
             stacklevel=3,
         )
     return names
-
-
-@dataclasses.dataclass(frozen=True)
-class Summary:
-    """Totals over a plan's rows: `bytes_per_device` and `total_bytes` of all
-    params, `replicated_bytes` (total bytes of leaves sharded over no shard axis),
-    `replicated_fraction` of total bytes, and the shard group's axes."""
-
-    bytes_per_device: int
-    total_bytes: int
-    replicated_bytes: int
-    replicated_fraction: float
-    group: tuple[str, ...]
-
-
-def summarize(rows: Sequence[LeafSharding], shard_axes: Sequence[str], mesh: Mesh) -> Summary:
-    group = tuple(a for a in shard_axes if mesh.shape.get(a, 1) > 1)
-    total = sum(r.total_bytes for r in rows)
-    rep = sum(r.total_bytes for r in rows if not any(a in _as_tuple(e) for e in r.spec for a in group)) if group else 0
-    return Summary(sum(r.bytes_per_device for r in rows), total, rep, rep / (total or 1), group)
-
-
-def format_summary(s: Summary) -> str:
-    over = "x".join(s.group) or "no shard axis"
-    return (
-        f"total: {s.bytes_per_device:,} B/device of {s.total_bytes:,} B of params; "
-        f"replicated over {over}: {s.replicated_fraction:.1%} ({s.replicated_bytes:,} B)"
-    )
-
-
-def check_sufficiently_sharded(
-    rows: Sequence[LeafSharding],
-    shard_axes: Sequence[str],
-    mesh: Mesh,
-    max_replicated_fraction: float = DEFAULT_MAX_REPLICATED_FRACTION,
-    min_replicated_bytes: int = DEFAULT_MIN_REPLICATED_BYTES,
-) -> float:
-    """Fail when more than `max_replicated_fraction` of parameter bytes are not
-    sharded over any of `shard_axes`, unless those replicated bytes are under
-    `min_replicated_bytes` (then warn: a small model loses nothing by replicating).
-    Returns the replicated fraction."""
-    s = summarize(rows, shard_axes, mesh)
-    if not s.group or s.replicated_fraction <= max_replicated_fraction:
-        return s.replicated_fraction
-    group = s.group
-    bad = [r for r in rows if not any(a in _as_tuple(e) for e in r.spec for a in group)]
-    worst = sorted(bad, key=lambda r: -r.total_bytes)[:5]
-    listing = ", ".join(f"{r.path} {r.shape} ({r.reason})" for r in worst)
-    msg = (
-        f"{s.replicated_fraction:.1%} of parameter bytes are replicated over {'x'.join(group)} "
-        f"(allowed {max_replicated_fraction:.0%}); largest: {listing}. Fix: annotate "
-        "these leaves with logical names that map to fsdp, or lower min_shard_size"
-    )
-    if s.replicated_bytes < min_replicated_bytes:
-        warnings.warn(
-            f"{msg} (not an error: {s.replicated_bytes:,} replicated bytes are under "
-            f"min_replicated_bytes {min_replicated_bytes:,})",
-            ReplicatedWarning,
-            stacklevel=2,
-        )
-        return s.replicated_fraction
-    raise ShardingError(msg)

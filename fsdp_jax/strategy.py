@@ -207,12 +207,7 @@ def make_plan(
     """
     s = get_strategy(strategy)
     off = offload_lib.check_supported(offload, mesh.devices.flat)
-    # validated, and lists (from YAML) as tuples, the form Flax's logical_axis_rules takes
-    rules = (
-        rl.DEFAULT_RULES
-        if rules is None
-        else rl.merge_rules(rules, {}, mesh_axes=tuple(dict.fromkeys(ax.MESH_AXES + tuple(mesh.axis_names))))
-    )
+    rules = _resolved_rules(rules, mesh)
 
     def rows(shard_axes):
         return rl.explain(abstract_params, mesh, logical_axes, rules, shard_axes, min_shard_size)
@@ -231,14 +226,9 @@ def make_plan(
         opt_state_shardings(optimizer, abstract_params, specs[s.opt_state], mesh, s.opt_state, min_shard_size),
         off,
     )
-    state_rows, state_sh = (), None
-    if abstract_model_state is not None:
-        state_rows = tuple(
-            rl.explain(
-                abstract_model_state, mesh, model_state_axes, rules, s.params, min_shard_size, allow_unshardable=True
-            )
-        )
-        state_sh = _named(mesh, rl.specs_from_rows(abstract_model_state, state_rows))
+    state_rows, state_sh = _model_state_shardings(
+        abstract_model_state, model_state_axes, mesh, rules, s.params, min_shard_size
+    )
     return ShardingPlan(
         strategy=s,
         mesh=mesh,
@@ -252,11 +242,39 @@ def make_plan(
         offload=off.name,
         model_state=state_sh,
         state_rows=state_rows,
-        layered=None
-        if logical_axes is None
-        else jax.tree.map(
-            lambda n: bool(n) and ax.LAYERS in n, logical_axes, is_leaf=lambda x: x is None or isinstance(x, tuple)
-        ),
+        layered=_layered(logical_axes),
+    )
+
+
+def _resolved_rules(rules: rl.Rules | None, mesh: Mesh) -> rl.Rules:
+    """`rules` validated against the mesh's axes, and lists (from YAML) as tuples, the form
+    Flax's logical_axis_rules takes; the default table for None."""
+    if rules is None:
+        return rl.DEFAULT_RULES
+    return rl.merge_rules(rules, {}, mesh_axes=tuple(dict.fromkeys(ax.MESH_AXES + tuple(mesh.axis_names))))
+
+
+def _model_state_shardings(abstract_model_state, model_state_axes, mesh: Mesh, rules, shard_axes, min_shard_size):
+    """(rows, shardings) of the model's non-trainable state, sharded like params at rest by
+    the same rules (a leaf no dim of which divides the shard group stays replicated instead
+    of failing); ((), None) without model state."""
+    if abstract_model_state is None:
+        return (), None
+    state_rows = tuple(
+        rl.explain(
+            abstract_model_state, mesh, model_state_axes, rules, shard_axes, min_shard_size, allow_unshardable=True
+        )
+    )
+    return state_rows, _named(mesh, rl.specs_from_rows(abstract_model_state, state_rows))
+
+
+def _layered(logical_axes):
+    """Per param, whether it is stacked over layers (its names hold `layers`); None
+    without logical names."""
+    if logical_axes is None:
+        return None
+    return jax.tree.map(
+        lambda n: bool(n) and ax.LAYERS in n, logical_axes, is_leaf=lambda x: x is None or isinstance(x, tuple)
     )
 
 

@@ -2,7 +2,7 @@
 `Tolerance` presets (`TOLERANCES`, chosen by `default_tolerance` from the optimizer kind
 and the compute dtype) and the relative differences they limit (`_rel`, `_leaf_rel`), the first `Divergence` of a strategy, one `StrategyReport` per
 strategy and the whole `VerifyReport` with its JSON round trip and its table. Data
-and formatting only: running the comparison is `fsdp_jax.verify`.
+and formatting only: running the comparison is `fsdp_jax.verify` (`fsdp_jax.verify_compare`).
 """
 
 from __future__ import annotations

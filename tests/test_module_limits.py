@@ -18,10 +18,6 @@ MODULE_SKIP: dict[str, str] = {
     "app/fit/report.py": "grown by ruff format; split pending (issue 27)",
     "app/fit/search.py": "grown by ruff format; split pending (issue 27)",
     "app/hf_config.py": "grown by ruff format; split pending (issue 27)",
-    "hlo.py": "grown by ruff format; split pending (issue 27)",
-    "rules.py": "grown by ruff format; split pending (issue 27)",
-    "step.py": "grown by ruff format; split pending (issue 27)",
-    "verify.py": "grown by ruff format; split pending (issue 27)",
 }
 FUNCTION_SKIP: dict[str, str] = {
     "app/cli/benchmark.py:run": "grown by ruff format; split pending (issue 27)",
@@ -35,11 +31,6 @@ FUNCTION_SKIP: dict[str, str] = {
     "app/hf_config.py:_family_fields": "grown by ruff format; split pending (issue 27)",
     "app/hf_export.py:export_hf": "grown by ruff format; split pending (issue 27)",
     "app/sft_data.py:prepare_examples": "grown by ruff format; split pending (issue 27)",
-    "hlo.py:collective_schedule": "grown by ruff format; split pending (issue 27)",
-    "hlo.py:schedule_warnings": "grown by ruff format; split pending (issue 27)",
-    "model_fns.py:from_linen": "grown by ruff format; split pending (issue 27)",
-    "step.py:make_train_step": "grown by ruff format; split pending (issue 27)",
-    "strategy.py:make_plan": "grown by ruff format; split pending (issue 27)",
 }
 
 
