@@ -42,7 +42,6 @@ from fsdp_jax.hlo_warnings import involuntary_rematerializations, schedule_warni
 
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 _INSTR_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][\w\-]*)\((.*)$")
-_COLLECTIVE_RE = {op: re.compile(rf"\s{op}(-start)?\(") for op in COLLECTIVES}
 _COMPUTE_OPS = ("fusion", "custom-call", "convolution", "dot")
 # XLA:TPU lowers a collective across slices (over the data-center network) to a host-transfer
 # `send` for the Megascale runtime: `_xla_megascale_transfer_type="ALL_REDUCE"` (or ALL_GATHER, ...)
