@@ -4,7 +4,7 @@
 
 Writes `config.json` in the model's family (llama, mistral, qwen2, qwen3 or
 gemma3_text: the one the run was imported from when it still fits, else the first
-whose config maps back onto exactly this architecture; `hf_config.config_json`),
+whose config maps back onto exactly this architecture; `hf_config_export.config_json`),
 with both the transformers 5.x `rope_parameters` and the 4.x `rope_scaling` /
 top-level `rope_theta`, so an older transformers does not load default RoPE; the
 weights as `model.safetensors`, or as `model-0000i-of-0000n.safetensors` plus
@@ -30,7 +30,7 @@ import numpy as np
 
 from fsdp_jax.app import hf
 from fsdp_jax.app.config import ConfigError
-from fsdp_jax.app.hf_config import config_json
+from fsdp_jax.app.hf_config_export import config_json
 from fsdp_jax.app.models.llama import LlamaConfig
 from fsdp_jax.checkpoint import Checkpointer, CheckpointError, shape_mismatches, tree_paths
 from fsdp_jax.safetensors_io import check_file, write_safetensors
@@ -47,7 +47,7 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size "5GB
 
 def hf_config(cfg: LlamaConfig, dtype: str, token_ids: dict | None = None, hint: str | None = None) -> dict:
     """config.json for `cfg` in its family (`hint`: the model_type to prefer), keys as
-    transformers writes them, sorted (fsdp_jax.app.hf_config.config_json)."""
+    transformers writes them, sorted (fsdp_jax.app.hf_config_export.config_json)."""
     return config_json(cfg, dtype, token_ids, hint)
 
 
