@@ -31,7 +31,6 @@ FUNCTION_SKIP: dict[str, str] = {
     "app/fit/one_strategy.py:plan_strategy": "grown by ruff format; split pending (issue 27)",
     "app/fit/report.py:format_table": "grown by ruff format; split pending (issue 27)",
     "app/fit/search.py:search": "grown by ruff format; split pending (issue 27)",
-    "app/sft_data.py:prepare_examples": "grown by ruff format; split pending (issue 27)",
     "hlo.py:collective_schedule": "grown by ruff format; split pending (issue 27)",
     "hlo.py:schedule_warnings": "grown by ruff format; split pending (issue 27)",
     "model_fns.py:from_linen": "grown by ruff format; split pending (issue 27)",
