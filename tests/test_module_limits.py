@@ -23,8 +23,6 @@ MODULE_SKIP: dict[str, str] = {
     "verify.py": "grown by ruff format; split pending (issue 27)",
 }
 FUNCTION_SKIP: dict[str, str] = {
-    "app/cli/benchmark.py:run": "grown by ruff format; split pending (issue 27)",
-    "app/cli/verify.py:run": "grown by ruff format; split pending (issue 27)",
     "app/fit/compile_child.py:run_strategies": "grown by ruff format; split pending (issue 27)",
     "app/fit/estimate.py:plan_config": "grown by ruff format; split pending (issue 27)",
     "app/fit/one_strategy.py:plan_strategy": "grown by ruff format; split pending (issue 27)",
