@@ -54,10 +54,25 @@ def _check_decoder(m: LlamaConfig) -> None:
 
 
 def validate(cfg: Config, n_devices: int | None = None) -> None:
-    """Each field's limits (`config_schema.check_fields`), then the checks across fields;
-    with `n_devices`, also the mesh and batch divisibility."""
+    """Each field's limits (`config_schema.check_fields`), then the checks across fields,
+    section by section in this order (the first failure is reported); with `n_devices`,
+    also the mesh and batch divisibility."""
     check_fields(cfg)
-    m, mesh, data, tr = cfg.model, cfg.mesh, cfg.data, cfg.train
+    _check_heads(cfg.model)
+    _check_decoder(cfg.model)
+    _check_data_fields(cfg)
+    _check_run_dir(cfg)
+    _check_mesh(cfg)
+    _check_memory_policies(cfg)
+    _check_distributed(cfg)
+    _check_precision(cfg)
+    _check_train(cfg)
+    if n_devices is not None:
+        _check_devices(cfg, n_devices)
+
+
+def _check_heads(m: LlamaConfig) -> None:
+    """Heads, kv heads and head dim agree with each other and with d_model."""
     _check(
         m.kv_channels > 0 or m.d_model % m.n_heads == 0,
         "model.d_model",
@@ -72,15 +87,28 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
         m.kv_channels or m.d_model,
         f"head dim {m.head_dim} must be even for RoPE",
     )
-    _check_decoder(m)
+
+
+def _check_data_fields(cfg: Config) -> None:
+    """The sequence fits the model's context; data.path names a directory."""
+    data, m = cfg.data, cfg.model
     _check(data.seq_len <= m.max_seq_len, "data.seq_len", data.seq_len, f"must be <= model.max_seq_len={m.max_seq_len}")
     _check(bool(data.path.strip()), "data.path", data.path, "must be a directory path")
+
+
+def _check_run_dir(cfg: Config) -> None:
+    """run_dir names a directory (an empty one would be the current directory)."""
     _check(
         bool(cfg.run_dir.strip()),
         "run_dir",
         cfg.run_dir,
         "must be a directory path (not empty: the run would write into the current directory)",
     )
+
+
+def _check_mesh(cfg: Config) -> None:
+    """At most one mesh size is -1 (the rest of the devices); the strategy exists."""
+    mesh = cfg.mesh
     sizes = (mesh.data, mesh.fsdp, mesh.tensor)
     _check(
         sizes.count(-1) <= 1,
@@ -94,8 +122,16 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
         mesh.strategy,
         f"allowed: {', '.join(STRATEGIES)} (aliases: {', '.join(ALIASES)})",
     )
+
+
+def _check_memory_policies(cfg: Config) -> None:
+    """remat and offload name policies of the library's tables."""
     _check(cfg.remat in REMAT_POLICIES, "remat", cfg.remat, f"allowed: {', '.join(REMAT_POLICIES)}")
     _check(cfg.offload in OFFLOADS, "offload", cfg.offload, f"allowed: {', '.join(OFFLOADS)}")
+
+
+def _check_distributed(cfg: Config) -> None:
+    """This process's id is below the process count; the coordinator is HOST:PORT."""
     dist = cfg.distributed
     _check(
         dist.process_id is None or 0 <= dist.process_id < (dist.num_processes or 1),
@@ -105,12 +141,22 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
     )
     if dist.coordinator is not None:
         check_coordinator(dist.coordinator, "distributed.coordinator")
+
+
+def _check_precision(cfg: Config) -> None:
+    """precision parses as a `fsdp_jax.precision.Policy`."""
     try:
         Policy.parse(cfg.precision)
     except (ValueError, TypeError) as e:
         raise ConfigError(
             "precision", f"{cfg.precision!r} is invalid; {e} (e.g. params=float32,compute=bfloat16)"
         ) from None
+
+
+def _check_train(cfg: Config) -> None:
+    """The profile window lies within the run, microbatches divide the batch, and the
+    packages the logging options need are installed."""
+    tr = cfg.train
     if tr.profile is not None:
         _, last = parse_profile(tr.profile)
         _check(last <= tr.steps, "train.profile", tr.profile, f"END must be <= train.steps={tr.steps}")
@@ -134,10 +180,13 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
             tr.tensorboard,
             missing_message("tensorboardX", "train.tensorboard=true") + ", or set it to false",
         )
-    if n_devices is None:
-        return
+
+
+def _check_devices(cfg: Config, n_devices: int) -> None:
+    """The mesh resolves on `n_devices` and each microbatch splits over data*fsdp."""
+    tr, mesh = cfg.train, cfg.mesh
     try:
-        data_n, fsdp_n, _ = resolve_mesh_shape(sizes, n_devices)
+        data_n, fsdp_n, _ = resolve_mesh_shape((mesh.data, mesh.fsdp, mesh.tensor), n_devices)
     except MeshError as e:
         raise ConfigError("mesh", str(e)) from None
     micro = tr.global_batch // tr.microbatches

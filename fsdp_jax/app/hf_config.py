@@ -10,7 +10,8 @@ Both config generations are read: transformers 5.x writes `rope_parameters` (key
 layer type for Gemma 3), 4.x `rope_scaling` + top-level `rope_theta` (+ Gemma's
 `rope_local_base_freq`); an absent key takes transformers' default for that family.
 Whatever the decoder cannot compute exactly as transformers does is a ConfigError
-naming the key (one line).
+naming the key (one line). The other way, `LlamaConfig` -> config.json for export, is
+`fsdp_jax.app.hf_config_export`.
 """
 
 from __future__ import annotations
@@ -142,11 +143,21 @@ def _number(raw: Mapping, key: str, default: float, bad) -> float:
 
 
 def _family_fields(raw: Mapping, mt: str, bad, n_layers: int) -> dict:
-    """The decoder switches `raw` (of model_type `mt`) sets, as LlamaConfig fields."""
+    """The decoder switches `raw` (of model_type `mt`) sets, as LlamaConfig fields: those
+    of the MLP and attention blocks, Gemma 3's own, then the sliding windows (checked in
+    that order: the first refused key is named)."""
     _, act_key, defaults = FAMILIES[mt]
     get = lambda k: raw.get(k, defaults.get(k))  # noqa: E731
+    out = _block_fields(raw, mt, bad, act_key, get(act_key))
+    out.update(_gemma_fields(raw, mt, bad, get))
+    out.update(_window_fields(raw, mt, bad, get, n_layers))
+    return out
+
+
+def _block_fields(raw: Mapping, mt: str, bad, act_key: str, act) -> dict:
+    """The MLP and attention switches: activation, biases, norms (no dropout, full RoPE)."""
     out: dict[str, Any] = {}
-    act = get(act_key) or "silu"
+    act = act or "silu"
     if act not in ("silu", "gelu_pytorch_tanh"):
         raise bad(act_key, "the decoder's gated MLP has silu or gelu_pytorch_tanh")
     out["mlp_activation"] = act
@@ -162,6 +173,14 @@ def _family_fields(raw: Mapping, mt: str, bad, n_layers: int) -> dict:
     out["qk_norm"] = mt in ("qwen3", "gemma3_text")
     gemma = mt == "gemma3_text"
     out.update(norm_plus_one=gemma, sandwich_norm=gemma, embed_scale=gemma)
+    return out
+
+
+def _gemma_fields(raw: Mapping, mt: str, bad, get) -> dict:
+    """Gemma 3's own keys: logit soft-capping (refused in the other families),
+    query_pre_attn_scalar, and causal attention."""
+    out: dict[str, Any] = {}
+    gemma = mt == "gemma3_text"
     for key, field in (("attn_logit_softcapping", "attn_softcap"), ("final_logit_softcapping", "final_softcap")):
         v = raw.get(key)
         if v is not None and not gemma:
@@ -178,7 +197,12 @@ def _family_fields(raw: Mapping, mt: str, bad, n_layers: int) -> dict:
         out["query_pre_attn_scalar"] = float(q)
         if raw.get("use_bidirectional_attention"):
             raise bad("use_bidirectional_attention", "the decoder is causal (allowed: false)")
-    # sliding windows
+    return out
+
+
+def _window_fields(raw: Mapping, mt: str, bad, get, n_layers: int) -> dict:
+    """sliding_window and global_every (Gemma 3's every N-th layer full), or {} when every
+    layer attends over the whole sequence."""
     window = get("sliding_window")
     if mt in ("qwen2", "qwen3"):
         if raw.get("use_sliding_window", False):
@@ -193,14 +217,14 @@ def _family_fields(raw: Mapping, mt: str, bad, n_layers: int) -> dict:
     if window is None:
         if types is not None and any(t != "full_attention" for t in types):
             raise bad("layer_types", "sliding layers need a sliding_window")
-        return out
+        return {}
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
         raise bad("sliding_window", "expected a positive integer or null")
     max_pos = raw.get("max_position_embeddings", 2048)
     if isinstance(max_pos, int) and window > max_pos:
         raise bad("sliding_window", f"larger than the context (max_position_embeddings={max_pos})")
     every = 0
-    if gemma:
+    if mt == "gemma3_text":
         if types is None:
             p = get("sliding_window_pattern")
             types = ["sliding_attention" if (i + 1) % p else "full_attention" for i in range(n_layers)]
@@ -212,7 +236,7 @@ def _family_fields(raw: Mapping, mt: str, bad, n_layers: int) -> dict:
             raise bad("layer_types", f"expected {n_layers} of sliding_attention / full_attention")
         full = [i for i, t in enumerate(types) if t == "full_attention"]
         if len(full) == n_layers:
-            return out
+            return {}
         every = full[0] + 1 if full else 0
         want = ["full_attention" if every and (i + 1) % every == 0 else "sliding_attention" for i in range(n_layers)]
         if types != want:
@@ -221,8 +245,7 @@ def _family_fields(raw: Mapping, mt: str, bad, n_layers: int) -> dict:
             )
     elif types is not None and any(t != "sliding_attention" for t in types):
         raise bad("layer_types", "a window on some layers only is Gemma 3's pattern")
-    out.update(sliding_window=window, global_every=every)
-    return out
+    return {"sliding_window": window, "global_every": every}
 
 
 def _rope_of(raw: Mapping, mt: str, defaults: Mapping, bad, max_pos: int):
@@ -333,103 +356,3 @@ def model_config_from_hf(raw: Mapping, where: str = "config.json", base: LlamaCo
     if cfg.rope_type == "llama3" and not cfg.rope_high_freq_factor > cfg.rope_low_freq_factor:
         raise bad("rope_parameters", "llama3 needs high_freq_factor > low_freq_factor")
     return cfg
-
-
-# -- the other way: LlamaConfig -> config.json ----------------------------------------------
-
-
-def _rope_dicts(cfg: LlamaConfig) -> tuple[dict, dict | None]:
-    """(the 5.x rope_parameters entry, the 4.x rope_scaling dict or None) of global layers."""
-    required, optional = ROPE_KEYS[cfg.rope_type]
-    always = ("original_max_position_embeddings", "beta_fast", "beta_slow")
-    extra = {
-        k: getattr(cfg, f)
-        for k, f in {**required, **optional}.items()
-        if k in required or k in always or getattr(cfg, f) != getattr(LlamaConfig(), f)
-    }
-    params = {"rope_theta": cfg.rope_theta, "rope_type": cfg.rope_type, **extra}
-    return params, (None if cfg.rope_type == "default" else {"rope_type": cfg.rope_type, **extra})
-
-
-def _int_if_whole(v: float) -> int | float:
-    return int(v) if float(v).is_integer() else v  # transformers 5 types it int (strict)
-
-
-def _family_json(cfg: LlamaConfig, mt: str) -> dict:
-    arch, act_key, _ = FAMILIES[mt]
-    params, scaling = _rope_dicts(cfg)
-    d = {
-        "architectures": [arch],
-        "model_type": mt,
-        "attention_dropout": 0.0,
-        "head_dim": cfg.head_dim,
-        act_key: cfg.mlp_activation,
-        "hidden_size": cfg.d_model,
-        "initializer_range": 0.02,
-        "intermediate_size": cfg.ffn_dim,
-        "max_position_embeddings": cfg.max_seq_len,
-        "num_attention_heads": cfg.n_heads,
-        "num_hidden_layers": cfg.n_layers,
-        "num_key_value_heads": cfg.n_kv_heads,
-        "rms_norm_eps": cfg.norm_eps,
-        "rope_parameters": params,
-        "rope_scaling": scaling,
-        "rope_theta": cfg.rope_theta,
-        "tie_word_embeddings": cfg.tie_word_embeddings,
-        "use_cache": True,
-        "vocab_size": cfg.vocab_size,
-    }
-    n = cfg.n_layers
-    if mt == "llama":
-        d.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
-    elif mt == "mistral":
-        d["sliding_window"] = cfg.sliding_window or None
-    elif mt in ("qwen2", "qwen3"):
-        d.update(use_sliding_window=False, sliding_window=None, max_window_layers=n, layer_types=["full_attention"] * n)
-        if mt == "qwen3":
-            d["attention_bias"] = False
-    elif mt == "gemma3_text":
-        every = cfg.global_every if cfg.sliding_window else 1  # 1: every layer full
-        types = ["sliding_attention" if cfg.is_local(i) else "full_attention" for i in range(n)]
-        local = {"rope_type": "default", "rope_theta": cfg.rope_local_theta or 1e4}
-        d.update(
-            attention_bias=False,
-            layer_types=types,
-            sliding_window=cfg.sliding_window or cfg.max_seq_len,
-            sliding_window_pattern=every or n + 1,
-            rope_parameters={"full_attention": params, "sliding_attention": local},
-            rope_local_base_freq=local["rope_theta"],
-            query_pre_attn_scalar=_int_if_whole(cfg.query_pre_attn_scalar or cfg.head_dim),
-            attn_logit_softcapping=None,
-            final_logit_softcapping=cfg.final_softcap or None,
-            use_bidirectional_attention=False,
-        )
-    return d
-
-
-def family_of(cfg: LlamaConfig, hint: str | None = None) -> str | None:
-    """The model_type whose config.json maps back onto exactly `cfg`'s architecture
-    (`hint` first, e.g. the family the run was imported from), or None."""
-    for mt in ([hint] if hint in FAMILIES else []) + list(FAMILIES):
-        try:
-            back = model_config_from_hf(_family_json(cfg, mt), "config.json", cfg)
-        except ConfigError:
-            continue
-        if all(getattr(back, f) == getattr(cfg, f) for f in ARCH_FIELDS):
-            return mt
-    return None
-
-
-def config_json(cfg: LlamaConfig, dtype: str, token_ids: dict | None = None, hint: str | None = None) -> dict:
-    """config.json for `cfg` in its family (keys as transformers writes them, sorted; both
-    the 5.x `rope_parameters` and the 4.x `rope_scaling` / `rope_theta`). ConfigError when
-    no family computes this architecture."""
-    mt = family_of(cfg, hint)
-    if mt is None:
-        raise ConfigError(
-            "model",
-            "no Hugging Face family (" + ", ".join(FAMILIES) + ") has this "
-            "combination of decoder switches; it cannot be exported",
-        )
-    d = {**_family_json(cfg, mt), "dtype": dtype, "torch_dtype": dtype, **(token_ids or {})}
-    return dict(sorted(d.items()))

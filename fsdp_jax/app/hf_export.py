@@ -4,7 +4,7 @@
 
 Writes `config.json` in the model's family (llama, mistral, qwen2, qwen3 or
 gemma3_text: the one the run was imported from when it still fits, else the first
-whose config maps back onto exactly this architecture; `hf_config.config_json`),
+whose config maps back onto exactly this architecture; `hf_config_export.config_json`),
 with both the transformers 5.x `rope_parameters` and the 4.x `rope_scaling` /
 top-level `rope_theta`, so an older transformers does not load default RoPE; the
 weights as `model.safetensors`, or as `model-0000i-of-0000n.safetensors` plus
@@ -30,7 +30,7 @@ import numpy as np
 
 from fsdp_jax.app import hf
 from fsdp_jax.app.config import ConfigError
-from fsdp_jax.app.hf_config import config_json
+from fsdp_jax.app.hf_config_export import config_json
 from fsdp_jax.app.models.llama import LlamaConfig
 from fsdp_jax.checkpoint import Checkpointer, CheckpointError, shape_mismatches, tree_paths
 from fsdp_jax.safetensors_io import check_file, write_safetensors
@@ -47,7 +47,7 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size "5GB
 
 def hf_config(cfg: LlamaConfig, dtype: str, token_ids: dict | None = None, hint: str | None = None) -> dict:
     """config.json for `cfg` in its family (`hint`: the model_type to prefer), keys as
-    transformers writes them, sorted (fsdp_jax.app.hf_config.config_json)."""
+    transformers writes them, sorted (fsdp_jax.app.hf_config_export.config_json)."""
     return config_json(cfg, dtype, token_ids, hint)
 
 
@@ -120,25 +120,12 @@ def _shard_files(entries: list, max_shard_bytes: int) -> tuple[list[list], list[
     return files, names
 
 
-def export_hf(
-    directory: str | os.PathLike,
-    out: str | os.PathLike,
-    *,
-    dtype: str | None = None,
-    step: int | None = None,
-    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-) -> dict:
-    """Export checkpoint `directory`'s params (newest usable step, or `step`) as a
-    Hugging Face Llama directory `out` (must not exist, or be empty). `dtype` casts
-    the floating params (default: as saved). Returns {"step", "files", "tensors",
-    "bytes", "path"}. Raises CheckpointError (one line) on bad input, writing nothing."""
+def _checked_source(directory, step: int | None):
+    """(checkpointer, step, its run config, its saved params' metadata, the model_type to
+    prefer): the step's params match its saved model config and some family computes that
+    model. CheckpointError (one line) otherwise, before anything is written."""
     from fsdp_jax.app.trainer_build import trainer_model
 
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CheckpointError(f"--hf {out}: already exists; choose a new directory")
-    if not out.absolute().parent.is_dir():
-        raise CheckpointError(f"--hf {out}: its parent directory does not exist")
     ckpt = Checkpointer(directory, read_only=True)
     s = _pick_step(ckpt, step)
     run_cfg = _saved_config(ckpt, s)
@@ -156,46 +143,87 @@ def export_hf(
         hf_config(cfg, "float32", hint=hint)  # refuses before anything is written
     except ConfigError as e:
         raise CheckpointError(f"{ckpt.step_dir(s)}: {e}") from None
-    out_dt = np.dtype(dtype) if dtype else None
+    return ckpt, s, run_cfg, saved, hint
+
+
+def _tensor_entries(cfg: LlamaConfig, saved: dict, out_dt) -> tuple[list, dict]:
+    """([(HF name, shape, dtype)] leaf by leaf, {HF name: (our leaf path, layer index or
+    None, kind)}); `out_dt` None keeps each leaf's saved dtype."""
     shapes = hf.expected_tensors(cfg)
-    entries, source = [], {}  # HF name -> (our leaf path, layer index or None, kind)
+    entries, source = [], {}
     for path, (names, kind) in hf.leaf_sources(cfg).items():
         stacked = cfg.scan_layers and path.startswith("blocks/")
         dt = out_dt or np.dtype(saved[f"params/{path}"].dtype)
         for i, name in enumerate(names):
             entries.append((name, shapes[name], dt))
             source[name] = (path, i if stacked else None, kind)
-    files, names = _shard_files(entries, max_shard_bytes)
+    return entries, source
+
+
+def _leaf_reader(ckpt: Checkpointer, step: int, source: dict):
+    """HF name -> its tensor, read from the checkpoint with one leaf in host memory at a time."""
     cache: dict[str, np.ndarray] = {}
 
     def fetch(name: str) -> np.ndarray:
         path, layer, kind = source[name]
         if path not in cache:
             cache.clear()  # one leaf in host memory at a time
-            cache[path] = np.asarray(ckpt.read_leaf(s, f"params/{path}"))
+            cache[path] = np.asarray(ckpt.read_leaf(step, f"params/{path}"))
         arr = cache[path] if layer is None else cache[path][layer]
         return hf.to_hf(kind, arr)
 
+    return fetch
+
+
+def _write_weights(tmp: Path, names: list[str], files: list[list], entries: list, fetch) -> int:
+    """The safetensors files (each read back and checked) and, when there are several, their
+    index; returns the bytes written."""
+    total = 0
+    for fname, group in zip(names, files):
+        total += write_safetensors(tmp / fname, group, fetch, {"format": "pt"})
+        got = check_file(tmp / fname)
+        for name, shape, dt in group:
+            if got.get(name, (None,))[0] != list(shape):
+                raise RuntimeError(f"{fname}: {name} reads back as {got.get(name)}")
+    if len(files) > 1:
+        index = {
+            "metadata": {
+                "total_size": sum(math.prod(e[1]) * e[2].itemsize for e in entries),
+                "total_parameters": sum(math.prod(e[1]) for e in entries),
+            },
+            "weight_map": dict(sorted((e[0], f) for f, g in zip(names, files) for e in g)),
+        }
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return total
+
+
+def export_hf(
+    directory: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    dtype: str | None = None,
+    step: int | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> dict:
+    """Export checkpoint `directory`'s params (newest usable step, or `step`) as a
+    Hugging Face Llama directory `out` (must not exist, or be empty). `dtype` casts
+    the floating params (default: as saved). Returns {"step", "files", "tensors",
+    "bytes", "path"}. Raises CheckpointError (one line) on bad input, writing nothing."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CheckpointError(f"--hf {out}: already exists; choose a new directory")
+    if not out.absolute().parent.is_dir():
+        raise CheckpointError(f"--hf {out}: its parent directory does not exist")
+    ckpt, s, run_cfg, saved, hint = _checked_source(directory, step)
+    cfg = run_cfg.model
+    out_dt = np.dtype(dtype) if dtype else None
+    entries, source = _tensor_entries(cfg, saved, out_dt)
+    files, names = _shard_files(entries, max_shard_bytes)
     token_ids, tok_files = _token_ids_and_tokenizer(run_cfg)
     tmp = out.absolute().parent / f".{out.name}.tmp.{os.getpid()}"
-    total = 0
     try:
         tmp.mkdir()
-        for fname, group in zip(names, files):
-            total += write_safetensors(tmp / fname, group, fetch, {"format": "pt"})
-            got = check_file(tmp / fname)
-            for name, shape, dt in group:
-                if got.get(name, (None,))[0] != list(shape):
-                    raise RuntimeError(f"{fname}: {name} reads back as {got.get(name)}")
-        if len(files) > 1:
-            index = {
-                "metadata": {
-                    "total_size": sum(math.prod(e[1]) * e[2].itemsize for e in entries),
-                    "total_parameters": sum(math.prod(e[1]) for e in entries),
-                },
-                "weight_map": dict(sorted((e[0], f) for f, g in zip(names, files) for e in g)),
-            }
-            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        total = _write_weights(tmp, names, files, entries, _leaf_reader(ckpt, s, source))
         float_dt = (out_dt or np.dtype(entries[0][2])).name
         (tmp / "config.json").write_text(json.dumps(hf_config(cfg, float_dt, token_ids, hint), indent=2) + "\n")
         for f, target in tok_files:

@@ -10,8 +10,8 @@ and `meta.json` (`"format": "packed"`, `row_len`, counts, the packing report and
 
 Preparing is a stream: records are read line by line, encoded in batches of about
 `BATCH_BYTES` of text (the tokenizer's own threads), packed a buffer at a time (best-fit
-decreasing, `fsdp_jax.app.packing`) and appended to temporary files; memory is bounded
-by the buffer, not the corpus. A text file over `tokenizer.LONG_BYTES` is one plain
+decreasing, `fsdp_jax.app.packing`) and appended to temporary files, one split each
+(`fsdp_jax.app.packed_splits`); memory is bounded by the buffer, not the corpus. A text file over `tokenizer.LONG_BYTES` is one plain
 example read and encoded in windows (`fsdp_jax.app.tokenizer.encode_long`), its pieces
 packed as they come. `workers` > 1 encodes batches in worker processes
 (`fsdp_jax.app.encode_pool`), in order: the same corpus as one worker. The split is by
@@ -46,21 +46,12 @@ from fsdp_jax.app.packed_rows import (  # noqa: F401 (re-exported)
     packed_eval_batches,
     row_indices,
 )
-from fsdp_jax.app.packing import PackStats, batch_from_rows, cut, pack
+from fsdp_jax.app.packed_splits import PackedSplits
+from fsdp_jax.app.packing import PackStats
 from fsdp_jax.app.tokenizer import encode_long, is_long, text_chunks
 
 BATCH_BYTES = 1 << 20  # text per encode call (its Python token lists dominate memory)
 PACK_TOKENS = 1 << 21  # tokens buffered before a pack (and at least 256 rows' worth)
-
-
-def _held_out(seed: int, index: np.ndarray, fraction: float) -> np.ndarray:
-    """splitmix64 of (seed, example index) < fraction: the val examples."""
-    with np.errstate(over="ignore"):
-        z = index.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15) * np.uint64(seed + 1)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        z = z ^ (z >> np.uint64(31))
-    return (z >> np.uint64(11)).astype(np.float64) / 2.0**53 < fraction
 
 
 def _text_size(rec) -> int:
@@ -95,87 +86,6 @@ def _long_tokens(file: Path, tok):
         return
     yield from encode_long(tok, text_chunks(file))
     yield np.asarray([tok.eos_id], np.int32)
-
-
-class _SplitWriter:
-    """Buffers one split's examples, packs them a buffer at a time, appends the rows."""
-
-    FILES = ("bin", "mask.bin", "seg.bin")
-
-    def __init__(self, out: Path, split: str, row_len: int, dtype, overflow: str):
-        self.row_len, self.dtype, self.overflow = row_len, dtype, overflow
-        self.tmp = {f"{split}.{k}": out / f".{split}.{k}.tmp.{os.getpid()}" for k in self.FILES}
-        self.fh = [open(p, "wb") for p in self.tmp.values()]
-        self.buf: list[tuple[np.ndarray, np.ndarray]] = []
-        self.buffered = 0
-        self.stats = PackStats()
-        self.trained = 0
-        self.max_token = -1
-        self.limit = max(PACK_TOKENS, 256 * row_len)
-
-    def add(self, tokens: np.ndarray, mask: np.ndarray) -> None:
-        for t, m in cut(tokens, mask, self.row_len, self.overflow, self.stats):
-            self._piece(t, m)
-
-    def add_stream(self, chunks) -> None:
-        """One plain example (every token trained) given as token arrays in order, never
-        whole in memory: the pieces `add` would make of their concatenation, in order."""
-        n, kept, carry, L = 0, 0, np.zeros(0, np.int32), self.row_len
-        for c in chunks:
-            n += len(c)
-            if self.overflow == "truncate":  # keep the first row, count the rest
-                if len(carry) < L:
-                    carry = np.concatenate([carry, c[: L - len(carry)]])
-                continue
-            carry = np.concatenate([carry, c])
-            full = len(carry) // L * L
-            for i in range(0, full, L):
-                kept += self._keep(carry[i : i + L])
-            carry = carry[full:]
-        kept += self._keep(carry)
-        if n > L:
-            if self.overflow == "truncate":
-                self.stats.truncated += 1
-                self.stats.dropped_tokens += n - L
-            else:
-                self.stats.split += 1
-        if not kept:
-            self.stats.empty += 1
-
-    def _keep(self, tokens: np.ndarray) -> int:
-        if len(tokens) <= 1:  # a target needs a token before it in the same piece (`cut`)
-            return 0
-        self._piece(tokens.astype(np.int32), np.ones(len(tokens), np.uint8))
-        return 1
-
-    def _piece(self, tokens: np.ndarray, mask: np.ndarray) -> None:
-        self.buf.append((tokens, mask))
-        self.buffered += len(tokens)
-        if self.buffered >= self.limit:  # per piece: a long example never fills memory
-            self.flush()
-
-    def flush(self) -> None:
-        if not self.buf:
-            return
-        tok, msk, seg = pack(self.buf, self.row_len, self.dtype)
-        for fh, arr in zip(self.fh, (tok, msk, seg)):
-            arr.tofile(fh)
-        real = sum(len(t) for t, _ in self.buf)
-        self.stats.add(PackStats(examples=len(self.buf), rows=len(tok), real_tokens=real, row_tokens=tok.size))
-        self.trained += int(batch_from_rows(tok, msk, seg)["weights"].sum())
-        self.max_token = max(self.max_token, int(tok.max()))
-        self.buf, self.buffered = [], 0
-
-    def close(self) -> None:
-        self.flush()
-        for fh in self.fh:
-            fh.close()
-
-    def discard(self) -> None:
-        for fh in self.fh:
-            fh.close()
-        for p in self.tmp.values():
-            p.unlink(missing_ok=True)
 
 
 def _check_options(val_fraction, row_len, threads, workers, overflow) -> None:
@@ -236,17 +146,28 @@ def _text_batches(files, bar):
         yield batch
 
 
+def _progress_bar(files, progress: bool):
+    """A tqdm bar over the sources' bytes (disabled unless `progress`)."""
+    from tqdm import tqdm
+
+    return tqdm(
+        total=sum(f.stat().st_size for f in files),
+        unit="B",
+        unit_scale=True,
+        desc="prepare",
+        disable=not progress,
+        dynamic_ncols=True,
+    )
+
+
 def _packed_meta(
-    writers,
-    index: int,
-    first_empty,
+    splits: PackedSplits,
     val_fraction: float,
     *,
     row_len,
     vocab_size,
     dtype,
     tok,
-    kinds,
     train_on,
     overflow,
     sources,
@@ -254,6 +175,7 @@ def _packed_meta(
     seed,
 ) -> dict:
     """meta.json of the written splits; DataError when nothing trains or a split is empty."""
+    writers, index, first_empty = splits.writers, splits.index, splits.first_empty
     stats = PackStats()
     for w in writers.values():
         stats.add(w.stats)
@@ -283,7 +205,7 @@ def _packed_meta(
         "train_trained_tokens": writers["train"].trained,
         "val_trained_tokens": writers["val"].trained,
         "examples": index,
-        "kinds": kinds,
+        "kinds": splits.kinds,
         "empty_skipped": stats.empty,
         "first_empty": first_empty,
         "packing": stats.as_dict(),
@@ -335,66 +257,34 @@ def prepare_examples(
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     _remove_stale(out)
-    writers = {s: _SplitWriter(out, s, row_len, dtype, overflow) for s in ("train", "val")}
-    kinds: dict[str, int] = {}
-    first_empty = None
-    index = 0
-    from tqdm import tqdm
-
-    bar = tqdm(
-        total=sum(f.stat().st_size for f in files),
-        unit="B",
-        unit_scale=True,
-        desc="prepare",
-        disable=not progress,
-        dynamic_ncols=True,
-    )
+    splits = PackedSplits(out, row_len, dtype, overflow, seed, val_fraction, PACK_TOKENS)
+    bar = _progress_bar(files, progress)
     try:
         for items, examples in encode_batches(spec, _text_batches(files, bar), workers, encoder=enc):
             if examples is None:  # `items` is a long text file: one plain example
-                w = writers["val" if _held_out(seed, np.arange(index, index + 1), val_fraction)[0] else "train"]
-                before = w.stats.empty
-                w.add_stream(_long_tokens(items, tok))
-                kinds["plain"] = kinds.get("plain", 0) + 1
-                if w.stats.empty > before and first_empty is None:
-                    first_empty = f"{items}:1"
-                index += 1
-                continue
-            val = _held_out(seed, np.arange(index, index + len(examples)), val_fraction)
-            for (rec, where), ex, v in zip(items, examples, val):
-                kinds[ex.kind] = kinds.get(ex.kind, 0) + 1
-                w = writers["val" if v else "train"]
-                before = w.stats.empty
-                w.add(ex.tokens, ex.mask)
-                if w.stats.empty > before and first_empty is None:
-                    first_empty = where
-            index += len(examples)
+                splits.add_stream(_long_tokens(items, tok), f"{items}:1")
+            else:
+                splits.add_examples(items, examples)
         bar.close()
-        for w in writers.values():
-            w.close()
+        splits.close()
         meta = _packed_meta(
-            writers,
-            index,
-            first_empty,
+            splits,
             val_fraction,
             row_len=row_len,
             vocab_size=vocab,
             dtype=dtype.name,
             tok=tok,
-            kinds=kinds,
             train_on=train_on,
             overflow=overflow,
             sources=[str(s) for s in sources],
             pattern=pattern,
             seed=seed,
         )
-        tmp = {name: p for w in writers.values() for name, p in w.tmp.items()}
-        return _commit(out, tmp, meta)
+        return _commit(out, splits.tmp_files(), meta)
     except (ExampleError, TokenizerError) as e:
         raise DataError(str(e)) from None
     finally:
         bar.close()
-        for w in writers.values():
-            w.discard()
+        splits.discard()
         if created and out.is_dir() and not any(out.iterdir()):
             out.rmdir()  # bad input: leave no trace

@@ -39,18 +39,31 @@ def build_parser(prog: str | None = None) -> Parser:
 
 
 def run(args) -> int:
+    """Check every input (flags, then the config of each sweep point), then measure each
+    point's rows and report them."""
     import jax
 
-    from fsdp_jax.app.bench import bench_fsdp, bench_plain_dp, combos, parse_sweeps, plot
-    from fsdp_jax.app.cli.args import check_out_file, require
     from fsdp_jax.app.cli.devices import use_cpu_devices
-    from fsdp_jax.app.config import ConfigError, check_backend, load_config, validate
-    from fsdp_jax.app.models.llama import flops_per_token
-    from fsdp_jax.perf import mfu, peak_flops
-    from fsdp_jax.precision import Policy
-    from fsdp_jax.strategy import get_strategy
 
     use_cpu_devices()
+    sweeps, strategies = _parse_flags(args)
+    jax.config.update("jax_enable_compilation_cache", False)  # inputs checked: time cold compiles
+    runs = _checked_runs(args, sweeps)
+    devices_all = jax.devices()
+    results = []
+    for combo, cfg, n_dev in runs:
+        results += _bench_point(args, combo, cfg, devices_all[:n_dev], strategies)
+    _report(args, sweeps, results, devices_all)
+    return 0
+
+
+def _parse_flags(args) -> tuple[list, list[str]]:
+    """(sweeps, strategy names) from the flags; the --plot file and the config checked."""
+    from fsdp_jax.app.bench import parse_sweeps
+    from fsdp_jax.app.cli.args import check_out_file, require
+    from fsdp_jax.app.config import ConfigError, load_config
+    from fsdp_jax.strategy import get_strategy
+
     if args.plot:
         check_out_file(args.plot, "--plot")
         require("matplotlib", "--plot")
@@ -62,7 +75,17 @@ def run(args) -> int:
     if not strategies:
         raise ConfigError("--strategies", f"{args.strategies!r} names no strategy")
     load_config(args.config, args.overrides)  # fail early on a bad config
-    jax.config.update("jax_enable_compilation_cache", False)  # inputs checked: time cold compiles
+    return sweeps, strategies
+
+
+def _checked_runs(args, sweeps) -> list[tuple[dict, object, int]]:
+    """[(sweep point, its validated config, its device count)], every point checked
+    before anything is measured."""
+    import jax
+
+    from fsdp_jax.app.bench import combos
+    from fsdp_jax.app.config import ConfigError, check_backend, load_config, validate
+
     runs = []
     for combo in combos(sweeps):
         try:
@@ -75,44 +98,61 @@ def run(args) -> int:
         validate(cfg, n_devices=n_dev)
         check_backend(cfg, jax.default_backend())
         runs.append((combo, cfg, n_dev))
+    return runs
 
-    devices_all = jax.devices()
+
+def _bench_point(args, combo: dict, cfg, devices: list, strategies: list[str]) -> list[dict]:
+    """One sweep point's rows (each strategy, and the baselines), each printed as it is
+    measured unless --json."""
+    from fsdp_jax.app.bench import bench_fsdp, bench_plain_dp
+    from fsdp_jax.app.models.llama import flops_per_token
+    from fsdp_jax.perf import mfu, peak_flops
+    from fsdp_jax.precision import Policy
+
+    n_dev = len(devices)
+    fpt = flops_per_token(cfg.model, cfg.data.seq_len)
+    peak = peak_flops(devices[0], Policy.parse(cfg.precision).compute_dtype.name, args.peak_tflops)
+    tokens = cfg.train.global_batch * cfg.data.seq_len
+    rows = [(s, lambda s=s: bench_fsdp(cfg, s, devices, args.steps, args.warmup)) for s in strategies]
+    if args.baselines:
+        rows.append(("single_device", lambda: bench_fsdp(cfg, "no_shard", devices[:1], args.steps, args.warmup)))
+        rows.append(("plain_dp", lambda: bench_plain_dp(cfg, devices, args.steps, args.warmup)))
     results = []
-    for combo, cfg, n_dev in runs:
-        devices = devices_all[:n_dev]
-        fpt = flops_per_token(cfg.model, cfg.data.seq_len)
-        peak = peak_flops(devices[0], Policy.parse(cfg.precision).compute_dtype.name, args.peak_tflops)
-        tokens = cfg.train.global_batch * cfg.data.seq_len
-        rows = [(s, lambda s=s: bench_fsdp(cfg, s, devices, args.steps, args.warmup)) for s in strategies]
-        if args.baselines:
-            rows.append(("single_device", lambda: bench_fsdp(cfg, "no_shard", devices[:1], args.steps, args.warmup)))
-            rows.append(("plain_dp", lambda: bench_plain_dp(cfg, devices, args.steps, args.warmup)))
-        for name, fn in rows:
-            compile_s, times, mem = fn()
-            peak_bytes = mem["peak"]
-            med = statistics.median(times)
-            rec = {
-                "strategy": name,
-                "devices": 1 if name == "single_device" else n_dev,
-                "compile_s": round(compile_s, 4),
-                "step_s_median": med,
-                "step_s_min": min(times),
-                "step_s_max": max(times),
-                "tokens_per_s": tokens / med,
-                "mfu": mfu(fpt, tokens / med, 1 if name == "single_device" else n_dev, peak),
-                "peak_bytes": int(peak_bytes),
-                "argument_bytes": mem["argument"],
-                **{k: v for k, v in combo.items() if k != "devices"},
-            }
-            results.append(rec)
-            if not args.json:
-                extra = " ".join(f"{k}={v}" for k, v in combo.items())
-                print(
-                    f"{name:14s} {extra:24s} compile {compile_s:7.2f}s  step {med * 1e3:8.1f} ms "
-                    f"[{min(times) * 1e3:.1f}-{max(times) * 1e3:.1f}]  {tokens / med:10.0f} tok/s  "
-                    f"peak {peak_bytes / 2**20:8.1f} MiB  state+batch {mem['argument'] / 2**20:7.2f} MiB",
-                    flush=True,
-                )
+    for name, fn in rows:
+        compile_s, times, mem = fn()
+        peak_bytes = mem["peak"]
+        med = statistics.median(times)
+        rec = {
+            "strategy": name,
+            "devices": 1 if name == "single_device" else n_dev,
+            "compile_s": round(compile_s, 4),
+            "step_s_median": med,
+            "step_s_min": min(times),
+            "step_s_max": max(times),
+            "tokens_per_s": tokens / med,
+            "mfu": mfu(fpt, tokens / med, 1 if name == "single_device" else n_dev, peak),
+            "peak_bytes": int(peak_bytes),
+            "argument_bytes": mem["argument"],
+            **{k: v for k, v in combo.items() if k != "devices"},
+        }
+        results.append(rec)
+        if not args.json:
+            extra = " ".join(f"{k}={v}" for k, v in combo.items())
+            print(
+                f"{name:14s} {extra:24s} compile {compile_s:7.2f}s  step {med * 1e3:8.1f} ms "
+                f"[{min(times) * 1e3:.1f}-{max(times) * 1e3:.1f}]  {tokens / med:10.0f} tok/s  "
+                f"peak {peak_bytes / 2**20:8.1f} MiB  state+batch {mem['argument'] / 2**20:7.2f} MiB",
+                flush=True,
+            )
+    return results
+
+
+def _report(args, sweeps, results: list[dict], devices_all: list) -> None:
+    """The JSON document (--json) and the plot against the first sweep key (--plot)."""
+    import jax
+
+    from fsdp_jax.app.bench import plot
+
     doc = {
         "config": args.config,
         "devices": jax.device_count(),
@@ -127,7 +167,6 @@ def run(args) -> int:
         print(json.dumps(doc))
     if args.plot and sweeps:
         plot(doc, sweeps[0][0], args.plot)
-    return 0
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:

@@ -54,6 +54,8 @@ def _errors():
 
 
 def run(args) -> int:
+    """Check the flags and config, fit the config to this machine (shrunk when too big,
+    noted), verify every strategy against one device, report."""
     from fsdp_jax.app.cli.devices import use_cpu_devices
     from fsdp_jax.app.config import load_config, validate
     from fsdp_jax.app.fit.report import parse_devices, parse_strategies
@@ -65,34 +67,49 @@ def run(args) -> int:
     use_cpu_devices(n)  # before JAX starts: n CPU devices when this machine has fewer
 
     import jax
-    import numpy as np
 
     from fsdp_jax.app.cli.exits import fail_env
-    from fsdp_jax.app.loop import make_loss_fn
-    from fsdp_jax.app.models.llama import count_params
-    from fsdp_jax.app.optim import build_optimizer
-    from fsdp_jax.app.trainer_build import trainer_model
-    from fsdp_jax.app.verify_shrink import shrink_config
-    from fsdp_jax.verify import devices_for, verify
+    from fsdp_jax.verify import devices_for
 
     devices = devices_for(n)
     if devices is None:
         print(f"error: --devices {n}: this machine has {len(jax.devices())} devices", file=sys.stderr)
         return 1
-    notes, changed = [], {}
+    try:
+        cfg, changed, notes = _shrunk_if_big(cfg, args.max_params, n, strategies, devices)
+    except RuntimeError as e:  # cannot shrink keeping the decisions: exit 1, one line
+        return fail_env(e)
+    cfg, notes = _as_verified(cfg, devices, notes)
+    report = _verify(args, cfg, strategies, n)
+    _print_report(args, changed, notes, report)
+    return 0 if report.passed else 1
+
+
+def _shrunk_if_big(cfg, max_params: float, n: int, strategies, devices) -> tuple:
+    """(config, {dim: (was, now)}, notes): `cfg` itself when it has at most `max_params`
+    params (or 0), else reduced keeping every sharding decision
+    (`fsdp_jax.app.verify_shrink`); RuntimeError when that cannot be done."""
+    from fsdp_jax.app.models.llama import count_params
+    from fsdp_jax.app.verify_shrink import shrink_config
+
     n_params = count_params(cfg.model)
-    if args.max_params and n_params > args.max_params:
-        try:
-            cfg, changed, more = shrink_config(cfg, n, strategies, devices)
-        except RuntimeError as e:  # cannot shrink keeping the decisions: exit 1, one line
-            return fail_env(e)
-        reduced = count_params(cfg.model) / 1e6
-        notes += [
-            f"{n_params / 1e6:.1f}M params: shrunk to verify on CPU ({reduced:.2f}M); "
-            + ", ".join(f"{k} {a} -> {b}" for k, a, b in ((k, *v) for k, v in changed.items())),
-            "kept: every dim's divisibility by the device count, the logical names, "
-            "global_batch, precision, remat, microbatches, optimizer",
-        ] + more
+    if not (max_params and n_params > max_params):
+        return cfg, {}, []
+    cfg, changed, more = shrink_config(cfg, n, strategies, devices)
+    reduced = count_params(cfg.model) / 1e6
+    notes = [
+        f"{n_params / 1e6:.1f}M params: shrunk to verify on CPU ({reduced:.2f}M); "
+        + ", ".join(f"{k} {a} -> {b}" for k, a, b in ((k, *v) for k, v in changed.items())),
+        "kept: every dim's divisibility by the device count, the logical names, "
+        "global_batch, precision, remat, microbatches, optimizer",
+    ] + more
+    return cfg, changed, notes
+
+
+def _as_verified(cfg, devices, notes: list[str]) -> tuple:
+    """(config, notes): XLA attention on CPU devices, and notes on what verify ignores
+    (mesh.tensor) and how it runs the optimizer and batches."""
+    notes = list(notes)
     if cfg.model.attention != "xla" and devices[0].platform == "cpu":
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="xla"))
         notes.append("model.attention cudnn -> xla (CPU devices)")
@@ -105,6 +122,18 @@ def run(args) -> int:
         f"optimizer {cfg.optimizer.name} at its peak lr {cfg.optimizer.lr:g} (warmup skipped); "
         f"batches: random tokens ({cfg.train.global_batch}, {cfg.data.seq_len + 1})"
     )
+    return cfg, notes
+
+
+def _verify(args, cfg, strategies, n: int):
+    """`fsdp_jax.verify` on the trainer's model, loss and optimizer (at its peak lr), with
+    --steps batches of random tokens."""
+    import numpy as np
+
+    from fsdp_jax.app.loop import make_loss_fn
+    from fsdp_jax.app.optim import build_optimizer
+    from fsdp_jax.app.trainer_build import trainer_model
+    from fsdp_jax.verify import verify
 
     model = trainer_model(cfg.model, cfg.remat)
     optimizer, _ = build_optimizer(dataclasses.replace(cfg.optimizer, warmup_steps=0), cfg.train.steps)
@@ -113,7 +142,7 @@ def run(args) -> int:
         rng.integers(0, cfg.model.vocab_size, (cfg.train.global_batch, cfg.data.seq_len + 1), dtype=np.int32)
         for _ in range(args.steps)
     ]
-    report = verify(
+    return verify(
         model,
         optimizer,
         make_loss_fn(model),
@@ -127,6 +156,10 @@ def run(args) -> int:
         clip_norm=cfg.optimizer.clip_norm,
         min_shard_size=cfg.mesh.min_shard_size,
     )
+
+
+def _print_report(args, changed: dict, notes: list[str], report) -> None:
+    """One JSON document (--json), or the notes and the report's table."""
     if args.json:
         doc = {
             "config": args.config,
@@ -141,7 +174,6 @@ def run(args) -> int:
         for line in notes:
             print(f"  {line}")
         print(report.format())
-    return 0 if report.passed else 1
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
