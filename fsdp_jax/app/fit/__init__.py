@@ -13,7 +13,9 @@ the predicted step time — and reports it:
                  (`plan_strategy`); what the compiled step holds: `inspection`; a
                  compiler's refusal for memory: `refusal`
 * `compile_child` many strategies on N devices, in a child process when this one lacks them
-* `report`       the user's side: parsing flags, warnings, tables, the plot
+* `inputs`       the user's side in: flags parsed, checked against the config; start-up
+* `report`       the user's side out: warnings, tables, the plot, the inspection
+                 (re-exports `inputs`' names)
 * `search`       the fastest configuration that fits: strategy x remat x microbatches x
                  offload (x batch, seq), pruned analytically, a few compiled (`search_compile`),
                  reported by `search_report` (plan.py --search)
