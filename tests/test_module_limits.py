@@ -14,17 +14,8 @@ MAX_FUNCTION_LINES = 80
 
 # Known excess, owned by other branches while this rule landed: remove an entry once
 # its module fits (test_skip_lists_hold_only_real_excess fails then, as a reminder).
-MODULE_SKIP: dict[str, str] = {
-    "app/fit/report.py": "grown by ruff format; split pending (issue 27)",
-    "app/fit/search.py": "grown by ruff format; split pending (issue 27)",
-}
-FUNCTION_SKIP: dict[str, str] = {
-    "app/fit/compile_child.py:run_strategies": "grown by ruff format; split pending (issue 27)",
-    "app/fit/estimate.py:plan_config": "grown by ruff format; split pending (issue 27)",
-    "app/fit/one_strategy.py:plan_strategy": "grown by ruff format; split pending (issue 27)",
-    "app/fit/report.py:format_table": "grown by ruff format; split pending (issue 27)",
-    "app/fit/search.py:search": "grown by ruff format; split pending (issue 27)",
-}
+MODULE_SKIP: dict[str, str] = {}
+FUNCTION_SKIP: dict[str, str] = {}
 
 
 def _modules():

@@ -1,6 +1,7 @@
 """plan.py --search (fsdp_jax.app.fit.search): pruning against compiled programs, the ranked
 document, and bad input."""
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -293,7 +294,7 @@ def test_analytic_communication_matches_the_textbook(cfg):
 def test_pruning_keeps_edge_candidates_within_the_model_error(cfg):
     """Analytic over budget by less than ANALYTIC_OVER: kept as edge (to compile), not dropped;
     beyond: dropped; offload candidates (never compiled here) are held to the analytic total."""
-    space = se.dataclasses.replace(GRID, offloads=("none", "optimizer"))
+    space = dataclasses.replace(GRID, offloads=("none", "optimizer"))
     base = _cands(cfg, se.Limits(device_memory=10**12), space)
     mid = sorted(c["analytic"]["device_total"] for c in base)[len(base) // 2]
     again = _cands(cfg, se.Limits(device_memory=mid, headroom_fraction=None), space)

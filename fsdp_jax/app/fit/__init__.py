@@ -13,10 +13,13 @@ the predicted step time — and reports it:
                  (`plan_strategy`); what the compiled step holds: `inspection`; a
                  compiler's refusal for memory: `refusal`
 * `compile_child` many strategies on N devices, in a child process when this one lacks them
-* `report`       the user's side: parsing flags, warnings, tables, the plot
+* `inputs`       the user's side in: flags parsed, checked against the config; start-up
+* `report`       the user's side out: warnings, tables, the plot, the inspection
+                 (re-exports `inputs`' names)
 * `search`       the fastest configuration that fits: strategy x remat x microbatches x
-                 offload (x batch, seq), pruned analytically, a few compiled (`search_compile`),
-                 reported by `search_report` (plan.py --search)
+                 offload (x batch, seq) (`search_space`), predicted (`search_prediction`),
+                 pruned analytically (`search_analytic`), ranked and a few compiled in rounds
+                 (`search_rounds`, `search_compile`), reported by `search_report` (plan.py --search)
 
 The old module paths (`fsdp_jax.app.planner`, `plan_report`, `memory_model`, `step_time`,
 `step_build`) stay importable: `fsdp_jax.app` maps them onto these modules.

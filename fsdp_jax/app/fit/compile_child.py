@@ -19,8 +19,8 @@ from typing import Any
 
 import jax
 
+from fsdp_jax.app.fit.inputs import use_cpu_devices
 from fsdp_jax.app.fit.one_strategy import plan_strategy
-from fsdp_jax.app.fit.report import use_cpu_devices
 from fsdp_jax.app.fit.step_build import target_mesh_sizes
 from fsdp_jax.errors import PlanError
 from fsdp_jax.hlo import involuntary_rematerializations
@@ -69,6 +69,26 @@ def run_strategies(
         "step_options": step_options or {},
         "compiler_options": compiler_options or {},
     }
+    proc, where = _run_child(request, n_devices, target)
+    if proc.returncode == 2:
+        raise PlanError(proc.stderr.strip().splitlines()[-1].removeprefix("error: "))
+    from fsdp_jax.xla_flags import UNKNOWN_FLAG, unknown_flag
+
+    unknown = unknown_flag(proc.stderr)
+    if unknown:  # XLA aborts the child on a flag this jaxlib does not know: the user's input
+        raise PlanError(f"XLA_FLAGS: {UNKNOWN_FLAG}: {unknown} (this jax's XLA does not know it)")
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"planner child process ({where}) failed with exit code {proc.returncode}:\n{proc.stderr[-4000:]}"
+        )
+    out = json.loads(proc.stdout)
+    _add_rematerialization_warnings(out, proc.stderr)
+    return out
+
+
+def _run_child(request: dict[str, Any], n_devices: int, target) -> tuple[subprocess.CompletedProcess, str]:
+    """`python -m fsdp_jax.app.fit.estimate` with `request` on stdin: on `n_devices` fake CPU
+    devices, or compile-only devices of `target`. The finished process and where it ran."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     where = f"{n_devices} CPU devices"
     scratch_dir = (
@@ -90,19 +110,13 @@ def run_strategies(
             text=True,
             env=env,
         )
-    if proc.returncode == 2:
-        raise PlanError(proc.stderr.strip().splitlines()[-1].removeprefix("error: "))
-    from fsdp_jax.xla_flags import UNKNOWN_FLAG, unknown_flag
+    return proc, where
 
-    unknown = unknown_flag(proc.stderr)
-    if unknown:  # XLA aborts the child on a flag this jaxlib does not know: the user's input
-        raise PlanError(f"XLA_FLAGS: {UNKNOWN_FLAG}: {unknown} (this jax's XLA does not know it)")
-    if proc.returncode != 0:
-        raise RuntimeError(
-            f"planner child process ({where}) failed with exit code {proc.returncode}:\n{proc.stderr[-4000:]}"
-        )
-    out = json.loads(proc.stdout)
-    for name, log in _logs_by_strategy(proc.stderr).items():
+
+def _add_rematerialization_warnings(out: dict[str, dict], stderr: str) -> None:
+    """A warning on each strategy's result for every involuntary full rematerialization
+    XLA logged while compiling it (the child's stderr, cut per strategy)."""
+    for name, log in _logs_by_strategy(stderr).items():
         for r in involuntary_rematerializations(log):
             if name in out:
                 out[name]["warnings"].append(
@@ -111,7 +125,6 @@ def run_strategies(
                     f"materialising the whole tensor on every device; constrain it (or its producer) "
                     f"to a layout that maps onto the target one"
                 )
-    return out
 
 
 _STRATEGY_MARK = "fsdp_jax.app.fit.estimate: compiling "

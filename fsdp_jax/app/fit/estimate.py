@@ -121,6 +121,25 @@ def plan_config(
             from fsdp_jax.app.fit.step_time import predict
 
             r["predicted"] = predict(cfg, target.name, n_devices, r)
+    notes = _notes(cfg, n_devices, policy, results, target, device_memory)
+    doc = {
+        "config": config_name,
+        "devices": n_devices,
+        "params": n_params,
+        "target": None if target is None else target.as_dict(),
+        "param_bytes": tree_bytes(_abstract_params(cfg)),
+        "device_memory": device_memory,
+        "strategies": results,
+        "notes": notes,
+    }
+    doc["wall_s"] = round(time.perf_counter() - t0, 1)
+    return doc
+
+
+def _notes(
+    cfg, n_devices: int, policy: Policy, results: dict[str, dict], target, device_memory: int | None
+) -> list[str]:
+    """The plan document's notes: what was planned and how, and what the figures leave out."""
     notes = [
         f"{n_devices} devices; precision {policy}; remat {cfg.remat}; offload {cfg.offload}; "
         f"global_batch {cfg.train.global_batch} x seq {cfg.data.seq_len}, "
@@ -154,18 +173,7 @@ def plan_config(
             "compiled on CPU: XLA:CPU upcasts bf16 matmuls and collectives to f32, so "
             "compiled temp overstates a GPU/TPU compile"
         )
-    doc = {
-        "config": config_name,
-        "devices": n_devices,
-        "params": n_params,
-        "target": None if target is None else target.as_dict(),
-        "param_bytes": tree_bytes(_abstract_params(cfg)),
-        "device_memory": device_memory,
-        "strategies": results,
-        "notes": notes,
-    }
-    doc["wall_s"] = round(time.perf_counter() - t0, 1)
-    return doc
+    return notes
 
 
 def format_offload_table(docs: dict[str, dict[str, Any]]) -> str:

@@ -82,6 +82,20 @@ def plan_strategy(
     )
     mem = ins["compiled"]
     mem.update(_compiled_host(compiled, mem))
+    out = _result(cfg, b, analytic, ins, compile_s)
+    if inspect:
+        out["rows"] = ins["rows"]
+        out["collectives"] = ins["collectives"]
+        out["replicated_threshold"] = ins["replicated_threshold"]
+        out["schedule"] = ins["schedule"]
+    return out
+
+
+def _result(cfg, b, analytic: dict[str, int], ins: dict[str, Any], compile_s: float) -> dict[str, Any]:
+    """`plan_strategy`'s dict for the compiled step `b` (a `step_build.StepBuild`) from its
+    `inspect_compiled` findings `ins`; with whether the trainer would accept its plan
+    (`replicated_fraction`, else a warning)."""
+    mem = ins["compiled"]
     out: dict[str, Any] = {
         "mesh": ins["mesh"],
         "analytic": analytic,
@@ -116,11 +130,6 @@ def plan_strategy(
     except rl.ShardingError as e:
         out["replicated_fraction"] = None
         out["warnings"].insert(0, f"the trainer would refuse this plan: {e}")
-    if inspect:
-        out["rows"] = ins["rows"]
-        out["collectives"] = ins["collectives"]
-        out["replicated_threshold"] = ins["replicated_threshold"]
-        out["schedule"] = ins["schedule"]
     return out
 
 
