@@ -32,6 +32,11 @@ from fsdp_jax.app.config import load_config
 from fsdp_jax.app.fit.estimate import plan_strategy
 from fsdp_jax.app.fit.step_build import target_mesh_sizes
 req = json.loads(sys.stdin.read())
+if req["device_memory"]:  # a hypothetical chip: the target's spec with more device memory
+    import re
+    _spec = targets.target_config
+    targets.target_config = lambda name: re.sub(
+        r"device_memory_size: \d+", f"device_memory_size: {req['device_memory']}", _spec(name))
 cfg = load_config(req["config"], req["overrides"])
 devs = targets.gpu_devices(req["target"], req["hosts"], req["per_host"])
 for name, opts in req["variants"].items():
@@ -59,6 +64,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hosts", type=int, default=1)
     ap.add_argument("--per-host", type=int, default=8)
     ap.add_argument("--min-bytes", type=int, default=1 << 20)
+    ap.add_argument(
+        "--device-memory-gb",
+        type=float,
+        default=None,
+        help="compile for the target with this much device memory instead of its own (an "
+        "experiment: XLA's scheduler overlaps collectives only under a memory limit taken from it)",
+    )
     ap.add_argument(
         "--variant",
         action="append",
@@ -88,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         "hosts": args.hosts,
         "per_host": args.per_host,
         "min_bytes": args.min_bytes,
+        "device_memory": int(args.device_memory_gb * 1e9) if args.device_memory_gb else None,
         "variants": variants,
     }
     env = targets.child_env(

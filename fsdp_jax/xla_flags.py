@@ -34,14 +34,19 @@ GPU_FSDP_FLAGS: tuple[str, ...] = tuple(f for f, why in EVALUATED.items() if why
 
 # XLA:GPU compile options every train step that shards params compiles with on GPUs
 # (`step_compiler_options`; `jax.jit(compiler_options=...)`, so XLA_FLAGS need not name them).
-# Evidence (deviceless XLA:GPU, Llama-2-7B on 8 x H100, full_shard, remat full; BENCHMARKS.md
-# "Exposed collectives on jax 0.12"): XLA 0.12's latency-hiding scheduler keeps one async
-# collective in flight by default, so in the backward loop the next layer's re-gather and this
-# layer's reduce-scatter compete for it: one gather per layer ran synchronously and one forward
-# gather had nothing scheduled under it (10.8% of the step's collective bytes exposed). With 2
-# in flight, every gather overlaps compute (2.6% exposed: one reduce-scatter per layer; 70B on
-# 64 GPUs: 17.4% -> 1.45%). jax 0.10.2 exposes nothing either way (its 7B peak: +1%).
-STEP_OPTIONS_GPU: dict[str, int] = {"xla_gpu_experimental_parallel_collective_overlap_limit": 2}
+# Evidence (deviceless XLA:GPU for H100, remat full; BENCHMARKS.md "Exposed collectives"):
+# XLA 0.12's latency-hiding scheduler keeps one async collective in flight by default, so in
+# full_shard's backward loop the next layer's re-gather and this layer's reduce-scatter compete
+# for it: one gather per layer ran synchronously and one forward gather had nothing scheduled
+# under it (Llama-2-7B on 8 x H100: 10.8% of the step's collective bytes exposed). hybrid_shard
+# with f32 grad reductions (`fsdp_jax.precision.matmul`) ends each layer's backward with a chain
+# of two collectives per weight (a reduce-scatter over `fsdp`, then an all-reduce of the shard
+# over `data`): 14 for a Llama layer's 7 weights, more than a small limit holds (7B on 2 hosts
+# x 4, jax 0.12: limit 2 9.95% exposed, 3 3.6%, 4 5.4%, 6 4.0%, 8 0%, 16 0%; jax 0.10: 2
+# 9.9%, 8 0%). With 8 every collective of 7B and 70B full_shard and 7B hybrid_shard has compute
+# under it on jax 0.10 and 0.12 (70B full_shard on 64 GPUs, jax 0.12: 1.44% at 2); peaks move
+# by -5% (70B, jax 0.10) to +0.6% (7B full_shard, jax 0.12).
+STEP_OPTIONS_GPU: dict[str, int] = {"xla_gpu_experimental_parallel_collective_overlap_limit": 8}
 
 
 def step_compiler_options(devices, shards_params: bool, environ=os.environ) -> dict[str, int] | None:
