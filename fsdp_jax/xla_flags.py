@@ -45,8 +45,18 @@ GPU_FSDP_FLAGS: tuple[str, ...] = tuple(f for f, why in EVALUATED.items() if why
 # x 4, jax 0.12: limit 2 9.95% exposed, 3 3.6%, 4 5.4%, 6 4.0%, 8 0%, 16 0%; jax 0.10: 2
 # 9.9%, 8 0%). With 8 every collective of 7B and 70B full_shard and 7B hybrid_shard has compute
 # under it on jax 0.10 and 0.12 (70B full_shard on 64 GPUs, jax 0.12: 1.44% at 2); peaks move
-# by -5% (70B, jax 0.10) to +0.6% (7B full_shard, jax 0.12).
-STEP_OPTIONS_GPU: dict[str, int] = {"xla_gpu_experimental_parallel_collective_overlap_limit": 8}
+# by -5% (70B, jax 0.10) to +0.6% (7B full_shard, jax 0.12). With grads reduced in the compute
+# dtype (`reduce=bfloat16`: plain bf16 dots, no barrier between them) XLA 0.12 combines a
+# layer's weight-grad reduce-scatters into one issued at the end of the layer's backward with
+# nothing left to put under it (7B full_shard: 2.57% exposed, 22.5 MB per layer, synchronous);
+# a 1 MiB combine threshold keeps each weight's scatter apart, behind its own dot (0.48% on
+# 0.12, 0% on 0.10; peak 20.86 -> 22.06 GB on 0.12). Grads reduced in f32 are not combined
+# anyway (one barrier per weight grad), and their figures above hold with it (7B and 70B
+# full_shard, 7B hybrid_shard: 0% exposed on 0.10 and 0.12).
+STEP_OPTIONS_GPU: dict[str, int] = {
+    "xla_gpu_experimental_parallel_collective_overlap_limit": 8,
+    "xla_gpu_reduce_scatter_combine_threshold_bytes": 1 << 20,
+}
 
 
 def step_compiler_options(devices, shards_params: bool, environ=os.environ) -> dict[str, int] | None:

@@ -54,6 +54,7 @@ WIDE = [
     "train.global_batch=8",
 ]
 ONE_IN_FLIGHT = "xla_gpu_experimental_parallel_collective_overlap_limit"
+COMBINE = "xla_gpu_reduce_scatter_combine_threshold_bytes"
 REDUCE_F32 = "precision=params=float32,compute=bfloat16,reduce=float32"
 # name -> (strategy, hosts, gpus_per_host, overrides, step options[, compiler options])
 JOBS = {
@@ -78,6 +79,8 @@ JOBS = {
     # XLA's default of one collective in flight
     "full_shard_wide": ("full_shard", 1, 8, [BF16] + WIDE, {}),
     "full_shard_wide_one_in_flight": ("full_shard", 1, 8, [BF16] + WIDE, {}, {ONE_IN_FLIGHT: 1}),
+    # and with XLA's own reduce-scatter combining (a layer's bf16 weight-grad scatters as one)
+    "full_shard_wide_combined": ("full_shard", 1, 8, [BF16] + WIDE, {}, {COMBINE: 128 << 20}),
     # the same layer shape under hybrid_shard (2 hosts x 4) with f32 grad reductions and remat
     # full (Llama-2-7B's config): each weight's reduce-scatter + cross-host all-reduce; with the
     # step's compile options and with the two in flight these steps compiled with before
@@ -392,6 +395,27 @@ def test_two_collectives_in_flight_overlap_the_gathers_xla_012_left_exposed(gpu)
 
 
 @slow
+def test_bf16_grad_scatters_are_not_combined_into_one_the_layer_waits_for(gpu):
+    """With grads reduced in bf16 (plain dots), XLA combines a layer's weight-grad
+    reduce-scatters into one it issues when the layer's backward has nothing left to put under
+    it (jax 0.12, 7B: 2.57% of the step's collective bytes). The step's 1 MiB combine threshold
+    (fsdp_jax.xla_flags.STEP_OPTIONS_GPU) keeps each weight's scatter behind its own dot."""
+    now, combined = gpu["full_shard_wide"], gpu["full_shard_wide_combined"]
+
+    def volume(r):
+        return {op: (c["bytes"], c["wire_bytes"]) for op, c in r["communication"].items() if isinstance(c, dict)}
+
+    assert volume(now) == volume(combined)  # the same bytes, in more pieces
+    assert now["communication"]["reduce-scatter"]["runs"] > combined["communication"]["reduce-scatter"]["runs"]
+    loop = [c for c in _param_sized(now, "reduce-scatter") if c["loop"] is not None]
+    assert loop and all(c["dtype"] == "bfloat16" for c in loop)
+    assert _exposed(now, "reduce-scatter") <= _exposed(combined, "reduce-scatter")
+    if tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 12):
+        assert _exposed(combined, "reduce-scatter") > 0, "the reference no longer exposes a scatter"
+        assert _exposed(now, "reduce-scatter") < _exposed(combined, "reduce-scatter") / 2
+
+
+@slow
 def test_hybrid_shard_overlaps_every_grad_reduction_in_the_backward_loop(gpu):
     """hybrid_shard with f32 grad reductions ends each layer's backward with two chained
     collectives per weight (reduce-scatter over `fsdp`, all-reduce of the shard over `data`).
@@ -421,8 +445,9 @@ def test_hybrid_shard_overlaps_every_grad_reduction_in_the_backward_loop(gpu):
 @pytest.mark.parametrize(
     "platform, shards, xla_flags, want",
     [
-        ("gpu", True, "", {ONE_IN_FLIGHT: 8}),
-        ("gpu", True, f"--xla_dump_to=/x --{ONE_IN_FLIGHT}=3", None),  # the user's own value wins
+        ("gpu", True, "", {ONE_IN_FLIGHT: 8, COMBINE: 1 << 20}),
+        ("gpu", True, f"--xla_dump_to=/x --{ONE_IN_FLIGHT}=3", {COMBINE: 1 << 20}),  # the user's own value wins
+        ("gpu", True, f"--{ONE_IN_FLIGHT}=3 --{COMBINE}=0", None),
         ("gpu", False, "", None),  # no_shard / shard_opt: no per-layer gathers to overlap
         ("cpu", True, "", None),
         ("tpu", True, "", None),
