@@ -16,7 +16,6 @@ to the step's own (`fsdp_jax.xla_flags.STEP_OPTIONS_GPU`); '{}' is the step as i
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -57,16 +56,18 @@ for name, opts in req["variants"].items():
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from fsdp_jax.app.cli.flags import Parser, int_in, real_in
+
+    ap = Parser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", required=True)
     ap.add_argument("--strategy", default="full_shard")
     ap.add_argument("--target", default="h100")
-    ap.add_argument("--hosts", type=int, default=1)
-    ap.add_argument("--per-host", type=int, default=8)
-    ap.add_argument("--min-bytes", type=int, default=1 << 20)
+    ap.add_argument("--hosts", type=int_in(1), default=1)
+    ap.add_argument("--per-host", type=int_in(1), default=8)
+    ap.add_argument("--min-bytes", type=int_in(0), default=1 << 20)
     ap.add_argument(
         "--device-memory-gb",
-        type=float,
+        type=real_in(0, above=True),
         default=None,
         help="compile for the target with this much device memory instead of its own (an "
         "experiment: XLA's scheduler overlaps collectives only under a memory limit taken from it)",

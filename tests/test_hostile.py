@@ -37,26 +37,10 @@ from fsdp_jax.app.data import prepare_bin
 from fsdp_jax.app.metrics_log import MetricsLog
 from fsdp_jax.app.run_dir import LOCK_NAME, RunDirLock
 from fsdp_jax.distributed import bind_address, is_loopback
-from helpers import call, one_line, synthetic_corpus
+from helpers import TINY_RUN_OVERRIDES, call, one_line, synthetic_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = [
-    "model.d_model=64",
-    "model.n_layers=2",
-    "model.n_heads=4",
-    "model.n_kv_heads=2",
-    "model.ffn_dim=128",
-    "model.max_seq_len=32",
-    "data.seq_len=32",
-    "train.global_batch=16",
-    "train.eval_every=0",
-    "train.sample_tokens=0",
-    "train.log_every=1",
-    "train.checkpoint_every=0",
-    "data.source=none",
-    "optimizer.warmup_steps=2",
-    "train.steps=3",
-]
+TINY = [*TINY_RUN_OVERRIDES, "train.checkpoint_every=0", "train.steps=3"]
 
 
 @pytest.fixture(scope="module")

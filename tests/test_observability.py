@@ -22,18 +22,11 @@ from fsdp_jax.app.config import ConfigError, load_config, parse_profile
 from fsdp_jax.app.loop import train
 from fsdp_jax.app.metrics_log import MetricsLog
 from fsdp_jax.perf import memory_excess
-from helpers import call, one_line, synthetic_corpus
+from helpers import TINY_MODEL_OVERRIDES, call, one_line, synthetic_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
-    "model.d_model=64",
-    "model.n_layers=2",
-    "model.n_heads=4",
-    "model.n_kv_heads=2",
-    "model.ffn_dim=128",
-    "model.max_seq_len=32",
-    "data.seq_len=32",
-    "train.global_batch=16",
+    *TINY_MODEL_OVERRIDES,
     "train.eval_every=0",
     "train.sample_tokens=0",
     "train.checkpoint_every=0",

@@ -21,22 +21,12 @@ from fsdp_jax.app.config import load_config
 from fsdp_jax.app.fit import estimate as pl
 from fsdp_jax.app.models.llama import count_params
 from fsdp_jax.memory import collective_report, compiled_memory
-from helpers import TINY, call, one_line, tiny_llama
+from helpers import TINY, TINY_MODEL_OVERRIDES, call, one_line, tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_YAML = ROOT / "configs" / "tiny.yaml"
 # configs/tiny.yaml shrunk to compile in seconds
-SMALL = [
-    "model.d_model=64",
-    "model.n_layers=2",
-    "model.n_heads=4",
-    "model.n_kv_heads=2",
-    "model.ffn_dim=128",
-    "model.max_seq_len=32",
-    "data.seq_len=32",
-    "train.global_batch=16",
-    "train.steps=10",
-]
+SMALL = [*TINY_MODEL_OVERRIDES, "train.steps=10"]
 KEYS_ANALYTIC = {"params", "grads", "optimizer", "gathered", "activations", "total"}
 KEYS_COMPILED = {"argument", "output", "alias", "temp", "peak"}
 

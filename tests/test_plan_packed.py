@@ -16,20 +16,10 @@ from fsdp_jax.app.fit import estimate as pl
 from fsdp_jax.app.fit.step_build import PACKED_BATCH, build_step, packed_batch, sample_batch
 from fsdp_jax.app.sft_data import prepare_examples
 from fsdp_jax.memory import compiled_memory
+from helpers import TINY_MODEL_OVERRIDES
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL = [
-    "model.d_model=64",
-    "model.n_layers=2",
-    "model.n_heads=4",
-    "model.n_kv_heads=2",
-    "model.ffn_dim=128",
-    "model.max_seq_len=32",
-    "data.seq_len=32",
-    "train.global_batch=16",
-    "train.steps=10",
-    "data.source=none",
-]
+SMALL = [*TINY_MODEL_OVERRIDES, "train.steps=10", "data.source=none"]
 KEYS = ("argument", "output", "alias", "temp", "peak")
 
 

@@ -66,6 +66,33 @@ def test_benchmark_entry_point_bad_input_exits_2():
     assert len(lines) == 1 and lines[0].startswith("error: ") and "--config" in lines[0], r.stderr
 
 
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--device-memory-gb", "-3"], "--device-memory-gb"),
+        (["--device-memory-gb", "0"], "--device-memory-gb"),
+        (["--device-memory-gb", "nan"], "--device-memory-gb"),
+        (["--hosts", "0"], "--hosts"),
+        (["--per-host", "two"], "--per-host"),
+        (["--min-bytes", "-1"], "--min-bytes"),
+        (["--variant", "now=[1]"], "--variant"),
+        (["--variant", "now"], "--variant"),
+    ],
+)
+def test_exposed_collectives_benchmark_bad_flags_exit_2_with_one_line(args, words, capsys):
+    """benchmarks/exposed_collectives.py refuses a bad flag before compiling anything."""
+    from helpers import _load
+
+    try:
+        rc = _load("benchmarks", "exposed_collectives").main(["--config", "configs/llama2_7b.yaml", *args])
+    except SystemExit as e:
+        rc = e.code
+    out, err = capsys.readouterr()
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert rc == 2 and out == "" and len(lines) == 1, err
+    assert lines[0].startswith("error: ") and words in lines[0], err
+
+
 def test_gpu_flags_are_appended_not_overriding():
     from fsdp_jax.xla_flags import GPU_FSDP_FLAGS, apply_gpu_fsdp_flags
 

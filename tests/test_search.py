@@ -13,23 +13,12 @@ from fsdp_jax.app.config import load_config
 from fsdp_jax.app.fit import search as se
 from fsdp_jax.app.fit.report import COMPILED_OVER_ANALYTIC
 from fsdp_jax.app.fit.step_build import mesh_shape
-from helpers import call, one_line
+from helpers import TINY_MODEL_OVERRIDES, call, one_line
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_YAML = ROOT / "configs" / "tiny.yaml"
 # configs/tiny.yaml shrunk to compile in seconds; bf16 compute as on a GPU
-SMALL = [
-    "model.d_model=64",
-    "model.n_layers=2",
-    "model.n_heads=4",
-    "model.n_kv_heads=2",
-    "model.ffn_dim=128",
-    "model.max_seq_len=32",
-    "data.seq_len=32",
-    "train.global_batch=16",
-    "train.steps=10",
-    "precision=params=float32,compute=bfloat16",
-]
+SMALL = [*TINY_MODEL_OVERRIDES, "train.steps=10", "precision=params=float32,compute=bfloat16"]
 GRID = se.SearchSpace(
     strategies=("no_shard", "shard_grad_op", "full_shard"),
     remats=("none", "full"),

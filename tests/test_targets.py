@@ -19,22 +19,12 @@ import jax
 import pytest
 
 from fsdp_jax import hlo, targets
-from helpers import call, one_line
+from helpers import TINY_MODEL_OVERRIDES, call, one_line
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_YAML = ROOT / "configs" / "tiny.yaml"
 # configs/tiny.yaml shrunk to compile in seconds; 2 scanned layers
-SMALL = [
-    "model.d_model=64",
-    "model.n_layers=2",
-    "model.n_heads=4",
-    "model.n_kv_heads=2",
-    "model.ffn_dim=128",
-    "model.max_seq_len=32",
-    "data.seq_len=32",
-    "train.global_batch=16",
-    "train.steps=10",
-]
+SMALL = [*TINY_MODEL_OVERRIDES, "train.steps=10"]
 BF16 = "precision=params=float32,compute=bfloat16,reduce=bfloat16"
 # Compiled peak / analytic total - 1, measured on the jobs below (h100 x 8, bf16 compute,
 # remat dots), jax 0.10.2 / 0.12.0.1: full_shard +1.4% / +2.6%, shard_grad_op +5.1% / +5.7%,
