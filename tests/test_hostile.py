@@ -950,9 +950,12 @@ LISTEN_SCRIPT = textwrap.dedent("""
 
     from fsdp_jax.app.run_dir import RunDirLock
     with RunDirLock(sys.argv[1]):  # process 0 holds it; process 1 must not be refused
+        # one write per line: the launcher runs children unbuffered, so print's separate writes
+        # of "LISTEN", " " and the list can have Gloo's own log line land between them
         if jax.process_index() == 0:
-            print("LISTEN", sorted(listening(port)), flush=True)
-        print("ENTERED", jax.process_index(), flush=True)
+            sys.stdout.write(f"LISTEN {sorted(listening(port))}\\n")
+        sys.stdout.write(f"ENTERED {jax.process_index()}\\n")
+        sys.stdout.flush()
         from jax.experimental import multihost_utils
         multihost_utils.sync_global_devices("fsdp_jax:test_done")
 """)
