@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fsdp_jax.app.examples import ChatRenderer, ExampleEncoder, ExampleError, find_chat_template, special_tokens
+from fsdp_jax.app.chat_template import ChatRenderer
+from fsdp_jax.app.examples import ExampleEncoder, ExampleError, find_chat_template, special_tokens
 from fsdp_jax.app.tokenizer import load_tokenizer
 
 CHAT = Path(__file__).resolve().parent / "golden" / "chat"

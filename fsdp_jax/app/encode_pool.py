@@ -144,8 +144,8 @@ class _Pool:
         mask = np.frombuffer(body, np.uint8, total, offset=4 * total)
         ends = np.cumsum(lens)
         return [
-            Example(tokens[e - n : e], mask[e - n : e], kind)
-            for e, n, kind in zip(ends.tolist(), lens.tolist(), header["kinds"])
+            Example(tokens[e - n : e], mask[e - n : e], kind, bool(dropped))
+            for e, n, kind, dropped in zip(ends.tolist(), lens.tolist(), header["kinds"], header["dropped"])
         ]
 
     def _send(self, i: int, payload: bytes) -> None:

@@ -4,7 +4,7 @@ on stdout, no pickle.
 A frame is an 8-byte little-endian length and that many bytes. The parent sends the
 `EncoderSpec` as a JSON object first, then one JSON list of [record, "file:line"] pairs
 per batch. For each batch, in order, the worker answers with a JSON header
-{"kinds": [...], "lens": [...]} and one frame of the tokens (int32, little-endian) then the
+{"kinds": [...], "lens": [...], "dropped": [0 | 1, ...]} and one frame of the tokens (int32, little-endian) then the
 masks (uint8) of all the batch's examples back to back, or with the header
 {"error": class name, "message": ..., "args": [...]} alone. End of stdin (the parent is done, or dead) ends
 the worker; so does a broken stdout. Ctrl-C is the parent's to handle (ignored here).
@@ -85,7 +85,13 @@ def read_frame(f: BinaryIO) -> bytearray | None:
 
 def encode_reply(examples) -> tuple[bytes, bytes]:
     """(header, body) frames for a batch's `Example`s."""
-    header = json.dumps({"kinds": [e.kind for e in examples], "lens": [len(e.tokens) for e in examples]})
+    header = json.dumps(
+        {
+            "kinds": [e.kind for e in examples],
+            "lens": [len(e.tokens) for e in examples],
+            "dropped": [int(e.dropped) for e in examples],
+        }
+    )
     tokens = [np.ascontiguousarray(e.tokens, "<i4") for e in examples]
     masks = [np.ascontiguousarray(e.mask, np.uint8) for e in examples]
     body = b"".join([t.tobytes() for t in tokens] + [m.tobytes() for m in masks])

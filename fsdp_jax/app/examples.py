@@ -11,18 +11,20 @@ same examples (the byte tokenizer included: it encodes the parsed text as UTF-8)
 
 Chat is rendered with the model's own chat template (`chat_template` in
 tokenizer_config.json, or chat_template.jinja beside the tokenizer) exactly as
-transformers' `apply_chat_template(messages, tokenize=False)` renders it: a jinja2
-`ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)` with its
-`tojson`, `raise_exception`, `strftime_now`, loop controls and the `generation`
-tag, given the tokenizer's special tokens (`bos_token`, `eos_token`, ...). The text
-is then tokenized whole, with no special tokens added (transformers does the same),
-so the ids equal `apply_chat_template(messages)`.
+transformers 5's `apply_chat_template(messages, tokenize=False)` renders it
+(`fsdp_jax.app.chat_template`: null-valued keys dropped, `thinking` / `reasoning` passed as
+`reasoning_content`, the conversation rendered once), given the tokenizer's special tokens
+(`bos_token`, `eos_token`, ...). The text is then tokenized whole, with no special tokens
+added (transformers does the same), so the ids equal `apply_chat_template(messages)`.
 
 The loss mask marks the tokens the model is trained to predict (1 = a target):
-chat: every assistant turn (the text a turn adds after the prompt for it: rendering
-`messages[:i]` with `add_generation_prompt=True`, then `messages[:i+1]`; the turn's
-end-of-turn marker included); instruction: the completion and the EOS after it;
-plain: everything. `train_on="all"` marks every token instead.
+chat: every token overlapping an assistant turn (`fsdp_jax.app.chat_template` finds them:
+the template's `{% generation %}` blocks, as transformers' `return_assistant_tokens_mask`,
+or the text a turn adds after the generation prompt for it, its end-of-turn marker
+included); instruction: the completion and the EOS after it; plain: everything.
+`train_on="all"` marks every token instead. An example whose template leaves some message
+text out (Mistral v0.3 renders a system prompt only when the chat ends with a user turn) is
+trained as rendered and marked `dropped`.
 """
 
 from __future__ import annotations
@@ -30,18 +32,14 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Iterator
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from fsdp_jax.errors import (
-    ExampleError,  # noqa: F401 (re-exported)
-    one_line,
-)
+from fsdp_jax.app.chat_template import ChatRenderer, check_messages, normalize_messages
+from fsdp_jax.errors import ExampleError
 
-ROLES = ("system", "user", "assistant", "tool")
 TRAIN_ON = ("targets", "all")  # targets: assistant turns / completions / plain text; all: every token
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
@@ -51,6 +49,7 @@ class Example:
     tokens: np.ndarray  # int32 (n,)
     mask: np.ndarray  # uint8 (n,): 1 where the token is a training target
     kind: str  # chat | instruction | plain
+    dropped: bool = False  # chat: the template left some message text out (trained as rendered)
 
 
 def read_records(file: Path) -> Iterator[tuple[int, Any]]:
@@ -76,14 +75,7 @@ def record_kind(rec: Any, where: str) -> str:
     if not isinstance(rec, dict):
         raise ExampleError(f'{where}: expected a JSON object with "messages", "prompt" and "completion", or "text"')
     if "messages" in rec:
-        msgs = rec["messages"]
-        if not isinstance(msgs, list) or not msgs:
-            raise ExampleError(f'{where}: "messages" must be a non-empty list')
-        for i, m in enumerate(msgs):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise ExampleError(f'{where}: message {i} needs a "role" and a "content" string')
-            if m["role"] not in ROLES:
-                raise ExampleError(f"{where}: message {i} has unknown role {m['role']!r} (allowed: {', '.join(ROLES)})")
+        check_messages(normalize_messages(rec["messages"]) if isinstance(rec["messages"], list) else None, where)
         return "chat"
     if "prompt" in rec or "completion" in rec:
         if not isinstance(rec.get("prompt"), str) or not isinstance(rec.get("completion"), str):
@@ -130,77 +122,6 @@ def special_tokens(tokenizer_path: str | Path) -> dict[str, str]:
     return out
 
 
-def compile_template(source: str):
-    """The template compiled in transformers' environment (see the module docstring)."""
-    import jinja2
-    from jinja2.ext import Extension, loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class Generation(Extension):  # {% generation %}...{% endgeneration %}: renders its body
-        tags = {"generation"}
-
-        def parse(self, parser):
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-        def _body(self, caller):
-            return caller()
-
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(source)
-
-
-class ChatRenderer:
-    """`render(messages, add_generation_prompt)` -> text, as transformers renders it."""
-
-    def __init__(self, source: str, specials: dict[str, str]):
-        try:
-            self.template = compile_template(source)
-        except Exception as e:  # jinja2.TemplateSyntaxError
-            raise ExampleError(f"chat template: does not compile ({one_line(e, 160)})") from None
-        self.specials = specials
-
-    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        return self.template.render(
-            messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **self.specials
-        )
-
-    def spans(self, messages: list[dict], where: str) -> tuple[str, list[tuple[int, int]]]:
-        """(the conversation's text, the [start, end) character spans of its assistant turns)."""
-        try:
-            text = self.render(messages)
-            spans = []
-            for i, m in enumerate(messages):
-                if m["role"] != "assistant":
-                    continue
-                before = self.render(messages[:i], add_generation_prompt=True)
-                upto = text if i == len(messages) - 1 else self.render(messages[: i + 1])
-                if not (text.startswith(upto) and upto.startswith(before)):
-                    raise ExampleError(
-                        f"{where}: the chat template does not render the conversation "
-                        f"as a growing prefix (assistant turn {i}), so its loss mask "
-                        "cannot be found"
-                    )
-                spans.append((len(before), len(upto)))
-        except ExampleError:
-            raise
-        except Exception as e:  # jinja2.TemplateError (raise_exception), TypeError, ...
-            raise ExampleError(
-                f"{where}: the chat template fails to render ({type(e).__name__}: {one_line(e, 160)})"
-            ) from None
-        return text, spans
-
-
 # ----------------------------------------------------------------------------- encoding
 
 
@@ -217,8 +138,8 @@ class ExampleEncoder:
         self.eos = [] if tok is None else [tok.eos_id]
         self.chat = None if chat_template is None else ChatRenderer(chat_template, specials or {})
 
-    def texts(self, rec: dict, where: str) -> tuple[str, list[tuple[int, int]], str, bool]:
-        """(text, trained character spans, kind, append EOS)."""
+    def texts(self, rec: dict, where: str) -> _Text:
+        """The record's text and trained character spans."""
         kind = record_kind(rec, where)
         if kind == "chat":
             if self.chat is None:
@@ -226,38 +147,52 @@ class ExampleEncoder:
                     f"{where}: a chat example needs a chat template (the tokenizer "
                     "has none: add chat_template.jinja beside it or pass --chat-template)"
                 )
-            text, spans = self.chat.spans(rec["messages"], where)
-            return text, spans, kind, False
+            chat = self.chat.spans(normalize_messages(rec["messages"]), where)
+            return _Text(chat.text, chat.spans, kind, eos=False, overlap=True, dropped=chat.dropped)
         if kind == "instruction":
             p, c = rec["prompt"], rec["completion"]
-            return p + c, [(len(p), len(p) + len(c))], kind, True
-        return rec["text"], [(0, len(rec["text"]))], kind, True
+            return _Text(p + c, [(len(p), len(p) + len(c))], kind)
+        return _Text(rec["text"], [(0, len(rec["text"]))], kind)
 
     def encode_batch(self, items: list[tuple[dict, str]], threads: int | None = None) -> list[Example]:
         """`items`: (record, "file:line"); one Example per record (the mask may be empty)."""
         parsed = [self.texts(rec, where) for rec, where in items]
         if self.tok is None:
-            enc = [_byte_offsets(t) for t, *_ in parsed]
+            enc = [_byte_offsets(t.text) for t in parsed]
         else:
-            enc = self.tok.encode_offsets([t for t, *_ in parsed], threads)
+            enc = self.tok.encode_spans([t.text for t in parsed], threads)
         out = []
-        for (text, spans, kind, eos), (ids, starts) in zip(parsed, enc):
-            ids = np.asarray(list(ids) + (self.eos if eos else []), np.int32)
-            starts = np.asarray(list(starts) + ([len(text)] if eos and self.eos else []), np.int64)
+        for t, (ids, starts, ends) in zip(parsed, enc):
+            eos = t.eos and bool(self.eos)
+            ids = np.asarray(list(ids) + (self.eos if t.eos else []), np.int32)
+            starts = np.asarray(list(starts) + ([len(t.text)] if eos else []), np.int64)
+            ends = np.asarray(list(ends) + ([len(t.text)] if eos else []), np.int64)
             if self.train_on == "all":
                 mask = np.ones(len(ids), np.uint8)
             else:
                 mask = np.zeros(len(ids), np.uint8)
-                for a, b in spans:
-                    # a token is trained when it starts inside the span; the EOS after an
-                    # instruction's completion or a plain text (start == len(text)) too
-                    mask |= ((starts >= a) & ((starts < b) | (starts == len(text)) & eos)).astype(np.uint8)
-            out.append(Example(ids, mask, kind))
+                for a, b in t.spans:
+                    if t.overlap:  # chat: every token overlapping the turn, as transformers masks
+                        mask |= ((ends > a) & (starts < b)).astype(np.uint8)
+                    else:  # a token starting in the span; the EOS after a completion or a text too
+                        mask |= ((starts >= a) & ((starts < b) | (starts == len(t.text)) & t.eos)).astype(np.uint8)
+            out.append(Example(ids, mask, t.kind, t.dropped))
         return out
 
 
-def _byte_offsets(text: str) -> tuple[np.ndarray, np.ndarray]:
-    """UTF-8 bytes of `text` and, per byte, the index of the character it belongs to."""
+@dataclasses.dataclass(frozen=True)
+class _Text:
+    text: str
+    spans: list  # trained [start, end) character spans
+    kind: str
+    eos: bool = True  # append the tokenizer's EOS (instruction, plain)
+    overlap: bool = False  # train the tokens overlapping a span (chat) rather than those starting in it
+    dropped: bool = False
+
+
+def _byte_offsets(text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """UTF-8 bytes of `text` and, per byte, the [start, end) of the character it belongs to."""
     data = text.encode("utf-8", errors="replace")
     lens = np.fromiter((len(ch.encode("utf-8", errors="replace")) for ch in text), np.int64, len(text))
-    return np.frombuffer(data, np.uint8).astype(np.int32), np.repeat(np.arange(len(text)), lens)
+    starts = np.repeat(np.arange(len(text)), lens)
+    return np.frombuffer(data, np.uint8).astype(np.int32), starts, starts + 1

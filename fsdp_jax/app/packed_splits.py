@@ -118,7 +118,8 @@ class SplitWriter:
 class PackedSplits:
     """The train and val `SplitWriter`s of one corpus, and the tally of its examples
     (`index`: examples so far, `kinds`: per kind, `first_empty`: "file:line" of the first
-    example with an empty loss mask, or None)."""
+    example with an empty loss mask, or None; `dropped`: chat examples whose template left
+    some message text out, `first_dropped` the first's "file:line")."""
 
     def __init__(self, out: Path, row_len: int, dtype, overflow: str, seed: int, val_fraction: float, pack_tokens: int):
         self.writers = {s: SplitWriter(out, s, row_len, dtype, overflow, pack_tokens) for s in ("train", "val")}
@@ -126,6 +127,7 @@ class PackedSplits:
         self.kinds: dict[str, int] = {}
         self.first_empty: str | None = None
         self.index = 0
+        self.dropped, self.first_dropped = 0, None
 
     def add_stream(self, chunks, where: str) -> None:
         """One plain example given as token arrays in order (a long text file, `where`)."""
@@ -143,6 +145,9 @@ class PackedSplits:
         val = _held_out(self.seed, np.arange(self.index, self.index + len(examples)), self.val_fraction)
         for (rec, where), ex, v in zip(items, examples, val):
             self.kinds[ex.kind] = self.kinds.get(ex.kind, 0) + 1
+            if ex.dropped:
+                self.dropped += 1
+                self.first_dropped = self.first_dropped or where
             w = self.writers["val" if v else "train"]
             before = w.stats.empty
             w.add(ex.tokens, ex.mask)

@@ -208,6 +208,8 @@ def _packed_meta(
         "kinds": splits.kinds,
         "empty_skipped": stats.empty,
         "first_empty": first_empty,
+        "template_dropped": splits.dropped,
+        "first_template_dropped": splits.first_dropped,
         "packing": stats.as_dict(),
         "train_on": train_on,
         "overflow": overflow,

@@ -29,6 +29,7 @@ I/O error: one line, nothing half-written).
 from __future__ import annotations
 
 import os
+import sys
 
 from fsdp_jax.app.cli.flags import Parser, UsageError, int_in
 
@@ -165,6 +166,14 @@ def run(args) -> int:
             f"split {pk['split']}, skipped (nothing to train on) {pk['empty']}"
             + (f", first at {meta['first_empty']}" if meta["first_empty"] else "")
         )
+        if meta["template_dropped"]:
+            print(
+                f"warning: {meta['template_dropped']:,} of {meta['kinds'].get('chat', 0):,} chat examples have message "
+                f"text their chat template does not render (first: {meta['first_template_dropped']}; e.g. a system "
+                "prompt Mistral v0.3 shows only before a final user turn, or earlier turns' reasoning under Qwen3): "
+                "trained as the template renders them, as transformers does",
+                file=sys.stderr,
+            )
         return 0
     if args.bin is not None:
         meta = data.prepare_bin(args.bin, args.val_bin, args.out, args.vocab_size, args.dtype)
