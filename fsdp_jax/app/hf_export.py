@@ -9,7 +9,8 @@ with both the transformers 5.x `rope_parameters` and the 4.x `rope_scaling` /
 top-level `rope_theta`, so an older transformers does not load default RoPE; the
 weights as `model.safetensors`, or as `model-0000i-of-0000n.safetensors` plus
 `model.safetensors.index.json` when they exceed `max_shard_bytes`, and the tokenizer files of the model it was imported from
-(or of the corpus). The model config comes from the checkpoint's saved config.
+(or of the corpus), `chat_template.jinja` included (transformers 5 keeps a chat template only
+there; a packed corpus' own copy, the template its chats were rendered with, comes first). The model config comes from the checkpoint's saved config.
 
 Leaves are read one at a time from the checkpoint (never the optimizer state); the
 tensors are ordered leaf by leaf (all layers' q_proj, then all k_proj, ...) so each
@@ -41,6 +42,7 @@ TOKENIZER_FILES = (
     "tokenizer_config.json",
     "special_tokens_map.json",
     "generation_config.json",
+    "chat_template.jinja",  # transformers 5 keeps a tokenizer's chat template only here
 )
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size "5GB"
 
@@ -97,6 +99,9 @@ def _token_ids_and_tokenizer(cfg) -> tuple[dict, list[tuple[Path, str]]]:
         return {}, []
     main = (Path(tok), "tokenizer.json" if Path(tok).suffix == ".json" else "tokenizer.model")
     side = [(Path(tok).parent / f, f) for f in TOKENIZER_FILES[2:] if (Path(tok).parent / f).is_file()]
+    trained = meta.parent / str(m.get("chat_template") or "")
+    if m.get("chat_template") and trained.is_file():  # the template a packed corpus' chats were rendered with
+        side = [x for x in side if x[1] != "chat_template.jinja"] + [(trained, "chat_template.jinja")]
     return ({"eos_token_id": m["eos_id"]} if "eos_id" in m else {}), [main] + side
 
 

@@ -5,8 +5,9 @@
 A packed corpus directory holds, per split (train, val), `<split>.bin` (tokens, rows x
 row_len, uint16/uint32), `<split>.mask.bin` (uint8: 1 where the token is a training
 target) and `<split>.seg.bin` (uint16: the example's number in its row, 0 = padding),
-and `meta.json` (`"format": "packed"`, `row_len`, counts, the packing report and
-`max_token_id`), written last.
+`chat_template.jinja` (the template its chats were rendered with, when there was one:
+`export --hf` ships it with the model) and `meta.json` (`"format": "packed"`, `row_len`,
+counts, the packing report and `max_token_id`), written last.
 
 Preparing is a stream: records are read line by line, encoded in batches of about
 `BATCH_BYTES` of text (the tokenizer's own threads), packed a buffer at a time (best-fit
@@ -282,7 +283,14 @@ def prepare_examples(
             pattern=pattern,
             seed=seed,
         )
-        return _commit(out, splits.tmp_files(), meta)
+        files = splits.tmp_files()
+        (out / "chat_template.jinja").unlink(missing_ok=True)  # a previous corpus' template goes too
+        if spec.chat_template is not None:  # the template the chats were rendered with, for export
+            tmp = out / f".chat_template.jinja.tmp.{os.getpid()}"
+            tmp.write_text(spec.chat_template)
+            files["chat_template.jinja"] = tmp
+            meta["chat_template"] = "chat_template.jinja"
+        return _commit(out, files, meta)
     except (ExampleError, TokenizerError) as e:
         raise DataError(str(e)) from None
     finally:
