@@ -110,6 +110,10 @@ BAD_FLAG_VALUES: dict[str, dict[str, list[str] | str]] = {
         "--overflow": ["wrap"],
         "--chat-template": ["{missing}"],
         "--workers": ["0", "-2", "x", "1.5"],
+        "--text-key": ["", " "],
+        "--messages-key": ["", "conversations"],  # (the latter: needs --pack)
+        "--prompt-key": ["", "question"],
+        "--completion-key": ["", "answer"],
     },
     "train": {"--config": ["{missing}", "{dir}"]},
     "verify": {

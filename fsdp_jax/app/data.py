@@ -82,10 +82,12 @@ def _check_out(out_dir: str | os.PathLike) -> Path:
 
 
 def _collect(sources: Sequence[str | os.PathLike], pattern: str, exclude: Sequence[str]) -> list[Path]:
+    from fsdp_jax.app.tables import is_datasets_dir, source_size
+
     files: dict[Path, None] = {}
     for src in sources:
         p = Path(src)
-        if p.is_file():
+        if p.is_file() or is_datasets_dir(p):  # a datasets directory is one source (a table)
             files[p.resolve()] = None
         elif p.is_dir():
             if not pattern or Path(pattern).is_absolute() or ".." in Path(pattern).parts:
@@ -100,36 +102,41 @@ def _collect(sources: Sequence[str | os.PathLike], pattern: str, exclude: Sequen
                     files[f.resolve()] = None
         else:
             raise DataError(f"source {str(src)!r}: not found")
-    return [f for f in files if f.stat().st_size > 0]
+    return [f for f in files if source_size(f) > 0]
 
 
 def _split_files(files: list[Path], val_fraction: float, seed: int) -> tuple[list[Path], list[Path]]:
     """(train, val): the files shuffled with `seed`; whole files from the end, about
     `val_fraction` of the bytes, are val (in the order they are written). One file: no val."""
-    total = sum(f.stat().st_size for f in files)
+    from fsdp_jax.app.tables import source_size
+
+    total = sum(source_size(f) for f in files)
     files = [files[i] for i in np.random.default_rng(seed).permutation(len(files))]
     val, val_bytes = [], 0
     while files[: -1 - len(val)] and val_bytes < val_fraction * total:  # whole files, from the end
         val.append(files[-1 - len(val)])
-        val_bytes += val[-1].stat().st_size
+        val_bytes += source_size(val[-1])
     return files[: len(files) - len(val)], val[::-1]
 
 
 def _write_corpus(
-    files: list[Path], out_dir: str | os.PathLike, val_fraction: float, seed: int, meta_extra: dict
+    files: list[Path], out_dir: str | os.PathLike, val_fraction: float, seed: int, meta_extra: dict, text_key="text"
 ) -> dict:
     if not 0 < val_fraction < 1:
         raise DataError(f"val_fraction {val_fraction!r}: must be in (0, 1)")
     if not isinstance(seed, int) or seed < 0:
         raise DataError(f"seed {seed!r}: must be an integer >= 0")
+    from fsdp_jax.app.tables import source_size
+
     _check_out(out_dir)
-    total = sum(f.stat().st_size for f in files)
+    total = sum(source_size(f) for f in files)
     if total == 0:
         raise DataError("empty corpus: no non-empty files found in the sources")
     dtype = token_dtype(256)
     train, val = _split_files(files, val_fraction, seed)
     split = "files" if val else "bytes"  # one file: its last val_fraction of bytes become val
     out = Path(out_dir)
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     tmp = {n: out / f".{n}.tmp.{os.getpid()}" for n in ("train.bin", "val.bin")}
     counts, top = {"train.bin": 0, "val.bin": 0}, -1
@@ -137,7 +144,7 @@ def _write_corpus(
         for name, group in (("train.bin", train), ("val.bin", val)):
             with open(tmp[name], "wb") as fh:
                 for f in group:
-                    for chunk in _file_bytes(f):  # a stream: no file is read whole
+                    for chunk in _file_bytes(f, text_key=text_key):  # a stream: no file is read whole
                         arr = np.frombuffer(chunk, np.uint8).astype(dtype)
                         top = max(top, int(arr.max())) if len(arr) else top
                         arr.tofile(fh)
@@ -167,13 +174,17 @@ def _write_corpus(
     finally:
         for t in tmp.values():
             t.unlink(missing_ok=True)
+        if created and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()  # bad input: leave no trace
 
 
-def _file_bytes(f: Path, chunk: int = 1 << 22) -> Iterator[bytes]:
+def _file_bytes(f: Path, chunk: int = 1 << 22, text_key: str = "text") -> Iterator[bytes]:
     """The byte tokenizer's text of a file, `chunk` bytes at a time: its bytes, or for a
-    .jsonl file each line's {"text": ...} as UTF-8 followed by a newline (parsed exactly
-    as with a real tokenizer)."""
-    if f.suffix != ".jsonl":
+    .jsonl file each line's {"text": ...} (a table: each row's) as UTF-8 followed by a
+    newline (parsed exactly as with a real tokenizer; `text_key`: the key to read)."""
+    from fsdp_jax.app.tables import is_tabular
+
+    if not is_tabular(f):
         with open(f, "rb") as fh:
             while block := fh.read(chunk):
                 yield block
@@ -182,7 +193,7 @@ def _file_bytes(f: Path, chunk: int = 1 << 22) -> Iterator[bytes]:
 
     try:
         parts, size = [], 0
-        for doc in read_documents(f):
+        for doc in read_documents(f, text_key):
             parts.append(doc.encode("utf-8", errors="replace") + b"\n")
             size += len(parts[-1])
             if size >= chunk:
@@ -201,6 +212,7 @@ def prepare_text(
     tokenizer: str = "bytes",
     pattern: str = "*",
     exclude: Sequence[str] = (),
+    text_key: str = "text",
     **tokenize,
 ) -> dict:
     """Tokenize text files and directories (searched recursively for `pattern`, skipping
@@ -210,7 +222,9 @@ def prepare_text(
     end, about `val_fraction` of the bytes, become val.bin, so validation text is unseen.
     A single file is split by bytes instead (meta "split": "bytes"). Any bytes are
     accepted; the byte tokenizer needs no UTF-8. A .jsonl file is parsed whatever the
-    tokenizer: one {"text": ...} document per line (bytes: its UTF-8 and a newline).
+    tokenizer: one {"text": ...} document per line (bytes: its UTF-8 and a newline); so is a
+    table (a .parquet file or a `datasets` directory, `fsdp_jax.app.tables`), a row a
+    document. `text_key` names the key (column) holding the text.
 
     `tokenizer`: "bytes", or the path of a Hugging Face tokenizer.json, a SentencePiece
     .model or a model directory holding one (`fsdp_jax.app.tokenizer`); then each file
@@ -220,8 +234,8 @@ def prepare_text(
     files = _collect(sources, pattern, exclude)
     extra = {"sources": [str(s) for s in sources], "pattern": pattern}
     if tokenizer != "bytes":
-        return _write_tokenized(files, out_dir, val_fraction, seed, tokenizer, extra, **tokenize)
-    return _write_corpus(files, out_dir, val_fraction, seed, extra)
+        return _write_tokenized(files, out_dir, val_fraction, seed, tokenizer, extra, text_key=text_key, **tokenize)
+    return _write_corpus(files, out_dir, val_fraction, seed, extra, text_key)
 
 
 def _write_tokenized(
@@ -234,6 +248,7 @@ def _write_tokenized(
     eos: str | None = None,
     threads: int | None = None,
     progress: bool = False,
+    text_key: str = "text",
 ) -> dict:
     """As `_write_corpus`, with a real tokenizer: every document becomes
     `encode(doc) + [eos]`; the split is the same (whole files; one file: its last
@@ -251,6 +266,7 @@ def _write_tokenized(
     dtype = token_dtype(tok.vocab_size)
     train, val = _split_files(files, val_fraction, seed)
     out = Path(out_dir)
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     tmp = {n: out / f".{n}.tmp.{os.getpid()}" for n in ("train.bin", "val.bin")}
     counts, docs, top = {}, 0, [-1]
@@ -263,7 +279,7 @@ def _write_tokenized(
                     ids.astype(dtype).tofile(fh)
 
                 try:
-                    d, counts[name] = encode_corpus(tok, group, write, threads, progress)
+                    d, counts[name] = encode_corpus(tok, group, write, threads, progress, text_key)
                 except TokenizerError as e:
                     raise DataError(str(e)) from None
                 docs += d
@@ -298,6 +314,8 @@ def _write_tokenized(
     finally:
         for t in tmp.values():
             t.unlink(missing_ok=True)
+        if created and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()  # bad input: leave no trace
 
 
 def _move_tail(src: Path, dst: Path, cut: int, dtype: np.dtype, chunk: int = 1 << 22) -> None:

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from fsdp_jax.app.chat_template import ChatRenderer, check_messages, normalize_messages
+from fsdp_jax.app.tables import KeyMap, is_table, table_rows
 from fsdp_jax.errors import ExampleError
 
 TRAIN_ON = ("targets", "all")  # targets: assistant turns / completions / plain text; all: every token
@@ -52,10 +53,16 @@ class Example:
     dropped: bool = False  # chat: the template left some message text out (trained as rendered)
 
 
-def read_records(file: Path) -> Iterator[tuple[int, Any]]:
+def read_records(file: Path, keys: KeyMap = KeyMap()) -> Iterator[tuple[int, Any]]:
     """(line number, parsed record) per non-blank line of a .jsonl file, read as a
-    stream; a text file is one record {"text": ...} at line 1. Bad JSON raises
-    ExampleError naming the file and line."""
+    stream, or per row of a table (a .parquet file or a `datasets` directory:
+    `fsdp_jax.app.tables`, a batch of rows at a time); a text file is one record
+    {"text": ...} at line 1. `keys` renames the source's keys to the record keys. Bad JSON
+    raises ExampleError naming the file and line."""
+    if is_table(file):
+        for n, row in table_rows(file):
+            yield n, keys.apply(row, f"{file}:{n}")
+        return
     if file.suffix != ".jsonl":
         yield 1, {"text": file.read_bytes().decode("utf-8", errors="replace")}
         return
@@ -65,9 +72,10 @@ def read_records(file: Path) -> Iterator[tuple[int, Any]]:
             if not line.strip():
                 continue
             try:
-                yield n, json.loads(line)
+                rec = json.loads(line)
             except ValueError as e:
                 raise ExampleError(f"{file}:{n}: not JSON ({str(e).split(':')[0]})") from None
+            yield n, keys.apply(rec, f"{file}:{n}")
 
 
 def record_kind(rec: Any, where: str) -> str:

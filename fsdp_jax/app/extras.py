@@ -2,6 +2,7 @@
 
     pip install 'fsdp_jax[tensorboard]'   # train.tensorboard=true (tensorboardX)
     pip install 'fsdp_jax[plot]'          # scripts' --plot, plot_metrics.py (matplotlib)
+    pip install 'fsdp_jax[data]'          # .parquet and datasets-directory sources (pyarrow)
     pip install 'fsdp_jax[all]'           # both
 
 The core install (jax, flax, optax, orbax, grain) trains, checkpoints, exports
@@ -17,7 +18,7 @@ import importlib.util
 
 from fsdp_jax.errors import MissingExtra  # noqa: F401 (re-exported)
 
-EXTRAS = {"tensorboardX": "tensorboard", "matplotlib": "plot"}  # import name -> extra
+EXTRAS = {"tensorboardX": "tensorboard", "matplotlib": "plot", "pyarrow": "data"}  # import name -> extra
 
 
 def missing_message(module: str, feature: str) -> str:

@@ -28,6 +28,7 @@ importable from here too.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -49,6 +50,7 @@ from fsdp_jax.app.packed_rows import (  # noqa: F401 (re-exported)
 )
 from fsdp_jax.app.packed_splits import PackedSplits
 from fsdp_jax.app.packing import PackStats
+from fsdp_jax.app.tables import KeyMap, source_size
 from fsdp_jax.app.tokenizer import encode_long, is_long, text_chunks
 
 BATCH_BYTES = 1 << 20  # text per encode call (its Python token lists dominate memory)
@@ -124,7 +126,7 @@ def _encoder(tokenizer: str, eos, chat_template, train_on: str, threads):
     return tok, spec, enc
 
 
-def _text_batches(files, bar):
+def _text_batches(files, bar, keys: KeyMap = KeyMap()):
     """(record, "file:line") lists of about BATCH_BYTES of text, in order; a long text
     file is yielded as its path (one plain example, streamed by this process)."""
     batch, size = [], 0
@@ -134,15 +136,15 @@ def _text_batches(files, bar):
                 yield batch
             batch, size = [], 0
             yield f
-            bar.update(f.stat().st_size)
+            bar.update(source_size(f))
             continue
-        for n, rec in read_records(f):
+        for n, rec in read_records(f, keys):
             batch.append((rec, f"{f}:{n}"))
             size += _text_size(rec)
             if size >= BATCH_BYTES:
                 yield batch
                 batch, size = [], 0
-        bar.update(f.stat().st_size)
+        bar.update(source_size(f))
     if batch:
         yield batch
 
@@ -152,7 +154,7 @@ def _progress_bar(files, progress: bool):
     from tqdm import tqdm
 
     return tqdm(
-        total=sum(f.stat().st_size for f in files),
+        total=sum(source_size(f) for f in files),
         unit="B",
         unit_scale=True,
         desc="prepare",
@@ -239,13 +241,17 @@ def prepare_examples(
     threads: int | None = None,
     progress: bool = False,
     workers: int = 1,
+    keys: KeyMap = KeyMap(),
 ) -> dict:
     """Encode chat / instruction / plain examples (`fsdp_jax.app.examples`) from `sources`
     and pack them into rows of `row_len` tokens in `out_dir` (module docstring); returns
     meta. `tokenizer`: "bytes" or a tokenizer path (`fsdp_jax.app.tokenizer`); its chat
     template comes from beside it unless `chat_template` (a file) is given. `workers` > 1
     renders and tokenizes in that many processes (`fsdp_jax.app.encode_pool`), the output
-    identical to one worker's; `threads`: the tokenizer's threads (per worker). Raises
+    identical to one worker's; `threads`: the tokenizer's threads (per worker). Sources are
+    .jsonl and text files and tables (.parquet, `datasets` directories); `keys`
+    (`fsdp_jax.app.tables.KeyMap`) names the keys (columns) holding messages, text, prompt and
+    completion. Raises
     DataError (one line naming file and line) on bad input, before anything is in place."""
     from fsdp_jax.app.tokenizer import TokenizerError
 
@@ -263,7 +269,7 @@ def prepare_examples(
     splits = PackedSplits(out, row_len, dtype, overflow, seed, val_fraction, PACK_TOKENS)
     bar = _progress_bar(files, progress)
     try:
-        for items, examples in encode_batches(spec, _text_batches(files, bar), workers, encoder=enc):
+        for items, examples in encode_batches(spec, _text_batches(files, bar, keys), workers, encoder=enc):
             if examples is None:  # `items` is a long text file: one plain example
                 splits.add_stream(_long_tokens(items, tok), f"{items}:1")
             else:
@@ -283,6 +289,8 @@ def prepare_examples(
             pattern=pattern,
             seed=seed,
         )
+        if not keys.identity:
+            meta["keys"] = dataclasses.asdict(keys)
         files = splits.tmp_files()
         (out / "chat_template.jinja").unlink(missing_ok=True)  # a previous corpus' template goes too
         if spec.chat_template is not None:  # the template the chats were rendered with, for export

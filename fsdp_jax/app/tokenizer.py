@@ -165,8 +165,10 @@ def load_tokenizer(path: str | os.PathLike, eos: str | None = None, require_eos:
 
 
 def is_long(file: Path) -> bool:
-    """A text file (not .jsonl) over LONG_BYTES: read and encoded as a stream, never whole."""
-    return file.suffix != ".jsonl" and file.stat().st_size > LONG_BYTES
+    """A text file (not .jsonl, not a table) over LONG_BYTES: read and encoded as a stream, never whole."""
+    from fsdp_jax.app.tables import is_tabular
+
+    return not is_tabular(file) and file.stat().st_size > LONG_BYTES
 
 
 def text_chunks(file: Path, chunk_bytes: int | None = None) -> Iterator[str]:
@@ -263,24 +265,41 @@ def encode_long(
     yield ids[starts >= a0]
 
 
-def read_documents(file: Path) -> Iterator[str]:
+def read_documents(file: Path, text_key: str = "text") -> Iterator[str]:
     """A text file is one document (read whole); a .jsonl file holds one per line
-    ({"text": ...}), read as a stream. Bytes that are not UTF-8 are replaced (U+FFFD)."""
+    ({"text": ...}, or the key `text_key`), read as a stream, and a table (a .parquet file,
+    a `datasets` directory: `fsdp_jax.app.tables`) one per row. Bytes that are not UTF-8 are
+    replaced (U+FFFD)."""
+    from fsdp_jax.app.tables import is_table, table_rows
+
+    if is_table(file):
+        for n, row in table_rows(file):
+            yield _text_of(row, file, n, text_key)
+        return
     if file.suffix != ".jsonl":
         yield file.read_bytes().decode("utf-8", errors="replace")
         return
     with open(file, "rb") as fh:
         lines = (raw.decode("utf-8", errors="replace") for raw in fh)
-        yield from _jsonl_texts(file, lines)
+        yield from _jsonl_texts(file, lines, text_key)
 
 
-def _jsonl_texts(file: Path, lines: Iterable[str]) -> Iterator[str]:
+def _text_of(rec, file: Path, n: int, text_key: str) -> str:
+    text = rec.get(text_key) if isinstance(rec, dict) else None
+    if not isinstance(text, str):
+        got = "no such key" if not isinstance(rec, dict) or text_key not in rec else f"a {type(text).__name__}"
+        raise TokenizerError(f'{file}:{n}: expected a JSON object with a "{text_key}" string ({got})')
+    return text
+
+
+def _jsonl_texts(file: Path, lines: Iterable[str], text_key: str = "text") -> Iterator[str]:
     for n, line in enumerate(lines, 1):
         if line.strip():
             try:
-                yield json.loads(line)["text"]
-            except (ValueError, KeyError, TypeError):
-                raise TokenizerError(f'{file}:{n}: expected a JSON object with a "text" string') from None
+                rec = json.loads(line)
+            except ValueError:
+                raise TokenizerError(f'{file}:{n}: expected a JSON object with a "{text_key}" string') from None
+            yield _text_of(rec, file, n, text_key)
 
 
 def encode_corpus(
@@ -289,13 +308,16 @@ def encode_corpus(
     write: Callable[[np.ndarray], None],
     threads: int | None = None,
     progress: bool = True,
+    text_key: str = "text",
 ) -> tuple[int, int]:
     """Encode `files` in order, calling `write(ids)` with `encode(doc) + [eos]` per
-    batch of documents; returns (documents, tokens)."""
+    batch of documents (`read_documents(file, text_key)`); returns (documents, tokens)."""
     from tqdm import tqdm
 
+    from fsdp_jax.app.tables import source_size
+
     bar = tqdm(
-        total=sum(f.stat().st_size for f in files),
+        total=sum(source_size(f) for f in files),
         unit="B",
         unit_scale=True,
         desc="tokenize",
@@ -325,13 +347,13 @@ def encode_corpus(
             docs, tokens = docs + 1, tokens + n + 1
             bar.update(f.stat().st_size)
             continue
-        for doc in read_documents(f):
+        for doc in read_documents(f, text_key):
             batch.append(doc)
             size += len(doc)
             if size >= BATCH_BYTES:
                 flush()
                 size = 0
-        bar.update(f.stat().st_size)
+        bar.update(source_size(f))
     flush()
     bar.close()
     return docs, tokens

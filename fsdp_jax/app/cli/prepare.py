@@ -22,6 +22,13 @@ and tokenizes in N processes (the output is identical to one worker's).
 
     fsdp-jax prepare --out data/sft chats.jsonl --pack 512 --tokenizer ckpt/
 
+Sources may also be tables: .parquet files and Hugging Face `datasets` directories
+(`save_to_disk`), read a batch of rows at a time (pip install 'fsdp_jax[data]'); a row is
+a record like a .jsonl line. --messages-key, --text-key, --prompt-key and --completion-key
+name the keys (columns) that hold them, e.g. --messages-key conversations.
+
+    fsdp-jax prepare --out data/sft my_dataset/ --pack 2048 --tokenizer ckpt/ --messages-key conversations
+
 Exit codes: 0 success, 2 bad input (one line on stderr), 1 anything else (the disk, an
 I/O error: one line, nothing half-written).
 """
@@ -68,6 +75,11 @@ def build_parser(prog: str | None = None) -> Parser:
         help="--pack: an example longer than a row is truncated (default) or split",
     )
     p.add_argument("--chat-template", help="--pack: a jinja chat template file (default: the tokenizer's)")
+    for key, what in (("text", "a text"), ("messages", "a chat's messages"), ("prompt", "a prompt")):
+        p.add_argument(
+            f"--{key}-key", default=key, metavar="KEY", help=f"the key (column) holding {what} (default {key})"
+        )
+    p.add_argument("--completion-key", default="completion", metavar="KEY", help="the key holding a completion")
     p.add_argument(
         "--workers",
         type=int_in(1),
@@ -88,6 +100,13 @@ def check_flags(args) -> None:
             raise UsageError(f"--pack {args.pack}: must be in 2..65535")
     elif args.train_on_all or args.chat_template or args.overflow != "truncate" or args.workers != 1:
         raise UsageError("--train-on-all, --overflow, --chat-template and --workers need --pack")
+    elif (args.messages_key, args.prompt_key, args.completion_key) != ("messages", "prompt", "completion"):
+        raise UsageError("--messages-key, --prompt-key and --completion-key need --pack")
+    for flag in ("text_key", "messages_key", "prompt_key", "completion_key"):
+        if not getattr(args, flag).strip():
+            raise UsageError(f"--{flag.replace('_', '-')} {getattr(args, flag)!r}: must name a key")
+    if args.text_key != "text" and args.bin is not None:
+        raise UsageError("--text-key applies to SOURCES..., not to --bin files")
     modes = [bool(args.sources), args.stdlib, args.bin is not None]
     if sum(modes) != 1:
         raise UsageError("give exactly one of: SOURCES..., --stdlib, --bin")
@@ -141,6 +160,7 @@ def run(args) -> int:
         if args.tokenizer != "bytes":
             _check_vocab(args)
         from fsdp_jax.app.sft_data import prepare_examples
+        from fsdp_jax.app.tables import KeyMap
 
         meta = prepare_examples(
             args.sources,
@@ -157,6 +177,7 @@ def run(args) -> int:
             threads=args.threads,
             progress=not args.no_progress,
             workers=args.workers,
+            keys=KeyMap(args.messages_key, args.text_key, args.prompt_key, args.completion_key),
         )
         pk = meta["packing"]
         print(
@@ -183,12 +204,22 @@ def run(args) -> int:
         meta = (
             data.prepare_stdlib(args.out, args.val_fraction, args.seed, **tok)
             if args.stdlib
-            else data.prepare_text(args.sources, args.out, args.val_fraction, args.seed, pattern=args.pattern, **tok)
+            else data.prepare_text(
+                args.sources,
+                args.out,
+                args.val_fraction,
+                args.seed,
+                pattern=args.pattern,
+                text_key=args.text_key,
+                **tok,
+            )
         )
     elif args.stdlib:
         meta = data.prepare_stdlib(args.out, args.val_fraction, args.seed)
     else:
-        meta = data.prepare_text(args.sources, args.out, args.val_fraction, args.seed, pattern=args.pattern)
+        meta = data.prepare_text(
+            args.sources, args.out, args.val_fraction, args.seed, pattern=args.pattern, text_key=args.text_key
+        )
     print(
         f"{args.out}: train {meta['train_tokens']:,} tokens, val {meta['val_tokens']:,} tokens "
         f"(vocab {meta['vocab_size']}, {meta['dtype']})"
