@@ -210,6 +210,7 @@ def _host_batches(batch, batches, steps: int, n: int, microbatches: int) -> list
     if len(batches) < steps:
         raise VerifyError(f"verify: batches has {len(batches)} batches, fewer than steps={steps}")
     out = [jax.tree.map(np.asarray, b) for b in batches[:steps]]
+    _same_shapes(out)
     for path, x in (leaf for one in out for leaf in jax.tree_util.tree_flatten_with_path(one)[0]):
         b = x.shape[0] if x.ndim else None
         if b is None or b % (n * microbatches):
@@ -219,6 +220,26 @@ def _host_batches(batch, batches, steps: int, n: int, microbatches: int) -> list
                 f"use a global batch that is a multiple of {n * microbatches}"
             )
     return out
+
+
+def _same_shapes(batches: list) -> None:
+    """Every batch has batches[0]'s structure and leaf shapes and dtypes (the step compiles
+    once); VerifyError naming the first batch and leaf that differ."""
+    leaves0, tree0 = jax.tree_util.tree_flatten_with_path(batches[0])
+    for i, b in enumerate(batches[1:], 1):
+        leaves, tree = jax.tree_util.tree_flatten_with_path(b)
+        if tree != tree0:
+            raise VerifyError(
+                f"verify: batches[{i}] is not structured like batches[0] ({tree} vs {tree0}); "
+                "every step's batch must hold the same leaves"
+            )
+        for (path, x), (_, y) in zip(leaves0, leaves):
+            if x.shape != y.shape or x.dtype != y.dtype:
+                raise VerifyError(
+                    f"verify: batches[{i}] leaf {rl.path_str(path) or '<root>'} is {y.dtype}{list(y.shape)}, "
+                    f"batches[0]'s is {x.dtype}{list(x.shape)}; every step's batch must have the same shapes "
+                    "and dtypes (the step compiles once)"
+                )
 
 
 def _tolerance(tolerance, optimizer, fns, precision) -> Tolerance:

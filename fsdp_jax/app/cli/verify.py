@@ -5,8 +5,10 @@
     fsdp-jax verify --config configs/small.yaml --strategies zero3,ddp optimizer.name=sgd
 
 (`python scripts/verify.py ...` is the same command.) `fsdp_jax.verify` on the config's
-model (fsdp_jax/app/models/llama.py), loss, optimizer, precision, remat, microbatches and clipping, with random tokens of the config's batch
-shape: `--steps` steps on one device, the same steps under each strategy on `--devices`
+model (fsdp_jax/app/models/llama.py), loss, optimizer, precision, remat, microbatches and clipping, with the
+trainer's own batches when `data.path` holds a packed corpus (or a token corpus with
+`data.document_mask`: the masked, per-segment step; fsdp_jax.app.verify_batches), else
+random tokens of the config's batch shape: `--steps` steps on one device, the same steps under each strategy on `--devices`
 devices (fake CPU devices when this machine has fewer). The optimizer runs at its peak
 learning rate (warmup skipped) so that the few steps make full-size updates.
 
@@ -80,7 +82,11 @@ def run(args) -> int:
     except RuntimeError as e:  # cannot shrink keeping the decisions: exit 1, one line
         return fail_env(e)
     cfg, notes = _as_verified(cfg, devices, notes)
-    report = _verify(args, cfg, strategies, n)
+    from fsdp_jax.app.verify_batches import verify_batches
+
+    batches, what = verify_batches(cfg, args.steps, args.seed, vocab_shrunk="vocab_size" in changed)
+    notes.append(what)
+    report = _verify(args, cfg, strategies, n, batches)
     _print_report(args, changed, notes, report)
     return 0 if report.passed else 1
 
@@ -118,30 +124,19 @@ def _as_verified(cfg, devices, notes: list[str]) -> tuple:
             f"mesh.tensor={cfg.mesh.tensor} ignored: verify compares the data-parallel "
             "strategies on (data, fsdp) meshes"
         )
-    notes.append(
-        f"optimizer {cfg.optimizer.name} at its peak lr {cfg.optimizer.lr:g} (warmup skipped); "
-        f"batches: random tokens ({cfg.train.global_batch}, {cfg.data.seq_len + 1})"
-    )
+    notes.append(f"optimizer {cfg.optimizer.name} at its peak lr {cfg.optimizer.lr:g} (warmup skipped)")
     return cfg, notes
 
 
-def _verify(args, cfg, strategies, n: int):
+def _verify(args, cfg, strategies, n: int, batches: list):
     """`fsdp_jax.verify` on the trainer's model, loss and optimizer (at its peak lr), with
-    --steps batches of random tokens."""
-    import numpy as np
-
-    from fsdp_jax.app.loop import make_loss_fn
+    `batches` (`fsdp_jax.app.verify_batches`)."""
     from fsdp_jax.app.optim import build_optimizer
-    from fsdp_jax.app.trainer_build import trainer_model
+    from fsdp_jax.app.trainer_build import make_loss_fn, trainer_model
     from fsdp_jax.verify import verify
 
     model = trainer_model(cfg.model, cfg.remat)
     optimizer, _ = build_optimizer(dataclasses.replace(cfg.optimizer, warmup_steps=0), cfg.train.steps)
-    rng = np.random.default_rng(args.seed)
-    batches = [
-        rng.integers(0, cfg.model.vocab_size, (cfg.train.global_batch, cfg.data.seq_len + 1), dtype=np.int32)
-        for _ in range(args.steps)
-    ]
     return verify(
         model,
         optimizer,

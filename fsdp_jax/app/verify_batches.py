@@ -1,0 +1,63 @@
+"""The batches `fsdp-jax verify` trains: the trainer's own when the config's corpus says how
+they look, random tokens otherwise.
+
+    batches, what = verify_batches(cfg, steps=3, seed=0, vocab_shrunk=False)
+
+When `data.path` holds a packed fine-tuning corpus (meta.json `"format": "packed"`), or a
+token corpus with `data.document_mask: true`, the batches are the first `steps` steps'
+batches of the train split exactly as the trainer reads them (`fsdp_jax.app.batches`): dicts of
+inputs, targets, segment ids, positions and loss weights, so verify compiles and compares
+the masked, per-segment step with the global token mean the trainer runs. When verify shrank
+the model (`vocab_shrunk`), token ids are folded into the smaller vocab (`id % vocab_size`);
+the segments, positions and weights, which are what the packed step's sharding depends on,
+stay. Without such a corpus: `(global_batch, seq_len + 1)` random int32 tokens, as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+
+
+def _corpus_kind(cfg) -> str | None:
+    """ "packed", "tokens" or None (no corpus at data.path)."""
+    meta = Path(cfg.data.path) / "meta.json"
+    if not meta.is_file():
+        return None
+    try:
+        return "packed" if json.loads(meta.read_text()).get("format") == "packed" else "tokens"
+    except ValueError:
+        return None
+
+
+def verify_batches(cfg, steps: int, seed: int, vocab_shrunk: bool = False) -> tuple[list, str]:
+    """(`steps` host batches, a note saying what they are); see the module docstring."""
+    kind = _corpus_kind(cfg)
+    if kind == "packed" or (kind == "tokens" and cfg.data.document_mask):
+        from fsdp_jax.app.batches import check_tokens, make_batches
+
+        train = dataclasses.replace(cfg.train, eval_every=0)
+        it, _ = make_batches(dataclasses.replace(cfg, train=train), 0, 1)
+        vocab = cfg.model.vocab_size
+        out = []
+        for step in range(steps):
+            b = {k: np.asarray(v) for k, v in next(it).items()}
+            if vocab_shrunk:
+                b["inputs"], b["targets"] = b["inputs"] % vocab, b["targets"] % vocab
+            check_tokens(b, vocab, step, cfg.data.path)
+            out.append(b)
+        shape = tuple(out[0]["inputs"].shape)
+        what = "packed rows" if kind == "packed" else "document-masked windows"
+        fold = f", token ids mod {vocab} (shrunk vocab)" if vocab_shrunk else ""
+        return out, (
+            f"batches: the trainer's first {steps} {what} of {cfg.data.path} {shape} "
+            f"(segment ids, positions, loss weights; the global token-mean loss){fold}"
+        )
+    rng = np.random.default_rng(seed)
+    shape = (cfg.train.global_batch, cfg.data.seq_len + 1)
+    return [rng.integers(0, cfg.model.vocab_size, shape, dtype=np.int32) for _ in range(steps)], (
+        f"batches: random tokens {shape}"
+    )
