@@ -2,7 +2,11 @@
 
 `maybe_initialize` decides, before any JAX computation:
 * explicit settings (arguments, or the FSDP_JAX_COORDINATOR / FSDP_JAX_NUM_PROCESSES /
-  FSDP_JAX_PROCESS_ID variables that `scripts/launch_local.py` sets) -> initialise with them;
+  FSDP_JAX_PROCESS_ID variables that `scripts/launch_local.py` and the Kubernetes recipe
+  set; in a Kubernetes Indexed Job the process id defaults to the pod's JOB_COMPLETION_INDEX)
+  -> initialise with them;
+* a multi-host TPU slice on GKE (TPU_WORKER_HOSTNAMES, TPU_WORKER_ID: `fsdp_jax.clusters`)
+  -> initialise with what GKE says;
 * a detected cluster (SLURM with more than one task, Open MPI with more than one
   rank, JAX_COORDINATOR_ADDRESS set) -> `jax.distributed.initialize()` auto-detects;
 * otherwise one process: nothing is initialised.
@@ -83,7 +87,7 @@ def maybe_initialize(
 ) -> str:
     """Initialise `jax.distributed` when this run has several processes.
 
-    Returns how: "explicit", the detected cluster's name, or "single" (nothing done).
+    Returns how: "explicit", "gke_tpu", the detected cluster's name, or "single" (nothing done).
     Raises ValueError (one line naming the setting or variable) for incomplete or bad
     explicit settings, DistributedInitError when joining the other processes fails.
     `peer_timeout_s` (> 0) starts a PeerWatch once joined (JAX's own heartbeat timeout is
@@ -91,11 +95,18 @@ def maybe_initialize(
     """
     import jax
 
+    from fsdp_jax import clusters
+
     coordinator = coordinator or environ.get(ENV_COORDINATOR) or None
     if num_processes is None:
         num_processes = _env_int(environ, ENV_NUM_PROCESSES, 1)
     if process_id is None:
         process_id = _env_int(environ, ENV_PROCESS_ID, 0)
+    how = "explicit"
+    if not (coordinator or num_processes) and (tpu := clusters.gke_tpu_settings(environ)):
+        (coordinator, num_processes, process_id), how = tpu, "gke_tpu"
+    if (coordinator or num_processes) and process_id is None:
+        process_id = clusters.completion_index(environ)  # a Kubernetes Indexed Job's pod
     if coordinator or num_processes:
         if not (coordinator and num_processes and process_id is not None):
             raise ValueError(
@@ -122,7 +133,7 @@ def maybe_initialize(
             peer_timeout_s=peer_timeout_s,
         )
         _watch_peers(peer_timeout_s, peer_note)
-        return "explicit"
+        return how
     cluster = detected_cluster(environ)
     if cluster:
         _initialize(jax, initialization_timeout=timeout_s, peer_timeout_s=peer_timeout_s)
