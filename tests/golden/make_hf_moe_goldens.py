@@ -27,7 +27,7 @@ the first for which, over all tokens of every sparse layer in both the unmasked 
 masked run, the gap between the k-th and (k+1)-th softmax router probability is > 1e-4
 AND the same gap in router logits is > 1e-2. (N(0, 0.5) gives bigger logit gaps but
 softmax so peaked that the k-th and (k+1)-th probabilities are both ~1e-3 and their
-gap under 1e-4 for every seed tried for Mixtral.) As generated with transformers 5.24:
+gap under 1e-4 for all of the 10 seeds tried for Mixtral.) As generated with transformers 5.24:
   mixtral    attempt 5, min gap prob 6.17e-4, logit 0.0210
   qwen3_moe  attempt 1, min gap prob 1.45e-3, logit 0.0134
   qwen2_moe  attempt 1, min gap prob 4.79e-3, logit 0.0249
