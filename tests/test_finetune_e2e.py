@@ -42,8 +42,8 @@ def script(name):
 
 @pytest.mark.slow
 def test_chat_finetune_end_to_end(tmp_path, capsys):
-    from fsdp_jax.app.trainer.setup import load_run_config
     from fsdp_jax.app.trainer.loop import train
+    from fsdp_jax.app.trainer.setup import load_run_config
 
     src, d, run = chat_set(tmp_path / "chats.jsonl"), tmp_path / "sft", tmp_path / "run"
     assert (
