@@ -25,8 +25,8 @@ def main() -> int:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from fsdp_jax import targets
-    from fsdp_jax.app.models.llama import attention
+    from fsdp_jax.app.models.attention import attention
+    from fsdp_jax.targets import gpu as targets
 
     # jax asks the *default* backend (CPU here) for the compute capability; the target
     # is an H100 (sm_90), so answer for it

@@ -8,10 +8,10 @@ options (BENCHMARKS.md, "Issue 26: ... exposed collectives on jax 0.12").
 
 One JSON line per variant: peak and temp (GB per device), the collectives the step waits for
 (parameter-sized, at least --min-bytes: synchronous, or async with nothing scheduled between
-start and done; from `fsdp_jax.hlo.collective_schedule`), their share of the step's collective
+start and done; from `fsdp_jax.hlo.schedule.collective_schedule`), their share of the step's collective
 bytes, and the compile time. Each variant is one XLA:GPU compile in a child process that sees
 the CUDA compile-only plugin (`python -m fsdp_jax.targets install`). Variant options are added
-to the step's own (`fsdp_jax.xla_flags.STEP_OPTIONS_GPU`); '{}' is the step as it compiles.
+to the step's own (`fsdp_jax.targets.xla_flags.STEP_OPTIONS_GPU`); '{}' is the step as it compiles.
 """
 
 from __future__ import annotations
@@ -26,17 +26,17 @@ ROOT = Path(__file__).resolve().parents[1]
 
 _CHILD = r"""
 import json, sys
-from fsdp_jax import targets
-from fsdp_jax.app.config import load_config
-from fsdp_jax.app.fit.estimate import plan_strategy
-from fsdp_jax.app.fit.step_build import target_mesh_sizes
+from fsdp_jax.targets import gpu as targets
+from fsdp_jax.app.trainer.setup import load_run_config
+from fsdp_jax.app.planner.one_strategy import plan_strategy
+from fsdp_jax.app.planner.abstract_step import target_mesh_sizes
 req = json.loads(sys.stdin.read())
 if req["device_memory"]:  # a hypothetical chip: the target's spec with more device memory
     import re
     _spec = targets.target_config
     targets.target_config = lambda name: re.sub(
         r"device_memory_size: \d+", f"device_memory_size: {req['device_memory']}", _spec(name))
-cfg = load_config(req["config"], req["overrides"])
+cfg = load_run_config(req["config"], req["overrides"])
 devs = targets.gpu_devices(req["target"], req["hosts"], req["per_host"])
 for name, opts in req["variants"].items():
     r = plan_strategy(cfg, req["strategy"], devs, inspect=True, compiler_options=opts or None,
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         if not eq or not isinstance(variants[name], dict):
             print(f"error: --variant {v!r}: give NAME=<JSON object of compile options>", file=sys.stderr)
             return 2
-    from fsdp_jax import targets
+    from fsdp_jax.targets import gpu as targets
 
     req = {
         "config": str(Path(args.config).resolve()),

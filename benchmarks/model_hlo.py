@@ -19,11 +19,11 @@ import jax.numpy as jnp
 
 def main(path: str) -> int:
     jax.config.update("jax_num_cpu_devices", 8)
-    from fsdp_jax.app.config import load_config
     from fsdp_jax.app.models.llama import cross_entropy
-    from fsdp_jax.app.trainer_build import trainer_model
+    from fsdp_jax.app.trainer.build import trainer_model
+    from fsdp_jax.app.trainer.setup import load_run_config
 
-    cfg = load_config(path).model
+    cfg = load_run_config(path).model
     m = trainer_model(cfg, "dots")
     params = m.init(jax.random.key(0))
     tok = jnp.zeros((2, 129), jnp.int32)

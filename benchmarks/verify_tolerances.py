@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Measure how far healthy models drift from one device under each strategy: the data
-behind `fsdp_jax.TOLERANCES` (fsdp_jax/verify_report.py).
+behind `fsdp_jax.TOLERANCES` (fsdp_jax/verify/report.py).
 
     PYTHONPATH=$PWD JAX_PLATFORMS=cpu python benchmarks/verify_tolerances.py [--steps 5]
 

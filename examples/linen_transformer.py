@@ -22,7 +22,8 @@ import optax  # noqa: E402
 from flax import linen as nn  # noqa: E402
 
 import fsdp_jax as fj  # noqa: E402
-from fsdp_jax.adapters import from_linen, shard_model  # noqa: E402
+from fsdp_jax.model.fns import from_linen  # noqa: E402
+from fsdp_jax.train.shard_model import shard_model  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)

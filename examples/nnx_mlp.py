@@ -17,7 +17,8 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import fsdp_jax as fj  # noqa: E402
-from fsdp_jax.adapters import from_nnx, shard_model  # noqa: E402
+from fsdp_jax.model.fns import from_nnx  # noqa: E402
+from fsdp_jax.train.shard_model import shard_model  # noqa: E402
 
 D_MODEL, D_HIDDEN, N_BLOCKS = 64, 256, 2
 

@@ -19,7 +19,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 import fsdp_jax as fj  # noqa: E402
-from fsdp_jax.adapters import shard_model  # noqa: E402
+from fsdp_jax.train.shard_model import shard_model  # noqa: E402
 
 D_IN, D_HIDDEN, N_CLASSES, N_LAYERS = 64, 512, 32, 2
 

@@ -26,7 +26,8 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import fsdp_jax as fj  # noqa: E402
-from fsdp_jax.adapters import from_linen, shard_model  # noqa: E402
+from fsdp_jax.model.fns import from_linen  # noqa: E402
+from fsdp_jax.train.shard_model import shard_model  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 from third_party.flax_resnet import ResNet, ResNetBlock  # noqa: E402
@@ -41,7 +42,7 @@ def make_model():
 
 
 def make_loss_fn(model):
-    """The extended loss (fsdp_jax.model_state): gets the BatchNorm statistics as
+    """The extended loss (fsdp_jax.model.variables): gets the BatchNorm statistics as
     `state`, returns the updated ones; `train=False` in eval uses the running averages."""
 
     def loss_fn(params, batch, *, state, rng, train):

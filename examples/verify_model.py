@@ -1,4 +1,4 @@
-"""Verify your own model before renting a cluster: `fsdp_jax.verify` on a small NNX
+"""Verify your own model before renting a cluster: `fsdp_jax.verify.run` on a small NNX
 model, healthy or with a deliberate bug.
 
     python examples/verify_model.py                  # passes
@@ -27,7 +27,7 @@ from flax import nnx  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import fsdp_jax as fj  # noqa: E402
-from fsdp_jax import axes as ax  # noqa: E402
+from fsdp_jax.sharding import axes as ax  # noqa: E402
 
 D, H, C, BATCH = 64, 256, 16, 32
 BATCH_AXES = (ax.DATA, ax.FSDP)

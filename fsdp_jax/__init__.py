@@ -1,40 +1,34 @@
 """fsdp_jax: Fully Sharded Data Parallel (ZeRO-3 and relatives) for JAX and Flax."""
 
-from fsdp_jax import axes, rules
-from fsdp_jax.adapters import ModelFns, ShardedModel, from_linen, from_nnx, shard_model
-from fsdp_jax.build import Built, build, init_train_state
-from fsdp_jax.mesh import MeshError, make_mesh
-from fsdp_jax.model_state import StateError
-from fsdp_jax.offload import OFFLOADS, OffloadError
-from fsdp_jax.precision import Policy, cast_params_for_compute
-from fsdp_jax.remat import REMAT_POLICIES, get_policy, with_remat
-from fsdp_jax.rules import (
-    DEFAULT_MIN_SHARD_SIZE,
-    DEFAULT_RULES,
-    LeafSharding,
-    Note,
-    ShardingError,
-    UnknownNamesWarning,
-    Why,
-    check_sufficiently_sharded,
-    explain,
-    logical_axes_of,
-    logical_to_spec,
-    merge_rules,
-)
-from fsdp_jax.state import TrainState, abstract_state, shard_params, state_shardings
-from fsdp_jax.step import (
+from fsdp_jax.errors import (
     BatchError,
-    CompiledStep,
-    TokenSum,
-    make_eval_step,
-    make_train_step,
-    sharding_context,
-    trainable_leaves,
+    MeshError,
+    OffloadError,
+    ShardingError,
+    StateError,
+    UnknownNamesWarning,
+    VerifyError,
 )
-from fsdp_jax.strategy import ALIASES, STRATEGIES, ShardingPlan, Strategy, get_strategy, make_plan
-from fsdp_jax.verify import VerifyError, verify
-from fsdp_jax.verify_report import TOLERANCES, Divergence, StrategyReport, Tolerance, VerifyReport
+from fsdp_jax.model.fns import ModelFns, from_linen, from_nnx
+from fsdp_jax.sharding import axes, rules
+from fsdp_jax.sharding.flax_names import logical_axes_of
+from fsdp_jax.sharding.leaf_sharding import LeafSharding
+from fsdp_jax.sharding.mesh import make_mesh
+from fsdp_jax.sharding.offload import OFFLOADS
+from fsdp_jax.sharding.precision import Policy, cast_params_for_compute
+from fsdp_jax.sharding.reasons import Note, Why
+from fsdp_jax.sharding.remat import REMAT_POLICIES, get_policy, with_remat
+from fsdp_jax.sharding.replication import check_sufficiently_sharded
+from fsdp_jax.sharding.rules import DEFAULT_MIN_SHARD_SIZE, DEFAULT_RULES, explain, logical_to_spec, merge_rules
+from fsdp_jax.sharding.strategy import ALIASES, STRATEGIES, ShardingPlan, Strategy, get_strategy, make_plan
+from fsdp_jax.train.build import Built, build, init_train_state
+from fsdp_jax.train.shard_model import ShardedModel, shard_model
+from fsdp_jax.train.state import TrainState, abstract_state, shard_params, state_shardings
+from fsdp_jax.train.step import CompiledStep, make_eval_step, make_train_step, sharding_context
+from fsdp_jax.train.step_parts import TokenSum
+from fsdp_jax.train.trainable import trainable_leaves
+from fsdp_jax.verify.report import TOLERANCES, Divergence, StrategyReport, Tolerance, VerifyReport
+from fsdp_jax.verify.run import verify
 
 __all__ = [
     "Built",
@@ -42,7 +36,6 @@ __all__ = [
     "axes",
     "rules",
     "checkpoint",
-    "memory",
     "ModelFns",
     "ShardedModel",
     "from_linen",
@@ -101,7 +94,7 @@ __all__ = [
 __version__ = "0.1.0"
 
 
-_LAZY = {"checkpoint", "memory", "targets", "hlo"}  # heavy (orbax, tensorstore) or rarely used: loaded on first use
+_LAZY = {"checkpoint", "targets", "hlo"}  # heavy (orbax, tensorstore) or rarely used: loaded on first use
 
 
 def __getattr__(name):

@@ -9,7 +9,7 @@ Two kinds, and a command's exit code follows the kind (`fsdp_jax.app.cli`):
 
 Each message is one line that names what is wrong (`one_line` makes any exception's
 message fit that). The classes are re-exported by the modules that raise them
-(`fsdp_jax.mesh.MeshError`, `fsdp_jax.checkpoint.CheckpointError`, ...), so either
+(`fsdp_jax.sharding.mesh.MeshError`, `fsdp_jax.checkpoint.CheckpointError`, ...), so either
 import path works. The application's errors live here too (the library raises none
 of them); this module imports nothing from the project.
 """

@@ -3,7 +3,7 @@
 #   bash scripts/gpu_check.sh [LOG_DIR]
 # 1. all checks with default XLA flags (throughput of configs/llama_1b.yaml in bf16 with
 #    cuDNN attention and dots remat, bf16-vs-fp32 precision, collective dtypes);
-# 2. throughput again with the FSDP-oriented XLA GPU flags (fsdp_jax.xla_flags.GPU_FSDP_FLAGS),
+# 2. throughput again with the FSDP-oriented XLA GPU flags (fsdp_jax.targets.xla_flags.GPU_FSDP_FLAGS),
 #    so a flag becomes a default only after it is measured.
 # Full logs and JSON go to LOG_DIR (default $OUT or gpu_logs/); a short table prints last.
 set -uo pipefail
@@ -17,7 +17,7 @@ python -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax._
 
 timeout 300 python scripts/gpu_check.py --json "$LOG/default.json" > "$LOG/default.log" 2>&1
 rc1=$?
-FLAGS=$(python -c "from fsdp_jax.xla_flags import GPU_FSDP_FLAGS; print(' '.join(GPU_FSDP_FLAGS))")
+FLAGS=$(python -c "from fsdp_jax.targets.xla_flags import GPU_FSDP_FLAGS; print(' '.join(GPU_FSDP_FLAGS))")
 XLA_FLAGS="${XLA_FLAGS:-} $FLAGS" timeout 180 python scripts/gpu_check.py --only throughput \
   --json "$LOG/flags.json" > "$LOG/flags.log" 2>&1
 rc2=$?

@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fsdp_jax.adapters import from_nnx
-from fsdp_jax.app.data import prepare_text
+from fsdp_jax.app.data.corpus import prepare_text
 from fsdp_jax.app.models import Llama, LlamaConfig, cross_entropy
+from fsdp_jax.model.fns import from_nnx
 
 ROOT = Path(__file__).resolve().parents[1]
 

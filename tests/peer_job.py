@@ -1,5 +1,5 @@
 """One process of a small jax.distributed job for tests/test_peer_watch.py: joins through
-fsdp_jax.distributed.maybe_initialize (the FSDP_JAX_* variables) with a peer watch, then
+fsdp_jax.multihost.distributed.maybe_initialize (the FSDP_JAX_* variables) with a peer watch, then
 runs cross-process sums forever; the process named by PEER_JOB_VICTIM kills itself with
 SIGKILL after PEER_JOB_STEPS sums (PEER_JOB_VICTIM=-1: every process stops normally after
 that many sums and calls finished(), process 0 after PEER_JOB_TAIL_S seconds more of
@@ -18,7 +18,7 @@ def main() -> int:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from fsdp_jax.distributed import await_peer_verdict, finished, maybe_initialize
+    from fsdp_jax.multihost.distributed import await_peer_verdict, finished, maybe_initialize
 
     jax.config.update("jax_num_cpu_devices", 2)
     maybe_initialize(timeout_s=60, peer_timeout_s=float(os.environ["PEER_JOB_TIMEOUT_S"]), peer_note="test note")

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_jax.app import chat_template
-from fsdp_jax.app.examples import ExampleEncoder, ExampleError, find_chat_template, special_tokens
-from fsdp_jax.app.tokenizer import load_tokenizer
+from fsdp_jax.app.data import chat_template
+from fsdp_jax.app.data.examples import ExampleEncoder, find_chat_template, special_tokens
+from fsdp_jax.app.data.tokenizer import load_tokenizer
+from fsdp_jax.errors import ExampleError
 
 ROOT = Path(__file__).resolve().parent / "golden" / "chat_families"
 GOLDENS = json.loads((ROOT / "goldens.json").read_text())

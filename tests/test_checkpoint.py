@@ -21,15 +21,17 @@ import numpy as np
 import pytest
 
 from fsdp_jax import checkpoint as ck
-from fsdp_jax.adapters import from_nnx
-from fsdp_jax.app.cli import BAD_INPUT
-from fsdp_jax.app.config import load_config
-from fsdp_jax.app.loop import TrainingDiverged, setup, train
+from fsdp_jax.app.config.parse import load_config
+from fsdp_jax.app.exits import BAD_INPUT
 from fsdp_jax.app.models import Llama
-from fsdp_jax.app.optim import build_optimizer
-from fsdp_jax.mesh import make_mesh
-from fsdp_jax.state import abstract_state
-from fsdp_jax.strategy import make_plan
+from fsdp_jax.app.trainer.loop import train
+from fsdp_jax.app.trainer.optim import build_optimizer
+from fsdp_jax.app.trainer.setup import setup
+from fsdp_jax.errors import TrainingDiverged
+from fsdp_jax.model.fns import from_nnx
+from fsdp_jax.sharding.mesh import make_mesh
+from fsdp_jax.sharding.strategy import make_plan
+from fsdp_jax.train.state import abstract_state
 from helpers import TINY_RUN_OVERRIDES, call, script
 
 # end-to-end training runs and subprocesses: the whole file is outside the fast subset
@@ -138,8 +140,8 @@ def test_restore_onto_other_meshes_and_continue(straight, n_devices, data, strat
     assert_same(state, straight["state"])
     for leaf, sds in zip(jax.tree.leaves(state), jax.tree.leaves(target)):
         assert leaf.sharding == sds.sharding
-    from fsdp_jax.app.loop import make_loss_fn
-    from fsdp_jax.step import make_train_step
+    from fsdp_jax.app.trainer.build import make_loss_fn
+    from fsdp_jax.train.step import make_train_step
 
     step = make_train_step(make_loss_fn(model), opt, plan)
     batch = jax.device_put(np.full((16, 33), 7, np.int32), plan.batch)
@@ -185,7 +187,7 @@ def test_deleted_files_fall_back_and_nothing_restorable_is_an_error(straight, tm
 
 
 def test_nonfinite_steps_are_skipped_then_the_run_stops(corpus, tmp_path, capsys):
-    from fsdp_jax.app.faults import Faults
+    from fsdp_jax.app.trainer.faults import Faults
 
     cfg = config(corpus, tmp_path / "run", "train.checkpoint_every=2", "train.max_nonfinite_steps=3")
     with pytest.raises(TrainingDiverged, match=r"3 non-finite steps in a row \(steps 6-8.*step 4"):

@@ -147,7 +147,7 @@ def test_one_parser_class_and_one_use_cpu_devices():
             if isinstance(node, ast.FunctionDef) and node.name == "use_cpu_devices":
                 devices.append(str(p.relative_to(ROOT)))
     assert parsers == ["fsdp_jax/app/cli/flags.py:Parser"]
-    assert devices == ["fsdp_jax/app/cli/devices.py"]
+    assert devices == ["fsdp_jax/app/devices.py"]
 
 
 def _console(*args, cwd=ROOT):
@@ -209,9 +209,8 @@ def _raise(e):
 
 
 def _make(kind, msg):
-    from fsdp_jax.app.config import ConfigError
-    from fsdp_jax.app.run_dir import RunDirBusy
     from fsdp_jax.checkpoint import CheckpointError, CheckpointWriteError
+    from fsdp_jax.errors import ConfigError, RunDirBusy
 
     return {
         "config": ConfigError("train.steps", msg),

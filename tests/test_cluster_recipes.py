@@ -52,7 +52,7 @@ def losses(run_dir: Path) -> list[float]:
 def one_process(corpus, tmp_path_factory):
     """The losses of the same run in this process, on its 8 devices."""
     from fsdp_jax.app.config import load_config
-    from fsdp_jax.app.loop import train
+    from fsdp_jax.app.trainer.loop import train
 
     run = tmp_path_factory.mktemp("one") / "run"
     args = train_args(corpus, run)
@@ -213,7 +213,7 @@ def test_gke_tpu_jobset_trains_like_one_process(corpus, tmp_path, one_process):
 
 
 def test_what_the_schedulers_say_becomes_the_settings():
-    from fsdp_jax.clusters import completion_index, gke_tpu_settings
+    from fsdp_jax.multihost.clusters import completion_index, gke_tpu_settings
 
     assert completion_index({"JOB_COMPLETION_INDEX": "3"}) == 3 and completion_index({}) is None
     two = {"TPU_WORKER_HOSTNAMES": "t-0.svc,t-1.svc", "TPU_WORKER_ID": "1"}

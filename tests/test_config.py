@@ -5,17 +5,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fsdp_jax.app.config import (
-    Config,
-    ConfigError,
-    check_data,
-    config_from_dict,
-    config_to_dict,
-    count_params,
-    load_config,
-    save_config,
-    validate,
-)
+from fsdp_jax.app.config.checks import check_data, validate
+from fsdp_jax.app.config.parse import config_from_dict, config_to_dict, load_config, save_config
+from fsdp_jax.app.config.schema import Config
+from fsdp_jax.app.models.llama import count_params
+from fsdp_jax.errors import ConfigError
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
 TINY = Path(__file__).parent.parent / "configs" / "tiny.yaml"
@@ -145,7 +139,7 @@ def test_bad_values_name_the_key(override, key):
 
 
 def test_mesh_rules_merge_over_the_defaults_and_round_trip(tmp_path):
-    from fsdp_jax.rules import DEFAULT_RULES
+    from fsdp_jax.sharding.rules import DEFAULT_RULES
 
     assert Config().mesh.rules == {k: list(v) if isinstance(v, tuple) else v for k, v in DEFAULT_RULES.items()}
     p = tmp_path / "c.yaml"
@@ -235,7 +229,7 @@ def test_check_data(tmp_path):
 
 
 def test_resume_names_changed_keys_but_not_keys_older_checkpoints_lack():
-    from fsdp_jax.app.loop import _config_changes
+    from fsdp_jax.app.trainer.setup import _config_changes
 
     cfg = load_config(TINY)
     saved = config_to_dict(cfg)

@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fsdp_jax.app import data
+from fsdp_jax.app.data import corpus as data
+from fsdp_jax.app.data.windows import eval_batches, make_dataset
 
 SCRIPT = Path(__file__).parent.parent / "scripts" / "prepare_data.py"
 
@@ -91,7 +92,7 @@ def test_truncated_bin_is_detected(corpus):
 
 def test_batches_shape_dtype_and_content(corpus):
     _, out, meta = corpus
-    it = data.make_dataset(out, "train", seq_len=16, global_batch=8, seed=0)
+    it = make_dataset(out, "train", seq_len=16, global_batch=8, seed=0)
     b = next(it)
     assert b.shape == (8, 17) and b.dtype == np.int32
     tokens = np.fromfile(out / "train.bin", np.uint16)
@@ -102,9 +103,9 @@ def test_batches_shape_dtype_and_content(corpus):
 
 def test_batches_deterministic_by_seed_and_step(corpus):
     _, out, _ = corpus
-    a = data.make_dataset(out, "train", 16, 8, seed=0)
-    b = data.make_dataset(out, "train", 16, 8, seed=0)
-    c = data.make_dataset(out, "train", 16, 8, seed=1)
+    a = make_dataset(out, "train", 16, 8, seed=0)
+    b = make_dataset(out, "train", 16, 8, seed=0)
+    c = make_dataset(out, "train", 16, 8, seed=1)
     a0, a1 = next(a), next(a)
     assert np.array_equal(a0, next(b)) and np.array_equal(a1, next(b))
     assert not np.array_equal(a0, a1)
@@ -114,14 +115,14 @@ def test_batches_deterministic_by_seed_and_step(corpus):
 
 def test_state_restore_resumes_exactly(corpus):
     _, out, _ = corpus
-    ref = data.make_dataset(out, "train", 16, 8, seed=3)
+    ref = make_dataset(out, "train", 16, 8, seed=3)
     expected = [next(ref) for _ in range(6)]
-    it = data.make_dataset(out, "train", 16, 8, seed=3)
+    it = make_dataset(out, "train", 16, 8, seed=3)
     for _ in range(3):
         next(it)
     state = json.loads(json.dumps(it.get_state()))
     assert state == {"step": 3}
-    fresh = data.make_dataset(out, "train", 16, 8, seed=3)
+    fresh = make_dataset(out, "train", 16, 8, seed=3)
     fresh.set_state(state)
     for want in expected[3:]:
         assert np.array_equal(next(fresh), want)
@@ -131,24 +132,24 @@ def test_state_restore_resumes_exactly(corpus):
 
 def test_process_slices_concatenate_to_global_batch(corpus):
     _, out, _ = corpus
-    single = data.make_dataset(out, "train", 16, 8, seed=0)
-    parts = [data.make_dataset(out, "train", 16, 8, seed=0, process_index=i, process_count=2) for i in range(2)]
+    single = make_dataset(out, "train", 16, 8, seed=0)
+    parts = [make_dataset(out, "train", 16, 8, seed=0, process_index=i, process_count=2) for i in range(2)]
     for _ in range(3):
         glob = next(single)
         halves = [next(p) for p in parts]
         assert halves[0].shape == (4, 17)
         assert np.array_equal(np.concatenate(halves), glob)
     with pytest.raises(data.DataError, match="divisible"):
-        data.make_dataset(out, "train", 16, 8, seed=0, process_index=0, process_count=3)
+        make_dataset(out, "train", 16, 8, seed=0, process_index=0, process_count=3)
 
 
 def test_eval_batches_fixed_and_from_val(corpus):
     _, out, _ = corpus
-    ev = data.eval_batches(out, 16, batch=4, n_batches=3, seed=0)
+    ev = eval_batches(out, 16, batch=4, n_batches=3, seed=0)
     assert len(ev) == 3 and all(b.shape == (4, 17) and b.dtype == np.int32 for b in ev)
-    again = data.eval_batches(out, 16, batch=4, n_batches=3, seed=0)
+    again = eval_batches(out, 16, batch=4, n_batches=3, seed=0)
     assert all(np.array_equal(x, y) for x, y in zip(ev, again))
-    halves = [data.eval_batches(out, 16, 4, 3, 0, process_index=i, process_count=2) for i in range(2)]
+    halves = [eval_batches(out, 16, 4, 3, 0, process_index=i, process_count=2) for i in range(2)]
     assert np.array_equal(np.concatenate([halves[0][1], halves[1][1]]), ev[1])
     val = np.fromfile(out / "val.bin", np.uint16).tobytes()
     assert ev[0][0].astype(np.uint16).tobytes() in val
@@ -157,7 +158,7 @@ def test_eval_batches_fixed_and_from_val(corpus):
 def test_window_longer_than_split_is_an_error(corpus):
     _, out, meta = corpus
     with pytest.raises(data.DataError, match="fewer than one window"):
-        data.make_dataset(out, "val", meta["val_tokens"] + 5, 2, seed=0)
+        make_dataset(out, "val", meta["val_tokens"] + 5, 2, seed=0)
 
 
 def test_prepare_bin_pretokenized(tmp_path):
@@ -168,7 +169,7 @@ def test_prepare_bin_pretokenized(tmp_path):
     meta = data.prepare_bin(tr, va, tmp_path / "c", vocab_size=32000)
     assert (meta["dtype"], meta["train_tokens"], meta["val_tokens"]) == ("uint16", 5000, 500)
     assert data.load_meta(tmp_path / "c") == meta
-    assert next(data.make_dataset(tmp_path / "c", "train", 32, 4, 0)).max() < 32000
+    assert next(make_dataset(tmp_path / "c", "train", 32, 4, 0)).max() < 32000
     big = tmp_path / "big.bin"
     np.array([1, 70000, 3], np.uint32).tofile(big)
     assert data.prepare_bin(big, big, tmp_path / "d", vocab_size=100000)["dtype"] == "uint32"

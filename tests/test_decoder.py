@@ -10,11 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fsdp_jax.adapters import from_nnx
-from fsdp_jax.app.config import ConfigError, load_config
+from fsdp_jax.app.config.parse import load_config
 from fsdp_jax.app.models import Llama, LlamaConfig, count_params, flops_per_token
 from fsdp_jax.app.models.rope import inv_freq
 from fsdp_jax.checkpoint import tree_paths
+from fsdp_jax.errors import ConfigError
+from fsdp_jax.model.fns import from_nnx
 
 TINY = LlamaConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=32)
 GEMMA = dataclasses.replace(

@@ -1,4 +1,4 @@
-"""Drop-in FSDP for any Flax project (`fsdp_jax.adapters.shard_model`): NNX, Linen
+"""Drop-in FSDP for any Flax project (`fsdp_jax.train.shard_model.shard_model`): NNX, Linen
 and plain pytrees, init functions and materialised params, unknown logical names,
 frozen params; parity with a single device; the examples run."""
 
@@ -18,7 +18,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import fsdp_jax as fj
-from fsdp_jax.adapters import from_linen, from_nnx, shard_model
+from fsdp_jax.errors import ReplicatedWarning
+from fsdp_jax.model.fns import from_linen, from_nnx
+from fsdp_jax.train.shard_model import shard_model
 from helpers import example, max_abs_diff, reference_train
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -199,7 +201,7 @@ class LinenAttention(nn.Module):
 
 def test_linen_attention_with_fewer_names_than_dims_shards_and_trains():
     model = from_linen(LinenAttention(), jax.ShapeDtypeStruct((1, 8, 64), jnp.float32))
-    with pytest.warns(fj.rules.ReplicatedWarning):  # the small out kernel (16 KiB) replicates
+    with pytest.warns(ReplicatedWarning):  # the small out kernel (16 KiB) replicates
         sm = shard_model(model, SGD, fj.make_mesh(fsdp=8), rng=jax.random.key(0))
     rows = {r.path: r for r in sm.plan.rows}
     q = rows["MultiHeadDotProductAttention_0/query/kernel"]
@@ -233,7 +235,7 @@ def test_readme_plain_call_runs_a_small_unannotated_model():
         def __call__(self, x):
             return self.b(jax.nn.relu(self.a(x)))
 
-    with pytest.warns(fj.rules.ReplicatedWarning, match="100.0% of parameter bytes"):
+    with pytest.warns(ReplicatedWarning, match="100.0% of parameter bytes"):
         sm = shard_model(from_nnx(Two), optax.adamw(1e-3), fj.make_mesh(fsdp=8), rng=jax.random.key(0))
     n = (64 * 128 + 128 + 128 * 64 + 64) * 4
     last = sm.explain().splitlines()[-1]

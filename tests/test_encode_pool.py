@@ -15,9 +15,11 @@ from pathlib import Path
 import pytest
 from test_prepare_scaling import LLAMA2, corpus_files, mixed
 
-from fsdp_jax.app import encode_pool, encode_worker, sft_data
-from fsdp_jax.app.encode_pool import EncoderSpec, encode_batches
-from fsdp_jax.app.sft_data import prepare_examples
+from fsdp_jax.app.data import encode_pool, encode_worker
+from fsdp_jax.app.data import sft as sft_data
+from fsdp_jax.app.data.encode_pool import encode_batches
+from fsdp_jax.app.data.encode_worker import EncoderSpec
+from fsdp_jax.app.data.sft import prepare_examples
 
 # A worker bootstrap that runs `prelude` first, then the real worker.
 PKG = str(Path(encode_pool.__file__).resolve().parents[1])
@@ -68,7 +70,7 @@ def test_no_pickle_in_the_main_process_or_the_workers(tmp_path, monkeypatch):
 
 KILL_ON_THIRD_BATCH = """
     import os, signal
-    from fsdp_jax.app import encode_worker as w
+    from fsdp_jax.app.data import encode_worker as w
     _reply, _n = w.encode_reply, [0]
     def encode_reply(examples):
         _n[0] += 1
@@ -147,7 +149,7 @@ def test_workers_end_when_their_parent_is_killed(tmp_path):
         textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {str(Path(PKG).parent)!r})
-        from fsdp_jax.app.encode_pool import EncoderSpec, _Pool
+        from fsdp_jax.app.data.encode_pool import EncoderSpec, _Pool
         pool = _Pool(EncoderSpec("bytes"), 2)
         i = pool.submit([({{"text": "hi"}}, "x:1")])
         assert pool.result(i)[0].tokens.tolist() == [104, 105]
@@ -198,9 +200,7 @@ class OfAnotherLibrary(Exception):
 
 
 def test_a_workers_error_is_raised_as_its_class_with_its_message():
-    from fsdp_jax.app.data import DataError
-    from fsdp_jax.app.examples import ExampleError
-    from fsdp_jax.app.tokenizer import TokenizerError
+    from fsdp_jax.errors import DataError, ExampleError, TokenizerError
 
     table = [
         (ExampleError("a.jsonl:3: unknown role 'bot'"), ExampleError),

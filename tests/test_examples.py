@@ -1,4 +1,4 @@
-"""Fine-tuning examples (fsdp_jax.app.examples): chat rendering and tokens against
+"""Fine-tuning examples (fsdp_jax.app.data.examples): chat rendering and tokens against
 transformers' apply_chat_template (goldens by tests/golden/make_chat_goldens.py), loss
 masks per format, and the byte tokenizer reading the same records."""
 
@@ -8,9 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fsdp_jax.app.chat_template import ChatRenderer
-from fsdp_jax.app.examples import ExampleEncoder, ExampleError, find_chat_template, special_tokens
-from fsdp_jax.app.tokenizer import load_tokenizer
+from fsdp_jax.app.data.chat_template import ChatRenderer
+from fsdp_jax.app.data.examples import ExampleEncoder, find_chat_template, special_tokens
+from fsdp_jax.app.data.tokenizer import load_tokenizer
+from fsdp_jax.errors import ExampleError
 
 CHAT = Path(__file__).resolve().parent / "golden" / "chat"
 GOLDENS = json.loads((CHAT / "goldens.json").read_text())
@@ -104,7 +105,7 @@ def test_bad_records_name_the_place(rec, match):
 
 
 def test_byte_corpus_parses_jsonl_like_a_real_tokenizer(tmp_path):
-    from fsdp_jax.app import data
+    from fsdp_jax.app.data import corpus as data
 
     src = tmp_path / "d.jsonl"
     src.write_text("\n".join(json.dumps({"text": t}) for t in ["alpha", "béta", "gamma"] * 20) + "\n")

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import jax
 
-from fsdp_jax.adapters import from_nnx
 from fsdp_jax.app.config import config_to_dict, load_config
-from fsdp_jax.app.hf_export import export_hf
+from fsdp_jax.app.data.sft import prepare_examples
+from fsdp_jax.app.hf.export import export_hf
 from fsdp_jax.app.models import Llama
-from fsdp_jax.app.sft_data import prepare_examples
 from fsdp_jax.checkpoint import Checkpointer
+from fsdp_jax.model.fns import from_nnx
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 QWEN25 = GOLDEN / "chat" / "qwen25"  # a tokenizer with chat_template.jinja beside it

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from fsdp_jax.app import extras
-from fsdp_jax.app.config import ConfigError, load_config
+from fsdp_jax.app.config.parse import load_config
+from fsdp_jax.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"

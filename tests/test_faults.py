@@ -230,7 +230,7 @@ def test_a_peer_killed_without_a_launcher_to_stop_the_job_the_survivor_stops_its
 ):
     """The two processes started as SLURM or mpirun would (each on its own, nobody watching
     them), one killed (-9) in a step after step 4 is committed: process 1, or process 0
-    (whose coordination service runs in a child of its own, fsdp_jax.coord_service). The
+    (whose coordination service runs in a child of its own, fsdp_jax.multihost.coordination). The
     survivor's peer watch (distributed.peer_timeout_s=5) stops it in one line naming the
     dead process and saying the newest checkpoint is intact, exit 1, long before JAX's
     heartbeat abort; the same job resumes from that checkpoint, bit-identical to a run

@@ -42,8 +42,8 @@ def script(name):
 
 @pytest.mark.slow
 def test_chat_finetune_end_to_end(tmp_path, capsys):
-    from fsdp_jax.app.config import load_config
-    from fsdp_jax.app.loop import train
+    from fsdp_jax.app.trainer.loop import train
+    from fsdp_jax.app.trainer.setup import load_run_config
 
     src, d, run = chat_set(tmp_path / "chats.jsonl"), tmp_path / "sft", tmp_path / "run"
     assert (
@@ -82,7 +82,7 @@ def test_chat_finetune_end_to_end(tmp_path, capsys):
         "optimizer.lr=3e-3",
         f"init_from=hf:{GOLDEN / 'llama_gqa'}",
     ]
-    s = train(load_config(ROOT / "configs" / "hf_tiny_finetune.yaml", over), progress=False)
+    s = train(load_run_config(ROOT / "configs" / "hf_tiny_finetune.yaml", over), progress=False)
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     train_recs = [r for r in recs if "loss" in r]
     vals = [r["val_loss"] for r in recs if "val_loss" in r]
@@ -92,7 +92,7 @@ def test_chat_finetune_end_to_end(tmp_path, capsys):
     print("val loss (held-out examples, per trained token):", vals, "sample:", s["sample"])
     # the trainer resumes a packed run from its checkpoint (batch order: tests/test_packing.py)
     s2 = train(
-        load_config(ROOT / "configs" / "hf_tiny_finetune.yaml", over[:4] + ["train.steps=30"] + over[5:]),
+        load_run_config(ROOT / "configs" / "hf_tiny_finetune.yaml", over[:4] + ["train.steps=30"] + over[5:]),
         progress=False,
     )
     assert s2["final_step"] == 30

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_jax import targets
-from fsdp_jax.app.config import load_config
-from fsdp_jax.app.fit.memory_model import activation_bytes
+from fsdp_jax.app.config.parse import load_config
+from fsdp_jax.app.planner.memory_model import activation_bytes
+from fsdp_jax.targets import gpu as targets
+from fsdp_jax.targets.plugins import cudnn_installed
 from helpers import call
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,7 +33,7 @@ def test_flash_attention_activations_are_linear_in_the_sequence(remat):
 
 @pytest.mark.slow
 def test_gpu_target_compiles_cudnn_attention_with_less_memory(capsys):
-    assert targets.cudnn_installed(), (
+    assert cudnn_installed(), (
         f"NVIDIA's cuDNN wheel is not in {targets.plugin_dir()}: run `python -m fsdp_jax.targets install`"
     )
     small = [

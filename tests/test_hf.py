@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out (fsdp_jax.app.hf, hf_config, hf_export, scripts/convert_hf.py).
+"""Hugging Face checkpoints in and out (fsdp_jax.app.hf.load, hf_config, hf_export, scripts/convert_hf.py).
 
 Goldens (tests/golden/hf, regenerated in a separate venv with torch + transformers): two
 tiny random LlamaForCausalLMs from make_hf_goldens.py — llama_gqa (8 q / 2 kv heads,
@@ -20,16 +20,18 @@ import optax
 import pytest
 from safetensors import safe_open
 
-from fsdp_jax.adapters import from_nnx
-from fsdp_jax.app import hf
-from fsdp_jax.app.config import ConfigError, config_to_dict, load_config
-from fsdp_jax.app.hf_export import export_hf
+from fsdp_jax.app.config.parse import config_to_dict
+from fsdp_jax.app.hf import load as hf
+from fsdp_jax.app.hf.export import export_hf
 from fsdp_jax.app.models import Llama
-from fsdp_jax.build import build
+from fsdp_jax.app.trainer.setup import load_run_config
 from fsdp_jax.checkpoint import Checkpointer, CheckpointError
-from fsdp_jax.mesh import make_mesh
-from fsdp_jax.safetensors_io import SafetensorsFile, write_safetensors
-from fsdp_jax.step import sharding_context
+from fsdp_jax.checkpoint.safetensors_io import SafetensorsFile, write_safetensors
+from fsdp_jax.errors import ConfigError
+from fsdp_jax.model.fns import from_nnx
+from fsdp_jax.sharding.mesh import make_mesh
+from fsdp_jax.train.build import build
+from fsdp_jax.train.step import sharding_context
 from helpers import script
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -198,12 +200,12 @@ def test_config_mapping():
 def test_load_config_takes_model_from_config_json(tmp_path):
     yml = tmp_path / "c.yaml"
     yml.write_text(f"init_from: hf:{GOLDEN / 'llama_gqa'}\ndata: {{seq_len: 32}}\n")
-    cfg = load_config(yml)
+    cfg = load_run_config(yml)
     assert (cfg.model.n_heads, cfg.model.n_kv_heads, cfg.model.max_seq_len) == (8, 2, 64)
     assert config_to_dict(cfg)["model"]["tie_word_embeddings"] is False  # saved config.yaml is complete
-    assert load_config(yml, ["model.n_heads=8"]).model.n_heads == 8  # agreeing keys are fine
+    assert load_run_config(yml, ["model.n_heads=8"]).model.n_heads == 8  # agreeing keys are fine
     with pytest.raises(ConfigError, match=r"model\.d_model.*hidden_size=64"):
-        load_config(yml, ["model.d_model=128"])
+        load_run_config(yml, ["model.d_model=128"])
 
 
 # -- export --------------------------------------------------------------------------------
@@ -214,7 +216,7 @@ def saved_run(tmp_path, name, perturb=True):
     bf16/fp16 value has) and the run config, as the trainer saves them."""
     yml = tmp_path / "c.yaml"
     yml.write_text(f"init_from: hf:{GOLDEN / name}\ndata: {{seq_len: 32, path: {tmp_path / 'd'}}}\n")
-    cfg = load_config(yml)
+    cfg = load_run_config(yml)
     params, _, _ = imported(GOLDEN / name)
     if perturb:
         keys = iter(jax.random.split(jax.random.key(1), 64))
@@ -303,7 +305,7 @@ def test_export_refuses_a_model_no_family_computes(tmp_path):
         "ffn_dim: 64, max_seq_len: 32, qkv_bias: true, qk_norm: true}\n"
         f"data: {{seq_len: 32, path: {tmp_path / 'd'}}}\n"
     )
-    cfg = load_config(yml)
+    cfg = load_run_config(yml)
     params = from_nnx(lambda r: Llama(cfg.model, rngs=r)).init(jax.random.key(0))
     with Checkpointer(tmp_path / "ck") as ck:
         ck.save(1, {"params": params}, {"config": config_to_dict(cfg)})
@@ -511,7 +513,7 @@ def test_bad_checkpoints_exit_2_with_one_line_and_write_nothing(tmp_path, capsys
 
 
 def test_trainer_refuses_bad_checkpoint_before_writing(tmp_path):
-    from fsdp_jax.app.loop import setup
+    from fsdp_jax.app.trainer.setup import setup
     from helpers import synthetic_corpus
 
     data = synthetic_corpus(tmp_path / "c")
@@ -525,12 +527,12 @@ def test_trainer_refuses_bad_checkpoint_before_writing(tmp_path):
             f"data: {{seq_len: 32, path: {data}, source: none}}\nrun_dir: {run_dir}\n"
         )
         with pytest.raises(exc):
-            setup(load_config(yml))
+            setup(load_run_config(yml))
         assert not run_dir.exists(), case
     yml = tmp_path / "gelu.yaml"
     yml.write_text(f"init_from: hf:{bad['gelu']}\n")
     with pytest.raises(ConfigError, match="hidden_act"):
-        load_config(yml)
+        load_run_config(yml)
 
 
 def test_llama2_7b_finetune_config_agrees_with_the_published_config_json(tmp_path):
@@ -563,15 +565,15 @@ def test_llama2_7b_finetune_config_agrees_with_the_published_config_json(tmp_pat
         )
     )
     path = ROOT / "configs" / "llama2_7b_finetune.yaml"
-    planned = load_config(path)  # the checkpoint is absent: the stated fields
-    assert load_config(path, [f"init_from=hf:{tmp_path}"]).model == planned.model
+    planned = load_run_config(path)  # the checkpoint is absent: the stated fields
+    assert load_run_config(path, [f"init_from=hf:{tmp_path}"]).model == planned.model
     from fsdp_jax.app.models import count_params
 
     assert count_params(planned.model) == 6_738_415_616
 
 
 def test_export_of_a_run_trained_from_scratch_carries_the_corpus_tokenizer(tmp_path):
-    from fsdp_jax.app.data import prepare_text
+    from fsdp_jax.app.data.corpus import prepare_text
 
     prepare_text(
         [ROOT / "configs"], tmp_path / "d", val_fraction=0.3, tokenizer=str(GOLDEN / "llama_gqa" / "tokenizer.json")
@@ -582,7 +584,7 @@ def test_export_of_a_run_trained_from_scratch_carries_the_corpus_tokenizer(tmp_p
         f"ffn_dim: 64, max_seq_len: 32, tie_word_embeddings: true}}\n"
         f"data: {{seq_len: 32, path: {tmp_path / 'd'}}}\n"
     )
-    cfg = load_config(yml)
+    cfg = load_run_config(yml)
     params = from_nnx(lambda r: Llama(cfg.model, rngs=r)).init(jax.random.key(0))
     with Checkpointer(tmp_path / "ck") as ck:
         ck.save(1, {"params": params}, {"config": config_to_dict(cfg)})
@@ -765,6 +767,6 @@ def test_family_configs_state_the_published_architectures_and_counts(tmp_path, n
     total, published = PUBLISHED[name]
     (tmp_path / "config.json").write_text(json.dumps(published))
     path = ROOT / "configs" / f"{name}.yaml"
-    planned = load_config(path)
-    assert load_config(path, [f"init_from=hf:{tmp_path}"]).model == planned.model
+    planned = load_run_config(path)
+    assert load_run_config(path, [f"init_from=hf:{tmp_path}"]).model == planned.model
     assert count_params(planned.model) == total

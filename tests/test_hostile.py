@@ -33,10 +33,12 @@ import yaml
 
 from fsdp_jax import checkpoint as ck
 from fsdp_jax.app import config as config_lib
-from fsdp_jax.app.data import prepare_bin
-from fsdp_jax.app.metrics_log import MetricsLog
-from fsdp_jax.app.run_dir import LOCK_NAME, RunDirLock
-from fsdp_jax.distributed import bind_address, is_loopback
+from fsdp_jax.app.config.schema import Rules, _all_keys, _field_type
+from fsdp_jax.app.data.corpus import prepare_bin
+from fsdp_jax.app.trainer.metrics import MetricsLog
+from fsdp_jax.app.trainer.run_dir import LOCK_NAME, RunDirLock
+from fsdp_jax.errors import TrainingDiverged
+from fsdp_jax.multihost.distributed import bind_address, is_loopback
 from helpers import TINY_RUN_OVERRIDES, call, one_line, synthetic_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -159,12 +161,12 @@ def wrong_types(tp) -> list:
         float: ["abc", True, [1.0], {"a": 1}],
         bool: ["maybe", 2, None],
         str: [[1, 2], {"a": "b"}, 3],
-        config_lib.Rules: ["embed", 3, [1, 2], {"embed": 3}],
+        Rules: ["embed", 3, [1, 2], {"embed": 3}],
     }[_base(tp)]
 
 
 def field_types() -> dict[str, typing.Any]:
-    return {k: config_lib._field_type(k) for k in config_lib._all_keys()}
+    return {k: _field_type(k) for k in _all_keys()}
 
 
 def base_raw(corpus, run_dir) -> dict:
@@ -578,7 +580,7 @@ def test_metrics_are_strict_json_with_null_for_nonfinite(tmp_path):
 
 @pytest.mark.slow
 def test_fresh_start_drops_a_dead_runs_rows_and_a_finished_run_says_so(corpus, tmp_path, capsys):
-    from fsdp_jax.app.loop import train
+    from fsdp_jax.app.trainer.loop import train
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -818,9 +820,8 @@ def test_unreachable_coordinator_is_one_line_exit_1(corpus, tmp_path, capsys):
 
 def test_environment_failures_and_the_unexpected_are_one_line_exit_1(tmp_path, capsys, monkeypatch):
     """Whatever the run raises that is not bad input: one line, exit 1 (the class, by type)."""
-    from fsdp_jax.app import loop
-    from fsdp_jax.app.run_dir import RunDirBusy
-    from fsdp_jax.distributed import DistributedInitError
+    from fsdp_jax.app.trainer import loop
+    from fsdp_jax.errors import DistributedInitError, RunDirBusy
 
     failures = [
         OSError(errno.ENOSPC, "No space left on device"),
@@ -828,7 +829,7 @@ def test_environment_failures_and_the_unexpected_are_one_line_exit_1(tmp_path, c
         RunDirBusy("run_dir busy"),
         ck.CheckpointWriteError("writing checkpoint step 4 failed"),
         DistributedInitError("peer died"),
-        loop.TrainingDiverged("3 non-finite steps"),
+        TrainingDiverged("3 non-finite steps"),
         RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.20TiB\n  more"),
         KeyError("a bug"),
     ]
@@ -887,7 +888,7 @@ def test_lock_of_a_killed_trainer_does_not_block_the_resume(tmp_path):
             "-c",
             textwrap.dedent(f"""
             import time
-            from fsdp_jax.app.run_dir import RunDirLock
+            from fsdp_jax.app.trainer.run_dir import RunDirLock
             with RunDirLock({str(run_dir)!r}):
                 print("LOCKED", flush=True)
                 time.sleep(300)
@@ -900,7 +901,7 @@ def test_lock_of_a_killed_trainer_does_not_block_the_resume(tmp_path):
     )
     try:
         assert holder.stdout.readline().strip() == "LOCKED"
-        from fsdp_jax.app.run_dir import RunDirBusy
+        from fsdp_jax.errors import RunDirBusy
 
         with pytest.raises(RunDirBusy, match=f"pid {holder.pid} "):
             with RunDirLock(run_dir):
@@ -930,7 +931,7 @@ def test_bind_address_rules(monkeypatch):
 LISTEN_SCRIPT = textwrap.dedent("""
     import ipaddress, os, sys, jax
     jax.config.update("jax_num_cpu_devices", int(os.environ["FSDP_JAX_CPU_DEVICES"]))
-    from fsdp_jax.distributed import maybe_initialize
+    from fsdp_jax.multihost.distributed import maybe_initialize
     maybe_initialize()
     port = int(os.environ["FSDP_JAX_COORDINATOR"].rsplit(":", 1)[1])
 
@@ -948,7 +949,7 @@ LISTEN_SCRIPT = textwrap.dedent("""
                     out.append(str(getattr(ip, "ipv4_mapped", None) or ip))
         return out
 
-    from fsdp_jax.app.run_dir import RunDirLock
+    from fsdp_jax.app.trainer.run_dir import RunDirLock
     with RunDirLock(sys.argv[1]):  # process 0 holds it; process 1 must not be refused
         # one write per line: the launcher runs children unbuffered, so print's separate writes
         # of "LISTEN", " " and the list can have Gloo's own log line land between them

@@ -3,7 +3,7 @@ and paths written with `~`.
 
 XLA parses XLA_FLAGS when a process starts its first backend and aborts the process with a
 fatal log on an entry its build does not register; every script that computes in its own
-process checks the flags first (`fsdp_jax.xla_flags.check_xla_flags`, a ~0.2 s child that
+process checks the flags first (`fsdp_jax.targets.xla_flags.check_xla_flags`, a ~0.2 s child that
 starts only jaxlib's CPU client) and says so in one line, exit 2, before writing anything.
 """
 
@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_jax import xla_flags
 from fsdp_jax.app import config as config_lib
+from fsdp_jax.app.trainer.setup import load_run_config
+from fsdp_jax.targets import xla_flags
 from helpers import TINY_RUN_OVERRIDES, call, one_line
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,18 +111,18 @@ def test_tilde_in_path_keys_is_expanded(tmp_path, monkeypatch, corpus):
     shutil.copytree(ROOT / "tests/golden/hf/llama_gqa", home / "hf")
     monkeypatch.setenv("HOME", str(home))
     tiny = ROOT / "configs" / "tiny.yaml"
-    cfg = config_lib.load_config(tiny, ["run_dir=~/run", "data.path=~/data"])
+    cfg = load_run_config(tiny, ["run_dir=~/run", "data.path=~/data"])
     assert (cfg.run_dir, cfg.data.path) == (str(home / "run"), str(home / "data"))
     bare = tmp_path / "bare.yaml"
     bare.write_text("{}\n")
-    cfg = config_lib.load_config(bare, ["init_from=hf:~/hf", "data.seq_len=32"])
+    cfg = load_run_config(bare, ["init_from=hf:~/hf", "data.seq_len=32"])
     assert cfg.init_from == f"hf:{home / 'hf'}" and cfg.model.n_kv_heads == 2  # read from ~/hf/config.json
     (home / "m.safetensors").write_bytes((home / "hf" / "model-00001-of-00006.safetensors").read_bytes())
-    assert config_lib.load_config(tiny, ["init_from=~/m.safetensors"]).init_from == str(home / "m.safetensors")
+    assert load_run_config(tiny, ["init_from=~/m.safetensors"]).init_from == str(home / "m.safetensors")
     # in a YAML file too, and the written config.yaml holds the expanded path
     f = tmp_path / "c.yaml"
     f.write_text("run_dir: ~/r2\ndata:\n  path: ~/data\n")
-    cfg = config_lib.load_config(f)
+    cfg = load_run_config(f)
     assert (cfg.run_dir, cfg.data.path) == (str(home / "r2"), str(home / "data"))
     assert config_lib.config_from_dict({"run_dir": "~/r3"}).run_dir == str(home / "r3")
 

@@ -11,8 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fsdp_jax.app import token_check
-from fsdp_jax.app.data import DataError, prepare_bin
+from fsdp_jax.app.data import token_check
+from fsdp_jax.app.data.corpus import prepare_bin
+from fsdp_jax.errors import DataError
 from helpers import TINY_RUN_OVERRIDES, call, one_line
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -308,8 +309,8 @@ def test_hostile_hf_config_keys_are_one_line_bad_input(tmp_path, capsys):
     input (ConfigError / CheckpointError: exit 2 in every script) in one line naming
     config.json or the directory. One case of each class also through
     scripts/convert_hf.py: one line, exit 2, nothing written."""
-    from fsdp_jax.app import hf
-    from fsdp_jax.app.cli import BAD_INPUT
+    from fsdp_jax.app.exits import BAD_INPUT
+    from fsdp_jax.app.hf import load as hf
 
     failures = []
     n = 0
@@ -392,7 +393,8 @@ def test_hostile_tokenizer_files_are_one_line_exit_2_nothing_written(tmp_path, c
     SentencePiece model, a directory without one: `load_tokenizer` raises TokenizerError
     (one line), and scripts/prepare_data.py --tokenizer says so in one line, exit 2,
     writing no corpus."""
-    from fsdp_jax.app.tokenizer import TokenizerError, load_tokenizer
+    from fsdp_jax.app.data.tokenizer import load_tokenizer
+    from fsdp_jax.errors import TokenizerError
 
     good = json.loads((GOLDEN_HF / "tokenizer.json").read_text())
     cases = {

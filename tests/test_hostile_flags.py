@@ -186,7 +186,7 @@ def test_every_script_flag_is_in_the_table():
 
 
 def test_every_numeric_flag_has_a_range():
-    """A flag parsed as a number says its range in the parser (fsdp_jax.app.flags): a bare
+    """A flag parsed as a number says its range in the parser (fsdp_jax.app.cli.flags): a bare
     `type=int` takes -5 (the issue's `verify.py --max-params -5`). prepare_data.py checks
     its numbers itself (issue 25 owns that script)."""
     bare = [
@@ -195,7 +195,7 @@ def test_every_numeric_flag_has_a_range():
         for flag, a in value_flags(name).items()
         if a.type in (int, float) and name != "prepare_data"
     ]
-    assert not bare, f"use fsdp_jax.app.flags.int_in / real_in for {bare}"
+    assert not bare, f"use fsdp_jax.app.cli.flags.int_in / real_in for {bare}"
 
 
 def _fill(args, tmp_path):

@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import fsdp_jax as fj
-from fsdp_jax.memory import collective_report, compiled_memory, shard_bytes, state_bytes_per_device, tree_bytes
+from fsdp_jax.hlo.memory import collective_report, compiled_memory, shard_bytes, state_bytes_per_device, tree_bytes
 from helpers import TINY, TINY_MODEL_OVERRIDES, tiny_llama
 
 # wider than TINY so the replicated norm scales stay well under 1% of the state
@@ -105,7 +105,7 @@ def test_no_shard_has_no_parameter_all_gather():
 
 @pytest.mark.slow
 def test_shard_grad_op_gathers_each_layer_once_in_the_forward_loop():
-    """ZeRO-2 (fsdp_jax.layer_gather): the forward loop gathers each layer's 7 matrices and
+    """ZeRO-2 (fsdp_jax.train.layer_gather): the forward loop gathers each layer's 7 matrices and
     the backward reuses them even under remat full (ZeRO-3 re-gathers: 14 in loops)."""
     compiled, *_ = compile_step("shard_grad_op", optax.sgd(0.1), remat="full")
     rep = collective_report(compiled.as_text())
@@ -118,9 +118,9 @@ def test_shard_grad_op_gathers_each_layer_once_in_the_forward_loop():
 def test_planner_counts_bf16_master_params_and_the_compiled_step_agrees():
     """precision params=bfloat16 halves params and Adam moments in the planner's analytic
     figures, and the compiled step's argument bytes are exactly those figures."""
-    from fsdp_jax.app.config import load_config
-    from fsdp_jax.app.fit.memory_model import analytic_memory
-    from fsdp_jax.app.fit.step_build import build_step
+    from fsdp_jax.app.config.parse import load_config
+    from fsdp_jax.app.planner.abstract_step import build_step
+    from fsdp_jax.app.planner.memory_model import analytic_memory
 
     root = __import__("pathlib").Path(__file__).resolve().parents[1]
     out = {}

@@ -10,7 +10,11 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import fsdp_jax as fj
-from fsdp_jax.rules import Note, Why, decide_leaf, plan_leaf
+from fsdp_jax.errors import ReplicatedWarning
+from fsdp_jax.sharding.mesh import is_explicit
+from fsdp_jax.sharding.reasons import PROSE, Note, Why
+from fsdp_jax.sharding.replication import summarize
+from fsdp_jax.sharding.rules import decide_leaf, plan_leaf
 
 
 def test_mesh_fills_minus_one():
@@ -19,7 +23,7 @@ def test_mesh_fills_minus_one():
     assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
     explicit = fj.make_mesh(fsdp=8, axis_types="explicit")
     assert all(t == jax.sharding.AxisType.Explicit for t in explicit.axis_types)
-    assert fj.mesh.is_explicit(explicit) and not fj.mesh.is_explicit(mesh)
+    assert is_explicit(explicit) and not is_explicit(mesh)
     with pytest.raises(fj.MeshError, match="axis_types 'manual': choose one of auto, explicit"):
         fj.make_mesh(fsdp=8, axis_types="manual")
 
@@ -140,7 +144,7 @@ def test_explain_rows_carry_everything():
         "reason": rows[0].reason,
     }
     assert rows[0].notes == (Note(Why.LOGICAL, mapped=(("embed", ("fsdp",)),)),)
-    assert set(fj.reasons.PROSE) == set(Why)  # every kind of reason has prose
+    assert set(PROSE) == set(Why)  # every kind of reason has prose
 
 
 def test_sufficiently_sharded_check():
@@ -153,9 +157,9 @@ def test_sufficiently_sharded_check():
         fj.check_sufficiently_sharded(rows, ("fsdp",), mesh, min_replicated_bytes=0)
     assert fj.check_sufficiently_sharded(rows, ("fsdp",), mesh, 0.2) == pytest.approx(4096 / (64 * 512 + 4096))
     # the same fraction in few bytes (16 KiB, under the 16 MiB floor) warns instead of failing
-    with pytest.warns(fj.rules.ReplicatedWarning, match="11.1%"):
+    with pytest.warns(ReplicatedWarning, match="11.1%"):
         assert fj.check_sufficiently_sharded(rows, ("fsdp",), mesh) == pytest.approx(0.111, abs=1e-3)
-    s = fj.rules.summarize(rows, ("fsdp",), mesh)
+    s = summarize(rows, ("fsdp",), mesh)
     assert (s.total_bytes, s.replicated_bytes, s.bytes_per_device) == (
         (64 * 512 + 4096) * 4,
         4096 * 4,

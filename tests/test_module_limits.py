@@ -130,7 +130,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_cycles():
     graph = import_graph()
-    assert graph["fsdp_jax.build"] and "fsdp_jax.model_fns" in graph["fsdp_jax.build"]  # the graph is read
+    assert graph["fsdp_jax.train.build"] and "fsdp_jax.model.fns" in graph["fsdp_jax.train.build"]  # the graph is read
     assert cycles(graph) == []
 
 

@@ -24,7 +24,7 @@ def launch(*args, timeout=180, env=None):
 GLOBAL_MESH = textwrap.dedent("""
     import os, jax
     jax.config.update("jax_num_cpu_devices", int(os.environ["FSDP_JAX_CPU_DEVICES"]))
-    from fsdp_jax.distributed import maybe_initialize
+    from fsdp_jax.multihost.distributed import maybe_initialize
     how = maybe_initialize()
     import numpy as np, jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -70,7 +70,7 @@ def test_launcher_fails_fast_when_one_process_dies(tmp_path):
 
 
 def test_distributed_settings_must_be_complete():
-    from fsdp_jax.distributed import detected_cluster, maybe_initialize
+    from fsdp_jax.multihost.distributed import detected_cluster, maybe_initialize
 
     with pytest.raises(ValueError, match="set coordinator, num_processes and process_id together"):
         maybe_initialize(coordinator="127.0.0.1:1234", environ={})
@@ -108,13 +108,13 @@ def test_two_processes_train_like_one_and_checkpoints_move_between_process_count
     import numpy as np
 
     from fsdp_jax import checkpoint as ck
-    from fsdp_jax.adapters import from_nnx
-    from fsdp_jax.app.config import load_config
+    from fsdp_jax.app.config.parse import load_config
     from fsdp_jax.app.models.llama import Llama
-    from fsdp_jax.app.optim import build_optimizer
-    from fsdp_jax.mesh import make_mesh
-    from fsdp_jax.state import abstract_state
-    from fsdp_jax.strategy import make_plan
+    from fsdp_jax.app.trainer.optim import build_optimizer
+    from fsdp_jax.model.fns import from_nnx
+    from fsdp_jax.sharding.mesh import make_mesh
+    from fsdp_jax.sharding.strategy import make_plan
+    from fsdp_jax.train.state import abstract_state
 
     rc, _, err = call("train", *train_args(corpus, tmp_path / "one"), capsys=capsys)
     assert rc == 0, err[-2000:]

@@ -1,4 +1,4 @@
-"""Observability: the step-time breakdown and goodput (fsdp_jax.app.timing), the
+"""Observability: the step-time breakdown and goodput (fsdp_jax.app.trainer.timing), the
 profiler window, device-memory warnings, the W&B sink, named scopes in the step,
 and the time-breakdown plot."""
 
@@ -17,11 +17,13 @@ import optax
 import pytest
 
 import fsdp_jax as fj
-from fsdp_jax.app import timing
-from fsdp_jax.app.config import ConfigError, load_config, parse_profile
-from fsdp_jax.app.loop import train
-from fsdp_jax.app.metrics_log import MetricsLog
-from fsdp_jax.perf import memory_excess
+from fsdp_jax.app.config.checks import parse_profile
+from fsdp_jax.app.config.parse import load_config
+from fsdp_jax.app.trainer import timing
+from fsdp_jax.app.trainer.loop import train
+from fsdp_jax.app.trainer.metrics import MetricsLog
+from fsdp_jax.errors import ConfigError
+from fsdp_jax.targets.perf import memory_excess
 from helpers import TINY_MODEL_OVERRIDES, call, one_line, synthetic_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -149,7 +151,7 @@ def test_memory_excess_warns_only_above_ten_percent():
 
 
 def test_window_record_carries_device_memory_and_warns_once(monkeypatch):
-    from fsdp_jax.app import metrics_log
+    from fsdp_jax.app.trainer import metrics as metrics_log
 
     stats = {"bytes_in_use": 90 * 2**20, "peak_bytes_in_use": 130 * 2**20, "bytes_limit": 2**34}
     monkeypatch.setattr(metrics_log, "device_memory", lambda: stats)  # what a GPU reports
@@ -374,8 +376,8 @@ def test_cli_bad_profile_or_delay_exits_2_writing_nothing(tmp_path, args, key, c
 
 
 def test_plot_shows_the_breakdown_and_goodput(tmp_path):
-    from fsdp_jax.app import metrics_plot as plot_metrics
     from fsdp_jax.app.cli import plot as plot_command
+    from fsdp_jax.app.trainer import plot as plot_metrics
 
     recs = [
         {

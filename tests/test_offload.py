@@ -11,10 +11,10 @@ import optax
 import pytest
 
 import fsdp_jax as fj
-from fsdp_jax import offload as ol
-from fsdp_jax import remat as remat_lib
 from fsdp_jax.app.models import LlamaConfig
-from fsdp_jax.build import build
+from fsdp_jax.sharding import offload as ol
+from fsdp_jax.sharding import remat as remat_lib
+from fsdp_jax.train.build import build
 from helpers import call, max_abs_diff, script
 from helpers import tiny_llama as _tiny_llama
 from helpers import token_batches as _token_batches
@@ -260,9 +260,10 @@ def test_probe_rejects_devices_without_pinned_host():
 
 @pytest.mark.parametrize("override,key", [("offload=optimizer", "offload"), ("remat=offload_attn_mlp_out", "remat")])
 def test_trainer_config_without_host_memory_is_bad_input(override, key, monkeypatch, capsys):
-    from fsdp_jax.app.cli import BAD_INPUT, fail
-    from fsdp_jax.app.config import ConfigError, config_from_dict
-    from fsdp_jax.app.loop import check_offload
+    from fsdp_jax.app.config.parse import config_from_dict
+    from fsdp_jax.app.exits import BAD_INPUT, fail
+    from fsdp_jax.app.trainer.setup import check_offload
+    from fsdp_jax.errors import ConfigError
 
     k, v = override.split("=")
     cfg = config_from_dict({k: v})
@@ -278,7 +279,8 @@ def test_trainer_config_without_host_memory_is_bad_input(override, key, monkeypa
 
 @pytest.mark.parametrize("value", ["gpu", "params", "", "Optimizer+Params+Activations"])
 def test_config_rejects_unknown_offload(value):
-    from fsdp_jax.app.config import ConfigError, config_from_dict
+    from fsdp_jax.app.config.parse import config_from_dict
+    from fsdp_jax.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"offload.*allowed: none, optimizer, optimizer\+params"):
         config_from_dict({"offload": value})
@@ -290,8 +292,8 @@ def test_config_rejects_unknown_offload(value):
 def test_planner_host_bytes_analytic_equal_compiled():
     """The planner's analytic host bytes (from the sharding plan) equal the compiled
     program's host-resident argument bytes (from its parameter layouts)."""
-    from fsdp_jax.app.config import config_from_dict
-    from fsdp_jax.app.fit.estimate import plan_strategy
+    from fsdp_jax.app.config.parse import config_from_dict
+    from fsdp_jax.app.planner.one_strategy import plan_strategy
 
     model = {
         k: getattr(CFG, k)
@@ -328,8 +330,8 @@ def test_plan_script_rejects_bad_offload(capsys):
 def test_trainer_offloaded_run_resumes_without_offload(corpus, tmp_path):
     """scripts/train.py's loop with offload=optimizer+params (eval and sampling
     included), then the same run resumed with offload=none from its checkpoint."""
-    from fsdp_jax.app.config import load_config
-    from fsdp_jax.app.loop import train
+    from fsdp_jax.app.config.parse import load_config
+    from fsdp_jax.app.trainer.loop import train
 
     base = [
         "model.d_model=32",

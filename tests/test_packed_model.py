@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from fsdp_jax.app.models.llama import Llama, LlamaConfig, packed_layout
-from fsdp_jax.app.packing import batch_from_rows, pack
+from fsdp_jax.app.data.packing import batch_from_rows, pack
+from fsdp_jax.app.models.attention import packed_layout
+from fsdp_jax.app.models.llama import Llama, LlamaConfig
 
 
 @pytest.mark.parametrize("scan, remat", [(True, "none"), (False, "dots")])

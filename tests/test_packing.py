@@ -1,4 +1,4 @@
-"""Packing (fsdp_jax.app.packing) and packed corpora (fsdp_jax.app.sft_data): best-fit
+"""Packing (fsdp_jax.app.data.packing) and packed corpora (fsdp_jax.app.data.sft): best-fit
 rows, segments and restarted positions, truncate/split counts, the streaming prepare
 and its bad-input table, and batch order as a pure function of (seed, step)."""
 
@@ -8,8 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fsdp_jax.app import packing
-from fsdp_jax.app.sft_data import make_packed_dataset, packed_eval_batches, prepare_examples, row_indices
+from fsdp_jax.app.data import packing
+from fsdp_jax.app.data.packed_rows import make_packed_dataset, packed_eval_batches, row_indices
+from fsdp_jax.app.data.sft import prepare_examples
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAT = ROOT / "tests" / "golden" / "chat"
@@ -212,9 +213,11 @@ def test_empty_examples_are_counted_and_reported(tmp_path, capsys):
 
 
 def test_document_mask_config_on_token_corpora(tmp_path):
-    from fsdp_jax.app import data
-    from fsdp_jax.app.config import ConfigError, check_data, load_config
-    from fsdp_jax.app.loop import make_batches
+    from fsdp_jax.app.config.checks import check_data
+    from fsdp_jax.app.config.parse import load_config
+    from fsdp_jax.app.data import corpus as data
+    from fsdp_jax.app.data.batches import make_batches
+    from fsdp_jax.errors import ConfigError
 
     src = tmp_path / "d.jsonl"
     src.write_text("\n".join(json.dumps({"text": f"doc {i} " + "word " * (i % 9 + 1)}) for i in range(80)))
@@ -250,8 +253,9 @@ def test_a_killed_prepare_leaves_the_previous_corpus_and_the_next_run_cleans_up(
     import subprocess
     import sys
 
-    from fsdp_jax.app import data, sft_data
-    from fsdp_jax.app.examples import ExampleEncoder
+    from fsdp_jax.app.data import corpus as data
+    from fsdp_jax.app.data import sft as sft_data
+    from fsdp_jax.app.data.examples import ExampleEncoder
 
     src = chats(tmp_path / "c.jsonl", 300)
     out = tmp_path / "o"

@@ -1,7 +1,7 @@
 """A peer that stops responding in a multi-process job whose launcher does not stop the
 others (SLURM without --kill-on-bad-exit, mpirun): the survivors stop in bounded time with
 one line naming the process, exit 1, before JAX's coordination service aborts them from
-C++ (exit 134). fsdp_jax/peer_watch.py; the launcher-stops-the-job case is in
+C++ (exit 134). fsdp_jax/multihost/peer_watch.py; the launcher-stops-the-job case is in
 tests/test_faults.py."""
 
 import io
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_jax import peer_watch as pw
+from fsdp_jax.multihost import peer_watch as pw
 from helpers import one_line
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,12 +15,17 @@ import pytest
 
 import fsdp_jax as fj
 import fsdp_jax.app.models.llama as llama
-from fsdp_jax.app import data as data_lib
-from fsdp_jax.app import loop as train_lib
-from fsdp_jax.app.config import load_config
-from fsdp_jax.app.fit import estimate as pl
+from fsdp_jax.app.config.parse import load_config
+from fsdp_jax.app.data import corpus as data_lib
+from fsdp_jax.app.data.windows import make_dataset
 from fsdp_jax.app.models.llama import count_params
-from fsdp_jax.memory import collective_report, compiled_memory
+from fsdp_jax.app.planner import estimate as pl
+from fsdp_jax.app.planner.inputs import STRATEGY_ORDER, parse_bytes
+from fsdp_jax.app.planner.inspection import inspect_compiled
+from fsdp_jax.app.planner.report import format_table, sharding_warnings
+from fsdp_jax.app.trainer import loop as train_lib
+from fsdp_jax.errors import PlanError
+from fsdp_jax.hlo.memory import collective_report, compiled_memory
 from helpers import TINY, TINY_MODEL_OVERRIDES, call, one_line, tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,7 +49,7 @@ def run_script(name, *args):
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     out = tmp_path_factory.mktemp("corpus") / "bytes"
-    data_lib.prepare_text([ROOT / "fsdp_jax" / "app" / "fit"], out, val_fraction=0.1, pattern="*.py")
+    data_lib.prepare_text([ROOT / "fsdp_jax" / "app" / "planner"], out, val_fraction=0.1, pattern="*.py")
     return out
 
 
@@ -60,15 +65,13 @@ def cfg(overrides):
 
 @pytest.fixture(scope="module")
 def doc(cfg):
-    return pl.plan_config(cfg, 8, "all", device_memory=pl.parse_bytes("1GB"), config_name="tiny")
+    return pl.plan_config(cfg, 8, "all", device_memory=parse_bytes("1GB"), config_name="tiny")
 
 
 @pytest.mark.slow
 def test_compiled_figures_are_the_trainers_step(cfg, doc):
     run = train_lib.setup(cfg)  # the trainer's own build: real sharded init, real first batch
-    local = data_lib.make_dataset(
-        cfg.data.path, "train", cfg.data.seq_len, cfg.train.global_batch, cfg.data.seed
-    ).batch(0)
+    local = make_dataset(cfg.data.path, "train", cfg.data.seq_len, cfg.train.global_batch, cfg.data.seed).batch(0)
     compiled = run.train_step.lower(run.state, train_lib.global_batch(run.plan, local)).compile()
     mem = compiled_memory(compiled)
     got = doc["strategies"][cfg.mesh.strategy]["compiled"]
@@ -94,7 +97,7 @@ TOTAL_OVER_PEAK = {
 @pytest.mark.slow
 def test_analytic_agrees_with_compiled_and_the_textbook(doc, cfg):
     s = doc["strategies"]
-    assert list(s) == list(pl.STRATEGY_ORDER)
+    assert list(s) == list(STRATEGY_ORDER)
     n = count_params(cfg.model)
     assert doc["params"] == n and doc["devices"] == 8
     for name, r in s.items():
@@ -122,8 +125,8 @@ def test_analytic_agrees_with_compiled_and_the_textbook(doc, cfg):
         assert not [w for w in r["warnings"] if "all-to-all" in w or "hoisted" in w], name
         assert "all-to-all" not in r["collectives_per_step"], name
     assert "all-gather" not in s["no_shard"]["collectives_per_step"]
-    table = pl.format_table(doc)
-    for name in pl.STRATEGY_ORDER:
+    table = format_table(doc)
+    for name in STRATEGY_ORDER:
         assert name in table
     assert "DDP" in table and "ZeRO-1" in table and "ZeRO-2" in table and "FSDP/ZeRO-3" in table
 
@@ -157,7 +160,7 @@ def test_plan_script_json_and_plot(overrides, tmp_path, capsys):
     assert rc == 0, err
     d = json.loads(out)
     assert d["devices"] == 8 and d["device_memory"] == 80 * 2**30
-    assert set(d["strategies"]) == set(pl.STRATEGY_ORDER)
+    assert set(d["strategies"]) == set(STRATEGY_ORDER)
     for r in d["strategies"].values():
         assert KEYS_ANALYTIC <= set(r["analytic"]) and KEYS_COMPILED <= set(r["compiled"])
         assert r["fits"] is True
@@ -192,7 +195,7 @@ def test_inspector_flags_a_replicated_parameter():
         return jnp.mean((y - x) ** 2) + 1e-3 * jnp.mean(p["table"] ** 2)
 
     plan, compiled = _compile(loss_fn, init, axes)
-    out = pl.inspect_compiled(plan, compiled, logical_axes=axes)
+    out = inspect_compiled(plan, compiled, logical_axes=axes)
     flagged = [w for w in out["warnings"] if w.startswith("replicated parameter")]
     assert len(flagged) == 1 and "table" in flagged[0] and "(1024, 512)" in flagged[0]
     assert {r["path"]: r["spec"] for r in out["rows"]}["table"] == "P(None, None)"
@@ -203,7 +206,7 @@ def test_inspector_flags_activations_without_constraints(monkeypatch):
     monkeypatch.setattr(llama, "constrain", lambda x, names: x)  # a model that states no activation layout
     m, loss_fn = tiny_llama(TINY)
     plan, compiled = _compile(loss_fn, m.init, m.logical_axes)
-    out = pl.inspect_compiled(plan, compiled, logical_axes=m.logical_axes)
+    out = inspect_compiled(plan, compiled, logical_axes=m.logical_axes)
     assert out["collectives"]["per_step"]["all-to-all"]["count"] >= 1
     assert any(w.startswith("activations resharded with all-to-all") for w in out["warnings"])
 
@@ -226,7 +229,7 @@ def test_warnings_for_hoisted_gathers_and_an_underestimate():
         "per_step": {"all-gather": {"count": 9, "bytes": 50 << 20}},
         "loops": [{"body": "b", "parent": "main", "trip_count": 4, "op_name": "while"}],
     }
-    w = pl.sharding_warnings(
+    w = sharding_warnings(
         rows,
         report,
         "full_shard",
@@ -237,7 +240,7 @@ def test_warnings_for_hoisted_gathers_and_an_underestimate():
     )
     assert any(x.startswith("parameter all-gathers hoisted") for x in w)
     assert any("exceeds the analytic estimate" in x for x in w)
-    ok = pl.sharding_warnings(
+    ok = sharding_warnings(
         rows,
         report,
         "shard_grad_op",
@@ -326,11 +329,11 @@ def test_device_count_that_cannot_split_the_batch_exits_2():
 
 
 def test_parse_bytes():
-    assert pl.parse_bytes("80GB") == 80 * 10**9
-    assert pl.parse_bytes("80GiB") == 80 * 2**30
-    assert pl.parse_bytes("141 GB") == 141 * 10**9
-    assert pl.parse_bytes("1.5TB") == 1_500_000_000_000
-    assert pl.parse_bytes("4096") == 4096
+    assert parse_bytes("80GB") == 80 * 10**9
+    assert parse_bytes("80GiB") == 80 * 2**30
+    assert parse_bytes("141 GB") == 141 * 10**9
+    assert parse_bytes("1.5TB") == 1_500_000_000_000
+    assert parse_bytes("4096") == 4096
     for bad in ("lots", "-1GB", "0", "80XB"):
-        with pytest.raises(pl.PlanError):
-            pl.parse_bytes(bad)
+        with pytest.raises(PlanError):
+            parse_bytes(bad)

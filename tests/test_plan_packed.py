@@ -10,12 +10,12 @@ import jax
 import numpy as np
 import pytest
 
-from fsdp_jax.app import loop as train_lib
-from fsdp_jax.app.config import load_config
-from fsdp_jax.app.fit import estimate as pl
-from fsdp_jax.app.fit.step_build import PACKED_BATCH, build_step, packed_batch, sample_batch
-from fsdp_jax.app.sft_data import prepare_examples
-from fsdp_jax.memory import compiled_memory
+from fsdp_jax.app.config.parse import load_config
+from fsdp_jax.app.data.sft import prepare_examples
+from fsdp_jax.app.planner.abstract_step import PACKED_BATCH, build_step, packed_batch, sample_batch
+from fsdp_jax.app.planner.one_strategy import plan_strategy
+from fsdp_jax.app.trainer import loop as train_lib
+from fsdp_jax.hlo.memory import compiled_memory
 from helpers import TINY_MODEL_OVERRIDES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,7 +64,7 @@ def test_abstract_batch_is_the_packed_dict_when_the_trainer_packs(packed, tmp_pa
 @pytest.mark.slow
 def test_planner_compiles_the_trainers_packed_step(packed, tmp_path):
     cfg = _cfg(packed, f"run_dir={tmp_path / 'run'}")
-    got = pl.plan_strategy(cfg, "full_shard", jax.devices()[:8])
+    got = plan_strategy(cfg, "full_shard", jax.devices()[:8])
     run = train_lib.setup(cfg)  # the trainer's build, with a real packed batch from the corpus
     train, _ = train_lib.make_batches(cfg, 0, 1)
     compiled = run.train_step.lower(run.state, train_lib.global_batch(run.plan, next(train))).compile()
@@ -73,8 +73,6 @@ def test_planner_compiles_the_trainers_packed_step(packed, tmp_path):
     # the batch's five (B, S) arrays, sharded over 8 devices, in the analytic figure
     assert got["analytic"]["batch"] == 5 * 16 * 32 * 4 // 8
     # and not the token batch's figures: planning the unpacked step would differ
-    tokens = pl.plan_strategy(
-        _cfg(tmp_path / "nothing", f"run_dir={tmp_path / 'run2'}"), "full_shard", jax.devices()[:8]
-    )
+    tokens = plan_strategy(_cfg(tmp_path / "nothing", f"run_dir={tmp_path / 'run2'}"), "full_shard", jax.devices()[:8])
     assert tokens["analytic"]["batch"] == 16 * 33 * 4 // 8
     assert got["compiled"]["argument"] - tokens["compiled"]["argument"] == 5 * 16 * 32 * 4 // 8 - 16 * 33 * 4 // 8

@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fsdp_jax.app import sft_data
-from fsdp_jax.app.data import DataError
-from fsdp_jax.app.sft_data import prepare_examples
+from fsdp_jax.app.data import sft as sft_data
+from fsdp_jax.app.data.sft import prepare_examples
+from fsdp_jax.errors import DataError
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA2 = str(ROOT / "tests" / "golden" / "chat" / "llama2")
@@ -165,7 +165,7 @@ def tokenizers(tmp_path_factory):
 
 
 def small_windows(monkeypatch, long_bytes=20_000, window=3000, overlap=256):
-    from fsdp_jax.app import tokenizer
+    from fsdp_jax.app.data import tokenizer
 
     monkeypatch.setattr(tokenizer, "LONG_BYTES", long_bytes)
     monkeypatch.setattr(tokenizer, "WINDOW_CHARS", window)
@@ -177,7 +177,7 @@ def small_windows(monkeypatch, long_bytes=20_000, window=3000, overlap=256):
 def test_a_long_text_file_streams_to_the_same_corpus(tmp_path, monkeypatch, tokenizers, name):
     """A text file over LONG_BYTES is read and encoded in windows (here 3,000 characters:
     ~70 of them); the corpus is byte for byte the one made from the whole file."""
-    from fsdp_jax.app import data
+    from fsdp_jax.app.data import corpus as data
 
     tok = tokenizers[name]
     big = long_text(tmp_path / "big.txt", 200_000)
@@ -206,7 +206,7 @@ def test_a_long_text_file_streams_to_the_same_corpus(tmp_path, monkeypatch, toke
         assert streamed == whole, what
         assert corpus_files(tmp_path / f"stream_{what}") == corpus_files(tmp_path / f"whole_{what}"), what
     if name != "bytes":  # and the stream is the whole file's encode + [eos], checked directly
-        from fsdp_jax.app.tokenizer import encode_long, load_tokenizer, text_chunks
+        from fsdp_jax.app.data.tokenizer import encode_long, load_tokenizer, text_chunks
 
         t = load_tokenizer(tok)
         chunks = list(text_chunks(big, 1000))  # chunk edges split multi-byte characters
@@ -223,7 +223,7 @@ def test_a_long_text_file_is_prepared_in_bounded_memory(tmp_path, monkeypatch):
     (BENCHMARKS.md "Streaming prepare" measures RSS.)"""
     import tracemalloc
 
-    from fsdp_jax.app import data
+    from fsdp_jax.app.data import corpus as data
 
     small = tmp_path / "small.jsonl"
     small.write_text("".join(json.dumps({"text": f"example {i} " * 5}) + "\n" for i in range(40)))

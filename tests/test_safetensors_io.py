@@ -1,4 +1,4 @@
-"""fsdp_jax.safetensors_io against the `safetensors` library and numpy slicing: the
+"""fsdp_jax.checkpoint.safetensors_io against the `safetensors` library and numpy slicing: the
 writer's files read back by the reference reader, every block `read` takes equal to
 slicing the whole array (any rank, any dtype, across chunk boundaries), and
 `load_safetensors` placing a file sharded. Hostile files: tests/test_hostile.py."""
@@ -13,8 +13,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fsdp_jax import checkpoint as ck
-from fsdp_jax import safetensors_io as sio
-from fsdp_jax.mesh import make_mesh
+from fsdp_jax.checkpoint import safetensors_io as sio
+from fsdp_jax.sharding.mesh import make_mesh
 
 RNG = np.random.default_rng(0)
 ARRAYS = {

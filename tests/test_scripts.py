@@ -94,7 +94,7 @@ def test_exposed_collectives_benchmark_bad_flags_exit_2_with_one_line(args, word
 
 
 def test_gpu_flags_are_appended_not_overriding():
-    from fsdp_jax.xla_flags import GPU_FSDP_FLAGS, apply_gpu_fsdp_flags
+    from fsdp_jax.targets.xla_flags import GPU_FSDP_FLAGS, apply_gpu_fsdp_flags
 
     env = {"XLA_FLAGS": "--xla_gpu_enable_latency_hiding_scheduler=false"}
     out = apply_gpu_fsdp_flags(env)
@@ -104,7 +104,8 @@ def test_gpu_flags_are_appended_not_overriding():
 
 
 def test_xla_gpu_flags_config_option():
-    from fsdp_jax.app.config import ConfigError, load_config
+    from fsdp_jax.app.config.parse import load_config
+    from fsdp_jax.errors import ConfigError
 
     assert load_config(ROOT / "configs" / "tiny.yaml").xla_gpu_flags == "none"
     assert load_config(ROOT / "configs" / "tiny.yaml", ["xla_gpu_flags=fsdp"]).xla_gpu_flags == "fsdp"

@@ -1,4 +1,4 @@
-"""plan.py --search (fsdp_jax.app.fit.search): pruning against compiled programs, the ranked
+"""plan.py --search (fsdp_jax.app.planner.search): pruning against compiled programs, the ranked
 document, and bad input."""
 
 import dataclasses
@@ -9,10 +9,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fsdp_jax.app.config import load_config
-from fsdp_jax.app.fit import search as se
-from fsdp_jax.app.fit.report import COMPILED_OVER_ANALYTIC
-from fsdp_jax.app.fit.step_build import mesh_shape
+from fsdp_jax.app.config.parse import load_config
+from fsdp_jax.app.planner import search as se
+from fsdp_jax.app.planner.abstract_step import mesh_shape
+from fsdp_jax.app.planner.report import COMPILED_OVER_ANALYTIC
+from fsdp_jax.app.planner.search_prediction import analytic_communication, predict_step, recompute_flops_per_token
+from fsdp_jax.app.planner.search_space import ANALYTIC_OVER, candidate_config
+from fsdp_jax.targets.plugins import INSTALL_HINT
 from helpers import TINY_MODEL_OVERRIDES, call, one_line
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,7 +31,7 @@ GRID = se.SearchSpace(
 
 
 def _cands(cfg, limits, space=GRID):
-    from fsdp_jax.verify import devices_for
+    from fsdp_jax.verify.run import devices_for
 
     cands, _ = se.enumerate_candidates(cfg, 8, space, lambda s: mesh_shape(cfg, s, 8))
     se.analytic_pass(cfg, 8, cands, limits, 1, 8, "h100", devices_for(8))
@@ -43,12 +46,12 @@ def cfg():
 @pytest.fixture(scope="module")
 def compiled_grid(cfg):
     """Every candidate of GRID compiled for 8 x H100 (one child process, one kernel cache)."""
-    from fsdp_jax import targets
+    from fsdp_jax.targets import gpu as targets
 
-    assert targets.plugin_installed(), f"run `{targets.INSTALL_HINT}` (the CUDA compile-only plugin)"
+    assert targets.plugin_installed(), f"run `{INSTALL_HINT}` (the CUDA compile-only plugin)"
     target = targets.make_target("h100", devices=8)
     cands = _cands(cfg, se.Limits(device_memory=10**12))
-    from fsdp_jax.app.fit.search_compile import compile_candidates
+    from fsdp_jax.app.planner.search_compile import compile_candidates
 
     results = compile_candidates(cfg, 8, cands, target, progress=lambda m: None)
     return cands, [r["compiled"]["device_peak"] for r in results], target
@@ -77,10 +80,10 @@ def test_analytic_memory_ranks_candidates_as_the_gpu_compile_does(cfg, compiled_
     cands, peaks, _ = compiled_grid
     ana = [c["analytic"]["device_total"] for c in cands]
     for a, p, c in zip(ana, peaks, cands):
-        assert -se.ANALYTIC_OVER <= p / a - 1 <= COMPILED_OVER_ANALYTIC, (se.overrides(cfg, c), p, a)
+        assert -ANALYTIC_OVER <= p / a - 1 <= COMPILED_OVER_ANALYTIC, (se.overrides(cfg, c), p, a)
     for i in range(len(cands)):
         for j in range(len(cands)):
-            if ana[i] * (1 - se.ANALYTIC_OVER) > ana[j] * (1 + COMPILED_OVER_ANALYTIC):
+            if ana[i] * (1 - ANALYTIC_OVER) > ana[j] * (1 + COMPILED_OVER_ANALYTIC):
                 assert peaks[i] > peaks[j], (se.overrides(cfg, cands[i]), se.overrides(cfg, cands[j]))
 
 
@@ -268,7 +271,7 @@ def test_analytic_communication_matches_the_textbook(cfg):
     from fsdp_jax.app.models.llama import count_params
 
     p, f = 2 * count_params(cfg.model), 7 / 8  # bf16 compute
-    wire = lambda c, s, sizes=(1, 8, 1), hosts=1: se.analytic_communication(c, s, sizes, hosts)  # noqa: E731
+    wire = lambda c, s, sizes=(1, 8, 1), hosts=1: analytic_communication(c, s, sizes, hosts)  # noqa: E731
     assert wire(cfg, "no_shard")["total_wire_bytes"] == int(2 * p * f)
     assert wire(cfg, "shard_grad_op")["total_wire_bytes"] == int(2 * p * f)
     assert wire(cfg, "full_shard")["total_wire_bytes"] == int(3 * p * f)
@@ -292,7 +295,7 @@ def test_pruning_keeps_edge_candidates_within_the_model_error(cfg):
         dev = c["analytic"]["device_total"]
         a = c["analytic"]
         exact = a["params"] + a["optimizer"] + a["batch"]
-        lower = exact + (a["total"] - exact) * (1 - se.ANALYTIC_OVER)
+        lower = exact + (a["total"] - exact) * (1 - ANALYTIC_OVER)
         want = "fits" if dev <= mid else "edge" if c["offload"] == "none" and lower <= mid else "dropped"
         assert c["status"] == want, (se.overrides(cfg, c), dev, mid)
         seen.add(want)
@@ -303,7 +306,7 @@ def test_recompute_per_remat_policy_by_hand(cfg):
     """d 64, ffn 128, q 4 x 16, kv 2 x 16, seq 32, 2 layers: qkv 2*64*(64+64) = 16384, attention
     core 4*32*64 = 8192, gate+up 4*64*128 = 32768 FLOPs per token per layer."""
     m, s = cfg.model, cfg.data.seq_len
-    got = {r: se.recompute_flops_per_token(m, s, r) for r in se.DEVICE_REMATS + ("offload_attn_mlp_out",)}
+    got = {r: recompute_flops_per_token(m, s, r) for r in se.DEVICE_REMATS + ("offload_attn_mlp_out",)}
     assert got == {
         "none": 0,
         "dots": 0,
@@ -315,16 +318,16 @@ def test_recompute_per_remat_policy_by_hand(cfg):
     }
     import dataclasses
 
-    from fsdp_jax.app.fit import step_time
+    from fsdp_jax.app.planner import step_time
 
     res = {"analytic": {"grads": 0, "params": 0, "optimizer": 0}, "communication": {"total_wire_bytes": 0}}
     with_remat = lambda r: dataclasses.replace(cfg, remat=r)  # noqa: E731
-    dots, saved = (se.predict_step(with_remat(r), "h100", 8, res) for r in ("dots", "save_attn_mlp_out"))
+    dots, saved = (predict_step(with_remat(r), "h100", 8, res) for r in ("dots", "save_attn_mlp_out"))
     tokens = s * cfg.train.global_batch / 8
     extra = tokens * got["save_attn_mlp_out"] / (989e12 * step_time.GEMM_EFFICIENCY)
     assert saved["step_s"] - dots["step_s"] == pytest.approx(extra, rel=2e-3)
     res["analytic"]["transfer_per_step"] = 5 * 10**9
-    host = se.predict_step(with_remat("dots"), "h100", 8, res)
+    host = predict_step(with_remat("dots"), "h100", 8, res)
     assert host["host_s"] == pytest.approx(0.1)  # 5 GB at 50 GB/s, not hidden
     assert host["step_s"] == pytest.approx(dots["step_s"] + 0.1, rel=1e-3)
 
@@ -334,9 +337,9 @@ def test_tpu_target_search_ranks_by_the_tpu_chip_prediction(cfg):
     not H100's: hand-derived compute time at v5p's 459 TFLOP/s (x GEMM_EFFICIENCY), ICI
     at 600 GB/s per direction; the ranking is by those tokens/s per chip. No compile (the
     analytic pass alone), so no libtpu needed."""
-    from fsdp_jax import targets
-    from fsdp_jax.app.fit.search_report import format_search
-    from fsdp_jax.app.fit.step_time import GEMM_EFFICIENCY, model_flops_per_token
+    from fsdp_jax.app.planner.search_report import format_search
+    from fsdp_jax.app.planner.step_time import GEMM_EFFICIENCY, model_flops_per_token
+    from fsdp_jax.targets import gpu as targets
 
     target = targets.make_target("v5p", devices=8)
     doc = se.search(cfg, 8, GRID, se.Limits(device_memory=10**12, max_compiles=0), target=target)
@@ -348,7 +351,7 @@ def test_tpu_target_search_ranks_by_the_tpu_chip_prediction(cfg):
         p = c["predicted"]
         recompute = (per_token - attn) / 3 + attn / 3 if c["remat"] == "full" else 0.0
         assert p["compute_s"] == pytest.approx(tokens * (per_token + recompute) / (459e12 * GEMM_EFFICIENCY), rel=1e-3)
-        wire = se.analytic_communication(se.candidate_config(cfg, c), c["strategy"], tuple(c["mesh"].values()), 1)[
+        wire = analytic_communication(candidate_config(cfg, c), c["strategy"], tuple(c["mesh"].values()), 1)[
             "total_wire_bytes"
         ]
         assert p["comm_s"] == pytest.approx(wire / 600e9, rel=1e-3, abs=1e-9)
@@ -364,7 +367,7 @@ def test_tpu_target_search_ranks_by_the_tpu_chip_prediction(cfg):
 
 
 def test_tpu_slices_without_a_published_network_rank_by_the_analytic_cost():
-    from fsdp_jax import targets
+    from fsdp_jax.targets import gpu as targets
 
     name, note = se.ranking_target(targets.make_target("v6e", devices=16, slices=2))
     assert name == "h100" and "v6e publishes no data-center network bandwidth" in note
@@ -376,14 +379,14 @@ def test_tpu_slices_without_a_published_network_rank_by_the_analytic_cost():
 @pytest.mark.slow
 def test_offload_candidates_compile_on_a_gpu_target(cfg):
     """On a GPU target an optimizer-offload candidate is compiled (the step without offload
-    compiled for 8 x H100, its device side planned from it: fsdp_jax.app.fit.target_offload),
+    compiled for 8 x H100, its device side planned from it: fsdp_jax.app.planner.target_offload),
     not judged by the analytic model alone: the same compiled arguments as the offload-free
     candidate, minus the optimizer state resting on the host."""
-    from fsdp_jax import targets
-    from fsdp_jax.app.fit.search_report import format_search
-    from fsdp_jax.app.fit.target_offload import BASIS
+    from fsdp_jax.app.planner.search_report import format_search
+    from fsdp_jax.app.planner.target_offload import BASIS
+    from fsdp_jax.targets import gpu as targets
 
-    assert targets.plugin_installed(), f"run `{targets.INSTALL_HINT}` (the CUDA compile-only plugin)"
+    assert targets.plugin_installed(), f"run `{INSTALL_HINT}` (the CUDA compile-only plugin)"
     space = se.SearchSpace(
         strategies=("full_shard",), remats=("none",), microbatches=(1,), offloads=("none", "optimizer")
     )

@@ -1,4 +1,4 @@
-"""Models with non-trainable state and randomness (`fsdp_jax.model_state`): Flax's own
+"""Models with non-trainable state and randomness (`fsdp_jax.model.variables`): Flax's own
 ImageNet ResNet (Linen, BatchNorm; tests/third_party/flax_resnet.py, unchanged) and an
 NNX network with BatchNorm + Dropout, through shard_model, build, verify, explain,
 the planner's bytes and checkpoints; bad input, one line each."""
@@ -13,12 +13,14 @@ from flax import nnx, struct
 from third_party.flax_resnet import ResNet, ResNetBlock
 
 import fsdp_jax as fj
-from fsdp_jax.adapters import from_linen, from_nnx, shard_model
-from fsdp_jax.build import build
+from fsdp_jax.app.exits import BAD_INPUT
 from fsdp_jax.checkpoint import Checkpointer
-from fsdp_jax.memory import state_bytes_per_device
-from fsdp_jax.model_state import StateError
-from fsdp_jax.verify import strategy_mesh_shape
+from fsdp_jax.errors import StateError
+from fsdp_jax.hlo.memory import state_bytes_per_device
+from fsdp_jax.model.fns import from_linen, from_nnx
+from fsdp_jax.train.build import build
+from fsdp_jax.train.shard_model import shard_model
+from fsdp_jax.verify.compare import strategy_mesh_shape
 from helpers import example
 
 STRATEGIES = ("full_shard", "shard_grad_op", "shard_opt", "no_shard", "hybrid_shard")
@@ -576,9 +578,8 @@ def test_bad_model_state_setup_is_one_line(what, call, pattern):
 
 
 def test_state_error_is_bad_input_for_the_cli():
-    from fsdp_jax.app import cli
 
-    assert issubclass(StateError, cli.BAD_INPUT)
+    assert issubclass(StateError, BAD_INPUT)
 
 
 def test_declared_collection_trains():

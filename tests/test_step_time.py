@@ -1,4 +1,4 @@
-"""The planner's step-time roofline (fsdp_jax.app.fit.step_time) against hand-derived figures."""
+"""The planner's step-time roofline (fsdp_jax.app.planner.step_time) against hand-derived figures."""
 
 from pathlib import Path
 
@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from fsdp_jax.app.config import load_config
-from fsdp_jax.app.fit import step_time
+from fsdp_jax.app.config.parse import load_config
 from fsdp_jax.app.models.llama import Llama
+from fsdp_jax.app.planner import step_time
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""Tables as prepare sources (fsdp_jax.app.tables): .parquet files and Hugging Face `datasets`
+"""Tables as prepare sources (fsdp_jax.app.data.tables): .parquet files and Hugging Face `datasets`
 directories (tests/golden/datasets/, written by `datasets` itself: make_dataset_goldens.py),
 with key mapping, read a batch at a time; they give the corpus the same records as .jsonl
 give, and bad ones are one line, exit 2."""
@@ -14,7 +14,7 @@ from helpers import call
 pa = pytest.importorskip("pyarrow")
 import pyarrow.parquet as pq  # noqa: E402
 
-from fsdp_jax.app.tables import table_rows  # noqa: E402
+from fsdp_jax.app.data.tables import table_rows  # noqa: E402
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 DATASETS = GOLDEN / "datasets"
@@ -44,7 +44,7 @@ def as_jsonl(path: Path, rows, rename=None) -> Path:
 
 
 def test_datasets_directory_of_openai_chats_is_the_same_corpus_as_their_jsonl(tmp_path, capsys, monkeypatch):
-    from fsdp_jax.app import chat_template
+    from fsdp_jax.app.data import chat_template
 
     monkeypatch.setattr(chat_template, "_now", lambda: __import__("datetime").datetime(2026, 1, 15))
     pack = ["--pack", 160, "--tokenizer", LLAMA32]

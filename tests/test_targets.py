@@ -1,4 +1,4 @@
-"""Deviceless compiles for real GPU targets (fsdp_jax.targets): the reference Llama at test
+"""Deviceless compiles for real GPU targets (fsdp_jax.targets.gpu): the reference Llama at test
 size compiled by XLA:GPU for 8 x H100 (and 2 hosts x 4) shows the FSDP collective pattern
 the strategies promise, the memory the planner predicts, and no extra state copy from the
 non-finite guard. XLA:CPU cannot show any of this (no reduce-scatter, bf16 upcast).
@@ -18,7 +18,9 @@ from pathlib import Path
 import jax
 import pytest
 
-from fsdp_jax import hlo, targets
+from fsdp_jax.hlo import schedule as hlo
+from fsdp_jax.hlo.findings import involuntary_rematerializations, schedule_warnings
+from fsdp_jax.targets import gpu as targets
 from helpers import TINY_MODEL_OVERRIDES, call, one_line
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,7 +67,7 @@ JOBS = {
     "hybrid_shard": ("hybrid_shard", 2, 4, [BF16], {}),
     "full_shard_offload_opt": ("full_shard", 1, 8, [BF16, "offload=optimizer"], {}),
     # Llama-2-7B's layer shape (2 layers, seq 1024): big enough for XLA's latency estimates to
-    # leave gathers exposed; with the step's compile options (fsdp_jax.xla_flags) and with
+    # leave gathers exposed; with the step's compile options (fsdp_jax.targets.xla_flags) and with
     # XLA's default of one collective in flight
     "full_shard_wide": ("full_shard", 1, 8, [BF16] + WIDE, {}),
     "full_shard_wide_one_in_flight": ("full_shard", 1, 8, [BF16] + WIDE, {}, {ONE_IN_FLIGHT: 1}),
@@ -80,10 +82,10 @@ JOBS = {
 
 _CHILD = r"""
 import json, sys
-from fsdp_jax import targets
+from fsdp_jax.targets import gpu as targets
 from fsdp_jax.app.config import load_config
-from fsdp_jax.app.fit.estimate import plan_strategy
-from fsdp_jax.app.fit.step_build import target_mesh_sizes
+from fsdp_jax.app.planner.one_strategy import plan_strategy
+from fsdp_jax.app.planner.abstract_step import target_mesh_sizes
 req = json.loads(sys.stdin.read())
 out = {"targets": {}}
 for name in targets.target_names("gpu"):   # every shipped GPU target config parses on this jax
@@ -309,7 +311,7 @@ def test_full_shard_bf16_gathers_per_layer_and_reduce_scatters_in_the_backward_l
 @pytest.mark.parametrize("job", ["full_shard_reduce_f32", "shard_grad_op_reduce_f32"])
 def test_reduce_float32_reduce_scatters_in_float32(gpu, job):
     """PyTorch FSDP's reduce_dtype=float32 under bf16 compute: weight grads are summed across
-    devices in f32 (fsdp_jax.precision.matmul / take), the gathers still move bf16, and the
+    devices in f32 (fsdp_jax.sharding.precision.matmul / take), the gathers still move bf16, and the
     per-layer scatter moves twice the bf16 run's bytes."""
     r, bf16 = gpu[job], gpu[job.removesuffix("_reduce_f32")]
     scatters = _colls(r, "reduce-scatter", phase="backward")
@@ -349,9 +351,9 @@ def test_plan_script_target_path_builds_what_the_fixture_compiled(gpu, capsys):
     assert r["compiled"] == want["compiled"] and r["compiled"]["peak"] > 0
     assert r["collectives_per_step"] == want["collectives_per_step"]
     assert r["collectives_per_step"]["reduce-scatter"]["count"] > 0  # XLA:GPU's, not XLA:CPU's
-    # the step-time roofline over that program's traffic (fsdp_jax.app.fit.step_time)
-    from fsdp_jax.app.config import load_config
-    from fsdp_jax.app.fit import step_time
+    # the step-time roofline over that program's traffic (fsdp_jax.app.planner.step_time)
+    from fsdp_jax.app.config.parse import load_config
+    from fsdp_jax.app.planner import step_time
 
     cfg = load_config(TINY_YAML, SMALL + ["precision=float32"])
     assert r["predicted"] == step_time.predict(cfg, "h100", 8, r) and r["predicted"]["step_s"] > 0
@@ -368,7 +370,7 @@ def _exposed(r, op):
 @slow
 def test_two_collectives_in_flight_overlap_the_gathers_xla_012_left_exposed(gpu):
     """The train step compiles for GPUs with several async collectives in flight
-    (fsdp_jax.xla_flags.STEP_OPTIONS_GPU). XLA 0.12 keeps one by default, and at Llama-2-7B's
+    (fsdp_jax.targets.xla_flags.STEP_OPTIONS_GPU). XLA 0.12 keeps one by default, and at Llama-2-7B's
     layer shape its scheduler then runs a backward re-gather synchronously and leaves forward
     gathers with nothing under them; with more, fewer gather bytes are exposed (7B, 32
     layers: none; BENCHMARKS.md). jax 0.10.2 exposes none either way at 7B."""
@@ -389,7 +391,7 @@ def test_bf16_grad_scatters_are_not_combined_into_one_the_layer_waits_for(gpu):
     """With grads reduced in bf16 (plain dots), XLA combines a layer's weight-grad
     reduce-scatters into one it issues when the layer's backward has nothing left to put under
     it (jax 0.12, 7B: 2.57% of the step's collective bytes). The step's 1 MiB combine threshold
-    (fsdp_jax.xla_flags.STEP_OPTIONS_GPU) keeps each weight's scatter behind its own dot."""
+    (fsdp_jax.targets.xla_flags.STEP_OPTIONS_GPU) keeps each weight's scatter behind its own dot."""
     now, combined = gpu["full_shard_wide"], gpu["full_shard_wide_combined"]
 
     def volume(r):
@@ -446,7 +448,7 @@ def test_hybrid_shard_overlaps_every_grad_reduction_in_the_backward_loop(gpu):
 def test_step_compiler_options_only_for_gpu_steps_that_gather(platform, shards, xla_flags, want):
     from types import SimpleNamespace
 
-    from fsdp_jax.xla_flags import step_compiler_options
+    from fsdp_jax.targets.xla_flags import step_compiler_options
 
     devs = [SimpleNamespace(platform=platform)] * 8
     assert step_compiler_options(devs, shards, environ={"XLA_FLAGS": xla_flags}) == want
@@ -461,7 +463,7 @@ def test_full_shard_f32_compute_gathers_f32(gpu):
 
 @slow
 def test_shard_grad_op_gathers_each_layer_once_and_keeps_it_for_the_backward(gpu):
-    """ZeRO-2 (fsdp_jax.layer_gather, keep=True): the forward loop gathers each layer, the
+    """ZeRO-2 (fsdp_jax.train.layer_gather, keep=True): the forward loop gathers each layer, the
     backward uses the kept copy (no second gather), and the unstacked params are
     gathered once outside the loop: every sharded param crosses the wire once."""
     r = gpu["shard_grad_op"]
@@ -563,7 +565,7 @@ def test_offload_on_a_gpu_target_is_the_device_compile_plus_the_host_by_formula(
     """Compile-only GPU devices have no pinned_host memory kind: `offload: optimizer` plans the
     device side from the target compile of the same step without offload, minus the optimizer
     state that rests on the host, plus one leaf's state streamed back for the update; the
-    host side is the optimizer state's shard bytes (fsdp_jax.app.fit.target_offload)."""
+    host side is the optimizer state's shard bytes (fsdp_jax.app.planner.target_offload)."""
     r, plain = gpu["full_shard_offload_opt"], gpu["full_shard"]
     a, c = r["analytic"], r["compiled"]
     assert r["offload"] == "optimizer" and r["platform"] == "gpu"
@@ -696,19 +698,19 @@ def test_warnings_name_what_to_fix():
         dict(base, op="reduce-scatter", overlap={"ops": 0, "gemms": 0, "names": []}),
         dict(base, op="all-reduce", group_size=2, name="dcn"),
     ]
-    w = hlo.schedule_warnings(sched, compute_dtype="bfloat16", shards_grads=True, replicated_group=2)
+    w = schedule_warnings(sched, compute_dtype="bfloat16", shards_grads=True, replicated_group=2)
     assert len(w) == 3
     assert w[0].startswith("gradient all-reduce where a reduce-scatter was expected: 1 all-reduce (x; ")
     assert w[1].startswith("float32 all-gather under bfloat16 compute: 1 all-gather (g; ")
     assert w[2].startswith("reduce-scatter with no compute overlapping it")
     assert "inside loop jit(step)/transpose(jvp())/while" in w[0] and "8.39 MB per step" in w[0]
     # the optimizer update's f32 gather of updated params (ZeRO-1) is not a compute gather
-    assert not hlo.schedule_warnings([dict(sched[1], phase="other", loop=None)], compute_dtype="bfloat16")
-    assert not hlo.schedule_warnings(sched[:1], compute_dtype="bfloat16", shards_grads=False)
+    assert not schedule_warnings([dict(sched[1], phase="other", loop=None)], compute_dtype="bfloat16")
+    assert not schedule_warnings(sched[:1], compute_dtype="bfloat16", shards_grads=False)
     hoisted = [dict(base, op="all-gather", loop=None, bytes=50 << 20)]
     assert (
         "hoisted out of the layer loop"
-        in hlo.schedule_warnings(hoisted + sched[:1], gathers_per_layer=True, layer_gather_bytes=1 << 20)[-1]
+        in schedule_warnings(hoisted + sched[:1], gathers_per_layer=True, layer_gather_bytes=1 << 20)[-1]
     )
 
 
@@ -720,7 +722,7 @@ def test_involuntary_rematerialization_names_the_tensor():
         'reshape(%p.1), sharding={devices=[8,1]<=[8]}, metadata={op_name="jit(step)/reshape"}. You '
         "probably want to enrich the sharding annotations to prevent this from happening."
     )
-    [r] = hlo.involuntary_rematerializations("other line\n" + log)
+    [r] = involuntary_rematerializations("other line\n" + log)
     assert r == {
         "tensor": "reshape.7",
         "shape": "bf16[64,128]{1,0}",

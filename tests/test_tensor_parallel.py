@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import fsdp_jax as fj
-from fsdp_jax.adapters import shard_model
+from fsdp_jax.train.shard_model import shard_model
 from helpers import max_abs_diff, reference_train, tiny_llama, token_batches
 
 SGD = optax.sgd(0.5, momentum=0.9)
@@ -105,8 +105,8 @@ def test_mesh_rules_from_the_config_reach_the_trainers_plan():
     `build` by the planner's (= the trainer's) step builder: no compile needed to see it."""
     from pathlib import Path
 
-    from fsdp_jax.app.config import load_config
-    from fsdp_jax.app.fit.step_build import build_step
+    from fsdp_jax.app.config.parse import load_config
+    from fsdp_jax.app.planner.abstract_step import build_step
     from helpers import TINY_MODEL_OVERRIDES
 
     tiny = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"

@@ -1,6 +1,6 @@
 """The loss of masked, packed batches is the mean over the trained tokens of the GLOBAL
-batch (fsdp_jax.step.TokenSum): the same with 1 or 4 microbatches and on any number of
-devices, and not the mean of per-microbatch means; fsdp_jax.verify passes on such a batch
+batch (fsdp_jax.train.step.TokenSum): the same with 1 or 4 microbatches and on any number of
+devices, and not the mean of per-microbatch means; fsdp_jax.verify.run passes on such a batch
 under every strategy."""
 
 import jax
@@ -9,12 +9,12 @@ import optax
 import pytest
 
 import fsdp_jax as fj
-from fsdp_jax.adapters import from_nnx
-from fsdp_jax.app.loop import make_loss_fn, token_loss
+from fsdp_jax.app.data.packing import batch_from_rows, pack
 from fsdp_jax.app.models import Llama, LlamaConfig
-from fsdp_jax.app.packing import batch_from_rows, pack
-from fsdp_jax.build import build
-from fsdp_jax.mesh import make_mesh
+from fsdp_jax.app.trainer.build import make_loss_fn, token_loss
+from fsdp_jax.model.fns import from_nnx
+from fsdp_jax.sharding.mesh import make_mesh
+from fsdp_jax.train.build import build
 
 CFG = LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32)
 

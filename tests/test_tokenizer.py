@@ -1,4 +1,4 @@
-"""Real tokenizers (fsdp_jax.app.tokenizer) in corpora and samples, and the CPU
+"""Real tokenizers (fsdp_jax.app.data.tokenizer) in corpora and samples, and the CPU
 walk-through of the Llama fine-tune (import, tokenize, train, export)."""
 
 import json
@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fsdp_jax.app import data
-from fsdp_jax.app.tokenizer import load_tokenizer, read_documents
+from fsdp_jax.app.data import corpus as data
+from fsdp_jax.app.data.tokenizer import load_tokenizer, read_documents
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "golden" / "hf"
@@ -156,8 +156,8 @@ def test_bad_tokenizers_exit_2_and_write_nothing(tmp_path, capsys):
 
 
 def test_tokenizer_vocab_larger_than_model_is_refused_by_trainer(tmp_path):
-    from fsdp_jax.app.config import ConfigError, load_config
-    from fsdp_jax.app.loop import setup
+    from fsdp_jax.app.trainer.setup import load_run_config, setup
+    from fsdp_jax.errors import ConfigError
 
     big = train_bpe(tmp_path / "big", 300)
     data.prepare_text([sources(tmp_path)], tmp_path / "d", val_fraction=0.2, tokenizer=str(big))
@@ -167,16 +167,16 @@ def test_tokenizer_vocab_larger_than_model_is_refused_by_trainer(tmp_path):
         f"data: {{seq_len: 32, path: {tmp_path / 'd'}, source: none}}\n"
     )
     with pytest.raises(ConfigError, match=r"model\.vocab_size.*256.*vocab_size 300.*tokenizer .*big"):
-        setup(load_config(yml))
+        setup(load_run_config(yml))
     assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.slow
 def test_walkthrough_import_tokenize_train_sample_export(tmp_path, capsys):
     """README "Fine-tune a Llama checkpoint": configs/hf_tiny_finetune.yaml end to end."""
-    from fsdp_jax.app.config import load_config
-    from fsdp_jax.app.hf import HFCheckpoint, load_params
-    from fsdp_jax.app.loop import train
+    from fsdp_jax.app.hf.load import HFCheckpoint, load_params
+    from fsdp_jax.app.trainer.loop import train
+    from fsdp_jax.app.trainer.setup import load_run_config
     from fsdp_jax.checkpoint import Checkpointer
 
     d, run, out = tmp_path / "data", tmp_path / "run", tmp_path / "hf_out"
@@ -195,7 +195,7 @@ def test_walkthrough_import_tokenize_train_sample_export(tmp_path, capsys):
         )
         == 0
     )
-    cfg = load_config(
+    cfg = load_run_config(
         ROOT / "configs" / "hf_tiny_finetune.yaml",
         [
             f"data.path={d}",

@@ -9,8 +9,9 @@ import sys
 
 import pytest
 
-from fsdp_jax import targets
-from fsdp_jax.app.fit.estimate import over_memory
+from fsdp_jax.app.planner.refusal import over_memory
+from fsdp_jax.hlo.findings import schedule_warnings
+from fsdp_jax.targets import gpu as targets
 from helpers import ROOT, TINY_MODEL_OVERRIDES, call, one_line
 
 TINY_YAML = "configs/tiny.yaml"
@@ -186,9 +187,9 @@ def test_tiny_compiles_for_two_v5p_slices(capsys):
         assert excess == a["tile_padding"] and r["argument_vs_analytic"] == 0.0  # the plan counts it
         assert r["collectives_per_step"]  # XLA:TPU's collectives, read by the same inspector
     assert hs["compiled"]["argument"] > fs["compiled"]["argument"]  # replicated over the 2 slices
-    # the predicted step time (fsdp_jax.app.fit.step_time): hybrid_shard's gradient all-reduce
+    # the predicted step time (fsdp_jax.app.planner.step_time): hybrid_shard's gradient all-reduce
     # crosses the slices, timed at v5p's data-center network bandwidth per chip
-    from fsdp_jax.tpu_targets import device_peaks
+    from fsdp_jax.targets.tpu import device_peaks
 
     cross = sum(e.get("cross_host_wire_bytes", 0) for e in hs["communication"].values() if isinstance(e, dict))
     assert cross > 0 and fs["predicted"] and hs["predicted"]
@@ -229,14 +230,14 @@ def test_tiny_compiles_for_two_v5p_slices(capsys):
 def test_ici_per_direction_is_the_pages_allreduce_bandwidth_per_chip(gen, pod_chips, allreduce_per_pod):
     """Half the bidirectional ICI figure per chip (what one chip sends) is what each page's
     Pod all-reduce bandwidth gives per chip: two published figures that agree."""
-    from fsdp_jax.tpu_targets import TPU_SPECS, device_peaks
+    from fsdp_jax.targets.tpu import TPU_SPECS, device_peaks
 
     spec = TPU_SPECS[gen]
     assert device_peaks(gen)["fast"] * spec.devices_per_chip == pytest.approx(allreduce_per_pod / pod_chips)
 
 
 def test_tpu_device_peaks_are_per_compile_only_device():
-    from fsdp_jax.tpu_targets import device_peaks
+    from fsdp_jax.targets.tpu import device_peaks
 
     assert device_peaks("v5p-64") == {"flops": 459e12, "fast": 600e9, "slow": 50e9 / 8, "hbm": 2765e9}
     v4 = device_peaks("v4")  # libtpu makes a device of each of a v4 chip's 2 TensorCores
@@ -246,7 +247,7 @@ def test_tpu_device_peaks_are_per_compile_only_device():
 
 
 def _tpu_cfg(*overrides):
-    from fsdp_jax.app.config import load_config
+    from fsdp_jax.app.config.parse import load_config
 
     return load_config(ROOT / "configs" / "llama2_7b.yaml", list(overrides))
 
@@ -254,7 +255,7 @@ def _tpu_cfg(*overrides):
 def test_tpu_prediction_is_the_gpu_roofline_with_the_chips_figures():
     """Hand-derived: v5p, compute at GEMM_EFFICIENCY of 459 TFLOP/s, ICI traffic at 600 GB/s
     per direction, cross-slice traffic at 50 Gbps, the update over 2765 GB/s of HBM."""
-    from fsdp_jax.app.fit import step_time
+    from fsdp_jax.app.planner import step_time
 
     cfg = _tpu_cfg("train.global_batch=16", "remat=dots")
     a = {"grads": 8 * 10**9, "params": 4 * 10**9, "optimizer": 16 * 10**9}
@@ -284,7 +285,7 @@ def test_tpu_prediction_is_the_gpu_roofline_with_the_chips_figures():
 def test_tiled_bytes_pads_the_minor_dims_to_the_first_tile():
     from types import SimpleNamespace as L
 
-    from fsdp_jax.tpu_targets import tiled_bytes
+    from fsdp_jax.targets.tpu import tiled_bytes
 
     assert tiled_bytes((), 4, L(major_to_minor=(), tiling=((128,),))) == 512  # a scalar: 128 elements
     assert tiled_bytes((2, 33), 4, L(major_to_minor=(0, 1), tiling=((2, 128),))) == 2 * 128 * 4
@@ -293,14 +294,14 @@ def test_tiled_bytes_pads_the_minor_dims_to_the_first_tile():
 
 
 # A child with libtpu on its path: for each strategy, the analytic argument bytes (from the
-# sharding plan, fsdp_jax.app.fit.memory_model) against memory_analysis()'s, and the tile padding
+# sharding plan, fsdp_jax.app.planner.memory_model) against memory_analysis()'s, and the tile padding
 # XLA:TPU's own input layouts imply.
 _ARGUMENT_CHILD = """
 import json, sys, jax, numpy as np
-from fsdp_jax import targets, tpu_targets
+from fsdp_jax.targets import gpu as targets, tpu as tpu_targets
 from fsdp_jax.app.config import load_config
-from fsdp_jax.app.fit.memory_model import analytic_memory
-from fsdp_jax.app.fit.step_build import build_step
+from fsdp_jax.app.planner.memory_model import analytic_memory
+from fsdp_jax.app.planner.abstract_step import build_step
 req = json.loads(sys.argv[1])
 devices = targets.target_devices(targets.Target(**req["target"]))
 cfg = load_config(req["config"], req["overrides"])
@@ -340,7 +341,7 @@ def test_analytic_argument_bytes_are_the_compiled_ones_on_every_tpu(name, device
     elements) and the token batch's row of seq + 1 = 33 (padded to 128 lanes): the weights
     and optimizer state, multiples of the tiles here, pad nothing."""
     _libtpu()
-    from fsdp_jax.strategy import STRATEGIES
+    from fsdp_jax.sharding.strategy import STRATEGIES
 
     t = targets.make_target(name, devices=devices)
     req = {
@@ -376,7 +377,7 @@ def test_planner_argument_bytes_equal_the_compiled_ones_on_tpu(capsys):
     full_shard's compiled arguments are over a third larger here (small shards and scalars
     fill whole tiles)."""
     _libtpu()
-    from fsdp_jax.app.fit.report import format_table
+    from fsdp_jax.app.planner.report import format_table
 
     rc, out, err = call(
         "plan",
@@ -440,7 +441,7 @@ ENTRY %main (a: f32[32,8,128]) -> f32[32,8,128] {
 
 
 def test_tpu_schedule_counts_scan_trips_and_cross_slice_transfers():
-    from fsdp_jax import hlo
+    from fsdp_jax.hlo import schedule as hlo
 
     sched = hlo.collective_schedule(_TPU_HLO, hosts=[0, 0, 0, 0, 1, 1, 1, 1])
     by_op = {c["op"]: c for c in sched}
@@ -482,14 +483,14 @@ ENTRY %main (a: bf16[4,256]) -> bf16[512,256] {
 
 
 def test_a_collective_carried_by_several_fusions_counts_once():
-    from fsdp_jax import hlo
+    from fsdp_jax.hlo import schedule as hlo
 
     sched = hlo.collective_schedule(_FUSED_AG, hosts=[0, 0, 0, 0])
     assert len(sched) == 1
     (ag,) = sched
     assert ag["op"] == "all-gather" and ag["bytes"] == 512 * 256 * 2 and ag["runs"] == 1
     assert ag["async"] and ag["overlap"]["ops"] == 2  # the carrying and the done fusion
-    assert not hlo.schedule_warnings(sched, compute_dtype="bfloat16", shards_grads=True)
+    assert not schedule_warnings(sched, compute_dtype="bfloat16", shards_grads=True)
 
 
 @pytest.mark.slow

@@ -9,6 +9,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import fsdp_jax as fj
+from fsdp_jax.train.step_parts import clip_grads, guarded_update, microbatched
+from fsdp_jax.train.trainable import Trainable
 from helpers import max_abs_diff, reference_train, tiny_llama, token_batches
 
 STRATEGY_MESH = {
@@ -254,7 +256,7 @@ def test_bf16_compute_trains_close_to_fp32(batches):
 def test_bf16_params_store_master_weights_and_adam_moments_in_bf16(batches):
     """precision params=bfloat16: the state (params and Adam's moments, which follow
     the params) is bf16 before and after steps, holding half the bytes of fp32."""
-    from fsdp_jax.memory import tree_bytes_per_device
+    from fsdp_jax.hlo.memory import tree_bytes_per_device
 
     m, loss_fn = tiny_llama()
     opt, mesh = optax.adamw(1e-3), fj.make_mesh(fsdp=8)
@@ -304,41 +306,41 @@ def test_microbatched_averages_loss_and_grads_and_stacks_aux(k):
         return loss, aux, g
 
     loss1, _, g1 = jax.jit(grad_fn)(p, batch)
-    loss_k, aux_k, g_k = jax.jit(fj.step.microbatched(grad_fn, k))(p, batch)
+    loss_k, aux_k, g_k = jax.jit(microbatched(grad_fn, k))(p, batch)
     np.testing.assert_allclose(float(loss_k), float(loss1), rtol=1e-6)
     assert max_abs_diff(g_k, g1) < 1e-7 and aux_k.shape == (k,)
     # slice j is rows j, j+k, ...: its aux is the model's on exactly those rows
     np.testing.assert_allclose(
         float(aux_k[1]), float(_mlp_loss(p, jax.tree.map(lambda x: x[1::k], batch))[1]), rtol=1e-6
     )
-    assert fj.step.microbatched(grad_fn, 1) is grad_fn
+    assert microbatched(grad_fn, 1) is grad_fn
     with pytest.raises(ValueError, match="microbatches must be >= 1"):
-        fj.step.microbatched(grad_fn, 0)
+        microbatched(grad_fn, 0)
 
 
 def test_trainable_differentiates_only_trainable_leaves():
     p, batch = _mlp()
     mesh = fj.make_mesh(fsdp=8)
     sh = {"w1": jax.NamedSharding(mesh, P("fsdp", None)), "w2": jax.NamedSharding(mesh, P(None, "fsdp"))}
-    wrt = fj.step.Trainable(p, {"w1": False, "w2": True})
+    wrt = Trainable(p, {"w1": False, "w2": True})
     assert wrt.keep == [False, True] and len(wrt.select(p)) == 1
     g = jax.grad(lambda x: _mlp_loss(wrt.join(x), batch)[0])(wrt.select(p))
     full = jax.jit(lambda g: wrt.full_grads(g, sh))(g)
     ref = jax.grad(lambda q: _mlp_loss(q, batch)[0])(p)
     assert float(jnp.max(jnp.abs(full["w1"]))) == 0.0 and full["w1"].sharding.is_equivalent_to(sh["w1"], 2)
     assert max_abs_diff(full["w2"], ref["w2"]) < 1e-7
-    everything = fj.step.Trainable(p, None)
+    everything = Trainable(p, None)
     assert everything.select(p) is p and everything.full_grads(ref, sh) is ref
 
 
 def test_clip_grads_scales_to_the_global_norm():
     g = {"a": jnp.full((4,), 3.0), "b": jnp.full((9,), 4.0)}  # norm sqrt(36 + 144)
     norm = np.sqrt(4 * 9 + 9 * 16)
-    clipped, n = fj.step.clip_grads(g, 1.0)
+    clipped, n = clip_grads(g, 1.0)
     assert float(n) == pytest.approx(norm) and float(optax.tree.norm(clipped)) == pytest.approx(1.0)
-    same, n = fj.step.clip_grads(g, None)
+    same, n = clip_grads(g, None)
     assert same is g and float(n) == pytest.approx(norm)
-    same, _ = fj.step.clip_grads(g, 100.0)
+    same, _ = clip_grads(g, 100.0)
     assert max_abs_diff(same, g) == 0.0
 
 
@@ -348,7 +350,7 @@ def test_guarded_update_applies_only_finite_steps(skip):
     p = {"w": jnp.ones((4,))}
     st = fj.TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=opt.init(p))
     g = {"w": jnp.full((4,), 2.0)}
-    upd = jax.jit(lambda s, g, ok: fj.step.guarded_update(opt, s, g, ok, skip))
+    upd = jax.jit(lambda s, g, ok: guarded_update(opt, s, g, ok, skip))
     new = upd(st, g, jnp.bool_(True))
     assert int(new.step) == 1 and float(new.params["w"][0]) == pytest.approx(0.8)
     new = upd(st, g, jnp.bool_(False))

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fsdp_jax.app.config import load_config
-from fsdp_jax.app.loop import train
+from fsdp_jax.app.config.parse import load_config
+from fsdp_jax.app.trainer.loop import train
 from helpers import TINY_RUN_OVERRIDES, call, one_line
 
 # end-to-end training runs and subprocesses: the whole file is outside the fast subset

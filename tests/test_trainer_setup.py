@@ -8,12 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_jax.app.config import ConfigError, load_config
-from fsdp_jax.app.faults import INJECT_NAN_ENV, Faults
-from fsdp_jax.app.hooks import Hook
-from fsdp_jax.app.loop import train
-from fsdp_jax.app.run_setup import SETUP_STAGES, setup
-from fsdp_jax.app.timing import INJECT_DATA_DELAY_ENV
+from fsdp_jax.app.config.parse import load_config
+from fsdp_jax.app.trainer.faults import INJECT_NAN_ENV, Faults
+from fsdp_jax.app.trainer.hooks import Hook
+from fsdp_jax.app.trainer.loop import train
+from fsdp_jax.app.trainer.setup import SETUP_STAGES, setup
+from fsdp_jax.app.trainer.timing import INJECT_DATA_DELAY_ENV
+from fsdp_jax.errors import ConfigError
 from helpers import TINY_RUN_OVERRIDES
 
 ROOT = Path(__file__).resolve().parents[1]

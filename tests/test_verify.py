@@ -1,4 +1,4 @@
-"""`fsdp_jax.verify`: a healthy model passes under every strategy, a model whose result
+"""`fsdp_jax.verify.run`: a healthy model passes under every strategy, a model whose result
 depends on the device count fails naming the step and the leaf, bad input is one
 clear line (VerifyError in the library, exit 2 from scripts/verify.py)."""
 
@@ -18,9 +18,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import fsdp_jax as fj
-from fsdp_jax import axes as ax
-from fsdp_jax.verify import VerifyError
-from fsdp_jax.verify_report import TOLERANCES, default_tolerance, optimizer_kind
+from fsdp_jax.errors import VerifyError
+from fsdp_jax.sharding import axes as ax
+from fsdp_jax.verify.report import TOLERANCES, default_tolerance, optimizer_kind
 from helpers import call, example, one_line, tiny_llama, token_batches
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -389,7 +389,7 @@ def test_factory_spec_runs_in_a_child_with_more_devices_than_this_process():
 def test_shrunk_dims_keep_their_divisibility_by_every_mesh_axis(config, n):
     import math
 
-    from fsdp_jax.app.config import load_config
+    from fsdp_jax.app.config.parse import load_config
     from fsdp_jax.app.verify_shrink import shrunk_model
 
     m = load_config(ROOT / "configs" / f"{config}.yaml").model

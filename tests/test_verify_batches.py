@@ -10,7 +10,7 @@ import pytest
 from test_verify import SGD, classification_batches, linen_setup
 
 import fsdp_jax as fj
-from fsdp_jax.verify import VerifyError
+from fsdp_jax.errors import VerifyError
 from helpers import TINY_MODEL_OVERRIDES, call
 
 
@@ -33,7 +33,7 @@ def test_batches_of_different_shapes_are_one_line(change, match):
 
 @pytest.fixture(scope="module")
 def packed_corpus(tmp_path_factory):
-    from fsdp_jax.app.sft_data import prepare_examples
+    from fsdp_jax.app.data.sft import prepare_examples
 
     d = tmp_path_factory.mktemp("packed")
     src = d / "ex.jsonl"
@@ -48,9 +48,9 @@ def packed_corpus(tmp_path_factory):
 
 
 def test_cli_verifies_the_packed_step_the_trainer_runs(packed_corpus, capsys):
-    from fsdp_jax.app.batches import make_batches
     from fsdp_jax.app.config import load_config
-    from fsdp_jax.app.trainer_build import make_loss_fn, trainer_model
+    from fsdp_jax.app.data.batches import make_batches
+    from fsdp_jax.app.trainer.build import make_loss_fn, trainer_model
 
     overrides = [*TINY_MODEL_OVERRIDES, f"data.path={packed_corpus}", "train.eval_every=0"]
     rc, out, err = call(

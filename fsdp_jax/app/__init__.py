@@ -1,47 +1,15 @@
 """The application on top of the library: the reference trainer and its tools.
 
-Config (`config`), data pipeline (`data`), reference model (`models`), optimizer
-from config (`optim`), the training loop (`loop`), metrics and sampling
-(`metrics_log`, `metrics_plot`), preemption signals (`preemption`), every command
-(`cli`: `fsdp-jax` and the scripts/ shims), the planner ("will it fit, how fast": `fit`,
-a package of its own), real
-tokenizers (`tokenizer`) and Hugging Face Llama checkpoints in (`hf`) and out
-(`hf_export`), over the library's sliced safetensors I/O (`fsdp_jax.safetensors_io`).
+    cli/      every command (`fsdp-jax <command>`, and the scripts/ shims)
+    planner/  will it fit, and how fast: memory model, step-time model, search, report
+    trainer/  setup stages, the short loop, hooks, metrics, preemption, run directory
+    hf/       Hugging Face checkpoints in (`load`, `config_in`) and out (`export`, `config_out`)
+    data/     token corpora, tokenizers, chat / instruction examples, packing, batches
+    config/   the run config: schema, YAML + overrides, checks across fields
+    models/   the one configurable decoder (Llama, Mistral, Qwen, Gemma families by config)
+    exits, devices, extras   what every command's process shares: exit codes, CPU devices,
+                             optional features
 
-The library (`fsdp_jax.*` outside this package) never imports from here.
+Imports point down that list; the library (`fsdp_jax.*` outside this package) never imports
+from here (`tests/test_layering.py` checks both).
 """
-
-import importlib
-import importlib.abc
-import importlib.util
-import sys
-
-# Modules that moved; their old paths keep importing the same module objects (so a
-# monkeypatch on either name patches both). Old path -> new path, relative to this package.
-MOVED = {
-    "planner": "fit.estimate",
-    "plan_report": "fit.report",
-    "memory_model": "fit.memory_model",
-    "step_time": "fit.step_time",
-    "step_build": "fit.step_build",
-}
-
-
-class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Resolves `fsdp_jax.app.<old>` to the module now at `fsdp_jax.app.<new>`."""
-
-    def find_spec(self, name, path=None, target=None):
-        pkg, _, leaf = name.rpartition(".")
-        if pkg == __name__ and leaf in MOVED:
-            return importlib.util.spec_from_loader(name, self)
-        return None
-
-    def create_module(self, spec):
-        return importlib.import_module(f"{__name__}.{MOVED[spec.name.rpartition('.')[2]]}")
-
-    def exec_module(self, module):
-        pass  # already executed under its new name
-
-
-if not any(isinstance(f, _MovedModules) for f in sys.meta_path):
-    sys.meta_path.append(_MovedModules())

@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 
-from fsdp_jax.errors import MissingExtra  # noqa: F401 (re-exported)
+from fsdp_jax.errors import MissingExtra
 
 EXTRAS = {"tensorboardX": "tensorboard", "matplotlib": "plot", "pyarrow": "data"}  # import name -> extra
 

@@ -5,7 +5,7 @@ they look, random tokens otherwise.
 
 When `data.path` holds a packed fine-tuning corpus (meta.json `"format": "packed"`), or a
 token corpus with `data.document_mask: true`, the batches are the first `steps` steps'
-batches of the train split exactly as the trainer reads them (`fsdp_jax.app.batches`): dicts of
+batches of the train split exactly as the trainer reads them (`fsdp_jax.app.data.batches`): dicts of
 inputs, targets, segment ids, positions and loss weights, so verify compiles and compares
 the masked, per-segment step with the global token mean the trainer runs. When verify shrank
 the model (`vocab_shrunk`), token ids are folded into the smaller vocab (`id % vocab_size`);
@@ -37,7 +37,7 @@ def verify_batches(cfg, steps: int, seed: int, vocab_shrunk: bool = False) -> tu
     """(`steps` host batches, a note saying what they are); see the module docstring."""
     kind = _corpus_kind(cfg)
     if kind == "packed" or (kind == "tokens" and cfg.data.document_mask):
-        from fsdp_jax.app.batches import check_tokens, make_batches
+        from fsdp_jax.app.data.batches import check_tokens, make_batches
 
         train = dataclasses.replace(cfg.train, eval_every=0)
         it, _ = make_batches(dataclasses.replace(cfg, train=train), 0, 1)

@@ -61,10 +61,10 @@ def _rows(model_cfg, min_shard_size: int, strategy: str, devices, remat: str):
     """{param path: (shape, at-rest spec)} of the reference model under `strategy`."""
     import optax
 
-    from fsdp_jax.app.trainer_build import trainer_model
-    from fsdp_jax.mesh import make_mesh
-    from fsdp_jax.strategy import make_plan
-    from fsdp_jax.verify import strategy_mesh_shape
+    from fsdp_jax.app.trainer.build import trainer_model
+    from fsdp_jax.sharding.mesh import make_mesh
+    from fsdp_jax.sharding.strategy import make_plan
+    from fsdp_jax.verify.compare import strategy_mesh_shape
 
     fns = trainer_model(model_cfg, remat)
     mesh = make_mesh(*strategy_mesh_shape(strategy, len(devices)), devices=devices)

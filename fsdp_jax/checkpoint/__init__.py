@@ -7,43 +7,57 @@ One concept per module:
   `shape_mismatches`
 - `params_io`: params as safetensors: `export_safetensors`, `load_safetensors`,
   `load_init_params` (a run's `init_from`)
+- `safetensors_io`: the safetensors format itself (checked headers, sliced reads, streamed
+  writes), which the Hugging Face import and export use too
 - `orbax_logs`: orbax's tracebacks after a failed save, quieted (reported once instead)
 
-Every name below is importable from `fsdp_jax.checkpoint` as before the split; the
-files on disk are unchanged. See docs/checkpoints.md.
+The names below load on first use, so importing `fsdp_jax.checkpoint.safetensors_io` (or this
+package) loads no Orbax. See docs/checkpoints.md.
 """
 
-from fsdp_jax.checkpoint.checkpointer import Checkpointer, Restored, latest_step, restore
-from fsdp_jax.checkpoint.manifest import (
-    ITEMS,
-    MANIFEST,
-    TMP_SUFFIX,
-    check_files,
-    file_crc32,
-    shape_mismatches,
-    tree_paths,
-)
-from fsdp_jax.checkpoint.params_io import export_safetensors, load_init_params, load_safetensors, open_safetensors
-from fsdp_jax.errors import CheckpointError, CheckpointWriteError, one_line
+import importlib
 
-_ITEMS = ITEMS  # the name before the split
-
+_FACE = {
+    "Checkpointer": "checkpointer",
+    "Restored": "checkpointer",
+    "latest_step": "checkpointer",
+    "restore": "checkpointer",
+    "ITEMS": "manifest",
+    "MANIFEST": "manifest",
+    "TMP_SUFFIX": "manifest",
+    "check_files": "manifest",
+    "file_crc32": "manifest",
+    "shape_mismatches": "manifest",
+    "tree_paths": "manifest",
+    "export_safetensors": "params_io",
+    "load_init_params": "params_io",
+    "load_safetensors": "params_io",
+    "open_safetensors": "params_io",
+}
 __all__ = [
     "Checkpointer",
-    "Restored",
-    "latest_step",
-    "restore",
+    "ITEMS",
     "MANIFEST",
+    "Restored",
     "TMP_SUFFIX",
     "check_files",
-    "file_crc32",
-    "shape_mismatches",
-    "tree_paths",
     "export_safetensors",
+    "file_crc32",
+    "latest_step",
     "load_init_params",
     "load_safetensors",
     "open_safetensors",
+    "restore",
+    "shape_mismatches",
+    "tree_paths",
     "CheckpointError",
     "CheckpointWriteError",
-    "one_line",
 ]
+
+
+def __getattr__(name: str):
+    if name in ("CheckpointError", "CheckpointWriteError"):
+        return getattr(importlib.import_module("fsdp_jax.errors"), name)
+    if name in _FACE:
+        return getattr(importlib.import_module(f"{__name__}.{_FACE[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

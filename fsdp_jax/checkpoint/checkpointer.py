@@ -17,7 +17,7 @@ mid-save leaves only the tmp directory, which the next `Checkpointer` reports (s
 `partial`) and removes.
 
 Restoring takes the target layout as a tree of `jax.ShapeDtypeStruct`s with
-shardings, e.g. `fsdp_jax.state.abstract_state(plan, abstract_params, optimizer)`:
+shardings, e.g. `fsdp_jax.train.state.abstract_state(plan, abstract_params, optimizer)`:
 the same call restores onto 1 device, 4 devices, a 2x4 `hybrid_shard` mesh or as
 `no_shard`; each process reads only the shards it needs. Before reading arrays it
 checks the manifest (a truncated, deleted or changed file -> that step is damaged:

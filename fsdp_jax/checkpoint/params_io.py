@@ -16,8 +16,8 @@ import numpy as np
 
 from fsdp_jax.checkpoint.checkpointer import Checkpointer
 from fsdp_jax.checkpoint.manifest import shape_mismatches, tree_paths
+from fsdp_jax.checkpoint.safetensors_io import SafetensorsFile, write_safetensors
 from fsdp_jax.errors import CheckpointError, SafetensorsError
-from fsdp_jax.safetensors_io import SafetensorsFile, write_safetensors
 
 
 def export_safetensors(

@@ -47,13 +47,13 @@ MESHES = {
 def import_errors() -> int:
     import optax
 
-    from fsdp_jax.adapters import from_nnx
-    from fsdp_jax.app import hf
+    from fsdp_jax.app.hf import load as hf
     from fsdp_jax.app.models import Llama
-    from fsdp_jax.build import build
-    from fsdp_jax.mesh import make_mesh
-    from fsdp_jax.safetensors_io import SafetensorsFile
-    from fsdp_jax.step import sharding_context
+    from fsdp_jax.checkpoint.safetensors_io import SafetensorsFile
+    from fsdp_jax.model.fns import from_nnx
+    from fsdp_jax.sharding.mesh import make_mesh
+    from fsdp_jax.train.build import build
+    from fsdp_jax.train.step import sharding_context
 
     print("| golden | " + " | ".join(MESHES) + " |\n|---|" + "---:|" * len(MESHES))
     for name in ("llama_gqa", "llama_tied") + NAMES:
@@ -80,13 +80,13 @@ def import_errors() -> int:
 
 
 def main(out: Path) -> int:
-    from fsdp_jax.adapters import from_nnx
-    from fsdp_jax.app import hf
-    from fsdp_jax.app.config import config_to_dict, load_config
-    from fsdp_jax.app.hf_export import export_hf
+    from fsdp_jax.app.config.parse import config_to_dict, load_config
+    from fsdp_jax.app.hf import load as hf
+    from fsdp_jax.app.hf.export import export_hf
     from fsdp_jax.app.models import Llama
     from fsdp_jax.checkpoint import Checkpointer
-    from fsdp_jax.safetensors_io import SafetensorsFile, write_safetensors
+    from fsdp_jax.checkpoint.safetensors_io import SafetensorsFile, write_safetensors
+    from fsdp_jax.model.fns import from_nnx
 
     out.mkdir(parents=True, exist_ok=False)
     for name in NAMES:

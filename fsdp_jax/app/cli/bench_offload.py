@@ -4,11 +4,11 @@
         [--rounds 5] [--steps 3] [--json] [key=value ...]
     fsdp-jax bench-offload ...   (the same command)
 
-Builds the trainer's step (`fsdp_jax.app.fit.step_build.build_step`) once per offload setting
+Builds the trainer's step (`fsdp_jax.app.planner.abstract_step.build_step`) once per offload setting
 (none, optimizer, optimizer+params), compiles all three, then runs `rounds` rounds; each
 round times `steps` steps of every setting in turn (blocking on each step). Reports the
 median step time per setting, its ratio to `none`, and the host<->device bytes per step
-and device (`fsdp_jax.offload.transfer_bytes`). On CPU the memory kinds share one RAM, so
+and device (`fsdp_jax.sharding.offload.transfer_bytes`). On CPU the memory kinds share one RAM, so
 the ratio shows the program's overhead, not PCIe time. Exit codes: 0, 2 bad input, 1 other.
 """
 
@@ -34,7 +34,7 @@ def build_parser(prog: str | None = None) -> Parser:
 
 
 def _errors():
-    from fsdp_jax.offload import OffloadError
+    from fsdp_jax.errors import OffloadError
 
     return (OffloadError,), ()
 
@@ -43,18 +43,19 @@ def run(args) -> int:
     import jax
     import numpy as np
 
-    from fsdp_jax.app.cli.devices import use_cpu_devices
-    from fsdp_jax.app.config import load_config, validate
-    from fsdp_jax.app.fit.step_build import build_step, sample_batch
-    from fsdp_jax.offload import OFFLOADS, transfer_bytes
-    from fsdp_jax.strategy import get_strategy
+    from fsdp_jax.app.config.checks import validate
+    from fsdp_jax.app.devices import use_cpu_devices
+    from fsdp_jax.app.planner.abstract_step import build_step, sample_batch
+    from fsdp_jax.app.trainer.setup import load_run_config
+    from fsdp_jax.sharding.offload import OFFLOADS, transfer_bytes
+    from fsdp_jax.sharding.strategy import get_strategy
 
     try:
         get_strategy(args.strategy)
     except ValueError as e:  # an unknown name, listing the choices
         raise UsageError(f"--strategy: {e}") from None
     use_cpu_devices()
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_run_config(args.config, args.overrides)
     validate(cfg, n_devices=jax.device_count())
     runs = {}
     for name in OFFLOADS:

@@ -5,7 +5,7 @@
         [--baselines] [--peak-tflops T] [--json] [--plot sweep.png] [key=value ...]
 
 (`python scripts/benchmark.py ...` is the same command; the runners are
-`fsdp_jax.app.bench`.) Inputs are random tokens (no data set needed). `--baselines` adds two reference
+`fsdp_jax.app.planner.bench`.) Inputs are random tokens (no data set needed). `--baselines` adds two reference
 rows at the same global batch: the same model on one device (`single_device`) and
 a plain hand-written JAX data-parallel loop (`plain_dp`: replicated params, batch
 sharded, `jax.jit` + `jax.value_and_grad` + optax, no fsdp_jax code in the step).
@@ -43,7 +43,7 @@ def run(args) -> int:
     point's rows and report them."""
     import jax
 
-    from fsdp_jax.app.cli.devices import use_cpu_devices
+    from fsdp_jax.app.devices import use_cpu_devices
 
     use_cpu_devices()
     sweeps, strategies = _parse_flags(args)
@@ -59,10 +59,11 @@ def run(args) -> int:
 
 def _parse_flags(args) -> tuple[list, list[str]]:
     """(sweeps, strategy names) from the flags; the --plot file and the config checked."""
-    from fsdp_jax.app.bench import parse_sweeps
     from fsdp_jax.app.cli.args import check_out_file, require
-    from fsdp_jax.app.config import ConfigError, load_config
-    from fsdp_jax.strategy import get_strategy
+    from fsdp_jax.app.planner.bench import parse_sweeps
+    from fsdp_jax.app.trainer.setup import load_run_config
+    from fsdp_jax.errors import ConfigError
+    from fsdp_jax.sharding.strategy import get_strategy
 
     if args.plot:
         check_out_file(args.plot, "--plot")
@@ -74,7 +75,7 @@ def _parse_flags(args) -> tuple[list, list[str]]:
         raise UsageError(one_line(e, None)) from None
     if not strategies:
         raise ConfigError("--strategies", f"{args.strategies!r} names no strategy")
-    load_config(args.config, args.overrides)  # fail early on a bad config
+    load_run_config(args.config, args.overrides)  # fail early on a bad config
     return sweeps, strategies
 
 
@@ -83,8 +84,10 @@ def _checked_runs(args, sweeps) -> list[tuple[dict, object, int]]:
     before anything is measured."""
     import jax
 
-    from fsdp_jax.app.bench import combos
-    from fsdp_jax.app.config import ConfigError, check_backend, load_config, validate
+    from fsdp_jax.app.config.checks import check_backend, validate
+    from fsdp_jax.app.planner.bench import combos
+    from fsdp_jax.app.trainer.setup import load_run_config
+    from fsdp_jax.errors import ConfigError
 
     runs = []
     for combo in combos(sweeps):
@@ -94,7 +97,9 @@ def _checked_runs(args, sweeps) -> list[tuple[dict, object, int]]:
             raise ConfigError("--sweep devices", f"{combo['devices']!r} is not an integer") from None
         if not 1 <= n_dev <= jax.device_count():
             raise ConfigError("--sweep devices", f"{n_dev}: choose 1..{jax.device_count()}")
-        cfg = load_config(args.config, list(args.overrides) + [f"{k}={v}" for k, v in combo.items() if k != "devices"])
+        cfg = load_run_config(
+            args.config, list(args.overrides) + [f"{k}={v}" for k, v in combo.items() if k != "devices"]
+        )
         validate(cfg, n_devices=n_dev)
         check_backend(cfg, jax.default_backend())
         runs.append((combo, cfg, n_dev))
@@ -104,10 +109,10 @@ def _checked_runs(args, sweeps) -> list[tuple[dict, object, int]]:
 def _bench_point(args, combo: dict, cfg, devices: list, strategies: list[str]) -> list[dict]:
     """One sweep point's rows (each strategy, and the baselines), each printed as it is
     measured unless --json."""
-    from fsdp_jax.app.bench import bench_fsdp, bench_plain_dp
     from fsdp_jax.app.models.llama import flops_per_token
-    from fsdp_jax.perf import mfu, peak_flops
-    from fsdp_jax.precision import Policy
+    from fsdp_jax.app.planner.bench import bench_fsdp, bench_plain_dp
+    from fsdp_jax.sharding.precision import Policy
+    from fsdp_jax.targets.perf import mfu, peak_flops
 
     n_dev = len(devices)
     fpt = flops_per_token(cfg.model, cfg.data.seq_len)
@@ -151,7 +156,7 @@ def _report(args, sweeps, results: list[dict], devices_all: list) -> None:
     """The JSON document (--json) and the plot against the first sweep key (--plot)."""
     import jax
 
-    from fsdp_jax.app.bench import plot
+    from fsdp_jax.app.planner.bench import plot
 
     doc = {
         "config": args.config,

@@ -1,5 +1,5 @@
 """The one main wrapper of every command: parse, run, map exceptions to exit codes
-(`fsdp_jax.app.cli.exits`). Import-light: the error classes load only when the command's
+(`fsdp_jax.app.exits`). Import-light: the error classes load only when the command's
 body raises, so `--help` and a bad flag never import JAX."""
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def run_command(
         print(f"error: {one_line(e, None)}", file=sys.stderr, flush=True)
         return 2
     except Exception as e:
-        from fsdp_jax.app.cli.exits import BAD_INPUT, ENVIRONMENT, fail, fail_env, fail_internal
+        from fsdp_jax.app.exits import BAD_INPUT, ENVIRONMENT, fail, fail_env, fail_internal
 
         bad, env = errors() if errors is not None else ((), ())
         if isinstance(e, BAD_INPUT + bad):

@@ -54,12 +54,12 @@ def run(args) -> int:
     import numpy as np
     import yaml
 
-    from fsdp_jax.app import hf
+    from fsdp_jax.app.hf import load as hf
     from fsdp_jax.app.models.llama import LlamaConfig
-    from fsdp_jax.app.trainer_build import trainer_model
+    from fsdp_jax.app.trainer.build import trainer_model
     from fsdp_jax.checkpoint import tree_paths
-    from fsdp_jax.safetensors_io import write_safetensors
-    from fsdp_jax.xla_flags import check_xla_flags
+    from fsdp_jax.checkpoint.safetensors_io import write_safetensors
+    from fsdp_jax.targets.xla_flags import check_xla_flags
 
     out = Path(args.out)
     check_xla_flags()  # before the params are built on the CPU backend

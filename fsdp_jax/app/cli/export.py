@@ -8,7 +8,7 @@
 (Llama, Mistral, Qwen2, Qwen3, Gemma 3; docs/hf_models.md): config.json,
 model.safetensors (or shards + model.safetensors.index.json above --max-shard-size) and
 the tokenizer files of the model the run was imported from (init_from=hf:DIR) or of its
-corpus (fsdp_jax.app.hf_export).
+corpus (fsdp_jax.app.hf.export).
 
 RUN_DIR is a train run directory (its checkpoints/ is used) or a checkpoint
 directory. Keys are slash-separated param paths ("blocks/attn/wq"); stacked layers
@@ -72,7 +72,7 @@ def _check_out_file(out: Path, flag_value: str) -> None:
 
 def run(args) -> int:
     from fsdp_jax.checkpoint import CheckpointError, export_safetensors
-    from fsdp_jax.xla_flags import check_xla_flags
+    from fsdp_jax.targets.xla_flags import check_xla_flags
 
     run_dir = Path(args.run_dir)
     directory = run_dir / "checkpoints" if (run_dir / "checkpoints").is_dir() else run_dir
@@ -81,7 +81,7 @@ def run(args) -> int:
     if not directory.is_dir():
         raise CheckpointError(f"{run_dir}: no such run or checkpoint directory")
     if args.hf:
-        from fsdp_jax.app.hf_export import export_hf
+        from fsdp_jax.app.hf.export import export_hf
 
         info = export_hf(directory, args.hf, dtype=args.dtype, step=args.step, max_shard_bytes=max_shard_bytes)
         print(

@@ -7,7 +7,7 @@ with their ranges, so a bad number is refused by the parser naming the flag.
 
 A value outside its range (or not a number, or not finite) ends the parse with one line
 on stderr, `error: argument --steps: -5 is invalid; must be an integer >= 1`, and
-exit code 2 (`fsdp_jax.app.cli.exits.run_command` turns the parser's SystemExit into the
+exit code 2 (`fsdp_jax.app.exits.run_command` turns the parser's SystemExit into the
 command's return code).
 """
 

@@ -28,17 +28,17 @@ def throughput(config: str, steps: int, overrides: list[str]) -> dict:
     import jax
     import numpy as np
 
-    from fsdp_jax.app.config import load_config
-    from fsdp_jax.app.fit.step_build import build_step
     from fsdp_jax.app.models.llama import count_params, flops_per_token
-    from fsdp_jax.memory import compiled_memory
-    from fsdp_jax.perf import device_memory, mfu, peak_flops, time_steps
+    from fsdp_jax.app.planner.abstract_step import build_step
+    from fsdp_jax.app.trainer.setup import load_run_config
+    from fsdp_jax.hlo.memory import compiled_memory
+    from fsdp_jax.targets.perf import device_memory, mfu, peak_flops, time_steps
 
     n = jax.device_count()
     # 8 sequences of 2048 per GPU: with cuDNN attention (no saved S x S logits) and `dots`
     # remat the 1B step needs ~31 GB of activations + 18 GB of states (scripts/plan.py,
     # `dots_no_batch` column as the stand-in), so it fits an 80 GB H100 as well as an H200.
-    cfg = load_config(
+    cfg = load_run_config(
         config,
         [
             "precision=params=float32,compute=bfloat16",
@@ -84,9 +84,8 @@ def precision_check() -> dict:
     import optax
 
     import fsdp_jax as fj
-    from fsdp_jax.app.loop import make_loss_fn
     from fsdp_jax.app.models.llama import LlamaConfig
-    from fsdp_jax.app.trainer_build import trainer_model
+    from fsdp_jax.app.trainer.build import make_loss_fn, trainer_model
 
     cfg = LlamaConfig(vocab_size=512, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768, max_seq_len=256)
     model = trainer_model(cfg, "none")
@@ -115,10 +114,9 @@ def collective_check() -> dict:
     import optax
 
     import fsdp_jax as fj
-    from fsdp_jax.app.loop import make_loss_fn
     from fsdp_jax.app.models.llama import LlamaConfig
-    from fsdp_jax.app.trainer_build import trainer_model
-    from fsdp_jax.memory import collective_report
+    from fsdp_jax.app.trainer.build import make_loss_fn, trainer_model
+    from fsdp_jax.hlo.memory import collective_report
 
     n = jax.device_count()
     if n < 2:
@@ -161,10 +159,10 @@ def run(args) -> int:
             f"--only {args.only!r} / --steps {args.steps}: checks are throughput, precision, collectives; steps >= 1"
         )
     from fsdp_jax.app.cli.args import check_out_file
-    from fsdp_jax.app.config import load_config
+    from fsdp_jax.app.trainer.setup import load_run_config
 
     if "throughput" in args.only.split(","):
-        load_config(args.config, args.overrides)  # a bad config: one line now, not a traceback later
+        load_run_config(args.config, args.overrides)  # a bad config: one line now, not a traceback later
     if args.json:
         check_out_file(args.json, "--json")
     import jax

@@ -45,16 +45,17 @@ def build_parser(prog: str | None = None) -> Parser:
         default=None,
         help="XLA options for this compile only, e.g. "
         "--xla-flags=--xla_gpu_enable_pipelined_all_gather=true "
-        "(compare schedules with and without: fsdp_jax.xla_flags)",
+        "(compare schedules with and without: fsdp_jax.targets.xla_flags)",
     )
     ap.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     return ap
 
 
 def run(args) -> int:
-    from fsdp_jax.app.fit.report import PlanError, load_planning_config, parse_bytes, parse_strategies, resolve_target
-    from fsdp_jax.strategy import get_strategy
-    from fsdp_jax.xla_flags import parse_flags
+    from fsdp_jax.app.planner.inputs import load_planning_config, parse_bytes, parse_strategies, resolve_target
+    from fsdp_jax.errors import PlanError
+    from fsdp_jax.sharding.strategy import get_strategy
+    from fsdp_jax.targets.xla_flags import parse_flags
 
     n, target = resolve_target(args)
     try:
@@ -74,8 +75,9 @@ def run(args) -> int:
     cfg = load_planning_config(args.config, args.overrides, n)  # JAX: n CPU devices, from here on
     strategy = get_strategy(args.strategy or cfg.mesh.strategy).name
 
-    from fsdp_jax.app.fit.estimate import run_strategies
-    from fsdp_jax.app.fit.report import check_inputs, format_inspection
+    from fsdp_jax.app.planner.compile_child import run_strategies
+    from fsdp_jax.app.planner.inputs import check_inputs
+    from fsdp_jax.app.planner.report import format_inspection
 
     check_inputs(cfg, n, [strategy])
     result = run_strategies(

@@ -81,7 +81,7 @@ def run(args, command: list[str]) -> int:
     pumps = []
     for i in range(args.processes):
         # The coordinator (process 0) listens on loopback only: JAX's default is every
-        # interface, an unauthenticated service. fsdp_jax.distributed binds a loopback
+        # interface, an unauthenticated service. fsdp_jax.multihost.distributed binds a loopback
         # coordinator address there; JAX_COORDINATOR_BIND_ADDRESS does the same for a
         # command that calls jax.distributed.initialize itself.
         env = dict(

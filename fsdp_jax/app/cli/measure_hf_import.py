@@ -1,4 +1,4 @@
-"""Peak host memory of `init_from=hf:` (fsdp_jax.app.hf.load_params) against the model's size.
+"""Peak host memory of `init_from=hf:` (fsdp_jax.app.hf.load.load_params) against the model's size.
 
     python scripts/measure_hf_import.py --d-model 256 --layers 4 --vocab 2560 [--json]
     fsdp-jax measure-hf-import ...   (the same command)
@@ -62,9 +62,9 @@ def write_checkpoint(d: Path, args) -> int:
     import ml_dtypes
     import numpy as np
 
-    from fsdp_jax.app.hf import expected_tensors
+    from fsdp_jax.app.hf.load import expected_tensors
     from fsdp_jax.app.models.llama import LlamaConfig
-    from fsdp_jax.safetensors_io import write_safetensors
+    from fsdp_jax.checkpoint.safetensors_io import write_safetensors
 
     cfg = LlamaConfig(
         vocab_size=args.vocab,
@@ -123,10 +123,10 @@ def measure(path: str, naive: bool) -> dict:
     import numpy as np
     import optax
 
-    from fsdp_jax.app import hf
-    from fsdp_jax.app.trainer_build import trainer_model
-    from fsdp_jax.build import build
-    from fsdp_jax.mesh import make_mesh
+    from fsdp_jax.app.hf import load as hf
+    from fsdp_jax.app.trainer.build import trainer_model
+    from fsdp_jax.sharding.mesh import make_mesh
+    from fsdp_jax.train.build import build
 
     ckpt = hf.HFCheckpoint(path)
     m = trainer_model(ckpt.config)

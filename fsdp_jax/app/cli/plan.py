@@ -19,7 +19,7 @@ target's. Trailing key=value arguments override the config as in `fsdp-jax train
 or `all`: then one plan per setting and a strategy x offload table; --json gives
 {"offload": {setting: plan}}). `--search` finds the fastest configuration that fits instead
 (strategy x remat x microbatches x offload, and batch / seq with --vary;
-`fsdp_jax.app.fit.search`): a ranked table, the winner as YAML; nothing fits -> one line
+`fsdp_jax.app.planner.search`): a ranked table, the winner as YAML; nothing fits -> one line
 naming the least device memory that would, exit 2. Exit codes: 0 success, 2 bad input (one
 line on stderr), 1 anything else.
 """
@@ -77,16 +77,15 @@ SEARCH_ONLY = ("remat", "microbatches", "vary", "headroom", "host_memory", "max_
 
 def planning_errors():
     """The planning commands' own bad-input classes (plan, inspect)."""
-    from fsdp_jax.app.fit.report import PlanError
-    from fsdp_jax.targets import TargetError
+    from fsdp_jax.errors import PlanError, TargetError
 
     return (PlanError, TargetError), ()
 
 
 def parse_offloads(text: str | None) -> list[str] | None:
     """`--offload`: None (the config's), one setting, a comma list, or `all`."""
-    from fsdp_jax.app.fit.report import PlanError
-    from fsdp_jax.offload import OFFLOADS
+    from fsdp_jax.errors import PlanError
+    from fsdp_jax.sharding.offload import OFFLOADS
 
     if text is None:
         return None
@@ -101,16 +100,18 @@ def parse_offloads(text: str | None) -> list[str] | None:
 
 def search_command(args) -> int:
     """plan --search: parse, search, print; nothing fits -> one line, exit 2."""
-    from fsdp_jax.app.fit import search_report as sr
-    from fsdp_jax.app.fit.report import (
+    from fsdp_jax.app.planner import search_report as sr
+    from fsdp_jax.app.planner.inputs import (
         load_planning_config,
         parse_bytes,
         parse_devices,
         parse_strategies,
         resolve_target,
     )
-    from fsdp_jax.app.fit.search import Limits, SearchError, SearchSpace, search
-    from fsdp_jax.targets import device_memory
+    from fsdp_jax.app.planner.search import search
+    from fsdp_jax.app.planner.search_space import Limits, SearchSpace
+    from fsdp_jax.errors import SearchError
+    from fsdp_jax.targets.gpu import device_memory
 
     if args.plot:
         raise SearchError("--plot: not with --search")
@@ -161,7 +162,7 @@ def search_command(args) -> int:
 def run(args) -> int:
     import dataclasses
 
-    from fsdp_jax.app.fit.report import PlanError
+    from fsdp_jax.errors import PlanError
 
     if args.search:
         return search_command(args)
@@ -170,14 +171,8 @@ def run(args) -> int:
             raise PlanError(f"--{flag.replace('_', '-')}: only with --search")
 
     from fsdp_jax.app.cli.args import check_out_file, require
-    from fsdp_jax.app.fit.report import (
-        format_table,
-        load_planning_config,
-        parse_bytes,
-        parse_strategies,
-        plot_plan,
-        resolve_target,
-    )
+    from fsdp_jax.app.planner.inputs import load_planning_config, parse_bytes, parse_strategies, resolve_target
+    from fsdp_jax.app.planner.report import format_table, plot_plan
 
     n, target = resolve_target(args)
     mem = parse_bytes(args.device_memory) if args.device_memory is not None else None
@@ -188,7 +183,7 @@ def run(args) -> int:
         require("matplotlib", "--plot")
     cfg = load_planning_config(args.config, args.overrides, n)  # JAX: n CPU devices, from here on
 
-    from fsdp_jax.app.fit.estimate import format_offload_table, plan_config
+    from fsdp_jax.app.planner.estimate import format_offload_table, plan_config
 
     docs = {}
     for o in offloads or [cfg.offload]:

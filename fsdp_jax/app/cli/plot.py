@@ -1,6 +1,6 @@
 """Plot a run's train/val loss, tokens/s and where the wall time went (the step-time
 breakdown per logged window, and the goodput of each run segment) from
-RUN_DIR/metrics.jsonl (`fsdp_jax.app.metrics_plot`).
+RUN_DIR/metrics.jsonl (`fsdp_jax.app.trainer.plot`).
 
     fsdp-jax plot RUN_DIR [--out RUN_DIR/metrics.png]
     python scripts/plot_metrics.py RUN_DIR [--out RUN_DIR/metrics.png]
@@ -25,7 +25,7 @@ def build_parser(prog: str | None = None) -> Parser:
 
 
 def run(args) -> int:
-    from fsdp_jax.app.metrics_plot import plot, read_metrics
+    from fsdp_jax.app.trainer.plot import plot, read_metrics
 
     path = Path(args.run_dir) / "metrics.jsonl"
     if not path.is_file():

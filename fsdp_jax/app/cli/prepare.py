@@ -126,12 +126,13 @@ def check_flags(args) -> None:
 
 def _check_vocab(args) -> None:
     """--model: the tokenizer's vocab must fit the model's embedding table."""
-    from fsdp_jax.app.data import DataError
-    from fsdp_jax.app.tokenizer import load_tokenizer
+    from fsdp_jax.app.data.tokenizer import load_tokenizer
+    from fsdp_jax.errors import DataError
 
     tok = load_tokenizer(args.tokenizer, args.eos)
     if args.model:
-        from fsdp_jax.app.hf import model_config_from_hf, read_config_json
+        from fsdp_jax.app.hf.config_in import model_config_from_hf
+        from fsdp_jax.app.hf.load import read_config_json
 
         vocab = model_config_from_hf(read_config_json(args.model), f"{args.model}/config.json").vocab_size
         if tok.vocab_size > vocab:
@@ -142,7 +143,7 @@ def _check_vocab(args) -> None:
 
 
 def _errors():
-    from fsdp_jax.app.tokenizer import TokenizerError
+    from fsdp_jax.errors import TokenizerError
 
     return (TokenizerError,), ()
 
@@ -151,7 +152,7 @@ def run(args) -> int:
     check_flags(args)
     if args.threads:  # Hugging Face tokenizers take their thread count from the environment
         os.environ["RAYON_NUM_THREADS"] = str(args.threads)
-    from fsdp_jax.app import data  # after the flags are checked: --help and bad flags stay fast
+    from fsdp_jax.app.data import corpus as data  # after the flags are checked: --help and bad flags stay fast
 
     problem = data.dir_problem(args.out)
     if problem:
@@ -159,8 +160,8 @@ def run(args) -> int:
     if args.pack is not None:
         if args.tokenizer != "bytes":
             _check_vocab(args)
-        from fsdp_jax.app.sft_data import prepare_examples
-        from fsdp_jax.app.tables import KeyMap
+        from fsdp_jax.app.data.sft import prepare_examples
+        from fsdp_jax.app.data.tables import KeyMap
 
         meta = prepare_examples(
             args.sources,

@@ -32,21 +32,22 @@ PEER_NOTE = (
 
 
 def _errors():
-    from fsdp_jax.app.loop import TrainingDiverged
+    from fsdp_jax.errors import TrainingDiverged
 
     return (), (TrainingDiverged,)
 
 
 def run(args) -> int:
-    from fsdp_jax.app.cli.devices import use_cpu_devices
-    from fsdp_jax.app.cli.exits import BAD_INPUT
-    from fsdp_jax.app.config import ConfigError, load_config
-    from fsdp_jax.app.loop import train
-    from fsdp_jax.distributed import await_peer_verdict, finished, maybe_initialize
-    from fsdp_jax.xla_flags import apply_gpu_fsdp_flags
+    from fsdp_jax.app.devices import use_cpu_devices
+    from fsdp_jax.app.exits import BAD_INPUT
+    from fsdp_jax.app.trainer.loop import train
+    from fsdp_jax.app.trainer.setup import load_run_config
+    from fsdp_jax.errors import ConfigError
+    from fsdp_jax.multihost.distributed import await_peer_verdict, finished, maybe_initialize
+    from fsdp_jax.targets.xla_flags import apply_gpu_fsdp_flags
 
     use_cpu_devices()
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_run_config(args.config, args.overrides)
     if cfg.xla_gpu_flags == "fsdp":  # XLA reads XLA_FLAGS when the backend starts: do it first
         apply_gpu_fsdp_flags()
     d = cfg.distributed

@@ -4,7 +4,7 @@
     fsdp-jax verify --config configs/llama2_7b.yaml --devices 8 --steps 3 --json
     fsdp-jax verify --config configs/small.yaml --strategies zero3,ddp optimizer.name=sgd
 
-(`python scripts/verify.py ...` is the same command.) `fsdp_jax.verify` on the config's
+(`python scripts/verify.py ...` is the same command.) `fsdp_jax.verify.run` on the config's
 model (fsdp_jax/app/models/llama.py), loss, optimizer, precision, remat, microbatches and clipping, with the
 trainer's own batches when `data.path` holds a packed corpus (or a token corpus with
 `data.document_mask`: the masked, per-segment step; fsdp_jax.app.verify_batches), else
@@ -49,8 +49,7 @@ def build_parser(prog: str | None = None) -> Parser:
 
 
 def _errors():
-    from fsdp_jax.app.fit.report import PlanError
-    from fsdp_jax.verify import VerifyError
+    from fsdp_jax.errors import PlanError, VerifyError
 
     return (PlanError, VerifyError), ()
 
@@ -58,20 +57,21 @@ def _errors():
 def run(args) -> int:
     """Check the flags and config, fit the config to this machine (shrunk when too big,
     noted), verify every strategy against one device, report."""
-    from fsdp_jax.app.cli.devices import use_cpu_devices
-    from fsdp_jax.app.config import load_config, validate
-    from fsdp_jax.app.fit.report import parse_devices, parse_strategies
+    from fsdp_jax.app.config.checks import validate
+    from fsdp_jax.app.devices import use_cpu_devices
+    from fsdp_jax.app.planner.inputs import parse_devices, parse_strategies
+    from fsdp_jax.app.trainer.setup import load_run_config
 
     n = parse_devices(args.devices)
     strategies = parse_strategies(args.strategies)
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_run_config(args.config, args.overrides)
     validate(cfg)
     use_cpu_devices(n)  # before JAX starts: n CPU devices when this machine has fewer
 
     import jax
 
-    from fsdp_jax.app.cli.exits import fail_env
-    from fsdp_jax.verify import devices_for
+    from fsdp_jax.app.exits import fail_env
+    from fsdp_jax.verify.run import devices_for
 
     devices = devices_for(n)
     if devices is None:
@@ -129,11 +129,11 @@ def _as_verified(cfg, devices, notes: list[str]) -> tuple:
 
 
 def _verify(args, cfg, strategies, n: int, batches: list):
-    """`fsdp_jax.verify` on the trainer's model, loss and optimizer (at its peak lr), with
+    """`fsdp_jax.verify.run` on the trainer's model, loss and optimizer (at its peak lr), with
     `batches` (`fsdp_jax.app.verify_batches`)."""
-    from fsdp_jax.app.optim import build_optimizer
-    from fsdp_jax.app.trainer_build import make_loss_fn, trainer_model
-    from fsdp_jax.verify import verify
+    from fsdp_jax.app.trainer.build import make_loss_fn, trainer_model
+    from fsdp_jax.app.trainer.optim import build_optimizer
+    from fsdp_jax.verify.run import verify
 
     model = trainer_model(cfg.model, cfg.remat)
     optimizer, _ = build_optimizer(dataclasses.replace(cfg.optimizer, warmup_steps=0), cfg.train.steps)

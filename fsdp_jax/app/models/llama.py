@@ -9,10 +9,10 @@ embedding table when `tie_word_embeddings`) -> (soft cap). Init normal(0, 0.02)
 (biases too, and the w of `norm_plus_one`'s 1 + w), Llama norm scales 1. With every `LlamaConfig`
 switch at its default this is the Llama-2 reference, param for param. The layout
 matches Hugging Face's *ForCausalLM of each family up to transposes (rotate-half
-RoPE, q head n uses kv head n // (H / K)); `fsdp_jax.app.hf` converts both ways.
+RoPE, q head n uses kv head n // (H / K)); `fsdp_jax.app.hf.load` converts both ways.
 
 Every parameter and activation names its dims with logical names from
-`fsdp_jax.axes`; this module knows no mesh, strategy or optimizer. Params arrive
+`fsdp_jax.sharding.axes`; this module knows no mesh, strategy or optimizer. Params arrive
 already cast to the compute dtype by the train step, so activations follow them.
 A layer pattern (`global_every`) passes a per-layer "sliding" flag through the
 layer scan, so scanned layers stay one module.
@@ -30,12 +30,12 @@ from flax import linen as nn
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from fsdp_jax import layer_gather
-from fsdp_jax.app.models.attention import _attend_capped, attention, packed_layout, rope, segment_mask, softcap  # noqa: F401
+from fsdp_jax.app.models.attention import _attend_capped, attention, rope, segment_mask, softcap
 from fsdp_jax.app.models.rope import apply_rope, rope_tables
-from fsdp_jax.axes import BATCH, EMBED, HEADS, KV, KV_HEADS, LAYERS, LENGTH, MLP, NORM, VOCAB
-from fsdp_jax.precision import matmul, take
-from fsdp_jax.remat import get_policy
+from fsdp_jax.sharding.axes import BATCH, EMBED, HEADS, KV, KV_HEADS, LAYERS, LENGTH, MLP, NORM, VOCAB
+from fsdp_jax.sharding.precision import matmul, take
+from fsdp_jax.sharding.remat import get_policy
+from fsdp_jax.train import layer_gather
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,7 +284,7 @@ class Llama(nnx.Module):
             x = x * jnp.asarray(np.float32(cfg.d_model**0.5), emb.dtype)
         x = constrain(x, (BATCH, LENGTH, EMBED))
         pattern = bool(cfg.sliding_window and cfg.global_every)  # per-layer local flag
-        # scanned layers: the train step's per-layer cast + gather (ZeRO-2/3, fsdp_jax.layer_gather)
+        # scanned layers: the train step's per-layer cast + gather (ZeRO-2/3, fsdp_jax.train.layer_gather)
         wrap = layer_gather.gather_module if cfg.scan_layers else (lambda blk: blk)
         block_fn = (
             (lambda blk, h, loc: wrap(blk)(h, loc, segment_ids, positions))

@@ -1,0 +1,299 @@
+"""The run config's schema: one typed, frozen dataclass per section, each field's
+type and limits attached to the field itself.
+
+A field with a range carries it as metadata (`limit(default, "> 0")`); `field_problems`
+checks a built Config against those limits and the types, and `fsdp_jax.app.config.checks`
+adds the cross-field and device checks. Parsing YAML and `key=value` overrides is
+`fsdp_jax.app.config.parse`; `fsdp_jax.app.config` re-exports all three.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import typing
+from collections.abc import Mapping
+from typing import Any, Callable
+
+from fsdp_jax.app.models.llama import LlamaConfig
+from fsdp_jax.app.models.rope import ROPE_TYPES
+from fsdp_jax.errors import ConfigError
+from fsdp_jax.sharding import rules as rl
+from fsdp_jax.sharding.axes import MESH_AXES
+from fsdp_jax.sharding.replication import DEFAULT_MAX_REPLICATED_FRACTION, DEFAULT_MIN_REPLICATED_BYTES
+
+# Limits a field can carry: (test, what the error says is allowed).
+LIMITS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "> 0": (lambda v: v > 0, "must be > 0"),
+    ">= 0": (lambda v: v >= 0, "must be >= 0"),
+    "off": (lambda v: v >= 0, "must be >= 0 (0 = off)"),
+    "[0, 1]": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+    "[0, 1)": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
+    "> 0 or null": (lambda v: v is None or v > 0, "must be > 0, or null for no clipping"),
+    ">= 1 or null": (lambda v: v is None or v >= 1, "must be >= 1 (or null to auto-detect)"),
+    "mesh size": (lambda v: v >= 1 or v == -1, "must be >= 1, or -1 for the remaining devices"),
+    "peer timeout": (lambda v: 0 <= v <= 86400, "must be in [0, 86400] seconds (0 = no peer watch)"),
+}
+
+
+def limit(default: Any, kind: str | None = None, *, choices: tuple[str, ...] | None = None):
+    """A dataclass field with `default` and its limit: a key of LIMITS and/or `choices`."""
+    assert kind is None or kind in LIMITS, kind
+    return dataclasses.field(default=default, metadata={"limit": kind, "choices": choices})
+
+
+# The model section is the reference model's own config dataclass (fsdp_jax.app.models),
+# which carries no config metadata: its limits are listed here.
+MODEL_LIMITS: dict[str, str] = {
+    **{
+        n: "> 0"
+        for n in (
+            "vocab_size",
+            "d_model",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "ffn_dim",
+            "max_seq_len",
+            "rope_theta",
+            "norm_eps",
+            "rope_factor",
+            "rope_low_freq_factor",
+            "rope_beta_fast",
+            "rope_beta_slow",
+        )
+    },
+    **{
+        n: "off"
+        for n in (
+            "sliding_window",
+            "global_every",
+            "rope_local_theta",
+            "attn_softcap",
+            "query_pre_attn_scalar",
+            "final_softcap",
+            "rope_attention_factor",
+            "rope_mscale",
+            "rope_mscale_all_dim",
+            "rope_original_max_len",
+        )
+    },
+}
+MODEL_CHOICES: dict[str, tuple[str, ...]] = {
+    "attention": ("xla", "cudnn"),
+    "rope_type": tuple(ROPE_TYPES),
+    "mlp_activation": ("silu", "gelu_pytorch_tanh"),
+}
+
+# The model section is the reference model's own config dataclass.
+ModelConfig = LlamaConfig
+
+
+Rules = dict[str, Any]
+
+
+def resolved_rules(overrides: Mapping | None = None) -> Rules:
+    """`overrides` (logical name -> mesh axis, list of axes, or null) merged over
+    `fsdp_jax.sharding.rules.DEFAULT_RULES`, in YAML-friendly form (lists, not tuples).
+    Raises ConfigError naming mesh.rules.NAME when a value is not a mesh axis."""
+    if overrides is not None and not isinstance(overrides, Mapping):
+        raise ConfigError(
+            "mesh.rules",
+            f"{overrides!r} is not a mapping of logical name -> mesh axis (e.g. {{mlp: tensor, embed: fsdp}})",
+        )
+    out = {}
+    for name, value in {**rl.DEFAULT_RULES, **(overrides or {})}.items():
+        try:
+            merged = rl.merge_rules({name: value}, {})
+        except rl.ShardingError:
+            raise ConfigError(
+                f"mesh.rules.{name}",
+                f"{value!r} is invalid; a mesh axis ({', '.join(MESH_AXES)}), a list of them, or null",
+            ) from None
+        v = merged[str(name)]
+        out[str(name)] = list(v) if isinstance(v, tuple) else v
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    data: int = limit(1, "mesh size")  # each size >= 1, or -1 (one axis) = the remaining devices
+    fsdp: int = limit(-1, "mesh size")
+    tensor: int = limit(1, "mesh size")
+    strategy: str = "full_shard"  # a name of fsdp_jax.sharding.strategy.STRATEGIES or an alias
+    min_shard_size: int = limit(rl.DEFAULT_MIN_SHARD_SIZE, ">= 0")  # leaves with fewer elements stay replicated
+    max_replicated_fraction: float = limit(DEFAULT_MAX_REPLICATED_FRACTION, "[0, 1]")
+    min_replicated_bytes: int = limit(DEFAULT_MIN_REPLICATED_BYTES, ">= 0")  # under this, over the fraction only warns
+    # logical name -> mesh axis / list / null, merged over fsdp_jax.sharding.rules.DEFAULT_RULES (the
+    # resolved table is what the run saves in config.yaml)
+    rules: Rules = dataclasses.field(default_factory=resolved_rules)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    name: str = limit("adamw", choices=("adamw", "sgd", "adafactor"))  # adamw | sgd | adafactor
+    lr: float = limit(3e-3, "> 0")  # peak; linear warmup then cosine to lr * min_lr_ratio
+    warmup_steps: int = limit(50, ">= 0")
+    min_lr_ratio: float = limit(0.1, "[0, 1]")
+    b1: float = limit(0.9, "[0, 1)")
+    b2: float = limit(0.95, "[0, 1)")
+    eps: float = limit(1e-8, "> 0")
+    weight_decay: float = limit(0.1, ">= 0")
+    momentum: float = limit(0.9, "[0, 1)")  # sgd only
+    clip_norm: float | None = limit(1.0, "> 0 or null")  # global-norm clipping; null = off
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    path: str = "data/stdlib"  # directory with train.bin, val.bin, meta.json
+    source: str = limit(
+        "stdlib", choices=("stdlib", "none")
+    )  # stdlib: prepare the stdlib corpus there if missing; none
+    seq_len: int = limit(128, "> 0")
+    seed: int = limit(0, ">= 0")
+    document_mask: bool = False  # token corpora: attention and positions restart after each EOS
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = limit(500, "> 0")
+    global_batch: int = limit(16, "> 0")  # sequences per step, over all processes and microbatches
+    microbatches: int = limit(1, "> 0")  # gradient accumulation
+    seed: int = limit(0, ">= 0")
+    log_every: int = limit(10, "> 0")
+    eval_every: int = limit(100, "off")  # 0 = never
+    eval_batches: int = limit(8, "off")
+    checkpoint_every: int = limit(100, "off")  # 0 = only at the end
+    keep_checkpoints: int = limit(3, "> 0")
+    tensorboard: bool = False
+    sample_tokens: int = limit(200, "off")  # generated after training; 0 = none
+    max_inflight_steps: int = limit(1, "> 0")  # steps dispatched before blocking on a loss
+    max_nonfinite_steps: int = limit(3, "> 0")  # skipped (non-finite) steps in a row before the run stops
+    profile: str | None = None  # "START:END": jax.profiler trace of those steps (1-based) -> run_dir/profile
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingConfig:
+    wandb: bool = False  # also log metrics.jsonl's records to Weights & Biases (WANDB_MODE=offline works)
+    wandb_project: str = "fsdp_jax"
+    wandb_run_name: str | None = None  # null = W&B picks one
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    coordinator: str | None = None  # host:port of process 0; null = auto-detect (SLURM, Open MPI, ...)
+    num_processes: int | None = limit(None, ">= 1 or null")
+    process_id: int | None = None
+    init_timeout_s: int = limit(300, "> 0")
+    peer_timeout_s: float = limit(
+        60.0, "peer timeout"
+    )  # a peer silent this long stops the others in one line, exit 1; 0 = off
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model: ModelConfig = ModelConfig()
+    mesh: MeshConfig = MeshConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+    distributed: DistributedConfig = DistributedConfig()
+    logging: LoggingConfig = LoggingConfig()
+    precision: str = "params=float32,compute=float32"
+    remat: str = "dots"
+    offload: str = "none"  # none | optimizer | optimizer+params: state kept in host memory
+    run_dir: str = "runs/tiny"
+    xla_gpu_flags: str = limit(
+        "none", choices=("none", "fsdp")
+    )  # none | fsdp: fsdp_jax.targets.xla_flags.GPU_FSDP_FLAGS (set before start-up)
+    init_from: str | None = None  # params to start from: a .safetensors file, run or checkpoint dir,
+    # or hf:DIR (a Hugging Face model, docs/hf_models.md; its config.json sets model.*)
+
+
+_SECTIONS: dict[str, type] = {k: t for k, t in typing.get_type_hints(Config).items() if dataclasses.is_dataclass(t)}
+_FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+_INT_LIMIT = 2**31
+
+
+def _all_keys() -> list[str]:
+    keys = []
+    for f in dataclasses.fields(Config):
+        sub = _SECTIONS.get(f.name)
+        keys += [f"{f.name}.{g.name}" for g in dataclasses.fields(sub)] if sub else [f.name]
+    return keys
+
+
+def _field_type(dotted: str) -> Any:
+    head, _, tail = dotted.partition(".")
+    hints = typing.get_type_hints(Config)
+    if head in _SECTIONS and tail:
+        return typing.get_type_hints(_SECTIONS[head]).get(tail)
+    return None if tail else hints.get(head)
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Check `value` against the annotation `tp`; int -> float and '3e-3' -> 0.003 for floats."""
+    args = typing.get_args(tp)
+    if type(None) in args:
+        if value is None:
+            return None
+        tp = next(a for a in args if a is not type(None))
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(key, f"{value!r} is not a boolean; use true or false")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            if not -_INT_LIMIT <= value < _INT_LIMIT:  # seeds, sizes and steps reach int32/C long
+                raise ConfigError(key, f"{value!r} is out of range; must be in [-2**31, 2**31)")
+            return value
+        raise ConfigError(key, f"{value!r} is not an integer")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out = float(value) if abs(value) < 1e308 or isinstance(value, float) else math.inf
+        elif isinstance(value, str) and _FLOAT_RE.fullmatch(value.strip()):
+            out = float(value)  # PyYAML reads 3e-3 (no dot) as a string
+        else:
+            raise ConfigError(key, f"{value!r} is not a number")
+        if not math.isfinite(out):  # .inf / .nan would only surface as NaN params
+            raise ConfigError(key, f"{value!r} is not a finite number")
+        return out
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        hint = " (quote it in YAML: an unquoted 2:4 reads as a base-60 number)" if isinstance(value, int) else ""
+        raise ConfigError(key, f"{value!r} is not a string{hint}")
+    if tp == Rules:
+        return resolved_rules(value)
+    raise TypeError(f"{key}: unsupported annotation {tp!r}")  # a bug here, not in the YAML
+
+
+def field_limits(cfg: Config):
+    """(dotted key, value, limit kind or None, choices or None) of every section field."""
+    for section in _SECTIONS:
+        sub = getattr(cfg, section)
+        for f in dataclasses.fields(sub):
+            if section == "model":
+                kind, choices = MODEL_LIMITS.get(f.name), MODEL_CHOICES.get(f.name)
+            else:
+                kind, choices = f.metadata.get("limit"), f.metadata.get("choices")
+            yield f"{section}.{f.name}", getattr(sub, f.name), kind, choices
+    for f in dataclasses.fields(Config):
+        if f.name not in _SECTIONS:
+            yield f.name, getattr(cfg, f.name), f.metadata.get("limit"), f.metadata.get("choices")
+
+
+def check_fields(cfg: Config) -> None:
+    """Each field's type (again: catches a Config(...) built by hand), choices and limit:
+    ConfigError naming the first that fails."""
+    for section in _SECTIONS:
+        sub = getattr(cfg, section)
+        hints = typing.get_type_hints(type(sub))
+        for f in dataclasses.fields(sub):
+            _coerce(f"{section}.{f.name}", getattr(sub, f.name), hints[f.name])
+    for key, v, kind, choices in field_limits(cfg):
+        if choices is not None and v not in choices:
+            raise ConfigError(key, f"{v!r} is invalid; allowed: {', '.join(choices)}")
+        if kind is not None and not LIMITS[kind][0](v):
+            raise ConfigError(key, f"{v!r} is invalid; {LIMITS[kind][1]}")

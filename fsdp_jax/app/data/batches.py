@@ -1,0 +1,83 @@
+"""The trainer's batches: the train iterator and validation batches for a run config,
+their placement as global arrays, and the token-id check on each batch."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from fsdp_jax.app.data import corpus as data_lib
+from fsdp_jax.errors import DataError
+from fsdp_jax.sharding.strategy import ShardingPlan
+from fsdp_jax.app.data.packed_rows import make_packed_dataset
+from fsdp_jax.app.data.packed_rows import packed_eval_batches
+from fsdp_jax.app.data.windows import eval_batches
+from fsdp_jax.app.data.windows import make_dataset
+
+
+def make_batches(cfg, process_index: int, process_count: int):
+    """(train iterator, val batches) for the corpus at data.path: packed fine-tuning rows
+    (`fsdp_jax.app.data.sft`), or windows of a token corpus (`fsdp_jax.app.data.corpus`), as
+    batch dicts with document masks when data.document_mask."""
+    c, meta = cfg.train, data_lib.load_meta(cfg.data.path)
+    n_val = c.eval_batches if c.eval_every else 0
+    if meta.get("format") == "packed":
+        from fsdp_jax.app.data import sft as sft_data
+
+        batches = make_packed_dataset(
+            cfg.data.path, "train", c.global_batch, cfg.data.seed, process_index, process_count
+        )
+        val = (
+            packed_eval_batches(cfg.data.path, c.global_batch, n_val, process_index, process_count)
+            if n_val
+            else []
+        )
+        return batches, val
+    batches = make_dataset(
+        cfg.data.path, "train", cfg.data.seq_len, c.global_batch, cfg.data.seed, process_index, process_count
+    )
+    val = (
+        eval_batches(
+            cfg.data.path, cfg.data.seq_len, c.global_batch, n_val, cfg.data.seed, process_index, process_count
+        )
+        if n_val
+        else []
+    )
+    if cfg.data.document_mask:
+        from fsdp_jax.app.data.packing import batch_from_windows
+
+        eos = int(meta["eos_id"])
+        batches.dataset = batches.dataset.map(lambda w: batch_from_windows(w, eos))
+        val = [batch_from_windows(w, eos) for w in val]
+    return batches, val
+
+
+def global_batch(plan: ShardingPlan, local):
+    """This process's rows (an array, or a packed batch dict) -> global arrays sharded
+    over (data, fsdp)."""
+    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(plan.batch, x), local)
+
+
+def check_tokens(local: np.ndarray, vocab_size: int, step: int, data_path: str) -> None:
+    """A batch's token ids are in [0, vocab_size): an id outside would only show up as
+    a NaN loss (the embedding lookup fills it), so name the data instead."""
+    if isinstance(local, dict):
+        local = local["inputs"]
+    lo, hi = int(local.min()), int(local.max())
+    if lo < 0 or hi >= vocab_size:
+        bad = hi if hi >= vocab_size else lo
+        raise DataError(
+            f"data.path {data_path!r}: step {step}'s batch holds token id {bad}, "
+            f"outside model.vocab_size={vocab_size}; the corpus does not match "
+            "the model (its meta.json vocab_size is wrong?)"
+        )
+
+
+def evaluate(run, params, batches) -> float:
+    """Mean val loss: per token over all batches for packed / document-masked batches
+    (sum of token losses / trained tokens: the example-level loss of held-out
+    examples), else the mean of the batches' means."""
+    outs = [run.eval_step(params, global_batch(run.plan, b)) for b in batches]
+    if outs and "tokens" in outs[0]:
+        return float(sum(float(o["loss_sum"]) for o in outs) / max(1.0, sum(float(o["tokens"]) for o in outs)))
+    return float(np.mean([float(o["loss"]) for o in outs]))

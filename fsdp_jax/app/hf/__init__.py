@@ -1,0 +1,7 @@
+"""Hugging Face checkpoints of the decoder families, named by direction.
+
+load        a Hugging Face checkpoint -> the reference decoder's params, loaded sharded
+config_in   a family's config.json -> `LlamaConfig`
+export      a run's params -> a Hugging Face directory `from_pretrained` loads
+config_out  `LlamaConfig` -> the family's config.json
+"""

@@ -1,0 +1,381 @@
+"""Hugging Face checkpoints of the decoder families -> the reference decoder, loaded sharded.
+
+    init_from: hf:/path/to/Llama-3.1-8B       # config.json + model.safetensors[.index.json]
+
+`model_config_from_hf` (fsdp_jax.app.hf.config_in) maps `config.json` of a llama,
+mistral, qwen2, qwen3 or gemma3_text model onto `LlamaConfig` and refuses, with one
+line naming the field, what the decoder cannot compute. `load_config` calls
+`model_section_from_hf` so a config with `init_from: hf:PATH` gets its model section
+from the checkpoint (keys the YAML sets must agree) and the run's saved config.yaml is
+complete. `HFCheckpoint` then checks every tensor against what the config implies
+(a bias the config does not have, a q_norm of the wrong size: one line naming it).
+
+Layout (measured against transformers' LlamaForCausalLM, docs/design.md): per layer
+`q/k/v_proj.weight.T` reshaped to (D, H, Dh), `o_proj.weight.T` to (H, Dh, D),
+`gate/up/down_proj.weight.T`, norms as they are, q/k/v biases (Qwen2) reshaped to
+(N, Dh), the head `lm_head.weight.T` (or the embedding table when tied). Gemma 3's
+`post_attention_layernorm` is our `post_attn_norm` and its `pre_feedforward_layernorm`
+our `mlp_norm` (in the other families `post_attention_layernorm` is the pre-MLP norm). Both sides use rotate-half RoPE and map query head
+n to kv head n // (H / K), so no permutation. Scanned layers stack on a leading
+`layers` dim.
+
+`load_params` builds each param leaf shard by shard: for every distinct index a
+local device holds it reads just those rows/columns of the per-layer tensors
+(`SafetensorsFile.read`), converts the dtype, puts it on the device(s) and drops
+the host copy, so host memory holds one shard at a time, never the model.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from fsdp_jax.app.hf.config_in import ARCH_FIELDS, FIELDS, model_config_from_hf
+from fsdp_jax.app.models.llama import LlamaConfig
+from fsdp_jax.checkpoint import CheckpointError, tree_paths
+from fsdp_jax.checkpoint.safetensors_io import SafetensorsFile
+from fsdp_jax.errors import ConfigError, SafetensorsError
+
+PREFIX = "hf:"
+# per-layer params: our path under a block -> (HF name under model.layers.N, layout kind)
+LAYER_TENSORS = {
+    "attn/wq": ("self_attn.q_proj.weight", "qkv"),
+    "attn/wk": ("self_attn.k_proj.weight", "qkv"),
+    "attn/wv": ("self_attn.v_proj.weight", "qkv"),
+    "attn/wo": ("self_attn.o_proj.weight", "o"),
+    "mlp/w_gate": ("mlp.gate_proj.weight", "t"),
+    "mlp/w_up": ("mlp.up_proj.weight", "t"),
+    "mlp/w_down": ("mlp.down_proj.weight", "t"),
+    "attn_norm/scale": ("input_layernorm.weight", "id"),
+    "mlp_norm/scale": ("post_attention_layernorm.weight", "id"),
+}
+BIAS_TENSORS = {
+    "attn/bq": ("self_attn.q_proj.bias", "bias"),
+    "attn/bk": ("self_attn.k_proj.bias", "bias"),
+    "attn/bv": ("self_attn.v_proj.bias", "bias"),
+}
+QK_NORM_TENSORS = {
+    "attn/q_norm/scale": ("self_attn.q_norm.weight", "id"),
+    "attn/k_norm/scale": ("self_attn.k_norm.weight", "id"),
+}
+SANDWICH_TENSORS = {
+    "post_attn_norm/scale": ("post_attention_layernorm.weight", "id"),
+    "mlp_norm/scale": ("pre_feedforward_layernorm.weight", "id"),
+    "post_mlp_norm/scale": ("post_feedforward_layernorm.weight", "id"),
+}
+TOP_TENSORS = {
+    "embed": ("model.embed_tokens.weight", "id"),
+    "final_norm/scale": ("model.norm.weight", "id"),
+    "head": ("lm_head.weight", "t"),
+}
+_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+_FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+_IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")  # old 4.x buffers
+
+
+def is_hf(init_from: str | None) -> bool:
+    return isinstance(init_from, str) and init_from.startswith(PREFIX)
+
+
+def hf_dir(init_from: str) -> Path:
+    return Path(init_from[len(PREFIX) :]).expanduser()
+
+
+# -- config.json ---------------------------------------------------------------------------
+
+
+def read_config_json(path: str | Path) -> dict:
+    f = Path(path) / "config.json"
+    try:
+        raw = json.loads(f.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"hf:{path}: no config.json (expected a Hugging Face model directory: config.json + model.safetensors)"
+        ) from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(str(f), f"not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(str(f), "expected a JSON object")
+    return raw
+
+
+def model_section_from_hf(raw: Mapping) -> dict:
+    """A raw config dict whose `model` section is filled from `init_from: hf:PATH`'s
+    config.json (when that file exists; else unchanged). A model key the YAML sets
+    that disagrees with the checkpoint is a ConfigError naming both."""
+    init_from = raw.get("init_from")
+    if not is_hf(init_from) or not (hf_dir(init_from) / "config.json").is_file():
+        return dict(raw)
+    path = hf_dir(init_from)
+    section = raw.get("model") or {}
+    if not isinstance(section, Mapping):
+        return dict(raw)  # config_from_dict reports it
+    derived = model_config_from_hf(read_config_json(path), str(path / "config.json"))
+    model = dict(section)
+    for field in ARCH_FIELDS:
+        key = FIELDS.get(field, field)
+        theirs, mine = getattr(derived, field), model.get(field)
+        if isinstance(theirs, float) and isinstance(mine, str) and _FLOAT.fullmatch(mine.strip()):
+            mine = float(mine)  # PyYAML reads 1e4 (no dot) as a string
+        if field in model and mine != theirs:
+            raise ConfigError(
+                f"model.{field}",
+                f"{model[field]!r} disagrees with "
+                f"{path / 'config.json'} ({key}={theirs!r}); remove it or make it agree",
+            )
+        model[field] = theirs
+    return {**raw, "model": model}
+
+
+def check_model_config(model: LlamaConfig, path: Path) -> None:
+    """ConfigError when `model` (the run's) differs from the checkpoint's config.json."""
+    derived = model_config_from_hf(read_config_json(path), str(path / "config.json"), base=model)
+    for field in ARCH_FIELDS:
+        if getattr(model, field) != getattr(derived, field):
+            raise ConfigError(
+                f"model.{field}",
+                f"{getattr(model, field)!r} but {path}/config.json "
+                f"implies {FIELDS.get(field, field)}={getattr(derived, field)!r}",
+            )
+
+
+# -- tensor layout -------------------------------------------------------------------------
+
+
+def layer_tensors(cfg: LlamaConfig) -> dict[str, tuple[str, str]]:
+    """{our path under a block: (HF name under model.layers.N, layout kind)} for `cfg`."""
+    out = dict(LAYER_TENSORS)
+    if cfg.qkv_bias:
+        out.update(BIAS_TENSORS)
+    if cfg.qk_norm:
+        out.update(QK_NORM_TENSORS)
+    if cfg.sandwich_norm:
+        out.update(SANDWICH_TENSORS)
+    return out
+
+
+def expected_tensors(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """{HF tensor name: shape} of a checkpoint for `cfg`."""
+    d, f, dh = cfg.d_model, cfg.ffn_dim, cfg.head_dim
+    shapes = {
+        "attn/wq": (cfg.n_heads * dh, d),
+        "attn/wk": (cfg.n_kv_heads * dh, d),
+        "attn/wv": (cfg.n_kv_heads * dh, d),
+        "attn/wo": (d, cfg.n_heads * dh),
+        "mlp/w_gate": (f, d),
+        "mlp/w_up": (f, d),
+        "mlp/w_down": (d, f),
+        "attn/bq": (cfg.n_heads * dh,),
+        "attn/bk": (cfg.n_kv_heads * dh,),
+        "attn/bv": (cfg.n_kv_heads * dh,),
+        "attn/q_norm/scale": (dh,),
+        "attn/k_norm/scale": (dh,),
+    }
+    per = {name: shapes.get(ours, (d,)) for ours, (name, _) in layer_tensors(cfg).items()}
+    out = {"model.embed_tokens.weight": (cfg.vocab_size, d)}
+    for i in range(cfg.n_layers):
+        out.update({f"model.layers.{i}.{k}": s for k, s in per.items()})
+    out["model.norm.weight"] = (d,)
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = (cfg.vocab_size, d)
+    return out
+
+
+def leaf_sources(cfg: LlamaConfig) -> dict[str, tuple[list[str], str]]:
+    """{our param path: ([HF names, one per stacked layer or a single one], kind)}.
+    Scanned layers: "blocks/attn/wq" <- L names; else "blocks/3/attn/wq" <- one."""
+    out: dict[str, tuple[list[str], str]] = {}
+    for ours, (name, kind) in TOP_TENSORS.items():
+        if ours != "head" or not cfg.tie_word_embeddings:
+            out[ours] = ([name], kind)
+    for ours, (name, kind) in layer_tensors(cfg).items():
+        if cfg.scan_layers:
+            out[f"blocks/{ours}"] = ([f"model.layers.{i}.{name}" for i in range(cfg.n_layers)], kind)
+        else:
+            for i in range(cfg.n_layers):
+                out[f"blocks/{i}/{ours}"] = ([f"model.layers.{i}.{name}"], kind)
+    return out
+
+
+def _span(s: slice, n: int) -> tuple[int, int]:
+    a, b, _ = s.indices(n)
+    return a, b
+
+
+def read_block(
+    f: SafetensorsFile, name: str, kind: str, idx: tuple[slice, ...], shape: tuple[int, ...], dh: int, dtype
+) -> np.ndarray:
+    """Our per-layer tensor of `shape`, sliced by `idx`, read from HF tensor `name`."""
+    if kind == "id":
+        return f.read(name, *idx, dtype=dtype)
+    if kind == "t":  # ours (a, b) = w.T
+        return f.read(name, idx[1], idx[0], dtype=dtype).T
+    if kind == "qkv":  # ours (D, N, Dh) = w.T.reshape(D, N, Dh), w (N*Dh, D)
+        n0, n1 = _span(idx[1], shape[1])
+        w = f.read(name, slice(n0 * dh, n1 * dh), idx[0], dtype=dtype)  # (n*Dh, d)
+        return w.reshape(n1 - n0, dh, -1)[:, idx[2], :].transpose(2, 0, 1)
+    if kind == "bias":  # ours (N, Dh) = b.reshape(N, Dh), b (N*Dh,)
+        n0, n1 = _span(idx[0], shape[0])
+        return f.read(name, slice(n0 * dh, n1 * dh), dtype=dtype).reshape(n1 - n0, dh)[:, idx[1]]
+    if kind == "o":  # ours (H, Dh, D) = w.T.reshape(H, Dh, D), w (D, H*Dh)
+        h0, h1 = _span(idx[0], shape[0])
+        w = f.read(name, idx[2], slice(h0 * dh, h1 * dh), dtype=dtype)  # (d, h*Dh)
+        return w.reshape(-1, h1 - h0, dh)[:, :, idx[1]].transpose(1, 2, 0)
+    raise ValueError(kind)
+
+
+def to_hf(kind: str, ours: np.ndarray) -> np.ndarray:
+    """One layer's tensor in HF layout (the inverse of `read_block` on the whole tensor)."""
+    if kind == "id":
+        return ours
+    if kind == "t":
+        return ours.T
+    if kind == "qkv":
+        return ours.reshape(ours.shape[0], -1).T
+    if kind == "bias":
+        return ours.reshape(-1)
+    if kind == "o":
+        return ours.reshape(-1, ours.shape[-1]).T
+    raise ValueError(kind)
+
+
+# -- the checkpoint ------------------------------------------------------------------------
+
+
+class HFCheckpoint:
+    """A Hugging Face model directory, checked: config.json maps onto `LlamaConfig`,
+    every shard file exists and parses, every tensor has the shape the config implies
+    and none is unexpected. Raises ConfigError / CheckpointError (one line)."""
+
+    def __init__(self, path: str | Path, base: LlamaConfig = LlamaConfig()):
+        self.path = Path(path)
+        where = str(self.path / "config.json")
+        self.raw_config = read_config_json(self.path)
+        self.config = model_config_from_hf(self.raw_config, where, base)
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                if not isinstance(weight_map, dict):
+                    raise TypeError("weight_map is not an object")
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise CheckpointError(f"hf:{self.path}: invalid {index.name} ({e})") from None
+        elif (self.path / "model.safetensors").is_file():
+            weight_map = None
+        else:
+            other = sorted(p.name for p in self.path.glob("*.bin"))
+            hint = f" (found {', '.join(other)}: convert it to safetensors first)" if other else ""
+            raise CheckpointError(f"hf:{self.path}: no model.safetensors or model.safetensors.index.json{hint}")
+        files: dict[str, SafetensorsFile] = {}
+        self.where: dict[str, SafetensorsFile] = {}
+        for fname in sorted(set(weight_map.values()) if weight_map else {"model.safetensors"}):
+            if not (self.path / fname).is_file():
+                raise CheckpointError(f"hf:{self.path}: shard file {fname} listed in the index is missing")
+            try:
+                files[fname] = SafetensorsFile(self.path / fname)
+            except SafetensorsError as e:
+                raise CheckpointError(f"hf:{e}") from None
+        for fname, f in files.items():
+            for name in f.tensors:
+                if weight_map is None or weight_map.get(name) == fname:
+                    self.where[name] = f
+        # before listing the tensors the config implies (a loop over its layers)
+        held = 1 + max((int(m.group(1)) for n in self.where if (m := _LAYER.match(n))), default=-1)
+        if held != self.config.n_layers:
+            raise CheckpointError(
+                f"hf:{self.path}: config.json num_hidden_layers="
+                f"{self.config.n_layers}, but the tensors hold {held} layers"
+            )
+        want = expected_tensors(self.config)
+        missing = [n for n in want if n not in self.where]
+        if missing:
+            raise CheckpointError(
+                f"hf:{self.path}: tensor {missing[0]} is missing"
+                + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+            )
+        tied_head = self.config.tie_word_embeddings and "lm_head.weight" in self.where
+        extra = [
+            n
+            for n in self.where
+            if n not in want and not _IGNORED.fullmatch(n) and not (tied_head and n == "lm_head.weight")
+        ]
+        if extra:
+            raise CheckpointError(
+                f"hf:{self.path}: unexpected tensor {extra[0]} (the model config.json describes has no such parameter)"
+            )
+        for n, shape in want.items():
+            got = self.where[n].shape(n)
+            if got != shape:
+                raise CheckpointError(
+                    f"hf:{self.path}: tensor {n} has shape {list(got)}, config.json implies {list(shape)}"
+                )
+            if self.where[n].dtype(n).name not in _FLOAT_DTYPES:
+                raise CheckpointError(
+                    f"hf:{self.path}: tensor {n} has dtype {self.where[n].dtype(n)}, expected a float type"
+                )
+
+    def nbytes(self) -> int:
+        """Bytes of the tensors the model uses, as stored."""
+        want = expected_tensors(self.config)
+        return sum(int(np.prod(s)) * self.where[n].dtype(n).itemsize for n, s in want.items())
+
+    def read(
+        self, names: list[str], kind: str, idx: tuple[slice, ...], shape: tuple[int, ...], dtype, stacked: bool
+    ) -> np.ndarray:
+        """The block `idx` of our leaf of `shape` (stacked: leading layer dim over `names`)."""
+        dh = self.config.head_dim
+        if not stacked:
+            return read_block(self.where[names[0]], names[0], kind, idx, shape, dh, dtype)
+        l0, l1 = _span(idx[0], shape[0])
+        return np.stack(
+            [read_block(self.where[names[i]], names[i], kind, idx[1:], shape[1:], dh, dtype) for i in range(l0, l1)]
+        )
+
+
+def load_params(ckpt: HFCheckpoint, abstract_params) -> Any:
+    """Params laid out as `abstract_params` (ShapeDtypeStructs with shardings, the
+    reference Llama's tree for `ckpt.config`), each process reading only the slices
+    its devices hold, cast to each leaf's dtype on the way."""
+    sources = leaf_sources(ckpt.config)
+    want = tree_paths(abstract_params)
+    if set(want) != set(sources):
+        diff = sorted(set(want) ^ set(sources))
+        raise CheckpointError(
+            f"hf:{ckpt.path}: the model's params do not match the checkpoint layout ({', '.join(diff[:4])})"
+        )
+    leaves = []
+    for path, sds in want.items():
+        names, kind = sources[path]
+        stacked = len(names) > 1 or (ckpt.config.scan_layers and path.startswith("blocks/"))
+        shape, dtype = tuple(sds.shape), np.dtype(sds.dtype)
+        sharding = getattr(sds, "sharding", None)
+        if sharding is None:
+            whole = tuple(slice(0, n) for n in shape)
+            leaves.append(jax.numpy.asarray(ckpt.read(names, kind, whole, shape, dtype, stacked)))
+            continue
+        groups: dict[tuple, list] = {}  # distinct index -> devices holding it
+        for dev, idx in sharding.addressable_devices_indices_map(shape).items():
+            key = tuple(s.indices(n)[:2] for s, n in zip(idx, shape))
+            groups.setdefault(key, []).append(dev)
+        arrays = []
+        for key, devs in groups.items():
+            block = ckpt.read(names, kind, tuple(slice(a, b) for a, b in key), shape, dtype, stacked)
+            arrays += [jax.device_put(block, d) for d in devs]
+            del block  # one host block at a time
+        leaves.append(jax.make_array_from_single_device_arrays(shape, sharding, arrays))
+    return jax.tree.unflatten(jax.tree.structure(abstract_params), leaves)
+
+
+def open_init(init_from: str, model: LlamaConfig) -> HFCheckpoint:
+    """The checked checkpoint of `init_from: hf:PATH` for a run whose model config is
+    `model` (ConfigError when it differs from config.json)."""
+    path = hf_dir(init_from)
+    check_model_config(model, path)
+    return HFCheckpoint(path, base=model)

@@ -1,0 +1,167 @@
+"""The trainer's train step for a config, built from abstract inputs: one concept, the
+step the planner measures and the benchmarks time.
+
+    b = build_step(cfg, "full_shard", jax.devices()[:8])
+    compiled = b.compile()
+
+`build_step` is `fsdp_jax.train.build.build` with the trainer's model, loss, optimizer and
+step options (as `fsdp_jax.app.trainer.loop.setup`), from `ShapeDtypeStruct`s carrying
+shardings: nothing is allocated. Its batch is the trainer's: int32 tokens (B, S + 1),
+or for a packed corpus or data.document_mask the dict of (B, S) arrays with segment
+ids, positions and weights (`abstract_batch`). `mesh_shape` resolves the config's mesh exactly as
+the trainer does; `target_mesh_sizes` lays hybrid_shard over a multi-host GPU target.
+The formulas that estimate its memory are `fsdp_jax.app.planner.memory_model`; compiling and
+reporting it for many strategies is `fsdp_jax.app.planner.estimate`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from fsdp_jax.errors import PlanError, one_line
+from fsdp_jax.sharding.strategy import get_strategy
+
+
+def mesh_shape(cfg, strategy: str, n_devices: int) -> tuple[int, int, int]:
+    """(data, fsdp, tensor) for `strategy` on `n_devices`: the config's mesh, resolved
+    exactly as the trainer resolves it (`fsdp_jax.sharding.mesh.make_mesh`), for every
+    strategy. The planner builds the trainer's step, never a neighbour of it: with
+    data=1, hybrid_shard plans what the trainer would run (the fsdp axis over every
+    device, like full_shard); set mesh.data > 1 to plan replicas over data.
+    `strategy` is accepted for callers that pick a mesh per strategy."""
+    from fsdp_jax.sharding.mesh import resolve_mesh_shape
+
+    del strategy
+    data, fsdp, tensor = resolve_mesh_shape((cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor), n_devices)
+    return data, fsdp, tensor
+
+
+def target_mesh_sizes(cfg, strategy: str, n_devices: int, hosts: int) -> tuple[int, int, int]:
+    """Mesh sizes on a `hosts`-host cluster: `mesh_shape`, except that hybrid_shard on a
+    config without its own data axis puts `data` across the hosts and `fsdp` within one
+    (HSDP's layout: reduce-scatter over NVLink, a gradient all-reduce across hosts)."""
+    data, fsdp, tensor = mesh_shape(cfg, strategy, n_devices)
+    if (
+        strategy == "hybrid_shard"
+        and hosts > 1
+        and cfg.mesh.data in (1, -1)
+        and (data * fsdp) % hosts == 0
+        and data * fsdp // hosts > 1
+    ):
+        data, fsdp = hosts, data * fsdp // hosts
+    return data, fsdp, tensor
+
+
+# The packed batch (`fsdp_jax.app.data.packing.batch_from_rows` / `batch_from_windows`): (B, S) each.
+PACKED_BATCH = {
+    "inputs": np.int32,
+    "targets": np.int32,
+    "weights": np.float32,
+    "segment_ids": np.int32,
+    "positions": np.int32,
+}
+
+
+def packed_batch(cfg) -> bool:
+    """Whether the trainer feeds this config packed batch dicts (segment ids, positions,
+    weights), as `fsdp_jax.app.trainer.loop.make_batches` decides: data.document_mask, or a
+    packed fine-tuning corpus (meta.json "format": "packed") at data.path."""
+    if cfg.data.document_mask:
+        return True
+    try:
+        return json.loads((Path(cfg.data.path) / "meta.json").read_text()).get("format") == "packed"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def abstract_batch(cfg, sharding):
+    """The global batch the trainer's step takes, as ShapeDtypeStructs with `sharding`:
+    int32 (B, S + 1) tokens, or the packed dict of (B, S) arrays (`packed_batch`)."""
+    b, s = cfg.train.global_batch, cfg.data.seq_len
+    if packed_batch(cfg):
+        return {k: jax.ShapeDtypeStruct((b, s), dt, sharding=sharding) for k, dt in PACKED_BATCH.items()}
+    return jax.ShapeDtypeStruct((b, s + 1), np.int32, sharding=sharding)
+
+
+def sample_batch(cfg, batch, rng: np.random.Generator):
+    """A concrete host batch shaped like `batch` (`abstract_batch`) for timing the step:
+    random tokens; a packed batch holds two examples per row, every target trained."""
+    if not isinstance(batch, dict):
+        return rng.integers(0, cfg.model.vocab_size, batch.shape, dtype=np.int32)
+    from fsdp_jax.app.data.packing import batch_from_rows
+
+    shape = batch["inputs"].shape
+    tokens = rng.integers(0, cfg.model.vocab_size, shape, dtype=np.int32)
+    seg = np.where(np.arange(shape[1]) < shape[1] // 2, 1, 2) * np.ones(shape, np.int32)
+    return batch_from_rows(tokens, np.ones(shape, np.uint8), seg)
+
+
+@dataclasses.dataclass
+class StepBuild:
+    """One strategy's train step built abstractly, as the trainer would build it."""
+
+    cfg: Any
+    strategy: str
+    mesh: jax.sharding.Mesh
+    model: Any  # fsdp_jax.train.shard_model.ModelFns
+    optimizer: Any
+    plan: Any  # ShardingPlan
+    state: Any  # TrainState of sharded ShapeDtypeStructs
+    batch: Any  # the trainer's batch: int32 (B, S + 1) tokens, or `packed_batch`'s dict
+    step: Any  # CompiledStep
+    built: Any  # fsdp_jax.train.build.Built
+
+    def compile(self, compiler_options: dict[str, Any] | None = None):
+        """AOT-compile the step; `compiler_options`: XLA debug options for this compile
+        only (e.g. {"xla_gpu_enable_while_loop_double_buffering": "true"})."""
+        lowered = self.step.lower(self.state, self.batch)
+        if not compiler_options:
+            return lowered.compile()
+        try:
+            return lowered.compile(compiler_options=compiler_options)
+        except Exception as e:  # XLA rejects unknown options / values with a generic error type
+            if "option" in str(e).lower() or "flag" in str(e).lower():
+                raise PlanError(f"--xla-flags: {one_line(e, 300)}") from None
+            raise
+
+    def init_state(self, rng: jax.Array):
+        """A concrete TrainState in the plan's layout (sharded init: params are created
+        shard by shard, never whole on one device), for running the step."""
+        return self.built.init_state(rng)
+
+
+def build_step(
+    cfg,
+    strategy: str | None = None,
+    devices: Sequence[jax.Device] | None = None,
+    mesh_sizes: tuple[int, int, int] | None = None,
+    **step_options,
+) -> StepBuild:
+    """The trainer's train step for `cfg` under `strategy` on `devices`, from abstract
+    inputs: `fsdp_jax.train.build.build` with the trainer's model, loss, optimizer and step
+    options (as `fsdp_jax.app.trainer.loop.setup`), minus the state. The replicated-fraction
+    check is not enforced here (the planner reports it instead). `step_options` go to
+    `make_train_step` on top of the trainer's (e.g. skip_nonfinite=False, to measure
+    what the guard costs)."""
+    from fsdp_jax.app.trainer.build import build_from_config, trainer_model
+    from fsdp_jax.app.trainer.optim import build_optimizer
+    from fsdp_jax.sharding.mesh import make_mesh
+
+    strategy = get_strategy(strategy or cfg.mesh.strategy).name
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = mesh_sizes or mesh_shape(cfg, strategy, len(devices))
+    mesh = make_mesh(*sizes, devices=devices)
+    model = trainer_model(cfg.model, cfg.remat)
+    optimizer, _ = build_optimizer(cfg.optimizer, cfg.train.steps)
+    built = build_from_config(cfg, model, optimizer, mesh, strategy, max_replicated_fraction=None, **step_options)
+    batch = abstract_batch(cfg, built.plan.batch)
+    return StepBuild(
+        cfg, strategy, mesh, model, optimizer, built.plan, built.abstract_state, batch, built.train_step, built
+    )

@@ -1,0 +1,208 @@
+"""Will it fit? Per-device memory of a config under each strategy, analytic and compiled.
+
+    doc = plan_config(cfg, n_devices=8, device_memory=parse_bytes("80GB"))
+    print(format_table(doc))
+
+For each strategy the planner builds the train step the trainer builds (the same
+model, loss, optimizer, precision, remat and microbatches, from the same builder
+functions as `fsdp_jax.app.trainer.loop.setup`), but from abstract inputs only
+(`ShapeDtypeStruct`s carrying shardings, `fsdp_jax.train.state.abstract_state`:
+`fsdp_jax.app.planner.abstract_step`), and AOT-compiles it: nothing is allocated, so a 7B or 70B model plans on a laptop.
+When this process has fewer than N devices, the compile runs in a child process
+with N fake CPU devices (`jax_num_cpu_devices=N`). With a GPU target
+(`fsdp_jax.targets.gpu.Target`: h100, h200, a100 as hosts x GPUs; v4, v5e, v5p, v6e as TPU
+slices) the child compiles with XLA:GPU / XLA:TPU for compile-only devices of that target
+instead (deviceless AOT; the CUDA plugin or libtpu is on that child's path only), and the result also carries the per-collective
+schedule (`fsdp_jax.hlo.schedule`), its communication volume and the GPU-only warnings. The user's side (parsing sizes and
+strategy lists, the scripts' start-up, the warnings' wording, the tables and the plot)
+is `fsdp_jax.app.planner.report`, whose public names are importable from here too.
+One strategy in this process is `fsdp_jax.app.planner.one_strategy.plan_strategy` (what the
+compiled step holds: `inspection`; a compiler's refusal for memory: `refusal`); many,
+in a child process when needed, `fsdp_jax.app.planner.compile_child.run_strategies`. Their
+names are importable from here too, and `python -m fsdp_jax.app.planner.estimate` is the child.
+
+Two sets of numbers, kept apart:
+
+* **analytic**: params, optimizer state and batch from the sharding plan (exact
+  shard shapes); grads, gathered params and activations from the formulas in
+  `fsdp_jax.app.planner.memory_model`.
+* **compiled**: `memory_analysis()` of the compiled step (`fsdp_jax.hlo.memory.compiled_memory`):
+  argument (params + optimizer state + batch), output, alias (donated), temp
+  (everything transient: grads, gathered params, activations, optimizer-update
+  scratch) and the peak. Grads never appear as arguments; they live in temp.
+
+XLA:CPU upcasts bf16 matmuls and collectives to f32 (docs/design.md), so with bf16
+compute a CPU compile's temp is larger than the same program's on GPU/TPU.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from fsdp_jax.app.planner.compile_child import (
+    _child_main,
+    run_strategies,
+)
+from fsdp_jax.app.planner.inputs import CLASSIC_NAMES, check_inputs, parse_strategies
+from fsdp_jax.app.planner.memory_model import DEVICES_PER_HOST, analytic_vs_compiled
+from fsdp_jax.app.planner.report import fmt_bytes
+from fsdp_jax.hlo.memory import tree_bytes
+from fsdp_jax.sharding.precision import Policy
+
+
+def plan_config(
+    cfg,
+    n_devices: int,
+    strategies: Sequence[str] | str | None = None,
+    *,
+    device_memory: int | None = None,
+    config_name: str = "",
+    target=None,
+) -> dict[str, Any]:
+    """The planner's JSON document for `cfg` on `n_devices` (bytes per device, ints):
+    {"config", "devices", "params", "param_bytes", "device_memory", "wall_s", "notes",
+    "target", "strategies": {name: {"mesh", "analytic": {params, grads, optimizer,
+    gathered, activations, batch, states, total}, "compiled": {argument, output, alias,
+    temp, peak, xla_peak}, "terms": {argument, temp, peak: compiled / analytic - 1},
+    "fits", "headroom", "bytes_per_param", "compile_s", "warnings", ...}}}.
+    `fits` and `headroom` use the compiled peak (None without `device_memory`). With
+    `target` (`fsdp_jax.targets.gpu.Target`) the step is compiled by XLA:GPU for that GPU
+    and cluster shape (deviceless), and `device_memory` defaults to the target's."""
+    from fsdp_jax.app.models.llama import count_params
+
+    t0 = time.perf_counter()
+    names = parse_strategies(strategies)
+    check_inputs(cfg, n_devices, names)
+    if target is not None and device_memory is None:
+        from fsdp_jax.targets.gpu import device_memory as target_memory
+
+        device_memory = target_memory(target.name)
+    results = run_strategies(cfg, n_devices, names, target=target)
+    n_params = count_params(cfg.model)
+    policy = Policy.parse(cfg.precision)
+    for name, r in results.items():
+        r["classic_name"] = CLASSIC_NAMES[name]
+        r["bytes_per_param"] = round(r["analytic"]["states"] / n_params, 3)  # per device
+        r["terms"] = analytic_vs_compiled(r["analytic"], r["compiled"])
+        if device_memory:  # device_peak / device_total: without host-resident (offloaded) bytes
+            r["fits"] = r["compiled"]["device_peak"] <= device_memory
+            r["headroom"] = device_memory - r["compiled"]["device_peak"]
+            r["fits_analytic"] = r["analytic"]["device_total"] <= device_memory
+        else:
+            r["fits"] = r["headroom"] = r["fits_analytic"] = None
+        if target is not None and not r.get("refused"):  # a roofline over its traffic (GPU or TPU)
+            from fsdp_jax.app.planner.step_time import predict
+
+            r["predicted"] = predict(cfg, target.name, n_devices, r)
+    notes = _notes(cfg, n_devices, policy, results, target, device_memory)
+    doc = {
+        "config": config_name,
+        "devices": n_devices,
+        "params": n_params,
+        "target": None if target is None else target.as_dict(),
+        "param_bytes": tree_bytes(_abstract_params(cfg)),
+        "device_memory": device_memory,
+        "strategies": results,
+        "notes": notes,
+    }
+    doc["wall_s"] = round(time.perf_counter() - t0, 1)
+    return doc
+
+
+def _notes(
+    cfg, n_devices: int, policy: Policy, results: dict[str, dict], target, device_memory: int | None
+) -> list[str]:
+    """The plan document's notes: what was planned and how, and what the figures leave out."""
+    notes = [
+        f"{n_devices} devices; precision {policy}; remat {cfg.remat}; offload {cfg.offload}; "
+        f"global_batch {cfg.train.global_batch} x seq {cfg.data.seq_len}, "
+        f"microbatches {cfg.train.microbatches}",
+        "analytic params/optimizer/batch come from the sharding plan; grads, gathered and "
+        "activations from formulas (fsdp_jax.app.planner.memory_model docstring); compiled = memory_analysis() "
+        "of the AOT-compiled train step (grads live in its temp)",
+    ]
+    if cfg.offload != "none":
+        notes.append(
+            f"offload {cfg.offload}: host = per-device bytes resting in pinned host memory "
+            f"(x{DEVICES_PER_HOST} per host); fits uses device_peak / device_total, which "
+            "leave them out (on CPU the compiled program moves nothing, so its device_peak "
+            "misses the transient device copies the analytic device_total counts)"
+        )
+    if "hybrid_shard" in results:
+        m = results["hybrid_shard"]["mesh"]
+        notes.append(
+            f"hybrid_shard uses data={m['data']} x fsdp={m['fsdp']} (params sharded within fsdp, replicated over data)"
+        )
+    if target is not None:
+        notes.insert(
+            0,
+            f"compiled by XLA:{target.platform.upper()} for {target.describe()} (deviceless AOT: "
+            f"no {target.platform.upper()} used; no autotuning); device memory "
+            f"{device_memory / 1e9:.2f} GB unless given",
+        )
+    platforms = {r["platform"] for r in results.values()}
+    if "cpu" in platforms and policy.compute_dtype != np.dtype("float32"):
+        notes.append(
+            "compiled on CPU: XLA:CPU upcasts bf16 matmuls and collectives to f32, so "
+            "compiled temp overstates a GPU/TPU compile"
+        )
+    return notes
+
+
+def format_offload_table(docs: dict[str, dict[str, Any]]) -> str:
+    """Strategy x offload setting: device bytes (analytic device_total, compiled
+    device_peak), host bytes per device and per host, and whether it fits."""
+    first = next(iter(docs.values()))
+    mem = first.get("device_memory")
+    lines = [
+        f"offload: bytes per device (analytic device_total / compiled device_peak) and host "
+        f"bytes (per device / per host of {DEVICES_PER_HOST})"
+        + (f"; fits = analytic and compiled <= {fmt_bytes(mem)}" if mem else "")
+    ]
+    hdr = (
+        f"{'strategy':<14}{'offload':<18}{'device ana':>11}{'device cmp':>11}{'host/dev':>10}"
+        f"{'host/host':>11}{'H<->D/step':>11}{'fits':>9}"
+    )
+    lines += [hdr, "-" * len(hdr)]
+    for name in first["strategies"]:
+        for off, doc in docs.items():
+            r = doc["strategies"][name]
+            a, c = r["analytic"], r["compiled"]
+            fits = (
+                "-"
+                if r["fits"] is None
+                else (f"{'yes' if r['fits_analytic'] else 'NO'}/{'yes' if r['fits'] else 'NO'}")
+            )
+            lines.append(
+                f"{name:<14}{off:<18}{fmt_bytes(a['device_total']):>11}"
+                f"{fmt_bytes(c['device_peak']):>11}{fmt_bytes(a['host']):>10}"
+                f"{fmt_bytes(a['host_per_host']):>11}{fmt_bytes(a['transfer_per_step']):>11}"
+                f"{fits:>9}"
+            )
+    if mem and "none" in docs:
+        only = [
+            n
+            for n in first["strategies"]
+            if not docs["none"]["strategies"][n]["fits_analytic"]
+            and any(d["strategies"][n]["fits_analytic"] for o, d in docs.items() if o != "none")
+        ]
+        lines.append("fits only with offload (analytic): " + (", ".join(only) or "none"))
+    return "\n".join(lines)
+
+
+def _abstract_params(cfg):
+    """The master params as the trainer stores them (in the precision's param dtype)."""
+    from fsdp_jax.app.trainer.build import trainer_model
+    from fsdp_jax.train.build import with_param_dtype
+
+    model = trainer_model(cfg.model)
+    return with_param_dtype(model, Policy.parse(cfg.precision).param_dtype).abstract_params
+
+
+if __name__ == "__main__":
+    sys.exit(_child_main())

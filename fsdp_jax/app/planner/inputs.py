@@ -1,0 +1,147 @@
+"""What a user types in: device counts, memory sizes and strategy lists as the scripts
+take them, their check against the config, and the scripts' start-up.
+
+    mem = parse_bytes("80GB")                      # sizes as GPU vendors quote them
+    names = parse_strategies("ddp,zero3")          # canonical strategy names
+    n, target = resolve_target(args)               # the device count and Target from the flags
+
+Bad input raises `PlanError`, whose message names the flag. `load_planning_config` is the
+scripts' start-up: the config, then JAX on N CPU devices. What the user reads back (the
+warnings, tables, plot and inspection) is `fsdp_jax.app.planner.report`, which re-exports
+these names.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from fsdp_jax.app.devices import use_cpu_devices
+from fsdp_jax.errors import PlanError
+from fsdp_jax.sharding.strategy import get_strategy
+
+# The classic table's order: DDP, ZeRO-1, ZeRO-2, ZeRO-3, then HSDP.
+STRATEGY_ORDER = ("no_shard", "shard_opt", "shard_grad_op", "full_shard", "hybrid_shard")
+CLASSIC_NAMES = {
+    "no_shard": "DDP",
+    "shard_opt": "ZeRO-1",
+    "shard_grad_op": "ZeRO-2",
+    "full_shard": "FSDP/ZeRO-3",
+    "hybrid_shard": "HSDP",
+}
+MAX_DEVICES = 1 << 16  # fake CPU devices are real threads and buffers: bound what a typo asks for
+
+
+# ----------------------------------------------------------------------------- inputs
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "m": 10**6,
+    "g": 10**9,
+    "t": 10**12,
+    "ki": 2**10,
+    "mi": 2**20,
+    "gi": 2**30,
+    "ti": 2**40,
+}
+
+
+def parse_bytes(text: str | int, what: str = "--device-memory") -> int:
+    """'80GB' -> 80e9, '80GiB' -> 80 * 2**30, '141G' -> 141e9, '1.5TB', '4096' (bytes).
+    K/M/G/T are decimal (as GPU vendors quote memory), Ki/Mi/Gi/Ti binary."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value, unit = (float(text) if abs(text) < 2**63 else float("inf")), ""
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)(?:[eE](\d+))?\s*([KMGTkmgt]i?)?[Bb]?\s*", str(text))
+        if not m:
+            raise PlanError(f"{what}: {text!r} is not a size; use e.g. 80GB, 80GiB, 141GB")
+        value = float(m.group(1) + (f"e{m.group(2)}" if m.group(2) else ""))  # 1e400 -> inf
+        unit = (m.group(3) or "").lower()
+    total = value * _UNITS[unit]
+    if not total < 2**63:  # 1e400GB is inf (and int(inf) raises); nothing has 8 EiB per device
+        raise PlanError(f"{what}: {text!r} is too large; at most 8 EiB")
+    n = int(total)
+    if n <= 0:
+        raise PlanError(f"{what}: {text!r} must be > 0")
+    return n
+
+
+def parse_strategies(text: str | Sequence[str] | None, what: str = "--strategies") -> list[str]:
+    """'all' (or None) -> every strategy in STRATEGY_ORDER; 'a,b' -> canonical names (aliases ok)."""
+    if text is None or (isinstance(text, str) and text.strip().lower() == "all"):
+        return list(STRATEGY_ORDER)
+    names = text.split(",") if isinstance(text, str) else list(text)
+    out = []
+    for n in (x.strip() for x in names):
+        if not n:
+            continue
+        try:
+            s = get_strategy(n).name
+        except ValueError as e:
+            raise PlanError(f"{what}: {e}") from None
+        if s not in out:
+            out.append(s)
+    if not out:
+        raise PlanError(f"{what}: {text!r} names no strategy; use all or e.g. full_shard,no_shard")
+    return out
+
+
+def parse_devices(text: str | int, what: str = "--devices") -> int:
+    """A device count as a script takes it: a positive integer, else `PlanError`."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise PlanError(f"{what}: {text!r} is not an integer") from None
+    if not 1 <= n <= MAX_DEVICES:
+        raise PlanError(f"{what}: {n} must be in 1..{MAX_DEVICES}")
+    return n
+
+
+def resolve_target(args):
+    """(device count, Target or None) from the target flags (`fsdp_jax.app.cli.args.add_target`); PlanError /
+    TargetError naming the flag."""
+    from fsdp_jax.targets.gpu import make_target
+
+    for flag in ("hosts", "slices", "topology"):
+        if getattr(args, flag) is not None and args.target is None:
+            raise PlanError(f"--{flag}: {getattr(args, flag)!r} needs --target")
+    n = None if args.devices is None else parse_devices(args.devices)
+    if args.target is None:
+        if n is None:
+            raise PlanError("--devices: give the number of devices to plan for")
+        return n, None
+    target = make_target(
+        args.target,
+        devices=n,
+        hosts=None if args.hosts is None else parse_devices(args.hosts, "--hosts"),
+        slices=None if args.slices is None else parse_devices(args.slices, "--slices"),
+        topology=args.topology,
+    )
+    return parse_devices(target.devices), target
+
+
+def check_inputs(cfg, n_devices: int, strategies: Sequence[str]) -> None:
+    """Device count, mesh and batch divisibility for every strategy, before compiling."""
+    from fsdp_jax.app.config.checks import validate
+
+    if not isinstance(n_devices, int) or isinstance(n_devices, bool) or n_devices < 1:
+        raise PlanError(f"--devices: {n_devices!r} must be a positive integer")
+    validate(cfg, n_devices=n_devices)  # mesh sizes and batch divisibility (hybrid keeps data*fsdp)
+    for s in strategies:
+        get_strategy(s)
+
+
+# ----------------------------------------------------------------------------- start-up
+
+
+def load_planning_config(path, overrides: Sequence[str], n_devices: int):
+    """The planning scripts' start-up: the config at `path` with dotted key=value
+    `overrides` (its errors, `fsdp_jax.app.exits.BAD_INPUT`, propagate before JAX is
+    touched), then `use_cpu_devices(n_devices)`. Returns the config."""
+    from fsdp_jax.app.trainer.setup import load_run_config
+
+    cfg = load_run_config(path, overrides)
+    use_cpu_devices(n_devices)
+    return cfg

@@ -1,0 +1,266 @@
+"""Per-device memory of the trainer's step by formula, without compiling: one concept,
+the analytic memory model the planner holds the compiled step against.
+
+    b = build_step(cfg, "full_shard", devices)      # fsdp_jax.app.planner.abstract_step
+    analytic_memory(b)   # {params, grads, optimizer, gathered, activations, batch, total, ...}
+
+Params, optimizer state and batch come from the sharding plan (exact shard shapes);
+grads, gathered params and activations from the formulas below; `offload_memory`
+splits them between device and host for `cfg.offload`.
+
+Activation formula (reference Llama, bytes per device), with T = tokens per device
+per microbatch (global_batch / microbatches / (data x fsdp) x seq_len), c = bytes of
+the compute dtype, D = d_model, Q = heads x head_dim, K = kv_heads x head_dim,
+F = ffn_dim, H = heads, S = seq_len, L = layers, V = vocab:
+
+* every layer keeps its input (the scan carry), c*D per token, whatever the policy;
+* plus what the remat policy saves per token per layer (`saved_per_token`):
+  none: c*(3D + 2Q + 2K + 4F) + H*S*(4 + c) (norm outputs, q/k/v, attention output,
+  SwiGLU gate/up/silu/product, softmax probabilities in f32 and compute dtype);
+  dots: c*(2Q + 2K + 2D + 2F) + 4*H*S (every matmul output, including the f32
+  attention logits of `jax.nn.dot_product_attention`'s XLA path, which is the
+  S-squared term); dots_no_batch: c*(Q + 2K + 2D + 2F) (projections only);
+  save_attn_mlp_out: 2cD; save_qkv_attn_mlp_out: c*(Q + 2K + 2D); full: 0;
+* plus one layer's backward working set (its recomputed activations and the f32
+  attention-logit gradient), T*(none + 4*H*S);
+* plus the head: T*(c*D + V*(c + 4 + 4)) (final norm output, logits, f32
+  log-softmax and its gradient).
+With `attention: cudnn` (flash attention) every S-squared term goes: `none` keeps the f32
+softmax statistics (4H) instead of the probabilities, `dots` saves no attention matmul
+(the fused kernel's are not dots: c*(Q + 2K + 2D + 2F)), and the working set has no
+logit gradient.
+Small f32 norm statistics, RoPE tables and masks are ignored. Gathered params
+(transient full-size copies in the compute dtype): full_shard / hybrid_shard keep
+two layers in flight (the one computing, the next one prefetched) plus the largest
+unstacked param (embedding or head) plus one layer's unreduced grads in the reduce
+dtype; shard_grad_op keeps the whole model (gathered layer by layer in the forward
+pass, `fsdp_jax.train.layer_gather`) plus one layer's unreduced grads and the copy of one
+layer that the backward loop slices out of the kept stack;
+shard_opt / no_shard hold a compute-dtype copy of the model only when the compute
+dtype differs from the param dtype. Grads (and the unreduced layer grads above) are
+held in `grad_dtype`: the dtype of the dots that produce them (XLA reduces a weight
+gradient at its dot, so under bf16 compute they are reduced and held in bf16 until the
+update casts them, whatever the reduce dtype; the GPU-compiled 7B step holds its stacked
+grads as bf16). total = params + optimizer + batch + grads +
+gathered + activations: the optimizer update (after the backward pass) runs in place
+on the donated state and needs less than the backward pass.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from fsdp_jax.app.planner.abstract_step import StepBuild
+from fsdp_jax.errors import PlanError
+from fsdp_jax.hlo.memory import shard_bytes, tree_bytes_per_device
+from fsdp_jax.sharding import axes as ax
+from fsdp_jax.sharding import rules as rl
+from fsdp_jax.sharding.precision import Policy
+
+
+def saved_per_token(model_cfg, remat: str, seq_len: int, compute_bytes: int) -> int:
+    """Bytes one layer keeps per token for the backward pass under `remat`, beyond
+    its input (see the module docstring)."""
+    c, d, f, h = compute_bytes, model_cfg.d_model, model_cfg.ffn_dim, model_cfg.n_heads
+    q = h * model_cfg.head_dim
+    k = model_cfg.n_kv_heads * model_cfg.head_dim
+    if _flash(model_cfg):  # no S x S logits: f32 softmax statistics; its matmuls are no dots
+        probs, dots_attn = 4 * h, -c * q
+    else:
+        probs, dots_attn = h * seq_len * (4 + c), 4 * h * seq_len
+    table = {
+        "none": c * (3 * d + 2 * q + 2 * k + 4 * f) + probs,
+        "full": 0,
+        "dots": c * (2 * q + 2 * k + 2 * d + 2 * f) + dots_attn,
+        "dots_no_batch": c * (q + 2 * k + 2 * d + 2 * f),
+        "save_attn_mlp_out": c * 2 * d,
+        "save_qkv_attn_mlp_out": c * (q + 2 * k + 2 * d),
+        # offloading policies: what they save rests in host memory, none on the device
+        # (host bytes: save_attn_mlp_out, save_qkv_attn_mlp_out, dots_no_batch respectively)
+        "offload_attn_mlp_out": 0,
+        "offload_qkv_attn_mlp_out": 0,
+        "offload_dots_no_batch": 0,
+    }
+    if remat not in table:
+        raise PlanError(f"remat: no activation formula for policy {remat!r}; known: {', '.join(table)}")
+    return table[remat]
+
+
+def _flash(model_cfg) -> bool:
+    """cuDNN flash attention (`attention: cudnn`) keeps no S x S attention logits."""
+    return getattr(model_cfg, "attention", "xla") == "cudnn"
+
+
+def activation_bytes(
+    model_cfg, remat: str, batch_per_device: int, seq_len: int, compute_dtype="float32"
+) -> dict[str, int]:
+    """Activation bytes per device for the reference Llama: `layers` (what the layer
+    loop keeps for backward), `working` (one layer's backward), `head` (logits and
+    loss), and `total`. `batch_per_device`: sequences per device per microbatch."""
+    c = np.dtype(compute_dtype).itemsize
+    t = batch_per_device * seq_len
+    d, h, v = model_cfg.d_model, model_cfg.n_heads, model_cfg.vocab_size
+    layers = model_cfg.n_layers * t * (c * d + saved_per_token(model_cfg, remat, seq_len, c))
+    working = t * (saved_per_token(model_cfg, "none", seq_len, c) + (0 if _flash(model_cfg) else 4 * h * seq_len))
+    head = t * (c * d + v * (c + 4 + 4))
+    return {"layers": layers, "working": working, "head": head, "total": layers + working + head}
+
+
+def compute_copy_bytes(abstract_params, plan, logical_axes, dtype) -> dict[str, int]:
+    """Per-device bytes of params in the compute layout (data/fsdp gathered, tensor
+    sharding kept) in `dtype`: `whole` model, one `layer` of the stacked (scanned)
+    params, the `largest_unstacked` leaf and all `unstacked` leaves together."""
+    rows = rl.explain(abstract_params, plan.mesh, logical_axes, plan.rules, (), 0, allow_unshardable=True)
+    names = (
+        jax.tree.leaves(logical_axes, is_leaf=lambda x: x is None or isinstance(x, tuple))
+        if logical_axes is not None
+        else []
+    )
+    names = names if len(names) == len(rows) else [None] * len(rows)
+    item = np.dtype(dtype).itemsize
+    out = {"whole": 0, "layer": 0, "largest_unstacked": 0, "unstacked": 0}
+    for row, nm in zip(rows, names):
+        b = row.bytes_per_device // np.dtype(row.dtype).itemsize * item
+        out["whole"] += b
+        if nm and nm[0] == ax.LAYERS and row.shape:
+            out["layer"] += b // row.shape[0]
+        else:
+            out["largest_unstacked"] = max(out["largest_unstacked"], b)
+            out["unstacked"] += b
+    return out
+
+
+def analytic_memory(build: StepBuild) -> dict[str, int]:
+    """Per-device bytes by formula (no compile): params, optimizer (incl. the step
+    counter and any non-trainable model state), batch, grads, gathered, activations and total."""
+    cfg, plan, st = build.cfg, build.plan, build.state
+    policy = Policy.parse(cfg.precision)
+    s = plan.strategy
+    params = tree_bytes_per_device(st.params)
+    optimizer = (
+        tree_bytes_per_device(st.opt_state) + tree_bytes_per_device(st.step) + tree_bytes_per_device(st.model_state)
+    )  # non-trainable model state (0 when none)
+    batch = tree_bytes_per_device(build.batch)  # tokens, or the packed batch's arrays
+    gd = grad_dtype(policy)
+    pairs = list(zip(jax.tree.leaves(st.params), jax.tree.leaves(plan.grads)))
+    grads = sum(shard_bytes(jax.ShapeDtypeStruct(p.shape, _held(p.dtype, gd), sharding=g)) for p, g in pairs)
+    if cfg.train.microbatches > 1:  # plus the accumulator, in the params' dtype (fsdp_jax.train.step)
+        grads += sum(shard_bytes(jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=g)) for p, g in pairs)
+    cc = compute_copy_bytes(st.params, plan, build.model.logical_axes, policy.compute_dtype)
+    # one layer's unreduced grads come from the reference model's weight dots in the reduce
+    # dtype (fsdp_jax.sharding.precision.matmul); the reduced shards are held in `gd`
+    layer_r = compute_copy_bytes(st.params, plan, build.model.logical_axes, policy.reduce_dtype)["layer"]
+    if s.params and not s.gather_once:  # full_shard, hybrid_shard: per layer
+        gathered = 2 * cc["layer"] + cc["largest_unstacked"] + layer_r
+    elif s.params:  # shard_grad_op: the whole model gathered (kept for the backward), the
+        # layer the backward loop slices out of that stack (XLA copies it: a
+        # dynamic-slice per layer), and one layer's unreduced grads (each layer's are
+        # reduce-scattered in the backward loop)
+        gathered = cc["whole"] + cc["layer"] + layer_r
+    else:  # shard_opt, no_shard: params already whole; a cast copy if dtypes differ
+        gathered = cc["whole"] if policy.compute_dtype != policy.param_dtype else 0
+    act = activation_bytes(cfg.model, cfg.remat, _batch_per_device(build), cfg.data.seq_len, policy.compute_dtype)
+    out = {
+        "params": params,
+        "grads": grads,
+        "optimizer": optimizer,
+        "gathered": gathered,
+        "activations": act["total"],
+        "batch": batch,
+    }
+    out["total"] = sum(out.values())
+    out["states"] = params + grads + optimizer  # the classic table's "total per device"
+    out.update(offload_memory(build, out))
+    return out
+
+
+def grad_dtype(policy: Policy):
+    """The dtype grads are reduced and held in until the update: the narrower of the
+    compute and reduce dtypes. A weight gradient is a partial sum made by a dot in the
+    compute dtype, and the partitioner reduces it at that dot (BENCHMARKS.md, issue 26:
+    `reduce=float32` under bf16 compute still reduce-scatters in bf16)."""
+    c, r = np.dtype(policy.compute_dtype), np.dtype(policy.reduce_dtype)
+    return c if c.itemsize < r.itemsize else r
+
+
+def _held(param_dtype, gd):
+    """A floating param's grad is held in `gd`; other leaves keep their dtype."""
+    return gd if np.issubdtype(np.dtype(param_dtype), np.floating) else param_dtype
+
+
+DEVICES_PER_HOST = 8  # for bytes per host: GPUs per node (the planner's fake devices share one)
+
+
+def offload_memory(build: StepBuild, analytic: dict[str, int], offload: str | None = None) -> dict[str, int]:
+    """Host offload (`cfg.offload`) split of the analytic bytes: `host` (per device: its
+    share of the offloaded params / optimizer state, resting in its host's pinned
+    memory), `host_per_host` (x DEVICES_PER_HOST) and `device_total`: the total minus
+    what rests on the host, plus what comes back transiently: the compute-dtype copy of
+    offloaded params (sharded as at rest) for the forward/backward pass, and one
+    leaf's params + optimizer state during the update (assumes XLA streams the update
+    leaf by leaf; a schedule that fetches all at once needs the full state again).
+    `offload`: the setting to split for (default: the build's own)."""
+    from fsdp_jax.sharding.offload import get_offload
+
+    off = get_offload(build.plan.offload if offload is None else offload)
+    st = build.state
+    params = tree_bytes_per_device(st.params)
+    opt = tree_bytes_per_device(st.opt_state)
+    host = (params if off.params else 0) + (opt if off.opt_state else 0)
+    c = np.dtype(Policy.parse(build.cfg.precision).compute_dtype).itemsize
+    compute_copy = (
+        sum(
+            shard_bytes(x) // x.dtype.itemsize * c
+            for x in jax.tree.leaves(st.params)
+            if np.issubdtype(x.dtype, np.floating)
+        )
+        if off.params
+        else 0
+    )
+    largest = max((shard_bytes(x) for x in jax.tree.leaves(st.params)), default=0)
+    update = int(largest * ((1 if off.params else 0) + (opt / params if off.opt_state and params else 0)))
+    from fsdp_jax.sharding.offload import transfer_bytes
+
+    moved = transfer_bytes(st, off)
+    return {
+        "host": host,
+        "host_per_host": host * DEVICES_PER_HOST,
+        "device_total": analytic["total"] - host + compute_copy + update,
+        "transfer_per_step": moved["to_device"] + moved["to_host"],
+    }
+
+
+def activations_by_remat(build: StepBuild) -> dict[str, int]:
+    """Analytic activation bytes per device for every remat policy with a formula."""
+    cfg = build.cfg
+    dtype = Policy.parse(cfg.precision).compute_dtype
+    return {
+        name: activation_bytes(cfg.model, name, _batch_per_device(build), cfg.data.seq_len, dtype)["total"]
+        for name in ("none", "dots", "dots_no_batch", "save_qkv_attn_mlp_out", "save_attn_mlp_out", "full")
+    }
+
+
+def _batch_per_device(build: StepBuild) -> int:
+    """Sequences per device per microbatch: the batch dim is sharded over data x fsdp."""
+    n = build.mesh.shape.get(ax.DATA, 1) * build.mesh.shape.get(ax.FSDP, 1)
+    return build.cfg.train.global_batch // build.cfg.train.microbatches // n
+
+
+def argument_bytes(analytic: dict[str, int]) -> int:
+    """The step's argument bytes per device by the analytic model: params + optimizer state +
+    batch shards, plus `tile_padding` where the plan has one (XLA:TPU pads each argument
+    to its layout's tiles: `fsdp_jax.targets.tpu.tile_padding`)."""
+    return analytic["params"] + analytic["optimizer"] + analytic["batch"] + analytic.get("tile_padding", 0)
+
+
+def analytic_vs_compiled(analytic: dict[str, int], compiled: dict[str, int]) -> dict[str, float]:
+    """How far the compiled program is from the analytic model, per term (compiled /
+    analytic - 1): `argument` (`argument_bytes`), `temp` (grads + gathered +
+    activations: everything transient) and `peak` (total)."""
+    pairs = {
+        "argument": (compiled["argument"], argument_bytes(analytic)),
+        "temp": (compiled["temp"], analytic["grads"] + analytic["gathered"] + analytic["activations"]),
+        "peak": (compiled["peak"], analytic["total"]),
+    }
+    return {k: (c / a - 1 if a else float("nan")) for k, (c, a) in pairs.items()}

@@ -1,0 +1,213 @@
+"""The fastest configuration that fits: a search over strategy, remat policy, microbatches
+and host offload (and, when asked, batch and sequence length), cheap first.
+
+    space = SearchSpace(offloads=("none", "optimizer", "optimizer+params"))
+    doc = search(cfg, 8, space, Limits(device_memory=80 * 10**9), target=make_target("h100", 8))
+    doc["winner"]["overrides"]   # ["mesh.strategy=full_shard", "remat=dots", ...]
+
+1. Enumerate every candidate the config's mesh and batch allow.
+2. Analytic pass (no compile): the memory model (`memory_model.analytic_memory`) on the
+   trainer's abstract step, built once per strategy x offload (the variable terms,
+   activations, batch and the microbatch accumulator, come from each candidate's config),
+   and a predicted step time (`step_time.predict` over the analytic collective bytes
+   below, plus the host<->device transfers of offload). Prune a candidate only when even
+   the analytic model's largest measured overestimate (`ANALYTIC_OVER`) cannot bring it
+   under the budget (device memory minus headroom; params, optimizer state and batch are
+   exact, only the transient rest carries that error: `lower_bound`), so no candidate whose
+   compiled program would fit is dropped here.
+3. Rank by predicted tokens/s per device: a GPU, or a TPU chip with that generation's
+   figures (`ranking_target`; without a target, or across slices of a TPU generation
+   whose data-center bandwidth is unpublished: by the same roofline with H100 figures, an
+   analytic cost and not a prediction for this machine).
+4. Compile only a few (`Limits.top` best-ranked that fit analytically, `Limits.edge`
+   best-ranked just over the edge), all in one child process sharing XLA:GPU's kernel
+   cache (on CPU, in this process with the persistent compilation cache). A compiled
+   candidate fits when its compiled device peak is within the budget; its prediction is
+   then redone over the compiled program's own collective bytes. Another round follows
+   while an uncompiled candidate still ranks above the best verified fit, up to
+   `Limits.max_compiles` compiles in all.
+
+Candidates with state offload compile on a GPU target as `plan.py --target ... --offload X`
+does: compile-only GPU devices offer no host memory kind, so the step compiles without
+offload and its device side is that compile minus the state resting on the host plus its
+transient device copies (`fsdp_jax.app.planner.target_offload`). Elsewhere (TPU targets, CPU,
+where XLA:CPU moves nothing between memory kinds) and for offloading remat policies they
+are judged by the analytic model only.
+Here: the search itself (`search`) and its document. The cost model (communication,
+recompute, predicted step) is `fsdp_jax.app.planner.search_prediction`, step 2
+`fsdp_jax.app.planner.search_analytic`, ranking and the compile rounds
+`fsdp_jax.app.planner.search_rounds`, compiling `fsdp_jax.app.planner.search_compile`; their names
+are importable from here too. The user's side (flags, table, YAML) is
+`fsdp_jax.app.planner.search_report`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from fsdp_jax.app.planner.abstract_step import mesh_shape, target_mesh_sizes
+from fsdp_jax.app.planner.memory_model import saved_per_token
+from fsdp_jax.app.planner.search_analytic import analytic_pass
+from fsdp_jax.app.planner.search_prediction import (
+    ranking_target,
+)
+from fsdp_jax.app.planner.search_rounds import (
+    compile_rounds,
+    device_peak,
+    rank,
+    verified,
+)
+from fsdp_jax.app.planner.search_space import (
+    DEVICE_REMATS,
+    HOST_LINK_BYTES_PER_S,
+    Limits,
+    SearchSpace,
+    enumerate_candidates,
+    overrides,
+)
+from fsdp_jax.errors import SearchError
+
+
+def search(
+    cfg,
+    n_devices: int,
+    space: SearchSpace,
+    limits: Limits,
+    *,
+    target=None,
+    config_name: str = "",
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """The search document (JSON-able): {"config", "devices", "target", "device_memory",
+    "headroom", "budget", "ranked_by", "space", "counts", "candidates" (ranked, every one
+    with "overrides", "analytic", "predicted", "compiled" or None, "device_peak" and "free"
+    (device memory minus that peak), "status": fits | edge | dropped, "reason"), "dropped" (reason -> count), "winner" (a candidate or None),
+    "smallest_fitting_memory" (bytes: the least device memory any candidate would fit in,
+    headroom kept), "notes", "wall_s"}. Needs `n_devices` devices in this process (fake
+    CPU devices will do) for the analytic pass. Raises SearchError for an empty space or
+    an impossible constraint; a search that finds nothing returns winner None."""
+    from fsdp_jax.verify.run import devices_for
+
+    t0 = time.perf_counter()
+    say = progress or (lambda msg: None)
+    _check_space(cfg, space, limits)
+    hosts = target.hosts if target is not None else 1
+    per_host = target.gpus_per_host if target is not None else min(n_devices, 8)
+    if target is not None:
+        mesh_for = lambda s: target_mesh_sizes(cfg, s, n_devices, hosts)  # noqa: E731
+    else:
+        mesh_for = lambda s: mesh_shape(cfg, s, n_devices)  # noqa: E731
+    cands, notes = enumerate_candidates(cfg, n_devices, space, mesh_for)
+    say(f"{len(cands)} candidates; analytic pass (memory model + roofline) ...")
+    predict_on, cost_note = ranking_target(target)
+    gpu = cost_note is None  # a prediction for the target (a GPU or a TPU chip)
+    gpu_target = target is not None and target.platform == "gpu"
+    analytic_pass(
+        cfg, n_devices, cands, limits, hosts, per_host, predict_on, devices_for(n_devices), gpu_target=gpu_target
+    )
+    for c in cands:
+        c["overrides"] = overrides(cfg, c)
+    _check_host_memory(cands, limits)
+    dropped = sum(c["status"] == "dropped" for c in cands)
+    say(f"analytic pass: {len(cands) - dropped} kept, {dropped} dropped, {time.perf_counter() - t0:.1f} s")
+    compiled_n = compile_rounds(cfg, n_devices, cands, limits, target, gpu, say)
+    if cost_note:
+        notes.append(cost_note)
+    notes.append(_offload_note(gpu_target))
+    return {
+        "config": config_name,
+        "devices": n_devices,
+        "target": None if target is None else target.as_dict(),
+        "device_memory": limits.device_memory,
+        "headroom": limits.headroom_bytes,
+        "budget": limits.budget,
+        "ranked_by": (
+            f"predicted tokens/s per {'chip' if target.platform == 'tpu' else 'GPU'}"
+            if gpu
+            else "analytic cost (no GPU/TPU prediction)"
+        ),
+        "space": {
+            "strategies": list(space.strategies),
+            "remats": list(space.remats),
+            "microbatches": None if space.microbatches is None else list(space.microbatches),
+            "offloads": list(space.offloads),
+            "vary": list(space.vary),
+        },
+        "counts": {
+            "candidates": len(cands),
+            "compiled": compiled_n,
+            "fits": sum(c["status"] == "fits" for c in cands),
+            "dropped": sum(c["status"] == "dropped" for c in cands),
+        },
+        **_outcome(cands, limits),
+        "notes": notes,
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
+
+
+def _outcome(cands: list[dict], limits: Limits) -> dict[str, Any]:
+    """The search document's verdict: "candidates" ranked (each given its "rank",
+    "device_peak" and "free"), "dropped" (reason -> count, over those that do not fit),
+    "winner" and "smallest_fitting_memory"."""
+    ranked = rank(cands)
+    for i, c in enumerate(ranked):
+        c["rank"] = i + 1
+        c["device_peak"] = device_peak(c)  # compiled when compiled, else analytic
+        c["free"] = limits.device_memory - c["device_peak"]  # what it leaves of the device memory
+    # the best verified fit (any fit with --max-compiles 0); without one, the best analytic fit
+    fits = [c for c in ranked if c["status"] == "fits"]
+    winner = next((c for c in fits if verified(c) or limits.max_compiles == 0), fits[0] if fits else None)
+    measured = [c for c in cands if c["reason"] != "host memory over --host-memory"]
+    smallest = min((device_peak(c) for c in measured), default=None)
+    counts: dict[str, int] = {}
+    for c in cands:
+        if c["status"] != "fits":
+            counts[c["reason"]] = counts.get(c["reason"], 0) + 1
+    return {
+        "candidates": ranked,
+        "dropped": counts,
+        "winner": winner,
+        "smallest_fitting_memory": None if smallest is None else limits.memory_for(smallest),
+    }
+
+
+def _check_host_memory(cands: list[dict], limits: Limits) -> None:
+    """SearchError when every candidate is over the host memory (`--host-memory`)."""
+    host = [c["analytic"]["host_per_host"] for c in cands if c["reason"] == "host memory over --host-memory"]
+    if len(host) == len(cands):
+        raise SearchError(
+            f"--host-memory: {limits.host_memory / 1e9:.2f} GB per host is less than every candidate "
+            f"needs (at least {min(host) / 1e9:.2f} GB); allow more, or add --offload none"
+        )
+
+
+def _offload_note(gpu_target: bool) -> str:
+    """The search document's note on how offload candidates were judged and what their
+    step counts."""
+    return (
+        (
+            "offload candidates compile for the GPU target without offload, their device side planned "
+            "from that compile (fsdp_jax.app.planner.target_offload)"
+            if gpu_target
+            else "offload candidates are judged by the analytic model only"
+        )
+        + f"; host<->device transfers at {HOST_LINK_BYTES_PER_S / 1e9:.0f} GB/s per GPU are added "
+        "to their step, not hidden"
+    )
+
+
+def _check_space(cfg, space: SearchSpace, limits: Limits) -> None:
+    """SearchError for an empty space or an impossible headroom; PlanError for a remat
+    policy the memory model has no formula for."""
+    if limits.budget <= 0:
+        raise SearchError(
+            f"--headroom: {limits.headroom_bytes / 1e9:.2f} GB leaves nothing of the "
+            f"{limits.device_memory / 1e9:.2f} GB device memory"
+        )
+    bad = [r for r in space.remats if r not in DEVICE_REMATS and not r.startswith("offload_")]
+    for r in space.remats:
+        saved_per_token(cfg.model, r, cfg.data.seq_len, 2)  # PlanError for a policy without a formula
+    if bad or not (space.strategies and space.remats and space.offloads):
+        raise SearchError("--search: the search space is empty (a strategy, remat and offload list is needed)")

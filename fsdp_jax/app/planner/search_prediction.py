@@ -1,0 +1,117 @@
+"""The search's cost model: the wire bytes each device sends per step by strategy
+(`analytic_communication`), the forward FLOPs a remat policy recomputes
+(`recompute_flops_per_token`), and a candidate's predicted step time over them
+(`predict_step`: `step_time.predict` plus recompute and offload transfers), on the GPU or
+TPU chip the search ranks by (`ranking_target`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from fsdp_jax.app.planner.search_space import HOST_LINK_BYTES_PER_S
+
+
+def analytic_communication(cfg, strategy: str, sizes: tuple[int, int, int], hosts: int) -> dict[str, Any]:
+    """Wire bytes each device sends per step (ring algorithms), by strategy, with P the params
+    in the compute dtype, F = fsdp, D = data, N = D x F, M microbatches: DDP 2P(N-1)/N (ZeRO-1
+    the same plus P(N-1)/N for the updated params); ZeRO-2 2MP(F-1)/F; ZeRO-3 3MP(F-1)/F; HSDP
+    that plus 2(P/F)(D-1)/D across data. Gradients travel in the compute dtype: the XLA:GPU
+    compiles of 7B and 70B reduce-scatter bf16 grads even under reduce=float32 (BENCHMARKS.md:
+    these formulas are within 0.3% of their all-gather + reduce-scatter + all-reduce bytes).
+    All bytes of a group that spans hosts count as cross-host. A compiled candidate replaces
+    this with its program's own bytes."""
+    from fsdp_jax.app.models.llama import count_params
+    from fsdp_jax.sharding.precision import Policy
+
+    p = count_params(cfg.model) * np.dtype(Policy.parse(cfg.precision).compute_dtype).itemsize
+    data, fsdp, _ = sizes
+    n, m = data * fsdp, cfg.train.microbatches
+    ring = lambda k: (k - 1) / k if k > 1 else 0.0  # noqa: E731
+    if strategy in ("no_shard", "shard_opt"):
+        within = 2 * p * ring(n) + (p * ring(n) if strategy == "shard_opt" else 0)
+        across = 0.0
+    else:
+        within = m * (2 if strategy == "shard_grad_op" else 3) * p * ring(fsdp)
+        across = 2 * p / fsdp * ring(data) if strategy == "hybrid_shard" else 0.0
+    spans = hosts > 1 and (n if strategy in ("no_shard", "shard_opt") else fsdp) > n // hosts
+    total = within + across
+    cross = total if spans else (across if hosts > 1 and data > 1 else 0.0)
+    return {"total_wire_bytes": int(total), "analytic": {"cross_host_wire_bytes": int(cross)}}
+
+
+def recompute_flops_per_token(model, seq_len: int, remat: str) -> float:
+    """Forward matmul FLOPs per token the backward pass recomputes under `remat` beyond what
+    `step_time.predict` counts (it counts `full` only). Per layer, with D, F, Q = heads x
+    head_dim, K = kv heads x head_dim, S: qkv 2D(Q+2K), attention core 4SQ, out 2QD, gate+up
+    4DF, down 2FD; `dots` saves every matmul output, `dots_no_batch` all but the attention
+    core, `save_qkv_attn_mlp_out` recomputes the core and gate/up, `save_attn_mlp_out` also
+    qkv (its `attn_out` is after the out projection, `mlp_out` after down)."""
+    d, f = model.d_model, model.ffn_dim
+    q, k = model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim
+    qkv, core, gate_up = 2 * d * (q + 2 * k), 4 * seq_len * q, 4 * d * f
+    per_layer = {
+        "dots_no_batch": core,
+        "save_qkv_attn_mlp_out": core + gate_up,
+        "save_attn_mlp_out": qkv + core + gate_up,
+    }
+    name = remat.removeprefix("offload_")
+    name = {"attn_mlp_out": "save_attn_mlp_out", "qkv_attn_mlp_out": "save_qkv_attn_mlp_out"}.get(name, name)
+    return float(model.n_layers * per_layer.get(name, 0))
+
+
+def predict_step(cfg, target_name: str, n_devices: int, result: dict[str, Any]) -> dict[str, Any] | None:
+    """`step_time.predict` plus what it leaves out: the recompute of remat policies other
+    than `full` (`recompute_flops_per_token`, at the same GEMM efficiency) and the offload
+    transfers (`analytic.transfer_per_step` over HOST_LINK_BYTES_PER_S, not hidden: the
+    update waits for them). step = max(compute + recompute, comm) + update + host. `target_name`:
+    a GPU in step_time.SPECS or a TPU generation (its chip's figures, `step_time.peaks`); None
+    where step_time.predict has none (traffic over an unpublished network)."""
+    from fsdp_jax.app.planner.step_time import GEMM_EFFICIENCY, peaks, predict
+
+    p = predict(cfg, target_name, n_devices, result)
+    if p is None:  # crosses a network whose bandwidth is unpublished
+        return None
+    tokens = cfg.data.seq_len * cfg.train.global_batch / n_devices
+    extra_s = (
+        tokens
+        * recompute_flops_per_token(cfg.model, cfg.data.seq_len, cfg.remat)
+        / (peaks(target_name)[0] * GEMM_EFFICIENCY)
+    )
+    host_s = result["analytic"].get("transfer_per_step", 0) / HOST_LINK_BYTES_PER_S
+    g = lambda x: float(f"{x:.4g}")  # noqa: E731
+    step = max(p["compute_s"] + extra_s, p["comm_s"]) + p["update_s"] + host_s
+    scale = p["step_s"] / step if step else 1.0
+    p.update(
+        step_s=g(step),
+        tokens_per_s_per_gpu=g(tokens / step),
+        tflops_per_gpu=g(p["tflops_per_gpu"] * scale),
+        mfu=g(p["mfu"] * scale),
+        recompute_s=g(extra_s),
+        host_s=g(host_s),
+        bound="compute" if p["compute_s"] + extra_s >= p["comm_s"] else "communication",
+    )
+    return p
+
+
+def ranking_target(target) -> tuple[str, str | None]:
+    """(the step_time target the search predicts with, a note when that is not a prediction
+    for `target`): the target itself, GPU or TPU (a TPU chip's peak, ICI and HBM figures);
+    without a target, or for several slices of a TPU generation whose data-center
+    bandwidth is unpublished (v4, v6e), the H100 roofline as an analytic cost."""
+    if target is None:
+        return "h100", (
+            "no GPU/TPU target: ranked by the analytic cost (the H100 roofline of step_time over "
+            "analytic collective bytes), not a prediction for this machine"
+        )
+    from fsdp_jax.app.planner.step_time import peaks
+
+    if target.hosts > 1 and peaks(target.name)[2] is None:
+        return "h100", (
+            f"{target.name} publishes no data-center network bandwidth and this target spans "
+            f"{target.hosts} slices: ranked by the analytic cost (the H100 roofline), not a "
+            f"prediction for {target.name}"
+        )
+    return target.name, None

@@ -1,0 +1,84 @@
+"""The trainer's model, loss and the one `build(...)` call from a run config.
+
+Every road that needs the trainer's step (the trainer's `setup`, the planner's
+`build_step`, the benchmark and verify commands) calls `trainer_model` for the model
+and `build_from_config` for plan, abstract state and steps, so the ten config keywords
+that reach `fsdp_jax.train.build.build` are written here once.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+import optax
+from jax.sharding import Mesh
+
+from fsdp_jax.app.models.llama import Llama, LlamaConfig, cross_entropy
+from fsdp_jax.model.fns import ModelFns, from_nnx
+from fsdp_jax.train.build import Built, build
+from fsdp_jax.train.step_parts import TokenSum
+
+_UNSET: Any = object()
+
+
+def trainer_model(model_cfg: LlamaConfig, remat: str = "none") -> ModelFns:
+    """The reference decoder as `ModelFns` (`from_nnx`), with `remat` applied per block."""
+    return from_nnx(lambda rngs: Llama(model_cfg, rngs=rngs, remat=remat))
+
+
+def token_loss(logits, targets, weights) -> TokenSum:
+    """Cross-entropy summed over the weighted (trained) targets, and their count: the step
+    divides by the global batch's count (`fsdp_jax.train.step.TokenSum`)."""
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(np.float32), targets)
+    w = weights.astype(np.float32)
+    return TokenSum((losses * w).sum(), w.sum())
+
+
+def make_loss_fn(model: ModelFns) -> Callable:
+    """Next-token cross-entropy on int32 tokens (B, S + 1) (the mean), or on a packed /
+    document-masked batch dict (`fsdp_jax.app.data.packing.batch_from_rows`): attention and
+    positions per segment, the loss over the weighted targets of the global batch."""
+
+    def loss_fn(params, batch):
+        if isinstance(batch, dict):
+            logits = model.apply(params, batch["inputs"], batch["segment_ids"], batch["positions"])
+            return token_loss(logits, batch["targets"], batch["weights"])
+        return cross_entropy(model.apply(params, batch[:, :-1]), batch[:, 1:])
+
+    return loss_fn
+
+
+def build_from_config(
+    cfg,
+    model: ModelFns,
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    strategy: str | None = None,
+    *,
+    loss_fn: Callable | None = None,
+    max_replicated_fraction: float | None = _UNSET,
+    **step_options,
+) -> Built:
+    """`fsdp_jax.train.build.build` with the run config's mesh rules, step and precision
+    options. `strategy` defaults to `cfg.mesh.strategy`, `loss_fn` to `make_loss_fn(model)`,
+    `max_replicated_fraction` to the config's (None: not enforced, as the planner wants);
+    `step_options` go to `make_train_step` on top of the config's."""
+    if max_replicated_fraction is _UNSET:
+        max_replicated_fraction = cfg.mesh.max_replicated_fraction
+    return build(
+        model,
+        optimizer,
+        mesh,
+        strategy or cfg.mesh.strategy,
+        loss_fn=make_loss_fn(model) if loss_fn is None else loss_fn,
+        rules=cfg.mesh.rules,
+        min_shard_size=cfg.mesh.min_shard_size,
+        max_replicated_fraction=max_replicated_fraction,
+        min_replicated_bytes=cfg.mesh.min_replicated_bytes,
+        microbatches=cfg.train.microbatches,
+        clip_norm=cfg.optimizer.clip_norm,
+        precision=cfg.precision,
+        offload=cfg.offload,
+        **step_options,
+    )

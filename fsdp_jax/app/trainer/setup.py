@@ -1,0 +1,315 @@
+"""The trainer's setup: a run config -> a `Run`, as a list of named stages.
+
+    validate -> data -> model -> mesh -> build -> state
+
+Each stage is entered once, in this order, and reads only what the stages before it
+produced (`SETUP_STAGES`; `setup(..., on_stage=print)` shows them). `preflight` is
+every check of the inputs that writes nothing; `train` runs it before taking the run
+directory's lock, and `setup` then skips the validation it already made.
+
+The state comes from, in order: the newest checkpoint in `<run_dir>/checkpoints`
+that restores (when `resume`; laid out for this mesh and strategy, whatever wrote
+it), else `cfg.init_from` (params from a safetensors file, another run or, as
+`hf:DIR`, a Hugging Face checkpoint read shard by shard; fresh optimizer state), else
+`init_params(rng) -> params` (default: the model's init).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from fsdp_jax.app.config.checks import check_backend, check_data, validate
+from fsdp_jax.app.config.parse import config_to_dict
+from fsdp_jax.app.config.schema import Config
+from fsdp_jax.app.data import corpus as data_lib
+from fsdp_jax.app.data.token_check import check_corpus_vocab
+from fsdp_jax.app.hf import load as hf
+from fsdp_jax.app.trainer.build import build_from_config, make_loss_fn, trainer_model
+from fsdp_jax.app.trainer.optim import build_optimizer
+from fsdp_jax.app.trainer.run_dir import check_dir_path
+from fsdp_jax.checkpoint import Checkpointer, Restored, latest_step, load_init_params, open_safetensors
+from fsdp_jax.errors import CheckpointError, ConfigError, one_line
+from fsdp_jax.model.fns import ModelFns
+from fsdp_jax.sharding import offload as offload_lib
+from fsdp_jax.sharding import remat as remat_lib
+from fsdp_jax.sharding.mesh import make_mesh
+from fsdp_jax.sharding.strategy import ShardingPlan
+from fsdp_jax.train.state import TrainState
+
+
+def load_run_config(path, overrides=()):
+    """`load_config` with the trainer's fill: `init_from=hf:PATH` fills the model section from
+    that checkpoint's config.json (keys the user set win). Every command reads its config here."""
+    from fsdp_jax.app.config.parse import load_config
+    from fsdp_jax.app.hf.load import model_section_from_hf
+
+    return load_config(path, overrides, fill=model_section_from_hf)
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything one training run holds."""
+
+    cfg: Config
+    mesh: jax.sharding.Mesh
+    model: ModelFns
+    optimizer: Any
+    schedule: Callable[[int], Any]
+    plan: ShardingPlan
+    state: TrainState
+    train_step: Any  # CompiledStep
+    eval_step: Any
+    loss_fn: Callable
+    run_dir: Path
+    is_main: bool
+    checkpointer: Checkpointer | None = None
+    rng: jax.Array | None = None  # the run's seed-derived key (saved in checkpoints)
+    restored: Restored | None = None  # the checkpoint this run resumed from
+    start_step: int = 0  # steps (batches) done before this run started
+    setup_s: float = 0.0  # wall seconds train() spent in setup (for goodput)
+
+
+# ------------------------------------------------------------------------------- checks
+
+
+def check_offload(cfg: Config) -> None:
+    """ConfigError naming `offload` / `remat` when they move state or activations to host
+    memory and this backend has none."""
+    try:
+        offload_lib.check_supported(cfg.offload, jax.devices())
+    except offload_lib.OffloadError as e:
+        raise ConfigError("offload", str(e).removeprefix("offload: ")) from None
+    if cfg.remat in remat_lib.OFFLOADING and not offload_lib.host_memory_available(jax.devices()):
+        raise ConfigError(
+            "remat",
+            f"{cfg.remat!r} offloads activations to host memory "
+            f"({offload_lib.HOST}), which this backend "
+            f"({jax.devices()[0].platform}) does not offer; use a policy without "
+            "offload_ (e.g. dots)",
+        )
+
+
+def preflight(cfg: Config, progress: bool = False) -> None:
+    """Every check of the run's inputs that needs no writing: the config against the
+    devices and backend, and the places the run will write (run_dir; data.path when the
+    corpus is to be prepared), init_from's header, the corpus's token ids against
+    model.vocab_size (`token_check`; a prepared corpus only: the stdlib one is bytes).
+    Raises ConfigError, DataError or CheckpointError (bad input)."""
+    validate(cfg, n_devices=jax.device_count())
+    check_backend(cfg, jax.default_backend())
+    check_offload(cfg)
+    if cfg.train.tensorboard and importlib.util.find_spec("tensorboardX") is None:
+        raise ConfigError(
+            "train.tensorboard", "true needs the tensorboardX package (pip install tensorboardX), or set it to false"
+        )
+    check_dir_path(cfg.run_dir, "run_dir")
+    if cfg.data.source == "stdlib" and not (Path(cfg.data.path) / "meta.json").exists():
+        check_dir_path(cfg.data.path, "data.path")
+    else:
+        check_data(cfg)
+        check_corpus_vocab(cfg.data.path, cfg.model.vocab_size, progress)
+    if cfg.init_from and not re.match(r"[A-Za-z][\w+.-]*:", cfg.init_from):  # scheme:... is not a path
+        init = Path(cfg.init_from)
+        if not init.exists():
+            raise ConfigError("init_from", f"{cfg.init_from!r}: no such file or directory")
+        if init.is_file():
+            try:
+                open_safetensors(init)  # the header only
+            except CheckpointError as e:
+                raise CheckpointError(f"init_from: {e}") from None
+
+
+def prepare_data(cfg: Config) -> None:
+    """Prepare the default stdlib corpus on first use (process 0), then check the data."""
+    if cfg.data.source == "stdlib" and not (Path(cfg.data.path) / "meta.json").exists():
+        if jax.process_index() == 0:
+            try:
+                data_lib.ensure_stdlib(cfg.data.path)
+            except OSError as e:
+                raise ConfigError(
+                    "data.path", f"{cfg.data.path!r}: cannot prepare the stdlib corpus there ({e.strerror or e})"
+                ) from None
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("fsdp_jax:prepare_data")
+    check_data(cfg)
+    data_lib.load_meta(cfg.data.path)  # meta.json's dtype and the bins' sizes, before any write
+
+
+# ------------------------------------------------------------------------------- stages
+
+
+@dataclasses.dataclass
+class _Draft:
+    """What the stages produce, filled in stage by stage."""
+
+    cfg: Config
+    init_params: Callable | None
+    resume: bool
+    validated: bool
+    hf_ckpt: Any = None
+    model: ModelFns | None = None
+    optimizer: Any = None
+    schedule: Any = None
+    loss_fn: Callable | None = None
+    rng: jax.Array | None = None
+    mesh: jax.sharding.Mesh | None = None
+    built: Any = None
+    run: Run | None = None
+
+
+def _validate(p: _Draft) -> None:
+    """The config against the devices; a Hugging Face init_from is opened here, once,
+    so a bad one fails before anything is written."""
+    if not p.validated:
+        validate(p.cfg, n_devices=jax.device_count())
+        check_offload(p.cfg)
+    resuming = p.resume and latest_step(Path(p.cfg.run_dir) / "checkpoints") is not None
+    if hf.is_hf(p.cfg.init_from) and not resuming:
+        p.hf_ckpt = hf.open_init(p.cfg.init_from, p.cfg.model)
+
+
+def _data(p: _Draft) -> None:
+    prepare_data(p.cfg)
+
+
+def _model(p: _Draft) -> None:
+    cfg = p.cfg
+    p.rng = jax.random.key(cfg.train.seed)
+    p.model = trainer_model(cfg.model, cfg.remat)
+    if p.init_params is not None:
+        p.model = dataclasses.replace(p.model, init=p.init_params, abstract_params=jax.eval_shape(p.init_params, p.rng))
+    p.optimizer, p.schedule = build_optimizer(cfg.optimizer, cfg.train.steps)
+    p.loss_fn = make_loss_fn(p.model)
+
+
+def _mesh(p: _Draft) -> None:
+    p.mesh = make_mesh(p.cfg.mesh.data, p.cfg.mesh.fsdp, p.cfg.mesh.tensor)
+
+
+def _build(p: _Draft) -> None:
+    p.built = build_from_config(p.cfg, p.model, p.optimizer, p.mesh, loss_fn=p.loss_fn)
+
+
+def _state(p: _Draft) -> None:
+    """Checkpoint restore, else init_from, else a fresh init; the Run."""
+    cfg, built, rng = p.cfg, p.built, p.rng
+    run_dir, is_main = Path(cfg.run_dir), jax.process_index() == 0
+    ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.train.keep_checkpoints)
+    if is_main:
+        for d in ckpt.partial:
+            print(f"warning: ignoring partial checkpoint {d} (its save was interrupted); removed", flush=True)
+    restored, start = None, 0
+    if p.resume and ckpt.steps():
+        restored = ckpt.restore(built.abstract_state, set_aside_damaged=True)
+        try:  # extras are JSON anyone can edit: a bad value names the checkpoint, not a traceback
+            state, start = restored.state, int(restored.extras.get("step", restored.step))
+            rng = _rng_from(restored.extras.get("rng"), rng)
+        except (ValueError, TypeError, KeyError) as e:
+            raise CheckpointError(
+                f"checkpoint {ckpt.step_dir(restored.step)}: invalid extras (step / rng: {one_line(e, 160)})"
+            ) from None
+        if is_main:
+            for w in restored.warnings + _config_changes(restored.extras.get("config"), cfg):
+                print(f"warning: {w}", flush=True)
+            print(f"resuming from checkpoint step {restored.step} ({ckpt.step_dir(restored.step)})", flush=True)
+    elif cfg.init_from:  # a Hugging Face checkpoint (read shard by shard), a file or a run
+        params = (
+            hf.load_params(p.hf_ckpt or hf.open_init(cfg.init_from, cfg.model), built.abstract_state.params)
+            if hf.is_hf(cfg.init_from)
+            else load_init_params(cfg.init_from, built.abstract_state.params)
+        )
+        state = built.state_from_params(params)
+        if is_main:
+            print(f"initialised params from {cfg.init_from}", flush=True)
+    else:
+        state = built.init_state(rng)
+    p.run = Run(
+        cfg,
+        p.mesh,
+        p.model,
+        p.optimizer,
+        p.schedule,
+        built.plan,
+        state,
+        built.train_step,
+        built.eval_step,
+        p.loss_fn,
+        run_dir,
+        is_main,
+        ckpt,
+        rng,
+        restored,
+        start,
+    )
+
+
+SETUP_STAGES: tuple[tuple[str, Callable[[_Draft], None]], ...] = (
+    ("validate", _validate),
+    ("data", _data),
+    ("model", _model),
+    ("mesh", _mesh),
+    ("build", _build),
+    ("state", _state),
+)
+
+
+def setup(
+    cfg: Config,
+    init_params: Callable | None = None,
+    *,
+    resume: bool = True,
+    validated: bool = False,
+    on_stage: Callable[[str], None] | None = None,
+) -> Run:
+    """Run `SETUP_STAGES` in order and return the `Run` (see the module docstring).
+    `validated`: `preflight` already checked `cfg` against the devices. `on_stage(name)`
+    is called as each stage is entered. Raises CheckpointError when checkpoints exist
+    but none restores or fits."""
+    parts = _Draft(cfg, init_params, resume, validated)
+    for name, stage in SETUP_STAGES:
+        if on_stage is not None:
+            on_stage(name)
+        stage(parts)
+    return parts.run
+
+
+# ------------------------------------------------------------------------- resume extras
+
+
+def _rng_from(saved: dict | None, default: jax.Array) -> jax.Array:
+    if not saved:
+        return default
+    return jax.random.wrap_key_data(np.asarray(saved["data"], np.uint32), impl=saved["impl"])
+
+
+def rng_to_json(key: jax.Array) -> dict:
+    return {"impl": str(jax.random.key_impl(key)), "data": np.asarray(jax.random.key_data(key)).tolist()}
+
+
+def _config_changes(saved: dict | None, cfg: Config) -> list[str]:
+    """One line naming the config keys that differ from the checkpoint's, if any. A key the
+    checkpoint's config lacks (it was written by an older release) counts only when this run
+    sets it away from its default, which is what the older release did."""
+    if not saved:
+        return []
+
+    def flat(d: dict) -> dict:
+        return {
+            f"{k}.{j}" if isinstance(v, dict) else k: w
+            for k, v in d.items()
+            for j, w in (v.items() if isinstance(v, dict) else [(k, v)])
+        }
+
+    a, b, default = flat(saved), flat(config_to_dict(cfg)), flat(config_to_dict(Config()))
+    a.update({k: default[k] for k in b.keys() - a.keys() if k in default})
+    diff = [f"{k} {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)]
+    return [f"resuming with a config that differs from the checkpoint's: {', '.join(diff)}"] if diff else []

@@ -1,0 +1,10 @@
+"""A model as functions the train step runs, whatever it was written in.
+
+fns        `ModelFns` and the adapters that make one (`from_nnx`, `from_linen`, pytrees)
+nnx_split  an NNX module split into graph definition, params and the rest (`NnxSplit`)
+variables  the model's non-trainable variables and per-step randomness through the step
+"""
+
+from fsdp_jax.model.fns import ModelFns, from_linen, from_nnx
+
+__all__ = ["ModelFns", "from_linen", "from_nnx"]

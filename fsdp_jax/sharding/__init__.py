@@ -1,0 +1,42 @@
+"""How each leaf shards: mesh axes and logical names, the rules table, strategies, and the
+memory policies (precision, remat, host offload). Decisions are data (`LeafSharding`, `Why`).
+
+    axes          names of mesh axes and logical dims, in one place
+    mesh          the (data, fsdp, tensor) device mesh (`make_mesh`)
+    rules         logical-axis rules + the fallback rule -> a leaf's spec (`explain`)
+    leaf_sharding one leaf's decision as a row; reasons: why, as data and prose
+    replication   the replicated-bytes guard (`check_sufficiently_sharded`)
+    flax_names    logical names read from Flax metadata
+    strategy      ZeRO-3/2/1, DDP and HSDP as rows of a table (`STRATEGIES`, `make_plan`)
+    precision     the mixed-precision policy (`Policy`)
+    remat         activation checkpointing policies by name (`REMAT_POLICIES`)
+    offload       host memory kinds for optimizer state and master weights (`OFFLOADS`)
+"""
+
+from fsdp_jax.sharding.mesh import make_mesh
+from fsdp_jax.sharding.offload import OFFLOADS
+from fsdp_jax.sharding.precision import Policy, cast_params_for_compute
+from fsdp_jax.sharding.remat import REMAT_POLICIES, get_policy, with_remat
+from fsdp_jax.sharding.rules import DEFAULT_MIN_SHARD_SIZE, DEFAULT_RULES, explain, logical_to_spec, merge_rules
+from fsdp_jax.sharding.strategy import ALIASES, STRATEGIES, ShardingPlan, Strategy, get_strategy, make_plan
+
+__all__ = [
+    "ALIASES",
+    "DEFAULT_MIN_SHARD_SIZE",
+    "DEFAULT_RULES",
+    "OFFLOADS",
+    "Policy",
+    "REMAT_POLICIES",
+    "STRATEGIES",
+    "ShardingPlan",
+    "Strategy",
+    "cast_params_for_compute",
+    "explain",
+    "get_policy",
+    "get_strategy",
+    "logical_to_spec",
+    "make_mesh",
+    "make_plan",
+    "merge_rules",
+    "with_remat",
+]

@@ -1,0 +1,277 @@
+"""The comparison `fsdp_jax.verify.run` runs, in a process that has the devices: the steps on
+one device (the reference), then the same steps from the same params and batches under
+each strategy, every leaf and the loss and grad norm measured against the reference,
+into a `VerifyReport` (`fsdp_jax.verify.report`). The entry point, its input checks and
+the child process are `fsdp_jax.verify.run`, which re-exports `strategy_mesh_shape`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from fsdp_jax.errors import VerifyError
+from fsdp_jax.hlo.memory import collective_report, compiled_memory, state_bytes_per_device
+from fsdp_jax.sharding import rules as rl
+from fsdp_jax.sharding.mesh import make_mesh
+from fsdp_jax.sharding.precision import Policy
+from fsdp_jax.train.build import build
+from fsdp_jax.verify.report import (
+    TOLERANCES,
+    Divergence,
+    StrategyReport,
+    Tolerance,
+    VerifyReport,
+    _leaf_rel,
+    _rel,
+    default_tolerance,
+    optimizer_kind,
+)
+
+_BUILD_OPTIONS = ("logical_axes", "rules", "min_shard_size", "max_replicated_fraction")
+_STEP_OPTIONS = ("precision", "microbatches", "clip_norm", "remat", "has_aux", "trainable", "skip_nonfinite", "rng")
+
+
+def _compare(
+    model,
+    optimizer,
+    loss_fn,
+    batch,
+    batches,
+    names: list[str],
+    devs: list[jax.Device],
+    steps: int,
+    seed: int,
+    tolerance,
+    check_init: bool,
+    options: Mapping[str, Any],
+) -> VerifyReport:
+    unknown = sorted(set(options) - set(_BUILD_OPTIONS) - set(_STEP_OPTIONS))
+    if unknown:
+        raise VerifyError(
+            f"verify: unknown option(s) {', '.join(unknown)}; allowed: {', '.join(_BUILD_OPTIONS + _STEP_OPTIONS)}"
+        )
+    opts = {"max_replicated_fraction": None, **options}
+    host_batches = _host_batches(batch, batches, steps, len(devs), opts.get("microbatches", 1))
+    from fsdp_jax.model.fns import _adapt  # the shard_model adapter: same model forms accepted
+
+    key = jax.random.key(seed)
+    with _user_code("the model does not initialise"):
+        fns, params, mstate = _adapt(model, key)
+    tol = _tolerance(tolerance, optimizer, fns, opts.get("precision"))
+
+    ref_mesh = make_mesh(1, 1, 1, devices=devs[:1])
+    ref = _build(fns, optimizer, ref_mesh, "no_shard", loss_fn, opts)
+    with _user_code("the model does not initialise"):
+        state = ref.init_state(key) if params is None else ref.place(params, mstate)
+    p0, ms0 = _host(state.params), _host(state.model_state)
+    with _user_code("loss_fn fails on the batch"):
+        step = ref.train_step.lower(state, _put(host_batches[0], ref.plan.batch)).compile()
+    ref_loss, ref_gnorm, ref_params = [], [], []
+    for b in host_batches:
+        state, m = step(state, _put(b, ref.plan.batch))
+        ref_loss.append(float(m["loss"]))  # blocking each step bounds the work in flight (CPU)
+        ref_gnorm.append(float(m["grad_norm"]))
+        ref_params.append(_host((state.params, state.model_state)))
+    del state
+
+    # params, then the model's state (BatchNorm statistics: over the global batch, so
+    # they must agree too), prefixed state:
+    paths = [rl.path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(p0)[0]] + [
+        "state:" + rl.path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(ms0)[0]
+    ]
+    reports = {}
+    for name in names:
+        mesh = make_mesh(*strategy_mesh_shape(name, len(devs)), devices=devs)
+        reports[name] = _run_strategy(
+            fns,
+            optimizer,
+            loss_fn,
+            opts,
+            mesh,
+            name,
+            key,
+            check_init and params is None,
+            (p0, ms0),
+            host_batches,
+            ref_loss,
+            ref_gnorm,
+            ref_params,
+            paths,
+            tol,
+        )
+    return VerifyReport(
+        devices=len(devs),
+        steps=steps,
+        platform=devs[0].platform,
+        tolerance=tol,
+        optimizer_kind=optimizer_kind(optimizer, fns.abstract_params),
+        precision=str(Policy.parse(opts.get("precision"))),
+        reference_loss=ref_loss,
+        reference_grad_norm=ref_gnorm,
+        strategies=reports,
+    )
+
+
+def _run_strategy(
+    fns,
+    optimizer,
+    loss_fn,
+    opts,
+    mesh,
+    name,
+    key,
+    sharded_init,
+    start,
+    host_batches,
+    ref_loss,
+    ref_gnorm,
+    ref_params,
+    paths,
+    tol,
+) -> StrategyReport:
+    p0, ms0 = start
+    built = _build(fns, optimizer, mesh, name, loss_fn, opts)
+    init_diff = None
+    if sharded_init:  # the strategy's own init, for the record (training starts from p0)
+        own = built.init_state(key)
+        init_diff = max(
+            float(np.max(np.abs(a - b), initial=0.0))
+            for a, b in zip(jax.tree.leaves(_host(own.params)), jax.tree.leaves(p0))
+        )
+        del own
+    state = built.place(p0, ms0)
+    step = built.train_step.lower(state, _put(host_batches[0], built.plan.batch)).compile()
+    collectives = {op: dict(v) for op, v in collective_report(step.as_text())["per_step"].items()}
+    peak = compiled_memory(step)["peak"]
+    loss_d, gnorm_d, param_d, first = [], [], [], None
+    for i, b in enumerate(host_batches):
+        state, m = step(state, _put(b, built.plan.batch))
+        loss_d.append(_rel(float(m["loss"]), ref_loss[i]))
+        gnorm_d.append(_rel(float(m["grad_norm"]), ref_gnorm[i]))
+        leaf_d = [
+            _leaf_rel(a, r)
+            for a, r in zip(jax.tree.leaves(_host((state.params, state.model_state))), jax.tree.leaves(ref_params[i]))
+        ]
+        param_d.append(max(leaf_d, default=0.0))
+        if first is None:
+            bad = sorted(((p, e) for p, e in zip(paths, leaf_d) if not e <= tol.param_rtol), key=lambda pe: -pe[1])
+            over_loss, over_gnorm = not loss_d[-1] <= tol.loss_rtol, not gnorm_d[-1] <= tol.grad_norm_rtol
+            if bad or over_loss or over_gnorm:
+                first = Divergence(
+                    i + 1, loss_d[-1] if over_loss else None, gnorm_d[-1] if over_gnorm else None, tuple(bad)
+                )
+    last = jax.tree.leaves(_host((state.params, state.model_state)))
+    worst = int(np.argmax(leaf_d)) if leaf_d else 0
+    max_abs = max(
+        (float(np.max(np.abs(a - r), initial=0.0)) for a, r in zip(last, jax.tree.leaves(ref_params[-1]))), default=0.0
+    )
+    return StrategyReport(
+        strategy=name,
+        mesh={k: int(v) for k, v in mesh.shape.items()},
+        passed=first is None,
+        loss_rel_diff=loss_d,
+        grad_norm_rel_diff=gnorm_d,
+        param_rel_diff=param_d,
+        param_max_abs_diff=max_abs,
+        worst_leaf=paths[worst] if paths else "",
+        init_max_abs_diff=init_diff,
+        state_bytes=state_bytes_per_device(built.abstract_state),
+        peak_bytes=int(peak),
+        collectives_per_step=collectives,
+        first_divergence=first,
+    )
+
+
+def _build(fns, optimizer, mesh, strategy, loss_fn, opts):
+    try:
+        return build(fns, optimizer, mesh, strategy, loss_fn=loss_fn, **opts)
+    except rl.ShardingError as e:
+        raise VerifyError(f"verify: {strategy}: {e}") from None
+
+
+def strategy_mesh_shape(strategy: str, n: int) -> tuple[int, int, int]:
+    """(data, fsdp, tensor): every device on fsdp; hybrid_shard needs a data axis and
+    gets data=2 x fsdp=n/2 (as the planner does) when n is even and at least 4."""
+    if strategy == "hybrid_shard" and n % 2 == 0 and n >= 4:
+        return 2, n // 2, 1
+    return 1, n, 1
+
+
+def _host_batches(batch, batches, steps: int, n: int, microbatches: int) -> list:
+    """`steps` host copies of the batches, each leaf's leading dim checked against
+    n x microbatches."""
+    if batches is None:
+        batches = [batch] * steps
+    batches = list(batches)
+    if len(batches) < steps:
+        raise VerifyError(f"verify: batches has {len(batches)} batches, fewer than steps={steps}")
+    out = [jax.tree.map(np.asarray, b) for b in batches[:steps]]
+    _same_shapes(out)
+    for path, x in (leaf for one in out for leaf in jax.tree_util.tree_flatten_with_path(one)[0]):
+        b = x.shape[0] if x.ndim else None
+        if b is None or b % (n * microbatches):
+            raise VerifyError(
+                f"verify: batch leaf {rl.path_str(path) or '<root>'} has leading dim {b}, "
+                f"which cannot split over devices={n} x microbatches={microbatches}; "
+                f"use a global batch that is a multiple of {n * microbatches}"
+            )
+    return out
+
+
+def _same_shapes(batches: list) -> None:
+    """Every batch has batches[0]'s structure and leaf shapes and dtypes (the step compiles
+    once); VerifyError naming the first batch and leaf that differ."""
+    leaves0, tree0 = jax.tree_util.tree_flatten_with_path(batches[0])
+    for i, b in enumerate(batches[1:], 1):
+        leaves, tree = jax.tree_util.tree_flatten_with_path(b)
+        if tree != tree0:
+            raise VerifyError(
+                f"verify: batches[{i}] is not structured like batches[0] ({tree} vs {tree0}); "
+                "every step's batch must hold the same leaves"
+            )
+        for (path, x), (_, y) in zip(leaves0, leaves):
+            if x.shape != y.shape or x.dtype != y.dtype:
+                raise VerifyError(
+                    f"verify: batches[{i}] leaf {rl.path_str(path) or '<root>'} is {y.dtype}{list(y.shape)}, "
+                    f"batches[0]'s is {x.dtype}{list(x.shape)}; every step's batch must have the same shapes "
+                    "and dtypes (the step compiles once)"
+                )
+
+
+def _tolerance(tolerance, optimizer, fns, precision) -> Tolerance:
+    if isinstance(tolerance, Tolerance):
+        return tolerance
+    if tolerance is None:
+        return default_tolerance(optimizer, fns.abstract_params, precision)
+    if tolerance not in TOLERANCES:
+        raise VerifyError(f"verify: tolerance {tolerance!r}: choose a Tolerance or one of {', '.join(TOLERANCES)}")
+    return TOLERANCES[tolerance]
+
+
+class _user_code:
+    """Turn an exception raised by the caller's model or loss into a one-line VerifyError
+    (the original stays chained as its cause)."""
+
+    def __init__(self, what: str):
+        self.what = what
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, tp, e, tb):
+        if e is None or isinstance(e, VerifyError) or not isinstance(e, Exception):
+            return False
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise VerifyError(f"verify: {self.what}: {type(e).__name__}: {first}") from e
+
+
+def _put(batch, sharding):
+    return jax.device_put(batch, sharding)
+
+
+def _host(tree):
+    return jax.tree.map(lambda x: np.asarray(x, np.float64), jax.device_get(tree))
