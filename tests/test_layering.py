@@ -86,3 +86,45 @@ def test_floor_plan_sizes():
     """At most 8 flat modules beside the sub-packages, in the library and in the app."""
     assert len([p for p in PKG.glob("*.py")]) <= 8
     assert len([p for p in (PKG / "app").glob("*.py")]) <= 8
+
+
+def _defined(path: Path) -> set[str]:
+    """Top-level names a module binds itself (not by importing them)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                out.update(n.id for n in ast.walk(t) if isinstance(n, ast.Name))
+    return out
+
+
+def test_names_are_imported_from_where_they_are_defined():
+    """No compatibility layer: outside a package's `__init__` face, `from M import name` finds
+    `name` defined in M (or a submodule), never a name M itself imported from a sibling;
+    and no face re-exports a private name."""
+    root = PKG.parent
+    sources = [*PKG.rglob("*.py"), *(root / "tests").glob("*.py"), *(root / "scripts").glob("*.py")]
+    sources += [*(root / "benchmarks").glob("*.py"), *(root / "examples").glob("*.py")]
+    bad = []
+    for path in sources:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fsdp_jax")):
+                continue
+            target = root / node.module.replace(".", "/")
+            if (target / "__init__.py").is_file():  # a package: its face, or its submodules
+                for a in node.names:
+                    if a.name.startswith("_") and not (target / f"{a.name}.py").is_file():
+                        bad.append(f"{path.name}: {node.module}.{a.name} (private, through a face)")
+                continue
+            defined = _defined(target.with_suffix(".py"))
+            for a in node.names:
+                if a.name not in defined:
+                    bad.append(f"{path.relative_to(root)}: {node.module}.{a.name} (not defined there)")
+    faces = [p for p in PKG.rglob("__init__.py")]
+    for face in faces:
+        for node in ast.parse(face.read_text()).body:
+            if isinstance(node, ast.ImportFrom):
+                bad += [f"{face.relative_to(root)}: re-exports {a.name}" for a in node.names if a.name.startswith("_")]
+    assert not bad
