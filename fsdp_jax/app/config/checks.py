@@ -145,13 +145,22 @@ def _check_distributed(cfg: Config) -> None:
 
 
 def _check_precision(cfg: Config) -> None:
-    """precision parses as a `fsdp_jax.sharding.precision.Policy`."""
+    """precision parses as a `fsdp_jax.sharding.precision.Policy`; cuDNN attention computes in
+    bfloat16 or float16 only (its flash kernels have no float32 one: jax raises
+    NotImplementedError while tracing, on a GPU and in the planner's compile alike)."""
     try:
-        Policy.parse(cfg.precision)
+        compute = Policy.parse(cfg.precision).compute_dtype.name
     except (ValueError, TypeError) as e:
         raise ConfigError(
             "precision", f"{cfg.precision!r} is invalid; {e} (e.g. params=float32,compute=bfloat16)"
         ) from None
+    _check(
+        cfg.model.attention != "cudnn" or compute in ("bfloat16", "float16"),
+        "model.attention",
+        cfg.model.attention,
+        f"needs bfloat16 or float16 compute (cuDNN's flash attention has no {compute} kernel) and precision "
+        f"computes in {compute}: set precision=params=float32,compute=bfloat16, or use model.attention=xla",
+    )
 
 
 def _check_train(cfg: Config) -> None:
