@@ -298,18 +298,17 @@ def test_injected_data_delay_shows_in_the_data_column_and_columns_add_up(observe
     _, _, _, records = observed_run
     windows = [r for r in records if "loss" in r]
     assert [r["step"] for r in windows] == [4, 8]
+    # (what the load of the machine cannot change; where the delay goes, against what was
+    # injected on a virtual clock: tests/test_timing_injected.py)
     for r in windows:
         assert r["t_data_s"] >= 4 * DELAY_S  # 4 steps per window, each delayed
         named = sum(r[k] for k in NAMED)
-        assert abs(named - r["t_wall_s"]) <= 0.05 * r["t_wall_s"], r
         assert named + r["t_other_s"] == pytest.approx(r["t_wall_s"])
         # step_time_s leaves out compile and profiler start/stop, so throughput is the loop's
         assert r["step_time_s"] * 4 == pytest.approx(
             r["t_wall_s"] - r["t_compile_s"] - r["t_profile_s"] - r["t_eval_s"], rel=1e-6
         )
     assert windows[0]["t_compile_s"] > 0 and windows[1]["t_compile_s"] == 0
-    # the data stall is the delay, not the device: the first window without compile
-    assert windows[1]["t_data_s"] < 4 * DELAY_S + 0.5 * windows[1]["t_wall_s"]
 
 
 @pytest.mark.slow
@@ -321,7 +320,7 @@ def test_goodput_record_covers_the_run(observed_run):
     parts = sum(good[f"total_{k}_s"] for k in timing.RUN)
     assert parts == pytest.approx(good["total_wall_s"])
     # setup + loop: the whole train() call but its last checkpointer.close()
-    assert 0.95 * wall <= good["total_wall_s"] <= wall
+    assert 8 * DELAY_S <= good["total_wall_s"] <= wall
     windows = [r for r in records if "loss" in r]
     assert good["total_data_s"] >= sum(r["t_data_s"] for r in windows) - 1e-9 >= 8 * DELAY_S
     assert summary["goodput"]["largest_losses"][0][0] in timing.RUN
