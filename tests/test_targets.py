@@ -726,6 +726,7 @@ def test_involuntary_rematerialization_names_the_tensor():
     assert r == {
         "tensor": "reshape.7",
         "shape": "bf16[64,128]{1,0}",
+        "opcode": "reshape",
         "from": "{devices=[8,1]<=[8]}",
         "to": "{devices=[1,8]<=[8]}",
         "op_name": "jit(step)/reshape",

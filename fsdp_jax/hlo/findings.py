@@ -12,34 +12,55 @@ from typing import Any
 
 from fsdp_jax.hlo.calls import _OP_NAME_RE
 
+# Both wordings XLA uses: "... was not able to go from sharding A to B without doing a full
+# rematerialization of the tensor for HLO operation: %x = ..." (spmd_partitioner.cc, jax 0.10)
+# and "... cannot go from sharding A to B efficiently for HLO operation %x = ... As the last
+# resort, SPMD will replicate the tensor" (the same file, newer messages).
 _REMAT_RE = re.compile(
-    r"Involuntary full rematerialization.*?from sharding (.*?) to (.*?) without doing"
-    r".*?HLO operation: %?([\w.\-]+) = (\S+)(.*?)(?:You probably|$)"
+    r"Involuntary full rematerialization.*?from sharding (.*?) to (.*?) (?:without doing|efficiently for)"
+    r".*?HLO operation:? %?([\w.\-]+) = (\S+) ([\w\-]+)(.*?)(?:You probably|As the last resort|$)"
 )
 
 
 def involuntary_rematerializations(log: str) -> list[dict[str, str]]:
     """The SPMD partitioner's "Involuntary full rematerialization" messages in a
-    compile's stderr: [{"tensor", "shape", "from", "to", "op_name"}]."""
+    compile's stderr: [{"tensor", "shape", "opcode", "from", "to", "op_name"}] ("op_name" is
+    empty when the instruction carries no JAX source op, e.g. one the partitioner made). A
+    message in neither known wording keeps its text: {"line": the message, from its start}."""
     out = []
     for line in log.splitlines():
-        if "Involuntary full rematerialization" not in line:
+        at = line.find("Involuntary full rematerialization")
+        if at < 0:
             continue
         m = _REMAT_RE.search(line)
         if not m:
-            out.append({"tensor": "?", "shape": "?", "from": "?", "to": "?", "op_name": "", "line": line.strip()[:300]})
+            out.append({"line": line[at:].strip()[:300]})
             continue
-        op = _OP_NAME_RE.search(m.group(5))
+        op = _OP_NAME_RE.search(m.group(6))
         out.append(
             {
                 "tensor": m.group(3),
                 "shape": m.group(4),
+                "opcode": m.group(5),
                 "from": m.group(1).rstrip("."),
                 "to": m.group(2).rstrip("."),
                 "op_name": op.group(1) if op else "",
             }
         )
     return out
+
+
+def rematerialization_warning(r: dict[str, str]) -> str:
+    """One sentence for an `involuntary_rematerializations` entry, naming the HLO instruction
+    (and its JAX op when it has one); an unparsed message is quoted."""
+    if "tensor" not in r:
+        return f"the partitioner reported: {r['line']}"
+    source = f", from {r['op_name']}" if r["op_name"] else ""
+    return (
+        f"involuntary full rematerialization of {r['tensor']} {r['shape']} ({r['opcode']}{source}): the "
+        f"partitioner could not go from sharding {r['from']} to {r['to']} without materialising the whole "
+        f"tensor on every device; constrain it (or its producer) to a layout that maps onto the target one"
+    )
 
 
 def _fmt(n: float) -> str:

@@ -23,7 +23,7 @@ from fsdp_jax.app.devices import use_cpu_devices
 from fsdp_jax.app.planner.abstract_step import target_mesh_sizes
 from fsdp_jax.app.planner.one_strategy import plan_strategy
 from fsdp_jax.errors import OffloadError, PlanError
-from fsdp_jax.hlo.findings import involuntary_rematerializations
+from fsdp_jax.hlo.findings import involuntary_rematerializations, rematerialization_warning
 from fsdp_jax.targets.plugins import INSTALL_HINT
 
 
@@ -119,12 +119,7 @@ def _add_rematerialization_warnings(out: dict[str, dict], stderr: str) -> None:
     for name, log in _logs_by_strategy(stderr).items():
         for r in involuntary_rematerializations(log):
             if name in out:
-                out[name]["warnings"].append(
-                    f"involuntary full rematerialization of {r['tensor']} {r['shape']} (op {r['op_name'] or '?'}): "
-                    f"the partitioner could not go from sharding {r['from']} to {r['to']} without "
-                    f"materialising the whole tensor on every device; constrain it (or its producer) "
-                    f"to a layout that maps onto the target one"
-                )
+                out[name]["warnings"].append(rematerialization_warning(r))
 
 
 _STRATEGY_MARK = "fsdp_jax.app.planner.estimate: compiling "
