@@ -240,6 +240,6 @@ def test_an_indexed_job_without_an_index_is_one_line_exit_2(tmp_path, capsys, mo
 def test_recipes_name_no_machine_or_registry():
     for f in RECIPES.iterdir():
         text = f.read_text()
-        assert "/work/" not in text and not re.search(r"image:\s*\S+/", text), f  # a bare image name
+        assert not re.search(r"image:\s*\S+/", text), f  # a bare image name (machine paths: test_repo_hygiene)
         if f.suffix == ".sbatch":
             assert shlex.split(re.findall(r"^srun .*$", text, re.M)[0])[-2:] == ["scripts/train.py", "$@"]

@@ -20,6 +20,7 @@ def chat_set(path: Path, n: int = 240, seed: int = 0) -> Path:
     """Questions about made-up facts with a fixed answer form: learnable, so eval loss on
     unseen (held-out) conversations falls when only the answers are trained."""
     rng = np.random.default_rng(seed)
+    path.parent.mkdir(parents=True, exist_ok=True)  # data/ does not exist in a fresh checkout
     with open(path, "w") as f:
         for i in range(n):
             thing, color = THINGS[i % len(THINGS)], COLORS[(i * 7) % len(COLORS)]

@@ -4,7 +4,7 @@ exported model answers training prompts greedily with the trained answers.
 
 Needs torch + transformers (the golden venv; the project never imports them):
 
-    /work/venv-golden/bin/python tests/golden/check_chat_answers.py EXPORTED_DIR TOKENIZER_DIR CHATS.jsonl [N]
+    .venv-golden/bin/python tests/golden/check_chat_answers.py EXPORTED_DIR TOKENIZER_DIR CHATS.jsonl [N]
 
 For the first N (default 24) conversations: the messages before the last (assistant)
 one are rendered with `apply_chat_template(add_generation_prompt=True)`, the model

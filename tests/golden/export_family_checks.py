@@ -10,7 +10,7 @@ project side first and the golden venv's `--check` on each directory:
 
     PYTHONPATH=$PWD python tests/golden/export_family_checks.py OUT
     for d in OUT/*/; do n=$(basename $d)
-        /work/venv-golden/bin/python tests/golden/make_hf_family_goldens.py --check $d OUT/$n.safetensors
+        .venv-golden/bin/python tests/golden/make_hf_family_goldens.py --check $d OUT/$n.safetensors
     done
 
 For every golden of make_hf_family_goldens.py this imports the checkpoint, adds

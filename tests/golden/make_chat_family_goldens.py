@@ -4,10 +4,10 @@ families on tiny tokenizers, and what transformers' own `apply_chat_template` ma
 chats as people have them (multi-turn, system prompts, reasoning, OpenAI-style tool
 calls with null keys).
 
-Needs transformers + jinja2, which the project never installs: run it with the Python of
-a separate venv holding torch (CPU) and transformers (see make_chat_goldens.py):
+Needs transformers + jinja2, which the project never installs: run it with the golden
+venv's Python (tests/golden/README.md):
 
-    python tests/golden/make_chat_family_goldens.py
+    .venv-golden/bin/python tests/golden/make_chat_family_goldens.py
 
 Inputs, written by hand: `<family>/chat_template.jinja`, each family's template as
 published (no hub here, so copied from where it is quoted in public repositories):

@@ -4,7 +4,7 @@ transformers' own `apply_chat_template` makes of a few conversations.
 
 Needs transformers + jinja2, which the project never installs; use the golden venv:
 
-    /work/venv-golden/bin/python tests/golden/make_chat_goldens.py
+    .venv-golden/bin/python tests/golden/make_chat_goldens.py
 
 Each tokenizer is tests/golden/hf/llama_gqa's 256-token BPE copied, with a template:
   llama2   Llama-2's [INST] template (system prompt folded into the first user turn,

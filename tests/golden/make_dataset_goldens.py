@@ -3,10 +3,10 @@
 `save_to_disk` writes them (Arrow stream files + state.json + dataset_info.json), which
 `fsdp-jax prepare` reads as sources with pyarrow alone.
 
-Needs the `datasets` package, which the project never installs; run it with the Python of
-a venv that has it (`python -m venv V && V/bin/pip install datasets`):
+Needs the `datasets` package, which the project never installs; run it with the golden
+venv's Python (tests/golden/README.md) after `.venv-golden/bin/pip install datasets`:
 
-    V/bin/python tests/golden/make_dataset_goldens.py
+    .venv-golden/bin/python tests/golden/make_dataset_goldens.py
 
 Writes:
   chats/        a Dataset of 40 OpenAI-style chats under the column "conversations" (Arrow

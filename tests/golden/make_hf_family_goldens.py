@@ -6,8 +6,8 @@ the logits transformers computes (eager attention, float32) for fixed tokens.
 Needs torch + transformers, which the project never installs; use a separate venv
 (as for make_hf_goldens.py, which writes the two Llama-2 goldens and stays as it is):
 
-    /work/venv-golden/bin/python tests/golden/make_hf_family_goldens.py          # writes them
-    /work/venv-golden/bin/python tests/golden/make_hf_family_goldens.py --check OUT LOGITS
+    .venv-golden/bin/python tests/golden/make_hf_family_goldens.py          # writes them
+    .venv-golden/bin/python tests/golden/make_hf_family_goldens.py --check OUT LOGITS
 
 `--check` loads OUT (written by `scripts/export.py RUN --hf OUT`) with
 `AutoModelForCausalLM.from_pretrained` and prints the max abs difference of its

@@ -4,10 +4,10 @@ logits transformers' own LlamaForCausalLM computes for fixed tokens.
 
 Needs torch + transformers, which the project never installs; use a separate venv:
 
-    python -m venv /tmp/venv-golden
-    /tmp/venv-golden/bin/pip install torch==2.13.0 transformers safetensors numpy
-    /tmp/venv-golden/bin/python tests/golden/make_hf_goldens.py            # writes tests/golden/hf
-    /tmp/venv-golden/bin/python tests/golden/make_hf_goldens.py --check EXPORTED_DIR GOLDEN_NAME
+    .venv-golden/bin/python tests/golden/make_hf_goldens.py            # writes tests/golden/hf
+    .venv-golden/bin/python tests/golden/make_hf_goldens.py --check EXPORTED_DIR GOLDEN_NAME
+
+(`.venv-golden`: the golden venv at the checkout's root, tests/golden/README.md.)
 
 `--check` loads a directory written by `scripts/export.py RUN --hf OUT` with
 `LlamaForCausalLM.from_pretrained` and prints the max abs difference of its logits

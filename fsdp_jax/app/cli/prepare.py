@@ -188,6 +188,14 @@ def run(args) -> int:
             f"split {pk['split']}, skipped (nothing to train on) {pk['empty']}"
             + (f", first at {meta['first_empty']}" if meta["first_empty"] else "")
         )
+        if pk["truncated"]:
+            print(
+                f"warning: {pk['truncated']:,} of {meta['examples']:,} examples are longer than a row of "
+                f"{meta['row_len']} tokens and were truncated to it (first: {meta['first_truncated']}; "
+                f"{pk['dropped_tokens']:,} tokens dropped): --overflow split keeps them whole across rows, "
+                "or prepare with a larger --pack",
+                file=sys.stderr,
+            )
         if meta["template_dropped"]:
             print(
                 f"warning: {meta['template_dropped']:,} of {meta['kinds'].get('chat', 0):,} chat examples have message "

@@ -128,16 +128,19 @@ class PackedSplits:
         self.first_empty: str | None = None
         self.index = 0
         self.dropped, self.first_dropped = 0, None
+        self.first_truncated: str | None = None
 
     def add_stream(self, chunks, where: str) -> None:
         """One plain example given as token arrays in order (a long text file, `where`)."""
         held_out = _held_out(self.seed, np.arange(self.index, self.index + 1), self.val_fraction)[0]
         w = self.writers["val" if held_out else "train"]
-        before = w.stats.empty
+        before, cut = w.stats.empty, w.stats.truncated
         w.add_stream(chunks)
         self.kinds["plain"] = self.kinds.get("plain", 0) + 1
         if w.stats.empty > before and self.first_empty is None:
             self.first_empty = where
+        if w.stats.truncated > cut and self.first_truncated is None:
+            self.first_truncated = where
         self.index += 1
 
     def add_examples(self, items, examples) -> None:
@@ -149,10 +152,12 @@ class PackedSplits:
                 self.dropped += 1
                 self.first_dropped = self.first_dropped or where
             w = self.writers["val" if v else "train"]
-            before = w.stats.empty
+            before, cut = w.stats.empty, w.stats.truncated
             w.add(ex.tokens, ex.mask)
             if w.stats.empty > before and self.first_empty is None:
                 self.first_empty = where
+            if w.stats.truncated > cut and self.first_truncated is None:
+                self.first_truncated = where
         self.index += len(examples)
 
     def close(self) -> None:

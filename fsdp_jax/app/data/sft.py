@@ -205,6 +205,7 @@ def _packed_meta(
         "kinds": splits.kinds,
         "empty_skipped": stats.empty,
         "first_empty": first_empty,
+        "first_truncated": splits.first_truncated,
         "template_dropped": splits.dropped,
         "first_template_dropped": splits.first_dropped,
         "packing": stats.as_dict(),
