@@ -148,6 +148,35 @@ def _errors():
     return (TokenizerError,), ()
 
 
+def _report_packed(out: str, meta: dict) -> None:
+    """The packed corpus' summary line (stdout), and a warning line each (stderr) for examples
+    truncated to a row and for chats whose template leaves some message text out."""
+    pk = meta["packing"]
+    print(
+        f"{out}: {meta['examples']:,} examples ({', '.join(f'{k} {v}' for k, v in meta['kinds'].items())}) "
+        f"-> train {meta['train_rows']:,} rows, val {meta['val_rows']:,} rows of {meta['row_len']} "
+        f"tokens; packing efficiency {pk['efficiency']:.2%}; truncated {pk['truncated']}, "
+        f"split {pk['split']}, skipped (nothing to train on) {pk['empty']}"
+        + (f", first at {meta['first_empty']}" if meta["first_empty"] else "")
+    )
+    if pk["truncated"]:
+        print(
+            f"warning: {pk['truncated']:,} of {meta['examples']:,} examples are longer than a row of "
+            f"{meta['row_len']} tokens and were truncated to it (first: {meta['first_truncated']}; "
+            f"{pk['dropped_tokens']:,} tokens dropped): --overflow split keeps them whole across rows, "
+            "or prepare with a larger --pack",
+            file=sys.stderr,
+        )
+    if meta["template_dropped"]:
+        print(
+            f"warning: {meta['template_dropped']:,} of {meta['kinds'].get('chat', 0):,} chat examples have message "
+            f"text their chat template does not render (first: {meta['first_template_dropped']}; e.g. a system "
+            "prompt Mistral v0.3 shows only before a final user turn, or earlier turns' reasoning under Qwen3): "
+            "trained as the template renders them, as transformers does",
+            file=sys.stderr,
+        )
+
+
 def run(args) -> int:
     check_flags(args)
     if args.threads:  # Hugging Face tokenizers take their thread count from the environment
@@ -180,30 +209,7 @@ def run(args) -> int:
             workers=args.workers,
             keys=KeyMap(args.messages_key, args.text_key, args.prompt_key, args.completion_key),
         )
-        pk = meta["packing"]
-        print(
-            f"{args.out}: {meta['examples']:,} examples ({', '.join(f'{k} {v}' for k, v in meta['kinds'].items())}) "
-            f"-> train {meta['train_rows']:,} rows, val {meta['val_rows']:,} rows of {meta['row_len']} "
-            f"tokens; packing efficiency {pk['efficiency']:.2%}; truncated {pk['truncated']}, "
-            f"split {pk['split']}, skipped (nothing to train on) {pk['empty']}"
-            + (f", first at {meta['first_empty']}" if meta["first_empty"] else "")
-        )
-        if pk["truncated"]:
-            print(
-                f"warning: {pk['truncated']:,} of {meta['examples']:,} examples are longer than a row of "
-                f"{meta['row_len']} tokens and were truncated to it (first: {meta['first_truncated']}; "
-                f"{pk['dropped_tokens']:,} tokens dropped): --overflow split keeps them whole across rows, "
-                "or prepare with a larger --pack",
-                file=sys.stderr,
-            )
-        if meta["template_dropped"]:
-            print(
-                f"warning: {meta['template_dropped']:,} of {meta['kinds'].get('chat', 0):,} chat examples have message "
-                f"text their chat template does not render (first: {meta['first_template_dropped']}; e.g. a system "
-                "prompt Mistral v0.3 shows only before a final user turn, or earlier turns' reasoning under Qwen3): "
-                "trained as the template renders them, as transformers does",
-                file=sys.stderr,
-            )
+        _report_packed(args.out, meta)
         return 0
     if args.bin is not None:
         meta = data.prepare_bin(args.bin, args.val_bin, args.out, args.vocab_size, args.dtype)
