@@ -149,3 +149,13 @@ def test_datasets_rows_read_back_as_datasets_wrote_them():
     got = [row for _, row in table_rows(DATASETS / "chats")]
     assert got == RECORDS["chats"]
     assert np.all([r["conversations"][0]["tool_calls"] is None for r in got])  # Arrow fills the missing field
+
+
+def test_a_datasets_directory_inside_a_source_directory_is_read_as_a_table(tmp_path, capsys):
+    import shutil
+
+    shutil.copytree(DATASETS / "qa", tmp_path / "src" / "qa")
+    keys = ["--prompt-key", "question", "--completion-key", "answer"]
+    code, _, err = prepare(capsys, tmp_path / "src", "--out", tmp_path / "a", "--pack", 32, *keys)
+    assert code == 0, err
+    assert corpus(tmp_path / "a")["meta"]["kinds"] == {"instruction": 30}  # not its files read as text

@@ -87,8 +87,8 @@ def _collect(sources: Sequence[str | os.PathLike], pattern: str, exclude: Sequen
                     f.is_file()
                     and not any(s.startswith(".") or s in exclude for s in rel[:-1])
                     and not rel[-1].startswith(".")
-                ):
-                    files[f.resolve()] = None
+                ):  # a file of a datasets directory met on the walk: the directory is the source
+                    files[(f.parent if is_datasets_dir(f.parent) else f).resolve()] = None
         else:
             raise DataError(f"source {str(src)!r}: not found")
     return [f for f in files if source_size(f) > 0]
