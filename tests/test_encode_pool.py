@@ -22,7 +22,7 @@ from fsdp_jax.app.data.encode_worker import EncoderSpec
 from fsdp_jax.app.data.sft import prepare_examples
 
 # A worker bootstrap that runs `prelude` first, then the real worker.
-PKG = str(Path(encode_pool.__file__).resolve().parents[1])
+PKG = str(Path(encode_pool.__file__).resolve().parents[2])  # the fsdp_jax package directory
 
 
 def worker_argv(prelude: str) -> list[str]:

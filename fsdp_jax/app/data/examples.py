@@ -167,8 +167,10 @@ class ExampleEncoder:
         parsed = [self.texts(rec, where) for rec, where in items]
         if self.tok is None:
             enc = [_byte_offsets(t.text) for t in parsed]
-        else:
+        elif any(t.overlap for t in parsed):  # chat masks need the tokens' ends too
             enc = self.tok.encode_spans([t.text for t in parsed], threads)
+        else:
+            enc = [(ids, starts, starts) for ids, starts in self.tok.encode_offsets([t.text for t in parsed], threads)]
         out = []
         for t, (ids, starts, ends) in zip(parsed, enc):
             eos = t.eos and bool(self.eos)

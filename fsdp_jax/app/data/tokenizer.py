@@ -59,33 +59,31 @@ class Tokenizer:
 
     def encode_offsets(self, texts: list[str], threads: int | None = None) -> list[tuple[list[int], list[int]]]:
         """(ids, the character index where each token starts) per text, no special tokens
-        added (`encode_spans` without the ends)."""
-        return [(ids, starts) for ids, starts, _ in self.encode_spans(texts, threads)]
+        added. SentencePiece gives byte offsets into the UTF-8 text; they are mapped back
+        to characters."""
+        return self._encode(texts, threads, with_ends=False)
 
-    def encode_spans(
-        self, texts: list[str], threads: int | None = None
-    ) -> list[tuple[list[int], list[int], list[int]]]:
-        """(ids, the character index where each token starts, where it ends) per text, no
-        special tokens added. SentencePiece gives byte offsets into the UTF-8 text; they are
-        mapped back to characters."""
+    def encode_spans(self, texts: list[str], threads: int | None = None) -> list[tuple[list[int], ...]]:
+        """(ids, token starts, token ends: character indices) per text, as `encode_offsets`
+        (the ends cost one more list per text: only the chat masks ask for them)."""
+        return self._encode(texts, threads, with_ends=True)
+
+    def _encode(self, texts: list[str], threads: int | None, with_ends: bool) -> list[tuple[list[int], ...]]:
         if self.kind == "hf":
-            return [
-                (e.ids, [a for a, _ in e.offsets], [b for _, b in e.offsets])
-                for e in self._tok.encode_batch(texts, add_special_tokens=False)
-            ]
+            encs = self._tok.encode_batch(texts, add_special_tokens=False)
+            if not with_ends:
+                return [(e.ids, [a for a, _ in e.offsets]) for e in encs]
+            return [(e.ids, [a for a, _ in e.offsets], [b for _, b in e.offsets]) for e in encs]
         out = []
         for text, proto in zip(texts, self._tok.encode(texts, return_type="proto", num_threads=threads or -1)):
             char_of = np.repeat(
                 np.arange(len(text) + 1), [len(c.encode("utf-8", errors="replace")) for c in text] + [1]
             )
             last = len(char_of) - 1
-            out.append(
-                (
-                    [p.id for p in proto.pieces],
-                    [int(char_of[min(p.begin, last)]) for p in proto.pieces],
-                    [int(char_of[min(p.end, last)]) for p in proto.pieces],
-                )
-            )
+            row = ([p.id for p in proto.pieces], [int(char_of[min(p.begin, last)]) for p in proto.pieces])
+            if with_ends:
+                row += ([int(char_of[min(p.end, last)]) for p in proto.pieces],)
+            out.append(row)
         return out
 
     def decode(self, ids: Iterable[int]) -> str:
