@@ -96,6 +96,11 @@ def streams(plan: ShardingPlan) -> bool:
     )
 
 
+def streamable(plan: ShardingPlan, optimizer: optax.GradientTransformation, state: TrainState) -> bool:
+    """`streams(plan)` and the optimizer's update is elementwise over `state`'s leaves."""
+    return streams(plan) and elementwise_reason(optimizer, state.params, state.opt_state) is None
+
+
 def _labels(optimizer, opt_state, layered):
     """Per optimizer-state leaf: LAYERED / FLAT (param-shaped, like its param) or OTHER."""
     return optax.tree_utils.tree_map_params(
