@@ -1,5 +1,5 @@
-"""The streamed update of offloaded state (`fsdp_jax.train.stream_update`, opt-in:
-`stream_offload=True`): layer by layer, equal to no offload within the offload parity bound
+"""The streamed update of offloaded state (`fsdp_jax.train.stream_update`: the
+`optimizer:streamed` and `optimizer+params:streamed` offloads): layer by layer, equal to no offload within the offload parity bound
 (1e-6, tests/test_offload.py; NOT bit for bit: XLA:CPU rounds the loop body's fused
 update differently in the last place, while the whole-leaf offload is bit-identical), its
 host transfers inside the layer loop, and the whole-leaf fallback for an optimizer that
@@ -18,8 +18,6 @@ from fsdp_jax.train.build import build
 
 
 def run(offload, optimizer, strategy="full_shard", n=3, batch=8, **step_kw):
-    if offload != "none":
-        step_kw.setdefault("stream_offload", True)
     m, loss_fn = tiny_llama()
     b = build(
         m, optimizer, fj.make_mesh(**STRATEGY_MESH[strategy]), strategy, loss_fn=loss_fn, offload=offload, **step_kw
@@ -61,7 +59,7 @@ def _transfers(jaxpr) -> set[str]:
 @pytest.mark.parametrize("opt", ["adamw", "sgd"])
 def test_streamed_offload_matches_no_offload(opt):
     tx = {"adamw": lambda: optax.adamw(1e-3, weight_decay=0.1), "sgd": lambda: optax.sgd(0.5, momentum=0.9)}[opt]
-    b, state, losses = run("optimizer+params", tx())
+    b, state, losses = run("optimizer+params:streamed", tx())
     assert (
         su.streams(b.plan)
         and su.elementwise_reason(b.optimizer, b.abstract_state.params, b.abstract_state.opt_state) is None
@@ -76,7 +74,7 @@ def test_streamed_offload_matches_no_offload(opt):
 @pytest.mark.parametrize("strategy", list(STRATEGY_MESH))
 def test_every_strategy_matches(strategy):
     _, ref, ref_losses = run("none", optax.adamw(1e-3), strategy)
-    _, state, losses = run("optimizer", optax.adamw(1e-3), strategy)
+    _, state, losses = run("optimizer:streamed", optax.adamw(1e-3), strategy)
     assert losses == ref_losses
     assert_matches((ref.params, ref.opt_state), (state.params, state.opt_state))
 
@@ -84,7 +82,7 @@ def test_every_strategy_matches(strategy):
 def test_microbatches_and_clipping_match():
     kw = dict(microbatches=2, clip_norm=0.05, batch=16)
     _, ref, ref_losses = run("none", optax.adamw(1e-3), **kw)
-    _, state, losses = run("optimizer+params", optax.adamw(1e-3), **kw)
+    _, state, losses = run("optimizer+params:streamed", optax.adamw(1e-3), **kw)
     assert losses == ref_losses
     assert_matches((ref.params, ref.opt_state), (state.params, state.opt_state))
 
@@ -93,7 +91,7 @@ def test_host_transfers_sit_inside_the_layer_loop():
     """The step's program: the loop over layers moves each layer's slice to the device and
     the new slice back to host memory (`device_put`s inside the loop body), and no
     device_put outside any loop brings a stacked leaf to the device whole."""
-    b, state, _ = run("optimizer+params", optax.adamw(1e-3), n=1)
+    b, state, _ = run("optimizer+params:streamed", optax.adamw(1e-3), n=1)
     x = token_batches(1)[0]
     from fsdp_jax.train.step import sharding_context
 
@@ -121,13 +119,13 @@ def test_host_transfers_sit_inside_the_layer_loop():
 def test_not_elementwise_optimizer_falls_back_to_the_whole_leaf_update():
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
     m, loss_fn = tiny_llama()
-    b = build(m, tx, fj.make_mesh(fsdp=8), "full_shard", loss_fn=loss_fn, offload="optimizer")
+    b = build(m, tx, fj.make_mesh(fsdp=8), "full_shard", loss_fn=loss_fn, offload="optimizer:streamed")
     reason = su.elementwise_reason(tx, b.abstract_state.params, b.abstract_state.opt_state)
     assert reason is not None and "reduce_sum" in reason
     adamw = optax.adamw(1e-3)
     params = b.abstract_state.params
     assert su.elementwise_reason(adamw, params, jax.eval_shape(adamw.init, params)) is None
-    _, state, losses = run("optimizer", tx, n=2)
+    _, state, losses = run("optimizer:streamed", tx, n=2)
     _, ref, ref_losses = run("none", tx, n=2)
     assert losses == ref_losses
 
@@ -135,7 +133,7 @@ def test_not_elementwise_optimizer_falls_back_to_the_whole_leaf_update():
 def test_per_layer_bytes_is_one_layer_of_the_offloaded_stacked_state():
     m, loss_fn = tiny_llama()
     tx = optax.adamw(1e-3)
-    b = build(m, tx, fj.make_mesh(fsdp=8), "full_shard", loss_fn=loss_fn, offload="optimizer+params")
+    b = build(m, tx, fj.make_mesh(fsdp=8), "full_shard", loss_fn=loss_fn, offload="optimizer+params:streamed")
     blocks = b.abstract_state.params["blocks"]
     stacked = jax.tree.leaves(blocks)
     layers = stacked[0].shape[0]

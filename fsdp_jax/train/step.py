@@ -18,7 +18,9 @@
 6. the old state is donated, so params and optimizer state are updated in place.
 7. with host offload (`plan.offload`), host-resident params are brought to the device
    before 3, offloaded optimizer state (and f32 master params) only after the grad norm
-   of 5 exists, and the new state is written back to host memory (`fsdp_jax.sharding.offload`).
+   of 5 exists, and the new state is written back to host memory (`fsdp_jax.sharding.offload`);
+   a `:streamed` offload updates the leaves stacked over layers one layer at a time
+   (`fsdp_jax.train.stream_update`; the whole-leaf update when the optimizer is not elementwise).
 Models with non-trainable state (BatchNorm statistics) or randomness (dropout) take
 the extended call `loss_fn(params, batch, state=, rng=, train=)` and return their new
 state; it rides through 2-5 beside the loss and is kept or skipped with the update
@@ -124,7 +126,6 @@ def make_train_step(
     donate: bool = True,
     trainable: Any = None,
     rng: Any = None,
-    stream_offload: bool = False,
 ) -> CompiledStep:
     """A jitted `step(state, batch) -> (state, metrics)` for `plan`'s mesh and strategy.
 
@@ -155,11 +156,6 @@ def make_train_step(
     train=True)` with key `fold_in(rng, state.step)` (None without `rng`), and, with
     model state, returns `(loss, new_state)` (`((loss, aux), new_state)` with
     `has_aux`); the new state is kept when the step is and skipped when it is not.
-
-    `stream_offload` (experimental, off by default): with optimizer state offloaded and
-    leaves stacked over layers, update them layer by layer (`fsdp_jax.train.stream_update`);
-    it matches the whole-leaf update to rounding (not bit for bit) and has not yet been shown
-    to lower the compiled device peak.
     """
     if microbatches < 1:
         raise ValueError(f"microbatches must be >= 1, got {microbatches}")
@@ -184,7 +180,6 @@ def make_train_step(
         trainable=trainable,
         key_data=key_data,
         extended=extended,
-        stream=stream_offload,
     )
     sh = state_shardings(plan)
     jitted = jax.jit(
@@ -211,7 +206,6 @@ def _train_step_fn(
     trainable: Any,
     key_data: Any,
     extended: bool,
-    stream: bool = False,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]:
     """The body of `make_train_step`'s step, `(state, batch) -> (state, metrics)`, for the
     already wrapped `loss_fn` (`has_aux`: whether it returns aux; `user_aux`: whether the
@@ -236,9 +230,7 @@ def _train_step_fn(
         loss, grads = normalize(loss, grads)
         grads, grad_norm = clip_grads(wrt.full_grads(grads, plan.grads), clip_norm)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        if stream and stream_update.streamable(
-            plan, optimizer, at_rest
-        ):  # offloaded state streamed layer by layer once the grads exist
+        if stream_update.streamable(plan, optimizer, at_rest):  # the stacked leaves layer by layer
             params, opt_state = jax.lax.optimization_barrier(((at_rest.params, at_rest.opt_state), grad_norm))[0]
             state = at_rest.replace(params=params, opt_state=opt_state)
             new = stream_update.streamed_update(optimizer, state, grads, ok, plan, skip_nonfinite)

@@ -88,11 +88,10 @@ def elementwise_reason(optimizer: optax.GradientTransformation, abstract_params,
 
 
 def streams(plan: ShardingPlan) -> bool:
-    """Whether `plan` offloads optimizer state and has leaves stacked over layers."""
+    """Whether `plan`'s offload streams (`optimizer:streamed`, `optimizer+params:streamed`)
+    and it has leaves stacked over layers."""
     return (
-        offload_lib.get_offload(plan.offload).opt_state
-        and plan.layered is not None
-        and any(jax.tree.leaves(plan.layered))
+        offload_lib.get_offload(plan.offload).stream and plan.layered is not None and any(jax.tree.leaves(plan.layered))
     )
 
 
