@@ -186,7 +186,9 @@ def test_trainer_streamed_offload_matches_no_offload_and_resumes_exactly(corpus,
     import shutil
 
     straight = go("optimizer+params:streamed", 4, "straight")
-    assert kinds(straight["run"].state.params) == {ol.HOST}
+    run_ = straight["run"]
+    assert kinds(run_.state.params) == {ol.HOST}
+    assert su.streamable(run_.plan, run_.optimizer, run_.state)  # the trainer's AdamW (schedule, decay mask) streams
     go("none", 4, "plain")
     # resume the same run from its step-2 checkpoint (same schedule: train.steps=4)
     shutil.copytree(tmp_path / "straight", tmp_path / "resumed")
