@@ -18,6 +18,7 @@ import pytest
 from test_offload import ROOT, STRATEGY_MESH, kinds, tiny_llama, token_batches
 
 import fsdp_jax as fj
+from fsdp_jax.errors import OffloadError
 from fsdp_jax.sharding import offload as ol
 from fsdp_jax.train import stream_update as su
 from fsdp_jax.train.build import build
@@ -122,7 +123,7 @@ def test_host_transfers_sit_inside_the_layer_loop():
     assert sorted(whole) == sorted(stacked_params)
 
 
-def test_not_elementwise_optimizer_falls_back_to_the_whole_leaf_update():
+def test_not_elementwise_optimizer_is_refused_in_one_line():
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
     m, loss_fn = tiny_llama()
     b = build(m, tx, fj.make_mesh(fsdp=8), "full_shard", loss_fn=loss_fn, offload="optimizer:streamed")
@@ -131,9 +132,25 @@ def test_not_elementwise_optimizer_falls_back_to_the_whole_leaf_update():
     adamw = optax.adamw(1e-3)
     params = b.abstract_state.params
     assert su.elementwise_reason(adamw, params, jax.eval_shape(adamw.init, params)) is None
-    _, state, losses = run("optimizer:streamed", tx, n=2)
-    _, ref, ref_losses = run("none", tx, n=2)
-    assert losses == ref_losses
+    with pytest.raises(OffloadError, match=r"offload: 'optimizer:streamed' .*reduce_sum.*use offload: optimizer\b"):
+        b.train_step.lower(b.abstract_state, token_batches(1)[0])
+
+
+def test_trainer_config_refuses_streamed_offload_with_adafactor(tmp_path, capsys):
+    from helpers import call, one_line
+
+    run_dir = tmp_path / "run"
+    rc, _, err = call(
+        "train.py",
+        "--config",
+        str(ROOT / "configs" / "tiny.yaml"),
+        "offload=optimizer+params:streamed",
+        "optimizer.name=adafactor",
+        f"run_dir={run_dir}",
+        capsys=capsys,
+    )
+    one_line(rc, err, "offload", "adafactor", "use offload: optimizer+params")
+    assert not run_dir.exists()
 
 
 def test_per_layer_bytes_is_one_layer_of_the_offloaded_stacked_state():
@@ -213,6 +230,7 @@ import jax, jax.numpy as jnp, optax
 from jax.experimental import topologies
 sys.path.insert(0, "tests")
 import fsdp_jax as fj
+from fsdp_jax.errors import OffloadError
 from fsdp_jax.app.models import LlamaConfig
 from fsdp_jax.train import stream_update
 from fsdp_jax.train.build import build

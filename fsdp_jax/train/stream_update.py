@@ -27,7 +27,7 @@ This is exact only for an optimizer whose update is elementwise over each param 
 (SGD, momentum, Adam, AdamW, Lion with schedules on the step count); one that reduces over
 a leaf (global-norm clipping inside the chain, LAMB's trust ratio, Adafactor's factored
 moments) would see a layer instead of the leaf. `elementwise_reason` reads the update's
-jaxpr and says why not; `make_train_step` then falls back to the whole-leaf update.
+jaxpr and says why not; a streamed offload with such an optimizer is refused (OffloadError).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import optax
 
 import fsdp_jax.sharding.offload as offload_lib
+from fsdp_jax.errors import OffloadError
 from fsdp_jax.sharding.strategy import ShardingPlan
 from fsdp_jax.train.state import TrainState
 
@@ -96,8 +97,18 @@ def streams(plan: ShardingPlan) -> bool:
 
 
 def streamable(plan: ShardingPlan, optimizer: optax.GradientTransformation, state: TrainState) -> bool:
-    """`streams(plan)` and the optimizer's update is elementwise over `state`'s leaves."""
-    return streams(plan) and elementwise_reason(optimizer, state.params, state.opt_state) is None
+    """Whether the step streams the update: `streams(plan)`. Raises OffloadError (one line)
+    when the plan asks for a streamed offload but the optimizer's update is not elementwise
+    over `state`'s leaves (a layer's slice would not update as its leaf does)."""
+    if not streams(plan):
+        return False
+    reason = elementwise_reason(optimizer, state.params, state.opt_state)
+    if reason is not None:
+        raise OffloadError(
+            f"offload: {plan.offload!r} updates one layer at a time, but the {reason}; "
+            f"use offload: {plan.offload.removesuffix(':streamed')}"
+        )
+    return True
 
 
 def _labels(optimizer, opt_state, layered):
