@@ -129,6 +129,13 @@ def _check_memory_policies(cfg: Config) -> None:
     """remat and offload name policies of the library's tables."""
     _check(cfg.remat in REMAT_POLICIES, "remat", cfg.remat, f"allowed: {', '.join(REMAT_POLICIES)}")
     _check(cfg.offload in OFFLOADS, "offload", cfg.offload, f"allowed: {', '.join(OFFLOADS)}")
+    _check(  # the streamed update slices leaves per layer: adafactor's factored moments span layers
+        not (OFFLOADS[cfg.offload].stream and cfg.optimizer.name == "adafactor"),
+        "offload",
+        cfg.offload,
+        "a streamed offload needs an elementwise optimizer (adamw, sgd), not optimizer.name=adafactor; "
+        "use offload: " + cfg.offload.removesuffix(":streamed"),
+    )
 
 
 def _check_distributed(cfg: Config) -> None:

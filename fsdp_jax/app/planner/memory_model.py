@@ -199,7 +199,8 @@ def offload_memory(build: StepBuild, analytic: dict[str, int], offload: str | No
     what rests on the host, plus what comes back transiently: the compute-dtype copy of
     offloaded params (sharded as at rest) for the forward/backward pass, and one
     leaf's params + optimizer state during the update (assumes XLA streams the update
-    leaf by leaf; a schedule that fetches all at once needs the full state again).
+    leaf by leaf; a schedule that fetches all at once needs the full state again), or,
+    with a `:streamed` offload, two layers of every stacked leaf's params + state.
     `offload`: the setting to split for (default: the build's own)."""
     from fsdp_jax.sharding.offload import get_offload
 
@@ -219,6 +220,11 @@ def offload_memory(build: StepBuild, analytic: dict[str, int], offload: str | No
         else 0
     )
     largest = max((shard_bytes(x) for x in jax.tree.leaves(st.params)), default=0)
+    layered = build.plan.layered
+    if off.stream and layered is not None and any(jax.tree.leaves(layered)):
+        # streamed (train.stream_update): two layers of the stacked leaves in flight at a time
+        stacked = [x for x, m in zip(jax.tree.leaves(st.params), jax.tree.leaves(layered)) if m]
+        largest = 2 * sum(shard_bytes(x) for x in stacked) // stacked[0].shape[0]
     update = int(largest * ((1 if off.params else 0) + (opt / params if off.opt_state and params else 0)))
     from fsdp_jax.sharding.offload import transfer_bytes
 
