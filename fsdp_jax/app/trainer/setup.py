@@ -31,7 +31,7 @@ from fsdp_jax.app.config.schema import Config
 from fsdp_jax.app.data import corpus as data_lib
 from fsdp_jax.app.data.token_check import check_corpus_vocab
 from fsdp_jax.app.hf import load as hf
-from fsdp_jax.app.trainer.build import build_from_config, make_loss_fn, trainer_model
+from fsdp_jax.app.trainer.build import build_from_config, lora_optimizer, lora_spec, make_loss_fn, trainer_model
 from fsdp_jax.app.trainer.optim import build_optimizer
 from fsdp_jax.app.trainer.run_dir import check_dir_path
 from fsdp_jax.checkpoint import Checkpointer, Restored, latest_step, load_init_params, open_safetensors
@@ -184,10 +184,12 @@ def _data(p: _Draft) -> None:
 def _model(p: _Draft) -> None:
     cfg = p.cfg
     p.rng = jax.random.key(cfg.train.seed)
-    p.model = trainer_model(cfg.model, cfg.remat)
+    p.model = trainer_model(cfg.model, cfg.remat, lora_spec(cfg))
     if p.init_params is not None:
         p.model = dataclasses.replace(p.model, init=p.init_params, abstract_params=jax.eval_shape(p.init_params, p.rng))
     p.optimizer, p.schedule = build_optimizer(cfg.optimizer, cfg.train.steps)
+    if lora_spec(cfg) is not None:
+        p.optimizer = lora_optimizer(p.optimizer)
     p.loss_fn = make_loss_fn(p.model)
 
 
