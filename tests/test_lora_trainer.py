@@ -121,3 +121,53 @@ def test_resuming_against_a_different_base_is_refused_in_one_line(corpus, straig
         setup(config(corpus, run_dir, base=other))
     msg = str(e.value)
     assert "\n" not in msg and "another base" in msg and "checksum" in msg, msg
+
+
+def test_export_peft_and_merged_reproduce_the_runs_logits(straight, tmp_path, capsys):
+    """--peft: PEFT's names, the trained adapters; --hf: the base with W + scale * B A, which
+    a plain decoder reloads with the LoRA model's logits; untouched tensors are the base's bytes."""
+    from fsdp_jax.app.hf import load as hf
+    from fsdp_jax.app.hf import peft
+    from fsdp_jax.app.models.llama import Llama
+    from fsdp_jax.app.trainer.build import trainer_model
+    from fsdp_jax.model.fns import from_nnx
+    from helpers import call
+
+    rc, out, err = call("export", str(straight["dir"]), "--peft", str(tmp_path / "adapter"), capsys=capsys)
+    assert rc == 0, err
+    rc, out, err = call("export", str(straight["dir"]), "--hf", str(tmp_path / "merged"), capsys=capsys)
+    assert rc == 0, err
+    base_cfg = hf.HFCheckpoint(GOLDEN / "hf" / "llama3").config
+    spec = lora_lib.LoraSpec(4, 8.0)
+    adapters = peft.read_peft(tmp_path / "adapter", base_cfg, spec)
+    _, trained = lora_lib.split(straight["state"].params)
+    for a, b in zip(leaves(adapters), leaves(trained)):
+        np.testing.assert_array_equal(a, b)
+
+    tokens = np.asarray(SafetensorsFile(GOLDEN / "peft" / "llama3_logits.safetensors").read("tokens"))
+    model = trainer_model(base_cfg, "none", spec)
+    want = np.asarray(jax.jit(model.apply)(jax.device_get(straight["state"].params), tokens))
+    merged = hf.HFCheckpoint(tmp_path / "merged")
+    plain = from_nnx(lambda r: Llama(merged.config, rngs=r))
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), plain.abstract_params)
+    got = np.asarray(jax.jit(plain.apply)(hf.load_params(merged, abstract), tokens))
+    assert float(np.abs(got - want).max()) < 1e-4
+    ours = SafetensorsFile(tmp_path / "merged" / "model.safetensors")
+    theirs = SafetensorsFile(GOLDEN / "hf" / "llama3" / "model.safetensors")
+    touched = [k for k in theirs.tensors if any(f".{p}." in k for p in lora_lib.PEFT_TARGETS)]
+    assert touched and set(ours.tensors) == set(theirs.tensors)
+    for k in theirs.tensors:
+        same = np.array_equal(ours.read(k), theirs.read(k))
+        assert same == (k not in touched), k
+
+
+def test_peft_export_of_a_run_without_lora_is_refused_in_one_line(corpus, tmp_path, capsys):
+    from helpers import call, one_line
+
+    run_dir = tmp_path / "full"
+    over = [o for o in RUN if not o.startswith("train.steps")] + ["train.steps=1", f"data.path={corpus}"]
+    over += [f"run_dir={run_dir}", f"init_from=hf:{GOLDEN / 'hf' / 'llama3'}"]
+    train(load_run_config(ROOT / "configs" / "hf_tiny_finetune.yaml", over), progress=False)
+    rc, _, err = call("export", str(run_dir), "--peft", str(tmp_path / "adapter"), capsys=capsys)
+    one_line(rc, err, "not a LoRA run")
+    assert not (tmp_path / "adapter").exists()

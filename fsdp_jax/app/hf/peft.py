@@ -202,7 +202,7 @@ def _copy_dicts(tree):
     return {k: _copy_dicts(v) for k, v in tree.items()} if isinstance(tree, dict) else tree
 
 
-def _merged(weight: np.ndarray, a: np.ndarray, b: np.ndarray, spec: lora_lib.LoraSpec) -> np.ndarray:
+def merged_weight(weight: np.ndarray, a: np.ndarray, b: np.ndarray, spec: lora_lib.LoraSpec) -> np.ndarray:
     """One layer's W + scale * A B (computed in f32), in W's dtype and shape."""
     r = spec.rank
     delta = (a.reshape(-1, r).astype(np.float32) @ b.reshape(r, -1).astype(np.float32)) * np.float32(spec.scale)
@@ -217,8 +217,8 @@ def merge(base: dict, adapters: dict, cfg: LlamaConfig, spec: lora_lib.LoraSpec)
         m, layers = _module(w), _layers(adapters, cfg, w)
         if cfg.scan_layers:
             weight = np.asarray(out["blocks"][m][w])
-            out["blocks"][m][w] = np.stack([_merged(weight[i], a, b, spec) for i, (a, b) in enumerate(layers)])
+            out["blocks"][m][w] = np.stack([merged_weight(weight[i], a, b, spec) for i, (a, b) in enumerate(layers)])
         else:
             for i, (a, b) in enumerate(layers):
-                out["blocks"][i][m][w] = _merged(np.asarray(out["blocks"][i][m][w]), a, b, spec)
+                out["blocks"][i][m][w] = merged_weight(np.asarray(out["blocks"][i][m][w]), a, b, spec)
     return out

@@ -78,6 +78,14 @@ def resolve_targets(spec: str) -> tuple[str, ...]:
     return tuple(w for w in WEIGHTS if w in ours)
 
 
+def spec_from_config(section) -> LoraSpec | None:
+    """The run config's `lora:` section (rank, alpha, targets, rslora) as a `LoraSpec`;
+    None for rank 0 (no LoRA)."""
+    if not section.rank:
+        return None
+    return LoraSpec(section.rank, section.alpha, resolve_targets(section.targets), section.rslora)
+
+
 def weight_dims(cfg, name: str) -> tuple[tuple[int, ...], tuple[str, ...], tuple[int, ...], tuple[str, ...]]:
     """(input shape, input names, output shape, output names) of the decoder's weight `name`."""
     d, h, kvh, dh, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim

@@ -15,7 +15,7 @@ import optax
 from jax.sharding import Mesh
 
 from fsdp_jax.app.models.llama import Llama, LlamaConfig, cross_entropy
-from fsdp_jax.app.models.lora import LoraSpec, adapter_mask, resolve_targets
+from fsdp_jax.app.models.lora import LoraSpec, adapter_mask, spec_from_config
 from fsdp_jax.model.fns import ModelFns, from_nnx
 from fsdp_jax.train.build import Built, build
 from fsdp_jax.train.step_parts import TokenSum
@@ -31,10 +31,7 @@ def trainer_model(model_cfg: LlamaConfig, remat: str = "none", lora: LoraSpec | 
 
 def lora_spec(cfg) -> LoraSpec | None:
     """The run config's `lora:` section as the decoder's `LoraSpec` (None: rank 0, no LoRA)."""
-    lo = cfg.lora
-    if not lo.rank:
-        return None
-    return LoraSpec(lo.rank, lo.alpha, resolve_targets(lo.targets), lo.rslora)
+    return spec_from_config(cfg.lora)
 
 
 def lora_optimizer(optimizer: optax.GradientTransformation) -> optax.GradientTransformation:
