@@ -361,16 +361,21 @@ def _attended_fraction(cfg: LlamaConfig, seq_len: int, layer: int) -> float:
     return (w * (w + 1) / 2 + (s - w) * w) / (s * (s + 1) / 2)
 
 
-def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
+def flops_per_token(cfg: LlamaConfig, seq_len: int, lora: lora_lib.LoraSpec | None = None) -> float:
     """Training FLOPs per token: 6 x (params used in matmuls: all but the embedding
     lookup) plus causal attention scores and values, 6 x L x S x H x Dh (PaLM appendix
     B counts 12 x L x S x D for full attention; causal masking does half the work; a
-    sliding layer does the fraction of that work its window leaves)."""
+    sliding layer does the fraction of that work its window leaves). With `lora` the base
+    is frozen: 4 per base param (forward and input gradient, no weight gradient) plus 6
+    per adapter param."""
     # a tied table is used by the head matmul, so only an untied one is lookup-only
     lookup_only = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.d_model
     matmul_params = count_params(cfg) - lookup_only
     layers = sum(_attended_fraction(cfg, seq_len, i) for i in range(cfg.n_layers))
-    return 6.0 * matmul_params + 6.0 * layers * seq_len * cfg.n_heads * cfg.head_dim
+    attention = 6.0 * layers * seq_len * cfg.n_heads * cfg.head_dim
+    if lora is None:
+        return 6.0 * matmul_params + attention
+    return 4.0 * matmul_params + 6.0 * lora_lib.adapter_param_count(cfg, lora) + attention
 
 
 def sample(next_logits, prompt, n_new: int, window: int, rng, temperature: float = 0.8) -> list[int]:

@@ -109,6 +109,15 @@ def max_rank(cfg, targets: tuple[str, ...]) -> int:
     return min(out)
 
 
+def adapter_param_count(cfg, spec: LoraSpec) -> int:
+    """Adapter params of the decoder: r x (in + out) per target weight per layer."""
+    per_layer = 0
+    for t in spec.targets:
+        i, _, o, _ = weight_dims(cfg, t)
+        per_layer += spec.rank * (math.prod(i) + math.prod(o))
+    return cfg.n_layers * per_layer
+
+
 def _a_init(fan_in: int):
     # PEFT (torch nn.Linear's reset): kaiming_uniform(a=sqrt(5)) = U(-1/sqrt(fan_in), 1/sqrt(fan_in))
     bound = 1.0 / math.sqrt(fan_in)
