@@ -195,3 +195,39 @@ def test_lora_parity_with_one_device_under_every_strategy(strategy, mesh):
     got_base, got_ad = lora_lib.split(state.params)
     assert max_abs_diff(got_ad, ref_ad) < 1e-6
     assert max_abs_diff(got_base, base) == 0.0
+
+
+BAD_LORA = [
+    (["lora.rank=21"], "lora.rank", "must be <= 20"),  # wk and wv: 2 kv heads x 10 wide
+    (["lora.rank=0", "lora.init_from=peft:x"], "lora.init_from", "needs lora.rank > 0"),
+    (["lora.rank=4", "lora.alpha=0"], "lora.alpha", "must be > 0"),
+    (["lora.rank=4", "lora.targets=q_proj,lm_head"], "lora.targets", "lm_head matches no weight"),
+    (["lora.rank=4", "lora.targets=,"], "lora.targets", "all-linear, q_proj k_proj"),
+    (["lora.rank=4", "lora.dropout=0.1"], "lora.dropout", "not implemented"),
+    (["lora.rank=4", "lora.init_from=adapters/"], "lora.init_from", "peft:DIR"),
+    (["lora.rnak=4"], "lora.rnak", "lora.rank"),  # did you mean
+]
+
+
+@pytest.mark.parametrize("overrides,key,words", BAD_LORA)
+def test_bad_lora_config_is_one_line_naming_the_key(overrides, key, words):
+    from fsdp_jax.app.config import load_config, validate
+    from fsdp_jax.errors import ConfigError
+
+    model = [f"model.{k}={getattr(CFG, k)}" for k in ("vocab_size", "d_model", "n_heads", "n_kv_heads", "ffn_dim")]
+    with pytest.raises(ConfigError) as e:
+        validate(load_config("configs/tiny.yaml", model + ["model.max_seq_len=16", "data.seq_len=16", *overrides]))
+    msg = str(e.value)
+    assert "\n" not in msg and key in msg and words in msg, msg
+
+
+def test_lora_flops_count_four_per_frozen_param_and_six_per_adapter_param():
+    from fsdp_jax.app.models.llama import count_params, flops_per_token
+
+    cfg = LlamaConfig(vocab_size=96, d_model=40, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=56, max_seq_len=16)
+    matmul = count_params(cfg) - cfg.vocab_size * cfg.d_model
+    attention = flops_per_token(cfg, 16) - 6 * matmul
+    adapters = lora_lib.adapter_param_count(cfg, SPEC)
+    params = lora_model().abstract_params
+    assert adapters == sum(x.size for x in jax.tree.leaves(lora_lib.split(params)[1]))
+    assert flops_per_token(cfg, 16, SPEC) == 4 * matmul + 6 * adapters + attention

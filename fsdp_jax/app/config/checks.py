@@ -188,13 +188,13 @@ def _check_train(cfg: Config) -> None:
 def _check_lora(cfg: Config) -> None:
     """The `lora:` section against the decoder: targets that exist, a rank they allow."""
     lo = cfg.lora
-    if not lo.rank:
-        _check(lo.init_from is None, "lora.init_from", lo.init_from, "needs lora.rank > 0 (a PEFT adapter's r)")
-        return
     try:
         targets = lora_lib.resolve_targets(lo.targets)
     except ValueError as e:
         raise ConfigError("lora.targets", str(e)) from None
+    if not lo.rank:
+        _check(lo.init_from is None, "lora.init_from", lo.init_from, "needs lora.rank > 0 (a PEFT adapter's r)")
+        return
     most = lora_lib.max_rank(cfg.model, targets)
     _check(lo.rank <= most, "lora.rank", lo.rank, f"must be <= {most}, the smallest target's smaller dim")
     _check(lo.dropout == 0, "lora.dropout", lo.dropout, "adapter dropout is not implemented; use 0")
