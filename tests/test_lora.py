@@ -231,3 +231,35 @@ def test_lora_flops_count_four_per_frozen_param_and_six_per_adapter_param():
     params = lora_model().abstract_params
     assert adapters == sum(x.size for x in jax.tree.leaves(lora_lib.split(params)[1]))
     assert flops_per_token(cfg, 16, SPEC) == 4 * matmul + 6 * adapters + attention
+
+
+def test_precision_frozen_dtype_parses_and_prints_and_defaults_to_compute():
+    from fsdp_jax.sharding.precision import Policy
+
+    p = Policy.parse("params=float32,compute=float32,frozen=bf16")
+    assert p.frozen_storage_dtype == jnp.bfloat16 and Policy.parse(str(p)) == p
+    q = Policy.parse("params=float32,compute=bfloat16")
+    assert q.frozen_dtype is None and q.frozen_storage_dtype == jnp.bfloat16 and "frozen" not in str(q)
+
+
+def test_base_checksum_is_the_same_on_every_mesh_and_sees_one_changed_bit():
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from fsdp_jax.app.trainer.lora_state import checksum
+
+    base, _ = lora_lib.split(lora_model().init(jax.random.key(0)))
+    one = checksum(base)
+    mesh = make_mesh(1, 8, 1)
+    sharded = jax.tree.map(
+        lambda x: jax.device_put(
+            x, NamedSharding(mesh, P(*([None] * (x.ndim - 1)), "fsdp" if x.shape[-1] % 8 == 0 else None))
+        ),
+        base,
+    )
+    assert checksum(sharded) == one
+    flipped = jax.tree.map(lambda x: x, base)
+    w = np.asarray(flipped["blocks"]["mlp"]["w_up"]).copy()
+    w.view(np.uint32)[0, 3, 5] ^= 1  # one bit of one weight
+    flipped["blocks"]["mlp"]["w_up"] = jnp.asarray(w)
+    assert checksum(flipped) != one
