@@ -171,3 +171,15 @@ def test_peft_export_of_a_run_without_lora_is_refused_in_one_line(corpus, tmp_pa
     rc, _, err = call("export", str(run_dir), "--peft", str(tmp_path / "adapter"), capsys=capsys)
     one_line(rc, err, "not a LoRA run")
     assert not (tmp_path / "adapter").exists()
+
+
+def test_verify_passes_on_a_lora_config_under_every_strategy(capsys):
+    """`verify` on a LoRA config: the adapters train like one device under all five
+    strategies, the base frozen (the same command is recorded in docs/lora.md)."""
+    from helpers import TINY_MODEL_OVERRIDES, call
+
+    over = [*TINY_MODEL_OVERRIDES, "lora.rank=4", "lora.alpha=8"]
+    rc, out, err = call("verify", "--config", "configs/tiny.yaml", "--steps", "2", *over, capsys=capsys)
+    assert rc == 0, err
+    assert "PASS: every strategy trains like one device" in out
+    assert out.count(" PASS") == 5
