@@ -44,6 +44,7 @@ BAD_FLAG_VALUES: dict[str, dict[str, list[str] | str]] = {
     "export": {
         "--out": ["{dir}", "{missing}/x/m.safetensors"],
         "--hf": ["{dir}", "{file}"],
+        "--peft": ["{dir}", "{file}"],
         "--max-shard-size": ["-5GB", "0", "lots", "1e400GB"],
         "--dtype": ["float8"],
         "--step": ["-1", "x"],

@@ -21,6 +21,7 @@ KV = "kv"  # per-head width (head_dim)
 VOCAB = "vocab"
 LAYERS = "layers"  # stacked-layer dim created by nnx.vmap / scan
 NORM = "norm"  # norm scales: small, kept replicated
+LORA_RANK = "lora_rank"  # a LoRA adapter's rank dim: replicated (its other dim shards as its weight's)
 
 # Logical dims of activations.
 BATCH = "batch"

@@ -228,7 +228,8 @@ def _train_step_fn(
         loss, aux, grads = grad_fn(state.params, batch)
         tokens = loss.count if isinstance(loss, TokenSum) else None
         loss, grads = normalize(loss, grads)
-        grads, grad_norm = clip_grads(wrt.full_grads(grads, plan.grads), clip_norm)
+        grads, grad_norm = clip_grads(grads, clip_norm)  # over the trainable leaves
+        grads = wrt.full_grads(grads, plan.grads)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         if stream_update.streamable(plan, optimizer, at_rest):  # the stacked leaves layer by layer
             params, opt_state = jax.lax.optimization_barrier(((at_rest.params, at_rest.opt_state), grad_norm))[0]
@@ -237,6 +238,7 @@ def _train_step_fn(
         else:  # offloaded optimizer state (and f32 master params) come once the grads exist
             state = offload_lib.fetch_state(at_rest, plan, after=grad_norm)
             new = guarded_update(optimizer, state, grads, ok, skip_nonfinite)
+        new = new.replace(params=wrt.frozen_from(new.params, state.params))  # frozen: the same buffers
         if extended:
             new, aux = ms_lib.with_model_state(new, aux, state, ok, skip_nonfinite)
         new = offload_lib.store_state(new, plan)  # back to host memory, where offloaded

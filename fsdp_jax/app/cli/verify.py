@@ -130,12 +130,15 @@ def _verify(args, cfg, strategies, n: int):
     --steps batches of random tokens."""
     import numpy as np
 
-    from fsdp_jax.app.trainer.build import make_loss_fn, trainer_model
+    from fsdp_jax.app.models.lora import adapter_mask
+    from fsdp_jax.app.trainer.build import lora_optimizer, lora_spec, make_loss_fn, trainer_model
     from fsdp_jax.app.trainer.optim import build_optimizer
     from fsdp_jax.verify.run import verify
 
-    model = trainer_model(cfg.model, cfg.remat)
+    lora = lora_spec(cfg)  # a LoRA config: the adapters train (and are compared), the base is frozen
+    model = trainer_model(cfg.model, cfg.remat, lora)
     optimizer, _ = build_optimizer(dataclasses.replace(cfg.optimizer, warmup_steps=0), cfg.train.steps)
+    optimizer = optimizer if lora is None else lora_optimizer(optimizer)
     rng = np.random.default_rng(args.seed)
     batches = [
         rng.integers(0, cfg.model.vocab_size, (cfg.train.global_batch, cfg.data.seq_len + 1), dtype=np.int32)
@@ -154,6 +157,7 @@ def _verify(args, cfg, strategies, n: int):
         microbatches=cfg.train.microbatches,
         clip_norm=cfg.optimizer.clip_norm,
         min_shard_size=cfg.mesh.min_shard_size,
+        **({} if lora is None else {"trainable": adapter_mask}),
     )
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_jax.app.config.schema import Config, check_fields
+from fsdp_jax.app.models import lora as lora_lib
 from fsdp_jax.app.models.llama import LlamaConfig
 from fsdp_jax.errors import ConfigError, MeshError
 from fsdp_jax.sharding.mesh import resolve_mesh_shape
@@ -68,6 +69,7 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
     _check_distributed(cfg)
     _check_precision(cfg)
     _check_train(cfg)
+    _check_lora(cfg)
     if n_devices is not None:
         _check_devices(cfg, n_devices)
 
@@ -188,6 +190,23 @@ def _check_train(cfg: Config) -> None:
             tr.tensorboard,
             missing_message("tensorboardX", "train.tensorboard=true") + ", or set it to false",
         )
+
+
+def _check_lora(cfg: Config) -> None:
+    """The `lora:` section against the decoder: targets that exist, a rank they allow."""
+    lo = cfg.lora
+    try:
+        targets = lora_lib.resolve_targets(lo.targets)
+    except ValueError as e:
+        raise ConfigError("lora.targets", str(e)) from None
+    if not lo.rank:
+        _check(lo.init_from is None, "lora.init_from", lo.init_from, "needs lora.rank > 0 (a PEFT adapter's r)")
+        return
+    most = lora_lib.max_rank(cfg.model, targets)
+    _check(lo.rank <= most, "lora.rank", lo.rank, f"must be <= {most}, the smallest target's smaller dim")
+    _check(lo.dropout == 0, "lora.dropout", lo.dropout, "adapter dropout is not implemented; use 0")
+    if lo.init_from is not None:
+        _check(lo.init_from.startswith("peft:"), "lora.init_from", lo.init_from, "use peft:DIR (a PEFT adapter)")
 
 
 def _check_devices(cfg: Config, n_devices: int) -> None:

@@ -192,6 +192,19 @@ class DistributedConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """LoRA fine-tuning (`fsdp_jax.app.models.lora`): rank 0 trains every param."""
+
+    rank: int = limit(0, "off")  # adapter rank r; 0 = no LoRA (full fine-tuning)
+    alpha: float = limit(16.0, "> 0")  # scale alpha / r (alpha / sqrt(r) with rslora)
+    rslora: bool = False
+    dropout: float = limit(0.0, "[0, 1)")  # on the adapters' input (only 0 is implemented)
+    targets: str = "all-linear"  # all-linear, or PEFT's q_proj k_proj v_proj o_proj gate_proj up_proj down_proj
+    #                              (or the decoder's wq wk wv wo w_gate w_up w_down), spaces or commas
+    init_from: str | None = None  # peft:DIR: start from a PEFT adapter (adapter_config.json + safetensors)
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     model: ModelConfig = ModelConfig()
     mesh: MeshConfig = MeshConfig()
@@ -200,6 +213,7 @@ class Config:
     train: TrainConfig = TrainConfig()
     distributed: DistributedConfig = DistributedConfig()
     logging: LoggingConfig = LoggingConfig()
+    lora: LoraConfig = LoraConfig()
     precision: str = "params=float32,compute=float32"
     remat: str = "dots"
     offload: str = "none"  # none | optimizer | optimizer+params: state kept in host memory

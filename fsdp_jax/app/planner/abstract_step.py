@@ -150,7 +150,7 @@ def build_step(
     check is not enforced here (the planner reports it instead). `step_options` go to
     `make_train_step` on top of the trainer's (e.g. skip_nonfinite=False, to measure
     what the guard costs)."""
-    from fsdp_jax.app.trainer.build import build_from_config, trainer_model
+    from fsdp_jax.app.trainer.build import build_from_config, lora_optimizer, lora_spec, trainer_model
     from fsdp_jax.app.trainer.optim import build_optimizer
     from fsdp_jax.sharding.mesh import make_mesh
 
@@ -158,8 +158,10 @@ def build_step(
     devices = list(jax.devices() if devices is None else devices)
     sizes = mesh_sizes or mesh_shape(cfg, strategy, len(devices))
     mesh = make_mesh(*sizes, devices=devices)
-    model = trainer_model(cfg.model, cfg.remat)
+    model = trainer_model(cfg.model, cfg.remat, lora_spec(cfg))
     optimizer, _ = build_optimizer(cfg.optimizer, cfg.train.steps)
+    if lora_spec(cfg) is not None:  # as the trainer: optimizer state for the adapters only
+        optimizer = lora_optimizer(optimizer)
     built = build_from_config(cfg, model, optimizer, mesh, strategy, max_replicated_fraction=None, **step_options)
     batch = abstract_batch(cfg, built.plan.batch)
     return StepBuild(

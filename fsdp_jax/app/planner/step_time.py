@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from fsdp_jax.app.models.lora import spec_from_config
+
 # name -> (dense bf16 FLOP/s, NVLink bytes/s per GPU per direction, network bytes/s per GPU)
 # H100/H200 SXM: 989 TFLOP/s, NVLink 4 900 GB/s bidirectional, one 400 Gb/s NIC per GPU;
 # A100 SXM: 312 TFLOP/s, NVLink 3 600 GB/s, one 200 Gb/s NIC per GPU.
@@ -40,14 +42,19 @@ GEMM_EFFICIENCY = 0.75
 HBM_BYTES_PER_S = {"h100": 3.35e12, "h200": 4.8e12, "a100": 2.04e12}
 
 
-def model_flops_per_token(model, seq_len: int) -> tuple[float, float]:
-    """(matmul FLOPs per token of forward + backward, of which attention's S x S part)."""
+def model_flops_per_token(model, seq_len: int, lora=None) -> tuple[float, float]:
+    """(matmul FLOPs per token of forward + backward, of which attention's S x S part).
+    With `lora` (a `LoraSpec`) the base is frozen: 4 FLOPs per base param (no weight
+    gradient), 6 per adapter param."""
     from fsdp_jax.app.models.llama import count_params
+    from fsdp_jax.app.models.lora import adapter_param_count
 
     d, v = model.d_model, model.vocab_size
     # the embedding lookup does no matmul; a tied head multiplies by the same table
     matmul = count_params(model) - (0 if model.tie_word_embeddings else v * d)
     attn = 12 * model.n_layers * model.n_heads * model.head_dim * seq_len
+    if lora is not None:
+        return 4 * matmul + 6 * adapter_param_count(model, lora) + attn, attn
     return 6 * matmul + attn, attn
 
 
@@ -72,8 +79,10 @@ def predict(cfg, target: str, n_devices: int, result: dict[str, Any]) -> dict[st
     peak, nvlink, net, hbm = peaks(target)
     seq, batch = cfg.data.seq_len, cfg.train.global_batch
     tokens = seq * batch / n_devices  # per device per step
-    per_token, attn = model_flops_per_token(cfg.model, seq)
-    recompute = {"full": (per_token - attn) / 3 + attn / 3}.get(cfg.remat, 0.0)  # one more forward
+    lora = spec_from_config(cfg.lora)
+    per_token, attn = model_flops_per_token(cfg.model, seq, lora)
+    forward = (model_flops_per_token(cfg.model, seq)[0] - attn) / 3 + attn / 3  # what full remat redoes
+    recompute = {"full": forward}.get(cfg.remat, 0.0)  # one more forward
     compute_s = tokens * (per_token + recompute) / (peak * GEMM_EFFICIENCY)
     com = result.get("communication") or {}
     total = com.get("total_wire_bytes", 0)
@@ -83,7 +92,7 @@ def predict(cfg, target: str, n_devices: int, result: dict[str, Any]) -> dict[st
     comm_s = (total - cross) / nvlink + (cross / net if cross else 0.0)
     # the update reads grads, params and optimizer state and writes params and state
     a = result["analytic"]
-    update_s = (a["grads"] + 2 * (a["params"] + a["optimizer"])) / hbm
+    update_s = (a["grads"] + 2 * (a.get("trainable", a["params"]) + a["optimizer"])) / hbm  # LoRA: adapters only
     step_s = max(compute_s, comm_s) + update_s
     model_flops = tokens * per_token
     g = lambda x: float(f"{x:.4g}")  # noqa: E731  (4 significant digits: tiny test steps too)
