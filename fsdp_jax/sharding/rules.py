@@ -42,7 +42,8 @@ Rules = Mapping[str, MeshAxes]
 DEFAULT_RULES: Rules = {
     # activations
     ax.BATCH: (ax.DATA, ax.FSDP),
-    ax.LENGTH: None,
+    ax.LENGTH: ax.CONTEXT,
+    ax.TOKENS: (ax.DATA, ax.FSDP, ax.CONTEXT),
     # parameters
     ax.EMBED: ax.FSDP,
     ax.MLP: ax.TENSOR,

@@ -121,6 +121,7 @@ class MeshConfig:
     data: int = limit(1, "mesh size")  # each size >= 1, or -1 (one axis) = the remaining devices
     fsdp: int = limit(-1, "mesh size")
     tensor: int = limit(1, "mesh size")
+    context: int = limit(1, "mesh size")  # > 1: each sequence split over this many devices (ring attention)
     strategy: str = "full_shard"  # a name of fsdp_jax.sharding.strategy.STRATEGIES or an alias
     min_shard_size: int = limit(rl.DEFAULT_MIN_SHARD_SIZE, ">= 0")  # leaves with fewer elements stay replicated
     max_replicated_fraction: float = limit(DEFAULT_MAX_REPLICATED_FRACTION, "[0, 1]")
