@@ -27,4 +27,3 @@ NORM = "norm"  # norm scales: small, kept replicated
 # Logical dims of activations.
 BATCH = "batch"
 LENGTH = "length"  # sequence positions (sharded over `context`)
-TOKENS = "tokens"  # batch x length flattened into one dim (the MLP's rows)

@@ -4,8 +4,8 @@
 
 q (B, S, H, Dh), k / v (B, S, K, Dh) (grouped-query: H a multiple of K), positions and
 segment ids (B, S) int, all in the zig-zag layout of `fsdp_jax.sharding.context` with S
-sharded over `context`. Under `shard_map` over `context` only (the other mesh axes stay
-with the partitioner), each rank keeps its queries and meets every rank's keys in C
+sharded over `context`. Under `shard_map` (batch, heads and sequence dims split as the
+logical rules say), each rank keeps its queries and meets every rank's keys in C
 steps, merging each block's scores into running softmax statistics (max, sum, output),
 so no rank ever holds more than one (S/C x S/C) score block per step:
 
@@ -34,8 +34,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from fsdp_jax.sharding.axes import CONTEXT
+from fsdp_jax.sharding.axes import BATCH, CONTEXT, HEADS, KV, KV_HEADS, LENGTH
 from fsdp_jax.sharding.context import context_size
+from fsdp_jax.sharding.rules import flax_rules
 
 KV_PASSES = ("ring", "all_gather")
 
@@ -140,12 +141,25 @@ def context_attention(
     seg = jnp.zeros(positions.shape, jnp.int32) if segment_ids is None else segment_ids
     flag = jnp.asarray(True) if local is None else jnp.asarray(local)
     body = functools.partial(_local_attention, scale=scale, cap=softcap, window=window, kv_pass=kv_pass, n=n)
-    seq = P(None, CONTEXT)
+    qs, kvs, seq = _specs()
     fn = jax.shard_map(
         lambda *a: body(*a[:-1], None if local is None else a[-1]),
-        in_specs=(seq, seq, seq, seq, seq, seq, seq, P()),
-        out_specs=seq,
-        axis_names=frozenset({CONTEXT}),
+        in_specs=(qs, kvs, kvs, seq, seq, seq, seq, P()),
+        out_specs=qs,
         check_vma=False,
     )
     return fn(q, k, v, positions, positions, seg, seg, flag)
+
+
+def _specs() -> tuple[P, P, P]:
+    """Specs of q, k / v and the (B, S) ids from the logical rules current while tracing
+    (Flax's `logical_axis_rules`, else DEFAULT_RULES): every mesh axis is manual inside,
+    so each rank attends its own batch rows and heads only."""
+    from flax import linen as nn
+
+    rules = nn.get_logical_axis_rules() or flax_rules()
+    names = ((BATCH, LENGTH, HEADS, KV), (BATCH, LENGTH, KV_HEADS, KV), (BATCH, LENGTH))
+    specs = [P(*nn.logical_to_mesh_axes(n, rules)) for n in names]
+    if any(s[1] != CONTEXT for s in specs):
+        raise ValueError(f"context_attention needs the rule length -> context; the rules give {specs[0]}")
+    return tuple(specs)

@@ -43,7 +43,6 @@ DEFAULT_RULES: Rules = {
     # activations
     ax.BATCH: (ax.DATA, ax.FSDP),
     ax.LENGTH: ax.CONTEXT,
-    ax.TOKENS: (ax.DATA, ax.FSDP, ax.CONTEXT),
     # parameters
     ax.EMBED: ax.FSDP,
     ax.MLP: ax.TENSOR,
