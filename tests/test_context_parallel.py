@@ -151,3 +151,31 @@ def test_compiled_step_shards_the_sequence_and_passes_kv_as_configured(kv_pass):
     body = [ln for ln in hlo.splitlines() if "/while/" in ln]
     assert any("f32[2,16,32]" in ln for ln in body)
     assert not any(re.search(r"f32\[2,64,32\]", ln) for ln in body)
+
+
+def test_verify_accepts_context_parallel_strategies():
+    """`fsdp_jax.verify` with context=4: every listed strategy on a (fsdp 2, context 4) mesh
+    against one device, the trainer's zig-zag loss on packed rows."""
+    from fsdp_jax.verify.run import verify
+
+    model = trainer_model(BASE)
+    loss_fn = make_loss_fn(model)
+
+    def mean_loss(p, b):
+        t = loss_fn(p, b)
+        return t.total / t.count
+
+    report = verify(
+        model,
+        SGD,
+        mean_loss,
+        batches=packed_batches(2),
+        steps=2,
+        strategies=["full_shard", "no_shard"],
+        check_init=False,
+        context=4,
+    )
+    assert report.passed, report.failed
+    assert set(report.strategies) == {"full_shard", "no_shard"}
+    fs = report.strategies["full_shard"]
+    assert fs.mesh["context"] == 4 and max(fs.loss_rel_diff) <= 1e-5 and max(fs.param_rel_diff) <= 1e-5, fs

@@ -49,13 +49,17 @@ def _compare(
     check_init: bool,
     options: Mapping[str, Any],
 ) -> VerifyReport:
-    unknown = sorted(set(options) - set(_BUILD_OPTIONS) - set(_STEP_OPTIONS))
+    unknown = sorted(set(options) - set(_BUILD_OPTIONS) - set(_STEP_OPTIONS) - {"context"})
     if unknown:
         raise VerifyError(
-            f"verify: unknown option(s) {', '.join(unknown)}; allowed: {', '.join(_BUILD_OPTIONS + _STEP_OPTIONS)}"
+            f"verify: unknown option(s) {', '.join(unknown)}; allowed: "
+            f"{', '.join(_BUILD_OPTIONS + _STEP_OPTIONS + ('context',))}"
         )
     opts = {"max_replicated_fraction": None, **options}
-    host_batches = _host_batches(batch, batches, steps, len(devs), opts.get("microbatches", 1))
+    context = int(opts.pop("context", 1))  # each strategy's mesh splits sequences over this many
+    if context < 1 or len(devs) % context:
+        raise VerifyError(f"verify: context={context} must be a positive divisor of devices={len(devs)}")
+    host_batches = _host_batches(batch, batches, steps, len(devs) // context, opts.get("microbatches", 1))
     from fsdp_jax.model.fns import _adapt  # the shard_model adapter: same model forms accepted
 
     key = jax.random.key(seed)
@@ -85,7 +89,7 @@ def _compare(
     ]
     reports = {}
     for name in names:
-        mesh = make_mesh(*strategy_mesh_shape(name, len(devs)), devices=devs)
+        mesh = make_mesh(*strategy_mesh_shape(name, len(devs) // context), devices=devs, context=context)
         reports[name] = _run_strategy(
             fns,
             optimizer,
