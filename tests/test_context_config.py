@@ -44,3 +44,34 @@ def test_train_with_context_2_runs_and_logs(corpus, tmp_path, capsys):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r][-1] == 2
     assert "context: 2" in (run_dir / "config.yaml").read_text()
+
+
+def test_packed_rows_of_131072_tokens_keep_segments_and_positions():
+    """Long-context rows: 131072 tokens (over uint16's segment range), documents of up to
+    70000 tokens; every segment id and restarting position survives, targets stay in-document."""
+    import numpy as np
+
+    from fsdp_jax.app.data.packing import batch_from_rows, pack
+    from fsdp_jax.sharding.context import zigzag_order
+
+    rng = np.random.default_rng(0)
+    lengths = [70000, 40000, 15000, 6000, 1, 80000, 51000]
+    examples = [(rng.integers(0, 50000, n), np.ones(n, np.uint8)) for n in lengths]
+    tok, msk, seg = pack(examples, 131072)
+    assert tok.shape == (2, 131072) and seg.dtype == np.uint32
+    b = batch_from_rows(tok, msk, seg)
+    for r in range(2):
+        for s in range(1, int(seg[r].max()) + 1):
+            at = np.flatnonzero(seg[r] == s)
+            assert (b["positions"][r, at] == np.arange(len(at))).all()
+            assert b["weights"][r, at[-1]] == 0  # the last token has no in-document target
+    assert sorted(int((seg[r] == s).sum()) for r in range(2) for s in range(1, int(seg[r].max()) + 1)) == sorted(
+        lengths
+    )
+    order = zigzag_order(131072, 8)  # the layout mesh.context=8 trains it in
+    assert (
+        sorted(order.tolist()) == list(range(131072))
+        and order[8191] == 8191
+        and order[8192] == 122880
+        and order[16384] == 8192
+    )

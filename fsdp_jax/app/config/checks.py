@@ -256,6 +256,12 @@ def check_backend(cfg: Config, backend: str) -> None:
         cfg.model.attention,
         f"needs a CUDA GPU (cuDNN); this run's JAX backend is {backend}: use model.attention=xla",
     )
+    _check(
+        cfg.model.attention != "splash" or backend == "tpu",
+        "model.attention",
+        cfg.model.attention,
+        f"needs a TPU (Pallas splash kernel); this run's JAX backend is {backend}: use model.attention=xla",
+    )
 
 
 def check_data(cfg: Config) -> None:

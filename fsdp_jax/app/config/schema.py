@@ -81,7 +81,7 @@ MODEL_LIMITS: dict[str, str] = {
     },
 }
 MODEL_CHOICES: dict[str, tuple[str, ...]] = {
-    "attention": ("xla", "cudnn"),
+    "attention": ("xla", "cudnn", "splash"),
     "context_kv_pass": ("all_gather", "ring"),
     "rope_type": tuple(ROPE_TYPES),
     "mlp_activation": ("silu", "gelu_pytorch_tanh"),

@@ -32,6 +32,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from fsdp_jax.app.models.attention import _attend_capped, attention, rope, segment_mask, softcap
 from fsdp_jax.app.models.rope import apply_rope, rope_tables
+from fsdp_jax.app.models.splash import splash_attention
 from fsdp_jax.sharding.axes import BATCH, EMBED, HEADS, KV, KV_HEADS, LAYERS, LENGTH, MLP, NORM, VOCAB
 from fsdp_jax.sharding.context import context_size
 from fsdp_jax.sharding.precision import matmul, take
@@ -55,7 +56,7 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     scan_layers: bool = True
-    attention: str = "xla"  # xla | cudnn (jax.nn.dot_product_attention implementation)
+    attention: str = "xla"  # xla | cudnn (jax.nn.dot_product_attention) | splash (TPU Pallas kernel)
     context_kv_pass: str = "all_gather"  # mesh.context > 1: all_gather | ring (sharding/ring_attention.py)
     tie_word_embeddings: bool = False  # output head = embed.T (no separate head param)
     kv_channels: int = 0  # per-head width; 0 = d_model // n_heads (`head_dim` resolves it)
@@ -185,18 +186,11 @@ class Attention(nnx.Module):
         scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         qi, ki = jnp.arange(s)[:, None], jnp.arange(s)[None, :]
         if context_size() > 1:  # the sequence is split over `context`, rows in zig-zag order
-            o = context_attention(
-                q,
-                k,
-                v,
-                positions,
-                segment_ids,
-                scale=scale,
-                softcap=cfg.attn_softcap,
-                window=cfg.sliding_window,
-                local=local,
-                kv_pass=cfg.context_kv_pass,
-            )
+            kw = dict(softcap=cfg.attn_softcap, window=cfg.sliding_window, local=local)
+            o = context_attention(q, k, v, positions, segment_ids, scale=scale, kv_pass=cfg.context_kv_pass, **kw)
+        elif self.impl == "splash":  # TPU: Pallas flash attention (models/splash.py)
+            kw = dict(softcap=cfg.attn_softcap, window=cfg.sliding_window, local=local)
+            o = splash_attention(q, k, v, segment_ids, scale=scale, **kw)
         elif cfg.attn_softcap or local is not None or (segment_ids is not None and self.impl == "xla"):
             mask = ki <= qi
             if cfg.sliding_window:
