@@ -19,6 +19,7 @@ def test_bad_context_inputs_one_line_exit_2_nothing_written(tmp_path, capsys):
         (["mesh.context=2", "mesh.fsdp=2"], ["mesh", "multiply to 4", "8 devices"]),
         (["mesh.context=2", "model.attention=cudnn"], ["model.attention", "cudnn", "context parallelism"]),
         (["model.context_kv_pass=telepathy"], ["model.context_kv_pass", "ring"]),
+        (["mesh.context=2", "mesh.rules.length=null"], ["mesh.rules.length", "context"]),
     ]
     for extra, words in cases:
         run_dir = tmp_path / "run"

@@ -219,6 +219,12 @@ def _check_context(cfg: Config, context_n: int) -> None:
         f"cannot run with context parallelism (mesh.context={context_n}): the ring attention "
         f"computes each block with XLA attention; use model.attention=xla or mesh.context=1",
     )
+    _check(
+        cfg.mesh.rules.get("length") == "context",
+        "mesh.rules.length",
+        cfg.mesh.rules.get("length"),
+        f"must be context with mesh.context={context_n} (the sequence dim is what the axis splits)",
+    )
 
 
 def parse_profile(text: str) -> tuple[int, int]:
