@@ -64,6 +64,7 @@ CASES = {
     "window": dict(packed=True, window=5),
     "softcap_mqa": dict(cap=3.0, kvh=1),
     "global_layer": dict(packed=True, window=5, local=False),
+    "query_chunks": dict(packed=True, window=5, q_chunk=2),  # 8 local queries in chunks of 2
 }
 
 
@@ -102,6 +103,7 @@ def test_matches_one_device_values_and_grads(case, kv_pass):
             window=window,
             local=jnp.asarray(local) if window else None,
             kv_pass=kv_pass,
+            q_chunk=c.get("q_chunk", 2048),
         )
         return jnp.sum(o * zw)
 

@@ -7,7 +7,7 @@ segment ids (B, S) int, all in the zig-zag layout of `fsdp_jax.sharding.context`
 sharded over `context`. Under `shard_map` (batch, heads and sequence dims split as the
 logical rules say), each rank keeps its queries and meets every rank's keys in C
 steps, merging each block's scores into running softmax statistics (max, sum, output),
-so no rank ever holds more than one (S/C x S/C) score block per step:
+so no rank ever holds more than one score block (`q_chunk` queries x S/C keys) at a time:
 
 * `kv_pass="ring"`: the K/V block (with its positions and segment ids) moves one rank
   along the ring per step (`ppermute`); the next block's transfer is issued before the
@@ -39,6 +39,10 @@ from fsdp_jax.sharding.context import context_size
 from fsdp_jax.sharding.rules import flax_rules
 
 KV_PASSES = ("ring", "all_gather")
+# Queries per score block: a block's (q_chunk x S/C) f32 scores per head are all one step
+# keeps. 2048 keeps Llama-3-8B's 32 heads at 128k / 8 ranks to 2.1 GB per block (an unsplit
+# half-block would be 16.8 GB: the 8 x H100 128k plan compiled to 116.5 GB without it).
+Q_CHUNK = 2048
 
 
 def _stats(q, k, v, qp, kp, qs, ks, scale, cap, window, local):
@@ -74,6 +78,26 @@ def _empty(q, kvh):
     return jnp.zeros(shape + (dh,), jnp.float32), jnp.full(shape, -jnp.inf), jnp.zeros(shape)
 
 
+def _chunked(block, q_chunk: int):
+    """`block` over query chunks of `q_chunk` (`lax.map`, one chunk's scores live at a time);
+    the whole block when the queries are no longer than that or do not divide by it."""
+
+    def run(q, k, v, qp, kp, qs, ks):
+        sq = q.shape[1]
+        if sq <= q_chunk or sq % q_chunk:
+            return block(q, k, v, qp, kp, qs, ks)
+        n = sq // q_chunk
+
+        def split(x):  # (B, Sq, ...) -> (n, B, q_chunk, ...)
+            return jnp.moveaxis(x.reshape(x.shape[0], n, q_chunk, *x.shape[2:]), 1, 0)
+
+        outs = jax.lax.map(lambda a: block(a[0], k, v, a[1], kp, a[2], ks), (split(q), split(qp), split(qs)))
+        # (n, B, K, G, q_chunk, ...) -> (B, K, G, Sq, ...): chunk j holds queries [j c, (j+1) c)
+        return tuple(jnp.moveaxis(x, 0, 3).reshape(*x.shape[1:4], sq, *x.shape[5:]) for x in outs)
+
+    return run
+
+
 def _half_block(q, kv, block, j, i):
     """Step with rank j's block on rank i (j != i): the half the zig-zag causal mask
     leaves (j < i: all queries x first-half keys; j > i: second-half queries x all keys)."""
@@ -92,9 +116,10 @@ def _half_block(q, kv, block, j, i):
     return jax.lax.cond(j < i, earlier, later, None)
 
 
-def _local_attention(q, k, v, qp, kp, qs, ks, local, *, scale, cap, window, kv_pass, n):
+def _local_attention(q, k, v, qp, kp, qs, ks, local, *, scale, cap, window, kv_pass, n, q_chunk):
     """The per-rank body under shard_map: shapes are the local (S / C) slices."""
     block = jax.checkpoint(functools.partial(_stats, scale=scale, cap=cap, window=window, local=local))
+    block = _chunked(block, q_chunk)
     i = jax.lax.axis_index(CONTEXT)
     qq = (q, qp, qs)
     kv = (k, v, kp, ks)
@@ -128,6 +153,7 @@ def context_attention(
     window: int = 0,
     local=None,
     kv_pass: str = "ring",
+    q_chunk: int = Q_CHUNK,
 ):
     """Causal attention of zig-zag-ordered rows sharded over `context` (module docstring).
 
@@ -140,7 +166,9 @@ def context_attention(
     n = context_size()
     seg = jnp.zeros(positions.shape, jnp.int32) if segment_ids is None else segment_ids
     flag = jnp.asarray(True) if local is None else jnp.asarray(local)
-    body = functools.partial(_local_attention, scale=scale, cap=softcap, window=window, kv_pass=kv_pass, n=n)
+    body = functools.partial(
+        _local_attention, scale=scale, cap=softcap, window=window, kv_pass=kv_pass, n=n, q_chunk=q_chunk
+    )
     qs, kvs, seq = _specs()
     fn = jax.shard_map(
         lambda *a: body(*a[:-1], None if local is None else a[-1]),
