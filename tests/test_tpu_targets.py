@@ -178,8 +178,8 @@ def test_tiny_compiles_for_two_v5p_slices(capsys):
     assert doc["device_memory"] == targets.device_memory("v5p")
     fs, hs = doc["strategies"]["full_shard"], doc["strategies"]["hybrid_shard"]
     assert fs["platform"] == hs["platform"] == "tpu"
-    assert fs["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1}
-    assert hs["mesh"] == {"data": 2, "fsdp": 4, "tensor": 1}
+    assert fs["mesh"] == {"data": 1, "fsdp": 8, "context": 1, "tensor": 1}
+    assert hs["mesh"] == {"data": 2, "fsdp": 4, "context": 1, "tensor": 1}
     for r in (fs, hs):
         a = r["analytic"]
         excess = r["compiled"]["argument"] - (a["params"] + a["optimizer"] + a["batch"])

@@ -42,7 +42,7 @@ Rules = Mapping[str, MeshAxes]
 DEFAULT_RULES: Rules = {
     # activations
     ax.BATCH: (ax.DATA, ax.FSDP),
-    ax.LENGTH: None,
+    ax.LENGTH: ax.CONTEXT,
     # parameters
     ax.EMBED: ax.FSDP,
     ax.MLP: ax.TENSOR,

@@ -112,12 +112,12 @@ def _check_run_dir(cfg: Config) -> None:
 def _check_mesh(cfg: Config) -> None:
     """At most one mesh size is -1 (the rest of the devices); the strategy exists."""
     mesh = cfg.mesh
-    sizes = (mesh.data, mesh.fsdp, mesh.tensor)
+    sizes = (mesh.data, mesh.fsdp, mesh.context, mesh.tensor)
     _check(
         sizes.count(-1) <= 1,
         "mesh",
-        dict(zip(("data", "fsdp", "tensor"), sizes)),
-        "at most one of data, fsdp, tensor may be -1",
+        dict(zip(("data", "fsdp", "context", "tensor"), sizes)),
+        "at most one of data, fsdp, context, tensor may be -1",
     )
     _check(
         mesh.strategy.lower() in STRATEGIES or mesh.strategy.lower() in ALIASES,
@@ -213,9 +213,10 @@ def _check_devices(cfg: Config, n_devices: int) -> None:
     """The mesh resolves on `n_devices` and each microbatch splits over data*fsdp."""
     tr, mesh = cfg.train, cfg.mesh
     try:
-        data_n, fsdp_n, _ = resolve_mesh_shape((mesh.data, mesh.fsdp, mesh.tensor), n_devices)
+        data_n, fsdp_n, context_n, _ = resolve_mesh_shape((mesh.data, mesh.fsdp, mesh.context, mesh.tensor), n_devices)
     except MeshError as e:
         raise ConfigError("mesh", str(e)) from None
+    _check_context(cfg, context_n)
     micro = tr.global_batch // tr.microbatches
     _check(
         micro % (data_n * fsdp_n) == 0,
@@ -223,6 +224,32 @@ def _check_devices(cfg: Config, n_devices: int) -> None:
         tr.global_batch,
         f"global_batch / microbatches = {micro} must be divisible by the batch-sharding "
         f"devices data*fsdp = {data_n}*{fsdp_n} = {data_n * fsdp_n} on {n_devices} devices",
+    )
+
+
+def _check_context(cfg: Config, context_n: int) -> None:
+    """Context parallelism (context_n > 1): zig-zag halves of seq_len, XLA attention per block."""
+    if context_n == 1:
+        return
+    _check(
+        cfg.data.seq_len % (2 * context_n) == 0,
+        "data.seq_len",
+        cfg.data.seq_len,
+        f"must be divisible by 2 x mesh.context = {2 * context_n} (the zig-zag layout gives each "
+        f"context rank two equal chunks)",
+    )
+    _check(
+        cfg.model.attention == "xla",
+        "model.attention",
+        cfg.model.attention,
+        f"cannot run with context parallelism (mesh.context={context_n}): the ring attention "
+        f"computes each block with XLA attention; use model.attention=xla or mesh.context=1",
+    )
+    _check(
+        cfg.mesh.rules.get("length") == "context",
+        "mesh.rules.length",
+        cfg.mesh.rules.get("length"),
+        f"must be context with mesh.context={context_n} (the sequence dim is what the axis splits)",
     )
 
 
@@ -260,6 +287,12 @@ def check_backend(cfg: Config, backend: str) -> None:
         "model.attention",
         cfg.model.attention,
         f"needs a CUDA GPU (cuDNN); this run's JAX backend is {backend}: use model.attention=xla",
+    )
+    _check(
+        cfg.model.attention != "splash" or backend == "tpu",
+        "model.attention",
+        cfg.model.attention,
+        f"needs a TPU (Pallas splash kernel); this run's JAX backend is {backend}: use model.attention=xla",
     )
 
 

@@ -81,7 +81,8 @@ MODEL_LIMITS: dict[str, str] = {
     },
 }
 MODEL_CHOICES: dict[str, tuple[str, ...]] = {
-    "attention": ("xla", "cudnn"),
+    "attention": ("xla", "cudnn", "splash"),
+    "context_kv_pass": ("all_gather", "ring"),
     "rope_type": tuple(ROPE_TYPES),
     "mlp_activation": ("silu", "gelu_pytorch_tanh"),
 }
@@ -121,6 +122,7 @@ class MeshConfig:
     data: int = limit(1, "mesh size")  # each size >= 1, or -1 (one axis) = the remaining devices
     fsdp: int = limit(-1, "mesh size")
     tensor: int = limit(1, "mesh size")
+    context: int = limit(1, "mesh size")  # > 1: each sequence split over this many devices (ring attention)
     strategy: str = "full_shard"  # a name of fsdp_jax.sharding.strategy.STRATEGIES or an alias
     min_shard_size: int = limit(rl.DEFAULT_MIN_SHARD_SIZE, ">= 0")  # leaves with fewer elements stay replicated
     max_replicated_fraction: float = limit(DEFAULT_MAX_REPLICATED_FRACTION, "[0, 1]")

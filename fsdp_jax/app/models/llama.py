@@ -33,9 +33,12 @@ from jax.ad_checkpoint import checkpoint_name
 from fsdp_jax.app.models import lora as lora_lib
 from fsdp_jax.app.models.attention import _attend_capped, attention, rope, segment_mask, softcap
 from fsdp_jax.app.models.rope import apply_rope, rope_tables
+from fsdp_jax.app.models.splash import splash_attention
 from fsdp_jax.sharding.axes import BATCH, EMBED, HEADS, KV, KV_HEADS, LAYERS, LENGTH, MLP, NORM, VOCAB
+from fsdp_jax.sharding.context import context_size
 from fsdp_jax.sharding.precision import matmul, take
 from fsdp_jax.sharding.remat import get_policy
+from fsdp_jax.sharding.ring_attention import context_attention
 from fsdp_jax.train import layer_gather
 
 
@@ -54,7 +57,8 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     scan_layers: bool = True
-    attention: str = "xla"  # xla | cudnn (jax.nn.dot_product_attention implementation)
+    attention: str = "xla"  # xla | cudnn (jax.nn.dot_product_attention) | splash (TPU Pallas kernel)
+    context_kv_pass: str = "all_gather"  # mesh.context > 1: all_gather | ring (sharding/ring_attention.py)
     tie_word_embeddings: bool = False  # output head = embed.T (no separate head param)
     kv_channels: int = 0  # per-head width; 0 = d_model // n_heads (`head_dim` resolves it)
     # RoPE scaling (of global layers): default | linear | llama3 | yarn (models/rope.py)
@@ -97,6 +101,12 @@ class LlamaConfig:
 def constrain(x, names):
     """Activation sharding constraint by logical names (a no-op outside a mesh + rules context)."""
     return nn.with_logical_constraint(x, names)
+
+
+def _rows(x):
+    """(B, S, D) -> (B*S, D): flat rows, XLA:CPU's fast matmul path (docs/design.md); kept
+    (B, S, D) when the sequence is split over `context` (merging two sharded dims moves data)."""
+    return x if context_size() > 1 else x.reshape(-1, x.shape[-1])
 
 
 _init = nnx.initializers.normal(0.02)
@@ -149,7 +159,7 @@ class Attention(nnx.Module):
         # x: (B, S, D); local: this layer slides (pattern only); segment_ids, positions: (B, S)
         cfg = self.cfg
         b, s, d = x.shape
-        x2 = x.reshape(b * s, d)  # flat rows: XLA:CPU's fast matmul path (docs/design.md)
+        x2 = _rows(x)
 
         def proj(name, w, bias=None):  # (D, H, Dh) -> (B, S, H, Dh)
             _, hh, dh = w.shape
@@ -176,7 +186,13 @@ class Attention(nnx.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         qi, ki = jnp.arange(s)[:, None], jnp.arange(s)[None, :]
-        if cfg.attn_softcap or local is not None or (segment_ids is not None and self.impl == "xla"):
+        if context_size() > 1:  # the sequence is split over `context`, rows in zig-zag order
+            kw = dict(softcap=cfg.attn_softcap, window=cfg.sliding_window, local=local)
+            o = context_attention(q, k, v, positions, segment_ids, scale=scale, kv_pass=cfg.context_kv_pass, **kw)
+        elif self.impl == "splash":  # TPU: Pallas flash attention (models/splash.py)
+            kw = dict(softcap=cfg.attn_softcap, window=cfg.sliding_window, local=local)
+            o = splash_attention(q, k, v, segment_ids, scale=scale, **kw)
+        elif cfg.attn_softcap or local is not None or (segment_ids is not None and self.impl == "xla"):
             mask = ki <= qi
             if cfg.sliding_window:
                 inside = qi - ki < cfg.sliding_window
@@ -207,7 +223,7 @@ class Attention(nnx.Module):
                 implementation=None if self.impl == "xla" else self.impl,
             )
         wo = self.wo[...]
-        o2 = o.reshape(b * s, -1)
+        o2 = _rows(o.reshape(b, s, -1))
         out = _plus(matmul(o2, wo.reshape(-1, d)), lora_lib.delta(self, "wo", o2))  # (B*S, D)
         return checkpoint_name(out.reshape(b, s, d), "attn_out")
 
@@ -221,11 +237,11 @@ class FeedForward(nnx.Module):
 
     def __call__(self, x):  # (B, S, D)
         b, s, d = x.shape
-        x2 = x.reshape(b * s, d)
+        x2 = _rows(x)
         g = _plus(matmul(x2, self.w_gate[...]), lora_lib.delta(self, "w_gate", x2))
         act = jax.nn.gelu(g, approximate=True) if self.gelu else jax.nn.silu(g)
         hid = act * _plus(matmul(x2, self.w_up[...]), lora_lib.delta(self, "w_up", x2))  # (B*S, F)
-        hid = constrain(hid, (BATCH, MLP))
+        hid = constrain(hid, (BATCH, MLP) if hid.ndim == 2 else (BATCH, LENGTH, MLP))
         out = _plus(matmul(hid, self.w_down[...]), lora_lib.delta(self, "w_down", hid))
         return checkpoint_name(out.reshape(b, s, d), "mlp_out")
 
@@ -327,7 +343,7 @@ class Llama(nnx.Module):
             for i, blk in enumerate(self.blocks):
                 x = block_fn(blk, x, jnp.asarray(cfg.is_local(i))) if pattern else block_fn(blk, x)
         x = self.final_norm(x)
-        x2 = x.reshape(b * s, -1)
+        x2 = _rows(x)
         if cfg.tie_word_embeddings:
             logits = matmul(x2, self.embed[...].T).reshape(b, s, -1)  # (B*S, D) @ (D, V)
         else:

@@ -39,7 +39,9 @@ def mesh_shape(cfg, strategy: str, n_devices: int) -> tuple[int, int, int]:
     from fsdp_jax.sharding.mesh import resolve_mesh_shape
 
     del strategy
-    data, fsdp, tensor = resolve_mesh_shape((cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor), n_devices)
+    data, fsdp, _, tensor = resolve_mesh_shape(
+        (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.context, cfg.mesh.tensor), n_devices
+    )  # the context size is cfg.mesh.context (build_step passes it)
     return data, fsdp, tensor
 
 
@@ -157,7 +159,7 @@ def build_step(
     strategy = get_strategy(strategy or cfg.mesh.strategy).name
     devices = list(jax.devices() if devices is None else devices)
     sizes = mesh_sizes or mesh_shape(cfg, strategy, len(devices))
-    mesh = make_mesh(*sizes, devices=devices)
+    mesh = make_mesh(*sizes, devices=devices, context=cfg.mesh.context)
     model = trainer_model(cfg.model, cfg.remat, lora_spec(cfg))
     optimizer, _ = build_optimizer(cfg.optimizer, cfg.train.steps)
     if lora_spec(cfg) is not None:  # as the trainer: optimizer state for the adapters only

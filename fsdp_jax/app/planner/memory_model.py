@@ -88,8 +88,8 @@ def saved_per_token(model_cfg, remat: str, seq_len: int, compute_bytes: int) -> 
 
 
 def _flash(model_cfg) -> bool:
-    """cuDNN flash attention (`attention: cudnn`) keeps no S x S attention logits."""
-    return getattr(model_cfg, "attention", "xla") == "cudnn"
+    """Flash attention (`attention: cudnn` on GPU, `splash` on TPU) keeps no S x S attention logits."""
+    return getattr(model_cfg, "attention", "xla") in ("cudnn", "splash")
 
 
 def activation_bytes(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh
@@ -17,6 +18,7 @@ from jax.sharding import Mesh
 from fsdp_jax.app.models.llama import Llama, LlamaConfig, cross_entropy
 from fsdp_jax.app.models.lora import LoraSpec, adapter_mask, spec_from_config
 from fsdp_jax.model.fns import ModelFns, from_nnx
+from fsdp_jax.sharding.context import context_size, zigzag
 from fsdp_jax.train.build import Built, build
 from fsdp_jax.train.step_parts import TokenSum
 
@@ -53,10 +55,16 @@ def make_loss_fn(model: ModelFns) -> Callable:
     positions per segment, the loss over the weighted targets of the global batch."""
 
     def loss_fn(params, batch):
+        n = context_size()  # > 1: every (B, S) array in zig-zag order (fsdp_jax.sharding.context)
         if isinstance(batch, dict):
-            logits = model.apply(params, batch["inputs"], batch["segment_ids"], batch["positions"])
-            return token_loss(logits, batch["targets"], batch["weights"])
-        return cross_entropy(model.apply(params, batch[:, :-1]), batch[:, 1:])
+            b = zigzag({k: batch[k] for k in ("inputs", "segment_ids", "positions", "targets", "weights")}, n)
+            logits = model.apply(params, b["inputs"], b["segment_ids"], b["positions"])
+            return token_loss(logits, b["targets"], b["weights"])
+        if n == 1:
+            return cross_entropy(model.apply(params, batch[:, :-1]), batch[:, 1:])
+        positions = jnp.broadcast_to(jnp.arange(batch.shape[1] - 1, dtype=jnp.int32), batch[:, 1:].shape)
+        inputs, targets, positions = zigzag((batch[:, :-1], batch[:, 1:], positions), n)
+        return cross_entropy(model.apply(params, inputs, None, positions), targets)
 
     return loss_fn
 

@@ -196,7 +196,7 @@ def _model(p: _Draft) -> None:
 
 
 def _mesh(p: _Draft) -> None:
-    p.mesh = make_mesh(p.cfg.mesh.data, p.cfg.mesh.fsdp, p.cfg.mesh.tensor)
+    p.mesh = make_mesh(p.cfg.mesh.data, p.cfg.mesh.fsdp, p.cfg.mesh.tensor, context=p.cfg.mesh.context)
 
 
 def _build(p: _Draft) -> None:
