@@ -76,8 +76,8 @@ def build_parser(prog: str | None = None) -> Parser:
         nargs="?",
         const=10,
         default=0,
-        type=int_in(1, 1000),
-        help="with --target: list the N ops that cost most per step (default 10) under the predicted step time",
+        type=int_in(1, 25),
+        help="with --target: list the N (<= 25) ops that cost most per step (default 10) under the predicted step time",
     )
     return ap
 

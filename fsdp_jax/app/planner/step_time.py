@@ -65,6 +65,7 @@ def peaks(target: str) -> tuple[float, float, float | None, float]:
 
 
 BAND = 0.15  # the tolerance the op walk is held to against published runs (docs/step_time.md)
+TOP_OPS = 25  # ops kept per prediction for `plan --explain-time`
 
 
 def predict(cfg, target: str, n_devices: int, result: dict[str, Any]) -> dict[str, Any] | None:
@@ -77,7 +78,7 @@ def predict(cfg, target: str, n_devices: int, result: dict[str, Any]) -> dict[st
     return predict_roofline(cfg, target, n_devices, result)
 
 
-def predict_ops(cfg, target: str, n_devices: int, result: dict[str, Any], top: int = 10) -> dict[str, Any] | None:
+def predict_ops(cfg, target: str, n_devices: int, result: dict[str, Any], top: int = TOP_OPS) -> dict[str, Any] | None:
     """The step from the compiled program's ops (`fsdp_jax.app.planner.op_costs.simulate` over
     `result["op_inventory"]` with `fsdp_jax.targets.perf_tables.perf_table(target)`): step_s,
     tokens/s, TFLOP/s and MFU per device (model FLOPs: PaLM's count, as `predict_roofline`),
@@ -88,13 +89,14 @@ def predict_ops(cfg, target: str, n_devices: int, result: dict[str, Any], top: i
     from fsdp_jax.targets.perf_tables import perf_table
 
     try:
-        sim = simulate(result["op_inventory"], perf_table(target))
+        table = perf_table(target)
+        sim = simulate(result["op_inventory"], table)
     except ValueError:
         return None
     step_s, b = sim["step_s"], sim["breakdown"]
     tokens = cfg.data.seq_len * cfg.train.global_batch / n_devices
     model_flops = tokens * model_flops_per_token(cfg.model, cfg.data.seq_len)[0]
-    peak = peaks(target)[0]
+    peak = table["peak_flops"]["bf16"]
     g = lambda x: float(f"{x:.4g}")  # noqa: E731
     compute = b["gemm"] + b["attention"] + b["memory"]
     return {
