@@ -1,27 +1,26 @@
-"""Predicted step time of a GPU- or TPU-target plan: a roofline over the compiled program's traffic.
+"""Predicted step time of a GPU- or TPU-target plan: op by op from the compiled program.
 
     pred = predict(cfg, "h100", n_devices, strategy_result)   # planner's per-strategy dict
-    pred["step_s"], pred["tokens_per_s_per_gpu"], pred["mfu"]   # per device: a GPU or TPU chip
+    pred["step_s"], pred["band_s"], pred["breakdown"], pred["top_ops"], pred["mfu"]
 
-TPU targets (`v5p`, ...) take the Cloud TPU pages' per-chip figures
-(`fsdp_jax.targets.tpu.TPU_SPECS`): ICI within a slice in place of NVLink (half the
-bidirectional figure per direction, which is also the pages' all-reduce bandwidth per
-chip), the data-center network across slices in place of the NIC, and the same
-GEMM_EFFICIENCY (an assumption for the MXUs as for the tensor cores).
+Two models, one entry (`predict`):
+- `predict_ops`, whenever the planner compiled the step for a target (its result carries the
+  program's `op_inventory`, `fsdp_jax.hlo.costs`): each op costed from its shapes and the
+  target's table (`fsdp_jax/targets/perf_tables.json`, every constant with its source), run
+  through the compiled schedule with only the compute between an async collective's start
+  and done hiding it (`fsdp_jax.app.planner.op_costs`). The breakdown: gemm, attention,
+  memory (memory-bound fusions of the model), update (the optimizer and what else runs
+  outside forward and backward), host (transfers), exposed_comm and "exposed <kind>".
+  Held against published runs in `fsdp_jax.app.planner.published` (docs/step_time.md).
+- `predict_roofline`, for results without a program (the search's analytic candidates,
+  hand-built results): the earlier roofline below.
 
-Inputs: the model's FLOPs from its shape (PaLM's count: 6 x matmul params + 12 x layers x
-d_attn x seq per token; `remat: full` adds the recomputed forward), the bytes the compiled
-XLA:GPU program's collectives send per device (`communication`, ring algorithms, split
-into within-host and cross-host), the optimizer update's state traffic, and the target's
-published peaks (`SPECS`). XLA's own cost analysis is not used: it counts a while loop's
-body once, i.e. one layer of a scanned model.
-
-step = max(compute, communication) + update: the async collectives are assumed hidden
-behind compute up to the compute time (the planner warns where the compiled schedule has
-nothing between a collective's start and done). compute = hardware FLOPs / (peak x
-`GEMM_EFFICIENCY`). That efficiency is an assumption, not fitted: large bf16 GEMMs on an
-H100 SXM run at roughly 70-80% of the 989 TFLOP/s dense peak; attention, norms and
-elementwise work are folded into it. MFU is model FLOPs (no recompute) / (step x peak).
+The roofline: the model's FLOPs from its shape (PaLM's count: 6 x matmul params + 12 x
+layers x d_attn x seq per token; `remat: full` adds the recomputed forward) at
+`GEMM_EFFICIENCY` of the dense peak (an assumption), the compiled program's collective bytes
+over NVLink / the NIC (ICI / DCN on TPU, `fsdp_jax.targets.tpu.TPU_SPECS`), assumed hidden
+up to the compute time, and the optimizer update's state traffic over HBM:
+step = max(compute, communication) + update. MFU is model FLOPs (no recompute) / (step x peak).
 """
 
 from __future__ import annotations
