@@ -77,8 +77,26 @@ def _index_list(text: str | None) -> list[int]:
     return [int(x.strip().strip('"')) for x in text.split(",") if x.strip()] if text else []
 
 
-def _gemm_dims(line: str, lhs: str, out: str, json_dims: bool = False) -> dict[str, Any]:
-    """m, n, k, batch, flops of a dot whose lhs type is `lhs` and result type `out`."""
+def _conv_dims(line: str, lhs: str, rhs: str, out: str) -> dict[str, Any] | None:
+    """m, n, k of a convolution used as a matmul (XLA:TPU's GEMMs): n = the kernel's output
+    features, k = the kernel elements per output feature (input features x window), m = the
+    output elements over n."""
+    labels = re.search(r"\bdim_labels=\w+_(\w+)->", line)
+    rd, od = _dims(rhs), _dims(out)
+    if not labels or len(labels.group(1)) != len(rd) or "o" not in labels.group(1):
+        return None
+    n = rd[labels.group(1).index("o")] or 1
+    k = max(math.prod(rd) // n, 1)
+    m = max(math.prod(od) // n, 1)
+    dtype = _shapes(lhs)[0][0] if _shapes(lhs) else "?"
+    return {"m": m, "n": n, "k": k, "batch": 1, "dtype": dtype, "flops": 2 * m * n * k}
+
+
+def _gemm_dims(line: str, lhs: str, out: str, json_dims: bool = False, rhs: str = "") -> dict[str, Any]:
+    """m, n, k, batch, flops of a dot whose lhs type is `lhs` and result type `out` (a
+    convolution: from its dim_labels and the kernel type `rhs`)."""
+    if " convolution(" in line and (conv := _conv_dims(line, lhs, rhs, out)):
+        return conv
     regs = _JSON_DIMS_RE if json_dims else _DIMS_RE
     got = {k: r.search(line) for k, r in regs.items()}
     contracting = _index_list(got["lhs_contracting_dims"].group(1) if got["lhs_contracting_dims"] else None)
@@ -101,12 +119,12 @@ class _Module:
         self.parsed = {c: _instructions(lines) for c, lines in self.comps.items()}
         self.types = {name: t for rows in self.parsed.values() for _, name, _, t, _ in rows}
 
-    def fused_dot(self, comp: str) -> tuple[str, str] | None:
-        """(the dot or convolution line, its lhs type) inside a fused computation, or None."""
+    def fused_dot(self, comp: str) -> tuple[str, str, str] | None:
+        """(the dot or convolution line, its lhs and rhs types) inside a fused computation, or None."""
         for _, _, op, _, line in self.parsed.get(comp, ()):
             if op in ("dot", "convolution"):
-                names = _operand_names(line, op)
-                return line, self.types.get(names[0], "") if names else ""
+                names = _operand_names(line, op) + ["", ""]
+                return line, self.types.get(names[0], ""), self.types.get(names[1], "")
         for _, _, op, _, line in self.parsed.get(comp, ()):  # a nested GEMM fusion
             m = _CALLS_RE.search(line)
             if op == "fusion" and m and (inner := self.fused_dot(m.group(1))):
@@ -217,16 +235,14 @@ def _classify(mod: _Module, op: str, type_str: str, line: str) -> dict[str, Any]
             return {"kind": "gemm", **g, "bytes": sum(_nbytes(mod.types.get(n, "")) for n in names[:2]) + _nbytes(out)}
     if op in ("dot", "convolution"):
         names = _operand_names(line, op)
-        g = _gemm_dims(line, mod.types.get(names[0], "") if names else "", type_str)
+        names = names + ["", ""]
+        g = _gemm_dims(line, mod.types.get(names[0], ""), type_str, rhs=mod.types.get(names[1], ""))
         return {"kind": "gemm", **g, "bytes": mod.fusion_bytes(line, op, type_str, None)}
     called = _CALLS_RE.search(line)
     comp = called.group(1) if called else None
     if op == "fusion" and comp and (dot := mod.fused_dot(comp)):
-        g = _gemm_dims(
-            dot[0],
-            dot[1],
-            _shapes_first(re.match(r"\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s(?:dot|convolution)\(", dot[0]).group(1)),
-        )
+        out = re.match(r"\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s(?:dot|convolution)\(", dot[0]).group(1)
+        g = _gemm_dims(dot[0], dot[1], _shapes_first(out), rhs=dot[2])
         return {"kind": "gemm", **g, "bytes": mod.fusion_bytes(line, op, type_str, comp)}
     return {"kind": "memory", "bytes": mod.fusion_bytes(line, op, type_str, comp if op == "fusion" else None)}
 
