@@ -211,3 +211,22 @@ def test_every_table_entry_names_its_source():
     assert not missing
     with pytest.raises(ValueError, match="no step-time figures"):
         perf_table("h9000")
+
+
+def test_a_tpu_convolution_is_a_gemm_of_its_kernel():
+    """XLA:TPU writes a matmul as a convolution (dim_labels=bf_io->bf), often inside a fusion."""
+    extra = """%fused_conv (param_0: bf16[256,512], param_1: bf16[512,1024]) -> bf16[256,1024] {
+  %param_0 = bf16[256,512]{1,0} parameter(0)
+  %param_1 = bf16[512,1024]{1,0} parameter(1)
+  ROOT %convolution.1 = bf16[256,1024]{1,0} convolution(%param_0, %param_1), dim_labels=bf_io->bf
+}
+
+"""
+    entry = (
+        "  %a = bf16[256,512]{1,0} parameter(2)\n  %w = bf16[512,1024]{1,0} parameter(3)\n"
+        "  ROOT %f = bf16[256,1024]{1,0} fusion(%a, %w), kind=kOutput, calls=%fused_conv\n"
+    )
+    (op,) = op_inventory(_module(entry, extra=extra))
+    assert (op["kind"], op["m"], op["n"], op["k"], op["flops"]) == ("gemm", 256, 1024, 512, 2 * 256 * 1024 * 512)
+    tpu = perf_table("v5p")
+    assert op_costs.op_seconds(op, tpu) >= op["flops"] / (tpu["peak_flops"]["bf16"] * tpu["gemm"]["max_efficiency"])

@@ -73,7 +73,7 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
         devices=256,
         hosts=1,
         strategy="full_shard",
-        overrides=("train.global_batch=1024", "train.microbatches=2", "remat=dots_no_batch"),
+        overrides=("train.global_batch=1024", "train.microbatches=2", "remat=save_qkv_attn_mlp_out"),
         cost_target="v5p",
     ),
     PublishedRun(
