@@ -98,3 +98,22 @@ def test_published_runs_within_tolerance():
         if r["role"] == "bound":  # another framework on slower H100s: the prediction is an upper bound
             assert r["predicted"] >= r["published"], r
     assert {PUBLISHED_RUNS[i].role for i in H100_ROWS} == {"fit", "check", "bound"}
+
+
+def test_every_published_run_is_a_valid_plan_command_with_a_source():
+    import shlex
+
+    from fsdp_jax.app.cli.plan import build_parser
+    from fsdp_jax.app.config import load_config
+    from fsdp_jax.app.planner.published import PUBLISHED_RUNS, plan_command
+    from fsdp_jax.targets.perf_tables import perf_table
+
+    assert {r.role for r in PUBLISHED_RUNS} <= {"fit", "check", "bound"}
+    assert sum(r.role == "fit" for r in PUBLISHED_RUNS) == 1  # one constant fitted, to one run
+    for r in PUBLISHED_RUNS:
+        argv = shlex.split(plan_command(r))
+        assert argv[:2] == ["python", "scripts/plan.py"]
+        args = build_parser().parse_args(argv[2:])
+        assert args.target == r.target and args.strategies == r.strategy and args.json
+        load_config(ROOT / r.config, list(r.overrides))  # every override is a real key and value
+        assert r.source and r.published > 0 and perf_table(r.cost_target)
