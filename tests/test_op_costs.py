@@ -230,3 +230,18 @@ def test_a_tpu_convolution_is_a_gemm_of_its_kernel():
     assert (op["kind"], op["m"], op["n"], op["k"], op["flops"]) == ("gemm", 256, 1024, 512, 2 * 256 * 1024 * 512)
     tpu = perf_table("v5p")
     assert op_costs.op_seconds(op, tpu) >= op["flops"] / (tpu["peak_flops"]["bf16"] * tpu["gemm"]["max_efficiency"])
+
+
+@pytest.mark.parametrize("spaced", [False, True])
+def test_a_cublas_call_is_a_gemm_from_its_backend_config(spaced):
+    cfg = '{"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}'
+    if spaced:
+        cfg = cfg.replace(":", ": ").replace(",", ", ")
+    line = (
+        "  %gemm = (bf16[2048,1024]{1,0}, s8[4194304]{0}) custom-call(%a, %w), "
+        f'custom_call_target="__cublas$gemm", backend_config={cfg}\n'
+        "  ROOT %r = bf16[4096,4096]{1,0} copy(%p0)\n"
+    )
+    entry = "  %a = bf16[2048,512]{1,0} parameter(2)\n  %w = bf16[512,1024]{1,0} parameter(3)\n" + line
+    gemm = next(o for o in op_inventory(_module(entry)) if o["kind"] == "gemm")
+    assert (gemm["m"], gemm["n"], gemm["k"], gemm["flops"]) == (2048, 1024, 512, 2 * 2048 * 1024 * 512)

@@ -98,7 +98,7 @@ def _gemm_dims(line: str, lhs: str, out: str, json_dims: bool = False, rhs: str 
     if " convolution(" in line and (conv := _conv_dims(line, lhs, rhs, out)):
         return conv
     regs = _JSON_DIMS_RE if json_dims else _DIMS_RE
-    got = {k: r.search(line) for k, r in regs.items()}
+    got = {k: r.search(line.replace(" ", "") if json_dims else line) for k, r in regs.items()}
     contracting = _index_list(got["lhs_contracting_dims"].group(1) if got["lhs_contracting_dims"] else None)
     batch_dims = _index_list(got["lhs_batch_dims"].group(1) if got["lhs_batch_dims"] else None)
     ld, od = _dims(lhs), _dims(out)
