@@ -78,16 +78,23 @@ def _index_list(text: str | None) -> list[int]:
 
 
 def _conv_dims(line: str, lhs: str, rhs: str, out: str) -> dict[str, Any] | None:
-    """m, n, k of a convolution used as a matmul (XLA:TPU's GEMMs): n = the kernel's output
-    features, k = the kernel elements per output feature (input features x window), m = the
-    output elements over n."""
-    labels = re.search(r"\bdim_labels=\w+_(\w+)->", line)
-    rd, od = _dims(rhs), _dims(out)
-    if not labels or len(labels.group(1)) != len(rd) or "o" not in labels.group(1):
+    """m, n, k of a convolution used as a matmul (XLA:TPU's GEMMs, batched ones written with
+    windows, dilations and padding): n = the kernel's output features, m = the output
+    elements over n, k = the kernel's input features x, per spatial dim, the window taps that
+    land on real (not dilated, not padded) input on average: min(window, input x window /
+    output)."""
+    labels = re.search(r"\bdim_labels=(\w+)_(\w+)->(\w+)", line)
+    ld, rd, od = _dims(lhs), _dims(rhs), _dims(out)
+    if not labels or [len(g) for g in labels.groups()] != [len(ld), len(rd), len(od)] or "o" not in labels.group(2):
         return None
-    n = rd[labels.group(1).index("o")] or 1
-    k = max(math.prod(rd) // n, 1)
+    ll, rl, ol = labels.groups()
+    n = rd[rl.index("o")] or 1
+    k = float(rd[rl.index("i")]) if "i" in rl else 1.0
+    for s in (c for c in rl if c.isdigit()):
+        w, size_in, size_out = rd[rl.index(s)], ld[ll.index(s)], od[ol.index(s)]
+        k *= min(w, size_in * w / max(size_out, 1))
     m = max(math.prod(od) // n, 1)
+    k = max(int(round(k)), 1)
     dtype = _shapes(lhs)[0][0] if _shapes(lhs) else "?"
     return {"m": m, "n": n, "k": k, "batch": 1, "dtype": dtype, "flops": 2 * m * n * k}
 
