@@ -245,3 +245,22 @@ def test_a_cublas_call_is_a_gemm_from_its_backend_config(spaced):
     entry = "  %a = bf16[2048,512]{1,0} parameter(2)\n  %w = bf16[512,1024]{1,0} parameter(3)\n" + line
     gemm = next(o for o in op_inventory(_module(entry)) if o["kind"] == "gemm")
     assert (gemm["m"], gemm["n"], gemm["k"], gemm["flops"]) == (2048, 1024, 512, 2 * 2048 * 1024 * 512)
+
+
+def test_a_dilated_tpu_convolution_counts_only_real_products():
+    """XLA:TPU writes a batched matmul as a convolution whose window runs over the batch with
+    the input dilated: a 2-wide window over 2 dilated elements meets one real element per output."""
+    from fsdp_jax.hlo.costs import _real_taps
+
+    assert _real_taps(2, 2, 2, stride=1, pad_lo=0, lhs_dil=2, rhs_dil=1) == 1.0
+    assert _real_taps(4, 4, 7, stride=1, pad_lo=3, lhs_dil=1, rhs_dil=1) == pytest.approx(16 / 7)  # full padding
+    assert _real_taps(1, 128, 128, stride=1, pad_lo=0, lhs_dil=1, rhs_dil=1) == 1.0  # a plain matmul
+    line = (
+        "  ROOT %c = f32[2,4,128,128]{3,2,1,0} convolution(%p0, %p1), window={size=2x4 stride=1x3 lhs_dilate=2x4}, "
+        "dim_labels=0b1f_0o1i->01bf\n"
+    )
+    entry = "  %q = f32[2,128,4,64]{3,2,1,0} parameter(2)\n  %kk = f32[2,128,4,64]{3,2,1,0} parameter(3)\n"
+    entry += line.replace("%p0, %p1", "%q, %kk")
+    (op,) = op_inventory(_module(entry))
+    # 2 x 4 (batch x heads) independent 128 x 128 x 64 products: 2 x 8 x 128 x 128 x 64 FLOPs
+    assert op["kind"] == "gemm" and op["flops"] == 2 * 8 * 128 * 128 * 64
