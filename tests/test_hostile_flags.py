@@ -92,6 +92,7 @@ BAD_FLAG_VALUES: dict[str, dict[str, list[str] | str]] = {
         "--host-memory": ["lots", "-1GB"],
         "--max-compiles": ["-1", "x"],
         "--rows": ["0", "x"],
+        "--explain-time": ["0", "-3", "x", "26"],
     },
     "plot_metrics": {"--out": ["{dir}", "{file}/x.png"]},
     "prepare_data": {
