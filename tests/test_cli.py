@@ -60,7 +60,7 @@ def test_top_level_help_lists_every_command(capsys):
         (["--bogus"], "required: COMMAND"),
         (["train", "--bogus", "--config", "configs/tiny.yaml"], "unrecognized arguments: --bogus"),
         (["plan"], "required: --config"),
-        (["export", "run"], "one of the arguments --out --hf is required"),
+        (["export", "run"], "one of the arguments --out --hf --peft is required"),
     ],
 )
 def test_entry_usage_errors_are_one_line_exit_2(argv, words, capsys):

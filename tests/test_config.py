@@ -173,7 +173,7 @@ def test_bad_mesh_rules_name_the_rule(override, key):
     with pytest.raises(ConfigError) as e:
         load_config(TINY, [override])
     assert e.value.key == key and "\n" not in str(e.value)
-    assert "data, fsdp, tensor" in str(e.value) or key != "mesh.rules.mlp"
+    assert "data, fsdp, context, tensor" in str(e.value) or key != "mesh.rules.mlp"
 
 
 def test_device_checks():

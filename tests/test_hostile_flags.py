@@ -44,6 +44,7 @@ BAD_FLAG_VALUES: dict[str, dict[str, list[str] | str]] = {
     "export": {
         "--out": ["{dir}", "{missing}/x/m.safetensors"],
         "--hf": ["{dir}", "{file}"],
+        "--peft": ["{dir}", "{file}"],
         "--max-shard-size": ["-5GB", "0", "lots", "1e400GB"],
         "--dtype": ["float8"],
         "--step": ["-1", "x"],
@@ -91,6 +92,7 @@ BAD_FLAG_VALUES: dict[str, dict[str, list[str] | str]] = {
         "--host-memory": ["lots", "-1GB"],
         "--max-compiles": ["-1", "x"],
         "--rows": ["0", "x"],
+        "--explain-time": ["0", "-3", "x", "26"],
     },
     "plot_metrics": {"--out": ["{dir}", "{file}/x.png"]},
     "prepare_data": {

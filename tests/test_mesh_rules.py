@@ -19,7 +19,7 @@ from fsdp_jax.sharding.rules import decide_leaf, plan_leaf
 
 def test_mesh_fills_minus_one():
     mesh = fj.make_mesh(data=2, fsdp=-1, tensor=1)
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 4, "tensor": 1}
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 4, "context": 1, "tensor": 1}
     assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
     explicit = fj.make_mesh(fsdp=8, axis_types="explicit")
     assert all(t == jax.sharding.AxisType.Explicit for t in explicit.axis_types)
@@ -45,7 +45,7 @@ def test_mesh_errors_name_sizes_and_count(sizes, words):
 
 
 def test_logical_to_spec_first_dim_wins_and_fsdp_expands():
-    assert fj.logical_to_spec(("batch", "length", "embed")) == P(("data", "fsdp"), None, None)
+    assert fj.logical_to_spec(("batch", "length", "embed")) == P(("data", "fsdp"), "context", None)
     assert fj.logical_to_spec(("embed", "mlp")) == P("fsdp", "tensor")
     assert fj.logical_to_spec(("embed", "mlp"), shard_axes=("data", "fsdp")) == P(("data", "fsdp"), "tensor")
     assert fj.logical_to_spec(("embed", "unknown_name")) == P("fsdp", None)
@@ -179,7 +179,7 @@ def test_merge_rules_validates_mesh_axes():
     assert r["mlp"] is None and r["heads"] == ("fsdp", "tensor") and r["new"] == "data"
     assert r["embed"] == fj.DEFAULT_RULES["embed"]
     for bad in ("model", ["fsdp", "fsdp"], 3):
-        with pytest.raises(fj.ShardingError, match="mesh axes: data, fsdp, tensor"):
+        with pytest.raises(fj.ShardingError, match="mesh axes: data, fsdp, context, tensor"):
             fj.merge_rules({"mlp": bad})
 
 

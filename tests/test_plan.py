@@ -118,7 +118,7 @@ def test_analytic_agrees_with_compiled_and_the_textbook(doc, cfg):
     assert s["shard_opt"]["bytes_per_param"] == pytest.approx(4 + 4 + 8 / 8, rel=0.02)
     assert s["full_shard"]["bytes_per_param"] == pytest.approx(16 / 8, rel=0.05)  # + replicated norms
     # the trainer's mesh for every strategy (configs/tiny.yaml: data=1), hybrid_shard included
-    assert all(r["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1} for r in s.values())
+    assert all(r["mesh"] == {"data": 1, "fsdp": 8, "context": 1, "tensor": 1} for r in s.values())
     assert any("hybrid_shard uses data=1 x fsdp=8" in note for note in doc["notes"])
     # the reference model gathers per layer inside the loop and never reshards with all-to-all
     for name, r in s.items():
@@ -135,7 +135,7 @@ def test_analytic_agrees_with_compiled_and_the_textbook(doc, cfg):
 def test_plans_more_devices_than_this_process_in_a_child(cfg):
     assert len(jax.devices()) == 8
     r = pl.run_strategies(cfg, 16, ["full_shard"])["full_shard"]
-    assert r["mesh"] == {"data": 1, "fsdp": 16, "tensor": 1}
+    assert r["mesh"] == {"data": 1, "fsdp": 16, "context": 1, "tensor": 1}
     state = r["analytic"]["params"] + r["analytic"]["optimizer"] + r["analytic"]["batch"]
     assert abs(r["compiled"]["argument"] - state) <= 0.02 * state
 
@@ -233,7 +233,7 @@ def test_warnings_for_hoisted_gathers_and_an_underestimate():
         rows,
         report,
         "full_shard",
-        {"data": 1, "fsdp": 8, "tensor": 1},
+        {"data": 1, "fsdp": 8, "context": 1, "tensor": 1},
         analytic_total=100,
         compiled_peak=120,
         layer_gather_bytes=1 << 20,
@@ -244,7 +244,7 @@ def test_warnings_for_hoisted_gathers_and_an_underestimate():
         rows,
         report,
         "shard_grad_op",
-        {"data": 1, "fsdp": 8, "tensor": 1},
+        {"data": 1, "fsdp": 8, "context": 1, "tensor": 1},
         analytic_total=100,
         compiled_peak=105,
         layer_gather_bytes=1 << 20,

@@ -416,7 +416,7 @@ def test_hybrid_shard_overlaps_every_grad_reduction_in_the_backward_loop(gpu):
     them); with the step's compile options none of them is exposed on either jax (7B, 32
     layers, 2 hosts x 4: 9.95% of the step's collective bytes -> 0%; BENCHMARKS.md)."""
     now, two = gpu["hybrid_wide"], gpu["hybrid_wide_two_in_flight"]
-    assert now["mesh"] == {"data": 2, "fsdp": 4, "tensor": 1}
+    assert now["mesh"] == {"data": 2, "fsdp": 4, "context": 1, "tensor": 1}
     assert now["communication"] == two["communication"]  # the same traffic, scheduled differently
 
     def exposed(r):
@@ -510,7 +510,7 @@ def test_shard_opt_all_reduces_grads_and_shards_the_optimizer_state(gpu):
 @slow
 def test_hybrid_shard_scatters_within_a_host_and_reduces_across_hosts(gpu):
     r = gpu["hybrid_shard"]
-    assert r["mesh"] == {"data": 2, "fsdp": 4, "tensor": 1}
+    assert r["mesh"] == {"data": 2, "fsdp": 4, "context": 1, "tensor": 1}
     scatters = _colls(r, "reduce-scatter", phase="backward")
     assert scatters and all(c["group_size"] == 4 and c["crosses_hosts"] is False for c in scatters)
     across = [c for c in _param_sized(r, "all-reduce") if c["crosses_hosts"]]

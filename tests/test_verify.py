@@ -189,7 +189,7 @@ def test_reference_llama_passes_under_every_strategy():
     # the sharded layouts really ran: ZeRO-3 holds 1/8 of the params (plus the small
     # replicated norm scales), DDP all of them
     assert 7 * s["full_shard"].state_bytes["params"] < s["no_shard"].state_bytes["params"]
-    assert s["hybrid_shard"].mesh == {"data": 2, "fsdp": 4, "tensor": 1}
+    assert s["hybrid_shard"].mesh == {"data": 2, "fsdp": 4, "context": 1, "tensor": 1}
     assert "all-gather" in s["full_shard"].collectives_per_step
     assert "all-gather" not in s["no_shard"].collectives_per_step
     # each strategy's own sharded init draws the same bits as one device

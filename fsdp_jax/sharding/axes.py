@@ -6,11 +6,13 @@ dims with the logical names below; `fsdp_jax.sharding.rules` maps them onto mesh
 
 # Mesh axes, outermost first. `data` replicates params (and carries the
 # inter-host / DCN split under hybrid_shard); `fsdp` shards them; `tensor` is
-# for tensor parallelism.
+# for tensor parallelism; `context` splits each sequence (context parallelism:
+# `fsdp_jax.sharding.ring_attention`), placed between `fsdp` and `tensor`.
 DATA = "data"
 FSDP = "fsdp"
+CONTEXT = "context"
 TENSOR = "tensor"
-MESH_AXES: tuple[str, str, str] = (DATA, FSDP, TENSOR)
+MESH_AXES: tuple[str, ...] = (DATA, FSDP, CONTEXT, TENSOR)
 
 # Logical dims of parameters.
 EMBED = "embed"  # model width (d_model)
@@ -21,7 +23,8 @@ KV = "kv"  # per-head width (head_dim)
 VOCAB = "vocab"
 LAYERS = "layers"  # stacked-layer dim created by nnx.vmap / scan
 NORM = "norm"  # norm scales: small, kept replicated
+LORA_RANK = "lora_rank"  # a LoRA adapter's rank dim: replicated (its other dim shards as its weight's)
 
 # Logical dims of activations.
 BATCH = "batch"
-LENGTH = "length"
+LENGTH = "length"  # sequence positions (sharded over `context`)

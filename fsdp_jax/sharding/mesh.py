@@ -1,4 +1,4 @@
-"""Build the (`data`, `fsdp`, `tensor`) device mesh."""
+"""Build the (`data`, `fsdp`, `context`, `tensor`) device mesh."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from fsdp_jax.sharding.axes import MESH_AXES
 
 
 def resolve_mesh_shape(sizes: Sequence[int], n_devices: int) -> tuple[int, ...]:
-    """Fill one -1 entry of `sizes` so their product is `n_devices`.
+    """Fill one -1 entry of `sizes` (one per axis of MESH_AXES) so their product is `n_devices`.
 
     Raises MeshError naming the sizes and the device count when that is impossible.
     """
@@ -48,12 +48,14 @@ def make_mesh(
     tensor: int = 1,
     devices: Sequence[jax.Device] | None = None,
     axis_types: str = "auto",
+    context: int = 1,
 ) -> Mesh:
-    """Mesh with axes (`data`, `fsdp`, `tensor`), all of one axis type.
+    """Mesh with axes (`data`, `fsdp`, `context`, `tensor`), all of one axis type.
 
     One size may be -1 to take the remaining devices. With several processes the
     `data` axis spans processes (DCN) and `fsdp` x `tensor` stay within one
-    process (ICI) when the per-process device count allows it.
+    process (ICI) when the per-process device count allows it. `context` > 1 splits
+    each sequence over that many devices (`fsdp_jax.sharding.ring_attention`).
 
     `axis_types`: "auto" (the default) lets the partitioner place params and insert
     FSDP's collectives where it schedules best: under a layer scan it gathers each
@@ -66,7 +68,7 @@ def make_mesh(
     if axis_types not in AXIS_TYPES:
         raise MeshError(f"axis_types {axis_types!r}: choose one of {', '.join(AXIS_TYPES)}")
     devices = list(jax.devices() if devices is None else devices)
-    shape = resolve_mesh_shape((data, fsdp, tensor), len(devices))
+    shape = resolve_mesh_shape((data, fsdp, context, tensor), len(devices))
     axis_types = (AXIS_TYPES[axis_types],) * len(MESH_AXES)
     n_proc = len({d.process_index for d in devices})
     per_proc = len(devices) // n_proc
@@ -74,7 +76,10 @@ def make_mesh(
         from jax.experimental import mesh_utils
 
         grid = mesh_utils.create_hybrid_device_mesh(
-            (shape[0] // n_proc, shape[1], shape[2]), (n_proc, 1, 1), devices=devices, process_is_granule=True
+            (shape[0] // n_proc, *shape[1:]),
+            (n_proc,) + (1,) * (len(shape) - 1),
+            devices=devices,
+            process_is_granule=True,
         )
         return Mesh(grid, MESH_AXES, axis_types=axis_types)
     if devices == list(jax.devices()):

@@ -8,6 +8,10 @@
 | optimizer          | device         | pinned_host             | params                     |
 | optimizer+params   | pinned_host    | pinned_host             | nothing of the state       |
 
+`optimizer:streamed` and `optimizer+params:streamed` rest the same state in the same place;
+their update brings the leaves stacked over scanned layers to the device one layer at a time
+(`fsdp_jax.train.stream_update`) instead of whole.
+
 The at-rest shardings of the chosen state carry memory kind `pinned_host` (same mesh,
 same `PartitionSpec`: each device's shard sits in its host's memory). The jitted step
 takes and returns the state there and moves shards itself, inside the same program:
@@ -48,6 +52,7 @@ class Offload:
     name: str
     params: bool
     opt_state: bool
+    stream: bool = False  # the update fetches stacked leaves layer by layer (train.stream_update)
 
     @property
     def any(self) -> bool:
@@ -60,6 +65,8 @@ OFFLOADS: dict[str, Offload] = {
         Offload("none", params=False, opt_state=False),
         Offload("optimizer", params=False, opt_state=True),
         Offload("optimizer+params", params=True, opt_state=True),
+        Offload("optimizer:streamed", params=False, opt_state=True, stream=True),
+        Offload("optimizer+params:streamed", params=True, opt_state=True, stream=True),
     )
 }
 

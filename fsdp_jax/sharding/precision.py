@@ -23,6 +23,7 @@ _FIELDS = {
     "compute": "compute_dtype",
     "reduce": "reduce_dtype",
     "output": "output_dtype",
+    "frozen": "frozen_dtype",
 }
 _ALIASES = {
     "fp32": "float32",
@@ -49,16 +50,26 @@ class Policy:
     """param_dtype: master weights and optimizer state (`fsdp_jax.train.build` and
     `shard_model(precision=...)` store floating params in it). compute_dtype: params and
     activations in forward/backward. reduce_dtype: gradients when reduced across
-    devices. output_dtype: the loss and metrics."""
+    devices. output_dtype: the loss and metrics. frozen_dtype: params the step does not
+    train (`trainable`, LoRA's base): stored in it, with no master copy (None: the
+    compute dtype, the only dtype a frozen param is ever used in)."""
 
     param_dtype: jnp.dtype = jnp.dtype("float32")
     compute_dtype: jnp.dtype = jnp.dtype("float32")
     reduce_dtype: jnp.dtype = jnp.dtype("float32")
     output_dtype: jnp.dtype = jnp.dtype("float32")
+    frozen_dtype: jnp.dtype | None = None
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
-            object.__setattr__(self, f.name, _dtype(getattr(self, f.name)))
+            v = getattr(self, f.name)
+            if v is not None or f.name != "frozen_dtype":
+                object.__setattr__(self, f.name, _dtype(v))
+
+    @property
+    def frozen_storage_dtype(self) -> jnp.dtype:
+        """The dtype frozen params rest in: `frozen_dtype`, else the compute dtype."""
+        return self.compute_dtype if self.frozen_dtype is None else self.frozen_dtype
 
     @classmethod
     def parse(cls, spec: "str | Policy | None") -> "Policy":
@@ -82,6 +93,7 @@ class Policy:
         return (
             f"params={self.param_dtype.name},compute={self.compute_dtype.name},"
             f"reduce={self.reduce_dtype.name},output={self.output_dtype.name}"
+            + ("" if self.frozen_dtype is None else f",frozen={self.frozen_dtype.name}")
         )
 
     def cast_to_compute(self, tree):

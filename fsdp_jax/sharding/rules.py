@@ -42,7 +42,7 @@ Rules = Mapping[str, MeshAxes]
 DEFAULT_RULES: Rules = {
     # activations
     ax.BATCH: (ax.DATA, ax.FSDP),
-    ax.LENGTH: None,
+    ax.LENGTH: ax.CONTEXT,
     # parameters
     ax.EMBED: ax.FSDP,
     ax.MLP: ax.TENSOR,
@@ -52,6 +52,7 @@ DEFAULT_RULES: Rules = {
     ax.VOCAB: ax.TENSOR,
     ax.LAYERS: None,
     ax.NORM: None,
+    ax.LORA_RANK: None,
 }
 DEFAULT_MIN_SHARD_SIZE = 2**14  # elements; smaller unannotated leaves stay replicated
 

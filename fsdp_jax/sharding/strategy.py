@@ -51,7 +51,7 @@ class Strategy:
     description: str = ""
 
 
-_DP = (ax.DATA, ax.FSDP)
+_DP = (ax.DATA, ax.FSDP, ax.CONTEXT)  # context ranks share a batch shard: ZeRO over them too
 STRATEGIES: dict[str, Strategy] = {
     s.name: s
     for s in (
@@ -68,9 +68,9 @@ STRATEGIES: dict[str, Strategy] = {
         Strategy("no_shard", (), (), (), description="DDP: everything replicated"),
         Strategy(
             "hybrid_shard",
-            (ax.FSDP,),
-            (ax.FSDP,),
-            (ax.FSDP,),
+            (ax.FSDP, ax.CONTEXT),
+            (ax.FSDP, ax.CONTEXT),
+            (ax.FSDP, ax.CONTEXT),
             description="HSDP: sharded within fsdp, replicated over data",
         ),
     )

@@ -34,6 +34,7 @@ from fsdp_jax.sharding.strategy import ShardingPlan, Strategy, make_plan
 from fsdp_jax.train.state import TrainState, abstract_state, state_shardings
 from fsdp_jax.train.step import CompiledStep, make_eval_step, make_train_step
 from fsdp_jax.train.step_parts import LossFn
+from fsdp_jax.train.trainable import trainable_leaves
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,24 +117,29 @@ class Built:
         return self._init_from(lambda x: x, params, donate=True)
 
 
-def with_param_dtype(model, dtype):
+def with_param_dtype(model, dtype, trainable: Any = None, frozen_dtype=None):
     """`model` (a dataclass with `abstract_params` and `init`) whose floating params
     are `dtype`: its abstract params say so and its init casts. Unchanged when
-    they already are."""
-    dtype = jnp.dtype(dtype)
+    they already are. With `trainable` (`fsdp_jax.train.trainable`), frozen leaves are
+    `frozen_dtype` instead (no master copy of what the step never updates)."""
+    keep = None if trainable is None else trainable_leaves(model.abstract_params, trainable)
+    treedef = jax.tree.structure(model.abstract_params)
+    targets = [jnp.dtype(dtype if keep is None or k else frozen_dtype) for k in keep or [True] * treedef.num_leaves]
 
-    def cast_dtype(d):
-        return dtype if jnp.issubdtype(d, jnp.floating) else d
+    def cast_all(tree, cast):
+        return treedef.unflatten([cast(x, t) for x, t in zip(treedef.flatten_up_to(tree), targets)])
 
-    leaves = jax.tree.leaves(model.abstract_params)
-    if all(cast_dtype(x.dtype) == x.dtype for x in leaves):
+    def cast_dtype(d, t):
+        return t if jnp.issubdtype(d, jnp.floating) else d
+
+    if all(cast_dtype(x.dtype, t) == x.dtype for x, t in zip(jax.tree.leaves(model.abstract_params), targets)):
         return model
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, cast_dtype(x.dtype)), model.abstract_params)
+    abstract = cast_all(model.abstract_params, lambda x, t: jax.ShapeDtypeStruct(x.shape, cast_dtype(x.dtype, t)))
     init = model.init
     if init is not None:
 
         def init(rng, _init=model.init):
-            return jax.tree.map(lambda x: x.astype(cast_dtype(x.dtype)), _init(rng))
+            return cast_all(_init(rng), lambda x, t: x.astype(cast_dtype(x.dtype, t)))
 
     return dataclasses.replace(model, init=init, abstract_params=abstract)
 
@@ -162,7 +168,8 @@ def build(
     `min_replicated_bytes`: as in `make_plan`. The precision's `param_dtype` is the
     dtype of the master params: floating params (and so the optimizer state that
     follows them, e.g. Adam's moments) are stored in it, whatever the model's init
-    returns (without `precision`: the model's own dtypes). With `loss_fn(params,
+    returns (without `precision`: the model's own dtypes); frozen params (not `trainable`)
+    in the policy's `frozen_storage_dtype` instead. With `loss_fn(params,
     batch)`, `step_options` go to `make_train_step` (microbatches, clip_norm, precision, remat, skip_nonfinite,
     donate, trainable, rng); `precision` also goes to `make_eval_step`. A model with
     non-trainable state (`model.abstract_model_state`, `fsdp_jax.model.variables`) gets it
@@ -173,7 +180,9 @@ def build(
     """
     axes_ = model.logical_axes if logical_axes is None else logical_axes
     if step_options.get("precision") is not None:  # no precision given: the model's own dtypes
-        model = with_param_dtype(model, Policy.parse(step_options["precision"]).param_dtype)
+        policy = Policy.parse(step_options["precision"])
+        trainable = step_options.get("trainable")
+        model = with_param_dtype(model, policy.param_dtype, trainable, policy.frozen_storage_dtype)
     abs_ms = getattr(model, "abstract_model_state", None)
     plan = make_plan(
         model.abstract_params,

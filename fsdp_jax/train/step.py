@@ -18,7 +18,9 @@
 6. the old state is donated, so params and optimizer state are updated in place.
 7. with host offload (`plan.offload`), host-resident params are brought to the device
    before 3, offloaded optimizer state (and f32 master params) only after the grad norm
-   of 5 exists, and the new state is written back to host memory (`fsdp_jax.sharding.offload`).
+   of 5 exists, and the new state is written back to host memory (`fsdp_jax.sharding.offload`);
+   a `:streamed` offload updates the leaves stacked over layers one layer at a time
+   (`fsdp_jax.train.stream_update`; the whole-leaf update when the optimizer is not elementwise).
 Models with non-trainable state (BatchNorm statistics) or randomness (dropout) take
 the extended call `loss_fn(params, batch, state=, rng=, train=)` and return their new
 state; it rides through 2-5 beside the loss and is kept or skipped with the update
@@ -51,6 +53,7 @@ from fsdp_jax.sharding.mesh import constrain
 from fsdp_jax.sharding.precision import Policy
 from fsdp_jax.sharding.strategy import ShardingPlan, batch_divisor
 from fsdp_jax.targets.xla_flags import step_compiler_options
+from fsdp_jax.train import stream_update
 from fsdp_jax.train.state import TrainState, state_shardings
 from fsdp_jax.train.step_parts import (
     LossFn,
@@ -225,11 +228,17 @@ def _train_step_fn(
         loss, aux, grads = grad_fn(state.params, batch)
         tokens = loss.count if isinstance(loss, TokenSum) else None
         loss, grads = normalize(loss, grads)
-        grads, grad_norm = clip_grads(wrt.full_grads(grads, plan.grads), clip_norm)
-        # offloaded optimizer state (and f32 master params) come once the grads exist
-        state = offload_lib.fetch_state(at_rest, plan, after=grad_norm)
+        grads, grad_norm = clip_grads(grads, clip_norm)  # over the trainable leaves
+        grads = wrt.full_grads(grads, plan.grads)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        new = guarded_update(optimizer, state, grads, ok, skip_nonfinite)
+        if stream_update.streamable(plan, optimizer, at_rest):  # the stacked leaves layer by layer
+            params, opt_state = jax.lax.optimization_barrier(((at_rest.params, at_rest.opt_state), grad_norm))[0]
+            state = at_rest.replace(params=params, opt_state=opt_state)
+            new = stream_update.streamed_update(optimizer, state, grads, ok, plan, skip_nonfinite)
+        else:  # offloaded optimizer state (and f32 master params) come once the grads exist
+            state = offload_lib.fetch_state(at_rest, plan, after=grad_norm)
+            new = guarded_update(optimizer, state, grads, ok, skip_nonfinite)
+        new = new.replace(params=wrt.frozen_from(new.params, state.params))  # frozen: the same buffers
         if extended:
             new, aux = ms_lib.with_model_state(new, aux, state, ok, skip_nonfinite)
         new = offload_lib.store_state(new, plan)  # back to host memory, where offloaded

@@ -36,6 +36,14 @@ class Trainable:
         it = iter(x)
         return self.treedef.unflatten([next(it) if k else p for p, k in zip(self.leaves, self.keep)])
 
+    def frozen_from(self, new, old):
+        """`new` (params-shaped) with its frozen leaves taken from `old`: whatever the
+        optimizer made of their zero grads, frozen params leave the step as they came."""
+        if self.keep is None:
+            return new
+        pairs = zip(self.treedef.flatten_up_to(new), self.treedef.flatten_up_to(old), self.keep)
+        return self.treedef.unflatten([n if k else o for n, o, k in pairs])
+
     def full_grads(self, grads, grad_sh):
         """Params-shaped grads: zeros (in the grad layout) for frozen leaves."""
         if self.keep is None:

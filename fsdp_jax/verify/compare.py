@@ -49,13 +49,9 @@ def _compare(
     check_init: bool,
     options: Mapping[str, Any],
 ) -> VerifyReport:
-    unknown = sorted(set(options) - set(_BUILD_OPTIONS) - set(_STEP_OPTIONS))
-    if unknown:
-        raise VerifyError(
-            f"verify: unknown option(s) {', '.join(unknown)}; allowed: {', '.join(_BUILD_OPTIONS + _STEP_OPTIONS)}"
-        )
     opts = {"max_replicated_fraction": None, **options}
-    host_batches = _host_batches(batch, batches, steps, len(devs), opts.get("microbatches", 1))
+    context = _pop_context(opts, len(devs))
+    host_batches = _host_batches(batch, batches, steps, len(devs) // context, opts.get("microbatches", 1))
     from fsdp_jax.model.fns import _adapt  # the shard_model adapter: same model forms accepted
 
     key = jax.random.key(seed)
@@ -85,7 +81,7 @@ def _compare(
     ]
     reports = {}
     for name in names:
-        mesh = make_mesh(*strategy_mesh_shape(name, len(devs)), devices=devs)
+        mesh = make_mesh(*strategy_mesh_shape(name, len(devs) // context), devices=devs, context=context)
         reports[name] = _run_strategy(
             fns,
             optimizer,
@@ -191,6 +187,19 @@ def _build(fns, optimizer, mesh, strategy, loss_fn, opts):
         return build(fns, optimizer, mesh, strategy, loss_fn=loss_fn, **opts)
     except rl.ShardingError as e:
         raise VerifyError(f"verify: {strategy}: {e}") from None
+
+
+def _pop_context(opts: dict, n: int) -> int:
+    """Check `opts` and pop its `context` (default 1: each strategy's mesh splits sequences
+    over a `context` axis of that size), a positive divisor of the device count `n`."""
+    allowed = _BUILD_OPTIONS + _STEP_OPTIONS + ("context",)
+    unknown = sorted(set(opts) - set(allowed) - {"max_replicated_fraction"})
+    if unknown:
+        raise VerifyError(f"verify: unknown option(s) {', '.join(unknown)}; allowed: {', '.join(allowed)}")
+    context = opts.pop("context", 1)
+    if not isinstance(context, int) or context < 1 or n % context:
+        raise VerifyError(f"verify: context={context!r} must be a positive divisor of devices={n}")
+    return context
 
 
 def strategy_mesh_shape(strategy: str, n: int) -> tuple[int, int, int]:

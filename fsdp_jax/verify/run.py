@@ -91,7 +91,9 @@ def verify(
     (factory specs only); True forces the child.
     `options`: `precision`, `microbatches`, `clip_norm`, `remat`, `has_aux`,
     `trainable` (the train step's), `min_shard_size`, `max_replicated_fraction`
-    (default None: not checked), `rules`, `logical_axes` (the plan's).
+    (default None: not checked), `rules`, `logical_axes` (the plan's), `context` (> 1:
+    each strategy's mesh splits sequences over a `context` axis of that size, the batch
+    divisible by devices / context; the loss must zig-zag its rows, as the trainer's does).
 
     Returns a VerifyReport; raises VerifyError on bad input.
     """

@@ -2,13 +2,17 @@
 
     fsdp-jax export RUN_DIR --out model.safetensors [--dtype bfloat16] [--step N]
     fsdp-jax export RUN_DIR --hf OUT_DIR [--dtype bfloat16] [--max-shard-size 5GB]
+    fsdp-jax export LORA_RUN_DIR --peft OUT_DIR       # adapter_config.json + adapter_model.safetensors
 
 (`python scripts/export.py ...` is the same command.) --hf writes a directory
 `transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)` loads as the model's family
 (Llama, Mistral, Qwen2, Qwen3, Gemma 3; docs/hf_models.md): config.json,
 model.safetensors (or shards + model.safetensors.index.json above --max-shard-size) and
 the tokenizer files of the model the run was imported from (init_from=hf:DIR) or of its
-corpus (fsdp_jax.app.hf.export).
+corpus (fsdp_jax.app.hf.export). For a LoRA run (a `lora:` section), --peft writes its
+adapters as a PEFT directory (`PeftModel.from_pretrained(base, OUT_DIR)` loads it) and --hf
+the base (init_from=hf:DIR) with the adapters merged, W + scale * B A; tensors LoRA did not
+touch are the base's bytes (fsdp_jax.app.hf.export_lora).
 
 RUN_DIR is a train run directory (its checkpoints/ is used) or a checkpoint
 directory. Keys are slash-separated param paths ("blocks/attn/wq"); stacked layers
@@ -53,6 +57,7 @@ def build_parser(prog: str | None = None) -> Parser:
     dest = ap.add_mutually_exclusive_group(required=True)
     dest.add_argument("--out", help="output .safetensors file")
     dest.add_argument("--hf", help="output Hugging Face model directory (must not exist)")
+    dest.add_argument("--peft", help="output PEFT adapter directory of a LoRA run (must not exist)")
     ap.add_argument("--max-shard-size", default="5GB", help="--hf: largest weight file, e.g. 5GB, 500MB (default 5GB)")
     ap.add_argument("--dtype", choices=DTYPES, default=None, help="cast floating-point params (default: as saved)")
     ap.add_argument("--step", type=int_in(0), default=None, help="checkpoint step (default: newest)")
@@ -80,10 +85,19 @@ def run(args) -> int:
     max_shard_bytes = parse_size(args.max_shard_size)  # checked whatever the destination
     if not directory.is_dir():
         raise CheckpointError(f"{run_dir}: no such run or checkpoint directory")
-    if args.hf:
-        from fsdp_jax.app.hf.export import export_hf
+    if args.peft:
+        from fsdp_jax.app.hf.export_lora import export_peft
 
-        info = export_hf(directory, args.hf, dtype=args.dtype, step=args.step, max_shard_bytes=max_shard_bytes)
+        info = export_peft(directory, args.peft, step=args.step)
+        print(f"exported step {info['step']}: {info['tensors']} adapter tensors -> {info['path']}", flush=True)
+        return 0
+    if args.hf:
+        from fsdp_jax.app.hf.export import export_hf, saved_source
+        from fsdp_jax.app.hf.export_lora import export_merged
+
+        lora = saved_source(directory, args.step)[2].lora.rank > 0
+        export = export_merged if lora else export_hf
+        info = export(directory, args.hf, dtype=args.dtype, step=args.step, max_shard_bytes=max_shard_bytes)
         print(
             f"exported step {info['step']}: {info['tensors']} tensors in {info['files']} "
             f"file(s), {info['bytes'] / 2**20:.2f} MiB -> {info['path']}",

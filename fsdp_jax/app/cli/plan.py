@@ -7,6 +7,8 @@
     fsdp-jax plan --config configs/llama2_7b.yaml --devices 8 --device-memory 80GB --offload all
     fsdp-jax plan --config configs/llama2_70b.yaml --target h100 --devices 8 --search --vary batch
 
+    fsdp-jax plan --config configs/llama2_7b.yaml --target h100 --devices 8 --explain-time 12
+
 (`python scripts/plan.py ...` is the same command.) For each strategy: analytic bytes
 (params, grads, optimizer state, gathered params, activations) and the compiled train
 step's memory_analysis() (argument, output, alias, temp, peak), AOT-compiled from
@@ -30,7 +32,7 @@ import json
 import sys
 
 from fsdp_jax.app.cli.args import add_config, add_target
-from fsdp_jax.app.cli.flags import Parser
+from fsdp_jax.app.cli.flags import Parser, int_in
 
 
 def build_parser(prog: str | None = None) -> Parser:
@@ -69,6 +71,14 @@ def build_parser(prog: str | None = None) -> Parser:
         "--progress", action="store_true", help="with --search: progress lines on stderr even when it is not a terminal"
     )
     ap.add_argument("--rows", default=None, help="with --search: rows of the ranked table (default 10)")
+    ap.add_argument(
+        "--explain-time",
+        nargs="?",
+        const=10,
+        default=0,
+        type=int_in(1, 25),
+        help="with --target: list the N (<= 25) ops that cost most per step (default 10) under the predicted step time",
+    )
     return ap
 
 
@@ -175,6 +185,8 @@ def run(args) -> int:
     from fsdp_jax.app.planner.report import format_table, plot_plan
 
     n, target = resolve_target(args)
+    if args.explain_time and target is None:
+        raise PlanError("--explain-time: only with --target (the op-by-op prediction needs a GPU/TPU compile)")
     mem = parse_bytes(args.device_memory) if args.device_memory is not None else None
     strategies = parse_strategies(args.strategies)
     offloads = parse_offloads(args.offload)
@@ -205,6 +217,7 @@ def run(args) -> int:
             print(format_offload_table(docs))
         return 0
     doc = next(iter(docs.values()))
+    doc["explain_time"] = args.explain_time
     if args.plot:
         plot_plan(doc, args.plot)
     if args.json:

@@ -131,12 +131,15 @@ def _as_verified(cfg, devices, notes: list[str]) -> tuple:
 def _verify(args, cfg, strategies, n: int, batches: list):
     """`fsdp_jax.verify.run` on the trainer's model, loss and optimizer (at its peak lr), with
     `batches` (`fsdp_jax.app.verify_batches`)."""
-    from fsdp_jax.app.trainer.build import make_loss_fn, trainer_model
+    from fsdp_jax.app.models.lora import adapter_mask
+    from fsdp_jax.app.trainer.build import lora_optimizer, lora_spec, make_loss_fn, trainer_model
     from fsdp_jax.app.trainer.optim import build_optimizer
     from fsdp_jax.verify.run import verify
 
-    model = trainer_model(cfg.model, cfg.remat)
+    lora = lora_spec(cfg)  # a LoRA config: the adapters train (and are compared), the base is frozen
+    model = trainer_model(cfg.model, cfg.remat, lora)
     optimizer, _ = build_optimizer(dataclasses.replace(cfg.optimizer, warmup_steps=0), cfg.train.steps)
+    optimizer = optimizer if lora is None else lora_optimizer(optimizer)
     return verify(
         model,
         optimizer,
@@ -150,6 +153,7 @@ def _verify(args, cfg, strategies, n: int, batches: list):
         microbatches=cfg.train.microbatches,
         clip_norm=cfg.optimizer.clip_norm,
         min_shard_size=cfg.mesh.min_shard_size,
+        **({} if lora is None else {"trainable": adapter_mask}),
     )
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_jax.app.config.schema import Config, check_fields
+from fsdp_jax.app.models import lora as lora_lib
 from fsdp_jax.app.models.llama import LlamaConfig
 from fsdp_jax.errors import ConfigError, MeshError
 from fsdp_jax.sharding.mesh import resolve_mesh_shape
@@ -68,6 +69,7 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
     _check_distributed(cfg)
     _check_precision(cfg)
     _check_train(cfg)
+    _check_lora(cfg)
     if n_devices is not None:
         _check_devices(cfg, n_devices)
 
@@ -110,12 +112,12 @@ def _check_run_dir(cfg: Config) -> None:
 def _check_mesh(cfg: Config) -> None:
     """At most one mesh size is -1 (the rest of the devices); the strategy exists."""
     mesh = cfg.mesh
-    sizes = (mesh.data, mesh.fsdp, mesh.tensor)
+    sizes = (mesh.data, mesh.fsdp, mesh.context, mesh.tensor)
     _check(
         sizes.count(-1) <= 1,
         "mesh",
-        dict(zip(("data", "fsdp", "tensor"), sizes)),
-        "at most one of data, fsdp, tensor may be -1",
+        dict(zip(("data", "fsdp", "context", "tensor"), sizes)),
+        "at most one of data, fsdp, context, tensor may be -1",
     )
     _check(
         mesh.strategy.lower() in STRATEGIES or mesh.strategy.lower() in ALIASES,
@@ -129,6 +131,13 @@ def _check_memory_policies(cfg: Config) -> None:
     """remat and offload name policies of the library's tables."""
     _check(cfg.remat in REMAT_POLICIES, "remat", cfg.remat, f"allowed: {', '.join(REMAT_POLICIES)}")
     _check(cfg.offload in OFFLOADS, "offload", cfg.offload, f"allowed: {', '.join(OFFLOADS)}")
+    _check(  # the streamed update slices leaves per layer: adafactor's factored moments span layers
+        not (OFFLOADS[cfg.offload].stream and cfg.optimizer.name == "adafactor"),
+        "offload",
+        cfg.offload,
+        "a streamed offload needs an elementwise optimizer (adamw, sgd), not optimizer.name=adafactor; "
+        "use offload: " + cfg.offload.removesuffix(":streamed"),
+    )
 
 
 def _check_distributed(cfg: Config) -> None:
@@ -192,13 +201,31 @@ def _check_train(cfg: Config) -> None:
         )
 
 
+def _check_lora(cfg: Config) -> None:
+    """The `lora:` section against the decoder: targets that exist, a rank they allow."""
+    lo = cfg.lora
+    try:
+        targets = lora_lib.resolve_targets(lo.targets)
+    except ValueError as e:
+        raise ConfigError("lora.targets", str(e)) from None
+    if not lo.rank:
+        _check(lo.init_from is None, "lora.init_from", lo.init_from, "needs lora.rank > 0 (a PEFT adapter's r)")
+        return
+    most = lora_lib.max_rank(cfg.model, targets)
+    _check(lo.rank <= most, "lora.rank", lo.rank, f"must be <= {most}, the smallest target's smaller dim")
+    _check(lo.dropout == 0, "lora.dropout", lo.dropout, "adapter dropout is not implemented; use 0")
+    if lo.init_from is not None:
+        _check(lo.init_from.startswith("peft:"), "lora.init_from", lo.init_from, "use peft:DIR (a PEFT adapter)")
+
+
 def _check_devices(cfg: Config, n_devices: int) -> None:
     """The mesh resolves on `n_devices` and each microbatch splits over data*fsdp."""
     tr, mesh = cfg.train, cfg.mesh
     try:
-        data_n, fsdp_n, _ = resolve_mesh_shape((mesh.data, mesh.fsdp, mesh.tensor), n_devices)
+        data_n, fsdp_n, context_n, _ = resolve_mesh_shape((mesh.data, mesh.fsdp, mesh.context, mesh.tensor), n_devices)
     except MeshError as e:
         raise ConfigError("mesh", str(e)) from None
+    _check_context(cfg, context_n)
     micro = tr.global_batch // tr.microbatches
     _check(
         micro % (data_n * fsdp_n) == 0,
@@ -206,6 +233,32 @@ def _check_devices(cfg: Config, n_devices: int) -> None:
         tr.global_batch,
         f"global_batch / microbatches = {micro} must be divisible by the batch-sharding "
         f"devices data*fsdp = {data_n}*{fsdp_n} = {data_n * fsdp_n} on {n_devices} devices",
+    )
+
+
+def _check_context(cfg: Config, context_n: int) -> None:
+    """Context parallelism (context_n > 1): zig-zag halves of seq_len, XLA attention per block."""
+    if context_n == 1:
+        return
+    _check(
+        cfg.data.seq_len % (2 * context_n) == 0,
+        "data.seq_len",
+        cfg.data.seq_len,
+        f"must be divisible by 2 x mesh.context = {2 * context_n} (the zig-zag layout gives each "
+        f"context rank two equal chunks)",
+    )
+    _check(
+        cfg.model.attention == "xla",
+        "model.attention",
+        cfg.model.attention,
+        f"cannot run with context parallelism (mesh.context={context_n}): the ring attention "
+        f"computes each block with XLA attention; use model.attention=xla or mesh.context=1",
+    )
+    _check(
+        cfg.mesh.rules.get("length") == "context",
+        "mesh.rules.length",
+        cfg.mesh.rules.get("length"),
+        f"must be context with mesh.context={context_n} (the sequence dim is what the axis splits)",
     )
 
 
@@ -243,6 +296,12 @@ def check_backend(cfg: Config, backend: str) -> None:
         "model.attention",
         cfg.model.attention,
         f"needs a CUDA GPU (cuDNN); this run's JAX backend is {backend}: use model.attention=xla",
+    )
+    _check(
+        cfg.model.attention != "splash" or backend == "tpu",
+        "model.attention",
+        cfg.model.attention,
+        f"needs a TPU (Pallas splash kernel); this run's JAX backend is {backend}: use model.attention=xla",
     )
 
 

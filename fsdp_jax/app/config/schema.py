@@ -81,7 +81,8 @@ MODEL_LIMITS: dict[str, str] = {
     },
 }
 MODEL_CHOICES: dict[str, tuple[str, ...]] = {
-    "attention": ("xla", "cudnn"),
+    "attention": ("xla", "cudnn", "splash"),
+    "context_kv_pass": ("all_gather", "ring"),
     "rope_type": tuple(ROPE_TYPES),
     "mlp_activation": ("silu", "gelu_pytorch_tanh"),
 }
@@ -121,6 +122,7 @@ class MeshConfig:
     data: int = limit(1, "mesh size")  # each size >= 1, or -1 (one axis) = the remaining devices
     fsdp: int = limit(-1, "mesh size")
     tensor: int = limit(1, "mesh size")
+    context: int = limit(1, "mesh size")  # > 1: each sequence split over this many devices (ring attention)
     strategy: str = "full_shard"  # a name of fsdp_jax.sharding.strategy.STRATEGIES or an alias
     min_shard_size: int = limit(rl.DEFAULT_MIN_SHARD_SIZE, ">= 0")  # leaves with fewer elements stay replicated
     max_replicated_fraction: float = limit(DEFAULT_MAX_REPLICATED_FRACTION, "[0, 1]")
@@ -192,6 +194,19 @@ class DistributedConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """LoRA fine-tuning (`fsdp_jax.app.models.lora`): rank 0 trains every param."""
+
+    rank: int = limit(0, "off")  # adapter rank r; 0 = no LoRA (full fine-tuning)
+    alpha: float = limit(16.0, "> 0")  # scale alpha / r (alpha / sqrt(r) with rslora)
+    rslora: bool = False
+    dropout: float = limit(0.0, "[0, 1)")  # on the adapters' input (only 0 is implemented)
+    targets: str = "all-linear"  # all-linear, or PEFT's q_proj k_proj v_proj o_proj gate_proj up_proj down_proj
+    #                              (or the decoder's wq wk wv wo w_gate w_up w_down), spaces or commas
+    init_from: str | None = None  # peft:DIR: start from a PEFT adapter (adapter_config.json + safetensors)
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     model: ModelConfig = ModelConfig()
     mesh: MeshConfig = MeshConfig()
@@ -200,6 +215,7 @@ class Config:
     train: TrainConfig = TrainConfig()
     distributed: DistributedConfig = DistributedConfig()
     logging: LoggingConfig = LoggingConfig()
+    lora: LoraConfig = LoraConfig()
     precision: str = "params=float32,compute=float32"
     remat: str = "dots"
     offload: str = "none"  # none | optimizer | optimizer+params: state kept in host memory

@@ -98,14 +98,15 @@ def cut(
 def pack(
     examples: Sequence[tuple[np.ndarray, np.ndarray]], row_len: int, dtype=np.int32
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(tokens (R, L) dtype, mask (R, L) uint8, segment (R, L) uint16) for examples of
-    (tokens, mask), each at most row_len long (see `cut`)."""
-    if row_len >= 2**16:
-        raise ValueError(f"row length {row_len}: must be < 65536")
+    """(tokens (R, L) dtype, mask (R, L) uint8, segment (R, L) uint16, or uint32 for rows of
+    65536 tokens or more: long-context rows) for examples of (tokens, mask), each at most
+    row_len long (see `cut`)."""
+    if row_len >= 2**32:
+        raise ValueError(f"row length {row_len}: must be < 2**32")
     rows = fit([len(t) for t, _ in examples], row_len)
     tok = np.zeros((len(rows), row_len), dtype)
     msk = np.zeros((len(rows), row_len), np.uint8)
-    seg = np.zeros((len(rows), row_len), np.uint16)
+    seg = np.zeros((len(rows), row_len), np.uint16 if row_len < 2**16 else np.uint32)
     for r, members in enumerate(rows):
         at = 0
         for s, i in enumerate(members, 1):

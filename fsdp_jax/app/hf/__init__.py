@@ -4,4 +4,6 @@ load        a Hugging Face checkpoint -> the reference decoder's params, loaded 
 config_in   a family's config.json -> `LlamaConfig`
 export      a run's params -> a Hugging Face directory `from_pretrained` loads
 config_out  `LlamaConfig` -> the family's config.json
+peft        PEFT LoRA adapters in and out (adapter_config.json + adapter_model.safetensors), merging
+export_lora a LoRA run's adapters as a PEFT directory, or merged into its base
 """

@@ -62,6 +62,21 @@ def _pick_step(ckpt: Checkpointer, step: int | None) -> int:
     return s
 
 
+def check_out_dir(out: Path, flag: str) -> None:
+    """CheckpointError (one line) unless `out` can become a new directory."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CheckpointError(f"{flag} {out}: already exists; choose a new directory")
+    if not out.absolute().parent.is_dir():
+        raise CheckpointError(f"{flag} {out}: its parent directory does not exist")
+
+
+def saved_source(directory, step: int | None):
+    """(read-only checkpointer, its newest usable step or `step`, that step's run config)."""
+    ckpt = Checkpointer(directory, read_only=True)
+    s = _pick_step(ckpt, step)
+    return ckpt, s, _saved_config(ckpt, s)
+
+
 def _saved_config(ckpt: Checkpointer, step: int):
     import orbax.checkpoint as ocp
 
@@ -172,15 +187,15 @@ def _tensor_entries(cfg: LlamaConfig, saved: dict, out_dt) -> tuple[list, dict]:
     return entries, source
 
 
-def _leaf_reader(ckpt: Checkpointer, step: int, source: dict):
-    """HF name -> its tensor, read from the checkpoint with one leaf in host memory at a time."""
+def _leaf_reader(read_leaf, source: dict):
+    """HF name -> its tensor, `read_leaf(path)` one leaf in host memory at a time."""
     cache: dict[str, np.ndarray] = {}
 
     def fetch(name: str) -> np.ndarray:
         path, layer, kind = source[name]
         if path not in cache:
             cache.clear()  # one leaf in host memory at a time
-            cache[path] = np.asarray(ckpt.read_leaf(step, f"params/{path}"))
+            cache[path] = np.asarray(read_leaf(path))
         arr = cache[path] if layer is None else cache[path][layer]
         return hf.to_hf(kind, arr)
 
@@ -224,20 +239,30 @@ def export_hf(
     saved params must match (default: the reference decoder's). Returns {"step", "files", "tensors",
     "bytes", "path"}. Raises CheckpointError (one line) on bad input, writing nothing."""
     out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CheckpointError(f"--hf {out}: already exists; choose a new directory")
-    if not out.absolute().parent.is_dir():
-        raise CheckpointError(f"--hf {out}: its parent directory does not exist")
+    check_out_dir(out, "--hf")
     ckpt, s, run_cfg, saved, hint = _checked_source(directory, step, abstract_params)
+    saved_dtypes = {p.removeprefix("params/"): np.dtype(m.dtype) for p, m in saved.items()}
+    info = write_hf_dir(
+        out, run_cfg, hint, saved_dtypes, lambda p: ckpt.read_leaf(s, f"params/{p}"), dtype, max_shard_bytes
+    )
+    return {"step": s, **info}
+
+
+def write_hf_dir(
+    out: Path, run_cfg, hint, saved_dtypes: dict, read_leaf, dtype=None, max_shard_bytes=DEFAULT_MAX_SHARD_BYTES
+):
+    """Write the Hugging Face directory `out` (checked by the caller) of `run_cfg`'s model
+    from `read_leaf(our param path) -> array` (leaves of dtypes `saved_dtypes`, by path).
+    Returns {"files", "tensors", "bytes", "path"}."""
     cfg = run_cfg.model
     out_dt = np.dtype(dtype) if dtype else None
-    entries, source = _tensor_entries(cfg, saved, out_dt)
+    entries, source = _tensor_entries(cfg, {f"params/{p}": _Dt(d) for p, d in saved_dtypes.items()}, out_dt)
     files, names = _shard_files(entries, max_shard_bytes)
     token_ids, tok_files = _token_ids_and_tokenizer(run_cfg)
     tmp = out.absolute().parent / f".{out.name}.tmp.{os.getpid()}"
     try:
         tmp.mkdir()
-        total = _write_weights(tmp, names, files, entries, _leaf_reader(ckpt, s, source))
+        total = _write_weights(tmp, names, files, entries, _leaf_reader(read_leaf, source))
         float_dt = (out_dt or np.dtype(entries[0][2])).name
         (tmp / "config.json").write_text(json.dumps(hf_config(cfg, float_dt, token_ids, hint), indent=2) + "\n")
         for f, target in tok_files:
@@ -248,4 +273,11 @@ def export_hf(
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
-    return {"step": s, "files": len(files), "tensors": len(entries), "bytes": total, "path": str(out)}
+    return {"files": len(files), "tensors": len(entries), "bytes": total, "path": str(out)}
+
+
+class _Dt:
+    """A saved leaf's dtype, as `_tensor_entries` reads it from the metadata."""
+
+    def __init__(self, dtype):
+        self.dtype = dtype

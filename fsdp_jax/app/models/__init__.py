@@ -1,4 +1,7 @@
-"""Reference models. They name logical dims only; sharding is applied from outside."""
+"""Reference models. They name logical dims only; sharding is applied from outside.
+
+llama, attention, rope: the decoder; lora: LoRA adapters on its projections.
+"""
 
 from fsdp_jax.app.models.llama import Llama, LlamaConfig, count_params, cross_entropy, flops_per_token
 

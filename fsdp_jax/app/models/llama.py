@@ -30,11 +30,15 @@ from flax import linen as nn
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from fsdp_jax.app.models import lora as lora_lib
 from fsdp_jax.app.models.attention import _attend_capped, attention, rope, segment_mask, softcap
 from fsdp_jax.app.models.rope import apply_rope, rope_tables
+from fsdp_jax.app.models.splash import splash_attention
 from fsdp_jax.sharding.axes import BATCH, EMBED, HEADS, KV, KV_HEADS, LAYERS, LENGTH, MLP, NORM, VOCAB
+from fsdp_jax.sharding.context import context_size
 from fsdp_jax.sharding.precision import matmul, take
 from fsdp_jax.sharding.remat import get_policy
+from fsdp_jax.sharding.ring_attention import context_attention
 from fsdp_jax.train import layer_gather
 
 
@@ -53,7 +57,8 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     scan_layers: bool = True
-    attention: str = "xla"  # xla | cudnn (jax.nn.dot_product_attention implementation)
+    attention: str = "xla"  # xla | cudnn (jax.nn.dot_product_attention) | splash (TPU Pallas kernel)
+    context_kv_pass: str = "all_gather"  # mesh.context > 1: all_gather | ring (sharding/ring_attention.py)
     tie_word_embeddings: bool = False  # output head = embed.T (no separate head param)
     kv_channels: int = 0  # per-head width; 0 = d_model // n_heads (`head_dim` resolves it)
     # RoPE scaling (of global layers): default | linear | llama3 | yarn (models/rope.py)
@@ -96,6 +101,12 @@ class LlamaConfig:
 def constrain(x, names):
     """Activation sharding constraint by logical names (a no-op outside a mesh + rules context)."""
     return nn.with_logical_constraint(x, names)
+
+
+def _rows(x):
+    """(B, S, D) -> (B*S, D): flat rows, XLA:CPU's fast matmul path (docs/design.md); kept
+    (B, S, D) when the sequence is split over `context` (merging two sharded dims moves data)."""
+    return x if context_size() > 1 else x.reshape(-1, x.shape[-1])
 
 
 _init = nnx.initializers.normal(0.02)
@@ -148,18 +159,18 @@ class Attention(nnx.Module):
         # x: (B, S, D); local: this layer slides (pattern only); segment_ids, positions: (B, S)
         cfg = self.cfg
         b, s, d = x.shape
-        x2 = x.reshape(b * s, d)  # flat rows: XLA:CPU's fast matmul path (docs/design.md)
+        x2 = _rows(x)
 
-        def proj(w, bias=None):  # (D, H, Dh) -> (B, S, H, Dh)
+        def proj(name, w, bias=None):  # (D, H, Dh) -> (B, S, H, Dh)
             _, hh, dh = w.shape
-            y = matmul(x2, w.reshape(d, hh * dh)).reshape(b, s, hh, dh)
+            y = _plus(matmul(x2, w.reshape(d, hh * dh)), lora_lib.delta(self, name, x2)).reshape(b, s, hh, dh)
             if bias is not None:
                 y = y + bias[...]
             return constrain(checkpoint_name(y, "qkv"), (BATCH, LENGTH, HEADS, KV))
 
-        q = proj(self.wq[...], self.bq if cfg.qkv_bias else None)
-        k = proj(self.wk[...], self.bk if cfg.qkv_bias else None)
-        v = proj(self.wv[...], self.bv if cfg.qkv_bias else None)
+        q = proj("wq", self.wq[...], self.bq if cfg.qkv_bias else None)
+        k = proj("wk", self.wk[...], self.bk if cfg.qkv_bias else None)
+        v = proj("wv", self.wv[...], self.bv if cfg.qkv_bias else None)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if cfg.rope_type == "default" and not cfg.global_every:
@@ -175,7 +186,13 @@ class Attention(nnx.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         qi, ki = jnp.arange(s)[:, None], jnp.arange(s)[None, :]
-        if cfg.attn_softcap or local is not None or (segment_ids is not None and self.impl == "xla"):
+        if context_size() > 1:  # the sequence is split over `context`, rows in zig-zag order
+            kw = dict(softcap=cfg.attn_softcap, window=cfg.sliding_window, local=local)
+            o = context_attention(q, k, v, positions, segment_ids, scale=scale, kv_pass=cfg.context_kv_pass, **kw)
+        elif self.impl == "splash":  # TPU: Pallas flash attention (models/splash.py)
+            kw = dict(softcap=cfg.attn_softcap, window=cfg.sliding_window, local=local)
+            o = splash_attention(q, k, v, segment_ids, scale=scale, **kw)
+        elif cfg.attn_softcap or local is not None or (segment_ids is not None and self.impl == "xla"):
             mask = ki <= qi
             if cfg.sliding_window:
                 inside = qi - ki < cfg.sliding_window
@@ -206,7 +223,8 @@ class Attention(nnx.Module):
                 implementation=None if self.impl == "xla" else self.impl,
             )
         wo = self.wo[...]
-        out = matmul(o.reshape(b * s, -1), wo.reshape(-1, d))  # (B*S, D)
+        o2 = _rows(o.reshape(b, s, -1))
+        out = _plus(matmul(o2, wo.reshape(-1, d)), lora_lib.delta(self, "wo", o2))  # (B*S, D)
         return checkpoint_name(out.reshape(b, s, d), "attn_out")
 
 
@@ -219,16 +237,22 @@ class FeedForward(nnx.Module):
 
     def __call__(self, x):  # (B, S, D)
         b, s, d = x.shape
-        x2 = x.reshape(b * s, d)
-        g = matmul(x2, self.w_gate[...])
+        x2 = _rows(x)
+        g = _plus(matmul(x2, self.w_gate[...]), lora_lib.delta(self, "w_gate", x2))
         act = jax.nn.gelu(g, approximate=True) if self.gelu else jax.nn.silu(g)
-        hid = act * matmul(x2, self.w_up[...])  # (B*S, F)
-        hid = constrain(hid, (BATCH, MLP))
-        return checkpoint_name(matmul(hid, self.w_down[...]).reshape(b, s, d), "mlp_out")
+        hid = act * _plus(matmul(x2, self.w_up[...]), lora_lib.delta(self, "w_up", x2))  # (B*S, F)
+        hid = constrain(hid, (BATCH, MLP) if hid.ndim == 2 else (BATCH, LENGTH, MLP))
+        out = _plus(matmul(hid, self.w_down[...]), lora_lib.delta(self, "w_down", hid))
+        return checkpoint_name(out.reshape(b, s, d), "mlp_out")
+
+
+def _plus(y, lora_delta):
+    """A projection's output plus its LoRA adapter's term (`models/lora.py`), if any."""
+    return y if lora_delta is None else y + lora_delta.astype(y.dtype)
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, lora: lora_lib.LoraSpec | None = None):
         po = cfg.norm_plus_one
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, po, rngs)
         self.attn = Attention(cfg, rngs)
@@ -238,6 +262,8 @@ class Block(nnx.Module):
         if cfg.sandwich_norm:
             self.post_attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, po, rngs)
             self.post_mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, po, rngs)
+        if lora is not None:  # last: the base params are drawn as without adapters
+            lora_lib.attach(self, cfg, lora, rngs)
 
     def __call__(self, x, local=None, segment_ids=None, positions=None):  # (B, S, D) -> (B, S, D)
         x = constrain(x, (BATCH, LENGTH, EMBED))
@@ -250,9 +276,10 @@ class Block(nnx.Module):
 
 class Llama(nnx.Module):
     """`Llama(cfg, rngs=nnx.Rngs(0), remat="dots")(tokens (B, S) int) -> logits (B, S, V)`;
-    optional `segment_ids` and `positions` (B, S) for packed rows."""
+    optional `segment_ids` and `positions` (B, S) for packed rows; `lora` puts LoRA adapters
+    on the projections it targets (`models/lora.py`)."""
 
-    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, remat: str = "none"):
+    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, remat: str = "none", lora=None):
         self.cfg = cfg
         self.remat = remat
         get_policy(remat)  # fail early on an unknown name
@@ -262,7 +289,7 @@ class Llama(nnx.Module):
             @nnx.split_rngs(splits=cfg.n_layers)
             @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS})
             def make(r):
-                return Block(cfg, r)
+                return Block(cfg, r, lora)
 
             self.blocks = make(rngs)
         else:
@@ -270,6 +297,9 @@ class Llama(nnx.Module):
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_plus_one, rngs)
         if not cfg.tie_word_embeddings:
             self.head = _param(rngs, (cfg.d_model, cfg.vocab_size), (EMBED, VOCAB))
+        if lora is not None and not cfg.scan_layers:  # last, as in a scanned Block
+            for blk in self.blocks:
+                lora_lib.attach(blk, cfg, lora, rngs)
 
     def __call__(self, tokens, segment_ids=None, positions=None):
         """tokens (B, S) int -> logits (B, S, V). Packed rows: `segment_ids` (B, S) keep
@@ -313,7 +343,7 @@ class Llama(nnx.Module):
             for i, blk in enumerate(self.blocks):
                 x = block_fn(blk, x, jnp.asarray(cfg.is_local(i))) if pattern else block_fn(blk, x)
         x = self.final_norm(x)
-        x2 = x.reshape(b * s, -1)
+        x2 = _rows(x)
         if cfg.tie_word_embeddings:
             logits = matmul(x2, self.embed[...].T).reshape(b, s, -1)  # (B*S, D) @ (D, V)
         else:
@@ -347,16 +377,21 @@ def _attended_fraction(cfg: LlamaConfig, seq_len: int, layer: int) -> float:
     return (w * (w + 1) / 2 + (s - w) * w) / (s * (s + 1) / 2)
 
 
-def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
+def flops_per_token(cfg: LlamaConfig, seq_len: int, lora: lora_lib.LoraSpec | None = None) -> float:
     """Training FLOPs per token: 6 x (params used in matmuls: all but the embedding
     lookup) plus causal attention scores and values, 6 x L x S x H x Dh (PaLM appendix
     B counts 12 x L x S x D for full attention; causal masking does half the work; a
-    sliding layer does the fraction of that work its window leaves)."""
+    sliding layer does the fraction of that work its window leaves). With `lora` the base
+    is frozen: 4 per base param (forward and input gradient, no weight gradient) plus 6
+    per adapter param."""
     # a tied table is used by the head matmul, so only an untied one is lookup-only
     lookup_only = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.d_model
     matmul_params = count_params(cfg) - lookup_only
     layers = sum(_attended_fraction(cfg, seq_len, i) for i in range(cfg.n_layers))
-    return 6.0 * matmul_params + 6.0 * layers * seq_len * cfg.n_heads * cfg.head_dim
+    attention = 6.0 * layers * seq_len * cfg.n_heads * cfg.head_dim
+    if lora is None:
+        return 6.0 * matmul_params + attention
+    return 4.0 * matmul_params + 6.0 * lora_lib.adapter_param_count(cfg, lora) + attention
 
 
 def sample(next_logits, prompt, n_new: int, window: int, rng, temperature: float = 0.8) -> list[int]:

@@ -7,7 +7,8 @@ the predicted step time — and reports it:
 
 * `step_build`   the trainer's train step built from abstract inputs only
 * `memory_model` the analytic memory formulas (params, grads, optimizer, activations)
-* `step_time`    the predicted step time on a GPU target
+* `step_time`    the predicted step time on a GPU or TPU target: op by op (`op_costs` over
+                 `fsdp_jax.hlo.costs`), held against published runs (`published`)
 * `estimate`     analytic + compiled memory of a config, per strategy (`plan_config`)
 * `one_strategy` one strategy built, analysed and AOT-compiled in this process
                  (`plan_strategy`); what the compiled step holds: `inspection`; a

@@ -39,7 +39,9 @@ def mesh_shape(cfg, strategy: str, n_devices: int) -> tuple[int, int, int]:
     from fsdp_jax.sharding.mesh import resolve_mesh_shape
 
     del strategy
-    data, fsdp, tensor = resolve_mesh_shape((cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor), n_devices)
+    data, fsdp, _, tensor = resolve_mesh_shape(
+        (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.context, cfg.mesh.tensor), n_devices
+    )  # the context size is cfg.mesh.context (build_step passes it)
     return data, fsdp, tensor
 
 
@@ -150,16 +152,18 @@ def build_step(
     check is not enforced here (the planner reports it instead). `step_options` go to
     `make_train_step` on top of the trainer's (e.g. skip_nonfinite=False, to measure
     what the guard costs)."""
-    from fsdp_jax.app.trainer.build import build_from_config, trainer_model
+    from fsdp_jax.app.trainer.build import build_from_config, lora_optimizer, lora_spec, trainer_model
     from fsdp_jax.app.trainer.optim import build_optimizer
     from fsdp_jax.sharding.mesh import make_mesh
 
     strategy = get_strategy(strategy or cfg.mesh.strategy).name
     devices = list(jax.devices() if devices is None else devices)
     sizes = mesh_sizes or mesh_shape(cfg, strategy, len(devices))
-    mesh = make_mesh(*sizes, devices=devices)
-    model = trainer_model(cfg.model, cfg.remat)
+    mesh = make_mesh(*sizes, devices=devices, context=cfg.mesh.context)
+    model = trainer_model(cfg.model, cfg.remat, lora_spec(cfg))
     optimizer, _ = build_optimizer(cfg.optimizer, cfg.train.steps)
+    if lora_spec(cfg) is not None:  # as the trainer: optimizer state for the adapters only
+        optimizer = lora_optimizer(optimizer)
     built = build_from_config(cfg, model, optimizer, mesh, strategy, max_replicated_fraction=None, **step_options)
     batch = abstract_batch(cfg, built.plan.batch)
     return StepBuild(

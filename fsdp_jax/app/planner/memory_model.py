@@ -88,8 +88,8 @@ def saved_per_token(model_cfg, remat: str, seq_len: int, compute_bytes: int) -> 
 
 
 def _flash(model_cfg) -> bool:
-    """cuDNN flash attention (`attention: cudnn`) keeps no S x S attention logits."""
-    return getattr(model_cfg, "attention", "xla") == "cudnn"
+    """Flash attention (`attention: cudnn` on GPU, `splash` on TPU) keeps no S x S attention logits."""
+    return getattr(model_cfg, "attention", "xla") in ("cudnn", "splash")
 
 
 def activation_bytes(
@@ -143,14 +143,17 @@ def analytic_memory(build: StepBuild) -> dict[str, int]:
     )  # non-trainable model state (0 when none)
     batch = tree_bytes_per_device(build.batch)  # tokens, or the packed batch's arrays
     gd = grad_dtype(policy)
-    pairs = list(zip(jax.tree.leaves(st.params), jax.tree.leaves(plan.grads)))
+    keep = _trainable(build)  # LoRA: grads, accumulator and reduced layer grads of the adapters only
+    pairs = [pg for pg, k in zip(zip(jax.tree.leaves(st.params), jax.tree.leaves(plan.grads)), keep) if k]
     grads = sum(shard_bytes(jax.ShapeDtypeStruct(p.shape, _held(p.dtype, gd), sharding=g)) for p, g in pairs)
     if cfg.train.microbatches > 1:  # plus the accumulator, in the params' dtype (fsdp_jax.train.step)
         grads += sum(shard_bytes(jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=g)) for p, g in pairs)
     cc = compute_copy_bytes(st.params, plan, build.model.logical_axes, policy.compute_dtype)
     # one layer's unreduced grads come from the reference model's weight dots in the reduce
     # dtype (fsdp_jax.sharding.precision.matmul); the reduced shards are held in `gd`
-    layer_r = compute_copy_bytes(st.params, plan, build.model.logical_axes, policy.reduce_dtype)["layer"]
+    layer_r = compute_copy_bytes(
+        _only(st.params, keep), plan, _only(build.model.logical_axes, keep), policy.reduce_dtype
+    )["layer"]
     if s.params and not s.gather_once:  # full_shard, hybrid_shard: per layer
         gathered = 2 * cc["layer"] + cc["largest_unstacked"] + layer_r
     elif s.params:  # shard_grad_op: the whole model gathered (kept for the backward), the
@@ -158,8 +161,15 @@ def analytic_memory(build: StepBuild) -> dict[str, int]:
         # dynamic-slice per layer), and one layer's unreduced grads (each layer's are
         # reduce-scattered in the backward loop)
         gathered = cc["whole"] + cc["layer"] + layer_r
-    else:  # shard_opt, no_shard: params already whole; a cast copy if dtypes differ
-        gathered = cc["whole"] if policy.compute_dtype != policy.param_dtype else 0
+    else:  # shard_opt, no_shard: params already whole; a cast copy of those stored in another dtype
+        cast = [np.dtype(x.dtype) != np.dtype(policy.compute_dtype) for x in jax.tree.leaves(st.params)]
+        gathered = (
+            compute_copy_bytes(
+                _only(st.params, cast), plan, _only(build.model.logical_axes, cast), policy.compute_dtype
+            )["whole"]
+            if any(cast)
+            else 0
+        )
     act = activation_bytes(cfg.model, cfg.remat, _batch_per_device(build), cfg.data.seq_len, policy.compute_dtype)
     out = {
         "params": params,
@@ -171,8 +181,28 @@ def analytic_memory(build: StepBuild) -> dict[str, int]:
     }
     out["total"] = sum(out.values())
     out["states"] = params + grads + optimizer  # the classic table's "total per device"
+    if not all(keep):  # what the update reads and writes besides its state (the step-time model)
+        out["trainable"] = sum(shard_bytes(p) for p, k in zip(jax.tree.leaves(st.params), keep) if k)
     out.update(offload_memory(build, out))
     return out
+
+
+def _trainable(build: StepBuild) -> list[bool]:
+    """One bool per param leaf: does the step train it (LoRA: the adapters only)."""
+    from fsdp_jax.app.models.lora import is_adapter, spec_from_config
+
+    paths = jax.tree_util.tree_flatten_with_path(build.state.params)[0]
+    lora = spec_from_config(build.cfg.lora) is not None
+    return [not lora or is_adapter(p) for p, _ in paths]
+
+
+def _only(tree, keep: list[bool]):
+    """`tree`'s leaves where `keep` (None elsewhere: no bytes); `tree` None stays None."""
+    if tree is None:
+        return None
+    is_leaf = lambda x: x is None or isinstance(x, tuple)  # noqa: E731  (logical-name tuples are leaves)
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=is_leaf)
+    return treedef.unflatten([x if k else None for x, k in zip(leaves, keep)])
 
 
 def grad_dtype(policy: Policy):
@@ -199,7 +229,8 @@ def offload_memory(build: StepBuild, analytic: dict[str, int], offload: str | No
     what rests on the host, plus what comes back transiently: the compute-dtype copy of
     offloaded params (sharded as at rest) for the forward/backward pass, and one
     leaf's params + optimizer state during the update (assumes XLA streams the update
-    leaf by leaf; a schedule that fetches all at once needs the full state again).
+    leaf by leaf; a schedule that fetches all at once needs the full state again), or,
+    with a `:streamed` offload, two layers of every stacked leaf's params + state.
     `offload`: the setting to split for (default: the build's own)."""
     from fsdp_jax.sharding.offload import get_offload
 
@@ -219,6 +250,11 @@ def offload_memory(build: StepBuild, analytic: dict[str, int], offload: str | No
         else 0
     )
     largest = max((shard_bytes(x) for x in jax.tree.leaves(st.params)), default=0)
+    layered = build.plan.layered
+    if off.stream and layered is not None and any(jax.tree.leaves(layered)):
+        # streamed (train.stream_update): two layers of the stacked leaves in flight at a time
+        stacked = [x for x, m in zip(jax.tree.leaves(st.params), jax.tree.leaves(layered)) if m]
+        largest = 2 * sum(shard_bytes(x) for x in stacked) // stacked[0].shape[0]
     update = int(largest * ((1 if off.params else 0) + (opt / params if off.opt_state and params else 0)))
     from fsdp_jax.sharding.offload import transfer_bytes
 

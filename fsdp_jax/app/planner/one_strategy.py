@@ -84,6 +84,11 @@ def plan_strategy(
     mem = ins["compiled"]
     mem.update(_compiled_host(compiled, mem))
     out = _result(cfg, b, analytic, ins, compile_s)
+    if ins["platform"] != "cpu":  # a target's compiled program: its ops for the step-time model
+        from fsdp_jax.hlo.costs import op_inventory
+        from fsdp_jax.targets.gpu import dcn_groups
+
+        out["op_inventory"] = op_inventory(compiled.as_text(), dcn_groups(list(b.mesh.devices.flat)))
     if inspect:
         out["rows"] = ins["rows"]
         out["collectives"] = ins["collectives"]

@@ -162,7 +162,7 @@ def format_table(doc: dict[str, Any]) -> str:
     )
     from fsdp_jax.app.planner.step_time import format_predictions
 
-    lines += format_predictions(doc)
+    lines += format_predictions(doc, explain=doc.get("explain_time") or 0)
     warns = [(n, w) for n, r in doc["strategies"].items() for w in r["warnings"]]
     if warns:
         lines.append("")

@@ -63,7 +63,9 @@ def recompute_flops_per_token(model, seq_len: int, remat: str) -> float:
 
 
 def predict_step(cfg, target_name: str, n_devices: int, result: dict[str, Any]) -> dict[str, Any] | None:
-    """`step_time.predict` plus what it leaves out: the recompute of remat policies other
+    """`step_time.predict` plus what it leaves out (for the roofline; a prediction from the
+    compiled program's ops has its recompute already, and only the offload transfers a
+    compile-only GPU program leaves out are added): the recompute of remat policies other
     than `full` (`recompute_flops_per_token`, at the same GEMM efficiency) and the offload
     transfers (`analytic.transfer_per_step` over HOST_LINK_BYTES_PER_S, not hidden: the
     update waits for them). step = max(compute + recompute, comm) + update + host. `target_name`:
@@ -75,14 +77,18 @@ def predict_step(cfg, target_name: str, n_devices: int, result: dict[str, Any]) 
     if p is None:  # crosses a network whose bandwidth is unpublished
         return None
     tokens = cfg.data.seq_len * cfg.train.global_batch / n_devices
+    ops = p.get("model") == "ops"  # from the compiled program: its recompute is in it already
     extra_s = (
-        tokens
+        0.0
+        if ops
+        else tokens
         * recompute_flops_per_token(cfg.model, cfg.data.seq_len, cfg.remat)
         / (peaks(target_name)[0] * GEMM_EFFICIENCY)
     )
-    host_s = result["analytic"].get("transfer_per_step", 0) / HOST_LINK_BYTES_PER_S
+    # compile-only GPUs plan offload without host memory: the program moves nothing, add the formula's
+    host_s = 0.0 if ops and p["host_s"] else result["analytic"].get("transfer_per_step", 0) / HOST_LINK_BYTES_PER_S
     g = lambda x: float(f"{x:.4g}")  # noqa: E731
-    step = max(p["compute_s"] + extra_s, p["comm_s"]) + p["update_s"] + host_s
+    step = (p["step_s"] + host_s) if ops else max(p["compute_s"] + extra_s, p["comm_s"]) + p["update_s"] + host_s
     scale = p["step_s"] / step if step else 1.0
     p.update(
         step_s=g(step),

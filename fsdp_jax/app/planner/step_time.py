@@ -1,32 +1,33 @@
-"""Predicted step time of a GPU- or TPU-target plan: a roofline over the compiled program's traffic.
+"""Predicted step time of a GPU- or TPU-target plan: op by op from the compiled program.
 
     pred = predict(cfg, "h100", n_devices, strategy_result)   # planner's per-strategy dict
-    pred["step_s"], pred["tokens_per_s_per_gpu"], pred["mfu"]   # per device: a GPU or TPU chip
+    pred["step_s"], pred["band_s"], pred["breakdown"], pred["top_ops"], pred["mfu"]
 
-TPU targets (`v5p`, ...) take the Cloud TPU pages' per-chip figures
-(`fsdp_jax.targets.tpu.TPU_SPECS`): ICI within a slice in place of NVLink (half the
-bidirectional figure per direction, which is also the pages' all-reduce bandwidth per
-chip), the data-center network across slices in place of the NIC, and the same
-GEMM_EFFICIENCY (an assumption for the MXUs as for the tensor cores).
+Two models, one entry (`predict`):
+- `predict_ops`, whenever the planner compiled the step for a target (its result carries the
+  program's `op_inventory`, `fsdp_jax.hlo.costs`): each op costed from its shapes and the
+  target's table (`fsdp_jax/targets/perf_tables.json`, every constant with its source), run
+  through the compiled schedule with only the compute between an async collective's start
+  and done hiding it (`fsdp_jax.app.planner.op_costs`). The breakdown: gemm, attention,
+  memory (memory-bound fusions of the model), update (the optimizer and what else runs
+  outside forward and backward), host (transfers), exposed_comm and "exposed <kind>".
+  Held against published runs in `fsdp_jax.app.planner.published` (docs/step_time.md).
+- `predict_roofline`, for results without a program (the search's analytic candidates,
+  hand-built results): the earlier roofline below.
 
-Inputs: the model's FLOPs from its shape (PaLM's count: 6 x matmul params + 12 x layers x
-d_attn x seq per token; `remat: full` adds the recomputed forward), the bytes the compiled
-XLA:GPU program's collectives send per device (`communication`, ring algorithms, split
-into within-host and cross-host), the optimizer update's state traffic, and the target's
-published peaks (`SPECS`). XLA's own cost analysis is not used: it counts a while loop's
-body once, i.e. one layer of a scanned model.
-
-step = max(compute, communication) + update: the async collectives are assumed hidden
-behind compute up to the compute time (the planner warns where the compiled schedule has
-nothing between a collective's start and done). compute = hardware FLOPs / (peak x
-`GEMM_EFFICIENCY`). That efficiency is an assumption, not fitted: large bf16 GEMMs on an
-H100 SXM run at roughly 70-80% of the 989 TFLOP/s dense peak; attention, norms and
-elementwise work are folded into it. MFU is model FLOPs (no recompute) / (step x peak).
+The roofline: the model's FLOPs from its shape (PaLM's count: 6 x matmul params + 12 x
+layers x d_attn x seq per token; `remat: full` adds the recomputed forward) at
+`GEMM_EFFICIENCY` of the dense peak (an assumption), the compiled program's collective bytes
+over NVLink / the NIC (ICI / DCN on TPU, `fsdp_jax.targets.tpu.TPU_SPECS`), assumed hidden
+up to the compute time, and the optimizer update's state traffic over HBM:
+step = max(compute, communication) + update. MFU is model FLOPs (no recompute) / (step x peak).
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from fsdp_jax.app.models.lora import spec_from_config
 
 # name -> (dense bf16 FLOP/s, NVLink bytes/s per GPU per direction, network bytes/s per GPU)
 # H100/H200 SXM: 989 TFLOP/s, NVLink 4 900 GB/s bidirectional, one 400 Gb/s NIC per GPU;
@@ -40,14 +41,19 @@ GEMM_EFFICIENCY = 0.75
 HBM_BYTES_PER_S = {"h100": 3.35e12, "h200": 4.8e12, "a100": 2.04e12}
 
 
-def model_flops_per_token(model, seq_len: int) -> tuple[float, float]:
-    """(matmul FLOPs per token of forward + backward, of which attention's S x S part)."""
+def model_flops_per_token(model, seq_len: int, lora=None) -> tuple[float, float]:
+    """(matmul FLOPs per token of forward + backward, of which attention's S x S part).
+    With `lora` (a `LoraSpec`) the base is frozen: 4 FLOPs per base param (no weight
+    gradient), 6 per adapter param."""
     from fsdp_jax.app.models.llama import count_params
+    from fsdp_jax.app.models.lora import adapter_param_count
 
     d, v = model.d_model, model.vocab_size
     # the embedding lookup does no matmul; a tied head multiplies by the same table
     matmul = count_params(model) - (0 if model.tie_word_embeddings else v * d)
     attn = 12 * model.n_layers * model.n_heads * model.head_dim * seq_len
+    if lora is not None:
+        return 4 * matmul + 6 * adapter_param_count(model, lora) + attn, attn
     return 6 * matmul + attn, attn
 
 
@@ -64,7 +70,77 @@ def peaks(target: str) -> tuple[float, float, float | None, float]:
     return p["flops"], p["fast"], p["slow"], p["hbm"]
 
 
+BAND = 0.15  # the tolerance the op walk is held to against published runs (docs/step_time.md)
+TOP_OPS = 25  # ops kept per prediction for `plan --explain-time`
+
+
 def predict(cfg, target: str, n_devices: int, result: dict[str, Any]) -> dict[str, Any] | None:
+    """The predicted step of one strategy's planner result on `target`: from its compiled
+    program op by op (`predict_ops`) when the result carries the program's `op_inventory`
+    (a GPU- or TPU-target compile), else the roofline over its traffic (`predict_roofline`:
+    the search's analytic candidates, hand-built results)."""
+    if result.get("op_inventory"):
+        return predict_ops(cfg, target, n_devices, result)
+    return predict_roofline(cfg, target, n_devices, result)
+
+
+def predict_ops(cfg, target: str, n_devices: int, result: dict[str, Any], top: int = TOP_OPS) -> dict[str, Any] | None:
+    """The step from the compiled program's ops (`fsdp_jax.app.planner.op_costs.simulate` over
+    `result["op_inventory"]` with `fsdp_jax.targets.perf_tables.perf_table(target)`): step_s,
+    tokens/s, TFLOP/s and MFU per device (model FLOPs: PaLM's count, as `predict_roofline`),
+    the breakdown (gemm, attention, memory, update, host, exposed_comm and exposed by kind),
+    a band of +-BAND, and the `top` ops by time per step. None where a collective crosses a
+    network whose bandwidth is unpublished."""
+    from fsdp_jax.app.planner.op_costs import simulate, top_ops
+    from fsdp_jax.targets.perf_tables import perf_table
+
+    try:
+        table = perf_table(target)
+        sim = simulate(result["op_inventory"], table)
+    except ValueError:
+        return None
+    step_s, b = sim["step_s"], sim["breakdown"]
+    tokens = cfg.data.seq_len * cfg.train.global_batch / n_devices
+    model_flops = tokens * model_flops_per_token(cfg.model, cfg.data.seq_len)[0]
+    peak = table["peak_flops"]["bf16"]
+    g = lambda x: float(f"{x:.4g}")  # noqa: E731
+    compute = b["gemm"] + b["attention"] + b["memory"]
+    return {
+        "model": "ops",
+        "step_s": g(step_s),
+        "band_s": [g(step_s * (1 - BAND)), g(step_s * (1 + BAND))],
+        "tokens_per_s_per_gpu": g(tokens / step_s),
+        "tflops_per_gpu": g(model_flops / step_s / 1e12),
+        "mfu": g(model_flops / step_s / peak),
+        "compute_s": g(compute),
+        "comm_s": g(b["exposed_comm"]),
+        "update_s": g(b["update"]),
+        "host_s": g(b["host"]),
+        "breakdown": {k: g(v) for k, v in b.items()},
+        "bound": "compute" if compute >= b["exposed_comm"] else "communication",
+        "top_ops": [_op_row(o, g) for o in top_ops(sim, top)],
+    }
+
+
+def _op_row(o: dict[str, Any], g) -> dict[str, Any]:
+    """One op of `--explain-time`: name, kind, seconds per step, runs and what sized it."""
+    shape = {
+        "gemm": lambda: (
+            f"{o['dtype']} m={o['m']} n={o['n']} k={o['k']}" + (f" batch={o['batch']}" if o["batch"] > 1 else "")
+        ),
+        "attention": lambda: (
+            f"{o['direction']} b={o['b']} h={o['h']} s={o['sq']} d={o['d']}" + (" causal" if o["causal"] else "")
+        ),
+        "collective": lambda: (
+            f"{o['op']} {o['bytes'] / 1e6:.1f} MB over {o['group_size']}"
+            + (" across hosts" if o.get("crosses_hosts") else "")
+            + ("" if o["async"] else " sync")
+        ),
+    }.get(o["kind"], lambda: f"{o.get('bytes', 0) / 1e6:.1f} MB")()
+    return {"name": o["name"], "kind": o["kind"], "total_s": g(o["total_s"]), "runs": o["runs"], "what": shape}
+
+
+def predict_roofline(cfg, target: str, n_devices: int, result: dict[str, Any]) -> dict[str, Any] | None:
     """Predicted step time, tokens/s per device (GPU or TPU chip; a v4 core), TFLOP/s per
     device and MFU for one strategy's planner result on `target` (a name in SPECS or a TPU
     generation). None when the program crosses a network whose bandwidth is unpublished
@@ -72,8 +148,10 @@ def predict(cfg, target: str, n_devices: int, result: dict[str, Any]) -> dict[st
     peak, nvlink, net, hbm = peaks(target)
     seq, batch = cfg.data.seq_len, cfg.train.global_batch
     tokens = seq * batch / n_devices  # per device per step
-    per_token, attn = model_flops_per_token(cfg.model, seq)
-    recompute = {"full": (per_token - attn) / 3 + attn / 3}.get(cfg.remat, 0.0)  # one more forward
+    lora = spec_from_config(cfg.lora)
+    per_token, attn = model_flops_per_token(cfg.model, seq, lora)
+    forward = (model_flops_per_token(cfg.model, seq)[0] - attn) / 3 + attn / 3  # what full remat redoes
+    recompute = {"full": forward}.get(cfg.remat, 0.0)  # one more forward
     compute_s = tokens * (per_token + recompute) / (peak * GEMM_EFFICIENCY)
     com = result.get("communication") or {}
     total = com.get("total_wire_bytes", 0)
@@ -83,7 +161,7 @@ def predict(cfg, target: str, n_devices: int, result: dict[str, Any]) -> dict[st
     comm_s = (total - cross) / nvlink + (cross / net if cross else 0.0)
     # the update reads grads, params and optimizer state and writes params and state
     a = result["analytic"]
-    update_s = (a["grads"] + 2 * (a["params"] + a["optimizer"])) / hbm
+    update_s = (a["grads"] + 2 * (a.get("trainable", a["params"]) + a["optimizer"])) / hbm  # LoRA: adapters only
     step_s = max(compute_s, comm_s) + update_s
     model_flops = tokens * per_token
     g = lambda x: float(f"{x:.4g}")  # noqa: E731  (4 significant digits: tiny test steps too)
@@ -99,25 +177,60 @@ def predict(cfg, target: str, n_devices: int, result: dict[str, Any]) -> dict[st
     }
 
 
-def format_predictions(doc: dict[str, Any]) -> list[str]:
-    """Lines for the planner's table (empty when no strategy has a prediction)."""
-    rows = [(n, r["predicted"]) for n, r in doc["strategies"].items() if r.get("predicted")]
+def format_predictions(doc: dict[str, Any], explain: int = 0) -> list[str]:
+    """Lines for the planner's table (empty when no strategy has a prediction); a plan that
+    does not fit is still predicted and marked so. `explain`: list that many top ops per
+    strategy (`plan --explain-time`)."""
+    rows = [(n, r["predicted"], r.get("fits")) for n, r in doc["strategies"].items() if r.get("predicted")]
     if not rows:
         return []
+    per = "dev" if (doc.get("target") or {}).get("topology_name") else "GPU"  # a TPU chip (v4: core)
+    if any(p.get("model") == "ops" for _, p, _ in rows):
+        return _format_ops(rows, per, explain)
     lines = [
         "",
         f"predicted step time (roofline over the compiled program's traffic; compute at "
         f"{GEMM_EFFICIENCY:.0%} of the dense bf16 peak; fsdp_jax.app.planner.step_time):",
     ]
-    per = "dev" if (doc.get("target") or {}).get("topology_name") else "GPU"  # a TPU chip (v4: core)
     hdr = (
         f"{'strategy':<14}{'step s':>9}{'compute':>9}{'comm':>9}{'update':>9}{'tok/s/' + per:>11}"
         f"{'TFLOP/s':>9}{'MFU':>7}  bound"
     )
     lines += [hdr, "-" * len(hdr)]
-    for n, p in rows:
+    for n, p, fits in rows:
         lines.append(
             f"{n:<14}{p['step_s']:9.3f}{p['compute_s']:9.3f}{p['comm_s']:9.3f}{p['update_s']:9.3f}"
             f"{p['tokens_per_s_per_gpu']:11,.0f}{p['tflops_per_gpu']:9.1f}{p['mfu']:7.1%}  {p['bound']}"
+            + ("  (does not fit)" if fits is False else "")
         )
+    return lines
+
+
+def _format_ops(rows, per: str, explain: int) -> list[str]:
+    lines = [
+        "",
+        "predicted step time, op by op from the compiled program (seconds per step; band +-"
+        f"{BAND:.0%}; exposed = communication the schedule does not hide; docs/step_time.md):",
+    ]
+    hdr = (
+        f"{'strategy':<14}{'step s':>8}{'band':>14}{'gemm':>7}{'attn':>7}{'memory':>7}{'update':>7}"
+        f"{'exposed':>8}{'host':>6}{'tok/s/' + per:>11}{'TFLOP/s':>8}{'MFU':>7}"
+    )
+    lines += [hdr, "-" * len(hdr)]
+    for n, p, fits in rows:
+        b = p.get("breakdown") or {}
+        lo, hi = p.get("band_s") or (p["step_s"], p["step_s"])
+        lines.append(
+            f"{n:<14}{p['step_s']:8.3f}{f'{lo:.2f}-{hi:.2f}':>14}{b.get('gemm', 0):7.3f}{b.get('attention', 0):7.3f}"
+            f"{b.get('memory', 0):7.3f}{b.get('update', 0):7.3f}{b.get('exposed_comm', p['comm_s']):8.3f}"
+            f"{b.get('host', 0):6.3f}{p['tokens_per_s_per_gpu']:11,.0f}{p['tflops_per_gpu']:8.1f}{p['mfu']:7.1%}"
+            + ("  (does not fit)" if fits is False else "")
+        )
+        exposed = {k.removeprefix("exposed "): v for k, v in b.items() if k.startswith("exposed ") and v > 0}
+        if exposed:
+            lines.append(" " * 14 + "exposed: " + ", ".join(f"{k} {v:.3f} s" for k, v in exposed.items()))
+    for n, p, _ in rows if explain else ():
+        lines += ["", f"{n}: the {min(explain, len(p.get('top_ops', [])))} ops that cost most per step"]
+        for o in p.get("top_ops", [])[:explain]:
+            lines.append(f"  {o['total_s']:8.4f} s  {o['kind']:<10} x{o['runs']:<4} {o['name']}  ({o['what']})")
     return lines

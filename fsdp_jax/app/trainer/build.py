@@ -10,21 +10,35 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh
 
 from fsdp_jax.app.models.llama import Llama, LlamaConfig, cross_entropy
+from fsdp_jax.app.models.lora import LoraSpec, adapter_mask, spec_from_config
 from fsdp_jax.model.fns import ModelFns, from_nnx
+from fsdp_jax.sharding.context import context_size, zigzag
 from fsdp_jax.train.build import Built, build
 from fsdp_jax.train.step_parts import TokenSum
 
 _UNSET: Any = object()
 
 
-def trainer_model(model_cfg: LlamaConfig, remat: str = "none") -> ModelFns:
-    """The reference decoder as `ModelFns` (`from_nnx`), with `remat` applied per block."""
-    return from_nnx(lambda rngs: Llama(model_cfg, rngs=rngs, remat=remat))
+def trainer_model(model_cfg: LlamaConfig, remat: str = "none", lora: LoraSpec | None = None) -> ModelFns:
+    """The reference decoder as `ModelFns` (`from_nnx`), with `remat` applied per block and
+    `lora`'s adapters (`fsdp_jax.app.models.lora`)."""
+    return from_nnx(lambda rngs: Llama(model_cfg, rngs=rngs, remat=remat, lora=lora))
+
+
+def lora_spec(cfg) -> LoraSpec | None:
+    """The run config's `lora:` section as the decoder's `LoraSpec` (None: rank 0, no LoRA)."""
+    return spec_from_config(cfg.lora)
+
+
+def lora_optimizer(optimizer: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`optimizer` with state for the adapters only (`optax.masked`: none for the frozen base)."""
+    return optax.masked(optimizer, adapter_mask)
 
 
 def token_loss(logits, targets, weights) -> TokenSum:
@@ -41,10 +55,16 @@ def make_loss_fn(model: ModelFns) -> Callable:
     positions per segment, the loss over the weighted targets of the global batch."""
 
     def loss_fn(params, batch):
+        n = context_size()  # > 1: every (B, S) array in zig-zag order (fsdp_jax.sharding.context)
         if isinstance(batch, dict):
-            logits = model.apply(params, batch["inputs"], batch["segment_ids"], batch["positions"])
-            return token_loss(logits, batch["targets"], batch["weights"])
-        return cross_entropy(model.apply(params, batch[:, :-1]), batch[:, 1:])
+            b = zigzag({k: batch[k] for k in ("inputs", "segment_ids", "positions", "targets", "weights")}, n)
+            logits = model.apply(params, b["inputs"], b["segment_ids"], b["positions"])
+            return token_loss(logits, b["targets"], b["weights"])
+        if n == 1:
+            return cross_entropy(model.apply(params, batch[:, :-1]), batch[:, 1:])
+        positions = jnp.broadcast_to(jnp.arange(batch.shape[1] - 1, dtype=jnp.int32), batch[:, 1:].shape)
+        inputs, targets, positions = zigzag((batch[:, :-1], batch[:, 1:], positions), n)
+        return cross_entropy(model.apply(params, inputs, None, positions), targets)
 
     return loss_fn
 
@@ -64,6 +84,8 @@ def build_from_config(
     options. `strategy` defaults to `cfg.mesh.strategy`, `loss_fn` to `make_loss_fn(model)`,
     `max_replicated_fraction` to the config's (None: not enforced, as the planner wants);
     `step_options` go to `make_train_step` on top of the config's."""
+    if lora_spec(cfg) is not None:  # only the adapters train (the optimizer is `lora_optimizer`'s)
+        step_options.setdefault("trainable", adapter_mask)
     if max_replicated_fraction is _UNSET:
         max_replicated_fraction = cfg.mesh.max_replicated_fraction
     return build(

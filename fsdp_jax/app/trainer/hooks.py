@@ -20,6 +20,7 @@ import jax
 
 from fsdp_jax.app.config.parse import config_to_dict
 from fsdp_jax.app.data.batches import evaluate
+from fsdp_jax.app.trainer.lora_state import saved_state
 from fsdp_jax.app.trainer.metrics import LogWindow, MetricsLog, sample_text
 from fsdp_jax.app.trainer.setup import rng_to_json
 from fsdp_jax.app.trainer.timing import ProfileWindow, StepTimer, format_window
@@ -158,7 +159,8 @@ class CheckpointHook(Hook):
     def after_step(self, lp):
         lp.timer.switch("checkpoint")
         if self.due(lp) and (not lp.streak or lp.stop is not None or lp.done == lp.last):
-            lp.run.checkpointer.save(lp.done, lp.state, self.extras(lp))
+            lora = lp.run.lora_base is not None  # a LoRA run saves its adapters (and their state) only
+            lp.run.checkpointer.save(lp.done, saved_state(lp.state) if lora else lp.state, self.extras(lp))
         lp.timer.switch("other")
 
     @staticmethod
@@ -168,6 +170,7 @@ class CheckpointHook(Hook):
             "data": lp.batches.get_state(),
             "rng": rng_to_json(lp.run.rng),
             "config": config_to_dict(lp.cfg),
+            **({} if lp.run.lora_base is None else {"lora_base": lp.run.lora_base}),
         }
 
     def at_end(self, lp):

@@ -30,6 +30,7 @@ from fsdp_jax.app.config.parse import save_config
 from fsdp_jax.app.config.schema import Config
 from fsdp_jax.app.data.batches import check_tokens, global_batch, make_batches
 from fsdp_jax.app.models.llama import count_params, flops_per_token
+from fsdp_jax.app.trainer.build import lora_spec
 from fsdp_jax.app.trainer.faults import Faults
 from fsdp_jax.app.trainer.hooks import Hook, LoopState, default_hooks
 from fsdp_jax.app.trainer.metrics import LogWindow, MetricsLog, wandb_settings
@@ -93,7 +94,7 @@ def _start(run: Run, progress: bool) -> tuple[LoopState, Any, ProfileWindow]:
         run.start_step,
         schedule=run.schedule,
         tokens_per_step=c.global_batch * cfg.data.seq_len,
-        flops_per_token=flops_per_token(cfg.model, cfg.data.seq_len),
+        flops_per_token=flops_per_token(cfg.model, cfg.data.seq_len, lora_spec(cfg)),
         peak_flops=peak_flops(jax.devices()[0], Policy.parse(cfg.precision).compute_dtype.name),
         n_devices=jax.device_count(),
         compiled_peak_bytes=mem.get("peak"),

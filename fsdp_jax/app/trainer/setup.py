@@ -31,7 +31,8 @@ from fsdp_jax.app.config.schema import Config
 from fsdp_jax.app.data import corpus as data_lib
 from fsdp_jax.app.data.token_check import check_corpus_vocab
 from fsdp_jax.app.hf import load as hf
-from fsdp_jax.app.trainer.build import build_from_config, make_loss_fn, trainer_model
+from fsdp_jax.app.trainer import lora_state
+from fsdp_jax.app.trainer.build import build_from_config, lora_optimizer, lora_spec, make_loss_fn, trainer_model
 from fsdp_jax.app.trainer.optim import build_optimizer
 from fsdp_jax.app.trainer.run_dir import check_dir_path
 from fsdp_jax.checkpoint import Checkpointer, Restored, latest_step, load_init_params, open_safetensors
@@ -74,6 +75,7 @@ class Run:
     restored: Restored | None = None  # the checkpoint this run resumed from
     start_step: int = 0  # steps (batches) done before this run started
     setup_s: float = 0.0  # wall seconds train() spent in setup (for goodput)
+    lora_base: dict | None = None  # a LoRA run's base fingerprint (`lora_state`), saved with each checkpoint
 
 
 # ------------------------------------------------------------------------------- checks
@@ -173,7 +175,7 @@ def _validate(p: _Draft) -> None:
         validate(p.cfg, n_devices=jax.device_count())
         check_offload(p.cfg)
     resuming = p.resume and latest_step(Path(p.cfg.run_dir) / "checkpoints") is not None
-    if hf.is_hf(p.cfg.init_from) and not resuming:
+    if hf.is_hf(p.cfg.init_from) and (not resuming or lora_spec(p.cfg) is not None):  # LoRA: the base again
         p.hf_ckpt = hf.open_init(p.cfg.init_from, p.cfg.model)
 
 
@@ -184,15 +186,17 @@ def _data(p: _Draft) -> None:
 def _model(p: _Draft) -> None:
     cfg = p.cfg
     p.rng = jax.random.key(cfg.train.seed)
-    p.model = trainer_model(cfg.model, cfg.remat)
+    p.model = trainer_model(cfg.model, cfg.remat, lora_spec(cfg))
     if p.init_params is not None:
         p.model = dataclasses.replace(p.model, init=p.init_params, abstract_params=jax.eval_shape(p.init_params, p.rng))
     p.optimizer, p.schedule = build_optimizer(cfg.optimizer, cfg.train.steps)
+    if lora_spec(cfg) is not None:
+        p.optimizer = lora_optimizer(p.optimizer)
     p.loss_fn = make_loss_fn(p.model)
 
 
 def _mesh(p: _Draft) -> None:
-    p.mesh = make_mesh(p.cfg.mesh.data, p.cfg.mesh.fsdp, p.cfg.mesh.tensor)
+    p.mesh = make_mesh(p.cfg.mesh.data, p.cfg.mesh.fsdp, p.cfg.mesh.tensor, context=p.cfg.mesh.context)
 
 
 def _build(p: _Draft) -> None:
@@ -207,9 +211,10 @@ def _state(p: _Draft) -> None:
     if is_main:
         for d in ckpt.partial:
             print(f"warning: ignoring partial checkpoint {d} (its save was interrupted); removed", flush=True)
-    restored, start = None, 0
+    restored, start, lora = None, 0, lora_spec(cfg) is not None
     if p.resume and ckpt.steps():
-        restored = ckpt.restore(built.abstract_state, set_aside_damaged=True)
+        target = lora_state.saved_abstract(built.abstract_state) if lora else built.abstract_state
+        restored = ckpt.restore(target, set_aside_damaged=True)
         try:  # extras are JSON anyone can edit: a bad value names the checkpoint, not a traceback
             state, start = restored.state, int(restored.extras.get("step", restored.step))
             rng = _rng_from(restored.extras.get("rng"), rng)
@@ -217,17 +222,26 @@ def _state(p: _Draft) -> None:
             raise CheckpointError(
                 f"checkpoint {ckpt.step_dir(restored.step)}: invalid extras (step / rng: {one_line(e, 160)})"
             ) from None
+        if lora:  # adapters and their optimizer state only: the base is loaded again and checked
+            begun = lora_state.start(cfg, built, p.rng, _base_loader(p, built), adapters=state.params)
+            lora_state.check_fingerprint(
+                restored.extras.get("lora_base"), begun.base, f"checkpoint {ckpt.step_dir(restored.step)}"
+            )
+            state, lora_base = state.replace(params=begun.params), begun.base
         if is_main:
             for w in restored.warnings + _config_changes(restored.extras.get("config"), cfg):
                 print(f"warning: {w}", flush=True)
             print(f"resuming from checkpoint step {restored.step} ({ckpt.step_dir(restored.step)})", flush=True)
+    elif lora:  # the frozen base (init_from or a fresh init) and the adapters (PEFT's or peft:DIR)
+        begun = lora_state.start(cfg, built, rng, _base_loader(p, built))
+        state, lora_base = built.state_from_params(begun.params), begun.base
+        if is_main and (cfg.init_from or cfg.lora.init_from):
+            print(
+                f"initialised params from {cfg.init_from or 'a fresh init'} + {cfg.lora.init_from or 'new adapters'}",
+                flush=True,
+            )
     elif cfg.init_from:  # a Hugging Face checkpoint (read shard by shard), a file or a run
-        params = (
-            hf.load_params(p.hf_ckpt or hf.open_init(cfg.init_from, cfg.model), built.abstract_state.params)
-            if hf.is_hf(cfg.init_from)
-            else load_init_params(cfg.init_from, built.abstract_state.params)
-        )
-        state = built.state_from_params(params)
+        state = built.state_from_params(_base_loader(p, built)(built.abstract_state.params))
         if is_main:
             print(f"initialised params from {cfg.init_from}", flush=True)
     else:
@@ -249,7 +263,18 @@ def _state(p: _Draft) -> None:
         rng,
         restored,
         start,
+        lora_base=lora_base if lora else None,
     )
+
+
+def _base_loader(p: _Draft, built) -> Callable | None:
+    """`load(abstract params) -> params` from `init_from` (None without one)."""
+    cfg = p.cfg
+    if not cfg.init_from:
+        return None
+    if hf.is_hf(cfg.init_from):
+        return lambda abstract: hf.load_params(p.hf_ckpt or hf.open_init(cfg.init_from, cfg.model), abstract)
+    return lambda abstract: load_init_params(cfg.init_from, abstract)
 
 
 SETUP_STAGES: tuple[tuple[str, Callable[[_Draft], None]], ...] = (

@@ -1,0 +1,131 @@
+"""The step-time model against published runs: one plan per run, its prediction in the
+published unit, the error (BENCHMARKS.md "Predicted step time op by op vs published runs").
+
+    python benchmarks/step_time_published.py                    # compile every run (minutes)
+    python benchmarks/step_time_published.py --only 0,1,4       # some rows (indices of PUBLISHED_RUNS)
+    python benchmarks/step_time_published.py --saved DIR        # reuse DIR/<i>.json from an earlier run
+
+Prints a markdown table (published, predicted, error, role, command) and the median error
+over the fit and check rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def plan_doc(i: int, run, saved: Path | None) -> dict:
+    """The `plan --json` document for run `i` (from `saved` if it holds one)."""
+    from fsdp_jax.app.planner.published import plan_command
+
+    if saved is not None and (saved / f"{i}.json").exists():
+        return json.loads((saved / f"{i}.json").read_text())
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TPU_WORKER_HOSTNAMES="localhost")
+    proc = subprocess.run(shlex.split(plan_command(run)), capture_output=True, text=True, cwd=ROOT, env=env)
+    if proc.returncode != 0:
+        raise SystemExit(f"run {i} ({run.name}): plan failed: {proc.stderr.strip().splitlines()[-1:]}")
+    if saved is not None:
+        saved.mkdir(parents=True, exist_ok=True)
+        (saved / f"{i}.json").write_text(proc.stdout)
+    return json.loads(proc.stdout)
+
+
+def evaluate(indices, saved: Path | None = None) -> list[dict]:
+    """One row per run: published, predicted (its unit), error, role, fits, command."""
+    from fsdp_jax.app.config import load_config
+    from fsdp_jax.app.planner.published import PUBLISHED_RUNS, plan_command, predicted_value
+
+    rows = []
+    for i in indices:
+        run = PUBLISHED_RUNS[i]
+        doc = plan_doc(i, run, saved)
+        result = doc["strategies"][run.strategy]
+        cfg = load_config(ROOT / run.config, list(run.overrides))
+        got = predicted_value(run, cfg, result, doc["devices"])
+        rows.append(
+            {
+                "run": run.name,
+                "published": run.published,
+                "unit": run.unit,
+                "predicted": got,
+                "error": got / run.published - 1,
+                "role": run.role,
+                "fits": result.get("fits"),
+                "step_s": result["predicted"]["step_s"],
+                "command": plan_command(run),
+            }
+        )
+    return rows
+
+
+def fit_gemm_efficiency(i: int, saved: Path | None = None) -> float:
+    """The GEMM efficiency (`gemm.max_efficiency` of the run's cost table) at which run `i`'s
+    prediction equals its published figure (bisection; the table's value is this, rounded)."""
+    import copy
+
+    from fsdp_jax.app.config import load_config
+    from fsdp_jax.app.models.llama import count_params
+    from fsdp_jax.app.planner.op_costs import simulate
+    from fsdp_jax.app.planner.published import PUBLISHED_RUNS
+    from fsdp_jax.targets.perf_tables import perf_table
+
+    run = PUBLISHED_RUNS[i]
+    doc = plan_doc(i, run, saved)
+    cfg = load_config(ROOT / run.config, list(run.overrides))
+    m, tokens = cfg.model, cfg.data.seq_len * cfg.train.global_batch / doc["devices"]
+    per_token = 6 * count_params(m) + 12 * m.n_layers * m.d_model * cfg.data.seq_len
+    want_s = tokens * per_token / (run.published * 1e12)  # maxtext_tflops rows
+    lo, hi = 0.2, 1.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        t = copy.deepcopy(perf_table(run.cost_target))
+        t["gemm"]["max_efficiency"] = mid
+        step = simulate(doc["strategies"][run.strategy]["op_inventory"], t)["step_s"]
+        lo, hi = (mid, hi) if step > want_s else (lo, mid)
+    return (lo + hi) / 2
+
+
+def main(argv=None) -> int:
+    from fsdp_jax.app.planner.published import PUBLISHED_RUNS, TOLERANCE
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", default=None, help="comma list of run indices")
+    ap.add_argument("--saved", default=None, help="folder of plan JSONs to reuse / fill")
+    ap.add_argument("--fit", action="store_true", help="print the GEMM efficiency fitted to the fit row, and stop")
+    args = ap.parse_args(argv)
+    if args.fit:
+        i = next(k for k, r in enumerate(PUBLISHED_RUNS) if r.role == "fit")
+        print(
+            f"gemm.max_efficiency fitted to {PUBLISHED_RUNS[i].name}: {fit_gemm_efficiency(i, args.saved and Path(args.saved)):.4f}"
+        )
+        return 0
+    idx = range(len(PUBLISHED_RUNS)) if args.only is None else [int(x) for x in args.only.split(",")]
+    rows = evaluate(idx, Path(args.saved) if args.saved else None)
+    unit = {"maxtext_tflops": "TFLOP/s/GPU (MaxText's count)", "tokens_per_s": "tokens/s/device"}
+    print("| run | role | published | predicted | error | fits | command |")
+    print("|---|---|---:|---:|---:|---|---|")
+    for r in rows:
+        print(
+            f"| {r['run']} | {r['role']} | {r['published']:,.0f} {unit[r['unit']]} | {r['predicted']:,.0f} | "
+            f"{r['error']:+.1%} | {r['fits']} | `{r['command']}` |"
+        )
+    held = [abs(r["error"]) for r in rows if r["role"] != "bound"]
+    if held:
+        print(
+            f"\nmedian |error| over fit and check rows: {statistics.median(held):.1%} (tolerance {TOLERANCE:.0%} each)"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

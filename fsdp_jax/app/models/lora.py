@@ -1,0 +1,199 @@
+"""LoRA adapters on the reference decoder's projections, in the factored form.
+
+    y = x W + scale * (x A) B        A: (in..., r) drawn as PEFT does, B: (r, out...) zero
+
+A projection with an adapter computes its frozen weight's product and the adapter's two
+thin products separately, so the backward computes `x`'s gradient through `W` and the
+adapters' gradients, never a gradient of `W`'s shape (`fsdp_jax.sharding.precision.matmul`
+skips the weight-gradient dot of a weight the step does not differentiate). Merging
+(`W + scale * A B`, `merged`) is for export only.
+
+Adapters name their dims by their weight's: A's input dims take the weight's input names,
+B's output dims the weight's output names, and the rank dim `lora_rank`, replicated in the
+rules table; so each shards with its weight under every strategy and FSDP x TP.
+
+`LoraSpec` is what the decoder needs (rank, scale, targets); the run config's `lora:`
+section (`fsdp_jax.app.config.schema.LoraConfig`) resolves to it. Adapters are created
+after every other param of a block, so a model with adapters draws its base params
+exactly as one without (`Llama(cfg, rngs=nnx.Rngs(0))` has the same base either way).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from fsdp_jax.sharding.axes import EMBED, HEADS, KV, KV_HEADS, LORA_RANK, MLP
+from fsdp_jax.sharding.leaf_sharding import path_str
+from fsdp_jax.sharding.precision import matmul
+
+# PEFT's module names -> the decoder's weights
+PEFT_TARGETS: dict[str, str] = {
+    "q_proj": "wq",
+    "k_proj": "wk",
+    "v_proj": "wv",
+    "o_proj": "wo",
+    "gate_proj": "w_gate",
+    "up_proj": "w_up",
+    "down_proj": "w_down",
+}
+ATTENTION = ("wq", "wk", "wv", "wo")
+WEIGHTS = tuple(PEFT_TARGETS.values())
+ADAPTER_LEAVES = ("lora_a", "lora_b")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSpec:
+    """rank r, alpha, rslora (scale alpha / sqrt(r), else alpha / r), and the target
+    weights (the decoder's names, `WEIGHTS` order)."""
+
+    rank: int
+    alpha: float
+    targets: tuple[str, ...] = WEIGHTS
+    rslora: bool = False
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+
+
+def resolve_targets(spec: str) -> tuple[str, ...]:
+    """`"all-linear"` or names (PEFT's `q_proj ...` or the decoder's `wq ...`, separated by
+    spaces or commas) -> the decoder's weight names in `WEIGHTS` order. ValueError naming the
+    unknown names and listing the ones that exist."""
+    names = [n for n in spec.replace(",", " ").split() if n]
+    if names == ["all-linear"]:
+        return WEIGHTS
+    ours = {PEFT_TARGETS.get(n, n) for n in names}
+    unknown = [n for n in names if PEFT_TARGETS.get(n, n) not in WEIGHTS]
+    if unknown or not names:
+        raise ValueError(
+            f"{' '.join(unknown) or repr(spec)} matches no weight; the targets are all-linear, "
+            f"{' '.join(PEFT_TARGETS)} (or {' '.join(WEIGHTS)})"
+        )
+    return tuple(w for w in WEIGHTS if w in ours)
+
+
+def spec_from_config(section) -> LoraSpec | None:
+    """The run config's `lora:` section (rank, alpha, targets, rslora) as a `LoraSpec`;
+    None for rank 0 (no LoRA)."""
+    if not section.rank:
+        return None
+    return LoraSpec(section.rank, section.alpha, resolve_targets(section.targets), section.rslora)
+
+
+def weight_dims(cfg, name: str) -> tuple[tuple[int, ...], tuple[str, ...], tuple[int, ...], tuple[str, ...]]:
+    """(input shape, input names, output shape, output names) of the decoder's weight `name`."""
+    d, h, kvh, dh, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
+    return {
+        "wq": ((d,), (EMBED,), (h, dh), (HEADS, KV)),
+        "wk": ((d,), (EMBED,), (kvh, dh), (KV_HEADS, KV)),
+        "wv": ((d,), (EMBED,), (kvh, dh), (KV_HEADS, KV)),
+        "wo": ((h, dh), (HEADS, KV), (d,), (EMBED,)),
+        "w_gate": ((d,), (EMBED,), (f,), (MLP,)),
+        "w_up": ((d,), (EMBED,), (f,), (MLP,)),
+        "w_down": ((f,), (MLP,), (d,), (EMBED,)),
+    }[name]
+
+
+def max_rank(cfg, targets: tuple[str, ...]) -> int:
+    """The largest rank every target allows: the smaller of its flat input and output widths."""
+    out = []
+    for t in targets:
+        i, _, o, _ = weight_dims(cfg, t)
+        out.append(min(math.prod(i), math.prod(o)))
+    return min(out)
+
+
+def adapter_param_count(cfg, spec: LoraSpec) -> int:
+    """Adapter params of the decoder: r x (in + out) per target weight per layer."""
+    per_layer = 0
+    for t in spec.targets:
+        i, _, o, _ = weight_dims(cfg, t)
+        per_layer += spec.rank * (math.prod(i) + math.prod(o))
+    return cfg.n_layers * per_layer
+
+
+def _a_init(fan_in: int):
+    # PEFT (torch nn.Linear's reset): kaiming_uniform(a=sqrt(5)) = U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+    bound = 1.0 / math.sqrt(fan_in)
+    return lambda key, shape, dtype=jnp.float32: jax.random.uniform(key, shape, dtype, -bound, bound)
+
+
+class Adapter(nnx.Module):
+    """One weight's adapter: `lora_a` (in..., r), `lora_b` (r, out...) (zero: step 0 is the base)."""
+
+    def __init__(self, in_shape, in_names, out_shape, out_names, rank: int, scale: float, rngs: nnx.Rngs):
+        a_init = nnx.with_partitioning(_a_init(math.prod(in_shape)), tuple(in_names) + (LORA_RANK,))
+        b_init = nnx.with_partitioning(nnx.initializers.zeros, (LORA_RANK,) + tuple(out_names))
+        self.lora_a = nnx.Param(a_init(rngs.params(), tuple(in_shape) + (rank,)))
+        self.lora_b = nnx.Param(b_init(None, (rank,) + tuple(out_shape)))
+        self.scale = scale
+
+    def __call__(self, x2):
+        """x2 (N, in) -> scale * (x2 A) B, (N, out): two thin dots, no weight-shaped product."""
+        a, b = self.lora_a[...], self.lora_b[...]
+        r = b.shape[0]
+        xa = matmul(x2, a.reshape(-1, r))
+        return matmul(xa, b.reshape(r, -1)) * jnp.asarray(self.scale, xa.dtype)
+
+
+def attach(block, cfg, spec: LoraSpec, rngs: nnx.Rngs) -> None:
+    """Give `block`'s attention and MLP their adapters (`module.lora`, keyed by weight name)."""
+    for module, names in ((block.attn, ATTENTION), (block.mlp, WEIGHTS[4:])):
+        chosen = [n for n in names if n in spec.targets]
+        if chosen:
+            module.lora = nnx.Dict(
+                {n: Adapter(*weight_dims(cfg, n), spec.rank, spec.scale, rngs) for n in chosen}  # type: ignore[misc]
+            )
+
+
+def delta(module, name: str, x2):
+    """The adapter's term for weight `name` of `module` on rows `x2`, or None without one."""
+    adapters = getattr(module, "lora", None)
+    if adapters is None or name not in adapters:
+        return None
+    return adapters[name](x2)
+
+
+def is_adapter(path) -> bool:
+    """Is the param at `path` (a key path or "a/b/c" string) an adapter leaf?"""
+    s = path if isinstance(path, str) else path_str(path)
+    return s.rsplit("/", 1)[-1] in ADAPTER_LEAVES
+
+
+def adapter_mask(params):
+    """A bool tree matching `params`: True on adapter leaves (what LoRA trains)."""
+    return jax.tree_util.tree_map_with_path(lambda p, _: is_adapter(p), params)
+
+
+def split(params) -> tuple[dict, dict]:
+    """(base, adapters): nested dicts holding the frozen leaves and the adapter leaves."""
+    base: dict = {}
+    adapters: dict = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
+        node = adapters if is_adapter(path) else base
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        node[keys[-1]] = leaf
+    return base, adapters
+
+
+def join(base: dict, adapters: dict) -> dict:
+    """`split`'s inverse: one nested dict."""
+    out = jax.tree.map(lambda x: x, base)
+
+    def merge(dst, src):
+        for k, v in src.items():
+            if isinstance(v, dict):
+                merge(dst.setdefault(k, {}), v)
+            else:
+                dst[k] = v
+
+    merge(out, adapters)
+    return out

@@ -1,0 +1,347 @@
+"""What each op of a compiled program does, in target-free units: FLOPs, bytes, messages.
+
+    ops = op_inventory(compiled.as_text(), hosts=[d.process_index for d in mesh.devices.flat])
+    for o in ops: print(o["kind"], o["computation"], o["pos"], o["runs"], o.get("flops"), o.get("bytes"))
+
+One record per instruction that runs as a kernel (or a transfer) in a computation executed
+in sequence (the entry, while bodies and conditions, conditional branches, `call`s); the
+instructions of fused computations are read only to describe their fusion. Each record:
+`kind`, `name`, `computation`, `pos` (its index in the computation's schedule), `runs`
+(executions per step: while-loop trip counts multiplied in), `op_name`, and by kind:
+
+- `gemm`: a dot (a cuBLAS custom call, a Triton/XLA GEMM fusion, a convolution fusion on TPU,
+  a bare dot): `m`, `n`, `k`, `batch`, `dtype` (the lhs operand's), `flops` = 2 batch m n k,
+  `bytes` (operands + result);
+- `attention`: a cuDNN flash-attention custom call: `direction` (fwd / bwd), `b`, `h`, `sq`,
+  `skv`, `d`, `causal`, `flops` (4 b h sq skv d forward, 2.5x that backward, halved when causal:
+  FlashAttention's count);
+- `memory`: any other fusion or data op: `bytes` read + written (a fused parameter read only
+  through a dynamic-slice counts the slice; an in-place dynamic-update-slice root counts the
+  update, not the whole buffer);
+- `collective`: a collective (async start, or synchronous): the fields of
+  `fsdp_jax.hlo.schedule.collective_schedule` (`op`, `bytes`, `group_size`, `crosses_hosts`,
+  `async`, ...) plus `done_pos`, the position of its done (None when not in this computation);
+- `host`: a copy to or from host memory (`copy-start` into memory space S(5) or out of it):
+  `bytes`, `done_pos`;
+- `loop`: a while loop (`body`, `condition`, `trip_count`): its cost is its body's.
+
+Nothing here knows a target: `fsdp_jax.app.planner.op_costs` turns these into seconds.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from fsdp_jax.hlo.calls import _OP_NAME_RE, call_graph, executions, parse_computations
+from fsdp_jax.hlo.schedule import COLLECTIVES, _instructions, collective_schedule
+from fsdp_jax.hlo.types import _DTYPE_BYTES, _shapes
+
+FREE_OPS = frozenset(
+    "parameter constant get-tuple-element tuple bitcast after-all partition-id replica-id "
+    "opt-barrier add-dependency iota conditional call copy-done send-done recv-done send recv "
+    "domain get-dimension-size".split()
+)
+_OPERANDS_RE = re.compile(r"%([\w.\-]+)")
+_DIMS_RE = {k: re.compile(rf"\b{k}=\{{([\d,]*)\}}") for k in ("lhs_contracting_dims", "lhs_batch_dims")}
+_JSON_DIMS_RE = {
+    "lhs_contracting_dims": re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]'),
+    "lhs_batch_dims": re.compile(r'"lhs_batch_dimensions":\[([^\]]*)\]'),
+}
+_CALLS_RE = re.compile(r"\bcalls=%?([\w.\-]+)")
+_TARGET_RE = re.compile(r'custom_call_target="([^"]+)"')
+_INTERMEDIATE_RE = re.compile(r'"intermediate_tensor_shape":\{"element_type":"\w+","dimensions":\[([^\]]*)\]')
+
+
+def _dims(type_str: str) -> list[int]:
+    m = re.search(r"\[([\d,]*)\]", type_str)
+    return [int(d) for d in m.group(1).split(",") if d] if m else []
+
+
+def _nbytes(type_str: str) -> int:
+    return sum(n * _DTYPE_BYTES[dt] for dt, n in _shapes(type_str))
+
+
+def _operand_names(line: str, op: str) -> list[str]:
+    """The operand names of an instruction line (the text between `op(` and its `)`)."""
+    start = line.find(f" {op}(") + len(op) + 2
+    depth, end = 1, start
+    while end < len(line) and depth:
+        depth += {"(": 1, ")": -1}.get(line[end], 0)
+        end += 1
+    return _OPERANDS_RE.findall(line[start : end - 1])
+
+
+def _index_list(text: str | None) -> list[int]:
+    return [int(x.strip().strip('"')) for x in text.split(",") if x.strip()] if text else []
+
+
+def _window(line: str, n: int) -> dict[str, list[int]]:
+    """A convolution's window attributes per spatial dim (XLA's defaults where absent)."""
+    m = re.search(r"\bwindow=\{([^}]*)\}", line)
+    got = dict(kv.split("=", 1) for kv in m.group(1).split()) if m else {}
+    out = {
+        k: [int(x) for x in got[k].split("x")] if k in got else [1] * n for k in ("stride", "lhs_dilate", "rhs_dilate")
+    }
+    pads = [p.split("_") for p in got["pad"].split("x")] if "pad" in got else [["0", "0"]] * n
+    out["pad_lo"] = [int(p[0]) for p in pads]
+    return out
+
+
+def _real_taps(w: int, size_in: int, size_out: int, stride: int, pad_lo: int, lhs_dil: int, rhs_dil: int) -> float:
+    """The window taps per output position that land on a real input element (not a hole of
+    the input's dilation, not padding), on average over the output positions."""
+    dil_len = (size_in - 1) * lhs_dil + 1
+    total = 0
+    for t in range(w):
+        first = t * rhs_dil - pad_lo  # input position of tap t at output 0; then + stride per output
+        if stride == 1:
+            lo, hi = max(first, 0), min(first + size_out - 1, dil_len - 1)
+            total += max(hi // lhs_dil - (lo + lhs_dil - 1) // lhs_dil + 1, 0) if hi >= lo else 0
+        else:
+            total += sum(1 for o in range(size_out) if 0 <= (q := first + o * stride) < dil_len and q % lhs_dil == 0)
+    return total / max(size_out, 1)
+
+
+def _conv_dims(line: str, lhs: str, rhs: str, out: str) -> dict[str, Any] | None:
+    """m, n, k of a convolution used as a matmul (XLA:TPU's GEMMs, batched ones written with
+    windows, dilations and padding): n = the kernel's output features, m = the output
+    elements over n, k = the kernel's input features x, per spatial dim, the window taps that
+    land on real input (`_real_taps`)."""
+    labels = re.search(r"\bdim_labels=(\w+)_(\w+)->(\w+)", line)
+    ld, rd, od = _dims(lhs), _dims(rhs), _dims(out)
+    if not labels or [len(g) for g in labels.groups()] != [len(ld), len(rd), len(od)] or "o" not in labels.group(2):
+        return None
+    ll, rl, ol = labels.groups()
+    n = rd[rl.index("o")] or 1
+    k = float(rd[rl.index("i")]) if "i" in rl else 1.0
+    spatial = sorted(c for c in rl if c.isdigit())
+    win = _window(line, len(spatial))
+    for j, s in enumerate(spatial):
+        args = (win["stride"][j], win["pad_lo"][j], win["lhs_dilate"][j], win["rhs_dilate"][j])
+        k *= _real_taps(rd[rl.index(s)], ld[ll.index(s)], od[ol.index(s)], *args)
+    m = max(math.prod(od) // n, 1)
+    k = max(int(round(k)), 1)
+    dtype = _shapes(lhs)[0][0] if _shapes(lhs) else "?"
+    return {"m": m, "n": n, "k": k, "batch": 1, "dtype": dtype, "flops": 2 * m * n * k}
+
+
+def _gemm_dims(line: str, lhs: str, out: str, json_dims: bool = False, rhs: str = "") -> dict[str, Any]:
+    """m, n, k, batch, flops of a dot whose lhs type is `lhs` and result type `out` (a
+    convolution: from its dim_labels and the kernel type `rhs`)."""
+    if " convolution(" in line and (conv := _conv_dims(line, lhs, rhs, out)):
+        return conv
+    regs = _JSON_DIMS_RE if json_dims else _DIMS_RE
+    got = {k: r.search(line.replace(" ", "") if json_dims else line) for k, r in regs.items()}
+    contracting = _index_list(got["lhs_contracting_dims"].group(1) if got["lhs_contracting_dims"] else None)
+    batch_dims = _index_list(got["lhs_batch_dims"].group(1) if got["lhs_batch_dims"] else None)
+    ld, od = _dims(lhs), _dims(out)
+    k = math.prod(ld[i] for i in contracting if i < len(ld)) or 1
+    batch = math.prod(ld[i] for i in batch_dims if i < len(ld)) or 1
+    m = max(math.prod(ld) // (k * batch), 1)
+    n = max(math.prod(od) // (m * batch), 1)
+    dtype = _shapes(lhs)[0][0] if _shapes(lhs) else "?"
+    return {"m": m, "n": n, "k": k, "batch": batch, "dtype": dtype, "flops": 2 * batch * m * n * k}
+
+
+class _Module:
+    """The parsed module: computations, every instruction's result type, and each fused
+    computation's parameters and instructions."""
+
+    def __init__(self, hlo: str):
+        self.comps, self.entry = parse_computations(hlo)
+        self.parsed = {c: _instructions(lines) for c, lines in self.comps.items()}
+        self.types = {name: t for rows in self.parsed.values() for _, name, _, t, _ in rows}
+
+    def fused_dot(self, comp: str) -> tuple[str, str, str] | None:
+        """(the dot or convolution line, its lhs and rhs types) inside a fused computation, or None."""
+        for _, _, op, _, line in self.parsed.get(comp, ()):
+            if op in ("dot", "convolution"):
+                names = _operand_names(line, op) + ["", ""]
+                return line, self.types.get(names[0], ""), self.types.get(names[1], "")
+        for _, _, op, _, line in self.parsed.get(comp, ()):  # a nested GEMM fusion
+            m = _CALLS_RE.search(line)
+            if op == "fusion" and m and (inner := self.fused_dot(m.group(1))):
+                return inner
+        return None
+
+    def fusion_bytes(self, line: str, op: str, out_type: str, comp: str | None) -> int:
+        """Bytes a fusion (or data op) reads and writes."""
+        operands = _operand_names(line, op)
+        rows = self.parsed.get(comp, []) if comp else []
+        params = {}
+        for _, name, pop, _, pline in rows:
+            if pop == "parameter":
+                params[int(re.search(r"parameter\((\d+)\)", pline).group(1))] = name
+        written = _nbytes(out_type)
+        root = next((r for r in rows if r[4].lstrip().startswith("ROOT")), None)
+        if root is not None and root[2] == "dynamic-update-slice":
+            upd = _operand_names(root[4], root[2])
+            written = _nbytes(self._type_in(rows, upd[1])) if len(upd) > 1 else written
+        read = 0
+        for i, name in enumerate(operands):
+            full = _nbytes(self.types.get(name, ""))
+            pname = params.get(i)
+            if pname is None:
+                read += full
+                continue
+            users = [r for r in rows if pname in _OPERANDS_RE.findall(r[4].split("=", 1)[1])]
+            if root is not None and root[2] == "dynamic-update-slice" and users == [root]:
+                if _operand_names(root[4], root[2])[:1] == [pname]:
+                    continue  # the buffer updated in place: neither read nor rewritten
+            if users and all(u[2] in ("dynamic-slice", "slice", "gather") for u in users):
+                read += min(full, sum(_nbytes(u[3]) for u in users))
+            else:
+                read += full
+        return read + written
+
+    def _type_in(self, rows, name: str) -> str:
+        return next((t for _, n, _, t, _ in rows if n == name), self.types.get(name, ""))
+
+
+_SEQ_CALLEES_RE = re.compile(
+    r"\b(?:body|to_apply|true_computation|false_computation)=%?([\w.\-]+)"
+    r"|\bbranch_computations=\{([^}]*)\}"
+)
+_HOST_SPACE_RE = re.compile(r"\{[^{}]*S\(5\)\}")
+
+
+def _sequential(mod: _Module) -> list[str]:
+    """The computations whose instructions run one after another as kernels: the entry and
+    what its while loops, conditionals and calls run (not fused bodies, reducers, nor
+    async wrappers: an `async-start` of a collective is that collective, started there)."""
+    out, stack = [], [mod.entry] if mod.entry else list(mod.comps)[:1]
+    while stack:
+        c = stack.pop()
+        if c in out or c not in mod.comps:
+            continue
+        out.append(c)
+        for _, _, op, _, line in mod.parsed[c]:
+            if op in ("while", "conditional", "call"):
+                for m in _SEQ_CALLEES_RE.finditer(line):
+                    names = [m.group(1)] if m.group(1) else [n.strip().lstrip("%") for n in m.group(2).split(",")]
+                    stack.extend(names)
+    return out
+
+
+def _attention(line: str, out_type: str) -> dict[str, Any] | None:
+    """The shape and FLOPs of a cuDNN flash-attention custom call (None if not one)."""
+    target = _TARGET_RE.search(line)
+    if not target or "fmha" not in target.group(1):
+        return None
+    backward = "Backward" in target.group(1)
+    inter = _INTERMEDIATE_RE.search(line.replace(" ", ""))
+    b, h, sq, skv = _index_list(inter.group(1)) if inter else (1, 1, 1, 1)
+    first = _shapes(out_type)[0][1] if _shapes(out_type) else 0
+    d = max(first // max(b * h * sq, 1), 1)
+    causal = '"mask_type":"CAUSAL"' in line.replace(" ", "")
+    flops = 4 * b * h * sq * skv * d * (2.5 if backward else 1.0) * (0.5 if causal else 1.0)
+    return {
+        "direction": "bwd" if backward else "fwd",
+        "b": b,
+        "h": h,
+        "sq": sq,
+        "skv": skv,
+        "d": d,
+        "causal": causal,
+        "flops": flops,
+    }
+
+
+def _classify(mod: _Module, op: str, type_str: str, line: str) -> dict[str, Any] | None:
+    """A record's kind and cost fields for one instruction (None: free, or a collective)."""
+    if op in FREE_OPS or op.endswith("-done") or op in COLLECTIVES or op.removesuffix("-start") in COLLECTIVES:
+        return None
+    if op == "copy-start":
+        host = bool(_HOST_SPACE_RE.search(type_str)) or bool(
+            _HOST_SPACE_RE.search(mod.types.get((_operand_names(line, op) or [""])[0], ""))
+        )
+        return {"kind": "host" if host else "memory", "bytes": _nbytes(_shapes_first(type_str))}
+    if op == "custom-call":
+        att = _attention(line, type_str)
+        if att:
+            return {"kind": "attention", **att}
+        target = _TARGET_RE.search(line)
+        if target and ("gemm" in target.group(1) or "matmul" in target.group(1)):
+            names = _operand_names(line, op)
+            out = _shapes_first(type_str)
+            g = _gemm_dims(line, mod.types.get(names[0], "") if names else "", out, json_dims=True)
+            return {"kind": "gemm", **g, "bytes": sum(_nbytes(mod.types.get(n, "")) for n in names[:2]) + _nbytes(out)}
+    if op in ("dot", "convolution"):
+        names = _operand_names(line, op)
+        names = names + ["", ""]
+        g = _gemm_dims(line, mod.types.get(names[0], ""), type_str, rhs=mod.types.get(names[1], ""))
+        return {"kind": "gemm", **g, "bytes": mod.fusion_bytes(line, op, type_str, None)}
+    called = _CALLS_RE.search(line)
+    comp = called.group(1) if called else None
+    if op == "fusion" and comp and (dot := mod.fused_dot(comp)):
+        out = re.match(r"\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s(?:dot|convolution)\(", dot[0]).group(1)
+        g = _gemm_dims(dot[0], dot[1], _shapes_first(out), rhs=dot[2])
+        return {"kind": "gemm", **g, "bytes": mod.fusion_bytes(line, op, type_str, comp)}
+    return {"kind": "memory", "bytes": mod.fusion_bytes(line, op, type_str, comp if op == "fusion" else None)}
+
+
+def _shapes_first(type_str: str) -> str:
+    """The first array type of a (possibly tuple) type string."""
+    m = re.search(r"\b\w+\[[\d,]*\]", type_str)
+    return m.group(0) if m else type_str
+
+
+def op_inventory(hlo: str, hosts: list[int] | None = None) -> list[dict[str, Any]]:
+    """One record per op that costs time (see the module docstring), in schedule order per
+    computation. `hosts`: the host of each device id (collectives crossing hosts)."""
+    mod = _Module(hlo)
+    edges, _ = call_graph(mod.comps)
+    runs = executions(mod.comps, edges, mod.entry)
+    colls = {(c["computation"], c["name"]): c for c in collective_schedule(hlo, hosts)}
+    out: list[dict[str, Any]] = []
+    for cname in _sequential(mod):
+        rows = mod.parsed[cname]
+        position = {name: k for k, (_, name, _, _, _) in enumerate(rows)}
+        for k, (_, name, op, type_str, line) in enumerate(rows):
+            base = {"name": name, "computation": cname, "pos": k, "runs": runs.get(cname, 1)}
+            om = _OP_NAME_RE.search(line)
+            base["op_name"] = om.group(1) if om else ""
+            wrapped = _CALLS_RE.search(line) if op == "async-start" else None
+            inner = [c for (cc, _), c in colls.items() if wrapped and cc == wrapped.group(1)]
+            if (cname, name) in colls or inner:
+                c = {**(inner[0] if inner else colls[(cname, name)]), **({"async": True} if inner else {})}
+                keep = ("op", "bytes", "dtype", "group_size", "crosses_hosts", "async", "phase", "loop")
+                out.append(
+                    {
+                        **base,
+                        "kind": "collective",
+                        **{f: c[f] for f in keep},
+                        "done_pos": _done(rows, k, name, position),
+                    }
+                )
+                continue
+            if op == "while":
+                body = re.search(r"\bbody=%?([\w.\-]+)", line)
+                edges_from = dict(edges.get(cname, ()))
+                out.append(
+                    {
+                        **base,
+                        "kind": "loop",
+                        "body": body.group(1) if body else None,
+                        "trip_count": edges_from.get(body.group(1), 1) if body else 1,
+                    }
+                )
+                continue
+            rec = _classify(mod, op, type_str, line)
+            if rec is None:
+                continue
+            if rec["kind"] == "host":
+                rec["done_pos"] = _done(rows, k, name, position)
+            out.append({**base, **rec})
+    return out
+
+
+def _done(rows, k: int, name: str, position: dict[str, int]) -> int | None:
+    """The position of the `*-done` that consumes async start `name`, if in this computation."""
+    pat = re.compile(rf"\(%?{re.escape(name)}[),]")
+    for _, dname, op, _, line in rows[k + 1 :]:
+        if op.endswith("-done") and pat.search(line):
+            return position[dname]
+    return None

@@ -1,0 +1,47 @@
+"""The step-time model's constants per target, from one data file (`perf_tables.json`).
+
+    t = perf_table("h100")   # {"peak_flops": {...}, "gemm": {...}, "attention": {...}, "hbm": {...},
+                             #  "links": {"fast": {...}, "slow": {...}}, "host": {...}}
+
+Every entry carries its `source` (a published figure, an assumption, or "fitted" and to
+what; docs/step_time.md lists them). A GPU entry may say `same_as` another and override
+parts; a TPU generation takes its peaks, HBM, ICI and DCN bandwidths from
+`fsdp_jax.targets.tpu` (the Cloud TPU pages' figures) and the rest from the `tpu` entry.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+from importlib import resources
+from typing import Any
+
+
+@functools.cache
+def _tables() -> dict[str, Any]:
+    return json.loads(resources.files("fsdp_jax.targets").joinpath("perf_tables.json").read_text())
+
+
+def perf_table(target: str) -> dict[str, Any]:
+    """The constants for `target` (a GPU name in the table, or a TPU generation / slice
+    name such as `v5p` or `v5p-512`). Raises ValueError for a target it has no figures for."""
+    tables = _tables()
+    if target in tables and not target.startswith("_") and target != "tpu":
+        t = copy.deepcopy(tables[target])
+        base = t.pop("same_as", None)
+        return {**copy.deepcopy(tables[base]), **t} if base else t
+    from fsdp_jax.targets.tpu import device_peaks
+
+    try:
+        p = device_peaks(target)
+    except (KeyError, ValueError) as e:
+        raise ValueError(f"no step-time figures for target {target!r} ({e})") from None
+    t = copy.deepcopy(tables["tpu"])
+    t["peak_flops"] = {"bf16": p["flops"], "f32": p["flops"], "source": "fsdp_jax.targets.tpu.TPU_SPECS"}
+    t["hbm"]["bytes_per_s"] = p["hbm"]
+    fast, slow = t["links"]["fast"], t["links"]["slow"]
+    fast["bus_bytes_per_s"] = p["fast"] * fast["efficiency"]
+    slow["bus_bytes_per_s"] = p["slow"] * slow["efficiency"] if p["slow"] else None
+    t["attention"] = None  # no cuDNN kernel: attention is XLA fusions (GEMMs + memory-bound ops)
+    return t

@@ -1,0 +1,138 @@
+"""PEFT LoRA adapters in and out: adapters written by `peft` itself (tests/golden/peft/,
+make_peft_goldens.py) load as the decoder's adapters and reproduce peft's logits (and the
+merged model's) within 1e-4 for every family; the written adapter reads back bit for bit
+with PEFT's key names; a PEFT adapter for another rank or base is refused in one line."""
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from fsdp_jax.app.hf import load as hf
+from fsdp_jax.app.hf import peft
+from fsdp_jax.app.models import lora as lora_lib
+from fsdp_jax.app.models.llama import Llama
+from fsdp_jax.app.trainer.build import trainer_model
+from fsdp_jax.checkpoint.safetensors_io import SafetensorsFile
+from fsdp_jax.errors import CheckpointError
+from fsdp_jax.model.fns import from_nnx
+from fsdp_jax.sharding.mesh import make_mesh
+from fsdp_jax.train.build import build
+from fsdp_jax.train.step import sharding_context
+
+GOLDEN = Path(__file__).parent / "golden"
+ADAPTERS = ("llama3", "llama32_tied", "mistral_swa", "qwen2", "qwen3", "gemma3_text", "llama3_rslora")
+
+
+def spec_of(raw: dict) -> lora_lib.LoraSpec:
+    targets = lora_lib.resolve_targets(" ".join(raw["target_modules"]))
+    return lora_lib.LoraSpec(raw["r"], float(raw["lora_alpha"]), targets, bool(raw.get("use_rslora")))
+
+
+def golden(name):
+    raw = json.loads((GOLDEN / "peft" / name / "adapter_config.json").read_text())
+    ckpt = hf.HFCheckpoint(GOLDEN / "hf" / Path(raw["base_model_name_or_path"]).name)
+    f = SafetensorsFile(GOLDEN / "peft" / f"{name}_logits.safetensors")
+    return ckpt, spec_of(raw), {k: f.read(k) for k in ("tokens", "logits", "merged_logits")}
+
+
+def logits(model, params, plan, tokens):
+    batch = np.tile(tokens, (4, 1))  # 8 rows: divisible by the batch sharding
+    with sharding_context(plan):
+        return np.asarray(jax.jit(model.apply)(params, batch))[: len(tokens)]
+
+
+@pytest.mark.parametrize("name", ADAPTERS)
+def test_peft_adapter_reproduces_peft_logits_and_merged_logits(name, tmp_path):
+    ckpt, spec, want = golden(name)
+    cfg = ckpt.config
+    model = trainer_model(cfg, "none", spec)
+    built = build(model, optax.sgd(0.1), make_mesh(1, 8, 1), "full_shard", min_shard_size=0)
+    base_abs, ad_abs = lora_lib.split(built.abstract_state.params)
+    base = hf.load_params(ckpt, base_abs)
+    adapters = peft.read_peft(GOLDEN / "peft" / name, cfg, spec)
+    placed = jax.tree.map(lambda x, s: jax.device_put(x, s.sharding), adapters, ad_abs)
+    got = logits(model, lora_lib.join(base, placed), built.plan, want["tokens"])
+    assert float(np.abs(got - want["logits"]).max()) < 1e-4
+
+    # merged: a plain decoder on W + scale * A B matches peft's merge_and_unload logits
+    host_base = jax.tree.map(np.asarray, base)
+    merged = peft.merge(host_base, adapters, cfg, spec)
+    plain = from_nnx(lambda r: Llama(cfg, rngs=r))
+    got_merged = logits(plain, merged, built.plan, want["tokens"])
+    assert float(np.abs(got_merged - want["merged_logits"]).max()) < 1e-4
+    untouched = [p for p in lora_lib.WEIGHTS if p not in spec.targets]
+    for w in untouched:  # tensors LoRA did not touch are the base's own arrays
+        m = "attn" if w in lora_lib.ATTENTION else "mlp"
+        assert merged["blocks"][m][w] is host_base["blocks"][m][w]
+    assert merged["embed"] is host_base["embed"]
+
+    # written back: PEFT's names and orientation, bit for bit
+    out = tmp_path / "adapter"
+    info = peft.write_peft(out, adapters, cfg, spec)
+    theirs = SafetensorsFile(GOLDEN / "peft" / name / "adapter_model.safetensors")
+    ours = SafetensorsFile(out / "adapter_model.safetensors")
+    assert set(ours.tensors) == set(theirs.tensors) and info["tensors"] == len(theirs.tensors)
+    for k in theirs.tensors:
+        np.testing.assert_array_equal(ours.read(k), theirs.read(k))
+    back = peft.read_peft(out, cfg, spec)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(adapters)))
+
+
+def test_unscanned_layers_read_the_same_adapter():
+    ckpt, spec, want = golden("llama3_rslora")
+    cfg = hf.HFCheckpoint(ckpt.path, base=hf.LlamaConfig(scan_layers=False)).config
+    scanned = peft.read_peft(GOLDEN / "peft" / "llama3_rslora", ckpt.config, spec)
+    flat = peft.read_peft(GOLDEN / "peft" / "llama3_rslora", cfg, spec)
+    a = scanned["blocks"]["attn"]["lora"]["wq"]["lora_a"]
+    np.testing.assert_array_equal(flat["blocks"][1]["attn"]["lora"]["wq"]["lora_a"], a[1])
+    assert peft.to_peft(flat, cfg, spec).keys() == peft.to_peft(scanned, ckpt.config, spec).keys()
+
+
+def _copy(tmp_path, edit=None, drop=None):
+    d = tmp_path / "a"
+    shutil.copytree(GOLDEN / "peft" / "llama3", d)
+    if edit:
+        raw = json.loads((d / "adapter_config.json").read_text())
+        raw.update(edit)
+        (d / "adapter_config.json").write_text(json.dumps(raw))
+    if drop:
+        (d / drop).unlink()
+    return d
+
+
+BAD_ADAPTERS = [
+    ({"r": 8}, None, "lora", "rank=8"),
+    ({"lora_alpha": 4}, None, "alpha=4", "lora.alpha"),
+    ({"target_modules": ["q_proj"]}, None, "targets=q_proj", "lora.targets"),
+    ({"use_dora": True}, None, "DoRA", "not supported"),
+    (None, "adapter_config.json", "no adapter_config.json", "not a PEFT adapter"),
+    (None, "adapter_model.safetensors", "no adapter_model.safetensors", "peft:"),
+]
+
+
+@pytest.mark.parametrize("edit,drop,word1,word2", BAD_ADAPTERS)
+def test_a_peft_adapter_for_another_rank_or_base_is_refused_in_one_line(tmp_path, edit, drop, word1, word2):
+    ckpt, spec, _ = golden("llama3")
+    d = _copy(tmp_path, edit, drop)
+    with pytest.raises(CheckpointError) as e:
+        peft.read_peft(d, ckpt.config, spec)
+    msg = str(e.value)
+    assert "\n" not in msg and word1 in msg and word2 in msg, msg
+
+
+def test_an_adapter_for_another_base_is_refused_in_one_line():
+    import dataclasses
+
+    ckpt, spec, _ = golden("llama3")
+    d = GOLDEN / "peft" / "llama3"
+    deeper = dataclasses.replace(ckpt.config, n_layers=ckpt.config.n_layers + 1)
+    with pytest.raises(CheckpointError, match=r"no tensor base_model.model.model.layers.2.self_attn.q_proj.lora_A"):
+        peft.read_peft(d, deeper, spec)
+    wider = dataclasses.replace(ckpt.config, ffn_dim=2 * ckpt.config.ffn_dim)
+    with pytest.raises(CheckpointError, match=r"gate_proj.lora_B.weight has shape \(128, 4\).*another base or rank"):
+        peft.read_peft(d, wider, spec)

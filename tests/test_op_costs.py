@@ -1,0 +1,266 @@
+"""The op-by-op step-time model (fsdp_jax.hlo.costs + fsdp_jax.app.planner.op_costs) on
+hand-built programs whose costs follow from the table by hand: one GEMM, an all-gather over
+8 GPUs in one host and over 2 hosts x 8, a while loop of N layers, the schedule's overlap."""
+
+import math
+
+import pytest
+
+from fsdp_jax.app.planner import op_costs
+from fsdp_jax.hlo.costs import op_inventory
+from fsdp_jax.targets.perf_tables import perf_table
+
+H100 = perf_table("h100")
+D = 4096
+
+
+def _module(entry_body: str, params: str = "p0: bf16[4096,4096], p1: bf16[4096,4096]", extra: str = "") -> str:
+    return (
+        "HloModule m, is_scheduled=true\n\n"
+        + extra
+        + f"ENTRY %main ({params}) -> bf16[4096,4096] {{\n"
+        + "  %p0 = bf16[4096,4096]{1,0} parameter(0)\n  %p1 = bf16[4096,4096]{1,0} parameter(1)\n"
+        + entry_body
+        + "}\n"
+    )
+
+
+def _gemm_s(m, n, k, t=H100):
+    """A bf16 GEMM by hand: FLOPs over peak x efficiency x the wave fill of its tiles."""
+    g = t["gemm"]
+    tiles = math.ceil(m / g["tile_m"]) * math.ceil(n / g["tile_n"])
+    fill = tiles / (math.ceil(tiles / g["sms"]) * g["sms"])
+    flops = 2 * m * n * k
+    hbm = (m * k + k * n + m * n) * 2 / (t["hbm"]["bytes_per_s"] * t["hbm"]["efficiency"])
+    return max(flops / (t["peak_flops"]["bf16"] * g["max_efficiency"] * fill), hbm) + t["hbm"]["launch_s"]
+
+
+DOT = "  ROOT %dot.1 = bf16[4096,4096]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}\n"
+
+
+def test_one_gemm_costs_its_flops_at_the_tables_efficiency():
+    ops = op_inventory(_module(DOT))
+    assert [(o["kind"], o["m"], o["n"], o["k"], o["flops"]) for o in ops] == [("gemm", D, D, D, 2 * D**3)]
+    sim = op_costs.simulate(ops, H100)
+    assert sim["step_s"] == pytest.approx(_gemm_s(D, D, D), rel=1e-12)
+    assert sim["breakdown"]["gemm"] == sim["step_s"] and sim["breakdown"]["exposed_comm"] == 0
+
+
+def test_twice_the_rows_costs_twice_the_gemm():
+    two = _module(
+        DOT.replace("bf16[4096,4096]{1,0} dot", "bf16[8192,4096]{1,0} dot"), "p0: bf16[8192,4096], p1: bf16[4096,4096]"
+    )
+    two = two.replace("%p0 = bf16[4096,4096]", "%p0 = bf16[8192,4096]")
+    one_s = op_costs.simulate(op_inventory(_module(DOT)), H100)["step_s"]
+    two_s = op_costs.simulate(op_inventory(two), H100)["step_s"]
+    launch = H100["hbm"]["launch_s"]
+    assert (two_s - launch) / (one_s - launch) == pytest.approx(2.0, rel=0.02)
+
+
+def _all_gather(n_devices: int, sync: bool = False, between: str = "") -> str:
+    group = ",".join(map(str, range(n_devices)))
+    if sync:
+        body = (
+            f"  %ag = bf16[4096,4096]{{1,0}} all-gather(%p1), channel_id=1, replica_groups={{{{{group}}}}}, "
+            "dimensions={0}, use_global_device_ids=true\n"
+        )
+    else:
+        body = (
+            f"  %ag-start = (bf16[{D // n_devices},4096]{{1,0}}, bf16[4096,4096]{{1,0}}) all-gather-start(%p1), "
+            f"channel_id=1, replica_groups={{{{{group}}}}}, dimensions={{0}}, use_global_device_ids=true\n"
+            + between
+            + "  %ag-done = bf16[4096,4096]{1,0} all-gather-done(%ag-start)\n"
+        )
+    return _module(body + DOT.replace("%p1)", "%ag)" if sync else "%ag-done)"))
+
+
+@pytest.mark.parametrize("hosts, link", [([0] * 8, "fast"), ([0] * 8 + [1] * 8, "slow")])
+def test_all_gather_costs_latency_plus_ring_bytes_over_its_link(hosts, link):
+    ops = op_inventory(_all_gather(len(hosts)), hosts)
+    (ag,) = [o for o in ops if o["kind"] == "collective"]
+    n = len(hosts)
+    assert (ag["op"], ag["bytes"], ag["group_size"], ag["crosses_hosts"]) == ("all-gather", D * D * 2, n, n > 8)
+    lk = H100["links"][link]
+    want = lk["latency_s"] + (n - 1) / n * D * D * 2 / lk["bus_bytes_per_s"]
+    assert op_costs.collective_seconds(ag, H100) == pytest.approx(want, rel=1e-12)
+    # nothing between start and done: the GEMM that needs the gathered weight waits for all of it
+    sim = op_costs.simulate(ops, H100)
+    assert sim["breakdown"]["exposed all-gather"] == pytest.approx(want, rel=1e-9)
+    assert sim["step_s"] == pytest.approx(want + _gemm_s(D, D, D), rel=1e-9)
+
+
+def test_more_hosts_cost_what_the_ring_formula_says():
+    """At a fixed message, the cross-host time of an all-gather grows as (n - 1) / n."""
+    t = {
+        h: op_costs.simulate(op_inventory(_all_gather(8 * h), [i // 8 for i in range(8 * h)]), H100) for h in (2, 4, 16)
+    }
+    lk = H100["links"]["slow"]
+    for h, sim in t.items():
+        n = 8 * h
+        assert sim["breakdown"]["exposed all-gather"] == pytest.approx(
+            lk["latency_s"] + (n - 1) / n * D * D * 2 / lk["bus_bytes_per_s"], rel=1e-9
+        )
+
+
+def test_compute_between_start_and_done_hides_the_collective():
+    between = "  %dot.0 = bf16[4096,4096]{1,0} dot(%p0, %p0), lhs_contracting_dims={1}, rhs_contracting_dims={0}\n"
+    hosts = [0] * 8 + [1] * 8
+    ag_s = op_costs.collective_seconds(
+        next(o for o in op_inventory(_all_gather(16), hosts) if o["kind"] == "collective"), H100
+    )
+    hidden = op_costs.simulate(op_inventory(_all_gather(16, between=between), hosts), H100)
+    # one GEMM (~0.22 ms) between start and done hides that much of the cross-host gather (~1.4 ms)
+    assert hidden["breakdown"]["exposed all-gather"] == pytest.approx(ag_s - _gemm_s(D, D, D), rel=1e-9)
+    assert hidden["step_s"] == pytest.approx(ag_s + _gemm_s(D, D, D), rel=1e-9)
+    in_host = op_costs.simulate(op_inventory(_all_gather(8, between=between), [0] * 8), H100)
+    assert in_host["breakdown"]["exposed all-gather"] == 0  # NVLink: the GEMM outlasts it
+    sync = op_costs.simulate(op_inventory(_all_gather(16, sync=True), hosts), H100)
+    assert sync["breakdown"]["exposed all-gather"] == pytest.approx(ag_s, rel=1e-9)
+
+
+LOOP = """%body (arg: (s32[], bf16[4096,4096])) -> (s32[], bf16[4096,4096]) {
+  %arg = (s32[], bf16[4096,4096]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%arg), index=0
+  %x = bf16[4096,4096]{1,0} get-tuple-element(%arg), index=1
+  %dot.2 = bf16[4096,4096]{1,0} dot(%x, %x), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %t = (s32[], bf16[4096,4096]{1,0}) tuple(%next, %dot.2)
+}
+
+%cond (arg.1: (s32[], bf16[4096,4096])) -> pred[] {
+  %arg.1 = (s32[], bf16[4096,4096]{1,0}) parameter(0)
+  %i.1 = s32[] get-tuple-element(%arg.1), index=0
+  %n = s32[] constant(LAYERS)
+  ROOT %lt = pred[] compare(%i.1, %n), direction=LT
+}
+
+"""
+
+
+@pytest.mark.parametrize("layers", [1, 12, 32])
+def test_a_loop_of_n_layers_costs_n_bodies(layers):
+    entry = (
+        "  %zero = s32[] constant(0)\n"
+        "  %init = (s32[], bf16[4096,4096]{1,0}) tuple(%zero, %p0)\n"
+        "  %w = (s32[], bf16[4096,4096]{1,0}) while(%init), condition=%cond, body=%body, "
+        f'backend_config={{"known_trip_count":{{"n":"{layers}"}}}}\n'
+        "  ROOT %out = bf16[4096,4096]{1,0} get-tuple-element(%w), index=1\n"
+    )
+    ops = op_inventory(_module(entry, extra=LOOP.replace("LAYERS", str(layers))))
+    gemm = [o for o in ops if o["kind"] == "gemm"]
+    assert [(o["computation"], o["runs"]) for o in gemm] == [("body", layers)]
+    sim = op_costs.simulate(ops, H100)
+    counter = H100["hbm"]["launch_s"] + 12 / (H100["hbm"]["bytes_per_s"] * H100["hbm"]["efficiency"])  # the s32 add
+    assert sim["breakdown"]["gemm"] == pytest.approx(layers * _gemm_s(D, D, D), rel=1e-12)
+    assert sim["step_s"] == pytest.approx(layers * (_gemm_s(D, D, D) + counter), rel=1e-12)
+
+
+def test_a_dynamic_slice_of_the_layer_stack_reads_the_slice_not_the_stack():
+    extra = """%fused_ds (param_0: bf16[32,4096,4096], param_1: s32[]) -> bf16[1,4096,4096] {
+  %param_0 = bf16[32,4096,4096]{2,1,0} parameter(0)
+  %param_1 = s32[] parameter(1)
+  %c0 = s32[] constant(0)
+  ROOT %ds = bf16[1,4096,4096]{2,1,0} dynamic-slice(%param_0, %param_1, %c0, %c0), dynamic_slice_sizes={1,4096,4096}
+}
+
+"""
+    entry = (
+        "  %stack = bf16[32,4096,4096]{2,1,0} parameter(2)\n  %idx = s32[] parameter(3)\n"
+        "  ROOT %f = bf16[1,4096,4096]{2,1,0} fusion(%stack, %idx), kind=kLoop, calls=%fused_ds\n"
+    )
+    (op,) = op_inventory(_module(entry, extra=extra))
+    assert op["kind"] == "memory" and op["bytes"] == 2 * D * D * 2 + 4  # slice read + written, the index
+
+
+def test_cudnn_attention_is_costed_at_its_published_throughput():
+    line = (
+        "  %fmha = (bf16[4,32,4096,128]{3,1,2,0}, f32[4,32,4096]{2,1,0}, u8[0]{0}) custom-call(%p0, %p1, %p1), "
+        'custom_call_target="__cudnn$fmhaSoftmax", backend_config={"cudnn_fmha_backend_config": '
+        '{"intermediate_tensor_shape": {"element_type": "BF16", "dimensions": ["4", "32", "4096", "4096"]}, '
+        '"mask_type": "CAUSAL"}}\n  ROOT %r = bf16[4096,4096]{1,0} copy(%p0)\n'
+    )
+    ops = op_inventory(_module(line))
+    att = next(o for o in ops if o["kind"] == "attention")
+    assert (att["b"], att["h"], att["sq"], att["d"], att["causal"]) == (4, 32, 4096, 128, True)
+    assert att["flops"] == 4 * 4 * 32 * 4096 * 4096 * 128 / 2
+    a = H100["attention"]
+    thr = a["fwd_flops"][a["seq"].index(4096)]
+    assert op_costs.op_seconds(att, H100) == pytest.approx(att["flops"] / thr + H100["hbm"]["launch_s"], rel=1e-12)
+
+
+def test_every_table_entry_names_its_source():
+    import json
+    from importlib import resources
+
+    tables = json.loads(resources.files("fsdp_jax.targets").joinpath("perf_tables.json").read_text())
+    missing = [
+        f"{t}.{k}"
+        for t, entry in tables.items()
+        if not t.startswith("_")
+        for k, v in entry.items()
+        if isinstance(v, dict) and k != "links" and not v.get("source")
+    ]
+    missing += [
+        f"{t}.links.{k}"
+        for t, e in tables.items()
+        if isinstance(e, dict)
+        for k, v in e.get("links", {}).items()
+        if not v.get("source")
+    ]
+    assert not missing
+    with pytest.raises(ValueError, match="no step-time figures"):
+        perf_table("h9000")
+
+
+def test_a_tpu_convolution_is_a_gemm_of_its_kernel():
+    """XLA:TPU writes a matmul as a convolution (dim_labels=bf_io->bf), often inside a fusion."""
+    extra = """%fused_conv (param_0: bf16[256,512], param_1: bf16[512,1024]) -> bf16[256,1024] {
+  %param_0 = bf16[256,512]{1,0} parameter(0)
+  %param_1 = bf16[512,1024]{1,0} parameter(1)
+  ROOT %convolution.1 = bf16[256,1024]{1,0} convolution(%param_0, %param_1), dim_labels=bf_io->bf
+}
+
+"""
+    entry = (
+        "  %a = bf16[256,512]{1,0} parameter(2)\n  %w = bf16[512,1024]{1,0} parameter(3)\n"
+        "  ROOT %f = bf16[256,1024]{1,0} fusion(%a, %w), kind=kOutput, calls=%fused_conv\n"
+    )
+    (op,) = op_inventory(_module(entry, extra=extra))
+    assert (op["kind"], op["m"], op["n"], op["k"], op["flops"]) == ("gemm", 256, 1024, 512, 2 * 256 * 1024 * 512)
+    tpu = perf_table("v5p")
+    assert op_costs.op_seconds(op, tpu) >= op["flops"] / (tpu["peak_flops"]["bf16"] * tpu["gemm"]["max_efficiency"])
+
+
+@pytest.mark.parametrize("spaced", [False, True])
+def test_a_cublas_call_is_a_gemm_from_its_backend_config(spaced):
+    cfg = '{"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}'
+    if spaced:
+        cfg = cfg.replace(":", ": ").replace(",", ", ")
+    line = (
+        "  %gemm = (bf16[2048,1024]{1,0}, s8[4194304]{0}) custom-call(%a, %w), "
+        f'custom_call_target="__cublas$gemm", backend_config={cfg}\n'
+        "  ROOT %r = bf16[4096,4096]{1,0} copy(%p0)\n"
+    )
+    entry = "  %a = bf16[2048,512]{1,0} parameter(2)\n  %w = bf16[512,1024]{1,0} parameter(3)\n" + line
+    gemm = next(o for o in op_inventory(_module(entry)) if o["kind"] == "gemm")
+    assert (gemm["m"], gemm["n"], gemm["k"], gemm["flops"]) == (2048, 1024, 512, 2 * 2048 * 1024 * 512)
+
+
+def test_a_dilated_tpu_convolution_counts_only_real_products():
+    """XLA:TPU writes a batched matmul as a convolution whose window runs over the batch with
+    the input dilated: a 2-wide window over 2 dilated elements meets one real element per output."""
+    from fsdp_jax.hlo.costs import _real_taps
+
+    assert _real_taps(2, 2, 2, stride=1, pad_lo=0, lhs_dil=2, rhs_dil=1) == 1.0
+    assert _real_taps(4, 4, 7, stride=1, pad_lo=3, lhs_dil=1, rhs_dil=1) == pytest.approx(16 / 7)  # full padding
+    assert _real_taps(1, 128, 128, stride=1, pad_lo=0, lhs_dil=1, rhs_dil=1) == 1.0  # a plain matmul
+    line = (
+        "  ROOT %c = f32[2,4,128,128]{3,2,1,0} convolution(%p0, %p1), window={size=2x4 stride=1x3 lhs_dilate=2x4}, "
+        "dim_labels=0b1f_0o1i->01bf\n"
+    )
+    entry = "  %q = f32[2,128,4,64]{3,2,1,0} parameter(2)\n  %kk = f32[2,128,4,64]{3,2,1,0} parameter(3)\n"
+    entry += line.replace("%p0, %p1", "%q, %kk")
+    (op,) = op_inventory(_module(entry))
+    # 2 x 4 (batch x heads) independent 128 x 128 x 64 products: 2 x 8 x 128 x 128 x 64 FLOPs
+    assert op["kind"] == "gemm" and op["flops"] == 2 * 8 * 128 * 128 * 64

@@ -1,0 +1,66 @@
+"""`model.attention: splash` on TPU targets: the trainer's step compiles deviceless for v6e
+chips with JAX's Pallas splash kernel (packed rows' segment ids, a sliding-window layer
+pattern) and keeps no S x S logits: its compiled temporaries are a fraction of XLA
+attention's at the same shape; on a CPU run the choice is one line and exit 2."""
+
+import json
+
+import pytest
+
+from fsdp_jax.targets import gpu as targets
+from helpers import TINY_RUN_OVERRIDES, call, one_line
+
+TINY = ["--config", "configs/tiny.yaml"]
+SHAPE = [  # head_dim 128 (the kernel's lane width), one kv head, packed rows of 2048
+    "model.d_model=256",
+    "model.n_heads=2",
+    "model.n_kv_heads=1",
+    "model.ffn_dim=512",
+    "model.n_layers=2",
+    "model.max_seq_len=2048",
+    "data.seq_len=2048",
+    "train.global_batch=4",
+    "data.document_mask=true",
+]
+
+
+def _plan(capsys, *extra):
+    assert targets.plugin_installed(kind="tpu"), "libtpu missing: python -m fsdp_jax.targets install tpu"
+    args = [*TINY, "--target", "v6e", "--devices", 4, "--strategies", "full_shard", "--json", *SHAPE, *extra]
+    rc, out, err = call("plan", *args, capsys=capsys)
+    assert rc == 0, err[-3000:]
+    return json.loads(out)["strategies"]["full_shard"]
+
+
+@pytest.mark.slow
+def test_splash_compiles_for_v6e_without_s_by_s_logits(capsys):
+    splash = _plan(capsys, "model.attention=splash")
+    xla = _plan(capsys, "model.attention=xla")
+    assert splash["platform"] == xla["platform"] == "tpu"
+    # XLA attention keeps (B/dev 1) x 2 heads x 2048^2 f32 logits per layer: > 32 MiB;
+    # splash's temporaries stay under a quarter of XLA's at this shape
+    assert xla["compiled"]["temp"] > 32 * 2**20
+    assert splash["compiled"]["temp"] < xla["compiled"]["temp"] / 4, (splash["compiled"], xla["compiled"])
+    assert splash["compiled"]["peak"] < xla["compiled"]["peak"]
+
+
+@pytest.mark.slow
+def test_splash_with_a_sliding_window_pattern_and_softcap_compiles(capsys):
+    r = _plan(
+        capsys,
+        "model.attention=splash",
+        "model.sliding_window=512",
+        "model.global_every=2",
+        "model.attn_softcap=50.0",
+        "model.qk_norm=true",
+    )
+    assert r["compiled"]["peak"] > 0
+
+
+def test_splash_on_cpu_is_one_line_exit_2(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    rc, _, err = call(
+        "train", *TINY, *TINY_RUN_OVERRIDES, f"run_dir={run_dir}", "model.attention=splash", capsys=capsys
+    )
+    one_line(rc, err, "model.attention", "splash", "TPU")
+    assert not run_dir.exists()
