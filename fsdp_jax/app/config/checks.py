@@ -72,6 +72,7 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
     _check_lora(cfg)
     if n_devices is not None:
         _check_devices(cfg, n_devices)
+    _check_attention_precision(cfg)
 
 
 def _check_heads(m: LlamaConfig) -> None:
@@ -154,17 +155,22 @@ def _check_distributed(cfg: Config) -> None:
 
 
 def _check_precision(cfg: Config) -> None:
-    """precision parses as a `fsdp_jax.sharding.precision.Policy`; cuDNN attention computes in
-    bfloat16 or float16 only (its flash kernels have no float32 one: jax raises
-    NotImplementedError while tracing, on a GPU and in the planner's compile alike)."""
+    """precision parses as a `fsdp_jax.sharding.precision.Policy`."""
     try:
-        compute = Policy.parse(cfg.precision).compute_dtype.name
+        Policy.parse(cfg.precision)
     except (ValueError, TypeError) as e:
         raise ConfigError(
             "precision", f"{cfg.precision!r} is invalid; {e} (e.g. params=float32,compute=bfloat16)"
         ) from None
+
+
+def _check_attention_precision(cfg: Config) -> None:
+    """cuDNN attention computes in bfloat16 or float16 only (its flash kernels have no float32
+    one: jax raises NotImplementedError while tracing, on a GPU and in the planner's compile
+    alike). Checked last; with context parallelism `_check_context` refuses cuDNN anyway."""
+    compute = Policy.parse(cfg.precision).compute_dtype.name
     _check(
-        cfg.model.attention != "cudnn" or compute in ("bfloat16", "float16"),
+        cfg.model.attention != "cudnn" or compute in ("bfloat16", "float16") or cfg.mesh.context != 1,
         "model.attention",
         cfg.model.attention,
         f"needs bfloat16 or float16 compute (cuDNN's flash attention has no {compute} kernel) and precision "
