@@ -21,6 +21,7 @@ KV = "kv"  # per-head width (head_dim)
 VOCAB = "vocab"
 LAYERS = "layers"  # stacked-layer dim created by nnx.vmap / scan
 NORM = "norm"  # norm scales: small, kept replicated
+EXPERT = "expert"  # the experts of a mixture-of-experts layer
 
 # Logical dims of activations.
 BATCH = "batch"

@@ -52,6 +52,7 @@ DEFAULT_RULES: Rules = {
     ax.VOCAB: ax.TENSOR,
     ax.LAYERS: None,
     ax.NORM: None,
+    ax.EXPERT: None,  # experts replicated over devices (their embed dim shards over fsdp)
 }
 DEFAULT_MIN_SHARD_SIZE = 2**14  # elements; smaller unannotated leaves stay replicated
 

@@ -30,7 +30,9 @@ from flax import linen as nn
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from fsdp_jax.app.models import stack
 from fsdp_jax.app.models.attention import _attend_capped, attention, rope, segment_mask, softcap
+from fsdp_jax.app.models.moe import MoE, moe_active_params, moe_params, zero_stats
 from fsdp_jax.app.models.rope import apply_rope, rope_tables
 from fsdp_jax.sharding.axes import BATCH, EMBED, HEADS, KV, KV_HEADS, LAYERS, LENGTH, MLP, NORM, VOCAB
 from fsdp_jax.sharding.precision import matmul, take
@@ -81,6 +83,17 @@ class LlamaConfig:
     sandwich_norm: bool = False  # extra norms on the attention and MLP outputs (Gemma)
     embed_scale: bool = False  # embeddings times sqrt(d_model) in the compute dtype (Gemma)
     final_softcap: float = 0.0  # logits = cap * tanh(logits / cap); 0 = off
+    # mixture of experts (models/moe.py; which layers: models/stack.py); 0 experts = dense
+    n_experts: int = 0
+    experts_per_token: int = 0  # top-k
+    moe_ffn_dim: int = 0  # each expert's hidden width
+    norm_topk_prob: bool = False  # renormalise the top-k weights (Mixtral, Qwen3-MoE)
+    shared_expert_ffn_dim: int = 0  # Qwen2-MoE's shared expert (sigmoid-gated); 0 = none
+    decoder_sparse_step: int = 1  # layer i sparse when (i + 1) % this == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
+    router_aux_loss_coef: float = 0.0  # load-balancing loss weight in the training loss
+    router_z_loss_coef: float = 0.0  # router z-loss weight in the training loss
+    capacity_factor: float = 0.0  # > 0: tokens over an expert's capacity dropped; 0 = dropless
 
     @property
     def head_dim(self) -> int:
@@ -228,24 +241,35 @@ class FeedForward(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+    """One decoder layer; its MLP the mixture of experts when `sparse`. In an MoE model
+    (`n_experts`) it returns (x, RouterStats), else x."""
+
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, sparse: bool = False):
         po = cfg.norm_plus_one
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, po, rngs)
         self.attn = Attention(cfg, rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, po, rngs)
-        self.mlp = FeedForward(cfg, rngs)
+        if sparse:
+            self.moe = MoE(cfg, rngs)
+        else:
+            self.mlp = FeedForward(cfg, rngs)
+        self.sparse, self.n_experts = sparse, cfg.n_experts
         self.sandwich = cfg.sandwich_norm
         if cfg.sandwich_norm:
             self.post_attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, po, rngs)
             self.post_mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, po, rngs)
 
-    def __call__(self, x, local=None, segment_ids=None, positions=None):  # (B, S, D) -> (B, S, D)
+    def __call__(self, x, local=None, segment_ids=None, positions=None, token_mask=None):  # (B, S, D)
         x = constrain(x, (BATCH, LENGTH, EMBED))
         a = self.attn(self.attn_norm(x), local, segment_ids, positions)
         x = x + (self.post_attn_norm(a) if self.sandwich else a)
-        m = self.mlp(self.mlp_norm(x))
+        if self.sparse:
+            m, stats = self.moe(self.mlp_norm(x), token_mask)
+        else:
+            m, stats = self.mlp(self.mlp_norm(x)), zero_stats(self.n_experts)
         x = x + (self.post_mlp_norm(m) if self.sandwich else m)
-        return constrain(x, (BATCH, LENGTH, EMBED))
+        x = constrain(x, (BATCH, LENGTH, EMBED))
+        return (x, stats) if self.n_experts else x
 
 
 class Llama(nnx.Module):
@@ -257,7 +281,9 @@ class Llama(nnx.Module):
         self.remat = remat
         get_policy(remat)  # fail early on an unknown name
         self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), (VOCAB, EMBED))
-        if cfg.scan_layers:
+        if cfg.n_experts:  # sparse and dense layers: stacked by segment
+            self.segments = stack.make_layers(cfg, rngs, Block)
+        elif cfg.scan_layers:
 
             @nnx.split_rngs(splits=cfg.n_layers)
             @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS})
@@ -271,9 +297,10 @@ class Llama(nnx.Module):
         if not cfg.tie_word_embeddings:
             self.head = _param(rngs, (cfg.d_model, cfg.vocab_size), (EMBED, VOCAB))
 
-    def __call__(self, tokens, segment_ids=None, positions=None):
+    def __call__(self, tokens, segment_ids=None, positions=None, *, router: bool = False, token_mask=None):
         """tokens (B, S) int -> logits (B, S, V). Packed rows: `segment_ids` (B, S) keep
-        attention inside each example, `positions` (B, S) restart RoPE per example."""
+        attention inside each example, `positions` (B, S) restart RoPE per example.
+        `router`: return (logits, RouterStats over the tokens where `token_mask` (B, S))."""
         cfg = self.cfg
         b, s = tokens.shape
         # Gather the table over its embed dim before the lookup, as for any FSDP
@@ -283,6 +310,10 @@ class Llama(nnx.Module):
         if cfg.embed_scale:  # sqrt(D) rounded to the compute dtype, as transformers does
             x = x * jnp.asarray(np.float32(cfg.d_model**0.5), emb.dtype)
         x = constrain(x, (BATCH, LENGTH, EMBED))
+        if cfg.n_experts:
+            x, stats = stack.run_layers(cfg, self.segments, x, self.remat, segment_ids, positions, token_mask)
+            logits = self._head(x)
+            return (logits, stats) if router else logits
         pattern = bool(cfg.sliding_window and cfg.global_every)  # per-layer local flag
         # scanned layers: the train step's per-layer cast + gather (ZeRO-2/3, fsdp_jax.train.layer_gather)
         wrap = layer_gather.gather_module if cfg.scan_layers else (lambda blk: blk)
@@ -312,6 +343,11 @@ class Llama(nnx.Module):
         else:
             for i, blk in enumerate(self.blocks):
                 x = block_fn(blk, x, jnp.asarray(cfg.is_local(i))) if pattern else block_fn(blk, x)
+        return self._head(x)
+
+    def _head(self, x):  # (B, S, D) -> logits (B, S, V)
+        cfg = self.cfg
+        b, s, _ = x.shape
         x = self.final_norm(x)
         x2 = x.reshape(b * s, -1)
         if cfg.tie_word_embeddings:
@@ -326,17 +362,20 @@ def cross_entropy(logits, targets):
     return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets).mean()
 
 
-def count_params(cfg: LlamaConfig) -> int:
+def count_params(cfg: LlamaConfig, active: bool = False) -> int:
     """Parameter count: embeddings, head (unless tied), per-layer attention (+ q/k/v
-    biases, q/k norms) + gated MLP + 2 norms (4 with `sandwich_norm`), final norm."""
+    biases, q/k norms) + gated MLP or mixture of experts + 2 norms (4 with `sandwich_norm`),
+    final norm. `active`: the experts a token uses (top-k of n_experts) only."""
     d, f, h, kvh = cfg.d_model, cfg.ffn_dim, cfg.n_heads, cfg.n_kv_heads
     dh = cfg.head_dim
     attn = d * h * dh + 2 * d * kvh * dh + h * dh * d
     attn += (h + 2 * kvh) * dh if cfg.qkv_bias else 0
     attn += 2 * dh if cfg.qk_norm else 0
-    per_layer = attn + 3 * d * f + (4 if cfg.sandwich_norm else 2) * d
+    per_layer = attn + (4 if cfg.sandwich_norm else 2) * d
+    n_sparse = sum(stack.sparse_layers(cfg))
+    mlps = (cfg.n_layers - n_sparse) * 3 * d * f + n_sparse * (moe_active_params(cfg) if active else moe_params(cfg))
     tables = 1 if cfg.tie_word_embeddings else 2
-    return tables * cfg.vocab_size * d + cfg.n_layers * per_layer + d
+    return tables * cfg.vocab_size * d + cfg.n_layers * per_layer + mlps + d
 
 
 def _attended_fraction(cfg: LlamaConfig, seq_len: int, layer: int) -> float:
@@ -354,26 +393,6 @@ def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
     sliding layer does the fraction of that work its window leaves)."""
     # a tied table is used by the head matmul, so only an untied one is lookup-only
     lookup_only = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.d_model
-    matmul_params = count_params(cfg) - lookup_only
+    matmul_params = count_params(cfg, active=True) - lookup_only  # a token's experts only
     layers = sum(_attended_fraction(cfg, seq_len, i) for i in range(cfg.n_layers))
     return 6.0 * matmul_params + 6.0 * layers * seq_len * cfg.n_heads * cfg.head_dim
-
-
-def sample(next_logits, prompt, n_new: int, window: int, rng, temperature: float = 0.8) -> list[int]:
-    """Temperature sampling of `n_new` tokens after `prompt` (1-D ints).
-
-    `next_logits(buf (window,) int32, pos) -> logits (V,)` scores the token after
-    position `pos - 1` of a fixed-size window (which slides once full), so one
-    compiled forward serves every step."""
-    import numpy as np
-
-    toks = [int(t) for t in np.asarray(prompt)][-window:]
-    out: list[int] = []
-    for i in range(n_new):
-        ctx = (toks + out)[-window:]
-        buf = np.zeros((window,), np.int32)
-        buf[: len(ctx)] = ctx
-        logits = np.asarray(next_logits(buf, len(ctx)), np.float64) / max(temperature, 1e-6)
-        key = jax.random.fold_in(rng, i)
-        out.append(int(jax.random.categorical(key, jnp.asarray(logits))))
-    return out

@@ -40,7 +40,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fsdp_jax.app.data import corpus as data_lib
-from fsdp_jax.app.models.llama import sample
+from fsdp_jax.app.models.sample import sample
 from fsdp_jax.sharding.precision import Policy
 from fsdp_jax.sharding.strategy import ShardingPlan, batch_divisor
 from fsdp_jax.targets.perf import device_memory, memory_excess, mfu

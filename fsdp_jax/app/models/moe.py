@@ -1,0 +1,199 @@
+"""The decoder's mixture-of-experts MLP (Mixtral, Qwen3-MoE, Qwen2-MoE by config).
+
+Router: logits = x @ router (D, E), p = softmax(logits) in float32, the top-k experts of p
+per token with weights p (renormalised over the k when `norm_topk_prob`, as Mixtral and
+Qwen3-MoE do; Qwen2-MoE uses them as they are). Each expert is a gated MLP
+(SiLU(x W_gate) * x W_up) W_down with its own (E, D, F) weights. Qwen2-MoE adds a shared
+expert (a dense gated MLP) scaled per token by sigmoid(x w_shared_gate).
+
+Two ways to compute the experts, both from the same weights:
+- dropless (`capacity_factor` 0, the default): the N * k (token, expert) pairs sorted by
+  expert and run as grouped matmuls, `jax.lax.ragged_dot` with the per-expert group sizes.
+  Every token reaches its k experts.
+- capacity (`capacity_factor` c > 0): each expert takes at most C = ceil(c * N * k / E)
+  tokens, in token order (the first to claim it win, as GShard / Switch); the pairs over
+  capacity are dropped (their weight is 0; the residual carries the token) and counted.
+  Tokens are gathered into an (E, C, D) buffer and the experts are batched matmuls over
+  it, so compute is c * k / E of the dense all-experts form on every backend.
+
+Each sparse layer returns router statistics summed over its tokens (`RouterStats`), from
+which `aux_loss` is transformers' load-balancing loss (`load_balancing_loss_func`) pooled
+over all sparse layers. Params name logical dims only (`expert` among them).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from fsdp_jax.sharding.axes import EMBED, EXPERT, MLP
+from fsdp_jax.sharding.precision import matmul
+
+
+class RouterStats(NamedTuple):
+    """Router statistics summed over the (masked) tokens of the sparse layers so far:
+    `counts` (E,) sum_t m_t #{top-k of t = e}, `probs` (E,) sum_t m_t p_te, `tokens`
+    sum_t m_t, `z` sum_t m_t logsumexp(logits_t)^2, `dropped` (token, expert) pairs over
+    capacity, `layers` the number of sparse layers summed."""
+
+    counts: jax.Array
+    probs: jax.Array
+    tokens: jax.Array
+    z: jax.Array
+    dropped: jax.Array
+    layers: jax.Array
+
+
+def zero_stats(n_experts: int) -> RouterStats:
+    z = jnp.zeros((), jnp.float32)
+    e = jnp.zeros((n_experts,), jnp.float32)
+    return RouterStats(e, e, z, z, z, z)
+
+
+def add_stats(a: RouterStats, b: RouterStats) -> RouterStats:
+    return RouterStats(*(x + y for x, y in zip(a, b)))
+
+
+def aux_loss(s: RouterStats) -> jax.Array:
+    """transformers' load-balancing loss: E * sum_e f_e P_e, f_e and P_e the masked means
+    over every sparse layer's tokens of the top-k assignment counts and the router
+    probabilities (a balanced router gives k)."""
+    n = jnp.maximum(s.tokens, 1.0)
+    return s.counts.shape[0] * jnp.sum((s.counts / n) * (s.probs / n))
+
+
+def z_loss(s: RouterStats) -> jax.Array:
+    """Router z-loss (ST-MoE): the masked mean over tokens and sparse layers of logsumexp(logits)^2."""
+    return s.z / jnp.maximum(s.tokens, 1.0)
+
+
+def expert_load(s: RouterStats) -> jax.Array:
+    """Fraction of the routed (token, expert) pairs each expert received, (E,); sums to 1."""
+    return s.counts / jnp.maximum(jnp.sum(s.counts), 1.0)
+
+
+_init = nnx.initializers.normal(0.02)
+
+
+def _param(rngs: nnx.Rngs, shape, names):
+    return nnx.Param(nnx.with_partitioning(_init, names)(rngs.params(), shape))
+
+
+def route(logits, k: int, norm_topk_prob: bool):
+    """(N, E) router logits -> (softmax probs (N, E) f32, top-k weights (N, k) f32, top-k
+    experts (N, k) int32)."""
+    p = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    w, idx = jax.lax.top_k(p, k)
+    if norm_topk_prob:
+        w = w / jnp.sum(w, axis=-1, keepdims=True)
+    return p, w, idx.astype(jnp.int32)
+
+
+def capacity(n_tokens: int, k: int, n_experts: int, factor: float) -> int:
+    """Tokens each expert takes in capacity mode: ceil(factor * N * k / E), at most N."""
+    return max(1, min(n_tokens, math.ceil(factor * n_tokens * k / n_experts)))
+
+
+def _gated(h_gate, h_up):
+    return jax.nn.silu(h_gate) * h_up
+
+
+def dropless(x2, w, idx, wg, wu, wd):
+    """Every (token, expert) pair, sorted by expert, through grouped matmuls.
+    x2 (N, D); w, idx (N, k); wg, wu (E, D, F); wd (E, F, D) -> (N, D)."""
+    n, k = idx.shape
+    e = wg.shape[0]
+    flat = idx.reshape(-1)  # (N*k,)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=e).astype(jnp.int32)  # (E,)
+    xs = x2[order // k]  # (N*k, D), grouped by expert
+    h = _gated(jax.lax.ragged_dot(xs, wg, sizes), jax.lax.ragged_dot(xs, wu, sizes))  # (N*k, F)
+    ys = jax.lax.ragged_dot(h, wd, sizes)  # (N*k, D)
+    y = jnp.zeros_like(ys).at[order].set(ys).reshape(n, k, -1)  # back to (token, slot)
+    return jnp.einsum("nkd,nk->nd", y, w.astype(y.dtype)), jnp.zeros((), jnp.float32)
+
+
+def with_capacity(x2, w, idx, wg, wu, wd, cap: int):
+    """At most `cap` tokens per expert (token order wins); the rest dropped. -> (out (N, D),
+    dropped pairs (f32 scalar))."""
+    n, k = idx.shape
+    e = wg.shape[0]
+    onehot = jax.nn.one_hot(idx, e, dtype=jnp.int32)  # (N, k, E)
+    # position of each pair in its expert's queue: pairs ordered token-major, slot-minor
+    pos = jnp.cumsum(onehot.reshape(n * k, e), axis=0).reshape(n, k, e) - onehot
+    pos = jnp.sum(pos * onehot, axis=-1)  # (N, k)
+    keep = pos < cap
+    slot = jnp.where(keep, idx * cap + pos, e * cap)  # dropped pairs -> a spare row
+    tok = jnp.full((e * cap + 1,), n, jnp.int32).at[slot.reshape(-1)].set(jnp.repeat(jnp.arange(n), k))
+    xpad = jnp.concatenate([x2, jnp.zeros((1, x2.shape[1]), x2.dtype)])
+    buf = xpad[tok[:-1]].reshape(e, cap, -1)  # (E, C, D); empty rows are zeros
+    buf = checkpoint_name(buf, "moe_dispatch")
+    h = _gated(jnp.einsum("ecd,edf->ecf", buf, wg), jnp.einsum("ecd,edf->ecf", buf, wu))
+    yb = jnp.einsum("ecf,efd->ecd", h, wd).reshape(e * cap, -1)
+    ypad = jnp.concatenate([yb, jnp.zeros((1, yb.shape[1]), yb.dtype)])
+    y = ypad[slot]  # (N, k, D); dropped pairs read the zero row
+    out = jnp.einsum("nkd,nk->nd", y, (w * keep).astype(y.dtype))
+    return out, jnp.sum(~keep).astype(jnp.float32)
+
+
+class MoE(nnx.Module):
+    """The sparse MLP of one layer: `(x (B, S, D), token_mask (B, S) or None) -> (y (B, S, D),
+    RouterStats)`. Config fields used: d_model, n_experts, experts_per_token, moe_ffn_dim,
+    norm_topk_prob, shared_expert_ffn_dim, capacity_factor."""
+
+    def __init__(self, cfg, rngs: nnx.Rngs):
+        d, e, f = cfg.d_model, cfg.n_experts, cfg.moe_ffn_dim
+        self.router = _param(rngs, (d, e), (EMBED, None))
+        self.w_gate = _param(rngs, (e, d, f), (EXPERT, EMBED, MLP))
+        self.w_up = _param(rngs, (e, d, f), (EXPERT, EMBED, MLP))
+        self.w_down = _param(rngs, (e, f, d), (EXPERT, MLP, EMBED))
+        if cfg.shared_expert_ffn_dim:
+            fs = cfg.shared_expert_ffn_dim
+            self.shared_gate = _param(rngs, (d, fs), (EMBED, MLP))
+            self.shared_up = _param(rngs, (d, fs), (EMBED, MLP))
+            self.shared_down = _param(rngs, (fs, d), (MLP, EMBED))
+            self.shared_weight = _param(rngs, (d, 1), (EMBED, None))
+        self.k = cfg.experts_per_token
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.shared = bool(cfg.shared_expert_ffn_dim)
+        self.capacity_factor = cfg.capacity_factor
+
+    def __call__(self, x, token_mask=None):
+        b, s, d = x.shape
+        x2 = x.reshape(b * s, d)  # (N, D)
+        logits = matmul(x2, self.router[...]).astype(jnp.float32)  # (N, E)
+        p, w, idx = route(logits, self.k, self.norm_topk_prob)
+        experts = (self.w_gate[...], self.w_up[...], self.w_down[...])
+        if self.capacity_factor:
+            cap = capacity(b * s, self.k, experts[0].shape[0], self.capacity_factor)
+            y, dropped = with_capacity(x2, w, idx, *experts, cap)
+        else:
+            y, dropped = dropless(x2, w, idx, *experts)
+        if self.shared:
+            hs = _gated(matmul(x2, self.shared_gate[...]), matmul(x2, self.shared_up[...]))
+            gate = jax.nn.sigmoid(matmul(x2, self.shared_weight[...]))  # (N, 1)
+            y = y + gate * matmul(hs, self.shared_down[...])
+        m = jnp.ones((b * s,), jnp.float32) if token_mask is None else token_mask.reshape(-1).astype(jnp.float32)
+        e = p.shape[-1]
+        counts = jnp.einsum("n,ne->e", m, jnp.sum(jax.nn.one_hot(idx, e, dtype=jnp.float32), axis=1))
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        stats = RouterStats(counts, m @ p, jnp.sum(m), jnp.sum(m * lse * lse), dropped, jnp.ones((), jnp.float32))
+        y = checkpoint_name(y.astype(x.dtype).reshape(b, s, d), "mlp_out")
+        return y, stats
+
+
+def moe_params(cfg) -> int:
+    """Params of one sparse MLP: router, E experts, shared expert and its gate."""
+    d, fs = cfg.d_model, cfg.shared_expert_ffn_dim
+    return d * cfg.n_experts + 3 * cfg.n_experts * d * cfg.moe_ffn_dim + (3 * d * fs + d if fs else 0)
+
+
+def moe_active_params(cfg) -> int:
+    """Params of one sparse MLP a token uses: router, k experts, shared expert and its gate."""
+    d, fs = cfg.d_model, cfg.shared_expert_ffn_dim
+    return d * cfg.n_experts + 3 * cfg.experts_per_token * d * cfg.moe_ffn_dim + (3 * d * fs + d if fs else 0)
