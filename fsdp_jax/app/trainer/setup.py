@@ -188,7 +188,7 @@ def _model(p: _Draft) -> None:
     if p.init_params is not None:
         p.model = dataclasses.replace(p.model, init=p.init_params, abstract_params=jax.eval_shape(p.init_params, p.rng))
     p.optimizer, p.schedule = build_optimizer(cfg.optimizer, cfg.train.steps)
-    p.loss_fn = make_loss_fn(p.model)
+    p.loss_fn = make_loss_fn(p.model, cfg.model)
 
 
 def _mesh(p: _Draft) -> None:
