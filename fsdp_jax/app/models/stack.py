@@ -9,7 +9,8 @@ stack of identical *groups* of consecutive layers, scanned over its groups:
 - periodic: the pattern repeats every p layers (p divides n_layers): one segment of
   n_layers / p groups of p layers (all sparse: p = 1; decoder_sparse_step=2: p = 2);
 - otherwise runs: one segment per maximal run of layers of one kind, groups of 1 layer;
-whichever unrolls fewer layers in the scan bodies (p against the number of runs).
+whichever unrolls fewer layers in the scan bodies (p against the number of runs; a tie
+goes to the one segment).
 Params live at `segments/<j>/layers/<m>/...` with a leading `layers` dim (the group
 index); layer index = start_j + group * p_j + m (`segment_layers`). The per-layer (here:
 per-group) cast and gather of `fsdp_jax.train.layer_gather` runs inside the scan body.

@@ -1,0 +1,272 @@
+"""Mixture-of-experts decoder (models/moe.py, models/stack.py) against transformers' own
+Mixtral, Qwen3-MoE and Qwen2-MoE (tests/golden/make_hf_moe_goldens.py): logits, the
+load-balancing aux loss, the loss with its coefficient; the layer layout, capacity mode,
+compiled FLOPs and collectives, router metrics; export round trips; bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from fsdp_jax.app.hf import load as hf
+from fsdp_jax.app.hf.config_in import model_config_from_hf
+from fsdp_jax.app.hf.export import export_hf
+from fsdp_jax.app.models import Llama, LlamaConfig, count_params
+from fsdp_jax.app.models import moe as moe_lib
+from fsdp_jax.app.models.llama import cross_entropy
+from fsdp_jax.app.models.stack import segment_layers, segments, sparse_layers
+from fsdp_jax.app.trainer.build import make_loss_fn
+from fsdp_jax.checkpoint import CheckpointError
+from fsdp_jax.checkpoint.safetensors_io import SafetensorsFile, write_safetensors
+from fsdp_jax.errors import ConfigError
+from fsdp_jax.hlo.memory import collective_report
+from fsdp_jax.model.fns import from_nnx
+from fsdp_jax.sharding.mesh import make_mesh
+from fsdp_jax.train.build import build
+from fsdp_jax.train.step import sharding_context
+from test_hf import GOLDEN, MESHES, index_and_shapes, saved_run
+
+MOE = ("mixtral", "qwen3_moe", "qwen2_moe")
+
+
+def golden(name):
+    f = SafetensorsFile(GOLDEN / f"{name}_logits.safetensors")
+    return {k: f.read(k) for k in f.tensors}
+
+
+def imported(path, strategy="full_shard", mesh_shape=(1, 8, 1), scan=True):
+    ckpt = hf.HFCheckpoint(path, base=LlamaConfig(scan_layers=scan))
+    m = from_nnx(lambda r: Llama(ckpt.config, rngs=r))
+    built = build(m, optax.sgd(0.1), make_mesh(*mesh_shape), strategy, min_shard_size=0)
+    return hf.load_params(ckpt, built.abstract_state.params), m, built.plan, ckpt.config
+
+
+def forward(params, m, plan, tokens, mask=None):
+    """(logits, RouterStats) of the golden's 2 rows, tiled to 8 (every batch sharding divides)."""
+    t = jnp.asarray(np.tile(tokens, (4, 1)))
+    mk = None if mask is None else jnp.asarray(np.tile(mask, (4, 1)))
+    with sharding_context(plan):
+        logits, stats = jax.jit(lambda p, t, mk: m.apply(p, t, router=True, token_mask=mk))(params, t, mk)
+    return np.asarray(logits)[: len(tokens)], stats
+
+
+def check(name, **kw):
+    g = golden(name)
+    params, m, plan, cfg = imported(GOLDEN / name, **kw)
+    logits, stats = forward(params, m, plan, g["tokens"])
+    err = float(np.abs(logits - g["logits"]).max())
+    assert err < 1e-4, (name, kw, err)
+    # tiling the rows 4 times leaves every mean of the aux loss unchanged
+    assert abs(float(moe_lib.aux_loss(stats)) - float(g["aux_loss"])) < 1e-5, (name, kw)
+    logits_m, stats_m = forward(params, m, plan, g["tokens"], g["attention_mask"])
+    assert abs(float(moe_lib.aux_loss(stats_m)) - float(g["aux_loss_masked"])) < 1e-5, (name, kw)
+    keep = g["attention_mask"].astype(bool)  # padding rows of logits are not compared
+    assert float(np.abs(logits_m - g["logits_masked"])[keep].max()) < 1e-4
+    return params, m, plan, cfg, g
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_moe_import_matches_transformers_logits_and_aux_loss(name):
+    params, m, plan, cfg, g = check(name)
+    check(name, scan=False, mesh_shape=(1, 4, 2))
+    # transformers' .loss = lm_loss + router_aux_loss_coef * aux_loss
+    raw = json.loads((GOLDEN / name / "config.json").read_text())
+    assert cfg.router_aux_loss_coef == raw["router_aux_loss_coef"]
+    lm = float(cross_entropy(jnp.asarray(g["logits"][:, :-1]), jnp.asarray(g["tokens"][:, 1:])))
+    assert abs(lm - float(g["lm_loss"])) < 1e-5
+    assert abs(lm + cfg.router_aux_loss_coef * float(g["aux_loss"]) - float(g["loss"])) < 1e-5
+    # the trainer's loss adds exactly that term, with the aux loss of the tokens it sees
+    batch = jnp.asarray(np.tile(g["tokens"], (4, 1)))
+    with sharding_context(plan):
+        loss, aux = jax.jit(make_loss_fn(m, cfg))(params, batch)
+        logits, stats = jax.jit(lambda p, t: m.apply(p, t, router=True))(params, batch[:, :-1])
+    want = cross_entropy(logits, batch[:, 1:]) + cfg.router_aux_loss_coef * moe_lib.aux_loss(stats)
+    assert abs(float(loss) - float(want)) < 1e-6
+    assert abs(float(aux["router_aux_loss"]) - float(moe_lib.aux_loss(stats))) < 1e-6
+    assert abs(float(jnp.sum(aux["expert_load"])) - 1.0) < 1e-6 and float(aux["dropped_tokens"]) == 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", list(MESHES))
+@pytest.mark.parametrize("name", MOE)
+def test_moe_import_matches_transformers_every_strategy(name, strategy):
+    check(name, strategy=strategy, mesh_shape=MESHES[strategy])
+
+
+def test_sparse_layer_rule_and_segments():
+    q2 = model_config_from_hf(json.loads((GOLDEN / "qwen2_moe" / "config.json").read_text()))
+    q3 = model_config_from_hf(json.loads((GOLDEN / "qwen3_moe" / "config.json").read_text()))
+    assert sparse_layers(q2) == (False, True, False)  # decoder_sparse_step=2
+    assert sparse_layers(q3) == (True, False, True)  # mlp_only_layers=[1]
+    # 3 layers, no shorter period: one group of all 3 (as many bodies as 3 runs; the tie goes to one scan)
+    assert segments(q3) == ((0, (True, False, True), 1),)
+    # a periodic pattern is one scanned segment of groups (qwen2 step 2 over 8 layers)
+    q2_8 = dataclasses.replace(q2, n_layers=8)
+    assert segments(q2_8) == ((0, (False, True), 4),)
+    assert segment_layers(q2_8)[1] == ("segments/0/layers/1", [1, 3, 5, 7], True)
+    every = dataclasses.replace(q3, n_layers=6, mlp_only_layers=())
+    assert segments(every) == ((0, (True,), 6),)
+    # 48 layers, one dense: three runs, not a 48-layer group
+    big = dataclasses.replace(q3, n_layers=48, mlp_only_layers=(20,))
+    assert [s[2] for s in segments(big)] == [20, 1, 27]
+
+
+def _moe_cfg(**kw):
+    base = dict(
+        vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32,
+        n_experts=8, experts_per_token=2, moe_ffn_dim=48, norm_topk_prob=True,
+    )  # fmt: skip
+    return LlamaConfig(**{**base, **kw})
+
+
+def _ref_moe(x, router, wg, wu, wd, k, norm, cap=None):
+    """Every expert on every token, weighted by the router (numpy, float64): an independent
+    reference of the sparse MLP; `cap` drops pairs over capacity in token-major order."""
+    x, router, wg, wu, wd = (np.asarray(a, np.float64) for a in (x, router, wg, wu, wd))
+    logits = x @ router
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    top = np.argsort(-p, axis=-1, kind="stable")[:, :k]
+    w = np.take_along_axis(p, top, -1)
+    w = w / w.sum(-1, keepdims=True) if norm else w
+    out, filled, dropped = np.zeros_like(x), np.zeros(wg.shape[0], int), 0
+    for t in range(len(x)):
+        for j in range(k):
+            e = top[t, j]
+            if cap is not None and filled[e] >= cap:
+                dropped += 1
+                continue
+            filled[e] += 1
+            g, u = x[t] @ wg[e], x[t] @ wu[e]
+            out[t] += w[t, j] * ((g / (1 + np.exp(-g))) * u) @ wd[e]
+    return out, dropped
+
+
+@pytest.mark.parametrize("factor", [0.0, 4.0, 1.0, 0.5])
+def test_moe_layer_dropless_and_capacity_against_a_dense_reference(factor):
+    cfg = _moe_cfg(capacity_factor=factor)
+    layer = _layer(cfg)
+    x = jax.random.normal(jax.random.key(3), (2, 16, cfg.d_model))
+    y, stats = layer(x)
+    cap = moe_lib.capacity(32, 2, 8, factor) if factor else None
+    want, dropped = _ref_moe(
+        x.reshape(32, -1), layer.router[...], layer.w_gate[...], layer.w_up[...], layer.w_down[...], 2, True, cap
+    )
+    assert np.abs(np.asarray(y).reshape(32, -1) - want).max() < 1e-5
+    assert float(stats.dropped) == dropped
+    if factor in (0.0, 4.0):  # dropless, or capacity N (4 = E / k): nothing dropped
+        assert dropped == 0
+    if factor == 0.5:  # half the slots the pairs need
+        assert dropped >= 32
+    assert float(stats.counts.sum()) == 32 * 2 and float(stats.tokens) == 32
+
+
+def _layer(cfg):
+    with nnx.use_eager_sharding(False):
+        return moe_lib.MoE(cfg, nnx.Rngs(0))
+
+
+def _moe_layer_flops(cfg, n_tokens=256):
+    layer = _layer(cfg)
+    graph, state = nnx.split(layer)
+    f = jax.jit(lambda s, x: nnx.merge(graph, s)(x)[0])
+    x = jax.ShapeDtypeStruct((1, n_tokens, cfg.d_model), jnp.float32)
+    return f.lower(state, x).compile().cost_analysis()["flops"]
+
+
+def test_capacity_mode_compiled_flops_scale_with_top_k():
+    """Capacity mode (capacity 1.0) computes top_k / n_experts of the dense all-experts
+    MLP; XLA:CPU's cost analysis of the compiled layer, router and dispatch included."""
+    cfg = _moe_cfg(d_model=256, moe_ffn_dim=512, capacity_factor=1.0)
+    sparse = _moe_layer_flops(cfg)
+    dense = _moe_layer_flops(dataclasses.replace(cfg, experts_per_token=8, capacity_factor=1.0))
+    # top-8 of 8 experts at capacity 1.0: every token through every expert, the dense form
+    assert sparse <= 1.3 * (2 / 8) * dense, (sparse, dense)
+
+
+def test_full_shard_gathers_each_moe_layer_inside_the_loop():
+    cfg = _moe_cfg(n_layers=4, mlp_only_layers=(), d_model=64)
+    m = from_nnx(lambda r: Llama(cfg, rngs=r, remat="full"))
+    built = build(m, optax.sgd(0.1), make_mesh(1, 8, 1), "full_shard", loss_fn=make_loss_fn(m, cfg), has_aux=True)
+    batch = jax.ShapeDtypeStruct((8, 17), jnp.int32, sharding=built.plan.batch)
+    compiled = built.train_step.lower(built.abstract_state, batch).compile()
+    rep = collective_report(compiled.as_text())
+    inside = rep["inside_loop"]["all-gather"]["op_names"]
+    # 4 attention + router + 3 expert weights per layer, each in the forward and backward loops
+    assert len(inside) >= 16, inside
+    assert rep["outside_loop"].get("all-gather", {"count": 0})["count"] <= 2
+
+
+def test_count_params_counts_experts_and_active_params():
+    cfg = _moe_cfg(shared_expert_ffn_dim=16, mlp_only_layers=(1,))
+    params = from_nnx(lambda r: Llama(cfg, rngs=r)).abstract_params
+    assert count_params(cfg) == sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
+    per_expert = 3 * cfg.d_model * cfg.moe_ffn_dim
+    assert count_params(cfg) - count_params(cfg, active=True) == (8 - 2) * per_expert  # one sparse layer
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_moe_export_round_trips_bit_exact(tmp_path, name):
+    ck, params = saved_run(tmp_path, name)
+    out = tmp_path / "hf_out"
+    export_hf(ck, out)
+    assert index_and_shapes(out)[1] == index_and_shapes(GOLDEN / name)[1]  # per-expert names and shapes
+    got, want = (json.loads((p / "config.json").read_text()) for p in (out, GOLDEN / name))
+    for k, v in want.items():
+        if k not in ("transformers_version", "dtype", "max_window_layers", "output_router_logits"):
+            assert got.get(k) == v, (k, got.get(k), v)
+    back, *_ = imported(out, strategy="hybrid_shard", mesh_shape=(2, 4, 1))
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(back)):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def _edit(src, dst, **changes):
+    shutil.copytree(src, dst)
+    raw = json.loads((dst / "config.json").read_text())
+    raw.update(changes)
+    (dst / "config.json").write_text(json.dumps(raw))
+    return dst
+
+
+def test_bad_moe_configs_are_refused_by_name(tmp_path):
+    mix = GOLDEN / "mixtral"
+    with pytest.raises(ConfigError, match="num_experts_per_tok=5: top-k larger than num_local_experts=4"):
+        hf.HFCheckpoint(_edit(mix, tmp_path / "a", num_experts_per_tok=5))
+    with pytest.raises(ConfigError, match="DeepSeek-V3's sigmoid routing"):
+        hf.HFCheckpoint(_edit(mix, tmp_path / "b", model_type="deepseek_v3"))
+    with pytest.raises(ConfigError, match="gpt-oss"):
+        hf.HFCheckpoint(_edit(mix, tmp_path / "c", model_type="gpt_oss"))
+    with pytest.raises(ConfigError, match="scoring_func='sigmoid'"):
+        hf.HFCheckpoint(_edit(GOLDEN / "qwen3_moe", tmp_path / "d", scoring_func="sigmoid"))
+    with pytest.raises(ConfigError, match="router_jitter_noise"):
+        hf.HFCheckpoint(_edit(mix, tmp_path / "e", router_jitter_noise=0.1))
+    problem = moe_lib.moe_config_problem(_moe_cfg(experts_per_token=9))
+    assert problem == ("experts_per_token", 9, "must be in [1, n_experts=8]")
+
+
+def _rewrite(src, dst, drop=None, reshape=None):
+    shutil.copytree(src, dst)
+    f = SafetensorsFile(src / "model.safetensors")
+    tensors = {n: f.read(n) for n in f.tensors if n != drop}
+    if reshape:
+        tensors[reshape] = tensors[reshape][:-1]
+    (dst / "model.safetensors").unlink()
+    entries = [(n, t.shape, t.dtype) for n, t in tensors.items()]
+    write_safetensors(dst / "model.safetensors", entries, tensors.__getitem__)
+    return dst
+
+
+def test_missing_or_misshapen_expert_tensors_are_refused(tmp_path):
+    name = "model.layers.1.block_sparse_moe.experts.3.w2.weight"
+    with pytest.raises(CheckpointError, match=f"tensor {name} is missing"):
+        hf.HFCheckpoint(_rewrite(GOLDEN / "mixtral", tmp_path / "a", drop=name))
+    with pytest.raises(CheckpointError, match=rf"tensor {name} has shape \[63, 96\], config.json implies \[64, 96\]"):
+        hf.HFCheckpoint(_rewrite(GOLDEN / "mixtral", tmp_path / "b", reshape=name))
