@@ -15,6 +15,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from test_hf import GOLDEN, MESHES, index_and_shapes, saved_run
 
 from fsdp_jax.app.hf import load as hf
 from fsdp_jax.app.hf.config_in import model_config_from_hf
@@ -32,7 +33,6 @@ from fsdp_jax.model.fns import from_nnx
 from fsdp_jax.sharding.mesh import make_mesh
 from fsdp_jax.train.build import build
 from fsdp_jax.train.step import sharding_context
-from test_hf import GOLDEN, MESHES, index_and_shapes, saved_run
 
 MOE = ("mixtral", "qwen3_moe", "qwen2_moe")
 
@@ -200,9 +200,14 @@ def test_full_shard_gathers_each_moe_layer_inside_the_loop():
     compiled = built.train_step.lower(built.abstract_state, batch).compile()
     rep = collective_report(compiled.as_text())
     inside = rep["inside_loop"]["all-gather"]["op_names"]
-    # 4 attention + router + 3 expert weights per layer, each in the forward and backward loops
-    assert len(inside) >= 16, inside
-    assert rep["outside_loop"].get("all-gather", {"count": 0})["count"] <= 2
+    fwd = [n for n in inside if "transpose(" not in n]
+    bwd = [n for n in inside if "transpose(" in n]
+    # 4 attention + router + 3 expert weights per layer, in the forward and backward loops
+    assert len(fwd) >= 8 and len(bwd) >= 8, inside
+    # tokens are routed on the device that holds them (models/moe.py per_batch_shard):
+    # no all-to-all, and outside the loop only the embedding table and head are gathered
+    assert "all-to-all" not in rep["inside_loop"] and "all-to-all" not in rep["outside_loop"]
+    assert rep["outside_loop"]["all-gather"]["count"] <= 2
 
 
 def test_count_params_counts_experts_and_active_params():
@@ -222,7 +227,11 @@ def test_moe_export_round_trips_bit_exact(tmp_path, name):
     got, want = (json.loads((p / "config.json").read_text()) for p in (out, GOLDEN / name))
     for k, v in want.items():
         if k not in ("transformers_version", "dtype", "max_window_layers", "output_router_logits"):
-            assert got.get(k) == v, (k, got.get(k), v)
+            if k == "sliding_window" and not want.get("use_sliding_window", True):
+                assert not got[k]  # Qwen2-MoE's 0 or null: no window either way
+            elif not (k == "head_dim" and v is None):  # Mixtral's null: hidden / heads, which we write
+                assert got.get(k) == v, (k, got.get(k), v)
+    assert got["head_dim"] == want.get("head_dim") or want["hidden_size"] // want["num_attention_heads"]
     back, *_ = imported(out, strategy="hybrid_shard", mesh_shape=(2, 4, 1))
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(back)):
         assert np.array_equal(np.asarray(a), np.asarray(b))

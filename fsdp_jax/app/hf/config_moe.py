@@ -102,6 +102,8 @@ def moe_json(cfg, mt: str) -> dict:
         decoder_sparse_step=cfg.decoder_sparse_step,
         mlp_only_layers=list(cfg.mlp_only_layers),
     )
+    if mt == "qwen3_moe":  # 5.24 writes num_local_experts; 4.x reads num_experts
+        d["num_local_experts"] = cfg.n_experts
     if mt == "qwen2_moe":
         d.update(shared_expert_intermediate_size=cfg.shared_expert_ffn_dim, qkv_bias=True)
     return d

@@ -1,7 +1,7 @@
 """Tensor layout of the mixture-of-experts families: our param paths <-> HF tensor names.
 
 Layers of an MoE model live in segments (`fsdp_jax.app.models.stack`): `segments/<j>/
-layers/<m>/...` stacked over groups, or `blocks/<i>/...` unscanned. A sparse layer's MLP
+layers/<m>/...` stacked over groups, or `segments/<i>/...` unscanned. A sparse layer's MLP
 is our `moe/...`:
   moe/router (D, E)           <- <mlp>.gate.weight (E, D), transposed
   moe/w_gate (E, D, F)        <- <mlp>.experts.<e>.gate_proj.weight (F, D) each, transposed

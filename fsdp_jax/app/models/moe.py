@@ -28,10 +28,12 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from flax import linen as nn
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
 
-from fsdp_jax.sharding.axes import EMBED, EXPERT, MLP
+from fsdp_jax.sharding.axes import BATCH, EMBED, EXPERT, MLP
 from fsdp_jax.sharding.precision import matmul
 
 
@@ -141,6 +143,30 @@ def with_capacity(x2, w, idx, wg, wu, wd, cap: int):
     return out, jnp.sum(~keep).astype(jnp.float32)
 
 
+def per_batch_shard(fn, tokens, weights):
+    """`fn(*tokens, *weights) -> (y, dropped)` on each batch shard's own tokens: under a mesh
+    whose logical rules shard `batch`, a `shard_map` over those mesh axes with the token
+    arrays (leading N dim) split and the expert weights whole (the partitioner gathers
+    them per layer, as any FSDP weight); so each device sorts and routes its tokens
+    locally. `dropped` is summed over the shards. Without such a mesh: `fn` as it is."""
+    mesh = jax.sharding.get_abstract_mesh()
+    spec = nn.logical_to_mesh_axes((BATCH,)) if not mesh.empty else None
+    axes = tuple(a for a in _axes_of(spec[0] if spec else None) if mesh.shape.get(a, 1) > 1)
+    if not axes:
+        return fn(*tokens, *weights)
+
+    def local(*args):
+        y, dropped = fn(*args)
+        return y, jax.lax.psum(dropped, axes)
+
+    ins = tuple(P(axes) for _ in tokens) + tuple(P() for _ in weights)
+    return jax.shard_map(local, mesh=mesh, in_specs=ins, out_specs=(P(axes), P()))(*tokens, *weights)
+
+
+def _axes_of(entry) -> tuple[str, ...]:
+    return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+
+
 class MoE(nnx.Module):
     """The sparse MLP of one layer: `(x (B, S, D), token_mask (B, S) or None) -> (y (B, S, D),
     RouterStats)`. Config fields used: d_model, n_experts, experts_per_token, moe_ffn_dim,
@@ -169,11 +195,14 @@ class MoE(nnx.Module):
         logits = matmul(x2, self.router[...]).astype(jnp.float32)  # (N, E)
         p, w, idx = route(logits, self.k, self.norm_topk_prob)
         experts = (self.w_gate[...], self.w_up[...], self.w_down[...])
-        if self.capacity_factor:
-            cap = capacity(b * s, self.k, experts[0].shape[0], self.capacity_factor)
-            y, dropped = with_capacity(x2, w, idx, *experts, cap)
-        else:
-            y, dropped = dropless(x2, w, idx, *experts)
+        cf = self.capacity_factor
+
+        def compute(x2, w, idx, *experts):  # on the tokens of one batch shard
+            if cf:
+                return with_capacity(x2, w, idx, *experts, capacity(x2.shape[0], self.k, experts[0].shape[0], cf))
+            return dropless(x2, w, idx, *experts)
+
+        y, dropped = per_batch_shard(compute, (x2, w, idx), experts)
         if self.shared:
             hs = _gated(matmul(x2, self.shared_gate[...]), matmul(x2, self.shared_up[...]))
             gate = jax.nn.sigmoid(matmul(x2, self.shared_weight[...]))  # (N, 1)

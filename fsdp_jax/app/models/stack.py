@@ -54,7 +54,7 @@ def segment_layers(cfg) -> list[tuple[str, list[int], bool]]:
     """[(param path prefix, the layer index of each stacked entry, sparse)] for scanned
     layers, or one row per layer ("blocks/<i>") when `scan_layers` is off."""
     if not cfg.scan_layers:
-        return [(f"blocks/{i}", [i], s) for i, s in enumerate(sparse_layers(cfg))]
+        return [(f"segments/{i}", [i], s) for i, s in enumerate(sparse_layers(cfg))]
     out = []
     for j, (start, kinds, count) in enumerate(segments(cfg)):
         p = len(kinds)
