@@ -279,3 +279,85 @@ def test_missing_or_misshapen_expert_tensors_are_refused(tmp_path):
         hf.HFCheckpoint(_rewrite(GOLDEN / "mixtral", tmp_path / "a", drop=name))
     with pytest.raises(CheckpointError, match=rf"tensor {name} has shape \[63, 96\], config.json implies \[64, 96\]"):
         hf.HFCheckpoint(_rewrite(GOLDEN / "mixtral", tmp_path / "b", reshape=name))
+
+
+# config.json of mistralai/Mixtral-8x7B-v0.1 and Qwen/Qwen3-30B-A3B as published
+MIXTRAL_8X7B = {
+    "architectures": ["MixtralForCausalLM"],
+    "attention_dropout": 0.0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 32768,
+    "model_type": "mixtral",
+    "num_attention_heads": 32,
+    "num_experts_per_tok": 2,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "num_local_experts": 8,
+    "output_router_logits": False,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 1e6,
+    "router_aux_loss_coef": 0.02,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.36.0.dev0",
+    "use_cache": True,
+    "vocab_size": 32000,
+}
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "decoder_sparse_step": 1,
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 6144,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 48,
+    "mlp_only_layers": [],
+    "model_type": "qwen3_moe",
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": True,
+    "num_attention_heads": 32,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 48,
+    "num_key_value_heads": 4,
+    "output_router_logits": False,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.001,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.51.0",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+
+
+@pytest.mark.parametrize(
+    "yaml_name, raw, total, active",
+    [
+        ("mixtral_8x7b", MIXTRAL_8X7B, 46_702_792_704, 12_879_925_248),
+        ("qwen3_30b_a3b", QWEN3_30B_A3B, 30_532_122_624, 3_353_032_704),
+    ],
+)
+def test_shipped_moe_configs_are_the_published_models(yaml_name, raw, total, active):
+    from fsdp_jax.app.config import load_config
+
+    cfg = load_config(GOLDEN.parents[1].parent / "configs" / f"{yaml_name}.yaml")
+    assert cfg.model == model_config_from_hf(raw, base=cfg.model)
+    assert count_params(cfg.model) == total  # 46.7B / 30.5B, as published
+    assert count_params(cfg.model, active=True) == active
