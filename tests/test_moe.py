@@ -33,6 +33,7 @@ from fsdp_jax.model.fns import from_nnx
 from fsdp_jax.sharding.mesh import make_mesh
 from fsdp_jax.train.build import build
 from fsdp_jax.train.step import sharding_context
+from helpers import call, one_line
 
 MOE = ("mixtral", "qwen3_moe", "qwen2_moe")
 
@@ -361,3 +362,17 @@ def test_shipped_moe_configs_are_the_published_models(yaml_name, raw, total, act
     assert cfg.model == model_config_from_hf(raw, base=cfg.model)
     assert count_params(cfg.model) == total  # 46.7B / 30.5B, as published
     assert count_params(cfg.model, active=True) == active
+
+
+def test_bad_moe_input_is_one_line_exit_2(tmp_path, capsys):
+    """The train command on bad MoE input: one line naming the field, exit 2, nothing written."""
+    run = tmp_path / "run"
+    base = ["--config", "configs/mixtral_8x7b.yaml", f"run_dir={run}", f"data.path={tmp_path / 'd'}"]
+    rc, _, err = call("train", *base, "model.experts_per_token=9", capsys=capsys)
+    one_line(rc, err, "model.experts_per_token", "9", "n_experts=8")
+    rc, _, err = call("train", *base, "model.capacity_factor=-1", capsys=capsys)
+    one_line(rc, err, "model.capacity_factor")
+    deepseek = _edit(GOLDEN / "mixtral", tmp_path / "ds", model_type="deepseek_v3")
+    rc, _, err = call("train", *base, f"init_from=hf:{deepseek}", capsys=capsys)
+    one_line(rc, err, "model_type", "DeepSeek-V3")
+    assert not run.exists()
