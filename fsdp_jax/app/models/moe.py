@@ -6,7 +6,8 @@ Qwen3-MoE do; Qwen2-MoE uses them as they are). Each expert is a gated MLP
 (SiLU(x W_gate) * x W_up) W_down with its own (E, D, F) weights. Qwen2-MoE adds a shared
 expert (a dense gated MLP) scaled per token by sigmoid(x w_shared_gate).
 
-Two ways to compute the experts, both from the same weights:
+Two ways to compute the experts, both from the same weights (`models/moe_dispatch.py`, which
+also places them on the mesh: tokens routed where they are, experts split by the rules):
 - dropless (`capacity_factor` 0, the default): the N * k (token, expert) pairs sorted by
   expert and run as grouped matmuls, `jax.lax.ragged_dot` with the per-expert group sizes.
   Every token reaches its k experts.
@@ -28,12 +29,11 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from flax import linen as nn
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import PartitionSpec as P
 
-from fsdp_jax.sharding.axes import BATCH, EMBED, EXPERT, MLP
+from fsdp_jax.app.models.moe_dispatch import dropless, gated, per_batch_shard, with_capacity
+from fsdp_jax.sharding.axes import EMBED, EXPERT, MLP
 from fsdp_jax.sharding.precision import matmul
 
 
@@ -101,72 +101,6 @@ def capacity(n_tokens: int, k: int, n_experts: int, factor: float) -> int:
     return max(1, min(n_tokens, math.ceil(factor * n_tokens * k / n_experts)))
 
 
-def _gated(h_gate, h_up):
-    return jax.nn.silu(h_gate) * h_up
-
-
-def dropless(x2, w, idx, wg, wu, wd):
-    """Every (token, expert) pair, sorted by expert, through grouped matmuls.
-    x2 (N, D); w, idx (N, k); wg, wu (E, D, F); wd (E, F, D) -> (N, D)."""
-    n, k = idx.shape
-    e = wg.shape[0]
-    flat = idx.reshape(-1)  # (N*k,)
-    order = jnp.argsort(flat, stable=True)
-    sizes = jnp.bincount(flat, length=e).astype(jnp.int32)  # (E,)
-    xs = x2[order // k]  # (N*k, D), grouped by expert
-    h = _gated(jax.lax.ragged_dot(xs, wg, sizes), jax.lax.ragged_dot(xs, wu, sizes))  # (N*k, F)
-    ys = jax.lax.ragged_dot(h, wd, sizes)  # (N*k, D)
-    y = jnp.zeros_like(ys).at[order].set(ys).reshape(n, k, -1)  # back to (token, slot)
-    return jnp.einsum("nkd,nk->nd", y, w.astype(y.dtype)), jnp.zeros((), jnp.float32)
-
-
-def with_capacity(x2, w, idx, wg, wu, wd, cap: int):
-    """At most `cap` tokens per expert (token order wins); the rest dropped. -> (out (N, D),
-    dropped pairs (f32 scalar))."""
-    n, k = idx.shape
-    e = wg.shape[0]
-    onehot = jax.nn.one_hot(idx, e, dtype=jnp.int32)  # (N, k, E)
-    # position of each pair in its expert's queue: pairs ordered token-major, slot-minor
-    pos = jnp.cumsum(onehot.reshape(n * k, e), axis=0).reshape(n, k, e) - onehot
-    pos = jnp.sum(pos * onehot, axis=-1)  # (N, k)
-    keep = pos < cap
-    slot = jnp.where(keep, idx * cap + pos, e * cap)  # dropped pairs -> a spare row
-    tok = jnp.full((e * cap + 1,), n, jnp.int32).at[slot.reshape(-1)].set(jnp.repeat(jnp.arange(n), k))
-    xpad = jnp.concatenate([x2, jnp.zeros((1, x2.shape[1]), x2.dtype)])
-    buf = xpad[tok[:-1]].reshape(e, cap, -1)  # (E, C, D); empty rows are zeros
-    buf = checkpoint_name(buf, "moe_dispatch")
-    h = _gated(jnp.einsum("ecd,edf->ecf", buf, wg), jnp.einsum("ecd,edf->ecf", buf, wu))
-    yb = jnp.einsum("ecf,efd->ecd", h, wd).reshape(e * cap, -1)
-    ypad = jnp.concatenate([yb, jnp.zeros((1, yb.shape[1]), yb.dtype)])
-    y = ypad[slot]  # (N, k, D); dropped pairs read the zero row
-    out = jnp.einsum("nkd,nk->nd", y, (w * keep).astype(y.dtype))
-    return out, jnp.sum(~keep).astype(jnp.float32)
-
-
-def per_batch_shard(fn, tokens, weights):
-    """`fn(*tokens, *weights) -> (y, dropped)` on each batch shard's own tokens: under a mesh
-    whose logical rules shard `batch`, a `shard_map` over those mesh axes with the token
-    arrays (leading N dim) split and the expert weights whole (the partitioner gathers
-    them per layer, as any FSDP weight); so each device sorts and routes its tokens
-    locally. `dropped` is summed over the shards. Without such a mesh: `fn` as it is."""
-    mesh = jax.sharding.get_abstract_mesh()
-    spec = nn.logical_to_mesh_axes((BATCH,)) if not mesh.empty else None
-    axes = tuple(a for a in _axes_of(spec[0] if spec else None) if mesh.shape.get(a, 1) > 1)
-    if not axes:
-        return fn(*tokens, *weights)
-
-    def local(*args):
-        y, dropped = fn(*args)
-        return y, jax.lax.psum(dropped, axes)
-
-    ins = tuple(P(axes) for _ in tokens) + tuple(P() for _ in weights)
-    return jax.shard_map(local, mesh=mesh, in_specs=ins, out_specs=(P(axes), P()))(*tokens, *weights)
-
-
-def _axes_of(entry) -> tuple[str, ...]:
-    return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
-
-
 class MoE(nnx.Module):
     """The sparse MLP of one layer: `(x (B, S, D), token_mask (B, S) or None) -> (y (B, S, D),
     RouterStats)`. Config fields used: d_model, n_experts, experts_per_token, moe_ffn_dim,
@@ -197,14 +131,18 @@ class MoE(nnx.Module):
         experts = (self.w_gate[...], self.w_up[...], self.w_down[...])
         cf = self.capacity_factor
 
-        def compute(x2, w, idx, *experts):  # on the tokens of one batch shard
+        n_experts = experts[0].shape[0]
+
+        def compute(x2, w, idx, wg, wu, wd, e0):  # the tokens of one batch shard, experts from e0
             if cf:
-                return with_capacity(x2, w, idx, *experts, capacity(x2.shape[0], self.k, experts[0].shape[0], cf))
-            return dropless(x2, w, idx, *experts)
+                return with_capacity(
+                    x2, w, idx, wg, wu, wd, capacity(x2.shape[0], self.k, n_experts, cf), n_experts, e0
+                )
+            return dropless(x2, w, idx, wg, wu, wd, e0)
 
         y, dropped = per_batch_shard(compute, (x2, w, idx), experts)
         if self.shared:
-            hs = _gated(matmul(x2, self.shared_gate[...]), matmul(x2, self.shared_up[...]))
+            hs = gated(matmul(x2, self.shared_gate[...]), matmul(x2, self.shared_up[...]))
             gate = jax.nn.sigmoid(matmul(x2, self.shared_weight[...]))  # (N, 1)
             y = y + gate * matmul(hs, self.shared_down[...])
         m = jnp.ones((b * s,), jnp.float32) if token_mask is None else token_mask.reshape(-1).astype(jnp.float32)
