@@ -21,7 +21,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from fsdp_jax.app.hf.config_moe import OTHER_ROUTERS, moe_fields
+from fsdp_jax.app.hf.config_moe import moe_fields, refuse_other_router
 from fsdp_jax.app.models.llama import LlamaConfig
 from fsdp_jax.errors import ConfigError
 
@@ -294,8 +294,7 @@ def model_config_from_hf(raw: Mapping, where: str = "config.json", base: LlamaCo
         return ConfigError(where, f"{key}={raw.get(key)!r}: {why}")
 
     mt = raw.get("model_type")
-    if mt in OTHER_ROUTERS:
-        moe_fields(raw, mt, bad, 0)  # refuses it by name
+    refuse_other_router(mt, bad)  # DeepSeek, gpt-oss, ...: by name
     if mt not in MODEL_TYPES:
         raise bad("model_type", f"not a supported decoder family (allowed: {', '.join(MODEL_TYPES)})")
     arch = raw.get("architectures") or []

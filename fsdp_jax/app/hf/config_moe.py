@@ -42,10 +42,15 @@ def _int(raw: Mapping, key: str, bad, low: int = 1) -> int:
     return v
 
 
-def moe_fields(raw: Mapping, mt: str, bad, n_layers: int) -> dict:
-    """LlamaConfig MoE fields of a config.json of model_type `mt` ({} for dense families)."""
+def refuse_other_router(mt: str, bad) -> None:
+    """bad("model_type", ...) naming the router of `mt` when it is one the decoder does not compute."""
     if mt in OTHER_ROUTERS:
         raise bad("model_type", f"{OTHER_ROUTERS[mt]} is not computed by the decoder (allowed: {', '.join(MOE_TYPES)})")
+
+
+def moe_fields(raw: Mapping, mt: str, bad, n_layers: int) -> dict:
+    """LlamaConfig MoE fields of a config.json of model_type `mt` ({} for dense families)."""
+    refuse_other_router(mt, bad)
     if mt not in MOE_TYPES:
         return {}
     for key, allowed in OTHER_ROUTER_KEYS.items():
