@@ -436,3 +436,38 @@ def test_expert_axis_must_divide_the_experts():
         pytest.raises(ValueError, match="n_experts=6 is not divisible by the expert mesh axes tensor"),
     ):
         jax.eval_shape(m.apply, built.abstract_state.params, jnp.zeros((8, 8), jnp.int32))
+
+
+def test_packed_rows_loss_and_router_metrics_summary():
+    """Packed rows: the router sees the real tokens only (segment 0 is padding) and the loss
+    is the weighted cross-entropy plus coef x aux; the logged window summarises the steps'
+    router aux (loads from the (E,) shares, dropped per step)."""
+    from fsdp_jax.app.data.packing import batch_from_rows
+    from fsdp_jax.app.trainer.build import token_loss
+    from fsdp_jax.app.trainer.router_metrics import summarise
+
+    cfg = _moe_cfg(router_aux_loss_coef=0.1)
+    m = from_nnx(lambda r: Llama(cfg, rngs=r))
+    params = m.init(jax.random.key(0))
+    rng = np.random.RandomState(0)
+    tokens = rng.randint(0, cfg.vocab_size, (2, 16))
+    seg = np.array([[1] * 9 + [2] * 5 + [0] * 2, [1] * 12 + [0] * 4])
+    batch = {k: jnp.asarray(v) for k, v in batch_from_rows(tokens, np.ones_like(tokens), seg).items()}
+    (total, count), aux = make_loss_fn(m, cfg)(params, batch)
+    logits, stats = m.apply(
+        params,
+        batch["inputs"],
+        batch["segment_ids"],
+        batch["positions"],
+        router=True,
+        token_mask=batch["segment_ids"] > 0,
+    )
+    assert float(stats.tokens) == 2 * 26  # 2 sparse layers; the padding's 6 tokens are not routed
+    ts = token_loss(logits, batch["targets"], batch["weights"])
+    want = ts.total / ts.count + 0.1 * moe_lib.aux_loss(stats)
+    assert abs(float(total / count) - float(want)) < 1e-6
+    rec = summarise([aux, {**aux, "dropped_tokens": jnp.asarray(4.0)}])
+    load = np.asarray(aux["expert_load"])
+    assert rec["expert_load_min"] == pytest.approx(load.min()) and rec["expert_load_max"] == pytest.approx(load.max())
+    assert rec["expert_load_imbalance"] == pytest.approx(load.max() * 8) and rec["dropped_tokens"] == 2.0
+    assert rec["router_aux_loss"] == pytest.approx(float(aux["router_aux_loss"]))
