@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import fsdp_jax as fj
 from fsdp_jax.app.data.packing import batch_from_rows, pack
-from fsdp_jax.app.models.llama import LlamaConfig
+from fsdp_jax.app.models.config import LlamaConfig
 from fsdp_jax.app.trainer.build import make_loss_fn, trainer_model
 from helpers import reference_train
 

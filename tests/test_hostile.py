@@ -149,6 +149,16 @@ OUT_OF_RANGE: dict[str, typing.Any] = {
     "model.sandwich_norm": None,
     "model.embed_scale": None,
     "model.final_softcap": -1.0,
+    "model.n_experts": -1,
+    "model.experts_per_token": -1,
+    "model.moe_ffn_dim": -1,
+    "model.norm_topk_prob": None,
+    "model.shared_expert_ffn_dim": -1,
+    "model.decoder_sparse_step": 0,
+    "model.mlp_only_layers": None,  # layer indices are checked against n_layers with experts on
+    "model.router_aux_loss_coef": -1.0,
+    "model.router_z_loss_coef": -1.0,
+    "model.capacity_factor": -1.0,
     "train.profile": "4:2",
     "logging.wandb": None,
     "logging.wandb_project": None,
@@ -158,6 +168,8 @@ OUT_OF_RANGE: dict[str, typing.Any] = {
 
 
 def _base(type_hint):
+    if typing.get_origin(type_hint) is tuple:
+        return tuple
     args = [a for a in typing.get_args(type_hint) if a is not type(None)]
     return args[0] if args else type_hint
 
@@ -170,6 +182,7 @@ def wrong_types(tp) -> list:
         bool: ["maybe", 2, None],
         str: [[1, 2], {"a": "b"}, 3],
         Rules: ["embed", 3, [1, 2], {"embed": 3}],
+        tuple: ["abc", 3, [1.5], ["a"], {"a": 1}],  # tuple[int, ...]
     }[_base(tp)]
 
 

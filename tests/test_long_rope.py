@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fsdp_jax.app.models.llama import LlamaConfig
+from fsdp_jax.app.models.config import LlamaConfig
 from fsdp_jax.app.models.rope import apply_rope, inv_freq, rope_tables
 
 ORIG = 64

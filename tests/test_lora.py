@@ -12,7 +12,8 @@ import optax
 import pytest
 
 from fsdp_jax.app.models import lora as lora_lib
-from fsdp_jax.app.models.llama import Llama, LlamaConfig, cross_entropy
+from fsdp_jax.app.models.config import LlamaConfig
+from fsdp_jax.app.models.llama import Llama, cross_entropy
 from fsdp_jax.app.trainer.build import lora_optimizer, trainer_model
 from fsdp_jax.model.fns import from_nnx
 from fsdp_jax.sharding.leaf_sharding import path_str

@@ -8,7 +8,8 @@ from flax import nnx
 
 from fsdp_jax.app.data.packing import batch_from_rows, pack
 from fsdp_jax.app.models.attention import packed_layout
-from fsdp_jax.app.models.llama import Llama, LlamaConfig
+from fsdp_jax.app.models.config import LlamaConfig
+from fsdp_jax.app.models.llama import Llama
 
 
 @pytest.mark.parametrize("scan, remat", [(True, "none"), (False, "dots")])

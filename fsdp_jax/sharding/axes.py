@@ -25,6 +25,8 @@ LAYERS = "layers"  # stacked-layer dim created by nnx.vmap / scan
 NORM = "norm"  # norm scales: small, kept replicated
 LORA_RANK = "lora_rank"  # a LoRA adapter's rank dim: replicated (its other dim shards as its weight's)
 
+EXPERT = "expert"  # the experts of a mixture-of-experts layer
+
 # Logical dims of activations.
 BATCH = "batch"
 LENGTH = "length"  # sequence positions (sharded over `context`)

@@ -53,6 +53,7 @@ DEFAULT_RULES: Rules = {
     ax.LAYERS: None,
     ax.NORM: None,
     ax.LORA_RANK: None,
+    ax.EXPERT: None,  # experts replicated over devices (their embed dim shards over fsdp)
 }
 DEFAULT_MIN_SHARD_SIZE = 2**14  # elements; smaller unannotated leaves stay replicated
 

@@ -55,7 +55,7 @@ def run(args) -> int:
     import yaml
 
     from fsdp_jax.app.hf import load as hf
-    from fsdp_jax.app.models.llama import LlamaConfig
+    from fsdp_jax.app.models.config import LlamaConfig
     from fsdp_jax.app.trainer.build import trainer_model
     from fsdp_jax.checkpoint import tree_paths
     from fsdp_jax.checkpoint.safetensors_io import write_safetensors

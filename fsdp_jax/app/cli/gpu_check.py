@@ -84,7 +84,7 @@ def precision_check() -> dict:
     import optax
 
     import fsdp_jax as fj
-    from fsdp_jax.app.models.llama import LlamaConfig
+    from fsdp_jax.app.models.config import LlamaConfig
     from fsdp_jax.app.trainer.build import make_loss_fn, trainer_model
 
     cfg = LlamaConfig(vocab_size=512, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768, max_seq_len=256)
@@ -114,7 +114,7 @@ def collective_check() -> dict:
     import optax
 
     import fsdp_jax as fj
-    from fsdp_jax.app.models.llama import LlamaConfig
+    from fsdp_jax.app.models.config import LlamaConfig
     from fsdp_jax.app.trainer.build import make_loss_fn, trainer_model
     from fsdp_jax.hlo.memory import collective_report
 

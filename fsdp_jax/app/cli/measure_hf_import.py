@@ -63,7 +63,7 @@ def write_checkpoint(d: Path, args) -> int:
     import numpy as np
 
     from fsdp_jax.app.hf.load import expected_tensors
-    from fsdp_jax.app.models.llama import LlamaConfig
+    from fsdp_jax.app.models.config import LlamaConfig
     from fsdp_jax.checkpoint.safetensors_io import write_safetensors
 
     cfg = LlamaConfig(

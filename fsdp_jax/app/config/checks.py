@@ -12,7 +12,8 @@ from typing import Any
 
 from fsdp_jax.app.config.schema import Config, check_fields
 from fsdp_jax.app.models import lora as lora_lib
-from fsdp_jax.app.models.llama import LlamaConfig
+from fsdp_jax.app.models.config import LlamaConfig
+from fsdp_jax.app.models.moe import moe_config_problem
 from fsdp_jax.errors import ConfigError, MeshError
 from fsdp_jax.sharding.mesh import resolve_mesh_shape
 from fsdp_jax.sharding.offload import OFFLOADS
@@ -55,6 +56,12 @@ def _check_decoder(m: LlamaConfig) -> None:
         )
 
 
+def _check_moe(m: LlamaConfig) -> None:
+    problem = moe_config_problem(m)
+    if problem is not None:
+        _check(False, f"model.{problem[0]}", problem[1], problem[2])
+
+
 def validate(cfg: Config, n_devices: int | None = None) -> None:
     """Each field's limits (`config_schema.check_fields`), then the checks across fields,
     section by section in this order (the first failure is reported); with `n_devices`,
@@ -62,6 +69,7 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
     check_fields(cfg)
     _check_heads(cfg.model)
     _check_decoder(cfg.model)
+    _check_moe(cfg.model)
     _check_data_fields(cfg)
     _check_run_dir(cfg)
     _check_mesh(cfg)

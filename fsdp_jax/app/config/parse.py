@@ -78,8 +78,15 @@ def config_from_dict(d: Mapping) -> Config:
 
 
 def config_to_dict(cfg: Config) -> dict:
-    """Plain nested dict (yaml.safe_dump-able); config_from_dict(config_to_dict(c)) == c."""
-    return dataclasses.asdict(cfg)
+    """Plain nested dict (yaml.safe_dump-able; tuples as lists, as YAML reads them back);
+    config_from_dict(config_to_dict(c)) == c."""
+    return {k: _lists(v) for k, v in dataclasses.asdict(cfg).items()}
+
+
+def _lists(v):
+    if isinstance(v, dict):
+        return {k: _lists(x) for k, x in v.items()}
+    return [_lists(x) for x in v] if isinstance(v, tuple) else v
 
 
 def save_config(cfg: Config, path: str | Path) -> None:

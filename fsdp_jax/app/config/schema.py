@@ -16,7 +16,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any, Callable
 
-from fsdp_jax.app.models.llama import LlamaConfig
+from fsdp_jax.app.models.config import LlamaConfig
 from fsdp_jax.app.models.rope import ROPE_TYPES
 from fsdp_jax.errors import ConfigError
 from fsdp_jax.sharding import rules as rl
@@ -77,8 +77,16 @@ MODEL_LIMITS: dict[str, str] = {
             "rope_mscale",
             "rope_mscale_all_dim",
             "rope_original_max_len",
+            "n_experts",
+            "experts_per_token",
+            "moe_ffn_dim",
+            "shared_expert_ffn_dim",
+            "capacity_factor",
         )
     },
+    "decoder_sparse_step": "> 0",
+    "router_aux_loss_coef": ">= 0",
+    "router_z_loss_coef": ">= 0",
 }
 MODEL_CHOICES: dict[str, tuple[str, ...]] = {
     "attention": ("xla", "cudnn", "splash"),
@@ -255,6 +263,10 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         if value is None:
             return None
         tp = next(a for a in args if a is not type(None))
+    if typing.get_origin(tp) is tuple:  # tuple[int, ...]: a YAML list
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(key, f"{value!r} is not a list")
+        return tuple(_coerce(f"{key}[{i}]", v, typing.get_args(tp)[0]) for i, v in enumerate(value))
     if tp is bool:
         if isinstance(value, bool):
             return value

@@ -21,7 +21,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from fsdp_jax.app.models.llama import LlamaConfig
+from fsdp_jax.app.hf.config_moe import moe_fields, refuse_other_router
+from fsdp_jax.app.models.config import LlamaConfig
 from fsdp_jax.errors import ConfigError
 
 # model_type -> (architecture, MLP activation key, transformers' config defaults used when a
@@ -53,6 +54,10 @@ FAMILIES = {
             "max_position_embeddings": 131072,
         },
     ),
+    # mixture of experts (fsdp_jax.app.hf.config_moe): transformers' defaults
+    "mixtral": ("MixtralForCausalLM", "hidden_act", {"rms_norm_eps": 1e-5, "rope_theta": 1e6}),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "hidden_act", {"rms_norm_eps": 1e-6, "rope_theta": 10000.0}),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", "hidden_act", {"rms_norm_eps": 1e-6, "rope_theta": 10000.0}),
 }
 ARCHITECTURES = tuple(f[0] for f in FAMILIES.values())
 MODEL_TYPES = tuple(FAMILIES)
@@ -70,7 +75,9 @@ FIELDS = {
     "tie_word_embeddings": "tie_word_embeddings",
 }
 # every architecture field of LlamaConfig (what a checkpoint decides; not scan_layers/attention)
-ARCH_FIELDS = tuple(f.name for f in dataclasses.fields(LlamaConfig) if f.name not in ("scan_layers", "attention"))
+# (capacity_factor and the router z-loss are training options a checkpoint does not record)
+_RUN_FIELDS = ("scan_layers", "attention", "capacity_factor", "router_z_loss_coef")
+ARCH_FIELDS = tuple(f.name for f in dataclasses.fields(LlamaConfig) if f.name not in _RUN_FIELDS)
 # rope dict keys -> LlamaConfig field, per rope type (required keys first)
 ROPE_KEYS = {
     "linear": ({"factor": "rope_factor"}, {}),
@@ -169,8 +176,8 @@ def _block_fields(raw: Mapping, mt: str, bad, act_key: str, act) -> dict:
         raise bad("attention_dropout", "the decoder has no dropout (allowed: 0)")
     if _number(raw, "partial_rotary_factor", 1.0, bad) != 1.0:
         raise bad("partial_rotary_factor", "RoPE rotates the whole head (allowed: 1)")
-    out["qkv_bias"] = mt == "qwen2"
-    out["qk_norm"] = mt in ("qwen3", "gemma3_text")
+    out["qkv_bias"] = mt in ("qwen2", "qwen2_moe")
+    out["qk_norm"] = mt in ("qwen3", "qwen3_moe", "gemma3_text")
     gemma = mt == "gemma3_text"
     out.update(norm_plus_one=gemma, sandwich_norm=gemma, embed_scale=gemma)
     return out
@@ -204,7 +211,7 @@ def _window_fields(raw: Mapping, mt: str, bad, get, n_layers: int) -> dict:
     """sliding_window and global_every (Gemma 3's every N-th layer full), or {} when every
     layer attends over the whole sequence."""
     window = get("sliding_window")
-    if mt in ("qwen2", "qwen3"):
+    if mt in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         if raw.get("use_sliding_window", False):
             raise bad(
                 "use_sliding_window",
@@ -287,6 +294,7 @@ def model_config_from_hf(raw: Mapping, where: str = "config.json", base: LlamaCo
         return ConfigError(where, f"{key}={raw.get(key)!r}: {why}")
 
     mt = raw.get("model_type")
+    refuse_other_router(mt, bad)  # DeepSeek, gpt-oss, ...: by name
     if mt not in MODEL_TYPES:
         raise bad("model_type", f"not a supported decoder family (allowed: {', '.join(MODEL_TYPES)})")
     arch = raw.get("architectures") or []
@@ -349,6 +357,7 @@ def model_config_from_hf(raw: Mapping, where: str = "config.json", base: LlamaCo
         raise bad("num_attention_heads", f"must divide hidden_size={kw['d_model']} (or set head_dim)")
     kw.update(rope_kw)
     kw.update(_family_fields(raw, mt, bad, kw["n_layers"]))
+    kw.update(moe_fields(raw, mt, bad, kw["n_layers"]))
     if kw.get("global_every"):
         kw["rope_local_theta"] = float(local_theta)
     defaults_of = {f: getattr(LlamaConfig(), f) for f in ARCH_FIELDS if f not in FIELDS}

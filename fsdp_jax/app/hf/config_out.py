@@ -11,7 +11,8 @@ family tables), `hint` first; keys as transformers writes them, with both the 5.
 from __future__ import annotations
 
 from fsdp_jax.app.hf.config_in import ARCH_FIELDS, FAMILIES, ROPE_KEYS, model_config_from_hf
-from fsdp_jax.app.models.llama import LlamaConfig
+from fsdp_jax.app.hf.config_moe import MOE_TYPES, moe_json
+from fsdp_jax.app.models.config import LlamaConfig
 from fsdp_jax.errors import ConfigError
 
 
@@ -61,9 +62,9 @@ def _family_json(cfg: LlamaConfig, mt: str) -> dict:
         d.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
     elif mt == "mistral":
         d["sliding_window"] = cfg.sliding_window or None
-    elif mt in ("qwen2", "qwen3"):
+    elif mt in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         d.update(use_sliding_window=False, sliding_window=None, max_window_layers=n, layer_types=["full_attention"] * n)
-        if mt == "qwen3":
+        if mt in ("qwen3", "qwen3_moe"):
             d["attention_bias"] = False
     elif mt == "gemma3_text":
         every = cfg.global_every if cfg.sliding_window else 1  # 1: every layer full
@@ -81,6 +82,10 @@ def _family_json(cfg: LlamaConfig, mt: str) -> dict:
             final_logit_softcapping=cfg.final_softcap or None,
             use_bidirectional_attention=False,
         )
+    if mt == "mixtral":
+        d["sliding_window"] = cfg.sliding_window or None
+    if mt in MOE_TYPES:
+        d.update(moe_json(cfg, mt))
     return d
 
 

@@ -30,8 +30,9 @@ from pathlib import Path
 import numpy as np
 
 from fsdp_jax.app.hf import load as hf
+from fsdp_jax.app.hf import moe_layout
 from fsdp_jax.app.hf.config_out import config_json
-from fsdp_jax.app.models.llama import LlamaConfig
+from fsdp_jax.app.models.config import LlamaConfig
 from fsdp_jax.checkpoint import Checkpointer, CheckpointError, shape_mismatches, tree_paths
 from fsdp_jax.checkpoint.safetensors_io import check_file, write_safetensors
 from fsdp_jax.errors import ConfigError
@@ -179,11 +180,14 @@ def _tensor_entries(cfg: LlamaConfig, saved: dict, out_dt) -> tuple[list, dict]:
     shapes = hf.expected_tensors(cfg)
     entries, source = [], {}
     for path, (names, kind) in hf.leaf_sources(cfg).items():
-        stacked = cfg.scan_layers and path.startswith("blocks/")
+        stacked = moe_layout.is_stacked(cfg, path)
         dt = out_dt or np.dtype(saved[f"params/{path}"].dtype)
+        experts = range(cfg.n_experts) if kind.startswith(moe_layout.EXPERT_KIND) else [None]
         for i, name in enumerate(names):
-            entries.append((name, shapes[name], dt))
-            source[name] = (path, i if stacked else None, kind)
+            for e in experts:  # an expert leaf: one HF tensor per expert
+                n = name if e is None else name.format(e=e)
+                entries.append((n, shapes[n], dt))
+                source[n] = (path, i if stacked else None, kind, e)
     return entries, source
 
 
@@ -192,12 +196,12 @@ def _leaf_reader(read_leaf, source: dict):
     cache: dict[str, np.ndarray] = {}
 
     def fetch(name: str) -> np.ndarray:
-        path, layer, kind = source[name]
+        path, layer, kind, expert = source[name]
         if path not in cache:
             cache.clear()  # one leaf in host memory at a time
             cache[path] = np.asarray(read_leaf(path))
         arr = cache[path] if layer is None else cache[path][layer]
-        return hf.to_hf(kind, arr)
+        return hf.to_hf(kind, arr, expert)
 
     return fetch
 

@@ -36,8 +36,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from fsdp_jax.app.hf import moe_layout
 from fsdp_jax.app.hf.config_in import ARCH_FIELDS, FIELDS, model_config_from_hf
-from fsdp_jax.app.models.llama import LlamaConfig
+from fsdp_jax.app.models.config import LlamaConfig
 from fsdp_jax.checkpoint import CheckpointError, tree_paths
 from fsdp_jax.checkpoint.safetensors_io import SafetensorsFile
 from fsdp_jax.errors import ConfigError, SafetensorsError
@@ -180,7 +181,10 @@ def expected_tensors(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     }
     per = {name: shapes.get(ours, (d,)) for ours, (name, _) in layer_tensors(cfg).items()}
     out = {"model.embed_tokens.weight": (cfg.vocab_size, d)}
-    for i in range(cfg.n_layers):
+    if cfg.n_experts:  # sparse and dense layers
+        shapes.update({k: (d,) for k in layer_tensors(cfg) if k not in shapes})
+        out.update(moe_layout.expected(cfg, layer_tensors(cfg), shapes))
+    for i in range(0 if cfg.n_experts else cfg.n_layers):
         out.update({f"model.layers.{i}.{k}": s for k, s in per.items()})
     out["model.norm.weight"] = (d,)
     if not cfg.tie_word_embeddings:
@@ -195,6 +199,8 @@ def leaf_sources(cfg: LlamaConfig) -> dict[str, tuple[list[str], str]]:
     for ours, (name, kind) in TOP_TENSORS.items():
         if ours != "head" or not cfg.tie_word_embeddings:
             out[ours] = ([name], kind)
+    if cfg.n_experts:
+        return {**out, **moe_layout.leaf_sources(cfg, layer_tensors(cfg))}
     for ours, (name, kind) in layer_tensors(cfg).items():
         if cfg.scan_layers:
             out[f"blocks/{ours}"] = ([f"model.layers.{i}.{name}" for i in range(cfg.n_layers)], kind)
@@ -231,8 +237,11 @@ def read_block(
     raise ValueError(kind)
 
 
-def to_hf(kind: str, ours: np.ndarray) -> np.ndarray:
-    """One layer's tensor in HF layout (the inverse of `read_block` on the whole tensor)."""
+def to_hf(kind: str, ours: np.ndarray, expert: int | None = None) -> np.ndarray:
+    """One layer's tensor in HF layout (the inverse of `read_block` on the whole tensor);
+    an expert kind: expert `expert`'s."""
+    if kind.startswith(moe_layout.EXPERT_KIND):
+        return to_hf(kind[len(moe_layout.EXPERT_KIND) :], ours[expert])
     if kind == "id":
         return ours
     if kind == "t":
@@ -331,12 +340,16 @@ class HFCheckpoint:
     ) -> np.ndarray:
         """The block `idx` of our leaf of `shape` (stacked: leading layer dim over `names`)."""
         dh = self.config.head_dim
-        if not stacked:
-            return read_block(self.where[names[0]], names[0], kind, idx, shape, dh, dtype)
-        l0, l1 = _span(idx[0], shape[0])
-        return np.stack(
-            [read_block(self.where[names[i]], names[i], kind, idx[1:], shape[1:], dh, dtype) for i in range(l0, l1)]
-        )
+        if stacked:
+            l0, l1 = _span(idx[0], shape[0])
+            return np.stack([self.read([names[i]], kind, idx[1:], shape[1:], dtype, False) for i in range(l0, l1)])
+        if kind.startswith(moe_layout.EXPERT_KIND):  # one HF tensor per expert, stacked
+            e0, e1 = _span(idx[0], shape[0])
+            base = kind[len(moe_layout.EXPERT_KIND) :]
+            return np.stack(
+                [self.read([names[0].format(e=e)], base, idx[1:], shape[1:], dtype, False) for e in range(e0, e1)]
+            )
+        return read_block(self.where[names[0]], names[0], kind, idx, shape, dh, dtype)
 
 
 def load_params(ckpt: HFCheckpoint, abstract_params) -> Any:
@@ -353,7 +366,7 @@ def load_params(ckpt: HFCheckpoint, abstract_params) -> Any:
     leaves = []
     for path, sds in want.items():
         names, kind = sources[path]
-        stacked = len(names) > 1 or (ckpt.config.scan_layers and path.startswith("blocks/"))
+        stacked = len(names) > 1 or moe_layout.is_stacked(ckpt.config, path)
         shape, dtype = tuple(sds.shape), np.dtype(sds.dtype)
         sharding = getattr(sds, "sharding", None)
         if sharding is None:

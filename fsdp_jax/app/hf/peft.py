@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from fsdp_jax.app.models import lora as lora_lib
-from fsdp_jax.app.models.llama import LlamaConfig
+from fsdp_jax.app.models.config import LlamaConfig
 from fsdp_jax.checkpoint.safetensors_io import SafetensorsFile, write_safetensors
 from fsdp_jax.errors import CheckpointError
 

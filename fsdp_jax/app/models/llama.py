@@ -20,8 +20,6 @@ layer scan, so scanned layers stay one module.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,71 +29,19 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from fsdp_jax.app.models import lora as lora_lib
+from fsdp_jax.app.models import stack
 from fsdp_jax.app.models.attention import _attend_capped, attention, rope, segment_mask, softcap
+from fsdp_jax.app.models.config import LlamaConfig
+from fsdp_jax.app.models.moe import MoE, moe_active_params, moe_params, zero_stats
 from fsdp_jax.app.models.rope import apply_rope, rope_tables
 from fsdp_jax.app.models.splash import splash_attention
+from fsdp_jax.errors import ConfigError
 from fsdp_jax.sharding.axes import BATCH, EMBED, HEADS, KV, KV_HEADS, LAYERS, LENGTH, MLP, NORM, VOCAB
 from fsdp_jax.sharding.context import context_size
 from fsdp_jax.sharding.precision import matmul, take
 from fsdp_jax.sharding.remat import get_policy
 from fsdp_jax.sharding.ring_attention import context_attention
 from fsdp_jax.train import layer_gather
-
-
-@dataclasses.dataclass(frozen=True)
-class LlamaConfig:
-    """The decoder's architecture. Defaults are the Llama-2 reference; each family
-    switch below is off by default and adds params only when on (docs/hf_models.md)."""
-
-    vocab_size: int = 256
-    d_model: int = 256
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int = 4
-    ffn_dim: int = 704
-    max_seq_len: int = 128
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    scan_layers: bool = True
-    attention: str = "xla"  # xla | cudnn (jax.nn.dot_product_attention) | splash (TPU Pallas kernel)
-    context_kv_pass: str = "all_gather"  # mesh.context > 1: all_gather | ring (sharding/ring_attention.py)
-    tie_word_embeddings: bool = False  # output head = embed.T (no separate head param)
-    kv_channels: int = 0  # per-head width; 0 = d_model // n_heads (`head_dim` resolves it)
-    # RoPE scaling (of global layers): default | linear | llama3 | yarn (models/rope.py)
-    rope_type: str = "default"
-    rope_factor: float = 1.0
-    rope_low_freq_factor: float = 1.0  # llama3
-    rope_high_freq_factor: float = 4.0  # llama3
-    rope_original_max_len: int = 0  # llama3 / yarn: original_max_position_embeddings
-    rope_beta_fast: float = 32.0  # yarn
-    rope_beta_slow: float = 1.0  # yarn
-    rope_attention_factor: float = 0.0  # yarn; 0 = derived from factor (and mscales)
-    rope_mscale: float = 0.0  # yarn
-    rope_mscale_all_dim: float = 0.0  # yarn
-    rope_truncate: bool = True  # yarn
-    qkv_bias: bool = False  # q/k/v projection biases (Qwen2)
-    qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3, Gemma 3)
-    sliding_window: int = 0  # keys within this many positions (query included); 0 = all
-    global_every: int = 0  # >0: layer i is global (full attention) when (i+1) % this == 0,
-    #                        the others slide with `rope_local_theta` RoPE; 0: all layers alike
-    rope_local_theta: float = 0.0  # base of the sliding layers' RoPE; 0 = rope_theta
-    attn_softcap: float = 0.0  # cap * tanh(scores / cap); 0 = off
-    query_pre_attn_scalar: float = 0.0  # scores scaled by this ** -0.5; 0 = head_dim
-    mlp_activation: str = "silu"  # silu | gelu_pytorch_tanh (gated MLP)
-    norm_plus_one: bool = False  # RMSNorm scales by (1 + w), w initialised 0 (Gemma)
-    sandwich_norm: bool = False  # extra norms on the attention and MLP outputs (Gemma)
-    embed_scale: bool = False  # embeddings times sqrt(d_model) in the compute dtype (Gemma)
-    final_softcap: float = 0.0  # logits = cap * tanh(logits / cap); 0 = off
-
-    @property
-    def head_dim(self) -> int:
-        return self.kv_channels or self.d_model // self.n_heads
-
-    def is_local(self, layer: int) -> bool:
-        """Whether `layer` attends through the sliding window."""
-        if not self.sliding_window:
-            return False
-        return not self.global_every or (layer + 1) % self.global_every != 0
 
 
 def constrain(x, names):
@@ -252,12 +198,19 @@ def _plus(y, lora_delta):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, lora: lora_lib.LoraSpec | None = None):
+    """One decoder layer; its MLP the mixture of experts when `sparse`. In an MoE model
+    (`n_experts`) it returns (x, RouterStats), else x. `lora`: adapters on its projections."""
+
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, sparse: bool = False, lora: lora_lib.LoraSpec | None = None):
         po = cfg.norm_plus_one
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, po, rngs)
         self.attn = Attention(cfg, rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, po, rngs)
-        self.mlp = FeedForward(cfg, rngs)
+        if sparse:
+            self.moe = MoE(cfg, rngs)
+        else:
+            self.mlp = FeedForward(cfg, rngs)
+        self.sparse, self.n_experts = sparse, cfg.n_experts
         self.sandwich = cfg.sandwich_norm
         if cfg.sandwich_norm:
             self.post_attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, po, rngs)
@@ -265,13 +218,17 @@ class Block(nnx.Module):
         if lora is not None:  # last: the base params are drawn as without adapters
             lora_lib.attach(self, cfg, lora, rngs)
 
-    def __call__(self, x, local=None, segment_ids=None, positions=None):  # (B, S, D) -> (B, S, D)
+    def __call__(self, x, local=None, segment_ids=None, positions=None, token_mask=None):  # (B, S, D)
         x = constrain(x, (BATCH, LENGTH, EMBED))
         a = self.attn(self.attn_norm(x), local, segment_ids, positions)
         x = x + (self.post_attn_norm(a) if self.sandwich else a)
-        m = self.mlp(self.mlp_norm(x))
+        if self.sparse:
+            m, stats = self.moe(self.mlp_norm(x), token_mask)
+        else:
+            m, stats = self.mlp(self.mlp_norm(x)), zero_stats(self.n_experts)
         x = x + (self.post_mlp_norm(m) if self.sandwich else m)
-        return constrain(x, (BATCH, LENGTH, EMBED))
+        x = constrain(x, (BATCH, LENGTH, EMBED))
+        return (x, stats) if self.n_experts else x
 
 
 class Llama(nnx.Module):
@@ -284,12 +241,16 @@ class Llama(nnx.Module):
         self.remat = remat
         get_policy(remat)  # fail early on an unknown name
         self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), (VOCAB, EMBED))
-        if cfg.scan_layers:
+        if cfg.n_experts and lora is not None:
+            raise ConfigError("lora", "LoRA adapters on mixture-of-experts models (model.n_experts) are not built yet")
+        if cfg.n_experts:  # sparse and dense layers: stacked by segment
+            self.segments = stack.make_layers(cfg, rngs, Block)
+        elif cfg.scan_layers:
 
             @nnx.split_rngs(splits=cfg.n_layers)
             @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS})
             def make(r):
-                return Block(cfg, r, lora)
+                return Block(cfg, r, lora=lora)
 
             self.blocks = make(rngs)
         else:
@@ -301,9 +262,10 @@ class Llama(nnx.Module):
             for blk in self.blocks:
                 lora_lib.attach(blk, cfg, lora, rngs)
 
-    def __call__(self, tokens, segment_ids=None, positions=None):
+    def __call__(self, tokens, segment_ids=None, positions=None, *, router: bool = False, token_mask=None):
         """tokens (B, S) int -> logits (B, S, V). Packed rows: `segment_ids` (B, S) keep
-        attention inside each example, `positions` (B, S) restart RoPE per example."""
+        attention inside each example, `positions` (B, S) restart RoPE per example.
+        `router`: return (logits, RouterStats over the tokens where `token_mask` (B, S))."""
         cfg = self.cfg
         b, s = tokens.shape
         # Gather the table over its embed dim before the lookup, as for any FSDP
@@ -313,6 +275,10 @@ class Llama(nnx.Module):
         if cfg.embed_scale:  # sqrt(D) rounded to the compute dtype, as transformers does
             x = x * jnp.asarray(np.float32(cfg.d_model**0.5), emb.dtype)
         x = constrain(x, (BATCH, LENGTH, EMBED))
+        if cfg.n_experts:
+            x, stats = stack.run_layers(cfg, self.segments, x, self.remat, segment_ids, positions, token_mask)
+            logits = self._head(x)
+            return (logits, stats) if router else logits
         pattern = bool(cfg.sliding_window and cfg.global_every)  # per-layer local flag
         # scanned layers: the train step's per-layer cast + gather (ZeRO-2/3, fsdp_jax.train.layer_gather)
         wrap = layer_gather.gather_module if cfg.scan_layers else (lambda blk: blk)
@@ -342,6 +308,11 @@ class Llama(nnx.Module):
         else:
             for i, blk in enumerate(self.blocks):
                 x = block_fn(blk, x, jnp.asarray(cfg.is_local(i))) if pattern else block_fn(blk, x)
+        return self._head(x)
+
+    def _head(self, x):  # (B, S, D) -> logits (B, S, V)
+        cfg = self.cfg
+        b, s, _ = x.shape
         x = self.final_norm(x)
         x2 = _rows(x)
         if cfg.tie_word_embeddings:
@@ -356,17 +327,20 @@ def cross_entropy(logits, targets):
     return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets).mean()
 
 
-def count_params(cfg: LlamaConfig) -> int:
+def count_params(cfg: LlamaConfig, active: bool = False) -> int:
     """Parameter count: embeddings, head (unless tied), per-layer attention (+ q/k/v
-    biases, q/k norms) + gated MLP + 2 norms (4 with `sandwich_norm`), final norm."""
+    biases, q/k norms) + gated MLP or mixture of experts + 2 norms (4 with `sandwich_norm`),
+    final norm. `active`: the experts a token uses (top-k of n_experts) only."""
     d, f, h, kvh = cfg.d_model, cfg.ffn_dim, cfg.n_heads, cfg.n_kv_heads
     dh = cfg.head_dim
     attn = d * h * dh + 2 * d * kvh * dh + h * dh * d
     attn += (h + 2 * kvh) * dh if cfg.qkv_bias else 0
     attn += 2 * dh if cfg.qk_norm else 0
-    per_layer = attn + 3 * d * f + (4 if cfg.sandwich_norm else 2) * d
+    per_layer = attn + (4 if cfg.sandwich_norm else 2) * d
+    n_sparse = sum(stack.sparse_layers(cfg))
+    mlps = (cfg.n_layers - n_sparse) * 3 * d * f + n_sparse * (moe_active_params(cfg) if active else moe_params(cfg))
     tables = 1 if cfg.tie_word_embeddings else 2
-    return tables * cfg.vocab_size * d + cfg.n_layers * per_layer + d
+    return tables * cfg.vocab_size * d + cfg.n_layers * per_layer + mlps + d
 
 
 def _attended_fraction(cfg: LlamaConfig, seq_len: int, layer: int) -> float:
@@ -386,29 +360,9 @@ def flops_per_token(cfg: LlamaConfig, seq_len: int, lora: lora_lib.LoraSpec | No
     per adapter param."""
     # a tied table is used by the head matmul, so only an untied one is lookup-only
     lookup_only = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.d_model
-    matmul_params = count_params(cfg) - lookup_only
+    matmul_params = count_params(cfg, active=True) - lookup_only  # a token's experts only
     layers = sum(_attended_fraction(cfg, seq_len, i) for i in range(cfg.n_layers))
     attention = 6.0 * layers * seq_len * cfg.n_heads * cfg.head_dim
     if lora is None:
         return 6.0 * matmul_params + attention
     return 4.0 * matmul_params + 6.0 * lora_lib.adapter_param_count(cfg, lora) + attention
-
-
-def sample(next_logits, prompt, n_new: int, window: int, rng, temperature: float = 0.8) -> list[int]:
-    """Temperature sampling of `n_new` tokens after `prompt` (1-D ints).
-
-    `next_logits(buf (window,) int32, pos) -> logits (V,)` scores the token after
-    position `pos - 1` of a fixed-size window (which slides once full), so one
-    compiled forward serves every step."""
-    import numpy as np
-
-    toks = [int(t) for t in np.asarray(prompt)][-window:]
-    out: list[int] = []
-    for i in range(n_new):
-        ctx = (toks + out)[-window:]
-        buf = np.zeros((window,), np.int32)
-        buf[: len(ctx)] = ctx
-        logits = np.asarray(next_logits(buf, len(ctx)), np.float64) / max(temperature, 1e-6)
-        key = jax.random.fold_in(rng, i)
-        out.append(int(jax.random.categorical(key, jnp.asarray(logits))))
-    return out

@@ -49,8 +49,9 @@ def model_flops_per_token(model, seq_len: int, lora=None) -> tuple[float, float]
     from fsdp_jax.app.models.lora import adapter_param_count
 
     d, v = model.d_model, model.vocab_size
-    # the embedding lookup does no matmul; a tied head multiplies by the same table
-    matmul = count_params(model) - (0 if model.tie_word_embeddings else v * d)
+    # the embedding lookup does no matmul; a tied head multiplies by the same table; a
+    # mixture of experts multiplies each token by its top-k experts only (active params)
+    matmul = count_params(model, active=True) - (0 if model.tie_word_embeddings else v * d)
     attn = 12 * model.n_layers * model.n_heads * model.head_dim * seq_len
     if lora is not None:
         return 4 * matmul + 6 * adapter_param_count(model, lora) + attn, attn

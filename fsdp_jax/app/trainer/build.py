@@ -15,8 +15,10 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from fsdp_jax.app.models.llama import Llama, LlamaConfig, cross_entropy
+from fsdp_jax.app.models.config import LlamaConfig
+from fsdp_jax.app.models.llama import Llama, cross_entropy
 from fsdp_jax.app.models.lora import LoraSpec, adapter_mask, spec_from_config
+from fsdp_jax.app.trainer.router_metrics import router_terms
 from fsdp_jax.model.fns import ModelFns, from_nnx
 from fsdp_jax.sharding.context import context_size, zigzag
 from fsdp_jax.train.build import Built, build
@@ -49,10 +51,14 @@ def token_loss(logits, targets, weights) -> TokenSum:
     return TokenSum((losses * w).sum(), w.sum())
 
 
-def make_loss_fn(model: ModelFns) -> Callable:
+def make_loss_fn(model: ModelFns, model_cfg: LlamaConfig | None = None) -> Callable:
     """Next-token cross-entropy on int32 tokens (B, S + 1) (the mean), or on a packed /
     document-masked batch dict (`fsdp_jax.app.data.packing.batch_from_rows`): attention and
-    positions per segment, the loss over the weighted targets of the global batch."""
+    positions per segment, the loss over the weighted targets of the global batch.
+    A mixture-of-experts `model_cfg`: plus the router terms (`router_metrics`), and the
+    loss returns `(loss, router aux)` (build with `has_aux=True`: `has_router_aux`)."""
+    if has_router_aux(model_cfg):
+        return _moe_loss_fn(model, model_cfg)
 
     def loss_fn(params, batch):
         n = context_size()  # > 1: every (B, S) array in zig-zag order (fsdp_jax.sharding.context)
@@ -65,6 +71,31 @@ def make_loss_fn(model: ModelFns) -> Callable:
         positions = jnp.broadcast_to(jnp.arange(batch.shape[1] - 1, dtype=jnp.int32), batch[:, 1:].shape)
         inputs, targets, positions = zigzag((batch[:, :-1], batch[:, 1:], positions), n)
         return cross_entropy(model.apply(params, inputs, None, positions), targets)
+
+    return loss_fn
+
+
+def has_router_aux(model_cfg: LlamaConfig | None) -> bool:
+    return bool(model_cfg is not None and model_cfg.n_experts)
+
+
+def _moe_loss_fn(model: ModelFns, cfg: LlamaConfig) -> Callable:
+    def loss_fn(params, batch):
+        if isinstance(batch, dict):  # packed rows: the router sees the real tokens only
+            logits, stats = model.apply(
+                params,
+                batch["inputs"],
+                batch["segment_ids"],
+                batch["positions"],
+                router=True,
+                token_mask=batch["segment_ids"] > 0,
+            )
+            extra, aux = router_terms(cfg, stats)
+            ts = token_loss(logits, batch["targets"], batch["weights"])
+            return TokenSum(ts.total + extra * ts.count, ts.count), aux
+        logits, stats = model.apply(params, batch[:, :-1], router=True)
+        extra, aux = router_terms(cfg, stats)
+        return cross_entropy(logits, batch[:, 1:]) + extra, aux
 
     return loss_fn
 
@@ -93,7 +124,8 @@ def build_from_config(
         optimizer,
         mesh,
         strategy or cfg.mesh.strategy,
-        loss_fn=make_loss_fn(model) if loss_fn is None else loss_fn,
+        loss_fn=make_loss_fn(model, cfg.model) if loss_fn is None else loss_fn,
+        has_aux=has_router_aux(cfg.model),
         rules=cfg.mesh.rules,
         min_shard_size=cfg.mesh.min_shard_size,
         max_replicated_fraction=max_replicated_fraction,

@@ -148,7 +148,7 @@ def _read_metrics(lp: LoopState) -> None:
                 )
         else:
             lp.streak.clear()
-        lp.window.add(loss, gnorm, float(m["tokens"]) if "tokens" in m else None)
+        lp.window.add(loss, gnorm, float(m["tokens"]) if "tokens" in m else None, m.get("aux"))
         if lp.bar is not None:
             lp.bar.update(1)
 

@@ -40,7 +40,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fsdp_jax.app.data import corpus as data_lib
-from fsdp_jax.app.models.llama import sample
+from fsdp_jax.app.models.sample import sample
+from fsdp_jax.app.trainer.router_metrics import summarise
 from fsdp_jax.sharding.precision import Policy
 from fsdp_jax.sharding.strategy import ShardingPlan, batch_divisor
 from fsdp_jax.targets.perf import device_memory, memory_excess, mfu
@@ -198,12 +199,16 @@ class LogWindow:
     def reset(self, step: int) -> None:
         """Start a new window after `step` (now)."""
         self.values.clear()
+        self.router: list[dict] = []
         self.t, self.step, self.eval_s = time.perf_counter(), step, 0.0
 
-    def add(self, loss: float, grad_norm: float, trained_tokens: float | None = None) -> None:
+    def add(self, loss: float, grad_norm: float, trained_tokens: float | None = None, router=None) -> None:
         """One step's figures; `trained_tokens`: the unmasked targets of its global batch
-        (packed / masked batches), logged as trained_tokens and trained_tokens_per_s."""
+        (packed / masked batches), logged as trained_tokens and trained_tokens_per_s;
+        `router`: a mixture-of-experts step's router aux (`router_metrics.summarise`)."""
         self.values.append((loss, grad_norm, trained_tokens))
+        if router is not None:
+            self.router.append(router)
 
     def add_eval_time(self, seconds: float) -> None:
         self.eval_s += seconds
@@ -248,6 +253,7 @@ class LogWindow:
         if trained:
             rec["trained_tokens"] = int(sum(trained))
             rec["trained_tokens_per_s"] = sum(trained) / len(trained) / dt
+        rec.update(summarise(self.router))
         rec.update(tw)
         return rec
 

@@ -192,7 +192,7 @@ def _model(p: _Draft) -> None:
     p.optimizer, p.schedule = build_optimizer(cfg.optimizer, cfg.train.steps)
     if lora_spec(cfg) is not None:
         p.optimizer = lora_optimizer(p.optimizer)
-    p.loss_fn = make_loss_fn(p.model)
+    p.loss_fn = make_loss_fn(p.model, cfg.model)
 
 
 def _mesh(p: _Draft) -> None:

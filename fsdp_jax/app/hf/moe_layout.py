@@ -1,0 +1,101 @@
+"""Tensor layout of the mixture-of-experts families: our param paths <-> HF tensor names.
+
+Layers of an MoE model live in segments (`fsdp_jax.app.models.stack`): `segments/<j>/
+layers/<m>/...` stacked over groups, or `segments/<i>/...` unscanned. A sparse layer's MLP
+is our `moe/...`:
+  moe/router (D, E)           <- <mlp>.gate.weight (E, D), transposed
+  moe/w_gate (E, D, F)        <- <mlp>.experts.<e>.gate_proj.weight (F, D) each, transposed
+  moe/w_up   (E, D, F)        <- <mlp>.experts.<e>.up_proj.weight
+  moe/w_down (E, F, D)        <- <mlp>.experts.<e>.down_proj.weight (D, F)
+  moe/shared_{gate,up,down}   <- mlp.shared_expert.{gate,up,down}_proj.weight (Qwen2-MoE)
+  moe/shared_weight (D, 1)    <- mlp.shared_expert_gate.weight (1, D)
+with <mlp> `mlp` (Qwen) or `block_sparse_moe` and w1 / w3 / w2 for gate / up / down
+(Mixtral). The published per-expert layout is read and written (transformers 5.24 saves it
+from its fused in-memory experts). An expert leaf's kind is "e:t": the HF name holds `{e}`,
+one tensor per expert stacked on our leading expert dim.
+"""
+
+from __future__ import annotations
+
+from fsdp_jax.app.models.stack import segment_layers
+
+EXPERT_KIND = "e:"
+
+
+def is_mixtral_layout(cfg) -> bool:
+    """Mixtral's names (`block_sparse_moe`, w1/w2/w3): no q/k norms, no q/k/v biases, no
+    shared expert (what config_in gives a mixtral config.json and no Qwen one)."""
+    return not (cfg.qk_norm or cfg.qkv_bias or cfg.shared_expert_ffn_dim)
+
+
+def moe_tensors(cfg) -> dict[str, tuple[str, str]]:
+    """{our path under a sparse block: (HF name under model.layers.N, kind)}."""
+    if is_mixtral_layout(cfg):
+        pre, names = "block_sparse_moe", ("w1", "w3", "w2")
+    else:
+        pre, names = "mlp", ("gate_proj", "up_proj", "down_proj")
+    out = {"moe/router": (f"{pre}.gate.weight", "t")}
+    for ours, theirs in zip(("w_gate", "w_up", "w_down"), names):
+        out[f"moe/{ours}"] = (f"{pre}.experts.{{e}}.{theirs}.weight", EXPERT_KIND + "t")
+    if cfg.shared_expert_ffn_dim:
+        for ours, theirs in zip(("shared_gate", "shared_up", "shared_down"), ("gate_proj", "up_proj", "down_proj")):
+            out[f"moe/{ours}"] = (f"mlp.shared_expert.{theirs}.weight", "t")
+        out["moe/shared_weight"] = ("mlp.shared_expert_gate.weight", "t")
+    return out
+
+
+def moe_shapes(cfg) -> dict[str, tuple[int, ...]]:
+    """{our path under a sparse block: the shape of ONE HF tensor (one expert's)}."""
+    d, e, f, fs = cfg.d_model, cfg.n_experts, cfg.moe_ffn_dim, cfg.shared_expert_ffn_dim
+    return {
+        "moe/router": (e, d),
+        "moe/w_gate": (f, d),
+        "moe/w_up": (f, d),
+        "moe/w_down": (d, f),
+        "moe/shared_gate": (fs, d),
+        "moe/shared_up": (fs, d),
+        "moe/shared_down": (d, fs),
+        "moe/shared_weight": (1, d),
+    }
+
+
+def per_layer(cfg, dense: dict[str, tuple[str, str]], sparse: bool) -> dict[str, tuple[str, str]]:
+    """One layer's {our path: (HF name, kind)}: `dense` (the dense layer's table), its MLP
+    replaced by the experts when `sparse`."""
+    if not sparse:
+        return dict(dense)
+    out = {k: v for k, v in dense.items() if not k.startswith("mlp/")}
+    out.update(moe_tensors(cfg))
+    return out
+
+
+def expected(cfg, dense: dict[str, tuple[str, str]], dense_shapes: dict[str, tuple[int, ...]]) -> dict:
+    """{HF tensor name: shape} of the layers of an MoE checkpoint (experts one by one)."""
+    shapes = {**dense_shapes, **moe_shapes(cfg)}
+    out: dict[str, tuple[int, ...]] = {}
+    for _, layers, sparse in segment_layers(cfg):
+        for i in layers:
+            for ours, (name, kind) in per_layer(cfg, dense, sparse).items():
+                names = [name.format(e=e) for e in range(cfg.n_experts)] if kind.startswith(EXPERT_KIND) else [name]
+                for n in names:
+                    out[f"model.layers.{i}.{n}"] = shapes[ours]
+    return dict(sorted(out.items(), key=lambda kv: _layer_of(kv[0])))
+
+
+def _layer_of(name: str) -> int:
+    return int(name.split(".")[2])
+
+
+def leaf_sources(cfg, dense: dict[str, tuple[str, str]]) -> dict[str, tuple[list[str], str]]:
+    """{our layer param path: ([HF names, one per stacked entry], kind)}; an expert leaf's
+    names hold `{e}`."""
+    out: dict[str, tuple[list[str], str]] = {}
+    for prefix, layers, sparse in segment_layers(cfg):
+        for ours, (name, kind) in per_layer(cfg, dense, sparse).items():
+            out[f"{prefix}/{ours}"] = ([f"model.layers.{i}.{name}" for i in layers], kind)
+    return out
+
+
+def is_stacked(cfg, path: str) -> bool:
+    """Whether our leaf at `path` has a leading stacked-layers dim."""
+    return cfg.scan_layers and path.startswith(("blocks/", "segments/"))

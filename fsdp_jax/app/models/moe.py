@@ -1,0 +1,186 @@
+"""The decoder's mixture-of-experts MLP (Mixtral, Qwen3-MoE, Qwen2-MoE by config).
+
+Router: logits = x @ router (D, E), p = softmax(logits) in float32, the top-k experts of p
+per token with weights p (renormalised over the k when `norm_topk_prob`, as Mixtral and
+Qwen3-MoE do; Qwen2-MoE uses them as they are). Each expert is a gated MLP
+(SiLU(x W_gate) * x W_up) W_down with its own (E, D, F) weights. Qwen2-MoE adds a shared
+expert (a dense gated MLP) scaled per token by sigmoid(x w_shared_gate).
+
+Two ways to compute the experts, both from the same weights (`models/moe_dispatch.py`, which
+also places them on the mesh: tokens routed where they are, experts split by the rules):
+- dropless (`capacity_factor` 0, the default): the N * k (token, expert) pairs sorted by
+  expert and run as grouped matmuls, `jax.lax.ragged_dot` with the per-expert group sizes.
+  Every token reaches its k experts.
+- capacity (`capacity_factor` c > 0): each expert takes at most C = ceil(c * N * k / E)
+  tokens, in token order (the first to claim it win, as GShard / Switch); the pairs over
+  capacity are dropped (their weight is 0; the residual carries the token) and counted.
+  Tokens are gathered into an (E, C, D) buffer and the experts are batched matmuls over
+  it, so compute is c * k / E of the dense all-experts form on every backend.
+
+Each sparse layer returns router statistics summed over its tokens (`RouterStats`), from
+which `aux_loss` is transformers' load-balancing loss (`load_balancing_loss_func`) pooled
+over all sparse layers. Params name logical dims only (`expert` among them).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from fsdp_jax.app.models.moe_dispatch import dropless, gated, per_batch_shard, with_capacity
+from fsdp_jax.sharding.axes import EMBED, EXPERT, MLP
+from fsdp_jax.sharding.precision import matmul
+
+
+class RouterStats(NamedTuple):
+    """Router statistics summed over the (masked) tokens of the sparse layers so far:
+    `counts` (E,) sum_t m_t #{top-k of t = e}, `probs` (E,) sum_t m_t p_te, `tokens`
+    sum_t m_t, `z` sum_t m_t logsumexp(logits_t)^2, `dropped` (token, expert) pairs over
+    capacity, `layers` the number of sparse layers summed."""
+
+    counts: jax.Array
+    probs: jax.Array
+    tokens: jax.Array
+    z: jax.Array
+    dropped: jax.Array
+    layers: jax.Array
+
+
+def zero_stats(n_experts: int) -> RouterStats:
+    z = jnp.zeros((), jnp.float32)
+    e = jnp.zeros((n_experts,), jnp.float32)
+    return RouterStats(e, e, z, z, z, z)
+
+
+def add_stats(a: RouterStats, b: RouterStats) -> RouterStats:
+    return RouterStats(*(x + y for x, y in zip(a, b)))
+
+
+def aux_loss(s: RouterStats) -> jax.Array:
+    """transformers' load-balancing loss: E * sum_e f_e P_e, f_e and P_e the masked means
+    over every sparse layer's tokens of the top-k assignment counts and the router
+    probabilities (a balanced router gives k)."""
+    n = jnp.maximum(s.tokens, 1.0)
+    return s.counts.shape[0] * jnp.sum((s.counts / n) * (s.probs / n))
+
+
+def z_loss(s: RouterStats) -> jax.Array:
+    """Router z-loss (ST-MoE): the masked mean over tokens and sparse layers of logsumexp(logits)^2."""
+    return s.z / jnp.maximum(s.tokens, 1.0)
+
+
+def expert_load(s: RouterStats) -> jax.Array:
+    """Fraction of the routed (token, expert) pairs each expert received, (E,); sums to 1."""
+    return s.counts / jnp.maximum(jnp.sum(s.counts), 1.0)
+
+
+_init = nnx.initializers.normal(0.02)
+
+
+def _param(rngs: nnx.Rngs, shape, names):
+    return nnx.Param(nnx.with_partitioning(_init, names)(rngs.params(), shape))
+
+
+def route(logits, k: int, norm_topk_prob: bool):
+    """(N, E) router logits -> (softmax probs (N, E) f32, top-k weights (N, k) f32, top-k
+    experts (N, k) int32)."""
+    p = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    w, idx = jax.lax.top_k(p, k)
+    if norm_topk_prob:
+        w = w / jnp.sum(w, axis=-1, keepdims=True)
+    return p, w, idx.astype(jnp.int32)
+
+
+def capacity(n_tokens: int, k: int, n_experts: int, factor: float) -> int:
+    """Tokens each expert takes in capacity mode: ceil(factor * N * k / E), at most N."""
+    return max(1, min(n_tokens, math.ceil(factor * n_tokens * k / n_experts)))
+
+
+class MoE(nnx.Module):
+    """The sparse MLP of one layer: `(x (B, S, D), token_mask (B, S) or None) -> (y (B, S, D),
+    RouterStats)`. Config fields used: d_model, n_experts, experts_per_token, moe_ffn_dim,
+    norm_topk_prob, shared_expert_ffn_dim, capacity_factor."""
+
+    def __init__(self, cfg, rngs: nnx.Rngs):
+        d, e, f = cfg.d_model, cfg.n_experts, cfg.moe_ffn_dim
+        self.router = _param(rngs, (d, e), (EMBED, None))
+        self.w_gate = _param(rngs, (e, d, f), (EXPERT, EMBED, MLP))
+        self.w_up = _param(rngs, (e, d, f), (EXPERT, EMBED, MLP))
+        self.w_down = _param(rngs, (e, f, d), (EXPERT, MLP, EMBED))
+        if cfg.shared_expert_ffn_dim:
+            fs = cfg.shared_expert_ffn_dim
+            self.shared_gate = _param(rngs, (d, fs), (EMBED, MLP))
+            self.shared_up = _param(rngs, (d, fs), (EMBED, MLP))
+            self.shared_down = _param(rngs, (fs, d), (MLP, EMBED))
+            self.shared_weight = _param(rngs, (d, 1), (EMBED, None))
+        self.k = cfg.experts_per_token
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.shared = bool(cfg.shared_expert_ffn_dim)
+        self.capacity_factor = cfg.capacity_factor
+
+    def __call__(self, x, token_mask=None):
+        b, s, d = x.shape
+        x2 = x.reshape(b * s, d)  # (N, D)
+        logits = matmul(x2, self.router[...]).astype(jnp.float32)  # (N, E)
+        p, w, idx = route(logits, self.k, self.norm_topk_prob)
+        experts = (self.w_gate[...], self.w_up[...], self.w_down[...])
+        cf = self.capacity_factor
+
+        n_experts = experts[0].shape[0]
+
+        def compute(x2, w, idx, wg, wu, wd, e0):  # the tokens of one batch shard, experts from e0
+            if cf:
+                return with_capacity(
+                    x2, w, idx, wg, wu, wd, capacity(x2.shape[0], self.k, n_experts, cf), n_experts, e0
+                )
+            return dropless(x2, w, idx, wg, wu, wd, e0)
+
+        y, dropped = per_batch_shard(compute, (x2, w, idx), experts)
+        if self.shared:
+            hs = gated(matmul(x2, self.shared_gate[...]), matmul(x2, self.shared_up[...]))
+            gate = jax.nn.sigmoid(matmul(x2, self.shared_weight[...]))  # (N, 1)
+            y = y + gate * matmul(hs, self.shared_down[...])
+        m = jnp.ones((b * s,), jnp.float32) if token_mask is None else token_mask.reshape(-1).astype(jnp.float32)
+        e = p.shape[-1]
+        counts = jnp.einsum("n,ne->e", m, jnp.sum(jax.nn.one_hot(idx, e, dtype=jnp.float32), axis=1))
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        stats = RouterStats(counts, m @ p, jnp.sum(m), jnp.sum(m * lse * lse), dropped, jnp.ones((), jnp.float32))
+        y = checkpoint_name(y.astype(x.dtype).reshape(b, s, d), "mlp_out")
+        return y, stats
+
+
+def moe_params(cfg) -> int:
+    """Params of one sparse MLP: router, E experts, shared expert and its gate."""
+    d, fs = cfg.d_model, cfg.shared_expert_ffn_dim
+    return d * cfg.n_experts + 3 * cfg.n_experts * d * cfg.moe_ffn_dim + (3 * d * fs + d if fs else 0)
+
+
+def moe_active_params(cfg) -> int:
+    """Params of one sparse MLP a token uses: router, k experts, shared expert and its gate."""
+    d, fs = cfg.d_model, cfg.shared_expert_ffn_dim
+    return d * cfg.n_experts + 3 * cfg.experts_per_token * d * cfg.moe_ffn_dim + (3 * d * fs + d if fs else 0)
+
+
+def moe_config_problem(cfg) -> tuple[str, object, str] | None:
+    """The first MoE field of `cfg` (a LlamaConfig) the decoder cannot run, as (field, value,
+    what is allowed), or None."""
+    e, k = cfg.n_experts, cfg.experts_per_token
+    if not e:
+        return None
+    if not 1 <= k <= e:
+        return "experts_per_token", k, f"must be in [1, n_experts={e}]"
+    if cfg.moe_ffn_dim < 1:
+        return "moe_ffn_dim", cfg.moe_ffn_dim, "must be > 0 with n_experts"
+    if cfg.decoder_sparse_step < 1:
+        return "decoder_sparse_step", cfg.decoder_sparse_step, "must be >= 1"
+    bad = [i for i in cfg.mlp_only_layers if not 0 <= i < cfg.n_layers]
+    if bad:
+        return "mlp_only_layers", list(cfg.mlp_only_layers), f"layer indices are 0..{cfg.n_layers - 1}"
+    if cfg.sliding_window and cfg.global_every:
+        return "global_every", cfg.global_every, "a sliding-window layer pattern with experts is not implemented (0)"
+    return None

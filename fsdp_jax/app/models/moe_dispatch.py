@@ -1,0 +1,123 @@
+"""Where and how the (token, expert) pairs of a sparse layer are computed.
+
+`dropless` sorts the pairs by expert and runs them through `jax.lax.ragged_dot`;
+`with_capacity` gathers at most C tokens per expert into an (E, C, D) buffer and runs
+batched matmuls over it. Both take the experts `e0 .. e0 + E_local - 1` (their weights'
+leading dim) and compute only the pairs routed to those; the others contribute 0.
+
+`per_batch_shard` runs one of them under the current mesh, from the logical rules alone:
+- tokens are routed on the device that holds them: a `shard_map` over the mesh axes
+  `batch` maps to, the token arrays split on their leading N dim;
+- expert parallelism: when the rules map `expert` to mesh axes (e.g. `mesh.rules:
+  {expert: tensor}`), each device of those axes holds E / n of the experts (in compute
+  too: the rule is not an fsdp one, so the per-layer gather keeps that split), computes its
+  experts' pairs for the tokens its group shares, and the partial outputs are summed over
+  those axes (an all-reduce). The expert axes must not shard `batch` (tokens are replicated over
+  them: no all-to-all), and n_experts must divide by their size.
+Without a mesh (or with nothing sharded) the function runs as it is.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
+
+from fsdp_jax.sharding.axes import BATCH, EXPERT
+
+
+def gated(h_gate, h_up):
+    return jax.nn.silu(h_gate) * h_up
+
+
+def dropless(x2, w, idx, wg, wu, wd, e0=0):
+    """The pairs routed to experts e0.., sorted by expert, through grouped matmuls.
+    x2 (N, D); w, idx (N, k); wg, wu (E_local, D, F); wd (E_local, F, D) -> ((N, D), 0)."""
+    n, k = idx.shape
+    el = wg.shape[0]
+    loc = idx - e0
+    mine = (loc >= 0) & (loc < el)
+    flat = jnp.where(mine, loc, el).reshape(-1)  # (N*k,); others sort last, in no group
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=el + 1)[:el].astype(jnp.int32)  # (E_local,)
+    xs = x2[order // k]  # (N*k, D), grouped by expert
+    h = gated(jax.lax.ragged_dot(xs, wg, sizes), jax.lax.ragged_dot(xs, wu, sizes))  # (N*k, F)
+    ys = jax.lax.ragged_dot(h, wd, sizes)  # (N*k, D)
+    y = jnp.zeros_like(ys).at[order].set(ys).reshape(n, k, -1)  # back to (token, slot)
+    return jnp.einsum("nkd,nk->nd", y, (w * mine).astype(y.dtype)), jnp.zeros((), jnp.float32)
+
+
+def with_capacity(x2, w, idx, wg, wu, wd, cap: int, n_experts: int, e0=0):
+    """At most `cap` tokens per expert (token order wins), the rest dropped; only experts
+    e0 .. e0 + E_local - 1 computed. -> (out (N, D), dropped pairs of those experts (f32))."""
+    n, k = idx.shape
+    el = wg.shape[0]
+    onehot = jax.nn.one_hot(idx, n_experts, dtype=jnp.int32)  # (N, k, E)
+    # position of each pair in its expert's queue: pairs ordered token-major, slot-minor
+    pos = jnp.cumsum(onehot.reshape(n * k, n_experts), axis=0).reshape(n, k, n_experts) - onehot
+    pos = jnp.sum(pos * onehot, axis=-1)  # (N, k)
+    loc = idx - e0
+    mine = (loc >= 0) & (loc < el)
+    keep = (pos < cap) & mine
+    slot = jnp.where(keep, loc * cap + pos, el * cap)  # dropped / other pairs -> a spare row
+    tok = jnp.full((el * cap + 1,), n, jnp.int32).at[slot.reshape(-1)].set(jnp.repeat(jnp.arange(n), k))
+    xpad = jnp.concatenate([x2, jnp.zeros((1, x2.shape[1]), x2.dtype)])
+    buf = xpad[tok[:-1]].reshape(el, cap, -1)  # (E_local, C, D); empty rows are zeros
+    buf = checkpoint_name(buf, "moe_dispatch")
+    h = gated(jnp.einsum("ecd,edf->ecf", buf, wg), jnp.einsum("ecd,edf->ecf", buf, wu))
+    yb = jnp.einsum("ecf,efd->ecd", h, wd).reshape(el * cap, -1)
+    ypad = jnp.concatenate([yb, jnp.zeros((1, yb.shape[1]), yb.dtype)])
+    y = ypad[slot]  # (N, k, D); dropped pairs read the zero row
+    out = jnp.einsum("nkd,nk->nd", y, (w * keep).astype(y.dtype))
+    return out, jnp.sum(mine & ~keep).astype(jnp.float32)
+
+
+def _mesh_axes(mesh, name: str) -> tuple[str, ...]:
+    """The mesh axes (of size > 1) the current logical rules map dim `name` to."""
+    entry = nn.logical_to_mesh_axes((name,))[0]
+    axes = () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+    return tuple(a for a in axes if mesh.shape.get(a, 1) > 1)
+
+
+def per_batch_shard(fn, tokens, weights):
+    """`fn(*tokens, *weights, e0) -> (y, dropped)` per batch shard (and expert shard) of the
+    current mesh; y summed over the expert axes, `dropped` over every axis. `tokens` have a
+    leading N dim; `weights` a leading expert dim. ValueError (one line) for an expert split
+    the decoder does not compute."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return fn(*tokens, *weights, 0)
+    batch, expert = _mesh_axes(mesh, BATCH), _mesh_axes(mesh, EXPERT)
+    if not batch and not expert:
+        return fn(*tokens, *weights, 0)
+    n_experts = weights[0].shape[0]
+    n_ep = math.prod(mesh.shape[a] for a in expert)
+    if set(expert) & set(batch):
+        raise ValueError(
+            f"rules: expert -> {', '.join(expert)} also shards batch; expert parallelism over a batch axis "
+            "(tokens moved by all-to-all) is not implemented: map expert to an axis batch does not use (tensor)"
+        )
+    if n_experts % n_ep:
+        raise ValueError(
+            f"model.n_experts={n_experts} is not divisible by the expert mesh axes {', '.join(expert)} (size {n_ep})"
+        )
+
+    def local(*args):
+        e0 = jax.lax.axis_index(expert) * (n_experts // n_ep) if expert else 0
+        if expert:  # the shared tokens meet expert-sharded values: say they vary over the expert
+            # axes, so their cotangents (each shard's part) are summed over them
+            args = (*jax.lax.pcast(args[: len(tokens)], expert, to="varying"), *args[len(tokens) :])
+        y, dropped = fn(*args, e0)
+        return y[None], jax.lax.psum(dropped, batch + expert)
+
+    # each expert shard's partial output on a leading dim, summed outside the shard_map (the
+    # partitioner's all-reduce over the expert axes; its transpose hands every shard the
+    # whole cotangent)
+    ins = tuple(P(batch or None) for _ in tokens) + tuple(P(expert or None) for _ in weights)
+    outs = (P(expert or None, batch or None), P())
+    y, dropped = jax.shard_map(local, mesh=mesh, in_specs=ins, out_specs=outs)(*tokens, *weights)
+    return jnp.sum(y, axis=0), dropped

@@ -1,0 +1,117 @@
+"""Layers of a mixture-of-experts decoder, sparse and dense interleaved, stacked and scanned.
+
+Which layers are sparse is transformers' rule (Qwen2MoeDecoderLayer / Qwen3MoeDecoderLayer,
+Mixtral with every layer sparse): layer i is sparse iff n_experts > 0, i is not in
+`mlp_only_layers` and (i + 1) % decoder_sparse_step == 0.
+
+Stacked params need one shape per stack, so the layers are cut into *segments*, each a
+stack of identical *groups* of consecutive layers, scanned over its groups:
+- periodic: the pattern repeats every p layers (p divides n_layers): one segment of
+  n_layers / p groups of p layers (all sparse: p = 1; decoder_sparse_step=2: p = 2);
+- otherwise runs: one segment per maximal run of layers of one kind, groups of 1 layer;
+whichever unrolls fewer layers in the scan bodies (p against the number of runs; a tie
+goes to the one segment).
+Params live at `segments/<j>/layers/<m>/...` with a leading `layers` dim (the group
+index); layer index = start_j + group * p_j + m (`segment_layers`). The per-layer (here:
+per-group) cast and gather of `fsdp_jax.train.layer_gather` runs inside the scan body.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from flax import nnx
+
+from fsdp_jax.app.models.moe import add_stats, zero_stats
+from fsdp_jax.sharding.axes import LAYERS
+from fsdp_jax.train import layer_gather
+
+
+def sparse_layers(cfg) -> tuple[bool, ...]:
+    """Per layer: whether its MLP is the mixture of experts."""
+    skip = set(cfg.mlp_only_layers)
+    step = max(cfg.decoder_sparse_step, 1)
+    return tuple(bool(cfg.n_experts) and i not in skip and (i + 1) % step == 0 for i in range(cfg.n_layers))
+
+
+def segments(cfg) -> tuple[tuple[int, tuple[bool, ...], int], ...]:
+    """((first layer, sparse flags of one group, number of groups), ...) covering the layers in order."""
+    kinds = sparse_layers(cfg)
+    n = len(kinds)
+    period = next(p for p in range(1, n + 1) if n % p == 0 and all(kinds[i] == kinds[i % p] for i in range(n)))
+    runs: list[tuple[int, tuple[bool, ...], int]] = []
+    for i, k in enumerate(kinds):
+        if runs and runs[-1][1] == (k,):
+            runs[-1] = (runs[-1][0], (k,), runs[-1][2] + 1)
+        else:
+            runs.append((i, (k,), 1))
+    if period <= len(runs):
+        return ((0, kinds[:period], n // period),)
+    return tuple(runs)
+
+
+def segment_layers(cfg) -> list[tuple[str, list[int], bool]]:
+    """[(param path prefix, the layer index of each stacked entry, sparse)] for scanned
+    layers, or one row per layer ("blocks/<i>") when `scan_layers` is off."""
+    if not cfg.scan_layers:
+        return [(f"segments/{i}", [i], s) for i, s in enumerate(sparse_layers(cfg))]
+    out = []
+    for j, (start, kinds, count) in enumerate(segments(cfg)):
+        p = len(kinds)
+        for m, s in enumerate(kinds):
+            out.append((f"segments/{j}/layers/{m}", [start + g * p + m for g in range(count)], s))
+    return out
+
+
+class Group(nnx.Module):
+    """Consecutive layers, applied in order; each block returns (x, RouterStats)."""
+
+    def __init__(self, cfg, rngs: nnx.Rngs, kinds: tuple[bool, ...], make_block: Callable):
+        self.layers = nnx.List([make_block(cfg, rngs, sparse) for sparse in kinds])
+
+    def __call__(self, x, stats, segment_ids=None, positions=None, token_mask=None):
+        for blk in self.layers:
+            x, s = blk(x, None, segment_ids, positions, token_mask)
+            stats = add_stats(stats, s)
+        return x, stats
+
+
+def make_layers(cfg, rngs: nnx.Rngs, make_block: Callable):
+    """`nnx.List` of stacked `Group`s (scan_layers) or of one block per layer.
+    `make_block(cfg, rngs, sparse)` builds one decoder block."""
+    if not cfg.scan_layers:
+        return nnx.List([make_block(cfg, rngs, s) for s in sparse_layers(cfg)])
+    return nnx.List([_stacked(cfg, rngs, kinds, count, make_block) for _, kinds, count in segments(cfg)])
+
+
+def _stacked(cfg, rngs: nnx.Rngs, kinds: tuple[bool, ...], count: int, make_block: Callable):
+    @nnx.split_rngs(splits=count)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS})
+    def make(r):
+        return Group(cfg, r, kinds, make_block)
+
+    return make(rngs)
+
+
+def run_layers(cfg, layers, x, remat: str, segment_ids=None, positions=None, token_mask=None):
+    """x (B, S, D) through every layer -> (x, RouterStats summed over the sparse layers)."""
+    stats = zero_stats(cfg.n_experts)
+    policy = layer_gather.block_policy(remat)
+    if not cfg.scan_layers:
+        fn = lambda blk, h: blk(h, None, segment_ids, positions, token_mask)  # noqa: E731
+        fn = fn if policy is None else nnx.remat(fn, policy=policy)
+        for blk in layers:
+            x, s = fn(blk, x)
+            stats = add_stats(stats, s)
+        return x, stats
+    group_fn = lambda g, c: layer_gather.gather_module(g)(*c, segment_ids, positions, token_mask)  # noqa: E731
+    group_fn = group_fn if policy is None else nnx.remat(group_fn, policy=policy)
+
+    @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: LAYERS})
+    def run(g, carry):
+        return group_fn(g, carry)
+
+    carry = (x, stats)
+    for seg in layers:
+        carry = run(seg, carry)
+    return carry
