@@ -25,7 +25,8 @@ import os
 TPU_COORDINATOR_PORT = 8476  # JAX's default coordinator port on TPU (jax._src.clusters.cloud_tpu_cluster)
 
 
-def _int(environ, name: str, low: int = 0) -> int | None:
+def env_int(environ, name: str, low: int = 0) -> int | None:
+    """An integer environment variable (None when unset or empty); ValueError naming it."""
     text = environ.get(name, "").strip()
     if not text:
         return None
@@ -40,25 +41,25 @@ def _int(environ, name: str, low: int = 0) -> int | None:
 
 def completion_index(environ=os.environ) -> int | None:
     """A Kubernetes Indexed Job pod's index (JOB_COMPLETION_INDEX), or None."""
-    return _int(environ, "JOB_COMPLETION_INDEX")
+    return env_int(environ, "JOB_COMPLETION_INDEX")
 
 
 def gke_tpu_settings(environ=os.environ) -> tuple[str, int, int] | None:
     """(coordinator, num_processes, process_id) of a multi-host TPU job on GKE, or None when
     TPU_WORKER_HOSTNAMES names fewer than two processes. ValueError names a bad variable."""
     hosts = [h.strip() for h in environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]
-    slices = _int(environ, "MEGASCALE_NUM_SLICES", 1) or 1
+    slices = env_int(environ, "MEGASCALE_NUM_SLICES", 1) or 1
     if not hosts or len(hosts) * slices < 2:
         return None
-    worker = _int(environ, "TPU_WORKER_ID")
+    worker = env_int(environ, "TPU_WORKER_ID")
     if worker is None or worker >= len(hosts):
         raise ValueError(
             f"TPU_WORKER_ID={environ.get('TPU_WORKER_ID')!r} is invalid; expected an integer in "
             f"[0, {len(hosts)}) (TPU_WORKER_HOSTNAMES names {len(hosts)} hosts)"
         )
-    slice_id = _int(environ, "MEGASCALE_SLICE_ID") or 0
+    slice_id = env_int(environ, "MEGASCALE_SLICE_ID") or 0
     if slice_id >= slices:
         raise ValueError(f"MEGASCALE_SLICE_ID={slice_id} is invalid; expected an integer in [0, {slices})")
     host = (environ.get("MEGASCALE_COORDINATOR_ADDRESS") or hosts[0]).split(":")[0]
-    port = _int(environ, "JAX_COORDINATOR_PORT", 1) or TPU_COORDINATOR_PORT
+    port = env_int(environ, "JAX_COORDINATOR_PORT", 1) or TPU_COORDINATOR_PORT
     return f"{host}:{port}", len(hosts) * slices, worker + slice_id * len(hosts)

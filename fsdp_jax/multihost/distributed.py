@@ -20,31 +20,18 @@ from __future__ import annotations
 import os
 
 from fsdp_jax.errors import DistributedInitError, one_line
+from fsdp_jax.multihost.clusters import env_int
 
 ENV_COORDINATOR = "FSDP_JAX_COORDINATOR"
 ENV_NUM_PROCESSES = "FSDP_JAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "FSDP_JAX_PROCESS_ID"
 
 
-def _env_int(environ, name: str, low: int = 0) -> int | None:
-    """An integer environment variable (None when unset or empty); ValueError naming it."""
-    text = environ.get(name, "").strip()
-    if not text:
-        return None
-    try:
-        v = int(text)
-    except ValueError:
-        v = low - 1
-    if v < low:
-        raise ValueError(f"{name}={environ[name]!r} is invalid; expected an integer >= {low}")
-    return v
-
-
 def detected_cluster(environ=os.environ) -> str | None:
     """Name of the multi-process environment JAX can auto-detect, or None."""
-    if (_env_int(environ, "SLURM_NTASKS", 1) or 1) > 1 and "SLURM_JOB_ID" in environ:
+    if (env_int(environ, "SLURM_NTASKS", 1) or 1) > 1 and "SLURM_JOB_ID" in environ:
         return "slurm"
-    if (_env_int(environ, "OMPI_COMM_WORLD_SIZE", 1) or 1) > 1:
+    if (env_int(environ, "OMPI_COMM_WORLD_SIZE", 1) or 1) > 1:
         return "openmpi"
     if environ.get("JAX_COORDINATOR_ADDRESS"):
         return "jax_coordinator_env"
@@ -99,9 +86,9 @@ def maybe_initialize(
 
     coordinator = coordinator or environ.get(ENV_COORDINATOR) or None
     if num_processes is None:
-        num_processes = _env_int(environ, ENV_NUM_PROCESSES, 1)
+        num_processes = env_int(environ, ENV_NUM_PROCESSES, 1)
     if process_id is None:
-        process_id = _env_int(environ, ENV_PROCESS_ID, 0)
+        process_id = env_int(environ, ENV_PROCESS_ID, 0)
     how = "explicit"
     if not (coordinator or num_processes) and (tpu := clusters.gke_tpu_settings(environ)):
         (coordinator, num_processes, process_id), how = tpu, "gke_tpu"

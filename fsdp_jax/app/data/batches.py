@@ -7,12 +7,10 @@ import jax
 import numpy as np
 
 from fsdp_jax.app.data import corpus as data_lib
+from fsdp_jax.app.data.packed_rows import make_packed_dataset, packed_eval_batches
+from fsdp_jax.app.data.windows import eval_batches, make_dataset
 from fsdp_jax.errors import DataError
 from fsdp_jax.sharding.strategy import ShardingPlan
-from fsdp_jax.app.data.packed_rows import make_packed_dataset
-from fsdp_jax.app.data.packed_rows import packed_eval_batches
-from fsdp_jax.app.data.windows import eval_batches
-from fsdp_jax.app.data.windows import make_dataset
 
 
 def make_batches(cfg, process_index: int, process_count: int):
@@ -22,16 +20,10 @@ def make_batches(cfg, process_index: int, process_count: int):
     c, meta = cfg.train, data_lib.load_meta(cfg.data.path)
     n_val = c.eval_batches if c.eval_every else 0
     if meta.get("format") == "packed":
-        from fsdp_jax.app.data import sft as sft_data
-
         batches = make_packed_dataset(
             cfg.data.path, "train", c.global_batch, cfg.data.seed, process_index, process_count
         )
-        val = (
-            packed_eval_batches(cfg.data.path, c.global_batch, n_val, process_index, process_count)
-            if n_val
-            else []
-        )
+        val = packed_eval_batches(cfg.data.path, c.global_batch, n_val, process_index, process_count) if n_val else []
         return batches, val
     batches = make_dataset(
         cfg.data.path, "train", cfg.data.seq_len, c.global_batch, cfg.data.seed, process_index, process_count

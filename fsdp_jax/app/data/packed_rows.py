@@ -17,11 +17,9 @@ import grain
 import numpy as np
 
 from fsdp_jax.app.data import corpus as data_lib
-from fsdp_jax.errors import DataError
-from fsdp_jax.app.data.windows import _rows
 from fsdp_jax.app.data.packing import batch_from_rows
-from fsdp_jax.app.data.windows import BatchIterator
-from fsdp_jax.app.data.windows import _NEVER_ENDS
+from fsdp_jax.app.data.windows import _NEVER_ENDS, BatchIterator, _rows
+from fsdp_jax.errors import DataError
 
 _STREAM = {"train": 3, "val": 4}
 

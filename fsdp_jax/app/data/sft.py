@@ -101,8 +101,8 @@ def _check_options(val_fraction, row_len, threads, workers, overflow) -> None:
 def _encoder(tokenizer: str, eos, chat_template, train_on: str, threads):
     """(tokenizer or None for bytes, the workers' EncoderSpec, this process's ExampleEncoder),
     checked here and now; DataError on a bad tokenizer or template."""
-    from fsdp_jax.errors import TokenizerError
     from fsdp_jax.app.data.tokenizer import load_tokenizer
+    from fsdp_jax.errors import TokenizerError
 
     try:
         tok = None if tokenizer == "bytes" else load_tokenizer(tokenizer, eos)
