@@ -68,6 +68,36 @@ def pytree_apply(p, x, ids):
     return jax.checkpoint(block)(p["w_in"], p["w_out"], x + p["embed"][ids])
 
 
+L = 3  # scanned layers
+
+
+def scan_params(key):
+    k = jax.random.split(key, 3)
+    layers = {"wi": jax.random.normal(k[0], (L, D, F)) / 5, "wo": jax.random.normal(k[1], (L, D, F)) / 6}
+    return {"layers": layers, "head": jax.random.normal(k[2], (D, O)) / 5}
+
+
+def scan_apply(p, x):
+    def layer(h, w):  # each layer's weights are a slice of the stack
+        return h + jnp.tanh(h @ w["wi"]) @ w["wo"].T, None
+
+    h, _ = jax.lax.scan(layer, x, p["layers"])
+    return h @ p["head"]
+
+
+class LinenBlock(nn.Module):
+    @nn.compact
+    def __call__(self, h, _):
+        return h + nn.Dense(D, name="mlp")(jnp.tanh(h)), None
+
+
+class LinenScanned(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        stack = nn.scan(LinenBlock, variable_axes={"params": 0}, split_rngs={"params": True}, length=L)
+        return nn.Dense(O, name="head")(stack(name="stack")(x, None)[0])
+
+
 X = jax.random.normal(jax.random.key(1), (N, D))
 IDS = jax.random.randint(jax.random.key(2), (N,), 0, 10)
 Y = jax.random.normal(jax.random.key(3), (N, O))
@@ -80,30 +110,65 @@ def models():
         "nnx": (fj.with_lora(nnx_fns, X, rank=4, alpha=8), (X,)),
         "linen": (fj.with_lora(linen_fns, X, rank=3, alpha=6, rslora=True), (X,)),
         "pytree": (fj.with_lora(pytree_params(jax.random.key(0)), X, IDS, apply=pytree_apply, rank=4), (X, IDS)),
+        "scan": (fj.with_lora(scan_params(jax.random.key(0)), X, apply=scan_apply, rank=2), (X,)),
+        "linen_scan": (fj.with_lora(fj.from_linen(LinenScanned(), X), X, rank=2, alpha=4), (X,)),
     }
 
 
 def base_apply(name):
     """The model without adapters."""
-    return {"nnx": fj.from_nnx(NnxMlp).apply, "linen": fj.from_linen(LinenAttnOut(), X).apply}.get(name, pytree_apply)
+    if name.startswith("linen"):
+        return fj.from_linen(LinenAttnOut() if name == "linen" else LinenScanned(), X).apply
+    return {"nnx": fj.from_nnx(NnxMlp).apply, "pytree": pytree_apply, "scan": scan_apply}[name]
+
+
+def hand_delta(xp, t, a, b):
+    """A B in W's layout, by hand: (layers, in, r) x (layers, r, out) per layer, reshaped and
+    transposed back to W's dims (`xp`: numpy in f64, or jax.numpy to differentiate)."""
+    stack = t.shape[: t.depth]
+    n_in, n_out = math.prod(t.shape[d] for d in t.contracted), math.prod(t.shape[d] for d in t.free)
+    a2, b2 = a.reshape(-1, n_in, a.shape[-1]), b.reshape(-1, b.shape[t.depth], n_out)
+    ab = xp.einsum("sir,srj->sij", a2, b2)
+    ab = ab.reshape(stack + tuple(t.shape[d] for d in t.contracted) + tuple(t.shape[d] for d in t.free))
+    return xp.transpose(ab, np.argsort(list(range(t.depth)) + list(t.contracted) + list(t.free)))
+
+
+def merged_by_hand(xp, lm, base, lora, dtype=None):
+    """`base` with each targeted W replaced by W + scale * A B."""
+    flat = {path_str(p): w for p, w in jax.tree_util.tree_flatten_with_path(base)[0]}
+    for t in lm.targets:
+        a, b = lora[t.path]["lora_a"], lora[t.path]["lora_b"]
+        w = flat[t.path]
+        flat[t.path] = (
+            xp.asarray(w, dtype) + lm.scale * hand_delta(xp, t, xp.asarray(a, dtype), xp.asarray(b, dtype))
+        ).astype(w.dtype)
+    return jax.tree.unflatten(jax.tree.structure(base), list(flat.values()))
 
 
 def by_hand(lm, params, *args):
-    """The base model on each targeted weight replaced by hand by W + scale * A B (W's layout)."""
-    base = jax.tree_util.tree_map_with_path(lambda path, w: w, params["base"])
-    flat = {path_str(p): w for p, w in jax.tree_util.tree_flatten_with_path(base)[0]}
-    for t in lm.targets:
-        a, b = params["lora"][t.path]["lora_a"], params["lora"][t.path]["lora_b"]
-        ab = np.tensordot(np.asarray(a, np.float64), np.asarray(b, np.float64), axes=1)
-        ab = np.transpose(ab, np.argsort(list(t.contracted) + list(t.free)))
-        flat[t.path] = (np.asarray(flat[t.path], np.float64) + lm.scale * ab).astype(flat[t.path].dtype)
-    leaves = [flat[path_str(p)] for p, _ in jax.tree_util.tree_flatten_with_path(base)[0]]
-    return jax.tree.unflatten(jax.tree.structure(base), leaves)
+    """The base params with each targeted W merged by hand in f64."""
+    return merged_by_hand(np, lm, params["base"], params["lora"], np.float64)
 
 
 def random_adapters(params, key):
     keys = iter(jax.random.split(key, 64))
     return {**params, "lora": jax.tree.map(lambda a: 0.2 * jax.random.normal(next(keys), a.shape), params["lora"])}
+
+
+def test_scanned_layers_get_one_adapter_per_layer_stacked_as_their_weight():
+    ms = models()
+    shapes = {t.path: (t.a_shape, t.b_shape, t.depth) for t in ms["scan"][0].targets}
+    assert shapes == {
+        "head": ((D, 2), (2, O), 0),
+        "layers/wi": ((L, D, 2), (L, 2, F), 1),
+        "layers/wo": ((L, F, 2), (L, 2, D), 1),  # used transposed: contracted over F
+    }
+    lin = ms["linen_scan"][0]
+    assert [(t.path, t.a_shape, t.b_shape) for t in lin.targets] == [
+        ("head/kernel", (D, 2), (2, O)),
+        ("stack/mlp/kernel", (L, D, 2), (L, 2, D)),
+    ]
+    assert lin.skipped == {"stack/mlp/bias": "used by reshape"}  # a stack of biases is 2-D, not a matrix
 
 
 def test_discovery_finds_the_products_weights_and_names_the_rest():
@@ -121,7 +186,7 @@ def test_discovery_finds_the_products_weights_and_names_the_rest():
     assert ms["linen"][0].scale == pytest.approx(6 / math.sqrt(3))
 
 
-@pytest.mark.parametrize("name", ["nnx", "linen", "pytree"])
+@pytest.mark.parametrize("name", ["nnx", "linen", "pytree", "scan", "linen_scan"])
 def test_step_zero_is_the_base_and_the_forward_is_x_w_plus_scaled_x_a_b(name):
     lm, args = models()[name]
     params = lm.init(jax.random.key(0))
@@ -156,7 +221,15 @@ def loss_of(lm, args):
 
 
 @pytest.mark.parametrize(
-    ("name", "mesh"), [("nnx", (1, 8, 1)), ("linen", (2, 4, 1)), ("pytree", (1, 4, 2)), ("linen", (1, 4, 2))]
+    ("name", "mesh"),
+    [
+        ("nnx", (1, 8, 1)),
+        ("linen", (2, 4, 1)),
+        ("pytree", (1, 4, 2)),
+        ("linen", (1, 4, 2)),
+        ("scan", (1, 8, 1)),
+        ("linen_scan", (2, 4, 1)),
+    ],
 )
 def test_training_under_fsdp_equals_the_adapters_trained_by_hand_on_one_device(name, mesh):
     lm, args = models()[name]
@@ -176,14 +249,7 @@ def test_training_under_fsdp_equals_the_adapters_trained_by_hand_on_one_device(n
         losses.append(float(metrics["loss"]))
 
     def hand_loss(lora, batch):  # independent of the wrap's evaluation: the merged weights by hand, in jnp
-        flat = {path_str(p): w for p, w in jax.tree_util.tree_flatten_with_path(start["base"])[0]}
-        for t in lm.targets:
-            ab = jnp.tensordot(lora[t.path]["lora_a"], lora[t.path]["lora_b"], axes=1)
-            flat[t.path] = (
-                flat[t.path].astype(jnp.float32)
-                + lm.scale * jnp.transpose(ab, np.argsort(list(t.contracted) + list(t.free)))
-            ).astype(flat[t.path].dtype)
-        tree = jax.tree.unflatten(jax.tree.structure(start["base"]), list(flat.values()))
+        tree = merged_by_hand(jnp, lm, start["base"], lora, jnp.float32)
         return jnp.mean((base_apply(name)(tree, *args) - batch) ** 2)
 
     ref_lora, ref_losses = reference_train(hand_loss, ADAM, start["lora"], [Y] * 4)
@@ -211,12 +277,13 @@ def _weight_shaped(hlo: str, shapes) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("name", ["nnx", "pytree"])
+@pytest.mark.parametrize("name", ["nnx", "pytree", "scan"])
 def test_no_dot_in_the_compiled_step_produces_a_frozen_weights_gradient(name):
     """The same model trained in full shows each weight-gradient dot, so the search finds them."""
     lm, args = models()[name]
     shapes = set()
-    for s in (t.shape for t in lm.targets):  # the weight, its transpose, and a device's 1/8 of either
+    for s in [t.shape for t in lm.targets] + [t.shape[t.depth :] for t in lm.targets]:  # + one scanned layer's
+        # the weight, its transpose, and a device's 1/8 of either
         for v in (s, s[::-1]):
             shapes |= {v} | {v[:i] + (v[i] // 8,) + v[i + 1 :] for i in range(len(v)) if v[i] % 8 == 0}
     found = {}
@@ -225,9 +292,10 @@ def test_no_dot_in_the_compiled_step_produces_a_frozen_weights_gradient(name):
             sm = fj.shard_model(lm, ADAM, fj.make_mesh(fsdp=8), rng=jax.random.key(0), min_shard_size=1)
             loss = loss_of(lm, args)
         else:
-            base = fj.from_nnx(NnxMlp) if name == "nnx" else pytree_params(jax.random.key(0))
+            base = {"nnx": fj.from_nnx(NnxMlp), "pytree": pytree_params, "scan": scan_params}[name]
+            base = base if name == "nnx" else base(jax.random.key(0))
             sm = fj.shard_model(base, ADAM, fj.make_mesh(fsdp=8), rng=jax.random.key(0), min_shard_size=1)
-            apply = sm.apply or pytree_apply
+            apply = sm.apply or base_apply(name)
 
             def loss(p, batch, apply=apply):
                 return jnp.mean((apply(p, *args) - batch) ** 2)
@@ -281,3 +349,40 @@ def test_a_named_target_used_outside_a_product_is_refused_naming_the_use():
         fj.with_lora(pytree_params(jax.random.key(0)), X, IDS, apply=pytree_apply, rank=2, targets=["embed", "w_in"])
     with pytest.raises(ValueError, match="has no apply"):
         fj.with_lora(pytree_params(jax.random.key(0)), X, IDS, rank=2)
+
+
+class LinenNormed(nn.Module):
+    """Batch statistics and dropout: the model's state and the step's key go through the wrap."""
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        h = nn.Dense(F, name="up")(x)
+        h = nn.BatchNorm(use_running_average=not train, name="bn")(h)
+        h = nn.Dropout(0.25, deterministic=not train)(jax.nn.relu(h))
+        return nn.Dense(O, name="down")(h)
+
+
+def test_a_model_with_state_and_dropout_trains_its_adapters_and_updates_its_state():
+    fns = fj.from_linen(LinenNormed(), X, state=("batch_stats",), rngs=("dropout",))
+    lm = fj.with_lora(fns, X, rank=2)
+    assert [t.path for t in lm.targets] == ["down/kernel", "up/kernel"]
+    sm = fj.shard_model(lm, ADAM, fj.make_mesh(fsdp=8), rng=jax.random.key(0), min_shard_size=1)
+    start = jax.device_get(sm.state)
+
+    def loss(params, batch, state, rng, train=True):
+        out, new_state = lm.apply(params, X, state=state, rng=rng, train=train)
+        return jnp.mean((out - batch) ** 2), new_state
+
+    step = sm.train_step(loss)
+    state, losses = sm.state, []
+    for _ in range(6):
+        state, metrics = step(state, Y)
+        losses.append(float(metrics["loss"]))
+    assert losses[-1] < losses[0]
+    assert max_abs_diff(state.params["base"], start.params["base"]) == 0.0
+    assert max_abs_diff(state.model_state, start.model_state) > 0  # batch statistics moved
+    trained = jax.device_get(state.params)
+    ms = jax.device_get(state.model_state)
+    got, _ = lm.apply(trained, X, state=ms, train=False)  # eval: running averages, no dropout
+    want, _ = fns.apply(lm.merged(trained), X, state=ms, train=False)
+    assert max_abs_diff(got, want) < 1e-5 * float(jnp.abs(want).max())

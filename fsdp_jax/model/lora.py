@@ -81,7 +81,7 @@ class LoraModel(ModelFns):
             if t is None:
                 return w
             ad = params["lora"][t.path]
-            return (w.astype(jnp.float32) + self.scale * delta_weight(t, ad)).astype(w.dtype)
+            return (w.astype(jnp.float32) + self.scale * delta_weight(t, ad["lora_a"], ad["lora_b"])).astype(w.dtype)
 
         return jax.tree_util.tree_map_with_path(merge, params["base"])
 
@@ -116,6 +116,8 @@ def with_lora(
     if base_apply is None:
         raise ValueError("with_lora: this model has no apply; pass with_lora(params, *inputs, apply=fn, ...)")
     paths, leaves, names = _flat_params(fns)
+    if fns.abstract_model_state is not None:  # traced as the train step calls it: with its state and a key
+        example_kwargs = {"state": fns.abstract_model_state, "rng": jax.random.key(0), **example_kwargs}
     uses = _probe(base_apply, fns.abstract_params, example_args, example_kwargs)
     chosen, skipped = _choose(paths, leaves, uses, targets)
     found = tuple(_target(paths[i], leaves[i], uses[i][0], rank) for i in chosen)
@@ -200,14 +202,14 @@ def _choose(paths, leaves, uses, targets) -> tuple[list[int], dict[str, str]]:
 
 
 def _target(path, leaf, use, rank) -> Target:
-    _, contracted, free = use
+    _, contracted, free, depth = use
     shape = tuple(leaf.shape)
     n_in, n_out = math.prod(shape[d] for d in contracted), math.prod(shape[d] for d in free)
     if rank > min(n_in, n_out):
         raise ValueError(f"with_lora: rank {rank} is larger than {path}'s smaller dim ({min(n_in, n_out)})")
-    a_shape = tuple(shape[d] for d in contracted) + (rank,)
-    b_shape = (rank,) + tuple(shape[d] for d in free)
-    return Target(path, shape, contracted, free, a_shape, b_shape)
+    a_shape = shape[:depth] + tuple(shape[d] for d in contracted) + (rank,)
+    b_shape = shape[:depth] + (rank,) + tuple(shape[d] for d in free)
+    return Target(path, shape, contracted, free, a_shape, b_shape, depth)
 
 
 def _abstract_lora(found) -> dict:
@@ -227,8 +229,8 @@ def _axes(base_axes, found, index, names) -> Any:
     lora = {}
     for t in found:
         n = tuple(by_path[t.path] or ()) + (None,) * len(t.shape)
-        a = tuple(n[d] for d in t.contracted) + (LORA_RANK,)
-        b = (LORA_RANK,) + tuple(n[d] for d in t.free)
+        a = n[: t.depth] + tuple(n[d] for d in t.contracted) + (LORA_RANK,)
+        b = n[: t.depth] + (LORA_RANK,) + tuple(n[d] for d in t.free)
         lora[t.path] = {"lora_a": a if by_path[t.path] else None, "lora_b": b if by_path[t.path] else None}
     return {"base": base_axes, "lora": lora}
 
@@ -238,7 +240,7 @@ def _init(base_init, found):
         keys = jax.random.split(jax.random.fold_in(rng, 0x10A), max(len(found), 1))
         lora = {
             t.path: {
-                "lora_a": a_init(k, t.a_shape, math.prod(t.a_shape[:-1])),
+                "lora_a": a_init(k, t.a_shape, math.prod(t.a_shape[t.depth : -1])),
                 "lora_b": jnp.zeros(t.b_shape, jnp.float32),
             }
             for t, k in zip(found, keys)

@@ -24,7 +24,9 @@ _HINTS = {"sharding_constraint", "copy", "copy_p"}
 @dataclasses.dataclass(frozen=True)
 class Target:
     """A weight with an adapter: its path, shape, the dims its products contract and the
-    shapes of A (contracted dims..., r) and B (r, free dims...)."""
+    shapes of A (stack dims..., contracted dims..., r) and B (stack dims..., r, free dims...).
+    `depth`: W's leading dims that scans slice off before the products (a scanned stack of
+    layers, each with its own adapter)."""
 
     path: str
     shape: tuple[int, ...]
@@ -32,28 +34,38 @@ class Target:
     free: tuple[int, ...]
     a_shape: tuple[int, ...]
     b_shape: tuple[int, ...]
+    depth: int = 0
 
 
-def delta_weight(t: Target, ad) -> jax.Array:
-    """scale-free A B laid out as W (f32)."""
-    a, b = ad["lora_a"].astype(jnp.float32), ad["lora_b"].astype(jnp.float32)
-    ab = jnp.tensordot(a, b, axes=1)  # contracted dims..., free dims...
-    order = list(t.contracted) + list(t.free)
-    return jnp.transpose(ab, np.argsort(order))
+def delta_weight(t: Target, a, b, sliced: int = 0) -> jax.Array:
+    """scale-free A B laid out as W (f32); `sliced`: stack dims already sliced off A and B."""
+    ab = lambda a, b: jnp.tensordot(a, b, axes=1)  # noqa: E731  contracted dims..., free dims...
+    for _ in range(t.depth - sliced):
+        ab = jax.vmap(ab)
+    out = ab(a.astype(jnp.float32), b.astype(jnp.float32))
+    order = list(range(t.depth - sliced)) + [d - sliced for d in t.contracted + t.free]
+    return jnp.transpose(out, np.argsort(order))
 
 
 @jax.tree_util.register_pytree_node_class
 class Tracked:
     """A base weight on its way to a product: W, its adapters (None while probing), the
-    leaf index, and the view applied so far (a transpose `perm`, a cast `dtype`)."""
+    leaf index, the view applied so far (a transpose `perm`, a cast `dtype`), and how many
+    stack dims scans have sliced off (`depth`)."""
 
-    def __init__(self, w, a, b, index, perm=None, dtype=None):
-        self.w, self.a, self.b, self.index = w, a, b, index
+    def __init__(self, w, a, b, index, perm=None, dtype=None, depth=0):
+        self.w, self.a, self.b, self.index, self.depth = w, a, b, index, depth
         self.perm = tuple(range(len(w.shape))) if perm is None else perm
         self.dtype = dtype
 
+    def like(self, w=None, perm=None, dtype=None):
+        """The same weight with another array, view or cast."""
+        return Tracked(
+            self.w if w is None else w, self.a, self.b, self.index, perm or self.perm, dtype or self.dtype, self.depth
+        )
+
     def tree_flatten(self):
-        return (self.w, self.a, self.b), (self.index, self.perm, self.dtype)
+        return (self.w, self.a, self.b), (self.index, self.perm, self.dtype, self.depth)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
@@ -136,15 +148,12 @@ def _eqn(eqn, ins, ctx: Ctx) -> list:
     if not any(tracked):
         return _bind(eqn, ins)
     if name == "convert_element_type" and jnp.issubdtype(params["new_dtype"], jnp.floating):
-        t = ins[0]
-        return [Tracked(t.w, t.a, t.b, t.index, t.perm, params["new_dtype"])]
+        return [ins[0].like(dtype=params["new_dtype"])]
     if name == "transpose":
-        t = ins[0]
-        return [Tracked(t.w, t.a, t.b, t.index, tuple(t.perm[p] for p in params["permutation"]), t.dtype)]
+        return [ins[0].like(perm=tuple(ins[0].perm[p] for p in params["permutation"]))]
     if name in _HINTS:  # a layout hint or a copy of the weight: the adapters follow it unchanged
         t = ins[0]
-        w = _bind(eqn, [t.w])[0] if t.perm == tuple(range(len(t.perm))) and name != "copy_p" else t.w
-        return [Tracked(w, t.a, t.b, t.index, t.perm, t.dtype)]
+        return [t.like(w=_bind(eqn, [t.w])[0] if t.perm == tuple(range(len(t.perm))) else None)]
     if name == "dot_general" and sum(tracked) == 1 and not any(params["dimension_numbers"][1]):
         return [_dot(eqn, ins, tracked.index(True), ctx)]
     if name in _INLINE:
@@ -154,6 +163,8 @@ def _eqn(eqn, ins, ctx: Ctx) -> list:
     if name in _REMAT:
         body = lambda *xs: _eval(params["jaxpr"], (), xs, ctx)  # noqa: E731
         return list(jax.checkpoint(body, prevent_cse=params["prevent_cse"], policy=params["policy"])(*ins))
+    if name == "scan":
+        return _scan(eqn, ins, ctx)
     if name in _CUSTOM and not ctx.uses:
         sub = params[_CUSTOM[name]]
         return _eval(sub.jaxpr, sub.consts, ins, ctx)
@@ -174,10 +185,8 @@ def _value(x, ctx: Ctx, where: str):
     if ctx.uses is not None:
         ctx.uses[x.index].append(("other", where))
         return x.view()
-    t = ctx.index[x.index]
-    return x.view(
-        (x.w.astype(jnp.float32) + ctx.scale * delta_weight(t, {"lora_a": x.a, "lora_b": x.b})).astype(x.w.dtype)
-    )
+    delta = delta_weight(ctx.index[x.index], x.a, x.b, x.depth)
+    return x.view((x.w.astype(jnp.float32) + ctx.scale * delta).astype(x.w.dtype))
 
 
 def _dot(eqn, ins, ti: int, ctx: Ctx):
@@ -185,12 +194,11 @@ def _dot(eqn, ins, ti: int, ctx: Ctx):
     t, x = ins[ti], ins[1 - ti]
     (lc, rc), _ = eqn.params["dimension_numbers"]
     tc, xc = (lc, rc) if ti == 0 else (rc, lc)
-    contracted = tuple(t.perm[d] for d in tc)
-    free_view = [d for d in range(len(t.perm)) if d not in tc]
-    free = tuple(t.perm[d] for d in free_view)
+    contracted = tuple(t.perm[d] + t.depth for d in tc)  # in W's dims, stack dims included
+    free = tuple(t.perm[d] + t.depth for d in range(len(t.perm)) if d not in tc)
     out = _bind(eqn, [t.view(), x] if ti == 0 else [x, t.view()])[0]
     if ctx.uses is not None:
-        ctx.uses[t.index].append(("dot", tuple(sorted(contracted)), tuple(sorted(free))))
+        ctx.uses[t.index].append(("dot", tuple(sorted(contracted)), tuple(sorted(free)), t.depth))
         return out
     target = ctx.index[t.index]
     a_pos = [target.contracted.index(d) for d in contracted]
@@ -202,3 +210,29 @@ def _dot(eqn, ins, ti: int, ctx: Ctx):
     if ti == 0:  # W on the left: its free dims come first
         d = jnp.transpose(d, list(range(n_x, d.ndim)) + list(range(n_x)))
     return out + d.astype(out.dtype)
+
+
+def _scan(eqn, ins, ctx: Ctx) -> list:
+    """A scan whose inputs hold weights: a weight in the scanned inputs (a stack of layers) is
+    sliced with its adapters, one layer per iteration; one in the constants is closed over."""
+    p = eqn.params
+    n_c, n_carry = p["num_consts"], p["num_carry"]
+    consts = ins[:n_c]
+    carry = [_value(x, ctx, "a scan's carry") for x in ins[n_c : n_c + n_carry]]
+    xs = ins[n_c + n_carry :]
+    xs = [_value(x, ctx, "scan") if isinstance(x, Tracked) and x.perm[0] != 0 else x for x in xs]
+    pieces = [(x.w, x.a, x.b) if isinstance(x, Tracked) else x for x in xs]
+
+    def body(c, x_in):
+        sliced = [
+            Tracked(*piece, t.index, tuple(d - 1 for d in t.perm[1:]), t.dtype, t.depth + 1)
+            if isinstance(t, Tracked)
+            else piece
+            for t, piece in zip(xs, x_in)
+        ]
+        outs = _eval(p["jaxpr"].jaxpr, p["jaxpr"].consts, list(consts) + list(c) + sliced, ctx)
+        outs = [_value(o, ctx, "a scan's output") for o in outs]
+        return outs[:n_carry], outs[n_carry:]
+
+    c, ys = lax.scan(body, carry, pieces, length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
+    return list(c) + list(ys)
