@@ -10,6 +10,7 @@ from fsdp_jax.errors import (
     VerifyError,
 )
 from fsdp_jax.model.fns import ModelFns, from_linen, from_nnx
+from fsdp_jax.model.lora import LoraModel, with_lora
 from fsdp_jax.sharding import axes, rules
 from fsdp_jax.sharding.flax_names import logical_axes_of
 from fsdp_jax.sharding.leaf_sharding import LeafSharding
@@ -40,6 +41,8 @@ __all__ = [
     "ShardedModel",
     "from_linen",
     "from_nnx",
+    "LoraModel",
+    "with_lora",
     "shard_model",
     "trainable_leaves",
     "MeshError",

@@ -45,6 +45,7 @@ from jax.sharding import Mesh
 from fsdp_jax.hlo.memory import tree_bytes_per_device
 from fsdp_jax.model import variables as ms_lib
 from fsdp_jax.model.fns import ModelFns, _adapt
+from fsdp_jax.model.lora import LoraModel
 from fsdp_jax.sharding import rules as rl
 from fsdp_jax.sharding.leaf_sharding import spec_str
 from fsdp_jax.sharding.replication import (
@@ -178,7 +179,10 @@ def shard_model(
     params (a prefix is broadcast), a callable `params -> bool tree`, or, for NNX
     models, an NNX filter (`nnx.LoRAParam`, `nnx.PathContains("lora")`, ...). Frozen params
     stay sharded and are never differentiated; give them no optimizer state with
-    `optax.multi_transform({...: tx, ...: optax.set_to_zero()}, labels)`.
+    `optax.multi_transform({...: tx, ...: optax.set_to_zero()}, labels)`. A `LoraModel`
+    (`fsdp_jax.model.lora.with_lora`) without `trainable` trains its adapters only, under
+    `optax.masked(optimizer)` (no optimizer state for the base). With `precision`, frozen
+    params rest in its `frozen` dtype (no master copy of what the step never updates).
     `logical_axes`: a tree of logical-name tuples overriding the model's metadata.
     `rules`, `min_shard_size`, `max_replicated_fraction`, `min_replicated_bytes`: as
     in `make_plan`. `precision`: a `Policy` or its string; its `param_dtype` is the
@@ -189,6 +193,8 @@ def shard_model(
     `.train_step(loss_fn, ...)`, `.apply`, `.explain()`, `.bytes_per_device()`.
     """
     fns, params, model_state = _adapt(model, rng)
+    if isinstance(fns, LoraModel) and trainable is None:  # with_lora: adapters train, the base is frozen
+        trainable, optimizer = fns.trainable, fns.optimizer(optimizer)
     mask = None if trainable is None else _trainable_mask(fns, trainable)
     if params is None and rng is None:
         raise ValueError(
@@ -205,6 +211,7 @@ def shard_model(
         max_replicated_fraction=max_replicated_fraction,
         min_replicated_bytes=min_replicated_bytes,
         precision=precision,
+        trainable=mask,
     )
     state = built.init_state(rng) if params is None else built.place(params, model_state)
     return ShardedModel(

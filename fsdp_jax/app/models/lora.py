@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from fsdp_jax.model.lora import a_init
 from fsdp_jax.sharding.axes import EMBED, HEADS, KV, KV_HEADS, LORA_RANK, MLP
 from fsdp_jax.sharding.leaf_sharding import path_str
 from fsdp_jax.sharding.precision import matmul
@@ -119,9 +120,7 @@ def adapter_param_count(cfg, spec: LoraSpec) -> int:
 
 
 def _a_init(fan_in: int):
-    # PEFT (torch nn.Linear's reset): kaiming_uniform(a=sqrt(5)) = U(-1/sqrt(fan_in), 1/sqrt(fan_in))
-    bound = 1.0 / math.sqrt(fan_in)
-    return lambda key, shape, dtype=jnp.float32: jax.random.uniform(key, shape, dtype, -bound, bound)
+    return lambda key, shape, dtype=jnp.float32: a_init(key, shape, fan_in, dtype)  # PEFT's
 
 
 class Adapter(nnx.Module):

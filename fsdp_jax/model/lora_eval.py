@@ -1,0 +1,238 @@
+"""How `with_lora`'s wrapped apply runs the model: its jaxpr, eqn by eqn, with each
+targeted weight kept factored (`Tracked`: W, A, B and the view taken of W) up to the
+matrix products that use it, which compute x W + scale * (x A) B. Inner `jit`s and custom
+derivatives are inlined where a weight flows in, `remat` is re-applied with its policy; a
+weight going anywhere else is merged (W + scale * A B), and while probing that use is
+recorded, so `with_lora` leaves such a weight without an adapter."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core as jcore
+
+_INLINE = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr"}
+_CUSTOM = {"custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr"}
+_REMAT = {"remat2", "checkpoint"}
+_HINTS = {"sharding_constraint", "copy", "copy_p"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A weight with an adapter: its path, shape, the dims its products contract and the
+    shapes of A (stack dims..., contracted dims..., r) and B (stack dims..., r, free dims...).
+    `depth`: W's leading dims that scans slice off before the products (a scanned stack of
+    layers, each with its own adapter)."""
+
+    path: str
+    shape: tuple[int, ...]
+    contracted: tuple[int, ...]
+    free: tuple[int, ...]
+    a_shape: tuple[int, ...]
+    b_shape: tuple[int, ...]
+    depth: int = 0
+
+
+def delta_weight(t: Target, a, b, sliced: int = 0) -> jax.Array:
+    """scale-free A B laid out as W (f32); `sliced`: stack dims already sliced off A and B."""
+    ab = lambda a, b: jnp.tensordot(a, b, axes=1)  # noqa: E731  contracted dims..., free dims...
+    for _ in range(t.depth - sliced):
+        ab = jax.vmap(ab)
+    out = ab(a.astype(jnp.float32), b.astype(jnp.float32))
+    order = list(range(t.depth - sliced)) + [d - sliced for d in t.contracted + t.free]
+    return jnp.transpose(out, np.argsort(order))
+
+
+@jax.tree_util.register_pytree_node_class
+class Tracked:
+    """A base weight on its way to a product: W, its adapters (None while probing), the
+    leaf index, the view applied so far (a transpose `perm`, a cast `dtype`), and how many
+    stack dims scans have sliced off (`depth`)."""
+
+    def __init__(self, w, a, b, index, perm=None, dtype=None, depth=0):
+        self.w, self.a, self.b, self.index, self.depth = w, a, b, index, depth
+        self.perm = tuple(range(len(w.shape))) if perm is None else perm
+        self.dtype = dtype
+
+    def like(self, w=None, perm=None, dtype=None):
+        """The same weight with another array, view or cast."""
+        return Tracked(
+            self.w if w is None else w, self.a, self.b, self.index, perm or self.perm, dtype or self.dtype, self.depth
+        )
+
+    def tree_flatten(self):
+        return (self.w, self.a, self.b), (self.index, self.perm, self.dtype, self.depth)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children, *aux)
+
+    def view(self, w=None):
+        x = self.w if w is None else w
+        x = jnp.transpose(x, self.perm) if self.perm != tuple(range(len(self.perm))) else x
+        return x if self.dtype is None else x.astype(self.dtype)
+
+    @property
+    def aval(self):
+        shape = tuple(self.w.shape[p] for p in self.perm)
+        return jax.core.ShapedArray(shape, self.dtype or self.w.dtype)
+
+
+@dataclasses.dataclass
+class Ctx:
+    uses: dict | None  # probing: where to record each candidate's uses
+    index: dict | None  # evaluating: leaf index -> Target
+    scale: float
+
+
+def _is_array(x) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct, jax.core.Tracer))
+
+
+def split_dynamic(args, kwargs):
+    """(the array leaves of `args`/`kwargs`, `rebuild(arrays) -> (args, kwargs)`): `make_jaxpr`
+    traces the arrays only, so Python values (`train=True`) keep steering the model."""
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    mask = [_is_array(x) for x in leaves]
+
+    def rebuild(dyn):
+        it = iter(dyn)
+        return jax.tree.unflatten(treedef, [next(it) if m else x for x, m in zip(leaves, mask)])
+
+    return [x for x, m in zip(leaves, mask) if m], rebuild
+
+
+def call(base_apply, params, rebuild, dyn, ctx: Ctx):
+    """`base_apply(params, *args, **kwargs)` evaluated through its jaxpr with the `Tracked` leaves."""
+
+    def program(p, d):
+        a, k = rebuild(d)
+        return base_apply(p, *a, **k)
+
+    is_t = lambda x: isinstance(x, Tracked)  # noqa: E731
+    plain = jax.tree.map(lambda t: t.w if is_t(t) else t, params, is_leaf=is_t)
+    closed, out_shape = jax.make_jaxpr(program, return_shape=True)(plain, list(dyn))
+    flat_in = jax.tree.leaves(params, is_leaf=is_t) + list(dyn)
+    outs = _eval(closed.jaxpr, closed.consts, flat_in, ctx)
+    return jax.tree.unflatten(jax.tree.structure(out_shape), [_value(o, ctx, "the output") for o in outs])
+
+
+def _eval(jaxpr, consts, args, ctx: Ctx) -> list:
+    """`jaxpr` on `args` (arrays or `Tracked`), eqn by eqn; a `Tracked` weight stays factored
+    up to its products and is merged wherever else it goes (recorded while probing)."""
+    env = {}
+
+    def read(v):
+        return v.val if isinstance(v, jcore.Literal) else env[v]
+
+    for v, x in zip(jaxpr.constvars, consts):
+        env[v] = x
+    for v, x in zip(jaxpr.invars, args):
+        env[v] = x
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        outs = _eqn(eqn, ins, ctx)
+        for v, x in zip(eqn.outvars, outs):
+            if not isinstance(v, jcore.DropVar):
+                env[v] = x
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _eqn(eqn, ins, ctx: Ctx) -> list:
+    name, params = eqn.primitive.name, eqn.params
+    tracked = [isinstance(x, Tracked) for x in ins]
+    if not any(tracked):
+        return _bind(eqn, ins)
+    if name == "convert_element_type" and jnp.issubdtype(params["new_dtype"], jnp.floating):
+        return [ins[0].like(dtype=params["new_dtype"])]
+    if name == "transpose":
+        return [ins[0].like(perm=tuple(ins[0].perm[p] for p in params["permutation"]))]
+    if name in _HINTS:  # a layout hint or a copy of the weight: the adapters follow it unchanged
+        t = ins[0]
+        return [t.like(w=_bind(eqn, [t.w])[0] if t.perm == tuple(range(len(t.perm))) else None)]
+    if name == "dot_general" and sum(tracked) == 1 and not any(params["dimension_numbers"][1]):
+        return [_dot(eqn, ins, tracked.index(True), ctx)]
+    if name in _INLINE:
+        sub = params[_INLINE[name]]
+        jaxpr, consts = (sub.jaxpr, sub.consts) if hasattr(sub, "consts") else (sub, ())
+        return _eval(jaxpr, consts, ins, ctx)
+    if name in _REMAT:
+        body = lambda *xs: _eval(params["jaxpr"], (), xs, ctx)  # noqa: E731
+        return list(jax.checkpoint(body, prevent_cse=params["prevent_cse"], policy=params["policy"])(*ins))
+    if name == "scan":
+        return _scan(eqn, ins, ctx)
+    if name in _CUSTOM and not ctx.uses:
+        sub = params[_CUSTOM[name]]
+        return _eval(sub.jaxpr, sub.consts, ins, ctx)
+    return _bind(eqn, [_value(x, ctx, name) for x in ins])
+
+
+def _bind(eqn, ins) -> list:
+    got = eqn.primitive.get_bind_params(eqn.params)
+    subfuns, params = got if isinstance(got, tuple) else ((), got)
+    out = eqn.primitive.bind(*subfuns, *ins, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _value(x, ctx: Ctx, where: str):
+    """`x` as a plain array: a `Tracked` weight merged (W + scale * A B), its use recorded."""
+    if not isinstance(x, Tracked):
+        return x
+    if ctx.uses is not None:
+        ctx.uses[x.index].append(("other", where))
+        return x.view()
+    delta = delta_weight(ctx.index[x.index], x.a, x.b, x.depth)
+    return x.view((x.w.astype(jnp.float32) + ctx.scale * delta).astype(x.w.dtype))
+
+
+def _dot(eqn, ins, ti: int, ctx: Ctx):
+    """The product `x W` (or `W x`) as the model wrote it, plus scale * (x A) B laid out as its output."""
+    t, x = ins[ti], ins[1 - ti]
+    (lc, rc), _ = eqn.params["dimension_numbers"]
+    tc, xc = (lc, rc) if ti == 0 else (rc, lc)
+    contracted = tuple(t.perm[d] + t.depth for d in tc)  # in W's dims, stack dims included
+    free = tuple(t.perm[d] + t.depth for d in range(len(t.perm)) if d not in tc)
+    out = _bind(eqn, [t.view(), x] if ti == 0 else [x, t.view()])[0]
+    if ctx.uses is not None:
+        ctx.uses[t.index].append(("dot", tuple(sorted(contracted)), tuple(sorted(free)), t.depth))
+        return out
+    target = ctx.index[t.index]
+    a_pos = [target.contracted.index(d) for d in contracted]
+    xa = lax.dot_general(x, t.a.astype(x.dtype), ((tuple(xc), tuple(a_pos)), ((), ())))
+    d = lax.dot_general(xa * jnp.asarray(ctx.scale, xa.dtype), t.b.astype(x.dtype), (((xa.ndim - 1,), (0,)), ((), ())))
+    n_x = d.ndim - len(free)
+    order = list(range(n_x)) + [n_x + target.free.index(f) for f in free]
+    d = jnp.transpose(d, order)
+    if ti == 0:  # W on the left: its free dims come first
+        d = jnp.transpose(d, list(range(n_x, d.ndim)) + list(range(n_x)))
+    return out + d.astype(out.dtype)
+
+
+def _scan(eqn, ins, ctx: Ctx) -> list:
+    """A scan whose inputs hold weights: a weight in the scanned inputs (a stack of layers) is
+    sliced with its adapters, one layer per iteration; one in the constants is closed over."""
+    p = eqn.params
+    n_c, n_carry = p["num_consts"], p["num_carry"]
+    consts = ins[:n_c]
+    carry = [_value(x, ctx, "a scan's carry") for x in ins[n_c : n_c + n_carry]]
+    xs = ins[n_c + n_carry :]
+    xs = [_value(x, ctx, "scan") if isinstance(x, Tracked) and x.perm[0] != 0 else x for x in xs]
+    pieces = [(x.w, x.a, x.b) if isinstance(x, Tracked) else x for x in xs]
+
+    def body(c, x_in):
+        sliced = [
+            Tracked(*piece, t.index, tuple(d - 1 for d in t.perm[1:]), t.dtype, t.depth + 1)
+            if isinstance(t, Tracked)
+            else piece
+            for t, piece in zip(xs, x_in)
+        ]
+        outs = _eval(p["jaxpr"].jaxpr, p["jaxpr"].consts, list(consts) + list(c) + sliced, ctx)
+        outs = [_value(o, ctx, "a scan's output") for o in outs]
+        return outs[:n_carry], outs[n_carry:]
+
+    c, ys = lax.scan(body, carry, pieces, length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
+    return list(c) + list(ys)
