@@ -362,9 +362,10 @@ class LinenNormed(nn.Module):
         return nn.Dense(O, name="down")(h)
 
 
-def test_a_model_with_state_and_dropout_trains_its_adapters_and_updates_its_state():
+@pytest.mark.parametrize("lora_dropout", [0.0, 0.3])
+def test_a_model_with_state_and_dropout_trains_its_adapters_and_updates_its_state(lora_dropout):
     fns = fj.from_linen(LinenNormed(), X, state=("batch_stats",), rngs=("dropout",))
-    lm = fj.with_lora(fns, X, rank=2)
+    lm = fj.with_lora(fns, X, rank=2, dropout=lora_dropout)
     assert [t.path for t in lm.targets] == ["down/kernel", "up/kernel"]
     sm = fj.shard_model(lm, ADAM, fj.make_mesh(fsdp=8), rng=jax.random.key(0), min_shard_size=1)
     start = jax.device_get(sm.state)
@@ -386,3 +387,43 @@ def test_a_model_with_state_and_dropout_trains_its_adapters_and_updates_its_stat
     got, _ = lm.apply(trained, X, state=ms, train=False)  # eval: running averages, no dropout
     want, _ = fns.apply(lm.merged(trained), X, state=ms, train=False)
     assert max_abs_diff(got, want) < 1e-5 * float(jnp.abs(want).max())
+
+
+def linear_apply(p, x):
+    return x @ p["w"]
+
+
+def test_dropout_drops_the_adapters_input_only_and_is_unbiased():
+    w = {"w": jax.random.normal(jax.random.key(7), (D, O)) / 5}
+    lm = fj.with_lora(w, X, apply=linear_apply, rank=4, dropout=0.5)
+    params = lm.init(jax.random.key(0))
+    key = jax.random.key(11)
+    assert max_abs_diff(lm.apply(params, X, lora_rng=key), linear_apply(w, X)) == 0.0  # B = 0: the base exactly
+    params = random_adapters(params, jax.random.key(5))
+    plain = lm.apply(params, X)  # no key: no dropout (evaluation)
+    assert max_abs_diff(plain, linear_apply(lm.merged(params), X)) < 1e-5
+    one, two = lm.apply(params, X, lora_rng=key), lm.apply(params, X, lora_rng=jax.random.fold_in(key, 1))
+    assert max_abs_diff(one, lm.apply(params, X, lora_rng=key)) == 0.0 and max_abs_diff(one, two) > 1e-2
+    n_keys = 400  # E[dropout(x)] = x, and the adapter is linear in it: the mean output is the plain one
+    outs = jax.vmap(lambda k: lm.apply(params, X, lora_rng=k))(jax.random.split(key, n_keys))
+    spread = float(jnp.std(outs - plain, axis=0).max())
+    assert float(jnp.abs(outs.mean(0) - plain).max()) < 5 * spread / math.sqrt(n_keys)
+    assert 0 < spread
+    with pytest.raises(ValueError, match=re.escape("dropout must be in [0, 1), got 1.0")):
+        fj.with_lora(w, X, apply=linear_apply, rank=4, dropout=1.0)
+
+
+def test_dropout_in_a_scanned_stack_and_from_the_steps_key_in_training_only():
+    lm, _ = models()["scan"]
+    lm_d = fj.with_lora(scan_params(jax.random.key(0)), X, apply=scan_apply, rank=2, dropout=0.3)
+    params = random_adapters(lm.init(jax.random.key(0)), jax.random.key(5))
+    key = jax.random.key(3)
+    assert max_abs_diff(lm_d.apply(params, X), lm.apply(params, X)) == 0.0
+    assert max_abs_diff(lm_d.apply(params, X, lora_rng=key), lm.apply(params, X)) > 1e-3
+    fns = fj.from_linen(LinenNormed(), X, state=("batch_stats",), rngs=("dropout",))
+    ld = fj.with_lora(fns, X, rank=2, dropout=0.5)
+    p = random_adapters(ld.init(jax.random.key(0)), jax.random.key(5))
+    state = fns.init_state(jax.random.key(0))
+    evals = [ld.apply(p, X, state=state, rng=jax.random.key(i), train=False)[0] for i in range(2)]
+    trains = [ld.apply(p, X, state=state, rng=jax.random.key(i), train=True)[0] for i in range(2)]
+    assert max_abs_diff(*evals) == 0.0 and max_abs_diff(*trains) > 1e-3

@@ -93,6 +93,7 @@ def with_lora(
     alpha: float = 16.0,
     targets: str | Callable[[str, tuple[int, ...]], bool] | tuple[str, ...] = ALL_LINEAR,
     rslora: bool = False,
+    dropout: float = 0.0,
     apply: Callable[..., Any] | None = None,
     rng: jax.Array | None = None,
     **example_kwargs,
@@ -106,11 +107,18 @@ def with_lora(
     matched (`re.search`) against the params' paths (`"attn/(q|v)_proj"`), or a predicate
     `(path, shape) -> bool`; a named weight used outside a product is a ValueError, as is one
     that matches nothing. `rank` in 1..min(in, out) of every target; `alpha` > 0.
+    `dropout` in [0, 1): PEFT's `lora_dropout`, on each adapter's input (x A becomes
+    dropout(x) A; the base product is untouched), drawn from `apply(..., lora_rng=key)` or,
+    for a model called with the step's `rng=` and `train=True`, from that key; without a key
+    (evaluation) there is none. Each product of each weight, and each layer of a scan, draws
+    its own mask.
     """
     if not (isinstance(rank, int) and rank > 0):
         raise ValueError(f"with_lora: rank must be a positive integer, got {rank!r}")
     if not alpha > 0:
         raise ValueError(f"with_lora: alpha must be > 0, got {alpha!r}")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"with_lora: dropout must be in [0, 1), got {dropout!r}")
     fns, params, _ = _adapt(model, rng)
     base_apply = fns.apply if apply is None else apply
     if base_apply is None:
@@ -126,7 +134,7 @@ def with_lora(
     base_init = (lambda _: params) if params is not None else fns.init
     return LoraModel(
         init=_init(base_init, found),
-        apply=_apply(base_apply, index, scale),
+        apply=_apply(base_apply, index, scale, dropout),
         logical_axes=_axes(fns.logical_axes, found, index, names),
         abstract_params={"base": fns.abstract_params, "lora": _abstract_lora(found)},
         abstract_model_state=fns.abstract_model_state,
@@ -250,8 +258,8 @@ def _init(base_init, found):
     return init
 
 
-def _apply(base_apply, index: dict[int, Target], scale: float):
-    def apply(params, *args, **kwargs):
+def _apply(base_apply, index: dict[int, Target], scale: float, dropout: float):
+    def apply(params, *args, lora_rng=None, **kwargs):
         flat, treedef = jax.tree.flatten(params["base"])
         tracked = [
             Tracked(x, params["lora"][index[i].path]["lora_a"], params["lora"][index[i].path]["lora_b"], i)
@@ -259,7 +267,10 @@ def _apply(base_apply, index: dict[int, Target], scale: float):
             else x
             for i, x in enumerate(flat)
         ]
+        if lora_rng is None and kwargs.get("rng") is not None and kwargs.get("train", True):
+            lora_rng = jax.random.fold_in(kwargs["rng"], 0x10A)  # the step's key, as the model's own streams
         dyn, rebuild = split_dynamic(args, kwargs)
-        return call(base_apply, treedef.unflatten(tracked), rebuild, dyn, Ctx(None, index, scale))
+        ctx = Ctx(None, index, scale, dropout, lora_rng if dropout else None)
+        return call(base_apply, treedef.unflatten(tracked), rebuild, dyn, ctx)
 
     return apply

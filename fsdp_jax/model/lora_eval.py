@@ -8,6 +8,7 @@ recorded, so `with_lora` leaves such a weight without an adapter."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -87,6 +88,14 @@ class Ctx:
     uses: dict | None  # probing: where to record each candidate's uses
     index: dict | None  # evaluating: leaf index -> Target
     scale: float
+    dropout: float = 0.0  # PEFT's lora_dropout on the adapters' input, where `key` is given
+    key: Any = None
+    calls: dict = dataclasses.field(default_factory=dict)  # products so far per weight (one mask each)
+
+    def mask_key(self, index: int):
+        """A key for the next product of weight `index`: one per weight, per use."""
+        n = self.calls[index] = self.calls.get(index, -1) + 1
+        return jax.random.fold_in(jax.random.fold_in(self.key, index), n)
 
 
 def _is_array(x) -> bool:
@@ -202,7 +211,11 @@ def _dot(eqn, ins, ti: int, ctx: Ctx):
         return out
     target = ctx.index[t.index]
     a_pos = [target.contracted.index(d) for d in contracted]
-    xa = lax.dot_general(x, t.a.astype(x.dtype), ((tuple(xc), tuple(a_pos)), ((), ())))
+    xd = x
+    if ctx.dropout and ctx.key is not None:  # inverted dropout of the adapter's input only
+        keep = jax.random.bernoulli(ctx.mask_key(t.index), 1.0 - ctx.dropout, x.shape)
+        xd = jnp.where(keep, x / jnp.asarray(1.0 - ctx.dropout, x.dtype), jnp.zeros((), x.dtype))
+    xa = lax.dot_general(xd, t.a.astype(x.dtype), ((tuple(xc), tuple(a_pos)), ((), ())))
     d = lax.dot_general(xa * jnp.asarray(ctx.scale, xa.dtype), t.b.astype(x.dtype), (((xa.ndim - 1,), (0,)), ((), ())))
     n_x = d.ndim - len(free)
     order = list(range(n_x)) + [n_x + target.free.index(f) for f in free]
@@ -223,16 +236,20 @@ def _scan(eqn, ins, ctx: Ctx) -> list:
     xs = [_value(x, ctx, "scan") if isinstance(x, Tracked) and x.perm[0] != 0 else x for x in xs]
     pieces = [(x.w, x.a, x.b) if isinstance(x, Tracked) else x for x in xs]
 
-    def body(c, x_in):
+    def body(c_i, x_in):
+        c, i = c_i
+        inner = ctx if ctx.key is None else dataclasses.replace(ctx, key=jax.random.fold_in(ctx.key, i), calls={})
         sliced = [
             Tracked(*piece, t.index, tuple(d - 1 for d in t.perm[1:]), t.dtype, t.depth + 1)
             if isinstance(t, Tracked)
             else piece
             for t, piece in zip(xs, x_in)
         ]
-        outs = _eval(p["jaxpr"].jaxpr, p["jaxpr"].consts, list(consts) + list(c) + sliced, ctx)
+        outs = _eval(p["jaxpr"].jaxpr, p["jaxpr"].consts, list(consts) + list(c) + sliced, inner)
         outs = [_value(o, ctx, "a scan's output") for o in outs]
-        return outs[:n_carry], outs[n_carry:]
+        return (outs[:n_carry], i + 1), outs[n_carry:]  # i: the layer, so each layer draws its own masks
 
-    c, ys = lax.scan(body, carry, pieces, length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
+    (c, _), ys = lax.scan(
+        body, (carry, jnp.int32(0)), pieces, length=p["length"], reverse=p["reverse"], unroll=p["unroll"]
+    )
     return list(c) + list(ys)
