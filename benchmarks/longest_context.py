@@ -62,8 +62,9 @@ def point(context: int, seq: int, target: str, saved: Path | None) -> dict:
     return out
 
 
-def longest(context: int, start: int, target: str, saved: Path | None) -> dict:
-    """{"context", "fits": the longest fitting point, "next": the first that does not}."""
+def longest(context: int, start: int, target: str, saved: Path | None, refine: int = 0) -> dict:
+    """{"context", "fits": the longest fitting point, "next": the first that does not}: powers
+    of two from `start`, then `refine` bisection steps between the two."""
     seq, tried = start, {}
     while True:
         tried[seq] = p = point(context, seq, target, saved)
@@ -71,6 +72,15 @@ def longest(context: int, start: int, target: str, saved: Path | None) -> dict:
         if nxt in tried or nxt < 2 * context:
             break
         seq = nxt
+    for _ in range(refine):  # bisect between the longest that fits and the first that does not
+        ok = [s for s, p in tried.items() if p["fits"]]
+        over = [s for s, p in tried.items() if not p["fits"]]
+        if not ok or not over:
+            break
+        mid = (max(ok) + min(over)) // 2 // (2 * context) * (2 * context)  # zig-zag: a multiple of 2C
+        if mid in tried:
+            break
+        tried[mid] = point(context, mid, target, saved)
     ok = [p for p in tried.values() if p["fits"]]
     over = [p for p in tried.values() if not p["fits"]]
     best = max(ok, key=lambda p: p["seq"]) if ok else None
@@ -80,7 +90,7 @@ def longest(context: int, start: int, target: str, saved: Path | None) -> dict:
 def table(rows: list[dict]) -> str:
     gb = lambda b: f"{b / 1e9:.2f} GB"  # noqa: E731
     lines = [
-        "| context x fsdp | longest seq that fits | compiled peak / GPU | analytic | next (2x) seq: compiled peak |",
+        "| context x fsdp | longest seq that fits | compiled peak / GPU | analytic | shortest tried that does not fit |",
         "|---|---:|---:|---:|---|",
     ]
     for r in rows:
@@ -98,6 +108,7 @@ def main(argv=None) -> int:
     ap.add_argument("--contexts", default="1,2,4,8", help="context sizes (comma list of divisors of 8)")
     ap.add_argument("--start", type=int, default=0, help="first sequence length (default: START[context])")
     ap.add_argument("--target", default="h100")
+    ap.add_argument("--refine", type=int, default=0, help="bisection steps after the doubling (default 0)")
     ap.add_argument("--saved", type=Path, help="directory keeping (and reusing) each plan's JSON")
     args = ap.parse_args(argv)
     rows = []
@@ -105,7 +116,7 @@ def main(argv=None) -> int:
         if c not in (1, 2, 4, 8):
             print(f"error: --contexts: {c} does not divide 8", file=sys.stderr)
             return 2
-        rows.append(longest(c, args.start or START[c], args.target, args.saved))
+        rows.append(longest(c, args.start or START[c], args.target, args.saved, args.refine))
     print(table(rows))
     print(json.dumps(rows))
     return 0
