@@ -96,8 +96,10 @@ def check_flags(args) -> None:
     if args.pack is not None:
         if not args.sources:
             raise UsageError("--pack needs SOURCES... (jsonl or text files)")
-        if not 2 <= args.pack < 2**16:
-            raise UsageError(f"--pack {args.pack}: must be in 2..65535")
+        from fsdp_jax.app.data.packing import MAX_ROW_LEN
+
+        if not 2 <= args.pack <= MAX_ROW_LEN:
+            raise UsageError(f"--pack {args.pack}: must be in 2..{MAX_ROW_LEN}")
     elif args.train_on_all or args.chat_template or args.overflow != "truncate" or args.workers != 1:
         raise UsageError("--train-on-all, --overflow, --chat-template and --workers need --pack")
     elif (args.messages_key, args.prompt_key, args.completion_key) != ("messages", "prompt", "completion"):

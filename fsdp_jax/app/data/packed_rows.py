@@ -18,7 +18,7 @@ import numpy as np
 
 from fsdp_jax.app.data import corpus as data_lib
 from fsdp_jax.app.data.packing import batch_from_rows
-from fsdp_jax.app.data.windows import _NEVER_ENDS, BatchIterator, _rows
+from fsdp_jax.app.data.windows import _NEVER_ENDS, BatchIterator, _rows, seg_dtype_of
 from fsdp_jax.errors import DataError
 
 _STREAM = {"train": 3, "val": 4}
@@ -37,7 +37,7 @@ class PackedRows:
         d = Path(data_dir)
         self.tokens = np.memmap(d / f"{split}.bin", meta["dtype"], "r").reshape(-1, self.row_len)
         self.mask = np.memmap(d / f"{split}.mask.bin", np.uint8, "r").reshape(-1, self.row_len)
-        self.seg = np.memmap(d / f"{split}.seg.bin", np.uint16, "r").reshape(-1, self.row_len)
+        self.seg = np.memmap(d / f"{split}.seg.bin", seg_dtype_of(meta), "r").reshape(-1, self.row_len)
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -23,6 +23,13 @@ from collections.abc import Sequence
 import numpy as np
 
 OVERFLOW = ("truncate", "split")
+MAX_ROW_LEN = 1 << 24  # positions are int32 and a row is packed whole in memory; 16M tokens
+
+
+def seg_dtype(row_len: int) -> np.dtype:
+    """Segment ids' dtype for rows of `row_len` tokens: uint16 below 65536 tokens (an id is
+    at most row_len // 2: a trained example has two tokens or more), else uint32."""
+    return np.dtype(np.uint16 if row_len < 2**16 else np.uint32)
 
 
 @dataclasses.dataclass
@@ -98,15 +105,15 @@ def cut(
 def pack(
     examples: Sequence[tuple[np.ndarray, np.ndarray]], row_len: int, dtype=np.int32
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(tokens (R, L) dtype, mask (R, L) uint8, segment (R, L) uint16, or uint32 for rows of
-    65536 tokens or more: long-context rows) for examples of (tokens, mask), each at most
-    row_len long (see `cut`)."""
-    if row_len >= 2**32:
-        raise ValueError(f"row length {row_len}: must be < 2**32")
+    """(tokens (R, L) dtype, mask (R, L) uint8, segment (R, L) `seg_dtype(L)`: uint16, or
+    uint32 for rows of 65536 tokens or more, long-context rows) for examples of (tokens,
+    mask), each at most row_len long (see `cut`)."""
+    if not 1 <= row_len <= MAX_ROW_LEN:
+        raise ValueError(f"row length {row_len}: must be in 1..{MAX_ROW_LEN}")
     rows = fit([len(t) for t, _ in examples], row_len)
     tok = np.zeros((len(rows), row_len), dtype)
     msk = np.zeros((len(rows), row_len), np.uint8)
-    seg = np.zeros((len(rows), row_len), np.uint16 if row_len < 2**16 else np.uint32)
+    seg = np.zeros((len(rows), row_len), seg_dtype(row_len))
     for r, members in enumerate(rows):
         at = 0
         for s, i in enumerate(members, 1):

@@ -4,7 +4,8 @@
 
 A packed corpus directory holds, per split (train, val), `<split>.bin` (tokens, rows x
 row_len, uint16/uint32), `<split>.mask.bin` (uint8: 1 where the token is a training
-target) and `<split>.seg.bin` (uint16: the example's number in its row, 0 = padding),
+target) and `<split>.seg.bin` (the example's number in its row, 0 = padding: uint16, uint32 for rows
+of 65536 tokens or more; meta.json's `seg_dtype`, uint16 when absent),
 `chat_template.jinja` (the template its chats were rendered with, when there was one:
 `export --hf` ships it with the model) and `meta.json` (`"format": "packed"`, `row_len`,
 counts, the packing report and `max_token_id`), written last.
@@ -41,7 +42,7 @@ from fsdp_jax.app.data.encode_pool import encode_batches
 from fsdp_jax.app.data.encode_worker import EncoderSpec
 from fsdp_jax.app.data.examples import ExampleEncoder, find_chat_template, read_records, special_tokens
 from fsdp_jax.app.data.packed_splits import PackedSplits
-from fsdp_jax.app.data.packing import PackStats
+from fsdp_jax.app.data.packing import MAX_ROW_LEN, PackStats, seg_dtype
 from fsdp_jax.app.data.tables import KeyMap, source_size
 from fsdp_jax.app.data.tokenizer import encode_long, is_long, text_chunks
 from fsdp_jax.errors import DataError, ExampleError
@@ -88,8 +89,8 @@ def _check_options(val_fraction, row_len, threads, workers, overflow) -> None:
     """`prepare_examples`' numeric and named options, before anything is read."""
     if not 0 < val_fraction < 1:
         raise DataError(f"val_fraction {val_fraction!r}: must be in (0, 1)")
-    if not isinstance(row_len, int) or not 2 <= row_len < 2**16:
-        raise DataError(f"row length {row_len!r}: must be in 2..65535")
+    if not isinstance(row_len, int) or not 2 <= row_len <= MAX_ROW_LEN:
+        raise DataError(f"row length {row_len!r}: must be in 2..{MAX_ROW_LEN}")
     if threads is not None and threads < 1:
         raise DataError(f"threads {threads}: must be >= 1")
     if not isinstance(workers, int) or workers < 1:
@@ -192,6 +193,7 @@ def _packed_meta(
         "row_len": row_len,
         "vocab_size": vocab_size,
         "dtype": dtype,
+        "seg_dtype": seg_dtype(row_len).name,
         "tokenizer": "bytes" if tok is None else tok.path,
         **({} if tok is None else {"tokenizer_kind": tok.kind, "eos_id": tok.eos_id}),
         "max_token_id": max(w.max_token for w in writers.values()),

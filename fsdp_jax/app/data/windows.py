@@ -34,22 +34,32 @@ def load_meta(data_dir: str | os.PathLike) -> dict:
         dt = np.dtype(meta["dtype"])
         if dt not in (np.uint16, np.uint32):
             raise ValueError(f"dtype {meta['dtype']!r}: allowed uint16, uint32")
-        expect = {"train.bin": meta["train_tokens"], "val.bin": meta["val_tokens"]}
+        expect = {f"{s}.bin": (meta[f"{s}_tokens"], dt) for s in SPLITS}
         if meta.get("format") == "packed":  # fsdp_jax.app.data.sft: per-token mask and segment files
+            seg = np.dtype(seg_dtype_of(meta))
             for s in SPLITS:
-                expect[f"{s}.mask.bin"] = meta[f"{s}_tokens"] / dt.itemsize
-                expect[f"{s}.seg.bin"] = meta[f"{s}_tokens"] * 2 / dt.itemsize
+                expect[f"{s}.mask.bin"] = (meta[f"{s}_tokens"], np.dtype(np.uint8))
+                expect[f"{s}.seg.bin"] = (meta[f"{s}_tokens"], seg)
     except FileNotFoundError:
         raise DataError(f"{str(d)!r}: meta.json not found; prepare it with scripts/prepare_data.py --out {d}") from None
     except (ValueError, KeyError, TypeError) as e:
         raise DataError(f"{str(d / 'meta.json')!r}: invalid ({e})") from None
-    for name, n in expect.items():
+    for name, (n, t) in expect.items():
         f = d / name
-        if not f.is_file() or f.stat().st_size != n * dt.itemsize:
+        if not f.is_file() or f.stat().st_size != n * t.itemsize:
             raise DataError(
-                f"{str(f)!r}: missing or not {n} {dt.name} tokens as meta.json says; prepare the corpus again"
+                f"{str(f)!r}: missing or not {n} {t.name} values as meta.json says; prepare the corpus again"
             )
     return meta
+
+
+def seg_dtype_of(meta: dict) -> str:
+    """A packed corpus' segment-id dtype: meta.json's `seg_dtype` (uint16 or uint32, written
+    since rows may hold 65536 tokens or more), uint16 for corpora written before it."""
+    seg = meta.get("seg_dtype", "uint16")
+    if seg not in ("uint16", "uint32"):
+        raise ValueError(f"seg_dtype {seg!r}: allowed uint16, uint32")
+    return seg
 
 
 class TokenFile:

@@ -9,7 +9,8 @@ grads, gathered params and activations from the formulas below; `offload_memory`
 splits them between device and host for `cfg.offload`.
 
 Activation formula (reference Llama, bytes per device), with T = tokens per device
-per microbatch (global_batch / microbatches / (data x fsdp) x seq_len), c = bytes of
+per microbatch (global_batch / microbatches / (data x fsdp) x seq_len / context: with
+`mesh.context` > 1 each sequence is split over the context ranks), c = bytes of
 the compute dtype, D = d_model, Q = heads x head_dim, K = kv_heads x head_dim,
 F = ffn_dim, H = heads, S = seq_len, L = layers, V = vocab:
 
@@ -29,6 +30,9 @@ With `attention: cudnn` (flash attention) every S-squared term goes: `none` keep
 softmax statistics (4H) instead of the probabilities, `dots` saves no attention matmul
 (the fused kernel's are not dots: c*(Q + 2K + 2D + 2F)), and the working set has no
 logit gradient.
+With `mesh.context` > 1 the S-squared terms are those of ring / all-gather attention
+instead (`fsdp_jax.app.planner.context_memory`: the largest score block, the steps' outputs,
+the K/V met, and what `dots` / `none` keep of every step).
 Small f32 norm statistics, RoPE tables and masks are ignored. Gathered params
 (transient full-size copies in the compute dtype): full_shard / hybrid_shard keep
 two layers in flight (the one computing, the next one prefetched) plus the largest
@@ -48,15 +52,19 @@ on the donated state and needs less than the backward pass.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 
 from fsdp_jax.app.planner.abstract_step import StepBuild
+from fsdp_jax.app.planner.context_memory import context_attention_bytes
 from fsdp_jax.errors import PlanError
 from fsdp_jax.hlo.memory import shard_bytes, tree_bytes_per_device
 from fsdp_jax.sharding import axes as ax
 from fsdp_jax.sharding import rules as rl
 from fsdp_jax.sharding.precision import Policy
+from fsdp_jax.sharding.ring_attention import Q_CHUNK
 
 
 def saved_per_token(model_cfg, remat: str, seq_len: int, compute_bytes: int) -> int:
@@ -93,16 +101,22 @@ def _flash(model_cfg) -> bool:
 
 
 def activation_bytes(
-    model_cfg, remat: str, batch_per_device: int, seq_len: int, compute_dtype="float32"
+    model_cfg, remat: str, batch_per_device: int, seq_len: int, compute_dtype="float32", context: int = 1
 ) -> dict[str, int]:
     """Activation bytes per device for the reference Llama: `layers` (what the layer
     loop keeps for backward), `working` (one layer's backward), `head` (logits and
-    loss), and `total`. `batch_per_device`: sequences per device per microbatch."""
+    loss), and `total`. `batch_per_device`: sequences per device per microbatch;
+    `context`: the `context` axis size (each sequence split over that many devices)."""
     c = np.dtype(compute_dtype).itemsize
-    t = batch_per_device * seq_len
+    t = batch_per_device * seq_len // context  # tokens per device: the sequence split over `context`
     d, h, v = model_cfg.d_model, model_cfg.n_heads, model_cfg.vocab_size
-    layers = model_cfg.n_layers * t * (c * d + saved_per_token(model_cfg, remat, seq_len, c))
+    ring = {"saved": 0, "working": 0}
+    if context > 1:  # no S x S terms but those of the ring's blocks (`context_memory`)
+        ring = context_attention_bytes(model_cfg, remat, batch_per_device, seq_len, c, context, Q_CHUNK)
+        model_cfg = dataclasses.replace(model_cfg, attention="cudnn")
+    layers = model_cfg.n_layers * (t * (c * d + saved_per_token(model_cfg, remat, seq_len, c)) + ring["saved"])
     working = t * (saved_per_token(model_cfg, "none", seq_len, c) + (0 if _flash(model_cfg) else 4 * h * seq_len))
+    working += ring["working"]
     head = t * (c * d + v * (c + 4 + 4))
     return {"layers": layers, "working": working, "head": head, "total": layers + working + head}
 
@@ -170,7 +184,9 @@ def analytic_memory(build: StepBuild) -> dict[str, int]:
             if any(cast)
             else 0
         )
-    act = activation_bytes(cfg.model, cfg.remat, _batch_per_device(build), cfg.data.seq_len, policy.compute_dtype)
+    act = activation_bytes(
+        cfg.model, cfg.remat, _batch_per_device(build), cfg.data.seq_len, policy.compute_dtype, _context(build)
+    )
     out = {
         "params": params,
         "grads": grads,
@@ -272,9 +288,16 @@ def activations_by_remat(build: StepBuild) -> dict[str, int]:
     cfg = build.cfg
     dtype = Policy.parse(cfg.precision).compute_dtype
     return {
-        name: activation_bytes(cfg.model, name, _batch_per_device(build), cfg.data.seq_len, dtype)["total"]
+        name: activation_bytes(cfg.model, name, _batch_per_device(build), cfg.data.seq_len, dtype, _context(build))[
+            "total"
+        ]
         for name in ("none", "dots", "dots_no_batch", "save_qkv_attn_mlp_out", "save_attn_mlp_out", "full")
     }
+
+
+def _context(build: StepBuild) -> int:
+    """The `context` axis size: each sequence split over that many devices."""
+    return build.mesh.shape.get(ax.CONTEXT, 1)
 
 
 def _batch_per_device(build: StepBuild) -> int:

@@ -1,0 +1,57 @@
+"""Attention bytes per device under context parallelism (`mesh.context` > 1): what
+`fsdp_jax.sharding.ring_attention.context_attention` holds, by formula, for the analytic
+memory model (`fsdp_jax.app.planner.memory_model.activation_bytes`).
+
+With C = context, b = sequences per device, s = S / C (a rank's queries), T = b x s
+tokens per device, H heads, Q = H x head_dim, K = kv_heads x head_dim, c = compute-dtype
+bytes: a rank meets C blocks of keys, its own (s x s, causal) and C - 1 half blocks (the
+zig-zag causal mask leaves s x s/2 of each); a score block is computed `q_chunk` queries
+at a time (`ring_attention._chunked`) and rematerialised in the backward pass. Read from
+`jax.ad_checkpoint.print_saved_residuals` of `context_attention` under each remat policy:
+
+* `dots` saves every step's score dots in f32 (the outer policy reaches inside the
+  checkpointed blocks, and a `lax.cond` keeps both branches' residuals, so each half-block
+  step saves s x s scores: C x b x H x s^2 x 4 per layer) and each step's f32 output dot
+  (4Q per token);
+* `none` saves, per step, both branches' q, k, v slices and block outputs (f32 output and
+  softmax statistics): 1.5 x T x (c(Q + 2K) + 4Q + 8H);
+* the other policies save nothing of attention beyond the layer input.
+
+One layer's backward works on the largest score block (b x H x q x s, q = q_chunk when s is
+split, else s) with its f32 scores, probabilities in f32 and the compute dtype, and the f32
+score gradient (8 + c bytes per score, as the one-device model), every step's f32 output and
+statistics (kept for the merges' backward: C x T x (4Q + 8H)) and the K/V it meets: the
+gathered K/V over the whole row and its gradient (`all_gather`: 2 x b x S x 2K x c), or the
+block in flight and the next one, forward and backward (`ring`: 4 x b x s x 2K x c).
+"""
+
+from __future__ import annotations
+
+
+def score_block(seq_local: int, q_chunk: int) -> int:
+    """Queries per score block: `q_chunk` when a rank's queries split into such chunks, else all."""
+    return q_chunk if seq_local > q_chunk and seq_local % q_chunk == 0 else seq_local
+
+
+def context_attention_bytes(
+    model_cfg, remat: str, batch_per_device: int, seq_len: int, compute_bytes: int, context: int, q_chunk: int
+) -> dict[str, int]:
+    """{"saved": bytes one layer keeps for the backward pass, "working": one layer's backward}
+    of context-parallel attention per device (module docstring)."""
+    c, n = compute_bytes, context
+    b, s = batch_per_device, seq_len // context
+    t = b * s
+    h = model_cfg.n_heads
+    q = h * model_cfg.head_dim
+    k = model_cfg.n_kv_heads * model_cfg.head_dim
+    if remat == "dots":
+        saved = n * b * h * s * s * 4 + n * t * 4 * q
+    elif remat == "none":
+        saved = n * t * 3 * (c * (q + 2 * k) + 4 * q + 8 * h) // 2
+    else:
+        saved = 0
+    block = b * h * score_block(s, q_chunk) * s * (8 + c)
+    outputs = n * t * (4 * q + 8 * h)
+    kv_pass = getattr(model_cfg, "context_kv_pass", "all_gather")
+    kv = 2 * b * seq_len * 2 * k * c if kv_pass == "all_gather" else 4 * t * 2 * k * c
+    return {"saved": saved, "working": block + outputs + kv}
