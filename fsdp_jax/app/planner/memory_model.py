@@ -29,6 +29,9 @@ With `attention: cudnn` (flash attention) every S-squared term goes: `none` keep
 softmax statistics (4H) instead of the probabilities, `dots` saves no attention matmul
 (the fused kernel's are not dots: c*(Q + 2K + 2D + 2F)), and the working set has no
 logit gradient.
+A mixture of experts: each sparse layer's router, dispatch and expert terms replace its
+dense MLP's, in the saved activations and in the backward working set
+(`planner/moe_memory.py`, with XLA:CPU's dense `ragged_dot` lowering on CPU devices).
 Small f32 norm statistics, RoPE tables and masks are ignored. Gathered params
 (transient full-size copies in the compute dtype): full_shard / hybrid_shard keep
 two layers in flight (the one computing, the next one prefetched) plus the largest
@@ -51,6 +54,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from fsdp_jax.app.planner import moe_memory as moe
 from fsdp_jax.app.planner.abstract_step import StepBuild
 from fsdp_jax.errors import PlanError
 from fsdp_jax.hlo.memory import shard_bytes, tree_bytes_per_device
@@ -93,16 +97,31 @@ def _flash(model_cfg) -> bool:
 
 
 def activation_bytes(
-    model_cfg, remat: str, batch_per_device: int, seq_len: int, compute_dtype="float32"
+    model_cfg,
+    remat: str,
+    batch_per_device: int,
+    seq_len: int,
+    compute_dtype="float32",
+    expert_shards: int = 1,
+    dense_ragged: bool = False,
 ) -> dict[str, int]:
     """Activation bytes per device for the reference Llama: `layers` (what the layer
     loop keeps for backward), `working` (one layer's backward), `head` (logits and
-    loss), and `total`. `batch_per_device`: sequences per device per microbatch."""
+    loss), and `total`. `batch_per_device`: sequences per device per microbatch. A
+    mixture of experts: its sparse layers' terms replace their dense MLP's
+    (`planner/moe_memory.py`; `expert_shards`, `dense_ragged` are its arguments)."""
     c = np.dtype(compute_dtype).itemsize
     t = batch_per_device * seq_len
     d, h, v = model_cfg.d_model, model_cfg.n_heads, model_cfg.vocab_size
     layers = model_cfg.n_layers * t * (c * d + saved_per_token(model_cfg, remat, seq_len, c))
-    working = t * (saved_per_token(model_cfg, "none", seq_len, c) + (0 if _flash(model_cfg) else 4 * h * seq_len))
+    none = saved_per_token(model_cfg, "none", seq_len, c)
+    working = none
+    if moe.n_sparse(model_cfg):
+        sparse = moe.moe_saved_per_token(model_cfg, remat, t, c) - moe.dense_mlp_per_token(model_cfg, remat, c)
+        layers += int(moe.n_sparse(model_cfg) * t * sparse)
+        moe_none = moe.moe_working_per_token(model_cfg, t, c, expert_shards, dense_ragged)
+        working = max(none, none - moe.dense_mlp_per_token(model_cfg, "none", c) + moe_none)
+    working = int(t * (working + (0 if _flash(model_cfg) else 4 * h * seq_len)))
     head = t * (c * d + v * (c + 4 + 4))
     return {"layers": layers, "working": working, "head": head, "total": layers + working + head}
 
@@ -170,7 +189,9 @@ def analytic_memory(build: StepBuild) -> dict[str, int]:
             if any(cast)
             else 0
         )
-    act = activation_bytes(cfg.model, cfg.remat, _batch_per_device(build), cfg.data.seq_len, policy.compute_dtype)
+    act = activation_bytes(
+        cfg.model, cfg.remat, _batch_per_device(build), cfg.data.seq_len, policy.compute_dtype, *_moe_args(build)
+    )
     out = {
         "params": params,
         "grads": grads,
@@ -272,9 +293,17 @@ def activations_by_remat(build: StepBuild) -> dict[str, int]:
     cfg = build.cfg
     dtype = Policy.parse(cfg.precision).compute_dtype
     return {
-        name: activation_bytes(cfg.model, name, _batch_per_device(build), cfg.data.seq_len, dtype)["total"]
+        name: activation_bytes(cfg.model, name, _batch_per_device(build), cfg.data.seq_len, dtype, *_moe_args(build))[
+            "total"
+        ]
         for name in ("none", "dots", "dots_no_batch", "save_qkv_attn_mlp_out", "save_attn_mlp_out", "full")
     }
+
+
+def _moe_args(build: StepBuild) -> tuple[int, bool]:
+    """(expert shards, ragged_dot lowered densely) of the build: its rules and its devices' platform."""
+    shards = moe.expert_shards(dict(build.mesh.shape), build.plan.rules)
+    return shards, build.mesh.devices.flat[0].platform == "cpu"
 
 
 def _batch_per_device(build: StepBuild) -> int:
