@@ -33,6 +33,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from fsdp_jax.app.models.moe_dispatch import dropless, gated, per_batch_shard, with_capacity
+from fsdp_jax.app.models.moe_exchange import exchange_capacity, exchange_dropless
 from fsdp_jax.sharding.axes import EMBED, EXPERT, MLP
 from fsdp_jax.sharding.precision import matmul
 
@@ -140,7 +141,13 @@ class MoE(nnx.Module):
                 )
             return dropless(x2, w, idx, wg, wu, wd, e0)
 
-        y, dropped = per_batch_shard(compute, (x2, w, idx), experts)
+        def exchange(x2, w, idx, wg, wu, wd, axes, n_ep):  # experts over batch axes: all-to-all
+            if cf:
+                cap = capacity(x2.shape[0], self.k, n_experts, cf)
+                return exchange_capacity(x2, w, idx, wg, wu, wd, axes, n_ep, cap, n_experts)
+            return exchange_dropless(x2, w, idx, wg, wu, wd, axes, n_ep)
+
+        y, dropped = per_batch_shard(compute, (x2, w, idx), experts, exchange)
         if self.shared:
             hs = gated(matmul(x2, self.shared_gate[...]), matmul(x2, self.shared_up[...]))
             gate = jax.nn.sigmoid(matmul(x2, self.shared_weight[...]))  # (N, 1)
