@@ -21,14 +21,15 @@ from helpers import TINY_MODEL_OVERRIDES
 MOE = ["model.n_experts=8", "model.experts_per_token=2", "model.moe_ffn_dim=128", "data.source=none", "remat=dots"]
 
 # analytic total / compiled peak, full_shard on 8 CPU devices, jax 0.10.2 (the dense tiny
-# model's is 1.394, tests/test_plan.py)
-TOTAL_OVER_PEAK = {"dropless": 1.165, "capacity": 1.392}
+# model's is 1.394, tests/test_plan.py); `ep_`: experts over data (8, 1), moved by all-to-all,
+# where the analytic model counts every row of the dense exchange blocks (most are empty)
+TOTAL_OVER_PEAK = {"dropless": 1.165, "capacity": 1.392, "ep_dropless": 1.343, "ep_capacity": 1.248}
 
 
 def _cfg(mode: str):
-    return load_config(
-        "configs/tiny.yaml", [*TINY_MODEL_OVERRIDES, *MOE, f"model.capacity_factor={mode == 'capacity':d}"]
-    )
+    ep = ["mesh.data=8", "mesh.fsdp=1", "mesh.rules.expert=data"] if mode.startswith("ep_") else []
+    cf = f"model.capacity_factor={mode.endswith('capacity'):d}"
+    return load_config("configs/tiny.yaml", [*TINY_MODEL_OVERRIDES, *MOE, cf, *ep])
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +55,8 @@ def test_dropless_dispatch_buffers_against_capacity_mode(measured):
     10% (measured: 0.906), and it is the MoE terms (the dense layers' terms cancel)."""
     (ad, cd), (ac, cc) = measured["dropless"], measured["capacity"]
     assert ad["params"] == ac["params"] and ad["gathered"] == ac["gathered"]
+    ep = measured["ep_dropless"][0]
+    assert ep["params"] == ad["params"] and ep["gathered"] < ad["gathered"]  # no expert gathered
     delta_a, delta_c = ad["total"] - ac["total"], cd["peak"] - cc["peak"]
     assert delta_c > 0.4 * cc["peak"]  # the CPU lowering's masked operands are most of it
     assert delta_a / delta_c == pytest.approx(1.0, rel=0.10), (delta_a, delta_c)
@@ -76,6 +79,13 @@ def test_moe_terms_by_formula():
     assert cpu["working"] - gpu["working"] == t * 6 * c * 8 * 2 * 128
     split = activation_bytes(m, "dots", 2, 32, "float32", 4, True)
     assert split["working"] - gpu["working"] == t * 6 * c * 2 * 2 * 128  # 2 of the 8 experts local
+    # over 4 batch shards (all-to-all): 2 experts local, 4 x k rows per token (the dense blocks)
+    moved = activation_bytes(m, "dots", 2, 32, "float32", 1, True, 4)
+    assert moved["working"] - activation_bytes(m, "dots", 2, 32, "float32", 1, False, 4)["working"] == (
+        t * 6 * c * 2 * (4 * 2) * 128
+    )
+    assert moe_memory.expert_shards({"data": 4, "fsdp": 2, "tensor": 2}, {"expert": "data"}) == (1, 4)
+    assert moe_memory.expert_shards({"data": 4, "fsdp": 2, "tensor": 2}, {"expert": "tensor"}) == (2, 1)
     cap = dataclasses.replace(m, capacity_factor=1.0)
     assert activation_bytes(cap, "dots", 2, 32, "float32", 1, True) == activation_bytes(cap, "dots", 2, 32)
 

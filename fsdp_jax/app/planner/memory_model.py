@@ -104,12 +104,13 @@ def activation_bytes(
     compute_dtype="float32",
     expert_shards: int = 1,
     dense_ragged: bool = False,
+    exchange_shards: int = 1,
 ) -> dict[str, int]:
     """Activation bytes per device for the reference Llama: `layers` (what the layer
     loop keeps for backward), `working` (one layer's backward), `head` (logits and
     loss), and `total`. `batch_per_device`: sequences per device per microbatch. A
     mixture of experts: its sparse layers' terms replace their dense MLP's
-    (`planner/moe_memory.py`; `expert_shards`, `dense_ragged` are its arguments)."""
+    (`planner/moe_memory.py`; `expert_shards`, `dense_ragged`, `exchange_shards` are its arguments)."""
     c = np.dtype(compute_dtype).itemsize
     t = batch_per_device * seq_len
     d, h, v = model_cfg.d_model, model_cfg.n_heads, model_cfg.vocab_size
@@ -117,9 +118,10 @@ def activation_bytes(
     none = saved_per_token(model_cfg, "none", seq_len, c)
     working = none
     if moe.n_sparse(model_cfg):
-        sparse = moe.moe_saved_per_token(model_cfg, remat, t, c) - moe.dense_mlp_per_token(model_cfg, remat, c)
+        sparse = moe.moe_saved_per_token(model_cfg, remat, t, c, exchange_shards)
+        sparse -= moe.dense_mlp_per_token(model_cfg, remat, c)
         layers += int(moe.n_sparse(model_cfg) * t * sparse)
-        moe_none = moe.moe_working_per_token(model_cfg, t, c, expert_shards, dense_ragged)
+        moe_none = moe.moe_working_per_token(model_cfg, t, c, expert_shards, dense_ragged, exchange_shards)
         working = max(none, none - moe.dense_mlp_per_token(model_cfg, "none", c) + moe_none)
     working = int(t * (working + (0 if _flash(model_cfg) else 4 * h * seq_len)))
     head = t * (c * d + v * (c + 4 + 4))
@@ -300,10 +302,11 @@ def activations_by_remat(build: StepBuild) -> dict[str, int]:
     }
 
 
-def _moe_args(build: StepBuild) -> tuple[int, bool]:
-    """(expert shards, ragged_dot lowered densely) of the build: its rules and its devices' platform."""
-    shards = moe.expert_shards(dict(build.mesh.shape), build.plan.rules)
-    return shards, build.mesh.devices.flat[0].platform == "cpu"
+def _moe_args(build: StepBuild) -> tuple[int, bool, int]:
+    """(expert shards over non-batch axes, ragged_dot lowered densely, expert shards over batch
+    axes) of the build: its rules and its devices' platform."""
+    split, exchange = moe.expert_shards(dict(build.mesh.shape), build.plan.rules)
+    return split, build.mesh.devices.flat[0].platform == "cpu", exchange
 
 
 def _batch_per_device(build: StepBuild) -> int:

@@ -29,6 +29,11 @@ other terms (measured on 8 CPU devices, jax 0.10.2, E 4-8, k 2-4, F 128-256, D 6
 per E_l x k x F x c per token, the D-sized ones lost in the noise):
 `ragged_dense_per_token` = 6c * E_l * k * F, added for dropless layers on CPU only
 (`dense_ragged`). GPU and TPU lower `ragged_dot` to the grouped-matmul instruction.
+
+Experts over n batch shards (`mesh.rules: {expert: data}`, the all-to-all exchange): dropless
+blocks of N * k rows come from each of the n shards, so r = n * k (most rows empty) with
+E_l = E / n, and the blocks sent and returned add c * r * 2D; capacity mode receives the
+same E * C rows it would compute without the exchange.
 """
 
 from __future__ import annotations
@@ -38,50 +43,55 @@ import math
 from fsdp_jax.app.models.moe import capacity
 
 
-def expert_rows_per_token(model_cfg, tokens: int) -> float:
-    """r: rows of expert compute per token of the device (k dropless, E * C / T with capacity)."""
+def expert_rows_per_token(model_cfg, tokens: int, exchange: int = 1) -> float:
+    """r: rows of expert compute per token of the device (k dropless, E * C / T with capacity).
+    `exchange` > 1: experts over that many batch shards (`models/moe_exchange.py`), whose
+    dropless blocks hold N * k rows from every shard: k * exchange."""
     k, e = model_cfg.experts_per_token, model_cfg.n_experts
     if not model_cfg.capacity_factor or tokens <= 0:
-        return float(k)
+        return float(k * exchange)
     return e * capacity(tokens, k, e, model_cfg.capacity_factor) / tokens
 
 
-def moe_saved_per_token(model_cfg, remat: str, tokens: int, c: int) -> float:
+def moe_saved_per_token(model_cfg, remat: str, tokens: int, c: int, exchange: int = 1) -> float:
     """Bytes a sparse layer keeps per token for the backward under `remat`, in place of the
     dense MLP's (module docstring); `tokens`: per device per microbatch."""
     d, f, e = model_cfg.d_model, model_cfg.moe_ffn_dim, model_cfg.n_experts
     r, fs = expert_rows_per_token(model_cfg, tokens), model_cfg.shared_expert_ffn_dim
     capacity_mode = bool(model_cfg.capacity_factor)
     table = {
-        "none": _all_terms(model_cfg, tokens, c),
+        "none": _all_terms(model_cfg, tokens, c, exchange),
         "dots": c * (e + d + 2 * fs) + (c * r * (2 * f + d) if capacity_mode else 0),
         "dots_no_batch": c * (e + 2 * fs),
     }
     return table.get(remat, 0)
 
 
-def _all_terms(model_cfg, tokens: int, c: int) -> float:
+def _all_terms(model_cfg, tokens: int, c: int, exchange: int = 1) -> float:
     d, f, e, k = model_cfg.d_model, model_cfg.moe_ffn_dim, model_cfg.n_experts, model_cfg.experts_per_token
-    r, fs = expert_rows_per_token(model_cfg, tokens), model_cfg.shared_expert_ffn_dim
+    r, fs = expert_rows_per_token(model_cfg, tokens, exchange), model_cfg.shared_expert_ffn_dim
     router = c * e + 8 * e + 12 * k
-    experts = c * r * (2 * d + 4 * f)
+    experts = c * r * (2 * d + 4 * f) + (c * r * 2 * d if exchange > 1 else 0)  # + the blocks sent and returned
     return router + experts + c * (k * d + d) + 4 * c * fs
 
 
-def moe_working_per_token(model_cfg, tokens: int, c: int, expert_shards: int, dense_ragged: bool) -> float:
+def moe_working_per_token(
+    model_cfg, tokens: int, c: int, expert_shards: int, dense_ragged: bool, exchange: int = 1
+) -> float:
     """One sparse layer's backward working set per token (module docstring); `expert_shards`:
-    the size of the mesh axes the experts are split over; `dense_ragged`: the backend lowers
-    `ragged_dot` densely (XLA:CPU)."""
-    out = _all_terms(model_cfg, tokens, c)
+    the size of the non-batch mesh axes the experts are split over (tensor), `exchange` of the
+    batch axes (data: all-to-all); `dense_ragged`: the backend lowers `ragged_dot` densely (XLA:CPU)."""
+    out = _all_terms(model_cfg, tokens, c, exchange)
     if dense_ragged and not model_cfg.capacity_factor:
-        out += ragged_dense_per_token(model_cfg, c, expert_shards)
+        out += ragged_dense_per_token(model_cfg, c, expert_shards * exchange, exchange)
     return out
 
 
-def ragged_dense_per_token(model_cfg, c: int, expert_shards: int) -> float:
-    """XLA:CPU's masked operands of the dropless grouped matmuls, per token (module docstring)."""
+def ragged_dense_per_token(model_cfg, c: int, expert_shards: int, exchange: int = 1) -> float:
+    """XLA:CPU's masked operands of the dropless grouped matmuls, per token (module docstring):
+    E_l experts (`expert_shards`: every axis they are split over) x the rows per token."""
     e_local = model_cfg.n_experts // max(expert_shards, 1)
-    return 6 * c * e_local * model_cfg.experts_per_token * model_cfg.moe_ffn_dim
+    return 6 * c * e_local * expert_rows_per_token(model_cfg, 0, exchange) * model_cfg.moe_ffn_dim
 
 
 def n_sparse(model_cfg) -> int:
@@ -98,8 +108,11 @@ def dense_mlp_per_token(model_cfg, remat: str, c: int) -> int:
     return {"none": 4 * c * f, "dots": 2 * c * f, "dots_no_batch": 2 * c * f}.get(remat, 0)
 
 
-def expert_shards(mesh_shape: dict, rules: dict | None) -> int:
-    """The size of the mesh axes the rules map `expert` to (1: experts not split)."""
+def expert_shards(mesh_shape: dict, rules: dict | None) -> tuple[int, int]:
+    """(size of the non-batch mesh axes the rules map `expert` to, size of the batch ones:
+    `data`, the all-to-all exchange); (1, 1): experts not split."""
     entry = (rules or {}).get("expert")
     axes = () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
-    return math.prod(mesh_shape.get(a, 1) for a in axes)
+    batch = ("data", "fsdp")
+    split = math.prod(mesh_shape.get(a, 1) for a in axes if a not in batch)
+    return split, math.prod(mesh_shape.get(a, 1) for a in axes if a in batch)
