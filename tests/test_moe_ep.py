@@ -115,7 +115,8 @@ def _collectives(built):
 def test_compiled_step_moves_tokens_by_all_to_all_and_never_gathers_the_experts():
     """With experts over data: all-to-all in the step (dispatch, ids, return; and their
     transposes) and no all-gather producing the 8 experts' (8, 32, 48) / (8, 48, 32) stack;
-    without (experts replicated over data in compute) the step gathers exactly those."""
+    without (experts replicated over data in compute) the step gathers exactly those. Neither
+    gathers the router logits."""
     cfg = _cfg()
     full_experts = re.compile(r"\[(\d+,)?8,(32,48|48,32)\]")
     mesh = make_mesh(8, 1, 1)
@@ -124,6 +125,9 @@ def test_compiled_step_moves_tokens_by_all_to_all_and_never_gathers_the_experts(
     assert sum(op == "all-to-all" for op, _ in ep) >= 3, ep
     assert not [s for op, s in ep if op == "all-gather" and full_experts.search(s)], ep
     assert not [op for op, _ in plain if op == "all-to-all"]
+    # routing runs per batch shard (models/moe_dispatch.py per_token_shard): the whole
+    # batch's (128, 8) router logits are gathered nowhere for the top-k
+    assert not [s for op, s in ep + plain if op == "all-gather" and s.startswith("f32[128,8]")]
     assert len([s for op, s in plain if op == "all-gather" and full_experts.search(s)]) >= 3, plain
 
 

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from fsdp_jax.app.models.moe_dispatch import dropless, gated, per_batch_shard, with_capacity
+from fsdp_jax.app.models.moe_dispatch import dropless, gated, per_batch_shard, per_token_shard, with_capacity
 from fsdp_jax.app.models.moe_exchange import exchange_capacity, exchange_dropless
 from fsdp_jax.sharding.axes import EMBED, EXPERT, MLP
 from fsdp_jax.sharding.precision import matmul
@@ -128,7 +128,7 @@ class MoE(nnx.Module):
         b, s, d = x.shape
         x2 = x.reshape(b * s, d)  # (N, D)
         logits = matmul(x2, self.router[...]).astype(jnp.float32)  # (N, E)
-        p, w, idx = route(logits, self.k, self.norm_topk_prob)
+        p, w, idx = per_token_shard(lambda lg: route(lg, self.k, self.norm_topk_prob), logits)
         experts = (self.w_gate[...], self.w_up[...], self.w_down[...])
         cf = self.capacity_factor
 

@@ -96,6 +96,17 @@ def _mesh_axes(mesh, name: str) -> tuple[str, ...]:
     return tuple(a for a in axes if mesh.shape.get(a, 1) > 1)
 
 
+def per_token_shard(fn, *arrays):
+    """`fn(*arrays)`, a per-token (row-wise) function of arrays with a leading N dim, run on
+    each batch shard of the current mesh (the router's top-k: left to the partitioner, XLA's
+    TopK gathered the (N, E) logits of the whole batch to every device)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    batch = () if mesh.empty else _mesh_axes(mesh, BATCH)
+    if not batch:
+        return fn(*arrays)
+    return jax.shard_map(fn, mesh=mesh, in_specs=tuple(P(batch) for _ in arrays), out_specs=P(batch))(*arrays)
+
+
 def per_batch_shard(fn, tokens, weights, exchange=None):
     """`fn(*tokens, *weights, e0) -> (y, dropped)` per batch shard (and expert shard) of the
     current mesh; y summed over the expert axes, `dropped` over every axis. `tokens` have a
