@@ -41,9 +41,9 @@ def test_the_sequence_is_split_over_context():
     """Tokens per device are batch x S / C: what scales with tokens divides by C exactly, and
     the largest score block is a rank's q_chunk (or all its) queries by its S / C keys."""
     m = _cfg(1).model
-    one = activation_bytes(m, "full", 8, SEQ, "float32", 1)
+    one = activation_bytes(m, "full", 8, SEQ, "float32", context=1)
     for c in (2, 4, 8):
-        got = activation_bytes(m, "full", 8, SEQ, "float32", c)
+        got = activation_bytes(m, "full", 8, SEQ, "float32", context=c)
         assert got["head"] * c == one["head"]
         ring = context_attention_bytes(m, "full", 8, SEQ, 4, c, 2048)
         assert ring["saved"] == 0 and got["layers"] * c == one["layers"]  # full: the layer inputs only

@@ -22,7 +22,8 @@ def shrink_dim(size: int, target: int, n: int) -> int:
 
 def shrunk_model(m, n: int):
     """(reduced LlamaConfig, {key: (old, new)}) for `m` on `n` devices: 2 layers, about
-    8 heads (the grouped-query ratio kept), d_model ~128, ffn ~2x d_model, vocab ~256;
+    8 heads (the grouped-query ratio kept), d_model ~128, ffn ~2x d_model, vocab ~256; a
+    mixture of experts: about 8 experts (at least top-k), expert ffn ~d_model;
     every dim a rule can map to a mesh axis keeps its gcd with `n`."""
     ratio = m.n_heads // m.n_kv_heads
     kv = shrink_dim(m.n_kv_heads, max(1, 8 // ratio), n)
@@ -47,11 +48,17 @@ def shrunk_model(m, n: int):
         vocab_size=shrink_dim(m.vocab_size, 256, n),
         kv_channels=head_dim if m.kv_channels else 0,
     )
-    changed = {
-        f"model.{k}": (getattr(m, k), getattr(new, k))
-        for k in ("n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
-        if getattr(m, k) != getattr(new, k)
-    }
+    if m.n_experts:  # experts keep their divisibility too (an expert rule may shard them), and top-k
+        new = dataclasses.replace(
+            new,
+            n_experts=shrink_dim(m.n_experts, max(8, m.experts_per_token), n),
+            moe_ffn_dim=shrink_dim(m.moe_ffn_dim, d_model, n),
+            shared_expert_ffn_dim=shrink_dim(m.shared_expert_ffn_dim, 2 * d_model, n) if m.shared_expert_ffn_dim else 0,
+            mlp_only_layers=tuple(i for i in m.mlp_only_layers if i < new.n_layers),
+        )
+    keys = ("n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
+    keys += ("n_experts", "moe_ffn_dim", "shared_expert_ffn_dim") if m.n_experts else ()
+    changed = {f"model.{k}": (getattr(m, k), getattr(new, k)) for k in keys if getattr(m, k) != getattr(new, k)}
     if m.head_dim != new.head_dim:
         changed["model.head_dim"] = (m.head_dim, new.head_dim)
     return new, changed

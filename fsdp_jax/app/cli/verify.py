@@ -132,7 +132,7 @@ def _verify(args, cfg, strategies, n: int, batches: list):
     """`fsdp_jax.verify.run` on the trainer's model, loss and optimizer (at its peak lr), with
     `batches` (`fsdp_jax.app.verify_batches`)."""
     from fsdp_jax.app.models.lora import adapter_mask
-    from fsdp_jax.app.trainer.build import lora_optimizer, lora_spec, make_loss_fn, trainer_model
+    from fsdp_jax.app.trainer.build import has_router_aux, lora_optimizer, lora_spec, make_loss_fn, trainer_model
     from fsdp_jax.app.trainer.optim import build_optimizer
     from fsdp_jax.verify.run import verify
 
@@ -143,7 +143,7 @@ def _verify(args, cfg, strategies, n: int, batches: list):
     return verify(
         model,
         optimizer,
-        make_loss_fn(model),
+        make_loss_fn(model, cfg.model),  # a mixture of experts: plus the router terms, as the trainer's step
         batches=batches,
         strategies=strategies,
         devices=n,
@@ -153,6 +153,7 @@ def _verify(args, cfg, strategies, n: int, batches: list):
         microbatches=cfg.train.microbatches,
         clip_norm=cfg.optimizer.clip_norm,
         min_shard_size=cfg.mesh.min_shard_size,
+        has_aux=has_router_aux(cfg.model),
         **({} if lora is None else {"trainable": adapter_mask}),
     )
 

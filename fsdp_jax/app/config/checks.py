@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -236,10 +237,13 @@ def _check_devices(cfg: Config, n_devices: int) -> None:
     """The mesh resolves on `n_devices` and each microbatch splits over data*fsdp."""
     tr, mesh = cfg.train, cfg.mesh
     try:
-        data_n, fsdp_n, context_n, _ = resolve_mesh_shape((mesh.data, mesh.fsdp, mesh.context, mesh.tensor), n_devices)
+        data_n, fsdp_n, context_n, tensor_n = resolve_mesh_shape(
+            (mesh.data, mesh.fsdp, mesh.context, mesh.tensor), n_devices
+        )
     except MeshError as e:
         raise ConfigError("mesh", str(e)) from None
     _check_context(cfg, context_n)
+    _check_experts(cfg, {"data": data_n, "fsdp": fsdp_n, "context": context_n, "tensor": tensor_n})
     micro = tr.global_batch // tr.microbatches
     _check(
         micro % (data_n * fsdp_n) == 0,
@@ -247,6 +251,30 @@ def _check_devices(cfg: Config, n_devices: int) -> None:
         tr.global_batch,
         f"global_batch / microbatches = {micro} must be divisible by the batch-sharding "
         f"devices data*fsdp = {data_n}*{fsdp_n} = {data_n * fsdp_n} on {n_devices} devices",
+    )
+
+
+def _check_experts(cfg: Config, sizes: dict[str, int]) -> None:
+    """Expert parallelism (`mesh.rules.expert`): over `data` (a batch axis: tokens moved by
+    all-to-all) or `tensor` (tokens replicated over it), not both, never `fsdp` (the
+    strategy's shard group, gathered for compute) or `context`; n_experts divides the size."""
+    entry = cfg.mesh.rules.get("expert")
+    axes = () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+    if not cfg.model.n_experts or not axes:
+        return
+    _check(
+        set(axes) <= {"data", "tensor"} and set(axes) != {"data", "tensor"},
+        "mesh.rules.expert",
+        entry,
+        "must be data (experts over a batch axis, tokens moved by all-to-all) or tensor; fsdp is the "
+        "strategy's shard group (gathered for compute)",
+    )
+    size = math.prod(sizes[a] for a in axes)
+    _check(
+        cfg.model.n_experts % size == 0,
+        "model.n_experts",
+        cfg.model.n_experts,
+        f"must be divisible by the expert mesh axes {', '.join(axes)} (mesh.rules.expert; size {size})",
     )
 
 

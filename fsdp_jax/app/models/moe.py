@@ -32,7 +32,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from fsdp_jax.app.models.moe_dispatch import dropless, gated, per_batch_shard, with_capacity
+from fsdp_jax.app.models.moe_dispatch import dropless, gated, per_batch_shard, per_token_shard, with_capacity
+from fsdp_jax.app.models.moe_exchange import exchange_capacity, exchange_dropless
 from fsdp_jax.sharding.axes import EMBED, EXPERT, MLP
 from fsdp_jax.sharding.precision import matmul
 
@@ -127,7 +128,7 @@ class MoE(nnx.Module):
         b, s, d = x.shape
         x2 = x.reshape(b * s, d)  # (N, D)
         logits = matmul(x2, self.router[...]).astype(jnp.float32)  # (N, E)
-        p, w, idx = route(logits, self.k, self.norm_topk_prob)
+        p, w, idx = per_token_shard(lambda lg: route(lg, self.k, self.norm_topk_prob), logits)
         experts = (self.w_gate[...], self.w_up[...], self.w_down[...])
         cf = self.capacity_factor
 
@@ -140,7 +141,13 @@ class MoE(nnx.Module):
                 )
             return dropless(x2, w, idx, wg, wu, wd, e0)
 
-        y, dropped = per_batch_shard(compute, (x2, w, idx), experts)
+        def exchange(x2, w, idx, wg, wu, wd, axes, n_ep):  # experts over batch axes: all-to-all
+            if cf:
+                cap = capacity(x2.shape[0], self.k, n_experts, cf)
+                return exchange_capacity(x2, w, idx, wg, wu, wd, axes, n_ep, cap, n_experts)
+            return exchange_dropless(x2, w, idx, wg, wu, wd, axes, n_ep)
+
+        y, dropped = per_batch_shard(compute, (x2, w, idx), experts, exchange)
         if self.shared:
             hs = gated(matmul(x2, self.shared_gate[...]), matmul(x2, self.shared_up[...]))
             gate = jax.nn.sigmoid(matmul(x2, self.shared_weight[...]))  # (N, 1)

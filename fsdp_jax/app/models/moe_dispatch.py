@@ -12,8 +12,11 @@ leading dim) and compute only the pairs routed to those; the others contribute 0
   {expert: tensor}`), each device of those axes holds E / n of the experts (in compute
   too: the rule is not an fsdp one, so the per-layer gather keeps that split), computes its
   experts' pairs for the tokens its group shares, and the partial outputs are summed over
-  those axes (an all-reduce). The expert axes must not shard `batch` (tokens are replicated over
-  them: no all-to-all), and n_experts must divide by their size.
+  those axes (an all-reduce). Expert axes that do not shard `batch` (tensor) replicate the
+  tokens over them: no all-to-all;
+- expert parallelism over batch axes (`mesh.rules: {expert: data}`): each device holds its
+  tokens and E / n of the experts, and the pairs travel by all-to-all
+  (`models/moe_exchange.py`). n_experts must divide by the expert axes' size.
 Without a mesh (or with nothing sharded) the function runs as it is.
 """
 
@@ -51,11 +54,13 @@ def dropless(x2, w, idx, wg, wu, wd, e0=0):
     return jnp.einsum("nkd,nk->nd", y, (w * mine).astype(y.dtype)), jnp.zeros((), jnp.float32)
 
 
-def with_capacity(x2, w, idx, wg, wu, wd, cap: int, n_experts: int, e0=0):
-    """At most `cap` tokens per expert (token order wins), the rest dropped; only experts
-    e0 .. e0 + E_local - 1 computed. -> (out (N, D), dropped pairs of those experts (f32))."""
+def capacity_slots(idx, cap: int, n_experts: int, e0: int = 0, el: int | None = None):
+    """Capacity mode's bookkeeping for experts e0 .. e0 + el - 1 (default all): the first `cap`
+    pairs of each expert in token order win. idx (N, k) -> (mine, keep (N, k) bool, slot (N, k):
+    row loc * cap + pos of the (el * cap) buffer, el * cap for the others, tok (el * cap + 1,):
+    the token of each row, N for an empty one)."""
     n, k = idx.shape
-    el = wg.shape[0]
+    el = n_experts if el is None else el
     onehot = jax.nn.one_hot(idx, n_experts, dtype=jnp.int32)  # (N, k, E)
     # position of each pair in its expert's queue: pairs ordered token-major, slot-minor
     pos = jnp.cumsum(onehot.reshape(n * k, n_experts), axis=0).reshape(n, k, n_experts) - onehot
@@ -65,6 +70,14 @@ def with_capacity(x2, w, idx, wg, wu, wd, cap: int, n_experts: int, e0=0):
     keep = (pos < cap) & mine
     slot = jnp.where(keep, loc * cap + pos, el * cap)  # dropped / other pairs -> a spare row
     tok = jnp.full((el * cap + 1,), n, jnp.int32).at[slot.reshape(-1)].set(jnp.repeat(jnp.arange(n), k))
+    return mine, keep, slot, tok
+
+
+def with_capacity(x2, w, idx, wg, wu, wd, cap: int, n_experts: int, e0=0):
+    """At most `cap` tokens per expert (token order wins), the rest dropped; only experts
+    e0 .. e0 + E_local - 1 computed. -> (out (N, D), dropped pairs of those experts (f32))."""
+    el = wg.shape[0]
+    mine, keep, slot, tok = capacity_slots(idx, cap, n_experts, e0, el)
     xpad = jnp.concatenate([x2, jnp.zeros((1, x2.shape[1]), x2.dtype)])
     buf = xpad[tok[:-1]].reshape(el, cap, -1)  # (E_local, C, D); empty rows are zeros
     buf = checkpoint_name(buf, "moe_dispatch")
@@ -83,11 +96,24 @@ def _mesh_axes(mesh, name: str) -> tuple[str, ...]:
     return tuple(a for a in axes if mesh.shape.get(a, 1) > 1)
 
 
-def per_batch_shard(fn, tokens, weights):
+def per_token_shard(fn, *arrays):
+    """`fn(*arrays)`, a per-token (row-wise) function of arrays with a leading N dim, run on
+    each batch shard of the current mesh (the router's top-k: left to the partitioner, XLA's
+    TopK gathered the (N, E) logits of the whole batch to every device)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    batch = () if mesh.empty else _mesh_axes(mesh, BATCH)
+    if not batch:
+        return fn(*arrays)
+    return jax.shard_map(fn, mesh=mesh, in_specs=tuple(P(batch) for _ in arrays), out_specs=P(batch))(*arrays)
+
+
+def per_batch_shard(fn, tokens, weights, exchange=None):
     """`fn(*tokens, *weights, e0) -> (y, dropped)` per batch shard (and expert shard) of the
     current mesh; y summed over the expert axes, `dropped` over every axis. `tokens` have a
-    leading N dim; `weights` a leading expert dim. ValueError (one line) for an expert split
-    the decoder does not compute."""
+    leading N dim; `weights` a leading expert dim. When the expert axes are batch axes,
+    `exchange(*tokens, *weights, expert_axes, n_ep) -> (y, dropped)` (`models/moe_exchange.py`:
+    tokens moved to their experts by all-to-all) runs per batch shard instead. ValueError (one
+    line) for an expert split the decoder does not compute."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return fn(*tokens, *weights, 0)
@@ -96,15 +122,23 @@ def per_batch_shard(fn, tokens, weights):
         return fn(*tokens, *weights, 0)
     n_experts = weights[0].shape[0]
     n_ep = math.prod(mesh.shape[a] for a in expert)
-    if set(expert) & set(batch):
-        raise ValueError(
-            f"rules: expert -> {', '.join(expert)} also shards batch; expert parallelism over a batch axis "
-            "(tokens moved by all-to-all) is not implemented: map expert to an axis batch does not use (tensor)"
-        )
     if n_experts % n_ep:
         raise ValueError(
             f"model.n_experts={n_experts} is not divisible by the expert mesh axes {', '.join(expert)} (size {n_ep})"
         )
+    if set(expert) & set(batch):
+        if not set(expert) <= set(batch) or exchange is None:
+            raise ValueError(
+                f"rules: expert -> {', '.join(expert)}: the expert axes must be all batch axes "
+                f"(batch -> {', '.join(batch)}; tokens moved by all-to-all) or none of them (tensor)"
+            )
+
+        def moved(*args):  # this device's tokens, its experts; the pairs travel by all-to-all
+            y, dropped = exchange(*args, expert, n_ep)
+            return y, jax.lax.psum(dropped, batch)
+
+        ins = tuple(P(batch) for _ in tokens) + tuple(P(expert) for _ in weights)
+        return jax.shard_map(moved, mesh=mesh, in_specs=ins, out_specs=(P(batch), P()))(*tokens, *weights)
 
     def local(*args):
         e0 = jax.lax.axis_index(expert) * (n_experts // n_ep) if expert else 0

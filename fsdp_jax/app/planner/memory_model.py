@@ -33,6 +33,9 @@ logit gradient.
 With `mesh.context` > 1 the S-squared terms are those of ring / all-gather attention
 instead (`fsdp_jax.app.planner.context_memory`: the largest score block, the steps' outputs,
 the K/V met, and what `dots` / `none` keep of every step).
+A mixture of experts: each sparse layer's router, dispatch and expert terms replace its
+dense MLP's, in the saved activations and in the backward working set
+(`planner/moe_memory.py`, with XLA:CPU's dense `ragged_dot` lowering on CPU devices).
 Small f32 norm statistics, RoPE tables and masks are ignored. Gathered params
 (transient full-size copies in the compute dtype): full_shard / hybrid_shard keep
 two layers in flight (the one computing, the next one prefetched) plus the largest
@@ -57,6 +60,7 @@ import dataclasses
 import jax
 import numpy as np
 
+from fsdp_jax.app.planner import moe_memory as moe
 from fsdp_jax.app.planner.abstract_step import StepBuild
 from fsdp_jax.app.planner.context_memory import context_attention_bytes
 from fsdp_jax.errors import PlanError
@@ -101,12 +105,22 @@ def _flash(model_cfg) -> bool:
 
 
 def activation_bytes(
-    model_cfg, remat: str, batch_per_device: int, seq_len: int, compute_dtype="float32", context: int = 1
+    model_cfg,
+    remat: str,
+    batch_per_device: int,
+    seq_len: int,
+    compute_dtype="float32",
+    expert_shards: int = 1,
+    dense_ragged: bool = False,
+    exchange_shards: int = 1,
+    context: int = 1,
 ) -> dict[str, int]:
     """Activation bytes per device for the reference Llama: `layers` (what the layer
     loop keeps for backward), `working` (one layer's backward), `head` (logits and
     loss), and `total`. `batch_per_device`: sequences per device per microbatch;
-    `context`: the `context` axis size (each sequence split over that many devices)."""
+    `context`: the `context` axis size (each sequence split over that many devices). A
+    mixture of experts: its sparse layers' terms replace their dense MLP's
+    (`planner/moe_memory.py`; `expert_shards`, `dense_ragged`, `exchange_shards` are its arguments)."""
     c = np.dtype(compute_dtype).itemsize
     t = batch_per_device * seq_len // context  # tokens per device: the sequence split over `context`
     d, h, v = model_cfg.d_model, model_cfg.n_heads, model_cfg.vocab_size
@@ -115,8 +129,15 @@ def activation_bytes(
         ring = context_attention_bytes(model_cfg, remat, batch_per_device, seq_len, c, context, Q_CHUNK)
         model_cfg = dataclasses.replace(model_cfg, attention="cudnn")
     layers = model_cfg.n_layers * (t * (c * d + saved_per_token(model_cfg, remat, seq_len, c)) + ring["saved"])
-    working = t * (saved_per_token(model_cfg, "none", seq_len, c) + (0 if _flash(model_cfg) else 4 * h * seq_len))
-    working += ring["working"]
+    none = saved_per_token(model_cfg, "none", seq_len, c)
+    working = none
+    if moe.n_sparse(model_cfg):
+        sparse = moe.moe_saved_per_token(model_cfg, remat, t, c, exchange_shards)
+        sparse -= moe.dense_mlp_per_token(model_cfg, remat, c)
+        layers += int(moe.n_sparse(model_cfg) * t * sparse)
+        moe_none = moe.moe_working_per_token(model_cfg, t, c, expert_shards, dense_ragged, exchange_shards)
+        working = max(none, none - moe.dense_mlp_per_token(model_cfg, "none", c) + moe_none)
+    working = int(t * (working + (0 if _flash(model_cfg) else 4 * h * seq_len))) + ring["working"]
     head = t * (c * d + v * (c + 4 + 4))
     return {"layers": layers, "working": working, "head": head, "total": layers + working + head}
 
@@ -185,7 +206,13 @@ def analytic_memory(build: StepBuild) -> dict[str, int]:
             else 0
         )
     act = activation_bytes(
-        cfg.model, cfg.remat, _batch_per_device(build), cfg.data.seq_len, policy.compute_dtype, _context(build)
+        cfg.model,
+        cfg.remat,
+        _batch_per_device(build),
+        cfg.data.seq_len,
+        policy.compute_dtype,
+        *_moe_args(build),
+        context=_context(build),
     )
     out = {
         "params": params,
@@ -288,9 +315,15 @@ def activations_by_remat(build: StepBuild) -> dict[str, int]:
     cfg = build.cfg
     dtype = Policy.parse(cfg.precision).compute_dtype
     return {
-        name: activation_bytes(cfg.model, name, _batch_per_device(build), cfg.data.seq_len, dtype, _context(build))[
-            "total"
-        ]
+        name: activation_bytes(
+            cfg.model,
+            name,
+            _batch_per_device(build),
+            cfg.data.seq_len,
+            dtype,
+            *_moe_args(build),
+            context=_context(build),
+        )["total"]
         for name in ("none", "dots", "dots_no_batch", "save_qkv_attn_mlp_out", "save_attn_mlp_out", "full")
     }
 
@@ -298,6 +331,13 @@ def activations_by_remat(build: StepBuild) -> dict[str, int]:
 def _context(build: StepBuild) -> int:
     """The `context` axis size: each sequence split over that many devices."""
     return build.mesh.shape.get(ax.CONTEXT, 1)
+
+
+def _moe_args(build: StepBuild) -> tuple[int, bool, int]:
+    """(expert shards over non-batch axes, ragged_dot lowered densely, expert shards over batch
+    axes) of the build: its rules and its devices' platform."""
+    split, exchange = moe.expert_shards(dict(build.mesh.shape), build.plan.rules)
+    return split, build.mesh.devices.flat[0].platform == "cpu", exchange
 
 
 def _batch_per_device(build: StepBuild) -> int:

@@ -1,0 +1,118 @@
+"""The mixture-of-experts terms of the analytic memory model (`planner/memory_model.py`):
+what a sparse layer keeps for the backward pass and what one sparse layer's backward holds,
+per token of the device (bytes), in place of the dense MLP's terms.
+
+With c = bytes of the compute dtype, D = d_model, F = moe_ffn_dim, E = n_experts, k =
+experts_per_token and r the expert rows per token (dropless: k, the top-k expanded
+tokens; capacity mode: E * C / T, the (E, C, D) buffer's rows), one sparse layer
+(`models/moe.py`, `models/moe_dispatch.py`) makes per token:
+* the router: its logits in the compute dtype (c*E, a dot) and in f32 with the softmax
+  probabilities (8E), the top-k weights, experts and the sort order (12k, 4-byte);
+* the dispatch: the sorted token copy / capacity buffer (c*r*D) and the group sizes ((E,)
+  int32, per layer, not per token: ignored);
+* the experts: gate and up projections, SiLU and product (c*r*4F, the expert FFN
+  intermediate) and the down projection (c*r*D);
+* the combine: outputs back in (token, slot) order (c*k*D) and their weighted sum (c*D).
+What the remat policy saves of these (`moe_saved_per_token`): `none` all; `dots` the dots:
+router logits and combine (and in capacity mode the experts' batched matmuls, c*r*(2F + D));
+`ragged_dot` is not a dot to `jax.checkpoint_dots`, so dropless experts are recomputed;
+`dots_no_batch` the router logits (the combine and capacity matmuls have batch dims); the
+name policies keep `mlp_out` (the layer output, c*D, already in the dense formula) and no
+MoE term; `full` nothing. Qwen2-MoE's shared expert adds a dense gated MLP of
+shared_expert_ffn_dim (Fs): none 4c*Fs, dots / dots_no_batch 2c*Fs.
+
+One sparse layer's backward working set (`moe_working_per_token`) is the `none` terms
+again. XLA:CPU lowers `ragged_dot` densely (every row against every local expert, masked:
+an (E_l, N*k, in) operand per grouped matmul, forward and backward), and its compiled
+step holds about six (E_l, N*k, F) such buffers more than capacity mode does with the same
+other terms (measured on 8 CPU devices, jax 0.10.2, E 4-8, k 2-4, F 128-256, D 64: 5.8-6.1
+per E_l x k x F x c per token, the D-sized ones lost in the noise):
+`ragged_dense_per_token` = 6c * E_l * k * F, added for dropless layers on CPU only
+(`dense_ragged`). GPU and TPU lower `ragged_dot` to the grouped-matmul instruction.
+
+Experts over n batch shards (`mesh.rules: {expert: data}`, the all-to-all exchange): dropless
+blocks of N * k rows come from each of the n shards, so r = n * k (most rows empty) with
+E_l = E / n, and the blocks sent and returned add c * r * 2D; capacity mode receives the
+same E * C rows it would compute without the exchange.
+"""
+
+from __future__ import annotations
+
+import math
+
+from fsdp_jax.app.models.moe import capacity
+
+
+def expert_rows_per_token(model_cfg, tokens: int, exchange: int = 1) -> float:
+    """r: rows of expert compute per token of the device (k dropless, E * C / T with capacity).
+    `exchange` > 1: experts over that many batch shards (`models/moe_exchange.py`), whose
+    dropless blocks hold N * k rows from every shard: k * exchange."""
+    k, e = model_cfg.experts_per_token, model_cfg.n_experts
+    if not model_cfg.capacity_factor or tokens <= 0:
+        return float(k * exchange)
+    return e * capacity(tokens, k, e, model_cfg.capacity_factor) / tokens
+
+
+def moe_saved_per_token(model_cfg, remat: str, tokens: int, c: int, exchange: int = 1) -> float:
+    """Bytes a sparse layer keeps per token for the backward under `remat`, in place of the
+    dense MLP's (module docstring); `tokens`: per device per microbatch."""
+    d, f, e = model_cfg.d_model, model_cfg.moe_ffn_dim, model_cfg.n_experts
+    r, fs = expert_rows_per_token(model_cfg, tokens), model_cfg.shared_expert_ffn_dim
+    capacity_mode = bool(model_cfg.capacity_factor)
+    table = {
+        "none": _all_terms(model_cfg, tokens, c, exchange),
+        "dots": c * (e + d + 2 * fs) + (c * r * (2 * f + d) if capacity_mode else 0),
+        "dots_no_batch": c * (e + 2 * fs),
+    }
+    return table.get(remat, 0)
+
+
+def _all_terms(model_cfg, tokens: int, c: int, exchange: int = 1) -> float:
+    d, f, e, k = model_cfg.d_model, model_cfg.moe_ffn_dim, model_cfg.n_experts, model_cfg.experts_per_token
+    r, fs = expert_rows_per_token(model_cfg, tokens, exchange), model_cfg.shared_expert_ffn_dim
+    router = c * e + 8 * e + 12 * k
+    experts = c * r * (2 * d + 4 * f) + (c * r * 2 * d if exchange > 1 else 0)  # + the blocks sent and returned
+    return router + experts + c * (k * d + d) + 4 * c * fs
+
+
+def moe_working_per_token(
+    model_cfg, tokens: int, c: int, expert_shards: int, dense_ragged: bool, exchange: int = 1
+) -> float:
+    """One sparse layer's backward working set per token (module docstring); `expert_shards`:
+    the size of the non-batch mesh axes the experts are split over (tensor), `exchange` of the
+    batch axes (data: all-to-all); `dense_ragged`: the backend lowers `ragged_dot` densely (XLA:CPU)."""
+    out = _all_terms(model_cfg, tokens, c, exchange)
+    if dense_ragged and not model_cfg.capacity_factor:
+        out += ragged_dense_per_token(model_cfg, c, expert_shards * exchange, exchange)
+    return out
+
+
+def ragged_dense_per_token(model_cfg, c: int, expert_shards: int, exchange: int = 1) -> float:
+    """XLA:CPU's masked operands of the dropless grouped matmuls, per token (module docstring):
+    E_l experts (`expert_shards`: every axis they are split over) x the rows per token."""
+    e_local = model_cfg.n_experts // max(expert_shards, 1)
+    return 6 * c * e_local * expert_rows_per_token(model_cfg, 0, exchange) * model_cfg.moe_ffn_dim
+
+
+def n_sparse(model_cfg) -> int:
+    """How many layers are sparse (transformers' rule, `models/stack.py`)."""
+    from fsdp_jax.app.models.stack import sparse_layers
+
+    return sum(sparse_layers(model_cfg)) if model_cfg.n_experts else 0
+
+
+def dense_mlp_per_token(model_cfg, remat: str, c: int) -> int:
+    """The dense MLP's share of `saved_per_token` (`memory_model`) for `remat`: what a sparse
+    layer does not keep (its MLP is the experts)."""
+    f = model_cfg.ffn_dim
+    return {"none": 4 * c * f, "dots": 2 * c * f, "dots_no_batch": 2 * c * f}.get(remat, 0)
+
+
+def expert_shards(mesh_shape: dict, rules: dict | None) -> tuple[int, int]:
+    """(size of the non-batch mesh axes the rules map `expert` to, size of the batch ones:
+    `data`, the all-to-all exchange); (1, 1): experts not split."""
+    entry = (rules or {}).get("expert")
+    axes = () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+    batch = ("data", "fsdp")
+    split = math.prod(mesh_shape.get(a, 1) for a in axes if a not in batch)
+    return split, math.prod(mesh_shape.get(a, 1) for a in axes if a in batch)
