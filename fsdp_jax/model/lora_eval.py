@@ -229,10 +229,13 @@ def _scan(eqn, ins, ctx: Ctx) -> list:
     """A scan whose inputs hold weights: a weight in the scanned inputs (a stack of layers) is
     sliced with its adapters, one layer per iteration; one in the constants is closed over."""
     p = eqn.params
-    n_c, n_carry = p["num_consts"], p["num_carry"]
-    consts = ins[:n_c]
-    carry = [_value(x, ctx, "a scan's carry") for x in ins[n_c : n_c + n_carry]]
-    xs = ins[n_c + n_carry :]
+    if "num_consts" in p:  # jax 0.10
+        n_c, n_carry = p["num_consts"], p["num_carry"]
+        consts, carry, xs = ins[:n_c], ins[n_c : n_c + n_carry], ins[n_c + n_carry :]
+    else:  # jax 0.12: the inputs as a flat tree of (consts, carry, xs)
+        consts, carry, xs = (list(g) for g in p["ft_in"].update(list(ins)).unpack())
+    n_carry = len(carry)
+    carry = [_value(x, ctx, "a scan's carry") for x in carry]
     xs = [_value(x, ctx, "scan") if isinstance(x, Tracked) and x.perm[0] != 0 else x for x in xs]
     pieces = [(x.w, x.a, x.b) if isinstance(x, Tracked) else x for x in xs]
 
