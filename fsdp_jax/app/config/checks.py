@@ -227,7 +227,6 @@ def _check_lora(cfg: Config) -> None:
         return
     most = lora_lib.max_rank(cfg.model, targets)
     _check(lo.rank <= most, "lora.rank", lo.rank, f"must be <= {most}, the smallest target's smaller dim")
-    _check(lo.dropout == 0, "lora.dropout", lo.dropout, "adapter dropout is not implemented; use 0")
     if lo.init_from is not None:
         _check(lo.init_from.startswith("peft:"), "lora.init_from", lo.init_from, "use peft:DIR (a PEFT adapter)")
 

@@ -163,7 +163,7 @@ def adapter_config(spec: lora_lib.LoraSpec, base: str | None) -> dict:
         "inference_mode": True,
         "init_lora_weights": True,
         "lora_alpha": spec.alpha,
-        "lora_dropout": 0.0,
+        "lora_dropout": spec.dropout,
         "modules_to_save": None,
         "peft_type": "LORA",
         "r": spec.rank,
