@@ -243,10 +243,10 @@ class Llama(nnx.Module):
         self.remat = remat
         get_policy(remat)  # fail early on an unknown name
         self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), (VOCAB, EMBED))
-        if cfg.n_experts and lora is not None:
-            raise ConfigError("lora", "LoRA adapters on mixture-of-experts models (model.n_experts) are not built yet")
+        if cfg.n_experts and lora is not None and lora_lib.expert_targets(cfg, lora.targets):
+            raise ConfigError("lora.targets", lora_lib.expert_targets(cfg, lora.targets))
         if cfg.n_experts:  # sparse and dense layers: stacked by segment
-            self.segments = stack.make_layers(cfg, rngs, Block)
+            self.segments = stack.make_layers(cfg, rngs, Block, lora)
         elif cfg.scan_layers:
 
             @nnx.split_rngs(splits=cfg.n_layers)
@@ -261,7 +261,7 @@ class Llama(nnx.Module):
         if not cfg.tie_word_embeddings:
             self.head = _param(rngs, (cfg.d_model, cfg.vocab_size), (EMBED, VOCAB))
         if lora is not None and not cfg.scan_layers:  # last, as in a scanned Block
-            for blk in self.blocks:
+            for blk in self.segments if cfg.n_experts else self.blocks:
                 lora_lib.attach(blk, cfg, lora, rngs)
 
     def __call__(
@@ -281,7 +281,9 @@ class Llama(nnx.Module):
             x = x * jnp.asarray(np.float32(cfg.d_model**0.5), emb.dtype)
         x = constrain(x, (BATCH, LENGTH, EMBED))
         if cfg.n_experts:
-            x, stats = stack.run_layers(cfg, self.segments, x, self.remat, segment_ids, positions, token_mask)
+            x, stats = stack.run_layers(
+                cfg, self.segments, x, self.remat, segment_ids, positions, token_mask, dropout_key
+            )
             logits = self._head(x)
             return (logits, stats) if router else logits
         pattern = bool(cfg.sliding_window and cfg.global_every)  # per-layer local flag

@@ -108,6 +108,20 @@ def weight_dims(cfg, name: str) -> tuple[tuple[int, ...], tuple[str, ...], tuple
     }[name]
 
 
+def expert_targets(cfg, targets: tuple[str, ...]) -> str | None:
+    """None, or the one line refusing the MLP targets of a mixture-of-experts model (their
+    weights are per expert there: adapters per expert are not built)."""
+    mlp = [t for t in targets if t not in ATTENTION]
+    if not cfg.n_experts or not mlp:
+        return None
+    peft = {v: k for k, v in PEFT_TARGETS.items()}
+    return (
+        f"{' '.join(peft[t] for t in mlp)} name expert weights in a mixture-of-experts model "
+        f"(model.n_experts={cfg.n_experts}; adapters per expert are not built): target the "
+        "attention projections, q_proj k_proj v_proj o_proj"
+    )
+
+
 def max_rank(cfg, targets: tuple[str, ...]) -> int:
     """The largest rank every target allows: the smaller of its flat input and output widths."""
     out = []
@@ -174,8 +188,8 @@ class Adapter(nnx.Module):
 
 def attach(block, cfg, spec: LoraSpec, rngs: nnx.Rngs) -> None:
     """Give `block`'s attention and MLP their adapters (`module.lora`, keyed by weight name)."""
-    for module, names in ((block.attn, ATTENTION), (block.mlp, WEIGHTS[4:])):
-        chosen = [n for n in names if n in spec.targets]
+    for module, names in ((block.attn, ATTENTION), (getattr(block, "mlp", None), WEIGHTS[4:])):
+        chosen = [n for n in names if n in spec.targets and module is not None]
         if chosen:
             module.lora = nnx.Dict(
                 {n: Adapter(*weight_dims(cfg, n), spec, rngs) for n in chosen}  # type: ignore[misc]
