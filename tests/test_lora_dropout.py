@@ -284,3 +284,15 @@ def test_a_run_with_dropout_resumes_bit_for_bit_and_exports_its_rate(corpus, tmp
     rc, _, err = call("export", str(tmp_path / "straight"), "--peft", str(tmp_path / "adapter"), capsys=capsys)
     assert rc == 0, err
     assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["lora_dropout"] == 0.25
+
+
+@pytest.mark.slow
+def test_verify_runs_a_dropout_config_without_dropout_and_says_so(capsys):
+    from helpers import TINY_MODEL_OVERRIDES, call
+
+    over = [*TINY_MODEL_OVERRIDES, "lora.rank=4", "lora.alpha=8", "lora.dropout=0.1"]
+    args = ["--config", "configs/tiny.yaml", "--steps", "2", "--strategies", "full_shard", *over]
+    rc, out, err = call("verify", *args, capsys=capsys)
+    assert rc == 0, err
+    assert "lora.dropout=0.1 off: verify compares the steps without dropout" in out
+    assert " PASS" in out
