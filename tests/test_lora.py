@@ -204,7 +204,8 @@ BAD_LORA = [
     (["lora.rank=4", "lora.alpha=0"], "lora.alpha", "must be > 0"),
     (["lora.rank=4", "lora.targets=q_proj,lm_head"], "lora.targets", "lm_head matches no weight"),
     (["lora.rank=4", "lora.targets=,"], "lora.targets", "all-linear, q_proj k_proj"),
-    (["lora.rank=4", "lora.dropout=0.1"], "lora.dropout", "not implemented"),
+    (["lora.rank=4", "lora.dropout=1"], "lora.dropout", "must be in [0, 1)"),
+    (["lora.rank=4", "lora.dropout=-0.5"], "lora.dropout", "must be in [0, 1)"),
     (["lora.rank=4", "lora.init_from=adapters/"], "lora.init_from", "peft:DIR"),
     (["lora.rnak=4"], "lora.rnak", "lora.rank"),  # did you mean
 ]

@@ -124,6 +124,8 @@ def _as_verified(cfg, devices, notes: list[str]) -> tuple:
             f"mesh.tensor={cfg.mesh.tensor} ignored: verify compares the data-parallel "
             "strategies on (data, fsdp) meshes"
         )
+    if cfg.lora.rank and cfg.lora.dropout:
+        notes.append(f"lora.dropout={cfg.lora.dropout:g} off: verify compares the steps without dropout")
     notes.append(f"optimizer {cfg.optimizer.name} at its peak lr {cfg.optimizer.lr:g} (warmup skipped)")
     return cfg, notes
 

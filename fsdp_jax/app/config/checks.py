@@ -226,9 +226,11 @@ def _check_lora(cfg: Config) -> None:
     if not lo.rank:
         _check(lo.init_from is None, "lora.init_from", lo.init_from, "needs lora.rank > 0 (a PEFT adapter's r)")
         return
+    moe = lora_lib.expert_targets(cfg.model, targets)
+    if moe is not None:
+        raise ConfigError("lora.targets", f"{lo.targets!r}: {moe}")
     most = lora_lib.max_rank(cfg.model, targets)
     _check(lo.rank <= most, "lora.rank", lo.rank, f"must be <= {most}, the smallest target's smaller dim")
-    _check(lo.dropout == 0, "lora.dropout", lo.dropout, "adapter dropout is not implemented; use 0")
     if lo.init_from is not None:
         _check(lo.init_from.startswith("peft:"), "lora.init_from", lo.init_from, "use peft:DIR (a PEFT adapter)")
 

@@ -208,7 +208,7 @@ class LoraConfig:
     rank: int = limit(0, "off")  # adapter rank r; 0 = no LoRA (full fine-tuning)
     alpha: float = limit(16.0, "> 0")  # scale alpha / r (alpha / sqrt(r) with rslora)
     rslora: bool = False
-    dropout: float = limit(0.0, "[0, 1)")  # on the adapters' input (only 0 is implemented)
+    dropout: float = limit(0.0, "[0, 1)")  # PEFT's lora_dropout: on the adapters' input, in training only
     targets: str = "all-linear"  # all-linear, or PEFT's q_proj k_proj v_proj o_proj gate_proj up_proj down_proj
     #                              (or the decoder's wq wk wv wo w_gate w_up w_down), spaces or commas
     init_from: str | None = None  # peft:DIR: start from a PEFT adapter (adapter_config.json + safetensors)

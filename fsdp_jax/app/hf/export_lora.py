@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from fsdp_jax.app.hf import load as hf
-from fsdp_jax.app.hf import peft
+from fsdp_jax.app.hf import moe_layout, peft
 from fsdp_jax.app.hf.export import check_out_dir, saved_source, write_hf_dir
 from fsdp_jax.app.models import lora as lora_lib
 from fsdp_jax.checkpoint import CheckpointError, tree_paths
@@ -76,12 +76,13 @@ def export_merged(
     adapters = read_adapters(ckpt, s)
     sources = hf.leaf_sources(cfg)
     shapes = {p: tuple(x.shape) for p, x in tree_paths(_abstract(cfg)).items()}
-    dtypes = {p: base.where[names[0]].dtype(names[0]) for p, (names, _) in sources.items()}
+    first = {p: names[0].format(e=0) for p, (names, _) in sources.items()}  # an expert leaf: expert 0's
+    dtypes = {p: base.where[n].dtype(n) for p, n in first.items()}
 
     def read_leaf(path: str) -> np.ndarray:
         names, kind = sources[path]
         shape = shapes[path]
-        stacked = len(names) > 1 or (cfg.scan_layers and path.startswith("blocks/"))
+        stacked = len(names) > 1 or moe_layout.is_stacked(cfg, path)
         leaf = base.read(names, kind, tuple(slice(0, n) for n in shape), shape, dtypes[path], stacked)
         weight = path.rsplit("/", 1)[-1]
         if weight not in spec.targets:
@@ -109,5 +110,5 @@ def _merged_leaf(path: str, leaf: np.ndarray, adapters: dict, cfg, spec) -> np.n
     pair = node["lora"][parts[-1]]
     a, b = np.asarray(pair["lora_a"]), np.asarray(pair["lora_b"])
     if cfg.scan_layers:
-        return np.stack([peft.merged_weight(leaf[i], a[i], b[i], spec) for i in range(cfg.n_layers)])
+        return np.stack([peft.merged_weight(leaf[i], a[i], b[i], spec) for i in range(leaf.shape[0])])
     return peft.merged_weight(leaf, a, b, spec)

@@ -9,8 +9,10 @@ and `adapter_model.safetensors` with one pair per targeted Linear and layer,
 `base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight` (r, in) and
 `...lora_B.weight` (out, r), in torch's (out, in) orientation. The decoder's adapters are
 `lora_a` (in..., r) = A.T and `lora_b` (r, out...) = B.T, reshaped to the weight's
-head dims and stacked over layers when the layers are scanned. Adapters are numpy trees
-here (`fsdp_jax.app.models.lora.split`'s nested-dict layout).
+head dims and stacked over layers when the layers are scanned (a mixture-of-experts
+model's by segment, `fsdp_jax.app.models.stack.segment_layers`: its attention adapters carry
+the same PEFT names, `model.layers.N.self_attn.*`). Adapters are numpy trees here
+(`fsdp_jax.app.models.lora.split`'s nested-dict layout).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import numpy as np
 
 from fsdp_jax.app.models import lora as lora_lib
 from fsdp_jax.app.models.config import LlamaConfig
+from fsdp_jax.app.models.stack import segment_layers
 from fsdp_jax.checkpoint.safetensors_io import SafetensorsFile, write_safetensors
 from fsdp_jax.errors import CheckpointError
 
@@ -43,17 +46,33 @@ def _module(weight: str) -> str:
     return "attn" if weight in lora_lib.ATTENTION else "mlp"
 
 
+def layer_nodes(cfg: LlamaConfig) -> list[tuple[tuple, list[int]]]:
+    """[(key path of a block's params, the layer of each entry)]: a path whose block is
+    stacked (scanned layers) holds one entry per layer listed, else the one layer."""
+    if cfg.n_experts:
+        rows = [(prefix, layers) for prefix, layers, _ in segment_layers(cfg)]
+    elif cfg.scan_layers:
+        rows = [("blocks", list(range(cfg.n_layers)))]
+    else:
+        rows = [(f"blocks/{i}", [i]) for i in range(cfg.n_layers)]
+    return [(tuple(int(k) if k.isdigit() else k for k in p.split("/")), layers) for p, layers in rows]
+
+
+def _at(tree: dict, path: tuple, make: bool = False) -> dict:
+    for k in path:
+        tree = tree.setdefault(k, {}) if make else tree[k]
+    return tree
+
+
 def _layers(adapters: dict, cfg: LlamaConfig, weight: str):
     """[(lora_a, lora_b) per layer] of `weight` from a nested adapters tree."""
-    if cfg.scan_layers:
-        node = adapters["blocks"][_module(weight)]["lora"][weight]
+    out: dict[int, tuple] = {}
+    for path, layers in layer_nodes(cfg):
+        node = _at(adapters, path)[_module(weight)]["lora"][weight]
         a, b = np.asarray(node["lora_a"]), np.asarray(node["lora_b"])
-        return [(a[i], b[i]) for i in range(cfg.n_layers)]
-    out = []
-    for i in range(cfg.n_layers):
-        node = adapters["blocks"][i][_module(weight)]["lora"][weight]
-        out.append((np.asarray(node["lora_a"]), np.asarray(node["lora_b"])))
-    return out
+        for g, layer in enumerate(layers):
+            out[layer] = (a[g], b[g]) if cfg.scan_layers else (a, b)
+    return [out[i] for i in range(cfg.n_layers)]
 
 
 def to_peft(adapters: dict, cfg: LlamaConfig, spec: lora_lib.LoraSpec) -> dict[str, np.ndarray]:
@@ -91,17 +110,21 @@ def from_peft(tensors, cfg: LlamaConfig, spec: lora_lib.LoraSpec, where: str = "
                 got[half] = x
             node = per_layer[i].setdefault(_module(w), {"lora": {}})["lora"]
             node[w] = {"lora_a": got["A"].T.reshape(*ins, r), "lora_b": got["B"].T.reshape(r, *outs)}
-    if not cfg.scan_layers:
-        return {"blocks": dict(enumerate(per_layer))}
-    stacked = {
-        m: {
-            "lora": {
-                w: {k: np.stack([p[m]["lora"][w][k] for p in per_layer]) for k in v} for w, v in node["lora"].items()
+    out: dict = {}
+    for path, layers in layer_nodes(cfg):
+        if not cfg.scan_layers:
+            _at(out, path[:-1], make=True)[path[-1]] = per_layer[layers[0]]
+            continue
+        first = per_layer[layers[0]]
+        stacked = {}
+        for m, node in first.items():
+            pairs = {
+                w: {k: np.stack([per_layer[i][m]["lora"][w][k] for i in layers]) for k in v}
+                for w, v in node["lora"].items()
             }
-        }
-        for m, node in per_layer[0].items()
-    }
-    return {"blocks": stacked}
+            stacked[m] = {"lora": pairs}
+        _at(out, path[:-1], make=True)[path[-1]] = stacked
+    return out
 
 
 def read_config(directory: Path) -> dict:
@@ -163,7 +186,7 @@ def adapter_config(spec: lora_lib.LoraSpec, base: str | None) -> dict:
         "inference_mode": True,
         "init_lora_weights": True,
         "lora_alpha": spec.alpha,
-        "lora_dropout": 0.0,
+        "lora_dropout": spec.dropout,
         "modules_to_save": None,
         "peft_type": "LORA",
         "r": spec.rank,
@@ -214,11 +237,12 @@ def merge(base: dict, adapters: dict, cfg: LlamaConfig, spec: lora_lib.LoraSpec)
     W + scale * A B in W's dtype; every other tensor is `base`'s own array, untouched."""
     out = _copy_dicts(base)
     for w in spec.targets:
-        m, layers = _module(w), _layers(adapters, cfg, w)
-        if cfg.scan_layers:
-            weight = np.asarray(out["blocks"][m][w])
-            out["blocks"][m][w] = np.stack([merged_weight(weight[i], a, b, spec) for i, (a, b) in enumerate(layers)])
-        else:
-            for i, (a, b) in enumerate(layers):
-                out["blocks"][i][m][w] = merged_weight(np.asarray(out["blocks"][i][m][w]), a, b, spec)
+        m, per = _module(w), _layers(adapters, cfg, w)
+        for path, layers in layer_nodes(cfg):
+            node = _at(out, path)[m]
+            weight = np.asarray(node[w])
+            if cfg.scan_layers:
+                node[w] = np.stack([merged_weight(weight[g], *per[i], spec) for g, i in enumerate(layers)])
+            else:
+                node[w] = merged_weight(weight, *per[layers[0]], spec)
     return out

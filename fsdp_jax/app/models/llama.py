@@ -101,15 +101,17 @@ class Attention(nnx.Module):
         self.cfg = cfg
         self.impl = cfg.attention
 
-    def __call__(self, x, local=None, segment_ids=None, positions=None):
-        # x: (B, S, D); local: this layer slides (pattern only); segment_ids, positions: (B, S)
+    def __call__(self, x, local=None, segment_ids=None, positions=None, dropout_key=None):
+        # x: (B, S, D); local: this layer slides (pattern only); segment_ids, positions: (B, S);
+        # dropout_key: the layer's key for its adapters' dropout (models/lora.py), None = off
         cfg = self.cfg
         b, s, d = x.shape
         x2 = _rows(x)
 
         def proj(name, w, bias=None):  # (D, H, Dh) -> (B, S, H, Dh)
             _, hh, dh = w.shape
-            y = _plus(matmul(x2, w.reshape(d, hh * dh)), lora_lib.delta(self, name, x2)).reshape(b, s, hh, dh)
+            y = _plus(matmul(x2, w.reshape(d, hh * dh)), lora_lib.delta(self, name, x2, dropout_key))
+            y = y.reshape(b, s, hh, dh)
             if bias is not None:
                 y = y + bias[...]
             return constrain(checkpoint_name(y, "qkv"), (BATCH, LENGTH, HEADS, KV))
@@ -170,7 +172,7 @@ class Attention(nnx.Module):
             )
         wo = self.wo[...]
         o2 = _rows(o.reshape(b, s, -1))
-        out = _plus(matmul(o2, wo.reshape(-1, d)), lora_lib.delta(self, "wo", o2))  # (B*S, D)
+        out = _plus(matmul(o2, wo.reshape(-1, d)), lora_lib.delta(self, "wo", o2, dropout_key))  # (B*S, D)
         return checkpoint_name(out.reshape(b, s, d), "attn_out")
 
 
@@ -181,14 +183,14 @@ class FeedForward(nnx.Module):
         self.w_down = _param(rngs, (cfg.ffn_dim, cfg.d_model), (MLP, EMBED))
         self.gelu = cfg.mlp_activation == "gelu_pytorch_tanh"
 
-    def __call__(self, x):  # (B, S, D)
+    def __call__(self, x, dropout_key=None):  # (B, S, D)
         b, s, d = x.shape
-        x2 = _rows(x)
-        g = _plus(matmul(x2, self.w_gate[...]), lora_lib.delta(self, "w_gate", x2))
+        x2, k = _rows(x), dropout_key
+        g = _plus(matmul(x2, self.w_gate[...]), lora_lib.delta(self, "w_gate", x2, k))
         act = jax.nn.gelu(g, approximate=True) if self.gelu else jax.nn.silu(g)
-        hid = act * _plus(matmul(x2, self.w_up[...]), lora_lib.delta(self, "w_up", x2))  # (B*S, F)
+        hid = act * _plus(matmul(x2, self.w_up[...]), lora_lib.delta(self, "w_up", x2, k))  # (B*S, F)
         hid = constrain(hid, (BATCH, MLP) if hid.ndim == 2 else (BATCH, LENGTH, MLP))
-        out = _plus(matmul(hid, self.w_down[...]), lora_lib.delta(self, "w_down", hid))
+        out = _plus(matmul(hid, self.w_down[...]), lora_lib.delta(self, "w_down", hid, k))
         return checkpoint_name(out.reshape(b, s, d), "mlp_out")
 
 
@@ -218,14 +220,14 @@ class Block(nnx.Module):
         if lora is not None:  # last: the base params are drawn as without adapters
             lora_lib.attach(self, cfg, lora, rngs)
 
-    def __call__(self, x, local=None, segment_ids=None, positions=None, token_mask=None):  # (B, S, D)
-        x = constrain(x, (BATCH, LENGTH, EMBED))
-        a = self.attn(self.attn_norm(x), local, segment_ids, positions)
+    def __call__(self, x, local=None, segment_ids=None, positions=None, token_mask=None, dropout_key=None):
+        x = constrain(x, (BATCH, LENGTH, EMBED))  # (B, S, D)
+        a = self.attn(self.attn_norm(x), local, segment_ids, positions, dropout_key)
         x = x + (self.post_attn_norm(a) if self.sandwich else a)
         if self.sparse:
             m, stats = self.moe(self.mlp_norm(x), token_mask)
         else:
-            m, stats = self.mlp(self.mlp_norm(x)), zero_stats(self.n_experts)
+            m, stats = self.mlp(self.mlp_norm(x), dropout_key), zero_stats(self.n_experts)
         x = x + (self.post_mlp_norm(m) if self.sandwich else m)
         x = constrain(x, (BATCH, LENGTH, EMBED))
         return (x, stats) if self.n_experts else x
@@ -241,10 +243,10 @@ class Llama(nnx.Module):
         self.remat = remat
         get_policy(remat)  # fail early on an unknown name
         self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), (VOCAB, EMBED))
-        if cfg.n_experts and lora is not None:
-            raise ConfigError("lora", "LoRA adapters on mixture-of-experts models (model.n_experts) are not built yet")
+        if cfg.n_experts and lora is not None and lora_lib.expert_targets(cfg, lora.targets):
+            raise ConfigError("lora.targets", lora_lib.expert_targets(cfg, lora.targets))
         if cfg.n_experts:  # sparse and dense layers: stacked by segment
-            self.segments = stack.make_layers(cfg, rngs, Block)
+            self.segments = stack.make_layers(cfg, rngs, Block, lora)
         elif cfg.scan_layers:
 
             @nnx.split_rngs(splits=cfg.n_layers)
@@ -259,13 +261,16 @@ class Llama(nnx.Module):
         if not cfg.tie_word_embeddings:
             self.head = _param(rngs, (cfg.d_model, cfg.vocab_size), (EMBED, VOCAB))
         if lora is not None and not cfg.scan_layers:  # last, as in a scanned Block
-            for blk in self.blocks:
+            for blk in self.segments if cfg.n_experts else self.blocks:
                 lora_lib.attach(blk, cfg, lora, rngs)
 
-    def __call__(self, tokens, segment_ids=None, positions=None, *, router: bool = False, token_mask=None):
+    def __call__(
+        self, tokens, segment_ids=None, positions=None, *, router: bool = False, token_mask=None, dropout_key=None
+    ):
         """tokens (B, S) int -> logits (B, S, V). Packed rows: `segment_ids` (B, S) keep
         attention inside each example, `positions` (B, S) restart RoPE per example.
-        `router`: return (logits, RouterStats over the tokens where `token_mask` (B, S))."""
+        `router`: return (logits, RouterStats over the tokens where `token_mask` (B, S)).
+        `dropout_key`: the adapters' dropout (training; layer l's key `fold_in(key, l)`)."""
         cfg = self.cfg
         b, s = tokens.shape
         # Gather the table over its embed dim before the lookup, as for any FSDP
@@ -276,38 +281,34 @@ class Llama(nnx.Module):
             x = x * jnp.asarray(np.float32(cfg.d_model**0.5), emb.dtype)
         x = constrain(x, (BATCH, LENGTH, EMBED))
         if cfg.n_experts:
-            x, stats = stack.run_layers(cfg, self.segments, x, self.remat, segment_ids, positions, token_mask)
+            x, stats = stack.run_layers(
+                cfg, self.segments, x, self.remat, segment_ids, positions, token_mask, dropout_key
+            )
             logits = self._head(x)
             return (logits, stats) if router else logits
         pattern = bool(cfg.sliding_window and cfg.global_every)  # per-layer local flag
+        # per layer (None: not used): the local flag, the adapters' dropout key
+        flags = jnp.asarray([cfg.is_local(i) for i in range(cfg.n_layers)]) if pattern else None
+        keys = lora_lib.layer_keys(dropout_key, cfg.n_layers)
         # scanned layers: the train step's per-layer cast + gather (ZeRO-2/3, fsdp_jax.train.layer_gather)
         wrap = layer_gather.gather_module if cfg.scan_layers else (lambda blk: blk)
-        block_fn = (
-            (lambda blk, h, loc: wrap(blk)(h, loc, segment_ids, positions))
-            if pattern
-            else (lambda blk, h: wrap(blk)(h, None, segment_ids, positions))
-        )
+
+        def block_fn(blk, h, loc, key):
+            return wrap(blk)(h, loc, segment_ids, positions, dropout_key=key)
+
         policy = layer_gather.block_policy(self.remat)
         if policy is not None:
             block_fn = nnx.remat(block_fn, policy=policy)
-        if cfg.scan_layers and pattern:
-            flags = jnp.asarray([cfg.is_local(i) for i in range(cfg.n_layers)])
+        if cfg.scan_layers:
 
-            @nnx.scan(in_axes=(0, nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: LAYERS})
-            def run_pattern(blk, h, loc):
-                return block_fn(blk, h, loc)
+            @nnx.scan(in_axes=(0, nnx.Carry, 0, 0), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: LAYERS})
+            def run(blk, h, loc, key):
+                return block_fn(blk, h, loc, key)
 
-            x = run_pattern(self.blocks, x, flags)
-        elif cfg.scan_layers:
-
-            @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: LAYERS})
-            def run(blk, h):
-                return block_fn(blk, h)
-
-            x = run(self.blocks, x)
+            x = run(self.blocks, x, flags, keys)
         else:
             for i, blk in enumerate(self.blocks):
-                x = block_fn(blk, x, jnp.asarray(cfg.is_local(i))) if pattern else block_fn(blk, x)
+                x = block_fn(blk, x, None if flags is None else flags[i], None if keys is None else keys[i])
         return self._head(x)
 
     def _head(self, x):  # (B, S, D) -> logits (B, S, V)

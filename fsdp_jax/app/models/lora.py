@@ -1,6 +1,6 @@
 """LoRA adapters on the reference decoder's projections, in the factored form.
 
-    y = x W + scale * (x A) B        A: (in..., r) drawn as PEFT does, B: (r, out...) zero
+    y = x W + scale * (dropout(x) A) B   A: (in..., r) drawn as PEFT does, B: (r, out...) zero
 
 A projection with an adapter computes its frozen weight's product and the adapter's two
 thin products separately, so the backward computes `x`'s gradient through `W` and the
@@ -16,6 +16,13 @@ rules table; so each shards with its weight under every strategy and FSDP x TP.
 section (`fsdp_jax.app.config.schema.LoraConfig`) resolves to it. Adapters are created
 after every other param of a block, so a model with adapters draws its base params
 exactly as one without (`Llama(cfg, rngs=nnx.Rngs(0))` has the same base either way).
+
+Dropout (`LoraSpec.dropout`, PEFT's `lora_dropout`) acts on the adapter's input only, and
+only when the decoder is given a dropout key (the train step's; eval, verify and logits
+run without). Its masks come from the key alone: the key of layer `l` is
+`fold_in(key, l)` (`layer_keys`), of weight `w` in it `fold_in(that, WEIGHTS.index(w))`,
+and the mask keeps each element of the input rows with probability 1 - p (`keep_mask`),
+so they are the same on one device and on N, under every strategy.
 """
 
 from __future__ import annotations
@@ -56,6 +63,7 @@ class LoraSpec:
     alpha: float
     targets: tuple[str, ...] = WEIGHTS
     rslora: bool = False
+    dropout: float = 0.0  # on the adapters' input, in training only
 
     @property
     def scale(self) -> float:
@@ -80,11 +88,11 @@ def resolve_targets(spec: str) -> tuple[str, ...]:
 
 
 def spec_from_config(section) -> LoraSpec | None:
-    """The run config's `lora:` section (rank, alpha, targets, rslora) as a `LoraSpec`;
-    None for rank 0 (no LoRA)."""
+    """The run config's `lora:` section (rank, alpha, targets, rslora, dropout) as a
+    `LoraSpec`; None for rank 0 (no LoRA)."""
     if not section.rank:
         return None
-    return LoraSpec(section.rank, section.alpha, resolve_targets(section.targets), section.rslora)
+    return LoraSpec(section.rank, section.alpha, resolve_targets(section.targets), section.rslora, section.dropout)
 
 
 def weight_dims(cfg, name: str) -> tuple[tuple[int, ...], tuple[str, ...], tuple[int, ...], tuple[str, ...]]:
@@ -99,6 +107,20 @@ def weight_dims(cfg, name: str) -> tuple[tuple[int, ...], tuple[str, ...], tuple
         "w_up": ((d,), (EMBED,), (f,), (MLP,)),
         "w_down": ((f,), (MLP,), (d,), (EMBED,)),
     }[name]
+
+
+def expert_targets(cfg, targets: tuple[str, ...]) -> str | None:
+    """None, or the one line refusing the MLP targets of a mixture-of-experts model (their
+    weights are per expert there: adapters per expert are not built)."""
+    mlp = [t for t in targets if t not in ATTENTION]
+    if not cfg.n_experts or not mlp:
+        return None
+    peft = {v: k for k, v in PEFT_TARGETS.items()}
+    return (
+        f"{' '.join(peft[t] for t in mlp)} name expert weights in a mixture-of-experts model "
+        f"(model.n_experts={cfg.n_experts}; adapters per expert are not built): target the "
+        "attention projections, q_proj k_proj v_proj o_proj"
+    )
 
 
 def max_rank(cfg, targets: tuple[str, ...]) -> int:
@@ -123,40 +145,63 @@ def _a_init(fan_in: int):
     return lambda key, shape, dtype=jnp.float32: a_init(key, shape, fan_in, dtype)  # PEFT's
 
 
+def keep_mask(key, rate: float, shape) -> jax.Array:
+    """Dropout's keep mask (bool, `shape`): each element kept with probability 1 - `rate`."""
+    return jax.random.bernoulli(key, 1.0 - rate, shape)
+
+
+def dropped(x, key, rate: float):
+    """Inverted dropout of `x` (kept elements scaled by 1 / (1 - rate)); `x` itself without a
+    key or at rate 0."""
+    if key is None or not rate:
+        return x
+    keep = keep_mask(key, rate, x.shape)
+    return jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros((), x.dtype))
+
+
+def layer_keys(key, n_layers: int):
+    """The dropout keys of layers 0..n-1, `fold_in(key, l)` stacked (None without a key)."""
+    if key is None:
+        return None
+    return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(n_layers))
+
+
 class Adapter(nnx.Module):
     """One weight's adapter: `lora_a` (in..., r), `lora_b` (r, out...) (zero: step 0 is the base)."""
 
-    def __init__(self, in_shape, in_names, out_shape, out_names, rank: int, scale: float, rngs: nnx.Rngs):
+    def __init__(self, in_shape, in_names, out_shape, out_names, spec: LoraSpec, rngs: nnx.Rngs):
         a_init = nnx.with_partitioning(_a_init(math.prod(in_shape)), tuple(in_names) + (LORA_RANK,))
         b_init = nnx.with_partitioning(nnx.initializers.zeros, (LORA_RANK,) + tuple(out_names))
-        self.lora_a = nnx.Param(a_init(rngs.params(), tuple(in_shape) + (rank,)))
-        self.lora_b = nnx.Param(b_init(None, (rank,) + tuple(out_shape)))
-        self.scale = scale
+        self.lora_a = nnx.Param(a_init(rngs.params(), tuple(in_shape) + (spec.rank,)))
+        self.lora_b = nnx.Param(b_init(None, (spec.rank,) + tuple(out_shape)))
+        self.scale, self.dropout = spec.scale, spec.dropout
 
-    def __call__(self, x2):
-        """x2 (N, in) -> scale * (x2 A) B, (N, out): two thin dots, no weight-shaped product."""
+    def __call__(self, x2, key=None):
+        """x2 (N, in) -> scale * (dropout(x2) A) B, (N, out): two thin dots, no weight-shaped
+        product; dropout only with a `key`."""
         a, b = self.lora_a[...], self.lora_b[...]
         r = b.shape[0]
-        xa = matmul(x2, a.reshape(-1, r))
+        xa = matmul(dropped(x2, key, self.dropout), a.reshape(-1, r))
         return matmul(xa, b.reshape(r, -1)) * jnp.asarray(self.scale, xa.dtype)
 
 
 def attach(block, cfg, spec: LoraSpec, rngs: nnx.Rngs) -> None:
     """Give `block`'s attention and MLP their adapters (`module.lora`, keyed by weight name)."""
-    for module, names in ((block.attn, ATTENTION), (block.mlp, WEIGHTS[4:])):
-        chosen = [n for n in names if n in spec.targets]
+    for module, names in ((block.attn, ATTENTION), (getattr(block, "mlp", None), WEIGHTS[4:])):
+        chosen = [n for n in names if n in spec.targets and module is not None]
         if chosen:
             module.lora = nnx.Dict(
-                {n: Adapter(*weight_dims(cfg, n), spec.rank, spec.scale, rngs) for n in chosen}  # type: ignore[misc]
+                {n: Adapter(*weight_dims(cfg, n), spec, rngs) for n in chosen}  # type: ignore[misc]
             )
 
 
-def delta(module, name: str, x2):
-    """The adapter's term for weight `name` of `module` on rows `x2`, or None without one."""
+def delta(module, name: str, x2, key=None):
+    """The adapter's term for weight `name` of `module` on rows `x2`, or None without one;
+    `key`: the layer's dropout key (the weight's is `fold_in(key, WEIGHTS.index(name))`)."""
     adapters = getattr(module, "lora", None)
     if adapters is None or name not in adapters:
         return None
-    return adapters[name](x2)
+    return adapters[name](x2, None if key is None else jax.random.fold_in(key, WEIGHTS.index(name)))
 
 
 def is_adapter(path) -> bool:

@@ -14,14 +14,19 @@ goes to the one segment).
 Params live at `segments/<j>/layers/<m>/...` with a leading `layers` dim (the group
 index); layer index = start_j + group * p_j + m (`segment_layers`). The per-layer (here:
 per-group) cast and gather of `fsdp_jax.train.layer_gather` runs inside the scan body.
+LoRA adapters (`fsdp_jax.app.models.lora`) are attached after a group's layers (unscanned:
+by the decoder after its last param), so the base params are drawn as without them; each layer's dropout key is
+the decoder's layer key of its layer index.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import jax.numpy as jnp
 from flax import nnx
 
+from fsdp_jax.app.models import lora as lora_lib
 from fsdp_jax.app.models.moe import add_stats, zero_stats
 from fsdp_jax.sharding.axes import LAYERS
 from fsdp_jax.train import layer_gather
@@ -66,52 +71,61 @@ def segment_layers(cfg) -> list[tuple[str, list[int], bool]]:
 class Group(nnx.Module):
     """Consecutive layers, applied in order; each block returns (x, RouterStats)."""
 
-    def __init__(self, cfg, rngs: nnx.Rngs, kinds: tuple[bool, ...], make_block: Callable):
+    def __init__(self, cfg, rngs: nnx.Rngs, kinds: tuple[bool, ...], make_block: Callable, lora=None):
         self.layers = nnx.List([make_block(cfg, rngs, sparse) for sparse in kinds])
+        if lora is not None:  # last: the base params are drawn as without adapters
+            for blk in self.layers:
+                lora_lib.attach(blk, cfg, lora, rngs)
 
-    def __call__(self, x, stats, segment_ids=None, positions=None, token_mask=None):
-        for blk in self.layers:
-            x, s = blk(x, None, segment_ids, positions, token_mask)
+    def __call__(self, x, stats, segment_ids=None, positions=None, token_mask=None, keys=None):
+        # keys: (p,) the layers' dropout keys, or None
+        for m, blk in enumerate(self.layers):
+            x, s = blk(x, None, segment_ids, positions, token_mask, None if keys is None else keys[m])
             stats = add_stats(stats, s)
         return x, stats
 
 
-def make_layers(cfg, rngs: nnx.Rngs, make_block: Callable):
+def make_layers(cfg, rngs: nnx.Rngs, make_block: Callable, lora=None):
     """`nnx.List` of stacked `Group`s (scan_layers) or of one block per layer.
-    `make_block(cfg, rngs, sparse)` builds one decoder block."""
+    `make_block(cfg, rngs, sparse)` builds one decoder block; `lora`: adapters on each
+    stacked group (unscanned blocks get theirs from the decoder, after its last param)."""
     if not cfg.scan_layers:
         return nnx.List([make_block(cfg, rngs, s) for s in sparse_layers(cfg)])
-    return nnx.List([_stacked(cfg, rngs, kinds, count, make_block) for _, kinds, count in segments(cfg)])
+    return nnx.List([_stacked(cfg, rngs, kinds, count, make_block, lora) for _, kinds, count in segments(cfg)])
 
 
-def _stacked(cfg, rngs: nnx.Rngs, kinds: tuple[bool, ...], count: int, make_block: Callable):
+def _stacked(cfg, rngs: nnx.Rngs, kinds: tuple[bool, ...], count: int, make_block: Callable, lora):
     @nnx.split_rngs(splits=count)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS})
     def make(r):
-        return Group(cfg, r, kinds, make_block)
+        return Group(cfg, r, kinds, make_block, lora)
 
     return make(rngs)
 
 
-def run_layers(cfg, layers, x, remat: str, segment_ids=None, positions=None, token_mask=None):
-    """x (B, S, D) through every layer -> (x, RouterStats summed over the sparse layers)."""
+def run_layers(cfg, layers, x, remat: str, segment_ids=None, positions=None, token_mask=None, dropout_key=None):
+    """x (B, S, D) through every layer -> (x, RouterStats summed over the sparse layers);
+    `dropout_key`: the adapters' dropout (layer l's key `lora.layer_keys(key, L)[l]`)."""
     stats = zero_stats(cfg.n_experts)
     policy = layer_gather.block_policy(remat)
+    keys = lora_lib.layer_keys(dropout_key, cfg.n_layers)  # (L,) or None
     if not cfg.scan_layers:
-        fn = lambda blk, h: blk(h, None, segment_ids, positions, token_mask)  # noqa: E731
+        fn = lambda blk, h, k: blk(h, None, segment_ids, positions, token_mask, k)  # noqa: E731
         fn = fn if policy is None else nnx.remat(fn, policy=policy)
-        for blk in layers:
-            x, s = fn(blk, x)
+        for i, blk in enumerate(layers):
+            x, s = fn(blk, x, None if keys is None else keys[i])
             stats = add_stats(stats, s)
         return x, stats
-    group_fn = lambda g, c: layer_gather.gather_module(g)(*c, segment_ids, positions, token_mask)  # noqa: E731
+    group_fn = lambda g, c, k: layer_gather.gather_module(g)(*c, segment_ids, positions, token_mask, k)  # noqa: E731
     group_fn = group_fn if policy is None else nnx.remat(group_fn, policy=policy)
 
-    @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: LAYERS})
-    def run(g, carry):
-        return group_fn(g, carry)
+    @nnx.scan(in_axes=(0, nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: LAYERS})
+    def run(g, carry, k):
+        return group_fn(g, carry, k)
 
     carry = (x, stats)
-    for seg in layers:
-        carry = run(seg, carry)
+    for seg, (start, kinds, count) in zip(layers, segments(cfg)):
+        p = len(kinds)  # group g's layer m is layer start + g * p + m
+        idx = start + jnp.arange(count)[:, None] * p + jnp.arange(p)[None, :]
+        carry = run(seg, carry, None if keys is None else keys[idx])
     return carry

@@ -85,7 +85,8 @@ def search(
     with "overrides", "analytic", "predicted", "compiled" or None, "device_peak" and "free"
     (device memory minus that peak), "status": fits | edge | dropped, "reason"), "dropped" (reason -> count), "winner" (a candidate or None),
     "smallest_fitting_memory" (bytes: the least device memory any candidate would fit in,
-    headroom kept), "notes", "wall_s"}. Needs `n_devices` devices in this process (fake
+    headroom kept), "lora" (`lora_summary`: None without a `lora:` section; every candidate
+    is then the LoRA step), "notes", "wall_s"}. Needs `n_devices` devices in this process (fake
     CPU devices will do) for the analytic pass. Raises SearchError for an empty space or
     an impossible constraint; a search that finds nothing returns winner None."""
     from fsdp_jax.verify.run import devices_for
@@ -142,8 +143,31 @@ def search(
             "dropped": sum(c["status"] == "dropped" for c in cands),
         },
         **_outcome(cands, limits),
+        "lora": lora_summary(cfg),
         "notes": notes,
         "wall_s": round(time.perf_counter() - t0, 1),
+    }
+
+
+def lora_summary(cfg) -> dict[str, Any] | None:
+    """What a config with a `lora:` section plans (None without one): the trainer's LoRA step,
+    adapters trained (with optimizer state for them only), the base frozen at its dtype."""
+    import numpy as np
+
+    from fsdp_jax.app.models.lora import adapter_param_count, spec_from_config
+    from fsdp_jax.sharding.precision import Policy
+
+    spec = spec_from_config(cfg.lora)
+    if spec is None:
+        return None
+    return {
+        "rank": spec.rank,
+        "alpha": spec.alpha,
+        "rslora": spec.rslora,
+        "dropout": spec.dropout,
+        "targets": cfg.lora.targets,
+        "adapter_params": adapter_param_count(cfg.model, spec),
+        "base_dtype": np.dtype(Policy.parse(cfg.precision).frozen_storage_dtype).name,
     }
 
 

@@ -16,26 +16,36 @@ from fsdp_jax.app.planner.search_space import HOST_LINK_BYTES_PER_S
 
 def analytic_communication(cfg, strategy: str, sizes: tuple[int, int, int], hosts: int) -> dict[str, Any]:
     """Wire bytes each device sends per step (ring algorithms), by strategy, with P the params
-    in the compute dtype, F = fsdp, D = data, N = D x F, M microbatches: DDP 2P(N-1)/N (ZeRO-1
-    the same plus P(N-1)/N for the updated params); ZeRO-2 2MP(F-1)/F; ZeRO-3 3MP(F-1)/F; HSDP
-    that plus 2(P/F)(D-1)/D across data. Gradients travel in the compute dtype: the XLA:GPU
+    and G the trained params (P itself; with LoRA the adapters only, and P the base: the
+    adapters' rank dim is replicated, most of their bytes are never gathered), both in the
+    compute dtype, F = fsdp, D = data, N = D x F, M microbatches: DDP 2G(N-1)/N (ZeRO-1 the same plus
+    G(N-1)/N for the updated params); ZeRO-2 M(P + G)(F-1)/F (the gather, the grads'
+    reduce-scatter); ZeRO-3 M(2P + G)(F-1)/F (gathered again in the backward); HSDP that plus
+    2(G/F)(D-1)/D across data. So 2P, 3P, 2MP and 3MP in full training; under LoRA the frozen
+    base is gathered where its strategy gathers params (its input gradients need it) and
+    sends no gradient and no update. Gradients travel in the compute dtype: the XLA:GPU
     compiles of 7B and 70B reduce-scatter bf16 grads even under reduce=float32 (BENCHMARKS.md:
     these formulas are within 0.3% of their all-gather + reduce-scatter + all-reduce bytes).
     All bytes of a group that spans hosts count as cross-host. A compiled candidate replaces
     this with its program's own bytes."""
     from fsdp_jax.app.models.llama import count_params
+    from fsdp_jax.app.models.lora import adapter_param_count, spec_from_config
     from fsdp_jax.sharding.precision import Policy
 
-    p = count_params(cfg.model) * np.dtype(Policy.parse(cfg.precision).compute_dtype).itemsize
+    width = np.dtype(Policy.parse(cfg.precision).compute_dtype).itemsize
+    lora = spec_from_config(cfg.lora)
+    adapters = 0 if lora is None else adapter_param_count(cfg.model, lora)
+    p = count_params(cfg.model) * width
+    g = p if lora is None else adapters * width
     data, fsdp, _ = sizes
     n, m = data * fsdp, cfg.train.microbatches
     ring = lambda k: (k - 1) / k if k > 1 else 0.0  # noqa: E731
     if strategy in ("no_shard", "shard_opt"):
-        within = 2 * p * ring(n) + (p * ring(n) if strategy == "shard_opt" else 0)
+        within = 2 * g * ring(n) + (g * ring(n) if strategy == "shard_opt" else 0)
         across = 0.0
     else:
-        within = m * (2 if strategy == "shard_grad_op" else 3) * p * ring(fsdp)
-        across = 2 * p / fsdp * ring(data) if strategy == "hybrid_shard" else 0.0
+        within = m * ((1 if strategy == "shard_grad_op" else 2) * p + g) * ring(fsdp)
+        across = 2 * g / fsdp * ring(data) if strategy == "hybrid_shard" else 0.0
     spans = hosts > 1 and (n if strategy in ("no_shard", "shard_opt") else fsdp) > n // hosts
     total = within + across
     cross = total if spans else (across if hosts > 1 and data > 1 else 0.0)

@@ -118,6 +118,12 @@ def format_search(doc: dict[str, Any], rows: int = 10) -> str:
             f"{c['fits']} fit; {doc['wall_s']} s"
         ),
     ]
+    lo = doc.get("lora")
+    if lo:
+        lines.append(
+            f"LoRA rank {lo['rank']} ({lo['targets']}): {lo['adapter_params']:,} adapter params train, with "
+            f"optimizer state for them only; the base is frozen at {lo['base_dtype']}"
+        )
     hdr = (
         f"{'#':>3} {'device':>9} {'by':<8} {'free':>9} {'host/host':>9} {'step s':>8} "
         f"{'tok/s/' + ('chip' if tgt and tgt.get('topology_name') else 'GPU'):>10} {'MFU':>6}  "
@@ -146,7 +152,8 @@ def format_search(doc: dict[str, Any], rows: int = 10) -> str:
     lines += [f"note: {n}" for n in doc["notes"]]
     w = doc["winner"]
     if w is not None:
-        lines += ["", f"winner: {' '.join(w['overrides'])}"]
+        planned = f" (LoRA rank {lo['rank']})" if lo else ""
+        lines += ["", f"winner{planned}: {' '.join(w['overrides'])}"]
         lines += [f"  compiled schedule warning: {x}" for x in (w["compiled"] or {}).get("warnings", [])]
         if w["compiled"] and w["compiled"].get("basis", "compiled") != "compiled":
             lines.append(
@@ -165,11 +172,15 @@ def format_search(doc: dict[str, Any], rows: int = 10) -> str:
 
 
 def winner_yaml(doc: dict[str, Any]) -> str:
-    """The winner's overrides as a nested YAML mapping ('' when nothing fits)."""
+    """The winner's overrides as a nested YAML mapping ('' when nothing fits), with the `lora:`
+    section it was planned with."""
     w = doc["winner"]
     if w is None:
         return ""
+    lo = doc.get("lora")
     tree: dict[str, Any] = {}
+    if lo:
+        tree["lora"] = {k: lo[k] for k in ("rank", "alpha", "rslora", "dropout", "targets")}
     for o in w["overrides"]:
         key, value = o.split("=", 1)
         *parents, leaf = key.split(".")

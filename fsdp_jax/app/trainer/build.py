@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -38,6 +39,17 @@ def lora_spec(cfg) -> LoraSpec | None:
     return spec_from_config(cfg.lora)
 
 
+def lora_dropout(cfg) -> bool:
+    """Does the run drop out its adapters' input (a `lora:` section with dropout > 0)?"""
+    return bool(cfg.lora.rank and cfg.lora.dropout)
+
+
+def dropout_key(cfg) -> jax.Array:
+    """The run key of the adapters' dropout: the seed's key folded with 1 (its own stream,
+    apart from the init's); step s draws from `fold_in(this, s)` (`fsdp_jax.model.variables`)."""
+    return jax.random.fold_in(jax.random.key(cfg.train.seed), 1)
+
+
 def lora_optimizer(optimizer: optax.GradientTransformation) -> optax.GradientTransformation:
     """`optimizer` with state for the adapters only (`optax.masked`: none for the frozen base)."""
     return optax.masked(optimizer, adapter_mask)
@@ -51,26 +63,38 @@ def token_loss(logits, targets, weights) -> TokenSum:
     return TokenSum((losses * w).sum(), w.sum())
 
 
-def make_loss_fn(model: ModelFns, model_cfg: LlamaConfig | None = None) -> Callable:
+def make_loss_fn(model: ModelFns, model_cfg: LlamaConfig | None = None, dropout: bool = False) -> Callable:
     """Next-token cross-entropy on int32 tokens (B, S + 1) (the mean), or on a packed /
     document-masked batch dict (`fsdp_jax.app.data.packing.batch_from_rows`): attention and
     positions per segment, the loss over the weighted targets of the global batch.
     A mixture-of-experts `model_cfg`: plus the router terms (`router_metrics`), and the
-    loss returns `(loss, router aux)` (build with `has_aux=True`: `has_router_aux`)."""
-    if has_router_aux(model_cfg):
-        return _moe_loss_fn(model, model_cfg)
+    loss returns `(loss, router aux)` (build with `has_aux=True`: `has_router_aux`).
+    `dropout` (the adapters', `lora_dropout`): the step's extended call
+    `loss_fn(params, batch, state=, rng=, train=)`, the step's key as the decoder's
+    `dropout_key` when training (eval: none); build with `rng=dropout_key(cfg)`."""
+    body = _moe_loss_fn(model, model_cfg) if has_router_aux(model_cfg) else _dense_loss_fn(model)
+    if not dropout:
+        return lambda params, batch: body(params, batch, None)
 
-    def loss_fn(params, batch):
+    def loss_fn(params, batch, state=None, rng=None, train=True):
+        return body(params, batch, rng if train else None)
+
+    return loss_fn
+
+
+def _dense_loss_fn(model: ModelFns) -> Callable:
+    def loss_fn(params, batch, key):
+        kw = {} if key is None else {"dropout_key": key}
         n = context_size()  # > 1: every (B, S) array in zig-zag order (fsdp_jax.sharding.context)
         if isinstance(batch, dict):
             b = zigzag({k: batch[k] for k in ("inputs", "segment_ids", "positions", "targets", "weights")}, n)
-            logits = model.apply(params, b["inputs"], b["segment_ids"], b["positions"])
+            logits = model.apply(params, b["inputs"], b["segment_ids"], b["positions"], **kw)
             return token_loss(logits, b["targets"], b["weights"])
         if n == 1:
-            return cross_entropy(model.apply(params, batch[:, :-1]), batch[:, 1:])
+            return cross_entropy(model.apply(params, batch[:, :-1], **kw), batch[:, 1:])
         positions = jnp.broadcast_to(jnp.arange(batch.shape[1] - 1, dtype=jnp.int32), batch[:, 1:].shape)
         inputs, targets, positions = zigzag((batch[:, :-1], batch[:, 1:], positions), n)
-        return cross_entropy(model.apply(params, inputs, None, positions), targets)
+        return cross_entropy(model.apply(params, inputs, None, positions, **kw), targets)
 
     return loss_fn
 
@@ -80,7 +104,8 @@ def has_router_aux(model_cfg: LlamaConfig | None) -> bool:
 
 
 def _moe_loss_fn(model: ModelFns, cfg: LlamaConfig) -> Callable:
-    def loss_fn(params, batch):
+    def loss_fn(params, batch, key):
+        kw = {} if key is None else {"dropout_key": key}
         if isinstance(batch, dict):  # packed rows: the router sees the real tokens only
             logits, stats = model.apply(
                 params,
@@ -89,11 +114,12 @@ def _moe_loss_fn(model: ModelFns, cfg: LlamaConfig) -> Callable:
                 batch["positions"],
                 router=True,
                 token_mask=batch["segment_ids"] > 0,
+                **kw,
             )
             extra, aux = router_terms(cfg, stats)
             ts = token_loss(logits, batch["targets"], batch["weights"])
             return TokenSum(ts.total + extra * ts.count, ts.count), aux
-        logits, stats = model.apply(params, batch[:, :-1], router=True)
+        logits, stats = model.apply(params, batch[:, :-1], router=True, **kw)
         extra, aux = router_terms(cfg, stats)
         return cross_entropy(logits, batch[:, 1:]) + extra, aux
 
@@ -114,9 +140,13 @@ def build_from_config(
     """`fsdp_jax.train.build.build` with the run config's mesh rules, step and precision
     options. `strategy` defaults to `cfg.mesh.strategy`, `loss_fn` to `make_loss_fn(model)`,
     `max_replicated_fraction` to the config's (None: not enforced, as the planner wants);
-    `step_options` go to `make_train_step` on top of the config's."""
+    `step_options` go to `make_train_step` on top of the config's. Adapter dropout: the
+    step's run key is `dropout_key(cfg)` (a `loss_fn` given must be `make_loss_fn(...,
+    dropout=True)`'s)."""
     if lora_spec(cfg) is not None:  # only the adapters train (the optimizer is `lora_optimizer`'s)
         step_options.setdefault("trainable", adapter_mask)
+    if lora_dropout(cfg):
+        step_options.setdefault("rng", dropout_key(cfg))
     if max_replicated_fraction is _UNSET:
         max_replicated_fraction = cfg.mesh.max_replicated_fraction
     return build(
@@ -124,7 +154,7 @@ def build_from_config(
         optimizer,
         mesh,
         strategy or cfg.mesh.strategy,
-        loss_fn=make_loss_fn(model, cfg.model) if loss_fn is None else loss_fn,
+        loss_fn=make_loss_fn(model, cfg.model, lora_dropout(cfg)) if loss_fn is None else loss_fn,
         has_aux=has_router_aux(cfg.model),
         rules=cfg.mesh.rules,
         min_shard_size=cfg.mesh.min_shard_size,

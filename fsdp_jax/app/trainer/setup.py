@@ -32,7 +32,14 @@ from fsdp_jax.app.data import corpus as data_lib
 from fsdp_jax.app.data.token_check import check_corpus_vocab
 from fsdp_jax.app.hf import load as hf
 from fsdp_jax.app.trainer import lora_state
-from fsdp_jax.app.trainer.build import build_from_config, lora_optimizer, lora_spec, make_loss_fn, trainer_model
+from fsdp_jax.app.trainer.build import (
+    build_from_config,
+    lora_dropout,
+    lora_optimizer,
+    lora_spec,
+    make_loss_fn,
+    trainer_model,
+)
 from fsdp_jax.app.trainer.optim import build_optimizer
 from fsdp_jax.app.trainer.run_dir import check_dir_path
 from fsdp_jax.checkpoint import Checkpointer, Restored, latest_step, load_init_params, open_safetensors
@@ -192,7 +199,7 @@ def _model(p: _Draft) -> None:
     p.optimizer, p.schedule = build_optimizer(cfg.optimizer, cfg.train.steps)
     if lora_spec(cfg) is not None:
         p.optimizer = lora_optimizer(p.optimizer)
-    p.loss_fn = make_loss_fn(p.model, cfg.model)
+    p.loss_fn = make_loss_fn(p.model, cfg.model, lora_dropout(cfg))
 
 
 def _mesh(p: _Draft) -> None:
