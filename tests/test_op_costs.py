@@ -264,3 +264,34 @@ def test_a_dilated_tpu_convolution_counts_only_real_products():
     (op,) = op_inventory(_module(entry))
     # 2 x 4 (batch x heads) independent 128 x 128 x 64 products: 2 x 8 x 128 x 128 x 64 FLOPs
     assert op["kind"] == "gemm" and op["flops"] == 2 * 8 * 128 * 128 * 64
+
+
+@pytest.mark.parametrize("part, matmuls", [("fwd", 2), ("dq", 3), ("dkv", 4)])
+def test_a_splash_kernel_is_causal_attention_at_the_tpu_gemm_rate(part, matmuls):
+    """A Pallas splash-attention call as XLA:TPU writes it (the kernel in the instruction name,
+    q (b, kv heads, q per kv head, s, d) and k (b, kv heads, s, d) in its operand layouts):
+    `matmuls` products of 2 b h s^2 d FLOPs, half of them under the causal mask, at the TPU
+    table's GEMM rate (no splash throughput is published)."""
+    line = (
+        f"  %splash_mqa_{part}_segmented_residuals.3 = (bf16[4,8,8,4096,128]{{4,3,2,1,0}}, f32[4,8,512,128]{{3,2,1,0}}) "
+        'custom-call(%p0, %p1), custom_call_target="tpu_custom_call", operand_layout_constraints={s8[1,8,8]{2,1,0}, '
+        "s8[1,8,8]{2,1,0}, bf16[4,8,8,4096,128]{4,3,2,1,0}, bf16[4,8,4096,128]{3,2,1,0}, bf16[4,8,4096,128]{3,2,1,0}, "
+        's32[4,8,4096]{2,1,0}}, backend_config={"custom_call_config":{"body":"x"}}\n'
+        "  ROOT %r = bf16[4096,4096]{1,0} copy(%p0)\n"
+    )
+    att = next(o for o in op_inventory(_module(line)) if o["kind"] == "attention")
+    assert (att["kernel"], att["part"], att["b"], att["h"], att["sq"], att["skv"], att["d"]) == (
+        "splash",
+        part,
+        4,
+        64,
+        4096,
+        4096,
+        128,
+    )
+    assert att["direction"] == ("fwd" if part == "fwd" else "bwd") and att["causal"]
+    assert att["flops"] == matmuls * 2 * 4 * 64 * 4096 * 4096 * 128 / 2
+    tpu = perf_table("v5p")
+    rate = tpu["peak_flops"]["bf16"] * tpu["gemm"]["max_efficiency"]
+    assert op_costs.op_seconds(att, tpu) == pytest.approx(att["flops"] / rate + tpu["hbm"]["launch_s"], rel=1e-12)
+    assert op_costs.category(att) == "attention"

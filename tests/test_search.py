@@ -324,7 +324,8 @@ def test_recompute_per_remat_policy_by_hand(cfg):
     with_remat = lambda r: dataclasses.replace(cfg, remat=r)  # noqa: E731
     dots, saved = (predict_step(with_remat(r), "h100", 8, res) for r in ("dots", "save_attn_mlp_out"))
     tokens = s * cfg.train.global_batch / 8
-    extra = tokens * got["save_attn_mlp_out"] / (989e12 * step_time.GEMM_EFFICIENCY)
+    k = step_time.roofline_constants("h100")  # the op-by-op model's table: 989 TFLOP/s x 0.586
+    extra = tokens * got["save_attn_mlp_out"] / (k["peak"] * k["efficiency"])
     assert saved["step_s"] - dots["step_s"] == pytest.approx(extra, rel=2e-3)
     res["analytic"]["transfer_per_step"] = 5 * 10**9
     host = predict_step(with_remat("dots"), "h100", 8, res)
@@ -334,12 +335,16 @@ def test_recompute_per_remat_policy_by_hand(cfg):
 
 def test_tpu_target_search_ranks_by_the_tpu_chip_prediction(cfg):
     """--search on a TPU target ranks by step_time's prediction with that chip's figures,
-    not H100's: hand-derived compute time at v5p's 459 TFLOP/s (x GEMM_EFFICIENCY), ICI
-    at 600 GB/s per direction; the ranking is by those tokens/s per chip. No compile (the
-    analytic pass alone), so no libtpu needed."""
+    not H100's: hand-derived compute time at v5p's 459 TFLOP/s (x the TPU table's GEMM
+    efficiency), ICI at 600 GB/s per direction (x its link efficiency); the ranking is by
+    those tokens/s per chip. No compile (the analytic pass alone), so no libtpu needed."""
     from fsdp_jax.app.planner.search_report import format_search
-    from fsdp_jax.app.planner.step_time import GEMM_EFFICIENCY, model_flops_per_token
+    from fsdp_jax.app.planner.step_time import model_flops_per_token
     from fsdp_jax.targets import gpu as targets
+    from fsdp_jax.targets.perf_tables import perf_table
+
+    t = perf_table("v5p")
+    eff, ici = t["gemm"]["max_efficiency"], t["links"]["fast"]["efficiency"]
 
     target = targets.make_target("v5p", devices=8)
     doc = se.search(cfg, 8, GRID, se.Limits(device_memory=10**12, max_compiles=0), target=target)
@@ -350,11 +355,11 @@ def test_tpu_target_search_ranks_by_the_tpu_chip_prediction(cfg):
     for c in doc["candidates"]:
         p = c["predicted"]
         recompute = (per_token - attn) / 3 + attn / 3 if c["remat"] == "full" else 0.0
-        assert p["compute_s"] == pytest.approx(tokens * (per_token + recompute) / (459e12 * GEMM_EFFICIENCY), rel=1e-3)
+        assert p["compute_s"] == pytest.approx(tokens * (per_token + recompute) / (459e12 * eff), rel=1e-3)
         wire = analytic_communication(candidate_config(cfg, c), c["strategy"], tuple(c["mesh"].values()), 1)[
             "total_wire_bytes"
         ]
-        assert p["comm_s"] == pytest.approx(wire / 600e9, rel=1e-3, abs=1e-9)
+        assert p["comm_s"] == pytest.approx(wire / (600e9 * ici), rel=1e-3, abs=1e-9)
         assert p["mfu"] == pytest.approx(tokens * per_token / p["step_s"] / 459e12, rel=2e-3)
     speeds = [c["predicted"]["tokens_per_s_per_gpu"] for c in doc["candidates"]]
     assert speeds == sorted(speeds, reverse=True)
@@ -403,3 +408,76 @@ def test_offload_candidates_compile_on_a_gpu_target(cfg):
     assert "offload candidates compile for the GPU target" in " ".join(doc["notes"])
     doc["winner"] = off
     assert "the target's compile of this step without offload" in format_search(doc)
+
+
+def _compiled_result(ops: list, peak: int = 10**6) -> dict:
+    """A target compile's result as `search_compile` returns it, with the program's ops."""
+    mem = {k: peak for k in ("argument", "temp", "peak", "device_peak")}
+    comm = {"all-gather": {"wire_bytes": 7 * 2**24, "cross_host_wire_bytes": 0}, "total_wire_bytes": 7 * 2**24}
+    return {
+        "compiled": mem,
+        "compile_s": 1.0,
+        "platform": "gpu",
+        "warnings": [],
+        "communication": comm,
+        "op_inventory": ops,
+    }
+
+
+def test_a_compiled_candidate_is_ranked_by_the_step_plan_reports(cfg):
+    """Once compiled for a target, a candidate's predicted step is `step_time.predict` over its
+    program's ops: the figure `plan --target` prints for that config (estimate.py predicts each
+    strategy so), not the roofline; the ranking follows it. Hand-built program: a GEMM of
+    4096^3 and an all-gather of 32 MB over 8 GPUs with nothing scheduled under it."""
+    from fsdp_jax.app.planner import step_time
+    from fsdp_jax.app.planner.search_rounds import apply_compiled
+    from fsdp_jax.hlo.costs import op_inventory
+
+    hlo = (
+        "HloModule m, is_scheduled=true\n\nENTRY %main (p0: bf16[4096,4096], p1: bf16[4096,4096]) -> bf16[32768,4096] {\n"
+        "  %p0 = bf16[4096,4096]{1,0} parameter(0)\n  %p1 = bf16[4096,4096]{1,0} parameter(1)\n"
+        "  %dot.1 = bf16[4096,4096]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}\n"
+        "  %ag = bf16[32768,4096]{1,0} all-gather-start(%dot.1), channel_id=1, replica_groups=[1,8]<=[8], "
+        "dimensions={0}, use_global_device_ids=true\n"
+        "  ROOT %agd = bf16[32768,4096]{1,0} all-gather-done(%ag)\n}\n"
+    )
+    ops = op_inventory(hlo, [0] * 8)
+    assert {o["kind"] for o in ops} == {"gemm", "collective"}
+    cands = _cands(cfg, se.Limits(device_memory=10**12))
+    first, second = se.rank(cands)[:2]
+    analytic = dict(first["predicted"])
+    assert analytic["model"] == "roofline"
+    r = _compiled_result(ops)
+    apply_compiled(cfg, first, r, se.Limits(device_memory=10**12), 8, "h100")
+    plan_says = step_time.predict(candidate_config(cfg, first), "h100", 8, r)  # estimate.py: plan's figure
+    assert plan_says["model"] == "ops"
+    p = first["predicted"]
+    assert p["source"] == "compiled" and p["model"] == "ops"
+    assert p["step_s"] == plan_says["step_s"] and p["breakdown"] == plan_says["breakdown"]
+    assert p["tokens_per_s_per_gpu"] == plan_says["tokens_per_s_per_gpu"]
+    # the exposed gather makes the compiled step slower than the roofline's: it drops below the second
+    assert p["step_s"] > analytic["step_s"] and p["breakdown"]["exposed_comm"] > 0
+    if p["tokens_per_s_per_gpu"] < second["predicted"]["tokens_per_s_per_gpu"]:
+        assert se.rank(cands).index(first) > se.rank(cands).index(second)
+
+
+@pytest.mark.slow
+def test_search_on_a_gpu_target_reports_plans_own_prediction(cfg, capsys):
+    """End to end on 8 x H100 (deviceless XLA:GPU): the search's compiled winner carries the
+    same predicted step as `plan --target h100` for the winner's overrides."""
+    from fsdp_jax.targets import gpu as targets
+
+    assert targets.plugin_installed(), f"run `{INSTALL_HINT}` (the CUDA compile-only plugin)"
+    space = se.SearchSpace(strategies=("full_shard",), remats=("none",), microbatches=(1,), offloads=("none",))
+    doc = se.search(cfg, 8, space, se.Limits(device_memory=10**12, top=1), target=targets.make_target("h100", 8))
+    w = doc["winner"]
+    assert w["compiled"] is not None and w["predicted"]["source"] == "compiled" and w["predicted"]["model"] == "ops"
+    over = [o for o in w["overrides"] if not o.startswith("mesh.strategy=")]
+    rc, out, err = call(
+        "plan.py", "--config", TINY_YAML, "--target", "h100", "--devices", "8", "--strategies", "full_shard",
+        "--json", *SMALL, *over, capsys=capsys,
+    )  # fmt: skip
+    assert rc == 0, err[-2000:]
+    planned = json.loads(out)["strategies"]["full_shard"]["predicted"]
+    assert w["predicted"]["step_s"] == pytest.approx(planned["step_s"], rel=1e-3)
+    assert w["predicted"]["breakdown"] == pytest.approx(planned["breakdown"], rel=1e-3, abs=1e-9)

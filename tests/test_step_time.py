@@ -1,4 +1,5 @@
-"""The planner's step-time roofline (fsdp_jax.app.planner.step_time) against hand-derived figures."""
+"""The planner's step-time roofline (fsdp_jax.app.planner.step_time) against hand-derived
+figures: the constants are the op-by-op model's table (fsdp_jax/targets/perf_tables.json)."""
 
 from pathlib import Path
 
@@ -10,8 +11,12 @@ from flax import nnx
 from fsdp_jax.app.config.parse import load_config
 from fsdp_jax.app.models.llama import Llama
 from fsdp_jax.app.planner import step_time
+from fsdp_jax.targets.perf_tables import perf_table
 
 ROOT = Path(__file__).resolve().parents[1]
+H100 = perf_table("h100")
+PEAK_EFF = H100["peak_flops"]["bf16"] * H100["gemm"]["max_efficiency"]  # 989 TFLOP/s x 0.586
+HBM = H100["hbm"]["bytes_per_s"] * H100["hbm"]["efficiency"]  # 3.35 TB/s x 0.9
 
 
 def _cfg(*overrides):
@@ -44,8 +49,8 @@ def test_compute_bound_step_is_compute_plus_update():
     p = step_time.predict(cfg, "h100", 8, {"analytic": a, "communication": {"total_wire_bytes": 0}})
     tokens = 16 * cfg.data.seq_len / 8
     per_token, _ = step_time.model_flops_per_token(cfg.model, cfg.data.seq_len)
-    compute = tokens * per_token / (989e12 * step_time.GEMM_EFFICIENCY)
-    update = (8e9 + 2 * 20e9) / 3.35e12
+    compute = tokens * per_token / PEAK_EFF
+    update = (8e9 + 2 * 20e9) / HBM
     assert p["step_s"] == pytest.approx(compute + update, abs=1e-4)
     assert p["tokens_per_s_per_gpu"] == pytest.approx(tokens / p["step_s"], rel=1e-3)
     assert p["mfu"] == pytest.approx(p["tflops_per_gpu"] * 1e12 / 989e12, rel=1e-2)
@@ -62,5 +67,6 @@ def test_cross_host_bytes_go_over_the_network():
     a = {"grads": 0, "params": 0, "optimizer": 0}
     com = {"all-gather": {"wire_bytes": 100e9, "cross_host_wire_bytes": 50e9}, "total_wire_bytes": 100e9}
     p = step_time.predict(cfg, "h100", 16, {"analytic": a, "communication": com})
-    assert p["comm_s"] == pytest.approx(50e9 / 450e9 + 50e9 / 50e9, rel=1e-3)
+    fast, slow = (H100["links"][k]["bus_bytes_per_s"] for k in ("fast", "slow"))  # NVLink 360, NIC 45 GB/s
+    assert p["comm_s"] == pytest.approx(50e9 / fast + 50e9 / slow, rel=1e-3)
     assert p["bound"] == "communication" and p["step_s"] == pytest.approx(p["comm_s"], rel=1e-3)

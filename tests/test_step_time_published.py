@@ -80,7 +80,7 @@ def test_explain_time_without_a_target_is_one_line(capsys):
     one_line(rc, err, "--explain-time", "--target")
 
 
-H100_ROWS = (0, 1, 4, 6)  # MaxText 7B 1, 2 and 16 x A3, torchtitan 8B (the v5p row compiles for minutes)
+H100_ROWS = (0, 1, 4, 7)  # MaxText 7B 1, 2 and 16 x A3, torchtitan 8B (the TPU rows compile for minutes)
 
 
 @slow
@@ -98,6 +98,21 @@ def test_published_runs_within_tolerance():
         if r["role"] == "bound":  # another framework on slower H100s: the prediction is an upper bound
             assert r["predicted"] >= r["published"], r
     assert {PUBLISHED_RUNS[i].role for i in H100_ROWS} == {"fit", "check", "bound"}
+
+
+TPU_ROWS = (5, 6)  # MaxText 70B on v5p and v6e: 6-15 minutes of XLA:TPU compile each on 2 shared cores
+
+
+@slow
+def test_tpu_published_runs_within_tolerance():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from step_time_published import evaluate
+
+    from fsdp_jax.app.planner.published import PUBLISHED_RUNS, TOLERANCE
+
+    assert {PUBLISHED_RUNS[i].cost_target for i in TPU_ROWS} == {"v5p", "v6e"}
+    rows = evaluate(TPU_ROWS)
+    assert all(abs(r["error"]) <= TOLERANCE for r in rows), [(r["run"], r["error"]) for r in rows]
 
 
 def test_every_published_run_is_a_valid_plan_command_with_a_source():

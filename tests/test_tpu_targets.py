@@ -258,9 +258,14 @@ def _tpu_cfg(*overrides):
 
 
 def test_tpu_prediction_is_the_gpu_roofline_with_the_chips_figures():
-    """Hand-derived: v5p, compute at GEMM_EFFICIENCY of 459 TFLOP/s, ICI traffic at 600 GB/s
-    per direction, cross-slice traffic at 50 Gbps, the update over 2765 GB/s of HBM."""
+    """Hand-derived: v5p, compute at the TPU table's GEMM efficiency of 459 TFLOP/s, ICI
+    traffic at 600 GB/s per direction and cross-slice traffic at 50 Gbps (each at the table's
+    link efficiency), the update over 2765 GB/s of HBM (at its HBM efficiency)."""
     from fsdp_jax.app.planner import step_time
+    from fsdp_jax.targets.perf_tables import perf_table
+
+    t = perf_table("v5p")
+    eff, ici, dcn = t["gemm"]["max_efficiency"], t["links"]["fast"]["efficiency"], t["links"]["slow"]["efficiency"]
 
     cfg = _tpu_cfg("train.global_batch=16", "remat=dots")
     a = {"grads": 8 * 10**9, "params": 4 * 10**9, "optimizer": 16 * 10**9}
@@ -272,9 +277,9 @@ def test_tpu_prediction_is_the_gpu_roofline_with_the_chips_figures():
     p = step_time.predict(cfg, "v5p", 8, {"analytic": a, "communication": com})
     tokens = 16 * cfg.data.seq_len / 8
     per_token, _ = step_time.model_flops_per_token(cfg.model, cfg.data.seq_len)
-    compute = tokens * per_token / (459e12 * step_time.GEMM_EFFICIENCY)
-    comm = 30e9 / 600e9 + 1e9 / 6.25e9
-    update = (8e9 + 2 * 20e9) / 2765e9
+    compute = tokens * per_token / (459e12 * eff)
+    comm = 30e9 / (600e9 * ici) + 1e9 / (6.25e9 * dcn)
+    update = (8e9 + 2 * 20e9) / (2765e9 * t["hbm"]["efficiency"])
     assert p["compute_s"] == pytest.approx(compute, rel=1e-3)
     assert p["comm_s"] == pytest.approx(comm, rel=1e-3)
     assert p["step_s"] == pytest.approx(max(compute, comm) + update, rel=1e-3)
@@ -283,7 +288,7 @@ def test_tpu_prediction_is_the_gpu_roofline_with_the_chips_figures():
     assert step_time.predict(cfg, "v6e", 8, {"analytic": a, "communication": com}) is None
     com_ici = {"all-gather": com["all-gather"], "total_wire_bytes": 30e9}
     assert step_time.predict(cfg, "v6e", 8, {"analytic": a, "communication": com_ici})["comm_s"] == pytest.approx(
-        30e9 / 400e9, rel=1e-3
+        30e9 / (400e9 * ici), rel=1e-3
     )
 
 

@@ -14,7 +14,9 @@ instructions of fused computations are read only to describe their fusion. Each 
   `bytes` (operands + result);
 - `attention`: a cuDNN flash-attention custom call: `direction` (fwd / bwd), `b`, `h`, `sq`,
   `skv`, `d`, `causal`, `flops` (4 b h sq skv d forward, 2.5x that backward, halved when causal:
-  FlashAttention's count);
+  FlashAttention's count); or a Pallas splash-attention kernel on TPU (`kernel` "splash",
+  `part` fwd / dq / dkv: 2, 3 and 4 matmuls of 2 b h sq skv d FLOPs, halved: causal, as
+  `fsdp_jax.app.models.splash` builds it);
 - `memory`: any other fusion or data op: `bytes` read + written (a fused parameter read only
   through a dynamic-slice counts the slice; an in-place dynamic-update-slice root counts the
   update, not the whole buffer);
@@ -51,6 +53,10 @@ _JSON_DIMS_RE = {
 }
 _CALLS_RE = re.compile(r"\bcalls=%?([\w.\-]+)")
 _TARGET_RE = re.compile(r'custom_call_target="([^"]+)"')
+_SPLASH_RE = re.compile(r"^\s*(?:ROOT\s+)?%?splash_\w*?_(fwd|dq|dkv)[_.]")
+_LAYOUTS_RE = re.compile(r"operand_layout_constraints=\{(.*)")
+_FLOAT_ARRAY_RE = re.compile(r"\b(?:bf16|f16|f32)\[([\d,]+)\]")
+SPLASH_MATMULS = {"fwd": 2, "dq": 3, "dkv": 4}  # fwd: q k^T, p v; dq: + do v^T, ds k; dkv: + p^T do, ds^T q
 _INTERMEDIATE_RE = re.compile(r'"intermediate_tensor_shape":\{"element_type":"\w+","dimensions":\[([^\]]*)\]')
 
 
@@ -249,6 +255,31 @@ def _attention(line: str, out_type: str) -> dict[str, Any] | None:
     }
 
 
+def _splash(line: str) -> dict[str, Any] | None:
+    """The shape and FLOPs of a splash-attention kernel call (None if not one): q and k are its
+    first two float operands of 4+ dims in `operand_layout_constraints`, (b, heads..., s, d)."""
+    part = _SPLASH_RE.match(line)
+    layouts = _LAYOUTS_RE.search(line)
+    arrays = [_index_list(m) for m in _FLOAT_ARRAY_RE.findall(layouts.group(1))] if layouts else []
+    q, k = ([a for a in arrays if len(a) >= 4] + [[], []])[:2]
+    if not part or not q or not k:
+        return None
+    b, h, sq, d, skv = q[0], math.prod(q[1:-2]), q[-2], q[-1], k[-2]
+    part = part.group(1)
+    return {
+        "kernel": "splash",
+        "part": part,
+        "direction": "fwd" if part == "fwd" else "bwd",
+        "b": b,
+        "h": h,
+        "sq": sq,
+        "skv": skv,
+        "d": d,
+        "causal": True,
+        "flops": SPLASH_MATMULS[part] * 2 * b * h * sq * skv * d * 0.5,
+    }
+
+
 def _classify(mod: _Module, op: str, type_str: str, line: str) -> dict[str, Any] | None:
     """A record's kind and cost fields for one instruction (None: free, or a collective)."""
     if op in FREE_OPS or op.endswith("-done") or op in COLLECTIVES or op.removesuffix("-start") in COLLECTIVES:
@@ -259,7 +290,7 @@ def _classify(mod: _Module, op: str, type_str: str, line: str) -> dict[str, Any]
         )
         return {"kind": "host" if host else "memory", "bytes": _nbytes(_shapes_first(type_str))}
     if op == "custom-call":
-        att = _attention(line, type_str)
+        att = _attention(line, type_str) or _splash(line)
         if att:
             return {"kind": "attention", **att}
         target = _TARGET_RE.search(line)

@@ -8,7 +8,9 @@ Costs (constants from `fsdp_jax/targets/perf_tables.json`, each with its source)
   a launch gap; wave quantization = the output tiles over the SMs' full waves (a 128 x 256
   tile per SM on H100), so a GEMM whose grid leaves SMs idle in its last wave runs slower;
 - cuDNN flash attention: its FLOPs at the published forward / backward throughput for its
-  sequence length (interpolated in log(seq));
+  sequence length (interpolated in log(seq)); on a table without attention figures (TPU: a
+  Pallas splash kernel), its FLOPs at the GEMM rate (peak x `gemm.max_efficiency`; an
+  assumption, no splash throughput is published);
 - any other fusion or data op: its bytes at HBM bandwidth x efficiency, + the launch gap;
 - a collective: latency + wire bytes / bus bandwidth of its link (within a host: NVLink, or
   ICI within a TPU slice; across hosts: the NIC, or DCN across slices), the wire bytes of a
@@ -70,6 +72,8 @@ def op_seconds(op: dict[str, Any], t: dict[str, Any]) -> float:
         return max(op["flops"] / (peak * eff), op["bytes"] / _hbm(t)) + launch
     if kind == "attention":
         a = t.get("attention")
+        if not a and op.get("kernel") == "splash":  # the MXU at the GEMM rate (module docstring)
+            return op["flops"] / (t["peak_flops"]["bf16"] * t["gemm"]["max_efficiency"]) + launch
         if not a:
             raise ValueError(f"no attention throughput for this target (a {op['direction']} custom call)")
         thr = _interp_log(op["sq"], a["seq"], a["fwd_flops" if op["direction"] == "fwd" else "bwd_flops"])

@@ -9,8 +9,9 @@ and host offload (and, when asked, batch and sequence length), cheap first.
 2. Analytic pass (no compile): the memory model (`memory_model.analytic_memory`) on the
    trainer's abstract step, built once per strategy x offload (the variable terms,
    activations, batch and the microbatch accumulator, come from each candidate's config),
-   and a predicted step time (`step_time.predict` over the analytic collective bytes
-   below, plus the host<->device transfers of offload). Prune a candidate only when even
+   and a predicted step time (`step_time.predict_roofline` over the analytic collective
+   bytes below, with the op-by-op model's table: its peak x GEMM efficiency, links and HBM;
+   plus the remat recompute and the host<->device transfers of offload). Prune a candidate only when even
    the analytic model's largest measured overestimate (`ANALYTIC_OVER`) cannot bring it
    under the budget (device memory minus headroom; params, optimizer state and batch are
    exact, only the transient rest carries that error: `lower_bound`), so no candidate whose
@@ -23,7 +24,8 @@ and host offload (and, when asked, batch and sequence length), cheap first.
    best-ranked just over the edge), all in one child process sharing XLA:GPU's kernel
    cache (on CPU, in this process with the persistent compilation cache). A compiled
    candidate fits when its compiled device peak is within the budget; its prediction is
-   then redone over the compiled program's own collective bytes. Another round follows
+   then redone op by op from the compiled program (`step_time.predict_ops`: the step `plan
+   --target` reports for the same config). Another round follows
    while an uncompiled candidate still ranks above the best verified fit, up to
    `Limits.max_compiles` compiles in all.
 

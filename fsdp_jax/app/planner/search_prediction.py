@@ -73,28 +73,25 @@ def recompute_flops_per_token(model, seq_len: int, remat: str) -> float:
 
 
 def predict_step(cfg, target_name: str, n_devices: int, result: dict[str, Any]) -> dict[str, Any] | None:
-    """`step_time.predict` plus what it leaves out (for the roofline; a prediction from the
-    compiled program's ops has its recompute already, and only the offload transfers a
-    compile-only GPU program leaves out are added): the recompute of remat policies other
-    than `full` (`recompute_flops_per_token`, at the same GEMM efficiency) and the offload
-    transfers (`analytic.transfer_per_step` over HOST_LINK_BYTES_PER_S, not hidden: the
-    update waits for them). step = max(compute + recompute, comm) + update + host. `target_name`:
-    a GPU in step_time.SPECS or a TPU generation (its chip's figures, `step_time.peaks`); None
-    where step_time.predict has none (traffic over an unpublished network)."""
-    from fsdp_jax.app.planner.step_time import GEMM_EFFICIENCY, peaks, predict
+    """The candidate's predicted step: `step_time.predict` (op by op when `result` carries a
+    compiled program's `op_inventory`, the figure `plan --target` reports; else the roofline
+    with the same table's constants) plus what it leaves out: for the roofline, the recompute
+    of remat policies other than `full` (`recompute_flops_per_token`, at the table's peak x
+    GEMM efficiency); for both, the offload transfers of a program that moves nothing
+    (`analytic.transfer_per_step` over HOST_LINK_BYTES_PER_S, not hidden: the update waits
+    for them). Roofline: step = max(compute + recompute, comm) + update + host. `target_name`:
+    a GPU of the step-time table or a TPU generation; None where step_time.predict has none
+    (traffic over an unpublished network)."""
+    from fsdp_jax.app.planner.step_time import predict, roofline_constants
 
     p = predict(cfg, target_name, n_devices, result)
     if p is None:  # crosses a network whose bandwidth is unpublished
         return None
     tokens = cfg.data.seq_len * cfg.train.global_batch / n_devices
     ops = p.get("model") == "ops"  # from the compiled program: its recompute is in it already
-    extra_s = (
-        0.0
-        if ops
-        else tokens
-        * recompute_flops_per_token(cfg.model, cfg.data.seq_len, cfg.remat)
-        / (peaks(target_name)[0] * GEMM_EFFICIENCY)
-    )
+    k = roofline_constants(target_name)
+    recompute = recompute_flops_per_token(cfg.model, cfg.data.seq_len, cfg.remat)
+    extra_s = 0.0 if ops else tokens * recompute / (k["peak"] * k["efficiency"])
     # compile-only GPUs plan offload without host memory: the program moves nothing, add the formula's
     host_s = 0.0 if ops and p["host_s"] else result["analytic"].get("transfer_per_step", 0) / HOST_LINK_BYTES_PER_S
     g = lambda x: float(f"{x:.4g}")  # noqa: E731
@@ -122,9 +119,9 @@ def ranking_target(target) -> tuple[str, str | None]:
             "no GPU/TPU target: ranked by the analytic cost (the H100 roofline of step_time over "
             "analytic collective bytes), not a prediction for this machine"
         )
-    from fsdp_jax.app.planner.step_time import peaks
+    from fsdp_jax.app.planner.step_time import roofline_constants
 
-    if target.hosts > 1 and peaks(target.name)[2] is None:
+    if target.hosts > 1 and roofline_constants(target.name)["slow"] is None:
         return "h100", (
             f"{target.name} publishes no data-center network bandwidth and this target spans "
             f"{target.hosts} slices: ranked by the analytic cost (the H100 roofline), not a "

@@ -1,8 +1,8 @@
 """The search's ranking and compile rounds: candidates best first (`rank`), which to compile
 next (`pick_to_compile`: the best-ranked near the top and at the memory edge, until none
 ranks above the best verified fit), and each compile recorded (`apply_compiled`: the
-compiled device peak decides fits; a GPU/TPU compile's collective bytes redo the
-prediction). Compiling itself is `fsdp_jax.app.planner.search_compile`.
+compiled device peak decides fits; a GPU/TPU compile's program redoes the prediction op by
+op, as `plan --target` predicts it). Compiling itself is `fsdp_jax.app.planner.search_compile`.
 """
 
 from __future__ import annotations
@@ -68,8 +68,9 @@ def compile_rounds(
 
 
 def apply_compiled(cfg, c: dict, r: dict, limits: Limits, n_devices: int, gpu_name: str | None) -> None:
-    """Record a compile: the device peak decides fits; a GPU compile's collective bytes redo
-    the prediction."""
+    """Record a compile: the device peak decides fits; a GPU / TPU target's compiled program
+    redoes the prediction op by op (its `op_inventory`: the step `plan --target` reports for
+    the same config), or over its collective bytes where it carries no ops."""
     mem = r["compiled"]
     c["compiled"] = {k: mem[k] for k in ("argument", "temp", "peak", "device_peak")}
     c["compiled"].update(
@@ -88,7 +89,7 @@ def apply_compiled(cfg, c: dict, r: dict, limits: Limits, n_devices: int, gpu_na
             candidate_config(cfg, c),
             gpu_name,
             n_devices,
-            {"analytic": c["analytic"], "communication": r["communication"]},
+            {"analytic": c["analytic"], "communication": r["communication"], "op_inventory": r.get("op_inventory")},
         )
         if p is not None:
             c["predicted"] = {**p, "source": "compiled"}

@@ -13,14 +13,20 @@ Two models, one entry (`predict`):
   outside forward and backward), host (transfers), exposed_comm and "exposed <kind>".
   Held against published runs in `fsdp_jax.app.planner.published` (docs/step_time.md).
 - `predict_roofline`, for results without a program (the search's analytic candidates,
-  hand-built results): the earlier roofline below.
+  hand-built results): a roofline with the same table's constants (`roofline_constants`).
 
 The roofline: the model's FLOPs from its shape (PaLM's count: 6 x matmul params + 12 x
-layers x d_attn x seq per token; `remat: full` adds the recomputed forward) at
-`GEMM_EFFICIENCY` of the dense peak (an assumption), the compiled program's collective bytes
-over NVLink / the NIC (ICI / DCN on TPU, `fsdp_jax.targets.tpu.TPU_SPECS`), assumed hidden
-up to the compute time, and the optimizer update's state traffic over HBM:
-step = max(compute, communication) + update. MFU is model FLOPs (no recompute) / (step x peak).
+layers x d_attn x seq per token; `remat: full` adds the recomputed forward) at the table's
+dense bf16 peak x GEMM efficiency (`gemm.max_efficiency`), the collective bytes over the
+table's fast link (NVLink; ICI on TPU) and slow network (the NIC; DCN), assumed hidden up to
+the compute time, and the optimizer update's state traffic at the table's HBM bandwidth x
+efficiency: step = max(compute, communication) + update. It leaves out what only a program
+shows (memory-bound fusions, exposed collectives, wave quantization, kernel launches), so for
+the same plan it mostly predicts a shorter step than `predict_ops` (not always: it costs
+attention as dense matmuls, where the op walk costs a causal flash kernel at its own
+throughput); the search ranks by it only until a candidate is compiled, and compiles the
+candidates ranked above the best compiled fit next. MFU is model FLOPs (no recompute) /
+(step x peak).
 """
 
 from __future__ import annotations
@@ -28,17 +34,6 @@ from __future__ import annotations
 from typing import Any
 
 from fsdp_jax.app.models.lora import spec_from_config
-
-# name -> (dense bf16 FLOP/s, NVLink bytes/s per GPU per direction, network bytes/s per GPU)
-# H100/H200 SXM: 989 TFLOP/s, NVLink 4 900 GB/s bidirectional, one 400 Gb/s NIC per GPU;
-# A100 SXM: 312 TFLOP/s, NVLink 3 600 GB/s, one 200 Gb/s NIC per GPU.
-SPECS: dict[str, tuple[float, float, float]] = {
-    "h100": (989e12, 450e9, 50e9),
-    "h200": (989e12, 450e9, 50e9),
-    "a100": (312e12, 300e9, 25e9),
-}
-GEMM_EFFICIENCY = 0.75
-HBM_BYTES_PER_S = {"h100": 3.35e12, "h200": 4.8e12, "a100": 2.04e12}
 
 
 def model_flops_per_token(model, seq_len: int, lora=None) -> tuple[float, float]:
@@ -58,17 +53,23 @@ def model_flops_per_token(model, seq_len: int, lora=None) -> tuple[float, float]
     return 6 * matmul + attn, attn
 
 
-def peaks(target: str) -> tuple[float, float, float | None, float]:
-    """(dense bf16 FLOP/s, fast-link bytes/s sent per device, slow-network bytes/s per
-    device or None, HBM bytes/s) of one device of `target`: a GPU in SPECS (NVLink within a
-    host, the NIC across hosts) or a TPU generation (ICI within a slice, the data-center
-    network across slices; `fsdp_jax.targets.tpu.device_peaks`, the Cloud TPU pages' figures)."""
-    if target in SPECS:
-        return (*SPECS[target], HBM_BYTES_PER_S[target])
-    from fsdp_jax.targets.tpu import device_peaks
+def roofline_constants(target: str) -> dict[str, float | None]:
+    """The roofline's constants for `target` (a GPU in `fsdp_jax/targets/perf_tables.json` or
+    a TPU generation / slice name), from the table the op-by-op model costs with: `peak` (dense
+    bf16 FLOP/s), `efficiency` (its `gemm.max_efficiency`), `fast` and `slow` (bus bytes/s of
+    the link within a host / slice and of the network across them; `slow` None where
+    unpublished), `hbm` (bytes/s reached: bandwidth x efficiency). Raises ValueError for a
+    target the table has no figures for."""
+    from fsdp_jax.targets.perf_tables import perf_table
 
-    p = device_peaks(target)
-    return p["flops"], p["fast"], p["slow"], p["hbm"]
+    t = perf_table(target)
+    return {
+        "peak": t["peak_flops"]["bf16"],
+        "efficiency": t["gemm"]["max_efficiency"],
+        "fast": t["links"]["fast"]["bus_bytes_per_s"],
+        "slow": t["links"]["slow"].get("bus_bytes_per_s"),
+        "hbm": t["hbm"]["bytes_per_s"] * t["hbm"]["efficiency"],
+    }
 
 
 BAND = 0.15  # the tolerance the op walk is held to against published runs (docs/step_time.md)
@@ -143,34 +144,35 @@ def _op_row(o: dict[str, Any], g) -> dict[str, Any]:
 
 def predict_roofline(cfg, target: str, n_devices: int, result: dict[str, Any]) -> dict[str, Any] | None:
     """Predicted step time, tokens/s per device (GPU or TPU chip; a v4 core), TFLOP/s per
-    device and MFU for one strategy's planner result on `target` (a name in SPECS or a TPU
-    generation). None when the program crosses a network whose bandwidth is unpublished
-    (v4 and v6e slices over the data-center network)."""
-    peak, nvlink, net, hbm = peaks(target)
+    device and MFU for one strategy's planner result on `target` (`roofline_constants`: the
+    op-by-op model's table). None when the program crosses a network whose bandwidth is
+    unpublished (v4 and v6e slices over the data-center network)."""
+    k = roofline_constants(target)
     seq, batch = cfg.data.seq_len, cfg.train.global_batch
     tokens = seq * batch / n_devices  # per device per step
     lora = spec_from_config(cfg.lora)
     per_token, attn = model_flops_per_token(cfg.model, seq, lora)
     forward = (model_flops_per_token(cfg.model, seq)[0] - attn) / 3 + attn / 3  # what full remat redoes
     recompute = {"full": forward}.get(cfg.remat, 0.0)  # one more forward
-    compute_s = tokens * (per_token + recompute) / (peak * GEMM_EFFICIENCY)
+    compute_s = tokens * (per_token + recompute) / (k["peak"] * k["efficiency"])
     com = result.get("communication") or {}
     total = com.get("total_wire_bytes", 0)
     cross = sum(e.get("cross_host_wire_bytes", 0) for e in com.values() if isinstance(e, dict))
-    if cross and net is None:
+    if cross and k["slow"] is None:
         return None
-    comm_s = (total - cross) / nvlink + (cross / net if cross else 0.0)
+    comm_s = (total - cross) / k["fast"] + (cross / k["slow"] if cross else 0.0)
     # the update reads grads, params and optimizer state and writes params and state
     a = result["analytic"]
-    update_s = (a["grads"] + 2 * (a.get("trainable", a["params"]) + a["optimizer"])) / hbm  # LoRA: adapters only
+    update_s = (a["grads"] + 2 * (a.get("trainable", a["params"]) + a["optimizer"])) / k["hbm"]  # LoRA: adapters
     step_s = max(compute_s, comm_s) + update_s
     model_flops = tokens * per_token
     g = lambda x: float(f"{x:.4g}")  # noqa: E731  (4 significant digits: tiny test steps too)
     return {
+        "model": "roofline",
         "step_s": g(step_s),
         "tokens_per_s_per_gpu": g(tokens / step_s),
         "tflops_per_gpu": g(model_flops / step_s / 1e12),
-        "mfu": g(model_flops / step_s / peak),
+        "mfu": g(model_flops / step_s / k["peak"]),
         "compute_s": g(compute_s),
         "comm_s": g(comm_s),
         "update_s": g(update_s),
@@ -190,8 +192,8 @@ def format_predictions(doc: dict[str, Any], explain: int = 0) -> list[str]:
         return _format_ops(rows, per, explain)
     lines = [
         "",
-        f"predicted step time (roofline over the compiled program's traffic; compute at "
-        f"{GEMM_EFFICIENCY:.0%} of the dense bf16 peak; fsdp_jax.app.planner.step_time):",
+        "predicted step time (roofline over the program's traffic, with the op-by-op model's "
+        "table: peak x GEMM efficiency, links, HBM; fsdp_jax.app.planner.step_time):",
     ]
     hdr = (
         f"{'strategy':<14}{'step s':>9}{'compute':>9}{'comm':>9}{'update':>9}{'tok/s/' + per:>11}"
