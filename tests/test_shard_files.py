@@ -194,3 +194,19 @@ def test_orbax_written_steps_restore_and_the_run_goes_on_in_shards(tmp_path):
     with pytest.raises(ValueError, match="payload: 'zarr' is not one of shards, orbax"):
         ck.Checkpointer(tmp_path / "d", payload="zarr")
     assert isinstance(fj.checkpoint.Checkpointer(tmp_path / "c", read_only=True), ck.Checkpointer)
+
+
+def test_a_donating_step_right_after_save_does_not_change_what_is_written(tmp_path):
+    """The next train step donates the state while the background write runs: the
+    checkpoint holds the values as they were at `save`."""
+    m = mesh(8)
+    big = np.arange(8 * 1024 * 256, dtype=np.float32).reshape(8 * 1024, 256)
+    state = {"w": jax.device_put(big, NamedSharding(m, P("fsdp")))}
+    step = jax.jit(lambda t: jax.tree.map(lambda x: x * 0 - 1, t), donate_argnums=0)
+    c = ck.Checkpointer(tmp_path / "c", keep=None)
+    c.save(1, state)
+    state = step(state)
+    jax.block_until_ready(state)
+    c.close()
+    np.testing.assert_array_equal(ck.Checkpointer(tmp_path / "c", read_only=True).read_leaf(1, "w"), big)
+    assert float(state["w"][0, 0]) == -1

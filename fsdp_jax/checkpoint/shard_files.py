@@ -21,7 +21,9 @@ target dtype. So a checkpoint written on 8 devices restores onto 4, a 2x4 mesh, 
 or into `pinned_host` memory; a process reads only the files its shards need.
 
 Offloaded leaves (memory kind `pinned_host`) are copied straight from host memory: their
-shards are already host buffers, and `np.asarray` of one never visits the device.
+shards are already host buffers, copied host to host (as a CPU device's are: `np.asarray`
+views those zero-copy, aliasing memory the next, donating, step may reuse while the
+background write runs); nothing goes to a device.
 """
 
 from __future__ import annotations
@@ -85,13 +87,28 @@ def host_shards(tree) -> tuple[list[Piece], dict[str, dict]]:
         meta[path] = {"shape": list(shape), "dtype": np.dtype(x.dtype).name}
         if shards is None:
             if jax.process_index() == 0:
-                pieces.append(Piece(path, f"{n:05d}.full", (0,) * len(shape), shape, np.ascontiguousarray(x)))
+                pieces.append(Piece(path, f"{n:05d}.full", (0,) * len(shape), shape, x))
             continue
         for s in shards:
             start, stop = _bounds(s.index, shape)
             name = f"{n:05d}." + ("_".join(map(str, start)) or "0")
-            pieces.append(Piece(path, name, start, stop, np.ascontiguousarray(np.asarray(s.data))))
-    return pieces, meta
+            pieces.append(Piece(path, name, start, stop, s.data))
+    with cf.ThreadPoolExecutor(WORKERS) as pool:
+        datas = list(pool.map(_host_copy, [p.data for p in pieces]))
+    return [p._replace(data=d) for p, d in zip(pieces, datas)], meta
+
+
+def _host_copy(x) -> np.ndarray:
+    """A host array of `x` that nothing else writes. A buffer already in host memory (a CPU
+    device's, or `pinned_host`) is viewed zero-copy by np.asarray, aliasing memory that the
+    next step (which donates the state) may reuse while the background write runs; it is
+    copied host to host, as Orbax does for CPU arrays."""
+    a = np.asarray(x)
+    if not isinstance(x, jax.Array):
+        return np.ascontiguousarray(a)
+    kind = getattr(x.sharding, "memory_kind", None) or ""
+    in_host_memory = "host" in kind or all(d.platform == "cpu" for d in x.devices())
+    return np.array(a, order="C", copy=True) if in_host_memory or not a.flags.c_contiguous else a
 
 
 def _bytes(a: np.ndarray) -> memoryview:
