@@ -46,7 +46,7 @@ def make_state():
     sh = NamedSharding(mesh, P("fsdp"))
     rows = GIB // 4 // 8 // 1024 // 8 * 8
     make = jax.jit(lambda k: jax.random.normal(k, (rows, 1024), jnp.float32), out_shardings=sh)
-    return {f"w{i}": make(jax.random.key(i)) for i in range(8)}
+    return jax.block_until_ready({f"w{i}": make(jax.random.key(i)) for i in range(8)})
 
 
 def timed(fn, nbytes: int) -> float:
@@ -156,6 +156,7 @@ def main() -> None:
     args = ap.parse_args()
     state = make_state()
     host_state = jax.device_put(state, jax.tree.map(lambda x: x.sharding.with_memory_kind("pinned_host"), state))
+    jax.block_until_ready(host_state)
     out: dict[str, list[float]] = {}
     for _ in range(args.reps):
         for k, v in one_rep(state, host_state, Path(args.dir).absolute(), args.orbax_handlers).items():

@@ -6,12 +6,12 @@
 
 A save writes, for every array leaf, one file per distinct shard (the replica with
 `replica_id == 0`, so a replicated leaf is written once over all processes): the shard's
-bytes in C order, no header, in large sequential writes (`CHUNK`), CRC-32 computed over the
-same bytes as they are written, one `fsync` per file, then the written pages dropped from
-the page cache (`POSIX_FADV_DONTNEED`: a 1 TB state must not evict the training data, and a
-restore reads the disk, not a copy in memory). Each process writes `shards.<process>.json`
+bytes in C order, no header, past the page cache where the file system allows
+(`direct_io`: O_DIRECT, as `dd oflag=direct`, in 64 MiB writes), CRC-32 computed over the
+same bytes as they are written, one `fsync` per file. Each process writes `shards.<process>.json`
 beside them: per leaf (by `manifest.tree_paths` name) its global shape and dtype, and per
-file the shard's index ranges (`start`, `stop` per dim), its bytes and CRC-32. No pickle.
+file the shard's index ranges (`start`, `stop` per dim), the data's `offset` in the file
+(`direct_io`'s pad), the file's bytes and its CRC-32. No pickle.
 
 A restore builds each target leaf with `jax.make_array_from_callback`: the files that
 overlap this process's shards of the target sharding are read whole (in parallel), their
@@ -20,29 +20,26 @@ which the Checkpointer treats as a damaged step), and the needed slices cut out,
 target dtype. So a checkpoint written on 8 devices restores onto 4, a 2x4 mesh, one device,
 or into `pinned_host` memory; a process reads only the files its shards need.
 
-Offloaded leaves (memory kind `pinned_host`) are copied straight from host memory: their
-shards are already host buffers, copied host to host (as a CPU device's are: `np.asarray`
-views those zero-copy, aliasing memory the next, donating, step may reuse while the
-background write runs); nothing goes to a device.
+Offloaded leaves (memory kind `pinned_host`) are written straight from host memory: their
+shards are already host buffers, which `np.asarray` views without a copy; nothing goes to a
+device.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import json
-import math
 import os
-import zlib
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
+from fsdp_jax.checkpoint import direct_io
 from fsdp_jax.checkpoint.manifest import SHARD_INDEX_GLOB as INDEX_GLOB
 from fsdp_jax.checkpoint.manifest import tree_paths
 
-CHUNK = 64 << 20  # bytes per write / read call
 WORKERS = 8  # files written / read at once (zlib and file I/O release the GIL)
 INDEX = "shards.{}.json"
 
@@ -99,38 +96,15 @@ def host_shards(tree) -> tuple[list[Piece], dict[str, dict]]:
 
 
 def _host_copy(x) -> np.ndarray:
-    """A host array of `x` that nothing else writes. A buffer already in host memory (a CPU
-    device's, or `pinned_host`) is viewed zero-copy by np.asarray, aliasing memory that the
-    next step (which donates the state) may reuse while the background write runs; it is
-    copied host to host, as Orbax does for CPU arrays."""
-    a = np.asarray(x)
-    if not isinstance(x, jax.Array):
-        return np.ascontiguousarray(a)
-    kind = getattr(x.sharding, "memory_kind", None) or ""
-    in_host_memory = "host" in kind or all(d.platform == "cpu" for d in x.devices())
-    return np.array(a, order="C", copy=True) if in_host_memory or not a.flags.c_contiguous else a
+    """`x` as a C-order host array. A buffer already in host memory (a CPU device's, or
+    `pinned_host`) is viewed zero-copy, as Orbax does: the view holds a reference on the
+    buffer, so the next step's donation of the state cannot reuse its memory under the
+    background write (tests/test_shard_files.py checks the values survive it)."""
+    return np.ascontiguousarray(np.asarray(x))
 
 
-def _bytes(a: np.ndarray) -> memoryview:
-    return memoryview(a.reshape(-1).view(np.uint8))
-
-
-def _write_file(path: Path, a: np.ndarray) -> str:
-    buf, crc = _bytes(a), 0
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        for off in range(0, len(buf), CHUNK):
-            piece = buf[off : off + CHUNK]
-            crc = zlib.crc32(piece, crc)
-            done = 0
-            while done < len(piece):
-                done += os.write(fd, piece[done:])
-        os.fsync(fd)
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-    return f"{crc:08x}"
+def _write_file(path: Path, a: np.ndarray) -> tuple[str, int]:
+    return direct_io.write_file(path, a)
 
 
 def write_shards(directory: str | os.PathLike, pieces: list[Piece], meta: dict[str, dict]) -> dict:
@@ -143,13 +117,15 @@ def write_shards(directory: str | os.PathLike, pieces: list[Piece], meta: dict[s
         crcs = dict(zip((p.file for p in order), pool.map(lambda p: _write_file(directory / p.file, p.data), order)))
     leaves = {path: dict(m, files=[]) for path, m in meta.items()}
     for p in pieces:
+        crc, pad = crcs[p.file]
         leaves[p.path]["files"].append(
             {
                 "file": p.file,
                 "start": list(p.start),
                 "stop": list(p.stop),
-                "bytes": p.data.nbytes,
-                "crc32": crcs[p.file],
+                "offset": pad,
+                "bytes": pad + p.data.nbytes,
+                "crc32": crc,
             }
         )
     index = {"format": "fsdp_jax.shard_files/1", "process": jax.process_index(), "leaves": leaves}
@@ -186,23 +162,20 @@ def load_file(directory: Path, entry: dict, dtype, shape) -> np.ndarray:
     """One shard file as an array of `shape` / `dtype`, its size and CRC-32 checked."""
     rel = f"{directory.name}/{entry['file']}"
     path = directory / entry["file"]
-    a = np.empty(shape, dtype)
-    buf, crc, got = _bytes(a), 0, 0
+    pad = entry.get("offset", 0)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
     try:
-        with open(path, "rb", buffering=0) as f:
-            size = os.fstat(f.fileno()).st_size
-            if size != entry["bytes"] or size != len(buf):
-                raise ShardFileError(f"{rel} has {size} bytes, {entry['bytes']} when saved")
-            while got < len(buf):
-                n = f.readinto(buf[got : got + CHUNK])
-                if not n:
-                    break
-                crc = zlib.crc32(buf[got : got + n], crc)
-                got += n
+        size = path.stat().st_size
+        if size != entry["bytes"] or size != pad + nbytes:
+            raise ShardFileError(f"{rel} has {size} bytes, {entry['bytes']} when saved")
+        raw = direct_io.aligned_empty((size,), np.uint8)
+        crc, got = direct_io.read_file(path, raw)
     except FileNotFoundError:
         raise ShardFileError(f"{rel} is missing") from None
-    if got != len(buf) or f"{crc:08x}" != entry["crc32"]:
-        raise ShardFileError(f"{rel} has changed since it was saved (CRC-32 {crc:08x}, {entry['crc32']} when saved)")
+    crc = crc if got == size else "short read"
+    if crc != entry["crc32"]:
+        raise ShardFileError(f"{rel} has changed since it was saved (CRC-32 {crc}, {entry['crc32']} when saved)")
+    a = raw[pad:].view(dtype).reshape(shape)
     return a
 
 
@@ -291,7 +264,3 @@ def read_whole(directory: str | os.PathLike, path: str) -> np.ndarray:
         raise KeyError(f"{directory}: no saved leaf {path!r}")
     with cf.ThreadPoolExecutor(WORKERS) as pool:
         return _assemble(m, None, _start_reads(Path(directory), m, None, pool))
-
-
-def total_bytes(leaves: dict[str, dict]) -> int:
-    return sum(math.prod(m["shape"]) * np.dtype(m["dtype"]).itemsize for m in leaves.values())
