@@ -41,6 +41,7 @@ from fsdp_jax.checkpoint.manifest import SHARD_INDEX_GLOB as INDEX_GLOB
 from fsdp_jax.checkpoint.manifest import tree_paths
 
 WORKERS = 8  # files written / read at once (zlib and file I/O release the GIL)
+AHEAD = 2  # leaves whose files are read while one is assembled
 INDEX = "shards.{}.json"
 
 
@@ -234,8 +235,8 @@ def _assemble(m: dict, target: Any, jobs: dict):
 def read_tree(directory: str | os.PathLike, target):
     """`target` (a pytree of ShapeDtypeStructs with shardings) restored from the shard files
     in `directory`: every target leaf must be saved with the same shape (else ShardFileError).
-    The next leaf's files are read while the current one is assembled (two leaves in host
-    memory at most)."""
+    The next `AHEAD` leaves' files are read while one is assembled (so at most AHEAD + 1
+    leaves' local shards wait in host memory)."""
     directory = Path(directory)
     leaves = read_index(directory)
     flat, treedef = jax.tree_util.tree_flatten(target)
@@ -248,10 +249,10 @@ def read_tree(directory: str | os.PathLike, target):
         todo.append((m, t))
     out = []
     with cf.ThreadPoolExecutor(WORKERS) as pool:
-        jobs = [_start_reads(directory, *todo[0], pool)] if todo else []
+        jobs = [_start_reads(directory, *x, pool) for x in todo[:AHEAD]]
         for k, (m, t) in enumerate(todo):
-            if k + 1 < len(todo):
-                jobs.append(_start_reads(directory, *todo[k + 1], pool))
+            if k + AHEAD < len(todo):
+                jobs.append(_start_reads(directory, *todo[k + AHEAD], pool))
             out.append(_assemble(m, t, jobs[k]))
             jobs[k] = None  # its host copies go once the array exists
     return jax.tree_util.tree_unflatten(treedef, out)
