@@ -1,16 +1,21 @@
 #!/usr/bin/env python
 """Where a checkpoint save's time goes: the disk's direct-write bandwidth and each write path, side by side.
 
-    PYTHONPATH=. JAX_PLATFORMS=cpu python benchmarks/checkpoint_write_paths.py --dir DIR [--reps 2]
+    PYTHONPATH=. JAX_PLATFORMS=cpu python benchmarks/checkpoint_write_paths.py --dir DIR [--reps 2] [--orbax-handlers]
 
-One float32 state of 1 GiB (8 leaves, each sharded over 8 CPU devices) is written, per
-repetition and interleaved so that a busy machine slows every path alike, by:
-`dd if=/dev/zero bs=16M count=64 oflag=direct` (the disk), `fsdp_jax.checkpoint.Checkpointer`
-(synchronous: Orbax + the CRC-32 manifest), Orbax's PyTreeCheckpointHandler with OCDBT (its
-default), without OCDBT, and with OCDBT + zarr3, and a raw write of every shard's bytes to its
-own file with fsync (no format at all: the floor of what serialisation can add). Prints one
-JSON line of GB/s per path (1 GB = 1e9 bytes), one value per repetition. DIR must be on the disk
-to measure; everything written there is removed.
+One float32 state of 1 GiB (8 leaves, each sharded over 8 CPU devices), per repetition and in
+this order on the same disk, so that a busy machine slows every path alike:
+`dd if=/dev/zero bs=16M count=64 oflag=direct` (the disk's direct-write bandwidth) and the
+same file read back with `iflag=direct`; `fsdp_jax.checkpoint.Checkpointer` saving
+synchronously (files, CRC-32 manifest, atomic commit) with `payload="shards"` (raw shard
+files, `fsdp_jax.checkpoint.shard_files`), then restoring it (manifest check, reads, CRC-32
+verification, arrays on the 8 devices); the same save from the state in `pinned_host`
+memory (offloaded: no device round trip); then `payload="orbax"` (Orbax OCDBT) saved and
+restored. With --orbax-handlers also Orbax's PyTreeCheckpointHandler with OCDBT, without,
+with OCDBT + zarr3, and a raw write of every shard to its own file with fsync. Prints one
+JSON line of GB/s per path (1 GB = 1e9 bytes), one value per repetition, and each
+Checkpointer path's ratio to that repetition's dd. DIR must be on the disk to measure;
+everything written there is removed.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ def make_state():
     sh = NamedSharding(mesh, P("fsdp"))
     rows = GIB // 4 // 8 // 1024 // 8 * 8
     make = jax.jit(lambda k: jax.random.normal(k, (rows, 1024), jnp.float32), out_shardings=sh)
-    return {f"w{i}": make(jax.random.key(i)) for i in range(8)}
+    return jax.block_until_ready({f"w{i}": make(jax.random.key(i)) for i in range(8)})
 
 
 def timed(fn, nbytes: int) -> float:
@@ -50,22 +55,55 @@ def timed(fn, nbytes: int) -> float:
     return round(nbytes / (time.perf_counter() - t) / 1e9, 3)
 
 
-def paths(state, where: Path) -> dict:
-    import orbax.checkpoint as ocp
+def dd(d: Path, direction: str = "write") -> None:
+    f = d / "dd.bin"
+    cmd = (
+        ["if=/dev/zero", f"of={f}", "oflag=direct"]
+        if direction == "write"
+        else [f"if={f}", "of=/dev/null", "iflag=direct"]
+    )
+    subprocess.run(["dd", *cmd, "bs=16M", "count=64"], check=True, capture_output=True)
 
+
+def abstract(state, memory_kind: str | None = None):
+    def one(x):
+        s = x.sharding if memory_kind is None else x.sharding.with_memory_kind(memory_kind)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+
+    return jax.tree.map(one, state)
+
+
+def checkpointer_paths(state, host_state) -> dict:
+    """name -> fn(dir): each Checkpointer payload's synchronous save (files, CRC-32 manifest,
+    commit), then its restore (manifest check + read + CRC verification) onto the same layout."""
     from fsdp_jax import checkpoint as ck
 
-    def dd(d):
-        subprocess.run(
-            ["dd", "if=/dev/zero", f"of={d / 'dd.bin'}", "bs=16M", "count=64", "oflag=direct"],
-            check=True,
-            capture_output=True,
-        )
+    def save(payload, st):
+        def fn(d):
+            c = ck.Checkpointer(d / payload, keep=None, async_save=False, payload=payload)
+            c.save(1, st)
+            c.close()
 
-    def checkpointer(d):
-        c = ck.Checkpointer(d / "c", keep=None, async_save=False)
-        c.save(1, state)
-        c.close()
+        return fn
+
+    def restore(payload, st):
+        def fn(d):
+            c = ck.Checkpointer(d / payload, read_only=True)
+            jax.block_until_ready(c.restore(abstract(st)).state)
+
+        return fn
+
+    return {
+        "save_shards": save("shards", state),
+        "restore_shards": restore("shards", state),
+        "save_shards_from_pinned_host": save("shards", host_state),
+        "save_orbax": save("orbax", state),
+        "restore_orbax": restore("orbax", state),
+    }
+
+
+def other_paths(state) -> dict:
+    import orbax.checkpoint as ocp
 
     def orbax(**opts):
         return lambda d: ocp.Checkpointer(ocp.PyTreeCheckpointHandler(**opts)).save(
@@ -81,30 +119,48 @@ def paths(state, where: Path) -> dict:
                     os.fsync(fh.fileno())
 
     return {
-        "dd_oflag_direct": (dd, GIB),
-        "checkpointer": (checkpointer, None),
-        "orbax_ocdbt": (orbax(use_ocdbt=True), None),
-        "orbax_no_ocdbt": (orbax(use_ocdbt=False), None),
-        "orbax_ocdbt_zarr3": (orbax(use_ocdbt=True, use_zarr3=True), None),
-        "raw_fsync": (raw, None),
+        "orbax_ocdbt": orbax(use_ocdbt=True),
+        "orbax_no_ocdbt": orbax(use_ocdbt=False),
+        "orbax_ocdbt_zarr3": orbax(use_ocdbt=True, use_zarr3=True),
+        "raw_fsync": raw,
     }
+
+
+def one_rep(state, host_state, where: Path, others: bool) -> dict[str, float]:
+    nbytes = sum(x.nbytes for x in state.values())
+    d = Path(tempfile.mkdtemp(dir=where)).absolute()
+    out = {}
+    try:
+        out["dd_oflag_direct"] = timed(lambda: dd(d), GIB)
+        out["dd_read_iflag_direct"] = timed(lambda: dd(d, "read"), GIB)
+        for name, fn in checkpointer_paths(state, host_state).items():
+            if name == "save_shards_from_pinned_host":
+                shutil.rmtree(d / "shards")
+            out[name] = timed(lambda: fn(d), nbytes)
+        for name, fn in (other_paths(state) if others else {}).items():
+            sub = d / name
+            sub.mkdir()
+            out[name] = timed(lambda: fn(sub), nbytes)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    for k in ("save_shards", "restore_shards", "save_shards_from_pinned_host", "save_orbax", "restore_orbax"):
+        out[f"{k}_vs_dd"] = round(out[k] / out["dd_oflag_direct"], 3)
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", required=True, help="a directory on the disk to measure")
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--orbax-handlers", action="store_true", help="also Orbax's handler variants and raw writes")
     args = ap.parse_args()
     state = make_state()
-    nbytes = sum(x.nbytes for x in state.values())
+    host_state = jax.device_put(state, jax.tree.map(lambda x: x.sharding.with_memory_kind("pinned_host"), state))
+    jax.block_until_ready(host_state)
     out: dict[str, list[float]] = {}
     for _ in range(args.reps):
-        for name, (fn, size) in paths(state, Path(args.dir).absolute()).items():
-            d = Path(tempfile.mkdtemp(dir=args.dir)).absolute()
-            try:
-                out.setdefault(name, []).append(timed(lambda: fn(d), size or nbytes))
-            finally:
-                shutil.rmtree(d, ignore_errors=True)
+        for k, v in one_rep(state, host_state, Path(args.dir).absolute(), args.orbax_handlers).items():
+            out.setdefault(k, []).append(v)
     print(json.dumps({"jax": jax.__version__, "GB_per_s": out}))
 
 

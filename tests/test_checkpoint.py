@@ -171,7 +171,7 @@ def test_deleted_files_fall_back_and_nothing_restorable_is_an_error(straight, tm
     d = copy_run(straight["dir"] / "checkpoints", tmp_path / "ckpts")
     target = target_for(straight["cfg"], make_mesh(), "full_shard")[0]
     biggest_file(d / "20").unlink()
-    (d / "15" / "state" / "_METADATA").unlink()
+    (d / "15" / "state" / "shards.0.json").unlink()  # the shard index
     r = ck.Checkpointer(d, read_only=True).restore(target)
     assert r.step == 10 and len(r.warnings) == 2
     assert "step 20" in r.warnings[0] and "missing" in r.warnings[0] and "step 15" in r.warnings[1]
@@ -179,7 +179,7 @@ def test_deleted_files_fall_back_and_nothing_restorable_is_an_error(straight, tm
     r = ck.Checkpointer(d, read_only=True).restore(target, step=10)
     assert r.step == 10 and "unverified" in r.warnings[0]
     assert_same(r.state.step, 10)
-    os.truncate(biggest_file(d / "10"), 3)  # orbax's own read error is the fallback's second line
+    os.truncate(biggest_file(d / "10"), 3)  # the reader's own error is the fallback's third line
     with pytest.raises(ck.CheckpointError, match="no checkpoint restores.*step 20.*step 15.*step 10"):
         ck.Checkpointer(d, read_only=True).restore(target)
     assert ck.CheckpointError in BAD_INPUT  # -> exit 2, one line

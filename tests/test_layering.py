@@ -54,6 +54,7 @@ LEVELS = {
     "fsdp_jax.app.exits": 1,
     "fsdp_jax.app.devices": 1,
     "fsdp_jax.app.extras": 1,
+    "fsdp_jax.app.host_memory": 1,
 }
 
 

@@ -1,10 +1,13 @@
-"""Checkpoints: asynchronous sharded saves with Orbax, restore onto any mesh, export.
+"""Checkpoints: asynchronous sharded saves (Orbax steps, raw shard files), restore onto any mesh, export.
 
 One concept per module:
 
 - `checkpointer`: `Checkpointer` (save / restore / list steps), `restore`, `latest_step`
 - `manifest`: the per-step manifest (sizes, CRC-32), leaf names (`tree_paths`) and
   `shape_mismatches`
+- `shard_files`: arrays as one raw file per distinct host shard + a JSON index, restored onto
+  any layout with CRC-32s checked on read; `shard_handler`: that as an Orbax item handler
+  (the Checkpointer's default payload); `direct_io`: files written and read with O_DIRECT
 - `params_io`: params as safetensors: `export_safetensors`, `load_safetensors`,
   `load_init_params` (a run's `init_from`)
 - `safetensors_io`: the safetensors format itself (checked headers, sliced reads, streamed

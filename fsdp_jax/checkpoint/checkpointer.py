@@ -3,13 +3,16 @@
 A checkpoint directory (the trainer uses `<run_dir>/checkpoints`) holds one
 directory per step, written by `orbax.checkpoint.CheckpointManager`:
 
-    <step>/state/                  the TrainState: params, optimizer state, step
-                                   (OCDBT; each process writes only its own shards)
+    <step>/state/                  the TrainState: params, optimizer state, step; one raw
+                                   file per distinct shard + a JSON index per process
+                                   (`shard_files`: each process writes only its own shards,
+                                   checksummed as written); `payload="orbax"`: Orbax's OCDBT
     <step>/extras/                 JSON: loop step, data-iterator state, RNG key, config
     <step>/fsdp_jax_manifest.json  the size and CRC-32 of every file above (`manifest`)
 
-`save` returns once the arrays are copied off the devices; the files are written in
-the background while training continues. Orbax writes into
+`save` returns once the arrays are copied off the devices (offloaded `pinned_host`
+arrays are copied host to host); the files are written in the background while
+training continues. Steps written with either payload restore. Orbax writes into
 `<step>.orbax-checkpoint-tmp` and renames it when every process is done; the
 manifest is written just before that rename, so a step directory without one was
 not written here (or by an older version) and is restored unverified. A crash
@@ -43,10 +46,12 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from fsdp_jax.checkpoint import manifest as mf
-from fsdp_jax.checkpoint import orbax_logs
+from fsdp_jax.checkpoint import orbax_logs, shard_files
 from fsdp_jax.checkpoint.manifest import ITEMS, MANIFEST, TMP_SUFFIX, shape_mismatches, tree_paths
+from fsdp_jax.checkpoint.shard_handler import ShardSave
 from fsdp_jax.errors import CheckpointError, CheckpointWriteError, one_line
 
+PAYLOADS = {"shards": ShardSave, "orbax": ocp.args.StandardSave}  # how `save` writes the arrays
 _WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EIO)
 
 
@@ -72,16 +77,26 @@ class Checkpointer:
         restored = ckpt.restore(abstract_state(plan, abstract_params, optimizer))
         ckpt.close()                                         # waits for the writes
 
-    `keep`: the newest `keep` steps are kept. `read_only`: never write or delete
+    `keep`: the newest `keep` steps are kept. `payload`: how arrays are written, "shards"
+    (raw shard files, at the disk's speed) or "orbax" (Orbax's OCDBT). `read_only`: never write or delete
     (safe on a directory a running trainer writes). Every process of a
     multi-process run creates one and calls `save` with the same step; orbax
     coordinates the writes.
     """
 
     def __init__(
-        self, directory: str | os.PathLike, *, keep: int | None = 3, async_save: bool = True, read_only: bool = False
+        self,
+        directory: str | os.PathLike,
+        *,
+        keep: int | None = 3,
+        async_save: bool = True,
+        read_only: bool = False,
+        payload: str = "shards",
     ):
+        if payload not in PAYLOADS:
+            raise ValueError(f"payload: {payload!r} is not one of {', '.join(PAYLOADS)}")
         self.directory = Path(directory).absolute()
+        self.payload = payload
         self.async_save = async_save
         self.read_only = read_only
         # Interrupted saves, reported before orbax removes them (when not read_only).
@@ -114,7 +129,9 @@ class Checkpointer:
             try:
                 self._mngr.save(
                     step,
-                    args=ocp.args.Composite(state=ocp.args.StandardSave(state), extras=ocp.args.JsonSave(extras or {})),
+                    args=ocp.args.Composite(
+                        state=PAYLOADS[self.payload](state), extras=ocp.args.JsonSave(extras or {})
+                    ),
                     force=True,
                 )
             except BaseException:
@@ -222,7 +239,9 @@ class Checkpointer:
         return mf.check_files(self.step_dir(step))
 
     def saved_metadata(self, step: int) -> dict[str, Any]:
-        """{path: ArrayMetadata (shape, dtype)} of the saved state, from orbax's metadata."""
+        """{path: metadata with .shape and .dtype} of the saved state (the shard index, or orbax's)."""
+        if shard_files.is_shard_dir(self.step_dir(step) / "state"):
+            return shard_files.metadata(self.step_dir(step) / "state")
         md = ocp.PyTreeCheckpointHandler().metadata(epath.Path(self.step_dir(step) / "state"))
         return tree_paths(md.tree)
 
@@ -248,9 +267,13 @@ class Checkpointer:
         _, s, notes = self._try_steps(step, lambda s: None)
         return s, notes
 
-    def _try_steps(self, step: int | None, fn: Callable[[int], Any]) -> tuple[Any, int, list[str]]:
+    def _try_steps(
+        self, step: int | None, fn: Callable[[int], Any], crc_on_read: bool = False
+    ) -> tuple[Any, int, list[str]]:
         """fn(s) for the newest usable step (or exactly `step`): damaged steps (manifest
-        mismatch, read errors) are skipped and reported; CheckpointError propagates."""
+        mismatch, read errors) are skipped and reported; CheckpointError propagates.
+        `crc_on_read`: `fn` reads shard files checking their CRC-32s (`shard_files`), so the
+        manifest check leaves those to it (sizes still checked) and each byte is read once."""
         steps = self.steps()
         if not steps:
             raise CheckpointError(f"{self.directory}: no complete checkpoint")
@@ -262,7 +285,7 @@ class Checkpointer:
         failed: list[str] = []
         for s in [step] if step is not None else steps[::-1]:
             try:
-                problem = self.check_files(s)
+                problem = mf.check_files(self.step_dir(s), crc_checked_on_read=crc_on_read)
             except FileNotFoundError:
                 problem = None
                 notes.append(f"checkpoint step {s} has no {MANIFEST}: restoring it unverified")
@@ -294,13 +317,10 @@ class Checkpointer:
 
         def load(s):
             self.check_fits(s, abstract_state)
-            out = self._mngr.restore(
-                s,
-                args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), extras=ocp.args.JsonRestore()),
-            )
-            return out["state"], dict(out["extras"] or {})
+            extras = self._mngr.restore(s, args=ocp.args.Composite(extras=ocp.args.JsonRestore()))["extras"]
+            return self._read_state(s, abstract_state), dict(extras or {})
 
-        (state, extras), s, notes = self._try_steps(step, load)
+        (state, extras), s, notes = self._try_steps(step, load, crc_on_read=True)
         if set_aside_damaged and not self.read_only:
             self._set_aside([d for d in self.steps() if d > s])
         return Restored(state, extras, s, notes)
@@ -311,16 +331,25 @@ class Checkpointer:
 
         def load(s):
             self.check_fits(s, {"params": abstract_params})
-            target = {"params": abstract_params}
-            args = ocp.args.PyTreeRestore(
-                item=target, partial_restore=True, restore_args=ocp.checkpoint_utils.construct_restore_args(target)
-            )
-            return ocp.PyTreeCheckpointer().restore(self.step_dir(s) / "state", args=args)["params"]
+            return self._read_state(s, {"params": abstract_params}, partial=True)["params"]
 
-        return self._try_steps(step, load)
+        return self._try_steps(step, load, crc_on_read=True)
+
+    def _read_state(self, step: int, target, partial: bool = False):
+        """The saved state (or, `partial`, the part of it `target` names) laid out as `target`."""
+        where = self.step_dir(step) / "state"
+        if shard_files.is_shard_dir(where):
+            return shard_files.read_tree(where, target)
+        if partial:
+            restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+            args = ocp.args.PyTreeRestore(item=target, partial_restore=True, restore_args=restore_args)
+            return ocp.PyTreeCheckpointer().restore(where, args=args)
+        return ocp.Checkpointer(ocp.StandardCheckpointHandler()).restore(where, args=ocp.args.StandardRestore(target))
 
     def read_leaf(self, step: int, path: str) -> np.ndarray:
         """One saved array (e.g. "params/blocks/attn/wq") as a host numpy array."""
+        if shard_files.is_shard_dir(self.step_dir(step) / "state"):
+            return shard_files.read_whole(self.step_dir(step) / "state", path)
         item: dict = {}
         node = item
         keys = path.split("/")

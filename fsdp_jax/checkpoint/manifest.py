@@ -23,6 +23,7 @@ import jax
 MANIFEST = "fsdp_jax_manifest.json"
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
 ITEMS = ("state", "extras")  # the items of a step, each a directory
+SHARD_INDEX_GLOB = "shards.*.json"  # `shard_files`' per-process index in an item directory
 
 
 def tree_paths(tree) -> dict[str, Any]:
@@ -69,20 +70,35 @@ def shape_mismatches(saved: dict[str, Any], target: dict[str, Any], limit: int =
     return out
 
 
+def shard_crcs(step_dir: Path) -> dict[str, str]:
+    """{"state/<file>": CRC-32} of the shard files the step's shard indexes list: computed
+    over the bytes as they were written (`shard_files`), so not read back here."""
+    out = {}
+    for item in ITEMS:
+        for index in sorted((step_dir / item).glob(SHARD_INDEX_GLOB)):
+            for leaf in json.loads(index.read_text())["leaves"].values():
+                out.update({f"{item}/{e['file']}": e["crc32"] for e in leaf["files"]})
+    return out
+
+
 def write_manifest(step_dir: Path, step: int) -> None:
     """Write `step_dir`'s manifest: size and CRC-32 of the item files (orbax rewrites
-    its own step metadata after this point, so only the items are listed)."""
+    its own step metadata after this point, so only the items are listed). Shard files
+    take the CRC-32 their writer computed; other files are read for theirs."""
     paths = [f for item in ITEMS for f in sorted((step_dir / item).rglob("*")) if f.is_file()]
     files = {str(f.relative_to(step_dir)): f.stat().st_size for f in paths}
-    crc = {str(f.relative_to(step_dir)): file_crc32(f) for f in paths}  # catches flips that keep sizes
+    known = shard_crcs(step_dir)
+    crc = {rel: known.get(rel) or file_crc32(step_dir / rel) for rel in files}  # catches flips that keep sizes
     (step_dir / MANIFEST).write_text(json.dumps({"step": step, "files": files, "crc32": crc}, indent=0))
 
 
-def check_files(step_dir: Path) -> str | None:
+def check_files(step_dir: Path, crc_checked_on_read: bool = False) -> str | None:
     """Compare `step_dir`'s files with its manifest: None when all are there with their
     sizes and CRC-32 checksums (manifests written before checksums: sizes only); else
-    the problem (first missing, resized or changed file). Raises FileNotFoundError when
-    the step has no manifest."""
+    the problem (first missing, resized or changed file). `crc_checked_on_read`: the
+    caller's reader checks the shard files' CRC-32s as it reads them (`shard_files`), so
+    only their sizes are checked here. Raises FileNotFoundError when the step has no
+    manifest."""
     manifest = json.loads((step_dir / MANIFEST).read_text())
     crc = manifest.get("crc32", {})
     for rel, size in manifest["files"].items():
@@ -91,6 +107,13 @@ def check_files(step_dir: Path) -> str | None:
             return f"{rel} is missing"
         if f.stat().st_size != size:
             return f"{rel} has {f.stat().st_size} bytes, {size} when saved"
-        if rel in crc and file_crc32(f) != crc[rel]:
-            return f"{rel} has changed since it was saved (CRC-32 {file_crc32(f)}, {crc[rel]} when saved)"
+    skip: dict[str, str] = {}
+    if crc_checked_on_read:
+        try:  # a damaged index skips nothing: its own CRC-32 below names it
+            skip = shard_crcs(step_dir)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            skip = {}
+    for rel in manifest["files"]:
+        if rel in crc and rel not in skip and file_crc32(step_dir / rel) != crc[rel]:
+            return f"{rel} has changed since it was saved (CRC-32 {file_crc32(step_dir / rel)}, {crc[rel]} when saved)"
     return None

@@ -172,6 +172,21 @@ def offloaded_bytes(abstract_tree) -> dict[str, int]:
     return out
 
 
+def host_bytes_per_process(abstract_tree) -> int:
+    """Bytes of a tree of sharded ShapeDtypeStructs/arrays resting in this process's host
+    memory: every host-kind (`pinned_host` / `unpinned_host`) leaf's shard once for each
+    of this process's devices that holds one (a replicated leaf once per device: each
+    device's copy sits in its host's memory)."""
+    total = 0
+    for x in jax.tree.leaves(abstract_tree):
+        s = getattr(x, "sharding", None)
+        if s is None or "host" not in (getattr(s, "memory_kind", None) or DEVICE):
+            continue
+        shard = int(np.prod(s.shard_shape(x.shape), dtype=np.int64)) * np.dtype(x.dtype).itemsize
+        total += shard * len(s.addressable_devices)
+    return total
+
+
 # f32[8,16]{1,0:S(5)}: XLA's layout of an entry parameter; S(5) is the host memory space.
 _ENTRY = re.compile(r"entry_computation_layout=\{\((.*?)\)->")
 _SHAPE = re.compile(r"\b(pred|[a-z]+\d+)\[([\d,]*)\](\{[^}]*\})?")

@@ -19,7 +19,10 @@ GPU, --devices in total over --hosts hosts, on this machine without a GPU (needs
 target's. Trailing key=value arguments override the config as in `fsdp-jax train`.
 `--offload` plans with optimizer state / params in host memory (a setting, a comma list
 or `all`: then one plan per setting and a strategy x offload table; --json gives
-{"offload": {setting: plan}}). `--search` finds the fastest configuration that fits instead
+{"offload": {setting: plan}}). With an offload, each strategy's offloaded state per host is
+checked against `--host-memory` (else FSDP_JAX_HOST_MEMORY; else, without --target, this
+machine's MemAvailable, as a note): over it, that strategy does not fit, and a stated size
+that no planned strategy fits is one line, exit 2. `--search` finds the fastest configuration that fits instead
 (strategy x remat x microbatches x offload, and batch / seq with --vary;
 `fsdp_jax.app.planner.search`): a ranked table, the winner as YAML; nothing fits -> one line
 naming the least device memory that would, exit 2. Exit codes: 0 success, 2 bad input (one
@@ -61,7 +64,12 @@ def build_parser(prog: str | None = None) -> Parser:
     )
     ap.add_argument("--vary", default=None, help="with --search: also vary batch and/or seq (e.g. batch,seq)")
     ap.add_argument("--headroom", default=None, help="with --search: device memory kept free (10%% default, or 8GB)")
-    ap.add_argument("--host-memory", default=None, help="with --search: pinned host memory per host (e.g. 1TB)")
+    ap.add_argument(
+        "--host-memory",
+        default=None,
+        help="pinned host memory per host (e.g. 1TB): offloaded state over it does not fit (default: "
+        "FSDP_JAX_HOST_MEMORY, else this machine's MemAvailable when planning without --target)",
+    )
     ap.add_argument(
         "--max-compiles",
         default=None,
@@ -82,7 +90,7 @@ def build_parser(prog: str | None = None) -> Parser:
     return ap
 
 
-SEARCH_ONLY = ("remat", "microbatches", "vary", "headroom", "host_memory", "max_compiles", "rows", "progress")
+SEARCH_ONLY = ("remat", "microbatches", "vary", "headroom", "max_compiles", "rows", "progress")
 
 
 def planning_errors():
@@ -106,6 +114,40 @@ def parse_offloads(text: str | None) -> list[str] | None:
             f"--offload: {bad[0] if bad else text!r} is not one of {', '.join(OFFLOADS)} (or all, or a comma list)"
         )
     return list(dict.fromkeys(names))
+
+
+def plan_host_memory(args, target) -> tuple[int, str] | None:
+    """(host memory per host, where it comes from) to plan offload against: --host-memory,
+    else FSDP_JAX_HOST_MEMORY, else (no --target: this machine is the host) what this
+    machine has available; None with a --target and neither given."""
+    from fsdp_jax.app.host_memory import HOST_MEMORY_ENV, host_memory, stated_host_memory
+    from fsdp_jax.app.planner.inputs import parse_bytes
+
+    if args.host_memory is not None:
+        return parse_bytes(args.host_memory, "--host-memory"), "--host-memory"
+    stated = stated_host_memory()
+    if stated is not None:
+        return stated, HOST_MEMORY_ENV
+    have, source = host_memory()
+    return (have, f"this machine's {source}") if target is None and have is not None else None
+
+
+def refuse_over_host(docs: dict[str, dict], host: tuple[int, str] | None) -> None:
+    """PlanError (one line, exit 2) when host memory was stated and the offloaded state of
+    every strategy under every offload setting planned is over it."""
+    from fsdp_jax.app.host_memory import HOST_MEMORY_ENV, fmt_size
+    from fsdp_jax.errors import PlanError
+
+    if host is None or host[1] not in ("--host-memory", HOST_MEMORY_ENV):  # this machine's figure: a note
+        return
+    rows = [(o, n, r) for o, d in docs.items() for n, r in d["strategies"].items()]
+    if rows and all(r.get("fits_host") is False for _, _, r in rows):
+        o, n, r = min(rows, key=lambda t: t[2]["analytic"]["host_per_host"])
+        raise PlanError(
+            f"{host[1]}: {fmt_size(host[0])} of host memory per host is less than any plan's offloaded state "
+            f"(least: {n} with offload {o}, {fmt_size(r['analytic']['host_per_host'])} per host); "
+            "shard over more devices or hosts, or offload less"
+        )
 
 
 def search_command(args) -> int:
@@ -182,7 +224,6 @@ def run(args) -> int:
 
     from fsdp_jax.app.cli.args import check_out_file, require
     from fsdp_jax.app.planner.inputs import load_planning_config, parse_bytes, parse_strategies, resolve_target
-    from fsdp_jax.app.planner.report import format_table, plot_plan
 
     n, target = resolve_target(args)
     if args.explain_time and target is None:
@@ -193,9 +234,10 @@ def run(args) -> int:
     if args.plot:
         check_out_file(args.plot, "--plot")
         require("matplotlib", "--plot")
+    host = plan_host_memory(args, target)
     cfg = load_planning_config(args.config, args.overrides, n)  # JAX: n CPU devices, from here on
 
-    from fsdp_jax.app.planner.estimate import format_offload_table, plan_config
+    from fsdp_jax.app.planner.estimate import plan_config
 
     docs = {}
     for o in offloads or [cfg.offload]:
@@ -206,7 +248,16 @@ def run(args) -> int:
             device_memory=mem,
             config_name=args.config,
             target=target,
+            host_memory=host,
         )
+    refuse_over_host(docs, host)  # before the plot is written
+    return _print_plans(args, docs)
+
+
+def _print_plans(args, docs: dict[str, dict]) -> int:
+    from fsdp_jax.app.planner.estimate import format_offload_table
+    from fsdp_jax.app.planner.report import format_table, plot_plan
+
     if len(docs) > 1:
         if args.json:
             json.dump({"offload": docs}, sys.stdout, indent=1)

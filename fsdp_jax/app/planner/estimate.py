@@ -63,6 +63,7 @@ def plan_config(
     device_memory: int | None = None,
     config_name: str = "",
     target=None,
+    host_memory: tuple[int, str] | None = None,
 ) -> dict[str, Any]:
     """The planner's JSON document for `cfg` on `n_devices` (bytes per device, ints):
     {"config", "devices", "params", "param_bytes", "device_memory", "wall_s", "notes",
@@ -72,7 +73,10 @@ def plan_config(
     "fits", "headroom", "bytes_per_param", "compile_s", "warnings", ...}}}.
     `fits` and `headroom` use the compiled peak (None without `device_memory`). With
     `target` (`fsdp_jax.targets.gpu.Target`) the step is compiled by XLA:GPU for that GPU
-    and cluster shape (deviceless), and `device_memory` defaults to the target's."""
+    and cluster shape (deviceless), and `device_memory` defaults to the target's.
+    `host_memory` (bytes per host, where the figure comes from): with an offload, each
+    strategy's `fits_host` (its offloaded state per host within it; `fits` False when not)
+    and a note naming the strategies over it."""
     from fsdp_jax.app.models.llama import count_params
 
     t0 = time.perf_counter()
@@ -100,6 +104,7 @@ def plan_config(
 
             r["predicted"] = predict(cfg, target.name, n_devices, r)
     notes = _notes(cfg, n_devices, policy, results, target, device_memory)
+    notes += _host_notes(cfg, results, host_memory)
     doc = {
         "config": config_name,
         "devices": n_devices,
@@ -152,6 +157,29 @@ def _notes(
             "compiled temp overstates a GPU/TPU compile"
         )
     return notes
+
+
+def _host_notes(cfg, results: dict[str, dict], host_memory: tuple[int, str] | None) -> list[str]:
+    """With an offload: each strategy's `fits_host` against `host_memory` (None: not
+    checked), `fits` turned False where the offloaded state is over it; the note saying so."""
+    from fsdp_jax.app.host_memory import HOST_MEMORY_ENV, fmt_size
+
+    if cfg.offload == "none":
+        return []
+    have, source = host_memory if host_memory is not None else (None, "")
+    over = []
+    for name, r in results.items():
+        need = r["analytic"]["host_per_host"]
+        r["fits_host"] = None if have is None else need <= have
+        if r["fits_host"] is False:
+            over.append(f"{name} {fmt_size(need)}")
+            r["fits"] = False if r["fits"] is not None else r["fits"]
+            r["fits_analytic"] = False if r.get("fits_analytic") is not None else r.get("fits_analytic")
+    if have is None:
+        return [f"host memory per host not checked (give --host-memory, or set {HOST_MEMORY_ENV}=SIZE)"]
+    if not over:
+        return [f"offloaded state per host fits in {fmt_size(have)} of host memory ({source})"]
+    return [f"host memory {fmt_size(have)} ({source}) is less than the offloaded state per host of: " + ", ".join(over)]
 
 
 def format_offload_table(docs: dict[str, dict[str, Any]]) -> str:

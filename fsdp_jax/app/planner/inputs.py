@@ -13,10 +13,10 @@ these names.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 
 from fsdp_jax.app.devices import use_cpu_devices
+from fsdp_jax.app.host_memory import parse_size
 from fsdp_jax.errors import PlanError
 from fsdp_jax.sharding.strategy import get_strategy
 
@@ -34,38 +34,11 @@ MAX_DEVICES = 1 << 16  # fake CPU devices are real threads and buffers: bound wh
 
 # ----------------------------------------------------------------------------- inputs
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 10**3,
-    "m": 10**6,
-    "g": 10**9,
-    "t": 10**12,
-    "ki": 2**10,
-    "mi": 2**20,
-    "gi": 2**30,
-    "ti": 2**40,
-}
-
 
 def parse_bytes(text: str | int, what: str = "--device-memory") -> int:
-    """'80GB' -> 80e9, '80GiB' -> 80 * 2**30, '141G' -> 141e9, '1.5TB', '4096' (bytes).
-    K/M/G/T are decimal (as GPU vendors quote memory), Ki/Mi/Gi/Ti binary."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        value, unit = (float(text) if abs(text) < 2**63 else float("inf")), ""
-    else:
-        m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)(?:[eE](\d+))?\s*([KMGTkmgt]i?)?[Bb]?\s*", str(text))
-        if not m:
-            raise PlanError(f"{what}: {text!r} is not a size; use e.g. 80GB, 80GiB, 141GB")
-        value = float(m.group(1) + (f"e{m.group(2)}" if m.group(2) else ""))  # 1e400 -> inf
-        unit = (m.group(3) or "").lower()
-    total = value * _UNITS[unit]
-    if not total < 2**63:  # 1e400GB is inf (and int(inf) raises); nothing has 8 EiB per device
-        raise PlanError(f"{what}: {text!r} is too large; at most 8 EiB")
-    n = int(total)
-    if n <= 0:
-        raise PlanError(f"{what}: {text!r} must be > 0")
-    return n
+    """'80GB' -> 80e9, '80GiB' -> 80 * 2**30, '141G' -> 141e9, '1.5TB', '4096' (bytes):
+    `fsdp_jax.app.host_memory.parse_size`, a bad size a PlanError."""
+    return parse_size(text, what, PlanError)
 
 
 def parse_strategies(text: str | Sequence[str] | None, what: str = "--strategies") -> list[str]:

@@ -31,6 +31,7 @@ from fsdp_jax.app.config.schema import Config
 from fsdp_jax.app.data import corpus as data_lib
 from fsdp_jax.app.data.token_check import check_corpus_vocab
 from fsdp_jax.app.hf import load as hf
+from fsdp_jax.app.host_memory import check_host_memory, stated_host_memory
 from fsdp_jax.app.trainer import lora_state
 from fsdp_jax.app.trainer.build import (
     build_from_config,
@@ -90,11 +91,13 @@ class Run:
 
 def check_offload(cfg: Config) -> None:
     """ConfigError naming `offload` / `remat` when they move state or activations to host
-    memory and this backend has none."""
+    memory and this backend has none; naming FSDP_JAX_HOST_MEMORY when it is not a size."""
     try:
         offload_lib.check_supported(cfg.offload, jax.devices())
     except offload_lib.OffloadError as e:
         raise ConfigError("offload", str(e).removeprefix("offload: ")) from None
+    if offload_lib.get_offload(cfg.offload).any:
+        stated_host_memory()  # a bad FSDP_JAX_HOST_MEMORY fails here, before anything is written
     if cfg.remat in remat_lib.OFFLOADING and not offload_lib.host_memory_available(jax.devices()):
         raise ConfigError(
             "remat",
@@ -207,7 +210,11 @@ def _mesh(p: _Draft) -> None:
 
 
 def _build(p: _Draft) -> None:
+    """The plan, abstract state and steps; then the offloaded state against this node's
+    host memory (`fsdp_jax.app.host_memory`), before any state exists or a file is written."""
     p.built = build_from_config(p.cfg, p.model, p.optimizer, p.mesh, loss_fn=p.loss_fn)
+    if offload_lib.get_offload(p.cfg.offload).any:
+        check_host_memory(offload_lib.host_bytes_per_process(p.built.abstract_state), p.cfg.offload)
 
 
 def _state(p: _Draft) -> None:
