@@ -2,6 +2,7 @@
 
 import importlib.util
 import os
+import re
 from pathlib import Path
 
 import jax
@@ -164,3 +165,14 @@ def one_line(rc, err, *words, code=2):
     for w in words:
         assert str(w) in lines[0], (w, lines[0])
     return lines[0]
+
+
+def weight_shaped_results(hlo: str, shapes) -> list[str]:
+    """The compiled HLO's ops (dots, convolutions, scatters, reduce-scatters, all-reduces) whose
+    result has one of `shapes`: where a frozen weight's gradient would be computed."""
+    out = []
+    for line in hlo.splitlines():
+        m = re.search(r"=\s*\w+\[([\d,]+)\]\{?[^ ]*\s+(dot|convolution|scatter|all-reduce|reduce-scatter)\(", line)
+        if m and tuple(int(d) for d in m.group(1).split(",")) in shapes:
+            out.append(line.strip()[:160])
+    return out

@@ -3,8 +3,6 @@ adapters sharded as their weights, optimizer state and master copies for adapter
 frozen-weight gradient in the compiled backward, and parity with one device under every
 strategy and FSDP x TP."""
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +17,7 @@ from fsdp_jax.model.fns import from_nnx
 from fsdp_jax.sharding.leaf_sharding import path_str
 from fsdp_jax.sharding.mesh import make_mesh
 from fsdp_jax.train.build import build
-from helpers import max_abs_diff, reference_train, token_batches
+from helpers import max_abs_diff, reference_train, token_batches, weight_shaped_results
 
 # every weight dim distinct from the per-device row count (B*S / 8 = 16) and from each other
 CFG = LlamaConfig(vocab_size=96, d_model=40, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=56, max_seq_len=16)
@@ -126,16 +124,6 @@ def test_frozen_base_rests_in_its_dtype_with_no_master_copy_and_no_optimizer_sta
     assert max_abs_diff(trained, lora_lib.split(built.init_state(jax.random.key(0)).params)[1]) > 0
 
 
-def _weight_shaped_results(hlo: str, shapes: set[tuple[int, ...]]) -> list[str]:
-    """The HLO ops (dots, scatters, reduce-scatters, all-reduces) whose result has a frozen weight's shape."""
-    out = []
-    for line in hlo.splitlines():
-        m = re.search(r"=\s*\w+\[([\d,]+)\]\{?[^ ]*\s+(dot|scatter|all-reduce|reduce-scatter)\(", line)
-        if m and tuple(int(d) for d in m.group(1).split(",")) in shapes:
-            out.append(line.strip()[:160])
-    return out
-
-
 @pytest.mark.parametrize("precision", ["params=float32,compute=float32", "params=float32,compute=bfloat16"])
 def test_no_gradient_of_a_frozen_weights_shape_in_the_compiled_backward(precision):
     """LoRA's backward: input gradients through frozen weights, adapter gradients, and no
@@ -151,7 +139,7 @@ def test_no_gradient_of_a_frozen_weights_shape_in_the_compiled_backward(precisio
         opt = lora_optimizer(SGD) if trainable else SGD
         built = build(model, opt, make_mesh(1, 8, 1), loss_fn=loss_of(model), precision=precision, trainable=trainable)
         hlo = built.train_step.lower(built.abstract_state, batches(1)[0]).compile().as_text()
-        found[name] = _weight_shaped_results(hlo, shapes)
+        found[name] = weight_shaped_results(hlo, shapes)
     assert found["lora"] == [], found["lora"][:4]
     assert len(found["full"]) >= 7, found["full"]  # one per weight at least
 

@@ -18,7 +18,7 @@ from flax import nnx
 import fsdp_jax as fj
 from fsdp_jax.sharding.axes import LORA_RANK
 from fsdp_jax.sharding.leaf_sharding import path_str
-from helpers import max_abs_diff, reference_train
+from helpers import max_abs_diff, reference_train, weight_shaped_results
 
 D, F, O, N = 24, 40, 16, 32  # in, hidden, out, batch
 ADAM = optax.adam(1e-2)
@@ -268,15 +268,6 @@ def test_adapters_shard_as_their_weights_and_the_rank_dim_is_replicated():
     assert spec["base/q"][1] == "tensor" and spec["lora/q/lora_b"][:2] == (None, "tensor")  # B's output as W's
 
 
-def _weight_shaped(hlo: str, shapes) -> list[str]:
-    found = []
-    for line in hlo.splitlines():
-        m = re.search(r"=\s*\w+\[([\d,]+)\]\{?[^ ]*\s+(dot|convolution|reduce-scatter|all-reduce)\(", line)
-        if m and tuple(int(d) for d in m.group(1).split(",")) in shapes:
-            found.append(line.strip()[:160])
-    return found
-
-
 @pytest.mark.parametrize("name", ["nnx", "pytree", "scan"])
 def test_no_dot_in_the_compiled_step_produces_a_frozen_weights_gradient(name):
     """The same model trained in full shows each weight-gradient dot, so the search finds them."""
@@ -301,7 +292,7 @@ def test_no_dot_in_the_compiled_step_produces_a_frozen_weights_gradient(name):
                 return jnp.mean((apply(p, *args) - batch) ** 2)
 
         hlo = sm.train_step(loss).lower(sm.state, Y).compile().as_text()
-        found[kind] = _weight_shaped(hlo, shapes)
+        found[kind] = weight_shaped_results(hlo, shapes)
     assert found["lora"] == [], found["lora"][:3]
     assert len(found["full"]) >= len(lm.targets), found["full"]
 
