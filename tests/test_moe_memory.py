@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 
@@ -20,10 +21,15 @@ from helpers import TINY_MODEL_OVERRIDES
 
 MOE = ["model.n_experts=8", "model.experts_per_token=2", "model.moe_ffn_dim=128", "data.source=none", "remat=dots"]
 
-# analytic total / compiled peak, full_shard on 8 CPU devices, jax 0.10.2 (the dense tiny
-# model's is 1.394, tests/test_plan.py); `ep_`: experts over data (8, 1), moved by all-to-all,
-# where the analytic model counts every row of the dense exchange blocks (most are empty)
-TOTAL_OVER_PEAK = {"dropless": 1.165, "capacity": 1.392, "ep_dropless": 1.343, "ep_capacity": 1.248}
+# analytic total / compiled peak, full_shard on 8 CPU devices (the dense tiny model's is
+# 1.394, tests/test_plan.py); `ep_`: experts over data (8, 1), moved by all-to-all, where the
+# analytic model counts every row of the dense exchange blocks (most are empty). Measured on
+# jax 0.10.2 and on 0.12.0.1 (the Python 3.12 lane), whose XLA:CPU peak differs for ep_capacity.
+MEASURED = {
+    "0.10": {"dropless": 1.165, "capacity": 1.392, "ep_dropless": 1.343, "ep_capacity": 1.248},
+    "0.12": {"dropless": 1.164, "capacity": 1.380, "ep_dropless": 1.342, "ep_capacity": 1.181},
+}
+TOTAL_OVER_PEAK = MEASURED["0.10" if jax.__version__.startswith("0.10.") else "0.12"]
 
 
 def _cfg(mode: str):
