@@ -1,8 +1,8 @@
 """How `with_lora`'s wrapped apply runs the model: its jaxpr, eqn by eqn, with each
 targeted weight kept factored (`Tracked`: W, A, B and the view taken of W) up to the
-matrix products that use it, which compute x W + scale * (x A) B. Inner `jit`s and custom
-derivatives are inlined where a weight flows in, `remat` is re-applied with its policy; a
-weight going anywhere else is merged (W + scale * A B), and while probing that use is
+matrix products that use it, which compute x W + scale * (x A) B. Inner `jit`s are inlined
+where a weight flows in, `remat` is re-applied with its policy and a `scan` slices a stacked
+weight with its adapters; a weight going anywhere else (a custom derivative included) is merged (W + scale * A B), and while probing that use is
 recorded, so `with_lora` leaves such a weight without an adapter."""
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from jax import lax
 from jax.extend import core as jcore
 
 _INLINE = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr"}
-_CUSTOM = {"custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr"}
 _REMAT = {"remat2", "checkpoint"}
 _HINTS = {"sharding_constraint", "copy", "copy_p"}
 
@@ -76,11 +75,6 @@ class Tracked:
         x = self.w if w is None else w
         x = jnp.transpose(x, self.perm) if self.perm != tuple(range(len(self.perm))) else x
         return x if self.dtype is None else x.astype(self.dtype)
-
-    @property
-    def aval(self):
-        shape = tuple(self.w.shape[p] for p in self.perm)
-        return jax.core.ShapedArray(shape, self.dtype or self.w.dtype)
 
 
 @dataclasses.dataclass
@@ -174,9 +168,6 @@ def _eqn(eqn, ins, ctx: Ctx) -> list:
         return list(jax.checkpoint(body, prevent_cse=params["prevent_cse"], policy=params["policy"])(*ins))
     if name == "scan":
         return _scan(eqn, ins, ctx)
-    if name in _CUSTOM and not ctx.uses:
-        sub = params[_CUSTOM[name]]
-        return _eval(sub.jaxpr, sub.consts, ins, ctx)
     return _bind(eqn, [_value(x, ctx, name) for x in ins])
 
 
