@@ -87,9 +87,10 @@ def test_train_over_host_memory_is_one_line_and_writes_nothing(corpus, tmp_path,
     line = one_line(rc, err, "offload: 'optimizer' rests", "per node", "0.00 MB (FSDP_JAX_HOST_MEMORY)")
     assert " MB of state in host memory" in line
     assert not run_dir.exists()
-    rc, _, err = call("train.py", *args, "offload=optimizer", capsys=capsys, env={hm.HOST_MEMORY_ENV: "many"})
-    one_line(rc, err, hm.HOST_MEMORY_ENV, "'many' is not a size")
-    assert not run_dir.exists()
+    for offload in ("optimizer", "none"):  # a bad value is refused whether or not it is needed
+        rc, _, err = call("train.py", *args, f"offload={offload}", capsys=capsys, env={hm.HOST_MEMORY_ENV: "many"})
+        one_line(rc, err, hm.HOST_MEMORY_ENV, "'many' is not a size")
+        assert not run_dir.exists()
 
 
 def test_streamed_offload_without_a_layer_stack_is_refused(corpus, tmp_path, capsys):

@@ -96,8 +96,7 @@ def check_offload(cfg: Config) -> None:
         offload_lib.check_supported(cfg.offload, jax.devices())
     except offload_lib.OffloadError as e:
         raise ConfigError("offload", str(e).removeprefix("offload: ")) from None
-    if offload_lib.get_offload(cfg.offload).any:
-        stated_host_memory()  # a bad FSDP_JAX_HOST_MEMORY fails here, before anything is written
+    stated_host_memory()  # a bad FSDP_JAX_HOST_MEMORY fails here, offload or not, before anything is written
     if cfg.remat in remat_lib.OFFLOADING and not offload_lib.host_memory_available(jax.devices()):
         raise ConfigError(
             "remat",
