@@ -165,9 +165,9 @@ def streamed_update(
     """`guarded_update` of a `state` at rest (offloaded leaves in host memory, as the step
     receives them), with the stacked leaves (`plan.layered`) updated one layer at a time;
     the returned state is at rest again. For an elementwise optimizer (`elementwise_reason`
-    is None) it computes what `guarded_update` of the fetched state does, element by element;
-    XLA:CPU rounds the loop body's fused update differently in the last place, so the result
-    matches to rounding, not bit for bit (tests/test_stream_update.py)."""
+    is None) it computes what `guarded_update` of the fetched state does, element by element:
+    bit for bit on XLA:CPU's default emitters (tests/test_stream_update.py; its legacy loop
+    emitters contract FMAs by fusion boundary and differ in the last place, docs/offload.md)."""
     lay, psh, osh = plan.layered, plan.params, plan.opt_state
     labels = _labels(optimizer, state.opt_state, lay)
     n_layers = next(x.shape[0] for x, m in zip(jax.tree.leaves(state.params), jax.tree.leaves(lay)) if m)
