@@ -64,6 +64,25 @@ def shrunk_model(m, n: int):
     return new, changed
 
 
+def shrunk_lora(section, model, changed: dict):
+    """The `lora:` section for the reduced `model`: a rank no target of it allows (its
+    smaller dim shrank below the rank) lowered to the most they allow, with alpha scaled so
+    the adapters' scale (alpha / r, or alpha / sqrt(r) with rslora) stays; the rank dim maps
+    to no mesh axis, so no sharding decision changes. Changes are added to `changed`."""
+    from fsdp_jax.app.models.lora import max_rank, resolve_targets
+
+    if not section.rank:
+        return section
+    rank = min(section.rank, max_rank(model, resolve_targets(section.targets)))
+    if rank == section.rank:
+        return section
+    ratio = rank / section.rank
+    alpha = section.alpha * (math.sqrt(ratio) if section.rslora else ratio)
+    changed["lora.rank"] = (section.rank, rank)
+    changed["lora.alpha"] = (section.alpha, alpha)
+    return dataclasses.replace(section, rank=rank, alpha=alpha)
+
+
 def _rows(model_cfg, min_shard_size: int, strategy: str, devices, remat: str):
     """{param path: (shape, at-rest spec)} of the reference model under `strategy`."""
     import optax
@@ -123,6 +142,7 @@ def shrink_config(cfg, n: int, strategies, devices):
         model=model,
         data=dataclasses.replace(cfg.data, seq_len=seq),
         mesh=dataclasses.replace(cfg.mesh, min_shard_size=threshold),
+        lora=shrunk_lora(cfg.lora, model, changed),
     )
     notes = [
         f"same sharding decision for every param under every strategy ({len(a)} params x "

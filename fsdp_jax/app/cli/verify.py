@@ -126,6 +126,11 @@ def _as_verified(cfg, devices, notes: list[str]) -> tuple:
         )
     if cfg.lora.rank and cfg.lora.dropout:
         notes.append(f"lora.dropout={cfg.lora.dropout:g} off: verify compares the steps without dropout")
+    if cfg.lora.rank:
+        notes.append(
+            "lora B drawn like A, not zero (PEFT's init_lora_weights=False): from zero, B is only its "
+            "updates, and Adam's first step in 16-bit compute is the sign of grads at rounding level"
+        )
     notes.append(f"optimizer {cfg.optimizer.name} at its peak lr {cfg.optimizer.lr:g} (warmup skipped)")
     return cfg, notes
 
@@ -139,6 +144,8 @@ def _verify(args, cfg, strategies, n: int, batches: list):
     from fsdp_jax.verify.run import verify
 
     lora = lora_spec(cfg)  # a LoRA config: the adapters train (and are compared), the base is frozen
+    if lora is not None:  # B from zero would be compared to its own (noise-level) first update
+        lora = dataclasses.replace(lora, init_weights=False)
     model = trainer_model(cfg.model, cfg.remat, lora)
     optimizer, _ = build_optimizer(dataclasses.replace(cfg.optimizer, warmup_steps=0), cfg.train.steps)
     optimizer = optimizer if lora is None else lora_optimizer(optimizer)

@@ -57,13 +57,17 @@ ADAPTER_LEAVES = ("lora_a", "lora_b")
 @dataclasses.dataclass(frozen=True)
 class LoraSpec:
     """rank r, alpha, rslora (scale alpha / sqrt(r), else alpha / r), and the target
-    weights (the decoder's names, `WEIGHTS` order)."""
+    weights (the decoder's names, `WEIGHTS` order). `init_weights`: PEFT's
+    `init_lora_weights`; True (its default) starts B at zero, so step 0 is the base; False
+    draws B as torch's nn.Linear(r, out) does, like A (PEFT's choice for tests: an adapter
+    that is not a no-op; `verify` uses it, see `fsdp_jax.app.cli.verify`)."""
 
     rank: int
     alpha: float
     targets: tuple[str, ...] = WEIGHTS
     rslora: bool = False
     dropout: float = 0.0  # on the adapters' input, in training only
+    init_weights: bool = True
 
     @property
     def scale(self) -> float:
@@ -167,13 +171,15 @@ def layer_keys(key, n_layers: int):
 
 
 class Adapter(nnx.Module):
-    """One weight's adapter: `lora_a` (in..., r), `lora_b` (r, out...) (zero: step 0 is the base)."""
+    """One weight's adapter: `lora_a` (in..., r) and `lora_b` (r, out...), zero (step 0 is
+    the base) unless `spec.init_weights` is False."""
 
     def __init__(self, in_shape, in_names, out_shape, out_names, spec: LoraSpec, rngs: nnx.Rngs):
         a_init = nnx.with_partitioning(_a_init(math.prod(in_shape)), tuple(in_names) + (LORA_RANK,))
-        b_init = nnx.with_partitioning(nnx.initializers.zeros, (LORA_RANK,) + tuple(out_names))
+        b_fn = nnx.initializers.zeros if spec.init_weights else _a_init(spec.rank)
+        b_init = nnx.with_partitioning(b_fn, (LORA_RANK,) + tuple(out_names))
         self.lora_a = nnx.Param(a_init(rngs.params(), tuple(in_shape) + (spec.rank,)))
-        self.lora_b = nnx.Param(b_init(None, (spec.rank,) + tuple(out_shape)))
+        self.lora_b = nnx.Param(b_init(None if spec.init_weights else rngs.params(), (spec.rank,) + tuple(out_shape)))
         self.scale, self.dropout = spec.scale, spec.dropout
 
     def __call__(self, x2, key=None):
