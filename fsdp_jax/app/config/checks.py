@@ -252,7 +252,7 @@ def _check_devices(cfg: Config, n_devices: int) -> None:
     except MeshError as e:
         raise ConfigError("mesh", str(e)) from None
     _check_context(cfg, context_n)
-    _check_experts(cfg, {"data": data_n, "fsdp": fsdp_n, "context": context_n, "tensor": tensor_n})
+    check_experts(cfg, {"data": data_n, "fsdp": fsdp_n, "context": context_n, "tensor": tensor_n})
     micro = tr.global_batch // tr.microbatches
     _check(
         micro % (data_n * fsdp_n) == 0,
@@ -263,7 +263,7 @@ def _check_devices(cfg: Config, n_devices: int) -> None:
     )
 
 
-def _check_experts(cfg: Config, sizes: dict[str, int]) -> None:
+def check_experts(cfg: Config, sizes: dict[str, int]) -> None:
     """Expert parallelism (`mesh.rules.expert`): over batch axes (`data`, `fsdp` or both:
     tokens moved by all-to-all; an `fsdp` expert dim is never gathered for compute) or
     `tensor` (tokens replicated over it), not a mix of the two, never `context`; n_experts
