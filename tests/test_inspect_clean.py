@@ -3,7 +3,7 @@
 against the layout; an involuntary rematerialization is named by its HLO instruction in both
 wordings XLA uses (never `? ?`)."""
 
-from fsdp_jax.app.planner.report import embedding_gradient, sharding_warnings
+from fsdp_jax.app.planner.report import embedding_gradient, explicit_all_to_all, sharding_warnings
 from fsdp_jax.hlo.findings import involuntary_rematerializations, rematerialization_warning
 from helpers import call
 
@@ -72,3 +72,27 @@ def test_the_reference_model_with_bf16_compute_inspects_without_the_all_to_all_w
     assert rc == 0, err
     assert "all-to-all      " in out or "all-to-all " in out  # the embedding gradient's is there
     assert "warning: activations resharded" not in out
+
+
+EXCHANGE = "jit(step)/jvp(forward)/while/body/closed_call/shard_map/all_to_all"  # models/moe_exchange.py
+
+
+def test_the_experts_token_exchange_is_not_flagged():
+    """Expert parallelism's all-to-all is a `jax.lax.all_to_all` inside the MoE layer's
+    shard_map (its op name ends in shard_map/all_to_all), asked for, not chosen by the
+    partitioner; one the partitioner inserts next to it still is."""
+    assert explicit_all_to_all(EXCHANGE) and not explicit_all_to_all("jit(step)/jvp(forward)/while/body/transpose")
+    args = dict(rows=[], strategy="full_shard", mesh_shape_={"fsdp": 8}, replicated_threshold=1 << 30)
+    assert sharding_warnings(report=_report([EXCHANGE, EXCHANGE.replace("jvp", "transpose(jvp")]), **args) == []
+    [w] = sharding_warnings(report=_report([EXCHANGE, "jit(step)/jvp(forward)/while/body/transpose"]), **args)
+    assert "1 per step (and 1 for the embedding gradient or the experts' exchange" in w
+
+
+def test_experts_over_fsdp_inspect_without_the_all_to_all_warning(capsys):
+    moe = ["model.n_experts=8", "model.experts_per_token=2", "model.moe_ffn_dim=64", "mesh.rules.expert=fsdp"]
+    rc, out, err = call(
+        "inspect_sharding", "--config", "configs/tiny.yaml", "--devices", "8", "--strategy", "full_shard",
+        "model.n_layers=2", *moe, capsys=capsys,
+    )  # fmt: skip
+    assert rc == 0, err
+    assert "all-to-all" in out and "warning: activations resharded" not in out, out[-3000:]

@@ -137,8 +137,8 @@ def test_expert_parallelism_bad_input_is_one_line_exit_2(tmp_path, capsys):
     moe = ["model.n_experts=6", "model.experts_per_token=2", "model.moe_ffn_dim=32", "mesh.data=4", "mesh.fsdp=2"]
     rc, _, err = call("train", *base, *moe, "mesh.rules.expert=data", capsys=capsys)
     one_line(rc, err, "model.n_experts", "6", "data", "size 4")
-    rc, _, err = call("train", *base, *moe, "model.n_experts=8", "mesh.rules.expert=fsdp", capsys=capsys)
-    one_line(rc, err, "mesh.rules.expert", "fsdp")
+    rc, _, err = call("train", *base, *moe, "model.n_experts=8", "mesh.rules.expert=[data,tensor]", capsys=capsys)
+    one_line(rc, err, "mesh.rules.expert", "tensor")
     assert not run.exists()
 
 

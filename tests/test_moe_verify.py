@@ -111,3 +111,75 @@ def test_cli_verifies_mixtral_shrunk(capsys):
     assert rc == 0, err[-3000:] + out
     doc = json.loads(out)
     assert doc["passed"] and doc["shrunk"]["model.moe_ffn_dim"][0] == 14336
+
+
+def _verify_doc(capsys, *more, strategies="all"):
+    rc, out, err = call(
+        "verify", "--config", "configs/tiny.yaml", "--steps", "2", "--json", "--strategies", strategies,
+        *MOE_OVERRIDES, *more, capsys=capsys,
+    )  # fmt: skip
+    assert rc == 0, err[-3000:] + out
+    return json.loads(out)
+
+
+def _all_to_all(report) -> int:
+    return report["collectives_per_step"].get("all-to-all", {}).get("count", 0)
+
+
+def test_verify_runs_the_configs_expert_parallelism_over_fsdp(capsys):
+    """`mesh.rules.expert=fsdp`: verify builds every strategy with the config's rules, so the
+    experts are split over fsdp and tokens move by all-to-all in each compiled step (the same
+    config without the rule has none), and every strategy still matches one device."""
+    doc = _verify_doc(capsys, "model.n_experts=8", "mesh.rules.expert=fsdp")
+    assert doc["passed"] and len(doc["strategies"]) == 5
+    for name, r in doc["strategies"].items():
+        assert _all_to_all(r) > 0, (name, r["collectives_per_step"])
+    assert any("experts over fsdp" in n and "full_shard 8" in n and "hybrid_shard 4" in n for n in doc["notes"])
+    plain = _verify_doc(capsys, "model.n_experts=8", strategies="full_shard,no_shard")
+    assert plain["passed"] and not any(_all_to_all(r) for r in plain["strategies"].values())
+
+
+def test_verify_runs_experts_over_data_on_the_configs_data_split(capsys):
+    """`mesh.rules.expert=data` with mesh.data=2: every strategy's mesh is data=2 x fsdp=4 (the
+    run's split, so the experts' axis exists), with all-to-all, and matches one device."""
+    more = ("model.n_experts=4", "mesh.rules.expert=data", "mesh.data=2", "mesh.fsdp=-1")
+    doc = _verify_doc(capsys, *more, strategies="full_shard,shard_opt,hybrid_shard")
+    assert doc["passed"]
+    for name, r in doc["strategies"].items():
+        assert r["mesh"]["data"] == 2 and r["mesh"]["fsdp"] == 4 and _all_to_all(r) > 0, (name, r["mesh"])
+
+
+def test_verify_refuses_experts_its_meshes_cannot_split(capsys):
+    """n_experts=4 over fsdp: the config's own mesh (fsdp=8 of 8 devices) cannot hold them
+    either; verify says so in one line naming model.n_experts, exit 2. An axis that cannot
+    hold experts is refused as by train."""
+    from helpers import one_line
+
+    base = ["verify", "--config", "configs/tiny.yaml", "--steps", "1", *MOE_OVERRIDES]
+    rc, _, err = call(*base, "model.n_experts=4", "mesh.rules.expert=fsdp", capsys=capsys)
+    one_line(rc, err, "model.n_experts", "4", "fsdp", "size 8")
+    rc, _, err = call(*base, "mesh.rules.expert=context", capsys=capsys)
+    one_line(rc, err, "mesh.rules.expert", "context")
+
+
+@pytest.mark.parametrize(
+    "rules,data", [({"expert": "fsdp"}, 1), ({"expert": ["data", "fsdp"]}, 2)], ids=["fsdp", "data_fsdp"]
+)
+def test_shrink_keeps_the_expert_split_of_the_configs_rules(rules, data):
+    """Qwen3-30B-A3B (128 experts) shrinks to 8 experts: divisible by the expert axes of every
+    verify mesh (8 over fsdp, or 2 x 4), and every param's spec under the config's rules,
+    the expert split among them, is the same for the full and the reduced model (the shrink
+    compares them, RuntimeError otherwise)."""
+    import dataclasses
+
+    from fsdp_jax.app.verify_shrink import _rows, shrink_config
+
+    cfg = load_run_config("configs/qwen3_30b_a3b.yaml", [f"mesh.rules.expert={rules['expert']}".replace("'", "")])
+    cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, data=data, fsdp=-1))
+    strategies = ["full_shard", "no_shard", "hybrid_shard"]
+    small, changed, _ = shrink_config(cfg, 8, strategies, jax.devices(), data)
+    assert small.model.n_experts == 8 and changed["model.n_experts"] == (128, 8)
+    rows = _rows(small.model, small.mesh.min_shard_size, "no_shard", jax.devices(), small.remat, small.mesh.rules, data)
+    ep = "fsdp" if data == 1 else ("data", "fsdp")
+    experts = [spec for path, (_, spec) in rows.items() if path.endswith("w_gate")]
+    assert experts and all(spec[1] == ep for spec in experts), experts

@@ -83,8 +83,9 @@ def shrunk_lora(section, model, changed: dict):
     return dataclasses.replace(section, rank=rank, alpha=alpha)
 
 
-def _rows(model_cfg, min_shard_size: int, strategy: str, devices, remat: str):
-    """{param path: (shape, at-rest spec)} of the reference model under `strategy`."""
+def _rows(model_cfg, min_shard_size: int, strategy: str, devices, remat: str, rules=None, data: int = 1):
+    """{param path: (shape, at-rest spec)} of the reference model under `strategy` and
+    `rules` (the config's mesh.rules) on verify's mesh for it (`data` x fsdp)."""
     import optax
 
     from fsdp_jax.app.trainer.build import trainer_model
@@ -93,30 +94,34 @@ def _rows(model_cfg, min_shard_size: int, strategy: str, devices, remat: str):
     from fsdp_jax.verify.compare import strategy_mesh_shape
 
     fns = trainer_model(model_cfg, remat)
-    mesh = make_mesh(*strategy_mesh_shape(strategy, len(devices)), devices=devices)
+    mesh = make_mesh(*strategy_mesh_shape(strategy, len(devices), data), devices=devices)
     plan = make_plan(
         fns.abstract_params,
         optax.sgd(0.1),
         mesh,
         strategy,
         fns.logical_axes,
+        rules=rules,
         min_shard_size=min_shard_size,
         max_replicated_fraction=None,
     )
     return {r.path: (r.shape, r.spec) for r in plan.rows}
 
 
-def shrink_config(cfg, n: int, strategies, devices):
+def shrink_config(cfg, n: int, strategies, devices, data: int = 1):
     """(reduced cfg, {key: (old, new)}, notes). Raises RuntimeError when the reduced
-    model would shard any param differently from the full one."""
+    model would shard any param differently from the full one under the config's mesh
+    rules on verify's meshes (`data` x fsdp; so experts split over mesh axes keep that split:
+    n_experts keeps its gcd with `n`, hence its divisibility by the expert axes)."""
     model, changed = shrunk_model(cfg.model, n)
     seq = shrink_dim(cfg.data.seq_len, 32, n)
     if seq != cfg.data.seq_len:
         changed["data.seq_len"] = (cfg.data.seq_len, seq)
     model = dataclasses.replace(model, max_seq_len=seq)
     # min_shard_size: the same params must stay replicated for being small
-    full = _rows(cfg.model, cfg.mesh.min_shard_size, strategies[0], devices, cfg.remat)
-    small_shapes = {p: s for p, (s, _) in _rows(model, 1, strategies[0], devices, cfg.remat).items()}
+    rules = cfg.mesh.rules
+    full = _rows(cfg.model, cfg.mesh.min_shard_size, strategies[0], devices, cfg.remat, rules, data)
+    small_shapes = {p: s for p, (s, _) in _rows(model, 1, strategies[0], devices, cfg.remat, rules, data).items()}
     small = {p: math.prod(s) < cfg.mesh.min_shard_size for p, (s, _) in full.items()}
     below = [math.prod(small_shapes[p]) for p in full if small[p]]
     above = [math.prod(small_shapes[p]) for p in full if not small[p]]
@@ -129,8 +134,8 @@ def shrink_config(cfg, n: int, strategies, devices):
     if threshold != cfg.mesh.min_shard_size:
         changed["mesh.min_shard_size"] = (cfg.mesh.min_shard_size, threshold)
     for s in strategies:
-        a = _rows(cfg.model, cfg.mesh.min_shard_size, s, devices, cfg.remat)
-        b = _rows(model, threshold, s, devices, cfg.remat)
+        a = _rows(cfg.model, cfg.mesh.min_shard_size, s, devices, cfg.remat, rules, data)
+        b = _rows(model, threshold, s, devices, cfg.remat, rules, data)
         for path in a:
             if a[path][1] != b[path][1]:
                 raise RuntimeError(

@@ -72,25 +72,43 @@ def axis_size(mesh: Mesh, axes_: MeshAxes) -> int:
     return math.prod(mesh.shape.get(a, 1) for a in _as_tuple(axes_))
 
 
+# Logical dims whose rule names mesh axes as they are: the strategy's shard group does not
+# replace their `fsdp`, and they claim their axes before any other dim of the leaf. Experts
+# over `fsdp` (expert parallelism, as torchtitan / DeepSpeed borrow EP from the data-parallel
+# group) then stay split over fsdp at rest and in compute (every strategy's spec keeps
+# them there, so no gather collects them), and no other dim of an expert weight also
+# shards over fsdp.
+LITERAL_NAMES = frozenset({ax.EXPERT})
+
+
 def logical_to_spec(
     names: Sequence[str | None], rules: Rules | None = None, shard_axes: Sequence[str] = (ax.FSDP,)
 ) -> P:
     """PartitionSpec for logical dim `names` under `rules`.
 
-    Unknown names and None map to no axis. Each mesh axis is used once: the first
-    dim claiming it wins. Every `fsdp` a rule produces becomes `shard_axes`.
+    Unknown names and None map to no axis. Each mesh axis is used once: the dims in
+    `LITERAL_NAMES` (experts) claim theirs first, then the first dim claiming an axis
+    wins. Every `fsdp` a rule produces becomes `shard_axes`, except for `LITERAL_NAMES`.
     """
     rules = DEFAULT_RULES if rules is None else rules
     used: set[str] = set()
-    out = []
-    for name in names:
+    out: list = [None] * len(names)
+
+    def claim(i: int, name: str | None, literal: bool) -> None:
         mapped: list[str] = []
         for a in _as_tuple(rules.get(name) if name is not None else None):
-            for b in tuple(shard_axes) if a == ax.FSDP else (a,):
+            for b in (a,) if literal or a != ax.FSDP else tuple(shard_axes):
                 if b not in used:
                     mapped.append(b)
         used.update(mapped)
-        out.append(_entry(mapped))
+        out[i] = _entry(mapped)
+
+    for i, name in enumerate(names):
+        if name in LITERAL_NAMES:
+            claim(i, name, True)
+    for i, name in enumerate(names):
+        if name not in LITERAL_NAMES:
+            claim(i, name, False)
     return P(*out)
 
 

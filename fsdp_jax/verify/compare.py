@@ -50,7 +50,7 @@ def _compare(
     options: Mapping[str, Any],
 ) -> VerifyReport:
     opts = {"max_replicated_fraction": None, **options}
-    context = _pop_context(opts, len(devs))
+    context, data = _pop_mesh_options(opts, len(devs))
     host_batches = _host_batches(batch, batches, steps, len(devs) // context, opts.get("microbatches", 1))
     from fsdp_jax.model.fns import _adapt  # the shard_model adapter: same model forms accepted
 
@@ -81,7 +81,7 @@ def _compare(
     ]
     reports = {}
     for name in names:
-        mesh = make_mesh(*strategy_mesh_shape(name, len(devs) // context), devices=devs, context=context)
+        mesh = make_mesh(*strategy_mesh_shape(name, len(devs) // context, data), devices=devs, context=context)
         reports[name] = _run_strategy(
             fns,
             optimizer,
@@ -189,22 +189,30 @@ def _build(fns, optimizer, mesh, strategy, loss_fn, opts):
         raise VerifyError(f"verify: {strategy}: {e}") from None
 
 
-def _pop_context(opts: dict, n: int) -> int:
+def _pop_mesh_options(opts: dict, n: int) -> tuple[int, int]:
     """Check `opts` and pop its `context` (default 1: each strategy's mesh splits sequences
-    over a `context` axis of that size), a positive divisor of the device count `n`."""
-    allowed = _BUILD_OPTIONS + _STEP_OPTIONS + ("context",)
+    over a `context` axis of that size), a positive divisor of the device count `n`, and its
+    `data` (default 1: `strategy_mesh_shape`'s own split), a positive divisor of n / context."""
+    allowed = _BUILD_OPTIONS + _STEP_OPTIONS + ("context", "data")
     unknown = sorted(set(opts) - set(allowed) - {"max_replicated_fraction"})
     if unknown:
         raise VerifyError(f"verify: unknown option(s) {', '.join(unknown)}; allowed: {', '.join(allowed)}")
     context = opts.pop("context", 1)
     if not isinstance(context, int) or context < 1 or n % context:
         raise VerifyError(f"verify: context={context!r} must be a positive divisor of devices={n}")
-    return context
+    data = opts.pop("data", 1)
+    if not isinstance(data, int) or data < 1 or (n // context) % data:
+        raise VerifyError(f"verify: data={data!r} must be a positive divisor of devices / context={n // context}")
+    return context, data
 
 
-def strategy_mesh_shape(strategy: str, n: int) -> tuple[int, int, int]:
+def strategy_mesh_shape(strategy: str, n: int, data: int = 1) -> tuple[int, int, int]:
     """(data, fsdp, tensor): every device on fsdp; hybrid_shard needs a data axis and
-    gets data=2 x fsdp=n/2 (as the planner does) when n is even and at least 4."""
+    gets data=2 x fsdp=n/2 (as the planner does) when n is even and at least 4. `data` > 1
+    (a divisor of n): every strategy's mesh is data x fsdp=n/data (a run whose rules split
+    the experts over data or fsdp verifies on its own split)."""
+    if data > 1:
+        return data, n // data, 1
     if strategy == "hybrid_shard" and n % 2 == 0 and n >= 4:
         return 2, n // 2, 1
     return 1, n, 1

@@ -93,7 +93,9 @@ def verify(
     `trainable` (the train step's), `min_shard_size`, `max_replicated_fraction`
     (default None: not checked), `rules`, `logical_axes` (the plan's), `context` (> 1:
     each strategy's mesh splits sequences over a `context` axis of that size, the batch
-    divisible by devices / context; the loss must zig-zag its rows, as the trainer's does).
+    divisible by devices / context; the loss must zig-zag its rows, as the trainer's does),
+    `data` (> 1: every strategy's mesh is data x fsdp = devices / context / data, e.g. for
+    `rules` that split experts over data or fsdp; default 1: fsdp only, hybrid_shard 2 x n/2).
 
     Returns a VerifyReport; raises VerifyError on bad input.
     """

@@ -78,30 +78,31 @@ def run(args) -> int:
         print(f"error: --devices {n}: this machine has {len(jax.devices())} devices", file=sys.stderr)
         return 1
     try:
-        cfg, changed, notes = _shrunk_if_big(cfg, args.max_params, n, strategies, devices)
+        cfg, changed, notes = _shrunk_if_big(cfg, args.max_params, n, strategies, devices, _data_size(cfg, n))
     except RuntimeError as e:  # cannot shrink keeping the decisions: exit 1, one line
         return fail_env(e)
     cfg, notes = _as_verified(cfg, devices, notes)
+    data = _expert_split(cfg, n, strategies, notes)
     from fsdp_jax.app.verify_batches import verify_batches
 
     batches, what = verify_batches(cfg, args.steps, args.seed, vocab_shrunk="vocab_size" in changed)
     notes.append(what)
-    report = _verify(args, cfg, strategies, n, batches)
+    report = _verify(args, cfg, strategies, n, batches, data)
     _print_report(args, changed, notes, report)
     return 0 if report.passed else 1
 
 
-def _shrunk_if_big(cfg, max_params: float, n: int, strategies, devices) -> tuple:
+def _shrunk_if_big(cfg, max_params: float, n: int, strategies, devices, data: int) -> tuple:
     """(config, {dim: (was, now)}, notes): `cfg` itself when it has at most `max_params`
-    params (or 0), else reduced keeping every sharding decision
-    (`fsdp_jax.app.verify_shrink`); RuntimeError when that cannot be done."""
+    params (or 0), else reduced keeping every sharding decision on the meshes verify runs
+    (`data` x fsdp, `fsdp_jax.app.verify_shrink`); RuntimeError when that cannot be done."""
     from fsdp_jax.app.models.llama import count_params
     from fsdp_jax.app.verify_shrink import shrink_config
 
     n_params = count_params(cfg.model)
     if not (max_params and n_params > max_params):
         return cfg, {}, []
-    cfg, changed, more = shrink_config(cfg, n, strategies, devices)
+    cfg, changed, more = shrink_config(cfg, n, strategies, devices, data)
     reduced = count_params(cfg.model) / 1e6
     notes = [
         f"{n_params / 1e6:.1f}M params: shrunk to verify on CPU ({reduced:.2f}M); "
@@ -135,9 +136,52 @@ def _as_verified(cfg, devices, notes: list[str]) -> tuple:
     return cfg, notes
 
 
-def _verify(args, cfg, strategies, n: int, batches: list):
+def _data_size(cfg, n: int) -> int:
+    """The data axis of verify's meshes: the config's data size when its rules split the
+    experts (`mesh.rules.expert`: the expert axes then get the run's sizes; fsdp the rest of
+    the `n` devices), else 1 (each strategy's own split, `strategy_mesh_shape`)."""
+    if not (cfg.model.n_experts and cfg.mesh.rules.get("expert")):
+        return 1
+    data, fsdp = cfg.mesh.data, cfg.mesh.fsdp
+    if data == -1 and fsdp > 0 and n % fsdp == 0:
+        return n // fsdp
+    return data if data > 0 and n % data == 0 else 1
+
+
+def _expert_split(cfg, n: int, strategies, notes: list[str]) -> int:
+    """verify's data size (`_data_size`), noting how the experts are split on each strategy's
+    mesh; ConfigError (exit 2) naming model.n_experts when a mesh's expert axes do not divide it."""
+    import math
+
+    from fsdp_jax.app.config.checks import check_experts
+    from fsdp_jax.errors import ConfigError
+    from fsdp_jax.verify.compare import strategy_mesh_shape
+
+    data = _data_size(cfg, n)
+    entry = cfg.mesh.rules.get("expert") if cfg.model.n_experts else None
+    if not entry:
+        return data
+    check_experts(cfg, dict.fromkeys(("data", "fsdp", "context", "tensor"), 1))  # axes that can hold experts
+    axes = (entry,) if isinstance(entry, str) else tuple(entry)
+    split = []
+    for s in strategies:
+        sizes = dict(zip(("data", "fsdp", "tensor"), strategy_mesh_shape(s, n, data)))
+        n_ep = math.prod(sizes.get(a, 1) for a in axes)
+        if cfg.model.n_experts % n_ep:
+            raise ConfigError(
+                "model.n_experts",
+                f"{cfg.model.n_experts} is not divisible by the expert axes {', '.join(axes)} of verify's "
+                f"{s} mesh (data={sizes['data']} x fsdp={sizes['fsdp']}: size {n_ep})",
+            )
+        split.append(f"{s} {n_ep}")
+    notes.append(f"experts over {', '.join(axes)} (mesh.rules.expert), split n ways: " + ", ".join(split))
+    return data
+
+
+def _verify(args, cfg, strategies, n: int, batches: list, data: int = 1):
     """`fsdp_jax.verify.run` on the trainer's model, loss and optimizer (at its peak lr), with
-    `batches` (`fsdp_jax.app.verify_batches`)."""
+    `batches` (`fsdp_jax.app.verify_batches`), the config's mesh rules and `data` x fsdp
+    meshes (`_data_size`)."""
     from fsdp_jax.app.models.lora import adapter_mask
     from fsdp_jax.app.trainer.build import has_router_aux, lora_optimizer, lora_spec, make_loss_fn, trainer_model
     from fsdp_jax.app.trainer.optim import build_optimizer
@@ -162,6 +206,8 @@ def _verify(args, cfg, strategies, n: int, batches: list):
         microbatches=cfg.train.microbatches,
         clip_norm=cfg.optimizer.clip_norm,
         min_shard_size=cfg.mesh.min_shard_size,
+        rules=cfg.mesh.rules,
+        data=data,
         has_aux=has_router_aux(cfg.model),
         **({} if lora is None else {"trainable": adapter_mask}),
     )

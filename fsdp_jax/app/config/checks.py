@@ -252,7 +252,7 @@ def _check_devices(cfg: Config, n_devices: int) -> None:
     except MeshError as e:
         raise ConfigError("mesh", str(e)) from None
     _check_context(cfg, context_n)
-    _check_experts(cfg, {"data": data_n, "fsdp": fsdp_n, "context": context_n, "tensor": tensor_n})
+    check_experts(cfg, {"data": data_n, "fsdp": fsdp_n, "context": context_n, "tensor": tensor_n})
     micro = tr.global_batch // tr.microbatches
     _check(
         micro % (data_n * fsdp_n) == 0,
@@ -263,20 +263,21 @@ def _check_devices(cfg: Config, n_devices: int) -> None:
     )
 
 
-def _check_experts(cfg: Config, sizes: dict[str, int]) -> None:
-    """Expert parallelism (`mesh.rules.expert`): over `data` (a batch axis: tokens moved by
-    all-to-all) or `tensor` (tokens replicated over it), not both, never `fsdp` (the
-    strategy's shard group, gathered for compute) or `context`; n_experts divides the size."""
+def check_experts(cfg: Config, sizes: dict[str, int]) -> None:
+    """Expert parallelism (`mesh.rules.expert`): over batch axes (`data`, `fsdp` or both:
+    tokens moved by all-to-all; an `fsdp` expert dim is never gathered for compute) or
+    `tensor` (tokens replicated over it), not a mix of the two, never `context`; n_experts
+    divides the size."""
     entry = cfg.mesh.rules.get("expert")
     axes = () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
     if not cfg.model.n_experts or not axes:
         return
     _check(
-        set(axes) <= {"data", "tensor"} and set(axes) != {"data", "tensor"},
+        set(axes) <= {"data", "fsdp"} or set(axes) == {"tensor"},
         "mesh.rules.expert",
         entry,
-        "must be data (experts over a batch axis, tokens moved by all-to-all) or tensor; fsdp is the "
-        "strategy's shard group (gathered for compute)",
+        "must be data, fsdp or [data, fsdp] (experts over batch axes, tokens moved by all-to-all) "
+        "or tensor; not context, nor tensor mixed with a batch axis",
     )
     size = math.prod(sizes[a] for a in axes)
     _check(
