@@ -176,3 +176,17 @@ def weight_shaped_results(hlo: str, shapes) -> list[str]:
         if m and tuple(int(d) for d in m.group(1).split(",")) in shapes:
             out.append(line.strip()[:160])
     return out
+
+
+def json_child(code: str, *args: str, env: dict) -> dict:
+    """The JSON document a `python -c code args...` child prints last, run from the repo root
+    with `env`; a failed child fails the test with the tail of its stderr."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, cwd=ROOT, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

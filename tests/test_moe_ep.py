@@ -156,15 +156,23 @@ def test_expert_axes_half_in_the_batch_are_refused():
         jax.eval_shape(m.apply, built.abstract_state.params, jnp.zeros((8, 8), jnp.int32))
 
 
-def test_train_command_runs_expert_parallel(tmp_path, corpus, capsys):
-    """`fsdp-jax train` with `mesh.rules.expert=data`: the config passes its checks, the
-    step runs, and metrics.jsonl carries the router metrics of every expert (the loads over
-    the 8 experts sum to 1, so min <= 1/8 <= max)."""
+@pytest.mark.parametrize("rule, data, fsdp", [("data", 8, 1), ("fsdp", 2, 4)])
+def test_train_command_runs_expert_parallel(tmp_path, corpus, capsys, rule, data, fsdp):
+    """`fsdp-jax train` with `mesh.rules.expert=data` (and `=fsdp`, tests/test_moe_ep_fsdp.py):
+    the config passes its checks, the step runs, and metrics.jsonl carries the router metrics
+    of every expert (the loads over the 8 experts sum to 1, so min <= 1/8 <= max)."""
     import json
 
     run = tmp_path / "run"
-    moe = ["model.n_experts=8", "model.experts_per_token=2", "model.moe_ffn_dim=32", "mesh.data=8", "mesh.fsdp=1"]
-    args = ["--config", "configs/tiny.yaml", *TINY_RUN_OVERRIDES, *moe, "mesh.rules.expert=data"]
+    moe = ["model.n_experts=8", "model.experts_per_token=2", "model.moe_ffn_dim=32", f"mesh.data={data}"]
+    args = [
+        "--config",
+        "configs/tiny.yaml",
+        *TINY_RUN_OVERRIDES,
+        *moe,
+        f"mesh.fsdp={fsdp}",
+        f"mesh.rules.expert={rule}",
+    ]
     rc, _, err = call("train", *args, f"data.path={corpus}", f"run_dir={run}", "train.steps=2", capsys=capsys)
     assert rc == 0, err[-3000:]
     recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

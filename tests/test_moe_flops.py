@@ -6,15 +6,11 @@ code). XLA:CPU lowers `ragged_dot` densely (tests/test_moe.py: capacity mode is 
 sparse path), and so does XLA:GPU at jax 0.10 (measured: a dense dot over all experts'
 rows, docs/moe.md)."""
 
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import json_child
 
 _CHILD = r"""
 import dataclasses, json, sys
@@ -54,11 +50,7 @@ def test_dropless_moe_layer_compiles_to_top_k_over_n_experts_of_the_dense_flops_
 
     assert targets.plugin_installed(kind="tpu"), "libtpu missing: python -m fsdp_jax.targets install tpu"
     env = targets.child_env(dict(os.environ), target=targets.make_target("v5p", devices=4))
-    proc = subprocess.run(
-        [sys.executable, "-c", _CHILD], capture_output=True, text=True, env=env, cwd=ROOT, check=False
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    r = json_child(_CHILD, env=env)
     for kind in ("forward", "train"):
         sparse, dense = r["sparse"][kind], r["dense"][kind]
         # top-2 of 8: a quarter of the experts' FLOPs; the router and the sort are the rest

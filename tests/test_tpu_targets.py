@@ -12,7 +12,7 @@ import pytest
 from fsdp_jax.app.planner.refusal import over_memory
 from fsdp_jax.hlo.findings import schedule_warnings
 from fsdp_jax.targets import gpu as targets
-from helpers import ROOT, TINY_MODEL_OVERRIDES, call, one_line
+from helpers import ROOT, TINY_MODEL_OVERRIDES, call, json_child, one_line
 
 TINY_YAML = "configs/tiny.yaml"
 
@@ -361,16 +361,7 @@ def test_analytic_argument_bytes_are_the_compiled_ones_on_every_tpu(name, device
         "strategies": list(STRATEGIES),
     }
     env = targets.child_env(dict(os.environ), target=t)
-    proc = subprocess.run(
-        [sys.executable, "-c", _ARGUMENT_CHILD, json.dumps(req)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    got = json_child(_ARGUMENT_CHILD, json.dumps(req), env=env)
     assert set(got) == set(STRATEGIES)
     batch_rows = 16 // devices  # per device, (rows, 33) int32 padded to (rows, 128)
     for strategy, r in got.items():
