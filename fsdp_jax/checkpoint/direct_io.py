@@ -1,7 +1,7 @@
 """Whole files written and read past the page cache (O_DIRECT), CRC-32 computed on the way.
 
     crc, pad = write_file(path, a)                 # a's bytes at offset pad, fsync'd; the file's CRC
-    raw = aligned_empty((size,), np.uint8)         # page-aligned host memory
+    raw = aligned_empty((size,), np.uint8, populate=True)  # page-aligned, faulted in
     crc2, got = read_file(path, raw)               # the file back; a's bytes are raw[pad:]
 
 O_DIRECT moves the bytes between the buffer and the disk with no copy into the page
@@ -11,27 +11,45 @@ buffer's address, the file offset and the length aligned to the device's block. 
 not page-aligned (XLA:CPU's sit 64 bytes past a page), so a file starts with `pad` bytes
 (the array's distance past an aligned address) before the data: then the bulk is aligned
 in memory and in the file at once and goes direct, with no copy; the few bytes before and
-after it go through an ordinary descriptor. A file system without O_DIRECT (tmpfs) gets ordinary writes and reads, then the
-written pages dropped from the cache (`POSIX_FADV_DONTNEED`).
+after it go through an ordinary descriptor. A file system without O_DIRECT (tmpfs) gets
+ordinary writes and reads, then the written pages dropped from the cache
+(`POSIX_FADV_DONTNEED`).
+
+The checksum is zlib's CRC-32 (the value `zlib.crc32` gives, so checkpoints written before
+are verified the same way), computed by zlib-ng's carry-less-multiply code: ~25 GB/s on one
+core against zlib's ~2.5, so on a 2-core machine it no longer competes with the I/O.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
-import zlib
 
 import numpy as np
+
+try:  # zlib-ng (a dependency): zlib's CRC-32, ~10x faster; the GIL released on large buffers
+    from zlib_ng.zlib_ng import crc32
+except ImportError:  # pragma: no cover - the same values, slower
+    from zlib import crc32
 
 ALIGN = 4096  # bytes: the largest logical block size in common use
 CHUNK = 64 << 20  # bytes per write / read call (a multiple of ALIGN)
 _DIRECT = getattr(os, "O_DIRECT", 0)
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
-def aligned_empty(shape, dtype) -> np.ndarray:
-    """An uninitialised C-order array in page-aligned (anonymous mmap) memory."""
+def aligned_empty(shape, dtype, populate: bool = False) -> np.ndarray:
+    """An uninitialised C-order array in page-aligned (anonymous mmap) memory. `populate`
+    (a buffer about to be filled, e.g. by `read_file`): private memory faulted in by the
+    mmap call itself (MAP_POPULATE: one pass in the kernel, the GIL released), not one
+    fault per 4 KiB page as the read first touches them, which on a loaded machine took
+    as long as the read (BENCHMARKS.md, checkpoint restore)."""
     n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-    return np.frombuffer(mmap.mmap(-1, max(n, 1)), np.uint8, n).view(dtype).reshape(shape)
+    if populate and _POPULATE:
+        m = mmap.mmap(-1, max(n, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE)
+    else:
+        m = mmap.mmap(-1, max(n, 1))
+    return np.frombuffer(m, np.uint8, n).view(dtype).reshape(shape)
 
 
 def _aligned(buf: memoryview) -> bool:
@@ -66,17 +84,17 @@ def write_file(path, a: np.ndarray) -> tuple[str, int]:
     pad = (np.frombuffer(buf, np.uint8).ctypes.data % ALIGN) if direct and len(buf) else 0
     head = min(len(buf), (ALIGN - pad) % ALIGN) if direct else 0
     end = head + (len(buf) - head) // ALIGN * ALIGN if direct else len(buf)  # the bulk: [head, end)
-    crc = zlib.crc32(buf[:head], zlib.crc32(bytes(pad)))  # over the whole file: pad, then data
+    crc = crc32(buf[:head], crc32(bytes(pad)))  # over the whole file: pad, then data
     try:
         for off in range(head, end, CHUNK):
             piece = buf[off : min(off + CHUNK, end)]
-            crc = zlib.crc32(piece, crc)
+            crc = crc32(piece, crc)
             _write_all(fd, piece, pad + off)
         if direct:  # the pad and head, and the tail, through the page cache
             plain = os.open(path, os.O_WRONLY)
             try:
                 _write_all(plain, memoryview(bytes(pad) + bytes(buf[:head])), 0)
-                crc = zlib.crc32(buf[end:], crc)
+                crc = crc32(buf[end:], crc)
                 _write_all(plain, buf[end:], pad + end)
                 os.fsync(plain)
             finally:
@@ -105,7 +123,7 @@ def read_file(path, a: np.ndarray) -> tuple[str, int]:
             n = os.preadv(fd, [buf[got : min(got + CHUNK, end)]], got)
             if not n:
                 break
-            crc = zlib.crc32(buf[got : got + n], crc)
+            crc = crc32(buf[got : got + n], crc)
             got += n
     finally:
         os.close(fd)
@@ -113,6 +131,6 @@ def read_file(path, a: np.ndarray) -> tuple[str, int]:
         with open(path, "rb", buffering=0) as f:
             f.seek(bulk)
             n = f.readinto(buf[bulk:])
-            crc = zlib.crc32(buf[bulk : bulk + n], crc)
+            crc = crc32(buf[bulk : bulk + n], crc)
             got += n
     return f"{crc:08x}", got
