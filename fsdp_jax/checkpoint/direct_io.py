@@ -1,7 +1,7 @@
 """Whole files written and read past the page cache (O_DIRECT), CRC-32 computed on the way.
 
     crc, pad = write_file(path, a)                 # a's bytes at offset pad, fsync'd; the file's CRC
-    raw = aligned_empty((size,), np.uint8, populate=True)  # page-aligned, faulted in
+    raw = aligned_empty((size,), np.uint8)         # page-aligned host memory
     crc2, got = read_file(path, raw)               # the file back; a's bytes are raw[pad:]
 
 O_DIRECT moves the bytes between the buffer and the disk with no copy into the page
@@ -35,20 +35,17 @@ except ImportError:  # pragma: no cover - the same values, slower
 ALIGN = 4096  # bytes: the largest logical block size in common use
 CHUNK = 64 << 20  # bytes per write / read call (a multiple of ALIGN)
 _DIRECT = getattr(os, "O_DIRECT", 0)
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
-def aligned_empty(shape, dtype, populate: bool = False) -> np.ndarray:
-    """An uninitialised C-order array in page-aligned (anonymous mmap) memory. `populate`
-    (a buffer about to be filled, e.g. by `read_file`): private memory faulted in by the
-    mmap call itself (MAP_POPULATE: one pass in the kernel, the GIL released), not one
-    fault per 4 KiB page as the read first touches them, which on a loaded machine took
-    as long as the read (BENCHMARKS.md, checkpoint restore)."""
+def aligned_empty(shape, dtype) -> np.ndarray:
+    """An uninitialised C-order array in page-aligned memory: a private anonymous mmap, whose
+    pages the kernel faults in as they are first written (by `read_file`'s O_DIRECT reads).
+    Private, not shared: a shared anonymous mapping is shmem, each page of it a page-cache
+    page of a hidden file, and faulting those in took a restore's reader threads as long as
+    the reads (BENCHMARKS.md, checkpoint restore)."""
     n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-    if populate and _POPULATE:
-        m = mmap.mmap(-1, max(n, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE)
-    else:
-        m = mmap.mmap(-1, max(n, 1))
+    private = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+    m = mmap.mmap(-1, max(n, 1), flags=private) if private else mmap.mmap(-1, max(n, 1))
     return np.frombuffer(m, np.uint8, n).view(dtype).reshape(shape)
 
 

@@ -40,7 +40,7 @@ from fsdp_jax.checkpoint import direct_io
 from fsdp_jax.checkpoint.manifest import SHARD_INDEX_GLOB as INDEX_GLOB
 from fsdp_jax.checkpoint.manifest import tree_paths
 
-WORKERS = 8  # files written / read at once (the CRC-32, mmap and file I/O release the GIL)
+WORKERS = 8  # files written / read at once (the CRC-32 and file I/O release the GIL)
 AHEAD = 2  # leaves whose files are read while one is assembled
 INDEX = "shards.{}.json"
 
@@ -169,7 +169,7 @@ def load_file(directory: Path, entry: dict, dtype, shape) -> np.ndarray:
         size = path.stat().st_size
         if size != entry["bytes"] or size != pad + nbytes:
             raise ShardFileError(f"{rel} has {size} bytes, {entry['bytes']} when saved")
-        raw = direct_io.aligned_empty((size,), np.uint8, populate=True)  # becomes the array: no copy
+        raw = direct_io.aligned_empty((size,), np.uint8)  # becomes the array: no copy
         crc, got = direct_io.read_file(path, raw)
     except FileNotFoundError:
         raise ShardFileError(f"{rel} is missing") from None
