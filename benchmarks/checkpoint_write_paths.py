@@ -14,13 +14,16 @@ memory (offloaded: no device round trip); then `payload="orbax"` (Orbax OCDBT) s
 restored. With --orbax-handlers also Orbax's PyTreeCheckpointHandler with OCDBT, without,
 with OCDBT + zarr3, and a raw write of every shard to its own file with fsync. Prints one
 JSON line of GB/s per path (1 GB = 1e9 bytes), one value per repetition, and each
-Checkpointer path's ratio to that repetition's dd. DIR must be on the disk to measure;
-everything written there is removed.
+Checkpointer path's ratio to that repetition's dd. Each path is timed from a collected heap
+(`gc.collect()` first: jax frees the buffers of dropped arrays, such as the previous restore's
+1 GiB, when Python's gc runs). DIR must be on the disk to measure; everything written there is
+removed.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -50,6 +53,10 @@ def make_state():
 
 
 def timed(fn, nbytes: int) -> float:
+    """GB/s of `fn()` over `nbytes`, from a collected heap: the previous path's garbage (and the
+    buffers jax frees only when Python's gc runs: `jax._src.lib._xla_gc_callback`) is freed
+    before the clock starts, not inside whichever path's allocations trigger the next gc."""
+    gc.collect()
     t = time.perf_counter()
     fn()
     return round(nbytes / (time.perf_counter() - t) / 1e9, 3)
