@@ -16,8 +16,8 @@ ordinary writes and reads, then the written pages dropped from the cache
 (`POSIX_FADV_DONTNEED`).
 
 The checksum is zlib's CRC-32 (the value `zlib.crc32` gives, so checkpoints written before
-are verified the same way), computed by zlib-ng's carry-less-multiply code: ~25 GB/s on one
-core against zlib's ~2.5, so on a 2-core machine it no longer competes with the I/O.
+are verified the same way), computed by zlib-ng's carry-less-multiply code: several times zlib's speed on one core, so
+on a 2-core machine it no longer competes with the I/O (BENCHMARKS.md, checkpoint restore).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import os
 
 import numpy as np
 
-try:  # zlib-ng (a dependency): zlib's CRC-32, ~10x faster; the GIL released on large buffers
+try:  # zlib-ng (a dependency): zlib's CRC-32, faster; the GIL released on large buffers
     from zlib_ng.zlib_ng import crc32
 except ImportError:  # pragma: no cover - the same values, slower
     from zlib import crc32
