@@ -6,6 +6,7 @@ Orbax-written steps still restoring."""
 
 import json
 import zlib
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -272,3 +273,22 @@ def test_the_checksum_is_zlibs_crc32_computed_by_zlib_ng(tmp_path):
     assert direct_io.crc32(b"", 0x1234) == zlib.crc32(b"", 0x1234) and direct_io.crc32(b"") == 0
     (tmp_path / "f").write_bytes(blob)
     assert file_crc32(tmp_path / "f", chunk=4096) == f"{zlib.crc32(blob):08x}"
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/self/maps (Linux)")
+def test_read_buffers_are_private_page_aligned_memory():
+    """A restore reads each file into the memory that becomes its array: page-aligned for
+    O_DIRECT, and a private mapping (a shared anonymous one is shmem, whose page faults under
+    the reads made restores half as fast: BENCHMARKS.md)."""
+    from fsdp_jax.checkpoint import direct_io
+
+    a = direct_io.aligned_empty((3, 5000), np.float32)
+    addr = a.ctypes.data
+    assert addr % direct_io.ALIGN == 0 and a.shape == (3, 5000) and a.flags.c_contiguous
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+        if lo <= addr < hi:
+            assert line.split()[1] == "rw-p", line
+            break
+    else:
+        pytest.fail("the buffer's mapping is not in /proc/self/maps")
