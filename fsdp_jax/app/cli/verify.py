@@ -209,6 +209,9 @@ def _verify(args, cfg, strategies, n: int, batches: list, data: int = 1):
         rules=cfg.mesh.rules,
         data=data,
         has_aux=has_router_aux(cfg.model),
+        # a mixture of experts: the experts' token counts are compared exactly; from a step at which
+        # a token's top-k choice flipped (a near-tie) the steps are reported, not judged (docs/moe.md)
+        **({"routing": "expert_load"} if has_router_aux(cfg.model) else {}),
         **({} if lora is None else {"trainable": adapter_mask}),
     )
 
