@@ -158,7 +158,12 @@ def measure(cfg, strategy: str, n: int, steps: int, seed: int) -> dict:
         srt = -np.sort(-prob_r, axis=-1)
         gap = srt[..., k - 1] - srt[..., k]
         flips = []
-        for layer, tok in np.argwhere((top_r != top_s).any(-1)):
+        flipped = np.argwhere((top_r != top_s).any(-1))  # (layer, token) pairs, layer-major
+        seq = batches[i].shape[1] - 1  # tokens are (row, position) flattened
+        for layer, tok in flipped:
+            # downstream of an earlier layer's flip in its own row, at or before its position
+            # (the residual stream and attention carry that flip's difference to it)
+            after = any(l2 < layer and t2 // seq == tok // seq and t2 <= tok for l2, t2 in flipped)
             flips.append(
                 {
                     "layer": int(layer),
@@ -170,6 +175,7 @@ def measure(cfg, strategy: str, n: int, steps: int, seed: int) -> dict:
                     },
                     "reference_gap": float(gap[layer, tok]),
                     "strategy_gap": float(_gap(prob_s[layer, tok], k)),
+                    "after_earlier_flip": bool(after),
                 }
             )
         report["steps"].append(
@@ -182,12 +188,21 @@ def measure(cfg, strategy: str, n: int, steps: int, seed: int) -> dict:
                 "experts_median_rel": float(np.median([x[0] for x in experts])) if experts else 0.0,
                 "pairs_moved_in_step": np.round((es - er) * pairs).astype(int).tolist(),
                 "router_logits_max_abs_diff": float(np.max(np.abs(lg_r - lg_s))),
+                "router_logits_max_abs_diff_rows_without_flips": _rows_without(lg_r - lg_s, flipped, seq),
                 "reference_min_gap": float(gap.min()),
                 "reference_tokens_gap_below_1e-5": int((gap < 1e-5).sum()),
                 "topk_flips": flips,
             }
         )
     return report
+
+
+def _rows_without(d, flipped, seq: int) -> float:
+    """max |d| (layers, tokens, experts) over the sequences with no top-k flip in any layer."""
+    rows = d.reshape(d.shape[0], -1, seq, d.shape[-1])
+    keep = np.ones(rows.shape[1], bool)
+    keep[[t // seq for _, t in flipped]] = False
+    return float(np.max(np.abs(rows[:, keep]), initial=0.0))
 
 
 def _sparse_layers(cfg) -> int:
@@ -229,6 +244,8 @@ def print_text(r: dict) -> None:
             f"  router (one device, each run's params at the step's start): logits differ by up to "
             f"{s['router_logits_max_abs_diff']:.2e}; reference's smallest top-k gap {s['reference_min_gap']:.2e} "
             f"({s['reference_tokens_gap_below_1e-5']} tokens under 1e-5); {len(s['topk_flips'])} top-k flips"
+            f" (logits in the sequences without one differ by up to "
+            f"{s['router_logits_max_abs_diff_rows_without_flips']:.2e})"
         )
         for f in s["topk_flips"]:
             probs = ", ".join(f"e{e} {p:.8f}" for e, p in f["reference_probs"].items())
@@ -236,6 +253,7 @@ def print_text(r: dict) -> None:
                 f"    layer {f['layer']} token {f['token']}: experts {f['reference_experts']} -> "
                 f"{f['strategy_experts']}; reference probs {probs} (gap {f['reference_gap']:.2e}, "
                 f"strategy's {f['strategy_gap']:.2e})"
+                + (", after an earlier layer's flip in its sequence" if f["after_earlier_flip"] else "")
             )
 
 

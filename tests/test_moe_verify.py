@@ -103,12 +103,14 @@ DOCS_MOE = [
 
 
 @pytest.mark.slow
-def test_adamw_moe_verify_stops_judging_at_the_routing_flip_of_step_3(capsys):
-    """docs/moe.md's tiny MoE with AdamW (the config's optimizer): at step 3 one (token, expert)
-    pair of the 16384 lands on another expert in the 8-device step than on one device (a near
-    tie, benchmarks/moe_routing_flips.py), so the expert load differs by exactly 1/16384 and the
-    experts' params jump past the adaptive-f32 limit; verify reports that step and judges steps
-    1-2, which are within the unchanged limit."""
+def test_adamw_moe_verify_stops_judging_at_the_routing_flip(capsys):
+    """docs/moe.md's tiny MoE with AdamW (the config's optimizer): after a step or two a token
+    whose 2nd and 3rd router probabilities nearly tie lands on another expert in the 8-device
+    step than on one device (benchmarks/moe_routing_flips.py), so the expert load differs by a
+    whole number of the 16384 (token, expert) pairs and the experts' params jump past the
+    adaptive-f32 limit. Which step flips depends on XLA:CPU's rounding (step 3 from the command
+    line, step 2 under this suite's XLA flags); verify reports that step and judges the ones
+    before it, which are within the unchanged limit."""
     rc, out, err = call(
         "verify", "--config", "configs/tiny.yaml", "--steps", "3", "--json", "--strategies", "full_shard",
         *DOCS_MOE, capsys=capsys,
@@ -116,11 +118,13 @@ def test_adamw_moe_verify_stops_judging_at_the_routing_flip_of_step_3(capsys):
     assert rc == 0, err[-3000:] + out
     doc = json.loads(out)
     r = doc["strategies"]["full_shard"]
-    assert doc["passed"] and r["routing_flip_step"] == 3 and r["first_divergence"] is None
-    assert r["routing_diff"][:2] == [0.0, 0.0] and abs(r["routing_diff"][2] * 16384 - 1) < 1e-9
+    s = r["routing_flip_step"]
+    assert doc["passed"] and s in (2, 3) and r["first_divergence"] is None, r
+    pairs = r["routing_diff"][s - 1] * 16384
+    assert r["routing_diff"][: s - 1] == [0.0] * (s - 1) and pairs >= 1 and pairs == round(pairs)
     limit = doc["tolerance"]["param_rtol"]
     assert doc["tolerance"]["name"] == "adaptive-f32" and limit == 5e-5
-    assert max(r["param_rel_diff"][:2]) <= limit < r["param_rel_diff"][2]  # the jump: reported, not judged
+    assert max(r["param_rel_diff"][: s - 1]) <= limit < r["param_rel_diff"][s - 1]  # the jump: reported, not judged
 
 
 def test_shrunk_moe_config_keeps_the_expert_dims_divisibility():
