@@ -10,7 +10,8 @@ as `fsdp-jax verify` builds them (fsdp_jax/app/cli/verify.py), trained `--steps`
 device (the reference) and under `--strategy` on `--devices` devices from the same params.
 Per step:
 - the loss and grad-norm relative differences and the leaves that differ most after the step
-  (||p - p_ref|| / ||p_ref||, the largest element difference);
+  (||p - p_ref|| / ||p_ref||, the largest element difference); for the worst leaf, how many
+  elements differ by over 1e-5 and the reference's gradient at the 3 that differ most;
 - the (token, expert) pairs each expert received in that step's own forward (the step's aux
   `expert_load` x the number of pairs), strategy minus reference: nonzero when a token's
   top-k choice differs inside the compiled step;
@@ -124,6 +125,20 @@ def measure(cfg, strategy: str, n: int, steps: int, seed: int) -> dict:
             moe.route = route
         return np.stack(captured)
 
+    grad = jax.jit(jax.grad(lambda p, b: loss_fn(p, b)[0]))  # the reference's, one device
+
+    def worst_elements(path, a, r, start, batch):
+        """How many elements of leaf `path` differ by over 1e-5, and the reference's gradient
+        (after the step's clipping) at the 3 that differ most: Adam turns rounding on
+        gradients far below its eps into lr-sized differences."""
+        g = jax.device_get(grad(start, batch))
+        norm = float(np.sqrt(sum(np.sum(np.square(x, dtype=np.float64)) for x in jax.tree.leaves(g))))
+        scale = min(1.0, cfg.optimizer.clip_norm / norm) if cfg.optimizer.clip_norm else 1.0
+        leaf = dict((rl.path_str(q), x) for q, x in jax.tree_util.tree_flatten_with_path(g)[0])[path]
+        d = np.abs(a - r).ravel()
+        top = np.argsort(-d)[:3]
+        return int((d > 1e-5).sum()), [float(abs(leaf.ravel()[j]) * scale) for j in top]
+
     k = cfg.model.experts_per_token
     pairs = k * batches[0].shape[0] * (batches[0].shape[1] - 1) * _sparse_layers(cfg)
     report = {
@@ -178,8 +193,13 @@ def measure(cfg, strategy: str, n: int, steps: int, seed: int) -> dict:
                     "after_earlier_flip": bool(after),
                 }
             )
+        worst = leaves[0][1]
+        a, r = (dict(zip(paths, jax.tree.leaves(x)))[worst] for x in (ps, pr))
+        over, grads_at = worst_elements(worst, a, r, start_r, batches[i])
         report["steps"].append(
             {
+                "worst_leaf_elements_over_1e-5": over,
+                "worst_leaf_grad_at_top_elements": grads_at,
                 "step": i + 1,
                 "loss_rel": abs(ls - lr_) / abs(lr_),
                 "grad_norm_rel": abs(gs - gr) / abs(gr),
@@ -234,6 +254,11 @@ def print_text(r: dict) -> None:
         print(f"step {s['step']}: loss rel {s['loss_rel']:.2e}, grad-norm rel {s['grad_norm_rel']:.2e}")
         for leaf in s["leaves"]:
             print(f"  {leaf['path']:<44} rel {leaf['rel']:.2e}  max abs {leaf['max_abs']:.2e}")
+        print(
+            f"  {s['leaves'][0]['path']}: {s['worst_leaf_elements_over_1e-5']} elements differ by over 1e-5; "
+            "the reference's |grad| at the 3 that differ most "
+            + ", ".join(f"{x:.1e}" for x in s["worst_leaf_grad_at_top_elements"])
+        )
         worst = ", ".join(
             f"{x['path'].rsplit('/', 1)[-1]} layer {x['layer']} expert {x['expert']} {x['rel']:.1e}"
             for x in s["experts"]
