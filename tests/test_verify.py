@@ -291,6 +291,77 @@ def test_dropout_whose_bits_change_with_the_sharding_fails():
     assert d is not None and d.step == 1 and d.loss is not None
 
 
+# ----------------------------------------------------------------------------- routing flips
+
+
+def routed_setup(flip_from: int, jump_from: int | None = None):
+    """The Linen MLP's loss with an aux `load` standing for an MoE router's per-expert load,
+    from which the sharded runs (mesh size > 1) differ from step `flip_from` on, as when a
+    near-tied token's top-k choice flips there: the load moves by 0.25 and the loss jumps with
+    it (a discontinuity), from step `jump_from` (default `flip_from`). Batches carry their
+    step index in `step`."""
+    model, base = linen_setup()
+    jump_from = flip_from if jump_from is None else jump_from
+
+    def loss_fn(params, b):
+        loss = base(params, b)
+        sharded = jax.sharding.get_abstract_mesh().size > 1  # traced under the step's mesh
+        step = b["step"][0] + 1
+        moved = jnp.float32(sharded) * (step >= flip_from)
+        jumped = jnp.float32(sharded) * (step >= jump_from)
+        logits = model.apply(params, b["x"])
+        loss = loss + jumped * 1e-2 * jnp.mean(logits * logits)
+        return loss, {"load": jnp.array([0.5, 0.5]) + moved * jnp.array([-0.25, 0.25])}
+
+    batches = [dict(b, step=np.full((16,), i, np.int32)) for i, b in enumerate(classification_batches())]
+    return model, loss_fn, batches
+
+
+def test_a_routing_flip_stops_the_judging_at_its_step_and_is_reported():
+    """Without `routing` the jump fails step 2; with it the load differs from step 2 on
+    (exactly 0.25), steps 2-3 are reported (the jump's loss difference is there) and not judged,
+    and step 1, judged, passes; the table and the JSON say so."""
+    model, loss_fn, batches = routed_setup(flip_from=2)
+    plain = run(model, loss_fn, batches=batches, strategies=("full_shard",), has_aux=True)
+    assert not plain.passed and plain.strategies["full_shard"].first_divergence.step == 2
+    r = run(model, loss_fn, batches=batches, strategies=("full_shard", "no_shard"), has_aux=True, routing="load")
+    assert r.passed and r.routing == "load"
+    for s in r.strategies.values():
+        assert s.routing_flip_step == 2 and s.judged_steps == 1 and s.first_divergence is None
+        assert s.routing_diff == [0.0, 0.25, 0.25]
+        assert s.loss_rel_diff[0] <= r.tolerance.loss_rtol < s.loss_rel_diff[1]  # reported, not judged
+    text = r.format()
+    assert "PASS (steps 1-1)" in text and "steps 2-3 reported, not judged" in text
+    assert "up to the routing flip of full_shard, no_shard" in text
+    assert fj.VerifyReport.from_dict(json.loads(json.dumps(r.to_dict()))) == r
+
+
+def test_routing_that_differs_from_the_same_params_fails_and_a_jump_before_the_flip_is_judged():
+    """A load that differs at step 1, where both runs start from the same params, is not a
+    flip rounding can explain: FAIL at step 1 naming the routing. A loss that jumps at step 1
+    while the load differs only from step 2 fails at step 1 on the loss."""
+    model, loss_fn, batches = routed_setup(flip_from=1)
+    r = run(model, loss_fn, batches=batches, strategies=("full_shard",), has_aux=True, routing="load")
+    d = r.strategies["full_shard"].first_divergence
+    assert not r.passed and d.step == 1 and d.routing == 0.25 and r.strategies["full_shard"].judged_steps == 0
+    assert "the routing differs from the reference's by 0.25 although both start from the same params" in r.format()
+    model, loss_fn, batches = routed_setup(flip_from=2, jump_from=1)
+    r = run(model, loss_fn, batches=batches, strategies=("full_shard",), has_aux=True, routing="load")
+    d = r.strategies["full_shard"].first_divergence
+    assert not r.passed and d.step == 1 and d.loss is not None and d.routing is None
+
+
+def test_routing_option_bad_input_is_one_line():
+    model, loss_fn, batches = routed_setup(flip_from=2)
+    kw = dict(batches=batches, strategies=["full_shard"], devices=8, steps=1, min_shard_size=1, check_init=False)
+    _raises(
+        "routing=.load. names a key of the loss.s aux: it needs has_aux=True", model, SGD, loss_fn, **kw, routing="load"
+    )
+    _raises(r"routing='loads' is not a key of the loss's aux \(it has: load\)", model, SGD, loss_fn, **kw,
+            has_aux=True, routing="loads")  # fmt: skip
+    _raises("routing=3 must be the name", model, SGD, loss_fn, **kw, has_aux=True, routing=3)
+
+
 # ----------------------------------------------------------------------------- tolerances
 
 

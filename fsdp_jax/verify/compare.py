@@ -51,6 +51,7 @@ def _compare(
 ) -> VerifyReport:
     opts = {"max_replicated_fraction": None, **options}
     context, data = _pop_mesh_options(opts, len(devs))
+    routing = _pop_routing(opts)
     host_batches = _host_batches(batch, batches, steps, len(devs) // context, opts.get("microbatches", 1))
     from fsdp_jax.model.fns import _adapt  # the shard_model adapter: same model forms accepted
 
@@ -66,12 +67,14 @@ def _compare(
     p0, ms0 = _host(state.params), _host(state.model_state)
     with _user_code("loss_fn fails on the batch"):
         step = ref.train_step.lower(state, _put(host_batches[0], ref.plan.batch)).compile()
-    ref_loss, ref_gnorm, ref_params = [], [], []
+    ref_loss, ref_gnorm, ref_params, ref_routing = [], [], [], []
     for b in host_batches:
         state, m = step(state, _put(b, ref.plan.batch))
         ref_loss.append(float(m["loss"]))  # blocking each step bounds the work in flight (CPU)
         ref_gnorm.append(float(m["grad_norm"]))
         ref_params.append(_host((state.params, state.model_state)))
+        if routing is not None:
+            ref_routing.append(_routing_value(m, routing))
     del state
 
     # params, then the model's state (BatchNorm statistics: over the global batch, so
@@ -98,6 +101,8 @@ def _compare(
             ref_params,
             paths,
             tol,
+            routing,
+            ref_routing,
         )
     return VerifyReport(
         devices=len(devs),
@@ -109,6 +114,7 @@ def _compare(
         reference_loss=ref_loss,
         reference_grad_norm=ref_gnorm,
         strategies=reports,
+        routing=routing,
     )
 
 
@@ -128,6 +134,8 @@ def _run_strategy(
     ref_params,
     paths,
     tol,
+    routing=None,
+    ref_routing=(),
 ) -> StrategyReport:
     p0, ms0 = start
     built = _build(fns, optimizer, mesh, name, loss_fn, opts)
@@ -143,7 +151,7 @@ def _run_strategy(
     step = built.train_step.lower(state, _put(host_batches[0], built.plan.batch)).compile()
     collectives = {op: dict(v) for op, v in collective_report(step.as_text())["per_step"].items()}
     peak = compiled_memory(step)["peak"]
-    loss_d, gnorm_d, param_d, first = [], [], [], None
+    loss_d, gnorm_d, param_d, routing_d, first, flip = [], [], [], [], None, None
     for i, b in enumerate(host_batches):
         state, m = step(state, _put(b, built.plan.batch))
         loss_d.append(_rel(float(m["loss"]), ref_loss[i]))
@@ -153,7 +161,18 @@ def _run_strategy(
             for a, r in zip(jax.tree.leaves(_host((state.params, state.model_state))), jax.tree.leaves(ref_params[i]))
         ]
         param_d.append(max(leaf_d, default=0.0))
-        if first is None:
+        if routing is not None:  # discrete choices: equal, or a flip (from it on nothing is judged)
+            value, ref_value = _routing_value(m, routing), ref_routing[i]
+            same = value.shape == ref_value.shape and np.array_equal(value, ref_value)
+            if same or value.shape != ref_value.shape:
+                routing_d.append(0.0 if same else float("inf"))
+            else:
+                routing_d.append(float(np.max(np.abs(value - ref_value))))
+            if not same and flip is None:
+                flip = i + 1
+                if flip == 1 and first is None:  # from the same params: not a flip noise can explain
+                    first = Divergence(1, None, None, (), routing=routing_d[-1])
+        if first is None and flip is None:
             bad = sorted(((p, e) for p, e in zip(paths, leaf_d) if not e <= tol.param_rtol), key=lambda pe: -pe[1])
             over_loss, over_gnorm = not loss_d[-1] <= tol.loss_rtol, not gnorm_d[-1] <= tol.grad_norm_rtol
             if bad or over_loss or over_gnorm:
@@ -179,6 +198,8 @@ def _run_strategy(
         peak_bytes=int(peak),
         collectives_per_step=collectives,
         first_divergence=first,
+        routing_diff=routing_d,
+        routing_flip_step=flip,
     )
 
 
@@ -193,7 +214,7 @@ def _pop_mesh_options(opts: dict, n: int) -> tuple[int, int]:
     """Check `opts` and pop its `context` (default 1: each strategy's mesh splits sequences
     over a `context` axis of that size), a positive divisor of the device count `n`, and its
     `data` (default 1: `strategy_mesh_shape`'s own split), a positive divisor of n / context."""
-    allowed = _BUILD_OPTIONS + _STEP_OPTIONS + ("context", "data")
+    allowed = _BUILD_OPTIONS + _STEP_OPTIONS + ("context", "data", "routing")
     unknown = sorted(set(opts) - set(allowed) - {"max_replicated_fraction"})
     if unknown:
         raise VerifyError(f"verify: unknown option(s) {', '.join(unknown)}; allowed: {', '.join(allowed)}")
@@ -204,6 +225,31 @@ def _pop_mesh_options(opts: dict, n: int) -> tuple[int, int]:
     if not isinstance(data, int) or data < 1 or (n // context) % data:
         raise VerifyError(f"verify: data={data!r} must be a positive divisor of devices / context={n // context}")
     return context, data
+
+
+def _pop_routing(opts: dict) -> str | None:
+    """Pop and check `routing`: None, or the key of the loss's aux dict (`has_aux`) holding a
+    value of the step's discrete choices only (an MoE router's per-expert load), compared
+    exactly: from the first step at which it differs from the reference's (a top-k routing
+    flip: a token whose k-th and (k+1)-th router probabilities nearly tie chose the other
+    expert, a discontinuity of the loss no tolerance covers) a strategy's steps are reported
+    and not judged; a difference at step 1, where both runs start from the same params, fails."""
+    key = opts.pop("routing", None)
+    if key is None:
+        return None
+    if not isinstance(key, str) or not key:
+        raise VerifyError(f"verify: routing={key!r} must be the name of a key of the loss's aux dict")
+    if not opts.get("has_aux"):
+        raise VerifyError(f"verify: routing={key!r} names a key of the loss's aux: it needs has_aux=True")
+    return key
+
+
+def _routing_value(metrics, key: str) -> np.ndarray:
+    aux = metrics.get("aux")
+    if not isinstance(aux, Mapping) or key not in aux:
+        have = ", ".join(sorted(map(str, aux))) if isinstance(aux, Mapping) else type(aux).__name__
+        raise VerifyError(f"verify: routing={key!r} is not a key of the loss's aux (it has: {have})")
+    return np.asarray(jax.device_get(aux[key]), np.float64)
 
 
 def strategy_mesh_shape(strategy: str, n: int, data: int = 1) -> tuple[int, int, int]:

@@ -95,7 +95,11 @@ def verify(
     each strategy's mesh splits sequences over a `context` axis of that size, the batch
     divisible by devices / context; the loss must zig-zag its rows, as the trainer's does),
     `data` (> 1: every strategy's mesh is data x fsdp = devices / context / data, e.g. for
-    `rules` that split experts over data or fsdp; default 1: fsdp only, hybrid_shard 2 x n/2).
+    `rules` that split experts over data or fsdp; default 1: fsdp only, hybrid_shard 2 x n/2),
+    `routing` (with `has_aux`: a key of the loss's aux dict holding a value of the step's
+    discrete choices only, e.g. an MoE router's per-expert load; compared exactly, and from
+    the first step at which a strategy's differs, a top-k routing flip, that strategy's steps
+    are reported and not judged; a difference at step 1, from the same params, fails).
 
     Returns a VerifyReport; raises VerifyError on bad input.
     """

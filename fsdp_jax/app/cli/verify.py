@@ -11,6 +11,9 @@ trainer's own batches when `data.path` holds a packed corpus (or a token corpus 
 random tokens of the config's batch shape: `--steps` steps on one device, the same steps under each strategy on `--devices`
 devices (fake CPU devices when this machine has fewer). The optimizer runs at its peak
 learning rate (warmup skipped) so that the few steps make full-size updates.
+On a mixture-of-experts config the step's expert load is compared exactly too: from a step at
+which a strategy's differs (a token whose top-k router choice nearly tied flipped) that
+strategy's steps are reported, not judged; at step 1 it fails (docs/moe.md).
 
 A config too big for this machine (over --max-params, default 20M) is verified at a
 reduced depth and width that keeps every sharding decision: each dim shrinks to a size
@@ -209,6 +212,9 @@ def _verify(args, cfg, strategies, n: int, batches: list, data: int = 1):
         rules=cfg.mesh.rules,
         data=data,
         has_aux=has_router_aux(cfg.model),
+        # a mixture of experts: the experts' token counts are compared exactly; from a step at which
+        # a token's top-k choice flipped (a near-tie) the steps are reported, not judged (docs/moe.md)
+        **({"routing": "expert_load"} if has_router_aux(cfg.model) else {}),
         **({} if lora is None else {"trainable": adapter_mask}),
     )
 
