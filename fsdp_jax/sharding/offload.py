@@ -241,10 +241,16 @@ def store_state(state, plan):
     return state.replace(params=store(state.params, plan.params), opt_state=store(state.opt_state, plan.opt_state))
 
 
-def transfer_bytes(abstract_state, offload: "str | Offload") -> dict[str, int]:
+def transfer_bytes(abstract_state, offload: "str | Offload", layered: Any = None) -> dict[str, int]:
     """Host<->device bytes per device per train step under `offload`, from the state's
     sharded shapes: `to_device` (offloaded params twice, for the forward pass and again
-    for the update, plus the optimizer state) and `to_host` (what is written back)."""
+    for the update, plus the optimizer state) and `to_host` (what is written back).
+
+    With `layered` (the plan's tree of stacked-leaf flags) and a streamed offload of
+    params, the stacked params come per layer (`fsdp_jax.train.layer_gather`): once in
+    the forward pass and again where the backward recomputes a layer (counted: the remat
+    policies the planner ranks recompute), and their grads go to host memory in the
+    backward loop and come back once after it, both in the params' dtype."""
     o = get_offload(offload)
 
     def nbytes(tree):
@@ -255,4 +261,8 @@ def transfer_bytes(abstract_state, offload: "str | Offload") -> dict[str, int]:
 
     p = nbytes(abstract_state.params) if o.params else 0
     s = nbytes(abstract_state.opt_state) if o.opt_state else 0
-    return {"to_device": 2 * p + s, "to_host": p + s}
+    stacked = 0
+    if o.params and o.stream and layered is not None:
+        flags = jax.tree.leaves(layered)
+        stacked = nbytes([x for x, f in zip(jax.tree.leaves(abstract_state.params), flags) if f])
+    return {"to_device": 2 * p + s + 2 * stacked, "to_host": p + s + stacked}
