@@ -79,7 +79,9 @@ FAST_CASES = {
     "sgd": ("full_shard", "optimizer+params:streamed", "sgd", {}),
     "microbatches_clip": ("full_shard", "optimizer+params:streamed", "adamw", MICRO_CLIP),
 }
-STRATEGY_CASES = {s: (s, "optimizer:streamed", "adamw", {}) for s in STRATEGY_MESH}
+FAST_CASES["optimizer_only"] = ("full_shard", "optimizer:streamed", "adamw", {})
+# params streamed too: the model's layer loop fetches each layer (train.layer_gather)
+STRATEGY_CASES = {s: (s, "optimizer+params:streamed", "adamw", {"remat": "full"}) for s in STRATEGY_MESH}
 
 # The child: each case run without offload and with the streamed one, 3 steps each; prints
 # per case both runs' losses and every leaf of params + optimizer state that differs.
@@ -129,6 +131,10 @@ def fast_parity():
 @pytest.fixture(scope="module")
 def strategy_parity():
     return default_codegen_parity(STRATEGY_CASES)
+
+
+def test_streamed_optimizer_offload_matches_no_offload(fast_parity):
+    assert_bit_for_bit(fast_parity["optimizer_only"])  # params stay on the device
 
 
 @pytest.mark.parametrize("opt", ["adamw", "sgd"])
