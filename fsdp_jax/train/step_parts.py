@@ -143,7 +143,7 @@ def streams_params(plan: ShardingPlan) -> bool:
     """Does `plan` rest stacked params in host memory under a streamed offload, for a model
     that gathers its own layers to fetch one layer at a time?"""
     o = offload_lib.get_offload(plan.offload)
-    return o.params and o.stream and plan.layered is not None and any(jax.tree.leaves(plan.layered))
+    return o.layers and plan.layered is not None and any(jax.tree.leaves(plan.layered))
 
 
 def layer_gather_for(plan: ShardingPlan, policy: Policy) -> layer_gather.LayerGather | None:

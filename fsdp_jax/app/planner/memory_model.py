@@ -301,7 +301,7 @@ def offload_memory(build: StepBuild, analytic: dict[str, int], offload: str | No
         flags = jax.tree.leaves(layered)
         stacked = [x for x, m in zip(jax.tree.leaves(st.params), flags) if m]
         largest = 2 * sum(shard_bytes(x) for x in stacked) // stacked[0].shape[0]
-        if off.params:  # and the model's layer loop fetches them (train.layer_gather): two
+        if off.layers:  # and the model's layer loop fetches them (train.layer_gather): two
             # layers' compute copy in flight instead of the whole stack's
             floats = [np.issubdtype(x.dtype, np.floating) for x in jax.tree.leaves(st.params)]
             stacked_copy = sum(
