@@ -300,7 +300,7 @@ def test_planner_host_bytes_analytic_equal_compiled():
         for k in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len")
     }
     out = {}
-    for o in ("none", "optimizer+params"):
+    for o in ("none", "optimizer+params", "optimizer+params:streamed"):
         cfg = config_from_dict(
             {"model": model, "data": {"seq_len": 16}, "remat": "none", "train": {"global_batch": 8}, "offload": o}
         )
@@ -313,6 +313,24 @@ def test_planner_host_bytes_analytic_equal_compiled():
     opt = a["optimizer"] - 4  # less the replicated int32 step counter, which stays on the device
     assert a["transfer_per_step"] == 3 * a["params"] + 2 * opt
     assert a["device_total"] < out["none"]["analytic"]["device_total"]
+    # streamed: the stacked params come per layer (forward, and the backward's recompute),
+    # their grads go to host and come back; on the device, two layers of their compute copy instead of all of it, and two layers of
+    # params + optimizer state during the update instead of the largest leaf's
+    s = out["optimizer+params:streamed"]["analytic"]
+    m, loss_fn = tiny_llama()
+    b = build(m, optax.adamw(1e-3), fj.make_mesh(fsdp=8), "full_shard", loss_fn=loss_fn)
+    shard = [
+        int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
+        for x in jax.tree.leaves(b.abstract_state.params)
+    ]
+    flags = jax.tree.leaves(b.plan.layered)
+    stacked = sum(n for n, f in zip(shard, flags) if f)
+    # in: the backward's refetch and the grads' return; out: the grads
+    assert s["transfer_per_step"] == a["transfer_per_step"] + 3 * stacked
+    two = 2 * stacked // CFG.n_layers  # two layers of the stacked params (f32: also their compute copy)
+    ratio = 1 + opt / a["params"]  # params + optimizer state of a leaf, for the update
+    want = (stacked - two) + (max(shard) - two) * ratio
+    assert abs((a["device_total"] - s["device_total"]) - want) <= 2, (a["device_total"], s["device_total"], want)
 
 
 def test_plan_script_rejects_bad_offload(capsys):

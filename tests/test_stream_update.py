@@ -30,8 +30,8 @@ from fsdp_jax.train.build import build
 from helpers import json_child
 
 
-def run(offload, optimizer, strategy="full_shard", n=3, batch=8, **step_kw):
-    m, loss_fn = tiny_llama()
+def run(offload, optimizer, strategy="full_shard", n=3, batch=8, remat="none", **step_kw):
+    m, loss_fn = tiny_llama(remat)
     b = build(
         m, optimizer, fj.make_mesh(**STRATEGY_MESH[strategy]), strategy, loss_fn=loss_fn, offload=offload, **step_kw
     )
@@ -79,7 +79,10 @@ FAST_CASES = {
     "sgd": ("full_shard", "optimizer+params:streamed", "sgd", {}),
     "microbatches_clip": ("full_shard", "optimizer+params:streamed", "adamw", MICRO_CLIP),
 }
-STRATEGY_CASES = {s: (s, "optimizer:streamed", "adamw", {}) for s in STRATEGY_MESH}
+FAST_CASES["optimizer_only"] = ("full_shard", "optimizer:streamed", "adamw", {})
+FAST_CASES["update_only"] = ("full_shard", "optimizer+params:streamed-update", "adamw", {})
+# params streamed too: the model's layer loop fetches each layer (train.layer_gather)
+STRATEGY_CASES = {s: (s, "optimizer+params:streamed", "adamw", {"remat": "full"}) for s in STRATEGY_MESH}
 
 # The child: each case run without offload and with the streamed one, 3 steps each; prints
 # per case both runs' losses and every leaf of params + optimizer state that differs.
@@ -131,6 +134,12 @@ def strategy_parity():
     return default_codegen_parity(STRATEGY_CASES)
 
 
+@pytest.mark.parametrize("case", ["optimizer_only", "update_only"])
+def test_streamed_update_alone_matches_no_offload(case, fast_parity):
+    # params on the device (optimizer:streamed), or fetched whole (optimizer+params:streamed-update)
+    assert_bit_for_bit(fast_parity[case])
+
+
 @pytest.mark.parametrize("opt", ["adamw", "sgd"])
 def test_streamed_offload_matches_no_offload(opt, fast_parity):
     assert_bit_for_bit(fast_parity[opt])
@@ -153,33 +162,59 @@ def test_microbatches_and_clipping_match(fast_parity):
     assert_bit_for_bit(fast_parity["microbatches_clip"])
 
 
+def _fetches(jaxpr, operands=False) -> list:
+    """Shapes that device_puts in `jaxpr` move from host to device memory, in its nested
+    calls (remat, custom_vjp, pjit) but not in its loops' bodies (`operands`: the
+    operand variables of those directly in `jaxpr` instead)."""
+    out = []
+    for e in jaxpr.eqns:
+        if e.primitive.name == "device_put":
+            for x, y in zip(e.invars, e.outvars):
+                if getattr(x.aval, "memory_space", None) == jax.memory.Space.Host != y.aval.memory_space:
+                    out.append(x if operands else x.aval.shape)
+        elif e.primitive.name not in ("while", "scan") and not operands:
+            for v in e.params.values():
+                for sub in v if isinstance(v, (list, tuple)) else (v,):
+                    sub = getattr(sub, "jaxpr", sub)
+                    if hasattr(sub, "eqns"):
+                        out += _fetches(sub)
+    return out
+
+
 def test_host_transfers_sit_inside_the_layer_loop():
     """The step's program: the loop over layers moves each layer's slice to the device and
-    the new slice back to host memory (`device_put`s inside the loop body), and no
-    device_put outside any loop brings a stacked leaf to the device whole."""
-    b, state, _ = run("optimizer+params:streamed", optax.adamw(1e-3), n=1)
+    the new slice back to host memory (`device_put`s inside the loop body); the model's
+    layer loop fetches each layer's params in the forward pass and again where the
+    backward recomputes the layer (remat), and no stacked param comes to the device whole:
+    what comes back whole is each stacked leaf's grads, once, after the backward pass
+    (the transpose of the per-layer fetch leaves them in host memory)."""
+    b, state, _ = run("optimizer+params:streamed", optax.adamw(1e-3), n=1, remat="full")
     x = token_batches(1)[0]
     from fsdp_jax.train.step import sharding_context
 
     with sharding_context(b.plan):
         jaxpr = b.train_step.jitted.trace(state, x).jaxpr.jaxpr
-    step = jaxpr
-    bodies = list(_while_bodies(step))
+    bodies = list(_while_bodies(jaxpr))
     assert any({"device", ol.HOST} <= _transfers(body) for body in bodies), "no host<->device transfers in a loop"
-    # outside loops, the only stacked leaves fetched whole are the forward's params (their
-    # compute copy; streaming those per layer is not done yet): no stacked optimizer state
-    layers = b.abstract_state.params["blocks"]["mlp"]["w_up"].shape[0]
+    stacked = jax.tree.leaves(b.abstract_state.params["blocks"])
+    layer = sorted(x.shape[1:] for x in stacked)
+    per_layer = [sorted(_fetches(body)) for body in bodies]
+    assert per_layer.count(layer) == 2, per_layer  # the forward's layer loop and the backward's
+    args = set(jaxpr.invars)
     whole = [
-        e.invars[0].aval.shape
-        for e in step.eqns
-        if e.primitive.name == "device_put"
-        and "device" in {getattr(d, "memory_kind", None) for d in e.params["devices"]}
-        and e.invars[0].aval.ndim
-        and e.invars[0].aval.size
-        and e.invars[0].aval.shape[0] == layers
+        v.aval.shape for v in _fetches(jaxpr, operands=True) if v.aval.ndim and v.aval.shape[0] == stacked[0].shape[0]
     ]
-    stacked_params = [x.shape for x in jax.tree.leaves(b.abstract_state.params["blocks"])]
-    assert sorted(whole) == sorted(stacked_params)
+    assert not [v for v in _fetches(jaxpr, operands=True) if v in args and v.aval.shape in {x.shape for x in stacked}]
+    assert sorted(whole) == sorted(x.shape for x in stacked)  # the grads, after the backward
+    # optimizer+params:streamed-update: the stacked params come whole, before the loss, and
+    # the layer loops fetch nothing
+    b, state, _ = run("optimizer+params:streamed-update", optax.adamw(1e-3), n=1, remat="full")
+    with sharding_context(b.plan):
+        jaxpr = b.train_step.jitted.trace(state, x).jaxpr.jaxpr
+    assert [sorted(_fetches(body)) for body in _while_bodies(jaxpr)].count(layer) == 0
+    args = set(jaxpr.invars)
+    fetched = [v.aval.shape for v in _fetches(jaxpr, operands=True) if v in args]
+    assert {x.shape for x in stacked} <= set(fetched)
 
 
 def test_not_elementwise_optimizer_is_refused_in_one_line():
@@ -299,9 +334,9 @@ from helpers import tiny_llama
 
 devs = sorted(topologies.get_topology_desc(topology_name="v5p:2x2x1", platform="tpu").devices, key=lambda d: d.id)
 cfg = LlamaConfig(vocab_size=256, d_model=256, n_layers=8, n_heads=4, n_kv_heads=2, ffn_dim=1024, max_seq_len=32)
-m, loss_fn = tiny_llama(cfg)
+m, loss_fn = tiny_llama(cfg, remat=sys.argv[1])
 out = {}
-for offload in sys.argv[1:]:
+for offload in sys.argv[2:]:
     b = build(m, optax.adamw(1e-3), fj.make_mesh(fsdp=4, devices=devs), "full_shard", loss_fn=loss_fn, offload=offload)
     c = b.train_step.lower(b.abstract_state, jax.ShapeDtypeStruct((16, 33), jnp.int32, sharding=b.plan.batch)).compile()
     text = c.as_text()
@@ -326,20 +361,25 @@ def test_tpu_target_compile_holds_at_most_two_layers_of_offloaded_state():
     host->device dynamic slice and one device->host dynamic-update-slice per leaf and state
     inside a loop over host-resident buffers), and the device peak is below the whole-leaf
     offload's by at least L - 2 layers of offloaded state (the whole-leaf update brings all L
-    back at once: so the streamed one holds at most two). Measured: 88.03 vs 69.91 MiB with
-    2.82 MiB per layer, L = 8 (6.4 layers saved); with `optimizer` (params stay on the device)
+    back at once: so the streamed one holds at most two); the model's layer loops fetch each
+    layer's params and return each layer's grads. Measured: 88.03 vs 64.09 MiB (69.91 before
+    the params were fetched per layer) with 2.82 MiB per layer, L = 8 (8.5 layers' worth
+    saved, the whole compute copy of the params among them); with `optimizer` (params stay on the device)
     79.17 vs 68.16 MiB, 1.88 MiB per layer (5.9 layers saved: about 2.1 layers in flight)."""
     from fsdp_jax.targets import gpu as targets
 
     assert targets.plugin_installed(kind="tpu"), "libtpu missing: python -m fsdp_jax.targets install tpu"
     env = targets.child_env(dict(os.environ), target=targets.make_target("v5p", devices=4))
     names = ["optimizer+params", "optimizer+params:streamed", "optimizer", "optimizer:streamed"]
-    r = json_child(_TPU_CHILD, *names, env=env)
+    r = json_child(_TPU_CHILD, "none", *names, env=env)
     whole, streamed = r["optimizer+params"], r["optimizer+params:streamed"]
     assert whole["host_argument"] == streamed["host_argument"] > 0
     assert not whole["host_loops"]  # the whole-leaf update: no loop over host buffers
-    n = 3 * streamed["stacked"]  # params + mu + nu of every stacked leaf
-    assert [(x["slices_in"], x["slices_out"]) for x in streamed["host_loops"]] == [(n, n)]
+    n, k = 3 * streamed["stacked"], streamed["stacked"]  # params + mu + nu of every stacked leaf; params
+    # the forward's layer loop fetches each layer's params, the backward's writes its grads
+    # to host memory (the transpose of that fetch; no remat: the forward's copy is kept),
+    # the update loop moves params and moments both ways
+    assert [(x["slices_in"], x["slices_out"]) for x in streamed["host_loops"]] == [(k, 0), (0, k), (n, n)]
     assert streamed["peak"] <= whole["peak"] - (streamed["layers"] - 2) * streamed["layer"]
     opt_whole, opt_streamed = r["optimizer"], r["optimizer:streamed"]
     assert opt_streamed["peak"] <= opt_whole["peak"] - (opt_streamed["layers"] - 3) * opt_streamed["layer"]

@@ -10,7 +10,12 @@
 
 `optimizer:streamed` and `optimizer+params:streamed` rest the same state in the same place;
 their update brings the leaves stacked over scanned layers to the device one layer at a time
-(`fsdp_jax.train.stream_update`) instead of whole.
+(`fsdp_jax.train.stream_update`) instead of whole, and with `optimizer+params:streamed` the
+model's layer loop fetches the stacked params one layer at a time too (forward, and the
+backward's recompute; `fsdp_jax.train.layer_gather`): no whole-model compute copy, at the
+price of their grads' round trip through host memory. `optimizer+params:streamed-update`
+streams the update only and fetches the params whole for the forward pass (fewer bytes
+moved, more device memory).
 
 The at-rest shardings of the chosen state carry memory kind `pinned_host` (same mesh,
 same `PartitionSpec`: each device's shard sits in its host's memory). The jitted step
@@ -53,6 +58,7 @@ class Offload:
     params: bool
     opt_state: bool
     stream: bool = False  # the update fetches stacked leaves layer by layer (train.stream_update)
+    layers: bool = False  # the model's layer loop fetches stacked params layer by layer (train.layer_gather)
 
     @property
     def any(self) -> bool:
@@ -66,7 +72,8 @@ OFFLOADS: dict[str, Offload] = {
         Offload("optimizer", params=False, opt_state=True),
         Offload("optimizer+params", params=True, opt_state=True),
         Offload("optimizer:streamed", params=False, opt_state=True, stream=True),
-        Offload("optimizer+params:streamed", params=True, opt_state=True, stream=True),
+        Offload("optimizer+params:streamed", params=True, opt_state=True, stream=True, layers=True),
+        Offload("optimizer+params:streamed-update", params=True, opt_state=True, stream=True),
     )
 }
 
@@ -241,10 +248,16 @@ def store_state(state, plan):
     return state.replace(params=store(state.params, plan.params), opt_state=store(state.opt_state, plan.opt_state))
 
 
-def transfer_bytes(abstract_state, offload: "str | Offload") -> dict[str, int]:
+def transfer_bytes(abstract_state, offload: "str | Offload", layered: Any = None) -> dict[str, int]:
     """Host<->device bytes per device per train step under `offload`, from the state's
     sharded shapes: `to_device` (offloaded params twice, for the forward pass and again
-    for the update, plus the optimizer state) and `to_host` (what is written back)."""
+    for the update, plus the optimizer state) and `to_host` (what is written back).
+
+    With `layered` (the plan's tree of stacked-leaf flags) and an offload that fetches
+    params per layer (`Offload.layers`), the stacked params come per layer (`fsdp_jax.train.layer_gather`): once in
+    the forward pass and again where the backward recomputes a layer (counted: the remat
+    policies the planner ranks recompute), and their grads go to host memory in the
+    backward loop and come back once after it, both in the params' dtype."""
     o = get_offload(offload)
 
     def nbytes(tree):
@@ -255,4 +268,8 @@ def transfer_bytes(abstract_state, offload: "str | Offload") -> dict[str, int]:
 
     p = nbytes(abstract_state.params) if o.params else 0
     s = nbytes(abstract_state.opt_state) if o.opt_state else 0
-    return {"to_device": 2 * p + s, "to_host": p + s}
+    stacked = 0
+    if o.params and o.layers and layered is not None:
+        flags = jax.tree.leaves(layered)
+        stacked = nbytes([x for x, f in zip(jax.tree.leaves(abstract_state.params), flags) if f])
+    return {"to_device": 2 * p + s + 2 * stacked, "to_host": p + s + stacked}

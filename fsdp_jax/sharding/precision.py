@@ -112,11 +112,12 @@ def cast_params_for_compute(params, policy: Policy, shardings):
     """
     leaves, treedef = jax.tree.flatten(params)
     shard_leaves = treedef.flatten_up_to(shardings)
-    out = [_cast_leaf(x, s, policy.compute_dtype, policy.reduce_dtype) for x, s in zip(leaves, shard_leaves)]
+    out = [cast_leaf(x, s, policy.compute_dtype, policy.reduce_dtype) for x, s in zip(leaves, shard_leaves)]
     return jax.tree.unflatten(treedef, out)
 
 
-def _cast_leaf(x, sharding, compute_dtype, reduce_dtype):
+def cast_leaf(x, sharding, compute_dtype, reduce_dtype):
+    """One leaf of `cast_params_for_compute`."""
     if not jnp.issubdtype(x.dtype, jnp.floating):
         return constrain(x, sharding)
     return _make_cast(sharding, jnp.dtype(compute_dtype), jnp.dtype(reduce_dtype))(x)
@@ -125,18 +126,18 @@ def _cast_leaf(x, sharding, compute_dtype, reduce_dtype):
 @functools.lru_cache(maxsize=None)
 def _make_cast(sharding, compute_dtype, reduce_dtype):
     @jax.custom_vjp
-    def cast(x):
+    def cast_for_compute(x):
         return constrain(x.astype(compute_dtype), sharding)
 
     def fwd(x):
-        return cast(x), jnp.zeros((), x.dtype)  # residual carries only the dtype
+        return cast_for_compute(x), jnp.zeros((), x.dtype)  # residual carries only the dtype
 
     def bwd(res, g):
         g = constrain(g.astype(reduce_dtype), sharding)
         return (g.astype(res.dtype),)
 
-    cast.defvjp(fwd, bwd)
-    return cast
+    cast_for_compute.defvjp(fwd, bwd)
+    return cast_for_compute
 
 
 # ----------------------------------------------------------------------------- weight matmuls

@@ -36,11 +36,13 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding
 
+from fsdp_jax.sharding import precision
 from fsdp_jax.sharding import rules as rl
 from fsdp_jax.sharding.mesh import constrain
 from fsdp_jax.sharding.remat import get_policy
 
 GATHERED = "fsdp_gathered_params"  # checkpoint name of a layer's gathered params
+FETCHED = "fsdp_fetched_params"  # ... of a layer's host-resident params brought to the device (never saved)
 cp = jax.checkpoint_policies
 
 
@@ -58,6 +60,12 @@ class LayerGather:
     keep: bool = False
     min_shard_size: int = rl.DEFAULT_MIN_SHARD_SIZE
     probe: bool = False  # only record that the model gathers (no casts, no layouts)
+    # a streamed offload of params: host-resident leaves come to the device here, one
+    # layer at a time (forward, and again in the backward where the layer is recomputed)
+    fetch: bool = False
+    # cast and gather explicitly (ZeRO-2); False: cast in the at-rest layout only and
+    # leave the gather to XLA (ZeRO-3 and the strategies that keep params whole)
+    explicit: bool = True
 
 
 _CURRENT: list[LayerGather] = []
@@ -82,7 +90,9 @@ def model_gathers(loss_fn, params, batch, lg: LayerGather) -> bool:
     """Does `loss_fn(params, batch)` call `gather` (traced abstractly, nothing computed)?"""
     before = _CALLED[0]
     with active(dataclasses.replace(lg, probe=True)):
-        jax.eval_shape(loss_fn, params, batch)
+        # a fresh function each time: eval_shape caches traces per function, and a cached
+        # trace would not call `gather` again
+        jax.eval_shape(lambda p, b: loss_fn(p, b), params, batch)
     return _CALLED[0] > before
 
 
@@ -96,7 +106,25 @@ def block_policy(remat: str):
         return base
     if lg.keep:
         return None if base is None else cp.save_from_both_policies(base, cp.save_only_these_names(GATHERED))
-    return cp.save_anything_except_these_names(GATHERED) if base is None else base
+    if base is None:
+        return _refetch_policy if lg.fetch else cp.save_anything_except_these_names(GATHERED)
+    return base
+
+
+_CASTS = ("cast_gather", "cast_for_compute")  # the custom_vjp casts of `gather` (their jaxpr names)
+
+
+def _refetch_policy(prim, *_, **params) -> bool:
+    """Save anything but a layer's fetched params: neither the device copy of its
+    host-resident params (`device_put`) nor their cast (the custom_vjp casts named in
+    `_CASTS`) nor what is named GATHERED / FETCHED. Naming the cast's output alone
+    would save its input, the cast copy: only the host-resident slice, an input of the
+    layer's function, remains, and the backward fetches the layer again."""
+    if prim.name == "name":
+        return params.get("name") not in (GATHERED, FETCHED)
+    if prim.name == "device_put":
+        return False
+    return not (prim.name == "custom_vjp_call" and params.get("name") in _CASTS)
 
 
 def gather(values, names):
@@ -144,12 +172,24 @@ def _logical_names(v) -> tuple | None:
     return None
 
 
+def on_host(x) -> bool:
+    """Is `x` (inside jit) in host memory (a host-resident leaf or a slice of one)?"""
+    return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
+
+
 def _leaf(x, names, lg: LayerGather):
+    if lg.fetch and on_host(x):
+        # same sharding, device memory; its transpose moves the layer's grads to the
+        # host, which the step brings back once the backward pass is done
+        x = checkpoint_name(jax.device_put(x, jax.memory.Space.Device), FETCHED)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         return x
     rest = _spec(x, names, lg, lg.shard_axes)
-    full = _spec(x, names, lg, ())
-    y = _make(rest, full, jnp.dtype(lg.compute_dtype), jnp.dtype(lg.reduce_dtype))(x)
+    compute, reduce = jnp.dtype(lg.compute_dtype), jnp.dtype(lg.reduce_dtype)
+    if lg.explicit:
+        y = _make(rest, _spec(x, names, lg, ()), compute, reduce)(x)
+    else:  # the cast of `cast_params_for_compute`, one layer at a time
+        y = precision.cast_leaf(x, rest, compute, reduce)
     return checkpoint_name(y, GATHERED)
 
 

@@ -61,8 +61,11 @@ from fsdp_jax.train.step_parts import (
     clip_grads,
     compute_value_and_grad,
     guarded_update,
+    layer_gather_for,
     microbatched,
+    model_hooks,
     normalize,
+    streams_params,
 )
 from fsdp_jax.train.trainable import Trainable
 
@@ -217,7 +220,16 @@ def _train_step_fn(
                 batch, state.model_state, None if key_data is None else ms_lib.step_key(key_data, state.step)
             )
         at_rest = state  # offloaded params come to the device now, for the forward pass
-        state = state.replace(params=offload_lib.fetch(state.params, plan.params))
+        wrt = Trainable(state.params, trainable)
+        fetch_sh = plan.params
+        if streams_params(plan) and model_hooks(
+            loss_fn, policy, wrt, state.params, batch, layer_gather_for(plan, policy)
+        ):
+            # ... except the stacked ones of a streamed offload: the model's layer loop fetches them
+            fetch_sh = jax.tree.map(
+                lambda layered, s: offload_lib.on_device(s) if layered else s, plan.layered, plan.params
+            )
+        state = state.replace(params=offload_lib.fetch(state.params, fetch_sh))
         wrt = Trainable(state.params, trainable)
         grad_fn = microbatched(
             compute_value_and_grad(loss_fn, policy, plan, wrt, has_aux),

@@ -65,27 +65,48 @@ def compute_value_and_grad(
     in their at-rest layout, laid out for compute (gathered once under
     shard_grad_op), `loss_fn` is differentiated with respect to `wrt`'s leaves, and
     grads come back in the reduce dtype constrained to the grad layout (so their
-    cross-device reduction is a reduce-scatter under ZeRO-2/3)."""
+    cross-device reduction is a reduce-scatter under ZeRO-2/3).
+
+    Under a streamed offload of params (`streams_params`) `params` may hold the stacked
+    leaves still in host memory: a model that gathers its own layers brings them to the
+    device one layer at a time (`layer_gather.LayerGather.fetch`), and their grads, which
+    the transpose of that transfer leaves in host memory, come back to the device once the
+    backward pass is done; for any other model they are fetched whole here."""
     grad_sh, compute_sh = plan.grads, plan.compute
     rest_sh = offload_lib.on_device(plan.params)  # host-resident params arrive here first
-    lg = _layer_gather(plan, policy)
+    lg = layer_gather_for(plan, policy)
+
+    def for_compute(p, rest, compute):  # a tree, or one leaf and its shardings
+        pc = cast_params_for_compute(p, policy, rest)
+        if compute_sh is not rest_sh:  # (grads scattered from f32 dots: see precision.matmul)
+            pc = lay_out_for_compute(pc, compute, rest) if widens(policy) else constrain(pc, compute)
+        return pc
 
     def grad_fn(params, batch):
         # a model that gathers its own layers (fsdp_jax.train.layer_gather) gets its stacked
         # layer params at rest in the param dtype: it casts and gathers them per layer
-        hooked = lg is not None and layer_gather.model_gathers(
-            loss_fn, policy.cast_to_compute(params if wrt.keep is None else wrt.join(wrt.select(params))), batch, lg
-        )
+        hooked = lg is not None and model_hooks(loss_fn, policy, wrt, params, batch, lg)
+        if not hooked:  # host-resident stacked params (a streamed offload) come whole
+            params = to_device(params)
 
         def f(x):
             full = wrt.join(x)
-            pc = cast_params_for_compute(full, policy, rest_sh)
-            if compute_sh is not rest_sh:  # (grads scattered from f32 dots: see precision.matmul)
-                pc = lay_out_for_compute(pc, compute_sh, rest_sh) if widens(policy) else constrain(pc, compute_sh)
-            if hooked:
+            host = jax.tree.map(layer_gather.on_host, full)
+            if any(jax.tree.leaves(host)):  # the model fetches these per layer (hooked)
                 pc = jax.tree.map(
-                    lambda layered, p, c, r: constrain(p, r) if layered else c, plan.layered, full, pc, rest_sh
+                    lambda layered, h, p, r, c: p if h else constrain(p, r) if layered else for_compute(p, r, c),
+                    plan.layered,
+                    host,
+                    full,
+                    rest_sh,
+                    compute_sh,
                 )
+            else:
+                pc = for_compute(full, rest_sh, compute_sh)
+                if hooked:
+                    pc = jax.tree.map(
+                        lambda layered, p, c, r: constrain(p, r) if layered else c, plan.layered, full, pc, rest_sh
+                    )
             with layer_gather.active(lg if hooked else None), reducing(policy):
                 out = loss_fn(pc, batch)
             loss, aux = out if has_aux else (out, None)
@@ -96,17 +117,46 @@ def compute_value_and_grad(
         (loss, (aux, count)), grads = jax.value_and_grad(f, has_aux=True)(wrt.select(params))
         if count is not None:
             loss = TokenSum(loss, count)
-        return loss, aux, constrain(grads, wrt.select(grad_sh))
+        return loss, aux, constrain(to_device(grads), wrt.select(grad_sh))
 
     return grad_fn
 
 
-def _layer_gather(plan: ShardingPlan, policy: Policy) -> layer_gather.LayerGather | None:
-    """The per-layer gather a layer-gathering model applies under `plan`: ZeRO-2 only
-    (`gather_once`; None otherwise, and without logical names or with host-resident
-    params). ZeRO-3's per-layer gathers stay XLA's: explicit ones measured no better
-    on XLA:GPU (hybrid_shard's grads became an all-reduce over every device)."""
-    if plan.layered is None or plan.offload != "none" or not plan.strategy.gather_once:
+def to_device(tree):
+    """Inside jit: the leaves of `tree` in host memory moved to the device (same sharding)."""
+    return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Device) if layer_gather.on_host(x) else x, tree)
+
+
+def model_hooks(loss_fn, policy: Policy, wrt: Trainable, params, batch, lg) -> bool:
+    """Does the model gather its own layers (`layer_gather.model_gathers`, traced abstractly)?"""
+    full = params if wrt.keep is None else wrt.join(wrt.select(params))
+    as_compute = jax.tree.map(  # shapes and compute dtypes (memory kinds aside)
+        lambda x: jax.ShapeDtypeStruct(
+            x.shape, policy.compute_dtype if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
+        ),
+        full,
+    )
+    return layer_gather.model_gathers(loss_fn, as_compute, batch, lg)
+
+
+def streams_params(plan: ShardingPlan) -> bool:
+    """Does `plan` rest stacked params in host memory under a streamed offload, for a model
+    that gathers its own layers to fetch one layer at a time?"""
+    o = offload_lib.get_offload(plan.offload)
+    return o.layers and plan.layered is not None and any(jax.tree.leaves(plan.layered))
+
+
+def layer_gather_for(plan: ShardingPlan, policy: Policy) -> layer_gather.LayerGather | None:
+    """The per-layer gather a layer-gathering model applies under `plan`: ZeRO-2's
+    explicit cast and gather (`gather_once`), and under a streamed offload of params the
+    per-layer fetch from host memory for every strategy (cast only, at rest, where the
+    strategy is not ZeRO-2); None otherwise, and without logical names. ZeRO-3's
+    per-layer gathers stay XLA's: explicit ones measured no better on XLA:GPU
+    (hybrid_shard's grads became an all-reduce over every device)."""
+    if plan.layered is None:
+        return None
+    fetch = streams_params(plan)
+    if not fetch and (plan.offload != "none" or not plan.strategy.gather_once):
         return None
     return layer_gather.LayerGather(
         mesh=plan.mesh,
@@ -115,6 +165,8 @@ def _layer_gather(plan: ShardingPlan, policy: Policy) -> layer_gather.LayerGathe
         compute_dtype=policy.compute_dtype,
         reduce_dtype=policy.reduce_dtype,
         keep=plan.strategy.gather_once,
+        fetch=fetch,
+        explicit=plan.strategy.gather_once,
     )
 
 

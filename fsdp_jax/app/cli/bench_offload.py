@@ -66,7 +66,7 @@ def run(args) -> int:
         compiled = b.step.lower(state, batch).compile()
         state, m = compiled(state, batch)  # warm-up
         float(m["loss"])
-        runs[name] = [compiled, state, batch, [], transfer_bytes(b.state, name)]
+        runs[name] = [compiled, state, batch, [], transfer_bytes(b.state, name, b.plan.layered)]
     for _ in range(args.rounds):
         for r in runs.values():
             compiled, state, batch, times, _ = r

@@ -146,14 +146,14 @@ def _check_memory_policies(cfg: Config) -> None:
         "offload",
         cfg.offload,
         "a streamed offload needs an elementwise optimizer (adamw, sgd), not optimizer.name=adafactor; "
-        "use offload: " + cfg.offload.removesuffix(":streamed"),
+        "use offload: " + cfg.offload.split(":")[0],
     )
     _check(  # without a layer stack there is nothing to stream: the update would run whole, silently
         not (OFFLOADS[cfg.offload].stream and not cfg.model.scan_layers),
         "offload",
         cfg.offload,
         "a streamed offload updates a stack of scanned layers one layer at a time, and model.scan_layers=false "
-        "leaves none; set model.scan_layers=true or use offload: " + cfg.offload.removesuffix(":streamed"),
+        "leaves none; set model.scan_layers=true or use offload: " + cfg.offload.split(":")[0],
     )
 
 

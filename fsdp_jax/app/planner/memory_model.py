@@ -273,7 +273,9 @@ def offload_memory(build: StepBuild, analytic: dict[str, int], offload: str | No
     offloaded params (sharded as at rest) for the forward/backward pass, and one
     leaf's params + optimizer state during the update (assumes XLA streams the update
     leaf by leaf; a schedule that fetches all at once needs the full state again), or,
-    with a `:streamed` offload, two layers of every stacked leaf's params + state.
+    with a `:streamed` offload, two layers of every stacked leaf's params + state, and
+    (params offloaded) two layers of the stacked leaves' compute copy: the model's layer
+    loop fetches them one layer at a time (`fsdp_jax.train.layer_gather`).
     `offload`: the setting to split for (default: the build's own)."""
     from fsdp_jax.sharding.offload import get_offload
 
@@ -296,12 +298,22 @@ def offload_memory(build: StepBuild, analytic: dict[str, int], offload: str | No
     layered = build.plan.layered
     if off.stream and layered is not None and any(jax.tree.leaves(layered)):
         # streamed (train.stream_update): two layers of the stacked leaves in flight at a time
-        stacked = [x for x, m in zip(jax.tree.leaves(st.params), jax.tree.leaves(layered)) if m]
+        flags = jax.tree.leaves(layered)
+        stacked = [x for x, m in zip(jax.tree.leaves(st.params), flags) if m]
         largest = 2 * sum(shard_bytes(x) for x in stacked) // stacked[0].shape[0]
+        if off.layers:  # and the model's layer loop fetches them (train.layer_gather): two
+            # layers' compute copy in flight instead of the whole stack's
+            floats = [np.issubdtype(x.dtype, np.floating) for x in jax.tree.leaves(st.params)]
+            stacked_copy = sum(
+                shard_bytes(x) // x.dtype.itemsize * c
+                for x, m, f in zip(jax.tree.leaves(st.params), flags, floats)
+                if m and f
+            )
+            compute_copy -= stacked_copy - 2 * stacked_copy // stacked[0].shape[0]
     update = int(largest * ((1 if off.params else 0) + (opt / params if off.opt_state and params else 0)))
     from fsdp_jax.sharding.offload import transfer_bytes
 
-    moved = transfer_bytes(st, off)
+    moved = transfer_bytes(st, off, layered)
     return {
         "host": host,
         "host_per_host": host * DEVICES_PER_HOST,

@@ -16,7 +16,14 @@ from fsdp_jax.app.planner.inputs import STRATEGY_ORDER
 from fsdp_jax.errors import SearchError
 
 DEVICE_REMATS = ("none", "dots", "dots_no_batch", "save_qkv_attn_mlp_out", "save_attn_mlp_out", "full")
-OFFLOAD_SETTINGS = ("none", "optimizer", "optimizer+params", "optimizer:streamed", "optimizer+params:streamed")
+OFFLOAD_SETTINGS = (
+    "none",
+    "optimizer",
+    "optimizer+params",
+    "optimizer:streamed",
+    "optimizer+params:streamed",
+    "optimizer+params:streamed-update",
+)
 VARY = ("batch", "seq")
 # The analytic transient bytes (grads, gathered params, activations: the total minus the
 # exact params + optimizer + batch) overstate the compiled program's by at most this much.
