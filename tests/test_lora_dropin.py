@@ -321,6 +321,27 @@ def test_a_named_weight_and_the_model_state_call_pass_through():
     assert [t.path for t in pred.targets] == ["down/kernel"]
 
 
+def test_init_weights_false_draws_b_like_a_and_leaves_a_as_it_was():
+    """PEFT's `init_lora_weights=False`: B from U(+-1/sqrt(rank)) (the nn.Linear reset of a
+    rank-input layer) instead of zero, so step 0 differs from the base; A's draws unchanged."""
+    for name, kw in (("scan", dict(apply=scan_apply, rank=2)), ("nnx", dict(rank=4, alpha=8))):
+        model = scan_params(jax.random.key(0)) if name == "scan" else fj.from_nnx(NnxMlp)
+        zero, drawn = (fj.with_lora(model, X, init_weights=w, **kw) for w in (True, False))
+        pz, pd = zero.init(jax.random.key(3)), drawn.init(jax.random.key(3))
+        for t in drawn.targets:
+            a, b = pd["lora"][t.path]["lora_a"], pd["lora"][t.path]["lora_b"]
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(pz["lora"][t.path]["lora_a"]))
+            assert not np.any(np.asarray(pz["lora"][t.path]["lora_b"]))
+            bound = 1 / math.sqrt(kw["rank"])
+            assert 0.5 * bound < float(jnp.abs(b).max()) <= bound, (t.path, float(jnp.abs(b).max()))
+            if t.depth:  # each layer of a stack draws its own
+                assert not np.array_equal(np.asarray(b[0]), np.asarray(b[1]))
+        base = base_apply(name)(pz["base"], X)
+        assert max_abs_diff(zero.apply(pz, X), base) == 0.0 < max_abs_diff(drawn.apply(pd, X), base)
+    with pytest.raises(ValueError, match="init_weights must be True or False"):
+        fj.with_lora(fj.from_nnx(NnxMlp), X, rank=4, init_weights="gaussian")
+
+
 @pytest.mark.parametrize(
     ("kwargs", "words"),
     [

@@ -96,6 +96,7 @@ def with_lora(
     dropout: float = 0.0,
     apply: Callable[..., Any] | None = None,
     rng: jax.Array | None = None,
+    init_weights: bool = True,
     **example_kwargs,
 ) -> LoraModel:
     """Wrap `model` with LoRA adapters (see the module docstring).
@@ -111,8 +112,12 @@ def with_lora(
     dropout(x) A; the base product is untouched), drawn from `apply(..., lora_rng=key)` or,
     for a model called with the step's `rng=` and `train=True`, from that key; without a key
     (evaluation) there is none. Each product of each weight, and each layer of a scan, draws
-    its own mask.
+    its own mask. `init_weights`: PEFT's `init_lora_weights` -- True, B starts at zero (step 0
+    equals the base); False, B is drawn like A (U(+-1/sqrt(rank))), as PEFT does for tests
+    and as `verify` needs: from zero, B's first Adam step is the sign of rounding-level grads.
     """
+    if not isinstance(init_weights, bool):
+        raise ValueError(f"with_lora: init_weights must be True or False, got {init_weights!r}")
     if not (isinstance(rank, int) and rank > 0):
         raise ValueError(f"with_lora: rank must be a positive integer, got {rank!r}")
     if not alpha > 0:
@@ -133,7 +138,7 @@ def with_lora(
     index = dict(zip(chosen, found))
     base_init = (lambda _: params) if params is not None else fns.init
     return LoraModel(
-        init=_init(base_init, found),
+        init=_init(base_init, found, init_weights),
         apply=_apply(base_apply, index, scale, dropout),
         logical_axes=_axes(fns.logical_axes, found, index, names),
         abstract_params={"base": fns.abstract_params, "lora": _abstract_lora(found)},
@@ -243,14 +248,16 @@ def _axes(base_axes, found, index, names) -> Any:
     return {"base": base_axes, "lora": lora}
 
 
-def _init(base_init, found):
+def _init(base_init, found, zero_b: bool = True):
+    def b_init(t, k):
+        if zero_b:
+            return jnp.zeros(t.b_shape, jnp.float32)
+        return a_init(jax.random.fold_in(k, 0xB), t.b_shape, t.b_shape[t.depth])  # fan-in: the rank
+
     def init(rng):
         keys = jax.random.split(jax.random.fold_in(rng, 0x10A), max(len(found), 1))
         lora = {
-            t.path: {
-                "lora_a": a_init(k, t.a_shape, math.prod(t.a_shape[t.depth : -1])),
-                "lora_b": jnp.zeros(t.b_shape, jnp.float32),
-            }
+            t.path: {"lora_a": a_init(k, t.a_shape, math.prod(t.a_shape[t.depth : -1])), "lora_b": b_init(t, k)}
             for t, k in zip(found, keys)
         }
         return {"base": base_init(rng), "lora": lora}
