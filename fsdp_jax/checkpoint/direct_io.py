@@ -28,9 +28,15 @@ import os
 import numpy as np
 
 try:  # zlib-ng (a dependency): zlib's CRC-32, faster; the GIL released on large buffers
-    from zlib_ng.zlib_ng import crc32
+    from zlib_ng.zlib_ng import crc32 as _crc32
 except ImportError:  # pragma: no cover - the same values, slower
-    from zlib import crc32
+    from zlib import crc32 as _crc32
+
+
+def crc32(data, value: int = 0) -> int:
+    """zlib's CRC-32 of `data` (a bytes-like buffer) continued from `value`."""
+    return _crc32(data, value)
+
 
 ALIGN = 4096  # bytes: the largest logical block size in common use
 CHUNK = 64 << 20  # bytes per write / read call (a multiple of ALIGN)

@@ -67,14 +67,7 @@ def _compare(
     p0, ms0 = _host(state.params), _host(state.model_state)
     with _user_code("loss_fn fails on the batch"):
         step = ref.train_step.lower(state, _put(host_batches[0], ref.plan.batch)).compile()
-    ref_loss, ref_gnorm, ref_params, ref_routing = [], [], [], []
-    for b in host_batches:
-        state, m = step(state, _put(b, ref.plan.batch))
-        ref_loss.append(float(m["loss"]))  # blocking each step bounds the work in flight (CPU)
-        ref_gnorm.append(float(m["grad_norm"]))
-        ref_params.append(_host((state.params, state.model_state)))
-        if routing is not None:
-            ref_routing.append(_routing_value(m, routing))
+    ref_loss, ref_gnorm, ref_params, ref_routing = _reference_steps(step, state, host_batches, ref.plan.batch, routing)
     del state
 
     # params, then the model's state (BatchNorm statistics: over the global batch, so
@@ -116,6 +109,36 @@ def _compare(
         strategies=reports,
         routing=routing,
     )
+
+
+def _reference_steps(step, state, host_batches, batch_sharding, routing):
+    """The reference's per-step losses, grad norms, (params, model state) on the host and
+    routing values (empty without `routing`)."""
+    ref_loss, ref_gnorm, ref_params, ref_routing = [], [], [], []
+    for b in host_batches:
+        state, m = step(state, _put(b, batch_sharding))
+        ref_loss.append(float(m["loss"]))  # blocking each step bounds the work in flight (CPU)
+        ref_gnorm.append(float(m["grad_norm"]))
+        ref_params.append(_host((state.params, state.model_state)))
+        if routing is not None:
+            ref_routing.append(_routing_value(m, routing))
+    return ref_loss, ref_gnorm, ref_params, ref_routing
+
+
+def _routing_diff(value: np.ndarray, ref_value: np.ndarray) -> float:
+    """0 where a step's discrete choices equal the reference's, else how far apart (inf: other shapes)."""
+    if value.shape != ref_value.shape:
+        return float("inf")
+    return 0.0 if np.array_equal(value, ref_value) else float(np.max(np.abs(value - ref_value)))
+
+
+def _over(i: int, paths, leaf_d, loss_d: float, gnorm_d: float, tol) -> Divergence | None:
+    """Step `i`'s divergence (0-based), or None when every measure is within `tol`."""
+    bad = sorted(((p, e) for p, e in zip(paths, leaf_d) if not e <= tol.param_rtol), key=lambda pe: -pe[1])
+    over_loss, over_gnorm = not loss_d <= tol.loss_rtol, not gnorm_d <= tol.grad_norm_rtol
+    if bad or over_loss or over_gnorm:
+        return Divergence(i + 1, loss_d if over_loss else None, gnorm_d if over_gnorm else None, tuple(bad))
+    return None
 
 
 def _run_strategy(
@@ -162,23 +185,13 @@ def _run_strategy(
         ]
         param_d.append(max(leaf_d, default=0.0))
         if routing is not None:  # discrete choices: equal, or a flip (from it on nothing is judged)
-            value, ref_value = _routing_value(m, routing), ref_routing[i]
-            same = value.shape == ref_value.shape and np.array_equal(value, ref_value)
-            if same or value.shape != ref_value.shape:
-                routing_d.append(0.0 if same else float("inf"))
-            else:
-                routing_d.append(float(np.max(np.abs(value - ref_value))))
-            if not same and flip is None:
+            routing_d.append(_routing_diff(_routing_value(m, routing), ref_routing[i]))
+            if routing_d[-1] != 0.0 and flip is None:
                 flip = i + 1
                 if flip == 1 and first is None:  # from the same params: not a flip noise can explain
                     first = Divergence(1, None, None, (), routing=routing_d[-1])
         if first is None and flip is None:
-            bad = sorted(((p, e) for p, e in zip(paths, leaf_d) if not e <= tol.param_rtol), key=lambda pe: -pe[1])
-            over_loss, over_gnorm = not loss_d[-1] <= tol.loss_rtol, not gnorm_d[-1] <= tol.grad_norm_rtol
-            if bad or over_loss or over_gnorm:
-                first = Divergence(
-                    i + 1, loss_d[-1] if over_loss else None, gnorm_d[-1] if over_gnorm else None, tuple(bad)
-                )
+            first = _over(i, paths, leaf_d, loss_d[-1], gnorm_d[-1], tol)
     last = jax.tree.leaves(_host((state.params, state.model_state)))
     worst = int(np.argmax(leaf_d)) if leaf_d else 0
     max_abs = max(

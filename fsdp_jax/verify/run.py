@@ -96,10 +96,9 @@ def verify(
     divisible by devices / context; the loss must zig-zag its rows, as the trainer's does),
     `data` (> 1: every strategy's mesh is data x fsdp = devices / context / data, e.g. for
     `rules` that split experts over data or fsdp; default 1: fsdp only, hybrid_shard 2 x n/2),
-    `routing` (with `has_aux`: a key of the loss's aux dict holding a value of the step's
-    discrete choices only, e.g. an MoE router's per-expert load; compared exactly, and from
-    the first step at which a strategy's differs, a top-k routing flip, that strategy's steps
-    are reported and not judged; a difference at step 1, from the same params, fails).
+    `routing` (with `has_aux`: an aux key of discrete choices, e.g. an MoE router's
+    per-expert load, compared exactly: from a step where a strategy's differs, a routing
+    flip, its steps are reported, not judged; a difference at step 1 fails).
 
     Returns a VerifyReport; raises VerifyError on bad input.
     """
@@ -114,16 +113,8 @@ def verify(
                 "verify: in_subprocess=True needs the model as a 'module:function' "
                 "factory spec (objects cannot cross into the child process)"
             )
-        return _run_child(
-            factory,
-            dict(factory_kwargs or {}),
-            names,
-            devices,
-            steps,
-            seed,
-            tolerance,
-            dict(options, check_init=check_init),
-        )
+        opts = dict(options, check_init=check_init)
+        return _run_child(factory, dict(factory_kwargs or {}), names, devices, steps, seed, tolerance, opts)
     if have is None:
         raise VerifyError(
             f"verify: this process has {len(jax.devices())} {jax.default_backend()} device(s), fewer "
