@@ -217,6 +217,33 @@ def test_host_transfers_sit_inside_the_layer_loop():
     assert {x.shape for x in stacked} <= set(fetched)
 
 
+def test_the_refetch_policy_saves_neither_a_layers_fetch_nor_its_casts():
+    """Under `remat: none` the per-layer fetch's policy must not save the device copy or the
+    cast (by their custom_vjp's name, read as this jax version records it), or the cast copy
+    of every layer would live from the forward to the backward."""
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from fsdp_jax.sharding import precision
+    from fsdp_jax.train import layer_gather as lg_lib
+
+    mesh = fj.make_mesh(fsdp=8)
+    rest, full = NamedSharding(mesh, PartitionSpec("fsdp")), NamedSharding(mesh, PartitionSpec())
+    x = jnp.ones((64, 4))
+    casts = [
+        lambda x: precision.cast_leaf(x, rest, jnp.bfloat16, jnp.float32),
+        lambda x: lg_lib._make(rest, full, jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))(x),
+    ]
+    for cast in casts:
+        eqns = [e for e in jax.make_jaxpr(cast)(x).jaxpr.eqns if e.primitive.name == "custom_vjp_call"]
+        assert len(eqns) == 1 and lg_lib._function_name(eqns[0].params) in lg_lib._CASTS
+        assert not lg_lib._refetch_policy(eqns[0].primitive, **eqns[0].params)
+    put = jax.make_jaxpr(lambda x: jax.device_put(x, jax.memory.Space.Device))(x).jaxpr.eqns[0]
+    assert not lg_lib._refetch_policy(put.primitive, **put.params)
+    other = jax.make_jaxpr(jnp.tanh)(x).jaxpr.eqns[0]
+    assert lg_lib._refetch_policy(other.primitive, **other.params)
+
+
 def test_not_elementwise_optimizer_is_refused_in_one_line():
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
     m, loss_fn = tiny_llama()

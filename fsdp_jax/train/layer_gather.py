@@ -124,7 +124,17 @@ def _refetch_policy(prim, *_, **params) -> bool:
         return params.get("name") not in (GATHERED, FETCHED)
     if prim.name == "device_put":
         return False
-    return not (prim.name == "custom_vjp_call" and params.get("name") in _CASTS)
+    return not (prim.name == "custom_vjp_call" and _function_name(params) in _CASTS)
+
+
+def _function_name(params) -> str:
+    """The Python name of a custom_vjp_call's function: its `name` param (jax 0.10), else the
+    name its traced jaxpr's debug info starts with (jax 0.12: "cast_gather at file:line")."""
+    if params.get("name"):
+        return params["name"]
+    jaxpr = params.get("call_jaxpr")
+    info = getattr(getattr(jaxpr, "jaxpr", jaxpr), "debug_info", None)
+    return (getattr(info, "func_src_info", None) or "").split(" ")[0]
 
 
 def gather(values, names):
