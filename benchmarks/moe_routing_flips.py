@@ -65,6 +65,7 @@ def measure(cfg, strategy: str, n: int, steps: int, seed: int) -> dict:
     import jax
 
     import fsdp_jax.app.models.moe as moe
+    from fsdp_jax.app.cli.verify import step_options
     from fsdp_jax.app.trainer.build import make_loss_fn, trainer_model
     from fsdp_jax.app.trainer.optim import build_optimizer
     from fsdp_jax.app.verify_batches import verify_batches
@@ -78,15 +79,7 @@ def measure(cfg, strategy: str, n: int, steps: int, seed: int) -> dict:
     optimizer, _ = build_optimizer(dataclasses.replace(cfg.optimizer, warmup_steps=0), cfg.train.steps)
     loss_fn = make_loss_fn(model, cfg.model)
     batches, _ = verify_batches(cfg, steps, seed)
-    opts = dict(
-        precision=cfg.precision,
-        microbatches=cfg.train.microbatches,
-        clip_norm=cfg.optimizer.clip_norm,
-        min_shard_size=cfg.mesh.min_shard_size,
-        rules=cfg.mesh.rules,
-        has_aux=True,
-        max_replicated_fraction=None,
-    )
+    opts = dict(step_options(cfg), has_aux=True, max_replicated_fraction=None)  # as verify builds them
     key = jax.random.key(seed)
     devs = jax.devices()
     one = make_mesh(1, 1, 1, devices=devs[:1])

@@ -181,6 +181,17 @@ def _expert_split(cfg, n: int, strategies, notes: list[str]) -> int:
     return data
 
 
+def step_options(cfg) -> dict:
+    """The train step's options a run config sets, as `verify` / `build` take them."""
+    return dict(
+        precision=cfg.precision,
+        microbatches=cfg.train.microbatches,
+        clip_norm=cfg.optimizer.clip_norm,
+        min_shard_size=cfg.mesh.min_shard_size,
+        rules=cfg.mesh.rules,
+    )
+
+
 def _verify(args, cfg, strategies, n: int, batches: list, data: int = 1):
     """`fsdp_jax.verify.run` on the trainer's model, loss and optimizer (at its peak lr), with
     `batches` (`fsdp_jax.app.verify_batches`), the config's mesh rules and `data` x fsdp
@@ -205,11 +216,7 @@ def _verify(args, cfg, strategies, n: int, batches: list, data: int = 1):
         devices=n,
         steps=args.steps,
         seed=args.seed,
-        precision=cfg.precision,
-        microbatches=cfg.train.microbatches,
-        clip_norm=cfg.optimizer.clip_norm,
-        min_shard_size=cfg.mesh.min_shard_size,
-        rules=cfg.mesh.rules,
+        **step_options(cfg),
         data=data,
         has_aux=has_router_aux(cfg.model),
         # a mixture of experts: the experts' token counts are compared exactly; from a step at which
