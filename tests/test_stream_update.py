@@ -389,7 +389,7 @@ def test_tpu_target_compile_holds_at_most_two_layers_of_offloaded_state():
     inside a loop over host-resident buffers), and the device peak is below the whole-leaf
     offload's by at least L - 2 layers of offloaded state (the whole-leaf update brings all L
     back at once: so the streamed one holds at most two); the model's layer loops fetch each
-    layer's params and return each layer's grads. Measured: 88.03 vs 64.09 MiB (69.91 before
+    layer's params and return each layer's grads. Measured: 88.03 vs 62.59 MiB (69.91 before
     the params were fetched per layer) with 2.82 MiB per layer, L = 8 (8.5 layers' worth
     saved, the whole compute copy of the params among them); with `optimizer` (params stay on the device)
     79.17 vs 68.16 MiB, 1.88 MiB per layer (5.9 layers saved: about 2.1 layers in flight)."""
@@ -403,10 +403,11 @@ def test_tpu_target_compile_holds_at_most_two_layers_of_offloaded_state():
     assert whole["host_argument"] == streamed["host_argument"] > 0
     assert not whole["host_loops"]  # the whole-leaf update: no loop over host buffers
     n, k = 3 * streamed["stacked"], streamed["stacked"]  # params + mu + nu of every stacked leaf; params
-    # the forward's layer loop fetches each layer's params, the backward's writes its grads
-    # to host memory (the transpose of that fetch; no remat: the forward's copy is kept),
-    # the update loop moves params and moments both ways
-    assert [(x["slices_in"], x["slices_out"]) for x in streamed["host_loops"]] == [(k, 0), (0, k), (n, n)]
+    # the forward's layer loop fetches each layer's params; the backward's fetches each
+    # again (no device copy of any weight is kept for the backward, nor a reshape of one: CI
+    # caught the attention's kept while the MLP's were fetched, (3, 9)) and writes its grads to
+    # host memory (the transpose of the fetch); the update loop moves params and moments both ways
+    assert [(x["slices_in"], x["slices_out"]) for x in streamed["host_loops"]] == [(k, 0), (k, k), (n, n)]
     assert streamed["peak"] <= whole["peak"] - (streamed["layers"] - 2) * streamed["layer"]
     opt_whole, opt_streamed = r["optimizer"], r["optimizer:streamed"]
     assert opt_streamed["peak"] <= opt_whole["peak"] - (opt_streamed["layers"] - 3) * opt_streamed["layer"]

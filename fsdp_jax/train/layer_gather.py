@@ -112,6 +112,10 @@ def block_policy(remat: str):
 
 
 _CASTS = ("cast_gather", "cast_for_compute")  # the custom_vjp casts of `gather` (their jaxpr names)
+# layout ops, free to recompute and no smaller than their input: saving one of a fetched weight
+# (the attention's (d, heads, head_dim) -> (d, heads * head_dim) reshape) would keep a device
+# copy of that weight for every layer; not saving one of an activation keeps its input instead
+_RELAYOUTS = ("reshape", "transpose", "broadcast_in_dim", "squeeze", "expand_dims")
 
 
 def _refetch_policy(prim, *_, **params) -> bool:
@@ -119,17 +123,19 @@ def _refetch_policy(prim, *_, **params) -> bool:
     host-resident params (`device_put`) nor their cast (the custom_vjp casts named in
     `_CASTS`) nor what is named GATHERED / FETCHED. Naming the cast's output alone
     would save its input, the cast copy: only the host-resident slice, an input of the
-    layer's function, remains, and the backward fetches the layer again."""
+    layer's function, remains, and the backward fetches the layer again. Nor a layout op
+    (`_RELAYOUTS`): it may be of a fetched weight."""
     if prim.name == "name":
         return params.get("name") not in (GATHERED, FETCHED)
-    if prim.name == "device_put":
+    if prim.name == "device_put" or prim.name in _RELAYOUTS:
         return False
     return not (prim.name == "custom_vjp_call" and _function_name(params) in _CASTS)
 
 
 def _function_name(params) -> str:
-    """The Python name of a custom_vjp_call's function: its `name` param (jax 0.10), else the
-    name its traced jaxpr's debug info starts with (jax 0.12: "cast_gather at file:line")."""
+    """The Python name of a custom_vjp_call's function: its `name` param where it has one,
+    else the name its traced jaxpr's debug info starts with ("cast_gather at file:line"; jax
+    0.10 and 0.12 carry no `name`)."""
     if params.get("name"):
         return params["name"]
     jaxpr = params.get("call_jaxpr")
