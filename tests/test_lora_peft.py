@@ -13,7 +13,7 @@ import optax
 import pytest
 
 from fsdp_jax.app.hf import load as hf
-from fsdp_jax.app.hf import peft
+from fsdp_jax.app.hf import peft, peft_experts
 from fsdp_jax.app.models import lora as lora_lib
 from fsdp_jax.app.models.llama import Llama
 from fsdp_jax.app.trainer.build import trainer_model
@@ -26,10 +26,13 @@ from fsdp_jax.train.step import sharding_context
 
 GOLDEN = Path(__file__).parent / "golden"
 ADAPTERS = ("llama3", "llama32_tied", "mistral_swa", "qwen2", "qwen3", "gemma3_text", "llama3_rslora")
+MOE_ADAPTERS = ("mixtral", "qwen3_moe")  # attention + the experts (PEFT's target_parameters)
 
 
 def spec_of(raw: dict) -> lora_lib.LoraSpec:
-    targets = lora_lib.resolve_targets(" ".join(raw["target_modules"]))
+    names = list(raw["target_modules"])
+    ours = peft_experts.targets_of(raw.get("target_parameters"))
+    targets = lora_lib.resolve_targets(" ".join(names + list(ours)))
     return lora_lib.LoraSpec(raw["r"], float(raw["lora_alpha"]), targets, bool(raw.get("use_rslora")))
 
 
@@ -46,7 +49,7 @@ def logits(model, params, plan, tokens):
         return np.asarray(jax.jit(model.apply)(params, batch))[: len(tokens)]
 
 
-@pytest.mark.parametrize("name", ADAPTERS)
+@pytest.mark.parametrize("name", ADAPTERS + MOE_ADAPTERS)
 def test_peft_adapter_reproduces_peft_logits_and_merged_logits(name, tmp_path):
     ckpt, spec, want = golden(name)
     cfg = ckpt.config

@@ -24,6 +24,13 @@ float32, eager; torch seed sum(map(ord, "lora:" + name)) before get_peft_model):
       LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
       target_modules=[q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj],
       task_type=CAUSAL_LM): scaling alpha / r = 2
+  mixtral, qwen3_moe (mixture of experts; every layer sparse)
+      r=4, lora_alpha=8, target_modules q_proj k_proj v_proj o_proj and
+      target_parameters [mlp.experts.gate_up_proj, mlp.experts.down_proj] (peft's
+      ParamWrapper on transformers' fused expert tensors, nested in that order: keys
+      mlp.experts.base_layer.lora_{A,B}.weight for gate_up_proj, mlp.experts.lora_{A,B}.weight
+      for down_proj; lora_A (r * E, in) rows expert-major, lora_B (out, r * E) columns
+      rank-major: delta_e = B.reshape(out, r, E)[..., e] @ A.reshape(E, r, in)[e])
   llama3_rslora (base llama3)
       r=8, lora_alpha=16, use_rslora=True, targets q_proj, v_proj only: scaling
       alpha / sqrt(r) = 16 / sqrt(8) = 5.657
@@ -83,6 +90,7 @@ ROOT = Path(__file__).resolve().parent
 HF = ROOT / "hf"
 OUT = ROOT / "peft"
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 COMMON = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=ALL, init_lora_weights=False)
 ADAPTERS = {
     "llama3": ("llama3", COMMON),
@@ -91,6 +99,10 @@ ADAPTERS = {
     "qwen2": ("qwen2", COMMON),
     "qwen3": ("qwen3", COMMON),
     "gemma3_text": ("gemma3_text", COMMON),
+    # mixture of experts: PEFT's LoRA on transformers' fused expert tensors (target_parameters;
+    # gate and up share one adapter on gate_up_proj (E, 2F, D), its B rows gate first)
+    "mixtral": ("mixtral", {**COMMON, "target_modules": ALL[:4], "target_parameters": EXPERTS}),
+    "qwen3_moe": ("qwen3_moe", {**COMMON, "target_modules": ALL[:4], "target_parameters": EXPERTS}),
     "llama3_rslora": (
         "llama3",
         dict(
@@ -119,7 +131,7 @@ def logits_of(model, tokens: np.ndarray) -> np.ndarray:
         return model(torch.from_numpy(tokens.astype(np.int64))).logits.float().numpy().astype(np.float32)
 
 
-def generate() -> None:
+def generate(only: list[str] | None = None) -> None:
     import torch
     from peft import LoraConfig, get_peft_model
     from safetensors import safe_open
@@ -127,6 +139,8 @@ def generate() -> None:
 
     OUT.mkdir(parents=True, exist_ok=True)
     for name, (base, kw) in ADAPTERS.items():
+        if only and name not in only:
+            continue
         golden = load_file(str(HF / f"{base}_logits.safetensors"))
         tokens = golden["tokens"]
         model = load_base(base)
@@ -187,5 +201,6 @@ def check_peft(base: str, adapter_dir: str, logits: str, quiet: bool = False) ->
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check-peft", nargs=3, metavar=("BASE_NAME", "ADAPTER_DIR", "LOGITS"))
+    ap.add_argument("--only", nargs="+", metavar="NAME", help="regenerate these adapters only")
     args = ap.parse_args()
-    sys.exit(check_peft(*args.check_peft) if args.check_peft else generate())
+    sys.exit(check_peft(*args.check_peft) if args.check_peft else generate(args.only))

@@ -234,8 +234,9 @@ def _check_lora(cfg: Config) -> None:
         _check(lo.init_from is None, "lora.init_from", lo.init_from, "needs lora.rank > 0 (a PEFT adapter's r)")
         return
     moe = lora_lib.expert_targets(cfg.model, targets)
-    if moe is not None:
-        raise ConfigError("lora.targets", f"{lo.targets!r}: {moe}")
+    _check(moe is None, "lora.targets", lo.targets, moe)
+    drop = lora_lib.expert_dropout(cfg.model, lora_lib.LoraSpec(lo.rank, lo.alpha, targets, dropout=lo.dropout))
+    _check(drop is None, "lora.dropout", lo.dropout, drop)
     most = lora_lib.max_rank(cfg.model, targets)
     _check(lo.rank <= most, "lora.rank", lo.rank, f"must be <= {most}, the smallest target's smaller dim")
     if lo.init_from is not None:

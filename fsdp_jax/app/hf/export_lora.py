@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from fsdp_jax.app.hf import load as hf
-from fsdp_jax.app.hf import moe_layout, peft
+from fsdp_jax.app.hf import moe_layout, peft, peft_experts
 from fsdp_jax.app.hf.export import check_out_dir, saved_source, write_hf_dir
 from fsdp_jax.app.models import lora as lora_lib
 from fsdp_jax.checkpoint import CheckpointError, tree_paths
@@ -107,8 +107,14 @@ def _merged_leaf(path: str, leaf: np.ndarray, adapters: dict, cfg, spec) -> np.n
     node = adapters
     for k in parts[:-1]:
         node = node[k]
-    pair = node["lora"][parts[-1]]
+    name = parts[-1]
+    expert = parts[-2] == "moe"  # an expert tensor: its share of the experts' adapter
+    pair = node["lora"][peft_experts.part_of(name) if expert else name]
     a, b = np.asarray(pair["lora_a"]), np.asarray(pair["lora_b"])
+
+    def merged(w, a, b):
+        return peft_experts.merged_weight(name, w, a, b, spec) if expert else peft.merged_weight(w, a, b, spec)
+
     if cfg.scan_layers:
-        return np.stack([peft.merged_weight(leaf[i], a[i], b[i], spec) for i in range(leaf.shape[0])])
-    return peft.merged_weight(leaf, a, b, spec)
+        return np.stack([merged(leaf[i], a[i], b[i]) for i in range(leaf.shape[0])])
+    return merged(leaf, a, b)

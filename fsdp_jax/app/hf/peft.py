@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fsdp_jax.app.hf import peft_experts as experts
 from fsdp_jax.app.models import lora as lora_lib
 from fsdp_jax.app.models.config import LlamaConfig
 from fsdp_jax.app.models.stack import segment_layers
@@ -49,13 +50,24 @@ def _module(weight: str) -> str:
 def layer_nodes(cfg: LlamaConfig) -> list[tuple[tuple, list[int]]]:
     """[(key path of a block's params, the layer of each entry)]: a path whose block is
     stacked (scanned layers) holds one entry per layer listed, else the one layer."""
+    return [(path, layers) for path, layers, _ in layer_rows(cfg)]
+
+
+def layer_rows(cfg: LlamaConfig) -> list[tuple[tuple, list[int], bool]]:
+    """`layer_nodes` with each block's kind: sparse (the experts) or dense."""
     if cfg.n_experts:
-        rows = [(prefix, layers) for prefix, layers, _ in segment_layers(cfg)]
+        rows = segment_layers(cfg)
     elif cfg.scan_layers:
-        rows = [("blocks", list(range(cfg.n_layers)))]
+        rows = [("blocks", list(range(cfg.n_layers)), False)]
     else:
-        rows = [(f"blocks/{i}", [i]) for i in range(cfg.n_layers)]
-    return [(tuple(int(k) if k.isdigit() else k for k in p.split("/")), layers) for p, layers in rows]
+        rows = [(f"blocks/{i}", [i], False) for i in range(cfg.n_layers)]
+    return [(tuple(int(k) if k.isdigit() else k for k in p.split("/")), layers, sp) for p, layers, sp in rows]
+
+
+def _has(cfg: LlamaConfig, weight: str) -> bool:
+    """Do `cfg`'s blocks hold `weight`'s adapter (a mixture of experts adapts its experts'
+    MLP tensors only, `peft_experts`)?"""
+    return weight in lora_lib.ATTENTION or not cfg.n_experts
 
 
 def _at(tree: dict, path: tuple, make: bool = False) -> dict:
@@ -64,25 +76,39 @@ def _at(tree: dict, path: tuple, make: bool = False) -> dict:
     return tree
 
 
-def _layers(adapters: dict, cfg: LlamaConfig, weight: str):
-    """[(lora_a, lora_b) per layer] of `weight` from a nested adapters tree."""
+def _layers(adapters: dict, cfg: LlamaConfig, weight: str) -> dict[int, tuple]:
+    """{layer: (lora_a, lora_b)} of `weight` from a nested adapters tree: every layer that
+    holds it (`weight` an expert adapter, `EXPERT_ADAPTERS`: the sparse layers)."""
+    expert = weight in lora_lib.EXPERT_ADAPTERS
     out: dict[int, tuple] = {}
-    for path, layers in layer_nodes(cfg):
-        node = _at(adapters, path)[_module(weight)]["lora"][weight]
+    for path, layers, sparse in layer_rows(cfg):
+        if not (sparse if expert else _has(cfg, weight)):
+            continue
+        node = _at(adapters, path)["moe" if expert else _module(weight)]["lora"][weight]
         a, b = np.asarray(node["lora_a"]), np.asarray(node["lora_b"])
         for g, layer in enumerate(layers):
             out[layer] = (a[g], b[g]) if cfg.scan_layers else (a, b)
-    return [out[i] for i in range(cfg.n_layers)]
+    return dict(sorted(out.items()))
 
 
 def to_peft(adapters: dict, cfg: LlamaConfig, spec: lora_lib.LoraSpec) -> dict[str, np.ndarray]:
-    """{PEFT tensor name: (r, in) / (out, r) array} of a nested adapters tree."""
+    """{PEFT tensor name: (r, in) / (out, r) array} of a nested adapters tree (an expert
+    adapter's: `peft_experts`)."""
     out = {}
     for w in spec.targets:
-        for i, (a, b) in enumerate(_layers(adapters, cfg, w)):
+        for i, (a, b) in _layers(adapters, cfg, w).items():
             out[peft_key(i, w, "A")] = np.ascontiguousarray(a.reshape(-1, spec.rank).T)
             out[peft_key(i, w, "B")] = np.ascontiguousarray(b.reshape(spec.rank, -1).T)
+    parts = _expert_parts(cfg, spec)
+    for part in parts:
+        for i, (a, b) in _layers(adapters, cfg, part).items():
+            for half, x in zip("AB", experts.to_peft(a, b)):
+                out[experts.peft_key(i, part, half, parts)] = x
     return out
+
+
+def _expert_parts(cfg: LlamaConfig, spec: lora_lib.LoraSpec) -> tuple[str, ...]:
+    return lora_lib.expert_adapters(spec.targets) if cfg.n_experts else ()
 
 
 def from_peft(tensors, cfg: LlamaConfig, spec: lora_lib.LoraSpec, where: str = "adapter") -> dict:
@@ -90,26 +116,37 @@ def from_peft(tensors, cfg: LlamaConfig, spec: lora_lib.LoraSpec, where: str = "
     reader `name -> array`). CheckpointError naming a missing tensor or a wrong shape."""
     read = tensors if callable(tensors) else tensors.__getitem__
     r = spec.rank
+
+    def pair(keys, want):
+        got = {}
+        for half in "AB":
+            try:
+                x = np.asarray(read(keys[half]), np.float32)
+            except KeyError:
+                raise CheckpointError(f"{where}: no tensor {keys[half]} (an adapter for another model?)") from None
+            if x.shape != want[half]:
+                raise CheckpointError(
+                    f"{where}: {keys[half]} has shape {x.shape}, this model and lora.rank={r} need {want[half]} "
+                    "(an adapter for another base or rank)"
+                )
+            got[half] = x
+        return got
+
     per_layer: list[dict] = [{} for _ in range(cfg.n_layers)]
+    sparse_of = {i: sp for _, layers, sp in layer_rows(cfg) for i in layers}
     for w in spec.targets:
         ins, _, outs, _ = lora_lib.weight_dims(cfg, w)
         want = {"A": (r, math.prod(ins)), "B": (math.prod(outs), r)}
-        for i in range(cfg.n_layers):
-            got = {}
-            for half in "AB":
-                key = peft_key(i, w, half)
-                try:
-                    x = np.asarray(read(key), np.float32)
-                except KeyError:
-                    raise CheckpointError(f"{where}: no tensor {key} (an adapter for another model?)") from None
-                if x.shape != want[half]:
-                    raise CheckpointError(
-                        f"{where}: {key} has shape {x.shape}, this model and lora.rank={r} need {want[half]} "
-                        "(an adapter for another base or rank)"
-                    )
-                got[half] = x
+        for i in range(cfg.n_layers) if _has(cfg, w) else ():
+            got = pair({h: peft_key(i, w, h) for h in "AB"}, want)
             node = per_layer[i].setdefault(_module(w), {"lora": {}})["lora"]
             node[w] = {"lora_a": got["A"].T.reshape(*ins, r), "lora_b": got["B"].T.reshape(r, *outs)}
+    parts = _expert_parts(cfg, spec)
+    for part in parts:
+        for i in (i for i in range(cfg.n_layers) if sparse_of[i]):
+            got = pair({h: experts.peft_key(i, part, h, parts) for h in "AB"}, experts.shapes(cfg, part, r))
+            a, b = experts.from_peft(got["A"], got["B"], cfg.n_experts)
+            per_layer[i].setdefault("moe", {"lora": {}})["lora"][part] = {"lora_a": a, "lora_b": b}
     out: dict = {}
     for path, layers in layer_nodes(cfg):
         if not cfg.scan_layers:
@@ -145,6 +182,10 @@ def check_matches(raw: dict, spec: lora_lib.LoraSpec, where: str) -> None:
     """The adapter's r, alpha, rsLoRA and targets against the run's `lora:` section."""
     targets = raw.get("target_modules") or []
     targets = lora_lib.WEIGHTS if targets == "all-linear" else tuple(lora_lib.PEFT_TARGETS.get(t, t) for t in targets)
+    try:
+        targets += experts.targets_of(raw.get("target_parameters"))
+    except ValueError as e:
+        raise CheckpointError(f"{where}: {e}") from None
     checks = (
         ("lora.rank", spec.rank, raw.get("r")),
         ("lora.alpha", spec.alpha, raw.get("lora_alpha")),
@@ -177,9 +218,13 @@ def read_peft(directory, cfg: LlamaConfig, spec: lora_lib.LoraSpec) -> dict:
     return from_peft(read, cfg, spec, where)
 
 
-def adapter_config(spec: lora_lib.LoraSpec, base: str | None) -> dict:
-    """The adapter_config.json PEFT's `PeftModel.from_pretrained` needs for `spec`."""
-    return {
+def adapter_config(spec: lora_lib.LoraSpec, base: str | None, cfg: LlamaConfig | None = None) -> dict:
+    """The adapter_config.json PEFT's `PeftModel.from_pretrained` needs for `spec` (on model
+    `cfg`: a mixture of experts adapts its experts through `target_parameters`, its dense
+    MLP names only where it has dense layers)."""
+    params = [] if cfg is None else experts.target_parameters(spec, cfg)
+    modules = [t for t in spec.targets if cfg is None or _has(cfg, t)]
+    out = {
         "base_model_name_or_path": base,
         "bias": "none",
         "fan_in_fan_out": False,
@@ -190,11 +235,14 @@ def adapter_config(spec: lora_lib.LoraSpec, base: str | None) -> dict:
         "modules_to_save": None,
         "peft_type": "LORA",
         "r": spec.rank,
-        "target_modules": sorted(OURS_TO_PEFT[t] for t in spec.targets),
+        "target_modules": sorted(OURS_TO_PEFT[t] for t in modules) or None,
         "task_type": "CAUSAL_LM",
         "use_dora": False,
         "use_rslora": spec.rslora,
     }
+    if params:
+        out["target_parameters"] = params
+    return out
 
 
 def write_peft(out, adapters: dict, cfg: LlamaConfig, spec: lora_lib.LoraSpec, base: str | None = None) -> dict:
@@ -211,7 +259,7 @@ def write_peft(out, adapters: dict, cfg: LlamaConfig, spec: lora_lib.LoraSpec, b
         tmp.mkdir()
         entries = [(k, v.shape, v.dtype) for k, v in tensors.items()]
         write_safetensors(tmp / WEIGHTS, entries, tensors.__getitem__)
-        (tmp / CONFIG).write_text(json.dumps(adapter_config(spec, base), indent=2, sort_keys=True) + "\n")
+        (tmp / CONFIG).write_text(json.dumps(adapter_config(spec, base, cfg), indent=2, sort_keys=True) + "\n")
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)
@@ -238,11 +286,25 @@ def merge(base: dict, adapters: dict, cfg: LlamaConfig, spec: lora_lib.LoraSpec)
     out = _copy_dicts(base)
     for w in spec.targets:
         m, per = _module(w), _layers(adapters, cfg, w)
-        for path, layers in layer_nodes(cfg):
+        for path, layers in layer_nodes(cfg) if _has(cfg, w) else ():
             node = _at(out, path)[m]
             weight = np.asarray(node[w])
             if cfg.scan_layers:
                 node[w] = np.stack([merged_weight(weight[g], *per[i], spec) for g, i in enumerate(layers)])
             else:
                 node[w] = merged_weight(weight, *per[layers[0]], spec)
+    for path, layers, sparse in layer_rows(cfg) if cfg.n_experts else ():
+        parts = _expert_parts(cfg, spec)
+        if not sparse or not parts:
+            continue
+        node = _at(out, path)["moe"]
+        for name in (w for p in parts for w in lora_lib.EXPERT_ADAPTERS[p]):
+            per = _layers(adapters, cfg, experts.part_of(name))
+            weight = np.asarray(node[name])
+            if cfg.scan_layers:
+                node[name] = np.stack(
+                    [experts.merged_weight(name, weight[g], *per[i], spec) for g, i in enumerate(layers)]
+                )
+            else:
+                node[name] = experts.merged_weight(name, weight, *per[layers[0]], spec)
     return out

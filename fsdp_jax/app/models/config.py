@@ -70,3 +70,10 @@ class LlamaConfig:
         if not self.sliding_window:
             return False
         return not self.global_every or (layer + 1) % self.global_every != 0
+
+    def sparse_layers(self) -> tuple[bool, ...]:
+        """Per layer: whether its MLP is the mixture of experts (Qwen's `decoder_sparse_step`
+        and `mlp_only_layers`)."""
+        skip = set(self.mlp_only_layers)
+        step = max(self.decoder_sparse_step, 1)
+        return tuple(bool(self.n_experts) and i not in skip and (i + 1) % step == 0 for i in range(self.n_layers))

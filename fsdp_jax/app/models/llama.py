@@ -245,6 +245,8 @@ class Llama(nnx.Module):
         self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), (VOCAB, EMBED))
         if cfg.n_experts and lora is not None and lora_lib.expert_targets(cfg, lora.targets):
             raise ConfigError("lora.targets", lora_lib.expert_targets(cfg, lora.targets))
+        if lora is not None and lora_lib.expert_dropout(cfg, lora):
+            raise ConfigError("lora.dropout", lora_lib.expert_dropout(cfg, lora))
         if cfg.n_experts:  # sparse and dense layers: stacked by segment
             self.segments = stack.make_layers(cfg, rngs, Block, lora)
         elif cfg.scan_layers:
@@ -366,4 +368,4 @@ def flops_per_token(cfg: LlamaConfig, seq_len: int, lora: lora_lib.LoraSpec | No
     attention = 6.0 * layers * seq_len * cfg.n_heads * cfg.head_dim
     if lora is None:
         return 6.0 * matmul_params + attention
-    return 4.0 * matmul_params + 6.0 * lora_lib.adapter_param_count(cfg, lora) + attention
+    return 4.0 * matmul_params + 6.0 * lora_lib.adapter_param_count(cfg, lora, active=True) + attention

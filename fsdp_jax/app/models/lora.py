@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from fsdp_jax.model.lora import a_init
-from fsdp_jax.sharding.axes import EMBED, HEADS, KV, KV_HEADS, LORA_RANK, MLP
+from fsdp_jax.sharding.axes import EMBED, EXPERT, HEADS, KV, KV_HEADS, LORA_RANK, MLP
 from fsdp_jax.sharding.leaf_sharding import path_str
 from fsdp_jax.sharding.precision import matmul
 
@@ -113,18 +113,56 @@ def weight_dims(cfg, name: str) -> tuple[tuple[int, ...], tuple[str, ...], tuple
     }[name]
 
 
+# the experts' adapters, as PEFT puts them on transformers' fused expert tensors (its
+# `target_parameters`: `mlp.experts.gate_up_proj` (E, 2F, D) and `mlp.experts.down_proj`
+# (E, D, F)): gate and up share one adapter, its B producing both halves (gate first)
+EXPERT_ADAPTERS: dict[str, tuple[str, ...]] = {"experts_gate_up": ("w_gate", "w_up"), "experts_down": ("w_down",)}
+
+
 def expert_targets(cfg, targets: tuple[str, ...]) -> str | None:
-    """None, or the one line refusing the MLP targets of a mixture-of-experts model (their
-    weights are per expert there: adapters per expert are not built)."""
+    """None, or the one line refusing `targets` on a mixture-of-experts model: the experts'
+    gate and up projections are one fused tensor (transformers' gate_up_proj), so an adapter
+    takes both or neither; a shared expert (Qwen2-MoE) is not adapted (so MLP targets there,
+    which PEFT would also put on it, are refused). Dense MLP layers beside the experts
+    (`mlp_only_layers`) take their adapters as in a dense model."""
     mlp = [t for t in targets if t not in ATTENTION]
     if not cfg.n_experts or not mlp:
         return None
+    if ("w_gate" in mlp) != ("w_up" in mlp):
+        return (
+            "gate_proj and up_proj are one fused tensor per expert (transformers' experts.gate_up_proj, "
+            "one PEFT adapter): target both or neither"
+        )
+    if cfg.shared_expert_ffn_dim:
+        return (
+            f"{' '.join(_peft_names(mlp))} on a model with a shared expert (Qwen2-MoE): adapters on its "
+            "experts and its shared expert are not built; target the attention projections, "
+            "q_proj k_proj v_proj o_proj"
+        )
+    return None
+
+
+def expert_dropout(cfg, spec: "LoraSpec") -> str | None:
+    """None, or the line refusing dropout with adapters on experts (PEFT's ParamWrapper has none)."""
+    if cfg.n_experts and spec.dropout and any(t not in ATTENTION for t in spec.targets):
+        return "adapters on experts take no dropout (PEFT's target_parameters refuse lora_dropout): set lora.dropout=0"
+    return None
+
+
+def _peft_names(ours) -> list[str]:
     peft = {v: k for k, v in PEFT_TARGETS.items()}
-    return (
-        f"{' '.join(peft[t] for t in mlp)} name expert weights in a mixture-of-experts model "
-        f"(model.n_experts={cfg.n_experts}; adapters per expert are not built): target the "
-        "attention projections, q_proj k_proj v_proj o_proj"
-    )
+    return [peft[t] for t in ours]
+
+
+def expert_adapter_dims(cfg, name: str) -> tuple[int, str, int, str]:
+    """(in width, in name, out width, out name) of expert adapter `name` (`EXPERT_ADAPTERS`)."""
+    d, f = cfg.d_model, cfg.moe_ffn_dim
+    return {"experts_gate_up": (d, EMBED, 2 * f, MLP), "experts_down": (f, MLP, d, EMBED)}[name]
+
+
+def expert_adapters(targets: tuple[str, ...]) -> tuple[str, ...]:
+    """The expert adapters `targets` ask for, in `EXPERT_ADAPTERS` order."""
+    return tuple(n for n, ws in EXPERT_ADAPTERS.items() if all(w in targets for w in ws))
 
 
 def max_rank(cfg, targets: tuple[str, ...]) -> int:
@@ -132,17 +170,29 @@ def max_rank(cfg, targets: tuple[str, ...]) -> int:
     out = []
     for t in targets:
         i, _, o, _ = weight_dims(cfg, t)
+        if cfg.n_experts and t not in ATTENTION:  # an expert tensor's
+            i, o = (cfg.d_model,), (cfg.moe_ffn_dim,)
         out.append(min(math.prod(i), math.prod(o)))
     return min(out)
 
 
-def adapter_param_count(cfg, spec: LoraSpec) -> int:
-    """Adapter params of the decoder: r x (in + out) per target weight per layer."""
-    per_layer = 0
-    for t in spec.targets:
-        i, _, o, _ = weight_dims(cfg, t)
-        per_layer += spec.rank * (math.prod(i) + math.prod(o))
-    return cfg.n_layers * per_layer
+def adapter_param_count(cfg, spec: LoraSpec, active: bool = False) -> int:
+    """Adapter params of the decoder: r x (in + out) per target weight per layer; on a
+    mixture-of-experts model's sparse layers, E x r x (in + out) per expert adapter
+    (`active`: the k experts a token uses)."""
+    attn, mlp = [t for t in spec.targets if t in ATTENTION], [t for t in spec.targets if t not in ATTENTION]
+
+    def dense(ts):
+        return sum(spec.rank * (math.prod(weight_dims(cfg, t)[0]) + math.prod(weight_dims(cfg, t)[2])) for t in ts)
+
+    if not cfg.n_experts:
+        return cfg.n_layers * (dense(attn) + dense(mlp))
+    per_expert = sum(
+        spec.rank * (i + o) for i, _, o, _ in map(lambda n: expert_adapter_dims(cfg, n), expert_adapters(spec.targets))
+    )
+    experts = cfg.experts_per_token if active else cfg.n_experts
+    sparse = sum(cfg.sparse_layers())
+    return cfg.n_layers * dense(attn) + sparse * experts * per_expert
 
 
 def _a_init(fan_in: int):
@@ -191,14 +241,37 @@ class Adapter(nnx.Module):
         return matmul(xa, b.reshape(r, -1)) * jnp.asarray(self.scale, xa.dtype)
 
 
+class ExpertAdapter(nnx.Module):
+    """One expert tensor's adapters, one per expert: `lora_a` (E, in, r), `lora_b` (E, r, out),
+    sharded on the expert dim as the experts are; B zero unless `spec.init_weights` is False
+    (then drawn as PEFT's nn.Linear(r * E, out) is)."""
+
+    def __init__(self, n_experts: int, d_in: int, in_name: str, d_out: int, out_name: str, spec: LoraSpec, rngs):
+        a_init = nnx.with_partitioning(_a_init(d_in), (EXPERT, in_name, LORA_RANK))
+        b_fn = nnx.initializers.zeros if spec.init_weights else _a_init(spec.rank * n_experts)
+        b_init = nnx.with_partitioning(b_fn, (EXPERT, LORA_RANK, out_name))
+        self.lora_a = nnx.Param(a_init(rngs.params(), (n_experts, d_in, spec.rank)))
+        self.lora_b = nnx.Param(b_init(None if spec.init_weights else rngs.params(), (n_experts, spec.rank, d_out)))
+        self.scale = spec.scale
+
+
 def attach(block, cfg, spec: LoraSpec, rngs: nnx.Rngs) -> None:
-    """Give `block`'s attention and MLP their adapters (`module.lora`, keyed by weight name)."""
-    for module, names in ((block.attn, ATTENTION), (getattr(block, "mlp", None), WEIGHTS[4:])):
+    """Give `block`'s attention and MLP their adapters (`module.lora`, keyed by weight name);
+    a sparse block's experts theirs (`block.moe.lora`, keyed by `EXPERT_ADAPTERS`)."""
+    # a mixture-of-experts model's MLP targets are its experts' (PEFT's target_parameters);
+    # its dense MLP layers (`mlp_only_layers`) keep no adapters, as PEFT leaves them then
+    mlp = None if cfg.n_experts else getattr(block, "mlp", None)
+    for module, names in ((block.attn, ATTENTION), (mlp, WEIGHTS[4:])):
         chosen = [n for n in names if n in spec.targets and module is not None]
         if chosen:
             module.lora = nnx.Dict(
                 {n: Adapter(*weight_dims(cfg, n), spec, rngs) for n in chosen}  # type: ignore[misc]
             )
+    moe, chosen = getattr(block, "moe", None), expert_adapters(spec.targets)
+    if moe is not None and chosen:
+        moe.lora = nnx.Dict(
+            {n: ExpertAdapter(cfg.n_experts, *expert_adapter_dims(cfg, n), spec, rngs) for n in chosen}  # type: ignore[misc]
+        )
 
 
 def delta(module, name: str, x2, key=None):

@@ -32,7 +32,14 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from fsdp_jax.app.models.moe_dispatch import dropless, gated, per_batch_shard, per_token_shard, with_capacity
+from fsdp_jax.app.models.moe_dispatch import (
+    ExpertLora,
+    dropless,
+    gated,
+    per_batch_shard,
+    per_token_shard,
+    with_capacity,
+)
 from fsdp_jax.app.models.moe_exchange import exchange_capacity, exchange_dropless
 from fsdp_jax.sharding.axes import EMBED, EXPERT, MLP
 from fsdp_jax.sharding.precision import matmul
@@ -124,28 +131,41 @@ class MoE(nnx.Module):
         self.shared = bool(cfg.shared_expert_ffn_dim)
         self.capacity_factor = cfg.capacity_factor
 
+    def _experts(self):
+        """(the expert weights, then each adapter's A and B (`EXPERT_ADAPTERS` order); the
+        `ExpertLora` saying which, or None without adapters)."""
+        ws = [self.w_gate[...], self.w_up[...], self.w_down[...]]
+        adapters = getattr(self, "lora", None)
+        if adapters is None:
+            return tuple(ws), None
+        parts = tuple(n for n in ("experts_gate_up", "experts_down") if n in adapters)
+        for n in parts:
+            ws += [adapters[n].lora_a[...], adapters[n].lora_b[...]]
+        return tuple(ws), ExpertLora(parts, adapters[parts[0]].scale)
+
     def __call__(self, x, token_mask=None):
         b, s, d = x.shape
         x2 = x.reshape(b * s, d)  # (N, D)
         logits = matmul(x2, self.router[...]).astype(jnp.float32)  # (N, E)
         p, w, idx = per_token_shard(lambda lg: route(lg, self.k, self.norm_topk_prob), logits)
-        experts = (self.w_gate[...], self.w_up[...], self.w_down[...])
+        experts, lora = self._experts()
         cf = self.capacity_factor
 
         n_experts = experts[0].shape[0]
 
-        def compute(x2, w, idx, wg, wu, wd, e0):  # the tokens of one batch shard, experts from e0
-            if cf:
-                return with_capacity(
-                    x2, w, idx, wg, wu, wd, capacity(x2.shape[0], self.k, n_experts, cf), n_experts, e0
-                )
-            return dropless(x2, w, idx, wg, wu, wd, e0)
-
-        def exchange(x2, w, idx, wg, wu, wd, axes, n_ep):  # experts over batch axes: all-to-all
+        def compute(x2, w, idx, *rest):  # the tokens of one batch shard, experts from e0
+            *ws, e0 = rest
             if cf:
                 cap = capacity(x2.shape[0], self.k, n_experts, cf)
-                return exchange_capacity(x2, w, idx, wg, wu, wd, axes, n_ep, cap, n_experts)
-            return exchange_dropless(x2, w, idx, wg, wu, wd, axes, n_ep)
+                return with_capacity(x2, w, idx, ws, cap, n_experts, e0, lora)
+            return dropless(x2, w, idx, ws, e0, lora)
+
+        def exchange(x2, w, idx, *rest):  # experts over batch axes: all-to-all
+            *ws, axes, n_ep = rest
+            if cf:
+                cap = capacity(x2.shape[0], self.k, n_experts, cf)
+                return exchange_capacity(x2, w, idx, ws, axes, n_ep, cap, n_experts, lora)
+            return exchange_dropless(x2, w, idx, ws, axes, n_ep, lora)
 
         y, dropped = per_batch_shard(compute, (x2, w, idx), experts, exchange)
         if self.shared:

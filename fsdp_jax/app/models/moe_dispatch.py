@@ -22,6 +22,7 @@ Without a mesh (or with nothing sharded) the function runs as it is.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -37,19 +38,50 @@ def gated(h_gate, h_up):
     return jax.nn.silu(h_gate) * h_up
 
 
-def dropless(x2, w, idx, wg, wu, wd, e0=0):
+@dataclasses.dataclass(frozen=True)
+class ExpertLora:
+    """The experts' LoRA adapters (`fsdp_jax.app.models.lora.ExpertAdapter`): which of
+    `experts_gate_up` / `experts_down` are present (their (A, B) pairs follow the three expert weights in
+    a weights tuple, in this order) and the scale."""
+
+    parts: tuple[str, ...]
+    scale: float
+
+
+def experts_ffn(x, ws, lora: ExpertLora | None, dot):
+    """The experts' gated MLP with their adapters on rows `x`: `dot(x, w)` one expert product
+    (grouped `ragged_dot` or batched einsum), `ws` (w_gate, w_up, w_down, *adapters). Each
+    adapter is two thin products (x A) B: no product of a frozen weight's shape."""
+    wg, wu, wd = ws[:3]
+    pairs = dict(zip(lora.parts, zip(ws[3::2], ws[4::2]))) if lora else {}
+
+    def lora_term(x, name):
+        a, b = pairs[name]
+        t = dot(dot(x, a), b)
+        return t * jnp.asarray(lora.scale, t.dtype)
+
+    hg, hu = dot(x, wg), dot(x, wu)
+    if "experts_gate_up" in pairs:  # one adapter for both halves, gate first (transformers' gate_up_proj)
+        t, f = lora_term(x, "experts_gate_up"), wg.shape[-1]
+        hg, hu = hg + t[..., :f], hu + t[..., f:]
+    h = gated(hg, hu)
+    y = dot(h, wd)
+    return y + lora_term(h, "experts_down") if "experts_down" in pairs else y
+
+
+def dropless(x2, w, idx, ws, e0=0, lora: ExpertLora | None = None):
     """The pairs routed to experts e0.., sorted by expert, through grouped matmuls.
-    x2 (N, D); w, idx (N, k); wg, wu (E_local, D, F); wd (E_local, F, D) -> ((N, D), 0)."""
+    x2 (N, D); w, idx (N, k); ws: wg, wu (E_local, D, F), wd (E_local, F, D) and the adapters
+    -> ((N, D), 0)."""
     n, k = idx.shape
-    el = wg.shape[0]
+    el = ws[0].shape[0]
     loc = idx - e0
     mine = (loc >= 0) & (loc < el)
     flat = jnp.where(mine, loc, el).reshape(-1)  # (N*k,); others sort last, in no group
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.bincount(flat, length=el + 1)[:el].astype(jnp.int32)  # (E_local,)
     xs = x2[order // k]  # (N*k, D), grouped by expert
-    h = gated(jax.lax.ragged_dot(xs, wg, sizes), jax.lax.ragged_dot(xs, wu, sizes))  # (N*k, F)
-    ys = jax.lax.ragged_dot(h, wd, sizes)  # (N*k, D)
+    ys = experts_ffn(xs, ws, lora, lambda x, m: jax.lax.ragged_dot(x, m, sizes))  # (N*k, D)
     y = jnp.zeros_like(ys).at[order].set(ys).reshape(n, k, -1)  # back to (token, slot)
     return jnp.einsum("nkd,nk->nd", y, (w * mine).astype(y.dtype)), jnp.zeros((), jnp.float32)
 
@@ -73,16 +105,20 @@ def capacity_slots(idx, cap: int, n_experts: int, e0: int = 0, el: int | None = 
     return mine, keep, slot, tok
 
 
-def with_capacity(x2, w, idx, wg, wu, wd, cap: int, n_experts: int, e0=0):
+def batched(x, m):
+    """One product per expert: x (E, C, in) with m (E, in, out)."""
+    return jnp.einsum("eci,eio->eco", x, m)
+
+
+def with_capacity(x2, w, idx, ws, cap: int, n_experts: int, e0=0, lora: ExpertLora | None = None):
     """At most `cap` tokens per expert (token order wins), the rest dropped; only experts
     e0 .. e0 + E_local - 1 computed. -> (out (N, D), dropped pairs of those experts (f32))."""
-    el = wg.shape[0]
+    el = ws[0].shape[0]
     mine, keep, slot, tok = capacity_slots(idx, cap, n_experts, e0, el)
     xpad = jnp.concatenate([x2, jnp.zeros((1, x2.shape[1]), x2.dtype)])
     buf = xpad[tok[:-1]].reshape(el, cap, -1)  # (E_local, C, D); empty rows are zeros
     buf = checkpoint_name(buf, "moe_dispatch")
-    h = gated(jnp.einsum("ecd,edf->ecf", buf, wg), jnp.einsum("ecd,edf->ecf", buf, wu))
-    yb = jnp.einsum("ecf,efd->ecd", h, wd).reshape(el * cap, -1)
+    yb = experts_ffn(buf, ws, lora, batched).reshape(el * cap, -1)
     ypad = jnp.concatenate([yb, jnp.zeros((1, yb.shape[1]), yb.dtype)])
     y = ypad[slot]  # (N, k, D); dropped pairs read the zero row
     out = jnp.einsum("nkd,nk->nd", y, (w * keep).astype(y.dtype))

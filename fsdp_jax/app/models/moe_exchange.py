@@ -24,7 +24,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from fsdp_jax.app.models.moe_dispatch import capacity_slots, gated
+from fsdp_jax.app.models.moe_dispatch import ExpertLora, batched, capacity_slots, experts_ffn
 
 
 def _a2a(x, axes):
@@ -32,10 +32,11 @@ def _a2a(x, axes):
     return jax.lax.all_to_all(x, axes, 0, 0)
 
 
-def exchange_dropless(x2, w, idx, wg, wu, wd, axes, n_ep: int):
-    """x2 (N, D), w and idx (N, k) of this device; wg, wu (E_l, D, F), wd (E_l, F, D) its experts."""
+def exchange_dropless(x2, w, idx, ws, axes, n_ep: int, lora: ExpertLora | None = None):
+    """x2 (N, D), w and idx (N, k) of this device; ws: wg, wu (E_l, D, F), wd (E_l, F, D) its
+    experts, then their adapters."""
     n, k = idx.shape
-    el, d = wg.shape[0], x2.shape[1]
+    el, d = ws[0].shape[0], x2.shape[1]
     m = n * k
     flat = idx.reshape(-1)  # (N*k,) global expert ids
     dest = flat // el
@@ -48,22 +49,20 @@ def exchange_dropless(x2, w, idx, wg, wu, wd, axes, n_ep: int):
     order = jnp.argsort(re, stable=True)  # by local expert; empty rows (id E_l) last, in no group
     sizes = jnp.bincount(re, length=el + 1)[:el].astype(jnp.int32)
     xs = rx[order]
-    h = gated(jax.lax.ragged_dot(xs, wg, sizes), jax.lax.ragged_dot(xs, wu, sizes))
-    ys = jax.lax.ragged_dot(h, wd, sizes)
+    ys = experts_ffn(xs, ws, lora, lambda x, m: jax.lax.ragged_dot(x, m, sizes))
     y = jnp.zeros_like(ys).at[order].set(ys).reshape(n_ep, m, d)
     back = _a2a(y, axes).reshape(n_ep * m, d)[slot].reshape(n, k, d)  # each pair's output, home again
     return jnp.einsum("nkd,nk->nd", back, w.astype(back.dtype)), jnp.zeros((), jnp.float32)
 
 
-def exchange_capacity(x2, w, idx, wg, wu, wd, axes, n_ep: int, cap: int, n_experts: int):
+def exchange_capacity(x2, w, idx, ws, axes, n_ep: int, cap: int, n_experts: int, lora: ExpertLora | None = None):
     """As `exchange_dropless`, at most `cap` of this device's tokens per expert."""
-    el, d = wg.shape[0], x2.shape[1]
+    el, d = ws[0].shape[0], x2.shape[1]
     _, keep, slot, tok = capacity_slots(idx, cap, n_experts)
     xpad = jnp.concatenate([x2, jnp.zeros((1, d), x2.dtype)])
     buf = xpad[tok[:-1]].reshape(n_ep, el * cap, d)  # by expert shard; empty rows are zeros
     rb = _a2a(buf, axes).reshape(n_ep, el, cap, d).transpose(1, 0, 2, 3).reshape(el, n_ep * cap, d)
-    h = gated(jnp.einsum("ecd,edf->ecf", rb, wg), jnp.einsum("ecd,edf->ecf", rb, wu))
-    yb = jnp.einsum("ecf,efd->ecd", h, wd).reshape(el, n_ep, cap, d).transpose(1, 0, 2, 3)
+    yb = experts_ffn(rb, ws, lora, batched).reshape(el, n_ep, cap, d).transpose(1, 0, 2, 3)
     yb = _a2a(yb.reshape(n_ep, el * cap, d), axes).reshape(n_experts * cap, d)
     y = jnp.concatenate([yb, jnp.zeros((1, d), yb.dtype)])[slot]  # (N, k, D); dropped pairs read 0
     out = jnp.einsum("nkd,nk->nd", y, (w * keep).astype(y.dtype))

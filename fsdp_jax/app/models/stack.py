@@ -33,10 +33,8 @@ from fsdp_jax.train import layer_gather
 
 
 def sparse_layers(cfg) -> tuple[bool, ...]:
-    """Per layer: whether its MLP is the mixture of experts."""
-    skip = set(cfg.mlp_only_layers)
-    step = max(cfg.decoder_sparse_step, 1)
-    return tuple(bool(cfg.n_experts) and i not in skip and (i + 1) % step == 0 for i in range(cfg.n_layers))
+    """Per layer: whether its MLP is the mixture of experts (`LlamaConfig.sparse_layers`)."""
+    return cfg.sparse_layers()
 
 
 def segments(cfg) -> tuple[tuple[int, tuple[bool, ...], int], ...]:

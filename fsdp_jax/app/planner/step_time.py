@@ -49,7 +49,7 @@ def model_flops_per_token(model, seq_len: int, lora=None) -> tuple[float, float]
     matmul = count_params(model, active=True) - (0 if model.tie_word_embeddings else v * d)
     attn = 12 * model.n_layers * model.n_heads * model.head_dim * seq_len
     if lora is not None:
-        return 4 * matmul + 6 * adapter_param_count(model, lora) + attn, attn
+        return 4 * matmul + 6 * adapter_param_count(model, lora, active=True) + attn, attn
     return 6 * matmul + attn, attn
 
 

@@ -1,0 +1,96 @@
+"""PEFT's LoRA adapters on mixture-of-experts tensors, in and out, and merged.
+
+transformers (5.x) holds a sparse layer's experts as two fused 3-D parameters,
+`mlp.experts.gate_up_proj` (E, 2F, D) and `mlp.experts.down_proj` (E, D, F), which PEFT adapts
+through `target_parameters` (its `ParamWrapper`). An adapted tensor's two factors are
+`lora_A.weight` (r * E, in), rows expert-major, and `lora_B.weight` (out, r * E), columns
+rank-major, with delta_e = B.reshape(out, r, E)[..., e] @ A.reshape(E, r, in)[e] * scale
+(peft 0.21.2, `tuners/lora/layer.py`, `ParamWrapper.get_delta_weight`). Two targeted tensors
+of one module nest: the first transformers registers (gate_up_proj) is wrapped first, so its
+factors sit under `experts.base_layer.` and down_proj's under `experts.`; one alone under
+`experts.` (`tests/golden/make_peft_goldens.py` lists a tiny Mixtral's keys).
+
+The decoder's expert adapters (`fsdp_jax.app.models.lora.ExpertAdapter`) are `lora_a`
+(E, in, r) and `lora_b` (E, r, out) per sparse layer: `experts_gate_up` (out 2F: gate's F columns,
+then up's, as transformers chunks gate_up_proj) and `experts_down`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fsdp_jax.app.models import lora as lora_lib
+
+# the decoder's expert adapter -> the transformers parameter PEFT targets
+PEFT_PARAMETERS = {"experts_gate_up": "mlp.experts.gate_up_proj", "experts_down": "mlp.experts.down_proj"}
+
+
+def target_parameters(spec: lora_lib.LoraSpec, cfg) -> list[str]:
+    """adapter_config.json's `target_parameters` for `spec` on model `cfg` ([] for a dense one)."""
+    if not cfg.n_experts:
+        return []
+    return [PEFT_PARAMETERS[n] for n in lora_lib.expert_adapters(spec.targets)]
+
+
+def targets_of(parameters) -> tuple[str, ...]:
+    """The decoder weights a PEFT config's `target_parameters` adapt (ValueError naming an
+    unknown one)."""
+    back = {v: k for k, v in PEFT_PARAMETERS.items()}
+    out: list[str] = []
+    for p in parameters or []:
+        name = next(
+            (
+                ours
+                for theirs, ours in back.items()
+                if p == theirs or theirs.endswith("." + p) or p.endswith("." + theirs)
+            ),
+            None,
+        )
+        if name is None:
+            raise ValueError(f"target_parameters {p!r}: only {' '.join(PEFT_PARAMETERS.values())} are known")
+        out += lora_lib.EXPERT_ADAPTERS[name]
+    return tuple(out)
+
+
+def peft_key(layer: int, part: str, half: str, parts: tuple[str, ...]) -> str:
+    """PEFT's name of expert adapter `part`'s lora_A / lora_B in `layer`, `parts` all the
+    expert adapters present (the nesting depends on them)."""
+    nest = "base_layer." * (len(parts) - 1 - parts.index(part))
+    return f"base_model.model.model.layers.{layer}.mlp.experts.{nest}lora_{half}.weight"
+
+
+def to_peft(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One layer's (lora_a (E, in, r), lora_b (E, r, out)) -> PEFT's (A (r * E, in), B (out, r * E))."""
+    e, d_in, r = a.shape
+    big_a = a.transpose(0, 2, 1).reshape(e * r, d_in)
+    big_b = b.transpose(2, 1, 0).reshape(b.shape[2], r * e)
+    return np.ascontiguousarray(big_a), np.ascontiguousarray(big_b)
+
+
+def from_peft(big_a: np.ndarray, big_b: np.ndarray, n_experts: int) -> tuple[np.ndarray, np.ndarray]:
+    """`to_peft`'s inverse."""
+    r = big_a.shape[0] // n_experts
+    a = big_a.reshape(n_experts, r, -1).transpose(0, 2, 1)
+    b = big_b.reshape(big_b.shape[0], r, n_experts).transpose(2, 1, 0)
+    return np.ascontiguousarray(a), np.ascontiguousarray(b)
+
+
+def shapes(cfg, part: str, rank: int) -> dict[str, tuple[int, int]]:
+    """PEFT's A and B shapes of expert adapter `part` on model `cfg`."""
+    d_in, _, d_out, _ = lora_lib.expert_adapter_dims(cfg, part)
+    return {"A": (rank * cfg.n_experts, d_in), "B": (d_out, rank * cfg.n_experts)}
+
+
+def merged_weight(name: str, w: np.ndarray, a: np.ndarray, b: np.ndarray, spec: lora_lib.LoraSpec) -> np.ndarray:
+    """One layer's expert weight `name` (w_gate, w_up (E, D, F) or w_down (E, F, D)) plus its
+    share of its adapter's scale * A B (`a` (E, in, r), `b` (E, r, out): experts_gate_up's B columns
+    gate's F then up's), computed in f32, in W's dtype."""
+    f = w.shape[-1]
+    b = {"w_gate": b[..., :f], "w_up": b[..., f:], "w_down": b}[name]
+    delta = np.einsum("eir,ero->eio", a.astype(np.float32), b.astype(np.float32)) * np.float32(spec.scale)
+    return (w.astype(np.float32) + delta).astype(w.dtype)
+
+
+def part_of(name: str) -> str:
+    """The expert adapter that adapts expert weight `name`."""
+    return next(p for p, ws in lora_lib.EXPERT_ADAPTERS.items() if name in ws)
