@@ -174,3 +174,52 @@ def test_expert_targets_peft_cannot_express_are_refused_in_one_line(
     cfg = moe_cfg(shared_expert_ffn_dim=32) if model == "qwen2_moe" else moe_cfg()
     with pytest.raises(ConfigError, match=words[0]), nnx.use_eager_sharding(False):
         Llama(cfg, rngs=nnx.Rngs(0), lora=spec)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])  # qwen3_moe's golden has a dense layer
+def test_a_run_with_expert_adapters_trains_and_exports_peft_and_merged(family, corpus, tmp_path, capsys):
+    """The trainer on a tiny Mixtral / Qwen3-MoE with all-linear adapters (the experts' among them):
+    `--peft` writes PEFT's expert keys and target_parameters, reading back bit for bit; `--hf`
+    writes the merged base, whose logits a plain decoder reloads equal to the LoRA model's;
+    the router, norms and dense MLP layers are the base's bytes, every expert tensor changed.
+    PEFT and transformers load these exports (`make_peft_goldens.py --check-peft`,
+    `make_hf_family_goldens.py --check`: docs/lora.md has the figures)."""
+    import json
+    from pathlib import Path
+
+    from fsdp_jax.app.hf import load as hf
+    from fsdp_jax.app.trainer.loop import train
+    from fsdp_jax.app.trainer.setup import load_run_config
+    from fsdp_jax.checkpoint.safetensors_io import SafetensorsFile
+    from helpers import TINY_RUN_OVERRIDES, call
+
+    golden = Path(__file__).parent / "golden" / "hf" / family
+    run_dir = tmp_path / "run"
+    over = [o for o in TINY_RUN_OVERRIDES if not o.startswith("model.")] + ["train.steps=3", "train.checkpoint_every=3"]
+    over += [f"data.path={corpus}", f"run_dir={run_dir}", f"init_from=hf:{golden}", "remat=none"]
+    over += ["lora.rank=4", "lora.alpha=8", "lora.targets=all-linear"]
+    summary = train(load_run_config(Path("configs/hf_tiny_finetune.yaml").resolve(), over), progress=False)
+    state = jax.device_get(summary["run"].state)
+    for flag, out in (("--peft", "adapter"), ("--hf", "merged")):
+        rc, _, err = call("export", str(run_dir), flag, str(tmp_path / out), capsys=capsys)
+        assert rc == 0, err
+    raw = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert raw["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    assert sorted(raw["target_modules"]) == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    f = SafetensorsFile(tmp_path / "adapter" / "adapter_model.safetensors")
+    cfg = hf.HFCheckpoint(golden).config
+    assert sum(".mlp.experts." in k for k in f.tensors) == 4 * sum(cfg.sparse_layers())
+    back = peft.read_peft(tmp_path / "adapter", cfg, SPEC)
+    assert max_abs_diff(back, lora_lib.split(state.params)[1]) == 0.0
+    t = np.asarray(tokens(cfg))[:, :-1]
+    want = np.asarray(jax.jit(trainer_model(cfg, "none", SPEC).apply)(state.params, t))
+    merged = hf.HFCheckpoint(tmp_path / "merged")
+    plain = from_nnx(lambda r: Llama(merged.config, rngs=r))
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), plain.abstract_params)
+    got = np.asarray(jax.jit(plain.apply)(hf.load_params(merged, abstract), t))
+    assert np.abs(got - want).max() < 1e-4
+    ours, theirs = (SafetensorsFile(d / "model.safetensors") for d in (tmp_path / "merged", golden))
+    for k in theirs.tensors:
+        adapted = ".experts." in k or ("self_attn" in k and "norm" not in k)
+        assert np.array_equal(ours.read(k), theirs.read(k)) != adapted, k

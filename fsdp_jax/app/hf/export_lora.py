@@ -84,9 +84,9 @@ def export_merged(
         shape = shapes[path]
         stacked = len(names) > 1 or moe_layout.is_stacked(cfg, path)
         leaf = base.read(names, kind, tuple(slice(0, n) for n in shape), shape, dtypes[path], stacked)
-        weight = path.rsplit("/", 1)[-1]
-        if weight not in spec.targets:
-            return leaf  # as the base stores it
+        module, weight = ([""] + path.split("/"))[-2:]
+        if weight not in spec.targets or (module == "mlp" and cfg.n_experts):
+            return leaf  # as the base stores it (an MoE model's dense MLP layers have no adapters)
         return _merged_leaf(path, leaf, adapters, cfg, spec)
 
     kw = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
