@@ -124,7 +124,7 @@ def expert_targets(cfg, targets: tuple[str, ...]) -> str | None:
     gate and up projections are one fused tensor (transformers' gate_up_proj), so an adapter
     takes both or neither; a shared expert (Qwen2-MoE) is not adapted (so MLP targets there,
     which PEFT would also put on it, are refused). Dense MLP layers beside the experts
-    (`mlp_only_layers`) take their adapters as in a dense model."""
+    (`mlp_only_layers`) keep none: the MLP targets name the experts' tensors."""
     mlp = [t for t in targets if t not in ATTENTION]
     if not cfg.n_experts or not mlp:
         return None
