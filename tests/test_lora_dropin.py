@@ -69,6 +69,22 @@ def pytree_apply(p, x, ids):
 
 
 L = 3  # scanned layers
+H = 2  # heads of the batched-product model
+
+
+def batched_params(key):
+    k = jax.random.split(key, 3)
+    return {
+        "heads": jax.random.normal(k[0], (H, D, 8)) / 4,  # (H, D, K): h a batch dim of the product
+        "mix": jax.random.normal(k[1], (8, H, O)) / 4,  # (K, H, O): batched on its middle dim
+        "head": jax.random.normal(k[2], (O, O)) / 4,
+    }
+
+
+def batched_apply(p, x):
+    xh = jnp.broadcast_to(x, (H,) + x.shape).transpose(1, 0, 2)  # (N, H, D)
+    h = jnp.tanh(jnp.einsum("nhd,hdk->nhk", xh, p["heads"]))
+    return jnp.einsum("nhk,kho->nho", h, p["mix"]).sum(1) @ p["head"]
 
 
 def scan_params(key):
@@ -112,6 +128,7 @@ def models():
         "pytree": (fj.with_lora(pytree_params(jax.random.key(0)), X, IDS, apply=pytree_apply, rank=4), (X, IDS)),
         "scan": (fj.with_lora(scan_params(jax.random.key(0)), X, apply=scan_apply, rank=2), (X,)),
         "linen_scan": (fj.with_lora(fj.from_linen(LinenScanned(), X), X, rank=2, alpha=4), (X,)),
+        "batched": (fj.with_lora(batched_params(jax.random.key(0)), X, apply=batched_apply, rank=3), (X,)),
     }
 
 
@@ -119,18 +136,21 @@ def base_apply(name):
     """The model without adapters."""
     if name.startswith("linen"):
         return fj.from_linen(LinenAttnOut() if name == "linen" else LinenScanned(), X).apply
-    return {"nnx": fj.from_nnx(NnxMlp).apply, "pytree": pytree_apply, "scan": scan_apply}[name]
+    return {"nnx": fj.from_nnx(NnxMlp).apply, "pytree": pytree_apply, "scan": scan_apply, "batched": batched_apply}[
+        name
+    ]
 
 
 def hand_delta(xp, t, a, b):
     """A B in W's layout, by hand: (layers, in, r) x (layers, r, out) per layer, reshaped and
     transposed back to W's dims (`xp`: numpy in f64, or jax.numpy to differentiate)."""
-    stack = t.shape[: t.depth]
+    stack = t.shape[: t.depth] + tuple(t.shape[d] for d in t.batch)  # one adapter per index of these
     n_in, n_out = math.prod(t.shape[d] for d in t.contracted), math.prod(t.shape[d] for d in t.free)
-    a2, b2 = a.reshape(-1, n_in, a.shape[-1]), b.reshape(-1, b.shape[t.depth], n_out)
+    a2, b2 = a.reshape(-1, n_in, a.shape[-1]), b.reshape(-1, b.shape[len(stack)], n_out)
     ab = xp.einsum("sir,srj->sij", a2, b2)
     ab = ab.reshape(stack + tuple(t.shape[d] for d in t.contracted) + tuple(t.shape[d] for d in t.free))
-    return xp.transpose(ab, np.argsort(list(range(t.depth)) + list(t.contracted) + list(t.free)))
+    dims = list(range(t.depth)) + list(t.batch) + list(t.contracted) + list(t.free)
+    return xp.transpose(ab, np.argsort(dims))
 
 
 def merged_by_hand(xp, lm, base, lora, dtype=None):
@@ -171,6 +191,20 @@ def test_scanned_layers_get_one_adapter_per_layer_stacked_as_their_weight():
     assert lin.skipped == {"stack/mlp/bias": "used by reshape"}  # a stack of biases is 2-D, not a matrix
 
 
+def test_a_batched_products_weight_gets_one_adapter_per_batch_index():
+    """einsum("nhd,hdk->nhk") and einsum("nhk,kho->nho"): h pairs the input with the weight, so
+    each head gets its own A and B (laid out batch dims first), as a scanned stack's layers do.
+    (Rank 3: no adapter shape equals a weight's or its 1/8 shard's, which the HLO test looks for.)"""
+    lm = models()["batched"][0]
+    shapes = {t.path: (t.a_shape, t.b_shape, t.batch) for t in lm.targets}
+    assert shapes == {
+        "head": ((O, 3), (3, O), ()),
+        "heads": ((H, D, 3), (H, 3, 8), (0,)),
+        "mix": ((H, 8, 3), (H, 3, O), (1,)),  # batched on W's middle dim
+    }
+    assert lm.skipped == {}
+
+
 def test_discovery_finds_the_products_weights_and_names_the_rest():
     ms = models()
     assert [t.path for t in ms["nnx"][0].targets] == ["down/kernel", "up/kernel"]
@@ -186,7 +220,7 @@ def test_discovery_finds_the_products_weights_and_names_the_rest():
     assert ms["linen"][0].scale == pytest.approx(6 / math.sqrt(3))
 
 
-@pytest.mark.parametrize("name", ["nnx", "linen", "pytree", "scan", "linen_scan"])
+@pytest.mark.parametrize("name", ["nnx", "linen", "pytree", "scan", "linen_scan", "batched"])
 def test_step_zero_is_the_base_and_the_forward_is_x_w_plus_scaled_x_a_b(name):
     lm, args = models()[name]
     params = lm.init(jax.random.key(0))
@@ -229,6 +263,7 @@ def loss_of(lm, args):
         ("linen", (1, 4, 2)),
         ("scan", (1, 8, 1)),
         ("linen_scan", (2, 4, 1)),
+        ("batched", (1, 8, 1)),
     ],
 )
 def test_training_under_fsdp_equals_the_adapters_trained_by_hand_on_one_device(name, mesh):
@@ -268,7 +303,7 @@ def test_adapters_shard_as_their_weights_and_the_rank_dim_is_replicated():
     assert spec["base/q"][1] == "tensor" and spec["lora/q/lora_b"][:2] == (None, "tensor")  # B's output as W's
 
 
-@pytest.mark.parametrize("name", ["nnx", "pytree", "scan"])
+@pytest.mark.parametrize("name", ["nnx", "pytree", "scan", "batched"])
 def test_no_dot_in_the_compiled_step_produces_a_frozen_weights_gradient(name):
     """The same model trained in full shows each weight-gradient dot, so the search finds them."""
     lm, args = models()[name]
@@ -283,7 +318,12 @@ def test_no_dot_in_the_compiled_step_produces_a_frozen_weights_gradient(name):
             sm = fj.shard_model(lm, ADAM, fj.make_mesh(fsdp=8), rng=jax.random.key(0), min_shard_size=1)
             loss = loss_of(lm, args)
         else:
-            base = {"nnx": fj.from_nnx(NnxMlp), "pytree": pytree_params, "scan": scan_params}[name]
+            base = {
+                "nnx": fj.from_nnx(NnxMlp),
+                "pytree": pytree_params,
+                "scan": scan_params,
+                "batched": batched_params,
+            }[name]
             base = base if name == "nnx" else base(jax.random.key(0))
             sm = fj.shard_model(base, ADAM, fj.make_mesh(fsdp=8), rng=jax.random.key(0), min_shard_size=1)
             apply = sm.apply or base_apply(name)

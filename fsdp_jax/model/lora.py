@@ -215,14 +215,16 @@ def _choose(paths, leaves, uses, targets) -> tuple[list[int], dict[str, str]]:
 
 
 def _target(path, leaf, use, rank) -> Target:
-    _, contracted, free, depth = use
+    _, contracted, free, depth, *more = use
+    batch = more[0] if more else ()  # a batched product's W dims paired with the input's
     shape = tuple(leaf.shape)
     n_in, n_out = math.prod(shape[d] for d in contracted), math.prod(shape[d] for d in free)
     if rank > min(n_in, n_out):
         raise ValueError(f"with_lora: rank {rank} is larger than {path}'s smaller dim ({min(n_in, n_out)})")
-    a_shape = shape[:depth] + tuple(shape[d] for d in contracted) + (rank,)
-    b_shape = shape[:depth] + (rank,) + tuple(shape[d] for d in free)
-    return Target(path, shape, contracted, free, a_shape, b_shape, depth)
+    lead = shape[:depth] + tuple(shape[d] for d in batch)
+    a_shape = lead + tuple(shape[d] for d in contracted) + (rank,)
+    b_shape = lead + (rank,) + tuple(shape[d] for d in free)
+    return Target(path, shape, contracted, free, a_shape, b_shape, depth, batch)
 
 
 def _abstract_lora(found) -> dict:
@@ -242,8 +244,9 @@ def _axes(base_axes, found, index, names) -> Any:
     lora = {}
     for t in found:
         n = tuple(by_path[t.path] or ()) + (None,) * len(t.shape)
-        a = n[: t.depth] + tuple(n[d] for d in t.contracted) + (LORA_RANK,)
-        b = n[: t.depth] + (LORA_RANK,) + tuple(n[d] for d in t.free)
+        lead = n[: t.depth] + tuple(n[d] for d in t.batch)
+        a = lead + tuple(n[d] for d in t.contracted) + (LORA_RANK,)
+        b = lead + (LORA_RANK,) + tuple(n[d] for d in t.free)
         lora[t.path] = {"lora_a": a if by_path[t.path] else None, "lora_b": b if by_path[t.path] else None}
     return {"base": base_axes, "lora": lora}
 
@@ -252,12 +255,16 @@ def _init(base_init, found, zero_b: bool = True):
     def b_init(t, k):
         if zero_b:
             return jnp.zeros(t.b_shape, jnp.float32)
-        return a_init(jax.random.fold_in(k, 0xB), t.b_shape, t.b_shape[t.depth])  # fan-in: the rank
+        rank = t.b_shape[t.depth + len(t.batch)]
+        return a_init(jax.random.fold_in(k, 0xB), t.b_shape, rank)  # fan-in: the rank
 
     def init(rng):
         keys = jax.random.split(jax.random.fold_in(rng, 0x10A), max(len(found), 1))
         lora = {
-            t.path: {"lora_a": a_init(k, t.a_shape, math.prod(t.a_shape[t.depth : -1])), "lora_b": b_init(t, k)}
+            t.path: {
+                "lora_a": a_init(k, t.a_shape, math.prod(t.a_shape[t.depth + len(t.batch) : -1])),
+                "lora_b": b_init(t, k),
+            }
             for t, k in zip(found, keys)
         }
         return {"base": base_init(rng), "lora": lora}

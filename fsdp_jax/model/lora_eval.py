@@ -26,7 +26,9 @@ class Target:
     """A weight with an adapter: its path, shape, the dims its products contract and the
     shapes of A (stack dims..., contracted dims..., r) and B (stack dims..., r, free dims...).
     `depth`: W's leading dims that scans slice off before the products (a scanned stack of
-    layers, each with its own adapter)."""
+    layers, each with its own adapter). `batch`: W's dims a batched product pairs with the
+    input's (`einsum("bhd,hdk->bhk")`'s h): one adapter per index there too, A (stack dims...,
+    batch dims..., contracted dims..., r), B (stack dims..., batch dims..., r, free dims...)."""
 
     path: str
     shape: tuple[int, ...]
@@ -35,15 +37,16 @@ class Target:
     a_shape: tuple[int, ...]
     b_shape: tuple[int, ...]
     depth: int = 0
+    batch: tuple[int, ...] = ()
 
 
 def delta_weight(t: Target, a, b, sliced: int = 0) -> jax.Array:
     """scale-free A B laid out as W (f32); `sliced`: stack dims already sliced off A and B."""
     ab = lambda a, b: jnp.tensordot(a, b, axes=1)  # noqa: E731  contracted dims..., free dims...
-    for _ in range(t.depth - sliced):
+    for _ in range(t.depth - sliced + len(t.batch)):
         ab = jax.vmap(ab)
     out = ab(a.astype(jnp.float32), b.astype(jnp.float32))
-    order = list(range(t.depth - sliced)) + [d - sliced for d in t.contracted + t.free]
+    order = list(range(t.depth - sliced)) + [d - sliced for d in t.batch + t.contracted + t.free]
     return jnp.transpose(out, np.argsort(order))
 
 
@@ -157,7 +160,7 @@ def _eqn(eqn, ins, ctx: Ctx) -> list:
     if name in _HINTS:  # a layout hint or a copy of the weight: the adapters follow it unchanged
         t = ins[0]
         return [t.like(w=_bind(eqn, [t.w])[0] if t.perm == tuple(range(len(t.perm))) else None)]
-    if name == "dot_general" and sum(tracked) == 1 and not any(params["dimension_numbers"][1]):
+    if name == "dot_general" and sum(tracked) == 1:
         return [_dot(eqn, ins, tracked.index(True), ctx)]
     if name in _INLINE:
         sub = params[_INLINE[name]]
@@ -190,29 +193,37 @@ def _value(x, ctx: Ctx, where: str):
 
 
 def _dot(eqn, ins, ti: int, ctx: Ctx):
-    """The product `x W` (or `W x`) as the model wrote it, plus scale * (x A) B laid out as its output."""
+    """The product `x W` (or `W x`) as the model wrote it, plus scale * (x A) B laid out as its
+    output; a batched product's batch dims pair the input with each index's adapter."""
     t, x = ins[ti], ins[1 - ti]
-    (lc, rc), _ = eqn.params["dimension_numbers"]
-    tc, xc = (lc, rc) if ti == 0 else (rc, lc)
-    contracted = tuple(t.perm[d] + t.depth for d in tc)  # in W's dims, stack dims included
-    free = tuple(t.perm[d] + t.depth for d in range(len(t.perm)) if d not in tc)
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    tc, xc, tb, xb = (lc, rc, lb, rb) if ti == 0 else (rc, lc, rb, lb)
+    w_dim = lambda d: t.perm[d] + t.depth  # noqa: E731  a view dim in W's dims, stack dims included
+    contracted, batch = tuple(w_dim(d) for d in tc), tuple(w_dim(d) for d in tb)
+    free = tuple(w_dim(d) for d in range(len(t.perm)) if d not in tc and d not in tb)
     out = _bind(eqn, [t.view(), x] if ti == 0 else [x, t.view()])[0]
     if ctx.uses is not None:
-        ctx.uses[t.index].append(("dot", tuple(sorted(contracted)), tuple(sorted(free)), t.depth))
+        use = ("dot", tuple(sorted(contracted)), tuple(sorted(free)), t.depth)
+        ctx.uses[t.index].append(use + ((tuple(sorted(batch)),) if batch else ()))
         return out
     target = ctx.index[t.index]
-    a_pos = [target.contracted.index(d) for d in contracted]
+    nb = len(batch)
+    a_pos = [nb + target.contracted.index(d) for d in contracted]
+    ab_pos = [target.batch.index(d) for d in batch]  # A's and B's batch dims, in the product's order
     xd = x
     if ctx.dropout and ctx.key is not None:  # inverted dropout of the adapter's input only
         keep = jax.random.bernoulli(ctx.mask_key(t.index), 1.0 - ctx.dropout, x.shape)
         xd = jnp.where(keep, x / jnp.asarray(1.0 - ctx.dropout, x.dtype), jnp.zeros((), x.dtype))
-    xa = lax.dot_general(xd, t.a.astype(x.dtype), ((tuple(xc), tuple(a_pos)), ((), ())))
-    d = lax.dot_general(xa * jnp.asarray(ctx.scale, xa.dtype), t.b.astype(x.dtype), (((xa.ndim - 1,), (0,)), ((), ())))
-    n_x = d.ndim - len(free)
-    order = list(range(n_x)) + [n_x + target.free.index(f) for f in free]
+    # (batch..., x's free dims..., r), then (batch..., x's free dims..., W's free dims...)
+    xa = lax.dot_general(xd, t.a.astype(x.dtype), ((tuple(xc), tuple(a_pos)), (tuple(xb), tuple(ab_pos))))
+    xa = xa * jnp.asarray(ctx.scale, xa.dtype)
+    nbatch = tuple(range(nb))
+    d = lax.dot_general(xa, t.b.astype(x.dtype), (((xa.ndim - 1,), (nb,)), (nbatch, tuple(ab_pos))))
+    n_x = d.ndim - len(free) - nb  # x's free dims
+    order = list(range(nb + n_x)) + [nb + n_x + target.free.index(f) for f in free]
     d = jnp.transpose(d, order)
-    if ti == 0:  # W on the left: its free dims come first
-        d = jnp.transpose(d, list(range(n_x, d.ndim)) + list(range(n_x)))
+    if ti == 0:  # W on the left: its free dims come before x's
+        d = jnp.transpose(d, list(nbatch) + list(range(nb + n_x, d.ndim)) + list(range(nb, nb + n_x)))
     return out + d.astype(out.dtype)
 
 
