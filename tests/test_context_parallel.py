@@ -153,6 +153,7 @@ def test_compiled_step_shards_the_sequence_and_passes_kv_as_configured(kv_pass):
     assert not any(re.search(r"f32\[2,64,32\]", ln) for ln in body)
 
 
+@pytest.mark.slow
 def test_verify_accepts_context_parallel_strategies():
     """`fsdp_jax.verify` with context=4: every listed strategy on a (fsdp 2, context 4) mesh
     against one device, the trainer's zig-zag loss on packed rows."""

@@ -113,6 +113,7 @@ def test_streamed_offload_without_a_layer_stack_is_refused(corpus, tmp_path, cap
 PLAN = ["--config", TINY_YAML, "--devices", "8", "--strategies", "full_shard,no_shard", *TINY_MODEL_OVERRIDES]
 
 
+@pytest.mark.slow
 def test_plan_checks_the_offloaded_state_per_host(capsys, tmp_path):
     """--host-memory (or FSDP_JAX_HOST_MEMORY) under every strategy's need: one line, exit 2,
     no plot written; over one strategy's: that one does not fit, with a note; unstated: this

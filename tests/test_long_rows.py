@@ -31,6 +31,7 @@ def _all_rows(out: Path, split: str) -> dict[str, np.ndarray]:
     return rows.batch(np.arange(len(rows)))
 
 
+@pytest.mark.slow
 def test_prepare_rows_of_131072_tokens_end_to_end(tmp_path, capsys):
     from fsdp_jax.app.config.checks import check_data
     from fsdp_jax.app.config.parse import load_config

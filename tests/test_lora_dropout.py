@@ -97,6 +97,7 @@ def test_without_a_key_or_at_rate_zero_the_decoder_computes_what_it_did_without_
     assert float(loss_fn(params, batches(1)[0])) == float(xent(want, batches(1)[0][:, 1:]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scan", [True, False], ids=["scanned", "unscanned"])
 def test_loss_and_adapter_grads_equal_a_by_hand_decoder_with_the_same_masks(scan):
     cfg = LlamaConfig(**{**CFG.__dict__, "scan_layers": scan})
@@ -166,6 +167,7 @@ def reference_dropout_train(loss_fn, base, adapters, data, run_key, microbatches
 PARITY = [("full_shard", (1, 8, 1), 1), ("full_shard", (1, 4, 2), 1), ("shard_opt", (1, 8, 1), 2)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "strategy,mesh,micro", PARITY, ids=[f"{s}-{'x'.join(map(str, m))}-mb{k}" for s, m, k in PARITY]
 )

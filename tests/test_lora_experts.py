@@ -60,6 +60,7 @@ def _flat(tree):
     return {"/".join(str(getattr(k, "key", k)) for k in p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_base_as_without_adapters_step_zero_the_base_and_the_factored_form_the_merged_weights(kind):
     cfg = KINDS[kind]()
@@ -87,6 +88,7 @@ MESHES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh,rules,kind", [m[1:] for m in MESHES], ids=[m[0] for m in MESHES])
 def test_expert_lora_trains_on_8_devices_as_on_one(mesh, rules, kind):
     cfg = KINDS[kind]()

@@ -58,6 +58,7 @@ def nonzero_b(params, seed=3):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_base_as_without_adapters_step_zero_the_base_and_the_factored_form_the_merged_weights(layout):
     cfg = LAYOUTS[layout]()
@@ -105,6 +106,7 @@ def reference_train(loss_fn, base, adapters, data, run_key):
     return adapters, losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh,rules", [((1, 8, 1), None), ((1, 4, 2), EP)], ids=["fsdp8", "fsdp4-experts2"])
 def test_moe_lora_with_dropout_trains_on_8_devices_as_on_one(mesh, rules):
     cfg = moe_cfg(mlp_only_layers=(1,))

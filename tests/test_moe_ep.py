@@ -75,6 +75,7 @@ MESHES = [
 ]
 
 
+@pytest.mark.slow
 def test_dropless_expert_parallelism_trains_like_one_device_under_every_strategy():
     """3 SGD steps (f32, aux loss on): losses within 1e-5 relative of one device, and the
     params after them (so every step's grads) within 1e-6 relative per leaf, with the experts
@@ -156,6 +157,7 @@ def test_expert_axes_half_in_the_batch_are_refused():
         jax.eval_shape(m.apply, built.abstract_state.params, jnp.zeros((8, 8), jnp.int32))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rule, data, fsdp", [("data", 8, 1), ("fsdp", 2, 4)])
 def test_train_command_runs_expert_parallel(tmp_path, corpus, capsys, rule, data, fsdp):
     """`fsdp-jax train` with `mesh.rules.expert=data` (and `=fsdp`, tests/test_moe_ep_fsdp.py):

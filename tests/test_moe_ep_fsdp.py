@@ -74,6 +74,7 @@ def _check_layout(built, shape, strategy, rules):
         assert w.sharding.shard_shape(w.shape)[1] == 8 // n_ep
 
 
+@pytest.mark.slow
 def test_dropless_experts_over_fsdp_train_like_one_device_under_every_strategy():
     """3 SGD steps (f32, aux loss on): losses within 1e-5 relative of one device and the
     params after them within 1e-6 relative per leaf, under every strategy, the experts split
@@ -89,6 +90,7 @@ def test_dropless_experts_over_fsdp_train_like_one_device_under_every_strategy()
         _check_layout(built, shape, strategy, rules)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_capacity_mode_experts_over_fsdp_match_the_same_mesh_without(strategy):
     """Capacity is per batch shard: compared on the same mesh with the experts not split,
@@ -108,6 +110,7 @@ def test_capacity_mode_experts_over_fsdp_match_the_same_mesh_without(strategy):
 EXPERT_SHAPES = re.compile(r"\[(\d+,)?(8|4|2|1),(32|16),(48|24)\]|\[(\d+,)?(8|4|2|1),(48|24),(32|16)\]")
 
 
+@pytest.mark.slow
 def test_compiled_full_shard_step_moves_tokens_by_all_to_all_and_never_gathers_an_expert():
     """full_shard on fsdp=8 with experts over fsdp: all-to-all in the step and no all-gather
     producing any expert-weight shape (neither the 8 experts' stack nor a device's own); the

@@ -47,6 +47,7 @@ def measured():
     return out
 
 
+@pytest.mark.slow
 def test_moe_analytic_total_holds_against_the_compiled_peak(measured):
     for mode, (a, c) in measured.items():
         assert c["argument"] == a["params"] + a["optimizer"] + a["batch"], mode  # exact, experts included

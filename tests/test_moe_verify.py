@@ -37,6 +37,7 @@ def _cfg(*more):
     return load_run_config("configs/tiny.yaml", [*MOE_OVERRIDES, *more])
 
 
+@pytest.mark.slow
 def test_verify_passes_on_a_moe_config_with_the_trainers_objective(capsys):
     """Every strategy passes; verify's reference loss at step 1 is the trainer's step loss
     on the same params and batch (so it holds the router terms), and that differs from the
@@ -69,6 +70,7 @@ def test_verify_passes_on_a_moe_config_with_the_trainers_objective(capsys):
     assert abs(trainer_loss - (ce + terms)) < 1e-5 * trainer_loss
 
 
+@pytest.mark.slow
 def test_verify_catches_a_router_term_that_differs_on_the_sharded_side():
     """A loss whose aux coefficient is doubled whenever the step's mesh has more than one
     device: the one-device reference and every sharded run then optimise different
@@ -164,6 +166,7 @@ def _all_to_all(report) -> int:
     return report["collectives_per_step"].get("all-to-all", {}).get("count", 0)
 
 
+@pytest.mark.slow
 def test_verify_runs_the_configs_expert_parallelism_over_fsdp(capsys):
     """`mesh.rules.expert=fsdp`: verify builds every strategy with the config's rules, so the
     experts are split over fsdp and tokens move by all-to-all in each compiled step (the same
@@ -177,6 +180,7 @@ def test_verify_runs_the_configs_expert_parallelism_over_fsdp(capsys):
     assert plain["passed"] and not any(_all_to_all(r) for r in plain["strategies"].values())
 
 
+@pytest.mark.slow
 def test_verify_runs_experts_over_data_on_the_configs_data_split(capsys):
     """`mesh.rules.expert=data` with mesh.data=2: every strategy's mesh is data=2 x fsdp=4 (the
     run's split, so the experts' axis exists), with all-to-all, and matches one device."""

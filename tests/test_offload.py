@@ -188,6 +188,7 @@ def test_eval_step_and_placement_with_offloaded_params():
     assert losses["none"] == losses["optimizer+params"]
 
 
+@pytest.mark.slow
 def test_checkpoints_restore_across_offload_settings(tmp_path):
     from fsdp_jax.checkpoint import Checkpointer
 
@@ -289,6 +290,7 @@ def test_config_rejects_unknown_offload(value):
 # ---- planner -------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_planner_host_bytes_analytic_equal_compiled():
     """The planner's analytic host bytes (from the sharding plan) equal the compiled
     program's host-resident argument bytes (from its parameter layouts)."""

@@ -12,6 +12,7 @@ from fsdp_jax.app.models.config import LlamaConfig
 from fsdp_jax.app.models.llama import Llama
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scan, remat", [(True, "none"), (False, "dots")])
 def test_packed_logits_equal_examples_run_alone(scan, remat):
     cfg = LlamaConfig(

@@ -107,6 +107,7 @@ def test_search_winner_compiles_within_the_budget(cfg, compiled_grid):
     assert any(c["status"] == "dropped" for c in doc["candidates"])
 
 
+@pytest.mark.slow
 def test_json_document_schema_and_yaml_winner(capsys):
     rc, out, err = call(
         "plan.py",

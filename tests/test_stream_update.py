@@ -134,6 +134,7 @@ def strategy_parity():
     return default_codegen_parity(STRATEGY_CASES)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["optimizer_only", "update_only"])
 def test_streamed_update_alone_matches_no_offload(case, fast_parity):
     # params on the device (optimizer:streamed), or fetched whole (optimizer+params:streamed-update)
@@ -307,6 +308,7 @@ def _losses(run_dir):
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
+@pytest.mark.slow
 def test_trainer_streamed_offload_matches_no_offload_and_resumes_exactly(corpus, tmp_path):
     """The CPU trainer with offload=optimizer+params:streamed: its logged losses match the
     run without offload (test_offload's 1e-6), and resuming its step-2 checkpoint logs

@@ -55,6 +55,7 @@ def run_step(microbatches, batch, devices=1, loss_fn=None):
     return {k: float(v) for k, v in m.items()}, jax.tree.map(np.asarray, new.params)
 
 
+@pytest.mark.slow
 def test_global_token_mean_is_independent_of_microbatches_and_devices():
     batch = packed_batch()
     fns = model_fns()

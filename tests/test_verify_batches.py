@@ -47,6 +47,7 @@ def packed_corpus(tmp_path_factory):
     return d / "sft"
 
 
+@pytest.mark.slow
 def test_cli_verifies_the_packed_step_the_trainer_runs(packed_corpus, capsys):
     from fsdp_jax.app.config import load_config
     from fsdp_jax.app.data.batches import make_batches
