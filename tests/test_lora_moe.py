@@ -238,11 +238,15 @@ def test_a_mixtral_lora_run_trains_and_exports_peft_and_merged(corpus, tmp_path,
     assert max_abs_diff(back, lora_lib.split(state.params)[1]) == 0.0
     t = np.asarray(tokens(base_cfg))[:, :-1]
     want = np.asarray(jax.jit(trainer_model(base_cfg, "none", spec).apply)(state.params, t))
-    merged = hf.HFCheckpoint(tmp_path / "merged")
-    plain = from_nnx(lambda r: Llama(merged.config, rngs=r))
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), plain.abstract_params)
-    got = np.asarray(jax.jit(plain.apply)(hf.load_params(merged, abstract), t))
-    assert np.abs(got - want).max() < 1e-4
+    assert np.abs(merged_logits(tmp_path / "merged", t) - want).max() < 1e-4
     ours, theirs = (SafetensorsFile(d / "model.safetensors") for d in (tmp_path / "merged", GOLDEN / "mixtral"))
     for k in theirs.tensors:
         assert np.array_equal(ours.read(k), theirs.read(k)) == ("self_attn" not in k or "norm" in k), k
+
+
+def merged_logits(directory, t) -> np.ndarray:
+    """The logits of a plain decoder (no adapters) on the HF checkpoint `directory`."""
+    merged = hf.HFCheckpoint(directory)
+    plain = from_nnx(lambda r: Llama(merged.config, rngs=r))
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), plain.abstract_params)
+    return np.asarray(jax.jit(plain.apply)(hf.load_params(merged, abstract), t))

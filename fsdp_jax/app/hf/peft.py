@@ -218,12 +218,12 @@ def read_peft(directory, cfg: LlamaConfig, spec: lora_lib.LoraSpec) -> dict:
     return from_peft(read, cfg, spec, where)
 
 
-def adapter_config(spec: lora_lib.LoraSpec, base: str | None, cfg: LlamaConfig | None = None) -> dict:
+def adapter_config(spec: lora_lib.LoraSpec, base: str | None, cfg: LlamaConfig) -> dict:
     """The adapter_config.json PEFT's `PeftModel.from_pretrained` needs for `spec` (on model
     `cfg`: a mixture of experts adapts its experts through `target_parameters`, its dense
     MLP names only where it has dense layers)."""
-    params = [] if cfg is None else experts.target_parameters(spec, cfg)
-    modules = [t for t in spec.targets if cfg is None or _has(cfg, t)]
+    params = experts.target_parameters(spec, cfg)
+    modules = [t for t in spec.targets if _has(cfg, t)]
     out = {
         "base_model_name_or_path": base,
         "bias": "none",
