@@ -3,7 +3,7 @@
 logits on the golden tokens, for `peft` and `transformers` to check in the separate torch
 venv (tests/golden/make_peft_goldens.py --check-peft, make_hf_family_goldens.py --check).
 
-    python benchmarks/lora_export_check.py WORK_DIR
+    python benchmarks/lora_export_check.py WORK_DIR [NAME ...]     # NAMEs: only these adapters
     while read n b; do
       VENV/bin/python tests/golden/make_peft_goldens.py --check-peft $b WORK_DIR/${n}_adapter WORK_DIR/${n}_ours.safetensors
       VENV/bin/python tests/golden/make_hf_family_goldens.py --check WORK_DIR/${n}_merged WORK_DIR/${n}_ours.safetensors
@@ -34,13 +34,15 @@ GOLDEN = ROOT / "tests" / "golden"
 RUN = [o for o in TINY_RUN_OVERRIDES if not o.startswith("model.")] + ["train.steps=6", "remat=none"]
 
 
-def main(work: Path) -> None:
+def main(work: Path, only: list[str]) -> None:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     corpus = synthetic_corpus(work / "corpus")
     lines = []
     for adapter in sorted(p for p in (GOLDEN / "peft").iterdir() if p.is_dir()):
         name, raw = adapter.name, json.loads((adapter / "adapter_config.json").read_text())
+        if only and name not in only:
+            continue
         base = Path(raw["base_model_name_or_path"]).name
         lora = [
             f"lora.rank={raw['r']}",
@@ -48,6 +50,7 @@ def main(work: Path) -> None:
             f"lora.rslora={str(raw['use_rslora']).lower()}",
         ]
         lora += [f"lora.targets={','.join(raw['target_modules'])}", f"lora.init_from=peft:{adapter}"]
+        lora += [f"lora.target_parameters={','.join(raw.get('target_parameters') or ['none'])}"]
         over = RUN + lora + [f"data.path={corpus}", f"run_dir={work / name}", f"init_from=hf:{GOLDEN / 'hf' / base}"]
         cfg = load_run_config(ROOT / "configs" / "hf_tiny_finetune.yaml", over)
         params = jax.device_get(train(cfg, progress=False)["run"].state.params)
@@ -64,4 +67,4 @@ def main(work: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), sys.argv[2:])

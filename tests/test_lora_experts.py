@@ -155,9 +155,16 @@ def test_adapter_count_and_flops_count_a_tokens_experts_only():
     [
         ("mixtral", "q_proj gate_proj", 0.0, "lora.targets", ("gate_proj and up_proj", "fused")),
         ("mixtral", "down_proj", 0.1, "lora.dropout", ("no dropout", "lora.dropout=0")),
-        ("qwen2_moe", "all-linear", 0.0, "lora.targets", ("shared expert", "q_proj k_proj v_proj o_proj")),
+        (
+            "mixtral",
+            "q_proj shared_expert_gate",
+            0.0,
+            "lora.targets",
+            ("shared_expert_gate names nothing", "o_proj gate_proj up_proj down_proj"),
+        ),
+        ("qwen2_moe", "up_proj", 0.0, "lora.targets", ("gate_proj and up_proj", "lora.target_parameters")),
     ],
-    ids=["gate-without-up", "dropout-on-experts", "shared-expert"],
+    ids=["gate-without-up", "dropout-on-experts", "names-nothing", "shared-gate-without-up"],
 )
 def test_expert_targets_peft_cannot_express_are_refused_in_one_line(
     model, targets, dropout, key, words, tmp_path, capsys
@@ -179,12 +186,14 @@ def test_expert_targets_peft_cannot_express_are_refused_in_one_line(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])  # qwen3_moe's golden has a dense layer
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "qwen2_moe"])  # qwen3/qwen2_moe: dense layers
 def test_a_run_with_expert_adapters_trains_and_exports_peft_and_merged(family, corpus, tmp_path, capsys):
-    """The trainer on a tiny Mixtral / Qwen3-MoE with all-linear adapters (the experts' among them):
+    """The trainer on a tiny Mixtral / Qwen3-MoE / Qwen2-MoE with all-linear adapters (the experts'
+    among them; Qwen2-MoE's dense layers and shared expert too):
     `--peft` writes PEFT's expert keys and target_parameters, reading back bit for bit; `--hf`
     writes the merged base, whose logits a plain decoder reloads equal to the LoRA model's;
-    the router, norms and dense MLP layers are the base's bytes, every expert tensor changed.
+    the router, norms, biases and (Mixtral, Qwen3-MoE) dense MLP layers are the base's bytes,
+    every adapted tensor changed.
     PEFT and transformers load these exports (`make_peft_goldens.py --check-peft`,
     `make_hf_family_goldens.py --check`: docs/lora.md has the figures)."""
     import json
@@ -208,16 +217,20 @@ def test_a_run_with_expert_adapters_trains_and_exports_peft_and_merged(family, c
         assert rc == 0, err
     raw = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert raw["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-    assert sorted(raw["target_modules"]) == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    linear = family == "qwen2_moe"  # its dense layers and shared expert too (PEFT's target_modules)
+    mlp = ["down_proj", "gate_proj", "shared_expert_gate", "up_proj"] if linear else []
+    assert sorted(raw["target_modules"]) == sorted(["k_proj", "o_proj", "q_proj", "v_proj"] + mlp)
     f = SafetensorsFile(tmp_path / "adapter" / "adapter_model.safetensors")
     cfg = hf.HFCheckpoint(golden).config
     assert sum(".mlp.experts." in k for k in f.tensors) == 4 * sum(cfg.sparse_layers())
-    back = peft.read_peft(tmp_path / "adapter", cfg, SPEC)
+    spec = dataclasses.replace(SPEC, targets=lora_lib.TARGETS)  # all-linear
+    back = peft.read_peft(tmp_path / "adapter", cfg, spec)
     assert max_abs_diff(back, lora_lib.split(state.params)[1]) == 0.0
     t = np.asarray(tokens(cfg))[:, :-1]
-    want = np.asarray(jax.jit(trainer_model(cfg, "none", SPEC).apply)(state.params, t))
+    want = np.asarray(jax.jit(trainer_model(cfg, "none", spec).apply)(state.params, t))
     assert np.abs(merged_logits(tmp_path / "merged", t) - want).max() < 1e-4
     ours, theirs = (SafetensorsFile(d / "model.safetensors") for d in (tmp_path / "merged", golden))
     for k in theirs.tensors:
-        adapted = ".experts." in k or ("self_attn" in k and "norm" not in k)
+        proj = k.endswith(("proj.weight", "shared_expert_gate.weight"))
+        adapted = ".experts." in k or (proj and ("self_attn" in k or (linear and ".mlp." in k)))
         assert np.array_equal(ours.read(k), theirs.read(k)) != adapted, k

@@ -26,14 +26,15 @@ from fsdp_jax.train.step import sharding_context
 
 GOLDEN = Path(__file__).parent / "golden"
 ADAPTERS = ("llama3", "llama32_tied", "mistral_swa", "qwen2", "qwen3", "gemma3_text", "llama3_rslora")
-MOE_ADAPTERS = ("mixtral", "qwen3_moe")  # attention + the experts (PEFT's target_parameters)
+# the experts by target_parameters; Qwen2-MoE's dense layers and shared expert by target_modules
+# (qwen2_moe_shared: those only, no target_parameters)
+MOE_ADAPTERS = ("mixtral", "qwen3_moe", "qwen2_moe", "qwen2_moe_shared")
 
 
 def spec_of(raw: dict) -> lora_lib.LoraSpec:
-    names = list(raw["target_modules"])
-    ours = peft_experts.targets_of(raw.get("target_parameters"))
-    targets = lora_lib.resolve_targets(" ".join(names + list(ours)))
-    return lora_lib.LoraSpec(raw["r"], float(raw["lora_alpha"]), targets, bool(raw.get("use_rslora")))
+    targets = lora_lib.resolve_targets(" ".join(raw["target_modules"]))
+    experts = peft_experts.parts_of(raw.get("target_parameters"))
+    return lora_lib.LoraSpec(raw["r"], float(raw["lora_alpha"]), targets, bool(raw.get("use_rslora")), experts=experts)
 
 
 def golden(name):
@@ -68,10 +69,11 @@ def test_peft_adapter_reproduces_peft_logits_and_merged_logits(name, tmp_path):
     plain = from_nnx(lambda r: Llama(cfg, rngs=r))
     got_merged = logits(plain, merged, built.plan, want["tokens"])
     assert float(np.abs(got_merged - want["merged_logits"]).max()) < 1e-4
-    untouched = [p for p in lora_lib.WEIGHTS if p not in spec.targets]
-    for w in untouched:  # tensors LoRA did not touch are the base's own arrays
-        m = "attn" if w in lora_lib.ATTENTION else "mlp"
-        assert merged["blocks"][m][w] is host_base["blocks"][m][w]
+    untouched = [p for p, _ in peft._flat(host_base) if peft.adapter_of(p, cfg, spec) is None]
+    for p in untouched:  # tensors LoRA did not touch are the base's own arrays
+        keys = [int(k) if k.isdigit() else k for k in p.split("/")]
+        assert peft._at(merged, tuple(keys[:-1]))[keys[-1]] is peft._at(host_base, tuple(keys[:-1]))[keys[-1]], p
+    assert len(untouched) < len(list(peft._flat(host_base)))
     assert merged["embed"] is host_base["embed"]
 
     # written back: PEFT's names and orientation, bit for bit

@@ -69,11 +69,12 @@ def shrunk_lora(section, model, changed: dict):
     smaller dim shrank below the rank) lowered to the most they allow, with alpha scaled so
     the adapters' scale (alpha / r, or alpha / sqrt(r) with rslora) stays; the rank dim maps
     to no mesh axis, so no sharding decision changes. Changes are added to `changed`."""
-    from fsdp_jax.app.models.lora import max_rank, resolve_targets
+    from fsdp_jax.app.models.lora import max_rank, resolve_experts, resolve_targets
 
     if not section.rank:
         return section
-    rank = min(section.rank, max_rank(model, resolve_targets(section.targets)))
+    targets, experts = resolve_targets(section.targets), resolve_experts(section.target_parameters)
+    rank = min(section.rank, max_rank(model, targets, experts))
     if rank == section.rank:
         return section
     ratio = rank / section.rank

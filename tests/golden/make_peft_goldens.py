@@ -31,6 +31,19 @@ float32, eager; torch seed sum(map(ord, "lora:" + name)) before get_peft_model):
       mlp.experts.base_layer.lora_{A,B}.weight for gate_up_proj, mlp.experts.lora_{A,B}.weight
       for down_proj; lora_A (r * E, in) rows expert-major, lora_B (out, r * E) columns
       rank-major: delta_e = B.reshape(out, r, E)[..., e] @ A.reshape(E, r, in)[e])
+  qwen2_moe (3 layers: 0 and 2 dense, 1 sparse with a shared expert)
+      r=4, lora_alpha=8, target_modules the seven and shared_expert_gate, target_parameters
+      as above: peft wraps layers 0 and 2's mlp.{gate,up,down}_proj, layer 1's
+      mlp.shared_expert.{gate,up,down}_proj and mlp.shared_expert_gate (lora_B (1, r)),
+      and layer 1's fused experts (keys as mixtral's). transformers 5.24 has no v4 -> v5
+      conversion for model_type qwen2_moe, so peft 0.21.2 keeps these names as they are
+      (for qwen3_moe it rewrites target_modules gate/up/down_proj to the fused experts at
+      rank 2r via rank_pattern, and a Qwen3-MoE dense layer's MLP cannot be targeted).
+      "all-linear" on Qwen2-MoE gives the same modules (every nn.Linear but lm_head: its
+      router is a custom module, not adapted); the routed experts only by target_parameters.
+  qwen2_moe_shared (base qwen2_moe)
+      r=4, lora_alpha=8, target_modules the seven, no target_parameters: dense layers and
+      the shared expert only (PEFT's meaning of those names on Qwen2-MoE)
   llama3_rslora (base llama3)
       r=8, lora_alpha=16, use_rslora=True, targets q_proj, v_proj only: scaling
       alpha / sqrt(r) = 16 / sqrt(8) = 5.657
@@ -103,6 +116,14 @@ ADAPTERS = {
     # gate and up share one adapter on gate_up_proj (E, 2F, D), its B rows gate first)
     "mixtral": ("mixtral", {**COMMON, "target_modules": ALL[:4], "target_parameters": EXPERTS}),
     "qwen3_moe": ("qwen3_moe", {**COMMON, "target_modules": ALL[:4], "target_parameters": EXPERTS}),
+    # Qwen2-MoE: target_modules gate/up/down_proj wrap its dense layers' MLPs and its shared
+    # expert (nn.Linear), shared_expert_gate the shared expert's (1, D) gate; the routed
+    # experts through target_parameters. _shared: the same without them (the 7 names alone)
+    "qwen2_moe": (
+        "qwen2_moe",
+        {**COMMON, "target_modules": ALL + ["shared_expert_gate"], "target_parameters": EXPERTS},
+    ),
+    "qwen2_moe_shared": ("qwen2_moe", COMMON),
     "llama3_rslora": (
         "llama3",
         dict(

@@ -226,18 +226,19 @@ def _check_train(cfg: Config) -> None:
 def _check_lora(cfg: Config) -> None:
     """The `lora:` section against the decoder: targets that exist, a rank they allow."""
     lo = cfg.lora
-    try:
-        targets = lora_lib.resolve_targets(lo.targets)
-    except ValueError as e:
-        raise ConfigError("lora.targets", str(e)) from None
+    for key, resolve in (("targets", lora_lib.resolve_targets), ("target_parameters", lora_lib.resolve_experts)):
+        try:
+            resolve(getattr(lo, key))
+        except ValueError as e:
+            raise ConfigError(f"lora.{key}", str(e)) from None
     if not lo.rank:
         _check(lo.init_from is None, "lora.init_from", lo.init_from, "needs lora.rank > 0 (a PEFT adapter's r)")
         return
-    moe = lora_lib.expert_targets(cfg.model, targets)
-    _check(moe is None, "lora.targets", lo.targets, moe)
-    drop = lora_lib.expert_dropout(cfg.model, lora_lib.LoraSpec(lo.rank, lo.alpha, targets, dropout=lo.dropout))
-    _check(drop is None, "lora.dropout", lo.dropout, drop)
-    most = lora_lib.max_rank(cfg.model, targets)
+    spec = lora_lib.spec_from_config(lo)
+    bad = lora_lib.target_problem(cfg.model, spec) or ("lora.targets", "")
+    _check(not bad[1], bad[0], getattr(lo, bad[0].split(".")[1]), bad[1])
+    _check((drop := lora_lib.expert_dropout(cfg.model, spec)) is None, "lora.dropout", lo.dropout, str(drop))
+    most = lora_lib.max_rank(cfg.model, spec.targets, spec.experts)
     _check(lo.rank <= most, "lora.rank", lo.rank, f"must be <= {most}, the smallest target's smaller dim")
     if lo.init_from is not None:
         _check(lo.init_from.startswith("peft:"), "lora.init_from", lo.init_from, "use peft:DIR (a PEFT adapter)")

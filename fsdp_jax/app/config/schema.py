@@ -210,7 +210,9 @@ class LoraConfig:
     rslora: bool = False
     dropout: float = limit(0.0, "[0, 1)")  # PEFT's lora_dropout: on the adapters' input, in training only
     targets: str = "all-linear"  # all-linear, or PEFT's q_proj k_proj v_proj o_proj gate_proj up_proj down_proj
-    #                              (or the decoder's wq wk wv wo w_gate w_up w_down), spaces or commas
+    #                              shared_expert_gate (or the decoder's wq ... w_down w_shared_gate), spaces or commas
+    target_parameters: str = "auto"  # a mixture of experts' fused expert tensors (PEFT's target_parameters):
+    #   auto (those the MLP targets name), none, or mlp.experts.gate_up_proj mlp.experts.down_proj
     init_from: str | None = None  # peft:DIR: start from a PEFT adapter (adapter_config.json + safetensors)
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from fsdp_jax.app.hf import load as hf
-from fsdp_jax.app.hf import moe_layout, peft, peft_experts
+from fsdp_jax.app.hf import moe_layout, peft
 from fsdp_jax.app.hf.export import check_out_dir, saved_source, write_hf_dir
 from fsdp_jax.app.models import lora as lora_lib
 from fsdp_jax.checkpoint import CheckpointError, tree_paths
@@ -84,10 +84,7 @@ def export_merged(
         shape = shapes[path]
         stacked = len(names) > 1 or moe_layout.is_stacked(cfg, path)
         leaf = base.read(names, kind, tuple(slice(0, n) for n in shape), shape, dtypes[path], stacked)
-        module, weight = ([""] + path.split("/"))[-2:]
-        if weight not in spec.targets or (module == "mlp" and cfg.n_experts):
-            return leaf  # as the base stores it (an MoE model's dense MLP layers have no adapters)
-        return _merged_leaf(path, leaf, adapters, cfg, spec)
+        return peft.merged_leaf(path, leaf, adapters, cfg, spec)  # as the base stores it if not adapted
 
     kw = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
     hint = hf.read_config_json(hf.hf_dir(run_cfg.init_from)).get("model_type")
@@ -100,21 +97,3 @@ def _abstract(cfg):
     from fsdp_jax.model.fns import from_nnx
 
     return from_nnx(lambda rngs: Llama(cfg, rngs=rngs)).abstract_params
-
-
-def _merged_leaf(path: str, leaf: np.ndarray, adapters: dict, cfg, spec) -> np.ndarray:
-    parts = [int(k) if k.isdigit() else k for k in path.split("/")]
-    node = adapters
-    for k in parts[:-1]:
-        node = node[k]
-    name = parts[-1]
-    expert = parts[-2] == "moe"  # an expert tensor: its share of the experts' adapter
-    pair = node["lora"][peft_experts.part_of(name) if expert else name]
-    a, b = np.asarray(pair["lora_a"]), np.asarray(pair["lora_b"])
-
-    def merged(w, a, b):
-        return peft_experts.merged_weight(name, w, a, b, spec) if expert else peft.merged_weight(w, a, b, spec)
-
-    if cfg.scan_layers:
-        return np.stack([merged(leaf[i], a[i], b[i]) for i in range(leaf.shape[0])])
-    return merged(leaf, a, b)

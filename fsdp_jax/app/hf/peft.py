@@ -23,6 +23,7 @@ import os
 import shutil
 from pathlib import Path
 
+import jax
 import numpy as np
 
 from fsdp_jax.app.hf import peft_experts as experts
@@ -37,14 +38,27 @@ WEIGHTS = "adapter_model.safetensors"
 OURS_TO_PEFT = {v: k for k, v in lora_lib.PEFT_TARGETS.items()}
 
 
-def peft_key(layer: int, weight: str, half: str) -> str:
-    """PEFT's tensor name of `weight`'s lora_A / lora_B (`half` "A" or "B") in `layer`."""
-    module = "self_attn" if weight in lora_lib.ATTENTION else "mlp"
-    return f"base_model.model.model.layers.{layer}.{module}.{OURS_TO_PEFT[weight]}.lora_{half}.weight"
+# where each kind of adapter sits: (our module, its adapters attribute, PEFT's module
+# prefix); a shared expert's weights are the MoE's `shared_*` params (Qwen2-MoE)
+SITES = {
+    "attn": ("attn", "lora", "self_attn."),
+    "mlp": ("mlp", "lora", "mlp."),
+    "shared": ("moe", "shared_lora", "mlp.shared_expert."),
+}
+SHARED_PARAMS = {
+    "w_gate": "shared_gate",
+    "w_up": "shared_up",
+    "w_down": "shared_down",
+    "w_shared_gate": "shared_weight",
+}
 
 
-def _module(weight: str) -> str:
-    return "attn" if weight in lora_lib.ATTENTION else "mlp"
+def peft_key(layer: int, weight: str, half: str, site: str | None = None) -> str:
+    """PEFT's tensor name of `weight`'s lora_A / lora_B (`half` "A" or "B") in `layer`,
+    at `site` (`SITES`; default: attention or the dense MLP by the weight)."""
+    site = site or ("attn" if weight in lora_lib.ATTENTION else "mlp")
+    module = "mlp.shared_expert_gate" if weight == lora_lib.SHARED_GATE else SITES[site][2] + OURS_TO_PEFT[weight]
+    return f"base_model.model.model.layers.{layer}.{module}.lora_{half}.weight"
 
 
 def layer_nodes(cfg: LlamaConfig) -> list[tuple[tuple, list[int]]]:
@@ -64,10 +78,15 @@ def layer_rows(cfg: LlamaConfig) -> list[tuple[tuple, list[int], bool]]:
     return [(tuple(int(k) if k.isdigit() else k for k in p.split("/")), layers, sp) for p, layers, sp in rows]
 
 
-def _has(cfg: LlamaConfig, weight: str) -> bool:
-    """Do `cfg`'s blocks hold `weight`'s adapter (a mixture of experts adapts its experts'
-    MLP tensors only, `peft_experts`)?"""
-    return weight in lora_lib.ATTENTION or not cfg.n_experts
+def sites(cfg: LlamaConfig, spec: lora_lib.LoraSpec, sparse: bool) -> list[tuple[str, str]]:
+    """[(weight, site)] of the plain (per-weight) adapters of a sparse or dense block."""
+    mods, _ = lora_lib.adapted(cfg, spec)
+    out = [(w, "attn") for w in mods if w in lora_lib.ATTENTION]
+    if sparse and cfg.shared_expert_ffn_dim:
+        out += [(w, "shared") for w in mods if w not in lora_lib.ATTENTION]
+    elif not sparse:
+        out += [(w, "mlp") for w in mods if w in lora_lib.MLP_WEIGHTS]
+    return out
 
 
 def _at(tree: dict, path: tuple, make: bool = False) -> dict:
@@ -76,39 +95,37 @@ def _at(tree: dict, path: tuple, make: bool = False) -> dict:
     return tree
 
 
-def _layers(adapters: dict, cfg: LlamaConfig, weight: str) -> dict[int, tuple]:
-    """{layer: (lora_a, lora_b)} of `weight` from a nested adapters tree: every layer that
-    holds it (`weight` an expert adapter, `EXPERT_ADAPTERS`: the sparse layers)."""
-    expert = weight in lora_lib.EXPERT_ADAPTERS
-    out: dict[int, tuple] = {}
+def _pairs(adapters: dict, cfg: LlamaConfig, spec: lora_lib.LoraSpec):
+    """[(layer, weight or expert adapter, site ("experts" for those), lora_a, lora_b)] of a
+    nested adapters tree, one per layer and adapter, in layer order."""
+    out = []
     for path, layers, sparse in layer_rows(cfg):
-        if not (sparse if expert else _has(cfg, weight)):
-            continue
-        node = _at(adapters, path)["moe" if expert else _module(weight)]["lora"][weight]
-        a, b = np.asarray(node["lora_a"]), np.asarray(node["lora_b"])
-        for g, layer in enumerate(layers):
-            out[layer] = (a[g], b[g]) if cfg.scan_layers else (a, b)
-    return dict(sorted(out.items()))
+        block = _at(adapters, path)
+        found = [(w, site, block[SITES[site][0]][SITES[site][1]][w]) for w, site in sites(cfg, spec, sparse)]
+        found += [(p, "experts", block["moe"]["lora"][p]) for p in (_expert_parts(cfg, spec) if sparse else ())]
+        for w, site, node in found:
+            a, b = np.asarray(node["lora_a"]), np.asarray(node["lora_b"])
+            for g, layer in enumerate(layers):
+                out.append((layer, w, site, *((a[g], b[g]) if cfg.scan_layers else (a, b))))
+    return sorted(out, key=lambda t: t[0])
 
 
 def to_peft(adapters: dict, cfg: LlamaConfig, spec: lora_lib.LoraSpec) -> dict[str, np.ndarray]:
     """{PEFT tensor name: (r, in) / (out, r) array} of a nested adapters tree (an expert
     adapter's: `peft_experts`)."""
-    out = {}
-    for w in spec.targets:
-        for i, (a, b) in _layers(adapters, cfg, w).items():
-            out[peft_key(i, w, "A")] = np.ascontiguousarray(a.reshape(-1, spec.rank).T)
-            out[peft_key(i, w, "B")] = np.ascontiguousarray(b.reshape(spec.rank, -1).T)
-    parts = _expert_parts(cfg, spec)
-    for part in parts:
-        for i, (a, b) in _layers(adapters, cfg, part).items():
+    out, parts = {}, _expert_parts(cfg, spec)
+    for i, w, site, a, b in _pairs(adapters, cfg, spec):
+        if site == "experts":
             for half, x in zip("AB", experts.to_peft(a, b)):
-                out[experts.peft_key(i, part, half, parts)] = x
-    return out
+                out[experts.peft_key(i, w, half, parts)] = x
+            continue
+        out[peft_key(i, w, "A", site)] = np.ascontiguousarray(a.reshape(-1, spec.rank).T)
+        out[peft_key(i, w, "B", site)] = np.ascontiguousarray(b.reshape(spec.rank, -1).T)
+    return dict(sorted(out.items()))
 
 
 def _expert_parts(cfg: LlamaConfig, spec: lora_lib.LoraSpec) -> tuple[str, ...]:
-    return lora_lib.expert_adapters(spec.targets) if cfg.n_experts else ()
+    return lora_lib.adapted(cfg, spec)[1]
 
 
 def from_peft(tensors, cfg: LlamaConfig, spec: lora_lib.LoraSpec, where: str = "adapter") -> dict:
@@ -133,34 +150,25 @@ def from_peft(tensors, cfg: LlamaConfig, spec: lora_lib.LoraSpec, where: str = "
         return got
 
     per_layer: list[dict] = [{} for _ in range(cfg.n_layers)]
-    sparse_of = {i: sp for _, layers, sp in layer_rows(cfg) for i in layers}
-    for w in spec.targets:
-        ins, _, outs, _ = lora_lib.weight_dims(cfg, w)
-        want = {"A": (r, math.prod(ins)), "B": (math.prod(outs), r)}
-        for i in range(cfg.n_layers) if _has(cfg, w) else ():
-            got = pair({h: peft_key(i, w, h) for h in "AB"}, want)
-            node = per_layer[i].setdefault(_module(w), {"lora": {}})["lora"]
-            node[w] = {"lora_a": got["A"].T.reshape(*ins, r), "lora_b": got["B"].T.reshape(r, *outs)}
     parts = _expert_parts(cfg, spec)
-    for part in parts:
-        for i in (i for i in range(cfg.n_layers) if sparse_of[i]):
-            got = pair({h: experts.peft_key(i, part, h, parts) for h in "AB"}, experts.shapes(cfg, part, r))
-            a, b = experts.from_peft(got["A"], got["B"], cfg.n_experts)
-            per_layer[i].setdefault("moe", {"lora": {}})["lora"][part] = {"lora_a": a, "lora_b": b}
+    for _, layers, sparse in layer_rows(cfg):
+        for i in layers:
+            for w, site in sites(cfg, spec, sparse):
+                ins, _, outs, _ = lora_lib.weight_dims(cfg, w, site == "shared")
+                want = {"A": (r, math.prod(ins)), "B": (math.prod(outs), r)}
+                got = pair({h: peft_key(i, w, h, site) for h in "AB"}, want)
+                module, attr, _ = SITES[site]
+                node = per_layer[i].setdefault(module, {}).setdefault(attr, {})
+                node[w] = {"lora_a": got["A"].T.reshape(*ins, r), "lora_b": got["B"].T.reshape(r, *outs)}
+            for part in parts if sparse else ():
+                got = pair({h: experts.peft_key(i, part, h, parts) for h in "AB"}, experts.shapes(cfg, part, r))
+                a, b = experts.from_peft(got["A"], got["B"], cfg.n_experts)
+                per_layer[i].setdefault("moe", {}).setdefault("lora", {})[part] = {"lora_a": a, "lora_b": b}
     out: dict = {}
     for path, layers in layer_nodes(cfg):
-        if not cfg.scan_layers:
-            _at(out, path[:-1], make=True)[path[-1]] = per_layer[layers[0]]
-            continue
-        first = per_layer[layers[0]]
-        stacked = {}
-        for m, node in first.items():
-            pairs = {
-                w: {k: np.stack([per_layer[i][m]["lora"][w][k] for i in layers]) for k in v}
-                for w, v in node["lora"].items()
-            }
-            stacked[m] = {"lora": pairs}
-        _at(out, path[:-1], make=True)[path[-1]] = stacked
+        rows = [per_layer[i] for i in layers]
+        node = rows[0] if not cfg.scan_layers else jax.tree.map(lambda *xs: np.stack(xs), *rows)
+        _at(out, path[:-1], make=True)[path[-1]] = node
     return out
 
 
@@ -178,26 +186,37 @@ def read_config(directory: Path) -> dict:
     return raw
 
 
-def check_matches(raw: dict, spec: lora_lib.LoraSpec, where: str) -> None:
-    """The adapter's r, alpha, rsLoRA and targets against the run's `lora:` section."""
-    targets = raw.get("target_modules") or []
-    targets = lora_lib.WEIGHTS if targets == "all-linear" else tuple(lora_lib.PEFT_TARGETS.get(t, t) for t in targets)
+def check_matches(raw: dict, spec: lora_lib.LoraSpec, where: str, cfg: LlamaConfig) -> None:
+    """The adapter's r, alpha, rsLoRA and what it adapts on model `cfg` (its target_modules
+    and target_parameters, as PEFT applies them) against the run's `lora:` section."""
+    modules = raw.get("target_modules") or []
+    modules = lora_lib.TARGETS if modules == "all-linear" else tuple(lora_lib.PEFT_TARGETS.get(t, t) for t in modules)
     try:
-        targets += experts.targets_of(raw.get("target_parameters"))
+        parts = experts.parts_of(raw.get("target_parameters"))
     except ValueError as e:
         raise CheckpointError(f"{where}: {e}") from None
+    known = tuple(t for t in lora_lib.TARGETS if t in modules)
+    theirs = lora_lib.adapted(cfg, lora_lib.LoraSpec(spec.rank, spec.alpha, known, experts=parts))
+    ours = lora_lib.adapted(cfg, spec)
     checks = (
         ("lora.rank", spec.rank, raw.get("r")),
         ("lora.alpha", spec.alpha, raw.get("lora_alpha")),
         ("lora.rslora", spec.rslora, bool(raw.get("use_rslora", False))),
-        ("lora.targets", set(spec.targets), set(targets)),
+        ("lora.targets", set(ours[0]), set(theirs[0]) | set(modules) - set(known)),
+        ("lora.target_parameters", set(ours[1]), set(theirs[1])),
     )
-    for key, ours, theirs in checks:
-        if ours != theirs:
-            shown = " ".join(OURS_TO_PEFT.get(t, t) for t in sorted(theirs)) if isinstance(theirs, set) else theirs
-            raise CheckpointError(f"{where}: the adapter has {key.split('.')[1]}={shown}, the run's {key} differs")
+    for key, mine, other in checks:
+        if mine != other:
+            shown = " ".join(sorted(_peft_name(t) for t in other)) if isinstance(other, set) else other
+            raise CheckpointError(
+                f"{where}: the adapter has {key.split('.')[1]}={shown or 'none'}, the run's {key} differs"
+            )
     if raw.get("use_dora") or raw.get("lora_bias") or raw.get("rank_pattern") or raw.get("alpha_pattern"):
         raise CheckpointError(f"{where}: DoRA, LoRA biases and per-module rank/alpha patterns are not supported")
+
+
+def _peft_name(t: str) -> str:
+    return OURS_TO_PEFT.get(t) or experts.PEFT_PARAMETERS.get(t, t)
 
 
 def read_peft(directory, cfg: LlamaConfig, spec: lora_lib.LoraSpec) -> dict:
@@ -205,7 +224,7 @@ def read_peft(directory, cfg: LlamaConfig, spec: lora_lib.LoraSpec) -> dict:
     against `spec` and the model's shapes; CheckpointError (one line) on any mismatch."""
     directory = Path(directory)
     where = f"lora.init_from=peft:{directory}"
-    check_matches(read_config(directory), spec, where)
+    check_matches(read_config(directory), spec, where, cfg)
     if not (directory / WEIGHTS).is_file():
         raise CheckpointError(f"{where}: no {WEIGHTS}")
     f = SafetensorsFile(directory / WEIGHTS)
@@ -222,8 +241,8 @@ def adapter_config(spec: lora_lib.LoraSpec, base: str | None, cfg: LlamaConfig) 
     """The adapter_config.json PEFT's `PeftModel.from_pretrained` needs for `spec` (on model
     `cfg`: a mixture of experts adapts its experts through `target_parameters`, its dense
     MLP names only where it has dense layers)."""
-    params = experts.target_parameters(spec, cfg)
-    modules = [t for t in spec.targets if _has(cfg, t)]
+    modules, parts = lora_lib.adapted(cfg, spec)
+    params = [experts.PEFT_PARAMETERS[p] for p in parts]
     out = {
         "base_model_name_or_path": base,
         "bias": "none",
@@ -280,31 +299,50 @@ def merged_weight(weight: np.ndarray, a: np.ndarray, b: np.ndarray, spec: lora_l
     return (weight.astype(np.float32) + delta.reshape(weight.shape)).astype(weight.dtype)
 
 
+def adapter_of(path: str, cfg: LlamaConfig, spec: lora_lib.LoraSpec) -> tuple[str, str] | None:
+    """(the adapters attribute, the adapter's key) adapting the base param at `path`
+    ("segments/0/layers/1/moe/w_gate"), or None when LoRA leaves it as it is."""
+    *_, module, leaf = [""] + path.split("/")
+    mods, parts = lora_lib.adapted(cfg, spec)
+    if module in ("attn", "mlp") and leaf in mods and (module == "attn" or lora_lib.linear_mlps(cfg)):
+        return "lora", leaf
+    if module != "moe":
+        return None
+    if leaf in lora_lib.MLP_WEIGHTS:  # an expert tensor: its share of the experts' adapter
+        part = experts.part_of(leaf)
+        return ("lora", part) if part in parts else None
+    shared = {v: k for k, v in SHARED_PARAMS.items()}.get(leaf)
+    return ("shared_lora", shared) if shared in mods else None
+
+
+def merged_leaf(path: str, leaf: np.ndarray, adapters: dict, cfg: LlamaConfig, spec: lora_lib.LoraSpec):
+    """The base param at `path` (`leaf`, stacked over layers when they are scanned) with its
+    adapter merged (`adapter_of`); `leaf` itself when LoRA leaves it as it is."""
+    which = adapter_of(path, cfg, spec)
+    if which is None:
+        return leaf
+    keys = [int(k) if k.isdigit() else k for k in path.split("/")]
+    pair = _at(adapters, tuple(keys[:-1]))[which[0]][which[1]]
+    a, b, name = np.asarray(pair["lora_a"]), np.asarray(pair["lora_b"]), keys[-1]
+    expert = which[1] in lora_lib.EXPERT_ADAPTERS
+
+    def one(w, a, b):
+        return experts.merged_weight(name, w, a, b, spec) if expert else merged_weight(w, a, b, spec)
+
+    return np.stack([one(leaf[i], a[i], b[i]) for i in range(leaf.shape[0])]) if cfg.scan_layers else one(leaf, a, b)
+
+
 def merge(base: dict, adapters: dict, cfg: LlamaConfig, spec: lora_lib.LoraSpec) -> dict:
     """`base` (nested numpy tree of the decoder's params) with each target weight replaced by
     W + scale * A B in W's dtype; every other tensor is `base`'s own array, untouched."""
     out = _copy_dicts(base)
-    for w in spec.targets:
-        m, per = _module(w), _layers(adapters, cfg, w)
-        for path, layers in layer_nodes(cfg) if _has(cfg, w) else ():
-            node = _at(out, path)[m]
-            weight = np.asarray(node[w])
-            if cfg.scan_layers:
-                node[w] = np.stack([merged_weight(weight[g], *per[i], spec) for g, i in enumerate(layers)])
-            else:
-                node[w] = merged_weight(weight, *per[layers[0]], spec)
-    for path, layers, sparse in layer_rows(cfg) if cfg.n_experts else ():
-        parts = _expert_parts(cfg, spec)
-        if not sparse or not parts:
-            continue
-        node = _at(out, path)["moe"]
-        for name in (w for p in parts for w in lora_lib.EXPERT_ADAPTERS[p]):
-            per = _layers(adapters, cfg, experts.part_of(name))
-            weight = np.asarray(node[name])
-            if cfg.scan_layers:
-                node[name] = np.stack(
-                    [experts.merged_weight(name, weight[g], *per[i], spec) for g, i in enumerate(layers)]
-                )
-            else:
-                node[name] = experts.merged_weight(name, weight, *per[layers[0]], spec)
+    for path, leaf in _flat(out):
+        parent = _at(out, tuple(int(k) if k.isdigit() else k for k in path.split("/")[:-1]))
+        parent[path.split("/")[-1]] = merged_leaf(path, leaf, adapters, cfg, spec)
     return out
+
+
+def _flat(tree: dict, prefix: str = ""):
+    for k, v in list(tree.items()):
+        p = f"{prefix}{k}"
+        yield from _flat(v, p + "/") if isinstance(v, dict) else [(p, v)]

@@ -25,31 +25,16 @@ from fsdp_jax.app.models import lora as lora_lib
 PEFT_PARAMETERS = {"experts_gate_up": "mlp.experts.gate_up_proj", "experts_down": "mlp.experts.down_proj"}
 
 
-def target_parameters(spec: lora_lib.LoraSpec, cfg) -> list[str]:
-    """adapter_config.json's `target_parameters` for `spec` on model `cfg` ([] for a dense one)."""
-    if not cfg.n_experts:
-        return []
-    return [PEFT_PARAMETERS[n] for n in lora_lib.expert_adapters(spec.targets)]
-
-
-def targets_of(parameters) -> tuple[str, ...]:
-    """The decoder weights a PEFT config's `target_parameters` adapt (ValueError naming an
-    unknown one)."""
-    back = {v: k for k, v in PEFT_PARAMETERS.items()}
-    out: list[str] = []
+def parts_of(parameters) -> tuple[str, ...]:
+    """The expert adapters a PEFT config's `target_parameters` adapt, in `EXPERT_ADAPTERS`
+    order (ValueError naming an unknown one)."""
+    out = []
     for p in parameters or []:
-        name = next(
-            (
-                ours
-                for theirs, ours in back.items()
-                if p == theirs or theirs.endswith("." + p) or p.endswith("." + theirs)
-            ),
-            None,
-        )
+        name = next((ours for ours, theirs in PEFT_PARAMETERS.items() if p == theirs or theirs.endswith("." + p)), None)
         if name is None:
             raise ValueError(f"target_parameters {p!r}: only {' '.join(PEFT_PARAMETERS.values())} are known")
-        out += lora_lib.EXPERT_ADAPTERS[name]
-    return tuple(out)
+        out.append(name)
+    return tuple(n for n in lora_lib.EXPERT_ADAPTERS if n in out)
 
 
 def peft_key(layer: int, part: str, half: str, parts: tuple[str, ...]) -> str:

@@ -225,7 +225,7 @@ class Block(nnx.Module):
         a = self.attn(self.attn_norm(x), local, segment_ids, positions, dropout_key)
         x = x + (self.post_attn_norm(a) if self.sandwich else a)
         if self.sparse:
-            m, stats = self.moe(self.mlp_norm(x), token_mask)
+            m, stats = self.moe(self.mlp_norm(x), token_mask, dropout_key)
         else:
             m, stats = self.mlp(self.mlp_norm(x), dropout_key), zero_stats(self.n_experts)
         x = x + (self.post_mlp_norm(m) if self.sandwich else m)
@@ -243,8 +243,8 @@ class Llama(nnx.Module):
         self.remat = remat
         get_policy(remat)  # fail early on an unknown name
         self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), (VOCAB, EMBED))
-        if cfg.n_experts and lora is not None and lora_lib.expert_targets(cfg, lora.targets):
-            raise ConfigError("lora.targets", lora_lib.expert_targets(cfg, lora.targets))
+        if lora is not None and lora_lib.target_problem(cfg, lora):
+            raise ConfigError(*lora_lib.target_problem(cfg, lora))
         if lora is not None and lora_lib.expert_dropout(cfg, lora):
             raise ConfigError("lora.dropout", lora_lib.expert_dropout(cfg, lora))
         if cfg.n_experts:  # sparse and dense layers: stacked by segment

@@ -48,9 +48,13 @@ PEFT_TARGETS: dict[str, str] = {
     "gate_proj": "w_gate",
     "up_proj": "w_up",
     "down_proj": "w_down",
+    "shared_expert_gate": "w_shared_gate",  # Qwen2-MoE's (D, 1) gate of its shared expert
 }
 ATTENTION = ("wq", "wk", "wv", "wo")
-WEIGHTS = tuple(PEFT_TARGETS.values())
+MLP_WEIGHTS = ("w_gate", "w_up", "w_down")
+SHARED_GATE = "w_shared_gate"
+WEIGHTS = ATTENTION + MLP_WEIGHTS  # a dense decoder's projections
+TARGETS = WEIGHTS + (SHARED_GATE,)  # every name `targets` takes, in this order (dropout keys index it)
 ADAPTER_LEAVES = ("lora_a", "lora_b")
 
 
@@ -68,6 +72,9 @@ class LoraSpec:
     rslora: bool = False
     dropout: float = 0.0  # on the adapters' input, in training only
     init_weights: bool = True
+    # a mixture of experts' adapted expert tensors (`EXPERT_ADAPTERS` names, PEFT's
+    # target_parameters); None: those the MLP targets name (`spec_experts`)
+    experts: tuple[str, ...] | None = None
 
     @property
     def scale(self) -> float:
@@ -80,28 +87,56 @@ def resolve_targets(spec: str) -> tuple[str, ...]:
     unknown names and listing the ones that exist."""
     names = [n for n in spec.replace(",", " ").split() if n]
     if names == ["all-linear"]:
-        return WEIGHTS
+        return TARGETS
     ours = {PEFT_TARGETS.get(n, n) for n in names}
-    unknown = [n for n in names if PEFT_TARGETS.get(n, n) not in WEIGHTS]
+    unknown = [n for n in names if PEFT_TARGETS.get(n, n) not in TARGETS]
     if unknown or not names:
         raise ValueError(
             f"{' '.join(unknown) or repr(spec)} matches no weight; the targets are all-linear, "
-            f"{' '.join(PEFT_TARGETS)} (or {' '.join(WEIGHTS)})"
+            f"{' '.join(PEFT_TARGETS)} (or {' '.join(TARGETS)})"
         )
-    return tuple(w for w in WEIGHTS if w in ours)
+    return tuple(w for w in TARGETS if w in ours)
+
+
+# PEFT's target_parameters names of the experts' fused tensors -> the expert adapters
+PEFT_PARAMETERS = {"mlp.experts.gate_up_proj": "experts_gate_up", "mlp.experts.down_proj": "experts_down"}
+
+
+def resolve_experts(spec: str) -> tuple[str, ...] | None:
+    """`lora.target_parameters`: "auto" (None: the experts the MLP targets name), "none"
+    (()), or PEFT's names (`mlp.experts.gate_up_proj mlp.experts.down_proj`, or their
+    last parts) -> the expert adapters. ValueError naming an unknown one."""
+    names = [n for n in spec.replace(",", " ").split() if n]
+    if names == ["auto"]:
+        return None
+    if names == ["none"]:
+        return ()
+    out = []
+    for n in names:
+        ours = next((v for k, v in PEFT_PARAMETERS.items() if n in (k, v) or k.endswith("." + n)), None)
+        if ours is None:
+            raise ValueError(
+                f"{n} is no expert tensor; the target_parameters are auto, none, {' '.join(PEFT_PARAMETERS)}"
+            )
+        out.append(ours)
+    return tuple(n for n in EXPERT_ADAPTERS if n in out)
 
 
 def spec_from_config(section) -> LoraSpec | None:
-    """The run config's `lora:` section (rank, alpha, targets, rslora, dropout) as a
-    `LoraSpec`; None for rank 0 (no LoRA)."""
+    """The run config's `lora:` section (rank, alpha, targets, target_parameters, rslora,
+    dropout) as a `LoraSpec`; None for rank 0 (no LoRA)."""
     if not section.rank:
         return None
-    return LoraSpec(section.rank, section.alpha, resolve_targets(section.targets), section.rslora, section.dropout)
+    experts = resolve_experts(section.target_parameters)
+    targets = resolve_targets(section.targets)
+    return LoraSpec(section.rank, section.alpha, targets, section.rslora, section.dropout, experts=experts)
 
 
-def weight_dims(cfg, name: str) -> tuple[tuple[int, ...], tuple[str, ...], tuple[int, ...], tuple[str, ...]]:
-    """(input shape, input names, output shape, output names) of the decoder's weight `name`."""
-    d, h, kvh, dh, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
+def weight_dims(cfg, name: str, shared: bool = False):
+    """(input shape, input names, output shape, output names) of the decoder's weight `name`
+    (`shared`: the shared expert's, Qwen2-MoE, of width `shared_expert_ffn_dim`)."""
+    d, h, kvh, dh = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    f = cfg.shared_expert_ffn_dim if shared else cfg.ffn_dim
     return {
         "wq": ((d,), (EMBED,), (h, dh), (HEADS, KV)),
         "wk": ((d,), (EMBED,), (kvh, dh), (KV_HEADS, KV)),
@@ -110,6 +145,7 @@ def weight_dims(cfg, name: str) -> tuple[tuple[int, ...], tuple[str, ...], tuple
         "w_gate": ((d,), (EMBED,), (f,), (MLP,)),
         "w_up": ((d,), (EMBED,), (f,), (MLP,)),
         "w_down": ((f,), (MLP,), (d,), (EMBED,)),
+        "w_shared_gate": ((d,), (EMBED,), (1,), (None,)),
     }[name]
 
 
@@ -119,39 +155,59 @@ def weight_dims(cfg, name: str) -> tuple[tuple[int, ...], tuple[str, ...], tuple
 EXPERT_ADAPTERS: dict[str, tuple[str, ...]] = {"experts_gate_up": ("w_gate", "w_up"), "experts_down": ("w_down",)}
 
 
-def expert_targets(cfg, targets: tuple[str, ...]) -> str | None:
-    """None, or the one line refusing `targets` on a mixture-of-experts model: the experts'
-    gate and up projections are one fused tensor (transformers' gate_up_proj), so an adapter
-    takes both or neither; a shared expert (Qwen2-MoE) is not adapted (so MLP targets there,
-    which PEFT would also put on it, are refused). Dense MLP layers beside the experts
-    (`mlp_only_layers`) keep none: the MLP targets name the experts' tensors."""
-    mlp = [t for t in targets if t not in ATTENTION]
-    if not cfg.n_experts or not mlp:
-        return None
-    if ("w_gate" in mlp) != ("w_up" in mlp):
-        return (
+def linear_mlps(cfg) -> bool:
+    """Do the MLP targets (gate_proj up_proj down_proj) adapt the model's plain MLPs, as
+    PEFT's `target_modules` do: a dense model's; on a mixture of experts, only where they are
+    nn.Linear modules PEFT wraps, Qwen2-MoE's (its dense layers and its shared expert).
+    Qwen3-MoE's dense layers (`mlp_only_layers`) keep none: peft 0.21 on transformers 5
+    rewrites its target_modules gate/up/down_proj to the fused experts (a v4 -> v5
+    conversion), so no PEFT adapter reaches them; Mixtral has no dense MLP."""
+    return not cfg.n_experts or bool(cfg.shared_expert_ffn_dim)
+
+
+def spec_experts(spec: LoraSpec) -> tuple[str, ...]:
+    """The expert adapters `spec` adapts (on a model with routed experts): its `experts`, or
+    by default those its MLP targets name (gate_proj + up_proj: gate_up_proj; down_proj)."""
+    return expert_adapters(spec.targets) if spec.experts is None else spec.experts
+
+
+def adapted(cfg, spec: LoraSpec) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(the targets that adapt something on model `cfg`, `TARGETS` order; its expert
+    adapters): PEFT's target_modules and target_parameters for it."""
+    mods = [t for t in spec.targets if t in ATTENTION or (t in MLP_WEIGHTS and linear_mlps(cfg))]
+    mods += [SHARED_GATE] if SHARED_GATE in spec.targets and cfg.shared_expert_ffn_dim else []
+    return tuple(t for t in TARGETS if t in mods), spec_experts(spec) if cfg.n_experts else ()
+
+
+def target_problem(cfg, spec: LoraSpec) -> tuple[str, str] | None:
+    """None, or (config key, the one line refusing `spec` on model `cfg`): a target naming
+    nothing on it (the line lists the names that do), the experts' gate and up projections
+    asked for apart (one fused tensor per expert, transformers' gate_up_proj: an adapter
+    takes both or neither), expert tensors on a model without experts."""
+    if spec.experts is not None and spec.experts and not cfg.n_experts:
+        return "lora.target_parameters", "the model has no routed experts (n_experts 0): use auto or none"
+    auto = cfg.n_experts and spec.experts is None
+    if auto and ("w_gate" in spec.targets) != ("w_up" in spec.targets):
+        return "lora.targets", (
             "gate_proj and up_proj are one fused tensor per expert (transformers' experts.gate_up_proj, "
-            "one PEFT adapter): target both or neither"
+            "one PEFT adapter): target both or neither, or set lora.target_parameters"
         )
-    if cfg.shared_expert_ffn_dim:
-        return (
-            f"{' '.join(_peft_names(mlp))} on a model with a shared expert (Qwen2-MoE): adapters on its "
-            "experts and its shared expert are not built; target the attention projections, "
-            "q_proj k_proj v_proj o_proj"
-        )
+    mods, _ = adapted(cfg, spec)
+    names = {v: k for k, v in PEFT_TARGETS.items()}
+    exist = list(ATTENTION) + [t for t in MLP_WEIGHTS if linear_mlps(cfg) or auto]
+    exist += [SHARED_GATE] if cfg.shared_expert_ffn_dim else []
+    absent = [t for t in spec.targets if t not in exist and spec.targets != TARGETS]  # all-linear: what there is
+    if absent:
+        shown = " ".join(names[t] for t in exist)
+        return "lora.targets", f"{' '.join(names[t] for t in absent)} names nothing on this model; it has {shown}"
     return None
 
 
 def expert_dropout(cfg, spec: "LoraSpec") -> str | None:
     """None, or the line refusing dropout with adapters on experts (PEFT's ParamWrapper has none)."""
-    if cfg.n_experts and spec.dropout and any(t not in ATTENTION for t in spec.targets):
+    if cfg.n_experts and spec.dropout and spec_experts(spec):
         return "adapters on experts take no dropout (PEFT's target_parameters refuse lora_dropout): set lora.dropout=0"
     return None
-
-
-def _peft_names(ours) -> list[str]:
-    peft = {v: k for k, v in PEFT_TARGETS.items()}
-    return [peft[t] for t in ours]
 
 
 def expert_adapter_dims(cfg, name: str) -> tuple[int, str, int, str]:
@@ -165,34 +221,38 @@ def expert_adapters(targets: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(n for n, ws in EXPERT_ADAPTERS.items() if all(w in targets for w in ws))
 
 
-def max_rank(cfg, targets: tuple[str, ...]) -> int:
-    """The largest rank every target allows: the smaller of its flat input and output widths."""
-    out = []
-    for t in targets:
-        i, _, o, _ = weight_dims(cfg, t)
-        if cfg.n_experts and t not in ATTENTION:  # an expert tensor's
-            i, o = (cfg.d_model,), (cfg.moe_ffn_dim,)
-        out.append(min(math.prod(i), math.prod(o)))
-    return min(out)
+def _matrices(cfg, spec: LoraSpec) -> list[tuple[int, int, int, int]]:
+    """(flat in width, flat out width, how many, how many a token uses) of each kind of
+    adapted matrix: per layer (attention), per dense layer, per shared expert, per expert
+    of a sparse layer (a token uses k of those)."""
+    mods, experts = adapted(cfg, spec)
+    n_sparse = sum(cfg.sparse_layers()) if cfg.n_experts else 0
+
+    def flat(t, shared=False):
+        i, _, o, _ = weight_dims(cfg, t, shared)
+        return math.prod(i), math.prod(o)
+
+    out = [(*flat(t), cfg.n_layers, cfg.n_layers) for t in mods if t in ATTENTION]
+    out += [(*flat(t), cfg.n_layers - n_sparse, cfg.n_layers - n_sparse) for t in mods if t in MLP_WEIGHTS]
+    if cfg.shared_expert_ffn_dim:
+        out += [(*flat(t, True), n_sparse, n_sparse) for t in mods if t not in ATTENTION]
+    for i, _, o, _ in (expert_adapter_dims(cfg, n) for n in experts):
+        out.append((i, o, n_sparse * cfg.n_experts, n_sparse * cfg.experts_per_token))
+    return [m for m in out if m[2]]
+
+
+def max_rank(cfg, targets: tuple[str, ...], experts: tuple[str, ...] | None = None) -> int:
+    """The largest rank every target allows: the smaller of its flat input and output widths
+    (the shared expert's (D, 1) gate aside: PEFT puts any rank on it)."""
+    sizes = [min(i, o) for i, o, _, _ in _matrices(cfg, LoraSpec(1, 1.0, targets, experts=experts)) if o > 1]
+    return min(sizes) if sizes else cfg.d_model
 
 
 def adapter_param_count(cfg, spec: LoraSpec, active: bool = False) -> int:
-    """Adapter params of the decoder: r x (in + out) per target weight per layer; on a
-    mixture-of-experts model's sparse layers, E x r x (in + out) per expert adapter
-    (`active`: the k experts a token uses)."""
-    attn, mlp = [t for t in spec.targets if t in ATTENTION], [t for t in spec.targets if t not in ATTENTION]
-
-    def dense(ts):
-        return sum(spec.rank * (math.prod(weight_dims(cfg, t)[0]) + math.prod(weight_dims(cfg, t)[2])) for t in ts)
-
-    if not cfg.n_experts:
-        return cfg.n_layers * (dense(attn) + dense(mlp))
-    per_expert = sum(
-        spec.rank * (i + o) for i, _, o, _ in map(lambda n: expert_adapter_dims(cfg, n), expert_adapters(spec.targets))
-    )
-    experts = cfg.experts_per_token if active else cfg.n_experts
-    sparse = sum(cfg.sparse_layers())
-    return cfg.n_layers * dense(attn) + sparse * experts * per_expert
+    """Adapter params of the decoder: r x (in + out) per adapted matrix (per layer; on a
+    mixture of experts E per expert adapter of each sparse layer, `active`: the k a token
+    uses; one for its shared expert's and its dense layers' projections)."""
+    return sum(spec.rank * (i + o) * (k if active else n) for i, o, n, k in _matrices(cfg, spec))
 
 
 def _a_init(fan_in: int):
@@ -257,30 +317,33 @@ class ExpertAdapter(nnx.Module):
 
 def attach(block, cfg, spec: LoraSpec, rngs: nnx.Rngs) -> None:
     """Give `block`'s attention and MLP their adapters (`module.lora`, keyed by weight name);
-    a sparse block's experts theirs (`block.moe.lora`, keyed by `EXPERT_ADAPTERS`)."""
-    # a mixture-of-experts model's MLP targets are its experts' (PEFT's target_parameters);
-    # its dense MLP layers (`mlp_only_layers`) keep no adapters, as PEFT leaves them then
-    mlp = None if cfg.n_experts else getattr(block, "mlp", None)
-    for module, names in ((block.attn, ATTENTION), (mlp, WEIGHTS[4:])):
-        chosen = [n for n in names if n in spec.targets and module is not None]
+    a sparse block's experts theirs (`block.moe.lora`, keyed by `EXPERT_ADAPTERS`) and its
+    shared expert its (`block.moe.shared_lora`, keyed by weight name)."""
+    mods, experts = adapted(cfg, spec)
+    moe = getattr(block, "moe", None)
+    for module, names, shared in (
+        (block.attn, ATTENTION, False),
+        (getattr(block, "mlp", None), MLP_WEIGHTS, False),
+        (moe if cfg.shared_expert_ffn_dim else None, MLP_WEIGHTS + (SHARED_GATE,), True),
+    ):
+        chosen = [n for n in names if n in mods and module is not None]
         if chosen:
-            module.lora = nnx.Dict(
-                {n: Adapter(*weight_dims(cfg, n), spec, rngs) for n in chosen}  # type: ignore[misc]
-            )
-    moe, chosen = getattr(block, "moe", None), expert_adapters(spec.targets)
-    if moe is not None and chosen:
+            adapters = nnx.Dict({n: Adapter(*weight_dims(cfg, n, shared), spec, rngs) for n in chosen})  # type: ignore[misc]
+            setattr(module, "shared_lora" if shared else "lora", adapters)
+    if moe is not None and experts:
         moe.lora = nnx.Dict(
-            {n: ExpertAdapter(cfg.n_experts, *expert_adapter_dims(cfg, n), spec, rngs) for n in chosen}  # type: ignore[misc]
+            {n: ExpertAdapter(cfg.n_experts, *expert_adapter_dims(cfg, n), spec, rngs) for n in experts}  # type: ignore[misc]
         )
 
 
-def delta(module, name: str, x2, key=None):
+def delta(module, name: str, x2, key=None, where: str = "lora"):
     """The adapter's term for weight `name` of `module` on rows `x2`, or None without one;
-    `key`: the layer's dropout key (the weight's is `fold_in(key, WEIGHTS.index(name))`)."""
-    adapters = getattr(module, "lora", None)
+    `key`: the layer's dropout key (the weight's is `fold_in(key, TARGETS.index(name))`);
+    `where`: the module's adapters attribute (a shared expert's: "shared_lora")."""
+    adapters = getattr(module, where, None)
     if adapters is None or name not in adapters:
         return None
-    return adapters[name](x2, None if key is None else jax.random.fold_in(key, WEIGHTS.index(name)))
+    return adapters[name](x2, None if key is None else jax.random.fold_in(key, TARGETS.index(name)))
 
 
 def is_adapter(path) -> bool:

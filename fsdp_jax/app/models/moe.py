@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from fsdp_jax.app.models import lora as lora_lib
 from fsdp_jax.app.models.moe_dispatch import (
     ExpertLora,
     dropless,
@@ -143,7 +144,8 @@ class MoE(nnx.Module):
             ws += [adapters[n].lora_a[...], adapters[n].lora_b[...]]
         return tuple(ws), ExpertLora(parts, adapters[parts[0]].scale)
 
-    def __call__(self, x, token_mask=None):
+    def __call__(self, x, token_mask=None, dropout_key=None):
+        # dropout_key: the layer's, for its shared expert's adapters (models/lora.py)
         b, s, d = x.shape
         x2 = x.reshape(b * s, d)  # (N, D)
         logits = matmul(x2, self.router[...]).astype(jnp.float32)  # (N, E)
@@ -169,9 +171,7 @@ class MoE(nnx.Module):
 
         y, dropped = per_batch_shard(compute, (x2, w, idx), experts, exchange)
         if self.shared:
-            hs = gated(matmul(x2, self.shared_gate[...]), matmul(x2, self.shared_up[...]))
-            gate = jax.nn.sigmoid(matmul(x2, self.shared_weight[...]))  # (N, 1)
-            y = y + gate * matmul(hs, self.shared_down[...])
+            y = y + self._shared(x2, dropout_key)
         m = jnp.ones((b * s,), jnp.float32) if token_mask is None else token_mask.reshape(-1).astype(jnp.float32)
         e = p.shape[-1]
         counts = jnp.einsum("n,ne->e", m, jnp.sum(jax.nn.one_hot(idx, e, dtype=jnp.float32), axis=1))
@@ -179,6 +179,19 @@ class MoE(nnx.Module):
         stats = RouterStats(counts, m @ p, jnp.sum(m), jnp.sum(m * lse * lse), dropped, jnp.ones((), jnp.float32))
         y = checkpoint_name(y.astype(x.dtype).reshape(b, s, d), "mlp_out")
         return y, stats
+
+    def _shared(self, x2, key):
+        """The shared expert on rows x2 (N, D), scaled by sigmoid(x2 w_shared_gate); each
+        projection plus its adapter's term (`shared_lora`, LoRA), if any."""
+
+        def proj(x, name, w):
+            y = matmul(x, w[...])
+            d = lora_lib.delta(self, name, x, key, where="shared_lora")
+            return y if d is None else y + d.astype(y.dtype)
+
+        hs = gated(proj(x2, "w_gate", self.shared_gate), proj(x2, "w_up", self.shared_up))
+        gate = jax.nn.sigmoid(proj(x2, "w_shared_gate", self.shared_weight))  # (N, 1)
+        return gate * proj(hs, "w_down", self.shared_down)
 
 
 def moe_params(cfg) -> int:

@@ -162,7 +162,8 @@ def lora_summary(cfg) -> dict[str, Any] | None:
     spec = spec_from_config(cfg.lora)
     if spec is None:
         return None
-    return {
+    extra = {} if cfg.lora.target_parameters == "auto" else {"target_parameters": cfg.lora.target_parameters}
+    return extra | {
         "rank": spec.rank,
         "alpha": spec.alpha,
         "rslora": spec.rslora,

@@ -181,6 +181,8 @@ def winner_yaml(doc: dict[str, Any]) -> str:
     tree: dict[str, Any] = {}
     if lo:
         tree["lora"] = {k: lo[k] for k in ("rank", "alpha", "rslora", "dropout", "targets")}
+        if lo.get("target_parameters", "auto") != "auto":
+            tree["lora"]["target_parameters"] = lo["target_parameters"]
     for o in w["overrides"]:
         key, value = o.split("=", 1)
         *parents, leaf = key.split(".")
