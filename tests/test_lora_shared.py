@@ -142,11 +142,11 @@ def test_shared_expert_lora_trains_on_8_devices_as_on_one(mesh, rules, spec):
     got_base, got_ad = lora_lib.split(state.params)
     assert max_abs_diff(got_ad, ref_ad) < 1e-5
     assert max_abs_diff(got_base, base) == 0.0
-    moved = {
-        p: float(np.abs(np.asarray(x) - np.asarray(y)).max())
-        for (p, x), y in zip(_flat(got_ad).items(), jax.tree.leaves(ad0))
-    }
-    assert all(v > 1e-4 for p, v in moved.items() if "shared_lora" in p or "/mlp/" in p), moved
+    # each shared-expert / dense-layer adapter moved, and agrees with one device to 1% of its move
+    got, ref, start = (_flat(jax.tree.map(np.asarray, t)) for t in (got_ad, ref_ad, ad0))
+    for p in (p for p in got if "shared_lora" in p or "/mlp/" in p):
+        moved = np.abs(ref[p] - start[p]).max()
+        assert moved > 1e-5 and np.abs(got[p] - ref[p]).max() < 1e-2 * moved, (p, moved)
 
 
 def test_target_parameters_resolve_and_count():
