@@ -122,6 +122,7 @@ OUT_OF_RANGE: dict[str, typing.Any] = {
     "lora.rslora": None,
     "lora.dropout": 1.0,
     "lora.targets": "q_proj nothing",
+    "lora.target_parameters": "mlp.experts.nothing",
     "lora.init_from": "peft:/nonexistent",
     "mesh.rules": {"embed": "nowhere"},
     "model.tie_word_embeddings": None,
