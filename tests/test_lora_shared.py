@@ -89,6 +89,14 @@ def test_step_zero_is_the_base_and_the_factored_form_is_the_merged_weights(spec)
         )
         other = np.asarray(plain.apply(peft.merge(base, kept, cfg, spec), t))
         assert np.abs(want - other).max() > 1e-3, drop
+    if spec.dropout:  # the layer's dropout key reaches the shared expert's adapters
+        only = jax.tree_util.tree_map_with_path(
+            lambda p, x: x if "shared_lora" in jax.tree_util.keystr(p) or not lora_lib.is_adapter(p) else 0 * x,
+            jax.tree.map(np.asarray, params),
+        )
+        key = jax.random.key(4)
+        plain_out = np.asarray(model.apply(only, t))
+        assert np.abs(np.asarray(model.apply(only, t, dropout_key=key)) - plain_out).max() > 1e-4
 
 
 def test_no_gradient_of_a_frozen_shared_expert_or_dense_mlp_weights_shape_in_the_compiled_step():
