@@ -221,3 +221,23 @@ def test_a_peft_adapter_adapting_other_modules_is_refused_in_one_line():
         with pytest.raises(CheckpointError) as e:
             peft.read_peft(golden / "peft" / name, cfg, run)
         assert "\n" not in str(e.value) and words in str(e.value), str(e.value)
+
+
+def test_adapter_tensors_the_model_does_not_adapt_are_refused_not_dropped(tmp_path):
+    """A Qwen2-MoE without a shared expert keeps no dense-layer adapters (`linear_mlps`); a PEFT
+    adapter carrying them is refused in one line rather than read in part."""
+    import shutil
+    from pathlib import Path
+
+    from fsdp_jax.app.hf import load as hf
+    from fsdp_jax.errors import CheckpointError
+
+    golden = Path(__file__).parent / "golden"
+    cfg = dataclasses.replace(hf.HFCheckpoint(golden / "hf" / "qwen2_moe").config, shared_expert_ffn_dim=0)
+    d = tmp_path / "a"
+    shutil.copytree(golden / "peft" / "qwen2_moe_shared", d)
+    spec = dataclasses.replace(ALL, targets=lora_lib.WEIGHTS, experts=())
+    with pytest.raises(CheckpointError) as e:
+        peft.read_peft(d, cfg, spec)
+    msg = str(e.value)
+    assert "\n" not in msg and "tensors this model's adapters do not hold" in msg and ".mlp." in msg, msg

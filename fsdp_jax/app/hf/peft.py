@@ -227,14 +227,19 @@ def read_peft(directory, cfg: LlamaConfig, spec: lora_lib.LoraSpec) -> dict:
     check_matches(read_config(directory), spec, where, cfg)
     if not (directory / WEIGHTS).is_file():
         raise CheckpointError(f"{where}: no {WEIGHTS}")
-    f = SafetensorsFile(directory / WEIGHTS)
+    f, seen = SafetensorsFile(directory / WEIGHTS), set()
 
     def read(name):
         if name not in f.tensors:
             raise KeyError(name)
+        seen.add(name)
         return f.read(name, dtype=np.float32)
 
-    return from_peft(read, cfg, spec, where)
+    out = from_peft(read, cfg, spec, where)
+    extra = sorted(set(f.tensors) - seen)
+    if extra:  # e.g. modules this model's LoRA does not adapt: refused, not dropped
+        raise CheckpointError(f"{where}: {len(extra)} tensors this model's adapters do not hold, e.g. {extra[0]}")
+    return out
 
 
 def adapter_config(spec: lora_lib.LoraSpec, base: str | None, cfg: LlamaConfig) -> dict:
