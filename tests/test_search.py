@@ -332,6 +332,10 @@ def test_recompute_per_remat_policy_by_hand(cfg):
     host = predict_step(with_remat("dots"), "h100", 8, res)
     assert host["host_s"] == pytest.approx(0.1)  # 5 GB at 50 GB/s, not hidden
     assert host["step_s"] == pytest.approx(dots["step_s"] + 0.1, rel=1e-3)
+    # each target's own host link (perf_tables.json): A100 PCIe Gen4, a TPU host's
+    for target, gb_per_s in (("a100", 25), ("v5p", 32)):
+        other = predict_step(with_remat("dots"), target, 8, res)
+        assert other["host_s"] == pytest.approx(5 / gb_per_s, rel=1e-3), target  # 4 significant figures
 
 
 def test_tpu_target_search_ranks_by_the_tpu_chip_prediction(cfg):

@@ -63,12 +63,12 @@ from fsdp_jax.app.planner.search_rounds import (
 )
 from fsdp_jax.app.planner.search_space import (
     DEVICE_REMATS,
-    HOST_LINK_BYTES_PER_S,
     Limits,
     SearchSpace,
     enumerate_candidates,
     overrides,
 )
+from fsdp_jax.app.planner.step_time import roofline_constants
 from fsdp_jax.errors import SearchError
 
 
@@ -118,7 +118,7 @@ def search(
     compiled_n = compile_rounds(cfg, n_devices, cands, limits, target, gpu, say)
     if cost_note:
         notes.append(cost_note)
-    notes.append(_offload_note(gpu_target))
+    notes.append(_offload_note(gpu_target, predict_on))
     return {
         "config": config_name,
         "devices": n_devices,
@@ -210,7 +210,7 @@ def _check_host_memory(cands: list[dict], limits: Limits) -> None:
         )
 
 
-def _offload_note(gpu_target: bool) -> str:
+def _offload_note(gpu_target: bool, predict_on: str) -> str:
     """The search document's note on how offload candidates were judged and what their
     step counts."""
     return (
@@ -220,7 +220,8 @@ def _offload_note(gpu_target: bool) -> str:
             if gpu_target
             else "offload candidates are judged by the analytic model only"
         )
-        + f"; host<->device transfers at {HOST_LINK_BYTES_PER_S / 1e9:.0f} GB/s per GPU are added "
+        + f"; host<->device transfers at {roofline_constants(predict_on)['host'] / 1e9:.0f} GB/s per device "
+        f"({predict_on}'s host link, fsdp_jax/targets/perf_tables.json) are added "
         "to their step, not hidden"
     )
 

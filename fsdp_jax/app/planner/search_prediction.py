@@ -11,8 +11,6 @@ from typing import Any
 
 import numpy as np
 
-from fsdp_jax.app.planner.search_space import HOST_LINK_BYTES_PER_S
-
 
 def analytic_communication(cfg, strategy: str, sizes: tuple[int, int, int], hosts: int) -> dict[str, Any]:
     """Wire bytes each device sends per step (ring algorithms), by strategy, with P the params
@@ -78,7 +76,7 @@ def predict_step(cfg, target_name: str, n_devices: int, result: dict[str, Any]) 
     with the same table's constants) plus what it leaves out: for the roofline, the recompute
     of remat policies other than `full` (`recompute_flops_per_token`, at the table's peak x
     GEMM efficiency); for both, the offload transfers of a program that moves nothing
-    (`analytic.transfer_per_step` over HOST_LINK_BYTES_PER_S, not hidden: the update waits
+    (`analytic.transfer_per_step` over the table's host link, not hidden: the update waits
     for them). Roofline: step = max(compute + recompute, comm) + update + host. `target_name`:
     a GPU of the step-time table or a TPU generation; None where step_time.predict has none
     (traffic over an unpublished network)."""
@@ -93,7 +91,7 @@ def predict_step(cfg, target_name: str, n_devices: int, result: dict[str, Any]) 
     recompute = recompute_flops_per_token(cfg.model, cfg.data.seq_len, cfg.remat)
     extra_s = 0.0 if ops else tokens * recompute / (k["peak"] * k["efficiency"])
     # compile-only GPUs plan offload without host memory: the program moves nothing, add the formula's
-    host_s = 0.0 if ops and p["host_s"] else result["analytic"].get("transfer_per_step", 0) / HOST_LINK_BYTES_PER_S
+    host_s = 0.0 if ops and p["host_s"] else result["analytic"].get("transfer_per_step", 0) / k["host"]
     g = lambda x: float(f"{x:.4g}")  # noqa: E731
     step = (p["step_s"] + host_s) if ops else max(p["compute_s"] + extra_s, p["comm_s"]) + p["update_s"] + host_s
     scale = p["step_s"] / step if step else 1.0

@@ -32,7 +32,6 @@ VARY = ("batch", "seq")
 # +11% (shard_grad_op, remat none). A candidate is pruned only when `lower_bound` (the rest
 # x (1 - ANALYTIC_OVER)) is still over the budget; tests/test_search.py holds it.
 ANALYTIC_OVER = 0.5
-HOST_LINK_BYTES_PER_S = 50e9  # PCIe 5 x16 per direction per GPU; offload transfers assumed not hidden
 MIN_SEQ = 16
 
 

@@ -58,8 +58,9 @@ def roofline_constants(target: str) -> dict[str, float | None]:
     a TPU generation / slice name), from the table the op-by-op model costs with: `peak` (dense
     bf16 FLOP/s), `efficiency` (its `gemm.max_efficiency`), `fast` and `slow` (bus bytes/s of
     the link within a host / slice and of the network across them; `slow` None where
-    unpublished), `hbm` (bytes/s reached: bandwidth x efficiency). Raises ValueError for a
-    target the table has no figures for."""
+    unpublished), `hbm` (bytes/s reached: bandwidth x efficiency), `host` (the host link's
+    bytes/s per device and direction). Raises ValueError for a target the table has no
+    figures for."""
     from fsdp_jax.targets.perf_tables import perf_table
 
     t = perf_table(target)
@@ -69,6 +70,7 @@ def roofline_constants(target: str) -> dict[str, float | None]:
         "fast": t["links"]["fast"]["bus_bytes_per_s"],
         "slow": t["links"]["slow"].get("bus_bytes_per_s"),
         "hbm": t["hbm"]["bytes_per_s"] * t["hbm"]["efficiency"],
+        "host": t["host"]["bytes_per_s"],
     }
 
 
