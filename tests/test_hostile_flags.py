@@ -90,6 +90,7 @@ BAD_FLAG_VALUES: dict[str, dict[str, list[str] | str]] = {
         "--remat": ["sometimes", ","],
         "--microbatches": ["0", "x"],
         "--vary": ["width"],
+        "--attention": ["flash", ","],
         "--headroom": ["100%", "-5%", "lots"],
         "--host-memory": ["lots", "-1GB"],
         "--max-compiles": ["-1", "x"],
