@@ -227,6 +227,12 @@ def _format_ops(rows, per: str, explain: int) -> list[str]:
     )
     lines += [hdr, "-" * len(hdr)]
     for n, p, fits in rows:
+        if p.get("model") != "ops":  # no program to walk (the compiler refused it): the roofline
+            lines.append(
+                f"{n:<14}{p['step_s']:8.3f}{'':>14}{'':>42}{p['tokens_per_s_per_gpu']:11,.0f}"
+                f"{p['tflops_per_gpu']:8.1f}{p['mfu']:7.1%}  (does not fit: the compiler refused it; roofline)"
+            )
+            continue
         b = p.get("breakdown") or {}
         lo, hi = p.get("band_s") or (p["step_s"], p["step_s"])
         lines.append(
