@@ -4,6 +4,7 @@ published unit, the error (BENCHMARKS.md "Predicted step time op by op vs publis
     python benchmarks/step_time_published.py                    # compile every run (minutes)
     python benchmarks/step_time_published.py --only 0,1,4       # some rows (indices of PUBLISHED_RUNS)
     python benchmarks/step_time_published.py --saved DIR        # reuse DIR/<i>.json from an earlier run
+    python benchmarks/step_time_published.py --fit [--only 0,5]  # the GEMM efficiencies fitted to the fit rows
 
 Prints a markdown table (published, predicted, error, role, command) and the median error
 over the fit and check rows.
@@ -69,8 +70,9 @@ def evaluate(indices, saved: Path | None = None) -> list[dict]:
 
 
 def fit_gemm_efficiency(i: int, saved: Path | None = None) -> float:
-    """The GEMM efficiency (`gemm.max_efficiency` of the run's cost table) at which run `i`'s
-    prediction equals its published figure (bisection; the table's value is this, rounded)."""
+    """The GEMM efficiency (`gemm.max_efficiency` of the run's cost table: `h100`'s for the GPU
+    tables, `tpu`'s for a TPU generation) at which run `i`'s predicted step equals its published
+    figure (bisection; the table's value is this, rounded)."""
     import copy
 
     from fsdp_jax.app.config import load_config
@@ -83,8 +85,11 @@ def fit_gemm_efficiency(i: int, saved: Path | None = None) -> float:
     doc = plan_doc(i, run, saved)
     cfg = load_config(ROOT / run.config, list(run.overrides))
     m, tokens = cfg.model, cfg.data.seq_len * cfg.train.global_batch / doc["devices"]
-    per_token = 6 * count_params(m) + 12 * m.n_layers * m.d_model * cfg.data.seq_len
-    want_s = tokens * per_token / (run.published * 1e12)  # maxtext_tflops rows
+    if run.unit == "tokens_per_s":
+        want_s = tokens / run.published
+    else:  # maxtext_tflops: their count, 6 x params + 12 L d S per token
+        per_token = 6 * count_params(m) + 12 * m.n_layers * m.d_model * cfg.data.seq_len
+        want_s = tokens * per_token / (run.published * 1e12)
     lo, hi = 0.2, 1.0
     for _ in range(40):
         mid = (lo + hi) / 2
@@ -101,13 +106,15 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default=None, help="comma list of run indices")
     ap.add_argument("--saved", default=None, help="folder of plan JSONs to reuse / fill")
-    ap.add_argument("--fit", action="store_true", help="print the GEMM efficiency fitted to the fit row, and stop")
+    ap.add_argument(
+        "--fit", action="store_true", help="print the GEMM efficiency fitted to each fit row (GPU, TPU), and stop"
+    )
     args = ap.parse_args(argv)
     if args.fit:
-        i = next(k for k, r in enumerate(PUBLISHED_RUNS) if r.role == "fit")
-        print(
-            f"gemm.max_efficiency fitted to {PUBLISHED_RUNS[i].name}: {fit_gemm_efficiency(i, args.saved and Path(args.saved)):.4f}"
-        )
+        for i, r in enumerate(PUBLISHED_RUNS):
+            if r.role == "fit" and (args.only is None or str(i) in args.only.split(",")):
+                eff = fit_gemm_efficiency(i, args.saved and Path(args.saved))
+                print(f"gemm.max_efficiency ({r.cost_target} table) fitted to row {i}, {r.name}: {eff:.4f}")
         return 0
     idx = range(len(PUBLISHED_RUNS)) if args.only is None else [int(x) for x in args.only.split(",")]
     rows = evaluate(idx, Path(args.saved) if args.saved else None)

@@ -60,6 +60,7 @@ BAD_FLAG_VALUES: dict[str, dict[str, list[str] | str]] = {
         "--xla-flags": ["not_a_flag", "--xla_x"],
         "--slices": ["0", "abc", "-2"],
         "--topology": ["2x2x2", "x"],
+        "--tpu-flags": ["maxtext-llama2-70b-v5p", "nonsense"],
     },
     "launch_local": {
         "--processes": ["0", "abc", "-1"],
@@ -84,10 +85,12 @@ BAD_FLAG_VALUES: dict[str, dict[str, list[str] | str]] = {
         "--offload": ["everything"],
         "--slices": ["0", "abc"],
         "--topology": ["2x2x2", "3x"],
+        "--tpu-flags": ["maxtext-llama2-70b-v5p", "nonsense"],
         # the --search flags (their values with --search: tests/test_search.py)
         "--remat": ["sometimes", ","],
         "--microbatches": ["0", "x"],
         "--vary": ["width"],
+        "--attention": ["flash", ","],
         "--headroom": ["100%", "-5%", "lots"],
         "--host-memory": ["lots", "-1GB"],
         "--max-compiles": ["-1", "x"],

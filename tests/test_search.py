@@ -209,6 +209,8 @@ def test_table_and_progress(capsys):
         (["--offload", ","], "--offload"),
         (["--strategies", ","], "--strategies"),
         (["--vary", "width"], "--vary"),
+        (["--attention", "flash"], "--attention"),
+        (["--attention", ","], "--attention"),
         (["--headroom", "100%"], "--headroom"),  # impossible constraints
         (["--headroom", "2GB"], "--headroom"),
         (["--headroom", "-5%"], "--headroom"),
@@ -239,7 +241,9 @@ def test_bad_search_input_exits_2_with_one_line(args, needle, capsys):
     assert out == ""
 
 
-@pytest.mark.parametrize("flag,value", [("--remat", "full"), ("--vary", "batch"), ("--headroom", "5%")])
+@pytest.mark.parametrize(
+    "flag,value", [("--remat", "full"), ("--vary", "batch"), ("--attention", "cudnn"), ("--headroom", "5%")]
+)
 def test_search_flags_need_search(flag, value, capsys):
     rc, _, err = call("plan.py", "--config", TINY_YAML, "--devices", "8", flag, value, capsys=capsys)
     one_line(rc, err, flag, "--search")
@@ -486,3 +490,42 @@ def test_search_on_a_gpu_target_reports_plans_own_prediction(cfg, capsys):
     planned = json.loads(out)["strategies"]["full_shard"]["predicted"]
     assert w["predicted"]["step_s"] == pytest.approx(planned["step_s"], rel=1e-3)
     assert w["predicted"]["breakdown"] == pytest.approx(planned["breakdown"], rel=1e-3, abs=1e-9)
+
+
+def test_the_search_tries_the_targets_attention_kernels(cfg, capsys):
+    """XLA's attention and the target's flash kernel (cuDNN on a GPU with bf16 compute, splash on
+    a TPU) are a dim of the space: each candidate twice, the flash twin's analytic activations
+    without the S x S logits, its overrides naming the kernel; without a target, the config's."""
+    from fsdp_jax.app.planner.search_space import attention_kernels
+    from fsdp_jax.targets import gpu as targets
+
+    assert cfg.model.attention == "xla"
+    assert attention_kernels(cfg, "gpu") == ("xla", "cudnn") and attention_kernels(cfg, "tpu") == ("xla", "splash")
+    assert attention_kernels(cfg, None) == ("xla",)
+    f32 = dataclasses.replace(cfg, precision="params=float32,compute=float32")
+    assert attention_kernels(f32, "gpu") == ("xla",)  # cuDNN's flash attention has no f32 kernel
+    space = dataclasses.replace(GRID, attentions=("xla", "cudnn"))
+    doc = se.search(
+        cfg, 8, space, se.Limits(device_memory=10**12, max_compiles=0), target=targets.make_target("h100", 8)
+    )
+    cands = doc["candidates"]
+    assert doc["space"]["attentions"] == ["xla", "cudnn"]
+    assert len(cands) == 2 * len(se.enumerate_candidates(cfg, 8, GRID, lambda s: mesh_shape(cfg, s, 8))[0])
+    key = lambda c: (c["strategy"], c["remat"], c["microbatches"])  # noqa: E731
+    twins = {(key(c), c["attention"]): c for c in cands}
+    for (k, att), c in twins.items():
+        if att == "cudnn":
+            assert "model.attention=cudnn" in c["overrides"]
+            assert c["analytic"]["activations"] < twins[(k, "xla")]["analytic"]["activations"]
+        else:
+            assert not any(o.startswith("model.attention=") for o in c["overrides"])
+    rc, out, err = call(
+        "plan.py", "--config", TINY_YAML, "--target", "h100", "--devices", "8", "--search", "--max-compiles", "0",
+        "--offload", "none", "--json", *SMALL, capsys=capsys,
+    )  # fmt: skip
+    assert rc == 0, err
+    got = json.loads(out)
+    assert got["space"]["attentions"] == ["xla", "cudnn"] and {c["attention"] for c in got["candidates"]} == {
+        "xla",
+        "cudnn",
+    }

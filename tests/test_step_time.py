@@ -70,3 +70,27 @@ def test_cross_host_bytes_go_over_the_network():
     fast, slow = (H100["links"][k]["bus_bytes_per_s"] for k in ("fast", "slow"))  # NVLink 360, NIC 45 GB/s
     assert p["comm_s"] == pytest.approx(50e9 / fast + 50e9 / slow, rel=1e-3)
     assert p["bound"] == "communication" and p["step_s"] == pytest.approx(p["comm_s"], rel=1e-3)
+
+
+def test_a_program_the_compiler_refused_is_still_predicted_and_marked():
+    """No program to walk: the roofline over the analytic traffic, its basis said, the row marked."""
+    from fsdp_jax.app.planner.estimate import _prediction
+    from fsdp_jax.targets.gpu import make_target
+
+    cfg = _cfg("train.global_batch=16", "remat=dots")
+    a = {"grads": 8 * 10**9, "params": 4 * 10**9, "optimizer": 16 * 10**9}
+    refused = {"refused": {"temp": 2, "available": 1}, "mesh": {"data": 1, "fsdp": 8, "context": 1, "tensor": 1}}
+    target = make_target("v5p", devices=8)
+    p = _prediction(cfg, target, 8, "full_shard", {**refused, "analytic": a})
+    assert p["model"] == "roofline" and "refused" in p["basis"]
+    from fsdp_jax.app.planner.search_prediction import analytic_communication
+
+    comm = analytic_communication(cfg, "full_shard", (1, 8, 1), 1)
+    assert p == {
+        **step_time.predict_roofline(cfg, "v5p", 8, {"analytic": a, "communication": comm}),
+        "basis": p["basis"],
+    }
+    ops = {"model": "ops", "step_s": 1.0, "tokens_per_s_per_gpu": 1.0, "tflops_per_gpu": 1.0, "mfu": 0.1, "comm_s": 0}
+    doc = {"target": target.as_dict(), "strategies": {"a": {"predicted": ops}, "b": {"predicted": p, "fits": False}}}
+    line = next(ln for ln in step_time.format_predictions(doc) if ln.startswith("b "))
+    assert "does not fit" in line and "refused" in line and f"{p['tokens_per_s_per_gpu']:,.0f}" in line

@@ -94,6 +94,9 @@ def test_compiler_refusal_is_read_as_does_not_fit():
         (["--devices", 8, "--topology", "2x2x2"], ["--topology", "needs --target"]),
         (["--target", "v5p"], ["--devices"]),
         ([], ["--devices"]),
+        (["--target", "v5p", "--devices", 8, "--tpu-flags", "nonsense"], ["--tpu-flags", "nonsense", "known"]),
+        (["--target", "h100", "--devices", 8, "--tpu-flags", "maxtext-llama2-70b-v5p"], ["--tpu-flags", "TPU"]),
+        (["--devices", 8, "--tpu-flags", "maxtext-llama2-70b-v5p"], ["--tpu-flags", "needs --target"]),
     ],
 )
 @pytest.mark.parametrize("script", ["plan", "inspect_sharding"])

@@ -37,6 +37,7 @@ import re
 from typing import Any
 
 from fsdp_jax.hlo.calls import _OP_NAME_RE, call_graph, executions, parse_computations
+from fsdp_jax.hlo.collective_fusions import fused_collectives, fusion_roles
 from fsdp_jax.hlo.schedule import COLLECTIVES, _instructions, collective_schedule
 from fsdp_jax.hlo.types import _DTYPE_BYTES, _shapes
 
@@ -326,27 +327,28 @@ def op_inventory(hlo: str, hosts: list[int] | None = None) -> list[dict[str, Any
     edges, _ = call_graph(mod.comps)
     runs = executions(mod.comps, edges, mod.entry)
     colls = {(c["computation"], c["name"]): c for c in collective_schedule(hlo, hosts)}
+    fused = fused_collectives(mod.parsed)
     out: list[dict[str, Any]] = []
     for cname in _sequential(mod):
         rows = mod.parsed[cname]
         position = {name: k for k, (_, name, _, _, _) in enumerate(rows)}
+        roles = fusion_roles(rows, fused)
         for k, (_, name, op, type_str, line) in enumerate(rows):
             base = {"name": name, "computation": cname, "pos": k, "runs": runs.get(cname, 1)}
             om = _OP_NAME_RE.search(line)
             base["op_name"] = om.group(1) if om else ""
+            role = roles.get(k, ("",))
             wrapped = _CALLS_RE.search(line) if op == "async-start" else None
             inner = [c for (cc, _), c in colls.items() if wrapped and cc == wrapped.group(1)]
+            if role[0] == "start":  # a TPU collective fusion (fsdp_jax.hlo.collective_fusions)
+                inner = [{**c, "async": role[1] is not None} for (cc, _), c in colls.items() if cc in role[2]]
+            if role[0] == "done":  # the collective's end: its time is the start's record
+                continue
             if (cname, name) in colls or inner:
-                c = {**(inner[0] if inner else colls[(cname, name)]), **({"async": True} if inner else {})}
+                c = {**(inner[0] if inner else colls[(cname, name)]), **({"async": True} if wrapped else {})}
                 keep = ("op", "bytes", "dtype", "group_size", "crosses_hosts", "async", "phase", "loop")
-                out.append(
-                    {
-                        **base,
-                        "kind": "collective",
-                        **{f: c[f] for f in keep},
-                        "done_pos": _done(rows, k, name, position),
-                    }
-                )
+                done = role[1] if role[0] == "start" else _done(rows, k, name, position)
+                out.append({**base, "kind": "collective", **{f: c[f] for f in keep}, "done_pos": done})
                 continue
             if op == "while":
                 body = re.search(r"\bbody=%?([\w.\-]+)", line)
@@ -363,6 +365,8 @@ def op_inventory(hlo: str, hosts: list[int] | None = None) -> list[dict[str, Any
             rec = _classify(mod, op, type_str, line)
             if rec is None:
                 continue
+            if role[0] == "carrier":  # its own work: less the collective's buffers it hands on
+                rec["bytes"] = max(rec["bytes"] - 2 * role[1], 0)
             if rec["kind"] == "host":
                 rec["done_pos"] = _done(rows, k, name, position)
             out.append({**base, **rec})

@@ -57,12 +57,14 @@ class Target:
     over the data-center network, each `topology_name` (e.g. "2x4x4") with
     `gpus_per_host` devices; the hosts within a slice come from libtpu's topology. Either
     way `hosts` counts the groups the slow network joins: hybrid_shard puts `data` across
-    them and `fsdp` within one."""
+    them and `fsdp` within one. `libtpu_args`: TPU only, flags for the compiling child's
+    LIBTPU_INIT_ARGS, under the user's own (`fsdp_jax.targets.tpu_flags`)."""
 
     name: str
     hosts: int = 1
     gpus_per_host: int = 8
     topology_name: str | None = None
+    libtpu_args: str = ""
 
     @property
     def platform(self) -> str:
@@ -93,6 +95,7 @@ class Target:
             "hosts": self.hosts,
             "gpus_per_host": self.gpus_per_host,
             "topology_name": self.topology_name,
+            "libtpu_args": self.libtpu_args,
         }
 
 
@@ -234,7 +237,8 @@ def child_env(
     the plugin folder first on PYTHONPATH and JAX_PLATFORMS=cpu (without it the CUDA
     plugin calls cuInit and fails). Raises PluginMissing when the plugin is not installed.
     For a TPU target: libtpu's folder, TPU_WORKER_HOSTNAMES=localhost (else libtpu logs
-    an error about it) and ALLOW_MULTIPLE_LIBTPU_LOAD=1; `kernel_cache` is GPU-only and ignored.
+    an error about it), ALLOW_MULTIPLE_LIBTPU_LOAD=1 and the target's `libtpu_args` in
+    LIBTPU_INIT_ARGS (the user's flags win); `kernel_cache` is GPU-only and ignored.
 
     `kernel_cache`: a file, new or written only by that child, for XLA:GPU's compiled
     kernel cache (XLA_FLAGS `--xla_gpu_kernel_cache_file`, unless XLA_FLAGS names one
@@ -254,6 +258,10 @@ def child_env(
         # compile-only: no chip to guard, so several compiling processes (test workers, two
         # planners) may load libtpu at once instead of failing on /tmp/libtpu_lockfile
         env.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+        if target.libtpu_args:
+            from fsdp_jax.targets.tpu_flags import merge_init_args
+
+            env["LIBTPU_INIT_ARGS"] = merge_init_args(target.libtpu_args, env.get("LIBTPU_INIT_ARGS", ""))
         return env
     if not plugin_installed():
         raise PluginMissing(_missing_message())

@@ -2,7 +2,7 @@
 
 ap = Parser(...)
 add_config(ap)          # --config FILE + trailing dotted key=value overrides
-add_target(ap)          # --devices, --target, --hosts, --slices, --topology
+add_target(ap)          # --devices, --target, --hosts, --slices, --topology, --tpu-flags
 add_devices(ap, "8")    # --devices alone
 """
 
@@ -49,6 +49,12 @@ def add_target(ap: argparse.ArgumentParser) -> None:
         "hybrid_shard puts data across them, fsdp within one)",
     )
     ap.add_argument("--topology", default=None, help="with a TPU --target: one slice's shape, e.g. 2x4x4 or 16x16")
+    ap.add_argument(
+        "--tpu-flags",
+        default=None,
+        help="with a TPU --target: compile with a published run's libtpu flags (a set of "
+        "fsdp_jax/targets/tpu_flags.json, e.g. maxtext-llama2-70b-v5p; your LIBTPU_INIT_ARGS win)",
+    )
 
 
 def require(module: str, flag: str) -> None:

@@ -63,6 +63,12 @@ def build_parser(prog: str | None = None) -> Parser:
         help="with --search: microbatch counts to try (default: powers of two dividing the batch)",
     )
     ap.add_argument("--vary", default=None, help="with --search: also vary batch and/or seq (e.g. batch,seq)")
+    ap.add_argument(
+        "--attention",
+        default=None,
+        help="with --search: attention kernels to try, a comma list of xla, cudnn, splash (default: the "
+        "config's, and with a --target xla plus its flash kernel: cudnn on a GPU, splash on a TPU)",
+    )
     ap.add_argument("--headroom", default=None, help="with --search: device memory kept free (10%% default, or 8GB)")
     ap.add_argument(
         "--host-memory",
@@ -90,7 +96,7 @@ def build_parser(prog: str | None = None) -> Parser:
     return ap
 
 
-SEARCH_ONLY = ("remat", "microbatches", "vary", "headroom", "max_compiles", "rows", "progress")
+SEARCH_ONLY = ("remat", "microbatches", "vary", "attention", "headroom", "max_compiles", "rows", "progress")
 
 
 def planning_errors():
@@ -152,6 +158,8 @@ def refuse_over_host(docs: dict[str, dict], host: tuple[int, str] | None) -> Non
 
 def search_command(args) -> int:
     """plan --search: parse, search, print; nothing fits -> one line, exit 2."""
+    import dataclasses
+
     from fsdp_jax.app.planner import search_report as sr
     from fsdp_jax.app.planner.inputs import (
         load_planning_config,
@@ -161,7 +169,7 @@ def search_command(args) -> int:
         resolve_target,
     )
     from fsdp_jax.app.planner.search import search
-    from fsdp_jax.app.planner.search_space import Limits, SearchSpace
+    from fsdp_jax.app.planner.search_space import Limits, SearchSpace, attention_kernels
     from fsdp_jax.errors import SearchError
     from fsdp_jax.targets.gpu import device_memory
 
@@ -182,6 +190,7 @@ def search_command(args) -> int:
         offloads=sr.parse_offloads(args.offload),
         vary=sr.parse_vary(args.vary),
     )
+    attentions = sr.parse_attentions(args.attention)
     limits = Limits(
         device_memory=mem,
         headroom=headroom,
@@ -197,6 +206,7 @@ def search_command(args) -> int:
     )
     rows = 10 if args.rows is None else parse_devices(args.rows, "--rows")
     cfg = load_planning_config(args.config, args.overrides, n)
+    space = dataclasses.replace(space, attentions=attentions or attention_kernels(cfg, target and target.platform))
     show = args.progress or sys.stderr.isatty()  # else stderr holds only an error's one line
     progress = (lambda msg: print(f"search: {msg}", file=sys.stderr, flush=True)) if show else None
     doc = search(cfg, n, space, limits, target=target, config_name=args.config, progress=progress)

@@ -99,10 +99,8 @@ def plan_config(
             r["fits_analytic"] = r["analytic"]["device_total"] <= device_memory
         else:
             r["fits"] = r["headroom"] = r["fits_analytic"] = None
-        if target is not None and not r.get("refused"):  # a roofline over its traffic (GPU or TPU)
-            from fsdp_jax.app.planner.step_time import predict
-
-            r["predicted"] = predict(cfg, target.name, n_devices, r)
+        if target is not None:  # op by op from its program (GPU or TPU), or a roofline
+            r["predicted"] = _prediction(cfg, target, n_devices, name, r)
     notes = _notes(cfg, n_devices, policy, results, target, device_memory)
     notes += _host_notes(cfg, results, host_memory)
     doc = {
@@ -234,3 +232,21 @@ def _abstract_params(cfg):
 
 if __name__ == "__main__":
     sys.exit(_child_main())
+
+
+def _prediction(cfg, target, n_devices: int, strategy: str, r: dict[str, Any]) -> dict[str, Any] | None:
+    """The predicted step of one strategy's result: op by op from its compiled program; for a
+    program the compiler refused (no program to walk) the roofline over the analytic traffic,
+    its `basis` saying so (the plan is marked as not fitting)."""
+    from fsdp_jax.app.planner.step_time import predict, predict_roofline
+
+    if not r.get("refused"):
+        return predict(cfg, target.name, n_devices, r)
+    from fsdp_jax.app.planner.search_prediction import analytic_communication
+
+    m = r["mesh"]
+    comm = analytic_communication(cfg, strategy, (m["data"], m["fsdp"], m["tensor"]), target.hosts)
+    p = predict_roofline(cfg, target.name, n_devices, {"analytic": r["analytic"], "communication": comm})
+    if p is not None:
+        p["basis"] = "roofline over the analytic traffic: the compiler refused the program"
+    return p

@@ -77,9 +77,9 @@ def resolve_target(args):
     TargetError naming the flag."""
     from fsdp_jax.targets.gpu import make_target
 
-    for flag in ("hosts", "slices", "topology"):
-        if getattr(args, flag) is not None and args.target is None:
-            raise PlanError(f"--{flag}: {getattr(args, flag)!r} needs --target")
+    for flag in ("hosts", "slices", "topology", "tpu_flags"):
+        if getattr(args, flag, None) is not None and args.target is None:
+            raise PlanError(f"--{flag.replace('_', '-')}: {getattr(args, flag)!r} needs --target")
     n = None if args.devices is None else parse_devices(args.devices)
     if args.target is None:
         if n is None:
@@ -92,7 +92,23 @@ def resolve_target(args):
         slices=None if args.slices is None else parse_devices(args.slices, "--slices"),
         topology=args.topology,
     )
+    if getattr(args, "tpu_flags", None) is not None:
+        target = _with_tpu_flags(target, args.tpu_flags)
     return parse_devices(target.devices), target
+
+
+def _with_tpu_flags(target, name: str):
+    """`target` compiling with libtpu flag set `name`; PlanError naming --tpu-flags."""
+    import dataclasses
+
+    from fsdp_jax.targets.tpu_flags import flag_set
+
+    if target.platform != "tpu":
+        raise PlanError(f"--tpu-flags: {name!r} needs a TPU --target, not {target.name}")
+    try:
+        return dataclasses.replace(target, libtpu_args=" ".join(flag_set(name)))
+    except ValueError as e:
+        raise PlanError(f"--tpu-flags: {e}") from None
 
 
 def check_inputs(cfg, n_devices: int, strategies: Sequence[str]) -> None:

@@ -91,10 +91,7 @@ def plan_strategy(
     if layout_note:
         out["warnings"].append(layout_note)
     if ins["platform"] != "cpu":  # a target's compiled program: its ops for the step-time model
-        from fsdp_jax.hlo.costs import op_inventory
-        from fsdp_jax.targets.gpu import dcn_groups
-
-        out["op_inventory"] = op_inventory(compiled.as_text(), dcn_groups(list(b.mesh.devices.flat)))
+        out.update(_ops(compiled, b.mesh))
     if inspect:
         out["rows"] = ins["rows"]
         out["collectives"] = ins["collectives"]
@@ -164,3 +161,14 @@ def _compiled_host(compiled, mem: dict[str, int]) -> dict[str, int]:
         "host_reported": reported,
         "device_peak": device_peak,
     }
+
+
+def _ops(compiled, mesh) -> dict[str, Any]:
+    """The compiled program's `op_inventory` (fsdp_jax.hlo.costs) and the seconds the op walk
+    took (`op_inventory_s`: part of what the prediction costs on top of the compile)."""
+    from fsdp_jax.hlo.costs import op_inventory
+    from fsdp_jax.targets.gpu import dcn_groups
+
+    t0 = time.perf_counter()
+    ops = op_inventory(compiled.as_text(), dcn_groups(list(mesh.devices.flat)))
+    return {"op_inventory": ops, "op_inventory_s": round(time.perf_counter() - t0, 3)}

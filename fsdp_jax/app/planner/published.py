@@ -9,7 +9,9 @@ Each run is data: what was published (value, unit, where), the nearest plan of t
 (`cost_target`, a key of `fsdp_jax/targets/perf_tables.json`), and its role: `fit` (a table
 constant was fitted to it), `check` (held out), `bound` (another framework on other
 hardware: the prediction should be at least the published figure, not equal to it).
-The model is held to TOLERANCE on every `fit` and `check` row.
+One `fit` row per fitted constant: the GPU GEMM efficiency (MaxText 7B on 1 x A3) and the TPU
+one (MaxText 70B on v5p); every other row is held out. The model is held to TOLERANCE on every
+`fit` and `check` row.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class PublishedRun:
     strategy: str
     overrides: tuple[str, ...]
     cost_target: str
+    tpu_flags: str | None = None  # a libtpu flag set of fsdp_jax/targets/tpu_flags.json (`plan --tpu-flags`)
 
 
 def _a3(nodes: int, role: str, published: float) -> PublishedRun:
@@ -72,7 +75,7 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
         ),
         published=692.0,
         unit="tokens_per_s",
-        role="check",
+        role="fit",
         config="configs/llama2_70b.yaml",
         target="v5p-512",
         devices=256,
@@ -80,6 +83,7 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
         strategy="full_shard",
         overrides=("train.global_batch=1024", "remat=save_qkv_attn_mlp_out", "model.attention=splash"),
         cost_target="v5p",
+        tpu_flags="maxtext-llama2-70b-v5p",
     ),
     PublishedRun(
         name="MaxText Llama-2-70B, v6e-256, FSDP 256, batch 4/chip (2 x 2 here), seq 4096, remat full, splash",
@@ -100,6 +104,7 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
         strategy="full_shard",
         overrides=("train.global_batch=1024", "train.microbatches=2", "remat=full", "model.attention=splash"),
         cost_target="v6e",
+        tpu_flags="maxtext-llama2-70b-v6e",
     ),
     PublishedRun(
         name="torchtitan Llama-3.1-8B, 8 x H100 (500 W, HBM2e), FSDP 8, seq 8192, compiled",
@@ -122,6 +127,7 @@ def plan_command(run: PublishedRun) -> str:
     """The `plan` command whose JSON `predicted_value` reads."""
     where = f"--target {run.target}" + ("" if run.target.startswith("v") else f" --devices {run.devices}")
     where += f" --hosts {run.hosts}" if run.hosts > 1 else ""
+    where += f" --tpu-flags {run.tpu_flags}" if run.tpu_flags else ""
     return f"python scripts/plan.py --config {run.config} {where} --strategies {run.strategy} --json " + " ".join(
         run.overrides
     )

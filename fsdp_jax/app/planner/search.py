@@ -137,6 +137,7 @@ def search(
             "microbatches": None if space.microbatches is None else list(space.microbatches),
             "offloads": list(space.offloads),
             "vary": list(space.vary),
+            "attentions": list(space.attentions) or [cfg.model.attention],
         },
         "counts": {
             "candidates": len(cands),

@@ -29,6 +29,7 @@ _MARK = "fsdp_jax.app.planner.search_compile: "
 def _label(c: dict[str, Any]) -> str:
     return (
         f"{c['strategy']} remat={c['remat']} microbatches={c['microbatches']} batch={c['global_batch']}x{c['seq_len']}"
+        + (f" attention={c['attention']}" if "attention" in c else "")
     )
 
 

@@ -79,6 +79,21 @@ def parse_vary(text: str | None) -> tuple[str, ...]:
     return tuple(names)
 
 
+def parse_attentions(text: str | None) -> tuple[str, ...] | None:
+    """`--attention`: a comma list of `model.attention` values; None when not given (the
+    search then tries `search_space.attention_kernels`: the config's, and with a target XLA's
+    and the platform's flash kernel)."""
+    from fsdp_jax.app.config.schema import MODEL_CHOICES
+
+    if text is None:
+        return None
+    names = _items(text, "--attention")
+    bad = [n for n in names if n not in MODEL_CHOICES["attention"]]
+    if bad:
+        raise SearchError(f"--attention: {bad[0]!r} is not one of {', '.join(MODEL_CHOICES['attention'])}")
+    return tuple(names)
+
+
 def parse_headroom(text: str | None) -> tuple[int, float | None]:
     """(bytes, fraction): '10%' -> (0, 0.1); '8GB' -> (8e9, None); None -> 10%."""
     if text is None:

@@ -40,13 +40,29 @@ class SearchSpace:
     """What to vary. `microbatches` None: every power of two dividing the per-device batch.
     `vary`: "batch" (per-device batch 1, 2, 4, ... up to the config's: the global batch
     changes) and/or "seq" (sequence length halved down to MIN_SEQ, the global batch scaled
-    to keep the tokens per step)."""
+    to keep the tokens per step). `attentions`: the attention kernels (`model.attention`) to
+    try; empty: the config's (`attention_kernels` gives a target's)."""
 
     strategies: tuple[str, ...] = STRATEGY_ORDER
     remats: tuple[str, ...] = DEVICE_REMATS
     microbatches: tuple[int, ...] | None = None
     offloads: tuple[str, ...] = OFFLOAD_SETTINGS
     vary: tuple[str, ...] = ()
+    attentions: tuple[str, ...] = ()
+
+
+def attention_kernels(cfg, platform: str | None) -> tuple[str, ...]:
+    """The kernels a search tries by default: XLA's attention and the platform's flash kernel
+    (cuDNN on a GPU, where the compute dtype is bfloat16 / float16 and no context axis: the
+    config checks' conditions; splash on a TPU); without a target, the config's alone."""
+    from fsdp_jax.sharding.precision import Policy
+
+    flash = {"gpu": "cudnn", "tpu": "splash"}.get(platform or "")
+    if flash == "cudnn" and (
+        Policy.parse(cfg.precision).compute_dtype.name not in ("bfloat16", "float16") or cfg.mesh.context != 1
+    ):
+        flash = None
+    return tuple(dict.fromkeys((cfg.model.attention, "xla", flash) if flash else (cfg.model.attention,)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,9 +100,11 @@ class Limits:
 
 
 def candidate_config(cfg, c: dict[str, Any]):
-    """`cfg` with candidate `c`'s strategy, remat, microbatches, offload, batch and seq."""
+    """`cfg` with candidate `c`'s strategy, remat, microbatches, offload, batch, seq and
+    attention kernel."""
     return dataclasses.replace(
         cfg,
+        model=dataclasses.replace(cfg.model, attention=c.get("attention", cfg.model.attention)),
         remat=c["remat"],
         offload=c["offload"],
         mesh=dataclasses.replace(cfg.mesh, strategy=c["strategy"]),
@@ -107,6 +125,8 @@ def overrides(cfg, c: dict[str, Any]) -> list[str]:
         out.append(f"train.global_batch={c['global_batch']}")
     if c["seq_len"] != cfg.data.seq_len:
         out.append(f"data.seq_len={c['seq_len']}")
+    if c.get("attention", cfg.model.attention) != cfg.model.attention:
+        out.append(f"model.attention={c['attention']}")
     return out
 
 
@@ -143,8 +163,8 @@ def enumerate_candidates(
             notes.append("hybrid_shard skipped: with data=1 it is full_shard (set mesh.data or --hosts)")
             continue
         dp = sizes[0] * sizes[1]
-        for (gb, seq), remat, offload in itertools.product(
-            shapes(cfg, n_devices, space.vary), space.remats, space.offloads
+        for (gb, seq), remat, offload, attention in itertools.product(
+            shapes(cfg, n_devices, space.vary), space.remats, space.offloads, space.attentions or (cfg.model.attention,)
         ):
             if gb % dp:
                 continue
@@ -160,6 +180,7 @@ def enumerate_candidates(
                             "offload": offload,
                             "global_batch": gb,
                             "seq_len": seq,
+                            "attention": attention,
                             "mesh": dict(zip(("data", "fsdp", "tensor"), map(int, sizes))),
                         }
                     )

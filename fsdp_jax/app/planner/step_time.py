@@ -31,6 +31,7 @@ candidates ranked above the best compiled fit next. MFU is model FLOPs (no recom
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from fsdp_jax.app.models.lora import spec_from_config
@@ -98,11 +99,13 @@ def predict_ops(cfg, target: str, n_devices: int, result: dict[str, Any], top: i
     from fsdp_jax.app.planner.op_costs import simulate, top_ops
     from fsdp_jax.targets.perf_tables import perf_table
 
+    t0 = time.perf_counter()
     try:
         table = perf_table(target)
         sim = simulate(result["op_inventory"], table)
     except ValueError:
         return None
+    simulate_s = time.perf_counter() - t0
     step_s, b = sim["step_s"], sim["breakdown"]
     tokens = cfg.data.seq_len * cfg.train.global_batch / n_devices
     model_flops = tokens * model_flops_per_token(cfg.model, cfg.data.seq_len)[0]
@@ -123,6 +126,9 @@ def predict_ops(cfg, target: str, n_devices: int, result: dict[str, Any], top: i
         "breakdown": {k: g(v) for k, v in b.items()},
         "bound": "compute" if compute >= b["exposed_comm"] else "communication",
         "top_ops": [_op_row(o, g) for o in top_ops(sim, top)],
+        # seconds the prediction cost on top of the compile: the op walk (in the compiling
+        # process) + the schedule's simulation (here)
+        "predict_s": round(result.get("op_inventory_s", 0.0) + simulate_s, 3),
     }
 
 
@@ -223,6 +229,12 @@ def _format_ops(rows, per: str, explain: int) -> list[str]:
     )
     lines += [hdr, "-" * len(hdr)]
     for n, p, fits in rows:
+        if p.get("model") != "ops":  # no program to walk (the compiler refused it): the roofline
+            lines.append(
+                f"{n:<14}{p['step_s']:8.3f}{'':>14}{'':>42}{p['tokens_per_s_per_gpu']:11,.0f}"
+                f"{p['tflops_per_gpu']:8.1f}{p['mfu']:7.1%}  (does not fit: the compiler refused it; roofline)"
+            )
+            continue
         b = p.get("breakdown") or {}
         lo, hi = p.get("band_s") or (p["step_s"], p["step_s"])
         lines.append(
@@ -234,6 +246,8 @@ def _format_ops(rows, per: str, explain: int) -> list[str]:
         exposed = {k.removeprefix("exposed "): v for k, v in b.items() if k.startswith("exposed ") and v > 0}
         if exposed:
             lines.append(" " * 14 + "exposed: " + ", ".join(f"{k} {v:.3f} s" for k, v in exposed.items()))
+        if "predict_s" in p:
+            lines.append(" " * 14 + f"predicted in {p['predict_s']:.2f} s on top of the compile (op walk + schedule)")
     for n, p, _ in rows if explain else ():
         lines += ["", f"{n}: the {min(explain, len(p.get('top_ops', [])))} ops that cost most per step"]
         for o in p.get("top_ops", [])[:explain]:
