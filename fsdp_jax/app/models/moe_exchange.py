@@ -10,7 +10,7 @@ shapes); XLA:CPU has no `ragged-all-to-all` (jax 0.10.2: "HLO opcode ragged-all-
 not supported by XLA:CPU ThunkEmitter"):
 - dropless (`exchange_dropless`): each device sends each shard a block of N*k rows (room
   for all its pairs going to one shard), ordered by destination; the receiver runs its
-  experts' rows as grouped matmuls (`ragged_dot`), the empty rows in no group. Every pair
+  experts' rows as grouped matmuls (`grouped_matmul`), the empty rows in no group. Every pair
   arrives: the result equals the one-device dropless layer.
 - capacity (`exchange_capacity`): the device's (E, C, D) buffer of `with_capacity` (at most
   C of its tokens per expert, token order wins) is cut by expert shard, so each shard
@@ -24,6 +24,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from fsdp_jax.app.models.grouped_matmul import grouped_matmul
 from fsdp_jax.app.models.moe_dispatch import ExpertLora, batched, capacity_slots, experts_ffn
 
 
@@ -32,7 +33,7 @@ def _a2a(x, axes):
     return jax.lax.all_to_all(x, axes, 0, 0)
 
 
-def exchange_dropless(x2, w, idx, ws, axes, n_ep: int, lora: ExpertLora | None = None):
+def exchange_dropless(x2, w, idx, ws, axes, n_ep: int, lora: ExpertLora | None = None, impl: str = "auto"):
     """x2 (N, D), w and idx (N, k) of this device; ws: wg, wu (E_l, D, F), wd (E_l, F, D) its
     experts, then their adapters."""
     n, k = idx.shape
@@ -49,7 +50,7 @@ def exchange_dropless(x2, w, idx, ws, axes, n_ep: int, lora: ExpertLora | None =
     order = jnp.argsort(re, stable=True)  # by local expert; empty rows (id E_l) last, in no group
     sizes = jnp.bincount(re, length=el + 1)[:el].astype(jnp.int32)
     xs = rx[order]
-    ys = experts_ffn(xs, ws, lora, lambda x, m: jax.lax.ragged_dot(x, m, sizes))
+    ys = experts_ffn(xs, ws, lora, lambda x, m: grouped_matmul(x, m, sizes, impl))
     y = jnp.zeros_like(ys).at[order].set(ys).reshape(n_ep, m, d)
     back = _a2a(y, axes).reshape(n_ep * m, d)[slot].reshape(n, k, d)  # each pair's output, home again
     return jnp.einsum("nkd,nk->nd", back, w.astype(back.dtype)), jnp.zeros((), jnp.float32)
