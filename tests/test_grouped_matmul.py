@@ -62,6 +62,18 @@ def test_a_ragged_dot_kernel_costs_two_rows_times_the_group_matrix(result, opera
     assert rec["bytes"] == (4096 * (512 + 1024) + 8 * 512 * 1024) * 2  # bf16: both row arrays and the matrices
 
 
+def test_xla_tpu_grouped_matmul_kernel_is_a_grouped_gemm():
+    """As XLA:TPU (libtpu 0.0.42.1) compiles `ragged_dot` (tests/test_moe_flops.py's layer)."""
+    meta = 'metadata={op_name="jit(f)/ragged_dot_general/ragged-dot-none"}'
+    ops = ["s32[1]", "s32[9]", "s32[39]", "s32[39]", "s32[1]", "bf16[4096,512]", "bf16[8,512,1024]"]
+    rec = grouped_gemm(_call("bf16[4096,1024]", ops, target="tpu_custom_call", meta=meta), "bf16[4096,1024]")
+    assert rec is not None and rec["flops"] == 2 * 4096 * 512 * 1024 and rec["groups"] == 8
+    assert (
+        grouped_gemm(_call("bf16[4096,1024]", ops, target="tpu_custom_call", meta='metadata={op_name="splash"}'), "")
+        is None
+    )
+
+
 def test_other_kernel_calls_are_not_grouped_gemms():
     args = ("bf16[4096,1024]", ["bf16[4096,512]", "bf16[8,512,1024]"])
     assert grouped_gemm(_call(*args, meta='metadata={op_name="jit(f)/flash_attention"}'), args[0]) is None

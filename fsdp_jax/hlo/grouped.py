@@ -1,6 +1,7 @@
 """Grouped GEMMs in a compiled program: the kernel custom calls of a ragged dot (tokamax's
-Pallas kernels: Triton `__gpu$xla.gpu.triton`, Mosaic GPU `mosaic_gpu*`), which XLA's cost
-analysis counts as 0 FLOPs, described as the groups they compute.
+Pallas kernels: Triton `__gpu$xla.gpu.triton`, Mosaic GPU `mosaic_gpu*`; XLA:TPU's own grouped
+matmul, a `tpu_custom_call` named `ragged-dot-*`), described as the groups they compute (XLA's
+cost analysis counts tokamax's as 0 FLOPs; the op inventory read XLA:TPU's as a memory op).
 
     rec = grouped_gemm(line, result_type)   # None unless `line` is such a call
 
@@ -19,9 +20,9 @@ from typing import Any
 
 from fsdp_jax.hlo.types import _DTYPE_BYTES
 
-KERNEL_TARGETS = ("__gpu$xla.gpu.triton", "mosaic_gpu")
+KERNEL_TARGETS = ("__gpu$xla.gpu.triton", "mosaic_gpu", "tpu_custom_call")
 _TARGET_RE = re.compile(r'custom_call_target="([^"]+)"')
-_RAGGED_RE = re.compile(r'op_name="[^\n]*?(?:RaggedDot|ragged_dot)')  # its quotes escaped inside
+_RAGGED_RE = re.compile(r'op_name="[^\n]*?(?:RaggedDot|ragged_dot|ragged-dot-)')  # its quotes escaped inside
 _FLOAT_RE = re.compile(r"\b(bf16|f16|f32|f8e4m3fn|f8e5m2)\[([\d,]+)\]")
 
 
