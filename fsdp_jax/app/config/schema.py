@@ -95,6 +95,7 @@ MODEL_CHOICES: dict[str, tuple[str, ...]] = {
     "rope_type": tuple(ROPE_TYPES),
     "mlp_activation": ("silu", "gelu_pytorch_tanh"),
     "grouped_matmul": GROUPED_MATMULS,
+    "expert_exchange": ("dense", "ragged"),
 }
 
 # The model section is the reference model's own config dataclass.

@@ -31,7 +31,7 @@ GROUPED_MATMULS = ("auto", "xla", "tokamax")
 TOKAMAX_KERNELS = ("mosaic", "triton")  # tried in this order; tokamax skips one the device lacks
 
 
-def _default_platform() -> str:
+def lowering_platform() -> str:
     dev = jax.config.jax_default_device
     if isinstance(dev, str):  # a platform name
         return dev
@@ -42,7 +42,7 @@ def resolve(impl: str) -> str:
     """`impl` with `auto` replaced by what runs here (module docstring)."""
     if impl not in GROUPED_MATMULS:
         raise ConfigError("model.grouped_matmul", f"{impl!r} is not one of {', '.join(GROUPED_MATMULS)}")
-    platform = _default_platform()
+    platform = lowering_platform()
     gpu, have = platform in ("gpu", "cuda"), importlib.util.find_spec("tokamax") is not None
     if impl == "tokamax" and not (gpu and have):
         why = f"it runs on GPU only (this step is lowered for {platform})" if have else "pip install tokamax"
