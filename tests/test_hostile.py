@@ -71,6 +71,8 @@ OUT_OF_RANGE: dict[str, typing.Any] = {
     "model.scan_layers": None,
     "model.attention": "flash",
     "model.context_kv_pass": "telepathy",
+    "model.grouped_matmul": "cutlass",
+    "model.expert_exchange": "sparse",
     "mesh.data": 0,
     "mesh.fsdp": -2,
     "mesh.tensor": 0,

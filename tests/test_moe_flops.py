@@ -56,3 +56,59 @@ def test_dropless_moe_layer_compiles_to_top_k_over_n_experts_of_the_dense_flops_
         # top-2 of 8: a quarter of the experts' FLOPs; the router and the sort are the rest
         assert sparse <= 1.3 * (2 / 8) * dense, (kind, sparse, dense)
         assert sparse >= (2 / 8) * dense * 0.9, (kind, sparse, dense)  # the experts are computed
+
+
+_GPU_CHILD = r"""
+import dataclasses, json
+import jax, jax.numpy as jnp
+from flax import nnx
+from jax.sharding import SingleDeviceSharding
+from fsdp_jax.app.models import moe as moe_lib
+from fsdp_jax.app.models.config import LlamaConfig
+from fsdp_jax.hlo.costs import op_inventory
+from fsdp_jax.targets import gpu as targets
+
+dev = targets.gpu_devices("h100", 1, 1)[0]
+sh = SingleDeviceSharding(dev)
+base = LlamaConfig(vocab_size=64, d_model=512, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32,
+                   n_experts=8, experts_per_token=2, moe_ffn_dim=1024, norm_topk_prob=True, grouped_matmul="auto")
+
+def flops(cfg, n_tokens=2048):
+    with nnx.use_eager_sharding(False):
+        graph, state = nnx.split(nnx.eval_shape(lambda: moe_lib.MoE(cfg, nnx.Rngs(0))))
+    state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.bfloat16, sharding=sh), state)
+    x = jax.ShapeDtypeStruct((1, n_tokens, cfg.d_model), jnp.bfloat16, sharding=sh)
+    def fwd_bwd(s, x):
+        loss = lambda s, x: nnx.merge(graph, s)(x)[0].astype(jnp.float32).sum()
+        return jax.grad(loss, argnums=(0, 1))(s, x)
+    out = {}
+    for name, fn in (("forward", lambda s, x: nnx.merge(graph, s)(x)[0]), ("train", fwd_bwd)):
+        with jax.default_device(dev):  # as the planner lowers for a target (StepBuild.compile)
+            text = jax.jit(fn).lower(state, x).compile().as_text()
+        ops = [o for o in op_inventory(text) if o["kind"] == "gemm"]
+        out[name] = {"flops": sum(o["flops"] * o["runs"] for o in ops),
+                     "grouped": sum(o["runs"] for o in ops if "groups" in o),
+                     "kernels": sorted({t for t in ("__gpu$xla.gpu.triton", "mosaic_gpu") if t in text})}
+    return out
+
+print(json.dumps({"sparse": flops(base), "dense": flops(dataclasses.replace(base, experts_per_token=8))}))
+"""
+
+
+@pytest.mark.slow
+def test_dropless_moe_layer_on_gpu_runs_tokamax_grouped_gemms_at_top_k_over_n_experts_of_the_dense_flops():
+    """On an H100 target `grouped_matmul: auto` picks tokamax's ragged_dot kernels (XLA:GPU's
+    own ragged_dot is a dense dot over all experts there): the layer's GEMM FLOPs, read from
+    the compiled program by `fsdp_jax.hlo.costs` (the kernels' FLOPs from their operand shapes,
+    `fsdp_jax.hlo.grouped`; XLA's cost analysis counts custom calls as 0), are top_k /
+    n_experts of the same layer with every token sent to every expert."""
+    pytest.importorskip("tokamax")
+    from fsdp_jax.targets import gpu as targets
+
+    assert targets.plugin_installed(), "CUDA plugin missing: python -m fsdp_jax.targets install cuda"
+    r = json_child(_GPU_CHILD, env=targets.child_env(dict(os.environ)))
+    for kind, calls in (("forward", 3), ("train", 3 + 6)):  # gate, up, down; backward: dx and dw of each
+        sparse, dense = r["sparse"][kind], r["dense"][kind]
+        assert sparse["kernels"] and sparse["grouped"] == calls, (kind, sparse)
+        assert sparse["flops"] <= 1.3 * (2 / 8) * dense["flops"], (kind, sparse, dense)
+        assert sparse["flops"] >= (2 / 8) * dense["flops"] * 0.9, (kind, sparse, dense)

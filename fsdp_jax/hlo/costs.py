@@ -11,7 +11,8 @@ instructions of fused computations are read only to describe their fusion. Each 
 
 - `gemm`: a dot (a cuBLAS custom call, a Triton/XLA GEMM fusion, a convolution fusion on TPU,
   a bare dot): `m`, `n`, `k`, `batch`, `dtype` (the lhs operand's), `flops` = 2 batch m n k,
-  `bytes` (operands + result);
+  `bytes` (operands + result); a ragged dot's grouped-GEMM kernel (tokamax's Triton / Mosaic
+  GPU calls, `fsdp_jax.hlo.grouped`) adds `groups`, its `flops` those of the grouped rows;
 - `attention`: a cuDNN flash-attention custom call: `direction` (fwd / bwd), `b`, `h`, `sq`,
   `skv`, `d`, `causal`, `flops` (4 b h sq skv d forward, 2.5x that backward, halved when causal:
   FlashAttention's count); or a Pallas splash-attention kernel on TPU (`kernel` "splash",
@@ -38,6 +39,7 @@ from typing import Any
 
 from fsdp_jax.hlo.calls import _OP_NAME_RE, call_graph, executions, parse_computations
 from fsdp_jax.hlo.collective_fusions import fused_collectives, fusion_roles
+from fsdp_jax.hlo.grouped import grouped_gemm
 from fsdp_jax.hlo.schedule import COLLECTIVES, _instructions, collective_schedule
 from fsdp_jax.hlo.types import _DTYPE_BYTES, _shapes
 
@@ -294,6 +296,8 @@ def _classify(mod: _Module, op: str, type_str: str, line: str) -> dict[str, Any]
         att = _attention(line, type_str) or _splash(line)
         if att:
             return {"kind": "attention", **att}
+        if grp := grouped_gemm(line, type_str):
+            return {"kind": "gemm", **grp}
         target = _TARGET_RE.search(line)
         if target and ("gemm" in target.group(1) or "matmul" in target.group(1)):
             names = _operand_names(line, op)

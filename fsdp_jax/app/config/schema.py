@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any, Callable
 
 from fsdp_jax.app.models.config import LlamaConfig
+from fsdp_jax.app.models.grouped_matmul import GROUPED_MATMULS
 from fsdp_jax.app.models.rope import ROPE_TYPES
 from fsdp_jax.errors import ConfigError
 from fsdp_jax.sharding import rules as rl
@@ -93,6 +94,8 @@ MODEL_CHOICES: dict[str, tuple[str, ...]] = {
     "context_kv_pass": ("all_gather", "ring"),
     "rope_type": tuple(ROPE_TYPES),
     "mlp_activation": ("silu", "gelu_pytorch_tanh"),
+    "grouped_matmul": GROUPED_MATMULS,
+    "expert_exchange": ("dense", "ragged"),
 }
 
 # The model section is the reference model's own config dataclass.

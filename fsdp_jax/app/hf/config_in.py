@@ -75,8 +75,9 @@ FIELDS = {
     "tie_word_embeddings": "tie_word_embeddings",
 }
 # every architecture field of LlamaConfig (what a checkpoint decides; not scan_layers/attention)
-# (capacity_factor and the router z-loss are training options a checkpoint does not record)
-_RUN_FIELDS = ("scan_layers", "attention", "capacity_factor", "router_z_loss_coef")
+# (capacity_factor, the router z-loss, the grouped-matmul kernel and the exchange are training options
+# a checkpoint does not record)
+_RUN_FIELDS = ("scan_layers", "attention", "capacity_factor", "router_z_loss_coef", "grouped_matmul", "expert_exchange")
 ARCH_FIELDS = tuple(f.name for f in dataclasses.fields(LlamaConfig) if f.name not in _RUN_FIELDS)
 # rope dict keys -> LlamaConfig field, per rope type (required keys first)
 ROPE_KEYS = {

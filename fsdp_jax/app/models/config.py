@@ -60,6 +60,8 @@ class LlamaConfig:
     router_aux_loss_coef: float = 0.0  # load-balancing loss weight in the training loss
     router_z_loss_coef: float = 0.0  # router z-loss weight in the training loss
     capacity_factor: float = 0.0  # > 0: tokens over an expert's capacity dropped; 0 = dropless
+    grouped_matmul: str = "auto"  # dropless experts' kernel: auto | xla | tokamax (models/grouped_matmul.py)
+    expert_exchange: str = "dense"  # experts over batch axes, dropless: dense | ragged all-to-all (GPU/TPU)
 
     @property
     def head_dim(self) -> int:

@@ -9,7 +9,8 @@ expert (a dense gated MLP) scaled per token by sigmoid(x w_shared_gate).
 Two ways to compute the experts, both from the same weights (`models/moe_dispatch.py`, which
 also places them on the mesh: tokens routed where they are, experts split by the rules):
 - dropless (`capacity_factor` 0, the default): the N * k (token, expert) pairs sorted by
-  expert and run as grouped matmuls, `jax.lax.ragged_dot` with the per-expert group sizes.
+  expert and run as grouped matmuls with the per-expert group sizes (`models/grouped_matmul.py`:
+  `jax.lax.ragged_dot`, or tokamax's kernels on GPU).
   Every token reaches its k experts.
 - capacity (`capacity_factor` c > 0): each expert takes at most C = ceil(c * N * k / E)
   tokens, in token order (the first to claim it win, as GShard / Switch); the pairs over
@@ -33,6 +34,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from fsdp_jax.app.models import lora as lora_lib
+from fsdp_jax.app.models.grouped_matmul import lowering_platform
 from fsdp_jax.app.models.moe_dispatch import (
     ExpertLora,
     dropless,
@@ -41,7 +43,8 @@ from fsdp_jax.app.models.moe_dispatch import (
     per_token_shard,
     with_capacity,
 )
-from fsdp_jax.app.models.moe_exchange import exchange_capacity, exchange_dropless
+from fsdp_jax.app.models.moe_exchange import exchange_capacity, exchange_dropless, exchange_dropless_ragged
+from fsdp_jax.errors import ConfigError
 from fsdp_jax.sharding.axes import EMBED, EXPERT, MLP
 from fsdp_jax.sharding.precision import matmul
 
@@ -113,7 +116,7 @@ def capacity(n_tokens: int, k: int, n_experts: int, factor: float) -> int:
 class MoE(nnx.Module):
     """The sparse MLP of one layer: `(x (B, S, D), token_mask (B, S) or None) -> (y (B, S, D),
     RouterStats)`. Config fields used: d_model, n_experts, experts_per_token, moe_ffn_dim,
-    norm_topk_prob, shared_expert_ffn_dim, capacity_factor."""
+    norm_topk_prob, shared_expert_ffn_dim, capacity_factor, grouped_matmul, expert_exchange."""
 
     def __init__(self, cfg, rngs: nnx.Rngs):
         d, e, f = cfg.d_model, cfg.n_experts, cfg.moe_ffn_dim
@@ -131,6 +134,8 @@ class MoE(nnx.Module):
         self.norm_topk_prob = cfg.norm_topk_prob
         self.shared = bool(cfg.shared_expert_ffn_dim)
         self.capacity_factor = cfg.capacity_factor
+        self.grouped_matmul = cfg.grouped_matmul
+        self.expert_exchange = cfg.expert_exchange
 
     def _experts(self):
         """(the expert weights, then each adapter's A and B (`EXPERT_ADAPTERS` order); the
@@ -160,14 +165,18 @@ class MoE(nnx.Module):
             if cf:
                 cap = capacity(x2.shape[0], self.k, n_experts, cf)
                 return with_capacity(x2, w, idx, ws, cap, n_experts, e0, lora)
-            return dropless(x2, w, idx, ws, e0, lora)
+            return dropless(x2, w, idx, ws, e0, lora, self.grouped_matmul)
 
         def exchange(x2, w, idx, *rest):  # experts over batch axes: all-to-all
             *ws, axes, n_ep = rest
             if cf:
                 cap = capacity(x2.shape[0], self.k, n_experts, cf)
                 return exchange_capacity(x2, w, idx, ws, axes, n_ep, cap, n_experts, lora)
-            return exchange_dropless(x2, w, idx, ws, axes, n_ep, lora)
+            if self.expert_exchange == "ragged":
+                if lowering_platform() == "cpu":
+                    raise ConfigError("model.expert_exchange", "ragged: XLA:CPU has no ragged-all-to-all; use dense")
+                return exchange_dropless_ragged(x2, w, idx, ws, axes, n_ep, lora, self.grouped_matmul)
+            return exchange_dropless(x2, w, idx, ws, axes, n_ep, lora, self.grouped_matmul)
 
         y, dropped = per_batch_shard(compute, (x2, w, idx), experts, exchange)
         if self.shared:

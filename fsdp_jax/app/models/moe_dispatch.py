@@ -1,6 +1,7 @@
 """Where and how the (token, expert) pairs of a sparse layer are computed.
 
-`dropless` sorts the pairs by expert and runs them through `jax.lax.ragged_dot`;
+`dropless` sorts the pairs by expert and runs them through grouped matmuls
+(`models/grouped_matmul.py`: `jax.lax.ragged_dot`, or tokamax's kernels on GPU);
 `with_capacity` gathers at most C tokens per expert into an (E, C, D) buffer and runs
 batched matmuls over it. Both take the experts `e0 .. e0 + E_local - 1` (their weights'
 leading dim) and compute only the pairs routed to those; the others contribute 0.
@@ -31,6 +32,7 @@ from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
+from fsdp_jax.app.models.grouped_matmul import grouped_matmul
 from fsdp_jax.sharding.axes import BATCH, EXPERT
 
 
@@ -69,10 +71,10 @@ def experts_ffn(x, ws, lora: ExpertLora | None, dot):
     return y + lora_term(h, "experts_down") if "experts_down" in pairs else y
 
 
-def dropless(x2, w, idx, ws, e0=0, lora: ExpertLora | None = None):
-    """The pairs routed to experts e0.., sorted by expert, through grouped matmuls.
-    x2 (N, D); w, idx (N, k); ws: wg, wu (E_local, D, F), wd (E_local, F, D) and the adapters
-    -> ((N, D), 0)."""
+def dropless(x2, w, idx, ws, e0=0, lora: ExpertLora | None = None, impl: str = "auto"):
+    """The pairs routed to experts e0.., sorted by expert, through grouped matmuls
+    (`grouped_matmul` `impl`). x2 (N, D); w, idx (N, k); ws: wg, wu (E_local, D, F), wd
+    (E_local, F, D) and the adapters -> ((N, D), 0)."""
     n, k = idx.shape
     el = ws[0].shape[0]
     loc = idx - e0
@@ -81,7 +83,7 @@ def dropless(x2, w, idx, ws, e0=0, lora: ExpertLora | None = None):
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.bincount(flat, length=el + 1)[:el].astype(jnp.int32)  # (E_local,)
     xs = x2[order // k]  # (N*k, D), grouped by expert
-    ys = experts_ffn(xs, ws, lora, lambda x, m: jax.lax.ragged_dot(x, m, sizes))  # (N*k, D)
+    ys = experts_ffn(xs, ws, lora, lambda x, m: grouped_matmul(x, m, sizes, impl))  # (N*k, D)
     y = jnp.zeros_like(ys).at[order].set(ys).reshape(n, k, -1)  # back to (token, slot)
     return jnp.einsum("nkd,nk->nd", y, (w * mine).astype(y.dtype)), jnp.zeros((), jnp.float32)
 

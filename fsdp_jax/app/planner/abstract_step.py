@@ -122,8 +122,11 @@ class StepBuild:
 
     def compile(self, compiler_options: dict[str, Any] | None = None):
         """AOT-compile the step; `compiler_options`: XLA debug options for this compile
-        only (e.g. {"xla_gpu_enable_while_loop_double_buffering": "true"})."""
-        lowered = self.step.lower(self.state, self.batch)
+        only (e.g. {"xla_gpu_enable_while_loop_double_buffering": "true"}). Lowered with the
+        mesh's first device as the default device, so code that asks what it runs on (the MoE
+        layer's `grouped_matmul: auto`, tokamax's kernels) sees the target, not this host's CPU."""
+        with jax.default_device(self.mesh.devices.flat[0]):
+            lowered = self.step.lower(self.state, self.batch)
         if not compiler_options:
             return lowered.compile()
         try:

@@ -1,0 +1,123 @@
+"""The dropless experts' grouped matmul (`fsdp_jax/app/models/grouped_matmul.py`) and how a
+compiled program's grouped-GEMM kernels are costed (`fsdp_jax/hlo/grouped.py`). The tokamax
+kernels themselves compile for a GPU target in tests/test_moe_flops.py (no GPU runs here)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fsdp_jax.app.models.grouped_matmul import grouped_matmul, resolve
+from fsdp_jax.errors import ConfigError
+from fsdp_jax.hlo.grouped import grouped_gemm
+
+
+def test_xla_grouped_matmul_is_each_group_times_its_matrix_and_zero_past_the_groups():
+    rng = np.random.default_rng(0)
+    m, k, n, sizes = 13, 6, 5, np.array([3, 0, 4, 2], np.int32)  # 9 of 13 rows in groups
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((len(sizes), k, n)).astype(np.float32)
+    want = np.zeros((m, n), np.float32)
+    start = 0
+    for g, s in enumerate(sizes):  # by hand, group by group
+        want[start : start + s] = x[start : start + s] @ w[g]
+        start += s
+    got = np.asarray(jax.jit(lambda x, w, s: grouped_matmul(x, w, s, "xla"))(x, w, jnp.asarray(sizes)))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert not got[9:].any()
+
+
+def test_auto_is_xla_on_cpu_and_tokamax_or_a_bad_name_is_refused_there():
+    assert jax.devices()[0].platform == "cpu"
+    assert resolve("auto") == "xla" and resolve("xla") == "xla"
+    for impl in ("tokamax", "cutlass"):
+        with pytest.raises(ConfigError, match=r"^model\.grouped_matmul: "):
+            resolve(impl)
+
+
+_META = 'metadata={op_name="jit(f)/tokamax:{\\"op\\":{\\"__type\\":\\"tokamax._src.ops.ragged_dot.pallas_triton.PallasTritonRaggedDot\\"}}"}'
+
+
+def _call(result: str, operands: list[str], target: str = "__gpu$xla.gpu.triton", meta: str = _META) -> str:
+    cons = ", ".join(f"{o}{{1,0}}" for o in operands)
+    return (
+        f'  %k = {result}{{1,0}} custom-call(%a, %b), custom_call_target="{target}", '
+        f"operand_layout_constraints={{{cons}}}, api_version=API_VERSION_TYPED_FFI, {meta}"
+    )
+
+
+@pytest.mark.parametrize(
+    "result, operands, m, n, k, batch",
+    [
+        ("bf16[4096,1024]", ["bf16[4096,512]", "bf16[8,512,1024]", "s32[8]"], 4096, 1024, 512, 1),  # y = x w
+        ("bf16[4096,512]", ["bf16[4096,1024]", "bf16[8,1024,512]", "s32[8]"], 4096, 512, 1024, 1),  # dx = dy w^T
+        ("bf16[8,512,1024]", ["s32[8]", "bf16[512,4096]", "bf16[4096,1024]"], 512, 1024, 512, 8),  # dw, x transposed
+    ],
+)
+def test_a_ragged_dot_kernel_costs_two_rows_times_the_group_matrix(result, operands, m, n, k, batch):
+    rec = grouped_gemm(_call(result, operands), result)
+    assert rec is not None
+    assert rec["flops"] == 2 * 4096 * 512 * 1024  # every row meets one (512, 1024) matrix
+    assert (rec["m"], rec["n"], rec["k"], rec["batch"], rec["groups"]) == (m, n, k, batch, 8)
+    assert rec["bytes"] == (4096 * (512 + 1024) + 8 * 512 * 1024) * 2  # bf16: both row arrays and the matrices
+
+
+def test_xla_tpu_grouped_matmul_kernel_is_a_grouped_gemm():
+    """As XLA:TPU (libtpu 0.0.42.1) compiles `ragged_dot` (tests/test_moe_flops.py's layer)."""
+    meta = 'metadata={op_name="jit(f)/ragged_dot_general/ragged-dot-none"}'
+    ops = ["s32[1]", "s32[9]", "s32[39]", "s32[39]", "s32[1]", "bf16[4096,512]", "bf16[8,512,1024]"]
+    rec = grouped_gemm(_call("bf16[4096,1024]", ops, target="tpu_custom_call", meta=meta), "bf16[4096,1024]")
+    assert rec is not None and rec["flops"] == 2 * 4096 * 512 * 1024 and rec["groups"] == 8
+    assert (
+        grouped_gemm(_call("bf16[4096,1024]", ops, target="tpu_custom_call", meta='metadata={op_name="splash"}'), "")
+        is None
+    )
+
+
+def test_other_kernel_calls_are_not_grouped_gemms():
+    args = ("bf16[4096,1024]", ["bf16[4096,512]", "bf16[8,512,1024]"])
+    assert grouped_gemm(_call(*args, meta='metadata={op_name="jit(f)/flash_attention"}'), args[0]) is None
+    assert grouped_gemm(_call(*args, target="__cublas$gemm"), args[0]) is None
+
+
+def _fake_tokamax(monkeypatch):
+    """tokamax's API with XLA's ragged dots behind it: what `grouped_matmul`'s own VJP does
+    with the kernels' results is then checkable on CPU (the kernels only run on a GPU)."""
+    import sys
+    import types
+
+    import fsdp_jax.app.models.grouped_matmul as gm
+
+    fake = types.ModuleType("tokamax")
+    fake.ragged_dot = lambda x, w, s, implementation=None: jax.lax.ragged_dot(x, w, s)
+    fake.ragged_dot_general = lambda x, y, s, dims, implementation=None: jax.lax.ragged_dot_general(x, y, s, dims)
+    monkeypatch.setitem(sys.modules, "tokamax", fake)
+    return gm._tokamax
+
+
+@pytest.mark.parametrize("experts_split", [False, True])  # weights shared by every shard, or each shard's own
+def test_the_tokamax_path_differentiates_as_ragged_dot_also_inside_a_shard_map(monkeypatch, experts_split):
+    from jax.sharding import PartitionSpec as P
+
+    kernel = _fake_tokamax(monkeypatch)
+    rng = np.random.default_rng(1)
+    n_dev, m, k, n, g = 8, 12, 6, 5, 3
+    x = jnp.asarray(rng.standard_normal((n_dev * m, k)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal(((n_dev if experts_split else 1) * g, k, n)), jnp.float32)
+    sizes = jnp.asarray(np.tile([4, 0, 6], n_dev), jnp.int32)  # per shard: 10 of its 12 rows grouped
+    mesh = jax.make_mesh((n_dev,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+
+    w_spec = P("fsdp") if experts_split else P()
+
+    def loss(dot):
+        def local(x, w, s):
+            y = dot(x, w, s)
+            return jax.lax.psum(jnp.sum(jnp.sin(y)), "fsdp")
+
+        return jax.shard_map(local, mesh=mesh, in_specs=(P("fsdp"), w_spec, P("fsdp")), out_specs=P())
+
+    want = jax.jit(jax.grad(loss(jax.lax.ragged_dot), argnums=(0, 1)))(x, w, sizes)
+    got = jax.jit(jax.grad(loss(kernel), argnums=(0, 1)))(x, w, sizes)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    assert float(jnp.abs(want[1]).max()) > 0
