@@ -18,6 +18,11 @@ def test_bad_context_inputs_one_line_exit_2_nothing_written(tmp_path, capsys):
         (["mesh.context=3"], ["mesh", "context=3", "8 devices"]),
         (["mesh.context=2", "mesh.fsdp=2"], ["mesh", "multiply to 4", "8 devices"]),
         (["mesh.context=2", "model.attention=cudnn"], ["model.attention", "cudnn", "context parallelism"]),
+        (  # splash per ring block: no window; half blocks of whole 128-token tiles
+            ["mesh.context=2", "model.attention=splash", "model.sliding_window=8"],
+            ["model.sliding_window", "splash per ring block"],
+        ),
+        (["mesh.context=2", "model.attention=splash"], ["data.seq_len", "2 x mesh.context x 128 = 512"]),
         (["model.context_kv_pass=telepathy"], ["model.context_kv_pass", "ring"]),
         (["mesh.context=2", "mesh.rules.length=null"], ["mesh.rules.length", "context"]),
     ]

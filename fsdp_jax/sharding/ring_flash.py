@@ -34,7 +34,11 @@ from jax.sharding import PartitionSpec as P
 from fsdp_jax.sharding.axes import CONTEXT
 from fsdp_jax.sharding.context import context_size
 from fsdp_jax.sharding.ring_attention import KV_PASSES, context_specs
-from fsdp_jax.sharding.ring_kernels import BlockKernel, merge
+from fsdp_jax.sharding.ring_kernels import BlockKernel, merge, reference_kernel
+from fsdp_jax.sharding.ring_splash import splash_kernel
+
+# `model.attention` -> the block kernel of its flash ring (each takes scale, softcap, window)
+RING_KERNELS = {"reference": reference_kernel, "splash": splash_kernel}
 
 
 def _step_fwd(kern, qq, kv, local, j, i):
@@ -156,6 +160,8 @@ def flash_context_attention(
         raise ValueError(f"kv_pass {kv_pass!r}: choose one of {', '.join(KV_PASSES)}")
     if not isinstance(kernel, BlockKernel):
         raise TypeError(f"kernel must be a BlockKernel(fwd, bwd), not {type(kernel).__name__}")
+    if segment_ids is not None and not kernel.segments:
+        raise ValueError("this ring block kernel takes no segment ids (packed rows); use model.attention=xla")
     if positions is None:
         raise ValueError("flash_context_attention needs positions (B, S): rows are in zig-zag order")
     seg = jnp.zeros(positions.shape, jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)

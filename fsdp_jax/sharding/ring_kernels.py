@@ -29,10 +29,12 @@ import jax.numpy as jnp
 
 
 class BlockKernel(NamedTuple):
-    """One ring step's attention: `fwd` -> (o_j, lse_j), `bwd` -> (dq, dk, dv) (module docstring)."""
+    """One ring step's attention: `fwd` -> (o_j, lse_j), `bwd` -> (dq, dk, dv) (module
+    docstring); `segments` False: the kernel ignores segment ids (the ring refuses packed rows)."""
 
     fwd: Callable
     bwd: Callable
+    segments: bool = True
 
 
 def block_mask(qp, kp, qs, ks, local, *, causal: bool, window: int):
