@@ -25,7 +25,8 @@ instructions of fused computations are read only to describe their fusion. Each 
   `async`, ...) plus `done_pos`, the position of its done (None when not in this computation);
 - `host`: a copy to or from host memory (`copy-start` into memory space S(5) or out of it):
   `bytes`, `done_pos`;
-- `loop`: a while loop (`body`, `condition`, `trip_count`): its cost is its body's.
+- `loop`: a while loop (`body`, `condition`, `trip_count`): its cost is its body's;
+- `conditional`: a conditional (`branches`, its branch computations): one of them runs.
 
 Nothing here knows a target: `fsdp_jax.app.planner.op_costs` turns these into seconds.
 """
@@ -359,6 +360,11 @@ def op_inventory(hlo: str, hosts: list[int] | None = None) -> list[dict[str, Any
                         "trip_count": edges_from.get(body.group(1), 1) if body else 1,
                     }
                 )
+                continue
+            if op == "conditional":  # its cost is one branch's (op_costs.simulate: the longest)
+                m = _SEQ_CALLEES_RE.findall(line)
+                names = [a or n.strip().lstrip("%") for a, b in m for n in ([a] if a else b.split(","))]
+                out.append({**base, "kind": "conditional", "branches": names})
                 continue
             rec = _classify(mod, op, type_str, line)
             if rec is None:
