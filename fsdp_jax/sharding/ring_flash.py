@@ -1,6 +1,6 @@
 """Flash attention per ring block: context-parallel causal attention whose blocks run a
-flash kernel (splash on TPU, cuDNN on GPU, a pure-JAX reference on CPU), under one
-custom VJP over the whole ring.
+flash kernel (splash on TPU, cuDNN on GPU, a pure-JAX reference on CPU: `RING_KERNELS`),
+under one custom VJP over the whole ring.
 
     kern = reference_kernel(scale=Dh ** -0.5)        # or splash_kernel / cudnn_kernel
     o = flash_context_attention(q, k, v, positions, segment_ids, kernel=kern)
@@ -34,11 +34,12 @@ from jax.sharding import PartitionSpec as P
 from fsdp_jax.sharding.axes import CONTEXT
 from fsdp_jax.sharding.context import context_size
 from fsdp_jax.sharding.ring_attention import KV_PASSES, context_specs
+from fsdp_jax.sharding.ring_cudnn import cudnn_kernel
 from fsdp_jax.sharding.ring_kernels import BlockKernel, merge, reference_kernel
 from fsdp_jax.sharding.ring_splash import splash_kernel
 
 # `model.attention` -> the block kernel of its flash ring (each takes scale, softcap, window)
-RING_KERNELS = {"reference": reference_kernel, "splash": splash_kernel}
+RING_KERNELS = {"reference": reference_kernel, "splash": splash_kernel, "cudnn": cudnn_kernel}
 
 
 def _step_fwd(kern, qq, kv, local, j, i):

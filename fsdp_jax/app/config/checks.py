@@ -184,10 +184,10 @@ def _check_precision(cfg: Config) -> None:
 def _check_attention_precision(cfg: Config) -> None:
     """cuDNN attention computes in bfloat16 or float16 only (its flash kernels have no float32
     one: jax raises NotImplementedError while tracing, on a GPU and in the planner's compile
-    alike). Checked last; with context parallelism `check_context` refuses cuDNN anyway."""
+    alike). Checked last."""
     compute = Policy.parse(cfg.precision).compute_dtype.name
     _check(
-        cfg.model.attention != "cudnn" or compute in ("bfloat16", "float16") or cfg.mesh.context != 1,
+        cfg.model.attention != "cudnn" or compute in ("bfloat16", "float16"),
         "model.attention",
         cfg.model.attention,
         f"needs bfloat16 or float16 compute (cuDNN's flash attention has no {compute} kernel) and precision "
@@ -353,6 +353,13 @@ def check_data(cfg: Config) -> None:
         tok = m.get("tokenizer")
         by = f" (tokenizer {tok})" if tok not in (None, "bytes", "external") else ""
         if m.get("format") == "packed":  # fine-tuning rows (fsdp_jax.app.data.sft): fixed length
+            _check(
+                cfg.model.attention != "cudnn" or cfg.mesh.context == 1,
+                "model.attention",
+                "cudnn",
+                f"per ring block (mesh.context={cfg.mesh.context}) takes no segment ids and {meta} holds packed "
+                "rows; use model.attention=xla",
+            )
             _check(
                 cfg.data.seq_len == m.get("row_len"),
                 "data.seq_len",

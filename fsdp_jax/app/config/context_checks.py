@@ -11,7 +11,7 @@ from fsdp_jax.errors import ConfigError
 
 # model.attention values that run as a flash kernel per ring block with mesh.context > 1
 # (fsdp_jax.sharding.ring_flash.RING_KERNELS); xla runs the ring's own XLA blocks
-RING_FLASH_KERNELS = ("splash",)
+RING_FLASH_KERNELS = ("splash", "cudnn")
 
 
 def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
@@ -21,7 +21,7 @@ def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
 
 def check_context(cfg: Config, context_n: int) -> None:
     """Context parallelism (context_n > 1): zig-zag halves of seq_len; XLA attention or a flash
-    kernel per ring block (`RING_FLASH_KERNELS`: splash, without windows, on whole 128-token tiles)."""
+    kernel per ring block (`RING_FLASH_KERNELS`, `_check_flash_blocks`)."""
     if context_n == 1:
         return
     _check(
@@ -36,16 +36,32 @@ def check_context(cfg: Config, context_n: int) -> None:
         "model.attention",
         cfg.model.attention,
         f"cannot run with context parallelism (mesh.context={context_n}): the ring computes each block "
-        f"with XLA attention or splash (TPU); use model.attention=xla or mesh.context=1",
+        f"with XLA attention, splash (TPU) or cuDNN (GPU); use model.attention=xla or mesh.context=1",
     )
-    if cfg.model.attention == "splash":
-        _check(
-            not cfg.model.sliding_window,
-            "model.sliding_window",
-            cfg.model.sliding_window,
-            f"splash per ring block (mesh.context={context_n}) has no sliding window (its masks are static); "
-            "use model.attention=xla",
-        )
+    _check_flash_blocks(cfg, context_n)
+    _check(
+        cfg.mesh.rules.get("length") == "context",
+        "mesh.rules.length",
+        cfg.mesh.rules.get("length"),
+        f"must be context with mesh.context={context_n} (the sequence dim is what the axis splits)",
+    )
+
+
+def _check_flash_blocks(cfg: Config, context_n: int) -> None:
+    """What a flash kernel per ring block takes (fsdp_jax.sharding.ring_splash / ring_cudnn):
+    no sliding window (static masks; a window's offset between zig-zag chunks changes with the
+    ring step); splash: half blocks of whole 128-token tiles; cuDNN: no soft cap, no packed rows."""
+    att = cfg.model.attention
+    if att not in RING_FLASH_KERNELS:
+        return
+    _check(
+        not cfg.model.sliding_window,
+        "model.sliding_window",
+        cfg.model.sliding_window,
+        f"{att} per ring block (mesh.context={context_n}) has no sliding window (its masks are static); "
+        "use model.attention=xla",
+    )
+    if att == "splash":
         _check(
             cfg.data.seq_len % (2 * context_n * 128) == 0,
             "data.seq_len",
@@ -53,9 +69,17 @@ def check_context(cfg: Config, context_n: int) -> None:
             f"must be divisible by 2 x mesh.context x 128 = {256 * context_n} with model.attention=splash "
             "(splash's backward wants half blocks of whole 128-token tiles)",
         )
+        return
     _check(
-        cfg.mesh.rules.get("length") == "context",
-        "mesh.rules.length",
-        cfg.mesh.rules.get("length"),
-        f"must be context with mesh.context={context_n} (the sequence dim is what the axis splits)",
+        not cfg.model.attn_softcap,
+        "model.attn_softcap",
+        cfg.model.attn_softcap,
+        f"cuDNN per ring block (mesh.context={context_n}) has no soft cap; use model.attention=xla",
+    )
+    _check(
+        not cfg.data.document_mask,
+        "data.document_mask",
+        cfg.data.document_mask,
+        f"cuDNN per ring block (mesh.context={context_n}) takes no segment ids (packed documents); "
+        "use model.attention=xla",
     )
