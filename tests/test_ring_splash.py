@@ -119,3 +119,48 @@ def test_splash_ring_compiles_for_tpu_without_score_blocks():
     assert got["kernels"] == ["dkv", "dq", "fwd"], got
     assert got["big_f32"] == [], got
     assert "all-gather" in got["collectives"], got  # K/V gathered over context
+
+
+@pytest.mark.slow
+def test_the_trainers_decoder_with_splash_per_ring_block_equals_one_device(monkeypatch):
+    """`model.attention: splash` at context 2 through the trainer's decoder and loss (zig-zag
+    batch, RoPE positions, packed rows' segment ids, GQA, soft caps), the kernel interpreted on
+    CPU: loss, grad norm and params after 2 SGD steps equal one device's XLA attention (f32)."""
+    import dataclasses
+
+    import numpy as np
+    from test_context_parallel import reference, rel, train
+
+    from fsdp_jax.app.data.packing import batch_from_rows, pack
+    from fsdp_jax.app.models.config import LlamaConfig
+    from fsdp_jax.sharding.ring_flash import RING_KERNELS
+
+    made = []
+
+    def interpreted(**kw):
+        made.append(kw)
+        return splash_kernel(**kw, interpret=True, block=128)
+
+    monkeypatch.setitem(RING_KERNELS, "splash", interpreted)
+    seq = 512  # half blocks of 128 at context 2
+    cfg = LlamaConfig(
+        vocab_size=128, d_model=256, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=256, max_seq_len=seq,
+        rope_theta=500.0, attn_softcap=20.0,
+    )  # fmt: skip
+    rng = np.random.default_rng(0)
+    batches = []
+    for _ in range(2):
+        examples = []
+        while sum(len(t) for t, _ in examples) < 4 * seq * 0.9:
+            n_tok = int(rng.integers(20, 300))
+            examples.append((rng.integers(0, 128, n_tok), np.ones(n_tok, np.uint8)))
+        tok, msk, seg = pack(examples, seq)
+        batches.append({k: jnp.asarray(v) for k, v in batch_from_rows(tok[:4], msk[:4], seg[:4]).items()})
+    ref_params, ref_losses, ref_norm = reference(cfg, batches)  # one device, attention xla
+    _, state, losses, norms = train(
+        dataclasses.replace(cfg, attention="splash"), dict(fsdp=4, context=2), "full_shard", batches
+    )
+    assert made and made[0]["softcap"] == 20.0, made  # the decoder's layers ran the splash ring
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    np.testing.assert_allclose(norms[0], ref_norm, rtol=1e-5)
+    assert rel(state.params, ref_params) <= 1e-5
