@@ -333,3 +333,18 @@ def test_a_conditional_in_a_loop_costs_its_longest_branch_per_trip():
     assert {o["computation"]: o["runs"] for o in ops if o["kind"] == "gemm"} == {"one_dot": 8, "two_dots": 8}
     sim = op_costs.simulate(ops, H100)
     assert sim["breakdown"]["gemm"] == pytest.approx(8 * 2 * _gemm_s(D, D, D), rel=1e-12)
+
+
+def test_a_non_square_splash_kernel_is_a_full_block():
+    """The flash ring's half blocks (`sharding/ring_splash`: q 2048 x k 4096 here, no mask) cost
+    all their products; a square call is causal (half)."""
+    line = (
+        "  %splash_mqa_fwd_segmented_residuals.3 = (bf16[4,8,8,2048,128]{4,3,2,1,0}, f32[4,8,512,128]{3,2,1,0}) "
+        'custom-call(%p0, %p1), custom_call_target="tpu_custom_call", operand_layout_constraints={s8[1,8,8]{2,1,0}, '
+        "s8[1,8,8]{2,1,0}, bf16[4,8,8,2048,128]{4,3,2,1,0}, bf16[4,8,4096,128]{3,2,1,0}, bf16[4,8,4096,128]{3,2,1,0}, "
+        's32[4,8,4096]{2,1,0}}, backend_config={"custom_call_config":{"body":"x"}}\n'
+        "  ROOT %r = bf16[4096,4096]{1,0} copy(%p0)\n"
+    )
+    att = next(o for o in op_inventory(_module(line)) if o["kind"] == "attention")
+    assert (att["sq"], att["skv"], att["causal"]) == (2048, 4096, False)
+    assert att["flops"] == 2 * 2 * 4 * 64 * 2048 * 4096 * 128
