@@ -79,7 +79,8 @@ def _step_bwd(kern, qq, kv, local, out, j, i):
 
 
 def _blocks(kv, n, kv_pass):
-    """The K/V block of each step t >= 1 on this rank: ring hops or slices of one gather."""
+    """(j, rank j's K/V block) for each step t >= 1 on this rank (j = i - t): ring hops or
+    slices of one gather."""
     i = jax.lax.axis_index(CONTEXT)
     ring = [(r, (r + 1) % n) for r in range(n)]
     if kv_pass == "all_gather":
@@ -91,13 +92,13 @@ def _blocks(kv, n, kv_pass):
             kv = jax.lax.ppermute(kv, CONTEXT, ring)
         else:
             kv = tuple(jax.lax.dynamic_slice_in_dim(x, j * sc, sc, axis=1) for x in full)
-        yield t, j, kv
+        yield j, kv
 
 
 def _forward(kern, n, kv_pass, q, k, v, qp, kp, qs, ks, local):
     i = jax.lax.axis_index(CONTEXT)
     acc = kern.fwd(q, k, v, qp, kp, qs, ks, local, True)  # own block: causal over slots
-    for _, j, kv in _blocks((k, v, kp, ks), n, kv_pass):
+    for j, kv in _blocks((k, v, kp, ks), n, kv_pass):
         acc = merge(acc, _step_fwd(kern, (q, qp, qs), kv, local, j, i))
     o, lse = acc
     return o.astype(q.dtype), lse
@@ -114,7 +115,7 @@ def _backward(kern, n, kv_pass, res, do):
         full = [jnp.zeros((x.shape[0], n * sc, *x.shape[2:]), jnp.float32) for x in (k, v)]
         full = [jax.lax.dynamic_update_slice_in_dim(f, g, i * sc, axis=1) for f, g in zip(full, (dk, dv))]
     dkv = (dk, dv)
-    for _, j, kv in _blocks((k, v, kp, ks), n, kv_pass):
+    for j, kv in _blocks((k, v, kp, ks), n, kv_pass):
         if kv_pass == "ring":  # block j's gradients travel with block j
             dkv = jax.lax.ppermute(dkv, CONTEXT, ring)
         dq_j, dk_j, dv_j = _step_bwd(kern, (q, qp, qs), kv, local, out, j, i)
