@@ -3,14 +3,21 @@ packed rows (segments crossing chunk and block boundaries, one spanning a rank's
 padding at the end) and every zig-zag block pair at context 2 and 4, the THD semantics read
 from the layout alone (`thd_mask`) equal the row's own mask restricted to the block: same
 segment and key position <= query position (global row positions). Plus the stats round trip
-and the overflow flag."""
+and the overflow flag. And the whole ring with the cuDNN packed kernel's own code (layout,
+grouped-query heads repeated and folded back, stats mapped both ways, uncovered rows masked)
+over an emulated cuDNN (`thd_mask` semantics in the pure-JAX reference kernel, stats in the
+packed layout) against one device's dense attention with segment ids."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_ring_flash import dense_value_and_grad, inputs, ring_value_and_grad
 
+from fsdp_jax.app.data.packing import positions_from_segments
 from fsdp_jax.sharding.context import zigzag_order
 from fsdp_jax.sharding.cudnn_packed import block_layout, packed_stats, thd_mask, token_lse
+from fsdp_jax.sharding.ring_cudnn import packed_kernel
+from fsdp_jax.sharding.ring_kernels import reference_kernel
 
 
 def rows(b, s, seed):
@@ -84,3 +91,45 @@ def test_more_segments_than_max_segments_is_flagged():
     seg = jnp.asarray([[1, 2, 3, 4, 5, 5, 5, 5], [1, 1, 1, 1, 2, 2, 2, 2]])
     lay = block_layout(seg, seg, max_segments=4)
     np.testing.assert_array_equal(lay.overflow, [True, False])
+
+
+def emulated_cudnn():
+    """(fwd, bwd) with `ring_cudnn._cudnn_fwd` / `_cudnn_bwd`'s signatures: the THD semantics of
+    the layout (`thd_mask`) computed by the reference kernel, stats in cuDNN's packed layout."""
+
+    def kern(lay, sq, sk, scale):
+        return reference_kernel(scale=scale, mask=lambda *_, causal: thd_mask(lay, sq, sk, causal=causal))
+
+    def fwd(q, k, v, lay, causal, *, scale):
+        o, lse = kern(lay, q.shape[1], k.shape[1], scale).fwd(q, k, v, None, None, None, None, None, causal)
+        return o.astype(q.dtype), packed_stats(lse, lay)
+
+    def bwd(q, k, v, lay, causal, stats, o, do, *, scale):
+        ref = kern(lay, q.shape[1], k.shape[1], scale)
+        return ref.bwd(q, k, v, None, None, None, None, None, o, token_lse(stats, lay), do, causal)
+
+    return fwd, bwd
+
+
+@pytest.mark.parametrize("kv_pass", ["ring", "all_gather"])
+@pytest.mark.parametrize(("n", "kvh"), [(2, 2), (4, 1), (4, 4)])
+def test_packed_cudnn_kernel_ring_over_emulated_cudnn_matches_one_device(n, kvh, kv_pass):
+    q, k, v, w, _, _ = inputs({"kvh": kvh}, b=8 // n, s=64)
+    seg = rows(8 // n, 64, seed=n + kvh)
+    args = (q, k, v, w, jnp.asarray(positions_from_segments(seg)), jnp.asarray(seg))
+    kern = packed_kernel(scale=q.shape[-1] ** -0.5, max_segments=32, backend=emulated_cudnn())
+    out, g, _ = ring_value_and_grad({"packed": True}, kern, n, kv_pass, args)
+    ref, ref_g = dense_value_and_grad({"packed": True}, args)
+    np.testing.assert_allclose(out, ref, rtol=1e-5)
+    for name, a, r in zip("qkv", g, ref_g):
+        err = float(jnp.max(jnp.abs(a - r)) / jnp.max(jnp.abs(r)))
+        assert err <= 1e-5, (name, err)
+
+
+def test_a_block_with_too_many_segments_poisons_its_row():
+    q, k, v, w, _, _ = inputs({}, b=4, s=64)
+    seg = rows(4, 64, seed=5)
+    args = (q, k, v, w, jnp.asarray(positions_from_segments(seg)), jnp.asarray(seg))
+    kern = packed_kernel(scale=q.shape[-1] ** -0.5, max_segments=2, backend=emulated_cudnn())
+    out, _, _ = ring_value_and_grad({"packed": True}, kern, 2, "all_gather", args)
+    assert np.isnan(float(out))

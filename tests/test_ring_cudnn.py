@@ -92,6 +92,19 @@ def test_the_private_backward_takes_the_operands_the_ring_gives():
         "query", "key", "value", "bias", "q_seqlen", "kv_seqlen", "q_offsets", "kv_offsets",
         "page_table_k", "page_table_v", "activation", "fwd_output", "grad_output",
     ]  # fmt: skip
+    src = inspect.getsource(fa._dot_product_attention_fwd_impl)  # the packed kernel binds the forward too
+    names = re.search(r"def _dot_product_attention_fwd_impl\(([^)]*)\)", src).group(1).split(",")
+    assert [x.strip() for x in names][:10] == [
+        "query", "key", "value", "bias", "q_seqlen", "kv_seqlen", "q_offsets", "kv_offsets",
+        "page_table_k", "page_table_v",
+    ]  # fmt: skip
+    assert "is_training" in names[-1] and {"PADDING", "PADDING_CAUSAL"} <= set(fa.MaskType.__members__)
+    # packed: stats (B x M, N, T); both sides' offsets scaled by q's heads (K/V repeated to them)
+    assert "softmax_stat_shape = (B * max_seg_per_batch, N, T)" in inspect.getsource(
+        fa._dot_product_attention_fwd_abstract
+    )
+    fix = inspect.getsource(fa._fix_seqlen_offsets)
+    assert "kv_offsets = kv_offsets * N * H" in fix and "B, T, N, H = query.shape" in fix
     params = inspect.signature(fa.dot_product_attention).parameters
     assert "return_residual" in params and fa.AttentionLayout.BTNH.value == 0
     assert {"CAUSAL", "NO_MASK"} <= set(fa.MaskType.__members__)

@@ -23,6 +23,7 @@ P = exp(S - lse) and D = rowsum(dO * o) are the whole row's, and the block's dq,
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, NamedTuple
 
 import jax.numpy as jnp
@@ -75,13 +76,18 @@ def _grouped(x, kvh):
     return jnp.moveaxis(y, 1, 3)
 
 
-def reference_kernel(*, scale: float, softcap: float = 0.0, window: int = 0) -> BlockKernel:
-    """The pure-JAX block kernel (float32, exact softmax): the flash kernels' reference."""
+def reference_kernel(
+    *, scale: float, softcap: float = 0.0, window: int = 0, mask: Callable | None = None
+) -> BlockKernel:
+    """The pure-JAX block kernel (float32, exact softmax): the flash kernels' reference. `mask`
+    (qp, kp, qs, ks, local, causal=) -> (B, Sq, Sk) bool replaces `block_mask` (tests feed it
+    cuDNN's packed-layout semantics, `fsdp_jax.sharding.cudnn_packed.thd_mask`)."""
+    mask_of = mask or functools.partial(block_mask, window=window)
 
     def fwd(q, k, v, qp, kp, qs, ks, local, causal):
         h = q.shape[2]
         s, _ = _scores(q, k, scale, softcap)
-        mask = block_mask(qp, kp, qs, ks, local, causal=causal, window=window)[:, None, None]
+        mask = mask_of(qp, kp, qs, ks, local, causal=causal)[:, None, None]
         s = jnp.where(mask, s, -jnp.inf)
         m = jnp.max(s, axis=-1)
         ms = jnp.where(jnp.isfinite(m), m, 0.0)
@@ -96,7 +102,7 @@ def reference_kernel(*, scale: float, softcap: float = 0.0, window: int = 0) -> 
         b, sq, h, dh = q.shape
         kvh = k.shape[2]
         s, t = _scores(q, k, scale, softcap)
-        mask = block_mask(qp, kp, qs, ks, local, causal=causal, window=window)[:, None, None]
+        mask = mask_of(qp, kp, qs, ks, local, causal=causal)[:, None, None]
         lg = _grouped(lse, kvh)  # (B, K, G, Sq)
         p = jnp.where(mask, jnp.exp(s - jnp.where(jnp.isfinite(lg), lg, 0.0)[..., None]), 0.0)
         dog = _grouped(do.astype(jnp.float32), kvh)  # (B, K, G, Sq, Dh)
