@@ -33,11 +33,13 @@ n, s, h, kvh, dh = req["context"], req["seq"], req["heads"], req["kv_heads"], 12
 mesh = fj.make_mesh(fsdp=len(devices) // n, context=n, devices=devices)
 b = len(devices) // n
 
-def loss(q, k, v, pos):
+def loss(q, k, v, pos, seg):
+    seg = seg if req.get("packed") else None
     if req["impl"] == "cudnn":
-        o = flash_context_attention(q, k, v, pos, kernel=cudnn_kernel(scale=dh**-0.5), kv_pass=req["kv_pass"])
+        kern = cudnn_kernel(scale=dh**-0.5, packed=seg is not None)
+        o = flash_context_attention(q, k, v, pos, seg, kernel=kern, kv_pass=req["kv_pass"])
     else:
-        o = context_attention(q, k, v, pos, scale=dh**-0.5, kv_pass=req["kv_pass"])
+        o = context_attention(q, k, v, pos, seg, scale=dh**-0.5, kv_pass=req["kv_pass"])
     return jnp.sum(o.astype(jnp.float32) ** 2)
 
 sh = NamedSharding(mesh, P("fsdp", "context"))
@@ -45,7 +47,7 @@ qa = jax.ShapeDtypeStruct((b, s, h, dh), jnp.bfloat16, sharding=sh)
 ka = jax.ShapeDtypeStruct((b, s, kvh, dh), jnp.bfloat16, sharding=sh)
 ia = jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=sh)
 with jax.set_mesh(mesh):
-    c = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(qa, ka, ka, ia).compile()
+    c = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(qa, ka, ka, ia, ia).compile()
 hlo = c.as_text()
 half = s // n // 2
 big = [m for m in re.findall(r"f32\\[([\\d,]+)\\]", hlo) if sum(int(d) >= half for d in m.split(",")) >= 2]
@@ -57,11 +59,19 @@ print(json.dumps({"temp": c.memory_analysis().temp_size_in_bytes, "big_f32": sor
 """
 
 
-def _compile(impl, kv_pass, context=4):
+def _compile(impl, kv_pass, context=4, packed=False):
     assert cudnn_installed(), (
         f"NVIDIA's cuDNN wheel is not in {targets.plugin_dir()}: python -m fsdp_jax.targets install"
     )
-    req = {"impl": impl, "kv_pass": kv_pass, "context": context, "seq": 8192, "heads": 8, "kv_heads": 2}
+    req = {
+        "impl": impl,
+        "kv_pass": kv_pass,
+        "context": context,
+        "seq": 8192,
+        "heads": 8,
+        "kv_heads": 2,
+        "packed": packed,
+    }
     return json_child(_GPU_CHILD, json.dumps(req), env=targets.child_env(dict(os.environ)))
 
 
@@ -81,6 +91,21 @@ def test_cudnn_ring_compiles_for_h100_with_cudnn_blocks_and_no_score_block(kv_pa
         xla = _compile("xla", kv_pass)
         assert xla["big_f32"] and not xla["calls"], xla
         assert got["temp"] < xla["temp"] / 2, (got["temp"], xla["temp"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_pass", ["ring", "all_gather"])
+def test_packed_cudnn_ring_compiles_for_h100_with_cudnn_blocks_and_no_score_block(kv_pass):
+    """The same ring with packed rows' segment ids (cudnn_kernel(packed=True): each block in
+    cuDNN's packed layout): the same 7 + 7 cuDNN calls in the ring, no float32 tensor with two
+    dims of a half block's length (the packed stats are (B x 128 segments, H, Sq)), under half
+    the XLA ring's temporaries with the same segment ids."""
+    got = _compile("cudnn", kv_pass, packed=True)
+    assert got["calls"] == {"__cudnn$fmhaSoftmax": 7, "__cudnn$fmhaSoftmaxBackward": 7}, got
+    assert got["big_f32"] == [], got
+    xla = _compile("xla", kv_pass, packed=True)
+    assert xla["big_f32"] and not xla["calls"], xla
+    assert got["temp"] < xla["temp"] / 2, (got["temp"], xla["temp"])
 
 
 def test_the_private_backward_takes_the_operands_the_ring_gives():
