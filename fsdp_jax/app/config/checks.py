@@ -354,13 +354,6 @@ def check_data(cfg: Config) -> None:
         by = f" (tokenizer {tok})" if tok not in (None, "bytes", "external") else ""
         if m.get("format") == "packed":  # fine-tuning rows (fsdp_jax.app.data.sft): fixed length
             _check(
-                cfg.model.attention != "cudnn" or cfg.mesh.context == 1,
-                "model.attention",
-                "cudnn",
-                f"per ring block (mesh.context={cfg.mesh.context}) takes no segment ids and {meta} holds packed "
-                "rows; use model.attention=xla",
-            )
-            _check(
                 cfg.data.seq_len == m.get("row_len"),
                 "data.seq_len",
                 cfg.data.seq_len,

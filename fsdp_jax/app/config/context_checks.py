@@ -50,7 +50,8 @@ def check_context(cfg: Config, context_n: int) -> None:
 def _check_flash_blocks(cfg: Config, context_n: int) -> None:
     """What a flash kernel per ring block takes (fsdp_jax.sharding.ring_splash / ring_cudnn):
     no sliding window (static masks; a window's offset between zig-zag chunks changes with the
-    ring step); splash: half blocks of whole 128-token tiles; cuDNN: no soft cap, no packed rows."""
+    ring step); splash: half blocks of whole 128-token tiles; cuDNN: no soft cap (packed rows go
+    through cuDNN's packed layout per block, fsdp_jax.sharding.cudnn_packed)."""
     att = cfg.model.attention
     if att not in RING_FLASH_KERNELS:
         return
@@ -75,11 +76,4 @@ def _check_flash_blocks(cfg: Config, context_n: int) -> None:
         "model.attn_softcap",
         cfg.model.attn_softcap,
         f"cuDNN per ring block (mesh.context={context_n}) has no soft cap; use model.attention=xla",
-    )
-    _check(
-        not cfg.data.document_mask,
-        "data.document_mask",
-        cfg.data.document_mask,
-        f"cuDNN per ring block (mesh.context={context_n}) takes no segment ids (packed documents); "
-        "use model.attention=xla",
     )
