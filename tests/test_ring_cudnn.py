@@ -1,8 +1,9 @@
 """cuDNN flash attention per ring block (`fsdp_jax.sharding.ring_cudnn`) on GPU targets: the
 ring compiles deviceless for 8 x H100 (XLA:GPU, the CUDA plugin and NVIDIA's cuDNN wheel from
 `python -m fsdp_jax.targets install`) with cuDNN's forward and backward custom calls in it and
-no float32 score block; the private backward primitive's operands as jax 0.10 has them; and
-what the kernel refuses (windows, soft caps, packed rows) in one line."""
+no float32 score block, with and without packed rows (cuDNN's packed layout per block); the
+private primitives' operands and the packed conventions as jax 0.10 has them; and what the
+kernel refuses (windows, soft caps; segment ids without `packed`) in one line."""
 
 import inspect
 import json
