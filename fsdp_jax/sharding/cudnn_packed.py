@@ -72,7 +72,7 @@ def block_layout(qs, ks, *, max_segments: int) -> BlockLayout:
     """The packed layout of a block whose q side has segment ids qs (B, Sq) and kv side
     ks (B, Sk) (module docstring)."""
     b, sq = qs.shape
-    m = max(1, min(max_segments, sq))
+    m = max(2, min(max_segments, sq))  # M = 1 would read as no packed layout (`get_max_seg_per_batch`)
     qk, kk = _key(qs), _key(ks)
     starts, run = _runs(qk, m)
     qstart, qlen = starts[:, :m], starts[:, 1:] - starts[:, :m]  # (B, M); length 0 past the runs
