@@ -7,6 +7,7 @@ import json
 from helpers import TINY_RUN_OVERRIDES, call, one_line
 
 TINY = ["--config", "configs/tiny.yaml"]
+BF16 = "precision=params=float32,compute=bfloat16"  # what cuDNN computes in
 
 
 def test_bad_context_inputs_one_line_exit_2_nothing_written(tmp_path, capsys):
@@ -17,7 +18,24 @@ def test_bad_context_inputs_one_line_exit_2_nothing_written(tmp_path, capsys):
         ),
         (["mesh.context=3"], ["mesh", "context=3", "8 devices"]),
         (["mesh.context=2", "mesh.fsdp=2"], ["mesh", "multiply to 4", "8 devices"]),
-        (["mesh.context=2", "model.attention=cudnn"], ["model.attention", "cudnn", "context parallelism"]),
+        (["mesh.context=2", "model.attention=cudnn"], ["model.attention", "cudnn"]),  # no GPU, f32 compute
+        (  # cuDNN per ring block: no window, no soft cap
+            ["mesh.context=2", "model.attention=cudnn", BF16, "model.sliding_window=8"],
+            ["model.sliding_window", "cudnn per ring block"],
+        ),
+        (
+            ["mesh.context=2", "model.attention=cudnn", BF16, "model.attn_softcap=30"],
+            ["model.attn_softcap", "soft cap"],
+        ),
+        (  # packed documents pass the ring's checks (cuDNN's packed layout per block); CPU has no cuDNN
+            ["mesh.context=2", "model.attention=cudnn", BF16, "data.document_mask=true"],
+            ["model.attention", "needs a CUDA GPU"],
+        ),
+        (  # splash per ring block: no window; half blocks of whole 128-token tiles
+            ["mesh.context=2", "model.attention=splash", "model.sliding_window=8"],
+            ["model.sliding_window", "splash per ring block"],
+        ),
+        (["mesh.context=2", "model.attention=splash"], ["data.seq_len", "2 x mesh.context x 128 = 512"]),
         (["model.context_kv_pass=telepathy"], ["model.context_kv_pass", "ring"]),
         (["mesh.context=2", "mesh.rules.length=null"], ["mesh.rules.length", "context"]),
     ]

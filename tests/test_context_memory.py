@@ -69,3 +69,24 @@ def test_analytic_agrees_with_the_compiled_step_at_context_1_2_4(remat):
     for c, want in TOTAL_OVER_PEAK[remat].items():
         assert ratios[c] == pytest.approx(want, rel=0.05), (c, ratios)
     assert peaks[1] > peaks[2] > peaks[4] and acts[1] > acts[2] > acts[4], (peaks, acts)
+
+
+@pytest.mark.parametrize("kv_pass", ["ring", "all_gather"])
+def test_flash_per_ring_block_holds_no_score_block(kv_pass):
+    """cuDNN / splash per ring block (ring_flash): no q_chunk x S/C score block in one layer's
+    backward and nothing of the ring saved under `dots`; the terms left, by hand (Llama-3.1-8B
+    shape: 32 q heads of 128, 8 kv heads, bf16, one 131072-token row on 8 context ranks)."""
+    extra = [f"model.context_kv_pass={kv_pass}", "precision=params=float32,compute=bfloat16"]
+    base = load_config(ROOT / "configs" / "llama3_1_8b.yaml", extra)
+    flash = load_config(ROOT / "configs" / "llama3_1_8b.yaml", [*extra, "model.attention=cudnn"])
+    s, n = 131072, 8
+    t, q, k, h = s // n, 32 * 128, 8 * 128, 32
+    xla = context_attention_bytes(base.model, "dots", 1, s, 2, n, 2048)
+    got = context_attention_bytes(flash.model, "dots", 1, s, 2, n, 2048)
+    assert got["saved"] == 0 < xla["saved"]
+    kv = 2 * s * 2 * k * 2 if kv_pass == "all_gather" else 4 * t * 2 * k * 2
+    grads = t * 4 * q + (s * 8 * k if kv_pass == "all_gather" else t * 8 * k)
+    assert got["working"] == t * (4 * q + 4 * h) + grads + kv
+    assert xla["working"] - got["working"] > h * 2048 * t * 8  # the f32 score block and its gradient
+    none = context_attention_bytes(flash.model, "none", 1, s, 2, n, 2048)
+    assert none["saved"] == t * (2 * (2 * q + 2 * k) + 4 * h)  # q, k, v, o in bf16 and the f32 lse

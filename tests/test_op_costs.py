@@ -295,3 +295,56 @@ def test_a_splash_kernel_is_causal_attention_at_the_tpu_gemm_rate(part, matmuls)
     rate = tpu["peak_flops"]["bf16"] * tpu["gemm"]["max_efficiency"]
     assert op_costs.op_seconds(att, tpu) == pytest.approx(att["flops"] / rate + tpu["hbm"]["launch_s"], rel=1e-12)
     assert op_costs.category(att) == "attention"
+
+
+BRANCHES = """%one_dot (a: bf16[4096,4096]) -> bf16[4096,4096] {
+  %a = bf16[4096,4096]{1,0} parameter(0)
+  ROOT %dot.3 = bf16[4096,4096]{1,0} dot(%a, %a), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%two_dots (b: bf16[4096,4096]) -> bf16[4096,4096] {
+  %b = bf16[4096,4096]{1,0} parameter(0)
+  %dot.4 = bf16[4096,4096]{1,0} dot(%b, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %dot.5 = bf16[4096,4096]{1,0} dot(%dot.4, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+"""
+
+
+def test_a_conditional_in_a_loop_costs_its_longest_branch_per_trip():
+    """A boolean conditional (XLA:GPU's true_computation / false_computation form, as a
+    lax.cond in a scanned layer lowers) costs one branch per trip of its loop, the longer one:
+    not both, and not once per step (its branches were unreachable from the loop before)."""
+    body = LOOP.replace(
+        "  %dot.2 = bf16[4096,4096]{1,0} dot(%x, %x), lhs_contracting_dims={1}, rhs_contracting_dims={0}\n",
+        "  %flag = pred[] constant(true)\n"
+        "  %dot.2 = bf16[4096,4096]{1,0} conditional(%flag, %x, %x), true_computation=%one_dot, "
+        "false_computation=%two_dots\n",
+    ).replace("LAYERS", "8")
+    entry = (
+        "  %zero = s32[] constant(0)\n"
+        "  %init = (s32[], bf16[4096,4096]{1,0}) tuple(%zero, %p0)\n"
+        '  %w = (s32[], bf16[4096,4096]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"8"}}\n'
+        "  ROOT %out = bf16[4096,4096]{1,0} get-tuple-element(%w), index=1\n"
+    )
+    ops = op_inventory(_module(entry, extra=BRANCHES + body))
+    cond = [o for o in ops if o["kind"] == "conditional"]
+    assert [(o["computation"], o["branches"]) for o in cond] == [("body", ["one_dot", "two_dots"])]
+    assert {o["computation"]: o["runs"] for o in ops if o["kind"] == "gemm"} == {"one_dot": 8, "two_dots": 8}
+    sim = op_costs.simulate(ops, H100)
+    assert sim["breakdown"]["gemm"] == pytest.approx(8 * 2 * _gemm_s(D, D, D), rel=1e-12)
+
+
+def test_a_non_square_splash_kernel_is_a_full_block():
+    """The flash ring's half blocks (`sharding/ring_splash`: q 2048 x k 4096 here, no mask) cost
+    all their products; a square call is causal (half)."""
+    line = (
+        "  %splash_mqa_fwd_segmented_residuals.3 = (bf16[4,8,8,2048,128]{4,3,2,1,0}, f32[4,8,512,128]{3,2,1,0}) "
+        'custom-call(%p0, %p1), custom_call_target="tpu_custom_call", operand_layout_constraints={s8[1,8,8]{2,1,0}, '
+        "s8[1,8,8]{2,1,0}, bf16[4,8,8,2048,128]{4,3,2,1,0}, bf16[4,8,4096,128]{3,2,1,0}, bf16[4,8,4096,128]{3,2,1,0}, "
+        's32[4,8,4096]{2,1,0}}, backend_config={"custom_call_config":{"body":"x"}}\n'
+        "  ROOT %r = bf16[4096,4096]{1,0} copy(%p0)\n"
+    )
+    att = next(o for o in op_inventory(_module(line)) if o["kind"] == "attention")
+    assert (att["sq"], att["skv"], att["causal"]) == (2048, 4096, False)
+    assert att["flops"] == 2 * 2 * 4 * 64 * 2048 * 4096 * 128

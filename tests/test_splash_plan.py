@@ -64,3 +64,16 @@ def test_splash_on_cpu_is_one_line_exit_2(tmp_path, capsys):
     )
     one_line(rc, err, "model.attention", "splash", "TPU")
     assert not run_dir.exists()
+
+
+@pytest.mark.slow
+def test_splash_per_ring_block_compiles_for_v6e_with_less_than_xla_blocks(capsys):
+    """mesh.context=2 (fsdp 2 x context 2): the trainer's step runs splash per ring block
+    (ring_flash + ring_splash) and holds less than the ring's XLA blocks (one 1024 x 2048
+    query chunk's f32 scores per head and layer) at the same shape."""
+    ctx = ["mesh.context=2", "mesh.fsdp=2"]
+    splash = _plan(capsys, "model.attention=splash", *ctx)
+    xla = _plan(capsys, "model.attention=xla", *ctx)
+    assert splash["platform"] == xla["platform"] == "tpu"
+    assert splash["compiled"]["temp"] < xla["compiled"]["temp"] / 2, (splash["compiled"], xla["compiled"])
+    assert splash["compiled"]["peak"] < xla["compiled"]["peak"]

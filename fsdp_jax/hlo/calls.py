@@ -10,7 +10,7 @@ from typing import Any
 
 _COMP_RE = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*(?:\([^)]*\)|\(.*\))\s*->.*\{\s*$")
 _CALLS_RE = re.compile(
-    r"\b(body|condition|calls|to_apply)=%?([\w.\-]+)"
+    r"\b(body|condition|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)"
     r"|\b(?:branch_computations|called_computations)=\{([^}]*)\}"
 )
 _TRIP_RE = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)"?')

@@ -16,8 +16,9 @@ instructions of fused computations are read only to describe their fusion. Each 
 - `attention`: a cuDNN flash-attention custom call: `direction` (fwd / bwd), `b`, `h`, `sq`,
   `skv`, `d`, `causal`, `flops` (4 b h sq skv d forward, 2.5x that backward, halved when causal:
   FlashAttention's count); or a Pallas splash-attention kernel on TPU (`kernel` "splash",
-  `part` fwd / dq / dkv: 2, 3 and 4 matmuls of 2 b h sq skv d FLOPs, halved: causal, as
-  `fsdp_jax.app.models.splash` builds it);
+  `part` fwd / dq / dkv: 2, 3 and 4 matmuls of 2 b h sq skv d FLOPs, halved when causal: a
+  square call, as `fsdp_jax.app.models.splash` and a ring's own block build it; the flash
+  ring's half blocks, sq != skv, are unmasked);
 - `memory`: any other fusion or data op: `bytes` read + written (a fused parameter read only
   through a dynamic-slice counts the slice; an in-place dynamic-update-slice root counts the
   update, not the whole buffer);
@@ -26,7 +27,8 @@ instructions of fused computations are read only to describe their fusion. Each 
   `async`, ...) plus `done_pos`, the position of its done (None when not in this computation);
 - `host`: a copy to or from host memory (`copy-start` into memory space S(5) or out of it):
   `bytes`, `done_pos`;
-- `loop`: a while loop (`body`, `condition`, `trip_count`): its cost is its body's.
+- `loop`: a while loop (`body`, `condition`, `trip_count`): its cost is its body's;
+- `conditional`: a conditional (`branches`, its branch computations): one of them runs.
 
 Nothing here knows a target: `fsdp_jax.app.planner.op_costs` turns these into seconds.
 """
@@ -260,7 +262,9 @@ def _attention(line: str, out_type: str) -> dict[str, Any] | None:
 
 def _splash(line: str) -> dict[str, Any] | None:
     """The shape and FLOPs of a splash-attention kernel call (None if not one): q and k are its
-    first two float operands of 4+ dims in `operand_layout_constraints`, (b, heads..., s, d)."""
+    first two float operands of 4+ dims in `operand_layout_constraints`, (b, heads..., s, d).
+    The kernel's name does not say its mask: square calls are causal (`app/models/splash.py`, a
+    ring's own block), the others the flash ring's unmasked half blocks (`sharding/ring_splash`)."""
     part = _SPLASH_RE.match(line)
     layouts = _LAYOUTS_RE.search(line)
     arrays = [_index_list(m) for m in _FLOAT_ARRAY_RE.findall(layouts.group(1))] if layouts else []
@@ -278,8 +282,8 @@ def _splash(line: str) -> dict[str, Any] | None:
         "sq": sq,
         "skv": skv,
         "d": d,
-        "causal": True,
-        "flops": SPLASH_MATMULS[part] * 2 * b * h * sq * skv * d * 0.5,
+        "causal": sq == skv,
+        "flops": SPLASH_MATMULS[part] * 2 * b * h * sq * skv * d * (0.5 if sq == skv else 1.0),
     }
 
 
@@ -365,6 +369,11 @@ def op_inventory(hlo: str, hosts: list[int] | None = None) -> list[dict[str, Any
                         "trip_count": edges_from.get(body.group(1), 1) if body else 1,
                     }
                 )
+                continue
+            if op == "conditional":  # its cost is one branch's (op_costs.simulate: the longest)
+                m = _SEQ_CALLEES_RE.findall(line)
+                names = [a or n.strip().lstrip("%") for a, b in m for n in ([a] if a else b.split(","))]
+                out.append({**base, "kind": "conditional", "branches": names})
                 continue
             rec = _classify(mod, op, type_str, line)
             if rec is None:

@@ -169,7 +169,7 @@ def context_attention(
     body = functools.partial(
         _local_attention, scale=scale, cap=softcap, window=window, kv_pass=kv_pass, n=n, q_chunk=q_chunk
     )
-    qs, kvs, seq = _specs()
+    qs, kvs, seq = context_specs()
     fn = jax.shard_map(
         lambda *a: body(*a[:-1], None if local is None else a[-1]),
         in_specs=(qs, kvs, kvs, seq, seq, seq, seq, P()),
@@ -179,7 +179,7 @@ def context_attention(
     return fn(q, k, v, positions, positions, seg, seg, flag)
 
 
-def _specs() -> tuple[P, P, P]:
+def context_specs() -> tuple[P, P, P]:
     """Specs of q, k / v and the (B, S) ids from the logical rules current while tracing
     (Flax's `logical_axis_rules`, else DEFAULT_RULES): every mesh axis is manual inside,
     so each rank attends its own batch rows and heads only."""

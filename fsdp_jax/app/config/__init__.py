@@ -10,6 +10,7 @@ bad value and what is allowed. YAML is read with `yaml.safe_load` only.
 - `schema`: the dataclasses, each field's type and limits (`limit`, `check_fields`)
 - `parse`:  YAML and `key=value` overrides -> `Config` (did-you-mean for unknown keys)
 - `checks`: checks across fields, devices, backend and corpus (`validate`, `check_data`)
+- `context_checks`: what context parallelism needs (`check_context`, `RING_FLASH_KERNELS`)
 """
 
 from fsdp_jax.app.config.checks import check_data, validate

@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from fsdp_jax.app.config.context_checks import check_context
 from fsdp_jax.app.config.schema import Config, check_fields
 from fsdp_jax.app.models import lora as lora_lib
 from fsdp_jax.app.models.config import LlamaConfig
@@ -183,10 +184,10 @@ def _check_precision(cfg: Config) -> None:
 def _check_attention_precision(cfg: Config) -> None:
     """cuDNN attention computes in bfloat16 or float16 only (its flash kernels have no float32
     one: jax raises NotImplementedError while tracing, on a GPU and in the planner's compile
-    alike). Checked last; with context parallelism `_check_context` refuses cuDNN anyway."""
+    alike). Checked last."""
     compute = Policy.parse(cfg.precision).compute_dtype.name
     _check(
-        cfg.model.attention != "cudnn" or compute in ("bfloat16", "float16") or cfg.mesh.context != 1,
+        cfg.model.attention != "cudnn" or compute in ("bfloat16", "float16"),
         "model.attention",
         cfg.model.attention,
         f"needs bfloat16 or float16 compute (cuDNN's flash attention has no {compute} kernel) and precision "
@@ -253,7 +254,7 @@ def _check_devices(cfg: Config, n_devices: int) -> None:
         )
     except MeshError as e:
         raise ConfigError("mesh", str(e)) from None
-    _check_context(cfg, context_n)
+    check_context(cfg, context_n)
     check_experts(cfg, {"data": data_n, "fsdp": fsdp_n, "context": context_n, "tensor": tensor_n})
     micro = tr.global_batch // tr.microbatches
     _check(
@@ -287,32 +288,6 @@ def check_experts(cfg: Config, sizes: dict[str, int]) -> None:
         "model.n_experts",
         cfg.model.n_experts,
         f"must be divisible by the expert mesh axes {', '.join(axes)} (mesh.rules.expert; size {size})",
-    )
-
-
-def _check_context(cfg: Config, context_n: int) -> None:
-    """Context parallelism (context_n > 1): zig-zag halves of seq_len, XLA attention per block."""
-    if context_n == 1:
-        return
-    _check(
-        cfg.data.seq_len % (2 * context_n) == 0,
-        "data.seq_len",
-        cfg.data.seq_len,
-        f"must be divisible by 2 x mesh.context = {2 * context_n} (the zig-zag layout gives each "
-        f"context rank two equal chunks)",
-    )
-    _check(
-        cfg.model.attention == "xla",
-        "model.attention",
-        cfg.model.attention,
-        f"cannot run with context parallelism (mesh.context={context_n}): the ring attention "
-        f"computes each block with XLA attention; use model.attention=xla or mesh.context=1",
-    )
-    _check(
-        cfg.mesh.rules.get("length") == "context",
-        "mesh.rules.length",
-        cfg.mesh.rules.get("length"),
-        f"must be context with mesh.context={context_n} (the sequence dim is what the axis splits)",
     )
 
 

@@ -41,6 +41,7 @@ from fsdp_jax.sharding.context import context_size
 from fsdp_jax.sharding.precision import matmul, take
 from fsdp_jax.sharding.remat import get_policy
 from fsdp_jax.sharding.ring_attention import context_attention
+from fsdp_jax.sharding.ring_flash import RING_KERNELS, flash_context_attention
 from fsdp_jax.train import layer_gather
 
 
@@ -134,9 +135,15 @@ class Attention(nnx.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         qi, ki = jnp.arange(s)[:, None], jnp.arange(s)[None, :]
-        if context_size() > 1:  # the sequence is split over `context`, rows in zig-zag order
+        if context_size() > 1 and self.impl == "xla":  # sequence split over `context`, rows in zig-zag order
             kw = dict(softcap=cfg.attn_softcap, window=cfg.sliding_window, local=local)
             o = context_attention(q, k, v, positions, segment_ids, scale=scale, kv_pass=cfg.context_kv_pass, **kw)
+        elif context_size() > 1:  # a flash kernel per ring block (splash on TPU, cuDNN on GPU)
+            packed = {"packed": segment_ids is not None} if self.impl == "cudnn" else {}  # cuDNN's packed layout
+            kern = RING_KERNELS[self.impl](scale=scale, softcap=cfg.attn_softcap, window=cfg.sliding_window, **packed)
+            o = flash_context_attention(
+                q, k, v, positions, segment_ids, kernel=kern, local=local, kv_pass=cfg.context_kv_pass
+            )
         elif self.impl == "splash":  # TPU: Pallas flash attention (models/splash.py)
             kw = dict(softcap=cfg.attn_softcap, window=cfg.sliding_window, local=local)
             o = splash_attention(q, k, v, segment_ids, scale=scale, **kw)

@@ -23,6 +23,13 @@ score gradient (8 + c bytes per score, as the one-device model), every step's f3
 statistics (kept for the merges' backward: C x T x (4Q + 8H)) and the K/V it meets: the
 gathered K/V over the whole row and its gradient (`all_gather`: 2 x b x S x 2K x c), or the
 block in flight and the next one, forward and backward (`ring`: 4 x b x s x 2K x c).
+
+With a flash kernel per block (`attention: cudnn` or `splash`: `fsdp_jax.sharding.ring_flash`)
+there is no score block: the custom VJP saves q, k, v, the output and its log-sum-exp
+(T x (c(2Q + 2K) + 4H), under `none` only: the other policies recompute the ring); one layer's
+backward holds the f32 running output and lse (T x (4Q + 4H)), the f32 dq and dK/dV
+(T x 4(Q + 2K), or over the gathered row, b x S x 8K, with `all_gather`) and the K/V it meets
+(as above).
 """
 
 from __future__ import annotations
@@ -54,4 +61,8 @@ def context_attention_bytes(
     outputs = n * t * (4 * q + 8 * h)
     kv_pass = getattr(model_cfg, "context_kv_pass", "all_gather")
     kv = 2 * b * seq_len * 2 * k * c if kv_pass == "all_gather" else 4 * t * 2 * k * c
+    if getattr(model_cfg, "attention", "xla") in ("cudnn", "splash"):  # flash per block: no score block
+        saved = t * (c * (2 * q + 2 * k) + 4 * h) if remat == "none" else 0
+        grads = t * 4 * q + (b * seq_len * 8 * k if kv_pass == "all_gather" else t * 8 * k)
+        return {"saved": saved, "working": t * (4 * q + 4 * h) + grads + kv}
     return {"saved": saved, "working": block + outputs + kv}

@@ -143,6 +143,7 @@ def simulate(ops: list[dict[str, Any]], t: dict[str, Any]) -> dict[str, Any]:
         costed.append(c)
         by_comp[op["computation"]].append(c)
     bodies = {op["body"] for op in ops if op["kind"] == "loop"}
+    bodies |= {b for op in ops if op["kind"] == "conditional" for b in op["branches"]}
     memo: dict[str, tuple[float, dict[str, float]]] = {}
 
     def run(comp: str) -> tuple[float, dict[str, float]]:
@@ -156,6 +157,11 @@ def simulate(ops: list[dict[str, Any]], t: dict[str, Any]) -> dict[str, Any]:
                 st.clock += op["trip_count"] * s
                 for k, v in spent.items():
                     st.spent[k] += op["trip_count"] * v
+            elif op["kind"] == "conditional":  # one branch runs: count the longest
+                s, spent = max((run(b) for b in op["branches"]), key=lambda r: r[0], default=(0.0, {}))
+                st.clock += s
+                for k, v in spent.items():
+                    st.spent[k] += v
             elif op["kind"] in ("collective", "host"):
                 link = "host" if op["kind"] == "host" else "comm"
                 start = max(st.clock, st.free[link])
@@ -174,7 +180,7 @@ def simulate(ops: list[dict[str, Any]], t: dict[str, Any]) -> dict[str, Any]:
 
     roots = [c for c in by_comp if c not in bodies]
     step, spent = 0.0, defaultdict(float)
-    for r in roots:  # the entry (and any computation reached only through call / conditional)
+    for r in roots:  # the entry (and any computation reached only through a call)
         s, sp = run(r)
         step += s
         for k, v in sp.items():

@@ -1,0 +1,146 @@
+"""cuDNN flash attention per ring block (`fsdp_jax.sharding.ring_cudnn`) on GPU targets: the
+ring compiles deviceless for 8 x H100 (XLA:GPU, the CUDA plugin and NVIDIA's cuDNN wheel from
+`python -m fsdp_jax.targets install`) with cuDNN's forward and backward custom calls in it and
+no float32 score block, with and without packed rows (cuDNN's packed layout per block); the
+private primitives' operands and the packed conventions as jax 0.10 has them; and what the
+kernel refuses (windows, soft caps; segment ids without `packed`) in one line."""
+
+import inspect
+import json
+import os
+import re
+
+import jax.numpy as jnp
+import pytest
+
+from fsdp_jax.sharding.ring_cudnn import cudnn_kernel
+from fsdp_jax.sharding.ring_flash import flash_context_attention
+from fsdp_jax.targets import gpu as targets
+from fsdp_jax.targets.plugins import cudnn_installed
+from helpers import json_child
+
+_GPU_CHILD = """
+import json, re, sys
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+import fsdp_jax as fj
+from fsdp_jax.targets import gpu as targets
+from fsdp_jax.sharding.ring_attention import context_attention
+from fsdp_jax.sharding.ring_flash import flash_context_attention
+from fsdp_jax.sharding.ring_cudnn import cudnn_kernel
+req = json.loads(sys.argv[1])
+devices = targets.gpu_devices("h100")
+n, s, h, kvh, dh = req["context"], req["seq"], req["heads"], req["kv_heads"], 128
+mesh = fj.make_mesh(fsdp=len(devices) // n, context=n, devices=devices)
+b = len(devices) // n
+
+def loss(q, k, v, pos, seg):
+    seg = seg if req.get("packed") else None
+    if req["impl"] == "cudnn":
+        kern = cudnn_kernel(scale=dh**-0.5, packed=seg is not None)
+        o = flash_context_attention(q, k, v, pos, seg, kernel=kern, kv_pass=req["kv_pass"])
+    else:
+        o = context_attention(q, k, v, pos, seg, scale=dh**-0.5, kv_pass=req["kv_pass"])
+    return jnp.sum(o.astype(jnp.float32) ** 2)
+
+sh = NamedSharding(mesh, P("fsdp", "context"))
+qa = jax.ShapeDtypeStruct((b, s, h, dh), jnp.bfloat16, sharding=sh)
+ka = jax.ShapeDtypeStruct((b, s, kvh, dh), jnp.bfloat16, sharding=sh)
+ia = jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=sh)
+with jax.set_mesh(mesh):
+    c = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(qa, ka, ka, ia, ia).compile()
+hlo = c.as_text()
+half = s // n // 2
+big = [m for m in re.findall(r"f32\\[([\\d,]+)\\]", hlo) if sum(int(d) >= half for d in m.split(",")) >= 2]
+calls = re.findall(r'custom_call_target="(__cudnn\\$fmha\\w*)"', hlo)
+print(json.dumps({"temp": c.memory_analysis().temp_size_in_bytes, "big_f32": sorted(set(big)),
+                  "calls": {t: calls.count(t) for t in sorted(set(calls))},
+                  "collectives": sorted(set(re.findall(r"\\b(all-gather|reduce-scatter|all-reduce|collective-permute"
+                                                       r"|all-to-all)(?:-start)?\\(", hlo)))}))
+"""
+
+
+def _compile(impl, kv_pass, context=4, packed=False):
+    assert cudnn_installed(), (
+        f"NVIDIA's cuDNN wheel is not in {targets.plugin_dir()}: python -m fsdp_jax.targets install"
+    )
+    req = {
+        "impl": impl,
+        "kv_pass": kv_pass,
+        "context": context,
+        "seq": 8192,
+        "heads": 8,
+        "kv_heads": 2,
+        "packed": packed,
+    }
+    return json_child(_GPU_CHILD, json.dumps(req), env=targets.child_env(dict(os.environ)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_pass", ["ring", "all_gather"])
+def test_cudnn_ring_compiles_for_h100_with_cudnn_blocks_and_no_score_block(kv_pass):
+    """fsdp 2 x context 4 on 8 x H100, rows of 8192 (2048 per rank, half blocks of 1024), 8 query
+    heads on 2 kv heads, bf16: one cuDNN forward for the rank's own block and one per branch of
+    each later step's lax.cond (1 + 2 x 3), the same backward calls, no float32 tensor with two
+    dims of a half block's length or more; the XLA ring at the same shape has them."""
+    got = _compile("cudnn", kv_pass)
+    assert got["calls"] == {"__cudnn$fmhaSoftmax": 7, "__cudnn$fmhaSoftmaxBackward": 7}, got
+    assert got["big_f32"] == [], got
+    ring_ops = {"collective-permute"} if kv_pass == "ring" else {"all-gather"}
+    assert ring_ops <= set(got["collectives"]), got
+    if kv_pass == "ring":
+        xla = _compile("xla", kv_pass)
+        assert xla["big_f32"] and not xla["calls"], xla
+        assert got["temp"] < xla["temp"] / 2, (got["temp"], xla["temp"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_pass", ["ring", "all_gather"])
+def test_packed_cudnn_ring_compiles_for_h100_with_cudnn_blocks_and_no_score_block(kv_pass):
+    """The same ring with packed rows' segment ids (cudnn_kernel(packed=True): each block in
+    cuDNN's packed layout): the same 7 + 7 cuDNN calls in the ring, no float32 tensor with two
+    dims of a half block's length (the packed stats are (B x 128 segments, H, Sq)), under half
+    the XLA ring's temporaries with the same segment ids."""
+    got = _compile("cudnn", kv_pass, packed=True)
+    assert got["calls"] == {"__cudnn$fmhaSoftmax": 7, "__cudnn$fmhaSoftmaxBackward": 7}, got
+    assert got["big_f32"] == [], got
+    xla = _compile("xla", kv_pass, packed=True)
+    assert xla["big_f32"] and not xla["calls"], xla
+    assert got["temp"] < xla["temp"] / 2, (got["temp"], xla["temp"])
+
+
+def test_the_private_backward_takes_the_operands_the_ring_gives():
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+
+    src = inspect.getsource(fa._dot_product_attention_bwd_impl)
+    names = re.search(r"def _dot_product_attention_bwd_impl\(([^)]*)\)", src).group(1).split(",")
+    assert [x.strip() for x in names][:13] == [
+        "query", "key", "value", "bias", "q_seqlen", "kv_seqlen", "q_offsets", "kv_offsets",
+        "page_table_k", "page_table_v", "activation", "fwd_output", "grad_output",
+    ]  # fmt: skip
+    src = inspect.getsource(fa._dot_product_attention_fwd_impl)  # the packed kernel binds the forward too
+    names = re.search(r"def _dot_product_attention_fwd_impl\(([^)]*)\)", src).group(1).split(",")
+    assert [x.strip() for x in names][:10] == [
+        "query", "key", "value", "bias", "q_seqlen", "kv_seqlen", "q_offsets", "kv_offsets",
+        "page_table_k", "page_table_v",
+    ]  # fmt: skip
+    assert "is_training" in names[-1] and {"PADDING", "PADDING_CAUSAL"} <= set(fa.MaskType.__members__)
+    # packed: stats (B x M, N, T); both sides' offsets scaled by q's heads (K/V repeated to them)
+    assert "softmax_stat_shape = (B * max_seg_per_batch, N, T)" in inspect.getsource(
+        fa._dot_product_attention_fwd_abstract
+    )
+    fix = inspect.getsource(fa._fix_seqlen_offsets)
+    assert "kv_offsets = kv_offsets * N * H" in fix and "B, T, N, H = query.shape" in fix
+    params = inspect.signature(fa.dot_product_attention).parameters
+    assert "return_residual" in params and fa.AttentionLayout.BTNH.value == 0
+    assert {"CAUSAL", "NO_MASK"} <= set(fa.MaskType.__members__)
+
+
+def test_what_cudnn_per_block_refuses():
+    for kw, word in ((dict(window=8), "sliding window"), (dict(softcap=3.0), "soft cap")):
+        with pytest.raises(ValueError, match=word):
+            cudnn_kernel(scale=1.0, **kw)
+    q = jnp.zeros((2, 8, 2, 8), jnp.bfloat16)
+    ids = jnp.zeros((2, 8), jnp.int32)
+    with pytest.raises(ValueError, match="segment ids"):
+        flash_context_attention(q, q, q, ids, ids, kernel=cudnn_kernel(scale=1.0))

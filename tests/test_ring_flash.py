@@ -1,0 +1,117 @@
+"""The flash ring (`fsdp_jax.sharding.ring_flash`: one custom VJP over the whole ring, each
+block a kernel returning (o, lse), blocks merged by log-sum-exp, the kernel's backward
+fed the global o and lse) against one device's dense masked attention, in float32: loss
+and gradients of q, k, v at context 2 and 4, ring and all-gather, causal, packed segment
+ids, sliding windows (always, or a pattern's global layer), soft caps, grouped-query heads.
+The block kernel here is the pure-JAX reference (`ring_kernels.reference_kernel`)."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from test_ring_attention import dense_reference, packed
+
+import fsdp_jax as fj
+from fsdp_jax.sharding.context import zigzag
+from fsdp_jax.sharding.ring_flash import flash_context_attention
+from fsdp_jax.sharding.ring_kernels import BlockKernel, merge, reference_kernel
+
+CASES = {
+    "causal": dict(),
+    "packed": dict(packed=True),
+    "window": dict(packed=True, window=5),
+    "global_layer": dict(packed=True, window=5, local=False),
+    "softcap_mqa": dict(packed=True, cap=3.0, kvh=1),
+}
+
+
+def inputs(c, b=2, s=32, h=4, dh=8, seed=3):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    kvh = c.get("kvh", 2)
+    q = jax.random.normal(keys[0], (b, s, h, dh))
+    k = jax.random.normal(keys[1], (b, s, kvh, dh))
+    v = jax.random.normal(keys[2], (b, s, kvh, dh))
+    w = jax.random.normal(keys[3], (b, s, h, dh))
+    if c.get("packed"):
+        seg, pos = packed(b, s)
+    else:
+        seg, pos = jnp.ones((b, s), jnp.int32), jnp.broadcast_to(jnp.arange(s), (b, s))
+    return q, k, v, w, pos, seg
+
+
+def ring_value_and_grad(c, kernel, n, kv_pass, args):
+    q, k, v, w, pos, seg = args
+    local = c.get("local", True)
+    mesh = fj.make_mesh(fsdp=8 // n, context=n)
+
+    def loss(q, k, v, pos, seg, w):
+        zq, zk, zv, zp, zs, zw = zigzag((q, k, v, pos, seg, w), n)
+        flag = jnp.asarray(local) if c.get("window") else None
+        o = flash_context_attention(zq, zk, zv, zp, zs, kernel=kernel, local=flag, kv_pass=kv_pass)
+        return jnp.sum(o * zw)
+
+    with jax.set_mesh(mesh):
+        f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)), in_shardings=NamedSharding(mesh, P("fsdp")))
+        out, g = f(q, k, v, pos, seg, w)
+        hlo = f.lower(q, k, v, pos, seg, w).compile().as_text()
+    return out, g, hlo
+
+
+def dense_value_and_grad(c, args):
+    q, k, v, w, pos, seg = args
+    dh = q.shape[-1]
+
+    def loss(q, k, v):
+        o = dense_reference(q, k, v, pos, seg, dh**-0.5, c.get("cap", 0.0), c.get("window", 0), c.get("local", True))
+        return jnp.sum(o * w)
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+
+@pytest.mark.parametrize("kv_pass", ["ring", "all_gather"])
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("case", CASES)
+def test_reference_kernel_ring_matches_one_device(case, n, kv_pass):
+    c = CASES[case]
+    args = inputs(c, b=8 // n)  # one row per fsdp rank
+    kern = reference_kernel(scale=args[0].shape[-1] ** -0.5, softcap=c.get("cap", 0.0), window=c.get("window", 0))
+    out, g, hlo = ring_value_and_grad(c, kern, n, kv_pass, args)
+    ref, ref_g = dense_value_and_grad(c, args)
+    np.testing.assert_allclose(out, ref, rtol=1e-5)
+    for name, a, r in zip("qkv", g, ref_g):
+        err = float(jnp.max(jnp.abs(a - r)) / jnp.max(jnp.abs(r)))
+        assert err <= 1e-5, (name, err)
+    ops = re.findall(r"\b(collective-permute|all-gather|reduce-scatter|all-reduce)(?:-start)?\(", hlo)
+    if kv_pass == "ring":  # K/V hops forward, K/V and dK/dV hops backward, nothing gathered
+        assert "collective-permute" in ops and "all-gather" not in ops, sorted(set(ops))
+    else:  # K/V gathered (forward and backward); dK/dV summed back over context
+        assert "collective-permute" not in ops and "all-gather" in ops, sorted(set(ops))
+
+
+def test_merge_by_log_sum_exp_equals_one_softmax():
+    """Two halves of the keys, each normalised with its own lse, merge to the softmax over
+    all keys; an empty block (lse -inf) changes nothing."""
+    s = jax.random.normal(jax.random.key(0), (3, 10))
+    v = jax.random.normal(jax.random.key(1), (10, 4))
+
+    def part(sl):
+        lse = jax.nn.logsumexp(s[:, sl], axis=-1)
+        return jnp.exp(s[:, sl] - lse[:, None]) @ v[sl], lse
+
+    o, lse = merge(part(slice(0, 4)), part(slice(4, 10)))
+    np.testing.assert_allclose(o, jax.nn.softmax(s) @ v, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(lse, jax.nn.logsumexp(s, axis=-1), rtol=1e-6)
+    o2, lse2 = merge((o, lse), (jnp.zeros_like(o), jnp.full_like(lse, -jnp.inf)))
+    np.testing.assert_array_equal(o2, o)
+    np.testing.assert_array_equal(lse2, lse)
+
+
+def test_kernel_must_be_a_block_kernel():
+    q = jnp.zeros((2, 8, 2, 4))
+    with pytest.raises(TypeError, match="BlockKernel"):
+        flash_context_attention(q, q, q, jnp.zeros((2, 8), jnp.int32), kernel=lambda *a: a)
+    assert isinstance(reference_kernel(scale=0.5), BlockKernel)
