@@ -8,15 +8,21 @@ grouped-query heads repeated and folded back, stats mapped both ways, uncovered 
 over an emulated cuDNN (`thd_mask` semantics in the pure-JAX reference kernel, stats in the
 packed layout) against one device's dense attention with segment ids."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from test_ring_attention import dense_reference
 from test_ring_flash import dense_value_and_grad, inputs, ring_value_and_grad
 
+import fsdp_jax as fj
 from fsdp_jax.app.data.packing import positions_from_segments
-from fsdp_jax.sharding.context import zigzag_order
+from fsdp_jax.sharding.context import zigzag, zigzag_order
 from fsdp_jax.sharding.cudnn_packed import block_layout, packed_stats, thd_mask, token_lse
 from fsdp_jax.sharding.ring_cudnn import packed_kernel
+from fsdp_jax.sharding.ring_flash import flash_context_attention
 from fsdp_jax.sharding.ring_kernels import reference_kernel
 
 
@@ -111,6 +117,20 @@ def emulated_cudnn():
     return fwd, bwd
 
 
+def ring_output(kern, n, kv_pass, args):
+    """(the ring's o, one device's dense o), both in the ring's zig-zag order."""
+    q, k, v, _, pos, seg = args
+    mesh = fj.make_mesh(fsdp=8 // n, context=n)
+    o_ref = dense_reference(q, k, v, pos, seg, q.shape[-1] ** -0.5, 0.0, 0, True)
+
+    def f(q, k, v, pos, seg, o_ref):
+        zq, zk, zv, zp, zs, zr = zigzag((q, k, v, pos, seg, o_ref), n)
+        return flash_context_attention(zq, zk, zv, zp, zs, kernel=kern, kv_pass=kv_pass), zr
+
+    with jax.set_mesh(mesh):
+        return jax.jit(f, in_shardings=NamedSharding(mesh, P("fsdp")))(q, k, v, pos, seg, o_ref)
+
+
 @pytest.mark.parametrize("kv_pass", ["ring", "all_gather"])
 @pytest.mark.parametrize(("n", "kvh"), [(2, 2), (4, 1), (4, 4)])
 def test_packed_cudnn_kernel_ring_over_emulated_cudnn_matches_one_device(n, kvh, kv_pass):
@@ -120,7 +140,12 @@ def test_packed_cudnn_kernel_ring_over_emulated_cudnn_matches_one_device(n, kvh,
     kern = packed_kernel(scale=q.shape[-1] ** -0.5, max_segments=32, backend=emulated_cudnn())
     out, g, _ = ring_value_and_grad({"packed": True}, kern, n, kv_pass, args)
     ref, ref_g = dense_value_and_grad({"packed": True}, args)
-    np.testing.assert_allclose(out, ref, rtol=1e-5)
+    # the forward itself: o, every element, against one device's (relative to its largest, as
+    # the grads); the loss sum(o * w) above is a probe for the grads whose 4096 terms of either
+    # sign nearly cancel (-0.84 at context 4 on one kv head), too ill-conditioned to hold at 1e-5
+    o, o_ref = ring_output(kern, n, kv_pass, args)
+    err = float(jnp.max(jnp.abs(o - o_ref)) / jnp.max(jnp.abs(o_ref)))
+    assert err <= 1e-5, ("o", err)
     for name, a, r in zip("qkv", g, ref_g):
         err = float(jnp.max(jnp.abs(a - r)) / jnp.max(jnp.abs(r)))
         assert err <= 1e-5, (name, err)

@@ -21,8 +21,9 @@ the half blocks; queries that meet no key of the block get o 0 and lse -inf, key
 query no gradient. Both calls bind jax's private primitives directly (`_dot_product_attention_
 fwd_p_wrapper` / `_bwd_p_wrapper`): the public function's check for a packed layout asks the
 local device for Hopper, which a deviceless compile has not (the kernel is for sm_90+). With
-the packed layout jax scales BOTH sides' offsets by q's heads x head dim (`_fix_seqlen_offsets`),
-so grouped-query K/V are repeated to q's heads for those calls and their gradients summed back.
+the packed layout jax 0.10 scales BOTH sides' offsets by q's heads x head dim (`_fix_seqlen_offsets`;
+jax 0.12 scales K/V's by their own heads), so grouped-query K/V are repeated to q's heads for
+those calls and their gradients summed back (right on both; on 0.12 the repeat is not needed).
 A block with more than `max_segments` segments gives NaN for its row (a loud failure, which
 the trainer's non-finite guard skips) rather than dropping segments.
 
@@ -49,6 +50,16 @@ def _fa():
     from jax._src.cudnn import fused_attention_stablehlo as fa
 
     return fa
+
+
+def _version_params() -> dict:
+    """The primitives' params that only some jax versions take: jax 0.12 adds flex attention's
+    `score_mod` (its `score_mod_args` operands spread after the others: none here), jax 0.10
+    has neither (tests/test_ring_cudnn.py pins both)."""
+    import inspect
+
+    takes = "score_mod" in inspect.signature(_fa()._dot_product_attention_bwd_impl).parameters
+    return {"score_mod": None} if takes else {}
 
 
 def cudnn_kernel(
@@ -97,6 +108,7 @@ def cudnn_kernel(
             mask_type=mask(causal),
             layout=fa.AttentionLayout.BTNH.value,
             sliding_window_length=None,
+            **_version_params(),
         )
         dq, dk, dv = grads[:3]
         return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
@@ -111,7 +123,7 @@ def _cudnn_fwd(q, k, v, lay, causal, *, scale):
     o, stats = fa._dot_product_attention_fwd_p_wrapper.bind(
         q, k, v, unused, lay.q_seqlen, lay.kv_seqlen, lay.q_offsets, lay.kv_offsets, unused, unused,
         scale=scale, seed=42, dropout_rate=0.0, variadic_args=(False, False), mask_type=_packed_mask(causal),
-        layout=fa.AttentionLayout.BTNH.value, sliding_window_length=None, is_training=True,
+        layout=fa.AttentionLayout.BTNH.value, sliding_window_length=None, is_training=True, **_version_params(),
     )  # fmt: skip
     return o, stats
 
@@ -124,7 +136,7 @@ def _cudnn_bwd(q, k, v, lay, causal, stats, o, do, *, scale):
         q, k, v, unused, lay.q_seqlen, lay.kv_seqlen, lay.q_offsets, lay.kv_offsets, unused, unused,
         stats, o, do,
         scale=scale, seed=42, dropout_rate=0.0, variadic_args=(False, False), mask_type=_packed_mask(causal),
-        layout=fa.AttentionLayout.BTNH.value, sliding_window_length=None,
+        layout=fa.AttentionLayout.BTNH.value, sliding_window_length=None, **_version_params(),
     )  # fmt: skip
     return grads[:3]
 
