@@ -356,7 +356,11 @@ def test_plan_script_target_path_builds_what_the_fixture_compiled(gpu, capsys):
     from fsdp_jax.app.planner import step_time
 
     cfg = load_config(TINY_YAML, SMALL + ["precision=float32"])
-    assert r["predicted"] == step_time.predict(cfg, "h100", 8, r) and r["predicted"]["step_s"] > 0
+    again = step_time.predict(cfg, "h100", 8, r)
+    # every figure equal; `predict_s` is the wall time the prediction took (a timing, not a figure)
+    drop = lambda p: {k: v for k, v in p.items() if k != "predict_s"}  # noqa: E731
+    assert drop(r["predicted"]) == drop(again) and r["predicted"]["step_s"] > 0
+    assert r["predicted"]["predict_s"] >= 0 and again["predict_s"] >= 0
 
 
 def _exposed(r, op):
