@@ -11,7 +11,8 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-from test_lora_moe import SGD, moe_cfg, nonzero_b, reference_train, tokens
+from test_lora_experts import lora_trains_on_8_devices_as_on_one
+from test_lora_moe import SGD, moe_cfg, nonzero_b, tokens
 
 from fsdp_jax.app.hf import peft
 from fsdp_jax.app.models import lora as lora_lib
@@ -131,25 +132,7 @@ MESHES = [
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh,rules,spec", [m[1:] for m in MESHES], ids=[m[0] for m in MESHES])
 def test_shared_expert_lora_trains_on_8_devices_as_on_one(mesh, rules, spec):
-    cfg = qwen2_moe_cfg()
-    model = trainer_model(cfg, "none", spec)
-    loss_fn = make_loss_fn(model, cfg, dropout=True)
-    p0 = nonzero_b(model.init(jax.random.key(0)))
-    base, ad0 = lora_lib.split(p0)
-    data, run_key = [tokens(cfg, seed=s) for s in range(3)], jax.random.key(5)
-    ref_ad, ref_losses = reference_train(loss_fn, base, ad0, data, run_key)
-    built = build(
-        model, lora_optimizer(SGD), make_mesh(*mesh), "full_shard", loss_fn=loss_fn, has_aux=True, rules=rules,
-        trainable=lora_lib.adapter_mask, rng=run_key, min_shard_size=0, max_replicated_fraction=None,
-    )  # fmt: skip
-    state, losses = built.place(p0), []
-    for b in data:
-        state, metrics = built.train_step(state, b)
-        losses.append(float(metrics["loss"]))
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    got_base, got_ad = lora_lib.split(state.params)
-    assert max_abs_diff(got_ad, ref_ad) < 1e-5
-    assert max_abs_diff(got_base, base) == 0.0
+    got_ad, ref_ad, ad0 = lora_trains_on_8_devices_as_on_one(qwen2_moe_cfg(), spec, mesh, rules)
     # each shared-expert / dense-layer adapter moved, and agrees with one device to 1% of its move
     got, ref, start = (_flat(jax.tree.map(np.asarray, t)) for t in (got_ad, ref_ad, ad0))
     for p in (p for p in got if "shared_lora" in p or "/mlp/" in p):
