@@ -71,8 +71,9 @@ def evaluate(indices, saved: Path | None = None) -> list[dict]:
 
 def fit_gemm_efficiency(i: int, saved: Path | None = None) -> float:
     """The GEMM efficiency (`gemm.max_efficiency` of the run's cost table: `h100`'s for the GPU
-    tables, `tpu`'s for a TPU generation) at which run `i`'s predicted step equals its published
-    figure (bisection; the table's value is this, rounded)."""
+    tables, the `tpu` entry's for v4 / v5e / v5p, which have no published figure; v6e has one,
+    `tpu.v6e`, not fitted) at which run `i`'s predicted step equals its published figure
+    (bisection; the table's value is this, rounded)."""
     import copy
 
     from fsdp_jax.app.config import load_config

@@ -295,6 +295,51 @@ def test_a_splash_kernel_is_causal_attention_at_the_tpu_gemm_rate(part, matmuls)
     rate = tpu["peak_flops"]["bf16"] * tpu["gemm"]["max_efficiency"]
     assert op_costs.op_seconds(att, tpu) == pytest.approx(att["flops"] / rate + tpu["hbm"]["launch_s"], rel=1e-12)
     assert op_costs.category(att) == "attention"
+    # v6e: its own GEMM efficiency, and the head dim (128) fills half of its 256-wide MXU
+    v6e = perf_table("v6e")
+    rate = v6e["peak_flops"]["bf16"] * v6e["gemm"]["max_efficiency"] / 2
+    assert op_costs.op_seconds(att, v6e) == pytest.approx(att["flops"] / rate + v6e["hbm"]["launch_s"], rel=1e-12)
+
+
+def _square_dot(m: int, n: int, k: int) -> str:
+    return (
+        f"HloModule m, is_scheduled=true\n\nENTRY %main (a: bf16[{m},{k}], b: bf16[{k},{n}]) -> bf16[{m},{n}] {{\n"
+        f"  %a = bf16[{m},{k}]{{1,0}} parameter(0)\n  %b = bf16[{k},{n}]{{1,0}} parameter(1)\n"
+        f"  ROOT %dot.1 = bf16[{m},{n}]{{1,0}} dot(%a, %b), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}\n}}\n"
+    )
+
+
+def test_the_v6e_gemm_costs_its_published_measurement():
+    """The v6e table reproduces its source: one bf16 8192^3 matmul took 1510.94 us of device
+    time on a v6e chip (gpu-tpu-pedia results_trace_test.csv, perf_tables.json `tpu.v6e`);
+    v5p, with no published figure, has the efficiency fitted to MaxText's v5p row."""
+    (op,) = op_inventory(_square_dot(8192, 8192, 8192))
+    assert (op["m"], op["n"], op["k"]) == (8192, 8192, 8192)
+    assert op_costs.op_seconds(op, perf_table("v6e-256")) == pytest.approx(1510.94e-6, rel=0.002)
+    assert perf_table("v6e")["gemm"]["max_efficiency"] != perf_table("v5p")["gemm"]["max_efficiency"]
+    assert perf_table("v5e")["gemm"] == {**perf_table("v5p")["gemm"]}  # the fitted default
+
+
+def test_a_128_contraction_fills_half_of_v6es_mxu():
+    """A K = 128 contraction costs twice per FLOP what K = 8192 does on v6e's 256 x 256 MXU
+    (padded to 256), the same on v5p's 128 x 128; likewise N. Such a GEMM alone is HBM-bound
+    on v6e anyway (at most 128 FLOPs per byte of its output against 918 TFLOP/s over
+    1.64 TB/s), so the fill shows in fused kernels (splash) and in compute-bound GEMMs."""
+    ops = {k: op_inventory(_square_dot(8192, 8192, k))[0] for k in (128, 384, 8192)}
+    for gen, w in (("v6e", 256), ("v5p", 128)):
+        t = perf_table(gen)
+        assert t["gemm"]["mxu"] == w
+        eff = {k: op_costs.gemm_efficiency(o, t) for k, o in ops.items()}
+        assert eff[8192] == t["gemm"]["max_efficiency"]
+        assert eff[8192] / eff[128] == (2.0 if w == 256 else 1.0)
+        assert eff[8192] / eff[384] == pytest.approx(512 / 384 if w == 256 else 1.0)
+        narrow = {**ops[8192], "n": 128}
+        assert op_costs.gemm_efficiency(narrow, t) == eff[128]
+    v6e = perf_table("v6e")
+    small = ops[128]
+    hbm = small["bytes"] / (v6e["hbm"]["bytes_per_s"] * v6e["hbm"]["efficiency"])
+    assert op_costs.op_seconds(small, v6e) == pytest.approx(hbm + v6e["hbm"]["launch_s"], rel=1e-12)
+    assert op_costs.gemm_efficiency(ops[128], H100) == op_costs.gemm_efficiency(ops[8192], H100)  # no MXU on GPU
 
 
 BRANCHES = """%one_dot (a: bf16[4096,4096]) -> bf16[4096,4096] {

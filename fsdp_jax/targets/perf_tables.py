@@ -6,7 +6,9 @@
 Every entry carries its `source` (a published figure, an assumption, or "fitted" and to
 what; docs/step_time.md lists them). A GPU entry may say `same_as` another and override
 parts; a TPU generation takes its peaks, HBM, ICI and DCN bandwidths from
-`fsdp_jax.targets.tpu` (the Cloud TPU pages' figures) and the rest from the `tpu` entry.
+`fsdp_jax.targets.tpu` (the Cloud TPU pages' figures), the rest from the `tpu` entry, and
+what differs by generation (the MXU's width, a published GEMM efficiency) from a `tpu.<gen>`
+entry (`tpu.v6e`), merged into it section by section.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ def perf_table(target: str) -> dict[str, Any]:
     """The constants for `target` (a GPU name in the table, or a TPU generation / slice
     name such as `v5p` or `v5p-512`). Raises ValueError for a target it has no figures for."""
     tables = _tables()
-    if target in tables and not target.startswith("_") and target != "tpu":
+    if target in tables and not target.startswith(("_", "tpu")):
         t = copy.deepcopy(tables[target])
         base = t.pop("same_as", None)
         return {**copy.deepcopy(tables[base]), **t} if base else t
@@ -38,6 +40,8 @@ def perf_table(target: str) -> dict[str, Any]:
     except (KeyError, ValueError) as e:
         raise ValueError(f"no step-time figures for target {target!r} ({e})") from None
     t = copy.deepcopy(tables["tpu"])
+    for section, values in tables.get(f"tpu.{target.split('-')[0]}", {}).items():
+        t[section] = {**t.get(section, {}), **copy.deepcopy(values)}
     t["peak_flops"] = {"bf16": p["flops"], "f32": p["flops"], "source": "fsdp_jax.targets.tpu.TPU_SPECS"}
     t["hbm"]["bytes_per_s"] = p["hbm"]
     fast, slow = t["links"]["fast"], t["links"]["slow"]

@@ -4,13 +4,17 @@
     sim = simulate(ops, perf_table("h100"))                     # {"step_s", "breakdown", "ops"}
 
 Costs (constants from `fsdp_jax/targets/perf_tables.json`, each with its source):
-- a GEMM: max(FLOPs / (peak[dtype] x gemm efficiency x wave quantization), bytes / HBM) +
-  a launch gap; wave quantization = the output tiles over the SMs' full waves (a 128 x 256
-  tile per SM on H100), so a GEMM whose grid leaves SMs idle in its last wave runs slower;
+- a GEMM: max(FLOPs / (peak[dtype] x `gemm_efficiency`), bytes / HBM) + a launch gap, where
+  `gemm_efficiency` = the table's `gemm.max_efficiency` x wave quantization x MXU fill. Wave
+  quantization (GPU): the output tiles over the SMs' full waves (a 128 x 256 tile per SM on
+  H100), so a GEMM whose grid leaves SMs idle in its last wave runs slower. MXU fill (TPU):
+  the weight operand (K x N) is padded to the systolic array's width in both dims (128, or
+  256 on v6e), so a dim of 128 on a 256-wide MXU fills half of it;
 - cuDNN flash attention: its FLOPs at the published forward / backward throughput for its
   sequence length (interpolated in log(seq)); on a table without attention figures (TPU: a
-  Pallas splash kernel), its FLOPs at the GEMM rate (peak x `gemm.max_efficiency`; an
-  assumption, no splash throughput is published);
+  Pallas splash kernel), its FLOPs at the GEMM rate x the MXU fill of its head dim (every
+  matmul of the kernel has the head dim as its contraction or as its weight operand's other
+  dim; no splash throughput is published);
 - any other fusion or data op: its bytes at HBM bandwidth x efficiency, + the launch gap;
 - a collective: latency + wire bytes / bus bandwidth of its link (within a host: NVLink, or
   ICI within a TPU slice; across hosts: the NIC, or DCN across slices), the wire bytes of a
@@ -58,6 +62,21 @@ def wave_efficiency(m: int, n: int, batch: int, gemm: dict[str, Any]) -> float:
     return tiles / (waves * gemm["sms"])
 
 
+def mxu_fill(dim: int, gemm: dict[str, Any]) -> float:
+    """The fraction of the MXU's width a matmul dim of `dim` fills once padded to it (1.0
+    where the table has no MXU width: GPUs)."""
+    w = gemm.get("mxu")
+    return dim / (math.ceil(dim / w) * w) if w else 1.0
+
+
+def gemm_efficiency(op: dict[str, Any], t: dict[str, Any]) -> float:
+    """The fraction of the peak a GEMM record `op` (m, n, k, batch) runs at on table `t` when
+    compute-bound: `gemm.max_efficiency` x wave quantization x the MXU fill of K and N."""
+    g = t["gemm"]
+    fill = mxu_fill(op["k"], g) * mxu_fill(op["n"], g)
+    return g["max_efficiency"] * wave_efficiency(op["m"], op["n"], op["batch"], g) * fill
+
+
 def _hbm(t: dict[str, Any]) -> float:
     return t["hbm"]["bytes_per_s"] * t["hbm"]["efficiency"]
 
@@ -68,12 +87,12 @@ def op_seconds(op: dict[str, Any], t: dict[str, Any]) -> float:
     if kind == "gemm":
         peaks = t["peak_flops"]
         peak = peaks.get(op["dtype"], peaks["bf16"])
-        eff = t["gemm"]["max_efficiency"] * wave_efficiency(op["m"], op["n"], op["batch"], t["gemm"])
-        return max(op["flops"] / (peak * eff), op["bytes"] / _hbm(t)) + launch
+        return max(op["flops"] / (peak * gemm_efficiency(op, t)), op["bytes"] / _hbm(t)) + launch
     if kind == "attention":
         a = t.get("attention")
         if not a and op.get("kernel") == "splash":  # the MXU at the GEMM rate (module docstring)
-            return op["flops"] / (t["peak_flops"]["bf16"] * t["gemm"]["max_efficiency"]) + launch
+            eff = t["gemm"]["max_efficiency"] * mxu_fill(op["d"], t["gemm"])
+            return op["flops"] / (t["peak_flops"]["bf16"] * eff) + launch
         if not a:
             raise ValueError(f"no attention throughput for this target (a {op['direction']} custom call)")
         thr = _interp_log(op["sq"], a["seq"], a["fwd_flops" if op["direction"] == "fwd" else "bwd_flops"])

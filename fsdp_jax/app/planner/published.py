@@ -10,7 +10,8 @@ Each run is data: what was published (value, unit, where), the nearest plan of t
 constant was fitted to it), `check` (held out), `bound` (another framework on other
 hardware: the prediction should be at least the published figure, not equal to it).
 One `fit` row per fitted constant: the GPU GEMM efficiency (MaxText 7B on 1 x A3) and the TPU
-one (MaxText 70B on v5p); every other row is held out. The model is held to TOLERANCE on every
+one of the generations without a published figure (MaxText 70B on v5p; v6e's is a published
+measurement); every other row is held out. The model is held to TOLERANCE on every
 `fit` and `check` row.
 """
 
