@@ -3,6 +3,7 @@ hand-built programs whose costs follow from the table by hand: one GEMM, an all-
 8 GPUs in one host and over 2 hosts x 8, a while loop of N layers, the schedule's overlap."""
 
 import math
+import re
 
 import pytest
 
@@ -211,6 +212,54 @@ def test_every_table_entry_names_its_source():
     assert not missing
     with pytest.raises(ValueError, match="no step-time figures"):
         perf_table("h9000")
+
+
+def _table_sources():
+    import json
+    from importlib import resources
+
+    tables = json.loads(resources.files("fsdp_jax.targets").joinpath("perf_tables.json").read_text())
+    for t, entry in tables.items():
+        if t.startswith("_"):
+            continue
+        for k, v in entry.items():
+            if isinstance(v, dict) and k != "links":
+                yield f"{t}.{k}", v["source"]
+        for k, v in entry.get("links", {}).items():
+            yield f"{t}.links.{k}", v["source"]
+
+
+# What a source must cite: a datasheet / whitepaper / paper, a public thread (issue #N), a file at a
+# commit, the Cloud TPU pages (TPU_SPECS), a fit to a published run, or another entry's figure.
+_CITES = re.compile(
+    r"datasheet|whitepaper|arXiv:|issue #\d+|\b[0-9a-f]{40}\b|cloud\.google\.com|TPU_SPECS|fitted to|^as h100|"
+    r"the h100 efficiency"
+)
+
+
+def _bare_assumption(source: str) -> bool:
+    """True when `source` rests on an unstated assumption: it cites nothing, or it calls a
+    figure an assumption (the history of a replaced figure, "Was 0.9, an assumption", aside), or
+    it calls a figure borrowed / unsourced without saying what it moves (or that no row uses it)."""
+    now = re.sub(r"\bWas\b.*?assumptions?", "", source)
+    if "assumption" in now.lower():
+        return True
+    if re.search(r"\b(borrowed|unsourced)\b", now):
+        return not re.search(r"\bmoves? row|longer per step|no published row", now)
+    return not _CITES.search(source)
+
+
+def test_no_table_constant_is_a_bare_assumption():
+    """Every constant is a published figure, a fit to a published run, or marked borrowed /
+    unsourced with what it moves (docs/step_time.md, "The constants and where they come from")."""
+    bare = [name for name, source in _table_sources() if _bare_assumption(source)]
+    assert not bare
+    # the check itself: what it must refuse and what it must let through
+    assert _bare_assumption("assumption")
+    assert _bare_assumption("efficiency 0.9: assumption (copy kernels), not fitted; H100 datasheet")
+    assert _bare_assumption("H100 datasheet; launch gap borrowed from XLA:GPU")
+    assert not _bare_assumption("H100 datasheet; launch gap borrowed from XLA:GPU: 0 us moves row 5 by -0.1%")
+    assert not _bare_assumption("4.8 TB/s: H200 SXM datasheet. Was 0.9, an assumption")
 
 
 def test_a_tpu_convolution_is_a_gemm_of_its_kernel():

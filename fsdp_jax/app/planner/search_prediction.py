@@ -97,7 +97,8 @@ def predict_step(cfg, target_name: str, n_devices: int, result: dict[str, Any]) 
     scale = p["step_s"] / step if step else 1.0
     p.update(
         step_s=g(step),
-        tokens_per_s_per_gpu=g(tokens / step),
+        # from the op walk: scale the plan's own figure (`step` is rebuilt from the rounded step_s)
+        tokens_per_s_per_gpu=g(p["tokens_per_s_per_gpu"] * scale if ops else tokens / step),
         tflops_per_gpu=g(p["tflops_per_gpu"] * scale),
         mfu=g(p["mfu"] * scale),
         recompute_s=g(extra_s),
