@@ -32,7 +32,7 @@ N = 8
 
 def plugin_table() -> str:
     """The collective table's text, as compiled into the installed CUDA plugin."""
-    from fsdp_jax.targets.gpu import plugin_dir
+    from fsdp_jax.targets.plugins import plugin_dir
 
     sos = sorted(Path(plugin_dir()).glob("jax_plugins/*/xla_cuda_plugin.so"))
     if not sos:
