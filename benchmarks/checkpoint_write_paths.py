@@ -107,9 +107,11 @@ def checkpointer_paths(state, host_state) -> dict:
     commit), then its restore (manifest check + read + CRC verification) onto the same layout."""
     from fsdp_jax import checkpoint as ck
 
+    Checkpointer = ck.Checkpointer  # imports Orbax (~2 s, once per process) before any path is timed
+
     def save(payload, st):
         def fn(d):
-            c = ck.Checkpointer(d / payload, keep=None, async_save=False, payload=payload)
+            c = Checkpointer(d / payload, keep=None, async_save=False, payload=payload)
             c.save(1, st)
             c.close()
 
@@ -117,7 +119,7 @@ def checkpointer_paths(state, host_state) -> dict:
 
     def restore(payload, st):
         def fn(d):
-            c = ck.Checkpointer(d / payload, read_only=True)
+            c = Checkpointer(d / payload, read_only=True)
             jax.block_until_ready(c.restore(abstract(st)).state)
 
         return fn
