@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Where a checkpoint save's time goes: the disk's direct-write bandwidth and each write path, side by side.
 
-    PYTHONPATH=. JAX_PLATFORMS=cpu python benchmarks/checkpoint_write_paths.py --dir DIR [--reps 2] [--orbax-handlers]
+    PYTHONPATH=. JAX_PLATFORMS=cpu python benchmarks/checkpoint_write_paths.py --dir DIR [--reps 2] [--orbax-handlers] [--drop-caches]
 
 One float32 state of 1 GiB (8 leaves, each sharded over 8 CPU devices), per repetition and in
 this order on the same disk, so that a busy machine slows every path alike:
@@ -11,10 +11,12 @@ synchronously (files, CRC-32 manifest, atomic commit) with `payload="shards"` (r
 files, `fsdp_jax.checkpoint.shard_files`), then restoring it (manifest check, reads, CRC-32
 verification, arrays on the 8 devices); the same save from the state in `pinned_host`
 memory (offloaded: no device round trip); then `payload="orbax"` (Orbax OCDBT) saved and
-restored. With --orbax-handlers also Orbax's PyTreeCheckpointHandler with OCDBT, without,
-with OCDBT + zarr3, and a raw write of every shard to its own file with fsync. Prints one
-JSON line of GB/s per path (1 GB = 1e9 bytes), one value per repetition, and each
-Checkpointer path's ratio to that repetition's dd. Each path is timed from a collected heap
+restored. With --drop-caches the page cache is emptied before dd's read and each restore
+(`drop_page_cache`; the output says what was done). With --orbax-handlers also Orbax's
+PyTreeCheckpointHandler with OCDBT, without, with OCDBT + zarr3, and a raw write of every
+shard to its own file with fsync. Prints one JSON line of GB/s per path (1 GB = 1e9 bytes),
+one value per repetition, each Checkpointer path's ratio to that repetition's dd, and the
+1-minute load average as each repetition began. Each path is timed from a collected heap
 (`gc.collect()` first: jax frees the buffers of dropped arrays, such as the previous restore's
 1 GiB, when Python's gc runs). DIR must be on the disk to measure; everything written there is
 removed.
@@ -72,6 +74,26 @@ def dd(d: Path, direction: str = "write") -> None:
     subprocess.run(["dd", *cmd, "bs=16M", "count=64"], check=True, capture_output=True)
 
 
+NOT_DROPPED = "not dropped: O_DIRECT reads (files written with O_DIRECT, their sub-page tails dropped after fsync)"
+
+
+def drop_page_cache(drop: bool = True) -> str:
+    """With `drop`, empty the page cache (`sync; echo 3 > /proc/sys/vm/drop_caches`) where this
+    process may; returns what was done. Without it (or where not permitted) no read below is
+    served from the cache either: the Checkpointer's and dd's reads are O_DIRECT, and the files
+    are written with O_DIRECT or dropped from the cache after their fsync (POSIX_FADV_DONTNEED);
+    only each file's sub-page tail and the JSON index and manifest are read through it."""
+    if not drop:
+        return NOT_DROPPED
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return "dropped (echo 3 > /proc/sys/vm/drop_caches)"
+    except OSError:
+        return "not permitted; " + NOT_DROPPED
+
+
 def abstract(state, memory_kind: str | None = None):
     def one(x):
         s = x.sharding if memory_kind is None else x.sharding.with_memory_kind(memory_kind)
@@ -85,9 +107,11 @@ def checkpointer_paths(state, host_state) -> dict:
     commit), then its restore (manifest check + read + CRC verification) onto the same layout."""
     from fsdp_jax import checkpoint as ck
 
+    Checkpointer = ck.Checkpointer  # imports Orbax (~2 s, once per process) before any path is timed
+
     def save(payload, st):
         def fn(d):
-            c = ck.Checkpointer(d / payload, keep=None, async_save=False, payload=payload)
+            c = Checkpointer(d / payload, keep=None, async_save=False, payload=payload)
             c.save(1, st)
             c.close()
 
@@ -95,7 +119,7 @@ def checkpointer_paths(state, host_state) -> dict:
 
     def restore(payload, st):
         def fn(d):
-            c = ck.Checkpointer(d / payload, read_only=True)
+            c = Checkpointer(d / payload, read_only=True)
             jax.block_until_ready(c.restore(abstract(st)).state)
 
         return fn
@@ -133,16 +157,19 @@ def other_paths(state) -> dict:
     }
 
 
-def one_rep(state, host_state, where: Path, others: bool) -> dict[str, float]:
+def one_rep(state, host_state, where: Path, others: bool, drop: bool) -> dict[str, float]:
     nbytes = sum(x.nbytes for x in state.values())
     d = Path(tempfile.mkdtemp(dir=where)).absolute()
-    out = {}
+    out = {"load_avg_1min": os.getloadavg()[0]}
     try:
         out["dd_oflag_direct"] = timed(lambda: dd(d), GIB)
+        out["page_cache"] = drop_page_cache(drop)
         out["dd_read_iflag_direct"] = timed(lambda: dd(d, "read"), GIB)
         for name, fn in checkpointer_paths(state, host_state).items():
             if name == "save_shards_from_pinned_host":
                 shutil.rmtree(d / "shards")
+            if name.startswith("restore"):
+                drop_page_cache(drop)
             out[name] = timed(lambda: fn(d), nbytes)
         for name, fn in (other_paths(state) if others else {}).items():
             sub = d / name
@@ -160,15 +187,19 @@ def main() -> None:
     ap.add_argument("--dir", required=True, help="a directory on the disk to measure")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--orbax-handlers", action="store_true", help="also Orbax's handler variants and raw writes")
+    ap.add_argument("--drop-caches", action="store_true", help="empty the page cache before each read (as root)")
     args = ap.parse_args()
     state = make_state()
     host_state = jax.device_put(state, jax.tree.map(lambda x: x.sharding.with_memory_kind("pinned_host"), state))
     jax.block_until_ready(host_state)
-    out: dict[str, list[float]] = {}
+    out: dict[str, list] = {}
     for _ in range(args.reps):
-        for k, v in one_rep(state, host_state, Path(args.dir).absolute(), args.orbax_handlers).items():
-            out.setdefault(k, []).append(v)
-    print(json.dumps({"jax": jax.__version__, "GB_per_s": out}))
+        for k, v in one_rep(
+            state, host_state, Path(args.dir).absolute(), args.orbax_handlers, args.drop_caches
+        ).items():
+            out.setdefault(k, []).append(round(v, 1) if k == "load_avg_1min" else v)
+    page_cache = set(out.pop("page_cache"))
+    print(json.dumps({"jax": jax.__version__, "page_cache": sorted(page_cache), "GB_per_s": out}))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ Checkpointer's contracts (async, atomic commit, damage fallback) over that paylo
 Orbax-written steps still restoring."""
 
 import json
+import os
 import zlib
 from pathlib import Path
 
@@ -104,8 +105,8 @@ def test_restore_casts_and_reads_only_the_needed_files(tmp_path, monkeypatch):
     m8 = mesh(8)
     sf.write_shards(tmp_path, *sf.host_shards({"w": jax.device_put(values["w"], NamedSharding(m8, P("fsdp")))}))
     read = []
-    real = sf.load_file
-    monkeypatch.setattr(sf, "load_file", lambda d, e, *a: read.append(e["file"]) or real(d, e, *a))
+    real = sf.start_load
+    monkeypatch.setattr(sf, "start_load", lambda d, e, *a: read.append(e["file"]) or real(d, e, *a))
     t = {"w": jax.ShapeDtypeStruct((64, 4), jnp.bfloat16, sharding=NamedSharding(mesh(2), P("fsdp")))}
     out = sf.read_tree(tmp_path, t)
     np.testing.assert_array_equal(np.asarray(out["w"]), values["w"].astype(jnp.bfloat16))
@@ -292,3 +293,119 @@ def test_read_buffers_are_private_page_aligned_memory():
             break
     else:
         pytest.fail("the buffer's mapping is not in /proc/self/maps")
+
+
+@pytest.mark.parametrize("n", [0, 5, 4096, 4096 * 5, 4096 * 5 + 3, 4096 * 6 - 1])
+def test_pieces_cover_the_file_in_order_aligned_then_the_tail(monkeypatch, n):
+    """PIECE-sized ranges over the aligned bulk (aligned at both ends, so each can go
+    direct), the tail under ALIGN bytes last: together exactly [0, n) in order."""
+    from fsdp_jax.checkpoint import direct_io
+
+    monkeypatch.setattr(direct_io, "PIECE", 2 * direct_io.ALIGN)
+    got = direct_io.pieces(n)
+    assert [lo for lo, _ in got] == [0] + [hi for _, hi in got[:-1]] if got else n == 0
+    assert (got[-1][1] if got else 0) == n
+    bulk = n // direct_io.ALIGN * direct_io.ALIGN
+    for lo, hi in got:
+        if lo < bulk:
+            assert lo % direct_io.ALIGN == 0 and hi % direct_io.ALIGN == 0 and 0 < hi - lo <= direct_io.PIECE
+        else:
+            assert (lo, hi) == (bulk, n) and hi - lo < direct_io.ALIGN
+
+
+def test_crc32_combine_is_zlibs_with_or_without_zlib_ng():
+    """The file's CRC-32 joined from its pieces' is zlib's over the whole; the fallback
+    (zlib alone, no crc32_combine) gives the same values."""
+    import zlib
+
+    from fsdp_jax.checkpoint import direct_io
+
+    blob = np.random.default_rng(1).integers(0, 256, 50_000, dtype=np.uint8).tobytes()
+    for cut in (0, 1, 4096, 49_999, 50_000):
+        a, b = blob[:cut], blob[cut:]
+        want = zlib.crc32(blob)
+        assert direct_io.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == want
+        assert direct_io._combine_over_zeros(zlib.crc32(a), zlib.crc32(b), len(b)) == want
+
+
+@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize("n, n_pieces", [(4096 * 7 + 11, 5), (4096 * 8, 4)])  # 7 pages: 2+2+2+1, tail
+@pytest.mark.parametrize("aligned", [True, False])
+def test_a_file_read_in_parallel_pieces_is_the_file(tmp_path, monkeypatch, direct, n, n_pieces, aligned):
+    """Many pieces of one file read by 4 threads at once, each into its place in the
+    destination (an unaligned destination goes through ordinary reads): the bytes and the
+    CRC-32 (zlib's over the file, independently) equal the file's, as read piece after piece."""
+    import concurrent.futures as cf
+
+    from fsdp_jax.checkpoint import direct_io
+
+    monkeypatch.setattr(direct_io, "PIECE", 2 * direct_io.ALIGN)
+    if not direct:
+        monkeypatch.setattr(direct_io, "_DIRECT", 0)
+    blob = np.random.default_rng(2).integers(0, 256, n, dtype=np.uint8).tobytes()
+    (tmp_path / "f").write_bytes(blob)
+    raw = direct_io.aligned_empty((n + 1,), np.uint8)
+    dst = raw[:n] if aligned else raw[1:]
+    with cf.ThreadPoolExecutor(4) as pool:
+        parts = [pool.submit(direct_io.read_range, tmp_path / "f", dst, lo, hi) for lo, hi in direct_io.pieces(n)]
+        got = direct_io.combine([p.result() for p in parts])
+    assert len(parts) == n_pieces
+    assert got == (f"{zlib.crc32(blob):08x}", n) and dst.tobytes() == blob
+    dst[:] = 0
+    assert direct_io.read_file(tmp_path / "f", dst) == got and dst.tobytes() == blob
+
+
+def _pieced_checkpoint(tmp_path, monkeypatch, direct):
+    """A leaf over 8 devices whose shard files (36000 bytes + pad) are 5 or 6 pieces each."""
+    from fsdp_jax.checkpoint import direct_io
+
+    monkeypatch.setattr(direct_io, "PIECE", 2 * direct_io.ALIGN)
+    if not direct:
+        monkeypatch.setattr(direct_io, "_DIRECT", 0)
+    w = np.arange(8 * 9000, dtype=np.float32).reshape(8 * 1000, 9)
+    sf.write_shards(tmp_path, *sf.host_shards({"w": jax.device_put(w, NamedSharding(mesh(8), P("fsdp")))}))
+    t = {"w": jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=NamedSharding(mesh(2), P("fsdp")))}
+    return w, t, sf.read_index(tmp_path)["w"]["files"][3]
+
+
+@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize("piece", ["first", "middle", "last"])
+def test_a_flipped_byte_in_any_piece_is_caught(tmp_path, monkeypatch, direct, piece):
+    """Pieces read in parallel restore the exact values; one changed byte in the first, a
+    middle or the last (tail) piece of one file fails the file's CRC-32, naming the file."""
+    from fsdp_jax.checkpoint import direct_io
+
+    w, t, e = _pieced_checkpoint(tmp_path, monkeypatch, direct)
+    np.testing.assert_array_equal(np.asarray(sf.read_tree(tmp_path, t)["w"]), w)
+    f = tmp_path / e["file"]
+    blob = bytearray(f.read_bytes())
+    parts = direct_io.pieces(len(blob))
+    assert len(parts) >= 5 and parts[-1][1] - parts[-1][0] < direct_io.ALIGN  # the last: the tail
+    lo, hi = parts[{"first": 0, "middle": len(parts) // 2, "last": -1}[piece]]
+    blob[(lo + hi) // 2] ^= 0x10
+    f.write_bytes(bytes(blob))
+    with pytest.raises(sf.ShardFileError, match=rf"^{tmp_path.name}/{e['file']} has changed since it was saved"):
+        sf.read_tree(tmp_path, t)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize("keep", [4096 * 3, 4096 * 3 + 100])
+def test_a_file_cut_short_under_the_reads_is_a_short_read(tmp_path, monkeypatch, direct, keep):
+    """A file truncated after its size was checked (mid-piece, at an aligned and an
+    unaligned length) reads short: a ShardFileError naming it, no EINVAL from a direct read
+    past the end, no array."""
+    from fsdp_jax.checkpoint import direct_io
+
+    w, t, e = _pieced_checkpoint(tmp_path, monkeypatch, direct)
+    real = direct_io.read_range
+    cut = []
+
+    def read_range(path, a, lo, hi):
+        if path.name == e["file"] and not cut:
+            cut.append(os.truncate(path, keep))
+        return real(path, a, lo, hi)
+
+    monkeypatch.setattr(direct_io, "read_range", read_range)
+    with pytest.raises(sf.ShardFileError, match=rf"^{tmp_path.name}/{e['file']} has changed .*CRC-32 short read"):
+        sf.read_tree(tmp_path, t)
+    assert cut

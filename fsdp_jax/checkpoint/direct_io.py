@@ -3,6 +3,8 @@
     crc, pad = write_file(path, a)                 # a's bytes at offset pad, fsync'd; the file's CRC
     raw = aligned_empty((size,), np.uint8)         # page-aligned host memory
     crc2, got = read_file(path, raw)               # the file back; a's bytes are raw[pad:]
+    parts = [pool.submit(read_range, path, raw, lo, hi) for lo, hi in pieces(size)]
+    crc3, got = combine([p.result() for p in parts])   # the same, its pieces read in parallel
 
 O_DIRECT moves the bytes between the buffer and the disk with no copy into the page
 cache, as `dd oflag=direct` does: on a busy machine the copy into the cache (and its
@@ -14,6 +16,13 @@ in memory and in the file at once and goes direct, with no copy; the few bytes b
 after it go through an ordinary descriptor. A file system without O_DIRECT (tmpfs) gets
 ordinary writes and reads, then the written pages dropped from the cache
 (`POSIX_FADV_DONTNEED`).
+
+A file is read in pieces (`pieces`: PIECE bytes of the aligned bulk each, then the tail), each
+read straight into its place in the destination buffer and checksummed on its own; `combine`
+joins the pieces' CRC-32s into the file's (zlib's `crc32_combine`). So the pieces of one large
+file can be read by several threads at once, each piece's CRC computed while the others' reads
+are in flight (BENCHMARKS.md, checkpoint restore: one thread reading a large file alternates
+between the disk and the CPU).
 
 The checksum is zlib's CRC-32 (the value `zlib.crc32` gives, so checkpoints written before
 are verified the same way), computed by zlib-ng's carry-less-multiply code: several times zlib's speed on one core, so
@@ -27,10 +36,22 @@ import os
 
 import numpy as np
 
+
+def _combine_over_zeros(crc1: int, crc2: int, len2: int) -> int:
+    """`crc32_combine` from `crc32` alone (slower: it checksums len2 zero bytes twice). The
+    CRC is affine in the data: continuing crc1 over len2 zero bytes and adding crc2 less the
+    zeros' own CRC gives crc32(A + B)."""
+    zeros = bytes(len2)
+    return _crc32(zeros, crc1) ^ _crc32(zeros) ^ crc2
+
+
 try:  # zlib-ng (a dependency): zlib's CRC-32, faster; the GIL released on large buffers
     from zlib_ng.zlib_ng import crc32 as _crc32
+    from zlib_ng.zlib_ng import crc32_combine as _crc32_combine
 except ImportError:  # pragma: no cover - the same values, slower
     from zlib import crc32 as _crc32
+
+    _crc32_combine = _combine_over_zeros
 
 
 def crc32(data, value: int = 0) -> int:
@@ -38,8 +59,14 @@ def crc32(data, value: int = 0) -> int:
     return _crc32(data, value)
 
 
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC-32 of A + B from crc32(A), crc32(B) and len(B) (zlib's `crc32_combine`)."""
+    return _crc32_combine(crc1, crc2, len2)
+
+
 ALIGN = 4096  # bytes: the largest logical block size in common use
 CHUNK = 64 << 20  # bytes per write / read call (a multiple of ALIGN)
+PIECE = 64 << 20  # bytes of a file read as one piece (`pieces`; a multiple of ALIGN)
 _DIRECT = getattr(os, "O_DIRECT", 0)
 
 
@@ -110,30 +137,51 @@ def write_file(path, a: np.ndarray) -> tuple[str, int]:
     return f"{crc:08x}", pad
 
 
-def read_file(path, a: np.ndarray) -> tuple[str, int]:
-    """Read the file `path` into `a` (C-contiguous, its size the file's); returns (CRC-32 of
-    the bytes read, how many were read). FileNotFoundError propagates."""
-    buf = memoryview(a.reshape(-1).view(np.uint8))
-    bulk = len(buf) // ALIGN * ALIGN
-    if _aligned(buf):
+def pieces(nbytes: int) -> list[tuple[int, int]]:
+    """[start, stop) byte ranges that cover a file of `nbytes` in order: PIECE bytes at a
+    time over the aligned bulk (each range aligned at both ends, so it can go direct), then
+    the tail past the last aligned offset (under ALIGN bytes; read through the page cache)."""
+    bulk = nbytes // ALIGN * ALIGN
+    out = [(lo, min(lo + PIECE, bulk)) for lo in range(0, bulk, PIECE)]
+    return out + ([(bulk, nbytes)] if bulk < nbytes else [])
+
+
+def read_range(path, a: np.ndarray, start: int, stop: int) -> tuple[int, int, int]:
+    """Read bytes [start, stop) of the file `path` into the same bytes of `a` (C-contiguous);
+    returns (CRC-32 of the bytes read, how many were read, stop - start). Past the page cache
+    (O_DIRECT) when the range and its place in `a` are aligned and the file system allows,
+    else through an ordinary descriptor. A file shorter than `stop` reads short (the count
+    says so). FileNotFoundError propagates."""
+    view = memoryview(a.reshape(-1).view(np.uint8))[start:stop]
+    if start % ALIGN == 0 and len(view) % ALIGN == 0 and _aligned(view):
         fd, direct = _open(path, os.O_RDONLY)
     else:
         fd, direct = os.open(path, os.O_RDONLY), False
     crc, got = 0, 0
     try:
-        end = bulk if direct else len(buf)
-        while got < end:
-            n = os.preadv(fd, [buf[got : min(got + CHUNK, end)]], got)
-            if not n:
-                break
-            crc = crc32(buf[got : got + n], crc)
+        while got < len(view):
+            n = os.preadv(fd, [view[got : min(got + CHUNK, len(view))]], start + got)
+            crc = crc32(view[got : got + n], crc)
             got += n
+            if not n or (direct and got % ALIGN):  # the end of the file (no further aligned offset to read at)
+                break
     finally:
         os.close(fd)
-    if direct and got == bulk and bulk < len(buf):
-        with open(path, "rb", buffering=0) as f:
-            f.seek(bulk)
-            n = f.readinto(buf[bulk:])
-            crc = crc32(buf[bulk : bulk + n], crc)
-            got += n
+    return crc, got, len(view)
+
+
+def combine(parts) -> tuple[str, int]:
+    """(the file's CRC-32 as 8 hex digits, bytes read) from its pieces' `read_range` results,
+    in file order."""
+    crc, got = 0, 0
+    for c, n, _ in parts:
+        crc, got = crc32_combine(crc, c, n), got + n
     return f"{crc:08x}", got
+
+
+def read_file(path, a: np.ndarray) -> tuple[str, int]:
+    """Read the file `path` into `a` (C-contiguous, its size the file's), its pieces one
+    after another; returns (CRC-32 of the bytes read, how many were read).
+    FileNotFoundError propagates."""
+    nbytes = a.size * a.itemsize
+    return combine(read_range(path, a, lo, hi) for lo, hi in pieces(nbytes))

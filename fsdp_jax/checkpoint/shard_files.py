@@ -14,7 +14,8 @@ file the shard's index ranges (`start`, `stop` per dim), the data's `offset` in 
 (`direct_io`'s pad), the file's bytes and its CRC-32. No pickle.
 
 A restore builds each target leaf with `jax.make_array_from_callback`: the files that
-overlap this process's shards of the target sharding are read whole (in parallel), their
+overlap this process's shards of the target sharding are read whole (in parallel, in pieces
+of up to `direct_io.PIECE` bytes, so several threads share a large file), their
 CRC-32 and size checked against the index (a mismatch is a `ShardFileError` naming the file,
 which the Checkpointer treats as a damaged step), and the needed slices cut out, cast to the
 target dtype. So a checkpoint written on 8 devices restores onto 4, a 2x4 mesh, one device,
@@ -31,7 +32,7 @@ import concurrent.futures as cf
 import json
 import os
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import numpy as np
@@ -40,7 +41,7 @@ from fsdp_jax.checkpoint import direct_io
 from fsdp_jax.checkpoint.manifest import SHARD_INDEX_GLOB as INDEX_GLOB
 from fsdp_jax.checkpoint.manifest import tree_paths
 
-WORKERS = 8  # files written / read at once (the CRC-32 and file I/O release the GIL)
+WORKERS = 8  # files written / file pieces read at once (the CRC-32 and file I/O release the GIL)
 AHEAD = 2  # leaves whose files are read while one is assembled
 INDEX = "shards.{}.json"
 
@@ -159,25 +160,42 @@ def metadata(directory) -> dict[str, jax.ShapeDtypeStruct]:
     return {p: jax.ShapeDtypeStruct(tuple(m["shape"]), np.dtype(m["dtype"])) for p, m in read_index(directory).items()}
 
 
-def load_file(directory: Path, entry: dict, dtype, shape) -> np.ndarray:
-    """One shard file as an array of `shape` / `dtype`, its size and CRC-32 checked."""
+def start_load(directory: Path, entry: dict, dtype, shape, pool: cf.Executor) -> Callable[[], np.ndarray]:
+    """Start reading one shard file, its pieces (`direct_io.pieces`) as jobs on `pool`, each
+    straight into the memory that becomes the array; returns the function that waits for
+    them and gives the array of `shape` / `dtype`, its size and CRC-32 checked (else
+    `ShardFileError`: missing, resized, short read, changed). Call it from outside `pool`."""
     rel = f"{directory.name}/{entry['file']}"
     path = directory / entry["file"]
     pad = entry.get("offset", 0)
     nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
     try:
         size = path.stat().st_size
-        if size != entry["bytes"] or size != pad + nbytes:
-            raise ShardFileError(f"{rel} has {size} bytes, {entry['bytes']} when saved")
-        raw = direct_io.aligned_empty((size,), np.uint8)  # becomes the array: no copy
-        crc, got = direct_io.read_file(path, raw)
     except FileNotFoundError:
         raise ShardFileError(f"{rel} is missing") from None
-    crc = crc if got == size else "short read"
-    if crc != entry["crc32"]:
-        raise ShardFileError(f"{rel} has changed since it was saved (CRC-32 {crc}, {entry['crc32']} when saved)")
-    a = raw[pad:].view(dtype).reshape(shape)
-    return a
+    if size != entry["bytes"] or size != pad + nbytes:
+        raise ShardFileError(f"{rel} has {size} bytes, {entry['bytes']} when saved")
+    raw = direct_io.aligned_empty((size,), np.uint8)  # becomes the array: no copy
+    parts = [pool.submit(direct_io.read_range, path, raw, lo, hi) for lo, hi in direct_io.pieces(size)]
+
+    def result() -> np.ndarray:
+        try:
+            crc, got = direct_io.combine([p.result() for p in parts])
+        except FileNotFoundError:
+            raise ShardFileError(f"{rel} is missing") from None
+        crc = crc if got == size else "short read"
+        if crc != entry["crc32"]:
+            raise ShardFileError(f"{rel} has changed since it was saved (CRC-32 {crc}, {entry['crc32']} when saved)")
+        return raw[pad:].view(dtype).reshape(shape)
+
+    return result
+
+
+def load_file(directory: Path, entry: dict, dtype, shape) -> np.ndarray:
+    """One shard file as an array of `shape` / `dtype`, its size and CRC-32 checked, its
+    pieces read one after another."""
+    with cf.ThreadPoolExecutor(1) as pool:
+        return start_load(directory, entry, dtype, shape, pool)()
 
 
 def _region(start, stop, files, loaded, dtype) -> np.ndarray:
@@ -201,8 +219,8 @@ def _overlaps(files, start, stop) -> list[dict]:
 
 
 def _start_reads(directory: Path, m: dict, target: Any, pool: cf.Executor):
-    """Submit the reads of the files `target`'s local shards overlap; returns what
-    `_assemble` needs: (the regions, {file: future of its array})."""
+    """Submit the reads of the files `target`'s local shards overlap (every piece of every
+    file a job on `pool`); returns what `_assemble` needs: {file: function giving its array}."""
     shape = tuple(m["shape"])
     sharding = getattr(target, "sharding", None)
     regions = (
@@ -213,7 +231,7 @@ def _start_reads(directory: Path, m: dict, target: Any, pool: cf.Executor):
     need = {e["file"]: e for r in regions for e in (_overlaps(m["files"], *r) if shape else m["files"])}
     saved = np.dtype(m["dtype"])
     return {
-        f: pool.submit(load_file, directory, e, saved, [b - a for a, b in zip(e["start"], e["stop"])])
+        f: start_load(directory, e, saved, [b - a for a, b in zip(e["start"], e["stop"])], pool)
         for f, e in need.items()
     }
 
@@ -223,7 +241,7 @@ def _assemble(m: dict, target: Any, jobs: dict):
     its files' reads."""
     shape = tuple(m["shape"])
     dtype = np.dtype(getattr(target, "dtype", np.dtype(m["dtype"])))
-    loaded = {f: j.result() for f, j in jobs.items()}
+    loaded = {f: j() for f, j in jobs.items()}
     sharding = getattr(target, "sharding", None)
     if sharding is None:
         return _region((0,) * len(shape), shape, m["files"], loaded, dtype)
