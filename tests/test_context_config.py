@@ -19,21 +19,22 @@ def test_bad_context_inputs_one_line_exit_2_nothing_written(tmp_path, capsys):
         (["mesh.context=3"], ["mesh", "context=3", "8 devices"]),
         (["mesh.context=2", "mesh.fsdp=2"], ["mesh", "multiply to 4", "8 devices"]),
         (["mesh.context=2", "model.attention=cudnn"], ["model.attention", "cudnn"]),  # no GPU, f32 compute
-        (  # cuDNN per ring block: no window, no soft cap
-            ["mesh.context=2", "model.attention=cudnn", BF16, "model.sliding_window=8"],
-            ["model.sliding_window", "cudnn per ring block"],
+        (  # cuDNN per ring block: no soft cap
+            ["mesh.context=2", "model.attention=cudnn", BF16, "model.attn_softcap=30", "model.sliding_window=8"],
+            ["model.attn_softcap", "soft cap"],
         ),
         (
             ["mesh.context=2", "model.attention=cudnn", BF16, "model.attn_softcap=30"],
             ["model.attn_softcap", "soft cap"],
         ),
-        (  # packed documents pass the ring's checks (cuDNN's packed layout per block); CPU has no cuDNN
-            ["mesh.context=2", "model.attention=cudnn", BF16, "data.document_mask=true"],
+        (  # packed documents and windows pass the ring's checks (cuDNN's packed layout, bands per
+            # chunk pair); CPU has no cuDNN
+            ["mesh.context=2", "model.attention=cudnn", BF16, "data.document_mask=true", "model.sliding_window=8"],
             ["model.attention", "needs a CUDA GPU"],
         ),
-        (  # splash per ring block: no window; half blocks of whole 128-token tiles
+        (  # splash per ring block: windows pass; half blocks of whole 128-token tiles
             ["mesh.context=2", "model.attention=splash", "model.sliding_window=8"],
-            ["model.sliding_window", "splash per ring block"],
+            ["data.seq_len", "2 x mesh.context x 128 = 512"],
         ),
         (["mesh.context=2", "model.attention=splash"], ["data.seq_len", "2 x mesh.context x 128 = 512"]),
         (["model.context_kv_pass=telepathy"], ["model.context_kv_pass", "ring"]),

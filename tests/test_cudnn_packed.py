@@ -101,17 +101,19 @@ def test_more_segments_than_max_segments_is_flagged():
 
 def emulated_cudnn():
     """(fwd, bwd) with `ring_cudnn._cudnn_fwd` / `_cudnn_bwd`'s signatures: the THD semantics of
-    the layout (`thd_mask`) computed by the reference kernel, stats in cuDNN's packed layout."""
+    the layout (`thd_mask`, with cuDNN's sliding window per segment) computed by the reference
+    kernel, stats in cuDNN's packed layout."""
 
-    def kern(lay, sq, sk, scale):
-        return reference_kernel(scale=scale, mask=lambda *_, causal: thd_mask(lay, sq, sk, causal=causal))
+    def kern(lay, sq, sk, scale, window):
+        mask = lambda *_, causal: thd_mask(lay, sq, sk, causal=causal, window=window)  # noqa: E731
+        return reference_kernel(scale=scale, mask=mask)
 
-    def fwd(q, k, v, lay, causal, *, scale):
-        o, lse = kern(lay, q.shape[1], k.shape[1], scale).fwd(q, k, v, None, None, None, None, None, causal)
+    def fwd(q, k, v, lay, causal, *, scale, window=None):
+        o, lse = kern(lay, q.shape[1], k.shape[1], scale, window).fwd(q, k, v, None, None, None, None, None, causal)
         return o.astype(q.dtype), packed_stats(lse, lay)
 
-    def bwd(q, k, v, lay, causal, stats, o, do, *, scale):
-        ref = kern(lay, q.shape[1], k.shape[1], scale)
+    def bwd(q, k, v, lay, causal, stats, o, do, *, scale, window=None):
+        ref = kern(lay, q.shape[1], k.shape[1], scale, window)
         return ref.bwd(q, k, v, None, None, None, None, None, o, token_lse(stats, lay), do, causal)
 
     return fwd, bwd

@@ -64,11 +64,6 @@ def test_the_private_backward_keeps_the_signature_the_ring_calls():
     assert re.search(r"q,\s*k,\s*v,\s*segment_ids,\s*sinks,\s*o,\s*logsumexp,\s*dq_mask_info,\s*dkv_mask_info", src)
 
 
-def test_no_sliding_window_per_splash_block():
-    with pytest.raises(ValueError, match="no sliding window"):
-        splash_kernel(scale=1.0, window=8)
-
-
 _TPU_CHILD = """
 import json, re, sys
 import jax, jax.numpy as jnp
