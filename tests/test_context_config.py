@@ -38,6 +38,7 @@ def test_bad_context_inputs_one_line_exit_2_nothing_written(tmp_path, capsys):
         ),
         (["mesh.context=2", "model.attention=splash"], ["data.seq_len", "2 x mesh.context x 128 = 512"]),
         (["model.context_kv_pass=telepathy"], ["model.context_kv_pass", "ring"]),
+        (["model.max_segments=0"], ["model.max_segments", "must be > 0"]),
         (["mesh.context=2", "mesh.rules.length=null"], ["mesh.rules.length", "context"]),
     ]
     for extra, words in cases:
@@ -95,3 +96,19 @@ def test_packed_rows_of_131072_tokens_keep_segments_and_positions():
         and order[8192] == 122880
         and order[16384] == 8192
     )
+
+
+def test_a_batch_row_over_model_max_segments_is_one_data_error():
+    """cuDNN's packed layout per ring block is compiled for model.max_segments segments a row;
+    the trainer checks each batch (a row over it would come out NaN and be skipped)."""
+    import numpy as np
+    import pytest
+
+    from fsdp_jax.app.data.batches import check_segments
+    from fsdp_jax.errors import DataError
+
+    seg = np.asarray([[1, 1, 2, 3, 3, 0], [1, 1, 1, 1, 2, 2]])  # 4 and 2 segments (padding is one)
+    check_segments({"segment_ids": seg}, 4, 7, "corpus")
+    check_segments(np.zeros((2, 6), np.int32), 1, 7, "corpus")  # unpacked windows: nothing to check
+    with pytest.raises(DataError, match=r"step 7's batch has a row of 4 segments .* model.max_segments=3"):
+        check_segments({"segment_ids": seg}, 3, 7, "corpus")

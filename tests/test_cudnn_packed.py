@@ -93,6 +93,20 @@ def test_stats_round_trip_and_layout_conventions():
     assert np.isneginf(back[~seen]).all() and (~seen).sum() == 7
 
 
+@pytest.mark.parametrize("context", [2, 4])
+def test_a_row_within_max_segments_never_overflows_a_block(context):
+    """The trainer's bound (`data.batches.check_segments`: a row's segments <= model.max_segments)
+    is enough: no block of the row has more segments on its q side (a block's ids keep the row's
+    order, so its runs are a subset of the row's)."""
+    s = 64
+    for seed in range(4):
+        seg = rows(3, s, seed)
+        runs = 1 + int((seg[:, 1:] != seg[:, :-1]).sum(axis=1).max())
+        for name, qpos, kpos, _ in blocks(context, s):
+            lay = block_layout(jnp.asarray(seg[:, qpos]), jnp.asarray(seg[:, kpos]), max_segments=runs)
+            assert not np.asarray(lay.overflow).any(), (seed, name, runs)
+
+
 def test_more_segments_than_max_segments_is_flagged():
     seg = jnp.asarray([[1, 2, 3, 4, 5, 5, 5, 5], [1, 1, 1, 1, 2, 2, 2, 2]])
     lay = block_layout(seg, seg, max_segments=4)
