@@ -76,7 +76,7 @@ req = json.loads(sys.argv[1])
 devices = targets.target_devices(targets.Target(**req["target"]))
 n, s, h, kvh, dh = req["context"], req["seq"], req["heads"], req["kv_heads"], 128
 mesh = fj.make_mesh(fsdp=len(devices) // n, context=n, devices=devices)
-kern = splash_kernel(scale=dh**-0.5, softcap=req["softcap"])
+kern = splash_kernel(scale=dh**-0.5, softcap=req["softcap"], window=req.get("window", 0))
 
 def loss(q, k, v, pos, seg):
     o = flash_context_attention(q, k, v, pos, seg, kernel=kern, kv_pass=req["kv_pass"])
@@ -94,6 +94,7 @@ half = s // n // 2
 big = [m for m in re.findall(r"f32\\[([\\d,]+)\\]", hlo) if sum(int(d) >= half for d in m.split(",")) >= 2]
 print(json.dumps({"temp": c.memory_analysis().temp_size_in_bytes, "big_f32": sorted(set(big)),
                   "kernels": sorted(set(re.findall(r"splash_\\w*?_(fwd|dq|dkv)", hlo))),
+                  "calls": len(re.findall(r"custom_call_target=\"tpu_custom_call\"", hlo)),
                   "collectives": sorted(set(re.findall(r"\\b(all-gather|reduce-scatter|all-reduce|collective-permute"
                                                        r"|all-to-all)(?:-start)?\\(", hlo)))}))
 """
@@ -114,6 +115,28 @@ def test_splash_ring_compiles_for_tpu_without_score_blocks():
     assert got["kernels"] == ["dkv", "dq", "fwd"], got
     assert got["big_f32"] == [], got
     assert "all-gather" in got["collectives"], got  # K/V gathered over context
+
+
+@pytest.mark.slow
+def test_windowed_splash_ring_compiles_for_tpu_without_score_blocks():
+    """The same v6e ring (chunks of 1024) with a sliding window of 1536 (across a chunk) and
+    packed rows' segment ids: one forward, dq and dkv kernel per band of the plan
+    (`ring_window`: 6 at context 2), every one of them in the compiled step, and no
+    float32 tensor with two dims of a chunk's length."""
+    from fsdp_jax.sharding.ring_window import plan_summary, window_plan
+
+    assert targets.plugin_installed(kind="tpu"), "libtpu missing: python -m fsdp_jax.targets install tpu"
+    t = targets.make_target("v6e", devices=4)
+    req = {"target": t.as_dict(), "context": 2, "seq": 4096, "heads": 4, "kv_heads": 1, "softcap": 0.0}
+    got = json_child(
+        _TPU_CHILD,
+        json.dumps(dict(req, kv_pass="ring", window=1536)),
+        env=targets.child_env(dict(os.environ), target=t),
+    )
+    bands = plan_summary(window_plan(n=2, c=1024, window=1536, pattern=False))["calls"]
+    assert got["kernels"] == ["dkv", "dq", "fwd"], got
+    assert got["calls"] == 3 * bands, (bands, got)
+    assert got["big_f32"] == [], got
 
 
 @pytest.mark.slow
