@@ -140,10 +140,13 @@ def test_windowed_splash_ring_compiles_for_tpu_without_score_blocks():
 
 
 @pytest.mark.slow
-def test_the_trainers_decoder_with_splash_per_ring_block_equals_one_device(monkeypatch):
+@pytest.mark.parametrize("family", [{}, {"sliding_window": 200, "global_every": 2, "rope_local_theta": 100.0}])
+def test_the_trainers_decoder_with_splash_per_ring_block_equals_one_device(monkeypatch, family):
     """`model.attention: splash` at context 2 through the trainer's decoder and loss (zig-zag
-    batch, RoPE positions, packed rows' segment ids, GQA, soft caps), the kernel interpreted on
-    CPU: loss, grad norm and params after 2 SGD steps equal one device's XLA attention (f32)."""
+    batch, RoPE positions, packed rows' segment ids, GQA, soft caps; and Gemma's pattern: a
+    sliding window of 200 across a 128-token chunk on layer 1, global layer 2), the kernel
+    interpreted on CPU: loss, grad norm and params after 2 SGD steps equal one device's XLA
+    attention (f32)."""
     import dataclasses
 
     import numpy as np
@@ -163,7 +166,7 @@ def test_the_trainers_decoder_with_splash_per_ring_block_equals_one_device(monke
     seq = 512  # half blocks of 128 at context 2
     cfg = LlamaConfig(
         vocab_size=128, d_model=256, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=256, max_seq_len=seq,
-        rope_theta=500.0, attn_softcap=20.0,
+        rope_theta=500.0, attn_softcap=20.0, **family,
     )  # fmt: skip
     rng = np.random.default_rng(0)
     batches = []
