@@ -28,7 +28,10 @@ global lse for the backward). That layout is read off jax 0.10.2's abstract eval
 operand order, not checked on a GPU here.
 
 `max_segments` (M) is static: a block with more segments than M cannot be laid out, and the
-kernel poisons that row's output with NaN (`overflow`) rather than drop segments silently.
+kernel poisons that row's output with NaN (`overflow`) rather than drop segments silently. A
+block's q side holds a subset of its row's segments, so M >= a row's segments (the trainer's
+`model.max_segments`, checked per batch) rules that out. `span_layout` lays out one segment per
+row by its spans (the windowed ring's reversed squares, `fsdp_jax.sharding.cudnn_bands`).
 """
 
 from __future__ import annotations

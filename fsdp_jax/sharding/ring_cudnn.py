@@ -24,15 +24,20 @@ local device for Hopper, which a deviceless compile has not (the kernel is for s
 the packed layout jax 0.10 scales BOTH sides' offsets by q's heads x head dim (`_fix_seqlen_offsets`;
 jax 0.12 scales K/V's by their own heads), so grouped-query K/V are repeated to q's heads for
 those calls and their gradients summed back (right on both; on 0.12 the repeat is not needed).
-A block with more than `max_segments` segments gives NaN for its row (a loud failure, which
-the trainer's non-finite guard skips) rather than dropping segments.
+A block with more than `max_segments` segments gives NaN for its row (a loud failure) rather
+than dropping segments; the trainer sizes it from `model.max_segments` and refuses a batch row
+with more segments in one line, so it does not happen there.
 
-cuDNN's flash kernels take bfloat16 / float16 q, k, v only. No sliding window (its offset
-between zig-zag chunks changes with the ring step) and no soft cap: `cudnn_kernel` raises
-ValueError for either; without `packed` its kernel says `segments=False`, so
-`flash_context_attention` raises ValueError for segment ids. Tracing the unpacked forward asks
-the cuDNN library for its version, so a compile for GPU targets needs NVIDIA's cuDNN wheel
-beside the plugin (`python -m fsdp_jax.targets install`).
+Sliding windows (`window`): the ring gives the kernel chunk pairs with a static `Band` each
+(`fsdp_jax.sharding.ring_window`), which `fsdp_jax.sharding.cudnn_bands.band_pieces` covers with
+CAUSAL, NO_MASK and CAUSAL + sliding-window calls, some on both sides reversed; with packed rows
+each piece goes in the packed layout (module docstring of `cudnn_bands`, `packed_kernel`).
+
+cuDNN's flash kernels take bfloat16 / float16 q, k, v only. No soft cap: `cudnn_kernel` raises
+ValueError; without `packed` its kernel says `segments=False`, so `flash_context_attention`
+raises ValueError for segment ids. Tracing the unpacked forward asks the cuDNN library for its
+version, so a compile for GPU targets needs NVIDIA's cuDNN wheel beside the plugin
+(`python -m fsdp_jax.targets install`).
 """
 
 from __future__ import annotations

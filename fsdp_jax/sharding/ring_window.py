@@ -24,9 +24,12 @@ advance by one per slot inside a segment (one row, or one packed example), which
 zig-zag layout keeps within each chunk. Kernels get the band as their `causal` argument
 (`ring_kernels.Band`) and the ring's `local` flag they ignore.
 
-Compile cost: per step up to 2 + (bands of the rank-dependent pair) kernel calls instead of
-the half-block ring's 2 (one per lax.cond branch); each call is a c x c block (half the
-half-block ring's), so the traced kernels' total area stays within about 1.5 x.
+Compile cost: per later step at most three traced pairs (two at a fixed chunk distance, one
+rank-dependent), each with one c x c kernel call per band it may take, where the half-block
+ring traces two calls of 2c x c (one per `lax.cond` branch). A window wider than the row traces
+3 c x c calls a step (3 c^2 of kernel area against 4 c^2); a window shorter than a chunk only a
+chunk's pairs with itself and its predecessor (128k at context 8, window 4096: 5 calls in all
+against 15). At run time each rank computes only the branch its table selects.
 """
 
 from __future__ import annotations
