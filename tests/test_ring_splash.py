@@ -94,7 +94,7 @@ half = s // n // 2
 big = [m for m in re.findall(r"f32\\[([\\d,]+)\\]", hlo) if sum(int(d) >= half for d in m.split(",")) >= 2]
 print(json.dumps({"temp": c.memory_analysis().temp_size_in_bytes, "big_f32": sorted(set(big)),
                   "kernels": sorted(set(re.findall(r"splash_\\w*?_(fwd|dq|dkv)", hlo))),
-                  "calls": len(re.findall(r"custom_call_target=\"tpu_custom_call\"", hlo)),
+                  "calls": len(re.findall(r'custom_call_target="tpu_custom_call"', hlo)),
                   "collectives": sorted(set(re.findall(r"\\b(all-gather|reduce-scatter|all-reduce|collective-permute"
                                                        r"|all-to-all)(?:-start)?\\(", hlo)))}))
 """
