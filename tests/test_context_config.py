@@ -19,24 +19,26 @@ def test_bad_context_inputs_one_line_exit_2_nothing_written(tmp_path, capsys):
         (["mesh.context=3"], ["mesh", "context=3", "8 devices"]),
         (["mesh.context=2", "mesh.fsdp=2"], ["mesh", "multiply to 4", "8 devices"]),
         (["mesh.context=2", "model.attention=cudnn"], ["model.attention", "cudnn"]),  # no GPU, f32 compute
-        (  # cuDNN per ring block: no window, no soft cap
-            ["mesh.context=2", "model.attention=cudnn", BF16, "model.sliding_window=8"],
-            ["model.sliding_window", "cudnn per ring block"],
+        (  # cuDNN per ring block: no soft cap
+            ["mesh.context=2", "model.attention=cudnn", BF16, "model.attn_softcap=30", "model.sliding_window=8"],
+            ["model.attn_softcap", "soft cap"],
         ),
         (
             ["mesh.context=2", "model.attention=cudnn", BF16, "model.attn_softcap=30"],
             ["model.attn_softcap", "soft cap"],
         ),
-        (  # packed documents pass the ring's checks (cuDNN's packed layout per block); CPU has no cuDNN
-            ["mesh.context=2", "model.attention=cudnn", BF16, "data.document_mask=true"],
+        (  # packed documents and windows pass the ring's checks (cuDNN's packed layout, bands per
+            # chunk pair); CPU has no cuDNN
+            ["mesh.context=2", "model.attention=cudnn", BF16, "data.document_mask=true", "model.sliding_window=8"],
             ["model.attention", "needs a CUDA GPU"],
         ),
-        (  # splash per ring block: no window; half blocks of whole 128-token tiles
+        (  # splash per ring block: windows pass; half blocks of whole 128-token tiles
             ["mesh.context=2", "model.attention=splash", "model.sliding_window=8"],
-            ["model.sliding_window", "splash per ring block"],
+            ["data.seq_len", "2 x mesh.context x 128 = 512"],
         ),
         (["mesh.context=2", "model.attention=splash"], ["data.seq_len", "2 x mesh.context x 128 = 512"]),
         (["model.context_kv_pass=telepathy"], ["model.context_kv_pass", "ring"]),
+        (["model.max_segments=0"], ["model.max_segments", "must be > 0"]),
         (["mesh.context=2", "mesh.rules.length=null"], ["mesh.rules.length", "context"]),
     ]
     for extra, words in cases:
@@ -94,3 +96,19 @@ def test_packed_rows_of_131072_tokens_keep_segments_and_positions():
         and order[8192] == 122880
         and order[16384] == 8192
     )
+
+
+def test_a_batch_row_over_model_max_segments_is_one_data_error():
+    """cuDNN's packed layout per ring block is compiled for model.max_segments segments a row;
+    the trainer checks each batch (a row over it would come out NaN and be skipped)."""
+    import numpy as np
+    import pytest
+
+    from fsdp_jax.app.data.batches import check_segments
+    from fsdp_jax.errors import DataError
+
+    seg = np.asarray([[1, 1, 2, 3, 3, 0], [1, 1, 1, 1, 2, 2]])  # 4 and 2 segments (padding is one)
+    check_segments({"segment_ids": seg}, 4, 7, "corpus")
+    check_segments(np.zeros((2, 6), np.int32), 1, 7, "corpus")  # unpacked windows: nothing to check
+    with pytest.raises(DataError, match=r"step 7's batch has a row of 4 segments .* model.max_segments=3"):
+        check_segments({"segment_ids": seg}, 3, 7, "corpus")

@@ -93,6 +93,20 @@ def test_stats_round_trip_and_layout_conventions():
     assert np.isneginf(back[~seen]).all() and (~seen).sum() == 7
 
 
+@pytest.mark.parametrize("context", [2, 4])
+def test_a_row_within_max_segments_never_overflows_a_block(context):
+    """The trainer's bound (`data.batches.check_segments`: a row's segments <= model.max_segments)
+    is enough: no block of the row has more segments on its q side (a block's ids keep the row's
+    order, so its runs are a subset of the row's)."""
+    s = 64
+    for seed in range(4):
+        seg = rows(3, s, seed)
+        runs = 1 + int((seg[:, 1:] != seg[:, :-1]).sum(axis=1).max())
+        for name, qpos, kpos, _ in blocks(context, s):
+            lay = block_layout(jnp.asarray(seg[:, qpos]), jnp.asarray(seg[:, kpos]), max_segments=runs)
+            assert not np.asarray(lay.overflow).any(), (seed, name, runs)
+
+
 def test_more_segments_than_max_segments_is_flagged():
     seg = jnp.asarray([[1, 2, 3, 4, 5, 5, 5, 5], [1, 1, 1, 1, 2, 2, 2, 2]])
     lay = block_layout(seg, seg, max_segments=4)
@@ -101,17 +115,19 @@ def test_more_segments_than_max_segments_is_flagged():
 
 def emulated_cudnn():
     """(fwd, bwd) with `ring_cudnn._cudnn_fwd` / `_cudnn_bwd`'s signatures: the THD semantics of
-    the layout (`thd_mask`) computed by the reference kernel, stats in cuDNN's packed layout."""
+    the layout (`thd_mask`, with cuDNN's sliding window per segment) computed by the reference
+    kernel, stats in cuDNN's packed layout."""
 
-    def kern(lay, sq, sk, scale):
-        return reference_kernel(scale=scale, mask=lambda *_, causal: thd_mask(lay, sq, sk, causal=causal))
+    def kern(lay, sq, sk, scale, window):
+        mask = lambda *_, causal: thd_mask(lay, sq, sk, causal=causal, window=window)  # noqa: E731
+        return reference_kernel(scale=scale, mask=mask)
 
-    def fwd(q, k, v, lay, causal, *, scale):
-        o, lse = kern(lay, q.shape[1], k.shape[1], scale).fwd(q, k, v, None, None, None, None, None, causal)
+    def fwd(q, k, v, lay, causal, *, scale, window=None):
+        o, lse = kern(lay, q.shape[1], k.shape[1], scale, window).fwd(q, k, v, None, None, None, None, None, causal)
         return o.astype(q.dtype), packed_stats(lse, lay)
 
-    def bwd(q, k, v, lay, causal, stats, o, do, *, scale):
-        ref = kern(lay, q.shape[1], k.shape[1], scale)
+    def bwd(q, k, v, lay, causal, stats, o, do, *, scale, window=None):
+        ref = kern(lay, q.shape[1], k.shape[1], scale, window)
         return ref.bwd(q, k, v, None, None, None, None, None, o, token_lse(stats, lay), do, causal)
 
     return fwd, bwd

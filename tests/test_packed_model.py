@@ -1,6 +1,7 @@
 """The model on packed rows: attention never crosses an example boundary and RoPE
 restarts per example, so a packed row's logits equal each example run alone."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -46,3 +47,42 @@ def test_cudnn_packed_layout():
     assert (seqlen[:, 4:] == -1).all()
     assert offsets[:, :5].tolist() == [[0, 3, 5, -1, -1], [0, -1, -1, -1, -1]]
     assert offsets.shape == (2, 9) and (offsets[:, 5:] == -1).all()
+
+
+def test_cudnn_packed_attention_with_grouped_kv_reads_the_right_rows(monkeypatch):
+    """The context-1 cuDNN path of packed rows (`models.attention.attention(..., "cudnn")`) over an
+    emulated cuDNN that reads each segment's tokens where the element offsets jax computes
+    (`_fix_seqlen_offsets`, this jax's own) point in the flat q / K / V buffers, with grouped-query
+    K/V (8 q heads on 2): equal to the XLA path. jax 0.10 scales K/V offsets by q's heads, so
+    unrepeated K/V would be read at 4x their token offsets."""
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+
+    from fsdp_jax.app.models.attention import attention
+
+    def fake(q, k, v, *, q_seqlen, kv_seqlen, q_offsets, kv_offsets, scale, mask_type):
+        assert mask_type == fa.MaskType.PADDING_CAUSAL
+        qs, kvs, qo, ko = fa._fix_seqlen_offsets(q_seqlen, kv_seqlen, q_offsets, kv_offsets, q, k)
+        b, t, n, dh = q.shape
+        s_, kh = k.shape[1], k.shape[2]
+        g = qs.size  # segments over the batch, valid ones first (as cuDNN reads them)
+        qs, kvs, qo, ko = qs.reshape(-1), kvs.reshape(-1), qo.reshape(-1)[:g], ko.reshape(-1)[:g]
+        qt, kt = qo // (n * dh), ko // (kh * dh)  # flat token index of each segment's start
+        i, j = jnp.arange(b * t)[:, None, None], jnp.arange(b * s_)[None, :, None]
+        on = (qs > 0)[None, None]
+        mask = jnp.any(
+            on & (i >= qt) & (i < qt + qs) & (j >= kt) & (j < kt + kvs) & (j - kt <= i - qt), axis=-1
+        )  # (B T, B S)
+        qf, kf, vf = q.reshape(b * t, n, dh), k.reshape(b * s_, kh, dh), v.reshape(b * s_, kh, dh)
+        kf, vf = jnp.repeat(kf, n // kh, axis=1), jnp.repeat(vf, n // kh, axis=1)
+        sc = jnp.where(mask[None], jnp.einsum("ind,jnd->nij", qf, kf) * scale, -jnp.inf)
+        p = jnp.where(mask.any(-1)[None, :, None], jax.nn.softmax(sc, axis=-1), 0.0)
+        return jnp.einsum("nij,jnd->ind", p, vf).reshape(b, t, n, dh)
+
+    monkeypatch.setattr(fa, "dot_product_attention", fake)
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (2, 16, 8, 8))
+    k, v = (jax.random.normal(x, (2, 16, 2, 8)) for x in keys[1:])
+    seg = jnp.asarray([[1] * 5 + [2] * 7 + [3] * 4, [1] * 9 + [2] * 7])
+    got = attention(q, k, v, seg, "cudnn")
+    want = attention(q, k, v, seg, "xla")
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

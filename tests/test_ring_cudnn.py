@@ -3,7 +3,7 @@ ring compiles deviceless for 8 x H100 (XLA:GPU, the CUDA plugin and NVIDIA's cuD
 `python -m fsdp_jax.targets install`) with cuDNN's forward and backward custom calls in it and
 no float32 score block, with and without packed rows (cuDNN's packed layout per block); the
 private primitives' operands and the packed conventions as jax 0.10 has them; and what the
-kernel refuses (windows, soft caps; segment ids without `packed`) in one line."""
+kernel refuses (soft caps; segment ids without `packed`) in one line."""
 
 import inspect
 import json
@@ -36,11 +36,12 @@ b = len(devices) // n
 
 def loss(q, k, v, pos, seg):
     seg = seg if req.get("packed") else None
+    w = req.get("window", 0)
     if req["impl"] == "cudnn":
-        kern = cudnn_kernel(scale=dh**-0.5, packed=seg is not None)
+        kern = cudnn_kernel(scale=dh**-0.5, packed=seg is not None, window=w)
         o = flash_context_attention(q, k, v, pos, seg, kernel=kern, kv_pass=req["kv_pass"])
     else:
-        o = context_attention(q, k, v, pos, seg, scale=dh**-0.5, kv_pass=req["kv_pass"])
+        o = context_attention(q, k, v, pos, seg, scale=dh**-0.5, window=w, kv_pass=req["kv_pass"])
     return jnp.sum(o.astype(jnp.float32) ** 2)
 
 sh = NamedSharding(mesh, P("fsdp", "context"))
@@ -60,7 +61,7 @@ print(json.dumps({"temp": c.memory_analysis().temp_size_in_bytes, "big_f32": sor
 """
 
 
-def _compile(impl, kv_pass, context=4, packed=False):
+def _compile(impl, kv_pass, context=4, packed=False, window=0):
     assert cudnn_installed(), (
         f"NVIDIA's cuDNN wheel is not in {targets.plugin_dir()}: python -m fsdp_jax.targets install"
     )
@@ -72,6 +73,7 @@ def _compile(impl, kv_pass, context=4, packed=False):
         "heads": 8,
         "kv_heads": 2,
         "packed": packed,
+        "window": window,
     }
     return json_child(_GPU_CHILD, json.dumps(req), env=targets.child_env(dict(os.environ)))
 
@@ -105,6 +107,36 @@ def test_packed_cudnn_ring_compiles_for_h100_with_cudnn_blocks_and_no_score_bloc
     assert got["calls"] == {"__cudnn$fmhaSoftmax": 7, "__cudnn$fmhaSoftmaxBackward": 7}, got
     assert got["big_f32"] == [], got
     xla = _compile("xla", kv_pass, packed=True)
+    assert xla["big_f32"] and not xla["calls"], xla
+    assert got["temp"] < xla["temp"] / 2, (got["temp"], xla["temp"])
+
+
+def _window_calls(context, seq, window, packed):
+    """cuDNN forward calls the windowed ring traces (as many backward): every band of every
+    chunk pair's branches as `band_pieces`, a reversed square of packed rows as two calls."""
+    from fsdp_jax.sharding.cudnn_bands import band_pieces
+    from fsdp_jax.sharding.ring_window import window_plan
+
+    c = seq // context // 2
+    plan = window_plan(n=context, c=c, window=window, pattern=False)
+    pieces = [kind for pp in plan.values() for band in pp.bands for _, _, kind in band_pieces(band, c, c)]
+    return sum(2 if packed and kind == "anti" else 1 for kind in pieces)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("window", [512, 1536])
+def test_windowed_cudnn_ring_compiles_for_h100_with_cudnn_blocks_and_no_score_block(window, packed):
+    """The same ring (fsdp 2 x context 4, chunks of 1024) with Mistral-style sliding windows,
+    shorter than a chunk (512) and across one (1536), with and without packed rows: every band
+    of the plan is cuDNN calls in the compiled step (the count the plan and `band_pieces` give,
+    forward and backward), no float32 tensor with two dims of a chunk's length, and under half
+    the XLA ring's temporaries with the same window."""
+    got = _compile("cudnn", "ring", packed=packed, window=window)
+    n = _window_calls(4, 8192, window, packed)
+    assert got["calls"] == {"__cudnn$fmhaSoftmax": n, "__cudnn$fmhaSoftmaxBackward": n}, (n, got)
+    assert got["big_f32"] == [], got
+    xla = _compile("xla", "ring", packed=packed, window=window)
     assert xla["big_f32"] and not xla["calls"], xla
     assert got["temp"] < xla["temp"] / 2, (got["temp"], xla["temp"])
 
@@ -150,9 +182,10 @@ def test_the_private_backward_takes_the_operands_the_ring_gives():
 
 
 def test_what_cudnn_per_block_refuses():
-    for kw, word in ((dict(window=8), "sliding window"), (dict(softcap=3.0), "soft cap")):
-        with pytest.raises(ValueError, match=word):
+    for kw in (dict(softcap=3.0), dict(softcap=3.0, window=8, packed=True)):
+        with pytest.raises(ValueError, match="soft cap"):
             cudnn_kernel(scale=1.0, **kw)
+    assert cudnn_kernel(scale=1.0, window=8).window == 8  # windows: the ring's bands (test_ring_window)
     q = jnp.zeros((2, 8, 2, 8), jnp.bfloat16)
     ids = jnp.zeros((2, 8), jnp.int32)
     with pytest.raises(ValueError, match="segment ids"):

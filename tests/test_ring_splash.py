@@ -64,11 +64,6 @@ def test_the_private_backward_keeps_the_signature_the_ring_calls():
     assert re.search(r"q,\s*k,\s*v,\s*segment_ids,\s*sinks,\s*o,\s*logsumexp,\s*dq_mask_info,\s*dkv_mask_info", src)
 
 
-def test_no_sliding_window_per_splash_block():
-    with pytest.raises(ValueError, match="no sliding window"):
-        splash_kernel(scale=1.0, window=8)
-
-
 _TPU_CHILD = """
 import json, re, sys
 import jax, jax.numpy as jnp
@@ -81,7 +76,7 @@ req = json.loads(sys.argv[1])
 devices = targets.target_devices(targets.Target(**req["target"]))
 n, s, h, kvh, dh = req["context"], req["seq"], req["heads"], req["kv_heads"], 128
 mesh = fj.make_mesh(fsdp=len(devices) // n, context=n, devices=devices)
-kern = splash_kernel(scale=dh**-0.5, softcap=req["softcap"])
+kern = splash_kernel(scale=dh**-0.5, softcap=req["softcap"], window=req.get("window", 0))
 
 def loss(q, k, v, pos, seg):
     o = flash_context_attention(q, k, v, pos, seg, kernel=kern, kv_pass=req["kv_pass"])
@@ -99,6 +94,7 @@ half = s // n // 2
 big = [m for m in re.findall(r"f32\\[([\\d,]+)\\]", hlo) if sum(int(d) >= half for d in m.split(",")) >= 2]
 print(json.dumps({"temp": c.memory_analysis().temp_size_in_bytes, "big_f32": sorted(set(big)),
                   "kernels": sorted(set(re.findall(r"splash_\\w*?_(fwd|dq|dkv)", hlo))),
+                  "calls": len(re.findall(r'custom_call_target="tpu_custom_call"', hlo)),
                   "collectives": sorted(set(re.findall(r"\\b(all-gather|reduce-scatter|all-reduce|collective-permute"
                                                        r"|all-to-all)(?:-start)?\\(", hlo)))}))
 """
@@ -122,10 +118,35 @@ def test_splash_ring_compiles_for_tpu_without_score_blocks():
 
 
 @pytest.mark.slow
-def test_the_trainers_decoder_with_splash_per_ring_block_equals_one_device(monkeypatch):
+def test_windowed_splash_ring_compiles_for_tpu_without_score_blocks():
+    """The same v6e ring (chunks of 1024) with a sliding window of 1536 (across a chunk) and
+    packed rows' segment ids: one forward, dq and dkv kernel per band of the plan
+    (`ring_window`: 6 at context 2), every one of them in the compiled step, and no
+    float32 tensor with two dims of a chunk's length."""
+    from fsdp_jax.sharding.ring_window import plan_summary, window_plan
+
+    assert targets.plugin_installed(kind="tpu"), "libtpu missing: python -m fsdp_jax.targets install tpu"
+    t = targets.make_target("v6e", devices=4)
+    req = {"target": t.as_dict(), "context": 2, "seq": 4096, "heads": 4, "kv_heads": 1, "softcap": 0.0}
+    got = json_child(
+        _TPU_CHILD,
+        json.dumps(dict(req, kv_pass="ring", window=1536)),
+        env=targets.child_env(dict(os.environ), target=t),
+    )
+    bands = plan_summary(window_plan(n=2, c=1024, window=1536, pattern=False))["calls"]
+    assert got["kernels"] == ["dkv", "dq", "fwd"], got
+    assert got["calls"] == 3 * bands, (bands, got)
+    assert got["big_f32"] == [], got
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", [{}, {"sliding_window": 200, "global_every": 2, "rope_local_theta": 100.0}])
+def test_the_trainers_decoder_with_splash_per_ring_block_equals_one_device(monkeypatch, family):
     """`model.attention: splash` at context 2 through the trainer's decoder and loss (zig-zag
-    batch, RoPE positions, packed rows' segment ids, GQA, soft caps), the kernel interpreted on
-    CPU: loss, grad norm and params after 2 SGD steps equal one device's XLA attention (f32)."""
+    batch, RoPE positions, packed rows' segment ids, GQA, soft caps; and Gemma's pattern: a
+    sliding window of 200 across a 128-token chunk on layer 1, global layer 2), the kernel
+    interpreted on CPU: loss, grad norm and params after 2 SGD steps equal one device's XLA
+    attention (f32)."""
     import dataclasses
 
     import numpy as np
@@ -145,7 +166,7 @@ def test_the_trainers_decoder_with_splash_per_ring_block_equals_one_device(monke
     seq = 512  # half blocks of 128 at context 2
     cfg = LlamaConfig(
         vocab_size=128, d_model=256, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=256, max_seq_len=seq,
-        rope_theta=500.0, attn_softcap=20.0,
+        rope_theta=500.0, attn_softcap=20.0, **family,
     )  # fmt: skip
     rng = np.random.default_rng(0)
     batches = []

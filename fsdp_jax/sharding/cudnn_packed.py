@@ -28,7 +28,10 @@ global lse for the backward). That layout is read off jax 0.10.2's abstract eval
 operand order, not checked on a GPU here.
 
 `max_segments` (M) is static: a block with more segments than M cannot be laid out, and the
-kernel poisons that row's output with NaN (`overflow`) rather than drop segments silently.
+kernel poisons that row's output with NaN (`overflow`) rather than drop segments silently. A
+block's q side holds a subset of its row's segments, so M >= a row's segments (the trainer's
+`model.max_segments`, checked per batch) rules that out. `span_layout` lays out one segment per
+row by its spans (the windowed ring's reversed squares, `fsdp_jax.sharding.cudnn_bands`).
 """
 
 from __future__ import annotations
@@ -110,19 +113,51 @@ def block_layout(qs, ks, *, max_segments: int) -> BlockLayout:
     )
 
 
-def thd_mask(lay: BlockLayout, sq: int, sk: int, *, causal: bool):
+def thd_mask(lay: BlockLayout, sq: int, sk: int, *, causal: bool, window: int | None = None):
     """(B, Sq, Sk) bool: query i attends key j iff some segment m holds i on its q side and j
-    on its kv side, and (causal) j's place in the segment <= i's: cuDNN's packed semantics
-    read from the layout's four arrays only (the reference for `block_layout`)."""
+    on its kv side, and (causal) j's place in the segment <= i's, and (window W) i's place - j's
+    < W: cuDNN's packed semantics read from the layout's four arrays only (the reference for
+    `block_layout`)."""
     qo, ko = lay.q_offsets[:, :-1], lay.kv_offsets[:, :-1]
     i = jnp.arange(sq)[None, :, None]  # (1, Sq, 1) against (B, 1, M)
     j = jnp.arange(sk)[None, :, None]
     in_q = (qo[:, None] >= 0) & (i >= qo[:, None]) & (i < qo[:, None] + lay.q_seqlen[:, None])  # (B, Sq, M)
     in_k = (ko[:, None] >= 0) & (j >= ko[:, None]) & (j < ko[:, None] + lay.kv_seqlen[:, None])  # (B, Sk, M)
     both = in_q[:, :, None, :] & in_k[:, None, :, :]  # (B, Sq, Sk, M)
+    gap = (i[:, :, None, :] - qo[:, None, None]) - (j[:, None, :, :] - ko[:, None, None])  # (B, Sq, Sk, M)
     if causal:
-        both = both & ((j[:, None, :, :] - ko[:, None, None]) <= (i[:, :, None, :] - qo[:, None, None]))
+        both = both & (gap >= 0)
+    if window:
+        both = both & (gap < window)
     return jnp.any(both, axis=-1)
+
+
+def span_layout(q_lo, q_len, kv_lo, kv_len, sq: int, sk: int) -> BlockLayout:
+    """The packed layout of ONE segment per row: q rows [q_lo, q_lo + q_len) against kv rows
+    [kv_lo, kv_lo + kv_len) ((B,) int each; a row with either length 0 has none), M = 2.
+    For a block whose keys all precede its queries, where at most one segment (the one across
+    the gap) is on both sides."""
+    b = q_lo.shape[0]
+    on = (q_len > 0) & (kv_len > 0)
+    none = jnp.full((b, 1), -1, jnp.int32)
+
+    def entry(x):
+        return jnp.concatenate([jnp.where(on, x, -1).astype(jnp.int32)[:, None], none], axis=1)
+
+    x = jnp.arange(sq, dtype=jnp.int32)[None]
+    y = jnp.arange(sk, dtype=jnp.int32)[None]
+    in_q = on[:, None] & (x >= q_lo[:, None]) & (x < (q_lo + q_len)[:, None])
+    in_k = on[:, None] & (y >= kv_lo[:, None]) & (y < (kv_lo + kv_len)[:, None])
+    return BlockLayout(
+        entry(q_len),
+        entry(kv_len),
+        jnp.concatenate([entry(q_lo), none], axis=1),
+        jnp.concatenate([entry(kv_lo), none], axis=1),
+        jnp.where(in_q, 0, -1).astype(jnp.int32),
+        jnp.where(in_q, x - q_lo[:, None], 0).astype(jnp.int32),
+        in_k,
+        jnp.zeros((b,), bool),
+    )
 
 
 def _stat_rows(lay: BlockLayout):

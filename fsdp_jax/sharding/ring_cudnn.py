@@ -24,23 +24,29 @@ local device for Hopper, which a deviceless compile has not (the kernel is for s
 the packed layout jax 0.10 scales BOTH sides' offsets by q's heads x head dim (`_fix_seqlen_offsets`;
 jax 0.12 scales K/V's by their own heads), so grouped-query K/V are repeated to q's heads for
 those calls and their gradients summed back (right on both; on 0.12 the repeat is not needed).
-A block with more than `max_segments` segments gives NaN for its row (a loud failure, which
-the trainer's non-finite guard skips) rather than dropping segments.
+A block with more than `max_segments` segments gives NaN for its row (a loud failure) rather
+than dropping segments; the trainer sizes it from `model.max_segments` and refuses a batch row
+with more segments in one line, so it does not happen there.
 
-cuDNN's flash kernels take bfloat16 / float16 q, k, v only. No sliding window (its offset
-between zig-zag chunks changes with the ring step) and no soft cap: `cudnn_kernel` raises
-ValueError for either; without `packed` its kernel says `segments=False`, so
-`flash_context_attention` raises ValueError for segment ids. Tracing the unpacked forward asks
-the cuDNN library for its version, so a compile for GPU targets needs NVIDIA's cuDNN wheel
-beside the plugin (`python -m fsdp_jax.targets install`).
+Sliding windows (`window`): the ring gives the kernel chunk pairs with a static `Band` each
+(`fsdp_jax.sharding.ring_window`), which `fsdp_jax.sharding.cudnn_bands.band_pieces` covers with
+CAUSAL, NO_MASK and CAUSAL + sliding-window calls, some on both sides reversed; with packed rows
+each piece goes in the packed layout (module docstring of `cudnn_bands`, `packed_kernel`).
+
+cuDNN's flash kernels take bfloat16 / float16 q, k, v only. No soft cap: `cudnn_kernel` raises
+ValueError; without `packed` its kernel says `segments=False`, so `flash_context_attention`
+raises ValueError for segment ids. Tracing the unpacked forward asks the cuDNN library for its
+version, so a compile for GPU targets needs NVIDIA's cuDNN wheel beside the plugin
+(`python -m fsdp_jax.targets install`).
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
-from fsdp_jax.sharding.cudnn_packed import block_layout, packed_stats, token_lse
-from fsdp_jax.sharding.ring_kernels import BlockKernel
+from fsdp_jax.sharding.cudnn_bands import by_pieces, piece_window
+from fsdp_jax.sharding.cudnn_packed import block_layout, packed_stats, span_layout, token_lse
+from fsdp_jax.sharding.ring_kernels import BlockKernel, merge
 
 # segments per block cuDNN's packed layout is sized for (stats (B x M, H, Sq) float32 per call)
 MAX_SEGMENTS = 128
@@ -63,72 +69,76 @@ def _version_params() -> dict:
 
 
 def cudnn_kernel(
-    *, scale: float, softcap: float = 0.0, window: int = 0, packed: bool = False, max_segments: int = MAX_SEGMENTS
+    *,
+    scale: float,
+    softcap: float = 0.0,
+    window: int = 0,
+    packed: bool = False,
+    max_segments: int = MAX_SEGMENTS,
+    backend=None,
 ) -> BlockKernel:
-    """The cuDNN `BlockKernel` (module docstring); ValueError for a window or a soft cap.
-    `packed`: the blocks take segment ids (cuDNN's packed layout per block)."""
-    for name, value in (("sliding window", window), ("soft cap", softcap)):
-        if value:
-            raise ValueError(f"cuDNN per ring block takes no {name} ({value}); use model.attention=xla")
+    """The cuDNN `BlockKernel` (module docstring); ValueError for a soft cap. `packed`: the
+    blocks take segment ids (cuDNN's packed layout per block); `window`: the ring gives the
+    kernel chunk pairs and their bands (`ring_window`); `backend` = (fwd, bwd) with
+    `_plain_fwd` / `_plain_bwd`'s signatures (`_cudnn_fwd` / `_cudnn_bwd`'s with `packed`)
+    replaces cuDNN (the CPU tests' emulation)."""
+    if softcap:
+        raise ValueError(f"cuDNN per ring block takes no soft cap ({softcap}); use model.attention=xla")
     if packed:
-        return packed_kernel(scale=scale, max_segments=max_segments)
+        return packed_kernel(scale=scale, max_segments=max_segments, window=window, backend=backend)
+    call_fwd, call_bwd = backend or (_plain_fwd, _plain_bwd)
 
-    def mask(causal):
-        return _fa().MaskType.CAUSAL if causal else _fa().MaskType.NO_MASK
+    def piece_fwd(q, k, v, qs, ks, kind):
+        o, lse = call_fwd(q, k, v, kind != "full", piece_window(kind), scale=scale)
+        return o.astype(jnp.float32), lse.astype(jnp.float32)
 
-    def fwd(q, k, v, qp, kp, qs, ks, local, causal):
-        del qp, kp, qs, ks, local  # plain causal / full blocks of unpacked rows
-        o, lse = _fa().dot_product_attention(
-            q, k, v, scale=scale, mask_type=mask(causal), qkv_layout="BTNH", return_residual=True
-        )
-        return o.astype(jnp.float32), jnp.swapaxes(lse, 1, 2).astype(jnp.float32)  # lse (B, Sq, H)
+    def piece_bwd(q, k, v, qs, ks, kind, o, lse, do):
+        grads = call_bwd(q, k, v, o, lse, do, kind != "full", piece_window(kind), scale=scale)
+        return tuple(g.astype(jnp.float32) for g in grads)
 
-    def bwd(q, k, v, qp, kp, qs, ks, local, o, lse, do, causal):
-        del qp, kp, qs, ks, local
-        fa = _fa()
-        unused = jnp.zeros(0, dtype=q.dtype)
-        grads = fa._dot_product_attention_bwd_p_wrapper.bind(
-            q,
-            k,
-            v,
-            unused,  # bias
-            unused,  # q_seqlen
-            unused,  # kv_seqlen
-            unused,  # q_offsets
-            unused,  # kv_offsets
-            unused,  # page_table_k
-            unused,  # page_table_v
-            jnp.swapaxes(lse, 1, 2).astype(jnp.float32),  # activation: the global lse (B, H, Sq)
-            o.astype(q.dtype),  # fwd_output: the global o
-            do.astype(q.dtype),  # grad_output
-            scale=scale,
-            seed=42,
-            dropout_rate=0.0,
-            variadic_args=(False, False),  # (has_bias, has_dbias)
-            mask_type=mask(causal),
-            layout=fa.AttentionLayout.BTNH.value,
-            sliding_window_length=None,
-            **_version_params(),
-        )
-        dq, dk, dv = grads[:3]
-        return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
-
-    return BlockKernel(fwd, bwd, segments=False)
+    return BlockKernel(*by_pieces(piece_fwd, piece_bwd), segments=False, window=window)
 
 
-def _cudnn_fwd(q, k, v, lay, causal, *, scale):
+def _plain_fwd(q, k, v, causal, window, *, scale):
+    """cuDNN's forward on an unpacked block: (o (B, Sq, H, Dh), lse (B, Sq, H) float32)."""
+    fa = _fa()
+    mask = fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK
+    o, lse = fa.dot_product_attention(
+        q, k, v, scale=scale, mask_type=mask, qkv_layout="BTNH", sliding_window_length=window, return_residual=True
+    )
+    return o, jnp.swapaxes(lse, 1, 2).astype(jnp.float32)
+
+
+def _plain_bwd(q, k, v, o, lse, do, causal, window, *, scale):
+    """cuDNN's backward on an unpacked block given the ring's global o and lse: (dq, dk, dv)."""
+    fa = _fa()
+    unused = jnp.zeros(0, dtype=q.dtype)
+    grads = fa._dot_product_attention_bwd_p_wrapper.bind(
+        q, k, v,
+        unused, unused, unused, unused, unused, unused, unused,  # bias, seqlens, offsets, page tables
+        jnp.swapaxes(lse, 1, 2).astype(jnp.float32),  # activation: the global lse (B, H, Sq)
+        o.astype(q.dtype),  # fwd_output: the global o
+        do.astype(q.dtype),  # grad_output
+        scale=scale, seed=42, dropout_rate=0.0, variadic_args=(False, False),  # (has_bias, has_dbias)
+        mask_type=fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK, layout=fa.AttentionLayout.BTNH.value,
+        sliding_window_length=window, **_version_params(),
+    )  # fmt: skip
+    return grads[:3]
+
+
+def _cudnn_fwd(q, k, v, lay, causal, *, scale, window=None):
     """cuDNN's forward on one block in its packed layout: (o (B, Sq, H, Dh), stats (B x M, H, Sq))."""
     fa = _fa()
     unused = jnp.zeros(0, dtype=q.dtype)
     o, stats = fa._dot_product_attention_fwd_p_wrapper.bind(
         q, k, v, unused, lay.q_seqlen, lay.kv_seqlen, lay.q_offsets, lay.kv_offsets, unused, unused,
         scale=scale, seed=42, dropout_rate=0.0, variadic_args=(False, False), mask_type=_packed_mask(causal),
-        layout=fa.AttentionLayout.BTNH.value, sliding_window_length=None, is_training=True, **_version_params(),
+        layout=fa.AttentionLayout.BTNH.value, sliding_window_length=window, is_training=True, **_version_params(),
     )  # fmt: skip
     return o, stats
 
 
-def _cudnn_bwd(q, k, v, lay, causal, stats, o, do, *, scale):
+def _cudnn_bwd(q, k, v, lay, causal, stats, o, do, *, scale, window=None):
     """cuDNN's backward on one block in its packed layout, given packed stats: (dq, dk, dv)."""
     fa = _fa()
     unused = jnp.zeros(0, dtype=q.dtype)
@@ -136,7 +146,7 @@ def _cudnn_bwd(q, k, v, lay, causal, stats, o, do, *, scale):
         q, k, v, unused, lay.q_seqlen, lay.kv_seqlen, lay.q_offsets, lay.kv_offsets, unused, unused,
         stats, o, do,
         scale=scale, seed=42, dropout_rate=0.0, variadic_args=(False, False), mask_type=_packed_mask(causal),
-        layout=fa.AttentionLayout.BTNH.value, sliding_window_length=None, **_version_params(),
+        layout=fa.AttentionLayout.BTNH.value, sliding_window_length=window, **_version_params(),
     )  # fmt: skip
     return grads[:3]
 
@@ -156,33 +166,65 @@ def _fold(dx, kvh):
     return dx if h == kvh else dx.reshape(b, s, kvh, h // kvh, d).sum(3)
 
 
-def packed_kernel(*, scale: float, max_segments: int = MAX_SEGMENTS, backend=None) -> BlockKernel:
+def packed_kernel(*, scale: float, max_segments: int = MAX_SEGMENTS, window: int = 0, backend=None) -> BlockKernel:
     """The cuDNN `BlockKernel` for packed rows (module docstring). `backend` = (fwd, bwd) with
     `_cudnn_fwd` / `_cudnn_bwd`'s signatures replaces cuDNN (the CPU tests' emulation)."""
     call_fwd, call_bwd = backend or (_cudnn_fwd, _cudnn_bwd)
 
-    def fwd(q, k, v, qp, kp, qs, ks, local, causal):
-        del qp, kp, local
-        lay = block_layout(qs, ks, max_segments=max_segments)
-        h = q.shape[2]
-        o, stats = call_fwd(q, _heads(k, h), _heads(v, h), lay, causal, scale=scale)
-        seen = (lay.q_seg >= 0)[..., None]
-        o = jnp.where(seen[..., None], o.astype(jnp.float32), 0.0)
-        o = jnp.where(lay.overflow[:, None, None, None], jnp.nan, o)
-        return o, token_lse(stats, lay)
+    def calls(qs, ks, kind):
+        """[(layout, causal, window)] of a piece, and its queries that may see a key (None: all)."""
+        if kind != "anti":
+            return [(block_layout(qs, ks, max_segments=max_segments), kind != "full", piece_window(kind))], None
+        # a reversed square whose keys all preceded its queries: only the segment across the gap
+        # is on both sides, now a q suffix (qn rows) and a kv prefix (kn rows); y <= x within it
+        # is cuDNN's per-segment causal mask only with equal starts, so: q rows [0, kn) against
+        # kv [0, kn) causal, q rows [kn, L) against kv [0, kn) unmasked, then drop q rows < L - qn
+        sq = qs.shape[1]
+        common = ks[:, 0] == qs[:, -1]
+        kn = jnp.where(common, jnp.sum(ks == ks[:, :1], axis=1), 0).astype(jnp.int32)
+        qn = jnp.where(common, jnp.sum(qs == qs[:, -1:], axis=1), 0).astype(jnp.int32)
+        zero = jnp.zeros_like(kn)
+        valid = jnp.arange(sq)[None] >= (sq - qn)[:, None]
+        spans = [
+            (span_layout(zero, kn, zero, kn, sq, sq), True, None),
+            (span_layout(kn, sq - kn, zero, kn, sq, sq), False, None),
+        ]
+        return spans, valid
 
-    def bwd(q, k, v, qp, kp, qs, ks, local, o, lse, do, causal):
-        del qp, kp, local
-        lay = block_layout(qs, ks, max_segments=max_segments)
+    def piece_fwd(q, k, v, qs, ks, kind):
+        h = q.shape[2]
+        kr, vr = _heads(k, h), _heads(v, h)
+        specs, valid = calls(qs, ks, kind)
+        acc = None
+        for lay, causal, win in specs:
+            o, stats = call_fwd(q, kr, vr, lay, causal, scale=scale, window=win)
+            o = jnp.where((lay.q_seg >= 0)[..., None, None], o.astype(jnp.float32), 0.0)
+            o = jnp.where(lay.overflow[:, None, None, None], jnp.nan, o)
+            part = (o, token_lse(stats, lay))
+            acc = part if acc is None else merge(acc, part)
+        if valid is None:
+            return acc
+        return jnp.where(valid[..., None, None], acc[0], 0.0), jnp.where(valid[..., None], acc[1], -jnp.inf)
+
+    def piece_bwd(q, k, v, qs, ks, kind, o, lse, do):
         h, kvh = q.shape[2], k.shape[2]
-        stats = packed_stats(lse, lay)  # the ring's global lse in cuDNN's packed layout
-        dq, dk, dv = call_bwd(
-            q, _heads(k, h), _heads(v, h), lay, causal, stats, o.astype(q.dtype), do.astype(q.dtype), scale=scale
-        )
-        dq = jnp.where((lay.q_seg >= 0)[..., None, None], dq.astype(jnp.float32), 0.0)
-        kv_seen = lay.kv_covered[..., None, None]
-        dk = jnp.where(kv_seen, _fold(dk.astype(jnp.float32), kvh), 0.0)
-        dv = jnp.where(kv_seen, _fold(dv.astype(jnp.float32), kvh), 0.0)
+        kr, vr = _heads(k, h), _heads(v, h)
+        specs, valid = calls(qs, ks, kind)
+        if valid is not None:  # dropped queries: no output gradient, and P = exp(S - 1e30) = 0
+            do = jnp.where(valid[..., None, None], do, 0)
+            lse = jnp.where(valid[..., None], lse, 1e30)
+        dq = jnp.zeros(q.shape, jnp.float32)
+        dk = jnp.zeros(k.shape, jnp.float32)
+        dv = jnp.zeros(v.shape, jnp.float32)
+        for lay, causal, win in specs:
+            stats = packed_stats(lse, lay)  # the ring's global lse in cuDNN's packed layout
+            gq, gk, gv = call_bwd(
+                q, kr, vr, lay, causal, stats, o.astype(q.dtype), do.astype(q.dtype), scale=scale, window=win
+            )
+            dq = dq + jnp.where((lay.q_seg >= 0)[..., None, None], gq.astype(jnp.float32), 0.0)
+            kv_seen = lay.kv_covered[..., None, None]
+            dk = dk + jnp.where(kv_seen, _fold(gk.astype(jnp.float32), kvh), 0.0)
+            dv = dv + jnp.where(kv_seen, _fold(gv.astype(jnp.float32), kvh), 0.0)
         return dq, dk, dv
 
-    return BlockKernel(fwd, bwd)
+    return BlockKernel(*by_pieces(piece_fwd, piece_bwd), window=window)

@@ -14,7 +14,9 @@ rank j = i - t's block, whose zig-zag half is either all of i's queries against 
 first-half keys (j < i) or i's second-half queries against all of j's keys (j > i), both
 unmasked but for segments and windows (a `lax.cond` on the ring index). Each block's
 kernel returns (o_j, lse_j); blocks merge by log-sum-exp, so no rank holds more than the
-kernel's own tiles. Residuals: q, k, v, the ids, the output o and its lse.
+kernel's own tiles. Residuals: q, k, v, the ids, the output o and its lse. A kernel with a
+sliding window (`BlockKernel.window`: splash, cuDNN) meets each block as chunk pairs instead,
+each with its static band picked by a `lax.switch` on the rank (`fsdp_jax.sharding.ring_window`).
 
 Backward: the same steps again, each block's kernel backward given the GLOBAL o and lse
 (so P and rowsum(dO * o) are the whole row's): dq adds up on the rank, dk / dv of block
@@ -37,6 +39,7 @@ from fsdp_jax.sharding.ring_attention import KV_PASSES, context_specs
 from fsdp_jax.sharding.ring_cudnn import cudnn_kernel
 from fsdp_jax.sharding.ring_kernels import BlockKernel, merge, reference_kernel
 from fsdp_jax.sharding.ring_splash import splash_kernel
+from fsdp_jax.sharding.ring_window import window_bwd, window_fwd, window_plan
 
 # `model.attention` -> the block kernel of its flash ring (each takes scale, softcap, window)
 RING_KERNELS = {"reference": reference_kernel, "splash": splash_kernel, "cudnn": cudnn_kernel}
@@ -95,30 +98,47 @@ def _blocks(kv, n, kv_pass):
         yield j, kv
 
 
-def _forward(kern, n, kv_pass, q, k, v, qp, kp, qs, ks, local):
+def _plan(kern, n, q, pattern):
+    """The windowed ring's chunk-pair plan (`ring_window`) for a kernel with a window, else None."""
+    return window_plan(n=n, c=q.shape[1] // 2, window=kern.window, pattern=pattern) if kern.window else None
+
+
+def _forward(kern, n, kv_pass, pattern, q, k, v, qp, kp, qs, ks, local):
     i = jax.lax.axis_index(CONTEXT)
-    acc = kern.fwd(q, k, v, qp, kp, qs, ks, local, True)  # own block: causal over slots
-    for j, kv in _blocks((k, v, kp, ks), n, kv_pass):
-        acc = merge(acc, _step_fwd(kern, (q, qp, qs), kv, local, j, i))
+    plan, qq = _plan(kern, n, q, pattern), (q, qp, qs)
+    if plan is None:
+        acc = kern.fwd(q, k, v, qp, kp, qs, ks, local, True)  # own block: causal over slots
+    else:
+        acc = window_fwd(kern, plan, 0, qq, (k, v, kp, ks), local, i)
+    for t, (j, kv) in enumerate(_blocks((k, v, kp, ks), n, kv_pass), 1):
+        step = _step_fwd(kern, qq, kv, local, j, i) if plan is None else window_fwd(kern, plan, t, qq, kv, local, i)
+        acc = merge(acc, step)
     o, lse = acc
     return o.astype(q.dtype), lse
 
 
-def _backward(kern, n, kv_pass, res, do):
+def _backward(kern, n, kv_pass, pattern, res, do):
     q, k, v, qp, kp, qs, ks, local, o, lse = res
     i = jax.lax.axis_index(CONTEXT)
     out = (o, lse, do)
-    dq, dk, dv = kern.bwd(q, k, v, qp, kp, qs, ks, local, o, lse, do, True)
+    plan, qq = _plan(kern, n, q, pattern), (q, qp, qs)
+    if plan is None:
+        dq, dk, dv = kern.bwd(q, k, v, qp, kp, qs, ks, local, o, lse, do, True)
+    else:
+        dq, dk, dv = window_bwd(kern, plan, 0, qq, (k, v, kp, ks), local, out, i)
     ring = [(r, (r + 1) % n) for r in range(n)]
     sc = k.shape[1]
     if kv_pass == "all_gather":  # one (B, S, K, Dh) f32 buffer per rank, reduce-scattered at the end
         full = [jnp.zeros((x.shape[0], n * sc, *x.shape[2:]), jnp.float32) for x in (k, v)]
         full = [jax.lax.dynamic_update_slice_in_dim(f, g, i * sc, axis=1) for f, g in zip(full, (dk, dv))]
     dkv = (dk, dv)
-    for j, kv in _blocks((k, v, kp, ks), n, kv_pass):
+    for t, (j, kv) in enumerate(_blocks((k, v, kp, ks), n, kv_pass), 1):
         if kv_pass == "ring":  # block j's gradients travel with block j
             dkv = jax.lax.ppermute(dkv, CONTEXT, ring)
-        dq_j, dk_j, dv_j = _step_bwd(kern, (q, qp, qs), kv, local, out, j, i)
+        if plan is None:
+            dq_j, dk_j, dv_j = _step_bwd(kern, qq, kv, local, out, j, i)
+        else:
+            dq_j, dk_j, dv_j = window_bwd(kern, plan, t, qq, kv, local, out, i)
         dq = dq + dq_j
         if kv_pass == "ring":
             dkv = (dkv[0] + dk_j, dkv[1] + dv_j)
@@ -134,19 +154,19 @@ def _backward(kern, n, kv_pass, res, do):
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-def _local_ring(q, k, v, qp, kp, qs, ks, local, *, kern, n, kv_pass):
+def _local_ring(q, k, v, qp, kp, qs, ks, local, *, kern, n, kv_pass, pattern):
     """The per-rank body under shard_map: one custom VJP over the whole ring."""
 
     @jax.custom_vjp
     def attend(q, k, v, qp, kp, qs, ks, local):
-        return _forward(kern, n, kv_pass, q, k, v, qp, kp, qs, ks, local)[0]
+        return _forward(kern, n, kv_pass, pattern, q, k, v, qp, kp, qs, ks, local)[0]
 
     def fwd(q, k, v, qp, kp, qs, ks, local):
-        o, lse = _forward(kern, n, kv_pass, q, k, v, qp, kp, qs, ks, local)
+        o, lse = _forward(kern, n, kv_pass, pattern, q, k, v, qp, kp, qs, ks, local)
         return o, (q, k, v, qp, kp, qs, ks, local, o, lse)
 
     def bwd(res, do):
-        return (*_backward(kern, n, kv_pass, res, do), None, None, None, None, None)
+        return (*_backward(kern, n, kv_pass, pattern, res, do), None, None, None, None, None)
 
     attend.defvjp(fwd, bwd)
     return attend(q, k, v, qp, kp, qs, ks, local)
@@ -156,8 +176,9 @@ def flash_context_attention(
     q, k, v, positions, segment_ids=None, *, kernel: BlockKernel, local=None, kv_pass: str = "all_gather"
 ):
     """Causal attention of zig-zag rows sharded over `context`, each ring block computed
-    by `kernel` (module docstring). `kernel` carries scale, soft cap and window; `local`
-    a traced bool scalar (the window applies when True) or None (always)."""
+    by `kernel` (module docstring). `kernel` carries scale, soft cap and window (a kernel with
+    `window` set runs the chunk-pair steps of `ring_window`); `local` a traced bool scalar
+    (the window applies when True) or None (always)."""
     if kv_pass not in KV_PASSES:
         raise ValueError(f"kv_pass {kv_pass!r}: choose one of {', '.join(KV_PASSES)}")
     if not isinstance(kernel, BlockKernel):
@@ -168,7 +189,7 @@ def flash_context_attention(
         raise ValueError("flash_context_attention needs positions (B, S): rows are in zig-zag order")
     seg = jnp.zeros(positions.shape, jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
     flag = jnp.asarray(True) if local is None else jnp.asarray(local)
-    body = functools.partial(_local_ring, kern=kernel, n=context_size(), kv_pass=kv_pass)
+    body = functools.partial(_local_ring, kern=kernel, n=context_size(), kv_pass=kv_pass, pattern=local is not None)
     qs, kvs, seq = context_specs()
     fn = jax.shard_map(body, in_specs=(qs, kvs, kvs, seq, seq, seq, seq, P()), out_specs=qs, check_vma=False)
     return fn(q, k, v, positions, positions, seg, seg, flag)

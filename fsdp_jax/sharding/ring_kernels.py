@@ -9,7 +9,9 @@ q (B, Sq, H, Dh), k / v (B, Sk, K, Dh) (grouped-query: H a multiple of K), qp / 
 positions and qs / ks segment ids (B, Sq) / (B, Sk) int, `local` a bool scalar (the
 sliding window applies when True). `causal` is static: True for a rank's own block (in
 the zig-zag layout that is a causal mask over slot indices, Sq == Sk), False for the half
-blocks of later ring steps (every query may see every key, segments and window aside).
+blocks of later ring steps (every query may see every key, segments and window aside), or a
+`Band` (a kernel whose `BlockKernel.window` is set: the windowed ring of
+`fsdp_jax.sharding.ring_window` gives each chunk pair its static band of slot offsets).
 
 `fwd` returns the block's normalised output o_j (B, Sq, H, Dh) and its log-sum-exp
 lse_j (B, Sq, H), both float32 (-inf for a query that sees no key of the block). `bwd`
@@ -31,20 +33,53 @@ import jax.numpy as jnp
 
 class BlockKernel(NamedTuple):
     """One ring step's attention: `fwd` -> (o_j, lse_j), `bwd` -> (dq, dk, dv) (module
-    docstring); `segments` False: the kernel ignores segment ids (the ring refuses packed rows)."""
+    docstring); `segments` False: the kernel ignores segment ids (the ring refuses packed rows);
+    `window` > 0: the ring applies this sliding window by static `Band`s per chunk pair
+    (`fsdp_jax.sharding.ring_window`), the kernel only follows the band it is given."""
 
     fwd: Callable
     bwd: Callable
     segments: bool = True
+    window: int = 0
 
 
-def block_mask(qp, kp, qs, ks, local, *, causal: bool, window: int):
-    """(B, Sq, Sk) bool: segments match, the static causal structure (slot i sees slot
-    j <= i when `causal`) and, with `window`, pos_q - pos_k < window where `local`."""
+class Band(NamedTuple):
+    """A block's static mask by slot: query slot x sees key slot y iff lo <= x - y < hi
+    (None: no bound). CAUSAL = Band(0, None), FULL = Band(None, None); a window W on the
+    diagonal is Band(0, W); a chunk pair d slots apart under a window is Band(None, W - d)."""
+
+    lo: int | None = None
+    hi: int | None = None
+
+
+CAUSAL = Band(0, None)
+FULL = Band(None, None)
+
+
+def as_band(causal) -> Band:
+    """A kernel's `causal` argument (bool or Band) as a Band."""
+    return causal if isinstance(causal, Band) else (CAUSAL if causal else FULL)
+
+
+def band_mask(band: Band, sq: int, sk: int):
+    """(Sq, Sk) bool of a Band."""
+    d = jnp.arange(sq)[:, None] - jnp.arange(sk)[None, :]
+    mask = jnp.ones((sq, sk), bool)
+    if band.lo is not None:
+        mask = mask & (d >= band.lo)
+    if band.hi is not None:
+        mask = mask & (d < band.hi)
+    return mask
+
+
+def block_mask(qp, kp, qs, ks, local, *, causal, window: int):
+    """(B, Sq, Sk) bool: segments match, the static structure (`causal`: True = slot i sees
+    slot j <= i, False = all, or a `Band`) and, with `window`, pos_q - pos_k < window where
+    `local`."""
     mask = qs[:, :, None] == ks[:, None, :]
-    if causal:
-        sq, sk = qs.shape[1], ks.shape[1]
-        mask = mask & (jnp.arange(sk)[None, :] <= jnp.arange(sq)[:, None])[None]
+    band = as_band(causal)
+    if band != FULL:
+        mask = mask & band_mask(band, qs.shape[1], ks.shape[1])[None]
     if window:
         inside = qp[:, :, None] - kp[:, None, :] < window
         mask = mask & (inside | ~local)
@@ -77,12 +112,14 @@ def _grouped(x, kvh):
 
 
 def reference_kernel(
-    *, scale: float, softcap: float = 0.0, window: int = 0, mask: Callable | None = None
+    *, scale: float, softcap: float = 0.0, window: int = 0, mask: Callable | None = None, banded: bool = False
 ) -> BlockKernel:
     """The pure-JAX block kernel (float32, exact softmax): the flash kernels' reference. `mask`
     (qp, kp, qs, ks, local, causal=) -> (B, Sq, Sk) bool replaces `block_mask` (tests feed it
-    cuDNN's packed-layout semantics, `fsdp_jax.sharding.cudnn_packed.thd_mask`)."""
-    mask_of = mask or functools.partial(block_mask, window=window)
+    cuDNN's packed-layout semantics, `fsdp_jax.sharding.cudnn_packed.thd_mask`). The window
+    masks by positions, unless `banded`: then the ring applies it by slot bands, as it does
+    for splash and cuDNN (`BlockKernel.window`)."""
+    mask_of = mask or functools.partial(block_mask, window=0 if banded else window)
 
     def fwd(q, k, v, qp, kp, qs, ks, local, causal):
         h = q.shape[2]
@@ -117,7 +154,7 @@ def reference_kernel(
         dk = jnp.einsum("bkgst,bkgsd->btkd", ds, qg) * scale
         return jnp.moveaxis(dq, 3, 1).reshape(b, sq, h, dh), dk, dv
 
-    return BlockKernel(fwd, bwd)
+    return BlockKernel(fwd, bwd, window=window if banded else 0)
 
 
 def merge(a, b):

@@ -13,11 +13,14 @@ the kernel's multi-query form, one call per (row, kv head) with its H / K query 
 (`vmap`); q is scaled before the kernel, so dq is scaled after. A block's static mask is
 causal (a rank's own block) or full (the zig-zag half blocks); packed rows' segment ids go
 in as splash's `SegmentIds`. A query that sees no key of a block gets splash's lse of
-`mask_value` + log(Sk) (about -2.4e38), whose merge weight is 0 like -inf's.
+`mask_value` + log(Sk) (about -2.4e38), or NaN o when the mask skipped all its key tiles: the
+kernel returns o 0 and lse -inf for both.
 
-Sliding windows are not supported (a window's offset between two zig-zag chunks depends
-on the ring step, splash's masks are static): `splash_kernel(window=...)` raises
-ValueError. Mosaic compiles the kernel for TPU only; `interpret=True` runs it anywhere
+Sliding windows: a window's offset between two zig-zag chunks depends on the ring step and
+the rank, splash's masks are static, so `splash_kernel(window=W)` says `window=W` and the ring
+gives it chunk pairs with a static `Band` each (`fsdp_jax.sharding.ring_window`), as a
+`LocalMask` (tiles wholly outside the band are skipped by splash's block-sparse grid).
+Mosaic compiles the kernel for TPU only; `interpret=True` runs it anywhere
 (slowly: CPU tests at small sizes). A block's tiles are the largest of `block`, `block` / 2,
 ... 128 that divides its length; the backward wants key tiles of a multiple of 128 tokens,
 so half blocks (S / 2C) should be a multiple of 128.
@@ -30,13 +33,27 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from fsdp_jax.sharding.ring_kernels import BlockKernel
+from fsdp_jax.sharding.ring_kernels import CAUSAL, FULL, Band, BlockKernel, as_band
 
 BLOCK = 512
 
 
+def _mask(band: Band, sq: int, sk: int):
+    """Splash's static mask of a Band: CausalMask, FullMask, or a LocalMask with
+    window_size (hi - 1, -lo) (query slot x sees keys x - (hi - 1) .. x + lo)."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+
+    if band == CAUSAL:
+        return sa.CausalMask((sq, sk))
+    if band == FULL:
+        return sa.FullMask((sq, sk))
+    left = None if band.hi is None else band.hi - 1
+    right = None if band.lo is None else -band.lo
+    return sa.LocalMask((sq, sk), window_size=(left, right), offset=0)
+
+
 @functools.lru_cache(maxsize=None)
-def _kernel(sq: int, sk: int, heads: int, causal: bool, softcap: float, interpret: bool, block: int):
+def _kernel(sq: int, sk: int, heads: int, causal, softcap: float, interpret: bool, block: int):
     """What `make_splash_mqa_single_device(..., save_residuals=True)` builds, with the mask
     infos left as numpy (that factory makes jnp arrays: tracers when called under a trace,
     device arrays of whatever mesh is current), so one cached kernel serves every trace."""
@@ -44,7 +61,7 @@ def _kernel(sq: int, sk: int, heads: int, causal: bool, softcap: float, interpre
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk_mod
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as mi
 
-    mask = sa.MultiHeadMask([sa.CausalMask((sq, sk)) if causal else sa.FullMask((sq, sk))] * heads)
+    mask = sa.MultiHeadMask([_mask(as_band(causal), sq, sk)] * heads)
     bq, bkv = _fit(sq, block), _fit(sk, block)
     sizes = sa.BlockSizes(
         block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq, block_kv_dkv=bkv,
@@ -97,12 +114,8 @@ def _per_row_and_kv_head(fn, *args):
 def splash_kernel(
     *, scale: float, softcap: float = 0.0, window: int = 0, interpret: bool = False, block: int = BLOCK
 ) -> BlockKernel:
-    """The splash `BlockKernel` (module docstring); ValueError for a sliding window."""
-    if window:
-        raise ValueError(
-            f"splash per ring block has no sliding window (window {window}): its masks are static and "
-            "a window's offset between zig-zag chunks changes with the ring step"
-        )
+    """The splash `BlockKernel` (module docstring); with `window` the ring gives it chunk pairs
+    and their bands (`ring_window`)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk_mod
 
     def prep(q, k, v):
@@ -120,7 +133,11 @@ def splash_kernel(
             return o, lse
 
         o, lse = _per_row_and_kv_head(one, *prep(q, k, v), qs, ks)
-        return _ungrouped(o).astype(jnp.float32), _ungrouped(lse).astype(jnp.float32)
+        o, lse = _ungrouped(o).astype(jnp.float32), _ungrouped(lse).astype(jnp.float32)
+        # a query whose every key tile the block mask skips ends with l = 0: o NaN, lse -inf;
+        # one inside a computed tile but seeing no key gets lse ~ mask_value: both see nothing
+        seen = lse > sk_mod.DEFAULT_MASK_VALUE / 2
+        return jnp.where(seen[..., None], o, 0.0), jnp.where(seen, lse, -jnp.inf)
 
     def bwd(q, k, v, qp, kp, qs, ks, local, o, lse, do, causal):
         del qp, kp, local
@@ -151,4 +168,4 @@ def splash_kernel(
         dq = _ungrouped(dq).astype(jnp.float32) * scale
         return dq, jnp.moveaxis(dk, 1, 2).astype(jnp.float32), jnp.moveaxis(dv, 1, 2).astype(jnp.float32)
 
-    return BlockKernel(fwd, bwd)
+    return BlockKernel(fwd, bwd, window=window)

@@ -49,19 +49,12 @@ def check_context(cfg: Config, context_n: int) -> None:
 
 def _check_flash_blocks(cfg: Config, context_n: int) -> None:
     """What a flash kernel per ring block takes (fsdp_jax.sharding.ring_splash / ring_cudnn):
-    no sliding window (static masks; a window's offset between zig-zag chunks changes with the
-    ring step); splash: half blocks of whole 128-token tiles; cuDNN: no soft cap (packed rows go
-    through cuDNN's packed layout per block, fsdp_jax.sharding.cudnn_packed)."""
+    splash: half blocks of whole 128-token tiles; cuDNN: no soft cap (packed rows go through
+    cuDNN's packed layout per block, fsdp_jax.sharding.cudnn_packed). Sliding windows run as
+    static bands per chunk pair (fsdp_jax.sharding.ring_window) for both."""
     att = cfg.model.attention
     if att not in RING_FLASH_KERNELS:
         return
-    _check(
-        not cfg.model.sliding_window,
-        "model.sliding_window",
-        cfg.model.sliding_window,
-        f"{att} per ring block (mesh.context={context_n}) has no sliding window (its masks are static); "
-        "use model.attention=xla",
-    )
     if att == "splash":
         _check(
             cfg.data.seq_len % (2 * context_n * 128) == 0,

@@ -63,6 +63,7 @@ MODEL_LIMITS: dict[str, str] = {
             "rope_low_freq_factor",
             "rope_beta_fast",
             "rope_beta_slow",
+            "max_segments",
         )
     },
     **{

@@ -65,6 +65,23 @@ def check_tokens(local: np.ndarray, vocab_size: int, step: int, data_path: str) 
         )
 
 
+def check_segments(local, max_segments: int, step: int, data_path: str) -> None:
+    """Each packed row holds at most `max_segments` segments (runs of equal ids, padding
+    included): the bound cuDNN's packed layout per ring block is compiled for
+    (`model.max_segments`); a row over it would come out NaN and be skipped as non-finite."""
+    if not isinstance(local, dict):
+        return
+    seg = np.asarray(local["segment_ids"])
+    runs = 1 + np.count_nonzero(seg[:, 1:] != seg[:, :-1], axis=1)
+    worst = int(runs.max(initial=0))
+    if worst > max_segments:
+        raise DataError(
+            f"data.path {data_path!r}: step {step}'s batch has a row of {worst} segments (documents, "
+            f"padding included), over model.max_segments={max_segments} that cuDNN's packed layout per "
+            "ring block is sized for; raise model.max_segments or use model.attention=xla"
+        )
+
+
 def evaluate(run, params, batches) -> float:
     """Mean val loss: per token over all batches for packed / document-masked batches
     (sum of token losses / trained tokens: the example-level loss of held-out

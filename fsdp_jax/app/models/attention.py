@@ -62,7 +62,8 @@ def attention(q, k, v, segment_ids, impl: str):
     `segment_ids` (B, S) is given. `xla`: a (B, 1, S, S) mask with is_causal.
     `cudnn`: jax.nn.dot_product_attention takes no segment ids, so the packed rows go to
     the cuDNN fused attention under it as per-row segment lengths and offsets
-    (PADDING_CAUSAL, cuDNN's packed layout; GPU only, untestable on CPU)."""
+    (PADDING_CAUSAL, cuDNN's packed layout; GPU only: tests/test_packed_model.py emulates it),
+    grouped-query K/V repeated to q's heads."""
     if segment_ids is None:
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=None if impl == "xla" else impl)
     if impl == "xla":
@@ -71,6 +72,10 @@ def attention(q, k, v, segment_ids, impl: str):
     from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cudnn_attn
 
     seqlen, offsets = packed_layout(segment_ids)
+    # jax 0.10's `_fix_seqlen_offsets` scales the K/V offsets by q's heads x head dim (0.12 by
+    # K's own): grouped-query K/V repeated to q's heads read the right rows on both
+    h = q.shape[2]
+    k, v = (x if x.shape[2] == h else jnp.repeat(x, h // x.shape[2], axis=2) for x in (k, v))
     return cudnn_attn(
         q,
         k,

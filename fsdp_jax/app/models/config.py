@@ -22,6 +22,9 @@ class LlamaConfig:
     scan_layers: bool = True
     attention: str = "xla"  # xla | cudnn (jax.nn.dot_product_attention) | splash (TPU Pallas kernel)
     context_kv_pass: str = "all_gather"  # mesh.context > 1: all_gather | ring (sharding/ring_attention.py)
+    # attention cudnn, mesh.context > 1, packed rows: segments (documents, padding included) a row
+    # may hold; cuDNN's packed layout per ring block is sized for them (the trainer checks each batch)
+    max_segments: int = 128
     tie_word_embeddings: bool = False  # output head = embed.T (no separate head param)
     kv_channels: int = 0  # per-head width; 0 = d_model // n_heads (`head_dim` resolves it)
     # RoPE scaling (of global layers): default | linear | llama3 | yarn (models/rope.py)

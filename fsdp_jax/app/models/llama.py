@@ -139,7 +139,9 @@ class Attention(nnx.Module):
             kw = dict(softcap=cfg.attn_softcap, window=cfg.sliding_window, local=local)
             o = context_attention(q, k, v, positions, segment_ids, scale=scale, kv_pass=cfg.context_kv_pass, **kw)
         elif context_size() > 1:  # a flash kernel per ring block (splash on TPU, cuDNN on GPU)
-            packed = {"packed": segment_ids is not None} if self.impl == "cudnn" else {}  # cuDNN's packed layout
+            packed = {}  # cuDNN's packed layout per block, sized for a row's segments
+            if self.impl == "cudnn":
+                packed = {"packed": segment_ids is not None, "max_segments": cfg.max_segments}
             kern = RING_KERNELS[self.impl](scale=scale, softcap=cfg.attn_softcap, window=cfg.sliding_window, **packed)
             o = flash_context_attention(
                 q, k, v, positions, segment_ids, kernel=kern, local=local, kv_pass=cfg.context_kv_pass

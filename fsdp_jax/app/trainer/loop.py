@@ -28,7 +28,7 @@ import jax
 
 from fsdp_jax.app.config.parse import save_config
 from fsdp_jax.app.config.schema import Config
-from fsdp_jax.app.data.batches import check_tokens, global_batch, make_batches
+from fsdp_jax.app.data.batches import check_segments, check_tokens, global_batch, make_batches
 from fsdp_jax.app.models.llama import count_params, flops_per_token
 from fsdp_jax.app.trainer.build import lora_spec
 from fsdp_jax.app.trainer.faults import Faults
@@ -159,6 +159,7 @@ def _loop(
     lp, compiled, profiler = _start(run, progress)
     hooks = default_hooks(run.cfg, profiler) + list(hooks or ())
     c, timer = run.cfg.train, lp.timer
+    cudnn_ring = run.cfg.model.attention == "cudnn" and dict(run.plan.mesh.shape).get("context", 1) > 1
     for step_i in range(run.start_step, c.steps):
         lp.done = step_i + 1
         for h in hooks:
@@ -168,6 +169,8 @@ def _loop(
         if faults.data_delay_s:
             time.sleep(faults.data_delay_s)
         check_tokens(local, run.cfg.model.vocab_size, lp.done, run.cfg.data.path)
+        if cudnn_ring:  # packed rows within cuDNN's packed layout per ring block
+            check_segments(local, run.cfg.model.max_segments, lp.done, run.cfg.data.path)
         run.checkpointer.check()  # a failed background save stops the run now, not at the next save
         local = faults.poison(lp.done, local, run.cfg.model.vocab_size)
         batch = global_batch(run.plan, local)
