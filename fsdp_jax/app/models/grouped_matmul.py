@@ -29,6 +29,7 @@ and come out 0 with every implementation.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import re
 
@@ -91,10 +92,16 @@ def resolve(impl: str, dims: tuple[int, int, int] | None = None) -> str:
     return "tokamax" if have and (gpu or (tpu and not misfit)) else "xla"
 
 
-def _kernels() -> tuple[str, ...]:
-    """tokamax's implementations to try, in order (it skips one the device lacks): on GPU Mosaic
-    GPU then Triton, on TPU Mosaic TPU ("mosaic" is the device's Mosaic)."""
-    return ("mosaic",) if lowering_platform() == "tpu" else ("mosaic", "triton")
+def _kernels(x, y) -> tuple[str, ...]:
+    """tokamax's implementations to try for a product of `x` and `y` (2-D rows and the groups'
+    matrices or the other rows), in order (tokamax skips one the device lacks): on TPU Mosaic
+    TPU ("mosaic" is the device's Mosaic); on GPU Mosaic GPU then Triton, or Triton alone when
+    a contracted or output dim is under `TPU_TILE` (a LoRA adapter's rank: Mosaic GPU's sm90
+    kernel fails to lower a rank-16 product, "WGMMA rhs swizzle must match lhs swizzle",
+    tokamax 0.0.12, measured)."""
+    if lowering_platform() == "tpu":
+        return ("mosaic",)
+    return ("triton",) if min(x.shape[1], y.shape[-1]) < TPU_TILE else ("mosaic", "triton")
 
 
 def grouped_matmul(x, w, sizes, impl: str = "auto"):
@@ -132,10 +139,25 @@ def _varying(a) -> set[str]:
     return set(mat.varying if mat is not None else getattr(t, "vma", ()))
 
 
+def _unchecked():
+    """On TPU, a context in which a Pallas call may leave its result's manual-axis type unset:
+    tokamax 0.0.12's Mosaic TPU kernel gives none, which jax 0.10 refuses inside a `shard_map`
+    that checks them ("`manual_axis_type` on `jax.ShapeDtypeStruct` must not be `None`"). Its
+    result is typed by `_like` instead. jax's own switch, private: the one `shard_map(...,
+    check_vma=False)` sets."""
+    if lowering_platform() != "tpu":
+        return contextlib.nullcontext()
+    from jax._src import config as jax_config
+
+    return jax_config._check_vma(False)
+
+
 def _kernel(x, w, sizes):
     import tokamax
 
-    return _like(tokamax.ragged_dot(x, w, sizes, implementation=_kernels()), x)
+    with _unchecked():
+        y = tokamax.ragged_dot(x, w, sizes, implementation=_kernels(x, w))
+    return _like(y, x)
 
 
 @jax.custom_vjp
@@ -152,7 +174,8 @@ def _tokamax_bwd(res, dy):
 
     x, w, sizes = res
     dx = _kernel(dy, jnp.swapaxes(w, 1, 2), sizes)
-    dw = tokamax.ragged_dot_general(x, dy, sizes, _DW_DIMS, implementation=_kernels())
+    with _unchecked():
+        dw = tokamax.ragged_dot_general(x, dy, sizes, _DW_DIMS, implementation=_kernels(x, dy))
     return _like(dx.astype(x.dtype), x), _like(dw.astype(w.dtype), w), None
 
 
