@@ -109,10 +109,7 @@ def grouped_matmul(x, w, sizes, impl: str = "auto"):
     x's dtype: row i of group g is x[i] @ w[g]; rows past sum(sizes) are 0."""
     if resolve(impl, (x.shape[0], x.shape[1], w.shape[2])) == "xla":
         return jax.lax.ragged_dot(x, w, sizes)
-    y = _tokamax(x, w, sizes)
-    # the kernels need not write the rows outside every group
-    rows = jnp.arange(x.shape[0], dtype=jnp.int32) < jnp.sum(sizes)
-    return jnp.where(rows[:, None], y, jnp.zeros((), y.dtype))
+    return _tokamax(x, w, sizes)
 
 
 # x (M, K), dy (M, N) -> dw (G, K, N): contracted over the rows, one sum per group
@@ -157,7 +154,10 @@ def _kernel(x, w, sizes):
 
     with _unchecked():
         y = tokamax.ragged_dot(x, w, sizes, implementation=_kernels(x, w))
-    return _like(y, x)
+    # the kernels need not write the rows outside every group (interpreted, the TPU kernel
+    # leaves them NaN): 0, as XLA's ragged_dot gives them, forward and for the input gradient
+    rows = jnp.arange(x.shape[0], dtype=jnp.int32) < jnp.sum(sizes)
+    return _like(jnp.where(rows[:, None], y, jnp.zeros((), y.dtype)), x)
 
 
 @jax.custom_vjp
@@ -176,7 +176,15 @@ def _tokamax_bwd(res, dy):
     dx = _kernel(dy, jnp.swapaxes(w, 1, 2), sizes)
     with _unchecked():
         dw = tokamax.ragged_dot_general(x, dy, sizes, _DW_DIMS, implementation=_kernels(x, dy))
-    return _like(dx.astype(x.dtype), x), _like(dw.astype(w.dtype), w), None
+    # dw sums over rows that vary as x and dy do: mark it so (a kernel's result may carry no
+    # type), then `_like` sums it over the shards that share w
+    dw = _varying_over(dw.astype(w.dtype), _varying(x) | _varying(dy))
+    return _like(dx.astype(x.dtype), x), _like(dw, w), None
+
+
+def _varying_over(y, axes: set[str]):
+    missing = tuple(sorted(axes - _varying(y)))
+    return jax.lax.pcast(y, missing, to="varying") if missing else y
 
 
 _tokamax.defvjp(_tokamax_fwd, _tokamax_bwd)
