@@ -133,7 +133,9 @@ def _interpreted_tpu_kernel(monkeypatch):
     import fsdp_jax.app.models.grouped_matmul as gm
 
     kind = jax.devices()[0].device_kind
-    monkeypatch.setitem(tpu_info.registry, kind, lambda: tpu_info.get_tpu_info_for_chip(tpu_info.ChipVersion.TPU_V5P, 1))
+    monkeypatch.setitem(
+        tpu_info.registry, kind, lambda: tpu_info.get_tpu_info_for_chip(tpu_info.ChipVersion.TPU_V5P, 1)
+    )
     monkeypatch.setattr(pmt.PallasMosaicTpuRaggedDot, "supported_on", lambda self, device: True)
     impl = pmt.PallasMosaicTpuRaggedDot(interpret=True)
     monkeypatch.setattr(gm, "lowering_platform", lambda: "tpu")
