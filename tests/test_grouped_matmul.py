@@ -202,3 +202,33 @@ def test_on_tpu_auto_takes_tokamax_where_its_kernel_fits_and_tokamax_refuses_the
     assert resolve("auto", dims) == "xla"
     with pytest.raises(ConfigError, match=r"^model\.grouped_matmul: tokamax runs on GPU and TPU v5\+ only"):
         resolve("tokamax", dims)
+
+
+# tokamax's Mosaic TPU weight-gradient kernel (megablox tgmm) as XLA:TPU prints it (libtpu
+# 0.0.42.1, the deviceless v5p compile of tests/test_moe_flops.py's layer, metadata shortened):
+# its kernel metadata spans lines, and the op_name naming tokamax's ragged dot comes last
+_TGMM = (
+    "  %tgmm_megablox.1 = bf16[8,512,1024]{2,1,0:T(8,128)(2,1)} custom-call(%bitcast.10, %pad_add_fusion.1, "
+    "%copy-done.3, %copy-done.4, %constant.130, /*index=5*/%copy-done.2, %copy-done), "
+    'custom_call_target="tpu_custom_call", operand_layout_constraints={s32[1]{0}, s32[9]{0}, s32[39]{0}, '
+    "s32[39]{0}, s32[1]{0}, bf16[4096,512]{1,0}, bf16[4096,1024]{1,0}}, frontend_attributes={kernel_metadata={\n"
+    '"xprof_metadata":"{\\"tiling\\": {\\"tile_m\\": 128, \\"tile_k\\": 128, \\"tile_n\\": 128}}"\n'
+    '}}, metadata={op_name="jit(f)/transpose(jvp())/tokamax:{\\"op\\":{\\"__type\\":'
+    '\\"tokamax._src.ops.ragged_dot.pallas_mosaic_tpu.PallasMosaicTpuRaggedDot\\"}}"}'
+)
+
+
+def test_tokamax_tpu_weight_gradient_kernel_over_several_lines_is_one_grouped_gemm():
+    from fsdp_jax.hlo.costs import op_inventory
+
+    hlo = (
+        "HloModule m\n\nENTRY %main (a: s32[1], b: bf16[4096,512], c: bf16[4096,1024]) -> bf16[8,512,1024] {\n"
+        "  %bitcast.10 = s32[1]{0} parameter(0)\n  %copy-done.2 = bf16[4096,512]{1,0} parameter(1)\n"
+        "  %copy-done = bf16[4096,1024]{1,0} parameter(2)\n"
+        + _TGMM
+        + "\n  ROOT %t = (bf16[8,512,1024]) tuple(%tgmm_megablox.1)\n}\n"
+    )
+    (rec,) = [o for o in op_inventory(hlo) if o["name"] == "tgmm_megablox.1"]
+    assert rec["kind"] == "gemm" and rec["groups"] == 8 and "tokamax" in rec["op_name"]
+    assert rec["flops"] == 2 * 4096 * 512 * 1024  # every row once, against its group's (512, 1024)
+    assert (rec["m"], rec["n"], rec["batch"]) == (512, 1024, 8)
