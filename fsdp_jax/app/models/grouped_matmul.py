@@ -9,7 +9,7 @@ Implementations (`model.grouped_matmul`):
   `benchmarks/ragged_dot_lowering.py`) expand it into one dense dot of every row against every
   group, masked: n_groups times the grouped FLOPs. XLA:GPU's cuDNN grouped GEMM
   (`--xla_gpu_experimental_use_ragged_dot_fusion`) needs cuDNN >= 9.22 and a device at compile
-  time (docs/moe.md, "Grouped matmul on GPU").
+  time (docs/moe.md, "Grouped matmul on GPU and TPU").
 - `tokamax`: tokamax's `ragged_dot` (`pip install tokamax`): Pallas kernels that compute the
   groups only, forward and both backward products (their `ragged_dot_general` for the weight
   gradient). GPU: Mosaic GPU on sm90, else Triton. TPU v5 and later: Mosaic TPU (megablox's
