@@ -43,7 +43,9 @@ with jax.default_device(devs[0]):  # as the planner lowers for a target (StepBui
 ops = [o for o in op_inventory(text) if o["kind"] == "gemm"]
 grouped = [o for o in ops if "groups" in o]
 print(json.dumps({
-    "grouped": [[o["m"], o["n"], o["k"], o["batch"], o["runs"], "tokamax" in o["op_name"]] for o in grouped],
+    # XLA:TPU's own ragged-dot kernel, not tokamax's (whose op_name names tokamax, or on
+    # jax 0.12's GPU its Mosaic kernel: ragged_dot_sm90)
+    "grouped": [[o["m"], o["n"], o["k"], o["batch"], o["runs"], "ragged-dot-" not in o["op_name"]] for o in grouped],
     "other": [[o["m"], o["n"], o["k"], o["batch"]] for o in ops if "groups" not in o],
     "kernels": sorted(t for t in ("mosaic_gpu", "__gpu$xla.gpu.triton", "PallasMosaicTpuRaggedDot") if t in text),
     "frozen_grads": [l.strip()[:120] for l in text.splitlines()

@@ -95,13 +95,21 @@ def resolve(impl: str, dims: tuple[int, int, int] | None = None) -> str:
 def _kernels(x, y) -> tuple[str, ...]:
     """tokamax's implementations to try for a product of `x` and `y` (2-D rows and the groups'
     matrices or the other rows), in order (tokamax skips one the device lacks): on TPU Mosaic
-    TPU ("mosaic" is the device's Mosaic); on GPU Mosaic GPU then Triton, or Triton alone when
+    TPU ("mosaic" is the device's Mosaic); on GPU Mosaic GPU then Triton, or Triton first when
     a contracted or output dim is under `TPU_TILE` (a LoRA adapter's rank: Mosaic GPU's sm90
     kernel fails to lower a rank-16 product, "WGMMA rhs swizzle must match lhs swizzle",
-    tokamax 0.0.12, measured)."""
+    tokamax 0.0.12, measured) and this tokamax has it (0.0.17's needs `jax_triton`)."""
     if lowering_platform() == "tpu":
         return ("mosaic",)
-    return ("triton",) if min(x.shape[1], y.shape[-1]) < TPU_TILE else ("mosaic", "triton")
+    if min(x.shape[1], y.shape[-1]) < TPU_TILE and "triton" in _tokamax_implementations():
+        return ("triton",)
+    return ("mosaic", "triton") if "triton" in _tokamax_implementations() else ("mosaic",)
+
+
+def _tokamax_implementations() -> tuple[str, ...]:
+    from tokamax._src.ops.ragged_dot import api  # private: the implementations that imported
+
+    return tuple(getattr(api, "IMPLEMENTATIONS", ()))
 
 
 def grouped_matmul(x, w, sizes, impl: str = "auto"):
