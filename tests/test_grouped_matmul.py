@@ -121,3 +121,114 @@ def test_the_tokamax_path_differentiates_as_ragged_dot_also_inside_a_shard_map(m
     for a, b in zip(got, want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
     assert float(jnp.abs(want[1]).max()) > 0
+
+
+def _interpreted_tpu_kernel(monkeypatch):
+    """tokamax's Mosaic TPU ragged dot (megablox gmm / tgmm) in Pallas's interpret mode, behind
+    `grouped_matmul` as if the step were lowered for a TPU v5: the kernel's own code runs on
+    CPU. Its tiling asks jax for the TPU's layout, which CPU lacks: the CPU device kind is
+    registered as a v5p (jax's private table of TPU kinds)."""
+    pmt = pytest.importorskip("tokamax._src.ops.ragged_dot.pallas_mosaic_tpu")
+    tpu_info = pytest.importorskip("jax._src.pallas.mosaic.tpu_info")
+    import fsdp_jax.app.models.grouped_matmul as gm
+
+    kind = jax.devices()[0].device_kind
+    monkeypatch.setitem(
+        tpu_info.registry, kind, lambda: tpu_info.get_tpu_info_for_chip(tpu_info.ChipVersion.TPU_V5P, 1)
+    )
+    monkeypatch.setattr(pmt.PallasMosaicTpuRaggedDot, "supported_on", lambda self, device: True)
+    impl = pmt.PallasMosaicTpuRaggedDot(interpret=True)
+    monkeypatch.setattr(gm, "lowering_platform", lambda: "tpu")
+    monkeypatch.setattr(gm, "_tpu_generation", lambda: 5)
+    monkeypatch.setattr(gm, "_kernels", lambda x, y: (impl,))
+    return gm
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shards", [1, 2])  # 2: inside a shard_map, weights shared by the shards
+def test_tokamax_tpu_kernel_forward_and_grads_equal_xla_ragged_dot(monkeypatch, shards):
+    gm = _interpreted_tpu_kernel(monkeypatch)
+    from jax.sharding import PartitionSpec as P
+
+    rng = np.random.default_rng(2)
+    m, k, n = 256, 128, 256  # per shard: whole 128-tiles, as the kernel takes
+    x = jnp.asarray(rng.standard_normal((shards * m, k)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((4, k, n)) / np.sqrt(k), jnp.float32)
+    # groups that end inside a tile, an empty one, and a tail of rows in no group
+    sizes = jnp.asarray(np.tile([57, 0, 130, 41], shards), jnp.int32)
+    mesh = jax.make_mesh((shards,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:shards])
+
+    def loss(impl):
+        def local(x, w, s):
+            y = gm.grouped_matmul(x, w, s, impl)
+            return jax.lax.psum(jnp.sum(jnp.sin(y)), "fsdp"), y
+
+        return jax.shard_map(local, mesh=mesh, in_specs=(P("fsdp"), P(), P("fsdp")), out_specs=(P(), P("fsdp")))
+
+    run = {
+        impl: jax.jit(jax.value_and_grad(loss(impl), argnums=(0, 1), has_aux=True))(x, w, sizes)
+        for impl in ("tokamax", "xla")
+    }
+    (_, y), grads = run["tokamax"]
+    (_, y0), grads0 = run["xla"]
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y0), rtol=1e-5, atol=1e-5)
+    assert not np.asarray(y).reshape(shards, m, n)[:, 228:].any()  # the tail: 0
+    for got, want in zip(grads, grads0):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    assert float(jnp.abs(grads0[1]).max()) > 0
+
+
+@pytest.mark.parametrize(
+    "dims, auto, refused",
+    [
+        ((4096, 512, 1024), "tokamax", None),
+        ((4096, 512, 16), "xla", "output 16 not a multiple of 128"),  # a LoRA adapter's rank
+        ((300, 512, 1024), "xla", "rows 300 not a multiple of 128"),
+    ],
+)
+def test_on_tpu_auto_takes_tokamax_where_its_kernel_fits_and_tokamax_refuses_the_rest(monkeypatch, dims, auto, refused):
+    pytest.importorskip("tokamax")
+    import fsdp_jax.app.models.grouped_matmul as gm
+
+    monkeypatch.setattr(gm, "lowering_platform", lambda: "tpu")
+    monkeypatch.setattr(gm, "_tpu_generation", lambda: 5)
+    assert resolve("auto", dims) == auto and resolve("xla", dims) == "xla"
+    if refused:
+        with pytest.raises(ConfigError, match=rf"^model\.grouped_matmul: .*{refused}"):
+            resolve("tokamax", dims)
+    else:
+        assert resolve("tokamax", dims) == "tokamax"
+    monkeypatch.setattr(gm, "_tpu_generation", lambda: 4)  # tokamax's TPU kernel needs v5+
+    assert resolve("auto", dims) == "xla"
+    with pytest.raises(ConfigError, match=r"^model\.grouped_matmul: tokamax runs on GPU and TPU v5\+ only"):
+        resolve("tokamax", dims)
+
+
+# tokamax's Mosaic TPU weight-gradient kernel (megablox tgmm) as XLA:TPU prints it (libtpu
+# 0.0.42.1, the deviceless v5p compile of tests/test_moe_flops.py's layer, metadata shortened):
+# its kernel metadata spans lines, and the op_name naming tokamax's ragged dot comes last
+_TGMM = (
+    "  %tgmm_megablox.1 = bf16[8,512,1024]{2,1,0:T(8,128)(2,1)} custom-call(%bitcast.10, %pad_add_fusion.1, "
+    "%copy-done.3, %copy-done.4, %constant.130, /*index=5*/%copy-done.2, %copy-done), "
+    'custom_call_target="tpu_custom_call", operand_layout_constraints={s32[1]{0}, s32[9]{0}, s32[39]{0}, '
+    "s32[39]{0}, s32[1]{0}, bf16[4096,512]{1,0}, bf16[4096,1024]{1,0}}, frontend_attributes={kernel_metadata={\n"
+    '"xprof_metadata":"{\\"tiling\\": {\\"tile_m\\": 128, \\"tile_k\\": 128, \\"tile_n\\": 128}}"\n'
+    '}}, metadata={op_name="jit(f)/transpose(jvp())/tokamax:{\\"op\\":{\\"__type\\":'
+    '\\"tokamax._src.ops.ragged_dot.pallas_mosaic_tpu.PallasMosaicTpuRaggedDot\\"}}"}'
+)
+
+
+def test_tokamax_tpu_weight_gradient_kernel_over_several_lines_is_one_grouped_gemm():
+    from fsdp_jax.hlo.costs import op_inventory
+
+    hlo = (
+        "HloModule m\n\nENTRY %main (a: s32[1], b: bf16[4096,512], c: bf16[4096,1024]) -> bf16[8,512,1024] {\n"
+        "  %bitcast.10 = s32[1]{0} parameter(0)\n  %copy-done.2 = bf16[4096,512]{1,0} parameter(1)\n"
+        "  %copy-done = bf16[4096,1024]{1,0} parameter(2)\n"
+        + _TGMM
+        + "\n  ROOT %t = (bf16[8,512,1024]) tuple(%tgmm_megablox.1)\n}\n"
+    )
+    (rec,) = [o for o in op_inventory(hlo) if o["name"] == "tgmm_megablox.1"]
+    assert rec["kind"] == "gemm" and rec["groups"] == 8 and "tokamax" in rec["op_name"]
+    assert rec["flops"] == 2 * 4096 * 512 * 1024  # every row once, against its group's (512, 1024)
+    assert (rec["m"], rec["n"], rec["batch"]) == (512, 1024, 8)

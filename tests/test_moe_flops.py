@@ -24,7 +24,7 @@ from fsdp_jax.app.models.config import LlamaConfig
 dev = sorted(topologies.get_topology_desc(topology_name="v5p:2x2x1", platform="tpu").devices, key=lambda d: d.id)[0]
 sh = SingleDeviceSharding(dev)
 base = LlamaConfig(vocab_size=64, d_model=512, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32,
-                   n_experts=8, experts_per_token=2, moe_ffn_dim=1024, norm_topk_prob=True)
+                   n_experts=8, experts_per_token=2, moe_ffn_dim=1024, norm_topk_prob=True, grouped_matmul="xla")
 
 def flops(cfg, n_tokens=2048):
     with nnx.use_eager_sharding(False):
@@ -46,6 +46,8 @@ print(json.dumps({"sparse": flops(base), "dense": flops(dataclasses.replace(base
 
 @pytest.mark.slow
 def test_dropless_moe_layer_compiles_to_top_k_over_n_experts_of_the_dense_flops_on_tpu():
+    """XLA's own `ragged_dot` (`grouped_matmul: xla`; `auto` runs tokamax's kernels on TPU, whose
+    FLOPs XLA's cost analysis does not see: the last test of this file)."""
     from fsdp_jax.targets import gpu as targets
 
     assert targets.plugin_installed(kind="tpu"), "libtpu missing: python -m fsdp_jax.targets install tpu"
@@ -112,3 +114,67 @@ def test_dropless_moe_layer_on_gpu_runs_tokamax_grouped_gemms_at_top_k_over_n_ex
         assert sparse["kernels"] and sparse["grouped"] == calls, (kind, sparse)
         assert sparse["flops"] <= 1.3 * (2 / 8) * dense["flops"], (kind, sparse, dense)
         assert sparse["flops"] >= (2 / 8) * dense["flops"] * 0.9, (kind, sparse, dense)
+
+
+_TPU_TOKAMAX_CHILD = r"""
+import json
+import jax, jax.numpy as jnp
+from flax import nnx
+from jax.experimental import topologies
+from jax.sharding import SingleDeviceSharding
+from fsdp_jax.app.models import moe as moe_lib
+from fsdp_jax.app.models.config import LlamaConfig
+from fsdp_jax.hlo.costs import op_inventory
+
+dev = sorted(topologies.get_topology_desc(topology_name="v5p:2x2x1", platform="tpu").devices, key=lambda d: d.id)[0]
+sh = SingleDeviceSharding(dev)
+
+def gemms(impl, n_tokens=2048):
+    cfg = LlamaConfig(vocab_size=64, d_model=512, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32,
+                      n_experts=8, experts_per_token=2, moe_ffn_dim=1024, norm_topk_prob=True, grouped_matmul=impl)
+    with nnx.use_eager_sharding(False):
+        graph, state = nnx.split(nnx.eval_shape(lambda: moe_lib.MoE(cfg, nnx.Rngs(0))))
+    state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.bfloat16, sharding=sh), state)
+    x = jax.ShapeDtypeStruct((1, n_tokens, cfg.d_model), jnp.bfloat16, sharding=sh)
+    def fwd_bwd(s, x):
+        loss = lambda s, x: nnx.merge(graph, s)(x)[0].astype(jnp.float32).sum()
+        return jax.grad(loss, argnums=(0, 1))(s, x)
+    out = {}
+    for name, fn in (("forward", lambda s, x: nnx.merge(graph, s)(x)[0]), ("train", fwd_bwd)):
+        with jax.default_device(dev):  # as the planner lowers for a target (StepBuild.compile)
+            text = jax.jit(fn).lower(state, x).compile().as_text()
+        ops = [o for o in op_inventory(text) if o["kind"] == "gemm"]
+        out[name] = {"flops": sum(o["flops"] * o["runs"] for o in ops),
+                     "grouped": sum(o["runs"] for o in ops if "groups" in o),
+                     "tokamax": text.count("PallasMosaicTpuRaggedDot") > 0,
+                     "largest_other": max([o["flops"] for o in ops if "groups" not in o] or [0])}
+    return out
+
+print(json.dumps({"auto": gemms("auto"), "xla": gemms("xla")}))
+"""
+
+
+@pytest.mark.slow
+def test_dropless_moe_layer_on_tpu_runs_tokamax_kernels_with_grouped_weight_gradients():
+    """On a v5p target `grouped_matmul: auto` picks tokamax's Mosaic TPU kernels (megablox
+    gmm / tgmm), whose weight gradients are grouped: the layer's GEMM FLOPs forward and
+    forward + backward, read from the compiled program by the op inventory (the kernels from
+    their operand shapes), are top_k / n_experts of the dense einsum over all experts, where
+    XLA's own `ragged_dot` computes each weight gradient over all 8 experts' rows."""
+    pytest.importorskip("tokamax")
+    from fsdp_jax.targets import gpu as targets
+
+    assert targets.plugin_installed(kind="tpu"), "libtpu missing: python -m fsdp_jax.targets install tpu"
+    env = targets.child_env(dict(os.environ), target=targets.make_target("v5p", devices=4))
+    r = json_child(_TPU_TOKAMAX_CHILD, env=env)
+    n, d, f, e = 2048, 512, 1024, 8
+    dense_fwd = 3 * 2 * n * d * f * e  # gate, up, down of every token through every expert
+    for kind, calls, dense in (("forward", 3, dense_fwd), ("train", 3 + 6, 3 * dense_fwd)):
+        got = r["auto"][kind]
+        assert got["tokamax"] and got["grouped"] == calls, (kind, got)
+        assert (2 / 8) * dense <= got["flops"] <= 1.3 * (2 / 8) * dense, (kind, got, dense)
+        # no dense product of the experts' size outside the kernels (the router's is 2 n d e)
+        assert got["largest_other"] <= 2 * n * d * e, (kind, got)
+    # XLA's ragged_dot on the same target: grouped forward, weight gradients over all experts
+    assert r["xla"]["train"]["flops"] > 2.5 * r["auto"]["train"]["flops"], r
+    assert r["xla"]["forward"]["flops"] <= 1.3 * (2 / 8) * dense_fwd, r

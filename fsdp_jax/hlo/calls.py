@@ -18,7 +18,8 @@ _OP_NAME_RE = re.compile(r'op_name="([^"]*)"')
 
 
 def parse_computations(hlo: str) -> tuple[dict[str, list[str]], str | None]:
-    """({computation name: its instruction lines, in schedule order}, the ENTRY's name)."""
+    """({computation name: its instruction lines, in schedule order}, the ENTRY's name). An
+    instruction whose text spans several lines comes as one line."""
     comps: dict[str, list[str]] = {}
     current, entry = None, None
     for line in hlo.splitlines():
@@ -31,6 +32,10 @@ def parse_computations(hlo: str) -> tuple[dict[str, list[str]], str | None]:
         elif current is not None:
             if line.strip() == "}":
                 current = None
+            elif comps[current] and not line.startswith(" "):
+                # an instruction written over several lines (a Mosaic TPU kernel's metadata):
+                # one line, so its op_name and attributes stay with it
+                comps[current][-1] += " " + line
             else:
                 comps[current].append(line)
     return comps, entry

@@ -12,7 +12,8 @@ instructions of fused computations are read only to describe their fusion. Each 
 - `gemm`: a dot (a cuBLAS custom call, a Triton/XLA GEMM fusion, a convolution fusion on TPU,
   a bare dot): `m`, `n`, `k`, `batch`, `dtype` (the lhs operand's), `flops` = 2 batch m n k,
   `bytes` (operands + result); a ragged dot's grouped-GEMM kernel (tokamax's Triton / Mosaic
-  GPU calls, `fsdp_jax.hlo.grouped`) adds `groups`, its `flops` those of the grouped rows;
+  GPU / Mosaic TPU calls, XLA:TPU's own, `fsdp_jax.hlo.grouped`; also inside the dynamic-slice
+  fusion XLA:GPU wraps one in) adds `groups`, its `flops` those of the grouped rows;
 - `attention`: a cuDNN flash-attention custom call: `direction` (fwd / bwd), `b`, `h`, `sq`,
   `skv`, `d`, `causal`, `flops` (4 b h sq skv d forward, 2.5x that backward, halved when causal:
   FlashAttention's count); or a Pallas splash-attention kernel on TPU (`kernel` "splash",
@@ -177,6 +178,13 @@ class _Module:
                 return inner
         return None
 
+    def fused_custom_call(self, comp: str) -> tuple[str, str] | None:
+        """(the custom-call line, its result type) inside a fused computation, or None."""
+        for _, _, op, type_str, line in self.parsed.get(comp, ()):
+            if op == "custom-call":
+                return line, type_str
+        return None
+
     def fusion_bytes(self, line: str, op: str, out_type: str, comp: str | None) -> int:
         """Bytes a fusion (or data op) reads and writes."""
         operands = _operand_names(line, op)
@@ -315,6 +323,11 @@ def _classify(mod: _Module, op: str, type_str: str, line: str) -> dict[str, Any]
         return {"kind": "gemm", **g, "bytes": mod.fusion_bytes(line, op, type_str, None)}
     called = _CALLS_RE.search(line)
     comp = called.group(1) if called else None
+    if op == "fusion" and comp and (inner := mod.fused_custom_call(comp)):
+        # a kernel call XLA:GPU (jax 0.12) wraps in a dynamic-slice fusion to read one layer's
+        # slice of stacked weights in place: the fusion's op_name names the ragged dot
+        if grp := grouped_gemm(inner[0] + " " + line, inner[1]):
+            return {"kind": "gemm", **grp}
     if op == "fusion" and comp and (dot := mod.fused_dot(comp)):
         out = re.match(r"\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s(?:dot|convolution)\(", dot[0]).group(1)
         g = _gemm_dims(dot[0], dot[1], _shapes_first(out), rhs=dot[2])

@@ -3,16 +3,25 @@
     y = grouped_matmul(x, w, sizes, "auto")   # x (M, K), w (G, K, N), sizes (G,) int32 -> (M, N)
 
 Implementations (`model.grouped_matmul`):
-- `xla`: `jax.lax.ragged_dot`. XLA:TPU lowers it to its grouped matmul; XLA:CPU and XLA:GPU
-  (jax 0.10 and 0.12, measured: `benchmarks/ragged_dot_lowering.py`) expand it into one dense
-  dot of every row against every group, masked: n_groups times the grouped FLOPs. XLA:GPU's
-  cuDNN grouped GEMM (`--xla_gpu_experimental_use_ragged_dot_fusion`) needs cuDNN >= 9.22 and
-  a device at compile time (docs/moe.md, "Grouped matmul on GPU").
+- `xla`: `jax.lax.ragged_dot`. XLA:TPU lowers its forward and input gradient to grouped
+  kernels and its weight gradient to a masked dense product over every group (libtpu 0.0.42.1,
+  docs/moe.md); XLA:CPU and XLA:GPU (jax 0.10 and 0.12, measured:
+  `benchmarks/ragged_dot_lowering.py`) expand it into one dense dot of every row against every
+  group, masked: n_groups times the grouped FLOPs. XLA:GPU's cuDNN grouped GEMM
+  (`--xla_gpu_experimental_use_ragged_dot_fusion`) needs cuDNN >= 9.22 and a device at compile
+  time (docs/moe.md, "Grouped matmul on GPU and TPU").
 - `tokamax`: tokamax's `ragged_dot` (`pip install tokamax`): Pallas kernels that compute the
-  groups only, forward and backward (Mosaic GPU on sm90, else Triton). GPU only.
-- `auto` (the default): `tokamax` when the default device is a GPU and tokamax imports, else
-  `xla`. The planner's GPU-target compiles lower with the target's device as the default
-  (`planner/abstract_step.StepBuild.compile`), so they see what a GPU run would run.
+  groups only, forward and both backward products (their `ragged_dot_general` for the weight
+  gradient). GPU: Mosaic GPU on sm90, else Triton. TPU v5 and later: Mosaic TPU (megablox's
+  `gmm` / `tgmm`), which takes rows, contracted and output dims in whole tiles of 128
+  (`TPU_TILE`; tokamax 0.0.12 and 0.0.17 raise on fewer than 128 rows or columns and on rows
+  not divisible by the tile; other dims fail to trace). Elsewhere, or a TPU product it cannot
+  take: one line naming `model.grouped_matmul`.
+- `auto` (the default): `tokamax` when tokamax imports and the step is lowered for a GPU, or
+  for a TPU v5+ and this product's dims fit the TPU kernel; else `xla` (so on TPU a LoRA
+  adapter's rank-r product under 128 stays on XLA's `ragged_dot`). The planner's compiles
+  lower with the target's device as the default (`planner/abstract_step.StepBuild.compile`),
+  so they see what a run on the target would run.
 
 Rows past sum(sizes) (the experts of other devices, empty exchange rows) belong to no group
 and come out 0 with every implementation.
@@ -20,7 +29,9 @@ and come out 0 with every implementation.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import re
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +39,7 @@ import jax.numpy as jnp
 from fsdp_jax.errors import ConfigError
 
 GROUPED_MATMULS = ("auto", "xla", "tokamax")
-TOKAMAX_KERNELS = ("mosaic", "triton")  # tried in this order; tokamax skips one the device lacks
+TPU_TILE = 128  # tokamax's Mosaic TPU kernel: its default tile (pallas_mosaic_tpu.Config) and smallest dim
 
 
 def lowering_platform() -> str:
@@ -38,29 +49,77 @@ def lowering_platform() -> str:
     return (dev or jax.devices()[0]).platform
 
 
-def resolve(impl: str) -> str:
-    """`impl` with `auto` replaced by what runs here (module docstring)."""
+def _tpu_generation() -> int:
+    """The default TPU device's generation from its kind ("TPU v5", "TPU v6 lite"), 0 if unknown."""
+    dev = jax.config.jax_default_device
+    kind = "" if isinstance(dev, str) else (dev or jax.devices()[0]).device_kind
+    m = re.search(r"v(\d+)", kind)
+    return int(m.group(1)) if m else 0
+
+
+def tpu_misfit(m: int, k: int, n: int) -> str | None:
+    """Why tokamax's Mosaic TPU kernel cannot take an (m, k) x (G, k, n) grouped product, or None."""
+    bad = [f"{what} {v}" for what, v in (("rows", m), ("contracted", k), ("output", n)) if v < TPU_TILE or v % TPU_TILE]
+    return f"{', '.join(bad)} not a multiple of {TPU_TILE}" if bad else None
+
+
+def resolve(impl: str, dims: tuple[int, int, int] | None = None) -> str:
+    """`impl` with `auto` replaced by what runs here (module docstring) for a grouped product of
+    `dims` (m, k, n) (None: whichever product)."""
     if impl not in GROUPED_MATMULS:
         raise ConfigError("model.grouped_matmul", f"{impl!r} is not one of {', '.join(GROUPED_MATMULS)}")
-    platform = lowering_platform()
-    gpu, have = platform in ("gpu", "cuda"), importlib.util.find_spec("tokamax") is not None
-    if impl == "tokamax" and not (gpu and have):
-        why = f"it runs on GPU only (this step is lowered for {platform})" if have else "pip install tokamax"
-        raise ConfigError("model.grouped_matmul", f"tokamax: {why}")
-    if impl != "auto":
+    if impl == "xla":
         return impl
-    return "tokamax" if gpu and have else "xla"
+    platform = lowering_platform()
+    have = importlib.util.find_spec("tokamax") is not None
+    gpu, tpu = platform in ("gpu", "cuda"), platform == "tpu" and _tpu_generation() >= 5
+    misfit = tpu_misfit(*dims) if tpu and dims else None
+    if impl == "tokamax":
+        if not have:
+            raise ConfigError("model.grouped_matmul", "tokamax: pip install tokamax")
+        if not (gpu or tpu):
+            where = "TPU v4" if platform == "tpu" else platform
+            raise ConfigError(
+                "model.grouped_matmul", f"tokamax runs on GPU and TPU v5+ only (this step is for {where})"
+            )
+        if misfit:
+            raise ConfigError(
+                "model.grouped_matmul",
+                f"tokamax's TPU kernel needs dims in multiples of {TPU_TILE}; a grouped product of "
+                f"({dims[0]}, {dims[1]}) x (experts, {dims[1]}, {dims[2]}) has {misfit} (use auto or xla)",
+            )
+        return impl
+    return "tokamax" if have and (gpu or (tpu and not misfit)) else "xla"
+
+
+def _kernels(x, y) -> tuple[str, ...]:
+    """tokamax's implementations to try for a product of `x` and `y` (2-D rows and the groups'
+    matrices or the other rows), in order (tokamax skips one the device lacks): on TPU Mosaic
+    TPU ("mosaic" is the device's Mosaic); on GPU Mosaic GPU then Triton, or Triton first when
+    a contracted or output dim is under `TPU_TILE` (a LoRA adapter's rank: Mosaic GPU's sm90
+    kernel fails to lower a rank-16 product, "WGMMA rhs swizzle must match lhs swizzle",
+    tokamax 0.0.12, measured) and this tokamax has it (0.0.17's needs `jax_triton`)."""
+    if lowering_platform() == "tpu":
+        return ("mosaic",)
+    if min(x.shape[1], y.shape[-1]) < TPU_TILE and "triton" in _tokamax_implementations():
+        return ("triton",)
+    return ("mosaic", "triton") if "triton" in _tokamax_implementations() else ("mosaic",)
+
+
+def _tokamax_implementations() -> tuple[str, ...]:
+    try:
+        from tokamax._src.ops.ragged_dot import api  # private: the implementations that imported
+    except ImportError:  # another layout: let tokamax choose among ours
+        return ()
+    return tuple(getattr(api, "IMPLEMENTATIONS", ()))
 
 
 def grouped_matmul(x, w, sizes, impl: str = "auto"):
     """x (M, K) rows sorted by group, w (G, K, N), sizes (G,) int32 with sum <= M -> (M, N) in
     x's dtype: row i of group g is x[i] @ w[g]; rows past sum(sizes) are 0."""
-    if resolve(impl) == "xla":
+    if resolve(impl, (x.shape[0], x.shape[1], w.shape[2])) == "xla":
         return jax.lax.ragged_dot(x, w, sizes)
-    y = _tokamax(x, w, sizes)
-    # the kernels need not write the rows outside every group
-    rows = jnp.arange(x.shape[0], dtype=jnp.int32) < jnp.sum(sizes)
-    return jnp.where(rows[:, None], y, jnp.zeros((), y.dtype))
+    return _tokamax(x, w, sizes)
 
 
 # x (M, K), dy (M, N) -> dw (G, K, N): contracted over the rows, one sum per group
@@ -87,10 +146,28 @@ def _varying(a) -> set[str]:
     return set(mat.varying if mat is not None else getattr(t, "vma", ()))
 
 
+def _unchecked():
+    """On TPU, a context in which a Pallas call may leave its result's manual-axis type unset:
+    tokamax 0.0.12's Mosaic TPU kernel gives none, which jax 0.10 refuses inside a `shard_map`
+    that checks them ("`manual_axis_type` on `jax.ShapeDtypeStruct` must not be `None`"). Its
+    result is typed by `_like` instead. jax's own switch, private: the one `shard_map(...,
+    check_vma=False)` sets."""
+    if lowering_platform() != "tpu":
+        return contextlib.nullcontext()
+    from jax._src import config as jax_config
+
+    return jax_config._check_vma(False)
+
+
 def _kernel(x, w, sizes):
     import tokamax
 
-    return _like(tokamax.ragged_dot(x, w, sizes, implementation=TOKAMAX_KERNELS), x)
+    with _unchecked():
+        y = tokamax.ragged_dot(x, w, sizes, implementation=_kernels(x, w))
+    # the kernels need not write the rows outside every group (interpreted, the TPU kernel
+    # leaves them NaN): 0, as XLA's ragged_dot gives them, forward and for the input gradient
+    rows = jnp.arange(x.shape[0], dtype=jnp.int32) < jnp.sum(sizes)
+    return _like(jnp.where(rows[:, None], y, jnp.zeros((), y.dtype)), x)
 
 
 @jax.custom_vjp
@@ -107,8 +184,17 @@ def _tokamax_bwd(res, dy):
 
     x, w, sizes = res
     dx = _kernel(dy, jnp.swapaxes(w, 1, 2), sizes)
-    dw = tokamax.ragged_dot_general(x, dy, sizes, _DW_DIMS, implementation=TOKAMAX_KERNELS)
-    return _like(dx.astype(x.dtype), x), _like(dw.astype(w.dtype), w), None
+    with _unchecked():
+        dw = tokamax.ragged_dot_general(x, dy, sizes, _DW_DIMS, implementation=_kernels(x, dy))
+    # dw sums over rows that vary as x and dy do: mark it so (a kernel's result may carry no
+    # type), then `_like` sums it over the shards that share w
+    dw = _varying_over(dw.astype(w.dtype), _varying(x) | _varying(dy))
+    return _like(dx.astype(x.dtype), x), _like(dw, w), None
+
+
+def _varying_over(y, axes: set[str]):
+    missing = tuple(sorted(axes - _varying(y)))
+    return jax.lax.pcast(y, missing, to="varying") if missing else y
 
 
 _tokamax.defvjp(_tokamax_fwd, _tokamax_bwd)
