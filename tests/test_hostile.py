@@ -66,6 +66,7 @@ OUT_OF_RANGE: dict[str, typing.Any] = {
     "model.n_kv_heads": 0,
     "model.ffn_dim": -1,
     "model.max_seq_len": 0,
+    "model.max_segments": 0,
     "model.rope_theta": 0.0,
     "model.norm_eps": -1e-5,
     "model.scan_layers": None,

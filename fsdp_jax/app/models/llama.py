@@ -102,6 +102,19 @@ class Attention(nnx.Module):
         self.cfg = cfg
         self.impl = cfg.attention
 
+    def _rope(self, q, k, s, local, positions):  # q, k: (B, S, H, Dh); positions: (B, S) or None
+        cfg = self.cfg
+        if cfg.rope_type == "default" and not cfg.global_every:
+            pos = jnp.arange(s) if positions is None else positions  # (S,) or (B, S)
+            return rope(q, pos, cfg.rope_theta), rope(k, pos, cfg.rope_theta)
+        cos, sin = rope_tables(cfg, s)
+        if local is not None:
+            lc, ls = rope_tables(cfg, s, local=True)
+            cos, sin = jnp.where(local, lc, cos), jnp.where(local, ls, sin)
+        if positions is not None:  # packed rows: each example's positions restart at 0
+            cos, sin = cos[positions], sin[positions]  # (B, S, Dh/2)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
     def __call__(self, x, local=None, segment_ids=None, positions=None, dropout_key=None):
         # x: (B, S, D); local: this layer slides (pattern only); segment_ids, positions: (B, S);
         # dropout_key: the layer's key for its adapters' dropout (models/lora.py), None = off
@@ -122,17 +135,7 @@ class Attention(nnx.Module):
         v = proj("wv", self.wv[...], self.bv if cfg.qkv_bias else None)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        if cfg.rope_type == "default" and not cfg.global_every:
-            pos = jnp.arange(s) if positions is None else positions  # (S,) or (B, S)
-            q, k = rope(q, pos, cfg.rope_theta), rope(k, pos, cfg.rope_theta)
-        else:
-            cos, sin = rope_tables(cfg, s)
-            if local is not None:
-                lc, ls = rope_tables(cfg, s, local=True)
-                cos, sin = jnp.where(local, lc, cos), jnp.where(local, ls, sin)
-            if positions is not None:  # packed rows: each example's positions restart at 0
-                cos, sin = cos[positions], sin[positions]  # (B, S, Dh/2)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = self._rope(q, k, s, local, positions)
         scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         qi, ki = jnp.arange(s)[:, None], jnp.arange(s)[None, :]
         if context_size() > 1 and self.impl == "xla":  # sequence split over `context`, rows in zig-zag order
