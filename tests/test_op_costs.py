@@ -299,7 +299,7 @@ def test_a_cublas_call_is_a_gemm_from_its_backend_config(spaced):
 def test_a_dilated_tpu_convolution_counts_only_real_products():
     """XLA:TPU writes a batched matmul as a convolution whose window runs over the batch with
     the input dilated: a 2-wide window over 2 dilated elements meets one real element per output."""
-    from fsdp_jax.hlo.costs import _real_taps
+    from fsdp_jax.hlo.conv_gemm import real_taps as _real_taps
 
     assert _real_taps(2, 2, 2, stride=1, pad_lo=0, lhs_dil=2, rhs_dil=1) == 1.0
     assert _real_taps(4, 4, 7, stride=1, pad_lo=3, lhs_dil=1, rhs_dil=1) == pytest.approx(16 / 7)  # full padding

@@ -42,9 +42,10 @@ from typing import Any
 
 from fsdp_jax.hlo.calls import _OP_NAME_RE, call_graph, executions, parse_computations
 from fsdp_jax.hlo.collective_fusions import fused_collectives, fusion_roles
+from fsdp_jax.hlo.conv_gemm import conv_dims
 from fsdp_jax.hlo.grouped import grouped_gemm
 from fsdp_jax.hlo.schedule import COLLECTIVES, _instructions, collective_schedule
-from fsdp_jax.hlo.types import _DTYPE_BYTES, _shapes
+from fsdp_jax.hlo.types import _DTYPE_BYTES, _dims, _shapes
 
 FREE_OPS = frozenset(
     "parameter constant get-tuple-element tuple bitcast after-all partition-id replica-id "
@@ -66,11 +67,6 @@ SPLASH_MATMULS = {"fwd": 2, "dq": 3, "dkv": 4}  # fwd: q k^T, p v; dq: + do v^T,
 _INTERMEDIATE_RE = re.compile(r'"intermediate_tensor_shape":\{"element_type":"\w+","dimensions":\[([^\]]*)\]')
 
 
-def _dims(type_str: str) -> list[int]:
-    m = re.search(r"\[([\d,]*)\]", type_str)
-    return [int(d) for d in m.group(1).split(",") if d] if m else []
-
-
 def _nbytes(type_str: str) -> int:
     return sum(n * _DTYPE_BYTES[dt] for dt, n in _shapes(type_str))
 
@@ -89,60 +85,10 @@ def _index_list(text: str | None) -> list[int]:
     return [int(x.strip().strip('"')) for x in text.split(",") if x.strip()] if text else []
 
 
-def _window(line: str, n: int) -> dict[str, list[int]]:
-    """A convolution's window attributes per spatial dim (XLA's defaults where absent)."""
-    m = re.search(r"\bwindow=\{([^}]*)\}", line)
-    got = dict(kv.split("=", 1) for kv in m.group(1).split()) if m else {}
-    out = {
-        k: [int(x) for x in got[k].split("x")] if k in got else [1] * n for k in ("stride", "lhs_dilate", "rhs_dilate")
-    }
-    pads = [p.split("_") for p in got["pad"].split("x")] if "pad" in got else [["0", "0"]] * n
-    out["pad_lo"] = [int(p[0]) for p in pads]
-    return out
-
-
-def _real_taps(w: int, size_in: int, size_out: int, stride: int, pad_lo: int, lhs_dil: int, rhs_dil: int) -> float:
-    """The window taps per output position that land on a real input element (not a hole of
-    the input's dilation, not padding), on average over the output positions."""
-    dil_len = (size_in - 1) * lhs_dil + 1
-    total = 0
-    for t in range(w):
-        first = t * rhs_dil - pad_lo  # input position of tap t at output 0; then + stride per output
-        if stride == 1:
-            lo, hi = max(first, 0), min(first + size_out - 1, dil_len - 1)
-            total += max(hi // lhs_dil - (lo + lhs_dil - 1) // lhs_dil + 1, 0) if hi >= lo else 0
-        else:
-            total += sum(1 for o in range(size_out) if 0 <= (q := first + o * stride) < dil_len and q % lhs_dil == 0)
-    return total / max(size_out, 1)
-
-
-def _conv_dims(line: str, lhs: str, rhs: str, out: str) -> dict[str, Any] | None:
-    """m, n, k of a convolution used as a matmul (XLA:TPU's GEMMs, batched ones written with
-    windows, dilations and padding): n = the kernel's output features, m = the output
-    elements over n, k = the kernel's input features x, per spatial dim, the window taps that
-    land on real input (`_real_taps`)."""
-    labels = re.search(r"\bdim_labels=(\w+)_(\w+)->(\w+)", line)
-    ld, rd, od = _dims(lhs), _dims(rhs), _dims(out)
-    if not labels or [len(g) for g in labels.groups()] != [len(ld), len(rd), len(od)] or "o" not in labels.group(2):
-        return None
-    ll, rl, ol = labels.groups()
-    n = rd[rl.index("o")] or 1
-    k = float(rd[rl.index("i")]) if "i" in rl else 1.0
-    spatial = sorted(c for c in rl if c.isdigit())
-    win = _window(line, len(spatial))
-    for j, s in enumerate(spatial):
-        args = (win["stride"][j], win["pad_lo"][j], win["lhs_dilate"][j], win["rhs_dilate"][j])
-        k *= _real_taps(rd[rl.index(s)], ld[ll.index(s)], od[ol.index(s)], *args)
-    m = max(math.prod(od) // n, 1)
-    k = max(int(round(k)), 1)
-    dtype = _shapes(lhs)[0][0] if _shapes(lhs) else "?"
-    return {"m": m, "n": n, "k": k, "batch": 1, "dtype": dtype, "flops": 2 * m * n * k}
-
-
 def _gemm_dims(line: str, lhs: str, out: str, json_dims: bool = False, rhs: str = "") -> dict[str, Any]:
     """m, n, k, batch, flops of a dot whose lhs type is `lhs` and result type `out` (a
     convolution: from its dim_labels and the kernel type `rhs`)."""
-    if " convolution(" in line and (conv := _conv_dims(line, lhs, rhs, out)):
+    if " convolution(" in line and (conv := conv_dims(line, lhs, rhs, out)):
         return conv
     regs = _JSON_DIMS_RE if json_dims else _DIMS_RE
     got = {k: r.search(line.replace(" ", "") if json_dims else line) for k, r in regs.items()}

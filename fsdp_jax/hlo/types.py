@@ -49,6 +49,12 @@ def _top_level(s: str) -> list[str]:
     return [p.strip() for p in parts if p.strip()]
 
 
+def _dims(type_str: str) -> list[int]:
+    """The dims of the first array type in `type_str`."""
+    m = re.search(r"\[([\d,]*)\]", type_str)
+    return [int(d) for d in m.group(1).split(",") if d] if m else []
+
+
 def _shapes(type_str: str) -> list[tuple[str, int]]:
     return [(dt, math.prod(int(d) for d in dims.split(",") if d)) for dt, dims in _SHAPE_RE.findall(type_str)]
 
