@@ -60,7 +60,9 @@ def test_dropless_moe_layer_compiles_to_top_k_over_n_experts_of_the_dense_flops_
         assert sparse >= (2 / 8) * dense * 0.9, (kind, sparse, dense)  # the experts are computed
 
 
-_GPU_CHILD = r"""
+# the MoE layer alone compiled for `dev`, forward and forward + backward (bf16, one device):
+# each program's text and the op inventory's GEMMs; the two children below summarise them
+_LAYER_GEMMS = r"""
 import dataclasses, json
 import jax, jax.numpy as jnp
 from flax import nnx
@@ -68,14 +70,9 @@ from jax.sharding import SingleDeviceSharding
 from fsdp_jax.app.models import moe as moe_lib
 from fsdp_jax.app.models.config import LlamaConfig
 from fsdp_jax.hlo.costs import op_inventory
-from fsdp_jax.targets import gpu as targets
 
-dev = targets.gpu_devices("h100", 1, 1)[0]
-sh = SingleDeviceSharding(dev)
-base = LlamaConfig(vocab_size=64, d_model=512, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32,
-                   n_experts=8, experts_per_token=2, moe_ffn_dim=1024, norm_topk_prob=True, grouped_matmul="auto")
-
-def flops(cfg, n_tokens=2048):
+def layer_gemms(cfg, dev, n_tokens=2048):
+    sh = SingleDeviceSharding(dev)
     with nnx.use_eager_sharding(False):
         graph, state = nnx.split(nnx.eval_shape(lambda: moe_lib.MoE(cfg, nnx.Rngs(0))))
     state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.bfloat16, sharding=sh), state)
@@ -87,14 +84,33 @@ def flops(cfg, n_tokens=2048):
     for name, fn in (("forward", lambda s, x: nnx.merge(graph, s)(x)[0]), ("train", fwd_bwd)):
         with jax.default_device(dev):  # as the planner lowers for a target (StepBuild.compile)
             text = jax.jit(fn).lower(state, x).compile().as_text()
-        ops = [o for o in op_inventory(text) if o["kind"] == "gemm"]
+        out[name] = (text, [o for o in op_inventory(text) if o["kind"] == "gemm"])
+    return out
+
+def layer_config(**kw):
+    return LlamaConfig(vocab_size=64, d_model=512, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32,
+                       n_experts=8, experts_per_token=2, moe_ffn_dim=1024, norm_topk_prob=True, **kw)
+"""
+
+_GPU_CHILD = (
+    _LAYER_GEMMS
+    + r"""
+from fsdp_jax.targets import gpu as targets
+
+dev = targets.gpu_devices("h100", 1, 1)[0]
+
+def flops(cfg):
+    out = {}
+    for name, (text, ops) in layer_gemms(cfg, dev).items():
         out[name] = {"flops": sum(o["flops"] * o["runs"] for o in ops),
                      "grouped": sum(o["runs"] for o in ops if "groups" in o),
                      "kernels": sorted({t for t in ("__gpu$xla.gpu.triton", "mosaic_gpu") if t in text})}
     return out
 
+base = layer_config(grouped_matmul="auto")
 print(json.dumps({"sparse": flops(base), "dense": flops(dataclasses.replace(base, experts_per_token=8))}))
 """
+)
 
 
 @pytest.mark.slow
@@ -116,34 +132,16 @@ def test_dropless_moe_layer_on_gpu_runs_tokamax_grouped_gemms_at_top_k_over_n_ex
         assert sparse["flops"] >= (2 / 8) * dense["flops"] * 0.9, (kind, sparse, dense)
 
 
-_TPU_TOKAMAX_CHILD = r"""
-import json
-import jax, jax.numpy as jnp
-from flax import nnx
+_TPU_TOKAMAX_CHILD = (
+    _LAYER_GEMMS
+    + r"""
 from jax.experimental import topologies
-from jax.sharding import SingleDeviceSharding
-from fsdp_jax.app.models import moe as moe_lib
-from fsdp_jax.app.models.config import LlamaConfig
-from fsdp_jax.hlo.costs import op_inventory
 
 dev = sorted(topologies.get_topology_desc(topology_name="v5p:2x2x1", platform="tpu").devices, key=lambda d: d.id)[0]
-sh = SingleDeviceSharding(dev)
 
-def gemms(impl, n_tokens=2048):
-    cfg = LlamaConfig(vocab_size=64, d_model=512, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32,
-                      n_experts=8, experts_per_token=2, moe_ffn_dim=1024, norm_topk_prob=True, grouped_matmul=impl)
-    with nnx.use_eager_sharding(False):
-        graph, state = nnx.split(nnx.eval_shape(lambda: moe_lib.MoE(cfg, nnx.Rngs(0))))
-    state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.bfloat16, sharding=sh), state)
-    x = jax.ShapeDtypeStruct((1, n_tokens, cfg.d_model), jnp.bfloat16, sharding=sh)
-    def fwd_bwd(s, x):
-        loss = lambda s, x: nnx.merge(graph, s)(x)[0].astype(jnp.float32).sum()
-        return jax.grad(loss, argnums=(0, 1))(s, x)
+def gemms(impl):
     out = {}
-    for name, fn in (("forward", lambda s, x: nnx.merge(graph, s)(x)[0]), ("train", fwd_bwd)):
-        with jax.default_device(dev):  # as the planner lowers for a target (StepBuild.compile)
-            text = jax.jit(fn).lower(state, x).compile().as_text()
-        ops = [o for o in op_inventory(text) if o["kind"] == "gemm"]
+    for name, (text, ops) in layer_gemms(layer_config(grouped_matmul=impl), dev).items():
         out[name] = {"flops": sum(o["flops"] * o["runs"] for o in ops),
                      "grouped": sum(o["runs"] for o in ops if "groups" in o),
                      "tokamax": text.count("PallasMosaicTpuRaggedDot") > 0,
@@ -152,6 +150,7 @@ def gemms(impl, n_tokens=2048):
 
 print(json.dumps({"auto": gemms("auto"), "xla": gemms("xla")}))
 """
+)
 
 
 @pytest.mark.slow
