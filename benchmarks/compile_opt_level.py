@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Why the test suite sets `--xla_backend_optimization_level=0` and, where jaxlib has it,
 `--xla_cpu_use_fusion_emitters=false` (tests/conftest.py): how long XLA:CPU takes to
-compile the tiny Llama's sharded init and train step with each against the default, and
+compile the tiny decoder's sharded init and train step with each against the default, and
 what the HLO-level results the tests assert (collective counts, memory_analysis() bytes,
 the loss, while loops) do under each.
 

@@ -7,7 +7,7 @@ Needs the compile-only CUDA plugin (`python -m fsdp_jax.targets install`) and NV
 cuDNN, cuBLAS and NVRTC wheels (`pip install --target DIR nvidia-cudnn-cu12
 nvidia-cublas-cu12 nvidia-cuda-nvrtc-cu12`), both on PYTHONPATH before jax is imported:
 jax asks the cuDNN library for its version while tracing. Compiles forward and backward of
-`fsdp_jax.app.models.llama.attention(q, k, v, segment_ids, "cudnn")` (bf16, GQA) for an
+`fsdp_jax.app.models.decoder.attention(q, k, v, segment_ids, "cudnn")` (bf16, GQA) for an
 H100 and prints whether the cuDNN fused-attention custom call is in the program.
 It cannot run the kernel; that needs a GPU.
 """

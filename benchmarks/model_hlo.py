@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 def main(path: str) -> int:
     jax.config.update("jax_num_cpu_devices", 8)
-    from fsdp_jax.app.models.llama import cross_entropy
+    from fsdp_jax.app.models.decoder import cross_entropy
     from fsdp_jax.app.trainer.build import trainer_model
     from fsdp_jax.app.trainer.setup import load_run_config
 

@@ -77,7 +77,7 @@ def fit_gemm_efficiency(i: int, saved: Path | None = None) -> float:
     import copy
 
     from fsdp_jax.app.config import load_config
-    from fsdp_jax.app.models.llama import count_params
+    from fsdp_jax.app.models.decoder import count_params
     from fsdp_jax.app.planner.op_costs import simulate
     from fsdp_jax.app.planner.published import PUBLISHED_RUNS
     from fsdp_jax.targets.perf_tables import perf_table

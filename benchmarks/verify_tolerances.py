@@ -4,7 +4,7 @@ behind `fsdp_jax.TOLERANCES` (fsdp_jax/verify/report.py).
 
     PYTHONPATH=$PWD JAX_PLATFORMS=cpu python benchmarks/verify_tolerances.py [--steps 5]
 
-For the reference Llama (tests/helpers.py TINY: d_model 64, 2 layers) and the Linen and
+For the reference decoder (tests/helpers.py TINY: d_model 64, 2 layers) and the Linen and
 NNX MLPs of tests/test_verify.py, with SGD (momentum 0.9) and AdamW, in f32 and with
 bf16 compute: `verify` over all five strategies on 8 CPU devices with no limits, and
 the largest loss / grad-norm / per-leaf param relative difference over strategies and

@@ -13,7 +13,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CACHE = ROOT / ".jax_cache"
-# XLA:CPU's older loop emitters compile the tiny Llama's step 2.8x faster than its MLIR fusion
+# XLA:CPU's older loop emitters compile the tiny decoder's step 2.8x faster than its MLIR fusion
 # emitters, with the same collectives, argument bytes and loss (temp +256 B; two scatter-adds
 # become while loops); benchmarks/compile_opt_level.py measures both. jaxlib 0.12.0.1 no
 # longer registers the flag, and XLA aborts on an unknown XLA_FLAGS entry, so a child process
@@ -45,7 +45,7 @@ def _xla_knows(flag: str) -> bool:
 
 
 # The tests check sharding, HLO, bytes and numerics, not the speed of XLA:CPU's machine
-# code, and most of a CPU compile is LLVM optimising it: at -O0 the tiny Llama's init and
+# code, and most of a CPU compile is LLVM optimising it: at -O0 the tiny decoder's init and
 # step compile 2-3x faster with the same collectives and memory_analysis() bytes, and a
 # bf16-compute loss within 7e-6 relative (FMA contraction and summation order differ;
 # every parity test compares runs compiled alike). benchmarks/compile_opt_level.py

@@ -11,7 +11,7 @@ import numpy as np
 import optax
 
 from fsdp_jax.app.data.corpus import prepare_text
-from fsdp_jax.app.models import Llama, LlamaConfig, cross_entropy
+from fsdp_jax.app.models import Decoder, DecoderConfig, cross_entropy
 from fsdp_jax.model.fns import from_nnx
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,12 +36,12 @@ TINY_RUN_OVERRIDES = TINY_MODEL_OVERRIDES + [
     "optimizer.warmup_steps=2",
 ]
 
-TINY = LlamaConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=32)
+TINY = DecoderConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=32)
 
 
-def tiny_llama(cfg: LlamaConfig = TINY, remat: str = "none"):
+def tiny_llama(cfg: DecoderConfig = TINY, remat: str = "none"):
     """(ModelFns, loss_fn(params, tokens (B, S+1)))."""
-    m = from_nnx(lambda r: Llama(cfg, rngs=r, remat=remat))
+    m = from_nnx(lambda r: Decoder(cfg, rngs=r, remat=remat))
 
     def loss_fn(params, tokens):
         return cross_entropy(m.apply(params, tokens[:, :-1]), tokens[:, 1:])

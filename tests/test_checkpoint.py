@@ -23,7 +23,7 @@ import pytest
 from fsdp_jax import checkpoint as ck
 from fsdp_jax.app.config.parse import load_config
 from fsdp_jax.app.exits import BAD_INPUT
-from fsdp_jax.app.models import Llama
+from fsdp_jax.app.models import Decoder
 from fsdp_jax.app.trainer.loop import train
 from fsdp_jax.app.trainer.optim import build_optimizer
 from fsdp_jax.app.trainer.setup import setup
@@ -73,7 +73,7 @@ def assert_same(a, b):
 
 def target_for(cfg, mesh, strategy):
     """The abstract TrainState of the run's model/optimizer on `mesh` with `strategy`."""
-    model = from_nnx(lambda rngs: Llama(cfg.model, rngs=rngs, remat=cfg.remat))
+    model = from_nnx(lambda rngs: Decoder(cfg.model, rngs=rngs, remat=cfg.remat))
     opt, _ = build_optimizer(cfg.optimizer, cfg.train.steps)
     abstract = jax.eval_shape(model.init, jax.random.key(0))
     plan = make_plan(abstract, opt, mesh, strategy, model.logical_axes)

@@ -8,7 +8,7 @@ import yaml
 from fsdp_jax.app.config.checks import check_data, validate
 from fsdp_jax.app.config.parse import config_from_dict, config_to_dict, load_config, save_config
 from fsdp_jax.app.config.schema import Config
-from fsdp_jax.app.models.llama import count_params
+from fsdp_jax.app.models.decoder import count_params
 from fsdp_jax.errors import ConfigError
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))

@@ -15,13 +15,13 @@ from jax.sharding import PartitionSpec as P
 
 import fsdp_jax as fj
 from fsdp_jax.app.data.packing import batch_from_rows, pack
-from fsdp_jax.app.models.config import LlamaConfig
+from fsdp_jax.app.models.config import DecoderConfig
 from fsdp_jax.app.trainer.build import make_loss_fn, trainer_model
 from helpers import reference_train
 
 SGD = optax.sgd(0.3, momentum=0.9)
 SEQ = 64
-BASE = LlamaConfig(
+BASE = DecoderConfig(
     vocab_size=128, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=SEQ, rope_theta=500.0
 )
 FAMILIES = {

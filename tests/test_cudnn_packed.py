@@ -1,4 +1,4 @@
-"""cuDNN's packed layout per ring block (`fsdp_jax.sharding.cudnn_packed`), on CPU: for random
+"""cuDNN's packed layout per ring block (`fsdp_jax.attention.cudnn_packed`), on CPU: for random
 packed rows (segments crossing chunk and block boundaries, one spanning a rank's two chunks,
 padding at the end) and every zig-zag block pair at context 2 and 4, the THD semantics read
 from the layout alone (`thd_mask`) equal the row's own mask restricted to the block: same
@@ -19,11 +19,11 @@ from test_ring_flash import dense_value_and_grad, inputs, ring_value_and_grad
 
 import fsdp_jax as fj
 from fsdp_jax.app.data.packing import positions_from_segments
+from fsdp_jax.attention.cudnn import packed_kernel
+from fsdp_jax.attention.cudnn_packed import block_layout, packed_stats, thd_mask, token_lse
+from fsdp_jax.attention.flash import flash_context_attention
+from fsdp_jax.attention.kernels import reference_kernel
 from fsdp_jax.sharding.context import zigzag, zigzag_order
-from fsdp_jax.sharding.cudnn_packed import block_layout, packed_stats, thd_mask, token_lse
-from fsdp_jax.sharding.ring_cudnn import packed_kernel
-from fsdp_jax.sharding.ring_flash import flash_context_attention
-from fsdp_jax.sharding.ring_kernels import reference_kernel
 
 
 def rows(b, s, seed):

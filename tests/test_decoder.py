@@ -1,4 +1,4 @@
-"""The configurable decoder (fsdp_jax.app.models.llama + rope): the Llama-2 reference is
+"""The configurable decoder (fsdp_jax.app.models.decoder + rope): the Llama-2 reference is
 unchanged at the defaults, the family switches add exactly their params, and bad
 switch values are one ConfigError naming the key. Logit parity with transformers per
 family is in tests/test_hf.py (goldens written by transformers itself)."""
@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 from fsdp_jax.app.config.parse import load_config
-from fsdp_jax.app.models import Llama, LlamaConfig, count_params, flops_per_token
+from fsdp_jax.app.models import Decoder, DecoderConfig, count_params, flops_per_token
 from fsdp_jax.app.models.rope import inv_freq
 from fsdp_jax.checkpoint import tree_paths
 from fsdp_jax.errors import ConfigError
 from fsdp_jax.model.fns import from_nnx
 
-TINY = LlamaConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=32)
+TINY = DecoderConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=32)
 GEMMA = dataclasses.replace(
     TINY,
     kv_channels=16,
@@ -38,7 +38,7 @@ GEMMA = dataclasses.replace(
 
 
 def params_of(cfg):
-    m = from_nnx(lambda r: Llama(cfg, rngs=r))
+    m = from_nnx(lambda r: Decoder(cfg, rngs=r))
     return m, m.init(jax.random.key(0))
 
 
@@ -88,11 +88,11 @@ def test_soft_capped_attention_equals_plain_attention_when_the_cap_is_far():
     """The capped path (its own grouped-query einsums, window mask, f32 softmax) against
     jax.nn.dot_product_attention on the same params: a cap of 1e5 changes scores by <1e-9."""
     m, p = params_of(GEMMA)
-    capped = from_nnx(lambda r: Llama(dataclasses.replace(GEMMA, attn_softcap=1e5), rngs=r))
+    capped = from_nnx(lambda r: Decoder(dataclasses.replace(GEMMA, attn_softcap=1e5), rngs=r))
     tok = jnp.asarray(np.random.RandomState(0).randint(0, 64, (2, 20)))
     a, b = np.asarray(m.apply(p, tok)), np.asarray(capped.apply(p, tok))
     assert np.abs(a - b).max() < 1e-5 and a.std() > 0.05
-    hard = from_nnx(lambda r: Llama(dataclasses.replace(GEMMA, attn_softcap=0.5), rngs=r))
+    hard = from_nnx(lambda r: Decoder(dataclasses.replace(GEMMA, attn_softcap=0.5), rngs=r))
     assert np.abs(np.asarray(hard.apply(p, tok)) - a).max() > 1e-3  # and a near cap matters
 
 
@@ -103,7 +103,7 @@ def test_window_and_pattern_change_exactly_the_positions_they_should():
     tok = jnp.asarray(np.random.RandomState(1).randint(0, 64, (1, 16)))
     ref = np.asarray(m.apply(p, tok))
     for switches in (dict(sliding_window=5), dict(sliding_window=5, global_every=2)):
-        w = from_nnx(lambda r: Llama(dataclasses.replace(full, **switches), rngs=r))
+        w = from_nnx(lambda r: Decoder(dataclasses.replace(full, **switches), rngs=r))
         got = np.asarray(w.apply(p, tok))
         assert np.abs(got[:, :5] - ref[:, :5]).max() < 1e-6, switches
         assert np.abs(got[:, 5:] - ref[:, 5:]).max(axis=-1).min() > 1e-6, switches

@@ -11,7 +11,7 @@ import jax
 from fsdp_jax.app.config import config_to_dict, load_config
 from fsdp_jax.app.data.sft import prepare_examples
 from fsdp_jax.app.hf.export import export_hf
-from fsdp_jax.app.models import Llama
+from fsdp_jax.app.models import Decoder
 from fsdp_jax.checkpoint import Checkpointer
 from fsdp_jax.model.fns import from_nnx
 
@@ -30,7 +30,7 @@ def export_run(tmp_path, yml_text: str) -> Path:
     yml = tmp_path / "c.yaml"
     yml.write_text(yml_text)
     cfg = load_config(yml)
-    params = from_nnx(lambda r: Llama(cfg.model, rngs=r)).init(jax.random.key(0))
+    params = from_nnx(lambda r: Decoder(cfg.model, rngs=r)).init(jax.random.key(0))
     with Checkpointer(tmp_path / "ck") as ck:
         ck.save(1, {"params": params}, {"config": config_to_dict(cfg)})
     export_hf(tmp_path / "ck", tmp_path / "out")

@@ -23,7 +23,7 @@ from safetensors import safe_open
 from fsdp_jax.app.config.parse import config_to_dict
 from fsdp_jax.app.hf import load as hf
 from fsdp_jax.app.hf.export import export_hf
-from fsdp_jax.app.models import Llama
+from fsdp_jax.app.models import Decoder
 from fsdp_jax.app.trainer.setup import load_run_config
 from fsdp_jax.checkpoint import Checkpointer, CheckpointError
 from fsdp_jax.checkpoint.safetensors_io import SafetensorsFile, write_safetensors
@@ -56,8 +56,8 @@ def golden_logits(name):
 
 def imported(path, strategy="full_shard", mesh_shape=(1, 8, 1), scan=True):
     """(params loaded sharded from hf checkpoint `path`, ModelFns, plan)."""
-    ckpt = hf.HFCheckpoint(path, base=hf.LlamaConfig(scan_layers=scan))
-    m = from_nnx(lambda r: Llama(ckpt.config, rngs=r))
+    ckpt = hf.HFCheckpoint(path, base=hf.DecoderConfig(scan_layers=scan))
+    m = from_nnx(lambda r: Decoder(ckpt.config, rngs=r))
     built = build(m, optax.sgd(0.1), make_mesh(*mesh_shape), strategy, min_shard_size=0)
     return hf.load_params(ckpt, built.abstract_state.params), m, built.plan
 
@@ -306,7 +306,7 @@ def test_export_refuses_a_model_no_family_computes(tmp_path):
         f"data: {{seq_len: 32, path: {tmp_path / 'd'}}}\n"
     )
     cfg = load_run_config(yml)
-    params = from_nnx(lambda r: Llama(cfg.model, rngs=r)).init(jax.random.key(0))
+    params = from_nnx(lambda r: Decoder(cfg.model, rngs=r)).init(jax.random.key(0))
     with Checkpointer(tmp_path / "ck") as ck:
         ck.save(1, {"params": params}, {"config": config_to_dict(cfg)})
     with pytest.raises(CheckpointError, match="no Hugging Face family"):
@@ -585,7 +585,7 @@ def test_export_of_a_run_trained_from_scratch_carries_the_corpus_tokenizer(tmp_p
         f"data: {{seq_len: 32, path: {tmp_path / 'd'}}}\n"
     )
     cfg = load_run_config(yml)
-    params = from_nnx(lambda r: Llama(cfg.model, rngs=r)).init(jax.random.key(0))
+    params = from_nnx(lambda r: Decoder(cfg.model, rngs=r)).init(jax.random.key(0))
     with Checkpointer(tmp_path / "ck") as ck:
         ck.save(1, {"params": params}, {"config": config_to_dict(cfg)})
     export_hf(tmp_path / "ck", tmp_path / "out")

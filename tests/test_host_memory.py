@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import fsdp_jax as fj
 from fsdp_jax.app import host_memory as hm
-from fsdp_jax.app.models import LlamaConfig
+from fsdp_jax.app.models import DecoderConfig
 from fsdp_jax.sharding import offload as ol
 from fsdp_jax.train.build import build
 from helpers import TINY_MODEL_OVERRIDES, TINY_RUN_OVERRIDES, call, one_line
@@ -23,7 +23,7 @@ from helpers import tiny_llama as _tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_YAML = ROOT / "configs" / "tiny.yaml"
-CFG = LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=64, max_seq_len=16)
+CFG = DecoderConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=64, max_seq_len=16)
 
 
 @pytest.mark.parametrize(

@@ -10,11 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fsdp_jax.app.models.config import LlamaConfig
+from fsdp_jax.app.models.config import DecoderConfig
 from fsdp_jax.app.models.rope import apply_rope, inv_freq, rope_tables
 
 ORIG = 64
-BASE = LlamaConfig(d_model=256, n_heads=2, n_kv_heads=2, max_seq_len=4 * ORIG, rope_theta=10000.0)
+BASE = DecoderConfig(d_model=256, n_heads=2, n_kv_heads=2, max_seq_len=4 * ORIG, rope_theta=10000.0)
 LLAMA3 = dataclasses.replace(BASE, rope_type="llama3", rope_factor=8.0, rope_original_max_len=ORIG)
 YARN = dataclasses.replace(BASE, rope_type="yarn", rope_factor=4.0, rope_original_max_len=ORIG)
 

@@ -10,8 +10,8 @@ import optax
 import pytest
 
 from fsdp_jax.app.models import lora as lora_lib
-from fsdp_jax.app.models.config import LlamaConfig
-from fsdp_jax.app.models.llama import Llama, cross_entropy
+from fsdp_jax.app.models.config import DecoderConfig
+from fsdp_jax.app.models.decoder import Decoder, cross_entropy
 from fsdp_jax.app.trainer.build import lora_optimizer, trainer_model
 from fsdp_jax.model.fns import from_nnx
 from fsdp_jax.sharding.leaf_sharding import path_str
@@ -20,7 +20,7 @@ from fsdp_jax.train.build import build
 from helpers import max_abs_diff, reference_train, token_batches, weight_shaped_results
 
 # every weight dim distinct from the per-device row count (B*S / 8 = 16) and from each other
-CFG = LlamaConfig(vocab_size=96, d_model=40, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=56, max_seq_len=16)
+CFG = DecoderConfig(vocab_size=96, d_model=40, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=56, max_seq_len=16)
 SPEC = lora_lib.LoraSpec(rank=4, alpha=8.0)
 SGD = optax.sgd(0.05, momentum=0.9)
 
@@ -56,7 +56,7 @@ def test_factored_form_equals_the_merged_weights_and_step_zero_is_the_base():
     model = lora_model()
     params = model.init(jax.random.key(0))
     base, adapters = lora_lib.split(params)
-    plain = from_nnx(lambda r: Llama(CFG, rngs=r))
+    plain = from_nnx(lambda r: Decoder(CFG, rngs=r))
     tokens = batches(1)[0][:, :-1]
     # PEFT's init (B = 0): the adapted model is the base, and its base params are the base model's
     assert max_abs_diff(plain.init(jax.random.key(0)), base) == 0.0
@@ -212,9 +212,9 @@ def test_bad_lora_config_is_one_line_naming_the_key(overrides, key, words):
 
 
 def test_lora_flops_count_four_per_frozen_param_and_six_per_adapter_param():
-    from fsdp_jax.app.models.llama import count_params, flops_per_token
+    from fsdp_jax.app.models.decoder import count_params, flops_per_token
 
-    cfg = LlamaConfig(vocab_size=96, d_model=40, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=56, max_seq_len=16)
+    cfg = DecoderConfig(vocab_size=96, d_model=40, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=56, max_seq_len=16)
     matmul = count_params(cfg) - cfg.vocab_size * cfg.d_model
     attention = flops_per_token(cfg, 16) - 6 * matmul
     adapters = lora_lib.adapter_param_count(cfg, SPEC)

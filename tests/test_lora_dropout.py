@@ -18,7 +18,7 @@ from test_lora import CFG, nonzero_b
 
 from fsdp_jax.app.hf import peft
 from fsdp_jax.app.models import lora as lora_lib
-from fsdp_jax.app.models.config import LlamaConfig
+from fsdp_jax.app.models.config import DecoderConfig
 from fsdp_jax.app.trainer.build import lora_optimizer, make_loss_fn, trainer_model
 from fsdp_jax.sharding.mesh import make_mesh
 from fsdp_jax.train.build import build
@@ -100,7 +100,7 @@ def test_without_a_key_or_at_rate_zero_the_decoder_computes_what_it_did_without_
 @pytest.mark.slow
 @pytest.mark.parametrize("scan", [True, False], ids=["scanned", "unscanned"])
 def test_loss_and_adapter_grads_equal_a_by_hand_decoder_with_the_same_masks(scan):
-    cfg = LlamaConfig(**{**CFG.__dict__, "scan_layers": scan})
+    cfg = DecoderConfig(**{**CFG.__dict__, "scan_layers": scan})
     model = trainer_model(cfg, "none", SPEC)
     params = nonzero_b(trainer_model(CFG, "none", SPEC).init(jax.random.key(0)))  # scanned layout
     if not scan:  # the same numbers in the per-layer layout

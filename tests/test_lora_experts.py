@@ -16,7 +16,7 @@ from test_lora_moe import merged_logits, moe_cfg, nonzero_b, reference_train, to
 
 from fsdp_jax.app.hf import peft
 from fsdp_jax.app.models import lora as lora_lib
-from fsdp_jax.app.models.llama import Llama, count_params, flops_per_token
+from fsdp_jax.app.models.decoder import Decoder, count_params, flops_per_token
 from fsdp_jax.app.trainer.build import lora_optimizer, make_loss_fn, trainer_model
 from fsdp_jax.errors import ConfigError
 from fsdp_jax.model.fns import from_nnx
@@ -64,7 +64,7 @@ def _flat(tree):
 @pytest.mark.parametrize("kind", KINDS)
 def test_base_as_without_adapters_step_zero_the_base_and_the_factored_form_the_merged_weights(kind):
     cfg = KINDS[kind]()
-    model, plain = trainer_model(cfg, "none", SPEC), from_nnx(lambda r: Llama(cfg, rngs=r))
+    model, plain = trainer_model(cfg, "none", SPEC), from_nnx(lambda r: Decoder(cfg, rngs=r))
     params = model.init(jax.random.key(0))
     base, _ = lora_lib.split(params)
     assert max_abs_diff(plain.init(jax.random.key(0)), base) == 0.0
@@ -189,7 +189,7 @@ def test_expert_targets_peft_cannot_express_are_refused_in_one_line(
     spec = lora_lib.LoraSpec(4, 8.0, lora_lib.resolve_targets(targets), dropout=dropout)
     cfg = moe_cfg(shared_expert_ffn_dim=32) if model == "qwen2_moe" else moe_cfg()
     with pytest.raises(ConfigError, match=words[0]), nnx.use_eager_sharding(False):
-        Llama(cfg, rngs=nnx.Rngs(0), lora=spec)
+        Decoder(cfg, rngs=nnx.Rngs(0), lora=spec)
 
 
 @pytest.mark.slow

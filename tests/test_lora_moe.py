@@ -15,8 +15,8 @@ import pytest
 from fsdp_jax.app.hf import load as hf
 from fsdp_jax.app.hf import peft
 from fsdp_jax.app.models import lora as lora_lib
-from fsdp_jax.app.models.config import LlamaConfig
-from fsdp_jax.app.models.llama import Llama
+from fsdp_jax.app.models.config import DecoderConfig
+from fsdp_jax.app.models.decoder import Decoder
 from fsdp_jax.app.models.stack import segments
 from fsdp_jax.app.trainer.build import lora_optimizer, make_loss_fn, trainer_model
 from fsdp_jax.model.fns import from_nnx
@@ -36,7 +36,7 @@ def moe_cfg(**kw):
         vocab_size=64, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32,
         n_experts=4, experts_per_token=2, moe_ffn_dim=48, norm_topk_prob=True, router_aux_loss_coef=0.02,
     )  # fmt: skip
-    return LlamaConfig(**{**base, **kw})
+    return DecoderConfig(**{**base, **kw})
 
 
 LAYOUTS = {
@@ -64,7 +64,7 @@ def test_base_as_without_adapters_step_zero_the_base_and_the_factored_form_the_m
     cfg = LAYOUTS[layout]()
     if layout == "groups_of_2":
         assert [len(kinds) for _, kinds, _ in segments(cfg)] == [2]
-    model, plain = trainer_model(cfg, "none", SPEC), from_nnx(lambda r: Llama(cfg, rngs=r))
+    model, plain = trainer_model(cfg, "none", SPEC), from_nnx(lambda r: Decoder(cfg, rngs=r))
     params = model.init(jax.random.key(0))
     base, adapters = lora_lib.split(params)
     assert max_abs_diff(plain.init(jax.random.key(0)), base) == 0.0
@@ -141,7 +141,7 @@ def test_moe_lora_with_dropout_trains_on_8_devices_as_on_one(mesh, rules):
 
 @pytest.mark.parametrize("scan", [True, False], ids=["scanned", "unscanned"])
 def test_peft_export_of_a_tiny_mixtral_has_peft_key_names_and_reads_back_bit_for_bit(scan, tmp_path):
-    cfg = hf.HFCheckpoint(GOLDEN / "mixtral", base=LlamaConfig(scan_layers=scan)).config
+    cfg = hf.HFCheckpoint(GOLDEN / "mixtral", base=DecoderConfig(scan_layers=scan)).config
     model = trainer_model(cfg, "none", SPEC)
     _, adapters = lora_lib.split(jax.tree.map(np.asarray, nonzero_b(model.init(jax.random.key(0)))))
     tensors = peft.to_peft(adapters, cfg, SPEC)
@@ -175,7 +175,7 @@ def test_targets_on_a_mixture_of_experts_model_pass_the_config_check(targets):
 
 
 def test_moe_lora_flops_and_adapter_count():
-    from fsdp_jax.app.models.llama import count_params, flops_per_token
+    from fsdp_jax.app.models.decoder import count_params, flops_per_token
 
     cfg = moe_cfg(mlp_only_layers=(1,))
     model = trainer_model(cfg, "none", SPEC)
@@ -247,6 +247,6 @@ def test_a_mixtral_lora_run_trains_and_exports_peft_and_merged(corpus, tmp_path,
 def merged_logits(directory, t) -> np.ndarray:
     """The logits of a plain decoder (no adapters) on the HF checkpoint `directory`."""
     merged = hf.HFCheckpoint(directory)
-    plain = from_nnx(lambda r: Llama(merged.config, rngs=r))
+    plain = from_nnx(lambda r: Decoder(merged.config, rngs=r))
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), plain.abstract_params)
     return np.asarray(jax.jit(plain.apply)(hf.load_params(merged, abstract), t))

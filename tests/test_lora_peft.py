@@ -15,7 +15,7 @@ import pytest
 from fsdp_jax.app.hf import load as hf
 from fsdp_jax.app.hf import peft, peft_experts
 from fsdp_jax.app.models import lora as lora_lib
-from fsdp_jax.app.models.llama import Llama
+from fsdp_jax.app.models.decoder import Decoder
 from fsdp_jax.app.trainer.build import trainer_model
 from fsdp_jax.checkpoint.safetensors_io import SafetensorsFile
 from fsdp_jax.errors import CheckpointError
@@ -66,7 +66,7 @@ def test_peft_adapter_reproduces_peft_logits_and_merged_logits(name, tmp_path):
     # merged: a plain decoder on W + scale * A B matches peft's merge_and_unload logits
     host_base = jax.tree.map(np.asarray, base)
     merged = peft.merge(host_base, adapters, cfg, spec)
-    plain = from_nnx(lambda r: Llama(cfg, rngs=r))
+    plain = from_nnx(lambda r: Decoder(cfg, rngs=r))
     got_merged = logits(plain, merged, built.plan, want["tokens"])
     assert float(np.abs(got_merged - want["merged_logits"]).max()) < 1e-4
     untouched = [p for p, _ in peft._flat(host_base) if peft.adapter_of(p, cfg, spec) is None]
@@ -90,7 +90,7 @@ def test_peft_adapter_reproduces_peft_logits_and_merged_logits(name, tmp_path):
 
 def test_unscanned_layers_read_the_same_adapter():
     ckpt, spec, want = golden("llama3_rslora")
-    cfg = hf.HFCheckpoint(ckpt.path, base=hf.LlamaConfig(scan_layers=False)).config
+    cfg = hf.HFCheckpoint(ckpt.path, base=hf.DecoderConfig(scan_layers=False)).config
     scanned = peft.read_peft(GOLDEN / "peft" / "llama3_rslora", ckpt.config, spec)
     flat = peft.read_peft(GOLDEN / "peft" / "llama3_rslora", cfg, spec)
     a = scanned["blocks"]["attn"]["lora"]["wq"]["lora_a"]

@@ -16,7 +16,7 @@ from test_lora_moe import SGD, moe_cfg, nonzero_b, tokens
 
 from fsdp_jax.app.hf import peft
 from fsdp_jax.app.models import lora as lora_lib
-from fsdp_jax.app.models.llama import Llama
+from fsdp_jax.app.models.decoder import Decoder
 from fsdp_jax.app.trainer.build import lora_optimizer, make_loss_fn, trainer_model
 from fsdp_jax.model.fns import from_nnx
 from fsdp_jax.sharding.mesh import make_mesh
@@ -71,7 +71,7 @@ def test_shared_expert_and_dense_layer_adapters_are_per_weight_and_shard_as_thei
 @pytest.mark.parametrize("spec", [ALL, SHARED_ONLY], ids=["all-linear", "target_parameters-none"])
 def test_step_zero_is_the_base_and_the_factored_form_is_the_merged_weights(spec):
     cfg = qwen2_moe_cfg()
-    model, plain = trainer_model(cfg, "none", spec), from_nnx(lambda r: Llama(cfg, rngs=r))
+    model, plain = trainer_model(cfg, "none", spec), from_nnx(lambda r: Decoder(cfg, rngs=r))
     params = model.init(jax.random.key(0))
     base, _ = lora_lib.split(params)
     assert max_abs_diff(plain.init(jax.random.key(0)), base) == 0.0

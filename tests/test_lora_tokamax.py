@@ -16,7 +16,7 @@ import json, sys
 import jax, jax.numpy as jnp, optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 from fsdp_jax.app.models import lora as lora_lib
-from fsdp_jax.app.models.config import LlamaConfig
+from fsdp_jax.app.models.config import DecoderConfig
 from fsdp_jax.app.trainer.build import lora_optimizer, make_loss_fn, trainer_model
 from fsdp_jax.hlo.costs import op_inventory
 from fsdp_jax.sharding.mesh import make_mesh
@@ -30,7 +30,7 @@ if target == "h100":
 else:
     from jax.experimental import topologies
     devs = sorted(topologies.get_topology_desc(topology_name="v5p:2x2x1", platform="tpu").devices, key=lambda d: d.id)[:1]
-cfg = LlamaConfig(vocab_size=384, d_model=512, n_layers=2, n_heads=8, n_kv_heads=2, ffn_dim=512, max_seq_len=512,
+cfg = DecoderConfig(vocab_size=384, d_model=512, n_layers=2, n_heads=8, n_kv_heads=2, ffn_dim=512, max_seq_len=512,
                   n_experts=6, experts_per_token=2, moe_ffn_dim=1024, norm_topk_prob=True, router_aux_loss_coef=0.02)
 model = trainer_model(cfg, "none", lora_lib.LoraSpec(rank=rank, alpha=2.0 * rank, targets=lora_lib.WEIGHTS))
 mesh = make_mesh(1, 1, 1, devices=devs)

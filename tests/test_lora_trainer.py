@@ -128,7 +128,7 @@ def test_export_peft_and_merged_reproduce_the_runs_logits(straight, tmp_path, ca
     a plain decoder reloads with the LoRA model's logits; untouched tensors are the base's bytes."""
     from fsdp_jax.app.hf import load as hf
     from fsdp_jax.app.hf import peft
-    from fsdp_jax.app.models.llama import Llama
+    from fsdp_jax.app.models.decoder import Decoder
     from fsdp_jax.app.trainer.build import trainer_model
     from fsdp_jax.model.fns import from_nnx
     from helpers import call
@@ -148,7 +148,7 @@ def test_export_peft_and_merged_reproduce_the_runs_logits(straight, tmp_path, ca
     model = trainer_model(base_cfg, "none", spec)
     want = np.asarray(jax.jit(model.apply)(jax.device_get(straight["state"].params), tokens))
     merged = hf.HFCheckpoint(tmp_path / "merged")
-    plain = from_nnx(lambda r: Llama(merged.config, rngs=r))
+    plain = from_nnx(lambda r: Decoder(merged.config, rngs=r))
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), plain.abstract_params)
     got = np.asarray(jax.jit(plain.apply)(hf.load_params(merged, abstract), tokens))
     assert float(np.abs(got - want).max()) < 1e-4

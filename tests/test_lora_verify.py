@@ -37,10 +37,10 @@ def test_shrink_lowers_a_rank_the_reduced_weights_do_not_allow_and_keeps_the_sca
 
 
 def test_init_weights_false_draws_b_as_torch_draws_a_linear_of_fan_in_r():
-    from fsdp_jax.app.models.config import LlamaConfig
+    from fsdp_jax.app.models.config import DecoderConfig
     from fsdp_jax.app.trainer.build import trainer_model
 
-    cfg = LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
+    cfg = DecoderConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
     zero = trainer_model(cfg, "none", lora_lib.LoraSpec(8, 16.0)).init(jax.random.key(0))
     drawn = trainer_model(cfg, "none", lora_lib.LoraSpec(8, 16.0, init_weights=False)).init(jax.random.key(0))
     bs = [(p, x) for p, x in jax.tree_util.tree_flatten_with_path(drawn)[0] if "lora_b" in jax.tree_util.keystr(p)]

@@ -20,9 +20,9 @@ from test_hf import GOLDEN, MESHES, index_and_shapes, saved_run
 from fsdp_jax.app.hf import load as hf
 from fsdp_jax.app.hf.config_in import model_config_from_hf
 from fsdp_jax.app.hf.export import export_hf
-from fsdp_jax.app.models import Llama, LlamaConfig, count_params
+from fsdp_jax.app.models import Decoder, DecoderConfig, count_params
 from fsdp_jax.app.models import moe as moe_lib
-from fsdp_jax.app.models.llama import cross_entropy
+from fsdp_jax.app.models.decoder import cross_entropy
 from fsdp_jax.app.models.stack import segment_layers, segments, sparse_layers
 from fsdp_jax.app.trainer.build import make_loss_fn
 from fsdp_jax.checkpoint import CheckpointError
@@ -45,8 +45,8 @@ def golden(name):
 
 
 def imported(path, strategy="full_shard", mesh_shape=(1, 8, 1), scan=True, rules=None):
-    ckpt = hf.HFCheckpoint(path, base=LlamaConfig(scan_layers=scan))
-    m = from_nnx(lambda r: Llama(ckpt.config, rngs=r))
+    ckpt = hf.HFCheckpoint(path, base=DecoderConfig(scan_layers=scan))
+    m = from_nnx(lambda r: Decoder(ckpt.config, rngs=r))
     built = build(m, optax.sgd(0.1), make_mesh(*mesh_shape), strategy, min_shard_size=0, rules=rules)
     return hf.load_params(ckpt, built.abstract_state.params), m, built.plan, ckpt.config
 
@@ -145,7 +145,7 @@ def _moe_cfg(**kw):
         vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32,
         n_experts=8, experts_per_token=2, moe_ffn_dim=48, norm_topk_prob=True,
     )  # fmt: skip
-    return LlamaConfig(**{**base, **kw})
+    return DecoderConfig(**{**base, **kw})
 
 
 def _ref_moe(x, router, wg, wu, wd, k, norm, cap=None):
@@ -215,7 +215,7 @@ def test_capacity_mode_compiled_flops_scale_with_top_k():
 
 def test_full_shard_gathers_each_moe_layer_inside_the_loop():
     cfg = _moe_cfg(n_layers=4, mlp_only_layers=(), d_model=64)
-    m = from_nnx(lambda r: Llama(cfg, rngs=r, remat="full"))
+    m = from_nnx(lambda r: Decoder(cfg, rngs=r, remat="full"))
     built = build(m, optax.sgd(0.1), make_mesh(1, 8, 1), "full_shard", loss_fn=make_loss_fn(m, cfg), has_aux=True)
     batch = jax.ShapeDtypeStruct((8, 17), jnp.int32, sharding=built.plan.batch)
     compiled = built.train_step.lower(built.abstract_state, batch).compile()
@@ -233,7 +233,7 @@ def test_full_shard_gathers_each_moe_layer_inside_the_loop():
 
 def test_count_params_counts_experts_and_active_params():
     cfg = _moe_cfg(shared_expert_ffn_dim=16, mlp_only_layers=(1,))
-    params = from_nnx(lambda r: Llama(cfg, rngs=r)).abstract_params
+    params = from_nnx(lambda r: Decoder(cfg, rngs=r)).abstract_params
     assert count_params(cfg) == sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
     per_expert = 3 * cfg.d_model * cfg.moe_ffn_dim
     assert count_params(cfg) - count_params(cfg, active=True) == (8 - 2) * per_expert  # one sparse layer
@@ -399,7 +399,7 @@ def test_bad_moe_input_is_one_line_exit_2(tmp_path, capsys):
 
 
 def _losses(cfg, mesh, strategy, rules=None, steps=3):
-    m = from_nnx(lambda r: Llama(cfg, rngs=r))
+    m = from_nnx(lambda r: Decoder(cfg, rngs=r))
     built = build(
         m, optax.sgd(0.5), mesh, strategy, loss_fn=make_loss_fn(m, cfg), has_aux=True, rules=rules, min_shard_size=0
     )
@@ -429,7 +429,7 @@ def test_train_steps_match_one_device_under_fsdp_and_expert_parallelism(capacity
 
 def test_expert_axis_must_divide_the_experts():
     cfg = _moe_cfg(n_experts=6)
-    m = from_nnx(lambda r: Llama(cfg, rngs=r))
+    m = from_nnx(lambda r: Decoder(cfg, rngs=r))
     built = build(m, optax.sgd(0.1), make_mesh(1, 2, 4), "full_shard", rules=EP, min_shard_size=0)
     with (
         sharding_context(built.plan),
@@ -447,7 +447,7 @@ def test_packed_rows_loss_and_router_metrics_summary():
     from fsdp_jax.app.trainer.router_metrics import summarise
 
     cfg = _moe_cfg(router_aux_loss_coef=0.1)
-    m = from_nnx(lambda r: Llama(cfg, rngs=r))
+    m = from_nnx(lambda r: Decoder(cfg, rngs=r))
     params = m.init(jax.random.key(0))
     rng = np.random.RandomState(0)
     tokens = rng.randint(0, cfg.vocab_size, (2, 16))

@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import pytest
 
-from fsdp_jax.app.models import Llama, LlamaConfig
+from fsdp_jax.app.models import Decoder, DecoderConfig
 from fsdp_jax.app.trainer.build import make_loss_fn
 from fsdp_jax.model.fns import from_nnx
 from fsdp_jax.sharding.mesh import make_mesh
@@ -32,11 +32,11 @@ def _cfg(**kw):
         vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32,
         n_experts=8, experts_per_token=2, moe_ffn_dim=48, norm_topk_prob=True, router_aux_loss_coef=0.01,
     )  # fmt: skip
-    return LlamaConfig(**{**base, **kw})
+    return DecoderConfig(**{**base, **kw})
 
 
 def _built(cfg, mesh, strategy, rules=None):
-    m = from_nnx(lambda r: Llama(cfg, rngs=r))
+    m = from_nnx(lambda r: Decoder(cfg, rngs=r))
     loss = make_loss_fn(m, cfg)
     return build(m, optax.sgd(0.5), mesh, strategy, loss_fn=loss, has_aux=True, rules=rules, min_shard_size=0)
 
@@ -147,7 +147,7 @@ def test_expert_axes_half_in_the_batch_are_refused():
     """Experts over (data, tensor): data shards the tokens, tensor replicates them; one
     layer cannot do both (ValueError, one line; the config check refuses it first)."""
     cfg = _cfg()
-    m = from_nnx(lambda r: Llama(cfg, rngs=r))
+    m = from_nnx(lambda r: Decoder(cfg, rngs=r))
     rules = {**DEFAULT_RULES, "expert": ("data", "tensor")}
     built = build(m, optax.sgd(0.1), make_mesh(4, 1, 2), "full_shard", rules=rules, min_shard_size=0)
     with (

@@ -19,11 +19,11 @@ from flax import nnx
 from jax.experimental import topologies
 from jax.sharding import SingleDeviceSharding
 from fsdp_jax.app.models import moe as moe_lib
-from fsdp_jax.app.models.config import LlamaConfig
+from fsdp_jax.app.models.config import DecoderConfig
 
 dev = sorted(topologies.get_topology_desc(topology_name="v5p:2x2x1", platform="tpu").devices, key=lambda d: d.id)[0]
 sh = SingleDeviceSharding(dev)
-base = LlamaConfig(vocab_size=64, d_model=512, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32,
+base = DecoderConfig(vocab_size=64, d_model=512, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32,
                    n_experts=8, experts_per_token=2, moe_ffn_dim=1024, norm_topk_prob=True, grouped_matmul="xla")
 
 def flops(cfg, n_tokens=2048):
@@ -68,7 +68,7 @@ import jax, jax.numpy as jnp
 from flax import nnx
 from jax.sharding import SingleDeviceSharding
 from fsdp_jax.app.models import moe as moe_lib
-from fsdp_jax.app.models.config import LlamaConfig
+from fsdp_jax.app.models.config import DecoderConfig
 from fsdp_jax.hlo.costs import op_inventory
 
 def layer_gemms(cfg, dev, n_tokens=2048):
@@ -88,7 +88,7 @@ def layer_gemms(cfg, dev, n_tokens=2048):
     return out
 
 def layer_config(**kw):
-    return LlamaConfig(vocab_size=64, d_model=512, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32,
+    return DecoderConfig(vocab_size=64, d_model=512, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32,
                        n_experts=8, experts_per_token=2, moe_ffn_dim=1024, norm_topk_prob=True, **kw)
 """
 

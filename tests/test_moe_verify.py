@@ -13,7 +13,7 @@ import optax
 import pytest
 
 from fsdp_jax.app.models import moe as moe_lib
-from fsdp_jax.app.models.llama import cross_entropy
+from fsdp_jax.app.models.decoder import cross_entropy
 from fsdp_jax.app.trainer.build import build_from_config, make_loss_fn, trainer_model
 from fsdp_jax.app.trainer.setup import load_run_config
 from fsdp_jax.app.verify_batches import verify_batches

@@ -109,7 +109,7 @@ def test_two_processes_train_like_one_and_checkpoints_move_between_process_count
 
     from fsdp_jax import checkpoint as ck
     from fsdp_jax.app.config.parse import load_config
-    from fsdp_jax.app.models.llama import Llama
+    from fsdp_jax.app.models.decoder import Decoder
     from fsdp_jax.app.trainer.optim import build_optimizer
     from fsdp_jax.model.fns import from_nnx
     from fsdp_jax.sharding.mesh import make_mesh
@@ -137,7 +137,7 @@ def test_two_processes_train_like_one_and_checkpoints_move_between_process_count
     # the 2-process checkpoint (each process wrote its shards) restores in this single
     # process on 8 devices and on 4 devices, with equal values
     cfg = load_config(tmp_path / "two" / "config.yaml")
-    model = from_nnx(lambda rngs: Llama(cfg.model, rngs=rngs, remat=cfg.remat))
+    model = from_nnx(lambda rngs: Decoder(cfg.model, rngs=rngs, remat=cfg.remat))
     opt, _ = build_optimizer(cfg.optimizer, cfg.train.steps)
     restored = []
     for devices in (jax.devices(), jax.devices()[:4]):

@@ -11,7 +11,7 @@ import optax
 import pytest
 
 import fsdp_jax as fj
-from fsdp_jax.app.models import LlamaConfig
+from fsdp_jax.app.models import DecoderConfig
 from fsdp_jax.sharding import offload as ol
 from fsdp_jax.sharding import remat as remat_lib
 from fsdp_jax.train.build import build
@@ -22,7 +22,7 @@ from helpers import token_batches as _token_batches
 ROOT = Path(__file__).resolve().parents[1]
 
 # smaller than helpers.TINY: these tests compile many steps on a shared CPU
-CFG = LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=64, max_seq_len=16)
+CFG = DecoderConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=64, max_seq_len=16)
 
 
 def tiny_llama(remat="none"):

@@ -9,18 +9,18 @@ from flax import nnx
 
 from fsdp_jax.app.data.packing import batch_from_rows, pack
 from fsdp_jax.app.models.attention import packed_layout
-from fsdp_jax.app.models.config import LlamaConfig
-from fsdp_jax.app.models.llama import Llama
+from fsdp_jax.app.models.config import DecoderConfig
+from fsdp_jax.app.models.decoder import Decoder
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("scan, remat", [(True, "none"), (False, "dots")])
 def test_packed_logits_equal_examples_run_alone(scan, remat):
-    cfg = LlamaConfig(
+    cfg = DecoderConfig(
         vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32, scan_layers=scan
     )
     with nnx.use_eager_sharding(False):
-        model = Llama(cfg, rngs=nnx.Rngs(0), remat=remat)
+        model = Decoder(cfg, rngs=nnx.Rngs(0), remat=remat)
     rng = np.random.default_rng(1)
     lengths = [7, 12, 3, 9, 5, 16, 11]
     examples = [(rng.integers(0, 64, n), np.ones(n, np.uint8)) for n in lengths]

@@ -369,7 +369,7 @@ def test_verify_presets_sit_between_a_near_healthy_and_a_near_broken_model(prese
 
 def test_every_preset_limit_sits_5_to_100x_above_what_healthy_models_measure():
     """benchmarks/verify_tolerances.json holds the largest difference each healthy model
-    (the reference Llama, the Linen and NNX MLPs; SGD and AdamW; f32 and bf16 compute;
+    (the reference decoder, the Linen and NNX MLPs; SGD and AdamW; f32 and bf16 compute;
     every strategy, 5 steps) showed against one device, measured by verify itself:
     regenerate it with `PYTHONPATH=$PWD JAX_PLATFORMS=cpu python
     benchmarks/verify_tolerances.py --steps 5`. Every limit of every preset, param_rtol

@@ -14,11 +14,11 @@ import optax
 import pytest
 
 import fsdp_jax as fj
-import fsdp_jax.app.models.llama as llama
+import fsdp_jax.app.models.decoder as llama
 from fsdp_jax.app.config.parse import load_config
 from fsdp_jax.app.data import corpus as data_lib
 from fsdp_jax.app.data.windows import make_dataset
-from fsdp_jax.app.models.llama import count_params
+from fsdp_jax.app.models.decoder import count_params
 from fsdp_jax.app.planner import estimate as pl
 from fsdp_jax.app.planner.inputs import STRATEGY_ORDER, parse_bytes
 from fsdp_jax.app.planner.inspection import inspect_compiled

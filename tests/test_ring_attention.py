@@ -1,4 +1,4 @@
-"""Context-parallel attention (`fsdp_jax.sharding.ring_attention`) against one device's
+"""Context-parallel attention (`fsdp_jax.attention.ring`) against one device's
 dense masked attention: ring and all-gather K/V passing, zig-zag layout, packed segment
 ids, sliding windows (all layers or a pattern's local flag), soft-capped scores,
 grouped-query heads; values and gradients; and the compiled collectives of each."""
@@ -13,9 +13,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import fsdp_jax as fj
+from fsdp_jax.attention.ring import context_attention
 from fsdp_jax.errors import BatchError
 from fsdp_jax.sharding.context import check_seq_len, unzigzag, zigzag, zigzag_order
-from fsdp_jax.sharding.ring_attention import context_attention
 
 
 def dense_reference(q, k, v, positions, seg, scale, cap=0.0, window=0, local=True):

@@ -1,4 +1,4 @@
-"""cuDNN flash attention per ring block (`fsdp_jax.sharding.ring_cudnn`) on GPU targets: the
+"""cuDNN flash attention per ring block (`fsdp_jax.attention.cudnn`) on GPU targets: the
 ring compiles deviceless for 8 x H100 (XLA:GPU, the CUDA plugin and NVIDIA's cuDNN wheel from
 `python -m fsdp_jax.targets install`) with cuDNN's forward and backward custom calls in it and
 no float32 score block, with and without packed rows (cuDNN's packed layout per block); the
@@ -13,8 +13,8 @@ import re
 import jax.numpy as jnp
 import pytest
 
-from fsdp_jax.sharding.ring_cudnn import cudnn_kernel
-from fsdp_jax.sharding.ring_flash import flash_context_attention
+from fsdp_jax.attention.cudnn import cudnn_kernel
+from fsdp_jax.attention.flash import flash_context_attention
 from fsdp_jax.targets import gpu as targets
 from fsdp_jax.targets.plugins import cudnn_installed
 from helpers import json_child
@@ -25,9 +25,9 @@ import jax, jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 import fsdp_jax as fj
 from fsdp_jax.targets import gpu as targets
-from fsdp_jax.sharding.ring_attention import context_attention
-from fsdp_jax.sharding.ring_flash import flash_context_attention
-from fsdp_jax.sharding.ring_cudnn import cudnn_kernel
+from fsdp_jax.attention.ring import context_attention
+from fsdp_jax.attention.flash import flash_context_attention
+from fsdp_jax.attention.cudnn import cudnn_kernel
 req = json.loads(sys.argv[1])
 devices = targets.gpu_devices("h100")
 n, s, h, kvh, dh = req["context"], req["seq"], req["heads"], req["kv_heads"], 128
@@ -114,8 +114,8 @@ def test_packed_cudnn_ring_compiles_for_h100_with_cudnn_blocks_and_no_score_bloc
 def _window_calls(context, seq, window, packed):
     """cuDNN forward calls the windowed ring traces (as many backward): every band of every
     chunk pair's branches as `band_pieces`, a reversed square of packed rows as two calls."""
-    from fsdp_jax.sharding.cudnn_bands import band_pieces
-    from fsdp_jax.sharding.ring_window import window_plan
+    from fsdp_jax.attention.cudnn_bands import band_pieces
+    from fsdp_jax.attention.windows import window_plan
 
     c = seq // context // 2
     plan = window_plan(n=context, c=c, window=window, pattern=False)

@@ -1,4 +1,4 @@
-"""The flash ring (`fsdp_jax.sharding.ring_flash`: one custom VJP over the whole ring, each
+"""The flash ring (`fsdp_jax.attention.flash`: one custom VJP over the whole ring, each
 block a kernel returning (o, lse), blocks merged by log-sum-exp, the kernel's backward
 fed the global o and lse) against one device's dense masked attention, in float32: loss
 and gradients of q, k, v at context 2 and 4, ring and all-gather, causal, packed segment
@@ -16,9 +16,9 @@ from jax.sharding import PartitionSpec as P
 from test_ring_attention import dense_reference, packed
 
 import fsdp_jax as fj
+from fsdp_jax.attention.flash import flash_context_attention
+from fsdp_jax.attention.kernels import BlockKernel, merge, reference_kernel
 from fsdp_jax.sharding.context import unzigzag, zigzag
-from fsdp_jax.sharding.ring_flash import flash_context_attention
-from fsdp_jax.sharding.ring_kernels import BlockKernel, merge, reference_kernel
 
 CASES = {
     "causal": dict(),

@@ -1,4 +1,4 @@
-"""Splash attention per ring block (`fsdp_jax.sharding.ring_splash`): the Pallas kernel's
+"""Splash attention per ring block (`fsdp_jax.attention.splash_block`): the Pallas kernel's
 forward with its log-sum-exp and its private backward given the ring's global o and lse,
 inside the flash ring's custom VJP. On CPU the kernel runs interpreted (`interpret=True`)
 against one device's dense attention (float32, context 2 and 4, packed rows, soft caps);
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import pytest
 from test_ring_flash import dense_value_and_grad, inputs, ring_value_and_grad
 
-from fsdp_jax.sharding.ring_splash import splash_kernel
+from fsdp_jax.attention.splash_block import splash_kernel
 from fsdp_jax.targets import gpu as targets
 from helpers import json_child
 
@@ -70,8 +70,8 @@ import jax, jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 import fsdp_jax as fj
 from fsdp_jax.targets import gpu as targets
-from fsdp_jax.sharding.ring_flash import flash_context_attention
-from fsdp_jax.sharding.ring_splash import splash_kernel
+from fsdp_jax.attention.flash import flash_context_attention
+from fsdp_jax.attention.splash_block import splash_kernel
 req = json.loads(sys.argv[1])
 devices = targets.target_devices(targets.Target(**req["target"]))
 n, s, h, kvh, dh = req["context"], req["seq"], req["heads"], req["kv_heads"], 128
@@ -123,7 +123,7 @@ def test_windowed_splash_ring_compiles_for_tpu_without_score_blocks():
     packed rows' segment ids: one forward, dq and dkv kernel per band of the plan
     (`ring_window`: 6 at context 2), every one of them in the compiled step, and no
     float32 tensor with two dims of a chunk's length."""
-    from fsdp_jax.sharding.ring_window import plan_summary, window_plan
+    from fsdp_jax.attention.windows import plan_summary, window_plan
 
     assert targets.plugin_installed(kind="tpu"), "libtpu missing: python -m fsdp_jax.targets install tpu"
     t = targets.make_target("v6e", devices=4)
@@ -153,8 +153,8 @@ def test_the_trainers_decoder_with_splash_per_ring_block_equals_one_device(monke
     from test_context_parallel import reference, rel, train
 
     from fsdp_jax.app.data.packing import batch_from_rows, pack
-    from fsdp_jax.app.models.config import LlamaConfig
-    from fsdp_jax.sharding.ring_flash import RING_KERNELS
+    from fsdp_jax.app.models.config import DecoderConfig
+    from fsdp_jax.attention.flash import RING_KERNELS
 
     made = []
 
@@ -164,7 +164,7 @@ def test_the_trainers_decoder_with_splash_per_ring_block_equals_one_device(monke
 
     monkeypatch.setitem(RING_KERNELS, "splash", interpreted)
     seq = 512  # half blocks of 128 at context 2
-    cfg = LlamaConfig(
+    cfg = DecoderConfig(
         vocab_size=128, d_model=256, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=256, max_seq_len=seq,
         rope_theta=500.0, attn_softcap=20.0, **family,
     )  # fmt: skip

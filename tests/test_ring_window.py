@@ -1,4 +1,4 @@
-"""Sliding windows in the flash ring with static-mask kernels (`fsdp_jax.sharding.ring_window`):
+"""Sliding windows in the flash ring with static-mask kernels (`fsdp_jax.attention.windows`):
 each ring step as chunk pairs whose static band a `lax.switch` on the rank picks.
 
 The plan's bands, over every rank, step and chunk pair, equal the zig-zag row's own window
@@ -20,12 +20,12 @@ from test_ring_attention import dense_reference
 from test_ring_flash import inputs
 
 import fsdp_jax as fj
+from fsdp_jax.attention.cudnn import cudnn_kernel
+from fsdp_jax.attention.cudnn_bands import band_pieces
+from fsdp_jax.attention.flash import flash_context_attention
+from fsdp_jax.attention.kernels import CAUSAL, FULL, Band, band_mask, reference_kernel
+from fsdp_jax.attention.windows import pair_band, plan_summary, window_plan
 from fsdp_jax.sharding.context import zigzag
-from fsdp_jax.sharding.cudnn_bands import band_pieces
-from fsdp_jax.sharding.ring_cudnn import cudnn_kernel
-from fsdp_jax.sharding.ring_flash import flash_context_attention
-from fsdp_jax.sharding.ring_kernels import CAUSAL, FULL, Band, band_mask, reference_kernel
-from fsdp_jax.sharding.ring_window import pair_band, plan_summary, window_plan
 
 
 def _chunk(r, side, n):
@@ -176,7 +176,7 @@ def test_packed_cudnn_kernel_with_windows_over_emulated_cudnn_matches_one_device
 def test_interpreted_splash_ring_with_windows_and_packed_rows_matches_one_device(n, window, local):
     """Chunks of 128 (splash's backward wants key tiles of 128), 2 query heads on one kv head,
     head dim 128, packed rows: windows inside a chunk, across one, across several."""
-    from fsdp_jax.sharding.ring_splash import splash_kernel
+    from fsdp_jax.attention.splash_block import splash_kernel
 
     args = inputs({"packed": True, "kvh": 1}, b=8 // n, s=256 * n, h=2, dh=128)
     kern = splash_kernel(scale=128**-0.5, window=window, interpret=True, block=128)

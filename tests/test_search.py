@@ -273,7 +273,7 @@ def test_analytic_communication_matches_the_textbook(cfg):
     for the sharded strategies; HSDP's cross-host all-reduce of the fsdp shards."""
     import dataclasses
 
-    from fsdp_jax.app.models.llama import count_params
+    from fsdp_jax.app.models.decoder import count_params
 
     p, f = 2 * count_params(cfg.model), 7 / 8  # bf16 compute
     wire = lambda c, s, sizes=(1, 8, 1), hosts=1: analytic_communication(c, s, sizes, hosts)  # noqa: E731

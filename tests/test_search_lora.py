@@ -10,7 +10,7 @@ import yaml
 
 from fsdp_jax.app.config.parse import load_config
 from fsdp_jax.app.models import lora as lora_lib
-from fsdp_jax.app.models.llama import count_params
+from fsdp_jax.app.models.decoder import count_params
 from fsdp_jax.app.planner import search as se
 from fsdp_jax.app.planner.search_prediction import analytic_communication
 from fsdp_jax.app.planner.search_report import format_search, winner_yaml

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from fsdp_jax.app.config.parse import load_config
-from fsdp_jax.app.models.llama import Llama
+from fsdp_jax.app.models.decoder import Decoder
 from fsdp_jax.app.planner import step_time
 from fsdp_jax.targets.perf_tables import perf_table
 
@@ -30,7 +30,7 @@ def test_model_flops_count_every_matmul_weight_once(tied):
     cfg = load_config(ROOT / "configs" / "tiny.yaml", [f"model.tie_word_embeddings={str(tied).lower()}"])
     m = cfg.model
     with nnx.use_eager_sharding(False):
-        model = nnx.eval_shape(lambda: Llama(m, rngs=nnx.Rngs(0)))
+        model = nnx.eval_shape(lambda: Decoder(m, rngs=nnx.Rngs(0)))
     sizes = {
         "/".join(str(getattr(k, "key", k)) for k in p): int(np.prod(x.shape))
         for p, x in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(model, nnx.Param)))[0]

@@ -356,13 +356,13 @@ from jax.experimental import topologies
 sys.path.insert(0, "tests")
 import fsdp_jax as fj
 from fsdp_jax.errors import OffloadError
-from fsdp_jax.app.models import LlamaConfig
+from fsdp_jax.app.models import DecoderConfig
 from fsdp_jax.train import stream_update
 from fsdp_jax.train.build import build
 from helpers import tiny_llama
 
 devs = sorted(topologies.get_topology_desc(topology_name="v5p:2x2x1", platform="tpu").devices, key=lambda d: d.id)
-cfg = LlamaConfig(vocab_size=256, d_model=256, n_layers=8, n_heads=4, n_kv_heads=2, ffn_dim=1024, max_seq_len=32)
+cfg = DecoderConfig(vocab_size=256, d_model=256, n_layers=8, n_heads=4, n_kv_heads=2, ffn_dim=1024, max_seq_len=32)
 m, loss_fn = tiny_llama(cfg, remat=sys.argv[1])
 out = {}
 for offload in sys.argv[2:]:

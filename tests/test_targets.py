@@ -1,4 +1,4 @@
-"""Deviceless compiles for real GPU targets (fsdp_jax.targets.gpu): the reference Llama at test
+"""Deviceless compiles for real GPU targets (fsdp_jax.targets.gpu): the reference decoder at test
 size compiled by XLA:GPU for 8 x H100 (and 2 hosts x 4) shows the FSDP collective pattern
 the strategies promise, the memory the planner predicts, and no extra state copy from the
 non-finite guard. XLA:CPU cannot show any of this (no reduce-scatter, bf16 upcast).

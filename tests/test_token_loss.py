@@ -10,13 +10,13 @@ import pytest
 
 import fsdp_jax as fj
 from fsdp_jax.app.data.packing import batch_from_rows, pack
-from fsdp_jax.app.models import Llama, LlamaConfig
+from fsdp_jax.app.models import Decoder, DecoderConfig
 from fsdp_jax.app.trainer.build import make_loss_fn, token_loss
 from fsdp_jax.model.fns import from_nnx
 from fsdp_jax.sharding.mesh import make_mesh
 from fsdp_jax.train.build import build
 
-CFG = LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32)
+CFG = DecoderConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32)
 
 
 def packed_batch(rows=32, seed=0):
@@ -35,7 +35,7 @@ def packed_batch(rows=32, seed=0):
 
 
 def model_fns():
-    return from_nnx(lambda r: Llama(CFG, rngs=r))
+    return from_nnx(lambda r: Decoder(CFG, rngs=r))
 
 
 def run_step(microbatches, batch, devices=1, loss_fn=None):

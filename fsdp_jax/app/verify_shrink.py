@@ -21,7 +21,7 @@ def shrink_dim(size: int, target: int, n: int) -> int:
 
 
 def shrunk_model(m, n: int):
-    """(reduced LlamaConfig, {key: (old, new)}) for `m` on `n` devices: 2 layers, about
+    """(reduced DecoderConfig, {key: (old, new)}) for `m` on `n` devices: 2 layers, about
     8 heads (the grouped-query ratio kept), d_model ~128, ffn ~2x d_model, vocab ~256; a
     mixture of experts: about 8 experts (at least top-k), expert ffn ~d_model;
     every dim a rule can map to a mesh axis keeps its gcd with `n`."""

@@ -18,7 +18,7 @@ instructions of fused computations are read only to describe their fusion. Each 
   `skv`, `d`, `causal`, `flops` (4 b h sq skv d forward, 2.5x that backward, halved when causal:
   FlashAttention's count); or a Pallas splash-attention kernel on TPU (`kernel` "splash",
   `part` fwd / dq / dkv: 2, 3 and 4 matmuls of 2 b h sq skv d FLOPs, halved when causal: a
-  square call, as `fsdp_jax.app.models.splash` and a ring's own block build it; the flash
+  square call, as `fsdp_jax.attention.splash` and a ring's own block build it; the flash
   ring's half blocks, sq != skv, are unmasked);
 - `memory`: any other fusion or data op: `bytes` read + written (a fused parameter read only
   through a dynamic-slice counts the slice; an in-place dynamic-update-slice root counts the

@@ -7,7 +7,7 @@ dims with the logical names below; `fsdp_jax.sharding.rules` maps them onto mesh
 # Mesh axes, outermost first. `data` replicates params (and carries the
 # inter-host / DCN split under hybrid_shard); `fsdp` shards them; `tensor` is
 # for tensor parallelism; `context` splits each sequence (context parallelism:
-# `fsdp_jax.sharding.ring_attention`), placed between `fsdp` and `tensor`.
+# `fsdp_jax.attention.ring`), placed between `fsdp` and `tensor`.
 DATA = "data"
 FSDP = "fsdp"
 CONTEXT = "context"

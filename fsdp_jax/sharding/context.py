@@ -4,7 +4,7 @@ With the sequence dim of activations sharded over `context` (the rules row
 `length -> context`), rank i of C holds one contiguous S / C slice of each row. Causal
 attention then gives the last rank C times the first's work. The zig-zag order cuts a
 row into 2C chunks and gives rank i chunks i and 2C - 1 - i: every rank holds one early
-and one late chunk, and each ring step of `fsdp_jax.sharding.ring_attention` skips the
+and one late chunk, and each ring step of `fsdp_jax.attention.ring` skips the
 half of its block that the causal mask removes, on every rank alike.
 
     perm = zigzag_order(seq_len, context)   # (S,) int: row position of each slot

@@ -55,7 +55,7 @@ def make_mesh(
     One size may be -1 to take the remaining devices. With several processes the
     `data` axis spans processes (DCN) and `fsdp` x `tensor` stay within one
     process (ICI) when the per-process device count allows it. `context` > 1 splits
-    each sequence over that many devices (`fsdp_jax.sharding.ring_attention`).
+    each sequence over that many devices (`fsdp_jax.attention.ring`).
 
     `axis_types`: "auto" (the default) lets the partitioner place params and insert
     FSDP's collectives where it schedules best: under a layer scan it gathers each

@@ -48,7 +48,7 @@ def import_errors() -> int:
     import optax
 
     from fsdp_jax.app.hf import load as hf
-    from fsdp_jax.app.models import Llama
+    from fsdp_jax.app.models import Decoder
     from fsdp_jax.checkpoint.safetensors_io import SafetensorsFile
     from fsdp_jax.model.fns import from_nnx
     from fsdp_jax.sharding.mesh import make_mesh
@@ -62,8 +62,8 @@ def import_errors() -> int:
         row = []
         for strategy, shape in MESHES.items():
             scan = strategy != "fsdp_x_tensor"
-            ckpt = hf.HFCheckpoint(GOLDEN / name, base=hf.LlamaConfig(scan_layers=scan))
-            m = from_nnx(lambda r: Llama(ckpt.config, rngs=r))
+            ckpt = hf.HFCheckpoint(GOLDEN / name, base=hf.DecoderConfig(scan_layers=scan))
+            m = from_nnx(lambda r: Decoder(ckpt.config, rngs=r))
             built = build(
                 m,
                 optax.sgd(0.1),
@@ -83,7 +83,7 @@ def main(out: Path) -> int:
     from fsdp_jax.app.config.parse import config_to_dict, load_config
     from fsdp_jax.app.hf import load as hf
     from fsdp_jax.app.hf.export import export_hf
-    from fsdp_jax.app.models import Llama
+    from fsdp_jax.app.models import Decoder
     from fsdp_jax.checkpoint import Checkpointer
     from fsdp_jax.checkpoint.safetensors_io import SafetensorsFile, write_safetensors
     from fsdp_jax.model.fns import from_nnx
@@ -93,7 +93,7 @@ def main(out: Path) -> int:
         yml = out / f".{name}.yaml"
         yml.write_text(f"init_from: hf:{GOLDEN / name}\ndata: {{seq_len: 32, path: {out / '.d'}}}\n")
         cfg = load_config(yml)
-        m = from_nnx(lambda r: Llama(cfg.model, rngs=r))
+        m = from_nnx(lambda r: Decoder(cfg.model, rngs=r))
         params = hf.load_params(hf.HFCheckpoint(GOLDEN / name, base=cfg.model), m.abstract_params)
         keys = iter(jax.random.split(jax.random.key(1), 64))
         params = jax.tree.map(lambda p: p + 1e-3 * jax.random.normal(next(keys), p.shape), params)

@@ -52,7 +52,7 @@ COMMON = dict(
 )
 MODELS = {
     "llama3": (
-        "LlamaConfig",
+        "DecoderConfig",
         dict(
             num_attention_heads=8,
             num_key_value_heads=2,
@@ -68,7 +68,7 @@ MODELS = {
         ),
     ),
     "llama32_tied": (
-        "LlamaConfig",
+        "DecoderConfig",
         dict(
             num_attention_heads=4,
             num_key_value_heads=1,
@@ -85,7 +85,7 @@ MODELS = {
         ),
     ),
     "llama_yarn": (
-        "LlamaConfig",
+        "DecoderConfig",
         dict(
             max_position_embeddings=64,
             num_attention_heads=4,

@@ -73,11 +73,11 @@ TOKENIZER_FILES = ("textwrap.py", "string.py", "bisect.py", "heapq.py", "keyword
 
 def make_model(name: str, spec: dict):
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import DecoderConfig, LlamaForCausalLM
 
     kw = dict(spec["kwargs"])
     theta = kw.pop("rope_theta")
-    cfg = LlamaConfig(
+    cfg = DecoderConfig(
         vocab_size=256,
         hidden_size=64,
         intermediate_size=128,

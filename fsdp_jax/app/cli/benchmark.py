@@ -109,7 +109,7 @@ def _checked_runs(args, sweeps) -> list[tuple[dict, object, int]]:
 def _bench_point(args, combo: dict, cfg, devices: list, strategies: list[str]) -> list[dict]:
     """One sweep point's rows (each strategy, and the baselines), each printed as it is
     measured unless --json."""
-    from fsdp_jax.app.models.llama import flops_per_token
+    from fsdp_jax.app.models.decoder import flops_per_token
     from fsdp_jax.app.planner.bench import bench_fsdp, bench_plain_dp
     from fsdp_jax.sharding.precision import Policy
     from fsdp_jax.targets.perf import mfu, peak_flops

@@ -55,7 +55,7 @@ def run(args) -> int:
     import yaml
 
     from fsdp_jax.app.hf import load as hf
-    from fsdp_jax.app.models.config import LlamaConfig
+    from fsdp_jax.app.models.config import DecoderConfig
     from fsdp_jax.app.trainer.build import trainer_model
     from fsdp_jax.checkpoint import tree_paths
     from fsdp_jax.checkpoint.safetensors_io import write_safetensors
@@ -64,7 +64,7 @@ def run(args) -> int:
     out = Path(args.out)
     check_xla_flags()  # before the params are built on the CPU backend
     _check_new_files((out, "--out"), (Path(args.config_out) if args.config_out else None, "--config-out"))
-    ckpt = hf.HFCheckpoint(args.hf_dir, base=LlamaConfig(scan_layers=not args.no_scan))
+    ckpt = hf.HFCheckpoint(args.hf_dir, base=DecoderConfig(scan_layers=not args.no_scan))
     cfg = ckpt.config
     want = tree_paths(trainer_model(cfg).abstract_params)
     sources = hf.leaf_sources(cfg)

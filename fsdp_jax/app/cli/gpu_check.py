@@ -28,7 +28,7 @@ def throughput(config: str, steps: int, overrides: list[str]) -> dict:
     import jax
     import numpy as np
 
-    from fsdp_jax.app.models.llama import count_params, flops_per_token
+    from fsdp_jax.app.models.decoder import count_params, flops_per_token
     from fsdp_jax.app.planner.abstract_step import build_step
     from fsdp_jax.app.trainer.setup import load_run_config
     from fsdp_jax.hlo.memory import compiled_memory
@@ -84,10 +84,10 @@ def precision_check() -> dict:
     import optax
 
     import fsdp_jax as fj
-    from fsdp_jax.app.models.config import LlamaConfig
+    from fsdp_jax.app.models.config import DecoderConfig
     from fsdp_jax.app.trainer.build import make_loss_fn, trainer_model
 
-    cfg = LlamaConfig(vocab_size=512, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768, max_seq_len=256)
+    cfg = DecoderConfig(vocab_size=512, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768, max_seq_len=256)
     model = trainer_model(cfg, "none")
     tokens = np.random.default_rng(1).integers(0, 512, (max(8, jax.device_count()), 257), np.int32)
     out = {}
@@ -114,14 +114,14 @@ def collective_check() -> dict:
     import optax
 
     import fsdp_jax as fj
-    from fsdp_jax.app.models.config import LlamaConfig
+    from fsdp_jax.app.models.config import DecoderConfig
     from fsdp_jax.app.trainer.build import make_loss_fn, trainer_model
     from fsdp_jax.hlo.memory import collective_report
 
     n = jax.device_count()
     if n < 2:
         return {"skipped": f"needs >= 2 devices, have {n}"}
-    cfg = LlamaConfig(vocab_size=512, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768, max_seq_len=128)
+    cfg = DecoderConfig(vocab_size=512, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768, max_seq_len=128)
     model = trainer_model(cfg, "dots")
     tx = optax.adamw(1e-3)
     plan = fj.make_plan(model.abstract_params, tx, fj.make_mesh(fsdp=-1), "full_shard", model.logical_axes)

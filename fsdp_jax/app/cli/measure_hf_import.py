@@ -63,10 +63,10 @@ def write_checkpoint(d: Path, args) -> int:
     import numpy as np
 
     from fsdp_jax.app.hf.load import expected_tensors
-    from fsdp_jax.app.models.config import LlamaConfig
+    from fsdp_jax.app.models.config import DecoderConfig
     from fsdp_jax.checkpoint.safetensors_io import write_safetensors
 
-    cfg = LlamaConfig(
+    cfg = DecoderConfig(
         vocab_size=args.vocab,
         d_model=args.d_model,
         n_layers=args.layers,

@@ -5,7 +5,7 @@
     fsdp-jax verify --config configs/small.yaml --strategies zero3,ddp optimizer.name=sgd
 
 (`python scripts/verify.py ...` is the same command.) `fsdp_jax.verify.run` on the config's
-model (fsdp_jax/app/models/llama.py), loss, optimizer, precision, remat, microbatches and clipping, with the
+model (fsdp_jax/app/models/decoder.py), loss, optimizer, precision, remat, microbatches and clipping, with the
 trainer's own batches when `data.path` holds a packed corpus (or a token corpus with
 `data.document_mask`: the masked, per-segment step; fsdp_jax.app.verify_batches), else
 random tokens of the config's batch shape: `--steps` steps on one device, the same steps under each strategy on `--devices`
@@ -99,7 +99,7 @@ def _shrunk_if_big(cfg, max_params: float, n: int, strategies, devices, data: in
     """(config, {dim: (was, now)}, notes): `cfg` itself when it has at most `max_params`
     params (or 0), else reduced keeping every sharding decision on the meshes verify runs
     (`data` x fsdp, `fsdp_jax.app.verify_shrink`); RuntimeError when that cannot be done."""
-    from fsdp_jax.app.models.llama import count_params
+    from fsdp_jax.app.models.decoder import count_params
     from fsdp_jax.app.verify_shrink import shrink_config
 
     n_params = count_params(cfg.model)

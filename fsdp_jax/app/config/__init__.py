@@ -18,10 +18,10 @@ from fsdp_jax.app.config.parse import apply_overrides, config_from_dict, config_
 from fsdp_jax.app.config.schema import (
     Config,
     DataConfig,
+    DecoderConfig,
     DistributedConfig,
     LoggingConfig,
     MeshConfig,
-    ModelConfig,
     OptimizerConfig,
     TrainConfig,
 )
@@ -34,7 +34,7 @@ __all__ = [
     "DistributedConfig",
     "LoggingConfig",
     "MeshConfig",
-    "ModelConfig",
+    "DecoderConfig",
     "OptimizerConfig",
     "TrainConfig",
     "apply_overrides",

@@ -14,7 +14,7 @@ from typing import Any
 from fsdp_jax.app.config.context_checks import check_context
 from fsdp_jax.app.config.schema import Config, check_fields
 from fsdp_jax.app.models import lora as lora_lib
-from fsdp_jax.app.models.config import LlamaConfig
+from fsdp_jax.app.models.config import DecoderConfig
 from fsdp_jax.app.models.moe import moe_config_problem
 from fsdp_jax.errors import ConfigError, MeshError
 from fsdp_jax.sharding.mesh import resolve_mesh_shape
@@ -29,7 +29,7 @@ def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
         raise ConfigError(key, f"{value!r} is invalid; {allowed}")
 
 
-def _check_decoder(m: LlamaConfig) -> None:
+def _check_decoder(m: DecoderConfig) -> None:
     """How the family switches of the decoder combine (docs/hf_models.md)."""
     _check(
         m.global_every == 0 or m.sliding_window > 0,
@@ -58,7 +58,7 @@ def _check_decoder(m: LlamaConfig) -> None:
         )
 
 
-def _check_moe(m: LlamaConfig) -> None:
+def _check_moe(m: DecoderConfig) -> None:
     problem = moe_config_problem(m)
     if problem is not None:
         _check(False, f"model.{problem[0]}", problem[1], problem[2])
@@ -85,7 +85,7 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
     _check_attention_precision(cfg)
 
 
-def _check_heads(m: LlamaConfig) -> None:
+def _check_heads(m: DecoderConfig) -> None:
     """Heads, kv heads and head dim agree with each other and with d_model."""
     _check(
         m.kv_channels > 0 or m.d_model % m.n_heads == 0,

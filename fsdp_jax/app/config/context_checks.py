@@ -10,7 +10,7 @@ from fsdp_jax.app.config.schema import Config
 from fsdp_jax.errors import ConfigError
 
 # model.attention values that run as a flash kernel per ring block with mesh.context > 1
-# (fsdp_jax.sharding.ring_flash.RING_KERNELS); xla runs the ring's own XLA blocks
+# (fsdp_jax.attention.flash.RING_KERNELS); xla runs the ring's own XLA blocks
 RING_FLASH_KERNELS = ("splash", "cudnn")
 
 
@@ -48,10 +48,10 @@ def check_context(cfg: Config, context_n: int) -> None:
 
 
 def _check_flash_blocks(cfg: Config, context_n: int) -> None:
-    """What a flash kernel per ring block takes (fsdp_jax.sharding.ring_splash / ring_cudnn):
+    """What a flash kernel per ring block takes (fsdp_jax.attention.splash_block / ring_cudnn):
     splash: half blocks of whole 128-token tiles; cuDNN: no soft cap (packed rows go through
-    cuDNN's packed layout per block, fsdp_jax.sharding.cudnn_packed). Sliding windows run as
-    static bands per chunk pair (fsdp_jax.sharding.ring_window) for both."""
+    cuDNN's packed layout per block, fsdp_jax.attention.cudnn_packed). Sliding windows run as
+    static bands per chunk pair (fsdp_jax.attention.windows) for both."""
     att = cfg.model.attention
     if att not in RING_FLASH_KERNELS:
         return

@@ -16,7 +16,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any, Callable
 
-from fsdp_jax.app.models.config import LlamaConfig
+from fsdp_jax.app.models.config import DecoderConfig
 from fsdp_jax.app.models.grouped_matmul import GROUPED_MATMULS
 from fsdp_jax.app.models.rope import ROPE_TYPES
 from fsdp_jax.errors import ConfigError
@@ -100,7 +100,7 @@ MODEL_CHOICES: dict[str, tuple[str, ...]] = {
 }
 
 # The model section is the reference model's own config dataclass.
-ModelConfig = LlamaConfig
+DecoderConfig = DecoderConfig
 
 
 Rules = dict[str, Any]
@@ -222,7 +222,7 @@ class LoraConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    model: ModelConfig = ModelConfig()
+    model: DecoderConfig = DecoderConfig()
     mesh: MeshConfig = MeshConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     data: DataConfig = DataConfig()

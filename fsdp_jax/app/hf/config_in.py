@@ -1,4 +1,4 @@
-"""Hugging Face config.json of each decoder family -> `LlamaConfig` (fsdp_jax.app.hf.load uses it).
+"""Hugging Face config.json of each decoder family -> `DecoderConfig` (fsdp_jax.app.hf.load uses it).
 
     cfg = model_config_from_hf(json.load(open("config.json")), "config.json")
 
@@ -10,7 +10,7 @@ Both config generations are read: transformers 5.x writes `rope_parameters` (key
 layer type for Gemma 3), 4.x `rope_scaling` + top-level `rope_theta` (+ Gemma's
 `rope_local_base_freq`); an absent key takes transformers' default for that family.
 Whatever the decoder cannot compute exactly as transformers does is a ConfigError
-naming the key (one line). The other way, `LlamaConfig` -> config.json for export, is
+naming the key (one line). The other way, `DecoderConfig` -> config.json for export, is
 `fsdp_jax.app.hf.config_out`.
 """
 
@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from fsdp_jax.app.hf.config_moe import moe_fields, refuse_other_router
-from fsdp_jax.app.models.config import LlamaConfig
+from fsdp_jax.app.models.config import DecoderConfig
 from fsdp_jax.errors import ConfigError
 
 # model_type -> (architecture, MLP activation key, transformers' config defaults used when a
@@ -61,7 +61,7 @@ FAMILIES = {
 }
 ARCHITECTURES = tuple(f[0] for f in FAMILIES.values())
 MODEL_TYPES = tuple(FAMILIES)
-# LlamaConfig field <- config.json key (after rope/eps defaults are applied)
+# DecoderConfig field <- config.json key (after rope/eps defaults are applied)
 FIELDS = {
     "vocab_size": "vocab_size",
     "d_model": "hidden_size",
@@ -74,12 +74,12 @@ FIELDS = {
     "norm_eps": "rms_norm_eps",
     "tie_word_embeddings": "tie_word_embeddings",
 }
-# every architecture field of LlamaConfig (what a checkpoint decides; not scan_layers/attention)
+# every architecture field of DecoderConfig (what a checkpoint decides; not scan_layers/attention)
 # (capacity_factor, the router z-loss, the grouped-matmul kernel and the exchange are training options
 # a checkpoint does not record)
 _RUN_FIELDS = ("scan_layers", "attention", "capacity_factor", "router_z_loss_coef", "grouped_matmul", "expert_exchange")
-ARCH_FIELDS = tuple(f.name for f in dataclasses.fields(LlamaConfig) if f.name not in _RUN_FIELDS)
-# rope dict keys -> LlamaConfig field, per rope type (required keys first)
+ARCH_FIELDS = tuple(f.name for f in dataclasses.fields(DecoderConfig) if f.name not in _RUN_FIELDS)
+# rope dict keys -> DecoderConfig field, per rope type (required keys first)
 ROPE_KEYS = {
     "linear": ({"factor": "rope_factor"}, {}),
     "llama3": (
@@ -108,7 +108,7 @@ ROPE_KEYS = {
 
 
 def _rope_fields(r: Mapping, key: str, bad, max_pos: int) -> dict:
-    """LlamaConfig rope fields of one rope dict (`key` names it in errors)."""
+    """DecoderConfig rope fields of one rope dict (`key` names it in errors)."""
     if not isinstance(r, Mapping):
         raise bad(key, "expected an object {rope_type, rope_theta, ...}")
     kind = r.get("rope_type", r.get("type", "default"))
@@ -151,7 +151,7 @@ def _number(raw: Mapping, key: str, default: float, bad) -> float:
 
 
 def _family_fields(raw: Mapping, mt: str, bad, n_layers: int) -> dict:
-    """The decoder switches `raw` (of model_type `mt`) sets, as LlamaConfig fields: those
+    """The decoder switches `raw` (of model_type `mt`) sets, as DecoderConfig fields: those
     of the MLP and attention blocks, Gemma 3's own, then the sliding windows (checked in
     that order: the first refused key is named)."""
     _, act_key, defaults = FAMILIES[mt]
@@ -286,8 +286,10 @@ def _rope_of(raw: Mapping, mt: str, defaults: Mapping, bad, max_pos: int):
     return rope_kw, theta, local_theta
 
 
-def model_config_from_hf(raw: Mapping, where: str = "config.json", base: LlamaConfig = LlamaConfig()) -> LlamaConfig:
-    """LlamaConfig for an HF config dict of any family in FAMILIES; non-architecture
+def model_config_from_hf(
+    raw: Mapping, where: str = "config.json", base: DecoderConfig = DecoderConfig()
+) -> DecoderConfig:
+    """DecoderConfig for an HF config dict of any family in FAMILIES; non-architecture
     fields (scan_layers, attention) come from `base`. ConfigError(`where`, ...) names
     the refused field."""
 
@@ -361,7 +363,7 @@ def model_config_from_hf(raw: Mapping, where: str = "config.json", base: LlamaCo
     kw.update(moe_fields(raw, mt, bad, kw["n_layers"]))
     if kw.get("global_every"):
         kw["rope_local_theta"] = float(local_theta)
-    defaults_of = {f: getattr(LlamaConfig(), f) for f in ARCH_FIELDS if f not in FIELDS}
+    defaults_of = {f: getattr(DecoderConfig(), f) for f in ARCH_FIELDS if f not in FIELDS}
     cfg = dataclasses.replace(base, **{**defaults_of, **kw})
     if cfg.rope_type == "llama3" and not cfg.rope_high_freq_factor > cfg.rope_low_freq_factor:
         raise bad("rope_parameters", "llama3 needs high_freq_factor > low_freq_factor")

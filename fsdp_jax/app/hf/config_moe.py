@@ -49,7 +49,7 @@ def refuse_other_router(mt: str, bad) -> None:
 
 
 def moe_fields(raw: Mapping, mt: str, bad, n_layers: int) -> dict:
-    """LlamaConfig MoE fields of a config.json of model_type `mt` ({} for dense families)."""
+    """DecoderConfig MoE fields of a config.json of model_type `mt` ({} for dense families)."""
     refuse_other_router(mt, bad)
     if mt not in MOE_TYPES:
         return {}

@@ -1,4 +1,4 @@
-"""`LlamaConfig` -> the Hugging Face config.json of its decoder family (what `fsdp_jax.app.hf.export` writes).
+"""`DecoderConfig` -> the Hugging Face config.json of its decoder family (what `fsdp_jax.app.hf.export` writes).
 
     config_json(cfg, "bfloat16", {"eos_token_id": 2}, hint="mistral")
 
@@ -12,18 +12,18 @@ from __future__ import annotations
 
 from fsdp_jax.app.hf.config_in import ARCH_FIELDS, FAMILIES, ROPE_KEYS, model_config_from_hf
 from fsdp_jax.app.hf.config_moe import MOE_TYPES, moe_json
-from fsdp_jax.app.models.config import LlamaConfig
+from fsdp_jax.app.models.config import DecoderConfig
 from fsdp_jax.errors import ConfigError
 
 
-def _rope_dicts(cfg: LlamaConfig) -> tuple[dict, dict | None]:
+def _rope_dicts(cfg: DecoderConfig) -> tuple[dict, dict | None]:
     """(the 5.x rope_parameters entry, the 4.x rope_scaling dict or None) of global layers."""
     required, optional = ROPE_KEYS[cfg.rope_type]
     always = ("original_max_position_embeddings", "beta_fast", "beta_slow")
     extra = {
         k: getattr(cfg, f)
         for k, f in {**required, **optional}.items()
-        if k in required or k in always or getattr(cfg, f) != getattr(LlamaConfig(), f)
+        if k in required or k in always or getattr(cfg, f) != getattr(DecoderConfig(), f)
     }
     params = {"rope_theta": cfg.rope_theta, "rope_type": cfg.rope_type, **extra}
     return params, (None if cfg.rope_type == "default" else {"rope_type": cfg.rope_type, **extra})
@@ -33,7 +33,7 @@ def _int_if_whole(v: float) -> int | float:
     return int(v) if float(v).is_integer() else v  # transformers 5 types it int (strict)
 
 
-def _family_json(cfg: LlamaConfig, mt: str) -> dict:
+def _family_json(cfg: DecoderConfig, mt: str) -> dict:
     arch, act_key, _ = FAMILIES[mt]
     params, scaling = _rope_dicts(cfg)
     d = {
@@ -89,7 +89,7 @@ def _family_json(cfg: LlamaConfig, mt: str) -> dict:
     return d
 
 
-def family_of(cfg: LlamaConfig, hint: str | None = None) -> str | None:
+def family_of(cfg: DecoderConfig, hint: str | None = None) -> str | None:
     """The model_type whose config.json maps back onto exactly `cfg`'s architecture
     (`hint` first, e.g. the family the run was imported from), or None."""
     for mt in ([hint] if hint in FAMILIES else []) + list(FAMILIES):
@@ -102,7 +102,7 @@ def family_of(cfg: LlamaConfig, hint: str | None = None) -> str | None:
     return None
 
 
-def config_json(cfg: LlamaConfig, dtype: str, token_ids: dict | None = None, hint: str | None = None) -> dict:
+def config_json(cfg: DecoderConfig, dtype: str, token_ids: dict | None = None, hint: str | None = None) -> dict:
     """config.json for `cfg` in its family (keys as transformers writes them, sorted; both
     the 5.x `rope_parameters` and the 4.x `rope_scaling` / `rope_theta`). ConfigError when
     no family computes this architecture."""

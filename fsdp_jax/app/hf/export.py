@@ -32,7 +32,7 @@ import numpy as np
 from fsdp_jax.app.hf import load as hf
 from fsdp_jax.app.hf import moe_layout
 from fsdp_jax.app.hf.config_out import config_json
-from fsdp_jax.app.models.config import LlamaConfig
+from fsdp_jax.app.models.config import DecoderConfig
 from fsdp_jax.checkpoint import Checkpointer, CheckpointError, shape_mismatches, tree_paths
 from fsdp_jax.checkpoint.safetensors_io import check_file, write_safetensors
 from fsdp_jax.errors import ConfigError
@@ -48,7 +48,7 @@ TOKENIZER_FILES = (
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size "5GB"
 
 
-def hf_config(cfg: LlamaConfig, dtype: str, token_ids: dict | None = None, hint: str | None = None) -> dict:
+def hf_config(cfg: DecoderConfig, dtype: str, token_ids: dict | None = None, hint: str | None = None) -> dict:
     """config.json for `cfg` in its family (`hint`: the model_type to prefer), keys as
     transformers writes them, sorted (fsdp_jax.app.hf.config_out.config_json)."""
     return config_json(cfg, dtype, token_ids, hint)
@@ -142,12 +142,12 @@ def _shard_files(entries: list, max_shard_bytes: int) -> tuple[list[list], list[
     return files, names
 
 
-def _decoder_params(cfg: LlamaConfig):
+def _decoder_params(cfg: DecoderConfig):
     """The reference decoder's abstract params for `cfg` (shapes and dtypes, nothing allocated)."""
-    from fsdp_jax.app.models.llama import Llama
+    from fsdp_jax.app.models.decoder import Decoder
     from fsdp_jax.model.fns import from_nnx
 
-    return from_nnx(lambda rngs: Llama(cfg, rngs=rngs)).abstract_params
+    return from_nnx(lambda rngs: Decoder(cfg, rngs=rngs)).abstract_params
 
 
 def _checked_source(directory, step: int | None, abstract_params=None):
@@ -174,7 +174,7 @@ def _checked_source(directory, step: int | None, abstract_params=None):
     return ckpt, s, run_cfg, saved, hint
 
 
-def _tensor_entries(cfg: LlamaConfig, saved: dict, out_dt) -> tuple[list, dict]:
+def _tensor_entries(cfg: DecoderConfig, saved: dict, out_dt) -> tuple[list, dict]:
     """([(HF name, shape, dtype)] leaf by leaf, {HF name: (our leaf path, layer index or
     None, kind)}); `out_dt` None keeps each leaf's saved dtype."""
     shapes = hf.expected_tensors(cfg)

@@ -93,7 +93,7 @@ def export_merged(
 
 
 def _abstract(cfg):
-    from fsdp_jax.app.models.llama import Llama
+    from fsdp_jax.app.models.decoder import Decoder
     from fsdp_jax.model.fns import from_nnx
 
-    return from_nnx(lambda rngs: Llama(cfg, rngs=rngs)).abstract_params
+    return from_nnx(lambda rngs: Decoder(cfg, rngs=rngs)).abstract_params

@@ -3,7 +3,7 @@
     init_from: hf:/path/to/Llama-3.1-8B       # config.json + model.safetensors[.index.json]
 
 `model_config_from_hf` (fsdp_jax.app.hf.config_in) maps `config.json` of a llama,
-mistral, qwen2, qwen3 or gemma3_text model onto `LlamaConfig` and refuses, with one
+mistral, qwen2, qwen3 or gemma3_text model onto `DecoderConfig` and refuses, with one
 line naming the field, what the decoder cannot compute. `load_config` calls
 `model_section_from_hf` so a config with `init_from: hf:PATH` gets its model section
 from the checkpoint (keys the YAML sets must agree) and the run's saved config.yaml is
@@ -38,7 +38,7 @@ import numpy as np
 
 from fsdp_jax.app.hf import moe_layout
 from fsdp_jax.app.hf.config_in import ARCH_FIELDS, FIELDS, model_config_from_hf
-from fsdp_jax.app.models.config import LlamaConfig
+from fsdp_jax.app.models.config import DecoderConfig
 from fsdp_jax.checkpoint import CheckpointError, tree_paths
 from fsdp_jax.checkpoint.safetensors_io import SafetensorsFile
 from fsdp_jax.errors import ConfigError, SafetensorsError
@@ -135,7 +135,7 @@ def model_section_from_hf(raw: Mapping) -> dict:
     return {**raw, "model": model}
 
 
-def check_model_config(model: LlamaConfig, path: Path) -> None:
+def check_model_config(model: DecoderConfig, path: Path) -> None:
     """ConfigError when `model` (the run's) differs from the checkpoint's config.json."""
     derived = model_config_from_hf(read_config_json(path), str(path / "config.json"), base=model)
     for field in ARCH_FIELDS:
@@ -150,7 +150,7 @@ def check_model_config(model: LlamaConfig, path: Path) -> None:
 # -- tensor layout -------------------------------------------------------------------------
 
 
-def layer_tensors(cfg: LlamaConfig) -> dict[str, tuple[str, str]]:
+def layer_tensors(cfg: DecoderConfig) -> dict[str, tuple[str, str]]:
     """{our path under a block: (HF name under model.layers.N, layout kind)} for `cfg`."""
     out = dict(LAYER_TENSORS)
     if cfg.qkv_bias:
@@ -162,7 +162,7 @@ def layer_tensors(cfg: LlamaConfig) -> dict[str, tuple[str, str]]:
     return out
 
 
-def expected_tensors(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+def expected_tensors(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
     """{HF tensor name: shape} of a checkpoint for `cfg`."""
     d, f, dh = cfg.d_model, cfg.ffn_dim, cfg.head_dim
     shapes = {
@@ -192,7 +192,7 @@ def expected_tensors(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def leaf_sources(cfg: LlamaConfig) -> dict[str, tuple[list[str], str]]:
+def leaf_sources(cfg: DecoderConfig) -> dict[str, tuple[list[str], str]]:
     """{our param path: ([HF names, one per stacked layer or a single one], kind)}.
     Scanned layers: "blocks/attn/wq" <- L names; else "blocks/3/attn/wq" <- one."""
     out: dict[str, tuple[list[str], str]] = {}
@@ -259,11 +259,11 @@ def to_hf(kind: str, ours: np.ndarray, expert: int | None = None) -> np.ndarray:
 
 
 class HFCheckpoint:
-    """A Hugging Face model directory, checked: config.json maps onto `LlamaConfig`,
+    """A Hugging Face model directory, checked: config.json maps onto `DecoderConfig`,
     every shard file exists and parses, every tensor has the shape the config implies
     and none is unexpected. Raises ConfigError / CheckpointError (one line)."""
 
-    def __init__(self, path: str | Path, base: LlamaConfig = LlamaConfig()):
+    def __init__(self, path: str | Path, base: DecoderConfig = DecoderConfig()):
         self.path = Path(path)
         where = str(self.path / "config.json")
         self.raw_config = read_config_json(self.path)
@@ -354,7 +354,7 @@ class HFCheckpoint:
 
 def load_params(ckpt: HFCheckpoint, abstract_params) -> Any:
     """Params laid out as `abstract_params` (ShapeDtypeStructs with shardings, the
-    reference Llama's tree for `ckpt.config`), each process reading only the slices
+    reference decoder's tree for `ckpt.config`), each process reading only the slices
     its devices hold, cast to each leaf's dtype on the way."""
     sources = leaf_sources(ckpt.config)
     want = tree_paths(abstract_params)
@@ -386,7 +386,7 @@ def load_params(ckpt: HFCheckpoint, abstract_params) -> Any:
     return jax.tree.unflatten(jax.tree.structure(abstract_params), leaves)
 
 
-def open_init(init_from: str, model: LlamaConfig) -> HFCheckpoint:
+def open_init(init_from: str, model: DecoderConfig) -> HFCheckpoint:
     """The checked checkpoint of `init_from: hf:PATH` for a run whose model config is
     `model` (ConfigError when it differs from config.json)."""
     path = hf_dir(init_from)

@@ -28,7 +28,7 @@ import numpy as np
 
 from fsdp_jax.app.hf import peft_experts as experts
 from fsdp_jax.app.models import lora as lora_lib
-from fsdp_jax.app.models.config import LlamaConfig
+from fsdp_jax.app.models.config import DecoderConfig
 from fsdp_jax.app.models.stack import segment_layers
 from fsdp_jax.checkpoint.safetensors_io import SafetensorsFile, write_safetensors
 from fsdp_jax.errors import CheckpointError
@@ -61,13 +61,13 @@ def peft_key(layer: int, weight: str, half: str, site: str | None = None) -> str
     return f"base_model.model.model.layers.{layer}.{module}.lora_{half}.weight"
 
 
-def layer_nodes(cfg: LlamaConfig) -> list[tuple[tuple, list[int]]]:
+def layer_nodes(cfg: DecoderConfig) -> list[tuple[tuple, list[int]]]:
     """[(key path of a block's params, the layer of each entry)]: a path whose block is
     stacked (scanned layers) holds one entry per layer listed, else the one layer."""
     return [(path, layers) for path, layers, _ in layer_rows(cfg)]
 
 
-def layer_rows(cfg: LlamaConfig) -> list[tuple[tuple, list[int], bool]]:
+def layer_rows(cfg: DecoderConfig) -> list[tuple[tuple, list[int], bool]]:
     """`layer_nodes` with each block's kind: sparse (the experts) or dense."""
     if cfg.n_experts:
         rows = segment_layers(cfg)
@@ -78,7 +78,7 @@ def layer_rows(cfg: LlamaConfig) -> list[tuple[tuple, list[int], bool]]:
     return [(tuple(int(k) if k.isdigit() else k for k in p.split("/")), layers, sp) for p, layers, sp in rows]
 
 
-def sites(cfg: LlamaConfig, spec: lora_lib.LoraSpec, sparse: bool) -> list[tuple[str, str]]:
+def sites(cfg: DecoderConfig, spec: lora_lib.LoraSpec, sparse: bool) -> list[tuple[str, str]]:
     """[(weight, site)] of the plain (per-weight) adapters of a sparse or dense block."""
     mods, _ = lora_lib.adapted(cfg, spec)
     out = [(w, "attn") for w in mods if w in lora_lib.ATTENTION]
@@ -95,7 +95,7 @@ def _at(tree: dict, path: tuple, make: bool = False) -> dict:
     return tree
 
 
-def _pairs(adapters: dict, cfg: LlamaConfig, spec: lora_lib.LoraSpec):
+def _pairs(adapters: dict, cfg: DecoderConfig, spec: lora_lib.LoraSpec):
     """[(layer, weight or expert adapter, site ("experts" for those), lora_a, lora_b)] of a
     nested adapters tree, one per layer and adapter, in layer order."""
     out = []
@@ -110,7 +110,7 @@ def _pairs(adapters: dict, cfg: LlamaConfig, spec: lora_lib.LoraSpec):
     return sorted(out, key=lambda t: t[0])
 
 
-def to_peft(adapters: dict, cfg: LlamaConfig, spec: lora_lib.LoraSpec) -> dict[str, np.ndarray]:
+def to_peft(adapters: dict, cfg: DecoderConfig, spec: lora_lib.LoraSpec) -> dict[str, np.ndarray]:
     """{PEFT tensor name: (r, in) / (out, r) array} of a nested adapters tree (an expert
     adapter's: `peft_experts`)."""
     out, parts = {}, _expert_parts(cfg, spec)
@@ -124,11 +124,11 @@ def to_peft(adapters: dict, cfg: LlamaConfig, spec: lora_lib.LoraSpec) -> dict[s
     return dict(sorted(out.items()))
 
 
-def _expert_parts(cfg: LlamaConfig, spec: lora_lib.LoraSpec) -> tuple[str, ...]:
+def _expert_parts(cfg: DecoderConfig, spec: lora_lib.LoraSpec) -> tuple[str, ...]:
     return lora_lib.adapted(cfg, spec)[1]
 
 
-def from_peft(tensors, cfg: LlamaConfig, spec: lora_lib.LoraSpec, where: str = "adapter") -> dict:
+def from_peft(tensors, cfg: DecoderConfig, spec: lora_lib.LoraSpec, where: str = "adapter") -> dict:
     """A nested adapters tree (the decoder's layout) from `tensors` (name -> array, or a
     reader `name -> array`). CheckpointError naming a missing tensor or a wrong shape."""
     read = tensors if callable(tensors) else tensors.__getitem__
@@ -186,7 +186,7 @@ def read_config(directory: Path) -> dict:
     return raw
 
 
-def check_matches(raw: dict, spec: lora_lib.LoraSpec, where: str, cfg: LlamaConfig) -> None:
+def check_matches(raw: dict, spec: lora_lib.LoraSpec, where: str, cfg: DecoderConfig) -> None:
     """The adapter's r, alpha, rsLoRA and what it adapts on model `cfg` (its target_modules
     and target_parameters, as PEFT applies them) against the run's `lora:` section."""
     modules = raw.get("target_modules") or []
@@ -219,7 +219,7 @@ def _peft_name(t: str) -> str:
     return OURS_TO_PEFT.get(t) or experts.PEFT_PARAMETERS.get(t, t)
 
 
-def read_peft(directory, cfg: LlamaConfig, spec: lora_lib.LoraSpec) -> dict:
+def read_peft(directory, cfg: DecoderConfig, spec: lora_lib.LoraSpec) -> dict:
     """The adapters of PEFT directory `directory` as a nested numpy tree (f32), checked
     against `spec` and the model's shapes; CheckpointError (one line) on any mismatch."""
     directory = Path(directory)
@@ -242,7 +242,7 @@ def read_peft(directory, cfg: LlamaConfig, spec: lora_lib.LoraSpec) -> dict:
     return out
 
 
-def adapter_config(spec: lora_lib.LoraSpec, base: str | None, cfg: LlamaConfig) -> dict:
+def adapter_config(spec: lora_lib.LoraSpec, base: str | None, cfg: DecoderConfig) -> dict:
     """The adapter_config.json PEFT's `PeftModel.from_pretrained` needs for `spec` (on model
     `cfg`: a mixture of experts adapts its experts through `target_parameters`, its dense
     MLP names only where it has dense layers)."""
@@ -269,7 +269,7 @@ def adapter_config(spec: lora_lib.LoraSpec, base: str | None, cfg: LlamaConfig) 
     return out
 
 
-def write_peft(out, adapters: dict, cfg: LlamaConfig, spec: lora_lib.LoraSpec, base: str | None = None) -> dict:
+def write_peft(out, adapters: dict, cfg: DecoderConfig, spec: lora_lib.LoraSpec, base: str | None = None) -> dict:
     """Write `adapters` as PEFT directory `out` (must not exist, or be empty), through a
     temporary directory renamed at the end. Returns {"tensors", "bytes", "path"}."""
     out = Path(out)
@@ -304,7 +304,7 @@ def merged_weight(weight: np.ndarray, a: np.ndarray, b: np.ndarray, spec: lora_l
     return (weight.astype(np.float32) + delta.reshape(weight.shape)).astype(weight.dtype)
 
 
-def adapter_of(path: str, cfg: LlamaConfig, spec: lora_lib.LoraSpec) -> tuple[str, str] | None:
+def adapter_of(path: str, cfg: DecoderConfig, spec: lora_lib.LoraSpec) -> tuple[str, str] | None:
     """(the adapters attribute, the adapter's key) adapting the base param at `path`
     ("segments/0/layers/1/moe/w_gate"), or None when LoRA leaves it as it is."""
     *_, module, leaf = [""] + path.split("/")
@@ -320,7 +320,7 @@ def adapter_of(path: str, cfg: LlamaConfig, spec: lora_lib.LoraSpec) -> tuple[st
     return ("shared_lora", shared) if shared in mods else None
 
 
-def merged_leaf(path: str, leaf: np.ndarray, adapters: dict, cfg: LlamaConfig, spec: lora_lib.LoraSpec):
+def merged_leaf(path: str, leaf: np.ndarray, adapters: dict, cfg: DecoderConfig, spec: lora_lib.LoraSpec):
     """The base param at `path` (`leaf`, stacked over layers when they are scanned) with its
     adapter merged (`adapter_of`); `leaf` itself when LoRA leaves it as it is."""
     which = adapter_of(path, cfg, spec)
@@ -337,7 +337,7 @@ def merged_leaf(path: str, leaf: np.ndarray, adapters: dict, cfg: LlamaConfig, s
     return np.stack([one(leaf[i], a[i], b[i]) for i in range(leaf.shape[0])]) if cfg.scan_layers else one(leaf, a, b)
 
 
-def merge(base: dict, adapters: dict, cfg: LlamaConfig, spec: lora_lib.LoraSpec) -> dict:
+def merge(base: dict, adapters: dict, cfg: DecoderConfig, spec: lora_lib.LoraSpec) -> dict:
     """`base` (nested numpy tree of the decoder's params) with each target weight replaced by
     W + scale * A B in W's dtype; every other tensor is `base`'s own array, untouched."""
     out = _copy_dicts(base)

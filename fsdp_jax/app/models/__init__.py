@@ -3,7 +3,7 @@
 llama, attention, rope: the decoder; lora: LoRA adapters on its projections.
 """
 
-from fsdp_jax.app.models.config import LlamaConfig
-from fsdp_jax.app.models.llama import Llama, count_params, cross_entropy, flops_per_token
+from fsdp_jax.app.models.config import DecoderConfig
+from fsdp_jax.app.models.decoder import Decoder, count_params, cross_entropy, flops_per_token
 
-__all__ = ["Llama", "LlamaConfig", "count_params", "cross_entropy", "flops_per_token"]
+__all__ = ["Decoder", "DecoderConfig", "count_params", "cross_entropy", "flops_per_token"]

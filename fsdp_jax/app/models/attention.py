@@ -2,7 +2,7 @@
 crosses a packed row's segment boundary (XLA mask, or cuDNN's packed layout),
 grouped-query attention with soft-capped scores, and the rotate-half RoPE on
 explicit positions. Shapes: (B, S, H, Dh) for q/k/v, (B, S) segment ids.
-`fsdp_jax.app.models.llama` re-exports them.
+`fsdp_jax.app.models.decoder` re-exports them.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The decoder's architecture as one frozen dataclass: `LlamaConfig` (families by its fields)."""
+"""The decoder's architecture as one frozen dataclass: `DecoderConfig` (families by its fields)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import dataclasses
 
 
 @dataclasses.dataclass(frozen=True)
-class LlamaConfig:
+class DecoderConfig:
     """The decoder's architecture. Defaults are the Llama-2 reference; each family
     switch below is off by default and adds params only when on (docs/hf_models.md)."""
 

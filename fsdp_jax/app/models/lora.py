@@ -15,7 +15,7 @@ rules table; so each shards with its weight under every strategy and FSDP x TP.
 `LoraSpec` is what the decoder needs (rank, scale, targets); the run config's `lora:`
 section (`fsdp_jax.app.config.schema.LoraConfig`) resolves to it. Adapters are created
 after every other param of a block, so a model with adapters draws its base params
-exactly as one without (`Llama(cfg, rngs=nnx.Rngs(0))` has the same base either way).
+exactly as one without (`Decoder(cfg, rngs=nnx.Rngs(0))` has the same base either way).
 
 Dropout (`LoraSpec.dropout`, PEFT's `lora_dropout`) acts on the adapter's input only, and
 only when the decoder is given a dropout key (the train step's; eval, verify and logits

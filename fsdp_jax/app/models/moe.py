@@ -216,7 +216,7 @@ def moe_active_params(cfg) -> int:
 
 
 def moe_config_problem(cfg) -> tuple[str, object, str] | None:
-    """The first MoE field of `cfg` (a LlamaConfig) the decoder cannot run, as (field, value,
+    """The first MoE field of `cfg` (a DecoderConfig) the decoder cannot run, as (field, value,
     what is allowed), or None."""
     e, k = cfg.n_experts, cfg.experts_per_token
     if not e:

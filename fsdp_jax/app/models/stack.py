@@ -33,7 +33,7 @@ from fsdp_jax.train import layer_gather
 
 
 def sparse_layers(cfg) -> tuple[bool, ...]:
-    """Per layer: whether its MLP is the mixture of experts (`LlamaConfig.sparse_layers`)."""
+    """Per layer: whether its MLP is the mixture of experts (`DecoderConfig.sparse_layers`)."""
     return cfg.sparse_layers()
 
 

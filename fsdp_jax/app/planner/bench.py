@@ -59,7 +59,7 @@ def bench_plain_dp(cfg, devices, steps: int, warmup: int):
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from fsdp_jax.app.models.llama import cross_entropy
+    from fsdp_jax.app.models.decoder import cross_entropy
     from fsdp_jax.app.trainer.build import trainer_model
     from fsdp_jax.app.trainer.optim import build_optimizer
     from fsdp_jax.hlo.memory import compiled_memory

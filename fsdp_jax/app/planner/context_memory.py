@@ -1,5 +1,5 @@
 """Attention bytes per device under context parallelism (`mesh.context` > 1): what
-`fsdp_jax.sharding.ring_attention.context_attention` holds, by formula, for the analytic
+`fsdp_jax.attention.ring.context_attention` holds, by formula, for the analytic
 memory model (`fsdp_jax.app.planner.memory_model.activation_bytes`).
 
 With C = context, b = sequences per device, s = S / C (a rank's queries), T = b x s
@@ -24,7 +24,7 @@ statistics (kept for the merges' backward: C x T x (4Q + 8H)) and the K/V it mee
 gathered K/V over the whole row and its gradient (`all_gather`: 2 x b x S x 2K x c), or the
 block in flight and the next one, forward and backward (`ring`: 4 x b x s x 2K x c).
 
-With a flash kernel per block (`attention: cudnn` or `splash`: `fsdp_jax.sharding.ring_flash`)
+With a flash kernel per block (`attention: cudnn` or `splash`: `fsdp_jax.attention.flash`)
 there is no score block: the custom VJP saves q, k, v, the output and its log-sum-exp
 (T x (c(2Q + 2K) + 4H), under `none` only: the other policies recompute the ring); one layer's
 backward holds the f32 running output and lse (T x (4Q + 4H)), the f32 dq and dK/dV

@@ -77,7 +77,7 @@ def plan_config(
     `host_memory` (bytes per host, where the figure comes from): with an offload, each
     strategy's `fits_host` (its offloaded state per host within it; `fits` False when not)
     and a note naming the strategies over it."""
-    from fsdp_jax.app.models.llama import count_params
+    from fsdp_jax.app.models.decoder import count_params
 
     t0 = time.perf_counter()
     names = parse_strategies(strategies)

@@ -8,7 +8,7 @@ Params, optimizer state and batch come from the sharding plan (exact shard shape
 grads, gathered params and activations from the formulas below; `offload_memory`
 splits them between device and host for `cfg.offload`.
 
-Activation formula (reference Llama, bytes per device), with T = tokens per device
+Activation formula (reference decoder, bytes per device), with T = tokens per device
 per microbatch (global_batch / microbatches / (data x fsdp) x seq_len / context: with
 `mesh.context` > 1 each sequence is split over the context ranks), c = bytes of
 the compute dtype, D = d_model, Q = heads x head_dim, K = kv_heads x head_dim,
@@ -63,12 +63,12 @@ import numpy as np
 from fsdp_jax.app.planner import moe_memory as moe
 from fsdp_jax.app.planner.abstract_step import StepBuild
 from fsdp_jax.app.planner.context_memory import context_attention_bytes
+from fsdp_jax.attention import Q_CHUNK
 from fsdp_jax.errors import PlanError
 from fsdp_jax.hlo.memory import shard_bytes, tree_bytes_per_device
 from fsdp_jax.sharding import axes as ax
 from fsdp_jax.sharding import rules as rl
 from fsdp_jax.sharding.precision import Policy
-from fsdp_jax.sharding.ring_attention import Q_CHUNK
 
 
 def saved_per_token(model_cfg, remat: str, seq_len: int, compute_bytes: int) -> int:
@@ -115,7 +115,7 @@ def activation_bytes(
     exchange_shards: int = 1,
     context: int = 1,
 ) -> dict[str, int]:
-    """Activation bytes per device for the reference Llama: `layers` (what the layer
+    """Activation bytes per device for the reference decoder: `layers` (what the layer
     loop keeps for backward), `working` (one layer's backward), `head` (logits and
     loss), and `total`. `batch_per_device`: sequences per device per microbatch;
     `context`: the `context` axis size (each sequence split over that many devices). A

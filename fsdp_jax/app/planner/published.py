@@ -137,7 +137,7 @@ def plan_command(run: PublishedRun) -> str:
 def predicted_value(run: PublishedRun, cfg, result: dict[str, Any], n_devices: int) -> float:
     """The prediction for `run` in its published unit, from one strategy's planner result
     (with its `op_inventory`), costed with `run.cost_target`'s table."""
-    from fsdp_jax.app.models.llama import count_params
+    from fsdp_jax.app.models.decoder import count_params
     from fsdp_jax.app.planner.step_time import predict_ops
 
     p = predict_ops(cfg, run.cost_target, n_devices, result)

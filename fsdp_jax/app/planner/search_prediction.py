@@ -26,7 +26,7 @@ def analytic_communication(cfg, strategy: str, sizes: tuple[int, int, int], host
     these formulas are within 0.3% of their all-gather + reduce-scatter + all-reduce bytes).
     All bytes of a group that spans hosts count as cross-host. A compiled candidate replaces
     this with its program's own bytes."""
-    from fsdp_jax.app.models.llama import count_params
+    from fsdp_jax.app.models.decoder import count_params
     from fsdp_jax.app.models.lora import adapter_param_count, spec_from_config
     from fsdp_jax.sharding.precision import Policy
 

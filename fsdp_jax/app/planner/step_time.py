@@ -41,7 +41,7 @@ def model_flops_per_token(model, seq_len: int, lora=None) -> tuple[float, float]
     """(matmul FLOPs per token of forward + backward, of which attention's S x S part).
     With `lora` (a `LoraSpec`) the base is frozen: 4 FLOPs per base param (no weight
     gradient), 6 per adapter param."""
-    from fsdp_jax.app.models.llama import count_params
+    from fsdp_jax.app.models.decoder import count_params
     from fsdp_jax.app.models.lora import adapter_param_count
 
     d, v = model.d_model, model.vocab_size

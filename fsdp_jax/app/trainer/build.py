@@ -16,8 +16,8 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from fsdp_jax.app.models.config import LlamaConfig
-from fsdp_jax.app.models.llama import Llama, cross_entropy
+from fsdp_jax.app.models.config import DecoderConfig
+from fsdp_jax.app.models.decoder import Decoder, cross_entropy
 from fsdp_jax.app.models.lora import LoraSpec, adapter_mask, spec_from_config
 from fsdp_jax.app.trainer.router_metrics import router_terms
 from fsdp_jax.model.fns import ModelFns, from_nnx
@@ -28,10 +28,10 @@ from fsdp_jax.train.step_parts import TokenSum
 _UNSET: Any = object()
 
 
-def trainer_model(model_cfg: LlamaConfig, remat: str = "none", lora: LoraSpec | None = None) -> ModelFns:
+def trainer_model(model_cfg: DecoderConfig, remat: str = "none", lora: LoraSpec | None = None) -> ModelFns:
     """The reference decoder as `ModelFns` (`from_nnx`), with `remat` applied per block and
     `lora`'s adapters (`fsdp_jax.app.models.lora`)."""
-    return from_nnx(lambda rngs: Llama(model_cfg, rngs=rngs, remat=remat, lora=lora))
+    return from_nnx(lambda rngs: Decoder(model_cfg, rngs=rngs, remat=remat, lora=lora))
 
 
 def lora_spec(cfg) -> LoraSpec | None:
@@ -63,7 +63,7 @@ def token_loss(logits, targets, weights) -> TokenSum:
     return TokenSum((losses * w).sum(), w.sum())
 
 
-def make_loss_fn(model: ModelFns, model_cfg: LlamaConfig | None = None, dropout: bool = False) -> Callable:
+def make_loss_fn(model: ModelFns, model_cfg: DecoderConfig | None = None, dropout: bool = False) -> Callable:
     """Next-token cross-entropy on int32 tokens (B, S + 1) (the mean), or on a packed /
     document-masked batch dict (`fsdp_jax.app.data.packing.batch_from_rows`): attention and
     positions per segment, the loss over the weighted targets of the global batch.
@@ -99,11 +99,11 @@ def _dense_loss_fn(model: ModelFns) -> Callable:
     return loss_fn
 
 
-def has_router_aux(model_cfg: LlamaConfig | None) -> bool:
+def has_router_aux(model_cfg: DecoderConfig | None) -> bool:
     return bool(model_cfg is not None and model_cfg.n_experts)
 
 
-def _moe_loss_fn(model: ModelFns, cfg: LlamaConfig) -> Callable:
+def _moe_loss_fn(model: ModelFns, cfg: DecoderConfig) -> Callable:
     def loss_fn(params, batch, key):
         kw = {} if key is None else {"dropout_key": key}
         if isinstance(batch, dict):  # packed rows: the router sees the real tokens only

@@ -29,7 +29,7 @@ import jax
 from fsdp_jax.app.config.parse import save_config
 from fsdp_jax.app.config.schema import Config
 from fsdp_jax.app.data.batches import check_segments, check_tokens, global_batch, make_batches
-from fsdp_jax.app.models.llama import count_params, flops_per_token
+from fsdp_jax.app.models.decoder import count_params, flops_per_token
 from fsdp_jax.app.trainer.build import lora_spec
 from fsdp_jax.app.trainer.faults import Faults
 from fsdp_jax.app.trainer.hooks import Hook, LoopState, default_hooks

@@ -1,4 +1,4 @@
-"""Block kernels for the flash ring (`fsdp_jax.sharding.ring_flash`): one ring step's
+"""Block kernels for the flash ring (`fsdp_jax.attention.flash`): one ring step's
 attention of a rank's queries against one K/V block, forward and backward.
 
     kern = reference_kernel(scale=Dh ** -0.5, softcap=0.0, window=0)
@@ -11,7 +11,7 @@ sliding window applies when True). `causal` is static: True for a rank's own blo
 the zig-zag layout that is a causal mask over slot indices, Sq == Sk), False for the half
 blocks of later ring steps (every query may see every key, segments and window aside), or a
 `Band` (a kernel whose `BlockKernel.window` is set: the windowed ring of
-`fsdp_jax.sharding.ring_window` gives each chunk pair its static band of slot offsets).
+`fsdp_jax.attention.windows` gives each chunk pair its static band of slot offsets).
 
 `fwd` returns the block's normalised output o_j (B, Sq, H, Dh) and its log-sum-exp
 lse_j (B, Sq, H), both float32 (-inf for a query that sees no key of the block). `bwd`
@@ -35,7 +35,7 @@ class BlockKernel(NamedTuple):
     """One ring step's attention: `fwd` -> (o_j, lse_j), `bwd` -> (dq, dk, dv) (module
     docstring); `segments` False: the kernel ignores segment ids (the ring refuses packed rows);
     `window` > 0: the ring applies this sliding window by static `Band`s per chunk pair
-    (`fsdp_jax.sharding.ring_window`), the kernel only follows the band it is given."""
+    (`fsdp_jax.attention.windows`), the kernel only follows the band it is given."""
 
     fwd: Callable
     bwd: Callable
@@ -116,7 +116,7 @@ def reference_kernel(
 ) -> BlockKernel:
     """The pure-JAX block kernel (float32, exact softmax): the flash kernels' reference. `mask`
     (qp, kp, qs, ks, local, causal=) -> (B, Sq, Sk) bool replaces `block_mask` (tests feed it
-    cuDNN's packed-layout semantics, `fsdp_jax.sharding.cudnn_packed.thd_mask`). The window
+    cuDNN's packed-layout semantics, `fsdp_jax.attention.cudnn_packed.thd_mask`). The window
     masks by positions, unless `banded`: then the ring applies it by slot bands, as it does
     for splash and cuDNN (`BlockKernel.window`)."""
     mask_of = mask or functools.partial(block_mask, window=0 if banded else window)

@@ -31,7 +31,7 @@ operand order, not checked on a GPU here.
 kernel poisons that row's output with NaN (`overflow`) rather than drop segments silently. A
 block's q side holds a subset of its row's segments, so M >= a row's segments (the trainer's
 `model.max_segments`, checked per batch) rules that out. `span_layout` lays out one segment per
-row by its spans (the windowed ring's reversed squares, `fsdp_jax.sharding.cudnn_bands`).
+row by its spans (the windowed ring's reversed squares, `fsdp_jax.attention.cudnn_bands`).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Token embedding (times sqrt(D) for Gemma) -> N x [RMSNorm -> causal self-attenti
 scores) -> (post-norm) -> residual; RMSNorm -> gated MLP (SiLU or tanh-GELU) ->
 (post-norm) -> residual] -> RMSNorm -> output head (its own (D, V) param, or the
 embedding table when `tie_word_embeddings`) -> (soft cap). Init normal(0, 0.02)
-(biases too, and the w of `norm_plus_one`'s 1 + w), Llama norm scales 1. With every `LlamaConfig`
+(biases too, and the w of `norm_plus_one`'s 1 + w), Llama norm scales 1. With every `DecoderConfig`
 switch at its default this is the Llama-2 reference, param for param. The layout
 matches Hugging Face's *ForCausalLM of each family up to transposes (rotate-half
 RoPE, q head n uses kv head n // (H / K)); `fsdp_jax.app.hf.load` converts both ways.
@@ -31,17 +31,15 @@ from jax.ad_checkpoint import checkpoint_name
 from fsdp_jax.app.models import lora as lora_lib
 from fsdp_jax.app.models import stack
 from fsdp_jax.app.models.attention import _attend_capped, attention, rope, segment_mask, softcap
-from fsdp_jax.app.models.config import LlamaConfig
+from fsdp_jax.app.models.config import DecoderConfig
 from fsdp_jax.app.models.moe import MoE, moe_active_params, moe_params, zero_stats
 from fsdp_jax.app.models.rope import apply_rope, rope_tables
-from fsdp_jax.app.models.splash import splash_attention
+from fsdp_jax.attention import RING_KERNELS, context_attention, flash_context_attention, splash_attention
 from fsdp_jax.errors import ConfigError
 from fsdp_jax.sharding.axes import BATCH, EMBED, HEADS, KV, KV_HEADS, LAYERS, LENGTH, MLP, NORM, VOCAB
 from fsdp_jax.sharding.context import context_size
 from fsdp_jax.sharding.precision import matmul, take
 from fsdp_jax.sharding.remat import get_policy
-from fsdp_jax.sharding.ring_attention import context_attention
-from fsdp_jax.sharding.ring_flash import RING_KERNELS, flash_context_attention
 from fsdp_jax.train import layer_gather
 
 
@@ -85,7 +83,7 @@ class RMSNorm(nnx.Module):
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
         d, h, kvh, dh = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.wq = _param(rngs, (d, h, dh), (EMBED, HEADS, KV))
         self.wk = _param(rngs, (d, kvh, dh), (EMBED, KV_HEADS, KV))
@@ -189,7 +187,7 @@ class Attention(nnx.Module):
 
 
 class FeedForward(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
         self.w_gate = _param(rngs, (cfg.d_model, cfg.ffn_dim), (EMBED, MLP))
         self.w_up = _param(rngs, (cfg.d_model, cfg.ffn_dim), (EMBED, MLP))
         self.w_down = _param(rngs, (cfg.ffn_dim, cfg.d_model), (MLP, EMBED))
@@ -215,7 +213,7 @@ class Block(nnx.Module):
     """One decoder layer; its MLP the mixture of experts when `sparse`. In an MoE model
     (`n_experts`) it returns (x, RouterStats), else x. `lora`: adapters on its projections."""
 
-    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, sparse: bool = False, lora: lora_lib.LoraSpec | None = None):
+    def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs, sparse: bool = False, lora: lora_lib.LoraSpec | None = None):
         po = cfg.norm_plus_one
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, po, rngs)
         self.attn = Attention(cfg, rngs)
@@ -245,12 +243,12 @@ class Block(nnx.Module):
         return (x, stats) if self.n_experts else x
 
 
-class Llama(nnx.Module):
-    """`Llama(cfg, rngs=nnx.Rngs(0), remat="dots")(tokens (B, S) int) -> logits (B, S, V)`;
+class Decoder(nnx.Module):
+    """`Decoder(cfg, rngs=nnx.Rngs(0), remat="dots")(tokens (B, S) int) -> logits (B, S, V)`;
     optional `segment_ids` and `positions` (B, S) for packed rows; `lora` puts LoRA adapters
     on the projections it targets (`models/lora.py`)."""
 
-    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, remat: str = "none", lora=None):
+    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs, remat: str = "none", lora=None):
         self.cfg = cfg
         self.remat = remat
         get_policy(remat)  # fail early on an unknown name
@@ -342,7 +340,7 @@ def cross_entropy(logits, targets):
     return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets).mean()
 
 
-def count_params(cfg: LlamaConfig, active: bool = False) -> int:
+def count_params(cfg: DecoderConfig, active: bool = False) -> int:
     """Parameter count: embeddings, head (unless tied), per-layer attention (+ q/k/v
     biases, q/k norms) + gated MLP or mixture of experts + 2 norms (4 with `sandwich_norm`),
     final norm. `active`: the experts a token uses (top-k of n_experts) only."""
@@ -358,7 +356,7 @@ def count_params(cfg: LlamaConfig, active: bool = False) -> int:
     return tables * cfg.vocab_size * d + cfg.n_layers * per_layer + mlps + d
 
 
-def _attended_fraction(cfg: LlamaConfig, seq_len: int, layer: int) -> float:
+def _attended_fraction(cfg: DecoderConfig, seq_len: int, layer: int) -> float:
     """Keys a causal query attends, summed over queries, relative to full causal."""
     w, s = cfg.sliding_window, seq_len
     if not cfg.is_local(layer) or w >= s:
@@ -366,7 +364,7 @@ def _attended_fraction(cfg: LlamaConfig, seq_len: int, layer: int) -> float:
     return (w * (w + 1) / 2 + (s - w) * w) / (s * (s + 1) / 2)
 
 
-def flops_per_token(cfg: LlamaConfig, seq_len: int, lora: lora_lib.LoraSpec | None = None) -> float:
+def flops_per_token(cfg: DecoderConfig, seq_len: int, lora: lora_lib.LoraSpec | None = None) -> float:
     """Training FLOPs per token: 6 x (params used in matmuls: all but the embedding
     lookup) plus causal attention scores and values, 6 x L x S x H x Dh (PaLM appendix
     B counts 12 x L x S x D for full attention; causal masking does half the work; a

@@ -15,7 +15,7 @@ D = rowsum(dO * o) are the whole row's. Layout BTNH, grouped-query K/V as cuDNN 
 A block's mask is CAUSAL (a rank's own block, Sq == Sk) or NO_MASK (the half blocks).
 
 Packed rows (`packed=True`): each block goes to cuDNN in its packed (THD) layout with separate
-q and kv segments (`fsdp_jax.sharding.cudnn_packed.block_layout`, computed from the q side's
+q and kv segments (`fsdp_jax.attention.cudnn_packed.block_layout`, computed from the q side's
 and the travelling K/V block's segment ids), PADDING_CAUSAL for the own block and PADDING for
 the half blocks; queries that meet no key of the block get o 0 and lse -inf, keys that meet no
 query no gradient. Both calls bind jax's private primitives directly (`_dot_product_attention_
@@ -29,7 +29,7 @@ than dropping segments; the trainer sizes it from `model.max_segments` and refus
 with more segments in one line, so it does not happen there.
 
 Sliding windows (`window`): the ring gives the kernel chunk pairs with a static `Band` each
-(`fsdp_jax.sharding.ring_window`), which `fsdp_jax.sharding.cudnn_bands.band_pieces` covers with
+(`fsdp_jax.attention.windows`), which `fsdp_jax.attention.cudnn_bands.band_pieces` covers with
 CAUSAL, NO_MASK and CAUSAL + sliding-window calls, some on both sides reversed; with packed rows
 each piece goes in the packed layout (module docstring of `cudnn_bands`, `packed_kernel`).
 
@@ -44,9 +44,9 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from fsdp_jax.sharding.cudnn_bands import by_pieces, piece_window
-from fsdp_jax.sharding.cudnn_packed import block_layout, packed_stats, span_layout, token_lse
-from fsdp_jax.sharding.ring_kernels import BlockKernel, merge
+from fsdp_jax.attention.cudnn_bands import by_pieces, piece_window
+from fsdp_jax.attention.cudnn_packed import block_layout, packed_stats, span_layout, token_lse
+from fsdp_jax.attention.kernels import BlockKernel, merge
 
 # segments per block cuDNN's packed layout is sized for (stats (B x M, H, Sq) float32 per call)
 MAX_SEGMENTS = 128

@@ -1,4 +1,4 @@
-"""Sliding windows in the flash ring (`fsdp_jax.sharding.ring_flash`) with kernels whose masks
+"""Sliding windows in the flash ring (`fsdp_jax.attention.flash`) with kernels whose masks
 are static (splash, cuDNN): each ring step as chunk pairs, each pair's static band chosen by
 `lax.switch` on the rank.
 
@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fsdp_jax.sharding.ring_kernels import CAUSAL, FULL, Band, BlockKernel, merge
+from fsdp_jax.attention.kernels import CAUSAL, FULL, Band, BlockKernel, merge
 
 
 def pair_band(k: int, c: int, window: int, local: bool) -> Band | None:

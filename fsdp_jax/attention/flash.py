@@ -5,7 +5,7 @@ under one custom VJP over the whole ring.
     kern = reference_kernel(scale=Dh ** -0.5)        # or splash_kernel / cudnn_kernel
     o = flash_context_attention(q, k, v, positions, segment_ids, kernel=kern)
 
-Shapes, layout and sharding as `fsdp_jax.sharding.ring_attention.context_attention`:
+Shapes, layout and sharding as `fsdp_jax.attention.ring.context_attention`:
 q (B, S, H, Dh), k / v (B, S, K, Dh), positions and segment ids (B, S), rows in the
 zig-zag order of `fsdp_jax.sharding.context`, S sharded over `context`.
 
@@ -16,7 +16,7 @@ unmasked but for segments and windows (a `lax.cond` on the ring index). Each blo
 kernel returns (o_j, lse_j); blocks merge by log-sum-exp, so no rank holds more than the
 kernel's own tiles. Residuals: q, k, v, the ids, the output o and its lse. A kernel with a
 sliding window (`BlockKernel.window`: splash, cuDNN) meets each block as chunk pairs instead,
-each with its static band picked by a `lax.switch` on the rank (`fsdp_jax.sharding.ring_window`).
+each with its static band picked by a `lax.switch` on the rank (`fsdp_jax.attention.windows`).
 
 Backward: the same steps again, each block's kernel backward given the GLOBAL o and lse
 (so P and rowsum(dO * o) are the whole row's): dq adds up on the rank, dk / dv of block
@@ -33,13 +33,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from fsdp_jax.attention.cudnn import cudnn_kernel
+from fsdp_jax.attention.kernels import BlockKernel, merge, reference_kernel
+from fsdp_jax.attention.ring import KV_PASSES, context_specs
+from fsdp_jax.attention.splash_block import splash_kernel
+from fsdp_jax.attention.windows import window_bwd, window_fwd, window_plan
 from fsdp_jax.sharding.axes import CONTEXT
 from fsdp_jax.sharding.context import context_size
-from fsdp_jax.sharding.ring_attention import KV_PASSES, context_specs
-from fsdp_jax.sharding.ring_cudnn import cudnn_kernel
-from fsdp_jax.sharding.ring_kernels import BlockKernel, merge, reference_kernel
-from fsdp_jax.sharding.ring_splash import splash_kernel
-from fsdp_jax.sharding.ring_window import window_bwd, window_fwd, window_plan
 
 # `model.attention` -> the block kernel of its flash ring (each takes scale, softcap, window)
 RING_KERNELS = {"reference": reference_kernel, "splash": splash_kernel, "cudnn": cudnn_kernel}

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from fsdp_jax.sharding.ring_kernels import CAUSAL, FULL, Band, as_band, merge
+from fsdp_jax.attention.kernels import CAUSAL, FULL, Band, as_band, merge
 
 
 def band_pieces(band: Band, sq: int, sk: int) -> list:

@@ -18,7 +18,7 @@ kernel returns o 0 and lse -inf for both.
 
 Sliding windows: a window's offset between two zig-zag chunks depends on the ring step and
 the rank, splash's masks are static, so `splash_kernel(window=W)` says `window=W` and the ring
-gives it chunk pairs with a static `Band` each (`fsdp_jax.sharding.ring_window`), as a
+gives it chunk pairs with a static `Band` each (`fsdp_jax.attention.windows`), as a
 `LocalMask` (tiles wholly outside the band are skipped by splash's block-sparse grid).
 Mosaic compiles the kernel for TPU only; `interpret=True` runs it anywhere
 (slowly: CPU tests at small sizes). A block's tiles are the largest of `block`, `block` / 2,
@@ -33,7 +33,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from fsdp_jax.sharding.ring_kernels import CAUSAL, FULL, Band, BlockKernel, as_band
+from fsdp_jax.attention.kernels import CAUSAL, FULL, Band, BlockKernel, as_band
 
 BLOCK = 512
 
