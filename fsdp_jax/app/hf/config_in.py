@@ -78,6 +78,7 @@ FIELDS = {
 # (capacity_factor, the router z-loss, the grouped-matmul kernel and the exchange are training options
 # a checkpoint does not record)
 _RUN_FIELDS = ("scan_layers", "attention", "capacity_factor", "router_z_loss_coef", "grouped_matmul", "expert_exchange")
+_BASE = DecoderConfig()  # the default run fields, and the architecture defaults a config.json omits
 ARCH_FIELDS = tuple(f.name for f in dataclasses.fields(DecoderConfig) if f.name not in _RUN_FIELDS)
 # rope dict keys -> DecoderConfig field, per rope type (required keys first)
 ROPE_KEYS = {
@@ -286,9 +287,7 @@ def _rope_of(raw: Mapping, mt: str, defaults: Mapping, bad, max_pos: int):
     return rope_kw, theta, local_theta
 
 
-def model_config_from_hf(
-    raw: Mapping, where: str = "config.json", base: DecoderConfig = DecoderConfig()
-) -> DecoderConfig:
+def model_config_from_hf(raw: Mapping, where: str = "config.json", base: DecoderConfig = _BASE) -> DecoderConfig:
     """DecoderConfig for an HF config dict of any family in FAMILIES; non-architecture
     fields (scan_layers, attention) come from `base`. ConfigError(`where`, ...) names
     the refused field."""
@@ -363,7 +362,7 @@ def model_config_from_hf(
     kw.update(moe_fields(raw, mt, bad, kw["n_layers"]))
     if kw.get("global_every"):
         kw["rope_local_theta"] = float(local_theta)
-    defaults_of = {f: getattr(DecoderConfig(), f) for f in ARCH_FIELDS if f not in FIELDS}
+    defaults_of = {f: getattr(_BASE, f) for f in ARCH_FIELDS if f not in FIELDS}
     cfg = dataclasses.replace(base, **{**defaults_of, **kw})
     if cfg.rope_type == "llama3" and not cfg.rope_high_freq_factor > cfg.rope_low_freq_factor:
         raise bad("rope_parameters", "llama3 needs high_freq_factor > low_freq_factor")
