@@ -11,7 +11,7 @@
 #     cudnn_packed, lora, precision, collectives | ring_cudnn | tokamax_moe | offload;
 #  3. throughput (dots) again with fsdp_jax.targets.xla_flags.GPU_FSDP_FLAGS, if time is left.
 # tokamax (absent on the device machine) comes from wheels in .whl/ (pass `carry: [.whl]`),
-# installed into /tmp for the tokamax process only; .whl/stub stands in for xprof.
+# installed into /tmp for the tokamax process only; a stub in /tmp stands in for xprof.
 # LOG_DIR (default $OUT or gpu_logs/) gets 4 files: env.txt, log.txt, results.json, summary.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -38,7 +38,14 @@ if [ "$SMOKE" != 1 ] && [ -d .whl ] && ls .whl/*.whl > /dev/null 2>&1; then
   if $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/gpu_check_site .whl/*.whl \
     >> "$LOG/env.txt" 2>&1; then
     TOKAMAX_PATH="$PYTHONPATH:/tmp/gpu_check_site"
-    PYTHONPATH=$TOKAMAX_PATH $PY -c "import xprof" 2> /dev/null || TOKAMAX_PATH="$TOKAMAX_PATH:$PWD/.whl/stub"
+    if ! PYTHONPATH=$TOKAMAX_PATH $PY -c "import xprof" 2> /dev/null; then
+      # tokamax imports xprof's get_kernel_stats_tool at module level, for its xprof timing only
+      mkdir -p /tmp/gpu_check_stub/xprof/cli
+      touch /tmp/gpu_check_stub/xprof/__init__.py /tmp/gpu_check_stub/xprof/cli/__init__.py
+      printf 'def get_kernel_stats_tool(*a, **k):\n    raise RuntimeError("xprof stand-in (gpu_check.sh)")\n' \
+        > /tmp/gpu_check_stub/xprof/cli/tools.py
+      TOKAMAX_PATH="$TOKAMAX_PATH:/tmp/gpu_check_stub"
+    fi
   fi
 fi
 
