@@ -146,5 +146,6 @@ def test_gpu_check_entry_point_bad_input_exits_2():
     r = run("gpu_check.py", "--only", "speed")
     assert r.returncode == 2 and r.stdout == "", r.stderr
     assert [l for l in r.stderr.splitlines() if l.strip()] == [
-        "error: --only 'speed' / --steps 10: checks are throughput, precision, collectives; steps >= 1"
+        "error: --only 'speed' / --steps 10: checks are throughput, precision, collectives, cudnn_packed, "
+        "ring_cudnn, tokamax_moe, lora, offload; steps >= 1"
     ]

@@ -8,8 +8,10 @@
 2. precision: a small model's loss and grad norm with bf16 compute match fp32
    within bf16 tolerance;
 3. collectives (needs >= 2 devices): under full_shard with bf16 compute the
-   parameter all-gathers move bf16 and gradients are reduce-scattered.
-Installs nothing. Prints one line per check and a final table. Exit codes: 0 every check
+   parameter all-gathers move bf16 and gradients are reduce-scattered;
+4. the GPU-only paths against the XLA path on the same batch (`fsdp_jax.app.cli.gpu_paths`):
+   cudnn_packed, ring_cudnn, tokamax_moe, lora, offload (issue 63).
+`--smoke`: a CPU rehearsal (XLA twins of the GPU kernels, tiny shapes). Installs nothing. Prints one line per check and a final table. Exit codes: 0 every check
 passed, 1 a check failed, 2 bad input (one line on stderr).
 """
 
@@ -24,13 +26,13 @@ from fsdp_jax.app.cli.args import add_config
 from fsdp_jax.app.cli.flags import Parser, UsageError, int_in
 
 
-def throughput(config: str, steps: int, overrides: list[str]) -> dict:
+def throughput(config: str, steps: int, overrides: list[str], smoke: bool = False) -> dict:
     import jax
     import numpy as np
 
+    from fsdp_jax.app.config import load_config as load_run_config  # not trainer.setup: it imports grain
     from fsdp_jax.app.models.decoder import count_params, flops_per_token
     from fsdp_jax.app.planner.abstract_step import build_step
-    from fsdp_jax.app.trainer.setup import load_run_config
     from fsdp_jax.hlo.memory import compiled_memory
     from fsdp_jax.targets.perf import device_memory, mfu, peak_flops, time_steps
 
@@ -46,6 +48,7 @@ def throughput(config: str, steps: int, overrides: list[str]) -> dict:
             "remat=dots",
             f"train.global_batch={8 * n}",
             *overrides,
+            *(["model.attention=xla", *_smoke_model()] if smoke else []),
         ],
     )
     build = build_step(cfg, "full_shard")  # the trainer's step, on all local devices
@@ -74,8 +77,16 @@ def throughput(config: str, steps: int, overrides: list[str]) -> dict:
         "mfu": mfu(flops_per_token(cfg.model, cfg.data.seq_len), tps, n, peak),
         "peak_bytes_in_use": mem.get("peak_bytes_in_use"),
         "compiled": compiled_memory(compiled),
+        "remat": cfg.remat,
+        "attention": cfg.model.attention,
         "loss": float(m["loss"]),
     }
+
+
+def _smoke_model() -> list[str]:
+    from fsdp_jax.app.cli.gpu_paths import SMOKE
+
+    return [o for o in SMOKE if not o.startswith("precision")]
 
 
 def precision_check() -> dict:
@@ -148,18 +159,20 @@ def build_parser(prog: str | None = None) -> Parser:
     add_config(ap, required=False, default="configs/llama_1b.yaml", example="train.global_batch=16")
     ap.add_argument("--steps", type=int_in(1), default=10, help="timed steps (default 10)")
     ap.add_argument("--json", help="write all results here")
-    ap.add_argument("--only", default="throughput,precision,collectives", help="a comma list of checks")
+    ap.add_argument("--only", default="throughput,precision,collectives", help=f"a comma list of: {', '.join(CHECKS)}")
+    ap.add_argument("--smoke", action="store_true", help="CPU rehearsal: XLA in place of GPU kernels, tiny shapes")
     return ap
 
 
+CHECKS = ("throughput", "precision", "collectives", "cudnn_packed", "ring_cudnn", "tokamax_moe", "lora", "offload")
+
+
 def run(args) -> int:
-    bad = [n for n in args.only.split(",") if n not in ("throughput", "precision", "collectives")]
+    bad = [n for n in args.only.split(",") if n not in CHECKS]
     if bad or args.steps < 1:
-        raise UsageError(
-            f"--only {args.only!r} / --steps {args.steps}: checks are throughput, precision, collectives; steps >= 1"
-        )
+        raise UsageError(f"--only {args.only!r} / --steps {args.steps}: checks are {', '.join(CHECKS)}; steps >= 1")
     from fsdp_jax.app.cli.args import check_out_file
-    from fsdp_jax.app.trainer.setup import load_run_config
+    from fsdp_jax.app.config import load_config as load_run_config  # not trainer.setup: it imports grain
 
     if "throughput" in args.only.split(","):
         load_run_config(args.config, args.overrides)  # a bad config: one line now, not a traceback later
@@ -172,11 +185,14 @@ def run(args) -> int:
         f"{jax.devices()[0].device_kind}",
         flush=True,
     )
+    from fsdp_jax.app.cli.gpu_paths import PATHS
+
     results, ok = {}, True
     checks = {
-        "throughput": lambda: throughput(args.config, args.steps, args.overrides),
+        "throughput": lambda: throughput(args.config, args.steps, args.overrides, args.smoke),
         "precision": precision_check,
         "collectives": collective_check,
+        **{name: (lambda f=f: f(args.smoke)) for name, f in PATHS.items()},
     }
     for name in args.only.split(","):
         t = time.perf_counter()
@@ -192,9 +208,9 @@ def run(args) -> int:
             f"[{name}] " + json.dumps({k: v for k, v in results[name].items() if k != "report"}, default=str),
             flush=True,
         )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1, default=str)
+        if args.json:  # after every check: a run cut short by its time cap keeps what it finished
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1, default=str)
     tp = results.get("throughput", {})
     print("\n| check | result |\n|---|---|")
     if "tokens_per_s" in tp:
@@ -204,14 +220,20 @@ def run(args) -> int:
             f"| throughput ({tp['params'] / 1e9:.2f}B, bs {tp['global_batch']}x{tp['seq_len']}) | "
             f"{tp['tokens_per_s']:.0f} tok/s, MFU {mfu}, peak {peak}, step {tp['step_s_median'] * 1e3:.0f} ms |"
         )
-    for name in ("precision", "collectives"):
-        if name not in results:
-            continue
-        r = results[name]
-        print(
-            f"| {name} | {'skipped: ' + r['skipped'] if 'skipped' in r else ('ok' if r.get('ok') else 'FAIL ' + str(r.get('error', '')))} |"
-        )
+    for name in CHECKS[1:]:
+        if name in results:
+            print(f"| {name} | {verdict(results[name])} |")
     return 0 if ok else 1
+
+
+def verdict(r: dict) -> str:
+    """One table cell for a check's result."""
+    if "skipped" in r:
+        return "skipped: " + r["skipped"]
+    if "error" in r:
+        return "FAIL " + str(r["error"])[:200]
+    extra = f" (max rel loss {r['max_rel']:.1e})" if "max_rel" in r else ""
+    return ("ok" if r.get("ok") else "FAIL") + extra
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
