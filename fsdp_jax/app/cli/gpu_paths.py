@@ -174,10 +174,10 @@ def ring_cudnn(smoke: bool = False) -> dict:
     from jax.sharding import PartitionSpec as P
 
     import fsdp_jax as fj
-    from fsdp_jax.sharding.ring_attention import context_attention
-    from fsdp_jax.sharding.ring_cudnn import cudnn_kernel
-    from fsdp_jax.sharding.ring_flash import flash_context_attention
-    from fsdp_jax.sharding.ring_kernels import reference_kernel
+    from fsdp_jax.attention.cudnn import cudnn_kernel
+    from fsdp_jax.attention.flash import flash_context_attention
+    from fsdp_jax.attention.kernels import reference_kernel
+    from fsdp_jax.attention.ring import context_attention
 
     b, s, h, kvh, dh = (2, 64, 4, 2, 16) if smoke else (2, 2048, 8, 2, 128)
     dt = jnp.float32 if smoke else jnp.bfloat16
