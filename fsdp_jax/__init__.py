@@ -18,7 +18,7 @@ from fsdp_jax.sharding.mesh import make_mesh
 from fsdp_jax.sharding.offload import OFFLOADS
 from fsdp_jax.sharding.precision import Policy, cast_params_for_compute
 from fsdp_jax.sharding.reasons import Note, Why
-from fsdp_jax.sharding.remat import REMAT_POLICIES, get_policy, with_remat
+from fsdp_jax.sharding.remat import REMAT_POLICIES, RematPolicy, get_policy, with_remat
 from fsdp_jax.sharding.replication import check_sufficiently_sharded
 from fsdp_jax.sharding.rules import DEFAULT_MIN_SHARD_SIZE, DEFAULT_RULES, explain, logical_to_spec, merge_rules
 from fsdp_jax.sharding.strategy import ALIASES, STRATEGIES, ShardingPlan, Strategy, get_strategy, make_plan
@@ -50,6 +50,7 @@ __all__ = [
     "Policy",
     "cast_params_for_compute",
     "REMAT_POLICIES",
+    "RematPolicy",
     "get_policy",
     "with_remat",
     "DEFAULT_MIN_SHARD_SIZE",

@@ -151,7 +151,7 @@ def test_compiled_device_argument_bytes_drop_by_offloaded_state(offload):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", sorted(remat_lib.OFFLOADING))
+@pytest.mark.parametrize("policy", sorted(remat_lib.offloading()))
 def test_offloading_remat_same_loss_and_grads_as_none(policy):
     batch = token_batches(1)[0]
     out = {}

@@ -15,6 +15,7 @@ from fsdp_jax.app.planner.abstract_step import mesh_shape
 from fsdp_jax.app.planner.report import COMPILED_OVER_ANALYTIC
 from fsdp_jax.app.planner.search_prediction import analytic_communication, predict_step, recompute_flops_per_token
 from fsdp_jax.app.planner.search_space import ANALYTIC_OVER, candidate_config
+from fsdp_jax.sharding.remat import device_policies
 from fsdp_jax.targets.plugins import INSTALL_HINT
 from helpers import TINY_MODEL_OVERRIDES, call, one_line
 
@@ -311,7 +312,7 @@ def test_recompute_per_remat_policy_by_hand(cfg):
     """d 64, ffn 128, q 4 x 16, kv 2 x 16, seq 32, 2 layers: qkv 2*64*(64+64) = 16384, attention
     core 4*32*64 = 8192, gate+up 4*64*128 = 32768 FLOPs per token per layer."""
     m, s = cfg.model, cfg.data.seq_len
-    got = {r: recompute_flops_per_token(m, s, r) for r in se.DEVICE_REMATS + ("offload_attn_mlp_out",)}
+    got = {r: recompute_flops_per_token(m, s, r) for r in device_policies() + ("offload_attn_mlp_out",)}
     assert got == {
         "none": 0,
         "dots": 0,

@@ -9,14 +9,14 @@ memory policies (precision, remat, host offload). Decisions are data (`LeafShard
     flax_names    logical names read from Flax metadata
     strategy      ZeRO-3/2/1, DDP and HSDP as rows of a table (`STRATEGIES`, `make_plan`)
     precision     the mixed-precision policy (`Policy`)
-    remat         activation checkpointing policies by name (`REMAT_POLICIES`)
+    remat         activation checkpointing policies, one record each (`REMAT_POLICIES`)
     offload       host memory kinds for optimizer state and master weights (`OFFLOADS`)
 """
 
 from fsdp_jax.sharding.mesh import make_mesh
 from fsdp_jax.sharding.offload import OFFLOADS
 from fsdp_jax.sharding.precision import Policy, cast_params_for_compute
-from fsdp_jax.sharding.remat import REMAT_POLICIES, get_policy, with_remat
+from fsdp_jax.sharding.remat import REMAT_POLICIES, RematPolicy, get_policy, with_remat
 from fsdp_jax.sharding.rules import DEFAULT_MIN_SHARD_SIZE, DEFAULT_RULES, explain, logical_to_spec, merge_rules
 from fsdp_jax.sharding.strategy import ALIASES, STRATEGIES, ShardingPlan, Strategy, get_strategy, make_plan
 
@@ -27,6 +27,7 @@ __all__ = [
     "OFFLOADS",
     "Policy",
     "REMAT_POLICIES",
+    "RematPolicy",
     "STRATEGIES",
     "ShardingPlan",
     "Strategy",

@@ -7,7 +7,9 @@ tokens per device, H heads, Q = H x head_dim, K = kv_heads x head_dim, c = compu
 bytes: a rank meets C blocks of keys, its own (s x s, causal) and C - 1 half blocks (the
 zig-zag causal mask leaves s x s/2 of each); a score block is computed `q_chunk` queries
 at a time (`ring_attention._chunked`) and rematerialised in the backward pass. Read from
-`jax.ad_checkpoint.print_saved_residuals` of `context_attention` under each remat policy:
+`jax.ad_checkpoint.print_saved_residuals` of `context_attention` under each remat policy,
+as its record (`fsdp_jax.sharding.remat.RematPolicy`) keeps the attention core's dots
+(`planner/residuals.py`: `ATTN_CORE`) or everything:
 
 * `dots` saves every step's score dots in f32 (the outer policy reaches inside the
   checkpointed blocks, and a `lax.cond` keeps both branches' residuals, so each half-block
@@ -34,6 +36,8 @@ backward holds the f32 running output and lse (T x (4Q + 4H)), the f32 dq and dK
 
 from __future__ import annotations
 
+from fsdp_jax.app.planner.residuals import ATTN_CORE, rematerialised
+
 
 def score_block(seq_local: int, q_chunk: int) -> int:
     """Queries per score block: `q_chunk` when a rank's queries split into such chunks, else all."""
@@ -51,18 +55,17 @@ def context_attention_bytes(
     h = model_cfg.n_heads
     q = h * model_cfg.head_dim
     k = model_cfg.n_kv_heads * model_cfg.head_dim
-    if remat == "dots":
-        saved = n * b * h * s * s * 4 + n * t * 4 * q
-    elif remat == "none":
+    policy = rematerialised(remat)
+    if policy.keeps_everything:
         saved = n * t * 3 * (c * (q + 2 * k) + 4 * q + 8 * h) // 2
-    else:
-        saved = 0
+    else:  # every step's f32 score and output dots: dots with batch dims
+        saved = n * b * h * s * s * 4 + n * t * 4 * q if policy.keeps(ATTN_CORE) else 0
     block = b * h * score_block(s, q_chunk) * s * (8 + c)
     outputs = n * t * (4 * q + 8 * h)
     kv_pass = getattr(model_cfg, "context_kv_pass", "all_gather")
     kv = 2 * b * seq_len * 2 * k * c if kv_pass == "all_gather" else 4 * t * 2 * k * c
     if getattr(model_cfg, "attention", "xla") in ("cudnn", "splash"):  # flash per block: no score block
-        saved = t * (c * (2 * q + 2 * k) + 4 * h) if remat == "none" else 0
+        saved = t * (c * (2 * q + 2 * k) + 4 * h) if policy.keeps_everything else 0
         grads = t * 4 * q + (b * seq_len * 8 * k if kv_pass == "all_gather" else t * 8 * k)
         return {"saved": saved, "working": t * (4 * q + 4 * h) + grads + kv}
     return {"saved": saved, "working": block + outputs + kv}

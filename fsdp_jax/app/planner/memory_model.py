@@ -15,7 +15,8 @@ the compute dtype, D = d_model, Q = heads x head_dim, K = kv_heads x head_dim,
 F = ffn_dim, H = heads, S = seq_len, L = layers, V = vocab:
 
 * every layer keeps its input (the scan carry), c*D per token, whatever the policy;
-* plus what the remat policy saves per token per layer (`saved_per_token`):
+* plus what the remat policy's record keeps of the layer's residuals per token
+  (`planner/residuals.py`, `saved_per_token`):
   none: c*(3D + 2Q + 2K + 4F) + H*S*(4 + c) (norm outputs, q/k/v, attention output,
   SwiGLU gate/up/silu/product, softmax probabilities in f32 and compute dtype);
   dots: c*(2Q + 2K + 2D + 2F) + 4*H*S (every matmul output, including the f32
@@ -63,45 +64,13 @@ import numpy as np
 from fsdp_jax.app.planner import moe_memory as moe
 from fsdp_jax.app.planner.abstract_step import StepBuild
 from fsdp_jax.app.planner.context_memory import context_attention_bytes
+from fsdp_jax.app.planner.residuals import everything_per_token, flash, saved_per_token
 from fsdp_jax.attention import Q_CHUNK
-from fsdp_jax.errors import PlanError
 from fsdp_jax.hlo.memory import shard_bytes, tree_bytes_per_device
 from fsdp_jax.sharding import axes as ax
 from fsdp_jax.sharding import rules as rl
 from fsdp_jax.sharding.precision import Policy
-
-
-def saved_per_token(model_cfg, remat: str, seq_len: int, compute_bytes: int) -> int:
-    """Bytes one layer keeps per token for the backward pass under `remat`, beyond
-    its input (see the module docstring)."""
-    c, d, f, h = compute_bytes, model_cfg.d_model, model_cfg.ffn_dim, model_cfg.n_heads
-    q = h * model_cfg.head_dim
-    k = model_cfg.n_kv_heads * model_cfg.head_dim
-    if _flash(model_cfg):  # no S x S logits: f32 softmax statistics; its matmuls are no dots
-        probs, dots_attn = 4 * h, -c * q
-    else:
-        probs, dots_attn = h * seq_len * (4 + c), 4 * h * seq_len
-    table = {
-        "none": c * (3 * d + 2 * q + 2 * k + 4 * f) + probs,
-        "full": 0,
-        "dots": c * (2 * q + 2 * k + 2 * d + 2 * f) + dots_attn,
-        "dots_no_batch": c * (q + 2 * k + 2 * d + 2 * f),
-        "save_attn_mlp_out": c * 2 * d,
-        "save_qkv_attn_mlp_out": c * (q + 2 * k + 2 * d),
-        # offloading policies: what they save rests in host memory, none on the device
-        # (host bytes: save_attn_mlp_out, save_qkv_attn_mlp_out, dots_no_batch respectively)
-        "offload_attn_mlp_out": 0,
-        "offload_qkv_attn_mlp_out": 0,
-        "offload_dots_no_batch": 0,
-    }
-    if remat not in table:
-        raise PlanError(f"remat: no activation formula for policy {remat!r}; known: {', '.join(table)}")
-    return table[remat]
-
-
-def _flash(model_cfg) -> bool:
-    """Flash attention (`attention: cudnn` on GPU, `splash` on TPU) keeps no S x S attention logits."""
-    return getattr(model_cfg, "attention", "xla") in ("cudnn", "splash")
+from fsdp_jax.sharding.remat import device_policies
 
 
 def activation_bytes(
@@ -129,15 +98,15 @@ def activation_bytes(
         ring = context_attention_bytes(model_cfg, remat, batch_per_device, seq_len, c, context, Q_CHUNK)
         model_cfg = dataclasses.replace(model_cfg, attention="cudnn")
     layers = model_cfg.n_layers * (t * (c * d + saved_per_token(model_cfg, remat, seq_len, c)) + ring["saved"])
-    none = saved_per_token(model_cfg, "none", seq_len, c)
+    none = everything_per_token(model_cfg, seq_len, c)
     working = none
     if moe.n_sparse(model_cfg):
         sparse = moe.moe_saved_per_token(model_cfg, remat, t, c, exchange_shards)
         sparse -= moe.dense_mlp_per_token(model_cfg, remat, c)
         layers += int(moe.n_sparse(model_cfg) * t * sparse)
         moe_none = moe.moe_working_per_token(model_cfg, t, c, expert_shards, dense_ragged, exchange_shards)
-        working = max(none, none - moe.dense_mlp_per_token(model_cfg, "none", c) + moe_none)
-    working = int(t * (working + (0 if _flash(model_cfg) else 4 * h * seq_len))) + ring["working"]
+        working = max(none, none - moe.dense_mlp_everything(model_cfg, c) + moe_none)
+    working = int(t * (working + (0 if flash(model_cfg) else 4 * h * seq_len))) + ring["working"]
     head = t * (c * d + v * (c + 4 + 4))
     return {"layers": layers, "working": working, "head": head, "total": layers + working + head}
 
@@ -323,7 +292,7 @@ def offload_memory(build: StepBuild, analytic: dict[str, int], offload: str | No
 
 
 def activations_by_remat(build: StepBuild) -> dict[str, int]:
-    """Analytic activation bytes per device for every remat policy with a formula."""
+    """Analytic activation bytes per device for every remat policy the search tries on the device."""
     cfg = build.cfg
     dtype = Policy.parse(cfg.precision).compute_dtype
     return {
@@ -336,7 +305,7 @@ def activations_by_remat(build: StepBuild) -> dict[str, int]:
             *_moe_args(build),
             context=_context(build),
         )["total"]
-        for name in ("none", "dots", "dots_no_batch", "save_qkv_attn_mlp_out", "save_attn_mlp_out", "full")
+        for name in device_policies()
     }
 
 

@@ -13,8 +13,8 @@ tokens; capacity mode: E * C / T, the (E, C, D) buffer's rows), one sparse layer
 * the experts: gate and up projections, SiLU and product (c*r*4F, the expert FFN
   intermediate) and the down projection (c*r*D);
 * the combine: outputs back in (token, slot) order (c*k*D) and their weighted sum (c*D).
-What the remat policy saves of these (`moe_saved_per_token`): `none` all; `dots` the dots:
-router logits and combine (and in capacity mode the experts' batched matmuls, c*r*(2F + D));
+What the remat policy's record keeps of these (`moe_saved_per_token`, `moe_residuals`): `none`
+all; `dots` the dots: router logits and combine (and in capacity mode the experts' batched matmuls, c*r*(2F + D));
 `ragged_dot` is not a dot to `jax.checkpoint_dots`, so dropless experts are recomputed;
 `dots_no_batch` the router logits (the combine and capacity matmuls have batch dims); the
 name policies keep `mlp_out` (the layer output, c*D, already in the dense formula) and no
@@ -41,6 +41,8 @@ from __future__ import annotations
 import math
 
 from fsdp_jax.app.models.moe import capacity
+from fsdp_jax.app.planner.residuals import GATE_UP, rematerialised
+from fsdp_jax.sharding.remat import Residual
 
 
 def expert_rows_per_token(model_cfg, tokens: int, exchange: int = 1) -> float:
@@ -55,16 +57,29 @@ def expert_rows_per_token(model_cfg, tokens: int, exchange: int = 1) -> float:
 
 def moe_saved_per_token(model_cfg, remat: str, tokens: int, c: int, exchange: int = 1) -> float:
     """Bytes a sparse layer keeps per token for the backward under `remat`, in place of the
-    dense MLP's (module docstring); `tokens`: per device per microbatch."""
+    dense MLP's (module docstring): all terms, or what its record keeps of `moe_residuals`;
+    `tokens`: per device per microbatch."""
+    policy = rematerialised(remat)
+    if policy.keeps_everything:
+        return _all_terms(model_cfg, tokens, c, exchange)
+    return sum(b for r, b in moe_residuals(model_cfg, tokens, c) if policy.keeps(r))
+
+
+def moe_residuals(model_cfg, tokens: int, c: int) -> tuple[tuple[Residual, float], ...]:
+    """The residuals a policy may keep of one sparse layer and their bytes per token: the
+    router logits (a dot without batch dims), the combine and, in capacity mode, the experts'
+    batched matmuls (dots with batch dims; dropless `ragged_dot` is no dot), the shared
+    expert's gate and up."""
     d, f, e = model_cfg.d_model, model_cfg.moe_ffn_dim, model_cfg.n_experts
     r, fs = expert_rows_per_token(model_cfg, tokens), model_cfg.shared_expert_ffn_dim
-    capacity_mode = bool(model_cfg.capacity_factor)
-    table = {
-        "none": _all_terms(model_cfg, tokens, c, exchange),
-        "dots": c * (e + d + 2 * fs) + (c * r * (2 * f + d) if capacity_mode else 0),
-        "dots_no_batch": c * (e + 2 * fs),
-    }
-    return table.get(remat, 0)
+    batched = Residual("", dot=True, batch_dims=True)
+    experts = ((batched, c * r * (2 * f + d)),) if model_cfg.capacity_factor else ()
+    return (
+        (Residual("", dot=True), c * e),  # router logits
+        (batched, c * d),  # combine
+        (Residual("", dot=True), c * 2 * fs),  # shared expert gate and up
+        *experts,  # last: the one float, added as the formula adds it
+    )
 
 
 def _all_terms(model_cfg, tokens: int, c: int, exchange: int = 1) -> float:
@@ -102,10 +117,18 @@ def n_sparse(model_cfg) -> int:
 
 
 def dense_mlp_per_token(model_cfg, remat: str, c: int) -> int:
-    """The dense MLP's share of `saved_per_token` (`memory_model`) for `remat`: what a sparse
-    layer does not keep (its MLP is the experts)."""
-    f = model_cfg.ffn_dim
-    return {"none": 4 * c * f, "dots": 2 * c * f, "dots_no_batch": 2 * c * f}.get(remat, 0)
+    """The dense MLP's share of `saved_per_token` (`planner/residuals.py`) for `remat`: what a
+    sparse layer does not keep (its MLP is the experts): all of it (`dense_mlp_everything`)
+    or its gate and up when the record keeps them (`mlp_out` stays: the layer output)."""
+    policy = rematerialised(remat)
+    if policy.keeps_everything:
+        return dense_mlp_everything(model_cfg, c)
+    return 2 * c * model_cfg.ffn_dim if policy.keeps(GATE_UP) else 0
+
+
+def dense_mlp_everything(model_cfg, c: int) -> int:
+    """The dense MLP's share of a layer without remat: gate, up, SiLU and product."""
+    return 4 * c * model_cfg.ffn_dim
 
 
 def expert_shards(mesh_shape: dict, rules: dict | None) -> tuple[int, int]:

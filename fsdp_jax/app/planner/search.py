@@ -50,7 +50,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fsdp_jax.app.planner.abstract_step import mesh_shape, target_mesh_sizes
-from fsdp_jax.app.planner.memory_model import saved_per_token
+from fsdp_jax.app.planner.residuals import rematerialised
 from fsdp_jax.app.planner.search_analytic import analytic_pass
 from fsdp_jax.app.planner.search_prediction import (
     ranking_target,
@@ -62,7 +62,6 @@ from fsdp_jax.app.planner.search_rounds import (
     verified,
 )
 from fsdp_jax.app.planner.search_space import (
-    DEVICE_REMATS,
     Limits,
     SearchSpace,
     enumerate_candidates,
@@ -229,14 +228,13 @@ def _offload_note(gpu_target: bool, predict_on: str) -> str:
 
 def _check_space(cfg, space: SearchSpace, limits: Limits) -> None:
     """SearchError for an empty space or an impossible headroom; PlanError for a remat
-    policy the memory model has no formula for."""
+    policy without a record."""
     if limits.budget <= 0:
         raise SearchError(
             f"--headroom: {limits.headroom_bytes / 1e9:.2f} GB leaves nothing of the "
             f"{limits.device_memory / 1e9:.2f} GB device memory"
         )
-    bad = [r for r in space.remats if r not in DEVICE_REMATS and not r.startswith("offload_")]
     for r in space.remats:
-        saved_per_token(cfg.model, r, cfg.data.seq_len, 2)  # PlanError for a policy without a formula
-    if bad or not (space.strategies and space.remats and space.offloads):
+        rematerialised(r)  # PlanError for a policy without a record
+    if not (space.strategies and space.remats and space.offloads):
         raise SearchError("--search: the search space is empty (a strategy, remat and offload list is needed)")

@@ -22,9 +22,9 @@ def compilable(c: dict[str, Any], gpu_target: bool = False) -> bool:
     (`gpu_target`) a state offload, whose device side a compile-only GPU target plans from
     the same step compiled without offload (`fsdp_jax.app.planner.target_offload`). An
     offloading remat policy moves activations, which that does not model."""
-    from fsdp_jax.sharding.remat import OFFLOADING
+    from fsdp_jax.sharding.remat import remat_policy
 
-    return c["remat"] not in OFFLOADING and (c["offload"] == "none" or gpu_target)
+    return not remat_policy(c["remat"]).offloads and (c["offload"] == "none" or gpu_target)
 
 
 def analytic_pass(

@@ -11,6 +11,9 @@ from typing import Any
 
 import numpy as np
 
+from fsdp_jax.app.planner.residuals import rematerialised
+from fsdp_jax.sharding.remat import FORWARD
+
 
 def analytic_communication(cfg, strategy: str, sizes: tuple[int, int, int], hosts: int) -> dict[str, Any]:
     """Wire bytes each device sends per step (ring algorithms), by strategy, with P the params
@@ -52,22 +55,19 @@ def analytic_communication(cfg, strategy: str, sizes: tuple[int, int, int], host
 
 def recompute_flops_per_token(model, seq_len: int, remat: str) -> float:
     """Forward matmul FLOPs per token the backward pass recomputes under `remat` beyond what
-    `step_time.predict` counts (it counts `full` only). Per layer, with D, F, Q = heads x
-    head_dim, K = kv heads x head_dim, S: qkv 2D(Q+2K), attention core 4SQ, out 2QD, gate+up
-    4DF, down 2FD; `dots` saves every matmul output, `dots_no_batch` all but the attention
-    core, `save_qkv_attn_mlp_out` recomputes the core and gate/up, `save_attn_mlp_out` also
-    qkv (its `attn_out` is after the out projection, `mlp_out` after down)."""
+    `step_time.predict` counts (it counts a recomputed `FORWARD`, `full`): the matmuls its
+    record recomputes (`RematPolicy.recomputes`). Per layer, with D, F, Q = heads x head_dim,
+    K = kv heads x head_dim, S: qkv 2D(Q+2K), attention core 4SQ, out (`attn_out`) 2QD,
+    gate+up 4DF, down (`mlp_out`) 2FD; so `dots` recomputes none, `dots_no_batch` the attention
+    core, `save_qkv_attn_mlp_out` the core and gate/up, `save_attn_mlp_out` also qkv (its
+    `attn_out` is after the out projection, `mlp_out` after down), an offloading policy as
+    the one that saves what it offloads."""
     d, f = model.d_model, model.ffn_dim
     q, k = model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim
-    qkv, core, gate_up = 2 * d * (q + 2 * k), 4 * seq_len * q, 4 * d * f
-    per_layer = {
-        "dots_no_batch": core,
-        "save_qkv_attn_mlp_out": core + gate_up,
-        "save_attn_mlp_out": qkv + core + gate_up,
-    }
-    name = remat.removeprefix("offload_")
-    name = {"attn_mlp_out": "save_attn_mlp_out", "qkv_attn_mlp_out": "save_qkv_attn_mlp_out"}.get(name, name)
-    return float(model.n_layers * per_layer.get(name, 0))
+    flops = {"qkv": 2 * d * (q + 2 * k), "attn_core": 4 * seq_len * q, "attn_out": 2 * q * d}
+    flops.update(gate_up=4 * d * f, mlp_out=2 * f * d, **{FORWARD: 0})  # step_time counts it
+    per_layer = sum(flops[m] for m in rematerialised(remat).recomputes)
+    return float(model.n_layers * per_layer)
 
 
 def predict_step(cfg, target_name: str, n_devices: int, result: dict[str, Any]) -> dict[str, Any] | None:

@@ -16,7 +16,7 @@ import yaml
 
 from fsdp_jax.app.planner.inputs import parse_bytes
 from fsdp_jax.app.planner.report import fmt_bytes
-from fsdp_jax.app.planner.search_space import DEVICE_REMATS, OFFLOAD_SETTINGS, VARY
+from fsdp_jax.app.planner.search_space import OFFLOAD_SETTINGS, VARY
 from fsdp_jax.errors import SearchError
 
 
@@ -28,11 +28,11 @@ def _items(text: str, flag: str) -> list[str]:
 
 
 def parse_remats(text: str | None) -> tuple[str, ...]:
-    """None: the device policies (DEVICE_REMATS); 'all' adds the offloading ones; or a list."""
-    from fsdp_jax.sharding.remat import REMAT_POLICIES
+    """None: the policies searched on the device (`search_rank`); 'all': every record; or a list."""
+    from fsdp_jax.sharding.remat import REMAT_POLICIES, device_policies
 
     if text is None:
-        return DEVICE_REMATS
+        return device_policies()
     if text.strip() == "all":
         return tuple(REMAT_POLICIES)
     names = _items(text, "--remat")

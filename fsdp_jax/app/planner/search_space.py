@@ -14,8 +14,8 @@ from typing import Any
 from fsdp_jax.app.planner.abstract_step import mesh_shape
 from fsdp_jax.app.planner.inputs import STRATEGY_ORDER
 from fsdp_jax.errors import SearchError
+from fsdp_jax.sharding.remat import device_policies
 
-DEVICE_REMATS = ("none", "dots", "dots_no_batch", "save_qkv_attn_mlp_out", "save_attn_mlp_out", "full")
 OFFLOAD_SETTINGS = (
     "none",
     "optimizer",
@@ -44,7 +44,7 @@ class SearchSpace:
     try; empty: the config's (`attention_kernels` gives a target's)."""
 
     strategies: tuple[str, ...] = STRATEGY_ORDER
-    remats: tuple[str, ...] = DEVICE_REMATS
+    remats: tuple[str, ...] = dataclasses.field(default_factory=device_policies)
     microbatches: tuple[int, ...] | None = None
     offloads: tuple[str, ...] = OFFLOAD_SETTINGS
     vary: tuple[str, ...] = ()

@@ -16,7 +16,8 @@ Two models, one entry (`predict`):
   hand-built results): a roofline with the same table's constants (`roofline_constants`).
 
 The roofline: the model's FLOPs from its shape (PaLM's count: 6 x matmul params + 12 x
-layers x d_attn x seq per token; `remat: full` adds the recomputed forward) at the table's
+layers x d_attn x seq per token; a remat policy whose record recomputes the `FORWARD`,
+`full`, adds one more forward) at the table's
 dense bf16 peak x GEMM efficiency (`gemm.max_efficiency`), the collective bytes over the
 table's fast link (NVLink; ICI on TPU) and slow network (the NIC; DCN), assumed hidden up to
 the compute time, and the optimizer update's state traffic at the table's HBM bandwidth x
@@ -35,6 +36,8 @@ import time
 from typing import Any
 
 from fsdp_jax.app.models.lora import spec_from_config
+from fsdp_jax.app.planner.residuals import rematerialised
+from fsdp_jax.sharding.remat import FORWARD
 
 
 def model_flops_per_token(model, seq_len: int, lora=None) -> tuple[float, float]:
@@ -161,7 +164,7 @@ def predict_roofline(cfg, target: str, n_devices: int, result: dict[str, Any]) -
     lora = spec_from_config(cfg.lora)
     per_token, attn = model_flops_per_token(cfg.model, seq, lora)
     forward = (model_flops_per_token(cfg.model, seq)[0] - attn) / 3 + attn / 3  # what full remat redoes
-    recompute = {"full": forward}.get(cfg.remat, 0.0)  # one more forward
+    recompute = forward if FORWARD in rematerialised(cfg.remat).recomputes else 0.0  # one more forward
     compute_s = tokens * (per_token + recompute) / (k["peak"] * k["efficiency"])
     com = result.get("communication") or {}
     total = com.get("total_wire_bytes", 0)

@@ -97,7 +97,7 @@ def check_offload(cfg: Config) -> None:
     except offload_lib.OffloadError as e:
         raise ConfigError("offload", str(e).removeprefix("offload: ")) from None
     stated_host_memory()  # a bad FSDP_JAX_HOST_MEMORY fails here, offload or not, before anything is written
-    if cfg.remat in remat_lib.OFFLOADING and not offload_lib.host_memory_available(jax.devices()):
+    if remat_lib.remat_policy(cfg.remat).offloads and not offload_lib.host_memory_available(jax.devices()):
         raise ConfigError(
             "remat",
             f"{cfg.remat!r} offloads activations to host memory "
