@@ -261,9 +261,8 @@ def model_config_from_hf(
     arch = raw.get("architectures") or []
     if not isinstance(arch, list):
         raise bad("architectures", "expected a list of class names")
-    allowed = set(fam.architectures)
-    if any(a not in allowed for a in arch):
-        raise bad("architectures", f"allowed for model_type {mt}: {', '.join(sorted(allowed))}")
+    if any(a not in fam.architectures for a in arch):
+        raise bad("architectures", f"allowed for model_type {mt}: {', '.join(sorted(fam.architectures))}")
     defaults = fam.defaults
     raw = {
         **{k: v for k, v in defaults.items() if k not in ("rope_theta", "rope_local_base_freq")},
