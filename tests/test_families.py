@@ -10,19 +10,24 @@ from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
 
+from fsdp_jax.app.config.parse import model_dict
 from fsdp_jax.app.hf import load as hf
 from fsdp_jax.app.hf.config_in import model_config_from_hf
 from fsdp_jax.app.hf.config_out import config_json, family_of
 from fsdp_jax.app.hf.export import write_hf_dir
+from fsdp_jax.app.hf.load import model_section_from_hf
 from fsdp_jax.app.models import Decoder, DecoderConfig, families
 from fsdp_jax.app.models.decoder import Attention
 from fsdp_jax.app.models.families import llama
 from fsdp_jax.app.models.parts import BlockParts
+from fsdp_jax.app.trainer.build import trainer_model
 from fsdp_jax.checkpoint import tree_paths
+from fsdp_jax.checkpoint.safetensors_io import write_safetensors
 from fsdp_jax.errors import ConfigError
 from fsdp_jax.model.fns import from_nnx
 
@@ -131,25 +136,93 @@ class ScaledAttention(Attention):
         return super().__call__(x, *args, **kw) * self.gain[...]
 
 
+GAIN = dataclasses.replace(
+    TOY,
+    model_type="toy_gain",
+    architectures=("ToyGainForCausalLM",),
+    fields_in=None,
+    json_out=lambda cfg, base: {},
+    parts=BlockParts(ScaledAttention),
+    part_weights=lambda cfg: {"attn/gain": ("self_attn.gain", "id", (1,))},  # what its part adds
+)
+
+
+@pytest.fixture
+def toy_gain():
+    families.register(GAIN)
+    yield GAIN
+    families.unregister(GAIN.model_type)
+
+
 @pytest.mark.parametrize("scan", [True, False])
-def test_a_family_brings_its_own_attention_without_forking_the_decoder(scan):
-    fam = families.register(dataclasses.replace(TOY, model_type="toy_gain", parts=BlockParts(ScaledAttention)))
-    try:
-        cfg = DecoderConfig(
-            vocab_size=32, d_model=32, n_layers=2, n_heads=2, n_kv_heads=2, ffn_dim=64, scan_layers=scan
-        )
-        plain = from_nnx(lambda r: Decoder(cfg, rngs=r))
-        gained = from_nnx(lambda r: Decoder(cfg, rngs=r, parts=families.by_model_type("toy_gain").parts))
-        assert fam.parts.attention is ScaledAttention
-        p0, p1 = plain.init(jax.random.key(0)), gained.init(jax.random.key(0))
-        gains = {k: v for k, v in tree_paths(p1).items() if k.endswith("attn/gain")}
-        assert sorted(gains) == (["blocks/attn/gain"] if scan else ["blocks/0/attn/gain", "blocks/1/attn/gain"])
-        tokens = jnp.arange(16).reshape(2, 8) % 32
-        want, got = np.asarray(plain.apply(p0, tokens)), np.asarray(gained.apply(p1, tokens))
-        assert not np.allclose(want, got, atol=1e-3)  # the family's attention runs
-        ones = jax.tree.map_with_path(
-            lambda path, v: jnp.ones_like(v) if "gain" in jax.tree_util.keystr(path) else v, p1
-        )
-        np.testing.assert_array_equal(np.asarray(gained.apply(ones, tokens)), want)  # base params as drawn
-    finally:
-        families.unregister("toy_gain")
+def test_a_family_brings_its_own_attention_without_forking_the_decoder(scan, toy_gain):
+    cfg = DecoderConfig(vocab_size=32, d_model=32, n_layers=2, n_heads=2, n_kv_heads=2, ffn_dim=64, scan_layers=scan)
+    plain = from_nnx(lambda r: Decoder(cfg, rngs=r))
+    gained = trainer_model(dataclasses.replace(cfg, family="toy_gain"))  # the trainer's build, by the config alone
+    assert toy_gain.parts.attention is ScaledAttention
+    p0, p1 = plain.init(jax.random.key(0)), gained.init(jax.random.key(0))
+    gains = {k: v for k, v in tree_paths(p1).items() if k.endswith("attn/gain")}
+    assert sorted(gains) == (["blocks/attn/gain"] if scan else ["blocks/0/attn/gain", "blocks/1/attn/gain"])
+    tokens = jnp.arange(16).reshape(2, 8) % 32
+    want, got = np.asarray(plain.apply(p0, tokens)), np.asarray(gained.apply(p1, tokens))
+    assert not np.allclose(want, got, atol=1e-3)  # the family's attention runs
+    ones = jax.tree.map_with_path(lambda path, v: jnp.ones_like(v) if "gain" in jax.tree_util.keystr(path) else v, p1)
+    np.testing.assert_array_equal(np.asarray(gained.apply(ones, tokens)), want)  # base params as drawn
+
+
+def test_a_config_names_only_a_family_with_parts_of_its_own(toy_gain):
+    with pytest.raises(ConfigError, match="model.family"):
+        Decoder(DecoderConfig(family="llama"), rngs=nnx.Rngs(0))  # llama brings none
+    assert "family" not in model_dict(DecoderConfig())  # every other model's config reads as before
+    cfg = DecoderConfig(family="toy_gain")
+    assert model_dict(cfg)["family"] == "toy_gain" and families.block_parts(cfg) == toy_gain.parts
+
+
+def _gain_checkpoint(tmp_path) -> tuple[Path, dict]:
+    """The golden tiny Llama relabelled as the gain family, with each layer's gain tensor."""
+    d = tmp_path / "gain"
+    shutil.copytree(GOLDEN / "llama_gqa", d)
+    raw = json.loads((d / "config.json").read_text())
+    raw.update(model_type="toy_gain", architectures=["ToyGainForCausalLM"])
+    (d / "config.json").write_text(json.dumps(raw))
+    gains = {f"model.layers.{i}.self_attn.gain": np.array([0.5 + i], ml_dtypes.bfloat16) for i in range(2)}
+    write_safetensors(d / "gains.safetensors", [(k, v.shape, v.dtype) for k, v in gains.items()], gains.__getitem__)
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    index["weight_map"].update({k: "gains.safetensors" for k in gains})
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    return d, gains
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_a_family_with_its_own_parts_round_trips_import_model_export(tmp_path, toy_gain, scan):
+    src, gains = _gain_checkpoint(tmp_path)
+    ckpt = hf.HFCheckpoint(src, base=DecoderConfig(scan_layers=scan))
+    cfg = ckpt.config
+    assert cfg.family == "toy_gain"  # the checkpoint decides
+    section = model_section_from_hf({"init_from": f"hf:{src}"})["model"]
+    assert section["family"] == "toy_gain"  # a run from it builds the family's blocks
+    params = hf.load_params(ckpt, trainer_model(cfg).abstract_params)
+    leaves = {p: np.asarray(v) for p, v in tree_paths(params).items()}
+    got = (
+        [leaves["blocks/attn/gain"][i] for i in range(2)]
+        if scan
+        else [leaves[f"blocks/{i}/attn/gain"] for i in range(2)]
+    )
+    np.testing.assert_array_equal(np.stack(got), np.stack(list(gains.values())).astype(np.float32))
+    llama = hf.HFCheckpoint(GOLDEN / "llama_gqa", base=DecoderConfig(scan_layers=scan))
+    plain = from_nnx(lambda r: Decoder(llama.config, rngs=r))
+    tokens = jnp.arange(16).reshape(2, 8)
+    want = np.asarray(plain.apply(hf.load_params(llama, plain.abstract_params), tokens))
+    model = trainer_model(cfg)
+    assert not np.allclose(np.asarray(model.apply(params, tokens)), want, atol=1e-3)  # its attention runs
+    ones = jax.tree.map_with_path(lambda p, v: jnp.ones_like(v) if "gain" in jax.tree_util.keystr(p) else v, params)
+    np.testing.assert_array_equal(np.asarray(model.apply(ones, tokens)), want)
+    out = tmp_path / "out"
+    run_cfg = SimpleNamespace(model=cfg, init_from=f"hf:{src}")
+    write_hf_dir(out, run_cfg, None, {p: v.dtype for p, v in leaves.items()}, leaves.__getitem__, "bfloat16")
+    back = json.loads((out / "config.json").read_text())
+    assert back["model_type"] == "toy_gain" and back["architectures"] == ["ToyGainForCausalLM"]
+    again = hf.HFCheckpoint(out, base=DecoderConfig(scan_layers=scan))
+    assert again.config == cfg and set(again.where) == set(ckpt.where)
+    for name, f in ckpt.where.items():
+        assert np.array_equal(f.read(name), again.where[name].read(name)), name

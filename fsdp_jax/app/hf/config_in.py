@@ -129,6 +129,7 @@ def _family_fields(raw: Mapping, fam: families.Family, bad, n_layers: int) -> di
     out = _block_fields(raw, fam, bad, get(fam.activation_key))
     out.update(_own_fields(raw, fam, bad, get))
     out.update(_window_fields(raw, fam, bad, get, n_layers))
+    out["family"] = fam.model_type if fam.own_parts else ""
     return out
 
 

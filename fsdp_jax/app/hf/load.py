@@ -147,6 +147,7 @@ def expected_tensors(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
         "attn/q_norm/scale": (dh,),
         "attn/k_norm/scale": (dh,),
     }
+    shapes.update({ours: shape for ours, (_, _, shape) in families.part_tensors(cfg).items()})
     per = {name: shapes.get(ours, (d,)) for ours, (name, _) in layer_tensors(cfg).items()}
     out = {"model.embed_tokens.weight": (cfg.vocab_size, d)}
     if cfg.n_experts:  # sparse and dense layers

@@ -30,8 +30,8 @@ from flax import linen as nn
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from fsdp_jax.app.models import families, stack
 from fsdp_jax.app.models import lora as lora_lib
-from fsdp_jax.app.models import stack
 from fsdp_jax.app.models.attention import _attend_capped, attention, rope, segment_mask, softcap
 from fsdp_jax.app.models.config import DecoderConfig
 from fsdp_jax.app.models.moe import MoE, moe_active_params, moe_params, zero_stats
@@ -257,11 +257,12 @@ class Decoder(nnx.Module):
     """`Decoder(cfg, rngs=nnx.Rngs(0), remat="dots")(tokens (B, S) int) -> logits (B, S, V)`;
     optional `segment_ids` and `positions` (B, S) for packed rows; `lora` puts LoRA adapters
     on the projections it targets (`models/lora.py`); `parts` replaces a block's attention
-    or MLP (a family's `Family.parts`, `models/parts.py`)."""
+    or MLP (`models/parts.py`; default: those of the family `cfg.family` names, `Family.parts`)."""
 
     def __init__(
-        self, cfg: DecoderConfig, *, rngs: nnx.Rngs, remat: str = "none", lora=None, parts: BlockParts = DEFAULT_PARTS
+        self, cfg: DecoderConfig, *, rngs: nnx.Rngs, remat: str = "none", lora=None, parts: BlockParts | None = None
     ):
+        parts = families.block_parts(cfg) if parts is None else parts
         self.cfg = cfg
         self.remat = remat
         get_policy(remat)  # fail early on an unknown name

@@ -19,6 +19,8 @@ LAYER_NAMES = {
     "attn_norm/scale": ("input_layernorm.weight", "id"),
     "mlp_norm/scale": ("post_attention_layernorm.weight", "id"),
 }
+# PEFT's modules (target_modules: their last parts, q_proj ... down_proj) of the projections
+PEFT_NAMES = {ours: name.removesuffix(".weight") for ours, (name, kind) in LAYER_NAMES.items() if kind != "id"}
 DEFAULTS = {"rms_norm_eps": 1e-6, "rope_theta": 10000.0}
 
 
@@ -33,4 +35,5 @@ FAMILY = Family(
     windows="none",
     json_out=json_out,
     weights={"": LAYER_NAMES},
+    peft_names={"": PEFT_NAMES},
 )

@@ -2,6 +2,8 @@
 shared expert of width `shared_expert_intermediate_size` on every sparse layer:
   moe/shared_{gate,up,down}   <- mlp.shared_expert.{gate,up,down}_proj.weight
   moe/shared_weight (D, 1)    <- mlp.shared_expert_gate.weight (1, D)
+PEFT adapts the shared expert's projections as `mlp.shared_expert.{gate,up,down}_proj` and
+its gate as `mlp.shared_expert_gate` (a `target_modules` name of its own).
 """
 
 from fsdp_jax.app.models.families import qwen2, qwen3_moe
@@ -14,6 +16,13 @@ SHARED_NAMES = {
     "moe/shared_up": ("mlp.shared_expert.up_proj.weight", "t"),
     "moe/shared_down": ("mlp.shared_expert.down_proj.weight", "t"),
     "moe/shared_weight": ("mlp.shared_expert_gate.weight", "t"),
+}
+
+PEFT_NAMES = {
+    "shared/w_gate": "mlp.shared_expert.gate_proj",
+    "shared/w_up": "mlp.shared_expert.up_proj",
+    "shared/w_down": "mlp.shared_expert.down_proj",
+    "shared/w_shared_gate": "mlp.shared_expert_gate",
 }
 
 
@@ -40,4 +49,5 @@ FAMILY = Family(
     moe=moe,
     moe_json=moe_json,
     moe_weights={"shared_expert_ffn_dim": SHARED_NAMES},
+    peft_names={"shared_expert_ffn_dim": PEFT_NAMES},
 )

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from fsdp_jax.app.models.parts import DEFAULT_PARTS, BlockParts
+from fsdp_jax.errors import ConfigError
 
 # weight names: {our path under a block: (HF name under model.layers.N, layout kind)}
 Names = Mapping[str, tuple[str, str]]
@@ -44,7 +45,13 @@ class Family:
     moe_names      (MLP prefix, (gate, up, down) names) of its experts, or None: the generic
                    `mlp.experts.N.{gate,up,down}_proj` (`GENERIC_EXPERTS`)
     moe_weights    {DecoderConfig switch: names it brings to a sparse layer} (a shared expert)
-    parts          its block parts (`fsdp_jax.app.models.parts.BlockParts`)
+    peft_names     {DecoderConfig switch ("" = always): {"<site>/<weight>": PEFT's module under
+                   model.layers.N}}, site attn, mlp or shared (a shared expert's); a PEFT
+                   `target_modules` name is a module's last part (`peft_targets`)
+    parts          its block parts (`fsdp_jax.app.models.parts.BlockParts`): a config.json of
+                   this model_type sets `DecoderConfig.family` to it when they are its own
+    part_weights   None, or (cfg) -> {our path under a block: (HF name under model.layers.N,
+                   kind, HF shape)} of the params its parts add (import / export name them)
     chat_template  a default chat template (jinja) when its tokenizers ship none, or None
     """
 
@@ -61,7 +68,9 @@ class Family:
     moe_json: Callable | None = None
     moe_names: tuple[str, tuple[str, str, str]] | None = None
     moe_weights: Mapping[str, Names] = dataclasses.field(default_factory=dict)
+    peft_names: Mapping[str, Mapping[str, str]] = dataclasses.field(default_factory=dict)
     parts: BlockParts = DEFAULT_PARTS
+    part_weights: Callable | None = None
     chat_template: str | None = None
 
     def __post_init__(self):
@@ -73,6 +82,11 @@ class Family:
     @property
     def is_moe(self) -> bool:
         return self.moe is not None
+
+    @property
+    def own_parts(self) -> bool:
+        """Does it build its blocks from parts of its own (then `DecoderConfig.family` names it)?"""
+        return self.parts != DEFAULT_PARTS
 
     def fixes(self, cfg) -> bool:
         """Whether `cfg` has every switch value this family fixes."""
@@ -117,14 +131,59 @@ def by_architecture(architecture: str) -> Family | None:
     )
 
 
-def weight_names(cfg) -> dict[str, tuple[str, str]]:
-    """One dense layer's {our path: (HF name, kind)} for `cfg`: the names every family
-    brings for each switch `cfg` has on, in registration order (a later one overrides)."""
-    out: dict[str, tuple[str, str]] = {}
+def _by_switch(cfg, field: str) -> dict:
+    """The names every family's `field` ({switch: names}) brings for each switch `cfg` has on
+    ("" = always), in registration order (a later one overrides)."""
+    out: dict = {}
     for fam in families():
-        for switch, names in fam.weights.items():
+        for switch, names in getattr(fam, field).items():
             if not switch or getattr(cfg, switch):
                 out.update(names)
+    return out
+
+
+def weight_names(cfg) -> dict[str, tuple[str, str]]:
+    """One dense layer's {our path: (HF name, kind)} for `cfg`: the names every family
+    brings for each switch `cfg` has on, and those its family's parts add (`part_tensors`)."""
+    out = _by_switch(cfg, "weights")
+    out.update({k: (name, kind) for k, (name, kind, _) in part_tensors(cfg).items()})
+    return out
+
+
+def of_config(cfg) -> Family | None:
+    """The family `cfg.family` names (one whose block parts are its own), or None ("")."""
+    fam = by_model_type(cfg.family) if cfg.family else None
+    if cfg.family and (fam is None or not fam.own_parts):
+        own = ", ".join(f.model_type for f in families() if f.own_parts) or "none registered"
+        raise ConfigError("model.family", f"{cfg.family!r} is no registered family with parts of its own ({own})")
+    return fam
+
+
+def block_parts(cfg) -> BlockParts:
+    """The block parts the decoder for `cfg` is built from: its family's (`cfg.family`), else the default."""
+    fam = of_config(cfg)
+    return fam.parts if fam else DEFAULT_PARTS
+
+
+def part_tensors(cfg) -> dict[str, tuple[str, str, tuple[int, ...]]]:
+    """{our path under a block: (HF name, kind, HF shape)} of the params `cfg`'s family's parts add."""
+    fam = of_config(cfg)
+    return dict(fam.part_weights(cfg)) if fam and fam.part_weights else {}
+
+
+def peft_modules(cfg) -> dict[str, str]:
+    """{"<site>/<weight>": PEFT's module under model.layers.N} for `cfg` (`Family.peft_names`)."""
+    return _by_switch(cfg, "peft_names")
+
+
+def peft_targets() -> dict[str, str]:
+    """{PEFT target_modules name: the decoder's weight} of every registered family's PEFT
+    names, in registration order (q_proj ... down_proj, then what later families add)."""
+    out: dict[str, str] = {}
+    for fam in families():
+        for names in fam.peft_names.values():
+            for ours, module in names.items():
+                out.setdefault(module.rsplit(".", 1)[-1], ours.rsplit("/", 1)[-1])
     return out
 
 
@@ -137,9 +196,4 @@ def expert_names(cfg) -> tuple[str, tuple[str, str, str]]:
 
 def moe_weight_names(cfg) -> dict[str, tuple[str, str]]:
     """What the switches `cfg` has on add to a sparse layer (`Family.moe_weights`)."""
-    out: dict[str, tuple[str, str]] = {}
-    for fam in families():
-        for switch, names in fam.moe_weights.items():
-            if getattr(cfg, switch):
-                out.update(names)
-    return out
+    return _by_switch(cfg, "moe_weights")
