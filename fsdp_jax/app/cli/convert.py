@@ -16,7 +16,6 @@ on stderr, nothing written), 1 anything else.
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 from fsdp_jax.app.cli.flags import Parser
@@ -54,6 +53,7 @@ def run(args) -> int:
     import numpy as np
     import yaml
 
+    from fsdp_jax.app.config.parse import model_dict
     from fsdp_jax.app.hf import load as hf
     from fsdp_jax.app.models.config import DecoderConfig
     from fsdp_jax.app.trainer.build import trainer_model
@@ -78,7 +78,7 @@ def run(args) -> int:
         return ckpt.read(names, kind, tuple(slice(0, n) for n in shape), shape, dt, stacked)
 
     size = write_safetensors(out, entries, fetch, {"format": "np", "source": f"hf:{args.hf_dir}"})
-    section = yaml.safe_dump({"model": dataclasses.asdict(cfg)}, sort_keys=False)
+    section = yaml.safe_dump({"model": model_dict(cfg)}, sort_keys=False)
     if args.config_out:
         Path(args.config_out).write_text(section)
     print(

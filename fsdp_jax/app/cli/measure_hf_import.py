@@ -63,9 +63,11 @@ def write_checkpoint(d: Path, args) -> int:
     import numpy as np
 
     from fsdp_jax.app.hf.load import expected_tensors
+    from fsdp_jax.app.models import families
     from fsdp_jax.app.models.config import DecoderConfig
     from fsdp_jax.checkpoint.safetensors_io import write_safetensors
 
+    base = families.families()[0]  # the reference family (the registry's first)
     cfg = DecoderConfig(
         vocab_size=args.vocab,
         d_model=args.d_model,
@@ -78,8 +80,8 @@ def write_checkpoint(d: Path, args) -> int:
     (d / "config.json").write_text(
         json.dumps(
             {
-                "architectures": ["LlamaForCausalLM"],
-                "model_type": "llama",
+                "architectures": [base.architectures[0]],
+                "model_type": base.model_type,
                 "vocab_size": cfg.vocab_size,
                 "hidden_size": cfg.d_model,
                 "num_hidden_layers": cfg.n_layers,

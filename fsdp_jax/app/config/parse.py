@@ -79,8 +79,14 @@ def config_from_dict(d: Mapping) -> Config:
 
 def config_to_dict(cfg: Config) -> dict:
     """Plain nested dict (yaml.safe_dump-able; tuples as lists, as YAML reads them back);
-    config_from_dict(config_to_dict(c)) == c."""
-    return {k: _lists(v) for k, v in dataclasses.asdict(cfg).items()}
+    config_from_dict(config_to_dict(c)) == c. `model.family` appears only when set."""
+    return {k: model_dict(cfg.model) if k == "model" else _lists(v) for k, v in dataclasses.asdict(cfg).items()}
+
+
+def model_dict(model) -> dict:
+    """The model section as a plain dict; `family` only when a family's own parts build it
+    (so configs of every other model read and write as they did)."""
+    return {k: _lists(v) for k, v in dataclasses.asdict(model).items() if k != "family" or v}
 
 
 def _lists(v):

@@ -2,13 +2,14 @@
 
     cfg = model_config_from_hf(json.load(open("config.json")), "config.json")
 
-Families (model_type): llama (2, 3, 3.1, 3.2), mistral, qwen2, qwen3, gemma3_text. What
-a family switches on is fixed by its model_type (Qwen2: q/k/v biases; Qwen3 and Gemma 3:
-q/k norms; Gemma 3: (1 + w) norms, post-attention / post-MLP norms, sqrt(hidden)
-embedding scale, its layer pattern and local RoPE base); the rest is read from keys.
+Families: the records of `fsdp_jax.app.models.families` (one module per family). What a
+family switches on is fixed by its model_type (`Family.switches`: q/k/v biases, q/k norms,
+Gemma-style norms and embedding scale; `Family.windows`; its own keys through
+`Family.fields_in`); the rest is read from keys.
 Both config generations are read: transformers 5.x writes `rope_parameters` (keyed by
 layer type for Gemma 3), 4.x `rope_scaling` + top-level `rope_theta` (+ Gemma's
-`rope_local_base_freq`); an absent key takes transformers' default for that family.
+`rope_local_base_freq`); an absent key takes transformers' default for that family
+(`Family.defaults`).
 Whatever the decoder cannot compute exactly as transformers does is a ConfigError
 naming the key (one line). The other way, `DecoderConfig` -> config.json for export, is
 `fsdp_jax.app.hf.config_out`.
@@ -22,45 +23,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from fsdp_jax.app.hf.config_moe import moe_fields, refuse_other_router
+from fsdp_jax.app.models import families
 from fsdp_jax.app.models.config import DecoderConfig
 from fsdp_jax.errors import ConfigError
 
-# model_type -> (architecture, MLP activation key, transformers' config defaults used when a
-# key is absent); what each family's config.json switches on is in `_family_fields`.
-FAMILIES = {
-    "llama": ("LlamaForCausalLM", "hidden_act", {"rms_norm_eps": 1e-6, "rope_theta": 10000.0}),
-    "mistral": ("MistralForCausalLM", "hidden_act", {"rms_norm_eps": 1e-6, "rope_theta": 10000.0}),
-    "qwen2": ("Qwen2ForCausalLM", "hidden_act", {"rms_norm_eps": 1e-6, "rope_theta": 10000.0}),
-    "qwen3": ("Qwen3ForCausalLM", "hidden_act", {"rms_norm_eps": 1e-6, "rope_theta": 10000.0}),
-    "gemma3_text": (
-        "Gemma3ForCausalLM",
-        "hidden_activation",
-        {
-            "rms_norm_eps": 1e-6,
-            "rope_theta": 1e6,
-            "rope_local_base_freq": 1e4,
-            "hidden_activation": "gelu_pytorch_tanh",
-            "query_pre_attn_scalar": 256,
-            "sliding_window": 4096,
-            "tie_word_embeddings": True,
-            "head_dim": 256,
-            "sliding_window_pattern": 6,
-            "vocab_size": 262208,
-            "hidden_size": 2304,
-            "intermediate_size": 9216,
-            "num_hidden_layers": 26,
-            "num_attention_heads": 8,
-            "num_key_value_heads": 4,
-            "max_position_embeddings": 131072,
-        },
-    ),
-    # mixture of experts (fsdp_jax.app.hf.config_moe): transformers' defaults
-    "mixtral": ("MixtralForCausalLM", "hidden_act", {"rms_norm_eps": 1e-5, "rope_theta": 1e6}),
-    "qwen3_moe": ("Qwen3MoeForCausalLM", "hidden_act", {"rms_norm_eps": 1e-6, "rope_theta": 10000.0}),
-    "qwen2_moe": ("Qwen2MoeForCausalLM", "hidden_act", {"rms_norm_eps": 1e-6, "rope_theta": 10000.0}),
-}
-ARCHITECTURES = tuple(f[0] for f in FAMILIES.values())
-MODEL_TYPES = tuple(FAMILIES)
+ARCHITECTURES = tuple(f.architectures[0] for f in families.families())
+MODEL_TYPES = families.model_types()
+# the block switches a family's model_type fixes (`Family.switches`); off unless it does
+BLOCK_SWITCHES = ("qkv_bias", "qk_norm", "norm_plus_one", "sandwich_norm", "embed_scale")
+SOFTCAP_KEYS = (("attn_logit_softcapping", "attn_softcap"), ("final_logit_softcapping", "final_softcap"))
 # DecoderConfig field <- config.json key (after rope/eps defaults are applied)
 FIELDS = {
     "vocab_size": "vocab_size",
@@ -78,7 +49,6 @@ FIELDS = {
 # (capacity_factor, the router z-loss, the grouped-matmul kernel and the exchange are training options
 # a checkpoint does not record)
 _RUN_FIELDS = ("scan_layers", "attention", "capacity_factor", "router_z_loss_coef", "grouped_matmul", "expert_exchange")
-_BASE = DecoderConfig()  # the default run fields, and the architecture defaults a config.json omits
 ARCH_FIELDS = tuple(f.name for f in dataclasses.fields(DecoderConfig) if f.name not in _RUN_FIELDS)
 # rope dict keys -> DecoderConfig field, per rope type (required keys first)
 ROPE_KEYS = {
@@ -151,24 +121,24 @@ def _number(raw: Mapping, key: str, default: float, bad) -> float:
     return float(v)
 
 
-def _family_fields(raw: Mapping, mt: str, bad, n_layers: int) -> dict:
-    """The decoder switches `raw` (of model_type `mt`) sets, as DecoderConfig fields: those
-    of the MLP and attention blocks, Gemma 3's own, then the sliding windows (checked in
-    that order: the first refused key is named)."""
-    _, act_key, defaults = FAMILIES[mt]
-    get = lambda k: raw.get(k, defaults.get(k))  # noqa: E731
-    out = _block_fields(raw, mt, bad, act_key, get(act_key))
-    out.update(_gemma_fields(raw, mt, bad, get))
-    out.update(_window_fields(raw, mt, bad, get, n_layers))
+def _family_fields(raw: Mapping, fam: families.Family, bad, n_layers: int) -> dict:
+    """The decoder switches `raw` (of family `fam`) sets, as DecoderConfig fields: those
+    of the MLP and attention blocks, the family's own keys, then the sliding windows
+    (checked in that order: the first refused key is named)."""
+    get = lambda k: raw.get(k, fam.defaults.get(k))  # noqa: E731
+    out = _block_fields(raw, fam, bad, get(fam.activation_key))
+    out.update(_own_fields(raw, fam, bad, get))
+    out.update(_window_fields(raw, fam, bad, get, n_layers))
+    out["family"] = fam.model_type if fam.own_parts else ""
     return out
 
 
-def _block_fields(raw: Mapping, mt: str, bad, act_key: str, act) -> dict:
+def _block_fields(raw: Mapping, fam: families.Family, bad, act) -> dict:
     """The MLP and attention switches: activation, biases, norms (no dropout, full RoPE)."""
     out: dict[str, Any] = {}
     act = act or "silu"
     if act not in ("silu", "gelu_pytorch_tanh"):
-        raise bad(act_key, "the decoder's gated MLP has silu or gelu_pytorch_tanh")
+        raise bad(fam.activation_key, "the decoder's gated MLP has silu or gelu_pytorch_tanh")
     out["mlp_activation"] = act
     if raw.get("mlp_bias", False):
         raise bad("mlp_bias", "the decoder's MLP has no biases")
@@ -178,49 +148,35 @@ def _block_fields(raw: Mapping, mt: str, bad, act_key: str, act) -> dict:
         raise bad("attention_dropout", "the decoder has no dropout (allowed: 0)")
     if _number(raw, "partial_rotary_factor", 1.0, bad) != 1.0:
         raise bad("partial_rotary_factor", "RoPE rotates the whole head (allowed: 1)")
-    out["qkv_bias"] = mt in ("qwen2", "qwen2_moe")
-    out["qk_norm"] = mt in ("qwen3", "qwen3_moe", "gemma3_text")
-    gemma = mt == "gemma3_text"
-    out.update(norm_plus_one=gemma, sandwich_norm=gemma, embed_scale=gemma)
+    out.update(dict.fromkeys(BLOCK_SWITCHES, False))
+    out.update(fam.switches)
     return out
 
 
-def _gemma_fields(raw: Mapping, mt: str, bad, get) -> dict:
-    """Gemma 3's own keys: logit soft-capping (refused in the other families),
-    query_pre_attn_scalar, and causal attention."""
+def _own_fields(raw: Mapping, fam: families.Family, bad, get) -> dict:
+    """The family's own keys (`Family.fields_in`); without it, logit soft-capping is refused."""
+    if fam.fields_in is not None:
+        return fam.fields_in(raw, bad, get)
     out: dict[str, Any] = {}
-    gemma = mt == "gemma3_text"
-    for key, field in (("attn_logit_softcapping", "attn_softcap"), ("final_logit_softcapping", "final_softcap")):
-        v = raw.get(key)
-        if v is not None and not gemma:
-            raise bad(key, f"not read by {mt} models (allowed: null)")
-        if v is not None and key == "attn_logit_softcapping":  # 5.24 never passes it on
-            raise bad(key, "transformers' Gemma 3 does not apply it, so its logits would differ (allowed: null)")
-        if v is not None and not (isinstance(v, (int, float)) and v > 0):
-            raise bad(key, "expected a positive number or null")
-        out[field] = float(v or 0.0)
-    if gemma:
-        q = get("query_pre_attn_scalar")
-        if not (isinstance(q, (int, float)) and not isinstance(q, bool) and q > 0):
-            raise bad("query_pre_attn_scalar", "expected a positive number")
-        out["query_pre_attn_scalar"] = float(q)
-        if raw.get("use_bidirectional_attention"):
-            raise bad("use_bidirectional_attention", "the decoder is causal (allowed: false)")
+    for key, field in SOFTCAP_KEYS:
+        if raw.get(key) is not None:
+            raise bad(key, f"not read by {fam.model_type} models (allowed: null)")
+        out[field] = 0.0
     return out
 
 
-def _window_fields(raw: Mapping, mt: str, bad, get, n_layers: int) -> dict:
-    """sliding_window and global_every (Gemma 3's every N-th layer full), or {} when every
-    layer attends over the whole sequence."""
+def _window_fields(raw: Mapping, fam: families.Family, bad, get, n_layers: int) -> dict:
+    """sliding_window and global_every (`Family.windows` pattern: every N-th layer full), or
+    {} when every layer attends over the whole sequence."""
     window = get("sliding_window")
-    if mt in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
+    if fam.windows == "never":
         if raw.get("use_sliding_window", False):
             raise bad(
                 "use_sliding_window",
                 "Qwen's per-layer windows (max_window_layers) are not implemented (allowed: false)",
             )
         window = None
-    elif mt == "llama" and window is not None:
+    elif fam.windows == "none" and window is not None:
         raise bad("sliding_window", "Llama attends over the whole sequence (allowed: null)")
     types = raw.get("layer_types")
     if window is None:
@@ -233,7 +189,7 @@ def _window_fields(raw: Mapping, mt: str, bad, get, n_layers: int) -> dict:
     if isinstance(max_pos, int) and window > max_pos:
         raise bad("sliding_window", f"larger than the context (max_position_embeddings={max_pos})")
     every = 0
-    if mt == "gemma3_text":
+    if fam.windows == "pattern":
         if types is None:
             p = get("sliding_window_pattern")
             types = ["sliding_attention" if (i + 1) % p else "full_attention" for i in range(n_layers)]
@@ -257,16 +213,17 @@ def _window_fields(raw: Mapping, mt: str, bad, get, n_layers: int) -> dict:
     return {"sliding_window": window, "global_every": every}
 
 
-def _rope_of(raw: Mapping, mt: str, defaults: Mapping, bad, max_pos: int):
-    """(rope fields, rope_theta, Gemma 3's local theta or None) of an HF config: 5.x
-    rope_parameters (flat, or keyed by layer type for Gemma 3), or 4.x rope_scaling +
-    rope_theta (+ rope_local_base_freq)."""
+def _rope_of(raw: Mapping, fam: families.Family, bad, max_pos: int):
+    """(rope fields, rope_theta, the sliding layers' theta or None) of an HF config: 5.x
+    rope_parameters (flat, or keyed by layer type for a `pattern` family), or 4.x
+    rope_scaling + rope_theta (+ rope_local_base_freq)."""
+    defaults = fam.defaults
     rope = raw.get("rope_parameters")
     scaling = raw.get("rope_scaling")
     local_theta = None
     if rope is not None and not isinstance(rope, Mapping):
         raise bad("rope_parameters", "expected an object {rope_type, rope_theta, ...}")
-    if rope and mt == "gemma3_text" and ("full_attention" in rope or "sliding_attention" in rope):
+    if rope and fam.windows == "pattern" and ("full_attention" in rope or "sliding_attention" in rope):
         loc = rope.get("sliding_attention") or {}
         if loc.get("rope_type", loc.get("type", "default")) != "default":
             raise bad("rope_parameters", "sliding_attention layers' rope_type must be default")
@@ -282,13 +239,15 @@ def _rope_of(raw: Mapping, mt: str, defaults: Mapping, bad, max_pos: int):
     else:
         rope_kw = _rope_fields(scaling, "rope_scaling", bad, max_pos) if scaling else {}
         theta = raw.get("rope_theta", defaults["rope_theta"])
-    if mt == "gemma3_text" and local_theta is None:
+    if fam.windows == "pattern" and local_theta is None:
         local_theta = raw.get("rope_local_base_freq", defaults["rope_local_base_freq"])
     return rope_kw, theta, local_theta
 
 
-def model_config_from_hf(raw: Mapping, where: str = "config.json", base: DecoderConfig = _BASE) -> DecoderConfig:
-    """DecoderConfig for an HF config dict of any family in FAMILIES; non-architecture
+def model_config_from_hf(
+    raw: Mapping, where: str = "config.json", base: DecoderConfig = DecoderConfig()
+) -> DecoderConfig:
+    """DecoderConfig for an HF config dict of any registered family; non-architecture
     fields (scan_layers, attention) come from `base`. ConfigError(`where`, ...) names
     the refused field."""
 
@@ -297,23 +256,21 @@ def model_config_from_hf(raw: Mapping, where: str = "config.json", base: Decoder
 
     mt = raw.get("model_type")
     refuse_other_router(mt, bad)  # DeepSeek, gpt-oss, ...: by name
-    if mt not in MODEL_TYPES:
-        raise bad("model_type", f"not a supported decoder family (allowed: {', '.join(MODEL_TYPES)})")
+    fam = families.by_model_type(mt)
+    if fam is None:
+        raise bad("model_type", f"not a supported decoder family (allowed: {', '.join(families.model_types())})")
     arch = raw.get("architectures") or []
     if not isinstance(arch, list):
         raise bad("architectures", "expected a list of class names")
-    allowed = (
-        {"LlamaForCausalLM", "MistralForCausalLM"} if mt in ("llama", "mistral") else {FAMILIES[mt][0]}
-    )  # a windowless Mistral is a Llama
-    if any(a not in allowed for a in arch):
-        raise bad("architectures", f"allowed for model_type {mt}: {', '.join(sorted(allowed))}")
-    defaults = FAMILIES[mt][2]
+    if any(a not in fam.architectures for a in arch):
+        raise bad("architectures", f"allowed for model_type {mt}: {', '.join(sorted(fam.architectures))}")
+    defaults = fam.defaults
     raw = {
         **{k: v for k, v in defaults.items() if k not in ("rope_theta", "rope_local_base_freq")},
         **raw,
     }  # what transformers' config class fills in for an absent key
     max_pos = raw.get("max_position_embeddings", 2048)
-    rope_kw, theta, local_theta = _rope_of(raw, mt, defaults, bad, max_pos)
+    rope_kw, theta, local_theta = _rope_of(raw, fam, bad, max_pos)
     vals = {
         "rope_theta": theta,
         "rms_norm_eps": raw.get("rms_norm_eps", defaults["rms_norm_eps"]),
@@ -358,11 +315,11 @@ def model_config_from_hf(raw: Mapping, where: str = "config.json", base: Decoder
     elif kw["d_model"] % kw["n_heads"]:
         raise bad("num_attention_heads", f"must divide hidden_size={kw['d_model']} (or set head_dim)")
     kw.update(rope_kw)
-    kw.update(_family_fields(raw, mt, bad, kw["n_layers"]))
-    kw.update(moe_fields(raw, mt, bad, kw["n_layers"]))
+    kw.update(_family_fields(raw, fam, bad, kw["n_layers"]))
+    kw.update(moe_fields(raw, fam, bad, kw["n_layers"]))
     if kw.get("global_every"):
         kw["rope_local_theta"] = float(local_theta)
-    defaults_of = {f: getattr(_BASE, f) for f in ARCH_FIELDS if f not in FIELDS}
+    defaults_of = {f: getattr(DecoderConfig(), f) for f in ARCH_FIELDS if f not in FIELDS}
     cfg = dataclasses.replace(base, **{**defaults_of, **kw})
     if cfg.rope_type == "llama3" and not cfg.rope_high_freq_factor > cfg.rope_low_freq_factor:
         raise bad("rope_parameters", "llama3 needs high_freq_factor > low_freq_factor")

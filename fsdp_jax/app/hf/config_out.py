@@ -1,17 +1,18 @@
 """`DecoderConfig` -> the Hugging Face config.json of its decoder family (what `fsdp_jax.app.hf.export` writes).
 
-    config_json(cfg, "bfloat16", {"eos_token_id": 2}, hint="mistral")
+    config_json(cfg, "bfloat16", {"eos_token_id": 2}, hint=run_model_type)
 
 The family is the one whose config.json maps back onto exactly `cfg`'s architecture
-through `fsdp_jax.app.hf.config_in.model_config_from_hf` (the reading direction, with the
-family tables), `hint` first; keys as transformers writes them, with both the 5.x
+through `fsdp_jax.app.hf.config_in.model_config_from_hf` (the reading direction), `hint`
+first, trying the registered families (`fsdp_jax.app.models.families`) in order; keys as transformers writes them, with both the 5.x
 `rope_parameters` and the 4.x `rope_scaling` / top-level `rope_theta`.
 """
 
 from __future__ import annotations
 
-from fsdp_jax.app.hf.config_in import ARCH_FIELDS, FAMILIES, ROPE_KEYS, model_config_from_hf
-from fsdp_jax.app.hf.config_moe import MOE_TYPES, moe_json
+from fsdp_jax.app.hf.config_in import ARCH_FIELDS, ROPE_KEYS, model_config_from_hf
+from fsdp_jax.app.hf.config_moe import moe_json
+from fsdp_jax.app.models import families
 from fsdp_jax.app.models.config import DecoderConfig
 from fsdp_jax.errors import ConfigError
 
@@ -29,19 +30,14 @@ def _rope_dicts(cfg: DecoderConfig) -> tuple[dict, dict | None]:
     return params, (None if cfg.rope_type == "default" else {"rope_type": cfg.rope_type, **extra})
 
 
-def _int_if_whole(v: float) -> int | float:
-    return int(v) if float(v).is_integer() else v  # transformers 5 types it int (strict)
-
-
-def _family_json(cfg: DecoderConfig, mt: str) -> dict:
-    arch, act_key, _ = FAMILIES[mt]
+def _family_json(cfg: DecoderConfig, fam: families.Family) -> dict:
     params, scaling = _rope_dicts(cfg)
     d = {
-        "architectures": [arch],
-        "model_type": mt,
+        "architectures": [fam.architectures[0]],
+        "model_type": fam.model_type,
         "attention_dropout": 0.0,
         "head_dim": cfg.head_dim,
-        act_key: cfg.mlp_activation,
+        fam.activation_key: cfg.mlp_activation,
         "hidden_size": cfg.d_model,
         "initializer_range": 0.02,
         "intermediate_size": cfg.ffn_dim,
@@ -57,48 +53,23 @@ def _family_json(cfg: DecoderConfig, mt: str) -> dict:
         "use_cache": True,
         "vocab_size": cfg.vocab_size,
     }
-    n = cfg.n_layers
-    if mt == "llama":
-        d.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
-    elif mt == "mistral":
-        d["sliding_window"] = cfg.sliding_window or None
-    elif mt in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
-        d.update(use_sliding_window=False, sliding_window=None, max_window_layers=n, layer_types=["full_attention"] * n)
-        if mt in ("qwen3", "qwen3_moe"):
-            d["attention_bias"] = False
-    elif mt == "gemma3_text":
-        every = cfg.global_every if cfg.sliding_window else 1  # 1: every layer full
-        types = ["sliding_attention" if cfg.is_local(i) else "full_attention" for i in range(n)]
-        local = {"rope_type": "default", "rope_theta": cfg.rope_local_theta or 1e4}
-        d.update(
-            attention_bias=False,
-            layer_types=types,
-            sliding_window=cfg.sliding_window or cfg.max_seq_len,
-            sliding_window_pattern=every or n + 1,
-            rope_parameters={"full_attention": params, "sliding_attention": local},
-            rope_local_base_freq=local["rope_theta"],
-            query_pre_attn_scalar=_int_if_whole(cfg.query_pre_attn_scalar or cfg.head_dim),
-            attn_logit_softcapping=None,
-            final_logit_softcapping=cfg.final_softcap or None,
-            use_bidirectional_attention=False,
-        )
-    if mt == "mixtral":
-        d["sliding_window"] = cfg.sliding_window or None
-    if mt in MOE_TYPES:
-        d.update(moe_json(cfg, mt))
+    d.update(fam.json_out(cfg, d))
+    if fam.is_moe:
+        d.update(moe_json(cfg, fam))
     return d
 
 
-def family_of(cfg: DecoderConfig, hint: str | None = None) -> str | None:
-    """The model_type whose config.json maps back onto exactly `cfg`'s architecture
-    (`hint` first, e.g. the family the run was imported from), or None."""
-    for mt in ([hint] if hint in FAMILIES else []) + list(FAMILIES):
+def family_of(cfg: DecoderConfig, hint: str | None = None) -> families.Family | None:
+    """The family whose config.json maps back onto exactly `cfg`'s architecture (the
+    model_type `hint` first, e.g. the family the run was imported from), or None."""
+    first = families.by_model_type(hint)
+    for fam in ([first] if first else []) + list(families.families()):
         try:
-            back = model_config_from_hf(_family_json(cfg, mt), "config.json", cfg)
+            back = model_config_from_hf(_family_json(cfg, fam), "config.json", cfg)
         except ConfigError:
             continue
         if all(getattr(back, f) == getattr(cfg, f) for f in ARCH_FIELDS):
-            return mt
+            return fam
     return None
 
 
@@ -106,12 +77,12 @@ def config_json(cfg: DecoderConfig, dtype: str, token_ids: dict | None = None, h
     """config.json for `cfg` in its family (keys as transformers writes them, sorted; both
     the 5.x `rope_parameters` and the 4.x `rope_scaling` / `rope_theta`). ConfigError when
     no family computes this architecture."""
-    mt = family_of(cfg, hint)
-    if mt is None:
+    fam = family_of(cfg, hint)
+    if fam is None:
         raise ConfigError(
             "model",
-            "no Hugging Face family (" + ", ".join(FAMILIES) + ") has this "
+            "no Hugging Face family (" + ", ".join(families.model_types()) + ") has this "
             "combination of decoder switches; it cannot be exported",
         )
-    d = {**_family_json(cfg, mt), "dtype": dtype, "torch_dtype": dtype, **(token_ids or {})}
+    d = {**_family_json(cfg, fam), "dtype": dtype, "torch_dtype": dtype, **(token_ids or {})}
     return dict(sorted(d.items()))

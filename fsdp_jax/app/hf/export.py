@@ -2,9 +2,10 @@
 
     export_hf("runs/ft", "out/ft-hf", dtype="bfloat16")   # scripts/export.py RUN --hf OUT
 
-Writes `config.json` in the model's family (llama, mistral, qwen2, qwen3 or
-gemma3_text: the one the run was imported from when it still fits, else the first
-whose config maps back onto exactly this architecture; `hf_config_export.config_json`),
+Writes `config.json` in the model's family (a registered one,
+`fsdp_jax.app.models.families`: the one the run was imported from when it still fits,
+else the first whose config maps back onto exactly this architecture;
+`fsdp_jax.app.hf.config_out.config_json`),
 with both the transformers 5.x `rope_parameters` and the 4.x `rope_scaling` /
 top-level `rope_theta`, so an older transformers does not load default RoPE; the
 weights as `model.safetensors`, or as `model-0000i-of-0000n.safetensors` plus

@@ -2,22 +2,20 @@
 
     init_from: hf:/path/to/Llama-3.1-8B       # config.json + model.safetensors[.index.json]
 
-`model_config_from_hf` (fsdp_jax.app.hf.config_in) maps `config.json` of a llama,
-mistral, qwen2, qwen3 or gemma3_text model onto `DecoderConfig` and refuses, with one
+`model_config_from_hf` (fsdp_jax.app.hf.config_in) maps `config.json` of a registered
+family (`fsdp_jax.app.models.families`) onto `DecoderConfig` and refuses, with one
 line naming the field, what the decoder cannot compute. `load_config` calls
 `model_section_from_hf` so a config with `init_from: hf:PATH` gets its model section
 from the checkpoint (keys the YAML sets must agree) and the run's saved config.yaml is
 complete. `HFCheckpoint` then checks every tensor against what the config implies
 (a bias the config does not have, a q_norm of the wrong size: one line naming it).
 
-Layout (measured against transformers' LlamaForCausalLM, docs/design.md): per layer
-`q/k/v_proj.weight.T` reshaped to (D, H, Dh), `o_proj.weight.T` to (H, Dh, D),
-`gate/up/down_proj.weight.T`, norms as they are, q/k/v biases (Qwen2) reshaped to
-(N, Dh), the head `lm_head.weight.T` (or the embedding table when tied). Gemma 3's
-`post_attention_layernorm` is our `post_attn_norm` and its `pre_feedforward_layernorm`
-our `mlp_norm` (in the other families `post_attention_layernorm` is the pre-MLP norm). Both sides use rotate-half RoPE and map query head
-n to kv head n // (H / K), so no permutation. Scanned layers stack on a leading
-`layers` dim.
+Layout: each family's module names its tensors (`Family.weights`, `moe_names`,
+`moe_weights`); per layer `q/k/v_proj.weight.T` reshaped to (D, H, Dh), `o_proj.weight.T`
+to (H, Dh, D), `gate/up/down_proj.weight.T`, norms as they are, q/k/v biases reshaped to
+(N, Dh), the head `lm_head.weight.T` (or the embedding table when tied). Both sides use
+rotate-half RoPE and map query head n to kv head n // (H / K), so no permutation. Scanned
+layers stack on a leading `layers` dim.
 
 `load_params` builds each param leaf shard by shard: for every distinct index a
 local device holds it reads just those rows/columns of the per-layer tensors
@@ -38,38 +36,14 @@ import numpy as np
 
 from fsdp_jax.app.hf import moe_layout
 from fsdp_jax.app.hf.config_in import ARCH_FIELDS, FIELDS, model_config_from_hf
+from fsdp_jax.app.models import families
 from fsdp_jax.app.models.config import DecoderConfig
 from fsdp_jax.checkpoint import CheckpointError, tree_paths
 from fsdp_jax.checkpoint.safetensors_io import SafetensorsFile
 from fsdp_jax.errors import ConfigError, SafetensorsError
 
 PREFIX = "hf:"
-# per-layer params: our path under a block -> (HF name under model.layers.N, layout kind)
-LAYER_TENSORS = {
-    "attn/wq": ("self_attn.q_proj.weight", "qkv"),
-    "attn/wk": ("self_attn.k_proj.weight", "qkv"),
-    "attn/wv": ("self_attn.v_proj.weight", "qkv"),
-    "attn/wo": ("self_attn.o_proj.weight", "o"),
-    "mlp/w_gate": ("mlp.gate_proj.weight", "t"),
-    "mlp/w_up": ("mlp.up_proj.weight", "t"),
-    "mlp/w_down": ("mlp.down_proj.weight", "t"),
-    "attn_norm/scale": ("input_layernorm.weight", "id"),
-    "mlp_norm/scale": ("post_attention_layernorm.weight", "id"),
-}
-BIAS_TENSORS = {
-    "attn/bq": ("self_attn.q_proj.bias", "bias"),
-    "attn/bk": ("self_attn.k_proj.bias", "bias"),
-    "attn/bv": ("self_attn.v_proj.bias", "bias"),
-}
-QK_NORM_TENSORS = {
-    "attn/q_norm/scale": ("self_attn.q_norm.weight", "id"),
-    "attn/k_norm/scale": ("self_attn.k_norm.weight", "id"),
-}
-SANDWICH_TENSORS = {
-    "post_attn_norm/scale": ("post_attention_layernorm.weight", "id"),
-    "mlp_norm/scale": ("pre_feedforward_layernorm.weight", "id"),
-    "post_mlp_norm/scale": ("post_feedforward_layernorm.weight", "id"),
-}
+# per-layer params: each family's weight names (fsdp_jax.app.models.families), by switch
 TOP_TENSORS = {
     "embed": ("model.embed_tokens.weight", "id"),
     "final_norm/scale": ("model.norm.weight", "id"),
@@ -151,15 +125,9 @@ def check_model_config(model: DecoderConfig, path: Path) -> None:
 
 
 def layer_tensors(cfg: DecoderConfig) -> dict[str, tuple[str, str]]:
-    """{our path under a block: (HF name under model.layers.N, layout kind)} for `cfg`."""
-    out = dict(LAYER_TENSORS)
-    if cfg.qkv_bias:
-        out.update(BIAS_TENSORS)
-    if cfg.qk_norm:
-        out.update(QK_NORM_TENSORS)
-    if cfg.sandwich_norm:
-        out.update(SANDWICH_TENSORS)
-    return out
+    """{our path under a block: (HF name under model.layers.N, layout kind)} for `cfg`:
+    the names each registered family brings for the switches `cfg` has on."""
+    return families.weight_names(cfg)
 
 
 def expected_tensors(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
@@ -179,6 +147,7 @@ def expected_tensors(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
         "attn/q_norm/scale": (dh,),
         "attn/k_norm/scale": (dh,),
     }
+    shapes.update({ours: shape for ours, (_, _, shape) in families.part_tensors(cfg).items()})
     per = {name: shapes.get(ours, (d,)) for ours, (name, _) in layer_tensors(cfg).items()}
     out = {"model.embed_tokens.weight": (cfg.vocab_size, d)}
     if cfg.n_experts:  # sparse and dense layers

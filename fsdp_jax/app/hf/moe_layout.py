@@ -4,43 +4,32 @@ Layers of an MoE model live in segments (`fsdp_jax.app.models.stack`): `segments
 layers/<m>/...` stacked over groups, or `segments/<i>/...` unscanned. A sparse layer's MLP
 is our `moe/...`:
   moe/router (D, E)           <- <mlp>.gate.weight (E, D), transposed
-  moe/w_gate (E, D, F)        <- <mlp>.experts.<e>.gate_proj.weight (F, D) each, transposed
-  moe/w_up   (E, D, F)        <- <mlp>.experts.<e>.up_proj.weight
-  moe/w_down (E, F, D)        <- <mlp>.experts.<e>.down_proj.weight (D, F)
-  moe/shared_{gate,up,down}   <- mlp.shared_expert.{gate,up,down}_proj.weight (Qwen2-MoE)
-  moe/shared_weight (D, 1)    <- mlp.shared_expert_gate.weight (1, D)
-with <mlp> `mlp` (Qwen) or `block_sparse_moe` and w1 / w3 / w2 for gate / up / down
-(Mixtral). The published per-expert layout is read and written (transformers 5.24 saves it
+  moe/w_gate (E, D, F)        <- <mlp>.experts.<e>.<gate>.weight (F, D) each, transposed
+  moe/w_up   (E, D, F)        <- <mlp>.experts.<e>.<up>.weight
+  moe/w_down (E, F, D)        <- <mlp>.experts.<e>.<down>.weight (D, F)
+with <mlp> and the expert names of the family (`families.expert_names`: transformers'
+generic `mlp` + gate_proj / up_proj / down_proj unless a family has its own), plus what a
+family's switches add to a sparse layer (`families.moe_weight_names`: a shared expert).
+The published per-expert layout is read and written (transformers 5.24 saves it
 from its fused in-memory experts). An expert leaf's kind is "e:t": the HF name holds `{e}`,
 one tensor per expert stacked on our leading expert dim.
 """
 
 from __future__ import annotations
 
+from fsdp_jax.app.models import families
 from fsdp_jax.app.models.stack import segment_layers
 
 EXPERT_KIND = "e:"
 
 
-def is_mixtral_layout(cfg) -> bool:
-    """Mixtral's names (`block_sparse_moe`, w1/w2/w3): no q/k norms, no q/k/v biases, no
-    shared expert (what config_in gives a mixtral config.json and no Qwen one)."""
-    return not (cfg.qk_norm or cfg.qkv_bias or cfg.shared_expert_ffn_dim)
-
-
 def moe_tensors(cfg) -> dict[str, tuple[str, str]]:
     """{our path under a sparse block: (HF name under model.layers.N, kind)}."""
-    if is_mixtral_layout(cfg):
-        pre, names = "block_sparse_moe", ("w1", "w3", "w2")
-    else:
-        pre, names = "mlp", ("gate_proj", "up_proj", "down_proj")
+    pre, names = families.expert_names(cfg)
     out = {"moe/router": (f"{pre}.gate.weight", "t")}
     for ours, theirs in zip(("w_gate", "w_up", "w_down"), names):
         out[f"moe/{ours}"] = (f"{pre}.experts.{{e}}.{theirs}.weight", EXPERT_KIND + "t")
-    if cfg.shared_expert_ffn_dim:
-        for ours, theirs in zip(("shared_gate", "shared_up", "shared_down"), ("gate_proj", "up_proj", "down_proj")):
-            out[f"moe/{ours}"] = (f"mlp.shared_expert.{theirs}.weight", "t")
-        out["moe/shared_weight"] = ("mlp.shared_expert_gate.weight", "t")
+    out.update(families.moe_weight_names(cfg))
     return out
 
 

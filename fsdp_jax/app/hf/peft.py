@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from fsdp_jax.app.hf import peft_experts as experts
+from fsdp_jax.app.models import families
 from fsdp_jax.app.models import lora as lora_lib
 from fsdp_jax.app.models.config import DecoderConfig
 from fsdp_jax.app.models.stack import segment_layers
@@ -35,15 +36,19 @@ from fsdp_jax.errors import CheckpointError
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
-OURS_TO_PEFT = {v: k for k, v in lora_lib.PEFT_TARGETS.items()}
 
 
-# where each kind of adapter sits: (our module, its adapters attribute, PEFT's module
-# prefix); a shared expert's weights are the MoE's `shared_*` params (Qwen2-MoE)
+def ours_to_peft() -> dict[str, str]:
+    """The decoder's weight -> PEFT's target_modules name (wq: q_proj, ...)."""
+    return {v: k for k, v in lora_lib.peft_targets().items()}
+
+
+# where each kind of adapter sits: (our module, its adapters attribute); a shared expert's
+# weights are the MoE's `shared_*` params. PEFT's module of each: `families.peft_modules`
 SITES = {
-    "attn": ("attn", "lora", "self_attn."),
-    "mlp": ("mlp", "lora", "mlp."),
-    "shared": ("moe", "shared_lora", "mlp.shared_expert."),
+    "attn": ("attn", "lora"),
+    "mlp": ("mlp", "lora"),
+    "shared": ("moe", "shared_lora"),
 }
 SHARED_PARAMS = {
     "w_gate": "shared_gate",
@@ -53,11 +58,11 @@ SHARED_PARAMS = {
 }
 
 
-def peft_key(layer: int, weight: str, half: str, site: str | None = None) -> str:
-    """PEFT's tensor name of `weight`'s lora_A / lora_B (`half` "A" or "B") in `layer`,
-    at `site` (`SITES`; default: attention or the dense MLP by the weight)."""
+def peft_key(cfg: DecoderConfig, layer: int, weight: str, half: str, site: str | None = None) -> str:
+    """PEFT's tensor name of `weight`'s lora_A / lora_B (`half` "A" or "B") in `layer` of
+    model `cfg`, at `site` (`SITES`; default: attention or the dense MLP by the weight)."""
     site = site or ("attn" if weight in lora_lib.ATTENTION else "mlp")
-    module = "mlp.shared_expert_gate" if weight == lora_lib.SHARED_GATE else SITES[site][2] + OURS_TO_PEFT[weight]
+    module = families.peft_modules(cfg)[f"{site}/{weight}"]
     return f"base_model.model.model.layers.{layer}.{module}.lora_{half}.weight"
 
 
@@ -119,8 +124,8 @@ def to_peft(adapters: dict, cfg: DecoderConfig, spec: lora_lib.LoraSpec) -> dict
             for half, x in zip("AB", experts.to_peft(a, b)):
                 out[experts.peft_key(i, w, half, parts)] = x
             continue
-        out[peft_key(i, w, "A", site)] = np.ascontiguousarray(a.reshape(-1, spec.rank).T)
-        out[peft_key(i, w, "B", site)] = np.ascontiguousarray(b.reshape(spec.rank, -1).T)
+        out[peft_key(cfg, i, w, "A", site)] = np.ascontiguousarray(a.reshape(-1, spec.rank).T)
+        out[peft_key(cfg, i, w, "B", site)] = np.ascontiguousarray(b.reshape(spec.rank, -1).T)
     return dict(sorted(out.items()))
 
 
@@ -156,8 +161,8 @@ def from_peft(tensors, cfg: DecoderConfig, spec: lora_lib.LoraSpec, where: str =
             for w, site in sites(cfg, spec, sparse):
                 ins, _, outs, _ = lora_lib.weight_dims(cfg, w, site == "shared")
                 want = {"A": (r, math.prod(ins)), "B": (math.prod(outs), r)}
-                got = pair({h: peft_key(i, w, h, site) for h in "AB"}, want)
-                module, attr, _ = SITES[site]
+                got = pair({h: peft_key(cfg, i, w, h, site) for h in "AB"}, want)
+                module, attr = SITES[site]
                 node = per_layer[i].setdefault(module, {}).setdefault(attr, {})
                 node[w] = {"lora_a": got["A"].T.reshape(*ins, r), "lora_b": got["B"].T.reshape(r, *outs)}
             for part in parts if sparse else ():
@@ -190,7 +195,8 @@ def check_matches(raw: dict, spec: lora_lib.LoraSpec, where: str, cfg: DecoderCo
     """The adapter's r, alpha, rsLoRA and what it adapts on model `cfg` (its target_modules
     and target_parameters, as PEFT applies them) against the run's `lora:` section."""
     modules = raw.get("target_modules") or []
-    modules = lora_lib.TARGETS if modules == "all-linear" else tuple(lora_lib.PEFT_TARGETS.get(t, t) for t in modules)
+    peft = lora_lib.peft_targets()
+    modules = lora_lib.TARGETS if modules == "all-linear" else tuple(peft.get(t, t) for t in modules)
     try:
         parts = experts.parts_of(raw.get("target_parameters"))
     except ValueError as e:
@@ -216,7 +222,7 @@ def check_matches(raw: dict, spec: lora_lib.LoraSpec, where: str, cfg: DecoderCo
 
 
 def _peft_name(t: str) -> str:
-    return OURS_TO_PEFT.get(t) or experts.PEFT_PARAMETERS.get(t, t)
+    return ours_to_peft().get(t) or experts.PEFT_PARAMETERS.get(t, t)
 
 
 def read_peft(directory, cfg: DecoderConfig, spec: lora_lib.LoraSpec) -> dict:
@@ -259,7 +265,7 @@ def adapter_config(spec: lora_lib.LoraSpec, base: str | None, cfg: DecoderConfig
         "modules_to_save": None,
         "peft_type": "LORA",
         "r": spec.rank,
-        "target_modules": sorted(OURS_TO_PEFT[t] for t in modules) or None,
+        "target_modules": sorted(ours_to_peft()[t] for t in modules) or None,
         "task_type": "CAUSAL_LM",
         "use_dora": False,
         "use_rslora": spec.rslora,

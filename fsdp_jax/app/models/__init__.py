@@ -1,6 +1,7 @@
 """Reference models. They name logical dims only; sharding is applied from outside.
 
-llama, attention, rope: the decoder; lora: LoRA adapters on its projections.
+decoder, config, parts, attention, rope: the decoder; lora: LoRA adapters on its projections;
+families: one module per Hugging Face family (the registry import and export iterate).
 """
 
 from fsdp_jax.app.models.config import DecoderConfig

@@ -65,6 +65,9 @@ class DecoderConfig:
     capacity_factor: float = 0.0  # > 0: tokens over an expert's capacity dropped; 0 = dropless
     grouped_matmul: str = "auto"  # dropless experts' kernel: auto | xla | tokamax (models/grouped_matmul.py)
     expert_exchange: str = "dense"  # experts over batch axes, dropless: dense | ragged all-to-all (GPU/TPU)
+    # the model_type of a registered family whose own block parts build the blocks (its config.json
+    # decides: `fsdp_jax.app.models.families.Family.parts`); "" = the decoder's own (every family so far)
+    family: str = ""
 
     @property
     def head_dim(self) -> int:

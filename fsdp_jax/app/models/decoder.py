@@ -20,6 +20,8 @@ layer scan, so scanned layers stay one module.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,11 +30,12 @@ from flax import linen as nn
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from fsdp_jax.app.models import families, stack
 from fsdp_jax.app.models import lora as lora_lib
-from fsdp_jax.app.models import stack
 from fsdp_jax.app.models.attention import _attend_capped, attention, rope, segment_mask, softcap
 from fsdp_jax.app.models.config import DecoderConfig
 from fsdp_jax.app.models.moe import MoE, moe_active_params, moe_params, zero_stats
+from fsdp_jax.app.models.parts import DEFAULT_PARTS, BlockParts
 from fsdp_jax.app.models.rope import apply_rope, rope_tables
 from fsdp_jax.attention import RING_KERNELS, context_attention, flash_context_attention, splash_attention
 from fsdp_jax.errors import ConfigError
@@ -213,15 +216,22 @@ class Block(nnx.Module):
     """One decoder layer; its MLP the mixture of experts when `sparse`. In an MoE model
     (`n_experts`) it returns (x, RouterStats), else x. `lora`: adapters on its projections."""
 
-    def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs, sparse: bool = False, lora: lora_lib.LoraSpec | None = None):
+    def __init__(
+        self,
+        cfg: DecoderConfig,
+        rngs: nnx.Rngs,
+        sparse: bool = False,
+        lora: lora_lib.LoraSpec | None = None,
+        parts: BlockParts = DEFAULT_PARTS,
+    ):
         po = cfg.norm_plus_one
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, po, rngs)
-        self.attn = Attention(cfg, rngs)
+        self.attn = (parts.attention or Attention)(cfg, rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, po, rngs)
         if sparse:
             self.moe = MoE(cfg, rngs)
         else:
-            self.mlp = FeedForward(cfg, rngs)
+            self.mlp = (parts.mlp or FeedForward)(cfg, rngs)
         self.sparse, self.n_experts = sparse, cfg.n_experts
         self.sandwich = cfg.sandwich_norm
         if cfg.sandwich_norm:
@@ -246,9 +256,13 @@ class Block(nnx.Module):
 class Decoder(nnx.Module):
     """`Decoder(cfg, rngs=nnx.Rngs(0), remat="dots")(tokens (B, S) int) -> logits (B, S, V)`;
     optional `segment_ids` and `positions` (B, S) for packed rows; `lora` puts LoRA adapters
-    on the projections it targets (`models/lora.py`)."""
+    on the projections it targets (`models/lora.py`); `parts` replaces a block's attention
+    or MLP (`models/parts.py`; default: those of the family `cfg.family` names, `Family.parts`)."""
 
-    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs, remat: str = "none", lora=None):
+    def __init__(
+        self, cfg: DecoderConfig, *, rngs: nnx.Rngs, remat: str = "none", lora=None, parts: BlockParts | None = None
+    ):
+        parts = families.block_parts(cfg) if parts is None else parts
         self.cfg = cfg
         self.remat = remat
         get_policy(remat)  # fail early on an unknown name
@@ -258,17 +272,17 @@ class Decoder(nnx.Module):
         if lora is not None and lora_lib.expert_dropout(cfg, lora):
             raise ConfigError("lora.dropout", lora_lib.expert_dropout(cfg, lora))
         if cfg.n_experts:  # sparse and dense layers: stacked by segment
-            self.segments = stack.make_layers(cfg, rngs, Block, lora)
+            self.segments = stack.make_layers(cfg, rngs, functools.partial(Block, parts=parts), lora)
         elif cfg.scan_layers:
 
             @nnx.split_rngs(splits=cfg.n_layers)
             @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS})
             def make(r):
-                return Block(cfg, r, lora=lora)
+                return Block(cfg, r, lora=lora, parts=parts)
 
             self.blocks = make(rngs)
         else:
-            self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
+            self.blocks = nnx.List([Block(cfg, rngs, parts=parts) for _ in range(cfg.n_layers)])
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_plus_one, rngs)
         if not cfg.tie_word_embeddings:
             self.head = _param(rngs, (cfg.d_model, cfg.vocab_size), (EMBED, VOCAB))

@@ -34,28 +34,24 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from fsdp_jax.app.models import families
 from fsdp_jax.model.lora import a_init
 from fsdp_jax.sharding.axes import EMBED, EXPERT, HEADS, KV, KV_HEADS, LORA_RANK, MLP
 from fsdp_jax.sharding.leaf_sharding import path_str
 from fsdp_jax.sharding.precision import matmul
 
-# PEFT's module names -> the decoder's weights
-PEFT_TARGETS: dict[str, str] = {
-    "q_proj": "wq",
-    "k_proj": "wk",
-    "v_proj": "wv",
-    "o_proj": "wo",
-    "gate_proj": "w_gate",
-    "up_proj": "w_up",
-    "down_proj": "w_down",
-    "shared_expert_gate": "w_shared_gate",  # Qwen2-MoE's (D, 1) gate of its shared expert
-}
 ATTENTION = ("wq", "wk", "wv", "wo")
 MLP_WEIGHTS = ("w_gate", "w_up", "w_down")
-SHARED_GATE = "w_shared_gate"
+SHARED_GATE = "w_shared_gate"  # a shared expert's (D, 1) sigmoid gate
 WEIGHTS = ATTENTION + MLP_WEIGHTS  # a dense decoder's projections
 TARGETS = WEIGHTS + (SHARED_GATE,)  # every name `targets` takes, in this order (dropout keys index it)
 ADAPTER_LEAVES = ("lora_a", "lora_b")
+
+
+def peft_targets() -> dict[str, str]:
+    """PEFT's target_modules names -> the decoder's weights (q_proj: wq, ...), as the
+    registered families name them (`fsdp_jax.app.models.families.peft_targets`)."""
+    return families.peft_targets()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,12 +84,13 @@ def resolve_targets(spec: str) -> tuple[str, ...]:
     names = [n for n in spec.replace(",", " ").split() if n]
     if names == ["all-linear"]:
         return TARGETS
-    ours = {PEFT_TARGETS.get(n, n) for n in names}
-    unknown = [n for n in names if PEFT_TARGETS.get(n, n) not in TARGETS]
+    peft = peft_targets()
+    ours = {peft.get(n, n) for n in names}
+    unknown = [n for n in names if peft.get(n, n) not in TARGETS]
     if unknown or not names:
         raise ValueError(
             f"{' '.join(unknown) or repr(spec)} matches no weight; the targets are all-linear, "
-            f"{' '.join(PEFT_TARGETS)} (or {' '.join(TARGETS)})"
+            f"{' '.join(peft)} (or {' '.join(TARGETS)})"
         )
     return tuple(w for w in TARGETS if w in ours)
 
@@ -158,7 +155,7 @@ EXPERT_ADAPTERS: dict[str, tuple[str, ...]] = {"experts_gate_up": ("w_gate", "w_
 def linear_mlps(cfg) -> bool:
     """Do the MLP targets (gate_proj up_proj down_proj) adapt the model's plain MLPs, as
     PEFT's `target_modules` do: a dense model's; on a mixture of experts, only where they are
-    nn.Linear modules PEFT wraps, Qwen2-MoE's (its dense layers and its shared expert).
+    nn.Linear modules PEFT wraps, a shared expert's (Qwen2-MoE: its dense layers and its shared expert).
     Qwen3-MoE's dense layers (`mlp_only_layers`) keep none: peft 0.21 on transformers 5
     rewrites its target_modules gate/up/down_proj to the fused experts (a v4 -> v5
     conversion), so no PEFT adapter reaches them; Mixtral has no dense MLP."""
@@ -193,7 +190,7 @@ def target_problem(cfg, spec: LoraSpec) -> tuple[str, str] | None:
             "one PEFT adapter): target both or neither, or set lora.target_parameters"
         )
     mods, _ = adapted(cfg, spec)
-    names = {v: k for k, v in PEFT_TARGETS.items()}
+    names = {v: k for k, v in peft_targets().items()}
     exist = list(ATTENTION) + [t for t in MLP_WEIGHTS if linear_mlps(cfg) or auto]
     exist += [SHARED_GATE] if cfg.shared_expert_ffn_dim else []
     absent = [t for t in spec.targets if t not in exist and spec.targets != TARGETS]  # all-linear: what there is
