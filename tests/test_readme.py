@@ -22,6 +22,12 @@ def test_pages_have_runnable_blocks():
     assert "README.md[0]" in ids and sum(i.startswith("docs/library.md") for i in ids) >= 2, ids
 
 
+def test_readme_is_a_landing_page():
+    """README is a landing page (issue 55): at most 150 lines, reference text lives in docs/."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 150, f"README.md has {len(lines)} lines (at most 150: move detail into docs/)"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("page,code", list(_blocks()))
 def test_marked_block_runs(page, code, capsys):

@@ -53,14 +53,30 @@ def reference(batches):
     return out
 
 
+@pytest.fixture(scope="module")
+def trained(batches):
+    """run_fsdp on the module's batches, memoised per (strategy, optimizer): one compiled step
+    serves every test that trains that program (the parity tests and bf16's fp32 side)."""
+    runs = {}
+    optimizers = {"sgd_momentum": lambda: optax.sgd(0.5, momentum=0.9), "adamw": lambda: optax.adamw(1e-3)}
+
+    def get(strategy, opt):
+        if (strategy, opt) not in runs:
+            norms = []
+            state, _, losses = run_fsdp(strategy, optimizers[opt](), batches, grad_norms=norms)
+            runs[strategy, opt] = state, losses, norms
+        return runs[strategy, opt]
+
+    return get
+
+
 # full_shard in the fast subset; the other strategies with the whole suite
 ALL_STRATEGIES = [s if s == "full_shard" else pytest.param(s, marks=pytest.mark.slow) for s in STRATEGY_MESH]
 
 
 @pytest.mark.parametrize("strategy", ALL_STRATEGIES)
-def test_parity_sgd_momentum(strategy, batches, reference):
-    norms = []
-    state, plan, losses = run_fsdp(strategy, optax.sgd(0.5, momentum=0.9), batches, grad_norms=norms)
+def test_parity_sgd_momentum(strategy, batches, reference, trained):
+    state, losses, norms = trained(strategy, "sgd_momentum")
     ref_params, ref_losses = reference["sgd"]
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert max_abs_diff(state.params, ref_params) < 1e-6
@@ -71,8 +87,8 @@ def test_parity_sgd_momentum(strategy, batches, reference):
 
 
 @pytest.mark.parametrize("strategy", ALL_STRATEGIES)
-def test_parity_adamw(strategy, batches, reference):
-    state, plan, losses = run_fsdp(strategy, optax.adamw(1e-3), batches)
+def test_parity_adamw(strategy, reference, trained):
+    state, losses, _ = trained(strategy, "adamw")
     ref_params, ref_losses = reference["adamw"]
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert max_abs_diff(state.params, ref_params) < 1e-4
@@ -112,13 +128,13 @@ def test_full_shard_spans_data_and_fsdp():
 
 
 @pytest.mark.slow
-def test_grad_accumulation_equals_full_batch():
-    opt = optax.sgd(0.5, momentum=0.9)
-    big = token_batches(3, batch=32)
-    s1, _, l1 = run_fsdp("full_shard", opt, big)
-    s4, plan, l4 = run_fsdp("full_shard", opt, big, microbatches=4)
-    np.testing.assert_allclose(l4, l1, rtol=1e-6)
-    assert max_abs_diff(s4.params, s1.params) < 1e-6
+def test_grad_accumulation_equals_full_batch(batches, trained):
+    """Two microbatches of 8 rows (one per device) train like the whole batch of 16: the
+    full-batch side is the run test_parity_sgd_momentum checks."""
+    s1, l1, _ = trained("full_shard", "sgd_momentum")
+    s2, plan, l2 = run_fsdp("full_shard", optax.sgd(0.5, momentum=0.9), batches, microbatches=2)
+    np.testing.assert_allclose(l2, l1, rtol=1e-6)
+    assert max_abs_diff(s2.params, s1.params) < 1e-6
 
 
 @pytest.mark.slow
@@ -143,15 +159,15 @@ def test_grad_accumulator_lives_in_grad_sharding():
 
 
 @pytest.mark.slow
-def test_clipping_matches_single_device(batches):
+def test_clipping_matches_single_device(batches, trained):
     m, loss_fn = tiny_llama()
-    opt = optax.sgd(0.5)
+    opt = optax.sgd(0.5, momentum=0.9)
     p0 = jax.jit(m.init)(jax.random.key(0))
-    ref_params, ref_losses = reference_train(loss_fn, opt, p0, batches[:3], clip_norm=0.05)
-    state, plan, losses = run_fsdp("full_shard", opt, batches[:3], clip_norm=0.05)
+    ref_params, ref_losses = reference_train(loss_fn, opt, p0, batches, clip_norm=0.05)
+    state, plan, losses = run_fsdp("full_shard", opt, batches, clip_norm=0.05)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert max_abs_diff(state.params, ref_params) < 1e-6
-    unclipped, _, _ = run_fsdp("full_shard", opt, batches[:3])
+    unclipped, _, _ = trained("full_shard", "sgd_momentum")  # the same run without clipping
     assert max_abs_diff(unclipped.params, state.params) > 1e-4  # clipping really acted
 
 
@@ -245,10 +261,11 @@ def test_plain_dict_model_trains_with_fallback_rule():
 
 
 @pytest.mark.slow
-def test_bf16_compute_trains_close_to_fp32(batches):
-    opt = optax.sgd(0.5, momentum=0.9)
-    _, _, l32 = run_fsdp("full_shard", opt, batches)
-    s16, _, l16 = run_fsdp("full_shard", opt, batches, precision="params=float32,compute=bfloat16")
+def test_bf16_compute_trains_close_to_fp32(batches, trained):
+    _, l32, _ = trained("full_shard", "sgd_momentum")  # the fp32 run test_parity_sgd_momentum checks
+    s16, _, l16 = run_fsdp(
+        "full_shard", optax.sgd(0.5, momentum=0.9), batches, precision="params=float32,compute=bfloat16"
+    )
     assert jax.tree.leaves(s16.params)[0].dtype == jnp.float32  # master weights stay fp32
     np.testing.assert_allclose(l16, l32, rtol=2e-2)
 
