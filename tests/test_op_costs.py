@@ -442,3 +442,15 @@ def test_a_non_square_splash_kernel_is_a_full_block():
     att = next(o for o in op_inventory(_module(line)) if o["kind"] == "attention")
     assert (att["sq"], att["skv"], att["causal"]) == (2048, 4096, False)
     assert att["flops"] == 2 * 2 * 4 * 64 * 2048 * 4096 * 128
+
+
+def test_a_cudnn_call_without_a_shape_is_refused_not_costed_at_one():
+    """A cuDNN attention call whose backend config carries no intermediate tensor shape was
+    costed at b = h = s = 1 (~0 FLOPs), silently; it is an error naming the call."""
+    line = (
+        "  %fmha = (bf16[4,32,4096,128]{3,1,2,0}, u8[0]{0}) custom-call(%p0, %p1, %p1), "
+        'custom_call_target="__cudnn$fmhaSoftmax", backend_config={"cudnn_fmha_backend_config": '
+        '{"mask_type": "CAUSAL"}}\n  ROOT %r = bf16[4096,4096]{1,0} copy(%p0)\n'
+    )
+    with pytest.raises(ValueError, match="no intermediate_tensor_shape.*fmhaSoftmax"):
+        op_inventory(_module(line))
