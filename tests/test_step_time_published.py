@@ -140,6 +140,7 @@ def test_every_published_run_is_a_valid_plan_command_with_a_source():
     from fsdp_jax.app.cli.plan import build_parser
     from fsdp_jax.app.config import load_config
     from fsdp_jax.app.planner.published import PUBLISHED_RUNS, plan_command
+    from fsdp_jax.targets.gpu import make_target
     from fsdp_jax.targets.perf_tables import perf_table
 
     assert {r.role for r in PUBLISHED_RUNS} <= {"fit", "check", "bound"}
@@ -152,4 +153,6 @@ def test_every_published_run_is_a_valid_plan_command_with_a_source():
         args = build_parser().parse_args(argv[2:])
         assert args.target == r.target and args.strategies == r.strategy and args.json
         load_config(ROOT / r.config, list(r.overrides))  # every override is a real key and value
+        if not r.target.startswith("v"):  # a GPU or a cluster: `plan --target` costs it with its own table
+            assert make_target(r.target, r.devices, r.hosts).table == r.cost_target, r.name
         assert r.source and r.published > 0 and perf_table(r.cost_target)
