@@ -46,6 +46,7 @@ def evaluate(indices, saved: Path | None = None) -> list[dict]:
     """One row per run: published, predicted (its unit), error, role, fits, command."""
     from fsdp_jax.app.config import load_config
     from fsdp_jax.app.planner.published import PUBLISHED_RUNS, plan_command, predicted_value
+    from fsdp_jax.app.planner.step_time import predict_ops
 
     rows = []
     for i in indices:
@@ -54,6 +55,7 @@ def evaluate(indices, saved: Path | None = None) -> list[dict]:
         result = doc["strategies"][run.strategy]
         cfg = load_config(ROOT / run.config, list(run.overrides))
         got = predicted_value(run, cfg, result, doc["devices"])
+        p = predict_ops(cfg, run.cost_target, doc["devices"], result)
         rows.append(
             {
                 "run": run.name,
@@ -63,7 +65,9 @@ def evaluate(indices, saved: Path | None = None) -> list[dict]:
                 "error": got / run.published - 1,
                 "role": run.role,
                 "fits": result.get("fits"),
-                "step_s": result["predicted"]["step_s"],
+                "step_s": p["step_s"],
+                "mfu": p["mfu"],
+                "above_best_mfu": p["above_best_mfu"],
                 "command": plan_command(run),
             }
         )
