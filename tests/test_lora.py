@@ -129,10 +129,7 @@ def test_no_gradient_of_a_frozen_weights_shape_in_the_compiled_backward(precisio
     """LoRA's backward: input gradients through frozen weights, adapter gradients, and no
     dot (or scatter-add, or reduction) producing a frozen weight's gradient. The same step
     training everything shows each of them, so the search would find them."""
-    d, h, kvh, dh, f, v = CFG.d_model, CFG.n_heads, CFG.n_kv_heads, CFG.head_dim, CFG.ffn_dim, CFG.vocab_size
-    flat = [(d, h * dh), (d, kvh * dh), (h * dh, d), (d, f), (f, d), (v, d), (d, v)]
-    shapes = set(flat) | {(b, a) for a, b in flat}
-    shapes |= {(CFG.n_layers,) + s for s in shapes}
+    shapes = _frozen_shapes()
     model = lora_model()
     found = {}
     for name, trainable in (("lora", lora_lib.adapter_mask), ("full", None)):
@@ -142,6 +139,70 @@ def test_no_gradient_of_a_frozen_weights_shape_in_the_compiled_backward(precisio
         found[name] = weight_shaped_results(hlo, shapes)
     assert found["lora"] == [], found["lora"][:4]
     assert len(found["full"]) >= 7, found["full"]  # one per weight at least
+
+
+def _frozen_shapes(cfg=CFG):
+    d, h, kvh, dh, f, v = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim, cfg.vocab_size
+    flat = [(d, h * dh), (d, kvh * dh), (h * dh, d), (d, f), (f, d), (v, d), (d, v)]
+    shapes = set(flat) | {(b, a) for a, b in flat}
+    return shapes | {(cfg.n_layers,) + s for s in shapes}
+
+
+_H100_CHILD = r"""
+import json, sys
+sys.path.insert(0, "tests")
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+from fsdp_jax.app.models import lora as lora_lib
+from fsdp_jax.app.trainer.build import lora_optimizer
+from fsdp_jax.hlo.costs import op_inventory
+from fsdp_jax.sharding.mesh import make_mesh
+from fsdp_jax.targets import gpu as targets
+from fsdp_jax.train.build import build
+from helpers import weight_shaped_results
+import test_lora as t
+
+devs = targets.gpu_devices("h100", 1, 8)
+mesh, model, shapes, out = make_mesh(1, 8, 1, devices=devs), t.lora_model(), t._frozen_shapes(), {}
+for name, trainable in (("lora", lora_lib.adapter_mask), ("full", None)):
+    opt = lora_optimizer(t.SGD) if trainable else t.SGD
+    built = build(model, opt, mesh, loss_fn=t.loss_of(model), precision=sys.argv[1], trainable=trainable)
+    batch = jax.ShapeDtypeStruct((8, 17), jnp.int32, sharding=NamedSharding(mesh, P(("data", "fsdp"))))
+    with jax.default_device(devs[0]):
+        hlo = built.train_step.lower(built.abstract_state, batch).compile().as_text()
+    gemms = [o for o in op_inventory(hlo) if o["kind"] == "gemm"]
+    out[name] = {"gemms": [[o["batch"], o["m"], o["n"], o["k"]] for o in gemms],
+                 "collectives": weight_shaped_results(hlo, shapes)}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["params=float32,compute=bfloat16"])
+def test_no_gradient_of_a_frozen_weights_shape_in_the_h100_compiled_backward(precision):
+    """The same check on the program XLA:GPU compiles for 8 x H100 (deviceless), where matmuls
+    are GEMM fusions and cuBLAS calls the CPU regex does not see: no GEMM of the LoRA step
+    computes a frozen weight's gradient, no collective has a frozen weight's shape; the step
+    training everything computes them."""
+    import os
+
+    from fsdp_jax.targets import gpu as targets
+    from helpers import json_child
+
+    assert targets.plugin_installed(), "CUDA plugin missing: python -m fsdp_jax.targets install cuda"
+    found = json_child(_H100_CHILD, precision, env=targets.child_env(dict(os.environ)))
+    # a weight gradient contracts over the device's token rows (1 x 16 here: k = 16, batch 1);
+    # XLA:GPU merges sibling GEMMs (a base weight's gradient with its adapter's: 40 x 44), so
+    # the test reads widths, not exact shapes: an adapter's is at most 3 ranks wide (12), a
+    # frozen weight's at least its narrowest dim (kv 2 x 10 = 20)
+    narrowest = min(CFG.n_kv_heads * CFG.head_dim, CFG.d_model, CFG.ffn_dim)
+    assert 3 * SPEC.rank < narrowest
+
+    def weight_grads(gemms):
+        return [g for g in gemms if g[0] == 1 and g[3] == 16 and min(g[1], g[2]) >= narrowest]
+
+    assert weight_grads(found["lora"]["gemms"]) == [] and found["lora"]["collectives"] == [], found["lora"]
+    assert len(weight_grads(found["full"]["gemms"])) >= 5, found["full"]  # the same step training everything
 
 
 STRATEGIES = [

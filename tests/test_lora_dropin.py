@@ -479,3 +479,23 @@ def test_dropout_in_a_scanned_stack_and_from_the_steps_key_in_training_only():
     evals = [ld.apply(p, X, state=state, rng=jax.random.key(i), train=False)[0] for i in range(2)]
     trains = [ld.apply(p, X, state=state, rng=jax.random.key(i), train=True)[0] for i in range(2)]
     assert max_abs_diff(*evals) == 0.0 and max_abs_diff(*trains) > 1e-3
+
+
+@pytest.mark.parametrize("rank, alpha, rslora", [(4, 8.0, False), (2, 3.0, False), (4, 8.0, True)])
+def test_the_scale_is_peft_s_alpha_over_rank_by_an_independent_formula(rank, alpha, rslora):
+    """`with_lora`'s forward on one plain matmul against PEFT's formula written out here, not
+    the model's own `scale`: y = x W + (x A) B * scaling, PEFT's `LoraLayer.update_layer`
+    `scaling = lora_alpha / r` (`lora_alpha / math.sqrt(r)` with `use_rslora`), peft 0.21.
+    A `scale` of alpha (not alpha / rank) passed every other test, which compare against
+    `lm.scale`; here it is off by the rank."""
+    rng = np.random.default_rng(7)
+    x, w = rng.standard_normal((5, 6)), rng.standard_normal((6, 7))
+    lm = fj.with_lora({"w": jnp.asarray(w, jnp.float32)}, jnp.asarray(x, jnp.float32),
+                      apply=lambda p, x: x @ p["w"], rank=rank, alpha=alpha, rslora=rslora, init_weights=False)  # fmt: skip
+    params = lm.init(jax.random.key(0))
+    a, b = (np.asarray(params["lora"]["w"][k], np.float64) for k in ("lora_a", "lora_b"))
+    assert a.shape == (6, rank) and b.shape == (rank, 7) and np.abs(b).max() > 0
+    scaling = alpha / (math.sqrt(rank) if rslora else rank)  # PEFT's, literally
+    want = x @ w + (x @ a) @ b * scaling
+    got = np.asarray(lm.apply(params, jnp.asarray(x, jnp.float32)), np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

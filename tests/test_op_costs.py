@@ -378,17 +378,45 @@ def test_a_128_contraction_fills_half_of_v6es_mxu():
     for gen, w in (("v6e", 256), ("v5p", 128)):
         t = perf_table(gen)
         assert t["gemm"]["mxu"] == w
-        eff = {k: op_costs.gemm_efficiency(o, t) for k, o in ops.items()}
-        assert eff[8192] == t["gemm"]["max_efficiency"]
+        # the MXU fill alone: each GEMM's efficiency over its shape's (the curve's point, v6e)
+        eff = {k: op_costs.gemm_efficiency(o, t) / op_costs.shape_efficiency(o, t["gemm"]) for k, o in ops.items()}
+        assert eff[8192] == 1.0
         assert eff[8192] / eff[128] == (2.0 if w == 256 else 1.0)
         assert eff[8192] / eff[384] == pytest.approx(512 / 384 if w == 256 else 1.0)
         narrow = {**ops[8192], "n": 128}
-        assert op_costs.gemm_efficiency(narrow, t) == eff[128]
+        assert op_costs.gemm_efficiency(narrow, t) / op_costs.shape_efficiency(narrow, t["gemm"]) == eff[128]
     v6e = perf_table("v6e")
     small = ops[128]
     hbm = small["bytes"] / (v6e["hbm"]["bytes_per_s"] * v6e["hbm"]["efficiency"])
     assert op_costs.op_seconds(small, v6e) == pytest.approx(hbm + v6e["hbm"]["launch_s"], rel=1e-12)
     assert op_costs.gemm_efficiency(ops[128], H100) == op_costs.gemm_efficiency(ops[8192], H100)  # no MXU on GPU
+
+
+def test_a_gemm_takes_the_nearest_published_shape_by_one_rule():
+    """v6e (a published curve): a GEMM's efficiency is its nearest measured shape's in log
+    space, so the MLP's 8192 x 28672 x 8192 takes 8192^3's (0.793) and a k/v projection's
+    8192 x 1024 x 8192 the 8192 x 4096 x 7168 point (0.845); the curve reproduces its source
+    points; a table without a curve (H100, v5p: fitted) has one efficiency for every shape."""
+    g = perf_table("v6e")["gemm"]
+    shape = lambda m, n, k: op_costs.shape_efficiency({"m": m, "n": n, "k": k}, g)  # noqa: E731
+    for m, n, k, e in g["curve"]["points"]:
+        assert shape(m, n, k) == e
+    assert shape(8192, 28672, 8192) == 0.793 and shape(8192, 1024, 8192) == 0.845
+    assert g["max_efficiency"] == shape(8192, 8192, 8192)  # the roofline's: the curve's largest shape
+    for t in ("h100", "v5p"):
+        gt = perf_table(t)["gemm"]
+        assert "curve" not in gt
+        assert {op_costs.shape_efficiency({"m": m, "n": 4096, "k": 4096}, gt) for m in (128, 8192)} == {
+            gt["max_efficiency"]
+        }
+
+
+def test_a_prediction_above_the_best_published_mfu_is_flagged():
+    for t, best in (("v6e", 0.5033), ("v5p", 0.654), ("h100", 0.4975), ("a3-high", 0.4975)):
+        table = perf_table(t)
+        assert table["best_mfu"]["mfu"] == best and "tiering.md" in table["best_mfu"]["source"] + "tiering.md"
+        assert op_costs.above_best_mfu(best - 0.01, table) is None
+        assert op_costs.above_best_mfu(0.79, table).startswith("predicted MFU 79.0% is above the best published")
 
 
 BRANCHES = """%one_dot (a: bf16[4096,4096]) -> bf16[4096,4096] {
@@ -442,3 +470,15 @@ def test_a_non_square_splash_kernel_is_a_full_block():
     att = next(o for o in op_inventory(_module(line)) if o["kind"] == "attention")
     assert (att["sq"], att["skv"], att["causal"]) == (2048, 4096, False)
     assert att["flops"] == 2 * 2 * 4 * 64 * 2048 * 4096 * 128
+
+
+def test_a_cudnn_call_without_a_shape_is_refused_not_costed_at_one():
+    """A cuDNN attention call whose backend config carries no intermediate tensor shape was
+    costed at b = h = s = 1 (~0 FLOPs), silently; it is an error naming the call."""
+    line = (
+        "  %fmha = (bf16[4,32,4096,128]{3,1,2,0}, u8[0]{0}) custom-call(%p0, %p1, %p1), "
+        'custom_call_target="__cudnn$fmhaSoftmax", backend_config={"cudnn_fmha_backend_config": '
+        '{"mask_type": "CAUSAL"}}\n  ROOT %r = bf16[4096,4096]{1,0} copy(%p0)\n'
+    )
+    with pytest.raises(ValueError, match="no intermediate_tensor_shape.*fmhaSoftmax"):
+        op_inventory(_module(line))

@@ -197,7 +197,9 @@ def _attention(line: str, out_type: str) -> dict[str, Any] | None:
         return None
     backward = "Backward" in target.group(1)
     inter = _INTERMEDIATE_RE.search(line.replace(" ", ""))
-    b, h, sq, skv = _index_list(inter.group(1)) if inter else (1, 1, 1, 1)
+    if not inter:  # no shape: costing it at (1, 1, 1, 1) would drop the kernel silently
+        raise ValueError(f"a cuDNN attention call with no intermediate_tensor_shape: {line.strip()[:200]}")
+    b, h, sq, skv = _index_list(inter.group(1))
     first = _shapes(out_type)[0][1] if _shapes(out_type) else 0
     d = max(first // max(b * h * sq, 1), 1)
     causal = '"mask_type":"CAUSAL"' in line.replace(" ", "")

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fsdp_jax.errors import PluginMissing, TargetError
-from fsdp_jax.targets import tpu
+from fsdp_jax.targets import clusters, tpu
 from fsdp_jax.targets.plugins import (
     KINDS,
     _jax_version,
@@ -65,6 +65,12 @@ class Target:
     gpus_per_host: int = 8
     topology_name: str | None = None
     libtpu_args: str = ""
+    cluster: str | None = None  # a rented cluster (`fsdp_jax.targets.clusters`): its network costs the plan
+
+    @property
+    def table(self) -> str:
+        """The key of perf_tables.json that costs this target: the cluster's, else the device's."""
+        return clusters.clusters()[self.cluster]["table"] if self.cluster else self.name
 
     @property
     def platform(self) -> str:
@@ -87,7 +93,8 @@ class Target:
                 f"{self.name} ({device_name(self.name)}), {self.hosts} slice(s) of {self.topology_name} "
                 f"({self.gpus_per_host} devices each)"
             )
-        return f"{self.name} ({device_name(self.name)}), {self.hosts} x {self.gpus_per_host} GPUs"
+        where = f" on {self.cluster}" if self.cluster else ""
+        return f"{self.name} ({device_name(self.name)}), {self.hosts} x {self.gpus_per_host} GPUs{where}"
 
     def as_dict(self) -> dict:
         return {
@@ -96,6 +103,7 @@ class Target:
             "gpus_per_host": self.gpus_per_host,
             "topology_name": self.topology_name,
             "libtpu_args": self.libtpu_args,
+            "cluster": self.cluster,
         }
 
 
@@ -208,6 +216,7 @@ def make_target(
             f"--{'slices' if slices is not None else 'topology'}: only for TPU targets "
             f"({', '.join(tpu.TPU_SPECS)}); {name} uses --hosts"
         )
+    name, gpus_per_host, cluster = clusters.resolve(name, gpus_per_host)
     target_config(name)
     _positive(devices=devices, hosts=hosts, gpus_per_host=gpus_per_host)
     hosts = hosts or 1
@@ -224,7 +233,7 @@ def make_target(
             f"--devices: {devices} is not --hosts ({hosts}) x --gpus-per-host "
             f"({gpus_per_host}) = {hosts * gpus_per_host}"
         )
-    return Target(name, hosts, gpus_per_host)
+    return Target(name, hosts, gpus_per_host, cluster=cluster)
 
 
 KERNEL_CACHE_FLAG = "--xla_gpu_kernel_cache_file"

@@ -38,8 +38,9 @@ def add_target(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--target",
         default=None,
-        help="compile for this accelerator instead of CPU: a GPU (h100, h200, a100), a TPU "
-        "generation (v4, v5e, v5p, v6e) or accelerator type (v5p-64, v6e-256)",
+        help="compile for this accelerator instead of CPU: a GPU (h100, h200, a100), a rented cluster "
+        "(a3-high, a3-mega, p5, ndr-h100, ndr-h200: its network costs the plan), a TPU "
+        "generation (v4, v5e, v5p, v6e) or accelerator type (v5p-64, v6e-256); plan --list-targets lists them",
     )
     ap.add_argument("--hosts", default=None, help="with a GPU --target: hosts the devices are spread over (default 1)")
     ap.add_argument(

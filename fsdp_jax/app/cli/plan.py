@@ -42,6 +42,12 @@ def build_parser(prog: str | None = None) -> Parser:
     ap = Parser(prog=prog, description=__doc__)
     add_config(ap, example="remat=full")
     add_target(ap)
+    ap.add_argument(
+        "--list-targets",
+        action="store_true",
+        help="list every --target (GPUs, rented clusters such as a3-high / a3-mega / p5 / ndr-h100, TPU slices) "
+        "with its network figures and their sources, and stop",
+    )
     ap.add_argument("--strategies", default="all", help="all, or a comma list (aliases ok: ddp,zero3)")
     ap.add_argument("--device-memory", default=None, help="per-device memory, e.g. 80GB, 80GiB, 141GB")
     ap.add_argument("--json", action="store_true", help="print one JSON document on stdout")
@@ -294,4 +300,9 @@ def _print_plans(args, docs: dict[str, dict]) -> int:
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     from fsdp_jax.app.cli.command import run_command
 
+    if "--list-targets" in (sys.argv[1:] if argv is None else argv):  # needs no --config
+        from fsdp_jax.targets.clusters import format_targets
+
+        print(format_targets())
+        return 0
     return run_command(build_parser(prog), run, argv, errors=planning_errors)

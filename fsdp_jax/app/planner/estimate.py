@@ -241,12 +241,12 @@ def _prediction(cfg, target, n_devices: int, strategy: str, r: dict[str, Any]) -
     from fsdp_jax.app.planner.step_time import predict, predict_roofline
 
     if not r.get("refused"):
-        return predict(cfg, target.name, n_devices, r)
+        return predict(cfg, target.table, n_devices, r)
     from fsdp_jax.app.planner.search_prediction import analytic_communication
 
     m = r["mesh"]
     comm = analytic_communication(cfg, strategy, (m["data"], m["fsdp"], m["tensor"]), target.hosts)
-    p = predict_roofline(cfg, target.name, n_devices, {"analytic": r["analytic"], "communication": comm})
+    p = predict_roofline(cfg, target.table, n_devices, {"analytic": r["analytic"], "communication": comm})
     if p is not None:
         p["basis"] = "roofline over the analytic traffic: the compiler refused the program"
     return p

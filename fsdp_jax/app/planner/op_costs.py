@@ -69,12 +69,35 @@ def mxu_fill(dim: int, gemm: dict[str, Any]) -> float:
     return dim / (math.ceil(dim / w) * w) if w else 1.0
 
 
+def shape_efficiency(op: dict[str, Any], g: dict[str, Any]) -> float:
+    """The efficiency of a GEMM of `op`'s (m, n, k) before wave and MXU fill, by one rule on
+    every target (docs/step_time.md, "GEMM efficiency by shape"): the point of the chip's
+    published matmul curve (`gemm.curve.points`, [m, n, k, efficiency]) nearest in
+    |log m| + |log n| + |log k| (a tie: the lower efficiency); a chip with no published
+    curve takes its one `gemm.max_efficiency` (fitted, and reported as fitted)."""
+    points = (g.get("curve") or {}).get("points")
+    if not points:
+        return g["max_efficiency"]
+    dims = [max(op[d], 1) for d in ("m", "n", "k")]
+    return min(points, key=lambda p: (sum(abs(math.log(a / b)) for a, b in zip(p[:3], dims)), p[3]))[3]
+
+
 def gemm_efficiency(op: dict[str, Any], t: dict[str, Any]) -> float:
     """The fraction of the peak a GEMM record `op` (m, n, k, batch) runs at on table `t` when
-    compute-bound: `gemm.max_efficiency` x wave quantization x the MXU fill of K and N."""
+    compute-bound: `shape_efficiency` x wave quantization x the MXU fill of K and N."""
     g = t["gemm"]
     fill = mxu_fill(op["k"], g) * mxu_fill(op["n"], g)
-    return g["max_efficiency"] * wave_efficiency(op["m"], op["n"], op["batch"], g) * fill
+    return shape_efficiency(op, g) * wave_efficiency(op["m"], op["n"], op["batch"], g) * fill
+
+
+def above_best_mfu(mfu: float, t: dict[str, Any]) -> str | None:
+    """A warning when a predicted MFU exceeds the best ever published for the chip
+    (`best_mfu` of the table, with its source), else None: such a prediction is more likely
+    the model's error than the run's."""
+    best = t.get("best_mfu")
+    if not best or mfu <= best["mfu"]:
+        return None
+    return f"predicted MFU {mfu:.1%} is above the best published for this chip, {best['mfu']:.1%} ({best['source']})"
 
 
 def _hbm(t: dict[str, Any]) -> float:

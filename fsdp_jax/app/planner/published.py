@@ -6,7 +6,8 @@
 
 Each run is data: what was published (value, unit, where), the nearest plan of this project
 (config, target, devices, hosts, strategy, overrides) and the table it is costed with
-(`cost_target`, a key of `fsdp_jax/targets/perf_tables.json`), and its role: `fit` (a table
+(`cost_target`, a key of `fsdp_jax/targets/perf_tables.json`: the target's own, a cluster's
+network included, as `plan --target` costs it), and its role: `fit` (a table
 constant was fitted to it), `check` (held out), `bound` (another framework on other
 hardware: the prediction should be at least the published figure, not equal to it).
 One `fit` row per fitted constant: the GPU GEMM efficiency (MaxText 7B on 1 x A3) and the TPU
@@ -51,7 +52,7 @@ def _a3(nodes: int, role: str, published: float) -> PublishedRun:
         unit="maxtext_tflops",
         role=role,
         config="configs/llama2_7b.yaml",
-        target="h100",
+        target="a3-high",
         devices=8 * nodes,
         hosts=nodes,
         strategy="full_shard" if nodes == 1 else "hybrid_shard",

@@ -120,10 +120,10 @@ def ranking_target(target) -> tuple[str, str | None]:
         )
     from fsdp_jax.app.planner.step_time import roofline_constants
 
-    if target.hosts > 1 and roofline_constants(target.name)["slow"] is None:
+    if target.hosts > 1 and roofline_constants(target.table)["slow"] is None:
         return "h100", (
             f"{target.name} publishes no data-center network bandwidth and this target spans "
             f"{target.hosts} slices: ranked by the analytic cost (the H100 roofline), not a "
             f"prediction for {target.name}"
         )
-    return target.name, None
+    return target.table, None

@@ -62,7 +62,7 @@ def compile_rounds(
             from fsdp_jax.app.planner.search_compile import compile_candidates
 
             for c, r in zip(todo, compile_candidates(cfg, n_devices, todo, target, say, kernel_cache=kernels)):
-                apply_compiled(cfg, c, r, limits, n_devices, target.name if gpu else None)
+                apply_compiled(cfg, c, r, limits, n_devices, target.table if gpu else None)
             compiled_n += len(todo)
     return compiled_n
 

@@ -99,7 +99,7 @@ def predict_ops(cfg, target: str, n_devices: int, result: dict[str, Any], top: i
     the breakdown (gemm, attention, memory, update, host, exposed_comm and exposed by kind),
     a band of +-BAND, and the `top` ops by time per step. None where a collective crosses a
     network whose bandwidth is unpublished."""
-    from fsdp_jax.app.planner.op_costs import simulate, top_ops
+    from fsdp_jax.app.planner.op_costs import above_best_mfu, simulate, top_ops
     from fsdp_jax.targets.perf_tables import perf_table
 
     t0 = time.perf_counter()
@@ -132,6 +132,7 @@ def predict_ops(cfg, target: str, n_devices: int, result: dict[str, Any], top: i
         # seconds the prediction cost on top of the compile: the op walk (in the compiling
         # process) + the schedule's simulation (here)
         "predict_s": round(result.get("op_inventory_s", 0.0) + simulate_s, 3),
+        "above_best_mfu": above_best_mfu(model_flops / step_s / peak, table),
     }
 
 
