@@ -194,16 +194,27 @@ def _make_matmul(reduce_dtype):
     return mm
 
 
-def take(table, ids, grad_layout=lambda g: g):
+TAKE_UPDATES = "take_updates"  # the name scope of `take`'s cotangent layout (in HLO op names)
+
+
+def take(table, ids, grad_layout=lambda g: g, updates_layout=None):
     """`table[ids]` (an embedding lookup), whose table gradient is, as `matmul`'s weight
     gradient, summed in the reduce dtype inside a train step that asks for a wider one;
     `grad_layout(g)` lays that gradient out (a sharding constraint to the table's at-rest
     layout) before its cast to the table's dtype, so its reduction is a reduce-scatter
-    in the reduce dtype (unconstrained, XLA:GPU all-reduces the full table)."""
+    in the reduce dtype (unconstrained, XLA:GPU all-reduces the full table).
+    `updates_layout(dy)` lays out the output's cotangent (ids.shape + (D,)) before its
+    scatter-add: a layout the table's grad layout is one all-to-all away from (left to the
+    partitioner, a batch sharded over data x fsdp meeting a table sharded over fsdp and
+    replicated over data was rematerialised whole on every device)."""
     r = _REDUCE[-1] if _REDUCE else None
-    if r is None or not jnp.issubdtype(table.dtype, jnp.floating) or r.itemsize <= table.dtype.itemsize:
+    if not jnp.issubdtype(table.dtype, jnp.floating):
         return jnp.take(table, ids, axis=0)
-    reduce_dtype = jnp.dtype(r)
+    wider = r is not None and r.itemsize > table.dtype.itemsize
+    if not wider and updates_layout is None:
+        return jnp.take(table, ids, axis=0)
+    reduce_dtype = jnp.dtype(r) if wider else table.dtype
+    updates_layout = updates_layout or (lambda g: g)
 
     @jax.custom_vjp
     def lookup(table, ids):
@@ -216,6 +227,8 @@ def take(table, ids, grad_layout=lambda g: g):
         shaped, ids = res
         # the lookup's own transpose (a scatter-add), over a table in the reduce dtype
         _, vjp = jax.vjp(lambda t: jnp.take(t, ids, axis=0), jnp.zeros(shaped.shape[1:], reduce_dtype))
+        with jax.named_scope(TAKE_UPDATES):  # the all-to-all it asks for is named as the lookup's
+            g = updates_layout(g)
         (dt,) = vjp(g.astype(reduce_dtype))
         return grad_layout(dt.astype(shaped.dtype)), None
 

@@ -128,6 +128,8 @@ def _as_verified(cfg, devices, notes: list[str]) -> tuple:
             f"mesh.tensor={cfg.mesh.tensor} ignored: verify compares the data-parallel "
             "strategies on (data, fsdp) meshes"
         )
+    if cfg.mesh.context > 1:
+        notes.append(f"mesh.context={cfg.mesh.context}: every mesh splits sequences over context (data x fsdp below)")
     if cfg.lora.rank and cfg.lora.dropout:
         notes.append(f"lora.dropout={cfg.lora.dropout:g} off: verify compares the steps without dropout")
     if cfg.lora.rank:
@@ -218,6 +220,8 @@ def _verify(args, cfg, strategies, n: int, batches: list, data: int = 1):
         seed=args.seed,
         **step_options(cfg),
         data=data,
+        # mesh.context > 1: each strategy's mesh splits sequences over a context axis, as the run's does
+        **({"context": cfg.mesh.context} if cfg.mesh.context > 1 else {}),
         has_aux=has_router_aux(cfg.model),
         # a mixture of experts: the experts' token counts are compared exactly; from a step at which
         # a token's top-k choice flipped (a near-tie) the steps are reported, not judged (docs/moe.md)

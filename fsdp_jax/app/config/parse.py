@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from fsdp_jax.app.config.checks import validate
-from fsdp_jax.app.config.schema import _SECTIONS, Config, _all_keys, _coerce, _field_type
+from fsdp_jax.app.config.schema import _SECTIONS, NAME_LISTS, Config, _all_keys, _coerce, _field_type
 from fsdp_jax.errors import ConfigError
 
 _OVERRIDE_ALIASES = {"strategy": "mesh.strategy", "steps": "train.steps", "lr": "optimizer.lr"}
@@ -133,7 +133,12 @@ def apply_overrides(raw: Mapping, overrides: Sequence[str]) -> dict:
                 else [f"{k}.KEY" if k in _SECTIONS else k for k in typing.get_type_hints(Config)]
             )
             raise _unknown(key, _all_keys(), shown)
-        if tp in (str, str | None):  # keep strings verbatim: 'a: b' or '1,2' must not become YAML
+        if key in NAME_LISTS and text.strip().startswith("["):  # lora.targets=[q_proj,v_proj]: a YAML list
+            try:
+                value = yaml.safe_load(text)
+            except yaml.YAMLError:
+                raise ConfigError(key, f"cannot parse value {text!r}") from None
+        elif tp in (str, str | None):  # keep strings verbatim: 'a: b' or '1,2' must not become YAML
             value = None if tp is not str and text.strip() in ("null", "~", "None", "") else text
         else:
             try:

@@ -38,6 +38,12 @@ LIMITS: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
+def names(default: str):
+    """A str field that takes several names: a string (spaces or commas between them) or a
+    YAML list of strings, kept as one space-separated string (`NAME_LISTS`)."""
+    return dataclasses.field(default=default, metadata={"names": True})
+
+
 def limit(default: Any, kind: str | None = None, *, choices: tuple[str, ...] | None = None):
     """A dataclass field with `default` and its limit: a key of LIMITS and/or `choices`."""
     assert kind is None or kind in LIMITS, kind
@@ -213,9 +219,10 @@ class LoraConfig:
     alpha: float = limit(16.0, "> 0")  # scale alpha / r (alpha / sqrt(r) with rslora)
     rslora: bool = False
     dropout: float = limit(0.0, "[0, 1)")  # PEFT's lora_dropout: on the adapters' input, in training only
-    targets: str = "all-linear"  # all-linear, or PEFT's q_proj k_proj v_proj o_proj gate_proj up_proj down_proj
-    #                              shared_expert_gate (or the decoder's wq ... w_down w_shared_gate), spaces or commas
-    target_parameters: str = "auto"  # a mixture of experts' fused expert tensors (PEFT's target_parameters):
+    targets: str = names("all-linear")  # all-linear, or PEFT's q_proj k_proj v_proj o_proj gate_proj up_proj down_proj
+    #                              shared_expert_gate (or the decoder's wq ... w_down w_shared_gate), spaces or commas,
+    #                              or a YAML list: [q_proj, v_proj] (PEFT's target_modules)
+    target_parameters: str = names("auto")  # a mixture of experts' fused expert tensors (PEFT's target_parameters):
     #   auto (those the MLP targets name), none, or mlp.experts.gate_up_proj mlp.experts.down_proj
     init_from: str | None = None  # peft:DIR: start from a PEFT adapter (adapter_config.json + safetensors)
 
@@ -242,6 +249,10 @@ class Config:
 
 
 _SECTIONS: dict[str, type] = {k: t for k, t in typing.get_type_hints(Config).items() if dataclasses.is_dataclass(t)}
+# dotted keys that take several names (`names` fields): a string or a YAML list of strings
+NAME_LISTS = frozenset(
+    f"{s}.{f.name}" for s, t in _SECTIONS.items() for f in dataclasses.fields(t) if f.metadata.get("names")
+)
 _FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 _INT_LIMIT = 2**31
 
@@ -296,11 +307,20 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     if tp is str:
         if isinstance(value, str):
             return value
+        if key in NAME_LISTS and isinstance(value, (list, tuple)):  # [q_proj, v_proj] -> "q_proj v_proj"
+            return " ".join(_name(f"{key}[{i}]", v) for i, v in enumerate(value))
         hint = " (quote it in YAML: an unquoted 2:4 reads as a base-60 number)" if isinstance(value, int) else ""
         raise ConfigError(key, f"{value!r} is not a string{hint}")
     if tp == Rules:
         return resolved_rules(value)
     raise TypeError(f"{key}: unsupported annotation {tp!r}")  # a bug here, not in the YAML
+
+
+def _name(key: str, value: Any) -> str:
+    """One element of a `NAME_LISTS` key's YAML list: a non-empty string of one name."""
+    if not isinstance(value, str) or not value.strip() or len(value.replace(",", " ").split()) != 1:
+        raise ConfigError(key, f"{value!r} is not a name; the list takes one name per element")
+    return value.strip()
 
 
 def field_limits(cfg: Config):

@@ -99,6 +99,8 @@ def model_section_from_hf(raw: Mapping) -> dict:
         theirs, mine = getattr(derived, field), model.get(field)
         if isinstance(theirs, float) and isinstance(mine, str) and _FLOAT.fullmatch(mine.strip()):
             mine = float(mine)  # PyYAML reads 1e4 (no dot) as a string
+        if isinstance(theirs, tuple) and isinstance(mine, list):
+            mine = tuple(mine)  # a run's saved config.yaml writes tuples as YAML lists
         if field in model and mine != theirs:
             raise ConfigError(
                 f"model.{field}",

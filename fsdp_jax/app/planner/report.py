@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from fsdp_jax.sharding.precision import TAKE_UPDATES
 from fsdp_jax.sharding.strategy import get_strategy
 
 DEFAULT_REPLICATED_THRESHOLD = 1 << 20  # bytes: replicated params at least this big are flagged
@@ -50,8 +51,9 @@ def embedding_gradient(op_name: str) -> bool:
     """An embedding lookup's gradient: the transpose of `jnp.take` (jit(_take)), a scatter-add.
     XLA partitions it by moving the token gradients with an all-to-all so that each device sums
     into its own slice of the table (`fsdp_jax.sharding.precision.take`; docs/planning.md), which
-    is the layout the project asks for, not an activation resharded against it."""
-    return "jit(_take)" in op_name and op_name.endswith("scatter-add")
+    is the layout the project asks for, not an activation resharded against it; so is the
+    all-to-all `take` asks for itself (its TAKE_UPDATES scope, hybrid_shard)."""
+    return ("jit(_take)" in op_name and op_name.endswith("scatter-add")) or f"/{TAKE_UPDATES}/" in op_name
 
 
 def explicit_all_to_all(op_name: str) -> bool:

@@ -82,19 +82,34 @@ def make_loss_fn(model: ModelFns, model_cfg: DecoderConfig | None = None, dropou
     return loss_fn
 
 
+def _model_inputs(batch) -> dict:
+    """The decoder's inputs and the loss's targets of a step's batch: int32 tokens (B, S + 1)
+    or a packed / document-masked batch dict. With `context_size()` > 1 every (B, S) array is
+    in zig-zag order (`fsdp_jax.sharding.context`), with the positions context attention
+    needs; at context 1 a token batch keeps positions and segment ids None."""
+    n = context_size()
+    if isinstance(batch, dict):
+        return zigzag({k: batch[k] for k in ("inputs", "segment_ids", "positions", "targets", "weights")}, n)
+    b = {"inputs": batch[:, :-1], "targets": batch[:, 1:], "segment_ids": None, "positions": None, "weights": None}
+    if n > 1:
+        b["positions"] = jnp.broadcast_to(jnp.arange(batch.shape[1] - 1, dtype=jnp.int32), b["targets"].shape)
+        b["inputs"], b["targets"], b["positions"] = zigzag((b["inputs"], b["targets"], b["positions"]), n)
+    return b
+
+
+def _loss(logits, b: dict):
+    if b["weights"] is None:
+        return cross_entropy(logits, b["targets"])
+    return token_loss(logits, b["targets"], b["weights"])
+
+
 def _dense_loss_fn(model: ModelFns) -> Callable:
     def loss_fn(params, batch, key):
         kw = {} if key is None else {"dropout_key": key}
-        n = context_size()  # > 1: every (B, S) array in zig-zag order (fsdp_jax.sharding.context)
-        if isinstance(batch, dict):
-            b = zigzag({k: batch[k] for k in ("inputs", "segment_ids", "positions", "targets", "weights")}, n)
-            logits = model.apply(params, b["inputs"], b["segment_ids"], b["positions"], **kw)
-            return token_loss(logits, b["targets"], b["weights"])
-        if n == 1:
-            return cross_entropy(model.apply(params, batch[:, :-1], **kw), batch[:, 1:])
-        positions = jnp.broadcast_to(jnp.arange(batch.shape[1] - 1, dtype=jnp.int32), batch[:, 1:].shape)
-        inputs, targets, positions = zigzag((batch[:, :-1], batch[:, 1:], positions), n)
-        return cross_entropy(model.apply(params, inputs, None, positions, **kw), targets)
+        b = _model_inputs(batch)
+        if b["positions"] is None:
+            return _loss(model.apply(params, b["inputs"], **kw), b)
+        return _loss(model.apply(params, b["inputs"], b["segment_ids"], b["positions"], **kw), b)
 
     return loss_fn
 
@@ -106,22 +121,15 @@ def has_router_aux(model_cfg: DecoderConfig | None) -> bool:
 def _moe_loss_fn(model: ModelFns, cfg: DecoderConfig) -> Callable:
     def loss_fn(params, batch, key):
         kw = {} if key is None else {"dropout_key": key}
-        if isinstance(batch, dict):  # packed rows: the router sees the real tokens only
-            logits, stats = model.apply(
-                params,
-                batch["inputs"],
-                batch["segment_ids"],
-                batch["positions"],
-                router=True,
-                token_mask=batch["segment_ids"] > 0,
-                **kw,
-            )
-            extra, aux = router_terms(cfg, stats)
-            ts = token_loss(logits, batch["targets"], batch["weights"])
-            return TokenSum(ts.total + extra * ts.count, ts.count), aux
-        logits, stats = model.apply(params, batch[:, :-1], router=True, **kw)
+        b = _model_inputs(batch)
+        if b["segment_ids"] is not None:  # packed rows: the router sees the real tokens only
+            kw["token_mask"] = b["segment_ids"] > 0
+        logits, stats = model.apply(params, b["inputs"], b["segment_ids"], b["positions"], router=True, **kw)
         extra, aux = router_terms(cfg, stats)
-        return cross_entropy(logits, batch[:, 1:]) + extra, aux
+        if b["weights"] is None:
+            return _loss(logits, b) + extra, aux
+        ts = _loss(logits, b)
+        return TokenSum(ts.total + extra * ts.count, ts.count), aux
 
     return loss_fn
 

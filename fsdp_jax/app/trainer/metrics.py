@@ -42,6 +42,7 @@ from jax.sharding import PartitionSpec as P
 from fsdp_jax.app.data import corpus as data_lib
 from fsdp_jax.app.models.sample import sample
 from fsdp_jax.app.trainer.router_metrics import summarise
+from fsdp_jax.sharding.context import context_size, unzigzag, zigzag
 from fsdp_jax.sharding.precision import Policy
 from fsdp_jax.sharding.strategy import ShardingPlan, batch_divisor
 from fsdp_jax.targets.perf import device_memory, memory_excess, mfu
@@ -265,14 +266,23 @@ def sample_text(model: ModelFns, plan: ShardingPlan, cfg: Config, params, val, r
     or else shown as token ids. The window is the trained length (data.seq_len, at most
     model.max_seq_len). `params` are in `plan.params` layout; the forward runs sharded
     like training (the prompt is repeated over the batch devices), so it works for any
-    model the run can train, on every process."""
+    model the run can train, on every process. With `mesh.context` > 1 the window runs in
+    the training layout too (zig-zag rows with their positions, sharded over `context`,
+    `fsdp_jax.sharding.context`) rather than gathered onto a context-1 layout: a long
+    context's activations then fit where training's did, and one compiled forward serves."""
     n = batch_divisor(plan.mesh)
     window = min(cfg.model.max_seq_len, cfg.data.seq_len)
     policy = Policy.parse(cfg.precision)
 
     def fwd(p, buf, pos):
         tokens = jnp.broadcast_to(buf[None, :], (n, window))
-        logits = model.apply(policy.cast_to_compute(p), tokens)
+        c = context_size()  # traced under sharding_context(plan): the run's mesh
+        if c == 1:
+            logits = model.apply(policy.cast_to_compute(p), tokens)
+        else:  # slots in zig-zag order, each token with its own RoPE position
+            positions = jnp.broadcast_to(jnp.arange(window, dtype=jnp.int32), (n, window))
+            tokens, positions = zigzag((tokens, positions), c)
+            logits = unzigzag(model.apply(policy.cast_to_compute(p), tokens, None, positions), c)
         return jax.lax.dynamic_index_in_dim(logits[0], pos - 1, keepdims=False).astype(jnp.float32)
 
     replicated = NamedSharding(plan.mesh, P())
