@@ -4,7 +4,8 @@
 Needs torch + transformers + trl (+ accelerate), which the project never installs; use the
 golden venv (tests/golden/README.md):
 
-    .venv-golden/bin/python tests/golden/make_preference_goldens.py   # writes tests/golden/preference
+    .venv-golden/bin/python tests/golden/make_preference_goldens.py          # preference/goldens.json
+    .venv-golden/bin/python tests/golden/make_preference_goldens.py --data   # preference/data_goldens.json
 
 Models: the tiny random `llama3` and `qwen3` checkpoints of tests/golden/hf (float32). The
 policy is the checkpoint; the reference is the same checkpoint with every weight times
@@ -200,5 +201,51 @@ def main() -> None:
     print(f"wrote {OUT / 'goldens.json'}")
 
 
-if __name__ == "__main__":
+if __name__ == "__main__" and "--data" not in sys.argv:
     main()
+
+
+DATA_ROWS = [  # standard, conversational (explicit prompt), UltraFeedback-binarized (implicit prompt)
+    {"prompt": "The sky is", "chosen": " blue.", "rejected": " green."},
+    {
+        "prompt": [{"role": "user", "content": "What color is the sky?"}],
+        "chosen": [{"role": "assistant", "content": "It is blue."}],
+        "rejected": [{"role": "assistant", "content": "It is green."}],
+    },
+    {
+        "prompt": "Name a fruit.",
+        "chosen": [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "Apple."}],
+        "rejected": [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "Carrot."}],
+    },
+]
+
+
+def data_goldens() -> dict:
+    """prompt_ids / chosen_ids / rejected_ids as DPOTrainer._prepare_dataset makes them with the
+    Llama 3 chat tokenizer of tests/golden/chat/llama3 (standard rows and conversational rows
+    separately, as TRL needs one format per dataset; the UltraFeedback row's prompt string is
+    dropped and TRL's extract_prompt takes the common prefix)."""
+    import tempfile
+
+    from datasets import Dataset
+    from transformers import PreTrainedTokenizerFast
+    from trl import DPOConfig, DPOTrainer
+
+    tok = PreTrainedTokenizerFast.from_pretrained(HERE / "chat" / "llama3")
+    t = DPOTrainer.__new__(DPOTrainer)
+    t._tokenizer = tok
+    out = []
+    with tempfile.TemporaryDirectory() as d:
+        args = DPOConfig(output_dir=d, max_length=None, report_to="none", use_cpu=True, bf16=False)
+        for row in DATA_ROWS:
+            row = dict(row)
+            if isinstance(row["chosen"], list) and not isinstance(row["prompt"], list):
+                del row["prompt"]
+            ds = t._prepare_dataset(Dataset.from_list([row]), tok, args, "train")
+            r = ds[0]
+            out.append({k: r[k] for k in ("prompt_ids", "chosen_ids", "rejected_ids")})
+    return {"rows": DATA_ROWS, "ids": out}
+
+
+if __name__ == "__main__" and "--data" in sys.argv:
+    (OUT / "data_goldens.json").write_text(json.dumps(data_goldens(), indent=1) + "\n")

@@ -126,11 +126,11 @@ class PairEncoder:
         return PairIds(p, *out)
 
     def _chat(self, rec, where, report) -> PairIds:
-        if self.chat is None:
-            raise ExampleError(f"{where}: a conversational row needs a chat template (the tokenizer has none)")
         chosen, rejected = rec["chosen"], rec["rejected"]
         if not isinstance(rejected, list):
             raise ExampleError(f'{where}: "chosen" is a list of messages but "rejected" is not')
+        if self.chat is None:
+            raise ExampleError(f"{where}: a conversational row needs a chat template (the tokenizer has none)")
         prompt = rec.get("prompt")
         if not isinstance(prompt, list):  # implicit prompt (UltraFeedback-binarized repeats it)
             n = 0
