@@ -68,3 +68,24 @@ def test_dpo_resumes_exactly_and_exports(tmp_path, capsys):
     rc, _, err = call("export", split, "--hf", tmp_path / "hf", capsys=capsys)
     assert rc == 0, err[-2000:]
     assert (tmp_path / "hf" / "config.json").is_file() and (tmp_path / "hf" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_precomputed_reference_equals_in_step_and_checks_the_data(tmp_path, capsys):
+    data = prefs(tmp_path / "p.jsonl", GOOD)
+    common = ["--config", CONFIG, f"data.path={data}", "train.log_every=1", "train.steps=3"]
+    pre, inline = tmp_path / "pre", tmp_path / "inline"
+    on = "preference.precompute_ref_log_probs=true"
+    assert call("train", *common, f"run_dir={pre}", on, "--no-progress", capsys=capsys)[0] == 0
+    assert call("train", *common, f"run_dir={inline}", "--no-progress", capsys=capsys)[0] == 0
+    assert (pre / "ref_logps.npz").is_file() and not (inline / "ref_logps.npz").exists()
+
+    def rows(run):
+        return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if "rewards/margins" in x]
+
+    for a, b in zip(rows(pre), rows(inline)):
+        for k in ("loss", "rewards/margins", "rewards/chosen", "logps/rejected"):
+            assert abs(a[k] - b[k]) <= 1e-6, (a["step"], k, a[k], b[k])
+    prefs(data, GOOD[:-1] + [{"prompt": "other ", "chosen": "a\n", "rejected": "b\n"}])  # the data changed
+    rc, _, err = call("train", *common[:-1], "train.steps=4", f"run_dir={pre}", on, "--no-progress", capsys=capsys)
+    one_line(rc, err, "ref_logps.npz", "does not match the dataset")

@@ -236,6 +236,7 @@ class PreferenceConfig:
     prompt_key: str = "prompt"
     chosen_key: str = "chosen"
     rejected_key: str = "rejected"
+    precompute_ref_log_probs: bool = False  # reference log-probs computed once before step 1 (run_dir/ref_logps.npz)
 
 
 OBJECTIVES = ("sft", "dpo", "ipo", "hinge", "simpo", "orpo")

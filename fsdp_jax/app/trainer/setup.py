@@ -33,7 +33,7 @@ from fsdp_jax.app.data.token_check import check_corpus_vocab
 from fsdp_jax.app.hf import load as hf
 from fsdp_jax.app.host_memory import check_host_memory, stated_host_memory
 from fsdp_jax.app.objectives import choose_reference, make_preference_loss, with_reference
-from fsdp_jax.app.objectives.preference_run import is_preference, load_pairs, preference_spec
+from fsdp_jax.app.objectives.preference_run import is_preference, load_pairs, precompute_ref_logps, preference_spec
 from fsdp_jax.app.trainer import lora_state
 from fsdp_jax.app.trainer.build import (
     build_from_config,
@@ -212,7 +212,7 @@ def _model(p: _Draft) -> None:
     p.loss_fn = make_loss_fn(p.model, cfg.model, lora_dropout(cfg))
     if is_preference(cfg):  # the reference: frozen starting weights in model state, or the LoRA base
         spec = preference_spec(cfg)
-        reference = choose_reference(spec, lora_spec(cfg) is not None)
+        reference = choose_reference(spec, lora_spec(cfg) is not None, cfg.preference.precompute_ref_log_probs)
         p.model = with_reference(p.model) if reference == "state" else p.model
         p.loss_fn = make_preference_loss(p.model, spec, reference)
 
@@ -274,6 +274,8 @@ def _state(p: _Draft) -> None:
             print(f"initialised params from {cfg.init_from}", flush=True)
     else:
         state = built.init_state(rng)
+    if is_preference(cfg) and cfg.preference.precompute_ref_log_probs and preference_spec(cfg).needs_reference:
+        precompute_ref_logps(cfg, p.model, built.plan, state.params, resumed=restored is not None)
     p.run = Run(
         cfg,
         p.mesh,
