@@ -48,6 +48,7 @@ LEVELS = {
     "fsdp_jax.app.planner": 6,
     "fsdp_jax.app.trainer": 5,
     "fsdp_jax.app.hf": 4,
+    "fsdp_jax.app.objectives": 4,
     "fsdp_jax.app.config": 3,
     "fsdp_jax.app.data": 3,
     "fsdp_jax.app.models": 2,

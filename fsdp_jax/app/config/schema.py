@@ -31,6 +31,7 @@ LIMITS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "off": (lambda v: v >= 0, "must be >= 0 (0 = off)"),
     "[0, 1]": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
     "[0, 1)": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
+    "[0, 0.5)": (lambda v: 0 <= v < 0.5, "must be in [0, 0.5)"),
     "> 0 or null": (lambda v: v is None or v > 0, "must be > 0, or null for no clipping"),
     ">= 1 or null": (lambda v: v is None or v >= 1, "must be >= 1 (or null to auto-detect)"),
     "mesh size": (lambda v: v >= 1 or v == -1, "must be >= 1, or -1 for the remaining devices"),
@@ -228,6 +229,27 @@ class LoraConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class PreferenceConfig:
+    """Preference tuning, when `objective` is not sft (`fsdp_jax.app.objectives`, docs/preference.md):
+    data.path is then a .jsonl / .parquet / datasets dir of {prompt, chosen, rejected} rows."""
+
+    beta: float = limit(0.1, "> 0")
+    label_smoothing: float = limit(0.0, "[0, 0.5)")  # dpo (conservative DPO), simpo
+    simpo_gamma: float = 0.5
+    cpo_alpha: float = limit(0.0, ">= 0")  # simpo: weight of the chosen NLL (CPO-SimPO); 0 = pure SimPO
+    max_length: int = limit(0, "off")  # prompt + completion tokens kept (TRL's max_length); 0 = data.seq_len + 1
+    truncation: str = limit("keep_start", choices=("keep_start", "keep_end"))
+    tokenizer: str | None = None  # a tokenizer.json (or its dir, with its chat template); null = UTF-8 bytes
+    prompt_key: str = "prompt"
+    chosen_key: str = "chosen"
+    rejected_key: str = "rejected"
+    precompute_ref_log_probs: bool = False  # reference log-probs computed once before step 1 (run_dir/ref_logps.npz)
+
+
+OBJECTIVES = ("sft", "dpo", "ipo", "hinge", "simpo", "orpo")
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     model: DecoderConfig = DecoderConfig()
     mesh: MeshConfig = MeshConfig()
@@ -237,6 +259,8 @@ class Config:
     distributed: DistributedConfig = DistributedConfig()
     logging: LoggingConfig = LoggingConfig()
     lora: LoraConfig = LoraConfig()
+    preference: PreferenceConfig = PreferenceConfig()
+    objective: str = limit("sft", choices=OBJECTIVES)  # sft: next-token loss; else a preference loss
     precision: str = "params=float32,compute=float32"
     remat: str = "dots"
     offload: str = "none"  # none | optimizer | optimizer+params: state kept in host memory

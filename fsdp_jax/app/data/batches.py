@@ -54,7 +54,7 @@ def check_tokens(local: np.ndarray, vocab_size: int, step: int, data_path: str) 
     """A batch's token ids are in [0, vocab_size): an id outside would only show up as
     a NaN loss (the embedding lookup fills it), so name the data instead."""
     if isinstance(local, dict):
-        local = local["inputs"]
+        local = local["inputs"] if "inputs" in local else local["tokens"]  # packed rows, or preference pairs
     lo, hi = int(local.min()), int(local.max())
     if lo < 0 or hi >= vocab_size:
         bad = hi if hi >= vocab_size else lo

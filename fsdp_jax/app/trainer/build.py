@@ -163,7 +163,7 @@ def build_from_config(
         mesh,
         strategy or cfg.mesh.strategy,
         loss_fn=make_loss_fn(model, cfg.model, lora_dropout(cfg)) if loss_fn is None else loss_fn,
-        has_aux=has_router_aux(cfg.model),
+        has_aux=has_router_aux(cfg.model) or cfg.objective != "sft",  # preference losses: their metrics
         rules=cfg.mesh.rules,
         min_shard_size=cfg.mesh.min_shard_size,
         max_replicated_fraction=max_replicated_fraction,

@@ -124,6 +124,11 @@ class LogHook(Hook):
                 gnorm=f"{rec['grad_norm']:.2f}",
                 tok_s=f"{rec['tokens_per_s']:.0f}",
                 mfu=f"{rec['mfu']:.1%}" if rec.get("mfu") else "n/a",
+                **(
+                    {"margin": f"{rec['rewards/margins']:.3f}", "acc": f"{rec['rewards/accuracies']:.2f}"}
+                    if "rewards/margins" in rec
+                    else {}
+                ),
                 time=format_window(rec),
             )
 
@@ -210,5 +215,5 @@ def default_hooks(cfg, profiler: ProfileWindow) -> list[Hook]:
         LogHook(every=c.log_every),
         EvalHook(every=c.eval_every),
         CheckpointHook(every=c.checkpoint_every),
-        SampleHook(tokens=c.sample_tokens),
+        SampleHook(tokens=c.sample_tokens if cfg.objective == "sft" else 0),  # preference rows: no corpus to prompt
     ]

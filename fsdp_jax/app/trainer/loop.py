@@ -30,6 +30,7 @@ from fsdp_jax.app.config.parse import save_config
 from fsdp_jax.app.config.schema import Config
 from fsdp_jax.app.data.batches import check_segments, check_tokens, global_batch, make_batches
 from fsdp_jax.app.models.decoder import count_params, flops_per_token
+from fsdp_jax.app.objectives.preference_run import is_preference, make_preference_batches
 from fsdp_jax.app.trainer.build import lora_spec
 from fsdp_jax.app.trainer.faults import Faults
 from fsdp_jax.app.trainer.hooks import Hook, LoopState, default_hooks
@@ -81,7 +82,8 @@ def _start(run: Run, progress: bool) -> tuple[LoopState, Any, ProfileWindow]:
         save_config(cfg, run.run_dir / "config.yaml")
     log = MetricsLog(run.run_dir, run.is_main, c.tensorboard, wandb=wandb_settings(cfg), timer=timer)
     log.truncate(run.start_step)  # a fresh start (0) drops the rows of a run that died before saving
-    batches, val = make_batches(cfg, jax.process_index(), jax.process_count())
+    make = make_preference_batches if is_preference(cfg) else make_batches
+    batches, val = make(cfg, jax.process_index(), jax.process_count())
     batches.set_state(
         run.restored.extras.get("data", {"step": run.start_step}) if run.restored else {"step": run.start_step}
     )
@@ -93,7 +95,7 @@ def _start(run: Run, progress: bool) -> tuple[LoopState, Any, ProfileWindow]:
     window = LogWindow(
         run.start_step,
         schedule=run.schedule,
-        tokens_per_step=c.global_batch * cfg.data.seq_len,
+        tokens_per_step=c.global_batch * cfg.data.seq_len * (2 if is_preference(cfg) else 1),  # pairs: 2 rows
         flops_per_token=flops_per_token(cfg.model, cfg.data.seq_len, lora_spec(cfg)),
         peak_flops=peak_flops(jax.devices()[0], Policy.parse(cfg.precision).compute_dtype.name),
         n_devices=jax.device_count(),

@@ -41,6 +41,7 @@ from jax.sharding import PartitionSpec as P
 
 from fsdp_jax.app.data import corpus as data_lib
 from fsdp_jax.app.models.sample import sample
+from fsdp_jax.app.objectives import finish_metrics
 from fsdp_jax.app.trainer.router_metrics import summarise
 from fsdp_jax.sharding.context import context_size, unzigzag, zigzag
 from fsdp_jax.sharding.precision import Policy
@@ -254,7 +255,9 @@ class LogWindow:
         if trained:
             rec["trained_tokens"] = int(sum(trained))
             rec["trained_tokens_per_s"] = sum(trained) / len(trained) / dt
-        rec.update(summarise(self.router))
+        # the step's aux: a preference loss's metrics (TRL's names), or a mixture of experts' router terms
+        pref = bool(self.router) and "rewards/margins" in self.router[0]
+        rec.update(finish_metrics(self.router) if pref else summarise(self.router))
         rec.update(tw)
         return rec
 

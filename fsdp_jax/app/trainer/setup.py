@@ -32,6 +32,8 @@ from fsdp_jax.app.data import corpus as data_lib
 from fsdp_jax.app.data.token_check import check_corpus_vocab
 from fsdp_jax.app.hf import load as hf
 from fsdp_jax.app.host_memory import check_host_memory, stated_host_memory
+from fsdp_jax.app.objectives import choose_reference, make_preference_loss, with_reference
+from fsdp_jax.app.objectives.preference_run import is_preference, load_pairs, precompute_ref_logps, preference_spec
 from fsdp_jax.app.trainer import lora_state
 from fsdp_jax.app.trainer.build import (
     build_from_config,
@@ -121,7 +123,10 @@ def preflight(cfg: Config, progress: bool = False) -> None:
             "train.tensorboard", "true needs the tensorboardX package (pip install tensorboardX), or set it to false"
         )
     check_dir_path(cfg.run_dir, "run_dir")
-    if cfg.data.source == "stdlib" and not (Path(cfg.data.path) / "meta.json").exists():
+    if is_preference(cfg):  # every row read and tokenized now: a bad one fails before anything is written
+        preference_spec(cfg)
+        load_pairs(cfg)
+    elif cfg.data.source == "stdlib" and not (Path(cfg.data.path) / "meta.json").exists():
         check_dir_path(cfg.data.path, "data.path")
     else:
         check_data(cfg)
@@ -189,7 +194,10 @@ def _validate(p: _Draft) -> None:
 
 
 def _data(p: _Draft) -> None:
-    prepare_data(p.cfg)
+    if is_preference(p.cfg):
+        load_pairs(p.cfg)
+    else:
+        prepare_data(p.cfg)
 
 
 def _model(p: _Draft) -> None:
@@ -202,6 +210,11 @@ def _model(p: _Draft) -> None:
     if lora_spec(cfg) is not None:
         p.optimizer = lora_optimizer(p.optimizer)
     p.loss_fn = make_loss_fn(p.model, cfg.model, lora_dropout(cfg))
+    if is_preference(cfg):  # the reference: frozen starting weights in model state, or the LoRA base
+        spec = preference_spec(cfg)
+        reference = choose_reference(spec, lora_spec(cfg) is not None, cfg.preference.precompute_ref_log_probs)
+        p.model = with_reference(p.model) if reference == "state" else p.model
+        p.loss_fn = make_preference_loss(p.model, spec, reference)
 
 
 def _mesh(p: _Draft) -> None:
@@ -254,11 +267,15 @@ def _state(p: _Draft) -> None:
                 flush=True,
             )
     elif cfg.init_from:  # a Hugging Face checkpoint (read shard by shard), a file or a run
-        state = built.state_from_params(_base_loader(p, built)(built.abstract_state.params))
+        params = _base_loader(p, built)(built.abstract_state.params)
+        # a reference kept in model state starts as these weights too
+        state = built.place(params, params) if built.plan.model_state is not None else built.state_from_params(params)
         if is_main:
             print(f"initialised params from {cfg.init_from}", flush=True)
     else:
         state = built.init_state(rng)
+    if is_preference(cfg) and cfg.preference.precompute_ref_log_probs and preference_spec(cfg).needs_reference:
+        precompute_ref_logps(cfg, p.model, built.plan, state.params, resumed=restored is not None)
     p.run = Run(
         cfg,
         p.mesh,

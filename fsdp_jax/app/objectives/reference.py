@@ -1,0 +1,101 @@
+"""The preference loss as the train step calls it, with its reference model.
+
+Where the reference log-probs come from (`REFERENCES`):
+
+- `state`: the frozen starting weights ride in `TrainState.model_state` (`with_reference`):
+  planned and sharded like the params at rest (`fsdp_jax.model.variables`), never
+  differentiated, no optimizer state, checkpointed with the run (so a resume is exact);
+  the step runs one extra forward over them, in the dtype they are stored in.
+- `adapters_off`: under LoRA, the policy's own params with every `lora_b` zeroed (so
+  x A 0 = 0 exactly): the frozen base, no second copy of the weights.
+- `precomputed`: the batch carries `ref_logps` (P, 2) (`precompute_ref_log_probs`).
+- `none`: a reference-free loss (simpo, orpo).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from fsdp_jax.app.models.lora import is_adapter
+from fsdp_jax.app.objectives.preference import PreferenceSpec, preference_terms, sequence_logps
+from fsdp_jax.model.fns import ModelFns
+
+REFERENCES = ("state", "adapters_off", "precomputed", "none")
+
+
+def choose_reference(spec: PreferenceSpec, lora: bool, precomputed: bool = False) -> str:
+    """The reference a run uses: none for reference-free losses, else precomputed when
+    asked, else the LoRA base (adapters off), else the frozen copy in model state."""
+    if not spec.needs_reference:
+        return "none"
+    if precomputed:
+        return "precomputed"
+    return "adapters_off" if lora else "state"
+
+
+def with_reference(model: ModelFns, dtype=None) -> ModelFns:
+    """`model` whose non-trainable state is a copy of its params (the reference): the same
+    shapes (cast to `dtype` when given) and logical axes, initialised by the same init, so
+    `init_state(rng)` equals `init(rng)`. The decoder's `apply` is unchanged."""
+    abstract = model.abstract_params
+    if dtype is not None:
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(dtype)), abstract)
+    return dataclasses.replace(
+        model, abstract_model_state=abstract, model_state_axes=model.logical_axes, init_state=model.init
+    )
+
+
+def adapters_off(params):
+    """`params` with every adapter's `lora_b` zeroed: the base model's function."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: jnp.zeros_like(x) if is_adapter(path) and _last(path) == "lora_b" else x, params
+    )
+
+
+def _last(path) -> str:
+    k = path[-1]
+    return str(getattr(k, "key", getattr(k, "name", k)))
+
+
+def pair_logits(model: ModelFns, params, batch, key=None):
+    """Logits (2P, L-1, V) of the batch's rows `tokens[..., :-1]`, pairs flattened."""
+    p = batch["tokens"].shape[0]
+    inputs = batch["tokens"][..., :-1].reshape(2 * p, -1)
+    kw = {} if key is None else {"dropout_key": key}
+    return model.apply(params, inputs, **kw)
+
+
+def reference_logps(model: ModelFns, ref_params, batch):
+    """(P, 2) completion log-prob sums under `ref_params` (no gradient flows)."""
+    p = batch["tokens"].shape[0]
+    logits = pair_logits(model, jax.lax.stop_gradient(ref_params), batch)
+    targets = batch["tokens"][..., 1:].reshape(2 * p, -1)
+    mask = batch["completion"][..., 1:].reshape(2 * p, -1)
+    sums, _ = sequence_logps(logits, targets, mask)
+    return jax.lax.stop_gradient(sums.reshape(p, 2))
+
+
+def make_preference_loss(model: ModelFns, spec: PreferenceSpec, reference: str) -> Callable:
+    """`loss_fn(params, batch, state=None, rng=None, train=True)` for the train step (build
+    with `has_aux=True`): returns `(loss, aux)`, or `((loss, aux), state)` when the
+    reference is the model state (the step's extended call; the state comes back as it was)."""
+    if reference not in REFERENCES:
+        raise ValueError(f"reference {reference!r}: one of {', '.join(REFERENCES)}")
+
+    def loss_fn(params, batch, state=None, rng=None, train=True):
+        logits = pair_logits(model, params, batch, rng if train else None)
+        ref = None
+        if reference == "precomputed":
+            ref = batch["ref_logps"].astype(jnp.float32)
+        elif reference == "state":
+            ref = reference_logps(model, state, batch)
+        elif reference == "adapters_off":
+            ref = reference_logps(model, adapters_off(params), batch)
+        out = preference_terms(spec, logits, batch, ref)
+        return (out, state) if reference == "state" else out
+
+    return loss_fn
