@@ -199,7 +199,9 @@ def _leaf(x, names, lg: LayerGather):
         # host, which the step brings back once the backward pass is done
         x = checkpoint_name(jax.device_put(x, jax.memory.Space.Device), FETCHED)
     if not jnp.issubdtype(x.dtype, jnp.floating):
-        return x
+        # integer leaves (a quantised frozen weight's codes and scales, `fsdp_jax.quant`): no
+        # cast, no gradient; gathered here, so what moves is the codes, not the dequantised weight
+        return checkpoint_name(constrain(x, _spec(x, names, lg, ())), GATHERED)
     rest = _spec(x, names, lg, lg.shard_axes)
     compute, reduce = jnp.dtype(lg.compute_dtype), jnp.dtype(lg.reduce_dtype)
     if lg.explicit:

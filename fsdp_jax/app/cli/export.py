@@ -103,6 +103,8 @@ def run(args) -> int:
             f"file(s), {info['bytes'] / 2**20:.2f} MiB -> {info['path']}",
             flush=True,
         )
+        if info.get("dequantised"):
+            print(f"note: the base was trained quantised ({info['dequantised']}); merged into its dequantised weights")
         return 0
     out = Path(args.out)
     _check_out_file(out, args.out)

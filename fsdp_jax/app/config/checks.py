@@ -16,6 +16,7 @@ from fsdp_jax.app.config.schema import Config, check_fields
 from fsdp_jax.app.models import lora as lora_lib
 from fsdp_jax.app.models.config import DecoderConfig
 from fsdp_jax.app.models.moe import moe_config_problem
+from fsdp_jax.app.models.qlora import quant_problem
 from fsdp_jax.errors import ConfigError, MeshError
 from fsdp_jax.sharding.mesh import resolve_mesh_shape
 from fsdp_jax.sharding.offload import OFFLOADS
@@ -234,11 +235,18 @@ def _check_lora(cfg: Config) -> None:
             raise ConfigError(f"lora.{key}", str(e)) from None
     if not lo.rank:
         _check(lo.init_from is None, "lora.init_from", lo.init_from, "needs lora.rank > 0 (a PEFT adapter's r)")
+        _check(
+            lo.base_quant == "none", "lora.base_quant", lo.base_quant, "quantises LoRA's frozen base: set lora.rank > 0"
+        )
         return
+    if lo.base_quant == "nf4":
+        _check(lo.quant_block % 2 == 0, "lora.quant_block", lo.quant_block, "must be even (two codes per byte)")
     spec = lora_lib.spec_from_config(lo)
     bad = lora_lib.target_problem(cfg.model, spec) or ("lora.targets", "")
     _check(not bad[1], bad[0], getattr(lo, bad[0].split(".")[1]), bad[1])
     _check((drop := lora_lib.expert_dropout(cfg.model, spec)) is None, "lora.dropout", lo.dropout, str(drop))
+    problem = quant_problem(cfg.model, spec)
+    _check(problem is None, "lora.base_quant", lo.base_quant, str(problem))
     most = lora_lib.max_rank(cfg.model, spec.targets, spec.experts)
     _check(lo.rank <= most, "lora.rank", lo.rank, f"must be <= {most}, the smallest target's smaller dim")
     if lo.init_from is not None:

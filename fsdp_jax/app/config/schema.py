@@ -226,6 +226,10 @@ class LoraConfig:
     target_parameters: str = names("auto")  # a mixture of experts' fused expert tensors (PEFT's target_parameters):
     #   auto (those the MLP targets name), none, or mlp.experts.gate_up_proj mlp.experts.down_proj
     init_from: str | None = None  # peft:DIR: start from a PEFT adapter (adapter_config.json + safetensors)
+    base_quant: str = limit("none", choices=("none", "nf4", "int8"))  # the targets' frozen weights stored
+    #   quantised (QLoRA, docs/qlora.md): nf4 (bitsandbytes' NF4, blockwise) or int8 (per output channel)
+    quant_block: int = limit(64, "> 0")  # nf4's block (elements per absmax) along each weight's last dim
+    double_quant: bool = False  # nf4: quantise the absmax too (bitsandbytes' compress_statistics)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,6 +20,7 @@ from fsdp_jax.app.hf import load as hf
 from fsdp_jax.app.hf import moe_layout, peft
 from fsdp_jax.app.hf.export import check_out_dir, saved_source, write_hf_dir
 from fsdp_jax.app.models import lora as lora_lib
+from fsdp_jax.app.models.qlora import as_trained
 from fsdp_jax.checkpoint import CheckpointError, tree_paths
 
 
@@ -84,12 +85,15 @@ def export_merged(
         shape = shapes[path]
         stacked = len(names) > 1 or moe_layout.is_stacked(cfg, path)
         leaf = base.read(names, kind, tuple(slice(0, n) for n in shape), shape, dtypes[path], stacked)
-        return peft.merged_leaf(path, leaf, adapters, cfg, spec)  # as the base stores it if not adapted
+        trained = as_trained(path, leaf, cfg, spec)  # QLoRA: the dequantised weight the run trained on
+        return peft.merged_leaf(path, trained, adapters, cfg, spec).astype(
+            leaf.dtype
+        )  # as the base stores it if not adapted
 
     kw = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
     hint = hf.read_config_json(hf.hf_dir(run_cfg.init_from)).get("model_type")
     info = write_hf_dir(out, run_cfg, hint, dtypes, read_leaf, dtype, **kw)
-    return {"step": s, **info}
+    return {"step": s, **info, "dequantised": None if spec.base_quant is None else spec.base_quant.label}
 
 
 def _abstract(cfg):

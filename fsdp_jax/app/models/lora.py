@@ -36,6 +36,7 @@ from flax import nnx
 
 from fsdp_jax.app.models import families
 from fsdp_jax.model.lora import a_init
+from fsdp_jax.quant.weight import QuantSpec
 from fsdp_jax.sharding.axes import EMBED, EXPERT, HEADS, KV, KV_HEADS, LORA_RANK, MLP
 from fsdp_jax.sharding.leaf_sharding import path_str
 from fsdp_jax.sharding.precision import matmul
@@ -71,6 +72,10 @@ class LoraSpec:
     # a mixture of experts' adapted expert tensors (`EXPERT_ADAPTERS` names, PEFT's
     # target_parameters); None: those the MLP targets name (`spec_experts`)
     experts: tuple[str, ...] | None = None
+    # QLoRA: the targets' frozen weights stored quantised (`fsdp_jax.quant`), dequantised in
+    # `quant_dtype` (the compute dtype) inside each layer; None: kept as they are
+    base_quant: QuantSpec | None = None
+    quant_dtype: str = "float32"
 
     @property
     def scale(self) -> float:
@@ -126,7 +131,14 @@ def spec_from_config(section) -> LoraSpec | None:
         return None
     experts = resolve_experts(section.target_parameters)
     targets = resolve_targets(section.targets)
-    return LoraSpec(section.rank, section.alpha, targets, section.rslora, section.dropout, experts=experts)
+    quant = (
+        None
+        if section.base_quant == "none"
+        else QuantSpec(section.base_quant, section.quant_block, section.double_quant)
+    )
+    return LoraSpec(
+        section.rank, section.alpha, targets, section.rslora, section.dropout, experts=experts, base_quant=quant
+    )
 
 
 def weight_dims(cfg, name: str, shared: bool = False):

@@ -8,6 +8,7 @@ that reach `fsdp_jax.train.build.build` are written here once.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import jax
@@ -18,10 +19,13 @@ from jax.sharding import Mesh
 
 from fsdp_jax.app.models.config import DecoderConfig
 from fsdp_jax.app.models.decoder import Decoder, cross_entropy
-from fsdp_jax.app.models.lora import LoraSpec, adapter_mask, spec_from_config
+from fsdp_jax.app.models.lora import LoraSpec, adapted, adapter_mask, spec_from_config
+from fsdp_jax.app.models.qlora import CONTRACTED
 from fsdp_jax.app.trainer.router_metrics import router_terms
 from fsdp_jax.model.fns import ModelFns, from_nnx
+from fsdp_jax.quant.modules import quantize_module
 from fsdp_jax.sharding.context import context_size, zigzag
+from fsdp_jax.sharding.precision import Policy
 from fsdp_jax.train.build import Built, build
 from fsdp_jax.train.step_parts import TokenSum
 
@@ -31,12 +35,25 @@ _UNSET: Any = object()
 def trainer_model(model_cfg: DecoderConfig, remat: str = "none", lora: LoraSpec | None = None) -> ModelFns:
     """The reference decoder as `ModelFns` (`from_nnx`), with `remat` applied per block and
     `lora`'s adapters (`fsdp_jax.app.models.lora`)."""
-    return from_nnx(lambda rngs: Decoder(model_cfg, rngs=rngs, remat=remat, lora=lora))
+    if lora is None or lora.base_quant is None:
+        return from_nnx(lambda rngs: Decoder(model_cfg, rngs=rngs, remat=remat, lora=lora))
+    weights = {w: CONTRACTED[w] for w in adapted(model_cfg, lora)[0]}  # QLoRA: the targets' weights quantised
+
+    def make(rngs):
+        return quantize_module(
+            Decoder(model_cfg, rngs=rngs, remat=remat, lora=lora), lora.base_quant, weights, lora.quant_dtype
+        )
+
+    return from_nnx(make)
 
 
 def lora_spec(cfg) -> LoraSpec | None:
-    """The run config's `lora:` section as the decoder's `LoraSpec` (None: rank 0, no LoRA)."""
-    return spec_from_config(cfg.lora)
+    """The run config's `lora:` section as the decoder's `LoraSpec` (None: rank 0, no LoRA);
+    a quantised base dequantises in the precision's compute dtype."""
+    spec = spec_from_config(cfg.lora)
+    if spec is None or spec.base_quant is None:
+        return spec
+    return dataclasses.replace(spec, quant_dtype=np.dtype(Policy.parse(cfg.precision).compute_dtype).name)
 
 
 def lora_dropout(cfg) -> bool:

@@ -26,6 +26,7 @@ from fsdp_jax.app.config.parse import config_to_dict
 from fsdp_jax.app.hf import peft
 from fsdp_jax.app.models import lora as lora_lib
 from fsdp_jax.app.trainer.build import lora_spec
+from fsdp_jax.app.trainer.qlora_load import load_quantised
 from fsdp_jax.errors import CheckpointError
 from fsdp_jax.train.state import TrainState
 
@@ -58,13 +59,25 @@ def fingerprint(cfg, base) -> dict:
         "path": cfg.init_from,
         "config": config_to_dict(cfg)["model"],
         "checksum": checksum(base),
+        "quant": _quant_label(cfg),
     }
+
+
+def _quant_label(cfg) -> str:
+    """The base's storage: "none" or the quantisation (`QuantSpec.label`, e.g. nf4/64/dq)."""
+    spec = lora_spec(cfg)
+    return "none" if spec is None or spec.base_quant is None else spec.base_quant.label
 
 
 def check_fingerprint(saved: dict | None, now: dict, where: str) -> None:
     """CheckpointError (one line) unless the checkpoint's base is this run's."""
     if saved is None:
         raise CheckpointError(f"{where}: not a LoRA checkpoint (no lora_base); resume it without a lora: section")
+    if saved.get("quant", "none") != now["quant"]:
+        raise CheckpointError(
+            f"{where}: its adapters were trained on a base quantised as {saved.get('quant', 'none')}; this run's "
+            f"is {now['quant']} (set lora.base_quant / quant_block / double_quant as it was)"
+        )
     if saved.get("checksum") != now["checksum"]:
         raise CheckpointError(
             f"{where}: its adapters were trained on another base ({saved.get('path')!r}, checksum "
@@ -96,11 +109,16 @@ def _init_part(built, rng, pick: int):
         return jax.jit(make, out_shardings=shardings)(rng)
 
 
-def base_params(built, rng, load: Callable[[Any], Any] | None):
-    """The frozen base: `load(abstract base)` (init_from), else the model's own init."""
+def base_params(built, rng, load: Callable[[Any], Any] | None, cfg=None):
+    """The frozen base: `load(abstract base)` (init_from; a QLoRA run's quantised on the
+    devices as it lands, `qlora_load`), else the model's own init."""
     if load is None:
         return _init_part(built, rng, 0)
-    return load(lora_lib.split(built.abstract_state.params)[0])
+    abstract = lora_lib.split(built.abstract_state.params)[0]
+    spec = None if cfg is None else lora_spec(cfg)
+    if spec is not None and spec.base_quant is not None:
+        return load_quantised(load, abstract, spec.base_quant, 1 if cfg.model.scan_layers else 0)
+    return load(abstract)
 
 
 def adapter_params(cfg, built, rng):
@@ -122,7 +140,7 @@ class LoraStart:
 
 def start(cfg, built, rng, load, adapters=None) -> LoraStart:
     """Base (loaded or initialised) joined with `adapters` (default: `adapter_params`)."""
-    base = base_params(built, rng, load)
+    base = base_params(built, rng, load, cfg)
     fp = fingerprint(cfg, base)
     ad = adapter_params(cfg, built, rng) if adapters is None else adapters
     return LoraStart(lora_lib.join(base, ad), fp)

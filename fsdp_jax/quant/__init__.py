@@ -1,0 +1,1 @@
+"""Quantised frozen weights (QLoRA): see fsdp_jax/quant/codes.py and weight.py."""
