@@ -1,7 +1,7 @@
 """The safetensors format: checked headers, sliced reads, streamed writes, any dtype.
 
 One implementation for the library (checkpoint export / `load_safetensors` /
-`init_from`) and the application (Hugging Face import and export, `convert_hf`).
+`init_from`) and the application (Hugging Face import and export, `convert`).
 
 A file is an 8-byte little-endian header length, a JSON object
 `{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}`

@@ -2,7 +2,7 @@
 
 `maybe_initialize` decides, before any JAX computation:
 * explicit settings (arguments, or the FSDP_JAX_COORDINATOR / FSDP_JAX_NUM_PROCESSES /
-  FSDP_JAX_PROCESS_ID variables that `scripts/launch_local.py` and the Kubernetes recipe
+  FSDP_JAX_PROCESS_ID variables that `scripts/launch.py` and the Kubernetes recipe
   set; in a Kubernetes Indexed Job the process id defaults to the pod's JOB_COMPLETION_INDEX)
   -> initialise with them;
 * a multi-host TPU slice on GKE (TPU_WORKER_HOSTNAMES, TPU_WORKER_ID: `fsdp_jax.multihost.clusters`)
@@ -55,7 +55,7 @@ def is_loopback(host: str) -> bool:
 def bind_address(coordinator: str, environ=os.environ) -> str | None:
     """Where process 0's coordinator service listens. JAX's default is every interface
     (`[::]:port`): an unauthenticated service. A loopback coordinator address (a
-    single-machine job, e.g. scripts/launch_local.py) binds that loopback address
+    single-machine job, e.g. scripts/launch.py) binds that loopback address
     only; otherwise JAX_COORDINATOR_BIND_ADDRESS, when set, or JAX's default (None)."""
     host, _, port = coordinator.rpartition(":")
     if is_loopback(host):

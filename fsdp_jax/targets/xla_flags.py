@@ -3,7 +3,7 @@
 `GPU_FSDP_FLAGS` (config `xla_gpu_flags: fsdp`, `scripts/gpu_check.sh`) holds only the
 flags that a deviceless XLA:GPU compile shows helping; `EVALUATED` lists every flag
 looked at, with the evidence. Evidence: `configs/llama_1b.yaml` under full_shard compiled
-for 8 x H100 (`scripts/inspect_sharding.py --target h100 --xla-flags=...`; table in
+for 8 x H100 (`scripts/inspect.py --target h100 --xla-flags=...`; table in
 BENCHMARKS.md "XLA GPU flags in the compiled schedule"). Runtime speed still waits for a
 GPU run. XLA reads XLA_FLAGS when the backend starts, so set them before the first JAX
 computation; for one compile, `compile(compiler_options=parse_flags(...))`.

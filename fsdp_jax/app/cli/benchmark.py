@@ -5,7 +5,7 @@
         [--baselines] [--peak-tflops T] [--json] [--plot sweep.png] [key=value ...]
 
 (`python scripts/benchmark.py ...` is the same command; the runners are
-`fsdp_jax.app.planner.bench`.) Inputs are random tokens (no data set needed). `--baselines` adds two reference
+`fsdp_jax.app.planner.benchmark`.) Inputs are random tokens (no data set needed). `--baselines` adds two reference
 rows at the same global batch: the same model on one device (`single_device`) and
 a plain hand-written JAX data-parallel loop (`plain_dp`: replicated params, batch
 sharded, `jax.jit` + `jax.value_and_grad` + optax, no fsdp_jax code in the step).
@@ -60,7 +60,7 @@ def run(args) -> int:
 def _parse_flags(args) -> tuple[list, list[str]]:
     """(sweeps, strategy names) from the flags; the --plot file and the config checked."""
     from fsdp_jax.app.cli.args import check_out_file, require
-    from fsdp_jax.app.planner.bench import parse_sweeps
+    from fsdp_jax.app.planner.benchmark import parse_sweeps
     from fsdp_jax.app.trainer.setup import load_run_config
     from fsdp_jax.errors import ConfigError
     from fsdp_jax.sharding.strategy import get_strategy
@@ -85,7 +85,7 @@ def _checked_runs(args, sweeps) -> list[tuple[dict, object, int]]:
     import jax
 
     from fsdp_jax.app.config.checks import check_backend, validate
-    from fsdp_jax.app.planner.bench import combos
+    from fsdp_jax.app.planner.benchmark import combos
     from fsdp_jax.app.trainer.setup import load_run_config
     from fsdp_jax.errors import ConfigError
 
@@ -110,7 +110,7 @@ def _bench_point(args, combo: dict, cfg, devices: list, strategies: list[str]) -
     """One sweep point's rows (each strategy, and the baselines), each printed as it is
     measured unless --json."""
     from fsdp_jax.app.models.decoder import flops_per_token
-    from fsdp_jax.app.planner.bench import bench_fsdp, bench_plain_dp
+    from fsdp_jax.app.planner.benchmark import bench_fsdp, bench_plain_dp
     from fsdp_jax.sharding.precision import Policy
     from fsdp_jax.targets.perf import mfu, peak_flops
 
@@ -156,7 +156,7 @@ def _report(args, sweeps, results: list[dict], devices_all: list) -> None:
     """The JSON document (--json) and the plot against the first sweep key (--plot)."""
     import jax
 
-    from fsdp_jax.app.planner.bench import plot
+    from fsdp_jax.app.planner.benchmark import plot
 
     doc = {
         "config": args.config,

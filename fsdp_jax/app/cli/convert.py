@@ -3,7 +3,7 @@
     fsdp-jax convert checkpoints/Llama-2-7b-hf --out llama2_7b.safetensors \\
         [--dtype bfloat16] [--config-out llama2_7b_model.yaml]
 
-(`python scripts/convert_hf.py ...` is the same command.) Reads config.json and
+(`python scripts/convert.py ...` is the same command.) Reads config.json and
 model.safetensors (or the shards of model.safetensors.index.json), checks every tensor
 against the config (refusing what the decoder cannot compute: one line naming the field;
 docs/hf_models.md), and writes one file keyed like the trainer's params

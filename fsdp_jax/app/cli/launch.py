@@ -2,7 +2,7 @@
 
     fsdp-jax launch --processes 2 --devices-per-process 4 -- \\
         fsdp-jax train --config configs/tiny.yaml
-    python scripts/launch_local.py --processes 2 --devices-per-process 4 -- \\
+    python scripts/launch.py --processes 2 --devices-per-process 4 -- \\
         python scripts/train.py --config configs/tiny.yaml
 
 Each process gets FSDP_JAX_COORDINATOR (a free localhost port; the coordinator
@@ -127,7 +127,7 @@ def run(args, command: list[str]) -> int:
             )
             with lock:
                 print(
-                    f"error: launch_local: process {i} exited with {rc}{how}; stopping the other "
+                    f"error: launch: process {i} exited with {rc}{how}; stopping the other "
                     f"{len(procs) - 1} (SIGTERM, SIGKILL after {args.grace:g} s)",
                     file=sys.stderr,
                     flush=True,

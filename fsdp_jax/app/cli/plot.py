@@ -3,7 +3,7 @@ breakdown per logged window, and the goodput of each run segment) from
 RUN_DIR/metrics.jsonl (`fsdp_jax.app.trainer.plot`).
 
     fsdp-jax plot RUN_DIR [--out RUN_DIR/metrics.png]
-    python scripts/plot_metrics.py RUN_DIR [--out RUN_DIR/metrics.png]
+    python scripts/plot.py RUN_DIR [--out RUN_DIR/metrics.png]
 
 Needs matplotlib (pip install 'fsdp_jax[plot]'). Exit codes: 0 success, 2 bad input (one
 line on stderr), 1 anything else.

@@ -5,7 +5,7 @@
     fsdp-jax prepare --out data/mine --bin train.bin --val-bin val.bin --vocab-size 32000
     fsdp-jax prepare --out data/mine docs/ --tokenizer checkpoints/Llama-2-7b-hf
 
-(`python scripts/prepare_data.py ...` is the same command.) --tokenizer takes a Hugging Face tokenizer.json, a SentencePiece .model or a model
+(`python scripts/prepare.py ...` is the same command.) --tokenizer takes a Hugging Face tokenizer.json, a SentencePiece .model or a model
 directory holding one: each file (each line of a .jsonl file, {"text": ...}) is a
 document, encoded as encode(doc) + [eos], with the library's threads and a progress
 bar; token dtype from the vocab size; meta.json records the tokenizer so the

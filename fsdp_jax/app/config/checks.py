@@ -339,9 +339,9 @@ def check_data(cfg: Config) -> None:
     path = Path(cfg.data.path)
     if not (path / "train.bin").is_file():
         how = (
-            "run scripts/prepare_data.py --out DIR, or set data.source=stdlib"
+            "run scripts/prepare.py --out DIR, or set data.source=stdlib"
             if cfg.data.source == "none"
-            else "prepare it with scripts/prepare_data.py"
+            else "prepare it with scripts/prepare.py"
         )
         raise ConfigError("data.path", f"{str(path)!r}: train.bin not found; {how}")
     meta = path / "meta.json"

@@ -31,7 +31,7 @@ class PackedRows:
         meta = data_lib.load_meta(data_dir)
         if meta.get("format") != "packed":
             raise DataError(
-                f"{str(data_dir)!r}: not a packed corpus (prepare it with scripts/prepare_data.py --pack ROW_LEN)"
+                f"{str(data_dir)!r}: not a packed corpus (prepare it with scripts/prepare.py --pack ROW_LEN)"
             )
         self.data_dir, self.split, self.row_len = str(data_dir), split, meta["row_len"]
         d = Path(data_dir)

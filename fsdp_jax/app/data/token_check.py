@@ -4,7 +4,7 @@
 An id outside the vocabulary would otherwise show up only as a NaN loss (the embedding
 lookup fills it) batch by batch, after `config.yaml` is written and the step compiled.
 The corpus's largest id comes from its `meta.json` (`max_token_id`, recorded when
-scripts/prepare_data.py writes the corpus); a corpus prepared before that key existed is
+scripts/prepare.py writes the corpus); a corpus prepared before that key existed is
 scanned once (memory-mapped, in chunks; a tqdm bar when it is large).
 """
 

@@ -41,7 +41,7 @@ def load_meta(data_dir: str | os.PathLike) -> dict:
                 expect[f"{s}.mask.bin"] = (meta[f"{s}_tokens"], np.dtype(np.uint8))
                 expect[f"{s}.seg.bin"] = (meta[f"{s}_tokens"], seg)
     except FileNotFoundError:
-        raise DataError(f"{str(d)!r}: meta.json not found; prepare it with scripts/prepare_data.py --out {d}") from None
+        raise DataError(f"{str(d)!r}: meta.json not found; prepare it with scripts/prepare.py --out {d}") from None
     except (ValueError, KeyError, TypeError) as e:
         raise DataError(f"{str(d / 'meta.json')!r}: invalid ({e})") from None
     for name, (n, t) in expect.items():

@@ -45,7 +45,7 @@ def _num(v) -> float:
 def plot(records: list[dict], out: Path) -> None:
     from fsdp_jax.app.extras import require
 
-    matplotlib = require("matplotlib", "plot_metrics.py")
+    matplotlib = require("matplotlib", "plot.py")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

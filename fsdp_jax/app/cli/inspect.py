@@ -4,7 +4,7 @@
     fsdp-jax inspect --config configs/llama2_7b.yaml --devices 8 --strategy zero3 --json
     fsdp-jax inspect --config configs/llama2_7b.yaml --target h100 --devices 16 --hosts 2
 
-(`python scripts/inspect_sharding.py ...` is the same command.) Prints a per-parameter
+(`python scripts/inspect.py ...` is the same command.) Prints a per-parameter
 table (path, shape, dtype, spec, bytes per device, why), the collectives of the
 AOT-compiled train step (count and bytes per step, inside and outside the layer loop;
 in-loop bytes are multiplied by the loop's trip count), and warnings a user can act on:
