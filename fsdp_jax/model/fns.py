@@ -20,8 +20,8 @@ from flax import linen as nn
 from flax import nnx
 from flax.core import meta, unfreeze
 
-from fsdp_jax.model import variables as ms_lib
 from fsdp_jax.model.nnx_split import NnxSplit, abstract_of, pure_names
+from fsdp_jax.model.variables import StateError
 from fsdp_jax.sharding import rules as rl
 from fsdp_jax.sharding.flax_names import logical_axes_of
 
@@ -119,7 +119,7 @@ def from_linen(
     abstract = jax.eval_shape(variables, jax.random.key(0))
     extra = sorted(set(abstract) - {"params"} - set(state))
     if extra:
-        raise ms_lib.StateError(
+        raise StateError(
             f"from_linen: {type(module).__name__} creates the collection {extra[0]!r}, which is "
             f"neither trained ('params') nor declared as state (state={tuple(state)!r}); declare "
             f"it: from_linen(module, ..., state={tuple(state) + tuple(extra)!r})"

@@ -157,9 +157,9 @@ def await_peer_verdict() -> None:
 def finished() -> None:
     """This process ends normally: stop its peer watch (the others stop waiting for it)."""
     global _WATCH
-    from fsdp_jax.multihost import coordination as coord_service
+    from fsdp_jax.multihost import coordination
 
-    coord_service.finished()
+    coordination.finished()
     if _WATCH is not None:
         _WATCH.finish()
         _WATCH = None
@@ -194,8 +194,7 @@ def _initialize(jax, peer_timeout_s: float | None = None, **kwargs) -> None:
     import contextlib
     import inspect
 
-    from fsdp_jax.multihost import coordination as coord_service
-    from fsdp_jax.multihost import peer_watch
+    from fsdp_jax.multihost import coordination, peer_watch
 
     bind = kwargs.get("coordinator_bind_address")
     if "coordinator_bind_address" in kwargs and (
@@ -207,7 +206,7 @@ def _initialize(jax, peer_timeout_s: float | None = None, **kwargs) -> None:
     outside = contextlib.nullcontext()
     if peer_timeout_s:
         kwargs["heartbeat_timeout_seconds"] = peer_watch.jax_heartbeat_for(peer_timeout_s)
-        outside = coord_service.service_outside(linger_s=2 * peer_timeout_s + 10)
+        outside = coordination.service_outside(linger_s=2 * peer_timeout_s + 10)
     try:
         with outside:
             jax.distributed.initialize(**kwargs)

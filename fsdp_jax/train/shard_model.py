@@ -43,9 +43,9 @@ from flax.nnx import traversals
 from jax.sharding import Mesh
 
 from fsdp_jax.hlo.memory import tree_bytes_per_device
-from fsdp_jax.model import variables as ms_lib
 from fsdp_jax.model.fns import ModelFns, _adapt
 from fsdp_jax.model.lora import LoraModel
+from fsdp_jax.model.variables import StateError, rows_lines
 from fsdp_jax.sharding import rules as rl
 from fsdp_jax.sharding.leaf_sharding import spec_str
 from fsdp_jax.sharding.replication import (
@@ -111,7 +111,7 @@ class ShardedModel:
         kwargs.setdefault("precision", self.precision)
         if self._extended and kwargs.get("rng") is None:
             if self.rng is None and self.model.needs_rng:
-                raise ms_lib.StateError(
+                raise StateError(
                     "train_step: the model draws random numbers (NNX Rngs) "
                     "but has no run key; pass train_step(loss_fn, rng=jax.random.key(seed))"
                 )
@@ -149,7 +149,7 @@ class ShardedModel:
             for r, k in zip(self.plan.rows, keep)
         ]
         summary = summarize(self.plan.rows, self.plan.strategy.params or self.plan.strategy.opt_state, self.plan.mesh)
-        return "\n".join(lines + ms_lib.rows_lines(self.plan.state_rows) + [format_summary(summary)])
+        return "\n".join(lines + rows_lines(self.plan.state_rows) + [format_summary(summary)])
 
 
 def shard_model(

@@ -54,7 +54,7 @@ def run(args) -> int:
     import numpy as np
     import yaml
 
-    from fsdp_jax.app.hf import load as hf
+    from fsdp_jax.app.hf.load import HFCheckpoint, leaf_sources
     from fsdp_jax.app.models.config import DecoderConfig
     from fsdp_jax.app.trainer.build import trainer_model
     from fsdp_jax.checkpoint import tree_paths
@@ -64,10 +64,10 @@ def run(args) -> int:
     out = Path(args.out)
     check_xla_flags()  # before the params are built on the CPU backend
     _check_new_files((out, "--out"), (Path(args.config_out) if args.config_out else None, "--config-out"))
-    ckpt = hf.HFCheckpoint(args.hf_dir, base=DecoderConfig(scan_layers=not args.no_scan))
+    ckpt = HFCheckpoint(args.hf_dir, base=DecoderConfig(scan_layers=not args.no_scan))
     cfg = ckpt.config
     want = tree_paths(trainer_model(cfg).abstract_params)
-    sources = hf.leaf_sources(cfg)
+    sources = leaf_sources(cfg)
     dt = np.dtype(jnp.dtype(args.dtype))  # bfloat16 via ml_dtypes
     entries = [(p, tuple(sds.shape), dt) for p, sds in sorted(want.items())]
 

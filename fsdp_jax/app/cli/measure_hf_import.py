@@ -123,12 +123,12 @@ def measure(path: str, naive: bool) -> dict:
     import numpy as np
     import optax
 
-    from fsdp_jax.app.hf import load as hf
+    from fsdp_jax.app.hf.load import HFCheckpoint, leaf_sources, load_params
     from fsdp_jax.app.trainer.build import trainer_model
     from fsdp_jax.sharding.mesh import make_mesh
     from fsdp_jax.train.build import build
 
-    ckpt = hf.HFCheckpoint(path)
+    ckpt = HFCheckpoint(path)
     m = trainer_model(ckpt.config)
     built = build(m, optax.sgd(0.1), make_mesh(1, 8, 1), "full_shard")
     abstract = built.abstract_state.params
@@ -148,13 +148,13 @@ def measure(path: str, naive: bool) -> dict:
                     np.float32,
                     k.startswith("blocks/"),
                 )
-                for k, (names, kind) in ((k, hf.leaf_sources(ckpt.config)[k]) for k in want)
+                for k, (names, kind) in ((k, leaf_sources(ckpt.config)[k]) for k in want)
             ]
             params = jax.device_put(
                 jax.tree.unflatten(jax.tree.structure(abstract), full), jax.tree.map(lambda x: x.sharding, abstract)
             )
         else:
-            params = hf.load_params(ckpt, abstract)
+            params = load_params(ckpt, abstract)
         jax.block_until_ready(params)
     after = rss()
     hwm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -160,7 +160,7 @@ def search_command(args) -> int:
     """plan --search: parse, search, print; nothing fits -> one line, exit 2."""
     import dataclasses
 
-    from fsdp_jax.app.planner import search_report as sr
+    from fsdp_jax.app.planner import search_report
     from fsdp_jax.app.planner.inputs import (
         load_planning_config,
         parse_bytes,
@@ -182,15 +182,15 @@ def search_command(args) -> int:
         mem = device_memory(target.name)
     else:
         raise SearchError("--search: give --device-memory (or a --target, whose memory is known)")
-    headroom, fraction = sr.parse_headroom(args.headroom)
+    headroom, fraction = search_report.parse_headroom(args.headroom)
     space = SearchSpace(
         strategies=tuple(parse_strategies(args.strategies)),
-        remats=sr.parse_remats(args.remat),
-        microbatches=sr.parse_microbatches(args.microbatches),
-        offloads=sr.parse_offloads(args.offload),
-        vary=sr.parse_vary(args.vary),
+        remats=search_report.parse_remats(args.remat),
+        microbatches=search_report.parse_microbatches(args.microbatches),
+        offloads=search_report.parse_offloads(args.offload),
+        vary=search_report.parse_vary(args.vary),
     )
-    attentions = sr.parse_attentions(args.attention)
+    attentions = search_report.parse_attentions(args.attention)
     limits = Limits(
         device_memory=mem,
         headroom=headroom,
@@ -210,14 +210,14 @@ def search_command(args) -> int:
     show = args.progress or sys.stderr.isatty()  # else stderr holds only an error's one line
     progress = (lambda msg: print(f"search: {msg}", file=sys.stderr, flush=True)) if show else None
     doc = search(cfg, n, space, limits, target=target, config_name=args.config, progress=progress)
-    doc["yaml"] = sr.winner_yaml(doc)
+    doc["yaml"] = search_report.winner_yaml(doc)
     if args.json:
         json.dump(doc, sys.stdout, indent=1)
         print()
     else:
-        print(sr.format_search(doc, rows))
+        print(search_report.format_search(doc, rows))
     if doc["winner"] is None:
-        raise SearchError(sr.nothing_fits_message(doc))
+        raise SearchError(search_report.nothing_fits_message(doc))
     return 0
 
 

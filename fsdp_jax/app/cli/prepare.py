@@ -183,9 +183,9 @@ def run(args) -> int:
     check_flags(args)
     if args.threads:  # Hugging Face tokenizers take their thread count from the environment
         os.environ["RAYON_NUM_THREADS"] = str(args.threads)
-    from fsdp_jax.app.data import corpus as data  # after the flags are checked: --help and bad flags stay fast
+    from fsdp_jax.app.data.corpus import dir_problem, prepare_bin, prepare_stdlib, prepare_text
 
-    problem = data.dir_problem(args.out)
+    problem = dir_problem(args.out)
     if problem:
         raise UsageError(f"--out {args.out!r} {problem}")
     if args.pack is not None:
@@ -214,14 +214,14 @@ def run(args) -> int:
         _report_packed(args.out, meta)
         return 0
     if args.bin is not None:
-        meta = data.prepare_bin(args.bin, args.val_bin, args.out, args.vocab_size, args.dtype)
+        meta = prepare_bin(args.bin, args.val_bin, args.out, args.vocab_size, args.dtype)
     elif args.tokenizer != "bytes":
         _check_vocab(args)
         tok = dict(tokenizer=args.tokenizer, eos=args.eos, threads=args.threads, progress=not args.no_progress)
         meta = (
-            data.prepare_stdlib(args.out, args.val_fraction, args.seed, **tok)
+            prepare_stdlib(args.out, args.val_fraction, args.seed, **tok)
             if args.stdlib
-            else data.prepare_text(
+            else prepare_text(
                 args.sources,
                 args.out,
                 args.val_fraction,
@@ -232,9 +232,9 @@ def run(args) -> int:
             )
         )
     elif args.stdlib:
-        meta = data.prepare_stdlib(args.out, args.val_fraction, args.seed)
+        meta = prepare_stdlib(args.out, args.val_fraction, args.seed)
     else:
-        meta = data.prepare_text(
+        meta = prepare_text(
             args.sources, args.out, args.val_fraction, args.seed, pattern=args.pattern, text_key=args.text_key
         )
     print(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from fsdp_jax.app.data import corpus as data_lib
+from fsdp_jax.app.data.corpus import load_meta
 from fsdp_jax.app.data.packed_rows import make_packed_dataset, packed_eval_batches
 from fsdp_jax.app.data.windows import eval_batches, make_dataset
 from fsdp_jax.errors import DataError
@@ -17,7 +17,7 @@ def make_batches(cfg, process_index: int, process_count: int):
     """(train iterator, val batches) for the corpus at data.path: packed fine-tuning rows
     (`fsdp_jax.app.data.sft`), or windows of a token corpus (`fsdp_jax.app.data.corpus`), as
     batch dicts with document masks when data.document_mask."""
-    c, meta = cfg.train, data_lib.load_meta(cfg.data.path)
+    c, meta = cfg.train, load_meta(cfg.data.path)
     n_val = c.eval_batches if c.eval_every else 0
     if meta.get("format") == "packed":
         batches = make_packed_dataset(

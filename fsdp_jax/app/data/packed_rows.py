@@ -16,7 +16,7 @@ from pathlib import Path
 import grain
 import numpy as np
 
-from fsdp_jax.app.data import corpus as data_lib
+from fsdp_jax.app.data.corpus import load_meta
 from fsdp_jax.app.data.packing import batch_from_rows
 from fsdp_jax.app.data.windows import _NEVER_ENDS, BatchIterator, _rows, seg_dtype_of
 from fsdp_jax.errors import DataError
@@ -28,7 +28,7 @@ class PackedRows:
     """Read-only memmaps of one split's rows; pickles by path (for grain workers)."""
 
     def __init__(self, data_dir: str | os.PathLike, split: str):
-        meta = data_lib.load_meta(data_dir)
+        meta = load_meta(data_dir)
         if meta.get("format") != "packed":
             raise DataError(
                 f"{str(data_dir)!r}: not a packed corpus (prepare it with scripts/prepare.py --pack ROW_LEN)"

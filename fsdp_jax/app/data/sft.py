@@ -36,8 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fsdp_jax.app.data import corpus as data_lib
-from fsdp_jax.app.data.corpus import _commit, token_dtype
+from fsdp_jax.app.data.corpus import _check_out, _collect, _commit, token_dtype
 from fsdp_jax.app.data.encode_pool import encode_batches
 from fsdp_jax.app.data.encode_worker import EncoderSpec
 from fsdp_jax.app.data.examples import ExampleEncoder, find_chat_template, read_records, special_tokens
@@ -265,8 +264,8 @@ def prepare_examples(
     from fsdp_jax.errors import TokenizerError
 
     _check_options(val_fraction, row_len, threads, workers, overflow)
-    out = data_lib._check_out(out_dir)
-    files = data_lib._collect(sources, pattern, exclude)
+    out = _check_out(out_dir)
+    files = _collect(sources, pattern, exclude)
     if not files:
         raise DataError("empty corpus: no non-empty files found in the sources")
     tok, spec, enc = _encoder(tokenizer, eos, chat_template, train_on, threads)

@@ -41,7 +41,7 @@ def run_strategies(
     """`plan_strategy` for each strategy on `n_devices`: in this process when it has
     that many devices, otherwise in a child process with `n_devices` fake CPU devices.
     With `target` (a `fsdp_jax.targets.gpu.Target`), always in a child process that
-    compiles for that GPU target (the CUDA plugin on its path only: `targets.child_env`)."""
+    compiles for that GPU target (the CUDA plugin on its path only: `child_env`)."""
     from fsdp_jax.verify.run import devices_for
 
     devices = None if target is not None else devices_for(n_devices)
@@ -96,11 +96,11 @@ def _run_child(request: dict[str, Any], n_devices: int, target) -> tuple[subproc
     )
     with scratch_dir as scratch:
         if target is not None:
-            from fsdp_jax.targets import gpu as targets
+            from fsdp_jax.targets.gpu import child_env
 
             # raises PluginMissing (a TargetError) naming the install step; the strategies
             # compiled in the child reuse each other's GPU kernels (a cache of its own)
-            env = targets.child_env(env, kernel_cache=Path(scratch) / "xla_gpu_kernels.bin", target=target)
+            env = child_env(env, kernel_cache=Path(scratch) / "xla_gpu_kernels.bin", target=target)
             request["target"] = target.as_dict()
             where = target.describe()
         proc = subprocess.run(
@@ -150,7 +150,7 @@ def _child_main() -> int:
     from fsdp_jax.app.config.parse import config_from_dict
     from fsdp_jax.app.exits import BAD_INPUT, fail
     from fsdp_jax.errors import TargetError
-    from fsdp_jax.targets import gpu as targets
+    from fsdp_jax.targets.gpu import Target, target_devices
 
     try:
         cfg = config_from_dict(req["config"])
@@ -158,10 +158,10 @@ def _child_main() -> int:
         if target is None:
             devices = jax.devices()[: req["devices"]]
         else:
-            from fsdp_jax.targets import gpu as targets
+            from fsdp_jax.targets.gpu import Target, target_devices
 
-            t = targets.Target(**target)
-            devices = targets.target_devices(t)
+            t = Target(**target)
+            devices = target_devices(t)
             sizes = {s: target_mesh_sizes(cfg, s, len(devices), t.hosts) for s in req["strategies"]}
         out = {}
         for s in req["strategies"]:

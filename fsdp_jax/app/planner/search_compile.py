@@ -54,10 +54,10 @@ def compile_candidates(
             progress(f"[{i + 1}/{len(cands)}] done in {time.perf_counter() - t0:.1f} s")
         return out
     from fsdp_jax.app.config.parse import config_to_dict
-    from fsdp_jax.targets import gpu as targets
+    from fsdp_jax.targets.gpu import child_env
 
     with tempfile.TemporaryDirectory(prefix="fsdp_jax-search-") as scratch:
-        env = targets.child_env(
+        env = child_env(
             dict(os.environ, JAX_PLATFORMS="cpu"),
             target=target,
             kernel_cache=kernel_cache or Path(scratch) / "xla_gpu_kernels.bin",
@@ -110,10 +110,10 @@ def _child_main() -> int:
     from fsdp_jax.app.exits import BAD_INPUT, fail
     from fsdp_jax.app.planner.one_strategy import plan_strategy
     from fsdp_jax.errors import TargetError
-    from fsdp_jax.targets import gpu as targets
+    from fsdp_jax.targets.gpu import Target, target_devices
 
     try:
-        devices = targets.target_devices(targets.Target(**req["target"]))
+        devices = target_devices(Target(**req["target"]))
         out, jobs = [], req["jobs"]
         for i, job in enumerate(jobs):
             print(

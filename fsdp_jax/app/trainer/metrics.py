@@ -39,7 +39,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fsdp_jax.app.data import corpus as data_lib
+from fsdp_jax.app.data.corpus import load_meta
 from fsdp_jax.app.models.sample import sample
 from fsdp_jax.app.trainer.router_metrics import summarise
 from fsdp_jax.sharding.precision import Policy
@@ -282,7 +282,7 @@ def sample_text(model: ModelFns, plan: ShardingPlan, cfg: Config, params, val, r
         with sharding_context(plan):
             return jax.device_get(jitted(params, jnp.asarray(buf), jnp.int32(pos)))
 
-    kind = data_lib.load_meta(cfg.data.path).get("tokenizer")
+    kind = load_meta(cfg.data.path).get("tokenizer")
     tok = _tokenizer(kind)
     default = tok.encode("def ") if tok else list(b"def ")
     prompt = (_val_prompt(val[0]) if val else np.asarray(default)).astype(np.int32)

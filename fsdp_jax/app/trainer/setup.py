@@ -28,9 +28,9 @@ import numpy as np
 from fsdp_jax.app.config.checks import check_backend, check_data, validate
 from fsdp_jax.app.config.parse import config_to_dict
 from fsdp_jax.app.config.schema import Config
-from fsdp_jax.app.data import corpus as data_lib
+from fsdp_jax.app.data.corpus import ensure_stdlib, load_meta
 from fsdp_jax.app.data.token_check import check_corpus_vocab
-from fsdp_jax.app.hf import load as hf
+from fsdp_jax.app.hf.load import is_hf, load_params, open_init
 from fsdp_jax.app.host_memory import check_host_memory, stated_host_memory
 from fsdp_jax.app.trainer import lora_state
 from fsdp_jax.app.trainer.build import (
@@ -142,7 +142,7 @@ def prepare_data(cfg: Config) -> None:
     if cfg.data.source == "stdlib" and not (Path(cfg.data.path) / "meta.json").exists():
         if jax.process_index() == 0:
             try:
-                data_lib.ensure_stdlib(cfg.data.path)
+                ensure_stdlib(cfg.data.path)
             except OSError as e:
                 raise ConfigError(
                     "data.path", f"{cfg.data.path!r}: cannot prepare the stdlib corpus there ({e.strerror or e})"
@@ -152,7 +152,7 @@ def prepare_data(cfg: Config) -> None:
 
             multihost_utils.sync_global_devices("fsdp_jax:prepare_data")
     check_data(cfg)
-    data_lib.load_meta(cfg.data.path)  # meta.json's dtype and the bins' sizes, before any write
+    load_meta(cfg.data.path)  # meta.json's dtype and the bins' sizes, before any write
 
 
 # ------------------------------------------------------------------------------- stages
@@ -184,8 +184,8 @@ def _validate(p: _Draft) -> None:
         validate(p.cfg, n_devices=jax.device_count())
         check_offload(p.cfg)
     resuming = p.resume and latest_step(Path(p.cfg.run_dir) / "checkpoints") is not None
-    if hf.is_hf(p.cfg.init_from) and (not resuming or lora_spec(p.cfg) is not None):  # LoRA: the base again
-        p.hf_ckpt = hf.open_init(p.cfg.init_from, p.cfg.model)
+    if is_hf(p.cfg.init_from) and (not resuming or lora_spec(p.cfg) is not None):  # LoRA: the base again
+        p.hf_ckpt = open_init(p.cfg.init_from, p.cfg.model)
 
 
 def _data(p: _Draft) -> None:
@@ -285,8 +285,8 @@ def _base_loader(p: _Draft, built) -> Callable | None:
     cfg = p.cfg
     if not cfg.init_from:
         return None
-    if hf.is_hf(cfg.init_from):
-        return lambda abstract: hf.load_params(p.hf_ckpt or hf.open_init(cfg.init_from, cfg.model), abstract)
+    if is_hf(cfg.init_from):
+        return lambda abstract: load_params(p.hf_ckpt or open_init(cfg.init_from, cfg.model), abstract)
     return lambda abstract: load_init_params(cfg.init_from, abstract)
 
 
