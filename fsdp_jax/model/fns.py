@@ -20,8 +20,8 @@ from flax import linen as nn
 from flax import nnx
 from flax.core import meta, unfreeze
 
+from fsdp_jax.errors import StateError
 from fsdp_jax.model.nnx_split import NnxSplit, abstract_of, pure_names
-from fsdp_jax.model.variables import StateError
 from fsdp_jax.sharding import rules as rl
 from fsdp_jax.sharding.flax_names import logical_axes_of
 

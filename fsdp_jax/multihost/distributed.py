@@ -17,10 +17,20 @@ one line (exit 1) when a peer stops responding; call `finished()` at a normal en
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import ipaddress
 import os
+import socket
+import time
+
+import jax
+from jax._src import distributed as jax_distributed
 
 from fsdp_jax.errors import DistributedInitError, one_line
+from fsdp_jax.multihost import clusters, coordination, peer_watch
 from fsdp_jax.multihost.clusters import env_int
+from fsdp_jax.multihost.peer_watch import PeerWatch
 
 ENV_COORDINATOR = "FSDP_JAX_COORDINATOR"
 ENV_NUM_PROCESSES = "FSDP_JAX_NUM_PROCESSES"
@@ -40,7 +50,6 @@ def detected_cluster(environ=os.environ) -> str | None:
 
 def is_loopback(host: str) -> bool:
     """True for localhost, 127.0.0.0/8 and ::1 (with or without IPv6 brackets)."""
-    import ipaddress
 
     host = host.strip("[]")
     if host == "localhost":
@@ -80,9 +89,6 @@ def maybe_initialize(
     `peer_timeout_s` (> 0) starts a PeerWatch once joined (JAX's own heartbeat timeout is
     raised past it); `peer_note` ends the line it prints.
     """
-    import jax
-
-    from fsdp_jax.multihost import clusters
 
     coordinator = coordinator or environ.get(ENV_COORDINATOR) or None
     if num_processes is None:
@@ -136,9 +142,6 @@ def _watch_peers(peer_timeout_s: float | None, note: str) -> None:
     global _WATCH
     if not peer_timeout_s:
         return
-    from jax._src import distributed as jax_distributed  # the client: no public accessor
-
-    from fsdp_jax.multihost.peer_watch import PeerWatch
 
     state = jax_distributed.global_state
     if state.client is None or state.num_processes < 2:
@@ -157,7 +160,6 @@ def await_peer_verdict() -> None:
 def finished() -> None:
     """This process ends normally: stop its peer watch (the others stop waiting for it)."""
     global _WATCH
-    from fsdp_jax.multihost import coordination
 
     coordination.finished()
     if _WATCH is not None:
@@ -169,8 +171,6 @@ def _wait_for_coordinator(coordinator: str, timeout_s: float) -> None:
     """Connect to the coordinator's port until it answers (process 0 may start later).
     JAX's client aborts the whole process (SIGABRT, a C++ stack trace) when it cannot
     register, so an unreachable coordinator is reported here first, as one line."""
-    import socket
-    import time
 
     host, _, port = coordinator.rpartition(":")
     deadline = time.monotonic() + timeout_s
@@ -191,10 +191,6 @@ def _initialize(jax, peer_timeout_s: float | None = None, **kwargs) -> None:
     """jax.distributed.initialize(**kwargs); with a peer watch, JAX's heartbeat timeout
     is raised past it and process 0's coordination service runs in a child process (so
     that process 0's death does not abort the others: fsdp_jax.multihost.coordination)."""
-    import contextlib
-    import inspect
-
-    from fsdp_jax.multihost import coordination, peer_watch
 
     bind = kwargs.get("coordinator_bind_address")
     if "coordinator_bind_address" in kwargs and (

@@ -35,6 +35,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import jax
+from jax.experimental import topologies
+
 from fsdp_jax.errors import PluginMissing, TargetError
 from fsdp_jax.targets import tpu
 from fsdp_jax.targets.plugins import (
@@ -45,6 +48,7 @@ from fsdp_jax.targets.plugins import (
     plugin_dir,
     plugin_installed,
 )
+from fsdp_jax.targets.tpu_flags import merge_init_args
 
 _DATA = Path(__file__).resolve().parent / "gpu_targets"
 
@@ -259,8 +263,6 @@ def child_env(
         # planners) may load libtpu at once instead of failing on /tmp/libtpu_lockfile
         env.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
         if target.libtpu_args:
-            from fsdp_jax.targets.tpu_flags import merge_init_args
-
             env["LIBTPU_INIT_ARGS"] = merge_init_args(target.libtpu_args, env.get("LIBTPU_INIT_ARGS", ""))
         return env
     if not plugin_installed():
@@ -290,7 +292,6 @@ def enable_in_process() -> None:
         raise PluginMissing(_missing_message())
     if str(plugin_dir()) not in sys.path:
         sys.path.insert(0, str(plugin_dir()))
-    import jax
 
     jax.config.update("jax_platforms", "cpu")
 
@@ -306,8 +307,6 @@ def gpu_devices(name: str, hosts: int = 1, gpus_per_host: int = 8) -> list:
             _missing_message() + " (and run in a process from "
             "fsdp_jax.targets.gpu.child_env(), or call enable_in_process() first)"
         )
-    import jax
-    from jax.experimental import topologies
 
     if jax.config.jax_platforms != "cpu":
         jax.config.update("jax_platforms", "cpu")  # else the plugin calls cuInit and fails

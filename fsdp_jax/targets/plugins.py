@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from importlib.metadata import version
 from pathlib import Path
 
 from fsdp_jax.targets import tpu
@@ -25,7 +26,6 @@ INSTALL_HINT = "python -m fsdp_jax.targets install"
 def _jax_version() -> str:
     """The jaxlib version: the CUDA plugin is built with, and pinned to, jaxlib (a jax
     patch release such as 0.12.0.1 may run on jaxlib 0.12.0)."""
-    from importlib.metadata import version
 
     return version("jaxlib")
 

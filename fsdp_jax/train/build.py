@@ -24,8 +24,9 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
+from fsdp_jax.errors import StateError
 from fsdp_jax.model.fns import ModelFns
-from fsdp_jax.model.variables import StateError, check_structure
+from fsdp_jax.model.variables import check_structure
 from fsdp_jax.sharding import offload as offload_lib
 from fsdp_jax.sharding import rules as rl
 from fsdp_jax.sharding.precision import Policy

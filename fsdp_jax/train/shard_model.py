@@ -42,10 +42,11 @@ from flax import nnx
 from flax.nnx import traversals
 from jax.sharding import Mesh
 
+from fsdp_jax.errors import StateError
 from fsdp_jax.hlo.memory import tree_bytes_per_device
 from fsdp_jax.model.fns import ModelFns, _adapt
 from fsdp_jax.model.lora import LoraModel
-from fsdp_jax.model.variables import StateError, rows_lines
+from fsdp_jax.model.variables import rows_lines
 from fsdp_jax.sharding import rules as rl
 from fsdp_jax.sharding.leaf_sharding import spec_str
 from fsdp_jax.sharding.replication import (

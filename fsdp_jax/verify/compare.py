@@ -15,6 +15,7 @@ import numpy as np
 
 from fsdp_jax.errors import VerifyError
 from fsdp_jax.hlo.memory import collective_report, compiled_memory, state_bytes_per_device
+from fsdp_jax.model.fns import _adapt
 from fsdp_jax.sharding import rules as rl
 from fsdp_jax.sharding.mesh import make_mesh
 from fsdp_jax.sharding.precision import Policy
@@ -53,7 +54,6 @@ def _compare(
     context, data = _pop_mesh_options(opts, len(devs))
     routing = _pop_routing(opts)
     host_batches = _host_batches(batch, batches, steps, len(devs) // context, opts.get("microbatches", 1))
-    from fsdp_jax.model.fns import _adapt  # the shard_model adapter: same model forms accepted
 
     key = jax.random.key(seed)
     with _user_code("the model does not initialise"):

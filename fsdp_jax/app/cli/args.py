@@ -12,6 +12,10 @@ import argparse
 import os
 from pathlib import Path
 
+from fsdp_jax.app.data.corpus import dir_problem
+from fsdp_jax.app.extras import available, missing_message
+from fsdp_jax.errors import ConfigError
+
 
 def add_config(
     ap: argparse.ArgumentParser, *, required: bool = True, default: str | None = None, example: str = "train.steps=20"
@@ -59,8 +63,6 @@ def add_target(ap: argparse.ArgumentParser) -> None:
 
 def require(module: str, flag: str) -> None:
     """ConfigError naming `flag` when the optional package `module` is not installed."""
-    from fsdp_jax.app.extras import available, missing_message
-    from fsdp_jax.errors import ConfigError
 
     if not available(module):
         raise ConfigError(flag, missing_message(module, "it").removeprefix("it "))
@@ -69,8 +71,6 @@ def require(module: str, flag: str) -> None:
 def check_out_file(path: str, flag: str) -> None:
     """ConfigError naming `flag` unless `path` can be written as a file: not a
     directory, in an existing, writable directory. Writes nothing."""
-    from fsdp_jax.app.data.corpus import dir_problem
-    from fsdp_jax.errors import ConfigError
 
     p = Path(path).absolute()
     if p.is_dir():

@@ -19,7 +19,18 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import jax.numpy as jnp
+import numpy as np
+import yaml
+
+from fsdp_jax.app.cli.command import run_command
 from fsdp_jax.app.cli.flags import Parser
+from fsdp_jax.app.hf.load import HFCheckpoint, leaf_sources
+from fsdp_jax.app.models.config import DecoderConfig
+from fsdp_jax.app.trainer.build import trainer_model
+from fsdp_jax.checkpoint import CheckpointError, tree_paths
+from fsdp_jax.checkpoint.safetensors_io import write_safetensors
+from fsdp_jax.targets.xla_flags import check_xla_flags
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -40,7 +51,6 @@ def build_parser(prog: str | None = None) -> Parser:
 
 
 def _check_new_files(*paths: tuple[Path | None, str]) -> None:
-    from fsdp_jax.checkpoint import CheckpointError
 
     for p, flag in paths:
         if p is not None and p.exists():
@@ -50,16 +60,6 @@ def _check_new_files(*paths: tuple[Path | None, str]) -> None:
 
 
 def run(args) -> int:
-    import jax.numpy as jnp
-    import numpy as np
-    import yaml
-
-    from fsdp_jax.app.hf.load import HFCheckpoint, leaf_sources
-    from fsdp_jax.app.models.config import DecoderConfig
-    from fsdp_jax.app.trainer.build import trainer_model
-    from fsdp_jax.checkpoint import tree_paths
-    from fsdp_jax.checkpoint.safetensors_io import write_safetensors
-    from fsdp_jax.targets.xla_flags import check_xla_flags
 
     out = Path(args.out)
     check_xla_flags()  # before the params are built on the CPU backend
@@ -91,6 +91,5 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    from fsdp_jax.app.cli.command import run_command
 
     return run_command(build_parser(prog), run, argv)

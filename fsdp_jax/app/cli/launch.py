@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 
+from fsdp_jax.app.cli.command import run_command
 from fsdp_jax.app.cli.flags import Parser, UsageError, int_in, real_in
 
 MAX_PROCESSES = 1024
@@ -143,7 +144,6 @@ def run(args, command: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    from fsdp_jax.app.cli.command import run_command
 
     argv = sys.argv[1:] if argv is None else list(argv)
     command: list[str] = []

@@ -27,7 +27,20 @@ import threading
 import time
 from pathlib import Path
 
+import jax
+import ml_dtypes
+import numpy as np
+import optax
+
+from fsdp_jax.app.cli.command import run_command
 from fsdp_jax.app.cli.flags import Parser, int_in
+from fsdp_jax.app.hf.load import HFCheckpoint, expected_tensors, leaf_sources, load_params
+from fsdp_jax.app.models.config import DecoderConfig
+from fsdp_jax.app.trainer.build import trainer_model
+from fsdp_jax.checkpoint import tree_paths
+from fsdp_jax.checkpoint.safetensors_io import write_safetensors
+from fsdp_jax.sharding.mesh import make_mesh
+from fsdp_jax.train.build import build
 
 
 def rss() -> int:
@@ -59,12 +72,6 @@ class Peak:
 
 
 def write_checkpoint(d: Path, args) -> int:
-    import ml_dtypes
-    import numpy as np
-
-    from fsdp_jax.app.hf.load import expected_tensors
-    from fsdp_jax.app.models.config import DecoderConfig
-    from fsdp_jax.checkpoint.safetensors_io import write_safetensors
 
     cfg = DecoderConfig(
         vocab_size=args.vocab,
@@ -117,16 +124,8 @@ def write_checkpoint(d: Path, args) -> int:
 
 
 def measure(path: str, naive: bool) -> dict:
-    import jax
 
     jax.config.update("jax_num_cpu_devices", 8)
-    import numpy as np
-    import optax
-
-    from fsdp_jax.app.hf.load import HFCheckpoint, leaf_sources, load_params
-    from fsdp_jax.app.trainer.build import trainer_model
-    from fsdp_jax.sharding.mesh import make_mesh
-    from fsdp_jax.train.build import build
 
     ckpt = HFCheckpoint(path)
     m = trainer_model(ckpt.config)
@@ -136,8 +135,6 @@ def measure(path: str, naive: bool) -> dict:
     before, hwm_before = rss(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     with Peak() as p:
         if naive:  # the whole model as host arrays first, then placed
-            from fsdp_jax.checkpoint import tree_paths
-
             want = tree_paths(abstract)
             full = [
                 ckpt.read(
@@ -218,6 +215,5 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    from fsdp_jax.app.cli.command import run_command
 
     return run_command(build_parser(prog), run, argv)

@@ -38,7 +38,16 @@ from __future__ import annotations
 import os
 import sys
 
+from fsdp_jax.app.cli.command import run_command
 from fsdp_jax.app.cli.flags import Parser, UsageError, int_in
+from fsdp_jax.app.data.corpus import dir_problem, prepare_bin, prepare_stdlib, prepare_text
+from fsdp_jax.app.data.packing import MAX_ROW_LEN
+from fsdp_jax.app.data.sft import prepare_examples
+from fsdp_jax.app.data.tables import KeyMap
+from fsdp_jax.app.data.tokenizer import load_tokenizer
+from fsdp_jax.app.hf.config_in import model_config_from_hf
+from fsdp_jax.app.hf.load import read_config_json
+from fsdp_jax.errors import DataError, TokenizerError
 
 
 def build_parser(prog: str | None = None) -> Parser:
@@ -96,7 +105,6 @@ def check_flags(args) -> None:
     if args.pack is not None:
         if not args.sources:
             raise UsageError("--pack needs SOURCES... (jsonl or text files)")
-        from fsdp_jax.app.data.packing import MAX_ROW_LEN
 
         if not 2 <= args.pack <= MAX_ROW_LEN:
             raise UsageError(f"--pack {args.pack}: must be in 2..{MAX_ROW_LEN}")
@@ -128,14 +136,9 @@ def check_flags(args) -> None:
 
 def _check_vocab(args) -> None:
     """--model: the tokenizer's vocab must fit the model's embedding table."""
-    from fsdp_jax.app.data.tokenizer import load_tokenizer
-    from fsdp_jax.errors import DataError
 
     tok = load_tokenizer(args.tokenizer, args.eos)
     if args.model:
-        from fsdp_jax.app.hf.config_in import model_config_from_hf
-        from fsdp_jax.app.hf.load import read_config_json
-
         vocab = model_config_from_hf(read_config_json(args.model), f"{args.model}/config.json").vocab_size
         if tok.vocab_size > vocab:
             raise DataError(
@@ -145,7 +148,6 @@ def _check_vocab(args) -> None:
 
 
 def _errors():
-    from fsdp_jax.errors import TokenizerError
 
     return (TokenizerError,), ()
 
@@ -183,7 +185,6 @@ def run(args) -> int:
     check_flags(args)
     if args.threads:  # Hugging Face tokenizers take their thread count from the environment
         os.environ["RAYON_NUM_THREADS"] = str(args.threads)
-    from fsdp_jax.app.data.corpus import dir_problem, prepare_bin, prepare_stdlib, prepare_text
 
     problem = dir_problem(args.out)
     if problem:
@@ -191,8 +192,6 @@ def run(args) -> int:
     if args.pack is not None:
         if args.tokenizer != "bytes":
             _check_vocab(args)
-        from fsdp_jax.app.data.sft import prepare_examples
-        from fsdp_jax.app.data.tables import KeyMap
 
         meta = prepare_examples(
             args.sources,
@@ -245,6 +244,5 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    from fsdp_jax.app.cli.command import run_command
 
     return run_command(build_parser(prog), run, argv, errors=_errors)

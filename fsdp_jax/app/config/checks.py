@@ -13,6 +13,7 @@ from typing import Any
 
 from fsdp_jax.app.config.context_checks import check_context
 from fsdp_jax.app.config.schema import Config, check_fields
+from fsdp_jax.app.extras import available, missing_message
 from fsdp_jax.app.models import lora as lora_lib
 from fsdp_jax.app.models.config import DecoderConfig
 from fsdp_jax.app.models.moe import moe_config_problem
@@ -214,8 +215,6 @@ def _check_train(cfg: Config) -> None:
         f"must be divisible by train.microbatches={tr.microbatches}",
     )
     if tr.tensorboard:
-        from fsdp_jax.app.extras import available, missing_message
-
         _check(
             available("tensorboardX"),
             "train.tensorboard",

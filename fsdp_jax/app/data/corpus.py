@@ -22,10 +22,11 @@ from pathlib import Path
 import numpy as np
 
 from fsdp_jax.app.data.tables import is_datasets_dir, is_tabular, source_size
+from fsdp_jax.app.data.tokenizer import encode_corpus, load_tokenizer, read_documents
 from fsdp_jax.app.data.windows import (
     load_meta,
 )
-from fsdp_jax.errors import DataError
+from fsdp_jax.errors import DataError, TokenizerError
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -172,8 +173,6 @@ def _file_bytes(f: Path, chunk: int = 1 << 22, text_key: str = "text") -> Iterat
             while block := fh.read(chunk):
                 yield block
         return
-    from fsdp_jax.app.data.tokenizer import read_documents
-    from fsdp_jax.errors import TokenizerError
 
     try:
         parts, size = [], 0
@@ -237,8 +236,6 @@ def _write_tokenized(
     """As `_write_corpus`, with a real tokenizer: every document becomes
     `encode(doc) + [eos]`; the split is the same (whole files; one file: its last
     val_fraction of tokens). Token dtype from the tokenizer's vocab size."""
-    from fsdp_jax.app.data.tokenizer import encode_corpus, load_tokenizer
-    from fsdp_jax.errors import TokenizerError
 
     if not 0 < val_fraction < 1:
         raise DataError(f"val_fraction {val_fraction!r}: must be in (0, 1)")

@@ -16,9 +16,8 @@ from pathlib import Path
 import grain
 import numpy as np
 
-from fsdp_jax.app.data.corpus import load_meta
 from fsdp_jax.app.data.packing import batch_from_rows
-from fsdp_jax.app.data.windows import _NEVER_ENDS, BatchIterator, _rows, seg_dtype_of
+from fsdp_jax.app.data.windows import _NEVER_ENDS, BatchIterator, _rows, load_meta, seg_dtype_of
 from fsdp_jax.errors import DataError
 
 _STREAM = {"train": 3, "val": 4}

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from fsdp_jax.app.data.windows import SPLITS, load_meta
 from fsdp_jax.errors import DataError
@@ -32,8 +33,6 @@ def scan_max_token_id(data_dir: str | os.PathLike, dtype, progress: bool = False
     total = sum(len(t) for t in files.values())
     bar = None
     if progress and total >= BAR_FROM:
-        from tqdm import tqdm
-
         bar = tqdm(total=total, unit="tok", unit_scale=True, desc=f"checking token ids in {d}")
     best, where = -1, SPLITS[0]
     try:

@@ -19,12 +19,17 @@ from typing import Any
 
 import jax
 
+from fsdp_jax.app.config.parse import config_from_dict, config_to_dict
 from fsdp_jax.app.devices import use_cpu_devices
+from fsdp_jax.app.exits import BAD_INPUT, fail
 from fsdp_jax.app.planner.abstract_step import target_mesh_sizes
 from fsdp_jax.app.planner.one_strategy import plan_strategy
-from fsdp_jax.errors import OffloadError, PlanError
+from fsdp_jax.errors import OffloadError, PlanError, TargetError
 from fsdp_jax.hlo.findings import involuntary_rematerializations, rematerialization_warning
+from fsdp_jax.targets.gpu import Target, child_env, target_devices
 from fsdp_jax.targets.plugins import INSTALL_HINT
+from fsdp_jax.targets.xla_flags import UNKNOWN_FLAG, unknown_flag
+from fsdp_jax.verify.run import devices_for
 
 
 def run_strategies(
@@ -42,7 +47,6 @@ def run_strategies(
     that many devices, otherwise in a child process with `n_devices` fake CPU devices.
     With `target` (a `fsdp_jax.targets.gpu.Target`), always in a child process that
     compiles for that GPU target (the CUDA plugin on its path only: `child_env`)."""
-    from fsdp_jax.verify.run import devices_for
 
     devices = None if target is not None else devices_for(n_devices)
     if devices is not None:
@@ -58,7 +62,6 @@ def run_strategies(
             )
             for s in strategies
         }
-    from fsdp_jax.app.config.parse import config_to_dict
 
     request = {
         "config": config_to_dict(cfg),
@@ -72,7 +75,6 @@ def run_strategies(
     proc, where = _run_child(request, n_devices, target)
     if proc.returncode == 2:
         raise PlanError(proc.stderr.strip().splitlines()[-1].removeprefix("error: "))
-    from fsdp_jax.targets.xla_flags import UNKNOWN_FLAG, unknown_flag
 
     unknown = unknown_flag(proc.stderr)
     if unknown:  # XLA aborts the child on a flag this jaxlib does not know: the user's input
@@ -96,8 +98,6 @@ def _run_child(request: dict[str, Any], n_devices: int, target) -> tuple[subproc
     )
     with scratch_dir as scratch:
         if target is not None:
-            from fsdp_jax.targets.gpu import child_env
-
             # raises PluginMissing (a TargetError) naming the install step; the strategies
             # compiled in the child reuse each other's GPU kernels (a cache of its own)
             env = child_env(env, kernel_cache=Path(scratch) / "xla_gpu_kernels.bin", target=target)
@@ -147,10 +147,6 @@ def _child_main() -> int:
     target = req.get("target")
     if target is None:
         use_cpu_devices(int(req["devices"]))
-    from fsdp_jax.app.config.parse import config_from_dict
-    from fsdp_jax.app.exits import BAD_INPUT, fail
-    from fsdp_jax.errors import TargetError
-    from fsdp_jax.targets.gpu import Target, target_devices
 
     try:
         cfg = config_from_dict(req["config"])
@@ -158,8 +154,6 @@ def _child_main() -> int:
         if target is None:
             devices = jax.devices()[: req["devices"]]
         else:
-            from fsdp_jax.targets.gpu import Target, target_devices
-
             t = Target(**target)
             devices = target_devices(t)
             sizes = {s: target_mesh_sizes(cfg, s, len(devices), t.hosts) for s in req["strategies"]}

@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from fsdp_jax.app.extras import require
+from fsdp_jax.app.planner.step_time import format_predictions
 from fsdp_jax.sharding.strategy import get_strategy
 
 DEFAULT_REPLICATED_THRESHOLD = 1 << 20  # bytes: replicated params at least this big are flagged
@@ -166,7 +168,6 @@ def format_table(doc: dict[str, Any]) -> str:
         "analytic activations per device by remat policy (same batch): "
         + ", ".join(f"{name} {fmt_bytes(v)}" for name, v in act.items())
     )
-    from fsdp_jax.app.planner.step_time import format_predictions
 
     lines += format_predictions(doc, explain=doc.get("explain_time") or 0)
     warns = [(n, w) for n, r in doc["strategies"].items() for w in r["warnings"]]
@@ -251,7 +252,6 @@ def _compiled_table(doc: dict[str, Any], gb) -> list[str]:
 def plot_plan(doc: dict[str, Any], path: str) -> None:
     """Stacked bars per strategy (params, grads, optimizer, gathered, activations: analytic)
     with the compiled peak as a marker and the device memory as a line; PNG via Agg."""
-    from fsdp_jax.app.extras import require
 
     matplotlib = require("matplotlib", "--plot")
     matplotlib.use("Agg")

@@ -39,9 +39,12 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fsdp_jax.app.data.corpus import load_meta
+from fsdp_jax.app.config.parse import config_to_dict
+from fsdp_jax.app.data.tokenizer import load_tokenizer
+from fsdp_jax.app.data.windows import load_meta
 from fsdp_jax.app.models.sample import sample
 from fsdp_jax.app.trainer.router_metrics import summarise
+from fsdp_jax.errors import TokenizerError
 from fsdp_jax.sharding.precision import Policy
 from fsdp_jax.sharding.strategy import ShardingPlan, batch_divisor
 from fsdp_jax.targets.perf import device_memory, memory_excess, mfu
@@ -138,7 +141,6 @@ def wandb_settings(cfg: Config) -> dict | None:
     lg = cfg.logging
     if not lg.wandb:
         return None
-    from fsdp_jax.app.config.parse import config_to_dict
 
     return {"project": lg.wandb_project, "name": lg.wandb_run_name, "config": config_to_dict(cfg)}
 
@@ -310,8 +312,6 @@ def _tokenizer(kind: str | None):
     tokenizer file that is gone: the sample is then shown as ids)."""
     if kind in (None, "bytes", "external"):
         return None
-    from fsdp_jax.app.data.tokenizer import load_tokenizer
-    from fsdp_jax.errors import TokenizerError
 
     try:
         return load_tokenizer(kind, require_eos=False)

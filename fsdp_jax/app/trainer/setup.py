@@ -24,13 +24,15 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from fsdp_jax.app.config.checks import check_backend, check_data, validate
-from fsdp_jax.app.config.parse import config_to_dict
+from fsdp_jax.app.config.parse import config_to_dict, load_config
 from fsdp_jax.app.config.schema import Config
-from fsdp_jax.app.data.corpus import ensure_stdlib, load_meta
+from fsdp_jax.app.data.corpus import ensure_stdlib
 from fsdp_jax.app.data.token_check import check_corpus_vocab
-from fsdp_jax.app.hf.load import is_hf, load_params, open_init
+from fsdp_jax.app.data.windows import load_meta
+from fsdp_jax.app.hf.load import is_hf, load_params, model_section_from_hf, open_init
 from fsdp_jax.app.host_memory import check_host_memory, stated_host_memory
 from fsdp_jax.app.trainer import lora_state
 from fsdp_jax.app.trainer.build import (
@@ -56,8 +58,6 @@ from fsdp_jax.train.state import TrainState
 def load_run_config(path, overrides=()):
     """`load_config` with the trainer's fill: `init_from=hf:PATH` fills the model section from
     that checkpoint's config.json (keys the user set win). Every command reads its config here."""
-    from fsdp_jax.app.config.parse import load_config
-    from fsdp_jax.app.hf.load import model_section_from_hf
 
     return load_config(path, overrides, fill=model_section_from_hf)
 
@@ -148,8 +148,6 @@ def prepare_data(cfg: Config) -> None:
                     "data.path", f"{cfg.data.path!r}: cannot prepare the stdlib corpus there ({e.strerror or e})"
                 ) from None
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
             multihost_utils.sync_global_devices("fsdp_jax:prepare_data")
     check_data(cfg)
     load_meta(cfg.data.path)  # meta.json's dtype and the bins' sizes, before any write
