@@ -4,7 +4,7 @@
 import os
 import sys
 
-# this file, first on sys.path, would stand in for the standard library's `inspect`: drop its folder
+# scripts/ comes first on sys.path, where scripts/inspect.py would stand in for the stdlib's `inspect`
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 from fsdp_jax.app.cli.inspect import main  # noqa: E402
 

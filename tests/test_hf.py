@@ -336,9 +336,7 @@ def test_export_bf16_single_file_and_refusals(tmp_path):
 def test_convert_script_writes_init_from_params(tmp_path, capsys):
     out = tmp_path / "m.safetensors"
     assert (
-        script("convert").main(
-            [str(GOLDEN / "llama_gqa"), "--out", str(out), "--config-out", str(tmp_path / "m.yaml")]
-        )
+        script("convert").main([str(GOLDEN / "llama_gqa"), "--out", str(out), "--config-out", str(tmp_path / "m.yaml")])
         == 0
     )
     from fsdp_jax.checkpoint import load_safetensors

@@ -33,7 +33,7 @@ import yaml
 
 from fsdp_jax import checkpoint as ck
 from fsdp_jax.app import config as config_lib
-from fsdp_jax.app.config.schema import Rules, _all_keys, _field_type
+from fsdp_jax.app.config.schema import Rules, all_keys, field_type
 from fsdp_jax.app.data.corpus import prepare_bin
 from fsdp_jax.app.trainer.metrics import MetricsLog
 from fsdp_jax.app.trainer.run_dir import LOCK_NAME, RunDirLock
@@ -191,7 +191,7 @@ def wrong_types(tp) -> list:
 
 
 def field_types() -> dict[str, typing.Any]:
-    return {k: _field_type(k) for k in _all_keys()}
+    return {k: field_type(k) for k in all_keys()}
 
 
 def base_raw(corpus, run_dir) -> dict:

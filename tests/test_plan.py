@@ -283,9 +283,7 @@ ENTRY %main (a: f32[8]) -> f32[8] {
 
 @pytest.mark.slow
 def test_inspect_script_json(overrides):
-    p = run_script(
-        "inspect.py", "--config", TINY_YAML, "--devices", 8, "--strategy", "zero3", "--json", *overrides
-    )
+    p = run_script("inspect.py", "--config", TINY_YAML, "--devices", 8, "--strategy", "zero3", "--json", *overrides)
     assert p.returncode == 0, p.stderr
     d = json.loads(p.stdout)
     assert d["strategy"] == "full_shard"

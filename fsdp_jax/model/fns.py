@@ -193,7 +193,7 @@ def _stream_keys(names: tuple[str, ...], rng) -> dict[str, jax.Array]:
 # ----------------------------------------------------------------------------- helpers
 
 
-def _adapt(model, rng) -> tuple[ModelFns, Any, Any]:
+def adapt_model(model, rng) -> tuple[ModelFns, Any, Any]:
     """(ModelFns, materialised params or None when `fns.init` builds them, materialised
     model state or None)."""
     if isinstance(model, ModelFns):

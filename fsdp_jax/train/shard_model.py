@@ -44,7 +44,7 @@ from jax.sharding import Mesh
 
 from fsdp_jax.errors import StateError
 from fsdp_jax.hlo.memory import tree_bytes_per_device
-from fsdp_jax.model.fns import ModelFns, _adapt
+from fsdp_jax.model.fns import ModelFns, adapt_model
 from fsdp_jax.model.lora import LoraModel
 from fsdp_jax.model.variables import rows_lines
 from fsdp_jax.sharding import rules as rl
@@ -193,7 +193,7 @@ def shard_model(
     Returns a ShardedModel: `.state` (TrainState), `.plan` (ShardingPlan),
     `.train_step(loss_fn, ...)`, `.apply`, `.explain()`, `.bytes_per_device()`.
     """
-    fns, params, model_state = _adapt(model, rng)
+    fns, params, model_state = adapt_model(model, rng)
     if isinstance(fns, LoraModel) and trainable is None:  # with_lora: adapters train, the base is frozen
         trainable, optimizer = fns.trainable, fns.optimizer(optimizer)
     mask = None if trainable is None else _trainable_mask(fns, trainable)

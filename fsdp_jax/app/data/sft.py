@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from fsdp_jax.app.data.corpus import _check_out, _collect, _commit, token_dtype
+from fsdp_jax.app.data.corpus import check_out, collect, commit, token_dtype
 from fsdp_jax.app.data.encode_pool import encode_batches
 from fsdp_jax.app.data.encode_worker import EncoderSpec
 from fsdp_jax.app.data.examples import ExampleEncoder, find_chat_template, read_records, special_tokens
@@ -261,8 +261,8 @@ def prepare_examples(
     DataError (one line naming file and line) on bad input, before anything is in place."""
 
     _check_options(val_fraction, row_len, threads, workers, overflow)
-    out = _check_out(out_dir)
-    files = _collect(sources, pattern, exclude)
+    out = check_out(out_dir)
+    files = collect(sources, pattern, exclude)
     if not files:
         raise DataError("empty corpus: no non-empty files found in the sources")
     tok, spec, enc = _encoder(tokenizer, eos, chat_template, train_on, threads)
@@ -296,7 +296,7 @@ def prepare_examples(
         )
         if not keys.identity:
             meta["keys"] = dataclasses.asdict(keys)
-        return _commit(out, _with_template(out, splits.tmp_files(), meta, spec.chat_template), meta)
+        return commit(out, _with_template(out, splits.tmp_files(), meta, spec.chat_template), meta)
     except (ExampleError, TokenizerError) as e:
         raise DataError(str(e)) from None
     finally:

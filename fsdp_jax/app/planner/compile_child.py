@@ -1,7 +1,7 @@
 """Many strategies on any number of devices (`run_strategies`): in this process when it
 has the devices, otherwise in a child process with N fake CPU devices, or compile-only
 devices of a GPU / TPU target. The child is `python -m fsdp_jax.app.planner.estimate`
-(its entry point, `_child_main`, is here); it reads the request as JSON on stdin and
+(its entry point, `child_main`, is here); it reads the request as JSON on stdin and
 prints the results as JSON, and its stderr (XLA's own log lines included) is cut per
 strategy to find involuntary rematerializations."""
 
@@ -139,7 +139,7 @@ def _logs_by_strategy(stderr: str) -> dict[str, str]:
     return {k: "\n".join(v) for k, v in out.items()}
 
 
-def _child_main() -> int:
+def child_main() -> int:
     """`python -m fsdp_jax.app.planner.estimate` < request.json: compile on N fake CPU devices
     (or, with "target", on compile-only GPU devices), print the results as JSON. Set
     up before JAX initialises its backends."""

@@ -47,7 +47,7 @@ import numpy as np
 from fsdp_jax.app.host_memory import HOST_MEMORY_ENV, fmt_size
 from fsdp_jax.app.models.decoder import count_params
 from fsdp_jax.app.planner.compile_child import (
-    _child_main,
+    child_main,
     run_strategies,
 )
 from fsdp_jax.app.planner.inputs import CLASSIC_NAMES, check_inputs, parse_strategies
@@ -232,7 +232,7 @@ def _abstract_params(cfg):
 
 
 if __name__ == "__main__":
-    sys.exit(_child_main())
+    sys.exit(child_main())
 
 
 def _prediction(cfg, target, n_devices: int, strategy: str, r: dict[str, Any]) -> dict[str, Any] | None:

@@ -14,7 +14,7 @@ import jax
 from fsdp_jax.app.planner.abstract_step import build_step
 from fsdp_jax.app.planner.inspection import inspect_compiled
 from fsdp_jax.app.planner.memory_model import activations_by_remat, analytic_memory, argument_bytes
-from fsdp_jax.app.planner.refusal import _refused_result, over_memory
+from fsdp_jax.app.planner.refusal import over_memory, refused_result
 from fsdp_jax.errors import OffloadError
 from fsdp_jax.hlo.costs import op_inventory
 from fsdp_jax.hlo.schedule import communication
@@ -70,7 +70,7 @@ def plan_strategy(
         refused = over_memory(e)
         if refused is None:
             raise
-        return _refused_result(b, cfg, analytic, refused, time.perf_counter() - t0)
+        return refused_result(b, cfg, analytic, refused, time.perf_counter() - t0)
     compile_s = time.perf_counter() - t0
     layout_note = None
     if b.mesh.devices.flat[0].platform == "tpu":  # XLA:TPU pads every argument to its layout's tiles

@@ -102,7 +102,7 @@ def compile_candidates(
         return json.loads(out_file.read_text())
 
 
-def _child_main() -> int:
+def child_main() -> int:
     """`python -m fsdp_jax.app.planner.search_compile` < request: compile each job for the target in this
     one process (one kernel cache), write the results to request["out"]."""
     req = json.loads(sys.stdin.read())
@@ -128,4 +128,4 @@ def _child_main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_child_main())
+    sys.exit(child_main())
