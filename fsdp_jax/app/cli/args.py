@@ -31,13 +31,13 @@ def add_config(
 
 
 def add_devices(ap: argparse.ArgumentParser, default: str | None = None, text: str | None = None) -> None:
-    """`--devices N` (checked later by `fsdp_jax.app.planner.report.parse_devices`); `text`: its help."""
+    """`--devices N` (checked later by `fsdp_jax.app.planner.inputs.parse_devices`); `text`: its help."""
     ap.add_argument("--devices", default=default, help=text or f"number of devices (default {default})")
 
 
 def add_target(ap: argparse.ArgumentParser) -> None:
     """The device and target flags of plan and inspect (read by
-    `fsdp_jax.app.planner.report.resolve_target`)."""
+    `fsdp_jax.app.planner.inputs.resolve_target`)."""
     add_devices(ap, text="number of devices (with a TPU accelerator type or --topology: implied)")
     ap.add_argument(
         "--target",
