@@ -3,7 +3,7 @@ process, then once in each of two worker processes (wall seconds of each).
 
     python benchmarks/cpu_control.py      # "serial 2 jobs 1.55" / "2 procs 2 jobs 0.73": two free cores
 
-Run it beside a scaling benchmark (BENCHMARKS.md "prepare_data --workers"): on a shared
+Run it beside a scaling benchmark (BENCHMARKS.md "prepare --workers"): on a shared
 machine, two processes can get no more CPU than one.
 """
 

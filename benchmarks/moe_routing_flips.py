@@ -69,13 +69,13 @@ def measure(cfg, strategy: str, n: int, steps: int, seed: int) -> dict:
     from fsdp_jax.app.trainer.build import make_loss_fn, trainer_model
     from fsdp_jax.app.trainer.optim import build_optimizer
     from fsdp_jax.app.verify_batches import verify_batches
-    from fsdp_jax.model.fns import _adapt  # as verify: the shard_model adapter
+    from fsdp_jax.model.fns import adapt_model  # as verify: the shard_model adapter
     from fsdp_jax.sharding import rules as rl
     from fsdp_jax.sharding.mesh import make_mesh
     from fsdp_jax.train.build import build
     from fsdp_jax.verify.compare import strategy_mesh_shape
 
-    model, _, _ = _adapt(trainer_model(cfg.model, cfg.remat), jax.random.key(seed))
+    model, _, _ = adapt_model(trainer_model(cfg.model, cfg.remat), jax.random.key(seed))
     optimizer, _ = build_optimizer(dataclasses.replace(cfg.optimizer, warmup_steps=0), cfg.train.steps)
     loss_fn = make_loss_fn(model, cfg.model)
     batches, _ = verify_batches(cfg, steps, seed)

@@ -1,12 +1,12 @@
 #!/usr/bin/env python
-"""Peak RSS and throughput of scripts/prepare_data.py against corpus size.
+"""Peak RSS and throughput of scripts/prepare.py against corpus size.
 
     python benchmarks/prepare_stream.py --sizes 100 300 --mode pack --json benchmarks/prepare_stream.json
     python benchmarks/prepare_stream.py --sizes 100 300 --mode text
     python benchmarks/prepare_stream.py --sizes 20 --mode pack --workers 1 2    # processes
 
 Makes a .jsonl corpus of each size (MB) in a scratch directory, then runs
-prepare_data.py on it in a fresh process and reports that process's peak RSS (its
+prepare.py on it in a fresh process and reports that process's peak RSS (its
 ru_maxrss, read by a wrapper process that runs only it) and MB/s of input.
   pack: chat examples {"messages": [...]} -> --pack ROW_LEN with the golden Llama-2
         chat tokenizer (tests/golden/chat/llama2): render, tokenize, mask, pack
@@ -76,7 +76,7 @@ def measure(
 ) -> dict:
     cmd = [
         sys.executable,
-        str(root / "scripts" / "prepare_data.py"),
+        str(root / "scripts" / "prepare.py"),
         "--out",
         str(out),
         str(src),
@@ -95,10 +95,10 @@ def measure(
     res = subprocess.run([sys.executable, "-c", _WRAP, *cmd], capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
     if res.returncode:
-        raise SystemExit(f"benchmark: prepare_data failed: {res.stderr.strip()[-400:]}")
+        raise SystemExit(f"benchmark: prepare failed: {res.stderr.strip()[-400:]}")
     stats = json.loads(res.stdout.strip().splitlines()[-1])
     if stats["rc"]:
-        raise SystemExit(f"benchmark: prepare_data exited {stats['rc']}: {res.stderr.strip()[-400:]}")
+        raise SystemExit(f"benchmark: prepare exited {stats['rc']}: {res.stderr.strip()[-400:]}")
     meta = json.loads((out / "meta.json").read_text())
     return {
         "wall_s": round(wall, 2),
@@ -127,7 +127,7 @@ def main(argv=None) -> int:
         "--root",
         type=Path,
         default=ROOT,
-        help="the checkout whose prepare_data.py runs (e.g. an older release, to compare)",
+        help="the checkout whose prepare.py runs (e.g. an older release, to compare)",
     )
     args = ap.parse_args(argv)
     rows = []

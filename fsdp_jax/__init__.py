@@ -1,5 +1,7 @@
 """fsdp_jax: Fully Sharded Data Parallel (ZeRO-3 and relatives) for JAX and Flax."""
 
+import importlib
+
 from fsdp_jax.errors import (
     BatchError,
     MeshError,
@@ -103,7 +105,5 @@ _LAZY = {"checkpoint", "targets", "hlo"}  # heavy (orbax, tensorstore) or rarely
 
 def __getattr__(name):
     if name in _LAZY:
-        import importlib
-
         return importlib.import_module(f"fsdp_jax.{name}")
     raise AttributeError(f"module 'fsdp_jax' has no attribute {name!r}")

@@ -1,9 +1,12 @@
 #!/usr/bin/env python
 """`fsdp-jax plan` as a script: the same flags and exit codes (fsdp_jax/app/cli/plan.py)."""
 
+import os
 import sys
 
-from fsdp_jax.app.cli.plan import main
+# scripts/ comes first on sys.path, where scripts/inspect.py would stand in for the stdlib's `inspect`
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+from fsdp_jax.app.cli.plan import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

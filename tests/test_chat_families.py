@@ -131,7 +131,7 @@ def test_prepare_says_how_many_chats_lose_text_to_the_template(tmp_path, capsys)
     src.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
     out = tmp_path / "sft"
     args = [str(src), "--out", str(out), "--pack", "64", "--tokenizer", str(ROOT / "mistral_v03"), "--no-progress"]
-    code, stdout, stderr = call("prepare_data", *args, capsys=capsys)
+    code, stdout, stderr = call("prepare", *args, capsys=capsys)
     assert code == 0, stderr
     (warning,) = [ln for ln in stderr.splitlines() if ln.startswith("warning:")]
     assert warning.startswith(

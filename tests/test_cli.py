@@ -124,6 +124,8 @@ def test_every_script_is_a_shim_over_its_command():
     """scripts/<name>.py imports `main` from the command's module and calls it: nothing else."""
     assert sorted(entry.SCRIPTS) == SHIMS, "add the script to fsdp_jax.app.cli.entry.SCRIPTS"
     assert set(entry.SCRIPTS.values()) == set(entry.COMMANDS)
+    for command, (module, _) in entry.COMMANDS.items():  # one word: command = module = script
+        assert module == command.replace("-", "_"), command
     for name in SHIMS:
         text = (ROOT / "scripts" / f"{name}.py").read_text()
         tree = ast.parse(text)

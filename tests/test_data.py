@@ -11,7 +11,7 @@ import pytest
 from fsdp_jax.app.data import corpus as data
 from fsdp_jax.app.data.windows import eval_batches, make_dataset
 
-SCRIPT = Path(__file__).parent.parent / "scripts" / "prepare_data.py"
+SCRIPT = Path(__file__).parent.parent / "scripts" / "prepare.py"
 
 
 @pytest.fixture

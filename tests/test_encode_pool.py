@@ -1,4 +1,4 @@
-"""The worker pool of prepare_data --workers without pickle: nothing is pickled in the main
+"""The worker pool of prepare --workers without pickle: nothing is pickled in the main
 process or in a worker, a worker killed mid-run is one line and exit 1 with nothing left
 in --out, and the workers are reaped when the run ends early and end when their parent
 dies. (Byte-for-byte parity with one worker: tests/test_prepare_scaling.py.)"""

@@ -52,11 +52,11 @@ def test_tensorboard_without_tensorboardx_is_a_config_error(missing):
 
 
 @pytest.mark.slow
-def test_plot_metrics_without_matplotlib_exits_2_with_one_line(tmp_path):
+def test_plot_without_matplotlib_exits_2_with_one_line(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
     code = (
-        "import runpy, sys; sys.modules['matplotlib'] = None; sys.argv[0] = 'plot_metrics.py'; "
-        "runpy.run_path('scripts/plot_metrics.py', run_name='__main__')"
+        "import runpy, sys; sys.modules['matplotlib'] = None; sys.argv[0] = 'plot.py'; "
+        "runpy.run_path('scripts/plot.py', run_name='__main__')"
     )
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 2, r.stderr  # a requested feature whose package is missing: bad input

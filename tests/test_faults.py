@@ -116,7 +116,7 @@ def test_checkpoints_made_read_only_mid_run_stop_at_that_save_then_resume_exactl
 
 LAUNCH = [
     sys.executable,
-    str(ROOT / "scripts" / "launch_local.py"),
+    str(ROOT / "scripts" / "launch.py"),
     "--processes",
     "2",
     "--devices-per-process",

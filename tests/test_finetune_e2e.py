@@ -1,5 +1,5 @@
 """End to end on CPU (docs/finetuning_data.md walk-through): a tiny chat set made here ->
-prepare_data.py --pack with the golden Llama tokenizer and its chat template -> fine-tune
+prepare.py --pack with the golden Llama tokenizer and its chat template -> fine-tune
 the tiny golden Llama -> example-level eval loss on the held-out examples falls, the
 metrics log trained tokens, and the run resumes from its checkpoint."""
 
@@ -48,7 +48,7 @@ def test_chat_finetune_end_to_end(tmp_path, capsys):
 
     src, d, run = chat_set(tmp_path / "chats.jsonl"), tmp_path / "sft", tmp_path / "run"
     assert (
-        script("prepare_data").main(
+        script("prepare").main(
             [
                 "--out",
                 str(d),

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out (fsdp_jax.app.hf.load, hf_config, hf_export, scripts/convert_hf.py).
+"""Hugging Face checkpoints in and out (fsdp_jax.app.hf.load, hf_config, hf_export, scripts/convert.py).
 
 Goldens (tests/golden/hf, regenerated in a separate venv with torch + transformers): two
 tiny random LlamaForCausalLMs from make_hf_goldens.py — llama_gqa (8 q / 2 kv heads,
@@ -336,9 +336,7 @@ def test_export_bf16_single_file_and_refusals(tmp_path):
 def test_convert_script_writes_init_from_params(tmp_path, capsys):
     out = tmp_path / "m.safetensors"
     assert (
-        script("convert_hf").main(
-            [str(GOLDEN / "llama_gqa"), "--out", str(out), "--config-out", str(tmp_path / "m.yaml")]
-        )
+        script("convert").main([str(GOLDEN / "llama_gqa"), "--out", str(out), "--config-out", str(tmp_path / "m.yaml")])
         == 0
     )
     from fsdp_jax.checkpoint import load_safetensors
@@ -502,7 +500,7 @@ def _bad_family_dirs(tmp):
 
 
 def test_bad_checkpoints_exit_2_with_one_line_and_write_nothing(tmp_path, capsys):
-    convert = script("convert_hf")
+    convert = script("convert")
     for case, d, word in _bad_dirs(tmp_path):
         out = tmp_path / f"{case}.safetensors"
         rc = convert.main([str(d), "--out", str(out)])

@@ -33,7 +33,7 @@ import yaml
 
 from fsdp_jax import checkpoint as ck
 from fsdp_jax.app import config as config_lib
-from fsdp_jax.app.config.schema import Rules, _all_keys, _field_type
+from fsdp_jax.app.config.schema import Rules, all_keys, field_type
 from fsdp_jax.app.data.corpus import prepare_bin
 from fsdp_jax.app.trainer.metrics import MetricsLog
 from fsdp_jax.app.trainer.run_dir import LOCK_NAME, RunDirLock
@@ -191,7 +191,7 @@ def wrong_types(tp) -> list:
 
 
 def field_types() -> dict[str, typing.Any]:
-    return {k: _field_type(k) for k in _all_keys()}
+    return {k: field_type(k) for k in all_keys()}
 
 
 def base_raw(corpus, run_dir) -> dict:
@@ -460,7 +460,7 @@ def test_every_script_rejects_bad_flags_with_one_line(
             ["--config", tiny, "--devices", "8", "optimizer.lr=.nan"],
             ["--config", latin1, "--devices", "8"],
         ],
-        "inspect_sharding": [
+        "inspect": [
             ["--config", tiny, "--devices", "8", "--strategy", "full_shard,no_shard"],
             ["--config", tiny, "--devices", "8", "--strategy", "all"],
             ["--config", tiny, "--devices", "8", "--strategy", "zero9"],
@@ -479,7 +479,7 @@ def test_every_script_rejects_bad_flags_with_one_line(
             [empty_ckpts, "--out", tmp_path / "m.safetensors", "--step", "x"],
             [empty_ckpts, "--out", tmp_path / "m.safetensors"],
         ],  # no checkpoint in it
-        "prepare_data": [
+        "prepare": [
             ["--out", a_file, corpus.parent / "src"],
             ["--out", a_file / "sub", corpus.parent / "src"],
             ["--out", tmp_path / "d"],
@@ -494,7 +494,7 @@ def test_every_script_rejects_bad_flags_with_one_line(
             ["--out", tmp_path / "d", corpus.parent / "src", "--pattern", "/etc/*"],
             ["--out", tmp_path / "d", corpus.parent / "src", "--pattern", "../*"],
         ],
-        "plot_metrics": [
+        "plot": [
             [tmp_path / "no_run"],
             *[[d] for d in bad_metrics.values()],
             [good_run, "--out", tmp_path],
@@ -524,7 +524,7 @@ def test_every_script_rejects_bad_flags_with_one_line(
             ["--config", tiny, "--only", "throughput", "optimizer.lr=-1"],
             ["--only", "precision", "--json", tmp_path],
         ],
-        "launch_local": [
+        "launch": [
             ["--processes", "0", "--", "true"],
             ["--processes", "abc", "--", "true"],
             ["--processes", "2", "--port", "70000", "--", "true"],
@@ -549,7 +549,7 @@ def test_every_script_rejects_bad_flags_with_one_line(
             rc, _, err = call(name, "--config", tiny, capsys=capsys)
             one_line(rc, err, "FSDP_JAX_CPU_DEVICES")
     assert listing(tmp_path) == before  # nothing written by any of them
-    rc, out, err = call("plot_metrics", good_run, "--out", tmp_path / "ok.png", capsys=capsys)
+    rc, out, err = call("plot", good_run, "--out", tmp_path / "ok.png", capsys=capsys)
     assert rc == 0 and (tmp_path / "ok.png").is_file(), err  # null (non-finite) losses plot as gaps
 
 
@@ -582,7 +582,7 @@ def test_missing_optional_packages_are_named(corpus, tmp_path, capsys, monkeypat
         one_line(rc, err, "--plot", "matplotlib")
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
-    rc, _, err = call("plot_metrics", tmp_path / "m", capsys=capsys)
+    rc, _, err = call("plot", tmp_path / "m", capsys=capsys)
     one_line(rc, err, "matplotlib")
     assert listing(tmp_path) == ["m", "m/metrics.jsonl"]
 
@@ -996,7 +996,7 @@ def test_local_launch_coordinator_listens_on_loopback_only(tmp_path):
     r = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "scripts" / "launch_local.py"),
+            str(ROOT / "scripts" / "launch.py"),
             "--processes",
             "2",
             "--devices-per-process",

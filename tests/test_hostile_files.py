@@ -308,7 +308,7 @@ def test_hostile_hf_config_keys_are_one_line_bad_input(tmp_path, capsys):
     infinite value, or a value the tensors contradict: the checkpoint reader raises bad
     input (ConfigError / CheckpointError: exit 2 in every script) in one line naming
     config.json or the directory. One case of each class also through
-    scripts/convert_hf.py: one line, exit 2, nothing written."""
+    scripts/convert.py: one line, exit 2, nothing written."""
     from fsdp_jax.app.exits import BAD_INPUT
     from fsdp_jax.app.hf import load as hf
 
@@ -349,14 +349,14 @@ def test_hostile_hf_config_keys_are_one_line_bad_input(tmp_path, capsys):
     ]:
         d = _hf_copy(tmp_path, f"script_{key}_{value}", {key: value})
         o = tmp_path / f"o_{key}.safetensors"
-        rc, _, err = call("convert_hf", d, "--out", o, capsys=capsys)
+        rc, _, err = call("convert", d, "--out", o, capsys=capsys)
         one_line(rc, err, key)
         assert not o.exists()
 
 
 def test_damaged_hf_directories_are_one_line_exit_2_nothing_written(tmp_path, capsys):
     """Damaged safetensors shards, a missing shard, a broken index, no config: through
-    convert_hf.py and through the trainer (init_from=hf:DIR): one line, exit 2, no file
+    convert.py and through the trainer (init_from=hf:DIR): one line, exit 2, no file
     and no run directory written."""
     failures = []
     bare = tmp_path / "bare.yaml"
@@ -366,8 +366,8 @@ def test_damaged_hf_directories_are_one_line_exit_2_nothing_written(tmp_path, ca
         d = _hf_copy(tmp_path, how)
         _damage(d, how)
         o = tmp_path / f"o_{how}.safetensors"
-        rc, out, err = call("convert_hf", d, "--out", o, capsys=capsys)
-        _refused(rc, out, err, f"convert_hf {how}", o, failures)
+        rc, out, err = call("convert", d, "--out", o, capsys=capsys)
+        _refused(rc, out, err, f"convert {how}", o, failures)
         rc, out, err = call(
             "train",
             "--config",
@@ -391,7 +391,7 @@ def test_damaged_hf_directories_are_one_line_exit_2_nothing_written(tmp_path, ca
 def test_hostile_tokenizer_files_are_one_line_exit_2_nothing_written(tmp_path, capsys):
     """Missing, not JSON, not UTF-8, the wrong schema, an empty vocabulary, a damaged
     SentencePiece model, a directory without one: `load_tokenizer` raises TokenizerError
-    (one line), and scripts/prepare_data.py --tokenizer says so in one line, exit 2,
+    (one line), and scripts/prepare.py --tokenizer says so in one line, exit 2,
     writing no corpus."""
     from fsdp_jax.app.data.tokenizer import load_tokenizer
     from fsdp_jax.errors import TokenizerError
@@ -432,10 +432,10 @@ def test_hostile_tokenizer_files_are_one_line_exit_2_nothing_written(tmp_path, c
         except Exception as e:
             failures.append(f"{name}: {type(e).__name__}: {str(e)[:200]}")
         out = tmp_path / f"corpus_{name}"
-        rc, _, err = call("prepare_data", "--out", out, "--tokenizer", p, src, capsys=capsys)
+        rc, _, err = call("prepare", "--out", out, "--tokenizer", p, src, capsys=capsys)
         try:
             one_line(rc, err, name.split(".")[0])
             assert not out.exists()
         except AssertionError as e:
-            failures.append(f"prepare_data {name}: {str(e)[-300:]}")
+            failures.append(f"prepare {name}: {str(e)[-300:]}")
     assert not failures, "\n".join(failures)

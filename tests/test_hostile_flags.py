@@ -36,7 +36,7 @@ BAD_FLAG_VALUES: dict[str, dict[str, list[str] | str]] = {
         "--peak-tflops": ["-1", "0", "nan", "inf"],
         "--plot": ["{dir}", "{file}/x.png"],
     },
-    "convert_hf": {
+    "convert": {
         "--out": ["{dir}", "{file}", "{missing}/x/m.safetensors"],
         "--dtype": ["float8"],
         "--config-out": ["{dir}", "{file}", "{missing}/x/m.yaml"],
@@ -50,7 +50,7 @@ BAD_FLAG_VALUES: dict[str, dict[str, list[str] | str]] = {
         "--step": ["-1", "x"],
     },
     "gpu_check": {"--config": ["{missing}"], "--steps": NEG_ZERO_NAN, "--json": ["{dir}"], "--only": ["speed", ","]},
-    "inspect_sharding": {
+    "inspect": {
         "--config": ["{missing}"],
         "--devices": NEG_ZERO_NAN,
         "--strategy": ["zero9"],
@@ -62,7 +62,7 @@ BAD_FLAG_VALUES: dict[str, dict[str, list[str] | str]] = {
         "--topology": ["2x2x2", "x"],
         "--tpu-flags": ["maxtext-llama2-70b-v5p", "nonsense"],
     },
-    "launch_local": {
+    "launch": {
         "--processes": ["0", "abc", "-1"],
         "--devices-per-process": ["0", "-1", "x"],
         "--port": ["-1", "70000", "x"],
@@ -97,8 +97,8 @@ BAD_FLAG_VALUES: dict[str, dict[str, list[str] | str]] = {
         "--rows": ["0", "x"],
         "--explain-time": ["0", "-3", "x", "26"],
     },
-    "plot_metrics": {"--out": ["{dir}", "{file}/x.png"]},
-    "prepare_data": {
+    "plot": {"--out": ["{dir}", "{file}/x.png"]},
+    "prepare": {
         "--out": ["{file}", "{file}/sub"],
         "--pattern": ["/etc/*", "../*"],
         "--val-fraction": ["2", "nan", "-0.1"],
@@ -135,19 +135,19 @@ BAD_FLAG_VALUES: dict[str, dict[str, list[str] | str]] = {
 BASE_ARGS: dict[str, list[str]] = {
     "bench_offload": ["--config", "configs/tiny.yaml"],
     "benchmark": ["--config", "configs/tiny.yaml"],
-    "convert_hf": ["tests/golden/hf/llama_gqa", "--out", "{new}/m.safetensors"],
+    "convert": ["tests/golden/hf/llama_gqa", "--out", "{new}/m.safetensors"],
     "export": ["{dir}", "--out", "{new}/m.safetensors"],
     "gpu_check": ["--only", "throughput"],
-    "inspect_sharding": ["--config", "configs/tiny.yaml", "--devices", "8"],
-    "launch_local": ["--processes", "2"],
+    "inspect": ["--config", "configs/tiny.yaml", "--devices", "8"],
+    "launch": ["--processes", "2"],
     "measure_hf_import": [],
     "plan": ["--config", "configs/tiny.yaml", "--devices", "8"],
-    "plot_metrics": ["{run}"],
-    "prepare_data": ["--out", "{new}/d", "{src}"],
+    "plot": ["{run}"],
+    "prepare": ["--out", "{new}/d", "{src}"],
     "train": [],
     "verify": ["--config", "configs/tiny.yaml"],
 }
-TAIL_ARGS = {"launch_local": ["--", "true"]}
+TAIL_ARGS = {"launch": ["--", "true"]}
 # flags whose range check another open issue adds (remove the entry once it is merged)
 PENDING: dict = {}  # (script, flag) -> why its range is not checked yet
 
@@ -167,7 +167,7 @@ def value_flags(name: str) -> dict[str, argparse.Action]:
     real = argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args
     argparse.ArgumentParser.parse_args = argparse.ArgumentParser.parse_known_args = grab
     try:
-        script(name).main(["--help"] if name != "launch_local" else ["--", "true"])
+        script(name).main(["--help"] if name != "launch" else ["--", "true"])
     except _Parsed:
         pass
     finally:
@@ -192,13 +192,13 @@ def test_every_script_flag_is_in_the_table():
 
 def test_every_numeric_flag_has_a_range():
     """A flag parsed as a number says its range in the parser (fsdp_jax.app.cli.flags): a bare
-    `type=int` takes -5 (the issue's `verify.py --max-params -5`). prepare_data.py checks
+    `type=int` takes -5 (the issue's `verify.py --max-params -5`). prepare.py checks
     its numbers itself (issue 25 owns that script)."""
     bare = [
         (name, flag)
         for name in SCRIPTS
         for flag, a in value_flags(name).items()
-        if a.type in (int, float) and name != "prepare_data"
+        if a.type in (int, float) and name != "prepare"
     ]
     assert not bare, f"use fsdp_jax.app.cli.flags.int_in / real_in for {bare}"
 

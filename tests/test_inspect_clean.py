@@ -8,7 +8,7 @@ from fsdp_jax.hlo.findings import involuntary_rematerializations, rematerializat
 from helpers import call
 
 # Logged by XLA:GPU (jax 0.10.2) compiling Llama-2-7B hybrid_shard for 2 hosts x 8 H100:
-#   python scripts/inspect_sharding.py --config configs/llama2_7b.yaml --target h100 --devices 16 \
+#   python scripts/inspect.py --config configs/llama2_7b.yaml --target h100 --devices 16 \
 #       --hosts 2 --strategy hybrid_shard train.global_batch=16
 NEW_WORDING = (
     "W1201 22:15:28.784548    3451 spmd_partitioner.cc:656] [SPMD] Involuntary full rematerialization. "
@@ -66,7 +66,7 @@ def test_only_all_to_alls_other_than_the_embedding_gradient_are_flagged():
 
 def test_the_reference_model_with_bf16_compute_inspects_without_the_all_to_all_warning(capsys):
     rc, out, err = call(
-        "inspect_sharding", "--config", "configs/tiny.yaml", "--devices", "8", "--strategy", "full_shard",
+        "inspect", "--config", "configs/tiny.yaml", "--devices", "8", "--strategy", "full_shard",
         "precision=params=float32,compute=bfloat16,reduce=float32", capsys=capsys,
     )  # fmt: skip
     assert rc == 0, err
@@ -91,7 +91,7 @@ def test_the_experts_token_exchange_is_not_flagged():
 def test_experts_over_fsdp_inspect_without_the_all_to_all_warning(capsys):
     moe = ["model.n_experts=8", "model.experts_per_token=2", "model.moe_ffn_dim=64", "mesh.rules.expert=fsdp"]
     rc, out, err = call(
-        "inspect_sharding", "--config", "configs/tiny.yaml", "--devices", "8", "--strategy", "full_shard",
+        "inspect", "--config", "configs/tiny.yaml", "--devices", "8", "--strategy", "full_shard",
         "model.n_layers=2", *moe, capsys=capsys,
     )  # fmt: skip
     assert rc == 0, err

@@ -130,3 +130,37 @@ def test_names_are_imported_from_where_they_are_defined():
             if isinstance(node, ast.ImportFrom):
                 bad += [f"{face.relative_to(root)}: re-exports {a.name}" for a in node.names if a.name.startswith("_")]
     assert not bad
+
+
+def _library_modules() -> list[tuple[Path, str]]:
+    return [(p, "fsdp_jax." + ".".join(p.relative_to(PKG).with_suffix("").parts)) for p in sorted(PKG.rglob("*.py"))]
+
+
+def test_few_function_level_imports():
+    """Arrows you can see: an import inside a function only for an optional extra (orbax,
+    matplotlib, tokamax, ...), what `import fsdp_jax` must not load, or a real cycle; the rest at
+    the module's top (the CLI's start-up boundary is `entry.command_module`)."""
+    inside = []
+    for path, _ in _library_modules():
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                inside += [
+                    f"{path.relative_to(PKG.parent)}:{n.lineno} in {fn.name}"
+                    for n in ast.walk(fn)
+                    if isinstance(n, (ast.Import, ast.ImportFrom))
+                ]
+    assert len(inside) <= 40, "function-level imports (at most 40):\n" + "\n".join(sorted(set(inside)))
+
+
+def test_no_private_name_is_imported_across_modules():
+    """`from fsdp_jax.x import _name` only from the module's own package face for a submodule:
+    a private name used by another module is promoted to public, or the code moves."""
+    bad = []
+    for path, me in _library_modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fsdp_jax"):
+                target = PKG.parent / node.module.replace(".", "/")
+                for a in node.names:
+                    if a.name.startswith("_") and not (target / f"{a.name}.py").is_file() and node.module != me:
+                        bad.append(f"{path.relative_to(PKG.parent)}:{node.lineno}: {node.module}.{a.name}")
+    assert not bad, "private names imported across modules:\n" + "\n".join(bad)

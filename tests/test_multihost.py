@@ -12,7 +12,7 @@ import pytest
 from helpers import TINY_RUN_OVERRIDES, call
 
 ROOT = Path(__file__).resolve().parents[1]
-LAUNCH = [sys.executable, str(ROOT / "scripts" / "launch_local.py")]
+LAUNCH = [sys.executable, str(ROOT / "scripts" / "launch.py")]
 
 
 def launch(*args, timeout=180, env=None):
@@ -103,7 +103,7 @@ def losses(run_dir):
 
 @pytest.mark.slow
 def test_two_processes_train_like_one_and_checkpoints_move_between_process_counts(corpus, tmp_path, capsys):
-    """The 2-process run (launch_local) against the same run in this one process."""
+    """The 2-process run (launch) against the same run in this one process."""
     import jax
     import numpy as np
 

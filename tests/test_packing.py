@@ -17,7 +17,7 @@ CHAT = ROOT / "tests" / "golden" / "chat"
 
 
 def prep_script():
-    """`fsdp-jax prepare` (scripts/prepare_data.py is a shim over it)."""
+    """`fsdp-jax prepare` (scripts/prepare.py is a shim over it)."""
     from fsdp_jax.app.cli import prepare
 
     return prepare

@@ -283,9 +283,7 @@ ENTRY %main (a: f32[8]) -> f32[8] {
 
 @pytest.mark.slow
 def test_inspect_script_json(overrides):
-    p = run_script(
-        "inspect_sharding.py", "--config", TINY_YAML, "--devices", 8, "--strategy", "zero3", "--json", *overrides
-    )
+    p = run_script("inspect.py", "--config", TINY_YAML, "--devices", 8, "--strategy", "zero3", "--json", *overrides)
     assert p.returncode == 0, p.stderr
     d = json.loads(p.stdout)
     assert d["strategy"] == "full_shard"
@@ -310,8 +308,8 @@ def test_inspect_script_json(overrides):
         ("plan.py", ["--config", TINY_YAML, "--devices", "0"], "--devices"),
         ("plan.py", ["--config", TINY_YAML, "--devices", "8", "--device-memory", "lots"], "--device-memory"),
         ("plan.py", ["--config", TINY_YAML, "--devices", "8", "--strategies", "zero9"], "zero9"),
-        ("inspect_sharding.py", ["--config", TINY_YAML, "--devices", "8", "--strategy", "zero4"], "zero4"),
-        ("inspect_sharding.py", ["--config", "configs/nope.yaml", "--devices", "8"], "nope.yaml"),
+        ("inspect.py", ["--config", TINY_YAML, "--devices", "8", "--strategy", "zero4"], "zero4"),
+        ("inspect.py", ["--config", "configs/nope.yaml", "--devices", "8"], "nope.yaml"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(script, args, needle, capsys):

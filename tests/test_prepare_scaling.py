@@ -1,4 +1,4 @@
-"""prepare_data at scale: examples rendered and tokenized by several worker processes give
+"""prepare at scale: examples rendered and tokenized by several worker processes give
 the one-worker corpus byte for byte (and the same first error), and bad values of the
 scaling flags are one line, exit 2."""
 

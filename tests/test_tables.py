@@ -31,7 +31,7 @@ def corpus(d: Path) -> dict:
 
 
 def prepare(capsys, *args):
-    code, out, err = call("prepare_data", *map(str, args), "--no-progress", capsys=capsys)
+    code, out, err = call("prepare", *map(str, args), "--no-progress", capsys=capsys)
     return code, out, err
 
 

@@ -217,7 +217,7 @@ def test_cpu_runs_never_see_the_plugin():
         ("plan.py", ["--target", "h999", "--devices", "8"], "--target: unknown GPU target"),
         ("plan.py", ["--target", "h100", "--devices", "8", "--hosts", "3"], "do not divide into 3 hosts"),
         (
-            "inspect_sharding.py",
+            "inspect.py",
             ["--target", "h100", "--devices", "8", "--hosts", "0"],
             "--hosts: 0 must be in 1..65536",
         ),
@@ -246,7 +246,7 @@ def test_cpu_runs_never_see_the_plugin():
             "XLA_FLAGS --xla_gpu_kernel_cache_file=/nonexistent/k.bin: its directory /nonexistent does not exist",
         ),
         (
-            "inspect_sharding.py",
+            "inspect.py",
             ["--target", "h100", "--devices", "8", "--strategy", "full_shard", "XLA_FLAGS=--xla_gpu_no_such_flag=1"],
             "XLA_FLAGS: Unknown flag in XLA_FLAGS: --xla_gpu_no_such_flag=1",
         ),

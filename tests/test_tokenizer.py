@@ -127,7 +127,7 @@ def test_single_file_splits_by_tokens(tmp_path):
 
 
 def test_bad_tokenizers_exit_2_and_write_nothing(tmp_path, capsys):
-    prep = script("prepare_data")
+    prep = script("prepare")
     src = sources(tmp_path)
     noeos = train_bpe(tmp_path / "noeos", 280, eos=False)
     big = train_bpe(tmp_path / "big", 300)
@@ -181,7 +181,7 @@ def test_walkthrough_import_tokenize_train_sample_export(tmp_path, capsys):
 
     d, run, out = tmp_path / "data", tmp_path / "run", tmp_path / "hf_out"
     assert (
-        script("prepare_data").main(
+        script("prepare").main(
             [
                 "--out",
                 str(d),

@@ -99,7 +99,7 @@ def test_compiler_refusal_is_read_as_does_not_fit():
         (["--devices", 8, "--tpu-flags", "maxtext-llama2-70b-v5p"], ["--tpu-flags", "needs --target"]),
     ],
 )
-@pytest.mark.parametrize("script", ["plan", "inspect_sharding"])
+@pytest.mark.parametrize("script", ["plan", "inspect"])
 def test_scripts_refuse_bad_tpu_flags_in_one_line(script, args, words, capsys, tmp_path):
     rc, out, err = call(script, "--config", TINY_YAML, *args, capsys=capsys, env={"FSDP_JAX_LIBTPU_DIR": str(tmp_path)})
     one_line(rc, err, *words)

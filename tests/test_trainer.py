@@ -75,8 +75,8 @@ def test_run_dir_holds_config_and_metrics(corpus, tmp_path, capsys):
     assert isinstance(summary["sample"], str) and len(summary["sample"]) > 0
     events = list((run_dir / "tb").glob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 0
-    # scripts/plot_metrics.py draws the run's metrics (train and eval rows)
-    rc, out, err = call("plot_metrics", run_dir, capsys=capsys)
+    # scripts/plot.py draws the run's metrics (train and eval rows)
+    rc, out, err = call("plot", run_dir, capsys=capsys)
     assert rc == 0, err
     assert (run_dir / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -41,10 +41,10 @@ def test_the_first_step_works_in_a_fresh_checkout(tmp_path):
 def test_prepare_says_what_the_page_says_it_truncates(tmp_path, capsys):
     from test_finetune_e2e import chat_set
 
-    prepare = next(c for c in walkthrough() if c.startswith("python scripts/prepare_data.py"))
+    prepare = next(c for c in walkthrough() if c.startswith("python scripts/prepare.py"))
     args = [a.replace("data/", f"{tmp_path}/data/") for a in shlex.split(prepare)[2:]]
     chat_set(tmp_path / "data" / "chats.jsonl")
-    code, out, err = call("prepare_data", *args, "--no-progress", capsys=capsys)
+    code, out, err = call("prepare", *args, "--no-progress", capsys=capsys)
     assert code == 0, err
     truncated = int(re.search(r"truncated (\d+)", out).group(1))
     page = PAGE.read_text()

@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import os
 
+import jax
+
+from fsdp_jax.errors import ConfigError
+from fsdp_jax.targets.xla_flags import check_xla_flags
+
 ENV_DEVICES = "FSDP_JAX_CPU_DEVICES"
 ENV_CACHE = "FSDP_JAX_CACHE_DIR"
 
@@ -20,8 +25,6 @@ def env_int(name: str, default: int, low: int = 1, high: int = 1 << 16) -> int:
     except ValueError:
         v = low - 1
     if not low <= v <= high:
-        from fsdp_jax.errors import ConfigError
-
         raise ConfigError(name, f"{os.environ[name]!r} is invalid; expected an integer in {low}..{high}")
     return v
 
@@ -35,9 +38,6 @@ def use_cpu_devices(n: int | None = None, *, env: str = ENV_DEVICES, default: in
     called from a notebook or a test), nothing is changed. ConfigError names
     `env` when it is not a count; XlaFlagsError names an XLA_FLAGS entry XLA would abort
     the process over (`fsdp_jax.targets.xla_flags.check_xla_flags`)."""
-    import jax
-
-    from fsdp_jax.targets.xla_flags import check_xla_flags
 
     check_xla_flags()
     if n is None:

@@ -1,7 +1,7 @@
 """Optional features and the package extra that installs each.
 
     pip install 'fsdp_jax[tensorboard]'   # train.tensorboard=true (tensorboardX)
-    pip install 'fsdp_jax[plot]'          # scripts' --plot, plot_metrics.py (matplotlib)
+    pip install 'fsdp_jax[plot]'          # scripts' --plot, plot.py (matplotlib)
     pip install 'fsdp_jax[data]'          # .parquet and datasets-directory sources (pyarrow)
     pip install 'fsdp_jax[all]'           # both
 

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from fsdp_jax.app.data.batches import check_tokens, make_batches
+
 
 def _corpus_kind(cfg) -> str | None:
     """ "packed", "tokens" or None (no corpus at data.path)."""
@@ -37,8 +39,6 @@ def verify_batches(cfg, steps: int, seed: int, vocab_shrunk: bool = False) -> tu
     """(`steps` host batches, a note saying what they are); see the module docstring."""
     kind = _corpus_kind(cfg)
     if kind == "packed" or (kind == "tokens" and cfg.data.document_mask):
-        from fsdp_jax.app.data.batches import check_tokens, make_batches
-
         train = dataclasses.replace(cfg.train, eval_every=0)
         it, _ = make_batches(dataclasses.replace(cfg, train=train), 0, 1)
         vocab = cfg.model.vocab_size

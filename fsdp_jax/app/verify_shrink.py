@@ -9,6 +9,14 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import optax
+
+from fsdp_jax.app.models.lora import max_rank, resolve_experts, resolve_targets
+from fsdp_jax.app.trainer.build import trainer_model
+from fsdp_jax.sharding.mesh import make_mesh
+from fsdp_jax.sharding.strategy import make_plan
+from fsdp_jax.verify.compare import strategy_mesh_shape
+
 
 def shrink_dim(size: int, target: int, n: int) -> int:
     """The smallest size >= `target` with the same gcd with `n` as `size` (so divisible
@@ -69,7 +77,6 @@ def shrunk_lora(section, model, changed: dict):
     smaller dim shrank below the rank) lowered to the most they allow, with alpha scaled so
     the adapters' scale (alpha / r, or alpha / sqrt(r) with rslora) stays; the rank dim maps
     to no mesh axis, so no sharding decision changes. Changes are added to `changed`."""
-    from fsdp_jax.app.models.lora import max_rank, resolve_experts, resolve_targets
 
     if not section.rank:
         return section
@@ -87,12 +94,6 @@ def shrunk_lora(section, model, changed: dict):
 def _rows(model_cfg, min_shard_size: int, strategy: str, devices, remat: str, rules=None, data: int = 1):
     """{param path: (shape, at-rest spec)} of the reference model under `strategy` and
     `rules` (the config's mesh.rules) on verify's mesh for it (`data` x fsdp)."""
-    import optax
-
-    from fsdp_jax.app.trainer.build import trainer_model
-    from fsdp_jax.sharding.mesh import make_mesh
-    from fsdp_jax.sharding.strategy import make_plan
-    from fsdp_jax.verify.compare import strategy_mesh_shape
 
     fns = trainer_model(model_cfg, remat)
     mesh = make_mesh(*strategy_mesh_shape(strategy, len(devices), data), devices=devices)

@@ -42,6 +42,8 @@ version, so a compile for GPU targets needs NVIDIA's cuDNN wheel beside the plug
 
 from __future__ import annotations
 
+import inspect
+
 import jax.numpy as jnp
 
 from fsdp_jax.attention.cudnn_bands import by_pieces, piece_window
@@ -62,7 +64,6 @@ def _version_params() -> dict:
     """The primitives' params that only some jax versions take: jax 0.12 adds flex attention's
     `score_mod` (its `score_mod_args` operands spread after the others: none here), jax 0.10
     has neither (tests/test_ring_cudnn.py pins both)."""
-    import inspect
 
     takes = "score_mod" in inspect.signature(_fa()._dot_product_attention_bwd_impl).parameters
     return {"score_mod": None} if takes else {}

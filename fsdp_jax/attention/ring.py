@@ -32,6 +32,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from flax import linen as nn
 from jax.sharding import PartitionSpec as P
 
 from fsdp_jax.sharding.axes import BATCH, CONTEXT, HEADS, KV, KV_HEADS, LENGTH
@@ -183,7 +184,6 @@ def context_specs() -> tuple[P, P, P]:
     """Specs of q, k / v and the (B, S) ids from the logical rules current while tracing
     (Flax's `logical_axis_rules`, else DEFAULT_RULES): every mesh axis is manual inside,
     so each rank attends its own batch rows and heads only."""
-    from flax import linen as nn
 
     rules = nn.get_logical_axis_rules() or flax_rules()
     names = ((BATCH, LENGTH, HEADS, KV), (BATCH, LENGTH, KV_HEADS, KV), (BATCH, LENGTH))

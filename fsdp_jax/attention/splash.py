@@ -17,9 +17,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from flax import linen as nn
 from jax.sharding import PartitionSpec as P
 
 from fsdp_jax.sharding.axes import BATCH, HEADS, KV, KV_HEADS
+from fsdp_jax.sharding.rules import flax_rules
 
 
 @functools.lru_cache(maxsize=None)
@@ -68,9 +70,6 @@ def _local(q, k, v, seg, local, *, scale, window, softcap):
 
 def splash_attention(q, k, v, segment_ids=None, *, scale: float, window: int = 0, local=None, softcap: float = 0.0):
     """Causal splash attention (module docstring); `segment_ids` None: one segment per row."""
-    from flax import linen as nn
-
-    from fsdp_jax.sharding.rules import flax_rules
 
     seg = jnp.ones(q.shape[:2], jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
     rules = nn.get_logical_axis_rules() or flax_rules()

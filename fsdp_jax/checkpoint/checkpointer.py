@@ -37,6 +37,7 @@ import errno
 import os
 import shutil
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
@@ -44,6 +45,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
+from jax.experimental import multihost_utils
 
 from fsdp_jax.checkpoint import manifest as mf
 from fsdp_jax.checkpoint import orbax_logs, shard_files
@@ -64,8 +66,6 @@ class Restored(NamedTuple):
 
 def _sync(name: str) -> None:
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
         multihost_utils.sync_global_devices(f"fsdp_jax:{name}")
 
 
@@ -383,7 +383,6 @@ class Checkpointer:
 def restore(directory: str | os.PathLike, abstract_state, step: int | None = None) -> tuple[Any, dict]:
     """(state, extras) of the newest usable checkpoint in `directory` (or `step`), laid out
     as `abstract_state`. Damaged steps skipped on the way are reported with warnings.warn."""
-    import warnings
 
     ckpt = Checkpointer(directory, read_only=True)
     r = ckpt.restore(abstract_state, step)

@@ -1,7 +1,7 @@
 """The safetensors format: checked headers, sliced reads, streamed writes, any dtype.
 
 One implementation for the library (checkpoint export / `load_safetensors` /
-`init_from`) and the application (Hugging Face import and export, `convert_hf`).
+`init_from`) and the application (Hugging Face import and export, `convert`).
 
 A file is an 8-byte little-endian header length, a JSON object
 `{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}`
@@ -34,6 +34,7 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
+from safetensors import safe_open
 
 from fsdp_jax.errors import SafetensorsError, one_line
 
@@ -149,7 +150,6 @@ class SafetensorsFile:
 def check_file(path: str | os.PathLike) -> dict[str, tuple[list[int], str]]:
     """{name: (shape, dtype name)} as the `safetensors` library reads `path` (an
     independent check of files this project writes)."""
-    from safetensors import safe_open
 
     out = {}
     with safe_open(str(path), framework="np") as f:

@@ -14,7 +14,7 @@ _CALLS_RE = re.compile(
     r"|\b(?:branch_computations|called_computations)=\{([^}]*)\}"
 )
 _TRIP_RE = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)"?')
-_OP_NAME_RE = re.compile(r'op_name="([^"]*)"')
+OP_NAME_RE = re.compile(r'op_name="([^"]*)"')
 
 
 def parse_computations(hlo: str) -> tuple[dict[str, list[str]], str | None]:
@@ -78,7 +78,7 @@ def call_graph(comps: dict[str, list[str]]):
                 for callee in names:
                     if is_while and m.group(1) == "body":
                         edges[name].append((callee, trip or 1))
-                        op = _OP_NAME_RE.search(line)
+                        op = OP_NAME_RE.search(line)
                         loops.append(
                             {"body": callee, "parent": name, "trip_count": trip, "op_name": op.group(1) if op else ""}
                         )

@@ -23,7 +23,7 @@ import re
 from typing import Any
 
 from fsdp_jax.hlo.schedule import COLLECTIVES
-from fsdp_jax.hlo.types import _DTYPE_BYTES, _shapes
+from fsdp_jax.hlo.types import DTYPE_BYTES, type_shapes
 
 _CHANNEL_RE = re.compile(r"\bchannel_id=(\d+)")
 _CALLS_RE = re.compile(r"\bcalls=%?([\w.\-]+)")
@@ -31,13 +31,13 @@ _OPERAND_RE = re.compile(r"\(%?([\w.\-]+)[,)]")
 
 
 def _nbytes(type_str: str) -> int:
-    return sum(n * _DTYPE_BYTES[dt] for dt, n in _shapes(type_str))
+    return sum(n * DTYPE_BYTES[dt] for dt, n in type_shapes(type_str))
 
 
 def fused_collectives(parsed: dict[str, list[tuple]]) -> dict[str, tuple[int, int]]:
     """{fused computation: (channel_id, in-flight bytes)} for every computation that holds a
     collective with a channel_id; in-flight bytes = the collective's operand + result bytes.
-    `parsed`: computation -> `fsdp_jax.hlo.schedule._instructions` rows."""
+    `parsed`: computation -> `fsdp_jax.hlo.schedule.parse_instructions` rows."""
     out = {}
     for comp, rows in parsed.items():
         types = {name: t for _, name, _, t, _ in rows}

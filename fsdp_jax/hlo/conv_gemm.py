@@ -8,7 +8,7 @@ import math
 import re
 from typing import Any
 
-from fsdp_jax.hlo.types import _dims, _shapes
+from fsdp_jax.hlo.types import type_dims, type_shapes
 
 
 def _window(line: str, n: int) -> dict[str, list[int]]:
@@ -44,7 +44,7 @@ def conv_dims(line: str, lhs: str, rhs: str, out: str) -> dict[str, Any] | None:
     elements over n, k = the kernel's input features x, per spatial dim, the window taps that
     land on real input (`real_taps`)."""
     labels = re.search(r"\bdim_labels=(\w+)_(\w+)->(\w+)", line)
-    ld, rd, od = _dims(lhs), _dims(rhs), _dims(out)
+    ld, rd, od = type_dims(lhs), type_dims(rhs), type_dims(out)
     if not labels or [len(g) for g in labels.groups()] != [len(ld), len(rd), len(od)] or "o" not in labels.group(2):
         return None
     ll, rl, ol = labels.groups()
@@ -57,5 +57,5 @@ def conv_dims(line: str, lhs: str, rhs: str, out: str) -> dict[str, Any] | None:
         k *= real_taps(rd[rl.index(s)], ld[ll.index(s)], od[ol.index(s)], *args)
     m = max(math.prod(od) // n, 1)
     k = max(int(round(k)), 1)
-    dtype = _shapes(lhs)[0][0] if _shapes(lhs) else "?"
+    dtype = type_shapes(lhs)[0][0] if type_shapes(lhs) else "?"
     return {"m": m, "n": n, "k": k, "batch": 1, "dtype": dtype, "flops": 2 * m * n * k}

@@ -40,12 +40,12 @@ import math
 import re
 from typing import Any
 
-from fsdp_jax.hlo.calls import _OP_NAME_RE, call_graph, executions, parse_computations
+from fsdp_jax.hlo.calls import OP_NAME_RE, call_graph, executions, parse_computations
 from fsdp_jax.hlo.collective_fusions import fused_collectives, fusion_roles
 from fsdp_jax.hlo.conv_gemm import conv_dims
 from fsdp_jax.hlo.grouped import grouped_gemm
-from fsdp_jax.hlo.schedule import COLLECTIVES, _instructions, collective_schedule
-from fsdp_jax.hlo.types import _DTYPE_BYTES, _dims, _shapes
+from fsdp_jax.hlo.schedule import COLLECTIVES, collective_schedule, parse_instructions
+from fsdp_jax.hlo.types import DTYPE_BYTES, type_dims, type_shapes
 
 FREE_OPS = frozenset(
     "parameter constant get-tuple-element tuple bitcast after-all partition-id replica-id "
@@ -68,7 +68,7 @@ _INTERMEDIATE_RE = re.compile(r'"intermediate_tensor_shape":\{"element_type":"\w
 
 
 def _nbytes(type_str: str) -> int:
-    return sum(n * _DTYPE_BYTES[dt] for dt, n in _shapes(type_str))
+    return sum(n * DTYPE_BYTES[dt] for dt, n in type_shapes(type_str))
 
 
 def _operand_names(line: str, op: str) -> list[str]:
@@ -94,12 +94,12 @@ def _gemm_dims(line: str, lhs: str, out: str, json_dims: bool = False, rhs: str 
     got = {k: r.search(line.replace(" ", "") if json_dims else line) for k, r in regs.items()}
     contracting = _index_list(got["lhs_contracting_dims"].group(1) if got["lhs_contracting_dims"] else None)
     batch_dims = _index_list(got["lhs_batch_dims"].group(1) if got["lhs_batch_dims"] else None)
-    ld, od = _dims(lhs), _dims(out)
+    ld, od = type_dims(lhs), type_dims(out)
     k = math.prod(ld[i] for i in contracting if i < len(ld)) or 1
     batch = math.prod(ld[i] for i in batch_dims if i < len(ld)) or 1
     m = max(math.prod(ld) // (k * batch), 1)
     n = max(math.prod(od) // (m * batch), 1)
-    dtype = _shapes(lhs)[0][0] if _shapes(lhs) else "?"
+    dtype = type_shapes(lhs)[0][0] if type_shapes(lhs) else "?"
     return {"m": m, "n": n, "k": k, "batch": batch, "dtype": dtype, "flops": 2 * batch * m * n * k}
 
 
@@ -109,7 +109,7 @@ class _Module:
 
     def __init__(self, hlo: str):
         self.comps, self.entry = parse_computations(hlo)
-        self.parsed = {c: _instructions(lines) for c, lines in self.comps.items()}
+        self.parsed = {c: parse_instructions(lines) for c, lines in self.comps.items()}
         self.types = {name: t for rows in self.parsed.values() for _, name, _, t, _ in rows}
 
     def fused_dot(self, comp: str) -> tuple[str, str, str] | None:
@@ -200,7 +200,7 @@ def _attention(line: str, out_type: str) -> dict[str, Any] | None:
     if not inter:  # no shape: costing it at (1, 1, 1, 1) would drop the kernel silently
         raise ValueError(f"a cuDNN attention call with no intermediate_tensor_shape: {line.strip()[:200]}")
     b, h, sq, skv = _index_list(inter.group(1))
-    first = _shapes(out_type)[0][1] if _shapes(out_type) else 0
+    first = type_shapes(out_type)[0][1] if type_shapes(out_type) else 0
     d = max(first // max(b * h * sq, 1), 1)
     causal = '"mask_type":"CAUSAL"' in line.replace(" ", "")
     flops = 4 * b * h * sq * skv * d * (2.5 if backward else 1.0) * (0.5 if causal else 1.0)
@@ -304,7 +304,7 @@ def op_inventory(hlo: str, hosts: list[int] | None = None) -> list[dict[str, Any
         roles = fusion_roles(rows, fused)
         for k, (_, name, op, type_str, line) in enumerate(rows):
             base = {"name": name, "computation": cname, "pos": k, "runs": runs.get(cname, 1)}
-            om = _OP_NAME_RE.search(line)
+            om = OP_NAME_RE.search(line)
             base["op_name"] = om.group(1) if om else ""
             role = roles.get(k, ("",))
             wrapped = _CALLS_RE.search(line) if op == "async-start" else None

@@ -10,7 +10,7 @@ import re
 from collections import defaultdict
 from typing import Any
 
-from fsdp_jax.hlo.calls import _OP_NAME_RE
+from fsdp_jax.hlo.calls import OP_NAME_RE
 
 # Both wordings XLA uses: "... was not able to go from sharding A to B without doing a full
 # rematerialization of the tensor for HLO operation: %x = ..." (spmd_partitioner.cc, jax 0.10)
@@ -36,7 +36,7 @@ def involuntary_rematerializations(log: str) -> list[dict[str, str]]:
         if not m:
             out.append({"line": line[at:].strip()[:300]})
             continue
-        op = _OP_NAME_RE.search(m.group(6))
+        op = OP_NAME_RE.search(m.group(6))
         out.append(
             {
                 "tensor": m.group(3),

@@ -18,7 +18,7 @@ import math
 import re
 from typing import Any
 
-from fsdp_jax.hlo.types import _DTYPE_BYTES
+from fsdp_jax.hlo.types import DTYPE_BYTES
 
 KERNEL_TARGETS = ("__gpu$xla.gpu.triton", "mosaic_gpu", "tpu_custom_call")
 _TARGET_RE = re.compile(r'custom_call_target="([^"]+)"')
@@ -66,7 +66,7 @@ def grouped_gemm(line: str, result_type: str) -> dict[str, Any] | None:
     else:
         m, n, batch = out[0], out[1], 1
         k = a * b // n
-    nbytes = sum(math.prod(d) * _DTYPE_BYTES.get(dt, 2) for dt, d in arrays)
+    nbytes = sum(math.prod(d) * DTYPE_BYTES.get(dt, 2) for dt, d in arrays)
     dtype = (operands or result)[0][0]
     return {
         "m": m,

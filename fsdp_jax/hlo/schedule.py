@@ -35,9 +35,9 @@ import re
 from collections import Counter, defaultdict
 from typing import Any
 
-from fsdp_jax.hlo.calls import _OP_NAME_RE, call_graph, enclosing_loops, executions, parse_computations
+from fsdp_jax.hlo.calls import OP_NAME_RE, call_graph, enclosing_loops, executions, parse_computations
 from fsdp_jax.hlo.groups import replica_groups
-from fsdp_jax.hlo.types import _DTYPE_BYTES, _DTYPE_NAMES, _shapes, _top_level, result_shapes
+from fsdp_jax.hlo.types import DTYPE_BYTES, DTYPE_NAMES, result_shapes, top_level, type_shapes
 
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 _INSTR_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][\w\-]*)\((.*)$")
@@ -66,7 +66,7 @@ def _is_gemm(op: str, line: str) -> bool:
     )
 
 
-def _instructions(lines: list[str]) -> list[tuple[int, str, str, str, str]]:
+def parse_instructions(lines: list[str]) -> list[tuple[int, str, str, str, str]]:
     """(line index, name, op, result type, line) of each instruction of a computation, in
     schedule order."""
     parsed = []
@@ -80,15 +80,15 @@ def _instructions(lines: list[str]) -> list[tuple[int, str, str, str, str]]:
 def _size_fields(shapes: list[tuple[str, int]]) -> dict[str, Any]:
     """A record's `dtype` (the largest element's), `dtypes` (bytes per dtype),
     `hlo_dtypes` (results per HLO dtype), `elements` and `bytes` from its result shapes."""
-    nbytes = sum(n * _DTYPE_BYTES[dt] for dt, n in shapes)
+    nbytes = sum(n * DTYPE_BYTES[dt] for dt, n in shapes)
     dtypes = Counter()
     for dt, n in shapes:
-        dtypes[dt] += n * _DTYPE_BYTES[dt]
+        dtypes[dt] += n * DTYPE_BYTES[dt]
     dtype = max(dtypes, key=dtypes.get) if dtypes else "?"
     hlo_dtypes = Counter(dt for dt, _ in shapes)
     return {
-        "dtype": _DTYPE_NAMES.get(dtype, dtype),
-        "dtypes": {_DTYPE_NAMES.get(d, d): b for d, b in dtypes.items()},
+        "dtype": DTYPE_NAMES.get(dtype, dtype),
+        "dtypes": {DTYPE_NAMES.get(d, d): b for d, b in dtypes.items()},
         "hlo_dtypes": dict(hlo_dtypes),
         "elements": len(shapes),
         "bytes": nbytes,
@@ -139,7 +139,7 @@ def collective_schedule(hlo: str, hosts: list[int] | None = None) -> list[dict[s
     n_dev = len(hosts) if hosts else None
     out: list[dict[str, Any]] = []
     for cname, lines in comps.items():
-        parsed = _instructions(lines)
+        parsed = parse_instructions(lines)
         position = {name: k for k, (_, name, _, _, _) in enumerate(parsed)}
         for k, (i, name, op, type_str, line) in enumerate(parsed):
             base = op.removesuffix("-start")
@@ -149,9 +149,9 @@ def collective_schedule(hlo: str, hosts: list[int] | None = None) -> list[dict[s
             if base not in COLLECTIVES or op.endswith("-done"):
                 continue
             is_start = op.endswith("-start") or bool(megascale)
-            shapes = _shapes(_top_level(type_str)[0])[:1] if megascale else result_shapes(type_str, base, is_start)
+            shapes = type_shapes(top_level(type_str)[0])[:1] if megascale else result_shapes(type_str, base, is_start)
             sizes = _size_fields(shapes)
-            op_name_m = _OP_NAME_RE.search(line)
+            op_name_m = OP_NAME_RE.search(line)
             op_name = op_name_m.group(1) if op_name_m else ""
             lp = loop_of.get(cname)
             phase = _phase(op_name) or (_phase(lp["op_name"]) if lp else None) or "other"
@@ -161,7 +161,7 @@ def collective_schedule(hlo: str, hosts: list[int] | None = None) -> list[dict[s
                 done_op = "send-done" if megascale else base + "-done"
                 overlap, pipelined, done_line = _async_pair(parsed, k, name, done_op, position)
                 if done_line is not None and not op_name:
-                    om = _OP_NAME_RE.search(done_line)
+                    om = OP_NAME_RE.search(done_line)
                     op_name = om.group(1) if om else ""
                     phase = _phase(op_name) or phase
             group_size, crosses = _group_fields(line, bool(megascale), hosts, n_dev)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import re
 
-_DTYPE_BYTES = {
+DTYPE_BYTES = {
     "f32": 4,
     "bf16": 2,
     "f16": 2,
@@ -25,11 +25,11 @@ _DTYPE_BYTES = {
     "f8e4m3fn": 1,
     "f8e5m2": 1,
 }
-_DTYPE_NAMES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "f64": "float64"}
-_SHAPE_RE = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\]")
+DTYPE_NAMES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "f64": "float64"}
+_SHAPE_RE = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([\d,]*)\]")
 
 
-def _top_level(s: str) -> list[str]:
+def top_level(s: str) -> list[str]:
     """Top-level comma-separated parts of a tuple type '(a, (b, c), d)'."""
     s = s.strip()
     if not s.startswith("("):
@@ -49,13 +49,13 @@ def _top_level(s: str) -> list[str]:
     return [p.strip() for p in parts if p.strip()]
 
 
-def _dims(type_str: str) -> list[int]:
+def type_dims(type_str: str) -> list[int]:
     """The dims of the first array type in `type_str`."""
     m = re.search(r"\[([\d,]*)\]", type_str)
     return [int(d) for d in m.group(1).split(",") if d] if m else []
 
 
-def _shapes(type_str: str) -> list[tuple[str, int]]:
+def type_shapes(type_str: str) -> list[tuple[str, int]]:
     return [(dt, math.prod(int(d) for d in dims.split(",") if d)) for dt, dims in _SHAPE_RE.findall(type_str)]
 
 
@@ -64,14 +64,14 @@ def result_shapes(type_str: str, op: str, is_start: bool) -> list[tuple[str, int
     ((operands), results) keeps the results: all-gather, reduce-scatter and all-to-all on
     every XLA (with one operand the start returns (operand, result)), and all-reduce from XLA 0.12 on (before, its start returned the result alone)."""
     if is_start and type_str.startswith("(("):
-        parts = _top_level(type_str)
+        parts = top_level(type_str)
         if len(parts) >= 2:
-            return _shapes(parts[1])
+            return type_shapes(parts[1])
     if is_start and op in ("all-gather", "reduce-scatter", "all-to-all") and type_str.startswith("("):
-        parts = _top_level(type_str)  # one operand: (operand, result)
+        parts = top_level(type_str)  # one operand: (operand, result)
         if len(parts) == 2:
-            return _shapes(parts[1])
+            return type_shapes(parts[1])
     if is_start and op == "collective-permute":
-        parts = _top_level(type_str)
-        return _shapes(parts[1] if len(parts) >= 2 else type_str)
-    return _shapes(type_str)
+        parts = top_level(type_str)
+        return type_shapes(parts[1] if len(parts) >= 2 else type_str)
+    return type_shapes(type_str)

@@ -20,7 +20,7 @@ from flax import linen as nn
 from flax import nnx
 from flax.core import meta, unfreeze
 
-from fsdp_jax.model import variables as ms_lib
+from fsdp_jax.errors import StateError
 from fsdp_jax.model.nnx_split import NnxSplit, abstract_of, pure_names
 from fsdp_jax.sharding import rules as rl
 from fsdp_jax.sharding.flax_names import logical_axes_of
@@ -119,7 +119,7 @@ def from_linen(
     abstract = jax.eval_shape(variables, jax.random.key(0))
     extra = sorted(set(abstract) - {"params"} - set(state))
     if extra:
-        raise ms_lib.StateError(
+        raise StateError(
             f"from_linen: {type(module).__name__} creates the collection {extra[0]!r}, which is "
             f"neither trained ('params') nor declared as state (state={tuple(state)!r}); declare "
             f"it: from_linen(module, ..., state={tuple(state) + tuple(extra)!r})"
@@ -193,7 +193,7 @@ def _stream_keys(names: tuple[str, ...], rng) -> dict[str, jax.Array]:
 # ----------------------------------------------------------------------------- helpers
 
 
-def _adapt(model, rng) -> tuple[ModelFns, Any, Any]:
+def adapt_model(model, rng) -> tuple[ModelFns, Any, Any]:
     """(ModelFns, materialised params or None when `fns.init` builds them, materialised
     model state or None)."""
     if isinstance(model, ModelFns):

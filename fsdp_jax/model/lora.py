@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fsdp_jax.model.fns import ModelFns, _adapt
+from fsdp_jax.model.fns import ModelFns, adapt_model
 from fsdp_jax.model.lora_eval import Ctx, Target, Tracked, call, delta_weight, split_dynamic
 from fsdp_jax.sharding.axes import LORA_RANK
 from fsdp_jax.sharding.leaf_sharding import path_str
@@ -124,7 +124,7 @@ def with_lora(
         raise ValueError(f"with_lora: alpha must be > 0, got {alpha!r}")
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"with_lora: dropout must be in [0, 1), got {dropout!r}")
-    fns, params, _ = _adapt(model, rng)
+    fns, params, _ = adapt_model(model, rng)
     base_apply = fns.apply if apply is None else apply
     if base_apply is None:
         raise ValueError("with_lora: this model has no apply; pass with_lora(params, *inputs, apply=fn, ...)")

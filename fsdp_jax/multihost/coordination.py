@@ -23,6 +23,9 @@ import subprocess
 import sys
 import time
 
+from jax._src import distributed as jd
+from jax._src.lib import _jax
+
 from fsdp_jax.errors import one_line
 
 AFTER_DONE_S = 5.0  # the others' shutdown barrier completes with process 0's: a short wait
@@ -71,7 +74,6 @@ def start(args: tuple, kwargs: dict, linger_s: float, timeout_s: float = 60.0) -
 def service_outside(linger_s: float):
     """Within the block, `jax.distributed.initialize` on process 0 starts its service in
     a child process. A JAX without the hook it replaces keeps its own service."""
-    from jax._src import distributed as jd
 
     lib = getattr(jd, "_jax", None)
     real = getattr(lib, "get_distributed_runtime_service", None)
@@ -98,8 +100,6 @@ def finished() -> None:
 def _serve(spec: str, linger_s: float) -> int:
     args, kwargs = json.loads(spec)
     try:
-        from jax._src.lib import _jax
-
         service = _jax.get_distributed_runtime_service(*args, **kwargs)
     except Exception as e:  # e.g. the port is taken
         print(f"{type(e).__name__}: {one_line(e, None)}", flush=True)

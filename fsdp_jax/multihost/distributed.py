@@ -2,7 +2,7 @@
 
 `maybe_initialize` decides, before any JAX computation:
 * explicit settings (arguments, or the FSDP_JAX_COORDINATOR / FSDP_JAX_NUM_PROCESSES /
-  FSDP_JAX_PROCESS_ID variables that `scripts/launch_local.py` and the Kubernetes recipe
+  FSDP_JAX_PROCESS_ID variables that `scripts/launch.py` and the Kubernetes recipe
   set; in a Kubernetes Indexed Job the process id defaults to the pod's JOB_COMPLETION_INDEX)
   -> initialise with them;
 * a multi-host TPU slice on GKE (TPU_WORKER_HOSTNAMES, TPU_WORKER_ID: `fsdp_jax.multihost.clusters`)
@@ -17,10 +17,20 @@ one line (exit 1) when a peer stops responding; call `finished()` at a normal en
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import ipaddress
 import os
+import socket
+import time
+
+import jax
+from jax._src import distributed as jax_distributed
 
 from fsdp_jax.errors import DistributedInitError, one_line
+from fsdp_jax.multihost import clusters, coordination, peer_watch
 from fsdp_jax.multihost.clusters import env_int
+from fsdp_jax.multihost.peer_watch import PeerWatch
 
 ENV_COORDINATOR = "FSDP_JAX_COORDINATOR"
 ENV_NUM_PROCESSES = "FSDP_JAX_NUM_PROCESSES"
@@ -40,7 +50,6 @@ def detected_cluster(environ=os.environ) -> str | None:
 
 def is_loopback(host: str) -> bool:
     """True for localhost, 127.0.0.0/8 and ::1 (with or without IPv6 brackets)."""
-    import ipaddress
 
     host = host.strip("[]")
     if host == "localhost":
@@ -55,7 +64,7 @@ def is_loopback(host: str) -> bool:
 def bind_address(coordinator: str, environ=os.environ) -> str | None:
     """Where process 0's coordinator service listens. JAX's default is every interface
     (`[::]:port`): an unauthenticated service. A loopback coordinator address (a
-    single-machine job, e.g. scripts/launch_local.py) binds that loopback address
+    single-machine job, e.g. scripts/launch.py) binds that loopback address
     only; otherwise JAX_COORDINATOR_BIND_ADDRESS, when set, or JAX's default (None)."""
     host, _, port = coordinator.rpartition(":")
     if is_loopback(host):
@@ -80,9 +89,6 @@ def maybe_initialize(
     `peer_timeout_s` (> 0) starts a PeerWatch once joined (JAX's own heartbeat timeout is
     raised past it); `peer_note` ends the line it prints.
     """
-    import jax
-
-    from fsdp_jax.multihost import clusters
 
     coordinator = coordinator or environ.get(ENV_COORDINATOR) or None
     if num_processes is None:
@@ -136,9 +142,6 @@ def _watch_peers(peer_timeout_s: float | None, note: str) -> None:
     global _WATCH
     if not peer_timeout_s:
         return
-    from jax._src import distributed as jax_distributed  # the client: no public accessor
-
-    from fsdp_jax.multihost.peer_watch import PeerWatch
 
     state = jax_distributed.global_state
     if state.client is None or state.num_processes < 2:
@@ -157,9 +160,8 @@ def await_peer_verdict() -> None:
 def finished() -> None:
     """This process ends normally: stop its peer watch (the others stop waiting for it)."""
     global _WATCH
-    from fsdp_jax.multihost import coordination as coord_service
 
-    coord_service.finished()
+    coordination.finished()
     if _WATCH is not None:
         _WATCH.finish()
         _WATCH = None
@@ -169,8 +171,6 @@ def _wait_for_coordinator(coordinator: str, timeout_s: float) -> None:
     """Connect to the coordinator's port until it answers (process 0 may start later).
     JAX's client aborts the whole process (SIGABRT, a C++ stack trace) when it cannot
     register, so an unreachable coordinator is reported here first, as one line."""
-    import socket
-    import time
 
     host, _, port = coordinator.rpartition(":")
     deadline = time.monotonic() + timeout_s
@@ -191,11 +191,6 @@ def _initialize(jax, peer_timeout_s: float | None = None, **kwargs) -> None:
     """jax.distributed.initialize(**kwargs); with a peer watch, JAX's heartbeat timeout
     is raised past it and process 0's coordination service runs in a child process (so
     that process 0's death does not abort the others: fsdp_jax.multihost.coordination)."""
-    import contextlib
-    import inspect
-
-    from fsdp_jax.multihost import coordination as coord_service
-    from fsdp_jax.multihost import peer_watch
 
     bind = kwargs.get("coordinator_bind_address")
     if "coordinator_bind_address" in kwargs and (
@@ -207,7 +202,7 @@ def _initialize(jax, peer_timeout_s: float | None = None, **kwargs) -> None:
     outside = contextlib.nullcontext()
     if peer_timeout_s:
         kwargs["heartbeat_timeout_seconds"] = peer_watch.jax_heartbeat_for(peer_timeout_s)
-        outside = coord_service.service_outside(linger_s=2 * peer_timeout_s + 10)
+        outside = coordination.service_outside(linger_s=2 * peer_timeout_s + 10)
     try:
         with outside:
             jax.distributed.initialize(**kwargs)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+from flax import linen as nn
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 
@@ -17,8 +19,6 @@ def logical_axes_of(tree):
     name tuples (None where a leaf has no annotation), or (tree, None) when nothing
     carries metadata.
     """
-    from flax import linen as nn
-    from flax import nnx
 
     if isinstance(tree, nnx.State) or any(
         isinstance(x, nnx.Variable) for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))

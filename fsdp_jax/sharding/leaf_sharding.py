@@ -68,7 +68,7 @@ def path_str(path) -> str:
     return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
 
 
-def _as_tuple(m: MeshAxes) -> tuple[str, ...]:
+def as_tuple(m: MeshAxes) -> tuple[str, ...]:
     if m is None:
         return ()
     return (m,) if isinstance(m, str) else tuple(m)

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from fsdp_jax.errors import MeshError
@@ -73,8 +74,6 @@ def make_mesh(
     n_proc = len({d.process_index for d in devices})
     per_proc = len(devices) // n_proc
     if n_proc > 1 and shape[0] % n_proc == 0 and math.prod(shape[1:]) * (shape[0] // n_proc) == per_proc:
-        from jax.experimental import mesh_utils
-
         grid = mesh_utils.create_hybrid_device_mesh(
             (shape[0] // n_proc, *shape[1:]),
             (n_proc,) + (1,) * (len(shape) - 1),

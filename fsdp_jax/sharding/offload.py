@@ -197,7 +197,7 @@ def host_bytes_per_process(abstract_tree) -> int:
 # f32[8,16]{1,0:S(5)}: XLA's layout of an entry parameter; S(5) is the host memory space.
 _ENTRY = re.compile(r"entry_computation_layout=\{\((.*?)\)->")
 _SHAPE = re.compile(r"\b(pred|[a-z]+\d+)\[([\d,]*)\](\{[^}]*\})?")
-_DTYPE_BYTES = {
+DTYPE_BYTES = {
     "pred": 1,
     "s8": 1,
     "u8": 1,
@@ -228,9 +228,9 @@ def entry_argument_bytes(compiled_text: str) -> dict[str, int]:
         raise ValueError("no entry_computation_layout in the compiled program text")
     out = {"device": 0, "host": 0}
     for dt, dims, layout in _SHAPE.findall(m.group(1)):
-        if dt not in _DTYPE_BYTES:
+        if dt not in DTYPE_BYTES:
             continue
-        n = int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64)) * _DTYPE_BYTES[dt]
+        n = int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64)) * DTYPE_BYTES[dt]
         out["host" if layout and HOST_MEMORY_SPACE in layout else "device"] += n
     return out
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from jax.sharding import Mesh
 
 from fsdp_jax.errors import ReplicatedWarning, ShardingError
-from fsdp_jax.sharding.leaf_sharding import LeafSharding, _as_tuple
+from fsdp_jax.sharding.leaf_sharding import LeafSharding, as_tuple
 
 DEFAULT_MAX_REPLICATED_FRACTION = 0.02
 # Replicated parameter bytes under this are a warning, not an error, whatever their
@@ -37,7 +37,7 @@ class Summary:
 def summarize(rows: Sequence[LeafSharding], shard_axes: Sequence[str], mesh: Mesh) -> Summary:
     group = tuple(a for a in shard_axes if mesh.shape.get(a, 1) > 1)
     total = sum(r.total_bytes for r in rows)
-    rep = sum(r.total_bytes for r in rows if not any(a in _as_tuple(e) for e in r.spec for a in group)) if group else 0
+    rep = sum(r.total_bytes for r in rows if not any(a in as_tuple(e) for e in r.spec for a in group)) if group else 0
     return Summary(sum(r.bytes_per_device for r in rows), total, rep, rep / (total or 1), group)
 
 
@@ -64,7 +64,7 @@ def check_sufficiently_sharded(
     if not s.group or s.replicated_fraction <= max_replicated_fraction:
         return s.replicated_fraction
     group = s.group
-    bad = [r for r in rows if not any(a in _as_tuple(e) for e in r.spec for a in group)]
+    bad = [r for r in rows if not any(a in as_tuple(e) for e in r.spec for a in group)]
     worst = sorted(bad, key=lambda r: -r.total_bytes)[:5]
     listing = ", ".join(f"{r.path} {r.shape} ({r.reason})" for r in worst)
     msg = (

@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from fsdp_jax.errors import ShardingError, UnknownNamesWarning
 from fsdp_jax.sharding import axes as ax
-from fsdp_jax.sharding.leaf_sharding import LeafSharding, MeshAxes, _as_tuple, path_str
+from fsdp_jax.sharding.leaf_sharding import LeafSharding, MeshAxes, as_tuple, path_str
 from fsdp_jax.sharding.reasons import Note, Why
 
 Rules = Mapping[str, MeshAxes]
@@ -69,7 +69,7 @@ def _entry(axes_: Sequence[str]):
 
 
 def axis_size(mesh: Mesh, axes_: MeshAxes) -> int:
-    return math.prod(mesh.shape.get(a, 1) for a in _as_tuple(axes_))
+    return math.prod(mesh.shape.get(a, 1) for a in as_tuple(axes_))
 
 
 # Logical dims whose rule names mesh axes as they are: the strategy's shard group does not
@@ -96,7 +96,7 @@ def logical_to_spec(
 
     def claim(i: int, name: str | None, literal: bool) -> None:
         mapped: list[str] = []
-        for a in _as_tuple(rules.get(name) if name is not None else None):
+        for a in as_tuple(rules.get(name) if name is not None else None):
             for b in (a,) if literal or a != ax.FSDP else tuple(shard_axes):
                 if b not in used:
                     mapped.append(b)
@@ -193,18 +193,18 @@ def decide_leaf(
         trailing = tuple(range(len(names), len(shape)))
         names = names + (None,) * len(trailing)
         for i, (d, e) in enumerate(zip(shape, logical_to_spec(names, rules, shard_axes))):
-            kept = [a for a in _as_tuple(e) if mesh.shape.get(a, 1) > 1]  # size-1 axes add nothing
+            kept = [a for a in as_tuple(e) if mesh.shape.get(a, 1) > 1]  # size-1 axes add nothing
             while kept and d % math.prod(mesh.shape[a] for a in kept):
                 kept.pop()  # drop the innermost axis until the dim divides
             if d % axis_size(mesh, e):
                 not_divisible = True
                 notes.append(
-                    Note(Why.NOT_DIVISIBLE, names=(names[i],), axes=_as_tuple(e), dim=i, size=d, n=axis_size(mesh, e))
+                    Note(Why.NOT_DIVISIBLE, names=(names[i],), axes=as_tuple(e), dim=i, size=d, n=axis_size(mesh, e))
                 )
             entries[i] = _entry(kept)
         unknown_names = tuple(n for n in names if n is not None and n not in rules)
         unknown = bool(unknown_names)
-        mapped = tuple((n, _as_tuple(e)) for n, e in zip(names, entries) if e is not None)
+        mapped = tuple((n, as_tuple(e)) for n, e in zip(names, entries) if e is not None)
         head = [Note(Why.LOGICAL, mapped=mapped)]
         if trailing:
             head.append(Note(Why.UNNAMED_TRAILING, dims=trailing))
@@ -212,7 +212,7 @@ def decide_leaf(
             head.append(Note(Why.UNKNOWN_NAMES, names=unknown_names))
         notes = head + notes
 
-    used = {a for e in entries for a in _as_tuple(e)}
+    used = {a for e in entries for a in as_tuple(e)}
     on_group = any(a in used for a in group)
     needs_fallback = names is None or not_divisible or unknown
     if group_n == 1 or on_group or not needs_fallback:

@@ -35,16 +35,20 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import jax
+from jax.experimental import topologies
+
 from fsdp_jax.errors import PluginMissing, TargetError
 from fsdp_jax.targets import clusters, tpu
 from fsdp_jax.targets.plugins import (
     KINDS,
-    _jax_version,
-    _missing_message,
     install,
+    installed_jax_version,
+    missing_message,
     plugin_dir,
     plugin_installed,
 )
+from fsdp_jax.targets.tpu_flags import merge_init_args
 
 _DATA = Path(__file__).resolve().parent / "gpu_targets"
 
@@ -259,7 +263,7 @@ def child_env(
     an empty value (`--xla_gpu_kernel_cache_file=`) turns the cache off."""
     if target is not None and target.platform == "tpu":
         if not plugin_installed(kind="tpu"):
-            raise PluginMissing(_missing_message("tpu"))
+            raise PluginMissing(missing_message("tpu"))
         env = dict(os.environ if env is None else env)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(plugin_dir(kind="tpu")), env.get("PYTHONPATH")) if p)
         env["JAX_PLATFORMS"] = "cpu"
@@ -268,12 +272,10 @@ def child_env(
         # planners) may load libtpu at once instead of failing on /tmp/libtpu_lockfile
         env.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
         if target.libtpu_args:
-            from fsdp_jax.targets.tpu_flags import merge_init_args
-
             env["LIBTPU_INIT_ARGS"] = merge_init_args(target.libtpu_args, env.get("LIBTPU_INIT_ARGS", ""))
         return env
     if not plugin_installed():
-        raise PluginMissing(_missing_message())
+        raise PluginMissing(missing_message())
     env = dict(os.environ if env is None else env)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(plugin_dir()), env.get("PYTHONPATH")) if p)
     env["JAX_PLATFORMS"] = "cpu"
@@ -296,10 +298,9 @@ def enable_in_process() -> None:
     restrict JAX to the CPU platform, so `gpu_devices` works here. Prefer a child
     process (`child_env`): once enabled, this process prints the plugin's warnings."""
     if not plugin_installed():
-        raise PluginMissing(_missing_message())
+        raise PluginMissing(missing_message())
     if str(plugin_dir()) not in sys.path:
         sys.path.insert(0, str(plugin_dir()))
-    import jax
 
     jax.config.update("jax_platforms", "cpu")
 
@@ -312,11 +313,9 @@ def gpu_devices(name: str, hosts: int = 1, gpus_per_host: int = 8) -> list:
     t = make_target(name, hosts=hosts, gpus_per_host=gpus_per_host)
     if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
         raise PluginMissing(
-            _missing_message() + " (and run in a process from "
+            missing_message() + " (and run in a process from "
             "fsdp_jax.targets.gpu.child_env(), or call enable_in_process() first)"
         )
-    import jax
-    from jax.experimental import topologies
 
     if jax.config.jax_platforms != "cpu":
         jax.config.update("jax_platforms", "cpu")  # else the plugin calls cuInit and fails
@@ -334,7 +333,7 @@ def target_devices(target: Target) -> list:
         return gpu_devices(target.name, target.hosts, target.gpus_per_host)
     if importlib.util.find_spec("libtpu") is None:
         raise PluginMissing(
-            _missing_message("tpu") + " (and run in a process from fsdp_jax.targets.gpu.child_env(target=...))"
+            missing_message("tpu") + " (and run in a process from fsdp_jax.targets.gpu.child_env(target=...))"
         )
     spec = _tpu_spec(target.name)
     try:
@@ -386,11 +385,13 @@ def main(argv: list[str] | None = None) -> int:
             except RuntimeError as e:
                 print(f"error: {e}", file=sys.stderr)
                 return 1
-            print(f"{'libtpu' if kind == 'tpu' else 'CUDA compile-only plugin'} for jaxlib {_jax_version()}: {path}")
+            print(
+                f"{'libtpu' if kind == 'tpu' else 'CUDA compile-only plugin'} for jaxlib {installed_jax_version()}: {path}"
+            )
         elif plugin_installed(kind=kind):
             print(f"installed: {plugin_dir(kind=kind)}")
         else:
-            print(f"error: {_missing_message(kind)}", file=sys.stderr)
+            print(f"error: {missing_message(kind)}", file=sys.stderr)
             return 1
     return 0
 

@@ -19,6 +19,8 @@ import json
 from importlib import resources
 from typing import Any
 
+from fsdp_jax.targets.tpu import device_peaks
+
 
 @functools.cache
 def _tables() -> dict[str, Any]:
@@ -33,7 +35,6 @@ def perf_table(target: str) -> dict[str, Any]:
         t = copy.deepcopy(tables[target])
         base = t.pop("same_as", None)
         return {**copy.deepcopy(tables[base]), **t} if base else t
-    from fsdp_jax.targets.tpu import device_peaks
 
     try:
         p = device_peaks(target)

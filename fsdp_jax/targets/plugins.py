@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from importlib.metadata import version
 from pathlib import Path
 
 from fsdp_jax.targets import tpu
@@ -22,10 +23,9 @@ PLUGIN_PACKAGES = ("jax-cuda12-plugin", "jax-cuda12-pjrt")
 INSTALL_HINT = "python -m fsdp_jax.targets install"
 
 
-def _jax_version() -> str:
+def installed_jax_version() -> str:
     """The jaxlib version: the CUDA plugin is built with, and pinned to, jaxlib (a jax
     patch release such as 0.12.0.1 may run on jaxlib 0.12.0)."""
-    from importlib.metadata import version
 
     return version("jaxlib")
 
@@ -43,7 +43,7 @@ def plugin_dir(jax_version: str | None = None, kind: str = "cuda") -> Path:
         return Path(base)
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     stem = "libtpu" if kind == "tpu" else "cuda12-plugin"
-    return cache / "fsdp_jax" / f"{stem}-{jax_version or _jax_version()}"
+    return cache / "fsdp_jax" / f"{stem}-{jax_version or installed_jax_version()}"
 
 
 def _libtpu_pinned(path: Path) -> bool:
@@ -60,7 +60,7 @@ def plugin_installed(path: Path | None = None, kind: str = "cuda") -> bool:
     path = path or plugin_dir(kind=kind)
     if kind == "tpu":
         return _libtpu_pinned(path)
-    v = _jax_version()
+    v = installed_jax_version()
     return (
         (path / "jax_plugins" / "xla_cuda12" / "__init__.py").is_file()
         and (path / f"jax_cuda12_plugin-{v}.dist-info").is_dir()
@@ -87,14 +87,14 @@ def _cudnn_requirement(path: Path) -> str:
     return CUDNN_PACKAGE
 
 
-def _missing_message(kind: str = "cuda") -> str:
+def missing_message(kind: str = "cuda") -> str:
     if kind == "tpu":
         return (
-            f"libtpu for jaxlib {_jax_version()} is not installed (looked in {plugin_dir(kind='tpu')}); "
+            f"libtpu for jaxlib {installed_jax_version()} is not installed (looked in {plugin_dir(kind='tpu')}); "
             f"install it with `{INSTALL_HINT} tpu`"
         )
     return (
-        f"the CUDA compile-only plugin for jaxlib {_jax_version()} is not installed (looked in "
+        f"the CUDA compile-only plugin for jaxlib {installed_jax_version()} is not installed (looked in "
         f"{plugin_dir()}); install it with `{INSTALL_HINT}`"
     )
 
@@ -109,7 +109,7 @@ def install(quiet: bool = True, kind: str = "cuda") -> Path:
     dest = plugin_dir(kind=kind)
     if plugin_installed(dest, kind):
         return dest if kind == "tpu" else _install_cudnn(dest, quiet)
-    v = _jax_version()
+    v = installed_jax_version()
     packages = [tpu.libtpu_requirement()] if kind == "tpu" else [f"{p}=={v}" for p in PLUGIN_PACKAGES]
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".", dir=dest.parent))

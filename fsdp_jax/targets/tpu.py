@@ -27,6 +27,10 @@ import importlib.metadata
 import math
 import re
 
+import jax
+import numpy as np
+from jax.experimental import topologies
+
 from fsdp_jax.errors import TopologyError
 
 
@@ -204,8 +208,6 @@ def tile_padding(args, compiled) -> int:
     ShapeDtypeStructs, in the order the step takes them) by padding each shard to the tiles
     of `compiled`'s own input layouts (`tiled_bytes` minus the shard's bytes). Host-resident
     arguments count too, as memory_analysis()'s argument bytes count them."""
-    import jax
-    import numpy as np
 
     leaves = jax.tree.leaves(args)
     layouts = [f.layout for f in jax.tree.leaves(compiled.input_formats, is_leaf=lambda f: hasattr(f, "layout"))]
@@ -230,8 +232,6 @@ def libtpu_requirement() -> str:
 def tpu_devices(spec: TpuSpec, topology: str, slices: int) -> list:
     """Compile-only devices of `slices` slices of `spec.name:topology`, slice-major. Needs
     libtpu on this process's path and jax_platforms=cpu."""
-    import jax
-    from jax.experimental import topologies
 
     if jax.config.jax_platforms != "cpu":
         jax.config.update("jax_platforms", "cpu")

@@ -3,7 +3,7 @@
 `GPU_FSDP_FLAGS` (config `xla_gpu_flags: fsdp`, `scripts/gpu_check.sh`) holds only the
 flags that a deviceless XLA:GPU compile shows helping; `EVALUATED` lists every flag
 looked at, with the evidence. Evidence: `configs/llama_1b.yaml` under full_shard compiled
-for 8 x H100 (`scripts/inspect_sharding.py --target h100 --xla-flags=...`; table in
+for 8 x H100 (`scripts/inspect.py --target h100 --xla-flags=...`; table in
 BENCHMARKS.md "XLA GPU flags in the compiled schedule"). Runtime speed still waits for a
 GPU run. XLA reads XLA_FLAGS when the backend starts, so set them before the first JAX
 computation; for one compile, `compile(compiler_options=parse_flags(...))`.
@@ -12,6 +12,10 @@ computation; for one compile, `compile(compiler_options=parse_flags(...))`.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+
+from jax._src import xla_bridge
 
 from fsdp_jax.errors import XlaFlagsError
 
@@ -129,14 +133,10 @@ def check_xla_flags(environ=os.environ) -> None:
     flags = environ.get("XLA_FLAGS", "").strip()
     if not flags:
         return
-    from jax._src import xla_bridge
 
     if xla_bridge.backends_are_initialized():
         return
     if flags not in _probed:
-        import subprocess
-        import sys
-
         env = dict(environ, JAX_PLATFORMS="cpu")
         proc = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True)
         _probed[flags] = unknown_flag(proc.stderr) if proc.returncode else None

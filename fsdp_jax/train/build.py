@@ -24,8 +24,9 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from fsdp_jax.model import variables as ms_lib
+from fsdp_jax.errors import StateError
 from fsdp_jax.model.fns import ModelFns
+from fsdp_jax.model.variables import check_structure
 from fsdp_jax.sharding import offload as offload_lib
 from fsdp_jax.sharding import rules as rl
 from fsdp_jax.sharding.precision import Policy
@@ -72,7 +73,7 @@ class Built:
             ms = None
             if state_fn is not None:
                 ms = state_fn(*a)
-                ms_lib.check_structure(ms, state_dtypes, "the model's initial state")
+                check_structure(ms, state_dtypes, "the model's initial state")
                 ms = jax.tree.map(lambda x, d: jnp.asarray(x).astype(d.dtype), ms, state_dtypes)
             st = TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=optimizer.init(p), model_state=ms)
             return offload_lib.store_state(st, plan)
@@ -93,7 +94,7 @@ class Built:
         step donates its state), with fresh optimizer state. A model with state needs
         its materialised `model_state` too."""
         if (model_state is None) != (self.plan.model_state is None):
-            raise ms_lib.StateError(
+            raise StateError(
                 "place: this model has state; pass place(params, model_state)"
                 if model_state is None
                 else "place: model_state given for a model without state"
@@ -102,7 +103,7 @@ class Built:
             p = jax.device_put(params, offload_lib.on_device(self.plan.params), may_alias=False)
             if model_state is None:
                 return self._init_from(lambda x: x, p)
-            ms_lib.check_structure(model_state, self.abstract_state.model_state, "place: model_state")
+            check_structure(model_state, self.abstract_state.model_state, "place: model_state")
             ms = jax.device_put(model_state, self.plan.model_state, may_alias=False)
         return self._init_from(lambda x, m: x, p, ms, state_fn=lambda x, m: m)
 
@@ -111,7 +112,7 @@ class Built:
         use `params` afterwards), with fresh optimizer state. Models without
         non-trainable state only (else `place(params, model_state)`)."""
         if self.plan.model_state is not None:
-            raise ms_lib.StateError(
+            raise StateError(
                 "state_from_params: this model has state; use place(params, model_state) or init_state(rng)"
             )
         return self._init_from(lambda x: x, params, donate=True)
@@ -203,7 +204,7 @@ def build(
     if loss_fn is not None:
         needs_rng = getattr(model, "needs_rng", False)
         if needs_rng and step_options.get("rng") is None:
-            raise ms_lib.StateError(
+            raise StateError(
                 "build: the model draws random numbers (NNX Rngs) but the step "
                 "has no run key; pass rng=jax.random.key(seed)"
             )

@@ -33,6 +33,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding
 
@@ -161,7 +162,6 @@ def gather(values, names):
 def gather_module(module):
     """`gather` over a Flax NNX module's `nnx.Param`s (names from their partitioning
     metadata); returns a module to call in its place."""
-    from flax import nnx
 
     if current() is None:
         return module

@@ -42,10 +42,11 @@ from flax import nnx
 from flax.nnx import traversals
 from jax.sharding import Mesh
 
+from fsdp_jax.errors import StateError
 from fsdp_jax.hlo.memory import tree_bytes_per_device
-from fsdp_jax.model import variables as ms_lib
-from fsdp_jax.model.fns import ModelFns, _adapt
+from fsdp_jax.model.fns import ModelFns, adapt_model
 from fsdp_jax.model.lora import LoraModel
+from fsdp_jax.model.variables import rows_lines
 from fsdp_jax.sharding import rules as rl
 from fsdp_jax.sharding.leaf_sharding import spec_str
 from fsdp_jax.sharding.replication import (
@@ -111,7 +112,7 @@ class ShardedModel:
         kwargs.setdefault("precision", self.precision)
         if self._extended and kwargs.get("rng") is None:
             if self.rng is None and self.model.needs_rng:
-                raise ms_lib.StateError(
+                raise StateError(
                     "train_step: the model draws random numbers (NNX Rngs) "
                     "but has no run key; pass train_step(loss_fn, rng=jax.random.key(seed))"
                 )
@@ -149,7 +150,7 @@ class ShardedModel:
             for r, k in zip(self.plan.rows, keep)
         ]
         summary = summarize(self.plan.rows, self.plan.strategy.params or self.plan.strategy.opt_state, self.plan.mesh)
-        return "\n".join(lines + ms_lib.rows_lines(self.plan.state_rows) + [format_summary(summary)])
+        return "\n".join(lines + rows_lines(self.plan.state_rows) + [format_summary(summary)])
 
 
 def shard_model(
@@ -192,7 +193,7 @@ def shard_model(
     Returns a ShardedModel: `.state` (TrainState), `.plan` (ShardingPlan),
     `.train_step(loss_fn, ...)`, `.apply`, `.explain()`, `.bytes_per_device()`.
     """
-    fns, params, model_state = _adapt(model, rng)
+    fns, params, model_state = adapt_model(model, rng)
     if isinstance(fns, LoraModel) and trainable is None:  # with_lora: adapters train, the base is frozen
         trainable, optimizer = fns.trainable, fns.optimizer(optimizer)
     mask = None if trainable is None else _trainable_mask(fns, trainable)

@@ -44,10 +44,10 @@ from flax import linen as nn
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import fsdp_jax.model.variables as ms_lib
 import fsdp_jax.sharding.offload as offload_lib
 import fsdp_jax.sharding.remat as remat_lib
 from fsdp_jax.errors import BatchError
+from fsdp_jax.model.variables import StepInput, extended_loss, run_key, step_key, with_model_state
 from fsdp_jax.sharding import rules as rl
 from fsdp_jax.sharding.mesh import constrain
 from fsdp_jax.sharding.precision import Policy
@@ -163,11 +163,11 @@ def make_train_step(
     if microbatches < 1:
         raise ValueError(f"microbatches must be >= 1, got {microbatches}")
     policy = Policy.parse(precision)
-    key_data = ms_lib.run_key(rng)
+    key_data = run_key(rng)
     extended = plan.model_state is not None or key_data is not None
     user_aux = has_aux
     if extended:  # the wrapped loss returns (loss, (aux, new model state))
-        loss_fn, has_aux = ms_lib.extended_loss(loss_fn, plan.model_state is not None, user_aux), True
+        loss_fn, has_aux = extended_loss(loss_fn, plan.model_state is not None, user_aux), True
     loss_fn = remat_lib.with_remat(loss_fn, remat)
     loss_fn = jax.named_scope("forward")(loss_fn)  # profiler names; backward: transpose(jvp(forward))
     step = _train_step_fn(
@@ -216,9 +216,7 @@ def _train_step_fn(
 
     def step(state: TrainState, batch):
         if extended:  # the batch travels with the model state and the step's key
-            batch = ms_lib.StepInput(
-                batch, state.model_state, None if key_data is None else ms_lib.step_key(key_data, state.step)
-            )
+            batch = StepInput(batch, state.model_state, None if key_data is None else step_key(key_data, state.step))
         at_rest = state  # offloaded params come to the device now, for the forward pass
         wrt = Trainable(state.params, trainable)
         fetch_sh = plan.params
@@ -252,7 +250,7 @@ def _train_step_fn(
             new = guarded_update(optimizer, state, grads, ok, skip_nonfinite)
         new = new.replace(params=wrt.frozen_from(new.params, state.params))  # frozen: the same buffers
         if extended:
-            new, aux = ms_lib.with_model_state(new, aux, state, ok, skip_nonfinite)
+            new, aux = with_model_state(new, aux, state, ok, skip_nonfinite)
         new = offload_lib.store_state(new, plan)  # back to host memory, where offloaded
         metrics = {"loss": loss.astype(policy.output_dtype), "grad_norm": grad_norm, "skipped": (~ok).astype(jnp.int32)}
         if user_aux:
@@ -289,8 +287,8 @@ def make_eval_step(
         params = offload_lib.fetch(params, plan.params)
         pc = policy.cast_to_compute(constrain(params, offload_lib.on_device(plan.params)))
         if extended:
-            loss, _ = ms_lib.extended_loss(loss_fn, stateful, has_aux, train=False)(
-                pc, ms_lib.StepInput(batch, mstate[0] if stateful else None, None)
+            loss, _ = extended_loss(loss_fn, stateful, has_aux, train=False)(
+                pc, StepInput(batch, mstate[0] if stateful else None, None)
             )
         else:
             out = loss_fn(pc, batch)

@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-import fsdp_jax.model.variables as ms_lib
 import fsdp_jax.sharding.offload as offload_lib
+from fsdp_jax.model.variables import StepInput
 from fsdp_jax.sharding.mesh import constrain
 from fsdp_jax.sharding.precision import Policy, cast_params_for_compute, lay_out_for_compute, reducing, widens
 from fsdp_jax.sharding.strategy import ShardingPlan
@@ -190,7 +190,7 @@ def microbatched(
         return tree if grad_shardings is None else constrain(tree, grad_shardings)
 
     def run(params, batch):
-        ctx = batch if isinstance(batch, ms_lib.StepInput) else None
+        ctx = batch if isinstance(batch, StepInput) else None
         data = batch if ctx is None else ctx.batch
 
         def body(carry, mb):

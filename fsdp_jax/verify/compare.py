@@ -15,6 +15,7 @@ import numpy as np
 
 from fsdp_jax.errors import VerifyError
 from fsdp_jax.hlo.memory import collective_report, compiled_memory, state_bytes_per_device
+from fsdp_jax.model.fns import adapt_model
 from fsdp_jax.sharding import rules as rl
 from fsdp_jax.sharding.mesh import make_mesh
 from fsdp_jax.sharding.precision import Policy
@@ -25,17 +26,17 @@ from fsdp_jax.verify.report import (
     StrategyReport,
     Tolerance,
     VerifyReport,
-    _leaf_rel,
-    _rel,
     default_tolerance,
+    leaf_rel,
     optimizer_kind,
+    rel_diff,
 )
 
 _BUILD_OPTIONS = ("logical_axes", "rules", "min_shard_size", "max_replicated_fraction")
 _STEP_OPTIONS = ("precision", "microbatches", "clip_norm", "remat", "has_aux", "trainable", "skip_nonfinite", "rng")
 
 
-def _compare(
+def compare_runs(
     model,
     optimizer,
     loss_fn,
@@ -53,11 +54,10 @@ def _compare(
     context, data = _pop_mesh_options(opts, len(devs))
     routing = _pop_routing(opts)
     host_batches = _host_batches(batch, batches, steps, len(devs) // context, opts.get("microbatches", 1))
-    from fsdp_jax.model.fns import _adapt  # the shard_model adapter: same model forms accepted
 
     key = jax.random.key(seed)
     with _user_code("the model does not initialise"):
-        fns, params, mstate = _adapt(model, key)
+        fns, params, mstate = adapt_model(model, key)
     tol = _tolerance(tolerance, optimizer, fns, opts.get("precision"))
 
     ref_mesh = make_mesh(1, 1, 1, devices=devs[:1])
@@ -177,10 +177,10 @@ def _run_strategy(
     loss_d, gnorm_d, param_d, routing_d, first, flip = [], [], [], [], None, None
     for i, b in enumerate(host_batches):
         state, m = step(state, _put(b, built.plan.batch))
-        loss_d.append(_rel(float(m["loss"]), ref_loss[i]))
-        gnorm_d.append(_rel(float(m["grad_norm"]), ref_gnorm[i]))
+        loss_d.append(rel_diff(float(m["loss"]), ref_loss[i]))
+        gnorm_d.append(rel_diff(float(m["grad_norm"]), ref_gnorm[i]))
         leaf_d = [
-            _leaf_rel(a, r)
+            leaf_rel(a, r)
             for a, r in zip(jax.tree.leaves(_host((state.params, state.model_state))), jax.tree.leaves(ref_params[i]))
         ]
         param_d.append(max(leaf_d, default=0.0))

@@ -1,6 +1,6 @@
 """What `fsdp_jax.verify.run` reports and what it holds the report against: the pass/fail
 `Tolerance` presets (`TOLERANCES`, chosen by `default_tolerance` from the optimizer kind
-and the compute dtype) and the relative differences they limit (`_rel`, `_leaf_rel`), the first `Divergence` of a strategy, one `StrategyReport` per
+and the compute dtype) and the relative differences they limit (`rel_diff`, `leaf_rel`), the first `Divergence` of a strategy, one `StrategyReport` per
 strategy and the whole `VerifyReport` with its JSON round trip and its table. Data
 and formatting only: running the comparison is `fsdp_jax.verify.run` (`fsdp_jax.verify.compare`).
 """
@@ -29,14 +29,14 @@ class Tolerance:
     param_rtol: float
 
 
-def _rel(x: float, ref: float) -> float:
+def rel_diff(x: float, ref: float) -> float:
     if x == ref or (np.isnan(x) and np.isnan(ref)):
         return 0.0
     d = abs(x - ref) / max(abs(ref), 1e-30)
     return float(d) if np.isfinite(d) else float("inf")
 
 
-def _leaf_rel(a: np.ndarray, ref: np.ndarray) -> float:
+def leaf_rel(a: np.ndarray, ref: np.ndarray) -> float:
     """||a - ref|| / ||ref|| (Frobenius, float64); inf for non-finite differences."""
     num = float(np.linalg.norm((a - ref).ravel()))
     if num == 0.0:

@@ -48,7 +48,7 @@ import optax
 from fsdp_jax.errors import VerifyError, one_line
 from fsdp_jax.sharding import rules as rl
 from fsdp_jax.sharding.strategy import STRATEGIES, get_strategy
-from fsdp_jax.verify.compare import _compare
+from fsdp_jax.verify.compare import compare_runs
 from fsdp_jax.verify.report import Tolerance, VerifyReport
 
 DEFAULT_STRATEGIES = ("no_shard", "shard_opt", "shard_grad_op", "full_shard", "hybrid_shard")
@@ -131,7 +131,9 @@ def verify(
         options = kwargs
     if optimizer is None or loss_fn is None or (batch is None and batches is None):
         raise VerifyError("verify: needs model, optimizer, loss_fn and batch (or batches)")
-    return _compare(model, optimizer, loss_fn, batch, batches, names, have, steps, seed, tolerance, check_init, options)
+    return compare_runs(
+        model, optimizer, loss_fn, batch, batches, names, have, steps, seed, tolerance, check_init, options
+    )
 
 
 def _strategy_names(strategies) -> list[str]:
@@ -205,7 +207,7 @@ def _run_child(
             f"verify: options for the child process must be JSON data ({e}); return the others from the factory"
         ) from None
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    code = "import sys; from fsdp_jax.verify.run import _child_main; sys.exit(_child_main())"
+    code = "import sys; from fsdp_jax.verify.run import child_main; sys.exit(child_main())"
     proc = subprocess.run([sys.executable, "-c", code], input=text, capture_output=True, text=True, env=env)
     if proc.returncode == 2:
         raise VerifyError((proc.stderr.strip().splitlines() or ["child failed"])[-1].removeprefix("error: "))
@@ -217,7 +219,7 @@ def _run_child(
     return VerifyReport.from_dict(json.loads(proc.stdout))
 
 
-def _child_main() -> int:
+def child_main() -> int:
     """stdin: the request JSON; stdout: the report JSON. Exit 2 with one line on bad input."""
     req = json.loads(sys.stdin.read())
     jax.config.update("jax_num_cpu_devices", int(req["devices"]))

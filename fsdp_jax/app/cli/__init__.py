@@ -5,7 +5,7 @@
     args      argument groups the commands share (config + overrides, target + hosts, devices)
     command   `run_command`: the one main wrapper (parse, run, map errors to exit codes)
     entry     the `fsdp-jax` dispatcher and the table of commands
-    <command> one module per command (train, plan, inspect_sharding, verify, ...), each with
+    <command> one module per command (train, plan, inspect, verify, ...), each with
               `build_parser(prog)` and `main(argv, prog)`
 
 Which errors are bad input (exit 2) or the environment's (exit 1) is `fsdp_jax.app.exits`, and

@@ -12,6 +12,10 @@ import argparse
 import os
 from pathlib import Path
 
+from fsdp_jax.app.data.corpus import dir_problem
+from fsdp_jax.app.extras import available, missing_message
+from fsdp_jax.errors import ConfigError
+
 
 def add_config(
     ap: argparse.ArgumentParser, *, required: bool = True, default: str | None = None, example: str = "train.steps=20"
@@ -27,13 +31,13 @@ def add_config(
 
 
 def add_devices(ap: argparse.ArgumentParser, default: str | None = None, text: str | None = None) -> None:
-    """`--devices N` (checked later by `fsdp_jax.app.planner.report.parse_devices`); `text`: its help."""
+    """`--devices N` (checked later by `fsdp_jax.app.planner.inputs.parse_devices`); `text`: its help."""
     ap.add_argument("--devices", default=default, help=text or f"number of devices (default {default})")
 
 
 def add_target(ap: argparse.ArgumentParser) -> None:
     """The device and target flags of plan and inspect (read by
-    `fsdp_jax.app.planner.report.resolve_target`)."""
+    `fsdp_jax.app.planner.inputs.resolve_target`)."""
     add_devices(ap, text="number of devices (with a TPU accelerator type or --topology: implied)")
     ap.add_argument(
         "--target",
@@ -60,8 +64,6 @@ def add_target(ap: argparse.ArgumentParser) -> None:
 
 def require(module: str, flag: str) -> None:
     """ConfigError naming `flag` when the optional package `module` is not installed."""
-    from fsdp_jax.app.extras import available, missing_message
-    from fsdp_jax.errors import ConfigError
 
     if not available(module):
         raise ConfigError(flag, missing_message(module, "it").removeprefix("it "))
@@ -70,8 +72,6 @@ def require(module: str, flag: str) -> None:
 def check_out_file(path: str, flag: str) -> None:
     """ConfigError naming `flag` unless `path` can be written as a file: not a
     directory, in an existing, writable directory. Writes nothing."""
-    from fsdp_jax.app.data.corpus import dir_problem
-    from fsdp_jax.errors import ConfigError
 
     p = Path(path).absolute()
     if p.is_dir():

@@ -19,8 +19,19 @@ import json
 import statistics
 import time
 
+import jax
+import numpy as np
+
 from fsdp_jax.app.cli.args import add_config
+from fsdp_jax.app.cli.command import run_command
 from fsdp_jax.app.cli.flags import Parser, UsageError, int_in
+from fsdp_jax.app.config.checks import validate
+from fsdp_jax.app.devices import use_cpu_devices
+from fsdp_jax.app.planner.abstract_step import build_step, sample_batch
+from fsdp_jax.app.trainer.setup import load_run_config
+from fsdp_jax.errors import OffloadError
+from fsdp_jax.sharding.offload import OFFLOADS, transfer_bytes
+from fsdp_jax.sharding.strategy import get_strategy
 
 
 def build_parser(prog: str | None = None) -> Parser:
@@ -34,21 +45,11 @@ def build_parser(prog: str | None = None) -> Parser:
 
 
 def _errors():
-    from fsdp_jax.errors import OffloadError
 
     return (OffloadError,), ()
 
 
 def run(args) -> int:
-    import jax
-    import numpy as np
-
-    from fsdp_jax.app.config.checks import validate
-    from fsdp_jax.app.devices import use_cpu_devices
-    from fsdp_jax.app.planner.abstract_step import build_step, sample_batch
-    from fsdp_jax.app.trainer.setup import load_run_config
-    from fsdp_jax.sharding.offload import OFFLOADS, transfer_bytes
-    from fsdp_jax.sharding.strategy import get_strategy
 
     try:
         get_strategy(args.strategy)
@@ -110,6 +111,5 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    from fsdp_jax.app.cli.command import run_command
 
     return run_command(build_parser(prog), run, argv, errors=_errors)

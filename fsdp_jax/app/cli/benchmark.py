@@ -5,7 +5,7 @@
         [--baselines] [--peak-tflops T] [--json] [--plot sweep.png] [key=value ...]
 
 (`python scripts/benchmark.py ...` is the same command; the runners are
-`fsdp_jax.app.planner.bench`.) Inputs are random tokens (no data set needed). `--baselines` adds two reference
+`fsdp_jax.app.planner.benchmark`.) Inputs are random tokens (no data set needed). `--baselines` adds two reference
 rows at the same global batch: the same model on one device (`single_device`) and
 a plain hand-written JAX data-parallel loop (`plain_dp`: replicated params, batch
 sharded, `jax.jit` + `jax.value_and_grad` + optax, no fsdp_jax code in the step).
@@ -19,9 +19,20 @@ from __future__ import annotations
 import json
 import statistics
 
-from fsdp_jax.app.cli.args import add_config
+import jax
+
+from fsdp_jax.app.cli.args import add_config, check_out_file, require
+from fsdp_jax.app.cli.command import run_command
 from fsdp_jax.app.cli.flags import Parser, UsageError, int_in, real_in
-from fsdp_jax.errors import one_line
+from fsdp_jax.app.config.checks import check_backend, validate
+from fsdp_jax.app.devices import use_cpu_devices
+from fsdp_jax.app.models.decoder import flops_per_token
+from fsdp_jax.app.planner.benchmark import bench_fsdp, bench_plain_dp, combos, parse_sweeps, plot
+from fsdp_jax.app.trainer.setup import load_run_config
+from fsdp_jax.errors import ConfigError, one_line
+from fsdp_jax.sharding.precision import Policy
+from fsdp_jax.sharding.strategy import get_strategy
+from fsdp_jax.targets.perf import mfu, peak_flops
 
 
 def build_parser(prog: str | None = None) -> Parser:
@@ -41,9 +52,6 @@ def build_parser(prog: str | None = None) -> Parser:
 def run(args) -> int:
     """Check every input (flags, then the config of each sweep point), then measure each
     point's rows and report them."""
-    import jax
-
-    from fsdp_jax.app.devices import use_cpu_devices
 
     use_cpu_devices()
     sweeps, strategies = _parse_flags(args)
@@ -59,11 +67,6 @@ def run(args) -> int:
 
 def _parse_flags(args) -> tuple[list, list[str]]:
     """(sweeps, strategy names) from the flags; the --plot file and the config checked."""
-    from fsdp_jax.app.cli.args import check_out_file, require
-    from fsdp_jax.app.planner.bench import parse_sweeps
-    from fsdp_jax.app.trainer.setup import load_run_config
-    from fsdp_jax.errors import ConfigError
-    from fsdp_jax.sharding.strategy import get_strategy
 
     if args.plot:
         check_out_file(args.plot, "--plot")
@@ -82,12 +85,6 @@ def _parse_flags(args) -> tuple[list, list[str]]:
 def _checked_runs(args, sweeps) -> list[tuple[dict, object, int]]:
     """[(sweep point, its validated config, its device count)], every point checked
     before anything is measured."""
-    import jax
-
-    from fsdp_jax.app.config.checks import check_backend, validate
-    from fsdp_jax.app.planner.bench import combos
-    from fsdp_jax.app.trainer.setup import load_run_config
-    from fsdp_jax.errors import ConfigError
 
     runs = []
     for combo in combos(sweeps):
@@ -109,10 +106,6 @@ def _checked_runs(args, sweeps) -> list[tuple[dict, object, int]]:
 def _bench_point(args, combo: dict, cfg, devices: list, strategies: list[str]) -> list[dict]:
     """One sweep point's rows (each strategy, and the baselines), each printed as it is
     measured unless --json."""
-    from fsdp_jax.app.models.decoder import flops_per_token
-    from fsdp_jax.app.planner.bench import bench_fsdp, bench_plain_dp
-    from fsdp_jax.sharding.precision import Policy
-    from fsdp_jax.targets.perf import mfu, peak_flops
 
     n_dev = len(devices)
     fpt = flops_per_token(cfg.model, cfg.data.seq_len)
@@ -154,9 +147,6 @@ def _bench_point(args, combo: dict, cfg, devices: list, strategies: list[str]) -
 
 def _report(args, sweeps, results: list[dict], devices_all: list) -> None:
     """The JSON document (--json) and the plot against the first sweep key (--plot)."""
-    import jax
-
-    from fsdp_jax.app.planner.bench import plot
 
     doc = {
         "config": args.config,
@@ -175,6 +165,5 @@ def _report(args, sweeps, results: list[dict], devices_all: list) -> None:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    from fsdp_jax.app.cli.command import run_command
 
     return run_command(build_parser(prog), run, argv)

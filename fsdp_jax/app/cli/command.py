@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable
 
 from fsdp_jax.app.cli.flags import UsageError
+from fsdp_jax.app.exits import BAD_INPUT, ENVIRONMENT, fail, fail_env, fail_internal
 from fsdp_jax.errors import one_line
 
 Classes = tuple[type[BaseException], ...]
@@ -40,8 +41,6 @@ def run_command(
         print(f"error: {one_line(e, None)}", file=sys.stderr, flush=True)
         return 2
     except Exception as e:
-        from fsdp_jax.app.exits import BAD_INPUT, ENVIRONMENT, fail, fail_env, fail_internal
-
         bad, env = errors() if errors is not None else ((), ())
         if isinstance(e, BAD_INPUT + bad):
             return fail(e)

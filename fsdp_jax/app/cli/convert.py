@@ -3,7 +3,7 @@
     fsdp-jax convert checkpoints/Llama-2-7b-hf --out llama2_7b.safetensors \\
         [--dtype bfloat16] [--config-out llama2_7b_model.yaml]
 
-(`python scripts/convert_hf.py ...` is the same command.) Reads config.json and
+(`python scripts/convert.py ...` is the same command.) Reads config.json and
 model.safetensors (or the shards of model.safetensors.index.json), checks every tensor
 against the config (refusing what the decoder cannot compute: one line naming the field;
 docs/hf_models.md), and writes one file keyed like the trainer's params
@@ -18,7 +18,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jax.numpy as jnp
+import numpy as np
+import yaml
+
+from fsdp_jax.app.cli.command import run_command
 from fsdp_jax.app.cli.flags import Parser
+from fsdp_jax.app.config.parse import model_dict
+from fsdp_jax.app.hf.load import HFCheckpoint, leaf_sources
+from fsdp_jax.app.models.config import DecoderConfig
+from fsdp_jax.app.trainer.build import trainer_model
+from fsdp_jax.checkpoint import CheckpointError, tree_paths
+from fsdp_jax.checkpoint.safetensors_io import write_safetensors
+from fsdp_jax.targets.xla_flags import check_xla_flags
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -39,7 +51,6 @@ def build_parser(prog: str | None = None) -> Parser:
 
 
 def _check_new_files(*paths: tuple[Path | None, str]) -> None:
-    from fsdp_jax.checkpoint import CheckpointError
 
     for p, flag in paths:
         if p is not None and p.exists():
@@ -49,25 +60,14 @@ def _check_new_files(*paths: tuple[Path | None, str]) -> None:
 
 
 def run(args) -> int:
-    import jax.numpy as jnp
-    import numpy as np
-    import yaml
-
-    from fsdp_jax.app.config.parse import model_dict
-    from fsdp_jax.app.hf import load as hf
-    from fsdp_jax.app.models.config import DecoderConfig
-    from fsdp_jax.app.trainer.build import trainer_model
-    from fsdp_jax.checkpoint import tree_paths
-    from fsdp_jax.checkpoint.safetensors_io import write_safetensors
-    from fsdp_jax.targets.xla_flags import check_xla_flags
 
     out = Path(args.out)
     check_xla_flags()  # before the params are built on the CPU backend
     _check_new_files((out, "--out"), (Path(args.config_out) if args.config_out else None, "--config-out"))
-    ckpt = hf.HFCheckpoint(args.hf_dir, base=DecoderConfig(scan_layers=not args.no_scan))
+    ckpt = HFCheckpoint(args.hf_dir, base=DecoderConfig(scan_layers=not args.no_scan))
     cfg = ckpt.config
     want = tree_paths(trainer_model(cfg).abstract_params)
-    sources = hf.leaf_sources(cfg)
+    sources = leaf_sources(cfg)
     dt = np.dtype(jnp.dtype(args.dtype))  # bfloat16 via ml_dtypes
     entries = [(p, tuple(sds.shape), dt) for p, sds in sorted(want.items())]
 
@@ -91,6 +91,5 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    from fsdp_jax.app.cli.command import run_command
 
     return run_command(build_parser(prog), run, argv)

@@ -20,7 +20,7 @@ from fsdp_jax.app.cli.flags import Parser
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("train", "train the reference decoder (resumes from the run's checkpoints)"),
     "plan": ("plan", "will it fit? per-device memory under each strategy, on CPU or a GPU/TPU target"),
-    "inspect": ("inspect_sharding", "how a config shards under one strategy, and what the step communicates"),
+    "inspect": ("inspect", "how a config shards under one strategy, and what the step communicates"),
     "verify": ("verify", "does the model train the same on one device and under each strategy?"),
     "export": ("export", "a run's params as one safetensors file or a Hugging Face model"),
     "convert": ("convert", "a Hugging Face checkpoint into this project's params"),
@@ -33,22 +33,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "measure-hf-import": ("measure_hf_import", "peak host memory of init_from=hf: against the model's size"),
 }
 
-# scripts/<name>.py -> the command it is a shim for
-SCRIPTS: dict[str, str] = {
-    "train": "train",
-    "plan": "plan",
-    "inspect_sharding": "inspect",
-    "verify": "verify",
-    "export": "export",
-    "convert_hf": "convert",
-    "prepare_data": "prepare",
-    "plot_metrics": "plot",
-    "launch_local": "launch",
-    "benchmark": "benchmark",
-    "bench_offload": "bench-offload",
-    "gpu_check": "gpu-check",
-    "measure_hf_import": "measure-hf-import",
-}
+# scripts/<name>.py -> the command it is a shim for: one word per command, so the module and
+# the script are the command's name (a dash written `_`)
+SCRIPTS: dict[str, str] = {module: command for command, (module, _) in COMMANDS.items()}
 
 
 def command_module(command: str):

@@ -28,7 +28,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from fsdp_jax.app.cli.command import run_command
 from fsdp_jax.app.cli.flags import Parser, int_in
+from fsdp_jax.app.hf.export import export_hf, saved_source
+from fsdp_jax.app.hf.export_lora import export_merged, export_peft
+from fsdp_jax.checkpoint import CheckpointError, export_safetensors
+from fsdp_jax.targets.xla_flags import check_xla_flags
 
 DTYPES = ("float32", "bfloat16", "float16")
 _UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
@@ -36,7 +41,6 @@ _UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GI
 
 def parse_size(text: str, flag: str = "--max-shard-size") -> int:
     """A positive byte size like 5GB, 500MB or 2GiB; CheckpointError naming `flag`."""
-    from fsdp_jax.checkpoint import CheckpointError
 
     t = text.strip().upper()
     for unit, mult in sorted(_UNITS.items(), key=lambda kv: -len(kv[0])):
@@ -65,7 +69,6 @@ def build_parser(prog: str | None = None) -> Parser:
 
 
 def _check_out_file(out: Path, flag_value: str) -> None:
-    from fsdp_jax.checkpoint import CheckpointError
 
     if out.is_dir():
         raise CheckpointError(f"--out {flag_value}: is a directory; give a file path, e.g. {out / 'model.safetensors'}")
@@ -76,8 +79,6 @@ def _check_out_file(out: Path, flag_value: str) -> None:
 
 
 def run(args) -> int:
-    from fsdp_jax.checkpoint import CheckpointError, export_safetensors
-    from fsdp_jax.targets.xla_flags import check_xla_flags
 
     run_dir = Path(args.run_dir)
     directory = run_dir / "checkpoints" if (run_dir / "checkpoints").is_dir() else run_dir
@@ -86,15 +87,10 @@ def run(args) -> int:
     if not directory.is_dir():
         raise CheckpointError(f"{run_dir}: no such run or checkpoint directory")
     if args.peft:
-        from fsdp_jax.app.hf.export_lora import export_peft
-
         info = export_peft(directory, args.peft, step=args.step)
         print(f"exported step {info['step']}: {info['tensors']} adapter tensors -> {info['path']}", flush=True)
         return 0
     if args.hf:
-        from fsdp_jax.app.hf.export import export_hf, saved_source
-        from fsdp_jax.app.hf.export_lora import export_merged
-
         lora = saved_source(directory, args.step)[2].lora.rank > 0
         export = export_merged if lora else export_hf
         info = export(directory, args.hf, dtype=args.dtype, step=args.step, max_shard_bytes=max_shard_bytes)
@@ -117,6 +113,5 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    from fsdp_jax.app.cli.command import run_command
 
     return run_command(build_parser(prog), run, argv)

@@ -22,19 +22,24 @@ import statistics
 import time
 import traceback
 
-from fsdp_jax.app.cli.args import add_config
+import jax
+import numpy as np
+import optax
+
+import fsdp_jax as fj
+from fsdp_jax.app.cli.args import add_config, check_out_file
+from fsdp_jax.app.cli.command import run_command
 from fsdp_jax.app.cli.flags import Parser, UsageError, int_in
+from fsdp_jax.app.models.config import DecoderConfig
+from fsdp_jax.app.models.decoder import count_params, flops_per_token
+from fsdp_jax.app.planner.abstract_step import build_step
+from fsdp_jax.app.trainer.build import make_loss_fn, trainer_model
+from fsdp_jax.app.trainer.setup import load_run_config
+from fsdp_jax.hlo.memory import collective_report, compiled_memory
+from fsdp_jax.targets.perf import device_memory, mfu, peak_flops, time_steps
 
 
 def throughput(config: str, steps: int, overrides: list[str], smoke: bool = False) -> dict:
-    import jax
-    import numpy as np
-
-    from fsdp_jax.app.config import load_config as load_run_config  # not trainer.setup: it imports grain
-    from fsdp_jax.app.models.decoder import count_params, flops_per_token
-    from fsdp_jax.app.planner.abstract_step import build_step
-    from fsdp_jax.hlo.memory import compiled_memory
-    from fsdp_jax.targets.perf import device_memory, mfu, peak_flops, time_steps
 
     n = jax.device_count()
     # 8 sequences of 2048 per GPU: with cuDNN attention (no saved S x S logits) and `dots`
@@ -90,13 +95,6 @@ def _smoke_model() -> list[str]:
 
 
 def precision_check() -> dict:
-    import jax
-    import numpy as np
-    import optax
-
-    import fsdp_jax as fj
-    from fsdp_jax.app.models.config import DecoderConfig
-    from fsdp_jax.app.trainer.build import make_loss_fn, trainer_model
 
     cfg = DecoderConfig(vocab_size=512, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768, max_seq_len=256)
     model = trainer_model(cfg, "none")
@@ -121,13 +119,6 @@ def precision_check() -> dict:
 
 
 def collective_check() -> dict:
-    import jax
-    import optax
-
-    import fsdp_jax as fj
-    from fsdp_jax.app.models.config import DecoderConfig
-    from fsdp_jax.app.trainer.build import make_loss_fn, trainer_model
-    from fsdp_jax.hlo.memory import collective_report
 
     n = jax.device_count()
     if n < 2:
@@ -171,14 +162,11 @@ def run(args) -> int:
     bad = [n for n in args.only.split(",") if n not in CHECKS]
     if bad or args.steps < 1:
         raise UsageError(f"--only {args.only!r} / --steps {args.steps}: checks are {', '.join(CHECKS)}; steps >= 1")
-    from fsdp_jax.app.cli.args import check_out_file
-    from fsdp_jax.app.config import load_config as load_run_config  # not trainer.setup: it imports grain
 
     if "throughput" in args.only.split(","):
         load_run_config(args.config, args.overrides)  # a bad config: one line now, not a traceback later
     if args.json:
         check_out_file(args.json, "--json")
-    import jax
 
     print(
         f"jax {jax.__version__} | backend {jax.default_backend()} | {jax.device_count()} x "
@@ -237,6 +225,5 @@ def verdict(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    from fsdp_jax.app.cli.command import run_command
 
     return run_command(build_parser(prog), run, argv)

@@ -2,7 +2,7 @@
 
     fsdp-jax launch --processes 2 --devices-per-process 4 -- \\
         fsdp-jax train --config configs/tiny.yaml
-    python scripts/launch_local.py --processes 2 --devices-per-process 4 -- \\
+    python scripts/launch.py --processes 2 --devices-per-process 4 -- \\
         python scripts/train.py --config configs/tiny.yaml
 
 Each process gets FSDP_JAX_COORDINATOR (a free localhost port; the coordinator
@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 
+from fsdp_jax.app.cli.command import run_command
 from fsdp_jax.app.cli.flags import Parser, UsageError, int_in, real_in
 
 MAX_PROCESSES = 1024
@@ -127,7 +128,7 @@ def run(args, command: list[str]) -> int:
             )
             with lock:
                 print(
-                    f"error: launch_local: process {i} exited with {rc}{how}; stopping the other "
+                    f"error: launch: process {i} exited with {rc}{how}; stopping the other "
                     f"{len(procs) - 1} (SIGTERM, SIGKILL after {args.grace:g} s)",
                     file=sys.stderr,
                     flush=True,
@@ -143,7 +144,6 @@ def run(args, command: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    from fsdp_jax.app.cli.command import run_command
 
     argv = sys.argv[1:] if argv is None else list(argv)
     command: list[str] = []

@@ -27,7 +27,21 @@ import threading
 import time
 from pathlib import Path
 
+import jax
+import ml_dtypes
+import numpy as np
+import optax
+
+from fsdp_jax.app.cli.command import run_command
 from fsdp_jax.app.cli.flags import Parser, int_in
+from fsdp_jax.app.hf.load import HFCheckpoint, expected_tensors, leaf_sources, load_params
+from fsdp_jax.app.models import families
+from fsdp_jax.app.models.config import DecoderConfig
+from fsdp_jax.app.trainer.build import trainer_model
+from fsdp_jax.checkpoint import tree_paths
+from fsdp_jax.checkpoint.safetensors_io import write_safetensors
+from fsdp_jax.sharding.mesh import make_mesh
+from fsdp_jax.train.build import build
 
 
 def rss() -> int:
@@ -59,13 +73,6 @@ class Peak:
 
 
 def write_checkpoint(d: Path, args) -> int:
-    import ml_dtypes
-    import numpy as np
-
-    from fsdp_jax.app.hf.load import expected_tensors
-    from fsdp_jax.app.models import families
-    from fsdp_jax.app.models.config import DecoderConfig
-    from fsdp_jax.checkpoint.safetensors_io import write_safetensors
 
     base = families.families()[0]  # the reference family (the registry's first)
     cfg = DecoderConfig(
@@ -119,18 +126,10 @@ def write_checkpoint(d: Path, args) -> int:
 
 
 def measure(path: str, naive: bool) -> dict:
-    import jax
 
     jax.config.update("jax_num_cpu_devices", 8)
-    import numpy as np
-    import optax
 
-    from fsdp_jax.app.hf import load as hf
-    from fsdp_jax.app.trainer.build import trainer_model
-    from fsdp_jax.sharding.mesh import make_mesh
-    from fsdp_jax.train.build import build
-
-    ckpt = hf.HFCheckpoint(path)
+    ckpt = HFCheckpoint(path)
     m = trainer_model(ckpt.config)
     built = build(m, optax.sgd(0.1), make_mesh(1, 8, 1), "full_shard")
     abstract = built.abstract_state.params
@@ -138,8 +137,6 @@ def measure(path: str, naive: bool) -> dict:
     before, hwm_before = rss(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     with Peak() as p:
         if naive:  # the whole model as host arrays first, then placed
-            from fsdp_jax.checkpoint import tree_paths
-
             want = tree_paths(abstract)
             full = [
                 ckpt.read(
@@ -150,13 +147,13 @@ def measure(path: str, naive: bool) -> dict:
                     np.float32,
                     k.startswith("blocks/"),
                 )
-                for k, (names, kind) in ((k, hf.leaf_sources(ckpt.config)[k]) for k in want)
+                for k, (names, kind) in ((k, leaf_sources(ckpt.config)[k]) for k in want)
             ]
             params = jax.device_put(
                 jax.tree.unflatten(jax.tree.structure(abstract), full), jax.tree.map(lambda x: x.sharding, abstract)
             )
         else:
-            params = hf.load_params(ckpt, abstract)
+            params = load_params(ckpt, abstract)
         jax.block_until_ready(params)
     after = rss()
     hwm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -220,6 +217,5 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    from fsdp_jax.app.cli.command import run_command
 
     return run_command(build_parser(prog), run, argv)

@@ -31,11 +31,29 @@ line on stderr), 1 anything else.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
-from fsdp_jax.app.cli.args import add_config, add_target
+from fsdp_jax.app.cli.args import add_config, add_target, check_out_file, require
+from fsdp_jax.app.cli.command import run_command
 from fsdp_jax.app.cli.flags import Parser, int_in
+from fsdp_jax.app.host_memory import HOST_MEMORY_ENV, fmt_size, host_memory, stated_host_memory
+from fsdp_jax.app.planner import search_report
+from fsdp_jax.app.planner.estimate import format_offload_table, plan_config
+from fsdp_jax.app.planner.inputs import (
+    load_planning_config,
+    parse_bytes,
+    parse_devices,
+    parse_strategies,
+    resolve_target,
+)
+from fsdp_jax.app.planner.report import format_table, plot_plan
+from fsdp_jax.app.planner.search import search
+from fsdp_jax.app.planner.search_space import Limits, SearchSpace, attention_kernels
+from fsdp_jax.errors import PlanError, SearchError, TargetError
+from fsdp_jax.sharding.offload import OFFLOADS
+from fsdp_jax.targets.gpu import device_memory
 
 
 def build_parser(prog: str | None = None) -> Parser:
@@ -107,15 +125,12 @@ SEARCH_ONLY = ("remat", "microbatches", "vary", "attention", "headroom", "max_co
 
 def planning_errors():
     """The planning commands' own bad-input classes (plan, inspect)."""
-    from fsdp_jax.errors import PlanError, TargetError
 
     return (PlanError, TargetError), ()
 
 
 def parse_offloads(text: str | None) -> list[str] | None:
     """`--offload`: None (the config's), one setting, a comma list, or `all`."""
-    from fsdp_jax.errors import PlanError
-    from fsdp_jax.sharding.offload import OFFLOADS
 
     if text is None:
         return None
@@ -132,8 +147,6 @@ def plan_host_memory(args, target) -> tuple[int, str] | None:
     """(host memory per host, where it comes from) to plan offload against: --host-memory,
     else FSDP_JAX_HOST_MEMORY, else (no --target: this machine is the host) what this
     machine has available; None with a --target and neither given."""
-    from fsdp_jax.app.host_memory import HOST_MEMORY_ENV, host_memory, stated_host_memory
-    from fsdp_jax.app.planner.inputs import parse_bytes
 
     if args.host_memory is not None:
         return parse_bytes(args.host_memory, "--host-memory"), "--host-memory"
@@ -147,8 +160,6 @@ def plan_host_memory(args, target) -> tuple[int, str] | None:
 def refuse_over_host(docs: dict[str, dict], host: tuple[int, str] | None) -> None:
     """PlanError (one line, exit 2) when host memory was stated and the offloaded state of
     every strategy under every offload setting planned is over it."""
-    from fsdp_jax.app.host_memory import HOST_MEMORY_ENV, fmt_size
-    from fsdp_jax.errors import PlanError
 
     if host is None or host[1] not in ("--host-memory", HOST_MEMORY_ENV):  # this machine's figure: a note
         return
@@ -164,20 +175,6 @@ def refuse_over_host(docs: dict[str, dict], host: tuple[int, str] | None) -> Non
 
 def search_command(args) -> int:
     """plan --search: parse, search, print; nothing fits -> one line, exit 2."""
-    import dataclasses
-
-    from fsdp_jax.app.planner import search_report as sr
-    from fsdp_jax.app.planner.inputs import (
-        load_planning_config,
-        parse_bytes,
-        parse_devices,
-        parse_strategies,
-        resolve_target,
-    )
-    from fsdp_jax.app.planner.search import search
-    from fsdp_jax.app.planner.search_space import Limits, SearchSpace, attention_kernels
-    from fsdp_jax.errors import SearchError
-    from fsdp_jax.targets.gpu import device_memory
 
     if args.plot:
         raise SearchError("--plot: not with --search")
@@ -188,15 +185,15 @@ def search_command(args) -> int:
         mem = device_memory(target.name)
     else:
         raise SearchError("--search: give --device-memory (or a --target, whose memory is known)")
-    headroom, fraction = sr.parse_headroom(args.headroom)
+    headroom, fraction = search_report.parse_headroom(args.headroom)
     space = SearchSpace(
         strategies=tuple(parse_strategies(args.strategies)),
-        remats=sr.parse_remats(args.remat),
-        microbatches=sr.parse_microbatches(args.microbatches),
-        offloads=sr.parse_offloads(args.offload),
-        vary=sr.parse_vary(args.vary),
+        remats=search_report.parse_remats(args.remat),
+        microbatches=search_report.parse_microbatches(args.microbatches),
+        offloads=search_report.parse_offloads(args.offload),
+        vary=search_report.parse_vary(args.vary),
     )
-    attentions = sr.parse_attentions(args.attention)
+    attentions = search_report.parse_attentions(args.attention)
     limits = Limits(
         device_memory=mem,
         headroom=headroom,
@@ -216,30 +213,24 @@ def search_command(args) -> int:
     show = args.progress or sys.stderr.isatty()  # else stderr holds only an error's one line
     progress = (lambda msg: print(f"search: {msg}", file=sys.stderr, flush=True)) if show else None
     doc = search(cfg, n, space, limits, target=target, config_name=args.config, progress=progress)
-    doc["yaml"] = sr.winner_yaml(doc)
+    doc["yaml"] = search_report.winner_yaml(doc)
     if args.json:
         json.dump(doc, sys.stdout, indent=1)
         print()
     else:
-        print(sr.format_search(doc, rows))
+        print(search_report.format_search(doc, rows))
     if doc["winner"] is None:
-        raise SearchError(sr.nothing_fits_message(doc))
+        raise SearchError(search_report.nothing_fits_message(doc))
     return 0
 
 
 def run(args) -> int:
-    import dataclasses
-
-    from fsdp_jax.errors import PlanError
 
     if args.search:
         return search_command(args)
     for flag in SEARCH_ONLY:
         if getattr(args, flag) not in (None, False):
             raise PlanError(f"--{flag.replace('_', '-')}: only with --search")
-
-    from fsdp_jax.app.cli.args import check_out_file, require
-    from fsdp_jax.app.planner.inputs import load_planning_config, parse_bytes, parse_strategies, resolve_target
 
     n, target = resolve_target(args)
     if args.explain_time and target is None:
@@ -252,8 +243,6 @@ def run(args) -> int:
         require("matplotlib", "--plot")
     host = plan_host_memory(args, target)
     cfg = load_planning_config(args.config, args.overrides, n)  # JAX: n CPU devices, from here on
-
-    from fsdp_jax.app.planner.estimate import plan_config
 
     docs = {}
     for o in offloads or [cfg.offload]:
@@ -271,8 +260,6 @@ def run(args) -> int:
 
 
 def _print_plans(args, docs: dict[str, dict]) -> int:
-    from fsdp_jax.app.planner.estimate import format_offload_table
-    from fsdp_jax.app.planner.report import format_table, plot_plan
 
     if len(docs) > 1:
         if args.json:
@@ -298,7 +285,6 @@ def _print_plans(args, docs: dict[str, dict]) -> int:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    from fsdp_jax.app.cli.command import run_command
 
     if "--list-targets" in (sys.argv[1:] if argv is None else argv):  # needs no --config
         from fsdp_jax.targets.clusters import format_targets

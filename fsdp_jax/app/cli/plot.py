@@ -3,7 +3,7 @@ breakdown per logged window, and the goodput of each run segment) from
 RUN_DIR/metrics.jsonl (`fsdp_jax.app.trainer.plot`).
 
     fsdp-jax plot RUN_DIR [--out RUN_DIR/metrics.png]
-    python scripts/plot_metrics.py RUN_DIR [--out RUN_DIR/metrics.png]
+    python scripts/plot.py RUN_DIR [--out RUN_DIR/metrics.png]
 
 Needs matplotlib (pip install 'fsdp_jax[plot]'). Exit codes: 0 success, 2 bad input (one
 line on stderr), 1 anything else.
@@ -14,7 +14,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from fsdp_jax.app.cli.command import run_command
 from fsdp_jax.app.cli.flags import Parser, UsageError
+from fsdp_jax.app.trainer.plot import plot, read_metrics
 
 
 def build_parser(prog: str | None = None) -> Parser:
@@ -25,7 +27,6 @@ def build_parser(prog: str | None = None) -> Parser:
 
 
 def run(args) -> int:
-    from fsdp_jax.app.trainer.plot import plot, read_metrics
 
     path = Path(args.run_dir) / "metrics.jsonl"
     if not path.is_file():
@@ -53,6 +54,5 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    from fsdp_jax.app.cli.command import run_command
 
     return run_command(build_parser(prog), run, argv)

@@ -5,7 +5,7 @@
     fsdp-jax prepare --out data/mine --bin train.bin --val-bin val.bin --vocab-size 32000
     fsdp-jax prepare --out data/mine docs/ --tokenizer checkpoints/Llama-2-7b-hf
 
-(`python scripts/prepare_data.py ...` is the same command.) --tokenizer takes a Hugging Face tokenizer.json, a SentencePiece .model or a model
+(`python scripts/prepare.py ...` is the same command.) --tokenizer takes a Hugging Face tokenizer.json, a SentencePiece .model or a model
 directory holding one: each file (each line of a .jsonl file, {"text": ...}) is a
 document, encoded as encode(doc) + [eos], with the library's threads and a progress
 bar; token dtype from the vocab size; meta.json records the tokenizer so the
@@ -38,7 +38,16 @@ from __future__ import annotations
 import os
 import sys
 
+from fsdp_jax.app.cli.command import run_command
 from fsdp_jax.app.cli.flags import Parser, UsageError, int_in
+from fsdp_jax.app.data.corpus import dir_problem, prepare_bin, prepare_stdlib, prepare_text
+from fsdp_jax.app.data.packing import MAX_ROW_LEN
+from fsdp_jax.app.data.sft import prepare_examples
+from fsdp_jax.app.data.tables import KeyMap
+from fsdp_jax.app.data.tokenizer import load_tokenizer
+from fsdp_jax.app.hf.config_in import model_config_from_hf
+from fsdp_jax.app.hf.load import read_config_json
+from fsdp_jax.errors import DataError, TokenizerError
 
 
 def build_parser(prog: str | None = None) -> Parser:
@@ -96,7 +105,6 @@ def check_flags(args) -> None:
     if args.pack is not None:
         if not args.sources:
             raise UsageError("--pack needs SOURCES... (jsonl or text files)")
-        from fsdp_jax.app.data.packing import MAX_ROW_LEN
 
         if not 2 <= args.pack <= MAX_ROW_LEN:
             raise UsageError(f"--pack {args.pack}: must be in 2..{MAX_ROW_LEN}")
@@ -128,14 +136,9 @@ def check_flags(args) -> None:
 
 def _check_vocab(args) -> None:
     """--model: the tokenizer's vocab must fit the model's embedding table."""
-    from fsdp_jax.app.data.tokenizer import load_tokenizer
-    from fsdp_jax.errors import DataError
 
     tok = load_tokenizer(args.tokenizer, args.eos)
     if args.model:
-        from fsdp_jax.app.hf.config_in import model_config_from_hf
-        from fsdp_jax.app.hf.load import read_config_json
-
         vocab = model_config_from_hf(read_config_json(args.model), f"{args.model}/config.json").vocab_size
         if tok.vocab_size > vocab:
             raise DataError(
@@ -145,7 +148,6 @@ def _check_vocab(args) -> None:
 
 
 def _errors():
-    from fsdp_jax.errors import TokenizerError
 
     return (TokenizerError,), ()
 
@@ -183,16 +185,13 @@ def run(args) -> int:
     check_flags(args)
     if args.threads:  # Hugging Face tokenizers take their thread count from the environment
         os.environ["RAYON_NUM_THREADS"] = str(args.threads)
-    from fsdp_jax.app.data import corpus as data  # after the flags are checked: --help and bad flags stay fast
 
-    problem = data.dir_problem(args.out)
+    problem = dir_problem(args.out)
     if problem:
         raise UsageError(f"--out {args.out!r} {problem}")
     if args.pack is not None:
         if args.tokenizer != "bytes":
             _check_vocab(args)
-        from fsdp_jax.app.data.sft import prepare_examples
-        from fsdp_jax.app.data.tables import KeyMap
 
         meta = prepare_examples(
             args.sources,
@@ -214,14 +213,14 @@ def run(args) -> int:
         _report_packed(args.out, meta)
         return 0
     if args.bin is not None:
-        meta = data.prepare_bin(args.bin, args.val_bin, args.out, args.vocab_size, args.dtype)
+        meta = prepare_bin(args.bin, args.val_bin, args.out, args.vocab_size, args.dtype)
     elif args.tokenizer != "bytes":
         _check_vocab(args)
         tok = dict(tokenizer=args.tokenizer, eos=args.eos, threads=args.threads, progress=not args.no_progress)
         meta = (
-            data.prepare_stdlib(args.out, args.val_fraction, args.seed, **tok)
+            prepare_stdlib(args.out, args.val_fraction, args.seed, **tok)
             if args.stdlib
-            else data.prepare_text(
+            else prepare_text(
                 args.sources,
                 args.out,
                 args.val_fraction,
@@ -232,9 +231,9 @@ def run(args) -> int:
             )
         )
     elif args.stdlib:
-        meta = data.prepare_stdlib(args.out, args.val_fraction, args.seed)
+        meta = prepare_stdlib(args.out, args.val_fraction, args.seed)
     else:
-        meta = data.prepare_text(
+        meta = prepare_text(
             args.sources, args.out, args.val_fraction, args.seed, pattern=args.pattern, text_key=args.text_key
         )
     print(
@@ -245,6 +244,5 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    from fsdp_jax.app.cli.command import run_command
 
     return run_command(build_parser(prog), run, argv, errors=_errors)

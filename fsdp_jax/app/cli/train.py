@@ -15,7 +15,15 @@ shows the traceback of an unexpected error.
 from __future__ import annotations
 
 from fsdp_jax.app.cli.args import add_config
+from fsdp_jax.app.cli.command import run_command
 from fsdp_jax.app.cli.flags import Parser
+from fsdp_jax.app.devices import use_cpu_devices
+from fsdp_jax.app.exits import BAD_INPUT
+from fsdp_jax.app.trainer.loop import train
+from fsdp_jax.app.trainer.setup import load_run_config
+from fsdp_jax.errors import ConfigError, TrainingDiverged
+from fsdp_jax.multihost.distributed import await_peer_verdict, finished, maybe_initialize
+from fsdp_jax.targets.xla_flags import apply_gpu_fsdp_flags
 
 
 def build_parser(prog: str | None = None) -> Parser:
@@ -32,19 +40,11 @@ PEER_NOTE = (
 
 
 def _errors():
-    from fsdp_jax.errors import TrainingDiverged
 
     return (), (TrainingDiverged,)
 
 
 def run(args) -> int:
-    from fsdp_jax.app.devices import use_cpu_devices
-    from fsdp_jax.app.exits import BAD_INPUT
-    from fsdp_jax.app.trainer.loop import train
-    from fsdp_jax.app.trainer.setup import load_run_config
-    from fsdp_jax.errors import ConfigError
-    from fsdp_jax.multihost.distributed import await_peer_verdict, finished, maybe_initialize
-    from fsdp_jax.targets.xla_flags import apply_gpu_fsdp_flags
 
     use_cpu_devices()
     cfg = load_run_config(args.config, args.overrides)
@@ -74,6 +74,5 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    from fsdp_jax.app.cli.command import run_command
 
     return run_command(build_parser(prog), run, argv, errors=_errors)

@@ -31,10 +31,28 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
 
+import jax
+
 from fsdp_jax.app.cli.args import add_config, add_devices
+from fsdp_jax.app.cli.command import run_command
 from fsdp_jax.app.cli.flags import Parser, int_in, real_in
+from fsdp_jax.app.config.checks import check_experts, validate
+from fsdp_jax.app.devices import use_cpu_devices
+from fsdp_jax.app.exits import fail_env
+from fsdp_jax.app.models.decoder import count_params
+from fsdp_jax.app.models.lora import adapter_mask
+from fsdp_jax.app.planner.inputs import parse_devices, parse_strategies
+from fsdp_jax.app.trainer.build import has_router_aux, lora_optimizer, lora_spec, make_loss_fn, trainer_model
+from fsdp_jax.app.trainer.optim import build_optimizer
+from fsdp_jax.app.trainer.setup import load_run_config
+from fsdp_jax.app.verify_batches import verify_batches
+from fsdp_jax.app.verify_shrink import shrink_config
+from fsdp_jax.errors import ConfigError, PlanError, VerifyError
+from fsdp_jax.verify.compare import strategy_mesh_shape
+from fsdp_jax.verify.run import devices_for, verify
 
 
 def build_parser(prog: str | None = None) -> Parser:
@@ -52,7 +70,6 @@ def build_parser(prog: str | None = None) -> Parser:
 
 
 def _errors():
-    from fsdp_jax.errors import PlanError, VerifyError
 
     return (PlanError, VerifyError), ()
 
@@ -60,21 +77,12 @@ def _errors():
 def run(args) -> int:
     """Check the flags and config, fit the config to this machine (shrunk when too big,
     noted), verify every strategy against one device, report."""
-    from fsdp_jax.app.config.checks import validate
-    from fsdp_jax.app.devices import use_cpu_devices
-    from fsdp_jax.app.planner.inputs import parse_devices, parse_strategies
-    from fsdp_jax.app.trainer.setup import load_run_config
 
     n = parse_devices(args.devices)
     strategies = parse_strategies(args.strategies)
     cfg = load_run_config(args.config, args.overrides)
     validate(cfg)
     use_cpu_devices(n)  # before JAX starts: n CPU devices when this machine has fewer
-
-    import jax
-
-    from fsdp_jax.app.exits import fail_env
-    from fsdp_jax.verify.run import devices_for
 
     devices = devices_for(n)
     if devices is None:
@@ -86,7 +94,6 @@ def run(args) -> int:
         return fail_env(e)
     cfg, notes = _as_verified(cfg, devices, notes)
     data = _expert_split(cfg, n, strategies, notes)
-    from fsdp_jax.app.verify_batches import verify_batches
 
     batches, what = verify_batches(cfg, args.steps, args.seed, vocab_shrunk="vocab_size" in changed)
     notes.append(what)
@@ -99,8 +106,6 @@ def _shrunk_if_big(cfg, max_params: float, n: int, strategies, devices, data: in
     """(config, {dim: (was, now)}, notes): `cfg` itself when it has at most `max_params`
     params (or 0), else reduced keeping every sharding decision on the meshes verify runs
     (`data` x fsdp, `fsdp_jax.app.verify_shrink`); RuntimeError when that cannot be done."""
-    from fsdp_jax.app.models.decoder import count_params
-    from fsdp_jax.app.verify_shrink import shrink_config
 
     n_params = count_params(cfg.model)
     if not (max_params and n_params > max_params):
@@ -156,11 +161,6 @@ def _data_size(cfg, n: int) -> int:
 def _expert_split(cfg, n: int, strategies, notes: list[str]) -> int:
     """verify's data size (`_data_size`), noting how the experts are split on each strategy's
     mesh; ConfigError (exit 2) naming model.n_experts when a mesh's expert axes do not divide it."""
-    import math
-
-    from fsdp_jax.app.config.checks import check_experts
-    from fsdp_jax.errors import ConfigError
-    from fsdp_jax.verify.compare import strategy_mesh_shape
 
     data = _data_size(cfg, n)
     entry = cfg.mesh.rules.get("expert") if cfg.model.n_experts else None
@@ -198,10 +198,6 @@ def _verify(args, cfg, strategies, n: int, batches: list, data: int = 1):
     """`fsdp_jax.verify.run` on the trainer's model, loss and optimizer (at its peak lr), with
     `batches` (`fsdp_jax.app.verify_batches`), the config's mesh rules and `data` x fsdp
     meshes (`_data_size`)."""
-    from fsdp_jax.app.models.lora import adapter_mask
-    from fsdp_jax.app.trainer.build import has_router_aux, lora_optimizer, lora_spec, make_loss_fn, trainer_model
-    from fsdp_jax.app.trainer.optim import build_optimizer
-    from fsdp_jax.verify.run import verify
 
     lora = lora_spec(cfg)  # a LoRA config: the adapters train (and are compared), the base is frozen
     if lora is not None:  # B from zero would be compared to its own (noise-level) first update
@@ -249,6 +245,5 @@ def _print_report(args, changed: dict, notes: list[str], report) -> None:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    from fsdp_jax.app.cli.command import run_command
 
     return run_command(build_parser(prog), run, argv, errors=_errors)

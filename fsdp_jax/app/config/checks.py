@@ -13,6 +13,7 @@ from typing import Any
 
 from fsdp_jax.app.config.context_checks import check_context
 from fsdp_jax.app.config.schema import Config, check_fields
+from fsdp_jax.app.extras import available, missing_message
 from fsdp_jax.app.models import lora as lora_lib
 from fsdp_jax.app.models.config import DecoderConfig
 from fsdp_jax.app.models.moe import moe_config_problem
@@ -215,8 +216,6 @@ def _check_train(cfg: Config) -> None:
         f"must be divisible by train.microbatches={tr.microbatches}",
     )
     if tr.tensorboard:
-        from fsdp_jax.app.extras import available, missing_message
-
         _check(
             available("tensorboardX"),
             "train.tensorboard",
@@ -347,9 +346,9 @@ def check_data(cfg: Config) -> None:
     path = Path(cfg.data.path)
     if not (path / "train.bin").is_file():
         how = (
-            "run scripts/prepare_data.py --out DIR, or set data.source=stdlib"
+            "run scripts/prepare.py --out DIR, or set data.source=stdlib"
             if cfg.data.source == "none"
-            else "prepare it with scripts/prepare_data.py"
+            else "prepare it with scripts/prepare.py"
         )
         raise ConfigError("data.path", f"{str(path)!r}: train.bin not found; {how}")
     meta = path / "meta.json"

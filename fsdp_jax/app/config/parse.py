@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from fsdp_jax.app.config.checks import validate
-from fsdp_jax.app.config.schema import _SECTIONS, NAME_LISTS, Config, _all_keys, _coerce, _field_type
+from fsdp_jax.app.config.schema import NAME_LISTS, SECTIONS, Config, all_keys, coerce, field_type
 from fsdp_jax.errors import ConfigError
 
 _OVERRIDE_ALIASES = {"strategy": "mesh.strategy", "steps": "train.steps", "lr": "optimizer.lr"}
@@ -39,7 +39,7 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
     for k in raw:
         if k not in hints:
             raise _unknown(f"{prefix}.{k}", [f"{prefix}.{n}" for n in names])
-    return cls(**{k: _coerce(f"{prefix}.{k}", v, hints[k]) for k, v in raw.items()})
+    return cls(**{k: coerce(f"{prefix}.{k}", v, hints[k]) for k, v in raw.items()})
 
 
 # Paths a user may write as ~/x (as a shell would expand them); init_from also as hf:~/x.
@@ -68,10 +68,10 @@ def config_from_dict(d: Mapping) -> Config:
     for k, v in d.items():
         if k not in hints:
             raise _unknown(str(k), list(hints))
-        if k in _SECTIONS:
+        if k in SECTIONS:
             kwargs[k] = _build(hints[k], {} if v is None else v, k)
         else:
-            kwargs[k] = _coerce(k, v, hints[k])
+            kwargs[k] = coerce(k, v, hints[k])
     cfg = Config(**kwargs)
     validate(cfg)
     return cfg
@@ -109,7 +109,7 @@ def apply_overrides(raw: Mapping, overrides: Sequence[str]) -> dict:
         key = _OVERRIDE_ALIASES.get(key.strip(), key.strip())
         if not sep or not key:
             raise ConfigError("override", f"{item!r} is not key=value (e.g. train.steps=20)")
-        if key in _SECTIONS:
+        if key in SECTIONS:
             raise ConfigError(key, f"is a section; override one of its keys ({key}.KEY=VALUE)")
         if key.startswith("mesh.rules.") and len(key) > len("mesh.rules."):
             try:  # one rule: mesh.rules.mlp=tensor, mesh.rules.batch=[data,fsdp], mesh.rules.kv=null
@@ -124,15 +124,15 @@ def apply_overrides(raw: Mapping, overrides: Sequence[str]) -> dict:
                 raise ConfigError("mesh.rules", f"{rules_!r} is not a mapping")
             mesh_["rules"] = {**rules_, key[len("mesh.rules.") :]: value}
             continue
-        tp = _field_type(key)
+        tp = field_type(key)
         if tp is None:
             head = key.partition(".")[0]
             shown = (
-                [f"{head}.{f.name}" for f in dataclasses.fields(_SECTIONS[head])]
-                if head in _SECTIONS
-                else [f"{k}.KEY" if k in _SECTIONS else k for k in typing.get_type_hints(Config)]
+                [f"{head}.{f.name}" for f in dataclasses.fields(SECTIONS[head])]
+                if head in SECTIONS
+                else [f"{k}.KEY" if k in SECTIONS else k for k in typing.get_type_hints(Config)]
             )
-            raise _unknown(key, _all_keys(), shown)
+            raise _unknown(key, all_keys(), shown)
         if key in NAME_LISTS and text.strip().startswith("["):  # lora.targets=[q_proj,v_proj]: a YAML list
             try:
                 value = yaml.safe_load(text)

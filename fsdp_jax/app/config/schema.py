@@ -276,32 +276,32 @@ class Config:
     # or hf:DIR (a Hugging Face model, docs/hf_models.md; its config.json sets model.*)
 
 
-_SECTIONS: dict[str, type] = {k: t for k, t in typing.get_type_hints(Config).items() if dataclasses.is_dataclass(t)}
+SECTIONS: dict[str, type] = {k: t for k, t in typing.get_type_hints(Config).items() if dataclasses.is_dataclass(t)}
 # dotted keys that take several names (`names` fields): a string or a YAML list of strings
 NAME_LISTS = frozenset(
-    f"{s}.{f.name}" for s, t in _SECTIONS.items() for f in dataclasses.fields(t) if f.metadata.get("names")
+    f"{s}.{f.name}" for s, t in SECTIONS.items() for f in dataclasses.fields(t) if f.metadata.get("names")
 )
 _FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 _INT_LIMIT = 2**31
 
 
-def _all_keys() -> list[str]:
+def all_keys() -> list[str]:
     keys = []
     for f in dataclasses.fields(Config):
-        sub = _SECTIONS.get(f.name)
+        sub = SECTIONS.get(f.name)
         keys += [f"{f.name}.{g.name}" for g in dataclasses.fields(sub)] if sub else [f.name]
     return keys
 
 
-def _field_type(dotted: str) -> Any:
+def field_type(dotted: str) -> Any:
     head, _, tail = dotted.partition(".")
     hints = typing.get_type_hints(Config)
-    if head in _SECTIONS and tail:
-        return typing.get_type_hints(_SECTIONS[head]).get(tail)
+    if head in SECTIONS and tail:
+        return typing.get_type_hints(SECTIONS[head]).get(tail)
     return None if tail else hints.get(head)
 
 
-def _coerce(key: str, value: Any, tp: Any) -> Any:
+def coerce(key: str, value: Any, tp: Any) -> Any:
     """Check `value` against the annotation `tp`; int -> float and '3e-3' -> 0.003 for floats."""
     args = typing.get_args(tp)
     if type(None) in args:
@@ -311,7 +311,7 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     if typing.get_origin(tp) is tuple:  # tuple[int, ...]: a YAML list
         if not isinstance(value, (list, tuple)):
             raise ConfigError(key, f"{value!r} is not a list")
-        return tuple(_coerce(f"{key}[{i}]", v, typing.get_args(tp)[0]) for i, v in enumerate(value))
+        return tuple(coerce(f"{key}[{i}]", v, typing.get_args(tp)[0]) for i, v in enumerate(value))
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -353,7 +353,7 @@ def _name(key: str, value: Any) -> str:
 
 def field_limits(cfg: Config):
     """(dotted key, value, limit kind or None, choices or None) of every section field."""
-    for section in _SECTIONS:
+    for section in SECTIONS:
         sub = getattr(cfg, section)
         for f in dataclasses.fields(sub):
             if section == "model":
@@ -362,18 +362,18 @@ def field_limits(cfg: Config):
                 kind, choices = f.metadata.get("limit"), f.metadata.get("choices")
             yield f"{section}.{f.name}", getattr(sub, f.name), kind, choices
     for f in dataclasses.fields(Config):
-        if f.name not in _SECTIONS:
+        if f.name not in SECTIONS:
             yield f.name, getattr(cfg, f.name), f.metadata.get("limit"), f.metadata.get("choices")
 
 
 def check_fields(cfg: Config) -> None:
     """Each field's type (again: catches a Config(...) built by hand), choices and limit:
     ConfigError naming the first that fails."""
-    for section in _SECTIONS:
+    for section in SECTIONS:
         sub = getattr(cfg, section)
         hints = typing.get_type_hints(type(sub))
         for f in dataclasses.fields(sub):
-            _coerce(f"{section}.{f.name}", getattr(sub, f.name), hints[f.name])
+            coerce(f"{section}.{f.name}", getattr(sub, f.name), hints[f.name])
     for key, v, kind, choices in field_limits(cfg):
         if choices is not None and v not in choices:
             raise ConfigError(key, f"{v!r} is invalid; allowed: {', '.join(choices)}")

@@ -6,9 +6,9 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from fsdp_jax.app.data import corpus as data_lib
 from fsdp_jax.app.data.packed_rows import make_packed_dataset, packed_eval_batches
-from fsdp_jax.app.data.windows import eval_batches, make_dataset
+from fsdp_jax.app.data.packing import batch_from_windows
+from fsdp_jax.app.data.windows import eval_batches, load_meta, make_dataset
 from fsdp_jax.errors import DataError
 from fsdp_jax.sharding.strategy import ShardingPlan
 
@@ -17,7 +17,7 @@ def make_batches(cfg, process_index: int, process_count: int):
     """(train iterator, val batches) for the corpus at data.path: packed fine-tuning rows
     (`fsdp_jax.app.data.sft`), or windows of a token corpus (`fsdp_jax.app.data.corpus`), as
     batch dicts with document masks when data.document_mask."""
-    c, meta = cfg.train, data_lib.load_meta(cfg.data.path)
+    c, meta = cfg.train, load_meta(cfg.data.path)
     n_val = c.eval_batches if c.eval_every else 0
     if meta.get("format") == "packed":
         batches = make_packed_dataset(
@@ -36,8 +36,6 @@ def make_batches(cfg, process_index: int, process_count: int):
         else []
     )
     if cfg.data.document_mask:
-        from fsdp_jax.app.data.packing import batch_from_windows
-
         eos = int(meta["eos_id"])
         batches.dataset = batches.dataset.map(lambda w: batch_from_windows(w, eos))
         val = [batch_from_windows(w, eos) for w in val]

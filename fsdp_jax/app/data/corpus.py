@@ -22,10 +22,11 @@ from pathlib import Path
 import numpy as np
 
 from fsdp_jax.app.data.tables import is_datasets_dir, is_tabular, source_size
+from fsdp_jax.app.data.tokenizer import encode_corpus, load_tokenizer, read_documents
 from fsdp_jax.app.data.windows import (
     load_meta,
 )
-from fsdp_jax.errors import DataError
+from fsdp_jax.errors import DataError, TokenizerError
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -39,7 +40,7 @@ def _atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _commit(out: Path, tmp_files: dict[str, Path], meta: dict) -> dict:
+def commit(out: Path, tmp_files: dict[str, Path], meta: dict) -> dict:
     """Replace the bins, then write meta.json; a crash in between leaves no meta.json,
     so the directory reads as missing rather than complete."""
     (out / "meta.json").unlink(missing_ok=True)
@@ -65,14 +66,14 @@ def dir_problem(path: str | os.PathLike) -> str | None:
     return None
 
 
-def _check_out(out_dir: str | os.PathLike) -> Path:
+def check_out(out_dir: str | os.PathLike) -> Path:
     problem = dir_problem(out_dir)
     if problem:
         raise DataError(f"output directory {str(out_dir)!r} {problem}")
     return Path(out_dir)
 
 
-def _collect(sources: Sequence[str | os.PathLike], pattern: str, exclude: Sequence[str]) -> list[Path]:
+def collect(sources: Sequence[str | os.PathLike], pattern: str, exclude: Sequence[str]) -> list[Path]:
     files: dict[Path, None] = {}
     for src in sources:
         p = Path(src)
@@ -113,7 +114,7 @@ def _write_corpus(
         raise DataError(f"val_fraction {val_fraction!r}: must be in (0, 1)")
     if not isinstance(seed, int) or seed < 0:
         raise DataError(f"seed {seed!r}: must be an integer >= 0")
-    _check_out(out_dir)
+    check_out(out_dir)
     total = sum(source_size(f) for f in files)
     if total == 0:
         raise DataError("empty corpus: no non-empty files found in the sources")
@@ -155,7 +156,7 @@ def _write_corpus(
             "train_files": len(train),
             "val_files": len(val),
         }
-        return _commit(out, tmp, meta)
+        return commit(out, tmp, meta)
     finally:
         for t in tmp.values():
             t.unlink(missing_ok=True)
@@ -172,8 +173,6 @@ def _file_bytes(f: Path, chunk: int = 1 << 22, text_key: str = "text") -> Iterat
             while block := fh.read(chunk):
                 yield block
         return
-    from fsdp_jax.app.data.tokenizer import read_documents
-    from fsdp_jax.errors import TokenizerError
 
     try:
         parts, size = [], 0
@@ -215,7 +214,7 @@ def prepare_text(
     (each line of a .jsonl file) is a document, `encode(doc) + [eos]`, and `tokenize`
     takes `eos` (token name), `threads` and `progress`.
     """
-    files = _collect(sources, pattern, exclude)
+    files = collect(sources, pattern, exclude)
     extra = {"sources": [str(s) for s in sources], "pattern": pattern}
     if tokenizer != "bytes":
         return _write_tokenized(files, out_dir, val_fraction, seed, tokenizer, extra, text_key=text_key, **tokenize)
@@ -237,8 +236,6 @@ def _write_tokenized(
     """As `_write_corpus`, with a real tokenizer: every document becomes
     `encode(doc) + [eos]`; the split is the same (whole files; one file: its last
     val_fraction of tokens). Token dtype from the tokenizer's vocab size."""
-    from fsdp_jax.app.data.tokenizer import encode_corpus, load_tokenizer
-    from fsdp_jax.errors import TokenizerError
 
     if not 0 < val_fraction < 1:
         raise DataError(f"val_fraction {val_fraction!r}: must be in (0, 1)")
@@ -295,7 +292,7 @@ def _write_tokenized(
             "train_files": len(train),
             "val_files": len(val),
         }
-        return _commit(out, tmp, meta)
+        return commit(out, tmp, meta)
     finally:
         for t in tmp.values():
             t.unlink(missing_ok=True)
@@ -352,7 +349,7 @@ def prepare_bin(
     dt = token_dtype(vocab_size) if dtype is None else np.dtype(dtype)
     if vocab_size > np.iinfo(dt).max + 1:
         raise DataError(f"vocab_size {vocab_size} does not fit dtype {dt.name}; use uint32")
-    out = _check_out(out_dir)
+    out = check_out(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tmp, counts, tops = {}, {}, []
     try:
@@ -390,7 +387,7 @@ def prepare_bin(
             "val_tokens": counts["val.bin"],
             "sources": [str(train_bin), str(val_bin)],
         }
-        return _commit(out, tmp, meta)
+        return commit(out, tmp, meta)
     finally:
         for t in tmp.values():
             t.unlink(missing_ok=True)

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fsdp_jax import errors
 from fsdp_jax.app.data import encode_worker
 from fsdp_jax.app.data.encode_worker import EncoderSpec
 from fsdp_jax.app.data.examples import Example, ExampleEncoder
@@ -208,7 +209,6 @@ def _error(reply: dict) -> Exception:
     """A worker's error (`encode_worker.error_reply`) as the class the serial run raises:
     the project's errors (`fsdp_jax.errors`) and Python's built-in exceptions by name, made
     from the same arguments; anything else a RuntimeError naming it."""
-    from fsdp_jax import errors
 
     name, message = reply["error"], reply["message"]
     cls = getattr(errors, name, None) or getattr(builtins, name, None)

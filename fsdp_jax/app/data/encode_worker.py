@@ -28,6 +28,9 @@ from typing import TYPE_CHECKING, BinaryIO
 
 import numpy as np
 
+from fsdp_jax.app.data.examples import ExampleEncoder
+from fsdp_jax.app.data.tokenizer import load_tokenizer
+
 if TYPE_CHECKING:
     from fsdp_jax.app.data.examples import ExampleEncoder
 
@@ -52,8 +55,6 @@ class EncoderSpec:
     threads: int | None = None
 
     def build(self) -> ExampleEncoder:
-        from fsdp_jax.app.data.examples import ExampleEncoder
-        from fsdp_jax.app.data.tokenizer import load_tokenizer
 
         tok = None if self.tokenizer == "bytes" else load_tokenizer(self.tokenizer, self.eos)
         return ExampleEncoder(tok, self.chat_template, self.specials, self.train_on)

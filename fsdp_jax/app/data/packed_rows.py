@@ -16,9 +16,8 @@ from pathlib import Path
 import grain
 import numpy as np
 
-from fsdp_jax.app.data import corpus as data_lib
 from fsdp_jax.app.data.packing import batch_from_rows
-from fsdp_jax.app.data.windows import _NEVER_ENDS, BatchIterator, _rows, seg_dtype_of
+from fsdp_jax.app.data.windows import NEVER_ENDS, BatchIterator, load_meta, process_rows, seg_dtype_of
 from fsdp_jax.errors import DataError
 
 _STREAM = {"train": 3, "val": 4}
@@ -28,10 +27,10 @@ class PackedRows:
     """Read-only memmaps of one split's rows; pickles by path (for grain workers)."""
 
     def __init__(self, data_dir: str | os.PathLike, split: str):
-        meta = data_lib.load_meta(data_dir)
+        meta = load_meta(data_dir)
         if meta.get("format") != "packed":
             raise DataError(
-                f"{str(data_dir)!r}: not a packed corpus (prepare it with scripts/prepare_data.py --pack ROW_LEN)"
+                f"{str(data_dir)!r}: not a packed corpus (prepare it with scripts/prepare.py --pack ROW_LEN)"
             )
         self.data_dir, self.split, self.row_len = str(data_dir), split, meta["row_len"]
         d = Path(data_dir)
@@ -88,9 +87,9 @@ def make_packed_dataset(
         rows=rows,
         global_batch=global_batch,
         seed=seed,
-        mine=_rows(global_batch, process_index, process_count),
+        mine=process_rows(global_batch, process_index, process_count),
     )
-    return BatchIterator(grain.MapDataset.range(_NEVER_ENDS).map(fn))
+    return BatchIterator(grain.MapDataset.range(NEVER_ENDS).map(fn))
 
 
 def packed_eval_batches(
@@ -100,7 +99,7 @@ def packed_eval_batches(
     batch; the last batch is filled with rows of zero weight. Summing loss and trained
     tokens over them gives the example-level val loss of the held-out examples."""
     rows = PackedRows(data_dir, "val")
-    mine = _rows(batch, process_index, process_count)
+    mine = process_rows(batch, process_index, process_count)
     n = min(len(rows), n_batches * batch)
     out = []
     for start in range(0, n, batch):

@@ -35,17 +35,17 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
-from fsdp_jax.app.data import corpus as data_lib
-from fsdp_jax.app.data.corpus import _commit, token_dtype
+from fsdp_jax.app.data.corpus import check_out, collect, commit, token_dtype
 from fsdp_jax.app.data.encode_pool import encode_batches
 from fsdp_jax.app.data.encode_worker import EncoderSpec
 from fsdp_jax.app.data.examples import ExampleEncoder, find_chat_template, read_records, special_tokens
 from fsdp_jax.app.data.packed_splits import PackedSplits
 from fsdp_jax.app.data.packing import MAX_ROW_LEN, PackStats, seg_dtype
 from fsdp_jax.app.data.tables import KeyMap, source_size
-from fsdp_jax.app.data.tokenizer import encode_long, is_long, text_chunks
-from fsdp_jax.errors import DataError, ExampleError
+from fsdp_jax.app.data.tokenizer import encode_long, is_long, load_tokenizer, text_chunks
+from fsdp_jax.errors import DataError, ExampleError, TokenizerError
 
 BATCH_BYTES = 1 << 20  # text per encode call (its Python token lists dominate memory)
 PACK_TOKENS = 1 << 21  # tokens buffered before a pack (and at least 256 rows' worth)
@@ -102,8 +102,6 @@ def _check_options(val_fraction, row_len, threads, workers, overflow) -> None:
 def _encoder(tokenizer: str, eos, chat_template, train_on: str, threads):
     """(tokenizer or None for bytes, the workers' EncoderSpec, this process's ExampleEncoder),
     checked here and now; DataError on a bad tokenizer or template."""
-    from fsdp_jax.app.data.tokenizer import load_tokenizer
-    from fsdp_jax.errors import TokenizerError
 
     try:
         tok = None if tokenizer == "bytes" else load_tokenizer(tokenizer, eos)
@@ -146,7 +144,6 @@ def _text_batches(files, bar, keys: KeyMap = KeyMap()):
 
 def _progress_bar(files, progress: bool):
     """A tqdm bar over the sources' bytes (disabled unless `progress`)."""
-    from tqdm import tqdm
 
     return tqdm(
         total=sum(source_size(f) for f in files),
@@ -262,11 +259,10 @@ def prepare_examples(
     (`fsdp_jax.app.data.tables.KeyMap`) names the keys (columns) holding messages, text, prompt
     and completion. Raises
     DataError (one line naming file and line) on bad input, before anything is in place."""
-    from fsdp_jax.errors import TokenizerError
 
     _check_options(val_fraction, row_len, threads, workers, overflow)
-    out = data_lib._check_out(out_dir)
-    files = data_lib._collect(sources, pattern, exclude)
+    out = check_out(out_dir)
+    files = collect(sources, pattern, exclude)
     if not files:
         raise DataError("empty corpus: no non-empty files found in the sources")
     tok, spec, enc = _encoder(tokenizer, eos, chat_template, train_on, threads)
@@ -300,7 +296,7 @@ def prepare_examples(
         )
         if not keys.identity:
             meta["keys"] = dataclasses.asdict(keys)
-        return _commit(out, _with_template(out, splits.tmp_files(), meta, spec.chat_template), meta)
+        return commit(out, _with_template(out, splits.tmp_files(), meta, spec.chat_template), meta)
     except (ExampleError, TokenizerError) as e:
         raise DataError(str(e)) from None
     finally:

@@ -24,7 +24,8 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from fsdp_jax.errors import DataError
+from fsdp_jax.app.extras import require
+from fsdp_jax.errors import DataError, ExampleError
 
 BATCH_ROWS = 1024  # rows per parquet batch read
 
@@ -65,7 +66,6 @@ def table_size(p: Path) -> int:
 
 
 def _pyarrow():
-    from fsdp_jax.app.extras import require
 
     return require("pyarrow", "reading .parquet files and datasets directories")
 
@@ -114,8 +114,6 @@ class KeyMap:
             return rec
         out = {k: rec[src] for k, src in dataclasses.asdict(self).items() if src in rec}
         if not out:
-            from fsdp_jax.errors import ExampleError
-
             looked = ", ".join(f'"{v}"' for v in dict.fromkeys(dataclasses.asdict(self).values()))
             raise ExampleError(f"{where}: none of the keys {looked} (--messages-key, --text-key, ...) is in it")
         return out

@@ -4,7 +4,7 @@
 An id outside the vocabulary would otherwise show up only as a NaN loss (the embedding
 lookup fills it) batch by batch, after `config.yaml` is written and the step compiled.
 The corpus's largest id comes from its `meta.json` (`max_token_id`, recorded when
-scripts/prepare_data.py writes the corpus); a corpus prepared before that key existed is
+scripts/prepare.py writes the corpus); a corpus prepared before that key existed is
 scanned once (memory-mapped, in chunks; a tqdm bar when it is large).
 """
 
@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from fsdp_jax.app.data.windows import SPLITS, load_meta
 from fsdp_jax.errors import DataError
@@ -32,8 +33,6 @@ def scan_max_token_id(data_dir: str | os.PathLike, dtype, progress: bool = False
     total = sum(len(t) for t in files.values())
     bar = None
     if progress and total >= BAR_FROM:
-        from tqdm import tqdm
-
         bar = tqdm(total=total, unit="tok", unit_scale=True, desc=f"checking token ids in {d}")
     best, where = -1, SPLITS[0]
     try:

@@ -25,7 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tqdm import tqdm
 
+from fsdp_jax.app.data.tables import is_table, is_tabular, source_size, table_rows
 from fsdp_jax.errors import (
     TokenizerError,
     one_line,
@@ -164,7 +166,6 @@ def load_tokenizer(path: str | os.PathLike, eos: str | None = None, require_eos:
 
 def is_long(file: Path) -> bool:
     """A text file (not .jsonl, not a table) over LONG_BYTES: read and encoded as a stream, never whole."""
-    from fsdp_jax.app.data.tables import is_tabular
 
     return not is_tabular(file) and file.stat().st_size > LONG_BYTES
 
@@ -268,7 +269,6 @@ def read_documents(file: Path, text_key: str = "text") -> Iterator[str]:
     ({"text": ...}, or the key `text_key`), read as a stream, and a table (a .parquet file,
     a `datasets` directory: `fsdp_jax.app.data.tables`) one per row. Bytes that are not UTF-8 are
     replaced (U+FFFD)."""
-    from fsdp_jax.app.data.tables import is_table, table_rows
 
     if is_table(file):
         for n, row in table_rows(file):
@@ -310,9 +310,6 @@ def encode_corpus(
 ) -> tuple[int, int]:
     """Encode `files` in order, calling `write(ids)` with `encode(doc) + [eos]` per
     batch of documents (`read_documents(file, text_key)`); returns (documents, tokens)."""
-    from tqdm import tqdm
-
-    from fsdp_jax.app.data.tables import source_size
 
     bar = tqdm(
         total=sum(source_size(f) for f in files),

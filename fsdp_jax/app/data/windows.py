@@ -23,7 +23,7 @@ from fsdp_jax.errors import DataError
 
 SPLITS = ("train", "val")
 _STREAM = {"train": 0, "val": 1, "eval": 2}  # keeps the splits' random offsets independent
-_NEVER_ENDS = 2**62  # grain needs a length; steps never reach it
+NEVER_ENDS = 2**62  # grain needs a length; steps never reach it
 
 
 def load_meta(data_dir: str | os.PathLike) -> dict:
@@ -41,7 +41,7 @@ def load_meta(data_dir: str | os.PathLike) -> dict:
                 expect[f"{s}.mask.bin"] = (meta[f"{s}_tokens"], np.dtype(np.uint8))
                 expect[f"{s}.seg.bin"] = (meta[f"{s}_tokens"], seg)
     except FileNotFoundError:
-        raise DataError(f"{str(d)!r}: meta.json not found; prepare it with scripts/prepare_data.py --out {d}") from None
+        raise DataError(f"{str(d)!r}: meta.json not found; prepare it with scripts/prepare.py --out {d}") from None
     except (ValueError, KeyError, TypeError) as e:
         raise DataError(f"{str(d / 'meta.json')!r}: invalid ({e})") from None
     for name, (n, t) in expect.items():
@@ -98,7 +98,7 @@ def _starts(n_tokens: int, length: int, count: int, *entropy: int) -> np.ndarray
     return np.random.default_rng(list(entropy)).integers(0, n_tokens - length + 1, size=count)
 
 
-def _rows(global_batch: int, process_index: int, process_count: int) -> slice:
+def process_rows(global_batch: int, process_index: int, process_count: int) -> slice:
     if process_count < 1 or not 0 <= process_index < process_count:
         raise DataError(f"process_index {process_index} / process_count {process_count}: invalid")
     if global_batch % process_count:
@@ -158,7 +158,7 @@ def make_dataset(
     """Random windows from `split`: an iterator of int32 (global_batch // process_count,
     seq_len + 1), this process's rows of the global batch of each step."""
     tokens = TokenFile.open(data_dir, split)
-    rows = _rows(global_batch, process_index, process_count)
+    rows = process_rows(global_batch, process_index, process_count)
     _starts(len(tokens), seq_len + 1, 0)  # fail now, not at the first batch
     fn = functools.partial(
         _batch_at,
@@ -169,7 +169,7 @@ def make_dataset(
         stream=_STREAM[split],
         rows=rows,
     )
-    return BatchIterator(grain.MapDataset.range(_NEVER_ENDS).map(fn))
+    return BatchIterator(grain.MapDataset.range(NEVER_ENDS).map(fn))
 
 
 def eval_batches(
@@ -184,6 +184,6 @@ def eval_batches(
     """A fixed, deterministic set of `n_batches` val batches, each int32
     (batch // process_count, seq_len + 1) (this process's rows)."""
     tokens = TokenFile.open(data_dir, "val")
-    rows = _rows(batch, process_index, process_count)
+    rows = process_rows(batch, process_index, process_count)
     starts = _starts(len(tokens), seq_len + 1, n_batches * batch, seed, _STREAM["eval"])
     return [tokens.windows(s[rows], seq_len + 1) for s in starts.reshape(n_batches, batch)]

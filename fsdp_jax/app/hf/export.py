@@ -30,13 +30,16 @@ from pathlib import Path
 
 import numpy as np
 
+from fsdp_jax.app.config.parse import config_from_dict
 from fsdp_jax.app.hf import load as hf
 from fsdp_jax.app.hf import moe_layout
 from fsdp_jax.app.hf.config_out import config_json
 from fsdp_jax.app.models.config import DecoderConfig
+from fsdp_jax.app.models.decoder import Decoder
 from fsdp_jax.checkpoint import Checkpointer, CheckpointError, shape_mismatches, tree_paths
 from fsdp_jax.checkpoint.safetensors_io import check_file, write_safetensors
 from fsdp_jax.errors import ConfigError
+from fsdp_jax.model.fns import from_nnx
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -81,9 +84,6 @@ def saved_source(directory, step: int | None):
 
 def _saved_config(ckpt: Checkpointer, step: int):
     import orbax.checkpoint as ocp
-
-    from fsdp_jax.app.config.parse import config_from_dict
-    from fsdp_jax.errors import ConfigError
 
     try:
         extras = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(
@@ -145,8 +145,6 @@ def _shard_files(entries: list, max_shard_bytes: int) -> tuple[list[list], list[
 
 def _decoder_params(cfg: DecoderConfig):
     """The reference decoder's abstract params for `cfg` (shapes and dtypes, nothing allocated)."""
-    from fsdp_jax.app.models.decoder import Decoder
-    from fsdp_jax.model.fns import from_nnx
 
     return from_nnx(lambda rngs: Decoder(cfg, rngs=rngs)).abstract_params
 

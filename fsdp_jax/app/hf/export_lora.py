@@ -20,8 +20,10 @@ from fsdp_jax.app.hf import load as hf
 from fsdp_jax.app.hf import moe_layout, peft
 from fsdp_jax.app.hf.export import check_out_dir, saved_source, write_hf_dir
 from fsdp_jax.app.models import lora as lora_lib
+from fsdp_jax.app.models.decoder import Decoder
 from fsdp_jax.app.models.qlora import as_trained
 from fsdp_jax.checkpoint import CheckpointError, tree_paths
+from fsdp_jax.model.fns import from_nnx
 
 
 def _lora_source(directory, step, flag: str):
@@ -97,7 +99,5 @@ def export_merged(
 
 
 def _abstract(cfg):
-    from fsdp_jax.app.models.decoder import Decoder
-    from fsdp_jax.model.fns import from_nnx
 
     return from_nnx(lambda rngs: Decoder(cfg, rngs=rngs)).abstract_params

@@ -27,7 +27,7 @@ def softcap(x, cap: float):
     return x if not cap else jnp.tanh(x / cap) * cap
 
 
-def _attend_capped(q, k, v, scale, cap, mask):
+def attend_capped(q, k, v, scale, cap, mask):
     """Grouped-query attention with soft-capped scores (softmax in float32)."""
     b, s, h, dh = q.shape
     kvh = k.shape[2]

@@ -32,7 +32,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from fsdp_jax.app.models import families, stack
 from fsdp_jax.app.models import lora as lora_lib
-from fsdp_jax.app.models.attention import _attend_capped, attention, rope, segment_mask, softcap
+from fsdp_jax.app.models.attention import attend_capped, attention, rope, segment_mask, softcap
 from fsdp_jax.app.models.config import DecoderConfig
 from fsdp_jax.app.models.moe import MoE, moe_active_params, moe_params, zero_stats
 from fsdp_jax.app.models.parts import DEFAULT_PARTS, BlockParts
@@ -178,7 +178,7 @@ class Attention(nnx.Module):
                 mask = mask & (inside if local is None else (inside | ~local))
             mask = mask[None, None] if segment_ids is None else mask[None, None] & segment_mask(segment_ids)
             if cfg.attn_softcap:
-                o = _attend_capped(q, k, v, scale, cfg.attn_softcap, mask)
+                o = attend_capped(q, k, v, scale, cfg.attn_softcap, mask)
             else:
                 o = jax.nn.dot_product_attention(
                     q, k, v, mask=mask, scale=scale, implementation=None if self.impl == "xla" else self.impl

@@ -35,6 +35,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+from jax._src import config as jax_config
 
 from fsdp_jax.errors import ConfigError
 
@@ -154,7 +155,6 @@ def _unchecked():
     check_vma=False)` sets."""
     if lowering_platform() != "tpu":
         return contextlib.nullcontext()
-    from jax._src import config as jax_config
 
     return jax_config._check_vma(False)
 

@@ -25,7 +25,11 @@ from typing import Any
 import jax
 import numpy as np
 
+from fsdp_jax.app.data.packing import batch_from_rows
+from fsdp_jax.app.trainer.build import build_from_config, lora_optimizer, lora_spec, trainer_model
+from fsdp_jax.app.trainer.optim import build_optimizer
 from fsdp_jax.errors import PlanError, one_line
+from fsdp_jax.sharding.mesh import make_mesh, resolve_mesh_shape
 from fsdp_jax.sharding.strategy import get_strategy
 
 
@@ -36,7 +40,6 @@ def mesh_shape(cfg, strategy: str, n_devices: int) -> tuple[int, int, int]:
     data=1, hybrid_shard plans what the trainer would run (the fsdp axis over every
     device, like full_shard); set mesh.data > 1 to plan replicas over data.
     `strategy` is accepted for callers that pick a mesh per strategy."""
-    from fsdp_jax.sharding.mesh import resolve_mesh_shape
 
     del strategy
     data, fsdp, _, tensor = resolve_mesh_shape(
@@ -97,7 +100,6 @@ def sample_batch(cfg, batch, rng: np.random.Generator):
     random tokens; a packed batch holds two examples per row, every target trained."""
     if not isinstance(batch, dict):
         return rng.integers(0, cfg.model.vocab_size, batch.shape, dtype=np.int32)
-    from fsdp_jax.app.data.packing import batch_from_rows
 
     shape = batch["inputs"].shape
     tokens = rng.integers(0, cfg.model.vocab_size, shape, dtype=np.int32)
@@ -155,9 +157,6 @@ def build_step(
     check is not enforced here (the planner reports it instead). `step_options` go to
     `make_train_step` on top of the trainer's (e.g. skip_nonfinite=False, to measure
     what the guard costs)."""
-    from fsdp_jax.app.trainer.build import build_from_config, lora_optimizer, lora_spec, trainer_model
-    from fsdp_jax.app.trainer.optim import build_optimizer
-    from fsdp_jax.sharding.mesh import make_mesh
 
     strategy = get_strategy(strategy or cfg.mesh.strategy).name
     devices = list(jax.devices() if devices is None else devices)

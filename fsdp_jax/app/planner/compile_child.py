@@ -1,7 +1,7 @@
 """Many strategies on any number of devices (`run_strategies`): in this process when it
 has the devices, otherwise in a child process with N fake CPU devices, or compile-only
 devices of a GPU / TPU target. The child is `python -m fsdp_jax.app.planner.estimate`
-(its entry point, `_child_main`, is here); it reads the request as JSON on stdin and
+(its entry point, `child_main`, is here); it reads the request as JSON on stdin and
 prints the results as JSON, and its stderr (XLA's own log lines included) is cut per
 strategy to find involuntary rematerializations."""
 
@@ -19,12 +19,17 @@ from typing import Any
 
 import jax
 
+from fsdp_jax.app.config.parse import config_from_dict, config_to_dict
 from fsdp_jax.app.devices import use_cpu_devices
+from fsdp_jax.app.exits import BAD_INPUT, fail
 from fsdp_jax.app.planner.abstract_step import target_mesh_sizes
 from fsdp_jax.app.planner.one_strategy import plan_strategy
-from fsdp_jax.errors import OffloadError, PlanError
+from fsdp_jax.errors import OffloadError, PlanError, TargetError
 from fsdp_jax.hlo.findings import involuntary_rematerializations, rematerialization_warning
+from fsdp_jax.targets.gpu import Target, child_env, target_devices
 from fsdp_jax.targets.plugins import INSTALL_HINT
+from fsdp_jax.targets.xla_flags import UNKNOWN_FLAG, unknown_flag
+from fsdp_jax.verify.run import devices_for
 
 
 def run_strategies(
@@ -41,8 +46,7 @@ def run_strategies(
     """`plan_strategy` for each strategy on `n_devices`: in this process when it has
     that many devices, otherwise in a child process with `n_devices` fake CPU devices.
     With `target` (a `fsdp_jax.targets.gpu.Target`), always in a child process that
-    compiles for that GPU target (the CUDA plugin on its path only: `targets.child_env`)."""
-    from fsdp_jax.verify.run import devices_for
+    compiles for that GPU target (the CUDA plugin on its path only: `child_env`)."""
 
     devices = None if target is not None else devices_for(n_devices)
     if devices is not None:
@@ -58,7 +62,6 @@ def run_strategies(
             )
             for s in strategies
         }
-    from fsdp_jax.app.config.parse import config_to_dict
 
     request = {
         "config": config_to_dict(cfg),
@@ -72,7 +75,6 @@ def run_strategies(
     proc, where = _run_child(request, n_devices, target)
     if proc.returncode == 2:
         raise PlanError(proc.stderr.strip().splitlines()[-1].removeprefix("error: "))
-    from fsdp_jax.targets.xla_flags import UNKNOWN_FLAG, unknown_flag
 
     unknown = unknown_flag(proc.stderr)
     if unknown:  # XLA aborts the child on a flag this jaxlib does not know: the user's input
@@ -96,11 +98,9 @@ def _run_child(request: dict[str, Any], n_devices: int, target) -> tuple[subproc
     )
     with scratch_dir as scratch:
         if target is not None:
-            from fsdp_jax.targets import gpu as targets
-
             # raises PluginMissing (a TargetError) naming the install step; the strategies
             # compiled in the child reuse each other's GPU kernels (a cache of its own)
-            env = targets.child_env(env, kernel_cache=Path(scratch) / "xla_gpu_kernels.bin", target=target)
+            env = child_env(env, kernel_cache=Path(scratch) / "xla_gpu_kernels.bin", target=target)
             request["target"] = target.as_dict()
             where = target.describe()
         proc = subprocess.run(
@@ -139,7 +139,7 @@ def _logs_by_strategy(stderr: str) -> dict[str, str]:
     return {k: "\n".join(v) for k, v in out.items()}
 
 
-def _child_main() -> int:
+def child_main() -> int:
     """`python -m fsdp_jax.app.planner.estimate` < request.json: compile on N fake CPU devices
     (or, with "target", on compile-only GPU devices), print the results as JSON. Set
     up before JAX initialises its backends."""
@@ -147,10 +147,6 @@ def _child_main() -> int:
     target = req.get("target")
     if target is None:
         use_cpu_devices(int(req["devices"]))
-    from fsdp_jax.app.config.parse import config_from_dict
-    from fsdp_jax.app.exits import BAD_INPUT, fail
-    from fsdp_jax.errors import TargetError
-    from fsdp_jax.targets import gpu as targets
 
     try:
         cfg = config_from_dict(req["config"])
@@ -158,10 +154,8 @@ def _child_main() -> int:
         if target is None:
             devices = jax.devices()[: req["devices"]]
         else:
-            from fsdp_jax.targets import gpu as targets
-
-            t = targets.Target(**target)
-            devices = targets.target_devices(t)
+            t = Target(**target)
+            devices = target_devices(t)
             sizes = {s: target_mesh_sizes(cfg, s, len(devices), t.hosts) for s in req["strategies"]}
         out = {}
         for s in req["strategies"]:

@@ -44,15 +44,22 @@ from typing import Any
 
 import numpy as np
 
+from fsdp_jax.app.host_memory import HOST_MEMORY_ENV, fmt_size
+from fsdp_jax.app.models.decoder import count_params
 from fsdp_jax.app.planner.compile_child import (
-    _child_main,
+    child_main,
     run_strategies,
 )
 from fsdp_jax.app.planner.inputs import CLASSIC_NAMES, check_inputs, parse_strategies
 from fsdp_jax.app.planner.memory_model import DEVICES_PER_HOST, analytic_vs_compiled
 from fsdp_jax.app.planner.report import fmt_bytes
+from fsdp_jax.app.planner.search_prediction import analytic_communication
+from fsdp_jax.app.planner.step_time import predict, predict_roofline
+from fsdp_jax.app.trainer.build import trainer_model
 from fsdp_jax.hlo.memory import tree_bytes
 from fsdp_jax.sharding.precision import Policy
+from fsdp_jax.targets.gpu import device_memory as target_memory
+from fsdp_jax.train.build import with_param_dtype
 
 
 def plan_config(
@@ -77,14 +84,11 @@ def plan_config(
     `host_memory` (bytes per host, where the figure comes from): with an offload, each
     strategy's `fits_host` (its offloaded state per host within it; `fits` False when not)
     and a note naming the strategies over it."""
-    from fsdp_jax.app.models.decoder import count_params
 
     t0 = time.perf_counter()
     names = parse_strategies(strategies)
     check_inputs(cfg, n_devices, names)
     if target is not None and device_memory is None:
-        from fsdp_jax.targets.gpu import device_memory as target_memory
-
         device_memory = target_memory(target.name)
     results = run_strategies(cfg, n_devices, names, target=target)
     n_params = count_params(cfg.model)
@@ -160,7 +164,6 @@ def _notes(
 def _host_notes(cfg, results: dict[str, dict], host_memory: tuple[int, str] | None) -> list[str]:
     """With an offload: each strategy's `fits_host` against `host_memory` (None: not
     checked), `fits` turned False where the offloaded state is over it; the note saying so."""
-    from fsdp_jax.app.host_memory import HOST_MEMORY_ENV, fmt_size
 
     if cfg.offload == "none":
         return []
@@ -223,26 +226,22 @@ def format_offload_table(docs: dict[str, dict[str, Any]]) -> str:
 
 def _abstract_params(cfg):
     """The master params as the trainer stores them (in the precision's param dtype)."""
-    from fsdp_jax.app.trainer.build import trainer_model
-    from fsdp_jax.train.build import with_param_dtype
 
     model = trainer_model(cfg.model)
     return with_param_dtype(model, Policy.parse(cfg.precision).param_dtype).abstract_params
 
 
 if __name__ == "__main__":
-    sys.exit(_child_main())
+    sys.exit(child_main())
 
 
 def _prediction(cfg, target, n_devices: int, strategy: str, r: dict[str, Any]) -> dict[str, Any] | None:
     """The predicted step of one strategy's result: op by op from its compiled program; for a
     program the compiler refused (no program to walk) the roofline over the analytic traffic,
     its `basis` saying so (the plan is marked as not fitting)."""
-    from fsdp_jax.app.planner.step_time import predict, predict_roofline
 
     if not r.get("refused"):
         return predict(cfg, target.table, n_devices, r)
-    from fsdp_jax.app.planner.search_prediction import analytic_communication
 
     m = r["mesh"]
     comm = analytic_communication(cfg, strategy, (m["data"], m["fsdp"], m["tensor"]), target.hosts)

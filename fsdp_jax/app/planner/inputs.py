@@ -13,12 +13,17 @@ these names.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
+from fsdp_jax.app.config.checks import validate
 from fsdp_jax.app.devices import use_cpu_devices
 from fsdp_jax.app.host_memory import parse_size
+from fsdp_jax.app.trainer.setup import load_run_config
 from fsdp_jax.errors import PlanError
 from fsdp_jax.sharding.strategy import get_strategy
+from fsdp_jax.targets.gpu import make_target
+from fsdp_jax.targets.tpu_flags import flag_set
 
 # The classic table's order: DDP, ZeRO-1, ZeRO-2, ZeRO-3, then HSDP.
 STRATEGY_ORDER = ("no_shard", "shard_opt", "shard_grad_op", "full_shard", "hybrid_shard")
@@ -75,7 +80,6 @@ def parse_devices(text: str | int, what: str = "--devices") -> int:
 def resolve_target(args):
     """(device count, Target or None) from the target flags (`fsdp_jax.app.cli.args.add_target`); PlanError /
     TargetError naming the flag."""
-    from fsdp_jax.targets.gpu import make_target
 
     for flag in ("hosts", "slices", "topology", "tpu_flags"):
         if getattr(args, flag, None) is not None and args.target is None:
@@ -99,9 +103,6 @@ def resolve_target(args):
 
 def _with_tpu_flags(target, name: str):
     """`target` compiling with libtpu flag set `name`; PlanError naming --tpu-flags."""
-    import dataclasses
-
-    from fsdp_jax.targets.tpu_flags import flag_set
 
     if target.platform != "tpu":
         raise PlanError(f"--tpu-flags: {name!r} needs a TPU --target, not {target.name}")
@@ -113,7 +114,6 @@ def _with_tpu_flags(target, name: str):
 
 def check_inputs(cfg, n_devices: int, strategies: Sequence[str]) -> None:
     """Device count, mesh and batch divisibility for every strategy, before compiling."""
-    from fsdp_jax.app.config.checks import validate
 
     if not isinstance(n_devices, int) or isinstance(n_devices, bool) or n_devices < 1:
         raise PlanError(f"--devices: {n_devices!r} must be a positive integer")
@@ -129,7 +129,6 @@ def load_planning_config(path, overrides: Sequence[str], n_devices: int):
     """The planning scripts' start-up: the config at `path` with dotted key=value
     `overrides` (its errors, `fsdp_jax.app.exits.BAD_INPUT`, propagate before JAX is
     touched), then `use_cpu_devices(n_devices)`. Returns the config."""
-    from fsdp_jax.app.trainer.setup import load_run_config
 
     cfg = load_run_config(path, overrides)
     use_cpu_devices(n_devices)

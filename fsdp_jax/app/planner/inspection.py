@@ -15,6 +15,7 @@ from fsdp_jax.hlo.findings import schedule_warnings
 from fsdp_jax.hlo.memory import collective_report, compiled_memory
 from fsdp_jax.hlo.schedule import collective_schedule
 from fsdp_jax.sharding import axes as ax
+from fsdp_jax.targets.gpu import dcn_groups
 
 
 def inspect_compiled(
@@ -45,7 +46,6 @@ def inspect_compiled(
         # in whatever dtype the program moves them (f32 on CPU even under bf16 compute)
         layer_gather = compute_copy_bytes(abstract, plan, logical_axes, "float32")["unstacked"]
     platform = plan.mesh.devices.flat[0].platform
-    from fsdp_jax.targets.gpu import dcn_groups
 
     hosts = dcn_groups(list(plan.mesh.devices.flat))  # partition id -> host (GPU) or slice (TPU)
     schedule = collective_schedule(compiled.as_text(), hosts)

@@ -61,6 +61,7 @@ import dataclasses
 import jax
 import numpy as np
 
+from fsdp_jax.app.models.lora import is_adapter, spec_from_config
 from fsdp_jax.app.planner import moe_memory as moe
 from fsdp_jax.app.planner.abstract_step import StepBuild
 from fsdp_jax.app.planner.context_memory import context_attention_bytes
@@ -69,6 +70,7 @@ from fsdp_jax.attention import Q_CHUNK
 from fsdp_jax.hlo.memory import shard_bytes, tree_bytes_per_device
 from fsdp_jax.sharding import axes as ax
 from fsdp_jax.sharding import rules as rl
+from fsdp_jax.sharding.offload import get_offload, transfer_bytes
 from fsdp_jax.sharding.precision import Policy
 from fsdp_jax.sharding.remat import device_policies
 
@@ -201,7 +203,6 @@ def analytic_memory(build: StepBuild) -> dict[str, int]:
 
 def _trainable(build: StepBuild) -> list[bool]:
     """One bool per param leaf: does the step train it (LoRA: the adapters only)."""
-    from fsdp_jax.app.models.lora import is_adapter, spec_from_config
 
     paths = jax.tree_util.tree_flatten_with_path(build.state.params)[0]
     lora = spec_from_config(build.cfg.lora) is not None
@@ -246,7 +247,6 @@ def offload_memory(build: StepBuild, analytic: dict[str, int], offload: str | No
     (params offloaded) two layers of the stacked leaves' compute copy: the model's layer
     loop fetches them one layer at a time (`fsdp_jax.train.layer_gather`).
     `offload`: the setting to split for (default: the build's own)."""
-    from fsdp_jax.sharding.offload import get_offload
 
     off = get_offload(build.plan.offload if offload is None else offload)
     st = build.state
@@ -280,7 +280,6 @@ def offload_memory(build: StepBuild, analytic: dict[str, int], offload: str | No
             )
             compute_copy -= stacked_copy - 2 * stacked_copy // stacked[0].shape[0]
     update = int(largest * ((1 if off.params else 0) + (opt / params if off.opt_state and params else 0)))
-    from fsdp_jax.sharding.offload import transfer_bytes
 
     moved = transfer_bytes(st, off, layered)
     return {

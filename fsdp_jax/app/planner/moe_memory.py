@@ -41,6 +41,7 @@ from __future__ import annotations
 import math
 
 from fsdp_jax.app.models.moe import capacity
+from fsdp_jax.app.models.stack import sparse_layers
 from fsdp_jax.app.planner.residuals import GATE_UP, rematerialised
 from fsdp_jax.sharding.remat import Residual
 
@@ -111,7 +112,6 @@ def ragged_dense_per_token(model_cfg, c: int, expert_shards: int, exchange: int 
 
 def n_sparse(model_cfg) -> int:
     """How many layers are sparse (transformers' rule, `models/stack.py`)."""
-    from fsdp_jax.app.models.stack import sparse_layers
 
     return sum(sparse_layers(model_cfg)) if model_cfg.n_experts else 0
 

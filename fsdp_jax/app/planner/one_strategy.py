@@ -14,12 +14,16 @@ import jax
 from fsdp_jax.app.planner.abstract_step import build_step
 from fsdp_jax.app.planner.inspection import inspect_compiled
 from fsdp_jax.app.planner.memory_model import activations_by_remat, analytic_memory, argument_bytes
-from fsdp_jax.app.planner.refusal import _refused_result, over_memory
+from fsdp_jax.app.planner.refusal import over_memory, refused_result
 from fsdp_jax.errors import OffloadError
+from fsdp_jax.hlo.costs import op_inventory
 from fsdp_jax.hlo.schedule import communication
 from fsdp_jax.sharding import rules as rl
+from fsdp_jax.sharding.offload import entry_argument_bytes
 from fsdp_jax.sharding.precision import Policy
 from fsdp_jax.sharding.replication import check_sufficiently_sharded
+from fsdp_jax.targets.gpu import dcn_groups
+from fsdp_jax.targets.tpu import tile_padding
 
 
 def plan_strategy(
@@ -66,12 +70,10 @@ def plan_strategy(
         refused = over_memory(e)
         if refused is None:
             raise
-        return _refused_result(b, cfg, analytic, refused, time.perf_counter() - t0)
+        return refused_result(b, cfg, analytic, refused, time.perf_counter() - t0)
     compile_s = time.perf_counter() - t0
     layout_note = None
     if b.mesh.devices.flat[0].platform == "tpu":  # XLA:TPU pads every argument to its layout's tiles
-        from fsdp_jax.targets.tpu import tile_padding
-
         try:
             analytic["tile_padding"] = tile_padding((b.state, b.batch), compiled)
             analytic["total"] += analytic["tile_padding"]
@@ -148,7 +150,6 @@ def _compiled_host(compiled, mem: dict[str, int]) -> dict[str, int]:
     S(5)); `host_reported`: memory_analysis()'s host bytes (argument + temp + output -
     alias; 0 where the backend does not report them, e.g. CPU); `device_peak`: the peak
     without host-resident bytes (on such backends, the peak minus the host arguments)."""
-    from fsdp_jax.sharding.offload import entry_argument_bytes
 
     ma = compiled.memory_analysis()
     host = {k: int(getattr(ma, f"host_{k}_size_in_bytes", 0) or 0) for k in ("argument", "output", "alias", "temp")}
@@ -166,8 +167,6 @@ def _compiled_host(compiled, mem: dict[str, int]) -> dict[str, int]:
 def _ops(compiled, mesh) -> dict[str, Any]:
     """The compiled program's `op_inventory` (fsdp_jax.hlo.costs) and the seconds the op walk
     took (`op_inventory_s`: part of what the prediction costs on top of the compile)."""
-    from fsdp_jax.hlo.costs import op_inventory
-    from fsdp_jax.targets.gpu import dcn_groups
 
     t0 = time.perf_counter()
     ops = op_inventory(compiled.as_text(), dcn_groups(list(mesh.devices.flat)))

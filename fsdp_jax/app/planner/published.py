@@ -21,6 +21,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from fsdp_jax.app.models.decoder import count_params
+from fsdp_jax.app.planner.step_time import predict_ops
+
 TOLERANCE = 0.15
 MAXTEXT_A3 = "AI-Hypercomputer/maxtext MaxText/configs/a3/llama_2_7b/README.md (TFLOP/sec/chip) and {}vm.sh"
 _7B_A3 = ("train.global_batch={}", "remat=dots_no_batch", "model.attention=cudnn")
@@ -138,8 +141,6 @@ def plan_command(run: PublishedRun) -> str:
 def predicted_value(run: PublishedRun, cfg, result: dict[str, Any], n_devices: int) -> float:
     """The prediction for `run` in its published unit, from one strategy's planner result
     (with its `op_inventory`), costed with `run.cost_target`'s table."""
-    from fsdp_jax.app.models.decoder import count_params
-    from fsdp_jax.app.planner.step_time import predict_ops
 
     p = predict_ops(cfg, run.cost_target, n_devices, result)
     if p is None:

@@ -1,6 +1,6 @@
 """A program the target's compiler refused for memory: XLA:TPU does not emit a program
 whose temporaries exceed the chip's HBM (XLA:GPU and XLA:CPU do). `over_memory` reads
-the refusal; `_refused_result` is the strategy's result built from it (no schedule)."""
+the refusal; `refused_result` is the strategy's result built from it (no schedule)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def over_memory(error: Exception) -> dict[str, int] | None:
     return {"temp": _xla_bytes(m.group(2), m.group(3)), "available": _xla_bytes(m.group(4), m.group(5))}
 
 
-def _refused_result(b, cfg, analytic: dict[str, int], refused: dict[str, int], compile_s: float) -> dict[str, Any]:
+def refused_result(b, cfg, analytic: dict[str, int], refused: dict[str, int], compile_s: float) -> dict[str, Any]:
     """A strategy the target's compiler refused for memory: the argument bytes from the plan
     (equal to the compiled ones wherever a compile succeeds), the temporaries XLA said it
     needs, and no schedule."""

@@ -7,8 +7,7 @@ from the planner's JSON-able dicts.
 
 What a user types in (device counts, memory sizes, strategy lists; bad input raises
 `PlanError`, whose message names the flag), its check against the config and the
-scripts' start-up (`load_planning_config`) are `fsdp_jax.app.planner.inputs`, whose names are
-importable from here too. Building, analysing and compiling the step is
+scripts' start-up (`load_planning_config`) are `fsdp_jax.app.planner.inputs`. Building, analysing and compiling the step is
 `fsdp_jax.app.planner.estimate`.
 """
 
@@ -18,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from fsdp_jax.app.extras import require
+from fsdp_jax.app.planner.step_time import format_predictions
 from fsdp_jax.sharding.precision import TAKE_UPDATES
 from fsdp_jax.sharding.strategy import get_strategy
 
@@ -168,7 +169,6 @@ def format_table(doc: dict[str, Any]) -> str:
         "analytic activations per device by remat policy (same batch): "
         + ", ".join(f"{name} {fmt_bytes(v)}" for name, v in act.items())
     )
-    from fsdp_jax.app.planner.step_time import format_predictions
 
     lines += format_predictions(doc, explain=doc.get("explain_time") or 0)
     warns = [(n, w) for n, r in doc["strategies"].items() for w in r["warnings"]]
@@ -253,7 +253,6 @@ def _compiled_table(doc: dict[str, Any], gb) -> list[str]:
 def plot_plan(doc: dict[str, Any], path: str) -> None:
     """Stacked bars per strategy (params, grads, optimizer, gathered, activations: analytic)
     with the compiled peak as a marker and the device memory as a line; PNG via Agg."""
-    from fsdp_jax.app.extras import require
 
     matplotlib = require("matplotlib", "--plot")
     matplotlib.use("Agg")

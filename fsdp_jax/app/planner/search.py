@@ -49,6 +49,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
+from fsdp_jax.app.models.lora import adapter_param_count, spec_from_config
 from fsdp_jax.app.planner.abstract_step import mesh_shape, target_mesh_sizes
 from fsdp_jax.app.planner.residuals import rematerialised
 from fsdp_jax.app.planner.search_analytic import analytic_pass
@@ -69,6 +72,8 @@ from fsdp_jax.app.planner.search_space import (
 )
 from fsdp_jax.app.planner.step_time import roofline_constants
 from fsdp_jax.errors import SearchError
+from fsdp_jax.sharding.precision import Policy
+from fsdp_jax.verify.run import devices_for
 
 
 def search(
@@ -90,7 +95,6 @@ def search(
     is then the LoRA step), "notes", "wall_s"}. Needs `n_devices` devices in this process (fake
     CPU devices will do) for the analytic pass. Raises SearchError for an empty space or
     an impossible constraint; a search that finds nothing returns winner None."""
-    from fsdp_jax.verify.run import devices_for
 
     t0 = time.perf_counter()
     say = progress or (lambda msg: None)
@@ -154,10 +158,6 @@ def search(
 def lora_summary(cfg) -> dict[str, Any] | None:
     """What a config with a `lora:` section plans (None without one): the trainer's LoRA step,
     adapters trained (with optimizer state for them only), the base frozen at its dtype."""
-    import numpy as np
-
-    from fsdp_jax.app.models.lora import adapter_param_count, spec_from_config
-    from fsdp_jax.sharding.precision import Policy
 
     spec = spec_from_config(cfg.lora)
     if spec is None:

@@ -15,6 +15,7 @@ from fsdp_jax.app.planner.abstract_step import build_step
 from fsdp_jax.app.planner.memory_model import analytic_memory
 from fsdp_jax.app.planner.search_prediction import analytic_communication, predict_step
 from fsdp_jax.app.planner.search_space import ANALYTIC_OVER, Limits, candidate_config
+from fsdp_jax.sharding.remat import remat_policy
 
 
 def compilable(c: dict[str, Any], gpu_target: bool = False) -> bool:
@@ -22,7 +23,6 @@ def compilable(c: dict[str, Any], gpu_target: bool = False) -> bool:
     (`gpu_target`) a state offload, whose device side a compile-only GPU target plans from
     the same step compiled without offload (`fsdp_jax.app.planner.target_offload`). An
     offloading remat policy moves activations, which that does not model."""
-    from fsdp_jax.sharding.remat import remat_policy
 
     return not remat_policy(c["remat"]).offloads and (c["offload"] == "none" or gpu_target)
 

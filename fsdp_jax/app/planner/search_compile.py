@@ -20,8 +20,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from fsdp_jax.app.config.parse import config_from_dict, config_to_dict
+from fsdp_jax.app.exits import BAD_INPUT, fail
+from fsdp_jax.app.planner.one_strategy import plan_strategy
 from fsdp_jax.app.planner.search_space import candidate_config
-from fsdp_jax.errors import PlanError
+from fsdp_jax.errors import PlanError, TargetError
+from fsdp_jax.targets.gpu import Target, child_env, target_devices
+from fsdp_jax.verify.run import devices_for
 
 _MARK = "fsdp_jax.app.planner.search_compile: "
 
@@ -39,11 +44,8 @@ def compile_candidates(
     """`estimate.plan_strategy` results for `cands`: on CPU in this process (it has the
     devices; the persistent compilation cache applies), for a target in one child process
     whose compiles share one XLA:GPU kernel cache file (`kernel_cache`)."""
-    from fsdp_jax.app.planner.one_strategy import plan_strategy
 
     if target is None:
-        from fsdp_jax.verify.run import devices_for
-
         devices, out = devices_for(n_devices), []
         for i, c in enumerate(cands):
             progress(f"[{i + 1}/{len(cands)}] compiling {_label(c)} on {n_devices} CPU devices")
@@ -53,11 +55,9 @@ def compile_candidates(
             )
             progress(f"[{i + 1}/{len(cands)}] done in {time.perf_counter() - t0:.1f} s")
         return out
-    from fsdp_jax.app.config.parse import config_to_dict
-    from fsdp_jax.targets import gpu as targets
 
     with tempfile.TemporaryDirectory(prefix="fsdp_jax-search-") as scratch:
-        env = targets.child_env(
+        env = child_env(
             dict(os.environ, JAX_PLATFORMS="cpu"),
             target=target,
             kernel_cache=kernel_cache or Path(scratch) / "xla_gpu_kernels.bin",
@@ -102,18 +102,13 @@ def compile_candidates(
         return json.loads(out_file.read_text())
 
 
-def _child_main() -> int:
+def child_main() -> int:
     """`python -m fsdp_jax.app.planner.search_compile` < request: compile each job for the target in this
     one process (one kernel cache), write the results to request["out"]."""
     req = json.loads(sys.stdin.read())
-    from fsdp_jax.app.config.parse import config_from_dict
-    from fsdp_jax.app.exits import BAD_INPUT, fail
-    from fsdp_jax.app.planner.one_strategy import plan_strategy
-    from fsdp_jax.errors import TargetError
-    from fsdp_jax.targets import gpu as targets
 
     try:
-        devices = targets.target_devices(targets.Target(**req["target"]))
+        devices = target_devices(Target(**req["target"]))
         out, jobs = [], req["jobs"]
         for i, job in enumerate(jobs):
             print(
@@ -133,4 +128,4 @@ def _child_main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_child_main())
+    sys.exit(child_main())

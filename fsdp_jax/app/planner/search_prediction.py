@@ -11,7 +11,11 @@ from typing import Any
 
 import numpy as np
 
+from fsdp_jax.app.models.decoder import count_params
+from fsdp_jax.app.models.lora import adapter_param_count, spec_from_config
 from fsdp_jax.app.planner.residuals import rematerialised
+from fsdp_jax.app.planner.step_time import predict, roofline_constants
+from fsdp_jax.sharding.precision import Policy
 from fsdp_jax.sharding.remat import FORWARD
 
 
@@ -29,9 +33,6 @@ def analytic_communication(cfg, strategy: str, sizes: tuple[int, int, int], host
     these formulas are within 0.3% of their all-gather + reduce-scatter + all-reduce bytes).
     All bytes of a group that spans hosts count as cross-host. A compiled candidate replaces
     this with its program's own bytes."""
-    from fsdp_jax.app.models.decoder import count_params
-    from fsdp_jax.app.models.lora import adapter_param_count, spec_from_config
-    from fsdp_jax.sharding.precision import Policy
 
     width = np.dtype(Policy.parse(cfg.precision).compute_dtype).itemsize
     lora = spec_from_config(cfg.lora)
@@ -80,7 +81,6 @@ def predict_step(cfg, target_name: str, n_devices: int, result: dict[str, Any]) 
     for them). Roofline: step = max(compute + recompute, comm) + update + host. `target_name`:
     a GPU of the step-time table or a TPU generation; None where step_time.predict has none
     (traffic over an unpublished network)."""
-    from fsdp_jax.app.planner.step_time import predict, roofline_constants
 
     p = predict(cfg, target_name, n_devices, result)
     if p is None:  # crosses a network whose bandwidth is unpublished
@@ -118,7 +118,6 @@ def ranking_target(target) -> tuple[str, str | None]:
             "no GPU/TPU target: ranked by the analytic cost (the H100 roofline of step_time over "
             "analytic collective bytes), not a prediction for this machine"
         )
-    from fsdp_jax.app.planner.step_time import roofline_constants
 
     if target.hosts > 1 and roofline_constants(target.table)["slow"] is None:
         return "h100", (

@@ -14,10 +14,12 @@ from typing import Any
 
 import yaml
 
+from fsdp_jax.app.config.schema import MODEL_CHOICES
 from fsdp_jax.app.planner.inputs import parse_bytes
 from fsdp_jax.app.planner.report import fmt_bytes
 from fsdp_jax.app.planner.search_space import OFFLOAD_SETTINGS, VARY
 from fsdp_jax.errors import SearchError
+from fsdp_jax.sharding.remat import REMAT_POLICIES, device_policies
 
 
 def _items(text: str, flag: str) -> list[str]:
@@ -29,7 +31,6 @@ def _items(text: str, flag: str) -> list[str]:
 
 def parse_remats(text: str | None) -> tuple[str, ...]:
     """None: the policies searched on the device (`search_rank`); 'all': every record; or a list."""
-    from fsdp_jax.sharding.remat import REMAT_POLICIES, device_policies
 
     if text is None:
         return device_policies()
@@ -83,7 +84,6 @@ def parse_attentions(text: str | None) -> tuple[str, ...] | None:
     """`--attention`: a comma list of `model.attention` values; None when not given (the
     search then tries `search_space.attention_kernels`: the config's, and with a target XLA's
     and the platform's flash kernel)."""
-    from fsdp_jax.app.config.schema import MODEL_CHOICES
 
     if text is None:
         return None

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from fsdp_jax.app.planner.search_compile import compile_candidates
 from fsdp_jax.app.planner.search_prediction import predict_step
 from fsdp_jax.app.planner.search_space import Limits, candidate_config
 
@@ -59,7 +60,6 @@ def compile_rounds(
                 f"compiling {len(todo)} candidate(s) near the top and the memory edge"
                 + (f" for {target.describe()} (one process, the kernel cache shared)" if target is not None else "")
             )
-            from fsdp_jax.app.planner.search_compile import compile_candidates
 
             for c, r in zip(todo, compile_candidates(cfg, n_devices, todo, target, say, kernel_cache=kernels)):
                 apply_compiled(cfg, c, r, limits, n_devices, target.table if gpu else None)

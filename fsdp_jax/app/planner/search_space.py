@@ -14,6 +14,7 @@ from typing import Any
 from fsdp_jax.app.planner.abstract_step import mesh_shape
 from fsdp_jax.app.planner.inputs import STRATEGY_ORDER
 from fsdp_jax.errors import SearchError
+from fsdp_jax.sharding.precision import Policy
 from fsdp_jax.sharding.remat import device_policies
 
 OFFLOAD_SETTINGS = (
@@ -55,7 +56,6 @@ def attention_kernels(cfg, platform: str | None) -> tuple[str, ...]:
     """The kernels a search tries by default: XLA's attention and the platform's flash kernel
     (cuDNN on a GPU, where the compute dtype is bfloat16 / float16 and no context axis: the
     config checks' conditions; splash on a TPU); without a target, the config's alone."""
-    from fsdp_jax.sharding.precision import Policy
 
     flash = {"gpu": "cudnn", "tpu": "splash"}.get(platform or "")
     if flash == "cudnn" and (

@@ -35,17 +35,18 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from fsdp_jax.app.models.lora import spec_from_config
+from fsdp_jax.app.models.decoder import count_params
+from fsdp_jax.app.models.lora import adapter_param_count, spec_from_config
+from fsdp_jax.app.planner.op_costs import above_best_mfu, simulate, top_ops
 from fsdp_jax.app.planner.residuals import rematerialised
 from fsdp_jax.sharding.remat import FORWARD
+from fsdp_jax.targets.perf_tables import perf_table
 
 
 def model_flops_per_token(model, seq_len: int, lora=None) -> tuple[float, float]:
     """(matmul FLOPs per token of forward + backward, of which attention's S x S part).
     With `lora` (a `LoraSpec`) the base is frozen: 4 FLOPs per base param (no weight
     gradient), 6 per adapter param."""
-    from fsdp_jax.app.models.decoder import count_params
-    from fsdp_jax.app.models.lora import adapter_param_count
 
     d, v = model.d_model, model.vocab_size
     # the embedding lookup does no matmul; a tied head multiplies by the same table; a
@@ -65,7 +66,6 @@ def roofline_constants(target: str) -> dict[str, float | None]:
     unpublished), `hbm` (bytes/s reached: bandwidth x efficiency), `host` (the host link's
     bytes/s per device and direction). Raises ValueError for a target the table has no
     figures for."""
-    from fsdp_jax.targets.perf_tables import perf_table
 
     t = perf_table(target)
     return {
@@ -99,8 +99,6 @@ def predict_ops(cfg, target: str, n_devices: int, result: dict[str, Any], top: i
     the breakdown (gemm, attention, memory, update, host, exposed_comm and exposed by kind),
     a band of +-BAND, and the `top` ops by time per step. None where a collective crosses a
     network whose bandwidth is unpublished."""
-    from fsdp_jax.app.planner.op_costs import above_best_mfu, simulate, top_ops
-    from fsdp_jax.targets.perf_tables import perf_table
 
     t0 = time.perf_counter()
     try:

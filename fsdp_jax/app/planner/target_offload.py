@@ -23,6 +23,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from fsdp_jax.app.planner.abstract_step import build_step
 from fsdp_jax.app.planner.memory_model import offload_memory
 
 BASIS = "device_side_from_target_compile_host_side_analytic"
@@ -43,7 +44,6 @@ def plan_without_host_memory(
     """`plan_fn(cfg', strategy, devices, **kwargs)` for `cfg` with offload none (compiled on
     the target), its analytic and compiled terms completed with the host/device split of
     `cfg.offload`. `plan_fn` is `planner.plan_strategy`."""
-    from fsdp_jax.app.planner.abstract_step import build_step
 
     plain = dataclasses.replace(cfg, offload="none")
     r = plan_fn(plain, strategy, devices, **kwargs)

@@ -25,6 +25,7 @@ import time
 from typing import Any, Callable
 
 import jax
+from tqdm import tqdm
 
 from fsdp_jax.app.config.parse import save_config
 from fsdp_jax.app.config.schema import Config
@@ -105,8 +106,6 @@ def _start(run: Run, progress: bool) -> tuple[LoopState, Any, ProfileWindow]:
     )
     bar = None
     if run.is_main and progress:
-        from tqdm import tqdm
-
         bar = tqdm(total=c.steps, initial=run.start_step, dynamic_ncols=True, desc="train")
     summary = {"compile_s": compile_s, "params": count_params(cfg.model)}
     lp = LoopState(run, cfg, timer, log, batches, val, window, run.state, c.steps, summary, bar, done=run.start_step)

@@ -39,10 +39,13 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fsdp_jax.app.data import corpus as data_lib
+from fsdp_jax.app.config.parse import config_to_dict
+from fsdp_jax.app.data.tokenizer import load_tokenizer
+from fsdp_jax.app.data.windows import load_meta
 from fsdp_jax.app.models.sample import sample
 from fsdp_jax.app.objectives import finish_metrics
 from fsdp_jax.app.trainer.router_metrics import summarise
+from fsdp_jax.errors import TokenizerError
 from fsdp_jax.sharding.context import context_size, unzigzag, zigzag
 from fsdp_jax.sharding.precision import Policy
 from fsdp_jax.sharding.strategy import ShardingPlan, batch_divisor
@@ -140,7 +143,6 @@ def wandb_settings(cfg: Config) -> dict | None:
     lg = cfg.logging
     if not lg.wandb:
         return None
-    from fsdp_jax.app.config.parse import config_to_dict
 
     return {"project": lg.wandb_project, "name": lg.wandb_run_name, "config": config_to_dict(cfg)}
 
@@ -295,7 +297,7 @@ def sample_text(model: ModelFns, plan: ShardingPlan, cfg: Config, params, val, r
         with sharding_context(plan):
             return jax.device_get(jitted(params, jnp.asarray(buf), jnp.int32(pos)))
 
-    kind = data_lib.load_meta(cfg.data.path).get("tokenizer")
+    kind = load_meta(cfg.data.path).get("tokenizer")
     tok = _tokenizer(kind)
     default = tok.encode("def ") if tok else list(b"def ")
     prompt = (_val_prompt(val[0]) if val else np.asarray(default)).astype(np.int32)
@@ -323,8 +325,6 @@ def _tokenizer(kind: str | None):
     tokenizer file that is gone: the sample is then shown as ids)."""
     if kind in (None, "bytes", "external"):
         return None
-    from fsdp_jax.app.data.tokenizer import load_tokenizer
-    from fsdp_jax.errors import TokenizerError
 
     try:
         return load_tokenizer(kind, require_eos=False)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from fsdp_jax.app.extras import require
+
 
 def read_metrics(path: Path) -> list[dict]:
     records = []
@@ -43,9 +45,8 @@ def _num(v) -> float:
 
 
 def plot(records: list[dict], out: Path) -> None:
-    from fsdp_jax.app.extras import require
 
-    matplotlib = require("matplotlib", "plot_metrics.py")
+    matplotlib = require("matplotlib", "plot.py")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -19,6 +19,7 @@ import threading
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 
 class StopSignals:
@@ -62,7 +63,5 @@ class StopSignals:
         Multi-process: a collective, so every process must call it at every step."""
         flag = self.signum is not None
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
             flag = bool(np.max(multihost_utils.process_allgather(np.int32(flag))))
         return flag

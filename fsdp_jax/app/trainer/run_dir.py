@@ -23,6 +23,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from fsdp_jax.app.data.corpus import dir_problem
 from fsdp_jax.errors import ConfigError, RunDirBusy
@@ -63,8 +64,6 @@ class RunDirLock:
         if jax.process_index() == 0:
             status, msg = self._acquire()
         if jax.process_count() > 1:  # every process stops together, with process 0's reason
-            from jax.experimental import multihost_utils
-
             status = int(multihost_utils.broadcast_one_to_all(np.int32(status)))
             msg = msg or f"process 0 could not lock {self.run_dir} (see its output)"
         if status == 1:

@@ -24,13 +24,15 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from fsdp_jax.app.config.checks import check_backend, check_data, validate
-from fsdp_jax.app.config.parse import config_to_dict
+from fsdp_jax.app.config.parse import config_to_dict, load_config
 from fsdp_jax.app.config.schema import Config
-from fsdp_jax.app.data import corpus as data_lib
+from fsdp_jax.app.data.corpus import ensure_stdlib
 from fsdp_jax.app.data.token_check import check_corpus_vocab
-from fsdp_jax.app.hf import load as hf
+from fsdp_jax.app.data.windows import load_meta
+from fsdp_jax.app.hf.load import is_hf, load_params, model_section_from_hf, open_init
 from fsdp_jax.app.host_memory import check_host_memory, stated_host_memory
 from fsdp_jax.app.objectives import choose_reference, make_preference_loss, with_reference
 from fsdp_jax.app.objectives.preference_run import is_preference, load_pairs, precompute_ref_logps, preference_spec
@@ -58,8 +60,6 @@ from fsdp_jax.train.state import TrainState
 def load_run_config(path, overrides=()):
     """`load_config` with the trainer's fill: `init_from=hf:PATH` fills the model section from
     that checkpoint's config.json (keys the user set win). Every command reads its config here."""
-    from fsdp_jax.app.config.parse import load_config
-    from fsdp_jax.app.hf.load import model_section_from_hf
 
     return load_config(path, overrides, fill=model_section_from_hf)
 
@@ -147,17 +147,15 @@ def prepare_data(cfg: Config) -> None:
     if cfg.data.source == "stdlib" and not (Path(cfg.data.path) / "meta.json").exists():
         if jax.process_index() == 0:
             try:
-                data_lib.ensure_stdlib(cfg.data.path)
+                ensure_stdlib(cfg.data.path)
             except OSError as e:
                 raise ConfigError(
                     "data.path", f"{cfg.data.path!r}: cannot prepare the stdlib corpus there ({e.strerror or e})"
                 ) from None
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
             multihost_utils.sync_global_devices("fsdp_jax:prepare_data")
     check_data(cfg)
-    data_lib.load_meta(cfg.data.path)  # meta.json's dtype and the bins' sizes, before any write
+    load_meta(cfg.data.path)  # meta.json's dtype and the bins' sizes, before any write
 
 
 # ------------------------------------------------------------------------------- stages
@@ -189,8 +187,8 @@ def _validate(p: _Draft) -> None:
         validate(p.cfg, n_devices=jax.device_count())
         check_offload(p.cfg)
     resuming = p.resume and latest_step(Path(p.cfg.run_dir) / "checkpoints") is not None
-    if hf.is_hf(p.cfg.init_from) and (not resuming or lora_spec(p.cfg) is not None):  # LoRA: the base again
-        p.hf_ckpt = hf.open_init(p.cfg.init_from, p.cfg.model)
+    if is_hf(p.cfg.init_from) and (not resuming or lora_spec(p.cfg) is not None):  # LoRA: the base again
+        p.hf_ckpt = open_init(p.cfg.init_from, p.cfg.model)
 
 
 def _data(p: _Draft) -> None:
@@ -302,8 +300,8 @@ def _base_loader(p: _Draft, built) -> Callable | None:
     cfg = p.cfg
     if not cfg.init_from:
         return None
-    if hf.is_hf(cfg.init_from):
-        return lambda abstract: hf.load_params(p.hf_ckpt or hf.open_init(cfg.init_from, cfg.model), abstract)
+    if is_hf(cfg.init_from):
+        return lambda abstract: load_params(p.hf_ckpt or open_init(cfg.init_from, cfg.model), abstract)
     return lambda abstract: load_init_params(cfg.init_from, abstract)
 
 

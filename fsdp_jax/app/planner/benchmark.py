@@ -6,6 +6,20 @@ from __future__ import annotations
 
 import time
 
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from fsdp_jax.app.extras import require
+from fsdp_jax.app.models.decoder import cross_entropy
+from fsdp_jax.app.planner.abstract_step import build_step, sample_batch
+from fsdp_jax.app.trainer.build import trainer_model
+from fsdp_jax.app.trainer.optim import build_optimizer
+from fsdp_jax.hlo.memory import compiled_memory
+from fsdp_jax.targets.perf import time_steps
+
 
 def parse_sweeps(items: list[str]) -> list[tuple[str, list[str]]]:
     out = []
@@ -33,12 +47,6 @@ def combos(sweeps):
 def bench_fsdp(cfg, strategy: str, devices, steps: int, warmup: int):
     """Compile and time the trainer's own step (`fsdp_jax.app.planner.abstract_step.build_step`) for
     `strategy` on `devices`."""
-    import jax
-    import numpy as np
-
-    from fsdp_jax.app.planner.abstract_step import build_step, sample_batch
-    from fsdp_jax.hlo.memory import compiled_memory
-    from fsdp_jax.targets.perf import time_steps
 
     build = build_step(cfg, strategy, devices)
     state = build.init_state(jax.random.key(0))
@@ -53,17 +61,6 @@ def bench_fsdp(cfg, strategy: str, devices, steps: int, warmup: int):
 
 def bench_plain_dp(cfg, devices, steps: int, warmup: int):
     """A hand-written data-parallel loop: replicated params, batch split over devices."""
-    import jax
-    import numpy as np
-    import optax
-    from jax.sharding import Mesh, NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    from fsdp_jax.app.models.decoder import cross_entropy
-    from fsdp_jax.app.trainer.build import trainer_model
-    from fsdp_jax.app.trainer.optim import build_optimizer
-    from fsdp_jax.hlo.memory import compiled_memory
-    from fsdp_jax.targets.perf import time_steps
 
     mesh = Mesh(np.asarray(devices), ("dp",))
     model = trainer_model(cfg.model, cfg.remat)
@@ -94,7 +91,6 @@ def bench_plain_dp(cfg, devices, steps: int, warmup: int):
 
 def plot(doc: dict, key: str, out: str) -> None:
     """One line per strategy and combination of the other swept keys, against `key`."""
-    from fsdp_jax.app.extras import require
 
     matplotlib = require("matplotlib", "--plot")
     matplotlib.use("Agg")

@@ -4,7 +4,7 @@
     fsdp-jax inspect --config configs/llama2_7b.yaml --devices 8 --strategy zero3 --json
     fsdp-jax inspect --config configs/llama2_7b.yaml --target h100 --devices 16 --hosts 2
 
-(`python scripts/inspect_sharding.py ...` is the same command.) Prints a per-parameter
+(`python scripts/inspect.py ...` is the same command.) Prints a per-parameter
 table (path, shape, dtype, spec, bytes per device, why), the collectives of the
 AOT-compiled train step (count and bytes per step, inside and outside the layer loop;
 in-loop bytes are multiplied by the loop's trip count), and warnings a user can act on:
@@ -26,7 +26,21 @@ import json
 import sys
 
 from fsdp_jax.app.cli.args import add_config, add_target
+from fsdp_jax.app.cli.command import run_command
 from fsdp_jax.app.cli.flags import Parser
+from fsdp_jax.app.cli.plan import planning_errors
+from fsdp_jax.app.planner.compile_child import run_strategies
+from fsdp_jax.app.planner.inputs import (
+    check_inputs,
+    load_planning_config,
+    parse_bytes,
+    parse_strategies,
+    resolve_target,
+)
+from fsdp_jax.app.planner.report import format_inspection
+from fsdp_jax.errors import PlanError
+from fsdp_jax.sharding.strategy import get_strategy
+from fsdp_jax.targets.xla_flags import parse_flags
 
 
 def build_parser(prog: str | None = None) -> Parser:
@@ -52,10 +66,6 @@ def build_parser(prog: str | None = None) -> Parser:
 
 
 def run(args) -> int:
-    from fsdp_jax.app.planner.inputs import load_planning_config, parse_bytes, parse_strategies, resolve_target
-    from fsdp_jax.errors import PlanError
-    from fsdp_jax.sharding.strategy import get_strategy
-    from fsdp_jax.targets.xla_flags import parse_flags
 
     n, target = resolve_target(args)
     try:
@@ -74,10 +84,6 @@ def run(args) -> int:
         args.strategy = names[0]
     cfg = load_planning_config(args.config, args.overrides, n)  # JAX: n CPU devices, from here on
     strategy = get_strategy(args.strategy or cfg.mesh.strategy).name
-
-    from fsdp_jax.app.planner.compile_child import run_strategies
-    from fsdp_jax.app.planner.inputs import check_inputs
-    from fsdp_jax.app.planner.report import format_inspection
 
     check_inputs(cfg, n, [strategy])
     result = run_strategies(
@@ -103,7 +109,5 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    from fsdp_jax.app.cli.command import run_command
-    from fsdp_jax.app.cli.plan import planning_errors
 
     return run_command(build_parser(prog), run, argv, errors=planning_errors)

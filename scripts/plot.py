@@ -1,0 +1,12 @@
+#!/usr/bin/env python
+"""`fsdp-jax plot` as a script: the same flags and exit codes (fsdp_jax/app/cli/plot.py)."""
+
+import os
+import sys
+
+# scripts/ comes first on sys.path, where scripts/inspect.py would stand in for the stdlib's `inspect`
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+from fsdp_jax.app.cli.plot import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())
