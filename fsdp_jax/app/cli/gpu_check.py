@@ -30,11 +30,11 @@ import fsdp_jax as fj
 from fsdp_jax.app.cli.args import add_config, check_out_file
 from fsdp_jax.app.cli.command import run_command
 from fsdp_jax.app.cli.flags import Parser, UsageError, int_in
+from fsdp_jax.app.config import load_config  # not trainer.setup: it imports grain, which GPU machines lack
 from fsdp_jax.app.models.config import DecoderConfig
 from fsdp_jax.app.models.decoder import count_params, flops_per_token
 from fsdp_jax.app.planner.abstract_step import build_step
 from fsdp_jax.app.trainer.build import make_loss_fn, trainer_model
-from fsdp_jax.app.trainer.setup import load_run_config
 from fsdp_jax.hlo.memory import collective_report, compiled_memory
 from fsdp_jax.targets.perf import device_memory, mfu, peak_flops, time_steps
 
@@ -45,7 +45,7 @@ def throughput(config: str, steps: int, overrides: list[str], smoke: bool = Fals
     # 8 sequences of 2048 per GPU: with cuDNN attention (no saved S x S logits) and `dots`
     # remat the 1B step needs ~31 GB of activations + 18 GB of states (scripts/plan.py,
     # `dots_no_batch` column as the stand-in), so it fits an 80 GB H100 as well as an H200.
-    cfg = load_run_config(
+    cfg = load_config(
         config,
         [
             "precision=params=float32,compute=bfloat16",
@@ -164,7 +164,7 @@ def run(args) -> int:
         raise UsageError(f"--only {args.only!r} / --steps {args.steps}: checks are {', '.join(CHECKS)}; steps >= 1")
 
     if "throughput" in args.only.split(","):
-        load_run_config(args.config, args.overrides)  # a bad config: one line now, not a traceback later
+        load_config(args.config, args.overrides)  # a bad config: one line now, not a traceback later
     if args.json:
         check_out_file(args.json, "--json")
 
