@@ -12,7 +12,7 @@ import argparse
 import os
 from pathlib import Path
 
-from fsdp_jax.app.extras import available, missing_message
+from fsdp_jax.app import extras
 from fsdp_jax.errors import ConfigError
 
 
@@ -64,8 +64,8 @@ def add_target(ap: argparse.ArgumentParser) -> None:
 def require(module: str, flag: str) -> None:
     """ConfigError naming `flag` when the optional package `module` is not installed."""
 
-    if not available(module):
-        raise ConfigError(flag, missing_message(module, "it").removeprefix("it "))
+    if not extras.available(module):
+        raise ConfigError(flag, extras.missing_message(module, "it").removeprefix("it "))
 
 
 def check_out_file(path: str, flag: str) -> None:

@@ -19,7 +19,7 @@ from fsdp_jax.app.cli.command import run_command
 from fsdp_jax.app.cli.flags import Parser
 from fsdp_jax.app.devices import use_cpu_devices
 from fsdp_jax.app.exits import BAD_INPUT
-from fsdp_jax.app.trainer.loop import train
+from fsdp_jax.app.trainer import loop
 from fsdp_jax.app.trainer.setup import load_run_config
 from fsdp_jax.errors import ConfigError, TrainingDiverged
 from fsdp_jax.multihost.distributed import await_peer_verdict, finished, maybe_initialize
@@ -63,7 +63,7 @@ def run(args) -> int:
     except ValueError as e:
         raise ConfigError("distributed", str(e)) from None
     try:
-        train(cfg, progress=not args.no_progress)
+        loop.train(cfg, progress=not args.no_progress)
     except BAD_INPUT:
         raise
     except Exception:  # divergence, a full disk, a collective reset by a dead peer: in a

@@ -11,9 +11,9 @@ import math
 from pathlib import Path
 from typing import Any
 
+from fsdp_jax.app import extras
 from fsdp_jax.app.config.context_checks import check_context
 from fsdp_jax.app.config.schema import Config, check_fields
-from fsdp_jax.app.extras import available, missing_message
 from fsdp_jax.app.models import lora as lora_lib
 from fsdp_jax.app.models.config import DecoderConfig
 from fsdp_jax.app.models.moe import moe_config_problem
@@ -217,10 +217,10 @@ def _check_train(cfg: Config) -> None:
     )
     if tr.tensorboard:
         _check(
-            available("tensorboardX"),
+            extras.available("tensorboardX"),
             "train.tensorboard",
             tr.tensorboard,
-            missing_message("tensorboardX", "train.tensorboard=true") + ", or set it to false",
+            extras.missing_message("tensorboardX", "train.tensorboard=true") + ", or set it to false",
         )
 
 
