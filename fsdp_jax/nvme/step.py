@@ -40,6 +40,7 @@ import optax
 import fsdp_jax.sharding.remat as remat_lib
 from fsdp_jax.errors import OffloadError
 from fsdp_jax.nvme.layer_files import LayerFiles, Layout
+from fsdp_jax.sharding.offload import Offload
 from fsdp_jax.sharding.precision import Policy
 from fsdp_jax.train.build import Built
 from fsdp_jax.train.state import TrainState, state_shardings
@@ -49,6 +50,11 @@ from fsdp_jax.train.stream_update import elementwise_reason
 from fsdp_jax.train.trainable import Trainable
 
 LAYERED, FLAT, OTHER = "layered", "flat", "other"
+# offload settings served by this package (not in `sharding.offload.OFFLOADS`: nothing of the
+# state rests in host memory, and the jitted step of `build` does not run them)
+NVME_OFFLOADS: dict[str, Offload] = {
+    "optimizer:nvme": Offload("optimizer:nvme", params=False, opt_state=False, stream=True),
+}
 
 
 def labels_of(optimizer, opt_state, layered):
@@ -147,6 +153,18 @@ class NvmeStep:
             leaves[k] = x
         return live.replace(opt_state=jax.tree.unflatten(self._treedef, leaves))
 
+    def lower(self, live: TrainState, batch) -> "Lowered":
+        """The AOT lowering of the grads program; its `.compile()` returns this step, which
+        then runs the compiled program (`memory_analysis()` is that program's)."""
+        with sharding_context(self.plan):
+            return Lowered(self, self._grad_step.lower(live, jax.device_put(batch, self.plan.batch)))
+
+    def memory_analysis(self):
+        return self._compiled.memory_analysis()
+
+    def __call__(self, live: TrainState, batch) -> tuple[TrainState, dict]:
+        return self.train_step(live, batch)
+
     def train_step(self, live: TrainState, batch) -> tuple[TrainState, dict]:
         """One step of the live state (donated) on `batch`; returns the new live state and
         the metrics of `make_train_step` (loss, grad_norm, skipped, tokens)."""
@@ -187,6 +205,17 @@ class NvmeStep:
     def close(self) -> None:
         for ex in self._io:
             ex.shutdown(wait=True)
+
+
+class Lowered:
+    """`NvmeStep.lower`'s result: `compile()` compiles the grads program into the step."""
+
+    def __init__(self, step: NvmeStep, lowered):
+        self.step, self.lowered = step, lowered
+
+    def compile(self) -> NvmeStep:
+        self.step._compiled = self.step._grad_step = self.lowered.compile()
+        return self.step
 
 
 def _jit_grad_step(built: Built, loss_fn, labels, options: dict):

@@ -232,7 +232,8 @@ class Config:
     lora: LoraConfig = LoraConfig()
     precision: str = "params=float32,compute=float32"
     remat: str = "dots"
-    offload: str = "none"  # none | optimizer | optimizer+params: state kept in host memory
+    offload: str = "none"  # none | optimizer | optimizer+params: state kept in host memory; optimizer:nvme: on disk
+    offload_dirs: str = ""  # offload: optimizer:nvme: comma-separated dirs (local NVMe mounts), striped
     run_dir: str = "runs/tiny"
     xla_gpu_flags: str = limit(
         "none", choices=("none", "fsdp")

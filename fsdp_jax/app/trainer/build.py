@@ -21,6 +21,7 @@ from fsdp_jax.app.models.decoder import Decoder, cross_entropy
 from fsdp_jax.app.models.lora import LoraSpec, adapter_mask, spec_from_config
 from fsdp_jax.app.trainer.router_metrics import router_terms
 from fsdp_jax.model.fns import ModelFns, from_nnx
+from fsdp_jax.nvme import NVME_OFFLOADS
 from fsdp_jax.sharding.context import context_size, zigzag
 from fsdp_jax.train.build import Built, build
 from fsdp_jax.train.step_parts import TokenSum
@@ -163,6 +164,6 @@ def build_from_config(
         microbatches=cfg.train.microbatches,
         clip_norm=cfg.optimizer.clip_norm,
         precision=cfg.precision,
-        offload=cfg.offload,
+        offload="none" if cfg.offload in NVME_OFFLOADS else cfg.offload,  # nvme: the trainer wraps the step
         **step_options,
     )
