@@ -6,6 +6,9 @@ explains (this suite's legacy emitters contract FMAs by fusion boundary)."""
 import errno
 import json
 import os
+import signal
+import subprocess
+import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -16,7 +19,7 @@ import optax
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_offload import tiny_llama
+from test_offload import ROOT, tiny_llama
 
 import fsdp_jax as fj
 from fsdp_jax.checkpoint import direct_io
@@ -24,7 +27,7 @@ from fsdp_jax.errors import OffloadError
 from fsdp_jax.nvme import LayerFiles, Layout, check_streamable
 from fsdp_jax.nvme import layer_files as lf_lib
 from fsdp_jax.train.build import build
-from helpers import json_child
+from helpers import TINY_RUN_OVERRIDES, json_child
 
 # The child: per strategy, 3 steps without offload, and with nvme: 2 steps, the whole state
 # gathered out of the files and put into a fresh NvmeStep (as a resume from a checkpoint
@@ -132,7 +135,7 @@ def test_write_read_and_a_changed_file(tmp_path):
     with open(files.path(1), "r+b") as f:
         f.seek(100)
         f.write(b"\xff")
-    with pytest.raises(OffloadError, match="changed under the run"):
+    with pytest.raises(OSError, match="changed under the run"):
         files.read(1, back)
 
 
@@ -180,7 +183,7 @@ def test_disk_full_on_write_is_one_line(tmp_path, monkeypatch):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(direct_io, "write_file", full)
-    with pytest.raises(OffloadError, match="the disk is full"):
+    with pytest.raises(OSError, match="the disk is full"):
         files.write(0, files.buffer())
 
 
@@ -202,3 +205,75 @@ def test_an_optimizer_it_cannot_stream_is_refused():
         check_streamable(b, {})
     with pytest.raises(OffloadError, match="random numbers"):
         check_streamable(build(m, optax.adam(1e-3), fj.make_mesh(fsdp=8), "full_shard"), {"rng": 0})
+
+
+# ------------------------------------------------------------------ the trainer, kill -9
+
+# The trainer's command in a child whose `n`-th layer-file write kills the process (SIGKILL),
+# mid-step (the files then hold layers of two different steps), once the checkpoint dir
+# `argv[2]` is committed (the save is asynchronous).
+_KILL_CHILD = r"""
+import os, runpy, signal, sys, time
+from fsdp_jax.nvme import layer_files
+n, ckpt, write, count = int(sys.argv[1]), sys.argv[2], layer_files.LayerFiles.write, [0]
+def killing_write(self, i, buf):
+    count[0] += 1
+    if count[0] == n:
+        for _ in range(600):
+            if os.path.isdir(ckpt):
+                break
+            time.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return write(self, i, buf)
+layer_files.LayerFiles.write = killing_write
+sys.argv = ["train", *sys.argv[3:]]
+runpy.run_path("scripts/train.py", run_name="__main__")
+"""
+
+
+def _losses(run_dir):
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+@pytest.mark.slow
+def test_kill_9_mid_step_then_the_same_command_resumes_exactly(corpus, tmp_path):
+    def args(name, offload="optimizer:nvme"):
+        d = tmp_path / f"{name}_nvme"
+        d.mkdir(exist_ok=True)
+        over = TINY_RUN_OVERRIDES + [f"data.path={corpus}", f"run_dir={tmp_path / name}", f"offload={offload}"]
+        return [
+            "--config",
+            "configs/tiny.yaml",
+            *over,
+            f"offload_dirs={d}",
+            "train.steps=4",
+            "train.checkpoint_every=2",
+        ]
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+
+    def run(code_args, **kw):
+        return subprocess.run([sys.executable, *code_args], cwd=ROOT, env=env, capture_output=True, text=True, **kw)
+
+    straight = run(["scripts/train.py", *args("straight")])
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    plain = run(["scripts/train.py", *args("plain", "none")])
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    # 2 layers: 2 writes at start, 2 per step; the 10th is layer 1 of step 4 (layer 0 written)
+    killed = run(["-c", _KILL_CHILD, "10", str(tmp_path / "kill" / "checkpoints" / "2"), *args("kill")])
+    assert killed.returncode == -signal.SIGKILL
+    assert sorted(p.name for p in (tmp_path / "kill" / "checkpoints").iterdir() if p.name.isdigit()) == ["2"]
+    again = run(["scripts/train.py", *args("kill")])
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "resuming from checkpoint step 2" in again.stdout
+    want = _losses(tmp_path / "straight")
+    assert sorted(want) == [1, 2, 3, 4] and _losses(tmp_path / "kill") == want
+    np.testing.assert_allclose(
+        [want[k] for k in range(1, 5)], [_losses(tmp_path / "plain")[k] for k in range(1, 5)], rtol=1e-6
+    )
+    # another run's command on the same dir: one line, exit 2, the files untouched
+    before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "kill_nvme").iterdir()}
+    other = run(["scripts/train.py", *args("other")[:-2], f"offload_dirs={tmp_path / 'kill_nvme'}", "train.steps=4"])
+    assert other.returncode == 2 and "another run" in other.stderr and len(other.stderr.strip().splitlines()) == 1
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "kill_nvme").iterdir()} == before

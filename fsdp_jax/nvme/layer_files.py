@@ -210,7 +210,7 @@ class LayerFiles:
             crc, _ = direct_io.write_file(self.path(i), buf)  # buf is aligned: no pad
         except OSError as e:
             what = "the disk is full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else e.strerror
-            raise OffloadError(f"offload_dirs: writing {self.path(i)}: {what} ({e.errno})") from None
+            raise OSError(e.errno, f"offload_dirs: writing {self.path(i)}: {what}") from None
         self.crcs[i] = crc
 
     def read(self, i: int, buf: np.ndarray) -> np.ndarray:
@@ -218,11 +218,12 @@ class LayerFiles:
         try:
             crc, got = direct_io.read_file(self.path(i), buf)
         except OSError as e:
-            raise OffloadError(f"offload_dirs: reading {self.path(i)}: {e.strerror}") from None
+            raise OSError(e.errno, f"offload_dirs: reading {self.path(i)}: {e.strerror}") from None
         if got != self.layout.nbytes or crc != self.crcs.get(i):
-            raise OffloadError(
+            raise OSError(
+                errno.EIO,
                 f"offload_dirs: {self.path(i)} changed under the run ({got} bytes, CRC {crc}, "
-                f"written {self.layout.nbytes} bytes, CRC {self.crcs.get(i)}); resume from the last checkpoint"
+                f"written {self.layout.nbytes} bytes, CRC {self.crcs.get(i)}); resume from the last checkpoint",
             )
         return buf
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from fsdp_jax.errors import ConfigError, OffloadError
 from fsdp_jax.nvme import NVME_OFFLOADS, NvmeStep
 from fsdp_jax.train.build import Built
 from fsdp_jax.train.state import TrainState
@@ -28,15 +29,19 @@ def dirs_of(cfg) -> list[str]:
 def start(cfg, built: Built, loss_fn, state: TrainState, run_dir: Path) -> tuple[TrainState, NvmeStep]:
     """(the live state, the step) for `state`; the dirs are checked and claimed for this run
     (its resolved run dir names it) before anything is written (OffloadError, one line)."""
-    nv = NvmeStep(
-        built,
-        loss_fn,
-        dirs_of(cfg),
-        owner=str(Path(run_dir).resolve()),
-        microbatches=cfg.train.microbatches,
-        clip_norm=cfg.optimizer.clip_norm,
-        precision=cfg.precision,
-    )
+    try:
+        nv = NvmeStep(
+            built,
+            loss_fn,
+            dirs_of(cfg),
+            owner=str(Path(run_dir).resolve()),
+            microbatches=cfg.train.microbatches,
+            clip_norm=cfg.optimizer.clip_norm,
+            precision=cfg.precision,
+        )
+    except OffloadError as e:  # bad input: exit 2, the key named, nothing written
+        key, _, msg = str(e).partition(": ")
+        raise ConfigError(key, msg) from None
     return nv.put(state), nv
 
 
