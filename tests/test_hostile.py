@@ -168,6 +168,7 @@ OUT_OF_RANGE: dict[str, typing.Any] = {
     "logging.wandb_project": None,
     "logging.wandb_run_name": None,
     "offload": "everything",
+    "offload_dirs": None,  # any string: its dirs are checked when offload is optimizer:nvme (tests/test_nvme.py)
 }
 
 

@@ -19,11 +19,14 @@ from fsdp_jax.app.models.config import DecoderConfig
 from fsdp_jax.app.models.moe import moe_config_problem
 from fsdp_jax.app.models.qlora import quant_problem
 from fsdp_jax.errors import ConfigError, MeshError
+from fsdp_jax.nvme import NVME_OFFLOADS
 from fsdp_jax.sharding.mesh import resolve_mesh_shape
-from fsdp_jax.sharding.offload import OFFLOADS
+from fsdp_jax.sharding.offload import OFFLOADS as _HOST_OFFLOADS
 from fsdp_jax.sharding.precision import Policy
 from fsdp_jax.sharding.remat import REMAT_POLICIES
 from fsdp_jax.sharding.strategy import ALIASES, STRATEGIES
+
+OFFLOADS = {**_HOST_OFFLOADS, **NVME_OFFLOADS}  # host memory, and local disks (fsdp_jax.nvme)
 
 
 def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
@@ -157,6 +160,12 @@ def _check_memory_policies(cfg: Config) -> None:
         cfg.offload,
         "a streamed offload updates a stack of scanned layers one layer at a time, and model.scan_layers=false "
         "leaves none; set model.scan_layers=true or use offload: " + cfg.offload.split(":")[0],
+    )
+    _check(
+        cfg.offload not in NVME_OFFLOADS or bool(cfg.offload_dirs.strip()),
+        "offload_dirs",
+        cfg.offload_dirs,
+        f"offload: {cfg.offload} keeps the state in files: name their dirs (offload_dirs=/nvme0,/nvme1)",
     )
 
 

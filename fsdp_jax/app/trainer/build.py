@@ -23,6 +23,7 @@ from fsdp_jax.app.models.lora import LoraSpec, adapted, adapter_mask, spec_from_
 from fsdp_jax.app.models.qlora import CONTRACTED
 from fsdp_jax.app.trainer.router_metrics import router_terms
 from fsdp_jax.model.fns import ModelFns, from_nnx
+from fsdp_jax.nvme import NVME_OFFLOADS
 from fsdp_jax.quant.modules import quantize_module
 from fsdp_jax.sharding.context import context_size, zigzag
 from fsdp_jax.sharding.precision import Policy
@@ -188,6 +189,6 @@ def build_from_config(
         microbatches=cfg.train.microbatches,
         clip_norm=cfg.optimizer.clip_norm,
         precision=cfg.precision,
-        offload=cfg.offload,
+        offload="none" if cfg.offload in NVME_OFFLOADS else cfg.offload,  # nvme: the trainer wraps the step
         **step_options,
     )

@@ -20,6 +20,7 @@ import jax
 
 from fsdp_jax.app.config.parse import config_to_dict
 from fsdp_jax.app.data.batches import evaluate
+from fsdp_jax.app.trainer import nvme_run
 from fsdp_jax.app.trainer.lora_state import saved_state
 from fsdp_jax.app.trainer.metrics import LogWindow, MetricsLog, sample_text
 from fsdp_jax.app.trainer.setup import rng_to_json
@@ -165,7 +166,8 @@ class CheckpointHook(Hook):
         lp.timer.switch("checkpoint")
         if self.due(lp) and (not lp.streak or lp.stop is not None or lp.done == lp.last):
             lora = lp.run.lora_base is not None  # a LoRA run saves its adapters (and their state) only
-            lp.run.checkpointer.save(lp.done, saved_state(lp.state) if lora else lp.state, self.extras(lp))
+            state = nvme_run.saved(lp.run, lp.state)  # nvme: read out of the layer files
+            lp.run.checkpointer.save(lp.done, saved_state(state) if lora else state, self.extras(lp))
         lp.timer.switch("other")
 
     @staticmethod

@@ -36,7 +36,7 @@ from fsdp_jax.app.hf.load import is_hf, load_params, model_section_from_hf, open
 from fsdp_jax.app.host_memory import check_host_memory, stated_host_memory
 from fsdp_jax.app.objectives import choose_reference, make_preference_loss, with_reference
 from fsdp_jax.app.objectives.preference_run import is_preference, load_pairs, precompute_ref_logps, preference_spec
-from fsdp_jax.app.trainer import lora_state
+from fsdp_jax.app.trainer import lora_state, nvme_run
 from fsdp_jax.app.trainer.build import (
     build_from_config,
     lora_dropout,
@@ -86,6 +86,7 @@ class Run:
     start_step: int = 0  # steps (batches) done before this run started
     setup_s: float = 0.0  # wall seconds train() spent in setup (for goodput)
     lora_base: dict | None = None  # a LoRA run's base fingerprint (`lora_state`), saved with each checkpoint
+    nvme: Any = None  # offload: optimizer:nvme: the NvmeStep (also `train_step`); `state` is its live state
 
 
 # ------------------------------------------------------------------------------- checks
@@ -95,7 +96,7 @@ def check_offload(cfg: Config) -> None:
     """ConfigError naming `offload` / `remat` when they move state or activations to host
     memory and this backend has none; naming FSDP_JAX_HOST_MEMORY when it is not a size."""
     try:
-        offload_lib.check_supported(cfg.offload, jax.devices())
+        offload_lib.check_supported("none" if nvme_run.uses_nvme(cfg) else cfg.offload, jax.devices())
     except offload_lib.OffloadError as e:
         raise ConfigError("offload", str(e).removeprefix("offload: ")) from None
     stated_host_memory()  # a bad FSDP_JAX_HOST_MEMORY fails here, offload or not, before anything is written
@@ -223,7 +224,7 @@ def _build(p: _Draft) -> None:
     """The plan, abstract state and steps; then the offloaded state against this node's
     host memory (`fsdp_jax.app.host_memory`), before any state exists or a file is written."""
     p.built = build_from_config(p.cfg, p.model, p.optimizer, p.mesh, loss_fn=p.loss_fn)
-    if offload_lib.get_offload(p.cfg.offload).any:
+    if not nvme_run.uses_nvme(p.cfg) and offload_lib.get_offload(p.cfg.offload).any:
         check_host_memory(offload_lib.host_bytes_per_process(p.built.abstract_state), p.cfg.offload)
 
 
@@ -274,6 +275,10 @@ def _state(p: _Draft) -> None:
         state = built.init_state(rng)
     if is_preference(cfg) and cfg.preference.precompute_ref_log_probs and preference_spec(cfg).needs_reference:
         precompute_ref_logps(cfg, p.model, built.plan, state.params, resumed=restored is not None)
+    train_step, nvme = built.train_step, None
+    if nvme_run.uses_nvme(cfg):  # the stacked optimizer state to the layer files (rebuilt on every start)
+        state, nvme = nvme_run.start(cfg, built, p.loss_fn, state, run_dir)
+        train_step = nvme
     p.run = Run(
         cfg,
         p.mesh,
@@ -282,7 +287,7 @@ def _state(p: _Draft) -> None:
         p.schedule,
         built.plan,
         state,
-        built.train_step,
+        train_step,
         built.eval_step,
         p.loss_fn,
         run_dir,
@@ -292,6 +297,7 @@ def _state(p: _Draft) -> None:
         restored,
         start,
         lora_base=lora_base if lora else None,
+        nvme=nvme,
     )
 
 

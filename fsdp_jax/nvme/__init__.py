@@ -1,0 +1,11 @@
+"""Offload to local disks (`offload: optimizer:nvme`): the optimizer state of the scanned
+layers in one file per layer, streamed through a per-layer update.
+
+layer_files  the files: layout of a layer's shards, dir checks and claims, direct I/O + CRC
+step         the train step over them: grads, then read i+1 | update i | write i-1
+"""
+
+from fsdp_jax.nvme.layer_files import LayerFiles, Layout
+from fsdp_jax.nvme.step import NVME_OFFLOADS, NvmeStep, check_streamable
+
+__all__ = ["NVME_OFFLOADS", "LayerFiles", "Layout", "NvmeStep", "check_streamable"]

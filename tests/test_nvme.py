@@ -1,0 +1,279 @@
+"""`offload: optimizer:nvme`: the stacked optimizer state in one file per layer.
+
+Parity runs in a child process on XLA:CPU's default emitters, as tests/test_stream_update.py
+explains (this suite's legacy emitters contract FMAs by fusion boundary)."""
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from test_offload import ROOT, tiny_llama
+
+import fsdp_jax as fj
+from fsdp_jax.checkpoint import direct_io
+from fsdp_jax.errors import OffloadError
+from fsdp_jax.nvme import LayerFiles, Layout, check_streamable
+from fsdp_jax.nvme import layer_files as lf_lib
+from fsdp_jax.train.build import build
+from helpers import TINY_RUN_OVERRIDES, json_child
+
+# The child: per strategy, 3 steps without offload, and with nvme: 2 steps, the whole state
+# gathered out of the files and put into a fresh NvmeStep (as a resume from a checkpoint
+# does), a third step; prints losses and the leaves that differ.
+_CHILD = r"""
+import json, os, sys, tempfile
+import jax
+jax.config.update("jax_num_cpu_devices", 8)
+sys.path.insert(0, "tests")
+import numpy as np, optax
+from test_offload import ROOT, STRATEGY_MESH, tiny_llama, token_batches
+jax.config.update("jax_compilation_cache_dir", str(ROOT / ".jax_cache"))
+import fsdp_jax as fj
+from fsdp_jax.train.build import build
+from fsdp_jax.nvme import NvmeStep
+
+OPT = {"adamw": lambda: optax.adamw(1e-3, weight_decay=0.1), "sgd": lambda: optax.sgd(0.5, momentum=0.9)}
+out = {}
+for strategy, opt in json.loads(sys.argv[1]):
+    m, loss_fn = tiny_llama()
+    mesh = fj.make_mesh(**STRATEGY_MESH[strategy])
+    b = build(m, OPT[opt](), mesh, strategy, loss_fn=loss_fn)
+    state, ref_losses = b.init_state(jax.random.key(0)), []
+    batches = token_batches(3, 8)
+    for x in batches:
+        state, mt = b.train_step(state, x)
+        ref_losses.append(float(mt["loss"]))
+    with tempfile.TemporaryDirectory() as d1, tempfile.TemporaryDirectory() as d2:
+        nv = NvmeStep(b, loss_fn, [d1, d2], owner="t")
+        live, losses = nv.put(b.init_state(jax.random.key(0))), []
+        for x in batches[:2]:
+            live, mt = nv.train_step(live, x)
+            losses.append(float(mt["loss"]))
+        whole = nv.gather(live)
+        nv.close()
+        nv = NvmeStep(b, loss_fn, [d1, d2], owner="t")  # the same dirs, claimed by the same run
+        live = nv.put(whole)
+        live, mt = nv.train_step(live, batches[2])
+        losses.append(float(mt["loss"]))
+        got = nv.gather(live)
+        files = sorted(os.listdir(d1) + os.listdir(d2))
+    a = jax.tree_util.tree_flatten_with_path((state.params, state.opt_state))[0]
+    bb = jax.tree.leaves((got.params, got.opt_state))
+    differ = {
+        jax.tree_util.keystr(p): int((np.asarray(x) != np.asarray(y)).sum())
+        for (p, x), y in zip(a, bb) if not np.array_equal(np.asarray(x), np.asarray(y))
+    }
+    out[f"{strategy}/{opt}"] = dict(ref=ref_losses, got=losses, differ=differ, leaves=len(a), files=files,
+                                    layer_bytes=nv.layout.nbytes, steps=int(got.step))
+print(json.dumps(out))
+"""
+FAST = [["full_shard", "adamw"]]
+STRATEGIES = [[s, "sgd"] for s in ("shard_grad_op", "shard_opt", "no_shard", "hybrid_shard")]
+
+
+def parity(cases):
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_cpu_use_fusion_emitters")]
+    env = dict(os.environ, XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu")
+    return json_child(_CHILD, json.dumps(cases), env=env)
+
+
+def assert_exact(r):
+    assert r["got"] == r["ref"] and r["ref"][-1] < r["ref"][0]
+    assert r["leaves"] > 0 and r["differ"] == {}, r["differ"]
+    assert r["steps"] == 3
+
+
+def test_nvme_trains_and_resumes_bit_for_bit():
+    r = parity(FAST)["full_shard/adamw"]
+    assert_exact(r)
+    # the tiny decoder's 2 layers striped over the two dirs, one claim per dir
+    assert r["files"] == ["fsdp_jax_nvme.p0.json"] * 2 + ["layer00000.p0.bin", "layer00001.p0.bin"]
+
+
+@pytest.mark.slow
+def test_every_strategy_trains_bit_for_bit():
+    for r in parity(STRATEGIES).values():
+        assert_exact(r)
+
+
+# ------------------------------------------------------------------ the files, bad input
+
+
+def stacked(n_layers=3, mesh=None):
+    mesh = mesh or fj.make_mesh(fsdp=8)
+    s = NamedSharding(mesh, P(None, "fsdp"))
+    return [jax.ShapeDtypeStruct((n_layers, 64, 8), np.float32, sharding=s) for _ in range(2)]
+
+
+def test_layout_is_aligned_and_shards_once():
+    lay = Layout.of(stacked())
+    assert len(lay.entries) == 16 and all(e.offset % direct_io.ALIGN == 0 for e in lay.entries)
+    assert lay.nbytes == 16 * direct_io.ALIGN  # 8 x 8 x 4 bytes per shard, each padded to a block
+    with pytest.raises(OffloadError, match="shards its layer dim"):
+        Layout.of([jax.ShapeDtypeStruct((8, 4), np.float32, sharding=NamedSharding(fj.make_mesh(fsdp=8), P("fsdp")))])
+
+
+def test_write_read_and_a_changed_file(tmp_path):
+    files = LayerFiles.open([tmp_path], Layout.of(stacked()), owner="a")
+    buf = files.buffer()
+    buf[:] = np.arange(buf.size) % 251
+    files.write(1, buf)
+    back = files.buffer()
+    np.testing.assert_array_equal(files.read(1, back), buf)
+    with open(files.path(1), "r+b") as f:
+        f.seek(100)
+        f.write(b"\xff")
+    with pytest.raises(OSError, match="changed under the run"):
+        files.read(1, back)
+
+
+def test_bad_dirs_are_one_line_and_nothing_is_written(tmp_path):
+    lay = Layout.of(stacked())
+    with pytest.raises(OffloadError, match="does not exist"):
+        LayerFiles.open([tmp_path / "nope"], lay, owner="a")
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(OffloadError, match="not a directory"):
+        LayerFiles.open([tmp_path / "f"], lay, owner="a")
+    with pytest.raises(OffloadError, match="at least one directory"):
+        LayerFiles.open([], lay, owner="a")
+    d = tmp_path / "d"
+    d.mkdir()
+    LayerFiles.open([d], lay, owner="a").write(0, np.zeros(lay.nbytes, np.uint8))
+    before = {p.name: p.read_bytes() for p in d.iterdir()}
+    with pytest.raises(OffloadError, match="another run"):
+        LayerFiles.open([d], lay, owner="b")
+    with pytest.raises(OffloadError, match="another state shape"):
+        LayerFiles.open([d], Layout.of(stacked(n_layers=5)), owner="a")
+    assert {p.name: p.read_bytes() for p in d.iterdir()} == before  # nothing overwritten
+    stray = tmp_path / "stray"
+    stray.mkdir()
+    (stray / "layer00007.p0.bin").write_bytes(b"x")
+    with pytest.raises(OffloadError, match="no claim"):
+        LayerFiles.open([stray], lay, owner="a")
+
+
+def test_too_little_space_names_the_bytes(tmp_path, monkeypatch):
+    lay = Layout.of(stacked())
+
+    class Tiny:
+        f_bavail, f_frsize = 2, 4096
+
+    monkeypatch.setattr(lf_lib.os, "statvfs", lambda _: Tiny)
+    with pytest.raises(OffloadError, match=f"needs {3 * lay.nbytes} bytes"):
+        LayerFiles.open([tmp_path], lay, owner="a")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_disk_full_on_write_is_one_line(tmp_path, monkeypatch):
+    files = LayerFiles.open([tmp_path], Layout.of(stacked()), owner="a")
+
+    def full(path, a):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(direct_io, "write_file", full)
+    with pytest.raises(OSError, match="the disk is full"):
+        files.write(0, files.buffer())
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm")
+def test_a_dir_on_tmpfs_warns():
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
+        if lf_lib.fs_type(Path(d)) != "tmpfs":
+            pytest.skip("/dev/shm is not tmpfs here")
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            LayerFiles.open([d], Layout.of(stacked()), owner="a")
+        assert any("memory, not a disk" in str(x.message) for x in w)
+
+
+def test_an_optimizer_it_cannot_stream_is_refused():
+    m, loss_fn = tiny_llama()
+    b = build(m, optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)), fj.make_mesh(fsdp=8), "full_shard")
+    with pytest.raises(OffloadError, match="updates one layer at a time from disk, but the optimizer update uses"):
+        check_streamable(b, {})
+    with pytest.raises(OffloadError, match="random numbers"):
+        check_streamable(build(m, optax.adam(1e-3), fj.make_mesh(fsdp=8), "full_shard"), {"rng": 0})
+
+
+# ------------------------------------------------------------------ the trainer, kill -9
+
+# The trainer's command in a child whose `n`-th layer-file write kills the process (SIGKILL),
+# mid-step (the files then hold layers of two different steps), once the checkpoint dir
+# `argv[2]` is committed (the save is asynchronous).
+_KILL_CHILD = r"""
+import os, runpy, signal, sys, time
+from fsdp_jax.nvme import layer_files
+n, ckpt, write, count = int(sys.argv[1]), sys.argv[2], layer_files.LayerFiles.write, [0]
+def killing_write(self, i, buf):
+    count[0] += 1
+    if count[0] == n:
+        for _ in range(600):
+            if os.path.isdir(ckpt):
+                break
+            time.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return write(self, i, buf)
+layer_files.LayerFiles.write = killing_write
+sys.argv = ["train", *sys.argv[3:]]
+runpy.run_path("scripts/train.py", run_name="__main__")
+"""
+
+
+def _losses(run_dir):
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+@pytest.mark.slow
+def test_kill_9_mid_step_then_the_same_command_resumes_exactly(corpus, tmp_path):
+    def args(name, offload="optimizer:nvme"):
+        d = tmp_path / f"{name}_nvme"
+        d.mkdir(exist_ok=True)
+        over = TINY_RUN_OVERRIDES + [f"data.path={corpus}", f"run_dir={tmp_path / name}", f"offload={offload}"]
+        return [
+            "--config",
+            "configs/tiny.yaml",
+            *over,
+            f"offload_dirs={d}",
+            "train.steps=4",
+            "train.checkpoint_every=2",
+        ]
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+
+    def run(code_args, **kw):
+        return subprocess.run([sys.executable, *code_args], cwd=ROOT, env=env, capture_output=True, text=True, **kw)
+
+    straight = run(["scripts/train.py", *args("straight")])
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    plain = run(["scripts/train.py", *args("plain", "none")])
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    # 2 layers: 2 writes at start, 2 per step; the 10th is layer 1 of step 4 (layer 0 written)
+    killed = run(["-c", _KILL_CHILD, "10", str(tmp_path / "kill" / "checkpoints" / "2"), *args("kill")])
+    assert killed.returncode == -signal.SIGKILL
+    assert sorted(p.name for p in (tmp_path / "kill" / "checkpoints").iterdir() if p.name.isdigit()) == ["2"]
+    again = run(["scripts/train.py", *args("kill")])
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "resuming from checkpoint step 2" in again.stdout
+    want = _losses(tmp_path / "straight")
+    assert sorted(want) == [1, 2, 3, 4] and _losses(tmp_path / "kill") == want
+    np.testing.assert_allclose(
+        [want[k] for k in range(1, 5)], [_losses(tmp_path / "plain")[k] for k in range(1, 5)], rtol=1e-6
+    )
+    # another run's command on the same dir: one line, exit 2, the files untouched
+    before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "kill_nvme").iterdir()}
+    other = run(["scripts/train.py", *args("other")[:-2], f"offload_dirs={tmp_path / 'kill_nvme'}", "train.steps=4"])
+    assert other.returncode == 2 and "another run" in other.stderr and len(other.stderr.strip().splitlines()) == 1
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "kill_nvme").iterdir()} == before
