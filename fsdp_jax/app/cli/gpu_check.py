@@ -30,6 +30,7 @@ import fsdp_jax as fj
 from fsdp_jax.app.cli.args import add_config, check_out_file
 from fsdp_jax.app.cli.command import run_command
 from fsdp_jax.app.cli.flags import Parser, UsageError, int_in
+from fsdp_jax.app.cli.gpu_paths import PATHS, SMOKE
 from fsdp_jax.app.config import load_config  # not trainer.setup: it imports grain, which GPU machines lack
 from fsdp_jax.app.models.config import DecoderConfig
 from fsdp_jax.app.models.decoder import count_params, flops_per_token
@@ -89,7 +90,6 @@ def throughput(config: str, steps: int, overrides: list[str], smoke: bool = Fals
 
 
 def _smoke_model() -> list[str]:
-    from fsdp_jax.app.cli.gpu_paths import SMOKE
 
     return [o for o in SMOKE if not o.startswith("precision")]
 
@@ -173,7 +173,6 @@ def run(args) -> int:
         f"{jax.devices()[0].device_kind}",
         flush=True,
     )
-    from fsdp_jax.app.cli.gpu_paths import PATHS
 
     results, ok = {}, True
     checks = {

@@ -18,8 +18,24 @@ GPU-only kernel for its XLA twin and shrinks the model, so the plumbing runs whe
 
 from __future__ import annotations
 
+import importlib.util
 import statistics
 import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import fsdp_jax as fj
+from fsdp_jax.app.config import load_config  # not trainer.setup: it imports grain: it imports grain
+from fsdp_jax.app.planner.abstract_step import build_step, sample_batch
+from fsdp_jax.attention.cudnn import cudnn_kernel
+from fsdp_jax.attention.flash import flash_context_attention
+from fsdp_jax.attention.kernels import reference_kernel
+from fsdp_jax.attention.ring import context_attention
+from fsdp_jax.hlo.memory import compiled_memory
 
 # A small Llama for the path checks: 4 layers of d 512 at seq 1024, bf16 compute, dots remat.
 SMALL = [
@@ -66,11 +82,6 @@ TOLERANCE = 1e-2  # relative loss difference per step, bf16 compute (XLA vs the 
 def run_steps(cfg, steps: int = STEPS, seed: int = 0) -> dict:
     """`steps` train steps of the trainer's step for `cfg` on all local devices, from key(0)
     and one random batch (`sample_batch`): per-step losses, step times, compiled memory."""
-    import jax
-    import numpy as np
-
-    from fsdp_jax.app.planner.abstract_step import build_step, sample_batch
-    from fsdp_jax.hlo.memory import compiled_memory
 
     build = build_step(cfg, cfg.mesh.strategy)
     state = build.init_state(jax.random.key(0))
@@ -95,12 +106,11 @@ def run_steps(cfg, steps: int = STEPS, seed: int = 0) -> dict:
 
 
 def _pair(base: list[str], kernel: list[str], xla: list[str], smoke: bool) -> dict:
-    from fsdp_jax.app.config import load_config as load_run_config  # not trainer.setup: it imports grain
 
     extra = SMOKE if smoke else []
     runs = {}
     for name, over in (("kernel", [] if smoke else kernel), ("xla", xla)):
-        cfg = load_run_config("configs/llama_1b.yaml", [*base, *extra, "data.source=none", *over])
+        cfg = load_config("configs/llama_1b.yaml", [*base, *extra, "data.source=none", *over])
         runs[name] = run_steps(cfg)
     a, b = runs["kernel"]["losses"], runs["xla"]["losses"]
     rel = [abs(x - y) / abs(y) for x, y in zip(a, b)]
@@ -128,7 +138,6 @@ def lora(smoke: bool = False) -> dict:
 
 def tokamax_moe(smoke: bool = False) -> dict:
     """tokamax's grouped GEMMs (Mosaic GPU on sm90) on an 8-expert top-2 MoE vs `ragged_dot`."""
-    import importlib.util
 
     if importlib.util.find_spec("tokamax") is None:
         return {"skipped": "tokamax is not installed (scripts/gpu_check.sh carries its wheel in .whl/)"}
@@ -143,7 +152,6 @@ def tokamax_moe(smoke: bool = False) -> dict:
 def offload(smoke: bool = False) -> dict:
     """Step time with the optimizer state in pinned host memory (whole, and streamed layer by
     layer) against none; the transfers' share is (t - t_none) / t."""
-    from fsdp_jax.app.config import load_config as load_run_config  # not trainer.setup: it imports grain
 
     runs = {}
     for off in ("none", "optimizer", "optimizer:streamed"):
@@ -151,7 +159,7 @@ def offload(smoke: bool = False) -> dict:
         if smoke:
             over.append("model.attention=xla")
         try:
-            runs[off] = run_steps(load_run_config("configs/llama_1b.yaml", over), steps=4)
+            runs[off] = run_steps(load_config("configs/llama_1b.yaml", over), steps=4)
         except Exception as e:  # one setting failing leaves the others' numbers
             runs[off] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
     base = runs["none"].get("step_s_median")
@@ -167,17 +175,6 @@ def ring_cudnn(smoke: bool = False) -> dict:
     """cuDNN per ring block (`ring_cudnn.cudnn_kernel`, plain and packed) in one device's program
     (mesh.context=1: the ring of one block, its own CAUSAL / PADDING_CAUSAL call) against the XLA
     ring (`context_attention`): the loss sum(o^2) and its grads for q, k, v, over 3 draws."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    import fsdp_jax as fj
-    from fsdp_jax.attention.cudnn import cudnn_kernel
-    from fsdp_jax.attention.flash import flash_context_attention
-    from fsdp_jax.attention.kernels import reference_kernel
-    from fsdp_jax.attention.ring import context_attention
 
     b, s, h, kvh, dh = (2, 64, 4, 2, 16) if smoke else (2, 2048, 8, 2, 128)
     dt = jnp.float32 if smoke else jnp.bfloat16

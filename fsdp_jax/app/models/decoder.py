@@ -35,11 +35,12 @@ from fsdp_jax.app.models import lora as lora_lib
 from fsdp_jax.app.models.attention import attend_capped, attention, rope, segment_mask, softcap
 from fsdp_jax.app.models.config import DecoderConfig
 from fsdp_jax.app.models.moe import MoE, moe_active_params, moe_params, zero_stats
+from fsdp_jax.app.models.norm import RMSNorm, normal_param
 from fsdp_jax.app.models.parts import DEFAULT_PARTS, BlockParts
 from fsdp_jax.app.models.rope import apply_rope, rope_tables
 from fsdp_jax.attention import RING_KERNELS, context_attention, flash_context_attention, splash_attention
 from fsdp_jax.errors import ConfigError
-from fsdp_jax.sharding.axes import BATCH, EMBED, HEADS, KV, KV_HEADS, LAYERS, LENGTH, MLP, NORM, VOCAB
+from fsdp_jax.sharding.axes import BATCH, EMBED, HEADS, KV, KV_HEADS, LAYERS, LENGTH, MLP, VOCAB
 from fsdp_jax.sharding.context import context_size
 from fsdp_jax.sharding.precision import matmul, take
 from fsdp_jax.sharding.remat import get_policy
@@ -75,46 +76,18 @@ def _rows(x):
     return x if context_size() > 1 else x.reshape(-1, x.shape[-1])
 
 
-_init = nnx.initializers.normal(0.02)
-
-
-def _param(rngs: nnx.Rngs, shape, names, init=_init):
-    return nnx.Param(nnx.with_partitioning(init, names)(rngs.params(), shape))
-
-
-class RMSNorm(nnx.Module):
-    """RMSNorm over the last dim in float32, scaled by w (or by 1 + w: `plus_one`, with w
-    drawn N(0, 0.02) from `rngs`, not 0: a zero w's relative change over a step is
-    rounding noise wherever its gradient is near 0, which verify.py's check reads as
-    divergence)."""
-
-    def __init__(self, dim: int, eps: float, plus_one: bool = False, rngs: nnx.Rngs | None = None):
-        if plus_one:
-            self.scale = _param(rngs, (dim,), (NORM,))
-        else:
-            self.scale = nnx.Param(nnx.with_partitioning(nnx.initializers.ones, (NORM,))(None, (dim,)))
-        self.eps = eps
-        self.plus_one = plus_one
-
-    def __call__(self, x):
-        x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        w = self.scale[...].astype(jnp.float32)
-        return (y * (1.0 + w if self.plus_one else w)).astype(x.dtype)
-
-
 class Attention(nnx.Module):
     def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
         d, h, kvh, dh = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.wq = _param(rngs, (d, h, dh), (EMBED, HEADS, KV))
-        self.wk = _param(rngs, (d, kvh, dh), (EMBED, KV_HEADS, KV))
-        self.wv = _param(rngs, (d, kvh, dh), (EMBED, KV_HEADS, KV))
-        self.wo = _param(rngs, (h, dh, d), (HEADS, KV, EMBED))
+        self.wq = normal_param(rngs, (d, h, dh), (EMBED, HEADS, KV))
+        self.wk = normal_param(rngs, (d, kvh, dh), (EMBED, KV_HEADS, KV))
+        self.wv = normal_param(rngs, (d, kvh, dh), (EMBED, KV_HEADS, KV))
+        self.wo = normal_param(rngs, (h, dh, d), (HEADS, KV, EMBED))
         if cfg.qkv_bias:  # drawn like the weights: softmax ignores a per-query constant, so
             # a k bias gets tiny gradients (RoPE aside) and from zero would move by noise
-            self.bq = _param(rngs, (h, dh), (HEADS, KV))
-            self.bk = _param(rngs, (kvh, dh), (KV_HEADS, KV))
-            self.bv = _param(rngs, (kvh, dh), (KV_HEADS, KV))
+            self.bq = normal_param(rngs, (h, dh), (HEADS, KV))
+            self.bk = normal_param(rngs, (kvh, dh), (KV_HEADS, KV))
+            self.bv = normal_param(rngs, (kvh, dh), (KV_HEADS, KV))
         if cfg.qk_norm:
             self.q_norm = RMSNorm(dh, cfg.norm_eps, cfg.norm_plus_one, rngs)
             self.k_norm = RMSNorm(dh, cfg.norm_eps, cfg.norm_plus_one, rngs)
@@ -209,9 +182,9 @@ class Attention(nnx.Module):
 
 class FeedForward(nnx.Module):
     def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
-        self.w_gate = _param(rngs, (cfg.d_model, cfg.ffn_dim), (EMBED, MLP))
-        self.w_up = _param(rngs, (cfg.d_model, cfg.ffn_dim), (EMBED, MLP))
-        self.w_down = _param(rngs, (cfg.ffn_dim, cfg.d_model), (MLP, EMBED))
+        self.w_gate = normal_param(rngs, (cfg.d_model, cfg.ffn_dim), (EMBED, MLP))
+        self.w_up = normal_param(rngs, (cfg.d_model, cfg.ffn_dim), (EMBED, MLP))
+        self.w_down = normal_param(rngs, (cfg.ffn_dim, cfg.d_model), (MLP, EMBED))
         self.gelu = cfg.mlp_activation == "gelu_pytorch_tanh"
 
     def __call__(self, x, dropout_key=None):  # (B, S, D)
@@ -284,7 +257,7 @@ class Decoder(nnx.Module):
         self.cfg = cfg
         self.remat = remat
         get_policy(remat)  # fail early on an unknown name
-        self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), (VOCAB, EMBED))
+        self.embed = normal_param(rngs, (cfg.vocab_size, cfg.d_model), (VOCAB, EMBED))
         if lora is not None and lora_lib.target_problem(cfg, lora):
             raise ConfigError(*lora_lib.target_problem(cfg, lora))
         if lora is not None and lora_lib.expert_dropout(cfg, lora):
@@ -303,7 +276,7 @@ class Decoder(nnx.Module):
             self.blocks = nnx.List([Block(cfg, rngs, parts=parts) for _ in range(cfg.n_layers)])
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_plus_one, rngs)
         if not cfg.tie_word_embeddings:
-            self.head = _param(rngs, (cfg.d_model, cfg.vocab_size), (EMBED, VOCAB))
+            self.head = normal_param(rngs, (cfg.d_model, cfg.vocab_size), (EMBED, VOCAB))
         if lora is not None and not cfg.scan_layers:  # last, as in a scanned Block
             for blk in self.segments if cfg.n_experts else self.blocks:
                 lora_lib.attach(blk, cfg, lora, rngs)

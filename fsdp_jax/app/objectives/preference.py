@@ -34,6 +34,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 LOSSES = ("dpo", "ipo", "hinge", "simpo", "orpo")
 REFERENCE_FREE = ("simpo", "orpo")
@@ -169,7 +170,6 @@ def _mean_nll(logits, targets, mask, p):
 def finish_metrics(auxes) -> dict[str, float]:
     """Record fields from step aux dicts (leaves may carry a leading microbatch dim): pair
     metrics averaged, `logits/*` as token-weighted means (DPOTrainer's)."""
-    import numpy as np
 
     if not auxes:
         return {}
