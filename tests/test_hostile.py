@@ -168,6 +168,22 @@ OUT_OF_RANGE: dict[str, typing.Any] = {
     "logging.wandb_project": None,
     "logging.wandb_run_name": None,
     "offload": "everything",
+    "lora.base_quant": "nf3",
+    "lora.quant_block": 0,
+    "lora.double_quant": None,
+    "model.family": None,  # any registered family; an unknown one is refused at model build (tests/test_families.py)
+    "objective": "ppo",
+    "preference.beta": 0.0,
+    "preference.label_smoothing": 0.5,
+    "preference.simpo_gamma": None,
+    "preference.cpo_alpha": -1.0,
+    "preference.max_length": -1,
+    "preference.truncation": "keep_middle",
+    "preference.tokenizer": None,
+    "preference.prompt_key": None,
+    "preference.chosen_key": None,
+    "preference.rejected_key": None,
+    "preference.precompute_ref_log_probs": None,
     "offload_dirs": None,  # any string: its dirs are checked when offload is optimizer:nvme (tests/test_nvme.py)
 }
 

@@ -52,24 +52,6 @@ def constrain(x, names):
     return nn.with_logical_constraint(x, names)
 
 
-def _embed_updates_layout(g):
-    """The lookup's cotangent (B, S, D) with D sharded as the table's grad (the axes EMBED
-    maps to) and B over the batch axes left: one all-to-all from the activations' layout and
-    none to the table's (with B over all batch axes, hybrid_shard's table, over fsdp and
-    replicated over data, made the partitioner rematerialise the cotangent whole)."""
-    rules = tuple(nn.get_logical_axis_rules())
-    embed = next((a for n, a in rules if n == EMBED), None)
-    taken = set((embed,) if isinstance(embed, str) else embed or ())
-
-    def left(axes):
-        kept = tuple(a for a in ((axes,) if isinstance(axes, str) else axes or ()) if a not in taken)
-        return kept or None
-
-    first = ((EMBED, embed),) + tuple((n, a if n == EMBED else left(a)) for n, a in rules)
-    with nn.logical_axis_rules(first):
-        return constrain(g, (BATCH, LENGTH, EMBED))
-
-
 def _rows(x):
     """(B, S, D) -> (B*S, D): flat rows, XLA:CPU's fast matmul path (docs/design.md); kept
     (B, S, D) when the sequence is split over `context` (merging two sharded dims moves data)."""
@@ -293,7 +275,7 @@ class Decoder(nnx.Module):
         # Gather the table over its embed dim before the lookup, as for any FSDP
         # param; left sharded, the partitioner turns the gather into all-to-alls.
         emb = constrain(self.embed[...], (VOCAB, None))  # (V, D)
-        x = take(emb, tokens, lambda g: constrain(g, (VOCAB, EMBED)), _embed_updates_layout).astype(emb.dtype)
+        x = take(emb, tokens, lambda g: constrain(g, (VOCAB, EMBED))).astype(emb.dtype)
         if cfg.embed_scale:  # sqrt(D) rounded to the compute dtype, as transformers does
             x = x * jnp.asarray(np.float32(cfg.d_model**0.5), emb.dtype)
         x = constrain(x, (BATCH, LENGTH, EMBED))
