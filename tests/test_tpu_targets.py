@@ -177,7 +177,14 @@ def test_tiny_compiles_for_two_v5p_slices(capsys):
     )
     assert rc == 0, err[-3000:]
     doc = json.loads(out)
-    assert doc["target"] == {"name": "v5p", "hosts": 2, "gpus_per_host": 4, "topology_name": "2x2x1", "libtpu_args": ""}
+    assert doc["target"] == {
+        "name": "v5p",
+        "hosts": 2,
+        "gpus_per_host": 4,
+        "topology_name": "2x2x1",
+        "libtpu_args": "",
+        "cluster": None,
+    }
     assert doc["device_memory"] == targets.device_memory("v5p")
     fs, hs = doc["strategies"]["full_shard"], doc["strategies"]["hybrid_shard"]
     assert fs["platform"] == hs["platform"] == "tpu"
