@@ -337,6 +337,8 @@ def test_recompute_per_remat_policy_by_hand(cfg):
     host = predict_step(with_remat("dots"), "h100", 8, res)
     assert host["host_s"] == pytest.approx(0.1)  # 5 GB at 50 GB/s, not hidden
     assert host["step_s"] == pytest.approx(dots["step_s"] + 0.1, rel=1e-3)
+    # the band is +-15% around the step it reports, the transfers included (issue 56 item 4)
+    assert host["band_s"] == pytest.approx([host["step_s"] * 0.85, host["step_s"] * 1.15], rel=1e-3)
     # each target's own host link (perf_tables.json): A100 PCIe Gen4, a TPU chip's (scaling-book: v5p 15, v6e 32)
     for target, gb_per_s in (("a100", 25), ("v5p", 15), ("v6e", 32)):
         other = predict_step(with_remat("dots"), target, 8, res)

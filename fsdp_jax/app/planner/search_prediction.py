@@ -14,7 +14,7 @@ import numpy as np
 from fsdp_jax.app.models.decoder import count_params
 from fsdp_jax.app.models.lora import adapter_param_count, spec_from_config
 from fsdp_jax.app.planner.residuals import rematerialised
-from fsdp_jax.app.planner.step_time import predict, roofline_constants
+from fsdp_jax.app.planner.step_time import BAND, predict, roofline_constants
 from fsdp_jax.sharding.precision import Policy
 from fsdp_jax.sharding.remat import FORWARD
 
@@ -97,6 +97,8 @@ def predict_step(cfg, target_name: str, n_devices: int, result: dict[str, Any]) 
     scale = p["step_s"] / step if step else 1.0
     p.update(
         step_s=g(step),
+        # the band is +-BAND around the step it reports, host transfers and recompute included
+        band_s=[g(step * (1 - BAND)), g(step * (1 + BAND))],
         # from the op walk: scale the plan's own figure (`step` is rebuilt from the rounded step_s)
         tokens_per_s_per_gpu=g(p["tokens_per_s_per_gpu"] * scale if ops else tokens / step),
         tflops_per_gpu=g(p["tflops_per_gpu"] * scale),
