@@ -3,6 +3,10 @@
 against the layout; an involuntary rematerialization is named by its HLO instruction in both
 wordings XLA uses (never `? ?`)."""
 
+import json
+
+import pytest
+
 from fsdp_jax.app.planner.report import embedding_gradient, explicit_all_to_all, sharding_warnings
 from fsdp_jax.hlo.findings import involuntary_rematerializations, rematerialization_warning
 from helpers import call
@@ -96,3 +100,25 @@ def test_experts_over_fsdp_inspect_without_the_all_to_all_warning(capsys):
     )  # fmt: skip
     assert rc == 0, err
     assert "all-to-all" in out and "warning: activations resharded" not in out, out[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("hosts", [2, 4])
+def test_bf16_reference_model_plans_without_a_rematerialization_over_every_host_split(hosts, capsys):
+    """Issue 56 item 3: hybrid_shard over 2 or 4 hosts of the 8 devices (data 2 x fsdp 4, data 4 x
+    fsdp 2) used to rematerialise the embedding lookup's cotangent whole on every device (a
+    batch over data x fsdp meeting a table over fsdp, replicated over data); the decoder now
+    lays it out for the scatter-add (`decoder.embed_updates_layout`). full_shard and
+    shard_grad_op in the same compile child, on the H100 target, with bf16 compute (an f32
+    model takes `jnp.take`'s own transpose and never showed it)."""
+    rc, out, err = call(
+        "plan", "--config", "configs/tiny.yaml", "--devices", "8", "--target", "h100", "--hosts", hosts,
+        "--strategies", "full_shard,shard_grad_op,hybrid_shard", "--json",
+        "precision=params=float32,compute=bfloat16", capsys=capsys,
+    )  # fmt: skip
+    assert rc == 0, err[-3000:]
+    doc = json.loads(out)
+    assert set(doc["strategies"]) == {"full_shard", "shard_grad_op", "hybrid_shard"}
+    for name, r in doc["strategies"].items():
+        bad = [w for w in r.get("warnings", []) if "rematerialization" in w or "activations resharded" in w]
+        assert not bad, (name, bad)
