@@ -40,14 +40,11 @@ import numpy as np
 from fsdp_jax.checkpoint import direct_io
 from fsdp_jax.checkpoint.manifest import SHARD_INDEX_GLOB as INDEX_GLOB
 from fsdp_jax.checkpoint.manifest import tree_paths
+from fsdp_jax.errors import ShardFileError
 
 WORKERS = 8  # files written / file pieces read at once (the CRC-32 and file I/O release the GIL)
 AHEAD = 2  # leaves whose files are read while one is assembled
 INDEX = "shards.{}.json"
-
-
-class ShardFileError(ValueError):
-    """A shard file that does not match its index (missing, resized or changed)."""
 
 
 class Piece(NamedTuple):
