@@ -234,16 +234,20 @@ CONVENTIONAL_ALIASES = {
 
 def test_imports_keep_their_own_names():
     """No import alias to an old or short name (`targets.gpu as targets`, `hf.load as hf`,
-    `rules as rl`, `lora as lora_lib`): a module or name is imported as itself, apart from
+    `rules as rl`, `lora as lora_lib`) in the package, its scripts, benchmarks and examples
+    (the tests keep theirs): a module or name is imported as itself, apart from
     the conventional third-party aliases above (one alias each). Where its own name is taken
     in the importing module, import the names it uses instead."""
+    root = PKG.parent
+    sources = [*PKG.rglob("*.py"), *(root / "scripts").glob("*.py")]
+    sources += [*(root / "benchmarks").glob("*.py"), *(root / "examples").glob("*.py")]
     bad = []
-    for path, _ in _library_modules():
+    for path in sources:
         for node in ast.walk(ast.parse(path.read_text())):
             if not isinstance(node, (ast.Import, ast.ImportFrom)):
                 continue
             for a in node.names:
                 full = a.name if isinstance(node, ast.Import) else f"{node.module}.{a.name}"
                 if a.asname and a.asname != a.name.split(".")[-1] and CONVENTIONAL_ALIASES.get(full) != a.asname:
-                    bad.append(f"{path.relative_to(PKG.parent)}:{node.lineno}: {full} as {a.asname}")
+                    bad.append(f"{path.relative_to(root)}:{node.lineno}: {full} as {a.asname}")
     assert not bad, "import aliases (import the module under its own name):\n" + "\n".join(bad)
