@@ -8,10 +8,11 @@ Two kinds, and a command's exit code follows the kind (`fsdp_jax.app.cli`):
   run directory another trainer holds. One line; exit code 1.
 
 Each message is one line that names what is wrong (`one_line` makes any exception's
-message fit that). The classes are re-exported by the modules that raise them
-(`fsdp_jax.sharding.mesh.MeshError`, `fsdp_jax.checkpoint.CheckpointError`, ...), so either
-import path works. The application's errors live here too (the library raises none
-of them); this module imports nothing from the project.
+message fit that). Every exception and warning class of the project is defined here
+(`tests/test_layering.py` holds it) and imported from here; the public faces re-export the
+ones their users catch (`fsdp_jax.MeshError`, `fsdp_jax.checkpoint.CheckpointError`, ...).
+The application's errors live here too (the library raises none of them); this module
+imports nothing from the project.
 """
 
 from __future__ import annotations
