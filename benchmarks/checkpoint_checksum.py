@@ -27,7 +27,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from fsdp_jax import checkpoint as ck  # noqa: E402
+from fsdp_jax import checkpoint  # noqa: E402
 
 
 def main() -> None:
@@ -48,7 +48,7 @@ def main() -> None:
     nbytes = sum(x.nbytes for x in state.values())
     root = Path(tempfile.mkdtemp(dir=args.dir))
     try:
-        c = ck.Checkpointer(root / "ckpts", keep=None, async_save=False)
+        c = checkpoint.Checkpointer(root / "ckpts", keep=None, async_save=False)
         t = time.perf_counter()
         c.save(1, state)
         c.close()
@@ -57,11 +57,11 @@ def main() -> None:
         files = [f for item in ("state", "extras") for f in (step / item).rglob("*") if f.is_file()]
         t = time.perf_counter()
         for f in files:
-            ck.file_crc32(f)
+            checkpoint.file_crc32(f)
         crc_s = time.perf_counter() - t
         target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
         t = time.perf_counter()
-        r = ck.Checkpointer(root / "ckpts", read_only=True).restore(target)
+        r = checkpoint.Checkpointer(root / "ckpts", read_only=True).restore(target)
         jax.block_until_ready(r.state)
         restore_s = time.perf_counter() - t
         on_disk = sum(f.stat().st_size for f in files)

@@ -43,9 +43,8 @@ import numpy as np  # noqa: E402
 from jax.sharding import SingleDeviceSharding  # noqa: E402
 
 from benchmarks.checkpoint_write_paths import GIB, abstract, dd, drop_page_cache, make_state, timed  # noqa: E402
-from fsdp_jax import checkpoint as ck  # noqa: E402
-from fsdp_jax.checkpoint import direct_io  # noqa: E402
-from fsdp_jax.checkpoint import shard_files as sf  # noqa: E402
+from fsdp_jax import checkpoint  # noqa: E402
+from fsdp_jax.checkpoint import direct_io, shard_files  # noqa: E402
 
 
 def new_memory() -> None:
@@ -56,7 +55,7 @@ def new_memory() -> None:
 def read_ceiling(state_dir: Path):
     """A function reading every file's aligned bulk with O_DIRECT (8 threads) into memory
     faulted in beforehand (here, untimed)."""
-    files = [state_dir / e["file"] for m in sf.read_index(state_dir).values() for e in m["files"]]
+    files = [state_dir / e["file"] for m in shard_files.read_index(state_dir).values() for e in m["files"]]
     sizes = [f.stat().st_size // direct_io.ALIGN * direct_io.ALIGN for f in files]
     bufs = [direct_io.aligned_empty((n,), np.uint8) for n in sizes]
     for b in bufs:
@@ -72,7 +71,7 @@ def read_ceiling(state_dir: Path):
             os.close(fd)
 
     def run():
-        with cf.ThreadPoolExecutor(sf.WORKERS) as pool:
+        with cf.ThreadPoolExecutor(shard_files.WORKERS) as pool:
             list(pool.map(one, range(len(files))))
 
     return run
@@ -85,7 +84,7 @@ def restore(root: Path, target, whole_files: bool):
         real = direct_io.PIECE
         direct_io.PIECE = 1 << 62 if whole_files else real
         try:
-            jax.block_until_ready(ck.Checkpointer(root, read_only=True).restore(target).state)
+            jax.block_until_ready(checkpoint.Checkpointer(root, read_only=True).restore(target).state)
         finally:
             direct_io.PIECE = real
 
@@ -105,7 +104,7 @@ def main() -> None:
     try:
         targets = {}
         for name, st in (("8_devices", state8), ("1_device", state1)):
-            c = ck.Checkpointer(d / name, keep=None, async_save=False)
+            c = checkpoint.Checkpointer(d / name, keep=None, async_save=False)
             c.save(1, st)
             c.close()
             targets[name] = abstract(st)

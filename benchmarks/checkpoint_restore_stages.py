@@ -40,9 +40,8 @@ import numpy as np  # noqa: E402
 from zlib_ng import zlib_ng  # noqa: E402
 
 from benchmarks.checkpoint_write_paths import GIB, abstract, make_state  # noqa: E402
-from fsdp_jax import checkpoint as ck  # noqa: E402
-from fsdp_jax.checkpoint import direct_io  # noqa: E402
-from fsdp_jax.checkpoint import shard_files as sf  # noqa: E402
+from fsdp_jax import checkpoint  # noqa: E402
+from fsdp_jax.checkpoint import direct_io, shard_files  # noqa: E402
 
 
 def dd(d: Path, args: list[str]) -> float:
@@ -68,7 +67,7 @@ def stages(state_dir: Path, mapping: str) -> dict[str, float]:
     """Seconds per stage, summed over the files, each file read serially."""
     out = dict(alloc=0.0, read=0.0, crc_zlib=0.0, crc_zlib_ng=0.0)
     keep = []
-    for m in sf.read_index(state_dir).values():
+    for m in shard_files.read_index(state_dir).values():
         for e in m["files"]:
             t0 = time.perf_counter()
             mm = mmap.mmap(-1, e["bytes"], **MAPPINGS[mapping])
@@ -100,7 +99,7 @@ def restore(root: Path, target, earlier: bool) -> dict[str, float]:
     gc.collect()  # the previous restore's buffers, which jax frees when Python's gc runs
     try:
         r0, t = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-        got = ck.Checkpointer(root, read_only=True).restore(target)
+        got = checkpoint.Checkpointer(root, read_only=True).restore(target)
         jax.block_until_ready(got.state)
         wall, r1 = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF)
     finally:
@@ -121,7 +120,7 @@ def main() -> None:
     state = make_state()
     d = Path(tempfile.mkdtemp(dir=Path(args.dir).absolute()))
     try:
-        c = ck.Checkpointer(d / "ckpt", keep=None, async_save=False)
+        c = checkpoint.Checkpointer(d / "ckpt", keep=None, async_save=False)
         c.save(1, state)
         c.close()
         target = abstract(state)

@@ -105,9 +105,9 @@ def abstract(state, memory_kind: str | None = None):
 def checkpointer_paths(state, host_state) -> dict:
     """name -> fn(dir): each Checkpointer payload's synchronous save (files, CRC-32 manifest,
     commit), then its restore (manifest check + read + CRC verification) onto the same layout."""
-    from fsdp_jax import checkpoint as ck
+    from fsdp_jax import checkpoint
 
-    Checkpointer = ck.Checkpointer  # imports Orbax (~2 s, once per process) before any path is timed
+    Checkpointer = checkpoint.Checkpointer  # imports Orbax (~2 s, once per process) before any path is timed
 
     def save(payload, st):
         def fn(d):

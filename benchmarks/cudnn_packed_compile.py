@@ -26,13 +26,13 @@ def main() -> int:
     from jax.sharding import PartitionSpec as P
 
     from fsdp_jax.app.models.attention import attention
-    from fsdp_jax.targets import gpu as targets
+    from fsdp_jax.targets import gpu
 
     # jax asks the *default* backend (CPU here) for the compute capability; the target
     # is an H100 (sm_90), so answer for it
     fa.check_compute_capability = lambda c: tuple(int(x) for x in c.split(".")) <= (9, 0)
 
-    dev = targets.gpu_devices("h100", 1, 1)
+    dev = gpu.gpu_devices("h100", 1, 1)
     mesh = jax.sharding.Mesh(dev, ("d",))
     rep = NamedSharding(mesh, P())
     b, s, h, kv, dh = 2, 256, 8, 2, 64

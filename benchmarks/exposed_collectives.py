@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         if not eq or not isinstance(variants[name], dict):
             print(f"error: --variant {v!r}: give NAME=<JSON object of compile options>", file=sys.stderr)
             return 2
-    from fsdp_jax.targets import gpu as targets
+    from fsdp_jax.targets import gpu
 
     req = {
         "config": str(Path(args.config).resolve()),
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         "device_memory": int(args.device_memory_gb * 1e9) if args.device_memory_gb else None,
         "variants": variants,
     }
-    env = targets.child_env(
+    env = gpu.child_env(
         dict(
             os.environ,
             PYTHONPATH=os.pathsep.join(

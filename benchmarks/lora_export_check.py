@@ -23,7 +23,7 @@ import numpy as np  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-from fsdp_jax.app.cli.export import main as export  # noqa: E402
+from fsdp_jax.app.cli import export  # noqa: E402
 from fsdp_jax.app.trainer.build import lora_spec, trainer_model  # noqa: E402
 from fsdp_jax.app.trainer.loop import train  # noqa: E402
 from fsdp_jax.app.trainer.setup import load_run_config  # noqa: E402
@@ -54,8 +54,8 @@ def main(work: Path, only: list[str]) -> None:
         over = RUN + lora + [f"data.path={corpus}", f"run_dir={work / name}", f"init_from=hf:{GOLDEN / 'hf' / base}"]
         cfg = load_run_config(ROOT / "configs" / "hf_tiny_finetune.yaml", over)
         params = jax.device_get(train(cfg, progress=False)["run"].state.params)
-        assert export([str(work / name), "--peft", str(work / f"{name}_adapter")]) == 0
-        assert export([str(work / name), "--hf", str(work / f"{name}_merged")]) == 0
+        assert export.main([str(work / name), "--peft", str(work / f"{name}_adapter")]) == 0
+        assert export.main([str(work / name), "--hf", str(work / f"{name}_merged")]) == 0
         tokens = np.asarray(SafetensorsFile(GOLDEN / "peft" / f"{name}_logits.safetensors").read("tokens"))
         logits = np.asarray(jax.jit(trainer_model(cfg.model, "none", lora_spec(cfg)).apply)(params, tokens), np.float32)
         arrays = {"tokens": tokens, "logits": logits}

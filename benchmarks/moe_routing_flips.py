@@ -70,7 +70,7 @@ def measure(cfg, strategy: str, n: int, steps: int, seed: int) -> dict:
     from fsdp_jax.app.trainer.optim import build_optimizer
     from fsdp_jax.app.verify_batches import verify_batches
     from fsdp_jax.model.fns import adapt_model  # as verify: the shard_model adapter
-    from fsdp_jax.sharding import rules as rl
+    from fsdp_jax.sharding import rules
     from fsdp_jax.sharding.mesh import make_mesh
     from fsdp_jax.train.build import build
     from fsdp_jax.verify.compare import strategy_mesh_shape
@@ -100,7 +100,7 @@ def measure(cfg, strategy: str, n: int, steps: int, seed: int) -> dict:
     ref = train(one, "no_shard")
     shape = strategy_mesh_shape(strategy, n)
     other = train(make_mesh(*shape, devices=devs[:n]), strategy)
-    paths = [rl.path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(p0)[0]]
+    paths = [rules.path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(p0)[0]]
 
     captured = []
     route = moe.route
@@ -127,7 +127,7 @@ def measure(cfg, strategy: str, n: int, steps: int, seed: int) -> dict:
         g = jax.device_get(grad(start, batch))
         norm = float(np.sqrt(sum(np.sum(np.square(x, dtype=np.float64)) for x in jax.tree.leaves(g))))
         scale = min(1.0, cfg.optimizer.clip_norm / norm) if cfg.optimizer.clip_norm else 1.0
-        leaf = dict((rl.path_str(q), x) for q, x in jax.tree_util.tree_flatten_with_path(g)[0])[path]
+        leaf = dict((rules.path_str(q), x) for q, x in jax.tree_util.tree_flatten_with_path(g)[0])[path]
         d = np.abs(a - r).ravel()
         top = np.argsort(-d)[:3]
         return int((d > 1e-5).sum()), [float(abs(leaf.ravel()[j]) * scale) for j in top]

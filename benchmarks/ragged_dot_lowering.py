@@ -17,14 +17,14 @@ import sys
 
 
 def child(tokens: int, d: int, f: int, experts: int) -> None:
-    from fsdp_jax.targets import gpu as targets
+    from fsdp_jax.targets import gpu
 
-    targets.enable_in_process()
+    gpu.enable_in_process()
     import jax
     import jax.numpy as jnp
     from jax.sharding import SingleDeviceSharding
 
-    sh = SingleDeviceSharding(targets.gpu_devices("h100", 1, 1)[0])
+    sh = SingleDeviceSharding(gpu.gpu_devices("h100", 1, 1)[0])
     spec = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt, sharding=sh)  # noqa: E731
     programs = {
         "ragged_dot": jax.jit(jax.lax.ragged_dot).lower(
@@ -64,9 +64,9 @@ def main(argv=None) -> int:
     if args.child:
         child(args.tokens, args.d, args.f, args.experts)
         return 0
-    from fsdp_jax.targets import gpu as targets
+    from fsdp_jax.targets import gpu
 
-    env = targets.child_env(dict(os.environ))
+    env = gpu.child_env(dict(os.environ))
     extra = sys.argv[1:] if argv is None else list(argv)
     return subprocess.run([sys.executable, __file__, *extra, "--child"], env=env).returncode
 

@@ -27,17 +27,17 @@ from flax import nnx  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import fsdp_jax as fj  # noqa: E402
-from fsdp_jax.sharding import axes as ax  # noqa: E402
+from fsdp_jax.sharding import axes  # noqa: E402
 
 D, H, C, BATCH = 64, 256, 16, 32
-BATCH_AXES = (ax.DATA, ax.FSDP)
+BATCH_AXES = (axes.DATA, axes.FSDP)
 
 
 class MLP(nnx.Module):
     def __init__(self, rngs: nnx.Rngs):
         init = nnx.initializers.lecun_normal()
-        self.w1 = nnx.Param(nnx.with_partitioning(init, (ax.EMBED, ax.MLP))(rngs.params(), (D, H)))
-        self.head = nnx.Param(nnx.with_partitioning(init, (ax.MLP, ax.EMBED))(rngs.params(), (H, C)))
+        self.w1 = nnx.Param(nnx.with_partitioning(init, (axes.EMBED, axes.MLP))(rngs.params(), (D, H)))
+        self.head = nnx.Param(nnx.with_partitioning(init, (axes.MLP, axes.EMBED))(rngs.params(), (H, C)))
 
 
 def per_device(fn, out_specs):

@@ -8,10 +8,11 @@ Two kinds, and a command's exit code follows the kind (`fsdp_jax.app.cli`):
   run directory another trainer holds. One line; exit code 1.
 
 Each message is one line that names what is wrong (`one_line` makes any exception's
-message fit that). The classes are re-exported by the modules that raise them
-(`fsdp_jax.sharding.mesh.MeshError`, `fsdp_jax.checkpoint.CheckpointError`, ...), so either
-import path works. The application's errors live here too (the library raises none
-of them); this module imports nothing from the project.
+message fit that). Every exception and warning class of the project is defined here
+(`tests/test_layering.py` holds it) and imported from here; the public faces re-export the
+ones their users catch (`fsdp_jax.MeshError`, `fsdp_jax.checkpoint.CheckpointError`, ...).
+The application's errors live here too (the library raises none of them); this module
+imports nothing from the project.
 """
 
 from __future__ import annotations
@@ -54,11 +55,15 @@ class VerifyError(ValueError):
 
 
 class TargetError(ValueError):
-    """Bad target input (unknown name, topology that does not divide) or a missing plugin."""
+    """Bad target input (unknown name, topology that does not divide) or a missing plugin
+    (`MissingExtra`)."""
 
 
-class PluginMissing(TargetError):
-    """The compile-only plugin (CUDA) or libtpu is not installed for this jax."""
+class MissingExtra(TargetError, ImportError):
+    """An optional install is missing: a feature's optional package (`fsdp_jax[plot]`,
+    pyarrow, ...) or the compile-only CUDA plugin / libtpu for this jax. The message says
+    how to install it. An `ImportError` (a missing package) and a `TargetError` (a target
+    compile without its plugin), as the two classes it replaces were."""
 
 
 class TopologyError(ValueError):
@@ -73,6 +78,10 @@ class XlaFlagsError(ValueError):
 class SafetensorsError(ValueError):
     """A file that is not valid safetensors, or a tensor it does not hold. The message
     is one line naming the file."""
+
+
+class ShardFileError(ValueError):
+    """A shard file that does not match its index (missing, resized or changed)."""
 
 
 class CheckpointError(ValueError):
@@ -109,6 +118,12 @@ class ReplicatedWarning(UserWarning):
 # ------------------------------------------------------------------ application (fsdp_jax.app)
 
 
+class UsageError(ValueError):
+    """Flags that parse one by one but not together (`--bin` without `--val-bin`): a
+    command's body raises it before any work; `run_command` prints `error: <message>`,
+    as the parser does, and returns exit code 2."""
+
+
 class ConfigError(ValueError):
     """A bad config value; `key` is the dotted key (or file) the message names."""
 
@@ -135,10 +150,6 @@ class PlanError(ValueError):
 
 class SearchError(PlanError):
     """Bad search input: an empty search space or an impossible constraint (exit code 2)."""
-
-
-class MissingExtra(ImportError):
-    """A feature's optional package is not installed; the message says how to install it."""
 
 
 class TrainingDiverged(RuntimeError):

@@ -13,7 +13,8 @@ from test_hostile_flags import BAD_FLAG_VALUES, BASE_ARGS, TAIL_ARGS, _fill
 
 from fsdp_jax.app.cli import command as command_lib
 from fsdp_jax.app.cli import entry
-from fsdp_jax.app.cli.flags import Parser, UsageError
+from fsdp_jax.app.cli.flags import Parser
+from fsdp_jax.errors import UsageError
 from helpers import one_line
 
 ROOT = Path(__file__).resolve().parents[1]

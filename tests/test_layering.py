@@ -164,3 +164,90 @@ def test_no_private_name_is_imported_across_modules():
                     if a.name.startswith("_") and not (target / f"{a.name}.py").is_file() and node.module != me:
                         bad.append(f"{path.relative_to(PKG.parent)}:{node.lineno}: {node.module}.{a.name}")
     assert not bad, "private names imported across modules:\n" + "\n".join(bad)
+
+
+def _classes() -> list[tuple[Path, ast.ClassDef]]:
+    return [
+        (p, n) for p, _ in _library_modules() for n in ast.walk(ast.parse(p.read_text())) if isinstance(n, ast.ClassDef)
+    ]
+
+
+def test_errors_live_in_the_errors_module():
+    """Every exception (and warning) class the project defines is in `fsdp_jax/errors.py`;
+    the modules that raise them import them from there."""
+    import builtins
+
+    exceptions = {n for n, v in vars(builtins).items() if isinstance(v, type) and issubclass(v, BaseException)}
+    classes = _classes()
+    changed = True
+    while changed:  # a class is an exception when one of its bases is (by name, to a fixed point)
+        bases = {c.name for _, c in classes if any(_base_name(b) in exceptions for b in c.bases)}
+        changed = not bases <= exceptions
+        exceptions |= bases
+    elsewhere = [f"{p.relative_to(PKG.parent)}:{c.lineno} {c.name}" for p, c in classes if c.name in exceptions]
+    elsewhere = [e for e in elsewhere if not e.startswith("fsdp_jax/errors.py:")]
+    assert len(exceptions) > 20 and not elsewhere, elsewhere
+
+
+def _base_name(node: ast.expr) -> str:
+    return node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", "")
+
+
+def test_one_class_per_name():
+    """One word per idea: no class name is defined twice in the package (one `Target`, the
+    compile target; LoRA's weight with an adapter is `AdaptedWeight`)."""
+    seen: dict[str, list[str]] = {}
+    for p, c in _classes():
+        seen.setdefault(c.name, []).append(str(p.relative_to(PKG.parent)))
+    assert not {k: v for k, v in seen.items() if len(v) > 1}
+
+
+# Aliases kept: conventional short names of third-party modules, and names of third-party
+# modules whose own name would say less or clash (`fsdp_jax` as `fj`, as in the examples).
+CONVENTIONAL_ALIASES = {
+    "numpy": "np",
+    "jax.numpy": "jnp",
+    "flax.linen": "nn",
+    "jax.sharding.PartitionSpec": "P",
+    "matplotlib.pyplot": "plt",
+    "pyarrow.parquet": "pq",
+    "orbax.checkpoint": "ocp",
+    "orbax.checkpoint.args": "ocp_args",
+    "orbax.checkpoint._src.futures.future": "_future",
+    "concurrent.futures": "cf",
+    "sentencepiece": "spm",
+    "tokenizers.Tokenizer": "HFTokenizer",
+    "zlib.crc32": "_crc32",
+    "zlib_ng.zlib_ng.crc32": "_crc32",
+    "zlib_ng.zlib_ng.crc32_combine": "_crc32_combine",
+    "jax.extend.core": "jcore",
+    "jax._src.config": "jax_config",
+    "jax._src.distributed": "jax_distributed",
+    "jax._src.cudnn.fused_attention_stablehlo": "fa",
+    "jax._src.cudnn.fused_attention_stablehlo.dot_product_attention": "cudnn_attn",
+    "jax.experimental.pallas.ops.tpu.splash_attention": "sa",
+    "jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_kernel": "sk_mod",
+    "jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_mask_info": "mi",
+    "fsdp_jax": "fj",
+}
+
+
+def test_imports_keep_their_own_names():
+    """No import alias to an old or short name (`targets.gpu as targets`, `hf.load as hf`,
+    `rules as rl`, `lora as lora_lib`) in the package, its scripts, benchmarks and examples
+    (the tests keep theirs): a module or name is imported as itself, apart from
+    the conventional third-party aliases above (one alias each). Where its own name is taken
+    in the importing module, import the names it uses instead."""
+    root = PKG.parent
+    sources = [*PKG.rglob("*.py"), *(root / "scripts").glob("*.py")]
+    sources += [*(root / "benchmarks").glob("*.py"), *(root / "examples").glob("*.py")]
+    bad = []
+    for path in sources:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            for a in node.names:
+                full = a.name if isinstance(node, ast.Import) else f"{node.module}.{a.name}"
+                if a.asname and a.asname != a.name.split(".")[-1] and CONVENTIONAL_ALIASES.get(full) != a.asname:
+                    bad.append(f"{path.relative_to(root)}:{node.lineno}: {full} as {a.asname}")
+    assert not bad, "import aliases (import the module under its own name):\n" + "\n".join(bad)

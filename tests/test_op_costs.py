@@ -214,6 +214,33 @@ def test_every_table_entry_names_its_source():
         perf_table("h9000")
 
 
+def test_mfu_peaks_are_the_tables():
+    """One peak table: the trainer's MFU divides by perf_tables.json's peaks (the figures of
+    the table perf.py held before, pinned), matched on jax's device_kind."""
+    from types import SimpleNamespace
+
+    from fsdp_jax.targets.perf import peak_flops
+    from fsdp_jax.targets.perf_tables import device_kind_peaks
+
+    def peak(kind, dtype="bfloat16"):
+        return peak_flops(SimpleNamespace(device_kind=kind), dtype)
+
+    assert peak("NVIDIA H100 80GB HBM3") == peak("NVIDIA H200") == H100["peak_flops"]["bf16"] == 989e12
+    assert peak("NVIDIA H100 80GB HBM3", "float32") == 67e12 and peak("NVIDIA H100", "float8_e4m3fn") == 989e12
+    assert (peak("NVIDIA A100-SXM4-80GB"), peak("NVIDIA A100-SXM4-80GB", "float32")) == (312e12, 19.5e12)
+    assert (peak("NVIDIA L4"), peak("NVIDIA L4", "float16"), peak("NVIDIA L4", "float32")) == (121e12, 121e12, 30.3e12)
+    assert [peak(k, d) for k in ("TPU v4", "TPU v5 lite", "TPU v5p") for d in ("bfloat16", "float32")] == [
+        275e12,
+        275e12,
+        197e12,
+        197e12,
+        459e12,
+        459e12,
+    ]
+    assert peak("cpu") is None and peak_flops(SimpleNamespace(device_kind="cpu"), override_tflops=2.0) == 2e12
+    assert set(device_kind_peaks()) == {"h100", "h200", "a100", "l4", "tpu v4", "tpu v5 lite", "tpu v5p"}
+
+
 def _table_sources():
     import json
     from importlib import resources

@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 import fsdp_jax as fj
 from fsdp_jax import checkpoint as ck
 from fsdp_jax.checkpoint import shard_files as sf
+from fsdp_jax.errors import ShardFileError
 
 HOST = "pinned_host"
 
@@ -114,7 +115,7 @@ def test_restore_casts_and_reads_only_the_needed_files(tmp_path, monkeypatch):
     read.clear()
     sub = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     assert sf.read_whole(tmp_path, "w").shape == (64, 4) and len(read) == 8
-    with pytest.raises(sf.ShardFileError, match=r"w saved \(64, 4\), wanted \(32, 4\)"):
+    with pytest.raises(ShardFileError, match=r"w saved \(64, 4\), wanted \(32, 4\)"):
         sf.read_tree(tmp_path, {"w": jax.ShapeDtypeStruct((32, 4), np.float32, sharding=sub)})
 
 
@@ -255,7 +256,7 @@ def test_a_flipped_byte_in_a_large_file_is_a_shard_file_error(tmp_path, monkeypa
     at = 2 * direct_io.ALIGN + 7 if where == "bulk" else len(blob) - 3
     blob[at] ^= 0x01
     f.write_bytes(bytes(blob))
-    with pytest.raises(sf.ShardFileError, match=rf"^{tmp_path.name}/{e['file']} has changed since it was saved"):
+    with pytest.raises(ShardFileError, match=rf"^{tmp_path.name}/{e['file']} has changed since it was saved"):
         sf.read_tree(tmp_path, t)
 
 
@@ -384,7 +385,7 @@ def test_a_flipped_byte_in_any_piece_is_caught(tmp_path, monkeypatch, direct, pi
     lo, hi = parts[{"first": 0, "middle": len(parts) // 2, "last": -1}[piece]]
     blob[(lo + hi) // 2] ^= 0x10
     f.write_bytes(bytes(blob))
-    with pytest.raises(sf.ShardFileError, match=rf"^{tmp_path.name}/{e['file']} has changed since it was saved"):
+    with pytest.raises(ShardFileError, match=rf"^{tmp_path.name}/{e['file']} has changed since it was saved"):
         sf.read_tree(tmp_path, t)
 
 
@@ -406,6 +407,6 @@ def test_a_file_cut_short_under_the_reads_is_a_short_read(tmp_path, monkeypatch,
         return real(path, a, lo, hi)
 
     monkeypatch.setattr(direct_io, "read_range", read_range)
-    with pytest.raises(sf.ShardFileError, match=rf"^{tmp_path.name}/{e['file']} has changed .*CRC-32 short read"):
+    with pytest.raises(ShardFileError, match=rf"^{tmp_path.name}/{e['file']} has changed .*CRC-32 short read"):
         sf.read_tree(tmp_path, t)
     assert cut

@@ -191,7 +191,7 @@ def test_child_env_names_a_kernel_cache_only_when_asked(tmp_path, gpu):
 
 def test_missing_plugin_names_the_install_command(monkeypatch, tmp_path):
     monkeypatch.setenv("FSDP_JAX_PLUGIN_DIR", str(tmp_path / "none"))
-    with pytest.raises(targets.PluginMissing, match="python -m fsdp_jax.targets install"):
+    with pytest.raises(targets.MissingExtra, match="python -m fsdp_jax.targets install"):
         targets.child_env()
 
 

@@ -47,8 +47,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
-from fsdp_jax.checkpoint import manifest as mf
-from fsdp_jax.checkpoint import orbax_logs, shard_files
+from fsdp_jax.checkpoint import manifest, orbax_logs, shard_files
 from fsdp_jax.checkpoint.manifest import ITEMS, MANIFEST, TMP_SUFFIX, shape_mismatches, tree_paths
 from fsdp_jax.checkpoint.shard_handler import ShardSave
 from fsdp_jax.errors import CheckpointError, CheckpointWriteError, one_line
@@ -191,7 +190,7 @@ class Checkpointer:
         # before it renames the tmp directory: the manifest commits with the checkpoint.
         step = self._in_flight.popleft()
         tmp = sorted(self.directory.glob(f"{step}{TMP_SUFFIX}*"))
-        mf.write_manifest(tmp[-1] if tmp else self.directory / str(step), step)
+        manifest.write_manifest(tmp[-1] if tmp else self.directory / str(step), step)
 
     def wait(self) -> None:
         """Block until the writes in flight are committed (raises CheckpointWriteError
@@ -236,7 +235,7 @@ class Checkpointer:
         sizes and CRC-32 checksums (manifests written before checksums: sizes only);
         else the problem (first missing, resized or changed file). Raises
         FileNotFoundError when the step has no manifest."""
-        return mf.check_files(self.step_dir(step))
+        return manifest.check_files(self.step_dir(step))
 
     def saved_metadata(self, step: int) -> dict[str, Any]:
         """{path: metadata with .shape and .dtype} of the saved state (the shard index, or orbax's)."""
@@ -285,7 +284,7 @@ class Checkpointer:
         failed: list[str] = []
         for s in [step] if step is not None else steps[::-1]:
             try:
-                problem = mf.check_files(self.step_dir(s), crc_checked_on_read=crc_on_read)
+                problem = manifest.check_files(self.step_dir(s), crc_checked_on_read=crc_on_read)
             except FileNotFoundError:
                 problem = None
                 notes.append(f"checkpoint step {s} has no {MANIFEST}: restoring it unverified")

@@ -38,16 +38,12 @@ import jax
 import numpy as np
 
 from fsdp_jax.checkpoint import direct_io
-from fsdp_jax.checkpoint.manifest import SHARD_INDEX_GLOB as INDEX_GLOB
-from fsdp_jax.checkpoint.manifest import tree_paths
+from fsdp_jax.checkpoint.manifest import SHARD_INDEX_GLOB, tree_paths
+from fsdp_jax.errors import ShardFileError
 
 WORKERS = 8  # files written / file pieces read at once (the CRC-32 and file I/O release the GIL)
 AHEAD = 2  # leaves whose files are read while one is assembled
 INDEX = "shards.{}.json"
-
-
-class ShardFileError(ValueError):
-    """A shard file that does not match its index (missing, resized or changed)."""
 
 
 class Piece(NamedTuple):
@@ -141,7 +137,7 @@ def write_shards(directory: str | os.PathLike, pieces: list[Piece], meta: dict[s
 def read_index(directory: str | os.PathLike) -> dict[str, dict]:
     """{leaf path: {shape, dtype, files: [...]}} over every process's index in `directory`."""
     leaves: dict[str, dict] = {}
-    indexes = sorted(Path(directory).glob(INDEX_GLOB))
+    indexes = sorted(Path(directory).glob(SHARD_INDEX_GLOB))
     if not indexes:
         raise ShardFileError(f"{directory}: no {INDEX.format('<process>')} index")
     for f in indexes:
@@ -152,7 +148,7 @@ def read_index(directory: str | os.PathLike) -> dict[str, dict]:
 
 
 def is_shard_dir(directory: str | os.PathLike) -> bool:
-    return any(Path(directory).glob(INDEX_GLOB))
+    return any(Path(directory).glob(SHARD_INDEX_GLOB))
 
 
 def metadata(directory) -> dict[str, jax.ShapeDtypeStruct]:

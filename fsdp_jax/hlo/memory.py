@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from fsdp_jax.hlo import schedule as hlo_lib
+from fsdp_jax.hlo import schedule
 from fsdp_jax.hlo.schedule import COLLECTIVES
 
 _COLLECTIVE_RE = {op: re.compile(rf"\s{op}(-start)?\(") for op in COLLECTIVES}
@@ -92,10 +92,10 @@ def collective_report(hlo: str) -> dict[str, Any]:
     times larger). Per-collective detail (phase, async, overlap, groups):
     `fsdp_jax.hlo.schedule.collective_schedule`.
     """
-    comps, _ = hlo_lib.parse_computations(hlo)
-    _, loops = hlo_lib.call_graph(comps)
+    comps, _ = schedule.parse_computations(hlo)
+    _, loops = schedule.call_graph(comps)
     report: dict[str, Any] = {"inside_loop": {}, "outside_loop": {}}
-    for c in hlo_lib.collective_schedule(hlo):
+    for c in schedule.collective_schedule(hlo):
         where = "inside_loop" if c["loop"] else "outside_loop"
         e = report[where].setdefault(
             c["op"], {"count": 0, "bytes": 0, "runs": 0, "bytes_per_step": 0, "dtypes": Counter(), "op_names": []}
@@ -109,7 +109,7 @@ def collective_report(hlo: str) -> dict[str, Any]:
     for where in ("inside_loop", "outside_loop"):
         for e in report[where].values():
             e["dtypes"] = dict(e["dtypes"])
-    report["per_step"] = hlo_lib.schedule_totals(hlo_lib.collective_schedule(hlo))
+    report["per_step"] = schedule.schedule_totals(schedule.collective_schedule(hlo))
     report["loops"] = loops
     return report
 

@@ -22,7 +22,7 @@ from flax.core import meta, unfreeze
 
 from fsdp_jax.errors import StateError
 from fsdp_jax.model.nnx_split import NnxSplit, abstract_of, pure_names
-from fsdp_jax.sharding import rules as rl
+from fsdp_jax.sharding import rules
 from fsdp_jax.sharding.flax_names import logical_axes_of
 
 
@@ -242,7 +242,7 @@ def _check_arrays(tree) -> None:
     for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
         if not (hasattr(x, "shape") and hasattr(x, "dtype")):
             raise TypeError(
-                f"shard_model: params leaf {rl.path_str(path) or '<root>'} is a "
+                f"shard_model: params leaf {rules.path_str(path) or '<root>'} is a "
                 f"{type(x).__name__}, not an array; keep only arrays in the params tree "
                 "(e.g. equinox: eqx.partition(model, eqx.is_array))"
             )

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import optax
 
 from fsdp_jax.model.fns import ModelFns, adapt_model
-from fsdp_jax.model.lora_eval import Ctx, Target, Tracked, call, delta_weight, split_dynamic
+from fsdp_jax.model.lora_eval import AdaptedWeight, Ctx, Tracked, call, delta_weight, split_dynamic
 from fsdp_jax.sharding.axes import LORA_RANK
 from fsdp_jax.sharding.leaf_sharding import path_str
 
@@ -54,10 +54,10 @@ def a_init(key, shape, fan_in: int, dtype=jnp.float32):
 class LoraModel(ModelFns):
     """A `ModelFns` whose params are `{"base", "lora"}` (see the module docstring).
 
-    `targets`: the weights with adapters (`Target`s); `skipped`: `{path: why}` for the
+    `targets`: the weights with adapters (`AdaptedWeight`s); `skipped`: `{path: why}` for the
     matrices left without one (used outside a product, or not matched); `scale`; `rank`."""
 
-    targets: tuple[Target, ...] = ()
+    targets: tuple[AdaptedWeight, ...] = ()
     skipped: Any = None
     scale: float = 1.0
     rank: int = 0
@@ -214,7 +214,7 @@ def _choose(paths, leaves, uses, targets) -> tuple[list[int], dict[str, str]]:
     return matched, rest
 
 
-def _target(path, leaf, use, rank) -> Target:
+def _target(path, leaf, use, rank) -> AdaptedWeight:
     _, contracted, free, depth, *more = use
     batch = more[0] if more else ()  # a batched product's W dims paired with the input's
     shape = tuple(leaf.shape)
@@ -224,7 +224,7 @@ def _target(path, leaf, use, rank) -> Target:
     lead = shape[:depth] + tuple(shape[d] for d in batch)
     a_shape = lead + tuple(shape[d] for d in contracted) + (rank,)
     b_shape = lead + (rank,) + tuple(shape[d] for d in free)
-    return Target(path, shape, contracted, free, a_shape, b_shape, depth, batch)
+    return AdaptedWeight(path, shape, contracted, free, a_shape, b_shape, depth, batch)
 
 
 def _abstract_lora(found) -> dict:
@@ -272,7 +272,7 @@ def _init(base_init, found, zero_b: bool = True):
     return init
 
 
-def _apply(base_apply, index: dict[int, Target], scale: float, dropout: float):
+def _apply(base_apply, index: dict[int, AdaptedWeight], scale: float, dropout: float):
     def apply(params, *args, lora_rng=None, **kwargs):
         flat, treedef = jax.tree.flatten(params["base"])
         tracked = [

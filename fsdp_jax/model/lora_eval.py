@@ -22,7 +22,7 @@ _HINTS = {"sharding_constraint", "copy", "copy_p"}
 
 
 @dataclasses.dataclass(frozen=True)
-class Target:
+class AdaptedWeight:
     """A weight with an adapter: its path, shape, the dims its products contract and the
     shapes of A (stack dims..., contracted dims..., r) and B (stack dims..., r, free dims...).
     `depth`: W's leading dims that scans slice off before the products (a scanned stack of
@@ -40,7 +40,7 @@ class Target:
     batch: tuple[int, ...] = ()
 
 
-def delta_weight(t: Target, a, b, sliced: int = 0) -> jax.Array:
+def delta_weight(t: AdaptedWeight, a, b, sliced: int = 0) -> jax.Array:
     """scale-free A B laid out as W (f32); `sliced`: stack dims already sliced off A and B."""
     ab = lambda a, b: jnp.tensordot(a, b, axes=1)  # noqa: E731  contracted dims..., free dims...
     for _ in range(t.depth - sliced + len(t.batch)):
@@ -83,7 +83,7 @@ class Tracked:
 @dataclasses.dataclass
 class Ctx:
     uses: dict | None  # probing: where to record each candidate's uses
-    index: dict | None  # evaluating: leaf index -> Target
+    index: dict | None  # evaluating: leaf index -> AdaptedWeight
     scale: float
     dropout: float = 0.0  # PEFT's lora_dropout on the adapters' input, where `key` is given
     key: Any = None

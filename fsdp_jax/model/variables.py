@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from fsdp_jax.errors import StateError
-from fsdp_jax.sharding import rules as rl
+from fsdp_jax.sharding import rules
 from fsdp_jax.sharding.leaf_sharding import spec_str
 
 
@@ -86,7 +86,7 @@ def check_structure(new, like, what: str) -> None:
     for (p, x), y in zip(jax.tree_util.tree_flatten_with_path(new)[0], jax.tree.leaves(like)):
         if tuple(jnp.shape(x)) != tuple(y.shape):
             raise StateError(
-                f"{what}: model state leaf {rl.path_str(p)} changed shape {tuple(y.shape)} -> {tuple(jnp.shape(x))}"
+                f"{what}: model state leaf {rules.path_str(p)} changed shape {tuple(y.shape)} -> {tuple(jnp.shape(x))}"
             )
 
 
@@ -121,7 +121,7 @@ def rows_lines(rows) -> list[str]:
 
 
 def _paths(tree) -> list[str]:
-    return [rl.path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]] or ["<root>"]
+    return [rules.path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]] or ["<root>"]
 
 
 def _describe(out) -> str:

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 
-from jax._src import distributed as jd
+from jax._src import distributed as jax_distributed
 from jax._src.lib import _jax
 
 from fsdp_jax.errors import one_line
@@ -75,7 +75,7 @@ def service_outside(linger_s: float):
     """Within the block, `jax.distributed.initialize` on process 0 starts its service in
     a child process. A JAX without the hook it replaces keeps its own service."""
 
-    lib = getattr(jd, "_jax", None)
+    lib = getattr(jax_distributed, "_jax", None)
     real = getattr(lib, "get_distributed_runtime_service", None)
     if real is None:
         yield

@@ -37,9 +37,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-import fsdp_jax.sharding.remat as remat_lib
 from fsdp_jax.errors import OffloadError
 from fsdp_jax.nvme.layer_files import LayerFiles, Layout
+from fsdp_jax.sharding import remat
 from fsdp_jax.sharding.offload import Offload
 from fsdp_jax.sharding.precision import Policy
 from fsdp_jax.train.build import Built
@@ -225,7 +225,7 @@ def _jit_grad_step(built: Built, loss_fn, labels, options: dict):
     policy = Policy.parse(options.get("precision"))
     microbatches, clip_norm = options.get("microbatches", 1), options.get("clip_norm")
     skip = options.get("skip_nonfinite", True)
-    loss_fn = jax.named_scope("forward")(remat_lib.with_remat(loss_fn, options.get("remat", "none")))
+    loss_fn = jax.named_scope("forward")(remat.with_remat(loss_fn, options.get("remat", "none")))
     pmarks = jax.tree.map(lambda m: LAYERED if m else FLAT, plan.layered)
 
     def step(state: TrainState, batch):

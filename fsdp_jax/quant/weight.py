@@ -28,7 +28,15 @@ import math
 import jax
 import numpy as np
 
-from fsdp_jax.quant import codes as C
+from fsdp_jax.quant.codes import (
+    DYNAMIC,
+    NF4,
+    blockwise_quantize,
+    int8_dequantize,
+    int8_quantize,
+    nf4_quantize,
+    unpack_nibbles,
+)
 
 SCHEMES = ("nf4", "int8")
 DQ_BLOCK = 256  # bitsandbytes' block for the double quantisation of the absmax
@@ -80,10 +88,10 @@ def _float(xp, b):
 def quantize(xp, w, spec: QuantSpec, depth: int = 0, n_in: int = 1) -> dict:
     """`w` (stack dims..., own dims...) as its quantised leaves (the module docstring)."""
     if spec.scheme == "int8":
-        codes, absmax = C.int8_quantize(xp, w, tuple(range(depth, depth + n_in)))
+        codes, absmax = int8_quantize(xp, w, tuple(range(depth, depth + n_in)))
         return {"codes": codes, "absmax": _bits(xp, absmax)}
     lead, last = tuple(w.shape[:-1]), w.shape[-1]
-    packed, absmax = C.nf4_quantize(xp, w, spec.block)  # blocks along the last dim: per layer = bnb's
+    packed, absmax = nf4_quantize(xp, w, spec.block)  # blocks along the last dim: per layer = bnb's
     codes = xp.reshape(packed, lead + (last // 2,))
     absmax = xp.reshape(absmax, lead + (last // spec.block,))
     if not spec.double:
@@ -105,7 +113,7 @@ def _double(xp, absmax):
     float32 mean on every golden); in JAX a float32 sum in XLA's order, which may differ in
     its last bit (then the codes are those of that offset; dequantising adds it back)."""
     offset = xp.mean(absmax.astype(xp.float64 if xp is np else xp.float32)).astype(xp.float32)
-    codes, absmax2 = C.blockwise_quantize(xp, absmax - offset, DQ_BLOCK)
+    codes, absmax2 = blockwise_quantize(xp, absmax - offset, DQ_BLOCK)
     return codes, absmax2, offset
 
 
@@ -114,9 +122,9 @@ def dequantize(xp, leaves: dict, spec: QuantSpec, dtype=np.float32):
     once to `dtype`, as bitsandbytes' dequantize does."""
     codes = leaves["codes"]
     if spec.scheme == "int8":
-        return C.int8_dequantize(xp, codes, _float(xp, leaves["absmax"])).astype(dtype)
+        return int8_dequantize(xp, codes, _float(xp, leaves["absmax"])).astype(dtype)
     absmax = _absmax(xp, leaves)
-    vals = xp.asarray(C.NF4)[C.unpack_nibbles(xp, codes).astype(xp.int32)]
+    vals = xp.asarray(NF4)[unpack_nibbles(xp, codes).astype(xp.int32)]
     return (vals * xp.repeat(absmax, spec.block, axis=-1)).astype(dtype)
 
 
@@ -131,7 +139,7 @@ def _absmax(xp, leaves: dict):
     pad = -m % DQ_BLOCK
     if pad:
         flat = xp.concatenate([flat, xp.zeros(stack + (pad,), flat.dtype)], axis=-1)
-    vals = xp.asarray(C.DYNAMIC)[flat.astype(xp.int32)]
+    vals = xp.asarray(DYNAMIC)[flat.astype(xp.int32)]
     vals = xp.reshape(vals, stack + (-1, DQ_BLOCK)) * absmax2[..., None]
     out = xp.reshape(vals, stack + (-1,))[..., :m] + offset[..., None]
     return xp.reshape(out, q.shape)

@@ -33,7 +33,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from fsdp_jax.errors import ShardingError, UnknownNamesWarning
-from fsdp_jax.sharding import axes as ax
+from fsdp_jax.sharding import axes
 from fsdp_jax.sharding.leaf_sharding import LeafSharding, MeshAxes, as_tuple, path_str
 from fsdp_jax.sharding.reasons import Note, Why
 
@@ -41,19 +41,19 @@ Rules = Mapping[str, MeshAxes]
 
 DEFAULT_RULES: Rules = {
     # activations
-    ax.BATCH: (ax.DATA, ax.FSDP),
-    ax.LENGTH: ax.CONTEXT,
+    axes.BATCH: (axes.DATA, axes.FSDP),
+    axes.LENGTH: axes.CONTEXT,
     # parameters
-    ax.EMBED: ax.FSDP,
-    ax.MLP: ax.TENSOR,
-    ax.HEADS: ax.TENSOR,
-    ax.KV_HEADS: ax.TENSOR,
-    ax.KV: None,
-    ax.VOCAB: ax.TENSOR,
-    ax.LAYERS: None,
-    ax.NORM: None,
-    ax.LORA_RANK: None,
-    ax.EXPERT: None,  # experts replicated over devices (their embed dim shards over fsdp)
+    axes.EMBED: axes.FSDP,
+    axes.MLP: axes.TENSOR,
+    axes.HEADS: axes.TENSOR,
+    axes.KV_HEADS: axes.TENSOR,
+    axes.KV: None,
+    axes.VOCAB: axes.TENSOR,
+    axes.LAYERS: None,
+    axes.NORM: None,
+    axes.LORA_RANK: None,
+    axes.EXPERT: None,  # experts replicated over devices (their embed dim shards over fsdp)
 }
 DEFAULT_MIN_SHARD_SIZE = 2**14  # elements; smaller unannotated leaves stay replicated
 
@@ -78,11 +78,11 @@ def axis_size(mesh: Mesh, axes_: MeshAxes) -> int:
 # group) then stay split over fsdp at rest and in compute (every strategy's spec keeps
 # them there, so no gather collects them), and no other dim of an expert weight also
 # shards over fsdp.
-LITERAL_NAMES = frozenset({ax.EXPERT})
+LITERAL_NAMES = frozenset({axes.EXPERT})
 
 
 def logical_to_spec(
-    names: Sequence[str | None], rules: Rules | None = None, shard_axes: Sequence[str] = (ax.FSDP,)
+    names: Sequence[str | None], rules: Rules | None = None, shard_axes: Sequence[str] = (axes.FSDP,)
 ) -> P:
     """PartitionSpec for logical dim `names` under `rules`.
 
@@ -97,7 +97,7 @@ def logical_to_spec(
     def claim(i: int, name: str | None, literal: bool) -> None:
         mapped: list[str] = []
         for a in as_tuple(rules.get(name) if name is not None else None):
-            for b in (a,) if literal or a != ax.FSDP else tuple(shard_axes):
+            for b in (a,) if literal or a != axes.FSDP else tuple(shard_axes):
                 if b not in used:
                     mapped.append(b)
         used.update(mapped)
@@ -119,7 +119,7 @@ def flax_rules(rules: Rules | None = None) -> tuple[tuple[str, MeshAxes], ...]:
 
 
 def merge_rules(
-    overrides: Mapping[str, Any] | None, base: Rules | None = None, mesh_axes: Sequence[str] = ax.MESH_AXES
+    overrides: Mapping[str, Any] | None, base: Rules | None = None, mesh_axes: Sequence[str] = axes.MESH_AXES
 ) -> dict[str, MeshAxes]:
     """`base` (default DEFAULT_RULES) with `overrides` on top. A value is a mesh axis
     name, a list/tuple of them, or None. Raises ShardingError naming the logical
@@ -162,7 +162,7 @@ def decide_leaf(
     names: Sequence[str | None] | None,
     mesh: Mesh,
     rules: Rules | None = None,
-    shard_axes: Sequence[str] = (ax.FSDP,),
+    shard_axes: Sequence[str] = (axes.FSDP,),
     min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
 ) -> tuple[P, tuple[Note, ...]]:
     """The spec of one leaf of `shape` and the structured reasons for it (no prose).
@@ -240,7 +240,7 @@ def plan_leaf(
     names: Sequence[str | None] | None,
     mesh: Mesh,
     rules: Rules | None = None,
-    shard_axes: Sequence[str] = (ax.FSDP,),
+    shard_axes: Sequence[str] = (axes.FSDP,),
     min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
 ) -> tuple[LeafSharding, str | None]:
     """`decide_leaf` as an `explain` row: (row, problem), where problem is a message
@@ -267,7 +267,7 @@ def explain(
     mesh: Mesh,
     logical_axes=None,
     rules: Rules | None = None,
-    shard_axes: Sequence[str] = (ax.FSDP,),
+    shard_axes: Sequence[str] = (axes.FSDP,),
     min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
     allow_unshardable: bool = False,
 ) -> list[LeafSharding]:
@@ -326,7 +326,7 @@ def warn_unknown_names(rows: Sequence[LeafSharding], mesh: Mesh) -> tuple[str, .
     if names:
         sizes = {a: int(n) for a, n in mesh.shape.items()}
         fix = ", ".join(f"{n!r}: {n!r}" if n in sizes else f"{n!r}: <mesh axis or None>" for n in names)
-        no_tp = f" (so no dim shards over tensor={sizes[ax.TENSOR]})" if sizes.get(ax.TENSOR, 1) > 1 else ""
+        no_tp = f" (so no dim shards over tensor={sizes[axes.TENSOR]})" if sizes.get(axes.TENSOR, 1) > 1 else ""
         warnings.warn(
             f"logical names not in the rules table get no mesh axis{no_tp}: {', '.join(names)}; "
             f"fix: rules={{**fsdp_jax.DEFAULT_RULES, {fix}}} (or mesh.rules in the YAML config)",

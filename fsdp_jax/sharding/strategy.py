@@ -28,13 +28,23 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fsdp_jax.sharding import axes as ax
-from fsdp_jax.sharding import offload as offload_lib
-from fsdp_jax.sharding import rules as rl
+from fsdp_jax.sharding import axes
+from fsdp_jax.sharding.leaf_sharding import LeafSharding
+from fsdp_jax.sharding.offload import at_rest, check_supported
 from fsdp_jax.sharding.replication import (
     DEFAULT_MAX_REPLICATED_FRACTION,
     DEFAULT_MIN_REPLICATED_BYTES,
     check_sufficiently_sharded,
+)
+from fsdp_jax.sharding.rules import (
+    DEFAULT_MIN_SHARD_SIZE,
+    DEFAULT_RULES,
+    Rules,
+    explain,
+    merge_rules,
+    plan_leaf,
+    specs_from_rows,
+    warn_unknown_names,
 )
 
 
@@ -51,7 +61,7 @@ class Strategy:
     description: str = ""
 
 
-_DP = (ax.DATA, ax.FSDP, ax.CONTEXT)  # context ranks share a batch shard: ZeRO over them too
+_DP = (axes.DATA, axes.FSDP, axes.CONTEXT)  # context ranks share a batch shard: ZeRO over them too
 STRATEGIES: dict[str, Strategy] = {
     s.name: s
     for s in (
@@ -68,9 +78,9 @@ STRATEGIES: dict[str, Strategy] = {
         Strategy("no_shard", (), (), (), description="DDP: everything replicated"),
         Strategy(
             "hybrid_shard",
-            (ax.FSDP, ax.CONTEXT),
-            (ax.FSDP, ax.CONTEXT),
-            (ax.FSDP, ax.CONTEXT),
+            (axes.FSDP, axes.CONTEXT),
+            (axes.FSDP, axes.CONTEXT),
+            (axes.FSDP, axes.CONTEXT),
             description="HSDP: sharded within fsdp, replicated over data",
         ),
     )
@@ -121,11 +131,11 @@ class ShardingPlan:
     grads: Any
     opt_state: Any
     batch: NamedSharding
-    rows: tuple[rl.LeafSharding, ...]
+    rows: tuple[LeafSharding, ...]
     rules: Any
     offload: str = "none"
     model_state: Any = None
-    state_rows: tuple[rl.LeafSharding, ...] = ()
+    state_rows: tuple[LeafSharding, ...] = ()
     layered: Any = None  # tree of bools: leaf stacked over scanned layers (logical `layers`)
 
     def replicated(self) -> NamedSharding:
@@ -142,7 +152,7 @@ def opt_state_shardings(
     param_specs,
     mesh: Mesh,
     shard_axes: Sequence[str],
-    min_shard_size: int = rl.DEFAULT_MIN_SHARD_SIZE,
+    min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
 ):
     """NamedShardings for `optimizer`'s state, derived from the params' specs.
 
@@ -158,13 +168,13 @@ def opt_state_shardings(
         p, spec = p_and_spec
         if tuple(np.shape(leaf)) == tuple(p.shape):
             return spec
-        row, _ = rl.plan_leaf("", np.shape(leaf), leaf.dtype, None, mesh, None, shard_axes, min_shard_size)
+        row, _ = plan_leaf("", np.shape(leaf), leaf.dtype, None, mesh, None, shard_axes, min_shard_size)
         return row.spec
 
     def non_param(leaf):
         if not hasattr(leaf, "shape"):
             return leaf
-        row, _ = rl.plan_leaf("", np.shape(leaf), leaf.dtype, None, mesh, None, shard_axes, min_shard_size)
+        row, _ = plan_leaf("", np.shape(leaf), leaf.dtype, None, mesh, None, shard_axes, min_shard_size)
         return row.spec
 
     paired = jax.tree.map(lambda p, s: (p, s), abstract_params, param_specs, is_leaf=lambda x: isinstance(x, P))
@@ -187,8 +197,8 @@ def make_plan(
     mesh: Mesh,
     strategy: str | Strategy = "full_shard",
     logical_axes=None,
-    rules: rl.Rules | None = None,
-    min_shard_size: int = rl.DEFAULT_MIN_SHARD_SIZE,
+    rules: Rules | None = None,
+    min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
     max_replicated_fraction: float | None = DEFAULT_MAX_REPLICATED_FRACTION,
     min_replicated_bytes: int = DEFAULT_MIN_REPLICATED_BYTES,
     offload: str = "none",
@@ -211,22 +221,22 @@ def make_plan(
     leaves replicated); None for a model without them.
     """
     s = get_strategy(strategy)
-    off = offload_lib.check_supported(offload, mesh.devices.flat)
+    off = check_supported(offload, mesh.devices.flat)
     rules = _resolved_rules(rules, mesh)
 
     def rows(shard_axes):
-        return rl.explain(abstract_params, mesh, logical_axes, rules, shard_axes, min_shard_size)
+        return explain(abstract_params, mesh, logical_axes, rules, shard_axes, min_shard_size)
 
-    cache: dict[tuple[str, ...], list[rl.LeafSharding]] = {}
+    cache: dict[tuple[str, ...], list[LeafSharding]] = {}
     for axes_ in {s.params, s.grads, s.opt_state, ()}:
         cache[axes_] = rows(axes_)
-    specs = {k: rl.specs_from_rows(abstract_params, v) for k, v in cache.items()}
-    rl.warn_unknown_names(cache[()], mesh)
+    specs = {k: specs_from_rows(abstract_params, v) for k, v in cache.items()}
+    warn_unknown_names(cache[()], mesh)
     if s.params and max_replicated_fraction is not None:
         check_sufficiently_sharded(cache[s.params], s.params, mesh, max_replicated_fraction, min_replicated_bytes)
     compute = specs[()] if s.gather_once else specs[s.params]
-    batch_axes = tuple(a for a in (ax.DATA, ax.FSDP) if a in mesh.shape)
-    params, opt_state = offload_lib.at_rest(
+    batch_axes = tuple(a for a in (axes.DATA, axes.FSDP) if a in mesh.shape)
+    params, opt_state = at_rest(
         _named(mesh, specs[s.params]),
         opt_state_shardings(optimizer, abstract_params, specs[s.opt_state], mesh, s.opt_state, min_shard_size),
         off,
@@ -251,12 +261,12 @@ def make_plan(
     )
 
 
-def _resolved_rules(rules: rl.Rules | None, mesh: Mesh) -> rl.Rules:
+def _resolved_rules(rules: Rules | None, mesh: Mesh) -> Rules:
     """`rules` validated against the mesh's axes, and lists (from YAML) as tuples, the form
     Flax's logical_axis_rules takes; the default table for None."""
     if rules is None:
-        return rl.DEFAULT_RULES
-    return rl.merge_rules(rules, {}, mesh_axes=tuple(dict.fromkeys(ax.MESH_AXES + tuple(mesh.axis_names))))
+        return DEFAULT_RULES
+    return merge_rules(rules, {}, mesh_axes=tuple(dict.fromkeys(axes.MESH_AXES + tuple(mesh.axis_names))))
 
 
 def _model_state_shardings(abstract_model_state, model_state_axes, mesh: Mesh, rules, shard_axes, min_shard_size):
@@ -266,11 +276,9 @@ def _model_state_shardings(abstract_model_state, model_state_axes, mesh: Mesh, r
     if abstract_model_state is None:
         return (), None
     state_rows = tuple(
-        rl.explain(
-            abstract_model_state, mesh, model_state_axes, rules, shard_axes, min_shard_size, allow_unshardable=True
-        )
+        explain(abstract_model_state, mesh, model_state_axes, rules, shard_axes, min_shard_size, allow_unshardable=True)
     )
-    return state_rows, _named(mesh, rl.specs_from_rows(abstract_model_state, state_rows))
+    return state_rows, _named(mesh, specs_from_rows(abstract_model_state, state_rows))
 
 
 def _layered(logical_axes):
@@ -279,10 +287,10 @@ def _layered(logical_axes):
     if logical_axes is None:
         return None
     return jax.tree.map(
-        lambda n: bool(n) and ax.LAYERS in n, logical_axes, is_leaf=lambda x: x is None or isinstance(x, tuple)
+        lambda n: bool(n) and axes.LAYERS in n, logical_axes, is_leaf=lambda x: x is None or isinstance(x, tuple)
     )
 
 
 def batch_divisor(mesh: Mesh) -> int:
     """The global batch must be a multiple of this (data x fsdp)."""
-    return mesh.shape.get(ax.DATA, 1) * mesh.shape.get(ax.FSDP, 1)
+    return mesh.shape.get(axes.DATA, 1) * mesh.shape.get(axes.FSDP, 1)

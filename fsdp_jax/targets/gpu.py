@@ -38,7 +38,7 @@ from pathlib import Path
 import jax
 from jax.experimental import topologies
 
-from fsdp_jax.errors import PluginMissing, TargetError
+from fsdp_jax.errors import MissingExtra, TargetError
 from fsdp_jax.targets import clusters, tpu
 from fsdp_jax.targets.plugins import (
     KINDS,
@@ -248,7 +248,7 @@ def child_env(
 ) -> dict[str, str]:
     """Environment for a child process that compiles for `target` (default: GPU targets):
     the plugin folder first on PYTHONPATH and JAX_PLATFORMS=cpu (without it the CUDA
-    plugin calls cuInit and fails). Raises PluginMissing when the plugin is not installed.
+    plugin calls cuInit and fails). Raises MissingExtra when the plugin is not installed.
     For a TPU target: libtpu's folder, TPU_WORKER_HOSTNAMES=localhost (else libtpu logs
     an error about it), ALLOW_MULTIPLE_LIBTPU_LOAD=1 and the target's `libtpu_args` in
     LIBTPU_INIT_ARGS (the user's flags win); `kernel_cache` is GPU-only and ignored.
@@ -263,7 +263,7 @@ def child_env(
     an empty value (`--xla_gpu_kernel_cache_file=`) turns the cache off."""
     if target is not None and target.platform == "tpu":
         if not plugin_installed(kind="tpu"):
-            raise PluginMissing(missing_message("tpu"))
+            raise MissingExtra(missing_message("tpu"))
         env = dict(os.environ if env is None else env)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(plugin_dir(kind="tpu")), env.get("PYTHONPATH")) if p)
         env["JAX_PLATFORMS"] = "cpu"
@@ -275,7 +275,7 @@ def child_env(
             env["LIBTPU_INIT_ARGS"] = merge_init_args(target.libtpu_args, env.get("LIBTPU_INIT_ARGS", ""))
         return env
     if not plugin_installed():
-        raise PluginMissing(missing_message())
+        raise MissingExtra(missing_message())
     env = dict(os.environ if env is None else env)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(plugin_dir()), env.get("PYTHONPATH")) if p)
     env["JAX_PLATFORMS"] = "cpu"
@@ -298,7 +298,7 @@ def enable_in_process() -> None:
     restrict JAX to the CPU platform, so `gpu_devices` works here. Prefer a child
     process (`child_env`): once enabled, this process prints the plugin's warnings."""
     if not plugin_installed():
-        raise PluginMissing(missing_message())
+        raise MissingExtra(missing_message())
     if str(plugin_dir()) not in sys.path:
         sys.path.insert(0, str(plugin_dir()))
 
@@ -312,7 +312,7 @@ def gpu_devices(name: str, hosts: int = 1, gpus_per_host: int = 8) -> list:
     jax_platforms=cpu. The devices compile but cannot run anything (no device_put)."""
     t = make_target(name, hosts=hosts, gpus_per_host=gpus_per_host)
     if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
-        raise PluginMissing(
+        raise MissingExtra(
             missing_message() + " (and run in a process from "
             "fsdp_jax.targets.gpu.child_env(), or call enable_in_process() first)"
         )
@@ -332,7 +332,7 @@ def target_devices(target: Target) -> list:
     if target.platform == "gpu":
         return gpu_devices(target.name, target.hosts, target.gpus_per_host)
     if importlib.util.find_spec("libtpu") is None:
-        raise PluginMissing(
+        raise MissingExtra(
             missing_message("tpu") + " (and run in a process from fsdp_jax.targets.gpu.child_env(target=...))"
         )
     spec = _tpu_spec(target.name)

@@ -6,26 +6,21 @@ import time
 
 import jax
 
-# Dense peak TFLOP/s per device by compute dtype (vendor datasheets, no sparsity).
-PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    "h100": {"bfloat16": 989.0, "float16": 989.0, "float32": 67.0},
-    "h200": {"bfloat16": 989.0, "float16": 989.0, "float32": 67.0},
-    "a100": {"bfloat16": 312.0, "float16": 312.0, "float32": 19.5},
-    "l4": {"bfloat16": 121.0, "float16": 121.0, "float32": 30.3},
-    "tpu v4": {"bfloat16": 275.0, "float32": 275.0},
-    "tpu v5 lite": {"bfloat16": 197.0, "float32": 197.0},
-    "tpu v5p": {"bfloat16": 459.0, "float32": 459.0},
-}
+from fsdp_jax.targets.perf_tables import device_kind_peaks
+
+# jax's dtype names -> the keys of perf_tables.json's peaks (any other dtype: the bf16 peak)
+DTYPE_KEYS = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
 
 
 def peak_flops(device: jax.Device, dtype: str = "bfloat16", override_tflops: float | None = None) -> float | None:
-    """Peak FLOP/s of one device for `dtype`, or None when unknown (e.g. CPU)."""
+    """Peak FLOP/s of one device for `dtype`, or None when unknown (e.g. CPU): the dense
+    peak of `perf_tables.json` (`device_kind_peaks`: datasheet figures, no sparsity)."""
     if override_tflops:
         return override_tflops * 1e12
     kind = device.device_kind.lower()
-    for key, table in PEAK_TFLOPS.items():
+    for key, peaks in device_kind_peaks().items():
         if key in kind:
-            return table.get(dtype, table.get("bfloat16")) * 1e12
+            return peaks.get(DTYPE_KEYS.get(dtype, "bf16"), peaks["bf16"])
     return None
 
 

@@ -2,6 +2,7 @@
 
     t = perf_table("h100")   # {"peak_flops": {...}, "gemm": {...}, "attention": {...}, "hbm": {...},
                              #  "links": {"fast": {...}, "slow": {...}}, "host": {...}}
+    device_kind_peaks()      # {"h100": {"bf16": 989e12, ...}, ...}: the peaks MFU divides by
 
 Every entry carries its `source` (a published figure, an assumption, or "fitted" and to
 what; docs/step_time.md lists them). A GPU entry may say `same_as` another and override
@@ -19,7 +20,7 @@ import json
 from importlib import resources
 from typing import Any
 
-from fsdp_jax.targets.tpu import device_peaks
+from fsdp_jax.targets.tpu import TPU_SPECS, device_peaks
 
 
 @functools.cache
@@ -50,3 +51,22 @@ def perf_table(target: str) -> dict[str, Any]:
     slow["bus_bytes_per_s"] = p["slow"] * slow["efficiency"] if p["slow"] else None
     t["attention"] = None  # no cuDNN kernel: attention is XLA fusions (GEMMs + memory-bound ops)
     return t
+
+
+def device_kind_peaks() -> dict[str, dict[str, float]]:
+    """Peak FLOP/s of one device (a chip) per dtype key (`bf16`, `f16`, `f32`, ...), by a
+    part of jax's `device_kind` (lower case; the table's order, first match wins): the
+    table's `_device_kinds` entry, which names a GPU entry (its `peak_flops`), a TPU
+    generation (`TPU_SPECS`' per-chip bf16 peak, for bf16 and f32) or gives its own."""
+    out = {}
+    for kind, entry in _tables()["_device_kinds"].items():
+        if kind.startswith("_"):
+            continue
+        if isinstance(entry, dict):
+            peaks = entry
+        elif entry in TPU_SPECS:
+            peaks = dict.fromkeys(("bf16", "f32"), TPU_SPECS[entry].peak_bf16_flops)
+        else:
+            peaks = perf_table(entry)["peak_flops"]
+        out[kind] = {k: v for k, v in peaks.items() if k != "source"}
+    return out

@@ -27,10 +27,10 @@ from jax.sharding import Mesh
 from fsdp_jax.errors import StateError
 from fsdp_jax.model.fns import ModelFns
 from fsdp_jax.model.variables import check_structure
-from fsdp_jax.sharding import offload as offload_lib
-from fsdp_jax.sharding import rules as rl
+from fsdp_jax.sharding.offload import fetch, on_device, store_state
 from fsdp_jax.sharding.precision import Policy
 from fsdp_jax.sharding.replication import DEFAULT_MAX_REPLICATED_FRACTION, DEFAULT_MIN_REPLICATED_BYTES
+from fsdp_jax.sharding.rules import DEFAULT_MIN_SHARD_SIZE, Rules
 from fsdp_jax.sharding.strategy import ShardingPlan, Strategy, make_plan
 from fsdp_jax.train.state import TrainState, abstract_state, state_shardings
 from fsdp_jax.train.step import CompiledStep, make_eval_step, make_train_step
@@ -69,14 +69,14 @@ class Built:
         def init(*a):  # on the device; offloaded parts then go to host memory
             # master params in the planned dtype (precision's param_dtype), optimizer state after them
             p = jax.tree.map(lambda x, d: x.astype(d.dtype), params_fn(*a), dtypes)
-            p = offload_lib.fetch(p, plan.params)
+            p = fetch(p, plan.params)
             ms = None
             if state_fn is not None:
                 ms = state_fn(*a)
                 check_structure(ms, state_dtypes, "the model's initial state")
                 ms = jax.tree.map(lambda x, d: jnp.asarray(x).astype(d.dtype), ms, state_dtypes)
             st = TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=optimizer.init(p), model_state=ms)
-            return offload_lib.store_state(st, plan)
+            return store_state(st, plan)
 
         with jax.set_mesh(self.plan.mesh):
             return jax.jit(init, out_shardings=state_shardings(self.plan), donate_argnums=(0,) if donate else ())(*args)
@@ -100,7 +100,7 @@ class Built:
                 else "place: model_state given for a model without state"
             )
         with jax.set_mesh(self.plan.mesh):
-            p = jax.device_put(params, offload_lib.on_device(self.plan.params), may_alias=False)
+            p = jax.device_put(params, on_device(self.plan.params), may_alias=False)
             if model_state is None:
                 return self._init_from(lambda x: x, p)
             check_structure(model_state, self.abstract_state.model_state, "place: model_state")
@@ -153,8 +153,8 @@ def build(
     *,
     loss_fn: LossFn | None = None,
     logical_axes: Any = None,
-    rules: rl.Rules | None = None,
-    min_shard_size: int = rl.DEFAULT_MIN_SHARD_SIZE,
+    rules: Rules | None = None,
+    min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
     max_replicated_fraction: float | None = DEFAULT_MAX_REPLICATED_FRACTION,
     min_replicated_bytes: int = DEFAULT_MIN_REPLICATED_BYTES,
     has_aux: bool = False,
@@ -228,8 +228,8 @@ def init_train_state(
     rng: jax.Array,
     strategy: str | Strategy = "full_shard",
     logical_axes=None,
-    rules: rl.Rules | None = None,
-    min_shard_size: int = rl.DEFAULT_MIN_SHARD_SIZE,
+    rules: Rules | None = None,
+    min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
     max_replicated_fraction: float | None = DEFAULT_MAX_REPLICATED_FRACTION,
     offload: str = "none",
 ) -> tuple[TrainState, ShardingPlan]:

@@ -38,9 +38,9 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding
 
 from fsdp_jax.sharding import precision
-from fsdp_jax.sharding import rules as rl
 from fsdp_jax.sharding.mesh import constrain
 from fsdp_jax.sharding.remat import get_policy
+from fsdp_jax.sharding.rules import DEFAULT_MIN_SHARD_SIZE, plan_leaf
 
 GATHERED = "fsdp_gathered_params"  # checkpoint name of a layer's gathered params
 FETCHED = "fsdp_fetched_params"  # ... of a layer's host-resident params brought to the device (never saved)
@@ -59,7 +59,7 @@ class LayerGather:
     compute_dtype: Any
     reduce_dtype: Any
     keep: bool = False
-    min_shard_size: int = rl.DEFAULT_MIN_SHARD_SIZE
+    min_shard_size: int = DEFAULT_MIN_SHARD_SIZE
     probe: bool = False  # only record that the model gathers (no casts, no layouts)
     # a streamed offload of params: host-resident leaves come to the device here, one
     # layer at a time (forward, and again in the backward where the layer is recomputed)
@@ -212,7 +212,7 @@ def _leaf(x, names, lg: LayerGather):
 
 
 def _spec(x, names, lg: LayerGather, shard_axes) -> NamedSharding:
-    row, _ = rl.plan_leaf("", x.shape, x.dtype, names, lg.mesh, lg.rules, shard_axes, lg.min_shard_size)
+    row, _ = plan_leaf("", x.shape, x.dtype, names, lg.mesh, lg.rules, shard_axes, lg.min_shard_size)
     return NamedSharding(lg.mesh, row.spec)
 
 

@@ -47,7 +47,6 @@ from fsdp_jax.hlo.memory import tree_bytes_per_device
 from fsdp_jax.model.fns import ModelFns, adapt_model
 from fsdp_jax.model.lora import LoraModel
 from fsdp_jax.model.variables import rows_lines
-from fsdp_jax.sharding import rules as rl
 from fsdp_jax.sharding.leaf_sharding import spec_str
 from fsdp_jax.sharding.replication import (
     DEFAULT_MAX_REPLICATED_FRACTION,
@@ -55,6 +54,7 @@ from fsdp_jax.sharding.replication import (
     format_summary,
     summarize,
 )
+from fsdp_jax.sharding.rules import DEFAULT_MIN_SHARD_SIZE, Rules
 from fsdp_jax.sharding.strategy import ShardingPlan, Strategy
 from fsdp_jax.train.build import build
 from fsdp_jax.train.state import TrainState
@@ -162,8 +162,8 @@ def shard_model(
     rng: jax.Array | None = None,
     trainable: Any = None,
     logical_axes: Any = None,
-    rules: rl.Rules | None = None,
-    min_shard_size: int = rl.DEFAULT_MIN_SHARD_SIZE,
+    rules: Rules | None = None,
+    min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
     max_replicated_fraction: float | None = DEFAULT_MAX_REPLICATED_FRACTION,
     min_replicated_bytes: int = DEFAULT_MIN_REPLICATED_BYTES,
     precision: Any = None,

@@ -44,13 +44,12 @@ from flax import linen as nn
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import fsdp_jax.sharding.offload as offload_lib
-import fsdp_jax.sharding.remat as remat_lib
 from fsdp_jax.errors import BatchError
 from fsdp_jax.model.variables import StepInput, extended_loss, run_key, step_key, with_model_state
-from fsdp_jax.sharding import rules as rl
+from fsdp_jax.sharding import offload, rules
 from fsdp_jax.sharding.mesh import constrain
 from fsdp_jax.sharding.precision import Policy
+from fsdp_jax.sharding.remat import with_remat
 from fsdp_jax.sharding.strategy import ShardingPlan, batch_divisor
 from fsdp_jax.targets.xla_flags import step_compiler_options
 from fsdp_jax.train import stream_update
@@ -74,7 +73,7 @@ from fsdp_jax.train.trainable import Trainable
 def sharding_context(plan: ShardingPlan):
     """Make `plan`'s mesh and logical rules current (for tracing models that call
     `flax.linen.with_logical_constraint`)."""
-    with jax.set_mesh(plan.mesh), nn.logical_axis_rules(rl.flax_rules(plan.rules)):
+    with jax.set_mesh(plan.mesh), nn.logical_axis_rules(rules.flax_rules(plan.rules)):
         yield
 
 
@@ -109,7 +108,7 @@ def check_batch(batch, plan: ShardingPlan, microbatches: int = 1) -> None:
         b = x.shape[0] if x.shape else None
         if b is None or b % (n * microbatches):
             raise BatchError(
-                f"batch leaf {rl.path_str(path) or '<root>'} has leading dim {b}, which must be "
+                f"batch leaf {rules.path_str(path) or '<root>'} has leading dim {b}, which must be "
                 f"divisible by microbatches ({microbatches}) x data x fsdp ({n}) = "
                 f"{n * microbatches}; change the global batch size or the mesh"
             )
@@ -168,7 +167,7 @@ def make_train_step(
     user_aux = has_aux
     if extended:  # the wrapped loss returns (loss, (aux, new model state))
         loss_fn, has_aux = extended_loss(loss_fn, plan.model_state is not None, user_aux), True
-    loss_fn = remat_lib.with_remat(loss_fn, remat)
+    loss_fn = with_remat(loss_fn, remat)
     loss_fn = jax.named_scope("forward")(loss_fn)  # profiler names; backward: transpose(jvp(forward))
     step = _train_step_fn(
         loss_fn,
@@ -225,9 +224,9 @@ def _train_step_fn(
         ):
             # ... except the stacked ones of a streamed offload: the model's layer loop fetches them
             fetch_sh = jax.tree.map(
-                lambda layered, s: offload_lib.on_device(s) if layered else s, plan.layered, plan.params
+                lambda layered, s: offload.on_device(s) if layered else s, plan.layered, plan.params
             )
-        state = state.replace(params=offload_lib.fetch(state.params, fetch_sh))
+        state = state.replace(params=offload.fetch(state.params, fetch_sh))
         wrt = Trainable(state.params, trainable)
         grad_fn = microbatched(
             compute_value_and_grad(loss_fn, policy, plan, wrt, has_aux),
@@ -246,12 +245,12 @@ def _train_step_fn(
             state = at_rest.replace(params=params, opt_state=opt_state)
             new = stream_update.streamed_update(optimizer, state, grads, ok, plan, skip_nonfinite)
         else:  # offloaded optimizer state (and f32 master params) come once the grads exist
-            state = offload_lib.fetch_state(at_rest, plan, after=grad_norm)
+            state = offload.fetch_state(at_rest, plan, after=grad_norm)
             new = guarded_update(optimizer, state, grads, ok, skip_nonfinite)
         new = new.replace(params=wrt.frozen_from(new.params, state.params))  # frozen: the same buffers
         if extended:
             new, aux = with_model_state(new, aux, state, ok, skip_nonfinite)
-        new = offload_lib.store_state(new, plan)  # back to host memory, where offloaded
+        new = offload.store_state(new, plan)  # back to host memory, where offloaded
         metrics = {"loss": loss.astype(policy.output_dtype), "grad_norm": grad_norm, "skipped": (~ok).astype(jnp.int32)}
         if user_aux:
             metrics["aux"] = aux
@@ -284,8 +283,8 @@ def make_eval_step(
 
     def step(params, *rest):
         *mstate, batch = rest
-        params = offload_lib.fetch(params, plan.params)
-        pc = policy.cast_to_compute(constrain(params, offload_lib.on_device(plan.params)))
+        params = offload.fetch(params, plan.params)
+        pc = policy.cast_to_compute(constrain(params, offload.on_device(plan.params)))
         if extended:
             loss, _ = extended_loss(loss_fn, stateful, has_aux, train=False)(
                 pc, StepInput(batch, mstate[0] if stateful else None, None)

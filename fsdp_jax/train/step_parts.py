@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-import fsdp_jax.sharding.offload as offload_lib
 from fsdp_jax.model.variables import StepInput
+from fsdp_jax.sharding import offload
 from fsdp_jax.sharding.mesh import constrain
 from fsdp_jax.sharding.precision import Policy, cast_params_for_compute, lay_out_for_compute, reducing, widens
 from fsdp_jax.sharding.strategy import ShardingPlan
@@ -73,7 +73,7 @@ def compute_value_and_grad(
     the transpose of that transfer leaves in host memory, come back to the device once the
     backward pass is done; for any other model they are fetched whole here."""
     grad_sh, compute_sh = plan.grads, plan.compute
-    rest_sh = offload_lib.on_device(plan.params)  # host-resident params arrive here first
+    rest_sh = offload.on_device(plan.params)  # host-resident params arrive here first
     lg = layer_gather_for(plan, policy)
 
     def for_compute(p, rest, compute):  # a tree, or one leaf and its shardings
@@ -142,7 +142,7 @@ def model_hooks(loss_fn, policy: Policy, wrt: Trainable, params, batch, lg) -> b
 def streams_params(plan: ShardingPlan) -> bool:
     """Does `plan` rest stacked params in host memory under a streamed offload, for a model
     that gathers its own layers to fetch one layer at a time?"""
-    o = offload_lib.get_offload(plan.offload)
+    o = offload.get_offload(plan.offload)
     return o.layers and plan.layered is not None and any(jax.tree.leaves(plan.layered))
 
 

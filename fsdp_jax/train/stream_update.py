@@ -38,8 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-import fsdp_jax.sharding.offload as offload_lib
 from fsdp_jax.errors import OffloadError
+from fsdp_jax.sharding import offload
 from fsdp_jax.sharding.strategy import ShardingPlan
 from fsdp_jax.train.state import TrainState
 
@@ -93,9 +93,7 @@ def elementwise_reason(optimizer: optax.GradientTransformation, abstract_params,
 def streams(plan: ShardingPlan) -> bool:
     """Whether `plan`'s offload streams (`optimizer:streamed`, `optimizer+params:streamed`)
     and it has leaves stacked over layers."""
-    return (
-        offload_lib.get_offload(plan.offload).stream and plan.layered is not None and any(jax.tree.leaves(plan.layered))
-    )
+    return offload.get_offload(plan.offload).stream and plan.layered is not None and any(jax.tree.leaves(plan.layered))
 
 
 def streamable(plan: ShardingPlan, optimizer: optax.GradientTransformation, state: TrainState) -> bool:
@@ -133,11 +131,11 @@ def _layer(x, i):
 
 
 def _dev(x, s):
-    return jax.device_put(x, s.with_memory_kind(offload_lib.DEVICE)) if offload_lib.is_host(s) else x
+    return jax.device_put(x, s.with_memory_kind(offload.DEVICE)) if offload.is_host(s) else x
 
 
 def _rest(x, s):
-    return jax.device_put(x, s) if offload_lib.is_host(s) else x
+    return jax.device_put(x, s) if offload.is_host(s) else x
 
 
 def _sharding_leaf(x) -> bool:
@@ -218,7 +216,7 @@ def _dev_tree(tree, shardings):
 def per_layer_bytes(optimizer: optax.GradientTransformation, abstract_state: TrainState, plan: ShardingPlan) -> int:
     """Per-device bytes of one layer's offloaded state (the stacked leaves' shards over the
     layer count): what one iteration of the streamed update brings to the device."""
-    o = offload_lib.get_offload(plan.offload)
+    o = offload.get_offload(plan.offload)
     labels = _labels(optimizer, abstract_state.opt_state, plan.layered)
     pairs = []
     if o.params:

@@ -16,7 +16,7 @@ import numpy as np
 from fsdp_jax.errors import VerifyError
 from fsdp_jax.hlo.memory import collective_report, compiled_memory, state_bytes_per_device
 from fsdp_jax.model.fns import adapt_model
-from fsdp_jax.sharding import rules as rl
+from fsdp_jax.sharding import rules
 from fsdp_jax.sharding.mesh import make_mesh
 from fsdp_jax.sharding.precision import Policy
 from fsdp_jax.train.build import build
@@ -72,8 +72,8 @@ def compare_runs(
 
     # params, then the model's state (BatchNorm statistics: over the global batch, so
     # they must agree too), prefixed state:
-    paths = [rl.path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(p0)[0]] + [
-        "state:" + rl.path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(ms0)[0]
+    paths = [rules.path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(p0)[0]] + [
+        "state:" + rules.path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(ms0)[0]
     ]
     reports = {}
     for name in names:
@@ -219,7 +219,7 @@ def _run_strategy(
 def _build(fns, optimizer, mesh, strategy, loss_fn, opts):
     try:
         return build(fns, optimizer, mesh, strategy, loss_fn=loss_fn, **opts)
-    except rl.ShardingError as e:
+    except rules.ShardingError as e:
         raise VerifyError(f"verify: {strategy}: {e}") from None
 
 
@@ -291,7 +291,7 @@ def _host_batches(batch, batches, steps: int, n: int, microbatches: int) -> list
         b = x.shape[0] if x.ndim else None
         if b is None or b % (n * microbatches):
             raise VerifyError(
-                f"verify: batch leaf {rl.path_str(path) or '<root>'} has leading dim {b}, "
+                f"verify: batch leaf {rules.path_str(path) or '<root>'} has leading dim {b}, "
                 f"which cannot split over devices={n} x microbatches={microbatches}; "
                 f"use a global batch that is a multiple of {n * microbatches}"
             )
@@ -312,7 +312,7 @@ def _same_shapes(batches: list) -> None:
         for (path, x), (_, y) in zip(leaves0, leaves):
             if x.shape != y.shape or x.dtype != y.dtype:
                 raise VerifyError(
-                    f"verify: batches[{i}] leaf {rl.path_str(path) or '<root>'} is {y.dtype}{list(y.shape)}, "
+                    f"verify: batches[{i}] leaf {rules.path_str(path) or '<root>'} is {y.dtype}{list(y.shape)}, "
                     f"batches[0]'s is {x.dtype}{list(x.shape)}; every step's batch must have the same shapes "
                     "and dtypes (the step compiles once)"
                 )

@@ -46,7 +46,7 @@ import jax
 import optax
 
 from fsdp_jax.errors import VerifyError, one_line
-from fsdp_jax.sharding import rules as rl
+from fsdp_jax.sharding import rules
 from fsdp_jax.sharding.strategy import STRATEGIES, get_strategy
 from fsdp_jax.verify.compare import compare_runs
 from fsdp_jax.verify.report import Tolerance, VerifyReport
@@ -241,7 +241,7 @@ def child_main() -> int:
             factory_kwargs=req["factory_kwargs"],
             **options,
         )
-    except (VerifyError, rl.ShardingError) as e:
+    except (VerifyError, rules.ShardingError) as e:
         print("error: " + one_line(e, 4000), file=sys.stderr)
         return 2
     json.dump(report.to_dict(), sys.stdout)

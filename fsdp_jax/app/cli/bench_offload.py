@@ -24,12 +24,12 @@ import numpy as np
 
 from fsdp_jax.app.cli.args import add_config
 from fsdp_jax.app.cli.command import run_command
-from fsdp_jax.app.cli.flags import Parser, UsageError, int_in
+from fsdp_jax.app.cli.flags import Parser, int_in
 from fsdp_jax.app.config.checks import validate
 from fsdp_jax.app.devices import use_cpu_devices
 from fsdp_jax.app.planner.abstract_step import build_step, sample_batch
 from fsdp_jax.app.trainer.setup import load_run_config
-from fsdp_jax.errors import OffloadError
+from fsdp_jax.errors import OffloadError, UsageError
 from fsdp_jax.sharding.offload import OFFLOADS, transfer_bytes
 from fsdp_jax.sharding.strategy import get_strategy
 

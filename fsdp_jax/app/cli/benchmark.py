@@ -23,13 +23,13 @@ import jax
 
 from fsdp_jax.app.cli.args import add_config, check_out_file, require
 from fsdp_jax.app.cli.command import run_command
-from fsdp_jax.app.cli.flags import Parser, UsageError, int_in, real_in
+from fsdp_jax.app.cli.flags import Parser, int_in, real_in
 from fsdp_jax.app.config.checks import check_backend, validate
 from fsdp_jax.app.devices import use_cpu_devices
 from fsdp_jax.app.models.decoder import flops_per_token
 from fsdp_jax.app.planner.benchmark import bench_fsdp, bench_plain_dp, combos, parse_sweeps, plot
 from fsdp_jax.app.trainer.setup import load_run_config
-from fsdp_jax.errors import ConfigError, one_line
+from fsdp_jax.errors import ConfigError, UsageError, one_line
 from fsdp_jax.sharding.precision import Policy
 from fsdp_jax.sharding.strategy import get_strategy
 from fsdp_jax.targets.perf import mfu, peak_flops

@@ -8,9 +8,8 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from fsdp_jax.app.cli.flags import UsageError
 from fsdp_jax.app.exits import BAD_INPUT, ENVIRONMENT, fail, fail_env, fail_internal
-from fsdp_jax.errors import one_line
+from fsdp_jax.errors import UsageError, one_line
 
 Classes = tuple[type[BaseException], ...]
 Errors = tuple[Classes, Classes]

@@ -73,9 +73,3 @@ def real_in(low: float, high: float | None = None, *, above: bool = False):
     parse.__name__ = "number"
     parse.bounds = (low, high)
     return parse
-
-
-class UsageError(ValueError):
-    """Flags that parse one by one but not together (`--bin` without `--val-bin`): a
-    command's body raises it before any work; `run_command` prints `error: <message>`,
-    as the parser does, and returns exit code 2."""

@@ -29,13 +29,14 @@ import optax
 import fsdp_jax as fj
 from fsdp_jax.app.cli.args import add_config, check_out_file
 from fsdp_jax.app.cli.command import run_command
-from fsdp_jax.app.cli.flags import Parser, UsageError, int_in
+from fsdp_jax.app.cli.flags import Parser, int_in
 from fsdp_jax.app.cli.gpu_paths import PATHS, SMOKE
 from fsdp_jax.app.config import load_config  # not trainer.setup: it imports grain, which GPU machines lack
 from fsdp_jax.app.models.config import DecoderConfig
 from fsdp_jax.app.models.decoder import count_params, flops_per_token
 from fsdp_jax.app.planner.abstract_step import build_step
 from fsdp_jax.app.trainer.build import make_loss_fn, trainer_model
+from fsdp_jax.errors import UsageError
 from fsdp_jax.hlo.memory import collective_report, compiled_memory
 from fsdp_jax.targets.perf import device_memory, mfu, peak_flops, time_steps
 

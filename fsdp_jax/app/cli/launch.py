@@ -28,7 +28,8 @@ import threading
 import time
 
 from fsdp_jax.app.cli.command import run_command
-from fsdp_jax.app.cli.flags import Parser, UsageError, int_in, real_in
+from fsdp_jax.app.cli.flags import Parser, int_in, real_in
+from fsdp_jax.errors import UsageError
 
 MAX_PROCESSES = 1024
 

@@ -15,8 +15,9 @@ import os
 from pathlib import Path
 
 from fsdp_jax.app.cli.command import run_command
-from fsdp_jax.app.cli.flags import Parser, UsageError
+from fsdp_jax.app.cli.flags import Parser
 from fsdp_jax.app.trainer.plot import plot, read_metrics
+from fsdp_jax.errors import UsageError
 
 
 def build_parser(prog: str | None = None) -> Parser:

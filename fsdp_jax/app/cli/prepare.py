@@ -39,7 +39,7 @@ import os
 import sys
 
 from fsdp_jax.app.cli.command import run_command
-from fsdp_jax.app.cli.flags import Parser, UsageError, int_in
+from fsdp_jax.app.cli.flags import Parser, int_in
 from fsdp_jax.app.data.corpus import dir_problem, prepare_bin, prepare_stdlib, prepare_text
 from fsdp_jax.app.data.packing import MAX_ROW_LEN
 from fsdp_jax.app.data.sft import prepare_examples
@@ -47,7 +47,7 @@ from fsdp_jax.app.data.tables import KeyMap
 from fsdp_jax.app.data.tokenizer import load_tokenizer
 from fsdp_jax.app.hf.config_in import model_config_from_hf
 from fsdp_jax.app.hf.load import read_config_json
-from fsdp_jax.errors import DataError, TokenizerError
+from fsdp_jax.errors import DataError, TokenizerError, UsageError
 
 
 def build_parser(prog: str | None = None) -> Parser:

@@ -14,19 +14,19 @@ from typing import Any
 from fsdp_jax.app import extras
 from fsdp_jax.app.config.context_checks import check_context
 from fsdp_jax.app.config.schema import Config, check_fields
-from fsdp_jax.app.models import lora as lora_lib
+from fsdp_jax.app.models import lora
 from fsdp_jax.app.models.config import DecoderConfig
 from fsdp_jax.app.models.moe import moe_config_problem
 from fsdp_jax.app.models.qlora import quant_problem
 from fsdp_jax.errors import ConfigError, MeshError
 from fsdp_jax.nvme import NVME_OFFLOADS
+from fsdp_jax.sharding import offload
 from fsdp_jax.sharding.mesh import resolve_mesh_shape
-from fsdp_jax.sharding.offload import OFFLOADS as _HOST_OFFLOADS
 from fsdp_jax.sharding.precision import Policy
 from fsdp_jax.sharding.remat import REMAT_POLICIES
 from fsdp_jax.sharding.strategy import ALIASES, STRATEGIES
 
-OFFLOADS = {**_HOST_OFFLOADS, **NVME_OFFLOADS}  # host memory, and local disks (fsdp_jax.nvme)
+OFFLOADS = {**offload.OFFLOADS, **NVME_OFFLOADS}  # host memory, and local disks (fsdp_jax.nvme)
 
 
 def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
@@ -236,7 +236,7 @@ def _check_train(cfg: Config) -> None:
 def _check_lora(cfg: Config) -> None:
     """The `lora:` section against the decoder: targets that exist, a rank they allow."""
     lo = cfg.lora
-    for key, resolve in (("targets", lora_lib.resolve_targets), ("target_parameters", lora_lib.resolve_experts)):
+    for key, resolve in (("targets", lora.resolve_targets), ("target_parameters", lora.resolve_experts)):
         try:
             resolve(getattr(lo, key))
         except ValueError as e:
@@ -249,13 +249,13 @@ def _check_lora(cfg: Config) -> None:
         return
     if lo.base_quant == "nf4":
         _check(lo.quant_block % 2 == 0, "lora.quant_block", lo.quant_block, "must be even (two codes per byte)")
-    spec = lora_lib.spec_from_config(lo)
-    bad = lora_lib.target_problem(cfg.model, spec) or ("lora.targets", "")
+    spec = lora.spec_from_config(lo)
+    bad = lora.target_problem(cfg.model, spec) or ("lora.targets", "")
     _check(not bad[1], bad[0], getattr(lo, bad[0].split(".")[1]), bad[1])
-    _check((drop := lora_lib.expert_dropout(cfg.model, spec)) is None, "lora.dropout", lo.dropout, str(drop))
+    _check((drop := lora.expert_dropout(cfg.model, spec)) is None, "lora.dropout", lo.dropout, str(drop))
     problem = quant_problem(cfg.model, spec)
     _check(problem is None, "lora.base_quant", lo.base_quant, str(problem))
-    most = lora_lib.max_rank(cfg.model, spec.targets, spec.experts)
+    most = lora.max_rank(cfg.model, spec.targets, spec.experts)
     _check(lo.rank <= most, "lora.rank", lo.rank, f"must be <= {most}, the smallest target's smaller dim")
     if lo.init_from is not None:
         _check(lo.init_from.startswith("peft:"), "lora.init_from", lo.init_from, "use peft:DIR (a PEFT adapter)")

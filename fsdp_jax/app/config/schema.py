@@ -19,10 +19,10 @@ from typing import Any, Callable
 from fsdp_jax.app.models.config import DecoderConfig
 from fsdp_jax.app.models.grouped_matmul import GROUPED_MATMULS
 from fsdp_jax.app.models.rope import ROPE_TYPES
-from fsdp_jax.errors import ConfigError
-from fsdp_jax.sharding import rules as rl
+from fsdp_jax.errors import ConfigError, ShardingError
 from fsdp_jax.sharding.axes import MESH_AXES
 from fsdp_jax.sharding.replication import DEFAULT_MAX_REPLICATED_FRACTION, DEFAULT_MIN_REPLICATED_BYTES
+from fsdp_jax.sharding.rules import DEFAULT_MIN_SHARD_SIZE, DEFAULT_RULES, merge_rules
 
 # Limits a field can carry: (test, what the error says is allowed).
 LIMITS: dict[str, tuple[Callable[[Any], bool], str]] = {
@@ -123,10 +123,10 @@ def resolved_rules(overrides: Mapping | None = None) -> Rules:
             f"{overrides!r} is not a mapping of logical name -> mesh axis (e.g. {{mlp: tensor, embed: fsdp}})",
         )
     out = {}
-    for name, value in {**rl.DEFAULT_RULES, **(overrides or {})}.items():
+    for name, value in {**DEFAULT_RULES, **(overrides or {})}.items():
         try:
-            merged = rl.merge_rules({name: value}, {})
-        except rl.ShardingError:
+            merged = merge_rules({name: value}, {})
+        except ShardingError:
             raise ConfigError(
                 f"mesh.rules.{name}",
                 f"{value!r} is invalid; a mesh axis ({', '.join(MESH_AXES)}), a list of them, or null",
@@ -143,7 +143,7 @@ class MeshConfig:
     tensor: int = limit(1, "mesh size")
     context: int = limit(1, "mesh size")  # > 1: each sequence split over this many devices (ring attention)
     strategy: str = "full_shard"  # a name of fsdp_jax.sharding.strategy.STRATEGIES or an alias
-    min_shard_size: int = limit(rl.DEFAULT_MIN_SHARD_SIZE, ">= 0")  # leaves with fewer elements stay replicated
+    min_shard_size: int = limit(DEFAULT_MIN_SHARD_SIZE, ">= 0")  # leaves with fewer elements stay replicated
     max_replicated_fraction: float = limit(DEFAULT_MAX_REPLICATED_FRACTION, "[0, 1]")
     min_replicated_bytes: int = limit(DEFAULT_MIN_REPLICATED_BYTES, ">= 0")  # under this, over the fraction only warns
     # logical name -> mesh axis / list / null, merged over fsdp_jax.sharding.rules.DEFAULT_RULES (the

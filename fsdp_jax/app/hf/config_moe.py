@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from fsdp_jax.app.models import families
-from fsdp_jax.app.models.families.keys import int_key as _int
+from fsdp_jax.app.models.families.keys import int_key
 
 # model_type -> what its router does that the decoder's softmax top-k router does not
 OTHER_ROUTERS = {
@@ -54,8 +54,8 @@ def moe_fields(raw: Mapping, fam: families.Family, bad, n_layers: int) -> dict:
     if raw.get("router_jitter_noise"):
         raise bad("router_jitter_noise", "the router adds no noise (allowed: 0)")
     ekey = "num_local_experts" if raw.get("num_local_experts") is not None else "num_experts"
-    e = _int(raw, ekey, bad)
-    k = _int(raw, "num_experts_per_tok", bad)
+    e = int_key(raw, ekey, bad)
+    k = int_key(raw, "num_experts_per_tok", bad)
     if k > e:
         raise bad("num_experts_per_tok", f"top-k larger than {ekey}={e}")
     out: dict[str, Any] = {"n_experts": e, "experts_per_token": k}

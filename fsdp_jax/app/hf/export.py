@@ -31,8 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from fsdp_jax.app.config.parse import config_from_dict
-from fsdp_jax.app.hf import load as hf
-from fsdp_jax.app.hf import moe_layout
+from fsdp_jax.app.hf import load, moe_layout
 from fsdp_jax.app.hf.config_out import config_json
 from fsdp_jax.app.models.config import DecoderConfig
 from fsdp_jax.app.models.decoder import Decoder
@@ -102,8 +101,8 @@ def _saved_config(ckpt: Checkpointer, step: int):
 def _token_ids_and_tokenizer(cfg) -> tuple[dict, list[tuple[Path, str]]]:
     """(bos/eos/pad ids for config.json, [(tokenizer file, name to copy it as)]) from
     the HF model the run was imported from, else from the corpus' tokenizer."""
-    if hf.is_hf(cfg.init_from) and (hf.hf_dir(cfg.init_from) / "config.json").is_file():
-        src = hf.hf_dir(cfg.init_from)
+    if load.is_hf(cfg.init_from) and (load.hf_dir(cfg.init_from) / "config.json").is_file():
+        src = load.hf_dir(cfg.init_from)
         raw = json.loads((src / "config.json").read_text())
         ids = {k: raw[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in raw}
         return ids, [(src / f, f) for f in TOKENIZER_FILES if (src / f).is_file()]
@@ -164,8 +163,8 @@ def _checked_source(directory, step: int | None, abstract_params=None):
     if bad:
         raise CheckpointError(f"{ckpt.step_dir(s)}: params do not match its saved model config ({'; '.join(bad)})")
     hint = None
-    if hf.is_hf(run_cfg.init_from) and (hf.hf_dir(run_cfg.init_from) / "config.json").is_file():
-        hint = hf.read_config_json(hf.hf_dir(run_cfg.init_from)).get("model_type")
+    if load.is_hf(run_cfg.init_from) and (load.hf_dir(run_cfg.init_from) / "config.json").is_file():
+        hint = load.read_config_json(load.hf_dir(run_cfg.init_from)).get("model_type")
     try:
         hf_config(cfg, "float32", hint=hint)  # refuses before anything is written
     except ConfigError as e:
@@ -176,9 +175,9 @@ def _checked_source(directory, step: int | None, abstract_params=None):
 def _tensor_entries(cfg: DecoderConfig, saved: dict, out_dt) -> tuple[list, dict]:
     """([(HF name, shape, dtype)] leaf by leaf, {HF name: (our leaf path, layer index or
     None, kind)}); `out_dt` None keeps each leaf's saved dtype."""
-    shapes = hf.expected_tensors(cfg)
+    shapes = load.expected_tensors(cfg)
     entries, source = [], {}
-    for path, (names, kind) in hf.leaf_sources(cfg).items():
+    for path, (names, kind) in load.leaf_sources(cfg).items():
         stacked = moe_layout.is_stacked(cfg, path)
         dt = out_dt or np.dtype(saved[f"params/{path}"].dtype)
         experts = range(cfg.n_experts) if kind.startswith(moe_layout.EXPERT_KIND) else [None]
@@ -200,7 +199,7 @@ def _leaf_reader(read_leaf, source: dict):
             cache.clear()  # one leaf in host memory at a time
             cache[path] = np.asarray(read_leaf(path))
         arr = cache[path] if layer is None else cache[path][layer]
-        return hf.to_hf(kind, arr, expert)
+        return load.to_hf(kind, arr, expert)
 
     return fetch
 

@@ -16,10 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from fsdp_jax.app.hf import load as hf
-from fsdp_jax.app.hf import moe_layout, peft
+from fsdp_jax.app.hf import load, moe_layout, peft
 from fsdp_jax.app.hf.export import check_out_dir, saved_source, write_hf_dir
-from fsdp_jax.app.models import lora as lora_lib
+from fsdp_jax.app.models import lora
 from fsdp_jax.app.models.decoder import Decoder
 from fsdp_jax.app.models.qlora import as_trained
 from fsdp_jax.checkpoint import CheckpointError, tree_paths
@@ -29,7 +28,7 @@ from fsdp_jax.model.fns import from_nnx
 def _lora_source(directory, step, flag: str):
     """(checkpointer, step, run config, LoraSpec) of a LoRA run; CheckpointError otherwise."""
     ckpt, s, run_cfg = saved_source(directory, step)
-    spec = lora_lib.spec_from_config(run_cfg.lora)
+    spec = lora.spec_from_config(run_cfg.lora)
     if spec is None:
         raise CheckpointError(f"{flag}: {directory} is not a LoRA run (its config has lora.rank 0); use --hf or --out")
     return ckpt, s, run_cfg, spec
@@ -39,7 +38,7 @@ def read_adapters(ckpt, step: int) -> dict:
     """The saved adapters of `step` as a nested numpy tree (layer keys as ints)."""
     out: dict = {}
     for path in ckpt.saved_metadata(step):
-        if not (path.startswith("params/") and lora_lib.is_adapter(path)):
+        if not (path.startswith("params/") and lora.is_adapter(path)):
             continue
         keys = [int(k) if k.isdigit() else k for k in path.removeprefix("params/").split("/")]
         node = out
@@ -52,7 +51,7 @@ def read_adapters(ckpt, step: int) -> dict:
 def export_peft(directory: str | os.PathLike, out: str | os.PathLike, *, step: int | None = None) -> dict:
     """Write the run's adapters (newest usable step, or `step`) as PEFT directory `out`."""
     ckpt, s, run_cfg, spec = _lora_source(directory, step, "--peft")
-    base = str(hf.hf_dir(run_cfg.init_from)) if hf.is_hf(run_cfg.init_from) else None
+    base = str(load.hf_dir(run_cfg.init_from)) if load.is_hf(run_cfg.init_from) else None
     info = peft.write_peft(out, read_adapters(ckpt, s), run_cfg.model, spec, base)
     return {"step": s, **info}
 
@@ -69,15 +68,15 @@ def export_merged(
     out = Path(out)
     check_out_dir(out, "--hf")
     ckpt, s, run_cfg, spec = _lora_source(directory, step, "--hf")
-    if not hf.is_hf(run_cfg.init_from):
+    if not load.is_hf(run_cfg.init_from):
         raise CheckpointError(
             f"--hf: the LoRA run {directory} has init_from={run_cfg.init_from!r}; a merged export "
             "needs its base as init_from=hf:DIR (export the adapters with --peft)"
         )
     cfg = run_cfg.model
-    base = hf.open_init(run_cfg.init_from, cfg)
+    base = load.open_init(run_cfg.init_from, cfg)
     adapters = read_adapters(ckpt, s)
-    sources = hf.leaf_sources(cfg)
+    sources = load.leaf_sources(cfg)
     shapes = {p: tuple(x.shape) for p, x in tree_paths(_abstract(cfg)).items()}
     first = {p: names[0].format(e=0) for p, (names, _) in sources.items()}  # an expert leaf: expert 0's
     dtypes = {p: base.where[n].dtype(n) for p, n in first.items()}
@@ -93,7 +92,7 @@ def export_merged(
         )  # as the base stores it if not adapted
 
     kw = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
-    hint = hf.read_config_json(hf.hf_dir(run_cfg.init_from)).get("model_type")
+    hint = load.read_config_json(load.hf_dir(run_cfg.init_from)).get("model_type")
     info = write_hf_dir(out, run_cfg, hint, dtypes, read_leaf, dtype, **kw)
     return {"step": s, **info, "dequantised": None if spec.base_quant is None else spec.base_quant.label}
 

@@ -26,9 +26,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from fsdp_jax.app.hf import peft_experts as experts
-from fsdp_jax.app.models import families
-from fsdp_jax.app.models import lora as lora_lib
+from fsdp_jax.app.hf import peft_experts
+from fsdp_jax.app.models import families, lora
 from fsdp_jax.app.models.config import DecoderConfig
 from fsdp_jax.app.models.stack import segment_layers
 from fsdp_jax.checkpoint.safetensors_io import SafetensorsFile, write_safetensors
@@ -40,7 +39,7 @@ WEIGHTS = "adapter_model.safetensors"
 
 def ours_to_peft() -> dict[str, str]:
     """The decoder's weight -> PEFT's target_modules name (wq: q_proj, ...)."""
-    return {v: k for k, v in lora_lib.peft_targets().items()}
+    return {v: k for k, v in lora.peft_targets().items()}
 
 
 # where each kind of adapter sits: (our module, its adapters attribute); a shared expert's
@@ -61,7 +60,7 @@ SHARED_PARAMS = {
 def peft_key(cfg: DecoderConfig, layer: int, weight: str, half: str, site: str | None = None) -> str:
     """PEFT's tensor name of `weight`'s lora_A / lora_B (`half` "A" or "B") in `layer` of
     model `cfg`, at `site` (`SITES`; default: attention or the dense MLP by the weight)."""
-    site = site or ("attn" if weight in lora_lib.ATTENTION else "mlp")
+    site = site or ("attn" if weight in lora.ATTENTION else "mlp")
     module = families.peft_modules(cfg)[f"{site}/{weight}"]
     return f"base_model.model.model.layers.{layer}.{module}.lora_{half}.weight"
 
@@ -83,14 +82,14 @@ def layer_rows(cfg: DecoderConfig) -> list[tuple[tuple, list[int], bool]]:
     return [(tuple(int(k) if k.isdigit() else k for k in p.split("/")), layers, sp) for p, layers, sp in rows]
 
 
-def sites(cfg: DecoderConfig, spec: lora_lib.LoraSpec, sparse: bool) -> list[tuple[str, str]]:
+def sites(cfg: DecoderConfig, spec: lora.LoraSpec, sparse: bool) -> list[tuple[str, str]]:
     """[(weight, site)] of the plain (per-weight) adapters of a sparse or dense block."""
-    mods, _ = lora_lib.adapted(cfg, spec)
-    out = [(w, "attn") for w in mods if w in lora_lib.ATTENTION]
+    mods, _ = lora.adapted(cfg, spec)
+    out = [(w, "attn") for w in mods if w in lora.ATTENTION]
     if sparse and cfg.shared_expert_ffn_dim:
-        out += [(w, "shared") for w in mods if w not in lora_lib.ATTENTION]
+        out += [(w, "shared") for w in mods if w not in lora.ATTENTION]
     elif not sparse:
-        out += [(w, "mlp") for w in mods if w in lora_lib.MLP_WEIGHTS]
+        out += [(w, "mlp") for w in mods if w in lora.MLP_WEIGHTS]
     return out
 
 
@@ -100,7 +99,7 @@ def _at(tree: dict, path: tuple, make: bool = False) -> dict:
     return tree
 
 
-def _pairs(adapters: dict, cfg: DecoderConfig, spec: lora_lib.LoraSpec):
+def _pairs(adapters: dict, cfg: DecoderConfig, spec: lora.LoraSpec):
     """[(layer, weight or expert adapter, site ("experts" for those), lora_a, lora_b)] of a
     nested adapters tree, one per layer and adapter, in layer order."""
     out = []
@@ -115,25 +114,25 @@ def _pairs(adapters: dict, cfg: DecoderConfig, spec: lora_lib.LoraSpec):
     return sorted(out, key=lambda t: t[0])
 
 
-def to_peft(adapters: dict, cfg: DecoderConfig, spec: lora_lib.LoraSpec) -> dict[str, np.ndarray]:
+def to_peft(adapters: dict, cfg: DecoderConfig, spec: lora.LoraSpec) -> dict[str, np.ndarray]:
     """{PEFT tensor name: (r, in) / (out, r) array} of a nested adapters tree (an expert
     adapter's: `peft_experts`)."""
     out, parts = {}, _expert_parts(cfg, spec)
     for i, w, site, a, b in _pairs(adapters, cfg, spec):
         if site == "experts":
-            for half, x in zip("AB", experts.to_peft(a, b)):
-                out[experts.peft_key(i, w, half, parts)] = x
+            for half, x in zip("AB", peft_experts.to_peft(a, b)):
+                out[peft_experts.peft_key(i, w, half, parts)] = x
             continue
         out[peft_key(cfg, i, w, "A", site)] = np.ascontiguousarray(a.reshape(-1, spec.rank).T)
         out[peft_key(cfg, i, w, "B", site)] = np.ascontiguousarray(b.reshape(spec.rank, -1).T)
     return dict(sorted(out.items()))
 
 
-def _expert_parts(cfg: DecoderConfig, spec: lora_lib.LoraSpec) -> tuple[str, ...]:
-    return lora_lib.adapted(cfg, spec)[1]
+def _expert_parts(cfg: DecoderConfig, spec: lora.LoraSpec) -> tuple[str, ...]:
+    return lora.adapted(cfg, spec)[1]
 
 
-def from_peft(tensors, cfg: DecoderConfig, spec: lora_lib.LoraSpec, where: str = "adapter") -> dict:
+def from_peft(tensors, cfg: DecoderConfig, spec: lora.LoraSpec, where: str = "adapter") -> dict:
     """A nested adapters tree (the decoder's layout) from `tensors` (name -> array, or a
     reader `name -> array`). CheckpointError naming a missing tensor or a wrong shape."""
     read = tensors if callable(tensors) else tensors.__getitem__
@@ -159,15 +158,17 @@ def from_peft(tensors, cfg: DecoderConfig, spec: lora_lib.LoraSpec, where: str =
     for _, layers, sparse in layer_rows(cfg):
         for i in layers:
             for w, site in sites(cfg, spec, sparse):
-                ins, _, outs, _ = lora_lib.weight_dims(cfg, w, site == "shared")
+                ins, _, outs, _ = lora.weight_dims(cfg, w, site == "shared")
                 want = {"A": (r, math.prod(ins)), "B": (math.prod(outs), r)}
                 got = pair({h: peft_key(cfg, i, w, h, site) for h in "AB"}, want)
                 module, attr = SITES[site]
                 node = per_layer[i].setdefault(module, {}).setdefault(attr, {})
                 node[w] = {"lora_a": got["A"].T.reshape(*ins, r), "lora_b": got["B"].T.reshape(r, *outs)}
             for part in parts if sparse else ():
-                got = pair({h: experts.peft_key(i, part, h, parts) for h in "AB"}, experts.shapes(cfg, part, r))
-                a, b = experts.from_peft(got["A"], got["B"], cfg.n_experts)
+                got = pair(
+                    {h: peft_experts.peft_key(i, part, h, parts) for h in "AB"}, peft_experts.shapes(cfg, part, r)
+                )
+                a, b = peft_experts.from_peft(got["A"], got["B"], cfg.n_experts)
                 per_layer[i].setdefault("moe", {}).setdefault("lora", {})[part] = {"lora_a": a, "lora_b": b}
     out: dict = {}
     for path, layers in layer_nodes(cfg):
@@ -191,19 +192,19 @@ def read_config(directory: Path) -> dict:
     return raw
 
 
-def check_matches(raw: dict, spec: lora_lib.LoraSpec, where: str, cfg: DecoderConfig) -> None:
+def check_matches(raw: dict, spec: lora.LoraSpec, where: str, cfg: DecoderConfig) -> None:
     """The adapter's r, alpha, rsLoRA and what it adapts on model `cfg` (its target_modules
     and target_parameters, as PEFT applies them) against the run's `lora:` section."""
     modules = raw.get("target_modules") or []
-    peft = lora_lib.peft_targets()
-    modules = lora_lib.TARGETS if modules == "all-linear" else tuple(peft.get(t, t) for t in modules)
+    peft = lora.peft_targets()
+    modules = lora.TARGETS if modules == "all-linear" else tuple(peft.get(t, t) for t in modules)
     try:
-        parts = experts.parts_of(raw.get("target_parameters"))
+        parts = peft_experts.parts_of(raw.get("target_parameters"))
     except ValueError as e:
         raise CheckpointError(f"{where}: {e}") from None
-    known = tuple(t for t in lora_lib.TARGETS if t in modules)
-    theirs = lora_lib.adapted(cfg, lora_lib.LoraSpec(spec.rank, spec.alpha, known, experts=parts))
-    ours = lora_lib.adapted(cfg, spec)
+    known = tuple(t for t in lora.TARGETS if t in modules)
+    theirs = lora.adapted(cfg, lora.LoraSpec(spec.rank, spec.alpha, known, experts=parts))
+    ours = lora.adapted(cfg, spec)
     checks = (
         ("lora.rank", spec.rank, raw.get("r")),
         ("lora.alpha", spec.alpha, raw.get("lora_alpha")),
@@ -222,10 +223,10 @@ def check_matches(raw: dict, spec: lora_lib.LoraSpec, where: str, cfg: DecoderCo
 
 
 def _peft_name(t: str) -> str:
-    return ours_to_peft().get(t) or experts.PEFT_PARAMETERS.get(t, t)
+    return ours_to_peft().get(t) or peft_experts.PEFT_PARAMETERS.get(t, t)
 
 
-def read_peft(directory, cfg: DecoderConfig, spec: lora_lib.LoraSpec) -> dict:
+def read_peft(directory, cfg: DecoderConfig, spec: lora.LoraSpec) -> dict:
     """The adapters of PEFT directory `directory` as a nested numpy tree (f32), checked
     against `spec` and the model's shapes; CheckpointError (one line) on any mismatch."""
     directory = Path(directory)
@@ -248,12 +249,12 @@ def read_peft(directory, cfg: DecoderConfig, spec: lora_lib.LoraSpec) -> dict:
     return out
 
 
-def adapter_config(spec: lora_lib.LoraSpec, base: str | None, cfg: DecoderConfig) -> dict:
+def adapter_config(spec: lora.LoraSpec, base: str | None, cfg: DecoderConfig) -> dict:
     """The adapter_config.json PEFT's `PeftModel.from_pretrained` needs for `spec` (on model
     `cfg`: a mixture of experts adapts its experts through `target_parameters`, its dense
     MLP names only where it has dense layers)."""
-    modules, parts = lora_lib.adapted(cfg, spec)
-    params = [experts.PEFT_PARAMETERS[p] for p in parts]
+    modules, parts = lora.adapted(cfg, spec)
+    params = [peft_experts.PEFT_PARAMETERS[p] for p in parts]
     out = {
         "base_model_name_or_path": base,
         "bias": "none",
@@ -275,7 +276,7 @@ def adapter_config(spec: lora_lib.LoraSpec, base: str | None, cfg: DecoderConfig
     return out
 
 
-def write_peft(out, adapters: dict, cfg: DecoderConfig, spec: lora_lib.LoraSpec, base: str | None = None) -> dict:
+def write_peft(out, adapters: dict, cfg: DecoderConfig, spec: lora.LoraSpec, base: str | None = None) -> dict:
     """Write `adapters` as PEFT directory `out` (must not exist, or be empty), through a
     temporary directory renamed at the end. Returns {"tensors", "bytes", "path"}."""
     out = Path(out)
@@ -303,30 +304,30 @@ def _copy_dicts(tree):
     return {k: _copy_dicts(v) for k, v in tree.items()} if isinstance(tree, dict) else tree
 
 
-def merged_weight(weight: np.ndarray, a: np.ndarray, b: np.ndarray, spec: lora_lib.LoraSpec) -> np.ndarray:
+def merged_weight(weight: np.ndarray, a: np.ndarray, b: np.ndarray, spec: lora.LoraSpec) -> np.ndarray:
     """One layer's W + scale * A B (computed in f32), in W's dtype and shape."""
     r = spec.rank
     delta = (a.reshape(-1, r).astype(np.float32) @ b.reshape(r, -1).astype(np.float32)) * np.float32(spec.scale)
     return (weight.astype(np.float32) + delta.reshape(weight.shape)).astype(weight.dtype)
 
 
-def adapter_of(path: str, cfg: DecoderConfig, spec: lora_lib.LoraSpec) -> tuple[str, str] | None:
+def adapter_of(path: str, cfg: DecoderConfig, spec: lora.LoraSpec) -> tuple[str, str] | None:
     """(the adapters attribute, the adapter's key) adapting the base param at `path`
     ("segments/0/layers/1/moe/w_gate"), or None when LoRA leaves it as it is."""
     *_, module, leaf = [""] + path.split("/")
-    mods, parts = lora_lib.adapted(cfg, spec)
-    if module in ("attn", "mlp") and leaf in mods and (module == "attn" or lora_lib.linear_mlps(cfg)):
+    mods, parts = lora.adapted(cfg, spec)
+    if module in ("attn", "mlp") and leaf in mods and (module == "attn" or lora.linear_mlps(cfg)):
         return "lora", leaf
     if module != "moe":
         return None
-    if leaf in lora_lib.MLP_WEIGHTS:  # an expert tensor: its share of the experts' adapter
-        part = experts.part_of(leaf)
+    if leaf in lora.MLP_WEIGHTS:  # an expert tensor: its share of the experts' adapter
+        part = peft_experts.part_of(leaf)
         return ("lora", part) if part in parts else None
     shared = {v: k for k, v in SHARED_PARAMS.items()}.get(leaf)
     return ("shared_lora", shared) if shared in mods else None
 
 
-def merged_leaf(path: str, leaf: np.ndarray, adapters: dict, cfg: DecoderConfig, spec: lora_lib.LoraSpec):
+def merged_leaf(path: str, leaf: np.ndarray, adapters: dict, cfg: DecoderConfig, spec: lora.LoraSpec):
     """The base param at `path` (`leaf`, stacked over layers when they are scanned) with its
     adapter merged (`adapter_of`); `leaf` itself when LoRA leaves it as it is."""
     which = adapter_of(path, cfg, spec)
@@ -335,15 +336,15 @@ def merged_leaf(path: str, leaf: np.ndarray, adapters: dict, cfg: DecoderConfig,
     keys = [int(k) if k.isdigit() else k for k in path.split("/")]
     pair = _at(adapters, tuple(keys[:-1]))[which[0]][which[1]]
     a, b, name = np.asarray(pair["lora_a"]), np.asarray(pair["lora_b"]), keys[-1]
-    expert = which[1] in lora_lib.EXPERT_ADAPTERS
+    expert = which[1] in lora.EXPERT_ADAPTERS
 
     def one(w, a, b):
-        return experts.merged_weight(name, w, a, b, spec) if expert else merged_weight(w, a, b, spec)
+        return peft_experts.merged_weight(name, w, a, b, spec) if expert else merged_weight(w, a, b, spec)
 
     return np.stack([one(leaf[i], a[i], b[i]) for i in range(leaf.shape[0])]) if cfg.scan_layers else one(leaf, a, b)
 
 
-def merge(base: dict, adapters: dict, cfg: DecoderConfig, spec: lora_lib.LoraSpec) -> dict:
+def merge(base: dict, adapters: dict, cfg: DecoderConfig, spec: lora.LoraSpec) -> dict:
     """`base` (nested numpy tree of the decoder's params) with each target weight replaced by
     W + scale * A B in W's dtype; every other tensor is `base`'s own array, untouched."""
     out = _copy_dicts(base)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fsdp_jax.app.models import lora as lora_lib
+from fsdp_jax.app.models import lora
 
 # the decoder's expert adapter -> the transformers parameter PEFT targets
 PEFT_PARAMETERS = {"experts_gate_up": "mlp.experts.gate_up_proj", "experts_down": "mlp.experts.down_proj"}
@@ -34,7 +34,7 @@ def parts_of(parameters) -> tuple[str, ...]:
         if name is None:
             raise ValueError(f"target_parameters {p!r}: only {' '.join(PEFT_PARAMETERS.values())} are known")
         out.append(name)
-    return tuple(n for n in lora_lib.EXPERT_ADAPTERS if n in out)
+    return tuple(n for n in lora.EXPERT_ADAPTERS if n in out)
 
 
 def peft_key(layer: int, part: str, half: str, parts: tuple[str, ...]) -> str:
@@ -62,11 +62,11 @@ def from_peft(big_a: np.ndarray, big_b: np.ndarray, n_experts: int) -> tuple[np.
 
 def shapes(cfg, part: str, rank: int) -> dict[str, tuple[int, int]]:
     """PEFT's A and B shapes of expert adapter `part` on model `cfg`."""
-    d_in, _, d_out, _ = lora_lib.expert_adapter_dims(cfg, part)
+    d_in, _, d_out, _ = lora.expert_adapter_dims(cfg, part)
     return {"A": (rank * cfg.n_experts, d_in), "B": (d_out, rank * cfg.n_experts)}
 
 
-def merged_weight(name: str, w: np.ndarray, a: np.ndarray, b: np.ndarray, spec: lora_lib.LoraSpec) -> np.ndarray:
+def merged_weight(name: str, w: np.ndarray, a: np.ndarray, b: np.ndarray, spec: lora.LoraSpec) -> np.ndarray:
     """One layer's expert weight `name` (w_gate, w_up (E, D, F) or w_down (E, F, D)) plus its
     share of its adapter's scale * A B (`a` (E, in, r), `b` (E, r, out): experts_gate_up's B columns
     gate's F then up's), computed in f32, in W's dtype."""
@@ -78,4 +78,4 @@ def merged_weight(name: str, w: np.ndarray, a: np.ndarray, b: np.ndarray, spec: 
 
 def part_of(name: str) -> str:
     """The expert adapter that adapts expert weight `name`."""
-    return next(p for p, ws in lora_lib.EXPERT_ADAPTERS.items() if name in ws)
+    return next(p for p, ws in lora.EXPERT_ADAPTERS.items() if name in ws)

@@ -31,9 +31,17 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from fsdp_jax.app.models import families, stack
-from fsdp_jax.app.models import lora as lora_lib
 from fsdp_jax.app.models.attention import attend_capped, attention, rope, segment_mask, softcap
 from fsdp_jax.app.models.config import DecoderConfig
+from fsdp_jax.app.models.lora import (
+    LoraSpec,
+    adapter_param_count,
+    attach,
+    delta,
+    expert_dropout,
+    layer_keys,
+    target_problem,
+)
 from fsdp_jax.app.models.moe import MoE, moe_active_params, moe_params, zero_stats
 from fsdp_jax.app.models.norm import RMSNorm, normal_param
 from fsdp_jax.app.models.parts import DEFAULT_PARTS, BlockParts
@@ -121,7 +129,7 @@ class Attention(nnx.Module):
 
         def proj(name, w, bias=None):  # (D, H, Dh) -> (B, S, H, Dh)
             _, hh, dh = w.shape
-            y = _plus(matmul(x2, w.reshape(d, hh * dh)), lora_lib.delta(self, name, x2, dropout_key))
+            y = _plus(matmul(x2, w.reshape(d, hh * dh)), delta(self, name, x2, dropout_key))
             y = y.reshape(b, s, hh, dh)
             if bias is not None:
                 y = y + bias[...]
@@ -181,7 +189,7 @@ class Attention(nnx.Module):
             )
         wo = self.wo[...]
         o2 = _rows(o.reshape(b, s, -1))
-        out = _plus(matmul(o2, wo.reshape(-1, d)), lora_lib.delta(self, "wo", o2, dropout_key))  # (B*S, D)
+        out = _plus(matmul(o2, wo.reshape(-1, d)), delta(self, "wo", o2, dropout_key))  # (B*S, D)
         return checkpoint_name(out.reshape(b, s, d), "attn_out")
 
 
@@ -195,11 +203,11 @@ class FeedForward(nnx.Module):
     def __call__(self, x, dropout_key=None):  # (B, S, D)
         b, s, d = x.shape
         x2, k = _rows(x), dropout_key
-        g = _plus(matmul(x2, self.w_gate[...]), lora_lib.delta(self, "w_gate", x2, k))
+        g = _plus(matmul(x2, self.w_gate[...]), delta(self, "w_gate", x2, k))
         act = jax.nn.gelu(g, approximate=True) if self.gelu else jax.nn.silu(g)
-        hid = act * _plus(matmul(x2, self.w_up[...]), lora_lib.delta(self, "w_up", x2, k))  # (B*S, F)
+        hid = act * _plus(matmul(x2, self.w_up[...]), delta(self, "w_up", x2, k))  # (B*S, F)
         hid = constrain(hid, (BATCH, MLP) if hid.ndim == 2 else (BATCH, LENGTH, MLP))
-        out = _plus(matmul(hid, self.w_down[...]), lora_lib.delta(self, "w_down", hid, k))
+        out = _plus(matmul(hid, self.w_down[...]), delta(self, "w_down", hid, k))
         return checkpoint_name(out.reshape(b, s, d), "mlp_out")
 
 
@@ -217,7 +225,7 @@ class Block(nnx.Module):
         cfg: DecoderConfig,
         rngs: nnx.Rngs,
         sparse: bool = False,
-        lora: lora_lib.LoraSpec | None = None,
+        lora: LoraSpec | None = None,
         parts: BlockParts = DEFAULT_PARTS,
     ):
         po = cfg.norm_plus_one
@@ -234,7 +242,7 @@ class Block(nnx.Module):
             self.post_attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, po, rngs)
             self.post_mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, po, rngs)
         if lora is not None:  # last: the base params are drawn as without adapters
-            lora_lib.attach(self, cfg, lora, rngs)
+            attach(self, cfg, lora, rngs)
 
     def __call__(self, x, local=None, segment_ids=None, positions=None, token_mask=None, dropout_key=None):
         x = constrain(x, (BATCH, LENGTH, EMBED))  # (B, S, D)
@@ -263,10 +271,10 @@ class Decoder(nnx.Module):
         self.remat = remat
         get_policy(remat)  # fail early on an unknown name
         self.embed = normal_param(rngs, (cfg.vocab_size, cfg.d_model), (VOCAB, EMBED))
-        if lora is not None and lora_lib.target_problem(cfg, lora):
-            raise ConfigError(*lora_lib.target_problem(cfg, lora))
-        if lora is not None and lora_lib.expert_dropout(cfg, lora):
-            raise ConfigError("lora.dropout", lora_lib.expert_dropout(cfg, lora))
+        if lora is not None and target_problem(cfg, lora):
+            raise ConfigError(*target_problem(cfg, lora))
+        if lora is not None and expert_dropout(cfg, lora):
+            raise ConfigError("lora.dropout", expert_dropout(cfg, lora))
         if cfg.n_experts:  # sparse and dense layers: stacked by segment
             self.segments = stack.make_layers(cfg, rngs, functools.partial(Block, parts=parts), lora)
         elif cfg.scan_layers:
@@ -284,7 +292,7 @@ class Decoder(nnx.Module):
             self.head = normal_param(rngs, (cfg.d_model, cfg.vocab_size), (EMBED, VOCAB))
         if lora is not None and not cfg.scan_layers:  # last, as in a scanned Block
             for blk in self.segments if cfg.n_experts else self.blocks:
-                lora_lib.attach(blk, cfg, lora, rngs)
+                attach(blk, cfg, lora, rngs)
 
     def __call__(
         self, tokens, segment_ids=None, positions=None, *, router: bool = False, token_mask=None, dropout_key=None
@@ -311,7 +319,7 @@ class Decoder(nnx.Module):
         pattern = bool(cfg.sliding_window and cfg.global_every)  # per-layer local flag
         # per layer (None: not used): the local flag, the adapters' dropout key
         flags = jnp.asarray([cfg.is_local(i) for i in range(cfg.n_layers)]) if pattern else None
-        keys = lora_lib.layer_keys(dropout_key, cfg.n_layers)
+        keys = layer_keys(dropout_key, cfg.n_layers)
         # scanned layers: the train step's per-layer cast + gather (ZeRO-2/3, fsdp_jax.train.layer_gather)
         wrap = layer_gather.gather_module if cfg.scan_layers else (lambda blk: blk)
 
@@ -374,7 +382,7 @@ def _attended_fraction(cfg: DecoderConfig, seq_len: int, layer: int) -> float:
     return (w * (w + 1) / 2 + (s - w) * w) / (s * (s + 1) / 2)
 
 
-def flops_per_token(cfg: DecoderConfig, seq_len: int, lora: lora_lib.LoraSpec | None = None) -> float:
+def flops_per_token(cfg: DecoderConfig, seq_len: int, lora: LoraSpec | None = None) -> float:
     """Training FLOPs per token: 6 x (params used in matmuls: all but the embedding
     lookup) plus causal attention scores and values, 6 x L x S x H x Dh (PaLM appendix
     B counts 12 x L x S x D for full attention; causal masking does half the work; a
@@ -388,4 +396,4 @@ def flops_per_token(cfg: DecoderConfig, seq_len: int, lora: lora_lib.LoraSpec | 
     attention = 6.0 * layers * seq_len * cfg.n_heads * cfg.head_dim
     if lora is None:
         return 6.0 * matmul_params + attention
-    return 4.0 * matmul_params + 6.0 * lora_lib.adapter_param_count(cfg, lora, active=True) + attention
+    return 4.0 * matmul_params + 6.0 * adapter_param_count(cfg, lora, active=True) + attention

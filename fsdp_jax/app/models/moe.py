@@ -33,8 +33,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from fsdp_jax.app.models import lora as lora_lib
 from fsdp_jax.app.models.grouped_matmul import lowering_platform
+from fsdp_jax.app.models.lora import delta
 from fsdp_jax.app.models.moe_dispatch import (
     ExpertLora,
     dropless,
@@ -195,7 +195,7 @@ class MoE(nnx.Module):
 
         def proj(x, name, w):
             y = matmul(x, w[...])
-            d = lora_lib.delta(self, name, x, key, where="shared_lora")
+            d = delta(self, name, x, key, where="shared_lora")
             return y if d is None else y + d.astype(y.dtype)
 
         hs = gated(proj(x2, "w_gate", self.shared_gate), proj(x2, "w_up", self.shared_up))

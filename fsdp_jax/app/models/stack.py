@@ -26,7 +26,7 @@ from collections.abc import Callable
 import jax.numpy as jnp
 from flax import nnx
 
-from fsdp_jax.app.models import lora as lora_lib
+from fsdp_jax.app.models.lora import attach, layer_keys
 from fsdp_jax.app.models.moe import add_stats, zero_stats
 from fsdp_jax.sharding.axes import LAYERS
 from fsdp_jax.train import layer_gather
@@ -73,7 +73,7 @@ class Group(nnx.Module):
         self.layers = nnx.List([make_block(cfg, rngs, sparse) for sparse in kinds])
         if lora is not None:  # last: the base params are drawn as without adapters
             for blk in self.layers:
-                lora_lib.attach(blk, cfg, lora, rngs)
+                attach(blk, cfg, lora, rngs)
 
     def __call__(self, x, stats, segment_ids=None, positions=None, token_mask=None, keys=None):
         # keys: (p,) the layers' dropout keys, or None
@@ -106,7 +106,7 @@ def run_layers(cfg, layers, x, remat: str, segment_ids=None, positions=None, tok
     `dropout_key`: the adapters' dropout (layer l's key `lora.layer_keys(key, L)[l]`)."""
     stats = zero_stats(cfg.n_experts)
     policy = layer_gather.block_policy(remat)
-    keys = lora_lib.layer_keys(dropout_key, cfg.n_layers)  # (L,) or None
+    keys = layer_keys(dropout_key, cfg.n_layers)  # (L,) or None
     if not cfg.scan_layers:
         fn = lambda blk, h, k: blk(h, None, segment_ids, positions, token_mask, k)  # noqa: E731
         fn = fn if policy is None else nnx.remat(fn, policy=policy)

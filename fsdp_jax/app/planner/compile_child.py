@@ -98,7 +98,7 @@ def _run_child(request: dict[str, Any], n_devices: int, target) -> tuple[subproc
     )
     with scratch_dir as scratch:
         if target is not None:
-            # raises PluginMissing (a TargetError) naming the install step; the strategies
+            # raises MissingExtra (a TargetError) naming the install step; the strategies
             # compiled in the child reuse each other's GPU kernels (a cache of its own)
             env = child_env(env, kernel_cache=Path(scratch) / "xla_gpu_kernels.bin", target=target)
             request["target"] = target.as_dict()

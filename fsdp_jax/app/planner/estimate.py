@@ -58,7 +58,7 @@ from fsdp_jax.app.planner.step_time import predict, predict_roofline
 from fsdp_jax.app.trainer.build import trainer_model
 from fsdp_jax.hlo.memory import tree_bytes
 from fsdp_jax.sharding.precision import Policy
-from fsdp_jax.targets.gpu import device_memory as target_memory
+from fsdp_jax.targets import gpu
 from fsdp_jax.train.build import with_param_dtype
 
 
@@ -89,7 +89,7 @@ def plan_config(
     names = parse_strategies(strategies)
     check_inputs(cfg, n_devices, names)
     if target is not None and device_memory is None:
-        device_memory = target_memory(target.name)
+        device_memory = gpu.device_memory(target.name)
     results = run_strategies(cfg, n_devices, names, target=target)
     n_params = count_params(cfg.model)
     policy = Policy.parse(cfg.precision)

@@ -14,7 +14,7 @@ from fsdp_jax.app.planner.report import replicated_threshold_for, sharding_warni
 from fsdp_jax.hlo.findings import schedule_warnings
 from fsdp_jax.hlo.memory import collective_report, compiled_memory
 from fsdp_jax.hlo.schedule import collective_schedule
-from fsdp_jax.sharding import axes as ax
+from fsdp_jax.sharding import axes
 from fsdp_jax.targets.gpu import dcn_groups
 
 
@@ -64,7 +64,7 @@ def inspect_compiled(
     if platform != "cpu":  # XLA:CPU never reduce-scatters, upcasts bf16 and runs collectives in sync
         grad_axes = [a for a in plan.strategy.grads if mesh.get(a, 1) > 1]
         # batch axes the grads stay replicated over (HSDP's data axis): all-reduced by design
-        replicated = int(np.prod([mesh.get(a, 1) for a in (ax.DATA, ax.FSDP) if a not in plan.strategy.grads]))
+        replicated = int(np.prod([mesh.get(a, 1) for a in (axes.DATA, axes.FSDP) if a not in plan.strategy.grads]))
         warnings += schedule_warnings(
             schedule,
             compute_dtype=np.dtype(compute_dtype).name,

@@ -62,14 +62,13 @@ import jax
 import numpy as np
 
 from fsdp_jax.app.models.lora import is_adapter, spec_from_config
-from fsdp_jax.app.planner import moe_memory as moe
+from fsdp_jax.app.planner import moe_memory
 from fsdp_jax.app.planner.abstract_step import StepBuild
 from fsdp_jax.app.planner.context_memory import context_attention_bytes
 from fsdp_jax.app.planner.residuals import everything_per_token, flash, saved_per_token
 from fsdp_jax.attention import Q_CHUNK
 from fsdp_jax.hlo.memory import shard_bytes, tree_bytes_per_device
-from fsdp_jax.sharding import axes as ax
-from fsdp_jax.sharding import rules as rl
+from fsdp_jax.sharding import axes, rules
 from fsdp_jax.sharding.offload import get_offload, transfer_bytes
 from fsdp_jax.sharding.precision import Policy
 from fsdp_jax.sharding.remat import device_policies
@@ -102,12 +101,12 @@ def activation_bytes(
     layers = model_cfg.n_layers * (t * (c * d + saved_per_token(model_cfg, remat, seq_len, c)) + ring["saved"])
     none = everything_per_token(model_cfg, seq_len, c)
     working = none
-    if moe.n_sparse(model_cfg):
-        sparse = moe.moe_saved_per_token(model_cfg, remat, t, c, exchange_shards)
-        sparse -= moe.dense_mlp_per_token(model_cfg, remat, c)
-        layers += int(moe.n_sparse(model_cfg) * t * sparse)
-        moe_none = moe.moe_working_per_token(model_cfg, t, c, expert_shards, dense_ragged, exchange_shards)
-        working = max(none, none - moe.dense_mlp_everything(model_cfg, c) + moe_none)
+    if moe_memory.n_sparse(model_cfg):
+        sparse = moe_memory.moe_saved_per_token(model_cfg, remat, t, c, exchange_shards)
+        sparse -= moe_memory.dense_mlp_per_token(model_cfg, remat, c)
+        layers += int(moe_memory.n_sparse(model_cfg) * t * sparse)
+        moe_none = moe_memory.moe_working_per_token(model_cfg, t, c, expert_shards, dense_ragged, exchange_shards)
+        working = max(none, none - moe_memory.dense_mlp_everything(model_cfg, c) + moe_none)
     working = int(t * (working + (0 if flash(model_cfg) else 4 * h * seq_len))) + ring["working"]
     head = t * (c * d + v * (c + 4 + 4))
     return {"layers": layers, "working": working, "head": head, "total": layers + working + head}
@@ -117,7 +116,7 @@ def compute_copy_bytes(abstract_params, plan, logical_axes, dtype) -> dict[str, 
     """Per-device bytes of params in the compute layout (data/fsdp gathered, tensor
     sharding kept) in `dtype`: `whole` model, one `layer` of the stacked (scanned)
     params, the `largest_unstacked` leaf and all `unstacked` leaves together."""
-    rows = rl.explain(abstract_params, plan.mesh, logical_axes, plan.rules, (), 0, allow_unshardable=True)
+    rows = rules.explain(abstract_params, plan.mesh, logical_axes, plan.rules, (), 0, allow_unshardable=True)
     names = (
         jax.tree.leaves(logical_axes, is_leaf=lambda x: x is None or isinstance(x, tuple))
         if logical_axes is not None
@@ -129,7 +128,7 @@ def compute_copy_bytes(abstract_params, plan, logical_axes, dtype) -> dict[str, 
     for row, nm in zip(rows, names):
         b = row.bytes_per_device // np.dtype(row.dtype).itemsize * item
         out["whole"] += b
-        if nm and nm[0] == ax.LAYERS and row.shape:
+        if nm and nm[0] == axes.LAYERS and row.shape:
             out["layer"] += b // row.shape[0]
         else:
             out["largest_unstacked"] = max(out["largest_unstacked"], b)
@@ -310,19 +309,19 @@ def activations_by_remat(build: StepBuild) -> dict[str, int]:
 
 def _context(build: StepBuild) -> int:
     """The `context` axis size: each sequence split over that many devices."""
-    return build.mesh.shape.get(ax.CONTEXT, 1)
+    return build.mesh.shape.get(axes.CONTEXT, 1)
 
 
 def _moe_args(build: StepBuild) -> tuple[int, bool, int]:
     """(expert shards over non-batch axes, ragged_dot lowered densely, expert shards over batch
     axes) of the build: its rules and its devices' platform."""
-    split, exchange = moe.expert_shards(dict(build.mesh.shape), build.plan.rules)
+    split, exchange = moe_memory.expert_shards(dict(build.mesh.shape), build.plan.rules)
     return split, build.mesh.devices.flat[0].platform == "cpu", exchange
 
 
 def _batch_per_device(build: StepBuild) -> int:
     """Sequences per device per microbatch: the batch dim is sharded over data x fsdp."""
-    n = build.mesh.shape.get(ax.DATA, 1) * build.mesh.shape.get(ax.FSDP, 1)
+    n = build.mesh.shape.get(axes.DATA, 1) * build.mesh.shape.get(axes.FSDP, 1)
     return build.cfg.train.global_batch // build.cfg.train.microbatches // n
 
 

@@ -18,7 +18,7 @@ from fsdp_jax.app.planner.refusal import over_memory, refused_result
 from fsdp_jax.errors import OffloadError
 from fsdp_jax.hlo.costs import op_inventory
 from fsdp_jax.hlo.schedule import communication
-from fsdp_jax.sharding import rules as rl
+from fsdp_jax.sharding import rules
 from fsdp_jax.sharding.offload import entry_argument_bytes
 from fsdp_jax.sharding.precision import Policy
 from fsdp_jax.sharding.replication import check_sufficiently_sharded
@@ -138,7 +138,7 @@ def _result(cfg, b, analytic: dict[str, int], ins: dict[str, Any], compile_s: fl
         out["replicated_fraction"] = check_sufficiently_sharded(
             b.plan.rows, b.plan.strategy.params, b.mesh, cfg.mesh.max_replicated_fraction, cfg.mesh.min_replicated_bytes
         )
-    except rl.ShardingError as e:
+    except rules.ShardingError as e:
         out["replicated_fraction"] = None
         out["warnings"].insert(0, f"the trainer would refuse this plan: {e}")
     return out

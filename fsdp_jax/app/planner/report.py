@@ -7,7 +7,8 @@ from the planner's JSON-able dicts.
 
 What a user types in (device counts, memory sizes, strategy lists; bad input raises
 `PlanError`, whose message names the flag), its check against the config and the
-scripts' start-up (`load_planning_config`) are `fsdp_jax.app.planner.inputs`. Building, analysing and compiling the step is
+commands' start-up (`load_planning_config`) are `fsdp_jax.app.planner.inputs`. Building, analysing and
+compiling the step is `fsdp_jax.app.planner.one_strategy`; a config over its strategies,
 `fsdp_jax.app.planner.estimate`.
 """
 

@@ -26,7 +26,7 @@ from fsdp_jax.app.trainer.metrics import LogWindow, MetricsLog, sample_text
 from fsdp_jax.app.trainer.setup import rng_to_json
 from fsdp_jax.app.trainer.timing import ProfileWindow, StepTimer, format_window
 from fsdp_jax.errors import TrainingDiverged
-from fsdp_jax.sharding import offload as offload_lib
+from fsdp_jax.sharding import offload
 
 
 @dataclasses.dataclass
@@ -197,7 +197,7 @@ class SampleHook(Hook):
         if not self.tokens or lp.stop is not None:
             return
         run = lp.run
-        on_device = offload_lib.on_device(run.plan.params)  # sampling reads params on the device
+        on_device = offload.on_device(run.plan.params)  # sampling reads params on the device
         lp.summary["sample"] = sample_text(
             run.model,
             dataclasses.replace(run.plan, params=on_device),

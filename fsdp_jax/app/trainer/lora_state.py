@@ -24,7 +24,7 @@ import numpy as np
 
 from fsdp_jax.app.config.parse import config_to_dict
 from fsdp_jax.app.hf import peft
-from fsdp_jax.app.models import lora as lora_lib
+from fsdp_jax.app.models import lora
 from fsdp_jax.app.trainer.build import lora_spec
 from fsdp_jax.app.trainer.qlora_load import load_quantised
 from fsdp_jax.errors import CheckpointError
@@ -87,7 +87,7 @@ def check_fingerprint(saved: dict | None, now: dict, where: str) -> None:
 
 def saved_state(state: TrainState) -> TrainState:
     """What a LoRA checkpoint holds: the state with the adapters as its params."""
-    return state.replace(params=lora_lib.split(state.params)[1])
+    return state.replace(params=lora.split(state.params)[1])
 
 
 def saved_abstract(abstract: TrainState) -> TrainState:
@@ -98,11 +98,11 @@ def saved_abstract(abstract: TrainState) -> TrainState:
 def _init_part(built, rng, pick: int):
     """The base (pick 0) or adapters (pick 1) of `built.model.init(rng)`, made shard by shard
     (the other part's init is dead code to XLA)."""
-    target = lora_lib.split(built.abstract_state.params)[pick]
+    target = lora.split(built.abstract_state.params)[pick]
     shardings = jax.tree.map(lambda s: s.sharding, target)
 
     def make(r):
-        part = lora_lib.split(built.model.init(r))[pick]
+        part = lora.split(built.model.init(r))[pick]
         return jax.tree.map(lambda x, s: x.astype(s.dtype), part, target)
 
     with jax.set_mesh(built.mesh):
@@ -114,7 +114,7 @@ def base_params(built, rng, load: Callable[[Any], Any] | None, cfg=None):
     devices as it lands, `qlora_load`), else the model's own init."""
     if load is None:
         return _init_part(built, rng, 0)
-    abstract = lora_lib.split(built.abstract_state.params)[0]
+    abstract = lora.split(built.abstract_state.params)[0]
     spec = None if cfg is None else lora_spec(cfg)
     if spec is not None and spec.base_quant is not None:
         return load_quantised(load, abstract, spec.base_quant, 1 if cfg.model.scan_layers else 0)
@@ -126,7 +126,7 @@ def adapter_params(cfg, built, rng):
     if not cfg.lora.init_from:
         return _init_part(built, rng, 1)
     host = peft.read_peft(cfg.lora.init_from.removeprefix("peft:"), cfg.model, lora_spec(cfg))
-    target = lora_lib.split(built.abstract_state.params)[1]
+    target = lora.split(built.abstract_state.params)[1]
     return jax.tree.map(lambda x, s: jax.device_put(np.asarray(x, s.dtype), s.sharding), host, target)
 
 
@@ -143,4 +143,4 @@ def start(cfg, built, rng, load, adapters=None) -> LoraStart:
     base = base_params(built, rng, load, cfg)
     fp = fingerprint(cfg, base)
     ad = adapter_params(cfg, built, rng) if adapters is None else adapters
-    return LoraStart(lora_lib.join(base, ad), fp)
+    return LoraStart(lora.join(base, ad), fp)

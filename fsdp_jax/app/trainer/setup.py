@@ -50,8 +50,7 @@ from fsdp_jax.app.trainer.run_dir import check_dir_path
 from fsdp_jax.checkpoint import Checkpointer, Restored, latest_step, load_init_params, open_safetensors
 from fsdp_jax.errors import CheckpointError, ConfigError, one_line
 from fsdp_jax.model.fns import ModelFns
-from fsdp_jax.sharding import offload as offload_lib
-from fsdp_jax.sharding import remat as remat_lib
+from fsdp_jax.sharding import offload, remat
 from fsdp_jax.sharding.mesh import make_mesh
 from fsdp_jax.sharding.strategy import ShardingPlan
 from fsdp_jax.train.state import TrainState
@@ -96,15 +95,15 @@ def check_offload(cfg: Config) -> None:
     """ConfigError naming `offload` / `remat` when they move state or activations to host
     memory and this backend has none; naming FSDP_JAX_HOST_MEMORY when it is not a size."""
     try:
-        offload_lib.check_supported("none" if nvme_run.uses_nvme(cfg) else cfg.offload, jax.devices())
-    except offload_lib.OffloadError as e:
+        offload.check_supported("none" if nvme_run.uses_nvme(cfg) else cfg.offload, jax.devices())
+    except offload.OffloadError as e:
         raise ConfigError("offload", str(e).removeprefix("offload: ")) from None
     stated_host_memory()  # a bad FSDP_JAX_HOST_MEMORY fails here, offload or not, before anything is written
-    if remat_lib.remat_policy(cfg.remat).offloads and not offload_lib.host_memory_available(jax.devices()):
+    if remat.remat_policy(cfg.remat).offloads and not offload.host_memory_available(jax.devices()):
         raise ConfigError(
             "remat",
             f"{cfg.remat!r} offloads activations to host memory "
-            f"({offload_lib.HOST}), which this backend "
+            f"({offload.HOST}), which this backend "
             f"({jax.devices()[0].platform}) does not offer; use a policy without "
             "offload_ (e.g. dots)",
         )
@@ -224,8 +223,8 @@ def _build(p: _Draft) -> None:
     """The plan, abstract state and steps; then the offloaded state against this node's
     host memory (`fsdp_jax.app.host_memory`), before any state exists or a file is written."""
     p.built = build_from_config(p.cfg, p.model, p.optimizer, p.mesh, loss_fn=p.loss_fn)
-    if not nvme_run.uses_nvme(p.cfg) and offload_lib.get_offload(p.cfg.offload).any:
-        check_host_memory(offload_lib.host_bytes_per_process(p.built.abstract_state), p.cfg.offload)
+    if not nvme_run.uses_nvme(p.cfg) and offload.get_offload(p.cfg.offload).any:
+        check_host_memory(offload.host_bytes_per_process(p.built.abstract_state), p.cfg.offload)
 
 
 def _state(p: _Draft) -> None:
