@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fsdp_jax.app.config.parse import load_config
+from fsdp_jax.app.config import load_config
 from fsdp_jax.app.planner import search as se
 from fsdp_jax.app.planner.abstract_step import mesh_shape
 from fsdp_jax.app.planner.report import COMPILED_OVER_ANALYTIC
@@ -266,6 +266,30 @@ def test_nothing_fits_names_the_smallest_memory_that_does(capsys):
     smaller = f"{float(need[:-2]) - 0.01:.2f}GB"
     rc, _, err = call("plan.py", *base, "--device-memory", smaller, capsys=capsys)
     assert rc == 2  # the named size is the least that fits, to the 0.01 GB it is printed in
+
+
+def test_nothing_fits_names_the_largest_batch_that_would(capsys):
+    """Issue 56 item 4: when no configuration fits at the config's batch, the line says which
+    smaller global batch would (the same search varying the batch, analytic only), and that
+    batch does fit when asked for."""
+    base = ["--config", TINY_YAML, "--devices", "8", "--search", "--max-compiles", "0", "--offload", "none", *SMALL]
+    rc, out, err = call("plan.py", *base, "--device-memory", "100KB", "--json", capsys=capsys)
+    one_line(rc, err, "none of")
+    smaller = str(int(json.loads(out)["smallest_fitting_memory"] * 0.98))  # bytes: the config's batch no longer fits
+    rc, _, err = call("plan.py", *base, "--device-memory", smaller, capsys=capsys)
+    line = one_line(rc, err, "none of", "at a smaller batch", "--vary batch")
+    gb = int(re.search(r"train.global_batch=(\d+) fits", line).group(1))
+    assert gb < cfg_global_batch(TINY_YAML, SMALL)
+    rc, out, err = call(
+        "plan.py", *base, f"train.global_batch={gb}", "--device-memory", smaller, "--json", capsys=capsys
+    )
+    assert rc == 0, err
+    assert json.loads(out)["winner"] is not None
+
+
+def cfg_global_batch(path, overrides) -> int:
+    """The config's global batch after `overrides` (as `plan` loads it)."""
+    return load_config(path, list(overrides)).train.global_batch
 
 
 def test_analytic_communication_matches_the_textbook(cfg):

@@ -220,7 +220,17 @@ def search_command(args) -> int:
     else:
         print(search_report.format_search(doc, rows))
     if doc["winner"] is None:
-        raise SearchError(search_report.nothing_fits_message(doc))
+        smaller = None
+        if "batch" not in space.vary:  # which batch would fit: the analytic pass alone, no compile
+            smaller = search(
+                cfg,
+                n,
+                dataclasses.replace(space, vary=(*space.vary, "batch")),
+                dataclasses.replace(limits, max_compiles=0),
+                target=target,
+                config_name=args.config,
+            )
+        raise SearchError(search_report.nothing_fits_message(doc, smaller))
     return 0
 
 

@@ -213,12 +213,35 @@ def ceil_gb(n: int) -> str:
     return f"{math.ceil(n / 1e7) / 100:.2f}GB"
 
 
-def nothing_fits_message(doc: dict[str, Any]) -> str:
-    """The one line for a search that found nothing, naming the least device memory that fits."""
+def nothing_fits_message(doc: dict[str, Any], smaller: dict[str, Any] | None = None) -> str:
+    """The one line for a search that found nothing, naming the least device memory that fits,
+    why the config's batch did not fit as microbatches where a compile refused one (the f32
+    gradient accumulator they add), and, from `smaller` (the same search varying the batch,
+    analytic only), the largest global batch that would fit and how."""
     need = doc["smallest_fitting_memory"]
     tail = (
         "" if need is None else f"; the smallest device memory that would fit is {ceil_gb(need)} (same headroom rule)"
     )
+    over = [
+        c
+        for c in doc["candidates"]
+        if c.get("compiled") is not None and c["status"] != "fits" and c.get("microbatches", 1) > 1
+    ]
+    if over:
+        c = min(over, key=lambda c: c["device_peak"])
+        tail += (
+            f"; {c['microbatches']} microbatches of the global batch {c['global_batch']} compiled to "
+            f"{ceil_gb(c['device_peak'])} (microbatches add a gradient accumulator in the params' dtype)"
+        )
+    fits = [c for c in (smaller or {}).get("candidates", []) if c["status"] == "fits"]
+    if fits:
+        best = max(fits, key=lambda c: (c["global_batch"], c["predicted"]["tokens_per_s_per_gpu"]))
+        tail += (
+            f"; at a smaller batch, train.global_batch={best['global_batch']} fits analytically at "
+            f"{ceil_gb(best['device_peak'])} ({' '.join(best['overrides'])}): rerun with --vary batch to compile it"
+        )
+    elif smaller is not None:
+        tail += "; no smaller global batch fits either (analytic)"
     return (
         f"--search: none of {doc['counts']['candidates']} configurations fits in "
         f"{fmt_bytes(doc['device_memory'])} per device minus {fmt_bytes(doc['headroom'])} headroom{tail}"
