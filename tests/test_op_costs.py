@@ -238,7 +238,12 @@ def test_mfu_peaks_are_the_tables():
         459e12,
     ]
     assert peak("cpu") is None and peak_flops(SimpleNamespace(device_kind="cpu"), override_tflops=2.0) == 2e12
-    assert set(device_kind_peaks()) == {"h100", "h200", "a100", "l4", "tpu v4", "tpu v5 lite", "tpu v5p"}
+    assert set(device_kind_peaks()) == {"h100", "h200", "a100", "l4", "tpu v4", "tpu v5 lite", "tpu v5", "tpu v6 lite"}
+    # every TPU generation by the name jax's devices carry (v5p is "TPU v5", v6e "TPU v6 lite")
+    from fsdp_jax.targets.tpu import TPU_SPECS
+
+    for spec in TPU_SPECS.values():
+        assert peak(spec.device_kind) == spec.peak_bf16_flops, spec.name
 
 
 def _table_sources():
