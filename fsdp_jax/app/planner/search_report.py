@@ -217,7 +217,7 @@ def nothing_fits_message(doc: dict[str, Any], smaller: dict[str, Any] | None = N
     """The one line for a search that found nothing, naming the least device memory that fits,
     why the config's batch did not fit as microbatches where a compile refused one (the f32
     gradient accumulator they add), and, from `smaller` (the same search varying the batch,
-    analytic only), the largest global batch that would fit and how."""
+    analytic only), the largest smaller global batch that would fit in one microbatch, and how."""
     need = doc["smallest_fitting_memory"]
     tail = (
         "" if need is None else f"; the smallest device memory that would fit is {ceil_gb(need)} (same headroom rule)"
@@ -233,7 +233,13 @@ def nothing_fits_message(doc: dict[str, Any], smaller: dict[str, Any] | None = N
             f"; {c['microbatches']} microbatches of the global batch {c['global_batch']} compiled to "
             f"{ceil_gb(c['device_peak'])} (microbatches add a gradient accumulator in the params' dtype)"
         )
-    fits = [c for c in (smaller or {}).get("candidates", []) if c["status"] == "fits"]
+    asked = max((c["global_batch"] for c in doc["candidates"]), default=0)  # the searched batch
+    # without microbatches: the gradient accumulator is what the compile refused above
+    fits = [
+        c
+        for c in (smaller or {}).get("candidates", [])
+        if c["status"] == "fits" and c["global_batch"] < asked and c["microbatches"] == 1
+    ]
     if fits:
         best = max(fits, key=lambda c: (c["global_batch"], c["predicted"]["tokens_per_s_per_gpu"]))
         tail += (
