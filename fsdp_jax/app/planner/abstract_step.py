@@ -26,6 +26,8 @@ import jax
 import numpy as np
 
 from fsdp_jax.app.data.packing import batch_from_rows
+from fsdp_jax.app.objectives import choose_reference, make_preference_loss, with_reference
+from fsdp_jax.app.objectives.preference_run import is_preference, preference_spec
 from fsdp_jax.app.trainer.build import build_from_config, lora_optimizer, lora_spec, trainer_model
 from fsdp_jax.app.trainer.optim import build_optimizer
 from fsdp_jax.errors import PlanError, one_line
@@ -86,10 +88,19 @@ def packed_batch(cfg) -> bool:
         return False
 
 
+# A preference batch (`fsdp_jax.app.objectives.preference_data.collate`): (B, 2, S + 1) each.
+PAIR_BATCH = {"tokens": np.int32, "completion": np.uint8, "attention": np.uint8}
+
+
 def abstract_batch(cfg, sharding):
     """The global batch the trainer's step takes, as ShapeDtypeStructs with `sharding`:
     int32 (B, S + 1) tokens, or the packed dict of (B, S) arrays (`packed_batch`)."""
     b, s = cfg.train.global_batch, cfg.data.seq_len
+    if is_preference(cfg):  # pairs (B, 2, S + 1): chosen and rejected rows of one prompt together
+        out = {k: jax.ShapeDtypeStruct((b, 2, s + 1), dt, sharding=sharding) for k, dt in PAIR_BATCH.items()}
+        if cfg.preference.precompute_ref_log_probs:
+            out["ref_logps"] = jax.ShapeDtypeStruct((b, 2), np.float32, sharding=sharding)
+        return out
     if packed_batch(cfg):
         return {k: jax.ShapeDtypeStruct((b, s), dt, sharding=sharding) for k, dt in PACKED_BATCH.items()}
     return jax.ShapeDtypeStruct((b, s + 1), np.int32, sharding=sharding)
@@ -97,7 +108,18 @@ def abstract_batch(cfg, sharding):
 
 def sample_batch(cfg, batch, rng: np.random.Generator):
     """A concrete host batch shaped like `batch` (`abstract_batch`) for timing the step:
-    random tokens; a packed batch holds two examples per row, every target trained."""
+    random tokens; a packed batch holds two examples per row, every target trained; a
+    preference pair's first half is its prompt, the rest its completion."""
+    if isinstance(batch, dict) and "completion" in batch:
+        shape = batch["tokens"].shape
+        out = {
+            "tokens": rng.integers(0, cfg.model.vocab_size, shape, dtype=np.int32),
+            "completion": (np.arange(shape[-1]) >= shape[-1] // 2).astype(np.uint8) * np.ones(shape, np.uint8),
+            "attention": np.ones(shape, np.uint8),
+        }
+        if "ref_logps" in batch:
+            out["ref_logps"] = -rng.random(batch["ref_logps"].shape, dtype=np.float32) * shape[-1]
+        return out
     if not isinstance(batch, dict):
         return rng.integers(0, cfg.model.vocab_size, batch.shape, dtype=np.int32)
 
@@ -166,7 +188,15 @@ def build_step(
     optimizer, _ = build_optimizer(cfg.optimizer, cfg.train.steps)
     if lora_spec(cfg) is not None:  # as the trainer: optimizer state for the adapters only
         optimizer = lora_optimizer(optimizer)
-    built = build_from_config(cfg, model, optimizer, mesh, strategy, max_replicated_fraction=None, **step_options)
+    loss_fn = None
+    if is_preference(cfg):  # as the trainer: the reference in model state, the LoRA base or precomputed
+        spec = preference_spec(cfg)
+        reference = choose_reference(spec, lora_spec(cfg) is not None, cfg.preference.precompute_ref_log_probs)
+        model = with_reference(model) if reference == "state" else model
+        loss_fn = make_preference_loss(model, spec, reference)
+    built = build_from_config(
+        cfg, model, optimizer, mesh, strategy, loss_fn=loss_fn, max_replicated_fraction=None, **step_options
+    )
     batch = abstract_batch(cfg, built.plan.batch)
     return StepBuild(
         cfg, strategy, mesh, model, optimizer, built.plan, built.abstract_state, batch, built.train_step, built
