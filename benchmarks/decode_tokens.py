@@ -43,7 +43,13 @@ from fsdp_jax.train.build import build  # noqa: E402
 
 def main() -> None:
     cfg = DecoderConfig(
-        vocab_size=256, d_model=256, n_layers=4, n_heads=8, n_kv_heads=2, ffn_dim=704, max_seq_len=args.prompt + args.new
+        vocab_size=256,
+        d_model=256,
+        n_layers=4,
+        n_heads=8,
+        n_kv_heads=2,
+        ffn_dim=704,
+        max_seq_len=args.prompt + args.new,
     )
     model = trainer_model(cfg)
     mesh = make_mesh(1, args.devices, devices=jax.devices()[: args.devices])
