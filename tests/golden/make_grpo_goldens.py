@@ -4,7 +4,7 @@
 Needs torch + transformers + trl (+ accelerate), which the project never installs; use the
 golden venv (tests/golden/README.md):
 
-    /work/venv-golden/bin/python tests/golden/make_grpo_goldens.py
+    .venv-golden/bin/python tests/golden/make_grpo_goldens.py
 
 Model: the tiny random `llama3` checkpoint of tests/golden/hf (float32). The policy is the
 checkpoint; the reference is the same checkpoint with every weight times `REF_SCALE` (the JAX

@@ -22,7 +22,7 @@ from fsdp_jax.app.objectives.reference import REFERENCES, adapters_off
 from fsdp_jax.model.fns import ModelFns
 
 
-def choose_reference(spec: GrpoSpec, lora: bool) -> str:
+def choose_grpo_reference(spec: GrpoSpec, lora: bool) -> str:
     """none when beta is 0, else the LoRA base (adapters off), else the frozen copy in model state."""
     if not spec.beta:
         return "none"
