@@ -13,7 +13,7 @@ import pytest
 from helpers import ROOT, call, one_line
 
 CONFIG = ROOT / "configs" / "grpo_tiny.yaml"
-REWARDS = '''
+REWARDS = """
 CALLS = [0]
 
 def digits(prompts, completions, answer, **kw):
@@ -27,7 +27,7 @@ def third_call_raises(prompts, completions, **kw):
     if CALLS[0] == 3:
         raise RuntimeError("the grader is down")
     return [0.5] * len(completions)
-'''
+"""
 # a fresh tiny model (no SFT), 4 prompts x 4 completions per step
 BASE = [
     "init_from=null",
