@@ -6,6 +6,7 @@ reference log-probs, the loss, the norm of its gradient and every logged metric 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -15,9 +16,17 @@ import numpy as np
 import optax
 import pytest
 
+from fsdp_jax.app.config.grpo_schema import GrpoConfig
 from fsdp_jax.app.hf import load as hf
 from fsdp_jax.app.models import Decoder
-from fsdp_jax.app.objectives.grpo import GrpoSpec, finish_metrics, group_advantages, spec_problem
+from fsdp_jax.app.objectives.grpo import (
+    LOSS_TYPES,
+    SCALE_REWARDS,
+    GrpoSpec,
+    finish_metrics,
+    group_advantages,
+    spec_problem,
+)
 from fsdp_jax.app.objectives.grpo_loss import batch_logps, make_grpo_loss
 from fsdp_jax.model.fns import from_nnx
 from fsdp_jax.sharding.mesh import make_mesh
@@ -134,3 +143,9 @@ def test_spec_problems():
     assert spec_problem(GrpoSpec(beta=-0.1))[0] == "beta"
     assert spec_problem(GrpoSpec(num_iterations=0))[0] == "num_iterations"
     assert GrpoSpec(epsilon=0.2).eps_high == 0.2 and GrpoSpec(epsilon_high=0.28).eps_high == 0.28
+
+
+def test_config_choices_are_the_objective_s():
+    fields = {f.name: f.metadata.get("choices") for f in dataclasses.fields(GrpoConfig)}
+    assert fields["loss_type"] == LOSS_TYPES and fields["scale_rewards"] == SCALE_REWARDS
+    assert GrpoConfig().loss_type == GrpoSpec().loss_type and GrpoConfig().epsilon == GrpoSpec().epsilon

@@ -108,6 +108,8 @@ def test_grpo_run_logs_trl_metrics_and_resumes_exactly(tmp_path, capsys):
     assert a[3]["reward"] == b[3]["reward"] and a[3]["completions/mean_length"] == b[3]["completions/mean_length"]
     assert a[1]["kl"] == 0.0 and a[3]["kl"] > 0  # policy == reference until the first update (lr 0 at step 1)
     assert 0 <= a[1]["rewards/answer_match/mean"] <= 1 and a[1]["reward_std"] > 0
+    rc, _, err = call("export", split, "--hf", tmp_path / "hf", capsys=capsys)  # export as before
+    assert rc == 0 and (tmp_path / "hf" / "model.safetensors").is_file(), err[-2000:]
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""The CPU GRPO example's toy task: add two numbers (0-19), answer then a newline.
+"""The CPU GRPO example's toy task: add two numbers (0-9), answer then a newline.
 
     python examples/grpo_tiny/make_task.py data/grpo_tiny [--sft-lines 4000] [--prompts 1024]
 
@@ -20,7 +20,7 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--sft-lines", type=int, default=4000)
     ap.add_argument("--prompts", type=int, default=1024)
-    ap.add_argument("--max", type=int, default=19)
+    ap.add_argument("--max", type=int, default=9)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     rng = random.Random(a.seed)
