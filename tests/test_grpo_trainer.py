@@ -74,6 +74,19 @@ def test_bad_grpo_input_one_line(tmp_path, capsys, extra, words):
     assert not run.exists()
 
 
+def stop_at_2(env: dict, overrides: list[str]) -> None:
+    """The run of `overrides`, stopped after step 2 (checkpointed) as a preemption would."""
+    from fsdp_jax.app.trainer.loop import train as train_fn
+    from fsdp_jax.app.trainer.setup import load_run_config
+
+    os.environ["PYTHONPATH"], old = env["PYTHONPATH"], os.environ.get("PYTHONPATH")
+    try:
+        cfg = load_run_config(CONFIG, [*BASE, *overrides])
+        assert train_fn(cfg, progress=False, stop_after=2)["preempted"] == "stop_after=2"
+    finally:
+        os.environ.pop("PYTHONPATH") if old is None else os.environ.update(PYTHONPATH=old)
+
+
 def rows(run: Path) -> dict:
     return {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r}
 
@@ -86,15 +99,7 @@ def test_grpo_run_logs_trl_metrics_and_resumes_exactly(tmp_path, capsys):
     straight, split = tmp_path / "straight", tmp_path / "split"
     rc, _, err = train(tmp_path, capsys, env, *common, f"run_dir={straight}", "train.steps=4")
     assert rc == 0, err[-2000:]
-    from fsdp_jax.app.trainer.loop import train as train_fn
-    from fsdp_jax.app.trainer.setup import load_run_config
-
-    os.environ["PYTHONPATH"], old = env["PYTHONPATH"], os.environ.get("PYTHONPATH")
-    try:
-        cfg = load_run_config(CONFIG, [*BASE, *common, f"run_dir={split}", "train.steps=4"])
-        assert train_fn(cfg, progress=False, stop_after=2)["preempted"] == "stop_after=2"
-    finally:
-        os.environ.pop("PYTHONPATH") if old is None else os.environ.update(PYTHONPATH=old)
+    stop_at_2(env, [*common, f"run_dir={split}", "train.steps=4"])
     rc, out, err = train(tmp_path, capsys, env, *common, f"run_dir={split}", "train.steps=4")
     assert rc == 0 and "resuming from checkpoint step 2" in out, err[-2000:]
     a, b = rows(straight), rows(split)
@@ -123,3 +128,20 @@ def test_failing_reward_stops_with_the_last_step_saved(tmp_path, capsys):
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["2"]  # step 3 never ran
     rc, _, err = train(tmp_path, capsys, env, *args, "grpo.rewards=my_rewards:wrong_length", f"run_dir={run}2")
     one_line(rc, err, "my_rewards:wrong_length", "returned 17 values for 16 completions")
+
+
+@pytest.mark.slow
+def test_lora_grpo_reference_is_the_base_and_resumes_exactly(tmp_path, capsys):
+    data, env = setup_dir(tmp_path)
+    common = [f"data.path={data}", "lora.rank=4", "grpo.beta=0.04", "grpo.rewards=my_rewards:digits"]
+    common += ["optimizer.lr=3e-3", "train.steps=3"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    rc, _, err = train(tmp_path, capsys, env, *common, f"run_dir={straight}")
+    assert rc == 0, err[-2000:]
+    stop_at_2(env, [*common, f"run_dir={split}"])
+    rc, out, err = train(tmp_path, capsys, env, *common, f"run_dir={split}")
+    assert rc == 0 and "resuming from checkpoint step 2" in out, err[-2000:]
+    a, b = rows(straight), rows(split)
+    assert a[1]["kl"] == 0.0 and a[3]["kl"] > 0  # adapters start at B = 0: the policy is the base
+    for k in ("loss", "grad_norm", "kl", "reward"):
+        assert a[3][k] == b[3][k], (k, a[3][k], b[3][k])

@@ -106,7 +106,6 @@ def check_grpo(cfg, process_count: int = 1) -> None:
             f"{cfg.train.global_batch} completions is not a multiple of grpo.num_generations={spec.num_generations}",
         )
     for key, value, ok in (
-        ("lora.rank", cfg.lora.rank, not cfg.lora.rank),
         ("offload", cfg.offload, cfg.offload == "none"),
         ("mesh.context", cfg.mesh.context, cfg.mesh.context == 1),
         ("distributed", f"{process_count} processes", process_count == 1),
