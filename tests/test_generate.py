@@ -116,8 +116,12 @@ def test_decode_logits_equal_full_forward_variants(variant):
 
 
 @pytest.mark.slow
-def test_full_shard_8_devices_equals_one_device(tiny_one):
-    model, params, out = tiny_one
+@pytest.mark.parametrize("variant", ["tiny", "moe"])
+def test_full_shard_8_devices_equals_one_device(tiny_one, variant):
+    if variant == "tiny":
+        model, params, out = tiny_one
+    else:  # the experts' dispatch per batch shard, one token per row per step
+        model, params, out = run_one_device(dataclasses.replace(TINY, **VARIANTS[variant]))
     mesh = make_mesh(1, 8, devices=jax.devices()[:8])
     built = build(model, optax.sgd(0.1), mesh, "full_shard", min_shard_size=0)
     sharded = jax.device_put(params, built.plan.params)
@@ -128,7 +132,7 @@ def test_full_shard_8_devices_equals_one_device(tiny_one):
     prompts, lengths = left_pad(ROWS)
     got = jax.device_get(sample(sharded, prompts, lengths, jax.random.key(1)))
     np.testing.assert_array_equal(got["tokens"], out["tokens"])
-    np.testing.assert_allclose(got["logits"], out["logits"], atol=2e-5)
+    np.testing.assert_allclose(got["logits"], out["logits"], atol=5e-6 * max(1.0, float(np.abs(out["logits"]).max())))
     assert step_errors(model, params, ROWS, got) < 5e-6
 
 
