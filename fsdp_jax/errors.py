@@ -158,3 +158,13 @@ class TrainingDiverged(RuntimeError):
 
 class RunDirBusy(RuntimeError):
     """Another live trainer holds the run directory (an environment failure: exit 1)."""
+
+
+class RewardError(ValueError):
+    """A reward function that cannot be used: a missing module or function, or one that
+    returns the wrong number of values (bad input, exit code 2); the message names it."""
+
+
+class RewardFailed(RuntimeError):
+    """A reward function raised, returned NaN or did not return in time (exit code 1, after
+    the trainer saved its state); the message names it."""

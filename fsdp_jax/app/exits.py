@@ -18,6 +18,8 @@ from fsdp_jax.errors import (
     DataError,
     DistributedInitError,
     MeshError,
+    RewardError,
+    RewardFailed,
     RunDirBusy,
     ShardingError,
     StateError,
@@ -35,10 +37,17 @@ BAD_INPUT: tuple[type[BaseException], ...] = (
     StateError,
     FileNotFoundError,
     XlaFlagsError,
+    RewardError,
 )
 
 # Failures of the environment, not of the input: one line on stderr, exit code 1.
-ENVIRONMENT: tuple[type[BaseException], ...] = (CheckpointWriteError, RunDirBusy, DistributedInitError, OSError)
+ENVIRONMENT: tuple[type[BaseException], ...] = (
+    CheckpointWriteError,
+    RunDirBusy,
+    DistributedInitError,
+    OSError,
+    RewardFailed,
+)
 
 
 def fail(e: BaseException) -> int:

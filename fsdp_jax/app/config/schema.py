@@ -14,8 +14,10 @@ import math
 import re
 import typing
 from collections.abc import Mapping
-from typing import Any, Callable
+from typing import Any
 
+from fsdp_jax.app.config.grpo_schema import GrpoConfig
+from fsdp_jax.app.config.schema_fields import LIMITS, limit, names
 from fsdp_jax.app.models.config import DecoderConfig
 from fsdp_jax.app.models.grouped_matmul import GROUPED_MATMULS
 from fsdp_jax.app.models.rope import ROPE_TYPES
@@ -23,33 +25,6 @@ from fsdp_jax.errors import ConfigError, ShardingError
 from fsdp_jax.sharding.axes import MESH_AXES
 from fsdp_jax.sharding.replication import DEFAULT_MAX_REPLICATED_FRACTION, DEFAULT_MIN_REPLICATED_BYTES
 from fsdp_jax.sharding.rules import DEFAULT_MIN_SHARD_SIZE, DEFAULT_RULES, merge_rules
-
-# Limits a field can carry: (test, what the error says is allowed).
-LIMITS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "> 0": (lambda v: v > 0, "must be > 0"),
-    ">= 0": (lambda v: v >= 0, "must be >= 0"),
-    "off": (lambda v: v >= 0, "must be >= 0 (0 = off)"),
-    "[0, 1]": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
-    "[0, 1)": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
-    "[0, 0.5)": (lambda v: 0 <= v < 0.5, "must be in [0, 0.5)"),
-    "> 0 or null": (lambda v: v is None or v > 0, "must be > 0, or null for no clipping"),
-    ">= 1 or null": (lambda v: v is None or v >= 1, "must be >= 1 (or null to auto-detect)"),
-    "mesh size": (lambda v: v >= 1 or v == -1, "must be >= 1, or -1 for the remaining devices"),
-    "peer timeout": (lambda v: 0 <= v <= 86400, "must be in [0, 86400] seconds (0 = no peer watch)"),
-}
-
-
-def names(default: str):
-    """A str field that takes several names: a string (spaces or commas between them) or a
-    YAML list of strings, kept as one space-separated string (`NAME_LISTS`)."""
-    return dataclasses.field(default=default, metadata={"names": True})
-
-
-def limit(default: Any, kind: str | None = None, *, choices: tuple[str, ...] | None = None):
-    """A dataclass field with `default` and its limit: a key of LIMITS and/or `choices`."""
-    assert kind is None or kind in LIMITS, kind
-    return dataclasses.field(default=default, metadata={"limit": kind, "choices": choices})
-
 
 # The model section is the reference model's own config dataclass (fsdp_jax.app.models),
 # which carries no config metadata: its limits are listed here.
@@ -250,7 +225,7 @@ class PreferenceConfig:
     precompute_ref_log_probs: bool = False  # reference log-probs computed once before step 1 (run_dir/ref_logps.npz)
 
 
-OBJECTIVES = ("sft", "dpo", "ipo", "hinge", "simpo", "orpo")
+OBJECTIVES = ("sft", "dpo", "ipo", "hinge", "simpo", "orpo", "grpo")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,7 +239,10 @@ class Config:
     logging: LoggingConfig = LoggingConfig()
     lora: LoraConfig = LoraConfig()
     preference: PreferenceConfig = PreferenceConfig()
-    objective: str = limit("sft", choices=OBJECTIVES)  # sft: next-token loss; else a preference loss
+    grpo: GrpoConfig = GrpoConfig()
+    objective: str = limit(
+        "sft", choices=OBJECTIVES
+    )  # sft: next-token loss; grpo (docs/grpo.md); else a preference loss
     precision: str = "params=float32,compute=float32"
     remat: str = "dots"
     offload: str = "none"  # none | optimizer | optimizer+params: state kept in host memory; optimizer:nvme: on disk

@@ -34,7 +34,7 @@ REF_FILE = "ref_logps.npz"  # precompute_ref_log_probs: the reference's (P, 2) l
 
 
 def is_preference(cfg) -> bool:
-    return cfg.objective != "sft"
+    return cfg.objective not in ("sft", "grpo")
 
 
 def preference_spec(cfg) -> PreferenceSpec:

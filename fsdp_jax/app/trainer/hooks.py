@@ -130,6 +130,7 @@ class LogHook(Hook):
                     if "rewards/margins" in rec
                     else {}
                 ),
+                **({"reward": f"{rec['reward']:.3f}", "kl": f"{rec['kl']:.4f}"} if "reward" in rec else {}),  # GRPO
                 time=format_window(rec),
             )
 

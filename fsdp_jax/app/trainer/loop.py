@@ -31,15 +31,17 @@ from fsdp_jax.app.config.parse import save_config
 from fsdp_jax.app.config.schema import Config
 from fsdp_jax.app.data.batches import check_segments, check_tokens, global_batch, make_batches
 from fsdp_jax.app.models.decoder import count_params, flops_per_token
+from fsdp_jax.app.objectives.grpo_run import GrpoBatches, is_grpo
 from fsdp_jax.app.objectives.preference_run import is_preference, make_preference_batches
 from fsdp_jax.app.trainer.build import lora_spec
 from fsdp_jax.app.trainer.faults import Faults
-from fsdp_jax.app.trainer.hooks import Hook, LoopState, default_hooks
+from fsdp_jax.app.trainer.hooks import CheckpointHook, Hook, LoopState, default_hooks
 from fsdp_jax.app.trainer.metrics import LogWindow, MetricsLog, wandb_settings
 from fsdp_jax.app.trainer.preemption import StopSignals
 from fsdp_jax.app.trainer.run_dir import RunDirLock
 from fsdp_jax.app.trainer.setup import Run, preflight, setup
 from fsdp_jax.app.trainer.timing import ProfileWindow, StepTimer, format_goodput, goodput
+from fsdp_jax.errors import RewardFailed
 from fsdp_jax.hlo.memory import compiled_memory
 from fsdp_jax.sharding.precision import Policy
 from fsdp_jax.targets.perf import peak_flops
@@ -83,8 +85,11 @@ def _start(run: Run, progress: bool) -> tuple[LoopState, Any, ProfileWindow]:
         save_config(cfg, run.run_dir / "config.yaml")
     log = MetricsLog(run.run_dir, run.is_main, c.tensorboard, wandb=wandb_settings(cfg), timer=timer)
     log.truncate(run.start_step)  # a fresh start (0) drops the rows of a run that died before saving
-    make = make_preference_batches if is_preference(cfg) else make_batches
-    batches, val = make(cfg, jax.process_index(), jax.process_count())
+    if is_grpo(cfg):  # the policy makes its own batches (objectives.grpo_run)
+        batches, val = GrpoBatches(run), []
+    else:
+        make = make_preference_batches if is_preference(cfg) else make_batches
+        batches, val = make(cfg, jax.process_index(), jax.process_count())
     batches.set_state(
         run.restored.extras.get("data", {"step": run.start_step}) if run.restored else {"step": run.start_step}
     )
@@ -96,7 +101,7 @@ def _start(run: Run, progress: bool) -> tuple[LoopState, Any, ProfileWindow]:
     window = LogWindow(
         run.start_step,
         schedule=run.schedule,
-        tokens_per_step=c.global_batch * cfg.data.seq_len * (2 if is_preference(cfg) else 1),  # pairs: 2 rows
+        tokens_per_step=c.global_batch * _row_len(cfg),
         flops_per_token=flops_per_token(cfg.model, cfg.data.seq_len, lora_spec(cfg)),
         peak_flops=peak_flops(jax.devices()[0], Policy.parse(cfg.precision).compute_dtype.name),
         n_devices=jax.device_count(),
@@ -109,7 +114,16 @@ def _start(run: Run, progress: bool) -> tuple[LoopState, Any, ProfileWindow]:
         bar = tqdm(total=c.steps, initial=run.start_step, dynamic_ncols=True, desc="train")
     summary = {"compile_s": compile_s, "params": count_params(cfg.model)}
     lp = LoopState(run, cfg, timer, log, batches, val, window, run.state, c.steps, summary, bar, done=run.start_step)
+    if is_grpo(cfg):  # generation reads the current params; its reward metrics join the log window
+        batches.state_fn, batches.sink = (lambda: lp.state), window.host.append
     return lp, compiled, profiler
+
+
+def _row_len(cfg) -> int:
+    """Tokens per row of a step's batch: pairs count 2 rows; GRPO rows are prompt + completion."""
+    if is_grpo(cfg):
+        return cfg.grpo.max_prompt_len + cfg.grpo.max_new_tokens
+    return cfg.data.seq_len * (2 if is_preference(cfg) else 1)
 
 
 def _compile(run: Run, batches) -> tuple[Any, float, dict]:
@@ -166,7 +180,11 @@ def _loop(
         for h in hooks:
             h.before_step(lp)
         timer.switch("data")
-        local = next(lp.batches)
+        try:
+            local = next(lp.batches)
+        except RewardFailed:  # nothing lost: the state before this step is saved, then the run stops
+            _save_now(lp, hooks)
+            raise
         if faults.data_delay_s:
             time.sleep(faults.data_delay_s)
         check_tokens(local, run.cfg.model.vocab_size, lp.done, run.cfg.data.path)
@@ -195,8 +213,23 @@ def _loop(
     return _finish(lp, hooks)
 
 
+def _save_now(lp: LoopState, hooks: list[Hook]) -> None:
+    """Checkpoint the state of the last finished step (unless saved already) and wait."""
+    lp.done -= 1  # the step that failed to start
+    _read_metrics(lp)
+    if lp.done > lp.run.start_step and lp.done not in lp.run.checkpointer.steps():
+        lp.stop = "reward failure"
+        for h in hooks:
+            if isinstance(h, CheckpointHook):
+                h.after_step(lp)
+    lp.run.checkpointer.wait()
+    lp.batches.close()
+
+
 def _finish(lp: LoopState, hooks: list[Hook]) -> dict:
     run, c, summary = lp.run, lp.cfg.train, lp.summary
+    if hasattr(lp.batches, "close"):
+        lp.batches.close()
     if lp.bar is not None:
         lp.bar.close()
     for h in hooks:

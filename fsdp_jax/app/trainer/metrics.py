@@ -44,6 +44,7 @@ from fsdp_jax.app.data.tokenizer import load_tokenizer
 from fsdp_jax.app.data.windows import load_meta
 from fsdp_jax.app.models.sample import sample
 from fsdp_jax.app.objectives import finish_metrics
+from fsdp_jax.app.objectives.grpo import finish_metrics as grpo_metrics
 from fsdp_jax.app.trainer.router_metrics import summarise
 from fsdp_jax.errors import TokenizerError
 from fsdp_jax.sharding.context import context_size, unzigzag, zigzag
@@ -198,12 +199,14 @@ class LogWindow:
         self.compiled_peak_bytes = compiled_peak_bytes
         self.timer, self.warn = timer, warn
         self.values: list[tuple[float, float]] = []
+        self.host: list[dict] = []  # host-side figures of the window's steps (GRPO's rewards), averaged
         self.reset(step)
 
     def reset(self, step: int) -> None:
         """Start a new window after `step` (now)."""
         self.values.clear()
         self.router: list[dict] = []
+        self.host.clear()  # (cleared in place: a GRPO run's batches hold its append)
         self.t, self.step, self.eval_s = time.perf_counter(), step, 0.0
 
     def add(self, loss: float, grad_norm: float, trained_tokens: float | None = None, router=None) -> None:
@@ -259,7 +262,12 @@ class LogWindow:
             rec["trained_tokens_per_s"] = sum(trained) / len(trained) / dt
         # the step's aux: a preference loss's metrics (TRL's names), or a mixture of experts' router terms
         pref = bool(self.router) and "rewards/margins" in self.router[0]
-        rec.update(finish_metrics(self.router) if pref else summarise(self.router))
+        if self.router and "kl_sum" in self.router[0]:  # GRPO's loss metrics (TRL's names)
+            rec.update(grpo_metrics(self.router, beta=1.0))
+        else:
+            rec.update(finish_metrics(self.router) if pref else summarise(self.router))
+        for k in dict.fromkeys(k for h in self.host for k in h):
+            rec[k] = float(np.nanmean([h[k] for h in self.host if k in h]))
         rec.update(tw)
         return rec
 

@@ -35,6 +35,8 @@ from fsdp_jax.app.data.windows import load_meta
 from fsdp_jax.app.hf.load import is_hf, load_params, model_section_from_hf, open_init
 from fsdp_jax.app.host_memory import check_host_memory, stated_host_memory
 from fsdp_jax.app.objectives import choose_reference, make_preference_loss, with_reference
+from fsdp_jax.app.objectives.grpo_loss import choose_grpo_reference, make_grpo_loss
+from fsdp_jax.app.objectives.grpo_run import check_grpo, grpo_spec, is_grpo
 from fsdp_jax.app.objectives.preference_run import is_preference, load_pairs, precompute_ref_logps, preference_spec
 from fsdp_jax.app.trainer import lora_state, nvme_run
 from fsdp_jax.app.trainer.build import (
@@ -126,6 +128,8 @@ def preflight(cfg: Config, progress: bool = False) -> None:
     if is_preference(cfg):  # every row read and tokenized now: a bad one fails before anything is written
         preference_spec(cfg)
         load_pairs(cfg)
+    elif is_grpo(cfg):  # the section, the prompts and every reward loaded once: before anything is written
+        check_grpo(cfg, jax.process_count())
     elif cfg.data.source == "stdlib" and not (Path(cfg.data.path) / "meta.json").exists():
         check_dir_path(cfg.data.path, "data.path")
     else:
@@ -194,7 +198,7 @@ def _validate(p: _Draft) -> None:
 def _data(p: _Draft) -> None:
     if is_preference(p.cfg):
         load_pairs(p.cfg)
-    else:
+    elif not is_grpo(p.cfg):
         prepare_data(p.cfg)
 
 
@@ -213,6 +217,11 @@ def _model(p: _Draft) -> None:
         reference = choose_reference(spec, lora_spec(cfg) is not None, cfg.preference.precompute_ref_log_probs)
         p.model = with_reference(p.model) if reference == "state" else p.model
         p.loss_fn = make_preference_loss(p.model, spec, reference)
+    elif is_grpo(cfg):  # the reference (beta > 0): frozen starting weights in model state
+        spec = grpo_spec(cfg)
+        reference = choose_grpo_reference(spec, lora_spec(cfg) is not None)
+        p.model = with_reference(p.model) if reference == "state" else p.model
+        p.loss_fn = make_grpo_loss(p.model, spec, reference)
 
 
 def _mesh(p: _Draft) -> None:

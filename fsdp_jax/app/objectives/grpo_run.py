@@ -1,0 +1,239 @@
+"""A GRPO run's pieces from its config: the spec, the rewards, the checks, and the batches.
+
+`objective: grpo` with the `grpo:` section (docs/grpo.md). Each step's batch is made by the
+policy itself (`GrpoBatches`): `train.global_batch / num_generations` prompts drawn by
+`row_indices(seed, generation)` (epochs reshuffled), each sampled `num_generations` times on
+the training mesh (`rollout.make_sampler`, key `fold_in(key(train.seed + 1), generation)`),
+decoded, scored by the reward workers (`rewards.RewardPool`), turned into group advantages;
+with `num_iterations` > 1 the sampling policy's log-probs are kept for the clipped ratio and
+the batch serves that many optimizer steps. Everything is a pure function of (seed, step,
+params), so a resume at a generation boundary (every step when num_iterations is 1)
+continues exactly. One process only (the rewards run on its host).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from fsdp_jax.app.data.packed_rows import row_indices
+from fsdp_jax.app.models.generate import SamplingSpec, left_pad
+from fsdp_jax.app.objectives.grpo import GrpoSpec, group_advantages, spec_problem
+from fsdp_jax.app.objectives.grpo_data import Codec, load_prompts
+from fsdp_jax.app.objectives.grpo_loss import batch_logps
+from fsdp_jax.app.objectives.rewards import RewardFn, RewardPool, reward_problem
+from fsdp_jax.app.objectives.rollout import make_sampler
+from fsdp_jax.errors import ConfigError
+from fsdp_jax.sharding.precision import Policy
+from fsdp_jax.train.step import sharding_context
+
+
+def is_grpo(cfg) -> bool:
+    return cfg.objective == "grpo"
+
+
+def grpo_spec(cfg) -> GrpoSpec:
+    g = cfg.grpo
+    spec = GrpoSpec(
+        g.num_generations,
+        g.max_new_tokens,
+        g.temperature,
+        g.top_p,
+        g.top_k,
+        g.epsilon,
+        g.epsilon_high,
+        g.beta,
+        g.loss_type,
+        g.scale_rewards,
+        g.num_iterations,
+    )
+    bad = spec_problem(spec)
+    if bad:
+        raise ConfigError(f"grpo.{bad[0]}", bad[1])
+    return spec
+
+
+def _ints(key: str, text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(t) for t in text.split())
+    except ValueError:
+        raise ConfigError(key, f"{text!r}: token ids (integers) separated by spaces") from None
+
+
+def stop_tokens(cfg) -> tuple[int, ...]:
+    ids = _ints("grpo.stop_tokens", cfg.grpo.stop_tokens)
+    bad = [i for i in ids if not 0 <= i < cfg.model.vocab_size]
+    if bad:
+        raise ConfigError("grpo.stop_tokens", f"{bad[0]} is outside model.vocab_size={cfg.model.vocab_size}")
+    return ids
+
+
+def reward_fns(cfg) -> list[RewardFn]:
+    """`grpo.rewards` with their weights and the built-ins' arguments (ConfigError when bad)."""
+    g = cfg.grpo
+    refs = g.rewards.split()
+    if not refs:
+        raise ConfigError("grpo.rewards", "is empty; name at least one reward (module:function or a built-in)")
+    try:
+        weights = [float(w) for w in g.reward_weights.split()] or [1.0] * len(refs)
+    except ValueError:
+        raise ConfigError("grpo.reward_weights", f"{g.reward_weights!r}: numbers separated by spaces") from None
+    if len(weights) != len(refs) or not all(np.isfinite(weights)):
+        raise ConfigError("grpo.reward_weights", f"{len(weights)} finite weights for {len(refs)} rewards")
+    args = {"answer_match": (("column", g.answer_column),), "format": (("pattern", g.format_pattern),)}
+    fns = [RewardFn(r, w, args.get(r, ())) for r, w in zip(refs, weights)]
+    for f in fns:
+        bad = reward_problem(f)
+        if bad:
+            raise ConfigError("grpo.rewards", bad)
+    return fns
+
+
+def check_grpo(cfg, process_count: int = 1) -> None:
+    """Every GRPO input check that writes nothing: the section, the row sizes, the prompts,
+    and each reward loaded once in a worker (a missing module or function: exit 2)."""
+    spec, g = grpo_spec(cfg), cfg.grpo
+    stop_tokens(cfg)
+    if g.max_prompt_len + g.max_new_tokens > cfg.model.max_seq_len:
+        raise ConfigError(
+            "grpo.max_new_tokens",
+            f"{g.max_new_tokens} new tokens after grpo.max_prompt_len={g.max_prompt_len} overflow "
+            f"model.max_seq_len={cfg.model.max_seq_len}",
+        )
+    if cfg.train.global_batch % spec.num_generations:
+        raise ConfigError(
+            "train.global_batch",
+            f"{cfg.train.global_batch} completions is not a multiple of grpo.num_generations={spec.num_generations}",
+        )
+    for key, value, ok in (
+        ("offload", cfg.offload, cfg.offload == "none"),
+        ("mesh.context", cfg.mesh.context, cfg.mesh.context == 1),
+        ("distributed", f"{process_count} processes", process_count == 1),
+    ):
+        if not ok:
+            raise ConfigError(key, f"{value!r}: objective grpo does not support it yet (docs/grpo.md)")
+    load_prompts(cfg)
+    with RewardPool(reward_fns(cfg), workers=1, timeout=g.reward_timeout):
+        pass
+
+
+def _name(ref: str) -> str:
+    return ref.rpartition(":")[2]
+
+
+class GrpoBatches:
+    """The train iterator of a GRPO run: `next()` -> this step's batch (module docstring);
+    `state_fn()` gives the current TrainState (set by the loop), `sink(dict)` takes each
+    generation's host metrics (rewards, completion lengths)."""
+
+    def __init__(self, run, step: int = 0):
+        cfg = run.cfg
+        self.cfg, self.spec, self.run = cfg, grpo_spec(cfg), run
+        self.prompts, self.codec = load_prompts(cfg), Codec(cfg.grpo.tokenizer)
+        self.fns = reward_fns(cfg)
+        self.rows, self.step = cfg.train.global_batch, step
+        self.p, self.n = cfg.grpo.max_prompt_len, self.spec.max_new_tokens
+        s = self.spec
+        sampling = SamplingSpec(s.max_new_tokens, s.temperature, s.top_p, s.top_k, stop_tokens(cfg), 0)
+        cast = Policy.parse(cfg.precision).cast_to_compute
+        self.sample = make_sampler(run.model, run.plan, sampling, cast=cast)
+        self.old_logps = None
+        if s.num_iterations > 1:
+            fn = jax.jit(
+                lambda p, b: batch_logps(run.model, s, cast(p), b), in_shardings=(run.plan.params, run.plan.batch)
+            )
+            self.old_logps = fn
+        self.key = jax.random.key(cfg.train.seed + 1)
+        self.cache: tuple[int, dict] | None = None
+        self.state_fn = None
+        self.sink = None
+        self.pool = RewardPool(self.fns, cfg.grpo.reward_workers, cfg.grpo.reward_timeout, cfg.grpo.on_nan)
+
+    def __iter__(self):
+        return self
+
+    def get_state(self) -> dict:
+        return {"step": self.step}
+
+    def set_state(self, state: dict) -> None:
+        self.step = int(state["step"])
+
+    def close(self) -> None:
+        self.pool.close()
+
+    def batch(self, step: int) -> dict:
+        """A batch of the right shapes and dtypes (zeros): what the step compiles for."""
+        b, p, n = self.rows, self.p, self.n
+        out = {
+            "tokens": np.zeros((b, p + n), np.int32),
+            "prompt_len": np.ones((b,), np.int32),
+            "completion": np.zeros((b, n), np.int32),
+            "completion_mask": np.zeros((b, n), np.int32),
+            "advantages": np.zeros((b,), np.float32),
+        }
+        if self.old_logps is not None:
+            out["old_logps"] = np.zeros((b, n), np.float32)
+        return out
+
+    def __next__(self) -> dict:
+        gen = self.step // self.spec.num_iterations
+        if self.cache is None or self.cache[0] != gen:
+            self.cache = (gen, self._generate(gen))
+        self.step += 1
+        return self.cache[1]
+
+    def _generate(self, gen: int) -> dict:
+        g = self.spec.num_generations
+        idx = np.repeat(row_indices(len(self.prompts), self.rows // g, self.cfg.data.seed, gen), g)
+        rows = [self.prompts.tokens[i] for i in idx]
+        prompts, lengths = left_pad(rows, width=self.p)
+        params = self.state_fn().params
+        out = jax.device_get(self.sample(params, prompts, lengths, jax.random.fold_in(self.key, gen)))
+        comp, clen = np.asarray(out["tokens"], np.int32), np.asarray(out["lengths"], np.int32)
+        stops = set(stop_tokens(self.cfg))
+        texts = [self.codec.decode([t for t in comp[b, : clen[b]] if t not in stops]) for b in range(len(rows))]
+        columns = {k: [v[i] for i in idx] for k, v in self.prompts.columns.items()}
+        per_func = self.pool.score([self.prompts.texts[i] for i in idx], texts, columns)
+        adv, total = group_advantages(per_func, [f.weight for f in self.fns], g, self.spec.scale_rewards)
+        batch = self._rows(rows, comp, clen, adv)
+        if self.old_logps is not None:
+            with sharding_context(self.run.plan):
+                batch["old_logps"] = np.asarray(jax.device_get(self.old_logps(params, batch)), np.float32)
+        if self.sink is not None:
+            self.sink(self._metrics(per_func, total, comp, clen, stops))
+        return batch
+
+    def _rows(self, rows, comp, clen, adv) -> dict:
+        b, p, n = len(rows), self.p, self.n
+        tokens = np.zeros((b, p + n), np.int32)
+        mask = (np.arange(n)[None] < clen[:, None]).astype(np.int32)
+        for i, r in enumerate(rows):
+            tokens[i, : len(r)] = r
+            tokens[i, len(r) : len(r) + clen[i]] = comp[i, : clen[i]]
+        pl = np.asarray([len(r) for r in rows], np.int32)
+        return {
+            "tokens": tokens,
+            "prompt_len": pl,
+            "completion": comp * mask,
+            "completion_mask": mask,
+            "advantages": adv,
+        }
+
+    def _metrics(self, per_func, total, comp, clen, stops) -> dict:
+        g = self.spec.num_generations
+        ended = np.asarray([clen[b] > 0 and int(comp[b, clen[b] - 1]) in stops for b in range(len(clen))])
+        grouped = total.reshape(-1, g)
+        out = {
+            "reward": float(np.nanmean(total)),
+            "reward_std": float(np.nanstd(total, ddof=1)) if len(total) > 1 else 0.0,
+            "frac_reward_zero_std": float(np.mean(np.isclose(np.nanstd(grouped, axis=1, ddof=1), 0.0))),
+            "completions/mean_length": float(clen.mean()),
+            "completions/min_length": float(clen.min()),
+            "completions/max_length": float(clen.max()),
+            "completions/clipped_ratio": float(1.0 - ended.mean()),
+        }
+        for j, f in enumerate(self.fns):
+            col = per_func[:, j]
+            out[f"rewards/{_name(f.fn)}/mean"] = float(np.nanmean(col)) if np.isfinite(col).any() else float("nan")
+            out[f"rewards/{_name(f.fn)}/std"] = float(np.nanstd(col, ddof=1)) if np.isfinite(col).sum() > 1 else 0.0
+        return out
