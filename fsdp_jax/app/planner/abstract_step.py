@@ -27,6 +27,7 @@ import numpy as np
 
 from fsdp_jax.app.data.packing import batch_from_rows
 from fsdp_jax.app.objectives import choose_reference, make_preference_loss, with_reference
+from fsdp_jax.app.objectives.grpo_run import is_grpo
 from fsdp_jax.app.objectives.preference_run import is_preference, preference_spec
 from fsdp_jax.app.trainer.build import build_from_config, lora_optimizer, lora_spec, trainer_model
 from fsdp_jax.app.trainer.optim import build_optimizer
@@ -180,6 +181,11 @@ def build_step(
     `make_train_step` on top of the trainer's (e.g. skip_nonfinite=False, to measure
     what the guard costs)."""
 
+    if is_grpo(cfg):
+        raise PlanError(
+            "objective=grpo: plan does not cover the GRPO step (generation + training) yet; plan its "
+            "training step with objective=sft (docs/grpo.md gives the KV cache's size)"
+        )
     strategy = get_strategy(strategy or cfg.mesh.strategy).name
     devices = list(jax.devices() if devices is None else devices)
     sizes = mesh_sizes or mesh_shape(cfg, strategy, len(devices))
