@@ -166,7 +166,7 @@ def write_mxfp4(model, d: Path, rng: np.random.RandomState) -> None:
     for key in [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
         e, i, o = state.pop(key).shape
         blocks = rng.randint(0, 256, size=(e, o, i // 32, 16)).astype(np.uint8)
-        scales = rng.randint(122, 128, size=(e, o, i // 32)).astype(np.uint8)
+        scales = rng.randint(120, 124, size=(e, o, i // 32)).astype(np.uint8)
         state[key + "_blocks"], state[key + "_scales"] = blocks, scales
         with torch.no_grad():  # the model in memory holds the same values (for the routing search)
             dict(model.named_parameters())[key].copy_(torch.from_numpy(mxfp4_dequantize(blocks, scales)))
@@ -174,7 +174,12 @@ def write_mxfp4(model, d: Path, rng: np.random.RandomState) -> None:
     cfg = json.loads((d / "config.json").read_text())
     cfg["quantization_config"] = {
         "quant_method": "mxfp4",
-        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
     }
     (d / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 

@@ -71,6 +71,8 @@ MODEL_LIMITS: dict[str, str] = {
             "rope_beta_fast",
             "rope_beta_slow",
             "max_segments",
+            "swiglu_limit",
+            "swiglu_alpha",
         )
     },
     **{

@@ -20,7 +20,6 @@ from fsdp_jax.app.models.families.keys import int_key as _int
 OTHER_ROUTERS = {
     "deepseek_v2": "DeepSeek-V2's grouped routing (n_group / topk_group, routed_scaling_factor)",
     "deepseek_v3": "DeepSeek-V3's sigmoid routing with a score-correction bias and expert groups",
-    "gpt_oss": "gpt-oss's router (top-k on logits, then softmax, with router biases) and its clamped SwiGLU experts",
     "llama4_text": "Llama 4's sigmoid router with a shared expert on every layer",
     "qwen3_next": "Qwen3-Next's hybrid linear-attention layers",
 }

@@ -58,6 +58,10 @@ class DecoderConfig:
     moe_ffn_dim: int = 0  # each expert's hidden width
     norm_topk_prob: bool = False  # renormalise the top-k weights (Mixtral, Qwen3-MoE)
     shared_expert_ffn_dim: int = 0  # Qwen2-MoE's shared expert (sigmoid-gated); 0 = none
+    # the clamped SwiGLU of biased experts (gpt-oss's sparse MLP part, models/moe_clamped.py):
+    # gate clamped above at the limit, up to +-limit, (up + 1) * gate * sigmoid(alpha * gate)
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
     decoder_sparse_step: int = 1  # layer i sparse when (i + 1) % this == 0 ...
     mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
     router_aux_loss_coef: float = 0.0  # load-balancing loss weight in the training loss

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from fsdp_jax.app.models import families
+from fsdp_jax.app.models.families import registry as families  # the records, not the family modules
 from fsdp_jax.model.lora import a_init
 from fsdp_jax.quant.weight import QuantSpec
 from fsdp_jax.sharding.axes import EMBED, EXPERT, HEADS, KV, KV_HEADS, LORA_RANK, MLP

@@ -144,9 +144,10 @@ def _by_switch(cfg, field: str) -> dict:
 
 def weight_names(cfg) -> dict[str, tuple[str, str]]:
     """One dense layer's {our path: (HF name, kind)} for `cfg`: the names every family
-    brings for each switch `cfg` has on, and those its family's parts add (`part_tensors`)."""
+    brings for each switch `cfg` has on, and those its family's parts add (`part_tensors`;
+    a sparse MLP part's `moe/...` belong to sparse layers: `fsdp_jax.app.hf.moe_layout`)."""
     out = _by_switch(cfg, "weights")
-    out.update({k: (name, kind) for k, (name, kind, _) in part_tensors(cfg).items()})
+    out.update({k: (name, kind) for k, (name, kind, _) in part_tensors(cfg).items() if not k.startswith("moe/")})
     return out
 
 
