@@ -13,9 +13,8 @@ B's output dims the weight's output names, and the rank dim `lora_rank`, replica
 rules table; so each shards with its weight under every strategy and FSDP x TP.
 
 `LoraSpec` is what the decoder needs (rank, scale, targets); the run config's `lora:`
-section (`fsdp_jax.app.config.schema.LoraConfig`) resolves to it. Adapters are created
-after every other param of a block, so a model with adapters draws its base params
-exactly as one without (`Decoder(cfg, rngs=nnx.Rngs(0))` has the same base either way).
+section resolves to it. Adapters are created after every other param of a block, so a
+model with adapters draws its base params exactly as one without.
 
 Dropout (`LoraSpec.dropout`, PEFT's `lora_dropout`) acts on the adapter's input only, and
 only when the decoder is given a dropout key (the train step's; eval, verify and logits
@@ -180,12 +179,17 @@ def spec_experts(spec: LoraSpec) -> tuple[str, ...]:
     return expert_adapters(spec.targets) if spec.experts is None else spec.experts
 
 
+def own_experts(cfg) -> bool:
+    """Are `cfg`'s experts a family's sparse MLP part (`BlockParts.moe`)? They take no adapters."""
+    return (fam := families.of_config(cfg)) is not None and fam.parts.moe is not None
+
+
 def adapted(cfg, spec: LoraSpec) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(the targets that adapt something on model `cfg`, `TARGETS` order; its expert
     adapters): PEFT's target_modules and target_parameters for it."""
     mods = [t for t in spec.targets if t in ATTENTION or (t in MLP_WEIGHTS and linear_mlps(cfg))]
     mods += [SHARED_GATE] if SHARED_GATE in spec.targets and cfg.shared_expert_ffn_dim else []
-    return tuple(t for t in TARGETS if t in mods), spec_experts(spec) if cfg.n_experts else ()
+    return tuple(t for t in TARGETS if t in mods), spec_experts(spec) if cfg.n_experts and not own_experts(cfg) else ()
 
 
 def target_problem(cfg, spec: LoraSpec) -> tuple[str, str] | None:
@@ -195,7 +199,9 @@ def target_problem(cfg, spec: LoraSpec) -> tuple[str, str] | None:
     takes both or neither), expert tensors on a model without experts."""
     if spec.experts is not None and spec.experts and not cfg.n_experts:
         return "lora.target_parameters", "the model has no routed experts (n_experts 0): use auto or none"
-    auto = cfg.n_experts and spec.experts is None
+    if spec.experts and own_experts(cfg):
+        return "lora.target_parameters", f"{cfg.family}'s experts take no adapters (biased, clamped): use auto or none"
+    auto = cfg.n_experts and spec.experts is None and not own_experts(cfg)
     if auto and ("w_gate" in spec.targets) != ("w_up" in spec.targets):
         return "lora.targets", (
             "gate_proj and up_proj are one fused tensor per expert (transformers' experts.gate_up_proj, "
@@ -214,7 +220,7 @@ def target_problem(cfg, spec: LoraSpec) -> tuple[str, str] | None:
 
 def expert_dropout(cfg, spec: "LoraSpec") -> str | None:
     """None, or the line refusing dropout with adapters on experts (PEFT's ParamWrapper has none)."""
-    if cfg.n_experts and spec.dropout and spec_experts(spec):
+    if cfg.n_experts and spec.dropout and adapted(cfg, spec)[1]:
         return "adapters on experts take no dropout (PEFT's target_parameters refuse lora_dropout): set lora.dropout=0"
     return None
 
