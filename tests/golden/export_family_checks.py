@@ -96,9 +96,9 @@ def main(out: Path, names: tuple[str, ...] = NAMES) -> int:
     from fsdp_jax.app.hf import load as hf
     from fsdp_jax.app.hf.export import export_hf
     from fsdp_jax.app.models import Decoder
+    from fsdp_jax.app.trainer.setup import load_run_config
     from fsdp_jax.checkpoint import Checkpointer
     from fsdp_jax.checkpoint.safetensors_io import SafetensorsFile, write_safetensors
-    from fsdp_jax.app.trainer.setup import load_run_config
     from fsdp_jax.model.fns import from_nnx
 
     out.mkdir(parents=True, exist_ok=False)
