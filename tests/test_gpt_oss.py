@@ -13,6 +13,7 @@ import shutil
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import optax
 import pytest
@@ -26,6 +27,7 @@ from fsdp_jax.app.models import lora as lora_lib
 from fsdp_jax.app.models import moe as moe_lib
 from fsdp_jax.app.models.moe_clamped import ClampedMoE
 from fsdp_jax.app.models.sinks import SinkAttention
+from fsdp_jax.app.trainer.build import make_loss_fn
 from fsdp_jax.checkpoint import CheckpointError
 from fsdp_jax.checkpoint.safetensors_io import SafetensorsFile, write_safetensors
 from fsdp_jax.errors import ConfigError
@@ -262,3 +264,53 @@ def test_sinks_take_the_rest_of_the_softmax_and_refuse_other_kernels():
     attn.impl = "cudnn"
     with pytest.raises(ConfigError, match="model.attention"):
         attn.attend(q, k, v)
+
+
+def test_a_bf16_checkpoint_imports_as_its_values(tmp_path):
+    """gpt-oss as published in bfloat16 (no MXFP4): every param is the checkpoint's value."""
+    dst = tmp_path / "bf16"
+    shutil.copytree(GOLDEN / "gpt_oss", dst)
+    f = SafetensorsFile(GOLDEN / "gpt_oss" / "model.safetensors")
+    tensors = {n: f.read(n, dtype=ml_dtypes.bfloat16) for n in f.tensors}
+    (dst / "model.safetensors").unlink()
+    write_safetensors(dst / "model.safetensors", [(n, t.shape, t.dtype) for n, t in tensors.items()], tensors.get)
+    ckpt = hf.HFCheckpoint(dst)
+    m = from_nnx(lambda r: Decoder(ckpt.config, rngs=r))
+    got = hf.load_params(ckpt, m.abstract_params)
+    want = hf.load_params(hf.HFCheckpoint(GOLDEN / "gpt_oss"), m.abstract_params)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert np.array_equal(np.asarray(a), np.asarray(b).astype(ml_dtypes.bfloat16).astype(np.float32))
+
+
+@pytest.mark.slow
+def test_train_steps_match_one_device_under_fsdp_and_expert_parallelism():
+    """3 SGD steps (f32, aux loss on) of the tiny gpt-oss: the loss falls, and full_shard over 8
+    devices and experts over the tensor axis give one device's losses (gradients through the
+    sinks, biases and clamps)."""
+    cfg = hf.HFCheckpoint(GOLDEN / "gpt_oss").config
+
+    def losses(mesh, rules=None):
+        m = from_nnx(lambda r: Decoder(cfg, rngs=r))
+        built = build(
+            m,
+            optax.sgd(0.5),
+            mesh,
+            "full_shard",
+            loss_fn=make_loss_fn(m, cfg),
+            has_aux=True,
+            rules=rules,
+            min_shard_size=0,
+        )
+        state = built.init_state(jax.random.key(0))
+        batch = jax.random.randint(jax.random.key(1), (8, 17), 0, cfg.vocab_size)
+        out = []
+        for _ in range(3):
+            state, metrics = built.train_step(state, batch)
+            out.append(float(metrics["loss"]))
+        return np.asarray(out)
+
+    one = losses(make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    assert one[-1] < one[0]
+    for shape, rules in (((1, 8, 1), None), ((1, 4, 2), {**DEFAULT_RULES, "expert": "tensor"})):
+        got = losses(make_mesh(*shape), rules)
+        assert np.abs(got / one - 1).max() <= 1e-5, (shape, got, one)
