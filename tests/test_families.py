@@ -45,11 +45,18 @@ def test_registry_lists_each_family_once_in_order():
         "qwen3_moe",
         "qwen2_moe",
         "gpt_oss",
+        "deepseek_v3",
     )
     assert families.by_architecture("MistralForCausalLM").model_type == "mistral"  # its own, not llama's
     assert families.by_architecture("Qwen3MoeForCausalLM").model_type == "qwen3_moe"
     assert families.by_architecture("Nope") is None and families.by_model_type("nope") is None
-    assert [f.model_type for f in families.families() if f.is_moe] == ["mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss"]
+    assert [f.model_type for f in families.families() if f.is_moe] == [
+        "mixtral",
+        "qwen3_moe",
+        "qwen2_moe",
+        "gpt_oss",
+        "deepseek_v3",
+    ]
     with pytest.raises(ValueError, match="already registered"):
         families.register(families.by_model_type("llama"))
     with pytest.raises(ValueError, match="windows"):

@@ -54,6 +54,8 @@ DEFAULT_RULES: Rules = {
     ax.NORM: None,
     ax.LORA_RANK: None,
     ax.EXPERT: None,  # experts replicated over devices (their embed dim shards over fsdp)
+    ax.Q_LORA: ax.FSDP,  # latent attention's compressed widths: W_qb / W_kvb shard over fsdp here
+    ax.KV_LORA: ax.FSDP,  # (W_qa / W_kva over their embed dim, which claims fsdp first)
 }
 DEFAULT_MIN_SHARD_SIZE = 2**14  # elements; smaller unannotated leaves stay replicated
 

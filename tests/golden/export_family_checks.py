@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Family goldens, project side (no torch): import errors per strategy; exports for transformers.
 
-    PYTHONPATH=$PWD python tests/golden/export_family_checks.py --import-errors
+    PYTHONPATH=$PWD python tests/golden/export_family_checks.py --import-errors [NAME ...]
 
 prints, per golden and per strategy (8 CPU devices; fsdp_x_tensor = full_shard on
 fsdp 4 x tensor 2, unscanned layers), the max abs difference of the imported model's
@@ -13,7 +13,8 @@ project side first and the golden venv's `--check` on each directory:
         .venv-golden/bin/python tests/golden/make_hf_family_goldens.py --check $d OUT/$n.safetensors
     done
 
-(the gpt-oss goldens, gpt_oss and gpt_oss_mxfp4, with make_hf_gpt_oss_goldens.py --check).
+(the gpt-oss goldens, gpt_oss and gpt_oss_mxfp4, with make_hf_gpt_oss_goldens.py --check;
+deepseek_v3 with make_hf_deepseek_goldens.py --check).
 
 For every golden of make_hf_family_goldens.py this imports the checkpoint, adds
 N(0, 1e-3) to every param (so the export carries values no stored golden has), saves
@@ -56,7 +57,7 @@ MESHES = {
 }
 
 
-def import_errors() -> int:
+def import_errors(names: tuple[str, ...] = ()) -> int:
     import optax
 
     from fsdp_jax.app.hf import load as hf
@@ -68,7 +69,7 @@ def import_errors() -> int:
     from fsdp_jax.train.step import sharding_context
 
     print("| golden | " + " | ".join(MESHES) + " |\n|---|" + "---:|" * len(MESHES))
-    for name in ("llama_gqa", "llama_tied") + NAMES:
+    for name in names or ("llama_gqa", "llama_tied") + NAMES:
         f = SafetensorsFile(GOLDEN / f"{name}_logits.safetensors")
         tokens, want = f.read("tokens"), f.read("logits")
         row = []
@@ -128,5 +129,5 @@ if __name__ == "__main__":
         sys.exit(__doc__)
     if sys.argv[1] == "--import-errors":
         jax.config.update("jax_num_cpu_devices", 8)
-        sys.exit(import_errors())
+        sys.exit(import_errors(tuple(sys.argv[2:])))
     sys.exit(main(Path(sys.argv[1]), tuple(sys.argv[2:]) or NAMES))

@@ -73,6 +73,7 @@ MODEL_LIMITS: dict[str, str] = {
             "max_segments",
             "swiglu_limit",
             "swiglu_alpha",
+            "routed_scaling_factor",
         )
     },
     **{
@@ -93,6 +94,13 @@ MODEL_LIMITS: dict[str, str] = {
             "moe_ffn_dim",
             "shared_expert_ffn_dim",
             "capacity_factor",
+            "q_lora_rank",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "v_head_dim",
+            "n_group",
+            "topk_group",
+            "shared_experts_ffn_dim",
         )
     },
     "decoder_sparse_step": "> 0",

@@ -189,7 +189,9 @@ def _span(s: slice, n: int) -> tuple[int, int]:
 def read_block(
     f: SafetensorsFile, name: str, kind: str, idx: tuple[slice, ...], shape: tuple[int, ...], dh: int, dtype
 ) -> np.ndarray:
-    """Our per-layer tensor of `shape`, sliced by `idx`, read from HF tensor `name`."""
+    """Our per-layer tensor of `shape`, sliced by `idx`, read from HF tensor `name` (the
+    per-head width of a `qkv` / `bias` / `o` leaf is its own: (.., N, Dh) / (H, Dh, D))."""
+    dh = shape[1] if kind == "o" else shape[-1]
     if kind in ("id", mxfp4.KIND):
         return f.read(name, *idx, dtype=dtype)
     if kind == "t":  # ours (a, b) = w.T

@@ -36,7 +36,7 @@ from fsdp_jax.app.models.config import DecoderConfig
 from fsdp_jax.app.models.moe import MoE, moe_active_params, moe_params, zero_stats
 from fsdp_jax.app.models.norm import RMSNorm, normal_param
 from fsdp_jax.app.models.parts import DEFAULT_PARTS, BlockParts
-from fsdp_jax.app.models.self_attention import Attention, constrain, flat_rows, with_lora
+from fsdp_jax.app.models.self_attention import Attention, attention_params, constrain, flat_rows, with_lora
 from fsdp_jax.errors import ConfigError
 from fsdp_jax.sharding.axes import BATCH, EMBED, LAYERS, LENGTH, MLP, VOCAB
 from fsdp_jax.sharding.precision import matmul, take
@@ -207,19 +207,15 @@ def cross_entropy(logits, targets):
 def count_params(cfg: DecoderConfig, active: bool = False) -> int:
     """Parameter count: embeddings, head (unless tied), per-layer attention (+ q/k/v
     biases, q/k norms) + gated MLP or mixture of experts + 2 norms (4 with `sandwich_norm`),
-    final norm, and what a family's block parts add (their `added_params`). `active`: the
+    final norm; a family's block parts count theirs (`layer_params`, `added_params`). `active`: the
     experts a token uses (top-k of n_experts) only."""
-    d, f, h, kvh = cfg.d_model, cfg.ffn_dim, cfg.n_heads, cfg.n_kv_heads
-    dh = cfg.head_dim
-    attn = d * h * dh + 2 * d * kvh * dh + h * dh * d
-    attn += (h + 2 * kvh) * dh if cfg.qkv_bias else 0
-    attn += 2 * dh if cfg.qk_norm else 0
+    d, f = cfg.d_model, cfg.ffn_dim
     parts = families.block_parts(cfg)
-    added = [getattr(p, "added_params", None) for p in (parts.attention, parts.moe)]
-    attn += added[0](cfg, active) if added[0] else 0
+    attn = getattr(parts.attention, "layer_params", attention_params)(cfg)
+    added = getattr(parts.moe, "added_params", None)
     per_layer = attn + (4 if cfg.sandwich_norm else 2) * d
     n_sparse = sum(stack.sparse_layers(cfg))
-    moe = (moe_active_params(cfg) if active else moe_params(cfg)) + (added[1](cfg, active) if added[1] else 0)
+    moe = (moe_active_params(cfg) if active else moe_params(cfg)) + (added(cfg, active) if added else 0)
     mlps = (cfg.n_layers - n_sparse) * 3 * d * f + n_sparse * moe
     tables = 1 if cfg.tie_word_embeddings else 2
     return tables * cfg.vocab_size * d + cfg.n_layers * per_layer + mlps + d

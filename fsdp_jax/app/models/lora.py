@@ -157,9 +157,8 @@ def weight_dims(cfg, name: str, shared: bool = False):
     }[name]
 
 
-# the experts' adapters, as PEFT puts them on transformers' fused expert tensors (its
-# `target_parameters`: `mlp.experts.gate_up_proj` (E, 2F, D) and `mlp.experts.down_proj`
-# (E, D, F)): gate and up share one adapter, its B producing both halves (gate first)
+# the experts' adapters, as PEFT puts them on transformers' fused expert tensors (target_parameters
+# `mlp.experts.gate_up_proj` (E, 2F, D), `down_proj` (E, D, F)): gate and up share one (gate first)
 EXPERT_ADAPTERS: dict[str, tuple[str, ...]] = {"experts_gate_up": ("w_gate", "w_up"), "experts_down": ("w_down",)}
 
 
@@ -167,9 +166,8 @@ def linear_mlps(cfg) -> bool:
     """Do the MLP targets (gate_proj up_proj down_proj) adapt the model's plain MLPs, as
     PEFT's `target_modules` do: a dense model's; on a mixture of experts, only where they are
     nn.Linear modules PEFT wraps, a shared expert's (Qwen2-MoE: its dense layers and its shared expert).
-    Qwen3-MoE's dense layers (`mlp_only_layers`) keep none: peft 0.21 on transformers 5
-    rewrites its target_modules gate/up/down_proj to the fused experts (a v4 -> v5
-    conversion), so no PEFT adapter reaches them; Mixtral has no dense MLP."""
+    Qwen3-MoE's dense layers keep none: peft 0.21 on transformers 5 rewrites its target_modules
+    gate/up/down_proj to the fused experts, so no PEFT adapter reaches them."""
     return not cfg.n_experts or bool(cfg.shared_expert_ffn_dim)
 
 
@@ -195,12 +193,14 @@ def adapted(cfg, spec: LoraSpec) -> tuple[tuple[str, ...], tuple[str, ...]]:
 def target_problem(cfg, spec: LoraSpec) -> tuple[str, str] | None:
     """None, or (config key, the one line refusing `spec` on model `cfg`): a target naming
     nothing on it (the line lists the names that do), the experts' gate and up projections
-    asked for apart (one fused tensor per expert, transformers' gate_up_proj: an adapter
-    takes both or neither), expert tensors on a model without experts."""
+    asked apart (one fused tensor per expert: both or neither), expert tensors on a model
+    without experts or on a family's own, any adapter on an attention part without them."""
+    if getattr(families.block_parts(cfg).attention, "no_lora", False):
+        return "lora.rank", f"{cfg.family}: adapters on its latent attention are not implemented (allowed: 0)"
     if spec.experts is not None and spec.experts and not cfg.n_experts:
         return "lora.target_parameters", "the model has no routed experts (n_experts 0): use auto or none"
     if spec.experts and own_experts(cfg):
-        return "lora.target_parameters", f"{cfg.family}'s experts take no adapters (biased, clamped): use auto or none"
+        return "lora.target_parameters", f"{cfg.family}'s experts take no adapters: use auto or none"
     auto = cfg.n_experts and spec.experts is None and not own_experts(cfg)
     if auto and ("w_gate" in spec.targets) != ("w_up" in spec.targets):
         return "lora.targets", (

@@ -147,6 +147,10 @@ class MoE(nnx.Module):
         """Rows x2 (N, D) -> router logits (N, E) float32."""
         return matmul(x2, self.router[...]).astype(jnp.float32)
 
+    def route_tokens(self, logits):
+        """Router logits (N, E) f32 -> (probabilities (N, E), top-k weights (N, k), experts (N, k))."""
+        return per_token_shard(lambda lg: route(lg, self.k, self.norm_topk_prob), logits)
+
     def expert_ffn(self, x, ws, lora, dot, rows):
         """The experts on rows `x` (`moe_dispatch.experts_ffn`'s signature; `ws` from `_experts`)."""
         return experts_ffn(x, ws, lora, dot, rows)
@@ -168,7 +172,7 @@ class MoE(nnx.Module):
         b, s, d = x.shape
         x2 = x.reshape(b * s, d)  # (N, D)
         logits = self.router_logits(x2)  # (N, E)
-        p, w, idx = per_token_shard(lambda lg: route(lg, self.k, self.norm_topk_prob), logits)
+        p, w, idx = self.route_tokens(logits)
         experts, lora = self._experts()
         cf, ffn = self.capacity_factor, self.expert_ffn
 

@@ -57,6 +57,14 @@ def causal_mask(cfg: DecoderConfig, s: int, local, segment_ids):
     return mask[None, None] if segment_ids is None else mask[None, None] & segment_mask(segment_ids)
 
 
+def attention_params(cfg: DecoderConfig) -> int:
+    """One layer's params of `Attention`: q/k/v/o projections (+ q/k/v biases, q/k norms)."""
+    d, h, kvh, dh = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    n = d * h * dh + 2 * d * kvh * dh + h * dh * d
+    n += (h + 2 * kvh) * dh if cfg.qkv_bias else 0
+    return n + (2 * dh if cfg.qk_norm else 0)
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
         d, h, kvh, dh = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim

@@ -23,7 +23,7 @@ from flax import nnx
 from fsdp_jax.app.models.attention import attend_sinks
 from fsdp_jax.app.models.config import DecoderConfig
 from fsdp_jax.app.models.norm import normal_param
-from fsdp_jax.app.models.self_attention import Attention, causal_mask
+from fsdp_jax.app.models.self_attention import Attention, attention_params, causal_mask
 from fsdp_jax.errors import ConfigError
 from fsdp_jax.sharding.axes import EMBED, HEADS
 from fsdp_jax.sharding.context import context_size
@@ -52,6 +52,6 @@ class SinkAttention(Attention):
         return out + self.bo[...].astype(out.dtype)
 
     @staticmethod
-    def added_params(cfg, active: bool = False) -> int:
-        """Params one layer of it has beyond the decoder's attention: the sinks and the o bias."""
-        return cfg.n_heads + cfg.d_model
+    def layer_params(cfg) -> int:
+        """One layer's attention params: the decoder's attention's, the sinks and the o bias."""
+        return attention_params(cfg) + cfg.n_heads + cfg.d_model
