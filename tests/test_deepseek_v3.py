@@ -18,7 +18,9 @@ import optax
 import pytest
 from test_hf import GOLDEN, MESHES, index_and_shapes, saved_run
 
+from fsdp_jax.app.config.parse import load_config
 from fsdp_jax.app.hf import load as hf
+from fsdp_jax.app.hf.config_in import model_config_from_hf
 from fsdp_jax.app.hf.export import export_hf
 from fsdp_jax.app.models import Decoder, DecoderConfig, count_params
 from fsdp_jax.app.models import lora as lora_lib
@@ -225,3 +227,54 @@ def test_train_steps_match_one_device_and_leave_the_score_bias():
     for shape, rules in (((1, 8, 1), None), ((1, 4, 2), EP)):
         got = losses(make_mesh(*shape), rules)
         assert np.abs(got / one - 1).max() <= 1e-5, (shape, got, one)
+
+
+# config.json of deepseek-ai/DeepSeek-V3: its architecture keys, without the MTP layer
+DEEPSEEK_V3 = {
+    "model_type": "deepseek_v3",
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "vocab_size": 129280,
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "n_shared_experts": 1,
+    "n_routed_experts": 256,
+    "routed_scaling_factor": 2.5,
+    "kv_lora_rank": 512,
+    "q_lora_rank": 1536,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "qk_nope_head_dim": 128,
+    "n_group": 8,
+    "topk_group": 4,
+    "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3,
+    "norm_topk_prob": True,
+    "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc",
+    "max_position_embeddings": 163840,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 10000,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 40,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+    },
+    "tie_word_embeddings": False,
+    "num_nextn_predict_layers": 0,
+}
+
+
+def test_shipped_config_is_deepseek_v3():
+    """configs/deepseek_v3.yaml is the published architecture: the report's 671B total, 37B active."""
+    cfg = load_config(GOLDEN.parents[1].parent / "configs" / "deepseek_v3.yaml")
+    assert cfg.model == model_config_from_hf(DEEPSEEK_V3, base=cfg.model)
+    assert count_params(cfg.model) == 671_026_419_200
+    assert int(count_params(cfg.model, active=True) / 1e9) == 37

@@ -20,7 +20,9 @@ import pytest
 from flax import nnx
 from test_hf import GOLDEN, MESHES, index_and_shapes, saved_run
 
+from fsdp_jax.app.config.parse import load_config
 from fsdp_jax.app.hf import load as hf
+from fsdp_jax.app.hf.config_in import model_config_from_hf
 from fsdp_jax.app.hf.export import export_hf
 from fsdp_jax.app.models import Decoder, DecoderConfig, count_params, families
 from fsdp_jax.app.models import lora as lora_lib
@@ -314,3 +316,49 @@ def test_train_steps_match_one_device_under_fsdp_and_expert_parallelism():
     for shape, rules in (((1, 8, 1), None), ((1, 4, 2), {**DEFAULT_RULES, "expert": "tensor"})):
         got = losses(make_mesh(*shape), rules)
         assert np.abs(got / one - 1).max() <= 1e-5, (shape, got, one)
+
+
+# config.json of openai/gpt-oss-20b: its architecture keys
+GPT_OSS_20B = {
+    "model_type": "gpt_oss",
+    "architectures": ["GptOssForCausalLM"],
+    "num_hidden_layers": 24,
+    "num_local_experts": 32,
+    "num_experts_per_tok": 4,
+    "vocab_size": 201088,
+    "hidden_size": 2880,
+    "intermediate_size": 2880,
+    "head_dim": 64,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "sliding_window": 128,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 150000,
+    "rope_scaling": {
+        "rope_type": "yarn",
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 4096,
+    },
+    "swiglu_limit": 7.0,
+    "attention_bias": True,
+    "tie_word_embeddings": False,
+    "layer_types": ["sliding_attention", "full_attention"] * 12,
+}
+
+
+def test_shipped_config_is_gpt_oss_20b():
+    """configs/gpt_oss_20b.yaml is the published architecture; its counts are the model card's
+    20.91B total and 3.61B active (the active count leaves the embedding table out)."""
+    cfg = load_config(GOLDEN.parents[1].parent / "configs" / "gpt_oss_20b.yaml")
+    assert cfg.model == model_config_from_hf(GPT_OSS_20B, base=cfg.model)
+    assert count_params(cfg.model) == 20_914_757_184
+    active = count_params(cfg.model, active=True) - 201088 * 2880
+    assert round(count_params(cfg.model) / 1e9, 2) == 20.91 and round(active / 1e9, 2) == 3.61
+    big = model_config_from_hf({**GPT_OSS_20B, "num_hidden_layers": 36, "num_local_experts": 128, "layer_types": None})
+    assert big.global_every == 2 and big.sliding_window == 128  # no layer_types: transformers' alternation
+    total, active = count_params(big), count_params(big, active=True) - 201088 * 2880
+    assert round(total / 1e9, 2) == 116.83 and round(active / 1e9, 2) == 5.13  # gpt-oss-120b's

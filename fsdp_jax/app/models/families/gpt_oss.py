@@ -26,6 +26,7 @@ DEFAULTS = {
     "rms_norm_eps": 1e-5,
     "rope_theta": 150000.0,
     "sliding_window": 128,
+    "sliding_window_pattern": 2,  # no layer_types: transformers alternates, sliding first
     "attention_bias": True,
     "swiglu_limit": 7.0,
     "swiglu_alpha": 1.702,
