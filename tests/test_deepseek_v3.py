@@ -26,6 +26,8 @@ from fsdp_jax.app.models import Decoder, DecoderConfig, count_params
 from fsdp_jax.app.models import lora as lora_lib
 from fsdp_jax.app.models.moe_grouped import GroupedMoE
 from fsdp_jax.app.trainer.build import make_loss_fn
+from fsdp_jax.app.trainer.optim import decay_mask
+from fsdp_jax.checkpoint import tree_paths
 from fsdp_jax.checkpoint.safetensors_io import SafetensorsFile
 from fsdp_jax.errors import ConfigError
 from fsdp_jax.model.fns import from_nnx
@@ -278,3 +280,10 @@ def test_shipped_config_is_deepseek_v3():
     assert cfg.model == model_config_from_hf(DEEPSEEK_V3, base=cfg.model)
     assert count_params(cfg.model) == 671_026_419_200
     assert int(count_params(cfg.model, active=True) / 1e9) == 37
+
+
+def test_weight_decay_leaves_the_score_bias(full_shard):
+    """AdamW's decoupled decay would move it without a gradient: the trainer's mask leaves it out."""
+    params, _ = full_shard
+    mask = tree_paths(decay_mask(params))
+    assert mask["segments/1/layers/0/moe/score_bias"] is False and mask["segments/1/layers/0/moe/w_gate"] is True
