@@ -104,6 +104,9 @@ def test_router_chooses_the_experts_transformers_chooses():
     def record(self, logits):
         out = plain(self, logits)
         seen.append((np.asarray(logits), np.asarray(out[2])))
+        assert np.allclose(np.asarray(out[0]).sum(-1), 1.0, atol=1e-6)  # the statistics' probabilities
+        w = np.asarray(out[1])  # the chosen sigmoid scores renormalised, times routed_scaling_factor
+        np.testing.assert_allclose(w.sum(-1), 2.5, rtol=1e-6)
         return out
 
     GroupedMoE.route_tokens = record

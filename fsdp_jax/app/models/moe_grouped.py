@@ -13,7 +13,8 @@ The decoder's `MoE` (its experts, dispatch, capacity, expert parallelism, statis
   not by the loss; this decoder keeps it as imported);
 - shared experts, one gated MLP of width `shared_experts_ffn_dim` (n_shared_experts x
   moe_intermediate_size) on every token, added unscaled.
-The router statistics' probabilities are the sigmoid scores. New params and their logical
+The router statistics' probabilities are the sigmoid scores normalised per token (so the
+load-balancing metric reads as for a softmax router: k when balanced). New params and their logical
 dims: `score_bias` (E,) `expert`; `shared_gate`, `shared_up` (embed, mlp), `shared_down`
 (mlp, embed).
 """
@@ -32,8 +33,10 @@ from fsdp_jax.sharding.precision import matmul
 
 
 def group_top_k(scores, choice, k: int, n_group: int, topk_group: int, norm: bool, factor: float):
-    """scores, choice (N, E) -> (scores, weights (N, k), experts (N, k) int32), the experts from
-    each token's `topk_group` best groups of `n_group` (a group's score: its best two choices)."""
+    """scores, choice (N, E) -> (scores normalised per token (N, E): the router statistics'
+    probabilities, as DeepSeek-V3's sequence-wise balance loss normalises them; weights (N, k);
+    experts (N, k) int32), the experts from each token's `topk_group` best groups of `n_group`
+    (a group's score: its best two choices)."""
     n, e = choice.shape
     grouped = choice.reshape(n, n_group, e // n_group)
     group_score = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # (N, G)
@@ -44,7 +47,7 @@ def group_top_k(scores, choice, k: int, n_group: int, topk_group: int, norm: boo
     w = jnp.take_along_axis(scores, idx, axis=-1)
     if norm:
         w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
-    return scores, w * factor, idx.astype(jnp.int32)
+    return scores / jnp.sum(scores, axis=-1, keepdims=True), w * factor, idx.astype(jnp.int32)
 
 
 class GroupedMoE(MoE):
