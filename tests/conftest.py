@@ -67,7 +67,8 @@ os.environ.setdefault("FSDP_JAX_CACHE_DIR", str(CACHE))
 # Heaviest files first, by their summed `--durations=0` seconds in a cold whole-suite run on
 # 2 cores (offload 88, train_step 66, verify 46, checkpoint 44, targets 41, dropin 36,
 # hostile 33, multihost 28, plan 27, trainer 15, scripts 15, memory_hlo 13, hf 11,
-# observability 10, tensor_parallel 9, tokenizer 8, layering 5; the rest under 4).
+# observability 10, tensor_parallel 9, tokenizer 8, layering 5; the rest under 4; gpt_oss 16
+# and deepseek_v3 14 measured alone, cold, `-m "not slow"`).
 # pyproject's addopts turn off xdist's reordering by test count, so `--dist loadfile` hands
 # files out in this order as workers free up (longest first): a 28 s file never starts last
 # and leaves a core idle at the end. The order only affects wall time; files not listed
@@ -84,6 +85,8 @@ HEAVY_FIRST = (
     "test_plan.py",
     "test_trainer.py",
     "test_scripts.py",
+    "test_gpt_oss.py",
+    "test_deepseek_v3.py",
     "test_memory_hlo.py",
     "test_hf.py",
     "test_observability.py",

@@ -22,9 +22,9 @@ from fsdp_jax.app.hf.config_out import config_json, family_of
 from fsdp_jax.app.hf.export import write_hf_dir
 from fsdp_jax.app.hf.load import model_section_from_hf
 from fsdp_jax.app.models import Decoder, DecoderConfig, families
-from fsdp_jax.app.models.decoder import Attention
 from fsdp_jax.app.models.families import llama
 from fsdp_jax.app.models.parts import BlockParts
+from fsdp_jax.app.models.self_attention import Attention
 from fsdp_jax.app.trainer.build import trainer_model
 from fsdp_jax.checkpoint import tree_paths
 from fsdp_jax.checkpoint.safetensors_io import write_safetensors
@@ -44,11 +44,19 @@ def test_registry_lists_each_family_once_in_order():
         "mixtral",
         "qwen3_moe",
         "qwen2_moe",
+        "gpt_oss",
+        "deepseek_v3",
     )
     assert families.by_architecture("MistralForCausalLM").model_type == "mistral"  # its own, not llama's
     assert families.by_architecture("Qwen3MoeForCausalLM").model_type == "qwen3_moe"
     assert families.by_architecture("Nope") is None and families.by_model_type("nope") is None
-    assert [f.model_type for f in families.families() if f.is_moe] == ["mixtral", "qwen3_moe", "qwen2_moe"]
+    assert [f.model_type for f in families.families() if f.is_moe] == [
+        "mixtral",
+        "qwen3_moe",
+        "qwen2_moe",
+        "gpt_oss",
+        "deepseek_v3",
+    ]
     with pytest.raises(ValueError, match="already registered"):
         families.register(families.by_model_type("llama"))
     with pytest.raises(ValueError, match="windows"):

@@ -27,8 +27,8 @@ from fsdp_jax.train.step import sharding_context
 GOLDEN = Path(__file__).parent / "golden"
 ADAPTERS = ("llama3", "llama32_tied", "mistral_swa", "qwen2", "qwen3", "gemma3_text", "llama3_rslora")
 # the experts by target_parameters; Qwen2-MoE's dense layers and shared expert by target_modules
-# (qwen2_moe_shared: those only, no target_parameters)
-MOE_ADAPTERS = ("mixtral", "qwen3_moe", "qwen2_moe", "qwen2_moe_shared")
+# (qwen2_moe_shared: those only, no target_parameters; gpt_oss: its attention, biases and all)
+MOE_ADAPTERS = ("mixtral", "qwen3_moe", "qwen2_moe", "qwen2_moe_shared", "gpt_oss")  # gpt_oss: attention only
 
 
 def spec_of(raw: dict) -> lora_lib.LoraSpec:

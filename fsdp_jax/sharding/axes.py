@@ -26,6 +26,8 @@ NORM = "norm"  # norm scales: small, kept replicated
 LORA_RANK = "lora_rank"  # a LoRA adapter's rank dim: replicated (its other dim shards as its weight's)
 
 EXPERT = "expert"  # the experts of a mixture-of-experts layer
+Q_LORA = "q_lora"  # latent attention's compressed query width (q_lora_rank)
+KV_LORA = "kv_lora"  # latent attention's compressed key/value width (kv_lora_rank, + the RoPE key)
 
 # Logical dims of activations.
 BATCH = "batch"

@@ -1,17 +1,20 @@
 #!/usr/bin/env python
 """Family goldens, project side (no torch): import errors per strategy; exports for transformers.
 
-    PYTHONPATH=$PWD python tests/golden/export_family_checks.py --import-errors
+    PYTHONPATH=$PWD python tests/golden/export_family_checks.py --import-errors [NAME ...]
 
 prints, per golden and per strategy (8 CPU devices; fsdp_x_tensor = full_shard on
 fsdp 4 x tensor 2, unscanned layers), the max abs difference of the imported model's
 logits from transformers' (docs/hf_models.md records it). Then the export check,
 project side first and the golden venv's `--check` on each directory:
 
-    PYTHONPATH=$PWD python tests/golden/export_family_checks.py OUT
+    PYTHONPATH=$PWD python tests/golden/export_family_checks.py OUT [NAME ...]
     for d in OUT/*/; do n=$(basename $d)
         .venv-golden/bin/python tests/golden/make_hf_family_goldens.py --check $d OUT/$n.safetensors
     done
+
+(the gpt-oss goldens, gpt_oss and gpt_oss_mxfp4, with make_hf_gpt_oss_goldens.py --check;
+deepseek_v3 with make_hf_deepseek_goldens.py --check).
 
 For every golden of make_hf_family_goldens.py this imports the checkpoint, adds
 N(0, 1e-3) to every param (so the export carries values no stored golden has), saves
@@ -31,7 +34,17 @@ import jax
 import numpy as np
 
 GOLDEN = Path(__file__).resolve().parent / "hf"
-NAMES = ("llama3", "llama32_tied", "llama_yarn", "mistral_swa", "qwen2", "qwen3", "gemma3_text")
+NAMES = (
+    "llama3",
+    "llama32_tied",
+    "llama_yarn",
+    "mistral_swa",
+    "qwen2",
+    "qwen3",
+    "gemma3_text",
+    "gpt_oss",
+    "gpt_oss_mxfp4",
+)
 
 
 MESHES = {
@@ -44,7 +57,7 @@ MESHES = {
 }
 
 
-def import_errors() -> int:
+def import_errors(names: tuple[str, ...] = ()) -> int:
     import optax
 
     from fsdp_jax.app.hf import load as hf
@@ -56,7 +69,7 @@ def import_errors() -> int:
     from fsdp_jax.train.step import sharding_context
 
     print("| golden | " + " | ".join(MESHES) + " |\n|---|" + "---:|" * len(MESHES))
-    for name in ("llama_gqa", "llama_tied") + NAMES:
+    for name in names or ("llama_gqa", "llama_tied") + NAMES:
         f = SafetensorsFile(GOLDEN / f"{name}_logits.safetensors")
         tokens, want = f.read("tokens"), f.read("logits")
         row = []
@@ -79,20 +92,21 @@ def import_errors() -> int:
     return 0
 
 
-def main(out: Path) -> int:
-    from fsdp_jax.app.config.parse import config_to_dict, load_config
+def main(out: Path, names: tuple[str, ...] = NAMES) -> int:
+    from fsdp_jax.app.config.parse import config_to_dict
     from fsdp_jax.app.hf import load as hf
     from fsdp_jax.app.hf.export import export_hf
     from fsdp_jax.app.models import Decoder
+    from fsdp_jax.app.trainer.setup import load_run_config
     from fsdp_jax.checkpoint import Checkpointer
     from fsdp_jax.checkpoint.safetensors_io import SafetensorsFile, write_safetensors
     from fsdp_jax.model.fns import from_nnx
 
     out.mkdir(parents=True, exist_ok=False)
-    for name in NAMES:
+    for name in names:
         yml = out / f".{name}.yaml"
         yml.write_text(f"init_from: hf:{GOLDEN / name}\ndata: {{seq_len: 32, path: {out / '.d'}}}\n")
-        cfg = load_config(yml)
+        cfg = load_run_config(yml)  # the model section from the checkpoint's config.json
         m = from_nnx(lambda r: Decoder(cfg.model, rngs=r))
         params = hf.load_params(hf.HFCheckpoint(GOLDEN / name, base=cfg.model), m.abstract_params)
         keys = iter(jax.random.split(jax.random.key(1), 64))
@@ -111,9 +125,9 @@ def main(out: Path) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
+    if len(sys.argv) < 2:
         sys.exit(__doc__)
     if sys.argv[1] == "--import-errors":
         jax.config.update("jax_num_cpu_devices", 8)
-        sys.exit(import_errors())
-    sys.exit(main(Path(sys.argv[1])))
+        sys.exit(import_errors(tuple(sys.argv[2:])))
+    sys.exit(main(Path(sys.argv[1]), tuple(sys.argv[2:]) or NAMES))

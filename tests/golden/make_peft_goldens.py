@@ -124,6 +124,9 @@ ADAPTERS = {
         {**COMMON, "target_modules": ALL + ["shared_expert_gate"], "target_parameters": EXPERTS},
     ),
     "qwen2_moe_shared": ("qwen2_moe", COMMON),
+    # gpt-oss: its attention projections are nn.Linear (with biases); its experts are fused
+    # parameters with biases, which the project does not adapt
+    "gpt_oss": ("gpt_oss", {**COMMON, "target_modules": ALL[:4]}),
     "llama3_rslora": (
         "llama3",
         dict(

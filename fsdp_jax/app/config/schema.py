@@ -46,6 +46,9 @@ MODEL_LIMITS: dict[str, str] = {
             "rope_beta_fast",
             "rope_beta_slow",
             "max_segments",
+            "swiglu_limit",
+            "swiglu_alpha",
+            "routed_scaling_factor",
         )
     },
     **{
@@ -66,6 +69,13 @@ MODEL_LIMITS: dict[str, str] = {
             "moe_ffn_dim",
             "shared_expert_ffn_dim",
             "capacity_factor",
+            "q_lora_rank",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "v_head_dim",
+            "n_group",
+            "topk_group",
+            "shared_experts_ffn_dim",
         )
     },
     "decoder_sparse_step": "> 0",

@@ -142,7 +142,7 @@ def _block_fields(raw: Mapping, fam: families.Family, bad, act) -> dict:
     out["mlp_activation"] = act
     if raw.get("mlp_bias", False):
         raise bad("mlp_bias", "the decoder's MLP has no biases")
-    if raw.get("attention_bias", False):
+    if raw.get("attention_bias", False) and not fam.own_parts:  # a family with parts reads it (fields_in)
         raise bad("attention_bias", "an o_proj bias is not implemented (q/k/v biases are: Qwen2)")
     if _number(raw, "attention_dropout", 0.0, bad) != 0.0:
         raise bad("attention_dropout", "the decoder has no dropout (allowed: 0)")
@@ -240,7 +240,7 @@ def _rope_of(raw: Mapping, fam: families.Family, bad, max_pos: int):
         rope_kw = _rope_fields(scaling, "rope_scaling", bad, max_pos) if scaling else {}
         theta = raw.get("rope_theta", defaults["rope_theta"])
     if fam.windows == "pattern" and local_theta is None:
-        local_theta = raw.get("rope_local_base_freq", defaults["rope_local_base_freq"])
+        local_theta = raw.get("rope_local_base_freq", defaults.get("rope_local_base_freq", theta))
     return rope_kw, theta, local_theta
 
 

@@ -19,8 +19,6 @@ from fsdp_jax.app.models.families.keys import int_key
 # model_type -> what its router does that the decoder's softmax top-k router does not
 OTHER_ROUTERS = {
     "deepseek_v2": "DeepSeek-V2's grouped routing (n_group / topk_group, routed_scaling_factor)",
-    "deepseek_v3": "DeepSeek-V3's sigmoid routing with a score-correction bias and expert groups",
-    "gpt_oss": "gpt-oss's router (top-k on logits, then softmax, with router biases) and its clamped SwiGLU experts",
     "llama4_text": "Llama 4's sigmoid router with a shared expert on every layer",
     "qwen3_next": "Qwen3-Next's hybrid linear-attention layers",
 }
@@ -48,12 +46,12 @@ def moe_fields(raw: Mapping, fam: families.Family, bad, n_layers: int) -> dict:
     refuse_other_router(fam.model_type, bad)
     if not fam.is_moe:
         return {}
-    for key, allowed in OTHER_ROUTER_KEYS.items():
+    for key, allowed in OTHER_ROUTER_KEYS.items() if not fam.parts.moe else ():  # a router part reads its own
         if raw.get(key) not in (None, allowed):
             raise bad(key, f"another router's key: the decoder routes by softmax then top-k (allowed: {allowed})")
     if raw.get("router_jitter_noise"):
         raise bad("router_jitter_noise", "the router adds no noise (allowed: 0)")
-    ekey = "num_local_experts" if raw.get("num_local_experts") is not None else "num_experts"
+    ekey = next((k for k in ("num_local_experts", "n_routed_experts") if raw.get(k) is not None), "num_experts")
     e = int_key(raw, ekey, bad)
     k = int_key(raw, "num_experts_per_tok", bad)
     if k > e:

@@ -34,7 +34,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from fsdp_jax.app.hf import moe_layout
+from fsdp_jax.app.hf import moe_layout, mxfp4
 from fsdp_jax.app.hf.config_in import ARCH_FIELDS, FIELDS, model_config_from_hf
 from fsdp_jax.app.models import families
 from fsdp_jax.app.models.config import DecoderConfig
@@ -189,8 +189,10 @@ def _span(s: slice, n: int) -> tuple[int, int]:
 def read_block(
     f: SafetensorsFile, name: str, kind: str, idx: tuple[slice, ...], shape: tuple[int, ...], dh: int, dtype
 ) -> np.ndarray:
-    """Our per-layer tensor of `shape`, sliced by `idx`, read from HF tensor `name`."""
-    if kind == "id":
+    """Our per-layer tensor of `shape`, sliced by `idx`, read from HF tensor `name` (the
+    per-head width of a `qkv` / `bias` / `o` leaf is its own: (.., N, Dh) / (H, Dh, D))."""
+    dh = shape[1] if kind == "o" else shape[-1]
+    if kind in ("id", mxfp4.KIND):
         return f.read(name, *idx, dtype=dtype)
     if kind == "t":  # ours (a, b) = w.T
         return f.read(name, idx[1], idx[0], dtype=dtype).T
@@ -213,7 +215,7 @@ def to_hf(kind: str, ours: np.ndarray, expert: int | None = None) -> np.ndarray:
     an expert kind: expert `expert`'s."""
     if kind.startswith(moe_layout.EXPERT_KIND):
         return to_hf(kind[len(moe_layout.EXPERT_KIND) :], ours[expert])
-    if kind == "id":
+    if kind in ("id", mxfp4.KIND):
         return ours
     if kind == "t":
         return ours.T
@@ -239,6 +241,7 @@ class HFCheckpoint:
         where = str(self.path / "config.json")
         self.raw_config = read_config_json(self.path)
         self.config = model_config_from_hf(self.raw_config, where, base)
+        self.mxfp4 = mxfp4.quantized(self.raw_config, lambda k, why: ConfigError(where, f"{k}: {why}"))
         index = self.path / "model.safetensors.index.json"
         if index.is_file():
             try:
@@ -273,7 +276,7 @@ class HFCheckpoint:
                 f"hf:{self.path}: config.json num_hidden_layers="
                 f"{self.config.n_layers}, but the tensors hold {held} layers"
             )
-        want = expected_tensors(self.config)
+        want = self.want = self._expected()
         missing = [n for n in want if n not in self.where]
         if missing:
             raise CheckpointError(
@@ -296,15 +299,27 @@ class HFCheckpoint:
                 raise CheckpointError(
                     f"hf:{self.path}: tensor {n} has shape {list(got)}, config.json implies {list(shape)}"
                 )
-            if self.where[n].dtype(n).name not in _FLOAT_DTYPES:
+            packed = self.mxfp4 and n.endswith((mxfp4.BLOCKS, mxfp4.SCALES))
+            if self.where[n].dtype(n).name not in (("uint8",) if packed else _FLOAT_DTYPES):
                 raise CheckpointError(
-                    f"hf:{self.path}: tensor {n} has dtype {self.where[n].dtype(n)}, expected a float type"
+                    f"hf:{self.path}: tensor {n} has dtype {self.where[n].dtype(n)}, "
+                    f"expected {'uint8 (MXFP4)' if packed else 'a float type'}"
                 )
+
+    def _expected(self) -> dict[str, tuple[int, ...]]:
+        """{HF tensor name: shape} this checkpoint must hold (MXFP4 pairs where it says so)."""
+        want = expected_tensors(self.config)
+        if not self.mxfp4:
+            return want
+        names = {n for names, kind in leaf_sources(self.config).values() if kind == mxfp4.KIND for n in names}
+        want, problem = mxfp4.stored(want, names)
+        if problem:
+            raise CheckpointError(f"hf:{self.path}: {problem}")
+        return want
 
     def nbytes(self) -> int:
         """Bytes of the tensors the model uses, as stored."""
-        want = expected_tensors(self.config)
-        return sum(int(np.prod(s)) * self.where[n].dtype(n).itemsize for n, s in want.items())
+        return sum(int(np.prod(s)) * self.where[n].dtype(n).itemsize for n, s in self.want.items())
 
     def read(
         self, names: list[str], kind: str, idx: tuple[slice, ...], shape: tuple[int, ...], dtype, stacked: bool
@@ -320,6 +335,9 @@ class HFCheckpoint:
             return np.stack(
                 [self.read([names[0].format(e=e)], base, idx[1:], shape[1:], dtype, False) for e in range(e0, e1)]
             )
+        if kind == mxfp4.KIND and self.mxfp4:
+            n = names[0]
+            return mxfp4.read_block(self.where[n + mxfp4.BLOCKS], self.where[n + mxfp4.SCALES], n, idx, shape, dtype)
         return read_block(self.where[names[0]], names[0], kind, idx, shape, dh, dtype)
 
 

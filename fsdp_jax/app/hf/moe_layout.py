@@ -24,13 +24,18 @@ EXPERT_KIND = "e:"
 
 
 def moe_tensors(cfg) -> dict[str, tuple[str, str]]:
-    """{our path under a sparse block: (HF name under model.layers.N, kind)}."""
+    """{our path under a sparse block: (HF name under model.layers.N, kind)}; what a family's
+    sparse MLP part names (`Family.part_weights`, `moe/...`) is added, and replaces the generic
+    router and experts when it names `moe/router`."""
+    own = {k: (n, kind) for k, (n, kind, _) in families.part_tensors(cfg).items() if k.startswith("moe/")}
+    if "moe/router" in own:
+        return {**own, **families.moe_weight_names(cfg)}
     pre, names = families.expert_names(cfg)
     out = {"moe/router": (f"{pre}.gate.weight", "t")}
     for ours, theirs in zip(("w_gate", "w_up", "w_down"), names):
         out[f"moe/{ours}"] = (f"{pre}.experts.{{e}}.{theirs}.weight", EXPERT_KIND + "t")
     out.update(families.moe_weight_names(cfg))
-    return out
+    return {**out, **own}
 
 
 def moe_shapes(cfg) -> dict[str, tuple[int, ...]]:
@@ -60,7 +65,7 @@ def per_layer(cfg, dense: dict[str, tuple[str, str]], sparse: bool) -> dict[str,
 
 def expected(cfg, dense: dict[str, tuple[str, str]], dense_shapes: dict[str, tuple[int, ...]]) -> dict:
     """{HF tensor name: shape} of the layers of an MoE checkpoint (experts one by one)."""
-    shapes = {**dense_shapes, **moe_shapes(cfg)}
+    shapes = {**moe_shapes(cfg), **dense_shapes}  # a part's own (in dense_shapes) first
     out: dict[str, tuple[int, ...]] = {}
     for _, layers, sparse in segment_layers(cfg):
         for i in layers:

@@ -38,6 +38,27 @@ def attend_capped(q, k, v, scale, cap, mask):
     return jnp.einsum("bkgst,btkd->bskgd", p, v).reshape(b, s, h, dh)
 
 
+def attend_sinks(q, k, v, sinks, scale, mask):
+    """Grouped-query attention whose softmax denominator also holds a learned logit per head
+    (an attention sink, gpt-oss): p_ij = exp(s_ij) / (sum_j' exp(s_ij') + exp(sink_h)), the
+    sink taking the rest of the mass and giving no value; `sinks` None: plain softmax. q (B, S,
+    H, Dh), k (B, T, K, Dh), v (B, T, K, Dv), sinks (H,), mask (1 | B, 1, S, T) bool; scores and
+    softmax in float32 -> (B, S, H, Dv)."""
+    b, s, h, dh = q.shape
+    kvh = k.shape[2]
+    qg = q.reshape(b, s, kvh, h // kvh, dh)
+    sc = jnp.einsum("bskgd,btkd->bkgst", qg, k).astype(jnp.float32) * scale  # (B, K, G, S, T)
+    sc = jnp.where(mask[:, :, None], sc, -jnp.inf)
+    if sinks is None:
+        p = jax.nn.softmax(sc, axis=-1).astype(v.dtype)
+    else:
+        sink = sinks.astype(jnp.float32).reshape(1, kvh, h // kvh, 1, 1)
+        top = jnp.maximum(jnp.max(sc, axis=-1, keepdims=True), sink)  # finite: the sink is
+        e = jnp.exp(sc - top)
+        p = (e / (jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sink - top))).astype(v.dtype)
+    return jnp.einsum("bkgst,btkd->bskgd", p, v).reshape(b, s, h, v.shape[-1])
+
+
 def segment_mask(segment_ids):
     """(B, 1, S, S) bool: query i may attend to key j when both are in the same segment
     (causality is applied separately)."""

@@ -58,6 +58,20 @@ class DecoderConfig:
     moe_ffn_dim: int = 0  # each expert's hidden width
     norm_topk_prob: bool = False  # renormalise the top-k weights (Mixtral, Qwen3-MoE)
     shared_expert_ffn_dim: int = 0  # Qwen2-MoE's shared expert (sigmoid-gated); 0 = none
+    # the clamped SwiGLU of biased experts (gpt-oss's sparse MLP part, models/moe_clamped.py):
+    # gate clamped above at the limit, up to +-limit, (up + 1) * gate * sigmoid(alpha * gate)
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
+    # latent attention (DeepSeek-V3's part, models/latent_attention.py); head_dim is the RoPE dims
+    q_lora_rank: int = 0  # q through a rank-r bottleneck and its RMSNorm; 0 = one projection
+    kv_lora_rank: int = 0  # the compressed key/value width
+    qk_nope_head_dim: int = 0  # per-head q/k dims without RoPE
+    v_head_dim: int = 0  # per-head value dims
+    # grouped sigmoid routing (DeepSeek-V3's part, models/moe_grouped.py)
+    n_group: int = 0  # expert groups; a token's experts come from its topk_group best groups
+    topk_group: int = 0
+    routed_scaling_factor: float = 1.0  # the routed experts' weights times this
+    shared_experts_ffn_dim: int = 0  # ungated shared experts' width (n_shared_experts x moe_ffn_dim)
     decoder_sparse_step: int = 1  # layer i sparse when (i + 1) % this == 0 ...
     mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
     router_aux_loss_coef: float = 0.0  # load-balancing loss weight in the training loss

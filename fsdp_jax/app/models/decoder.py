@@ -31,7 +31,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from fsdp_jax.app.models import families, stack
-from fsdp_jax.app.models.attention import attend_capped, attention, rope, segment_mask, softcap
+from fsdp_jax.app.models.attention import softcap
 from fsdp_jax.app.models.config import DecoderConfig
 from fsdp_jax.app.models.lora import (
     LoraSpec,
@@ -45,19 +45,12 @@ from fsdp_jax.app.models.lora import (
 from fsdp_jax.app.models.moe import MoE, moe_active_params, moe_params, zero_stats
 from fsdp_jax.app.models.norm import RMSNorm, normal_param
 from fsdp_jax.app.models.parts import DEFAULT_PARTS, BlockParts
-from fsdp_jax.app.models.rope import apply_rope, rope_tables
-from fsdp_jax.attention import RING_KERNELS, context_attention, flash_context_attention, splash_attention
+from fsdp_jax.app.models.self_attention import Attention, attention_params, constrain, flat_rows, with_lora
 from fsdp_jax.errors import ConfigError
-from fsdp_jax.sharding.axes import BATCH, EMBED, HEADS, KV, KV_HEADS, LAYERS, LENGTH, MLP, VOCAB
-from fsdp_jax.sharding.context import context_size
+from fsdp_jax.sharding.axes import BATCH, EMBED, LAYERS, LENGTH, MLP, VOCAB
 from fsdp_jax.sharding.precision import matmul, take
 from fsdp_jax.sharding.remat import get_policy
 from fsdp_jax.train import layer_gather
-
-
-def constrain(x, names):
-    """Activation sharding constraint by logical names (a no-op outside a mesh + rules context)."""
-    return nn.with_logical_constraint(x, names)
 
 
 def embed_updates_layout():
@@ -83,116 +76,6 @@ def embed_updates_layout():
     return lay_out
 
 
-def _rows(x):
-    """(B, S, D) -> (B*S, D): flat rows, XLA:CPU's fast matmul path (docs/design.md); kept
-    (B, S, D) when the sequence is split over `context` (merging two sharded dims moves data)."""
-    return x if context_size() > 1 else x.reshape(-1, x.shape[-1])
-
-
-class Attention(nnx.Module):
-    def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
-        d, h, kvh, dh = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.wq = normal_param(rngs, (d, h, dh), (EMBED, HEADS, KV))
-        self.wk = normal_param(rngs, (d, kvh, dh), (EMBED, KV_HEADS, KV))
-        self.wv = normal_param(rngs, (d, kvh, dh), (EMBED, KV_HEADS, KV))
-        self.wo = normal_param(rngs, (h, dh, d), (HEADS, KV, EMBED))
-        if cfg.qkv_bias:  # drawn like the weights: softmax ignores a per-query constant, so
-            # a k bias gets tiny gradients (RoPE aside) and from zero would move by noise
-            self.bq = normal_param(rngs, (h, dh), (HEADS, KV))
-            self.bk = normal_param(rngs, (kvh, dh), (KV_HEADS, KV))
-            self.bv = normal_param(rngs, (kvh, dh), (KV_HEADS, KV))
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(dh, cfg.norm_eps, cfg.norm_plus_one, rngs)
-            self.k_norm = RMSNorm(dh, cfg.norm_eps, cfg.norm_plus_one, rngs)
-        self.cfg = cfg
-        self.impl = cfg.attention
-
-    def _rope(self, q, k, s, local, positions):  # q, k: (B, S, H, Dh); positions: (B, S) or None
-        cfg = self.cfg
-        if cfg.rope_type == "default" and not cfg.global_every:
-            pos = jnp.arange(s) if positions is None else positions  # (S,) or (B, S)
-            return rope(q, pos, cfg.rope_theta), rope(k, pos, cfg.rope_theta)
-        cos, sin = rope_tables(cfg, s)
-        if local is not None:
-            lc, ls = rope_tables(cfg, s, local=True)
-            cos, sin = jnp.where(local, lc, cos), jnp.where(local, ls, sin)
-        if positions is not None:  # packed rows: each example's positions restart at 0
-            cos, sin = cos[positions], sin[positions]  # (B, S, Dh/2)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-
-    def __call__(self, x, local=None, segment_ids=None, positions=None, dropout_key=None):
-        # x: (B, S, D); local: this layer slides (pattern only); segment_ids, positions: (B, S);
-        # dropout_key: the layer's key for its adapters' dropout (models/lora.py), None = off
-        cfg = self.cfg
-        b, s, d = x.shape
-        x2 = _rows(x)
-
-        def proj(name, w, bias=None):  # (D, H, Dh) -> (B, S, H, Dh)
-            _, hh, dh = w.shape
-            y = _plus(matmul(x2, w.reshape(d, hh * dh)), delta(self, name, x2, dropout_key))
-            y = y.reshape(b, s, hh, dh)
-            if bias is not None:
-                y = y + bias[...]
-            return constrain(checkpoint_name(y, "qkv"), (BATCH, LENGTH, HEADS, KV))
-
-        q = proj("wq", self.wq[...], self.bq if cfg.qkv_bias else None)
-        k = proj("wk", self.wk[...], self.bk if cfg.qkv_bias else None)
-        v = proj("wv", self.wv[...], self.bv if cfg.qkv_bias else None)
-        if cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self._rope(q, k, s, local, positions)
-        scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
-        qi, ki = jnp.arange(s)[:, None], jnp.arange(s)[None, :]
-        if context_size() > 1 and self.impl == "xla":  # sequence split over `context`, rows in zig-zag order
-            kw = dict(softcap=cfg.attn_softcap, window=cfg.sliding_window, local=local)
-            o = context_attention(q, k, v, positions, segment_ids, scale=scale, kv_pass=cfg.context_kv_pass, **kw)
-        elif context_size() > 1:  # a flash kernel per ring block (splash on TPU, cuDNN on GPU)
-            packed = {}  # cuDNN's packed layout per block, sized for a row's segments
-            if self.impl == "cudnn":
-                packed = {"packed": segment_ids is not None, "max_segments": cfg.max_segments}
-            kern = RING_KERNELS[self.impl](scale=scale, softcap=cfg.attn_softcap, window=cfg.sliding_window, **packed)
-            o = flash_context_attention(
-                q, k, v, positions, segment_ids, kernel=kern, local=local, kv_pass=cfg.context_kv_pass
-            )
-        elif self.impl == "splash":  # TPU: Pallas flash attention (models/splash.py)
-            kw = dict(softcap=cfg.attn_softcap, window=cfg.sliding_window, local=local)
-            o = splash_attention(q, k, v, segment_ids, scale=scale, **kw)
-        elif cfg.attn_softcap or local is not None or (segment_ids is not None and self.impl == "xla"):
-            mask = ki <= qi
-            if cfg.sliding_window:
-                inside = qi - ki < cfg.sliding_window
-                mask = mask & (inside if local is None else (inside | ~local))
-            mask = mask[None, None] if segment_ids is None else mask[None, None] & segment_mask(segment_ids)
-            if cfg.attn_softcap:
-                o = attend_capped(q, k, v, scale, cfg.attn_softcap, mask)
-            else:
-                o = jax.nn.dot_product_attention(
-                    q, k, v, mask=mask, scale=scale, implementation=None if self.impl == "xla" else self.impl
-                )
-        elif segment_ids is not None:  # cuDNN's packed layout: plain causal attention only
-            if cfg.sliding_window or cfg.query_pre_attn_scalar:
-                raise ValueError(
-                    "model.attention=cudnn with packed rows computes plain causal attention "
-                    "only (no sliding window or query_pre_attn_scalar); use model.attention=xla"
-                )
-            o = attention(q, k, v, segment_ids, self.impl)
-        else:
-            window = (cfg.sliding_window - 1, 0) if cfg.sliding_window else None
-            o = jax.nn.dot_product_attention(
-                q,
-                k,
-                v,
-                is_causal=True,
-                local_window_size=window,
-                scale=None if not cfg.query_pre_attn_scalar else scale,
-                implementation=None if self.impl == "xla" else self.impl,
-            )
-        wo = self.wo[...]
-        o2 = _rows(o.reshape(b, s, -1))
-        out = _plus(matmul(o2, wo.reshape(-1, d)), delta(self, "wo", o2, dropout_key))  # (B*S, D)
-        return checkpoint_name(out.reshape(b, s, d), "attn_out")
-
-
 class FeedForward(nnx.Module):
     def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
         self.w_gate = normal_param(rngs, (cfg.d_model, cfg.ffn_dim), (EMBED, MLP))
@@ -202,18 +85,13 @@ class FeedForward(nnx.Module):
 
     def __call__(self, x, dropout_key=None):  # (B, S, D)
         b, s, d = x.shape
-        x2, k = _rows(x), dropout_key
-        g = _plus(matmul(x2, self.w_gate[...]), delta(self, "w_gate", x2, k))
+        x2, k = flat_rows(x), dropout_key
+        g = with_lora(matmul(x2, self.w_gate[...]), delta(self, "w_gate", x2, k))
         act = jax.nn.gelu(g, approximate=True) if self.gelu else jax.nn.silu(g)
-        hid = act * _plus(matmul(x2, self.w_up[...]), delta(self, "w_up", x2, k))  # (B*S, F)
+        hid = act * with_lora(matmul(x2, self.w_up[...]), delta(self, "w_up", x2, k))  # (B*S, F)
         hid = constrain(hid, (BATCH, MLP) if hid.ndim == 2 else (BATCH, LENGTH, MLP))
-        out = _plus(matmul(hid, self.w_down[...]), delta(self, "w_down", hid, k))
+        out = with_lora(matmul(hid, self.w_down[...]), delta(self, "w_down", hid, k))
         return checkpoint_name(out.reshape(b, s, d), "mlp_out")
-
-
-def _plus(y, lora_delta):
-    """A projection's output plus its LoRA adapter's term (`models/lora.py`), if any."""
-    return y if lora_delta is None else y + lora_delta.astype(y.dtype)
 
 
 class Block(nnx.Module):
@@ -233,7 +111,7 @@ class Block(nnx.Module):
         self.attn = (parts.attention or Attention)(cfg, rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, po, rngs)
         if sparse:
-            self.moe = MoE(cfg, rngs)
+            self.moe = (parts.moe or MoE)(cfg, rngs)
         else:
             self.mlp = (parts.mlp or FeedForward)(cfg, rngs)
         self.sparse, self.n_experts = sparse, cfg.n_experts
@@ -345,7 +223,7 @@ class Decoder(nnx.Module):
         cfg = self.cfg
         b, s, _ = x.shape
         x = self.final_norm(x)
-        x2 = _rows(x)
+        x2 = flat_rows(x)
         if cfg.tie_word_embeddings:
             logits = matmul(x2, self.embed[...].T).reshape(b, s, -1)  # (B*S, D) @ (D, V)
         else:
@@ -361,15 +239,16 @@ def cross_entropy(logits, targets):
 def count_params(cfg: DecoderConfig, active: bool = False) -> int:
     """Parameter count: embeddings, head (unless tied), per-layer attention (+ q/k/v
     biases, q/k norms) + gated MLP or mixture of experts + 2 norms (4 with `sandwich_norm`),
-    final norm. `active`: the experts a token uses (top-k of n_experts) only."""
-    d, f, h, kvh = cfg.d_model, cfg.ffn_dim, cfg.n_heads, cfg.n_kv_heads
-    dh = cfg.head_dim
-    attn = d * h * dh + 2 * d * kvh * dh + h * dh * d
-    attn += (h + 2 * kvh) * dh if cfg.qkv_bias else 0
-    attn += 2 * dh if cfg.qk_norm else 0
+    final norm; a family's block parts count theirs (`layer_params`, `added_params`). `active`: the
+    experts a token uses (top-k of n_experts) only."""
+    d, f = cfg.d_model, cfg.ffn_dim
+    parts = families.block_parts(cfg)
+    attn = getattr(parts.attention, "layer_params", attention_params)(cfg)
+    added = getattr(parts.moe, "added_params", None)
     per_layer = attn + (4 if cfg.sandwich_norm else 2) * d
     n_sparse = sum(stack.sparse_layers(cfg))
-    mlps = (cfg.n_layers - n_sparse) * 3 * d * f + n_sparse * (moe_active_params(cfg) if active else moe_params(cfg))
+    moe = (moe_active_params(cfg) if active else moe_params(cfg)) + (added(cfg, active) if added else 0)
+    mlps = (cfg.n_layers - n_sparse) * 3 * d * f + n_sparse * moe
     tables = 1 if cfg.tie_word_embeddings else 2
     return tables * cfg.vocab_size * d + cfg.n_layers * per_layer + mlps + d
 

@@ -13,9 +13,8 @@ B's output dims the weight's output names, and the rank dim `lora_rank`, replica
 rules table; so each shards with its weight under every strategy and FSDP x TP.
 
 `LoraSpec` is what the decoder needs (rank, scale, targets); the run config's `lora:`
-section (`fsdp_jax.app.config.schema.LoraConfig`) resolves to it. Adapters are created
-after every other param of a block, so a model with adapters draws its base params
-exactly as one without (`Decoder(cfg, rngs=nnx.Rngs(0))` has the same base either way).
+section resolves to it. Adapters are created after every other param of a block, so a
+model with adapters draws its base params exactly as one without.
 
 Dropout (`LoraSpec.dropout`, PEFT's `lora_dropout`) acts on the adapter's input only, and
 only when the decoder is given a dropout key (the train step's; eval, verify and logits
@@ -34,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from fsdp_jax.app.models import families
+from fsdp_jax.app.models.families import registry as families  # the records, not the family modules
 from fsdp_jax.model.lora import a_init
 from fsdp_jax.quant.weight import QuantSpec
 from fsdp_jax.sharding.axes import EMBED, EXPERT, HEADS, KV, KV_HEADS, LORA_RANK, MLP
@@ -158,9 +157,8 @@ def weight_dims(cfg, name: str, shared: bool = False):
     }[name]
 
 
-# the experts' adapters, as PEFT puts them on transformers' fused expert tensors (its
-# `target_parameters`: `mlp.experts.gate_up_proj` (E, 2F, D) and `mlp.experts.down_proj`
-# (E, D, F)): gate and up share one adapter, its B producing both halves (gate first)
+# the experts' adapters, as PEFT puts them on transformers' fused expert tensors (target_parameters
+# `mlp.experts.gate_up_proj` (E, 2F, D), `down_proj` (E, D, F)): gate and up share one (gate first)
 EXPERT_ADAPTERS: dict[str, tuple[str, ...]] = {"experts_gate_up": ("w_gate", "w_up"), "experts_down": ("w_down",)}
 
 
@@ -168,9 +166,8 @@ def linear_mlps(cfg) -> bool:
     """Do the MLP targets (gate_proj up_proj down_proj) adapt the model's plain MLPs, as
     PEFT's `target_modules` do: a dense model's; on a mixture of experts, only where they are
     nn.Linear modules PEFT wraps, a shared expert's (Qwen2-MoE: its dense layers and its shared expert).
-    Qwen3-MoE's dense layers (`mlp_only_layers`) keep none: peft 0.21 on transformers 5
-    rewrites its target_modules gate/up/down_proj to the fused experts (a v4 -> v5
-    conversion), so no PEFT adapter reaches them; Mixtral has no dense MLP."""
+    Qwen3-MoE's dense layers keep none: peft 0.21 on transformers 5 rewrites its target_modules
+    gate/up/down_proj to the fused experts, so no PEFT adapter reaches them."""
     return not cfg.n_experts or bool(cfg.shared_expert_ffn_dim)
 
 
@@ -180,22 +177,31 @@ def spec_experts(spec: LoraSpec) -> tuple[str, ...]:
     return expert_adapters(spec.targets) if spec.experts is None else spec.experts
 
 
+def own_experts(cfg) -> bool:
+    """Are `cfg`'s experts a family's sparse MLP part (`BlockParts.moe`)? They take no adapters."""
+    return (fam := families.of_config(cfg)) is not None and fam.parts.moe is not None
+
+
 def adapted(cfg, spec: LoraSpec) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(the targets that adapt something on model `cfg`, `TARGETS` order; its expert
     adapters): PEFT's target_modules and target_parameters for it."""
     mods = [t for t in spec.targets if t in ATTENTION or (t in MLP_WEIGHTS and linear_mlps(cfg))]
     mods += [SHARED_GATE] if SHARED_GATE in spec.targets and cfg.shared_expert_ffn_dim else []
-    return tuple(t for t in TARGETS if t in mods), spec_experts(spec) if cfg.n_experts else ()
+    return tuple(t for t in TARGETS if t in mods), spec_experts(spec) if cfg.n_experts and not own_experts(cfg) else ()
 
 
 def target_problem(cfg, spec: LoraSpec) -> tuple[str, str] | None:
     """None, or (config key, the one line refusing `spec` on model `cfg`): a target naming
     nothing on it (the line lists the names that do), the experts' gate and up projections
-    asked for apart (one fused tensor per expert, transformers' gate_up_proj: an adapter
-    takes both or neither), expert tensors on a model without experts."""
+    asked apart (one fused tensor per expert: both or neither), expert tensors on a model
+    without experts or on a family's own, any adapter on an attention part without them."""
+    if getattr(families.block_parts(cfg).attention, "no_lora", False):
+        return "lora.rank", f"{cfg.family}: adapters on its latent attention are not implemented (allowed: 0)"
     if spec.experts is not None and spec.experts and not cfg.n_experts:
         return "lora.target_parameters", "the model has no routed experts (n_experts 0): use auto or none"
-    auto = cfg.n_experts and spec.experts is None
+    if spec.experts and own_experts(cfg):
+        return "lora.target_parameters", f"{cfg.family}'s experts take no adapters: use auto or none"
+    auto = cfg.n_experts and spec.experts is None and not own_experts(cfg)
     if auto and ("w_gate" in spec.targets) != ("w_up" in spec.targets):
         return "lora.targets", (
             "gate_proj and up_proj are one fused tensor per expert (transformers' experts.gate_up_proj, "
@@ -214,7 +220,7 @@ def target_problem(cfg, spec: LoraSpec) -> tuple[str, str] | None:
 
 def expert_dropout(cfg, spec: "LoraSpec") -> str | None:
     """None, or the line refusing dropout with adapters on experts (PEFT's ParamWrapper has none)."""
-    if cfg.n_experts and spec.dropout and spec_experts(spec):
+    if cfg.n_experts and spec.dropout and adapted(cfg, spec)[1]:
         return "adapters on experts take no dropout (PEFT's target_parameters refuse lora_dropout): set lora.dropout=0"
     return None
 

@@ -38,6 +38,7 @@ from fsdp_jax.app.models.lora import delta
 from fsdp_jax.app.models.moe_dispatch import (
     ExpertLora,
     dropless,
+    experts_ffn,
     gated,
     per_batch_shard,
     per_token_shard,
@@ -119,11 +120,9 @@ class MoE(nnx.Module):
     norm_topk_prob, shared_expert_ffn_dim, capacity_factor, grouped_matmul, expert_exchange."""
 
     def __init__(self, cfg, rngs: nnx.Rngs):
-        d, e, f = cfg.d_model, cfg.n_experts, cfg.moe_ffn_dim
+        d, e = cfg.d_model, cfg.n_experts
         self.router = _param(rngs, (d, e), (EMBED, None))
-        self.w_gate = _param(rngs, (e, d, f), (EXPERT, EMBED, MLP))
-        self.w_up = _param(rngs, (e, d, f), (EXPERT, EMBED, MLP))
-        self.w_down = _param(rngs, (e, f, d), (EXPERT, MLP, EMBED))
+        self.make_experts(cfg, rngs)
         if cfg.shared_expert_ffn_dim:
             fs = cfg.shared_expert_ffn_dim
             self.shared_gate = _param(rngs, (d, fs), (EMBED, MLP))
@@ -136,6 +135,25 @@ class MoE(nnx.Module):
         self.capacity_factor = cfg.capacity_factor
         self.grouped_matmul = cfg.grouped_matmul
         self.expert_exchange = cfg.expert_exchange
+
+    def make_experts(self, cfg, rngs: nnx.Rngs) -> None:
+        """The experts' params (a family's sparse MLP part, `BlockParts.moe`, makes its own)."""
+        d, e, f = cfg.d_model, cfg.n_experts, cfg.moe_ffn_dim
+        self.w_gate = _param(rngs, (e, d, f), (EXPERT, EMBED, MLP))
+        self.w_up = _param(rngs, (e, d, f), (EXPERT, EMBED, MLP))
+        self.w_down = _param(rngs, (e, f, d), (EXPERT, MLP, EMBED))
+
+    def router_logits(self, x2):
+        """Rows x2 (N, D) -> router logits (N, E) float32."""
+        return matmul(x2, self.router[...]).astype(jnp.float32)
+
+    def route_tokens(self, logits):
+        """Router logits (N, E) f32 -> (probabilities (N, E), top-k weights (N, k), experts (N, k))."""
+        return per_token_shard(lambda lg: route(lg, self.k, self.norm_topk_prob), logits)
+
+    def expert_ffn(self, x, ws, lora, dot, rows):
+        """The experts on rows `x` (`moe_dispatch.experts_ffn`'s signature; `ws` from `_experts`)."""
+        return experts_ffn(x, ws, lora, dot, rows)
 
     def _experts(self):
         """(the expert weights, then each adapter's A and B (`EXPERT_ADAPTERS` order); the
@@ -153,10 +171,10 @@ class MoE(nnx.Module):
         # dropout_key: the layer's, for its shared expert's adapters (models/lora.py)
         b, s, d = x.shape
         x2 = x.reshape(b * s, d)  # (N, D)
-        logits = matmul(x2, self.router[...]).astype(jnp.float32)  # (N, E)
-        p, w, idx = per_token_shard(lambda lg: route(lg, self.k, self.norm_topk_prob), logits)
+        logits = self.router_logits(x2)  # (N, E)
+        p, w, idx = self.route_tokens(logits)
         experts, lora = self._experts()
-        cf = self.capacity_factor
+        cf, ffn = self.capacity_factor, self.expert_ffn
 
         n_experts = experts[0].shape[0]
 
@@ -164,19 +182,19 @@ class MoE(nnx.Module):
             *ws, e0 = rest
             if cf:
                 cap = capacity(x2.shape[0], self.k, n_experts, cf)
-                return with_capacity(x2, w, idx, ws, cap, n_experts, e0, lora)
-            return dropless(x2, w, idx, ws, e0, lora, self.grouped_matmul)
+                return with_capacity(x2, w, idx, ws, cap, n_experts, e0, lora, ffn)
+            return dropless(x2, w, idx, ws, e0, lora, self.grouped_matmul, ffn)
 
         def exchange(x2, w, idx, *rest):  # experts over batch axes: all-to-all
             *ws, axes, n_ep = rest
             if cf:
                 cap = capacity(x2.shape[0], self.k, n_experts, cf)
-                return exchange_capacity(x2, w, idx, ws, axes, n_ep, cap, n_experts, lora)
+                return exchange_capacity(x2, w, idx, ws, axes, n_ep, cap, n_experts, lora, ffn)
             if self.expert_exchange == "ragged":
                 if lowering_platform() == "cpu":
                     raise ConfigError("model.expert_exchange", "ragged: XLA:CPU has no ragged-all-to-all; use dense")
-                return exchange_dropless_ragged(x2, w, idx, ws, axes, n_ep, lora, self.grouped_matmul)
-            return exchange_dropless(x2, w, idx, ws, axes, n_ep, lora, self.grouped_matmul)
+                return exchange_dropless_ragged(x2, w, idx, ws, axes, n_ep, lora, self.grouped_matmul, ffn)
+            return exchange_dropless(x2, w, idx, ws, axes, n_ep, lora, self.grouped_matmul, ffn)
 
         y, dropped = per_batch_shard(compute, (x2, w, idx), experts, exchange)
         if self.shared:
@@ -230,6 +248,4 @@ def moe_config_problem(cfg) -> tuple[str, object, str] | None:
     bad = [i for i in cfg.mlp_only_layers if not 0 <= i < cfg.n_layers]
     if bad:
         return "mlp_only_layers", list(cfg.mlp_only_layers), f"layer indices are 0..{cfg.n_layers - 1}"
-    if cfg.sliding_window and cfg.global_every:
-        return "global_every", cfg.global_every, "a sliding-window layer pattern with experts is not implemented (0)"
     return None

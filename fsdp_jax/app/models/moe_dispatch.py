@@ -50,10 +50,28 @@ class ExpertLora:
     scale: float
 
 
-def experts_ffn(x, ws, lora: ExpertLora | None, dot):
+def group_rows(sizes, n_rows: int):
+    """For rows grouped by expert (`sizes` (E_l,) rows each, the rest in no group): a function
+    taking per-expert vectors (E_l, X) to per-row ones (n_rows, X), 0 past the groups."""
+
+    def rows(b):  # traced only where an ffn uses it
+        gid = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(n_rows), side="right")  # (n_rows,) in 0..E_l
+        return jnp.concatenate([b, jnp.zeros((1, b.shape[-1]), b.dtype)])[gid]
+
+    return rows
+
+
+def batched_rows(b):
+    """Per-expert vectors (E, X) for the batched layout (E, C, X)."""
+    return b[:, None, :]
+
+
+def experts_ffn(x, ws, lora: ExpertLora | None, dot, rows=None):
     """The experts' gated MLP with their adapters on rows `x`: `dot(x, w)` one expert product
     (grouped `ragged_dot` or batched einsum), `ws` (w_gate, w_up, w_down, *adapters). Each
-    adapter is two thin products (x A) B: no product of a frozen weight's shape."""
+    adapter is two thin products (x A) B: no product of a frozen weight's shape. `rows`
+    (`group_rows` / `batched_rows`: per-expert vectors to the rows' layout) is for experts with
+    biases (`fsdp_jax.app.models.moe.MoE.expert_ffn`); these have none."""
     wg, wu, wd = ws[:3]
     pairs = dict(zip(lora.parts, zip(ws[3::2], ws[4::2]))) if lora else {}
 
@@ -71,10 +89,10 @@ def experts_ffn(x, ws, lora: ExpertLora | None, dot):
     return y + lora_term(h, "experts_down") if "experts_down" in pairs else y
 
 
-def dropless(x2, w, idx, ws, e0=0, lora: ExpertLora | None = None, impl: str = "auto"):
+def dropless(x2, w, idx, ws, e0=0, lora: ExpertLora | None = None, impl: str = "auto", ffn=experts_ffn):
     """The pairs routed to experts e0.., sorted by expert, through grouped matmuls
     (`grouped_matmul` `impl`). x2 (N, D); w, idx (N, k); ws: wg, wu (E_local, D, F), wd
-    (E_local, F, D) and the adapters -> ((N, D), 0)."""
+    (E_local, F, D) and the adapters (or what `ffn`, `experts_ffn`'s signature, takes) -> ((N, D), 0)."""
     n, k = idx.shape
     el = ws[0].shape[0]
     loc = idx - e0
@@ -83,7 +101,7 @@ def dropless(x2, w, idx, ws, e0=0, lora: ExpertLora | None = None, impl: str = "
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.bincount(flat, length=el + 1)[:el].astype(jnp.int32)  # (E_local,)
     xs = x2[order // k]  # (N*k, D), grouped by expert
-    ys = experts_ffn(xs, ws, lora, lambda x, m: grouped_matmul(x, m, sizes, impl))  # (N*k, D)
+    ys = ffn(xs, ws, lora, lambda x, m: grouped_matmul(x, m, sizes, impl), group_rows(sizes, n * k))  # (N*k, D)
     y = jnp.zeros_like(ys).at[order].set(ys).reshape(n, k, -1)  # back to (token, slot)
     return jnp.einsum("nkd,nk->nd", y, (w * mine).astype(y.dtype)), jnp.zeros((), jnp.float32)
 
@@ -112,7 +130,7 @@ def batched(x, m):
     return jnp.einsum("eci,eio->eco", x, m)
 
 
-def with_capacity(x2, w, idx, ws, cap: int, n_experts: int, e0=0, lora: ExpertLora | None = None):
+def with_capacity(x2, w, idx, ws, cap: int, n_experts: int, e0=0, lora: ExpertLora | None = None, ffn=experts_ffn):
     """At most `cap` tokens per expert (token order wins), the rest dropped; only experts
     e0 .. e0 + E_local - 1 computed. -> (out (N, D), dropped pairs of those experts (f32))."""
     el = ws[0].shape[0]
@@ -120,7 +138,7 @@ def with_capacity(x2, w, idx, ws, cap: int, n_experts: int, e0=0, lora: ExpertLo
     xpad = jnp.concatenate([x2, jnp.zeros((1, x2.shape[1]), x2.dtype)])
     buf = xpad[tok[:-1]].reshape(el, cap, -1)  # (E_local, C, D); empty rows are zeros
     buf = checkpoint_name(buf, "moe_dispatch")
-    yb = experts_ffn(buf, ws, lora, batched).reshape(el * cap, -1)
+    yb = ffn(buf, ws, lora, batched, batched_rows).reshape(el * cap, -1)
     ypad = jnp.concatenate([yb, jnp.zeros((1, yb.shape[1]), yb.dtype)])
     y = ypad[slot]  # (N, k, D); dropped pairs read the zero row
     out = jnp.einsum("nkd,nk->nd", y, (w * keep).astype(y.dtype))

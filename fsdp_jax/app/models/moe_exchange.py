@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from fsdp_jax.app.models.grouped_matmul import grouped_matmul
-from fsdp_jax.app.models.moe_dispatch import ExpertLora, batched, capacity_slots, experts_ffn
+from fsdp_jax.app.models.moe_dispatch import ExpertLora, batched, batched_rows, capacity_slots, experts_ffn, group_rows
 
 
 def _a2a(x, axes):
@@ -35,9 +35,11 @@ def _a2a(x, axes):
     return jax.lax.all_to_all(x, axes, 0, 0)
 
 
-def exchange_dropless(x2, w, idx, ws, axes, n_ep: int, lora: ExpertLora | None = None, impl: str = "auto"):
+def exchange_dropless(
+    x2, w, idx, ws, axes, n_ep: int, lora: ExpertLora | None = None, impl: str = "auto", ffn=experts_ffn
+):
     """x2 (N, D), w and idx (N, k) of this device; ws: wg, wu (E_l, D, F), wd (E_l, F, D) its
-    experts, then their adapters."""
+    experts, then their adapters (or what `ffn` takes: `moe_dispatch.experts_ffn`)."""
     n, k = idx.shape
     el, d = ws[0].shape[0], x2.shape[1]
     m = n * k
@@ -52,20 +54,22 @@ def exchange_dropless(x2, w, idx, ws, axes, n_ep: int, lora: ExpertLora | None =
     order = jnp.argsort(re, stable=True)  # by local expert; empty rows (id E_l) last, in no group
     sizes = jnp.bincount(re, length=el + 1)[:el].astype(jnp.int32)
     xs = rx[order]
-    ys = experts_ffn(xs, ws, lora, lambda x, m: grouped_matmul(x, m, sizes, impl))
+    ys = ffn(xs, ws, lora, lambda x, m: grouped_matmul(x, m, sizes, impl), group_rows(sizes, n_ep * m))
     y = jnp.zeros_like(ys).at[order].set(ys).reshape(n_ep, m, d)
     back = _a2a(y, axes).reshape(n_ep * m, d)[slot].reshape(n, k, d)  # each pair's output, home again
     return jnp.einsum("nkd,nk->nd", back, w.astype(back.dtype)), jnp.zeros((), jnp.float32)
 
 
-def exchange_capacity(x2, w, idx, ws, axes, n_ep: int, cap: int, n_experts: int, lora: ExpertLora | None = None):
+def exchange_capacity(
+    x2, w, idx, ws, axes, n_ep: int, cap: int, n_experts: int, lora: ExpertLora | None = None, ffn=experts_ffn
+):
     """As `exchange_dropless`, at most `cap` of this device's tokens per expert."""
     el, d = ws[0].shape[0], x2.shape[1]
     _, keep, slot, tok = capacity_slots(idx, cap, n_experts)
     xpad = jnp.concatenate([x2, jnp.zeros((1, d), x2.dtype)])
     buf = xpad[tok[:-1]].reshape(n_ep, el * cap, d)  # by expert shard; empty rows are zeros
     rb = _a2a(buf, axes).reshape(n_ep, el, cap, d).transpose(1, 0, 2, 3).reshape(el, n_ep * cap, d)
-    yb = experts_ffn(rb, ws, lora, batched).reshape(el, n_ep, cap, d).transpose(1, 0, 2, 3)
+    yb = ffn(rb, ws, lora, batched, batched_rows).reshape(el, n_ep, cap, d).transpose(1, 0, 2, 3)
     yb = _a2a(yb.reshape(n_ep, el * cap, d), axes).reshape(n_experts * cap, d)
     y = jnp.concatenate([yb, jnp.zeros((1, d), yb.dtype)])[slot]  # (N, k, D); dropped pairs read 0
     out = jnp.einsum("nkd,nk->nd", y, (w * keep).astype(y.dtype))
@@ -76,7 +80,9 @@ def _ragged(x, out, in_off, send, out_off, recv, axes):
     return jax.lax.ragged_all_to_all(x, out, in_off, send, out_off, recv, axis_name=axes)
 
 
-def exchange_dropless_ragged(x2, w, idx, ws, axes, n_ep: int, lora: ExpertLora | None = None, impl: str = "auto"):
+def exchange_dropless_ragged(
+    x2, w, idx, ws, axes, n_ep: int, lora: ExpertLora | None = None, impl: str = "auto", ffn=experts_ffn
+):
     """`exchange_dropless` with `jax.lax.ragged_all_to_all` (`model.expert_exchange: ragged`;
     GPU and TPU only, XLA:CPU cannot run it): each device sends each shard only the pairs routed
     to it, so the wire carries N*k rows per device instead of n_ep blocks of N*k. The receive
@@ -98,7 +104,7 @@ def exchange_dropless_ragged(x2, w, idx, ws, axes, n_ep: int, lora: ExpertLora |
     re = _ragged(es, jnp.full((n_ep * m,), el, jnp.int32), in_off, send, block, recv, axes)
     by_e = jnp.argsort(re, stable=True)  # by local expert; empty rows (id E_l) last, in no group
     sizes = jnp.bincount(re, length=el + 1)[:el].astype(jnp.int32)
-    ys = experts_ffn(rx[by_e], ws, lora, lambda x, mat: grouped_matmul(x, mat, sizes, impl))
+    ys = ffn(rx[by_e], ws, lora, lambda x, mat: grouped_matmul(x, mat, sizes, impl), group_rows(sizes, n_ep * m))
     y = jnp.zeros_like(ys).at[by_e].set(ys)  # (n_ep * N*k, D) in the receive layout
     # back: block i's first recv[i] rows to shard i, at the offset it sent them from
     home = _a2a(in_off, axes)  # (n_ep,) where in shard i's buffer its rows to me started

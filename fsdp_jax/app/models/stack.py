@@ -38,19 +38,27 @@ def sparse_layers(cfg) -> tuple[bool, ...]:
 
 
 def segments(cfg) -> tuple[tuple[int, tuple[bool, ...], int], ...]:
-    """((first layer, sparse flags of one group, number of groups), ...) covering the layers in order."""
+    """((first layer, sparse flags of one group, number of groups), ...) covering the layers in
+    order. A layer's kind is its sparse flag and its sliding flag (`cfg.is_local`: a pattern of
+    sliding and full layers), so layer m of every group of a segment slides alike."""
     kinds = sparse_layers(cfg)
     n = len(kinds)
-    period = next(p for p in range(1, n + 1) if n % p == 0 and all(kinds[i] == kinds[i % p] for i in range(n)))
+    key = [(kinds[i], cfg.is_local(i)) for i in range(n)]
+    period = next(p for p in range(1, n + 1) if n % p == 0 and all(key[i] == key[i % p] for i in range(n)))
     runs: list[tuple[int, tuple[bool, ...], int]] = []
     for i, k in enumerate(kinds):
-        if runs and runs[-1][1] == (k,):
+        if runs and key[runs[-1][0]] == key[i]:
             runs[-1] = (runs[-1][0], (k,), runs[-1][2] + 1)
         else:
             runs.append((i, (k,), 1))
     if period <= len(runs):
         return ((0, kinds[:period], n // period),)
     return tuple(runs)
+
+
+def local_flag(cfg, layer: int):
+    """Layer `layer`'s sliding flag for its attention (a layer pattern, `global_every`), else None."""
+    return jnp.asarray(cfg.is_local(layer)) if cfg.sliding_window and cfg.global_every else None
 
 
 def segment_layers(cfg) -> list[tuple[str, list[int], bool]]:
@@ -69,8 +77,9 @@ def segment_layers(cfg) -> list[tuple[str, list[int], bool]]:
 class Group(nnx.Module):
     """Consecutive layers, applied in order; each block returns (x, RouterStats)."""
 
-    def __init__(self, cfg, rngs: nnx.Rngs, kinds: tuple[bool, ...], make_block: Callable, lora=None):
+    def __init__(self, cfg, rngs: nnx.Rngs, kinds: tuple[bool, ...], make_block: Callable, lora=None, start: int = 0):
         self.layers = nnx.List([make_block(cfg, rngs, sparse) for sparse in kinds])
+        self.cfg, self.start = cfg, start  # layer m of each group slides as layer start + m
         if lora is not None:  # last: the base params are drawn as without adapters
             for blk in self.layers:
                 attach(blk, cfg, lora, rngs)
@@ -78,7 +87,8 @@ class Group(nnx.Module):
     def __call__(self, x, stats, segment_ids=None, positions=None, token_mask=None, keys=None):
         # keys: (p,) the layers' dropout keys, or None
         for m, blk in enumerate(self.layers):
-            x, s = blk(x, None, segment_ids, positions, token_mask, None if keys is None else keys[m])
+            loc = local_flag(self.cfg, self.start + m)
+            x, s = blk(x, loc, segment_ids, positions, token_mask, None if keys is None else keys[m])
             stats = add_stats(stats, s)
         return x, stats
 
@@ -89,14 +99,16 @@ def make_layers(cfg, rngs: nnx.Rngs, make_block: Callable, lora=None):
     stacked group (unscanned blocks get theirs from the decoder, after its last param)."""
     if not cfg.scan_layers:
         return nnx.List([make_block(cfg, rngs, s) for s in sparse_layers(cfg)])
-    return nnx.List([_stacked(cfg, rngs, kinds, count, make_block, lora) for _, kinds, count in segments(cfg)])
+    return nnx.List(
+        [_stacked(cfg, rngs, kinds, count, make_block, lora, start) for start, kinds, count in segments(cfg)]
+    )
 
 
-def _stacked(cfg, rngs: nnx.Rngs, kinds: tuple[bool, ...], count: int, make_block: Callable, lora):
+def _stacked(cfg, rngs: nnx.Rngs, kinds: tuple[bool, ...], count: int, make_block: Callable, lora, start: int):
     @nnx.split_rngs(splits=count)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS})
     def make(r):
-        return Group(cfg, r, kinds, make_block, lora)
+        return Group(cfg, r, kinds, make_block, lora, start)
 
     return make(rngs)
 
@@ -108,10 +120,10 @@ def run_layers(cfg, layers, x, remat: str, segment_ids=None, positions=None, tok
     policy = layer_gather.block_policy(remat)
     keys = layer_keys(dropout_key, cfg.n_layers)  # (L,) or None
     if not cfg.scan_layers:
-        fn = lambda blk, h, k: blk(h, None, segment_ids, positions, token_mask, k)  # noqa: E731
+        fn = lambda blk, h, loc, k: blk(h, loc, segment_ids, positions, token_mask, k)  # noqa: E731
         fn = fn if policy is None else nnx.remat(fn, policy=policy)
         for i, blk in enumerate(layers):
-            x, s = fn(blk, x, None if keys is None else keys[i])
+            x, s = fn(blk, x, local_flag(cfg, i), None if keys is None else keys[i])
             stats = add_stats(stats, s)
         return x, stats
     group_fn = lambda g, c, k: layer_gather.gather_module(g)(*c, segment_ids, positions, token_mask, k)  # noqa: E731

@@ -21,11 +21,13 @@ def lr_schedule(lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: fl
 
 
 def decay_mask(params):
-    """Weight decay on matrices only: not on norm scales or biases (stacked or not)."""
+    """Weight decay on matrices only: not on norm scales or biases (stacked or not; a name ending
+    in `bias`: DeepSeek-V3's `score_bias`, which training must leave as imported, gpt-oss's
+    `router_bias`)."""
 
     def keep(path, x):
         name = path_str(path).rsplit("/", 1)[-1]
-        return x.ndim >= 2 and name not in ("scale", "bias")
+        return x.ndim >= 2 and name != "scale" and not name.endswith("bias")
 
     return jax.tree_util.tree_map_with_path(keep, params)
 

@@ -7,7 +7,18 @@ Registration order is the order import, export and error messages list them; a n
 family is a new module here plus its line below (CONTRIBUTING.md, "Adding a model family").
 """
 
-from fsdp_jax.app.models.families import gemma3, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
+from fsdp_jax.app.models.families import (
+    deepseek_v3,
+    gemma3,
+    gpt_oss,
+    llama,
+    mistral,
+    mixtral,
+    qwen2,
+    qwen2_moe,
+    qwen3,
+    qwen3_moe,
+)
 from fsdp_jax.app.models.families.registry import (
     GENERIC_EXPERTS,
     Family,
@@ -27,7 +38,7 @@ from fsdp_jax.app.models.families.registry import (
     weight_names,
 )
 
-for _module in (llama, mistral, qwen2, qwen3, gemma3, mixtral, qwen3_moe, qwen2_moe):
+for _module in (llama, mistral, qwen2, qwen3, gemma3, mixtral, qwen3_moe, qwen2_moe, gpt_oss, deepseek_v3):
     register(_module.FAMILY)
 
 __all__ = [

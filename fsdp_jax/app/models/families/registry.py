@@ -89,8 +89,9 @@ class Family:
         return self.parts != DEFAULT_PARTS
 
     def fixes(self, cfg) -> bool:
-        """Whether `cfg` has every switch value this family fixes."""
-        return all(getattr(cfg, k) == v for k, v in self.switches.items())
+        """Whether `cfg` has every switch value this family fixes (and its parts: `cfg.family`)."""
+        own = cfg.family == (self.model_type if self.own_parts else "")
+        return own and all(getattr(cfg, k) == v for k, v in self.switches.items())
 
 
 _REGISTRY: dict[str, Family] = {}
@@ -144,9 +145,14 @@ def _by_switch(cfg, field: str) -> dict:
 
 def weight_names(cfg) -> dict[str, tuple[str, str]]:
     """One dense layer's {our path: (HF name, kind)} for `cfg`: the names every family
-    brings for each switch `cfg` has on, and those its family's parts add (`part_tensors`)."""
+    brings for each switch `cfg` has on, and those its family's parts add (`part_tensors`;
+    a sparse MLP part's `moe/...` belong to sparse layers: `fsdp_jax.app.hf.moe_layout`); an
+    attention part naming `attn/wo` replaces every `attn/...` name."""
     out = _by_switch(cfg, "weights")
-    out.update({k: (name, kind) for k, (name, kind, _) in part_tensors(cfg).items()})
+    own = {k: (name, kind) for k, (name, kind, _) in part_tensors(cfg).items() if not k.startswith("moe/")}
+    if "attn/wo" in own:  # an attention part that names its o projection names all its tensors
+        out = {k: v for k, v in out.items() if not k.startswith("attn/")}
+    out.update(own)
     return out
 
 
