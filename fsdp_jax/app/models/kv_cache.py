@@ -28,11 +28,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from fsdp_jax.app.models import lora as lora_lib
 from fsdp_jax.app.models import stack
 from fsdp_jax.app.models.attention import attend_capped, rope, softcap
-from fsdp_jax.app.models.decoder import Attention, constrain
+from fsdp_jax.app.models.lora import delta
 from fsdp_jax.app.models.rope import apply_rope, rope_tables
+from fsdp_jax.app.models.self_attention import Attention, constrain
 from fsdp_jax.errors import ConfigError
 from fsdp_jax.sharding.axes import BATCH, EMBED, KV, KV_HEADS, LAYERS, LENGTH, VOCAB
 from fsdp_jax.sharding.precision import matmul, take
@@ -100,7 +100,7 @@ def _attend(attn, x, layer, ck, cv, step: _Step, tables):
 
     def proj(name, w, bias):
         _, hh, dh = w.shape
-        y = _plus(matmul(x2, w.reshape(d, hh * dh)), lora_lib.delta(attn, name, x2)).reshape(b, t, hh, dh)
+        y = _plus(matmul(x2, w.reshape(d, hh * dh)), delta(attn, name, x2)).reshape(b, t, hh, dh)
         return y if bias is None else y + bias[...]
 
     bias = cfg.qkv_bias
@@ -122,7 +122,7 @@ def _attend(attn, x, layer, ck, cv, step: _Step, tables):
     scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
     o = attend_capped(q, keys.astype(q.dtype), vals.astype(q.dtype), scale, cfg.attn_softcap, mask)
     o2 = o.reshape(b * t, -1)
-    out = _plus(matmul(o2, attn.wo[...].reshape(-1, d)), lora_lib.delta(attn, "wo", o2))
+    out = _plus(matmul(o2, attn.wo[...].reshape(-1, d)), delta(attn, "wo", o2))
     return out.reshape(b, t, d), ck, cv
 
 

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from fsdp_jax.app.models.families import registry as families  # the records, not the family modules
+from fsdp_jax.app.models.families import registry  # the records, not the family modules
 from fsdp_jax.model.lora import a_init
 from fsdp_jax.quant.weight import QuantSpec
 from fsdp_jax.sharding.axes import EMBED, EXPERT, HEADS, KV, KV_HEADS, LORA_RANK, MLP
@@ -51,7 +51,7 @@ ADAPTER_LEAVES = ("lora_a", "lora_b")
 def peft_targets() -> dict[str, str]:
     """PEFT's target_modules names -> the decoder's weights (q_proj: wq, ...), as the
     registered families name them (`fsdp_jax.app.models.families.peft_targets`)."""
-    return families.peft_targets()
+    return registry.peft_targets()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,7 +179,7 @@ def spec_experts(spec: LoraSpec) -> tuple[str, ...]:
 
 def own_experts(cfg) -> bool:
     """Are `cfg`'s experts a family's sparse MLP part (`BlockParts.moe`)? They take no adapters."""
-    return (fam := families.of_config(cfg)) is not None and fam.parts.moe is not None
+    return (fam := registry.of_config(cfg)) is not None and fam.parts.moe is not None
 
 
 def adapted(cfg, spec: LoraSpec) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -195,7 +195,7 @@ def target_problem(cfg, spec: LoraSpec) -> tuple[str, str] | None:
     nothing on it (the line lists the names that do), the experts' gate and up projections
     asked apart (one fused tensor per expert: both or neither), expert tensors on a model
     without experts or on a family's own, any adapter on an attention part without them."""
-    if getattr(families.block_parts(cfg).attention, "no_lora", False):
+    if getattr(registry.block_parts(cfg).attention, "no_lora", False):
         return "lora.rank", f"{cfg.family}: adapters on its latent attention are not implemented (allowed: 0)"
     if spec.experts is not None and spec.experts and not cfg.n_experts:
         return "lora.target_parameters", "the model has no routed experts (n_experts 0): use auto or none"

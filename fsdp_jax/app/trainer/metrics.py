@@ -43,8 +43,7 @@ from fsdp_jax.app.config.parse import config_to_dict
 from fsdp_jax.app.data.tokenizer import load_tokenizer
 from fsdp_jax.app.data.windows import load_meta
 from fsdp_jax.app.models.sample import sample
-from fsdp_jax.app.objectives import finish_metrics
-from fsdp_jax.app.objectives.grpo import finish_metrics as grpo_metrics
+from fsdp_jax.app.objectives import finish_metrics, grpo
 from fsdp_jax.app.trainer.router_metrics import summarise
 from fsdp_jax.errors import TokenizerError
 from fsdp_jax.sharding.context import context_size, unzigzag, zigzag
@@ -263,7 +262,7 @@ class LogWindow:
         # the step's aux: a preference loss's metrics (TRL's names), or a mixture of experts' router terms
         pref = bool(self.router) and "rewards/margins" in self.router[0]
         if self.router and "kl_sum" in self.router[0]:  # GRPO's loss metrics (TRL's names)
-            rec.update(grpo_metrics(self.router, beta=1.0))
+            rec.update(grpo.finish_metrics(self.router, beta=1.0))
         else:
             rec.update(finish_metrics(self.router) if pref else summarise(self.router))
         for k in dict.fromkeys(k for h in self.host for k in h):
