@@ -69,6 +69,15 @@ def pair_logits(model: ModelFns, params, batch, key=None):
     return model.apply(params, inputs, **kw)
 
 
+def as_compute(ref_params, params):
+    """The reference's floating leaves in the dtype of the policy's matching leaves (the
+    compute dtype the train step cast the policy to: bf16 compute runs the reference in bf16,
+    as a fused attention kernel requires)."""
+    return jax.tree.map(
+        lambda r, p: r.astype(p.dtype) if jnp.issubdtype(r.dtype, jnp.floating) else r, ref_params, params
+    )
+
+
 def reference_logps(model: ModelFns, ref_params, batch):
     """(P, 2) completion log-prob sums under `ref_params` (no gradient flows)."""
     p = batch["tokens"].shape[0]
@@ -91,8 +100,8 @@ def make_preference_loss(model: ModelFns, spec: PreferenceSpec, reference: str) 
         ref = None
         if reference == "precomputed":
             ref = batch["ref_logps"].astype(jnp.float32)
-        elif reference == "state":
-            ref = reference_logps(model, state, batch)
+        elif reference == "state":  # in the policy's compute dtype, as the step casts the policy
+            ref = reference_logps(model, as_compute(state, params), batch)
         elif reference == "adapters_off":
             ref = reference_logps(model, adapters_off(params), batch)
         out = preference_terms(spec, logits, batch, ref)
