@@ -1,0 +1,163 @@
+"""Scaled FP8 matmuls with per-tensor scales: e4m3 forward operands, e5m2 gradients, f32
+accumulation (docs/fp8.md).
+
+`scaled_matmul(x, w, sx, sw)` is, in the forward pass,
+
+    xq = clip(x * sx, -448, 448) as float8_e4m3fn     (sx: float32 scalar, 448 / amax)
+    wq = clip(w * sw, -448, 448) as float8_e4m3fn
+    y  = (dot(xq, wq) accumulated in float32) * (1 / (sx * sw)), cast to x's dtype
+
+and in the backward pass the output gradient g is scaled by its own current amax
+(`57344 / amax(g)`), cast to float8_e5m2 (the wider range, as gradients need), and
+multiplied in f8 against the saved e4m3 operands (e4m3 x e5m2, the pairs Hopper's FP8
+tensor cores take), again accumulated in float32:
+
+    dx = dot(gq, wq^T) / (sg * sw),   dw = dot(xq^T, gq) / (sx * sg)
+
+The weight gradient leaves in the reduce dtype behind an optimization barrier when the
+step reduces in a wider dtype than the weight's (as `fsdp_jax.sharding.precision.matmul`).
+Master weights and optimizer state never see f8: only the matmul's operands are cast.
+
+Where `sx`, `sw` come from is the recipe's (`RECIPES`, torchtitan's / Transformer Engine's
+names): `tensorwise` scales by the current amax of each operand; `delayed` by the
+largest amax of the last `amax_history` steps (the operand's own history, stored in the
+train state), pushing the current amax after use. A history of zeros (the first step)
+scales by the current amax. Gradients always scale by their current amax (torchao's
+`Float8LinearConfig` with delayed input and weight, dynamic grad_output).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from fsdp_jax.sharding.mesh import constrain
+from fsdp_jax.train.layer_gather import GATHERED  # the gathered f8 weight: never saved under ZeRO-3
+
+E4M3 = jnp.dtype(jnp.float8_e4m3fn)  # forward operands: 448 max, 3 mantissa bits
+E5M2 = jnp.dtype(jnp.float8_e5m2)  # gradients: 57344 max, 2 mantissa bits
+
+# recipe name -> what it is and where the name comes from (policies as data, with sources)
+RECIPES: dict[str, str] = {
+    "tensorwise": "per-tensor current scaling: each operand scaled by its own amax this step "
+    "(torchtitan float8 recipe_name 'tensorwise'; torchao Float8LinearRecipeName.TENSORWISE; "
+    "Transformer Engine Float8CurrentScaling)",
+    "delayed": "per-tensor delayed scaling: inputs and weights scaled by the max over an amax "
+    "history of past steps, gradients by their current amax (Transformer Engine DelayedScaling "
+    "with amax_compute_algo='max'; torchao ScalingType.DELAYED for input and weight)",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Recipe:
+    """How projections compute in FP8: `name` a key of `RECIPES`; `amax_history` the
+    steps a delayed recipe remembers (>= 1); `gather`: under full_shard, weights are cast
+    to f8 in their sharded layout so the per-layer all-gathers move f8 (torchtitan's
+    enable_fsdp_float8_all_gather). ValueError (one line) on a bad field."""
+
+    name: str = "tensorwise"
+    amax_history: int = 16
+    gather: bool = True
+
+    def __post_init__(self):
+        if self.name not in RECIPES:
+            raise ValueError(f"unknown fp8 recipe {self.name!r}; choose one of {', '.join(RECIPES)}")
+        if not isinstance(self.amax_history, int) or self.amax_history < 1:
+            raise ValueError(f"fp8 amax_history must be an integer >= 1, got {self.amax_history!r}")
+
+    @property
+    def delayed(self) -> bool:
+        return self.name == "delayed"
+
+
+def fp8_max(dtype) -> float:
+    return float(jnp.finfo(dtype).max)
+
+
+def amax(x) -> jax.Array:
+    """max |x| over the whole tensor, float32 scalar, no gradient."""
+    return jax.lax.stop_gradient(jnp.max(jnp.abs(x)).astype(jnp.float32))
+
+
+def scale_for(a, dtype) -> jax.Array:
+    """The per-tensor scale mapping amax `a` onto `dtype`'s largest finite value (float32);
+    1 where `a` is 0 or not finite (nothing to scale, or a step the guard will skip)."""
+    a = jnp.asarray(a, jnp.float32)
+    ok = (a > 0) & jnp.isfinite(a)
+    return jnp.where(ok, fp8_max(dtype) / jnp.where(ok, a, 1.0), 1.0).astype(jnp.float32)
+
+
+def quantize(x, scale, dtype) -> jax.Array:
+    """`x * scale` clipped to `dtype`'s finite range (no inf, no NaN from overflow), in `dtype`."""
+    m = fp8_max(dtype)
+    return jnp.clip(x.astype(jnp.float32) * scale, -m, m).astype(dtype)
+
+
+def push(history, a) -> jax.Array:
+    """`history` (L,) with `a` in front (newest first), the oldest entry dropped."""
+    return jnp.roll(history, 1).at[0].set(jnp.asarray(a, history.dtype))
+
+
+def history_scale(history, current, dtype) -> jax.Array:
+    """The delayed scale: from max(`history`), or from `current` while the history is all
+    zeros (the first step)."""
+    ref = jnp.max(history)
+    return scale_for(jnp.where(ref > 0, ref, current), dtype)
+
+
+def f8_dot(a, b, contract: tuple[tuple[int, ...], tuple[int, ...]]) -> jax.Array:
+    """dot_general of two f8 operands accumulated (and returned) in float32."""
+    return jax.lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=jnp.float32)
+
+
+def scaled_matmul(x, w, sx, sw, *, reduce_dtype=None, layouts=None) -> jax.Array:
+    """`x @ w` (x (..., K), w 2-D (K, N)) through FP8 as the module docstring writes it;
+    `sx`, `sw` float32 scalars (`scale_for`). `reduce_dtype`: the weight gradient's (None:
+    w's). `layouts`: (at rest, gathered) NamedShardings of `w` (any rank) and the 2-D shape
+    it is used in, so the cast runs on the shards and the gather moves f8
+    (`Fp8Recipe.gather`); None: `w` is 2-D, no layout asked."""
+    r = jnp.dtype(reduce_dtype if reduce_dtype is not None else w.dtype)
+    return _make(r, layouts)(x, w, jnp.asarray(sx, jnp.float32), jnp.asarray(sw, jnp.float32))
+
+
+def cast_weight(w, sw, layouts=None) -> jax.Array:
+    """`w` as the forward's e4m3 operand (2-D): cast in its at-rest layout and gathered as
+    f8 when `layouts` = (rest, full, shape2d) is given."""
+    if layouts is None:
+        return quantize(w, sw, E4M3)
+    rest, full, shape2d = layouts
+    wq = constrain(quantize(constrain(w, rest), sw, E4M3), full)
+    return checkpoint_name(wq, GATHERED).reshape(shape2d)
+
+
+@functools.lru_cache(maxsize=None)
+def _make(reduce_dtype, layouts):
+    @jax.custom_vjp
+    def fp8_matmul(x, w, sx, sw):
+        return _fwd(x, w, sx, sw)[0]
+
+    def _fwd(x, w, sx, sw):
+        xq = quantize(x, sx, E4M3)
+        wq = cast_weight(w, sw, layouts)
+        y = f8_dot(xq, wq, ((x.ndim - 1,), (0,))) * (1.0 / (sx * sw))
+        res = (xq, wq, sx, sw, jnp.zeros((0,) + w.shape, w.dtype), jnp.zeros((0,), x.dtype))
+        return y.astype(x.dtype), res
+
+    def bwd(res, g):
+        xq, wq, sx, sw, w_like, x_like = res
+        sg = scale_for(amax(g), E5M2)
+        gq = quantize(g, sg, E5M2)
+        dx = (f8_dot(gq, wq, ((g.ndim - 1,), (1,))) * (1.0 / (sg * sw))).astype(x_like.dtype)
+        lead = tuple(range(xq.ndim - 1))
+        dw = f8_dot(xq, gq, (lead, lead)) * (1.0 / (sx * sg))
+        if reduce_dtype.itemsize > w_like.dtype.itemsize:  # reduced across devices in the wider dtype
+            dw = jax.lax.optimization_barrier(dw.astype(reduce_dtype))
+        dw = dw.astype(w_like.dtype).reshape(w_like.shape[1:])
+        return dx, dw, jnp.zeros_like(sx), jnp.zeros_like(sw)
+
+    fp8_matmul.defvjp(_fwd, bwd)
+    return fp8_matmul
