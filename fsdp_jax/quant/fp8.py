@@ -52,6 +52,37 @@ RECIPES: dict[str, str] = {
 }
 
 
+# Where FP8 matmuls run natively (data, with sources): NVIDIA GPUs of compute capability >= 8.9
+# (Ada 8.9, Hopper 9.0, Blackwell 10.x: CUDA C++ Programming Guide, "Compute Capabilities",
+# FP8 tensor core rows; the H100 datasheet's FP8 column), not A100 (8.0); TPUs before Ironwood
+# (v7) have no FP8 MXU mode (Cloud TPU docs, system architecture: v4 / v5e / v5p / v6e MXUs
+# take bf16 and int8).
+FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
+FP8_GPU_KINDS = {"h100": True, "h200": True, "h800": True, "l4": True, "l40": True, "b200": True, "a100": False}
+FP8_TPU_KINDS = ("v7", "ironwood")
+
+
+def device_problem(platform: str, kind: str, compute_capability=None, emulate: bool = False) -> str | None:
+    """None when FP8 matmuls may run on a device of `platform` ("cpu", "gpu"/"cuda", "tpu")
+    and `kind` (the device kind, or a target name such as "h100"); else the one line saying
+    why not. CPU needs `emulate` (numerics only: XLA:CPU upcasts f8 dots); a GPU needs FP8
+    tensor cores (`compute_capability` "9.0", else a known `kind`); a TPU needs v7."""
+    kind_l = str(kind).lower()
+    if platform == "cpu":
+        return None if emulate else "FP8 on CPU is emulation only (no FP8 units): set fp8.emulate=true to run it"
+    if platform == "tpu":
+        ok = any(k in kind_l for k in FP8_TPU_KINDS)
+        return None if ok else f"TPU {kind} has no FP8 matmul units (TPU v7 and later); use matmul=compute"
+    if compute_capability:
+        cc = tuple(int(p) for p in str(compute_capability).split(".")[:2])
+        ok = cc >= FP8_MIN_COMPUTE_CAPABILITY
+    else:
+        ok = next((v for k, v in FP8_GPU_KINDS.items() if k in kind_l), False)
+    if ok:
+        return None
+    return f"GPU {kind} has no FP8 tensor cores (compute capability >= 8.9: H100, H200, L4, B200); use matmul=compute"
+
+
 @dataclasses.dataclass(frozen=True)
 class Fp8Recipe:
     """How projections compute in FP8: `name` a key of `RECIPES`; `amax_history` the

@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from fsdp_jax.app.data.packing import batch_from_rows
-from fsdp_jax.app.trainer.build import build_from_config, lora_optimizer, lora_spec, trainer_model
+from fsdp_jax.app.trainer.build import build_from_config, fp8_recipe, lora_optimizer, lora_spec, trainer_model
 from fsdp_jax.app.trainer.optim import build_optimizer
 from fsdp_jax.errors import PlanError, one_line
 from fsdp_jax.sharding.mesh import make_mesh, resolve_mesh_shape
@@ -162,7 +162,7 @@ def build_step(
     devices = list(jax.devices() if devices is None else devices)
     sizes = mesh_sizes or mesh_shape(cfg, strategy, len(devices))
     mesh = make_mesh(*sizes, devices=devices, context=cfg.mesh.context)
-    model = trainer_model(cfg.model, cfg.remat, lora_spec(cfg))
+    model = trainer_model(cfg.model, cfg.remat, lora_spec(cfg), fp8_recipe(cfg))
     optimizer, _ = build_optimizer(cfg.optimizer, cfg.train.steps)
     if lora_spec(cfg) is not None:  # as the trainer: optimizer state for the adapters only
         optimizer = lora_optimizer(optimizer)
