@@ -20,6 +20,7 @@ from fsdp_jax.quant import fp8
 from fsdp_jax.quant.fp8_modules import attach, meta_name, project
 from fsdp_jax.sharding.mesh import make_mesh
 from fsdp_jax.verify.compare import strategy_mesh_shape
+from helpers import TINY_RUN_OVERRIDES, call, one_line
 
 STRATEGIES = ("full_shard", "shard_grad_op", "shard_opt", "no_shard", "hybrid_shard")
 TINY = DecoderConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=16)
@@ -239,3 +240,24 @@ def test_bad_recipe_and_history_are_one_line():
         fp8.Fp8Recipe("mxfp8")
     with pytest.raises(ValueError, match="amax_history must be an integer >= 1"):
         fp8.Fp8Recipe("delayed", amax_history=0)
+
+
+FP8 = "precision=params=float32,compute=bfloat16,matmul=fp8"
+
+
+@pytest.mark.parametrize(
+    "overrides,words",
+    [
+        ([FP8], ("precision", "fp8.emulate=true")),  # CPU without emulation
+        ([FP8, "fp8.emulate=true", "fp8.recipe=hybrid"], ("fp8.recipe", "tensorwise, delayed")),
+        ([FP8, "fp8.emulate=true", "fp8.amax_history=0"], ("fp8.amax_history", "> 0")),
+        ([FP8, "fp8.emulate=true", "lora.rank=4"], ("lora.rank", "matmul=fp8")),
+        (["precision=params=float32,matmul=fp4"], ("precision", "fp8, compute")),
+    ],
+)
+def test_bad_fp8_input_is_one_line_exit_2(corpus, tmp_path, capsys, overrides, words):
+    run_dir = tmp_path / "run"
+    args = [f"{o}" for o in TINY_RUN_OVERRIDES + [f"data.path={corpus}", f"run_dir={run_dir}", *overrides]]
+    rc, _, err = call("train", "--config", "configs/tiny.yaml", "--no-progress", *args, capsys=capsys)
+    one_line(rc, err, *words)
+    assert not run_dir.exists()
