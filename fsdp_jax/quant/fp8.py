@@ -156,13 +156,23 @@ def scaled_matmul(x, w, sx, sw, *, reduce_dtype=None, layouts=None) -> jax.Array
 
 
 def cast_weight(w, sw, layouts=None) -> jax.Array:
-    """`w` as the forward's e4m3 operand (2-D): cast in its at-rest layout and gathered as
-    f8 when `layouts` = (rest, full, shape2d) is given."""
+    """`w` as the forward's e4m3 operand: with `layouts` = (rest, full, shape2d), cast in
+    its at-rest layout and left there (`gather_weight` gathers it); else cast as it is."""
     if layouts is None:
         return quantize(w, sw, E4M3)
-    rest, full, shape2d = layouts
-    wq = constrain(quantize(constrain(w, rest), sw, E4M3), full)
-    return checkpoint_name(wq, GATHERED).reshape(shape2d)
+    rest, _, _ = layouts
+    # the f8 value itself pinned to the shards: with only its input pinned, the partitioner
+    # gathered the cast's f32 intermediate (measured, XLA:CPU and Shardy)
+    return constrain(quantize(constrain(w, rest), sw, E4M3), rest)
+
+
+def gather_weight(wq, layouts=None) -> jax.Array:
+    """A `cast_weight` result laid out for the matmul, 2-D: the f8 shards all-gathered
+    (named GATHERED, so no remat policy keeps the gathered copy)."""
+    if layouts is None:
+        return wq
+    _, full, shape2d = layouts
+    return checkpoint_name(constrain(wq, full), GATHERED).reshape(shape2d)
 
 
 @functools.lru_cache(maxsize=None)
@@ -173,13 +183,15 @@ def _make(reduce_dtype, layouts):
 
     def _fwd(x, w, sx, sw):
         xq = quantize(x, sx, E4M3)
-        wq = cast_weight(w, sw, layouts)
-        y = f8_dot(xq, wq, ((x.ndim - 1,), (0,))) * (1.0 / (sx * sw))
+        wq = cast_weight(w, sw, layouts)  # at rest (sharded) under full_shard
+        y = f8_dot(xq, gather_weight(wq, layouts), ((x.ndim - 1,), (0,))) * (1.0 / (sx * sw))
+        # the f8 weight is kept as its shards and gathered again in the backward (ZeRO-3)
         res = (xq, wq, sx, sw, jnp.zeros((0,) + w.shape, w.dtype), jnp.zeros((0,), x.dtype))
         return y.astype(x.dtype), res
 
     def bwd(res, g):
         xq, wq, sx, sw, w_like, x_like = res
+        wq = gather_weight(wq, layouts)
         sg = scale_for(amax(g), E5M2)
         gq = quantize(g, sg, E5M2)
         dx = (f8_dot(gq, wq, ((g.ndim - 1,), (1,))) * (1.0 / (sg * sw))).astype(x_like.dtype)
