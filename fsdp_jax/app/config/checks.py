@@ -13,6 +13,7 @@ from typing import Any
 
 from fsdp_jax.app import extras
 from fsdp_jax.app.config.context_checks import check_context
+from fsdp_jax.app.config.fp8_checks import check_fp8
 from fsdp_jax.app.config.schema import Config, check_fields
 from fsdp_jax.app.models import lora as lora_lib
 from fsdp_jax.app.models.config import DecoderConfig
@@ -20,7 +21,6 @@ from fsdp_jax.app.models.moe import moe_config_problem
 from fsdp_jax.app.models.qlora import quant_problem
 from fsdp_jax.errors import ConfigError, MeshError
 from fsdp_jax.nvme import NVME_OFFLOADS
-from fsdp_jax.quant.fp8 import device_problem as fp8_device_problem
 from fsdp_jax.sharding.mesh import resolve_mesh_shape
 from fsdp_jax.sharding.offload import OFFLOADS as _HOST_OFFLOADS
 from fsdp_jax.sharding.precision import Policy
@@ -86,7 +86,7 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
     _check_precision(cfg)
     _check_train(cfg)
     _check_lora(cfg)
-    _check_fp8(cfg)
+    check_fp8(cfg)
     if n_devices is not None:
         _check_devices(cfg, n_devices)
     _check_attention_precision(cfg)
@@ -263,16 +263,6 @@ def _check_lora(cfg: Config) -> None:
         _check(lo.init_from.startswith("peft:"), "lora.init_from", lo.init_from, "use peft:DIR (a PEFT adapter)")
 
 
-def _check_fp8(cfg: Config) -> None:
-    """matmul=fp8 trains a whole model with the next-token loss (not LoRA, not a preference loss)."""
-    if Policy.parse(cfg.precision).matmul != "fp8":
-        return
-    _check(
-        cfg.lora.rank == 0, "lora.rank", cfg.lora.rank, "must be 0 with precision matmul=fp8 (FP8 trains whole models)"
-    )
-    _check(cfg.objective == "sft", "objective", cfg.objective, "must be sft with precision matmul=fp8")
-
-
 def _check_devices(cfg: Config, n_devices: int) -> None:
     """The mesh resolves on `n_devices` and each microbatch splits over data*fsdp."""
     tr, mesh = cfg.train, cfg.mesh
@@ -360,15 +350,6 @@ def check_backend(cfg: Config, backend: str) -> None:
         cfg.model.attention,
         f"needs a TPU (Pallas splash kernel); this run's JAX backend is {backend}: use model.attention=xla",
     )
-
-
-def check_fp8_device(cfg: Config, platform: str, kind: str, compute_capability=None) -> None:
-    """precision matmul=fp8 on a device (or target) that runs FP8 matmuls, or on CPU with
-    fp8.emulate (`fsdp_jax.quant.fp8.device_problem`)."""
-    if Policy.parse(cfg.precision).matmul != "fp8":
-        return
-    problem = fp8_device_problem(platform, kind, compute_capability, cfg.fp8.emulate)
-    _check(problem is None, "precision", cfg.precision, str(problem))
 
 
 def check_data(cfg: Config) -> None:

@@ -16,7 +16,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from fsdp_jax.app.config.checks import check_fp8_device, validate
+from fsdp_jax.app.config.checks import validate
+from fsdp_jax.app.config.fp8_checks import check_fp8_device
 from fsdp_jax.app.devices import use_cpu_devices
 from fsdp_jax.app.host_memory import parse_size
 from fsdp_jax.app.trainer.setup import load_run_config

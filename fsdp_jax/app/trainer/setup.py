@@ -26,7 +26,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from fsdp_jax.app.config.checks import check_backend, check_data, check_fp8_device, validate
+from fsdp_jax.app.config.checks import check_backend, check_data, validate
+from fsdp_jax.app.config.fp8_checks import check_fp8_device
 from fsdp_jax.app.config.parse import config_to_dict, load_config
 from fsdp_jax.app.config.schema import Config
 from fsdp_jax.app.data.corpus import ensure_stdlib
