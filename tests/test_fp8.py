@@ -43,17 +43,21 @@ def np_quantize(x, scale, dtype):
 
 
 def test_scaled_matmul_equals_its_reference_formula():
-    """cast (x * 448 / amax to e4m3, saturating), f32 accumulation, unscale: bit for bit."""
+    """cast (x * 448 / amax to e4m3, saturating), f32 accumulation written in bf16, unscale:
+    bit for bit."""
     x, w = operands()
     ax, aw = np.abs(np.asarray(x, np.float32)).max(), np.abs(np.asarray(w, np.float32)).max()
     sx, sw = np.float32(448.0) / ax, np.float32(448.0) / aw
-    got = jax.jit(
-        lambda x, w: fp8.scaled_matmul(x, w, fp8.scale_for(fp8.amax(x), fp8.E4M3), fp8.scale_for(fp8.amax(w), fp8.E4M3))
-    )(x, w)
+
+    def f(x, w):
+        return fp8.scaled_matmul(x, w, fp8.scale_for(fp8.amax(x), fp8.E4M3), fp8.scale_for(fp8.amax(w), fp8.E4M3))
+
+    # XLA may skip an intermediate rounding (here the GEMM's bf16 output) unless told not to
+    got = jax.jit(f).lower(x, w).compile({"xla_allow_excess_precision": False})(x, w)
     xq, wq = np_quantize(x, sx, ml_dtypes.float8_e4m3fn), np_quantize(w, sw, ml_dtypes.float8_e4m3fn)
-    # the f32 dot of the f8 values (exact in f32: each product has <= 8 significant bits)
+    # the f32 dot of the f8 values, written in bf16, then unscaled in f32 and rounded to bf16
     acc = jnp.dot(jnp.asarray(xq.astype(np.float32)), jnp.asarray(wq.astype(np.float32)), precision="highest")
-    want = (acc * (np.float32(1.0) / (sx * sw))).astype(jnp.bfloat16)
+    want = (acc.astype(jnp.bfloat16).astype(np.float32) * (np.float32(1.0) / (sx * sw))).astype(jnp.bfloat16)
     assert got.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     # and it is an FP8 matmul, not the bf16 one: the rounding shows
