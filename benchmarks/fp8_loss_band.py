@@ -35,7 +35,13 @@ WINDOW = 50
 def run(name: str, extra: list[str], steps: int, devices: int, work: Path) -> list[dict]:
     run_dir = work / name
     cmd = [sys.executable, str(ROOT / "scripts/train.py"), "--config", str(ROOT / "configs/tiny.yaml")]
-    cmd += [f"train.steps={steps}", "train.eval_every=100", "train.log_every=5", "train.checkpoint_every=0", "train.sample_tokens=0"]
+    cmd += [
+        f"train.steps={steps}",
+        "train.eval_every=100",
+        "train.log_every=5",
+        "train.checkpoint_every=0",
+        "train.sample_tokens=0",
+    ]
     cmd += [f"run_dir={run_dir}", f"data.path={work / 'data'}", "fp8.emulate=true", *extra]
     env = dict(os.environ, FSDP_JAX_CPU_DEVICES=str(devices), PYTHONPATH=str(ROOT))
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
