@@ -14,11 +14,13 @@ from flax import nnx
 
 from fsdp_jax.app.config.schema import Config, Fp8Config
 from fsdp_jax.app.models.config import DecoderConfig
+from fsdp_jax.app.planner.op_costs import op_seconds
 from fsdp_jax.app.trainer.build import build_from_config, fp8_recipe, trainer_model
 from fsdp_jax.checkpoint import Checkpointer
 from fsdp_jax.quant import fp8
 from fsdp_jax.quant.fp8_modules import attach, meta_name, project
 from fsdp_jax.sharding.mesh import make_mesh
+from fsdp_jax.targets.perf_tables import perf_table
 from fsdp_jax.verify.compare import strategy_mesh_shape
 from helpers import TINY_RUN_OVERRIDES, call, one_line
 
@@ -265,3 +267,22 @@ def test_bad_fp8_input_is_one_line_exit_2(corpus, tmp_path, capsys, overrides, w
     rc, _, err = call("train", "--config", "configs/tiny.yaml", "--no-progress", *args, capsys=capsys)
     one_line(rc, err, *words)
     assert not run_dir.exists()
+
+
+# ----------------------------------------------------------------------------- the step-time model
+
+
+@pytest.mark.parametrize("target", ["h100", "h200"])
+def test_fp8_gemms_cost_at_the_fp8_peak(target):
+    """A compute-bound GEMM record with e4m3 or e5m2 operands (forward, backward) takes the
+    bf16 GEMM model at the FP8 peak (twice bf16's on Hopper): half the compute time."""
+    t = perf_table(target)
+    m = n = k = 8192
+    launch = t["hbm"]["launch_s"]
+    base = {"kind": "gemm", "m": m, "n": n, "k": k, "batch": 1, "flops": 2 * m * n * k, "bytes": 3 * m * n}
+    bf16 = op_seconds({**base, "dtype": "bf16"}, t) - launch
+    peaks = t["peak_flops"]
+    assert peaks["f8e5m2"] == peaks["f8e4m3fn"] > 1.99 * peaks["bf16"]  # 1979 vs 989 TFLOP/s
+    for dtype in ("f8e4m3fn", "f8e5m2"):
+        want = bf16 * peaks["bf16"] / peaks[dtype]
+        assert op_seconds({**base, "dtype": dtype}, t) - launch == pytest.approx(want, rel=1e-9)
