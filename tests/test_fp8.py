@@ -286,3 +286,10 @@ def test_fp8_gemms_cost_at_the_fp8_peak(target):
     for dtype in ("f8e4m3fn", "f8e5m2"):
         want = bf16 * peaks["bf16"] / peaks[dtype]
         assert op_seconds({**base, "dtype": dtype}, t) - launch == pytest.approx(want, rel=1e-9)
+
+
+@pytest.mark.parametrize("target,words", [("a100", "no FP8 tensor cores"), ("v5p", "no FP8 matmul units")])
+def test_planning_fp8_for_a_target_without_fp8_units_is_one_line_exit_2(target, words, capsys):
+    args = ["--config", "configs/tiny.yaml", "--target", target, "--devices", "8", FP8]
+    rc, _, err = call("plan", *args, capsys=capsys)
+    one_line(rc, err, "precision", words)
