@@ -181,6 +181,10 @@ OUT_OF_RANGE: dict[str, typing.Any] = {
     "lora.base_quant": "nf3",
     "lora.quant_block": 0,
     "lora.double_quant": None,
+    "fp8.recipe": "mxfp8",
+    "fp8.amax_history": 0,
+    "fp8.gather": None,
+    "fp8.emulate": None,
     "model.family": None,  # any registered family; an unknown one is refused at model build (tests/test_families.py)
     "objective": "ppo",
     "preference.beta": 0.0,

@@ -24,7 +24,10 @@ _FIELDS = {
     "reduce": "reduce_dtype",
     "output": "output_dtype",
     "frozen": "frozen_dtype",
+    "matmul": "matmul",
 }
+# what `matmul=` may name: the projections' matmuls in FP8 (fsdp_jax.quant.fp8), or as compute
+MATMULS = ("fp8", "compute")
 _ALIASES = {
     "fp32": "float32",
     "f32": "float32",
@@ -52,18 +55,25 @@ class Policy:
     activations in forward/backward. reduce_dtype: gradients when reduced across
     devices. output_dtype: the loss and metrics. frozen_dtype: params the step does not
     train (`trainable`, LoRA's base): stored in it, with no master copy (None: the
-    compute dtype, the only dtype a frozen param is ever used in)."""
+    compute dtype, the only dtype a frozen param is ever used in). matmul: "fp8" runs the
+    model's projections as scaled FP8 matmuls (`fsdp_jax.quant.fp8`, docs/fp8.md), None
+    (or "compute") in the compute dtype."""
 
     param_dtype: jnp.dtype = jnp.dtype("float32")
     compute_dtype: jnp.dtype = jnp.dtype("float32")
     reduce_dtype: jnp.dtype = jnp.dtype("float32")
     output_dtype: jnp.dtype = jnp.dtype("float32")
     frozen_dtype: jnp.dtype | None = None
+    matmul: str | None = None
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if v is not None or f.name != "frozen_dtype":
+            if f.name == "matmul":
+                if v is not None and str(v).lower() not in MATMULS:
+                    raise ValueError(f"unknown matmul {v!r}; choose one of {', '.join(MATMULS)}")
+                object.__setattr__(self, f.name, None if v is None or str(v).lower() == "compute" else str(v).lower())
+            elif v is not None or f.name != "frozen_dtype":
                 object.__setattr__(self, f.name, _dtype(v))
 
     @property
@@ -94,6 +104,7 @@ class Policy:
             f"params={self.param_dtype.name},compute={self.compute_dtype.name},"
             f"reduce={self.reduce_dtype.name},output={self.output_dtype.name}"
             + ("" if self.frozen_dtype is None else f",frozen={self.frozen_dtype.name}")
+            + ("" if self.matmul is None else f",matmul={self.matmul}")
         )
 
     def cast_to_compute(self, tree):
@@ -154,6 +165,12 @@ def reducing(policy: Policy | None):
         yield
     finally:
         _REDUCE.pop()
+
+
+def step_reduce_dtype():
+    """The reduce dtype of the train step being traced (None outside one, or without a
+    policy): what a custom weight matmul (`fsdp_jax.quant.fp8`) makes its weight grad in."""
+    return _REDUCE[-1] if _REDUCE else None
 
 
 def widens(policy: Policy) -> bool:

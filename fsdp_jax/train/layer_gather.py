@@ -71,6 +71,7 @@ class LayerGather:
 
 _CURRENT: list[LayerGather] = []
 _CALLED: list[int] = [0]
+_PER_USE: list[LayerGather | None] = []  # ZeRO-3: where params rest, gathered by XLA where used
 
 
 def current() -> LayerGather | None:
@@ -85,6 +86,33 @@ def active(lg: LayerGather | None):
         yield
     finally:
         _CURRENT.pop()
+
+
+@contextlib.contextmanager
+def gathered_per_use(lg: LayerGather | None):
+    """While a loss is traced under a strategy whose params rest sharded and are gathered
+    where they are used (full_shard, hybrid_shard: XLA's gathers, `explicit=False`): `lg`
+    describes that layout, for `per_use_layouts`. None: params are whole in compute."""
+    _PER_USE.append(lg)
+    try:
+        yield
+    finally:
+        _PER_USE.pop()
+
+
+def per_use_layouts(shape, dtype, names) -> tuple[NamedSharding, NamedSharding] | None:
+    """(at rest, gathered) layouts of a param of `shape` and logical `names` (stack dims
+    already sliced off: the trailing names are used) under the strategy `gathered_per_use`
+    made current, so a caller can transform a weight on its shards before XLA gathers it
+    (FP8 weight gathers, `fsdp_jax.quant.fp8`); None when no such strategy is current,
+    without names, or when the two layouts agree."""
+    lg = _PER_USE[-1] if _PER_USE else None
+    if lg is None or names is None:
+        return None
+    names = tuple(names)[len(names) - len(shape) :]
+    x = jax.ShapeDtypeStruct(tuple(shape), dtype)
+    rest, full = _spec(x, names, lg, lg.shard_axes), _spec(x, names, lg, ())
+    return None if rest.spec == full.spec else (rest, full)
 
 
 def model_gathers(loss_fn, params, batch, lg: LayerGather) -> bool:

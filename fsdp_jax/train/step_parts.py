@@ -75,6 +75,7 @@ def compute_value_and_grad(
     grad_sh, compute_sh = plan.grads, plan.compute
     rest_sh = offload.on_device(plan.params)  # host-resident params arrive here first
     lg = layer_gather_for(plan, policy)
+    per_use = per_use_gather(plan, policy)
 
     def for_compute(p, rest, compute):  # a tree, or one leaf and its shardings
         pc = cast_params_for_compute(p, policy, rest)
@@ -107,7 +108,7 @@ def compute_value_and_grad(
                     pc = jax.tree.map(
                         lambda layered, p, c, r: constrain(p, r) if layered else c, plan.layered, full, pc, rest_sh
                     )
-            with layer_gather.active(lg if hooked else None), reducing(policy):
+            with layer_gather.active(lg if hooked else None), layer_gather.gathered_per_use(per_use), reducing(policy):
                 out = loss_fn(pc, batch)
             loss, aux = out if has_aux else (out, None)
             if isinstance(loss, TokenSum):  # differentiate the sum; the count rides along
@@ -168,6 +169,15 @@ def layer_gather_for(plan: ShardingPlan, policy: Policy) -> layer_gather.LayerGa
         fetch=fetch,
         explicit=plan.strategy.gather_once,
     )
+
+
+def per_use_gather(plan: ShardingPlan, policy: Policy) -> layer_gather.LayerGather | None:
+    """The layout of params that rest sharded and are gathered by XLA where used (ZeRO-3:
+    full_shard, hybrid_shard), for `layer_gather.gathered_per_use`; None for the others."""
+    s = plan.strategy
+    if s.gather_once or not s.params:
+        return None
+    return layer_gather.LayerGather(plan.mesh, plan.rules, s.params, policy.compute_dtype, policy.reduce_dtype)
 
 
 def microbatched(

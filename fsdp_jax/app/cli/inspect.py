@@ -82,7 +82,7 @@ def run(args) -> int:
         if len(names) != 1 or args.strategy.strip().lower() == "all":
             raise PlanError(f"--strategy: {args.strategy!r} must name one strategy (the plan command compares several)")
         args.strategy = names[0]
-    cfg = load_planning_config(args.config, args.overrides, n)  # JAX: n CPU devices, from here on
+    cfg = load_planning_config(args.config, args.overrides, n, target)  # JAX: n CPU devices, from here on
     strategy = get_strategy(args.strategy or cfg.mesh.strategy).name
 
     check_inputs(cfg, n, [strategy])

@@ -208,7 +208,7 @@ def search_command(args) -> int:
         ),
     )
     rows = 10 if args.rows is None else parse_devices(args.rows, "--rows")
-    cfg = load_planning_config(args.config, args.overrides, n)
+    cfg = load_planning_config(args.config, args.overrides, n, target)
     space = dataclasses.replace(space, attentions=attentions or attention_kernels(cfg, target and target.platform))
     show = args.progress or sys.stderr.isatty()  # else stderr holds only an error's one line
     progress = (lambda msg: print(f"search: {msg}", file=sys.stderr, flush=True)) if show else None
@@ -252,7 +252,7 @@ def run(args) -> int:
         check_out_file(args.plot, "--plot")
         require("matplotlib", "--plot")
     host = plan_host_memory(args, target)
-    cfg = load_planning_config(args.config, args.overrides, n)  # JAX: n CPU devices, from here on
+    cfg = load_planning_config(args.config, args.overrides, n, target)  # JAX: n CPU devices, from here on
 
     docs = {}
     for o in offloads or [cfg.offload]:

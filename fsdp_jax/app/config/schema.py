@@ -22,6 +22,7 @@ from fsdp_jax.app.models.config import DecoderConfig
 from fsdp_jax.app.models.grouped_matmul import GROUPED_MATMULS
 from fsdp_jax.app.models.rope import ROPE_TYPES
 from fsdp_jax.errors import ConfigError, ShardingError
+from fsdp_jax.quant.fp8 import RECIPES
 from fsdp_jax.sharding.axes import MESH_AXES
 from fsdp_jax.sharding.replication import DEFAULT_MAX_REPLICATED_FRACTION, DEFAULT_MIN_REPLICATED_BYTES
 from fsdp_jax.sharding.rules import DEFAULT_MIN_SHARD_SIZE, DEFAULT_RULES, merge_rules
@@ -218,6 +219,16 @@ class LoraConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class Fp8Config:
+    """How `precision: ...,matmul=fp8` computes the projections (`fsdp_jax.quant.fp8`, docs/fp8.md)."""
+
+    recipe: str = limit("tensorwise", choices=tuple(RECIPES))  # tensorwise | delayed (torchtitan / TE names)
+    amax_history: int = limit(16, "> 0")  # delayed: the steps of amax each scale is taken over
+    gather: bool = True  # full_shard: weights cast to f8 before the per-layer all-gather
+    emulate: bool = False  # allow FP8 where the device has no FP8 tensor cores (CPU: numerics only)
+
+
+@dataclasses.dataclass(frozen=True)
 class PreferenceConfig:
     """Preference tuning, when `objective` is not sft (`fsdp_jax.app.objectives`, docs/preference.md):
     data.path is then a .jsonl / .parquet / datasets dir of {prompt, chosen, rejected} rows."""
@@ -249,6 +260,7 @@ class Config:
     logging: LoggingConfig = LoggingConfig()
     lora: LoraConfig = LoraConfig()
     preference: PreferenceConfig = PreferenceConfig()
+    fp8: Fp8Config = Fp8Config()
     grpo: GrpoConfig = GrpoConfig()
     objective: str = limit(
         "sft", choices=OBJECTIVES

@@ -80,11 +80,13 @@ def check_segments(local, max_segments: int, step: int, data_path: str) -> None:
         )
 
 
-def evaluate(run, params, batches) -> float:
+def evaluate(run, params, batches, model_state=None) -> float:
     """Mean val loss: per token over all batches for packed / document-masked batches
     (sum of token losses / trained tokens: the example-level loss of held-out
-    examples), else the mean of the batches' means."""
-    outs = [run.eval_step(params, global_batch(run.plan, b)) for b in batches]
+    examples), else the mean of the batches' means. A model with state (FP8's amax
+    histories) is evaluated with `model_state`."""
+    state = (model_state,) if run.plan.model_state is not None else ()
+    outs = [run.eval_step(params, *state, global_batch(run.plan, b)) for b in batches]
     if outs and "tokens" in outs[0]:
         return float(sum(float(o["loss_sum"]) for o in outs) / max(1.0, sum(float(o["tokens"]) for o in outs)))
     return float(np.mean([float(o["loss"]) for o in outs]))

@@ -47,10 +47,14 @@ from fsdp_jax.app.models.norm import RMSNorm, normal_param
 from fsdp_jax.app.models.parts import DEFAULT_PARTS, BlockParts
 from fsdp_jax.app.models.self_attention import Attention, attention_params, constrain, flat_rows, with_lora
 from fsdp_jax.errors import ConfigError
+from fsdp_jax.quant import fp8_modules
+from fsdp_jax.quant.fp8_modules import project
 from fsdp_jax.sharding.axes import BATCH, EMBED, LAYERS, LENGTH, MLP, VOCAB
 from fsdp_jax.sharding.precision import matmul, take
 from fsdp_jax.sharding.remat import get_policy
 from fsdp_jax.train import layer_gather
+
+FP8_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # projections FP8 may compute
 
 
 def embed_updates_layout():
@@ -86,17 +90,20 @@ class FeedForward(nnx.Module):
     def __call__(self, x, dropout_key=None):  # (B, S, D)
         b, s, d = x.shape
         x2, k = flat_rows(x), dropout_key
-        g = with_lora(matmul(x2, self.w_gate[...]), delta(self, "w_gate", x2, k))
+        g = with_lora(project(self, "w_gate", x2, self.w_gate[...], self.w_gate.shape), delta(self, "w_gate", x2, k))
         act = jax.nn.gelu(g, approximate=True) if self.gelu else jax.nn.silu(g)
-        hid = act * with_lora(matmul(x2, self.w_up[...]), delta(self, "w_up", x2, k))  # (B*S, F)
+        hid = act * with_lora(project(self, "w_up", x2, self.w_up[...], self.w_up.shape), delta(self, "w_up", x2, k))
         hid = constrain(hid, (BATCH, MLP) if hid.ndim == 2 else (BATCH, LENGTH, MLP))
-        out = with_lora(matmul(hid, self.w_down[...]), delta(self, "w_down", hid, k))
+        out = with_lora(
+            project(self, "w_down", hid, self.w_down[...], self.w_down.shape), delta(self, "w_down", hid, k)
+        )
         return checkpoint_name(out.reshape(b, s, d), "mlp_out")
 
 
 class Block(nnx.Module):
     """One decoder layer; its MLP the mixture of experts when `sparse`. In an MoE model
-    (`n_experts`) it returns (x, RouterStats), else x. `lora`: adapters on its projections."""
+    (`n_experts`) it returns (x, RouterStats), else x. `lora`: adapters on its projections;
+    `fp8`: its attention and dense-MLP projections as scaled FP8 matmuls (`fsdp_jax.quant.fp8`)."""
 
     def __init__(
         self,
@@ -105,6 +112,7 @@ class Block(nnx.Module):
         sparse: bool = False,
         lora: LoraSpec | None = None,
         parts: BlockParts = DEFAULT_PARTS,
+        fp8=None,
     ):
         po = cfg.norm_plus_one
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, po, rngs)
@@ -119,6 +127,8 @@ class Block(nnx.Module):
         if cfg.sandwich_norm:
             self.post_attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, po, rngs)
             self.post_mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, po, rngs)
+        for part in (self.attn,) if sparse else (self.attn, self.mlp):  # experts: not yet (docs/fp8.md)
+            fp8_modules.attach(part, fp8, FP8_WEIGHTS)
         if lora is not None:  # last: the base params are drawn as without adapters
             attach(self, cfg, lora, rngs)
 
@@ -139,10 +149,18 @@ class Decoder(nnx.Module):
     """`Decoder(cfg, rngs=nnx.Rngs(0), remat="dots")(tokens (B, S) int) -> logits (B, S, V)`;
     optional `segment_ids` and `positions` (B, S) for packed rows; `lora` puts LoRA adapters
     on the projections it targets (`models/lora.py`); `parts` replaces a block's attention
-    or MLP (`models/parts.py`; default: those of the family `cfg.family` names, `Family.parts`)."""
+    or MLP (`models/parts.py`; default: those of the family `cfg.family` names, `Family.parts`);
+    `fp8` (an `fsdp_jax.quant.fp8.Fp8Recipe`): the blocks' projections in FP8 (not the head)."""
 
     def __init__(
-        self, cfg: DecoderConfig, *, rngs: nnx.Rngs, remat: str = "none", lora=None, parts: BlockParts | None = None
+        self,
+        cfg: DecoderConfig,
+        *,
+        rngs: nnx.Rngs,
+        remat: str = "none",
+        lora=None,
+        parts: BlockParts | None = None,
+        fp8=None,
     ):
         parts = families.block_parts(cfg) if parts is None else parts
         self.cfg = cfg
@@ -154,17 +172,17 @@ class Decoder(nnx.Module):
         if lora is not None and expert_dropout(cfg, lora):
             raise ConfigError("lora.dropout", expert_dropout(cfg, lora))
         if cfg.n_experts:  # sparse and dense layers: stacked by segment
-            self.segments = stack.make_layers(cfg, rngs, functools.partial(Block, parts=parts), lora)
+            self.segments = stack.make_layers(cfg, rngs, functools.partial(Block, parts=parts, fp8=fp8), lora)
         elif cfg.scan_layers:
 
             @nnx.split_rngs(splits=cfg.n_layers)
             @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS})
             def make(r):
-                return Block(cfg, r, lora=lora, parts=parts)
+                return Block(cfg, r, lora=lora, parts=parts, fp8=fp8)
 
             self.blocks = make(rngs)
         else:
-            self.blocks = nnx.List([Block(cfg, rngs, parts=parts) for _ in range(cfg.n_layers)])
+            self.blocks = nnx.List([Block(cfg, rngs, parts=parts, fp8=fp8) for _ in range(cfg.n_layers)])
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_plus_one, rngs)
         if not cfg.tie_word_embeddings:
             self.head = normal_param(rngs, (cfg.d_model, cfg.vocab_size), (EMBED, VOCAB))

@@ -25,9 +25,9 @@ from fsdp_jax.app.models.lora import delta
 from fsdp_jax.app.models.norm import RMSNorm, normal_param
 from fsdp_jax.app.models.rope import apply_rope, rope_tables
 from fsdp_jax.attention import RING_KERNELS, context_attention, flash_context_attention, splash_attention
+from fsdp_jax.quant import fp8_modules
 from fsdp_jax.sharding.axes import BATCH, EMBED, HEADS, KV, KV_HEADS, LENGTH
 from fsdp_jax.sharding.context import context_size
-from fsdp_jax.sharding.precision import matmul
 
 
 def constrain(x, names):
@@ -104,7 +104,7 @@ class Attention(nnx.Module):
 
         def proj(name, w, bias=None):  # (D, H, Dh) -> (B, S, H, Dh)
             _, hh, dh = w.shape
-            y = with_lora(matmul(x2, w.reshape(d, hh * dh)), delta(self, name, x2, dropout_key))
+            y = with_lora(fp8_modules.project(self, name, x2, w, (d, hh * dh)), delta(self, name, x2, dropout_key))
             y = y.reshape(b, s, hh, dh)
             if bias is not None:
                 y = y + bias[...]
@@ -167,7 +167,9 @@ class Attention(nnx.Module):
         wo = self.wo[...]
         d = wo.shape[-1]
         o2 = flat_rows(o.reshape(b, s, -1))
-        out = with_lora(matmul(o2, wo.reshape(-1, d)), delta(self, "wo", o2, dropout_key))  # (B*S, D)
+        out = with_lora(
+            fp8_modules.project(self, "wo", o2, wo, (-1, d)), delta(self, "wo", o2, dropout_key)
+        )  # (B*S, D)
         return out.reshape(b, s, d)
 
     def __call__(self, x, local=None, segment_ids=None, positions=None, dropout_key=None):

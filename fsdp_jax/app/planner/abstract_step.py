@@ -29,7 +29,7 @@ from fsdp_jax.app.data.packing import batch_from_rows
 from fsdp_jax.app.objectives import choose_reference, make_preference_loss, with_reference
 from fsdp_jax.app.objectives.grpo_run import is_grpo
 from fsdp_jax.app.objectives.preference_run import is_preference, preference_spec
-from fsdp_jax.app.trainer.build import build_from_config, lora_optimizer, lora_spec, trainer_model
+from fsdp_jax.app.trainer.build import build_from_config, fp8_recipe, lora_optimizer, lora_spec, trainer_model
 from fsdp_jax.app.trainer.optim import build_optimizer
 from fsdp_jax.errors import PlanError, one_line
 from fsdp_jax.sharding.mesh import make_mesh, resolve_mesh_shape
@@ -190,7 +190,7 @@ def build_step(
     devices = list(jax.devices() if devices is None else devices)
     sizes = mesh_sizes or mesh_shape(cfg, strategy, len(devices))
     mesh = make_mesh(*sizes, devices=devices, context=cfg.mesh.context)
-    model = trainer_model(cfg.model, cfg.remat, lora_spec(cfg))
+    model = trainer_model(cfg.model, cfg.remat, lora_spec(cfg), fp8_recipe(cfg))
     optimizer, _ = build_optimizer(cfg.optimizer, cfg.train.steps)
     if lora_spec(cfg) is not None:  # as the trainer: optimizer state for the adapters only
         optimizer = lora_optimizer(optimizer)

@@ -17,6 +17,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from fsdp_jax.app.config.checks import validate
+from fsdp_jax.app.config.fp8_checks import check_fp8_device
 from fsdp_jax.app.devices import use_cpu_devices
 from fsdp_jax.app.host_memory import parse_size
 from fsdp_jax.app.trainer.setup import load_run_config
@@ -125,11 +126,14 @@ def check_inputs(cfg, n_devices: int, strategies: Sequence[str]) -> None:
 # ----------------------------------------------------------------------------- start-up
 
 
-def load_planning_config(path, overrides: Sequence[str], n_devices: int):
+def load_planning_config(path, overrides: Sequence[str], n_devices: int, target=None):
     """The planning scripts' start-up: the config at `path` with dotted key=value
     `overrides` (its errors, `fsdp_jax.app.exits.BAD_INPUT`, propagate before JAX is
-    touched), then `use_cpu_devices(n_devices)`. Returns the config."""
+    touched; precision matmul=fp8 for a `target` without FP8 units is one of them), then
+    `use_cpu_devices(n_devices)`. Returns the config."""
 
     cfg = load_run_config(path, overrides)
+    if target is not None:
+        check_fp8_device(cfg, target.platform, target.name)
     use_cpu_devices(n_devices)
     return cfg

@@ -69,6 +69,7 @@ from fsdp_jax.app.planner.context_memory import context_attention_bytes
 from fsdp_jax.app.planner.residuals import everything_per_token, flash, saved_per_token
 from fsdp_jax.attention import Q_CHUNK
 from fsdp_jax.hlo.memory import shard_bytes, tree_bytes_per_device
+from fsdp_jax.quant.fp8 import E4M3
 from fsdp_jax.sharding import axes, rules
 from fsdp_jax.sharding.offload import get_offload, transfer_bytes
 from fsdp_jax.sharding.precision import Policy
@@ -146,7 +147,7 @@ def analytic_memory(build: StepBuild) -> dict[str, int]:
     params = tree_bytes_per_device(st.params)
     optimizer = (
         tree_bytes_per_device(st.opt_state) + tree_bytes_per_device(st.step) + tree_bytes_per_device(st.model_state)
-    )  # non-trainable model state (0 when none)
+    )  # non-trainable model state (0 when none; FP8's amax histories, docs/fp8.md)
     batch = tree_bytes_per_device(build.batch)  # tokens, or the packed batch's arrays
     gd = grad_dtype(policy)
     keep = _trainable(build)  # LoRA: grads, accumulator and reduced layer grads of the adapters only
@@ -161,6 +162,8 @@ def analytic_memory(build: StepBuild) -> dict[str, int]:
         _only(st.params, keep), plan, _only(build.model.logical_axes, keep), policy.reduce_dtype
     )["layer"]
     if s.params and not s.gather_once:  # full_shard, hybrid_shard: per layer
+        if policy.matmul == "fp8" and cfg.fp8.gather:  # the layer's weights gathered in f8 (docs/fp8.md)
+            cc["layer"] = compute_copy_bytes(st.params, plan, build.model.logical_axes, E4M3)["layer"]
         gathered = 2 * cc["layer"] + cc["largest_unstacked"] + layer_r
     elif s.params:  # shard_grad_op: the whole model gathered (kept for the backward), the
         # layer the backward loop slices out of that stack (XLA copies it: a

@@ -24,6 +24,7 @@ from fsdp_jax.app.models.qlora import CONTRACTED
 from fsdp_jax.app.trainer.router_metrics import router_terms
 from fsdp_jax.model.fns import ModelFns, from_nnx
 from fsdp_jax.nvme import NVME_OFFLOADS
+from fsdp_jax.quant.fp8 import Fp8Recipe
 from fsdp_jax.quant.modules import quantize_module
 from fsdp_jax.sharding.context import context_size, zigzag
 from fsdp_jax.sharding.precision import Policy
@@ -33,11 +34,14 @@ from fsdp_jax.train.step_parts import TokenSum
 _UNSET: Any = object()
 
 
-def trainer_model(model_cfg: DecoderConfig, remat: str = "none", lora: LoraSpec | None = None) -> ModelFns:
-    """The reference decoder as `ModelFns` (`from_nnx`), with `remat` applied per block and
-    `lora`'s adapters (`fsdp_jax.app.models.lora`)."""
+def trainer_model(
+    model_cfg: DecoderConfig, remat: str = "none", lora: LoraSpec | None = None, fp8: Fp8Recipe | None = None
+) -> ModelFns:
+    """The reference decoder as `ModelFns` (`from_nnx`), with `remat` applied per block,
+    `lora`'s adapters (`fsdp_jax.app.models.lora`) and `fp8`'s projections (`fp8_recipe`;
+    a delayed recipe's amax histories are the model's state)."""
     if lora is None or lora.base_quant is None:
-        return from_nnx(lambda rngs: Decoder(model_cfg, rngs=rngs, remat=remat, lora=lora))
+        return from_nnx(lambda rngs: Decoder(model_cfg, rngs=rngs, remat=remat, lora=lora, fp8=fp8))
     weights = {w: CONTRACTED[w] for w in adapted(model_cfg, lora)[0]}  # QLoRA: the targets' weights quantised
 
     def make(rngs):
@@ -55,6 +59,13 @@ def lora_spec(cfg) -> LoraSpec | None:
     if spec is None or spec.base_quant is None:
         return spec
     return dataclasses.replace(spec, quant_dtype=np.dtype(Policy.parse(cfg.precision).compute_dtype).name)
+
+
+def fp8_recipe(cfg) -> Fp8Recipe | None:
+    """The run's FP8 recipe (`fp8:` section) when its precision says matmul=fp8, else None."""
+    if Policy.parse(cfg.precision).matmul != "fp8":
+        return None
+    return Fp8Recipe(cfg.fp8.recipe, cfg.fp8.amax_history, cfg.fp8.gather)
 
 
 def lora_dropout(cfg) -> bool:
@@ -90,12 +101,28 @@ def make_loss_fn(model: ModelFns, model_cfg: DecoderConfig | None = None, dropou
     `dropout` (the adapters', `lora_dropout`): the step's extended call
     `loss_fn(params, batch, state=, rng=, train=)`, the step's key as the decoder's
     `dropout_key` when training (eval: none); build with `rng=dropout_key(cfg)`."""
-    body = _moe_loss_fn(model, model_cfg) if has_router_aux(model_cfg) else _dense_loss_fn(model)
-    if not dropout:
+
+    def body_for(m: ModelFns) -> Callable:
+        return _moe_loss_fn(m, model_cfg) if has_router_aux(model_cfg) else _dense_loss_fn(m)
+
+    body = body_for(model)
+    stateful = model.abstract_model_state is not None  # FP8's amax histories (`fp8_recipe`)
+    if not dropout and not stateful:
         return lambda params, batch: body(params, batch, None)
 
     def loss_fn(params, batch, state=None, rng=None, train=True):
-        return body(params, batch, rng if train else None)
+        key = rng if train and dropout else None
+        if not stateful:
+            return body(params, batch, key)
+        new = []  # the state the model returns, beside the loss (`fsdp_jax.model.variables`)
+
+        def apply(p, *args, **kw):
+            out, s = model.apply(p, *args, state=state, **kw)
+            new.append(s)
+            return out
+
+        out = body_for(dataclasses.replace(model, apply=apply))(params, batch, key)
+        return out, new[0]
 
     return loss_fn
 

@@ -145,7 +145,7 @@ class EvalHook(Hook):
             return
         lp.timer.switch("eval")
         t_eval = time.perf_counter()
-        vl = evaluate(lp.run, lp.state.params, lp.val)
+        vl = evaluate(lp.run, lp.state.params, lp.val, lp.state.model_state)
         lp.log.write({"step": lp.done, "val_loss": vl})
         lp.summary["val_loss"] = vl
         if lp.bar is not None:

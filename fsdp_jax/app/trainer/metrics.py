@@ -285,16 +285,22 @@ def sample_text(model: ModelFns, plan: ShardingPlan, cfg: Config, params, val, r
     n = batch_divisor(plan.mesh)
     window = min(cfg.model.max_seq_len, cfg.data.seq_len)
     policy = Policy.parse(cfg.precision)
+    apply = model.apply
+    if model.abstract_model_state is not None:  # FP8 histories: zeros = scaled by the current amax
+        zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), model.abstract_model_state)
+
+        def apply(*args):
+            return model.apply(*args, state=zeros, train=False)[0]
 
     def fwd(p, buf, pos):
         tokens = jnp.broadcast_to(buf[None, :], (n, window))
         c = context_size()  # traced under sharding_context(plan): the run's mesh
         if c == 1:
-            logits = model.apply(policy.cast_to_compute(p), tokens)
+            logits = apply(policy.cast_to_compute(p), tokens)
         else:  # slots in zig-zag order, each token with its own RoPE position
             positions = jnp.broadcast_to(jnp.arange(window, dtype=jnp.int32), (n, window))
             tokens, positions = zigzag((tokens, positions), c)
-            logits = unzigzag(model.apply(policy.cast_to_compute(p), tokens, None, positions), c)
+            logits = unzigzag(apply(policy.cast_to_compute(p), tokens, None, positions), c)
         return jax.lax.dynamic_index_in_dim(logits[0], pos - 1, keepdims=False).astype(jnp.float32)
 
     replicated = NamedSharding(plan.mesh, P())

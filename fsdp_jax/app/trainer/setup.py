@@ -27,6 +27,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from fsdp_jax.app.config.checks import check_backend, check_data, validate
+from fsdp_jax.app.config.fp8_checks import check_fp8_device
 from fsdp_jax.app.config.parse import config_to_dict, load_config
 from fsdp_jax.app.config.schema import Config
 from fsdp_jax.app.data.corpus import ensure_stdlib
@@ -41,6 +42,7 @@ from fsdp_jax.app.objectives.preference_run import is_preference, load_pairs, pr
 from fsdp_jax.app.trainer import lora_state, nvme_run
 from fsdp_jax.app.trainer.build import (
     build_from_config,
+    fp8_recipe,
     lora_dropout,
     lora_optimizer,
     lora_spec,
@@ -119,6 +121,8 @@ def preflight(cfg: Config, progress: bool = False) -> None:
     Raises ConfigError, DataError or CheckpointError (bad input)."""
     validate(cfg, n_devices=jax.device_count())
     check_backend(cfg, jax.default_backend())
+    dev = jax.devices()[0]
+    check_fp8_device(cfg, dev.platform, dev.device_kind, getattr(dev, "compute_capability", None))
     check_offload(cfg)
     if cfg.train.tensorboard and importlib.util.find_spec("tensorboardX") is None:
         raise ConfigError(
@@ -205,7 +209,7 @@ def _data(p: _Draft) -> None:
 def _model(p: _Draft) -> None:
     cfg = p.cfg
     p.rng = jax.random.key(cfg.train.seed)
-    p.model = trainer_model(cfg.model, cfg.remat, lora_spec(cfg))
+    p.model = trainer_model(cfg.model, cfg.remat, lora_spec(cfg), fp8_recipe(cfg))
     if p.init_params is not None:
         p.model = dataclasses.replace(p.model, init=p.init_params, abstract_params=jax.eval_shape(p.init_params, p.rng))
     p.optimizer, p.schedule = build_optimizer(cfg.optimizer, cfg.train.steps)

@@ -1,0 +1,82 @@
+"""FP8 projections in a Flax NNX model: `attach(module, recipe, weights)` marks the module's
+weights (by attribute name) as FP8 matmul weights, and, for a delayed recipe, gives each an
+`Fp8Meta` variable holding its amax histories; the model computes each projection as
+`project(module, name, x, w, shape2d)`, which is `precision.matmul(x, w.reshape(shape2d))`
+for a module without FP8 and `fp8.scaled_matmul` with the recipe's scales for one with.
+
+The histories are NNX variables that are not `nnx.Param`s, so the train step carries them
+as model state (`TrainState.model_state`, `fsdp_jax.model.variables`): donated, checkpointed
+and restored with the rest, threaded through microbatches, kept or skipped with the update.
+A stacked (scanned) block stacks its histories over layers as it stacks its weights.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+from fsdp_jax.quant import fp8
+from fsdp_jax.sharding import precision
+from fsdp_jax.train import layer_gather
+
+FP8_ATTR = "fp8_recipe"  # the module attribute holding its Fp8Recipe (static: in the graphdef)
+
+
+class Fp8Meta(nnx.Variable):
+    """One FP8 weight's amax histories, float32 (2, L): row 0 the input's, row 1 the
+    weight's, newest first (`fp8.push`). Model state, never trained."""
+
+
+def meta_name(weight: str) -> str:
+    return f"fp8_{weight}_amax"
+
+
+def attach(module: nnx.Module, recipe: fp8.Fp8Recipe | None, weights: tuple[str, ...]) -> nnx.Module:
+    """`module` with `recipe` for the projections whose weights are the attributes named in
+    `weights` (those it has), and zeroed histories for a delayed recipe. None: unchanged."""
+    if recipe is None:
+        return module
+    setattr(module, FP8_ATTR, recipe)
+    if recipe.delayed:
+        for w in weights:
+            if getattr(module, w, None) is not None:
+                setattr(module, meta_name(w), Fp8Meta(jnp.zeros((2, recipe.amax_history), jnp.float32)))
+    return module
+
+
+def recipe_of(module) -> fp8.Fp8Recipe | None:
+    return getattr(module, FP8_ATTR, None)
+
+
+def _names(v) -> tuple | None:
+    if not isinstance(v, nnx.Variable):
+        return None
+    md = v.get_metadata()
+    for key in ("out_sharding", "sharding_names", "sharding"):
+        if md.get(key) is not None:
+            return tuple(md[key])
+    return None
+
+
+def project(module, name: str, x, w, shape2d: tuple[int, int]):
+    """`x` (..., K) @ the module's weight `name` (its value `w`, any rank, used as `shape2d`
+    = (K, N)). FP8 when `module` has a recipe (`attach`), else `precision.matmul`. A
+    delayed recipe pushes this call's input and weight amaxes into the weight's histories."""
+    recipe = recipe_of(module)
+    if recipe is None:
+        return precision.matmul(x, w.reshape(shape2d))
+    layouts = None
+    if recipe.gather:
+        lay = layer_gather.per_use_layouts(w.shape, w.dtype, _names(getattr(module, name, None)))
+        layouts = None if lay is None else (*lay, tuple(shape2d))
+    ax, aw = fp8.amax(x), fp8.amax(w)
+    if recipe.delayed:
+        meta = getattr(module, meta_name(name))
+        hist = meta[...]
+        sx, sw = fp8.history_scale(hist[0], ax, fp8.E4M3), fp8.history_scale(hist[1], aw, fp8.E4M3)
+        meta[...] = jnp.stack([fp8.push(hist[0], ax), fp8.push(hist[1], aw)])
+    else:
+        sx, sw = fp8.scale_for(ax, fp8.E4M3), fp8.scale_for(aw, fp8.E4M3)
+    if layouts is None:
+        w = w.reshape(shape2d)
+    return fp8.scaled_matmul(x, w, sx, sw, reduce_dtype=precision.step_reduce_dtype(), layouts=layouts)

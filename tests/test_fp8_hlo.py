@@ -1,0 +1,133 @@
+"""FP8 in the compiled program (docs/fp8.md): under full_shard the per-layer weight
+all-gathers move float8_e4m3fn (half the bytes of bf16), on 8 CPU devices (the program
+after SPMD partitioning: XLA:CPU's later passes upcast f8 and bf16 collectives to f32)
+and on the deviceless 8 x H100 target (the compiled program itself), where the projections'
+GEMMs take f8 operands and attention's and the head's do not."""
+
+import collections
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+from test_fp8 import built, cfg_for
+
+from fsdp_jax.app.models.decoder import FP8_WEIGHTS
+from fsdp_jax.targets import gpu as targets
+from helpers import TINY_MODEL_OVERRIDES
+
+ROOT = Path(__file__).resolve().parents[1]
+FP8 = "params=float32,compute=bfloat16,matmul=fp8"
+BF16 = "params=float32,compute=bfloat16"
+ITEMSIZE = {"f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f32": 4, "s32": 4}
+ARRAY = re.compile(r"([a-z0-9]+)\[([0-9,]*)\]")
+
+
+def gathered(hlo: str) -> collections.Counter:
+    """Bytes per dtype that the all-gathers (sync, or async starts) produce: for a start,
+    whose result is (shards, gathered), the gathered half."""
+    out = collections.Counter()
+    for line in hlo.splitlines():
+        m = re.search(r"= (.*?) all-gather(-start)?\(", line)
+        if not m:
+            continue
+        arrays = ARRAY.findall(m.group(1))
+        if m.group(2):
+            arrays = arrays[len(arrays) // 2 :]
+        for dtype, dims in arrays:
+            n = 1
+            for d in filter(None, dims.split(",")):
+                n *= int(d)
+            out[dtype] += n * ITEMSIZE.get(dtype, 4)
+    return out
+
+
+def cpu_partitioned(precision: str, tmp: Path) -> str:
+    """The tiny decoder's full_shard step on 8 CPU devices, as the SPMD partitioner left it."""
+    cfg = dataclasses.replace(cfg_for("tensorwise", "bfloat16"), precision=precision)
+    b = built(cfg, "full_shard", 8)
+    batch = jax.ShapeDtypeStruct((8, 17), jnp.int32, sharding=b.plan.batch)
+    dump = tmp / precision.replace(",", "_").replace("=", "-")
+    opts = {"xla_dump_to": str(dump), "xla_dump_hlo_pass_re": "spmd-partitioning"}
+    cached = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)  # a cache hit compiles (and dumps) nothing
+    try:
+        b.train_step.lower(b.abstract_state, batch).compile(compiler_options=opts)
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cached)
+    (path,) = [p for p in dump.glob("*jit_step*after_spmd-partitioning*.txt")]
+    return path.read_text()
+
+
+@pytest.mark.slow
+def test_full_shard_gathers_f8_weights_on_cpu(tmp_path):
+    fp8, bf16 = gathered(cpu_partitioned(FP8, tmp_path)), gathered(cpu_partitioned(BF16, tmp_path))
+    # bf16: the projections' and the embedding's gathers; fp8: the projections' moved to f8
+    assert fp8["f8e4m3fn"] > 0 and bf16["f8e4m3fn"] == 0
+    moved = bf16["bf16"] - fp8["bf16"]  # the projections' bf16 bytes
+    assert moved > 0 and fp8["f8e4m3fn"] * 2 == moved, (fp8, bf16)
+
+
+_CHILD = r"""
+import collections, json, re, sys
+from fsdp_jax.app.models.decoder import FP8_WEIGHTS
+from fsdp_jax.targets import gpu as targets
+from fsdp_jax.app.config import load_config
+from fsdp_jax.app.planner.abstract_step import build_step
+req = json.loads(sys.stdin.read())
+devs = targets.gpu_devices("h100", 1, 8)
+out = {}
+for name, overrides in req["jobs"].items():
+    cfg = load_config(req["config"], req["small"] + overrides)
+    out[name] = build_step(cfg, "full_shard", devs).compile().as_text()
+json.dump(out, sys.stdout)
+"""
+
+
+@pytest.fixture(scope="module")
+def h100():
+    """The tiny FP8 and bf16 full_shard steps compiled for 8 x H100 in one child process."""
+    assert targets.plugin_installed(), "run `python -m fsdp_jax.targets install` (README's set-up)"
+    small = [*TINY_MODEL_OVERRIDES, "model.d_model=128", "model.ffn_dim=256", "remat=dots"]
+    req = {
+        "config": "configs/tiny.yaml",
+        "small": small,
+        "jobs": {"fp8": [f"precision={FP8}"], "bf16": [f"precision={BF16}"]},
+    }
+    env = targets.child_env(dict(os.environ, PYTHONPATH=str(ROOT)))
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD], input=json.dumps(req), capture_output=True, text=True, env=env, cwd=ROOT
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+def gemms(hlo: str) -> list[tuple[str, ...]]:
+    """The operand dtypes of each GEMM: XLA:GPU's dot fusions (Triton, deviceless) and
+    cuBLAS custom calls' dot computations."""
+    out = []
+    for m in re.finditer(r"%gemm_fusion_dot[^ ]*_computation[^ ]* \(([^)]*)\)", hlo):
+        out.append(tuple(sorted({d for d, _ in ARRAY.findall(m.group(1))})))
+    return out
+
+
+@pytest.mark.slow
+def test_h100_full_shard_gathers_f8_and_runs_f8_gemms_for_projections_only(h100):
+    fp8, bf16 = gathered(h100["fp8"]), gathered(h100["bf16"])
+    assert fp8["f8e4m3fn"] > 0 and bf16["f8e4m3fn"] == 0
+    moved = bf16["bf16"] - fp8["bf16"]
+    assert moved > 0 and fp8["f8e4m3fn"] * 2 == moved, (fp8, bf16)
+    g8, g16 = collections.Counter(gemms(h100["fp8"])), collections.Counter(gemms(h100["bf16"]))
+    assert not any(d.startswith("f8") for g in g16 for d in g)
+    # the scanned layer body's 7 projections: forward e4m3 x e4m3, input and weight grads e5m2 x e4m3
+    n = len(FP8_WEIGHTS)
+    assert g8[("f8e4m3fn",)] == n and g8[("f8e4m3fn", "f8e5m2")] == 2 * n, g8
+    # and 9 GEMMs without f8: attention's scores and values (2 forward, 4 backward) and the
+    # head (1 forward, 2 backward)
+    assert sum(v for k, v in g8.items() if not any(d.startswith("f8") for d in k)) == 9, g8
