@@ -346,7 +346,10 @@ def coerce(key: str, value: Any, tp: Any) -> Any:
 
 
 def _name(key: str, value: Any) -> str:
-    """One element of a `NAME_LISTS` key's YAML list: a non-empty string of one name."""
+    """One element of a `NAME_LISTS` key's YAML list: a non-empty string of one name, or a
+    number (token ids, reward weights: `stop_tokens: [10, 13]`)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = str(value)
     if not isinstance(value, str) or not value.strip() or len(value.replace(",", " ").split()) != 1:
         raise ConfigError(key, f"{value!r} is not a name; the list takes one name per element")
     return value.strip()
