@@ -90,13 +90,12 @@ class FeedForward(nnx.Module):
     def __call__(self, x, dropout_key=None):  # (B, S, D)
         b, s, d = x.shape
         x2, k = flat_rows(x), dropout_key
-        g = with_lora(project(self, "w_gate", x2, self.w_gate[...], self.w_gate.shape), delta(self, "w_gate", x2, k))
+        w_gate, w_up, w_down = self.w_gate[...], self.w_up[...], self.w_down[...]  # this layer's values
+        g = with_lora(project(self, "w_gate", x2, w_gate, w_gate.shape), delta(self, "w_gate", x2, k))
         act = jax.nn.gelu(g, approximate=True) if self.gelu else jax.nn.silu(g)
-        hid = act * with_lora(project(self, "w_up", x2, self.w_up[...], self.w_up.shape), delta(self, "w_up", x2, k))
+        hid = act * with_lora(project(self, "w_up", x2, w_up, w_up.shape), delta(self, "w_up", x2, k))  # (B*S, F)
         hid = constrain(hid, (BATCH, MLP) if hid.ndim == 2 else (BATCH, LENGTH, MLP))
-        out = with_lora(
-            project(self, "w_down", hid, self.w_down[...], self.w_down.shape), delta(self, "w_down", hid, k)
-        )
+        out = with_lora(project(self, "w_down", hid, w_down, w_down.shape), delta(self, "w_down", hid, k))
         return checkpoint_name(out.reshape(b, s, d), "mlp_out")
 
 
