@@ -13,7 +13,7 @@ from helpers import ROOT, call
 
 # (config, what its comment claims, the hardware flags)
 CLAIMS = [
-    ("llama2_70b", "which strategy fits on 64 devices ... --device-memory 80GB", ["--devices", "64", "--device-memory", "80GB"]),
+    ("llama2_70b", "which strategy fits on 64 devices ... --device-memory 80GB", ["--target", "h100", "--devices", "64", "--hosts", "8", "--device-memory", "80GB"]),
     ("llama2_7b_finetune", "Fine-tune Llama-2-7B ... on 8 x 80 GB GPUs with ZeRO-3", ["--target", "h100", "--devices", "8"]),
     ("llama3_1_70b", "Full fine-tuning on one node of 8 x 80 GB ... streamed per layer", ["--target", "h100", "--devices", "8"]),
 ]  # fmt: skip
