@@ -237,7 +237,7 @@ def wrong_types(tp) -> list:
         int: ["abc", 1.5, True, [1]],
         float: ["abc", True, [1.0], {"a": 1}],
         bool: ["maybe", 2, None],
-        str: [[1, 2], {"a": "b"}, 3],
+        str: [[[1], 2], {"a": "b"}, 3],  # [1, 2] is a list of names (token ids) for a name-list key
         Rules: ["embed", 3, [1, 2], {"embed": 3}],
         tuple: ["abc", 3, [1.5], ["a"], {"a": 1}],  # tuple[int, ...]
     }[_base(tp)]
