@@ -2,10 +2,14 @@
 with their own strategy, remat, offload and microbatches: `plan --search` restricted to exactly
 those settings, analytic only (the memory model on the trainer's abstract step; no compile),
 must name a winner within the device memory minus the search's 10% headroom. The compiled
-peaks of the same commands are in docs/planning.md."""
+peaks of the same commands are in docs/planning.md.
+
+JAX's backends run before these calls (the suite's 8 CPU devices, as in a notebook): a search for
+64 devices re-runs itself in a child process that has them (`fsdp_jax.app.cli.plan.search_in_child`)."""
 
 import json
 
+import jax
 import pytest
 import yaml
 
@@ -33,6 +37,7 @@ def own_settings(name: str) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("name,claim,hardware", CLAIMS, ids=[c[0] for c in CLAIMS])
 def test_shipped_config_fits_what_its_comment_names(name, claim, hardware, capsys):
+    assert len(jax.devices()) == 8  # started: whatever ran before, this process cannot grow to 64
     assert claim.split(" ... ")[0] in (ROOT / "configs" / f"{name}.yaml").read_text()
     rc, out, err = call(
         "plan", "--config", f"configs/{name}.yaml", *hardware, "--search", "--max-compiles", "0",

@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import subprocess
 import sys
 
 from fsdp_jax.app.cli.args import add_config, add_target, check_out_file, require
@@ -54,6 +56,7 @@ from fsdp_jax.app.planner.search_space import Limits, SearchSpace, attention_ker
 from fsdp_jax.errors import PlanError, SearchError, TargetError
 from fsdp_jax.sharding.offload import OFFLOADS
 from fsdp_jax.targets.gpu import device_memory
+from fsdp_jax.verify.run import devices_for
 
 
 def build_parser(prog: str | None = None) -> Parser:
@@ -173,6 +176,25 @@ def refuse_over_host(docs: dict[str, dict], host: tuple[int, str] | None) -> Non
         )
 
 
+SEARCH_CHILD = "FSDP_JAX_PLAN_SEARCH_CHILD"  # set in that child: it never starts another
+
+
+def search_in_child(argv: list[str]) -> int:
+    """The same `plan` command in a child process that starts JAX with the devices the search's
+    analytic pass builds its step on (this one started its backends with fewer: a notebook, a
+    test); its output and exit code pass through."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "fsdp_jax.app.cli", "plan", *argv],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, SEARCH_CHILD: "1"},
+    )
+    sys.stdout.write(proc.stdout)
+    sys.stderr.write(proc.stderr)
+    return proc.returncode
+
+
 def search_command(args) -> int:
     """plan --search: parse, search, print; nothing fits -> one line, exit 2."""
 
@@ -209,6 +231,8 @@ def search_command(args) -> int:
     )
     rows = 10 if args.rows is None else parse_devices(args.rows, "--rows")
     cfg = load_planning_config(args.config, args.overrides, n, target)
+    if devices_for(n) is None and args.argv is not None and not os.environ.get(SEARCH_CHILD):
+        return search_in_child(args.argv)
     space = dataclasses.replace(space, attentions=attentions or attention_kernels(cfg, target and target.platform))
     show = args.progress or sys.stderr.isatty()  # else stderr holds only an error's one line
     progress = (lambda msg: print(f"search: {msg}", file=sys.stderr, flush=True)) if show else None
@@ -301,4 +325,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
         print(format_targets())
         return 0
-    return run_command(build_parser(prog), run, argv, errors=planning_errors)
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    parser = build_parser(prog)
+    parser.set_defaults(argv=argv)  # plan --search re-runs itself in a child when this process lacks the devices
+    return run_command(parser, run, argv, errors=planning_errors)
