@@ -38,3 +38,31 @@ def test_grpo_plan_is_refused_in_one_line(capsys):
     (it was a TypeError from the SFT step built with GRPO's aux outputs)."""
     rc, _, err = call("plan", "--config", "configs/grpo_tiny.yaml", "--devices", "8", capsys=capsys)
     one_line(rc, err, "objective=grpo", "objective=sft")
+
+
+def test_predicted_step_counts_both_rows_and_the_reference_forward():
+    """The step-time model's DPO step against the SFT step on the same rows (16 pairs = 32
+    rows): the reference's forward costs a third of the policy's forward + backward (2 of 6
+    FLOPs per param), so the compute time is 4/3 of SFT's and tokens/s (both rows counted, as
+    the trainer logs them) 3/4; precomputed log-probs and reference-free losses cost nothing."""
+    import dataclasses
+
+    from fsdp_jax.app.planner.step_time import predict_roofline
+    from fsdp_jax.app.trainer.setup import load_run_config
+
+    dpo = load_run_config("configs/dpo_tiny.yaml", [])
+    sft = load_run_config("configs/dpo_tiny.yaml", ["objective=sft", "data.source=none", "train.global_batch=32"])
+    result = {"analytic": {"grads": 0, "params": 0, "optimizer": 0}, "communication": {}}  # compute only
+
+    def compute(cfg, *overrides):
+        for o in overrides:
+            cfg = dataclasses.replace(cfg, **o)
+        return predict_roofline(cfg, "h100", 8, result)
+
+    d, s = compute(dpo), compute(sft)
+    assert d["compute_s"] / s["compute_s"] == pytest.approx(4 / 3, rel=1e-3)
+    assert d["tokens_per_s_per_gpu"] / s["tokens_per_s_per_gpu"] == pytest.approx(3 / 4, rel=1e-3)
+    assert d["mfu"] == pytest.approx(s["mfu"], rel=1e-3)  # the reference's forward is model work too
+    pre = dataclasses.replace(dpo.preference, precompute_ref_log_probs=True)
+    assert compute(dpo, {"preference": pre})["compute_s"] == pytest.approx(s["compute_s"], rel=1e-3)
+    assert compute(dpo, {"objective": "simpo"})["compute_s"] == pytest.approx(s["compute_s"], rel=1e-3)

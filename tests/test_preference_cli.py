@@ -45,8 +45,9 @@ def test_bad_preference_input_one_line(tmp_path, capsys, rows, extra, words):
 
 @pytest.mark.slow
 def test_dpo_resumes_exactly_and_exports(tmp_path, capsys):
-    data = prefs(tmp_path / "p.jsonl", GOOD)
+    data = prefs(tmp_path / "p.jsonl", GOOD[:16])  # one global batch: every step trains on all 16 pairs, reshuffled
     common = ["--config", CONFIG, f"data.path={data}", "train.log_every=1", "train.checkpoint_every=2"]
+    common += [f"preference.eval_path={data}", "train.eval_every=2"]  # held out: here the same 16 pairs
     straight, split = tmp_path / "straight", tmp_path / "split"
     assert call("train", *common, f"run_dir={straight}", "train.steps=4", "--no-progress", capsys=capsys)[0] == 0
     from fsdp_jax.app.trainer.loop import train
@@ -65,6 +66,20 @@ def test_dpo_resumes_exactly_and_exports(tmp_path, capsys):
         for k in ("loss", "rewards/margins", "rewards/accuracies", "logps/chosen", "logits/rejected"):
             assert a[step][k] == b[step][k], (step, k, a[step][k], b[step][k])
     assert a[1]["rewards/margins"] == 0.0 and abs(a[1]["loss"] - 0.6931472) < 1e-6  # policy == reference at step 1
+
+    def evals(run):
+        return {
+            r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "eval_loss" in r
+        }
+
+    ea, eb = evals(straight), evals(split)
+    assert sorted(ea) == [2, 4] and sorted(eb) == [4]  # none at a stop (split's step 2)
+    names = ("loss", "rewards/chosen", "rewards/margins", "rewards/accuracies", "logps/chosen", "logits/rejected")
+    for k in names:
+        assert ea[4][f"eval_{k}"] == eb[4][f"eval_{k}"], (k, ea[4], eb[4])
+        # the eval after step 2 scores the params step 3 trains from, on the same pairs (another order)
+        assert abs(ea[2][f"eval_{k}"] - a[3][k]) <= 1e-5 * max(1.0, abs(a[3][k])), (k, ea[2], a[3])
+    assert ea[2]["val_loss"] == ea[2]["eval_loss"] and ea[2]["eval_rewards/margins"] > 0
     rc, _, err = call("export", split, "--hf", tmp_path / "hf", capsys=capsys)
     assert rc == 0, err[-2000:]
     assert (tmp_path / "hf" / "config.json").is_file() and (tmp_path / "hf" / "model.safetensors").is_file()
@@ -73,18 +88,26 @@ def test_dpo_resumes_exactly_and_exports(tmp_path, capsys):
 @pytest.mark.slow
 def test_precomputed_reference_equals_in_step_and_checks_the_data(tmp_path, capsys):
     data = prefs(tmp_path / "p.jsonl", GOOD)
+    held = prefs(
+        tmp_path / "held.jsonl",
+        [{"prompt": f"reverse v{i}: ", "chosen": f"{i}v\n", "rejected": f"v{i}\n"} for i in range(20)],
+    )
     common = ["--config", CONFIG, f"data.path={data}", "train.log_every=1", "train.steps=3"]
+    common += [f"preference.eval_path={held}", "train.eval_every=3"]  # 20 pairs: 2 batches, the second wraps
     pre, inline = tmp_path / "pre", tmp_path / "inline"
     on = "preference.precompute_ref_log_probs=true"
     assert call("train", *common, f"run_dir={pre}", on, "--no-progress", capsys=capsys)[0] == 0
     assert call("train", *common, f"run_dir={inline}", "--no-progress", capsys=capsys)[0] == 0
     assert (pre / "ref_logps.npz").is_file() and not (inline / "ref_logps.npz").exists()
+    assert (pre / "eval_ref_logps.npz").is_file() and not (inline / "eval_ref_logps.npz").exists()
 
-    def rows(run):
-        return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if "rewards/margins" in x]
+    def rows(run, key="rewards/margins"):
+        return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if f'"{key}"' in x]
 
-    for a, b in zip(rows(pre), rows(inline)):
+    assert len(rows(pre)) == 3 and len(rows(pre, "eval_rewards/margins")) == 1
+    for a, b in zip(rows(pre) + rows(pre, "eval_loss"), rows(inline) + rows(inline, "eval_loss")):
         for k in ("loss", "rewards/margins", "rewards/chosen", "logps/rejected"):
+            k = k if "eval_loss" not in a else f"eval_{k}"
             assert abs(a[k] - b[k]) <= 1e-6, (a["step"], k, a[k], b[k])
     prefs(data, GOOD[:-1] + [{"prompt": "other ", "chosen": "a\n", "rejected": "b\n"}])  # the data changed
     rc, _, err = call("train", *common[:-1], "train.steps=4", f"run_dir={pre}", on, "--no-progress", capsys=capsys)

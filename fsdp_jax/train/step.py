@@ -270,7 +270,8 @@ def make_eval_step(
     extended: bool | None = None,
 ) -> CompiledStep:
     """A jitted `eval_step(params, batch) -> {"loss": ...}` (no state change); with a
-    `TokenSum` loss also `loss_sum` and `tokens`.
+    `TokenSum` loss also `loss_sum` and `tokens`; with `has_aux` also `aux`, the loss's
+    metrics (replicated).
 
     A model with state (`plan.model_state`) is evaluated as `eval_step(params,
     model_state, batch)` through the extended call with `rng=None, train=False`
@@ -285,22 +286,30 @@ def make_eval_step(
         *mstate, batch = rest
         params = offload.fetch(params, plan.params)
         pc = policy.cast_to_compute(constrain(params, offload.on_device(plan.params)))
+        aux = None
         if extended:
-            loss, _ = extended_loss(loss_fn, stateful, has_aux, train=False)(
+            loss, (aux, _) = extended_loss(loss_fn, stateful, has_aux, train=False)(
                 pc, StepInput(batch, mstate[0] if stateful else None, None)
             )
         else:
             out = loss_fn(pc, batch)
-            loss = out[0] if has_aux else out
-        if isinstance(loss, TokenSum):  # the sum and count too, to average over many batches
-            total, count = loss.total.astype(jnp.float32), loss.count.astype(jnp.float32)
-            return {
-                "loss": (total / jnp.maximum(count, 1.0)).astype(policy.output_dtype),
-                "loss_sum": total,
-                "tokens": count,
-            }
-        return {"loss": loss.astype(policy.output_dtype)}
+            loss, aux = out if has_aux else (out, None)
+        if has_aux:  # the loss's metrics (a preference loss's rewards, a router's statistics)
+            return {**_eval_loss(loss, policy), "aux": aux}
+        return _eval_loss(loss, policy)
 
     in_sh = (plan.params, plan.model_state, plan.batch) if stateful else (plan.params, plan.batch)
     jitted = jax.jit(step, in_shardings=in_sh, out_shardings=NamedSharding(plan.mesh, P()))
     return CompiledStep(jitted, plan, lambda b: check_batch(b, plan))
+
+
+def _eval_loss(loss, policy: Policy) -> dict:
+    """`{"loss"}` of an eval step; with a `TokenSum` loss also `loss_sum` and `tokens`."""
+    if isinstance(loss, TokenSum):  # the sum and count too, to average over many batches
+        total, count = loss.total.astype(jnp.float32), loss.count.astype(jnp.float32)
+        return {
+            "loss": (total / jnp.maximum(count, 1.0)).astype(policy.output_dtype),
+            "loss_sum": total,
+            "tokens": count,
+        }
+    return {"loss": loss.astype(policy.output_dtype)}

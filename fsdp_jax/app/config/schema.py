@@ -244,6 +244,7 @@ class PreferenceConfig:
     chosen_key: str = "chosen"
     rejected_key: str = "rejected"
     precompute_ref_log_probs: bool = False  # reference log-probs computed once before step 1 (run_dir/ref_logps.npz)
+    eval_path: str | None = None  # held-out pairs (as data.path), scored every train.eval_every steps; null = none
 
 
 OBJECTIVES = ("sft", "dpo", "ipo", "hinge", "simpo", "orpo", "grpo")

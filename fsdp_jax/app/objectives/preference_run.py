@@ -20,17 +20,19 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from fsdp_jax.app.data.batches import global_batch
 from fsdp_jax.app.data.examples import find_chat_template, special_tokens
 from fsdp_jax.app.data.packed_rows import row_indices
 from fsdp_jax.app.data.tokenizer import load_tokenizer
 from fsdp_jax.app.data.windows import BatchIterator
-from fsdp_jax.app.objectives.preference import PreferenceSpec, spec_problem
+from fsdp_jax.app.objectives.preference import PreferenceSpec, finish_metrics, spec_problem
 from fsdp_jax.app.objectives.preference_data import PairEncoder, PreferenceKeys, collate, read_pairs
 from fsdp_jax.app.objectives.reference import reference_logps
 from fsdp_jax.errors import ConfigError, DataError
 from fsdp_jax.train.step import sharding_context
 
 REF_FILE = "ref_logps.npz"  # precompute_ref_log_probs: the reference's (P, 2) log-prob sums, in the run dir
+EVAL_REF_FILE = "eval_ref_logps.npz"  # the same over preference.eval_path's pairs
 
 
 def is_preference(cfg) -> bool:
@@ -48,15 +50,15 @@ def preference_spec(cfg) -> PreferenceSpec:
     return spec
 
 
-def data_files(path: str) -> list[Path]:
+def data_files(path: str, key: str = "data.path") -> list[Path]:
     p = Path(path)
     if not p.exists():
-        raise ConfigError("data.path", f"{path!r}: no such file or directory (preference rows: .jsonl, .parquet)")
+        raise ConfigError(key, f"{path!r}: no such file or directory (preference rows: .jsonl, .parquet)")
     if p.is_file() or (p / "dataset_info.json").is_file() or (p / "state.json").is_file():
         return [p]
     files = sorted(f for f in p.rglob("*") if f.suffix in (".jsonl", ".parquet"))
     if not files:
-        raise ConfigError("data.path", f"{path!r}: no .jsonl or .parquet files of preference rows in it")
+        raise ConfigError(key, f"{path!r}: no .jsonl or .parquet files of preference rows in it")
     return files
 
 
@@ -74,18 +76,21 @@ def _load(files, tokenizer, keys, length, max_length, truncation):  # files: (pa
     return arrays, report
 
 
-def load_pairs(cfg) -> tuple[dict[str, np.ndarray], object]:
-    """(collated pairs (P, 2, data.seq_len + 1), report) for the run; DataError / ConfigError
-    on bad input (one line, nothing written). Token ids are checked against model.vocab_size."""
+def load_pairs(cfg, key: str = "data.path") -> tuple[dict[str, np.ndarray], object]:
+    """(collated pairs (P, 2, data.seq_len + 1), report) for the run's `key` (data.path, or
+    preference.eval_path: the held-out pairs, read and rendered the same way); DataError /
+    ConfigError on bad input (one line, nothing written). Token ids are checked against
+    model.vocab_size."""
     c = cfg.preference
+    path = cfg.data.path if key == "data.path" else c.eval_path
     keys = PreferenceKeys(c.prompt_key, c.chosen_key, c.rejected_key)
     length = cfg.data.seq_len + 1
-    files = tuple((f, f.stat().st_mtime_ns, f.stat().st_size) for f in data_files(cfg.data.path))
+    files = tuple((f, f.stat().st_mtime_ns, f.stat().st_size) for f in data_files(path, key))
     arrays, report = _load(files, c.tokenizer, keys, length, c.max_length or length, c.truncation)
     hi = int(arrays["tokens"].max())
     if hi >= cfg.model.vocab_size:
         raise DataError(
-            f"data.path {cfg.data.path!r}: token id {hi} is outside model.vocab_size={cfg.model.vocab_size} "
+            f"{key} {path!r}: token id {hi} is outside model.vocab_size={cfg.model.vocab_size} "
             "(preference.tokenizer does not match the model?)"
         )
     return arrays, report
@@ -104,7 +109,7 @@ class _PairSteps:
 
 
 def make_preference_batches(cfg, process_index: int, process_count: int) -> tuple[BatchIterator, list]:
-    """(train iterator of pair batches, no val batches)."""
+    """(train iterator of pair batches, this process's share of the held-out batches)."""
     arrays, _ = load_pairs(cfg)
     if cfg.preference.precompute_ref_log_probs:
         arrays = {**arrays, "ref_logps": load_ref_logps(cfg, arrays)}
@@ -112,8 +117,24 @@ def make_preference_batches(cfg, process_index: int, process_count: int) -> tupl
     if g % process_count:
         raise DataError(f"global batch {g} is not divisible by {process_count} processes")
     per = g // process_count
-    steps = _PairSteps(arrays, g, cfg.data.seed, slice(process_index * per, (process_index + 1) * per))
-    return BatchIterator(steps), []
+    mine = slice(process_index * per, (process_index + 1) * per)
+    steps = _PairSteps(arrays, g, cfg.data.seed, mine)
+    return BatchIterator(steps), [{k: v[mine] for k, v in b.items()} for b in eval_batches(cfg)]
+
+
+def eval_batches(cfg) -> list[dict[str, np.ndarray]]:
+    """The held-out pairs (preference.eval_path) as global batches of train.global_batch pairs,
+    in file order, at most train.eval_batches of them; the last batch wraps around to the
+    first pairs (so every batch has the step's shape). None without eval_path or eval_every."""
+    c = cfg.preference
+    if not c.eval_path or not cfg.train.eval_every or not cfg.train.eval_batches:
+        return []
+    arrays, _ = load_pairs(cfg, "preference.eval_path")
+    if c.precompute_ref_log_probs and preference_spec(cfg).needs_reference:
+        arrays = {**arrays, "ref_logps": load_ref_logps(cfg, arrays, EVAL_REF_FILE)}
+    g, n = cfg.train.global_batch, len(arrays["tokens"])
+    count = min(-(-n // g), cfg.train.eval_batches)
+    return [{k: v[np.arange(i * g, (i + 1) * g) % n] for k, v in arrays.items()} for i in range(count)]
 
 
 def fingerprint(arrays) -> str:
@@ -124,16 +145,17 @@ def fingerprint(arrays) -> str:
     return h.hexdigest()[:24]
 
 
-def load_ref_logps(cfg, arrays) -> np.ndarray:
-    """run_dir/ref_logps.npz's (P, 2) f32, checked against the dataset (DataError otherwise)."""
-    f = Path(cfg.run_dir) / REF_FILE
+def load_ref_logps(cfg, arrays, name: str = REF_FILE) -> np.ndarray:
+    """run_dir/`name`'s (P, 2) f32, checked against the pairs `arrays` (DataError otherwise)."""
+    f = Path(cfg.run_dir) / name
+    key = "data.path" if name == REF_FILE else "preference.eval_path"
     if not f.is_file():
         raise DataError(f"preference.precompute_ref_log_probs: {f} is missing (it is written before step 1)")
     with np.load(f) as z:
         ref, fp = z["ref_logps"], str(z["fingerprint"])
     if ref.shape != arrays["tokens"].shape[:2] or fp != fingerprint(arrays):
         raise DataError(
-            f"preference.precompute_ref_log_probs: {f} does not match the dataset at data.path "
+            f"preference.precompute_ref_log_probs: {f} does not match the dataset at {key} "
             f"({ref.shape[0]} pairs, fingerprint {fp}; the data has {arrays['tokens'].shape[0]}, "
             f"{fingerprint(arrays)}); delete it with the run's checkpoints, or restore the data"
         )
@@ -141,29 +163,45 @@ def load_ref_logps(cfg, arrays) -> np.ndarray:
 
 
 def precompute_ref_logps(cfg, model, plan, params, resumed: bool) -> None:
-    """Write run_dir/ref_logps.npz from `params` (the starting weights) once, before step 1,
-    in batches of train.global_batch pairs sharded like training; a resumed run finds it
-    (and `load_ref_logps` checks it). Single process (process 0 computes and writes)."""
-    arrays, _ = load_pairs(cfg)
-    f = Path(cfg.run_dir) / REF_FILE
-    if f.is_file() or resumed:
-        load_ref_logps(cfg, arrays)
-        return
-    g, n = cfg.train.global_batch, len(arrays["tokens"])
+    """Write run_dir/ref_logps.npz (and eval_ref_logps.npz for preference.eval_path's pairs)
+    from `params` (the starting weights) once, before step 1, in batches of
+    train.global_batch pairs sharded like training; a resumed run finds them (and
+    `load_ref_logps` checks them). Single process (process 0 computes and writes)."""
     fn = jax.jit(
         lambda p, b: reference_logps(model, p, b),
         in_shardings=(plan.params, plan.batch),
         out_shardings=NamedSharding(plan.mesh, P()),
     )
-    out = []
-    with sharding_context(plan):
-        for i in range(0, n, g):
-            idx = np.arange(i, i + g) % n  # the last batch wraps around
-            b = {k: jax.device_put(arrays[k][idx], plan.batch) for k in ("tokens", "completion")}
-            out.append(np.asarray(jax.device_get(fn(params, b))))
-    ref = np.concatenate(out)[:n].astype(np.float32)
-    if jax.process_index() == 0:
-        f.parent.mkdir(parents=True, exist_ok=True)
-        tmp = f.with_suffix(".tmp.npz")
-        np.savez(tmp, ref_logps=ref, fingerprint=np.asarray(fingerprint(arrays)))
-        tmp.replace(f)
+    sources = [(REF_FILE, "data.path")]
+    if cfg.preference.eval_path and cfg.train.eval_every and cfg.train.eval_batches:
+        sources.append((EVAL_REF_FILE, "preference.eval_path"))
+    for name, key in sources:
+        arrays, _ = load_pairs(cfg, key)
+        f = Path(cfg.run_dir) / name
+        if f.is_file() or resumed:
+            load_ref_logps(cfg, arrays, name)
+            continue
+        g, n = cfg.train.global_batch, len(arrays["tokens"])
+        out = []
+        with sharding_context(plan):
+            for i in range(0, n, g):
+                idx = np.arange(i, i + g) % n  # the last batch wraps around
+                b = {k: jax.device_put(arrays[k][idx], plan.batch) for k in ("tokens", "completion")}
+                out.append(np.asarray(jax.device_get(fn(params, b))))
+        ref = np.concatenate(out)[:n].astype(np.float32)
+        if jax.process_index() == 0:
+            f.parent.mkdir(parents=True, exist_ok=True)
+            tmp = f.with_suffix(".tmp.npz")
+            np.savez(tmp, ref_logps=ref, fingerprint=np.asarray(fingerprint(arrays)))
+            tmp.replace(f)
+
+
+def evaluate_pairs(run, params, batches, model_state=None) -> dict[str, float]:
+    """The held-out pairs' metrics under TRL's eval names: `eval_loss` (the mean of the
+    batches' losses) and `eval_rewards/chosen`, `eval_rewards/accuracies`, ... (`finish_metrics`
+    over the batches, as the train records average microbatches)."""
+    state = (model_state,) if run.plan.model_state is not None else ()
+    outs = [run.eval_step(params, *state, global_batch(run.plan, b)) for b in batches]
+    rec = {"eval_loss": float(np.mean([float(o["loss"]) for o in outs]))}
+    rec.update({f"eval_{k}": v for k, v in finish_metrics([jax.device_get(o["aux"]) for o in outs]).items()})
+    return rec

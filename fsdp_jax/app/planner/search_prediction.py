@@ -14,7 +14,7 @@ import numpy as np
 from fsdp_jax.app.models.decoder import count_params
 from fsdp_jax.app.models.lora import adapter_param_count, spec_from_config
 from fsdp_jax.app.planner.residuals import rematerialised
-from fsdp_jax.app.planner.step_time import BAND, predict, roofline_constants
+from fsdp_jax.app.planner.step_time import BAND, predict, roofline_constants, step_tokens
 from fsdp_jax.sharding.precision import Policy
 from fsdp_jax.sharding.remat import FORWARD
 
@@ -85,7 +85,7 @@ def predict_step(cfg, target_name: str, n_devices: int, result: dict[str, Any]) 
     p = predict(cfg, target_name, n_devices, result)
     if p is None:  # crosses a network whose bandwidth is unpublished
         return None
-    tokens = cfg.data.seq_len * cfg.train.global_batch / n_devices
+    tokens = step_tokens(cfg, n_devices)
     ops = p.get("model") == "ops"  # from the compiled program: its recompute is in it already
     k = roofline_constants(target_name)
     recompute = recompute_flops_per_token(cfg.model, cfg.data.seq_len, cfg.remat)

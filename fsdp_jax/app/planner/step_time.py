@@ -37,6 +37,8 @@ from typing import Any
 
 from fsdp_jax.app.models.decoder import count_params
 from fsdp_jax.app.models.lora import adapter_param_count, spec_from_config
+from fsdp_jax.app.objectives.preference_run import is_preference, preference_spec
+from fsdp_jax.app.objectives.reference import choose_reference
 from fsdp_jax.app.planner.op_costs import above_best_mfu, simulate, top_ops
 from fsdp_jax.app.planner.residuals import rematerialised
 from fsdp_jax.sharding.remat import FORWARD
@@ -56,6 +58,29 @@ def model_flops_per_token(model, seq_len: int, lora=None) -> tuple[float, float]
     if lora is not None:
         return 4 * matmul + 6 * adapter_param_count(model, lora, active=True) + attn, attn
     return 6 * matmul + attn, attn
+
+
+def step_rows(cfg) -> int:
+    """Rows the step trains per global-batch example: 2 for a preference pair (chosen and
+    rejected, as the trainer's logged tokens_per_s counts them), else 1."""
+    return 2 if is_preference(cfg) else 1
+
+
+def step_tokens(cfg, n_devices: int) -> float:
+    """Tokens per device per step (both rows of a preference pair)."""
+    return cfg.data.seq_len * cfg.train.global_batch * step_rows(cfg) / n_devices
+
+
+def reference_flops_per_token(cfg) -> float:
+    """Forward FLOPs per token of the reference model a preference step runs beside the policy
+    (a frozen copy in model state, or the LoRA base with the adapters off): a third of the
+    full model's forward + backward count; 0 when its log-probs are precomputed or the loss
+    is reference-free (`fsdp_jax.app.objectives.reference.choose_reference`)."""
+    if not is_preference(cfg):
+        return 0.0
+    lora = spec_from_config(cfg.lora)
+    reference = choose_reference(preference_spec(cfg), lora is not None, cfg.preference.precompute_ref_log_probs)
+    return model_flops_per_token(cfg.model, cfg.data.seq_len)[0] / 3 if reference in ("state", "adapters_off") else 0.0
 
 
 def roofline_constants(target: str) -> dict[str, float | None]:
@@ -108,8 +133,11 @@ def predict_ops(cfg, target: str, n_devices: int, result: dict[str, Any], top: i
         return None
     simulate_s = time.perf_counter() - t0
     step_s, b = sim["step_s"], sim["breakdown"]
-    tokens = cfg.data.seq_len * cfg.train.global_batch / n_devices
-    model_flops = tokens * model_flops_per_token(cfg.model, cfg.data.seq_len)[0]
+    tokens = step_tokens(cfg, n_devices)
+    lora = spec_from_config(cfg.lora)  # a frozen base: no weight gradients (4 FLOPs per param, not 6)
+    model_flops = tokens * (
+        model_flops_per_token(cfg.model, cfg.data.seq_len, lora)[0] + reference_flops_per_token(cfg)
+    )
     peak = table["peak_flops"]["bf16"]
     g = lambda x: float(f"{x:.4g}")  # noqa: E731
     compute = b["gemm"] + b["attention"] + b["memory"]
@@ -158,10 +186,11 @@ def predict_roofline(cfg, target: str, n_devices: int, result: dict[str, Any]) -
     op-by-op model's table). None when the program crosses a network whose bandwidth is
     unpublished (v4 and v6e slices over the data-center network)."""
     k = roofline_constants(target)
-    seq, batch = cfg.data.seq_len, cfg.train.global_batch
-    tokens = seq * batch / n_devices  # per device per step
+    seq = cfg.data.seq_len
+    tokens = step_tokens(cfg, n_devices)  # per device per step
     lora = spec_from_config(cfg.lora)
     per_token, attn = model_flops_per_token(cfg.model, seq, lora)
+    per_token += reference_flops_per_token(cfg)  # a preference step's reference forward
     forward = (model_flops_per_token(cfg.model, seq)[0] - attn) / 3 + attn / 3  # what full remat redoes
     recompute = forward if FORWARD in rematerialised(cfg.remat).recomputes else 0.0  # one more forward
     compute_s = tokens * (per_token + recompute) / (k["peak"] * k["efficiency"])

@@ -20,6 +20,7 @@ import jax
 
 from fsdp_jax.app.config.parse import config_to_dict
 from fsdp_jax.app.data.batches import evaluate
+from fsdp_jax.app.objectives.preference_run import evaluate_pairs, is_preference
 from fsdp_jax.app.trainer import nvme_run
 from fsdp_jax.app.trainer.lora_state import saved_state
 from fsdp_jax.app.trainer.metrics import LogWindow, MetricsLog, sample_text
@@ -145,11 +146,23 @@ class EvalHook(Hook):
             return
         lp.timer.switch("eval")
         t_eval = time.perf_counter()
-        vl = evaluate(lp.run, lp.state.params, lp.val, lp.state.model_state)
-        lp.log.write({"step": lp.done, "val_loss": vl})
-        lp.summary["val_loss"] = vl
+        if is_preference(lp.cfg):  # held-out pairs: the loss and TRL's eval_ metrics
+            rec = evaluate_pairs(lp.run, lp.state.params, lp.val, lp.state.model_state)
+            vl = rec["eval_loss"]
+        else:
+            vl = evaluate(lp.run, lp.state.params, lp.val, lp.state.model_state)
+            rec = {}
+        lp.log.write({"step": lp.done, "val_loss": vl, **rec})
+        if rec:  # a pair loss, not nats per token
+            lp.summary["eval_loss"], lp.summary["eval_accuracy"] = vl, rec["eval_rewards/accuracies"]
+        else:
+            lp.summary["val_loss"] = vl
         if lp.bar is not None:
-            lp.bar.write(f"step {lp.done}: val_loss {vl:.4f} ({vl / math.log(2):.3f} bits/token)")
+            lp.bar.write(
+                f"step {lp.done}: eval_loss {vl:.4f}, eval_rewards/accuracies {rec['eval_rewards/accuracies']:.3f}"
+                if rec
+                else f"step {lp.done}: val_loss {vl:.4f} ({vl / math.log(2):.3f} bits/token)"
+            )
         lp.window.add_eval_time(time.perf_counter() - t_eval)
         lp.timer.switch("other")
 

@@ -251,7 +251,12 @@ def _finish(lp: LoopState, hooks: list[Hook]) -> dict:
     elif run.is_main:
         print(
             f"final: train_loss {summary.get('train_loss', float('nan')):.4f}"
-            + (f" | val_loss {summary['val_loss']:.4f} nats/token" if "val_loss" in summary else ""),
+            + (f" | val_loss {summary['val_loss']:.4f} nats/token" if "val_loss" in summary else "")
+            + (
+                f" | eval_loss {summary['eval_loss']:.4f}, eval_rewards/accuracies {summary['eval_accuracy']:.3f}"
+                if "eval_loss" in summary
+                else ""
+            ),
             flush=True,
         )
         if "sample" in summary:

@@ -202,6 +202,8 @@ def _validate(p: _Draft) -> None:
 def _data(p: _Draft) -> None:
     if is_preference(p.cfg):
         load_pairs(p.cfg)
+        if p.cfg.preference.eval_path:  # the held-out pairs: bad ones refused before anything is written
+            load_pairs(p.cfg, "preference.eval_path")
     elif not is_grpo(p.cfg):
         prepare_data(p.cfg)
 
