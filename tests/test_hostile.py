@@ -198,6 +198,7 @@ OUT_OF_RANGE: dict[str, typing.Any] = {
     "preference.chosen_key": None,
     "preference.rejected_key": None,
     "preference.precompute_ref_log_probs": None,
+    "preference.eval_path": None,
     "grpo.num_generations": 1,
     "grpo.max_prompt_len": 0,
     "grpo.max_new_tokens": 0,
@@ -569,6 +570,7 @@ def test_every_script_rejects_bad_flags_with_one_line(
             ["--config", tiny, "--sweep", "model.n_layers"],
             ["--config", tiny, "--sweep", "devices=16"],
             ["--config", tiny, "--steps", "1", "train.nope=1"],
+            ["--config", "configs/dpo_tiny.yaml", "--baselines"],  # the baselines train next-token loss
         ],
         "gpu_check": [
             ["--only", "speed"],

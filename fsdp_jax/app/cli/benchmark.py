@@ -28,6 +28,7 @@ from fsdp_jax.app.config.checks import check_backend, validate
 from fsdp_jax.app.devices import use_cpu_devices
 from fsdp_jax.app.models.decoder import flops_per_token
 from fsdp_jax.app.planner.benchmark import bench_fsdp, bench_plain_dp, combos, parse_sweeps, plot
+from fsdp_jax.app.planner.step_time import reference_flops_per_token, step_rows
 from fsdp_jax.app.trainer.setup import load_run_config
 from fsdp_jax.errors import ConfigError, UsageError, one_line
 from fsdp_jax.sharding.precision import Policy
@@ -78,7 +79,9 @@ def _parse_flags(args) -> tuple[list, list[str]]:
         raise UsageError(one_line(e, None)) from None
     if not strategies:
         raise ConfigError("--strategies", f"{args.strategies!r} names no strategy")
-    load_run_config(args.config, args.overrides)  # fail early on a bad config
+    cfg = load_run_config(args.config, args.overrides)  # fail early on a bad config
+    if args.baselines and cfg.objective != "sft":  # the baselines' loops train next-token loss
+        raise UsageError(f"--baselines: only with objective=sft (the config's objective is {cfg.objective})")
     return sweeps, strategies
 
 
@@ -108,9 +111,9 @@ def _bench_point(args, combo: dict, cfg, devices: list, strategies: list[str]) -
     measured unless --json."""
 
     n_dev = len(devices)
-    fpt = flops_per_token(cfg.model, cfg.data.seq_len)
+    fpt = flops_per_token(cfg.model, cfg.data.seq_len) + reference_flops_per_token(cfg)  # a DPO step's reference
     peak = peak_flops(devices[0], Policy.parse(cfg.precision).compute_dtype.name, args.peak_tflops)
-    tokens = cfg.train.global_batch * cfg.data.seq_len
+    tokens = cfg.train.global_batch * cfg.data.seq_len * step_rows(cfg)  # both rows of a preference pair
     rows = [(s, lambda s=s: bench_fsdp(cfg, s, devices, args.steps, args.warmup)) for s in strategies]
     if args.baselines:
         rows.append(("single_device", lambda: bench_fsdp(cfg, "no_shard", devices[:1], args.steps, args.warmup)))
