@@ -169,12 +169,13 @@ def _mean_nll(logits, targets, mask, p):
 
 def finish_metrics(auxes) -> dict[str, float]:
     """Record fields from step aux dicts (leaves may carry a leading microbatch dim): pair
-    metrics averaged, `logits/*` as token-weighted means (DPOTrainer's)."""
+    metrics averaged, `logits/*` as token-weighted means (DPOTrainer's); a mixture of experts'
+    `router` aux is left to the router's own summary."""
 
     if not auxes:
         return {}
     out: dict[str, float] = {}
-    keys = [k for k in auxes[0] if not k.startswith(("logits_sum/", "tokens/"))]
+    keys = [k for k in auxes[0] if not k.startswith(("logits_sum/", "tokens/")) and k != "router"]
     for k in keys:
         out[k] = float(np.mean([np.asarray(a[k], np.float64).mean() for a in auxes]))
     for side in ("chosen", "rejected"):

@@ -61,11 +61,16 @@ def _last(path) -> str:
     return str(getattr(k, "key", getattr(k, "name", k)))
 
 
-def pair_logits(model: ModelFns, params, batch, key=None):
-    """Logits (2P, L-1, V) of the batch's rows `tokens[..., :-1]`, pairs flattened."""
+def pair_logits(model: ModelFns, params, batch, key=None, router: bool = False):
+    """Logits (2P, L-1, V) of the batch's rows `tokens[..., :-1]`, pairs flattened; with
+    `router` (a mixture of experts) `(logits, router stats)`, the router seeing the real
+    tokens only (`attention`), as transformers' load-balancing loss with an attention mask."""
     p = batch["tokens"].shape[0]
     inputs = batch["tokens"][..., :-1].reshape(2 * p, -1)
     kw = {} if key is None else {"dropout_key": key}
+    if router:
+        mask = batch["attention"][..., :-1].reshape(2 * p, -1) > 0
+        return model.apply(params, inputs, None, None, router=True, token_mask=mask, **kw)
     return model.apply(params, inputs, **kw)
 
 
@@ -88,15 +93,24 @@ def reference_logps(model: ModelFns, ref_params, batch):
     return jax.lax.stop_gradient(sums.reshape(p, 2))
 
 
-def make_preference_loss(model: ModelFns, spec: PreferenceSpec, reference: str) -> Callable:
+def make_preference_loss(
+    model: ModelFns, spec: PreferenceSpec, reference: str, router: Callable | None = None
+) -> Callable:
     """`loss_fn(params, batch, state=None, rng=None, train=True)` for the train step (build
     with `has_aux=True`): returns `(loss, aux)`, or `((loss, aux), state)` when the
-    reference is the model state (the step's extended call; the state comes back as it was)."""
+    reference is the model state (the step's extended call; the state comes back as it was).
+    `router` (a mixture of experts): `router(stats) -> (terms, router aux)`
+    (`fsdp_jax.app.trainer.router_metrics.router_terms`): the policy's load-balancing and z
+    terms are added to the loss, as TRL adds `router_aux_loss_coef` x the aux loss, and
+    reported under `aux["router"]`; the reference's routing costs nothing more."""
     if reference not in REFERENCES:
         raise ValueError(f"reference {reference!r}: one of {', '.join(REFERENCES)}")
 
     def loss_fn(params, batch, state=None, rng=None, train=True):
-        logits = pair_logits(model, params, batch, rng if train else None)
+        if router is None:
+            logits = pair_logits(model, params, batch, rng if train else None)
+        else:
+            logits, stats = pair_logits(model, params, batch, rng if train else None, router=True)
         ref = None
         if reference == "precomputed":
             ref = batch["ref_logps"].astype(jnp.float32)
@@ -105,6 +119,9 @@ def make_preference_loss(model: ModelFns, spec: PreferenceSpec, reference: str) 
         elif reference == "adapters_off":
             ref = reference_logps(model, adapters_off(params), batch)
         out = preference_terms(spec, logits, batch, ref)
+        if router is not None:
+            terms, router_aux = router(stats)
+            out = (out[0] + terms, {**out[1], "router": router_aux})
         return (out, state) if reference == "state" else out
 
     return loss_fn

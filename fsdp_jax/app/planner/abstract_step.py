@@ -17,6 +17,7 @@ reporting it for many strategies is `fsdp_jax.app.planner.estimate`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,8 +30,16 @@ from fsdp_jax.app.data.packing import batch_from_rows
 from fsdp_jax.app.objectives import choose_reference, make_preference_loss, with_reference
 from fsdp_jax.app.objectives.grpo_run import is_grpo
 from fsdp_jax.app.objectives.preference_run import is_preference, preference_spec
-from fsdp_jax.app.trainer.build import build_from_config, fp8_recipe, lora_optimizer, lora_spec, trainer_model
+from fsdp_jax.app.trainer.build import (
+    build_from_config,
+    fp8_recipe,
+    has_router_aux,
+    lora_optimizer,
+    lora_spec,
+    trainer_model,
+)
 from fsdp_jax.app.trainer.optim import build_optimizer
+from fsdp_jax.app.trainer.router_metrics import router_terms
 from fsdp_jax.errors import PlanError, one_line
 from fsdp_jax.sharding.mesh import make_mesh, resolve_mesh_shape
 from fsdp_jax.sharding.strategy import get_strategy
@@ -199,7 +208,8 @@ def build_step(
         spec = preference_spec(cfg)
         reference = choose_reference(spec, lora_spec(cfg) is not None, cfg.preference.precompute_ref_log_probs)
         model = with_reference(model) if reference == "state" else model
-        loss_fn = make_preference_loss(model, spec, reference)
+        router = functools.partial(router_terms, cfg.model) if has_router_aux(cfg.model) else None
+        loss_fn = make_preference_loss(model, spec, reference, router)
     built = build_from_config(
         cfg, model, optimizer, mesh, strategy, loss_fn=loss_fn, max_replicated_fraction=None, **step_options
     )

@@ -265,6 +265,8 @@ class LogWindow:
             rec.update(grpo.finish_metrics(self.router, beta=1.0))
         else:
             rec.update(finish_metrics(self.router) if pref else summarise(self.router))
+            if pref and "router" in self.router[0]:  # a mixture of experts under a preference loss
+                rec.update(summarise([a["router"] for a in self.router]))
         for k in dict.fromkeys(k for h in self.host for k in h):
             rec[k] = float(np.nanmean([h[k] for h in self.host if k in h]))
         rec.update(tw)

@@ -17,6 +17,7 @@ it), else `cfg.init_from` (params from a safetensors file, another run or, as
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import re
 from pathlib import Path
@@ -43,6 +44,7 @@ from fsdp_jax.app.trainer import lora_state, nvme_run
 from fsdp_jax.app.trainer.build import (
     build_from_config,
     fp8_recipe,
+    has_router_aux,
     lora_dropout,
     lora_optimizer,
     lora_spec,
@@ -50,6 +52,7 @@ from fsdp_jax.app.trainer.build import (
     trainer_model,
 )
 from fsdp_jax.app.trainer.optim import build_optimizer
+from fsdp_jax.app.trainer.router_metrics import router_terms
 from fsdp_jax.app.trainer.run_dir import check_dir_path
 from fsdp_jax.checkpoint import Checkpointer, Restored, latest_step, load_init_params, open_safetensors
 from fsdp_jax.errors import CheckpointError, ConfigError, one_line
@@ -222,7 +225,8 @@ def _model(p: _Draft) -> None:
         spec = preference_spec(cfg)
         reference = choose_reference(spec, lora_spec(cfg) is not None, cfg.preference.precompute_ref_log_probs)
         p.model = with_reference(p.model) if reference == "state" else p.model
-        p.loss_fn = make_preference_loss(p.model, spec, reference)
+        router = functools.partial(router_terms, cfg.model) if has_router_aux(cfg.model) else None
+        p.loss_fn = make_preference_loss(p.model, spec, reference, router)
     elif is_grpo(cfg):  # the reference (beta > 0): frozen starting weights in model state
         spec = grpo_spec(cfg)
         reference = choose_grpo_reference(spec, lora_spec(cfg) is not None)
