@@ -49,6 +49,12 @@ def with_reference(model: ModelFns, dtype=None) -> ModelFns:
     )
 
 
+def without_reference(model: ModelFns) -> ModelFns:
+    """`model` as it was before `with_reference` (no model state): the policy's own function,
+    e.g. for sampling text from it."""
+    return dataclasses.replace(model, abstract_model_state=None, model_state_axes=None, init_state=None)
+
+
 def adapters_off(params):
     """`params` with every adapter's `lora_b` zeroed: the base model's function."""
     return jax.tree_util.tree_map_with_path(

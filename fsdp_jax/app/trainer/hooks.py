@@ -20,7 +20,8 @@ import jax
 
 from fsdp_jax.app.config.parse import config_to_dict
 from fsdp_jax.app.data.batches import evaluate
-from fsdp_jax.app.objectives.preference_run import evaluate_pairs, is_preference
+from fsdp_jax.app.objectives.preference_run import evaluate_pairs, is_preference, load_pairs
+from fsdp_jax.app.objectives.reference import without_reference
 from fsdp_jax.app.trainer import nvme_run
 from fsdp_jax.app.trainer.lora_state import saved_state
 from fsdp_jax.app.trainer.metrics import LogWindow, MetricsLog, sample_text
@@ -212,12 +213,18 @@ class SampleHook(Hook):
             return
         run = lp.run
         on_device = offload.on_device(run.plan.params)  # sampling reads params on the device
+        val, model = lp.val, run.model
+        if is_preference(lp.cfg):  # the policy alone (its reference rides in model state)
+            model = without_reference(model) if run.plan.model_state is not None else model
+            if not val:  # no held-out pairs: the first training pair's prompt
+                arrays, _ = load_pairs(lp.cfg)  # read once per process, cached
+                val = [{k: v[:1] for k, v in arrays.items()}]
         lp.summary["sample"] = sample_text(
-            run.model,
+            model,
             dataclasses.replace(run.plan, params=on_device),
             lp.cfg,
             jax.device_put(lp.state.params, on_device),
-            lp.val,
+            val,
             run.rng,
         )
 
@@ -231,5 +238,5 @@ def default_hooks(cfg, profiler: ProfileWindow) -> list[Hook]:
         LogHook(every=c.log_every),
         EvalHook(every=c.eval_every),
         CheckpointHook(every=c.checkpoint_every),
-        SampleHook(tokens=c.sample_tokens if cfg.objective == "sft" else 0),  # preference rows: no corpus to prompt
+        SampleHook(tokens=c.sample_tokens if cfg.objective != "grpo" else 0),  # GRPO samples every step
     ]

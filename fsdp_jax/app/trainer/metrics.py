@@ -44,6 +44,7 @@ from fsdp_jax.app.data.tokenizer import load_tokenizer
 from fsdp_jax.app.data.windows import load_meta
 from fsdp_jax.app.models.sample import sample
 from fsdp_jax.app.objectives import finish_metrics, grpo
+from fsdp_jax.app.objectives.preference_run import is_preference
 from fsdp_jax.app.trainer.router_metrics import summarise
 from fsdp_jax.errors import TokenizerError
 from fsdp_jax.sharding.context import context_size, unzigzag, zigzag
@@ -312,7 +313,8 @@ def sample_text(model: ModelFns, plan: ShardingPlan, cfg: Config, params, val, r
         with sharding_context(plan):
             return jax.device_get(jitted(params, jnp.asarray(buf), jnp.int32(pos)))
 
-    kind = load_meta(cfg.data.path).get("tokenizer")
+    # a preference run's rows: its own tokenizer (UTF-8 bytes without one); a corpus: its meta.json's
+    kind = (cfg.preference.tokenizer or "bytes") if is_preference(cfg) else load_meta(cfg.data.path).get("tokenizer")
     tok = _tokenizer(kind)
     default = tok.encode("def ") if tok else list(b"def ")
     prompt = (_val_prompt(val[0]) if val else np.asarray(default)).astype(np.int32)
@@ -327,9 +329,14 @@ def sample_text(model: ModelFns, plan: ShardingPlan, cfg: Config, params, val, r
 
 def _val_prompt(batch) -> np.ndarray:
     """The first 48 tokens of a val batch's first row; of a packed row, its first
-    example up to its first trained target (the whole prompt whose answer was held out)."""
+    example up to its first trained target (the whole prompt whose answer was held out); of
+    preference pairs, the first pair's prompt."""
     if not isinstance(batch, dict):
         return np.asarray(batch[0][:48])
+    if "completion" in batch:  # preference pairs: the first pair's prompt (its real, non-completion tokens)
+        row = np.asarray(batch["tokens"][0, 0])
+        keep = (np.asarray(batch["attention"][0, 0]) > 0) & (np.asarray(batch["completion"][0, 0]) == 0)
+        return row[keep]
     seg, w = np.asarray(batch["segment_ids"][0]), np.asarray(batch["weights"][0])
     first = int(np.argmax(w > 0)) if (w > 0).any() else 47
     return np.asarray(batch["inputs"][0][: first + 1][seg[: first + 1] == seg[0]])
