@@ -116,3 +116,16 @@ def test_precomputed_reference_equals_in_step_and_checks_the_data(tmp_path, caps
     prefs(data, GOOD[:-1] + [{"prompt": "other ", "chosen": "a\n", "rejected": "b\n"}])  # the data changed
     rc, _, err = call("train", *common[:-1], "train.steps=4", f"run_dir={pre}", on, "--no-progress", capsys=capsys)
     one_line(rc, err, "ref_logps.npz", "does not match the dataset")
+
+
+@pytest.mark.slow
+def test_verify_compares_the_preference_step(tmp_path, capsys):
+    """`verify` on a DPO config trains the trainer's preference step (pairs, the reference in
+    model state) on one device and under a strategy: the first step's loss is log 2 (the policy
+    is its reference), not a next-token loss on random tokens."""
+    data = prefs(tmp_path / "p.jsonl", GOOD[:16])
+    rc, out, err = call(
+        "verify", "--config", CONFIG, "--steps", "2", "--strategies", "full_shard", f"data.path={data}", capsys=capsys
+    )  # fmt: skip
+    assert rc == 0, err[-2000:]
+    assert "batches of pairs" in out and "reference loss 0.693147" in out and "PASS" in out, out

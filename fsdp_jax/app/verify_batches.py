@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from fsdp_jax.app.data.batches import check_tokens, make_batches
+from fsdp_jax.app.objectives.preference_run import is_preference, make_preference_batches
 
 
 def _corpus_kind(cfg) -> str | None:
@@ -37,6 +38,16 @@ def _corpus_kind(cfg) -> str | None:
 
 def verify_batches(cfg, steps: int, seed: int, vocab_shrunk: bool = False) -> tuple[list, str]:
     """(`steps` host batches, a note saying what they are); see the module docstring."""
+    if is_preference(cfg):  # the trainer's pair batches (the reference's log-probs computed in the step)
+        pref = dataclasses.replace(cfg.preference, precompute_ref_log_probs=False, eval_path=None)
+        it, _ = make_preference_batches(dataclasses.replace(cfg, preference=pref), 0, 1)
+        out = []
+        for step in range(steps):
+            b = {k: np.asarray(v) for k, v in next(it).items()}
+            if vocab_shrunk:
+                b["tokens"] = b["tokens"] % cfg.model.vocab_size
+            out.append(b)
+        return out, f"batches: the trainer's first {steps} batches of pairs of {cfg.data.path} {out[0]['tokens'].shape}"
     kind = _corpus_kind(cfg)
     if kind == "packed" or (kind == "tokens" and cfg.data.document_mask):
         train = dataclasses.replace(cfg.train, eval_every=0)

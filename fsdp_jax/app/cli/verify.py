@@ -30,6 +30,7 @@ environment failure), 2 bad input (one line on stderr).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import sys
@@ -44,9 +45,12 @@ from fsdp_jax.app.devices import use_cpu_devices
 from fsdp_jax.app.exits import fail_env
 from fsdp_jax.app.models.decoder import count_params
 from fsdp_jax.app.models.lora import adapter_mask
+from fsdp_jax.app.objectives.preference_run import is_preference, preference_spec
+from fsdp_jax.app.objectives.reference import choose_reference, make_preference_loss, with_reference
 from fsdp_jax.app.planner.inputs import parse_devices, parse_strategies
 from fsdp_jax.app.trainer.build import has_router_aux, lora_optimizer, lora_spec, make_loss_fn, trainer_model
 from fsdp_jax.app.trainer.optim import build_optimizer
+from fsdp_jax.app.trainer.router_metrics import router_terms
 from fsdp_jax.app.trainer.setup import load_run_config
 from fsdp_jax.app.verify_batches import verify_batches
 from fsdp_jax.app.verify_shrink import shrink_config
@@ -205,10 +209,18 @@ def _verify(args, cfg, strategies, n: int, batches: list, data: int = 1):
     model = trainer_model(cfg.model, cfg.remat, lora)
     optimizer, _ = build_optimizer(dataclasses.replace(cfg.optimizer, warmup_steps=0), cfg.train.steps)
     optimizer = optimizer if lora is None else lora_optimizer(optimizer)
+    loss_fn = make_loss_fn(model, cfg.model)  # a mixture of experts: plus the router terms, as the trainer's step
+    has_aux = has_router_aux(cfg.model)
+    if is_preference(cfg):  # the trainer's preference step: its reference (model state or the LoRA base)
+        spec = preference_spec(cfg)
+        reference = choose_reference(spec, lora is not None)  # precomputed log-probs: computed in the step here
+        model = with_reference(model) if reference == "state" else model
+        router = functools.partial(router_terms, cfg.model) if has_aux else None
+        loss_fn, has_aux = make_preference_loss(model, spec, reference, router), True
     return verify(
         model,
         optimizer,
-        make_loss_fn(model, cfg.model),  # a mixture of experts: plus the router terms, as the trainer's step
+        loss_fn,
         batches=batches,
         strategies=strategies,
         devices=n,
@@ -218,10 +230,10 @@ def _verify(args, cfg, strategies, n: int, batches: list, data: int = 1):
         data=data,
         # mesh.context > 1: each strategy's mesh splits sequences over a context axis, as the run's does
         **({"context": cfg.mesh.context} if cfg.mesh.context > 1 else {}),
-        has_aux=has_router_aux(cfg.model),
+        has_aux=has_aux,
         # a mixture of experts: the experts' token counts are compared exactly; from a step at which
         # a token's top-k choice flipped (a near-tie) the steps are reported, not judged (docs/moe.md)
-        **({"routing": "expert_load"} if has_router_aux(cfg.model) else {}),
+        **({"routing": "expert_load"} if has_router_aux(cfg.model) and not is_preference(cfg) else {}),
         **({} if lora is None else {"trainable": adapter_mask}),
     )
 
