@@ -50,6 +50,7 @@ from fsdp_jax.train.stream_update import elementwise_reason
 from fsdp_jax.train.trainable import Trainable
 
 LAYERED, FLAT, OTHER = "layered", "flat", "other"
+HOST_BUFFERS = 3  # page-aligned host buffers of one layer each: read i+1 | update i | write i-1
 # offload settings served by this package (not in `sharding.offload.OFFLOADS`: nothing of the
 # state rests in host memory, and the jitted step of `build` does not run them)
 NVME_OFFLOADS: dict[str, Offload] = {
@@ -121,7 +122,7 @@ class NvmeStep:
         self._slice = jax.jit(lambda xs, i: [jax.lax.dynamic_slice_in_dim(x, i, 1, 0) for x in xs])
         self._cut = jax.jit(lambda t: _cut(t, self.labels, FLAT), out_shardings=self.plan.opt_state)
         self._io = (cf.ThreadPoolExecutor(1, "nvme-read"), cf.ThreadPoolExecutor(1, "nvme-write"))
-        self._buffers = [self.files.buffer() for _ in range(3)]
+        self._buffers = [self.files.buffer() for _ in range(HOST_BUFFERS)]
 
     @property
     def n_layers(self) -> int:
