@@ -27,7 +27,7 @@ from fsdp_jax.errors import OffloadError
 from fsdp_jax.nvme import LayerFiles, Layout, check_streamable
 from fsdp_jax.nvme import layer_files as lf_lib
 from fsdp_jax.train.build import build
-from helpers import TINY_RUN_OVERRIDES, json_child
+from helpers import TINY_RUN_OVERRIDES, call, json_child, one_line
 
 # The child: per strategy, 3 steps without offload, and with nvme: 2 steps, the whole state
 # gathered out of the files and put into a fresh NvmeStep (as a resume from a checkpoint
@@ -162,6 +162,20 @@ def test_bad_dirs_are_one_line_and_nothing_is_written(tmp_path):
     (stray / "layer00007.p0.bin").write_bytes(b"x")
     with pytest.raises(OffloadError, match="no claim"):
         LayerFiles.open([stray], lay, owner="a")
+
+
+def test_train_without_dirs_is_one_line_before_anything_runs(tmp_path, capsys):
+    """A plan of optimizer:nvme needs no dirs (tests/test_nvme_plan.py); a run does."""
+    args = [
+        "--config",
+        "configs/tiny.yaml",
+        *TINY_RUN_OVERRIDES,
+        f"run_dir={tmp_path / 'run'}",
+        "offload=optimizer:nvme",
+    ]
+    rc, out, err = call("train", *args, capsys=capsys)
+    one_line(rc, err, "offload_dirs")
+    assert not (tmp_path / "run").exists()
 
 
 def test_too_little_space_names_the_bytes(tmp_path, monkeypatch):

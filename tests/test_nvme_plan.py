@@ -8,17 +8,17 @@ import json
 
 import jax
 import pytest
+from test_plan import TINY_YAML
 
 from fsdp_jax.app.config.parse import load_config
-from fsdp_jax.app.planner import estimate as pl
 from fsdp_jax.app.planner import nvme_plan
 from fsdp_jax.app.planner.abstract_step import build_step
+from fsdp_jax.app.planner.estimate import plan_config
 from fsdp_jax.app.planner.inputs import parse_bytes
 from fsdp_jax.app.planner.search_space import SearchSpace, overrides
 from fsdp_jax.checkpoint import direct_io
 from fsdp_jax.nvme import HOST_BUFFERS, LAYERED, Layout, labels_of
 from helpers import TINY_MODEL_OVERRIDES, call, one_line
-from test_plan import TINY_YAML
 
 NVME = "optimizer:nvme"
 
@@ -32,8 +32,8 @@ def cfg(tmp_path_factory):
 @pytest.fixture(scope="module")
 def plans(cfg):
     """One compile: full_shard planned with and without the nvme offload."""
-    none = pl.plan_config(dataclasses.replace(cfg, offload="none"), 8, "full_shard", device_memory=parse_bytes("1GB"))
-    nvme = pl.plan_config(cfg, 8, "full_shard", device_memory=parse_bytes("1GB"))
+    none = plan_config(dataclasses.replace(cfg, offload="none"), 8, "full_shard", device_memory=parse_bytes("1GB"))
+    nvme = plan_config(cfg, 8, "full_shard", device_memory=parse_bytes("1GB"))
     return none["strategies"]["full_shard"], nvme["strategies"]["full_shard"]
 
 
