@@ -128,3 +128,45 @@ def test_plan_json_carries_the_disk_terms(capsys, tmp_path):
     assert rc == 0, err
     a = json.loads(out)["strategies"]["full_shard"]["analytic"]
     assert a["disk"] > 0 and a["disk_per_step"] == 2 * a["disk_per_host"] and a["host_per_host"] > 0
+
+
+def test_search_ranks_nvme_with_its_disk_time_added(capsys, tmp_path):
+    """Analytic only: an nvme candidate's step is the same candidate's without offload plus its
+    I/O (the disk's, or the host link's where slower), and its device total the stacked state
+    less two layers of it."""
+    rc, out, err = call(
+        "plan",
+        "--config",
+        TINY_YAML,
+        "--devices",
+        "8",
+        "--search",
+        "--max-compiles",
+        "0",
+        "--device-memory",
+        "1GB",
+        "--strategies",
+        "full_shard",
+        "--remat",
+        "full",
+        "--microbatches",
+        "1",
+        "--offload",
+        f"none,{NVME}",
+        "--disk-gbps",
+        "0.001",
+        "--json",
+        *TINY_MODEL_OVERRIDES,
+        f"run_dir={tmp_path}",
+        capsys=capsys,
+    )
+    assert rc == 0, err
+    doc = json.loads(out)
+    by = {c["offload"]: c for c in doc["candidates"]}
+    none, nvme = by["none"], by[NVME]
+    a, p = nvme["analytic"], nvme["predicted"]
+    assert p["disk_s"] == pytest.approx(a["disk_per_step"] / 1e6, rel=1e-3)  # 0.001 GB/s
+    assert p["step_s"] == pytest.approx(none["predicted"]["step_s"] + p["disk_s"], rel=1e-3)
+    assert a["device_total"] == none["analytic"]["device_total"] - a["disk"] + 2 * -(-a["disk"] // 2)  # 2 layers
+    assert doc["winner"]["offload"] == "none"  # the disk's seconds rank it below
+    assert any("nvme candidates" in n and "--disk-gbps" in n for n in doc["notes"])

@@ -126,6 +126,13 @@ def search(
     if cost_note:
         notes.append(cost_note)
     notes.append(_offload_note(gpu_target, predict_on))
+    if any(nvme_plan.is_nvme(o) for o in space.offloads):
+        bps, source = nvme_plan.disk_bytes_per_s(predict_on, limits.disk_bytes_per_s)
+        notes.append(
+            f"nvme candidates: host/host is their pinned I/O buffers ({nvme_plan.HOST_BUFFERS} layers); the "
+            f"update's disk I/O at {bps / 1e9:.1f} GB/s per host ({source}) is added to their step, not hidden "
+            "(fsdp_jax.app.planner.nvme_plan)"
+        )
     return {
         "config": config_name,
         "devices": n_devices,
