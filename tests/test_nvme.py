@@ -323,7 +323,7 @@ def test_two_processes_each_stream_their_own_files(corpus, tmp_path):
     from fsdp_jax.sharding.strategy import make_plan
     from fsdp_jax.train.state import abstract_state
 
-    d = tmp_path / "nvme"
+    d = tmp_path / "disk"
     d.mkdir()
     runs = {"nvme": ["offload=optimizer:nvme", f"offload_dirs={d}"], "none": []}
     for name, extra in runs.items():
