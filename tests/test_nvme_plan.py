@@ -13,8 +13,9 @@ from test_plan import TINY_YAML
 from fsdp_jax.app.config.parse import load_config
 from fsdp_jax.app.planner import nvme_plan
 from fsdp_jax.app.planner.abstract_step import build_step
-from fsdp_jax.app.planner.estimate import plan_config
+from fsdp_jax.app.planner.estimate import format_offload_table, plan_config
 from fsdp_jax.app.planner.inputs import parse_bytes
+from fsdp_jax.app.planner.report import fmt_bytes
 from fsdp_jax.app.planner.search_space import SearchSpace, overrides
 from fsdp_jax.checkpoint import direct_io
 from fsdp_jax.nvme import HOST_BUFFERS, LAYERED, Layout, labels_of
@@ -34,7 +35,7 @@ def plans(cfg):
     """One compile: full_shard planned with and without the nvme offload."""
     none = plan_config(dataclasses.replace(cfg, offload="none"), 8, "full_shard", device_memory=parse_bytes("1GB"))
     nvme = plan_config(cfg, 8, "full_shard", device_memory=parse_bytes("1GB"))
-    return none["strategies"]["full_shard"], nvme["strategies"]["full_shard"]
+    return none["strategies"]["full_shard"], nvme["strategies"]["full_shard"], {"none": none, NVME: nvme}
 
 
 def _files(cfg):
@@ -57,7 +58,7 @@ def test_disk_and_host_buffers_are_the_files_the_step_writes(cfg, plans):
 
 
 def test_device_side_is_the_step_without_offload_less_the_stored_state(plans):
-    none, nvme = plans
+    none, nvme, docs = plans
     a0, a = none["analytic"], nvme["analytic"]
     layer = -(-a["disk"] // 2)  # the tiny model: 2 layers
     assert a["disk"] < a0["optimizer"]  # the unstacked leaves' state stays on the device
@@ -67,6 +68,8 @@ def test_device_side_is_the_step_without_offload_less_the_stored_state(plans):
     assert c["device_peak"] == c0["peak"] - a["disk"] + 2 * layer
     assert c["device_argument"] == c0["argument"] - a["disk"]
     assert any("optimizer:nvme" in w for w in nvme["warnings"])
+    rows = {line.split()[1]: line for line in format_offload_table(docs).splitlines() if "full_shard" in line}
+    assert rows["none"].split()[-2] == "-" and fmt_bytes(a["disk_per_host"]) in rows[NVME]  # the disk/host column
 
 
 def test_io_seconds_are_the_slower_of_disk_and_host_link_added_to_the_step():

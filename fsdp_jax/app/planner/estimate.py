@@ -197,12 +197,12 @@ def format_offload_table(docs: dict[str, dict[str, Any]]) -> str:
     mem = first.get("device_memory")
     lines = [
         f"offload: bytes per device (analytic device_total / compiled device_peak) and host "
-        f"bytes (per device / per host of {DEVICES_PER_HOST})"
-        + (f"; fits = analytic and compiled <= {fmt_bytes(mem)}" if mem else "")
+        f"bytes (per device / per host of {DEVICES_PER_HOST}; an nvme offload's: its I/O buffers, and its files "
+        "on disk per host)" + (f"; fits = analytic and compiled <= {fmt_bytes(mem)}" if mem else "")
     ]
     hdr = (
         f"{'strategy':<14}{'offload':<18}{'device ana':>11}{'device cmp':>11}{'host/dev':>10}"
-        f"{'host/host':>11}{'H<->D/step':>11}{'fits':>9}"
+        f"{'host/host':>11}{'H<->D/step':>11}{'disk/host':>11}{'fits':>9}"
     )
     lines += [hdr, "-" * len(hdr)]
     for name in first["strategies"]:
@@ -218,7 +218,7 @@ def format_offload_table(docs: dict[str, dict[str, Any]]) -> str:
                 f"{name:<14}{off:<18}{fmt_bytes(a['device_total']):>11}"
                 f"{fmt_bytes(c['device_peak']):>11}{fmt_bytes(a['host']):>10}"
                 f"{fmt_bytes(a['host_per_host']):>11}{fmt_bytes(a['transfer_per_step']):>11}"
-                f"{fits:>9}"
+                f"{fmt_bytes(a['disk_per_host']) if 'disk_per_host' in a else '-':>11}{fits:>9}"
             )
     if mem and "none" in docs:
         only = [
