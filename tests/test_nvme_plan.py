@@ -68,6 +68,8 @@ def test_device_side_is_the_step_without_offload_less_the_stored_state(plans):
     assert c["device_peak"] == c0["peak"] - a["disk"] + 2 * layer
     assert c["device_argument"] == c0["argument"] - a["disk"]
     assert any("optimizer:nvme" in w for w in nvme["warnings"])
+    assert c["checkpoint_peak"] == c0["argument"] + a["disk"]  # gather: the state back, twice the stacked part
+    assert any("gathers the stacked state back" in w for w in nvme["warnings"])
     rows = {line.split()[1]: line for line in format_offload_table(docs).splitlines() if "full_shard" in line}
     assert rows["none"].split()[-2] == "-" and fmt_bytes(a["disk_per_host"]) in rows[NVME]  # the disk/host column
 
