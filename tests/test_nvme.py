@@ -139,6 +139,25 @@ def test_write_read_and_a_changed_file(tmp_path):
         files.read(1, back)
 
 
+def test_a_checkpoint_is_assembled_in_host_memory(tmp_path):
+    """`Layout.stacked_on_host` (what `NvmeStep.gather` uses where the backend has host memory):
+    each leaf's whole stack from the layer files, sharded as the leaf, in pinned_host."""
+    spec = stacked()
+    rng = np.random.default_rng(0)
+    want = [rng.standard_normal(x.shape).astype(np.float32) for x in spec]
+    lay = Layout.of(spec)
+    files = LayerFiles.open([tmp_path], lay, owner="a")
+    buf = files.buffer()
+    for i in range(lay.n_layers):
+        layer = [jax.device_put(w[i : i + 1], x.sharding) for w, x in zip(want, spec)]
+        lay.from_arrays(layer, buf)
+        files.write(i, buf)
+    got = lay.stacked_on_host(files, files.buffer(), "pinned_host")
+    for g, w, x in zip(got, want, spec):
+        assert g.sharding.memory_kind == "pinned_host" and g.sharding.spec == x.sharding.spec
+        np.testing.assert_array_equal(np.asarray(g), w)
+
+
 def test_bad_dirs_are_one_line_and_nothing_is_written(tmp_path):
     lay = Layout.of(stacked())
     with pytest.raises(OffloadError, match="does not exist"):

@@ -39,34 +39,36 @@ def is_nvme(offload: str | None) -> bool:
     return offload in NVME_OFFLOADS
 
 
-def stored_bytes(build, devices_per_host: int) -> tuple[int, int, int]:
+def stored_bytes(build, devices_per_host: int) -> tuple[int, int, int, int]:
     """(S: per-device bytes of the optimizer state the nvme step keeps in files, a host's bytes
-    of it, L: layers) of a planner `StepBuild` (built with offload none, as the trainer builds
-    an nvme run). A host's files hold each distinct shard its devices have once (`Layout`), so
-    a leaf replicated over a host's devices counts once there; the host is the first
-    `devices_per_host` devices of the mesh."""
+    of it, its largest leaf's bytes on a host, L: layers) of a planner `StepBuild` (built with
+    offload none, as the trainer builds an nvme run). A host's files hold each distinct shard
+    its devices have once (`Layout`), so a leaf replicated over a host's devices counts once
+    there; the host is the first `devices_per_host` devices of the mesh."""
     layered = build.plan.layered
     if layered is None or not any(jax.tree.leaves(layered)):
-        return 0, 0, 1
+        return 0, 0, 0, 1
     labels = labels_of(build.optimizer, build.state.opt_state, layered)
     stored = [x for x, m in zip(jax.tree.leaves(build.state.opt_state), jax.tree.leaves(labels)) if m == LAYERED]
     if not stored:
-        return 0, 0, 1
+        return 0, 0, 0, 1
     host = sorted(build.mesh.devices.flat, key=lambda d: d.id)[:devices_per_host]
-    per_host = 0
+    per_leaf = []
     for x in stored:
         index = x.sharding.devices_indices_map(x.shape)
         distinct = {tuple((s.start, s.stop) for s in index[d]) for d in host}
-        per_host += len(distinct) * shard_bytes(x)
-    return sum(shard_bytes(x) for x in stored), per_host, stored[0].shape[0]
+        per_leaf.append(len(distinct) * shard_bytes(x))
+    return sum(shard_bytes(x) for x in stored), sum(per_leaf), max(per_leaf), stored[0].shape[0]
 
 
 def nvme_memory(build, analytic: dict[str, int], devices_per_host: int) -> dict[str, int]:
     """The module docstring's split of `analytic` (the memory model's bytes of the step
     without offload): host (per device: its share of a host's buffers), host_per_host,
     disk, disk_per_host, device_total, transfer_per_step (host<->device bytes per device) and
-    disk_per_step (a host's bytes read + written)."""
-    s, s_host, layers = stored_bytes(build, devices_per_host)
+    disk_per_step (a host's bytes read + written), checkpoint_host_per_host (a host's memory
+    while `NvmeStep.gather` assembles a checkpoint in it: every stored leaf's stack, and the
+    one being placed twice)."""
+    s, s_host, largest, layers = stored_bytes(build, devices_per_host)
     layer, layer_host = -(-s // layers), -(-s_host // layers)
     return {
         "host": HOST_BUFFERS * layer_host // devices_per_host,
@@ -76,6 +78,7 @@ def nvme_memory(build, analytic: dict[str, int], devices_per_host: int) -> dict[
         "device_total": analytic["total"] - s + 2 * layer,
         "transfer_per_step": 2 * s,
         "disk_per_step": 2 * s_host,
+        "checkpoint_host_per_host": s_host + largest,
     }
 
 
@@ -89,22 +92,15 @@ def complete_compiled(r: dict[str, Any]) -> dict[str, Any]:
     c["device_argument"] = c["argument"] - a["disk"]
     c["device_peak"] = c["peak"] - a["disk"] + moved_back
     c["host_reported"] = 0
-    c["checkpoint_peak"] = checkpoint_peak(c["device_argument"], a["disk"])
     r["offload_basis"] = BASIS
     r["warnings"].insert(0, note(r["offload"]))
     r["warnings"].insert(
         1,
-        f"a checkpoint under {r['offload']} gathers the stacked state back onto the device "
-        f"(fsdp_jax.nvme.NvmeStep.gather: every layer read, then concatenated): about "
-        f"{c['checkpoint_peak'] / 1e9:.2f} GB per device while it saves, beside the step's peak",
+        f"a checkpoint under {r['offload']} assembles the stacked state in host memory "
+        f"(fsdp_jax.nvme.NvmeStep.gather: each layer file read once, no device room): about "
+        f"{a['checkpoint_host_per_host'] / 1e9:.2f} GB per host while it saves",
     )
     return r
-
-
-def checkpoint_peak(device_argument: int, stored: int) -> int:
-    """Device bytes while `NvmeStep.gather` builds a checkpoint: the live state (the step's
-    arguments less the stored state) + every layer's state read back + their concatenation."""
-    return device_argument + 2 * stored
 
 
 def note(offload: str) -> str:
