@@ -144,7 +144,7 @@ class NvmeStep:
         for a checkpoint, which saves it from where it is. The stacked leaves are assembled in
         host memory (`pinned_host`, where the backend has it: each file read once, no device
         room needed beyond the live state; `layout.stacked_on_host`), else on the device."""
-        if offload.host_memory_available(self.built.mesh.devices.flat):
+        if offload.host_memory_available(self.built.mesh.local_devices):
             stacked = self.layout.stacked_on_host(self.files, self._buffers[0], offload.HOST)
         else:
             per_layer = [
