@@ -27,7 +27,7 @@ from fsdp_jax.errors import OffloadError
 from fsdp_jax.nvme import LayerFiles, Layout, check_streamable
 from fsdp_jax.nvme import layer_files as lf_lib
 from fsdp_jax.train.build import build
-from helpers import TINY_RUN_OVERRIDES, json_child
+from helpers import TINY_RUN_OVERRIDES, call, json_child, one_line
 
 # The child: per strategy, 3 steps without offload, and with nvme: 2 steps, the whole state
 # gathered out of the files and put into a fresh NvmeStep (as a resume from a checkpoint
@@ -139,6 +139,25 @@ def test_write_read_and_a_changed_file(tmp_path):
         files.read(1, back)
 
 
+def test_a_checkpoint_is_assembled_in_host_memory(tmp_path):
+    """`Layout.stacked_on_host` (what `NvmeStep.gather` uses where the backend has host memory):
+    each leaf's whole stack from the layer files, sharded as the leaf, in pinned_host."""
+    spec = stacked()
+    rng = np.random.default_rng(0)
+    want = [rng.standard_normal(x.shape).astype(np.float32) for x in spec]
+    lay = Layout.of(spec)
+    files = LayerFiles.open([tmp_path], lay, owner="a")
+    buf = files.buffer()
+    for i in range(lay.n_layers):
+        layer = [jax.device_put(w[i : i + 1], x.sharding) for w, x in zip(want, spec)]
+        lay.from_arrays(layer, buf)
+        files.write(i, buf)
+    got = lay.stacked_on_host(files, files.buffer(), "pinned_host")
+    for g, w, x in zip(got, want, spec):
+        assert g.sharding.memory_kind == "pinned_host" and g.sharding.spec == x.sharding.spec
+        np.testing.assert_array_equal(np.asarray(g), w)
+
+
 def test_bad_dirs_are_one_line_and_nothing_is_written(tmp_path):
     lay = Layout.of(stacked())
     with pytest.raises(OffloadError, match="does not exist"):
@@ -162,6 +181,33 @@ def test_bad_dirs_are_one_line_and_nothing_is_written(tmp_path):
     (stray / "layer00007.p0.bin").write_bytes(b"x")
     with pytest.raises(OffloadError, match="no claim"):
         LayerFiles.open([stray], lay, owner="a")
+
+
+def test_train_without_dirs_is_one_line_before_anything_runs(tmp_path, capsys):
+    """A plan of optimizer:nvme needs no dirs (tests/test_nvme_plan.py); a run does."""
+    args = [
+        "--config",
+        "configs/tiny.yaml",
+        *TINY_RUN_OVERRIDES,
+        f"run_dir={tmp_path / 'run'}",
+        "offload=optimizer:nvme",
+    ]
+    rc, out, err = call("train", *args, capsys=capsys)
+    one_line(rc, err, "offload_dirs")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_train_with_lora_is_one_line_nothing_written(corpus, tmp_path, capsys):
+    """The trainer passes what the nvme step cannot run (frozen params here) to its check."""
+    d = tmp_path / "nvme"
+    d.mkdir()
+    args = [*TINY_RUN_OVERRIDES, f"data.path={corpus}", f"run_dir={tmp_path / 'run'}", f"offload_dirs={d}"]
+    rc, out, err = call(
+        "train", "--config", "configs/tiny.yaml", *args, "offload=optimizer:nvme", "lora.rank=4", capsys=capsys
+    )
+    one_line(rc, err, "frozen params")
+    assert list(d.iterdir()) == []
 
 
 def test_too_little_space_names_the_bytes(tmp_path, monkeypatch):
@@ -277,3 +323,53 @@ def test_kill_9_mid_step_then_the_same_command_resumes_exactly(corpus, tmp_path)
     other = run(["scripts/train.py", *args("other")[:-2], f"offload_dirs={tmp_path / 'kill_nvme'}", "train.steps=4"])
     assert other.returncode == 2 and "another run" in other.stderr and len(other.stderr.strip().splitlines()) == 1
     assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "kill_nvme").iterdir()} == before
+
+
+@pytest.mark.slow
+def test_two_processes_each_stream_their_own_files(corpus, tmp_path):
+    """2 processes x 4 devices over gloo: each process writes and reads only its own shards'
+    files (`.p0` / `.p1`, its own claim), and the run trains as the same 2-process run
+    without offload: losses and the final checkpoint's params and optimizer state."""
+    from test_multihost import ROOT as MROOT
+    from test_multihost import launch, train_args
+
+    from fsdp_jax import checkpoint as ck
+    from fsdp_jax.app.config.parse import load_config
+    from fsdp_jax.app.models.decoder import Decoder
+    from fsdp_jax.app.trainer.optim import build_optimizer
+    from fsdp_jax.model.fns import from_nnx
+    from fsdp_jax.sharding.mesh import make_mesh
+    from fsdp_jax.sharding.strategy import make_plan
+    from fsdp_jax.train.state import abstract_state
+
+    d = tmp_path / "disk"
+    d.mkdir()
+    runs = {"nvme": ["offload=optimizer:nvme", f"offload_dirs={d}"], "none": []}
+    for name, extra in runs.items():
+        r = launch(
+            "--processes", "2", "--devices-per-process", "4", "--", sys.executable,
+            str(MROOT / "scripts" / "train.py"), *train_args(corpus, tmp_path / name, "train.steps=3", *extra),
+            timeout=600,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    names = sorted(p.name for p in d.iterdir())
+    assert names == [
+        "fsdp_jax_nvme.p0.json", "fsdp_jax_nvme.p1.json",
+        "layer00000.p0.bin", "layer00000.p1.bin", "layer00001.p0.bin", "layer00001.p1.bin",
+    ]  # fmt: skip
+    claims = [json.loads((d / f"fsdp_jax_nvme.p{i}.json").read_text()) for i in (0, 1)]
+    assert claims[0]["owner"] == claims[1]["owner"] == str((tmp_path / "nvme").resolve())
+    want = _losses(tmp_path / "none")
+    assert sorted(want) == [1, 2, 3]
+    np.testing.assert_allclose(
+        [_losses(tmp_path / "nvme")[k] for k in (1, 2, 3)], [want[k] for k in (1, 2, 3)], rtol=1e-6
+    )
+    cfg = load_config(tmp_path / "none" / "config.yaml")
+    model = from_nnx(lambda rngs: Decoder(cfg.model, rngs=rngs, remat=cfg.remat))
+    opt, _ = build_optimizer(cfg.optimizer, cfg.train.steps)
+    plan = make_plan(model.abstract_params, opt, make_mesh(), "full_shard", model.logical_axes)
+    got = [ck.restore(tmp_path / n / "checkpoints", abstract_state(plan, model.abstract_params, opt))[0] for n in runs]
+    for a, b in zip(
+        jax.tree.leaves((got[0].params, got[0].opt_state)), jax.tree.leaves((got[1].params, got[1].opt_state))
+    ):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)

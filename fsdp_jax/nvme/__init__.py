@@ -6,6 +6,15 @@ step         the train step over them: grads, then read i+1 | update i | write i
 """
 
 from fsdp_jax.nvme.layer_files import LayerFiles, Layout
-from fsdp_jax.nvme.step import NVME_OFFLOADS, NvmeStep, check_streamable
+from fsdp_jax.nvme.step import HOST_BUFFERS, LAYERED, NVME_OFFLOADS, NvmeStep, check_streamable, labels_of
 
-__all__ = ["NVME_OFFLOADS", "LayerFiles", "Layout", "NvmeStep", "check_streamable"]
+__all__ = [
+    "HOST_BUFFERS",
+    "LAYERED",
+    "NVME_OFFLOADS",
+    "LayerFiles",
+    "Layout",
+    "NvmeStep",
+    "check_streamable",
+    "labels_of",
+]

@@ -112,6 +112,30 @@ class Layout:
             for shape, s, arrs in zip(self.shapes, self.shardings, per_leaf)
         ]
 
+    def stacked_on_host(self, files: "LayerFiles", buf: np.ndarray, memory_kind: str) -> list[jax.Array]:
+        """Per stored leaf, the whole stack (n_layers, ...) sharded as the leaf in memory
+        `memory_kind` (host memory: a checkpoint's source), each layer file read once into
+        `buf`; host memory holds the stacks once more while each leaf is placed."""
+        stacks = [np.empty((self.n_layers, *e.shape[1:]), e.dtype) for e in self.entries]
+        for i in range(self.n_layers):
+            files.read(i, buf)
+            for e, st in zip(self.entries, stacks):
+                st[i] = buf[e.offset : e.offset + e.nbytes].view(e.dtype).reshape(e.shape[1:])
+        out = []
+        for k, (shape, s) in enumerate(zip(self.shapes, self.shardings)):
+            kind = s.with_memory_kind(memory_kind)
+            arrs = [
+                jax.device_put(st, jax.sharding.SingleDeviceSharding(d, memory_kind=memory_kind))
+                for e, st in zip(self.entries, stacks)
+                if e.leaf == k
+                for d in e.devices
+            ]
+            out.append(jax.make_array_from_single_device_arrays((self.n_layers, *shape[1:]), kind, arrs))
+            for j, e in enumerate(self.entries):
+                if e.leaf == k:
+                    stacks[j] = None  # placed: the host copy goes
+        return out
+
     def from_arrays(self, arrays, buf: np.ndarray) -> None:
         """Copy one layer's arrays (per stored leaf, as `to_arrays` gives) into `buf`."""
         shards = [{s.device: s for s in a.addressable_shards} for a in arrays]

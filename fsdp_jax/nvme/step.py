@@ -39,7 +39,7 @@ import optax
 
 from fsdp_jax.errors import OffloadError
 from fsdp_jax.nvme.layer_files import LayerFiles, Layout
-from fsdp_jax.sharding import remat
+from fsdp_jax.sharding import offload, remat
 from fsdp_jax.sharding.offload import Offload
 from fsdp_jax.sharding.precision import Policy
 from fsdp_jax.train.build import Built
@@ -50,6 +50,7 @@ from fsdp_jax.train.stream_update import elementwise_reason
 from fsdp_jax.train.trainable import Trainable
 
 LAYERED, FLAT, OTHER = "layered", "flat", "other"
+HOST_BUFFERS = 3  # page-aligned host buffers of one layer each: read i+1 | update i | write i-1
 # offload settings served by this package (not in `sharding.offload.OFFLOADS`: nothing of the
 # state rests in host memory, and the jitted step of `build` does not run them)
 NVME_OFFLOADS: dict[str, Offload] = {
@@ -121,7 +122,7 @@ class NvmeStep:
         self._slice = jax.jit(lambda xs, i: [jax.lax.dynamic_slice_in_dim(x, i, 1, 0) for x in xs])
         self._cut = jax.jit(lambda t: _cut(t, self.labels, FLAT), out_shardings=self.plan.opt_state)
         self._io = (cf.ThreadPoolExecutor(1, "nvme-read"), cf.ThreadPoolExecutor(1, "nvme-write"))
-        self._buffers = [self.files.buffer() for _ in range(3)]
+        self._buffers = [self.files.buffer() for _ in range(HOST_BUFFERS)]
 
     @property
     def n_layers(self) -> int:
@@ -139,15 +140,21 @@ class NvmeStep:
         return state.replace(opt_state=self._cut(state.opt_state))
 
     def gather(self, live: TrainState) -> TrainState:
-        """The whole state (as `built.abstract_state` lays it out) from `live` and the files."""
-        per_layer = [
-            self.layout.to_arrays(self.files.read(i, self._buffers[0]), copy=True) for i in range(self.n_layers)
-        ]
-        stacked = [
-            jax.jit(jnp.concatenate, out_shardings=s)([layer[j] for layer in per_layer])
-            for j, s in enumerate(self.layout.shardings)
-        ]
-        del per_layer
+        """The whole state (as `built.abstract_state` lays it out) from `live` and the files:
+        for a checkpoint, which saves it from where it is. The stacked leaves are assembled in
+        host memory (`pinned_host`, where the backend has it: each file read once, no device
+        room needed beyond the live state; `layout.stacked_on_host`), else on the device."""
+        if offload.host_memory_available(self.built.mesh.local_devices):
+            stacked = self.layout.stacked_on_host(self.files, self._buffers[0], offload.HOST)
+        else:
+            per_layer = [
+                self.layout.to_arrays(self.files.read(i, self._buffers[0]), copy=True) for i in range(self.n_layers)
+            ]
+            stacked = [
+                jax.jit(jnp.concatenate, out_shardings=s)([layer[j] for layer in per_layer])
+                for j, s in enumerate(self.layout.shardings)
+            ]
+            del per_layer
         leaves = jax.tree.leaves(live.opt_state)
         for k, x in zip(self._stacked, stacked):
             leaves[k] = x

@@ -50,11 +50,13 @@ from fsdp_jax.app.planner.inputs import (
     parse_strategies,
     resolve_target,
 )
+from fsdp_jax.app.planner.nvme_plan import disk_bytes_per_s
 from fsdp_jax.app.planner.report import format_table, plot_plan
 from fsdp_jax.app.planner.search import search
 from fsdp_jax.app.planner.search_space import Limits, SearchSpace, attention_kernels
 from fsdp_jax.errors import PlanError, SearchError, TargetError
-from fsdp_jax.sharding.offload import OFFLOADS
+from fsdp_jax.nvme import NVME_OFFLOADS
+from fsdp_jax.sharding import offload
 from fsdp_jax.targets.gpu import device_memory
 from fsdp_jax.verify.run import devices_for
 
@@ -76,7 +78,7 @@ def build_parser(prog: str | None = None) -> Parser:
     ap.add_argument(
         "--offload",
         default=None,
-        help="none | optimizer | optimizer+params, a comma list, or all (default: the config's)",
+        help="none | optimizer | optimizer+params | optimizer:nvme ..., a comma list, or all (default: the config's)",
     )
     ap.add_argument(
         "--search",
@@ -104,6 +106,13 @@ def build_parser(prog: str | None = None) -> Parser:
         "FSDP_JAX_HOST_MEMORY, else this machine's MemAvailable when planning without --target)",
     )
     ap.add_argument(
+        "--disk-gbps",
+        default=None,
+        type=float,
+        help="with an nvme offload: a host's local-disk bandwidth in GB/s, reads and writes together "
+        "(default: the --target's, a node's local NVMe as sourced in the step-time table)",
+    )
+    ap.add_argument(
         "--max-compiles",
         default=None,
         help="with --search: compile at most this many candidates (default 4; 0: analytic only)",
@@ -123,6 +132,7 @@ def build_parser(prog: str | None = None) -> Parser:
     return ap
 
 
+OFFLOADS = {**offload.OFFLOADS, **NVME_OFFLOADS}  # host memory, and local disks (fsdp_jax.nvme)
 SEARCH_ONLY = ("remat", "microbatches", "vary", "attention", "headroom", "max_compiles", "rows", "progress")
 
 
@@ -158,6 +168,22 @@ def plan_host_memory(args, target) -> tuple[int, str] | None:
         return stated, HOST_MEMORY_ENV
     have, source = host_memory()
     return (have, f"this machine's {source}") if target is None and have is not None else None
+
+
+def plan_disk(args, target, offloads) -> float | None:
+    """--disk-gbps in bytes/s (None: the target's figure); PlanError (one line) when it is not a
+    positive number, or when an nvme offload is planned for a target that states no disk
+    bandwidth and none is given."""
+    if args.disk_gbps is not None:
+        if not args.disk_gbps > 0:
+            raise PlanError(f"--disk-gbps: {args.disk_gbps} must be a positive number of GB/s")
+        return args.disk_gbps * 1e9
+    if target is not None and any(o in NVME_OFFLOADS for o in offloads or ()):
+        try:
+            disk_bytes_per_s(target.table)
+        except ValueError as e:
+            raise PlanError(f"--offload: {e}") from None
+    return None
 
 
 def refuse_over_host(docs: dict[str, dict], host: tuple[int, str] | None) -> None:
@@ -221,6 +247,7 @@ def search_command(args) -> int:
         headroom=headroom,
         headroom_fraction=fraction,
         host_memory=None if args.host_memory is None else parse_bytes(args.host_memory, "--host-memory"),
+        disk_bytes_per_s=plan_disk(args, target, space.offloads if args.offload else ()),
         max_compiles=(
             4
             if args.max_compiles is None
@@ -276,6 +303,7 @@ def run(args) -> int:
         check_out_file(args.plot, "--plot")
         require("matplotlib", "--plot")
     host = plan_host_memory(args, target)
+    disk = plan_disk(args, target, offloads)
     cfg = load_planning_config(args.config, args.overrides, n, target)  # JAX: n CPU devices, from here on
 
     docs = {}
@@ -288,6 +316,7 @@ def run(args) -> int:
             config_name=args.config,
             target=target,
             host_memory=host,
+            disk_bytes_per_s=disk,
         )
     refuse_over_host(docs, host)  # before the plot is written
     return _print_plans(args, docs)

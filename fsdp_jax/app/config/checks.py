@@ -163,12 +163,6 @@ def _check_memory_policies(cfg: Config) -> None:
         "a streamed offload updates a stack of scanned layers one layer at a time, and model.scan_layers=false "
         "leaves none; set model.scan_layers=true or use offload: " + cfg.offload.split(":")[0],
     )
-    _check(
-        cfg.offload not in NVME_OFFLOADS or bool(cfg.offload_dirs.strip()),
-        "offload_dirs",
-        cfg.offload_dirs,
-        f"offload: {cfg.offload} keeps the state in files: name their dirs (offload_dirs=/nvme0,/nvme1)",
-    )
 
 
 def _check_distributed(cfg: Config) -> None:

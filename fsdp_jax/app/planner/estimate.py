@@ -46,6 +46,7 @@ import numpy as np
 
 from fsdp_jax.app.host_memory import HOST_MEMORY_ENV, fmt_size
 from fsdp_jax.app.models.decoder import count_params
+from fsdp_jax.app.planner import nvme_plan
 from fsdp_jax.app.planner.compile_child import (
     child_main,
     run_strategies,
@@ -71,6 +72,7 @@ def plan_config(
     config_name: str = "",
     target=None,
     host_memory: tuple[int, str] | None = None,
+    disk_bytes_per_s: float | None = None,
 ) -> dict[str, Any]:
     """The planner's JSON document for `cfg` on `n_devices` (bytes per device, ints):
     {"config", "devices", "params", "param_bytes", "device_memory", "wall_s", "notes",
@@ -83,7 +85,8 @@ def plan_config(
     and cluster shape (deviceless), and `device_memory` defaults to the target's.
     `host_memory` (bytes per host, where the figure comes from): with an offload, each
     strategy's `fits_host` (its offloaded state per host within it; `fits` False when not)
-    and a note naming the strategies over it."""
+    and a note naming the strategies over it. `disk_bytes_per_s`: a host's local-disk
+    bandwidth for an nvme offload's step time (None: the target's, `nvme_plan`)."""
 
     t0 = time.perf_counter()
     names = parse_strategies(strategies)
@@ -105,6 +108,8 @@ def plan_config(
             r["fits"] = r["headroom"] = r["fits_analytic"] = None
         if target is not None:  # op by op from its program (GPU or TPU), or a roofline
             r["predicted"] = _prediction(cfg, target, n_devices, name, r)
+            if r["predicted"] and nvme_plan.is_nvme(cfg.offload):  # + the update's disk I/O, not hidden
+                nvme_plan.add_io(r["predicted"], r["analytic"], target.table, disk_bytes_per_s)
     notes = _notes(cfg, n_devices, policy, results, target, device_memory)
     notes += _host_notes(cfg, results, host_memory)
     doc = {
@@ -133,7 +138,9 @@ def _notes(
         "activations from formulas (fsdp_jax.app.planner.memory_model docstring); compiled = memory_analysis() "
         "of the AOT-compiled train step (grads live in its temp)",
     ]
-    if cfg.offload != "none":
+    if nvme_plan.is_nvme(cfg.offload):
+        notes += nvme_plan.notes(cfg.offload, results)
+    elif cfg.offload != "none":
         notes.append(
             f"offload {cfg.offload}: host = per-device bytes resting in pinned host memory "
             f"(x{DEVICES_PER_HOST} per host); fits uses device_peak / device_total, which "
@@ -190,12 +197,12 @@ def format_offload_table(docs: dict[str, dict[str, Any]]) -> str:
     mem = first.get("device_memory")
     lines = [
         f"offload: bytes per device (analytic device_total / compiled device_peak) and host "
-        f"bytes (per device / per host of {DEVICES_PER_HOST})"
-        + (f"; fits = analytic and compiled <= {fmt_bytes(mem)}" if mem else "")
+        f"bytes (per device / per host of {DEVICES_PER_HOST}; an nvme offload's: its I/O buffers, and its files "
+        "on disk per host)" + (f"; fits = analytic and compiled <= {fmt_bytes(mem)}" if mem else "")
     ]
     hdr = (
         f"{'strategy':<14}{'offload':<18}{'device ana':>11}{'device cmp':>11}{'host/dev':>10}"
-        f"{'host/host':>11}{'H<->D/step':>11}{'fits':>9}"
+        f"{'host/host':>11}{'H<->D/step':>11}{'disk/host':>11}{'fits':>9}"
     )
     lines += [hdr, "-" * len(hdr)]
     for name in first["strategies"]:
@@ -211,7 +218,7 @@ def format_offload_table(docs: dict[str, dict[str, Any]]) -> str:
                 f"{name:<14}{off:<18}{fmt_bytes(a['device_total']):>11}"
                 f"{fmt_bytes(c['device_peak']):>11}{fmt_bytes(a['host']):>10}"
                 f"{fmt_bytes(a['host_per_host']):>11}{fmt_bytes(a['transfer_per_step']):>11}"
-                f"{fits:>9}"
+                f"{fmt_bytes(a['disk_per_host']) if 'disk_per_host' in a else '-':>11}{fits:>9}"
             )
     if mem and "none" in docs:
         only = [

@@ -63,7 +63,7 @@ import numpy as np
 
 from fsdp_jax.app.models.lora import is_adapter, spec_from_config
 from fsdp_jax.app.objectives.preference_run import is_preference
-from fsdp_jax.app.planner import moe_memory
+from fsdp_jax.app.planner import moe_memory, nvme_plan
 from fsdp_jax.app.planner.abstract_step import StepBuild
 from fsdp_jax.app.planner.context_memory import context_attention_bytes
 from fsdp_jax.app.planner.residuals import everything_per_token, flash, saved_per_token
@@ -200,7 +200,8 @@ def analytic_memory(build: StepBuild) -> dict[str, int]:
     out["states"] = params + grads + optimizer  # the classic table's "total per device"
     if not all(keep):  # what the update reads and writes besides its state (the step-time model)
         out["trainable"] = sum(shard_bytes(p) for p, k in zip(jax.tree.leaves(st.params), keep) if k)
-    out.update(offload_memory(build, out))
+    nvme = nvme_plan.is_nvme(build.cfg.offload)  # built without offload: the nvme step wraps it
+    out.update(nvme_plan.nvme_memory(build, out, DEVICES_PER_HOST) if nvme else offload_memory(build, out))
     return out
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import jax
 
+from fsdp_jax.app.planner import nvme_plan
 from fsdp_jax.app.planner.abstract_step import build_step
 from fsdp_jax.app.planner.inspection import inspect_compiled
 from fsdp_jax.app.planner.memory_model import activations_by_remat, analytic_memory, argument_bytes
@@ -90,6 +91,8 @@ def plan_strategy(
     mem = ins["compiled"]
     mem.update(_compiled_host(compiled, mem))
     out = _result(cfg, b, analytic, ins, compile_s)
+    if nvme_plan.is_nvme(cfg.offload):  # the program without offload: split as the nvme step runs it
+        nvme_plan.complete_compiled(out)
     if layout_note:
         out["warnings"].append(layout_note)
     if ins["platform"] != "cpu":  # a target's compiled program: its ops for the step-time model

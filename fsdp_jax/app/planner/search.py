@@ -45,6 +45,7 @@ are importable from here too. The user's side (flags, table, YAML) is
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
@@ -52,6 +53,7 @@ from typing import Any
 import numpy as np
 
 from fsdp_jax.app.models.lora import adapter_param_count, spec_from_config
+from fsdp_jax.app.planner import nvme_plan
 from fsdp_jax.app.planner.abstract_step import mesh_shape, target_mesh_sizes
 from fsdp_jax.app.planner.residuals import rematerialised
 from fsdp_jax.app.planner.search_analytic import analytic_pass
@@ -105,7 +107,9 @@ def search(
         mesh_for = lambda s: target_mesh_sizes(cfg, s, n_devices, hosts)  # noqa: E731
     else:
         mesh_for = lambda s: mesh_shape(cfg, s, n_devices)  # noqa: E731
+    space, nvme_note = _without_nvme(cfg, space, limits, target)
     cands, notes = enumerate_candidates(cfg, n_devices, space, mesh_for)
+    notes += nvme_note
     say(f"{len(cands)} candidates; analytic pass (memory model + roofline) ...")
     predict_on, cost_note = ranking_target(target)
     gpu = cost_note is None  # a prediction for the target (a GPU or a TPU chip)
@@ -122,6 +126,13 @@ def search(
     if cost_note:
         notes.append(cost_note)
     notes.append(_offload_note(gpu_target, predict_on))
+    if any(nvme_plan.is_nvme(o) for o in space.offloads):
+        bps, source = nvme_plan.disk_bytes_per_s(predict_on, limits.disk_bytes_per_s)
+        notes.append(
+            f"nvme candidates: host/host is their pinned I/O buffers ({nvme_plan.HOST_BUFFERS} layers); the "
+            f"update's disk I/O at {bps / 1e9:.1f} GB/s per host ({source}) is added to their step, not hidden "
+            "(fsdp_jax.app.planner.nvme_plan)"
+        )
     return {
         "config": config_name,
         "devices": n_devices,
@@ -208,6 +219,18 @@ def _check_host_memory(cands: list[dict], limits: Limits) -> None:
             f"--host-memory: {limits.host_memory / 1e9:.2f} GB per host is less than every candidate "
             f"needs (at least {min(host) / 1e9:.2f} GB); allow more, or add --offload none"
         )
+
+
+def _without_nvme(cfg, space: SearchSpace, limits: Limits, target) -> tuple[SearchSpace, list[str]]:
+    """`space` without its nvme offloads where `nvme_plan.search_refusal` says why (the note)."""
+    nvme = [o for o in space.offloads if nvme_plan.is_nvme(o)]
+    why = nvme and nvme_plan.search_refusal(cfg, ranking_target(target)[0], limits.disk_bytes_per_s)
+    if not why:
+        return space, []
+    rest = tuple(o for o in space.offloads if o not in nvme)
+    if not rest:
+        raise SearchError(f"--offload: {', '.join(nvme)} cannot be searched here: {why}")
+    return dataclasses.replace(space, offloads=rest), [f"offload {', '.join(nvme)} left out: {why}"]
 
 
 def _offload_note(gpu_target: bool, predict_on: str) -> str:

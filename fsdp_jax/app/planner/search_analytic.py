@@ -12,7 +12,8 @@ import jax
 import numpy as np
 
 from fsdp_jax.app.planner.abstract_step import build_step
-from fsdp_jax.app.planner.memory_model import analytic_memory
+from fsdp_jax.app.planner.memory_model import DEVICES_PER_HOST, analytic_memory
+from fsdp_jax.app.planner.nvme_plan import is_nvme
 from fsdp_jax.app.planner.search_prediction import analytic_communication, predict_step
 from fsdp_jax.app.planner.search_space import ANALYTIC_OVER, Limits, candidate_config
 from fsdp_jax.sharding.remat import remat_policy
@@ -24,7 +25,9 @@ def compilable(c: dict[str, Any], gpu_target: bool = False) -> bool:
     the same step compiled without offload (`fsdp_jax.app.planner.target_offload`). An
     offloading remat policy moves activations, which that does not model."""
 
-    return not remat_policy(c["remat"]).offloads and (c["offload"] == "none" or gpu_target)
+    if remat_policy(c["remat"]).offloads:
+        return False
+    return c["offload"] == "none" or is_nvme(c["offload"]) or gpu_target  # nvme: the step without offload
 
 
 def analytic_pass(
@@ -60,9 +63,14 @@ def analytic_pass(
         batch = jax.ShapeDtypeStruct((c["global_batch"], c["seq_len"] + 1), np.int32, sharding=b.plan.batch)
         a = analytic_memory(dataclasses.replace(b, cfg=ccfg, batch=batch))
         a["host_per_host"] = a["host"] * per_host
+        if "disk" in a and per_host != DEVICES_PER_HOST:  # nvme: a host's files and their I/O, rescaled
+            a["disk_per_host"] = a["disk_per_host"] * per_host // DEVICES_PER_HOST
+            a["disk_per_step"] = 2 * a["disk_per_host"]
         c["analytic"] = a
         comm = analytic_communication(ccfg, c["strategy"], tuple(c["mesh"].values()), hosts)
-        c["predicted"] = predict_step(ccfg, target_name, n_devices, {"analytic": a, "communication": comm})
+        c["predicted"] = predict_step(
+            ccfg, target_name, n_devices, {"analytic": a, "communication": comm}, limits.disk_bytes_per_s
+        )
         c["predicted"]["source"] = "analytic"
         c["compilable"] = compilable(c, gpu_target)
         c["compiled"] = None

@@ -13,6 +13,8 @@ import numpy as np
 
 from fsdp_jax.app.models.decoder import count_params
 from fsdp_jax.app.models.lora import adapter_param_count, spec_from_config
+from fsdp_jax.app.planner import nvme_plan
+from fsdp_jax.app.planner.nvme_plan import disk_bytes_per_s
 from fsdp_jax.app.planner.residuals import rematerialised
 from fsdp_jax.app.planner.step_time import BAND, predict, roofline_constants, step_tokens
 from fsdp_jax.sharding.precision import Policy
@@ -71,14 +73,18 @@ def recompute_flops_per_token(model, seq_len: int, remat: str) -> float:
     return float(model.n_layers * per_layer)
 
 
-def predict_step(cfg, target_name: str, n_devices: int, result: dict[str, Any]) -> dict[str, Any] | None:
+def predict_step(
+    cfg, target_name: str, n_devices: int, result: dict[str, Any], disk_bps: float | None = None
+) -> dict[str, Any] | None:
     """The candidate's predicted step: `step_time.predict` (op by op when `result` carries a
     compiled program's `op_inventory`, the figure `plan --target` reports; else the roofline
     with the same table's constants) plus what it leaves out: for the roofline, the recompute
     of remat policies other than `full` (`recompute_flops_per_token`, at the table's peak x
     GEMM efficiency); for both, the offload transfers of a program that moves nothing
     (`analytic.transfer_per_step` over the table's host link, not hidden: the update waits
-    for them). Roofline: step = max(compute + recompute, comm) + update + host. `target_name`:
+    for them; with an nvme offload the slower of that and its disk I/O, `nvme_plan.io_seconds`, at
+    `disk_bps` or the target's). Roofline: step = max(compute + recompute, comm) + update +
+    host. `target_name`:
     a GPU of the step-time table or a TPU generation; None where step_time.predict has none
     (traffic over an unpublished network)."""
 
@@ -92,6 +98,12 @@ def predict_step(cfg, target_name: str, n_devices: int, result: dict[str, Any]) 
     extra_s = 0.0 if ops else tokens * recompute / (k["peak"] * k["efficiency"])
     # compile-only GPUs plan offload without host memory: the program moves nothing, add the formula's
     host_s = 0.0 if ops and p["host_s"] else result["analytic"].get("transfer_per_step", 0) / k["host"]
+    disk_s = 0.0
+    if result["analytic"].get("disk_per_step"):  # nvme: the update streams from the disks too
+        disk_s = nvme_plan.io_seconds(result["analytic"], k["host"], disk_bytes_per_s(target_name, disk_bps)[0])[
+            "disk_s"
+        ]
+        host_s = max(host_s, disk_s)
     g = lambda x: float(f"{x:.4g}")  # noqa: E731
     step = (p["step_s"] + host_s) if ops else max(p["compute_s"] + extra_s, p["comm_s"]) + p["update_s"] + host_s
     scale = p["step_s"] / step if step else 1.0
@@ -105,6 +117,7 @@ def predict_step(cfg, target_name: str, n_devices: int, result: dict[str, Any]) 
         mfu=g(p["mfu"] * scale),
         recompute_s=g(extra_s),
         host_s=g(host_s),
+        disk_s=g(disk_s),
         bound="compute" if p["compute_s"] + extra_s >= p["comm_s"] else "communication",
     )
     return p

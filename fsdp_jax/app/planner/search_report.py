@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from fsdp_jax.app.config.schema import MODEL_CHOICES
+from fsdp_jax.app.planner import nvme_plan
 from fsdp_jax.app.planner.inputs import parse_bytes
 from fsdp_jax.app.planner.report import fmt_bytes
 from fsdp_jax.app.planner.search_space import OFFLOAD_SETTINGS, VARY
@@ -170,7 +171,12 @@ def format_search(doc: dict[str, Any], rows: int = 10) -> str:
         planned = f" (LoRA rank {lo['rank']})" if lo else ""
         lines += ["", f"winner{planned}: {' '.join(w['overrides'])}"]
         lines += [f"  compiled schedule warning: {x}" for x in (w["compiled"] or {}).get("warnings", [])]
-        if w["compiled"] and w["compiled"].get("basis", "compiled") != "compiled":
+        if w["compiled"] and w["compiled"].get("basis") == nvme_plan.BASIS:
+            lines.append(
+                "  device peak: this step compiled without offload - the stacked optimizer state on disk + two "
+                "layers of it; its disk I/O per step is in the step time (fsdp_jax.app.planner.nvme_plan)"
+            )
+        elif w["compiled"] and w["compiled"].get("basis", "compiled") != "compiled":
             lines.append(
                 "  device peak: the target's compile of this step without offload - the state resting "
                 "on the host + its transient device copies (fsdp_jax.app.planner.target_offload)"

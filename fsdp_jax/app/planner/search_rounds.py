@@ -90,6 +90,7 @@ def apply_compiled(cfg, c: dict, r: dict, limits: Limits, n_devices: int, gpu_na
             gpu_name,
             n_devices,
             {"analytic": c["analytic"], "communication": r["communication"], "op_inventory": r.get("op_inventory")},
+            limits.disk_bytes_per_s,
         )
         if p is not None:
             c["predicted"] = {**p, "source": "compiled"}

@@ -13,6 +13,7 @@ from typing import Any
 
 from fsdp_jax.app.planner.abstract_step import mesh_shape
 from fsdp_jax.app.planner.inputs import STRATEGY_ORDER
+from fsdp_jax.app.planner.nvme_plan import is_nvme
 from fsdp_jax.errors import SearchError
 from fsdp_jax.sharding.precision import Policy
 from fsdp_jax.sharding.remat import device_policies
@@ -24,6 +25,7 @@ OFFLOAD_SETTINGS = (
     "optimizer:streamed",
     "optimizer+params:streamed",
     "optimizer+params:streamed-update",
+    "optimizer:nvme",
 )
 VARY = ("batch", "seq")
 # The analytic transient bytes (grads, gathered params, activations: the total minus the
@@ -69,12 +71,14 @@ def attention_kernels(cfg, platform: str | None) -> tuple[str, ...]:
 class Limits:
     """`device_memory` per device; `headroom` kept free (bytes, or a fraction of the device
     memory when `headroom_fraction` is set); `host_memory`: pinned host bytes per host
-    (None: unlimited); how many candidates to compile."""
+    (None: unlimited); `disk_bytes_per_s`: a host's local-disk bandwidth (nvme offloads; None:
+    the ranking target's, `nvme_plan`); how many candidates to compile."""
 
     device_memory: int
     headroom: int = 0
     headroom_fraction: float | None = 0.10
     host_memory: int | None = None
+    disk_bytes_per_s: float | None = None  # a host's local disks, for nvme offloads (None: the target's)
     top: int = 2
     edge: int = 1
     max_compiles: int = 4
@@ -121,6 +125,8 @@ def overrides(cfg, c: dict[str, Any]) -> list[str]:
         f"train.microbatches={c['microbatches']}",
         f"offload={c['offload']}",
     ]
+    if is_nvme(c["offload"]) and not cfg.offload_dirs.strip():
+        out.append("offload_dirs=/nvme0,/nvme1")  # its files' dirs: the node's local NVMe mounts
     if c["global_batch"] != cfg.train.global_batch:
         out.append(f"train.global_batch={c['global_batch']}")
     if c["seq_len"] != cfg.data.seq_len:

@@ -105,6 +105,12 @@ def check_offload(cfg: Config) -> None:
         offload.check_supported("none" if nvme_run.uses_nvme(cfg) else cfg.offload, jax.devices())
     except offload.OffloadError as e:
         raise ConfigError("offload", str(e).removeprefix("offload: ")) from None
+    if nvme_run.uses_nvme(cfg) and not nvme_run.dirs_of(cfg):  # a plan of it needs none: checked here
+        raise ConfigError(
+            "offload_dirs",
+            f"'' is invalid; offload: {cfg.offload} keeps the state in files: name their dirs "
+            "(offload_dirs=/nvme0,/nvme1)",
+        )
     stated_host_memory()  # a bad FSDP_JAX_HOST_MEMORY fails here, offload or not, before anything is written
     if remat.remat_policy(cfg.remat).offloads and not offload.host_memory_available(jax.devices()):
         raise ConfigError(

@@ -1,0 +1,198 @@
+"""NVMe offload planned (`offload: optimizer:nvme`, `fsdp_jax.nvme`): the device side from the
+step compiled without offload, the host buffers, the disk bytes and the disk time by formula.
+
+The nvme step (`fsdp_jax.nvme.step.NvmeStep`) runs the program of a run without offload with
+the stacked optimizer state cut out (it rests in one file per layer), then updates one layer at
+a time: layer i+1 read while layer i updates and layer i-1 is written, through
+`HOST_BUFFERS` page-aligned host buffers of one layer each. So, per device, with S the stored
+(stacked) optimizer state's shard bytes and L the layer count:
+
+    device      = the step without offload - S + 2 S / L   (layer i's state in, its new state out)
+    host        = HOST_BUFFERS x S / L                      (the pinned I/O buffers)
+    disk        = S                                         (x devices per host: a host's files)
+    host<->dev  = 2 S per step                              (each layer's state in and back)
+    disk I/O    = 2 S x devices per host per step           (read once, written once)
+
+The update waits for its I/O (it runs after the backward pass, nothing to hide it behind), so
+a step takes the compute model's time plus `io_seconds`: the slower of the disk (a host's
+read + write bytes over the disk bandwidth: reads and writes share the drives) and the host
+link (per device, each way). The disk bandwidth is a target's `disk` entry in
+`fsdp_jax/targets/perf_tables.json` (a node's local NVMe, sourced there) or `plan --disk-gbps`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from fsdp_jax.app.objectives.preference_run import is_preference
+from fsdp_jax.app.trainer.build import lora_spec
+from fsdp_jax.hlo.memory import shard_bytes
+from fsdp_jax.nvme import HOST_BUFFERS, LAYERED, NVME_OFFLOADS, labels_of
+from fsdp_jax.targets.perf_tables import perf_table
+
+BASIS = "device_side_from_the_step_without_offload_host_and_disk_analytic"
+
+
+def is_nvme(offload: str | None) -> bool:
+    return offload in NVME_OFFLOADS
+
+
+def stored_bytes(build, devices_per_host: int) -> tuple[int, int, int, int]:
+    """(S: per-device bytes of the optimizer state the nvme step keeps in files, a host's bytes
+    of it, its largest leaf's bytes on a host, L: layers) of a planner `StepBuild` (built with
+    offload none, as the trainer builds an nvme run). A host's files hold each distinct shard
+    its devices have once (`Layout`), so a leaf replicated over a host's devices counts once
+    there; the host is the first `devices_per_host` devices of the mesh."""
+    layered = build.plan.layered
+    if layered is None or not any(jax.tree.leaves(layered)):
+        return 0, 0, 0, 1
+    labels = labels_of(build.optimizer, build.state.opt_state, layered)
+    stored = [x for x, m in zip(jax.tree.leaves(build.state.opt_state), jax.tree.leaves(labels)) if m == LAYERED]
+    if not stored:
+        return 0, 0, 0, 1
+    host = sorted(build.mesh.devices.flat, key=lambda d: d.id)[:devices_per_host]
+    per_leaf = []
+    for x in stored:
+        index = x.sharding.devices_indices_map(x.shape)
+        distinct = {tuple((s.start, s.stop) for s in index[d]) for d in host}
+        per_leaf.append(len(distinct) * shard_bytes(x))
+    return sum(shard_bytes(x) for x in stored), sum(per_leaf), max(per_leaf), stored[0].shape[0]
+
+
+def nvme_memory(build, analytic: dict[str, int], devices_per_host: int) -> dict[str, int]:
+    """The module docstring's split of `analytic` (the memory model's bytes of the step
+    without offload): host (per device: its share of a host's buffers), host_per_host,
+    disk, disk_per_host, device_total, transfer_per_step (host<->device bytes per device) and
+    disk_per_step (a host's bytes read + written), checkpoint_host_per_host (a host's memory
+    while `NvmeStep.gather` assembles a checkpoint in it: every stored leaf's stack, and the
+    one being placed twice)."""
+    s, s_host, largest, layers = stored_bytes(build, devices_per_host)
+    layer, layer_host = -(-s // layers), -(-s_host // layers)
+    return {
+        "host": HOST_BUFFERS * layer_host // devices_per_host,
+        "host_per_host": HOST_BUFFERS * layer_host,
+        "disk": s,
+        "disk_per_host": s_host,
+        "device_total": analytic["total"] - s + 2 * layer,
+        "transfer_per_step": 2 * s,
+        "disk_per_step": 2 * s_host,
+        "checkpoint_host_per_host": s_host + largest,
+    }
+
+
+def complete_compiled(r: dict[str, Any]) -> dict[str, Any]:
+    """A plan result of the step without offload (`one_strategy.plan_strategy` of an nvme
+    config: its analytic terms already carry `nvme_memory`) with its compiled figures split
+    the same way: the stored state leaves the argument bytes, two layers of it come back."""
+    a, c = r["analytic"], r["compiled"]
+    moved_back = a["device_total"] - (a["total"] - a["disk"])
+    c["host_argument"] = 0
+    c["device_argument"] = c["argument"] - a["disk"]
+    c["device_peak"] = c["peak"] - a["disk"] + moved_back
+    c["host_reported"] = 0
+    r["offload_basis"] = BASIS
+    r["warnings"].insert(0, note(r["offload"]))
+    r["warnings"].insert(
+        1,
+        f"a checkpoint under {r['offload']} assembles the stacked state in host memory "
+        f"(fsdp_jax.nvme.NvmeStep.gather: each layer file read once, no device room): about "
+        f"{a['checkpoint_host_per_host'] / 1e9:.2f} GB per host while it saves",
+    )
+    return r
+
+
+def note(offload: str) -> str:
+    return (
+        f"offload {offload}: the stacked optimizer state rests in files (disk = its bytes per device, x devices "
+        f"per host); device = this step compiled without offload - that state + two layers of it (the "
+        f"per-layer update's in and out); host = {HOST_BUFFERS} layers of pinned I/O buffers "
+        f"(fsdp_jax.app.planner.nvme_plan)"
+    )
+
+
+def disk_bytes_per_s(target_name: str, stated: float | None = None) -> tuple[float, str]:
+    """(a host's local-disk bandwidth in bytes/s, where it comes from): `stated` (--disk-gbps)
+    or the target's `disk` entry of the step-time table."""
+    if stated is not None:
+        return stated, "--disk-gbps"
+    disk = perf_table(target_name).get("disk")
+    if not disk:
+        raise ValueError(f"target {target_name!r} states no local-disk bandwidth: give --disk-gbps")
+    return disk["bytes_per_s"], f"{target_name} table"
+
+
+def io_seconds(analytic: dict[str, int], host_bytes_per_s: float, disk_bps: float) -> dict[str, float]:
+    """The nvme update's I/O per step: `disk_s` (a host's read + write bytes over the disk),
+    `host_s` (a device's bytes over its host link) and `io_s`, the slower (the pipeline overlaps
+    the two and the update's own compute)."""
+    disk_s = analytic.get("disk_per_step", 0) / disk_bps
+    host_s = analytic.get("transfer_per_step", 0) / host_bytes_per_s
+    return {"disk_s": disk_s, "host_s": host_s, "io_s": max(disk_s, host_s)}
+
+
+def add_io(p: dict[str, Any], analytic: dict[str, int], target_name: str, stated_disk: float | None) -> dict:
+    """A step prediction of the program without offload (`step_time.predict`) with the nvme
+    update's `io_seconds` added (not hidden) and its rates scaled to the longer step; the
+    disk figures it used under `p["io"]`."""
+    bps, source = disk_bytes_per_s(target_name, stated_disk)
+    io = io_seconds(analytic, perf_table(target_name)["host"]["bytes_per_s"], bps)
+    step = p["step_s"] + io["io_s"]
+    scale = p["step_s"] / step if step else 1.0
+    g = lambda x: float(f"{x:.4g}")  # noqa: E731
+    p.update(
+        step_s=g(step),
+        band_s=[g(b + io["io_s"]) for b in p.get("band_s") or (p["step_s"], p["step_s"])],
+        tokens_per_s_per_gpu=g(p["tokens_per_s_per_gpu"] * scale),
+        tflops_per_gpu=g(p["tflops_per_gpu"] * scale),
+        mfu=g(p["mfu"] * scale),
+        io={**{k: g(v) for k, v in io.items()}, "disk_bytes_per_s": bps, "disk_source": source},
+    )
+    return p
+
+
+def notes(offload: str, results: dict[str, dict[str, Any]]) -> list[str]:
+    """The plan's lines for an nvme offload: per strategy, the bytes on disk, in host buffers
+    and through the disks per step, and (with a prediction) the I/O seconds it adds."""
+    gb = lambda n: f"{n / 1e9:.2f} GB"  # noqa: E731
+    lines = [
+        f"offload {offload}: the stacked optimizer state in files on local disks, streamed per layer through "
+        f"{HOST_BUFFERS} pinned host buffers of one layer (fsdp_jax.app.planner.nvme_plan); host = those buffers; "
+        "device = the step without offload - that state + two layers of it"
+    ]
+    for name, r in results.items():
+        a = r["analytic"]
+        line = (
+            f"{name}: disk {gb(a['disk_per_host'])} per host ({gb(a['disk'])} per device), host buffers "
+            f"{gb(a['host_per_host'])} per host, disk I/O {gb(a['disk_per_step'])} per host per step, "
+            f"host<->device {gb(a['transfer_per_step'])} per device per step"
+        )
+        io = (r.get("predicted") or {}).get("io")
+        if io:
+            line += (
+                f"; at {io['disk_bytes_per_s'] / 1e9:.1f} GB/s ({io['disk_source']}) the update waits "
+                f"{io['io_s']:.2f} s for it (disk {io['disk_s']:.2f} s, host link {io['host_s']:.2f} s), in the step time"
+            )
+        lines.append(line)
+    return lines
+
+
+def search_refusal(cfg, target_name: str, disk_bps: float | None) -> str | None:
+    """Why a search leaves nvme offloads out for `cfg` (None: it tries them): a ranking target
+    with no disk figure and no --disk-gbps, or a config the nvme step refuses
+    (`fsdp_jax.nvme.check_streamable`: an optimizer that is not elementwise, no layer stack,
+    frozen params, a model with state)."""
+    try:
+        disk_bytes_per_s(target_name, disk_bps)
+    except ValueError as e:
+        return str(e)
+    if cfg.optimizer.name == "adafactor":
+        return "optimizer.name=adafactor is not elementwise: the nvme step updates one layer at a time"
+    if not cfg.model.scan_layers:
+        return "model.scan_layers=false leaves no layer stack to stream from disk"
+    if lora_spec(cfg) is not None:
+        return "LoRA (frozen params) is not supported by the nvme step yet"
+    if is_preference(cfg):
+        return "a preference objective keeps its reference in model state, which the nvme step does not thread yet"
+    return None
