@@ -8,10 +8,14 @@ decoded, scored by the reward workers (`rewards.RewardPool`), turned into group 
 with `num_iterations` > 1 the sampling policy's log-probs are kept for the clipped ratio and
 the batch serves that many optimizer steps. Everything is a pure function of (seed, step,
 params), so a resume at a generation boundary (every step when num_iterations is 1)
-continues exactly. One process only (the rewards run on its host).
+continues exactly; inside a generation's steps the checkpoint's extras carry that
+generation's batch (`get_state`), so a resume there continues exactly too. One process only (the rewards run on its host).
 """
 
 from __future__ import annotations
+
+import base64
+import binascii
 
 import jax
 import numpy as np
@@ -23,7 +27,7 @@ from fsdp_jax.app.objectives.grpo_data import Codec, load_prompts
 from fsdp_jax.app.objectives.grpo_loss import batch_logps
 from fsdp_jax.app.objectives.rewards import RewardFn, RewardPool, reward_problem
 from fsdp_jax.app.objectives.rollout import make_sampler
-from fsdp_jax.errors import ConfigError
+from fsdp_jax.errors import CheckpointError, ConfigError, one_line
 from fsdp_jax.sharding.precision import Policy
 from fsdp_jax.train.step import sharding_context
 
@@ -89,9 +93,10 @@ def reward_fns(cfg) -> list[RewardFn]:
     return fns
 
 
-def check_grpo(cfg, process_count: int = 1) -> None:
-    """Every GRPO input check that writes nothing: the section, the row sizes, the prompts,
-    and each reward loaded once in a worker (a missing module or function: exit 2)."""
+def check_grpo_config(cfg, process_count: int = 1) -> None:
+    """The GRPO checks that read no file (the planner's): the section, the row sizes, the batch
+    against num_generations, and the options GRPO does not support (offload, mesh.context > 1,
+    several processes): ConfigError, one line."""
     spec, g = grpo_spec(cfg), cfg.grpo
     stop_tokens(cfg)
     if g.max_prompt_len + g.max_new_tokens > cfg.model.max_seq_len:
@@ -112,9 +117,48 @@ def check_grpo(cfg, process_count: int = 1) -> None:
     ):
         if not ok:
             raise ConfigError(key, f"{value!r}: objective grpo does not support it yet (docs/grpo.md)")
+
+
+def check_grpo(cfg, process_count: int = 1) -> None:
+    """Every GRPO input check that writes nothing: `check_grpo_config`, the prompts, and each
+    reward loaded once in a worker (a missing module or function: exit 2)."""
+    check_grpo_config(cfg, process_count)
     load_prompts(cfg)
-    with RewardPool(reward_fns(cfg), workers=1, timeout=g.reward_timeout):
+    with RewardPool(reward_fns(cfg), workers=1, timeout=cfg.grpo.reward_timeout):
         pass
+
+
+def reward_completions(prompts: list, texts: list[str]) -> list:
+    """The completions as the reward functions get them, as TRL's `GRPOTrainer` passes them:
+    the decoded texts, or for conversational prompts (a list of messages, judged by the first
+    prompt) one assistant message each, `[{"role": "assistant", "content": text}]`."""
+    if prompts and isinstance(prompts[0], list):
+        return [[{"role": "assistant", "content": t}] for t in texts]
+    return list(texts)
+
+
+def encode_batch(batch: dict) -> dict:
+    """A host batch of numpy arrays as JSON: {name: {"dtype", "shape", "data": base64 of the
+    raw little-endian bytes}} (exact; no pickle)."""
+    out = {}
+    for k, v in batch.items():
+        a = np.ascontiguousarray(v)
+        le = a.astype(a.dtype.newbyteorder("<"))
+        out[k] = {"dtype": a.dtype.name, "shape": list(a.shape), "data": base64.b64encode(le.tobytes()).decode()}
+    return out
+
+
+def decode_batch(saved: dict) -> dict:
+    """`encode_batch`'s inverse; CheckpointError when the JSON is not such a batch."""
+    try:
+        out = {}
+        for k, v in saved.items():
+            dt = np.dtype(v["dtype"]).newbyteorder("<")
+            raw = np.frombuffer(base64.b64decode(v["data"], validate=True), dt)
+            out[k] = raw.reshape([int(d) for d in v["shape"]]).astype(dt.newbyteorder("="))
+        return out
+    except (KeyError, TypeError, ValueError, binascii.Error) as e:
+        raise CheckpointError(f"extras data.generation: not a saved GRPO batch ({one_line(e, 120)})") from None
 
 
 def _name(ref: str) -> str:
@@ -153,10 +197,19 @@ class GrpoBatches:
         return self
 
     def get_state(self) -> dict:
-        return {"step": self.step}
+        """{"step"}, and inside a generation's `num_iterations` steps its batch ("generation":
+        the generation index and the batch's arrays, `encode_batch`): the policy that sampled
+        it is gone after the first of them, so a resume there takes the batch from here."""
+        out: dict = {"step": self.step}
+        gen = self.step // self.spec.num_iterations
+        if self.step % self.spec.num_iterations and self.cache is not None and self.cache[0] == gen:
+            out["generation"] = {"index": gen, "batch": encode_batch(self.cache[1])}
+        return out
 
     def set_state(self, state: dict) -> None:
         self.step = int(state["step"])
+        saved = state.get("generation")
+        self.cache = None if saved is None else (int(saved["index"]), decode_batch(saved["batch"]))
 
     def close(self) -> None:
         self.pool.close()
@@ -193,7 +246,8 @@ class GrpoBatches:
         stops = set(stop_tokens(self.cfg))
         texts = [self.codec.decode([t for t in comp[b, : clen[b]] if t not in stops]) for b in range(len(rows))]
         columns = {k: [v[i] for i in idx] for k, v in self.prompts.columns.items()}
-        per_func = self.pool.score([self.prompts.texts[i] for i in idx], texts, columns)
+        prompts_in = [self.prompts.texts[i] for i in idx]
+        per_func = self.pool.score(prompts_in, reward_completions(prompts_in, texts), columns)
         adv, total = group_advantages(per_func, [f.weight for f in self.fns], g, self.spec.scale_rewards)
         batch = self._rows(rows, comp, clen, adv)
         if self.old_logps is not None:
