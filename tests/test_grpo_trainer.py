@@ -64,6 +64,8 @@ def train(tmp_path, capsys, env, *extra):
         (["grpo.reward_weights=1 2"], ["grpo.reward_weights", "2 finite weights for 1 rewards"]),
         (["grpo.loss_type=ppo"], ["grpo.loss_type", "dapo"]),
         (["grpo.stop_tokens=ten"], ["grpo.stop_tokens", "integers"]),
+        (["offload=optimizer"], ["offload", "'optimizer'", "objective grpo does not support"]),
+        (["mesh.context=2"], ["mesh.context", "objective grpo does not support"]),
     ],
 )
 def test_bad_grpo_input_one_line(tmp_path, capsys, extra, words):
@@ -74,17 +76,30 @@ def test_bad_grpo_input_one_line(tmp_path, capsys, extra, words):
     assert not run.exists()
 
 
-def stop_at_2(env: dict, overrides: list[str]) -> None:
-    """The run of `overrides`, stopped after step 2 (checkpointed) as a preemption would."""
+def stop_at_2(env: dict, overrides: list[str], n: int = 2) -> None:
+    """The run of `overrides`, stopped after step `n` (checkpointed) as a preemption would."""
     from fsdp_jax.app.trainer.loop import train as train_fn
     from fsdp_jax.app.trainer.setup import load_run_config
 
     os.environ["PYTHONPATH"], old = env["PYTHONPATH"], os.environ.get("PYTHONPATH")
     try:
         cfg = load_run_config(CONFIG, [*BASE, *overrides])
-        assert train_fn(cfg, progress=False, stop_after=2)["preempted"] == "stop_after=2"
+        assert train_fn(cfg, progress=False, stop_after=n)["preempted"] == f"stop_after={n}"
     finally:
         os.environ.pop("PYTHONPATH") if old is None else os.environ.update(PYTHONPATH=old)
+
+
+def saved_extras(step_dir: Path) -> dict:
+    """The JSON extras of a checkpoint step (the file Orbax wrote under extras/)."""
+    for f in sorted((step_dir / "extras").rglob("*")):
+        if f.is_file():
+            try:
+                d = json.loads(f.read_text())
+            except ValueError:
+                continue
+            if isinstance(d, dict) and "data" in d:
+                return d
+    raise AssertionError(f"no extras under {step_dir}")
 
 
 def rows(run: Path) -> dict:
@@ -115,6 +130,30 @@ def test_grpo_run_logs_trl_metrics_and_resumes_exactly(tmp_path, capsys):
     assert 0 <= a[1]["rewards/answer_match/mean"] <= 1 and a[1]["reward_std"] > 0
     rc, _, err = call("export", split, "--hf", tmp_path / "hf", capsys=capsys)  # export as before
     assert rc == 0 and (tmp_path / "hf" / "model.safetensors").is_file(), err[-2000:]
+
+
+@pytest.mark.slow
+def test_resume_inside_a_generation_is_exact(tmp_path, capsys):
+    """Stopped after step 2 of a generation's 3 optimizer steps: the resumed run trains step 3
+    on the batch the first policy sampled (saved in the checkpoint's extras: that policy is
+    gone) and samples step 4's from the params after step 3, bit for bit as the straight run."""
+    data, env = setup_dir(tmp_path)
+    common = [f"data.path={data}", "grpo.num_iterations=3", "grpo.beta=0.04", "train.steps=4"]
+    common += ["optimizer.lr=3e-3", "optimizer.warmup_steps=0", "train.checkpoint_every=10"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    rc, _, err = train(tmp_path, capsys, env, *common, f"run_dir={straight}")
+    assert rc == 0, err[-2000:]
+    stop_at_2(env, [*common, f"run_dir={split}"])
+    extras = saved_extras(split / "checkpoints" / "2")
+    assert extras["data"]["generation"]["index"] == 0, list(extras["data"])
+    rc, out, err = train(tmp_path, capsys, env, *common, f"run_dir={split}")
+    assert rc == 0 and "resuming from checkpoint step 2" in out, err[-2000:]
+    a, b = rows(straight), rows(split)
+    for step in (3, 4):
+        for k in ("loss", "grad_norm", "kl", "clip_ratio/region_mean"):
+            assert a[step][k] == b[step][k], (step, k, a[step][k], b[step][k])
+    assert a[4]["reward"] == b[4]["reward"] and a[4]["completions/mean_length"] == b[4]["completions/mean_length"]
+    assert a[3]["clip_ratio/region_mean"] > 0 or a[3]["kl"] > 0  # step 3 trains off-policy: the batch matters
 
 
 @pytest.mark.slow

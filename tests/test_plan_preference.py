@@ -31,4 +31,3 @@ def test_dpo_plan_counts_the_reference_and_the_pairs(capsys):
     # plus its frozen reference (model state, counted with the optimizer's state): one copy, same dtype
     assert a["optimizer"] - s["optimizer"] == s["params"]
     assert a["activations"] == pytest.approx(2 * sft["analytic"]["activations"], rel=0.01)  # chosen + rejected
-
