@@ -65,7 +65,7 @@ def train(tmp_path, capsys, env, *extra):
         (["grpo.loss_type=ppo"], ["grpo.loss_type", "dapo"]),
         (["grpo.stop_tokens=ten"], ["grpo.stop_tokens", "integers"]),
         (["offload=optimizer"], ["offload", "'optimizer'", "objective grpo does not support"]),
-        (["mesh.context=2"], ["mesh.context", "objective grpo does not support"]),
+        (["mesh.context=2", "data.seq_len=16"], ["mesh.context", "objective grpo does not support"]),
     ],
 )
 def test_bad_grpo_input_one_line(tmp_path, capsys, extra, words):
@@ -139,6 +139,7 @@ def test_resume_inside_a_generation_is_exact(tmp_path, capsys):
     gone) and samples step 4's from the params after step 3, bit for bit as the straight run."""
     data, env = setup_dir(tmp_path)
     common = [f"data.path={data}", "grpo.num_iterations=3", "grpo.beta=0.04", "train.steps=4"]
+    common += ["grpo.rewards=my_rewards:digits"]  # rewards that differ within a group: the policy moves
     common += ["optimizer.lr=3e-3", "optimizer.warmup_steps=0", "train.checkpoint_every=10"]
     straight, split = tmp_path / "straight", tmp_path / "split"
     rc, _, err = train(tmp_path, capsys, env, *common, f"run_dir={straight}")
