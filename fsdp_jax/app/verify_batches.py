@@ -11,6 +11,7 @@ the masked, per-segment step with the global token mean the trainer runs. When v
 the model (`vocab_shrunk`), token ids are folded into the smaller vocab (`id % vocab_size`);
 the segments, positions and weights, which are what the packed step's sharding depends on,
 stay. Without such a corpus: `(global_batch, seq_len + 1)` random int32 tokens, as before.
+A GRPO config (`objective: grpo`): `grpo_batches`, GRPO batches of the trainer's shapes.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from fsdp_jax.app.data.batches import check_tokens, make_batches
+from fsdp_jax.app.objectives.grpo_run import is_grpo
 
 
 def _corpus_kind(cfg) -> str | None:
@@ -35,8 +37,42 @@ def _corpus_kind(cfg) -> str | None:
         return None
 
 
+def grpo_batch(cfg, rng: np.random.Generator) -> dict:
+    """A random GRPO batch of the trainer's shapes (`GrpoBatches.batch`): rows of a prompt of
+    1..P random tokens then a completion of 1..N, right-padded with 0; normal advantages; with
+    num_iterations > 1, sampling log-probs in [-8, -3] (a ratio that clips)."""
+    b, p, n, v = cfg.train.global_batch, cfg.grpo.max_prompt_len, cfg.grpo.max_new_tokens, cfg.model.vocab_size
+    pl = rng.integers(1, p + 1, b).astype(np.int32)
+    cl = rng.integers(1, n + 1, b)
+    mask = (np.arange(n)[None] < cl[:, None]).astype(np.int32)
+    comp = rng.integers(0, v, (b, n), dtype=np.int32) * mask
+    tokens = np.zeros((b, p + n), np.int32)
+    for i in range(b):
+        tokens[i, : pl[i]] = rng.integers(0, v, pl[i])
+        tokens[i, pl[i] : pl[i] + n] = comp[i]
+    batch = {"tokens": tokens, "prompt_len": pl, "completion": comp, "completion_mask": mask}
+    batch["advantages"] = rng.standard_normal(b).astype(np.float32)
+    if cfg.grpo.num_iterations > 1:
+        batch["old_logps"] = -rng.uniform(3, 8, (b, n)).astype(np.float32)
+    return batch
+
+
+def grpo_batches(cfg, steps: int, seed: int) -> list[dict]:
+    """`steps` random GRPO batches (`grpo_batch`) from `seed`."""
+    rng = np.random.default_rng(seed)
+    return [grpo_batch(cfg, rng) for _ in range(steps)]
+
+
 def verify_batches(cfg, steps: int, seed: int, vocab_shrunk: bool = False) -> tuple[list, str]:
     """(`steps` host batches, a note saying what they are); see the module docstring."""
+    if is_grpo(cfg):
+        g = cfg.grpo
+        return grpo_batches(cfg, steps, seed), (
+            f"batches: random GRPO rows ({cfg.train.global_batch} x {g.max_prompt_len} + {g.max_new_tokens} "
+            "tokens, random prompt and completion lengths, normal advantages"
+            + (", sampling log-probs" if g.num_iterations > 1 else "")
+            + "): the GRPO loss"
+        )
     kind = _corpus_kind(cfg)
     if kind == "packed" or (kind == "tokens" and cfg.data.document_mask):
         train = dataclasses.replace(cfg.train, eval_every=0)

@@ -44,6 +44,9 @@ from fsdp_jax.app.devices import use_cpu_devices
 from fsdp_jax.app.exits import fail_env
 from fsdp_jax.app.models.decoder import count_params
 from fsdp_jax.app.models.lora import adapter_mask
+from fsdp_jax.app.objectives import with_reference
+from fsdp_jax.app.objectives.grpo_loss import choose_grpo_reference, make_grpo_loss
+from fsdp_jax.app.objectives.grpo_run import check_grpo_config, grpo_spec, is_grpo
 from fsdp_jax.app.planner.inputs import parse_devices, parse_strategies
 from fsdp_jax.app.trainer.build import has_router_aux, lora_optimizer, lora_spec, make_loss_fn, trainer_model
 from fsdp_jax.app.trainer.optim import build_optimizer
@@ -81,6 +84,8 @@ def run(args) -> int:
     n = parse_devices(args.devices)
     strategies = parse_strategies(args.strategies)
     cfg = load_run_config(args.config, args.overrides)
+    if is_grpo(cfg):  # what the trainer refuses for GRPO (offload, context > 1, ...)
+        check_grpo_config(cfg)
     validate(cfg)
     use_cpu_devices(n)  # before JAX starts: n CPU devices when this machine has fewer
 
@@ -205,6 +210,24 @@ def _verify(args, cfg, strategies, n: int, batches: list, data: int = 1):
     model = trainer_model(cfg.model, cfg.remat, lora)
     optimizer, _ = build_optimizer(dataclasses.replace(cfg.optimizer, warmup_steps=0), cfg.train.steps)
     optimizer = optimizer if lora is None else lora_optimizer(optimizer)
+    if is_grpo(cfg):  # as the trainer: the GRPO loss, its reference in model state when beta > 0
+        spec = grpo_spec(cfg)
+        reference = choose_grpo_reference(spec, lora is not None)
+        model = with_reference(model) if reference == "state" else model
+        return verify(
+            model,
+            optimizer,
+            make_grpo_loss(model, spec, reference),
+            batches=batches,
+            strategies=strategies,
+            devices=n,
+            steps=args.steps,
+            seed=args.seed,
+            **step_options(cfg),
+            data=data,
+            has_aux=True,
+            **({} if lora is None else {"trainable": adapter_mask}),
+        )
     return verify(
         model,
         optimizer,
