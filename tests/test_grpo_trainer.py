@@ -65,6 +65,7 @@ def train(tmp_path, capsys, env, *extra):
         (["grpo.loss_type=ppo"], ["grpo.loss_type", "dapo"]),
         (["grpo.stop_tokens=ten"], ["grpo.stop_tokens", "integers"]),
         (["offload=optimizer"], ["offload", "'optimizer'", "objective grpo does not support"]),
+        (["grpo.eval_path=nowhere.jsonl"], ["grpo.eval_path", "nowhere.jsonl", "no such file"]),
         (["mesh.context=2", "data.seq_len=16"], ["mesh.context", "objective grpo does not support"]),
     ],
 )
@@ -102,6 +103,12 @@ def saved_extras(step_dir: Path) -> dict:
     raise AssertionError(f"no extras under {step_dir}")
 
 
+def eval_rows(run: Path) -> dict:
+    return {
+        r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "eval_reward" in r
+    }
+
+
 def rows(run: Path) -> dict:
     return {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r}
 
@@ -111,9 +118,13 @@ def test_grpo_run_logs_trl_metrics_and_resumes_exactly(tmp_path, capsys):
     data, env = setup_dir(tmp_path)
     common = [f"data.path={data}", "grpo.rewards=my_rewards:digits answer_match", "grpo.reward_weights=1 0.5"]
     common += ["grpo.beta=0.04", "grpo.num_iterations=2", "grpo.top_k=50", "grpo.temperature=1.2"]
+    (tmp_path / "eval").mkdir()
+    evals, _ = setup_dir(tmp_path / "eval", n=8, prompt="{j}+{i}=")  # held-out prompts
+    common += [f"grpo.eval_path={evals}", "train.eval_every=2", "train.eval_batches=1", "train.sample_tokens=1"]
     straight, split = tmp_path / "straight", tmp_path / "split"
-    rc, _, err = train(tmp_path, capsys, env, *common, f"run_dir={straight}", "train.steps=4")
+    rc, out, err = train(tmp_path, capsys, env, *common, f"run_dir={straight}", "train.steps=4")
     assert rc == 0, err[-2000:]
+    assert "sample:\n0+0=" in out, out[-2000:]  # the first eval prompt and its completion
     stop_at_2(env, [*common, f"run_dir={split}", "train.steps=4"])
     rc, out, err = train(tmp_path, capsys, env, *common, f"run_dir={split}", "train.steps=4")
     assert rc == 0 and "resuming from checkpoint step 2" in out, err[-2000:]
@@ -126,6 +137,11 @@ def test_grpo_run_logs_trl_metrics_and_resumes_exactly(tmp_path, capsys):
         for k in ("loss", "grad_norm", "kl", "entropy"):
             assert a[step][k] == b[step][k], (step, k, a[step][k], b[step][k])
     assert a[3]["reward"] == b[3]["reward"] and a[3]["completions/mean_length"] == b[3]["completions/mean_length"]
+    ea, eb = eval_rows(straight), eval_rows(split)
+    assert sorted(ea) == [2, 4] and sorted(eb) == [4]  # no eval when stopping (the split run at step 2)
+    eval_names = ["eval_reward", "eval_rewards/digits/mean", "eval_rewards/answer_match/mean"]
+    assert set(eval_names + ["eval_completions/mean_length"]) <= set(ea[2]), sorted(ea[2])
+    assert ea[4] == eb[4]  # the same params and eval keys: the same eval after a resume
     assert a[1]["kl"] == 0.0 and a[3]["kl"] > 0  # policy == reference until the first update (lr 0 at step 1)
     assert 0 <= a[1]["rewards/answer_match/mean"] <= 1 and a[1]["reward_std"] > 0
     rc, _, err = call("export", split, "--hf", tmp_path / "hf", capsys=capsys)  # export as before

@@ -23,7 +23,7 @@ import numpy as np
 from fsdp_jax.app.data.packed_rows import row_indices
 from fsdp_jax.app.models.generate import SamplingSpec, left_pad
 from fsdp_jax.app.objectives.grpo import GrpoSpec, group_advantages, spec_problem
-from fsdp_jax.app.objectives.grpo_data import Codec, load_prompts
+from fsdp_jax.app.objectives.grpo_data import Codec, PromptSet, load_prompts
 from fsdp_jax.app.objectives.grpo_loss import batch_logps
 from fsdp_jax.app.objectives.rewards import RewardFn, RewardPool, reward_problem
 from fsdp_jax.app.objectives.rollout import make_sampler
@@ -124,6 +124,8 @@ def check_grpo(cfg, process_count: int = 1) -> None:
     reward loaded once in a worker (a missing module or function: exit 2)."""
     check_grpo_config(cfg, process_count)
     load_prompts(cfg)
+    if cfg.grpo.eval_path is not None:
+        load_prompts(cfg, eval_set=True)
     with RewardPool(reward_fns(cfg), workers=1, timeout=cfg.grpo.reward_timeout):
         pass
 
@@ -235,26 +237,34 @@ class GrpoBatches:
         self.step += 1
         return self.cache[1]
 
-    def _generate(self, gen: int) -> dict:
-        g = self.spec.num_generations
-        idx = np.repeat(row_indices(len(self.prompts), self.rows // g, self.cfg.data.seed, gen), g)
-        rows = [self.prompts.tokens[i] for i in idx]
+    def rollout(self, prompt_set: PromptSet, idx, params, key) -> dict:
+        """Sample a completion for each row `idx` of `prompt_set` from `params` with `key`, decode
+        and score it: {"rows" (token lists), "comp" (B, N), "clen" (B,), "texts", "per_func" (B, F)}."""
+        rows = [prompt_set.tokens[i] for i in idx]
         prompts, lengths = left_pad(rows, width=self.p)
-        params = self.state_fn().params
-        out = jax.device_get(self.sample(params, prompts, lengths, jax.random.fold_in(self.key, gen)))
+        out = jax.device_get(self.sample(params, prompts, lengths, key))
         comp, clen = np.asarray(out["tokens"], np.int32), np.asarray(out["lengths"], np.int32)
         stops = set(stop_tokens(self.cfg))
         texts = [self.codec.decode([t for t in comp[b, : clen[b]] if t not in stops]) for b in range(len(rows))]
-        columns = {k: [v[i] for i in idx] for k, v in self.prompts.columns.items()}
-        prompts_in = [self.prompts.texts[i] for i in idx]
+        columns = {k: [v[i] for i in idx] for k, v in prompt_set.columns.items()}
+        prompts_in = [prompt_set.texts[i] for i in idx]
         per_func = self.pool.score(prompts_in, reward_completions(prompts_in, texts), columns)
+        return {"rows": rows, "comp": comp, "clen": clen, "texts": texts, "per_func": per_func}
+
+    def _generate(self, gen: int) -> dict:
+        g = self.spec.num_generations
+        idx = np.repeat(row_indices(len(self.prompts), self.rows // g, self.cfg.data.seed, gen), g)
+        params = self.state_fn().params
+        r = self.rollout(self.prompts, idx, params, jax.random.fold_in(self.key, gen))
+        rows, comp, clen, per_func = r["rows"], r["comp"], r["clen"], r["per_func"]
+        stops = set(stop_tokens(self.cfg))
         adv, total = group_advantages(per_func, [f.weight for f in self.fns], g, self.spec.scale_rewards)
         batch = self._rows(rows, comp, clen, adv)
         if self.old_logps is not None:
             with sharding_context(self.run.plan):
                 batch["old_logps"] = np.asarray(jax.device_get(self.old_logps(params, batch)), np.float32)
         if self.sink is not None:
-            self.sink(self._metrics(per_func, total, comp, clen, stops))
+            self.sink(self.metrics(per_func, total, comp, clen, stops))
         return batch
 
     def _rows(self, rows, comp, clen, adv) -> dict:
@@ -273,7 +283,8 @@ class GrpoBatches:
             "advantages": adv,
         }
 
-    def _metrics(self, per_func, total, comp, clen, stops) -> dict:
+    def metrics(self, per_func, total, comp, clen, stops) -> dict:
+        """The generation metrics (TRL's names) of scored rows: rewards, lengths, clipped ratio."""
         g = self.spec.num_generations
         ended = np.asarray([clen[b] > 0 and int(comp[b, clen[b] - 1]) in stops for b in range(len(clen))])
         grouped = total.reshape(-1, g)
