@@ -106,6 +106,12 @@ def test_plan_refuses_what_grpo_does_not_support(capsys, extra, words):
     one_line(rc, err, *words)
 
 
+def test_plan_search_refuses_grpo(capsys):
+    args = ["--devices", "8", "--device-memory", "1GB", "--search", "init_from=null"]
+    rc, _, err = call("plan", "--config", CONFIG, *args, capsys=capsys)
+    one_line(rc, err, "--search", "objective=grpo", "without --search")
+
+
 def test_plan_refuses_grpo_over_several_hosts(capsys):
     args = ["--target", "h100", "--devices", "16", "--hosts", "2", "init_from=null"]
     rc, _, err = call("plan", "--config", CONFIG, *args, capsys=capsys)
