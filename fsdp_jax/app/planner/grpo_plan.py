@@ -84,11 +84,13 @@ def cache_sharding(plan) -> NamedSharding:
     return NamedSharding(plan.mesh, P(*spec))
 
 
-def generation_programs(build) -> dict[str, Any]:
+def generation_programs(build, params=None) -> dict[str, Any]:
     """{"prefill", "decode_step"}: jax `Lowered`s of the generation's two programs for the
     `build` (an `abstract_step.StepBuild` of a GRPO config), on its mesh, from abstract inputs:
     prefill(params, prompts (B, P), lengths (B,)) -> (last logits, cache) and
-    decode_step(params, last, cache (donated), index, start, done, key) -> (token, last, cache)."""
+    decode_step(params, last, cache (donated), index, start, done, key) -> (token, last, cache).
+    `params`: abstract params in another layout (default: the training layout, `build.state.params`;
+    benchmarks/grpo_decode_layout.py compares a replicated compute-dtype copy)."""
     cfg, plan = build.cfg, build.plan
     g = cfg.grpo
     spec = grpo_spec(cfg)
@@ -102,7 +104,7 @@ def generation_programs(build) -> dict[str, Any]:
     cache = {
         k: jax.ShapeDtypeStruct(cache_shape, policy.compute_dtype, sharding=c_sh) for k in ("k", "v")
     }  # as kv_cache.init_cache
-    params = build.state.params
+    params = build.state.params if params is None else params
 
     def prefill_fn(params, prompts, lengths):
         return prefill(model.bind(policy.cast_to_compute(params)), prompts, lengths, n)
