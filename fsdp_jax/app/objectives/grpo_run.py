@@ -130,6 +130,26 @@ def check_grpo(cfg, process_count: int = 1) -> None:
         pass
 
 
+def grpo_batch(cfg, rng: np.random.Generator) -> dict:
+    """A random GRPO batch of the trainer's shapes (`GrpoBatches.batch`): rows of a prompt of
+    1..P random tokens then a completion of 1..N, right-padded with 0; normal advantages; with
+    num_iterations > 1, sampling log-probs in [-8, -3] (a ratio that clips)."""
+    b, p, n, v = cfg.train.global_batch, cfg.grpo.max_prompt_len, cfg.grpo.max_new_tokens, cfg.model.vocab_size
+    pl = rng.integers(1, p + 1, b).astype(np.int32)
+    cl = rng.integers(1, n + 1, b)
+    mask = (np.arange(n)[None] < cl[:, None]).astype(np.int32)
+    comp = rng.integers(0, v, (b, n), dtype=np.int32) * mask
+    tokens = np.zeros((b, p + n), np.int32)
+    for i in range(b):
+        tokens[i, : pl[i]] = rng.integers(0, v, pl[i])
+        tokens[i, pl[i] : pl[i] + n] = comp[i]
+    batch = {"tokens": tokens, "prompt_len": pl, "completion": comp, "completion_mask": mask}
+    batch["advantages"] = rng.standard_normal(b).astype(np.float32)
+    if cfg.grpo.num_iterations > 1:
+        batch["old_logps"] = -rng.uniform(3, 8, (b, n)).astype(np.float32)
+    return batch
+
+
 def reward_completions(prompts: list, texts: list[str]) -> list:
     """The completions as the reward functions get them, as TRL's `GRPOTrainer` passes them:
     the decoded texts, or for conversational prompts (a list of messages, judged by the first

@@ -28,12 +28,11 @@ import numpy as np
 from fsdp_jax.app.data.packing import batch_from_rows
 from fsdp_jax.app.objectives import choose_reference, make_preference_loss, with_reference
 from fsdp_jax.app.objectives.grpo_loss import choose_grpo_reference, make_grpo_loss
-from fsdp_jax.app.objectives.grpo_run import grpo_spec, is_grpo
+from fsdp_jax.app.objectives.grpo_run import grpo_batch, grpo_spec, is_grpo
 from fsdp_jax.app.objectives.preference_run import is_preference, preference_spec
 from fsdp_jax.app.planner.grpo_plan import abstract_grpo_batch, row_cfg
 from fsdp_jax.app.trainer.build import build_from_config, fp8_recipe, lora_optimizer, lora_spec, trainer_model
 from fsdp_jax.app.trainer.optim import build_optimizer
-from fsdp_jax.app.verify_batches import grpo_batch
 from fsdp_jax.errors import PlanError, one_line
 from fsdp_jax.sharding.mesh import make_mesh, resolve_mesh_shape
 from fsdp_jax.sharding.strategy import get_strategy
@@ -117,7 +116,7 @@ def sample_batch(cfg, batch, rng: np.random.Generator):
     """A concrete host batch shaped like `batch` (`abstract_batch`) for timing the step:
     random tokens; a packed batch holds two examples per row, every target trained; a
     preference pair's first half is its prompt, the rest its completion; a GRPO batch is
-    `verify_batches.grpo_batch`'s."""
+    `grpo_run.grpo_batch`'s."""
     if is_grpo(cfg):
         return grpo_batch(row_cfg(cfg), rng)
     if isinstance(batch, dict) and "completion" in batch:

@@ -7,7 +7,7 @@ import dataclasses
 import time
 
 from fsdp_jax.app.objectives import grpo_eval
-from fsdp_jax.app.trainer.hooks import Hook, LoopState
+from fsdp_jax.app.trainer.hooks import EvalHook, Hook, LoopState, SampleHook
 
 
 @dataclasses.dataclass
@@ -46,9 +46,12 @@ class GrpoSampleHook(Hook):
         lp.summary["sample"] = grpo_eval.sample(lp.batches, lp.state.params, self.prompts or lp.batches.prompts)
 
 
-def grpo_hooks(cfg) -> tuple[Hook, Hook]:
-    """(eval hook, sample hook) of a GRPO run."""
+def with_grpo_hooks(hooks: list[Hook], cfg) -> list[Hook]:
+    """`hooks` (`hooks.default_hooks`) with the SFT eval and sample hooks replaced by the GRPO
+    ones, in their places."""
     prompts = grpo_eval.eval_prompts(cfg)
-    return GrpoEvalHook(every=cfg.train.eval_every, prompts=prompts), GrpoSampleHook(
-        on=cfg.train.sample_tokens > 0, prompts=prompts
-    )
+    swap = {
+        EvalHook: GrpoEvalHook(every=cfg.train.eval_every, prompts=prompts),
+        SampleHook: GrpoSampleHook(on=cfg.train.sample_tokens > 0, prompts=prompts),
+    }
+    return [swap.get(type(h), h) for h in hooks]

@@ -212,17 +212,11 @@ class SampleHook(Hook):
 def default_hooks(cfg, profiler: ProfileWindow) -> list[Hook]:
     """The trainer's hooks for `cfg`, in the order they run."""
     c = cfg.train
-    evaluation: Hook = EvalHook(every=c.eval_every)
-    sample: Hook = SampleHook(tokens=c.sample_tokens if cfg.objective == "sft" else 0)  # preference: no corpus
-    if cfg.objective == "grpo":  # generation + rewards on held-out prompts (trainer.grpo_hooks)
-        from fsdp_jax.app.trainer.grpo_hooks import grpo_hooks
-
-        evaluation, sample = grpo_hooks(cfg)
     return [
         ProfileHook(profiler=profiler),
         NonFiniteGuard(limit=c.max_nonfinite_steps),
         LogHook(every=c.log_every),
-        evaluation,
+        EvalHook(every=c.eval_every),
         CheckpointHook(every=c.checkpoint_every),
-        sample,
+        SampleHook(tokens=c.sample_tokens if cfg.objective == "sft" else 0),  # preference rows: no corpus to prompt
     ]
