@@ -64,6 +64,9 @@ def train(tmp_path, capsys, env, *extra):
         (["grpo.reward_weights=1 2"], ["grpo.reward_weights", "2 finite weights for 1 rewards"]),
         (["grpo.loss_type=ppo"], ["grpo.loss_type", "dapo"]),
         (["grpo.stop_tokens=ten"], ["grpo.stop_tokens", "integers"]),
+        (["offload=optimizer"], ["offload", "'optimizer'", "objective grpo does not support"]),
+        (["grpo.eval_path=nowhere.jsonl"], ["grpo.eval_path", "nowhere.jsonl", "no such file"]),
+        (["mesh.context=2", "data.seq_len=16"], ["mesh.context", "objective grpo does not support"]),
     ],
 )
 def test_bad_grpo_input_one_line(tmp_path, capsys, extra, words):
@@ -74,17 +77,36 @@ def test_bad_grpo_input_one_line(tmp_path, capsys, extra, words):
     assert not run.exists()
 
 
-def stop_at_2(env: dict, overrides: list[str]) -> None:
-    """The run of `overrides`, stopped after step 2 (checkpointed) as a preemption would."""
+def stop_at_2(env: dict, overrides: list[str], n: int = 2) -> None:
+    """The run of `overrides`, stopped after step `n` (checkpointed) as a preemption would."""
     from fsdp_jax.app.trainer.loop import train as train_fn
     from fsdp_jax.app.trainer.setup import load_run_config
 
     os.environ["PYTHONPATH"], old = env["PYTHONPATH"], os.environ.get("PYTHONPATH")
     try:
         cfg = load_run_config(CONFIG, [*BASE, *overrides])
-        assert train_fn(cfg, progress=False, stop_after=2)["preempted"] == "stop_after=2"
+        assert train_fn(cfg, progress=False, stop_after=n)["preempted"] == f"stop_after={n}"
     finally:
         os.environ.pop("PYTHONPATH") if old is None else os.environ.update(PYTHONPATH=old)
+
+
+def saved_extras(step_dir: Path) -> dict:
+    """The JSON extras of a checkpoint step (the file Orbax wrote under extras/)."""
+    for f in sorted((step_dir / "extras").rglob("*")):
+        if f.is_file():
+            try:
+                d = json.loads(f.read_text())
+            except ValueError:
+                continue
+            if isinstance(d, dict) and "data" in d:
+                return d
+    raise AssertionError(f"no extras under {step_dir}")
+
+
+def eval_rows(run: Path) -> dict:
+    return {
+        r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "eval_reward" in r
+    }
 
 
 def rows(run: Path) -> dict:
@@ -96,9 +118,13 @@ def test_grpo_run_logs_trl_metrics_and_resumes_exactly(tmp_path, capsys):
     data, env = setup_dir(tmp_path)
     common = [f"data.path={data}", "grpo.rewards=my_rewards:digits answer_match", "grpo.reward_weights=1 0.5"]
     common += ["grpo.beta=0.04", "grpo.num_iterations=2", "grpo.top_k=50", "grpo.temperature=1.2"]
+    (tmp_path / "eval").mkdir()
+    evals, _ = setup_dir(tmp_path / "eval", n=8, prompt="{j}+{i}=")  # held-out prompts
+    common += [f"grpo.eval_path={evals}", "train.eval_every=2", "train.eval_batches=1", "train.sample_tokens=1"]
     straight, split = tmp_path / "straight", tmp_path / "split"
-    rc, _, err = train(tmp_path, capsys, env, *common, f"run_dir={straight}", "train.steps=4")
+    rc, out, err = train(tmp_path, capsys, env, *common, f"run_dir={straight}", "train.steps=4")
     assert rc == 0, err[-2000:]
+    assert "sample:\n0+0=" in out, out[-2000:]  # the first eval prompt and its completion
     stop_at_2(env, [*common, f"run_dir={split}", "train.steps=4"])
     rc, out, err = train(tmp_path, capsys, env, *common, f"run_dir={split}", "train.steps=4")
     assert rc == 0 and "resuming from checkpoint step 2" in out, err[-2000:]
@@ -111,10 +137,40 @@ def test_grpo_run_logs_trl_metrics_and_resumes_exactly(tmp_path, capsys):
         for k in ("loss", "grad_norm", "kl", "entropy"):
             assert a[step][k] == b[step][k], (step, k, a[step][k], b[step][k])
     assert a[3]["reward"] == b[3]["reward"] and a[3]["completions/mean_length"] == b[3]["completions/mean_length"]
+    ea, eb = eval_rows(straight), eval_rows(split)
+    assert sorted(ea) == [2, 4] and sorted(eb) == [4]  # no eval when stopping (the split run at step 2)
+    eval_names = ["eval_reward", "eval_rewards/digits/mean", "eval_rewards/answer_match/mean"]
+    assert set(eval_names + ["eval_completions/mean_length"]) <= set(ea[2]), sorted(ea[2])
+    assert ea[4] == eb[4]  # the same params and eval keys: the same eval after a resume
     assert a[1]["kl"] == 0.0 and a[3]["kl"] > 0  # policy == reference until the first update (lr 0 at step 1)
     assert 0 <= a[1]["rewards/answer_match/mean"] <= 1 and a[1]["reward_std"] > 0
     rc, _, err = call("export", split, "--hf", tmp_path / "hf", capsys=capsys)  # export as before
     assert rc == 0 and (tmp_path / "hf" / "model.safetensors").is_file(), err[-2000:]
+
+
+@pytest.mark.slow
+def test_resume_inside_a_generation_is_exact(tmp_path, capsys):
+    """Stopped after step 2 of a generation's 3 optimizer steps: the resumed run trains step 3
+    on the batch the first policy sampled (saved in the checkpoint's extras: that policy is
+    gone) and samples step 4's from the params after step 3, bit for bit as the straight run."""
+    data, env = setup_dir(tmp_path)
+    common = [f"data.path={data}", "grpo.num_iterations=3", "grpo.beta=0.04", "train.steps=4"]
+    common += ["grpo.rewards=my_rewards:digits"]  # rewards that differ within a group: the policy moves
+    common += ["optimizer.lr=3e-3", "optimizer.warmup_steps=0", "train.checkpoint_every=10"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    rc, _, err = train(tmp_path, capsys, env, *common, f"run_dir={straight}")
+    assert rc == 0, err[-2000:]
+    stop_at_2(env, [*common, f"run_dir={split}"])
+    extras = saved_extras(split / "checkpoints" / "2")
+    assert extras["data"]["generation"]["index"] == 0, list(extras["data"])
+    rc, out, err = train(tmp_path, capsys, env, *common, f"run_dir={split}")
+    assert rc == 0 and "resuming from checkpoint step 2" in out, err[-2000:]
+    a, b = rows(straight), rows(split)
+    for step in (3, 4):
+        for k in ("loss", "grad_norm", "kl", "clip_ratio/region_mean"):
+            assert a[step][k] == b[step][k], (step, k, a[step][k], b[step][k])
+    assert a[4]["reward"] == b[4]["reward"] and a[4]["completions/mean_length"] == b[4]["completions/mean_length"]
+    assert a[3]["clip_ratio/region_mean"] > 0 or a[3]["kl"] > 0  # step 3 trains off-policy: the batch matters
 
 
 @pytest.mark.slow

@@ -219,6 +219,7 @@ OUT_OF_RANGE: dict[str, typing.Any] = {
     "grpo.reward_workers": 0,
     "grpo.reward_timeout": 0.0,
     "grpo.on_nan": "ignore",
+    "grpo.eval_path": None,  # a path, or null (no eval): a missing file is tests/test_grpo_trainer.py's
     "grpo.prompt_key": None,
     "grpo.tokenizer": None,
     "offload_dirs": None,  # any string: its dirs are checked when offload is optimizer:nvme (tests/test_nvme.py)

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from helpers import call, one_line
+from helpers import call
 
 
 def _plan(capsys, config, *overrides):
@@ -31,13 +31,6 @@ def test_dpo_plan_counts_the_reference_and_the_pairs(capsys):
     # plus its frozen reference (model state, counted with the optimizer's state): one copy, same dtype
     assert a["optimizer"] - s["optimizer"] == s["params"]
     assert a["activations"] == pytest.approx(2 * sft["analytic"]["activations"], rel=0.01)  # chosen + rejected
-
-
-def test_grpo_plan_is_refused_in_one_line(capsys):
-    """The GRPO step (generation + training) is not planned yet: one line naming it, exit 2
-    (it was a TypeError from the SFT step built with GRPO's aux outputs)."""
-    rc, _, err = call("plan", "--config", "configs/grpo_tiny.yaml", "--devices", "8", capsys=capsys)
-    one_line(rc, err, "objective=grpo", "objective=sft")
 
 
 def test_predicted_step_counts_both_rows_and_the_reference_forward():

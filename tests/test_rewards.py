@@ -36,6 +36,11 @@ def short(prompts, completions, **kw):
 
 def hangs(prompts, completions, **kw):
     time.sleep(60)
+
+def chat_content(prompts, completions, **kw):  # TRL's conversational shape, or fail
+    assert all(p[-1]["role"] == "user" for p in prompts), prompts
+    assert all(c == [{"role": "assistant", "content": c[0]["content"]}] for c in completions), completions
+    return [float(len(c[0]["content"])) for c in completions]
 """
 
 
@@ -109,3 +114,22 @@ def test_builtins_and_names():
     assert reward_problem(RewardFn("mod.sub:fn")) is None
     assert "built-in" in reward_problem(RewardFn("nonsense"))
     assert "module:function" in reward_problem(RewardFn("mod:"))
+
+
+def test_conversational_prompts_get_message_completions(user_dir):
+    """As TRL's GRPOTrainer: chat-format prompts give each reward its completion as one
+    assistant message; string prompts the text."""
+    from fsdp_jax.app.objectives.grpo_run import reward_completions
+
+    chat = [[{"role": "system", "content": "s"}, {"role": "user", "content": "2+3="}]] * 3
+    comps = reward_completions(chat, ["5", "six", ""])
+    assert comps == [[{"role": "assistant", "content": t}] for t in ("5", "six", "")]
+    assert reward_completions(["2+3="] * 2, ["5", "x"]) == ["5", "x"]
+    fns = [
+        RewardFn("my_rewards:chat_content"),
+        RewardFn("answer_match"),
+        RewardFn("format", args=(("pattern", "\\d"),)),
+    ]
+    with RewardPool(fns, timeout=30) as pool:
+        got = pool.score(chat, comps, {"answer": ["5", "5", "5"]})
+    np.testing.assert_array_equal(got, [[1, 1, 1], [3, 0, 0], [0, 0, 0]])

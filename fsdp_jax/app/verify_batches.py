@@ -11,6 +11,7 @@ the masked, per-segment step with the global token mean the trainer runs. When v
 the model (`vocab_shrunk`), token ids are folded into the smaller vocab (`id % vocab_size`);
 the segments, positions and weights, which are what the packed step's sharding depends on,
 stay. Without such a corpus: `(global_batch, seq_len + 1)` random int32 tokens, as before.
+A GRPO config (`objective: grpo`): `grpo_batches`, GRPO batches of the trainer's shapes.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from fsdp_jax.app.data.batches import check_tokens, make_batches
+from fsdp_jax.app.objectives.grpo_run import grpo_batch, is_grpo
 from fsdp_jax.app.objectives.preference_run import is_preference, make_preference_batches
 
 
@@ -36,6 +38,12 @@ def _corpus_kind(cfg) -> str | None:
         return None
 
 
+def grpo_batches(cfg, steps: int, seed: int) -> list[dict]:
+    """`steps` random GRPO batches (`grpo_batch`) from `seed`."""
+    rng = np.random.default_rng(seed)
+    return [grpo_batch(cfg, rng) for _ in range(steps)]
+
+
 def verify_batches(cfg, steps: int, seed: int, vocab_shrunk: bool = False) -> tuple[list, str]:
     """(`steps` host batches, a note saying what they are); see the module docstring."""
     if is_preference(cfg):  # the trainer's pair batches (the reference's log-probs computed in the step)
@@ -48,6 +56,14 @@ def verify_batches(cfg, steps: int, seed: int, vocab_shrunk: bool = False) -> tu
                 b["tokens"] = b["tokens"] % cfg.model.vocab_size
             out.append(b)
         return out, f"batches: the trainer's first {steps} batches of pairs of {cfg.data.path} {out[0]['tokens'].shape}"
+    if is_grpo(cfg):
+        g = cfg.grpo
+        return grpo_batches(cfg, steps, seed), (
+            f"batches: random GRPO rows ({cfg.train.global_batch} x {g.max_prompt_len} + {g.max_new_tokens} "
+            "tokens, random prompt and completion lengths, normal advantages"
+            + (", sampling log-probs" if g.num_iterations > 1 else "")
+            + "): the GRPO loss"
+        )
     kind = _corpus_kind(cfg)
     if kind == "packed" or (kind == "tokens" and cfg.data.document_mask):
         train = dataclasses.replace(cfg.train, eval_every=0)

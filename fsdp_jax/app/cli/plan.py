@@ -41,6 +41,7 @@ from fsdp_jax.app.cli.args import add_config, add_target, check_out_file, requir
 from fsdp_jax.app.cli.command import run_command
 from fsdp_jax.app.cli.flags import Parser, int_in
 from fsdp_jax.app.host_memory import HOST_MEMORY_ENV, fmt_size, host_memory, stated_host_memory
+from fsdp_jax.app.objectives.grpo_run import is_grpo
 from fsdp_jax.app.planner import search_report
 from fsdp_jax.app.planner.estimate import format_offload_table, plan_config
 from fsdp_jax.app.planner.inputs import (
@@ -258,6 +259,11 @@ def search_command(args) -> int:
     )
     rows = 10 if args.rows is None else parse_devices(args.rows, "--rows")
     cfg = load_planning_config(args.config, args.overrides, n, target)
+    if is_grpo(cfg):  # the search ranks training steps: it knows neither generation nor what GRPO refuses
+        raise SearchError(
+            "--search: objective=grpo is not searched (it ranks training steps alone and would try offload, "
+            "which GRPO refuses); plan the GRPO step without --search (docs/grpo.md)"
+        )
     if devices_for(n) is None and args.argv is not None and not os.environ.get(SEARCH_CHILD):
         return search_in_child(args.argv)
     space = dataclasses.replace(space, attentions=attentions or attention_kernels(cfg, target and target.platform))

@@ -45,8 +45,11 @@ from fsdp_jax.app.devices import use_cpu_devices
 from fsdp_jax.app.exits import fail_env
 from fsdp_jax.app.models.decoder import count_params
 from fsdp_jax.app.models.lora import adapter_mask
+from fsdp_jax.app.objectives import with_reference
+from fsdp_jax.app.objectives.grpo_loss import choose_grpo_reference, make_grpo_loss
+from fsdp_jax.app.objectives.grpo_run import check_grpo_config, grpo_spec, is_grpo
 from fsdp_jax.app.objectives.preference_run import is_preference, preference_spec
-from fsdp_jax.app.objectives.reference import choose_reference, make_preference_loss, with_reference
+from fsdp_jax.app.objectives.reference import choose_reference, make_preference_loss
 from fsdp_jax.app.planner.inputs import parse_devices, parse_strategies
 from fsdp_jax.app.trainer.build import has_router_aux, lora_optimizer, lora_spec, make_loss_fn, trainer_model
 from fsdp_jax.app.trainer.optim import build_optimizer
@@ -85,6 +88,8 @@ def run(args) -> int:
     n = parse_devices(args.devices)
     strategies = parse_strategies(args.strategies)
     cfg = load_run_config(args.config, args.overrides)
+    if is_grpo(cfg):  # what the trainer refuses for GRPO (offload, context > 1, ...)
+        check_grpo_config(cfg)
     validate(cfg)
     use_cpu_devices(n)  # before JAX starts: n CPU devices when this machine has fewer
 
@@ -217,6 +222,11 @@ def _verify(args, cfg, strategies, n: int, batches: list, data: int = 1):
         model = with_reference(model) if reference == "state" else model
         router = functools.partial(router_terms, cfg.model) if has_aux else None
         loss_fn, has_aux = make_preference_loss(model, spec, reference, router), True
+    elif is_grpo(cfg):  # as the trainer: the GRPO loss, its reference in model state when beta > 0
+        spec = grpo_spec(cfg)
+        reference = choose_grpo_reference(spec, lora is not None)
+        model = with_reference(model) if reference == "state" else model
+        loss_fn, has_aux = make_grpo_loss(model, spec, reference), True
     return verify(
         model,
         optimizer,
@@ -233,7 +243,7 @@ def _verify(args, cfg, strategies, n: int, batches: list, data: int = 1):
         has_aux=has_aux,
         # a mixture of experts: the experts' token counts are compared exactly; from a step at which
         # a token's top-k choice flipped (a near-tie) the steps are reported, not judged (docs/moe.md)
-        **({"routing": "expert_load"} if has_router_aux(cfg.model) and not is_preference(cfg) else {}),
+        **({"routing": "expert_load"} if has_router_aux(cfg.model) and cfg.objective == "sft" else {}),
         **({} if lora is None else {"trainable": adapter_mask}),
     )
 

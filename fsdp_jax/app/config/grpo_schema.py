@@ -33,5 +33,6 @@ class GrpoConfig:
     reward_workers: int = limit(1, "> 0")  # reward worker processes
     reward_timeout: float = limit(60.0, "> 0")  # seconds a batch's rewards may take
     on_nan: str = limit("stop", choices=("stop", "drop"))  # a NaN reward: stop the run, or leave it unscored
+    eval_path: str | None = None  # prompt rows (as data.path) that train.eval_every evaluates; null = no eval
     prompt_key: str = "prompt"
     tokenizer: str | None = None  # a tokenizer.json (or its dir); null = UTF-8 bytes

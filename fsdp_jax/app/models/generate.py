@@ -1,6 +1,7 @@
 """Batched generation from the decoder with a KV cache: one prefill over the left-padded
 prompts, then one cached forward per new token (`models/kv_cache.py`), all in one jitted
-`lax.while_loop` that stops when every row has emitted a stop token.
+`lax.while_loop` that stops when every row has emitted a stop token (`prefill`, then
+`decode_step` per token: the planner compiles the two alone, `planner/grpo_plan.py`).
 
     spec = SamplingSpec(max_new_tokens=32, temperature=1.0, top_p=0.9, stop_tokens=(10,))
     prompts, lengths = left_pad([[1, 2, 3], [4, 5]], pad_id=0)   # (B, P), (B,)
@@ -67,8 +68,28 @@ def sample_logits(logits, key, spec: SamplingSpec):
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
+def prefill(model, prompts, lengths, max_new_tokens: int):
+    """The generation's first forward: (last logits (B, V) float32, KV cache of P +
+    `max_new_tokens` slots holding the prompts). `prompts` (B, P) left-padded, `lengths` (B,)."""
+    b, p = prompts.shape
+    start = (p - lengths).astype(jnp.int32)
+    cache = init_cache(model.cfg, b, p + max_new_tokens, model.embed[...].dtype)
+    logits, cache = forward_cached(model, prompts, cache, 0, start)
+    return logits[:, -1].astype(jnp.float32), cache
+
+
+def decode_step(model, last, cache, index, start, done, key, spec: SamplingSpec):
+    """One decode step: (token (B,) int32 drawn from `last` (B, V) with `key`, `spec.pad_id`
+    where `done` (B,) bool, the logits (B, V) float32 after it, the cache with its slot
+    `index` written). `start` (B,): each row's first real slot. Done rows still run."""
+    tok = jnp.where(done, spec.pad_id, sample_logits(last, key, spec))
+    lg, cache = forward_cached(model, tok[:, None], cache, index, start)
+    return tok, lg[:, 0].astype(jnp.float32), cache
+
+
 def generate(model, prompts, lengths, key, spec: SamplingSpec, return_logits: bool = False) -> dict:
-    """Sample up to `spec.max_new_tokens` after each left-padded prompt (traced; jit it).
+    """Sample up to `spec.max_new_tokens` after each left-padded prompt (traced; jit it):
+    `prefill`, then `decode_step` in a `lax.while_loop`.
 
     `model`: a bound `decoder.Decoder` (params in their compute dtype); `prompts` (B, P)
     int32, `lengths` (B,) int32 real tokens per row. Returns {"tokens" (B, N) int32,
@@ -76,15 +97,13 @@ def generate(model, prompts, lengths, key, spec: SamplingSpec, return_logits: bo
     float32: the logits each token was drawn from (tests compare them with the full forward)."""
     b, p = prompts.shape
     n = spec.max_new_tokens
-    dtype = model.embed[...].dtype
     start = (p - lengths).astype(jnp.int32)
-    cache = init_cache(model.cfg, b, p + n, dtype)
-    logits, cache = forward_cached(model, prompts, cache, 0, start)
+    last, cache = prefill(model, prompts, lengths, n)
     stops = jnp.asarray(spec.stop_tokens or (-1,), jnp.int32)
-    v = logits.shape[-1]
+    v = last.shape[-1]
     state = {
         "i": jnp.int32(0),
-        "last": logits[:, -1].astype(jnp.float32),
+        "last": last,
         "cache": cache,
         "tokens": jnp.full((b, n), spec.pad_id, jnp.int32),
         "done": jnp.zeros((b,), bool),
@@ -98,15 +117,15 @@ def generate(model, prompts, lengths, key, spec: SamplingSpec, return_logits: bo
 
     def body(st):
         i = st["i"]
-        tok = sample_logits(st["last"], jax.random.fold_in(key, i), spec)
-        tok = jnp.where(st["done"], spec.pad_id, tok)
-        out = dict(st, i=i + 1, tokens=st["tokens"].at[:, i].set(tok))
+        m = nnx.merge(graphdef, st["weights"])
+        tok, last, cache = decode_step(
+            m, st["last"], st["cache"], p + i, start, st["done"], jax.random.fold_in(key, i), spec
+        )
+        out = dict(st, i=i + 1, tokens=st["tokens"].at[:, i].set(tok), last=last, cache=cache)
         out["lengths"] = st["lengths"] + (~st["done"]).astype(jnp.int32)
         out["done"] = st["done"] | jnp.isin(tok, stops)
         if return_logits:
             out["logits"] = st["logits"].at[:, i].set(st["last"])
-        lg, out["cache"] = forward_cached(nnx.merge(graphdef, st["weights"]), tok[:, None], st["cache"], p + i, start)
-        out["last"] = lg[:, 0].astype(jnp.float32)
         return out
 
     def cond(st):

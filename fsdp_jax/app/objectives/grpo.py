@@ -119,8 +119,8 @@ def group_advantages(rewards_per_func, weights, g: int, scale: str) -> tuple[np.
 
 def completion_logits(logits, batch):
     """(B, N, V) logits that score the completion tokens: row b's completion starts after its
-    `prompt_len[b]` prompt tokens in `tokens` (B, P + N), right-padded; `logits` (B, L - 1, V)
-    of `tokens[:, :-1]`."""
+    `prompt_len[b]` prompt tokens in `tokens` (B, P + N), right-padded; `logits` (B, L, V)
+    of `tokens` (or of `tokens[:, :-1]`: the last position is never read)."""
     n = batch["completion"].shape[1]
     idx = batch["prompt_len"][:, None].astype(jnp.int32) - 1 + jnp.arange(n)[None]  # (B, N)
     return jnp.take_along_axis(logits, idx[..., None], axis=1)

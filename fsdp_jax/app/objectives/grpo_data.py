@@ -67,15 +67,15 @@ class Codec:
         return self.tok.decode(ids)
 
 
-def prompt_files(path: str) -> list[Path]:
+def prompt_files(path: str, key: str = "data.path") -> list[Path]:
     p = Path(path)
     if not p.exists():
-        raise ConfigError("data.path", f"{path!r}: no such file or directory (GRPO prompts: .jsonl, .parquet)")
+        raise ConfigError(key, f"{path!r}: no such file or directory (GRPO prompts: .jsonl, .parquet)")
     if p.is_file() or (p / "dataset_info.json").is_file() or (p / "state.json").is_file():
         return [p]
     files = sorted(f for f in p.rglob("*") if f.suffix in (".jsonl", ".parquet"))
     if not files:
-        raise ConfigError("data.path", f"{path!r}: no .jsonl or .parquet files of prompt rows in it")
+        raise ConfigError(key, f"{path!r}: no .jsonl or .parquet files of prompt rows in it")
     return files
 
 
@@ -113,8 +113,10 @@ def _load(files: tuple, key: str, tokenizer: str | None, max_len: int, vocab: in
     return PromptSet(tuple(rows["tokens"]), tuple(rows["texts"]), rows["columns"])
 
 
-def load_prompts(cfg) -> PromptSet:
-    """The run's prompt rows (read and tokenized once per process; a changed file reloads)."""
-    files = tuple((f, f.stat().st_mtime_ns, f.stat().st_size) for f in prompt_files(cfg.data.path))
+def load_prompts(cfg, eval_set: bool = False) -> PromptSet:
+    """The run's prompt rows, or with `eval_set` those of grpo.eval_path (read and tokenized
+    once per process; a changed file reloads)."""
+    path, key = (cfg.grpo.eval_path, "grpo.eval_path") if eval_set else (cfg.data.path, "data.path")
+    files = tuple((f, f.stat().st_mtime_ns, f.stat().st_size) for f in prompt_files(path, key))
     g = cfg.grpo
     return _load(files, g.prompt_key, g.tokenizer, g.max_prompt_len, cfg.model.vocab_size)

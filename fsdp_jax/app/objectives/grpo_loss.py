@@ -30,9 +30,11 @@ def choose_grpo_reference(spec: GrpoSpec, lora: bool) -> str:
 
 
 def policy_logits(model: ModelFns, params, batch, key=None):
-    """(B, N, V) logits scoring each row's completion tokens."""
+    """(B, N, V) logits scoring each row's completion tokens. The model reads the whole row,
+    P + N tokens (the last one's logits go unused): rows of the width the user chose, which
+    XLA:GPU tiles (8 x 1535 rows of Llama-3.1-8B's backward found no Triton GEMM tiling)."""
     kw = {} if key is None else {"dropout_key": key}
-    return completion_logits(model.apply(params, batch["tokens"][:, :-1], **kw), batch)
+    return completion_logits(model.apply(params, batch["tokens"], **kw), batch)
 
 
 def batch_logps(model: ModelFns, spec: GrpoSpec, params, batch):

@@ -8,10 +8,14 @@ decoded, scored by the reward workers (`rewards.RewardPool`), turned into group 
 with `num_iterations` > 1 the sampling policy's log-probs are kept for the clipped ratio and
 the batch serves that many optimizer steps. Everything is a pure function of (seed, step,
 params), so a resume at a generation boundary (every step when num_iterations is 1)
-continues exactly. One process only (the rewards run on its host).
+continues exactly; inside a generation's steps the checkpoint's extras carry that
+generation's batch (`get_state`), so a resume there continues exactly too. One process only (the rewards run on its host).
 """
 
 from __future__ import annotations
+
+import base64
+import binascii
 
 import jax
 import numpy as np
@@ -19,11 +23,11 @@ import numpy as np
 from fsdp_jax.app.data.packed_rows import row_indices
 from fsdp_jax.app.models.generate import SamplingSpec, left_pad
 from fsdp_jax.app.objectives.grpo import GrpoSpec, group_advantages, spec_problem
-from fsdp_jax.app.objectives.grpo_data import Codec, load_prompts
+from fsdp_jax.app.objectives.grpo_data import Codec, PromptSet, load_prompts
 from fsdp_jax.app.objectives.grpo_loss import batch_logps
 from fsdp_jax.app.objectives.rewards import RewardFn, RewardPool, reward_problem
 from fsdp_jax.app.objectives.rollout import make_sampler
-from fsdp_jax.errors import ConfigError
+from fsdp_jax.errors import CheckpointError, ConfigError, one_line
 from fsdp_jax.sharding.precision import Policy
 from fsdp_jax.train.step import sharding_context
 
@@ -89,9 +93,10 @@ def reward_fns(cfg) -> list[RewardFn]:
     return fns
 
 
-def check_grpo(cfg, process_count: int = 1) -> None:
-    """Every GRPO input check that writes nothing: the section, the row sizes, the prompts,
-    and each reward loaded once in a worker (a missing module or function: exit 2)."""
+def check_grpo_config(cfg, process_count: int = 1) -> None:
+    """The GRPO checks that read no file (the planner's): the section, the row sizes, the batch
+    against num_generations, and the options GRPO does not support (offload, mesh.context > 1,
+    several processes): ConfigError, one line."""
     spec, g = grpo_spec(cfg), cfg.grpo
     stop_tokens(cfg)
     if g.max_prompt_len + g.max_new_tokens > cfg.model.max_seq_len:
@@ -112,9 +117,70 @@ def check_grpo(cfg, process_count: int = 1) -> None:
     ):
         if not ok:
             raise ConfigError(key, f"{value!r}: objective grpo does not support it yet (docs/grpo.md)")
+
+
+def check_grpo(cfg, process_count: int = 1) -> None:
+    """Every GRPO input check that writes nothing: `check_grpo_config`, the prompts, and each
+    reward loaded once in a worker (a missing module or function: exit 2)."""
+    check_grpo_config(cfg, process_count)
     load_prompts(cfg)
-    with RewardPool(reward_fns(cfg), workers=1, timeout=g.reward_timeout):
+    if cfg.grpo.eval_path is not None:
+        load_prompts(cfg, eval_set=True)
+    with RewardPool(reward_fns(cfg), workers=1, timeout=cfg.grpo.reward_timeout):
         pass
+
+
+def grpo_batch(cfg, rng: np.random.Generator) -> dict:
+    """A random GRPO batch of the trainer's shapes (`GrpoBatches.batch`): rows of a prompt of
+    1..P random tokens then a completion of 1..N, right-padded with 0; normal advantages; with
+    num_iterations > 1, sampling log-probs in [-8, -3] (a ratio that clips)."""
+    b, p, n, v = cfg.train.global_batch, cfg.grpo.max_prompt_len, cfg.grpo.max_new_tokens, cfg.model.vocab_size
+    pl = rng.integers(1, p + 1, b).astype(np.int32)
+    cl = rng.integers(1, n + 1, b)
+    mask = (np.arange(n)[None] < cl[:, None]).astype(np.int32)
+    comp = rng.integers(0, v, (b, n), dtype=np.int32) * mask
+    tokens = np.zeros((b, p + n), np.int32)
+    for i in range(b):
+        tokens[i, : pl[i]] = rng.integers(0, v, pl[i])
+        tokens[i, pl[i] : pl[i] + n] = comp[i]
+    batch = {"tokens": tokens, "prompt_len": pl, "completion": comp, "completion_mask": mask}
+    batch["advantages"] = rng.standard_normal(b).astype(np.float32)
+    if cfg.grpo.num_iterations > 1:
+        batch["old_logps"] = -rng.uniform(3, 8, (b, n)).astype(np.float32)
+    return batch
+
+
+def reward_completions(prompts: list, texts: list[str]) -> list:
+    """The completions as the reward functions get them, as TRL's `GRPOTrainer` passes them:
+    the decoded texts, or for conversational prompts (a list of messages, judged by the first
+    prompt) one assistant message each, `[{"role": "assistant", "content": text}]`."""
+    if prompts and isinstance(prompts[0], list):
+        return [[{"role": "assistant", "content": t}] for t in texts]
+    return list(texts)
+
+
+def encode_batch(batch: dict) -> dict:
+    """A host batch of numpy arrays as JSON: {name: {"dtype", "shape", "data": base64 of the
+    raw little-endian bytes}} (exact; no pickle)."""
+    out = {}
+    for k, v in batch.items():
+        a = np.ascontiguousarray(v)
+        le = a.astype(a.dtype.newbyteorder("<"))
+        out[k] = {"dtype": a.dtype.name, "shape": list(a.shape), "data": base64.b64encode(le.tobytes()).decode()}
+    return out
+
+
+def decode_batch(saved: dict) -> dict:
+    """`encode_batch`'s inverse; CheckpointError when the JSON is not such a batch."""
+    try:
+        out = {}
+        for k, v in saved.items():
+            dt = np.dtype(v["dtype"]).newbyteorder("<")
+            raw = np.frombuffer(base64.b64decode(v["data"], validate=True), dt)
+            out[k] = raw.reshape([int(d) for d in v["shape"]]).astype(dt.newbyteorder("="))
+        return out
+    except (KeyError, TypeError, ValueError, binascii.Error) as e:
+        raise CheckpointError(f"extras data.generation: not a saved GRPO batch ({one_line(e, 120)})") from None
 
 
 def _name(ref: str) -> str:
@@ -153,10 +219,19 @@ class GrpoBatches:
         return self
 
     def get_state(self) -> dict:
-        return {"step": self.step}
+        """{"step"}, and inside a generation's `num_iterations` steps its batch ("generation":
+        the generation index and the batch's arrays, `encode_batch`): the policy that sampled
+        it is gone after the first of them, so a resume there takes the batch from here."""
+        out: dict = {"step": self.step}
+        gen = self.step // self.spec.num_iterations
+        if self.step % self.spec.num_iterations and self.cache is not None and self.cache[0] == gen:
+            out["generation"] = {"index": gen, "batch": encode_batch(self.cache[1])}
+        return out
 
     def set_state(self, state: dict) -> None:
         self.step = int(state["step"])
+        saved = state.get("generation")
+        self.cache = None if saved is None else (int(saved["index"]), decode_batch(saved["batch"]))
 
     def close(self) -> None:
         self.pool.close()
@@ -182,25 +257,34 @@ class GrpoBatches:
         self.step += 1
         return self.cache[1]
 
-    def _generate(self, gen: int) -> dict:
-        g = self.spec.num_generations
-        idx = np.repeat(row_indices(len(self.prompts), self.rows // g, self.cfg.data.seed, gen), g)
-        rows = [self.prompts.tokens[i] for i in idx]
+    def rollout(self, prompt_set: PromptSet, idx, params, key) -> dict:
+        """Sample a completion for each row `idx` of `prompt_set` from `params` with `key`, decode
+        and score it: {"rows" (token lists), "comp" (B, N), "clen" (B,), "texts", "per_func" (B, F)}."""
+        rows = [prompt_set.tokens[i] for i in idx]
         prompts, lengths = left_pad(rows, width=self.p)
-        params = self.state_fn().params
-        out = jax.device_get(self.sample(params, prompts, lengths, jax.random.fold_in(self.key, gen)))
+        out = jax.device_get(self.sample(params, prompts, lengths, key))
         comp, clen = np.asarray(out["tokens"], np.int32), np.asarray(out["lengths"], np.int32)
         stops = set(stop_tokens(self.cfg))
         texts = [self.codec.decode([t for t in comp[b, : clen[b]] if t not in stops]) for b in range(len(rows))]
-        columns = {k: [v[i] for i in idx] for k, v in self.prompts.columns.items()}
-        per_func = self.pool.score([self.prompts.texts[i] for i in idx], texts, columns)
+        columns = {k: [v[i] for i in idx] for k, v in prompt_set.columns.items()}
+        prompts_in = [prompt_set.texts[i] for i in idx]
+        per_func = self.pool.score(prompts_in, reward_completions(prompts_in, texts), columns)
+        return {"rows": rows, "comp": comp, "clen": clen, "texts": texts, "per_func": per_func}
+
+    def _generate(self, gen: int) -> dict:
+        g = self.spec.num_generations
+        idx = np.repeat(row_indices(len(self.prompts), self.rows // g, self.cfg.data.seed, gen), g)
+        params = self.state_fn().params
+        r = self.rollout(self.prompts, idx, params, jax.random.fold_in(self.key, gen))
+        rows, comp, clen, per_func = r["rows"], r["comp"], r["clen"], r["per_func"]
+        stops = set(stop_tokens(self.cfg))
         adv, total = group_advantages(per_func, [f.weight for f in self.fns], g, self.spec.scale_rewards)
         batch = self._rows(rows, comp, clen, adv)
         if self.old_logps is not None:
             with sharding_context(self.run.plan):
                 batch["old_logps"] = np.asarray(jax.device_get(self.old_logps(params, batch)), np.float32)
         if self.sink is not None:
-            self.sink(self._metrics(per_func, total, comp, clen, stops))
+            self.sink(self.metrics(per_func, total, comp, clen, stops))
         return batch
 
     def _rows(self, rows, comp, clen, adv) -> dict:
@@ -219,7 +303,8 @@ class GrpoBatches:
             "advantages": adv,
         }
 
-    def _metrics(self, per_func, total, comp, clen, stops) -> dict:
+    def metrics(self, per_func, total, comp, clen, stops) -> dict:
+        """The generation metrics (TRL's names) of scored rows: rewards, lengths, clipped ratio."""
         g = self.spec.num_generations
         ended = np.asarray([clen[b] > 0 and int(comp[b, clen[b] - 1]) in stops for b in range(len(clen))])
         grouped = total.reshape(-1, g)

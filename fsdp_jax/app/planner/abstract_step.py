@@ -28,8 +28,10 @@ import numpy as np
 
 from fsdp_jax.app.data.packing import batch_from_rows
 from fsdp_jax.app.objectives import choose_reference, make_preference_loss, with_reference
-from fsdp_jax.app.objectives.grpo_run import is_grpo
+from fsdp_jax.app.objectives.grpo_loss import choose_grpo_reference, make_grpo_loss
+from fsdp_jax.app.objectives.grpo_run import grpo_batch, grpo_spec, is_grpo
 from fsdp_jax.app.objectives.preference_run import is_preference, preference_spec
+from fsdp_jax.app.planner.grpo_plan import abstract_grpo_batch, row_cfg
 from fsdp_jax.app.trainer.build import (
     build_from_config,
     fp8_recipe,
@@ -104,8 +106,11 @@ PAIR_BATCH = {"tokens": np.int32, "completion": np.uint8, "attention": np.uint8}
 
 def abstract_batch(cfg, sharding):
     """The global batch the trainer's step takes, as ShapeDtypeStructs with `sharding`:
-    int32 (B, S + 1) tokens, or the packed dict of (B, S) arrays (`packed_batch`)."""
+    int32 (B, S + 1) tokens, or the packed dict of (B, S) arrays (`packed_batch`), or a
+    preference batch of pairs, or a GRPO batch (`grpo_plan.abstract_grpo_batch`)."""
     b, s = cfg.train.global_batch, cfg.data.seq_len
+    if is_grpo(cfg):  # prompt + completion rows and their masks (objectives.grpo_loss)
+        return abstract_grpo_batch(cfg, sharding)
     if is_preference(cfg):  # pairs (B, 2, S + 1): chosen and rejected rows of one prompt together
         out = {k: jax.ShapeDtypeStruct((b, 2, s + 1), dt, sharding=sharding) for k, dt in PAIR_BATCH.items()}
         if cfg.preference.precompute_ref_log_probs:
@@ -119,7 +124,10 @@ def abstract_batch(cfg, sharding):
 def sample_batch(cfg, batch, rng: np.random.Generator):
     """A concrete host batch shaped like `batch` (`abstract_batch`) for timing the step:
     random tokens; a packed batch holds two examples per row, every target trained; a
-    preference pair's first half is its prompt, the rest its completion."""
+    preference pair's first half is its prompt, the rest its completion; a GRPO batch is
+    `grpo_run.grpo_batch`'s."""
+    if is_grpo(cfg):
+        return grpo_batch(row_cfg(cfg), rng)
     if isinstance(batch, dict) and "completion" in batch:
         shape = batch["tokens"].shape
         out = {
@@ -190,11 +198,7 @@ def build_step(
     `make_train_step` on top of the trainer's (e.g. skip_nonfinite=False, to measure
     what the guard costs)."""
 
-    if is_grpo(cfg):
-        raise PlanError(
-            "objective=grpo: plan does not cover the GRPO step (generation + training) yet; plan its "
-            "training step with objective=sft (docs/grpo.md gives the KV cache's size)"
-        )
+    cfg = row_cfg(cfg)  # a GRPO row: prompt + completion tokens
     strategy = get_strategy(strategy or cfg.mesh.strategy).name
     devices = list(jax.devices() if devices is None else devices)
     sizes = mesh_sizes or mesh_shape(cfg, strategy, len(devices))
@@ -210,6 +214,11 @@ def build_step(
         model = with_reference(model) if reference == "state" else model
         router = functools.partial(router_terms, cfg.model) if has_router_aux(cfg.model) else None
         loss_fn = make_preference_loss(model, spec, reference, router)
+    elif is_grpo(cfg):  # as the trainer: the frozen reference in model state when beta > 0
+        spec = grpo_spec(cfg)
+        reference = choose_grpo_reference(spec, lora_spec(cfg) is not None)
+        model = with_reference(model) if reference == "state" else model
+        loss_fn = make_grpo_loss(model, spec, reference)
     built = build_from_config(
         cfg, model, optimizer, mesh, strategy, loss_fn=loss_fn, max_replicated_fraction=None, **step_options
     )

@@ -46,11 +46,13 @@ import numpy as np
 
 from fsdp_jax.app.host_memory import HOST_MEMORY_ENV, fmt_size
 from fsdp_jax.app.models.decoder import count_params
+from fsdp_jax.app.objectives.grpo_run import check_grpo_config, is_grpo
 from fsdp_jax.app.planner import nvme_plan
 from fsdp_jax.app.planner.compile_child import (
     child_main,
     run_strategies,
 )
+from fsdp_jax.app.planner.grpo_plan import grpo_split, row_cfg
 from fsdp_jax.app.planner.inputs import CLASSIC_NAMES, check_inputs, parse_strategies
 from fsdp_jax.app.planner.memory_model import DEVICES_PER_HOST, analytic_vs_compiled
 from fsdp_jax.app.planner.report import fmt_bytes
@@ -90,6 +92,9 @@ def plan_config(
 
     t0 = time.perf_counter()
     names = parse_strategies(strategies)
+    if is_grpo(cfg):  # what GRPO refuses, as the trainer; rows of prompt + completion tokens
+        check_grpo_config(cfg, 1 if target is None else target.hosts)
+        cfg = row_cfg(cfg)
     check_inputs(cfg, n_devices, names)
     if target is not None and device_memory is None:
         device_memory = gpu.device_memory(target.name)
@@ -100,9 +105,12 @@ def plan_config(
         r["classic_name"] = CLASSIC_NAMES[name]
         r["bytes_per_param"] = round(r["analytic"]["states"] / n_params, 3)  # per device
         r["terms"] = analytic_vs_compiled(r["analytic"], r["compiled"])
+        peak = r["compiled"]["device_peak"]
+        if "grpo" in r:  # a GRPO step peaks in its generation or its training
+            peak = r["grpo"]["step_peak"] = max(peak, r["grpo"]["peak"])
         if device_memory:  # device_peak / device_total: without host-resident (offloaded) bytes
-            r["fits"] = r["compiled"]["device_peak"] <= device_memory
-            r["headroom"] = device_memory - r["compiled"]["device_peak"]
+            r["fits"] = peak <= device_memory
+            r["headroom"] = device_memory - peak
             r["fits_analytic"] = r["analytic"]["device_total"] <= device_memory
         else:
             r["fits"] = r["headroom"] = r["fits_analytic"] = None
@@ -110,6 +118,8 @@ def plan_config(
             r["predicted"] = _prediction(cfg, target, n_devices, name, r)
             if r["predicted"] and nvme_plan.is_nvme(cfg.offload):  # + the update's disk I/O, not hidden
                 nvme_plan.add_io(r["predicted"], r["analytic"], target.table, disk_bytes_per_s)
+            if "grpo" in r and r["predicted"]:  # generation + num_iterations training steps
+                r["predicted"]["grpo"] = grpo_split(cfg, target.table, r["grpo"], r["predicted"]["step_s"])
     notes = _notes(cfg, n_devices, policy, results, target, device_memory)
     notes += _host_notes(cfg, results, host_memory)
     doc = {

@@ -11,8 +11,10 @@ from typing import Any
 
 import jax
 
+from fsdp_jax.app.objectives.grpo_run import is_grpo
 from fsdp_jax.app.planner import nvme_plan
 from fsdp_jax.app.planner.abstract_step import build_step
+from fsdp_jax.app.planner.grpo_plan import plan_generation
 from fsdp_jax.app.planner.inspection import inspect_compiled
 from fsdp_jax.app.planner.memory_model import activations_by_remat, analytic_memory, argument_bytes
 from fsdp_jax.app.planner.refusal import over_memory, refused_result
@@ -97,6 +99,8 @@ def plan_strategy(
         out["warnings"].append(layout_note)
     if ins["platform"] != "cpu":  # a target's compiled program: its ops for the step-time model
         out.update(_ops(compiled, b.mesh))
+    if is_grpo(cfg):  # the generation's programs on the same mesh (KV cache, prefill, decode step)
+        out["grpo"] = plan_generation(b, compiler_options, ops=ins["platform"] != "cpu")
     if inspect:
         out["rows"] = ins["rows"]
         out["collectives"] = ins["collectives"]

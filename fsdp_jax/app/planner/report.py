@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from fsdp_jax.app.extras import require
+from fsdp_jax.app.planner.grpo_plan import format_grpo
 from fsdp_jax.app.planner.step_time import format_predictions
 from fsdp_jax.sharding.precision import TAKE_UPDATES
 from fsdp_jax.sharding.strategy import get_strategy
@@ -171,6 +172,7 @@ def format_table(doc: dict[str, Any]) -> str:
         + ", ".join(f"{name} {fmt_bytes(v)}" for name, v in act.items())
     )
 
+    lines += format_grpo(doc, gb)
     lines += format_predictions(doc, explain=doc.get("explain_time") or 0)
     warns = [(n, w) for n, r in doc["strategies"].items() for w in r["warnings"]]
     if warns:
