@@ -109,12 +109,18 @@ MESHES = {
 FAST = {("full_shard", 4)}  # the rest run with the slow tests (~15 s each on 2 busy cores)
 
 
+@pytest.fixture(scope="module")
+def base_reference():
+    """One device's run of BASE on the strategy tests' batches, shared by every mesh."""
+    return reference(BASE, packed_batches(2) * 2)
+
+
 @pytest.mark.parametrize(
     "strategy, context", [pytest.param(*k, marks=() if k in FAST else pytest.mark.slow) for k in MESHES]
 )
-def test_loss_and_grads_equal_one_device_under_every_strategy(strategy, context):
+def test_loss_and_grads_equal_one_device_under_every_strategy(strategy, context, base_reference):
     batches = packed_batches(2) * 2  # seen twice: the loss must fall on the second pass
-    ref_params, ref_losses, ref_norm = reference(BASE, batches)
+    ref_params, ref_losses, ref_norm = base_reference
     built, state, losses, norms = train(BASE, MESHES[strategy, context], strategy, batches)
     assert built.mesh.shape["context"] == context
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)

@@ -12,18 +12,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
-from test_ring_attention import dense_reference
 from test_ring_flash import dense_value_and_grad, inputs, ring_value_and_grad
 
-import fsdp_jax as fj
 from fsdp_jax.app.data.packing import positions_from_segments
 from fsdp_jax.attention.cudnn import packed_kernel
 from fsdp_jax.attention.cudnn_packed import block_layout, packed_stats, thd_mask, token_lse
-from fsdp_jax.attention.flash import flash_context_attention
 from fsdp_jax.attention.kernels import reference_kernel
-from fsdp_jax.sharding.context import zigzag, zigzag_order
+from fsdp_jax.sharding.context import zigzag_order
+
+# compiled whole, once per shape, rather than op by op (the layout tests call them ~150 times)
+layout_of = jax.jit(block_layout, static_argnames="max_segments")
+mask_of = jax.jit(thd_mask, static_argnums=(1, 2), static_argnames="causal")
 
 
 def rows(b, s, seed):
@@ -62,8 +61,8 @@ def test_layout_semantics_equal_the_rows_mask_on_every_block(context, seed):
     seg = rows(3, s, seed)
     for name, qpos, kpos, causal in blocks(context, s):
         qs, ks = jnp.asarray(seg[:, qpos]), jnp.asarray(seg[:, kpos])
-        lay = block_layout(qs, ks, max_segments=len(qpos))
-        got = np.asarray(thd_mask(lay, len(qpos), len(kpos), causal=causal))
+        lay = layout_of(qs, ks, max_segments=len(qpos))
+        got = np.asarray(mask_of(lay, len(qpos), len(kpos), causal=causal))
         want = (seg[:, qpos][:, :, None] == seg[:, kpos][:, None, :]) & (kpos[None, None, :] <= qpos[None, :, None])
         assert (got == want).all(), (name, np.argwhere(got != want)[:5])
         assert not np.asarray(lay.overflow).any()
@@ -103,7 +102,7 @@ def test_a_row_within_max_segments_never_overflows_a_block(context):
         seg = rows(3, s, seed)
         runs = 1 + int((seg[:, 1:] != seg[:, :-1]).sum(axis=1).max())
         for name, qpos, kpos, _ in blocks(context, s):
-            lay = block_layout(jnp.asarray(seg[:, qpos]), jnp.asarray(seg[:, kpos]), max_segments=runs)
+            lay = layout_of(jnp.asarray(seg[:, qpos]), jnp.asarray(seg[:, kpos]), max_segments=runs)
             assert not np.asarray(lay.overflow).any(), (seed, name, runs)
 
 
@@ -133,20 +132,6 @@ def emulated_cudnn():
     return fwd, bwd
 
 
-def ring_output(kern, n, kv_pass, args):
-    """(the ring's o, one device's dense o), both in the ring's zig-zag order."""
-    q, k, v, _, pos, seg = args
-    mesh = fj.make_mesh(fsdp=8 // n, context=n)
-    o_ref = dense_reference(q, k, v, pos, seg, q.shape[-1] ** -0.5, 0.0, 0, True)
-
-    def f(q, k, v, pos, seg, o_ref):
-        zq, zk, zv, zp, zs, zr = zigzag((q, k, v, pos, seg, o_ref), n)
-        return flash_context_attention(zq, zk, zv, zp, zs, kernel=kern, kv_pass=kv_pass), zr
-
-    with jax.set_mesh(mesh):
-        return jax.jit(f, in_shardings=NamedSharding(mesh, P("fsdp")))(q, k, v, pos, seg, o_ref)
-
-
 @pytest.mark.parametrize("kv_pass", ["ring", "all_gather"])
 @pytest.mark.parametrize(("n", "kvh"), [(2, 2), (4, 1), (4, 4)])
 def test_packed_cudnn_kernel_ring_over_emulated_cudnn_matches_one_device(n, kvh, kv_pass):
@@ -154,12 +139,12 @@ def test_packed_cudnn_kernel_ring_over_emulated_cudnn_matches_one_device(n, kvh,
     seg = rows(8 // n, 64, seed=n + kvh)
     args = (q, k, v, w, jnp.asarray(positions_from_segments(seg)), jnp.asarray(seg))
     kern = packed_kernel(scale=q.shape[-1] ** -0.5, max_segments=32, backend=emulated_cudnn())
-    out, g, _ = ring_value_and_grad({"packed": True}, kern, n, kv_pass, args)
-    ref, ref_g = dense_value_and_grad({"packed": True}, args)
+    # one compiled step gives the loss, the grads and the ring's o (in row order)
+    out, g, _, o = ring_value_and_grad({"packed": True}, kern, n, kv_pass, args, with_o=True)
+    ref, ref_g, o_ref = dense_value_and_grad({"packed": True}, args, with_o=True)
     # the forward itself: o, every element, against one device's (relative to its largest, as
-    # the grads); the loss sum(o * w) above is a probe for the grads whose 4096 terms of either
+    # the grads); the loss sum(o * w) is a probe for the grads whose 4096 terms of either
     # sign nearly cancel (-0.84 at context 4 on one kv head), too ill-conditioned to hold at 1e-5
-    o, o_ref = ring_output(kern, n, kv_pass, args)
     err = float(jnp.max(jnp.abs(o - o_ref)) / jnp.max(jnp.abs(o_ref)))
     assert err <= 1e-5, ("o", err)
     for name, a, r in zip("qkv", g, ref_g):

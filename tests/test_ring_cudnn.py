@@ -19,6 +19,7 @@ from fsdp_jax.targets import gpu as targets
 from fsdp_jax.targets.plugins import cudnn_installed
 from helpers import json_child
 
+# The child compiles every request of argv[1] (a JSON list) and prints one result per request.
 _GPU_CHILD = """
 import json, re, sys
 import jax, jax.numpy as jnp
@@ -28,44 +29,46 @@ from fsdp_jax.targets import gpu as targets
 from fsdp_jax.attention.ring import context_attention
 from fsdp_jax.attention.flash import flash_context_attention
 from fsdp_jax.attention.cudnn import cudnn_kernel
-req = json.loads(sys.argv[1])
 devices = targets.gpu_devices("h100")
-n, s, h, kvh, dh = req["context"], req["seq"], req["heads"], req["kv_heads"], 128
-mesh = fj.make_mesh(fsdp=len(devices) // n, context=n, devices=devices)
-b = len(devices) // n
 
-def loss(q, k, v, pos, seg):
-    seg = seg if req.get("packed") else None
-    w = req.get("window", 0)
-    if req["impl"] == "cudnn":
-        kern = cudnn_kernel(scale=dh**-0.5, packed=seg is not None, window=w)
-        o = flash_context_attention(q, k, v, pos, seg, kernel=kern, kv_pass=req["kv_pass"])
-    else:
-        o = context_attention(q, k, v, pos, seg, scale=dh**-0.5, window=w, kv_pass=req["kv_pass"])
-    return jnp.sum(o.astype(jnp.float32) ** 2)
 
-sh = NamedSharding(mesh, P("fsdp", "context"))
-qa = jax.ShapeDtypeStruct((b, s, h, dh), jnp.bfloat16, sharding=sh)
-ka = jax.ShapeDtypeStruct((b, s, kvh, dh), jnp.bfloat16, sharding=sh)
-ia = jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=sh)
-with jax.set_mesh(mesh):
-    c = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(qa, ka, ka, ia, ia).compile()
-hlo = c.as_text()
-half = s // n // 2
-big = [m for m in re.findall(r"f32\\[([\\d,]+)\\]", hlo) if sum(int(d) >= half for d in m.split(",")) >= 2]
-calls = re.findall(r'custom_call_target="(__cudnn\\$fmha\\w*)"', hlo)
-print(json.dumps({"temp": c.memory_analysis().temp_size_in_bytes, "big_f32": sorted(set(big)),
-                  "calls": {t: calls.count(t) for t in sorted(set(calls))},
-                  "collectives": sorted(set(re.findall(r"\\b(all-gather|reduce-scatter|all-reduce|collective-permute"
-                                                       r"|all-to-all)(?:-start)?\\(", hlo)))}))
+def compiled(req):
+    n, s, h, kvh, dh = req["context"], req["seq"], req["heads"], req["kv_heads"], 128
+    mesh = fj.make_mesh(fsdp=len(devices) // n, context=n, devices=devices)
+    b = len(devices) // n
+
+    def loss(q, k, v, pos, seg):
+        seg = seg if req.get("packed") else None
+        w = req.get("window", 0)
+        if req["impl"] == "cudnn":
+            kern = cudnn_kernel(scale=dh**-0.5, packed=seg is not None, window=w)
+            o = flash_context_attention(q, k, v, pos, seg, kernel=kern, kv_pass=req["kv_pass"])
+        else:
+            o = context_attention(q, k, v, pos, seg, scale=dh**-0.5, window=w, kv_pass=req["kv_pass"])
+        return jnp.sum(o.astype(jnp.float32) ** 2)
+
+    sh = NamedSharding(mesh, P("fsdp", "context"))
+    qa = jax.ShapeDtypeStruct((b, s, h, dh), jnp.bfloat16, sharding=sh)
+    ka = jax.ShapeDtypeStruct((b, s, kvh, dh), jnp.bfloat16, sharding=sh)
+    ia = jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=sh)
+    with jax.set_mesh(mesh):
+        c = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(qa, ka, ka, ia, ia).compile()
+    hlo = c.as_text()
+    half = s // n // 2
+    big = [m for m in re.findall(r"f32\\[([\\d,]+)\\]", hlo) if sum(int(d) >= half for d in m.split(",")) >= 2]
+    calls = re.findall(r'custom_call_target="(__cudnn\\$fmha\\w*)"', hlo)
+    return {"temp": c.memory_analysis().temp_size_in_bytes, "big_f32": sorted(set(big)),
+            "calls": {t: calls.count(t) for t in sorted(set(calls))},
+            "collectives": sorted(set(re.findall(r"\\b(all-gather|reduce-scatter|all-reduce|collective-permute"
+                                                 r"|all-to-all)(?:-start)?\\(", hlo)))}
+
+
+print(json.dumps([compiled(req) for req in json.loads(sys.argv[1])]))
 """
 
 
-def _compile(impl, kv_pass, context=4, packed=False, window=0):
-    assert cudnn_installed(), (
-        f"NVIDIA's cuDNN wheel is not in {targets.plugin_dir()}: python -m fsdp_jax.targets install"
-    )
-    req = {
+def _request(impl, kv_pass, context=4, packed=False, window=0):
+    return {
         "impl": impl,
         "kv_pass": kv_pass,
         "context": context,
@@ -75,38 +78,59 @@ def _compile(impl, kv_pass, context=4, packed=False, window=0):
         "packed": packed,
         "window": window,
     }
-    return json_child(_GPU_CHILD, json.dumps(req), env=targets.child_env(dict(os.environ)))
+
+
+# every compile the module's tests read, in one child (one Python and plugin start-up, not 15)
+REQUESTS = [_request("cudnn", kv) for kv in ("ring", "all_gather")] + [_request("xla", "ring")]
+REQUESTS += [_request(impl, kv, packed=True) for impl in ("cudnn", "xla") for kv in ("ring", "all_gather")]
+REQUESTS += [
+    _request(impl, "ring", packed=packed, window=window)
+    for impl in ("cudnn", "xla")
+    for packed in (False, True)
+    for window in (512, 1536)
+]
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """`compiled(impl, kv_pass, ...)`: the child's result for that request of REQUESTS."""
+    assert cudnn_installed(), (
+        f"NVIDIA's cuDNN wheel is not in {targets.plugin_dir()}: python -m fsdp_jax.targets install"
+    )
+    results = json_child(_GPU_CHILD, json.dumps(REQUESTS), env=targets.child_env(dict(os.environ)))
+    by_request = {json.dumps(r, sort_keys=True): got for r, got in zip(REQUESTS, results, strict=True)}
+    return lambda *a, **kw: by_request[json.dumps(_request(*a, **kw), sort_keys=True)]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kv_pass", ["ring", "all_gather"])
-def test_cudnn_ring_compiles_for_h100_with_cudnn_blocks_and_no_score_block(kv_pass):
+def test_cudnn_ring_compiles_for_h100_with_cudnn_blocks_and_no_score_block(kv_pass, compiled):
     """fsdp 2 x context 4 on 8 x H100, rows of 8192 (2048 per rank, half blocks of 1024), 8 query
     heads on 2 kv heads, bf16: one cuDNN forward for the rank's own block and one per branch of
     each later step's lax.cond (1 + 2 x 3), the same backward calls, no float32 tensor with two
     dims of a half block's length or more; the XLA ring at the same shape has them."""
-    got = _compile("cudnn", kv_pass)
+    got = compiled("cudnn", kv_pass)
     assert got["calls"] == {"__cudnn$fmhaSoftmax": 7, "__cudnn$fmhaSoftmaxBackward": 7}, got
     assert got["big_f32"] == [], got
     ring_ops = {"collective-permute"} if kv_pass == "ring" else {"all-gather"}
     assert ring_ops <= set(got["collectives"]), got
     if kv_pass == "ring":
-        xla = _compile("xla", kv_pass)
+        xla = compiled("xla", kv_pass)
         assert xla["big_f32"] and not xla["calls"], xla
         assert got["temp"] < xla["temp"] / 2, (got["temp"], xla["temp"])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kv_pass", ["ring", "all_gather"])
-def test_packed_cudnn_ring_compiles_for_h100_with_cudnn_blocks_and_no_score_block(kv_pass):
+def test_packed_cudnn_ring_compiles_for_h100_with_cudnn_blocks_and_no_score_block(kv_pass, compiled):
     """The same ring with packed rows' segment ids (cudnn_kernel(packed=True): each block in
     cuDNN's packed layout): the same 7 + 7 cuDNN calls in the ring, no float32 tensor with two
     dims of a half block's length (the packed stats are (B x 128 segments, H, Sq)), under half
     the XLA ring's temporaries with the same segment ids."""
-    got = _compile("cudnn", kv_pass, packed=True)
+    got = compiled("cudnn", kv_pass, packed=True)
     assert got["calls"] == {"__cudnn$fmhaSoftmax": 7, "__cudnn$fmhaSoftmaxBackward": 7}, got
     assert got["big_f32"] == [], got
-    xla = _compile("xla", kv_pass, packed=True)
+    xla = compiled("xla", kv_pass, packed=True)
     assert xla["big_f32"] and not xla["calls"], xla
     assert got["temp"] < xla["temp"] / 2, (got["temp"], xla["temp"])
 
@@ -126,17 +150,17 @@ def _window_calls(context, seq, window, packed):
 @pytest.mark.slow
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("window", [512, 1536])
-def test_windowed_cudnn_ring_compiles_for_h100_with_cudnn_blocks_and_no_score_block(window, packed):
+def test_windowed_cudnn_ring_compiles_for_h100_with_cudnn_blocks_and_no_score_block(window, packed, compiled):
     """The same ring (fsdp 2 x context 4, chunks of 1024) with Mistral-style sliding windows,
     shorter than a chunk (512) and across one (1536), with and without packed rows: every band
     of the plan is cuDNN calls in the compiled step (the count the plan and `band_pieces` give,
     forward and backward), no float32 tensor with two dims of a chunk's length, and under half
     the XLA ring's temporaries with the same window."""
-    got = _compile("cudnn", "ring", packed=packed, window=window)
+    got = compiled("cudnn", "ring", packed=packed, window=window)
     n = _window_calls(4, 8192, window, packed)
     assert got["calls"] == {"__cudnn$fmhaSoftmax": n, "__cudnn$fmhaSoftmaxBackward": n}, (n, got)
     assert got["big_f32"] == [], got
-    xla = _compile("xla", "ring", packed=packed, window=window)
+    xla = compiled("xla", "ring", packed=packed, window=window)
     assert xla["big_f32"] and not xla["calls"], xla
     assert got["temp"] < xla["temp"] / 2, (got["temp"], xla["temp"])
 
