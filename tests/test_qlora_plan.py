@@ -66,17 +66,40 @@ def test_the_analytic_model_counts_codes_and_one_dequantised_layer():
     assert got == expected, (got, expected)
 
 
-@pytest.fixture(scope="module")
-def h100_plan():
-    """`plan --target h100 --devices 8 --json` of the NF4 model: one compile-only child."""
-    if not targets.plugin_installed():
-        pytest.skip("the CUDA compile-only plugin is not installed (python -m fsdp_jax.targets install)")
-    cmd = [sys.executable, "scripts/plan.py", "--config", "configs/tiny.yaml", "--target", "h100", "--devices", "8"]
-    cmd += ["--strategies", ",".join(STRATEGIES), "--json", *MODEL, "lora.base_quant=nf4"]
+def _h100(command, *args):
+    """`<command> --target h100 --devices 8 --json` of the NF4 model, in a compile-only child."""
+    assert targets.plugin_installed(), "run `python -m fsdp_jax.targets install` (the CUDA compile-only plugin)"
+    cmd = [sys.executable, f"scripts/{command}.py", "--config", "configs/tiny.yaml", "--target", "h100"]
+    cmd += ["--devices", "8", *args, "--json", *MODEL, "lora.base_quant=nf4"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
-    return json.loads(r.stdout)["strategies"]
+    return json.loads(r.stdout)
+
+
+@pytest.fixture(scope="module")
+def h100_plan():
+    return _h100("plan", "--strategies", ",".join(STRATEGIES))["strategies"]
+
+
+@pytest.mark.slow
+def test_h100_layer_gathers_move_codes_and_no_base_gradient():
+    """XLA:GPU (H100, compile only), full_shard: each layer's all-gather, forward and backward,
+    moves the NF4 codes (u8) and absmax bits (u32): 0.28x the bytes of the bf16 layer (0.5 +
+    4/64 bytes a weight against 2), plus the adapters in bf16; nothing else gathers or
+    reduces a weight-sized tensor (no gradient of the base: the reductions are the adapters')."""
+    sched = _h100("inspect", "--strategy", "full_shard")["schedule"]
+    gathers = [c for c in sched if c["op"] == "all-gather" and c["loop"]]
+    assert {c["phase"] for c in gathers} == {"forward", "backward"}
+    bf16_layer = 2 * LAYER_WEIGHTS
+    adapters = 2 * 4 * (4 * (512 + 512) + 2 * (512 + 1024) + (1024 + 512))  # bf16 A and B of the 7 targets
+    for c in gathers:
+        codes = c["dtypes"].get("u8", 0) + c["dtypes"].get("u32", 0)
+        assert codes / bf16_layer == 0.5625 / 2, c["dtypes"]
+        assert c["runs"] == 2 and c["bytes"] - codes <= adapters, c["dtypes"]  # once per layer
+    reductions = [c for c in sched if c["op"] in ("reduce-scatter", "all-reduce")]
+    assert reductions and all(set(c["dtypes"]) == {"float32"} for c in reductions)
+    assert sum(c["bytes"] for c in reductions) <= 4 * adapters // 2  # float32 grads of the adapters
 
 
 @pytest.mark.slow
