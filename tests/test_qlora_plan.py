@@ -137,3 +137,27 @@ def test_pcie_targets_are_sourced_tables():
         assert "borrowed" in t["gemm"]["source"]  # the GEMM efficiency is H100's, said so
     assert np.isclose(perf_table("rtx4090")["hbm"]["bytes_per_s"], 1008e9)
     assert {"rtx4090", "rtx3090", "l4", "l40s", "a10g"} <= set(targets.target_names("gpu"))
+
+
+def test_search_plans_the_quantised_base_and_its_winner_keeps_it():
+    """`plan --search` (analytic): every candidate holds the NF4 codes (fewer param bytes than
+    the bf16 base's), the report names the scheme, and the winner's YAML carries it."""
+    import yaml
+
+    from fsdp_jax.app.planner import search as se
+    from fsdp_jax.app.planner.search_report import format_search, winner_yaml
+
+    space = se.SearchSpace(
+        strategies=("full_shard", "no_shard"), remats=("full",), microbatches=(1,), offloads=("none",)
+    )
+    limits = se.Limits(device_memory=10**12, max_compiles=0)
+    q = ["lora.base_quant=nf4", "lora.double_quant=true"]
+    docs = {name: se.search(config(*extra), 8, space, limits) for name, extra in (("nf4", q), ("bf16", []))}
+    params = {n: {tuple(c["overrides"]): c["analytic"]["params"] for c in d["candidates"]} for n, d in docs.items()}
+    assert params["nf4"].keys() == params["bf16"].keys() and all(
+        params["nf4"][k] < params["bf16"][k] for k in params["nf4"]
+    )
+    assert docs["nf4"]["lora"]["base_quant_label"] == "nf4/64/dq" and "base_quant" not in docs["bf16"]["lora"]
+    assert "quantised (nf4/64/dq)" in format_search(docs["nf4"])
+    lora = yaml.safe_load(winner_yaml(docs["nf4"]))["lora"]
+    assert (lora["base_quant"], lora["quant_block"], lora["double_quant"]) == ("nf4", 64, True)
