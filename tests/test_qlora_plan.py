@@ -137,6 +137,11 @@ def test_pcie_targets_are_sourced_tables():
         assert "borrowed" in t["gemm"]["source"]  # the GEMM efficiency is H100's, said so
     assert np.isclose(perf_table("rtx4090")["hbm"]["bytes_per_s"], 1008e9)
     assert {"rtx4090", "rtx3090", "l4", "l40s", "a10g"} <= set(targets.target_names("gpu"))
+    from fsdp_jax.targets.clusters import format_targets
+
+    listed = {ln.split()[0]: ln for ln in format_targets().splitlines()[1:] if ln and not ln.startswith(" ")}
+    for n in mem:  # `plan --list-targets`: PCIe within the box, nothing published across boxes
+        assert "25.1 GB/s, 24 us" in listed[n] and "unpublished" in listed[n] and "PCIe" in listed[n], listed[n]
 
 
 def test_search_plans_the_quantised_base_and_its_winner_keeps_it():
