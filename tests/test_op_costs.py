@@ -238,7 +238,23 @@ def test_mfu_peaks_are_the_tables():
         459e12,
     ]
     assert peak("cpu") is None and peak_flops(SimpleNamespace(device_kind="cpu"), override_tflops=2.0) == 2e12
-    assert set(device_kind_peaks()) == {"h100", "h200", "a100", "l4", "tpu v4", "tpu v5 lite", "tpu v5", "tpu v6 lite"}
+    assert set(device_kind_peaks()) == {
+        "h100",
+        "h200",
+        "a100",
+        "l4",
+        "tpu v4",
+        "tpu v5 lite",
+        "tpu v5",
+        "tpu v6 lite",
+    } | {
+        "geforce rtx 4090",
+        "geforce rtx 3090",
+        "l40s",
+        "a10g",
+    }
+    # first match wins: an L40S is not costed as an L4 ("l4" is in its name)
+    assert peak("NVIDIA L40S") == 362.05e12 and peak("NVIDIA GeForce RTX 4090") == 165.2e12
     # every TPU generation by the name jax's devices carry (v5p is "TPU v5", v6e "TPU v6 lite")
     from fsdp_jax.targets.tpu import TPU_SPECS
 

@@ -132,3 +132,16 @@ def test_bad_input_is_one_line(extra, key, words):
         validate(config(*extra))
     msg = str(e.value)
     assert key in msg and words in msg and "\n" not in msg, msg
+
+
+@pytest.mark.slow
+def test_every_strategy_trains_like_one_device(capsys):
+    """`verify` on the NF4 (double-quantised) model: two AdamW steps under every strategy on 8
+    devices equal the same steps on one device (the codes sharded and gathered, the adapters
+    trained, at verify's tolerances)."""
+    from helpers import call
+
+    over = ["lora.rank=4", "lora.base_quant=nf4", "lora.double_quant=true", "model.n_layers=2"]
+    rc, out, err = call("verify", "--config", "configs/tiny.yaml", "--steps", "2", *over, capsys=capsys)
+    assert rc == 0, out + err
+    assert "PASS: every strategy trains like one device" in out and out.count(" PASS") >= 5, out

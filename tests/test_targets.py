@@ -145,14 +145,19 @@ slow = pytest.mark.slow
 
 @slow
 def test_every_target_config_parses_on_this_jax(gpu):
-    assert set(gpu["targets"]) == set(targets.target_names("gpu")) == {"h100", "h200", "a100"}
+    pcie = {"rtx4090", "rtx3090", "l4", "l40s", "a10g"}
+    assert set(gpu["targets"]) == set(targets.target_names("gpu")) == {"h100", "h200", "a100"} | pcie
     assert "H100" in gpu["targets"]["h100"] and "A100" in gpu["targets"]["a100"]
+    assert "RTX 4090" in gpu["targets"]["rtx4090"] and "L40S" in gpu["targets"]["l40s"]
 
 
 @pytest.mark.parametrize(
     "kwargs, needle",
     [
-        ({"name": "h999", "devices": 8}, "--target: unknown GPU target 'h999'; known: a100, h100, h200"),
+        (
+            {"name": "h999", "devices": 8},
+            "--target: unknown GPU target 'h999'; known: a100, a10g, h100, h200, l4, l40s, rtx3090, rtx4090",
+        ),
         ({"name": "h100", "devices": 8, "hosts": 3}, "--hosts: 8 devices do not divide into 3 hosts"),
         ({"name": "h100", "devices": 8, "hosts": 2, "gpus_per_host": 8}, "--devices: 8 is not --hosts (2)"),
         ({"name": "h100", "devices": 0}, "--devices: 0 must be a positive integer"),

@@ -54,7 +54,7 @@ def target_rows() -> list[dict[str, str]]:
     )
     for name in (g for g in gpus if not g.startswith((".", "_"))):
         t = perf_table(name)
-        what = f"{name.upper()} SXM, 8 per host, one 400 Gb/s NDR NIC per GPU (the vendor's node)"
+        what = t.get("what") or f"{name.upper()} SXM, 8 per host, one 400 Gb/s NDR NIC per GPU (the vendor's node)"
         rows.append({"target": name, "kind": "gpu", "what": what, **_net(t)})
     for name, c in clusters().items():
         rows.append({"target": name, "kind": "cluster", "what": c["what"], **_net(perf_table(c["table"]))})

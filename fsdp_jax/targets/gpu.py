@@ -112,8 +112,8 @@ class Target:
 
 
 def target_names(platform: str | None = None) -> list[str]:
-    """Names of the shipped targets: the GPUs a100, h100, h200 (files in
-    fsdp_jax/targets/gpu_targets) and the TPU generations v4, v5e, v5p, v6e; `platform` "gpu" or
+    """Names of the shipped targets: the GPUs a100, h100, h200, the PCIe cards a10g, l4, l40s,
+    rtx3090, rtx4090 (files in fsdp_jax/targets/gpu_targets) and the TPU generations v4, v5e, v5p, v6e; `platform` "gpu" or
     "tpu" keeps one kind."""
     gpus = sorted(p.stem for p in _DATA.glob("*.txtpb"))
     return {"gpu": gpus, "tpu": list(tpu.TPU_SPECS)}.get(platform, gpus + list(tpu.TPU_SPECS))

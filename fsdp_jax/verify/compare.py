@@ -64,7 +64,10 @@ def compare_runs(
     ref = _build(fns, optimizer, ref_mesh, "no_shard", loss_fn, opts)
     with _user_code("the model does not initialise"):
         state = ref.init_state(key) if params is None else ref.place(params, mstate)
-    p0, ms0 = _host(state.params), _host(state.model_state)
+    # the start in its own dtypes (placed for each strategy as it is: a float64 copy of an
+    # integer leaf, e.g. a quantised base's float32 bits as uint32, would come back through
+    # float32 and lose its low bits)
+    p0, ms0 = jax.device_get(state.params), jax.device_get(state.model_state)
     with _user_code("loss_fn fails on the batch"):
         step = ref.train_step.lower(state, _put(host_batches[0], ref.plan.batch)).compile()
     ref_loss, ref_gnorm, ref_params, ref_routing = _reference_steps(step, state, host_batches, ref.plan.batch, routing)
@@ -167,7 +170,7 @@ def _run_strategy(
         own = built.init_state(key)
         init_diff = max(
             float(np.max(np.abs(a - b), initial=0.0))
-            for a, b in zip(jax.tree.leaves(_host(own.params)), jax.tree.leaves(p0))
+            for a, b in zip(jax.tree.leaves(_host(own.params)), jax.tree.leaves(_host(p0)))
         )
         del own
     state = built.place(p0, ms0)

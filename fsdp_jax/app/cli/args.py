@@ -41,7 +41,7 @@ def add_target(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--target",
         default=None,
-        help="compile for this accelerator instead of CPU: a GPU (h100, h200, a100), a rented cluster "
+        help="compile for this accelerator instead of CPU: a GPU (h100, h200, a100; PCIe cards rtx4090, rtx3090, l4, l40s, a10g), a rented cluster "
         "(a3-high, a3-mega, p5, ndr-h100, ndr-h200: its network costs the plan), a TPU "
         "generation (v4, v5e, v5p, v6e) or accelerator type (v5p-64, v6e-256); plan --list-targets lists them",
     )

@@ -10,7 +10,7 @@ AOT-compiled train step (count and bytes per step, inside and outside the layer 
 in-loop bytes are multiplied by the loop's trip count), and warnings a user can act on:
 large replicated parameters, parameter all-gathers hoisted out of the layer loop,
 activations resharded with all-to-all, and a compiled peak more than 10% above the
-analytic estimate. With --target (h100, h200, a100; XLA:GPU, deviceless, after
+analytic estimate. With --target (h100, h200, a100, rtx4090, ...; XLA:GPU, deviceless, after
 `python -m fsdp_jax.targets install`) it also lists every collective of the scheduled
 GPU program: kind, dtype, bytes, loop, forward/backward, async or not, the compute
 scheduled between its start and done, and whether its group crosses hosts; and warns

@@ -13,7 +13,7 @@
 (params, grads, optimizer state, gathered params, activations) and the compiled train
 step's memory_analysis() (argument, output, alias, temp, peak), AOT-compiled from
 abstract inputs on N devices (N fake CPU devices when this machine has fewer; nothing is
-allocated). With --target (h100, h200, a100) the step is compiled by XLA:GPU for that
+allocated). With --target (h100, h200, a100, rtx4090, rtx3090, l4, l40s, a10g) the step is compiled by XLA:GPU for that
 GPU, --devices in total over --hosts hosts, on this machine without a GPU (needs
 `python -m fsdp_jax.targets install` once); --device-memory then defaults to the
 target's. Trailing key=value arguments override the config as in `fsdp-jax train`.

@@ -10,7 +10,7 @@ functions as `fsdp_jax.app.trainer.loop.setup`), but from abstract inputs only
 `fsdp_jax.app.planner.abstract_step`), and AOT-compiles it: nothing is allocated, so a 7B or 70B model plans on a laptop.
 When this process has fewer than N devices, the compile runs in a child process
 with N fake CPU devices (`jax_num_cpu_devices=N`). With a GPU target
-(`fsdp_jax.targets.gpu.Target`: h100, h200, a100 as hosts x GPUs; v4, v5e, v5p, v6e as TPU
+(`fsdp_jax.targets.gpu.Target`: h100, h200, a100, rtx4090, rtx3090, l4, l40s, a10g as hosts x GPUs; v4, v5e, v5p, v6e as TPU
 slices) the child compiles with XLA:GPU / XLA:TPU for compile-only devices of that target
 instead (deviceless AOT; the CUDA plugin or libtpu is on that child's path only), and the result also carries the per-collective
 schedule (`fsdp_jax.hlo.schedule`), its communication volume and the GPU-only warnings. The user's side (parsing sizes and

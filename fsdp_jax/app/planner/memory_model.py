@@ -43,7 +43,9 @@ two layers in flight (the one computing, the next one prefetched) plus the large
 unstacked param (embedding or head) plus one layer's unreduced grads in the reduce
 dtype; shard_grad_op keeps the whole model (gathered layer by layer in the forward
 pass, `fsdp_jax.train.layer_gather`) plus one layer's unreduced grads and the copy of one
-layer that the backward loop slices out of the kept stack;
+layer that the backward loop slices out of the kept stack; a quantised base (QLoRA) is
+gathered as its integer codes and scales, and each strategy adds one layer's weights
+dequantised in the compute dtype (built in the layer from its gathered codes);
 shard_opt / no_shard hold a compute-dtype copy of the model only when the compute
 dtype differs from the param dtype. Grads (and the unreduced layer grads above) are
 held in `grad_dtype`: the dtype of the dots that produce them (XLA reduces a weight
@@ -117,7 +119,10 @@ def activation_bytes(
 def compute_copy_bytes(abstract_params, plan, logical_axes, dtype) -> dict[str, int]:
     """Per-device bytes of params in the compute layout (data/fsdp gathered, tensor
     sharding kept) in `dtype`: `whole` model, one `layer` of the stacked (scanned)
-    params, the `largest_unstacked` leaf and all `unstacked` leaves together."""
+    params, the `largest_unstacked` leaf and all `unstacked` leaves together. A quantised
+    base (`lora.base_quant`): its integer leaves count at their own bytes (they are what is
+    gathered), and `dequantised_layer` is one layer's quantised weights dequantised in `dtype`
+    (what the layer builds from its gathered codes before its matmuls)."""
     rows = rules.explain(abstract_params, plan.mesh, logical_axes, plan.rules, (), 0, allow_unshardable=True)
     names = (
         jax.tree.leaves(logical_axes, is_leaf=lambda x: x is None or isinstance(x, tuple))
@@ -126,16 +131,24 @@ def compute_copy_bytes(abstract_params, plan, logical_axes, dtype) -> dict[str, 
     )
     names = names if len(names) == len(rows) else [None] * len(rows)
     item = np.dtype(dtype).itemsize
-    out = {"whole": 0, "layer": 0, "largest_unstacked": 0, "unstacked": 0}
+    out = {"whole": 0, "layer": 0, "largest_unstacked": 0, "unstacked": 0, "dequantised_layer": 0}
     for row, nm in zip(rows, names):
-        b = row.bytes_per_device // np.dtype(row.dtype).itemsize * item
+        own = np.dtype(row.dtype)
+        # a quantised weight's integer leaves are gathered as they are (codes, scales' bits)
+        b = row.bytes_per_device if own.kind in "iu" else row.bytes_per_device // own.itemsize * item
         out["whole"] += b
         if nm and nm[0] == axes.LAYERS and row.shape:
             out["layer"] += b // row.shape[0]
+            if row.path.split("/")[-1] == "codes":  # its weight, dequantised in `dtype` in the layer
+                values = VALUES_PER_CODE_BYTE.get(own.name, 1) * row.bytes_per_device // own.itemsize
+                out["dequantised_layer"] += values * item // row.shape[0]
         else:
             out["largest_unstacked"] = max(out["largest_unstacked"], b)
             out["unstacked"] += b
     return out
+
+
+VALUES_PER_CODE_BYTE = {"uint8": 2, "int8": 1}  # NF4 packs two 4-bit codes a byte; int8 one (fsdp_jax.quant.weight)
 
 
 def analytic_memory(build: StepBuild) -> dict[str, int]:
@@ -164,21 +177,24 @@ def analytic_memory(build: StepBuild) -> dict[str, int]:
     if s.params and not s.gather_once:  # full_shard, hybrid_shard: per layer
         if policy.matmul == "fp8" and cfg.fp8.gather:  # the layer's weights gathered in f8 (docs/fp8.md)
             cc["layer"] = compute_copy_bytes(st.params, plan, build.model.logical_axes, E4M3)["layer"]
-        gathered = 2 * cc["layer"] + cc["largest_unstacked"] + layer_r
+        gathered = 2 * cc["layer"] + cc["largest_unstacked"] + layer_r + cc["dequantised_layer"]
     elif s.params:  # shard_grad_op: the whole model gathered (kept for the backward), the
         # layer the backward loop slices out of that stack (XLA copies it: a
         # dynamic-slice per layer), and one layer's unreduced grads (each layer's are
         # reduce-scattered in the backward loop)
-        gathered = cc["whole"] + cc["layer"] + layer_r
+        gathered = cc["whole"] + cc["layer"] + layer_r + cc["dequantised_layer"]
     else:  # shard_opt, no_shard: params already whole; a cast copy of those stored in another dtype
-        cast = [np.dtype(x.dtype) != np.dtype(policy.compute_dtype) for x in jax.tree.leaves(st.params)]
+        cast = [  # a quantised base's integer leaves are not cast: they are dequantised layer by layer
+            np.issubdtype(x.dtype, np.floating) and np.dtype(x.dtype) != np.dtype(policy.compute_dtype)
+            for x in jax.tree.leaves(st.params)
+        ]
         gathered = (
             compute_copy_bytes(
                 _only(st.params, cast), plan, _only(build.model.logical_axes, cast), policy.compute_dtype
             )["whole"]
             if any(cast)
             else 0
-        )
+        ) + cc["dequantised_layer"]
     act = activation_bytes(
         cfg.model,
         cfg.remat,

@@ -174,6 +174,13 @@ def lora_summary(cfg) -> dict[str, Any] | None:
     if spec is None:
         return None
     extra = {} if cfg.lora.target_parameters == "auto" else {"target_parameters": cfg.lora.target_parameters}
+    if spec.base_quant is not None:  # QLoRA: the targets' frozen weights stored as codes (docs/qlora.md)
+        extra |= {
+            "base_quant": cfg.lora.base_quant,
+            "quant_block": cfg.lora.quant_block,
+            "double_quant": cfg.lora.double_quant,
+            "base_quant_label": spec.base_quant.label,
+        }
     return extra | {
         "rank": spec.rank,
         "alpha": spec.alpha,

@@ -139,6 +139,7 @@ def format_search(doc: dict[str, Any], rows: int = 10) -> str:
         lines.append(
             f"LoRA rank {lo['rank']} ({lo['targets']}): {lo['adapter_params']:,} adapter params train, with "
             f"optimizer state for them only; the base is frozen at {lo['base_dtype']}"
+            + (f", its targets' weights quantised ({lo['base_quant_label']})" if "base_quant" in lo else "")
         )
     hdr = (
         f"{'#':>3} {'device':>9} {'by':<8} {'free':>9} {'host/host':>9} {'step s':>8} "
@@ -204,6 +205,9 @@ def winner_yaml(doc: dict[str, Any]) -> str:
         tree["lora"] = {k: lo[k] for k in ("rank", "alpha", "rslora", "dropout", "targets")}
         if lo.get("target_parameters", "auto") != "auto":
             tree["lora"]["target_parameters"] = lo["target_parameters"]
+        for k in ("base_quant", "quant_block", "double_quant"):
+            if k in lo:
+                tree["lora"][k] = lo[k]
     for o in w["overrides"]:
         key, value = o.split("=", 1)
         *parents, leaf = key.split(".")

@@ -1,0 +1,168 @@
+"""The planner's memory model for a quantised LoRA base (`lora.base_quant`), held to the
+compiled step's memory_analysis() on the H100 compile-only target, and the PCIe GPU targets
+QLoRA is planned on.
+
+The model counts the base as what the step holds: NF4 codes (half a byte a weight) and the
+absmax bits as params, layers of codes gathered in flight, and one layer dequantised in the
+compute dtype inside the layer (an upper bound: XLA:GPU reuses the buffers of a layer's
+dequantised matrices, so less of it is live at once). The model here is wide and short
+(d_model 512, 2 layers, 32 tokens a device) so that the weights, not the activations, make
+the peak. (XLA:CPU is no reference for this: it upcasts a bf16 frozen base to float32 for its
+dots, a whole-stack copy no GPU compile makes.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fsdp_jax.app.planner.abstract_step import build_step
+from fsdp_jax.app.planner.memory_model import analytic_memory, argument_bytes
+from fsdp_jax.app.trainer.setup import load_run_config
+from fsdp_jax.targets import gpu as targets
+from fsdp_jax.targets.perf_tables import perf_table
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = [
+    "model.d_model=512",
+    "model.n_heads=4",
+    "model.n_kv_heads=4",
+    "model.ffn_dim=1024",
+    "model.n_layers=2",
+    "model.vocab_size=256",
+    "model.max_seq_len=32",
+    "data.seq_len=32",
+    "train.global_batch=8",
+    "lora.rank=4",
+    "data.source=none",
+    "precision=params=float32,compute=bfloat16",
+]
+LAYER_WEIGHTS = 4 * 512 * 512 + 3 * 512 * 1024  # wq wk wv wo + gate up down, one layer
+STRATEGIES = ("full_shard", "shard_grad_op", "no_shard")
+
+
+def config(*extra):
+    return load_run_config(ROOT / "configs" / "tiny.yaml", MODEL + list(extra))
+
+
+def test_the_analytic_model_counts_codes_and_one_dequantised_layer():
+    """No compile: the NF4 base is 0.5625 bytes a weight at rest (codes + float32 absmax per
+    64), and full_shard's gathered term is two layers of codes plus one layer in bf16 where a
+    bf16 base has two bf16 layers."""
+    a = {
+        base: analytic_memory(build_step(config(*extra), "full_shard"))
+        for base, extra in (("nf4", ["lora.base_quant=nf4"]), ("bf16", []))
+    }
+    n = 2 * LAYER_WEIGHTS
+    saved = a["bf16"]["params"] - a["nf4"]["params"]  # every base leaf here shards over the 8 devices
+    assert saved == (2 - 0.5625) * n / 8, saved
+    expected = 2 * 2 * LAYER_WEIGHTS - 2 * 0.5625 * LAYER_WEIGHTS - 2 * LAYER_WEIGHTS
+    got = a["bf16"]["gathered"] - a["nf4"]["gathered"]
+    assert got == expected, (got, expected)
+
+
+def _h100(command, *args):
+    """`<command> --target h100 --devices 8 --json` of the NF4 model, in a compile-only child."""
+    assert targets.plugin_installed(), "run `python -m fsdp_jax.targets install` (the CUDA compile-only plugin)"
+    cmd = [sys.executable, f"scripts/{command}.py", "--config", "configs/tiny.yaml", "--target", "h100"]
+    cmd += ["--devices", "8", *args, "--json", *MODEL, "lora.base_quant=nf4"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout)
+
+
+@pytest.fixture(scope="module")
+def h100_plan():
+    return _h100("plan", "--strategies", ",".join(STRATEGIES))["strategies"]
+
+
+@pytest.mark.slow
+def test_h100_layer_gathers_move_codes_and_no_base_gradient():
+    """XLA:GPU (H100, compile only), full_shard: each layer's all-gather, forward and backward,
+    moves the NF4 codes (u8) and absmax bits (u32): 0.28x the bytes of the bf16 layer (0.5 +
+    4/64 bytes a weight against 2), plus the adapters in bf16; nothing else gathers or
+    reduces a weight-sized tensor (no gradient of the base: the reductions are the adapters')."""
+    sched = _h100("inspect", "--strategy", "full_shard")["schedule"]
+    gathers = [c for c in sched if c["op"] == "all-gather" and c["loop"]]
+    assert {c["phase"] for c in gathers} == {"forward", "backward"}
+    bf16_layer = 2 * LAYER_WEIGHTS
+    adapters = 2 * 4 * (4 * (512 + 512) + 2 * (512 + 1024) + (1024 + 512))  # bf16 A and B of the 7 targets
+    for c in gathers:
+        codes = c["dtypes"].get("u8", 0) + c["dtypes"].get("u32", 0)
+        assert codes / bf16_layer == 0.5625 / 2, c["dtypes"]
+        assert c["runs"] == 2 and c["bytes"] - codes <= adapters, c["dtypes"]  # once per layer
+    reductions = [c for c in sched if c["op"] in ("reduce-scatter", "all-reduce")]
+    assert reductions and all(set(c["dtypes"]) == {"float32"} for c in reductions)
+    assert sum(c["bytes"] for c in reductions) <= 4 * adapters // 2  # float32 grads of the adapters
+
+
+@pytest.mark.slow
+def test_the_model_holds_to_the_h100_compile(h100_plan):
+    """XLA:GPU (H100, compile only): the arguments are exactly the codes, absmax bits,
+    adapters, their optimizer state and the batch; the analytic peak is within 30% of the
+    compiled one and never more than 7% under it (counting the codes as bf16 values and no
+    dequantised layer, as before, it was 4-7% under on every strategy, and its gathered term
+    fell short of what shard_grad_op holds)."""
+    for s in STRATEGIES:
+        a, c = h100_plan[s]["analytic"], h100_plan[s]["compiled"]
+        assert c["argument"] == argument_bytes(a), s
+        ratio = a["total"] / c["peak"]
+        assert 0.93 <= ratio <= 1.30, (s, ratio)
+    # what the step holds besides the state and the activations (gathers, dequantised
+    # weights, the adapters' grads) is covered by the model where the params are gathered
+    for s in ("full_shard", "shard_grad_op"):
+        a, c = h100_plan[s]["analytic"], h100_plan[s]["compiled"]
+        assert c["temp"] - a["activations"] - a["grads"] <= a["gathered"], s
+
+
+def test_pcie_targets_are_sourced_tables():
+    """The consumer / mid-range cards: memory from the target file, peaks and links from
+    perf_tables.json with sources; PCIe within a host (no NVLink), nothing across hosts."""
+    mem = {n: targets.device_memory(n) / 2**20 for n in ("rtx4090", "rtx3090", "l4", "l40s", "a10g")}
+    assert mem == {"rtx4090": 24564, "rtx3090": 24576, "l4": 23034, "l40s": 46068, "a10g": 23028}
+    peaks = {n: perf_table(n)["peak_flops"]["bf16"] for n in mem}
+    assert peaks == {"rtx4090": 165.2e12, "rtx3090": 71e12, "l4": 121e12, "l40s": 362.05e12, "a10g": 70e12}
+    for n in mem:
+        t = perf_table(n)
+        assert t["links"]["fast"]["bus_bytes_per_s"] < 32e9  # PCIe Gen4 x16, not NVLink
+        assert t["links"]["slow"]["bus_bytes_per_s"] is None
+        for section in ("peak_flops", "gemm", "hbm", "host", "attention"):
+            assert len(t[section]["source"]) > 20, (n, section)
+        assert "borrowed" in t["gemm"]["source"]  # the GEMM efficiency is H100's, said so
+    assert np.isclose(perf_table("rtx4090")["hbm"]["bytes_per_s"], 1008e9)
+    assert {"rtx4090", "rtx3090", "l4", "l40s", "a10g"} <= set(targets.target_names("gpu"))
+    from fsdp_jax.targets.clusters import format_targets
+
+    listed = {ln.split()[0]: ln for ln in format_targets().splitlines()[1:] if ln and not ln.startswith(" ")}
+    for n in mem:  # `plan --list-targets`: PCIe within the box, nothing published across boxes
+        assert "25.1 GB/s, 24 us" in listed[n] and "unpublished" in listed[n] and "PCIe" in listed[n], listed[n]
+
+
+def test_search_plans_the_quantised_base_and_its_winner_keeps_it():
+    """`plan --search` (analytic): every candidate holds the NF4 codes (fewer param bytes than
+    the bf16 base's), the report names the scheme, and the winner's YAML carries it."""
+    import yaml
+
+    from fsdp_jax.app.planner import search as se
+    from fsdp_jax.app.planner.search_report import format_search, winner_yaml
+
+    space = se.SearchSpace(
+        strategies=("full_shard", "no_shard"), remats=("full",), microbatches=(1,), offloads=("none",)
+    )
+    limits = se.Limits(device_memory=10**12, max_compiles=0)
+    q = ["lora.base_quant=nf4", "lora.double_quant=true"]
+    docs = {name: se.search(config(*extra), 8, space, limits) for name, extra in (("nf4", q), ("bf16", []))}
+    params = {n: {tuple(c["overrides"]): c["analytic"]["params"] for c in d["candidates"]} for n, d in docs.items()}
+    assert params["nf4"].keys() == params["bf16"].keys() and all(
+        params["nf4"][k] < params["bf16"][k] for k in params["nf4"]
+    )
+    assert docs["nf4"]["lora"]["base_quant_label"] == "nf4/64/dq" and "base_quant" not in docs["bf16"]["lora"]
+    assert "quantised (nf4/64/dq)" in format_search(docs["nf4"])
+    lora = yaml.safe_load(winner_yaml(docs["nf4"]))["lora"]
+    assert (lora["base_quant"], lora["quant_block"], lora["double_quant"]) == ("nf4", 64, True)
