@@ -156,3 +156,23 @@ def test_every_published_run_is_a_valid_plan_command_with_a_source():
         if not r.target.startswith("v"):  # a GPU or a cluster: `plan --target` costs it with its own table
             assert make_target(r.target, r.devices, r.hosts).table == r.cost_target, r.name
         assert r.source and r.published > 0 and perf_table(r.cost_target)
+        assert r.url.startswith("https://github.com/") and r.date[:2] == "20", r.name  # where and when
+
+
+def test_held_out_rows_whose_compute_differs_from_the_fitted_rows():
+    """Rows 1-4 reuse row 0's compute (they check the network model only): held-out rows with
+    another model, sequence length, batch per chip, or a mixture of experts are in the table,
+    on a generation with a fitted (v5p) and one with a published (v6e) GEMM efficiency."""
+    from fsdp_jax.app.config import load_config
+    from fsdp_jax.app.planner.published import PUBLISHED_RUNS
+
+    def compute(r):
+        c = load_config(ROOT / r.config, list(r.overrides))
+        per_chip = c.train.global_batch // r.devices
+        return (r.config, c.data.seq_len, per_chip, c.model.n_experts, c.remat, c.model.attention)
+
+    fitted = {compute(r) for r in PUBLISHED_RUNS if r.role == "fit"}
+    new = [r for r in PUBLISHED_RUNS if r.role == "check" and compute(r) not in fitted]
+    assert len(new) >= 3, [r.name for r in new]
+    assert any(load_config(ROOT / r.config, list(r.overrides)).model.n_experts for r in new)  # MoE
+    assert {r.cost_target for r in new} >= {"v5p", "v6e"}
