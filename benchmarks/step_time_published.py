@@ -45,8 +45,7 @@ def plan_doc(i: int, run, saved: Path | None) -> dict:
 def evaluate(indices, saved: Path | None = None) -> list[dict]:
     """One row per run: published, predicted (its unit), error, role, fits, command."""
     from fsdp_jax.app.config import load_config
-    from fsdp_jax.app.planner.published import PUBLISHED_RUNS, plan_command, predicted_value
-    from fsdp_jax.app.planner.step_time import predict_ops
+    from fsdp_jax.app.planner.published import PUBLISHED_RUNS, plan_command, predicted_value, prediction
 
     rows = []
     for i in indices:
@@ -55,11 +54,7 @@ def evaluate(indices, saved: Path | None = None) -> list[dict]:
         result = doc["strategies"][run.strategy]
         cfg = load_config(ROOT / run.config, list(run.overrides))
         got = predicted_value(run, cfg, result, doc["devices"])
-        p = (
-            predict_ops(cfg, run.cost_target, doc["devices"], result)
-            if result.get("op_inventory")
-            else result["predicted"]
-        )
+        p = prediction(run, cfg, result, doc["devices"])
         rows.append(
             {
                 "run": run.name,

@@ -22,7 +22,8 @@ import dataclasses
 from typing import Any
 
 from fsdp_jax.app.models.decoder import count_params
-from fsdp_jax.app.planner.step_time import predict_ops
+from fsdp_jax.app.planner.search_prediction import analytic_communication
+from fsdp_jax.app.planner.step_time import predict_ops, predict_roofline
 
 TOLERANCE = 0.15
 MAXTEXT_A3 = "AI-Hypercomputer/maxtext MaxText/configs/a3/llama_2_7b/README.md (TFLOP/sec/chip) and {}vm.sh"
@@ -213,12 +214,24 @@ def plan_command(run: PublishedRun) -> str:
     )
 
 
+def prediction(run: PublishedRun, cfg, result: dict[str, Any], n_devices: int) -> dict[str, Any] | None:
+    """One strategy's planner result costed with `run.cost_target`'s table: its compiled
+    program op by op, or where the compiler refused it (no program) the roofline over the
+    analytic traffic, as `plan` prints it (`predict_roofline`, basis said)."""
+    if result.get("op_inventory"):
+        return predict_ops(cfg, run.cost_target, n_devices, result)
+    m = result["mesh"]
+    comm = analytic_communication(cfg, run.strategy, (m["data"], m["fsdp"], m["tensor"]), run.hosts)
+    p = predict_roofline(cfg, run.cost_target, n_devices, {"analytic": result["analytic"], "communication": comm})
+    return p and {**p, "basis": "roofline over the analytic traffic: the compiler refused the program"}
+
+
 def predicted_value(run: PublishedRun, cfg, result: dict[str, Any], n_devices: int) -> float:
     """The prediction for `run` in its published unit, from one strategy's planner result:
     its `op_inventory` costed with `run.cost_target`'s table, or where the compiler refused the
     program (no inventory) the plan's own roofline prediction."""
 
-    p = predict_ops(cfg, run.cost_target, n_devices, result) if result.get("op_inventory") else result["predicted"]
+    p = prediction(run, cfg, result, n_devices)
     if p is None:
         raise ValueError(f"{run.name}: no prediction (a network without published bandwidth)")
     if run.unit == "tokens_per_s":
