@@ -45,8 +45,7 @@ def plan_doc(i: int, run, saved: Path | None) -> dict:
 def evaluate(indices, saved: Path | None = None) -> list[dict]:
     """One row per run: published, predicted (its unit), error, role, fits, command."""
     from fsdp_jax.app.config import load_config
-    from fsdp_jax.app.planner.published import PUBLISHED_RUNS, plan_command, predicted_value
-    from fsdp_jax.app.planner.step_time import predict_ops
+    from fsdp_jax.app.planner.published import PUBLISHED_RUNS, plan_command, predicted_value, prediction
 
     rows = []
     for i in indices:
@@ -55,7 +54,7 @@ def evaluate(indices, saved: Path | None = None) -> list[dict]:
         result = doc["strategies"][run.strategy]
         cfg = load_config(ROOT / run.config, list(run.overrides))
         got = predicted_value(run, cfg, result, doc["devices"])
-        p = predict_ops(cfg, run.cost_target, doc["devices"], result)
+        p = prediction(run, cfg, result, doc["devices"])
         rows.append(
             {
                 "run": run.name,
@@ -68,6 +67,9 @@ def evaluate(indices, saved: Path | None = None) -> list[dict]:
                 "step_s": p["step_s"],
                 "mfu": p["mfu"],
                 "above_best_mfu": p["above_best_mfu"],
+                "costed": p["costed"],
+                "model": p["model"],
+                "source": f"{run.url} ({run.date})",
                 "command": plan_command(run),
             }
         )
@@ -135,12 +137,15 @@ def main(argv=None) -> int:
     idx = range(len(PUBLISHED_RUNS)) if args.only is None else [int(x) for x in args.only.split(",")]
     rows = evaluate(idx, Path(args.saved) if args.saved else None)
     unit = {"maxtext_tflops": "TFLOP/s/GPU (MaxText's count)", "tokens_per_s": "tokens/s/device"}
-    print("| run | role | published | predicted | error | fits | command |")
-    print("|---|---|---:|---:|---:|---|---|")
+    print("| run | role | published | predicted | error | MFU | fits | costed | source | command |")
+    print("|---|---|---:|---:|---:|---:|---|---|---|---|")
     for r in rows:
+        costed = "; ".join(r["costed"].values()) + (
+            "" if r["model"] == "ops" else " (roofline: the compile was refused)"
+        )
         print(
             f"| {r['run']} | {r['role']} | {r['published']:,.0f} {unit[r['unit']]} | {r['predicted']:,.0f} | "
-            f"{r['error']:+.1%} | {r['fits']} | `{r['command']}` |"
+            f"{r['error']:+.1%} | {r['mfu']:.1%} | {r['fits']} | {costed} | {r['source']} | `{r['command']}` |"
         )
     med = medians(rows)
     n = {role: sum(r["role"] == role for r in rows) for role in ("check", "fit")}

@@ -530,3 +530,56 @@ def test_a_cudnn_call_without_a_shape_is_refused_not_costed_at_one():
     )
     with pytest.raises(ValueError, match="no intermediate_tensor_shape.*fmhaSoftmax"):
         op_inventory(_module(line))
+
+
+OFFLOAD = """%wrapped_dus (h: f32[4,2,128,256], u: f32[1,2,128,256], i: s32[]) -> f32[4,2,128,256] {
+  %h = f32[4,2,128,256]{3,2,1,0:T(8,128)S(5)} parameter(0)
+  %u = f32[1,2,128,256]{3,2,1,0:T(8,128)} parameter(1)
+  %i = s32[] parameter(2)
+  %z = s32[] constant(0)
+  ROOT %dus = f32[4,2,128,256]{3,2,1,0:T(8,128)S(5)} dynamic-update-slice(%h, %u, %i, %z, %z, %z)
+}
+
+%wrapped_ds (h.1: f32[4,2,128,256], i.1: s32[]) -> f32[1,2,128,256] {
+  %h.1 = f32[4,2,128,256]{3,2,1,0:T(8,128)S(5)} parameter(0)
+  %i.1 = s32[] parameter(1)
+  %z.1 = s32[] constant(0)
+  ROOT %ds = f32[1,2,128,256]{3,2,1,0:T(8,128)} dynamic-slice(%h.1, %i.1, %z.1, %z.1, %z.1), dynamic_slice_sizes={1,2,128,256}
+}
+
+"""
+
+
+@pytest.mark.parametrize("short", [False, True])
+def test_a_tpu_activation_offload_is_a_host_transfer_of_the_slice(short):
+    """remat=offload_* on XLA:TPU: each layer's residual goes into a stacked host buffer (S(5))
+    by an async dynamic-update-slice and comes back by an async dynamic-slice (the lines as
+    libtpu 0.0.42.1 writes them for the tiny model on v6e-8). Each moves one layer's slice
+    over the host link; both were memory ops at HBM speed before (host 0 s in the plan).
+    `short`: the form `compiled.as_text()` prints (`dynamic-update-slice-start(...)`), which
+    the planner reads; an XLA dump prints `async-start(...)`."""
+    buf, upd = "f32[4,2,128,256]{3,2,1,0:T(8,128)S(5)}", "f32[1,2,128,256]{3,2,1,0:T(8,128)}"
+    entry = (
+        f"  %hb = {buf} parameter(2)\n  %up = {upd} parameter(3)\n  %ix = s32[]{{:T(128)}} parameter(4)\n"
+        f"  %dus-start = (({buf}, {upd}, s32[]{{:T(128)}}), {buf}, u32[]{{:S(2)}}) "
+        "async-start(%hb, %up, %ix), calls=%wrapped_dus\n"
+        f"  %dus-done = {buf} async-done(%dus-start)\n"
+        f"  %ds-start = (({buf}, s32[]{{:T(128)}}), {upd}, u32[]{{:S(2)}}) async-start(%dus-done, %ix), calls=%wrapped_ds\n"
+        f"  %ds-done = {upd} async-done(%ds-start)\n"
+        "  ROOT %dot.1 = bf16[4096,4096]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}\n"
+    )
+    if short:
+        entry = entry.replace("async-start(%hb", "dynamic-update-slice-start(%hb")
+        entry = entry.replace("async-start(%dus-done", "dynamic-slice-start(%dus-done")
+        entry = entry.replace("async-done(%dus", "dynamic-update-slice-done(%dus").replace(
+            "async-done(%ds", "dynamic-slice-done(%ds"
+        )
+    ops = op_inventory(_module(entry, extra=OFFLOAD))
+    host = [o for o in ops if o["kind"] == "host"]
+    slice_bytes = 2 * 128 * 256 * 4
+    assert [(o["name"], o["bytes"]) for o in host] == [("dus-start", slice_bytes), ("ds-start", slice_bytes)]
+    assert [o["done_pos"] for o in host] == [o["pos"] + 1 for o in host]
+    v6e = perf_table("v6e")
+    sim = op_costs.simulate(ops, v6e)
+    assert sim["breakdown"]["host"] == pytest.approx(2 * slice_bytes / v6e["host"]["bytes_per_s"], rel=1e-9)
+    assert sim["breakdown"]["memory"] == 0

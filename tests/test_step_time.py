@@ -94,3 +94,57 @@ def test_a_program_the_compiler_refused_is_still_predicted_and_marked():
     doc = {"target": target.as_dict(), "strategies": {"a": {"predicted": ops}, "b": {"predicted": p, "fits": False}}}
     line = next(ln for ln in step_time.format_predictions(doc) if ln.startswith("b "))
     assert "does not fit" in line and "refused" in line and f"{p['tokens_per_s_per_gpu']:,.0f}" in line
+
+
+def test_a_refused_plans_roofline_above_the_chips_best_mfu_is_flagged_and_says_what_it_did_not_cost():
+    """Llama-3.1-8B on v6e-256 as MaxText runs it (splash, activations offloaded) that XLA:TPU
+    refused here: the roofline predicted ~79% MFU (12,570 tok/s/chip) where MaxText's run
+    reached 45.5%, with no flag, and the same figure under XLA attention and no offload,
+    saying neither was costed. Now the JSON and the plan's lines say both."""
+    from fsdp_jax.app.planner.estimate import _prediction
+    from fsdp_jax.targets.gpu import make_target
+
+    over = ("train.global_batch=1024", "data.seq_len=8192")
+    a = {"grads": 8 * 10**9, "params": 4 * 10**9, "optimizer": 16 * 10**9}
+    refused = {"refused": {"temp": 2, "available": 1}, "mesh": {"data": 1, "fsdp": 256, "context": 1, "tensor": 1}}
+    target = make_target("v6e-256")
+    cfg = load_config(
+        ROOT / "configs/llama3_1_8b.yaml", [*over, "model.attention=splash", "remat=offload_qkv_attn_mlp_out"]
+    )
+    p = _prediction(cfg, target, 256, "full_shard", {**refused, "analytic": a})
+    assert p["mfu"] > perf_table("v6e")["best_mfu"]["mfu"]
+    assert p["above_best_mfu"].startswith(f"predicted MFU {p['mfu']:.1%} is above the best published")
+    assert "not costed" in p["costed"]["attention"] and "not costed" in p["costed"]["offload"]
+    doc = {"target": target.as_dict(), "strategies": {"full_shard": {"predicted": p, "fits": False}}}
+    lines = step_time.format_predictions(doc)
+    assert any("warning: predicted MFU" in ln for ln in lines)
+    assert any(ln.strip().startswith("not costed: splash") and "offload_qkv_attn_mlp_out" in ln for ln in lines)
+    plain = _prediction(
+        load_config(ROOT / "configs/llama3_1_8b.yaml", list(over)),
+        target,
+        256,
+        "full_shard",
+        {**refused, "analytic": a},
+    )
+    assert plain["costed"] == {"attention": plain["costed"]["attention"], "offload": "none"}
+
+
+def test_the_op_walk_says_whether_it_costed_the_kernel_and_the_offload():
+    """From the compiled program's records: splash / cuDNN kernel calls and host transfers
+    found (costed, with the count and the bytes), or asked for and absent (not costed)."""
+    cfg = load_config(ROOT / "configs/tiny.yaml", ["model.attention=splash", "remat=offload_qkv_attn_mlp_out"])
+    splash = {"kind": "attention", "kernel": "splash", "runs": 4}
+    host = {"kind": "host", "bytes": 2 * 10**9, "runs": 3}
+    assert step_time.costed(cfg, [splash, host]) == {
+        "attention": "splash: costed, 4 kernel calls per step",
+        "offload": "remat=offload_qkv_attn_mlp_out: costed, 6.00 GB per step over the host link",
+    }
+    c = step_time.costed(cfg, [{"kind": "attention", "runs": 4}])  # a cuDNN call, no splash, no transfer
+    assert c["attention"].startswith("splash: not costed") and c["offload"].endswith(
+        "(no host transfer in the compiled program)"
+    )
+    xla = load_config(ROOT / "configs/tiny.yaml", [])
+    assert step_time.costed(xla, []) == {
+        "attention": "xla: costed as the program's GEMMs and fusions",
+        "offload": "none",
+    }

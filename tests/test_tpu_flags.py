@@ -67,7 +67,10 @@ def _gathers(gen: str, *extra: str) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("gen, name", [("v5p", "maxtext-llama2-70b-v5p"), ("v6e", "maxtext-llama2-70b-v6e")])
+@pytest.mark.parametrize(
+    "gen, name",
+    [("v5p", "maxtext-llama2-70b-v5p"), ("v6e", "maxtext-llama2-70b-v6e"), ("v6e", "maxtext-llama3_1-8b-v6e")],
+)
 def test_a_sets_flags_turn_the_layer_gathers_into_async_collective_fusions(gen, name):
     """The tiny model's per-layer gathers: synchronous with libtpu's defaults; with the set (its
     flags all known to the pinned libtpu, which aborts on an unknown one) async collectives

@@ -26,8 +26,9 @@ instructions of fused computations are read only to describe their fusion. Each 
 - `collective`: a collective (async start, or synchronous): the fields of
   `fsdp_jax.hlo.schedule.collective_schedule` (`op`, `bytes`, `group_size`, `crosses_hosts`,
   `async`, ...) plus `done_pos`, the position of its done (None when not in this computation);
-- `host`: a copy to or from host memory (`copy-start` into memory space S(5) or out of it):
-  `bytes`, `done_pos`;
+- `host`: a copy to or from host memory (`copy-start` into memory space S(5) or out of it,
+  or XLA:TPU's async dynamic-update-slice into / dynamic-slice out of a host buffer, as
+  `remat=offload_*` compiles there): `bytes` (the slice moved), `done_pos`;
 - `loop`: a while loop (`body`, `condition`, `trip_count`): its cost is its body's;
 - `conditional`: a conditional (`branches`, its branch computations): one of them runs.
 
@@ -170,6 +171,20 @@ _SEQ_CALLEES_RE = re.compile(
     r"|\bbranch_computations=\{([^}]*)\}"
 )
 _HOST_SPACE_RE = re.compile(r"\{[^{}]*S\(5\)\}")
+_ASYNC_SLICES = frozenset(("async-start", "dynamic-update-slice-start", "dynamic-slice-start"))
+_ARRAY_LAYOUT_RE = re.compile(r"\b(\w+)\[([\d,]*)\](\{[^{}]*\})?")
+
+
+def host_slice_bytes(type_str: str) -> int:
+    """The bytes an async dynamic-(update-)slice moves between host memory (S(5)) and the
+    device: the largest array of its type not in host memory (the update written into the
+    host buffer, or the slice read out of it); the host buffer itself is not moved."""
+    sizes = [
+        math.prod(int(d) for d in dims.split(",") if d) * DTYPE_BYTES.get(dt, 0)
+        for dt, dims, layout in _ARRAY_LAYOUT_RE.findall(type_str)
+        if dt in DTYPE_BYTES and not _HOST_SPACE_RE.search(layout or "")
+    ]
+    return max(sizes, default=0)
 
 
 def _sequential(mod: _Module) -> list[str]:
@@ -252,6 +267,11 @@ def _classify(mod: _Module, op: str, type_str: str, line: str) -> dict[str, Any]
             _HOST_SPACE_RE.search(mod.types.get((_operand_names(line, op) or [""])[0], ""))
         )
         return {"kind": "host" if host else "memory", "bytes": _nbytes(_shapes_first(type_str))}
+    if op in _ASYNC_SLICES and _HOST_SPACE_RE.search(type_str):
+        # XLA:TPU's activation offload: a layer's residual written into (read out of) a
+        # stacked host buffer by an async dynamic-update-slice (dynamic-slice) over PCIe;
+        # `compiled.as_text()` prints the wrapper in its short form, a dump as async-start
+        return {"kind": "host", "bytes": host_slice_bytes(type_str)}
     if op == "custom-call":
         att = _attention(line, type_str) or _splash(line)
         if att:

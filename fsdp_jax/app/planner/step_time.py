@@ -41,7 +41,7 @@ from fsdp_jax.app.objectives.preference_run import is_preference, preference_spe
 from fsdp_jax.app.objectives.reference import choose_reference
 from fsdp_jax.app.planner.op_costs import above_best_mfu, simulate, top_ops
 from fsdp_jax.app.planner.residuals import rematerialised
-from fsdp_jax.sharding.remat import FORWARD
+from fsdp_jax.sharding.remat import FORWARD, remat_policy
 from fsdp_jax.targets.perf_tables import perf_table
 
 
@@ -159,7 +159,39 @@ def predict_ops(cfg, target: str, n_devices: int, result: dict[str, Any], top: i
         # process) + the schedule's simulation (here)
         "predict_s": round(result.get("op_inventory_s", 0.0) + simulate_s, 3),
         "above_best_mfu": above_best_mfu(model_flops / step_s / peak, table),
+        "costed": costed(cfg, result["op_inventory"]),
     }
+
+
+def costed(cfg, ops: list[dict[str, Any]] | None) -> dict[str, str]:
+    """Whether the prediction costed the plan's attention kernel and its activation offload,
+    in words: `attention` and `offload`. `ops`: the compiled program's op inventory the
+    prediction walked; None for the roofline, which sees neither (it counts attention's
+    FLOPs at the GEMM rate and moves nothing over the host link)."""
+
+    kernel = cfg.model.attention
+    offloads = bool(remat_policy(cfg.remat).offloads)
+    if ops is None:
+        return {
+            "attention": f"{kernel}: not costed as a kernel (the roofline counts attention's FLOPs at the GEMM rate)",
+            "offload": f"remat={cfg.remat}: not costed (the roofline has no host transfers)" if offloads else "none",
+        }
+    calls = [o for o in ops if o["kind"] == "attention"]
+    by_kernel = {k: sum(o["runs"] for o in calls if o.get("kernel", "cudnn") == k) for k in ("cudnn", "splash")}
+    if kernel == "xla":
+        attention = "xla: costed as the program's GEMMs and fusions"
+    elif by_kernel.get(kernel):
+        attention = f"{kernel}: costed, {by_kernel[kernel]} kernel calls per step"
+    else:
+        attention = f"{kernel}: not costed as a kernel (no {kernel} call in the compiled program)"
+    moved = sum(o["bytes"] * o["runs"] for o in ops if o["kind"] == "host")
+    if not offloads:
+        offload = "none" if not moved else f"costed: {moved / 1e9:.2f} GB per step over the host link"
+    elif moved:
+        offload = f"remat={cfg.remat}: costed, {moved / 1e9:.2f} GB per step over the host link"
+    else:
+        offload = f"remat={cfg.remat}: not costed (no host transfer in the compiled program)"
+    return {"attention": attention, "offload": offload}
 
 
 def _op_row(o: dict[str, Any], g) -> dict[str, Any]:
@@ -216,6 +248,8 @@ def predict_roofline(cfg, target: str, n_devices: int, result: dict[str, Any]) -
         "comm_s": g(comm_s),
         "update_s": g(update_s),
         "bound": "compute" if compute_s >= comm_s else "communication",
+        "above_best_mfu": above_best_mfu(model_flops / step_s / k["peak"], perf_table(target)),
+        "costed": costed(cfg, None),
     }
 
 
@@ -245,7 +279,16 @@ def format_predictions(doc: dict[str, Any], explain: int = 0) -> list[str]:
             f"{p['tokens_per_s_per_gpu']:11,.0f}{p['tflops_per_gpu']:9.1f}{p['mfu']:7.1%}  {p['bound']}"
             + ("  (does not fit)" if fits is False else "")
         )
+        lines += _notes(p)
     return lines
+
+
+def _notes(p: dict[str, Any]) -> list[str]:
+    """The lines under a strategy's prediction that say what it should not be trusted for: an
+    MFU above the chip's best published one, a requested kernel or offload it did not cost."""
+    out = [" " * 14 + f"warning: {p['above_best_mfu']}"] if p.get("above_best_mfu") else []
+    missed = [v for v in (p.get("costed") or {}).values() if "not costed" in v]
+    return out + ([" " * 14 + "not costed: " + "; ".join(missed)] if missed else [])
 
 
 def _format_ops(rows, per: str, explain: int) -> list[str]:
@@ -265,6 +308,7 @@ def _format_ops(rows, per: str, explain: int) -> list[str]:
                 f"{n:<14}{p['step_s']:8.3f}{'':>14}{'':>42}{p['tokens_per_s_per_gpu']:11,.0f}"
                 f"{p['tflops_per_gpu']:8.1f}{p['mfu']:7.1%}  (does not fit: the compiler refused it; roofline)"
             )
+            lines += _notes(p)
             continue
         b = p.get("breakdown") or {}
         lo, hi = p.get("band_s") or (p["step_s"], p["step_s"])
@@ -279,6 +323,7 @@ def _format_ops(rows, per: str, explain: int) -> list[str]:
             lines.append(" " * 14 + "exposed: " + ", ".join(f"{k} {v:.3f} s" for k, v in exposed.items()))
         if "predict_s" in p:
             lines.append(" " * 14 + f"predicted in {p['predict_s']:.2f} s on top of the compile (op walk + schedule)")
+        lines += _notes(p)
     for n, p, _ in rows if explain else ():
         lines += ["", f"{n}: the {min(explain, len(p.get('top_ops', [])))} ops that cost most per step"]
         for o in p.get("top_ops", [])[:explain]:
