@@ -96,6 +96,7 @@ BAD_FLAG_VALUES: dict[str, dict[str, list[str] | str]] = {
         "--max-compiles": ["-1", "x"],
         "--rows": ["0", "x"],
         "--explain-time": ["0", "-3", "x", "26"],
+        "--disk-gbps": ["0", "-1", "nan", "inf", "x"],
     },
     "plot": {"--out": ["{dir}", "{file}/x.png"]},
     "prepare": {

@@ -39,7 +39,7 @@ import sys
 
 from fsdp_jax.app.cli.args import add_config, add_target, check_out_file, require
 from fsdp_jax.app.cli.command import run_command
-from fsdp_jax.app.cli.flags import Parser, int_in
+from fsdp_jax.app.cli.flags import Parser, int_in, real_in
 from fsdp_jax.app.host_memory import HOST_MEMORY_ENV, fmt_size, host_memory, stated_host_memory
 from fsdp_jax.app.objectives.grpo_run import is_grpo
 from fsdp_jax.app.planner import search_report
@@ -109,7 +109,7 @@ def build_parser(prog: str | None = None) -> Parser:
     ap.add_argument(
         "--disk-gbps",
         default=None,
-        type=float,
+        type=real_in(0, above=True),
         help="with an nvme offload: a host's local-disk bandwidth in GB/s, reads and writes together "
         "(default: the --target's, a node's local NVMe as sourced in the step-time table)",
     )

@@ -123,16 +123,7 @@ def search(
     dropped = sum(c["status"] == "dropped" for c in cands)
     say(f"analytic pass: {len(cands) - dropped} kept, {dropped} dropped, {time.perf_counter() - t0:.1f} s")
     compiled_n = compile_rounds(cfg, n_devices, cands, limits, target, gpu, say)
-    if cost_note:
-        notes.append(cost_note)
-    notes.append(_offload_note(gpu_target, predict_on))
-    if any(nvme_plan.is_nvme(o) for o in space.offloads):
-        bps, source = nvme_plan.disk_bytes_per_s(predict_on, limits.disk_bytes_per_s)
-        notes.append(
-            f"nvme candidates: host/host is their pinned I/O buffers ({nvme_plan.HOST_BUFFERS} layers); the "
-            f"update's disk I/O at {bps / 1e9:.1f} GB/s per host ({source}) is added to their step, not hidden "
-            "(fsdp_jax.app.planner.nvme_plan)"
-        )
+    notes += _closing_notes(space, limits, cost_note, gpu_target, predict_on)
     return {
         "config": config_name,
         "devices": n_devices,
@@ -164,6 +155,20 @@ def search(
         "notes": notes,
         "wall_s": round(time.perf_counter() - t0, 1),
     }
+
+
+def _closing_notes(space: SearchSpace, limits: Limits, cost_note, gpu_target: bool, predict_on) -> list[str]:
+    """The notes after the rounds: how candidates were costed, offload, nvme's disk I/O."""
+    notes = [cost_note] if cost_note else []
+    notes.append(_offload_note(gpu_target, predict_on))
+    if any(nvme_plan.is_nvme(o) for o in space.offloads):
+        bps, source = nvme_plan.disk_bytes_per_s(predict_on, limits.disk_bytes_per_s)
+        notes.append(
+            f"nvme candidates: host/host is their pinned I/O buffers ({nvme_plan.HOST_BUFFERS} layers); the "
+            f"update's disk I/O at {bps / 1e9:.1f} GB/s per host ({source}) is added to their step, not hidden "
+            "(fsdp_jax.app.planner.nvme_plan)"
+        )
+    return notes
 
 
 def lora_summary(cfg) -> dict[str, Any] | None:
