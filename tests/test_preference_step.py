@@ -97,3 +97,27 @@ def test_lora_reference_is_the_base_with_adapters_off():
     for a, b in zip(one, full):
         for k in a:
             assert abs(a[k] - b[k]) < 2e-5, (k, a[k], b[k])
+
+
+def test_reference_stored_in_the_compute_dtype_gives_the_same_log_probs_to_the_bit():
+    """A bf16-compute run stores its frozen reference in bf16 (half an f32 copy): the step's
+    reference forward casts it to the policy's compute dtype anyway (`as_compute`), so the
+    loss and every metric are bit-identical to an f32-stored reference."""
+    import jax.numpy as jnp
+
+    from fsdp_jax.app.objectives.reference import reference_copy
+    from fsdp_jax.sharding.precision import Policy
+
+    model = with_reference(trainer_model(TINY, "none"), jnp.bfloat16)
+    assert {x.dtype for x in jax.tree.leaves(model.abstract_model_state)} == {jnp.dtype(jnp.bfloat16)}
+    params = model.init(jax.random.key(0))
+    stored = model.init_state(jax.random.key(0))
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool((a.astype(jnp.bfloat16) == b).all()), params, stored))
+    loss_fn = jax.jit(make_preference_loss(model, PreferenceSpec("dpo", beta=0.1), "state"))
+    policy = Policy.parse("params=float32,compute=bfloat16").cast_to_compute(params)
+    batch = pair_batch()
+    (l32, a32), _ = loss_fn(policy, batch, state=params)  # the f32 copy kept before
+    (l16, a16), _ = loss_fn(policy, batch, state=reference_copy(params, jnp.bfloat16))
+    assert float(l16) == float(l32)
+    for k in a32:
+        assert np.array_equal(np.asarray(a16[k]), np.asarray(a32[k])), k

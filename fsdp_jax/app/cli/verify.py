@@ -51,7 +51,14 @@ from fsdp_jax.app.objectives.grpo_run import check_grpo_config, grpo_spec, is_gr
 from fsdp_jax.app.objectives.preference_run import is_preference, preference_spec
 from fsdp_jax.app.objectives.reference import choose_reference, make_preference_loss
 from fsdp_jax.app.planner.inputs import parse_devices, parse_strategies
-from fsdp_jax.app.trainer.build import has_router_aux, lora_optimizer, lora_spec, make_loss_fn, trainer_model
+from fsdp_jax.app.trainer.build import (
+    compute_dtype,
+    has_router_aux,
+    lora_optimizer,
+    lora_spec,
+    make_loss_fn,
+    trainer_model,
+)
 from fsdp_jax.app.trainer.optim import build_optimizer
 from fsdp_jax.app.trainer.router_metrics import router_terms
 from fsdp_jax.app.trainer.setup import load_run_config
@@ -219,13 +226,13 @@ def _verify(args, cfg, strategies, n: int, batches: list, data: int = 1):
     if is_preference(cfg):  # the trainer's preference step: its reference (model state or the LoRA base)
         spec = preference_spec(cfg)
         reference = choose_reference(spec, lora is not None)  # precomputed log-probs: computed in the step here
-        model = with_reference(model) if reference == "state" else model
+        model = with_reference(model, compute_dtype(cfg)) if reference == "state" else model
         router = functools.partial(router_terms, cfg.model) if has_aux else None
         loss_fn, has_aux = make_preference_loss(model, spec, reference, router), True
     elif is_grpo(cfg):  # as the trainer: the GRPO loss, its reference in model state when beta > 0
         spec = grpo_spec(cfg)
         reference = choose_grpo_reference(spec, lora is not None)
-        model = with_reference(model) if reference == "state" else model
+        model = with_reference(model, compute_dtype(cfg)) if reference == "state" else model
         loss_fn, has_aux = make_grpo_loss(model, spec, reference), True
     return verify(
         model,

@@ -39,14 +39,32 @@ def choose_reference(spec: PreferenceSpec, lora: bool, precomputed: bool = False
 
 def with_reference(model: ModelFns, dtype=None) -> ModelFns:
     """`model` whose non-trainable state is a copy of its params (the reference): the same
-    shapes (cast to `dtype` when given) and logical axes, initialised by the same init, so
-    `init_state(rng)` equals `init(rng)`. The decoder's `apply` is unchanged."""
-    abstract = model.abstract_params
+    shapes and logical axes, initialised by the same init, so `init_state(rng)` equals
+    `init(rng)`. With `dtype` (the run's compute dtype) its floating leaves are stored in
+    that dtype (`reference_copy`): the reference's forward runs in the compute dtype anyway
+    (`as_compute`), so a bf16-compute run keeps half an f32 copy, with the same log-probs to
+    the bit. The decoder's `apply` is unchanged."""
+    abstract, init = model.abstract_params, model.init
     if dtype is not None:
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(dtype)), abstract)
+        abstract = reference_copy(abstract, dtype)
+        init = lambda rng: reference_copy(model.init(rng), dtype)  # noqa: E731
     return dataclasses.replace(
-        model, abstract_model_state=abstract, model_state_axes=model.logical_axes, init_state=model.init
+        model, abstract_model_state=abstract, model_state_axes=model.logical_axes, init_state=init
     )
+
+
+def reference_copy(params, dtype):
+    """`params` (arrays or ShapeDtypeStructs) with their floating leaves in `dtype`: the
+    reference's stored form."""
+
+    def cast(x):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            return x
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape, jnp.dtype(dtype), sharding=x.sharding)
+        return x.astype(dtype)
+
+    return jax.tree.map(cast, params)
 
 
 def without_reference(model: ModelFns) -> ModelFns:

@@ -34,6 +34,7 @@ from fsdp_jax.app.objectives.preference_run import is_preference, preference_spe
 from fsdp_jax.app.planner.grpo_plan import abstract_grpo_batch, row_cfg
 from fsdp_jax.app.trainer.build import (
     build_from_config,
+    compute_dtype,
     fp8_recipe,
     has_router_aux,
     lora_optimizer,
@@ -211,13 +212,13 @@ def build_step(
     if is_preference(cfg):  # as the trainer: the reference in model state, the LoRA base or precomputed
         spec = preference_spec(cfg)
         reference = choose_reference(spec, lora_spec(cfg) is not None, cfg.preference.precompute_ref_log_probs)
-        model = with_reference(model) if reference == "state" else model
+        model = with_reference(model, compute_dtype(cfg)) if reference == "state" else model
         router = functools.partial(router_terms, cfg.model) if has_router_aux(cfg.model) else None
         loss_fn = make_preference_loss(model, spec, reference, router)
     elif is_grpo(cfg):  # as the trainer: the frozen reference in model state when beta > 0
         spec = grpo_spec(cfg)
         reference = choose_grpo_reference(spec, lora_spec(cfg) is not None)
-        model = with_reference(model) if reference == "state" else model
+        model = with_reference(model, compute_dtype(cfg)) if reference == "state" else model
         loss_fn = make_grpo_loss(model, spec, reference)
     built = build_from_config(
         cfg, model, optimizer, mesh, strategy, loss_fn=loss_fn, max_replicated_fraction=None, **step_options

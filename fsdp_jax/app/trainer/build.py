@@ -52,6 +52,11 @@ def trainer_model(
     return from_nnx(make)
 
 
+def compute_dtype(cfg):
+    """The run's compute dtype (`precision`'s compute=): what a frozen reference is stored in."""
+    return Policy.parse(cfg.precision).compute_dtype
+
+
 def lora_spec(cfg) -> LoraSpec | None:
     """The run config's `lora:` section as the decoder's `LoraSpec` (None: rank 0, no LoRA);
     a quantised base dequantises in the precision's compute dtype."""

@@ -40,9 +40,11 @@ from fsdp_jax.app.objectives import choose_reference, make_preference_loss, with
 from fsdp_jax.app.objectives.grpo_loss import choose_grpo_reference, make_grpo_loss
 from fsdp_jax.app.objectives.grpo_run import check_grpo, grpo_spec, is_grpo
 from fsdp_jax.app.objectives.preference_run import is_preference, load_pairs, precompute_ref_logps, preference_spec
+from fsdp_jax.app.objectives.reference import reference_copy
 from fsdp_jax.app.trainer import lora_state, nvme_run
 from fsdp_jax.app.trainer.build import (
     build_from_config,
+    compute_dtype,
     fp8_recipe,
     has_router_aux,
     lora_dropout,
@@ -230,13 +232,13 @@ def _model(p: _Draft) -> None:
     if is_preference(cfg):  # the reference: frozen starting weights in model state, or the LoRA base
         spec = preference_spec(cfg)
         reference = choose_reference(spec, lora_spec(cfg) is not None, cfg.preference.precompute_ref_log_probs)
-        p.model = with_reference(p.model) if reference == "state" else p.model
+        p.model = with_reference(p.model, compute_dtype(cfg)) if reference == "state" else p.model
         router = functools.partial(router_terms, cfg.model) if has_router_aux(cfg.model) else None
         p.loss_fn = make_preference_loss(p.model, spec, reference, router)
     elif is_grpo(cfg):  # the reference (beta > 0): frozen starting weights in model state
         spec = grpo_spec(cfg)
         reference = choose_grpo_reference(spec, lora_spec(cfg) is not None)
-        p.model = with_reference(p.model) if reference == "state" else p.model
+        p.model = with_reference(p.model, compute_dtype(cfg)) if reference == "state" else p.model
         p.loss_fn = make_grpo_loss(p.model, spec, reference)
 
 
@@ -292,7 +294,10 @@ def _state(p: _Draft) -> None:
     elif cfg.init_from:  # a Hugging Face checkpoint (read shard by shard), a file or a run
         params = _base_loader(p, built)(built.abstract_state.params)
         # a reference kept in model state starts as these weights too
-        state = built.place(params, params) if built.plan.model_state is not None else built.state_from_params(params)
+        if built.plan.model_state is not None:  # stored in the compute dtype (`with_reference`)
+            state = built.place(params, reference_copy(params, compute_dtype(cfg)))
+        else:
+            state = built.state_from_params(params)
         if is_main:
             print(f"initialised params from {cfg.init_from}", flush=True)
     else:
