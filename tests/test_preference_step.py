@@ -99,25 +99,31 @@ def test_lora_reference_is_the_base_with_adapters_off():
             assert abs(a[k] - b[k]) < 2e-5, (k, a[k], b[k])
 
 
-def test_reference_stored_in_the_compute_dtype_gives_the_same_log_probs_to_the_bit():
+def test_reference_stored_in_the_compute_dtype_trains_the_same_to_the_bit():
     """A bf16-compute run stores its frozen reference in bf16 (half an f32 copy): the step's
-    reference forward casts it to the policy's compute dtype anyway (`as_compute`), so the
-    loss and every metric are bit-identical to an f32-stored reference."""
+    reference forward casts it to the policy's compute dtype anyway (`as_compute`), so two
+    steps' losses and metrics are bit-identical to an f32-stored reference's, on a model
+    state of half the bytes."""
     import jax.numpy as jnp
 
-    from fsdp_jax.app.objectives.reference import reference_copy
-    from fsdp_jax.sharding.precision import Policy
-
-    model = with_reference(trainer_model(TINY, "none"), jnp.bfloat16)
-    assert {x.dtype for x in jax.tree.leaves(model.abstract_model_state)} == {jnp.dtype(jnp.bfloat16)}
-    params = model.init(jax.random.key(0))
-    stored = model.init_state(jax.random.key(0))
-    assert jax.tree.all(jax.tree.map(lambda a, b: bool((a.astype(jnp.bfloat16) == b).all()), params, stored))
-    loss_fn = jax.jit(make_preference_loss(model, PreferenceSpec("dpo", beta=0.1), "state"))
-    policy = Policy.parse("params=float32,compute=bfloat16").cast_to_compute(params)
-    batch = pair_batch()
-    (l32, a32), _ = loss_fn(policy, batch, state=params)  # the f32 copy kept before
-    (l16, a16), _ = loss_fn(policy, batch, state=reference_copy(params, jnp.bfloat16))
-    assert float(l16) == float(l32)
-    for k in a32:
-        assert np.array_equal(np.asarray(a16[k]), np.asarray(a32[k])), k
+    model = trainer_model(TINY, "none")
+    mesh = make_mesh(1, 8, devices=jax.devices()[:8])
+    runs = {}
+    for name, dtype in (("f32", None), ("bf16", jnp.bfloat16)):
+        m = with_reference(model, dtype)
+        built = build(
+            m, optax.adamw(3e-3), mesh, "full_shard", loss_fn=make_preference_loss(m, PreferenceSpec("dpo", 0.1), "state"),
+            has_aux=True, min_shard_size=0, precision="params=float32,compute=bfloat16",
+        )  # fmt: skip
+        state = built.init_state(jax.random.key(0))
+        out = []
+        for _ in range(2):
+            state, metrics = built.train_step(state, pair_batch())
+            out.append(jax.device_get(metrics))
+        runs[name] = (out, sum(x.nbytes for x in jax.tree.leaves(state.model_state)))
+    (a, bytes32), (b, bytes16) = runs["f32"], runs["bf16"]
+    assert bytes16 * 2 == bytes32
+    for x, y in zip(a, b):
+        assert float(x["loss"]) == float(y["loss"])
+        for k in x["aux"]:
+            assert np.array_equal(np.asarray(x["aux"][k]), np.asarray(y["aux"][k])), k
