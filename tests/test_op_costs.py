@@ -464,6 +464,9 @@ def test_a_prediction_above_the_best_published_mfu_is_flagged():
         table = perf_table(t)
         assert table["best_mfu"]["mfu"] == best and "tiering.md" in table["best_mfu"]["source"] + "tiering.md"
         assert op_costs.above_best_mfu(best - 0.01, table) is None
+        # within a difference of FLOP counts of the record (the record itself, counted as we count): no flag
+        assert op_costs.above_best_mfu(best * (1 + op_costs.MFU_COUNT_SLACK), table) is None
+        assert op_costs.above_best_mfu(best * (1 + op_costs.MFU_COUNT_SLACK) + 0.005, table) is not None
         assert op_costs.above_best_mfu(0.79, table).startswith("predicted MFU 79.0% is above the best published")
 
 

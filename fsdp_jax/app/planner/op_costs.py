@@ -90,12 +90,19 @@ def gemm_efficiency(op: dict[str, Any], t: dict[str, Any]) -> float:
     return shape_efficiency(op, g) * wave_efficiency(op["m"], op["n"], op["batch"], g) * fill
 
 
+# Publishers count model FLOPs differently (attention's share, the head): the same run is
+# 65.4% MFU in MaxText's count (the v5p record, `best_mfu`) and 67.0% in ours (PaLM's count,
+# published row 5 predicted at its published tokens/s). A prediction is flagged once it is
+# above the record by more than such a difference of counts.
+MFU_COUNT_SLACK = 0.05
+
+
 def above_best_mfu(mfu: float, t: dict[str, Any]) -> str | None:
     """A warning when a predicted MFU exceeds the best ever published for the chip
-    (`best_mfu` of the table, with its source), else None: such a prediction is more likely
-    the model's error than the run's."""
+    (`best_mfu` of the table, with its source) by more than `MFU_COUNT_SLACK`, else None:
+    such a prediction is more likely the model's error than the run's."""
     best = t.get("best_mfu")
-    if not best or mfu <= best["mfu"]:
+    if not best or mfu <= best["mfu"] * (1 + MFU_COUNT_SLACK):
         return None
     return f"predicted MFU {mfu:.1%} is above the best published for this chip, {best['mfu']:.1%} ({best['source']})"
 
