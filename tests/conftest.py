@@ -76,7 +76,7 @@ os.environ.setdefault("FSDP_JAX_CACHE_DIR", str(CACHE))
 HEAVY_FIRST = (
     # deviceless TPU / GPU compiles, from the whole suite's --durations on 2026-12-06 (BENCHMARKS.md):
     # step_time_published ~760 s (its rows 6, 9, 5), flash_plan ~220 s, splash_plan ~150 s, ring_cudnn
-    # ~130 s, search ~130 s; started last, the first alone kept one worker busy ~7 min after the other idled
+    # ~130 s, search ~130 s; in collection order they started late and the suite ended on one busy worker
     "test_step_time_published.py",
     "test_flash_plan.py",
     "test_splash_plan.py",
