@@ -36,11 +36,10 @@ from fsdp_jax.app.data.token_check import check_corpus_vocab
 from fsdp_jax.app.data.windows import load_meta
 from fsdp_jax.app.hf.load import is_hf, load_params, model_section_from_hf, open_init
 from fsdp_jax.app.host_memory import check_host_memory, stated_host_memory
-from fsdp_jax.app.objectives import choose_reference, make_preference_loss, with_reference
 from fsdp_jax.app.objectives.grpo_loss import choose_grpo_reference, make_grpo_loss
 from fsdp_jax.app.objectives.grpo_run import check_grpo, grpo_spec, is_grpo
 from fsdp_jax.app.objectives.preference_run import is_preference, load_pairs, precompute_ref_logps, preference_spec
-from fsdp_jax.app.objectives.reference import reference_copy
+from fsdp_jax.app.objectives.reference import choose_reference, make_preference_loss, reference_copy, with_reference
 from fsdp_jax.app.trainer import lora_state, nvme_run
 from fsdp_jax.app.trainer.build import (
     build_from_config,
@@ -293,11 +292,9 @@ def _state(p: _Draft) -> None:
             )
     elif cfg.init_from:  # a Hugging Face checkpoint (read shard by shard), a file or a run
         params = _base_loader(p, built)(built.abstract_state.params)
-        # a reference kept in model state starts as these weights too
-        if built.plan.model_state is not None:  # stored in the compute dtype (`with_reference`)
-            state = built.place(params, reference_copy(params, compute_dtype(cfg)))
-        else:
-            state = built.state_from_params(params)
+        # a reference kept in model state starts as these weights too (in the compute dtype: `with_reference`)
+        ref = reference_copy(params, compute_dtype(cfg)) if built.plan.model_state is not None else None
+        state = built.state_from_params(params) if ref is None else built.place(params, ref)
         if is_main:
             print(f"initialised params from {cfg.init_from}", flush=True)
     else:
