@@ -32,6 +32,7 @@ GOOD = [{"prompt": f"reverse w{i}: ", "chosen": f"{i}w\n", "rejected": f"w{i}\n"
         (GOOD, ["preference.label_smoothing=0.5"], ["preference.label_smoothing", "[0, 0.5)"]),
         (GOOD, ["objective=kto"], ["objective", "dpo"]),
         (GOOD, ["preference.truncation=middle"], ["preference.truncation"]),
+        (GOOD, ["preference.eval_path=no/such/pairs.jsonl"], ["preference.eval_path", "no such file"]),
     ],
 )
 def test_bad_preference_input_one_line(tmp_path, capsys, rows, extra, words):

@@ -30,7 +30,6 @@ environment failure), 2 bad input (one line on stderr).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 import sys
@@ -45,22 +44,17 @@ from fsdp_jax.app.devices import use_cpu_devices
 from fsdp_jax.app.exits import fail_env
 from fsdp_jax.app.models.decoder import count_params
 from fsdp_jax.app.models.lora import adapter_mask
-from fsdp_jax.app.objectives import with_reference
-from fsdp_jax.app.objectives.grpo_loss import choose_grpo_reference, make_grpo_loss
-from fsdp_jax.app.objectives.grpo_run import check_grpo_config, grpo_spec, is_grpo
-from fsdp_jax.app.objectives.preference_run import is_preference, preference_spec
-from fsdp_jax.app.objectives.reference import choose_reference, make_preference_loss
+from fsdp_jax.app.objectives.grpo_run import check_grpo_config, is_grpo
 from fsdp_jax.app.planner.inputs import parse_devices, parse_strategies
 from fsdp_jax.app.trainer.build import (
-    compute_dtype,
     has_router_aux,
     lora_optimizer,
     lora_spec,
     make_loss_fn,
+    objective_loss,
     trainer_model,
 )
 from fsdp_jax.app.trainer.optim import build_optimizer
-from fsdp_jax.app.trainer.router_metrics import router_terms
 from fsdp_jax.app.trainer.setup import load_run_config
 from fsdp_jax.app.verify_batches import verify_batches
 from fsdp_jax.app.verify_shrink import shrink_config
@@ -223,17 +217,9 @@ def _verify(args, cfg, strategies, n: int, batches: list, data: int = 1):
     optimizer = optimizer if lora is None else lora_optimizer(optimizer)
     loss_fn = make_loss_fn(model, cfg.model)  # a mixture of experts: plus the router terms, as the trainer's step
     has_aux = has_router_aux(cfg.model)
-    if is_preference(cfg):  # the trainer's preference step: its reference (model state or the LoRA base)
-        spec = preference_spec(cfg)
-        reference = choose_reference(spec, lora is not None)  # precomputed log-probs: computed in the step here
-        model = with_reference(model, compute_dtype(cfg)) if reference == "state" else model
-        router = functools.partial(router_terms, cfg.model) if has_aux else None
-        loss_fn, has_aux = make_preference_loss(model, spec, reference, router), True
-    elif is_grpo(cfg):  # as the trainer: the GRPO loss, its reference in model state when beta > 0
-        spec = grpo_spec(cfg)
-        reference = choose_grpo_reference(spec, lora is not None)
-        model = with_reference(model, compute_dtype(cfg)) if reference == "state" else model
-        loss_fn, has_aux = make_grpo_loss(model, spec, reference), True
+    if cfg.objective != "sft":  # the trainer's preference / GRPO step (precomputed log-probs: computed in the step)
+        model, loss_fn = objective_loss(cfg, model, precomputed=False)
+        has_aux = True
     return verify(
         model,
         optimizer,

@@ -17,7 +17,6 @@ reporting it for many strategies is `fsdp_jax.app.planner.estimate`.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,22 +26,18 @@ import jax
 import numpy as np
 
 from fsdp_jax.app.data.packing import batch_from_rows
-from fsdp_jax.app.objectives import choose_reference, make_preference_loss, with_reference
-from fsdp_jax.app.objectives.grpo_loss import choose_grpo_reference, make_grpo_loss
-from fsdp_jax.app.objectives.grpo_run import grpo_batch, grpo_spec, is_grpo
-from fsdp_jax.app.objectives.preference_run import is_preference, preference_spec
+from fsdp_jax.app.objectives.grpo_run import grpo_batch, is_grpo
+from fsdp_jax.app.objectives.preference_run import is_preference
 from fsdp_jax.app.planner.grpo_plan import abstract_grpo_batch, row_cfg
 from fsdp_jax.app.trainer.build import (
     build_from_config,
-    compute_dtype,
     fp8_recipe,
-    has_router_aux,
     lora_optimizer,
     lora_spec,
+    objective_loss,
     trainer_model,
 )
 from fsdp_jax.app.trainer.optim import build_optimizer
-from fsdp_jax.app.trainer.router_metrics import router_terms
 from fsdp_jax.errors import PlanError, one_line
 from fsdp_jax.sharding.mesh import make_mesh, resolve_mesh_shape
 from fsdp_jax.sharding.strategy import get_strategy
@@ -208,18 +203,7 @@ def build_step(
     optimizer, _ = build_optimizer(cfg.optimizer, cfg.train.steps)
     if lora_spec(cfg) is not None:  # as the trainer: optimizer state for the adapters only
         optimizer = lora_optimizer(optimizer)
-    loss_fn = None
-    if is_preference(cfg):  # as the trainer: the reference in model state, the LoRA base or precomputed
-        spec = preference_spec(cfg)
-        reference = choose_reference(spec, lora_spec(cfg) is not None, cfg.preference.precompute_ref_log_probs)
-        model = with_reference(model, compute_dtype(cfg)) if reference == "state" else model
-        router = functools.partial(router_terms, cfg.model) if has_router_aux(cfg.model) else None
-        loss_fn = make_preference_loss(model, spec, reference, router)
-    elif is_grpo(cfg):  # as the trainer: the frozen reference in model state when beta > 0
-        spec = grpo_spec(cfg)
-        reference = choose_grpo_reference(spec, lora_spec(cfg) is not None)
-        model = with_reference(model, compute_dtype(cfg)) if reference == "state" else model
-        loss_fn = make_grpo_loss(model, spec, reference)
+    model, loss_fn = objective_loss(cfg, model)  # as the trainer: preference / GRPO (None: sft)
     built = build_from_config(
         cfg, model, optimizer, mesh, strategy, loss_fn=loss_fn, max_replicated_fraction=None, **step_options
     )

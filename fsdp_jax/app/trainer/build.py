@@ -9,6 +9,7 @@ that reach `fsdp_jax.train.build.build` are written here once.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -21,6 +22,10 @@ from fsdp_jax.app.models.config import DecoderConfig
 from fsdp_jax.app.models.decoder import Decoder, cross_entropy
 from fsdp_jax.app.models.lora import LoraSpec, adapted, adapter_mask, spec_from_config
 from fsdp_jax.app.models.qlora import CONTRACTED
+from fsdp_jax.app.objectives.grpo_loss import choose_grpo_reference, make_grpo_loss
+from fsdp_jax.app.objectives.grpo_run import grpo_spec, is_grpo
+from fsdp_jax.app.objectives.preference_run import is_preference, preference_spec
+from fsdp_jax.app.objectives.reference import choose_reference, make_preference_loss, with_reference
 from fsdp_jax.app.trainer.router_metrics import router_terms
 from fsdp_jax.model.fns import ModelFns, from_nnx
 from fsdp_jax.nvme import NVME_OFFLOADS
@@ -182,6 +187,28 @@ def _moe_loss_fn(model: ModelFns, cfg: DecoderConfig) -> Callable:
         return TokenSum(ts.total + extra * ts.count, ts.count), aux
 
     return loss_fn
+
+
+def objective_loss(cfg, model: ModelFns, precomputed: bool | None = None) -> tuple[ModelFns, Callable | None]:
+    """(model, loss_fn) of a preference or GRPO objective as the trainer runs it: the frozen
+    reference in model state (stored in the compute dtype), the LoRA base with adapters off,
+    or none; a mixture of experts' router terms on a preference loss. `precomputed`
+    (default: the config's `precompute_ref_log_probs`): reference log-probs in the batch.
+    `(model, None)` under sft (the caller's next-token loss). Build with `has_aux=True`."""
+    lora = lora_spec(cfg) is not None
+    if is_preference(cfg):
+        spec = preference_spec(cfg)
+        pre = cfg.preference.precompute_ref_log_probs if precomputed is None else precomputed
+        reference = choose_reference(spec, lora, pre)
+        model = with_reference(model, compute_dtype(cfg)) if reference == "state" else model
+        router = functools.partial(router_terms, cfg.model) if has_router_aux(cfg.model) else None
+        return model, make_preference_loss(model, spec, reference, router)
+    if is_grpo(cfg):
+        spec = grpo_spec(cfg)
+        reference = choose_grpo_reference(spec, lora)
+        model = with_reference(model, compute_dtype(cfg)) if reference == "state" else model
+        return model, make_grpo_loss(model, spec, reference)
+    return model, None
 
 
 def build_from_config(

@@ -238,5 +238,5 @@ def default_hooks(cfg, profiler: ProfileWindow) -> list[Hook]:
         LogHook(every=c.log_every),
         EvalHook(every=c.eval_every),
         CheckpointHook(every=c.checkpoint_every),
-        SampleHook(tokens=c.sample_tokens if cfg.objective != "grpo" else 0),  # GRPO samples every step
+        SampleHook(tokens=c.sample_tokens),  # a GRPO run swaps it for its own (trainer.grpo_hooks)
     ]

@@ -17,7 +17,6 @@ it), else `cfg.init_from` (params from a safetensors file, another run or, as
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib.util
 import re
 from pathlib import Path
@@ -36,24 +35,22 @@ from fsdp_jax.app.data.token_check import check_corpus_vocab
 from fsdp_jax.app.data.windows import load_meta
 from fsdp_jax.app.hf.load import is_hf, load_params, model_section_from_hf, open_init
 from fsdp_jax.app.host_memory import check_host_memory, stated_host_memory
-from fsdp_jax.app.objectives.grpo_loss import choose_grpo_reference, make_grpo_loss
-from fsdp_jax.app.objectives.grpo_run import check_grpo, grpo_spec, is_grpo
+from fsdp_jax.app.objectives.grpo_run import check_grpo, is_grpo
 from fsdp_jax.app.objectives.preference_run import is_preference, load_pairs, precompute_ref_logps, preference_spec
-from fsdp_jax.app.objectives.reference import choose_reference, make_preference_loss, reference_copy, with_reference
+from fsdp_jax.app.objectives.reference import reference_copy
 from fsdp_jax.app.trainer import lora_state, nvme_run
 from fsdp_jax.app.trainer.build import (
     build_from_config,
     compute_dtype,
     fp8_recipe,
-    has_router_aux,
     lora_dropout,
     lora_optimizer,
     lora_spec,
     make_loss_fn,
+    objective_loss,
     trainer_model,
 )
 from fsdp_jax.app.trainer.optim import build_optimizer
-from fsdp_jax.app.trainer.router_metrics import router_terms
 from fsdp_jax.app.trainer.run_dir import check_dir_path
 from fsdp_jax.checkpoint import Checkpointer, Restored, latest_step, load_init_params, open_safetensors
 from fsdp_jax.errors import CheckpointError, ConfigError, one_line
@@ -228,17 +225,8 @@ def _model(p: _Draft) -> None:
     if lora_spec(cfg) is not None:
         p.optimizer = lora_optimizer(p.optimizer)
     p.loss_fn = make_loss_fn(p.model, cfg.model, lora_dropout(cfg))
-    if is_preference(cfg):  # the reference: frozen starting weights in model state, or the LoRA base
-        spec = preference_spec(cfg)
-        reference = choose_reference(spec, lora_spec(cfg) is not None, cfg.preference.precompute_ref_log_probs)
-        p.model = with_reference(p.model, compute_dtype(cfg)) if reference == "state" else p.model
-        router = functools.partial(router_terms, cfg.model) if has_router_aux(cfg.model) else None
-        p.loss_fn = make_preference_loss(p.model, spec, reference, router)
-    elif is_grpo(cfg):  # the reference (beta > 0): frozen starting weights in model state
-        spec = grpo_spec(cfg)
-        reference = choose_grpo_reference(spec, lora_spec(cfg) is not None)
-        p.model = with_reference(p.model, compute_dtype(cfg)) if reference == "state" else p.model
-        p.loss_fn = make_grpo_loss(p.model, spec, reference)
+    if cfg.objective != "sft":  # preference / GRPO: its loss and reference (`build.objective_loss`)
+        p.model, p.loss_fn = objective_loss(cfg, p.model)
 
 
 def _mesh(p: _Draft) -> None:
