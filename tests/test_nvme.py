@@ -3,6 +3,7 @@
 Parity runs in a child process on XLA:CPU's default emitters, as tests/test_stream_update.py
 explains (this suite's legacy emitters contract FMAs by fusion boundary)."""
 
+import concurrent.futures as cf
 import errno
 import json
 import os
@@ -22,10 +23,11 @@ from jax.sharding import PartitionSpec as P
 from test_offload import ROOT, tiny_llama
 
 import fsdp_jax as fj
-from fsdp_jax.checkpoint import direct_io
-from fsdp_jax.errors import OffloadError
+from fsdp_jax.checkpoint import direct_io, shard_files
+from fsdp_jax.errors import OffloadError, ShardFileError
 from fsdp_jax.nvme import LayerFiles, Layout, check_streamable
 from fsdp_jax.nvme import layer_files as lf_lib
+from fsdp_jax.nvme.checkpoint_stream import StackWriter, rebuild
 from fsdp_jax.train.build import build
 from helpers import TINY_RUN_OVERRIDES, call, json_child, one_line
 
@@ -156,6 +158,64 @@ def test_a_checkpoint_is_assembled_in_host_memory(tmp_path):
     for g, w, x in zip(got, want, spec):
         assert g.sharding.memory_kind == "pinned_host" and g.sharding.spec == x.sharding.spec
         np.testing.assert_array_equal(np.asarray(g), w)
+
+
+def _layer_files(d, spec, want, owner="a"):
+    lay = Layout.of(spec)
+    files = LayerFiles.open([d], lay, owner=owner)
+    buf = files.buffer()
+    for i in range(lay.n_layers):
+        lay.from_arrays([jax.device_put(w[i : i + 1], x.sharding) for w, x in zip(want, spec)], buf)
+        files.write(i, buf)
+    return files
+
+
+def test_a_checkpoint_streams_layer_by_layer_and_restores_into_files(tmp_path):
+    """The stacked leaves saved out of the layer files (`checkpoint_stream.StackWriter`) are the
+    files and index a save of the same arrays from memory writes, byte for byte; `rebuild`
+    writes layer files of another mesh's layout from them; a changed file is refused."""
+    spec, dirs = stacked(), [tmp_path / n for n in ("nvme", "mem", "streamed", "nvme2")]
+    for d in dirs:
+        d.mkdir()
+    rng = np.random.default_rng(0)
+    want = [rng.standard_normal(x.shape).astype(np.float32) for x in spec]
+    files = _layer_files(dirs[0], spec, want)
+    with cf.ThreadPoolExecutor(1) as ex:
+        stacks = StackWriter(files, [files.buffer(), files.buffer()], ex).stacks()
+        in_memory = {k: jax.device_put(w, x.sharding) for k, w, x in zip("ab", want, spec)}
+        for d, tree in zip(dirs[1:3], [in_memory, dict(zip("ab", stacks))]):
+            pieces, meta = shard_files.host_shards(tree)
+            shard_files.write_shards(d, shard_files.write_streamed(d, pieces), meta)
+
+    def data(d):  # {file: (start, stop, its data's bytes)} over every leaf
+        index = shard_files.read_index(d)
+        return {
+            f["file"]: (f["start"], f["stop"], (d / f["file"]).read_bytes()[f["offset"] :])
+            for m in index.values()
+            for f in m["files"]
+        }
+
+    assert data(dirs[1]) == data(dirs[2]) and len(data(dirs[2])) == 16
+    other = [
+        jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=NamedSharding(fj.make_mesh(data=2, fsdp=4), P(None, None, "fsdp"))
+        )
+        for x in spec
+    ]
+    lay2 = Layout.of(other)
+    files2 = LayerFiles.open([dirs[3]], lay2, owner="b")
+    rebuild(files2, ["a", "b"], dirs[2], files2.buffer())
+    for g, w in zip(lay2.stacked_on_host(files2, files2.buffer(), "pinned_host"), want):
+        np.testing.assert_array_equal(np.asarray(g), w)
+    got = shard_files.read_tree(dirs[2], {"a": shard_files.Unread((3, 64, 8), np.float32), "b": spec[1]})
+    assert isinstance(got["a"], shard_files.Unread)
+    np.testing.assert_array_equal(np.asarray(got["b"]), want[1])
+    victim = sorted(dirs[2].glob("00000.*"))[3]
+    raw = bytearray(victim.read_bytes())
+    raw[-1] ^= 1
+    victim.write_bytes(bytes(raw))
+    with pytest.raises(ShardFileError, match=f"{victim.name} has changed since it was saved"):
+        rebuild(files2, ["a", "b"], dirs[2], files2.buffer())
 
 
 def test_bad_dirs_are_one_line_and_nothing_is_written(tmp_path):

@@ -86,7 +86,7 @@ def _aligned(buf: memoryview) -> bool:
     return np.frombuffer(buf, np.uint8).ctypes.data % ALIGN == 0 if len(buf) else True
 
 
-def _open(path, flags: int) -> tuple[int, bool]:
+def open_direct(path, flags: int) -> tuple[int, bool]:
     """(fd, whether it is O_DIRECT): O_DIRECT where the file system takes it."""
     if _DIRECT:
         try:
@@ -96,7 +96,7 @@ def _open(path, flags: int) -> tuple[int, bool]:
     return os.open(path, flags, 0o644), False
 
 
-def _write_all(fd: int, view: memoryview, offset: int) -> None:
+def write_all(fd: int, view: memoryview, offset: int) -> None:
     done = 0
     while done < len(view):
         done += os.pwrite(fd, view[done:], offset + done)
@@ -110,7 +110,7 @@ def write_file(path, a: np.ndarray) -> tuple[str, int]:
     the data, the head up to the first aligned address and the tail go through an ordinary
     descriptor. Without O_DIRECT: `pad` 0, ordinary writes. OSError propagates."""
     buf = memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
-    fd, direct = _open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    fd, direct = open_direct(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     pad = (np.frombuffer(buf, np.uint8).ctypes.data % ALIGN) if direct and len(buf) else 0
     head = min(len(buf), (ALIGN - pad) % ALIGN) if direct else 0
     end = head + (len(buf) - head) // ALIGN * ALIGN if direct else len(buf)  # the bulk: [head, end)
@@ -119,13 +119,13 @@ def write_file(path, a: np.ndarray) -> tuple[str, int]:
         for off in range(head, end, CHUNK):
             piece = buf[off : min(off + CHUNK, end)]
             crc = crc32(piece, crc)
-            _write_all(fd, piece, pad + off)
+            write_all(fd, piece, pad + off)
         if direct:  # the pad and head, and the tail, through the page cache
             plain = os.open(path, os.O_WRONLY)
             try:
-                _write_all(plain, memoryview(bytes(pad) + bytes(buf[:head])), 0)
+                write_all(plain, memoryview(bytes(pad) + bytes(buf[:head])), 0)
                 crc = crc32(buf[end:], crc)
-                _write_all(plain, buf[end:], pad + end)
+                write_all(plain, buf[end:], pad + end)
                 os.fsync(plain)
             finally:
                 os.close(plain)
@@ -154,7 +154,7 @@ def read_range(path, a: np.ndarray, start: int, stop: int) -> tuple[int, int, in
     says so). FileNotFoundError propagates."""
     view = memoryview(a.reshape(-1).view(np.uint8))[start:stop]
     if start % ALIGN == 0 and len(view) % ALIGN == 0 and _aligned(view):
-        fd, direct = _open(path, os.O_RDONLY)
+        fd, direct = open_direct(path, os.O_RDONLY)
     else:
         fd, direct = os.open(path, os.O_RDONLY), False
     crc, got = 0, 0

@@ -23,12 +23,15 @@ or into `pinned_host` memory; a process reads only the files its shards need.
 
 Offloaded leaves (memory kind `pinned_host`) are written straight from host memory: their
 shards are already host buffers, which `np.asarray` views without a copy; nothing goes to a
-device.
+device. A `Streamed` leaf is not in memory at all: its owner writes its shard files itself
+(`write_streamed`, before the save returns; `fsdp_jax.nvme` streams them layer by layer out of
+its layer files), and a restore target leaf `Unread` is checked but left to its owner to read.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -54,6 +57,44 @@ class Piece(NamedTuple):
     data: np.ndarray  # the shard, on the host, C-contiguous
 
 
+class Written(NamedTuple):
+    """A shard file its owner has written (`write_streamed`)."""
+
+    crc32: str  # of the file's bytes, 8 hex digits
+    pad: int  # bytes before the data
+    nbytes: int  # the data's bytes
+
+
+class Streamed:
+    """A leaf to save whose shard files its owner writes (`fsdp_jax.nvme`: layer by layer out
+    of its layer files, so host memory holds a few layers, not the leaf). Subclasses set
+    `shape`, `dtype` and `writer`, and give `bounds()`: this process's distinct shards as
+    (start, stop). `writer.write(directory, jobs)` writes every job `(leaf, shard number, file
+    name)` of the leaves that share it in one call and returns {file name: (CRC-32, pad)}."""
+
+    shape: tuple[int, ...]
+    dtype: Any
+    writer: Any
+
+    def bounds(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        raise NotImplementedError
+
+
+class _Pending(NamedTuple):
+    leaf: Streamed
+    shard: int
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Unread:
+    """A restore target leaf that `read_tree` checks (its shape) but does not read; returned
+    as it is, for its owner to read (`fsdp_jax.nvme` rebuilds its layer files from the files)."""
+
+    shape: tuple[int, ...]
+    dtype: Any
+
+
 def _bounds(index: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     start = tuple(0 if s.start is None else int(s.start) for s in index)
     stop = tuple(n if s.stop is None else int(s.stop) for s, n in zip(index, shape))
@@ -67,6 +108,9 @@ def host_shards(tree) -> tuple[list[Piece], dict[str, dict]]:
     leaves = tree_paths(tree)
     mine = []
     for path, x in leaves.items():
+        if isinstance(x, Streamed):
+            mine.append((path, x, None))
+            continue
         if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):
             raise TypeError(f"{path}: arrays of dtype {x.dtype} (e.g. PRNG keys) are not saved as shard files")
         if isinstance(x, jax.Array):
@@ -80,6 +124,11 @@ def host_shards(tree) -> tuple[list[Piece], dict[str, dict]]:
     for n, (path, x, shards) in enumerate(mine):
         shape = tuple(x.shape)
         meta[path] = {"shape": list(shape), "dtype": np.dtype(x.dtype).name}
+        if isinstance(x, Streamed):
+            for j, (start, stop) in enumerate(x.bounds()):
+                nbytes = int(np.prod([b - a for a, b in zip(start, stop)], dtype=np.int64)) * np.dtype(x.dtype).itemsize
+                pieces.append(Piece(path, f"{n:05d}." + "_".join(map(str, start)), start, stop, _Pending(x, j, nbytes)))
+            continue
         if shards is None:
             if jax.process_index() == 0:
                 pieces.append(Piece(path, f"{n:05d}.full", (0,) * len(shape), shape, x))
@@ -93,11 +142,31 @@ def host_shards(tree) -> tuple[list[Piece], dict[str, dict]]:
     return [p._replace(data=d) for p, d in zip(pieces, datas)], meta
 
 
-def _host_copy(x) -> np.ndarray:
-    """`x` as a C-order host array. A buffer already in host memory (a CPU device's, or
-    `pinned_host`) is viewed zero-copy, as Orbax does: the view holds a reference on the
-    buffer, so the next step's donation of the state cannot reuse its memory under the
-    background write (tests/test_shard_files.py checks the values survive it)."""
+def write_streamed(directory: str | os.PathLike, pieces: list[Piece]) -> list[Piece]:
+    """Have the owners of `Streamed` leaves write their shard files into `directory` (one
+    `writer.write` call per writer, in this thread); returns `pieces` with those written."""
+    by_writer: dict[int, tuple[Any, list]] = {}
+    for p in pieces:
+        if isinstance(p.data, _Pending):
+            by_writer.setdefault(id(p.data.leaf.writer), (p.data.leaf.writer, []))[1].append(p)
+    if not by_writer:
+        return pieces
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    done: dict[str, Written] = {}
+    for writer, mine in by_writer.values():
+        got = writer.write(Path(directory), [(p.data.leaf, p.data.shard, p.file) for p in mine])
+        done.update({p.file: Written(*got[p.file], p.data.nbytes) for p in mine})
+    return [p._replace(data=done[p.file]) if p.file in done else p for p in pieces]
+
+
+def _host_copy(x):
+    """`x` as a C-order host array (a `Streamed` leaf's shard: as it is). A buffer already in
+    host memory (a CPU device's, or `pinned_host`) is viewed zero-copy, as Orbax does: the
+    view holds a reference on the buffer, so the next step's donation of the state cannot
+    reuse its memory under the background write (tests/test_shard_files.py checks the values
+    survive it)."""
+    if isinstance(x, _Pending):
+        return x
     return np.ascontiguousarray(np.asarray(x))
 
 
@@ -110,9 +179,13 @@ def write_shards(directory: str | os.PathLike, pieces: list[Piece], meta: dict[s
     returns the index. OSError (disk full, ...) propagates."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    order = sorted(pieces, key=lambda p: -p.data.nbytes)  # big first: the pool stays busy to the end
+    if any(isinstance(p.data, _Pending) for p in pieces):
+        raise ValueError("write_shards: Streamed leaves are written by write_streamed first")
+    written = {p.file: (p.data.crc32, p.data.pad) for p in pieces if isinstance(p.data, Written)}
+    order = sorted((p for p in pieces if p.file not in written), key=lambda p: -p.data.nbytes)  # big first
     with cf.ThreadPoolExecutor(WORKERS) as pool:
         crcs = dict(zip((p.file for p in order), pool.map(lambda p: _write_file(directory / p.file, p.data), order)))
+    crcs.update(written)
     leaves = {path: dict(m, files=[]) for path, m in meta.items()}
     for p in pieces:
         crc, pad = crcs[p.file]
@@ -194,7 +267,7 @@ def load_file(directory: Path, entry: dict, dtype, shape) -> np.ndarray:
         return start_load(directory, entry, dtype, shape, pool)()
 
 
-def _region(start, stop, files, loaded, dtype) -> np.ndarray:
+def region(start, stop, files, loaded, dtype) -> np.ndarray:
     """The block [start, stop) of a leaf assembled from its loaded files."""
     for e in files:
         if list(start) == e["start"] and list(stop) == e["stop"]:
@@ -210,7 +283,7 @@ def _region(start, stop, files, loaded, dtype) -> np.ndarray:
     return out
 
 
-def _overlaps(files, start, stop) -> list[dict]:
+def overlaps(files, start, stop) -> list[dict]:
     return [e for e in files if all(max(a, s) < min(b, t) for a, b, s, t in zip(start, stop, e["start"], e["stop"]))]
 
 
@@ -224,7 +297,7 @@ def _start_reads(directory: Path, m: dict, target: Any, pool: cf.Executor):
         if sharding is not None
         else [((0,) * len(shape), shape)]
     )
-    need = {e["file"]: e for r in regions for e in (_overlaps(m["files"], *r) if shape else m["files"])}
+    need = {e["file"]: e for r in regions for e in (overlaps(m["files"], *r) if shape else m["files"])}
     saved = np.dtype(m["dtype"])
     return {
         f: start_load(directory, e, saved, [b - a for a, b in zip(e["start"], e["stop"])], pool)
@@ -240,9 +313,9 @@ def _assemble(m: dict, target: Any, jobs: dict):
     loaded = {f: j() for f, j in jobs.items()}
     sharding = getattr(target, "sharding", None)
     if sharding is None:
-        return _region((0,) * len(shape), shape, m["files"], loaded, dtype)
+        return region((0,) * len(shape), shape, m["files"], loaded, dtype)
     return jax.make_array_from_callback(
-        shape, sharding, lambda idx: _region(*_bounds(idx, shape), m["files"], loaded, dtype)
+        shape, sharding, lambda idx: region(*_bounds(idx, shape), m["files"], loaded, dtype)
     )
 
 
@@ -250,17 +323,20 @@ def read_tree(directory: str | os.PathLike, target):
     """`target` (a pytree of ShapeDtypeStructs with shardings) restored from the shard files
     in `directory`: every target leaf must be saved with the same shape (else ShardFileError).
     The next `AHEAD` leaves' files are read while one is assembled (so at most AHEAD + 1
-    leaves' local shards wait in host memory)."""
+    leaves' local shards wait in host memory). `Unread` target leaves come back as they are."""
     directory = Path(directory)
     leaves = read_index(directory)
     flat, treedef = jax.tree_util.tree_flatten(target)
-    todo = []
-    for name, t in zip(tree_paths(target), flat):
+    todo, unread = [], {}
+    for k, (name, t) in enumerate(zip(tree_paths(target), flat)):
         m = leaves.get(name)
         if m is None or tuple(m["shape"]) != tuple(t.shape):
             got = "not saved" if m is None else f"saved {tuple(m['shape'])}"
             raise ShardFileError(f"{directory}: {name} {got}, wanted {tuple(t.shape)}")
-        todo.append((m, t))
+        if isinstance(t, Unread):
+            unread[k] = t
+        else:
+            todo.append((m, t))
     out = []
     with cf.ThreadPoolExecutor(WORKERS) as pool:
         jobs = [_start_reads(directory, *x, pool) for x in todo[:AHEAD]]
@@ -269,6 +345,8 @@ def read_tree(directory: str | os.PathLike, target):
                 jobs.append(_start_reads(directory, *todo[k + AHEAD], pool))
             out.append(_assemble(m, t, jobs[k]))
             jobs[k] = None  # its host copies go once the array exists
+    for k, t in sorted(unread.items()):
+        out.insert(k, t)
     return jax.tree_util.tree_unflatten(treedef, out)
 
 

@@ -5,7 +5,9 @@ The Checkpointer's `CheckpointManager` keeps doing what it did for every payload
 (the atomic commit), retention, the background commit thread and the manifest callback.
 This handler only replaces how the `state` item's arrays become files: `async_save` copies
 this process's shards to host memory (the only part the caller waits for) and returns a
-commit future that writes them (`shard_files.write_shards`); `restore` reads them onto the
+commit future that writes them (`shard_files.write_shards`); `Streamed` leaves (an nvme run's
+layer files) are written before `async_save` returns, since their source changes with the next
+step; `restore` reads them onto the
 target layout (`shard_files.read_tree`).
 
     ocp.args.Composite(state=ShardSave(state), extras=ocp.args.JsonSave(extras))
@@ -30,6 +32,7 @@ class ShardCheckpointHandler(AsyncCheckpointHandler):
     async def async_save(self, directory: epath.Path, args: "ShardSave") -> Optional[List[future.Future]]:
         pieces, meta = shard_files.host_shards(args.item)  # device-to-host copies, before returning
         target = epath.Path(directory)
+        pieces = shard_files.write_streamed(target, pieces)  # Streamed leaves: their files, before returning
 
         async def write():
             shard_files.write_shards(target, pieces, meta)
@@ -38,6 +41,7 @@ class ShardCheckpointHandler(AsyncCheckpointHandler):
 
     def save(self, directory: epath.Path, args: "ShardSave") -> None:
         pieces, meta = shard_files.host_shards(args.item)
+        pieces = shard_files.write_streamed(epath.Path(directory), pieces)
         shard_files.write_shards(epath.Path(directory), pieces, meta)
 
     def restore(self, directory: epath.Path, args: "ShardRestore") -> Any:

@@ -31,13 +31,18 @@ models with state or a run key, and frozen params are refused (OffloadError, one
 from __future__ import annotations
 
 import concurrent.futures as cf
+from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
+from fsdp_jax.checkpoint.manifest import tree_paths
+from fsdp_jax.checkpoint.shard_files import Unread
 from fsdp_jax.errors import OffloadError
+from fsdp_jax.nvme import checkpoint_stream
 from fsdp_jax.nvme.layer_files import LayerFiles, Layout
 from fsdp_jax.sharding import offload, remat
 from fsdp_jax.sharding.offload import Offload
@@ -116,6 +121,8 @@ class NvmeStep:
         self._stacked = [k for k, m in enumerate(jax.tree.leaves(self.labels)) if m == LAYERED]
         names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(self.labels)[0]]
         self.layout = Layout.of([leaves[k] for k in self._stacked], [names[k] for k in self._stacked])
+        saved = [p for p in tree_paths(built.abstract_state) if p.split("/")[0] == "opt_state"]
+        self._saved_names = [saved[k] for k in self._stacked]  # as a checkpoint names them
         self.files = LayerFiles.open(dirs, self.layout, owner)
         self._grad_step = _jit_grad_step(built, loss_fn, self.labels, step_options)
         self._layer = _jit_layer_update(built, self.labels, self.layout, self.skip)
@@ -159,6 +166,34 @@ class NvmeStep:
         for k, x in zip(self._stacked, stacked):
             leaves[k] = x
         return live.replace(opt_state=jax.tree.unflatten(self._treedef, leaves))
+
+    def to_save(self, live: TrainState) -> TrainState:
+        """What a checkpoint saves of `live`: the whole state, its stacked leaves
+        `shard_files.Streamed`, written layer by layer out of the layer files into the
+        checkpoint (`checkpoint_stream`; host memory: two layer buffers)."""
+        stacks = checkpoint_stream.StackWriter(self.files, self._buffers[:2], self._io[0]).stacks()
+        leaves = jax.tree.leaves(live.opt_state)
+        for k, x in zip(self._stacked, stacks):
+            leaves[k] = x
+        return live.replace(opt_state=jax.tree.unflatten(self._treedef, leaves))
+
+    def restore_target(self, abstract_state: TrainState) -> TrainState:
+        """`abstract_state` with its stacked leaves `shard_files.Unread`: a checkpoint restores
+        the rest, and `put_restored` the stacked leaves into the layer files."""
+        leaves = jax.tree.leaves(abstract_state.opt_state)
+        for k in self._stacked:
+            leaves[k] = Unread(tuple(leaves[k].shape), leaves[k].dtype)
+        return abstract_state.replace(opt_state=jax.tree.unflatten(self._treedef, leaves))
+
+    def put_restored(self, state: TrainState, state_dir) -> TrainState:
+        """The live state of `state` (restored onto `restore_target`) and the checkpoint's
+        shard files in `state_dir`: the layer files rebuilt a layer at a time."""
+        checkpoint_stream.rebuild(self.files, self._saved_names, Path(state_dir), self._buffers[0])
+        leaves = jax.tree.leaves(state.opt_state, is_leaf=lambda x: isinstance(x, Unread))
+        for k, s in zip(self._stacked, self.layout.shardings):
+            x = leaves[k]
+            leaves[k] = jax.device_put(np.zeros((0, *x.shape[1:]), x.dtype), s)
+        return state.replace(opt_state=jax.tree.unflatten(self._treedef, leaves))
 
     def lower(self, live: TrainState, batch) -> "Lowered":
         """The AOT lowering of the grads program; its `.compile()` returns this step, which

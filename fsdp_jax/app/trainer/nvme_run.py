@@ -3,9 +3,11 @@
 The state a run starts from (a fresh init, `init_from`, or the checkpoint it resumes) is
 written into the layer files under `offload_dirs` (all of them rewritten: the files are a
 working copy, so after a crash or kill the run resumes from its last checkpoint and the
-files are rebuilt from it); the step is the `NvmeStep`; a checkpoint is written from
-`NvmeStep.gather` of the live state, as from a run without offload, and restores into
-any offload setting.
+files are rebuilt from it, a layer at a time: `NvmeStep.restore_target` / `put_restored`);
+the step is the `NvmeStep`; a checkpoint is written from `NvmeStep.to_save` of the live
+state (its stacked leaves streamed layer by layer out of the layer files into the
+checkpoint's shard files), in the format of a run without offload, and restores into any
+offload setting.
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ def dirs_of(cfg) -> list[str]:
     return [d.strip() for d in cfg.offload_dirs.split(",") if d.strip()]
 
 
-def start(cfg, built: Built, loss_fn, state: TrainState, run_dir: Path) -> tuple[TrainState, NvmeStep]:
-    """(the live state, the step) for `state`; the dirs are checked and claimed for this run
-    (its resolved run dir names it) before anything is written (OffloadError, one line)."""
+def open_step(cfg, built: Built, loss_fn, run_dir: Path) -> NvmeStep | None:
+    """The step (None without nvme); the dirs are checked and claimed for this run (its
+    resolved run dir names it) before anything is written (bad input: ConfigError, one line)."""
+    if not uses_nvme(cfg):
+        return None
     try:
         nv = NvmeStep(
             built,
@@ -48,10 +52,24 @@ def start(cfg, built: Built, loss_fn, state: TrainState, run_dir: Path) -> tuple
     except OffloadError as e:  # bad input: exit 2, the key named, nothing written
         key, _, msg = str(e).partition(": ")
         raise ConfigError(key, msg) from None
-    return nv.put(state), nv
+    return nv
+
+
+def restore_target(nv: NvmeStep | None, target: TrainState) -> TrainState:
+    """What a resume restores: under nvme, all but the stacked leaves (read by `live`)."""
+    return target if nv is None else nv.restore_target(target)
+
+
+def live(nv: NvmeStep | None, state: TrainState, state_dir: Path | None) -> TrainState:
+    """The state the step takes: under nvme, the layer files written (from the checkpoint in
+    `state_dir` a layer at a time, when `state` was restored onto `restore_target`)."""
+    if nv is None:
+        return state
+    return nv.put(state) if state_dir is None else nv.put_restored(state, state_dir)
 
 
 def saved(run, state: TrainState) -> TrainState:
-    """What a checkpoint of `state` holds: the whole state under nvme, else `state`."""
+    """What a checkpoint of `state` holds: under nvme, the whole state with its stacked
+    leaves streamed out of the layer files (`NvmeStep.to_save`), else `state`."""
     nv = getattr(run, "nvme", None)
-    return nv.gather(state) if nv is not None else state
+    return nv.to_save(state) if nv is not None else state

@@ -250,9 +250,10 @@ def _state(p: _Draft) -> None:
         for d in ckpt.partial:
             print(f"warning: ignoring partial checkpoint {d} (its save was interrupted); removed", flush=True)
     restored, start, lora = None, 0, lora_spec(cfg) is not None
+    nvme = nvme_run.open_step(cfg, built, p.loss_fn, run_dir)  # nvme: dirs claimed; stacked leaves streamed
     if p.resume and ckpt.steps():
         target = lora_state.saved_abstract(built.abstract_state) if lora else built.abstract_state
-        restored = ckpt.restore(target, set_aside_damaged=True)
+        restored = ckpt.restore(nvme_run.restore_target(nvme, target), set_aside_damaged=True)
         try:  # extras are JSON anyone can edit: a bad value names the checkpoint, not a traceback
             state, start = restored.state, int(restored.extras.get("step", restored.step))
             rng = _rng_from(restored.extras.get("rng"), rng)
@@ -289,10 +290,8 @@ def _state(p: _Draft) -> None:
         state = built.init_state(rng)
     if is_preference(cfg) and cfg.preference.precompute_ref_log_probs and preference_spec(cfg).needs_reference:
         precompute_ref_logps(cfg, p.model, built.plan, state.params, resumed=restored is not None)
-    train_step, nvme = built.train_step, None
-    if nvme_run.uses_nvme(cfg):  # the stacked optimizer state to the layer files (rebuilt on every start)
-        state, nvme = nvme_run.start(cfg, built, p.loss_fn, state, run_dir)
-        train_step = nvme
+    state = nvme_run.live(nvme, state, restored and ckpt.step_dir(restored.step) / "state")  # files rebuilt
+    train_step = built.train_step if nvme is None else nvme
     p.run = Run(
         cfg,
         p.mesh,
