@@ -24,8 +24,8 @@ or into `pinned_host` memory; a process reads only the files its shards need.
 Offloaded leaves (memory kind `pinned_host`) are written straight from host memory: their
 shards are already host buffers, which `np.asarray` views without a copy; nothing goes to a
 device. A `Streamed` leaf is not in memory at all: its owner writes its shard files itself
-(`write_streamed`, before the save returns; `fsdp_jax.nvme` streams them layer by layer out of
-its layer files), and a restore target leaf `Unread` is checked but left to its owner to read.
+(`write_streamed`, in the save's commit; `fsdp_jax.nvme` streams them layer by layer out of
+its layer files, which its next step leaves alone until then), and a restore target leaf `Unread` is checked but left to its owner to read.
 """
 
 from __future__ import annotations

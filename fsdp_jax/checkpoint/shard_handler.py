@@ -6,8 +6,8 @@ The Checkpointer's `CheckpointManager` keeps doing what it did for every payload
 This handler only replaces how the `state` item's arrays become files: `async_save` copies
 this process's shards to host memory (the only part the caller waits for) and returns a
 commit future that writes them (`shard_files.write_shards`); `Streamed` leaves (an nvme run's
-layer files) are written before `async_save` returns, since their source changes with the next
-step; `restore` reads them onto the
+layer files) are written there too, by their owner, who keeps their source unchanged until then;
+`restore` reads them onto the
 target layout (`shard_files.read_tree`).
 
     ocp.args.Composite(state=ShardSave(state), extras=ocp.args.JsonSave(extras))
@@ -32,10 +32,9 @@ class ShardCheckpointHandler(AsyncCheckpointHandler):
     async def async_save(self, directory: epath.Path, args: "ShardSave") -> Optional[List[future.Future]]:
         pieces, meta = shard_files.host_shards(args.item)  # device-to-host copies, before returning
         target = epath.Path(directory)
-        pieces = shard_files.write_streamed(target, pieces)  # Streamed leaves: their files, before returning
 
-        async def write():
-            shard_files.write_shards(target, pieces, meta)
+        async def write():  # orbax has created `target` by now
+            shard_files.write_shards(target, shard_files.write_streamed(target, pieces), meta)
 
         return [future.CommitFutureAwaitingContractedSignals(write(), name="fsdp_jax_shard_save")]
 

@@ -15,8 +15,9 @@ written) and appends each shard's layer-i bytes to that shard's checkpoint file 
 `i x the shard's layer bytes`, past the page cache (O_DIRECT) where the bytes are whole blocks,
 the CRC-32 of each file computed on the way. Host memory: the two layer buffers, not the
 stacked state (that was `gather`'s 622.78 GB per node for Llama-2-70B). The files are written
-before the save returns (the next step rewrites the layer files); the rest of the state is
-saved asynchronously as before.
+in the save's background commit, like the rest of the state, so the next step's forward and
+backward overlap them; its update (which rewrites the layer files) waits for `done`
+(`NvmeStep`), checking the checkpointer for a failed save while it waits.
 
 Restore: the checkpoint restores with the stacked leaves `shard_files.Unread`; `rebuild`
 then reads, per layer, layer i's rows of each saved shard file that overlaps this process's
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -69,12 +71,31 @@ class StackWriter:
 
     def __init__(self, files: LayerFiles, buffers, reader: cf.Executor):
         self.files, self.layout, self.buffers, self.reader = files, files.layout, buffers, reader
+        self.done, self.error = threading.Event(), None  # set when `write` has ended (error: why not)
+
+    def wait(self, check=None, poll: float = 0.5) -> None:
+        """Until `write` has ended; `check()` (raising on a failed save) every `poll` seconds
+        meanwhile, so a save that fails before it writes does not block forever."""
+        while not self.done.wait(poll):
+            if check is not None:
+                check()
+        if self.error is not None and check is not None:
+            check()
 
     def stacks(self) -> list[LayerStack]:
         return [LayerStack(self, k) for k in range(len(self.layout.shapes))]
 
     def write(self, directory: Path, jobs) -> dict[str, tuple[str, int]]:
-        outs = []  # (entry, fd, crc)
+        try:
+            return self._write(directory, jobs)
+        except BaseException as e:
+            self.error = e
+            raise
+        finally:
+            self.done.set()
+
+    def _write(self, directory: Path, jobs) -> dict[str, tuple[str, int]]:
+        outs = []  # [entry, fd, CRC so far, file name]
         try:
             for leaf, j, name in jobs:
                 e = leaf.entries[j]

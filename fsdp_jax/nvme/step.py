@@ -130,6 +130,14 @@ class NvmeStep:
         self._cut = jax.jit(lambda t: _cut(t, self.labels, FLAT), out_shardings=self.plan.opt_state)
         self._io = (cf.ThreadPoolExecutor(1, "nvme-read"), cf.ThreadPoolExecutor(1, "nvme-write"))
         self._buffers = [self.files.buffer() for _ in range(HOST_BUFFERS)]
+        self._saving = None  # (StackWriter, check) of a checkpoint not written yet
+
+    def _saved(self) -> None:
+        """Wait until a checkpoint streaming out of the layer files has written them."""
+        if self._saving is not None:
+            writer, check = self._saving
+            writer.wait(check)
+            self._saving = None
 
     @property
     def n_layers(self) -> int:
@@ -138,6 +146,7 @@ class NvmeStep:
     def put(self, state: TrainState) -> TrainState:
         """The live state of a whole `state` (an init, a restore): its stacked optimizer
         state written to the layer files (all of them rewritten), cut out of the state."""
+        self._saved()
         leaves = jax.tree.leaves(state.opt_state)
         stacked = [leaves[k] for k in self._stacked]
         buf = self._buffers[0]
@@ -151,6 +160,7 @@ class NvmeStep:
         for a checkpoint, which saves it from where it is. The stacked leaves are assembled in
         host memory (`pinned_host`, where the backend has it: each file read once, no device
         room needed beyond the live state; `layout.stacked_on_host`), else on the device."""
+        self._saved()
         if offload.host_memory_available(self.built.mesh.local_devices):
             stacked = self.layout.stacked_on_host(self.files, self._buffers[0], offload.HOST)
         else:
@@ -167,11 +177,16 @@ class NvmeStep:
             leaves[k] = x
         return live.replace(opt_state=jax.tree.unflatten(self._treedef, leaves))
 
-    def to_save(self, live: TrainState) -> TrainState:
+    def to_save(self, live: TrainState, check=None) -> TrainState:
         """What a checkpoint saves of `live`: the whole state, its stacked leaves
         `shard_files.Streamed`, written layer by layer out of the layer files into the
-        checkpoint (`checkpoint_stream`; host memory: two layer buffers)."""
-        stacks = checkpoint_stream.StackWriter(self.files, self._buffers[:2], self._io[0]).stacks()
+        checkpoint (`checkpoint_stream`; host memory: two layer buffers) when the save
+        commits; until then the layer files are left alone (`_saved`). `check`: the
+        checkpointer's, raising on a failed save (polled while waiting)."""
+        self._saved()
+        writer = checkpoint_stream.StackWriter(self.files, self._buffers[:2], self._io[0])
+        self._saving = (writer, check)
+        stacks = writer.stacks()
         leaves = jax.tree.leaves(live.opt_state)
         for k, x in zip(self._stacked, stacks):
             leaves[k] = x
@@ -188,6 +203,7 @@ class NvmeStep:
     def put_restored(self, state: TrainState, state_dir) -> TrainState:
         """The live state of `state` (restored onto `restore_target`) and the checkpoint's
         shard files in `state_dir`: the layer files rebuilt a layer at a time."""
+        self._saved()
         checkpoint_stream.rebuild(self.files, self._saved_names, Path(state_dir), self._buffers[0])
         leaves = jax.tree.leaves(state.opt_state, is_leaf=lambda x: isinstance(x, Unread))
         for k, s in zip(self._stacked, self.layout.shardings):
@@ -213,6 +229,7 @@ class NvmeStep:
         batch = jax.device_put(batch, self.plan.batch)
         with sharding_context(self.plan):
             live, grads, ok, other, metrics = self._grad_step(live, batch)
+            self._saved()  # a checkpoint's stream out of the files overlapped the grads
             params = self._update_layers(live.params, grads, other, ok)
         return live.replace(params=params), metrics
 
@@ -245,6 +262,7 @@ class NvmeStep:
         return buf
 
     def close(self) -> None:
+        self._saved()
         for ex in self._io:
             ex.shutdown(wait=True)
 

@@ -72,4 +72,4 @@ def saved(run, state: TrainState) -> TrainState:
     """What a checkpoint of `state` holds: under nvme, the whole state with its stacked
     leaves streamed out of the layer files (`NvmeStep.to_save`), else `state`."""
     nv = getattr(run, "nvme", None)
-    return nv.to_save(state) if nv is not None else state
+    return nv.to_save(state, run.checkpointer.check) if nv is not None else state
