@@ -55,9 +55,8 @@ def test_disk_and_host_buffers_are_the_files_the_step_writes(cfg, plans):
     assert 0 <= HOST_BUFFERS * layout.nbytes - a["host_per_host"] <= HOST_BUFFERS * padding
     assert a["disk_per_step"] == 2 * a["disk_per_host"]  # each layer read once, written once
     assert a["transfer_per_step"] == 2 * a["disk"]
-    # a checkpoint: every leaf's stack in host memory, the one being placed twice (`Layout.stacked_on_host`)
-    leaf = max(sum(e.nbytes for e in layout.entries if e.leaf == k) for k in range(len(layout.shapes)))
-    assert a["checkpoint_host_per_host"] == a["disk_per_host"] + layout.n_layers * leaf
+    # a checkpoint streams through two of the step's layer buffers (`checkpoint_stream.StackWriter`)
+    assert 0 <= 2 * layout.nbytes - a["checkpoint_host_per_host"] <= 2 * padding
 
 
 def test_device_side_is_the_step_without_offload_less_the_stored_state(plans):
@@ -71,7 +70,7 @@ def test_device_side_is_the_step_without_offload_less_the_stored_state(plans):
     assert c["device_peak"] == c0["peak"] - a["disk"] + 2 * layer
     assert c["device_argument"] == c0["argument"] - a["disk"]
     assert any("optimizer:nvme" in w for w in nvme["warnings"])
-    assert any("assembles the stacked state in host memory" in w for w in nvme["warnings"])
+    assert any("streams the stacked state layer by layer" in w for w in nvme["warnings"])
     rows = {line.split()[1]: line for line in format_offload_table(docs).splitlines() if "full_shard" in line}
     assert rows["none"].split()[-2] == "-" and fmt_bytes(a["disk_per_host"]) in rows[NVME]  # the disk/host column
 

@@ -66,9 +66,9 @@ def nvme_memory(build, analytic: dict[str, int], devices_per_host: int) -> dict[
     without offload): host (per device: its share of a host's buffers), host_per_host,
     disk, disk_per_host, device_total, transfer_per_step (host<->device bytes per device) and
     disk_per_step (a host's bytes read + written), checkpoint_host_per_host (a host's memory
-    while `NvmeStep.gather` assembles a checkpoint in it: every stored leaf's stack, and the
-    one being placed twice)."""
-    s, s_host, largest, layers = stored_bytes(build, devices_per_host)
+    for a checkpoint's stacked leaves: `NvmeStep.to_save` streams them layer by layer out of
+    the files through two of the step's own buffers, so it is within host_per_host)."""
+    s, s_host, _, layers = stored_bytes(build, devices_per_host)
     layer, layer_host = -(-s // layers), -(-s_host // layers)
     return {
         "host": HOST_BUFFERS * layer_host // devices_per_host,
@@ -78,7 +78,7 @@ def nvme_memory(build, analytic: dict[str, int], devices_per_host: int) -> dict[
         "device_total": analytic["total"] - s + 2 * layer,
         "transfer_per_step": 2 * s,
         "disk_per_step": 2 * s_host,
-        "checkpoint_host_per_host": s_host + largest,
+        "checkpoint_host_per_host": 2 * layer_host,
     }
 
 
@@ -96,9 +96,9 @@ def complete_compiled(r: dict[str, Any]) -> dict[str, Any]:
     r["warnings"].insert(0, note(r["offload"]))
     r["warnings"].insert(
         1,
-        f"a checkpoint under {r['offload']} assembles the stacked state in host memory "
-        f"(fsdp_jax.nvme.NvmeStep.gather: each layer file read once, no device room): about "
-        f"{a['checkpoint_host_per_host'] / 1e9:.2f} GB per host while it saves",
+        f"a checkpoint under {r['offload']} streams the stacked state layer by layer out of the files "
+        f"(fsdp_jax.nvme.NvmeStep.to_save; restore rebuilds them likewise) through two of the step's "
+        f"host buffers: {a['checkpoint_host_per_host'] / 1e9:.2f} GB per host, within its host figure",
     )
     return r
 
