@@ -210,6 +210,15 @@ def test_a_checkpoint_streams_layer_by_layer_and_restores_into_files(tmp_path):
     got = shard_files.read_tree(dirs[2], {"a": shard_files.Unread((3, 64, 8), np.float32), "b": spec[1]})
     assert isinstance(got["a"], shard_files.Unread)
     np.testing.assert_array_equal(np.asarray(got["b"]), want[1])
+    # a save that fails before it writes: the step waiting on it gets the checkpointer's error, not a hang
+    with cf.ThreadPoolExecutor(1) as ex:
+        pending = StackWriter(files, [files.buffer()] * 2, ex)
+
+        def failed():
+            raise OSError("the save failed")
+
+        with pytest.raises(OSError, match="the save failed"):
+            pending.wait(failed, poll=0.01)
     victim = sorted(dirs[2].glob("00000.*"))[3]
     raw = bytearray(victim.read_bytes())
     raw[-1] ^= 1

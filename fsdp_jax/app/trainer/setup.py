@@ -290,7 +290,8 @@ def _state(p: _Draft) -> None:
         state = built.init_state(rng)
     if is_preference(cfg) and cfg.preference.precompute_ref_log_probs and preference_spec(cfg).needs_reference:
         precompute_ref_logps(cfg, p.model, built.plan, state.params, resumed=restored is not None)
-    state = nvme_run.live(nvme, state, restored and ckpt.step_dir(restored.step) / "state")  # files rebuilt
+    saved_dir = None if restored is None else ckpt.step_dir(restored.step) / "state"
+    state = nvme_run.live(nvme, state, saved_dir)  # nvme: the layer files written (from the checkpoint)
     train_step = built.train_step if nvme is None else nvme
     p.run = Run(
         cfg,
