@@ -227,6 +227,37 @@ def test_a_checkpoint_streams_layer_by_layer_and_restores_into_files(tmp_path):
         rebuild(files2, ["a", "b"], dirs[2], files2.buffer())
 
 
+def test_a_damaged_streamed_checkpoint_falls_back_to_the_previous_one(tmp_path):
+    """Two checkpoints streamed out of the layer files; in the newest a stacked shard file has
+    changed: the rebuild (the restore's `then`, as the trainer's resume) refuses it and the
+    restore falls back to the older step, whose values the rebuilt layer files then hold."""
+    from fsdp_jax.checkpoint import Checkpointer
+
+    spec, rng = stacked(), np.random.default_rng(1)
+    (tmp_path / "nvme").mkdir()
+    (tmp_path / "nvme2").mkdir()
+    wants = [[rng.standard_normal(x.shape).astype(np.float32) for x in spec] for _ in range(2)]
+    ckpt = Checkpointer(tmp_path / "ckpt")
+    with cf.ThreadPoolExecutor(1) as ex:
+        for step, want in enumerate(wants, 1):
+            files = _layer_files(tmp_path / "nvme", spec, want)
+            stacks = StackWriter(files, [files.buffer(), files.buffer()], ex).stacks()
+            ckpt.save(step, {"opt_state": dict(zip("ab", stacks))})
+            ckpt.wait()
+    victim = next((ckpt.step_dir(2) / "state").glob("00001.*"))
+    raw = bytearray(victim.read_bytes())
+    raw[0] ^= 1
+    victim.write_bytes(bytes(raw))
+    files2 = LayerFiles.open([tmp_path / "nvme2"], Layout.of(spec), owner="b")
+    target = {"opt_state": {k: shard_files.Unread(x.shape, x.dtype) for k, x in zip("ab", spec)}}
+    then = lambda state, d: (rebuild(files2, ["opt_state/a", "opt_state/b"], d, files2.buffer()), state)[1]  # noqa: E731
+    got = ckpt.restore(target, then=then)
+    ckpt.close()
+    assert got.step == 1 and any("step 2" in w and "has changed" in w for w in got.warnings), got.warnings
+    for g, w in zip(Layout.of(spec).stacked_on_host(files2, files2.buffer(), "pinned_host"), wants[0]):
+        np.testing.assert_array_equal(np.asarray(g), w)
+
+
 def test_bad_dirs_are_one_line_and_nothing_is_written(tmp_path):
     lay = Layout.of(stacked())
     with pytest.raises(OffloadError, match="does not exist"):

@@ -305,11 +305,12 @@ class Checkpointer:
 
     # -- restoring ------------------------------------------------------------------------
 
-    def restore(self, abstract_state, step: int | None = None, *, set_aside_damaged: bool = False) -> Restored:
+    def restore(self, abstract_state, step: int | None = None, *, set_aside_damaged=False, then=None) -> Restored:
         """Restore the newest usable step (or `step`) laid out as `abstract_state` (a
         tree of ShapeDtypeStructs with shardings; dtypes are cast to the target's).
+        `then(state, the step's state dir) -> state` finishes it (an nvme run's layer files).
 
-        A damaged newer step is skipped (see `Restored.warnings`); with
+        A damaged newer step (its files, or `then` raising on them) is skipped (see `Restored.warnings`); with
         `set_aside_damaged` it is moved to `<directory>.damaged/` so the run can save
         that step again. Raises CheckpointError when nothing restores or the shapes
         differ from the target."""
@@ -317,7 +318,8 @@ class Checkpointer:
         def load(s):
             self.check_fits(s, abstract_state)
             extras = self._mngr.restore(s, args=ocp.args.Composite(extras=ocp.args.JsonRestore()))["extras"]
-            return self._read_state(s, abstract_state), dict(extras or {})
+            state = self._read_state(s, abstract_state)
+            return (state if then is None else then(state, self.step_dir(s) / "state")), dict(extras or {})
 
         (state, extras), s, notes = self._try_steps(step, load, crc_on_read=True)
         if set_aside_damaged and not self.read_only:

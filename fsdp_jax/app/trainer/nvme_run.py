@@ -60,12 +60,16 @@ def restore_target(nv: NvmeStep | None, target: TrainState) -> TrainState:
     return target if nv is None else nv.restore_target(target)
 
 
-def live(nv: NvmeStep | None, state: TrainState, state_dir: Path | None) -> TrainState:
-    """The state the step takes: under nvme, the layer files written (from the checkpoint in
-    `state_dir` a layer at a time, when `state` was restored onto `restore_target`)."""
-    if nv is None:
-        return state
-    return nv.put(state) if state_dir is None else nv.put_restored(state, state_dir)
+def after_restore(nv: NvmeStep | None):
+    """`Checkpointer.restore`'s `then`: under nvme, the layer files rebuilt from the restored
+    step a layer at a time (`put_restored`; a damaged file there falls back to an older step)."""
+    return None if nv is None else nv.put_restored
+
+
+def live(nv: NvmeStep | None, state: TrainState, restored: bool) -> TrainState:
+    """The state the step takes: under nvme and not `restored` (a fresh init, `init_from`),
+    the layer files written from `state`."""
+    return state if nv is None or restored else nv.put(state)
 
 
 def saved(run, state: TrainState) -> TrainState:

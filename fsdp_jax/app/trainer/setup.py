@@ -253,7 +253,8 @@ def _state(p: _Draft) -> None:
     nvme = nvme_run.open_step(cfg, built, p.loss_fn, run_dir)  # nvme: dirs claimed; stacked leaves streamed
     if p.resume and ckpt.steps():
         target = lora_state.saved_abstract(built.abstract_state) if lora else built.abstract_state
-        restored = ckpt.restore(nvme_run.restore_target(nvme, target), set_aside_damaged=True)
+        target, then = nvme_run.restore_target(nvme, target), nvme_run.after_restore(nvme)
+        restored = ckpt.restore(target, set_aside_damaged=True, then=then)
         try:  # extras are JSON anyone can edit: a bad value names the checkpoint, not a traceback
             state, start = restored.state, int(restored.extras.get("step", restored.step))
             rng = _rng_from(restored.extras.get("rng"), rng)
@@ -290,8 +291,7 @@ def _state(p: _Draft) -> None:
         state = built.init_state(rng)
     if is_preference(cfg) and cfg.preference.precompute_ref_log_probs and preference_spec(cfg).needs_reference:
         precompute_ref_logps(cfg, p.model, built.plan, state.params, resumed=restored is not None)
-    saved_dir = None if restored is None else ckpt.step_dir(restored.step) / "state"
-    state = nvme_run.live(nvme, state, saved_dir)  # nvme: the layer files written (from the checkpoint)
+    state = nvme_run.live(nvme, state, restored is not None)  # nvme: the layer files written
     train_step = built.train_step if nvme is None else nvme
     p.run = Run(
         cfg,
