@@ -473,3 +473,26 @@ def test_two_processes_each_stream_their_own_files(corpus, tmp_path):
         jax.tree.leaves((got[0].params, got[0].opt_state)), jax.tree.leaves((got[1].params, got[1].opt_state))
     ):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+def test_a_save_that_raises_is_dropped_so_the_step_does_not_wait_for_it():
+    """The trainer's checkpoint hook hands `nvme_run.saved`'s state to the checkpointer inside
+    the context; a save that raises there is forgotten (`NvmeStep.drop_save`), since no
+    commit will ever stream it and the next step would wait for it forever."""
+    from types import SimpleNamespace
+
+    from fsdp_jax.app.trainer import nvme_run
+
+    calls = []
+    nv = SimpleNamespace(to_save=lambda s, check: calls.append(("to_save", check)) or ("streamed", s))
+    nv.drop_save = lambda: calls.append(("drop",))
+    run = SimpleNamespace(nvme=nv, checkpointer=SimpleNamespace(check="ckpt.check"))
+    with nvme_run.saved(run, "live") as state:
+        assert state == ("streamed", "live")
+    assert calls == [("to_save", "ckpt.check")]
+    with pytest.raises(OSError, match="no space"):
+        with nvme_run.saved(run, "live"):
+            raise OSError("no space")
+    assert calls[-1] == ("drop",)
+    with nvme_run.saved(SimpleNamespace(nvme=None), "live") as state:
+        assert state == "live"

@@ -192,6 +192,10 @@ class NvmeStep:
             leaves[k] = x
         return live.replace(opt_state=jax.tree.unflatten(self._treedef, leaves))
 
+    def drop_save(self) -> None:
+        """Forget the save `to_save` prepared (it raised before its commit was scheduled)."""
+        self._saving = None
+
     def restore_target(self, abstract_state: TrainState) -> TrainState:
         """`abstract_state` with its stacked leaves `shard_files.Unread`: a checkpoint restores
         the rest, and `put_restored` the stacked leaves into the layer files."""

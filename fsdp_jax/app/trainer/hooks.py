@@ -181,8 +181,8 @@ class CheckpointHook(Hook):
         lp.timer.switch("checkpoint")
         if self.due(lp) and (not lp.streak or lp.stop is not None or lp.done == lp.last):
             lora = lp.run.lora_base is not None  # a LoRA run saves its adapters (and their state) only
-            state = nvme_run.saved(lp.run, lp.state)  # nvme: read out of the layer files
-            lp.run.checkpointer.save(lp.done, saved_state(state) if lora else state, self.extras(lp))
+            with nvme_run.saved(lp.run, lp.state) as state:  # nvme: streamed out of the layer files
+                lp.run.checkpointer.save(lp.done, saved_state(state) if lora else state, self.extras(lp))
         lp.timer.switch("other")
 
     @staticmethod

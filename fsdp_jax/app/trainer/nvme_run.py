@@ -12,6 +12,7 @@ offload setting.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 from fsdp_jax.app.models.lora import adapter_mask
@@ -72,8 +73,18 @@ def live(nv: NvmeStep | None, state: TrainState, restored: bool) -> TrainState:
     return state if nv is None or restored else nv.put(state)
 
 
-def saved(run, state: TrainState) -> TrainState:
-    """What a checkpoint of `state` holds: under nvme, the whole state with its stacked
-    leaves streamed out of the layer files (`NvmeStep.to_save`), else `state`."""
+@contextlib.contextmanager
+def saved(run, state: TrainState):
+    """What a checkpoint of `state` holds, while it is handed to the checkpointer: under nvme,
+    the whole state with its stacked leaves streamed out of the layer files
+    (`NvmeStep.to_save`), else `state`. A save that raises here writes nothing: the step
+    stops waiting for it (`NvmeStep.drop_save`)."""
     nv = getattr(run, "nvme", None)
-    return nv.to_save(state, run.checkpointer.check) if nv is not None else state
+    if nv is None:
+        yield state
+        return
+    try:
+        yield nv.to_save(state, run.checkpointer.check)
+    except BaseException:
+        nv.drop_save()
+        raise
