@@ -1,5 +1,5 @@
-"""8 CPU devices for every test, a persistent compilation cache, LLVM at -O0, and the
-shared corpus fixture."""
+"""8 CPU devices for every test, a persistent compilation cache, deviceless target compiles kept
+by their program, LLVM at -O0, and the shared corpus fixture."""
 
 import json
 import os
@@ -62,6 +62,13 @@ jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_compilation_cache_dir", str(CACHE))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 os.environ.setdefault("FSDP_JAX_CACHE_DIR", str(CACHE))
+# Deviceless XLA:TPU / XLA:GPU compiles kept by their program (fsdp_jax.targets.compile_cache):
+# written under .jax_cache, read from there and from the committed seed folder tests/compiled
+# (scripts/seed_compiled.py: the suite's longest target compiles). A program the code no longer
+# lowers, or another jax, misses the seed and compiles.
+os.environ.setdefault(
+    "FSDP_JAX_COMPILED_CACHE", os.pathsep.join([str(CACHE / "compiled"), str(ROOT / "tests" / "compiled")])
+)
 
 
 # Heaviest files first, by their summed `--durations=0` seconds in a cold whole-suite run on
