@@ -2,10 +2,12 @@
 by their program, LLVM at -O0, and the shared corpus fixture."""
 
 import json
+import lzma
 import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import jax
 import jaxlib
@@ -114,6 +116,28 @@ HEAVY_FIRST = (
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order within a file kept
+
+
+SESSION_START = time.time()
+SEED_MIN_S = 20.0  # tests/compiled/seed.py's default
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Say how many long target compiles this run made that the seed folder did not answer."""
+    missed = []
+    for path in (CACHE / "compiled").glob("*.json.xz"):
+        try:
+            if path.stat().st_mtime >= SESSION_START:
+                seconds = json.loads(lzma.decompress(path.read_bytes()))["compile_s"]
+                if seconds >= SEED_MIN_S:
+                    missed.append(seconds)
+        except (OSError, ValueError, KeyError, lzma.LZMAError):
+            continue
+    if missed:
+        terminalreporter.write_line(
+            f"{len(missed)} target compiles of {sum(missed):.0f} s missed tests/compiled "
+            "(after a whole run: python tests/compiled/seed.py --replace)"
+        )
 
 
 @pytest.fixture
