@@ -28,10 +28,15 @@ def _entries(cache):
     return sorted(p.name for p in cache.glob("*.json.xz"))
 
 
-def test_a_hit_plans_what_the_compile_planned_and_a_new_program_is_a_new_entry(capsys, tmp_path):
+@pytest.mark.slow  # four tiny H100 plans
+def test_a_hit_plans_what_the_compile_planned_and_a_new_program_is_a_new_entry(capsys, tmp_path, monkeypatch):
     cache = tmp_path / "compiled"
     first = _plan(capsys, cache)
     (entry,) = _entries(cache)
+    monkeypatch.setenv(compile_cache.ENV, str(cache))
+    kept = compile_cache.load(entry.removesuffix(".json.xz"))
+    assert "ENTRY" in kept.text and "fsdp_jax/" not in kept.text  # the program, not where it was traced
+    assert kept.memory["temp_size_in_bytes"] > 0 and kept.layouts and kept.compile_s > 0
     stamp = (cache / entry).stat().st_mtime_ns
     assert _plan(capsys, cache) == first  # memory, ops, predicted time: all from the kept text and bytes
     assert _entries(cache) == [entry] and (cache / entry).stat().st_mtime_ns == stamp

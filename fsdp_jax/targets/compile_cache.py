@@ -45,6 +45,7 @@ ENV = "FSDP_JAX_COMPILED_CACHE"
 _REFUSAL = "RESOURCE_EXHAUSTED"
 FORMAT = 1
 _FLAG_ENVS = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")
+_STACK_TABLES = frozenset({"FileNames", "FunctionNames", "FileLocations", "StackFrames"})
 _PATH_FLAG_ENDINGS = ("_file", "_dir", "_to", "_path")
 _MEMORY_FIELDS = (
     "argument_size_in_bytes",
@@ -142,6 +143,20 @@ def program_key(lowered, devices: Iterable, compiler_options: dict[str, Any] | N
     return h.hexdigest()[:40]
 
 
+def program_text(hlo: str) -> str:
+    """The optimized HLO without its stack-frame tables (`FileNames`, `FunctionNames`,
+    `FileLocations`, `StackFrames`: where in this machine's checkout each op was traced)."""
+    out, skipping = [], False
+    for line in hlo.split("\n"):
+        if line in _STACK_TABLES:
+            skipping = True
+        elif skipping and not (line == "" or line[0].isdigit() or line[0] == " "):
+            skipping = False
+        if not skipping:
+            out.append(line)
+    return "\n".join(out)
+
+
 def _layouts(compiled) -> tuple[list[dict[str, Any]] | None, str | None]:
     try:
         formats = jax.tree.leaves(compiled.input_formats, is_leaf=lambda f: hasattr(f, "layout"))
@@ -163,7 +178,7 @@ def _facts(key: str, compiled, compile_s: float) -> CompiledFacts:
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list | tuple) else cost  # older jax: one dict per program
     cost = {k: float(v) for k, v in (cost or {}).items()}
-    return CompiledFacts(key, compiled.as_text(), memory, layouts, error, compile_s, cost=cost)
+    return CompiledFacts(key, program_text(compiled.as_text()), memory, layouts, error, compile_s, cost=cost)
 
 
 def load(key: str) -> CompiledFacts | None:
