@@ -1,11 +1,13 @@
-"""8 CPU devices for every test, a persistent compilation cache, LLVM at -O0, and the
-shared corpus fixture."""
+"""8 CPU devices for every test, a persistent compilation cache, deviceless target compiles kept
+by their program, LLVM at -O0, and the shared corpus fixture."""
 
 import json
+import lzma
 import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import jax
 import jaxlib
@@ -62,6 +64,13 @@ jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_compilation_cache_dir", str(CACHE))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 os.environ.setdefault("FSDP_JAX_CACHE_DIR", str(CACHE))
+# Deviceless XLA:TPU / XLA:GPU compiles kept by their program (fsdp_jax.targets.compile_cache):
+# written under .jax_cache, read from there and from the committed seed folder tests/compiled
+# (scripts/seed_compiled.py: the suite's longest target compiles). A program the code no longer
+# lowers, or another jax, misses the seed and compiles.
+os.environ.setdefault(
+    "FSDP_JAX_COMPILED_CACHE", os.pathsep.join([str(CACHE / "compiled"), str(ROOT / "tests" / "compiled")])
+)
 
 
 # Heaviest files first, by their summed `--durations=0` seconds in a cold whole-suite run on
@@ -107,6 +116,28 @@ HEAVY_FIRST = (
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order within a file kept
+
+
+SESSION_START = time.time()
+SEED_MIN_S = 20.0  # tests/compiled/seed.py's default
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Say how many long target compiles this run made that the seed folder did not answer."""
+    missed = []
+    for path in (CACHE / "compiled").glob("*.json.xz"):
+        try:
+            if path.stat().st_mtime >= SESSION_START:
+                seconds = json.loads(lzma.decompress(path.read_bytes()))["compile_s"]
+                if seconds >= SEED_MIN_S:
+                    missed.append(seconds)
+        except (OSError, ValueError, KeyError, lzma.LZMAError):
+            continue
+    if missed:
+        terminalreporter.write_line(
+            f"{len(missed)} target compiles of {sum(missed):.0f} s missed tests/compiled "
+            "(after a whole run: python tests/compiled/seed.py --replace)"
+        )
 
 
 @pytest.fixture

@@ -21,6 +21,7 @@ from fsdp_jax.app.trainer.build import lora_optimizer, make_loss_fn, trainer_mod
 from fsdp_jax.hlo.costs import op_inventory
 from fsdp_jax.sharding.mesh import make_mesh
 from fsdp_jax.sharding.precision import Policy
+from fsdp_jax.targets.compile_cache import compile_lowered
 from fsdp_jax.train.build import build
 
 target, rank = sys.argv[1], int(sys.argv[2])
@@ -39,7 +40,7 @@ built = build(model, lora_optimizer(optax.sgd(0.1)), mesh, "full_shard", loss_fn
               precision=Policy.parse("params=float32,compute=bfloat16"))
 batch = jax.ShapeDtypeStruct((4, 513), jnp.int32, sharding=NamedSharding(mesh, P()))  # 2048 tokens
 with jax.default_device(devs[0]):  # as the planner lowers for a target (StepBuild.compile)
-    text = built.train_step.lower(built.abstract_state, batch).compile().as_text()
+    text = compile_lowered(built.train_step.lower(built.abstract_state, batch), devs).as_text()
 ops = [o for o in op_inventory(text) if o["kind"] == "gemm"]
 grouped = [o for o in ops if "groups" in o]
 FROZEN_SHAPES = %r

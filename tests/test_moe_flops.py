@@ -20,6 +20,7 @@ from jax.experimental import topologies
 from jax.sharding import SingleDeviceSharding
 from fsdp_jax.app.models import moe as moe_lib
 from fsdp_jax.app.models.config import DecoderConfig
+from fsdp_jax.targets.compile_cache import compile_lowered
 
 dev = sorted(topologies.get_topology_desc(topology_name="v5p:2x2x1", platform="tpu").devices, key=lambda d: d.id)[0]
 sh = SingleDeviceSharding(dev)
@@ -36,7 +37,7 @@ def flops(cfg, n_tokens=2048):
         return jax.grad(loss, argnums=(0, 1))(s, x)
     out = {}
     for name, fn in (("forward", lambda s, x: nnx.merge(graph, s)(x)[0]), ("train", fwd_bwd)):
-        ca = jax.jit(fn).lower(state, x).compile().cost_analysis()
+        ca = compile_lowered(jax.jit(fn).lower(state, x), [dev]).cost_analysis()
         out[name] = float((ca if isinstance(ca, dict) else ca[0])["flops"])
     return out
 
@@ -70,6 +71,7 @@ from jax.sharding import SingleDeviceSharding
 from fsdp_jax.app.models import moe as moe_lib
 from fsdp_jax.app.models.config import DecoderConfig
 from fsdp_jax.hlo.costs import op_inventory
+from fsdp_jax.targets.compile_cache import compile_lowered
 
 def layer_gemms(cfg, dev, n_tokens=2048):
     sh = SingleDeviceSharding(dev)
@@ -83,7 +85,7 @@ def layer_gemms(cfg, dev, n_tokens=2048):
     out = {}
     for name, fn in (("forward", lambda s, x: nnx.merge(graph, s)(x)[0]), ("train", fwd_bwd)):
         with jax.default_device(dev):  # as the planner lowers for a target (StepBuild.compile)
-            text = jax.jit(fn).lower(state, x).compile().as_text()
+            text = compile_lowered(jax.jit(fn).lower(state, x), [dev]).as_text()
         out[name] = (text, [o for o in op_inventory(text) if o["kind"] == "gemm"])
     return out
 

@@ -26,6 +26,7 @@ import jax, jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 import fsdp_jax as fj
 from fsdp_jax.targets import gpu as targets
+from fsdp_jax.targets.compile_cache import compile_lowered
 from fsdp_jax.attention.ring import context_attention
 from fsdp_jax.attention.flash import flash_context_attention
 from fsdp_jax.attention.cudnn import cudnn_kernel
@@ -52,7 +53,7 @@ def compiled(req):
     ka = jax.ShapeDtypeStruct((b, s, kvh, dh), jnp.bfloat16, sharding=sh)
     ia = jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=sh)
     with jax.set_mesh(mesh):
-        c = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(qa, ka, ka, ia, ia).compile()
+        c = compile_lowered(jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(qa, ka, ka, ia, ia), devices)
     hlo = c.as_text()
     half = s // n // 2
     big = [m for m in re.findall(r"f32\\[([\\d,]+)\\]", hlo) if sum(int(d) >= half for d in m.split(",")) >= 2]

@@ -362,6 +362,7 @@ import fsdp_jax as fj
 from fsdp_jax.errors import OffloadError
 from fsdp_jax.app.models import DecoderConfig
 from fsdp_jax.train import stream_update
+from fsdp_jax.targets.compile_cache import compile_lowered
 from fsdp_jax.train.build import build
 from helpers import tiny_llama
 
@@ -371,7 +372,7 @@ m, loss_fn = tiny_llama(cfg, remat=sys.argv[1])
 out = {}
 for offload in sys.argv[2:]:
     b = build(m, optax.adamw(1e-3), fj.make_mesh(fsdp=4, devices=devs), "full_shard", loss_fn=loss_fn, offload=offload)
-    c = b.train_step.lower(b.abstract_state, jax.ShapeDtypeStruct((16, 33), jnp.int32, sharding=b.plan.batch)).compile()
+    c = compile_lowered(b.train_step.lower(b.abstract_state, jax.ShapeDtypeStruct((16, 33), jnp.int32, sharding=b.plan.batch)), devs)
     text = c.as_text()
     blocks = {m.group(1): m.group(2) for m in re.finditer(r"^(?:ENTRY )?%([\w.\-]+) .*?\{\n(.*?)^\}", text, re.S | re.M)}
     loops = [blocks.get(n, "") for n in re.findall(r"while\(.*?body=%([\w.\-]+)", text)]

@@ -41,6 +41,7 @@ from fsdp_jax.app.trainer.optim import build_optimizer
 from fsdp_jax.errors import PlanError, one_line
 from fsdp_jax.sharding.mesh import make_mesh, resolve_mesh_shape
 from fsdp_jax.sharding.strategy import get_strategy
+from fsdp_jax.targets.compile_cache import compile_lowered
 
 
 def mesh_shape(cfg, strategy: str, n_devices: int) -> tuple[int, int, int]:
@@ -160,17 +161,16 @@ class StepBuild:
 
     def compile(self, compiler_options: dict[str, Any] | None = None):
         """AOT-compile the step; `compiler_options`: XLA debug options for this compile
-        only (e.g. {"xla_gpu_enable_while_loop_double_buffering": "true"}). Lowered with the
+        only (e.g. {"xla_gpu_enable_while_loop_double_buffering": "true"}). A deviceless
+        target's compile is kept by its program (`fsdp_jax.targets.compile_cache`). Lowered with the
         mesh's first device as the default device, so code that asks what it runs on (the MoE
         layer's `grouped_matmul: auto`, tokamax's kernels) sees the target, not this host's CPU."""
         with jax.default_device(self.mesh.devices.flat[0]):
             lowered = self.step.lower(self.state, self.batch)
-        if not compiler_options:
-            return lowered.compile()
         try:
-            return lowered.compile(compiler_options=compiler_options)
+            return compile_lowered(lowered, self.mesh.devices.flat, compiler_options)
         except Exception as e:  # XLA rejects unknown options / values with a generic error type
-            if "option" in str(e).lower() or "flag" in str(e).lower():
+            if compiler_options and ("option" in str(e).lower() or "flag" in str(e).lower()):
                 raise PlanError(f"--xla-flags: {one_line(e, 300)}") from None
             raise
 

@@ -48,6 +48,7 @@ from fsdp_jax.hlo.costs import op_inventory
 from fsdp_jax.hlo.memory import compiled_memory, state_bytes_per_device
 from fsdp_jax.sharding import rules
 from fsdp_jax.sharding.precision import Policy
+from fsdp_jax.targets.compile_cache import compile_lowered
 from fsdp_jax.targets.gpu import dcn_groups
 from fsdp_jax.targets.perf_tables import perf_table
 from fsdp_jax.train.step import sharding_context
@@ -153,7 +154,7 @@ def plan_generation(build, compiler_options: dict[str, Any] | None = None, ops: 
     }
     for name, lowered in generation_programs(build).items():
         t0 = time.perf_counter()
-        compiled = lowered.compile(compiler_options) if compiler_options else lowered.compile()
+        compiled = compile_lowered(lowered, build.mesh.devices.flat, compiler_options)
         mem = compiled_memory(compiled)
         out[name] = {k: mem[k] for k in ("argument", "output", "alias", "temp", "peak")}
         out[name]["compile_s"] = round(time.perf_counter() - t0, 2)

@@ -1,0 +1,247 @@
+"""What a deviceless compile tells the planner, kept by the program it was compiled from.
+
+A deviceless XLA:TPU or XLA:GPU compile of a large step takes minutes on a laptop's cores, and
+the planner reads three things from it: the optimized HLO text, `memory_analysis()` and (on
+TPU) the input layouts; tests read `cost_analysis()` too. `compile_lowered(lowered, devices)`
+returns a `CompiledFacts` that answers those as the compile did, from the compile or, when the
+same program was compiled before, from the cache:
+
+    compiled = compile_lowered(step.lower(state, batch), mesh.devices.flat)
+    compiled.as_text(); compiled.memory_analysis(); compiled.input_formats; compiled.cost_analysis()
+
+The key is the lowered program's text (StableHLO without source locations), the compiler
+options, the XLA / libtpu flags in the environment (less those naming a file or folder to
+write), the jax and jaxlib versions, the target backend's platform version, and every device's
+id, kind and coordinates: a change to the model, the sharding, the flags, the toolchain or the
+topology is a different program and compiles afresh. A program the compiler refused for memory
+(RESOURCE_EXHAUSTED) is kept too: the kept refusal raises `CompileRefused` with the compiler's
+message. Nothing is cached for programs that could run here (CPU devices): those are executed,
+and compile in seconds.
+
+Where: `$FSDP_JAX_COMPILED_CACHE`, a `os.pathsep`-separated list of folders; new entries are
+written to the first, every folder is read (a read-only seed folder can follow a writable
+one). Unset, nothing is cached. An entry is one xz-compressed JSON file named by its key,
+written atomically; an unreadable entry is a miss. The suite reads the seed folder
+`tests/compiled/` (scripts/seed_compiled.py writes it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import lzma
+import os
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import jax
+import jaxlib
+
+ENV = "FSDP_JAX_COMPILED_CACHE"
+_REFUSAL = "RESOURCE_EXHAUSTED"
+FORMAT = 1
+_FLAG_ENVS = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")
+_STACK_TABLES = frozenset({"FileNames", "FunctionNames", "FileLocations", "StackFrames"})
+_PATH_FLAG_ENDINGS = ("_file", "_dir", "_to", "_path")
+_MEMORY_FIELDS = (
+    "argument_size_in_bytes",
+    "output_size_in_bytes",
+    "alias_size_in_bytes",
+    "temp_size_in_bytes",
+    "generated_code_size_in_bytes",
+    "host_argument_size_in_bytes",
+    "host_output_size_in_bytes",
+    "host_alias_size_in_bytes",
+    "host_temp_size_in_bytes",
+    "host_generated_code_size_in_bytes",
+    "peak_memory_in_bytes",
+)
+
+
+class CompileRefused(RuntimeError):
+    """The compiler refused this program before (its message, e.g. XLA:TPU's HBM refusal)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TileLayout:
+    """An input's layout as `fsdp_jax.targets.tpu.tiled_bytes` reads it."""
+
+    major_to_minor: tuple[int, ...]
+    tiling: tuple[tuple[int, ...], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class InputFormat:
+    layout: TileLayout
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledFacts:
+    """A cached compile: the optimized HLO text, `memory_analysis()`'s fields, the input
+    layouts (or the error reading them raised), and how long the compile took."""
+
+    key: str
+    text: str
+    memory: dict[str, int]
+    layouts: list[dict[str, Any]] | None
+    layouts_error: str | None
+    compile_s: float
+    refused: str | None = None  # the compiler's message where it refused the program
+    cost: dict[str, float] | None = None  # cost_analysis()
+
+    def cost_analysis(self) -> dict[str, float]:
+        return dict(self.cost or {})
+
+    def as_text(self) -> str:
+        return self.text
+
+    def memory_analysis(self) -> SimpleNamespace:
+        return SimpleNamespace(**self.memory)
+
+    @property
+    def input_formats(self) -> list[InputFormat]:
+        if self.layouts is None:
+            raise ValueError(self.layouts_error or "no input layouts were recorded for this compile")
+        return [
+            InputFormat(TileLayout(tuple(d["major_to_minor"]), tuple(tuple(t) for t in d["tiling"])))
+            for d in self.layouts
+        ]
+
+
+def cache_dirs() -> list[Path]:
+    """The folders of `$FSDP_JAX_COMPILED_CACHE`, the writable one first."""
+    return [Path(p) for p in os.environ.get(ENV, "").split(os.pathsep) if p]
+
+
+def _flags(value: str) -> str:
+    """The flags of an XLA_FLAGS-style string that change a program: sorted, without those
+    that only name a file or folder to write to (a kernel cache, a dump)."""
+    flags = (f for f in value.split() if not f.split("=")[0].endswith(_PATH_FLAG_ENDINGS))
+    return " ".join(sorted(flags))
+
+
+def program_key(lowered, devices: Iterable, compiler_options: dict[str, Any] | None = None) -> str:
+    """The cache key of compiling `lowered` for `devices` with `compiler_options`."""
+    devices = list(devices)
+    h = hashlib.sha256()
+    parts = [
+        f"format {FORMAT}",
+        f"jax {jax.__version__} jaxlib {jaxlib.__version__}",
+        f"platform {devices[0].platform} {getattr(devices[0].client, 'platform_version', '')}",
+        json.dumps(sorted((compiler_options or {}).items()), default=str),
+        *(f"{e}={_flags(os.environ.get(e, ''))}" for e in _FLAG_ENVS),
+        *(f"{d.id} {d.device_kind} {getattr(d, 'coords', '')} {getattr(d, 'slice_index', '')}" for d in devices),
+    ]
+    for part in parts:
+        h.update(part.encode())
+        h.update(b"\0")
+    h.update(lowered.as_text().encode())
+    return h.hexdigest()[:40]
+
+
+def program_text(hlo: str) -> str:
+    """The optimized HLO without its stack-frame tables (`FileNames`, `FunctionNames`,
+    `FileLocations`, `StackFrames`: where in this machine's checkout each op was traced)."""
+    out, skipping = [], False
+    for line in hlo.split("\n"):
+        if line in _STACK_TABLES:
+            skipping = True
+        elif skipping and not (line == "" or line[0].isdigit() or line[0] == " "):
+            skipping = False
+        if not skipping:
+            out.append(line)
+    return "\n".join(out)
+
+
+def _layouts(compiled) -> tuple[list[dict[str, Any]] | None, str | None]:
+    try:
+        formats = jax.tree.leaves(compiled.input_formats, is_leaf=lambda f: hasattr(f, "layout"))
+        return [
+            {
+                "major_to_minor": [int(i) for i in f.layout.major_to_minor],
+                "tiling": [[int(t) for t in tile] for tile in (f.layout.tiling or ())],
+            }
+            for f in formats
+        ], None
+    except (ValueError, AttributeError, TypeError) as e:  # jax 0.10.2: a microbatched splash step's formats
+        return None, str(e)
+
+
+def _facts(key: str, compiled, compile_s: float) -> CompiledFacts:
+    ma = compiled.memory_analysis()
+    memory = {f: int(getattr(ma, f)) for f in _MEMORY_FIELDS if getattr(ma, f, None) is not None}
+    layouts, error = _layouts(compiled)
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list | tuple) else cost  # older jax: one dict per program
+    cost = {k: float(v) for k, v in (cost or {}).items()}
+    return CompiledFacts(key, program_text(compiled.as_text()), memory, layouts, error, compile_s, cost=cost)
+
+
+def load(key: str) -> CompiledFacts | None:
+    """The entry for `key` in any cache folder, or None."""
+    for d in cache_dirs():
+        path = d / f"{key}.json.xz"
+        try:
+            doc = json.loads(lzma.decompress(path.read_bytes()))
+        except (OSError, ValueError, lzma.LZMAError):
+            continue
+        if doc.get("format") == FORMAT and doc.get("key") == key:
+            return CompiledFacts(
+                key,
+                doc["text"],
+                doc["memory"],
+                doc["layouts"],
+                doc["layouts_error"],
+                doc["compile_s"],
+                doc["refused"],
+                doc["cost"],
+            )
+    return None
+
+
+def store(facts: CompiledFacts) -> Path | None:
+    """Write `facts` to the first cache folder (atomically); None when there is none or it
+    cannot be written (a cache is best effort)."""
+    dirs = cache_dirs()
+    if not dirs:
+        return None
+    doc = {"format": FORMAT, **dataclasses.asdict(facts)}
+    path = dirs[0] / f"{facts.key}.json.xz"
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        dirs[0].mkdir(parents=True, exist_ok=True)
+        tmp.write_bytes(lzma.compress(json.dumps(doc).encode(), preset=6))
+        tmp.replace(path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        return None
+    return path
+
+
+def compile_lowered(lowered, devices: Iterable, compiler_options: dict[str, Any] | None = None):
+    """`lowered.compile(compiler_options)`, served from the cache for deviceless targets."""
+    devices = list(devices)
+    compile_args = {"compiler_options": compiler_options} if compiler_options else {}
+    if not cache_dirs() or devices[0].platform == "cpu":
+        return lowered.compile(**compile_args)
+    key = program_key(lowered, devices, compiler_options)
+    hit = load(key)
+    if hit is not None and hit.refused:
+        raise CompileRefused(hit.refused)
+    if hit is not None:
+        return hit
+    t0 = time.perf_counter()
+    try:
+        compiled = lowered.compile(**compile_args)
+    except Exception as e:  # XLA:TPU refuses a program over its HBM: the same program is refused again
+        if _REFUSAL not in str(e):
+            raise
+        store(CompiledFacts(key, "", {}, None, None, time.perf_counter() - t0, refused=str(e)))
+        raise
+    facts = _facts(key, compiled, time.perf_counter() - t0)
+    store(facts)
+    return facts  # a hit and a miss answer alike

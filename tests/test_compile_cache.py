@@ -1,0 +1,84 @@
+"""A deviceless compile kept by its program (fsdp_jax.targets.compile_cache): the plan served
+from the cache equals the plan compiled, a different program is a new entry, a damaged entry is
+a miss, and a refusal is kept with the compiler's message."""
+
+import json
+
+import pytest
+
+from fsdp_jax.targets import compile_cache
+from helpers import call
+
+PLAN = ("--config", "configs/tiny.yaml", "--target", "h100", "--devices", 8, "--strategies", "full_shard", "--json")
+
+
+def _plan(capsys, cache, *extra):
+    rc, out, err = call("plan", *PLAN, *extra, capsys=capsys, env={compile_cache.ENV: str(cache)})
+    assert rc == 0, err[-2000:]
+    doc = json.loads(out)
+    doc.pop("wall_s")  # what a hit may change: how long things took on this machine
+    for s in doc["strategies"].values():
+        for timing in ("compile_s", "op_inventory_s"):
+            s.pop(timing)
+        s["predicted"].pop("predict_s")
+    return doc
+
+
+def _entries(cache):
+    return sorted(p.name for p in cache.glob("*.json.xz"))
+
+
+@pytest.mark.slow  # four tiny H100 plans
+def test_a_hit_plans_what_the_compile_planned_and_a_new_program_is_a_new_entry(capsys, tmp_path, monkeypatch):
+    cache = tmp_path / "compiled"
+    first = _plan(capsys, cache)
+    (entry,) = _entries(cache)
+    monkeypatch.setenv(compile_cache.ENV, str(cache))
+    kept = compile_cache.load(entry.removesuffix(".json.xz"))
+    assert "ENTRY" in kept.text and "fsdp_jax/" not in kept.text  # the program, not where it was traced
+    assert kept.memory["temp_size_in_bytes"] > 0 and kept.layouts and kept.compile_s > 0
+    stamp = (cache / entry).stat().st_mtime_ns
+    assert _plan(capsys, cache) == first  # memory, ops, predicted time: all from the kept text and bytes
+    assert _entries(cache) == [entry] and (cache / entry).stat().st_mtime_ns == stamp
+    other = _plan(capsys, cache, "train.global_batch=32")
+    assert len(_entries(cache)) == 2
+    assert other["strategies"]["full_shard"]["compiled"] != first["strategies"]["full_shard"]["compiled"]
+    (cache / entry).write_bytes(b"not xz")  # a damaged entry is a miss: compiled again and rewritten
+    assert _plan(capsys, cache) == first
+    assert (cache / entry).read_bytes()[:6] == b"\xfd7zXZ\x00"
+
+
+def test_a_refusal_is_kept_and_raised_again(tmp_path, monkeypatch):
+    monkeypatch.setenv(compile_cache.ENV, str(tmp_path))
+    facts = compile_cache.CompiledFacts("k" * 40, "", {}, None, None, 1.0, refused="RESOURCE_EXHAUSTED: Ran out")
+    compile_cache.store(facts)
+
+    class Lowered:
+        def as_text(self):
+            return "module"
+
+        def compile(self, **_):
+            raise AssertionError("a kept refusal must not compile again")
+
+    class Device:
+        platform, id, device_kind = "tpu", 0, "TPU v5p"
+        client = None
+
+    monkeypatch.setattr(compile_cache, "program_key", lambda *a: "k" * 40)
+    with pytest.raises(compile_cache.CompileRefused, match="RESOURCE_EXHAUSTED"):
+        compile_cache.compile_lowered(Lowered(), [Device()])
+
+
+def test_without_a_cache_folder_or_on_cpu_nothing_is_kept(tmp_path, monkeypatch):
+    class Lowered:
+        def compile(self, **_):
+            return "compiled"
+
+    class Cpu:
+        platform = "cpu"
+
+    monkeypatch.setenv(compile_cache.ENV, str(tmp_path))
+    assert compile_cache.compile_lowered(Lowered(), [Cpu()]) == "compiled"
+    monkeypatch.delenv(compile_cache.ENV)
+    assert compile_cache.compile_lowered(Lowered(), [type("Gpu", (), {"platform": "gpu"})()]) == "compiled"
+    assert not list(tmp_path.iterdir())
