@@ -43,6 +43,7 @@ import jaxlib
 
 ENV = "FSDP_JAX_COMPILED_CACHE"
 _REFUSAL = "RESOURCE_EXHAUSTED"
+TOOLCHAIN = f"jax {jax.__version__} jaxlib {jaxlib.__version__}"  # in the key, and stored beside the entry
 FORMAT = 1
 _FLAG_ENVS = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")
 _STACK_TABLES = frozenset({"FileNames", "FunctionNames", "FileLocations", "StackFrames"})
@@ -130,7 +131,7 @@ def program_key(lowered, devices: Iterable, compiler_options: dict[str, Any] | N
     h = hashlib.sha256()
     parts = [
         f"format {FORMAT}",
-        f"jax {jax.__version__} jaxlib {jaxlib.__version__}",
+        TOOLCHAIN,
         f"platform {devices[0].platform} {getattr(devices[0].client, 'platform_version', '')}",
         json.dumps(sorted((compiler_options or {}).items()), default=str),
         *(f"{e}={_flags(os.environ.get(e, ''))}" for e in _FLAG_ENVS),
@@ -209,7 +210,7 @@ def store(facts: CompiledFacts) -> Path | None:
     dirs = cache_dirs()
     if not dirs:
         return None
-    doc = {"format": FORMAT, **dataclasses.asdict(facts)}
+    doc = {"format": FORMAT, "toolchain": TOOLCHAIN, **dataclasses.asdict(facts)}
     path = dirs[0] / f"{facts.key}.json.xz"
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     try:

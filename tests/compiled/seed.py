@@ -3,10 +3,11 @@
 The suite keeps every XLA:TPU / XLA:GPU compile by its program in .jax_cache/compiled
 (fsdp_jax.targets.compile_cache; tests/conftest.py). After a whole run of README's test command
 on a clean checkout, this copies the entries whose compile took at least --min-s seconds here,
-where a clean clone's suite reads them; `--replace` first removes the seeds that run did not
-produce (programs the code no longer lowers, another jax). An entry is the compiler's own output
-for a program, keyed by that program, the flags and the toolchain: a seed can only answer for
-the exact program it was compiled from.
+where a clean clone's suite reads them; `--replace` first removes the seeds of the same jax that
+run did not produce (programs the code no longer lowers); another jax's seeds stay (CI's
+Python 3.12 lane: run its GPU-target tests, then this again). An entry is the compiler's own
+output for a program, keyed by that program, the flags and the toolchain: a seed can only
+answer for the exact program it was compiled from.
 
     python -m pytest -p no:cacheprovider && python tests/compiled/seed.py --replace
 """
@@ -22,8 +23,12 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 
 
+def entry(path: Path) -> dict:
+    return json.loads(lzma.decompress(path.read_bytes()))
+
+
 def compile_seconds(path: Path) -> float:
-    return float(json.loads(lzma.decompress(path.read_bytes()))["compile_s"])
+    return float(entry(path)["compile_s"])
 
 
 def main(argv=None) -> int:
@@ -37,9 +42,10 @@ def main(argv=None) -> int:
         print(f"error: no compiled entries in {args.source} (run the suite first)", file=sys.stderr)
         return 2
     keep = {p.name: p for p in entries if compile_seconds(p) >= args.min_s}
-    if args.replace:
+    if args.replace:  # the seeds of the toolchains that run used (another jax's seeds stay)
+        toolchains = {entry(p).get("toolchain") for p in entries}
         for old in HERE.glob("*.json.xz"):
-            if old.name not in keep:
+            if old.name not in keep and entry(old).get("toolchain") in toolchains:
                 old.unlink()
     for name, src in keep.items():
         shutil.copyfile(src, HERE / name)
