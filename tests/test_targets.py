@@ -102,6 +102,11 @@ for name, (strategy, hosts, per, overrides, opts, *copts) in req["jobs"].items()
                               compiler_options=copts[0] if copts else None,
                               mesh_sizes=target_mesh_sizes(cfg, strategy, len(devs), hosts))
     out[name]["hosts_of_devices"] = [d.process_index for d in devs]
+# the jobs may be read back from the suite's compile cache (fsdp_jax.targets.compile_cache): one
+# program compiled here in any case, so XLA:GPU's kernel cache file is written by this jaxlib
+import jax, jax.numpy as jnp
+x = jax.ShapeDtypeStruct((256, 256), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(devs[0]))
+jax.jit(lambda a: jnp.tanh(a @ a) + 1.0).lower(x).compile()
 json.dump(out, sys.stdout)
 """
 
