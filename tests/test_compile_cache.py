@@ -82,3 +82,24 @@ def test_without_a_cache_folder_or_on_cpu_nothing_is_kept(tmp_path, monkeypatch)
     monkeypatch.delenv(compile_cache.ENV)
     assert compile_cache.compile_lowered(Lowered(), [type("Gpu", (), {"platform": "gpu"})()]) == "compiled"
     assert not list(tmp_path.iterdir())
+
+
+def test_flags_that_name_a_file_are_not_the_program_and_a_dump_always_compiles(monkeypatch, tmp_path):
+    kernels = "--xla_gpu_kernel_cache_file=/scratch/a/k.bin"
+    assert compile_cache._flags(f"--b=1 {kernels} --a=2") == compile_cache._flags("--a=2 --b=1")
+    assert compile_cache._flags("--a=2") != compile_cache._flags("--a=3")
+    monkeypatch.setenv(compile_cache.ENV, str(tmp_path))
+    monkeypatch.setattr(compile_cache, "program_key", lambda *a: "d" * 40)
+    compile_cache.store(compile_cache.CompiledFacts("d" * 40, "kept", {}, None, None, 1.0))
+    compiles = []
+
+    class Lowered:
+        def compile(self, **kw):
+            compiles.append(kw)
+            raise RuntimeError("compiled")
+
+    gpu = type("Gpu", (), {"platform": "gpu"})()
+    assert compile_cache.compile_lowered(Lowered(), [gpu]).as_text() == "kept"
+    with pytest.raises(RuntimeError, match="compiled"):
+        compile_cache.compile_lowered(Lowered(), [gpu], {"xla_dump_to": str(tmp_path)})
+    assert compiles == [{"compiler_options": {"xla_dump_to": str(tmp_path)}}]

@@ -16,7 +16,7 @@ id, kind and coordinates: a change to the model, the sharding, the flags, the to
 topology is a different program and compiles afresh. A program the compiler refused for memory
 (RESOURCE_EXHAUSTED) is kept too: the kept refusal raises `CompileRefused` with the compiler's
 message. Nothing is cached for programs that could run here (CPU devices): those are executed,
-and compile in seconds.
+and compile in seconds. A compile asked to dump (`xla_dump_to`) always compiles.
 
 Where: `$FSDP_JAX_COMPILED_CACHE`, a `os.pathsep`-separated list of folders; new entries are
 written to the first, every folder is read (a read-only seed folder can follow a writable
@@ -125,6 +125,11 @@ def _flags(value: str) -> str:
     return " ".join(sorted(flags))
 
 
+def _dumps(compiler_options: dict[str, Any] | None) -> bool:
+    """Whether this compile was asked to write XLA's dumps (which a cached answer would not)."""
+    return "xla_dump_to" in (compiler_options or {}) or "--xla_dump_to" in os.environ.get("XLA_FLAGS", "")
+
+
 def program_key(lowered, devices: Iterable, compiler_options: dict[str, Any] | None = None) -> str:
     """The cache key of compiling `lowered` for `devices` with `compiler_options`."""
     devices = list(devices)
@@ -230,7 +235,7 @@ def compile_lowered(lowered, devices: Iterable, compiler_options: dict[str, Any]
     if not cache_dirs() or devices[0].platform == "cpu":
         return lowered.compile(**compile_args)
     key = program_key(lowered, devices, compiler_options)
-    hit = load(key)
+    hit = None if _dumps(compiler_options) else load(key)  # a dump asked for needs the compile
     if hit is not None and hit.refused:
         raise CompileRefused(hit.refused)
     if hit is not None:
