@@ -128,6 +128,7 @@ def make_train_step(
     donate: bool = True,
     trainable: Any = None,
     rng: Any = None,
+    post_update: Callable | None = None,
 ) -> CompiledStep:
     """A jitted `step(state, batch) -> (state, metrics)` for `plan`'s mesh and strategy.
 
@@ -158,9 +159,17 @@ def make_train_step(
     train=True)` with key `fold_in(rng, state.step)` (None without `rng`), and, with
     model state, returns `(loss, new_state)` (`((loss, aux), new_state)` with
     `has_aux`); the new state is kept when the step is and skipped when it is not.
+
+    `post_update(params, aux) -> params` (needs `has_aux`): a rule that moves params by the
+    step's statistics rather than by a gradient, applied after the optimizer update (and
+    after frozen leaves are restored) to the new params, with the loss's `aux` (stacked over
+    microbatches when there are several), as torchtitan's optimizer step hook moves its MoE
+    expert bias. The leaves it returns changed are kept only when the step is.
     """
     if microbatches < 1:
         raise ValueError(f"microbatches must be >= 1, got {microbatches}")
+    if post_update is not None and not has_aux:
+        raise ValueError("post_update needs has_aux: it reads the loss's aux")
     policy = Policy.parse(precision)
     key_data = run_key(rng)
     extended = plan.model_state is not None or key_data is not None
@@ -182,6 +191,7 @@ def make_train_step(
         trainable=trainable,
         key_data=key_data,
         extended=extended,
+        post_update=post_update,
     )
     sh = state_shardings(plan)
     jitted = jax.jit(
@@ -208,6 +218,7 @@ def _train_step_fn(
     trainable: Any,
     key_data: Any,
     extended: bool,
+    post_update: Callable | None = None,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]:
     """The body of `make_train_step`'s step, `(state, batch) -> (state, metrics)`, for the
     already wrapped `loss_fn` (`has_aux`: whether it returns aux; `user_aux`: whether the
@@ -250,6 +261,8 @@ def _train_step_fn(
         new = new.replace(params=wrt.frozen_from(new.params, state.params))  # frozen: the same buffers
         if extended:
             new, aux = with_model_state(new, aux, state, ok, skip_nonfinite)
+        if post_update is not None:
+            new = new.replace(params=_post_update(post_update, new.params, aux, ok, skip_nonfinite))
         new = offload.store_state(new, plan)  # back to host memory, where offloaded
         metrics = {"loss": loss.astype(policy.output_dtype), "grad_norm": grad_norm, "skipped": (~ok).astype(jnp.int32)}
         if user_aux:
@@ -259,6 +272,14 @@ def _train_step_fn(
         return new, metrics
 
     return step
+
+
+def _post_update(rule: Callable, params, aux, ok, skip_nonfinite: bool):
+    """`rule(params, aux)`, its changed leaves kept only when the step is (`ok`)."""
+    moved = rule(params, aux)
+    if not skip_nonfinite:
+        return moved
+    return jax.tree.map(lambda n, o: o if n is o else jnp.where(ok, n, o), moved, params)
 
 
 def make_eval_step(
