@@ -26,7 +26,8 @@ from collections.abc import Callable
 import jax.numpy as jnp
 from flax import nnx
 
-from fsdp_jax.app.models.lora import attach, layer_keys
+from fsdp_jax.app.models.lora import attach
+from fsdp_jax.app.models.lora_dropout import layer_keys
 from fsdp_jax.app.models.moe import add_layer, zero_stats
 from fsdp_jax.sharding.axes import LAYERS
 from fsdp_jax.train import layer_gather
@@ -116,7 +117,7 @@ def _stacked(cfg, rngs: nnx.Rngs, kinds: tuple[bool, ...], count: int, make_bloc
 def run_layers(cfg, layers, x, remat: str, segment_ids=None, positions=None, token_mask=None, dropout_key=None):
     """x (B, S, D) through every layer -> (x, RouterStats summed over the sparse layers, with
     each layer's counts in `layer_counts` (L, E)); `dropout_key`: the adapters' dropout (layer
-    l's key `lora.layer_keys(key, L)[l]`)."""
+    l's key `lora_dropout.layer_keys(key, L)[l]`)."""
     stats = zero_stats(cfg.n_experts, cfg.n_layers)
     policy = layer_gather.block_policy(remat)
     keys = layer_keys(dropout_key, cfg.n_layers)  # (L,) or None
