@@ -7,6 +7,7 @@ strategy and expert parallelism as on one device; exact across a checkpoint and 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +30,7 @@ from fsdp_jax.errors import ConfigError
 from fsdp_jax.model.fns import from_nnx
 from fsdp_jax.sharding.mesh import make_mesh
 from fsdp_jax.train.build import build
+from helpers import call
 
 U = 2.0**-9  # the bias update speed: a power of two, so the reference's float32 sums are the step's
 ROWS = 8  # the golden's 2 rows 4 times: a batch every mesh of 8 devices divides
@@ -143,6 +145,29 @@ def test_resume_continues_the_bias_exactly(one_device, tmp_path):
     biases, _, losses, _ = one_device
     got, _, got_losses, _ = run(make_mesh(1, 1, 1, devices=jax.devices()[:1]), 2, resume_dir=tmp_path)
     assert np.array_equal(got[1], biases[1]) and np.array_equal(got_losses, losses)
+
+
+@pytest.mark.slow
+def test_train_command_moves_the_bias_by_the_rule_and_logs_the_sequence_term(tmp_path, corpus, capsys):
+    """`fsdp-jax train` from the golden with the rule and alpha on (the trainer's wiring:
+    `build_from_config`): metrics.jsonl logs the sequence-wise term, and the exported bias moved
+    from the imported one by one step of u: -u, 0 or +u, not all zero (one step: with two, a large u
+    can undo its own first move)."""
+    run, out = tmp_path / "run", tmp_path / "hf"
+    yml = tmp_path / "c.yaml"
+    yml.write_text(f"init_from: hf:{GOLDEN / NAME}\nrun_dir: {run}\ndata: {{seq_len: 32, path: {corpus}}}\n")
+    args = ["model.bias_update_speed=0.5", "model.seq_aux_loss_coef=0.001", "train.steps=1", "train.log_every=1"]
+    rc, _, err = call("train", "--config", yml, "--no-progress", *args, "train.eval_every=0", capsys=capsys)
+    assert rc == 0, err[-3000:]
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["router_seq_aux_loss"] > 0 for r in recs if "router_seq_aux_loss" in r) and recs
+    rc, _, err = call("export", run, "--hf", out, capsys=capsys)
+    assert rc == 0, err[-3000:]
+    before, after = (SafetensorsFile(d / "model.safetensors") for d in (GOLDEN / NAME, out))
+    for i in SPARSE:
+        key = f"model.layers.{i}.mlp.gate.e_score_correction_bias"
+        steps = (after.read(key).astype(np.float64) - before.read(key)) / 0.5
+        assert np.allclose(steps, np.round(steps), atol=1e-5) and np.abs(steps).max() == pytest.approx(1), steps
 
 
 def test_config_refuses_what_the_rule_cannot_run():
