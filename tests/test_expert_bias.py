@@ -103,6 +103,7 @@ def one_device():
     return run(make_mesh(1, 1, 1, devices=jax.devices()[:1]), steps=2)
 
 
+@pytest.mark.slow  # one train-step compile of the golden: 12-16 s here
 def test_step_moves_the_bias_by_the_rule_from_transformers_loads(one_device):
     biases, aux, _, opt_leaves = one_device
     want = reference_counts()
