@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import optax
 
-from fsdp_jax.app.hf import load as hf
+from fsdp_jax.app.hf import load
 from fsdp_jax.app.models import Decoder
 from fsdp_jax.app.trainer.build import make_loss_fn
 from fsdp_jax.app.trainer.expert_bias import bias_rule, without_bias_state
@@ -33,7 +33,7 @@ def imbalance(counts: np.ndarray) -> list[float]:
 
 
 def run(speed: float, steps: int) -> tuple[list[float], list[float]]:
-    ckpt = hf.HFCheckpoint(GOLDEN)
+    ckpt = load.HFCheckpoint(GOLDEN)
     cfg = dataclasses.replace(ckpt.config, bias_update_speed=speed)
     m = from_nnx(lambda r: Decoder(cfg, rngs=r))
     opts = {"post_update": bias_rule(cfg)} if speed else {}
@@ -47,7 +47,7 @@ def run(speed: float, steps: int) -> tuple[list[float], list[float]]:
         min_shard_size=0,
         **opts,
     )
-    state = built.state_from_params(hf.load_params(ckpt, built.abstract_state.params))
+    state = built.state_from_params(load.load_params(ckpt, built.abstract_state.params))
     batch = jax.random.randint(jax.random.key(0), (8, 65), 0, cfg.vocab_size)
     first = last = None
     for _ in range(steps):

@@ -21,6 +21,11 @@
    of 5 exists, and the new state is written back to host memory (`fsdp_jax.sharding.offload`);
    a `:streamed` offload updates the leaves stacked over layers one layer at a time
    (`fsdp_jax.train.stream_update`; the whole-leaf update when the optimizer is not elementwise).
+8. `post_update(params, aux) -> params`, when given: a rule that moves params by the step's
+   statistics rather than by a gradient (as torchtitan's optimizer step hook moves its MoE
+   expert bias), applied to the new params after the update and the frozen leaves' restore,
+   with the loss's aux (stacked over microbatches when there are several); the leaves it
+   changes are kept only when the step is.
 Models with non-trainable state (BatchNorm statistics) or randomness (dropout) take
 the extended call `loss_fn(params, batch, state=, rng=, train=)` and return their new
 state; it rides through 2-5 beside the loss and is kept or skipped with the update
@@ -136,14 +141,13 @@ def make_train_step(
     to average over the tokens of the whole global batch (masked fine-tuning
     losses: every microbatch and device weighs by its token count; metrics then hold
     `tokens`, the global count), or `(loss, aux)` with `has_aux`; `params` arrive in
-    the compute dtype. `batch` is a pytree whose
-    leaves have a leading global-batch dim. metrics: `loss` (output dtype),
+    the compute dtype. `batch` is a pytree whose leaves have a leading global-batch dim. metrics: `loss` (output dtype),
     `grad_norm` (global, before clipping), `skipped` (1 when a non-finite loss or
     grad norm left the state unchanged), plus `aux` when given (stacked over
     microbatches when there are several).
 
-    The step is the composition `microbatched(compute_value_and_grad)` ->
-    `Trainable.full_grads` -> `clip_grads` -> `guarded_update`, each usable alone.
+    The step is the composition `microbatched(compute_value_and_grad)` -> `Trainable.full_grads` ->
+    `clip_grads` -> `guarded_update` (-> `post_update`, given: step 8 above), each usable alone.
 
     `trainable` (frozen params, LoRA-style fine-tuning): None (every leaf is
     differentiated), or a tree of Python bools matching params (a prefix is
@@ -158,18 +162,10 @@ def make_train_step(
     `loss_fn` is called `loss_fn(params, batch, state=state.model_state, rng=key,
     train=True)` with key `fold_in(rng, state.step)` (None without `rng`), and, with
     model state, returns `(loss, new_state)` (`((loss, aux), new_state)` with
-    `has_aux`); the new state is kept when the step is and skipped when it is not.
-
-    `post_update(params, aux) -> params` (needs `has_aux`): a rule that moves params by the
-    step's statistics rather than by a gradient, applied after the optimizer update (and
-    after frozen leaves are restored) to the new params, with the loss's `aux` (stacked over
-    microbatches when there are several), as torchtitan's optimizer step hook moves its MoE
-    expert bias. The leaves it returns changed are kept only when the step is.
-    """
-    if microbatches < 1:
-        raise ValueError(f"microbatches must be >= 1, got {microbatches}")
-    if post_update is not None and not has_aux:
-        raise ValueError("post_update needs has_aux: it reads the loss's aux")
+    `has_aux`); the new state is kept when the step is and skipped when it is not."""
+    if microbatches < 1 or (post_update is not None and not has_aux):
+        bad = f"microbatches must be >= 1, got {microbatches}" if microbatches < 1 else "post_update needs has_aux"
+        raise ValueError(bad)
     policy = Policy.parse(precision)
     key_data = run_key(rng)
     extended = plan.model_state is not None or key_data is not None
