@@ -185,7 +185,7 @@ def test_bad_config_json_is_refused_naming_the_key(tmp_path, changes, drop, word
         assert w in str(e.value), (w, str(e.value))
 
 
-def test_bad_input_is_one_line_exit_2_and_lora_is_refused(tmp_path, capsys):
+def test_bad_input_is_one_line_exit_2_and_lora_takes_latent_attentions_peft_names(tmp_path, capsys):
     run = tmp_path / "run"
     for i, (changes, drop, words) in enumerate(BAD[:2]):
         yml = tmp_path / f"c{i}.yaml"
@@ -195,8 +195,17 @@ def test_bad_input_is_one_line_exit_2_and_lora_is_refused(tmp_path, capsys):
         one_line(rc, err, *words)
     assert not run.exists()
     cfg = hf.HFCheckpoint(GOLDEN / NAME).config
-    problem = lora_lib.target_problem(cfg, lora_lib.LoraSpec(4, 8.0, ("wq",)))
-    assert problem[0] == "lora.rank" and "latent attention" in problem[1]
+    problem = lora_lib.target_problem(cfg, lora_lib.LoraSpec(4, 8.0, lora_lib.resolve_targets("q_proj k_proj")))
+    assert problem[0] == "lora.targets" and problem[1].startswith("q_proj k_proj names nothing")
+    assert "q_a_proj q_b_proj kv_a_proj_with_mqa kv_b_proj" in problem[1]  # what there is, PEFT's names
+    mla = lora_lib.LoraSpec(4, 8.0, lora_lib.resolve_targets("q_a_proj q_b_proj kv_a_proj_with_mqa kv_b_proj o_proj"))
+    assert lora_lib.target_problem(cfg, mla) is None
+    assert lora_lib.adapted(cfg, lora_lib.LoraSpec(4, 8.0, lora_lib.TARGETS)) == (mla.targets, ())  # all-linear
+    # the adapters' params: PEFT's own tensors of the golden adapter (tests/golden/peft/deepseek_v3)
+    peft_file = SafetensorsFile(GOLDEN.parent / "peft" / NAME / "adapter_model.safetensors")
+    assert lora_lib.adapter_param_count(cfg, mla) == sum(
+        int(np.prod(peft_file.read(k).shape)) for k in peft_file.tensors
+    )
 
 
 @pytest.mark.slow

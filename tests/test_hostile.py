@@ -162,6 +162,8 @@ OUT_OF_RANGE: dict[str, typing.Any] = {
     "model.mlp_only_layers": None,  # layer indices are checked against n_layers with experts on
     "model.router_aux_loss_coef": -1.0,
     "model.router_z_loss_coef": -1.0,
+    "model.bias_update_speed": -1.0,
+    "model.seq_aux_loss_coef": -1.0,
     "model.capacity_factor": -1.0,
     "model.swiglu_limit": 0.0,
     "model.swiglu_alpha": -1.0,

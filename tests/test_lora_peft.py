@@ -29,6 +29,8 @@ ADAPTERS = ("llama3", "llama32_tied", "mistral_swa", "qwen2", "qwen3", "gemma3_t
 # the experts by target_parameters; Qwen2-MoE's dense layers and shared expert by target_modules
 # (qwen2_moe_shared: those only, no target_parameters; gpt_oss: its attention, biases and all)
 MOE_ADAPTERS = ("mixtral", "qwen3_moe", "qwen2_moe", "qwen2_moe_shared", "gpt_oss")  # gpt_oss: attention only
+# deepseek_v3: latent attention's five projections (q_a_proj q_b_proj kv_a_proj_with_mqa kv_b_proj o_proj)
+MLA_ADAPTERS = ("deepseek_v3",)
 
 
 def spec_of(raw: dict) -> lora_lib.LoraSpec:
@@ -50,7 +52,7 @@ def logits(model, params, plan, tokens):
         return np.asarray(jax.jit(model.apply)(params, batch))[: len(tokens)]
 
 
-@pytest.mark.parametrize("name", ADAPTERS + MOE_ADAPTERS)
+@pytest.mark.parametrize("name", ADAPTERS + MOE_ADAPTERS + MLA_ADAPTERS)
 def test_peft_adapter_reproduces_peft_logits_and_merged_logits(name, tmp_path):
     ckpt, spec, want = golden(name)
     cfg = ckpt.config

@@ -43,6 +43,7 @@ DTYPES = {
     "F32": np.float32,
     "F16": np.float16,
     "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,  # DeepSeek-V3's published weights (`app.hf.fp8_blocks`)
     "I64": np.int64,
     "I32": np.int32,
     "I16": np.int16,

@@ -21,6 +21,11 @@
    of 5 exists, and the new state is written back to host memory (`fsdp_jax.sharding.offload`);
    a `:streamed` offload updates the leaves stacked over layers one layer at a time
    (`fsdp_jax.train.stream_update`; the whole-leaf update when the optimizer is not elementwise).
+8. `post_update(params, aux) -> params`, when given: a rule that moves params by the step's
+   statistics rather than by a gradient (as torchtitan's optimizer step hook moves its MoE
+   expert bias), applied to the new params after the update and the frozen leaves' restore,
+   with the loss's aux (stacked over microbatches when there are several); the leaves it
+   changes are kept only when the step is.
 Models with non-trainable state (BatchNorm statistics) or randomness (dropout) take
 the extended call `loss_fn(params, batch, state=, rng=, train=)` and return their new
 state; it rides through 2-5 beside the loss and is kept or skipped with the update
@@ -128,6 +133,7 @@ def make_train_step(
     donate: bool = True,
     trainable: Any = None,
     rng: Any = None,
+    post_update: Callable | None = None,
 ) -> CompiledStep:
     """A jitted `step(state, batch) -> (state, metrics)` for `plan`'s mesh and strategy.
 
@@ -135,14 +141,13 @@ def make_train_step(
     to average over the tokens of the whole global batch (masked fine-tuning
     losses: every microbatch and device weighs by its token count; metrics then hold
     `tokens`, the global count), or `(loss, aux)` with `has_aux`; `params` arrive in
-    the compute dtype. `batch` is a pytree whose
-    leaves have a leading global-batch dim. metrics: `loss` (output dtype),
+    the compute dtype. `batch` is a pytree whose leaves have a leading global-batch dim. metrics: `loss` (output dtype),
     `grad_norm` (global, before clipping), `skipped` (1 when a non-finite loss or
     grad norm left the state unchanged), plus `aux` when given (stacked over
     microbatches when there are several).
 
-    The step is the composition `microbatched(compute_value_and_grad)` ->
-    `Trainable.full_grads` -> `clip_grads` -> `guarded_update`, each usable alone.
+    The step is the composition `microbatched(compute_value_and_grad)` -> `Trainable.full_grads` ->
+    `clip_grads` -> `guarded_update` (-> `post_update`, given: step 8 above), each usable alone.
 
     `trainable` (frozen params, LoRA-style fine-tuning): None (every leaf is
     differentiated), or a tree of Python bools matching params (a prefix is
@@ -157,10 +162,10 @@ def make_train_step(
     `loss_fn` is called `loss_fn(params, batch, state=state.model_state, rng=key,
     train=True)` with key `fold_in(rng, state.step)` (None without `rng`), and, with
     model state, returns `(loss, new_state)` (`((loss, aux), new_state)` with
-    `has_aux`); the new state is kept when the step is and skipped when it is not.
-    """
-    if microbatches < 1:
-        raise ValueError(f"microbatches must be >= 1, got {microbatches}")
+    `has_aux`); the new state is kept when the step is and skipped when it is not."""
+    if microbatches < 1 or (post_update is not None and not has_aux):
+        bad = f"microbatches must be >= 1, got {microbatches}" if microbatches < 1 else "post_update needs has_aux"
+        raise ValueError(bad)
     policy = Policy.parse(precision)
     key_data = run_key(rng)
     extended = plan.model_state is not None or key_data is not None
@@ -182,6 +187,7 @@ def make_train_step(
         trainable=trainable,
         key_data=key_data,
         extended=extended,
+        post_update=post_update,
     )
     sh = state_shardings(plan)
     jitted = jax.jit(
@@ -208,6 +214,7 @@ def _train_step_fn(
     trainable: Any,
     key_data: Any,
     extended: bool,
+    post_update: Callable | None = None,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]:
     """The body of `make_train_step`'s step, `(state, batch) -> (state, metrics)`, for the
     already wrapped `loss_fn` (`has_aux`: whether it returns aux; `user_aux`: whether the
@@ -250,6 +257,8 @@ def _train_step_fn(
         new = new.replace(params=wrt.frozen_from(new.params, state.params))  # frozen: the same buffers
         if extended:
             new, aux = with_model_state(new, aux, state, ok, skip_nonfinite)
+        if post_update is not None:
+            new = new.replace(params=_post_update(post_update, new.params, aux, ok, skip_nonfinite))
         new = offload.store_state(new, plan)  # back to host memory, where offloaded
         metrics = {"loss": loss.astype(policy.output_dtype), "grad_norm": grad_norm, "skipped": (~ok).astype(jnp.int32)}
         if user_aux:
@@ -259,6 +268,14 @@ def _train_step_fn(
         return new, metrics
 
     return step
+
+
+def _post_update(rule: Callable, params, aux, ok, skip_nonfinite: bool):
+    """`rule(params, aux)`, its changed leaves kept only when the step is (`ok`)."""
+    moved = rule(params, aux)
+    if not skip_nonfinite:
+        return moved
+    return jax.tree.map(lambda n, o: o if n is o else jnp.where(ok, n, o), moved, params)
 
 
 def make_eval_step(

@@ -44,6 +44,10 @@ float32, eager; torch seed sum(map(ord, "lora:" + name)) before get_peft_model):
   qwen2_moe_shared (base qwen2_moe)
       r=4, lora_alpha=8, target_modules the seven, no target_parameters: dense layers and
       the shared expert only (PEFT's meaning of those names on Qwen2-MoE)
+  deepseek_v3 (3 layers, latent attention with q_lora_rank 48, kv_lora_rank 32; made with
+      transformers 5.25.0, peft 0.21.2: DeepseekV3ForCausalLM is new in 5.25)
+      r=4, lora_alpha=8, target_modules q_a_proj q_b_proj kv_a_proj_with_mqa kv_b_proj o_proj
+      (latent attention's nn.Linear projections, every layer; its experts and MLPs untouched)
   llama3_rslora (base llama3)
       r=8, lora_alpha=16, use_rslora=True, targets q_proj, v_proj only: scaling
       alpha / sqrt(r) = 16 / sqrt(8) = 5.657
@@ -103,6 +107,7 @@ ROOT = Path(__file__).resolve().parent
 HF = ROOT / "hf"
 OUT = ROOT / "peft"
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+MLA = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 COMMON = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=ALL, init_lora_weights=False)
 ADAPTERS = {
@@ -127,6 +132,8 @@ ADAPTERS = {
     # gpt-oss: its attention projections are nn.Linear (with biases); its experts are fused
     # parameters with biases, which the project does not adapt
     "gpt_oss": ("gpt_oss", {**COMMON, "target_modules": ALL[:4]}),
+    # DeepSeek-V3: LoRA on multi-head latent attention's five nn.Linear projections
+    "deepseek_v3": ("deepseek_v3", {**COMMON, "target_modules": MLA}),
     "llama3_rslora": (
         "llama3",
         dict(

@@ -153,6 +153,8 @@ def _as_verified(cfg, devices, notes: list[str]) -> tuple:
             "updates, and Adam's first step in 16-bit compute is the sign of grads at rounding level"
         )
     notes.append(f"optimizer {cfg.optimizer.name} at its peak lr {cfg.optimizer.lr:g} (warmup skipped)")
+    if cfg.model.bias_update_speed:  # a callable cannot reach verify's child processes
+        notes.append("model.bias_update_speed: the steps compared leave the score bias (the rule is not run)")
     return cfg, notes
 
 

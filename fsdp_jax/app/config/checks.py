@@ -164,6 +164,15 @@ def _check_memory_policies(cfg: Config) -> None:
         "leaves none; set model.scan_layers=true or use offload: " + cfg.offload.split(":")[0],
     )
 
+    u, off = cfg.model.bias_update_speed, OFFLOADS[cfg.offload]
+    _check(  # the bias rule (`expert_bias`) runs on the jitted step's params, from the router's loads
+        not (u and (off.stream or cfg.offload in NVME_OFFLOADS or cfg.objective == "grpo")),
+        "model.bias_update_speed",
+        u,
+        f"the bias rule needs the jitted step's own update (no streamed or nvme offload) and the router's "
+        f"loads (not objective grpo); got offload {cfg.offload}, objective {cfg.objective} (use 0)",
+    )
+
 
 def _check_distributed(cfg: Config) -> None:
     """This process's id is below the process count; the coordinator is HOST:PORT."""

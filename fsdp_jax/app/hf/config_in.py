@@ -46,9 +46,18 @@ FIELDS = {
     "tie_word_embeddings": "tie_word_embeddings",
 }
 # every architecture field of DecoderConfig (what a checkpoint decides; not scan_layers/attention)
-# (capacity_factor, the router z-loss, the grouped-matmul kernel and the exchange are training options
+# (capacity_factor, the router z-loss, the balancing speed and alpha, the grouped-matmul kernel and the exchange are training options
 # a checkpoint does not record)
-_RUN_FIELDS = ("scan_layers", "attention", "capacity_factor", "router_z_loss_coef", "grouped_matmul", "expert_exchange")
+_RUN_FIELDS = (
+    "scan_layers",
+    "attention",
+    "capacity_factor",
+    "router_z_loss_coef",
+    "bias_update_speed",
+    "seq_aux_loss_coef",
+    "grouped_matmul",
+    "expert_exchange",
+)
 ARCH_FIELDS = tuple(f.name for f in dataclasses.fields(DecoderConfig) if f.name not in _RUN_FIELDS)
 # rope dict keys -> DecoderConfig field, per rope type (required keys first)
 ROPE_KEYS = {

@@ -34,7 +34,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from fsdp_jax.app.hf import moe_layout, mxfp4
+from fsdp_jax.app.hf import fp8_blocks, moe_layout, mxfp4
 from fsdp_jax.app.hf.config_in import ARCH_FIELDS, FIELDS, model_config_from_hf
 from fsdp_jax.app.models import families
 from fsdp_jax.app.models.config import DecoderConfig
@@ -242,6 +242,7 @@ class HFCheckpoint:
         self.raw_config = read_config_json(self.path)
         self.config = model_config_from_hf(self.raw_config, where, base)
         self.mxfp4 = mxfp4.quantized(self.raw_config, lambda k, why: ConfigError(where, f"{k}: {why}"))
+        self.fp8 = fp8_blocks.block_size(self.raw_config, lambda k, why: ConfigError(where, f"{k}: {why}"))
         index = self.path / "model.safetensors.index.json"
         if index.is_file():
             try:
@@ -287,7 +288,10 @@ class HFCheckpoint:
         extra = [
             n
             for n in self.where
-            if n not in want and not _IGNORED.fullmatch(n) and not (tied_head and n == "lm_head.weight")
+            if n not in want
+            and not _IGNORED.fullmatch(n)
+            and not (tied_head and n == "lm_head.weight")
+            and not (self.fp8 and n.endswith(fp8_blocks.SCALE) and n.removesuffix(fp8_blocks.SCALE) in want)
         ]
         if extra:
             raise CheckpointError(
@@ -299,6 +303,11 @@ class HFCheckpoint:
                 raise CheckpointError(
                     f"hf:{self.path}: tensor {n} has shape {list(got)}, config.json implies {list(shape)}"
                 )
+            if self.fp8 and n + fp8_blocks.SCALE in self.where:  # block-scaled FP8, dequantised on read
+                problem = fp8_blocks.problem(n, self.where[n], self.where[n + fp8_blocks.SCALE], shape, self.fp8)
+                if problem:
+                    raise CheckpointError(f"hf:{self.path}: {problem}")
+                continue
             packed = self.mxfp4 and n.endswith((mxfp4.BLOCKS, mxfp4.SCALES))
             if self.where[n].dtype(n).name not in (("uint8",) if packed else _FLOAT_DTYPES):
                 raise CheckpointError(
@@ -338,7 +347,11 @@ class HFCheckpoint:
         if kind == mxfp4.KIND and self.mxfp4:
             n = names[0]
             return mxfp4.read_block(self.where[n + mxfp4.BLOCKS], self.where[n + mxfp4.SCALES], n, idx, shape, dtype)
-        return read_block(self.where[names[0]], names[0], kind, idx, shape, dh, dtype)
+        n = names[0]
+        f = self.where[n]
+        if self.fp8 and n + fp8_blocks.SCALE in self.where:
+            f = fp8_blocks.Fp8Weight(f, self.where[n + fp8_blocks.SCALE], self.fp8)
+        return read_block(f, n, kind, idx, shape, dh, dtype)
 
 
 def load_params(ckpt: HFCheckpoint, abstract_params) -> Any:

@@ -34,9 +34,12 @@ def quantized(raw: Mapping, bad) -> bool:
     if q is None:
         return False
     method = q.get("quant_method") if isinstance(q, Mapping) else None
-    if method != "mxfp4":
-        raise bad("quantization_config", "only quant_method mxfp4 (gpt-oss's experts) is dequantised on import")
-    return True
+    if method not in ("mxfp4", "fp8"):
+        raise bad(
+            "quantization_config",
+            "only quant_method mxfp4 (gpt-oss's experts) or fp8 (block-scaled, `fp8_blocks`) is dequantised on import",
+        )
+    return method == "mxfp4"
 
 
 def stored(want: dict[str, tuple[int, ...]], names: set[str]) -> tuple[dict, str | None]:

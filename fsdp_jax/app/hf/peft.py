@@ -60,7 +60,7 @@ SHARED_PARAMS = {
 def peft_key(cfg: DecoderConfig, layer: int, weight: str, half: str, site: str | None = None) -> str:
     """PEFT's tensor name of `weight`'s lora_A / lora_B (`half` "A" or "B") in `layer` of
     model `cfg`, at `site` (`SITES`; default: attention or the dense MLP by the weight)."""
-    site = site or ("attn" if weight in lora.ATTENTION else "mlp")
+    site = site or ("attn" if weight in lora.attention_weights(cfg) else "mlp")
     module = families.peft_modules(cfg)[f"{site}/{weight}"]
     return f"base_model.model.model.layers.{layer}.{module}.lora_{half}.weight"
 
@@ -85,9 +85,10 @@ def layer_rows(cfg: DecoderConfig) -> list[tuple[tuple, list[int], bool]]:
 def sites(cfg: DecoderConfig, spec: lora.LoraSpec, sparse: bool) -> list[tuple[str, str]]:
     """[(weight, site)] of the plain (per-weight) adapters of a sparse or dense block."""
     mods, _ = lora.adapted(cfg, spec)
-    out = [(w, "attn") for w in mods if w in lora.ATTENTION]
+    attn = lora.attention_weights(cfg)
+    out = [(w, "attn") for w in mods if w in attn]
     if sparse and cfg.shared_expert_ffn_dim:
-        out += [(w, "shared") for w in mods if w not in lora.ATTENTION]
+        out += [(w, "shared") for w in mods if w not in attn]
     elif not sparse:
         out += [(w, "mlp") for w in mods if w in lora.MLP_WEIGHTS]
     return out

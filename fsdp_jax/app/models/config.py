@@ -76,6 +76,11 @@ class DecoderConfig:
     mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
     router_aux_loss_coef: float = 0.0  # load-balancing loss weight in the training loss
     router_z_loss_coef: float = 0.0  # router z-loss weight in the training loss
+    # DeepSeek-V3's aux-loss-free balancing (app/trainer/expert_bias.py): after each step every
+    # layer's score_bias += this * sign(mean load - load); 0 = the bias stays as imported
+    bias_update_speed: float = 0.0
+    # DeepSeek-V3's sequence-wise balance loss weight (the report's alpha; models/moe.py seq_balance)
+    seq_aux_loss_coef: float = 0.0
     capacity_factor: float = 0.0  # > 0: tokens over an expert's capacity dropped; 0 = dropless
     grouped_matmul: str = "auto"  # dropless experts' kernel: auto | xla | tokamax (models/grouped_matmul.py)
     expert_exchange: str = "dense"  # experts over batch axes, dropless: dense | ragged all-to-all (GPU/TPU)

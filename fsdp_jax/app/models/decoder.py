@@ -39,9 +39,9 @@ from fsdp_jax.app.models.lora import (
     attach,
     delta,
     expert_dropout,
-    layer_keys,
     target_problem,
 )
+from fsdp_jax.app.models.lora_dropout import layer_keys
 from fsdp_jax.app.models.moe import MoE, moe_active_params, moe_params, zero_stats
 from fsdp_jax.app.models.norm import RMSNorm, normal_param
 from fsdp_jax.app.models.parts import DEFAULT_PARTS, BlockParts

@@ -14,7 +14,9 @@ mscale_all_dim)^2 under YaRN; causal (packed segments kept apart); o = attn W_o.
 Dims: Dr = `head_dim` (`qk_rope_head_dim`), Dn = `qk_nope_head_dim`, Dv = `v_head_dim`. Params
 and their logical dims: `wq_a` (embed, q_lora), `q_a_norm`, `wq_b` (q_lora, heads, kv) (or `wq`
 (embed, heads, kv)), `wkv_a` (embed, kv_lora), `kv_a_norm`, `wkv_b` (kv_lora, heads, kv),
-`wo` (heads, kv, embed). No LoRA adapters (refused by `lora.target_problem`).
+`wo` (heads, kv, embed). LoRA adapters (`models/lora.py`) on the five projections by PEFT's
+names (q_a_proj, q_b_proj or q_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj; `lora_dims`), each
+added to its projection's output (the norms and the RoPE split act on the sums, as in PEFT).
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ from jax.ad_checkpoint import checkpoint_name
 
 from fsdp_jax.app.models.attention import attend_sinks
 from fsdp_jax.app.models.config import DecoderConfig
+from fsdp_jax.app.models.lora import delta
 from fsdp_jax.app.models.norm import RMSNorm, normal_param
 from fsdp_jax.app.models.rope import apply_rope, rope_tables
-from fsdp_jax.app.models.self_attention import causal_mask, constrain, flat_rows
+from fsdp_jax.app.models.self_attention import causal_mask, constrain, flat_rows, with_lora
 from fsdp_jax.errors import ConfigError
 from fsdp_jax.sharding.axes import BATCH, EMBED, HEADS, KV, KV_LORA, LENGTH, Q_LORA
 from fsdp_jax.sharding.context import context_size
@@ -51,8 +54,6 @@ def deinterleave(x):
 
 
 class LatentAttention(nnx.Module):
-    no_lora = True  # `fsdp_jax.app.models.lora.target_problem` refuses adapters on it
-
     def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
         d, h, dr = cfg.d_model, cfg.n_heads, cfg.head_dim
         dn, dv, rq, rkv = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.q_lora_rank, cfg.kv_lora_rank
@@ -77,13 +78,17 @@ class LatentAttention(nnx.Module):
         b, s, d = x.shape
         h, dr, dn, rkv = cfg.n_heads, cfg.head_dim, cfg.qk_nope_head_dim, cfg.kv_lora_rank
         x2 = flat_rows(x)  # (B*S, D)
+
+        def proj(name, rows, w):  # rows @ w (flattened to 2-D) plus its adapter's term
+            return with_lora(matmul(rows, w.reshape(rows.shape[-1], -1)), delta(self, name, rows, dropout_key))
+
         if cfg.q_lora_rank:
-            q = matmul(self.q_a_norm(matmul(x2, self.wq_a[...])), self.wq_b[...].reshape(cfg.q_lora_rank, -1))
+            q = proj("wq_b", self.q_a_norm(proj("wq_a", x2, self.wq_a[...])), self.wq_b[...])
         else:
-            q = matmul(x2, self.wq[...].reshape(d, -1))
+            q = proj("wq", x2, self.wq[...])
         q = constrain(checkpoint_name(q.reshape(b, s, h, dn + dr), "qkv"), (BATCH, LENGTH, HEADS, KV))
-        ckv = matmul(x2, self.wkv_a[...])  # (B*S, r_kv + Dr): the latent and the shared RoPE key
-        kv = matmul(self.kv_a_norm(ckv[:, :rkv]), self.wkv_b[...].reshape(rkv, -1)).reshape(b, s, h, -1)
+        ckv = proj("wkv_a", x2, self.wkv_a[...])  # (B*S, r_kv + Dr): the latent and the shared RoPE key
+        kv = proj("wkv_b", self.kv_a_norm(ckv[:, :rkv]), self.wkv_b[...]).reshape(b, s, h, -1)
         kv = constrain(checkpoint_name(kv, "qkv"), (BATCH, LENGTH, HEADS, KV))
         cos, sin = rope_tables(cfg, s)  # (S, Dr/2)
         if positions is not None:  # packed rows: each example's positions restart at 0
@@ -93,8 +98,25 @@ class LatentAttention(nnx.Module):
         q = jnp.concatenate([q[..., :dn], q_rope], axis=-1)  # (B, S, H, Dn + Dr)
         k = jnp.concatenate([kv[..., :dn], jnp.broadcast_to(k_rope, (b, s, h, dr)).astype(kv.dtype)], axis=-1)
         o = attend_sinks(q, k, kv[..., dn:], None, softmax_scale(cfg), causal_mask(cfg, s, local, segment_ids))
-        out = matmul(flat_rows(o.reshape(b, s, -1)), self.wo[...].reshape(-1, d))  # (B, S, H, Dv) -> (B*S, D)
+        out = proj("wo", flat_rows(o.reshape(b, s, -1)), self.wo[...])  # (B, S, H, Dv) -> (B*S, D)
         return checkpoint_name(out.reshape(b, s, d), "attn_out")
+
+    @staticmethod
+    def lora_dims(cfg) -> dict[str, tuple]:
+        """{weight: (input shape, input names, output shape, output names)} of the projections
+        adapters may go on (`lora.weight_dims`'s form)."""
+        d, h, dr, dn, dv = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
+        rq, rkv = cfg.q_lora_rank, cfg.kv_lora_rank
+        if rq:
+            q = {"wq_a": ((d,), (EMBED,), (rq,), (Q_LORA,)), "wq_b": ((rq,), (Q_LORA,), (h, dn + dr), (HEADS, KV))}
+        else:
+            q = {"wq": ((d,), (EMBED,), (h, dn + dr), (HEADS, KV))}
+        return {
+            **q,
+            "wkv_a": ((d,), (EMBED,), (rkv + dr,), (KV_LORA,)),
+            "wkv_b": ((rkv,), (KV_LORA,), (h, dn + dv), (HEADS, KV)),
+            "wo": ((h, dv), (HEADS, KV), (d,), (EMBED,)),
+        }
 
     @staticmethod
     def layer_params(cfg) -> int:

@@ -21,7 +21,7 @@ only when the decoder is given a dropout key (the train step's; eval, verify and
 run without). Its masks come from the key alone: the key of layer `l` is
 `fold_in(key, l)` (`layer_keys`), of weight `w` in it `fold_in(that, WEIGHTS.index(w))`,
 and the mask keeps each element of the input rows with probability 1 - p (`keep_mask`),
-so they are the same on one device and on N, under every strategy.
+so they are the same on one device and on N, under every strategy (`models/lora_dropout.py`).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from fsdp_jax.app.models.families import registry  # the records, not the family modules
+from fsdp_jax.app.models.lora_dropout import dropped
 from fsdp_jax.model.lora import a_init
 from fsdp_jax.quant.weight import QuantSpec
 from fsdp_jax.sharding.axes import EMBED, EXPERT, HEADS, KV, KV_HEADS, LORA_RANK, MLP
@@ -44,7 +45,9 @@ ATTENTION = ("wq", "wk", "wv", "wo")
 MLP_WEIGHTS = ("w_gate", "w_up", "w_down")
 SHARED_GATE = "w_shared_gate"  # a shared expert's (D, 1) sigmoid gate
 WEIGHTS = ATTENTION + MLP_WEIGHTS  # a dense decoder's projections
-TARGETS = WEIGHTS + (SHARED_GATE,)  # every name `targets` takes, in this order (dropout keys index it)
+LATENT = ("wq_a", "wq_b", "wkv_a", "wkv_b")  # latent attention's own (`LatentAttention.lora_dims`)
+# every name `targets` takes, in this order (dropout keys index it: new names go last)
+TARGETS = WEIGHTS + (SHARED_GATE,) + LATENT
 ADAPTER_LEAVES = ("lora_a", "lora_b")
 
 
@@ -140,9 +143,20 @@ def spec_from_config(section) -> LoraSpec | None:
     )
 
 
+def attention_weights(cfg) -> tuple[str, ...]:
+    """The attention projections adapters may go on: a family attention part's own
+    (`lora_dims`: latent attention's), else `ATTENTION`."""
+    own = getattr(registry.block_parts(cfg).attention, "lora_dims", None)
+    return ATTENTION if own is None else tuple(t for t in TARGETS if t in own(cfg))
+
+
 def weight_dims(cfg, name: str, shared: bool = False):
     """(input shape, input names, output shape, output names) of the decoder's weight `name`
-    (`shared`: the shared expert's, Qwen2-MoE, of width `shared_expert_ffn_dim`)."""
+    (`shared`: the shared expert's, Qwen2-MoE, of width `shared_expert_ffn_dim`; an attention
+    part's own weights by its `lora_dims`)."""
+    own = getattr(registry.block_parts(cfg).attention, "lora_dims", None)
+    if own is not None and name in own(cfg):
+        return own(cfg)[name]
     d, h, kvh, dh = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     f = cfg.shared_expert_ffn_dim if shared else cfg.ffn_dim
     return {
@@ -185,7 +199,8 @@ def own_experts(cfg) -> bool:
 def adapted(cfg, spec: LoraSpec) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(the targets that adapt something on model `cfg`, `TARGETS` order; its expert
     adapters): PEFT's target_modules and target_parameters for it."""
-    mods = [t for t in spec.targets if t in ATTENTION or (t in MLP_WEIGHTS and linear_mlps(cfg))]
+    attn = attention_weights(cfg)
+    mods = [t for t in spec.targets if t in attn or (t in MLP_WEIGHTS and linear_mlps(cfg))]
     mods += [SHARED_GATE] if SHARED_GATE in spec.targets and cfg.shared_expert_ffn_dim else []
     return tuple(t for t in TARGETS if t in mods), spec_experts(spec) if cfg.n_experts and not own_experts(cfg) else ()
 
@@ -194,9 +209,7 @@ def target_problem(cfg, spec: LoraSpec) -> tuple[str, str] | None:
     """None, or (config key, the one line refusing `spec` on model `cfg`): a target naming
     nothing on it (the line lists the names that do), the experts' gate and up projections
     asked apart (one fused tensor per expert: both or neither), expert tensors on a model
-    without experts or on a family's own, any adapter on an attention part without them."""
-    if getattr(registry.block_parts(cfg).attention, "no_lora", False):
-        return "lora.rank", f"{cfg.family}: adapters on its latent attention are not implemented (allowed: 0)"
+    without experts or on a family's own."""
     if spec.experts is not None and spec.experts and not cfg.n_experts:
         return "lora.target_parameters", "the model has no routed experts (n_experts 0): use auto or none"
     if spec.experts and own_experts(cfg):
@@ -209,7 +222,7 @@ def target_problem(cfg, spec: LoraSpec) -> tuple[str, str] | None:
         )
     mods, _ = adapted(cfg, spec)
     names = {v: k for k, v in peft_targets().items()}
-    exist = list(ATTENTION) + [t for t in MLP_WEIGHTS if linear_mlps(cfg) or auto]
+    exist = list(attention_weights(cfg)) + [t for t in MLP_WEIGHTS if linear_mlps(cfg) or auto]
     exist += [SHARED_GATE] if cfg.shared_expert_ffn_dim else []
     absent = [t for t in spec.targets if t not in exist and spec.targets != TARGETS]  # all-linear: what there is
     if absent:
@@ -247,10 +260,11 @@ def _matrices(cfg, spec: LoraSpec) -> list[tuple[int, int, int, int]]:
         i, _, o, _ = weight_dims(cfg, t, shared)
         return math.prod(i), math.prod(o)
 
-    out = [(*flat(t), cfg.n_layers, cfg.n_layers) for t in mods if t in ATTENTION]
+    attn = attention_weights(cfg)
+    out = [(*flat(t), cfg.n_layers, cfg.n_layers) for t in mods if t in attn]
     out += [(*flat(t), cfg.n_layers - n_sparse, cfg.n_layers - n_sparse) for t in mods if t in MLP_WEIGHTS]
     if cfg.shared_expert_ffn_dim:
-        out += [(*flat(t, True), n_sparse, n_sparse) for t in mods if t not in ATTENTION]
+        out += [(*flat(t, True), n_sparse, n_sparse) for t in mods if t not in attn]
     for i, _, o, _ in (expert_adapter_dims(cfg, n) for n in experts):
         out.append((i, o, n_sparse * cfg.n_experts, n_sparse * cfg.experts_per_token))
     return [m for m in out if m[2]]
@@ -272,27 +286,6 @@ def adapter_param_count(cfg, spec: LoraSpec, active: bool = False) -> int:
 
 def _a_init(fan_in: int):
     return lambda key, shape, dtype=jnp.float32: a_init(key, shape, fan_in, dtype)  # PEFT's
-
-
-def keep_mask(key, rate: float, shape) -> jax.Array:
-    """Dropout's keep mask (bool, `shape`): each element kept with probability 1 - `rate`."""
-    return jax.random.bernoulli(key, 1.0 - rate, shape)
-
-
-def dropped(x, key, rate: float):
-    """Inverted dropout of `x` (kept elements scaled by 1 / (1 - rate)); `x` itself without a
-    key or at rate 0."""
-    if key is None or not rate:
-        return x
-    keep = keep_mask(key, rate, x.shape)
-    return jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros((), x.dtype))
-
-
-def layer_keys(key, n_layers: int):
-    """The dropout keys of layers 0..n-1, `fold_in(key, l)` stacked (None without a key)."""
-    if key is None:
-        return None
-    return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(n_layers))
 
 
 class Adapter(nnx.Module):
@@ -337,7 +330,7 @@ def attach(block, cfg, spec: LoraSpec, rngs: nnx.Rngs) -> None:
     mods, experts = adapted(cfg, spec)
     moe = getattr(block, "moe", None)
     for module, names, shared in (
-        (block.attn, ATTENTION, False),
+        (block.attn, attention_weights(cfg), False),
         (getattr(block, "mlp", None), MLP_WEIGHTS, False),
         (moe if cfg.shared_expert_ffn_dim else None, MLP_WEIGHTS + (SHARED_GATE,), True),
     ):

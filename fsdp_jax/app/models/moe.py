@@ -54,7 +54,10 @@ class RouterStats(NamedTuple):
     """Router statistics summed over the (masked) tokens of the sparse layers so far:
     `counts` (E,) sum_t m_t #{top-k of t = e}, `probs` (E,) sum_t m_t p_te, `tokens`
     sum_t m_t, `z` sum_t m_t logsumexp(logits_t)^2, `dropped` (token, expert) pairs over
-    capacity, `layers` the number of sparse layers summed."""
+    capacity, `layers` the number of sparse layers summed; `seq_balance` the layers' sum of
+    DeepSeek-V3's sequence-wise balance term (`seq_balance`); `layer_counts` (L, E) each layer's
+    own `counts` in its row (the layer stack fills it, `add_layer`; None from one block):
+    the per-layer loads of the aux-loss-free balancing rule (`app.trainer.expert_bias`)."""
 
     counts: jax.Array
     probs: jax.Array
@@ -62,16 +65,43 @@ class RouterStats(NamedTuple):
     z: jax.Array
     dropped: jax.Array
     layers: jax.Array
+    seq_balance: jax.Array | None = None
+    layer_counts: jax.Array | None = None
 
 
-def zero_stats(n_experts: int) -> RouterStats:
+def zero_stats(n_experts: int, n_layers: int = 0) -> RouterStats:
+    """Zero statistics; with `n_layers`, per-layer counts (n_layers, n_experts) too."""
     z = jnp.zeros((), jnp.float32)
     e = jnp.zeros((n_experts,), jnp.float32)
-    return RouterStats(e, e, z, z, z, z)
+    per_layer = jnp.zeros((n_layers, n_experts), jnp.float32) if n_layers else None
+    return RouterStats(e, e, z, z, z, z, z, per_layer)
 
 
 def add_stats(a: RouterStats, b: RouterStats) -> RouterStats:
-    return RouterStats(*(x + y for x, y in zip(a, b)))
+    """The sums of two statistics, field by field (a field None on one side: the other's)."""
+    return RouterStats(*(y if x is None else x if y is None else x + y for x, y in zip(a, b)))
+
+
+def add_layer(stats: RouterStats, s: RouterStats, layer) -> RouterStats:
+    """`stats` plus one block's `s`, whose counts also go to row `layer` (an int, or a traced
+    index inside the layer scan) of `stats.layer_counts`."""
+    out = add_stats(stats, s)
+    return out._replace(layer_counts=out.layer_counts.at[layer].add(s.counts))
+
+
+def seq_balance(p, hits, m, rows: int, k: int) -> jax.Array:
+    """One layer's sequence-wise balance term (DeepSeek-V3 report eq. 18-20, before alpha): the
+    mean over the `rows` sequences of sum_e f_e P_e, with f_e = E / (k T) x the row's tokens
+    routed to e and P_e = the row's mean of p_e, T its (masked) tokens. `p` (N, E) the router's
+    probabilities (softmax, or the per-token normalised sigmoid scores), `hits` (N, E) 1 where
+    a token's top-k took e, `m` (N,) the token mask; N = rows x S. Balanced: 1 (a row of no
+    tokens: 0). The gradient flows through P only."""
+    e = p.shape[-1]
+    mm = m.reshape(rows, -1, 1)  # (B, S, 1)
+    t = jnp.maximum(jnp.sum(mm, axis=1), 1.0)  # (B, 1)
+    f = e / (k * t) * jnp.sum(mm * hits.reshape(rows, -1, e), axis=1)  # (B, E)
+    pe = jnp.sum(mm * p.reshape(rows, -1, e), axis=1) / t  # (B, E)
+    return jnp.mean(jnp.sum(jax.lax.stop_gradient(f) * pe, axis=-1))
 
 
 def aux_loss(s: RouterStats) -> jax.Array:
@@ -201,9 +231,12 @@ class MoE(nnx.Module):
             y = y + self._shared(x2, dropout_key)
         m = jnp.ones((b * s,), jnp.float32) if token_mask is None else token_mask.reshape(-1).astype(jnp.float32)
         e = p.shape[-1]
-        counts = jnp.einsum("n,ne->e", m, jnp.sum(jax.nn.one_hot(idx, e, dtype=jnp.float32), axis=1))
+        hits = jnp.sum(jax.nn.one_hot(idx, e, dtype=jnp.float32), axis=1)  # (N, E)
         lse = jax.nn.logsumexp(logits, axis=-1)
-        stats = RouterStats(counts, m @ p, jnp.sum(m), jnp.sum(m * lse * lse), dropped, jnp.ones((), jnp.float32))
+        one = jnp.ones((), jnp.float32)
+        stats = RouterStats(
+            m @ hits, m @ p, jnp.sum(m), jnp.sum(m * lse * lse), dropped, one, seq_balance(p, hits, m, b, self.k)
+        )
         y = checkpoint_name(y.astype(x.dtype).reshape(b, s, d), "mlp_out")
         return y, stats
 
@@ -243,6 +276,12 @@ def moe_config_problem(cfg) -> tuple[str, object, str] | None:
         return "experts_per_token", k, f"must be in [1, n_experts={e}]"
     if cfg.moe_ffn_dim < 1:
         return "moe_ffn_dim", cfg.moe_ffn_dim, "must be > 0 with n_experts"
+    if cfg.bias_update_speed and not cfg.n_group:
+        return (
+            "bias_update_speed",
+            cfg.bias_update_speed,
+            "needs a score-correction bias (DeepSeek-V3's grouped routing)",
+        )
     if cfg.decoder_sparse_step < 1:
         return "decoder_sparse_step", cfg.decoder_sparse_step, "must be >= 1"
     bad = [i for i in cfg.mlp_only_layers if not 0 <= i < cfg.n_layers]

@@ -26,8 +26,9 @@ from collections.abc import Callable
 import jax.numpy as jnp
 from flax import nnx
 
-from fsdp_jax.app.models.lora import attach, layer_keys
-from fsdp_jax.app.models.moe import add_stats, zero_stats
+from fsdp_jax.app.models.lora import attach
+from fsdp_jax.app.models.lora_dropout import layer_keys
+from fsdp_jax.app.models.moe import add_layer, zero_stats
 from fsdp_jax.sharding.axes import LAYERS
 from fsdp_jax.train import layer_gather
 
@@ -84,12 +85,12 @@ class Group(nnx.Module):
             for blk in self.layers:
                 attach(blk, cfg, lora, rngs)
 
-    def __call__(self, x, stats, segment_ids=None, positions=None, token_mask=None, keys=None):
-        # keys: (p,) the layers' dropout keys, or None
+    def __call__(self, x, stats, segment_ids=None, positions=None, token_mask=None, keys=None, layers=None):
+        # keys: (p,) the layers' dropout keys, or None; layers: (p,) their layer indices
         for m, blk in enumerate(self.layers):
             loc = local_flag(self.cfg, self.start + m)
             x, s = blk(x, loc, segment_ids, positions, token_mask, None if keys is None else keys[m])
-            stats = add_stats(stats, s)
+            stats = add_layer(stats, s, layers[m])
         return x, stats
 
 
@@ -114,9 +115,10 @@ def _stacked(cfg, rngs: nnx.Rngs, kinds: tuple[bool, ...], count: int, make_bloc
 
 
 def run_layers(cfg, layers, x, remat: str, segment_ids=None, positions=None, token_mask=None, dropout_key=None):
-    """x (B, S, D) through every layer -> (x, RouterStats summed over the sparse layers);
-    `dropout_key`: the adapters' dropout (layer l's key `lora.layer_keys(key, L)[l]`)."""
-    stats = zero_stats(cfg.n_experts)
+    """x (B, S, D) through every layer -> (x, RouterStats summed over the sparse layers, with
+    each layer's counts in `layer_counts` (L, E)); `dropout_key`: the adapters' dropout (layer
+    l's key `lora_dropout.layer_keys(key, L)[l]`)."""
+    stats = zero_stats(cfg.n_experts, cfg.n_layers)
     policy = layer_gather.block_policy(remat)
     keys = layer_keys(dropout_key, cfg.n_layers)  # (L,) or None
     if not cfg.scan_layers:
@@ -124,9 +126,9 @@ def run_layers(cfg, layers, x, remat: str, segment_ids=None, positions=None, tok
         fn = fn if policy is None else nnx.remat(fn, policy=policy)
         for i, blk in enumerate(layers):
             x, s = fn(blk, x, local_flag(cfg, i), None if keys is None else keys[i])
-            stats = add_stats(stats, s)
+            stats = add_layer(stats, s, i)
         return x, stats
-    group_fn = lambda g, c, k: layer_gather.gather_module(g)(*c, segment_ids, positions, token_mask, k)  # noqa: E731
+    group_fn = lambda g, c, k: layer_gather.gather_module(g)(*c, segment_ids, positions, token_mask, *k)  # noqa: E731
     group_fn = group_fn if policy is None else nnx.remat(group_fn, policy=policy)
 
     @nnx.scan(in_axes=(0, nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: LAYERS})
@@ -137,5 +139,5 @@ def run_layers(cfg, layers, x, remat: str, segment_ids=None, positions=None, tok
     for seg, (start, kinds, count) in zip(layers, segments(cfg)):
         p = len(kinds)  # group g's layer m is layer start + g * p + m
         idx = start + jnp.arange(count)[:, None] * p + jnp.arange(p)[None, :]
-        carry = run(seg, carry, None if keys is None else keys[idx])
+        carry = run(seg, carry, (None if keys is None else keys[idx], idx))
     return carry

@@ -26,6 +26,7 @@ from fsdp_jax.app.objectives.grpo_loss import choose_grpo_reference, make_grpo_l
 from fsdp_jax.app.objectives.grpo_run import grpo_spec, is_grpo
 from fsdp_jax.app.objectives.preference_run import is_preference, preference_spec
 from fsdp_jax.app.objectives.reference import choose_reference, make_preference_loss, with_reference
+from fsdp_jax.app.trainer.expert_bias import balancing, bias_rule, without_bias_state
 from fsdp_jax.app.trainer.router_metrics import router_terms
 from fsdp_jax.model.fns import ModelFns, from_nnx
 from fsdp_jax.nvme import NVME_OFFLOADS
@@ -232,6 +233,9 @@ def build_from_config(
         step_options.setdefault("trainable", adapter_mask)
     if lora_dropout(cfg):
         step_options.setdefault("rng", dropout_key(cfg))
+    if balancing(cfg.model):  # the score-correction bias moves by the rule, keeps no optimizer state
+        optimizer = without_bias_state(optimizer)
+        step_options.setdefault("post_update", bias_rule(cfg.model))
     if max_replicated_fraction is _UNSET:
         max_replicated_fraction = cfg.mesh.max_replicated_fraction
     return build(

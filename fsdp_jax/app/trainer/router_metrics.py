@@ -1,13 +1,16 @@
 """Router losses and metrics of a mixture-of-experts model in the trainer.
 
-In the loss (`router_terms`): the load-balancing aux loss times `router_aux_loss_coef` and
-the router z-loss times `router_z_loss_coef` are added to the cross-entropy, as
-transformers adds `router_aux_loss_coef * aux_loss` to `.loss`. Out of the step, as its
+In the loss (`router_terms`): the load-balancing aux loss times `router_aux_loss_coef`, the
+router z-loss times `router_z_loss_coef` and DeepSeek-V3's sequence-wise balance loss (the
+sparse layers' sum of `moe.seq_balance`) times `seq_aux_loss_coef` (the report's alpha) are
+added to the cross-entropy, as transformers adds `router_aux_loss_coef * aux_loss` to `.loss`. Out of the step, as its
 aux (`router_aux`): aux loss, z-loss, each expert's share of the routed (token, expert)
 pairs (E,), and the pairs dropped over capacity. Per logged window (`summarise`), into
 metrics.jsonl: `router_aux_loss`, `router_z_loss`, `expert_load_min` / `expert_load_max`
 (shares; 1 / E each when balanced), `expert_load_imbalance` (max share x E: 1 when
-balanced), `dropped_tokens` (per step, mean over the window).
+balanced), `dropped_tokens` (per step, mean over the window), `router_seq_aux_loss` (the sequence-wise
+term before alpha: the number of sparse layers when balanced). The aux also carries each
+layer's counts (`expert_counts`, (L, E)) for DeepSeek-V3's bias rule (`expert_bias`).
 """
 
 from __future__ import annotations
@@ -21,16 +24,22 @@ def router_terms(cfg, stats: RouterStats):
     """(the router terms added to the mean loss, the step's aux dict) for model config `cfg`."""
     aux, z = aux_loss(stats), z_loss(stats)
     extra = cfg.router_aux_loss_coef * aux + cfg.router_z_loss_coef * z
+    if cfg.seq_aux_loss_coef:  # DeepSeek-V3's sequence-wise balance loss, summed over the sparse layers
+        extra = extra + cfg.seq_aux_loss_coef * stats.seq_balance
     return extra, router_aux(stats, aux, z)
 
 
 def router_aux(stats: RouterStats, aux=None, z=None) -> dict:
-    return {
+    out = {
         "router_aux_loss": aux_loss(stats) if aux is None else aux,
         "router_z_loss": z_loss(stats) if z is None else z,
         "expert_load": expert_load(stats),
         "dropped_tokens": stats.dropped,
+        "router_seq_aux_loss": stats.seq_balance,
     }
+    if stats.layer_counts is not None:  # (L, E): the aux-loss-free bias rule's loads (`expert_bias`)
+        out["expert_counts"] = stats.layer_counts
+    return out
 
 
 def summarise(auxes: list[dict]) -> dict:
@@ -52,4 +61,5 @@ def summarise(auxes: list[dict]) -> dict:
         "expert_load_max": float(load.max()),
         "expert_load_imbalance": float(load.max() * load.size),
         "dropped_tokens": float(np.mean([np.asarray(a["dropped_tokens"]).sum() for a in auxes])),
+        "router_seq_aux_loss": float(mean("router_seq_aux_loss")),
     }

@@ -2,8 +2,9 @@
 kv low-rank compression and a decoupled RoPE key (`models/latent_attention.py`), the first
 `first_k_dense_replace` layers dense, the others a mixture of experts with grouped sigmoid
 routing, a score-correction bias and shared experts (`models/moe_grouped.py`), YaRN with its
-mscale. Multi-token prediction layers (`num_nextn_predict_layers` > 0) and FP8 checkpoints
-(`quantization_config`) are refused.
+mscale. Multi-token prediction layers (`num_nextn_predict_layers` > 0) are refused; FP8
+checkpoints (`quantization_config` fp8, 128 x 128 blocks as published) are dequantised on import
+(`fsdp_jax.app.hf.fp8_blocks`). LoRA by PEFT's names on latent attention's projections.
 
 Tensors under model.layers.N (transformers' DeepseekV3ForCausalLM as it saves them):
   self_attn.q_a_proj.weight (r_q, D), q_a_layernorm.weight, q_b_proj.weight (H (Dn + Dr), r_q)
@@ -147,6 +148,16 @@ def part_weights(cfg) -> dict:
     }
 
 
+# PEFT's target_modules on latent attention (nn.Linear modules under model.layers.N)
+PEFT_NAMES = {
+    "attn/wq": "self_attn.q_proj",
+    "attn/wq_a": "self_attn.q_a_proj",
+    "attn/wq_b": "self_attn.q_b_proj",
+    "attn/wkv_a": "self_attn.kv_a_proj_with_mqa",
+    "attn/wkv_b": "self_attn.kv_b_proj",
+    "attn/wo": "self_attn.o_proj",
+}
+
 FAMILY = Family(
     "deepseek_v3",
     ("DeepseekV3ForCausalLM",),
@@ -159,4 +170,5 @@ FAMILY = Family(
     moe_json=moe_json,
     parts=BlockParts(attention=LatentAttention, moe=GroupedMoE),
     part_weights=part_weights,
+    peft_names={"kv_lora_rank": PEFT_NAMES},
 )
