@@ -99,7 +99,7 @@ def test_an_update_that_is_not_in_place_writes_the_whole_result(buffer):
         )
         fused = f"%fused {SIG} -> bf16[32,8,8,128,1536] {{\n{HEAD}{body}}}\n"
         op = _one(fused, PARAMS, CALL, "bf16[32,8,8,128,1536]{4,3,2,1,0}")
-        assert op["bytes"] == SLOT + 2 * IDX + CACHE  # the cache parameter unused; the whole result written
+        assert op["bytes"] == CACHE + SLOT + 2 * IDX + CACHE  # the whole result written (an unused operand: read)
         return
     out = "(bf16[32,8,8,128,1536], bf16[8,8,128])"  # every output must be an update for XLA:GPU's in-place kernel
     fused = (

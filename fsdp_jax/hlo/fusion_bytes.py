@@ -107,10 +107,8 @@ class _Fused:
     def _read_uncached(self, name: str) -> int:
         full = nbytes(self.type.get(name, ""))
         users = self.users.get(name, [])
-        if name in self.outputs and name not in self.in_place:
-            return full
-        if not users:  # an output (in place: its update is counted as written) or unused
-            return 0
+        if not users or name in self.outputs and name not in self.in_place:
+            return full  # an output, or unused (a collective fusion's carrier hands such buffers on)
         taken = 0
         for u in users:
             first = self.operands[u][:1] == [name]
