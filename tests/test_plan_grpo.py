@@ -90,6 +90,17 @@ def test_h100_plan_splits_generation_and_training(capsys):
     gathers = [o for o in r["grpo"]["decode_step"]["op_inventory"] if o["kind"] == "collective"]
     assert any(o["op"] == "all-gather" and o["runs"] == 2 for o in gathers), gathers
     assert r["grpo"]["decode_step"]["alias"] == r["grpo"]["kv_cache"]
+    # the cache fusions (XLA:GPU: `dynamic-update-slice(bitcast(param), ...)` roots, and the layer
+    # sliced out of the just-updated cache) move the token's slot and one layer, not the cache
+    # (fsdp_jax.hlo.fusion_bytes: 30,728 and 44,072 bytes when the bitcast hid the in-place update)
+    rows, m = 64 // 8, types.SimpleNamespace(k=2, dh=16, s=14, layers=2)
+    slot, layer = rows * m.k * m.dh * 4, rows * m.k * m.dh * m.s * 4  # f32, per GPU
+    mem = [o for o in r["grpo"]["decode_step"]["op_inventory"] if o["kind"] == "memory"]
+    updates = [o for o in mem if o["op_name"].endswith("/dynamic_update_slice")]
+    assert len(updates) == 2 and all(o["bytes"] <= 2 * slot + 64 for o in updates), updates
+    assert r["grpo"]["kv_cache"] == 2 * m.layers * layer
+    reads = [o for o in mem if "closed_call/jit(dynamic_index_in_dim)" in o["op_name"]]  # the layer's k, v
+    assert len(reads) == 2 and all(o["bytes"] <= 2 * layer + slot + 64 for o in reads), reads
 
 
 @pytest.mark.parametrize(

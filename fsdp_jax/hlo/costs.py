@@ -21,8 +21,9 @@ instructions of fused computations are read only to describe their fusion. Each 
   square call, as `fsdp_jax.attention.splash` and a ring's own block build it; the flash
   ring's half blocks, sq != skv, are unmasked);
 - `memory`: any other fusion or data op: `bytes` read + written (a fused parameter read only
-  through a dynamic-slice counts the slice; an in-place dynamic-update-slice root counts the
-  update, not the whole buffer);
+  through slices counts the slices; an in-place dynamic-update-slice output, also through
+  bitcasts or in a root tuple, counts the update, not the whole buffer:
+  `fsdp_jax.hlo.fusion_bytes`);
 - `collective`: a collective (async start, or synchronous): the fields of
   `fsdp_jax.hlo.schedule.collective_schedule` (`op`, `bytes`, `group_size`, `crosses_hosts`,
   `async`, ...) plus `done_pos`, the position of its done (None when not in this computation);
@@ -44,6 +45,7 @@ from typing import Any
 from fsdp_jax.hlo.calls import OP_NAME_RE, call_graph, executions, parse_computations
 from fsdp_jax.hlo.collective_fusions import fused_collectives, fusion_roles
 from fsdp_jax.hlo.conv_gemm import conv_dims
+from fsdp_jax.hlo.fusion_bytes import fusion_bytes, nbytes, operand_names
 from fsdp_jax.hlo.grouped import grouped_gemm
 from fsdp_jax.hlo.schedule import COLLECTIVES, collective_schedule, parse_instructions
 from fsdp_jax.hlo.types import DTYPE_BYTES, type_dims, type_shapes
@@ -66,20 +68,6 @@ _LAYOUTS_RE = re.compile(r"operand_layout_constraints=\{(.*)")
 _FLOAT_ARRAY_RE = re.compile(r"\b(?:bf16|f16|f32)\[([\d,]+)\]")
 SPLASH_MATMULS = {"fwd": 2, "dq": 3, "dkv": 4}  # fwd: q k^T, p v; dq: + do v^T, ds k; dkv: + p^T do, ds^T q
 _INTERMEDIATE_RE = re.compile(r'"intermediate_tensor_shape":\{"element_type":"\w+","dimensions":\[([^\]]*)\]')
-
-
-def _nbytes(type_str: str) -> int:
-    return sum(n * DTYPE_BYTES[dt] for dt, n in type_shapes(type_str))
-
-
-def _operand_names(line: str, op: str) -> list[str]:
-    """The operand names of an instruction line (the text between `op(` and its `)`)."""
-    start = line.find(f" {op}(") + len(op) + 2
-    depth, end = 1, start
-    while end < len(line) and depth:
-        depth += {"(": 1, ")": -1}.get(line[end], 0)
-        end += 1
-    return _OPERANDS_RE.findall(line[start : end - 1])
 
 
 def _index_list(text: str | None) -> list[int]:
@@ -117,7 +105,7 @@ class _Module:
         """(the dot or convolution line, its lhs and rhs types) inside a fused computation, or None."""
         for _, _, op, _, line in self.parsed.get(comp, ()):
             if op in ("dot", "convolution"):
-                names = _operand_names(line, op) + ["", ""]
+                names = operand_names(line, op) + ["", ""]
                 return line, self.types.get(names[0], ""), self.types.get(names[1], "")
         for _, _, op, _, line in self.parsed.get(comp, ()):  # a nested GEMM fusion
             m = _CALLS_RE.search(line)
@@ -133,37 +121,10 @@ class _Module:
         return None
 
     def fusion_bytes(self, line: str, op: str, out_type: str, comp: str | None) -> int:
-        """Bytes a fusion (or data op) reads and writes."""
-        operands = _operand_names(line, op)
+        """Bytes a fusion (or data op) reads and writes (`fsdp_jax.hlo.fusion_bytes`)."""
+        operands = operand_names(line, op)
         rows = self.parsed.get(comp, []) if comp else []
-        params = {}
-        for _, name, pop, _, pline in rows:
-            if pop == "parameter":
-                params[int(re.search(r"parameter\((\d+)\)", pline).group(1))] = name
-        written = _nbytes(out_type)
-        root = next((r for r in rows if r[4].lstrip().startswith("ROOT")), None)
-        if root is not None and root[2] == "dynamic-update-slice":
-            upd = _operand_names(root[4], root[2])
-            written = _nbytes(self._type_in(rows, upd[1])) if len(upd) > 1 else written
-        read = 0
-        for i, name in enumerate(operands):
-            full = _nbytes(self.types.get(name, ""))
-            pname = params.get(i)
-            if pname is None:
-                read += full
-                continue
-            users = [r for r in rows if pname in _OPERANDS_RE.findall(r[4].split("=", 1)[1])]
-            if root is not None and root[2] == "dynamic-update-slice" and users == [root]:
-                if _operand_names(root[4], root[2])[:1] == [pname]:
-                    continue  # the buffer updated in place: neither read nor rewritten
-            if users and all(u[2] in ("dynamic-slice", "slice", "gather") for u in users):
-                read += min(full, sum(_nbytes(u[3]) for u in users))
-            else:
-                read += full
-        return read + written
-
-    def _type_in(self, rows, name: str) -> str:
-        return next((t for _, n, _, t, _ in rows if n == name), self.types.get(name, ""))
+        return fusion_bytes(rows, operands, [self.types.get(n, "") for n in operands], out_type)
 
 
 _SEQ_CALLEES_RE = re.compile(
@@ -264,9 +225,9 @@ def _classify(mod: _Module, op: str, type_str: str, line: str) -> dict[str, Any]
         return None
     if op == "copy-start":
         host = bool(_HOST_SPACE_RE.search(type_str)) or bool(
-            _HOST_SPACE_RE.search(mod.types.get((_operand_names(line, op) or [""])[0], ""))
+            _HOST_SPACE_RE.search(mod.types.get((operand_names(line, op) or [""])[0], ""))
         )
-        return {"kind": "host" if host else "memory", "bytes": _nbytes(_shapes_first(type_str))}
+        return {"kind": "host" if host else "memory", "bytes": nbytes(_shapes_first(type_str))}
     if op in _ASYNC_SLICES and _HOST_SPACE_RE.search(type_str):
         # XLA:TPU's activation offload: a layer's residual written into (read out of) a
         # stacked host buffer by an async dynamic-update-slice (dynamic-slice) over PCIe;
@@ -280,12 +241,12 @@ def _classify(mod: _Module, op: str, type_str: str, line: str) -> dict[str, Any]
             return {"kind": "gemm", **grp}
         target = _TARGET_RE.search(line)
         if target and ("gemm" in target.group(1) or "matmul" in target.group(1)):
-            names = _operand_names(line, op)
+            names = operand_names(line, op)
             out = _shapes_first(type_str)
             g = _gemm_dims(line, mod.types.get(names[0], "") if names else "", out, json_dims=True)
-            return {"kind": "gemm", **g, "bytes": sum(_nbytes(mod.types.get(n, "")) for n in names[:2]) + _nbytes(out)}
+            return {"kind": "gemm", **g, "bytes": sum(nbytes(mod.types.get(n, "")) for n in names[:2]) + nbytes(out)}
     if op in ("dot", "convolution"):
-        names = _operand_names(line, op)
+        names = operand_names(line, op)
         names = names + ["", ""]
         g = _gemm_dims(line, mod.types.get(names[0], ""), type_str, rhs=mod.types.get(names[1], ""))
         return {"kind": "gemm", **g, "bytes": mod.fusion_bytes(line, op, type_str, None)}

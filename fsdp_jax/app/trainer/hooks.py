@@ -5,30 +5,25 @@ after every step, in order: profile, non-finite guard, log (`every=train.log_eve
 eval (`every=train.eval_every`), checkpoint (`every=train.checkpoint_every`); at the
 end, after the last step, `at_end` runs in the same order (sampling is a hook that
 only acts there). A hook is due at multiples of `every`, at the last step and when
-the run is stopping (`Hook.due`); each hook narrows that to what it needs.
+the run is stopping (`Hook.due`); each hook narrows that to what it needs. The eval
+and sample hooks are the same for every objective: what they measure and log comes from
+the objective (`fsdp_jax.app.trainer.measures`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections import deque
 from typing import Any
 
-import jax
-
 from fsdp_jax.app.config.parse import config_to_dict
-from fsdp_jax.app.data.batches import evaluate
-from fsdp_jax.app.objectives.preference_run import evaluate_pairs, is_preference, load_pairs
-from fsdp_jax.app.objectives.reference import without_reference
-from fsdp_jax.app.trainer import nvme_run
+from fsdp_jax.app.trainer import measures, nvme_run
 from fsdp_jax.app.trainer.lora_state import saved_state
-from fsdp_jax.app.trainer.metrics import LogWindow, MetricsLog, sample_text
+from fsdp_jax.app.trainer.metrics import LogWindow, MetricsLog
 from fsdp_jax.app.trainer.setup import rng_to_json
 from fsdp_jax.app.trainer.timing import ProfileWindow, StepTimer, format_window
 from fsdp_jax.errors import TrainingDiverged
-from fsdp_jax.sharding import offload
 
 
 @dataclasses.dataclass
@@ -139,31 +134,24 @@ class LogHook(Hook):
 
 @dataclasses.dataclass
 class EvalHook(Hook):
-    """Mean validation loss (not when stopping early); its time is kept out of the
+    """The objective's evaluation (`measures.for_run`: what is measured, and the keys it logs)
+    every N steps and at the last one, not when stopping early; its time is kept out of the
     window's throughput."""
 
+    evaluation: Any = None  # ready(lp), measure(lp) -> measures.Measured; None: no eval
+
     def after_step(self, lp):
-        if not lp.val or lp.stop is not None or not self.due(lp):
+        if self.evaluation is None or not self.every or lp.stop is not None or not self.due(lp):
+            return
+        if not self.evaluation.ready(lp):
             return
         lp.timer.switch("eval")
         t_eval = time.perf_counter()
-        if is_preference(lp.cfg):  # held-out pairs: the loss and TRL's eval_ metrics
-            rec = evaluate_pairs(lp.run, lp.state.params, lp.val, lp.state.model_state)
-            vl = rec["eval_loss"]
-        else:
-            vl = evaluate(lp.run, lp.state.params, lp.val, lp.state.model_state)
-            rec = {}
-        lp.log.write({"step": lp.done, "val_loss": vl, **rec})
-        if rec:  # a pair loss, not nats per token
-            lp.summary["eval_loss"], lp.summary["eval_accuracy"] = vl, rec["eval_rewards/accuracies"]
-        else:
-            lp.summary["val_loss"] = vl
+        m = self.evaluation.measure(lp)
+        lp.log.write({"step": lp.done, **m.record})
+        lp.summary.update(m.summary)
         if lp.bar is not None:
-            lp.bar.write(
-                f"step {lp.done}: eval_loss {vl:.4f}, eval_rewards/accuracies {rec['eval_rewards/accuracies']:.3f}"
-                if rec
-                else f"step {lp.done}: val_loss {vl:.4f} ({vl / math.log(2):.3f} bits/token)"
-            )
+            lp.bar.write(m.line)
         lp.window.add_eval_time(time.perf_counter() - t_eval)
         lp.timer.switch("other")
 
@@ -202,41 +190,27 @@ class CheckpointHook(Hook):
 
 @dataclasses.dataclass
 class SampleHook(Hook):
-    """`train.sample_tokens` tokens of text from the trained model, at the end of a run
-    that was not stopped early."""
+    """A sample from the trained model at the end of a run that was not stopped early, as
+    the objective makes it (`measures.for_run`), when the run asked for one."""
 
-    tokens: int = 0
+    sampler: Any = None  # ready(), sample(lp) -> str; None: no sample
 
     def at_end(self, lp):
         lp.timer.switch("sample")
-        if not self.tokens or lp.stop is not None:
+        if self.sampler is None or not self.sampler.ready() or lp.stop is not None:
             return
-        run = lp.run
-        on_device = offload.on_device(run.plan.params)  # sampling reads params on the device
-        val, model = lp.val, run.model
-        if is_preference(lp.cfg):  # the policy alone (its reference rides in model state)
-            model = without_reference(model) if run.plan.model_state is not None else model
-            if not val:  # no held-out pairs: the first training pair's prompt
-                arrays, _ = load_pairs(lp.cfg)  # read once per process, cached
-                val = [{k: v[:1] for k, v in arrays.items()}]
-        lp.summary["sample"] = sample_text(
-            model,
-            dataclasses.replace(run.plan, params=on_device),
-            lp.cfg,
-            jax.device_put(lp.state.params, on_device),
-            val,
-            run.rng,
-        )
+        lp.summary["sample"] = self.sampler.sample(lp)
 
 
 def default_hooks(cfg, profiler: ProfileWindow) -> list[Hook]:
     """The trainer's hooks for `cfg`, in the order they run."""
     c = cfg.train
+    evaluation, sampler = measures.for_run(cfg)
     return [
         ProfileHook(profiler=profiler),
         NonFiniteGuard(limit=c.max_nonfinite_steps),
         LogHook(every=c.log_every),
-        EvalHook(every=c.eval_every),
+        EvalHook(every=c.eval_every, evaluation=evaluation),
         CheckpointHook(every=c.checkpoint_every),
-        SampleHook(tokens=c.sample_tokens),  # a GRPO run swaps it for its own (trainer.grpo_hooks)
+        SampleHook(sampler=sampler),
     ]

@@ -35,7 +35,6 @@ from fsdp_jax.app.objectives.grpo_run import GrpoBatches, is_grpo
 from fsdp_jax.app.objectives.preference_run import is_preference, make_preference_batches
 from fsdp_jax.app.trainer.build import lora_spec
 from fsdp_jax.app.trainer.faults import Faults
-from fsdp_jax.app.trainer.grpo_hooks import with_grpo_hooks
 from fsdp_jax.app.trainer.hooks import CheckpointHook, Hook, LoopState, default_hooks
 from fsdp_jax.app.trainer.metrics import LogWindow, MetricsLog, wandb_settings
 from fsdp_jax.app.trainer.preemption import StopSignals
@@ -173,10 +172,7 @@ def _loop(
     run: Run, progress: bool, stop_after: int | None, signals: StopSignals, faults: Faults, hooks: list[Hook] | None
 ) -> dict:
     lp, compiled, profiler = _start(run, progress)
-    own = default_hooks(run.cfg, profiler)
-    if is_grpo(run.cfg):  # generation + rewards on held-out prompts (trainer.grpo_hooks)
-        own = with_grpo_hooks(own, run.cfg)
-    hooks = own + list(hooks or ())
+    hooks = default_hooks(run.cfg, profiler) + list(hooks or ())
     c, timer = run.cfg.train, lp.timer
     cudnn_ring = run.cfg.model.attention == "cudnn" and dict(run.plan.mesh.shape).get("context", 1) > 1
     for step_i in range(run.start_step, c.steps):
