@@ -98,6 +98,11 @@ class CheckpointWriteError(RuntimeError):
     intact: fix the cause and run the same command again to resume from it."""
 
 
+class CompileRefused(RuntimeError):
+    """A deviceless compile the target's compiler refused before (kept by
+    fsdp_jax.targets.compile_cache): its message, e.g. XLA:TPU's HBM refusal."""
+
+
 class DistributedInitError(RuntimeError):
     """Joining the other processes failed (a dead or unreachable peer, a timeout): an
     environment failure. The message is one line."""

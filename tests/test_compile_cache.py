@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from fsdp_jax.errors import CompileRefused
 from fsdp_jax.targets import compile_cache
 from helpers import call
 
@@ -65,7 +66,7 @@ def test_a_refusal_is_kept_and_raised_again(tmp_path, monkeypatch):
         client = None
 
     monkeypatch.setattr(compile_cache, "program_key", lambda *a: "k" * 40)
-    with pytest.raises(compile_cache.CompileRefused, match="RESOURCE_EXHAUSTED"):
+    with pytest.raises(CompileRefused, match="RESOURCE_EXHAUSTED"):
         compile_cache.compile_lowered(Lowered(), [Device()])
 
 

@@ -41,6 +41,8 @@ from typing import Any
 import jax
 import jaxlib
 
+from fsdp_jax.errors import CompileRefused
+
 ENV = "FSDP_JAX_COMPILED_CACHE"
 _REFUSAL = "RESOURCE_EXHAUSTED"
 TOOLCHAIN = f"jax {jax.__version__} jaxlib {jaxlib.__version__}"  # in the key, and stored beside the entry
@@ -61,10 +63,6 @@ _MEMORY_FIELDS = (
     "host_generated_code_size_in_bytes",
     "peak_memory_in_bytes",
 )
-
-
-class CompileRefused(RuntimeError):
-    """The compiler refused this program before (its message, e.g. XLA:TPU's HBM refusal)."""
 
 
 @dataclasses.dataclass(frozen=True)
