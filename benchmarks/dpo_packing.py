@@ -5,22 +5,25 @@ per pair on 8 CPU devices.
 The pairs: every documented function of the Python standard library this interpreter ships
 (`ast`): prompt = its `def` line and docstring, chosen = its body, rejected = the body of the
 next documented function in the same file (a wrong answer of a real length); UTF-8 bytes as
-tokens (`preference.tokenizer: null`), truncated to `preference.max_length` (keep_start) as
-the trainer does, so the lengths are real text's. The efficiency is over all of them; the
-step timing takes the first `--pairs` pairs (in file order), packed, and times
+tokens (`preference.tokenizer: null`), so the lengths are real text's. For each sequence cap C
+(`--caps`; keep_start truncation, as the trainer's `preference.max_length`) it reports the
+efficiency (real tokens / row tokens) of the unpacked layout at its tightest, rows of C
+(`data.seq_len` = C - 1), against the pairs packed into rows of 2C (`data.seq_len` = 2C - 1,
+`preference.max_length` = C: any pair fits). The step timing (`--cap`) takes the first `--pairs`
+pairs (file order) and times the DPO step (reference in model state, 8 CPU devices, full_shard)
 
-- `unpacked`: `train.global_batch` = those pairs, 2 rows each (chosen, rejected);
-- `packed`: the same pairs in the fewest rows the packer makes (`train.global_batch` = rows,
+- `unpacked`: `train.global_batch` = those pairs, 2 rows of C each;
+- `packed`: the same pairs in the rows of 2C the packer makes (`train.global_batch` = rows,
   rounded up to the devices with empty rows),
 
 in interleaved rounds (each round a block of both; median over rounds), blocking on each step.
 The model reads random ids of the real lengths (vocab 256): the ids do not change the time.
 
-    python benchmarks/dpo_packing.py [--pairs 32] [--rounds 3] [--steps 2] [--json OUT] [key=value ...]
+    python benchmarks/dpo_packing.py [--pairs 32] [--cap 256] [--caps 256 512 1024] [--rounds 3]
+        [--steps 2] [--json OUT] [key=value ...]
 
-Overrides go to configs/dpo_tiny.yaml (its 2-layer, d_model 64 byte-level decoder; default here:
-data.seq_len=512, preference.max_length=256). Pairs whose prompt alone fills max_length are
-dropped (the trainer refuses them), counted in the JSON.
+Overrides go to configs/dpo_tiny.yaml (its 2-layer, d_model 64 byte-level decoder). Pairs whose
+prompt alone fills C are dropped (the trainer refuses them), counted in the JSON.
 """
 
 import argparse
@@ -43,7 +46,6 @@ from fsdp_jax.app.planner.abstract_step import build_step  # noqa: E402
 from fsdp_jax.app.trainer.setup import load_run_config  # noqa: E402
 
 CONFIG = "configs/dpo_tiny.yaml"
-LENGTHS = ["data.seq_len=512", "model.max_seq_len=512", "preference.max_length=256"]
 
 
 def stdlib_pairs() -> list[PairIds]:
@@ -84,52 +86,65 @@ def timed_steps(batch, rounds_times: list, steps: int, run: list):
     run[1] = state
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--pairs", type=int, default=32, help="pairs per timed step")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=2, help="steps per variant per round")
-    ap.add_argument("--json")
-    ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args(argv)
-    base = LENGTHS + list(args.overrides)
-    cfg = load_run_config(CONFIG, base)
-    length, cap = cfg.data.seq_len + 1, cfg.preference.max_length or cfg.data.seq_len + 1
-    pairs, report = stdlib_pairs(), PreferenceReport()
-    found = len(pairs)
-    pairs = [p for p in pairs if len(p.prompt) < cap]  # a prompt filling the row: refused by the trainer
-    arrays = collate(pairs, length, max_length=cap, truncation=cfg.preference.truncation, report=report)
-    every = pack_pairs(arrays, max_pairs_for(cfg.model.max_segments))
-    real = int(arrays["attention"].sum())
-    lens = arrays["attention"].sum(-1).ravel()
-    eff = {
-        "pairs": len(pairs),
-        "dropped_prompt_fills_row": found - len(pairs),
+def efficiency(pairs: list[PairIds], cap: int, max_pairs: int) -> tuple[dict, dict, dict]:
+    """The pairs truncated to `cap` tokens a sequence (keep_start), as unpacked rows of `cap` tokens
+    and packed into rows of 2 x cap (any pair fits): (figures, unpacked arrays, packed-row arrays)."""
+    report = PreferenceReport()
+    kept = [p for p in pairs if len(p.prompt) < cap]  # a prompt filling the row: refused by the trainer
+    unpacked = collate(kept, cap, report=report)
+    wide = collate(kept, 2 * cap, max_length=cap)
+    packed = pack_pairs(wide, max_pairs)
+    lens = unpacked["attention"].sum(-1).ravel()
+    figures = {
+        "sequence_cap": cap,
+        "pairs": len(kept),
+        "dropped_prompt_fills_row": len(pairs) - len(kept),
         "truncated_pairs": report.truncated,
         "sequence_tokens": {
             "median": float(np.median(lens)),
             "mean": float(lens.mean()),
             "p90": float(np.percentile(lens, 90)),
         },
-        "unpacked_rows": 2 * len(pairs),
-        "unpacked_efficiency": real / (2 * len(pairs) * length),
-        "packed_rows": len(every),
-        "packed_efficiency": every.stats.efficiency,
-        "pairs_per_row": len(pairs) / len(every),
+        "unpacked": {"rows": 2 * len(kept), "row_len": cap, "efficiency": float(lens.sum() / (2 * len(kept) * cap))},
+        "packed": {"rows": len(packed), "row_len": 2 * cap, "efficiency": packed.stats.efficiency},
+        "pairs_per_packed_row": len(kept) / len(packed),
     }
+    return figures, unpacked, wide
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--pairs", type=int, default=32, help="pairs per timed step")
+    ap.add_argument("--cap", type=int, default=256, help="tokens a sequence keeps in the timed steps")
+    ap.add_argument("--caps", type=int, nargs="*", default=[256, 512, 1024], help="caps the efficiency is reported for")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=2, help="steps per variant per round")
+    ap.add_argument("--json")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args(argv)
+    base, cap = list(args.overrides), args.cap
+    max_pairs = max_pairs_for(load_run_config(CONFIG, base).model.max_segments)
+    pairs = stdlib_pairs()
+    eff = {c: efficiency(pairs, c, max_pairs)[0] for c in args.caps}
+    _, unpacked, wide = efficiency(pairs, cap, max_pairs)
     # the timed pairs: random ids (vocab 256) of the real lengths, both layouts of the same pairs
-    sub = {k: v[: args.pairs] for k, v in arrays.items()}
-    sub["tokens"] = np.where(sub["attention"] > 0, np.random.default_rng(0).integers(3, 256, sub["tokens"].shape), 0)
-    sub["tokens"] = sub["tokens"].astype(np.int32)
-    packed = pack_pairs(sub, max_pairs_for(cfg.model.max_segments))
+    rng = np.random.default_rng(0)
+    ids = {k: v[: args.pairs] for k, v in unpacked.items()}
+    ids["tokens"] = np.where(ids["attention"] > 0, rng.integers(3, 256, ids["tokens"].shape), 0).astype(np.int32)
+    wide = {k: v[: args.pairs] for k, v in wide.items()}
+    wide["tokens"][:, :, :cap] = ids["tokens"]
+    packed = pack_pairs(wide, max_pairs)
     n = jax.device_count()
     rows = -(-len(packed) // n) * n
     pbatch = packed.rows(np.arange(len(packed)))
     fill = packed.empty_rows(rows - len(packed))
     pbatch = {k: np.concatenate([v, fill[k]]) for k, v in pbatch.items()}
+    seq = [f"model.max_seq_len={2 * cap}"]
+    unp_cfg = base + seq + [f"data.seq_len={cap - 1}", "preference.max_length=0", f"train.global_batch={args.pairs}"]
+    pk_cfg = base + seq + [f"data.seq_len={2 * cap - 1}", f"preference.max_length={cap}", "preference.packing=true"]
     variants = {
-        "unpacked": (load_run_config(CONFIG, base + [f"train.global_batch={args.pairs}"]), sub),
-        "packed": (load_run_config(CONFIG, base + ["preference.packing=true", f"train.global_batch={rows}"]), pbatch),
+        "unpacked": (load_run_config(CONFIG, unp_cfg), ids),
+        "packed": (load_run_config(CONFIG, pk_cfg + [f"train.global_batch={rows}"]), pbatch),
     }
     runs, peaks, batches = {}, {}, {}
     for name, (vcfg, host) in variants.items():
@@ -148,11 +163,12 @@ def main(argv=None) -> int:
         step_s = statistics.median(times[name])
         res[name] = {
             "rows": vcfg.train.global_batch * (1 if name == "packed" else 2),
+            "row_len": vcfg.data.seq_len + 1,
             "step_s": step_s,
             "pairs_per_s": args.pairs / step_s,
             "peak_bytes": peaks[name],
         }
-    res["packed"]["time_per_pair_vs_unpacked"] = res["packed"]["step_s"] / res["unpacked"]["step_s"]
+    res["packed"]["step_vs_unpacked"] = res["packed"]["step_s"] / res["unpacked"]["step_s"]
     doc = {
         "command": "python benchmarks/dpo_packing.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "config": CONFIG,
@@ -163,19 +179,20 @@ def main(argv=None) -> int:
         "rounds": args.rounds,
         "steps_per_round": args.steps,
         "timed_pairs": args.pairs,
-        "efficiency": eff,
+        "efficiency": list(eff.values()),
         "results": res,
     }
-    print(
-        f"{eff['pairs']} stdlib pairs, sequences median {eff['sequence_tokens']['median']:.0f} / p90 "
-        f"{eff['sequence_tokens']['p90']:.0f} bytes, rows of {length}: unpacked efficiency "
-        f"{eff['unpacked_efficiency']:.3f} ({eff['unpacked_rows']} rows), packed {eff['packed_efficiency']:.3f} "
-        f"({eff['packed_rows']} rows, {eff['pairs_per_row']:.2f} pairs a row)"
-    )
+    for e in eff.values():
+        print(
+            f"cap {e['sequence_cap']:5d}: {e['pairs']} pairs, sequences median {e['sequence_tokens']['median']:.0f} / "
+            f"p90 {e['sequence_tokens']['p90']:.0f}; unpacked {e['unpacked']['rows']} rows of {e['unpacked']['row_len']}, "
+            f"efficiency {e['unpacked']['efficiency']:.3f}; packed {e['packed']['rows']} rows of {e['packed']['row_len']}, "
+            f"{e['packed']['efficiency']:.3f} ({e['pairs_per_packed_row']:.2f} pairs a row)"
+        )
     for name, r in res.items():
         print(
-            f"{name:9s} {args.pairs} pairs in {r['rows']:4d} rows  step {r['step_s'] * 1e3:8.1f} ms  "
-            f"{r['pairs_per_s']:7.1f} pairs/s  peak {r['peak_bytes'] / 2**20:.1f} MiB"
+            f"{name:9s} {args.pairs} pairs in {r['rows']:3d} rows of {r['row_len']}  step {r['step_s'] * 1e3:8.1f} ms  "
+            f"{r['pairs_per_s']:6.2f} pairs/s  peak {r['peak_bytes'] / 2**20:.1f} MiB"
         )
     if args.json:
         with open(args.json, "w") as f:

@@ -154,22 +154,26 @@ def _steps(batch, strategy, shape, microbatches=1, steps=2):
 
 
 @pytest.mark.slow
-def test_packed_step_full_shard_with_microbatches_equals_one_device_unpacked(data):
-    """4-way full_shard, 2 microbatches of packed rows (different pair counts each) against one
-    device on the unpacked pairs: the TokenSum over pairs averages exactly."""
+@pytest.mark.parametrize(
+    "strategy, shape",
+    [("full_shard", (1, 4, 1)), ("shard_grad_op", (1, 4, 1)), ("shard_opt", (1, 4, 1)), ("hybrid_shard", (2, 2, 1))],
+)
+def test_packed_step_every_strategy_with_microbatches_equals_one_device_unpacked(data, strategy, shape):
+    """4 devices, 2 microbatches of packed rows (different pair counts each) against one device on
+    the unpacked pairs: the TokenSum over pairs averages exactly."""
     arrays, pk, _, packed = data
     rows = {k: v[:8] for k, v in packed.items()}  # 8 rows (2 microbatches x 4 devices), their pairs unpacked
     order = pk.pairs[:8][pk.pairs[:8] >= 0]
     unp = {k: v[order] for k, v in arrays.items()}
     one = _steps(unp, "no_shard", (1, 1, 1), steps=3)
-    full = _steps(rows, "full_shard", (1, 4, 1), microbatches=2, steps=3)
+    full = _steps(rows, strategy, shape, microbatches=2, steps=3)
     assert one[-1]["rewards/margins"] > 0
     for step, (a, b) in enumerate(zip(one, full)):
         for k in a:
             if step == 0 and k == "rewards/accuracies":  # policy == reference: margins are ties (ulps) at step 1
                 assert abs(a["rewards/margins"]) < 1e-6 and abs(b["rewards/margins"]) < 1e-6
                 continue
-            assert abs(a[k] - b[k]) < 2e-5 * max(1.0, abs(a[k])), (step, k, a[k], b[k])
+            assert abs(a[k] - b[k]) < 2e-5 * max(1.0, abs(a[k])), (strategy, step, k, a[k], b[k])
 
 
 def test_planner_counts_a_packed_row_as_one_row():
