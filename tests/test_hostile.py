@@ -201,6 +201,7 @@ OUT_OF_RANGE: dict[str, typing.Any] = {
     "preference.rejected_key": None,
     "preference.precompute_ref_log_probs": None,
     "preference.eval_path": None,
+    "preference.packing": None,
     "grpo.num_generations": 1,
     "grpo.max_prompt_len": 0,
     "grpo.max_new_tokens": 0,

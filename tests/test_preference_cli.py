@@ -4,6 +4,7 @@ written), and a DPO run that resumes exactly and exports as before."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,11 @@ GOOD = [{"prompt": f"reverse w{i}: ", "chosen": f"{i}w\n", "rejected": f"w{i}\n"
         (GOOD, ["objective=kto"], ["objective", "dpo"]),
         (GOOD, ["preference.truncation=middle"], ["preference.truncation"]),
         (GOOD, ["preference.eval_path=no/such/pairs.jsonl"], ["preference.eval_path", "no such file"]),
+        (
+            [{"prompt": "p", "chosen": "x" * 20, "rejected": "y" * 20}],
+            ["preference.packing=true"],
+            ["p.jsonl:1", "longer than a packed row", "preference.max_length <= 16"],
+        ),
     ],
 )
 def test_bad_preference_input_one_line(tmp_path, capsys, rows, extra, words):
@@ -130,3 +136,52 @@ def test_verify_compares_the_preference_step(tmp_path, capsys):
     )  # fmt: skip
     assert rc == 0, err[-2000:]
     assert "batches of pairs" in out and "reference loss 0.693147" in out and "PASS" in out, out
+
+
+@pytest.mark.slow
+def test_packed_pairs_resume_exactly_and_precompute_the_reference(tmp_path, capsys):
+    """`preference.packing=true`: 32 pairs packed 3 to a row of 129 bytes; train.global_batch counts
+    rows. A run stopped at step 2 and resumed equals an uninterrupted one bit for bit (steps and
+    evals); with precomputed reference log-probs (per pair, gathered per row slot) every step and
+    eval equals the in-step reference's within 1e-6; the held-out pairs are each scored once."""
+    data = prefs(tmp_path / "p.jsonl", GOOD)
+    common = ["--config", CONFIG, f"data.path={data}", "train.log_every=1", "train.checkpoint_every=2"]
+    common += ["preference.packing=true", "data.seq_len=128", "model.max_seq_len=128", "train.global_batch=8"]
+    common += [f"preference.eval_path={data}", "train.eval_every=2", "train.steps=4"]
+    straight, split, pre = tmp_path / "straight", tmp_path / "split", tmp_path / "pre"
+    rc, out, err = call("train", *common, f"run_dir={straight}", "--no-progress", capsys=capsys)
+    assert rc == 0, err[-2000:]
+    packed = re.search(r"packed 32 pairs into (\d+) rows of 129 tokens: efficiency ([\d.]+)", out)
+    assert packed and int(packed[1]) <= 11 and float(packed[2]) > 0.5, out  # pairs of <= 42 bytes: 3 a row at least
+    from fsdp_jax.app.trainer.loop import train
+    from fsdp_jax.app.trainer.setup import load_run_config
+
+    over = [str(a) for a in common[2:]] + [f"run_dir={split}"]
+    assert train(load_run_config(CONFIG, over), progress=False, stop_after=2)["preempted"] == "stop_after=2"
+    rc, out, err = call("train", *common, f"run_dir={split}", "--no-progress", capsys=capsys)
+    assert rc == 0 and "resuming from checkpoint step 2" in out, err[-2000:]
+    rc, _, err = call(
+        "train", *common, f"run_dir={pre}", "preference.precompute_ref_log_probs=true", "--no-progress", capsys=capsys
+    )  # fmt: skip
+    assert rc == 0, err[-2000:]
+
+    def records(run):
+        return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+    def by_step(run, key):
+        return {r["step"]: r for r in records(run) if key in r}
+
+    a, b, p = (by_step(r, "rewards/margins") for r in (straight, split, pre))
+    names = ("loss", "rewards/margins", "rewards/accuracies", "logps/chosen", "logits/rejected", "pairs")
+    for step in (3, 4):
+        for k in names:
+            assert a[step][k] == b[step][k], (step, k, a[step][k], b[step][k])
+    for step in (1, 2, 3, 4):
+        assert a[step]["pairs"] > 8  # more pairs than rows: several a row
+        for k in names:
+            assert abs(a[step][k] - p[step][k]) <= 1e-6 * max(1.0, abs(a[step][k])), (step, k, a[step], p[step])
+    ea, eb, ep = (by_step(r, "eval_loss") for r in (straight, split, pre))
+    assert sorted(ea) == [2, 4] and ea[4]["eval_rewards/margins"] > ea[2]["eval_rewards/margins"] > 0
+    for k in ("eval_loss", "eval_rewards/margins", "eval_logps/chosen", "eval_logits/chosen"):
+        assert ea[4][k] == eb[4][k], (k, ea[4], eb[4])
+        assert abs(ea[4][k] - ep[4][k]) <= 1e-6 * max(1.0, abs(ea[4][k])), (k, ea[4], ep[4])

@@ -247,6 +247,8 @@ class PreferenceConfig:
     rejected_key: str = "rejected"
     precompute_ref_log_probs: bool = False  # reference log-probs computed once before step 1 (run_dir/ref_logps.npz)
     eval_path: str | None = None  # held-out pairs (as data.path), scored every train.eval_every steps; null = none
+    packing: bool = False  # several pairs per row of data.seq_len + 1 tokens, attention kept per sequence by
+    #   segment ids (docs/preference.md); train.global_batch then counts packed rows, not pairs
 
 
 OBJECTIVES = ("sft", "dpo", "ipo", "hinge", "simpo", "orpo", "grpo")

@@ -97,7 +97,7 @@ def pair_losses(spec: PreferenceSpec, logps, counts, ref_logps=None):
 
     `logps`: (P, 2) completion log-prob sums of the policy, `counts`: (P, 2) completion
     token counts, `ref_logps`: (P, 2) sums of the reference (ignored by simpo / orpo).
-    Returns (losses (P,), rewards (P, 2), reported logps (P, 2), extras dict)."""
+    Returns (losses (P,), rewards (P, 2), reported logps (P, 2), extras: per-pair (P,) metrics)."""
     b, ls = spec.beta, spec.label_smoothing
     if spec.loss in AVERAGED:
         mean = logps / jnp.maximum(counts, 1.0)
@@ -107,7 +107,7 @@ def pair_losses(spec: PreferenceSpec, logps, counts, ref_logps=None):
             return _smoothed(z, ls), rewards, mean, {}
         log_odds = (mean[:, 0] - mean[:, 1]) - (_log1mexp(mean[:, 0]) - _log1mexp(mean[:, 1]))
         ratio = jax.nn.log_sigmoid(log_odds)
-        extras = {"log_odds_ratio": jnp.mean(ratio), "log_odds_chosen": jnp.mean(log_odds)}
+        extras = {"log_odds_ratio": ratio, "log_odds_chosen": log_odds}
         return -b * ratio, rewards, mean, extras
     ratios = logps - ref_logps  # (P, 2) log pi / pi_ref
     d = ratios[:, 0] - ratios[:, 1]
@@ -134,7 +134,7 @@ def preference_terms(spec: PreferenceSpec, logits, batch, ref_logps=None):
     sums, counts = sequence_logps(logits, targets, cmask)
     sums, counts = sums.reshape(p, 2), counts.reshape(p, 2)
     losses, rewards, reported, extras = pair_losses(spec, sums, counts, ref_logps)
-    loss = jnp.mean(losses)
+    loss, extras = jnp.mean(losses), {k: jnp.mean(v) for k, v in extras.items()}
     if spec.loss == "orpo":  # chosen rows, prompt + completion (TRL: labels where attention)
         nll = _mean_nll(logits, targets, batch["attention"][..., 1:].reshape(2 * p, -1), p)
         loss, extras = loss + nll, {**extras, "nll_loss": jax.lax.stop_gradient(nll)}
@@ -169,15 +169,20 @@ def _mean_nll(logits, targets, mask, p):
 
 def finish_metrics(auxes) -> dict[str, float]:
     """Record fields from step aux dicts (leaves may carry a leading microbatch dim): pair
-    metrics averaged, `logits/*` as token-weighted means (DPOTrainer's); a mixture of experts'
-    `router` aux is left to the router's own summary."""
+    metrics averaged (packed rows' aux holds sums and the pair count `pairs`:
+    `preference_packed`), `logits/*` as token-weighted means (DPOTrainer's); a mixture of
+    experts' `router` aux is left to the router's own summary."""
 
     if not auxes:
         return {}
     out: dict[str, float] = {}
-    keys = [k for k in auxes[0] if not k.startswith(("logits_sum/", "tokens/")) and k != "router"]
+    keys = [k for k in auxes[0] if not k.startswith(("logits_sum/", "tokens/")) and k not in ("router", "pairs")]
+    pairs = sum(float(np.asarray(a["pairs"], np.float64).sum()) for a in auxes) if "pairs" in auxes[0] else 0.0
     for k in keys:
-        out[k] = float(np.mean([np.asarray(a[k], np.float64).mean() for a in auxes]))
+        if "pairs" in auxes[0]:
+            out[k] = sum(float(np.asarray(a[k], np.float64).sum()) for a in auxes) / max(pairs, 1.0)
+        else:
+            out[k] = float(np.mean([np.asarray(a[k], np.float64).mean() for a in auxes]))
     for side in ("chosen", "rejected"):
         total = sum(float(np.asarray(a[f"logits_sum/{side}"]).sum()) for a in auxes)
         n = sum(float(np.asarray(a[f"tokens/{side}"]).sum()) for a in auxes)

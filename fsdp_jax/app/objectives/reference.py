@@ -22,7 +22,9 @@ import jax.numpy as jnp
 
 from fsdp_jax.app.models.lora import is_adapter
 from fsdp_jax.app.objectives.preference import PreferenceSpec, preference_terms, sequence_logps
+from fsdp_jax.app.objectives.preference_packed import is_packed, packed_inputs, packed_reference_logps, packed_terms
 from fsdp_jax.model.fns import ModelFns
+from fsdp_jax.train.step_parts import TokenSum
 
 REFERENCES = ("state", "adapters_off", "precomputed", "none")
 
@@ -86,12 +88,18 @@ def _last(path) -> str:
 
 
 def pair_logits(model: ModelFns, params, batch, key=None, router: bool = False):
-    """Logits (2P, L-1, V) of the batch's rows `tokens[..., :-1]`, pairs flattened; with
-    `router` (a mixture of experts) `(logits, router stats)`, the router seeing the real
-    tokens only (`attention`), as transformers' load-balancing loss with an attention mask."""
+    """Logits (2P, L-1, V) of the batch's rows `tokens[..., :-1]`, pairs flattened (packed rows:
+    (B, L-1, V), attention and positions per segment); with `router` (a mixture of experts)
+    `(logits, router stats)`, the router seeing the real tokens only (`attention`, or a
+    nonzero segment), as transformers' load-balancing loss with an attention mask."""
+    kw = {} if key is None else {"dropout_key": key}
+    if is_packed(batch):
+        inputs, seg, pos = packed_inputs(batch)
+        if router:
+            return model.apply(params, inputs, seg, pos, router=True, token_mask=seg > 0, **kw)
+        return model.apply(params, inputs, seg, pos, **kw)
     p = batch["tokens"].shape[0]
     inputs = batch["tokens"][..., :-1].reshape(2 * p, -1)
-    kw = {} if key is None else {"dropout_key": key}
     if router:
         mask = batch["attention"][..., :-1].reshape(2 * p, -1) > 0
         return model.apply(params, inputs, None, None, router=True, token_mask=mask, **kw)
@@ -107,10 +115,13 @@ def as_compute(ref_params, params):
     )
 
 
-def reference_logps(model: ModelFns, ref_params, batch):
-    """(P, 2) completion log-prob sums under `ref_params` (no gradient flows)."""
-    p = batch["tokens"].shape[0]
+def reference_logps(model: ModelFns, ref_params, batch, slots: int = 0):
+    """(P, 2) completion log-prob sums under `ref_params` (no gradient flows); a packed batch's
+    (B, `slots`) per segment (`preference_packed`)."""
     logits = pair_logits(model, jax.lax.stop_gradient(ref_params), batch)
+    if is_packed(batch):
+        return packed_reference_logps(logits, batch, slots)
+    p = batch["tokens"].shape[0]
     targets = batch["tokens"][..., 1:].reshape(2 * p, -1)
     mask = batch["completion"][..., 1:].reshape(2 * p, -1)
     sums, _ = sequence_logps(logits, targets, mask)
@@ -118,7 +129,7 @@ def reference_logps(model: ModelFns, ref_params, batch):
 
 
 def make_preference_loss(
-    model: ModelFns, spec: PreferenceSpec, reference: str, router: Callable | None = None
+    model: ModelFns, spec: PreferenceSpec, reference: str, router: Callable | None = None, slots: int = 0
 ) -> Callable:
     """`loss_fn(params, batch, state=None, rng=None, train=True)` for the train step (build
     with `has_aux=True`): returns `(loss, aux)`, or `((loss, aux), state)` when the
@@ -126,7 +137,9 @@ def make_preference_loss(
     `router` (a mixture of experts): `router(stats) -> (terms, router aux)`
     (`fsdp_jax.app.trainer.router_metrics.router_terms`): the policy's load-balancing and z
     terms are added to the loss, as TRL adds `router_aux_loss_coef` x the aux loss, and
-    reported under `aux["router"]`; the reference's routing costs nothing more."""
+    reported under `aux["router"]`; the reference's routing costs nothing more. `slots`: the
+    sequences per packed row (2 x `preference_pack.max_pairs_for(model.max_segments)`), for
+    batches of packed rows (`preference_packed`: the loss is then a `TokenSum` over pairs)."""
     if reference not in REFERENCES:
         raise ValueError(f"reference {reference!r}: one of {', '.join(REFERENCES)}")
 
@@ -139,13 +152,18 @@ def make_preference_loss(
         if reference == "precomputed":
             ref = batch["ref_logps"].astype(jnp.float32)
         elif reference == "state":  # in the policy's compute dtype, as the step casts the policy
-            ref = reference_logps(model, as_compute(state, params), batch)
+            ref = reference_logps(model, as_compute(state, params), batch, slots)
         elif reference == "adapters_off":
-            ref = reference_logps(model, adapters_off(params), batch)
-        out = preference_terms(spec, logits, batch, ref)
+            ref = reference_logps(model, adapters_off(params), batch, slots)
+        if is_packed(batch):
+            out = packed_terms(spec, logits, batch, slots, ref)
+        else:
+            out = preference_terms(spec, logits, batch, ref)
         if router is not None:
             terms, router_aux = router(stats)
-            out = (out[0] + terms, {**out[1], "router": router_aux})
+            loss = out[0]  # packed: a TokenSum over pairs, the terms once per pair's mean
+            loss = TokenSum(loss.total + terms * loss.count, loss.count) if is_packed(batch) else loss + terms
+            out = (loss, {**out[1], "router": router_aux})
         return (out, state) if reference == "state" else out
 
     return loss_fn

@@ -27,6 +27,7 @@ import numpy as np
 
 from fsdp_jax.app.data.packing import batch_from_rows
 from fsdp_jax.app.objectives.grpo_run import grpo_batch, is_grpo
+from fsdp_jax.app.objectives.preference_pack import max_pairs_for
 from fsdp_jax.app.objectives.preference_run import is_preference
 from fsdp_jax.app.planner.grpo_plan import abstract_grpo_batch, row_cfg
 from fsdp_jax.app.trainer.build import (
@@ -99,6 +100,8 @@ def packed_batch(cfg) -> bool:
 
 # A preference batch (`fsdp_jax.app.objectives.preference_data.collate`): (B, 2, S + 1) each.
 PAIR_BATCH = {"tokens": np.int32, "completion": np.uint8, "attention": np.uint8}
+# Packed preference rows (`fsdp_jax.app.objectives.preference_pack`): (B, S + 1) each.
+PACKED_PAIR_BATCH = {"tokens": np.int32, "completion": np.uint8, "segment_ids": np.int32}
 
 
 def abstract_batch(cfg, sharding):
@@ -108,6 +111,12 @@ def abstract_batch(cfg, sharding):
     b, s = cfg.train.global_batch, cfg.data.seq_len
     if is_grpo(cfg):  # prompt + completion rows and their masks (objectives.grpo_loss)
         return abstract_grpo_batch(cfg, sharding)
+    if is_preference(cfg) and cfg.preference.packing:  # rows (B, S + 1) of several pairs each
+        out = {k: jax.ShapeDtypeStruct((b, s + 1), dt, sharding=sharding) for k, dt in PACKED_PAIR_BATCH.items()}
+        if cfg.preference.precompute_ref_log_probs:  # per sequence slot of a row
+            slots = 2 * max_pairs_for(cfg.model.max_segments)
+            out["ref_logps"] = jax.ShapeDtypeStruct((b, slots), np.float32, sharding=sharding)
+        return out
     if is_preference(cfg):  # pairs (B, 2, S + 1): chosen and rejected rows of one prompt together
         out = {k: jax.ShapeDtypeStruct((b, 2, s + 1), dt, sharding=sharding) for k, dt in PAIR_BATCH.items()}
         if cfg.preference.precompute_ref_log_probs:
@@ -122,9 +131,23 @@ def sample_batch(cfg, batch, rng: np.random.Generator):
     """A concrete host batch shaped like `batch` (`abstract_batch`) for timing the step:
     random tokens; a packed batch holds two examples per row, every target trained; a
     preference pair's first half is its prompt, the rest its completion; a GRPO batch is
-    `grpo_run.grpo_batch`'s."""
+    `grpo_run.grpo_batch`'s; a packed preference row holds two pairs (four equal segments)."""
     if is_grpo(cfg):
         return grpo_batch(row_cfg(cfg), rng)
+    if isinstance(batch, dict) and "segment_ids" in batch and "completion" in batch:
+        shape = batch["tokens"].shape
+        quarter = np.arange(shape[-1]) * 4 // shape[-1]  # 0..3: pair 1 chosen, rejected, pair 2 ...
+        within = np.arange(shape[-1]) - quarter * shape[-1] / 4
+        out = {
+            "tokens": rng.integers(0, cfg.model.vocab_size, shape, dtype=np.int32),
+            "completion": np.broadcast_to(within >= shape[-1] / 8, shape).astype(np.uint8),
+            "segment_ids": np.broadcast_to(quarter + 1, shape).astype(np.int32),
+        }
+        if "ref_logps" in batch:
+            ref = np.zeros(batch["ref_logps"].shape, np.float32)
+            ref[:, :4] = -rng.random((shape[0], 4), dtype=np.float32) * shape[-1] / 4
+            out["ref_logps"] = ref
+        return out
     if isinstance(batch, dict) and "completion" in batch:
         shape = batch["tokens"].shape
         out = {

@@ -64,7 +64,7 @@ import jax
 import numpy as np
 
 from fsdp_jax.app.models.lora import is_adapter, spec_from_config
-from fsdp_jax.app.objectives.preference_run import is_preference
+from fsdp_jax.app.objectives.preference_run import pair_rows
 from fsdp_jax.app.planner import moe_memory, nvme_plan
 from fsdp_jax.app.planner.abstract_step import StepBuild
 from fsdp_jax.app.planner.context_memory import context_attention_bytes
@@ -342,9 +342,10 @@ def _moe_args(build: StepBuild) -> tuple[int, bool, int]:
 
 def _batch_per_device(build: StepBuild) -> int:
     """Sequences per device per microbatch: the batch dim is sharded over data x fsdp; a
-    preference batch's pairs are two rows each (chosen and rejected, one forward)."""
+    preference batch's pairs are two rows each (chosen and rejected, one forward), a packed
+    preference row one."""
     n = build.mesh.shape.get(axes.DATA, 1) * build.mesh.shape.get(axes.FSDP, 1)
-    rows = 2 if is_preference(build.cfg) else 1
+    rows = pair_rows(build.cfg)
     return rows * build.cfg.train.global_batch // build.cfg.train.microbatches // n
 
 

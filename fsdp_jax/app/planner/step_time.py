@@ -37,7 +37,7 @@ from typing import Any
 
 from fsdp_jax.app.models.decoder import count_params
 from fsdp_jax.app.models.lora import adapter_param_count, spec_from_config
-from fsdp_jax.app.objectives.preference_run import is_preference, preference_spec
+from fsdp_jax.app.objectives.preference_run import is_preference, pair_rows, preference_spec
 from fsdp_jax.app.objectives.reference import choose_reference
 from fsdp_jax.app.planner.op_costs import above_best_mfu, simulate, top_ops
 from fsdp_jax.app.planner.residuals import rematerialised
@@ -62,8 +62,9 @@ def model_flops_per_token(model, seq_len: int, lora=None) -> tuple[float, float]
 
 def step_rows(cfg) -> int:
     """Rows the step trains per global-batch example: 2 for a preference pair (chosen and
-    rejected, as the trainer's logged tokens_per_s counts them), else 1."""
-    return 2 if is_preference(cfg) else 1
+    rejected, as the trainer's logged tokens_per_s counts them), else 1 (a packed preference
+    row holds its pairs' sequences: `preference_run.pair_rows`)."""
+    return pair_rows(cfg)
 
 
 def step_tokens(cfg, n_devices: int) -> float:

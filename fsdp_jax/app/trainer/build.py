@@ -24,6 +24,7 @@ from fsdp_jax.app.models.lora import LoraSpec, adapted, adapter_mask, spec_from_
 from fsdp_jax.app.models.qlora import CONTRACTED
 from fsdp_jax.app.objectives.grpo_loss import choose_grpo_reference, make_grpo_loss
 from fsdp_jax.app.objectives.grpo_run import grpo_spec, is_grpo
+from fsdp_jax.app.objectives.preference_pack import max_pairs_for
 from fsdp_jax.app.objectives.preference_run import is_preference, preference_spec
 from fsdp_jax.app.objectives.reference import choose_reference, make_preference_loss, with_reference
 from fsdp_jax.app.trainer.expert_bias import balancing, bias_rule, without_bias_state
@@ -203,7 +204,8 @@ def objective_loss(cfg, model: ModelFns, precomputed: bool | None = None) -> tup
         reference = choose_reference(spec, lora, pre)
         model = with_reference(model, compute_dtype(cfg)) if reference == "state" else model
         router = functools.partial(router_terms, cfg.model) if has_router_aux(cfg.model) else None
-        return model, make_preference_loss(model, spec, reference, router)
+        slots = 2 * max_pairs_for(cfg.model.max_segments) if cfg.preference.packing else 0
+        return model, make_preference_loss(model, spec, reference, router, slots)
     if is_grpo(cfg):
         spec = grpo_spec(cfg)
         reference = choose_grpo_reference(spec, lora)

@@ -32,7 +32,7 @@ from fsdp_jax.app.config.schema import Config
 from fsdp_jax.app.data.batches import check_segments, check_tokens, global_batch, make_batches
 from fsdp_jax.app.models.decoder import count_params, flops_per_token
 from fsdp_jax.app.objectives.grpo_run import GrpoBatches, is_grpo
-from fsdp_jax.app.objectives.preference_run import is_preference, make_preference_batches
+from fsdp_jax.app.objectives.preference_run import is_preference, make_preference_batches, pair_rows
 from fsdp_jax.app.trainer.build import lora_spec
 from fsdp_jax.app.trainer.faults import Faults
 from fsdp_jax.app.trainer.hooks import CheckpointHook, Hook, LoopState, default_hooks
@@ -120,10 +120,11 @@ def _start(run: Run, progress: bool) -> tuple[LoopState, Any, ProfileWindow]:
 
 
 def _row_len(cfg) -> int:
-    """Tokens per row of a step's batch: pairs count 2 rows; GRPO rows are prompt + completion."""
+    """Tokens per row of a step's batch: pairs count 2 rows (a packed preference row 1); GRPO rows
+    are prompt + completion."""
     if is_grpo(cfg):
         return cfg.grpo.max_prompt_len + cfg.grpo.max_new_tokens
-    return cfg.data.seq_len * (2 if is_preference(cfg) else 1)
+    return cfg.data.seq_len * pair_rows(cfg)
 
 
 def _compile(run: Run, batches) -> tuple[Any, float, dict]:

@@ -257,7 +257,9 @@ class LogWindow:
                 self.warn(f"warning: {excess}")
                 self.warn = None  # once per run
         trained = [w[2] for w in self.values if w[2] is not None]
-        if trained:
+        if trained and self.router and "pairs" in self.router[0]:  # packed preference rows: the count is pairs
+            rec["pairs"] = int(sum(trained))
+        elif trained:
             rec["trained_tokens"] = int(sum(trained))
             rec["trained_tokens_per_s"] = sum(trained) / len(trained) / dt
         # the step's aux: a preference loss's metrics (TRL's names), or a mixture of experts' router terms
@@ -330,9 +332,12 @@ def sample_text(model: ModelFns, plan: ShardingPlan, cfg: Config, params, val, r
 def _val_prompt(batch) -> np.ndarray:
     """The first 48 tokens of a val batch's first row; of a packed row, its first
     example up to its first trained target (the whole prompt whose answer was held out); of
-    preference pairs, the first pair's prompt."""
+    preference pairs, the first pair's prompt (of packed pairs, the first row's)."""
     if not isinstance(batch, dict):
         return np.asarray(batch[0][:48])
+    if "completion" in batch and "segment_ids" in batch:  # packed pairs: segment 1 is the first chosen sequence
+        row, seg = np.asarray(batch["tokens"][0]), np.asarray(batch["segment_ids"][0])
+        return row[(seg == 1) & (np.asarray(batch["completion"][0]) == 0)]
     if "completion" in batch:  # preference pairs: the first pair's prompt (its real, non-completion tokens)
         row = np.asarray(batch["tokens"][0, 0])
         keep = (np.asarray(batch["attention"][0, 0]) > 0) & (np.asarray(batch["completion"][0, 0]) == 0)

@@ -36,7 +36,13 @@ from fsdp_jax.app.data.windows import load_meta
 from fsdp_jax.app.hf.load import is_hf, load_params, model_section_from_hf, open_init
 from fsdp_jax.app.host_memory import check_host_memory, stated_host_memory
 from fsdp_jax.app.objectives.grpo_run import check_grpo, is_grpo
-from fsdp_jax.app.objectives.preference_run import is_preference, load_pairs, precompute_ref_logps, preference_spec
+from fsdp_jax.app.objectives.preference_run import (
+    is_preference,
+    load_pairs,
+    packing_line,
+    precompute_ref_logps,
+    preference_spec,
+)
 from fsdp_jax.app.objectives.reference import reference_copy
 from fsdp_jax.app.trainer import lora_state, nvme_run
 from fsdp_jax.app.trainer.build import (
@@ -209,6 +215,8 @@ def _validate(p: _Draft) -> None:
 def _data(p: _Draft) -> None:
     if is_preference(p.cfg):
         load_pairs(p.cfg)
+        if p.cfg.preference.packing and jax.process_index() == 0:
+            print(packing_line(p.cfg), flush=True)
         if p.cfg.preference.eval_path:  # the held-out pairs: bad ones refused before anything is written
             load_pairs(p.cfg, "preference.eval_path")
     elif not is_grpo(p.cfg):
