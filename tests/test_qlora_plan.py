@@ -82,10 +82,10 @@ def _h100(command, *args, overrides=(), dump=None):
     return json.loads(r.stdout)
 
 
-def test_codes_of_w_down_and_wo_shard_over_fsdp_on_their_leading_dim():
+def test_frozen_w_down_and_wo_shard_over_fsdp_on_their_leading_dim():
     """No compile: the weights whose fsdp dim is their last (`w_down` (mlp, embed), `wo`
     (heads, kv, embed)) keep their codes and absmax sharded over fsdp on their leading own dim
-    (`code_rows`), so each layer's gather runs along a major dim; the others as their weight."""
+    (`frozen_rows`), so each layer's gather runs along a major dim; the others as their weight."""
     st = build_step(config("lora.base_quant=nf4", "lora.double_quant=true", *HEADS8), "full_shard").state
     base = st.params["blocks"]
     specs = {
@@ -98,6 +98,11 @@ def test_codes_of_w_down_and_wo_shard_over_fsdp_on_their_leading_dim():
     assert specs["attn/wo/codes"] == specs["attn/wo/absmax_codes"] == (None, "fsdp", None, None)
     assert specs["mlp/w_up/codes"] == (None, "fsdp", None) and specs["attn/wq/codes"][:2] == (None, "fsdp")
     assert specs["mlp/w_down/absmax2"] == specs["mlp/w_down/offset"][:1] + (None,)
+    # a float LoRA base alike (`fsdp_jax.sharding.frozen_rows`)
+    plain = build_step(config(*HEADS8), "full_shard").state.params["blocks"]
+    assert tuple(plain["mlp"]["w_down"].sharding.spec) == (None, "fsdp", None)
+    assert tuple(plain["attn"]["wo"].sharding.spec) == (None, "fsdp", None, None)
+    assert tuple(plain["mlp"]["w_up"].sharding.spec) == (None, "fsdp", None)
 
 
 @pytest.fixture(scope="module")
