@@ -57,11 +57,12 @@ def test_the_analytic_model_counts_codes_and_one_dequantised_layer():
     64), and full_shard's gathered term is two layers of codes plus one layer in bf16 where a
     bf16 base has two bf16 layers."""
     a = {
-        base: analytic_memory(build_step(config(*extra), "full_shard"))
+        base: analytic_memory(build_step(config(*extra, *HEADS8), "full_shard"))
         for base, extra in (("nf4", ["lora.base_quant=nf4"]), ("bf16", []))
     }
     n = 2 * LAYER_WEIGHTS
-    saved = a["bf16"]["params"] - a["nf4"]["params"]  # every base leaf here shards over the 8 devices
+    # every base leaf here shards over the 8 devices (8 heads: wo's frozen_rows dim divides them)
+    saved = a["bf16"]["params"] - a["nf4"]["params"]
     assert saved == (2 - 0.5625) * n / 8, saved
     expected = 2 * 2 * LAYER_WEIGHTS - 2 * 0.5625 * LAYER_WEIGHTS - 2 * LAYER_WEIGHTS
     got = a["bf16"]["gathered"] - a["nf4"]["gathered"]
