@@ -72,6 +72,7 @@ BAD_FLAG_VALUES: dict[str, dict[str, list[str] | str]] = {
         "--d-model": NEG_ZERO_NAN,
         "--layers": NEG_ZERO_NAN,
         "--vocab": NEG_ZERO_NAN,
+        "--base-quant": ["nf8", "NF4"],
         "--child": "internal: the script's own child process",
     },
     "plan": {

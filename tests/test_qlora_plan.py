@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -44,6 +45,7 @@ MODEL = [
 ]
 LAYER_WEIGHTS = 4 * 512 * 512 + 3 * 512 * 1024  # wq wk wv wo + gate up down, one layer
 STRATEGIES = ("full_shard", "shard_grad_op", "no_shard")
+HEADS8 = ("model.n_heads=8", "model.n_kv_heads=8")  # heads divisible by the 8 devices (wo's codes shard on them)
 
 
 def config(*extra):
@@ -55,26 +57,53 @@ def test_the_analytic_model_counts_codes_and_one_dequantised_layer():
     64), and full_shard's gathered term is two layers of codes plus one layer in bf16 where a
     bf16 base has two bf16 layers."""
     a = {
-        base: analytic_memory(build_step(config(*extra), "full_shard"))
+        base: analytic_memory(build_step(config(*extra, *HEADS8), "full_shard"))
         for base, extra in (("nf4", ["lora.base_quant=nf4"]), ("bf16", []))
     }
     n = 2 * LAYER_WEIGHTS
-    saved = a["bf16"]["params"] - a["nf4"]["params"]  # every base leaf here shards over the 8 devices
+    # every base leaf here shards over the 8 devices (8 heads: wo's frozen_rows dim divides them)
+    saved = a["bf16"]["params"] - a["nf4"]["params"]
     assert saved == (2 - 0.5625) * n / 8, saved
     expected = 2 * 2 * LAYER_WEIGHTS - 2 * 0.5625 * LAYER_WEIGHTS - 2 * LAYER_WEIGHTS
     got = a["bf16"]["gathered"] - a["nf4"]["gathered"]
     assert got == expected, (got, expected)
 
 
-def _h100(command, *args):
-    """`<command> --target h100 --devices 8 --json` of the NF4 model, in a compile-only child."""
+def _h100(command, *args, overrides=(), dump=None):
+    """`<command> --target h100 --devices 8 --json` of the NF4 model, in a compile-only child
+    (`dump`: a folder for XLA's HLO dump)."""
     assert targets.plugin_installed(), "run `python -m fsdp_jax.targets install` (the CUDA compile-only plugin)"
     cmd = [sys.executable, f"scripts/{command}.py", "--config", "configs/tiny.yaml", "--target", "h100"]
-    cmd += ["--devices", "8", *args, "--json", *MODEL, "lora.base_quant=nf4"]
+    cmd += ["--devices", "8", *args, "--json", *MODEL, "lora.base_quant=nf4", *overrides]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if dump is not None:
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_dump_to={dump}".strip()
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     return json.loads(r.stdout)
+
+
+def test_frozen_w_down_and_wo_shard_over_fsdp_on_their_leading_dim():
+    """No compile: the weights whose fsdp dim is their last (`w_down` (mlp, embed), `wo`
+    (heads, kv, embed)) keep their codes and absmax sharded over fsdp on their leading own dim
+    (`frozen_rows`), so each layer's gather runs along a major dim; the others as their weight."""
+    st = build_step(config("lora.base_quant=nf4", "lora.double_quant=true", *HEADS8), "full_shard").state
+    base = st.params["blocks"]
+    specs = {
+        f"{m}/{w}/{k}": tuple(v.sharding.spec)
+        for m, ws in (("attn", ("wq", "wo")), ("mlp", ("w_up", "w_down")))
+        for w in ws
+        for k, v in base[m][w].items()
+    }
+    assert specs["mlp/w_down/codes"] == specs["mlp/w_down/absmax_codes"] == (None, "fsdp", None)
+    assert specs["attn/wo/codes"] == specs["attn/wo/absmax_codes"] == (None, "fsdp", None, None)
+    assert specs["mlp/w_up/codes"] == (None, "fsdp", None) and specs["attn/wq/codes"][:2] == (None, "fsdp")
+    assert specs["mlp/w_down/absmax2"] == specs["mlp/w_down/offset"][:1] + (None,)
+    # a float LoRA base alike (`fsdp_jax.sharding.frozen_rows`)
+    plain = build_step(config(*HEADS8), "full_shard").state.params["blocks"]
+    assert tuple(plain["mlp"]["w_down"].sharding.spec) == (None, "fsdp", None)
+    assert tuple(plain["attn"]["wo"].sharding.spec) == (None, "fsdp", None, None)
+    assert tuple(plain["mlp"]["w_up"].sharding.spec) == (None, "fsdp", None)
 
 
 @pytest.fixture(scope="module")
@@ -82,13 +111,29 @@ def h100_plan():
     return _h100("plan", "--strategies", ",".join(STRATEGIES))["strategies"]
 
 
+def _relaid_stacks(hlo: str, n_layers: int) -> set[str]:
+    """Integer arrays of the layer stack (leading dim `n_layers`, rank >= 3) that the compiled
+    program holds in a layout other than the default (dims major to minor in order): a stack
+    of codes copied into another layout."""
+    found = set()
+    for m in re.finditer(r"\b([us]\d+)\[([\d,]+)\]\{([\d,]+)\}", hlo):
+        shape, layout = [int(x) for x in m.group(2).split(",")], [int(x) for x in m.group(3).split(",")]
+        if len(shape) >= 3 and shape[0] == n_layers and layout != sorted(layout, reverse=True):
+            found.add(m.group(0))
+    return found
+
+
 @pytest.mark.slow
-def test_h100_layer_gathers_move_codes_and_no_base_gradient():
+def test_h100_layer_gathers_move_codes_and_no_base_gradient(tmp_path):
     """XLA:GPU (H100, compile only), full_shard: each layer's all-gather, forward and backward,
     moves the NF4 codes (u8) and absmax bits (u32): 0.28x the bytes of the bf16 layer (0.5 +
     4/64 bytes a weight against 2), plus the adapters in bf16; nothing else gathers or
-    reduces a weight-sized tensor (no gradient of the base: the reductions are the adapters')."""
-    sched = _h100("inspect", "--strategy", "full_shard")["schedule"]
+    reduces a weight-sized tensor (no gradient of the base: the reductions are the adapters').
+    No stack of codes is held in another layout: with `w_down`'s and `wo`'s codes sharded on
+    their last dim, XLA:GPU copied both whole stacks, transposed, before the layer loop."""
+    sched = _h100("inspect", "--strategy", "full_shard", overrides=HEADS8, dump=tmp_path)["schedule"]
+    (hlo,) = tmp_path.glob("*jit_step*gpu_after_optimizations.txt")
+    assert not _relaid_stacks(hlo.read_text(), 2)
     gathers = [c for c in sched if c["op"] == "all-gather" and c["loop"]]
     assert {c["phase"] for c in gathers} == {"forward", "backward"}
     bf16_layer = 2 * LAYER_WEIGHTS

@@ -22,7 +22,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from fsdp_jax.quant.weight import QuantSpec, dequantize, leaf_names, quantize
-from fsdp_jax.sharding.axes import DATA, FSDP, LAYERS
+from fsdp_jax.sharding.axes import DATA, FSDP
+from fsdp_jax.sharding.frozen_rows import frozen_rows_names, param_names, stack_depth
 
 
 class QuantizedWeight(nnx.Module):
@@ -36,7 +37,7 @@ class QuantizedWeight(nnx.Module):
         self.spec, self.dtype, self.weight_shape = spec, jnp.dtype(dtype), tuple(shape)
 
     def __getitem__(self, idx):
-        leaves = {k: gathered(getattr(self, k)[...], _names(getattr(self, k))) for k in self.keys}
+        leaves = {k: gathered(getattr(self, k)[...], param_names(getattr(self, k))) for k in self.keys}
         return dequantize(jnp, leaves, self.spec, self.dtype)[idx]
 
     @property
@@ -64,14 +65,6 @@ def gathered(x, names):
     return jax.lax.with_sharding_constraint(x, P(*spec))
 
 
-def _names(p: nnx.Param) -> tuple | None:
-    md = p.get_metadata()
-    for key in ("out_sharding", "sharding_names", "sharding"):
-        if md.get(key) is not None:
-            return tuple(md[key])
-    return None
-
-
 def quantize_module(module: nnx.Module, spec: QuantSpec, weights: dict[str, int], dtype: Any) -> nnx.Module:
     """`module` with each `nnx.Param` attribute named in `weights` (`{name: how many of its
     own leading dims its products contract}`) replaced by a `QuantizedWeight`; `dtype`: the
@@ -82,13 +75,17 @@ def quantize_module(module: nnx.Module, spec: QuantSpec, weights: dict[str, int]
             p = getattr(mod, attr, None)
             if not isinstance(p, nnx.Param):
                 continue
-            names = _names(p) or (None,) * p.ndim
-            depth = next((i for i, n in enumerate(names) if n != LAYERS), len(names))
+            names = param_names(p) or (None,) * p.ndim
+            depth = stack_depth(names)
             where = "/".join(str(k) for k in path + (attr,))
             shape = tuple(p.shape)
             problem = spec.problem(where, shape[depth:])
             if problem:
                 raise ValueError(problem)
             leaves = quantize(jnp, p[...], spec, depth, n_in)
-            setattr(mod, attr, QuantizedWeight(leaves, leaf_names(names, spec, depth, n_in), spec, dtype, shape))
+            # codes laid out as the weight shard over fsdp on their leading own dim when the
+            # weight's fsdp dim is its last (`fsdp_jax.sharding.frozen_rows`): the same bits, and
+            # no whole-stack transposed copy on XLA:GPU; blocks run along the last dim, unsplit
+            leaf_axes = {k: frozen_rows_names(v, names, depth) for k, v in leaf_names(names, spec, depth, n_in).items()}
+            setattr(mod, attr, QuantizedWeight(leaves, leaf_axes, spec, dtype, shape))
     return module

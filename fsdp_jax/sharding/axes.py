@@ -28,6 +28,11 @@ LORA_RANK = "lora_rank"  # a LoRA adapter's rank dim: replicated (its other dim 
 EXPERT = "expert"  # the experts of a mixture-of-experts layer
 Q_LORA = "q_lora"  # latent attention's compressed query width (q_lora_rank)
 KV_LORA = "kv_lora"  # latent attention's compressed key/value width (kv_lora_rank, + the RoPE key)
+# A frozen weight's leading own dim when its at-rest (fsdp) dim is its last (`w_down`, `wo` of a
+# LoRA base, float or quantised codes): it shards over fsdp here instead, so each layer's
+# all-gather runs along a major dim (XLA:GPU otherwise copies the whole layer stack into a
+# transposed layout before the layer loop). `fsdp_jax.sharding.frozen_rows`.
+FROZEN_ROWS = "frozen_rows"
 
 # Logical dims of activations.
 BATCH = "batch"

@@ -56,6 +56,7 @@ DEFAULT_RULES: Rules = {
     axes.EXPERT: None,  # experts replicated over devices (their embed dim shards over fsdp)
     axes.Q_LORA: axes.FSDP,  # latent attention's compressed widths: W_qb / W_kvb shard over fsdp here
     axes.KV_LORA: axes.FSDP,  # (W_qa / W_kva over their embed dim, which claims fsdp first)
+    axes.FROZEN_ROWS: (axes.TENSOR, axes.FSDP),  # a frozen w_down / wo: fsdp on its major dim
 }
 DEFAULT_MIN_SHARD_SIZE = 2**14  # elements; smaller unannotated leaves stay replicated
 

@@ -12,6 +12,11 @@ figure to read is the peak increase over the params' own bytes: a loader that
 staged the whole model on the host first shows about twice the params. For
 comparison it repeats the import the naive way (read every tensor whole, convert,
 stack, then device_put the tree) in a fresh process.
+
+With `--base-quant nf4|int8` it measures a QLoRA base instead (r16 all-linear, NF4 with
+double quantisation, block 64): quantised as it loads, streamed layer by layer
+(`fsdp_jax.app.trainer.qlora_load`) against loading the float32 base whole first and then
+quantising it; the figure to read is the peak increase over the quantised params' bytes.
 """
 
 from __future__ import annotations
@@ -35,11 +40,14 @@ import optax
 from fsdp_jax.app.cli.command import run_command
 from fsdp_jax.app.cli.flags import Parser, int_in
 from fsdp_jax.app.hf.load import HFCheckpoint, expected_tensors, leaf_sources, load_params
-from fsdp_jax.app.models import families
+from fsdp_jax.app.models import families, lora
 from fsdp_jax.app.models.config import DecoderConfig
+from fsdp_jax.app.models.lora import LoraSpec
 from fsdp_jax.app.trainer.build import trainer_model
+from fsdp_jax.app.trainer.qlora_load import load_quantised, plain_abstract
 from fsdp_jax.checkpoint import tree_paths
 from fsdp_jax.checkpoint.safetensors_io import write_safetensors
+from fsdp_jax.quant.weight import QuantSpec
 from fsdp_jax.sharding.mesh import make_mesh
 from fsdp_jax.train.build import build
 
@@ -125,18 +133,27 @@ def write_checkpoint(d: Path, args) -> int:
     return total
 
 
-def measure(path: str, naive: bool) -> dict:
+def measure(path: str, mode: str, quant: str = "none") -> dict:
 
     jax.config.update("jax_num_cpu_devices", 8)
 
     ckpt = HFCheckpoint(path)
-    m = trainer_model(ckpt.config)
+    naive = mode == "naive"
+    spec = None if quant == "none" else LoraSpec(16, 32.0, base_quant=QuantSpec(quant, 64, quant == "nf4"))
+    m = trainer_model(ckpt.config, "none", spec)
     built = build(m, optax.sgd(0.1), make_mesh(1, 8, 1), "full_shard")
-    abstract = built.abstract_state.params
-    params_bytes = sum(int(np.prod(x.shape)) * 4 for x in jax.tree.leaves(abstract))
+    abstract = built.abstract_state.params if spec is None else lora.split(built.abstract_state.params)[0]
+    params_bytes = sum(
+        int(np.prod(x.shape)) * 4
+        for x in jax.tree.leaves(plain_abstract(abstract, spec.base_quant if spec else QuantSpec("int8")))
+    )
+    loaded_bytes = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(abstract))
     before, hwm_before = rss(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     with Peak() as p:
-        if naive:  # the whole model as host arrays first, then placed
+        if spec is not None:
+            stream = ckpt if mode == "streamed" else None
+            params = load_quantised(lambda a: load_params(ckpt, a), abstract, spec.base_quant, 1, stream)
+        elif naive:  # the whole model as host arrays first, then placed
             want = tree_paths(abstract)
             full = [
                 ckpt.read(
@@ -160,8 +177,10 @@ def measure(path: str, naive: bool) -> dict:
     peak = max(p.peak, hwm if hwm > hwm_before else 0)
     return {
         "naive": naive,
+        "mode": mode,
         "stored_bytes": ckpt.nbytes(),
         "params_bytes_f32": params_bytes,
+        "loaded_bytes": loaded_bytes,
         "rss_before": before,
         "rss_after": after,
         "rss_peak": peak,
@@ -174,6 +193,7 @@ def build_parser(prog: str | None = None) -> Parser:
     ap.add_argument("--d-model", type=int_in(8, 1 << 16), default=256)
     ap.add_argument("--layers", type=int_in(1, 1024), default=4)
     ap.add_argument("--vocab", type=int_in(2, 1 << 20), default=2560)
+    ap.add_argument("--base-quant", choices=("none", "nf4", "int8"), default="none")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     return ap
@@ -181,14 +201,15 @@ def build_parser(prog: str | None = None) -> Parser:
 
 def run(args) -> int:
     if args.child:
-        print(json.dumps(measure(args.child[0], args.child[1] == "naive")))
+        print(json.dumps(measure(args.child[0], args.child[1], args.base_quant)))
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         write_checkpoint(Path(tmp), args)
         rows = []
-        for mode in ("sharded", "naive"):
+        for mode in ("sharded", "naive") if args.base_quant == "none" else ("streamed", "whole"):
             r = subprocess.run(
-                [sys.executable, "-m", "fsdp_jax.app.cli", "measure-hf-import", "--child", tmp, mode],
+                [sys.executable, "-m", "fsdp_jax.app.cli", "measure-hf-import", "--child", tmp, mode]
+                + ["--base-quant", args.base_quant],
                 capture_output=True,
                 text=True,
                 env=dict(os.environ, JAX_PLATFORMS="cpu"),
@@ -203,14 +224,14 @@ def run(args) -> int:
     mib = 2**20
     print(
         f"checkpoint: {rows[0]['stored_bytes'] / mib:.1f} MiB bf16 -> "
-        f"{rows[0]['params_bytes_f32'] / mib:.1f} MiB float32 params over 8 CPU devices"
+        f"{rows[0]['loaded_bytes'] / mib:.1f} MiB params over 8 CPU devices ({args.base_quant} base)"
     )
     print(f"{'import':<9}{'RSS before':>12}{'peak':>10}{'peak - before':>15}{'/ params':>10}{'/ stored':>10}")
     for r in rows:
         inc = r["rss_peak"] - r["rss_before"]
         print(
-            f"{'naive' if r['naive'] else 'sharded':<9}{r['rss_before'] / mib:>10.1f}M"
-            f"{r['rss_peak'] / mib:>9.1f}M{inc / mib:>13.1f}M{inc / r['params_bytes_f32']:>10.2f}"
+            f"{r['mode']:<9}{r['rss_before'] / mib:>10.1f}M"
+            f"{r['rss_peak'] / mib:>9.1f}M{inc / mib:>13.1f}M{inc / r['loaded_bytes']:>10.2f}"
             f"{inc / r['stored_bytes']:>10.2f}"
         )
     return 0

@@ -25,6 +25,7 @@ the host copy, so host memory holds one shard at a time, never the model.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Mapping
@@ -354,10 +355,11 @@ class HFCheckpoint:
         return read_block(f, n, kind, idx, shape, dh, dtype)
 
 
-def load_params(ckpt: HFCheckpoint, abstract_params) -> Any:
+def load_params(ckpt: HFCheckpoint, abstract_params, skip: frozenset[str] = frozenset()) -> Any:
     """Params laid out as `abstract_params` (ShapeDtypeStructs with shardings, the
     reference decoder's tree for `ckpt.config`), each process reading only the slices
-    its devices hold, cast to each leaf's dtype on the way."""
+    its devices hold, cast to each leaf's dtype on the way; the leaves at `skip` (paths as
+    `tree_paths` names them) are left as None (a caller streams them: `load_layer`)."""
     sources = leaf_sources(ckpt.config)
     want = tree_paths(abstract_params)
     if set(want) != set(sources):
@@ -369,23 +371,36 @@ def load_params(ckpt: HFCheckpoint, abstract_params) -> Any:
     for path, sds in want.items():
         names, kind = sources[path]
         stacked = len(names) > 1 or moe_layout.is_stacked(ckpt.config, path)
-        shape, dtype = tuple(sds.shape), np.dtype(sds.dtype)
-        sharding = getattr(sds, "sharding", None)
-        if sharding is None:
-            whole = tuple(slice(0, n) for n in shape)
-            leaves.append(jax.numpy.asarray(ckpt.read(names, kind, whole, shape, dtype, stacked)))
-            continue
-        groups: dict[tuple, list] = {}  # distinct index -> devices holding it
-        for dev, idx in sharding.addressable_devices_indices_map(shape).items():
-            key = tuple(s.indices(n)[:2] for s, n in zip(idx, shape))
-            groups.setdefault(key, []).append(dev)
-        arrays = []
-        for key, devs in groups.items():
-            block = ckpt.read(names, kind, tuple(slice(a, b) for a, b in key), shape, dtype, stacked)
-            arrays += [jax.device_put(block, d) for d in devs]
-            del block  # one host block at a time
-        leaves.append(jax.make_array_from_single_device_arrays(shape, sharding, arrays))
+        leaves.append(
+            None if path in skip else _placed(functools.partial(ckpt.read, names, kind, stacked=stacked), sds)
+        )
     return jax.tree.unflatten(jax.tree.structure(abstract_params), leaves)
+
+
+def load_layer(ckpt: HFCheckpoint, path: str, layer: int, sds) -> jax.Array:
+    """Layer `layer` of the stacked leaf at `path`, laid out as `sds` (that layer's shape,
+    dtype and sharding): only this layer's slices are read, so a caller that quantises each
+    layer as it lands holds one layer on the host at a time."""
+    names, kind = leaf_sources(ckpt.config)[path]
+    return _placed(functools.partial(ckpt.read, [names[layer]], kind, stacked=False), sds)
+
+
+def _placed(read, sds) -> jax.Array:
+    """`read(idx, shape, dtype)` block by block onto `sds`' devices: one host block at a time."""
+    shape, dtype = tuple(sds.shape), np.dtype(sds.dtype)
+    sharding = getattr(sds, "sharding", None)
+    if sharding is None:
+        return jax.numpy.asarray(read(tuple(slice(0, n) for n in shape), shape, dtype))
+    groups: dict[tuple, list] = {}  # distinct index -> devices holding it
+    for dev, idx in sharding.addressable_devices_indices_map(shape).items():
+        key = tuple(s.indices(n)[:2] for s, n in zip(idx, shape))
+        groups.setdefault(key, []).append(dev)
+    arrays = []
+    for key, devs in groups.items():
+        block = read(tuple(slice(a, b) for a, b in key), shape, dtype)
+        arrays += [jax.device_put(block, d) for d in devs]
+        del block  # one host block at a time
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
 def open_init(init_from: str, model: DecoderConfig) -> HFCheckpoint:

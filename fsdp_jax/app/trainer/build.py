@@ -34,6 +34,7 @@ from fsdp_jax.nvme import NVME_OFFLOADS
 from fsdp_jax.quant.fp8 import Fp8Recipe
 from fsdp_jax.quant.modules import quantize_module
 from fsdp_jax.sharding.context import context_size, zigzag
+from fsdp_jax.sharding.frozen_rows import frozen_rows
 from fsdp_jax.sharding.precision import Policy
 from fsdp_jax.train.build import Built, build
 from fsdp_jax.train.step_parts import TokenSum
@@ -47,8 +48,13 @@ def trainer_model(
     """The reference decoder as `ModelFns` (`from_nnx`), with `remat` applied per block,
     `lora`'s adapters (`fsdp_jax.app.models.lora`) and `fp8`'s projections (`fp8_recipe`;
     a delayed recipe's amax histories are the model's state)."""
-    if lora is None or lora.base_quant is None:
+    if lora is None:
         return from_nnx(lambda rngs: Decoder(model_cfg, rngs=rngs, remat=remat, lora=lora, fp8=fp8))
+    if lora.base_quant is None:  # the frozen base's w_down / wo gathered along a major dim (`frozen_rows`)
+        frozen = adapted(model_cfg, lora)[0]
+        return from_nnx(
+            lambda rngs: frozen_rows(Decoder(model_cfg, rngs=rngs, remat=remat, lora=lora, fp8=fp8), frozen)
+        )
     weights = {w: CONTRACTED[w] for w in adapted(model_cfg, lora)[0]}  # QLoRA: the targets' weights quantised
 
     def make(rngs):

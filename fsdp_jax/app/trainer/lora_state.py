@@ -24,6 +24,7 @@ import numpy as np
 
 from fsdp_jax.app.config.parse import config_to_dict
 from fsdp_jax.app.hf import peft
+from fsdp_jax.app.hf.load import is_hf, open_init
 from fsdp_jax.app.models import lora
 from fsdp_jax.app.trainer.build import lora_spec
 from fsdp_jax.app.trainer.qlora_load import load_quantised
@@ -117,7 +118,8 @@ def base_params(built, rng, load: Callable[[Any], Any] | None, cfg=None):
     abstract = lora.split(built.abstract_state.params)[0]
     spec = None if cfg is None else lora_spec(cfg)
     if spec is not None and spec.base_quant is not None:
-        return load_quantised(load, abstract, spec.base_quant, 1 if cfg.model.scan_layers else 0)
+        ckpt = open_init(cfg.init_from, cfg.model) if is_hf(cfg.init_from) else None  # streamed layer by layer
+        return load_quantised(load, abstract, spec.base_quant, 1 if cfg.model.scan_layers else 0, ckpt)
     return load(abstract)
 
 
