@@ -19,6 +19,7 @@ from fsdp_jax.app.models import lora as lora_lib
 from fsdp_jax.app.models.decoder import Decoder
 from fsdp_jax.app.trainer.build import lora_optimizer, make_loss_fn, trainer_model
 from fsdp_jax.model.fns import from_nnx
+from fsdp_jax.sharding import axes
 from fsdp_jax.sharding.mesh import make_mesh
 from fsdp_jax.sharding.rules import DEFAULT_RULES
 from fsdp_jax.train.build import build
@@ -62,8 +63,11 @@ def test_shared_expert_and_dense_layer_adapters_are_per_weight_and_shard_as_thei
     moe = f"{seg['sparse']}/moe"
     pairs = [(f"{moe}/shared_lora/{w}", f"{moe}/{p}") for w, p in peft.SHARED_PARAMS.items()]
     pairs += [(f"{seg['dense']}/mlp/lora/{w}", f"{seg['dense']}/mlp/{w}") for w in lora_lib.MLP_WEIGHTS]
+    rows = (axes.TENSOR, axes.FSDP)  # DEFAULT_RULES' frozen_rows
     for adapter, weight in pairs:
         w, a, b = spec[weight], spec[f"{adapter}/lora_a"], spec[f"{adapter}/lora_b"]
+        if w[1] == rows:  # a frozen w_down: fsdp moved to its leading dim (frozen_rows); adapters shard as it trains
+            w = (w[0], "tensor", "fsdp")
         assert a == (w[0], w[1], None) and b == (w[0], None, w[2]), (weight, w, a, b)
     assert any(spec[f"{moe}/shared_{p}"][2] == "tensor" for p in ("gate", "up"))  # a weight TP splits
 
