@@ -86,10 +86,26 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
     _check_precision(cfg)
     _check_train(cfg)
     _check_lora(cfg)
+    _check_mtp(cfg)
     check_fp8(cfg)
     if n_devices is not None:
         _check_devices(cfg, n_devices)
     _check_attention_precision(cfg)
+
+
+def _check_mtp(cfg: Config) -> None:
+    """Multi-token prediction (`model.mtp_depth`): a next-token objective on rows in order."""
+    if not cfg.model.mtp_depth:
+        return
+    d = cfg.model.mtp_depth
+    _check(
+        cfg.objective == "sft",
+        "model.mtp_depth",
+        d,
+        f"is a next-token objective's (objective sft, not {cfg.objective})",
+    )
+    _check(cfg.mesh.context == 1, "model.mtp_depth", d, "shifts rows in order: needs mesh.context 1")
+    _check(d < cfg.data.seq_len, "model.mtp_depth", d, f"must be < data.seq_len={cfg.data.seq_len}")
 
 
 def _check_heads(m: DecoderConfig) -> None:

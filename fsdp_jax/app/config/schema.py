@@ -82,6 +82,8 @@ MODEL_LIMITS: dict[str, str] = {
     "decoder_sparse_step": "> 0",
     "router_aux_loss_coef": ">= 0",
     "router_z_loss_coef": ">= 0",
+    "mtp_depth": ">= 0",
+    "mtp_loss_weight": ">= 0",
 }
 MODEL_CHOICES: dict[str, tuple[str, ...]] = {
     "attention": ("xla", "cudnn", "splash"),

@@ -34,7 +34,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from fsdp_jax.app.hf import moe_layout, mxfp4
+from fsdp_jax.app.hf import moe_layout, mtp_layout, mxfp4
 from fsdp_jax.app.hf.config_in import ARCH_FIELDS, FIELDS, model_config_from_hf
 from fsdp_jax.app.models import families
 from fsdp_jax.app.models.config import DecoderConfig
@@ -157,6 +157,7 @@ def expected_tensors(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
         out.update(moe_layout.expected(cfg, layer_tensors(cfg), shapes))
     for i in range(0 if cfg.n_experts else cfg.n_layers):
         out.update({f"model.layers.{i}.{k}": s for k, s in per.items()})
+    out.update(mtp_layout.expected(cfg, layer_tensors(cfg), shapes))
     out["model.norm.weight"] = (d,)
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = (cfg.vocab_size, d)
@@ -170,6 +171,7 @@ def leaf_sources(cfg: DecoderConfig) -> dict[str, tuple[list[str], str]]:
     for ours, (name, kind) in TOP_TENSORS.items():
         if ours != "head" or not cfg.tie_word_embeddings:
             out[ours] = ([name], kind)
+    out.update(mtp_layout.leaf_sources(cfg, layer_tensors(cfg)))  # MTP modules (a family with their layout)
     if cfg.n_experts:
         return {**out, **moe_layout.leaf_sources(cfg, layer_tensors(cfg))}
     for ours, (name, kind) in layer_tensors(cfg).items():
@@ -271,11 +273,14 @@ class HFCheckpoint:
                     self.where[name] = f
         # before listing the tensors the config implies (a loop over its layers)
         held = 1 + max((int(m.group(1)) for n in self.where if (m := _LAYER.match(n))), default=-1)
-        if held != self.config.n_layers:
+        mtp = mtp_layout.held(self.raw_config, self.config)  # MTP layers follow the decoder's
+        if held != self.config.n_layers + mtp:
             raise CheckpointError(
                 f"hf:{self.path}: config.json num_hidden_layers="
-                f"{self.config.n_layers}, but the tensors hold {held} layers"
+                f"{self.config.n_layers}{f' + {mtp} MTP' if mtp else ''}, but the tensors hold {held} layers"
             )
+        if self.config.mtp_depth > mtp:
+            raise ConfigError("model.mtp_depth", f"{self.config.mtp_depth}, but {where} holds {mtp} MTP layers")
         want = self.want = self._expected()
         missing = [n for n in want if n not in self.where]
         if missing:
@@ -287,7 +292,10 @@ class HFCheckpoint:
         extra = [
             n
             for n in self.where
-            if n not in want and not _IGNORED.fullmatch(n) and not (tied_head and n == "lm_head.weight")
+            if n not in want
+            and not _IGNORED.fullmatch(n)
+            and not (tied_head and n == "lm_head.weight")
+            and not mtp_layout.ignored(n, self.config, mtp)
         ]
         if extra:
             raise CheckpointError(
