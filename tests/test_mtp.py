@@ -28,7 +28,7 @@ from fsdp_jax.errors import ConfigError
 from fsdp_jax.model.fns import from_nnx
 from fsdp_jax.sharding.mesh import make_mesh
 from fsdp_jax.train.build import build
-from helpers import call, one_line
+from helpers import TINY_RUN_OVERRIDES, call, one_line
 
 CFG = DecoderConfig(
     vocab_size=48, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16, scan_layers=False
@@ -133,6 +133,20 @@ def test_every_strategy_trains_as_one_device():
 def test_metric_window_logs_mtp_loss():
     rec = summarise([{"mtp_loss": np.float32(2.0)}, {"mtp_loss": np.float32(3.0)}])
     assert rec == {"mtp_loss": 2.5}
+
+
+@pytest.mark.slow  # a whole train run (~15 s idle)
+def test_train_command_logs_mtp_loss(tmp_path, corpus, capsys):
+    """`fsdp-jax train` with model.mtp_depth=2: metrics.jsonl carries mtp_loss beside the loss,
+    which holds the weighted MTP term (the loss exceeds what mtp_loss alone would leave)."""
+    run = tmp_path / "run"
+    args = ["--config", "configs/tiny.yaml", *TINY_RUN_OVERRIDES, "model.mtp_depth=2", "train.steps=2"]
+    rc, _, err = call("train", *args, f"data.path={corpus}", f"run_dir={run}", capsys=capsys)
+    assert rc == 0, err[-3000:]
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in recs if "mtp_loss" in r][-1]
+    assert np.isfinite(last["mtp_loss"]) and last["mtp_loss"] > 0
+    assert last["loss"] > 0.3 * last["mtp_loss"]
 
 
 NAME = "deepseek_v3"
