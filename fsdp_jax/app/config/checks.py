@@ -14,6 +14,7 @@ from typing import Any
 from fsdp_jax.app import extras
 from fsdp_jax.app.config.context_checks import check_context
 from fsdp_jax.app.config.fp8_checks import check_fp8
+from fsdp_jax.app.config.mtp_checks import check_mtp
 from fsdp_jax.app.config.schema import Config, check_fields
 from fsdp_jax.app.models import lora
 from fsdp_jax.app.models.config import DecoderConfig
@@ -86,26 +87,11 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
     _check_precision(cfg)
     _check_train(cfg)
     _check_lora(cfg)
-    _check_mtp(cfg)
+    check_mtp(cfg)
     check_fp8(cfg)
     if n_devices is not None:
         _check_devices(cfg, n_devices)
     _check_attention_precision(cfg)
-
-
-def _check_mtp(cfg: Config) -> None:
-    """Multi-token prediction (`model.mtp_depth`): a next-token objective on rows in order."""
-    if not cfg.model.mtp_depth:
-        return
-    d = cfg.model.mtp_depth
-    _check(
-        cfg.objective == "sft",
-        "model.mtp_depth",
-        d,
-        f"is a next-token objective's (objective sft, not {cfg.objective})",
-    )
-    _check(cfg.mesh.context == 1, "model.mtp_depth", d, "shifts rows in order: needs mesh.context 1")
-    _check(d < cfg.data.seq_len, "model.mtp_depth", d, f"must be < data.seq_len={cfg.data.seq_len}")
 
 
 def _check_heads(m: DecoderConfig) -> None:
