@@ -165,7 +165,7 @@ BAD = [  # (config.json changes, keys dropped, words of the one line)
     ({"topk_group": 5}, (), ["topk_group=5", "larger than n_group=4"]),
     ({"kv_lora_rank": 0}, (), ["kv_lora_rank=0"]),
     ({"n_group": 3}, (), ["n_group=3", "must divide n_routed_experts=8"]),
-    ({"num_nextn_predict_layers": 1}, (), ["num_nextn_predict_layers=1", "multi-token prediction"]),
+    ({"num_nextn_predict_layers": -1}, (), ["num_nextn_predict_layers=-1", "integer >= 0"]),
     ({"rope_interleave": False}, (), ["rope_interleave=False"]),
     ({"head_dim": 16}, (), ["head_dim=16", "qk_rope_head_dim=8"]),
     ({"first_k_dense_replace": 3}, (), ["first_k_dense_replace=3", "no sparse layer"]),

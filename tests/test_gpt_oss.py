@@ -362,3 +362,13 @@ def test_shipped_config_is_gpt_oss_20b():
     assert big.global_every == 2 and big.sliding_window == 128  # no layer_types: transformers' alternation
     total, active = count_params(big), count_params(big, active=True) - 201088 * 2880
     assert round(total / 1e9, 2) == 116.83 and round(active / 1e9, 2) == 5.13  # gpt-oss-120b's
+    big_yaml = load_config(GOLDEN.parents[1].parent / "configs" / "gpt_oss_120b.yaml")
+    assert big_yaml.model == model_config_from_hf(
+        {
+            **GPT_OSS_20B,
+            "num_hidden_layers": 36,
+            "num_local_experts": 128,
+            "layer_types": ["sliding_attention", "full_attention"] * 18,
+        },
+        base=big_yaml.model,
+    )  # configs/gpt_oss_120b.yaml: openai/gpt-oss-120b's config.json differs from 20b's in these keys

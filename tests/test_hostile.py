@@ -175,6 +175,8 @@ OUT_OF_RANGE: dict[str, typing.Any] = {
     "model.topk_group": -1,
     "model.routed_scaling_factor": 0.0,
     "model.shared_experts_ffn_dim": -1,
+    "model.mtp_depth": -1,
+    "model.mtp_loss_weight": -0.5,
     "train.profile": "4:2",
     "logging.wandb": None,
     "logging.wandb_project": None,

@@ -47,6 +47,7 @@ from fsdp_jax.app.models.lora import adapter_mask
 from fsdp_jax.app.objectives.grpo_run import check_grpo_config, is_grpo
 from fsdp_jax.app.planner.inputs import parse_devices, parse_strategies
 from fsdp_jax.app.trainer.build import (
+    has_loss_aux,
     has_router_aux,
     lora_optimizer,
     lora_spec,
@@ -218,7 +219,7 @@ def _verify(args, cfg, strategies, n: int, batches: list, data: int = 1):
     optimizer, _ = build_optimizer(dataclasses.replace(cfg.optimizer, warmup_steps=0), cfg.train.steps)
     optimizer = optimizer if lora is None else lora_optimizer(optimizer)
     loss_fn = make_loss_fn(model, cfg.model)  # a mixture of experts: plus the router terms, as the trainer's step
-    has_aux = has_router_aux(cfg.model)
+    has_aux = has_loss_aux(cfg.model)  # router terms, an MTP loss
     if cfg.objective != "sft":  # the trainer's preference / GRPO step (precomputed log-probs: computed in the step)
         model, loss_fn = objective_loss(cfg, model, precomputed=False)
         has_aux = True

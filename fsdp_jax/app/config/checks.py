@@ -14,6 +14,7 @@ from typing import Any
 from fsdp_jax.app import extras
 from fsdp_jax.app.config.context_checks import check_context
 from fsdp_jax.app.config.fp8_checks import check_fp8
+from fsdp_jax.app.config.mtp_checks import check_mtp
 from fsdp_jax.app.config.schema import Config, check_fields
 from fsdp_jax.app.models import lora
 from fsdp_jax.app.models.config import DecoderConfig
@@ -86,6 +87,7 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
     _check_precision(cfg)
     _check_train(cfg)
     _check_lora(cfg)
+    check_mtp(cfg)
     check_fp8(cfg)
     if n_devices is not None:
         _check_devices(cfg, n_devices)

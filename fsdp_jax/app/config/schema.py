@@ -84,6 +84,8 @@ MODEL_LIMITS: dict[str, str] = {
     "router_z_loss_coef": ">= 0",
     "bias_update_speed": ">= 0",
     "seq_aux_loss_coef": ">= 0",
+    "mtp_depth": ">= 0",
+    "mtp_loss_weight": ">= 0",
 }
 MODEL_CHOICES: dict[str, tuple[str, ...]] = {
     "attention": ("xla", "cudnn", "splash"),

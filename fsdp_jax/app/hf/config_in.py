@@ -48,6 +48,7 @@ FIELDS = {
 # every architecture field of DecoderConfig (what a checkpoint decides; not scan_layers/attention)
 # (capacity_factor, the router z-loss, the balancing speed and alpha, the grouped-matmul kernel and the exchange are training options
 # a checkpoint does not record)
+# (and multi-token prediction: a run may train fewer MTP depths than a checkpoint holds, as transformers loads none)
 _RUN_FIELDS = (
     "scan_layers",
     "attention",
@@ -57,6 +58,8 @@ _RUN_FIELDS = (
     "seq_aux_loss_coef",
     "grouped_matmul",
     "expert_exchange",
+    "mtp_depth",
+    "mtp_loss_weight",
 )
 ARCH_FIELDS = tuple(f.name for f in dataclasses.fields(DecoderConfig) if f.name not in _RUN_FIELDS)
 # rope dict keys -> DecoderConfig field, per rope type (required keys first)

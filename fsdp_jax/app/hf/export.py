@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from fsdp_jax.app.config.parse import config_from_dict
-from fsdp_jax.app.hf import load, moe_layout
+from fsdp_jax.app.hf import layouts, load, moe_layout, mtp_layout
 from fsdp_jax.app.hf.config_out import config_json
 from fsdp_jax.app.models.config import DecoderConfig
 from fsdp_jax.app.models.decoder import Decoder
@@ -186,6 +186,9 @@ def _tensor_entries(cfg: DecoderConfig, saved: dict, out_dt) -> tuple[list, dict
                 n = name if e is None else name.format(e=e)
                 entries.append((n, shapes[n], dt))
                 source[n] = (path, i if stacked else None, kind, e)
+    for n, (path, kind) in mtp_layout.copies(cfg).items():  # an MTP layer's copies of the embedding and head
+        entries.append((n, shapes[n], out_dt or np.dtype(saved[f"params/{path}"].dtype)))
+        source[n] = (path, None, kind, None)
     return entries, source
 
 
@@ -199,7 +202,7 @@ def _leaf_reader(read_leaf, source: dict):
             cache.clear()  # one leaf in host memory at a time
             cache[path] = np.asarray(read_leaf(path))
         arr = cache[path] if layer is None else cache[path][layer]
-        return load.to_hf(kind, arr, expert)
+        return layouts.to_hf(kind, arr, expert)
 
     return fetch
 

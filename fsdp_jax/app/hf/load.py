@@ -35,8 +35,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from fsdp_jax.app.hf import fp8_blocks, moe_layout, mxfp4
+from fsdp_jax.app.hf import fp8_blocks, moe_layout, mtp_layout, mxfp4
 from fsdp_jax.app.hf.config_in import ARCH_FIELDS, FIELDS, model_config_from_hf
+from fsdp_jax.app.hf.layouts import read_block, span
 from fsdp_jax.app.models import families
 from fsdp_jax.app.models.config import DecoderConfig
 from fsdp_jax.checkpoint import CheckpointError, tree_paths
@@ -158,6 +159,7 @@ def expected_tensors(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
         out.update(moe_layout.expected(cfg, layer_tensors(cfg), shapes))
     for i in range(0 if cfg.n_experts else cfg.n_layers):
         out.update({f"model.layers.{i}.{k}": s for k, s in per.items()})
+    out.update(mtp_layout.expected(cfg, layer_tensors(cfg), shapes))
     out["model.norm.weight"] = (d,)
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = (cfg.vocab_size, d)
@@ -171,6 +173,7 @@ def leaf_sources(cfg: DecoderConfig) -> dict[str, tuple[list[str], str]]:
     for ours, (name, kind) in TOP_TENSORS.items():
         if ours != "head" or not cfg.tie_word_embeddings:
             out[ours] = ([name], kind)
+    out.update(mtp_layout.leaf_sources(cfg, layer_tensors(cfg)))  # MTP modules (a family with their layout)
     if cfg.n_experts:
         return {**out, **moe_layout.leaf_sources(cfg, layer_tensors(cfg))}
     for ours, (name, kind) in layer_tensors(cfg).items():
@@ -180,53 +183,6 @@ def leaf_sources(cfg: DecoderConfig) -> dict[str, tuple[list[str], str]]:
             for i in range(cfg.n_layers):
                 out[f"blocks/{i}/{ours}"] = ([f"model.layers.{i}.{name}"], kind)
     return out
-
-
-def _span(s: slice, n: int) -> tuple[int, int]:
-    a, b, _ = s.indices(n)
-    return a, b
-
-
-def read_block(
-    f: SafetensorsFile, name: str, kind: str, idx: tuple[slice, ...], shape: tuple[int, ...], dh: int, dtype
-) -> np.ndarray:
-    """Our per-layer tensor of `shape`, sliced by `idx`, read from HF tensor `name` (the
-    per-head width of a `qkv` / `bias` / `o` leaf is its own: (.., N, Dh) / (H, Dh, D))."""
-    dh = shape[1] if kind == "o" else shape[-1]
-    if kind in ("id", mxfp4.KIND):
-        return f.read(name, *idx, dtype=dtype)
-    if kind == "t":  # ours (a, b) = w.T
-        return f.read(name, idx[1], idx[0], dtype=dtype).T
-    if kind == "qkv":  # ours (D, N, Dh) = w.T.reshape(D, N, Dh), w (N*Dh, D)
-        n0, n1 = _span(idx[1], shape[1])
-        w = f.read(name, slice(n0 * dh, n1 * dh), idx[0], dtype=dtype)  # (n*Dh, d)
-        return w.reshape(n1 - n0, dh, -1)[:, idx[2], :].transpose(2, 0, 1)
-    if kind == "bias":  # ours (N, Dh) = b.reshape(N, Dh), b (N*Dh,)
-        n0, n1 = _span(idx[0], shape[0])
-        return f.read(name, slice(n0 * dh, n1 * dh), dtype=dtype).reshape(n1 - n0, dh)[:, idx[1]]
-    if kind == "o":  # ours (H, Dh, D) = w.T.reshape(H, Dh, D), w (D, H*Dh)
-        h0, h1 = _span(idx[0], shape[0])
-        w = f.read(name, idx[2], slice(h0 * dh, h1 * dh), dtype=dtype)  # (d, h*Dh)
-        return w.reshape(-1, h1 - h0, dh)[:, :, idx[1]].transpose(1, 2, 0)
-    raise ValueError(kind)
-
-
-def to_hf(kind: str, ours: np.ndarray, expert: int | None = None) -> np.ndarray:
-    """One layer's tensor in HF layout (the inverse of `read_block` on the whole tensor);
-    an expert kind: expert `expert`'s."""
-    if kind.startswith(moe_layout.EXPERT_KIND):
-        return to_hf(kind[len(moe_layout.EXPERT_KIND) :], ours[expert])
-    if kind in ("id", mxfp4.KIND):
-        return ours
-    if kind == "t":
-        return ours.T
-    if kind == "qkv":
-        return ours.reshape(ours.shape[0], -1).T
-    if kind == "bias":
-        return ours.reshape(-1)
-    if kind == "o":
-        return ours.reshape(-1, ours.shape[-1]).T
-    raise ValueError(kind)
 
 
 # -- the checkpoint ------------------------------------------------------------------------
@@ -273,11 +229,14 @@ class HFCheckpoint:
                     self.where[name] = f
         # before listing the tensors the config implies (a loop over its layers)
         held = 1 + max((int(m.group(1)) for n in self.where if (m := _LAYER.match(n))), default=-1)
-        if held != self.config.n_layers:
+        mtp = mtp_layout.held(self.raw_config, self.config)  # MTP layers follow the decoder's
+        if held != self.config.n_layers + mtp:
             raise CheckpointError(
                 f"hf:{self.path}: config.json num_hidden_layers="
-                f"{self.config.n_layers}, but the tensors hold {held} layers"
+                f"{self.config.n_layers}{f' + {mtp} MTP' if mtp else ''}, but the tensors hold {held} layers"
             )
+        if self.config.mtp_depth > mtp:
+            raise ConfigError("model.mtp_depth", f"{self.config.mtp_depth}, but {where} holds {mtp} MTP layers")
         want = self.want = self._expected()
         missing = [n for n in want if n not in self.where]
         if missing:
@@ -293,6 +252,7 @@ class HFCheckpoint:
             and not _IGNORED.fullmatch(n)
             and not (tied_head and n == "lm_head.weight")
             and not (self.fp8 and n.endswith(fp8_blocks.SCALE) and n.removesuffix(fp8_blocks.SCALE) in want)
+            and not mtp_layout.ignored(n, self.config, mtp)
         ]
         if extra:
             raise CheckpointError(
@@ -337,10 +297,10 @@ class HFCheckpoint:
         """The block `idx` of our leaf of `shape` (stacked: leading layer dim over `names`)."""
         dh = self.config.head_dim
         if stacked:
-            l0, l1 = _span(idx[0], shape[0])
+            l0, l1 = span(idx[0], shape[0])
             return np.stack([self.read([names[i]], kind, idx[1:], shape[1:], dtype, False) for i in range(l0, l1)])
         if kind.startswith(moe_layout.EXPERT_KIND):  # one HF tensor per expert, stacked
-            e0, e1 = _span(idx[0], shape[0])
+            e0, e1 = span(idx[0], shape[0])
             base = kind[len(moe_layout.EXPERT_KIND) :]
             return np.stack(
                 [self.read([names[0].format(e=e)], base, idx[1:], shape[1:], dtype, False) for e in range(e0, e1)]

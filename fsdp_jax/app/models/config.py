@@ -84,6 +84,11 @@ class DecoderConfig:
     capacity_factor: float = 0.0  # > 0: tokens over an expert's capacity dropped; 0 = dropless
     grouped_matmul: str = "auto"  # dropless experts' kernel: auto | xla | tokamax (models/grouped_matmul.py)
     expert_exchange: str = "dense"  # experts over batch axes, dropless: dense | ragged all-to-all (GPU/TPU)
+    # multi-token prediction (DeepSeek-V3 report sec. 2.2; models/mtp.py): depth k = 1..mtp_depth predicts
+    # token t+k+1 from depth k-1's hidden and token t+k's embedding through one more block; the loss adds
+    # mtp_loss_weight x the mean over depths of their cross-entropies. 0 = off (DeepSeek-V3: 1, weight 0.3 then 0.1)
+    mtp_depth: int = 0
+    mtp_loss_weight: float = 0.3
     # the model_type of a registered family whose own block parts build the blocks (its config.json
     # decides: `fsdp_jax.app.models.families.Family.parts`); "" = the decoder's own (every family so far)
     family: str = ""
@@ -98,9 +103,12 @@ class DecoderConfig:
             return False
         return not self.global_every or (layer + 1) % self.global_every != 0
 
+    def is_sparse(self, layer: int) -> bool:
+        """Whether layer `layer` (an MTP block: n_layers + k - 1) has the mixture of experts."""
+        step = max(self.decoder_sparse_step, 1)
+        return bool(self.n_experts) and layer not in set(self.mlp_only_layers) and (layer + 1) % step == 0
+
     def sparse_layers(self) -> tuple[bool, ...]:
         """Per layer: whether its MLP is the mixture of experts (Qwen's `decoder_sparse_step`
         and `mlp_only_layers`)."""
-        skip = set(self.mlp_only_layers)
-        step = max(self.decoder_sparse_step, 1)
-        return tuple(bool(self.n_experts) and i not in skip and (i + 1) % step == 0 for i in range(self.n_layers))
+        return tuple(self.is_sparse(i) for i in range(self.n_layers))

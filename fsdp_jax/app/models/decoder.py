@@ -42,7 +42,8 @@ from fsdp_jax.app.models.lora import (
     target_problem,
 )
 from fsdp_jax.app.models.lora_dropout import layer_keys
-from fsdp_jax.app.models.moe import MoE, moe_active_params, moe_params, zero_stats
+from fsdp_jax.app.models.moe import MoE, add_stats, moe_active_params, moe_params, zero_stats
+from fsdp_jax.app.models.mtp import make_mtp, mtp_params, shift_left
 from fsdp_jax.app.models.norm import RMSNorm, normal_param
 from fsdp_jax.app.models.parts import DEFAULT_PARTS, BlockParts
 from fsdp_jax.app.models.self_attention import Attention, attention_params, constrain, flat_rows, with_lora
@@ -188,14 +189,27 @@ class Decoder(nnx.Module):
         if lora is not None and not cfg.scan_layers:  # last, as in a scanned Block
             for blk in self.segments if cfg.n_experts else self.blocks:
                 attach(blk, cfg, lora, rngs)
+        if cfg.mtp_depth:  # after every other param: the model's own are drawn as without MTP
+            self.mtp = make_mtp(cfg, rngs, lambda c, r, sparse: Block(c, r, sparse, parts=parts, fp8=fp8))
 
     def __call__(
-        self, tokens, segment_ids=None, positions=None, *, router: bool = False, token_mask=None, dropout_key=None
+        self,
+        tokens,
+        segment_ids=None,
+        positions=None,
+        *,
+        router: bool = False,
+        token_mask=None,
+        dropout_key=None,
+        mtp: bool = False,
     ):
         """tokens (B, S) int -> logits (B, S, V). Packed rows: `segment_ids` (B, S) keep
         attention inside each example, `positions` (B, S) restart RoPE per example.
         `router`: return (logits, RouterStats over the tokens where `token_mask` (B, S)).
-        `dropout_key`: the adapters' dropout (training; layer l's key `fold_in(key, l)`)."""
+        `dropout_key`: the adapters' dropout (training; layer l's key `fold_in(key, l)`).
+        `mtp` (`mtp_depth` > 0): logits become (logits, (depth 1's logits, ..., depth D's)),
+        depth k's row i predicting token i + k + 1 (`models/mtp.py`; its blocks' router
+        statistics join the model's)."""
         cfg = self.cfg
         b, s = tokens.shape
         # Gather the table over its embed dim before the lookup, as for any FSDP
@@ -205,11 +219,15 @@ class Decoder(nnx.Module):
         if cfg.embed_scale:  # sqrt(D) rounded to the compute dtype, as transformers does
             x = x * jnp.asarray(np.float32(cfg.d_model**0.5), emb.dtype)
         x = constrain(x, (BATCH, LENGTH, EMBED))
+        x0 = x  # the embeddings: MTP depth k reads them shifted by k
         if cfg.n_experts:
             x, stats = stack.run_layers(
                 cfg, self.segments, x, self.remat, segment_ids, positions, token_mask, dropout_key
             )
             logits = self._head(x)
+            if mtp:
+                more, stats = self._mtp(x, x0, segment_ids, positions, token_mask, stats)
+                logits = (logits, more)
             return (logits, stats) if router else logits
         pattern = bool(cfg.sliding_window and cfg.global_every)  # per-layer local flag
         # per layer (None: not used): the local flag, the adapters' dropout key
@@ -234,12 +252,33 @@ class Decoder(nnx.Module):
         else:
             for i, blk in enumerate(self.blocks):
                 x = block_fn(blk, x, None if flags is None else flags[i], None if keys is None else keys[i])
-        return self._head(x)
+        return (self._head(x), self._mtp(x, x0, segment_ids, positions)[0]) if mtp else self._head(x)
 
-    def _head(self, x):  # (B, S, D) -> logits (B, S, V)
+    def _mtp(self, h, x0, segment_ids=None, positions=None, token_mask=None, stats=None):
+        """The MTP depths' logits from the main model's last hidden `h` and embeddings `x0`
+        (B, S, D): ((B, S, V) per depth, `stats` plus their blocks' router statistics)."""
+        cfg = self.cfg
+        if not cfg.mtp_depth:
+            raise ConfigError("model.mtp_depth", "0: the model has no multi-token prediction modules")
+
+        def fn(blk, x, loc):
+            if cfg.n_experts:
+                return blk(x, loc, segment_ids, positions, token_mask)
+            return blk(x, loc, segment_ids, positions), None
+
+        policy = layer_gather.block_policy(self.remat)
+        fn = fn if policy is None else nnx.remat(fn, policy=policy)
+        out = []
+        for k, layer in enumerate(self.mtp, start=1):
+            h, s = layer(h, shift_left(x0, k), fn)
+            stats = stats if s is None else add_stats(stats, s)
+            out.append(self._head(h, layer.norm))
+        return tuple(out), stats
+
+    def _head(self, x, norm=None):  # (B, S, D) -> logits (B, S, V); `norm`: an MTP depth's own
         cfg = self.cfg
         b, s, _ = x.shape
-        x = self.final_norm(x)
+        x = (self.final_norm if norm is None else norm)(x)
         x2 = flat_rows(x)
         if cfg.tie_word_embeddings:
             logits = matmul(x2, self.embed[...].T).reshape(b, s, -1)  # (B*S, D) @ (D, V)
@@ -256,18 +295,19 @@ def cross_entropy(logits, targets):
 def count_params(cfg: DecoderConfig, active: bool = False) -> int:
     """Parameter count: embeddings, head (unless tied), per-layer attention (+ q/k/v
     biases, q/k norms) + gated MLP or mixture of experts + 2 norms (4 with `sandwich_norm`),
-    final norm; a family's block parts count theirs (`layer_params`, `added_params`). `active`: the
-    experts a token uses (top-k of n_experts) only."""
+    final norm; a family's block parts count theirs (`layer_params`, `added_params`); MTP depths
+    their blocks and `mtp.mtp_params`. `active`: the experts a token uses (top-k of n_experts) only."""
     d, f = cfg.d_model, cfg.ffn_dim
     parts = families.block_parts(cfg)
     attn = getattr(parts.attention, "layer_params", attention_params)(cfg)
     added = getattr(parts.moe, "added_params", None)
     per_layer = attn + (4 if cfg.sandwich_norm else 2) * d
-    n_sparse = sum(stack.sparse_layers(cfg))
+    layers = cfg.n_layers + cfg.mtp_depth  # an MTP depth's block is the block of its layer index
+    n_sparse = sum(cfg.is_sparse(i) for i in range(layers))
     moe = (moe_active_params(cfg) if active else moe_params(cfg)) + (added(cfg, active) if added else 0)
-    mlps = (cfg.n_layers - n_sparse) * 3 * d * f + n_sparse * moe
+    mlps = (layers - n_sparse) * 3 * d * f + n_sparse * moe
     tables = 1 if cfg.tie_word_embeddings else 2
-    return tables * cfg.vocab_size * d + cfg.n_layers * per_layer + mlps + d
+    return tables * cfg.vocab_size * d + layers * per_layer + mlps + d + mtp_params(cfg)
 
 
 def _attended_fraction(cfg: DecoderConfig, seq_len: int, layer: int) -> float:
@@ -282,13 +322,15 @@ def flops_per_token(cfg: DecoderConfig, seq_len: int, lora: LoraSpec | None = No
     """Training FLOPs per token: 6 x (params used in matmuls: all but the embedding
     lookup) plus causal attention scores and values, 6 x L x S x H x Dh (PaLM appendix
     B counts 12 x L x S x D for full attention; causal masking does half the work; a
-    sliding layer does the fraction of that work its window leaves). With `lora` the base
+    sliding layer does the fraction of that work its window leaves; an MTP depth is one more
+    layer and one more head matmul). With `lora` the base
     is frozen: 4 per base param (forward and input gradient, no weight gradient) plus 6
     per adapter param."""
     # a tied table is used by the head matmul, so only an untied one is lookup-only
     lookup_only = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.d_model
-    matmul_params = count_params(cfg, active=True) - lookup_only  # a token's experts only
-    layers = sum(_attended_fraction(cfg, seq_len, i) for i in range(cfg.n_layers))
+    # a token's experts only; each MTP depth runs the shared head once more
+    matmul_params = count_params(cfg, active=True) - lookup_only + cfg.mtp_depth * cfg.vocab_size * cfg.d_model
+    layers = sum(_attended_fraction(cfg, seq_len, i) for i in range(cfg.n_layers + cfg.mtp_depth))
     attention = 6.0 * layers * seq_len * cfg.n_heads * cfg.head_dim
     if lora is None:
         return 6.0 * matmul_params + attention

@@ -24,6 +24,7 @@ from fsdp_jax.app.models.lora import LoraSpec, adapted, adapter_mask, spec_from_
 from fsdp_jax.app.models.qlora import CONTRACTED
 from fsdp_jax.app.objectives.grpo_loss import choose_grpo_reference, make_grpo_loss
 from fsdp_jax.app.objectives.grpo_run import grpo_spec, is_grpo
+from fsdp_jax.app.objectives.mtp import add_term, with_mtp
 from fsdp_jax.app.objectives.preference_pack import max_pairs_for
 from fsdp_jax.app.objectives.preference_run import is_preference, preference_spec
 from fsdp_jax.app.objectives.reference import choose_reference, make_preference_loss, with_reference
@@ -115,13 +116,15 @@ def make_loss_fn(model: ModelFns, model_cfg: DecoderConfig | None = None, dropou
     document-masked batch dict (`fsdp_jax.app.data.packing.batch_from_rows`): attention and
     positions per segment, the loss over the weighted targets of the global batch.
     A mixture-of-experts `model_cfg`: plus the router terms (`router_metrics`), and the
-    loss returns `(loss, router aux)` (build with `has_aux=True`: `has_router_aux`).
+    loss returns `(loss, router aux)`; with `mtp_depth` > 0 plus the weighted multi-token
+    prediction loss, `mtp_loss` in the aux (`objectives.mtp`) (build with `has_aux=True`:
+    `has_loss_aux`).
     `dropout` (the adapters', `lora_dropout`): the step's extended call
     `loss_fn(params, batch, state=, rng=, train=)`, the step's key as the decoder's
     `dropout_key` when training (eval: none); build with `rng=dropout_key(cfg)`."""
 
     def body_for(m: ModelFns) -> Callable:
-        return _moe_loss_fn(m, model_cfg) if has_router_aux(model_cfg) else _dense_loss_fn(m)
+        return _moe_loss_fn(m, model_cfg) if has_router_aux(model_cfg) else _dense_loss_fn(m, model_cfg)
 
     body = body_for(model)
     stateful = model.abstract_model_state is not None  # FP8's amax histories (`fp8_recipe`)
@@ -166,13 +169,18 @@ def _loss(logits, b: dict):
     return token_loss(logits, b["targets"], b["weights"])
 
 
-def _dense_loss_fn(model: ModelFns) -> Callable:
+def _dense_loss_fn(model: ModelFns, cfg: DecoderConfig | None = None) -> Callable:
+    depth = cfg.mtp_depth if cfg is not None else 0
+
     def loss_fn(params, batch, key):
         kw = {} if key is None else {"dropout_key": key}
+        kw.update({"mtp": True} if depth else {})
         b = _model_inputs(batch)
         if b["positions"] is None:
-            return _loss(model.apply(params, b["inputs"], **kw), b)
-        return _loss(model.apply(params, b["inputs"], b["segment_ids"], b["positions"], **kw), b)
+            out = model.apply(params, b["inputs"], **kw)
+        else:
+            out = model.apply(params, b["inputs"], b["segment_ids"], b["positions"], **kw)
+        return with_mtp(cfg, _loss(out[0], b), out[1], b) if depth else _loss(out, b)
 
     return loss_fn
 
@@ -181,18 +189,24 @@ def has_router_aux(model_cfg: DecoderConfig | None) -> bool:
     return bool(model_cfg is not None and model_cfg.n_experts)
 
 
+def has_loss_aux(model_cfg: DecoderConfig | None) -> bool:
+    """Does the next-token loss of `model_cfg` return (loss, aux): router terms, an MTP loss?"""
+    return has_router_aux(model_cfg) or bool(model_cfg is not None and model_cfg.mtp_depth)
+
+
 def _moe_loss_fn(model: ModelFns, cfg: DecoderConfig) -> Callable:
     def loss_fn(params, batch, key):
         kw = {} if key is None else {"dropout_key": key}
         b = _model_inputs(batch)
         if b["segment_ids"] is not None:  # packed rows: the router sees the real tokens only
             kw["token_mask"] = b["segment_ids"] > 0
+        kw.update({"mtp": True} if cfg.mtp_depth else {})
         logits, stats = model.apply(params, b["inputs"], b["segment_ids"], b["positions"], router=True, **kw)
         extra, aux = router_terms(cfg, stats)
-        if b["weights"] is None:
-            return _loss(logits, b) + extra, aux
-        ts = _loss(logits, b)
-        return TokenSum(ts.total + extra * ts.count, ts.count), aux
+        if not cfg.mtp_depth:
+            return add_term(_loss(logits, b), extra), aux
+        loss, more = with_mtp(cfg, _loss(logits[0], b), logits[1], b)
+        return add_term(loss, extra), {**aux, **more}
 
     return loss_fn
 
@@ -252,7 +266,7 @@ def build_from_config(
         mesh,
         strategy or cfg.mesh.strategy,
         loss_fn=make_loss_fn(model, cfg.model, lora_dropout(cfg)) if loss_fn is None else loss_fn,
-        has_aux=has_router_aux(cfg.model) or cfg.objective != "sft",  # preference losses: their metrics
+        has_aux=has_loss_aux(cfg.model) or cfg.objective != "sft",  # preference losses: their metrics
         rules=cfg.mesh.rules,
         min_shard_size=cfg.mesh.min_shard_size,
         max_replicated_fraction=max_replicated_fraction,

@@ -16,7 +16,7 @@ import contextlib
 from pathlib import Path
 
 from fsdp_jax.app.models.lora import adapter_mask
-from fsdp_jax.app.trainer.build import dropout_key, has_router_aux, lora_dropout, lora_spec
+from fsdp_jax.app.trainer.build import dropout_key, has_loss_aux, lora_dropout, lora_spec
 from fsdp_jax.errors import ConfigError, OffloadError
 from fsdp_jax.nvme import NVME_OFFLOADS, NvmeStep
 from fsdp_jax.train.build import Built
@@ -48,7 +48,7 @@ def open_step(cfg, built: Built, loss_fn, run_dir: Path) -> NvmeStep | None:
             # what the nvme step cannot run yet, for its one-line refusal (`check_streamable`)
             trainable=adapter_mask if lora_spec(cfg) is not None else None,
             rng=dropout_key(cfg) if lora_dropout(cfg) else None,
-            has_aux=has_router_aux(cfg.model) or cfg.objective != "sft",
+            has_aux=has_loss_aux(cfg.model) or cfg.objective != "sft",
         )
     except OffloadError as e:  # bad input: exit 2, the key named, nothing written
         key, _, msg = str(e).partition(": ")

@@ -9,7 +9,8 @@ pairs (E,), and the pairs dropped over capacity. Per logged window (`summarise`)
 metrics.jsonl: `router_aux_loss`, `router_z_loss`, `expert_load_min` / `expert_load_max`
 (shares; 1 / E each when balanced), `expert_load_imbalance` (max share x E: 1 when
 balanced), `dropped_tokens` (per step, mean over the window), `router_seq_aux_loss` (the sequence-wise
-term before alpha: the number of sparse layers when balanced). The aux also carries each
+term before alpha: the number of sparse layers when balanced); with multi-token prediction
+`mtp_loss` (`fsdp_jax.app.objectives.mtp`), the window's mean. The aux also carries each
 layer's counts (`expert_counts`, (L, E)) for DeepSeek-V3's bias rule (`expert_bias`).
 """
 
@@ -53,8 +54,12 @@ def summarise(auxes: list[dict]) -> dict:
         vals = [v.reshape(-1, v.shape[-1]).mean(0) if vec else v.mean() for v in vals]
         return np.mean(vals, axis=0)
 
+    out = {"mtp_loss": float(mean("mtp_loss"))} if "mtp_loss" in auxes[0] else {}  # a dense model's MTP
+    if "expert_load" not in auxes[0]:
+        return out
     load = mean("expert_load", vec=True)
     return {
+        **out,
         "router_aux_loss": float(mean("router_aux_loss")),
         "router_z_loss": float(mean("router_z_loss")),
         "expert_load_min": float(load.min()),

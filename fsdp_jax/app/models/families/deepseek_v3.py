@@ -2,9 +2,10 @@
 kv low-rank compression and a decoupled RoPE key (`models/latent_attention.py`), the first
 `first_k_dense_replace` layers dense, the others a mixture of experts with grouped sigmoid
 routing, a score-correction bias and shared experts (`models/moe_grouped.py`), YaRN with its
-mscale. Multi-token prediction layers (`num_nextn_predict_layers` > 0) are refused; FP8
-checkpoints (`quantization_config` fp8, 128 x 128 blocks as published) are dequantised on import
-(`fsdp_jax.app.hf.fp8_blocks`). LoRA by PEFT's names on latent attention's projections.
+mscale. Multi-token prediction layers (`num_nextn_predict_layers`) are layers num_hidden_layers +
+k - 1 (`fsdp_jax.app.hf.mtp_layout`); FP8 checkpoints (`quantization_config` fp8, 128 x 128
+blocks as published) are dequantised on import (`fsdp_jax.app.hf.fp8_blocks`). LoRA by PEFT's
+names on latent attention's projections.
 
 Tensors under model.layers.N (transformers' DeepseekV3ForCausalLM as it saves them):
   self_attn.q_a_proj.weight (r_q, D), q_a_layernorm.weight, q_b_proj.weight (H (Dn + Dr), r_q)
@@ -41,7 +42,8 @@ DEFAULTS = {
 
 
 def fields_in(raw, bad, get) -> dict:
-    """Latent attention's widths; RoPE on interleaved pairs; no MTP layers, no attention bias."""
+    """Latent attention's widths; RoPE on interleaved pairs; no attention bias. (MTP layers:
+    `model.mtp_depth`, a run's choice, read in `fsdp_jax.app.hf.mtp_layout`.)"""
     q = get("q_lora_rank")
     out = {"q_lora_rank": 0 if q is None else int_key({"q_lora_rank": q}, "q_lora_rank", bad)}
     for key in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
@@ -56,8 +58,7 @@ def fields_in(raw, bad, get) -> dict:
         raise bad("rope_interleave", "the RoPE dims are read as DeepSeek lays them out, in pairs (allowed: true)")
     if raw.get("attention_bias", False):
         raise bad("attention_bias", "DeepSeek-V3's projections have no biases (allowed: false)")
-    if raw.get("num_nextn_predict_layers") or raw.get("num_mtp_layers"):
-        raise bad("num_nextn_predict_layers", "multi-token prediction layers are not implemented (allowed: 0)")
+    int_key({"num_nextn_predict_layers": raw.get("num_nextn_predict_layers") or 0}, "num_nextn_predict_layers", bad, 0)
     return {**out, "attn_softcap": 0.0, "final_softcap": 0.0}
 
 
@@ -119,7 +120,7 @@ def json_out(cfg, base: dict) -> dict:
         "v_head_dim": cfg.v_head_dim,
         "pretraining_tp": 1,
         "rope_interleave": True,
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": cfg.mtp_depth,
     }
 
 
@@ -171,4 +172,5 @@ FAMILY = Family(
     parts=BlockParts(attention=LatentAttention, moe=GroupedMoE),
     part_weights=part_weights,
     peft_names={"kv_lora_rank": PEFT_NAMES},
+    mtp_key="num_nextn_predict_layers",
 )

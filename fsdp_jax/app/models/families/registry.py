@@ -53,6 +53,9 @@ class Family:
     part_weights   None, or (cfg) -> {our path under a block: (HF name under model.layers.N,
                    kind, HF shape)} of the params its parts add (import / export name them)
     chat_template  a default chat template (jinja) when its tokenizers ship none, or None
+    mtp_key        the config.json key counting its checkpoints' multi-token prediction layers
+                   (DeepSeek-V3's `num_nextn_predict_layers`: `fsdp_jax.app.hf.mtp_layout`), or
+                   None: MTP modules are not written out, nor read in
     """
 
     model_type: str
@@ -72,6 +75,7 @@ class Family:
     parts: BlockParts = DEFAULT_PARTS
     part_weights: Callable | None = None
     chat_template: str | None = None
+    mtp_key: str | None = None
 
     def __post_init__(self):
         if self.windows not in WINDOWS:
