@@ -200,33 +200,7 @@ class HFCheckpoint:
         self.config = model_config_from_hf(self.raw_config, where, base)
         self.mxfp4 = mxfp4.quantized(self.raw_config, lambda k, why: ConfigError(where, f"{k}: {why}"))
         self.fp8 = fp8_blocks.block_size(self.raw_config, lambda k, why: ConfigError(where, f"{k}: {why}"))
-        index = self.path / "model.safetensors.index.json"
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-                if not isinstance(weight_map, dict):
-                    raise TypeError("weight_map is not an object")
-            except (OSError, ValueError, KeyError, TypeError) as e:
-                raise CheckpointError(f"hf:{self.path}: invalid {index.name} ({e})") from None
-        elif (self.path / "model.safetensors").is_file():
-            weight_map = None
-        else:
-            other = sorted(p.name for p in self.path.glob("*.bin"))
-            hint = f" (found {', '.join(other)}: convert it to safetensors first)" if other else ""
-            raise CheckpointError(f"hf:{self.path}: no model.safetensors or model.safetensors.index.json{hint}")
-        files: dict[str, SafetensorsFile] = {}
-        self.where: dict[str, SafetensorsFile] = {}
-        for fname in sorted(set(weight_map.values()) if weight_map else {"model.safetensors"}):
-            if not (self.path / fname).is_file():
-                raise CheckpointError(f"hf:{self.path}: shard file {fname} listed in the index is missing")
-            try:
-                files[fname] = SafetensorsFile(self.path / fname)
-            except SafetensorsError as e:
-                raise CheckpointError(f"hf:{e}") from None
-        for fname, f in files.items():
-            for name in f.tensors:
-                if weight_map is None or weight_map.get(name) == fname:
-                    self.where[name] = f
+        self.where: dict[str, SafetensorsFile] = self._open_files()
         # before listing the tensors the config implies (a loop over its layers)
         held = 1 + max((int(m.group(1)) for n in self.where if (m := _LAYER.match(n))), default=-1)
         mtp = mtp_layout.held(self.raw_config, self.config)  # MTP layers follow the decoder's
@@ -275,6 +249,37 @@ class HFCheckpoint:
                     f"hf:{self.path}: tensor {n} has dtype {self.where[n].dtype(n)}, "
                     f"expected {'uint8 (MXFP4)' if packed else 'a float type'}"
                 )
+
+    def _open_files(self) -> dict[str, SafetensorsFile]:
+        """{HF tensor name: its open shard file}, from the index (or the one model.safetensors)."""
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                if not isinstance(weight_map, dict):
+                    raise TypeError("weight_map is not an object")
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise CheckpointError(f"hf:{self.path}: invalid {index.name} ({e})") from None
+        elif (self.path / "model.safetensors").is_file():
+            weight_map = None
+        else:
+            other = sorted(p.name for p in self.path.glob("*.bin"))
+            hint = f" (found {', '.join(other)}: convert it to safetensors first)" if other else ""
+            raise CheckpointError(f"hf:{self.path}: no model.safetensors or model.safetensors.index.json{hint}")
+        files: dict[str, SafetensorsFile] = {}
+        where: dict[str, SafetensorsFile] = {}
+        for fname in sorted(set(weight_map.values()) if weight_map else {"model.safetensors"}):
+            if not (self.path / fname).is_file():
+                raise CheckpointError(f"hf:{self.path}: shard file {fname} listed in the index is missing")
+            try:
+                files[fname] = SafetensorsFile(self.path / fname)
+            except SafetensorsError as e:
+                raise CheckpointError(f"hf:{e}") from None
+        for fname, f in files.items():
+            for name in f.tensors:
+                if weight_map is None or weight_map.get(name) == fname:
+                    where[name] = f
+        return where
 
     def _expected(self) -> dict[str, tuple[int, ...]]:
         """{HF tensor name: shape} this checkpoint must hold (MXFP4 pairs where it says so)."""
