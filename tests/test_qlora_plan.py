@@ -25,6 +25,7 @@ import pytest
 from fsdp_jax.app.planner.abstract_step import build_step
 from fsdp_jax.app.planner.memory_model import analytic_memory, argument_bytes
 from fsdp_jax.app.trainer.setup import load_run_config
+from fsdp_jax.sharding import frozen_rows
 from fsdp_jax.targets import gpu as targets
 from fsdp_jax.targets.perf_tables import perf_table
 
@@ -83,7 +84,7 @@ def _h100(command, *args, overrides=(), dump=None):
     return json.loads(r.stdout)
 
 
-def test_frozen_w_down_and_wo_shard_over_fsdp_on_their_leading_dim():
+def test_frozen_w_down_and_wo_shard_over_fsdp_on_their_leading_dim(monkeypatch):
     """No compile: the weights whose fsdp dim is their last (`w_down` (mlp, embed), `wo`
     (heads, kv, embed)) keep their codes and absmax sharded over fsdp on their leading own dim
     (`frozen_rows`), so each layer's gather runs along a major dim; the others as their weight."""
@@ -99,11 +100,15 @@ def test_frozen_w_down_and_wo_shard_over_fsdp_on_their_leading_dim():
     assert specs["attn/wo/codes"] == specs["attn/wo/absmax_codes"] == (None, "fsdp", None, None)
     assert specs["mlp/w_up/codes"] == (None, "fsdp", None) and specs["attn/wq/codes"][:2] == (None, "fsdp")
     assert specs["mlp/w_down/absmax2"] == specs["mlp/w_down/offset"][:1] + (None,)
-    # a float LoRA base alike (`fsdp_jax.sharding.frozen_rows`)
+    # a float LoRA base alike (`fsdp_jax.sharding.frozen_rows`) for weights of at least MIN_ELEMENTS a layer
+    monkeypatch.setattr(frozen_rows, "MIN_ELEMENTS", 1)
     plain = build_step(config(*HEADS8), "full_shard").state.params["blocks"]
     assert tuple(plain["mlp"]["w_down"].sharding.spec) == (None, "fsdp", None)
     assert tuple(plain["attn"]["wo"].sharding.spec) == (None, "fsdp", None, None)
     assert tuple(plain["mlp"]["w_up"].sharding.spec) == (None, "fsdp", None)
+    monkeypatch.undo()  # this config's weights are smaller than that: they keep their trained names
+    small = build_step(config(*HEADS8), "full_shard").state.params["blocks"]
+    assert tuple(small["mlp"]["w_down"].sharding.spec)[-1] == "fsdp"
 
 
 @pytest.fixture(scope="module")
