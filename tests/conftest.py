@@ -119,7 +119,7 @@ def pytest_collection_modifyitems(items):
 
 
 SESSION_START = time.time()
-SEED_MIN_S = 20.0  # tests/compiled/seed.py's default
+SEED_MIN_S = 10.0  # tests/compiled/seed.py's default
 
 
 def pytest_terminal_summary(terminalreporter):

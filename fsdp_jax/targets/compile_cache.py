@@ -32,6 +32,7 @@ import hashlib
 import json
 import lzma
 import os
+import re
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -48,6 +49,8 @@ _REFUSAL = "RESOURCE_EXHAUSTED"
 TOOLCHAIN = f"jax {jax.__version__} jaxlib {jaxlib.__version__}"  # in the key, and stored beside the entry
 FORMAT = 1
 _FLAG_ENVS = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")
+_CHECKOUT = str(Path(__file__).resolve().parents[2]) + "/"
+_PACKAGES = re.compile(r"/[^\s\"\\\x00]*/(?:site|dist)-packages/")
 _STACK_TABLES = frozenset({"FileNames", "FunctionNames", "FileLocations", "StackFrames"})
 _PATH_FLAG_ENDINGS = ("_file", "_dir", "_to", "_path")
 _MEMORY_FIELDS = (
@@ -149,7 +152,9 @@ def program_key(lowered, devices: Iterable, compiler_options: dict[str, Any] | N
 
 def program_text(hlo: str) -> str:
     """The optimized HLO without its stack-frame tables (`FileNames`, `FunctionNames`,
-    `FileLocations`, `StackFrames`: where in this machine's checkout each op was traced)."""
+    `FileLocations`, `StackFrames`: where in this machine's checkout each op was traced), and
+    without the checkout's or site-packages' folder where a kernel's serialized MLIR names its
+    source files (Mosaic GPU custom calls): `fsdp_jax/app/models/moe.py`, not where it lives."""
     out, skipping = [], False
     for line in hlo.split("\n"):
         if line in _STACK_TABLES:
@@ -158,7 +163,8 @@ def program_text(hlo: str) -> str:
             skipping = False
         if not skipping:
             out.append(line)
-    return "\n".join(out)
+    text = "\n".join(out).replace(_CHECKOUT, "")  # kernels' serialized MLIR keeps source paths
+    return _PACKAGES.sub("", text)
 
 
 def _layouts(compiled) -> tuple[list[dict[str, Any]] | None, str | None]:

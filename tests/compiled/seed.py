@@ -34,7 +34,7 @@ def compile_seconds(path: Path) -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--from", dest="source", type=Path, default=ROOT / ".jax_cache" / "compiled")
-    ap.add_argument("--min-s", type=float, default=20.0, help="keep compiles that took at least this long")
+    ap.add_argument("--min-s", type=float, default=10.0, help="keep compiles that took at least this long")
     ap.add_argument("--replace", action="store_true", help="drop seeds the source run did not produce")
     args = ap.parse_args(argv)
     entries = sorted(args.source.glob("*.json.xz"))
