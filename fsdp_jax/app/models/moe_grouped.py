@@ -29,7 +29,6 @@ from fsdp_jax.app.models.moe import MoE
 from fsdp_jax.app.models.moe_dispatch import gated, per_token_shard
 from fsdp_jax.app.models.norm import normal_param
 from fsdp_jax.sharding.axes import EMBED, EXPERT, MLP
-from fsdp_jax.sharding.precision import matmul
 
 
 def group_top_k(scores, choice, k: int, n_group: int, topk_group: int, norm: bool, factor: float):
@@ -71,9 +70,9 @@ class GroupedMoE(MoE):
     def __call__(self, x, token_mask=None, dropout_key=None):
         y, stats = super().__call__(x, token_mask, dropout_key)
         b, s, d = x.shape
-        x2 = x.reshape(b * s, d)
-        h = gated(matmul(x2, self.shared_gate[...]), matmul(x2, self.shared_up[...]))
-        return y + matmul(h, self.shared_down[...]).reshape(b, s, d).astype(y.dtype), stats
+        x2, proj, k = x.reshape(b * s, d), self.shared_proj, dropout_key  # each with its adapter's term, if any
+        h = gated(proj(x2, "w_gate", self.shared_gate, k), proj(x2, "w_up", self.shared_up, k))
+        return y + proj(h, "w_down", self.shared_down, k).reshape(b, s, d).astype(y.dtype), stats
 
     @staticmethod
     def added_params(cfg, active: bool = False) -> int:
