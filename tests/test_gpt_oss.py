@@ -8,6 +8,7 @@ transformers' dequantisation), 4 layers alternating sliding (window 8) / full, 2
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -169,7 +170,7 @@ def test_mxfp4_experts_export_dequantised(tmp_path):
         assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_lora_by_peft_names_reaches_attention_not_the_experts():
+def test_lora_by_peft_names_reaches_attention_and_the_experts_only_as_target_parameters():
     cfg = hf.HFCheckpoint(GOLDEN / "gpt_oss").config
     spec = lora_lib.LoraSpec(4, 8.0, lora_lib.resolve_targets("q_proj v_proj o_proj"))
     assert spec.targets == ("wq", "wv", "wo") and lora_lib.target_problem(cfg, spec) is None
@@ -179,9 +180,14 @@ def test_lora_by_peft_names_reaches_attention_not_the_experts():
     assert {p.split("['lora']['")[1].split("'")[0] for p in paths} == {"wq", "wv", "wo"}
     everything = lora_lib.LoraSpec(4, 8.0, lora_lib.resolve_targets("all-linear"))
     assert lora_lib.adapted(cfg, everything) == (("wq", "wk", "wv", "wo"), ())  # PEFT's all-linear: no expert
+    # the experts as PEFT's target_parameters name them (peft 0.21 on GptOss: no target_modules rewrite)
     experts = lora_lib.LoraSpec(4, 8.0, ("wq",), experts=lora_lib.resolve_experts("mlp.experts.gate_up_proj"))
-    problem = lora_lib.target_problem(cfg, experts)
-    assert problem[0] == "lora.target_parameters" and "gpt_oss" in problem[1]
+    assert lora_lib.target_problem(cfg, experts) is None
+    assert lora_lib.adapted(cfg, experts) == (("wq",), ("experts_gate_up",))
+    mlp = lora_lib.LoraSpec(4, 8.0, lora_lib.resolve_targets("gate_proj up_proj"))  # no nn.Linear of that name
+    assert lora_lib.target_problem(cfg, mlp)[1].startswith("gate_proj up_proj names nothing")
+    dropped = lora_lib.expert_dropout(cfg, dataclasses.replace(experts, dropout=0.1))
+    assert dropped is not None and "no dropout" in dropped
 
 
 def _edit(dst, src="gpt_oss", drop=(), **changes):

@@ -57,6 +57,12 @@ float32, eager; torch seed sum(map(ord, "lora:" + name)) before get_peft_model):
       routed experts (gate_up_proj at rank 2r, alpha 2 alpha, by rank_pattern / alpha_pattern);
       all-linear becomes the five attention projections + the fused experts + the router
       (mlp.gate.weight): no dense MLP or shared expert is adapted by target_modules
+  gpt_oss_experts (base gpt_oss; transformers 5.25.0, peft 0.21.2)
+      r=4, lora_alpha=8, target_modules q_proj k_proj v_proj o_proj, target_parameters
+      [mlp.experts.gate_up_proj, mlp.experts.down_proj]: GptOssExperts is `is_transposed`
+      ((E, D, 2F) and (E, F, D), in before out), no rank_pattern; keys and factor layout as
+      mixtral's (lora_A (r * E, in), lora_B (out, r * E)), gate_up_proj's B rows in its own
+      interleaved gate / up column order
   llama3_rslora (base llama3)
       r=8, lora_alpha=16, use_rslora=True, targets q_proj, v_proj only: scaling
       alpha / sqrt(r) = 16 / sqrt(8) = 5.657
@@ -142,6 +148,9 @@ ADAPTERS = {
     # gpt-oss: its attention projections are nn.Linear (with biases); its experts are fused
     # parameters with biases, which the project does not adapt
     "gpt_oss": ("gpt_oss", {**COMMON, "target_modules": ALL[:4]}),
+    # gpt-oss's experts through target_parameters (its fused tensors are (E, in, out), gate / up
+    # interleaved in gate_up_proj's columns; PEFT's factors as Mixtral's)
+    "gpt_oss_experts": ("gpt_oss", {**COMMON, "target_modules": ALL[:4], "target_parameters": EXPERTS}),
     # DeepSeek-V3: LoRA on multi-head latent attention's five nn.Linear projections, and on the
     # dense layers' MLPs and the shared experts as target_parameters (see the docstring)
     "deepseek_v3": ("deepseek_v3", {**COMMON, "target_modules": MLA, "target_parameters": DEEPSEEK_MLPS}),

@@ -341,7 +341,7 @@ def adapter_of(path: str, cfg: DecoderConfig, spec: lora.LoraSpec) -> tuple[str,
         return "lora", leaf
     if module != "moe":
         return None
-    if leaf in lora.MLP_WEIGHTS:  # an expert tensor: its share of the experts' adapter
+    if leaf in lora.MLP_WEIGHTS + ("w_gate_up",):  # an expert tensor: its share of the experts' adapter
         part = peft_experts.part_of(leaf)
         return ("lora", part) if part in parts else None
     shared = {v: k for k, v in SHARED_PARAMS.items()}.get(leaf)

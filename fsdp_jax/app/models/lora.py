@@ -70,11 +70,9 @@ class LoraSpec:
     rslora: bool = False
     dropout: float = 0.0  # on the adapters' input, in training only
     init_weights: bool = True
-    # a mixture of experts' adapted expert tensors (`EXPERT_ADAPTERS` names, PEFT's
-    # target_parameters); None: those the MLP targets name (`spec_experts`)
+    # adapted expert tensors (`EXPERT_ADAPTERS`, PEFT's target_parameters); None: `spec_experts`
     experts: tuple[str, ...] | None = None
-    # QLoRA: the targets' frozen weights stored quantised (`fsdp_jax.quant`), dequantised in
-    # `quant_dtype` (the compute dtype) inside each layer; None: kept as they are
+    # QLoRA: frozen targets stored quantised (`fsdp_jax.quant`), dequantised to `quant_dtype` per layer
     base_quant: QuantSpec | None = None
     quant_dtype: str = "float32"
 
@@ -106,9 +104,8 @@ PEFT_PARAMETERS = {"mlp.experts.gate_up_proj": "experts_gate_up", "mlp.experts.d
 
 
 def resolve_experts(spec: str) -> tuple[str, ...] | None:
-    """`lora.target_parameters`: "auto" (None: the experts the MLP targets name), "none"
-    (()), or PEFT's names (`mlp.experts.gate_up_proj mlp.experts.down_proj`, or their
-    last parts) -> the expert adapters. ValueError naming an unknown one."""
+    """`lora.target_parameters`: "auto" (None: the experts the MLP targets name), "none" (()), or PEFT's
+    names (`mlp.experts.gate_up_proj mlp.experts.down_proj`, or last parts); ValueError naming an unknown one."""
     names = [n for n in spec.replace(",", " ").split() if n]
     if names == ["auto"]:
         return None
@@ -126,8 +123,7 @@ def resolve_experts(spec: str) -> tuple[str, ...] | None:
 
 
 def spec_from_config(section) -> LoraSpec | None:
-    """The run config's `lora:` section (rank, alpha, targets, target_parameters, rslora,
-    dropout) as a `LoraSpec`; None for rank 0 (no LoRA)."""
+    """The run config's `lora:` section as a `LoraSpec`; None for rank 0 (no LoRA)."""
     if not section.rank:
         return None
     experts = resolve_experts(section.target_parameters)
@@ -195,9 +191,11 @@ def spec_experts(spec: LoraSpec) -> tuple[str, ...]:
     return expert_adapters(spec.targets) if spec.experts is None else spec.experts
 
 
-def own_experts(cfg) -> bool:
-    """Are `cfg`'s experts a family's sparse MLP part (`BlockParts.moe`)? They take no adapters."""
-    return (fam := registry.of_config(cfg)) is not None and fam.parts.moe is not None
+def own_experts(cfg) -> bool | str:
+    """Are `cfg`'s experts a family's sparse MLP part (`BlockParts.moe`)? "named" where the part takes
+    adapters (`expert_lora`: gpt-oss's) only as `lora.target_parameters` names them; True: none."""
+    part = (fam := registry.of_config(cfg)) is not None and fam.parts.moe
+    return bool(part) and ("named" if getattr(part, "expert_lora", False) else True)
 
 
 def adapted(cfg, spec: LoraSpec) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -206,17 +204,18 @@ def adapted(cfg, spec: LoraSpec) -> tuple[tuple[str, ...], tuple[str, ...]]:
     attn = attention_weights(cfg)
     mods = [t for t in spec.targets if t in attn or (t in MLP_WEIGHTS and linear_mlps(cfg))]
     mods += [SHARED_GATE] if SHARED_GATE in spec.targets and cfg.shared_expert_ffn_dim else []
-    return tuple(t for t in TARGETS if t in mods), spec_experts(spec) if cfg.n_experts and not own_experts(cfg) else ()
+    own = own_experts(cfg) if cfg.n_experts else True
+    experts = (spec.experts or ()) if own == "named" else () if own else spec_experts(spec)
+    return tuple(t for t in TARGETS if t in mods), experts
 
 
 def target_problem(cfg, spec: LoraSpec) -> tuple[str, str] | None:
     """None, or (config key, the one line refusing `spec` on model `cfg`): a target naming
-    nothing on it (the line lists the names that do), the experts' gate and up projections
-    asked apart (one fused tensor per expert: both or neither), expert tensors on a model
-    without experts or on a family's own."""
+    nothing on it (the line lists the names that do), the experts' gate and up projections asked
+    apart (one fused tensor per expert), expert tensors on a model without experts or on a family's own."""
     if spec.experts is not None and spec.experts and not cfg.n_experts:
         return "lora.target_parameters", "the model has no routed experts (n_experts 0): use auto or none"
-    if spec.experts and own_experts(cfg):
+    if spec.experts and own_experts(cfg) is True:
         return "lora.target_parameters", f"{cfg.family}'s experts take no adapters: use auto or none"
     auto = cfg.n_experts and spec.experts is None and not own_experts(cfg)
     if auto and ("w_gate" in spec.targets) != ("w_up" in spec.targets):
@@ -279,7 +278,7 @@ def _matrices(cfg, spec: LoraSpec) -> list[tuple[int, int, int, int]]:
 
 
 def max_rank(cfg, targets: tuple[str, ...], experts: tuple[str, ...] | None = None) -> int:
-    """The largest rank every target allows: its smallest flat width (not the (D, 1) gate's: PEFT puts any rank on it)."""
+    """The largest rank every target allows: its smallest flat width (not the (D, 1) gate's)."""
     sizes = [min(i, o) for i, o, _, _ in _matrices(cfg, LoraSpec(1, 1.0, targets, experts=experts)) if o > 1]
     return min(sizes) if sizes else cfg.d_model
 

@@ -188,7 +188,10 @@ class MoE(nnx.Module):
     def _experts(self):
         """(the expert weights, then each adapter's A and B (`EXPERT_ADAPTERS` order); the
         `ExpertLora` saying which, or None without adapters)."""
-        ws = [self.w_gate[...], self.w_up[...], self.w_down[...]]
+        return self.with_adapters([self.w_gate[...], self.w_up[...], self.w_down[...]])
+
+    def with_adapters(self, ws: list):
+        """(`ws` (the expert tensors) then each expert adapter's A and B; `ExpertLora` or None)."""
         adapters = getattr(self, "lora", None)
         if adapters is None:
             return tuple(ws), None
