@@ -206,9 +206,14 @@ def test_bad_input_is_one_line_exit_2_and_lora_takes_latent_attentions_peft_name
     every = lora_lib.LoraSpec(4, 8.0, lora_lib.TARGETS)
     assert lora_lib.adapted(cfg, every) == (tuple(t for t in lora_lib.TARGETS if t in mla.targets + MLP), ())
     assert lora_lib.target_problem(cfg, lora_lib.LoraSpec(4, 8.0, lora_lib.resolve_targets("gate_proj"))) is None
+    # the routed experts only as lora.target_parameters names them (auto: none)
+    named = dataclasses.replace(
+        every, experts=lora_lib.resolve_experts("mlp.experts.gate_up_proj mlp.experts.down_proj")
+    )
+    assert lora_lib.target_problem(cfg, named) is None and lora_lib.adapted(cfg, named)[1] == named.experts
     # the adapters' params: PEFT's own tensors of the golden adapter (tests/golden/peft/deepseek_v3)
     peft_file = SafetensorsFile(GOLDEN.parent / "peft" / NAME / "adapter_model.safetensors")
-    assert lora_lib.adapter_param_count(cfg, every) == sum(
+    assert lora_lib.adapter_param_count(cfg, named) == sum(
         int(np.prod(peft_file.read(k).shape)) for k in peft_file.tensors
     )
 
@@ -220,12 +225,14 @@ def test_lora_on_the_mlps_is_written_as_peft_target_parameters_and_refuses_dropo
     """peft 0.21 on transformers 5.25 maps DeepSeek-V3's target_modules gate/up/down_proj to the routed
     experts: the dense MLPs and shared experts go out (and come in) as target_parameters, as the golden's."""
     cfg = hf.HFCheckpoint(GOLDEN / NAME).config
-    every = lora_lib.LoraSpec(4, 8.0, lora_lib.TARGETS)
+    every = lora_lib.LoraSpec(4, 8.0, lora_lib.TARGETS, experts=tuple(lora_lib.EXPERT_ADAPTERS))
     theirs = json.loads((GOLDEN.parent / "peft" / NAME / "adapter_config.json").read_text())
     ours = peft.adapter_config(every, None, cfg)
     assert ours["target_modules"] == theirs["target_modules"]  # the five latent attention projections
-    assert ours["target_parameters"] == sorted(theirs["target_parameters"])
-    assert "target_parameters" not in peft.adapter_config(dataclasses.replace(every, targets=("wq_a",)), None, cfg)
+    assert sorted(ours["target_parameters"]) == sorted(theirs["target_parameters"])  # + the routed experts
+    assert "target_parameters" not in peft.adapter_config(
+        dataclasses.replace(every, targets=("wq_a",), experts=()), None, cfg
+    )
     peft.check_matches(theirs, every, "peft:x", cfg)  # the golden's config means what the run's does
     as_modules = {**theirs, "target_modules": theirs["target_modules"] + ["gate_proj", "up_proj", "down_proj"]}
     for raw in ({**as_modules, "target_parameters": []}, {**theirs, "target_modules": "all-linear"}):
@@ -233,7 +240,7 @@ def test_lora_on_the_mlps_is_written_as_peft_target_parameters_and_refuses_dropo
             peft.check_matches(raw, every, "peft:x", cfg)  # PEFT's meaning there: the routed experts
     line = lora_lib.expert_dropout(cfg, dataclasses.replace(every, dropout=0.1))
     assert "deepseek_v3's MLPs take no dropout" in line and "\n" not in line
-    assert lora_lib.expert_dropout(cfg, dataclasses.replace(every, targets=("wq_a",), dropout=0.1)) is None
+    assert lora_lib.expert_dropout(cfg, dataclasses.replace(every, targets=("wq_a",), experts=(), dropout=0.1)) is None
 
 
 @pytest.mark.slow

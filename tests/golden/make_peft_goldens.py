@@ -50,7 +50,9 @@ float32, eager; torch seed sum(map(ord, "lora:" + name)) before get_peft_model):
       (latent attention's nn.Linear projections, every layer) and target_parameters
       mlp.{gate,up,down}_proj.weight (layer 0, dense) and mlp.shared_experts.{gate,up,down}_proj.weight
       (layers 1, 2): a ParamWrapper on each nn.Linear weight, whose tensors are named as a Linear's
-      adapter (mlp.gate_proj.lora_A.weight (r, in) ...); the routed experts untouched. Why not
+      adapter (mlp.gate_proj.lora_A.weight (r, in) ...); and the routed experts by
+      mlp.experts.gate_up_proj / down_proj (as mixtral's, rank r: named as target_parameters, they
+      take no rank_pattern). Why not
       target_modules gate_proj ...: peft 0.21.2 on transformers 5.25 applies Qwen2-MoE's v4 -> v5
       conversion to DeepseekV3 and rewrites target_modules gate_proj / up_proj / down_proj (any
       name ending so, a regex's matches, and all-linear's) to target_parameters on the fused
@@ -153,7 +155,8 @@ ADAPTERS = {
     "gpt_oss_experts": ("gpt_oss", {**COMMON, "target_modules": ALL[:4], "target_parameters": EXPERTS}),
     # DeepSeek-V3: LoRA on multi-head latent attention's five nn.Linear projections, and on the
     # dense layers' MLPs and the shared experts as target_parameters (see the docstring)
-    "deepseek_v3": ("deepseek_v3", {**COMMON, "target_modules": MLA, "target_parameters": DEEPSEEK_MLPS}),
+    # and its routed experts by their fused tensors' names (explicit target_parameters: no rank_pattern)
+    "deepseek_v3": ("deepseek_v3", {**COMMON, "target_modules": MLA, "target_parameters": DEEPSEEK_MLPS + EXPERTS}),
     "llama3_rslora": (
         "llama3",
         dict(

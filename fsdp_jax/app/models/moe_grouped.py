@@ -13,6 +13,9 @@ The decoder's `MoE` (its experts, dispatch, capacity, expert parallelism, statis
   not by the loss; this decoder keeps it as imported);
 - shared experts, one gated MLP of width `shared_experts_ffn_dim` (n_shared_experts x
   moe_intermediate_size) on every token, added unscaled.
+LoRA: the shared experts' adapters (`shared_lora`, PEFT's mlp.shared_experts.{gate,up,down}_proj) are
+added to their projections, as on Qwen2-MoE's shared expert; the routed experts take adapters only as
+`lora.target_parameters` names them (PEFT's mlp.experts.gate_up_proj / down_proj), as Mixtral's.
 The router statistics' probabilities are the sigmoid scores normalised per token (so the
 load-balancing metric reads as for a softmax router: k when balanced). New params and their logical
 dims: `score_bias` (E,) `expert`; `shared_gate`, `shared_up` (embed, mlp), `shared_down`
@@ -50,6 +53,8 @@ def group_top_k(scores, choice, k: int, n_group: int, topk_group: int, norm: boo
 
 
 class GroupedMoE(MoE):
+    expert_lora = True  # its routed experts take adapters only as named (`fsdp_jax.app.models.lora.own_experts`)
+
     def make_experts(self, cfg, rngs: nnx.Rngs) -> None:
         super().make_experts(cfg, rngs)
         d, fs = cfg.d_model, cfg.shared_experts_ffn_dim
