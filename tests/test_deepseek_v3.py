@@ -8,6 +8,7 @@ decoupled RoPE key, YaRN with mscale, 8 experts in 4 groups, a shared expert, 2 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -20,6 +21,7 @@ from test_hf import GOLDEN, MESHES, index_and_shapes, saved_run
 
 from fsdp_jax.app.config.parse import load_config
 from fsdp_jax.app.hf import load as hf
+from fsdp_jax.app.hf import peft
 from fsdp_jax.app.hf.config_in import model_config_from_hf
 from fsdp_jax.app.hf.export import export_hf
 from fsdp_jax.app.models import Decoder, DecoderConfig, count_params
@@ -29,7 +31,7 @@ from fsdp_jax.app.trainer.build import make_loss_fn
 from fsdp_jax.app.trainer.optim import decay_mask
 from fsdp_jax.checkpoint import tree_paths
 from fsdp_jax.checkpoint.safetensors_io import SafetensorsFile
-from fsdp_jax.errors import ConfigError
+from fsdp_jax.errors import CheckpointError, ConfigError
 from fsdp_jax.model.fns import from_nnx
 from fsdp_jax.sharding.mesh import make_mesh
 from fsdp_jax.sharding.rules import DEFAULT_RULES
@@ -200,12 +202,45 @@ def test_bad_input_is_one_line_exit_2_and_lora_takes_latent_attentions_peft_name
     assert "q_a_proj q_b_proj kv_a_proj_with_mqa kv_b_proj" in problem[1]  # what there is, PEFT's names
     mla = lora_lib.LoraSpec(4, 8.0, lora_lib.resolve_targets("q_a_proj q_b_proj kv_a_proj_with_mqa kv_b_proj o_proj"))
     assert lora_lib.target_problem(cfg, mla) is None
-    assert lora_lib.adapted(cfg, lora_lib.LoraSpec(4, 8.0, lora_lib.TARGETS)) == (mla.targets, ())  # all-linear
+    # all-linear: latent attention, the dense layer's MLP and the shared experts (every nn.Linear but the head)
+    every = lora_lib.LoraSpec(4, 8.0, lora_lib.TARGETS)
+    assert lora_lib.adapted(cfg, every) == (tuple(t for t in lora_lib.TARGETS if t in mla.targets + MLP), ())
+    assert lora_lib.target_problem(cfg, lora_lib.LoraSpec(4, 8.0, lora_lib.resolve_targets("gate_proj"))) is None
+    # the routed experts only as lora.target_parameters names them (auto: none)
+    named = dataclasses.replace(
+        every, experts=lora_lib.resolve_experts("mlp.experts.gate_up_proj mlp.experts.down_proj")
+    )
+    assert lora_lib.target_problem(cfg, named) is None and lora_lib.adapted(cfg, named)[1] == named.experts
     # the adapters' params: PEFT's own tensors of the golden adapter (tests/golden/peft/deepseek_v3)
     peft_file = SafetensorsFile(GOLDEN.parent / "peft" / NAME / "adapter_model.safetensors")
-    assert lora_lib.adapter_param_count(cfg, mla) == sum(
+    assert lora_lib.adapter_param_count(cfg, named) == sum(
         int(np.prod(peft_file.read(k).shape)) for k in peft_file.tensors
     )
+
+
+MLP = ("w_gate", "w_up", "w_down")
+
+
+def test_lora_on_the_mlps_is_written_as_peft_target_parameters_and_refuses_dropout():
+    """peft 0.21 on transformers 5.25 maps DeepSeek-V3's target_modules gate/up/down_proj to the routed
+    experts: the dense MLPs and shared experts go out (and come in) as target_parameters, as the golden's."""
+    cfg = hf.HFCheckpoint(GOLDEN / NAME).config
+    every = lora_lib.LoraSpec(4, 8.0, lora_lib.TARGETS, experts=tuple(lora_lib.EXPERT_ADAPTERS))
+    theirs = json.loads((GOLDEN.parent / "peft" / NAME / "adapter_config.json").read_text())
+    ours = peft.adapter_config(every, None, cfg)
+    assert ours["target_modules"] == theirs["target_modules"]  # the five latent attention projections
+    assert sorted(ours["target_parameters"]) == sorted(theirs["target_parameters"])  # + the routed experts
+    assert "target_parameters" not in peft.adapter_config(
+        dataclasses.replace(every, targets=("wq_a",), experts=()), None, cfg
+    )
+    peft.check_matches(theirs, every, "peft:x", cfg)  # the golden's config means what the run's does
+    as_modules = {**theirs, "target_modules": theirs["target_modules"] + ["gate_proj", "up_proj", "down_proj"]}
+    for raw in ({**as_modules, "target_parameters": []}, {**theirs, "target_modules": "all-linear"}):
+        with pytest.raises(CheckpointError, match=r"^peft:x: target_modules down_proj gate_proj up_proj .*experts"):
+            peft.check_matches(raw, every, "peft:x", cfg)  # PEFT's meaning there: the routed experts
+    line = lora_lib.expert_dropout(cfg, dataclasses.replace(every, dropout=0.1))
+    assert "deepseek_v3's MLPs take no dropout" in line and "\n" not in line
+    assert lora_lib.expert_dropout(cfg, dataclasses.replace(every, targets=("wq_a",), experts=(), dropout=0.1)) is None
 
 
 @pytest.mark.slow

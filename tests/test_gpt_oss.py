@@ -8,6 +8,7 @@ transformers' dequantisation), 4 layers alternating sliding (window 8) / full, 2
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -22,6 +23,7 @@ from test_hf import GOLDEN, MESHES, index_and_shapes, saved_run
 
 from fsdp_jax.app.config.parse import load_config
 from fsdp_jax.app.hf import load as hf
+from fsdp_jax.app.hf import peft
 from fsdp_jax.app.hf.config_in import model_config_from_hf
 from fsdp_jax.app.hf.export import export_hf
 from fsdp_jax.app.models import Decoder, DecoderConfig, count_params, families
@@ -169,7 +171,7 @@ def test_mxfp4_experts_export_dequantised(tmp_path):
         assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_lora_by_peft_names_reaches_attention_not_the_experts():
+def test_lora_by_peft_names_reaches_attention_and_the_experts_only_as_target_parameters():
     cfg = hf.HFCheckpoint(GOLDEN / "gpt_oss").config
     spec = lora_lib.LoraSpec(4, 8.0, lora_lib.resolve_targets("q_proj v_proj o_proj"))
     assert spec.targets == ("wq", "wv", "wo") and lora_lib.target_problem(cfg, spec) is None
@@ -179,9 +181,14 @@ def test_lora_by_peft_names_reaches_attention_not_the_experts():
     assert {p.split("['lora']['")[1].split("'")[0] for p in paths} == {"wq", "wv", "wo"}
     everything = lora_lib.LoraSpec(4, 8.0, lora_lib.resolve_targets("all-linear"))
     assert lora_lib.adapted(cfg, everything) == (("wq", "wk", "wv", "wo"), ())  # PEFT's all-linear: no expert
+    # the experts as PEFT's target_parameters name them (peft 0.21 on GptOss: no target_modules rewrite)
     experts = lora_lib.LoraSpec(4, 8.0, ("wq",), experts=lora_lib.resolve_experts("mlp.experts.gate_up_proj"))
-    problem = lora_lib.target_problem(cfg, experts)
-    assert problem[0] == "lora.target_parameters" and "gpt_oss" in problem[1]
+    assert lora_lib.target_problem(cfg, experts) is None
+    assert lora_lib.adapted(cfg, experts) == (("wq",), ("experts_gate_up",))
+    mlp = lora_lib.LoraSpec(4, 8.0, lora_lib.resolve_targets("gate_proj up_proj"))  # no nn.Linear of that name
+    assert lora_lib.target_problem(cfg, mlp)[1].startswith("gate_proj up_proj names nothing")
+    dropped = lora_lib.expert_dropout(cfg, dataclasses.replace(experts, dropout=0.1))
+    assert dropped is not None and "no dropout" in dropped
 
 
 def _edit(dst, src="gpt_oss", drop=(), **changes):
@@ -372,3 +379,27 @@ def test_shipped_config_is_gpt_oss_20b():
         },
         base=big_yaml.model,
     )  # configs/gpt_oss_120b.yaml: openai/gpt-oss-120b's config.json differs from 20b's in these keys
+
+
+def test_expert_adapters_in_capacity_mode_equal_dropless_and_the_merged_experts():
+    """gpt-oss's expert adapters (B drawn, not zero) through capacity dispatch with room for every
+    pair equal the dropless path's logits, and both equal a plain decoder on the merged experts
+    (W_gate_up + scale A B per expert, the interleaved columns as they are)."""
+    cfg = hf.HFCheckpoint(GOLDEN / "gpt_oss").config
+    spec = lora_lib.LoraSpec(4, 8.0, ("wq",), experts=tuple(lora_lib.EXPERT_ADAPTERS), init_weights=False)
+    tokens = np.arange(2 * 16).reshape(2, 16) % cfg.vocab_size
+
+    def logits(c, lora=spec, params=None):
+        m = from_nnx(lambda r: Decoder(c, rngs=r, lora=lora))
+        p = m.init(jax.random.key(3)) if params is None else params
+        return np.asarray(jax.jit(m.apply)(p, tokens)), p
+
+    dropless, params = logits(cfg)
+    capacity, _ = logits(dataclasses.replace(cfg, capacity_factor=float(cfg.n_experts)), params=params)
+    np.testing.assert_allclose(capacity, dropless, atol=2e-5)
+    base, adapters = lora_lib.split(jax.tree.map(np.asarray, params))
+    merged = peft.merge(base, adapters, cfg, spec)
+    moe = merged["segments"][0]["layers"][0]["moe"]
+    assert not np.array_equal(moe["w_gate_up"], base["segments"][0]["layers"][0]["moe"]["w_gate_up"])
+    plain, _ = logits(cfg, None, merged)
+    np.testing.assert_allclose(dropless, plain, atol=1e-4)

@@ -28,14 +28,18 @@ GOLDEN = Path(__file__).parent / "golden"
 ADAPTERS = ("llama3", "llama32_tied", "mistral_swa", "qwen2", "qwen3", "gemma3_text", "llama3_rslora")
 # the experts by target_parameters; Qwen2-MoE's dense layers and shared expert by target_modules
 # (qwen2_moe_shared: those only, no target_parameters; gpt_oss: its attention, biases and all)
-MOE_ADAPTERS = ("mixtral", "qwen3_moe", "qwen2_moe", "qwen2_moe_shared", "gpt_oss")  # gpt_oss: attention only
-# deepseek_v3: latent attention's five projections (q_a_proj q_b_proj kv_a_proj_with_mqa kv_b_proj o_proj)
+# gpt_oss: attention only; gpt_oss_experts: + its experts by target_parameters (biased, clamped, gate / up interleaved)
+MOE_ADAPTERS = ("mixtral", "qwen3_moe", "qwen2_moe", "qwen2_moe_shared", "gpt_oss", "gpt_oss_experts")
+# deepseek_v3: latent attention's five projections (q_a_proj q_b_proj kv_a_proj_with_mqa kv_b_proj o_proj),
+# the dense layer's MLP and the shared experts (target_parameters mlp.gate_proj.weight ...,
+# mlp.shared_experts.gate_proj.weight ...: peft 0.21 maps those target_modules names to the experts)
 MLA_ADAPTERS = ("deepseek_v3",)
 
 
-def spec_of(raw: dict) -> lora_lib.LoraSpec:
-    targets = lora_lib.resolve_targets(" ".join(raw["target_modules"]))
-    experts = peft_experts.parts_of(raw.get("target_parameters"))
+def spec_of(raw: dict, cfg) -> lora_lib.LoraSpec:
+    by_param, params = peft.parameter_targets(cfg), raw.get("target_parameters") or []
+    targets = lora_lib.resolve_targets(" ".join(raw["target_modules"] + [by_param[p] for p in params if p in by_param]))
+    experts = peft_experts.parts_of([p for p in params if p not in by_param])
     return lora_lib.LoraSpec(raw["r"], float(raw["lora_alpha"]), targets, bool(raw.get("use_rslora")), experts=experts)
 
 
@@ -43,7 +47,7 @@ def golden(name):
     raw = json.loads((GOLDEN / "peft" / name / "adapter_config.json").read_text())
     ckpt = hf.HFCheckpoint(GOLDEN / "hf" / Path(raw["base_model_name_or_path"]).name)
     f = SafetensorsFile(GOLDEN / "peft" / f"{name}_logits.safetensors")
-    return ckpt, spec_of(raw), {k: f.read(k) for k in ("tokens", "logits", "merged_logits")}
+    return ckpt, spec_of(raw, ckpt.config), {k: f.read(k) for k in ("tokens", "logits", "merged_logits")}
 
 
 def logits(model, params, plan, tokens):

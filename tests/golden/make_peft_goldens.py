@@ -47,7 +47,24 @@ float32, eager; torch seed sum(map(ord, "lora:" + name)) before get_peft_model):
   deepseek_v3 (3 layers, latent attention with q_lora_rank 48, kv_lora_rank 32; made with
       transformers 5.25.0, peft 0.21.2: DeepseekV3ForCausalLM is new in 5.25)
       r=4, lora_alpha=8, target_modules q_a_proj q_b_proj kv_a_proj_with_mqa kv_b_proj o_proj
-      (latent attention's nn.Linear projections, every layer; its experts and MLPs untouched)
+      (latent attention's nn.Linear projections, every layer) and target_parameters
+      mlp.{gate,up,down}_proj.weight (layer 0, dense) and mlp.shared_experts.{gate,up,down}_proj.weight
+      (layers 1, 2): a ParamWrapper on each nn.Linear weight, whose tensors are named as a Linear's
+      adapter (mlp.gate_proj.lora_A.weight (r, in) ...); and the routed experts by
+      mlp.experts.gate_up_proj / down_proj (as mixtral's, rank r: named as target_parameters, they
+      take no rank_pattern). Why not
+      target_modules gate_proj ...: peft 0.21.2 on transformers 5.25 applies Qwen2-MoE's v4 -> v5
+      conversion to DeepseekV3 and rewrites target_modules gate_proj / up_proj / down_proj (any
+      name ending so, a regex's matches, and all-linear's) to target_parameters on the fused
+      routed experts (gate_up_proj at rank 2r, alpha 2 alpha, by rank_pattern / alpha_pattern);
+      all-linear becomes the five attention projections + the fused experts + the router
+      (mlp.gate.weight): no dense MLP or shared expert is adapted by target_modules
+  gpt_oss_experts (base gpt_oss; transformers 5.25.0, peft 0.21.2)
+      r=4, lora_alpha=8, target_modules q_proj k_proj v_proj o_proj, target_parameters
+      [mlp.experts.gate_up_proj, mlp.experts.down_proj]: GptOssExperts is `is_transposed`
+      ((E, D, 2F) and (E, F, D), in before out), no rank_pattern; keys and factor layout as
+      mixtral's (lora_A (r * E, in), lora_B (out, r * E)), gate_up_proj's B rows in its own
+      interleaved gate / up column order
   llama3_rslora (base llama3)
       r=8, lora_alpha=16, use_rslora=True, targets q_proj, v_proj only: scaling
       alpha / sqrt(r) = 16 / sqrt(8) = 5.657
@@ -109,6 +126,7 @@ OUT = ROOT / "peft"
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 MLA = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+DEEPSEEK_MLPS = [f"mlp.{s}{p}_proj.weight" for s in ("", "shared_experts.") for p in ("gate", "up", "down")]
 COMMON = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=ALL, init_lora_weights=False)
 ADAPTERS = {
     "llama3": ("llama3", COMMON),
@@ -132,8 +150,13 @@ ADAPTERS = {
     # gpt-oss: its attention projections are nn.Linear (with biases); its experts are fused
     # parameters with biases, which the project does not adapt
     "gpt_oss": ("gpt_oss", {**COMMON, "target_modules": ALL[:4]}),
-    # DeepSeek-V3: LoRA on multi-head latent attention's five nn.Linear projections
-    "deepseek_v3": ("deepseek_v3", {**COMMON, "target_modules": MLA}),
+    # gpt-oss's experts through target_parameters (its fused tensors are (E, in, out), gate / up
+    # interleaved in gate_up_proj's columns; PEFT's factors as Mixtral's)
+    "gpt_oss_experts": ("gpt_oss", {**COMMON, "target_modules": ALL[:4], "target_parameters": EXPERTS}),
+    # DeepSeek-V3: LoRA on multi-head latent attention's five nn.Linear projections, and on the
+    # dense layers' MLPs and the shared experts as target_parameters (see the docstring)
+    # and its routed experts by their fused tensors' names (explicit target_parameters: no rank_pattern)
+    "deepseek_v3": ("deepseek_v3", {**COMMON, "target_modules": MLA, "target_parameters": DEEPSEEK_MLPS + EXPERTS}),
     "llama3_rslora": (
         "llama3",
         dict(

@@ -87,7 +87,7 @@ def sites(cfg: DecoderConfig, spec: lora.LoraSpec, sparse: bool) -> list[tuple[s
     mods, _ = lora.adapted(cfg, spec)
     attn = lora.attention_weights(cfg)
     out = [(w, "attn") for w in mods if w in attn]
-    if sparse and cfg.shared_expert_ffn_dim:
+    if sparse and lora.shared_width(cfg):
         out += [(w, "shared") for w in mods if w not in attn]
     elif not sparse:
         out += [(w, "mlp") for w in mods if w in lora.MLP_WEIGHTS]
@@ -199,11 +199,20 @@ def check_matches(raw: dict, spec: lora.LoraSpec, where: str, cfg: DecoderConfig
     modules = raw.get("target_modules") or []
     peft = lora.peft_targets()
     modules = lora.TARGETS if modules == "all-linear" else tuple(peft.get(t, t) for t in modules)
+    by_param = parameter_targets(cfg)  # {PEFT's "<module>.weight": our weight}
     try:
-        parts = peft_experts.parts_of(raw.get("target_parameters"))
+        parts = peft_experts.parts_of([p for p in raw.get("target_parameters") or [] if p not in by_param])
     except ValueError as e:
         raise CheckpointError(f"{where}: {e}") from None
-    known = tuple(t for t in lora.TARGETS if t in modules)
+    # those PEFT reaches only as parameters: a target_modules name of theirs means the experts there
+    as_modules = sorted(_peft_name(t) for t in set(modules) & set(by_param.values()))
+    if as_modules:
+        raise CheckpointError(
+            f"{where}: target_modules {' '.join(as_modules)} (or all-linear) mean the routed experts on {cfg.family} "
+            f"in peft 0.21; this model's MLP adapters are target_parameters {' '.join(sorted(by_param))}"
+        )
+    params = {by_param[p] for p in raw.get("target_parameters") or [] if p in by_param}
+    known = tuple(t for t in lora.TARGETS if (t in modules and t not in by_param.values()) or t in params)
     theirs = lora.adapted(cfg, lora.LoraSpec(spec.rank, spec.alpha, known, experts=parts))
     ours = lora.adapted(cfg, spec)
     checks = (
@@ -221,6 +230,13 @@ def check_matches(raw: dict, spec: lora.LoraSpec, where: str, cfg: DecoderConfig
             )
     if raw.get("use_dora") or raw.get("lora_bias") or raw.get("rank_pattern") or raw.get("alpha_pattern"):
         raise CheckpointError(f"{where}: DoRA, LoRA biases and per-module rank/alpha patterns are not supported")
+
+
+def parameter_targets(cfg: DecoderConfig) -> dict[str, str]:
+    """{PEFT target_parameters name ("mlp.shared_experts.gate_proj.weight"): the decoder's weight}
+    of the weights model `cfg`'s family has PEFT reach as parameters (`families.peft_parameters`)."""
+    names = families.peft_modules(cfg)
+    return {f"{names[p]}.weight": p.split("/")[1] for p in families.peft_parameters(cfg) if p in names}
 
 
 def _peft_name(t: str) -> str:
@@ -256,6 +272,10 @@ def adapter_config(spec: lora.LoraSpec, base: str | None, cfg: DecoderConfig) ->
     MLP names only where it has dense layers)."""
     modules, parts = lora.adapted(cfg, spec)
     params = [peft_experts.PEFT_PARAMETERS[p] for p in parts]
+    by_param = families.peft_parameters(cfg)  # those adapted on this model, as target_parameters
+    present = {f"{site}/{w}" for _, _, sparse in layer_rows(cfg) for w, site in sites(cfg, spec, sparse)}
+    params += sorted(f"{families.peft_modules(cfg)[p]}.weight" for p in by_param if p in present)
+    modules = tuple(w for w in modules if not any(p.endswith("/" + w) for p in by_param))
     out = {
         "base_model_name_or_path": base,
         "bias": "none",
@@ -321,7 +341,7 @@ def adapter_of(path: str, cfg: DecoderConfig, spec: lora.LoraSpec) -> tuple[str,
         return "lora", leaf
     if module != "moe":
         return None
-    if leaf in lora.MLP_WEIGHTS:  # an expert tensor: its share of the experts' adapter
+    if leaf in lora.MLP_WEIGHTS + ("w_gate_up",):  # an expert tensor: its share of the experts' adapter
         part = peft_experts.part_of(leaf)
         return ("lora", part) if part in parts else None
     shared = {v: k for k, v in SHARED_PARAMS.items()}.get(leaf)

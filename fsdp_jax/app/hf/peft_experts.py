@@ -67,15 +67,16 @@ def shapes(cfg, part: str, rank: int) -> dict[str, tuple[int, int]]:
 
 
 def merged_weight(name: str, w: np.ndarray, a: np.ndarray, b: np.ndarray, spec: lora.LoraSpec) -> np.ndarray:
-    """One layer's expert weight `name` (w_gate, w_up (E, D, F) or w_down (E, F, D)) plus its
+    """One layer's expert weight `name` (w_gate, w_up (E, D, F), w_down (E, F, D), or gpt-oss's
+    w_gate_up (E, D, 2F), gate / up interleaved, taking the whole B) plus its
     share of its adapter's scale * A B (`a` (E, in, r), `b` (E, r, out): experts_gate_up's B columns
     gate's F then up's), computed in f32, in W's dtype."""
     f = w.shape[-1]
-    b = {"w_gate": b[..., :f], "w_up": b[..., f:], "w_down": b}[name]
+    b = {"w_gate": b[..., :f], "w_up": b[..., f:]}.get(name, b)  # w_down, gpt-oss's fused w_gate_up: all
     delta = np.einsum("eir,ero->eio", a.astype(np.float32), b.astype(np.float32)) * np.float32(spec.scale)
     return (w.astype(np.float32) + delta).astype(w.dtype)
 
 
 def part_of(name: str) -> str:
-    """The expert adapter that adapts expert weight `name`."""
-    return next(p for p, ws in lora.EXPERT_ADAPTERS.items() if name in ws)
+    """The expert adapter that adapts expert weight `name` (gpt-oss's fused w_gate_up: experts_gate_up)."""
+    return "experts_gate_up" if name == "w_gate_up" else next(p for p, ws in lora.EXPERT_ADAPTERS.items() if name in ws)

@@ -59,11 +59,10 @@ def peft_targets() -> dict[str, str]:
 
 @dataclasses.dataclass(frozen=True)
 class LoraSpec:
-    """rank r, alpha, rslora (scale alpha / sqrt(r), else alpha / r), and the target
-    weights (the decoder's names, `WEIGHTS` order). `init_weights`: PEFT's
-    `init_lora_weights`; True (its default) starts B at zero, so step 0 is the base; False
-    draws B as torch's nn.Linear(r, out) does, like A (PEFT's choice for tests: an adapter
-    that is not a no-op; `verify` uses it, see `fsdp_jax.app.cli.verify`)."""
+    """rank r, alpha, rslora (scale alpha / sqrt(r), else alpha / r), and the target weights (the
+    decoder's names, `WEIGHTS` order). `init_weights`: PEFT's `init_lora_weights`; True (its default)
+    starts B at zero, so step 0 is the base; False draws B as torch's nn.Linear(r, out) does, like A
+    (PEFT's choice for tests: an adapter that is not a no-op; `verify` uses it, `app.cli.verify`)."""
 
     rank: int
     alpha: float
@@ -71,11 +70,9 @@ class LoraSpec:
     rslora: bool = False
     dropout: float = 0.0  # on the adapters' input, in training only
     init_weights: bool = True
-    # a mixture of experts' adapted expert tensors (`EXPERT_ADAPTERS` names, PEFT's
-    # target_parameters); None: those the MLP targets name (`spec_experts`)
+    # adapted expert tensors (`EXPERT_ADAPTERS`, PEFT's target_parameters); None: `spec_experts`
     experts: tuple[str, ...] | None = None
-    # QLoRA: the targets' frozen weights stored quantised (`fsdp_jax.quant`), dequantised in
-    # `quant_dtype` (the compute dtype) inside each layer; None: kept as they are
+    # QLoRA: frozen targets stored quantised (`fsdp_jax.quant`), dequantised to `quant_dtype` per layer
     base_quant: QuantSpec | None = None
     quant_dtype: str = "float32"
 
@@ -107,9 +104,8 @@ PEFT_PARAMETERS = {"mlp.experts.gate_up_proj": "experts_gate_up", "mlp.experts.d
 
 
 def resolve_experts(spec: str) -> tuple[str, ...] | None:
-    """`lora.target_parameters`: "auto" (None: the experts the MLP targets name), "none"
-    (()), or PEFT's names (`mlp.experts.gate_up_proj mlp.experts.down_proj`, or their
-    last parts) -> the expert adapters. ValueError naming an unknown one."""
+    """`lora.target_parameters`: "auto" (None: the experts the MLP targets name), "none" (()), or PEFT's
+    names (`mlp.experts.gate_up_proj mlp.experts.down_proj`, or last parts); ValueError naming an unknown one."""
     names = [n for n in spec.replace(",", " ").split() if n]
     if names == ["auto"]:
         return None
@@ -127,8 +123,7 @@ def resolve_experts(spec: str) -> tuple[str, ...] | None:
 
 
 def spec_from_config(section) -> LoraSpec | None:
-    """The run config's `lora:` section (rank, alpha, targets, target_parameters, rslora,
-    dropout) as a `LoraSpec`; None for rank 0 (no LoRA)."""
+    """The run config's `lora:` section as a `LoraSpec`; None for rank 0 (no LoRA)."""
     if not section.rank:
         return None
     experts = resolve_experts(section.target_parameters)
@@ -152,13 +147,13 @@ def attention_weights(cfg) -> tuple[str, ...]:
 
 def weight_dims(cfg, name: str, shared: bool = False):
     """(input shape, input names, output shape, output names) of the decoder's weight `name`
-    (`shared`: the shared expert's, Qwen2-MoE, of width `shared_expert_ffn_dim`; an attention
-    part's own weights by its `lora_dims`)."""
+    (`shared`: the shared expert's, of width `shared_width`; an attention part's own weights by
+    its `lora_dims`)."""
     own = getattr(registry.block_parts(cfg).attention, "lora_dims", None)
     if own is not None and name in own(cfg):
         return own(cfg)[name]
     d, h, kvh, dh = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    f = cfg.shared_expert_ffn_dim if shared else cfg.ffn_dim
+    f = shared_width(cfg) if shared else cfg.ffn_dim
     return {
         "wq": ((d,), (EMBED,), (h, dh), (HEADS, KV)),
         "wk": ((d,), (EMBED,), (kvh, dh), (KV_HEADS, KV)),
@@ -176,13 +171,18 @@ def weight_dims(cfg, name: str, shared: bool = False):
 EXPERT_ADAPTERS: dict[str, tuple[str, ...]] = {"experts_gate_up": ("w_gate", "w_up"), "experts_down": ("w_down",)}
 
 
+def shared_width(cfg) -> int:
+    """The shared expert's width: Qwen2-MoE's gated one, or DeepSeek-V3's shared experts (0: none)."""
+    return cfg.shared_expert_ffn_dim or cfg.shared_experts_ffn_dim
+
+
 def linear_mlps(cfg) -> bool:
     """Do the MLP targets (gate_proj up_proj down_proj) adapt the model's plain MLPs, as
     PEFT's `target_modules` do: a dense model's; on a mixture of experts, only where they are
-    nn.Linear modules PEFT wraps, a shared expert's (Qwen2-MoE: its dense layers and its shared expert).
-    Qwen3-MoE's dense layers keep none: peft 0.21 on transformers 5 rewrites its target_modules
-    gate/up/down_proj to the fused experts, so no PEFT adapter reaches them."""
-    return not cfg.n_experts or bool(cfg.shared_expert_ffn_dim)
+    nn.Linear modules PEFT wraps, a shared expert's (Qwen2-MoE: its dense layers and its shared expert),
+    or reaches as target_parameters (DeepSeek-V3's, `families.peft_parameters`). Qwen3-MoE's dense
+    layers keep none: peft 0.21 maps their target_modules names to the fused experts."""
+    return not cfg.n_experts or bool(cfg.shared_expert_ffn_dim) or bool(registry.peft_parameters(cfg))
 
 
 def spec_experts(spec: LoraSpec) -> tuple[str, ...]:
@@ -191,9 +191,11 @@ def spec_experts(spec: LoraSpec) -> tuple[str, ...]:
     return expert_adapters(spec.targets) if spec.experts is None else spec.experts
 
 
-def own_experts(cfg) -> bool:
-    """Are `cfg`'s experts a family's sparse MLP part (`BlockParts.moe`)? They take no adapters."""
-    return (fam := registry.of_config(cfg)) is not None and fam.parts.moe is not None
+def own_experts(cfg) -> bool | str:
+    """Are `cfg`'s experts a family's sparse MLP part (`BlockParts.moe`)? "named" where the part takes
+    adapters (`expert_lora`: gpt-oss's) only as `lora.target_parameters` names them; True: none."""
+    part = (fam := registry.of_config(cfg)) is not None and fam.parts.moe
+    return bool(part) and ("named" if getattr(part, "expert_lora", False) else True)
 
 
 def adapted(cfg, spec: LoraSpec) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -202,17 +204,18 @@ def adapted(cfg, spec: LoraSpec) -> tuple[tuple[str, ...], tuple[str, ...]]:
     attn = attention_weights(cfg)
     mods = [t for t in spec.targets if t in attn or (t in MLP_WEIGHTS and linear_mlps(cfg))]
     mods += [SHARED_GATE] if SHARED_GATE in spec.targets and cfg.shared_expert_ffn_dim else []
-    return tuple(t for t in TARGETS if t in mods), spec_experts(spec) if cfg.n_experts and not own_experts(cfg) else ()
+    own = own_experts(cfg) if cfg.n_experts else True
+    experts = (spec.experts or ()) if own == "named" else () if own else spec_experts(spec)
+    return tuple(t for t in TARGETS if t in mods), experts
 
 
 def target_problem(cfg, spec: LoraSpec) -> tuple[str, str] | None:
     """None, or (config key, the one line refusing `spec` on model `cfg`): a target naming
-    nothing on it (the line lists the names that do), the experts' gate and up projections
-    asked apart (one fused tensor per expert: both or neither), expert tensors on a model
-    without experts or on a family's own."""
+    nothing on it (the line lists the names that do), the experts' gate and up projections asked
+    apart (one fused tensor per expert), expert tensors on a model without experts or on a family's own."""
     if spec.experts is not None and spec.experts and not cfg.n_experts:
         return "lora.target_parameters", "the model has no routed experts (n_experts 0): use auto or none"
-    if spec.experts and own_experts(cfg):
+    if spec.experts and own_experts(cfg) is True:
         return "lora.target_parameters", f"{cfg.family}'s experts take no adapters: use auto or none"
     auto = cfg.n_experts and spec.experts is None and not own_experts(cfg)
     if auto and ("w_gate" in spec.targets) != ("w_up" in spec.targets):
@@ -232,9 +235,13 @@ def target_problem(cfg, spec: LoraSpec) -> tuple[str, str] | None:
 
 
 def expert_dropout(cfg, spec: "LoraSpec") -> str | None:
-    """None, or the line refusing dropout with adapters on experts (PEFT's ParamWrapper has none)."""
-    if cfg.n_experts and spec.dropout and adapted(cfg, spec)[1]:
-        return "adapters on experts take no dropout (PEFT's target_parameters refuse lora_dropout): set lora.dropout=0"
+    """None, or the line refusing dropout with adapters on experts or on weights PEFT reaches as
+    target_parameters (PEFT's ParamWrapper has no dropout)."""
+    mods, experts = adapted(cfg, spec)
+    by_param = {p.split("/")[1] for p in registry.peft_parameters(cfg)} & set(mods)
+    if spec.dropout and (cfg.n_experts and experts or by_param):
+        what = f"{cfg.family}'s MLPs" if by_param else "experts"
+        return f"adapters on {what} take no dropout (PEFT's target_parameters refuse lora_dropout): set lora.dropout=0"
     return None
 
 
@@ -263,7 +270,7 @@ def _matrices(cfg, spec: LoraSpec) -> list[tuple[int, int, int, int]]:
     attn = attention_weights(cfg)
     out = [(*flat(t), cfg.n_layers, cfg.n_layers) for t in mods if t in attn]
     out += [(*flat(t), cfg.n_layers - n_sparse, cfg.n_layers - n_sparse) for t in mods if t in MLP_WEIGHTS]
-    if cfg.shared_expert_ffn_dim:
+    if shared_width(cfg):
         out += [(*flat(t, True), n_sparse, n_sparse) for t in mods if t not in attn]
     for i, _, o, _ in (expert_adapter_dims(cfg, n) for n in experts):
         out.append((i, o, n_sparse * cfg.n_experts, n_sparse * cfg.experts_per_token))
@@ -271,8 +278,7 @@ def _matrices(cfg, spec: LoraSpec) -> list[tuple[int, int, int, int]]:
 
 
 def max_rank(cfg, targets: tuple[str, ...], experts: tuple[str, ...] | None = None) -> int:
-    """The largest rank every target allows: the smaller of its flat input and output widths
-    (the shared expert's (D, 1) gate aside: PEFT puts any rank on it)."""
+    """The largest rank every target allows: its smallest flat width (not the (D, 1) gate's)."""
     sizes = [min(i, o) for i, o, _, _ in _matrices(cfg, LoraSpec(1, 1.0, targets, experts=experts)) if o > 1]
     return min(sizes) if sizes else cfg.d_model
 
@@ -332,7 +338,7 @@ def attach(block, cfg, spec: LoraSpec, rngs: nnx.Rngs) -> None:
     for module, names, shared in (
         (block.attn, attention_weights(cfg), False),
         (getattr(block, "mlp", None), MLP_WEIGHTS, False),
-        (moe if cfg.shared_expert_ffn_dim else None, MLP_WEIGHTS + (SHARED_GATE,), True),
+        (moe if shared_width(cfg) else None, MLP_WEIGHTS + (SHARED_GATE,), True),
     ):
         chosen = [n for n in names if n in mods and module is not None]
         if chosen:

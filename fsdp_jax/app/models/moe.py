@@ -188,7 +188,10 @@ class MoE(nnx.Module):
     def _experts(self):
         """(the expert weights, then each adapter's A and B (`EXPERT_ADAPTERS` order); the
         `ExpertLora` saying which, or None without adapters)."""
-        ws = [self.w_gate[...], self.w_up[...], self.w_down[...]]
+        return self.with_adapters([self.w_gate[...], self.w_up[...], self.w_down[...]])
+
+    def with_adapters(self, ws: list):
+        """(`ws` (the expert tensors) then each expert adapter's A and B; `ExpertLora` or None)."""
         adapters = getattr(self, "lora", None)
         if adapters is None:
             return tuple(ws), None
@@ -240,18 +243,19 @@ class MoE(nnx.Module):
         y = checkpoint_name(y.astype(x.dtype).reshape(b, s, d), "mlp_out")
         return y, stats
 
+    def shared_proj(self, x, name: str, w, key):
+        """Rows x @ the shared expert's weight `w` (its decoder name `name`: w_gate ...) plus its
+        adapter's term (`shared_lora`, LoRA; `key` the layer's dropout key), if any."""
+        y = matmul(x, w[...])
+        d = delta(self, name, x, key, where="shared_lora")
+        return y if d is None else y + d.astype(y.dtype)
+
     def _shared(self, x2, key):
-        """The shared expert on rows x2 (N, D), scaled by sigmoid(x2 w_shared_gate); each
-        projection plus its adapter's term (`shared_lora`, LoRA), if any."""
-
-        def proj(x, name, w):
-            y = matmul(x, w[...])
-            d = delta(self, name, x, key, where="shared_lora")
-            return y if d is None else y + d.astype(y.dtype)
-
-        hs = gated(proj(x2, "w_gate", self.shared_gate), proj(x2, "w_up", self.shared_up))
-        gate = jax.nn.sigmoid(proj(x2, "w_shared_gate", self.shared_weight))  # (N, 1)
-        return gate * proj(hs, "w_down", self.shared_down)
+        """The shared expert on rows x2 (N, D), scaled by sigmoid(x2 w_shared_gate)."""
+        proj = self.shared_proj
+        hs = gated(proj(x2, "w_gate", self.shared_gate, key), proj(x2, "w_up", self.shared_up, key))
+        gate = jax.nn.sigmoid(proj(x2, "w_shared_gate", self.shared_weight, key))  # (N, 1)
+        return gate * proj(hs, "w_down", self.shared_down, key)
 
 
 def moe_params(cfg) -> int:

@@ -12,8 +12,10 @@ The decoder's `MoE` (dispatch, expert parallelism, capacity, router statistics) 
   y = ((up + 1) * gate * sigmoid(alpha * gate)) W_down + b_down (`swiglu_limit`, `swiglu_alpha`).
 New params and their logical dims: `router_bias` (E,) `expert`; `w_gate_up` (E, D, 2F)
 `expert, embed, mlp`; `b_gate_up` (E, 2F) `expert, mlp`; `w_down` (E, F, D) `expert, mlp,
-embed`; `b_down` (E, D) `expert, embed`. No LoRA adapters on these experts (refused by
-`fsdp_jax.app.models.lora.target_problem`).
+embed`; `b_down` (E, D) `expert, embed`. LoRA on these experts only as `lora.target_parameters`
+names them (PEFT's `mlp.experts.gate_up_proj` / `down_proj`; `expert_lora`): `experts_gate_up`'s term
+is added to x W_gate_up before the bias and the split (its columns interleaved as the weight's),
+`experts_down`'s to a W_down.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from fsdp_jax.sharding.axes import EMBED, EXPERT, MLP
 
 
 class ClampedMoE(MoE):
+    expert_lora = True  # its experts take adapters, only as named (`fsdp_jax.app.models.lora.own_experts`)
+
     def make_experts(self, cfg, rngs: nnx.Rngs) -> None:
         d, e, f = cfg.d_model, cfg.n_experts, cfg.moe_ffn_dim
         self.router_bias = normal_param(rngs, (e,), (EXPERT,))
@@ -41,15 +45,23 @@ class ClampedMoE(MoE):
         return super().router_logits(x2) + self.router_bias[...].astype(jnp.float32)
 
     def _experts(self):
-        return (self.w_gate_up[...], self.w_down[...], self.b_gate_up[...], self.b_down[...]), None
+        return self.with_adapters([self.w_gate_up[...], self.w_down[...], self.b_gate_up[...], self.b_down[...]])
 
     def expert_ffn(self, x, ws, lora, dot, rows):
-        wgu, wd, bgu, bd = ws
-        h = dot(x, wgu)
+        wgu, wd, bgu, bd = ws[:4]
+        pairs = dict(zip(lora.parts, zip(ws[4::2], ws[5::2]))) if lora else {}
+
+        def plus(y, x, name):  # y plus the adapter's (x A) B * scale, two thin products
+            if name not in pairs:
+                return y
+            t = dot(dot(x, pairs[name][0]), pairs[name][1])
+            return y + t * jnp.asarray(lora.scale, t.dtype)
+
+        h = plus(dot(x, wgu), x, "experts_gate_up")
         h = h + rows(bgu).astype(h.dtype)  # (rows, 2F) or (E, C, 2F)
         gate, up = jnp.minimum(h[..., ::2], self.limit), jnp.clip(h[..., 1::2], -self.limit, self.limit)
         a = (up + 1) * gate * jax.nn.sigmoid(gate * self.alpha)
-        y = dot(a, wd)
+        y = plus(dot(a, wd), a, "experts_down")
         return y + rows(bd).astype(y.dtype)
 
     @staticmethod

@@ -13,6 +13,9 @@ The decoder's `MoE` (its experts, dispatch, capacity, expert parallelism, statis
   not by the loss; this decoder keeps it as imported);
 - shared experts, one gated MLP of width `shared_experts_ffn_dim` (n_shared_experts x
   moe_intermediate_size) on every token, added unscaled.
+LoRA: the shared experts' adapters (`shared_lora`, PEFT's mlp.shared_experts.{gate,up,down}_proj) are
+added to their projections, as on Qwen2-MoE's shared expert; the routed experts take adapters only as
+`lora.target_parameters` names them (PEFT's mlp.experts.gate_up_proj / down_proj), as Mixtral's.
 The router statistics' probabilities are the sigmoid scores normalised per token (so the
 load-balancing metric reads as for a softmax router: k when balanced). New params and their logical
 dims: `score_bias` (E,) `expert`; `shared_gate`, `shared_up` (embed, mlp), `shared_down`
@@ -29,7 +32,6 @@ from fsdp_jax.app.models.moe import MoE
 from fsdp_jax.app.models.moe_dispatch import gated, per_token_shard
 from fsdp_jax.app.models.norm import normal_param
 from fsdp_jax.sharding.axes import EMBED, EXPERT, MLP
-from fsdp_jax.sharding.precision import matmul
 
 
 def group_top_k(scores, choice, k: int, n_group: int, topk_group: int, norm: bool, factor: float):
@@ -51,6 +53,8 @@ def group_top_k(scores, choice, k: int, n_group: int, topk_group: int, norm: boo
 
 
 class GroupedMoE(MoE):
+    expert_lora = True  # its routed experts take adapters only as named (`fsdp_jax.app.models.lora.own_experts`)
+
     def make_experts(self, cfg, rngs: nnx.Rngs) -> None:
         super().make_experts(cfg, rngs)
         d, fs = cfg.d_model, cfg.shared_experts_ffn_dim
@@ -71,9 +75,9 @@ class GroupedMoE(MoE):
     def __call__(self, x, token_mask=None, dropout_key=None):
         y, stats = super().__call__(x, token_mask, dropout_key)
         b, s, d = x.shape
-        x2 = x.reshape(b * s, d)
-        h = gated(matmul(x2, self.shared_gate[...]), matmul(x2, self.shared_up[...]))
-        return y + matmul(h, self.shared_down[...]).reshape(b, s, d).astype(y.dtype), stats
+        x2, proj, k = x.reshape(b * s, d), self.shared_proj, dropout_key  # each with its adapter's term, if any
+        h = gated(proj(x2, "w_gate", self.shared_gate, k), proj(x2, "w_up", self.shared_up, k))
+        return y + proj(h, "w_down", self.shared_down, k).reshape(b, s, d).astype(y.dtype), stats
 
     @staticmethod
     def added_params(cfg, active: bool = False) -> int:

@@ -5,7 +5,7 @@ routing, a score-correction bias and shared experts (`models/moe_grouped.py`), Y
 mscale. Multi-token prediction layers (`num_nextn_predict_layers`) are layers num_hidden_layers +
 k - 1 (`fsdp_jax.app.hf.mtp_layout`); FP8 checkpoints (`quantization_config` fp8, 128 x 128
 blocks as published) are dequantised on import (`fsdp_jax.app.hf.fp8_blocks`). LoRA by PEFT's
-names on latent attention's projections.
+names on latent attention's projections, the dense layers' MLPs and the shared experts.
 
 Tensors under model.layers.N (transformers' DeepseekV3ForCausalLM as it saves them):
   self_attn.q_a_proj.weight (r_q, D), q_a_layernorm.weight, q_b_proj.weight (H (Dn + Dr), r_q)
@@ -149,7 +149,7 @@ def part_weights(cfg) -> dict:
     }
 
 
-# PEFT's target_modules on latent attention (nn.Linear modules under model.layers.N)
+# PEFT's modules under model.layers.N: latent attention's nn.Linear projections (target_modules)
 PEFT_NAMES = {
     "attn/wq": "self_attn.q_proj",
     "attn/wq_a": "self_attn.q_a_proj",
@@ -158,6 +158,16 @@ PEFT_NAMES = {
     "attn/wkv_b": "self_attn.kv_b_proj",
     "attn/wo": "self_attn.o_proj",
 }
+MLP = ("w_gate", "w_up", "w_down")
+# the shared experts' (sparse layers); the dense layers' MLPs are the generic mlp.{gate,up,down}_proj
+SHARED_PEFT_NAMES = {
+    f"shared/{w}": f"mlp.shared_experts.{n}" for w, n in zip(MLP, ("gate_proj", "up_proj", "down_proj"))
+}
+# peft 0.21 on transformers 5.25 rewrites target_modules gate_proj / up_proj / down_proj (and all-linear's)
+# to the fused routed experts (DeepseekV3 takes Qwen2-MoE's v4 -> v5 conversion), so the dense MLPs and
+# shared experts are reached only as target_parameters `mlp.gate_proj.weight`,
+# `mlp.shared_experts.gate_proj.weight`, ... (a ParamWrapper per nn.Linear weight: the same tensor names)
+PEFT_PARAMETERS = tuple(f"{site}/{w}" for site in ("mlp", "shared") for w in MLP)
 
 FAMILY = Family(
     "deepseek_v3",
@@ -171,6 +181,7 @@ FAMILY = Family(
     moe_json=moe_json,
     parts=BlockParts(attention=LatentAttention, moe=GroupedMoE),
     part_weights=part_weights,
-    peft_names={"kv_lora_rank": PEFT_NAMES},
+    peft_names={"kv_lora_rank": PEFT_NAMES, "shared_experts_ffn_dim": SHARED_PEFT_NAMES},
+    peft_parameters=PEFT_PARAMETERS,
     mtp_key="num_nextn_predict_layers",
 )

@@ -48,6 +48,9 @@ class Family:
     peft_names     {DecoderConfig switch ("" = always): {"<site>/<weight>": PEFT's module under
                    model.layers.N}}, site attn, mlp or shared (a shared expert's); a PEFT
                    `target_modules` name is a module's last part (`peft_targets`)
+    peft_parameters those of its `peft_names` ("<site>/<weight>") PEFT reaches only through
+                   `target_parameters` ("<module>.weight"): transformers 5's v4 -> v5 conversion
+                   makes peft 0.21 rewrite their target_modules names onto the fused experts
     parts          its block parts (`fsdp_jax.app.models.parts.BlockParts`): a config.json of
                    this model_type sets `DecoderConfig.family` to it when they are its own
     part_weights   None, or (cfg) -> {our path under a block: (HF name under model.layers.N,
@@ -72,6 +75,7 @@ class Family:
     moe_names: tuple[str, tuple[str, str, str]] | None = None
     moe_weights: Mapping[str, Names] = dataclasses.field(default_factory=dict)
     peft_names: Mapping[str, Mapping[str, str]] = dataclasses.field(default_factory=dict)
+    peft_parameters: tuple[str, ...] = ()
     parts: BlockParts = DEFAULT_PARTS
     part_weights: Callable | None = None
     chat_template: str | None = None
@@ -184,6 +188,12 @@ def part_tensors(cfg) -> dict[str, tuple[str, str, tuple[int, ...]]]:
 def peft_modules(cfg) -> dict[str, str]:
     """{"<site>/<weight>": PEFT's module under model.layers.N} for `cfg` (`Family.peft_names`)."""
     return _by_switch(cfg, "peft_names")
+
+
+def peft_parameters(cfg) -> tuple[str, ...]:
+    """The "<site>/<weight>" of `cfg` whose PEFT adapters are `target_parameters` (`Family.peft_parameters`)."""
+    fam = of_config(cfg)
+    return fam.peft_parameters if fam else ()
 
 
 def peft_targets() -> dict[str, str]:
