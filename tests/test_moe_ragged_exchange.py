@@ -82,6 +82,13 @@ for exchange in ("dense", "ragged"):
         text = built.train_step.lower(built.abstract_state, batch).compile().as_text()
     ops = [re.match(r"\s*(?:ROOT )?%\S+ = (.*?) ((?:ragged-)?all-to-all(?:-start)?)\(", l) for l in text.splitlines()]
     out[exchange] = [[m[2], m[1]] for m in ops if m]
+# dropless experts through tokamax's Triton kernels inside the dispatch's shard_map: lowered only
+# (the Pallas call leaves its result's manual-axis type unset, which a checking shard_map refused)
+built = _built(_cfg(grouped_matmul="tokamax"), make_mesh(1, 8, 1, devices=devices), "full_shard",
+               {**DEFAULT_RULES, "expert": "fsdp"})
+with jax.default_device(devices[0]):
+    lowered = built.train_step.lower(built.abstract_state, batch).as_text()
+out["tokamax_triton_calls"] = lowered.count("__gpu$xla.gpu.triton")
 print(json.dumps(out))
 """
 
@@ -99,3 +106,5 @@ def test_ragged_exchange_compiles_to_ragged_all_to_all_for_h100():
     # ids and rows there, rows back; the backward's two: rows' cotangents back and forth
     assert len(ragged) == 5 and all("f32[256,32]" in t or "s32[256]" in t for t in ragged), r["ragged"]
     assert not any(blocks.search(t) for op, t in r["ragged"] if op.startswith("all-to-all")), r["ragged"]
+    # gate, up, down forward; dx and dw of each backward (tokamax's kernels, not XLA's dense ragged_dot)
+    assert r["tokamax_triton_calls"] >= 9, r["tokamax_triton_calls"]

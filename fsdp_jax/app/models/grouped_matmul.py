@@ -148,12 +148,13 @@ def _varying(a) -> set[str]:
 
 
 def _unchecked():
-    """On TPU, a context in which a Pallas call may leave its result's manual-axis type unset:
-    tokamax 0.0.12's Mosaic TPU kernel gives none, which jax 0.10 refuses inside a `shard_map`
-    that checks them ("`manual_axis_type` on `jax.ShapeDtypeStruct` must not be `None`"). Its
-    result is typed by `_like` instead. jax's own switch, private: the one `shard_map(...,
-    check_vma=False)` sets."""
-    if lowering_platform() != "tpu":
+    """On an accelerator, a context in which a Pallas call may leave its result's manual-axis
+    type unset: tokamax 0.0.12's Mosaic TPU kernel and its Pallas Triton GPU kernel give none,
+    which jax 0.10 refuses inside a `shard_map` that checks them ("`manual_axis_type` on
+    `jax.ShapeDtypeStruct` must not be `None`": the dropless experts' dispatch on 8 x H100).
+    Its result is typed by `_like` instead. jax's own switch, private: the one `shard_map(...,
+    check_vma=False)` sets. On CPU (interpreted kernels) the check stays on."""
+    if lowering_platform() == "cpu":
         return contextlib.nullcontext()
 
     return jax_config._check_vma(False)
