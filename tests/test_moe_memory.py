@@ -66,7 +66,7 @@ def test_moe_terms_by_formula():
     """The sparse layers' terms replace the dense MLP's: a dense config's activations are
     unchanged by the MoE fields' defaults; per token the top-k expanded rows and the expert
     FFN intermediate grow with k; on CPU a dropless layer's expert terms are its dense
-    lowering's buffers, c k (6 E_l F + 2 E_l D + 3D) per token with E_l the local experts, in
+    lowering's buffers, c k (6 E_l F + 2 E_l D + 2D) per token with E_l the local experts, in
     place of the grouped matmul's c k (2D + 4F); capacity mode (any backend) has none of it."""
     m = _cfg("dropless").model
     t, c = 64, 4
@@ -78,11 +78,11 @@ def test_moe_terms_by_formula():
     cpu = activation_bytes(m, "dots", 2, 32, "float32", 1, True)
     gpu = activation_bytes(m, "dots", 2, 32, "float32", 1, False)
     grouped = 2 * 64 + 4 * 128  # per row: sorted copy + down output, the FFN intermediate
-    assert cpu["working"] - gpu["working"] == t * c * 2 * (6 * 8 * 128 + 2 * 8 * 64 + 3 * 64 - grouped)
+    assert cpu["working"] - gpu["working"] == t * c * 2 * (6 * 8 * 128 + 2 * 8 * 64 + 2 * 64 - grouped)
     split = activation_bytes(m, "dots", 2, 32, "float32", 4, True)  # 2 of the 8 experts local
-    assert split["working"] - gpu["working"] == t * c * 2 * (6 * 2 * 128 + 2 * 2 * 64 + 3 * 64 - grouped)
+    assert split["working"] - gpu["working"] == t * c * 2 * (6 * 2 * 128 + 2 * 2 * 64 + 2 * 64 - grouped)
     # over 4 batch shards (all-to-all): 2 experts local, 4 x k rows per token (the dense blocks),
-    # whose sent and returned copies (2D a row) the CPU's plain row buffers hold
+    # whose sent and returned copies (2D a row) the CPU's plain row buffers hold (three, D each)
     moved = activation_bytes(m, "dots", 2, 32, "float32", 1, True, 4)
     assert moved["working"] - activation_bytes(m, "dots", 2, 32, "float32", 1, False, 4)["working"] == (
         t * c * 8 * (6 * 2 * 128 + 2 * 2 * 64 + 3 * 64 - grouped - 2 * 64)
