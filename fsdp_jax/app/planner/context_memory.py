@@ -20,11 +20,14 @@ as its record (`fsdp_jax.sharding.remat.RematPolicy`) keeps the attention core's
 * the other policies save nothing of attention beyond the layer input.
 
 One layer's backward works on the largest score block (b x H x q x s, q = q_chunk when s is
-split, else s): four buffers of it are live at once (read from XLA:CPU's buffer assignment of
-the f32 tiny step at context 2 and 4: `exp(s - m)`, the f32 probabilities `_stats` recomputes;
-the f32 dot product of the output's cotangent with v; the score gradient and its transposed
-copy, the operands of the dq and dK dots, held in the compute dtype when it is narrower): 8 + 2c
-bytes per score. Plus every step's f32 output and
+split, else s), counted at 8 + 2c bytes a score. Read from the compiled steps' buffer
+assignments: XLA:CPU's f32 tiny step at context 2 and 4 holds four f32 buffers of it at once
+(`exp(s - m)`, the probabilities `_stats` recomputes; the dot of the output's cotangent with v;
+the score gradient and its transposed copy, the operands of the dq and dK dots): 16 bytes, as
+counted. Deviceless XLA:GPU with bf16 compute fuses more: Llama-3.1-8B at 131072 tokens on 8
+context ranks holds three (the f32 score gradient, its bf16 copy, an f32 transposed copy: 10
+bytes) and a 4096-token ring on 4 ranks about 11, so in bf16 the count is 1-2 bytes a score
+high on GPU. Plus every step's f32 output and
 statistics (kept for the merges' backward: C x T x (4Q + 8H)) and the K/V it meets: the
 gathered K/V over the whole row and its gradient (`all_gather`: 2 x b x S x 2K x c), or the
 block in flight and the next one, forward and backward (`ring`: 4 x b x s x 2K x c). Under
