@@ -11,7 +11,7 @@ from fsdp_jax.app.config.parse import load_config
 from fsdp_jax.app.planner.memory_model import activation_bytes
 from fsdp_jax.targets import gpu as targets
 from fsdp_jax.targets.plugins import cudnn_installed
-from helpers import call
+from helpers import PEAK_UNDER, call
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_YAML = ROOT / "configs" / "tiny.yaml"
@@ -112,16 +112,16 @@ def test_gpu_target_compiles_cudnn_per_ring_block_with_less_memory(capsys):
     temporaries are smaller than the XLA ring blocks' by more than one f32 score block of a
     rank's own block (2 heads x 1024 x 1024 x 4 B = 8.4 MB), which cuDNN never materialises.
     (Measured: 29.50 vs 51.32 MB temporaries, peaks 31.50 vs 53.31 MB.) The analytic model of
-    the XLA ring (planner/context_memory.py: four buffers of the score block in the backward,
-    bf16 here) holds that peak within the dense model's GPU tolerance (tests/test_targets.py:
-    10%; measured 52.34 MB analytic, 1.8% under; 48.15 MB, 10.7% under, with the three f32
-    buffers it counted before)."""
+    the XLA ring (planner/context_memory.py: the score block at 8 + 2c bytes a score) is never
+    under that peak by more than helpers.PEAK_UNDER (5%): 52.34 MB, 1.8% under on jax 0.10.2
+    (48.15 MB, 9.7% under, at 8 + c before); jax 0.12.0.1's XLA:GPU compiles the same step to
+    42.28 MB, where the model is 24% over (docs/planning.md)."""
     plans = _ring_plans(capsys)
     got = {k: r["compiled"] for k, r in plans.items()}
     assert got["xla"]["temp"] - got["cudnn"]["temp"] > 2 * 1024 * 1024 * 4, got
     assert got["cudnn"]["peak"] < got["xla"]["peak"], got
     analytic = plans["xla"]["analytic"]["total"]
-    assert abs(got["xla"]["peak"] / analytic - 1) < 0.10, (got["xla"]["peak"], analytic)
+    assert analytic >= (1 - PEAK_UNDER) * got["xla"]["peak"], (got["xla"]["peak"], analytic)
 
 
 @pytest.mark.slow
