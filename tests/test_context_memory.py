@@ -1,15 +1,18 @@
 """The analytic memory model under context parallelism (`fsdp_jax.app.planner.context_memory`):
 activations divide by the `context` axis, ring attention's blocks replace the S x S terms,
-and the estimate holds against the compiled CPU step at context 1, 2 and 4."""
+and the estimate holds against the compiled CPU step's peak at context 2 and 4 (context 1, the
+dense model's XLA attention, is short by XLA:CPU's heap gap: a strict xfail)."""
 
 from pathlib import Path
 
 import pytest
 
 from fsdp_jax.app.config.parse import load_config
-from fsdp_jax.app.planner import estimate as pl
+from fsdp_jax.app.planner.abstract_step import build_step
 from fsdp_jax.app.planner.context_memory import context_attention_bytes, score_block
-from fsdp_jax.app.planner.memory_model import activation_bytes
+from fsdp_jax.app.planner.memory_model import activation_bytes, analytic_memory
+from fsdp_jax.hlo.memory import compiled_memory
+from helpers import assert_analytic_holds_the_cpu_peak
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_YAML = ROOT / "configs" / "tiny.yaml"
@@ -26,11 +29,6 @@ SMALL = [
     "data.source=none",
     "data.path=nonexistent",
 ]
-# analytic total / compiled peak by remat and context, full_shard on 8 CPU devices (fsdp 8 / C x
-# context C), measured on jax 0.10.2; at context 1 the one-device formula's 3 f32 score blocks
-# are under XLA:CPU's ~3.9 at this size; `dots` keeps every ring step's scores (context_memory)
-# (as in tests/test_plan.py, a move of more than 5% fails)
-TOTAL_OVER_PEAK = {"full": {1: 0.793, 2: 0.923, 4: 1.013}, "dots": {1: 0.868, 2: 0.870, 4: 0.793}}
 
 
 def _cfg(context: int, *extra, remat: str = "full"):
@@ -55,20 +53,46 @@ def test_the_sequence_is_split_over_context():
     assert context_attention_bytes(m, "save_attn_mlp_out", 2, SEQ, 4, 4, 2048)["saved"] == 0
 
 
+@pytest.fixture(scope="module")
+def measured():
+    """{(remat, context): (build, analytic, compiled)}: full_shard on 8 CPU devices (fsdp 8 / C x context C)."""
+    out = {}
+    for remat in ("full", "dots"):
+        for c in (1, 2, 4):
+            b = build_step(_cfg(c, remat=remat), "full_shard")
+            out[remat, c] = (b, analytic_memory(b), compiled_memory(b.compile()))
+    return out
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("remat", list(TOTAL_OVER_PEAK))
-def test_analytic_agrees_with_the_compiled_step_at_context_1_2_4(remat):
-    ratios, peaks, acts = {}, {}, {}
-    for c in TOTAL_OVER_PEAK[remat]:
-        r = pl.plan_config(_cfg(c, remat=remat), 8, ["full_shard"])["strategies"]["full_shard"]
-        a, k = r["analytic"], r["compiled"]
-        assert r["mesh"] == {"data": 1, "fsdp": 8 // c, "context": c, "tensor": 1}
-        assert k["argument"] == a["params"] + a["optimizer"] + a["batch"], c  # exact, as without context
-        ratios[c], peaks[c], acts[c] = a["total"] / k["peak"], k["peak"], a["activations"]
-    print(f"{remat}: analytic / compiled peak by context:", {c: round(x, 3) for c, x in ratios.items()})
-    for c, want in TOTAL_OVER_PEAK[remat].items():
-        assert ratios[c] == pytest.approx(want, rel=0.05), (c, ratios)
-    assert peaks[1] > peaks[2] > peaks[4] and acts[1] > acts[2] > acts[4], (peaks, acts)
+@pytest.mark.parametrize("remat", ["full", "dots"])
+def test_ring_attention_holds_the_compiled_peak_at_context_2_and_4(measured, remat):
+    """The ring's terms (context_memory: four buffers of the score block in the backward, and
+    under `dots` one layer's saved half-blocks copied out of the stack) against the compiled
+    peak, within helpers.PEAK_UNDER / PEAK_OVER; the arguments exact, as without context."""
+    for c in (1, 2, 4):
+        b, a, k = measured[remat, c]
+        assert dict(b.mesh.shape) == {"data": 1, "fsdp": 8 // c, "context": c, "tensor": 1}
+        assert k["argument"] == a["params"] + a["optimizer"] + a["batch"], c
+    for c in (2, 4):
+        b, a, k = measured[remat, c]
+        assert_analytic_holds_the_cpu_peak(b, a, k["peak"], (remat, c))
+    peaks = [measured[remat, c][2]["peak"] for c in (1, 2, 4)]
+    acts = [measured[remat, c][1]["activations"] for c in (1, 2, 4)]
+    assert peaks[0] > peaks[1] > peaks[2] and acts[0] > acts[1] > acts[2], (peaks, acts)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    reason="context 1 is the dense model's XLA attention: XLA:CPU's heap leaves one f32 S x S block "
+    "unused beside the three the formula counts (max live 57.0 MB, temp 73.8 MB at remat full), "
+    "a dense term this item leaves (docs/planning.md)",
+)
+@pytest.mark.parametrize("remat", ["full", "dots"])
+def test_dense_attention_holds_the_compiled_peak_at_context_1(measured, remat):
+    b, a, k = measured[remat, 1]
+    assert_analytic_holds_the_cpu_peak(b, a, k["peak"], (remat, 1))
 
 
 @pytest.mark.parametrize("kv_pass", ["ring", "all_gather"])

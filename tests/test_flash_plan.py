@@ -11,7 +11,7 @@ from fsdp_jax.app.config.parse import load_config
 from fsdp_jax.app.planner.memory_model import activation_bytes
 from fsdp_jax.targets import gpu as targets
 from fsdp_jax.targets.plugins import cudnn_installed
-from helpers import call
+from helpers import PEAK_UNDER, call
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_YAML = ROOT / "configs" / "tiny.yaml"
@@ -101,7 +101,7 @@ def _ring_plans(capsys, *extra):
         args = ["--config", TINY_YAML, "--target", "h100", "--devices", 8, "--strategies", "full_shard", "--json"]
         rc, out, err = call("plan", *args, *_RING_SHAPE, *extra, f"model.attention={attention}", capsys=capsys)
         assert rc == 0, err[-3000:]
-        got[attention] = json.loads(out)["strategies"]["full_shard"]["compiled"]
+        got[attention] = json.loads(out)["strategies"]["full_shard"]
     return got
 
 
@@ -111,10 +111,17 @@ def test_gpu_target_compiles_cudnn_per_ring_block_with_less_memory(capsys):
     trainer's step runs cuDNN per ring block (ring_flash + ring_cudnn) and its compiled
     temporaries are smaller than the XLA ring blocks' by more than one f32 score block of a
     rank's own block (2 heads x 1024 x 1024 x 4 B = 8.4 MB), which cuDNN never materialises.
-    (Measured: 29.50 vs 51.32 MB temporaries, peaks 31.50 vs 53.31 MB.)"""
-    got = _ring_plans(capsys)
+    (Measured: 29.50 vs 51.32 MB temporaries, peaks 31.50 vs 53.31 MB.) The analytic model of
+    the XLA ring (planner/context_memory.py: the score block at 8 + 2c bytes a score) is never
+    under that peak by more than helpers.PEAK_UNDER (5%): 52.34 MB, 1.8% under on jax 0.10.2
+    (48.15 MB, 9.7% under, at 8 + c before); jax 0.12.0.1's XLA:GPU compiles the same step to
+    42.28 MB, where the model is 24% over (docs/planning.md)."""
+    plans = _ring_plans(capsys)
+    got = {k: r["compiled"] for k, r in plans.items()}
     assert got["xla"]["temp"] - got["cudnn"]["temp"] > 2 * 1024 * 1024 * 4, got
     assert got["cudnn"]["peak"] < got["xla"]["peak"], got
+    analytic = plans["xla"]["analytic"]["total"]
+    assert analytic >= (1 - PEAK_UNDER) * got["xla"]["peak"], (got["xla"]["peak"], analytic)
 
 
 @pytest.mark.slow
@@ -122,7 +129,7 @@ def test_gpu_target_compiles_packed_cudnn_per_ring_block_with_less_memory(capsys
     """The same step with data.document_mask=true (segment ids per row): cuDNN per ring block
     in its packed layout (ring_cudnn.packed_kernel) compiles for H100 and keeps its lead of
     more than one f32 score block over the XLA ring blocks with the same segment ids."""
-    got = _ring_plans(capsys, "data.document_mask=true")
+    got = {k: r["compiled"] for k, r in _ring_plans(capsys, "data.document_mask=true").items()}
     assert got["xla"]["temp"] - got["cudnn"]["temp"] > 2 * 1024 * 1024 * 4, got
     assert got["cudnn"]["peak"] < got["xla"]["peak"], got
 
@@ -133,6 +140,7 @@ def test_gpu_target_compiles_windowed_cudnn_per_ring_block_with_less_memory(caps
     a 512-token chunk, on every layer but each second): the decoder's cuDNN ring runs the
     windowed chunk pairs (ring_window, lax.switch per pair on the rank and the layer's flag) and
     keeps its lead of more than one f32 score block over the XLA ring blocks with that window."""
-    got = _ring_plans(capsys, "data.document_mask=true", "model.sliding_window=768", "model.global_every=2")
+    plans = _ring_plans(capsys, "data.document_mask=true", "model.sliding_window=768", "model.global_every=2")
+    got = {k: r["compiled"] for k, r in plans.items()}
     assert got["xla"]["temp"] - got["cudnn"]["temp"] > 2 * 1024 * 1024 * 4, got
     assert got["cudnn"]["peak"] < got["xla"]["peak"], got

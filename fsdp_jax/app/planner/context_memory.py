@@ -20,11 +20,20 @@ as its record (`fsdp_jax.sharding.remat.RematPolicy`) keeps the attention core's
 * the other policies save nothing of attention beyond the layer input.
 
 One layer's backward works on the largest score block (b x H x q x s, q = q_chunk when s is
-split, else s) with its f32 scores, probabilities in f32 and the compute dtype, and the f32
-score gradient (8 + c bytes per score, as the one-device model), every step's f32 output and
+split, else s), counted at 8 + 2c bytes a score. Read from the compiled steps' buffer
+assignments: XLA:CPU's f32 tiny step at context 2 and 4 holds four f32 buffers of it at once
+(`exp(s - m)`, the probabilities `_stats` recomputes; the dot of the output's cotangent with v;
+the score gradient and its transposed copy, the operands of the dq and dK dots): 16 bytes, as
+counted. Deviceless XLA:GPU with bf16 compute fuses more: Llama-3.1-8B at 131072 tokens on 8
+context ranks holds three (the f32 score gradient, its bf16 copy, an f32 transposed copy: 10
+bytes) and a 4096-token ring on 4 ranks about 11, so in bf16 the count is 1-2 bytes a score
+high on GPU. Plus every step's f32 output and
 statistics (kept for the merges' backward: C x T x (4Q + 8H)) and the K/V it meets: the
 gathered K/V over the whole row and its gradient (`all_gather`: 2 x b x S x 2K x c), or the
-block in flight and the next one, forward and backward (`ring`: 4 x b x s x 2K x c).
+block in flight and the next one, forward and backward (`ring`: 4 x b x s x 2K x c). Under
+`dots` the backward loop also copies one layer's saved half-block scores out of the stacked
+residuals (the operands of each step's `lax.cond`, both branches: (C - 1) x b x H x s^2 x 4),
+as the buffer assignment shows next to the stack.
 
 With a flash kernel per block (`attention: cudnn` or `splash`: `fsdp_jax.attention.flash`)
 there is no score block: the custom VJP saves q, k, v, the output and its log-sum-exp
@@ -60,7 +69,9 @@ def context_attention_bytes(
         saved = n * t * 3 * (c * (q + 2 * k) + 4 * q + 8 * h) // 2
     else:  # every step's f32 score and output dots: dots with batch dims
         saved = n * b * h * s * s * 4 + n * t * 4 * q if policy.keeps(ATTN_CORE) else 0
-    block = b * h * score_block(s, q_chunk) * s * (8 + c)
+    block = b * h * score_block(s, q_chunk) * s * (8 + 2 * c)
+    if policy.keeps(ATTN_CORE) and not policy.keeps_everything:  # one layer's saved steps, sliced out
+        block += (n - 1) * b * h * s * s * 4
     outputs = n * t * (4 * q + 8 * h)
     kv_pass = getattr(model_cfg, "context_kv_pass", "all_gather")
     kv = 2 * b * seq_len * 2 * k * c if kv_pass == "all_gather" else 4 * t * 2 * k * c

@@ -22,13 +22,19 @@ MoE term; `full` nothing. Qwen2-MoE's shared expert adds a dense gated MLP of
 shared_expert_ffn_dim (Fs): none 4c*Fs, dots / dots_no_batch 2c*Fs.
 
 One sparse layer's backward working set (`moe_working_per_token`) is the `none` terms
-again. XLA:CPU lowers `ragged_dot` densely (every row against every local expert, masked:
-an (E_l, N*k, in) operand per grouped matmul, forward and backward), and its compiled
-step holds about six (E_l, N*k, F) such buffers more than capacity mode does with the same
-other terms (measured on 8 CPU devices, jax 0.10.2, E 4-8, k 2-4, F 128-256, D 64: 5.8-6.1
-per E_l x k x F x c per token, the D-sized ones lost in the noise):
-`ragged_dense_per_token` = 6c * E_l * k * F, added for dropless layers on CPU only
-(`dense_ragged`). GPU and TPU lower `ragged_dot` to the grouped-matmul instruction.
+again. XLA:CPU lowers `ragged_dot` densely (every row against every local expert, masked),
+and its compiled step holds, at the sparse layer's backward peak (read from the buffer
+assignment of the f32 tiny step on 8 CPU devices, dropless, experts over fsdp and over data),
+six F-sized masked buffers ((E_l, rows, F) and (rows, E_l x F), three of each), two D-sized
+masked operands ((E_l, rows, D): the layer input and the down projection's output gradient)
+and two plain (rows, D) buffers (three with experts over batch shards: the received block),
+and none of the unmasked expert intermediate beside the weight gradient's dot (the masked
+buffers hold it): so on CPU the expert terms of a dropless layer are
+c * r * (6 E_l F + 2 E_l D + 2D), + c * r * D with the exchange (`ragged_dense_per_token`,
+`dense_ragged`), in place of c * r * (2D + 4F) and the exchange's blocks. (A second shape, E 4,
+k 3, F 96, holds the same buffers, and at the instant before that dot also the three unmasked
+(rows, F) gate / up / SiLU outputs: 0.22 of its 3.58 MB live, not counted; with one local expert
+they are not live.) GPU and TPU lower `ragged_dot` to the grouped-matmul instruction.
 
 Experts over n batch shards (`mesh.rules: {expert: data}`, the all-to-all exchange): dropless
 blocks of N * k rows come from each of the n shards, so r = n * k (most rows empty) with
@@ -84,11 +90,17 @@ def moe_residuals(model_cfg, tokens: int, c: int) -> tuple[tuple[Residual, float
 
 
 def _all_terms(model_cfg, tokens: int, c: int, exchange: int = 1) -> float:
-    d, f, e, k = model_cfg.d_model, model_cfg.moe_ffn_dim, model_cfg.n_experts, model_cfg.experts_per_token
-    r, fs = expert_rows_per_token(model_cfg, tokens, exchange), model_cfg.shared_expert_ffn_dim
-    router = c * e + 8 * e + 12 * k
+    r = expert_rows_per_token(model_cfg, tokens, exchange)
+    d, f = model_cfg.d_model, model_cfg.moe_ffn_dim
     experts = c * r * (2 * d + 4 * f) + (c * r * 2 * d if exchange > 1 else 0)  # + the blocks sent and returned
-    return router + experts + c * (k * d + d) + 4 * c * fs
+    return _router_and_combine(model_cfg, c) + experts
+
+
+def _router_and_combine(model_cfg, c: int) -> float:
+    """The router (logits, f32 probabilities, top-k ids / weights / order), the combine's
+    (token, slot) outputs and their sum, and the shared expert (module docstring)."""
+    d, e, k, fs = model_cfg.d_model, model_cfg.n_experts, model_cfg.experts_per_token, model_cfg.shared_expert_ffn_dim
+    return c * e + 8 * e + 12 * k + c * (k * d + d) + 4 * c * fs
 
 
 def moe_working_per_token(
@@ -96,18 +108,23 @@ def moe_working_per_token(
 ) -> float:
     """One sparse layer's backward working set per token (module docstring); `expert_shards`:
     the size of the non-batch mesh axes the experts are split over (tensor), `exchange` of the
-    batch axes (data: all-to-all); `dense_ragged`: the backend lowers `ragged_dot` densely (XLA:CPU)."""
-    out = _all_terms(model_cfg, tokens, c, exchange)
+    batch axes (data: all-to-all); `dense_ragged`: the backend lowers `ragged_dot` densely (XLA:CPU),
+    whose masked buffers replace the dropless experts' terms."""
     if dense_ragged and not model_cfg.capacity_factor:
-        out += ragged_dense_per_token(model_cfg, c, expert_shards * exchange, exchange)
-    return out
+        return _router_and_combine(model_cfg, c) + ragged_dense_per_token(
+            model_cfg, c, expert_shards * exchange, exchange
+        )
+    return _all_terms(model_cfg, tokens, c, exchange)
 
 
 def ragged_dense_per_token(model_cfg, c: int, expert_shards: int, exchange: int = 1) -> float:
-    """XLA:CPU's masked operands of the dropless grouped matmuls, per token (module docstring):
-    E_l experts (`expert_shards`: every axis they are split over) x the rows per token."""
+    """XLA:CPU's dropless expert buffers per token (module docstring): E_l experts
+    (`expert_shards`: every axis they are split over) x the rows per token, six F-sized and two
+    D-sized masked, two D-sized plain (three with the exchange): c * r * (6 E_l F + 2 E_l D + 2D)."""
     e_local = model_cfg.n_experts // max(expert_shards, 1)
-    return 6 * c * e_local * expert_rows_per_token(model_cfg, 0, exchange) * model_cfg.moe_ffn_dim
+    d, f = model_cfg.d_model, model_cfg.moe_ffn_dim
+    plain = 3 if exchange > 1 else 2
+    return c * expert_rows_per_token(model_cfg, 0, exchange) * (6 * e_local * f + 2 * e_local * d + plain * d)
 
 
 def n_sparse(model_cfg) -> int:
