@@ -71,8 +71,7 @@ def compare_runs(
         fns, params, mstate = adapt_model(model, key)
     tol = _tolerance(tolerance, optimizer, fns, opts.get("precision"))
 
-    ref_mesh = make_mesh(1, 1, 1, devices=devs[:1])
-    ref = _build(fns, optimizer, ref_mesh, "no_shard", loss_fn, opts)
+    ref = _build(fns, optimizer, make_mesh(1, 1, 1, devices=devs[:1]), "no_shard", loss_fn, opts)
     with _user_code("the model does not initialise"):
         state = ref.init_state(key) if params is None else ref.place(params, mstate)
     # the start in its own dtypes (placed for each strategy as it is: a float64 copy of an
@@ -84,8 +83,7 @@ def compare_runs(
     ref_loss, ref_gnorm, ref_params, ref_routing = _reference_steps(step, state, host_batches, ref.plan.batch, routing)
     del state
 
-    # params, then the model's state (BatchNorm statistics: over the global batch, so
-    # they must agree too), prefixed state:
+    # params, then the model's state (BatchNorm statistics: over the global batch, so they must agree too):
     paths = [rules.path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(p0)[0]] + [
         "state:" + rules.path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(ms0)[0]
     ]
