@@ -59,6 +59,11 @@ float32, eager; torch seed sum(map(ord, "lora:" + name)) before get_peft_model):
       routed experts (gate_up_proj at rank 2r, alpha 2 alpha, by rank_pattern / alpha_pattern);
       all-linear becomes the five attention projections + the fused experts + the router
       (mlp.gate.weight): no dense MLP or shared expert is adapted by target_modules
+  deepseek_v3_rewritten (base deepseek_v3; transformers 5.25.0, peft 0.21.2)
+      r=4, lora_alpha=8, target_modules the five attention names + gate_proj up_proj down_proj, as a
+      PEFT user writes them: peft saves target_modules the five, target_parameters [gate_up_proj,
+      down_proj], rank_pattern {.*\\.gate_up_proj: 8}, alpha_pattern {.*\\.gate_up_proj: 16}
+      (gate_up's lora_A (8 * E, D), lora_B (2F, 8 * E); down_proj's at r 4)
   gpt_oss_experts (base gpt_oss; transformers 5.25.0, peft 0.21.2)
       r=4, lora_alpha=8, target_modules q_proj k_proj v_proj o_proj, target_parameters
       [mlp.experts.gate_up_proj, mlp.experts.down_proj]: GptOssExperts is `is_transposed`
@@ -157,6 +162,10 @@ ADAPTERS = {
     # dense layers' MLPs and the shared experts as target_parameters (see the docstring)
     # and its routed experts by their fused tensors' names (explicit target_parameters: no rank_pattern)
     "deepseek_v3": ("deepseek_v3", {**COMMON, "target_modules": MLA, "target_parameters": DEEPSEEK_MLPS + EXPERTS}),
+    # DeepSeek-V3 as a PEFT user writes it: the MLP names as target_modules, which peft 0.21 rewrites to
+    # the fused routed experts (target_parameters gate_up_proj at rank 2r / alpha 2 alpha by rank_pattern /
+    # alpha_pattern, down_proj at r); the dense MLPs and shared experts then take none
+    "deepseek_v3_rewritten": ("deepseek_v3", {**COMMON, "target_modules": MLA + ["gate_proj", "up_proj", "down_proj"]}),
     "llama3_rslora": (
         "llama3",
         dict(

@@ -167,7 +167,8 @@ def from_peft(tensors, cfg: DecoderConfig, spec: lora.LoraSpec, where: str = "ad
                 node[w] = {"lora_a": got["A"].T.reshape(*ins, r), "lora_b": got["B"].T.reshape(r, *outs)}
             for part in parts if sparse else ():
                 got = pair(
-                    {h: peft_experts.peft_key(i, part, h, parts) for h in "AB"}, peft_experts.shapes(cfg, part, r)
+                    {h: peft_experts.peft_key(i, part, h, parts) for h in "AB"},
+                    peft_experts.shapes(cfg, part, spec.expert(part).rank),
                 )
                 a, b = peft_experts.from_peft(got["A"], got["B"], cfg.n_experts)
                 per_layer[i].setdefault("moe", {}).setdefault("lora", {})[part] = {"lora_a": a, "lora_b": b}
@@ -202,6 +203,7 @@ def check_matches(raw: dict, spec: lora.LoraSpec, where: str, cfg: DecoderConfig
     by_param = parameter_targets(cfg)  # {PEFT's "<module>.weight": our weight}
     try:
         parts = peft_experts.parts_of([p for p in raw.get("target_parameters") or [] if p not in by_param])
+        gate_up = peft_experts.pattern_rank(raw) if "experts_gate_up" in parts else 0
     except ValueError as e:
         raise CheckpointError(f"{where}: {e}") from None
     # those PEFT reaches only as parameters: a target_modules name of theirs means the experts there
@@ -221,6 +223,7 @@ def check_matches(raw: dict, spec: lora.LoraSpec, where: str, cfg: DecoderConfig
         ("lora.rslora", spec.rslora, bool(raw.get("use_rslora", False))),
         ("lora.targets", set(ours[0]), set(theirs[0]) | set(modules) - set(known)),
         ("lora.target_parameters", set(ours[1]), set(theirs[1])),
+        ("lora.gate_up_rank", spec.gate_up_rank if "experts_gate_up" in ours[1] else 0, gate_up),
     )
     for key, mine, other in checks:
         if mine != other:
@@ -228,8 +231,14 @@ def check_matches(raw: dict, spec: lora.LoraSpec, where: str, cfg: DecoderConfig
             raise CheckpointError(
                 f"{where}: the adapter has {key.split('.')[1]}={shown or 'none'}, the run's {key} differs"
             )
-    if raw.get("use_dora") or raw.get("lora_bias") or raw.get("rank_pattern") or raw.get("alpha_pattern"):
-        raise CheckpointError(f"{where}: DoRA, LoRA biases and per-module rank/alpha patterns are not supported")
+    if (
+        raw.get("use_dora")
+        or raw.get("lora_bias")
+        or (not gate_up and (raw.get("rank_pattern") or raw.get("alpha_pattern")))
+    ):
+        raise CheckpointError(
+            f"{where}: DoRA, LoRA biases and rank/alpha patterns off the experts' gate_up_proj are not supported"
+        )
 
 
 def parameter_targets(cfg: DecoderConfig) -> dict[str, str]:
@@ -294,7 +303,7 @@ def adapter_config(spec: lora.LoraSpec, base: str | None, cfg: DecoderConfig) ->
     }
     if params:
         out["target_parameters"] = params
-    return out
+    return {**out, **peft_experts.patterns(spec, parts)}
 
 
 def write_peft(out, adapters: dict, cfg: DecoderConfig, spec: lora.LoraSpec, base: str | None = None) -> dict:
@@ -360,7 +369,9 @@ def merged_leaf(path: str, leaf: np.ndarray, adapters: dict, cfg: DecoderConfig,
     expert = which[1] in lora.EXPERT_ADAPTERS
 
     def one(w, a, b):
-        return peft_experts.merged_weight(name, w, a, b, spec) if expert else merged_weight(w, a, b, spec)
+        return (
+            peft_experts.merged_weight(name, w, a, b, spec.expert(which[1])) if expert else merged_weight(w, a, b, spec)
+        )
 
     return np.stack([one(leaf[i], a[i], b[i]) for i in range(leaf.shape[0])]) if cfg.scan_layers else one(leaf, a, b)
 

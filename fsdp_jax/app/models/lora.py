@@ -75,10 +75,16 @@ class LoraSpec:
     # QLoRA: frozen targets stored quantised (`fsdp_jax.quant`), dequantised to `quant_dtype` per layer
     base_quant: QuantSpec | None = None
     quant_dtype: str = "float32"
+    gate_up_rank: int = 0  # experts_gate_up's rank (PEFT's rank_pattern; its alpha scaled alike); 0: rank
 
     @property
     def scale(self) -> float:
         return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+
+    def expert(self, name: str) -> LoraSpec:
+        """Expert adapter `name`'s spec: experts_gate_up at `gate_up_rank`, alpha x gate_up_rank / rank."""
+        g = self.gate_up_rank if name == "experts_gate_up" else 0
+        return dataclasses.replace(self, rank=g, alpha=self.alpha * g / self.rank) if g else self
 
 
 def resolve_targets(spec: str) -> tuple[str, ...]:
@@ -134,7 +140,14 @@ def spec_from_config(section) -> LoraSpec | None:
         else QuantSpec(section.base_quant, section.quant_block, section.double_quant)
     )
     return LoraSpec(
-        section.rank, section.alpha, targets, section.rslora, section.dropout, experts=experts, base_quant=quant
+        section.rank,
+        section.alpha,
+        targets,
+        section.rslora,
+        section.dropout,
+        experts=experts,
+        base_quant=quant,
+        gate_up_rank=section.gate_up_rank,
     )
 
 
@@ -209,42 +222,6 @@ def adapted(cfg, spec: LoraSpec) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return tuple(t for t in TARGETS if t in mods), experts
 
 
-def target_problem(cfg, spec: LoraSpec) -> tuple[str, str] | None:
-    """None, or (config key, the one line refusing `spec` on model `cfg`): a target naming
-    nothing on it (the line lists the names that do), the experts' gate and up projections asked
-    apart (one fused tensor per expert), expert tensors on a model without experts or on a family's own."""
-    if spec.experts is not None and spec.experts and not cfg.n_experts:
-        return "lora.target_parameters", "the model has no routed experts (n_experts 0): use auto or none"
-    if spec.experts and own_experts(cfg) is True:
-        return "lora.target_parameters", f"{cfg.family}'s experts take no adapters: use auto or none"
-    auto = cfg.n_experts and spec.experts is None and not own_experts(cfg)
-    if auto and ("w_gate" in spec.targets) != ("w_up" in spec.targets):
-        return "lora.targets", (
-            "gate_proj and up_proj are one fused tensor per expert (transformers' experts.gate_up_proj, "
-            "one PEFT adapter): target both or neither, or set lora.target_parameters"
-        )
-    mods, _ = adapted(cfg, spec)
-    names = {v: k for k, v in peft_targets().items()}
-    exist = list(attention_weights(cfg)) + [t for t in MLP_WEIGHTS if linear_mlps(cfg) or auto]
-    exist += [SHARED_GATE] if cfg.shared_expert_ffn_dim else []
-    absent = [t for t in spec.targets if t not in exist and spec.targets != TARGETS]  # all-linear: what there is
-    if absent:
-        shown = " ".join(names[t] for t in exist)
-        return "lora.targets", f"{' '.join(names[t] for t in absent)} names nothing on this model; it has {shown}"
-    return None
-
-
-def expert_dropout(cfg, spec: "LoraSpec") -> str | None:
-    """None, or the line refusing dropout with adapters on experts or on weights PEFT reaches as
-    target_parameters (PEFT's ParamWrapper has no dropout)."""
-    mods, experts = adapted(cfg, spec)
-    by_param = {p.split("/")[1] for p in registry.peft_parameters(cfg)} & set(mods)
-    if spec.dropout and (cfg.n_experts and experts or by_param):
-        what = f"{cfg.family}'s MLPs" if by_param else "experts"
-        return f"adapters on {what} take no dropout (PEFT's target_parameters refuse lora_dropout): set lora.dropout=0"
-    return None
-
-
 def expert_adapter_dims(cfg, name: str) -> tuple[int, str, int, str]:
     """(in width, in name, out width, out name) of expert adapter `name` (`EXPERT_ADAPTERS`)."""
     d, f = cfg.d_model, cfg.moe_ffn_dim
@@ -256,8 +233,8 @@ def expert_adapters(targets: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(n for n, ws in EXPERT_ADAPTERS.items() if all(w in targets for w in ws))
 
 
-def _matrices(cfg, spec: LoraSpec) -> list[tuple[int, int, int, int]]:
-    """(flat in width, flat out width, how many, how many a token uses) of each kind of
+def _matrices(cfg, spec: LoraSpec) -> list[tuple[int, int, int, int, int]]:
+    """(flat in width, flat out width, how many, how many a token uses, rank) of each kind of
     adapted matrix: per layer (attention), per dense layer, per shared expert, per expert
     of a sparse layer (a token uses k of those)."""
     mods, experts = adapted(cfg, spec)
@@ -268,18 +245,20 @@ def _matrices(cfg, spec: LoraSpec) -> list[tuple[int, int, int, int]]:
         return math.prod(i), math.prod(o)
 
     attn = attention_weights(cfg)
-    out = [(*flat(t), cfg.n_layers, cfg.n_layers) for t in mods if t in attn]
-    out += [(*flat(t), cfg.n_layers - n_sparse, cfg.n_layers - n_sparse) for t in mods if t in MLP_WEIGHTS]
+    r = spec.rank
+    out = [(*flat(t), cfg.n_layers, cfg.n_layers, r) for t in mods if t in attn]
+    out += [(*flat(t), cfg.n_layers - n_sparse, cfg.n_layers - n_sparse, r) for t in mods if t in MLP_WEIGHTS]
     if shared_width(cfg):
-        out += [(*flat(t, True), n_sparse, n_sparse) for t in mods if t not in attn]
-    for i, _, o, _ in (expert_adapter_dims(cfg, n) for n in experts):
-        out.append((i, o, n_sparse * cfg.n_experts, n_sparse * cfg.experts_per_token))
+        out += [(*flat(t, True), n_sparse, n_sparse, r) for t in mods if t not in attn]
+    for n in experts:
+        i, _, o, _ = expert_adapter_dims(cfg, n)
+        out.append((i, o, n_sparse * cfg.n_experts, n_sparse * cfg.experts_per_token, spec.expert(n).rank))
     return [m for m in out if m[2]]
 
 
 def max_rank(cfg, targets: tuple[str, ...], experts: tuple[str, ...] | None = None) -> int:
     """The largest rank every target allows: its smallest flat width (not the (D, 1) gate's)."""
-    sizes = [min(i, o) for i, o, _, _ in _matrices(cfg, LoraSpec(1, 1.0, targets, experts=experts)) if o > 1]
+    sizes = [min(i, o) for i, o, _, _, _ in _matrices(cfg, LoraSpec(1, 1.0, targets, experts=experts)) if o > 1]
     return min(sizes) if sizes else cfg.d_model
 
 
@@ -287,7 +266,7 @@ def adapter_param_count(cfg, spec: LoraSpec, active: bool = False) -> int:
     """Adapter params of the decoder: r x (in + out) per adapted matrix (per layer; on a
     mixture of experts E per expert adapter of each sparse layer, `active`: the k a token
     uses; one for its shared expert's and its dense layers' projections)."""
-    return sum(spec.rank * (i + o) * (k if active else n) for i, o, n, k in _matrices(cfg, spec))
+    return sum(r * (i + o) * (k if active else n) for i, o, n, k, r in _matrices(cfg, spec))
 
 
 def _a_init(fan_in: int):
@@ -346,7 +325,7 @@ def attach(block, cfg, spec: LoraSpec, rngs: nnx.Rngs) -> None:
             setattr(module, "shared_lora" if shared else "lora", adapters)
     if moe is not None and experts:
         moe.lora = nnx.Dict(
-            {n: ExpertAdapter(cfg.n_experts, *expert_adapter_dims(cfg, n), spec, rngs) for n in experts}  # type: ignore[misc]
+            {n: ExpertAdapter(cfg.n_experts, *expert_adapter_dims(cfg, n), spec.expert(n), rngs) for n in experts}  # type: ignore[misc]
         )
 
 
