@@ -22,7 +22,7 @@ from fsdp_jax.app.hf import load as hf
 from fsdp_jax.app.hf.export import export_hf
 from fsdp_jax.app.models import Decoder, DecoderConfig, count_params
 from fsdp_jax.app.trainer.build import make_loss_fn
-from fsdp_jax.app.trainer.init_from import base_loader
+from fsdp_jax.app.trainer.init_from import base_loader, open_hf_init
 from fsdp_jax.app.trainer.router_metrics import summarise
 from fsdp_jax.app.trainer.setup import load_run_config
 from fsdp_jax.checkpoint import Checkpointer
@@ -262,3 +262,14 @@ def test_bad_mtp_settings_are_refused_naming_the_key(override, words):
 def test_bad_mtp_depth_is_one_line_exit_2(tmp_path, capsys):
     rc, _, err = call("plan", "--config", "configs/tiny.yaml", "--devices", "1", "model.mtp_depth=-2", capsys=capsys)
     one_line(rc, err, "model.mtp_depth")
+
+
+def test_lora_with_a_depth_the_checkpoint_lacks_is_refused_in_one_line(tmp_path):
+    """A fresh MTP depth under LoRA would stay a frozen random block: refused naming model.mtp_depth."""
+    yml = tmp_path / "mtp.yaml"
+    yml.write_text(f"init_from: hf:{GOLDEN / NAME}\nmodel: {{mtp_depth: 1}}\ndata: {{seq_len: 32, path: {tmp_path}}}\n")
+    cfg = load_run_config(yml, ["lora.rank=4", "lora.targets=q_a_proj"])
+    with pytest.raises(ConfigError) as e:
+        open_hf_init(cfg)
+    assert "model.mtp_depth" in str(e.value) and "frozen random block" in str(e.value) and "\n" not in str(e.value)
+    assert open_hf_init(load_run_config(yml)).mtp_held == 0  # without LoRA: opened, the depth to start fresh
