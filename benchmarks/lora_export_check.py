@@ -52,7 +52,7 @@ def main(work: Path, only: list[str]) -> None:
         ]
         # weights a family's PEFT reaches as target_parameters (DeepSeek-V3's MLPs) are lora.targets here
         by_param = peft.parameter_targets(load.HFCheckpoint(GOLDEN / "hf" / base).config)
-        params = raw.get("target_parameters") or []
+        params = [peft.full_parameter_name(p, by_param) for p in raw.get("target_parameters") or []]
         targets = raw["target_modules"] + [by_param[p] for p in params if p in by_param]
         lora += [f"lora.targets={','.join(targets)}", f"lora.init_from=peft:{adapter}"]
         lora += [f"lora.target_parameters={','.join([p for p in params if p not in by_param] or ['none'])}"]

@@ -37,11 +37,13 @@ MOE_ADAPTERS = ("mixtral", "qwen3_moe", "qwen2_moe", "qwen2_moe_shared", "gpt_os
 # mlp.shared_experts.gate_proj.weight ...: peft 0.21 maps those target_modules names to the experts)
 # deepseek_v3_rewritten: the five and target_modules gate_proj up_proj down_proj, which peft 0.21 rewrites
 # to the routed experts (gate_up_proj at rank 2r by rank_pattern / alpha_pattern, down_proj at r)
-MLA_ADAPTERS = ("deepseek_v3", "deepseek_v3_rewritten")
+# deepseek_v3_all_linear: peft's all-linear there, the same plus the router (target_parameters gate.weight)
+MLA_ADAPTERS = ("deepseek_v3", "deepseek_v3_rewritten", "deepseek_v3_all_linear")
 
 
 def spec_of(raw: dict, cfg) -> lora_lib.LoraSpec:
-    by_param, params = peft.parameter_targets(cfg), raw.get("target_parameters") or []
+    by_param = peft.parameter_targets(cfg)
+    params = [peft.full_parameter_name(p, by_param) for p in raw.get("target_parameters") or []]
     targets = lora_lib.resolve_targets(" ".join(raw["target_modules"] + [by_param[p] for p in params if p in by_param]))
     experts = peft_experts.parts_of([p for p in params if p not in by_param])
     gate_up = peft_experts.pattern_rank(raw)
@@ -168,7 +170,7 @@ def _rewritten(tmp_path, edit):
 def test_peft_rewritten_deepseek_adapter_needs_its_gate_up_rank_and_refuses_other_patterns(tmp_path):
     """peft's own rewrite of target_modules gate_proj / up_proj / down_proj on DeepSeek-V3 reads with
     lora.gate_up_rank = its rank_pattern; a run without it, an alpha_pattern that does not scale with the
-    rank, a pattern on another tensor and all-linear's router adapter are each refused in one line."""
+    rank, a pattern on another tensor and a router adapter the run does not name are each refused in one line."""
     ckpt, spec, _ = golden("deepseek_v3_rewritten")
     assert spec.gate_up_rank == 8 and spec.expert("experts_gate_up").scale == spec.scale == 2.0
     cfg = ckpt.config
@@ -179,7 +181,7 @@ def test_peft_rewritten_deepseek_adapter_needs_its_gate_up_rank_and_refuses_othe
         (
             _rewritten(tmp_path / "3", {"target_parameters": ["down_proj", "gate_up_proj", "gate.weight"]}),
             spec,
-            "gate.weight",
+            "targets=",  # all-linear's router adapter: the run's lora.targets must name gate
         ),
     ]
     for d, run_spec, word in cases:

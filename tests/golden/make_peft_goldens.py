@@ -64,6 +64,10 @@ float32, eager; torch seed sum(map(ord, "lora:" + name)) before get_peft_model):
       PEFT user writes them: peft saves target_modules the five, target_parameters [gate_up_proj,
       down_proj], rank_pattern {.*\\.gate_up_proj: 8}, alpha_pattern {.*\\.gate_up_proj: 16}
       (gate_up's lora_A (8 * E, D), lora_B (2F, 8 * E); down_proj's at r 4)
+  deepseek_v3_all_linear (base deepseek_v3; transformers 5.25.0, peft 0.21.2)
+      r=4, lora_alpha=8, target_modules all-linear: peft saves target_modules the five,
+      target_parameters [down_proj, gate_up_proj, gate.weight] (the router: mlp.gate.lora_A (r, D),
+      lora_B (E, r)) and deepseek_v3_rewritten's patterns
   gpt_oss_experts (base gpt_oss; transformers 5.25.0, peft 0.21.2)
       r=4, lora_alpha=8, target_modules q_proj k_proj v_proj o_proj, target_parameters
       [mlp.experts.gate_up_proj, mlp.experts.down_proj]: GptOssExperts is `is_transposed`
@@ -166,6 +170,8 @@ ADAPTERS = {
     # the fused routed experts (target_parameters gate_up_proj at rank 2r / alpha 2 alpha by rank_pattern /
     # alpha_pattern, down_proj at r); the dense MLPs and shared experts then take none
     "deepseek_v3_rewritten": ("deepseek_v3", {**COMMON, "target_modules": MLA + ["gate_proj", "up_proj", "down_proj"]}),
+    # and all-linear, which peft rewrites to the five, the routed experts (as above) and the router (gate.weight)
+    "deepseek_v3_all_linear": ("deepseek_v3", {**COMMON, "target_modules": "all-linear"}),
     "llama3_rslora": (
         "llama3",
         dict(

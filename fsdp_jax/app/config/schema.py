@@ -211,7 +211,7 @@ class LoraConfig:
     rslora: bool = False
     dropout: float = limit(0.0, "[0, 1)")  # PEFT's lora_dropout: on the adapters' input, in training only
     targets: str = names("all-linear")  # all-linear, or PEFT's q_proj k_proj v_proj o_proj gate_proj up_proj down_proj
-    #                              shared_expert_gate (or the decoder's wq ... w_down w_shared_gate), spaces or commas,
+    #                              shared_expert_gate, gate (DeepSeek-V3's router; or the decoder's wq ... router), spaces or commas,
     #                              or a YAML list: [q_proj, v_proj] (PEFT's target_modules)
     target_parameters: str = names("auto")  # a mixture of experts' fused expert tensors (PEFT's target_parameters):
     #   auto (those the MLP targets name), none, or mlp.experts.gate_up_proj mlp.experts.down_proj

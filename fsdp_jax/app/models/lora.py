@@ -48,6 +48,10 @@ WEIGHTS = ATTENTION + MLP_WEIGHTS  # a dense decoder's projections
 LATENT = ("wq_a", "wq_b", "wkv_a", "wkv_b")  # latent attention's own (`LatentAttention.lora_dims`)
 # every name `targets` takes, in this order (dropout keys index it: new names go last)
 TARGETS = WEIGHTS + (SHARED_GATE,) + LATENT
+# DeepSeek-V3's router (D, E), adapted only when named (`gate`: PEFT's target_parameters mlp.gate.weight,
+# which peft 0.21's all-linear adds there); every name `targets` takes (dropout keys index it)
+ROUTER = "router"
+NAMED = TARGETS + (ROUTER,)
 ADAPTER_LEAVES = ("lora_a", "lora_b")
 
 
@@ -96,13 +100,13 @@ def resolve_targets(spec: str) -> tuple[str, ...]:
         return TARGETS
     peft = peft_targets()
     ours = {peft.get(n, n) for n in names}
-    unknown = [n for n in names if peft.get(n, n) not in TARGETS]
+    unknown = [n for n in names if peft.get(n, n) not in NAMED]
     if unknown or not names:
         raise ValueError(
             f"{' '.join(unknown) or repr(spec)} matches no weight; the targets are all-linear, "
-            f"{' '.join(peft)} (or {' '.join(TARGETS)})"
+            f"{' '.join(peft)} (or {' '.join(NAMED)})"
         )
-    return tuple(w for w in TARGETS if w in ours)
+    return tuple(w for w in NAMED if w in ours)
 
 
 # PEFT's target_parameters names of the experts' fused tensors -> the expert adapters
@@ -176,6 +180,7 @@ def weight_dims(cfg, name: str, shared: bool = False):
         "w_up": ((d,), (EMBED,), (f,), (MLP,)),
         "w_down": ((f,), (MLP,), (d,), (EMBED,)),
         "w_shared_gate": ((d,), (EMBED,), (1,), (None,)),
+        ROUTER: ((d,), (EMBED,), (cfg.n_experts,), (None,)),
     }[name]
 
 
@@ -217,9 +222,10 @@ def adapted(cfg, spec: LoraSpec) -> tuple[tuple[str, ...], tuple[str, ...]]:
     attn = attention_weights(cfg)
     mods = [t for t in spec.targets if t in attn or (t in MLP_WEIGHTS and linear_mlps(cfg))]
     mods += [SHARED_GATE] if SHARED_GATE in spec.targets and cfg.shared_expert_ffn_dim else []
+    mods += [ROUTER] if ROUTER in spec.targets and f"router/{ROUTER}" in registry.peft_parameters(cfg) else []
     own = own_experts(cfg) if cfg.n_experts else True
     experts = (spec.experts or ()) if own == "named" else () if own else spec_experts(spec)
-    return tuple(t for t in TARGETS if t in mods), experts
+    return tuple(t for t in NAMED if t in mods), experts
 
 
 def expert_adapter_dims(cfg, name: str) -> tuple[int, str, int, str]:
@@ -249,7 +255,8 @@ def _matrices(cfg, spec: LoraSpec) -> list[tuple[int, int, int, int, int]]:
     out = [(*flat(t), cfg.n_layers, cfg.n_layers, r) for t in mods if t in attn]
     out += [(*flat(t), cfg.n_layers - n_sparse, cfg.n_layers - n_sparse, r) for t in mods if t in MLP_WEIGHTS]
     if shared_width(cfg):
-        out += [(*flat(t, True), n_sparse, n_sparse, r) for t in mods if t not in attn]
+        out += [(*flat(t, True), n_sparse, n_sparse, r) for t in mods if t not in attn and t != ROUTER]
+    out += [(*flat(ROUTER), n_sparse, n_sparse, r)] if ROUTER in mods else []
     for n in experts:
         i, _, o, _ = expert_adapter_dims(cfg, n)
         out.append((i, o, n_sparse * cfg.n_experts, n_sparse * cfg.experts_per_token, spec.expert(n).rank))
@@ -323,6 +330,8 @@ def attach(block, cfg, spec: LoraSpec, rngs: nnx.Rngs) -> None:
         if chosen:
             adapters = nnx.Dict({n: Adapter(*weight_dims(cfg, n, shared), spec, rngs) for n in chosen})  # type: ignore[misc]
             setattr(module, "shared_lora" if shared else "lora", adapters)
+    if moe is not None and ROUTER in mods:  # DeepSeek-V3's router: added to its logits (`GroupedMoE`)
+        moe.router_lora = nnx.Dict({ROUTER: Adapter(*weight_dims(cfg, ROUTER), spec, rngs)})  # type: ignore[misc]
     if moe is not None and experts:
         moe.lora = nnx.Dict(
             {n: ExpertAdapter(cfg.n_experts, *expert_adapter_dims(cfg, n), spec.expert(n), rngs) for n in experts}  # type: ignore[misc]
@@ -331,12 +340,12 @@ def attach(block, cfg, spec: LoraSpec, rngs: nnx.Rngs) -> None:
 
 def delta(module, name: str, x2, key=None, where: str = "lora"):
     """The adapter's term for weight `name` of `module` on rows `x2`, or None without one;
-    `key`: the layer's dropout key (the weight's is `fold_in(key, TARGETS.index(name))`);
+    `key`: the layer's dropout key (the weight's is `fold_in(key, NAMED.index(name))`);
     `where`: the module's adapters attribute (a shared expert's: "shared_lora")."""
     adapters = getattr(module, where, None)
     if adapters is None or name not in adapters:
         return None
-    return adapters[name](x2, None if key is None else jax.random.fold_in(key, TARGETS.index(name)))
+    return adapters[name](x2, None if key is None else jax.random.fold_in(key, NAMED.index(name)))
 
 
 def is_adapter(path) -> bool:

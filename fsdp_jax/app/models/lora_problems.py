@@ -8,6 +8,7 @@ from __future__ import annotations
 from fsdp_jax.app.models.families import registry
 from fsdp_jax.app.models.lora import (
     MLP_WEIGHTS,
+    ROUTER,
     SHARED_GATE,
     TARGETS,
     LoraSpec,
@@ -39,6 +40,7 @@ def target_problem(cfg, spec: LoraSpec) -> tuple[str, str] | None:
     names = {v: k for k, v in peft_targets().items()}
     exist = list(attention_weights(cfg)) + [t for t in MLP_WEIGHTS if linear_mlps(cfg) or auto]
     exist += [SHARED_GATE] if cfg.shared_expert_ffn_dim else []
+    exist += [ROUTER] if ROUTER in adapted(cfg, LoraSpec(1, 1.0, (ROUTER,)))[0] else []  # DeepSeek-V3's router
     absent = [t for t in spec.targets if t not in exist and spec.targets != TARGETS]  # all-linear: what there is
     if absent:
         shown = " ".join(names[t] for t in exist)
