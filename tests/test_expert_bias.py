@@ -206,7 +206,7 @@ def test_an_unequal_exact_leaf_fails_the_step_and_round_trips():
     and the report's JSON keeps it."""
     from fsdp_jax.verify.compare import _over
     from fsdp_jax.verify.exact import exact_indices, max_abs_at, unequal
-    from fsdp_jax.verify.report import TOLERANCES, Divergence
+    from fsdp_jax.verify.report import TOLERANCES, StrategyReport, VerifyReport
 
     paths = ["a/w", "a/score_bias", "b/score_bias"]
     ref = [np.ones(3), np.zeros(2), np.zeros(2)]
@@ -217,7 +217,24 @@ def test_an_unequal_exact_leaf_fails_the_step_and_round_trips():
     d = _over(0, paths, [0.0, 0.0, 0.0], 0.0, 0.0, tol, unequal(paths, got, ref, idx))
     assert d is not None and d.exact == (("a/score_bias", U),) and "compared exactly" in d.describe(tol)
     assert _over(0, paths, [0.0] * 3, 0.0, 0.0, tol, unequal(paths, ref, ref, idx)) is None
-    back = json.loads(json.dumps(dataclasses.asdict(d)))
-    assert Divergence(**{**back, "leaves": (), "exact": tuple(map(tuple, back["exact"]))}) == d
+    r = StrategyReport(
+        "full_shard",
+        {"fsdp": 8},
+        False,
+        [0.0],
+        [0.0],
+        [0.0],
+        U,
+        "a/score_bias",
+        None,
+        {"total": 0},
+        0,
+        {},
+        d,
+        exact_diff=[U],
+    )
+    report = VerifyReport(8, 1, "cpu", tol, "adaptive", "f32", [1.0], [1.0], {"full_shard": r}, None, "score_bias", [U])
+    assert VerifyReport.from_dict(json.loads(json.dumps(report.to_dict()))) == report
+    assert "score_bias compared exactly" in report.format() and "(compared exactly)" in report.format()
     with pytest.raises(Exception, match="names no param leaf"):
         exact_indices(paths, "nothing")
