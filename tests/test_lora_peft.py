@@ -31,7 +31,16 @@ ADAPTERS = ("llama3", "llama32_tied", "mistral_swa", "qwen2", "qwen3", "gemma3_t
 # the experts by target_parameters; Qwen2-MoE's dense layers and shared expert by target_modules
 # (qwen2_moe_shared: those only, no target_parameters; gpt_oss: its attention, biases and all)
 # gpt_oss: attention only; gpt_oss_experts: + its experts by target_parameters (biased, clamped, gate / up interleaved)
-MOE_ADAPTERS = ("mixtral", "qwen3_moe", "qwen2_moe", "qwen2_moe_shared", "gpt_oss", "gpt_oss_experts")
+# qwen3_moe_rewritten: the seven names, which peft 0.21 rewrites to the experts (gate_up_proj at rank 2r by rank_pattern)
+MOE_ADAPTERS = (
+    "mixtral",
+    "qwen3_moe",
+    "qwen3_moe_rewritten",
+    "qwen2_moe",
+    "qwen2_moe_shared",
+    "gpt_oss",
+    "gpt_oss_experts",
+)
 # deepseek_v3: latent attention's five projections (q_a_proj q_b_proj kv_a_proj_with_mqa kv_b_proj o_proj),
 # the dense layer's MLP and the shared experts (target_parameters mlp.gate_proj.weight ...,
 # mlp.shared_experts.gate_proj.weight ...: peft 0.21 maps those target_modules names to the experts)
