@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 jax.config.update("jax_num_cpu_devices", 8)
 
 from fsdp_jax.app.cli import export  # noqa: E402
-from fsdp_jax.app.hf import load, peft  # noqa: E402
+from fsdp_jax.app.hf import load, peft, peft_experts  # noqa: E402
 from fsdp_jax.app.trainer.build import lora_spec, trainer_model  # noqa: E402
 from fsdp_jax.app.trainer.loop import train  # noqa: E402
 from fsdp_jax.app.trainer.setup import load_run_config  # noqa: E402
@@ -52,10 +52,11 @@ def main(work: Path, only: list[str]) -> None:
         ]
         # weights a family's PEFT reaches as target_parameters (DeepSeek-V3's MLPs) are lora.targets here
         by_param = peft.parameter_targets(load.HFCheckpoint(GOLDEN / "hf" / base).config)
-        params = raw.get("target_parameters") or []
+        params = [peft.full_parameter_name(p, by_param) for p in raw.get("target_parameters") or []]
         targets = raw["target_modules"] + [by_param[p] for p in params if p in by_param]
         lora += [f"lora.targets={','.join(targets)}", f"lora.init_from=peft:{adapter}"]
         lora += [f"lora.target_parameters={','.join([p for p in params if p not in by_param] or ['none'])}"]
+        lora += [f"lora.gate_up_rank={peft_experts.pattern_rank(raw)}"]  # peft's rank_pattern (DeepSeek-V3's rewrite)
         over = RUN + lora + [f"data.path={corpus}", f"run_dir={work / name}", f"init_from=hf:{GOLDEN / 'hf' / base}"]
         cfg = load_run_config(ROOT / "configs" / "hf_tiny_finetune.yaml", over)
         params = jax.device_get(train(cfg, progress=False)["run"].state.params)

@@ -24,7 +24,7 @@ from fsdp_jax.app.hf import load as hf
 from fsdp_jax.app.hf import peft
 from fsdp_jax.app.hf.config_in import model_config_from_hf
 from fsdp_jax.app.hf.export import export_hf
-from fsdp_jax.app.models import Decoder, DecoderConfig, count_params
+from fsdp_jax.app.models import Decoder, DecoderConfig, count_params, lora_problems
 from fsdp_jax.app.models import lora as lora_lib
 from fsdp_jax.app.models.moe_grouped import GroupedMoE
 from fsdp_jax.app.trainer.build import make_loss_fn
@@ -197,20 +197,20 @@ def test_bad_input_is_one_line_exit_2_and_lora_takes_latent_attentions_peft_name
         one_line(rc, err, *words)
     assert not run.exists()
     cfg = hf.HFCheckpoint(GOLDEN / NAME).config
-    problem = lora_lib.target_problem(cfg, lora_lib.LoraSpec(4, 8.0, lora_lib.resolve_targets("q_proj k_proj")))
+    problem = lora_problems.target_problem(cfg, lora_lib.LoraSpec(4, 8.0, lora_lib.resolve_targets("q_proj k_proj")))
     assert problem[0] == "lora.targets" and problem[1].startswith("q_proj k_proj names nothing")
     assert "q_a_proj q_b_proj kv_a_proj_with_mqa kv_b_proj" in problem[1]  # what there is, PEFT's names
     mla = lora_lib.LoraSpec(4, 8.0, lora_lib.resolve_targets("q_a_proj q_b_proj kv_a_proj_with_mqa kv_b_proj o_proj"))
-    assert lora_lib.target_problem(cfg, mla) is None
+    assert lora_problems.target_problem(cfg, mla) is None
     # all-linear: latent attention, the dense layer's MLP and the shared experts (every nn.Linear but the head)
     every = lora_lib.LoraSpec(4, 8.0, lora_lib.TARGETS)
     assert lora_lib.adapted(cfg, every) == (tuple(t for t in lora_lib.TARGETS if t in mla.targets + MLP), ())
-    assert lora_lib.target_problem(cfg, lora_lib.LoraSpec(4, 8.0, lora_lib.resolve_targets("gate_proj"))) is None
+    assert lora_problems.target_problem(cfg, lora_lib.LoraSpec(4, 8.0, lora_lib.resolve_targets("gate_proj"))) is None
     # the routed experts only as lora.target_parameters names them (auto: none)
     named = dataclasses.replace(
         every, experts=lora_lib.resolve_experts("mlp.experts.gate_up_proj mlp.experts.down_proj")
     )
-    assert lora_lib.target_problem(cfg, named) is None and lora_lib.adapted(cfg, named)[1] == named.experts
+    assert lora_problems.target_problem(cfg, named) is None and lora_lib.adapted(cfg, named)[1] == named.experts
     # the adapters' params: PEFT's own tensors of the golden adapter (tests/golden/peft/deepseek_v3)
     peft_file = SafetensorsFile(GOLDEN.parent / "peft" / NAME / "adapter_model.safetensors")
     assert lora_lib.adapter_param_count(cfg, named) == sum(
@@ -238,9 +238,12 @@ def test_lora_on_the_mlps_is_written_as_peft_target_parameters_and_refuses_dropo
     for raw in ({**as_modules, "target_parameters": []}, {**theirs, "target_modules": "all-linear"}):
         with pytest.raises(CheckpointError, match=r"^peft:x: target_modules down_proj gate_proj up_proj .*experts"):
             peft.check_matches(raw, every, "peft:x", cfg)  # PEFT's meaning there: the routed experts
-    line = lora_lib.expert_dropout(cfg, dataclasses.replace(every, dropout=0.1))
+    line = lora_problems.expert_dropout(cfg, dataclasses.replace(every, dropout=0.1))
     assert "deepseek_v3's MLPs take no dropout" in line and "\n" not in line
-    assert lora_lib.expert_dropout(cfg, dataclasses.replace(every, targets=("wq_a",), experts=(), dropout=0.1)) is None
+    assert (
+        lora_problems.expert_dropout(cfg, dataclasses.replace(every, targets=("wq_a",), experts=(), dropout=0.1))
+        is None
+    )
 
 
 @pytest.mark.slow

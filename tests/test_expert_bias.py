@@ -181,3 +181,60 @@ def test_config_refuses_what_the_rule_cannot_run():
     for change in bad:
         with pytest.raises(ConfigError, match="bias_update_speed"):
             validate(dataclasses.replace(cfg, **change))
+
+
+@pytest.mark.slow  # two compiles of the golden's step (one device, full_shard): ~75 s of CPU here
+def test_verify_runs_the_rule_and_compares_the_bias_exactly(tmp_path, capsys):
+    """`fsdp-jax verify` on the tiny DeepSeek-V3 config with u > 0 runs the rule in each step as the
+    trainer does: the one-device bias moved by exactly u after step 1 (it moved 0 when verify left it),
+    and full_shard's bias equals it bit for bit at every judged step."""
+    yml = tmp_path / "c.yaml"
+    yml.write_text(f"init_from: hf:{GOLDEN / NAME}\ndata: {{seq_len: 16, source: none}}\ntrain: {{global_batch: 8}}\n")
+    args = ["--strategies", "full_shard", "--steps", "2", "--json", f"model.bias_update_speed={U}"]
+    rc, out, err = call("verify", "--config", yml, *args, capsys=capsys)
+    assert rc == 0, err[-3000:] + out
+    doc = json.loads(out)
+    assert doc["passed"] and doc["exact"] == "score_bias" and doc["exact_moved"][0] == U, doc["exact_moved"]
+    r = doc["strategies"]["full_shard"]
+    judged = r["routing_flip_step"] or 3
+    assert r["exact_diff"][: judged - 1] == [0.0] * (judged - 1) and judged > 1, r
+    assert any("aux-loss-free rule" in n for n in doc["notes"])
+
+
+def test_an_unequal_exact_leaf_fails_the_step_and_round_trips():
+    """verify's exact comparison: a leaf off by one rule step is a divergence (not a tolerance), named,
+    and the report's JSON keeps it."""
+    from fsdp_jax.verify.compare import _over
+    from fsdp_jax.verify.exact import exact_indices, max_abs_at, unequal
+    from fsdp_jax.verify.report import TOLERANCES, StrategyReport, VerifyReport
+
+    paths = ["a/w", "a/score_bias", "b/score_bias"]
+    ref = [np.ones(3), np.zeros(2), np.zeros(2)]
+    got = [np.ones(3), np.asarray([0.0, U]), np.zeros(2)]
+    idx = exact_indices(paths, "score_bias")
+    assert idx == [1, 2] and max_abs_at(got, ref, idx) == U
+    tol = TOLERANCES["adaptive-f32"]  # a rel diff of 1 is far over it; U alone is under no tolerance's eye
+    d = _over(0, paths, [0.0, 0.0, 0.0], 0.0, 0.0, tol, unequal(paths, got, ref, idx))
+    assert d is not None and d.exact == (("a/score_bias", U),) and "compared exactly" in d.describe(tol)
+    assert _over(0, paths, [0.0] * 3, 0.0, 0.0, tol, unequal(paths, ref, ref, idx)) is None
+    r = StrategyReport(
+        "full_shard",
+        {"fsdp": 8},
+        False,
+        [0.0],
+        [0.0],
+        [0.0],
+        U,
+        "a/score_bias",
+        None,
+        {"total": 0},
+        0,
+        {},
+        d,
+        exact_diff=[U],
+    )
+    report = VerifyReport(8, 1, "cpu", tol, "adaptive", "f32", [1.0], [1.0], {"full_shard": r}, None, "score_bias", [U])
+    assert VerifyReport.from_dict(json.loads(json.dumps(report.to_dict()))) == report
+    assert "score_bias compared exactly" in report.format() and "(compared exactly)" in report.format()
+    with pytest.raises(Exception, match="names no param leaf"):
+        exact_indices(paths, "nothing")

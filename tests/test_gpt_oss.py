@@ -26,7 +26,7 @@ from fsdp_jax.app.hf import load as hf
 from fsdp_jax.app.hf import peft
 from fsdp_jax.app.hf.config_in import model_config_from_hf
 from fsdp_jax.app.hf.export import export_hf
-from fsdp_jax.app.models import Decoder, DecoderConfig, count_params, families
+from fsdp_jax.app.models import Decoder, DecoderConfig, count_params, families, lora_problems
 from fsdp_jax.app.models import lora as lora_lib
 from fsdp_jax.app.models import moe as moe_lib
 from fsdp_jax.app.models.moe_clamped import ClampedMoE
@@ -174,7 +174,7 @@ def test_mxfp4_experts_export_dequantised(tmp_path):
 def test_lora_by_peft_names_reaches_attention_and_the_experts_only_as_target_parameters():
     cfg = hf.HFCheckpoint(GOLDEN / "gpt_oss").config
     spec = lora_lib.LoraSpec(4, 8.0, lora_lib.resolve_targets("q_proj v_proj o_proj"))
-    assert spec.targets == ("wq", "wv", "wo") and lora_lib.target_problem(cfg, spec) is None
+    assert spec.targets == ("wq", "wv", "wo") and lora_problems.target_problem(cfg, spec) is None
     adapters = jax.tree_util.tree_leaves_with_path(from_nnx(lambda r: Decoder(cfg, rngs=r, lora=spec)).abstract_params)
     paths = {jax.tree_util.keystr(p) for p, _ in adapters if lora_lib.is_adapter(p)}
     assert paths and all("attn" in p for p in paths)
@@ -183,11 +183,11 @@ def test_lora_by_peft_names_reaches_attention_and_the_experts_only_as_target_par
     assert lora_lib.adapted(cfg, everything) == (("wq", "wk", "wv", "wo"), ())  # PEFT's all-linear: no expert
     # the experts as PEFT's target_parameters name them (peft 0.21 on GptOss: no target_modules rewrite)
     experts = lora_lib.LoraSpec(4, 8.0, ("wq",), experts=lora_lib.resolve_experts("mlp.experts.gate_up_proj"))
-    assert lora_lib.target_problem(cfg, experts) is None
+    assert lora_problems.target_problem(cfg, experts) is None
     assert lora_lib.adapted(cfg, experts) == (("wq",), ("experts_gate_up",))
     mlp = lora_lib.LoraSpec(4, 8.0, lora_lib.resolve_targets("gate_proj up_proj"))  # no nn.Linear of that name
-    assert lora_lib.target_problem(cfg, mlp)[1].startswith("gate_proj up_proj names nothing")
-    dropped = lora_lib.expert_dropout(cfg, dataclasses.replace(experts, dropout=0.1))
+    assert lora_problems.target_problem(cfg, mlp)[1].startswith("gate_proj up_proj names nothing")
+    dropped = lora_problems.expert_dropout(cfg, dataclasses.replace(experts, dropout=0.1))
     assert dropped is not None and "no dropout" in dropped
 
 

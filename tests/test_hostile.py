@@ -126,6 +126,7 @@ OUT_OF_RANGE: dict[str, typing.Any] = {
     "lora.dropout": 1.0,
     "lora.targets": "q_proj nothing",
     "lora.target_parameters": "mlp.experts.nothing",
+    "lora.gate_up_rank": -1,
     "lora.init_from": "peft:/nonexistent",
     "mesh.rules": {"embed": "nowhere"},
     "model.tie_word_embeddings": None,

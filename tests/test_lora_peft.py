@@ -3,6 +3,7 @@ make_peft_goldens.py) load as the decoder's adapters and reproduce peft's logits
 merged model's) within 1e-4 for every family; the written adapter reads back bit for bit
 with PEFT's key names; a PEFT adapter for another rank or base is refused in one line."""
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 from fsdp_jax.app.hf import load as hf
 from fsdp_jax.app.hf import peft, peft_experts
 from fsdp_jax.app.models import lora as lora_lib
+from fsdp_jax.app.models import lora_problems
 from fsdp_jax.app.models.decoder import Decoder
 from fsdp_jax.app.trainer.build import trainer_model
 from fsdp_jax.checkpoint.safetensors_io import SafetensorsFile
@@ -29,18 +31,34 @@ ADAPTERS = ("llama3", "llama32_tied", "mistral_swa", "qwen2", "qwen3", "gemma3_t
 # the experts by target_parameters; Qwen2-MoE's dense layers and shared expert by target_modules
 # (qwen2_moe_shared: those only, no target_parameters; gpt_oss: its attention, biases and all)
 # gpt_oss: attention only; gpt_oss_experts: + its experts by target_parameters (biased, clamped, gate / up interleaved)
-MOE_ADAPTERS = ("mixtral", "qwen3_moe", "qwen2_moe", "qwen2_moe_shared", "gpt_oss", "gpt_oss_experts")
+# qwen3_moe_rewritten: the seven names, which peft 0.21 rewrites to the experts (gate_up_proj at rank 2r by rank_pattern)
+MOE_ADAPTERS = (
+    "mixtral",
+    "qwen3_moe",
+    "qwen3_moe_rewritten",
+    "qwen2_moe",
+    "qwen2_moe_shared",
+    "gpt_oss",
+    "gpt_oss_experts",
+)
 # deepseek_v3: latent attention's five projections (q_a_proj q_b_proj kv_a_proj_with_mqa kv_b_proj o_proj),
 # the dense layer's MLP and the shared experts (target_parameters mlp.gate_proj.weight ...,
 # mlp.shared_experts.gate_proj.weight ...: peft 0.21 maps those target_modules names to the experts)
-MLA_ADAPTERS = ("deepseek_v3",)
+# deepseek_v3_rewritten: the five and target_modules gate_proj up_proj down_proj, which peft 0.21 rewrites
+# to the routed experts (gate_up_proj at rank 2r by rank_pattern / alpha_pattern, down_proj at r)
+# deepseek_v3_all_linear: peft's all-linear there, the same plus the router (target_parameters gate.weight)
+MLA_ADAPTERS = ("deepseek_v3", "deepseek_v3_rewritten", "deepseek_v3_all_linear")
 
 
 def spec_of(raw: dict, cfg) -> lora_lib.LoraSpec:
-    by_param, params = peft.parameter_targets(cfg), raw.get("target_parameters") or []
+    by_param = peft.parameter_targets(cfg)
+    params = [peft.full_parameter_name(p, by_param) for p in raw.get("target_parameters") or []]
     targets = lora_lib.resolve_targets(" ".join(raw["target_modules"] + [by_param[p] for p in params if p in by_param]))
     experts = peft_experts.parts_of([p for p in params if p not in by_param])
-    return lora_lib.LoraSpec(raw["r"], float(raw["lora_alpha"]), targets, bool(raw.get("use_rslora")), experts=experts)
+    gate_up = peft_experts.pattern_rank(raw)
+    return lora_lib.LoraSpec(
+        raw["r"], float(raw["lora_alpha"]), targets, bool(raw.get("use_rslora")), experts=experts, gate_up_rank=gate_up
+    )
 
 
 def golden(name):
@@ -90,6 +108,9 @@ def test_peft_adapter_reproduces_peft_logits_and_merged_logits(name, tmp_path):
     assert set(ours.tensors) == set(theirs.tensors) and info["tensors"] == len(theirs.tensors)
     for k in theirs.tensors:
         np.testing.assert_array_equal(ours.read(k), theirs.read(k))
+    raw, written = (json.loads((d / "adapter_config.json").read_text()) for d in (GOLDEN / "peft" / name, out))
+    for key in ("rank_pattern", "alpha_pattern"):  # PEFT's own patterns (deepseek_v3_rewritten: gate_up_proj's)
+        assert (written.get(key) or {}) == (raw.get(key) or {}), key
     back = peft.read_peft(out, cfg, spec)
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(adapters)))
 
@@ -137,8 +158,6 @@ def test_a_peft_adapter_for_another_rank_or_base_is_refused_in_one_line(tmp_path
 
 
 def test_an_adapter_for_another_base_is_refused_in_one_line():
-    import dataclasses
-
     ckpt, spec, _ = golden("llama3")
     d = GOLDEN / "peft" / "llama3"
     deeper = dataclasses.replace(ckpt.config, n_layers=ckpt.config.n_layers + 1)
@@ -147,3 +166,38 @@ def test_an_adapter_for_another_base_is_refused_in_one_line():
     wider = dataclasses.replace(ckpt.config, ffn_dim=2 * ckpt.config.ffn_dim)
     with pytest.raises(CheckpointError, match=r"gate_proj.lora_B.weight has shape \(128, 4\).*another base or rank"):
         peft.read_peft(d, wider, spec)
+
+
+def _rewritten(tmp_path, edit):
+    d = tmp_path / "rw"
+    shutil.copytree(GOLDEN / "peft" / "deepseek_v3_rewritten", d)
+    raw = json.loads((d / "adapter_config.json").read_text())
+    (d / "adapter_config.json").write_text(json.dumps({**raw, **edit}))
+    return d
+
+
+def test_peft_rewritten_deepseek_adapter_needs_its_gate_up_rank_and_refuses_other_patterns(tmp_path):
+    """peft's own rewrite of target_modules gate_proj / up_proj / down_proj on DeepSeek-V3 reads with
+    lora.gate_up_rank = its rank_pattern; a run without it, an alpha_pattern that does not scale with the
+    rank, a pattern on another tensor and a router adapter the run does not name are each refused in one line."""
+    ckpt, spec, _ = golden("deepseek_v3_rewritten")
+    assert spec.gate_up_rank == 8 and spec.expert("experts_gate_up").scale == spec.scale == 2.0
+    cfg = ckpt.config
+    cases = [
+        (GOLDEN / "peft" / "deepseek_v3_rewritten", dataclasses.replace(spec, gate_up_rank=0), "gate_up_rank=8"),
+        (_rewritten(tmp_path / "1", {"alpha_pattern": {}}), spec, "alpha_pattern"),
+        (_rewritten(tmp_path / "2", {"rank_pattern": {".*\\.q_a_proj": 8}}), spec, "q_a_proj"),
+        (
+            _rewritten(tmp_path / "3", {"target_parameters": ["down_proj", "gate_up_proj", "gate.weight"]}),
+            spec,
+            "targets=",  # all-linear's router adapter: the run's lora.targets must name gate
+        ),
+    ]
+    for d, run_spec, word in cases:
+        with pytest.raises(CheckpointError) as e:
+            peft.read_peft(d, cfg, run_spec)
+        msg = str(e.value)
+        assert "\n" not in msg and word in msg, msg
+    no_experts = dataclasses.replace(spec, experts=())
+    assert lora_problems.target_problem(cfg, no_experts)[0] == "lora.gate_up_rank"
+    assert lora_problems.target_problem(cfg, spec) is None

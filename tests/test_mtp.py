@@ -13,6 +13,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from test_deepseek_v3 import golden
 from test_hf import GOLDEN, saved_run
 
 from fsdp_jax.app.config.checks import validate
@@ -21,6 +22,7 @@ from fsdp_jax.app.hf import load as hf
 from fsdp_jax.app.hf.export import export_hf
 from fsdp_jax.app.models import Decoder, DecoderConfig, count_params
 from fsdp_jax.app.trainer.build import make_loss_fn
+from fsdp_jax.app.trainer.init_from import base_loader, open_hf_init
 from fsdp_jax.app.trainer.router_metrics import summarise
 from fsdp_jax.app.trainer.setup import load_run_config
 from fsdp_jax.checkpoint import Checkpointer
@@ -187,8 +189,57 @@ def test_deepseek_v3_layout_round_trips_bit_exact(tmp_path):
         assert jax.tree.structure(back) == jax.tree.structure(want)
         for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(back)):
             assert np.array_equal(np.asarray(a), np.asarray(b))
+    ckpt = hf.HFCheckpoint(GOLDEN / NAME, base=cfg)  # no MTP layer: read only with a fresh init for it
     with pytest.raises(ConfigError, match="model.mtp_depth.*holds 0 MTP layers"):
-        hf.HFCheckpoint(GOLDEN / NAME, base=cfg)
+        hf.load_params(ckpt, from_nnx(lambda r: Decoder(cfg, rngs=r)).abstract_params)
+
+
+@pytest.mark.slow  # one train-step compile of the golden with an MTP depth (~15 s loaded)
+def test_a_depth_the_checkpoint_lacks_starts_fresh_and_exports(tmp_path, capsys):
+    """`init_from: hf:` of the golden (no MTP layer) with model.mtp_depth=1, as the trainer loads
+    it: one log line, the imported leaves bit-equal to a run without MTP, the new depth the model's
+    own init with the run's seed (a fresh run's), a finite step, and an export writes it as layer
+    num_hidden_layers."""
+    yml = tmp_path / "mtp.yaml"
+    yml.write_text(f"init_from: hf:{GOLDEN / NAME}\nmodel: {{mtp_depth: 1}}\ndata: {{seq_len: 32, path: {tmp_path}}}\n")
+    run_cfg = load_run_config(yml)
+    cfg = run_cfg.model
+    m = from_nnx(lambda r: Decoder(cfg, rngs=r))
+    built = build(
+        m,
+        optax.sgd(0.1),
+        make_mesh(1, 8, 1),
+        "full_shard",
+        loss_fn=make_loss_fn(m, cfg),
+        has_aux=True,
+        min_shard_size=0,
+    )
+    key = jax.random.key(run_cfg.train.seed)
+    capsys.readouterr()
+    params = base_loader(run_cfg, None, m.init, key)(built.abstract_state.params)
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "model.mtp_depth 1" in out and "depth 1 initialised fresh" in out, out
+    host = jax.device_get(params)
+    plain_ckpt = hf.HFCheckpoint(GOLDEN / NAME, base=dataclasses.replace(cfg, mtp_depth=0))
+    plain = hf.load_params(plain_ckpt, from_nnx(lambda r: Decoder(plain_ckpt.config, rngs=r)).abstract_params)
+    assert set(host) == {*plain, "mtp"}
+    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves({k: host[k] for k in plain})):
+        assert np.array_equal(np.asarray(a), b)
+    fresh = jax.device_get(jax.jit(m.init)(key)["mtp"])
+    for a, b in zip(jax.tree.leaves(fresh), jax.tree.leaves(host["mtp"])):
+        assert np.array_equal(a, b)
+    state, metrics = built.train_step(
+        built.state_from_params(params), jnp.asarray(np.tile(golden()["tokens"], (4, 1)), jnp.int32)
+    )
+    assert np.isfinite(float(metrics["loss"])) and np.isfinite(float(metrics["aux"]["mtp_loss"]))
+    d = tmp_path / "run" / "checkpoints"
+    with Checkpointer(d) as c:
+        c.save(1, {"params": host}, {"config": config_to_dict(run_cfg)})
+    export_hf(d, tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    back = hf.HFCheckpoint(tmp_path / "hf", base=cfg)
+    n = f"model.layers.{cfg.n_layers}.eh_proj.weight"
+    assert np.array_equal(back.where[n].read(n), np.asarray(host["mtp"][0]["eh_proj"]).T)
 
 
 @pytest.mark.parametrize(
@@ -211,3 +262,14 @@ def test_bad_mtp_settings_are_refused_naming_the_key(override, words):
 def test_bad_mtp_depth_is_one_line_exit_2(tmp_path, capsys):
     rc, _, err = call("plan", "--config", "configs/tiny.yaml", "--devices", "1", "model.mtp_depth=-2", capsys=capsys)
     one_line(rc, err, "model.mtp_depth")
+
+
+def test_lora_with_a_depth_the_checkpoint_lacks_is_refused_in_one_line(tmp_path):
+    """A fresh MTP depth under LoRA would stay a frozen random block: refused naming model.mtp_depth."""
+    yml = tmp_path / "mtp.yaml"
+    yml.write_text(f"init_from: hf:{GOLDEN / NAME}\nmodel: {{mtp_depth: 1}}\ndata: {{seq_len: 32, path: {tmp_path}}}\n")
+    cfg = load_run_config(yml, ["lora.rank=4", "lora.targets=q_a_proj"])
+    with pytest.raises(ConfigError) as e:
+        open_hf_init(cfg)
+    assert "model.mtp_depth" in str(e.value) and "frozen random block" in str(e.value) and "\n" not in str(e.value)
+    assert open_hf_init(load_run_config(yml)).mtp_held == 0  # without LoRA: opened, the depth to start fresh

@@ -20,6 +20,7 @@ from fsdp_jax.sharding import rules
 from fsdp_jax.sharding.mesh import make_mesh
 from fsdp_jax.sharding.precision import Policy
 from fsdp_jax.train.build import build
+from fsdp_jax.verify.exact import exact_indices, max_abs_at, unequal
 from fsdp_jax.verify.report import (
     TOLERANCES,
     Divergence,
@@ -33,7 +34,17 @@ from fsdp_jax.verify.report import (
 )
 
 _BUILD_OPTIONS = ("logical_axes", "rules", "min_shard_size", "max_replicated_fraction")
-_STEP_OPTIONS = ("precision", "microbatches", "clip_norm", "remat", "has_aux", "trainable", "skip_nonfinite", "rng")
+_STEP_OPTIONS = (
+    "precision",
+    "microbatches",
+    "clip_norm",
+    "remat",
+    "has_aux",
+    "trainable",
+    "skip_nonfinite",
+    "rng",
+    "post_update",
+)
 
 
 def compare_runs(
@@ -52,7 +63,7 @@ def compare_runs(
 ) -> VerifyReport:
     opts = {"max_replicated_fraction": None, **options}
     context, data = _pop_mesh_options(opts, len(devs))
-    routing = _pop_routing(opts)
+    routing, exact = _pop_routing(opts), opts.pop("exact", None)
     host_batches = _host_batches(batch, batches, steps, len(devs) // context, opts.get("microbatches", 1))
 
     key = jax.random.key(seed)
@@ -60,8 +71,7 @@ def compare_runs(
         fns, params, mstate = adapt_model(model, key)
     tol = _tolerance(tolerance, optimizer, fns, opts.get("precision"))
 
-    ref_mesh = make_mesh(1, 1, 1, devices=devs[:1])
-    ref = _build(fns, optimizer, ref_mesh, "no_shard", loss_fn, opts)
+    ref = _build(fns, optimizer, make_mesh(1, 1, 1, devices=devs[:1]), "no_shard", loss_fn, opts)
     with _user_code("the model does not initialise"):
         state = ref.init_state(key) if params is None else ref.place(params, mstate)
     # the start in its own dtypes (placed for each strategy as it is: a float64 copy of an
@@ -73,11 +83,12 @@ def compare_runs(
     ref_loss, ref_gnorm, ref_params, ref_routing = _reference_steps(step, state, host_batches, ref.plan.batch, routing)
     del state
 
-    # params, then the model's state (BatchNorm statistics: over the global batch, so
-    # they must agree too), prefixed state:
+    # params, then the model's state (BatchNorm statistics: over the global batch, so they must agree too):
     paths = [rules.path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(p0)[0]] + [
         "state:" + rules.path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(ms0)[0]
     ]
+    exact_idx, start = exact_indices(paths, exact), jax.tree.leaves(_host((p0, ms0)))
+    exact_moved = [max_abs_at(jax.tree.leaves(r), start, exact_idx) for r in ref_params] if exact else []
     reports = {}
     for name in names:
         mesh = make_mesh(*strategy_mesh_shape(name, len(devs) // context, data), devices=devs, context=context)
@@ -99,6 +110,7 @@ def compare_runs(
             tol,
             routing,
             ref_routing,
+            exact_idx,
         )
     return VerifyReport(
         devices=len(devs),
@@ -111,6 +123,8 @@ def compare_runs(
         reference_grad_norm=ref_gnorm,
         strategies=reports,
         routing=routing,
+        exact=exact,
+        exact_moved=exact_moved,
     )
 
 
@@ -135,12 +149,13 @@ def _routing_diff(value: np.ndarray, ref_value: np.ndarray) -> float:
     return 0.0 if np.array_equal(value, ref_value) else float(np.max(np.abs(value - ref_value)))
 
 
-def _over(i: int, paths, leaf_d, loss_d: float, gnorm_d: float, tol) -> Divergence | None:
-    """Step `i`'s divergence (0-based), or None when every measure is within `tol`."""
+def _over(i: int, paths, leaf_d, loss_d: float, gnorm_d: float, tol, off=()) -> Divergence | None:
+    """Step `i`'s divergence (0-based), or None when every measure is within `tol` and no
+    exactly compared leaf differs (`off`: `exact.unequal`'s)."""
     bad = sorted(((p, e) for p, e in zip(paths, leaf_d) if not e <= tol.param_rtol), key=lambda pe: -pe[1])
     over_loss, over_gnorm = not loss_d <= tol.loss_rtol, not gnorm_d <= tol.grad_norm_rtol
-    if bad or over_loss or over_gnorm:
-        return Divergence(i + 1, loss_d if over_loss else None, gnorm_d if over_gnorm else None, tuple(bad))
+    if bad or over_loss or over_gnorm or off:
+        return Divergence(i + 1, loss_d if over_loss else None, gnorm_d if over_gnorm else None, tuple(bad), exact=off)
     return None
 
 
@@ -162,6 +177,7 @@ def _run_strategy(
     tol,
     routing=None,
     ref_routing=(),
+    exact=(),
 ) -> StrategyReport:
     p0, ms0 = start
     built = _build(fns, optimizer, mesh, name, loss_fn, opts)
@@ -177,16 +193,15 @@ def _run_strategy(
     step = built.train_step.lower(state, _put(host_batches[0], built.plan.batch)).compile()
     collectives = {op: dict(v) for op, v in collective_report(step.as_text())["per_step"].items()}
     peak = compiled_memory(step)["peak"]
-    loss_d, gnorm_d, param_d, routing_d, first, flip = [], [], [], [], None, None
+    loss_d, gnorm_d, param_d, routing_d, exact_d, first, flip = [], [], [], [], [], None, None
     for i, b in enumerate(host_batches):
         state, m = step(state, _put(b, built.plan.batch))
         loss_d.append(rel_diff(float(m["loss"]), ref_loss[i]))
         gnorm_d.append(rel_diff(float(m["grad_norm"]), ref_gnorm[i]))
-        leaf_d = [
-            leaf_rel(a, r)
-            for a, r in zip(jax.tree.leaves(_host((state.params, state.model_state))), jax.tree.leaves(ref_params[i]))
-        ]
+        leaves, ref_leaves = jax.tree.leaves(_host((state.params, state.model_state))), jax.tree.leaves(ref_params[i])
+        leaf_d = [leaf_rel(a, r) for a, r in zip(leaves, ref_leaves)]
         param_d.append(max(leaf_d, default=0.0))
+        exact_d.append(max_abs_at(leaves, ref_leaves, exact))
         if routing is not None:  # discrete choices: equal, or a flip (from it on nothing is judged)
             routing_d.append(_routing_diff(_routing_value(m, routing), ref_routing[i]))
             if routing_d[-1] != 0.0 and flip is None:
@@ -194,8 +209,8 @@ def _run_strategy(
                 if flip == 1 and first is None:  # from the same params: not a flip noise can explain
                     first = Divergence(1, None, None, (), routing=routing_d[-1])
         if first is None and flip is None:
-            first = _over(i, paths, leaf_d, loss_d[-1], gnorm_d[-1], tol)
-    last = jax.tree.leaves(_host((state.params, state.model_state)))
+            first = _over(i, paths, leaf_d, loss_d[-1], gnorm_d[-1], tol, unequal(paths, leaves, ref_leaves, exact))
+    last = leaves
     worst = int(np.argmax(leaf_d)) if leaf_d else 0
     max_abs = max(
         (float(np.max(np.abs(a - r), initial=0.0)) for a, r in zip(last, jax.tree.leaves(ref_params[-1]))), default=0.0
@@ -216,6 +231,7 @@ def _run_strategy(
         first_divergence=first,
         routing_diff=routing_d,
         routing_flip_step=flip,
+        exact_diff=exact_d,
     )
 
 
@@ -230,7 +246,7 @@ def _pop_mesh_options(opts: dict, n: int) -> tuple[int, int]:
     """Check `opts` and pop its `context` (default 1: each strategy's mesh splits sequences
     over a `context` axis of that size), a positive divisor of the device count `n`, and its
     `data` (default 1: `strategy_mesh_shape`'s own split), a positive divisor of n / context."""
-    allowed = _BUILD_OPTIONS + _STEP_OPTIONS + ("context", "data", "routing")
+    allowed = _BUILD_OPTIONS + _STEP_OPTIONS + ("context", "data", "routing", "exact")
     unknown = sorted(set(opts) - set(allowed) - {"max_replicated_fraction"})
     if unknown:
         raise VerifyError(f"verify: unknown option(s) {', '.join(unknown)}; allowed: {', '.join(allowed)}")

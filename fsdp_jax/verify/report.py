@@ -101,13 +101,15 @@ class Divergence:
     """The first step (1-based) at which a strategy left the tolerance. `loss` /
     `grad_norm`: relative errors at that step when they exceeded, else None.
     `leaves`: (path, relative error) of every leaf over `param_rtol` after that
-    step, worst first."""
+    step, worst first; `exact`: (path, max abs difference) of every leaf compared exactly
+    (verify's `exact` option) that differs, worst first."""
 
     step: int
     loss: float | None
     grad_norm: float | None
     leaves: tuple[tuple[str, float], ...]
     routing: float | None = None
+    exact: tuple[tuple[str, float], ...] = ()
 
     def describe(self, tol: Tolerance) -> str:
         parts = []
@@ -125,6 +127,10 @@ class Divergence:
             path, err = self.leaves[0]
             more = f" (+{len(self.leaves) - 1} more leaves)" if len(self.leaves) > 1 else ""
             parts.append(f"param {path} rel diff {err:.3g} > {tol.param_rtol:g}{more}")
+        if self.exact:
+            path, err = self.exact[0]
+            more = f" (+{len(self.exact) - 1} more)" if len(self.exact) > 1 else ""
+            parts.append(f"param {path} differs by {err:.3g} (compared exactly){more}")
         return f"step {self.step}: " + "; ".join(parts)
 
 
@@ -142,7 +148,9 @@ class StrategyReport:
     `routing_diff`: with verify's `routing` option, the largest |difference| of that aux value
     from the reference's at each step (0.0: the same discrete choices); `routing_flip_step`:
     the first step at which it differed (a top-k routing flip), None if none did. The steps from
-    there on are reported and not judged: `judged_steps` counts the steps that were."""
+    there on are reported and not judged: `judged_steps` counts the steps that were.
+    `exact_diff`: with verify's `exact` option, the largest |difference| of those leaves from the
+    reference's after each step (judged: 0.0 up to a routing flip)."""
 
     strategy: str
     mesh: dict[str, int]
@@ -159,6 +167,7 @@ class StrategyReport:
     first_divergence: Divergence | None
     routing_diff: list[float] = dataclasses.field(default_factory=list)
     routing_flip_step: int | None = None
+    exact_diff: list[float] = dataclasses.field(default_factory=list)
 
     @property
     def max_loss_rel_diff(self) -> float:
@@ -171,7 +180,9 @@ class StrategyReport:
 
 @dataclasses.dataclass(frozen=True)
 class VerifyReport:
-    """`verify`'s result: the reference run and one StrategyReport per strategy."""
+    """`verify`'s result: the reference run and one StrategyReport per strategy. `exact`: the
+    leaf name compared exactly (verify's `exact` option), `exact_moved`: how far those leaves of
+    the reference moved from their start, after each step (max abs)."""
 
     devices: int
     steps: int
@@ -183,6 +194,8 @@ class VerifyReport:
     reference_grad_norm: list[float]
     strategies: dict[str, StrategyReport]
     routing: str | None = None
+    exact: str | None = None
+    exact_moved: list[float] = dataclasses.field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -213,6 +226,7 @@ class VerifyReport:
                     fd["grad_norm"],
                     tuple((p, e) for p, e in fd["leaves"]),
                     fd.get("routing"),
+                    tuple((p, e) for p, e in fd.get("exact", ())),
                 )
             strategies[name] = StrategyReport(**r)
         d["strategies"] = strategies
@@ -228,6 +242,9 @@ class VerifyReport:
             f"params {t.param_rtol:g})",
             "reference loss " + " ".join(f"{x:.6f}" for x in self.reference_loss),
         ]
+        if self.exact:
+            moved = " ".join(f"{x:.3g}" for x in self.exact_moved)
+            lines.append(f"{self.exact} compared exactly; the reference's moved from its start by (max abs) {moved}")
         head = (
             f"{'strategy':<14} {'data x fsdp':<12} {'loss rel':>9} {'gnorm rel':>9} {'param rel':>9} "
             f"{'param abs':>9} {'state/dev':>10} {'collectives/step':<34} result"

@@ -98,7 +98,10 @@ def verify(
     `rules` that split experts over data or fsdp; default 1: fsdp only, hybrid_shard 2 x n/2),
     `routing` (with `has_aux`: an aux key of discrete choices, e.g. an MoE router's
     per-expert load, compared exactly: from a step where a strategy's differs, a routing
-    flip, its steps are reported, not judged; a difference at step 1 fails).
+    flip, its steps are reported, not judged; a difference at step 1 fails), `post_update` (the
+    train step's rule after the update, e.g. DeepSeek-V3's bias rule; objects only), `exact` (a
+    leaf name: those leaves must equal the reference's bit for bit after every judged step, e.g.
+    `score_bias`, which that rule moves in steps of +-u; reported per step as `exact_diff`).
 
     Returns a VerifyReport; raises VerifyError on bad input.
     """

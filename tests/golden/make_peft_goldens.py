@@ -59,6 +59,18 @@ float32, eager; torch seed sum(map(ord, "lora:" + name)) before get_peft_model):
       routed experts (gate_up_proj at rank 2r, alpha 2 alpha, by rank_pattern / alpha_pattern);
       all-linear becomes the five attention projections + the fused experts + the router
       (mlp.gate.weight): no dense MLP or shared expert is adapted by target_modules
+  deepseek_v3_rewritten (base deepseek_v3; transformers 5.25.0, peft 0.21.2)
+      r=4, lora_alpha=8, target_modules the five attention names + gate_proj up_proj down_proj, as a
+      PEFT user writes them: peft saves target_modules the five, target_parameters [gate_up_proj,
+      down_proj], rank_pattern {.*\\.gate_up_proj: 8}, alpha_pattern {.*\\.gate_up_proj: 16}
+      (gate_up's lora_A (8 * E, D), lora_B (2F, 8 * E); down_proj's at r 4)
+  qwen3_moe_rewritten (base qwen3_moe; transformers 5.25.0, peft 0.21.2)
+      r=4, lora_alpha=8, the seven target_modules: peft saves target_modules q/k/v/o_proj,
+      target_parameters [gate_up_proj, down_proj] and deepseek_v3_rewritten's patterns
+  deepseek_v3_all_linear (base deepseek_v3; transformers 5.25.0, peft 0.21.2)
+      r=4, lora_alpha=8, target_modules all-linear: peft saves target_modules the five,
+      target_parameters [down_proj, gate_up_proj, gate.weight] (the router: mlp.gate.lora_A (r, D),
+      lora_B (E, r)) and deepseek_v3_rewritten's patterns
   gpt_oss_experts (base gpt_oss; transformers 5.25.0, peft 0.21.2)
       r=4, lora_alpha=8, target_modules q_proj k_proj v_proj o_proj, target_parameters
       [mlp.experts.gate_up_proj, mlp.experts.down_proj]: GptOssExperts is `is_transposed`
@@ -139,6 +151,9 @@ ADAPTERS = {
     # gate and up share one adapter on gate_up_proj (E, 2F, D), its B rows gate first)
     "mixtral": ("mixtral", {**COMMON, "target_modules": ALL[:4], "target_parameters": EXPERTS}),
     "qwen3_moe": ("qwen3_moe", {**COMMON, "target_modules": ALL[:4], "target_parameters": EXPERTS}),
+    # Qwen3-MoE with the seven names as a PEFT user writes them: peft 0.21 rewrites the MLP names to the fused
+    # experts (gate_up_proj at rank 2r / alpha 2 alpha by rank_pattern / alpha_pattern, down_proj at r)
+    "qwen3_moe_rewritten": ("qwen3_moe", COMMON),
     # Qwen2-MoE: target_modules gate/up/down_proj wrap its dense layers' MLPs and its shared
     # expert (nn.Linear), shared_expert_gate the shared expert's (1, D) gate; the routed
     # experts through target_parameters. _shared: the same without them (the 7 names alone)
@@ -157,6 +172,12 @@ ADAPTERS = {
     # dense layers' MLPs and the shared experts as target_parameters (see the docstring)
     # and its routed experts by their fused tensors' names (explicit target_parameters: no rank_pattern)
     "deepseek_v3": ("deepseek_v3", {**COMMON, "target_modules": MLA, "target_parameters": DEEPSEEK_MLPS + EXPERTS}),
+    # DeepSeek-V3 as a PEFT user writes it: the MLP names as target_modules, which peft 0.21 rewrites to
+    # the fused routed experts (target_parameters gate_up_proj at rank 2r / alpha 2 alpha by rank_pattern /
+    # alpha_pattern, down_proj at r); the dense MLPs and shared experts then take none
+    "deepseek_v3_rewritten": ("deepseek_v3", {**COMMON, "target_modules": MLA + ["gate_proj", "up_proj", "down_proj"]}),
+    # and all-linear, which peft rewrites to the five, the routed experts (as above) and the router (gate.weight)
+    "deepseek_v3_all_linear": ("deepseek_v3", {**COMMON, "target_modules": "all-linear"}),
     "llama3_rslora": (
         "llama3",
         dict(

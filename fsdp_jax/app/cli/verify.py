@@ -55,6 +55,7 @@ from fsdp_jax.app.trainer.build import (
     objective_loss,
     trainer_model,
 )
+from fsdp_jax.app.trainer.expert_bias import BIAS, balancing, bias_rule, without_bias_state
 from fsdp_jax.app.trainer.optim import build_optimizer
 from fsdp_jax.app.trainer.setup import load_run_config
 from fsdp_jax.app.verify_batches import verify_batches
@@ -154,8 +155,11 @@ def _as_verified(cfg, devices, notes: list[str]) -> tuple:
             "updates, and Adam's first step in 16-bit compute is the sign of grads at rounding level"
         )
     notes.append(f"optimizer {cfg.optimizer.name} at its peak lr {cfg.optimizer.lr:g} (warmup skipped)")
-    if cfg.model.bias_update_speed:  # a callable cannot reach verify's child processes
-        notes.append("model.bias_update_speed: the steps compared leave the score bias (the rule is not run)")
+    if balancing(cfg.model):
+        notes.append(
+            f"model.bias_update_speed={cfg.model.bias_update_speed:g}: every step moves the score bias by the "
+            f"aux-loss-free rule after its update, as the trainer's does; {BIAS} compared exactly"
+        )
     return cfg, notes
 
 
@@ -218,6 +222,9 @@ def _verify(args, cfg, strategies, n: int, batches: list, data: int = 1):
     model = trainer_model(cfg.model, cfg.remat, lora)
     optimizer, _ = build_optimizer(dataclasses.replace(cfg.optimizer, warmup_steps=0), cfg.train.steps)
     optimizer = optimizer if lora is None else lora_optimizer(optimizer)
+    # the aux-loss-free rule: the trainer's post_update (build_from_config), its bias without optimizer state
+    rule = {"post_update": bias_rule(cfg.model), "exact": BIAS} if balancing(cfg.model) else {}
+    optimizer = without_bias_state(optimizer) if rule else optimizer
     loss_fn = make_loss_fn(model, cfg.model)  # a mixture of experts: plus the router terms, as the trainer's step
     has_aux = has_loss_aux(cfg.model)  # router terms, an MTP loss
     if cfg.objective != "sft":  # the trainer's preference / GRPO step (precomputed log-probs: computed in the step)
@@ -241,6 +248,7 @@ def _verify(args, cfg, strategies, n: int, batches: list, data: int = 1):
         # a token's top-k choice flipped (a near-tie) the steps are reported, not judged (docs/moe.md)
         **({"routing": "expert_load"} if has_router_aux(cfg.model) and cfg.objective == "sft" else {}),
         **({} if lora is None else {"trainable": adapter_mask}),
+        **rule,
     )
 
 

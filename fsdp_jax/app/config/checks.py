@@ -16,7 +16,7 @@ from fsdp_jax.app.config.context_checks import check_context
 from fsdp_jax.app.config.fp8_checks import check_fp8
 from fsdp_jax.app.config.mtp_checks import check_mtp
 from fsdp_jax.app.config.schema import Config, check_fields
-from fsdp_jax.app.models import lora
+from fsdp_jax.app.models import lora, lora_problems
 from fsdp_jax.app.models.config import DecoderConfig
 from fsdp_jax.app.models.moe import moe_config_problem
 from fsdp_jax.app.models.qlora import quant_problem
@@ -257,9 +257,9 @@ def _check_lora(cfg: Config) -> None:
     if lo.base_quant == "nf4":
         _check(lo.quant_block % 2 == 0, "lora.quant_block", lo.quant_block, "must be even (two codes per byte)")
     spec = lora.spec_from_config(lo)
-    bad = lora.target_problem(cfg.model, spec) or ("lora.targets", "")
+    bad = lora_problems.target_problem(cfg.model, spec) or ("lora.targets", "")
     _check(not bad[1], bad[0], getattr(lo, bad[0].split(".")[1]), bad[1])
-    _check((drop := lora.expert_dropout(cfg.model, spec)) is None, "lora.dropout", lo.dropout, str(drop))
+    _check((drop := lora_problems.expert_dropout(cfg.model, spec)) is None, "lora.dropout", lo.dropout, str(drop))
     problem = quant_problem(cfg.model, spec)
     _check(problem is None, "lora.base_quant", lo.base_quant, str(problem))
     most = lora.max_rank(cfg.model, spec.targets, spec.experts)

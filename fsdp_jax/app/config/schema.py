@@ -211,10 +211,12 @@ class LoraConfig:
     rslora: bool = False
     dropout: float = limit(0.0, "[0, 1)")  # PEFT's lora_dropout: on the adapters' input, in training only
     targets: str = names("all-linear")  # all-linear, or PEFT's q_proj k_proj v_proj o_proj gate_proj up_proj down_proj
-    #                              shared_expert_gate (or the decoder's wq ... w_down w_shared_gate), spaces or commas,
+    #                              shared_expert_gate, gate (DeepSeek-V3's router; or the decoder's wq ... router), spaces or commas,
     #                              or a YAML list: [q_proj, v_proj] (PEFT's target_modules)
     target_parameters: str = names("auto")  # a mixture of experts' fused expert tensors (PEFT's target_parameters):
     #   auto (those the MLP targets name), none, or mlp.experts.gate_up_proj mlp.experts.down_proj
+    gate_up_rank: int = limit(0, "off")  # mlp.experts.gate_up_proj's rank (PEFT's rank_pattern, alpha scaled
+    #   alike: peft 0.21 writes 2 x rank when target_modules gate_proj / up_proj name the fused experts); 0 = rank
     init_from: str | None = None  # peft:DIR: start from a PEFT adapter (adapter_config.json + safetensors)
     base_quant: str = limit("none", choices=("none", "nf4", "int8"))  # the targets' frozen weights stored
     #   quantised (QLoRA, docs/qlora.md): nf4 (bitsandbytes' NF4, blockwise) or int8 (per output channel)

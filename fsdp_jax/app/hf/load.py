@@ -25,17 +25,18 @@ the host copy, so host memory holds one shard at a time, never the model.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 
-from fsdp_jax.app.hf import fp8_blocks, moe_layout, mtp_layout, mxfp4
+from fsdp_jax.app.hf import fp8_blocks, moe_layout, mtp_fresh, mtp_layout, mxfp4
 from fsdp_jax.app.hf.config_in import ARCH_FIELDS, FIELDS, model_config_from_hf
 from fsdp_jax.app.hf.layouts import read_block, span
 from fsdp_jax.app.models import families
@@ -209,8 +210,9 @@ class HFCheckpoint:
                 f"hf:{self.path}: config.json num_hidden_layers="
                 f"{self.config.n_layers}{f' + {mtp} MTP' if mtp else ''}, but the tensors hold {held} layers"
             )
-        if self.config.mtp_depth > mtp:
-            raise ConfigError("model.mtp_depth", f"{self.config.mtp_depth}, but {where} holds {mtp} MTP layers")
+        # the model the checkpoint holds: MTP depths past its own start fresh (`mtp_fresh`)
+        self.mtp_held = mtp
+        self.stored = dataclasses.replace(self.config, mtp_depth=min(self.config.mtp_depth, mtp))
         want = self.want = self._expected()
         missing = [n for n in want if n not in self.where]
         if missing:
@@ -283,10 +285,10 @@ class HFCheckpoint:
 
     def _expected(self) -> dict[str, tuple[int, ...]]:
         """{HF tensor name: shape} this checkpoint must hold (MXFP4 pairs where it says so)."""
-        want = expected_tensors(self.config)
+        want = expected_tensors(self.stored)
         if not self.mxfp4:
             return want
-        names = {n for names, kind in leaf_sources(self.config).values() if kind == mxfp4.KIND for n in names}
+        names = {n for names, kind in leaf_sources(self.stored).values() if kind == mxfp4.KIND for n in names}
         want, problem = mxfp4.stored(want, names)
         if problem:
             raise CheckpointError(f"hf:{self.path}: {problem}")
@@ -320,20 +322,34 @@ class HFCheckpoint:
         return read_block(f, n, kind, idx, shape, dh, dtype)
 
 
-def load_params(ckpt: HFCheckpoint, abstract_params, skip: frozenset[str] = frozenset()) -> Any:
+def load_params(
+    ckpt: HFCheckpoint, abstract_params, skip: frozenset[str] = frozenset(), fresh: Callable | None = None
+) -> Any:
     """Params laid out as `abstract_params` (ShapeDtypeStructs with shardings, the
     reference decoder's tree for `ckpt.config`), each process reading only the slices
     its devices hold, cast to each leaf's dtype on the way; the leaves at `skip` (paths as
-    `tree_paths` names them) are left as None (a caller streams them: `load_layer`)."""
-    sources = leaf_sources(ckpt.config)
+    `tree_paths` names them) are left as None (a caller streams them: `load_layer`). The MTP
+    depths the checkpoint lacks come from `fresh(paths) -> {path: array}`
+    (`mtp_fresh.initialiser`); without it such a checkpoint is refused (one line)."""
+    sources = leaf_sources(ckpt.stored)
     want = tree_paths(abstract_params)
-    if set(want) != set(sources):
-        diff = sorted(set(want) ^ set(sources))
+    new = mtp_fresh.fresh_paths(want, mtp_fresh.missing_depths(ckpt.config.mtp_depth, ckpt.mtp_held))
+    if new and fresh is None:
+        raise ConfigError(
+            "model.mtp_depth",
+            f"{ckpt.config.mtp_depth}, but hf:{ckpt.path} holds {ckpt.mtp_held} MTP layers (no fresh init given)",
+        )
+    if set(want) - set(new) != set(sources):
+        diff = sorted((set(want) - set(new)) ^ set(sources))
         raise CheckpointError(
             f"hf:{ckpt.path}: the model's params do not match the checkpoint layout ({', '.join(diff[:4])})"
         )
+    made = fresh([p for p in new if p not in skip]) if new else {}
     leaves = []
     for path, sds in want.items():
+        if path in new:
+            leaves.append(made.get(path))
+            continue
         names, kind = sources[path]
         stacked = len(names) > 1 or moe_layout.is_stacked(ckpt.config, path)
         leaves.append(
@@ -346,7 +362,7 @@ def load_layer(ckpt: HFCheckpoint, path: str, layer: int, sds) -> jax.Array:
     """Layer `layer` of the stacked leaf at `path`, laid out as `sds` (that layer's shape,
     dtype and sharding): only this layer's slices are read, so a caller that quantises each
     layer as it lands holds one layer on the host at a time."""
-    names, kind = leaf_sources(ckpt.config)[path]
+    names, kind = leaf_sources(ckpt.stored)[path]
     return _placed(functools.partial(ckpt.read, [names[layer]], kind, stacked=False), sds)
 
 

@@ -10,9 +10,8 @@ and `adapter_model.safetensors` with one pair per targeted Linear and layer,
 `...lora_B.weight` (out, r), in torch's (out, in) orientation. The decoder's adapters are
 `lora_a` (in..., r) = A.T and `lora_b` (r, out...) = B.T, reshaped to the weight's
 head dims and stacked over layers when the layers are scanned (a mixture-of-experts
-model's by segment, `fsdp_jax.app.models.stack.segment_layers`: its attention adapters carry
-the same PEFT names, `model.layers.N.self_attn.*`). Adapters are numpy trees here
-(`fsdp_jax.app.models.lora.split`'s nested-dict layout).
+model's by segment, `fsdp_jax.app.models.stack.segment_layers`: its attention adapters carry the
+same PEFT names). Adapters are numpy trees here (`fsdp_jax.app.models.lora.split`'s nested dicts).
 """
 
 from __future__ import annotations
@@ -48,6 +47,7 @@ SITES = {
     "attn": ("attn", "lora"),
     "mlp": ("mlp", "lora"),
     "shared": ("moe", "shared_lora"),
+    "router": ("moe", "router_lora"),
 }
 SHARED_PARAMS = {
     "w_gate": "shared_gate",
@@ -88,10 +88,10 @@ def sites(cfg: DecoderConfig, spec: lora.LoraSpec, sparse: bool) -> list[tuple[s
     attn = lora.attention_weights(cfg)
     out = [(w, "attn") for w in mods if w in attn]
     if sparse and lora.shared_width(cfg):
-        out += [(w, "shared") for w in mods if w not in attn]
+        out += [(w, "shared") for w in mods if w not in attn and w != lora.ROUTER]
     elif not sparse:
         out += [(w, "mlp") for w in mods if w in lora.MLP_WEIGHTS]
-    return out
+    return out + ([(lora.ROUTER, "router")] if sparse and lora.ROUTER in mods else [])
 
 
 def _at(tree: dict, path: tuple, make: bool = False) -> dict:
@@ -167,7 +167,8 @@ def from_peft(tensors, cfg: DecoderConfig, spec: lora.LoraSpec, where: str = "ad
                 node[w] = {"lora_a": got["A"].T.reshape(*ins, r), "lora_b": got["B"].T.reshape(r, *outs)}
             for part in parts if sparse else ():
                 got = pair(
-                    {h: peft_experts.peft_key(i, part, h, parts) for h in "AB"}, peft_experts.shapes(cfg, part, r)
+                    {h: peft_experts.peft_key(i, part, h, parts) for h in "AB"},
+                    peft_experts.shapes(cfg, part, spec.expert(part).rank),
                 )
                 a, b = peft_experts.from_peft(got["A"], got["B"], cfg.n_experts)
                 per_layer[i].setdefault("moe", {}).setdefault("lora", {})[part] = {"lora_a": a, "lora_b": b}
@@ -200,8 +201,10 @@ def check_matches(raw: dict, spec: lora.LoraSpec, where: str, cfg: DecoderConfig
     peft = lora.peft_targets()
     modules = lora.TARGETS if modules == "all-linear" else tuple(peft.get(t, t) for t in modules)
     by_param = parameter_targets(cfg)  # {PEFT's "<module>.weight": our weight}
+    named = [full_parameter_name(p, by_param) for p in raw.get("target_parameters") or []]  # all-linear's "gate.weight"
     try:
-        parts = peft_experts.parts_of([p for p in raw.get("target_parameters") or [] if p not in by_param])
+        parts = peft_experts.parts_of([p for p in named if p not in by_param])
+        gate_up = peft_experts.pattern_rank(raw) if "experts_gate_up" in parts else 0
     except ValueError as e:
         raise CheckpointError(f"{where}: {e}") from None
     # those PEFT reaches only as parameters: a target_modules name of theirs means the experts there
@@ -211,8 +214,8 @@ def check_matches(raw: dict, spec: lora.LoraSpec, where: str, cfg: DecoderConfig
             f"{where}: target_modules {' '.join(as_modules)} (or all-linear) mean the routed experts on {cfg.family} "
             f"in peft 0.21; this model's MLP adapters are target_parameters {' '.join(sorted(by_param))}"
         )
-    params = {by_param[p] for p in raw.get("target_parameters") or [] if p in by_param}
-    known = tuple(t for t in lora.TARGETS if (t in modules and t not in by_param.values()) or t in params)
+    params = {by_param[p] for p in named if p in by_param}
+    known = tuple(t for t in lora.NAMED if (t in modules and t not in by_param.values()) or t in params)
     theirs = lora.adapted(cfg, lora.LoraSpec(spec.rank, spec.alpha, known, experts=parts))
     ours = lora.adapted(cfg, spec)
     checks = (
@@ -221,6 +224,7 @@ def check_matches(raw: dict, spec: lora.LoraSpec, where: str, cfg: DecoderConfig
         ("lora.rslora", spec.rslora, bool(raw.get("use_rslora", False))),
         ("lora.targets", set(ours[0]), set(theirs[0]) | set(modules) - set(known)),
         ("lora.target_parameters", set(ours[1]), set(theirs[1])),
+        ("lora.gate_up_rank", spec.gate_up_rank if "experts_gate_up" in ours[1] else 0, gate_up),
     )
     for key, mine, other in checks:
         if mine != other:
@@ -228,8 +232,14 @@ def check_matches(raw: dict, spec: lora.LoraSpec, where: str, cfg: DecoderConfig
             raise CheckpointError(
                 f"{where}: the adapter has {key.split('.')[1]}={shown or 'none'}, the run's {key} differs"
             )
-    if raw.get("use_dora") or raw.get("lora_bias") or raw.get("rank_pattern") or raw.get("alpha_pattern"):
-        raise CheckpointError(f"{where}: DoRA, LoRA biases and per-module rank/alpha patterns are not supported")
+    if (
+        raw.get("use_dora")
+        or raw.get("lora_bias")
+        or (not gate_up and (raw.get("rank_pattern") or raw.get("alpha_pattern")))
+    ):
+        raise CheckpointError(
+            f"{where}: DoRA, LoRA biases and rank/alpha patterns off the experts' gate_up_proj are not supported"
+        )
 
 
 def parameter_targets(cfg: DecoderConfig) -> dict[str, str]:
@@ -237,6 +247,11 @@ def parameter_targets(cfg: DecoderConfig) -> dict[str, str]:
     of the weights model `cfg`'s family has PEFT reach as parameters (`families.peft_parameters`)."""
     names = families.peft_modules(cfg)
     return {f"{names[p]}.weight": p.split("/")[1] for p in families.peft_parameters(cfg) if p in names}
+
+
+def full_parameter_name(p: str, by_param: dict[str, str]) -> str:
+    """A target_parameters entry as `parameter_targets` names it (PEFT matches by suffix: "gate.weight")."""
+    return next((k for k in by_param if k == p or k.endswith("." + p)), p)
 
 
 def _peft_name(t: str) -> str:
@@ -294,7 +309,7 @@ def adapter_config(spec: lora.LoraSpec, base: str | None, cfg: DecoderConfig) ->
     }
     if params:
         out["target_parameters"] = params
-    return out
+    return {**out, **peft_experts.patterns(spec, parts)}
 
 
 def write_peft(out, adapters: dict, cfg: DecoderConfig, spec: lora.LoraSpec, base: str | None = None) -> dict:
@@ -341,6 +356,8 @@ def adapter_of(path: str, cfg: DecoderConfig, spec: lora.LoraSpec) -> tuple[str,
         return "lora", leaf
     if module != "moe":
         return None
+    if leaf == lora.ROUTER:  # DeepSeek-V3's router (PEFT's mlp.gate.weight)
+        return ("router_lora", leaf) if leaf in mods else None
     if leaf in lora.MLP_WEIGHTS + ("w_gate_up",):  # an expert tensor: its share of the experts' adapter
         part = peft_experts.part_of(leaf)
         return ("lora", part) if part in parts else None
@@ -360,7 +377,9 @@ def merged_leaf(path: str, leaf: np.ndarray, adapters: dict, cfg: DecoderConfig,
     expert = which[1] in lora.EXPERT_ADAPTERS
 
     def one(w, a, b):
-        return peft_experts.merged_weight(name, w, a, b, spec) if expert else merged_weight(w, a, b, spec)
+        return (
+            peft_experts.merged_weight(name, w, a, b, spec.expert(which[1])) if expert else merged_weight(w, a, b, spec)
+        )
 
     return np.stack([one(leaf[i], a[i], b[i]) for i in range(leaf.shape[0])]) if cfg.scan_layers else one(leaf, a, b)
 

@@ -10,6 +10,11 @@ of one module nest: the first transformers registers (gate_up_proj) is wrapped f
 factors sit under `experts.base_layer.` and down_proj's under `experts.`; one alone under
 `experts.` (`tests/golden/make_peft_goldens.py` lists a tiny Mixtral's keys).
 
+peft 0.21 on DeepSeek-V3 (and Qwen3-MoE) rewrites target_modules gate_proj / up_proj / down_proj
+onto these tensors: gate_up_proj then takes rank 2r and alpha 2 alpha through adapter_config.json's
+`rank_pattern` / `alpha_pattern` (key `.*\\.gate_up_proj`), down_proj r: `LoraSpec.gate_up_rank`
+(`pattern_rank` reads it, `patterns` writes it).
+
 The decoder's expert adapters (`fsdp_jax.app.models.lora.ExpertAdapter`) are `lora_a`
 (E, in, r) and `lora_b` (E, r, out) per sparse layer: `experts_gate_up` (out 2F: gate's F columns,
 then up's, as transformers chunks gate_up_proj) and `experts_down`.
@@ -23,6 +28,32 @@ from fsdp_jax.app.models import lora
 
 # the decoder's expert adapter -> the transformers parameter PEFT targets
 PEFT_PARAMETERS = {"experts_gate_up": "mlp.experts.gate_up_proj", "experts_down": "mlp.experts.down_proj"}
+
+
+GATE_UP_PATTERN = r".*\.gate_up_proj"  # the rank_pattern / alpha_pattern key peft 0.21 writes
+
+
+def pattern_rank(raw: dict) -> int:
+    """The experts' gate_up_proj rank an adapter_config's rank_pattern gives (0: none, all at r);
+    ValueError for a pattern on anything else, or an alpha_pattern that does not scale alpha with it."""
+    ranks, alphas = raw.get("rank_pattern") or {}, raw.get("alpha_pattern") or {}
+    other = [k for k in {**ranks, **alphas} if not k.endswith("gate_up_proj")]
+    if other or len(set(ranks.values())) > 1:
+        what = other[0] if other else "gate_up_proj (several ranks)"
+        raise ValueError(f"rank_pattern / alpha_pattern on {what}: only the experts' gate_up_proj takes its own rank")
+    rank = next(iter(ranks.values()), 0)
+    want = float(raw.get("lora_alpha", 0)) * rank / float(raw.get("r") or 1)
+    if any(float(a) != want for a in alphas.values()) or (rank and rank != raw.get("r") and not alphas):
+        raise ValueError(f"alpha_pattern: gate_up_proj at rank {rank} needs alpha {want:g} (lora_alpha x its rank / r)")
+    return 0 if rank == raw.get("r") else int(rank)
+
+
+def patterns(spec: lora.LoraSpec, parts: tuple[str, ...]) -> dict:
+    """adapter_config.json's rank_pattern and alpha_pattern for `spec` with expert adapters `parts`."""
+    g = spec.expert("experts_gate_up")
+    if "experts_gate_up" not in parts or g.rank == spec.rank:
+        return {}
+    return {"rank_pattern": {GATE_UP_PATTERN: g.rank}, "alpha_pattern": {GATE_UP_PATTERN: g.alpha}}
 
 
 def parts_of(parameters) -> tuple[str, ...]:

@@ -38,10 +38,9 @@ from fsdp_jax.app.models.lora import (
     adapter_param_count,
     attach,
     delta,
-    expert_dropout,
-    target_problem,
 )
 from fsdp_jax.app.models.lora_dropout import layer_keys
+from fsdp_jax.app.models.lora_problems import expert_dropout, target_problem
 from fsdp_jax.app.models.moe import MoE, add_stats, moe_active_params, moe_params, zero_stats
 from fsdp_jax.app.models.mtp import make_mtp, mtp_params, shift_left
 from fsdp_jax.app.models.norm import RMSNorm, normal_param

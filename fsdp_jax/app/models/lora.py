@@ -48,6 +48,10 @@ WEIGHTS = ATTENTION + MLP_WEIGHTS  # a dense decoder's projections
 LATENT = ("wq_a", "wq_b", "wkv_a", "wkv_b")  # latent attention's own (`LatentAttention.lora_dims`)
 # every name `targets` takes, in this order (dropout keys index it: new names go last)
 TARGETS = WEIGHTS + (SHARED_GATE,) + LATENT
+# DeepSeek-V3's router (D, E), adapted only when named (`gate`: PEFT's target_parameters mlp.gate.weight,
+# which peft 0.21's all-linear adds there); every name `targets` takes (dropout keys index it)
+ROUTER = "router"
+NAMED = TARGETS + (ROUTER,)
 ADAPTER_LEAVES = ("lora_a", "lora_b")
 
 
@@ -75,10 +79,16 @@ class LoraSpec:
     # QLoRA: frozen targets stored quantised (`fsdp_jax.quant`), dequantised to `quant_dtype` per layer
     base_quant: QuantSpec | None = None
     quant_dtype: str = "float32"
+    gate_up_rank: int = 0  # experts_gate_up's rank (PEFT's rank_pattern; its alpha scaled alike); 0: rank
 
     @property
     def scale(self) -> float:
         return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+
+    def expert(self, name: str) -> LoraSpec:
+        """Expert adapter `name`'s spec: experts_gate_up at `gate_up_rank`, alpha x gate_up_rank / rank."""
+        g = self.gate_up_rank if name == "experts_gate_up" else 0
+        return dataclasses.replace(self, rank=g, alpha=self.alpha * g / self.rank) if g else self
 
 
 def resolve_targets(spec: str) -> tuple[str, ...]:
@@ -90,13 +100,13 @@ def resolve_targets(spec: str) -> tuple[str, ...]:
         return TARGETS
     peft = peft_targets()
     ours = {peft.get(n, n) for n in names}
-    unknown = [n for n in names if peft.get(n, n) not in TARGETS]
+    unknown = [n for n in names if peft.get(n, n) not in NAMED]
     if unknown or not names:
         raise ValueError(
             f"{' '.join(unknown) or repr(spec)} matches no weight; the targets are all-linear, "
-            f"{' '.join(peft)} (or {' '.join(TARGETS)})"
+            f"{' '.join(peft)} (or {' '.join(NAMED)})"
         )
-    return tuple(w for w in TARGETS if w in ours)
+    return tuple(w for w in NAMED if w in ours)
 
 
 # PEFT's target_parameters names of the experts' fused tensors -> the expert adapters
@@ -134,7 +144,14 @@ def spec_from_config(section) -> LoraSpec | None:
         else QuantSpec(section.base_quant, section.quant_block, section.double_quant)
     )
     return LoraSpec(
-        section.rank, section.alpha, targets, section.rslora, section.dropout, experts=experts, base_quant=quant
+        section.rank,
+        section.alpha,
+        targets,
+        section.rslora,
+        section.dropout,
+        experts=experts,
+        base_quant=quant,
+        gate_up_rank=section.gate_up_rank,
     )
 
 
@@ -163,6 +180,7 @@ def weight_dims(cfg, name: str, shared: bool = False):
         "w_up": ((d,), (EMBED,), (f,), (MLP,)),
         "w_down": ((f,), (MLP,), (d,), (EMBED,)),
         "w_shared_gate": ((d,), (EMBED,), (1,), (None,)),
+        ROUTER: ((d,), (EMBED,), (cfg.n_experts,), (None,)),
     }[name]
 
 
@@ -204,45 +222,10 @@ def adapted(cfg, spec: LoraSpec) -> tuple[tuple[str, ...], tuple[str, ...]]:
     attn = attention_weights(cfg)
     mods = [t for t in spec.targets if t in attn or (t in MLP_WEIGHTS and linear_mlps(cfg))]
     mods += [SHARED_GATE] if SHARED_GATE in spec.targets and cfg.shared_expert_ffn_dim else []
+    mods += [ROUTER] if ROUTER in spec.targets and f"router/{ROUTER}" in registry.peft_parameters(cfg) else []
     own = own_experts(cfg) if cfg.n_experts else True
     experts = (spec.experts or ()) if own == "named" else () if own else spec_experts(spec)
-    return tuple(t for t in TARGETS if t in mods), experts
-
-
-def target_problem(cfg, spec: LoraSpec) -> tuple[str, str] | None:
-    """None, or (config key, the one line refusing `spec` on model `cfg`): a target naming
-    nothing on it (the line lists the names that do), the experts' gate and up projections asked
-    apart (one fused tensor per expert), expert tensors on a model without experts or on a family's own."""
-    if spec.experts is not None and spec.experts and not cfg.n_experts:
-        return "lora.target_parameters", "the model has no routed experts (n_experts 0): use auto or none"
-    if spec.experts and own_experts(cfg) is True:
-        return "lora.target_parameters", f"{cfg.family}'s experts take no adapters: use auto or none"
-    auto = cfg.n_experts and spec.experts is None and not own_experts(cfg)
-    if auto and ("w_gate" in spec.targets) != ("w_up" in spec.targets):
-        return "lora.targets", (
-            "gate_proj and up_proj are one fused tensor per expert (transformers' experts.gate_up_proj, "
-            "one PEFT adapter): target both or neither, or set lora.target_parameters"
-        )
-    mods, _ = adapted(cfg, spec)
-    names = {v: k for k, v in peft_targets().items()}
-    exist = list(attention_weights(cfg)) + [t for t in MLP_WEIGHTS if linear_mlps(cfg) or auto]
-    exist += [SHARED_GATE] if cfg.shared_expert_ffn_dim else []
-    absent = [t for t in spec.targets if t not in exist and spec.targets != TARGETS]  # all-linear: what there is
-    if absent:
-        shown = " ".join(names[t] for t in exist)
-        return "lora.targets", f"{' '.join(names[t] for t in absent)} names nothing on this model; it has {shown}"
-    return None
-
-
-def expert_dropout(cfg, spec: "LoraSpec") -> str | None:
-    """None, or the line refusing dropout with adapters on experts or on weights PEFT reaches as
-    target_parameters (PEFT's ParamWrapper has no dropout)."""
-    mods, experts = adapted(cfg, spec)
-    by_param = {p.split("/")[1] for p in registry.peft_parameters(cfg)} & set(mods)
-    if spec.dropout and (cfg.n_experts and experts or by_param):
-        what = f"{cfg.family}'s MLPs" if by_param else "experts"
-        return f"adapters on {what} take no dropout (PEFT's target_parameters refuse lora_dropout): set lora.dropout=0"
-    return None
+    return tuple(t for t in NAMED if t in mods), experts
 
 
 def expert_adapter_dims(cfg, name: str) -> tuple[int, str, int, str]:
@@ -256,8 +239,8 @@ def expert_adapters(targets: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(n for n, ws in EXPERT_ADAPTERS.items() if all(w in targets for w in ws))
 
 
-def _matrices(cfg, spec: LoraSpec) -> list[tuple[int, int, int, int]]:
-    """(flat in width, flat out width, how many, how many a token uses) of each kind of
+def _matrices(cfg, spec: LoraSpec) -> list[tuple[int, int, int, int, int]]:
+    """(flat in width, flat out width, how many, how many a token uses, rank) of each kind of
     adapted matrix: per layer (attention), per dense layer, per shared expert, per expert
     of a sparse layer (a token uses k of those)."""
     mods, experts = adapted(cfg, spec)
@@ -268,18 +251,21 @@ def _matrices(cfg, spec: LoraSpec) -> list[tuple[int, int, int, int]]:
         return math.prod(i), math.prod(o)
 
     attn = attention_weights(cfg)
-    out = [(*flat(t), cfg.n_layers, cfg.n_layers) for t in mods if t in attn]
-    out += [(*flat(t), cfg.n_layers - n_sparse, cfg.n_layers - n_sparse) for t in mods if t in MLP_WEIGHTS]
+    r = spec.rank
+    out = [(*flat(t), cfg.n_layers, cfg.n_layers, r) for t in mods if t in attn]
+    out += [(*flat(t), cfg.n_layers - n_sparse, cfg.n_layers - n_sparse, r) for t in mods if t in MLP_WEIGHTS]
     if shared_width(cfg):
-        out += [(*flat(t, True), n_sparse, n_sparse) for t in mods if t not in attn]
-    for i, _, o, _ in (expert_adapter_dims(cfg, n) for n in experts):
-        out.append((i, o, n_sparse * cfg.n_experts, n_sparse * cfg.experts_per_token))
+        out += [(*flat(t, True), n_sparse, n_sparse, r) for t in mods if t not in attn and t != ROUTER]
+    out += [(*flat(ROUTER), n_sparse, n_sparse, r)] if ROUTER in mods else []
+    for n in experts:
+        i, _, o, _ = expert_adapter_dims(cfg, n)
+        out.append((i, o, n_sparse * cfg.n_experts, n_sparse * cfg.experts_per_token, spec.expert(n).rank))
     return [m for m in out if m[2]]
 
 
 def max_rank(cfg, targets: tuple[str, ...], experts: tuple[str, ...] | None = None) -> int:
     """The largest rank every target allows: its smallest flat width (not the (D, 1) gate's)."""
-    sizes = [min(i, o) for i, o, _, _ in _matrices(cfg, LoraSpec(1, 1.0, targets, experts=experts)) if o > 1]
+    sizes = [min(i, o) for i, o, _, _, _ in _matrices(cfg, LoraSpec(1, 1.0, targets, experts=experts)) if o > 1]
     return min(sizes) if sizes else cfg.d_model
 
 
@@ -287,7 +273,7 @@ def adapter_param_count(cfg, spec: LoraSpec, active: bool = False) -> int:
     """Adapter params of the decoder: r x (in + out) per adapted matrix (per layer; on a
     mixture of experts E per expert adapter of each sparse layer, `active`: the k a token
     uses; one for its shared expert's and its dense layers' projections)."""
-    return sum(spec.rank * (i + o) * (k if active else n) for i, o, n, k in _matrices(cfg, spec))
+    return sum(r * (i + o) * (k if active else n) for i, o, n, k, r in _matrices(cfg, spec))
 
 
 def _a_init(fan_in: int):
@@ -344,20 +330,22 @@ def attach(block, cfg, spec: LoraSpec, rngs: nnx.Rngs) -> None:
         if chosen:
             adapters = nnx.Dict({n: Adapter(*weight_dims(cfg, n, shared), spec, rngs) for n in chosen})  # type: ignore[misc]
             setattr(module, "shared_lora" if shared else "lora", adapters)
+    if moe is not None and ROUTER in mods:  # DeepSeek-V3's router: added to its logits (`GroupedMoE`)
+        moe.router_lora = nnx.Dict({ROUTER: Adapter(*weight_dims(cfg, ROUTER), spec, rngs)})  # type: ignore[misc]
     if moe is not None and experts:
         moe.lora = nnx.Dict(
-            {n: ExpertAdapter(cfg.n_experts, *expert_adapter_dims(cfg, n), spec, rngs) for n in experts}  # type: ignore[misc]
+            {n: ExpertAdapter(cfg.n_experts, *expert_adapter_dims(cfg, n), spec.expert(n), rngs) for n in experts}  # type: ignore[misc]
         )
 
 
 def delta(module, name: str, x2, key=None, where: str = "lora"):
     """The adapter's term for weight `name` of `module` on rows `x2`, or None without one;
-    `key`: the layer's dropout key (the weight's is `fold_in(key, TARGETS.index(name))`);
+    `key`: the layer's dropout key (the weight's is `fold_in(key, NAMED.index(name))`);
     `where`: the module's adapters attribute (a shared expert's: "shared_lora")."""
     adapters = getattr(module, where, None)
     if adapters is None or name not in adapters:
         return None
-    return adapters[name](x2, None if key is None else jax.random.fold_in(key, TARGETS.index(name)))
+    return adapters[name](x2, None if key is None else jax.random.fold_in(key, NAMED.index(name)))
 
 
 def is_adapter(path) -> bool:

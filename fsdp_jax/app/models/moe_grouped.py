@@ -15,7 +15,8 @@ The decoder's `MoE` (its experts, dispatch, capacity, expert parallelism, statis
   moe_intermediate_size) on every token, added unscaled.
 LoRA: the shared experts' adapters (`shared_lora`, PEFT's mlp.shared_experts.{gate,up,down}_proj) are
 added to their projections, as on Qwen2-MoE's shared expert; the routed experts take adapters only as
-`lora.target_parameters` names them (PEFT's mlp.experts.gate_up_proj / down_proj), as Mixtral's.
+`lora.target_parameters` names them (PEFT's mlp.experts.gate_up_proj / down_proj), as Mixtral's; the
+router's (`router_lora`, lora.targets `gate`: PEFT's mlp.gate.weight) is added to its logits.
 The router statistics' probabilities are the sigmoid scores normalised per token (so the
 load-balancing metric reads as for a softmax router: k when balanced). New params and their logical
 dims: `score_bias` (E,) `expert`; `shared_gate`, `shared_up` (embed, mlp), `shared_down`
@@ -28,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from fsdp_jax.app.models.lora import ROUTER, delta
 from fsdp_jax.app.models.moe import MoE
 from fsdp_jax.app.models.moe_dispatch import gated, per_token_shard
 from fsdp_jax.app.models.norm import normal_param
@@ -63,6 +65,11 @@ class GroupedMoE(MoE):
         self.shared_up = normal_param(rngs, (d, fs), (EMBED, MLP))
         self.shared_down = normal_param(rngs, (fs, d), (MLP, EMBED))
         self.groups = (cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor)
+
+    def router_logits(self, x2):
+        logits = super().router_logits(x2)  # (N, E) f32, plus the router's adapter term (PEFT's mlp.gate.weight)
+        term = delta(self, ROUTER, x2, where="router_lora")
+        return logits if term is None else logits + term.astype(jnp.float32)
 
     def route_tokens(self, logits):
         scores = jax.nn.sigmoid(logits)  # (N, E) float32

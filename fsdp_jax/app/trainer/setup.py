@@ -33,7 +33,7 @@ from fsdp_jax.app.config.schema import Config
 from fsdp_jax.app.data.corpus import ensure_stdlib
 from fsdp_jax.app.data.token_check import check_corpus_vocab
 from fsdp_jax.app.data.windows import load_meta
-from fsdp_jax.app.hf.load import is_hf, load_params, model_section_from_hf, open_init
+from fsdp_jax.app.hf.load import is_hf, model_section_from_hf
 from fsdp_jax.app.host_memory import check_host_memory, stated_host_memory
 from fsdp_jax.app.objectives.grpo_run import check_grpo, is_grpo
 from fsdp_jax.app.objectives.preference_run import (
@@ -56,9 +56,10 @@ from fsdp_jax.app.trainer.build import (
     objective_loss,
     trainer_model,
 )
+from fsdp_jax.app.trainer.init_from import base_loader, open_hf_init
 from fsdp_jax.app.trainer.optim import build_optimizer
 from fsdp_jax.app.trainer.run_dir import check_dir_path
-from fsdp_jax.checkpoint import Checkpointer, Restored, latest_step, load_init_params, open_safetensors
+from fsdp_jax.checkpoint import Checkpointer, Restored, latest_step, open_safetensors
 from fsdp_jax.errors import CheckpointError, ConfigError, one_line
 from fsdp_jax.model.fns import ModelFns
 from fsdp_jax.sharding import offload, remat
@@ -209,7 +210,7 @@ def _validate(p: _Draft) -> None:
         check_offload(p.cfg)
     resuming = p.resume and latest_step(Path(p.cfg.run_dir) / "checkpoints") is not None
     if is_hf(p.cfg.init_from) and (not resuming or lora_spec(p.cfg) is not None):  # LoRA: the base again
-        p.hf_ckpt = open_init(p.cfg.init_from, p.cfg.model)
+        p.hf_ckpt = open_hf_init(p.cfg)
 
 
 def _data(p: _Draft) -> None:
@@ -271,7 +272,9 @@ def _state(p: _Draft) -> None:
                 f"checkpoint {ckpt.step_dir(restored.step)}: invalid extras (step / rng: {one_line(e, 160)})"
             ) from None
         if lora:  # adapters and their optimizer state only: the base is loaded again and checked
-            begun = lora_state.start(cfg, built, p.rng, _base_loader(p, built), adapters=state.params)
+            begun = lora_state.start(
+                cfg, built, p.rng, base_loader(p.cfg, p.hf_ckpt, p.model.init, p.rng), adapters=state.params
+            )
             lora_state.check_fingerprint(
                 restored.extras.get("lora_base"), begun.base, f"checkpoint {ckpt.step_dir(restored.step)}"
             )
@@ -281,7 +284,7 @@ def _state(p: _Draft) -> None:
                 print(f"warning: {w}", flush=True)
             print(f"resuming from checkpoint step {restored.step} ({ckpt.step_dir(restored.step)})", flush=True)
     elif lora:  # the frozen base (init_from or a fresh init) and the adapters (PEFT's or peft:DIR)
-        begun = lora_state.start(cfg, built, rng, _base_loader(p, built))
+        begun = lora_state.start(cfg, built, rng, base_loader(p.cfg, p.hf_ckpt, p.model.init, p.rng))
         state, lora_base = built.state_from_params(begun.params), begun.base
         if is_main and (cfg.init_from or cfg.lora.init_from):
             print(
@@ -289,7 +292,7 @@ def _state(p: _Draft) -> None:
                 flush=True,
             )
     elif cfg.init_from:  # a Hugging Face checkpoint (read shard by shard), a file or a run
-        params = _base_loader(p, built)(built.abstract_state.params)
+        params = base_loader(p.cfg, p.hf_ckpt, p.model.init, p.rng)(built.abstract_state.params)
         # a reference kept in model state starts as these weights too (in the compute dtype: `with_reference`)
         ref = reference_copy(params, compute_dtype(cfg)) if built.plan.model_state is not None else None
         state = built.state_from_params(params) if ref is None else built.place(params, ref)
@@ -321,16 +324,6 @@ def _state(p: _Draft) -> None:
         lora_base=lora_base if lora else None,
         nvme=nvme,
     )
-
-
-def _base_loader(p: _Draft, built) -> Callable | None:
-    """`load(abstract params) -> params` from `init_from` (None without one)."""
-    cfg = p.cfg
-    if not cfg.init_from:
-        return None
-    if is_hf(cfg.init_from):
-        return lambda abstract: load_params(p.hf_ckpt or open_init(cfg.init_from, cfg.model), abstract)
-    return lambda abstract: load_init_params(cfg.init_from, abstract)
 
 
 SETUP_STAGES: tuple[tuple[str, Callable[[_Draft], None]], ...] = (

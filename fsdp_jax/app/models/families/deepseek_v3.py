@@ -157,6 +157,7 @@ PEFT_NAMES = {
     "attn/wkv_a": "self_attn.kv_a_proj_with_mqa",
     "attn/wkv_b": "self_attn.kv_b_proj",
     "attn/wo": "self_attn.o_proj",
+    "router/router": "mlp.gate",  # the router (E, D): peft 0.21's all-linear adapts it as target_parameters
 }
 MLP = ("w_gate", "w_up", "w_down")
 # the shared experts' (sparse layers); the dense layers' MLPs are the generic mlp.{gate,up,down}_proj
@@ -167,7 +168,7 @@ SHARED_PEFT_NAMES = {
 # to the fused routed experts (DeepseekV3 takes Qwen2-MoE's v4 -> v5 conversion), so the dense MLPs and
 # shared experts are reached only as target_parameters `mlp.gate_proj.weight`,
 # `mlp.shared_experts.gate_proj.weight`, ... (a ParamWrapper per nn.Linear weight: the same tensor names)
-PEFT_PARAMETERS = tuple(f"{site}/{w}" for site in ("mlp", "shared") for w in MLP)
+PEFT_PARAMETERS = tuple(f"{site}/{w}" for site in ("mlp", "shared") for w in MLP) + ("router/router",)
 
 FAMILY = Family(
     "deepseek_v3",
