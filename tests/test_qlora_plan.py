@@ -214,6 +214,12 @@ def test_search_plans_the_quantised_base_and_its_winner_keeps_it():
     )
     assert docs["nf4"]["lora"]["base_quant_label"] == "nf4/64/dq" and "base_quant" not in docs["bf16"]["lora"]
     assert "quantised (nf4/64/dq)" in format_search(docs["nf4"])
+    # the winner has its row even when it ranks below the rows shown (a compiled fit on an L4
+    # ranked below ten analytic offload plans and was missing from the table)
+    w = docs["nf4"]["winner"]
+    table = format_search(docs["nf4"], rows=0).splitlines()
+    rows = [ln for ln in table if ln.endswith(" ".join(w["overrides"])) and not ln.startswith("winner")]
+    assert len(rows) == 1 and rows[0].split()[0] == str(w["rank"]) and " fits " in rows[0], rows
     lora = yaml.safe_load(winner_yaml(docs["nf4"]))["lora"]
     assert (lora["base_quant"], lora["quant_block"], lora["double_quant"]) == ("nf4", 64, True)
 
