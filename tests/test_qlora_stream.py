@@ -24,16 +24,25 @@ HF = ROOT / "tests" / "golden" / "hf" / "llama3"
 RUN = [o for o in TINY_RUN_OVERRIDES if not o.startswith("model.")] + [f"init_from=hf:{HF}", "lora.rank=4"]
 
 
+NF4_DQ = ["lora.base_quant=nf4", "lora.quant_block=8", "lora.double_quant=true"]
+
+
 @pytest.mark.parametrize(
-    "quant", [["lora.base_quant=nf4", "lora.quant_block=8", "lora.double_quant=true"], ["lora.base_quant=int8"]]
+    "quant, scan",
+    [(NF4_DQ, True), (["lora.base_quant=int8"], True), (NF4_DQ, False)],
+    ids=["nf4-dq", "int8", "nf4-dq-unscanned"],
 )
-def test_streamed_load_equals_the_whole_load(quant):
-    cfg = load_run_config(ROOT / "configs" / "hf_tiny_finetune.yaml", RUN + quant)
+def test_streamed_load_equals_the_whole_load(quant, scan):
+    """Scanned: each stacked weight layer by layer; unscanned (`model.scan_layers=false`): each
+    layer's weight read alone, quantised and dropped before the next."""
+    cfg = load_run_config(ROOT / "configs" / "hf_tiny_finetune.yaml", RUN + quant + [f"model.scan_layers={scan}"])
     spec = lora_spec(cfg).base_quant
     abstract = lora_lib.split(build_step(cfg, "full_shard").state.params)[0]
     ckpt = open_init(cfg.init_from, cfg.model)
-    whole = load_quantised(lambda a: load_params(ckpt, a), abstract, spec, 1)
-    streamed = load_quantised(lambda a: load_params(ckpt, a), abstract, spec, 1, ckpt)
+    depth = 1 if scan else 0
+    whole = load_quantised(lambda a: load_params(ckpt, a), abstract, spec, depth)
+    whole_load = lambda a: pytest.fail("the float base was loaded whole")  # noqa: E731
+    streamed = load_quantised(whole_load, abstract, spec, depth, ckpt)
     want, got = tree_paths(whole), tree_paths(streamed)
     assert want.keys() == got.keys() and any(p.endswith("w_down/codes") for p in got)
     for p, x in want.items():

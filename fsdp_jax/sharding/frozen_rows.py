@@ -65,6 +65,6 @@ def frozen_rows(module: nnx.Module, weights) -> nnx.Module:
         for attr in weights:
             p = getattr(mod, attr, None)
             names = param_names(p) if isinstance(p, nnx.Param) else None
-            if names and math.prod(p.value.shape[stack_depth(names) :]) >= MIN_ELEMENTS:
+            if names and math.prod(p.get_value().shape[stack_depth(names) :]) >= MIN_ELEMENTS:
                 p.set_metadata(out_sharding=frozen_rows_names(names, names, stack_depth(names)))
     return module

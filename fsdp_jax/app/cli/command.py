@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable
 
 from fsdp_jax.app.exits import BAD_INPUT, ENVIRONMENT, fail, fail_env, fail_internal
+from fsdp_jax.app.held_warnings import held
 from fsdp_jax.errors import UsageError, one_line
 
 Classes = tuple[type[BaseException], ...]
@@ -26,7 +27,9 @@ def run_command(
     `--help`: exit 0), then return `body(args)`, mapping what it raises to exit codes:
     `UsageError` -> its line, 2 (as the parser's own errors); `BAD_INPUT` (and the
     command's own bad-input classes) -> one line, 2; `ENVIRONMENT` (and the command's
-    own) -> one line, 1; anything else -> `fail_internal`, one line, 1.
+    own) -> one line, 1; anything else -> `fail_internal`, one line, 1. Python warnings
+    the body raises are held (`fsdp_jax.app.held_warnings`): printed once it has started or
+    returned, dropped when it fails, so the error line is the only line on stderr.
 
     `errors`: a function returning the command's extra (bad input, environment) exception
     classes, called only when `body` raises, so a command imports them lazily."""
@@ -35,7 +38,8 @@ def run_command(
     except SystemExit as e:  # the parser printed its one line (or the help)
         return 2 if e.code else 0
     try:
-        return body(args)
+        with held():  # warnings wait until the command has started: a refusal is the only line
+            return body(args)
     except UsageError as e:  # flags that do not go together: one line, as the parser's
         print(f"error: {one_line(e, None)}", file=sys.stderr, flush=True)
         return 2

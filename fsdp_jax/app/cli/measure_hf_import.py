@@ -17,6 +17,8 @@ With `--base-quant nf4|int8` it measures a QLoRA base instead (r16 all-linear, N
 double quantisation, block 64): quantised as it loads, streamed layer by layer
 (`fsdp_jax.app.trainer.qlora_load`) against loading the float32 base whole first and then
 quantising it; the figure to read is the peak increase over the quantised params' bytes.
+`--unscanned` builds the model with `model.scan_layers=false` (one leaf per layer's weight,
+streamed weight by weight).
 """
 
 from __future__ import annotations
@@ -133,11 +135,11 @@ def write_checkpoint(d: Path, args) -> int:
     return total
 
 
-def measure(path: str, mode: str, quant: str = "none") -> dict:
+def measure(path: str, mode: str, quant: str = "none", scan: bool = True) -> dict:
 
     jax.config.update("jax_num_cpu_devices", 8)
 
-    ckpt = HFCheckpoint(path)
+    ckpt = HFCheckpoint(path, base=DecoderConfig(scan_layers=scan))
     naive = mode == "naive"
     spec = None if quant == "none" else LoraSpec(16, 32.0, base_quant=QuantSpec(quant, 64, quant == "nf4"))
     m = trainer_model(ckpt.config, "none", spec)
@@ -152,7 +154,7 @@ def measure(path: str, mode: str, quant: str = "none") -> dict:
     with Peak() as p:
         if spec is not None:
             stream = ckpt if mode == "streamed" else None
-            params = load_quantised(lambda a: load_params(ckpt, a), abstract, spec.base_quant, 1, stream)
+            params = load_quantised(lambda a: load_params(ckpt, a), abstract, spec.base_quant, int(scan), stream)
         elif naive:  # the whole model as host arrays first, then placed
             want = tree_paths(abstract)
             full = [
@@ -178,6 +180,7 @@ def measure(path: str, mode: str, quant: str = "none") -> dict:
     return {
         "naive": naive,
         "mode": mode,
+        "scan_layers": scan,
         "stored_bytes": ckpt.nbytes(),
         "params_bytes_f32": params_bytes,
         "loaded_bytes": loaded_bytes,
@@ -194,6 +197,7 @@ def build_parser(prog: str | None = None) -> Parser:
     ap.add_argument("--layers", type=int_in(1, 1024), default=4)
     ap.add_argument("--vocab", type=int_in(2, 1 << 20), default=2560)
     ap.add_argument("--base-quant", choices=("none", "nf4", "int8"), default="none")
+    ap.add_argument("--unscanned", action="store_true", help="model.scan_layers=false: one leaf per layer")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     return ap
@@ -201,7 +205,7 @@ def build_parser(prog: str | None = None) -> Parser:
 
 def run(args) -> int:
     if args.child:
-        print(json.dumps(measure(args.child[0], args.child[1], args.base_quant)))
+        print(json.dumps(measure(args.child[0], args.child[1], args.base_quant, not args.unscanned)))
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         write_checkpoint(Path(tmp), args)
@@ -209,7 +213,8 @@ def run(args) -> int:
         for mode in ("sharded", "naive") if args.base_quant == "none" else ("streamed", "whole"):
             r = subprocess.run(
                 [sys.executable, "-m", "fsdp_jax.app.cli", "measure-hf-import", "--child", tmp, mode]
-                + ["--base-quant", args.base_quant],
+                + ["--base-quant", args.base_quant]
+                + (["--unscanned"] if args.unscanned else []),
                 capture_output=True,
                 text=True,
                 env=dict(os.environ, JAX_PLATFORMS="cpu"),

@@ -41,7 +41,8 @@ Small f32 norm statistics, RoPE tables and masks are ignored. Gathered params
 (transient full-size copies in the compute dtype): full_shard / hybrid_shard keep
 two layers in flight (the one computing, the next one prefetched) plus the largest
 unstacked param (embedding or head) plus one layer's unreduced grads in the reduce
-dtype; shard_grad_op keeps the whole model (gathered layer by layer in the forward
+dtype (LoRA: the larger of the layers' terms and the frozen embedding / head, which is
+gathered only outside the layer loop and shares its buffer with them); shard_grad_op keeps the whole model (gathered layer by layer in the forward
 pass, `fsdp_jax.train.layer_gather`) plus one layer's unreduced grads and the copy of one
 layer that the backward loop slices out of the kept stack; a quantised base (QLoRA) is
 gathered as its integer codes and scales, and each strategy adds one layer's weights
@@ -177,7 +178,12 @@ def analytic_memory(build: StepBuild) -> dict[str, int]:
     if s.params and not s.gather_once:  # full_shard, hybrid_shard: per layer
         if policy.matmul == "fp8" and cfg.fp8.gather:  # the layer's weights gathered in f8 (docs/fp8.md)
             cc["layer"] = compute_copy_bytes(st.params, plan, build.model.logical_axes, E4M3)["layer"]
-        gathered = 2 * cc["layer"] + cc["largest_unstacked"] + layer_r + cc["dequantised_layer"]
+        layer_phase = 2 * cc["layer"] + layer_r + cc["dequantised_layer"]
+        gathered = layer_phase + cc["largest_unstacked"]
+        if not all(keep):  # LoRA: a frozen embedding / head is gathered only outside the layer
+            # loop (lookup; head forward and input gradient), never for a weight gradient: XLA
+            # gives its buffer to the layers' gathers (docs/qlora.md, "The search and the head")
+            gathered = max(layer_phase, cc["largest_unstacked"])
     elif s.params:  # shard_grad_op: the whole model gathered (kept for the backward), the
         # layer the backward loop slices out of that stack (XLA copies it: a
         # dynamic-slice per layer), and one layer's unreduced grads (each layer's are

@@ -149,7 +149,8 @@ def format_search(doc: dict[str, Any], rows: int = 10) -> str:
     lines += [hdr, "-" * len(hdr)]
     fits = [x for x in doc["candidates"] if x["status"] == "fits"][:rows]
     edge = [x for x in doc["candidates"] if x["status"] == "edge"][:3]  # maybe: not compiled
-    shown = sorted(fits + edge, key=lambda x: x["rank"])
+    won = [doc["winner"]] if doc.get("winner") is not None and doc["winner"] not in fits else []
+    shown = sorted(fits + edge + won, key=lambda x: x["rank"])  # the winner always (a verified fit can rank low)
     for x in shown:
         p, peak = x["predicted"], x["device_peak"]
         lines.append(

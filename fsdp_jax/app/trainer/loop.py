@@ -27,6 +27,7 @@ from typing import Any, Callable
 import jax
 from tqdm import tqdm
 
+from fsdp_jax.app import held_warnings
 from fsdp_jax.app.config.parse import save_config
 from fsdp_jax.app.config.schema import Config
 from fsdp_jax.app.data.batches import check_segments, check_tokens, global_batch, make_batches
@@ -69,6 +70,7 @@ def train(
         with RunDirLock(cfg.run_dir):  # one writer per run_dir
             run = setup(cfg, init_params, validated=True)
             run.setup_s = time.perf_counter() - t_setup
+            held_warnings.release()  # set up: the run's warnings print from here (app/held_warnings.py)
             try:
                 return _loop(run, progress, stop_after, signals, faults, hooks)
             finally:

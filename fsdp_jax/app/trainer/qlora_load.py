@@ -1,14 +1,17 @@
 """A QLoRA run's frozen base from a float checkpoint (`init_from`, e.g. hf:DIR), quantised on
 the devices as it lands.
 
-From a Hugging Face checkpoint with scanned layers (`load_quantised(..., ckpt=...)`) each
-stacked weight is streamed layer by layer: one layer's float slices are read and placed
+From a Hugging Face checkpoint (`load_quantised(..., ckpt=...)`) each quantised weight is
+streamed: unscanned layers (`model.scan_layers=false`) weight by weight, each read, placed,
+quantised and dropped before the next is read; with scanned layers each stacked weight layer
+by layer: one layer's float slices are read and placed
 (`fsdp_jax.app.hf.load.load_layer`), quantised by one jitted
 `fsdp_jax.quant.weight.quantize` into that layer's leaves and written into the stacked leaves
 in place (donated), so the host holds one layer's block at a time and the devices one float
 layer besides the codes. The other leaves (embeddings, norms, head; weights not quantised)
-load as usual. Without a checkpoint to stream from (another `load`, unscanned layers) the
-float base is loaded whole at its sharding (1/N per device) and quantised weight by weight.
+load as usual. Without a checkpoint to stream from (another `load`: a run's own
+checkpoint) the float base is loaded whole at its sharding (1/N per device) and quantised
+weight by weight.
 """
 
 from __future__ import annotations
@@ -50,9 +53,10 @@ def load_quantised(load: Callable[[Any], Any], abstract_q, spec: QuantSpec, dept
     the stack dims of the stacked layers (1 when scanned). `ckpt` (an
     `fsdp_jax.app.hf.load.HFCheckpoint`): stream its stacked weights layer by layer instead."""
     plain_tree = plain_abstract(abstract_q, spec)
-    targets = {p: t for p, t in _quantised_paths(abstract_q).items() if ckpt is not None and depth == 1}
+    targets = {p: t for p, t in _quantised_paths(abstract_q).items() if ckpt is not None and depth in (0, 1)}
     plain = load(plain_tree) if not targets else load_params(ckpt, plain_tree, frozenset(targets))
-    streamed = {p: _stream(ckpt, p, t, spec) for p, t in targets.items()}
+    stream = _stream if depth == 1 else _one
+    streamed = {p: stream(ckpt, p, t, spec) for p, t in targets.items()}
 
     def walk(node, target, name, path):
         if _is_quantised(target):
@@ -82,6 +86,17 @@ def _quantised_paths(abstract_q) -> dict[str, dict]:
                 walk(v, f"{path}/{k}" if path else k)
 
     walk(abstract_q, "")
+    return out
+
+
+def _one(ckpt, path: str, target: dict, spec: QuantSpec) -> dict:
+    """The quantised leaves of weight `path` of one unscanned layer (`target`: their abstract
+    values): its float tensor read and placed as its codes are sharded, quantised, dropped."""
+    name = path.rsplit("/", 1)[-1]
+    shardings = {k: v.sharding for k, v in target.items()}
+    w = load_layer(ckpt, path, 0, plain_abstract({"w": target}, spec)["w"])  # its one checkpoint tensor
+    out = jax.jit(lambda w: quantize(jnp, w, spec, 0, CONTRACTED[name]), out_shardings=shardings)(w)
+    w.delete()  # the float weight goes before the next is read
     return out
 
 
