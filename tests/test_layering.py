@@ -56,6 +56,7 @@ LEVELS = {
     "fsdp_jax.app.devices": 1,
     "fsdp_jax.app.extras": 1,
     "fsdp_jax.app.host_memory": 1,
+    "fsdp_jax.app.held_warnings": 1,
 }
 
 
