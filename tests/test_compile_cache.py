@@ -104,3 +104,38 @@ def test_flags_that_name_a_file_are_not_the_program_and_a_dump_always_compiles(m
     with pytest.raises(RuntimeError, match="compiled"):
         compile_cache.compile_lowered(Lowered(), [gpu], {"xla_dump_to": str(tmp_path)})
     assert compiles == [{"compiler_options": {"xla_dump_to": str(tmp_path)}}]
+
+
+def _partitioned():
+    """A fresh `custom_partitioning` of the same function: a new Python partitioner object, as
+    each process has its own (cuDNN attention's and the ring's calls are such)."""
+    import jax
+    from jax.experimental.custom_partitioning import custom_partitioning
+
+    @custom_partitioning
+    def double(x):
+        return 2 * x
+
+    def partition(mesh, arg_shapes, result_shape):
+        return mesh, lambda x: 2 * x, result_shape.sharding, (arg_shapes[0].sharding,)
+
+    double.def_partition(
+        partition=partition,
+        infer_sharding_from_operands=lambda mesh, arg_shapes, result_shape: arg_shapes[0].sharding,
+        sharding_rule="i j -> i j",
+    )
+    mesh = jax.sharding.Mesh(jax.devices()[:8], ("x",))
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+    return jax.jit(double, in_shardings=rows, out_shardings=rows).lower(jax.ShapeDtypeStruct((8, 4), "float32"))
+
+
+def test_a_custom_partitioning_call_keys_alike_whatever_its_partitioner_objects_address():
+    """The lowered text names the Python partitioner by its address in this process; two
+    lowerings of the same program with different partitioner objects have one key (the
+    seeds of every cuDNN program missed in every other process before)."""
+    import jax
+
+    a, b = _partitioned(), _partitioned()
+    assert "@CustomSPMDPartitioning" in a.as_text() and a.as_text() != b.as_text()
+    devices = jax.devices()[:8]
+    assert compile_cache.program_key(a, devices) == compile_cache.program_key(b, devices)

@@ -13,7 +13,10 @@ The key is the lowered program's text (StableHLO without source locations), the 
 options, the XLA / libtpu flags in the environment (less those naming a file or folder to
 write), the jax and jaxlib versions, the target backend's platform version, and every device's
 id, kind and coordinates: a change to the model, the sharding, the flags, the toolchain or the
-topology is a different program and compiles afresh. A program the compiler refused for memory
+topology is a different program and compiles afresh. A `jax.experimental.custom_partitioning`
+call (cuDNN attention's, the ring's) names its Python partitioner by the object's address in
+this process (`@CustomSPMDPartitioning` ... `backend_config = "140320513637968"`): the key
+reads it as the call's position instead, or no such program would ever be found again. A program the compiler refused for memory
 (RESOURCE_EXHAUSTED) is kept too: the kept refusal raises `CompileRefused` with the compiler's
 message. Nothing is cached for programs that could run here (CPU devices): those are executed,
 and compile in seconds. A compile asked to dump (`xla_dump_to`) always compiles.
@@ -146,8 +149,17 @@ def program_key(lowered, devices: Iterable, compiler_options: dict[str, Any] | N
     for part in parts:
         h.update(part.encode())
         h.update(b"\0")
-    h.update(lowered.as_text().encode())
+    h.update(keyed_text(lowered.as_text()).encode())
     return h.hexdigest()[:40]
+
+
+_PARTITIONER_ID = re.compile(r'(@CustomSPMDPartitioning\(.*?backend_config = )"\d+"')
+
+
+def keyed_text(text: str) -> str:
+    """The lowered program's text as the key reads it: each custom-partitioning call's
+    partitioner named by its position, not by its Python object's address in this process."""
+    return _PARTITIONER_ID.sub(r'\1"partitioner"', text)
 
 
 def program_text(hlo: str) -> str:
