@@ -108,3 +108,32 @@ def test_an_update_that_is_not_in_place_writes_the_whole_result(buffer):
     )
     op = _one(fused, PARAMS, CALL, out)
     assert op["bytes"] == CACHE + SLOT + 2 * IDX + CACHE + SLOT  # read and rewritten whole
+
+
+def test_the_recost_script_names_the_fusions_the_rule_costs_differently(tmp_path, capsys):
+    """benchmarks/fusion_bytes_recost.py (which ops of a program issue 58's rule re-costs): the
+    bitcast cache update above is one such op: the rule before read the whole cache through its bitcast;
+    a path that is not there is one line, exit 2."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from fusion_bytes_recost import main
+
+    fused = (
+        f"%fused {SIG} -> bf16[32,8,8,128,1536] {{\n{HEAD}  ROOT %dus = bf16[32,8,8,128,1536]{{4,3,2,1,0}} {DUS}\n}}\n"
+    )
+    hlo = (
+        f"HloModule m, is_scheduled=true\n\n{fused}\nENTRY %main ({PARAMS}) -> bf16[32,8,8,128,1536] {{\n"
+        "  %cache = bf16[32,8,8,128,1536]{4,3,2,1,0} parameter(0)\n  %new = bf16[8,8,128]{2,1,0} parameter(1)\n"
+        "  %l = s32[] parameter(2)\n  %p = s32[] parameter(3)\n"
+        f"  ROOT %f = bf16[32,8,8,128,1536]{{4,3,2,1,0}} {CALL}\n}}\n"
+    )
+    (tmp_path / "m.txt").write_text(hlo)
+    assert main([str(tmp_path / "m.txt")]) == 0
+    out = capsys.readouterr().out
+    assert "1 ops, 1 costed differently" in out
+    assert f"f (memory, x1): {CACHE + 2 * SLOT + 2 * IDX:,} -> {2 * SLOT + 2 * IDX:,} bytes" in out
+    assert main([str(tmp_path / "absent.txt")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "absent.txt" in err and len(err.strip().splitlines()) == 1

@@ -15,7 +15,7 @@ from fsdp_jax.targets.perf_tables import perf_table
 
 ROOT = Path(__file__).resolve().parents[1]
 H100 = perf_table("h100")
-PEAK_EFF = H100["peak_flops"]["bf16"] * H100["gemm"]["max_efficiency"]  # 989 TFLOP/s x 0.590
+PEAK_EFF = H100["peak_flops"]["bf16"] * H100["gemm"]["max_efficiency"]  # 989 TFLOP/s x 0.582
 HBM = H100["hbm"]["bytes_per_s"] * H100["hbm"]["efficiency"]  # 3.35 TB/s x 0.887
 
 

@@ -95,13 +95,16 @@ def test_the_headline_median_leaves_the_fitted_rows_out():
 
 
 @slow
-def test_published_runs_within_tolerance():
+def test_published_runs_within_tolerance(tmp_path):
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from step_time_published import evaluate, medians
+    from step_time_published import evaluate, fit_gemm_efficiency, medians
 
     from fsdp_jax.app.planner.published import PUBLISHED_RUNS, TOLERANCE
+    from fsdp_jax.targets.perf_tables import perf_table
 
-    rows = evaluate(H100_ROWS)
+    rows = evaluate(H100_ROWS, saved=tmp_path)
+    # the GPU GEMM efficiency is its rule's: the bisection on row 0's program (the plan just saved)
+    assert round(fit_gemm_efficiency(0, tmp_path), 3) == perf_table("h100")["gemm"]["max_efficiency"]
     scored = {r["run"]: r["error"] for r in rows if r["role"] != "bound"}
     assert scored and all(abs(e) <= TOLERANCE for e in scored.values()), scored
     assert held_out_median(rows) <= 0.10
@@ -136,6 +139,19 @@ def test_tpu_published_runs_within_tolerance(row):
 
         g, fitted = perf_table("v6e")["gemm"], perf_table("v5p")["gemm"]["max_efficiency"]
         assert g["max_efficiency"] != fitted and "published measurement" in g["curve"]["source"]
+
+
+def test_tables_that_borrow_the_fitted_gpu_gemm_efficiency_carry_its_value():
+    """A GPU table whose GEMM efficiency is the h100 fit, borrowed, holds the fit's current value
+    (a re-fit moves them together)."""
+    from fsdp_jax.targets.perf_tables import perf_table
+
+    tables = json.loads((ROOT / "fsdp_jax" / "targets" / "perf_tables.json").read_text())
+    fitted = perf_table("h100")["gemm"]["max_efficiency"]
+    gemm = {k: t["gemm"] for k, t in tables.items() if isinstance(t, dict) and isinstance(t.get("gemm"), dict)}
+    borrowing = [k for k, g in gemm.items() if "the h100" in g["source"]]
+    assert len(borrowing) >= 6, borrowing  # a100 and the PCIe cards
+    assert {k: perf_table(k)["gemm"]["max_efficiency"] for k in borrowing} == dict.fromkeys(borrowing, fitted)
 
 
 def test_every_published_run_is_a_valid_plan_command_with_a_source():
