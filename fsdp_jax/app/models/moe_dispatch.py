@@ -33,6 +33,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from fsdp_jax.app.models.grouped_matmul import grouped_matmul
+from fsdp_jax.quant import fp8_experts
 from fsdp_jax.sharding.axes import BATCH, EXPERT
 
 
@@ -59,6 +60,26 @@ def group_rows(sizes, n_rows: int):
         return jnp.concatenate([b, jnp.zeros((1, b.shape[-1]), b.dtype)])[gid]
 
     return rows
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedDot:
+    """One grouped expert product `dot(x, m)` over rows grouped by `sizes` (E_l,) (`grouped_matmul`
+    `impl`); `fp8_dot` reads its sizes."""
+
+    sizes: jax.Array
+    impl: str = "auto"
+
+    def __call__(self, x, m):
+        return grouped_matmul(x, m, self.sizes, self.impl)
+
+
+def fp8_dot(dot):
+    """`dot` (a `GroupedDot` or `batched`) as scaled FP8 matmuls with a scale per expert
+    (`fsdp_jax.quant.fp8_experts`; XLA's `ragged_dot` on f8 operands whatever `impl` says)."""
+    if isinstance(dot, GroupedDot):
+        return lambda x, m: fp8_experts.grouped_matmul(x, m, dot.sizes)
+    return fp8_experts.batched_matmul
 
 
 def batched_rows(b):
@@ -101,7 +122,7 @@ def dropless(x2, w, idx, ws, e0=0, lora: ExpertLora | None = None, impl: str = "
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.bincount(flat, length=el + 1)[:el].astype(jnp.int32)  # (E_local,)
     xs = x2[order // k]  # (N*k, D), grouped by expert
-    ys = ffn(xs, ws, lora, lambda x, m: grouped_matmul(x, m, sizes, impl), group_rows(sizes, n * k))  # (N*k, D)
+    ys = ffn(xs, ws, lora, GroupedDot(sizes, impl), group_rows(sizes, n * k))  # (N*k, D)
     y = jnp.zeros_like(ys).at[order].set(ys).reshape(n, k, -1)  # back to (token, slot)
     return jnp.einsum("nkd,nk->nd", y, (w * mine).astype(y.dtype)), jnp.zeros((), jnp.float32)
 
