@@ -32,7 +32,7 @@ from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from fsdp_jax.app.models.grouped_matmul import grouped_matmul
+from fsdp_jax.app.models.grouped_matmul import grouped_matmul, resolve
 from fsdp_jax.quant import fp8_experts
 from fsdp_jax.sharding.axes import BATCH, EXPERT
 
@@ -76,10 +76,19 @@ class GroupedDot:
 
 def fp8_dot(dot):
     """`dot` (a `GroupedDot` or `batched`) as scaled FP8 matmuls with a scale per expert
-    (`fsdp_jax.quant.fp8_experts`; XLA's `ragged_dot` on f8 operands whatever `impl` says)."""
-    if isinstance(dot, GroupedDot):
-        return lambda x, m: fp8_experts.grouped_matmul(x, m, dot.sizes)
-    return fp8_experts.batched_matmul
+    (`fsdp_jax.quant.fp8_experts`): batched products always; grouped ones where `impl` resolves
+    to XLA's `ragged_dot` (which then takes the f8 operands). Where it resolves to tokamax's
+    kernels (GPU with tokamax installed, `auto`) the grouped products stay those kernels in the
+    compute dtype: XLA:GPU expands an f8 `ragged_dot` densely, n_experts times the FLOPs."""
+    if not isinstance(dot, GroupedDot):
+        return fp8_experts.batched_matmul
+
+    def grouped(x, m):
+        if resolve(dot.impl, (x.shape[0], x.shape[1], m.shape[2])) != "xla":
+            return dot(x, m)
+        return fp8_experts.grouped_matmul(x, m, dot.sizes)
+
+    return grouped
 
 
 def batched_rows(b):
