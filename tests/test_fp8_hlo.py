@@ -19,6 +19,7 @@ import pytest
 from test_fp8 import built, cfg_for
 
 from fsdp_jax.app.models.decoder import FP8_WEIGHTS
+from fsdp_jax.hlo.costs import op_inventory
 from fsdp_jax.targets import gpu as targets
 from helpers import TINY_MODEL_OVERRIDES
 
@@ -77,6 +78,7 @@ def test_full_shard_gathers_f8_weights_on_cpu(tmp_path):
 _CHILD = r"""
 import collections, json, re, sys
 from fsdp_jax.app.models.decoder import FP8_WEIGHTS
+from fsdp_jax.hlo.costs import op_inventory
 from fsdp_jax.targets import gpu as targets
 from fsdp_jax.app.config import load_config
 from fsdp_jax.app.planner.abstract_step import build_step
@@ -159,3 +161,6 @@ def test_h100_moe_expert_gemms_take_f8_and_the_router_none(h100):
     assert any(d == ("f8e4m3fn", "f8e5m2") for d, n in experts if "transpose" in n)
     router = [d for d, n, dims in ops if "ragged_dot" not in n and 6 in dims]
     assert len(router) >= 2 and not any(t.startswith("f8") for d in router for t in d), router
+    # the step-time model's records of those GEMMs carry the f8 dtype it prices at the FP8 peak
+    recs = [o for o in op_inventory(h100["moe_fp8"]) if o["kind"] == "gemm" and "ragged_dot" in (o["op_name"] or "")]
+    assert len(recs) == len(experts) and all(o["dtype"] in ("f8e4m3fn", "f8e5m2") for o in recs), recs
