@@ -100,7 +100,12 @@ def h100():
     req = {
         "config": "configs/tiny.yaml",
         "small": small,
-        "jobs": {"fp8": [f"precision={FP8}"], "bf16": [f"precision={BF16}"], "moe_fp8": [f"precision={FP8}", *MOE]},
+        "jobs": {
+            "fp8": [f"precision={FP8}"],
+            "bf16": [f"precision={BF16}"],
+            "moe_fp8": [f"precision={FP8}", *MOE],
+            "rowwise": [f"precision={FP8}", "fp8.recipe=rowwise"],
+        },
     }
     env = targets.child_env(dict(os.environ, PYTHONPATH=str(ROOT)))
     proc = subprocess.run(
@@ -164,3 +169,18 @@ def test_h100_moe_expert_gemms_take_f8_and_the_router_none(h100):
     # the step-time model's records of those GEMMs carry the f8 dtype it prices at the FP8 peak
     recs = [o for o in op_inventory(h100["moe_fp8"]) if o["kind"] == "gemm" and "ragged_dot" in (o["op_name"] or "")]
     assert len(recs) == len(experts) and all(o["dtype"] in ("f8e4m3fn", "f8e5m2") for o in recs), recs
+
+
+@pytest.mark.slow
+def test_h100_rowwise_runs_e4m3_gemms_and_gathers_bf16(h100):
+    """The rowwise recipe on 8 x H100: every GEMM but the 9 of attention and the head (as in
+    the tensorwise run) takes e4m3 x e4m3, none e5m2; and though the code casts the weight after
+    the gather, XLA:GPU moves the cast before it: the gathers move as many f8 bytes as the
+    tensorwise run's (and no more bf16).
+    (Measured: 18 f8 GEMM fusions for the projections' 21 products; which XLA combined was
+    not examined.)"""
+    g = collections.Counter(gemms(h100["rowwise"]))
+    assert g[("f8e4m3fn",)] > 0 and not any("f8e5m2" in k for k in g), g
+    assert sum(v for k, v in g.items() if not any(d.startswith("f8") for d in k)) == 9, g
+    rw, tw = gathered(h100["rowwise"]), gathered(h100["fp8"])
+    assert rw["f8e4m3fn"] == tw["f8e4m3fn"] > 0 and rw["bf16"] == tw["bf16"], (rw, tw)

@@ -65,7 +65,7 @@ def project(module, name: str, x, w, shape2d: tuple[int, int]):
     recipe = recipe_of(module)
     if recipe is None:
         return precision.matmul(x, w.reshape(shape2d))
-    if recipe.rowwise:  # cast after the gather: no f8 weight gather (docs/fp8.md)
+    if recipe.rowwise:  # cast after the gather (`fp8.gather` does not apply; docs/fp8.md)
         return fp8_rowwise.rowwise_matmul(x, w.reshape(shape2d), reduce_dtype=precision.step_reduce_dtype())
     layouts = None
     if recipe.gather:

@@ -14,8 +14,9 @@ its operands along the dim it contracts:
 
 each scale `p2(448 / amax)` (`p2`: the largest power of two not above it; 1 for an amax of 0
 or a non-finite one), f32 accumulation. The backward casts the saved input and weight again
-along its own dims, as torchao does, so it keeps them in their own dtype. The weight is cast
-after the FSDP gather (torchao's float8 all-gather takes tensorwise scales only).
+along its own dims, as torchao does, so it keeps them in their own dtype. The code casts the
+weight after the FSDP gather (torchao's float8 all-gather takes tensorwise scales only);
+XLA:GPU moves the forward's per-column cast before the gather by itself (docs/fp8.md).
 """
 
 from __future__ import annotations
