@@ -1,13 +1,13 @@
 #!/usr/bin/env python
 """The tiny model's loss under FP8 emulation against bf16, on the same batches.
 
-    PYTHONPATH=. python benchmarks/fp8_loss_band.py [--steps 500] [--devices 1] \
+    PYTHONPATH=. python benchmarks/fp8_loss_band.py [--steps 500] [--devices 1] [--jobs 1] \
         [--out benchmarks/fp8_loss_band.json] [--plot benchmarks/fp8_loss_band.png]
 
 Trains configs/tiny.yaml three times with `scripts/train.py` (same seed, data and
 schedule): precision params=float32,compute=bfloat16 (the reference), and the same with
 matmul=fp8 under the tensorwise and the delayed (amax history 16) recipes, fp8.emulate=true
-(CPU). Reads each run's metrics.jsonl and reports, per FP8 run, the largest gap to bf16 of
+(CPU); `--jobs` runs that many of them at once (each its own process). Reads each run's metrics.jsonl and reports, per FP8 run, the largest gap to bf16 of
 the training loss averaged over windows of 50 steps (single steps are noisy), the final
 window's gap and the final validation losses. The band asserted in docs/fp8.md is the
 largest windowed gap, relative to bf16's loss. Prints one JSON document (also --out).
@@ -16,6 +16,7 @@ largest windowed gap, relative to bf16's loss. Prints one JSON document (also --
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -42,7 +43,8 @@ def run(name: str, extra: list[str], steps: int, devices: int, work: Path) -> li
         "train.checkpoint_every=0",
         "train.sample_tokens=0",
     ]
-    cmd += [f"run_dir={run_dir}", f"data.path={work / 'data'}", "fp8.emulate=true", *extra]
+    # each run prepares its own copy of the default corpus (the same bytes): runs may go at once
+    cmd += [f"run_dir={run_dir}", f"data.path={work / ('data-' + name)}", "fp8.emulate=true", *extra]
     env = dict(os.environ, FSDP_JAX_CPU_DEVICES=str(devices), PYTHONPATH=str(ROOT))
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -61,11 +63,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=500)
     ap.add_argument("--devices", type=int, default=1)
+    ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--out", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        recs = {name: run(name, extra, args.steps, args.devices, Path(tmp)) for name, extra in RUNS.items()}
+    with tempfile.TemporaryDirectory() as tmp, concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        futures = {
+            name: pool.submit(run, name, extra, args.steps, args.devices, Path(tmp)) for name, extra in RUNS.items()
+        }
+        recs = {name: f.result() for name, f in futures.items()}
     curves = {name: windows(r) for name, r in recs.items()}
     val = {name: [r["val_loss"] for r in rs if "val_loss" in r] for name, rs in recs.items()}
     ref = curves["bf16"]

@@ -19,6 +19,7 @@ import pytest
 from test_fp8 import built, cfg_for
 
 from fsdp_jax.app.models.decoder import FP8_WEIGHTS
+from fsdp_jax.hlo.costs import op_inventory
 from fsdp_jax.targets import gpu as targets
 from helpers import TINY_MODEL_OVERRIDES
 
@@ -77,6 +78,7 @@ def test_full_shard_gathers_f8_weights_on_cpu(tmp_path):
 _CHILD = r"""
 import collections, json, re, sys
 from fsdp_jax.app.models.decoder import FP8_WEIGHTS
+from fsdp_jax.hlo.costs import op_inventory
 from fsdp_jax.targets import gpu as targets
 from fsdp_jax.app.config import load_config
 from fsdp_jax.app.planner.abstract_step import build_step
@@ -98,7 +100,12 @@ def h100():
     req = {
         "config": "configs/tiny.yaml",
         "small": small,
-        "jobs": {"fp8": [f"precision={FP8}"], "bf16": [f"precision={BF16}"]},
+        "jobs": {
+            "fp8": [f"precision={FP8}"],
+            "bf16": [f"precision={BF16}"],
+            "moe_fp8": [f"precision={FP8}", *MOE],
+            "rowwise": [f"precision={FP8}", "fp8.recipe=rowwise"],
+        },
     }
     env = targets.child_env(dict(os.environ, PYTHONPATH=str(ROOT)))
     proc = subprocess.run(
@@ -106,6 +113,20 @@ def h100():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)
+
+
+MOE = ["model.n_experts=6", "model.experts_per_token=2", "model.moe_ffn_dim=128", "model.grouped_matmul=xla"]
+
+
+def gemm_ops(hlo: str) -> list[tuple[tuple[str, ...], str, tuple[int, ...]]]:
+    """Each GEMM fusion's (operand dtypes, its dot's op_name, the dot's result dims)."""
+    out = []
+    for m in re.finditer(r"%gemm_fusion_dot[^ ]*_computation[^ ]* \(([^)]*)\)[^{]*\{(.*?)\n\}", hlo, re.S):
+        dot = next(line for line in m.group(2).splitlines() if " dot(" in line)
+        dims = tuple(int(d) for d in ARRAY.search(dot.split("=", 1)[1]).group(2).split(",") if d)
+        name = re.search(r'op_name="([^"]*)"', dot)
+        out.append((tuple(sorted({d for d, _ in ARRAY.findall(m.group(1))})), name.group(1) if name else "", dims))
+    return out
 
 
 def gemms(hlo: str) -> list[tuple[str, ...]]:
@@ -131,3 +152,35 @@ def test_h100_full_shard_gathers_f8_and_runs_f8_gemms_for_projections_only(h100)
     # and 9 GEMMs without f8: attention's scores and values (2 forward, 4 backward) and the
     # head (1 forward, 2 backward)
     assert sum(v for k, v in g8.items() if not any(d.startswith("f8") for d in k)) == 9, g8
+
+
+@pytest.mark.slow
+def test_h100_moe_expert_gemms_take_f8_and_the_router_none(h100):
+    """The tiny MoE (6 experts, XLA's ragged_dot) under matmul=fp8: every GEMM XLA:GPU makes of
+    the experts' ragged dots takes f8 operands, e4m3 in the forward and e5m2 x e4m3 in the
+    backward; the router's (the only GEMMs with a dim of 6 outside them) take none."""
+    ops = gemm_ops(h100["moe_fp8"])
+    experts = [(d, n) for d, n, _ in ops if "ragged_dot" in n]
+    assert experts and all(any(t.startswith("f8") for t in d) for d, _ in experts), experts
+    assert any(d == ("f8e4m3fn",) for d, n in experts if "transpose" not in n)
+    assert any(d == ("f8e4m3fn", "f8e5m2") for d, n in experts if "transpose" in n)
+    router = [d for d, n, dims in ops if "ragged_dot" not in n and 6 in dims]
+    assert len(router) >= 2 and not any(t.startswith("f8") for d in router for t in d), router
+    # the step-time model's records of those GEMMs carry the f8 dtype it prices at the FP8 peak
+    recs = [o for o in op_inventory(h100["moe_fp8"]) if o["kind"] == "gemm" and "ragged_dot" in (o["op_name"] or "")]
+    assert len(recs) == len(experts) and all(o["dtype"] in ("f8e4m3fn", "f8e5m2") for o in recs), recs
+
+
+@pytest.mark.slow
+def test_h100_rowwise_runs_e4m3_gemms_and_gathers_bf16(h100):
+    """The rowwise recipe on 8 x H100: every GEMM but the 9 of attention and the head (as in
+    the tensorwise run) takes e4m3 x e4m3, none e5m2; and though the code casts the weight after
+    the gather, XLA:GPU moves the cast before it: the gathers move as many f8 bytes as the
+    tensorwise run's (and no more bf16).
+    (Measured: 18 f8 GEMM fusions for the projections' 21 products; which XLA combined was
+    not examined.)"""
+    g = collections.Counter(gemms(h100["rowwise"]))
+    assert g[("f8e4m3fn",)] > 0 and not any("f8e5m2" in k for k in g), g
+    assert sum(v for k, v in g.items() if not any(d.startswith("f8") for d in k)) == 9, g
+    rw, tw = gathered(h100["rowwise"]), gathered(h100["fp8"])
+    assert rw["f8e4m3fn"] == tw["f8e4m3fn"] > 0 and rw["bf16"] == tw["bf16"], (rw, tw)

@@ -52,6 +52,9 @@ RECIPES: dict[str, str] = {
     "delayed": "per-tensor delayed scaling: inputs and weights scaled by the max over an amax "
     "history of past steps, gradients by their current amax (Transformer Engine DelayedScaling "
     "with amax_compute_algo='max'; torchao ScalingType.DELAYED for input and weight)",
+    "rowwise": "axiswise current scaling, e4m3 throughout: a scale per row or column along each "
+    "GEMM's contracted dim, rounded down to a power of two (torchtitan float8 recipe_name "
+    "'rowwise'; torchao Float8LinearRecipeName.ROWWISE; `fsdp_jax.quant.fp8_rowwise`)",
 }
 
 
@@ -106,6 +109,10 @@ class Fp8Recipe:
     @property
     def delayed(self) -> bool:
         return self.name == "delayed"
+
+    @property
+    def rowwise(self) -> bool:
+        return self.name == "rowwise"
 
 
 def fp8_max(dtype) -> float:

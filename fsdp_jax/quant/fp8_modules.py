@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from fsdp_jax.quant import fp8
+from fsdp_jax.quant import fp8, fp8_rowwise
 from fsdp_jax.sharding import precision
 from fsdp_jax.train import layer_gather
 
@@ -65,6 +65,8 @@ def project(module, name: str, x, w, shape2d: tuple[int, int]):
     recipe = recipe_of(module)
     if recipe is None:
         return precision.matmul(x, w.reshape(shape2d))
+    if recipe.rowwise:  # cast after the gather (`fp8.gather` does not apply; docs/fp8.md)
+        return fp8_rowwise.rowwise_matmul(x, w.reshape(shape2d), reduce_dtype=precision.step_reduce_dtype())
     layouts = None
     if recipe.gather:
         lay = layer_gather.per_use_layouts(w.shape, w.dtype, _names(getattr(module, name, None)))

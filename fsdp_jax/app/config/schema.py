@@ -228,7 +228,7 @@ class LoraConfig:
 class Fp8Config:
     """How `precision: ...,matmul=fp8` computes the projections (`fsdp_jax.quant.fp8`, docs/fp8.md)."""
 
-    recipe: str = limit("tensorwise", choices=tuple(RECIPES))  # tensorwise | delayed (torchtitan / TE names)
+    recipe: str = limit("tensorwise", choices=tuple(RECIPES))  # tensorwise | delayed | rowwise (torchtitan / TE names)
     amax_history: int = limit(16, "> 0")  # delayed: the steps of amax each scale is taken over
     gather: bool = True  # full_shard: weights cast to f8 before the per-layer all-gather
     emulate: bool = False  # allow FP8 where the device has no FP8 tensor cores (CPU: numerics only)

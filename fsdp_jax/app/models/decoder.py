@@ -102,7 +102,8 @@ class FeedForward(nnx.Module):
 class Block(nnx.Module):
     """One decoder layer; its MLP the mixture of experts when `sparse`. In an MoE model
     (`n_experts`) it returns (x, RouterStats), else x. `lora`: adapters on its projections;
-    `fp8`: its attention and dense-MLP projections as scaled FP8 matmuls (`fsdp_jax.quant.fp8`)."""
+    `fp8`: its attention and dense-MLP projections and its routed experts' GEMMs as scaled FP8
+    matmuls (`fsdp_jax.quant.fp8`, `fp8_experts`)."""
 
     def __init__(
         self,
@@ -126,8 +127,9 @@ class Block(nnx.Module):
         if cfg.sandwich_norm:
             self.post_attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, po, rngs)
             self.post_mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, po, rngs)
-        for part in (self.attn,) if sparse else (self.attn, self.mlp):  # experts: not yet (docs/fp8.md)
-            fp8_modules.attach(part, fp8, FP8_WEIGHTS)
+        fp8_modules.attach(self.attn, fp8, FP8_WEIGHTS)
+        # the routed experts: per-expert current scales, no histories (`fsdp_jax.quant.fp8_experts`)
+        fp8_modules.attach(self.moe if sparse else self.mlp, fp8, () if sparse else FP8_WEIGHTS)
         if lora is not None:  # last: the base params are drawn as without adapters
             attach(self, cfg, lora, rngs)
 

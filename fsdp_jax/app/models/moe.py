@@ -25,6 +25,7 @@ over all sparse layers. Params name logical dims only (`expert` among them).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -39,6 +40,7 @@ from fsdp_jax.app.models.moe_dispatch import (
     ExpertLora,
     dropless,
     experts_ffn,
+    fp8_dot,
     gated,
     per_batch_shard,
     per_token_shard,
@@ -46,6 +48,7 @@ from fsdp_jax.app.models.moe_dispatch import (
 )
 from fsdp_jax.app.models.moe_exchange import exchange_capacity, exchange_dropless, exchange_dropless_ragged
 from fsdp_jax.errors import ConfigError
+from fsdp_jax.quant import fp8_modules
 from fsdp_jax.sharding.axes import EMBED, EXPERT, MLP
 from fsdp_jax.sharding.precision import matmul
 
@@ -208,6 +211,8 @@ class MoE(nnx.Module):
         p, w, idx = self.route_tokens(logits)
         experts, lora = self._experts()
         cf, ffn = self.capacity_factor, self.expert_ffn
+        if fp8_modules.recipe_of(self) is not None:  # the experts' GEMMs in FP8 (`moe_dispatch.fp8_dot`)
+            ffn = functools.partial(_fp8_ffn, self.expert_ffn)
 
         n_experts = experts[0].shape[0]
 
@@ -256,6 +261,10 @@ class MoE(nnx.Module):
         hs = gated(proj(x2, "w_gate", self.shared_gate, key), proj(x2, "w_up", self.shared_up, key))
         gate = jax.nn.sigmoid(proj(x2, "w_shared_gate", self.shared_weight, key))  # (N, 1)
         return gate * proj(hs, "w_down", self.shared_down, key)
+
+
+def _fp8_ffn(ffn, x, ws, lora, dot, rows):
+    return ffn(x, ws, lora, fp8_dot(dot), rows)
 
 
 def moe_params(cfg) -> int:

@@ -32,7 +32,8 @@ from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from fsdp_jax.app.models.grouped_matmul import grouped_matmul
+from fsdp_jax.app.models.grouped_matmul import grouped_matmul, resolve
+from fsdp_jax.quant import fp8_experts
 from fsdp_jax.sharding.axes import BATCH, EXPERT
 
 
@@ -59,6 +60,35 @@ def group_rows(sizes, n_rows: int):
         return jnp.concatenate([b, jnp.zeros((1, b.shape[-1]), b.dtype)])[gid]
 
     return rows
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedDot:
+    """One grouped expert product `dot(x, m)` over rows grouped by `sizes` (E_l,) (`grouped_matmul`
+    `impl`); `fp8_dot` reads its sizes."""
+
+    sizes: jax.Array
+    impl: str = "auto"
+
+    def __call__(self, x, m):
+        return grouped_matmul(x, m, self.sizes, self.impl)
+
+
+def fp8_dot(dot):
+    """`dot` (a `GroupedDot` or `batched`) as scaled FP8 matmuls with a scale per expert
+    (`fsdp_jax.quant.fp8_experts`): batched products always; grouped ones where `impl` resolves
+    to XLA's `ragged_dot` (which then takes the f8 operands). Where it resolves to tokamax's
+    kernels (GPU with tokamax installed, `auto`) the grouped products stay those kernels in the
+    compute dtype: XLA:GPU expands an f8 `ragged_dot` densely, n_experts times the FLOPs."""
+    if not isinstance(dot, GroupedDot):
+        return fp8_experts.batched_matmul
+
+    def grouped(x, m):
+        if resolve(dot.impl, (x.shape[0], x.shape[1], m.shape[2])) != "xla":
+            return dot(x, m)
+        return fp8_experts.grouped_matmul(x, m, dot.sizes)
+
+    return grouped
 
 
 def batched_rows(b):
@@ -101,7 +131,7 @@ def dropless(x2, w, idx, ws, e0=0, lora: ExpertLora | None = None, impl: str = "
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.bincount(flat, length=el + 1)[:el].astype(jnp.int32)  # (E_local,)
     xs = x2[order // k]  # (N*k, D), grouped by expert
-    ys = ffn(xs, ws, lora, lambda x, m: grouped_matmul(x, m, sizes, impl), group_rows(sizes, n * k))  # (N*k, D)
+    ys = ffn(xs, ws, lora, GroupedDot(sizes, impl), group_rows(sizes, n * k))  # (N*k, D)
     y = jnp.zeros_like(ys).at[order].set(ys).reshape(n, k, -1)  # back to (token, slot)
     return jnp.einsum("nkd,nk->nd", y, (w * mine).astype(y.dtype)), jnp.zeros((), jnp.float32)
 

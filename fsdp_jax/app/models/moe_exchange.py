@@ -26,8 +26,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from fsdp_jax.app.models.grouped_matmul import grouped_matmul
-from fsdp_jax.app.models.moe_dispatch import ExpertLora, batched, batched_rows, capacity_slots, experts_ffn, group_rows
+from fsdp_jax.app.models.moe_dispatch import (
+    ExpertLora,
+    GroupedDot,
+    batched,
+    batched_rows,
+    capacity_slots,
+    experts_ffn,
+    group_rows,
+)
 
 
 def _a2a(x, axes):
@@ -54,7 +61,7 @@ def exchange_dropless(
     order = jnp.argsort(re, stable=True)  # by local expert; empty rows (id E_l) last, in no group
     sizes = jnp.bincount(re, length=el + 1)[:el].astype(jnp.int32)
     xs = rx[order]
-    ys = ffn(xs, ws, lora, lambda x, m: grouped_matmul(x, m, sizes, impl), group_rows(sizes, n_ep * m))
+    ys = ffn(xs, ws, lora, GroupedDot(sizes, impl), group_rows(sizes, n_ep * m))
     y = jnp.zeros_like(ys).at[order].set(ys).reshape(n_ep, m, d)
     back = _a2a(y, axes).reshape(n_ep * m, d)[slot].reshape(n, k, d)  # each pair's output, home again
     return jnp.einsum("nkd,nk->nd", back, w.astype(back.dtype)), jnp.zeros((), jnp.float32)
@@ -104,7 +111,7 @@ def exchange_dropless_ragged(
     re = _ragged(es, jnp.full((n_ep * m,), el, jnp.int32), in_off, send, block, recv, axes)
     by_e = jnp.argsort(re, stable=True)  # by local expert; empty rows (id E_l) last, in no group
     sizes = jnp.bincount(re, length=el + 1)[:el].astype(jnp.int32)
-    ys = ffn(rx[by_e], ws, lora, lambda x, mat: grouped_matmul(x, mat, sizes, impl), group_rows(sizes, n_ep * m))
+    ys = ffn(rx[by_e], ws, lora, GroupedDot(sizes, impl), group_rows(sizes, n_ep * m))
     y = jnp.zeros_like(ys).at[by_e].set(ys)  # (n_ep * N*k, D) in the receive layout
     # back: block i's first recv[i] rows to shard i, at the offset it sent them from
     home = _a2a(in_off, axes)  # (n_ep,) where in shard i's buffer its rows to me started

@@ -1,0 +1,152 @@
+"""Routed experts' GEMMs as scaled FP8 matmuls, one scale per expert (docs/fp8.md).
+
+Two layouts, as the MoE layer computes its experts:
+- grouped: rows `x` (M, K) sorted by expert, `w` (E, K, N), `sizes` (E,) rows per expert
+  (`jax.lax.ragged_dot`; rows past sum(sizes) belong to no expert and come out 0);
+- batched: `x` (E, C, K) a buffer of C rows per expert, `w` (E, K, N).
+
+Each expert's GEMM is scaled as a dense projection is (`fsdp_jax.quant.fp8`), with its own
+scales, as Transformer Engine's `GroupedLinear` gives each of its GEMMs its own quantizer for
+the input, the weight and the output gradient:
+
+    sx_e = 448 / amax(x rows of e),  sw_e = 448 / amax(w[e])     (e4m3, current amax)
+    y_r  = (dot(e4m3(x_r sx_e), e4m3(w[e] sw_e)) in f32, written in x's dtype) * (1 / (sx_e sw_e))
+    sg_e = 57344 / amax(g rows of e)                              (e5m2)
+    dx_r = dot(gq_r, wq[e]^T) * (1 / (sg_e sw_e)),   dw[e] = sum_{r in e} xq_r^T gq_r * (1 / (sx_e sg_e))
+
+(r a row of expert e, f32 accumulation). The scales are always the current amaxes (both
+recipes: a delayed history per expert is not kept, docs/fp8.md). Inside the MoE layer's
+`shard_map` a device holds some of an expert's rows: the amaxes are maxed over the mesh axes
+the rows vary over and the weight does not (the batch axes that do not hold experts), so
+every layout scales by the amax of all of an expert's rows, as one device does.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from fsdp_jax.quant.fp8 import E4M3, E5M2, quantize, scale_for
+from fsdp_jax.sharding import precision
+
+# x (M, K), g (M, N) -> dw (E, K, N): contracted over the rows, one sum per expert
+_DW_DIMS = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=(0,), rhs_group_dimensions=()
+)
+
+
+def varying_axes(a) -> set[str]:
+    """The manual mesh axes (inside a `shard_map`) over which `a`'s value varies."""
+    t = jax.typeof(a)
+    mat = getattr(t, "manual_axis_type", None)  # jax 0.10; earlier releases: `vma`
+    return set(mat.varying if mat is not None else getattr(t, "vma", ()))
+
+
+def group_ids(sizes, n_rows: int) -> jax.Array:
+    """(n_rows,) int32: each row's expert for rows grouped by `sizes` (E,); E past the groups."""
+    return jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(n_rows), side="right").astype(jnp.int32)
+
+
+def _grouped_amax(x, gid, n_groups: int) -> jax.Array:
+    """(E,) float32: max |x| over each expert's rows (0 for an expert without rows)."""
+    rowmax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1)
+    return jnp.maximum(jax.ops.segment_max(rowmax, gid, num_segments=n_groups + 1)[:n_groups], 0.0)
+
+
+def _per_row(v, gid) -> jax.Array:
+    """Per-expert (E,) float32 values as a (M, 1) column for rows of experts `gid` (1 past the groups)."""
+    return jnp.concatenate([v, jnp.ones((1,), v.dtype)])[gid][:, None]
+
+
+def _pmax(a, axes: tuple[str, ...]):
+    return jax.lax.pmax(a, axes) if axes else a
+
+
+def _finish_dw(dw, reduce_dtype, w_dtype):
+    if reduce_dtype.itemsize > jnp.dtype(w_dtype).itemsize:  # reduced across devices in the wider dtype
+        dw = jax.lax.optimization_barrier(dw.astype(reduce_dtype))
+    return dw.astype(w_dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _grouped(reduce_dtype, axes: tuple[str, ...]):
+    @jax.custom_vjp
+    def f(x, w, sizes):
+        return fwd(x, w, sizes)[0]
+
+    def fwd(x, w, sizes):
+        gid, n = group_ids(sizes, x.shape[0]), w.shape[0]
+        sx = scale_for(_pmax(_grouped_amax(x, gid, n), axes), E4M3)
+        sw = scale_for(jnp.max(jnp.abs(w.astype(jnp.float32)), axis=(1, 2)), E4M3)
+        rx, rw = _per_row(sx, gid), _per_row(sw, gid)
+        xq, wq = quantize(x, rx, E4M3), quantize(w, sw[:, None, None], E4M3)
+        y = jax.lax.ragged_dot(xq, wq, sizes, preferred_element_type=x.dtype) * (1.0 / (rx * rw))
+        return y.astype(x.dtype), (xq, wq, sizes, sx, sw, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
+
+    def bwd(res, g):
+        xq, wq, sizes, sx, sw, x_like, w_like = res
+        gid, n = group_ids(sizes, g.shape[0]), wq.shape[0]
+        sg = scale_for(_pmax(_grouped_amax(g, gid, n), axes), E5M2)
+        rg = _per_row(sg, gid)
+        gq = quantize(g, rg, E5M2)
+        dx = jax.lax.ragged_dot(gq, jnp.swapaxes(wq, 1, 2), sizes, preferred_element_type=jnp.float32)
+        dx = (dx * (1.0 / (rg * _per_row(sw, gid)))).astype(x_like.dtype)
+        dw = jax.lax.ragged_dot_general(xq, gq, sizes, _DW_DIMS, preferred_element_type=jnp.float32)
+        dw = dw * (1.0 / (sx * sg))[:, None, None]
+        return dx, _finish_dw(dw, reduce_dtype, w_like.dtype), None
+
+    f.defvjp(fwd, bwd)
+    return f
+
+
+def _dot(a, b, contract, out=jnp.float32):
+    """dot_general over dim 0 of both (the expert), contracting `contract`, in `out`."""
+    return jax.lax.dot_general(a, b, (contract, ((0,), (0,))), preferred_element_type=out)
+
+
+@functools.lru_cache(maxsize=None)
+def _batched(reduce_dtype, axes: tuple[str, ...]):
+    @jax.custom_vjp
+    def f(x, w):
+        return fwd(x, w)[0]
+
+    def fwd(x, w):
+        sx = scale_for(_pmax(jnp.max(jnp.abs(x.astype(jnp.float32)), axis=(1, 2)), axes), E4M3)
+        sw = scale_for(jnp.max(jnp.abs(w.astype(jnp.float32)), axis=(1, 2)), E4M3)
+        xq, wq = quantize(x, sx[:, None, None], E4M3), quantize(w, sw[:, None, None], E4M3)
+        y = _dot(xq, wq, ((2,), (1,)), x.dtype) * (1.0 / (sx * sw))[:, None, None]
+        return y.astype(x.dtype), (xq, wq, sx, sw, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
+
+    def bwd(res, g):
+        xq, wq, sx, sw, x_like, w_like = res
+        sg = scale_for(_pmax(jnp.max(jnp.abs(g.astype(jnp.float32)), axis=(1, 2)), axes), E5M2)
+        gq = quantize(g, sg[:, None, None], E5M2)
+        dx = (_dot(gq, wq, ((2,), (2,))) * (1.0 / (sg * sw))[:, None, None]).astype(x_like.dtype)
+        dw = _dot(xq, gq, ((1,), (1,))) * (1.0 / (sx * sg))[:, None, None]
+        return dx, _finish_dw(dw, reduce_dtype, w_like.dtype)
+
+    f.defvjp(fwd, bwd)
+    return f
+
+
+def _shared_weight(x, w):
+    """(w marked varying over the mesh axes x varies over and w does not; those axes sorted):
+    the amaxes are maxed over those axes, and w's gradient, computed per device, is summed
+    over them by the transpose of the mark."""
+    extra = tuple(sorted(varying_axes(x) - varying_axes(w)))
+    return (jax.lax.pcast(w, extra, to="varying") if extra else w), extra
+
+
+def grouped_matmul(x, w, sizes):
+    """x (M, K) rows sorted by expert, w (E, K, N), sizes (E,) int32 -> (M, N) in x's dtype,
+    each expert's rows through FP8 with that expert's scales (module docstring)."""
+    w, axes = _shared_weight(x, w)
+    return _grouped(jnp.dtype(precision.step_reduce_dtype() or w.dtype), axes)(x, w, sizes)
+
+
+def batched_matmul(x, w):
+    """x (E, C, K), w (E, K, N) -> (E, C, N) in x's dtype, per expert through FP8."""
+    w, axes = _shared_weight(x, w)
+    return _batched(jnp.dtype(precision.step_reduce_dtype() or w.dtype), axes)(x, w)
