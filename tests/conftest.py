@@ -64,6 +64,12 @@ jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_compilation_cache_dir", str(CACHE))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 os.environ.setdefault("FSDP_JAX_CACHE_DIR", str(CACHE))
+# Child processes (CLI runs, launchers' processes, `python -c` children) read and write the same
+# cache, every compile included: jax's default keeps only compiles over 1 s, so a child compiled
+# the tiny programs (init, eval, the small jits) again that the previous child had compiled
+# (BENCHMARKS.md "Issue 55 item 6": CPU seconds of one tiny train child, before / after).
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(CACHE))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # Deviceless XLA:TPU / XLA:GPU compiles kept by their program (fsdp_jax.targets.compile_cache):
 # written under .jax_cache, read from there and from the committed seed folder tests/compiled
 # (scripts/seed_compiled.py: the suite's longest target compiles). A program the code no longer

@@ -2,6 +2,7 @@
 the same commands, the one parser and the one main wrapper's exit codes."""
 
 import ast
+import importlib
 import os
 import subprocess
 import sys
@@ -191,14 +192,33 @@ def test_the_shim_and_the_console_entry_give_the_same_exit_and_line(script, tmp_
     one_line(shim.returncode, shim.stderr)
 
 
-@pytest.mark.slow
-def test_console_entry_help_and_unknown_command():
-    r = _console("--help")
-    assert r.returncode == 0 and "usage: fsdp-jax" in r.stdout and "measure-hf-import" in r.stdout
-    r = _console("nope")
-    assert one_line(r.returncode, r.stderr).startswith("error: argument COMMAND: invalid choice: 'nope'")
-    r = _console("verify", "--help")
-    assert r.returncode == 0 and r.stdout.startswith("usage: fsdp-jax verify ")
+def _console_here(monkeypatch, capfd, *args):
+    """(exit code, stdout, stderr) of the declared `fsdp-jax` entry point called as pip's wrapper
+    calls it (sys.argv[0] = 'fsdp-jax', `sys.exit(func())`), in this process: the output is taken
+    at the file descriptors. A fresh process per command is the shim test's (above)."""
+    target = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]["fsdp-jax"]
+    module, func = target.split(":")
+    monkeypatch.setattr(sys, "argv", ["fsdp-jax", *map(str, args)])
+    capfd.readouterr()
+    try:
+        rc = getattr(importlib.import_module(module), func)()
+    except SystemExit as e:
+        rc = e.code
+    out, err = capfd.readouterr()
+    return rc, out, err
+
+
+def test_console_entry_help_and_unknown_command(monkeypatch, capfd):
+    """In process (as three children it cost ~9 s CPU; the declared entry runs in fresh processes
+    in the shim test). Mutations of `entry.main` run against it: the unknown-command branch
+    returning 1 (fails on the exit code), the command's prog without 'fsdp-jax' (fails on
+    verify's usage line)."""
+    rc, out, _ = _console_here(monkeypatch, capfd, "--help")
+    assert rc == 0 and "usage: fsdp-jax" in out and "measure-hf-import" in out
+    rc, _, err = _console_here(monkeypatch, capfd, "nope")
+    assert one_line(rc, err).startswith("error: argument COMMAND: invalid choice: 'nope'")
+    rc, out, _ = _console_here(monkeypatch, capfd, "verify", "--help")
+    assert rc == 0 and out.startswith("usage: fsdp-jax verify ")
 
 
 # ----------------------------------------------------------------------------- the main wrapper

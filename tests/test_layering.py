@@ -27,12 +27,15 @@ def test_library_modules_never_import_the_application():
 
 
 def test_import_fsdp_jax_loads_neither_orbax_nor_the_trainer():
+    # nor IPython (flax imports it only to ask whether it runs inside it: fsdp_jax.model.flax_import),
+    # and IPython stays importable after (the ImportError stand-in is removed)
     code = (
         "import sys, fsdp_jax; print(sorted(m for m in sys.modules if m.startswith("
-        "('orbax', 'tensorstore', 'grain', 'fsdp_jax.app', 'fsdp_jax.checkpoint'))))"
+        "('orbax', 'tensorstore', 'grain', 'fsdp_jax.app', 'fsdp_jax.checkpoint', 'IPython'))), "
+        "sys.modules.get('IPython', 'absent'))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    assert out.stdout.strip() == "[] absent"
     # and the lazy names still resolve
     code = "import fsdp_jax; print(fsdp_jax.checkpoint.Checkpointer.__name__, fsdp_jax.hlo.memory.shard_bytes.__name__)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
