@@ -85,12 +85,18 @@ def test_after_release_warnings_print_as_they_come(capsys):
     assert warnings.showwarning is _stderr
 
 
-def test_train_lora_with_nvme_refusal_is_one_line(tmp_path, capsys):
+def test_train_lora_with_nvme_refusal_is_one_line(corpus, tmp_path, capsys):
     """The trainer's own case: the sharding check warns (a LoRA adapter replicated) while the
     plan is built, then the nvme step refuses frozen params; only the refusal is printed."""
     d = tmp_path / "nvme"
     d.mkdir()
-    args = [*TINY_RUN_OVERRIDES, f"run_dir={tmp_path / 'run'}", f"offload_dirs={d}", "mesh.min_shard_size=1000000000"]
+    args = [
+        *TINY_RUN_OVERRIDES,
+        f"data.path={corpus}",
+        f"run_dir={tmp_path / 'run'}",
+        f"offload_dirs={d}",
+        "mesh.min_shard_size=1000000000",
+    ]
     rc, _, err = call(
         "train", "--config", "configs/tiny.yaml", *args, "offload=optimizer:nvme", "lora.rank=4", capsys=capsys
     )
