@@ -297,6 +297,17 @@ def test_train_without_dirs_is_one_line_before_anything_runs(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
+def test_params_on_disk_is_planned_only_one_line_nothing_written(tmp_path, capsys):
+    """`optimizer+params:nvme` plans (tests/test_nvme_plan.py) but its layer-wise driver is not
+    built: a run says so in one line, exit 2, before anything is written (dirs given or not)."""
+    d = tmp_path / "disk"
+    d.mkdir()
+    args = ["--config", "configs/tiny.yaml", *TINY_RUN_OVERRIDES, f"run_dir={tmp_path / 'run'}"]
+    rc, out, err = call("train", *args, "offload=optimizer+params:nvme", f"offload_dirs={d}", capsys=capsys)
+    one_line(rc, err, "not run yet")
+    assert "offload: optimizer:nvme" in err and not (tmp_path / "run").exists() and not any(d.iterdir())
+
+
 @pytest.mark.slow
 def test_train_with_lora_is_one_line_nothing_written(corpus, tmp_path, capsys):
     """The trainer passes what the nvme step cannot run (frozen params here) to its check."""
@@ -426,10 +437,13 @@ def test_kill_9_mid_step_then_the_same_command_resumes_exactly(corpus, tmp_path)
 
 
 @pytest.mark.slow
-def test_two_processes_each_stream_their_own_files(corpus, tmp_path):
+def test_two_processes_each_stream_their_own_files_and_resume_exactly(corpus, tmp_path):
     """2 processes x 4 devices over gloo: each process writes and reads only its own shards'
     files (`.p0` / `.p1`, its own claim), and the run trains as the same 2-process run
-    without offload: losses and the final checkpoint's params and optimizer state."""
+    without offload: losses and the final checkpoint's params and optimizer state. Then both
+    processes are killed (-9) in step 4 after the step-2 checkpoint, and the same command
+    resumes through the streamed restore (each process rebuilds its own layer files from the
+    checkpoint's shard files) and logs exactly the straight run's losses."""
     from test_multihost import ROOT as MROOT
     from test_multihost import launch, train_args
 
@@ -442,15 +456,19 @@ def test_two_processes_each_stream_their_own_files(corpus, tmp_path):
     from fsdp_jax.sharding.strategy import make_plan
     from fsdp_jax.train.state import abstract_state
 
-    d = tmp_path / "disk"
-    d.mkdir()
-    runs = {"nvme": ["offload=optimizer:nvme", f"offload_dirs={d}"], "none": []}
-    for name, extra in runs.items():
-        r = launch(
-            "--processes", "2", "--devices-per-process", "4", "--", sys.executable,
-            str(MROOT / "scripts" / "train.py"), *train_args(corpus, tmp_path / name, "train.steps=3", *extra),
-            timeout=600,
+    def two(run_dir, disk, *code):
+        extra = ["train.steps=4", "train.checkpoint_every=2"]
+        if disk is not None:
+            disk.mkdir(exist_ok=True)
+            extra += ["offload=optimizer:nvme", f"offload_dirs={disk}"]
+        return launch(
+            "--processes", "2", "--devices-per-process", "4", "--grace", "5", "--", sys.executable,
+            *(code or [str(MROOT / "scripts" / "train.py")]), *train_args(corpus, run_dir, *extra), timeout=600,
         )  # fmt: skip
+
+    d = tmp_path / "disk"
+    for name, disk in (("nvme", d), ("none", None)):
+        r = two(tmp_path / name, disk)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     names = sorted(p.name for p in d.iterdir())
     assert names == [
@@ -460,19 +478,35 @@ def test_two_processes_each_stream_their_own_files(corpus, tmp_path):
     claims = [json.loads((d / f"fsdp_jax_nvme.p{i}.json").read_text()) for i in (0, 1)]
     assert claims[0]["owner"] == claims[1]["owner"] == str((tmp_path / "nvme").resolve())
     want = _losses(tmp_path / "none")
-    assert sorted(want) == [1, 2, 3]
-    np.testing.assert_allclose(
-        [_losses(tmp_path / "nvme")[k] for k in (1, 2, 3)], [want[k] for k in (1, 2, 3)], rtol=1e-6
-    )
+    assert sorted(want) == [1, 2, 3, 4]
+    straight = _losses(tmp_path / "nvme")
+    np.testing.assert_allclose([straight[k] for k in range(1, 5)], [want[k] for k in range(1, 5)], rtol=1e-6)
     cfg = load_config(tmp_path / "none" / "config.yaml")
     model = from_nnx(lambda rngs: Decoder(cfg.model, rngs=rngs, remat=cfg.remat))
     opt, _ = build_optimizer(cfg.optimizer, cfg.train.steps)
     plan = make_plan(model.abstract_params, opt, make_mesh(), "full_shard", model.logical_axes)
-    got = [ck.restore(tmp_path / n / "checkpoints", abstract_state(plan, model.abstract_params, opt))[0] for n in runs]
+    target = abstract_state(plan, model.abstract_params, opt)
+    got = [ck.restore(tmp_path / n / "checkpoints", target)[0] for n in ("nvme", "none")]
     for a, b in zip(
         jax.tree.leaves((got[0].params, got[0].opt_state)), jax.tree.leaves((got[1].params, got[1].opt_state))
     ):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+    # kill -9 both processes in step 4 (their 10th layer write: 2 at start, 2 a step) once the
+    # step-2 checkpoint is committed, then the same command
+    kill, kd = tmp_path / "kill", tmp_path / "kill_disk"
+    r = two(kill, kd, "-c", _KILL_CHILD, "10", str(kill / "checkpoints" / "2"))
+    assert r.returncode != 0 and "exited with -9" in r.stderr, r.stderr[-2000:]
+    assert sorted(p.name for p in (kill / "checkpoints").iterdir() if p.name.isdigit()) == ["2"]
+    r = two(kill, kd)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert "resuming from checkpoint step 2" in r.stdout
+    assert _losses(kill) == straight
+    resumed = ck.restore(kill / "checkpoints", target)[0]
+    for a, b in zip(
+        jax.tree.leaves((resumed.params, resumed.opt_state)), jax.tree.leaves((got[0].params, got[0].opt_state))
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_a_save_that_raises_is_dropped_so_the_step_does_not_wait_for_it():

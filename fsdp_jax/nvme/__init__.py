@@ -6,12 +6,23 @@ step         the train step over them: grads, then read i+1 | update i | write i
 """
 
 from fsdp_jax.nvme.layer_files import LayerFiles, Layout
-from fsdp_jax.nvme.step import HOST_BUFFERS, LAYERED, NVME_OFFLOADS, NvmeStep, check_streamable, labels_of
+from fsdp_jax.nvme.step import (
+    HOST_BUFFERS,
+    LAYERED,
+    NVME_OFFLOADS,
+    PARAMS_NOT_BUILT,
+    PARAMS_NVME,
+    NvmeStep,
+    check_streamable,
+    labels_of,
+)
 
 __all__ = [
     "HOST_BUFFERS",
     "LAYERED",
     "NVME_OFFLOADS",
+    "PARAMS_NOT_BUILT",
+    "PARAMS_NVME",
     "LayerFiles",
     "Layout",
     "NvmeStep",
