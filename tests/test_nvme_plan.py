@@ -15,8 +15,10 @@ from fsdp_jax.app.planner import nvme_plan
 from fsdp_jax.app.planner.abstract_step import build_step
 from fsdp_jax.app.planner.estimate import format_offload_table, plan_config
 from fsdp_jax.app.planner.inputs import parse_bytes
+from fsdp_jax.app.planner.memory_model import analytic_memory
 from fsdp_jax.app.planner.report import fmt_bytes
 from fsdp_jax.app.planner.search_space import SearchSpace, overrides
+from fsdp_jax.app.planner.step_time import roofline_constants
 from fsdp_jax.checkpoint import direct_io
 from fsdp_jax.nvme import HOST_BUFFERS, LAYERED, Layout, labels_of
 from helpers import TINY_MODEL_OVERRIDES, call, one_line
@@ -73,6 +75,58 @@ def test_device_side_is_the_step_without_offload_less_the_stored_state(plans):
     assert any("streams the stacked state layer by layer" in w for w in nvme["warnings"])
     rows = {line.split()[1]: line for line in format_offload_table(docs).splitlines() if "full_shard" in line}
     assert rows["none"].split()[-2] == "-" and fmt_bytes(a["disk_per_host"]) in rows[NVME]  # the disk/host column
+
+
+PARAMS = "optimizer+params:nvme"
+
+
+def test_params_on_disk_count_the_params_in_the_files_and_their_reads(cfg, plans):
+    """`optimizer+params:nvme` (planned only): the files hold the stacked optimizer state and
+    the stacked f32 params (held against the layouts the step's files would have), the forward
+    and backward read the params once each and the update reads and writes params and state;
+    the device keeps neither, nor the stacked grads, beyond two layers."""
+    b = build_step(cfg, "full_shard")
+    none = analytic_memory(dataclasses.replace(b, cfg=dataclasses.replace(cfg, offload="none")))
+    a = analytic_memory(dataclasses.replace(b, cfg=dataclasses.replace(cfg, offload=PARAMS)))
+    state = _files(cfg)
+    stacked = [x for x, m in zip(jax.tree.leaves(b.state.params), jax.tree.leaves(b.plan.layered)) if m]
+    params = Layout.of(stacked)
+    layers, pad = params.n_layers, (len(state.entries) + len(params.entries)) * direct_io.ALIGN
+    assert 0 <= layers * (state.nbytes + params.nbytes) - a["disk_per_host"] <= layers * pad
+    assert 0 <= layers * params.nbytes - a["disk_params_per_host"] <= layers * len(params.entries) * direct_io.ALIGN
+    s_host, p_host = a["disk_per_host"] - a["disk_params_per_host"], a["disk_params_per_host"]
+    assert a["disk_per_step"] == 3 * p_host + 2 * s_host and a["disk_forward"] == p_host
+    p_dev = sum(_shard_bytes(x) for x in stacked)
+    s_dev = a["disk"] - p_dev
+    assert s_dev == plans[1]["analytic"]["disk"]  # the state: as under optimizer:nvme
+    assert a["transfer_per_step"] == 3 * p_dev + 2 * s_dev and a["transfer_forward"] == p_dev
+    off = a["disk"] + p_dev  # the tiny model's grads are f32, as its params
+    assert a["off_device"] == off
+    assert a["device_total"] == none["total"] - off + 2 * -(-off // layers)
+    assert 0 <= HOST_BUFFERS * (state.nbytes + params.nbytes) - a["host_per_host"] <= HOST_BUFFERS * pad
+    r = {"analytic": a, "compiled": dict(plans[0]["compiled"]), "offload": PARAMS, "warnings": []}
+    c = nvme_plan.complete_compiled(r)["compiled"]
+    assert c["device_peak"] == plans[0]["compiled"]["peak"] - off + 2 * -(-off // layers)
+    assert "planned only" in r["warnings"][0]
+
+
+def _shard_bytes(x):
+    n = 1
+    for d in x.sharding.shard_shape(x.shape):
+        n *= d
+    return n * x.dtype.itemsize
+
+
+def test_params_reads_overlap_the_compute_they_feed():
+    """With the params on disk each phase takes the slower of its compute and its I/O."""
+    a = {"disk_per_step": 50e9, "disk_forward": 10e9, "transfer_per_step": 10e9, "transfer_forward": 2e9}
+    a["forward_share"] = 0.25
+    io = nvme_plan.io_seconds(a, 50e9, 25e9, compute_s=4.0)  # forward 1 s vs 0.4 s read; backward 3 vs 1.6
+    assert io["io_s"] == 0.0 and io["disk_s"] == 2.0
+    io = nvme_plan.io_seconds(a, 50e9, 5e9, compute_s=4.0)  # forward reads 2 s, backward I/O 8 s
+    assert io["io_s"] == pytest.approx((2.0 - 1.0) + (8.0 - 3.0))
+    slow_link = nvme_plan.io_seconds(a, 1e9, 25e9, compute_s=4.0)  # forward: 2 s over the host link
+    assert slow_link["io_s"] == pytest.approx((2.0 - 1.0) + (8.0 - 3.0))
 
 
 def test_io_seconds_are_the_slower_of_disk_and_host_link_added_to_the_step():
@@ -158,7 +212,7 @@ def test_search_ranks_nvme_with_its_disk_time_added(capsys, tmp_path):
         "--microbatches",
         "1",
         "--offload",
-        f"none,{NVME}",
+        f"none,{NVME},{PARAMS}",
         "--disk-gbps",
         "0.001",
         "--json",
@@ -175,4 +229,10 @@ def test_search_ranks_nvme_with_its_disk_time_added(capsys, tmp_path):
     assert p["step_s"] == pytest.approx(none["predicted"]["step_s"] + p["disk_s"], rel=1e-3)
     assert a["device_total"] == none["analytic"]["device_total"] - a["disk"] + 2 * -(-a["disk"] // 2)  # 2 layers
     assert doc["winner"]["offload"] == "none"  # the disk's seconds rank it below
+    # params on disk: named in --offload, searched; its reads overlap the compute they feed
+    pa, pp = by[PARAMS]["analytic"], by[PARAMS]["predicted"]
+    compute = none["predicted"]["step_s"]
+    io = nvme_plan.io_seconds(pa, roofline_constants("h100")["host"], 1e6, compute)
+    assert pp["step_s"] == pytest.approx(compute + io["io_s"], rel=1e-3) and io["io_s"] > p["disk_s"] / 2
+    assert pa["disk"] > a["disk"] and pa["disk_per_step"] > a["disk_per_step"]  # the params in the files too
     assert any("nvme candidates" in n and "--disk-gbps" in n for n in doc["notes"])
