@@ -100,13 +100,16 @@ def test_params_on_disk_count_the_params_in_the_files_and_their_reads(cfg, plans
     s_dev = a["disk"] - p_dev
     assert s_dev == plans[1]["analytic"]["disk"]  # the state: as under optimizer:nvme
     assert a["transfer_per_step"] == 3 * p_dev + 2 * s_dev and a["transfer_forward"] == p_dev
-    off = a["disk"] + p_dev  # the tiny model's grads are f32, as its params
+    off = a["disk"] + none["grads"] * p_dev // none["params"]  # + the stacked params' grads
     assert a["off_device"] == off
     assert a["device_total"] == none["total"] - off + 2 * -(-off // layers)
+    assert none["grads"] == none["params"]  # f32 grads of f32 params here: G == P
     assert 0 <= HOST_BUFFERS * (state.nbytes + params.nbytes) - a["host_per_host"] <= HOST_BUFFERS * pad
     r = {"analytic": a, "compiled": dict(plans[0]["compiled"]), "offload": PARAMS, "warnings": []}
     c = nvme_plan.complete_compiled(r)["compiled"]
-    assert c["device_peak"] == plans[0]["compiled"]["peak"] - off + 2 * -(-off // layers)
+    off_c = a["disk"] + p_dev  # the compiled step's grads of them: f32 (reduce=float32), as the params
+    assert a["off_device_compiled"] == off_c and a["stored_layers"] == layers
+    assert c["device_peak"] == plans[0]["compiled"]["peak"] - off_c + 2 * -(-off_c // layers)
     assert "planned only" in r["warnings"][0]
 
 

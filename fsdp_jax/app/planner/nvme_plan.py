@@ -23,10 +23,12 @@ link (per device, each way). The disk bandwidth is a target's `disk` entry in
 P, the stacked f32 master params' shard bytes, in the same files, and feeds the forward and the
 backward a layer at a time from them (ZeRO-Infinity's parameter offload): the forward reads
 layer i+1 while layer i computes; the backward reads layer i again, runs its vjp and updates it
-at once from its state (so its grads, G stacked, never exist whole), then writes params and state.
+at once from its state (so its grads, G stacked in the memory model's grads, never exist whole), then writes params and state.
 Per device:
 
     device      = the step without offload - S - P - G + 2 (S + P + G) / L
+                  (G: the memory model's grads of those params; the compiled step's peak
+                  loses them in the reduce dtype, as it holds them)
     host        = HOST_BUFFERS x (S + P) / L
     disk        = S + P
     host<->dev  = 3 P + 2 S per step                    (P in twice; P and S in and out once)
@@ -48,6 +50,7 @@ from fsdp_jax.app.objectives.preference_run import is_preference
 from fsdp_jax.app.trainer.build import lora_spec
 from fsdp_jax.hlo.memory import shard_bytes
 from fsdp_jax.nvme import HOST_BUFFERS, LAYERED, NVME_OFFLOADS, PARAMS_NVME, labels_of
+from fsdp_jax.sharding.precision import Policy
 from fsdp_jax.targets.perf_tables import perf_table
 
 BASIS = "device_side_from_the_step_without_offload_host_and_disk_analytic"
@@ -73,22 +76,17 @@ def _host_bytes(leaves, host) -> int:
 
 
 def stacked_params(build, devices_per_host: int) -> tuple[int, int, int]:
-    """(P: per-device bytes of the stacked params, a host's bytes of them, G: per-device bytes
-    of their grads in the params' dtype) of a planner `StepBuild`: what `optimizer+params:nvme`
-    keeps in the layer files besides the optimizer state, and the grads it never holds whole."""
+    """(P: per-device bytes of the stacked params, a host's bytes of them, their reduced grads'
+    bytes in the reduce dtype, as the compiled step holds them) of a planner `StepBuild`: what
+    `optimizer+params:nvme` keeps in the layer files besides the state, and grads it never holds."""
     layered = build.plan.layered
     if layered is None:
         return 0, 0, 0
-    pairs = [
-        (x, g)
-        for x, g, m in zip(
-            jax.tree.leaves(build.state.params), jax.tree.leaves(build.plan.grads), jax.tree.leaves(layered)
-        )
-        if m
-    ]
+    stacked = [x for x, m in zip(jax.tree.leaves(build.state.params), jax.tree.leaves(layered)) if m]
     host = sorted(build.mesh.devices.flat, key=lambda d: d.id)[:devices_per_host]
-    grads = sum(shard_bytes(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=g)) for x, g in pairs)
-    return sum(shard_bytes(x) for x, _ in pairs), _host_bytes([x for x, _ in pairs], host), grads
+    reduce = Policy.parse(build.cfg.precision).reduce_dtype
+    grads = sum(shard_bytes(jax.ShapeDtypeStruct(x.shape, reduce, sharding=x.sharding)) for x in stacked)
+    return sum(shard_bytes(x) for x in stacked), _host_bytes(stacked, host), grads
 
 
 def stored_bytes(build, devices_per_host: int) -> tuple[int, int, int, int]:
@@ -129,7 +127,9 @@ def nvme_memory(build, analytic: dict[str, int], devices_per_host: int) -> dict[
             "disk_per_step": 2 * s_host,
             "checkpoint_host_per_host": 2 * layer_host,
         }
-    p, p_host, g = stacked_params(build, devices_per_host)
+    p, p_host, g_compiled = stacked_params(build, devices_per_host)
+    # the stacked params' share of the memory model's grads (held in one dtype for every leaf)
+    g = analytic["grads"] * p // analytic["params"] if analytic["params"] else 0
     files, files_host = s + p, s_host + p_host
     layer_host = -(-files_host // layers)
     return {
@@ -139,12 +139,14 @@ def nvme_memory(build, analytic: dict[str, int], devices_per_host: int) -> dict[
         "disk_per_host": files_host,
         "disk_params_per_host": p_host,
         "device_total": analytic["total"] - files - g + 2 * -(-(files + g) // layers),
-        "off_device": files + g,  # what leaves the compiled step's peak, two layers of it back
+        "off_device": files + g,  # what leaves the memory model's total, two layers of it back
+        "off_device_compiled": files + g_compiled,  # ... and the compiled step's peak (its grads in the reduce dtype)
         "transfer_per_step": 3 * p + 2 * s,
         "transfer_forward": p,
         "disk_per_step": 3 * p_host + 2 * s_host,
         "disk_forward": p_host,
         "forward_share": FORWARD_SHARE.get(build.cfg.remat, FORWARD_SHARE_DEFAULT),
+        "stored_layers": layers,
         "checkpoint_host_per_host": 2 * layer_host,
     }
 
@@ -161,11 +163,14 @@ def complete_compiled(r: dict[str, Any]) -> dict[str, Any]:
     config: its analytic terms already carry `nvme_memory`) with its compiled figures split
     the same way: the stored state leaves the argument bytes, two layers of it come back."""
     a, c = r["analytic"], r["compiled"]
-    off = a.get("off_device", a["disk"])
-    moved_back = a["device_total"] - (a["total"] - off)
+    if "off_device_compiled" in a:  # params on disk: the stacked grads leave too, two layers come back
+        off = a["off_device_compiled"]
+        back = 2 * -(-off // a["stored_layers"])
+    else:
+        off, back = a["disk"], a["device_total"] - (a["total"] - a["disk"])
     c["host_argument"] = 0
     c["device_argument"] = c["argument"] - a["disk"]
-    c["device_peak"] = c["peak"] - off + moved_back
+    c["device_peak"] = c["peak"] - off + back
     c["host_reported"] = 0
     r["offload_basis"] = BASIS
     r["warnings"].insert(0, note(r["offload"]))
