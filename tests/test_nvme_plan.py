@@ -81,33 +81,38 @@ PARAMS = "optimizer+params:nvme"
 
 
 def test_params_on_disk_count_the_params_in_the_files_and_their_reads(cfg, plans):
-    """`optimizer+params:nvme` (planned only): the files hold the stacked optimizer state and
-    the stacked f32 params (held against the layouts the step's files would have), the forward
-    and backward read the params once each and the update reads and writes params and state;
-    the device keeps neither, nor the stacked grads, beyond two layers."""
+    """`optimizer+params:nvme` (planned only): the files hold the stacked optimizer state, the
+    stacked f32 params and their grads (held against the layouts the step's files would have);
+    the forward and backward read the params once each, the backward writes the grads, the update
+    reads params, state and grads and writes params and state; the device keeps none of them, nor
+    the stacked grads, beyond two layers."""
     b = build_step(cfg, "full_shard")
     none = analytic_memory(dataclasses.replace(b, cfg=dataclasses.replace(cfg, offload="none")))
     a = analytic_memory(dataclasses.replace(b, cfg=dataclasses.replace(cfg, offload=PARAMS)))
     state = _files(cfg)
     stacked = [x for x, m in zip(jax.tree.leaves(b.state.params), jax.tree.leaves(b.plan.layered)) if m]
-    params = Layout.of(stacked)
-    layers, pad = params.n_layers, (len(state.entries) + len(params.entries)) * direct_io.ALIGN
-    assert 0 <= layers * (state.nbytes + params.nbytes) - a["disk_per_host"] <= layers * pad
+    params = Layout.of(stacked)  # the grads: f32 here (reduce=float32), the same layout
+    layers = params.n_layers
+    pad = (len(state.entries) + 2 * len(params.entries)) * direct_io.ALIGN
+    assert 0 <= layers * (state.nbytes + 2 * params.nbytes) - a["disk_per_host"] <= layers * pad
     assert 0 <= layers * params.nbytes - a["disk_params_per_host"] <= layers * len(params.entries) * direct_io.ALIGN
-    s_host, p_host = a["disk_per_host"] - a["disk_params_per_host"], a["disk_params_per_host"]
-    assert a["disk_per_step"] == 3 * p_host + 2 * s_host and a["disk_forward"] == p_host
+    p_host = a["disk_params_per_host"]
+    s_host = a["disk_per_host"] - 2 * p_host
+    assert a["disk_per_step"] == 4 * p_host + 2 * s_host + 2 * p_host
+    assert a["disk_forward"] == p_host and a["disk_backward"] == 2 * p_host
     p_dev = sum(_shard_bytes(x) for x in stacked)
-    s_dev = a["disk"] - p_dev
-    assert s_dev == plans[1]["analytic"]["disk"]  # the state: as under optimizer:nvme
-    assert a["transfer_per_step"] == 3 * p_dev + 2 * s_dev and a["transfer_forward"] == p_dev
-    off = a["disk"] + none["grads"] * p_dev // none["params"]  # + the stacked params' grads
+    s_dev = plans[1]["analytic"]["disk"]  # the state: as under optimizer:nvme
+    assert a["disk"] == s_dev + 2 * p_dev
+    assert a["transfer_per_step"] == 4 * p_dev + 2 * s_dev + 2 * p_dev
+    assert a["transfer_forward"] == p_dev and a["transfer_backward"] == 2 * p_dev
+    off = s_dev + p_dev + none["grads"] * p_dev // none["params"]  # + the stacked params' grads
     assert a["off_device"] == off
     assert a["device_total"] == none["total"] - off + 2 * -(-off // layers)
     assert none["grads"] == none["params"]  # f32 grads of f32 params here: G == P
-    assert 0 <= HOST_BUFFERS * (state.nbytes + params.nbytes) - a["host_per_host"] <= HOST_BUFFERS * pad
+    assert 0 <= HOST_BUFFERS * (state.nbytes + 2 * params.nbytes) - a["host_per_host"] <= HOST_BUFFERS * pad
     r = {"analytic": a, "compiled": dict(plans[0]["compiled"]), "offload": PARAMS, "warnings": []}
     c = nvme_plan.complete_compiled(r)["compiled"]
-    off_c = a["disk"] + p_dev  # the compiled step's grads of them: f32 (reduce=float32), as the params
+    off_c = s_dev + 2 * p_dev  # the compiled step's grads of them: f32 (reduce=float32), as the params
     assert a["off_device_compiled"] == off_c and a["stored_layers"] == layers
     assert c["device_peak"] == plans[0]["compiled"]["peak"] - off_c + 2 * -(-off_c // layers)
     assert "planned only" in r["warnings"][0]
@@ -121,15 +126,16 @@ def _shard_bytes(x):
 
 
 def test_params_reads_overlap_the_compute_they_feed():
-    """With the params on disk each phase takes the slower of its compute and its I/O."""
-    a = {"disk_per_step": 50e9, "disk_forward": 10e9, "transfer_per_step": 10e9, "transfer_forward": 2e9}
-    a["forward_share"] = 0.25
-    io = nvme_plan.io_seconds(a, 50e9, 25e9, compute_s=4.0)  # forward 1 s vs 0.4 s read; backward 3 vs 1.6
-    assert io["io_s"] == 0.0 and io["disk_s"] == 2.0
-    io = nvme_plan.io_seconds(a, 50e9, 5e9, compute_s=4.0)  # forward reads 2 s, backward I/O 8 s
-    assert io["io_s"] == pytest.approx((2.0 - 1.0) + (8.0 - 3.0))
-    slow_link = nvme_plan.io_seconds(a, 1e9, 25e9, compute_s=4.0)  # forward: 2 s over the host link
-    assert slow_link["io_s"] == pytest.approx((2.0 - 1.0) + (8.0 - 3.0))
+    """With the params on disk the forward and the backward each take the slower of their compute
+    and their I/O; the update's I/O after the backward waits."""
+    a = {"disk_per_step": 50e9, "disk_forward": 10e9, "disk_backward": 20e9}
+    a.update(transfer_per_step=10e9, transfer_forward=2e9, transfer_backward=4e9, forward_share=0.25)
+    io = nvme_plan.io_seconds(a, 50e9, 25e9, compute_s=4.0)  # forward 1 s vs 0.4 s read; backward 3 vs 0.8
+    assert io["disk_s"] == 2.0 and io["io_s"] == pytest.approx(0.8)  # the update: 20 GB of disk
+    io = nvme_plan.io_seconds(a, 50e9, 5e9, compute_s=4.0)  # forward 2 s, backward 4 s, update 4 s of I/O
+    assert io["io_s"] == pytest.approx((2.0 - 1.0) + (4.0 - 3.0) + 4.0)
+    slow_link = nvme_plan.io_seconds(a, 1e9, 25e9, compute_s=4.0)  # the link: 2, 4 and 4 s
+    assert slow_link["io_s"] == pytest.approx((2.0 - 1.0) + (4.0 - 3.0) + 4.0)
 
 
 def test_io_seconds_are_the_slower_of_disk_and_host_link_added_to_the_step():

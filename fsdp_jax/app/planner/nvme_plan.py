@@ -22,22 +22,24 @@ link (per device, each way). The disk bandwidth is a target's `disk` entry in
 `optimizer+params:nvme` (planned; the trainer refuses it until its layer-wise driver exists) keeps
 P, the stacked f32 master params' shard bytes, in the same files, and feeds the forward and the
 backward a layer at a time from them (ZeRO-Infinity's parameter offload): the forward reads
-layer i+1 while layer i computes; the backward reads layer i again, runs its vjp and updates it
-at once from its state (so its grads, G stacked in the memory model's grads, never exist whole), then writes params and state.
-Per device:
+layer i+1 while layer i computes; the backward reads layer i again, runs its vjp and writes its
+grads (Gr: the reduce dtype) to files, since global-norm clipping and the non-finite skip need
+every grad before any update; then the update streams params, state and grads a layer at a time
+as `optimizer:nvme` does. Per device:
 
     device      = the step without offload - S - P - G + 2 (S + P + G) / L
                   (G: the memory model's grads of those params; the compiled step's peak
-                  loses them in the reduce dtype, as it holds them)
-    host        = HOST_BUFFERS x (S + P) / L
-    disk        = S + P
-    host<->dev  = 3 P + 2 S per step                    (P in twice; P and S in and out once)
-    disk I/O    = (3 P + 2 S) x devices per host         (reads 2 P + S, writes P + S)
+                  loses Gr, the grads as it holds them)
+    host        = HOST_BUFFERS x (S + P + Gr) / L
+    disk        = S + P + Gr
+    host<->dev  = 4 P + 2 S + 2 Gr per step        (forward P in; backward P in, Gr out;
+                                                     update P, S, Gr in, P, S out)
+    disk I/O    = the same bytes x devices per host
 
-Its reads overlap the compute they feed (the forward's the forward, the backward's the backward
-and updates), so a step is max(forward compute, forward I/O) + max(backward compute, backward
-I/O), each I/O the slower of disk and host link, the forward's share of the compute from
-`FORWARD_SHARE`.
+The forward's reads overlap the forward's compute and the backward's reads and writes the
+backward's; the update's I/O waits, as under `optimizer:nvme`. So a step is max(forward
+compute, forward I/O) + max(backward compute, backward I/O) + update I/O, each I/O the slower of
+disk and host link, the forward's share of the compute from `FORWARD_SHARE`.
 """
 
 from __future__ import annotations
@@ -75,18 +77,24 @@ def _host_bytes(leaves, host) -> int:
     return total
 
 
-def stacked_params(build, devices_per_host: int) -> tuple[int, int, int]:
-    """(P: per-device bytes of the stacked params, a host's bytes of them, their reduced grads'
-    bytes in the reduce dtype, as the compiled step holds them) of a planner `StepBuild`: what
-    `optimizer+params:nvme` keeps in the layer files besides the state, and grads it never holds."""
+def stacked_params(build, devices_per_host: int) -> dict[str, int]:
+    """What `optimizer+params:nvme` keeps in files besides the optimizer state, of a planner
+    `StepBuild`: p / p_host (the stacked params' bytes per device / a host's) and gr / gr_host
+    (their grads in the reduce dtype, written in the backward, read by the update; also what the
+    compiled step holds of them)."""
     layered = build.plan.layered
     if layered is None:
-        return 0, 0, 0
+        return {"p": 0, "p_host": 0, "gr": 0, "gr_host": 0}
     stacked = [x for x, m in zip(jax.tree.leaves(build.state.params), jax.tree.leaves(layered)) if m]
     host = sorted(build.mesh.devices.flat, key=lambda d: d.id)[:devices_per_host]
     reduce = Policy.parse(build.cfg.precision).reduce_dtype
-    grads = sum(shard_bytes(jax.ShapeDtypeStruct(x.shape, reduce, sharding=x.sharding)) for x in stacked)
-    return sum(shard_bytes(x) for x in stacked), _host_bytes(stacked, host), grads
+    grads = [jax.ShapeDtypeStruct(x.shape, reduce, sharding=x.sharding) for x in stacked]
+    return {
+        "p": sum(shard_bytes(x) for x in stacked),
+        "p_host": _host_bytes(stacked, host),
+        "gr": sum(shard_bytes(x) for x in grads),
+        "gr_host": _host_bytes(grads, host),
+    }
 
 
 def stored_bytes(build, devices_per_host: int) -> tuple[int, int, int, int]:
@@ -127,33 +135,36 @@ def nvme_memory(build, analytic: dict[str, int], devices_per_host: int) -> dict[
             "disk_per_step": 2 * s_host,
             "checkpoint_host_per_host": 2 * layer_host,
         }
-    p, p_host, g_compiled = stacked_params(build, devices_per_host)
+    q = stacked_params(build, devices_per_host)
+    p, gr = q["p"], q["gr"]
     # the stacked params' share of the memory model's grads (held in one dtype for every leaf)
     g = analytic["grads"] * p // analytic["params"] if analytic["params"] else 0
-    files, files_host = s + p, s_host + p_host
+    files, files_host = s + p + gr, s_host + q["p_host"] + q["gr_host"]
     layer_host = -(-files_host // layers)
     return {
         "host": HOST_BUFFERS * layer_host // devices_per_host,
         "host_per_host": HOST_BUFFERS * layer_host,
         "disk": files,
         "disk_per_host": files_host,
-        "disk_params_per_host": p_host,
-        "device_total": analytic["total"] - files - g + 2 * -(-(files + g) // layers),
-        "off_device": files + g,  # what leaves the memory model's total, two layers of it back
-        "off_device_compiled": files + g_compiled,  # ... and the compiled step's peak (its grads in the reduce dtype)
-        "transfer_per_step": 3 * p + 2 * s,
-        "transfer_forward": p,
-        "disk_per_step": 3 * p_host + 2 * s_host,
-        "disk_forward": p_host,
-        "forward_share": FORWARD_SHARE.get(build.cfg.remat, FORWARD_SHARE_DEFAULT),
+        "disk_params_per_host": q["p_host"],
+        "device_total": analytic["total"] - (s + p + g) + 2 * -(-(s + p + g) // layers),
+        "off_device": s + p + g,  # what leaves the memory model's total, two layers of it back
+        "off_device_compiled": s + p + gr,  # ... and the compiled step's peak (its grads as it holds them)
         "stored_layers": layers,
-        "checkpoint_host_per_host": 2 * layer_host,
+        "transfer_per_step": 4 * p + 2 * s + 2 * gr,
+        "transfer_forward": p,
+        "transfer_backward": p + gr,
+        "disk_per_step": 4 * q["p_host"] + 2 * s_host + 2 * q["gr_host"],
+        "disk_forward": q["p_host"],
+        "disk_backward": q["p_host"] + q["gr_host"],
+        "forward_share": FORWARD_SHARE.get(build.cfg.remat, FORWARD_SHARE_DEFAULT),
+        "checkpoint_host_per_host": 2 * -(-(s_host + q["p_host"]) // layers),
     }
 
 
 def rescale_host(a: dict[str, int], per_host: int, devices_per_host: int) -> None:
     """`nvme_memory`'s host terms for a host of `per_host` devices instead of `devices_per_host`."""
-    for k in ("disk_per_host", "disk_params_per_host", "disk_per_step", "disk_forward"):
+    for k in ("disk_per_host", "disk_params_per_host", "disk_per_step", "disk_forward", "disk_backward"):
         if k in a:
             a[k] = a[k] * per_host // devices_per_host
 
@@ -220,15 +231,24 @@ def io_seconds(
     `host_s` (a device's bytes over its host link) and `io_s`, what it adds to a step of
     `compute_s`: under `optimizer:nvme` the slower of the two (the pipeline overlaps them and the
     update's own compute, nothing else); with the params on disk what the forward's and the
-    backward's I/O leave exposed beyond the compute they overlap (the module docstring)."""
+    backward's I/O leave exposed beyond the compute they overlap, plus the update's (the module
+    docstring)."""
     disk_s = analytic.get("disk_per_step", 0) / disk_bps
     host_s = analytic.get("transfer_per_step", 0) / host_bytes_per_s
     if "disk_forward" not in analytic:
         return {"disk_s": disk_s, "host_s": host_s, "io_s": max(disk_s, host_s)}
-    fwd_io = max(analytic["disk_forward"] / disk_bps, analytic["transfer_forward"] / host_bytes_per_s)
-    bwd_io = max(disk_s - analytic["disk_forward"] / disk_bps, host_s - analytic["transfer_forward"] / host_bytes_per_s)
+
+    def phase(disk_bytes, link_bytes):
+        return max(disk_bytes / disk_bps, link_bytes / host_bytes_per_s)
+
+    fwd_io = phase(analytic["disk_forward"], analytic["transfer_forward"])
+    bwd_io = phase(analytic["disk_backward"], analytic["transfer_backward"])
+    update_io = phase(
+        analytic["disk_per_step"] - analytic["disk_forward"] - analytic["disk_backward"],
+        analytic["transfer_per_step"] - analytic["transfer_forward"] - analytic["transfer_backward"],
+    )
     fwd = analytic["forward_share"] * compute_s
-    exposed = max(fwd, fwd_io) + max(compute_s - fwd, bwd_io) - compute_s
+    exposed = max(fwd, fwd_io) + max(compute_s - fwd, bwd_io) + update_io - compute_s
     return {"disk_s": disk_s, "host_s": host_s, "io_s": exposed}
 
 
