@@ -115,6 +115,7 @@ def test_params_on_disk_count_the_params_in_the_files_and_their_reads(cfg, plans
     off_c = s_dev + 2 * p_dev  # the compiled step's grads of them: f32 (reduce=float32), as the params
     assert a["off_device_compiled"] == off_c and a["stored_layers"] == layers
     assert c["device_peak"] == plans[0]["compiled"]["peak"] - off_c + 2 * -(-off_c // layers)
+    assert c["device_argument"] == plans[0]["compiled"]["argument"] - s_dev - p_dev  # the grads were no argument
     assert "planned only" in r["warnings"][0]
 
 

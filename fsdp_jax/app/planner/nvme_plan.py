@@ -150,6 +150,7 @@ def nvme_memory(build, analytic: dict[str, int], devices_per_host: int) -> dict[
         "device_total": analytic["total"] - (s + p + g) + 2 * -(-(s + p + g) // layers),
         "off_device": s + p + g,  # what leaves the memory model's total, two layers of it back
         "off_device_compiled": s + p + gr,  # ... and the compiled step's peak (its grads as it holds them)
+        "off_arguments": s + p,  # ... and its arguments
         "stored_layers": layers,
         "transfer_per_step": 4 * p + 2 * s + 2 * gr,
         "transfer_forward": p,
@@ -180,7 +181,7 @@ def complete_compiled(r: dict[str, Any]) -> dict[str, Any]:
     else:
         off, back = a["disk"], a["device_total"] - (a["total"] - a["disk"])
     c["host_argument"] = 0
-    c["device_argument"] = c["argument"] - a["disk"]
+    c["device_argument"] = c["argument"] - a.get("off_arguments", a["disk"])
     c["device_peak"] = c["peak"] - off + back
     c["host_reported"] = 0
     r["offload_basis"] = BASIS
@@ -198,7 +199,7 @@ def _stored(offload: str) -> tuple[str, str]:
     """(what rests in the files, what leaves the device) under `offload`, for the notes."""
     if offload == PARAMS_NVME:
         return (
-            "the stacked optimizer state and f32 master params",
+            "the stacked optimizer state and f32 master params (and the backward's grads of them)",
             "that state, those params and their grads (fed and updated a layer at a time: not run yet, planned only)",
         )
     return "the stacked optimizer state", "that state"
