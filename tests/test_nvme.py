@@ -530,3 +530,19 @@ def test_a_save_that_raises_is_dropped_so_the_step_does_not_wait_for_it():
     assert calls[-1] == ("drop",)
     with nvme_run.saved(SimpleNamespace(nvme=None), "live") as state:
         assert state == "live"
+
+
+@pytest.mark.slow  # 17 s on the loaded 2-core machine: five compiles
+def test_layer_programs_equal_the_scanned_model_bit_for_bit():
+    """The measurement behind `optimizer+params:nvme`'s planned driver (docs/offload.md "Params
+    on disk"): the embedding, each layer (forward, then its vjp in reverse from the kept input)
+    and the head as their own jitted programs give the scanned model's loss and grads bit for bit
+    (one device, float32, no remat; benchmarks/nvme_layerwise_parity.py)."""
+    from flax import nnx
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from nvme_layerwise_parity import compare
+
+    with nnx.use_eager_sharding(False):
+        r = compare(layers=2, batch=2, seq=16, seed=1)
+    assert r["loss_equal"] and r["grads"] == 12 and r["grads_equal"] == r["grads"], r["per_leaf"]
