@@ -9,7 +9,10 @@ unless XLA_FLAGS says otherwise: the loss and every param's grad, bits equal or 
 difference. No files are read: the params come from memory, so only the program split is
 measured.
 
-    PYTHONPATH=. JAX_PLATFORMS=cpu python benchmarks/nvme_layerwise_parity.py [--layers 4] [--json out.json]
+    PYTHONPATH=. JAX_PLATFORMS=cpu python benchmarks/nvme_layerwise_parity.py [--layers 4] [--devices 8] [--json out.json]
+
+`--devices N`: params split over N CPU devices along a dim N divides, rows too, laid out by
+XLA's partitioner alone (not the project's sharding plan or its per-layer gathers).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from fsdp_jax.app.models.config import DecoderConfig
 from fsdp_jax.app.models.decoder import Block, Decoder, cross_entropy, embed_updates_layout
@@ -80,10 +85,27 @@ def layerwise(cfg, graphdef, state, tokens):
     return loss, nnx.State({**g_rest, "blocks": g_blocks})
 
 
-def compare(layers: int, batch: int, seq: int, seed: int) -> dict:
+def _sharded(state, tokens, n: int):
+    """`state` with each leaf split over n devices along its last dim that n divides (else
+    whole), `tokens` over its rows: XLA's partitioner lays out both programs from these."""
+    mesh = Mesh(np.array(jax.devices()[:n]), ("fsdp",))
+
+    def put(x):
+        dims = [d for d in range(x.ndim) if x.shape[d] % n == 0]
+        spec = [None] * x.ndim
+        if dims:
+            spec[dims[-1]] = "fsdp"
+        return jax.device_put(x, NamedSharding(mesh, P(*spec)))
+
+    return jax.tree.map(put, state), jax.device_put(tokens, NamedSharding(mesh, P("fsdp", None)))
+
+
+def compare(layers: int, batch: int, seq: int, seed: int, devices: int = 1) -> dict:
     cfg, model = _model(layers)
     graphdef, state = nnx.split(model)
     tokens = jax.random.randint(jax.random.key(seed), (batch, seq + 1), 0, cfg.vocab_size)
+    if devices > 1:
+        state, tokens = _sharded(state, tokens, devices)
     ref_loss, ref_g = scanned(graphdef, state, tokens)
     loss, g = layerwise(cfg, graphdef, state, tokens)
     rows = {}
@@ -96,6 +118,7 @@ def compare(layers: int, batch: int, seq: int, seed: int) -> dict:
             "max_rel": float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(a))), 1e-30)),
         }
     return {
+        "devices": devices,
         "layers": layers,
         "batch": batch,
         "seq": seq,
@@ -115,10 +138,12 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--devices", type=int, default=1, help="CPU devices to split params and rows over")
     ap.add_argument("--json", help="write the result here")
     args = ap.parse_args(argv)
+    jax.config.update("jax_num_cpu_devices", args.devices)
     with nnx.use_eager_sharding(False):  # one device, no mesh: the logical names stay metadata
-        r = compare(args.layers, args.batch, args.seq, args.seed)
+        r = compare(args.layers, args.batch, args.seq, args.seed, args.devices)
     print(
         f"loss scanned {r['loss_ref']!r} layer-wise {r['loss_layerwise']!r} equal={r['loss_equal']}; "
         f"grads equal {r['grads_equal']} of {r['grads']}, largest relative difference {r['grad_max_rel']:.3g}"
