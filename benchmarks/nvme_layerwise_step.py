@@ -7,8 +7,10 @@ the grad norm, the rest's update and the per-layer update from the files) agains
 N CPU devices with the same param shardings and batch layout (`sharding_context` of the plan),
 float32, no remat, one microbatch, AdamW: per step the loss and grad norm, after the steps
 every param and optimizer-state leaf (bits equal, or its largest relative difference).
+`--nan-step`: then one step of each with a NaN in the embedding: both skip it, and the layer
+files are left as they were.
 
-    PYTHONPATH=. JAX_PLATFORMS=cpu python benchmarks/nvme_layerwise_step.py [--devices 8] [--clip 1.0] [--json out.json]
+    PYTHONPATH=. JAX_PLATFORMS=cpu python benchmarks/nvme_layerwise_step.py [--devices 8] [--clip 1.0] [--nan-step] [--json out.json]
 
 Run on XLA:CPU's default emitters (no `--xla_cpu_use_fusion_emitters` in XLA_FLAGS) to compare
 with tests/test_nvme_layerwise.py, which runs this in a child.
@@ -31,7 +33,7 @@ def _differ(a_tree, b_tree) -> dict:
     out = {}
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(a_tree)[0], jax.tree.leaves(b_tree)):
         a, b = np.asarray(a), np.asarray(b)
-        if not np.array_equal(a, b):
+        if not np.array_equal(a, b, equal_nan=True):
             out[jax.tree_util.keystr(path)] = float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(a))), 1e-30))
     return out
 
@@ -46,7 +48,7 @@ def _batches(n: int, batch: int, seq: int, vocab: int, seed: int = 1):
     return out
 
 
-def compare(devices: int, clip: float | None, layers: int = 2, steps: int = 3) -> dict:
+def compare(devices: int, clip: float | None, layers: int = 2, steps: int = 3, nan_step: bool = False) -> dict:
     import fsdp_jax as fj
     from fsdp_jax.app.models import Decoder, DecoderConfig, cross_entropy
     from fsdp_jax.app.models.layer_pieces import decoder_pieces, split_params
@@ -80,18 +82,32 @@ def compare(devices: int, clip: float | None, layers: int = 2, steps: int = 3) -
             live, mt = lw.train_step(live, x)
             got.append([float(mt["loss"]), float(mt["grad_norm"])])
         new_params, new_state = lw.gather(live)
-        files = sorted(p.name for p in Path(d).iterdir())
+        out = {
+            "devices": devices,
+            "clip": clip,
+            "ref": ref,
+            "got": got,
+            "params": _differ(split_params(state.params), new_params),
+            "state": _differ(state.opt_state, new_state),
+            "leaves": len(jax.tree.leaves(new_params)),
+            "files": sorted(p.name for p in Path(d).iterdir()),
+        }
+        out["nan_step"] = _skipped_step(b, state, lw, live, batches[0]) if nan_step else None
         lw.close()
-    return {
-        "devices": devices,
-        "clip": clip,
-        "ref": ref,
-        "got": got,
-        "params": _differ(split_params(state.params), new_params),
-        "state": _differ(state.opt_state, new_state),
-        "leaves": len(jax.tree.leaves(new_params)),
-        "files": files,
-    }
+    return out
+
+
+def _skipped_step(b, state, lw, live, batch) -> dict:
+    """One more step of each with a NaN in the embedding (the loss non-finite): both skip, and
+    the layer files' params and state are left as they were (bits, NaN equal to NaN)."""
+    nan = jax.numpy.float32(np.nan)
+    state = state.replace(params={**state.params, "embed": state.params["embed"].at[0, 0].set(nan)})
+    live = {**live, "rest": {**live["rest"], "embed": live["rest"]["embed"].at[0, 0].set(nan)}}
+    before = lw.gather(live)
+    state, ref = b.train_step(state, batch)
+    live, got = lw.train_step(live, batch)
+    after = lw.gather(live)
+    return {"skipped": [int(ref["skipped"]), int(got["skipped"])], "changed": _differ(before, after)}
 
 
 def main(argv=None) -> int:
@@ -100,10 +116,11 @@ def main(argv=None) -> int:
     ap.add_argument("--clip", type=float, default=None)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--nan-step", action="store_true", help="then one step with a NaN in the embedding: skipped?")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
     jax.config.update("jax_num_cpu_devices", max(a.devices, 1))
-    r = compare(a.devices, a.clip, a.layers, a.steps)
+    r = compare(a.devices, a.clip, a.layers, a.steps, a.nan_step)
     text = json.dumps(r)
     if a.json:
         a.json.write_text(text + "\n")

@@ -26,8 +26,9 @@ def layerwise(*args):
 @pytest.mark.slow  # a child compiling the scanned step and the layer-wise programs: 21-110 s loaded
 def test_layerwise_step_equals_the_scanned_step_bit_for_bit_on_one_device():
     """f32, no remat, one microbatch, AdamW, 3 steps, no clipping: the loss, every param and every
-    optimizer-state leaf bit for bit; the files: params, state, grads per layer."""
-    r = layerwise("--devices", "1")
+        optimizer-state leaf bit for bit; the files: params, state, grads per layer; a non-finite step
+    skipped by both."""
+    r = layerwise("--devices", "1", "--nan-step")
     (loss, norm), (ref_loss, ref_norm) = np.transpose(r["got"]), np.transpose(r["ref"])
     assert list(loss) == list(ref_loss) and ref_loss[-1] < ref_loss[0]
     # the grad norm sums a stacked leaf's squares per layer, then over layers: not the scanned
@@ -37,6 +38,8 @@ def test_layerwise_step_equals_the_scanned_step_bit_for_bit_on_one_device():
     kinds = ("grads", "params", "state")
     claims = [f"fsdp_jax_nvme.{k}.p0.json" for k in kinds]
     assert r["files"] == sorted(claims + [f"{k}{i:05d}.p0.bin" for k in kinds for i in range(2)])
+    # then a NaN in the embedding: both steps skip; the files' params and state are left as they were
+    assert r["nan_step"] == {"skipped": [1, 1], "changed": {}}
 
 
 def stacked():
