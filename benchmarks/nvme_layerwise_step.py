@@ -6,7 +6,9 @@ the grad norm, the rest's update and the per-layer update from the files) agains
 `build(...).train_step` (full_shard, the scanned layers, no offload) from the same init, on
 N CPU devices with the same param shardings and batch layout (`sharding_context` of the plan),
 float32, no remat, one microbatch, AdamW: per step the loss and grad norm, after the steps
-every param and optimizer-state leaf (bits equal, or its largest relative difference).
+every param and optimizer-state leaf (bits equal, or its largest relative difference). Before
+the last step the layer-wise state is gathered whole and put back into the files, as a restore
+from a checkpoint would.
 `--nan-step`: then one step of each with a NaN in the embedding: both skip it, and the layer
 files are left as they were.
 
@@ -78,7 +80,9 @@ def compare(devices: int, clip: float | None, layers: int = 2, steps: int = 3, n
     with tempfile.TemporaryDirectory() as d, sharding_context(b.plan):
         lw = LayerwiseStep(decoder_pieces(m, cfg), opt, abstract, [d], "bench", clip, batch_sharding=b.plan.batch)
         live, got = lw.put(params, opt.init(params)), []
-        for x in batches:
+        for k, x in enumerate(batches):
+            if k == len(batches) - 1:  # as a restore would: the whole state gathered, the files rewritten from it
+                live = lw.put(*lw.gather(live))
             live, mt = lw.train_step(live, x)
             got.append([float(mt["loss"]), float(mt["grad_norm"])])
         new_params, new_state = lw.gather(live)
