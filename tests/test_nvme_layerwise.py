@@ -26,7 +26,8 @@ def layerwise(*args):
 @pytest.mark.slow  # a child compiling the scanned step and the layer-wise programs: 21-110 s loaded
 def test_layerwise_step_equals_the_scanned_step_bit_for_bit_on_one_device():
     """f32, no remat, one microbatch, AdamW, 3 steps, no clipping: the loss, every param and every
-        optimizer-state leaf bit for bit; the files: params, state, grads per layer; a non-finite step
+    optimizer-state leaf bit for bit, the state gathered and put back into the files before the
+    last step (as a restore would); the files: params, state, grads per layer; a non-finite step
     skipped by both."""
     r = layerwise("--devices", "1", "--nan-step")
     (loss, norm), (ref_loss, ref_norm) = np.transpose(r["got"]), np.transpose(r["ref"])
