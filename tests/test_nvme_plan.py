@@ -15,8 +15,10 @@ from fsdp_jax.app.planner import nvme_plan
 from fsdp_jax.app.planner.abstract_step import build_step
 from fsdp_jax.app.planner.estimate import format_offload_table, plan_config
 from fsdp_jax.app.planner.inputs import parse_bytes
+from fsdp_jax.app.planner.memory_model import analytic_memory
 from fsdp_jax.app.planner.report import fmt_bytes
 from fsdp_jax.app.planner.search_space import SearchSpace, overrides
+from fsdp_jax.app.planner.step_time import roofline_constants
 from fsdp_jax.checkpoint import direct_io
 from fsdp_jax.nvme import HOST_BUFFERS, LAYERED, Layout, labels_of
 from helpers import TINY_MODEL_OVERRIDES, call, one_line
@@ -73,6 +75,68 @@ def test_device_side_is_the_step_without_offload_less_the_stored_state(plans):
     assert any("streams the stacked state layer by layer" in w for w in nvme["warnings"])
     rows = {line.split()[1]: line for line in format_offload_table(docs).splitlines() if "full_shard" in line}
     assert rows["none"].split()[-2] == "-" and fmt_bytes(a["disk_per_host"]) in rows[NVME]  # the disk/host column
+
+
+PARAMS = "optimizer+params:nvme"
+
+
+def test_params_on_disk_count_the_params_in_the_files_and_their_reads(cfg, plans):
+    """`optimizer+params:nvme` (planned only): the files hold the stacked optimizer state, the
+    stacked f32 params and their grads (held against the layouts the step's files would have);
+    the forward and backward read the params once each, the backward writes the grads, the update
+    reads params, state and grads and writes params and state; the device keeps none of them, nor
+    the stacked grads, beyond two layers."""
+    b = build_step(cfg, "full_shard")
+    none = analytic_memory(dataclasses.replace(b, cfg=dataclasses.replace(cfg, offload="none")))
+    a = analytic_memory(dataclasses.replace(b, cfg=dataclasses.replace(cfg, offload=PARAMS)))
+    state = _files(cfg)
+    stacked = [x for x, m in zip(jax.tree.leaves(b.state.params), jax.tree.leaves(b.plan.layered)) if m]
+    params = Layout.of(stacked)  # the grads: f32 here (reduce=float32), the same layout
+    layers = params.n_layers
+    pad = (len(state.entries) + 2 * len(params.entries)) * direct_io.ALIGN
+    assert 0 <= layers * (state.nbytes + 2 * params.nbytes) - a["disk_per_host"] <= layers * pad
+    assert 0 <= layers * params.nbytes - a["disk_params_per_host"] <= layers * len(params.entries) * direct_io.ALIGN
+    p_host = a["disk_params_per_host"]
+    s_host = a["disk_per_host"] - 2 * p_host
+    assert a["disk_per_step"] == 4 * p_host + 2 * s_host + 2 * p_host
+    assert a["disk_forward"] == p_host and a["disk_backward"] == 2 * p_host
+    p_dev = sum(_shard_bytes(x) for x in stacked)
+    s_dev = plans[1]["analytic"]["disk"]  # the state: as under optimizer:nvme
+    assert a["disk"] == s_dev + 2 * p_dev
+    assert a["transfer_per_step"] == 4 * p_dev + 2 * s_dev + 2 * p_dev
+    assert a["transfer_forward"] == p_dev and a["transfer_backward"] == 2 * p_dev
+    off = s_dev + p_dev + none["grads"] * p_dev // none["params"]  # + the stacked params' grads
+    assert a["off_device"] == off
+    assert a["device_total"] == none["total"] - off + 2 * -(-off // layers)
+    assert none["grads"] == none["params"]  # f32 grads of f32 params here: G == P
+    assert 0 <= HOST_BUFFERS * (state.nbytes + 2 * params.nbytes) - a["host_per_host"] <= HOST_BUFFERS * pad
+    r = {"analytic": a, "compiled": dict(plans[0]["compiled"]), "offload": PARAMS, "warnings": []}
+    c = nvme_plan.complete_compiled(r)["compiled"]
+    off_c = s_dev + 2 * p_dev  # the compiled step's grads of them: f32 (reduce=float32), as the params
+    assert a["off_device_compiled"] == off_c and a["stored_layers"] == layers
+    assert c["device_peak"] == plans[0]["compiled"]["peak"] - off_c + 2 * -(-off_c // layers)
+    assert c["device_argument"] == plans[0]["compiled"]["argument"] - s_dev - p_dev  # the grads were no argument
+    assert "planned only" in r["warnings"][0]
+
+
+def _shard_bytes(x):
+    n = 1
+    for d in x.sharding.shard_shape(x.shape):
+        n *= d
+    return n * x.dtype.itemsize
+
+
+def test_params_reads_overlap_the_compute_they_feed():
+    """With the params on disk the forward and the backward each take the slower of their compute
+    and their I/O; the update's I/O after the backward waits."""
+    a = {"disk_per_step": 50e9, "disk_forward": 10e9, "disk_backward": 20e9}
+    a.update(transfer_per_step=10e9, transfer_forward=2e9, transfer_backward=4e9, forward_share=0.25)
+    io = nvme_plan.io_seconds(a, 50e9, 25e9, compute_s=4.0)  # forward 1 s vs 0.4 s read; backward 3 vs 0.8
+    assert io["disk_s"] == 2.0 and io["io_s"] == pytest.approx(0.8)  # the update: 20 GB of disk
+    io = nvme_plan.io_seconds(a, 50e9, 5e9, compute_s=4.0)  # forward 2 s, backward 4 s, update 4 s of I/O
+    assert io["io_s"] == pytest.approx((2.0 - 1.0) + (4.0 - 3.0) + 4.0)
+    slow_link = nvme_plan.io_seconds(a, 1e9, 25e9, compute_s=4.0)  # the link: 2, 4 and 4 s
+    assert slow_link["io_s"] == pytest.approx((2.0 - 1.0) + (4.0 - 3.0) + 4.0)
 
 
 def test_io_seconds_are_the_slower_of_disk_and_host_link_added_to_the_step():
@@ -158,7 +222,7 @@ def test_search_ranks_nvme_with_its_disk_time_added(capsys, tmp_path):
         "--microbatches",
         "1",
         "--offload",
-        f"none,{NVME}",
+        f"none,{NVME},{PARAMS}",
         "--disk-gbps",
         "0.001",
         "--json",
@@ -175,4 +239,10 @@ def test_search_ranks_nvme_with_its_disk_time_added(capsys, tmp_path):
     assert p["step_s"] == pytest.approx(none["predicted"]["step_s"] + p["disk_s"], rel=1e-3)
     assert a["device_total"] == none["analytic"]["device_total"] - a["disk"] + 2 * -(-a["disk"] // 2)  # 2 layers
     assert doc["winner"]["offload"] == "none"  # the disk's seconds rank it below
+    # params on disk: named in --offload, searched; its reads overlap the compute they feed
+    pa, pp = by[PARAMS]["analytic"], by[PARAMS]["predicted"]
+    compute = none["predicted"]["step_s"]
+    io = nvme_plan.io_seconds(pa, roofline_constants("h100")["host"], 1e6, compute)
+    assert pp["step_s"] == pytest.approx(compute + io["io_s"], rel=1e-3) and io["io_s"] > p["disk_s"] / 2
+    assert pa["disk"] > a["disk"] and pa["disk_per_step"] > a["disk_per_step"]  # the params in the files too
     assert any("nvme candidates" in n and "--disk-gbps" in n for n in doc["notes"])

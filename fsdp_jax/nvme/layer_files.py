@@ -37,8 +37,8 @@ import numpy as np
 from fsdp_jax.checkpoint import direct_io
 from fsdp_jax.errors import OffloadError
 
-CLAIM = "fsdp_jax_nvme.p{}.json"
-LAYER = "layer{:05d}.p{}.bin"
+CLAIM = "fsdp_jax_nvme{}.p{}.json"  # the kind (".params", ... or ""), the process
+LAYER = "{}{:05d}.p{}.bin"  # the kind or "layer", the layer, the process
 MEMORY_FS = frozenset({"tmpfs", "ramfs", "devtmpfs"})
 
 
@@ -170,18 +170,20 @@ class LayerFiles:
     owner: str
     process: int = 0
     crcs: dict = dataclasses.field(default_factory=dict)
+    kind: str = ""  # several sets of files in one dir ("params", "state", "grads"): their names
 
     @classmethod
-    def open(cls, dirs, layout: Layout, owner: str, process: int | None = None) -> "LayerFiles":
+    def open(cls, dirs, layout: Layout, owner: str, process: int | None = None, kind: str = "") -> "LayerFiles":
         """Check and claim `dirs` for `layout` (see the module docstring); nothing is
-        written before every check has passed."""
+        written before every check has passed. `kind` names one set of files among several
+        in the same dirs (`{kind}00000.p0.bin`, claim `fsdp_jax_nvme.{kind}.p0.json`)."""
         if not dirs:
             raise OffloadError("offload_dirs: nvme offload needs at least one directory (offload_dirs=[/path, ...])")
         proc = jax.process_index() if process is None else process
         paths = tuple(Path(d) for d in dirs)
         for p in paths:
             _check_dir(p)
-        lf = cls(paths, layout, owner, proc)
+        lf = cls(paths, layout, owner, proc, kind=kind)
         for p in paths:
             lf._check_claim(p)
         lf._check_space()
@@ -189,11 +191,11 @@ class LayerFiles:
             if fs_type(p) in MEMORY_FS:
                 warnings.warn(f"offload_dirs: {p} is on {fs_type(p)}: memory, not a disk", stacklevel=2)
             claim = {"owner": owner, "fingerprint": layout.fingerprint(), "layers": layout.n_layers}
-            _atomic_write(p / CLAIM.format(proc), json.dumps(claim))
+            _atomic_write(p / lf.claim_name(), json.dumps(claim))
         return lf
 
     def _check_claim(self, d: Path) -> None:
-        claim = d / CLAIM.format(self.process)
+        claim = d / self.claim_name()
         if claim.exists():
             got = json.loads(claim.read_text())
             if got.get("owner") != self.owner:
@@ -206,7 +208,7 @@ class LayerFiles:
                     f"offload_dirs: {d} holds this run's nvme files for another state shape "
                     f"({got.get('layers')} layers, fingerprint {got.get('fingerprint')}); remove them to start over"
                 )
-        elif any(d.glob(LAYER.format(0, self.process).replace("00000", "*"))):
+        elif any(d.glob(LAYER.format(self.kind or "layer", 0, self.process).replace("00000", "*"))):
             raise OffloadError(f"offload_dirs: {d} holds layer files with no claim (another run's?); nothing written")
 
     def _check_space(self) -> None:
@@ -225,8 +227,11 @@ class LayerFiles:
                     f"but has {free} free; add dirs or free space"
                 )
 
+    def claim_name(self) -> str:
+        return CLAIM.format(f".{self.kind}" if self.kind else "", self.process)
+
     def path(self, i: int) -> Path:
-        return self.dirs[i % len(self.dirs)] / LAYER.format(i, self.process)
+        return self.dirs[i % len(self.dirs)] / LAYER.format(self.kind or "layer", i, self.process)
 
     def write(self, i: int, buf: np.ndarray) -> None:
         """Layer i's file from `buf` (aligned, `layout.nbytes`), its CRC kept."""

@@ -60,7 +60,17 @@ HOST_BUFFERS = 3  # page-aligned host buffers of one layer each: read i+1 | upda
 # state rests in host memory, and the jitted step of `build` does not run them)
 NVME_OFFLOADS: dict[str, Offload] = {
     "optimizer:nvme": Offload("optimizer:nvme", params=False, opt_state=False, stream=True),
+    # the f32 master params of the scanned layers in the layer files too, the forward / backward
+    # fed a layer at a time from them: planned (`app.planner.nvme_plan`); the trainer refuses it
+    # (`PARAMS_NOT_BUILT`) until the layer-wise driver exists
+    "optimizer+params:nvme": Offload("optimizer+params:nvme", params=False, opt_state=False, stream=True),
 }
+PARAMS_NVME = "optimizer+params:nvme"
+PARAMS_NOT_BUILT = (
+    "'optimizer+params:nvme' can be planned (fsdp-jax plan --offload optimizer+params:nvme) but not run yet: "
+    "the layer-wise forward / backward fed from the layer files is not built; use offload: optimizer:nvme "
+    "(the optimizer state on disk, the params on the device)"
+)
 
 
 def labels_of(optimizer, opt_state, layered):
@@ -70,16 +80,18 @@ def labels_of(optimizer, opt_state, layered):
     )
 
 
-def _empty(x):
+def empty_layers(x):
+    """`x` cut to zero layers (same rank, no elements); a scalar as it is."""
     return x[:0] if x.ndim else x
 
 
-def _cut(tree, marks, keep, fn=lambda x: x):
+def cut(tree, marks, keep, fn=lambda x: x):
     """Leaves marked `keep` through fn, OTHER as they are, the rest empty."""
-    return jax.tree.map(lambda x, m: fn(x) if m == keep else x if m == OTHER else _empty(x), tree, marks)
+    return jax.tree.map(lambda x, m: fn(x) if m == keep else x if m == OTHER else empty_layers(x), tree, marks)
 
 
-def _update(optimizer, grads, opt_state, params, ok, skip_nonfinite):
+def masked_update(optimizer, grads, opt_state, params, ok, skip_nonfinite):
+    """(new params, new state) of one `optimizer.update`; the old ones where not `ok` (and skipping)."""
     updates, new_state = optimizer.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
     if skip_nonfinite:
@@ -127,7 +139,7 @@ class NvmeStep:
         self._grad_step = _jit_grad_step(built, loss_fn, self.labels, step_options)
         self._layer = _jit_layer_update(built, self.labels, self.layout, self.skip)
         self._slice = jax.jit(lambda xs, i: [jax.lax.dynamic_slice_in_dim(x, i, 1, 0) for x in xs])
-        self._cut = jax.jit(lambda t: _cut(t, self.labels, FLAT), out_shardings=self.plan.opt_state)
+        self._cut = jax.jit(lambda t: cut(t, self.labels, FLAT), out_shardings=self.plan.opt_state)
         self._io = (cf.ThreadPoolExecutor(1, "nvme-read"), cf.ThreadPoolExecutor(1, "nvme-write"))
         self._buffers = [self.files.buffer() for _ in range(HOST_BUFFERS)]
         self._saving = None  # (StackWriter, check) of a checkpoint not written yet
@@ -303,8 +315,8 @@ def _jit_grad_step(built: Built, loss_fn, labels, options: dict):
         grads, grad_norm = clip_grads(grads, clip_norm)
         grads = wrt.full_grads(grads, plan.grads)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        p_f, s_f, g_f = _cut(state.params, pmarks, FLAT), _cut(state.opt_state, labels, FLAT), _cut(grads, pmarks, FLAT)
-        new_pf, new_sf = _update(optimizer, g_f, s_f, p_f, ok, skip)
+        p_f, s_f, g_f = cut(state.params, pmarks, FLAT), cut(state.opt_state, labels, FLAT), cut(grads, pmarks, FLAT)
+        new_pf, new_sf = masked_update(optimizer, g_f, s_f, p_f, ok, skip)
         params = jax.tree.map(lambda old, new, m: old if m == LAYERED else new, state.params, new_pf, pmarks)
         opt_state = jax.tree.map(lambda old, new, m: old if m == LAYERED else new, state.opt_state, new_sf, labels)
         step_no = jnp.where(ok, state.step + 1, state.step) if skip else state.step + 1
@@ -313,7 +325,7 @@ def _jit_grad_step(built: Built, loss_fn, labels, options: dict):
         if tokens is not None:
             metrics["tokens"] = tokens
         new = state.replace(step=step_no, params=params, opt_state=opt_state)
-        return new, stacked, ok, _cut(state.opt_state, labels, OTHER), metrics
+        return new, stacked, ok, cut(state.opt_state, labels, OTHER), metrics
 
     sh = state_shardings(plan)  # the placeholders (no elements) come back with any sharding: not checked
     out_sh = (sh, None, None, None, None)
@@ -331,14 +343,14 @@ def _jit_layer_update(built: Built, labels, layout: Layout, skip: bool):
         def take(x):
             return jax.lax.dynamic_slice_in_dim(x, i, 1, 0)
 
-        p_i = _cut(params, pmarks, LAYERED, take)
+        p_i = cut(params, pmarks, LAYERED, take)
         it = iter(grads)
-        g_i = jax.tree.map(lambda p, m: take(next(it)) if m == LAYERED else _empty(p), params, pmarks)
+        g_i = jax.tree.map(lambda p, m: take(next(it)) if m == LAYERED else empty_layers(p), params, pmarks)
         o_leaves, it = jax.tree.leaves(other), iter(s_i)
         opt_i = jax.tree.unflatten(
             jax.tree.structure(labels), [next(it) if m == LAYERED else x for x, m in zip(o_leaves, marks)]
         )
-        new_p, new_s = _update(optimizer, g_i, opt_i, p_i, ok, skip)
+        new_p, new_s = masked_update(optimizer, g_i, opt_i, p_i, ok, skip)
         params = jax.tree.map(
             lambda old, new, m: jax.lax.dynamic_update_slice_in_dim(old, new, i, 0) if m == LAYERED else old,
             params,

@@ -212,14 +212,7 @@ class Decoder(nnx.Module):
         depth k's row i predicting token i + k + 1 (`models/mtp.py`; its blocks' router
         statistics join the model's)."""
         cfg = self.cfg
-        b, s = tokens.shape
-        # Gather the table over its embed dim before the lookup, as for any FSDP
-        # param; left sharded, the partitioner turns the gather into all-to-alls.
-        emb = constrain(self.embed[...], (VOCAB, None))  # (V, D)
-        x = take(emb, tokens, lambda g: constrain(g, (VOCAB, EMBED)), embed_updates_layout()).astype(emb.dtype)
-        if cfg.embed_scale:  # sqrt(D) rounded to the compute dtype, as transformers does
-            x = x * jnp.asarray(np.float32(cfg.d_model**0.5), emb.dtype)
-        x = constrain(x, (BATCH, LENGTH, EMBED))
+        x = self.embed_tokens(tokens)
         x0 = x  # the embeddings: MTP depth k reads them shifted by k
         if cfg.n_experts:
             x, stats = stack.run_layers(
@@ -254,6 +247,16 @@ class Decoder(nnx.Module):
             for i, blk in enumerate(self.blocks):
                 x = block_fn(blk, x, None if flags is None else flags[i], None if keys is None else keys[i])
         return (self._head(x), self._mtp(x, x0, segment_ids, positions)[0]) if mtp else self._head(x)
+
+    def embed_tokens(self, tokens):  # (B, S) int -> (B, S, D): the embeddings the first layer takes
+        cfg = self.cfg
+        # Gather the table over its embed dim before the lookup, as for any FSDP
+        # param; left sharded, the partitioner turns the gather into all-to-alls.
+        emb = constrain(self.embed[...], (VOCAB, None))  # (V, D)
+        x = take(emb, tokens, lambda g: constrain(g, (VOCAB, EMBED)), embed_updates_layout()).astype(emb.dtype)
+        if cfg.embed_scale:  # sqrt(D) rounded to the compute dtype, as transformers does
+            x = x * jnp.asarray(np.float32(cfg.d_model**0.5), emb.dtype)
+        return constrain(x, (BATCH, LENGTH, EMBED))
 
     def _mtp(self, h, x0, segment_ids=None, positions=None, token_mask=None, stats=None):
         """The MTP depths' logits from the main model's last hidden `h` and embeddings `x0`

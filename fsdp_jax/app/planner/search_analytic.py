@@ -11,6 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from fsdp_jax.app.planner import nvme_plan
 from fsdp_jax.app.planner.abstract_step import build_step
 from fsdp_jax.app.planner.memory_model import DEVICES_PER_HOST, analytic_memory
 from fsdp_jax.app.planner.nvme_plan import is_nvme
@@ -64,8 +65,7 @@ def analytic_pass(
         a = analytic_memory(dataclasses.replace(b, cfg=ccfg, batch=batch))
         a["host_per_host"] = a["host"] * per_host
         if "disk" in a and per_host != DEVICES_PER_HOST:  # nvme: a host's files and their I/O, rescaled
-            a["disk_per_host"] = a["disk_per_host"] * per_host // DEVICES_PER_HOST
-            a["disk_per_step"] = 2 * a["disk_per_host"]
+            nvme_plan.rescale_host(a, per_host, DEVICES_PER_HOST)
         c["analytic"] = a
         comm = analytic_communication(ccfg, c["strategy"], tuple(c["mesh"].values()), hosts)
         c["predicted"] = predict_step(

@@ -99,13 +99,13 @@ def predict_step(
     # compile-only GPUs plan offload without host memory: the program moves nothing, add the formula's
     host_s = 0.0 if ops and p["host_s"] else result["analytic"].get("transfer_per_step", 0) / k["host"]
     disk_s = 0.0
-    if result["analytic"].get("disk_per_step"):  # nvme: the update streams from the disks too
-        disk_s = nvme_plan.io_seconds(result["analytic"], k["host"], disk_bytes_per_s(target_name, disk_bps)[0])[
-            "disk_s"
-        ]
-        host_s = max(host_s, disk_s)
+    compute = p["step_s"] if ops else max(p["compute_s"] + extra_s, p["comm_s"]) + p["update_s"]
+    if result["analytic"].get("disk_per_step"):  # nvme: the update (and the params' layers) stream from the disks
+        io = nvme_plan.io_seconds(result["analytic"], k["host"], disk_bytes_per_s(target_name, disk_bps)[0], compute)
+        disk_s = io["disk_s"]
+        host_s = io["io_s"] if "disk_forward" in result["analytic"] else max(host_s, disk_s)
     g = lambda x: float(f"{x:.4g}")  # noqa: E731
-    step = (p["step_s"] + host_s) if ops else max(p["compute_s"] + extra_s, p["comm_s"]) + p["update_s"] + host_s
+    step = compute + host_s
     scale = p["step_s"] / step if step else 1.0
     p.update(
         step_s=g(step),

@@ -18,7 +18,7 @@ from fsdp_jax.app.config.schema import MODEL_CHOICES
 from fsdp_jax.app.planner import nvme_plan
 from fsdp_jax.app.planner.inputs import parse_bytes
 from fsdp_jax.app.planner.report import fmt_bytes
-from fsdp_jax.app.planner.search_space import OFFLOAD_SETTINGS, VARY
+from fsdp_jax.app.planner.search_space import OFFLOAD_SETTINGS, PLANNED_ONLY, VARY
 from fsdp_jax.errors import SearchError
 from fsdp_jax.sharding.remat import REMAT_POLICIES, device_policies
 
@@ -65,9 +65,9 @@ def parse_offloads(text: str | None) -> tuple[str, ...]:
     if text is None or text.strip() == "all":
         return OFFLOAD_SETTINGS
     names = _items(text, "--offload")
-    bad = [n for n in names if n not in OFFLOAD_SETTINGS]
+    bad = [n for n in names if n not in OFFLOAD_SETTINGS + PLANNED_ONLY]
     if bad:
-        raise SearchError(f"--offload: {bad[0]!r} is not one of {', '.join(OFFLOAD_SETTINGS)} (or all)")
+        raise SearchError(f"--offload: {bad[0]!r} is not one of {', '.join(OFFLOAD_SETTINGS + PLANNED_ONLY)} (or all)")
     return tuple(names)
 
 

@@ -27,6 +27,8 @@ OFFLOAD_SETTINGS = (
     "optimizer+params:streamed-update",
     "optimizer:nvme",
 )
+# searched only when --offload names them: a run of one is refused (`fsdp_jax.nvme.PARAMS_NOT_BUILT`)
+PLANNED_ONLY = ("optimizer+params:nvme",)
 VARY = ("batch", "seq")
 # The analytic transient bytes (grads, gathered params, activations: the total minus the
 # exact params + optimizer + batch) overstate the compiled program's by at most this much.

@@ -62,6 +62,7 @@ from fsdp_jax.app.trainer.run_dir import check_dir_path
 from fsdp_jax.checkpoint import Checkpointer, Restored, latest_step, open_safetensors
 from fsdp_jax.errors import CheckpointError, ConfigError, one_line
 from fsdp_jax.model.fns import ModelFns
+from fsdp_jax.nvme import PARAMS_NOT_BUILT, PARAMS_NVME
 from fsdp_jax.sharding import offload, remat
 from fsdp_jax.sharding.mesh import make_mesh
 from fsdp_jax.sharding.strategy import ShardingPlan
@@ -110,6 +111,8 @@ def check_offload(cfg: Config) -> None:
         offload.check_supported("none" if nvme_run.uses_nvme(cfg) else cfg.offload, jax.devices())
     except offload.OffloadError as e:
         raise ConfigError("offload", str(e).removeprefix("offload: ")) from None
+    if cfg.offload == PARAMS_NVME:  # planned only: the layer-wise driver is not built
+        raise ConfigError("offload", PARAMS_NOT_BUILT)
     if nvme_run.uses_nvme(cfg) and not nvme_run.dirs_of(cfg):  # a plan of it needs none: checked here
         raise ConfigError(
             "offload_dirs",

@@ -1,0 +1,265 @@
+"""The layer-wise train step of `offload: optimizer+params:nvme`: the scanned layers' params,
+optimizer state and grads in layer files, the forward and backward fed a layer at a time.
+
+    pieces = Pieces(embed, layer, head)              # the model cut at its layer boundaries
+    lw = LayerwiseStep(pieces, optimizer, abstract, dirs, owner="run-1", clip_norm=1.0)
+    live = lw.put(params, opt_state)                 # layers to the files; what stays on the device
+    live, metrics = lw.train_step(live, batch)
+    params, opt_state = lw.gather(live)              # the whole state again (compare, checkpoint)
+
+`params` is `{"layers": stacked, "rest": ...}`: `layers` the scanned layers' leaves (dim 0 =
+layer, unsharded), `rest` the rest (embedding, final norm, head), which stays on the device;
+`opt_state` is `optimizer.init(params)`. Three sets of layer files (`LayerFiles`, kinds
+"params", "state", "grads") hold, per layer, the layer's params, its optimizer-state slices
+(Adam's mu and nu) and its grads. A step is:
+
+1. `embed(rest, batch)` -> h_0; per layer i: `layer(p_i, h_i)` -> h_{i+1}, p_i read from its
+   file (layer i+1 read while i computes), h_i kept; `head(rest, h_L, batch)` -> loss, its
+   grads and the cotangent of h_L;
+2. per layer in reverse: p_i read again, `jax.vjp` of `layer` at (p_i, h_i) -> layer i's grads
+   (written to its grads file) and the cotangent of h_i; the embedding's vjp last;
+3. the global grad norm from each layer's per-leaf sums of squares (added over layers in order)
+   and the rest's grads; `ok` = loss and norm finite; the rest updated on the device;
+4. per layer: params, state and grads read (i+1 while i updates), clipped as
+   `optax.clip_by_global_norm` clips with that norm, the same `optimizer.update` as on the
+   whole tree and the same non-finite select, params and state written back.
+
+Host memory: two page-aligned buffers per set of files read (6 layers' worth of params /
+state / grads in all) plus two for writes. Exactness against the scanned step is measured in
+tests/test_nvme_layerwise.py and docs/offload.md ("Params on disk"). The trainer does not run
+this yet (docs/offload.md says what is missing).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from fsdp_jax.errors import OffloadError
+from fsdp_jax.nvme.layer_files import LayerFiles, Layout
+from fsdp_jax.nvme.step import FLAT, LAYERED, OTHER, cut, empty_layers, masked_update
+from fsdp_jax.train.stream_update import elementwise_reason
+
+
+@dataclasses.dataclass(frozen=True)
+class Pieces:
+    """The model at its layer boundaries (each jitted by the step):
+    `embed(rest, batch) -> h` (B, S, D); `layer(p, h) -> h`, p one layer's params with no
+    layer dim; `head(rest, h, batch) -> loss` (a float scalar)."""
+
+    embed: Callable
+    layer: Callable
+    head: Callable
+
+
+KINDS = ("params", "state", "grads")
+
+
+def _marks(params):
+    return {
+        "layers": jax.tree.map(lambda _: LAYERED, params["layers"]),
+        "rest": jax.tree.map(lambda _: FLAT, params["rest"]),
+    }
+
+
+def _clip(g, norm, clip_norm):
+    """`optax.clip_by_global_norm(clip_norm)` of one leaf, given the global norm."""
+    if not clip_norm:
+        return g
+    return jax.lax.select(jnp.squeeze(norm < clip_norm), g, (g / norm.astype(g.dtype)) * clip_norm)
+
+
+class LayerwiseStep:
+    """See the module docstring. `abstract`: `{"layers", "rest"}` of sharded
+    ShapeDtypeStructs (or arrays); `batch_sharding`: where a batch is put (None: as given)."""
+
+    def __init__(self, pieces: Pieces, optimizer, abstract, dirs, owner: str, clip_norm=None, skip_nonfinite=True,
+                 batch_sharding=None):  # fmt: skip
+        self.pieces, self.optimizer, self.clip, self.skip = pieces, optimizer, clip_norm, skip_nonfinite
+        self.batch_sharding = batch_sharding
+        st = jax.eval_shape(optimizer.init, abstract)
+        reason = elementwise_reason(optimizer, abstract, st)
+        if reason is not None:  # before any file is written
+            raise OffloadError(
+                f"offload: 'optimizer+params:nvme' updates one layer at a time from disk, but the {reason}, "
+                "so a layer's slice would not update as its leaf does"
+            )
+        self.labels = optax.tree_utils.tree_map_params(
+            optimizer, lambda _, m: m, st, _marks(abstract), transform_non_params=lambda _: OTHER
+        )
+        marks = jax.tree.leaves(self.labels)
+        self._treedef = jax.tree.structure(st)
+        self._stacked = [k for k, m in enumerate(marks) if m == LAYERED]
+        opt_sh = optax.tree_utils.tree_map_params(
+            optimizer, lambda _, x: x.sharding, st, abstract, transform_non_params=lambda _: None
+        )
+        st_leaves, sh_leaves = jax.tree.leaves(st), jax.tree.leaves(opt_sh, is_leaf=lambda x: x is None)
+        state_spec = [jax.ShapeDtypeStruct(st_leaves[k].shape, st_leaves[k].dtype, sharding=sh_leaves[k])
+                      for k in self._stacked]  # fmt: skip
+        p_layout, s_layout = Layout.of(jax.tree.leaves(abstract["layers"])), Layout.of(state_spec)
+        self.files = {
+            kind: LayerFiles.open(dirs, lay, owner, kind=kind)
+            for kind, lay in zip(KINDS, (p_layout, s_layout, p_layout))
+        }
+        self.n_layers = p_layout.n_layers
+        self._layers_def = jax.tree.structure(abstract["layers"])
+        self._layer_dtypes = [np.dtype(x.dtype) for x in jax.tree.leaves(abstract["layers"])]
+        self._rest_sh = jax.tree.map(lambda x: x.sharding, abstract["rest"])
+        self._rest_abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract["rest"])
+        self._io = (cf.ThreadPoolExecutor(1, "nvme-read"), cf.ThreadPoolExecutor(1, "nvme-write"))
+        self._read_bufs = {k: [f.buffer(), f.buffer()] for k, f in self.files.items()}
+        self._writes: list = []  # (future, buffer) of writes in flight
+        self._jit_programs(p_layout)
+
+    # ------------------------------------------------------------------ the programs
+
+    def _jit_programs(self, p_layout: Layout) -> None:
+        pc, p_sh, clip = self.pieces, list(p_layout.shardings), self.clip
+
+        def one(p):  # a layer's arrays (1, ...) -> the layer's params tree (no layer dim)
+            return jax.tree.unflatten(self._layers_def, [x[0] for x in p])
+
+        def bwd(p, h, ct):
+            g, ct_h = jax.vjp(lambda q, x: pc.layer(one(q), x), p, h)[1](ct)
+            return g, ct_h, [jnp.sum(jnp.square(x)) for x in g]  # optax.tree.norm's per-leaf sums
+
+        def head(rest, h, batch):
+            return jax.value_and_grad(pc.head, argnums=(0, 1))(rest, h, batch)
+
+        def embed_bwd(rest, batch, ct, g_rest):
+            (g,) = jax.vjp(lambda r: pc.embed(r, batch), rest)[1](ct)
+            return jax.tree.map(jnp.add, g_rest, g)
+
+        def norm(g_rest, per_layer):
+            sums = [sum(xs[1:], xs[0]) for xs in zip(*per_layer)]  # per leaf, layers 0..L-1 in order
+            tree = {"layers": jax.tree.unflatten(self._layers_def, sums), "rest": jax.tree.map(jnp.square, g_rest)}
+            leaves = [x if k < len(sums) else jnp.sum(x) for k, x in enumerate(jax.tree.leaves(tree))]
+            return jnp.sqrt(sum(leaves[1:], leaves[0]) if len(leaves) > 1 else leaves[0])
+
+        self._embed = jax.jit(pc.embed)
+        self._fwd = jax.jit(lambda p, h: pc.layer(one(p), h))
+        self._head = jax.jit(head)
+        self._bwd = jax.jit(bwd, out_shardings=(p_sh, None, None))
+        self._embed_bwd = jax.jit(embed_bwd, out_shardings=self._rest_sh)
+        self._norm = jax.jit(norm)
+
+        def rest_update(rest, opt_state, g_rest, loss, gnorm):
+            ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
+            params = {"layers": self._empty_layers(), "rest": rest}
+            grads = {"layers": self._empty_layers(), "rest": jax.tree.map(lambda g: _clip(g, gnorm, clip), g_rest)}
+            new_p, new_s = masked_update(
+                self.optimizer, grads, cut(opt_state, self.labels, FLAT), params, ok, self.skip
+            )
+            return new_p["rest"], new_s, ok, cut(opt_state, self.labels, OTHER)
+
+        def layer_update(p, s, g, other, ok, gnorm):
+            params = {"layers": jax.tree.unflatten(self._layers_def, p), "rest": self._empty_rest()}
+            g = [_clip(x, gnorm, clip) for x in g]
+            grads = {"layers": jax.tree.unflatten(self._layers_def, g), "rest": self._empty_rest()}
+            it, marks = iter(s), jax.tree.leaves(self.labels)
+            opt = jax.tree.unflatten(self._treedef, [next(it) if m == LAYERED else x
+                                                     for x, m in zip(jax.tree.leaves(other), marks)])  # fmt: skip
+            new_p, new_s = masked_update(self.optimizer, grads, opt, params, ok, self.skip)
+            return jax.tree.leaves(new_p["layers"]), [x for x, m in zip(jax.tree.leaves(new_s), marks) if m == LAYERED]
+
+        self._rest_update = jax.jit(rest_update)
+        s_sh = list(self.files["state"].layout.shardings)
+        self._layer_update = jax.jit(layer_update, out_shardings=(p_sh, s_sh))
+
+    def _empty_layers(self):
+        shapes = self.files["params"].layout
+        return jax.tree.unflatten(self._layers_def, [jnp.zeros((0, *s[1:]), e)
+                                                     for s, e in zip(shapes.shapes, self._layer_dtypes)])  # fmt: skip
+
+    def _empty_rest(self):
+        return jax.tree.map(lambda x: jnp.zeros((0, *x.shape[1:]) if x.ndim else (), x.dtype), self._rest_abstract)
+
+    # ------------------------------------------------------------------ the files
+
+    def _stream(self, kinds, order):
+        """Yield (i, per kind layer i's arrays) for i in `order`, layer order[k+1] read while k is used."""
+        order = list(order)
+
+        def read(i, slot):
+            return [self.files[k].read(i, self._read_bufs[k][slot]) for k in kinds]
+
+        pending = self._io[0].submit(read, order[0], 0)
+        for k, i in enumerate(order):
+            bufs = pending.result()
+            arrays = [self.files[kind].layout.to_arrays(b, copy=True) for kind, b in zip(kinds, bufs)]
+            if k + 1 < len(order):
+                pending = self._io[0].submit(read, order[k + 1], (k + 1) % 2)
+            yield i, arrays
+
+    def _write(self, kind: str, i: int, arrays) -> None:
+        """Layer i's `arrays` into its `kind` file, in the background (two writes in flight)."""
+        jax.block_until_ready(arrays)
+        if len(self._writes) >= 2:
+            self._writes.pop(0)[0].result()
+        files = self.files[kind]
+        buf = files.buffer()
+        files.layout.from_arrays(arrays, buf)
+        self._writes.append((self._io[1].submit(files.write, i, buf), buf))
+
+    def _flush(self) -> None:
+        while self._writes:
+            self._writes.pop(0)[0].result()
+
+    def put(self, params, opt_state) -> dict:
+        """Write the layers' params and stacked optimizer state to the files; returns the live
+        state `{"rest", "opt_state"}` (the stacked leaves cut to zero layers)."""
+        layers, st = jax.tree.leaves(params["layers"]), jax.tree.leaves(opt_state)
+        for i in range(self.n_layers):
+            self._write("params", i, [x[i : i + 1] for x in layers])
+            self._write("state", i, [st[k][i : i + 1] for k in self._stacked])
+        self._flush()
+        return {"rest": params["rest"], "opt_state": jax.tree.map(lambda x, m: empty_layers(x) if m == LAYERED else x,
+                                                                 opt_state, self.labels)}  # fmt: skip
+
+    def gather(self, live: dict):
+        """(params, opt_state) whole from `live` and the files (each layer read once)."""
+        per = [arrays for _, arrays in self._stream(("params", "state"), range(self.n_layers))]
+        layers = [jnp.concatenate(xs) for xs in zip(*(a[0] for a in per))]
+        stacked = [jnp.concatenate(xs) for xs in zip(*(a[1] for a in per))]
+        leaves = jax.tree.leaves(live["opt_state"])
+        for k, x in zip(self._stacked, stacked):
+            leaves[k] = x
+        params = {"layers": jax.tree.unflatten(self._layers_def, layers), "rest": live["rest"]}
+        return params, jax.tree.unflatten(self._treedef, leaves)
+
+    # ------------------------------------------------------------------ the step
+
+    def train_step(self, live: dict, batch) -> tuple[dict, dict]:
+        """One step (module docstring); returns the new live state and {loss, grad_norm, skipped}."""
+        batch = batch if self.batch_sharding is None else jax.device_put(batch, self.batch_sharding)
+        rest, n = live["rest"], self.n_layers
+        hs = [self._embed(rest, batch)]
+        for i, (p,) in self._stream(("params",), range(n)):
+            hs.append(self._fwd(p, hs[i]))
+        loss, (g_rest, ct) = self._head(rest, hs.pop(), batch)
+        sums = [None] * n
+        for i, (p,) in self._stream(("params",), reversed(range(n))):
+            g, ct, sums[i] = self._bwd(p, hs.pop(), ct)
+            self._write("grads", i, g)
+        g_rest = self._embed_bwd(rest, batch, ct, g_rest)
+        self._flush()
+        gnorm = self._norm(g_rest, sums)
+        new_rest, opt_state, ok, other = self._rest_update(rest, live["opt_state"], g_rest, loss, gnorm)
+        for i, (p, s, g) in self._stream(KINDS, range(n)):
+            new_p, new_s = self._layer_update(p, s, g, other, ok, gnorm)
+            self._write("params", i, new_p)
+            self._write("state", i, new_s)
+        self._flush()
+        metrics = {"loss": loss, "grad_norm": gnorm, "skipped": (~ok).astype(jnp.int32)}
+        return {"rest": new_rest, "opt_state": opt_state}, metrics
+
+    def close(self) -> None:
+        self._flush()
+        for ex in self._io:
+            ex.shutdown(wait=True)
