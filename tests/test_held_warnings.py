@@ -101,3 +101,17 @@ def test_train_lora_with_nvme_refusal_is_one_line(corpus, tmp_path, capsys):
         "train", "--config", "configs/tiny.yaml", *args, "offload=optimizer:nvme", "lora.rank=4", capsys=capsys
     )
     one_line(rc, err, "frozen params")
+
+
+def test_a_filter_the_command_installs_outlives_the_block(capsys):
+    """The checkpointer silences the save coroutines a failed save leaves behind (they warn
+    at interpreter exit, after the error line); the hold must not undo that filter on the way
+    out (with `warnings.catch_warnings` it did: test_faults' read-only checkpoint run printed
+    three RuntimeWarnings after its one line)."""
+    message = "coroutine held-warnings-test was never awaited"
+    with warnings.catch_warnings():  # this test's own filters back afterwards
+        with pytest.raises(OSError), held_warnings.held():
+            warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
+            raise OSError("disk")
+        warnings.warn(message, RuntimeWarning)
+    assert message not in capsys.readouterr().err

@@ -37,18 +37,22 @@ def _hold(message, category, filename, lineno, file=None, line=None) -> None:
 def held() -> Iterator[None]:
     """Hold warnings within the block: printed at `release()` or when the block ends
     normally, dropped when it raises."""
-    with warnings.catch_warnings():  # restores `showwarning` and the filters on the way out
-        warnings.showwarning = _hold
-        _HELD.append([])
-        try:
-            yield
-        except BaseException:
-            _HELD[-1].clear()
-            raise
-        finally:
-            kept = _HELD.pop()
-            for w in kept:
-                _print(*w)
+    # only `showwarning` is restored on the way out, not the filters: a filter the command
+    # installs stays (the checkpointer's, for the save coroutines a failed save leaves to warn
+    # at exit), as `warnings.catch_warnings` would not let it
+    previous = warnings.showwarning
+    warnings.showwarning = _hold
+    _HELD.append([])
+    try:
+        yield
+    except BaseException:
+        _HELD[-1].clear()
+        raise
+    finally:
+        warnings.showwarning = previous
+        kept = _HELD.pop()
+        for w in kept:
+            _print(*w)
 
 
 def release() -> None:
