@@ -142,7 +142,7 @@ def pytest_terminal_summary(terminalreporter):
     if missed:
         terminalreporter.write_line(
             f"{len(missed)} target compiles of {sum(missed):.0f} s missed tests/compiled "
-            "(after a whole run: python tests/compiled/seed.py --replace)"
+            "(after a whole run: python tests/compiled/seed.py)"
         )
 
 

@@ -5,11 +5,14 @@ The suite keeps every XLA:TPU / XLA:GPU compile by its program in .jax_cache/com
 on a clean checkout, this copies the entries whose compile took at least --min-s seconds here,
 where a clean clone's suite reads them; `--replace` first removes the seeds of the same jax that
 run did not produce (programs the code no longer lowers); another jax's seeds stay (CI's
-Python 3.12 lane: run its GPU-target tests, then this again). An entry is the compiler's own
+Python 3.12 lane: run its GPU-target tests, then this again). A run writes only what it
+compiled: `--replace` only after a run that read no seeds (`FSDP_JAX_COMPILED_CACHE` naming the
+write folder alone), else it drops every seed that run found; after a seeded run, run this
+without it to add the programs that missed. An entry is the compiler's own
 output for a program, keyed by that program, the flags and the toolchain: a seed can only
 answer for the exact program it was compiled from.
 
-    python -m pytest -p no:cacheprovider && python tests/compiled/seed.py --replace
+    python -m pytest -p no:cacheprovider && python tests/compiled/seed.py   # add what missed
 """
 
 import argparse
