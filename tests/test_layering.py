@@ -1,6 +1,7 @@
 """The library never imports the application, and `import fsdp_jax` stays light."""
 
 import ast
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -8,9 +9,21 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parents[1] / "fsdp_jax"
 
 
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    """A source file parsed once for the whole module (the walks below read ~600 files each;
+    parsing them per test, and a module again per import of it, was most of this file's time)."""
+    return ast.parse(path.read_text())
+
+
+@functools.cache
+def _nodes(path: Path) -> tuple[ast.AST, ...]:
+    return tuple(ast.walk(_tree(path)))
+
+
 def _imports(path: Path) -> set[str]:
     out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in _nodes(path):
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
@@ -29,17 +42,17 @@ def test_library_modules_never_import_the_application():
 def test_import_fsdp_jax_loads_neither_orbax_nor_the_trainer():
     # nor IPython (flax imports it only to ask whether it runs inside it: fsdp_jax.model.flax_import),
     # and IPython stays importable after (the ImportError stand-in is removed)
+    # and then, in the same child (one start-up of jax and flax, not two), the lazy names resolve
     code = (
         "import sys, fsdp_jax; print(sorted(m for m in sys.modules if m.startswith("
         "('orbax', 'tensorstore', 'grain', 'fsdp_jax.app', 'fsdp_jax.checkpoint', 'IPython'))), "
-        "sys.modules.get('IPython', 'absent'))"
+        "sys.modules.get('IPython', 'absent')); "
+        "print(fsdp_jax.checkpoint.Checkpointer.__name__, fsdp_jax.hlo.memory.shard_bytes.__name__)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[] absent"
-    # and the lazy names still resolve
-    code = "import fsdp_jax; print(fsdp_jax.checkpoint.Checkpointer.__name__, fsdp_jax.hlo.memory.shard_bytes.__name__)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["Checkpointer", "shard_bytes"]
+    loaded, lazy = out.stdout.strip().split("\n")
+    assert loaded == "[] absent"
+    assert lazy.split() == ["Checkpointer", "shard_bytes"]
 
 
 # The floor plan, top to bottom: a package may import only from packages on a lower level
@@ -94,16 +107,17 @@ def test_floor_plan_sizes():
     assert len([p for p in (PKG / "app").glob("*.py")]) <= 8
 
 
-def _defined(path: Path) -> set[str]:
+@functools.cache
+def _defined(path: Path) -> frozenset[str]:
     """Top-level names a module binds itself (not by importing them)."""
     out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in _nodes(path):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             out.add(node.name)
         elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
             for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
                 out.update(n.id for n in ast.walk(t) if isinstance(n, ast.Name))
-    return out
+    return frozenset(out)
 
 
 def test_names_are_imported_from_where_they_are_defined():
@@ -115,7 +129,7 @@ def test_names_are_imported_from_where_they_are_defined():
     sources += [*(root / "benchmarks").glob("*.py"), *(root / "examples").glob("*.py")]
     bad = []
     for path in sources:
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in _nodes(path):
             if not (isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fsdp_jax")):
                 continue
             target = root / node.module.replace(".", "/")
@@ -130,7 +144,7 @@ def test_names_are_imported_from_where_they_are_defined():
                     bad.append(f"{path.relative_to(root)}: {node.module}.{a.name} (not defined there)")
     faces = [p for p in PKG.rglob("__init__.py")]
     for face in faces:
-        for node in ast.parse(face.read_text()).body:
+        for node in _tree(face).body:
             if isinstance(node, ast.ImportFrom):
                 bad += [f"{face.relative_to(root)}: re-exports {a.name}" for a in node.names if a.name.startswith("_")]
     assert not bad
@@ -146,7 +160,7 @@ def test_few_function_level_imports():
     the module's top (the CLI's start-up boundary is `entry.command_module`)."""
     inside = []
     for path, _ in _library_modules():
-        for fn in ast.walk(ast.parse(path.read_text())):
+        for fn in _nodes(path):
             if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 inside += [
                     f"{path.relative_to(PKG.parent)}:{n.lineno} in {fn.name}"
@@ -161,7 +175,7 @@ def test_no_private_name_is_imported_across_modules():
     a private name used by another module is promoted to public, or the code moves."""
     bad = []
     for path, me in _library_modules():
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in _nodes(path):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fsdp_jax"):
                 target = PKG.parent / node.module.replace(".", "/")
                 for a in node.names:
@@ -171,9 +185,7 @@ def test_no_private_name_is_imported_across_modules():
 
 
 def _classes() -> list[tuple[Path, ast.ClassDef]]:
-    return [
-        (p, n) for p, _ in _library_modules() for n in ast.walk(ast.parse(p.read_text())) if isinstance(n, ast.ClassDef)
-    ]
+    return [(p, n) for p, _ in _library_modules() for n in _nodes(p) if isinstance(n, ast.ClassDef)]
 
 
 def test_errors_live_in_the_errors_module():
@@ -247,7 +259,7 @@ def test_imports_keep_their_own_names():
     sources += [*(root / "benchmarks").glob("*.py"), *(root / "examples").glob("*.py")]
     bad = []
     for path in sources:
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in _nodes(path):
             if not isinstance(node, (ast.Import, ast.ImportFrom)):
                 continue
             for a in node.names:
