@@ -29,8 +29,8 @@ def test_library_modules_never_import_the_application():
 def test_import_fsdp_jax_loads_neither_orbax_nor_the_trainer():
     # nor IPython (flax imports it only to ask whether it runs inside it: fsdp_jax.model.flax_import),
     # and IPython stays importable after (the ImportError stand-in is removed)
-    code = (
-        "import sys, fsdp_jax; print(sorted(m for m in sys.modules if m.startswith("
+    code = (  # the face loads on first use: read one name of it to load it all
+        "import sys, fsdp_jax; fsdp_jax.make_mesh; print(sorted(m for m in sys.modules if m.startswith("
         "('orbax', 'tensorstore', 'grain', 'fsdp_jax.app', 'fsdp_jax.checkpoint', 'IPython'))), "
         "sys.modules.get('IPython', 'absent'))"
     )
