@@ -36,10 +36,17 @@ def test_import_fsdp_jax_loads_neither_orbax_nor_the_trainer():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[] absent"
-    # and the lazy names still resolve
-    code = "import fsdp_jax; print(fsdp_jax.checkpoint.Checkpointer.__name__, fsdp_jax.hlo.memory.shard_bytes.__name__)"
+    # and the lazy names still resolve. The face itself loads on first use: `import fsdp_jax` alone
+    # loads no JAX (the CLI refuses a bad flag before it loads), every name of __all__ resolves,
+    # and `fsdp_jax.verify` stays the function after the subpackage `fsdp_jax.verify` is imported
+    code = (
+        "import sys, fsdp_jax; light = 'jax' not in sys.modules; import fsdp_jax.verify.report; "
+        "from fsdp_jax import verify; "
+        "print(fsdp_jax.checkpoint.Checkpointer.__name__, fsdp_jax.hlo.memory.shard_bytes.__name__, light, "
+        "verify is fsdp_jax.verify and callable(verify), all(getattr(fsdp_jax, n) is not None for n in fsdp_jax.__all__))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["Checkpointer", "shard_bytes"]
+    assert out.stdout.split() == ["Checkpointer", "shard_bytes", "True", "True", "True"]
 
 
 # The floor plan, top to bottom: a package may import only from packages on a lower level

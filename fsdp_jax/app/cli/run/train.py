@@ -1,5 +1,5 @@
-"""`fsdp-jax train`'s body: the run config, the processes joined, the trainer's loop
-(fsdp_jax/app/cli/train.py holds the flags)."""
+"""`fsdp-jax train` once its flags have parsed: the run config, the processes joined, the trainer's loop
+(its flags and description: fsdp_jax.app.cli.train)."""
 
 from __future__ import annotations
 
