@@ -6,7 +6,7 @@
         [--strategy no_shard] [--devices 8] [--steps 3] [--seed 0] [--json] key=value...
 
 The config's model, loss, optimizer (at its peak lr), precision and verify's batches, exactly
-as `fsdp-jax verify` builds them (fsdp_jax/app/cli/verify.py), trained `--steps` steps on one
+as `fsdp-jax verify` builds them (fsdp_jax/app/cli/run/verify.py), trained `--steps` steps on one
 device (the reference) and under `--strategy` on `--devices` devices from the same params.
 Per step:
 - the loss and grad-norm relative differences and the leaves that differ most after the step
@@ -65,7 +65,7 @@ def measure(cfg, strategy: str, n: int, steps: int, seed: int) -> dict:
     import jax
 
     import fsdp_jax.app.models.moe as moe
-    from fsdp_jax.app.cli.verify import step_options
+    from fsdp_jax.app.cli.run.verify import step_options
     from fsdp_jax.app.trainer.build import make_loss_fn, trainer_model
     from fsdp_jax.app.trainer.optim import build_optimizer
     from fsdp_jax.app.verify_batches import verify_batches

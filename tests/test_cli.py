@@ -47,6 +47,28 @@ def test_every_command_has_help(command, capsys):
     assert module.__doc__.split("\n")[0] in out  # the command's own description
 
 
+# what loads before the body: the CLI's start-up boundary (command.run_command, fsdp_jax.app.cli.run)
+HEAVY = ("jax", "jaxlib", "flax", "optax", "orbax", "grain", "tensorstore", "fsdp_jax.train")
+
+
+def test_help_and_a_refused_flag_load_no_jax():
+    """Every command's --help, and a flag its parser refuses, answered before JAX, Flax, Orbax or
+    the library's train step load: ~0.15 s of CPU for such a child, where one that loads them pays ~3.3 s. One fresh
+    child for all commands (a module once loaded stays loaded, so what loads shows at the end)."""
+    code = (
+        "import sys; from fsdp_jax.app.cli import entry\n"
+        "for c in entry.COMMANDS:\n"
+        "    assert (entry.main([c, '--help']), entry.main([c, '--no-such-flag'])) == (0, 2), c\n"
+        f"print(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r} or m.startswith({HEAVY!r})))"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.splitlines()[-1] == "[]"
+    lines = r.stderr.splitlines()  # one line per refusal, nothing else
+    assert len(lines) == len(entry.COMMANDS) and all(line.startswith("error: ") for line in lines), lines
+
+
 def test_top_level_help_lists_every_command(capsys):
     rc, out, err = run_entry(["--help"], capsys)
     assert rc == 0 and not err

@@ -42,17 +42,23 @@ def test_library_modules_never_import_the_application():
 def test_import_fsdp_jax_loads_neither_orbax_nor_the_trainer():
     # nor IPython (flax imports it only to ask whether it runs inside it: fsdp_jax.model.flax_import),
     # and IPython stays importable after (the ImportError stand-in is removed)
-    # and then, in the same child (one start-up of jax and flax, not two), the lazy names resolve
+    # and then, in the same child (one start-up of jax and flax, not two), the lazy names resolve.
+    # The face itself loads on first use: `import fsdp_jax` alone loads no JAX (the CLI refuses a bad
+    # flag before it loads), every name of __all__ resolves, and `fsdp_jax.verify` stays the function
+    # after the subpackage `fsdp_jax.verify` is imported
     code = (
-        "import sys, fsdp_jax; print(sorted(m for m in sys.modules if m.startswith("
+        "import sys, fsdp_jax; light = 'jax' not in sys.modules; fsdp_jax.make_mesh; "
+        "print(sorted(m for m in sys.modules if m.startswith("
         "('orbax', 'tensorstore', 'grain', 'fsdp_jax.app', 'fsdp_jax.checkpoint', 'IPython'))), "
         "sys.modules.get('IPython', 'absent')); "
-        "print(fsdp_jax.checkpoint.Checkpointer.__name__, fsdp_jax.hlo.memory.shard_bytes.__name__)"
+        "import fsdp_jax.verify.report; from fsdp_jax import verify; "
+        "print(fsdp_jax.checkpoint.Checkpointer.__name__, fsdp_jax.hlo.memory.shard_bytes.__name__, light, "
+        "verify is fsdp_jax.verify and callable(verify), all(getattr(fsdp_jax, n) is not None for n in fsdp_jax.__all__))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     loaded, lazy = out.stdout.strip().split("\n")
     assert loaded == "[] absent"
-    assert lazy.split() == ["Checkpointer", "shard_bytes"]
+    assert lazy.split() == ["Checkpointer", "shard_bytes", "True", "True", "True"]
 
 
 # The floor plan, top to bottom: a package may import only from packages on a lower level

@@ -5,7 +5,7 @@ must name a winner within the device memory minus the search's 10% headroom. The
 peaks of the same commands are in docs/planning.md.
 
 JAX's backends run before these calls (the suite's 8 CPU devices, as in a notebook): a search for
-64 devices re-runs itself in a child process that has them (`fsdp_jax.app.cli.plan.search_in_child`)."""
+64 devices re-runs itself in a child process that has them (`fsdp_jax.app.cli.run.plan.search_in_child`)."""
 
 import json
 

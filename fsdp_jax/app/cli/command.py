@@ -1,10 +1,12 @@
 """The one main wrapper of every command: parse, run, map exceptions to exit codes
-(`fsdp_jax.app.exits`). Import-light: the error classes load only when the command's
-body raises, so `--help` and a bad flag never import JAX."""
+(`fsdp_jax.app.exits`). Import-light: a command names its body as `"module:function"`
+(`fsdp_jax.app.cli.run`), imported only once the flags have parsed, so `--help` and a bad
+flag never import JAX: this is the CLI's start-up boundary, with `entry.command_module`."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Callable
 
@@ -18,7 +20,7 @@ Errors = tuple[Classes, Classes]
 
 def run_command(
     parser: argparse.ArgumentParser,
-    body: Callable[[argparse.Namespace], int],
+    body: Callable[[argparse.Namespace], int] | str,
     argv: list[str] | None = None,
     *,
     errors: Callable[[], Errors] | None = None,
@@ -31,12 +33,18 @@ def run_command(
     the body raises are held (`fsdp_jax.app.held_warnings`): printed once it has started or
     returned, dropped when it fails, so the error line is the only line on stderr.
 
+    `body`: the function, or where it is as `"module:function"`: imported after the flags
+    have parsed (an import that fails is not mapped: a broken install shows its traceback).
+
     `errors`: a function returning the command's extra (bad input, environment) exception
     classes, called only when `body` raises, so a command imports them lazily."""
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # the parser printed its one line (or the help)
         return 2 if e.code else 0
+    if isinstance(body, str):  # the start-up boundary: the body's imports (JAX, Flax) load here
+        module, name = body.split(":")
+        body = getattr(importlib.import_module(module), name)
     try:
         with held():  # warnings wait until the command has started: a refusal is the only line
             return body(args)
