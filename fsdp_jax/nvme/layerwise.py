@@ -105,10 +105,7 @@ class LayerwiseStep:
         state_spec = [jax.ShapeDtypeStruct(st_leaves[k].shape, st_leaves[k].dtype, sharding=sh_leaves[k])
                       for k in self._stacked]  # fmt: skip
         p_layout, s_layout = Layout.of(jax.tree.leaves(abstract["layers"])), Layout.of(state_spec)
-        self.files = {
-            kind: LayerFiles.open(dirs, lay, owner, kind=kind)
-            for kind, lay in zip(KINDS, (p_layout, s_layout, p_layout))
-        }
+        self.files = LayerFiles.open_sets(dirs, dict(zip(KINDS, (p_layout, s_layout, p_layout))), owner)
         self.n_layers = p_layout.n_layers
         self._layers_def = jax.tree.structure(abstract["layers"])
         self._layer_dtypes = [np.dtype(x.dtype) for x in jax.tree.leaves(abstract["layers"])]
