@@ -8,7 +8,6 @@ tests/test_nvme.py's kill test, parametrized over both nvme offloads."""
 
 import json
 
-import numpy as np
 import pytest
 from test_nvme import parity_env
 
@@ -94,25 +93,27 @@ RUN = [
 
 @pytest.mark.slow  # 4 tiny runs in one child (one device): ~60 CPU s on the loaded 2-core machine
 def test_params_on_disk_trains_resumes_and_checkpoints_bit_for_bit(corpus, tmp_path):
-    env = dict(parity_env(), FSDP_JAX_CPU_DEVICES="1")
+    # XLA's default optimisation level, as a run gets it: at the suite's level 0 the grad norm's
+    # per-layer sum of squares rounds 1 ulp off the scanned step's at step 3, and clipping
+    # (active) carries it into every param (docs/offload.md "Params on disk")
+    flags = [f for f in parity_env()["XLA_FLAGS"].split() if not f.startswith("--xla_backend_optimization_level")]
+    env = dict(parity_env(), FSDP_JAX_CPU_DEVICES="1", XLA_FLAGS=" ".join(flags))
     r = json_child(_CHILD, str(tmp_path), json.dumps([*RUN, f"data.path={corpus}"]), env=env)
     assert r["devices"] == 1
     plain = r["rows"]["plain"]
     assert [x["step"] for x in plain if "loss" in x] == [1, 2, 3, 4] and any("val_loss" in x for x in plain)
-    keys = ("step", "loss", "val_loss")
+    keys = ("step", "loss", "grad_norm", "val_loss")
 
-    def same(rows, keys=keys):
+    def same(rows):
         return [{k: x[k] for k in keys if k in x} for x in rows if "loss" in x or "val_loss" in x]
 
-    # train and val losses equal, bit for bit; the resumed run logs steps 3-4 again
+    # losses, grad norms (clipping active: 2.1-2.3 over clip_norm 1.0) and val losses equal, bit
+    # for bit (the run stopped after step 2 skipped that step's eval, as any stopping run does;
+    # launched again it logs steps 3-4 and their eval)
     assert same(r["rows"]["nvme"]) == same(plain)
-    assert same(r["rows"]["resumed"]) == same(plain)
-    # the grad norm adds a stacked leaf's squares per layer, then over layers: not the scanned
-    # step's reduction order (measured: 1 ulp at step 3; clipping then scales by the same factor,
-    # the params below are equal)
-    norms = [[x["grad_norm"] for x in r["rows"][n] if "grad_norm" in x] for n in ("plain", "nvme", "resumed")]
-    np.testing.assert_allclose(norms[1], norms[0], rtol=2 * np.finfo(np.float32).eps, atol=0)
-    np.testing.assert_allclose(norms[2], norms[0], rtol=2 * np.finfo(np.float32).eps, atol=0)
+    resumed = {(x["step"], k): x[k] for x in same(r["rows"]["resumed"]) for k in x if k != "step"}
+    want = {(x["step"], k): x[k] for x in same(plain) for k in x if k != "step"}
+    assert resumed == {k: v for k, v in want.items() if k != (2, "val_loss")}
     for name in ("nvme", "resumed"):  # the final checkpoints (streamed out of the files) equal, every leaf
         assert r[name]["step"] == 4 and r[name]["leaves"] > 30 and r[name]["differ"] == [], r[name]
     out = r["stdout"]

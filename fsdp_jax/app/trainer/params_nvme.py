@@ -31,8 +31,8 @@ from fsdp_jax.app.models.layer_pieces import decoder_pieces, pieces_problem, spl
 from fsdp_jax.checkpoint.manifest import tree_paths
 from fsdp_jax.checkpoint.shard_files import Unread
 from fsdp_jax.nvme.layerwise import LayerwiseStep
-from fsdp_jax.sharding import remat as remat_lib
 from fsdp_jax.sharding.precision import Policy
+from fsdp_jax.sharding.remat import remat_policy
 from fsdp_jax.train.build import Built
 from fsdp_jax.train.state import TrainState
 from fsdp_jax.train.step import sharding_context
@@ -61,7 +61,7 @@ def refusal(cfg) -> tuple[str, str] | None:
         ("lora", f"rank {cfg.lora.rank}" if cfg.lora.rank else None),
         ("precision", cfg.precision if policy.compute_dtype != policy.param_dtype or policy.matmul else None),
         ("train.microbatches", cfg.train.microbatches if cfg.train.microbatches != 1 else None),
-        ("remat", cfg.remat if remat_lib.remat_policy(cfg.remat).offloads else None),
+        ("remat", cfg.remat if remat_policy(cfg.remat).offloads else None),
         ("mesh", "context / tensor > 1" if cfg.mesh.context > 1 or cfg.mesh.tensor > 1 else None),
         ("mesh.strategy", cfg.mesh.strategy if cfg.mesh.strategy != "full_shard" else None),
         ("data", "document_mask" if cfg.data.document_mask else None),
