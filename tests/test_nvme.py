@@ -301,17 +301,6 @@ def test_train_without_dirs_is_one_line_before_anything_runs(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
-def test_params_on_disk_is_planned_only_one_line_nothing_written(tmp_path, capsys):
-    """`optimizer+params:nvme` plans (tests/test_nvme_plan.py) but its layer-wise driver is not
-    built: a run says so in one line, exit 2, before anything is written (dirs given or not)."""
-    d = tmp_path / "disk"
-    d.mkdir()
-    args = ["--config", "configs/tiny.yaml", *TINY_RUN_OVERRIDES, f"run_dir={tmp_path / 'run'}"]
-    rc, out, err = call("train", *args, "offload=optimizer+params:nvme", f"offload_dirs={d}", capsys=capsys)
-    one_line(rc, err, "not run yet")
-    assert "offload: optimizer:nvme" in err and not (tmp_path / "run").exists() and not any(d.iterdir())
-
-
 @pytest.mark.slow
 def test_train_with_lora_is_one_line_nothing_written(corpus, tmp_path, capsys):
     """The trainer passes what the nvme step cannot run (frozen params here) to its check."""
@@ -397,9 +386,18 @@ def _losses(run_dir):
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
+# per nvme offload: the layer-file write that kills the run, in step 4 with 2 layers. optimizer:nvme
+# writes a layer's state file at start and once a step (the 10th: layer 1 of step 4, layer 0
+# written); optimizer+params:nvme writes params and state per layer at start (4), then per step
+# grads (2, backward) and params + state per layer (4, update): the 27th is layer 1's params of
+# step 4, after layer 0's params and state
+KILL_AT = {"optimizer:nvme": 10, "optimizer+params:nvme": 27}
+
+
 @pytest.mark.slow
-def test_kill_9_mid_step_then_the_same_command_resumes_exactly(corpus, tmp_path):
-    def args(name, offload="optimizer:nvme"):
+@pytest.mark.parametrize("nvme", list(KILL_AT))
+def test_kill_9_mid_step_then_the_same_command_resumes_exactly(corpus, tmp_path, nvme):
+    def args(name, offload=nvme):
         d = tmp_path / f"{name}_nvme"
         d.mkdir(exist_ok=True)
         over = TINY_RUN_OVERRIDES + [f"data.path={corpus}", f"run_dir={tmp_path / name}", f"offload={offload}"]
@@ -421,8 +419,7 @@ def test_kill_9_mid_step_then_the_same_command_resumes_exactly(corpus, tmp_path)
     assert straight.returncode == 0, straight.stderr[-2000:]
     plain = run(["scripts/train.py", *args("plain", "none")])
     assert plain.returncode == 0, plain.stderr[-2000:]
-    # 2 layers: 2 writes at start, 2 per step; the 10th is layer 1 of step 4 (layer 0 written)
-    killed = run(["-c", _KILL_CHILD, "10", str(tmp_path / "kill" / "checkpoints" / "2"), *args("kill")])
+    killed = run(["-c", _KILL_CHILD, str(KILL_AT[nvme]), str(tmp_path / "kill" / "checkpoints" / "2"), *args("kill")])
     assert killed.returncode == -signal.SIGKILL
     assert sorted(p.name for p in (tmp_path / "kill" / "checkpoints").iterdir() if p.name.isdigit()) == ["2"]
     again = run(["scripts/train.py", *args("kill")])

@@ -81,7 +81,7 @@ PARAMS = "optimizer+params:nvme"
 
 
 def test_params_on_disk_count_the_params_in_the_files_and_their_reads(cfg, plans):
-    """`optimizer+params:nvme` (planned only): the files hold the stacked optimizer state, the
+    """`optimizer+params:nvme`: the files hold the stacked optimizer state, the
     stacked f32 params and their grads (held against the layouts the step's files would have);
     the forward and backward read the params once each, the backward writes the grads, the update
     reads params, state and grads and writes params and state; the device keeps none of them, nor
@@ -116,7 +116,7 @@ def test_params_on_disk_count_the_params_in_the_files_and_their_reads(cfg, plans
     assert a["off_device_compiled"] == off_c and a["stored_layers"] == layers
     assert c["device_peak"] == plans[0]["compiled"]["peak"] - off_c + 2 * -(-off_c // layers)
     assert c["device_argument"] == plans[0]["compiled"]["argument"] - s_dev - p_dev  # the grads were no argument
-    assert "planned only" in r["warnings"][0]
+    assert "a layer at a time by the trainer's layer-wise step" in r["warnings"][0]
 
 
 def _shard_bytes(x):

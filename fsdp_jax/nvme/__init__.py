@@ -4,7 +4,7 @@ layers in one file per layer, streamed through a per-layer update.
 layer_files  the files: layout of a layer's shards, dir checks and claims, direct I/O + CRC
 step         the train step over them: grads, then read i+1 | update i | write i-1
 layerwise    optimizer+params:nvme's step: params, state and grads in the files, the forward
-             and backward fed a layer at a time (library piece; the trainer does not run it yet)
+             and backward fed a layer at a time (the trainer runs it: app.trainer.params_nvme)
 """
 
 from fsdp_jax.nvme.layer_files import LayerFiles, Layout
@@ -13,7 +13,6 @@ from fsdp_jax.nvme.step import (
     HOST_BUFFERS,
     LAYERED,
     NVME_OFFLOADS,
-    PARAMS_NOT_BUILT,
     PARAMS_NVME,
     NvmeStep,
     check_streamable,
@@ -24,7 +23,6 @@ __all__ = [
     "HOST_BUFFERS",
     "LAYERED",
     "NVME_OFFLOADS",
-    "PARAMS_NOT_BUILT",
     "PARAMS_NVME",
     "LayerFiles",
     "LayerwiseStep",

@@ -177,22 +177,32 @@ class LayerFiles:
         """Check and claim `dirs` for `layout` (see the module docstring); nothing is
         written before every check has passed. `kind` names one set of files among several
         in the same dirs (`{kind}00000.p0.bin`, claim `fsdp_jax_nvme.{kind}.p0.json`)."""
+        return cls.open_sets(dirs, {kind: layout}, owner, process)[kind]
+
+    @classmethod
+    def open_sets(cls, dirs, layouts: dict, owner: str, process: int | None = None) -> dict:
+        """`open` of several sets of files in the same dirs ({kind: Layout} -> {kind: LayerFiles}):
+        every set's checks pass, and the dirs have room for all of them together, before any
+        claim is written."""
         if not dirs:
             raise OffloadError("offload_dirs: nvme offload needs at least one directory (offload_dirs=[/path, ...])")
         proc = jax.process_index() if process is None else process
         paths = tuple(Path(d) for d in dirs)
         for p in paths:
             _check_dir(p)
-        lf = cls(paths, layout, owner, proc, kind=kind)
-        for p in paths:
-            lf._check_claim(p)
-        lf._check_space()
+        sets = {kind: cls(paths, layout, owner, proc, kind=kind) for kind, layout in layouts.items()}
+        for lf in sets.values():
+            for p in paths:
+                lf._check_claim(p)
+        _check_space(list(sets.values()))
         for p in paths:
             if fs_type(p) in MEMORY_FS:
-                warnings.warn(f"offload_dirs: {p} is on {fs_type(p)}: memory, not a disk", stacklevel=2)
-            claim = {"owner": owner, "fingerprint": layout.fingerprint(), "layers": layout.n_layers}
-            _atomic_write(p / lf.claim_name(), json.dumps(claim))
-        return lf
+                warnings.warn(f"offload_dirs: {p} is on {fs_type(p)}: memory, not a disk", stacklevel=3)
+        for lf in sets.values():
+            claim = {"owner": owner, "fingerprint": lf.layout.fingerprint(), "layers": lf.layout.n_layers}
+            for p in paths:
+                _atomic_write(p / lf.claim_name(), json.dumps(claim))
+        return sets
 
     def _check_claim(self, d: Path) -> None:
         claim = d / self.claim_name()
@@ -210,22 +220,6 @@ class LayerFiles:
                 )
         elif any(d.glob(LAYER.format(self.kind or "layer", 0, self.process).replace("00000", "*"))):
             raise OffloadError(f"offload_dirs: {d} holds layer files with no claim (another run's?); nothing written")
-
-    def _check_space(self) -> None:
-        need: dict[int, list] = {}
-        for i in range(self.layout.n_layers):
-            d = self.path(i).parent
-            have = self.path(i).stat().st_size if self.path(i).exists() else 0
-            dev = os.stat(d).st_dev
-            need.setdefault(dev, [d, 0])[1] += self.layout.nbytes - have
-        for d, nbytes in need.values():
-            st = os.statvfs(d)
-            free = st.f_bavail * st.f_frsize
-            if nbytes > free:
-                raise OffloadError(
-                    f"offload_dirs: {d} needs {nbytes} bytes ({nbytes / 1e9:.2f} GB) for its layers' state, "
-                    f"but has {free} free; add dirs or free space"
-                )
 
     def claim_name(self) -> str:
         return CLAIM.format(f".{self.kind}" if self.kind else "", self.process)
@@ -261,6 +255,25 @@ class LayerFiles:
 
     def disk_bytes(self) -> int:
         return self.layout.n_layers * self.layout.nbytes
+
+
+def _check_space(sets: list[LayerFiles]) -> None:
+    """OffloadError unless each file system has room for every set's layer files (less what they hold now)."""
+    need: dict[int, list] = {}
+    for lf in sets:
+        for i in range(lf.layout.n_layers):
+            d = lf.path(i).parent
+            have = lf.path(i).stat().st_size if lf.path(i).exists() else 0
+            need.setdefault(os.stat(d).st_dev, [d, 0])[1] += lf.layout.nbytes - have
+    for d, nbytes in need.values():
+        st = os.statvfs(d)
+        free = st.f_bavail * st.f_frsize
+        if nbytes > free:
+            what = "its layers' state" if len(sets) == 1 else f"its layers' {', '.join(lf.kind for lf in sets)}"
+            raise OffloadError(
+                f"offload_dirs: {d} needs {nbytes} bytes ({nbytes / 1e9:.2f} GB) for {what}, "
+                f"but has {free} free; add dirs or free space"
+            )
 
 
 def _check_dir(p: Path) -> None:

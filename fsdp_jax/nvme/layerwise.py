@@ -35,6 +35,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 from collections.abc import Callable
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +43,7 @@ import numpy as np
 import optax
 
 from fsdp_jax.errors import OffloadError
+from fsdp_jax.nvme import checkpoint_stream
 from fsdp_jax.nvme.layer_files import LayerFiles, Layout
 from fsdp_jax.nvme.step import FLAT, LAYERED, OTHER, cut, empty_layers, masked_update
 from fsdp_jax.train.stream_update import elementwise_reason
@@ -103,10 +105,7 @@ class LayerwiseStep:
         state_spec = [jax.ShapeDtypeStruct(st_leaves[k].shape, st_leaves[k].dtype, sharding=sh_leaves[k])
                       for k in self._stacked]  # fmt: skip
         p_layout, s_layout = Layout.of(jax.tree.leaves(abstract["layers"])), Layout.of(state_spec)
-        self.files = {
-            kind: LayerFiles.open(dirs, lay, owner, kind=kind)
-            for kind, lay in zip(KINDS, (p_layout, s_layout, p_layout))
-        }
+        self.files = LayerFiles.open_sets(dirs, dict(zip(KINDS, (p_layout, s_layout, p_layout))), owner)
         self.n_layers = p_layout.n_layers
         self._layers_def = jax.tree.structure(abstract["layers"])
         self._layer_dtypes = [np.dtype(x.dtype) for x in jax.tree.leaves(abstract["layers"])]
@@ -115,7 +114,13 @@ class LayerwiseStep:
         self._io = (cf.ThreadPoolExecutor(1, "nvme-read"), cf.ThreadPoolExecutor(1, "nvme-write"))
         self._read_bufs = {k: [f.buffer(), f.buffer()] for k, f in self.files.items()}
         self._writes: list = []  # (future, buffer) of writes in flight
+        self._saving: list = []  # (StackWriter, check) of a checkpoint streaming out of the files
         self._jit_programs(p_layout)
+
+    @property
+    def stacked(self) -> list[int]:
+        """The indices, among `optimizer.init(params)`'s leaves, of those kept in the state files."""
+        return list(self._stacked)
 
     # ------------------------------------------------------------------ the programs
 
@@ -214,6 +219,7 @@ class LayerwiseStep:
     def put(self, params, opt_state) -> dict:
         """Write the layers' params and stacked optimizer state to the files; returns the live
         state `{"rest", "opt_state"}` (the stacked leaves cut to zero layers)."""
+        self._saved()
         layers, st = jax.tree.leaves(params["layers"]), jax.tree.leaves(opt_state)
         for i in range(self.n_layers):
             self._write("params", i, [x[i : i + 1] for x in layers])
@@ -224,6 +230,7 @@ class LayerwiseStep:
 
     def gather(self, live: dict):
         """(params, opt_state) whole from `live` and the files (each layer read once)."""
+        self._saved()
         per = [arrays for _, arrays in self._stream(("params", "state"), range(self.n_layers))]
         layers = [jnp.concatenate(xs) for xs in zip(*(a[0] for a in per))]
         stacked = [jnp.concatenate(xs) for xs in zip(*(a[1] for a in per))]
@@ -237,6 +244,7 @@ class LayerwiseStep:
 
     def train_step(self, live: dict, batch) -> tuple[dict, dict]:
         """One step (module docstring); returns the new live state and {loss, grad_norm, skipped}."""
+        self._saved()  # a checkpoint streaming out of the files ends before they change
         batch = batch if self.batch_sharding is None else jax.device_put(batch, self.batch_sharding)
         rest, n = live["rest"], self.n_layers
         hs = [self._embed(rest, batch)]
@@ -259,7 +267,49 @@ class LayerwiseStep:
         metrics = {"loss": loss, "grad_norm": gnorm, "skipped": (~ok).astype(jnp.int32)}
         return {"rest": new_rest, "opt_state": opt_state}, metrics
 
+    def compile_layer(self, rest, batch):
+        """One layer's backward program (params read, vjp, grads out: the largest of the step's
+        programs) compiled ahead for `batch`'s shape; its `memory_analysis()` is the step's peak."""
+        lay = self.files["params"].layout
+        p = [jax.ShapeDtypeStruct(s, d, sharding=sh) for s, d, sh in zip(lay.shapes, self._layer_dtypes, lay.shardings)]
+        batch = batch if self.batch_sharding is None else jax.device_put(batch, self.batch_sharding)
+        h = jax.eval_shape(self._embed, rest, batch)
+        return self._bwd.lower(p, h, h).compile()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_streams(self, check=None) -> tuple[list, list]:
+        """(the params files' stacks, the state files' stacks): per stored leaf its whole stack
+        as a `shard_files.Streamed` leaf (`checkpoint_stream.LayerStack`), written layer by layer
+        out of the files when the checkpoint commits; the files are left alone until then (the
+        next `train_step`, `gather` or `put` waits). `check`: the checkpointer's, raising on a
+        failed save (polled while waiting)."""
+        self._saved()
+        out = []
+        for kind in ("params", "state"):
+            writer = checkpoint_stream.StackWriter(self.files[kind], self._read_bufs[kind], self._io[0])
+            self._saving.append((writer, check))
+            out.append(writer.stacks())
+        return out[0], out[1]
+
+    def drop_save(self) -> None:
+        """Forget the save `save_streams` prepared (it raised before its commit was scheduled)."""
+        self._saving = []
+
+    def _saved(self) -> None:
+        while self._saving:
+            writer, check = self._saving.pop(0)
+            writer.wait(check)
+
+    def rebuild(self, state_dir, param_names: list[str], state_names: list[str]) -> None:
+        """The params and state files from a checkpoint's shard files in `state_dir` (the stored
+        leaves saved as `param_names` / `state_names`), a layer at a time (`checkpoint_stream`)."""
+        self._saved()
+        for kind, names in (("params", param_names), ("state", state_names)):
+            checkpoint_stream.rebuild(self.files[kind], names, Path(state_dir), self._read_bufs[kind][0])
+
     def close(self) -> None:
+        self._saved()
         self._flush()
         for ex in self._io:
             ex.shutdown(wait=True)

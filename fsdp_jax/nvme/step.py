@@ -60,17 +60,12 @@ HOST_BUFFERS = 3  # page-aligned host buffers of one layer each: read i+1 | upda
 # state rests in host memory, and the jitted step of `build` does not run them)
 NVME_OFFLOADS: dict[str, Offload] = {
     "optimizer:nvme": Offload("optimizer:nvme", params=False, opt_state=False, stream=True),
-    # the f32 master params of the scanned layers in the layer files too, the forward / backward
-    # fed a layer at a time from them: planned (`app.planner.nvme_plan`); the trainer refuses it
-    # (`PARAMS_NOT_BUILT`) until the layer-wise driver exists
+    # the f32 master params of the scanned layers (and their grads) in the layer files too, the
+    # forward / backward fed a layer at a time from them (`fsdp_jax.nvme.layerwise`; planned by
+    # `app.planner.nvme_plan`, run by `app.trainer.params_nvme`)
     "optimizer+params:nvme": Offload("optimizer+params:nvme", params=False, opt_state=False, stream=True),
 }
 PARAMS_NVME = "optimizer+params:nvme"
-PARAMS_NOT_BUILT = (
-    "'optimizer+params:nvme' can be planned (fsdp-jax plan --offload optimizer+params:nvme) but not run yet: "
-    "the layer-wise forward / backward fed from the layer files is not built; use offload: optimizer:nvme "
-    "(the optimizer state on disk, the params on the device)"
-)
 
 
 def labels_of(optimizer, opt_state, layered):

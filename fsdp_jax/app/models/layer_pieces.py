@@ -40,9 +40,10 @@ def split_params(params: dict) -> dict:
     return {"layers": params["blocks"], "rest": {k: v for k, v in params.items() if k != "blocks"}}
 
 
-def decoder_pieces(model_fns, cfg: DecoderConfig) -> Pieces:
-    """`Pieces` of the decoder `model_fns` binds (an NNX `ModelFns` of `Decoder(cfg)`); a batch is
-    tokens (B, S + 1), as the train step's loss takes it."""
+def decoder_pieces(model_fns, cfg: DecoderConfig, remat: str = "none") -> Pieces:
+    """`Pieces` of the decoder `model_fns` binds (an NNX `ModelFns` of `Decoder(cfg, remat=remat)`);
+    a batch is tokens (B, S + 1), as the train step's loss takes it. `remat`: the layer's policy
+    inside its own vjp, as the scanned decoder applies it per block (`layer_gather.block_policy`)."""
     block_def, block_params, block_rest = nnx.split(nnx.eval_shape(lambda: Block(cfg, nnx.Rngs(0))), nnx.Param, ...)
     blocks_abstract = model_fns.abstract_params["blocks"]
 
@@ -52,10 +53,14 @@ def decoder_pieces(model_fns, cfg: DecoderConfig) -> Pieces:
     def embed(rest, tokens):  # (B, S + 1) -> (B, S, D)
         return bind_rest(rest).embed_tokens(tokens[:, :-1])
 
-    def layer(p, h):  # one layer's pure params, (B, S, D) -> (B, S, D)
+    def block(p, h):  # one layer's pure params, (B, S, D) -> (B, S, D)
         st = jax.tree.map(lambda x: x, block_params)
         nnx.replace_by_pure_dict(st, p)
         return layer_gather.gather_module(nnx.merge(block_def, st, block_rest))(h)
+
+    def layer(p, h):  # the policy read when traced: it depends on the step's layer-gather context
+        policy = layer_gather.block_policy(remat)
+        return (block if policy is None else jax.checkpoint(block, policy=policy))(p, h)
 
     def head(rest, h, tokens):  # -> the mean cross-entropy over tokens[:, 1:]
         return cross_entropy(bind_rest(rest)._head(h), tokens[:, 1:])

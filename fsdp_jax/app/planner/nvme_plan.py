@@ -200,7 +200,7 @@ def _stored(offload: str) -> tuple[str, str]:
     if offload == PARAMS_NVME:
         return (
             "the stacked optimizer state and f32 master params (and the backward's grads of them)",
-            "that state, those params and their grads (fed and updated a layer at a time: not run yet, planned only)",
+            "that state, those params and their grads (fed and updated a layer at a time by the trainer's layer-wise step)",
         )
     return "the stacked optimizer state", "that state"
 

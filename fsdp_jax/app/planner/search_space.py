@@ -27,7 +27,7 @@ OFFLOAD_SETTINGS = (
     "optimizer+params:streamed-update",
     "optimizer:nvme",
 )
-# searched only when --offload names them: a run of one is refused (`fsdp_jax.nvme.PARAMS_NOT_BUILT`)
+# searched only when --offload names them (a run of it has limits: `app.trainer.params_nvme.REFUSALS`)
 PLANNED_ONLY = ("optimizer+params:nvme",)
 VARY = ("batch", "seq")
 # The analytic transient bytes (grads, gathered params, activations: the total minus the

@@ -29,6 +29,7 @@ from fsdp_jax.app.objectives import grpo_eval
 from fsdp_jax.app.objectives.grpo_run import is_grpo
 from fsdp_jax.app.objectives.preference_run import evaluate_pairs, is_preference, load_pairs
 from fsdp_jax.app.objectives.reference import without_reference
+from fsdp_jax.app.trainer import nvme_run
 from fsdp_jax.app.trainer.metrics import sample_text
 from fsdp_jax.sharding import offload
 
@@ -51,7 +52,7 @@ class CorpusLoss:
         return bool(lp.val)
 
     def measure(self, lp) -> Measured:
-        vl = evaluate(lp.run, lp.state.params, lp.val, lp.state.model_state)
+        vl = evaluate(lp.run, nvme_run.whole_params(lp.run, lp.state), lp.val, lp.state.model_state)
         line = f"step {lp.done}: val_loss {vl:.4f} ({vl / math.log(2):.3f} bits/token)"
         return Measured({"val_loss": vl}, {"val_loss": vl}, line)
 
@@ -107,7 +108,7 @@ class TextSample:
             self.policy(lp),
             dataclasses.replace(run.plan, params=on_device),
             lp.cfg,
-            jax.device_put(lp.state.params, on_device),
+            jax.device_put(nvme_run.whole_params(run, lp.state), on_device),
             self.prompts(lp),
             run.rng,
         )

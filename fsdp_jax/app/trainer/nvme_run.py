@@ -1,4 +1,5 @@
-"""The trainer's side of `offload: optimizer:nvme` (`fsdp_jax.nvme`).
+"""The trainer's side of `offload: optimizer:nvme` (`fsdp_jax.nvme`), and the door to
+`optimizer+params:nvme`'s (`params_nvme.ParamsNvmeStep`, which answers the same calls).
 
 The state a run starts from (a fresh init, `init_from`, or the checkpoint it resumes) is
 written into the layer files under `offload_dirs` (all of them rewritten: the files are a
@@ -16,9 +17,10 @@ import contextlib
 from pathlib import Path
 
 from fsdp_jax.app.models.lora import adapter_mask
+from fsdp_jax.app.trainer import params_nvme
 from fsdp_jax.app.trainer.build import dropout_key, has_loss_aux, lora_dropout, lora_spec
 from fsdp_jax.errors import ConfigError, OffloadError
-from fsdp_jax.nvme import NVME_OFFLOADS, NvmeStep
+from fsdp_jax.nvme import NVME_OFFLOADS, PARAMS_NVME, NvmeStep
 from fsdp_jax.train.build import Built
 from fsdp_jax.train.state import TrainState
 
@@ -31,17 +33,31 @@ def dirs_of(cfg) -> list[str]:
     return [d.strip() for d in cfg.offload_dirs.split(",") if d.strip()]
 
 
-def open_step(cfg, built: Built, loss_fn, run_dir: Path) -> NvmeStep | None:
-    """The step (None without nvme); the dirs are checked and claimed for this run (its
-    resolved run dir names it) before anything is written (bad input: ConfigError, one line)."""
+def check_layerwise(cfg) -> None:
+    """ConfigError (one line) when `optimizer+params:nvme` is asked with what its layer-wise step
+    does not run yet (`params_nvme.REFUSALS`); checked before anything is written."""
+    if cfg.offload == PARAMS_NVME and (why := params_nvme.refusal(cfg)) is not None:
+        raise ConfigError(*why)
+
+
+def open_step(cfg, built: Built, loss_fn, run_dir: Path, model=None):
+    """The step (None without nvme): an `NvmeStep`, or under `optimizer+params:nvme` a
+    `params_nvme.ParamsNvmeStep` of `model` (the run's ModelFns); the dirs are checked and
+    claimed for this run (its resolved run dir names it) before anything is written (bad input:
+    ConfigError, one line)."""
     if not uses_nvme(cfg):
         return None
+    owner = str(Path(run_dir).resolve())
     try:
+        if cfg.offload == PARAMS_NVME:
+            if (why := params_nvme.packed_refusal(cfg)) is not None:
+                raise ConfigError(*why)
+            return params_nvme.ParamsNvmeStep(cfg, built, model, dirs_of(cfg), owner)
         nv = NvmeStep(
             built,
             loss_fn,
             dirs_of(cfg),
-            owner=str(Path(run_dir).resolve()),
+            owner=owner,
             microbatches=cfg.train.microbatches,
             clip_norm=cfg.optimizer.clip_norm,
             precision=cfg.precision,
@@ -71,6 +87,13 @@ def live(nv: NvmeStep | None, state: TrainState, restored: bool) -> TrainState:
     """The state the step takes: under nvme and not `restored` (a fresh init, `init_from`),
     the layer files written from `state`."""
     return state if nv is None or restored else nv.put(state)
+
+
+def whole_params(run, state: TrainState):
+    """The params of `state` whole (eval, the sample): under `optimizer+params:nvme` the layers
+    read out of the layer files (`ParamsNvmeStep.whole_params`), else `state.params`."""
+    nv = getattr(run, "nvme", None)
+    return nv.whole_params(state) if hasattr(nv, "whole_params") else state.params
 
 
 @contextlib.contextmanager

@@ -62,7 +62,6 @@ from fsdp_jax.app.trainer.run_dir import check_dir_path
 from fsdp_jax.checkpoint import Checkpointer, Restored, latest_step, open_safetensors
 from fsdp_jax.errors import CheckpointError, ConfigError, one_line
 from fsdp_jax.model.fns import ModelFns
-from fsdp_jax.nvme import PARAMS_NOT_BUILT, PARAMS_NVME
 from fsdp_jax.sharding import offload, remat
 from fsdp_jax.sharding.mesh import make_mesh
 from fsdp_jax.sharding.strategy import ShardingPlan
@@ -98,7 +97,7 @@ class Run:
     start_step: int = 0  # steps (batches) done before this run started
     setup_s: float = 0.0  # wall seconds train() spent in setup (for goodput)
     lora_base: dict | None = None  # a LoRA run's base fingerprint (`lora_state`), saved with each checkpoint
-    nvme: Any = None  # offload: optimizer:nvme: the NvmeStep (also `train_step`); `state` is its live state
+    nvme: Any = None  # nvme offload: the NvmeStep / ParamsNvmeStep (also `train_step`); `state` is its live state
 
 
 # ------------------------------------------------------------------------------- checks
@@ -111,8 +110,7 @@ def check_offload(cfg: Config) -> None:
         offload.check_supported("none" if nvme_run.uses_nvme(cfg) else cfg.offload, jax.devices())
     except offload.OffloadError as e:
         raise ConfigError("offload", str(e).removeprefix("offload: ")) from None
-    if cfg.offload == PARAMS_NVME:  # planned only: the layer-wise driver is not built
-        raise ConfigError("offload", PARAMS_NOT_BUILT)
+    nvme_run.check_layerwise(cfg)  # optimizer+params:nvme: what its layer-wise step does not run yet
     if nvme_run.uses_nvme(cfg) and not nvme_run.dirs_of(cfg):  # a plan of it needs none: checked here
         raise ConfigError(
             "offload_dirs",
@@ -262,7 +260,7 @@ def _state(p: _Draft) -> None:
         for d in ckpt.partial:
             print(f"warning: ignoring partial checkpoint {d} (its save was interrupted); removed", flush=True)
     restored, start, lora = None, 0, lora_spec(cfg) is not None
-    nvme = nvme_run.open_step(cfg, built, p.loss_fn, run_dir)  # nvme: dirs claimed; stacked leaves streamed
+    nvme = nvme_run.open_step(cfg, built, p.loss_fn, run_dir, p.model)  # nvme: dirs claimed; stacked leaves streamed
     if p.resume and ckpt.steps():
         target = lora_state.saved_abstract(built.abstract_state) if lora else built.abstract_state
         target, then = nvme_run.restore_target(nvme, target), nvme_run.after_restore(nvme)

@@ -1,0 +1,237 @@
+"""`offload: optimizer+params:nvme` in the trainer (`fsdp_jax.app.trainer.params_nvme`): the
+scanned layers' params, optimizer state and grads in layer files, the forward and backward fed a
+layer at a time (`fsdp_jax.nvme.layerwise`).
+
+The run parity runs in one child on one CPU device and XLA:CPU's default emitters (as
+tests/test_nvme.py's `parity_env` explains). Kill -9 mid step, then the same command:
+tests/test_nvme.py's kill test, parametrized over both nvme offloads."""
+
+import json
+
+import pytest
+from test_nvme import parity_env
+
+from fsdp_jax.app.trainer.params_nvme import REFUSALS
+from helpers import TINY_RUN_OVERRIDES, call, json_child, one_line
+
+# The child: the same tiny run (remat dots, eval, sample, checkpoints at 2 and 4) without offload,
+# with optimizer+params:nvme straight through, and with it stopped after step 2 and launched again
+# (resuming from the step-2 checkpoint: the files rebuilt from it); each run's losses and sample,
+# its final checkpoint's leaves against the run without offload's, its stdout and its dir's files.
+_CHILD = r"""
+import contextlib, io, json, os, sys
+sys.path.insert(0, "tests")
+import jax
+import numpy as np
+from test_offload import ROOT
+jax.config.update("jax_compilation_cache_dir", str(ROOT / ".jax_cache"))
+from fsdp_jax import checkpoint as ck
+from fsdp_jax.app.cli.train import main
+from fsdp_jax.app.trainer import loop
+from fsdp_jax.app.trainer.build import trainer_model
+from fsdp_jax.app.trainer.optim import build_optimizer
+from fsdp_jax.app.trainer.setup import load_run_config
+from fsdp_jax.sharding.mesh import make_mesh
+from fsdp_jax.sharding.strategy import make_plan
+from fsdp_jax.train.state import abstract_state
+
+tmp, base = sys.argv[1], json.loads(sys.argv[2])
+
+def args(name, offload):
+    os.makedirs(f"{tmp}/{name}_disk", exist_ok=True)
+    return ["--config", "configs/tiny.yaml", *base, f"run_dir={tmp}/{name}", f"offload={offload}",
+            f"offload_dirs={tmp}/{name}_disk", "--no-progress"]
+
+def launch(name, offload, stop_after=None):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        if stop_after is None:
+            assert main(args(name, offload)) == 0
+        else:
+            a = args(name, offload)
+            loop.train(load_run_config(a[1], a[2:-1]), progress=False, stop_after=stop_after)
+    return out.getvalue()
+
+def rows(name):
+    return [json.loads(x) for x in open(f"{tmp}/{name}/metrics.jsonl") if x.strip()]
+
+def final(name):
+    cfg = load_run_config(f"{tmp}/{name}/config.yaml")
+    model = trainer_model(cfg.model, cfg.remat)
+    opt, _ = build_optimizer(cfg.optimizer, cfg.train.steps)
+    plan = make_plan(model.abstract_params, opt, make_mesh(), "full_shard", model.logical_axes)
+    return ck.restore(f"{tmp}/{name}/checkpoints", abstract_state(plan, model.abstract_params, opt))[0]
+
+out = {"stdout": {}}
+out["stdout"]["plain"] = launch("plain", "none")
+out["stdout"]["nvme"] = launch("nvme", "optimizer+params:nvme")
+out["stdout"]["stopped"] = launch("resumed", "optimizer+params:nvme", stop_after=2)
+out["stdout"]["resumed"] = launch("resumed", "optimizer+params:nvme")
+ref = final("plain")
+for name in ("nvme", "resumed"):
+    got = final(name)
+    out[name] = {
+        "step": int(got.step),
+        "leaves": len(jax.tree.leaves(got)),
+        "differ": [jax.tree_util.keystr(p) for (p, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0],
+                   jax.tree.leaves(ref)) if not np.array_equal(np.asarray(a), np.asarray(b))],
+    }
+out["rows"] = {n: rows(n) for n in ("plain", "nvme", "resumed")}
+out["files"] = sorted(os.listdir(f"{tmp}/nvme_disk"))
+out["devices"] = jax.device_count()
+print(json.dumps(out))
+"""
+RUN = [
+    *TINY_RUN_OVERRIDES,
+    "train.steps=4",
+    "train.checkpoint_every=2",
+    "train.eval_every=2",
+    "train.eval_batches=1",
+    "train.sample_tokens=8",
+]
+
+
+@pytest.mark.slow  # 4 tiny runs in one child (one device): ~60 CPU s on the loaded 2-core machine
+def test_params_on_disk_trains_resumes_and_checkpoints_bit_for_bit(corpus, tmp_path):
+    # XLA's default optimisation level, as a run gets it: at the suite's level 0 the grad norm's
+    # per-layer sum of squares rounds 1 ulp off the scanned step's at step 3, and clipping
+    # (active) carries it into every param (docs/offload.md "Params on disk")
+    flags = [f for f in parity_env()["XLA_FLAGS"].split() if not f.startswith("--xla_backend_optimization_level")]
+    env = dict(parity_env(), FSDP_JAX_CPU_DEVICES="1", XLA_FLAGS=" ".join(flags))
+    r = json_child(_CHILD, str(tmp_path), json.dumps([*RUN, f"data.path={corpus}"]), env=env)
+    assert r["devices"] == 1
+    plain = r["rows"]["plain"]
+    assert [x["step"] for x in plain if "loss" in x] == [1, 2, 3, 4] and any("val_loss" in x for x in plain)
+    keys = ("step", "loss", "grad_norm", "val_loss")
+
+    def same(rows):
+        return [{k: x[k] for k in keys if k in x} for x in rows if "loss" in x or "val_loss" in x]
+
+    # losses, grad norms (clipping active: 2.1-2.3 over clip_norm 1.0) and val losses equal, bit
+    # for bit (the run stopped after step 2 skipped that step's eval, as any stopping run does;
+    # launched again it logs steps 3-4 and their eval)
+    assert same(r["rows"]["nvme"]) == same(plain)
+    resumed = {(x["step"], k): x[k] for x in same(r["rows"]["resumed"]) for k in x if k != "step"}
+    want = {(x["step"], k): x[k] for x in same(plain) for k in x if k != "step"}
+    assert resumed == {k: v for k, v in want.items() if k != (2, "val_loss")}
+    for name in ("nvme", "resumed"):  # the final checkpoints (streamed out of the files) equal, every leaf
+        assert r[name]["step"] == 4 and r[name]["leaves"] > 30 and r[name]["differ"] == [], r[name]
+    out = r["stdout"]
+    assert "resuming from checkpoint step 2" in out["resumed"] and "resuming" not in out["nvme"]
+
+    def sample(text):  # the end-of-run sample (under nvme: the params read out of the files)
+        return text.split("\nsample:")[1].split("\ngoodput")[0]
+
+    assert sample(out["nvme"]) == sample(out["plain"]) == sample(out["resumed"]) != ""
+    assert r["files"] == sorted(
+        [f"fsdp_jax_nvme.{k}.p0.json" for k in ("grads", "params", "state")]
+        + [f"{k}{i:05d}.p0.bin" for k in ("grads", "params", "state") for i in (0, 1)]
+    )
+
+
+# ------------------------------------------------------------------ what it does not run yet
+
+# (overrides, the REFUSALS entry its line carries): each refused in one line, exit 2, before
+# anything is written (no run dir, the offload dir left empty)
+NOT_YET = [
+    ("model.n_experts=4 model.experts_per_token=2 model.moe_ffn_dim=32", "model.n_experts"),
+    ("model.mtp_depth=1", "model.mtp_depth"),
+    ("lora.rank=4", "lora"),
+    ("precision=params=float32,compute=bfloat16", "precision"),
+    ("train.microbatches=2", "train.microbatches"),
+    ("mesh.strategy=shard_grad_op", "mesh.strategy"),
+    ("data.document_mask=true", "data"),
+    ("remat=offload_dots_no_batch", "remat"),
+    ("mesh.context=2", "mesh"),
+    ("objective=dpo", "objective"),
+]
+
+
+@pytest.mark.parametrize("override,what", NOT_YET, ids=[w for _, w in NOT_YET])
+def test_what_the_layerwise_step_does_not_run_is_one_line(tmp_path, capsys, override, what):
+    d = tmp_path / "disk"
+    d.mkdir()
+    args = ["--config", "configs/tiny.yaml", *TINY_RUN_OVERRIDES, f"run_dir={tmp_path / 'run'}"]
+    rc, out, err = call(
+        "train", *args, "offload=optimizer+params:nvme", f"offload_dirs={d}", *override.split(), capsys=capsys
+    )
+    why = dict(REFUSALS)["model" if what.startswith("model.") else what]
+    line = one_line(rc, err, why)
+    assert what in line or what == "model.n_experts" and "n_experts" in line
+    assert not (tmp_path / "run").exists() and not any(d.iterdir())
+
+
+def test_every_refusal_is_tested():
+    tested = {"model" if w.startswith("model.") else w for _, w in NOT_YET}
+    assert tested == set(dict(REFUSALS))
+
+
+def test_params_on_disk_without_dirs_is_one_line(tmp_path, capsys):
+    args = ["--config", "configs/tiny.yaml", *TINY_RUN_OVERRIDES, f"run_dir={tmp_path / 'run'}"]
+    rc, out, err = call("train", *args, "offload=optimizer+params:nvme", capsys=capsys)
+    one_line(rc, err, "offload_dirs")
+    assert not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------------ the files: bad input
+
+
+def _sets(n_layers=2):
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import fsdp_jax as fj
+    from fsdp_jax.nvme import Layout
+
+    s = NamedSharding(fj.make_mesh(fsdp=8), P(None, "fsdp"))
+    lay = Layout.of([jax.ShapeDtypeStruct((n_layers, 64, 8), np.float32, sharding=s)])
+    return {"params": lay, "state": Layout.of([jax.ShapeDtypeStruct((n_layers, 64, 8, 2), np.float32, sharding=s)]),
+            "grads": lay}  # fmt: skip
+
+
+def test_params_state_and_grads_files_are_checked_together_before_any_claim(tmp_path, monkeypatch):
+    """`LayerFiles.open_sets` (what `LayerwiseStep` opens): room for all three sets together (the
+    bytes named), another run's or another shape's files in any one set, a path that is not a
+    directory: one OffloadError, and no claim or file written for any set."""
+    from fsdp_jax.errors import OffloadError
+    from fsdp_jax.nvme import LayerFiles
+    from fsdp_jax.nvme import layer_files as lf_lib
+
+    sets = _sets()
+    need = sum(lay.n_layers * lay.nbytes for lay in sets.values())
+
+    class Room:  # room for the params alone, not for all three sets
+        f_bavail, f_frsize = sets["params"].n_layers * sets["params"].nbytes // 4096, 4096
+
+    with monkeypatch.context() as m:
+        m.setattr(lf_lib.os, "statvfs", lambda _: Room)
+        (tmp_path / "one").mkdir()
+        LayerFiles.open([tmp_path / "one"], sets["params"], owner="a", kind="params")  # one set fits
+        with pytest.raises(OffloadError, match=f"needs {need} bytes .* params, state, grads"):
+            LayerFiles.open_sets([tmp_path], sets, owner="a")
+    assert list(tmp_path.glob("fsdp_jax_nvme*")) == []  # nothing claimed
+    d = tmp_path / "d"
+    d.mkdir()
+    LayerFiles.open([d], sets["state"], owner="a", kind="state")  # one set's claim, another run's
+    before = sorted(p.name for p in d.iterdir())
+    with pytest.raises(OffloadError, match="another run"):
+        LayerFiles.open_sets([d], sets, owner="b")
+    with pytest.raises(OffloadError, match="another state shape"):
+        LayerFiles.open_sets([d], _sets(n_layers=3), owner="a")
+    assert sorted(p.name for p in d.iterdir()) == before  # no params or grads claim written
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(OffloadError, match="not a directory"):
+        LayerFiles.open_sets([d, tmp_path / "f"], sets, owner="a")
+    assert sorted(p.name for p in d.iterdir()) == before
+
+
+def test_params_on_disk_with_a_file_for_a_dir_is_one_line(corpus, tmp_path, capsys):
+    (tmp_path / "f").write_text("x")
+    args = ["--config", "configs/tiny.yaml", *TINY_RUN_OVERRIDES, f"data.path={corpus}", f"run_dir={tmp_path / 'run'}"]
+    rc, out, err = call(
+        "train", *args, "offload=optimizer+params:nvme", f"offload_dirs={tmp_path / 'f'}", capsys=capsys
+    )
+    one_line(rc, err, "offload_dirs", "not a directory")
+    assert (tmp_path / "f").read_text() == "x"
