@@ -35,17 +35,24 @@ def bf16(a):
     return np.asarray(jnp.asarray(a, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32))
 
 
-def reference(x, w, g, groups):
-    """y, dx, dw per expert, `groups` its rows: each expert scaled by its own amaxes, f32
-    accumulation, the forward GEMM written in bf16 then unscaled in f32, as docs/fp8.md writes."""
+def reference(x, w, g, groups, hist=None):
+    """y, dx, dw per expert, `groups` its rows: each expert scaled by its own amaxes (with
+    `hist` (E, 3, L): by the max of its input / weight / gradient history, the current amax
+    where that is all zeros), f32 accumulation, the forward GEMM written in bf16 then unscaled
+    in f32, as docs/fp8.md writes."""
     x, w, g = (np.asarray(a, np.float32) for a in (x, w, g))
     y, dx, dw = np.zeros((len(x), w.shape[-1])), np.zeros_like(x), np.zeros_like(w)
+
+    def ref(e, j, current):
+        past = 0.0 if hist is None else float(np.max(hist[e, j]))
+        return past if past > 0 else current
+
     for e, rows in enumerate(groups):
         if not len(x[rows]):
             continue
-        xq, sx = np_q(x[rows], np.abs(x[rows]).max(), E4)
-        wq, sw = np_q(w[e], np.abs(w[e]).max(), E4)
-        gq, sg = np_q(g[rows], np.abs(g[rows]).max(), E5)
+        xq, sx = np_q(x[rows], ref(e, 0, np.abs(x[rows]).max()), E4)
+        wq, sw = np_q(w[e], ref(e, 1, np.abs(w[e]).max()), E4)
+        gq, sg = np_q(g[rows], ref(e, 2, np.abs(g[rows]).max()), E5)
         y[rows] = bf16(bf16(f32dot(xq, wq)) * (np.float32(1.0) / (sx * sw)))
         dx[rows] = bf16(f32dot(gq, wq.T) * (np.float32(1.0) / (sg * sw)))
         dw[e] = bf16(f32dot(xq.T, gq) * (np.float32(1.0) / (sx * sg)))
@@ -97,6 +104,49 @@ def test_expert_gemms_equal_their_reference_formula(layout):
     text = str(jax.make_jaxpr(vjp)(g))
     assert "f8_e5m2" in text and "f8_e4m3fn" in text
     assert "f8_e5m2" not in str(jax.make_jaxpr(f)(x, w))
+
+
+@pytest.mark.parametrize("layout", ["grouped", "batched"])
+def test_expert_histories_scale_by_the_past_and_push_through_the_backward(layout):
+    """Delayed recipe, a history per expert for input, weight and gradient: each GEMM scaled
+    by its expert's history max (the current amax where the history is all zeros: expert 0),
+    bit for bit against the formula; the histories' cotangent is each with this call's amax
+    pushed in front (0 for an expert without rows)."""
+    if layout == "grouped":
+        x, w, g = _operands((M, K), (len(SIZES), K, N), (M, N))
+        sizes = jnp.asarray(SIZES, jnp.int32)
+        ends = np.cumsum(SIZES)
+        groups = [np.arange(e - s, e) for s, e in zip(SIZES, ends)]
+        g = g.at[int(ends[-1]) :].set(0)
+
+        def f(x, w, h):
+            return fp8_experts.grouped_matmul(x, w, sizes, h)
+    else:
+        x, w, g = _operands((3, 8, K), (3, K, N), (3, 8, N))
+        groups = [np.arange(8 * e, 8 * e + 8) for e in range(3)]
+        f = fp8_experts.batched_matmul
+    n_e = w.shape[0]
+    past = np.asarray([[6.0, 0.09, 2e-3], [5.0, 0.2, 1e-3], [9.0, 0.1, 4e-3], [4.0, 0.3, 3e-3]], np.float32)[:n_e]
+    hist = np.zeros((n_e, 3, 3), np.float32)
+    hist[1:, :, 1] = past[1:]  # expert 0: all zeros
+    y, vjp = jax.vjp(f, x, w, jnp.asarray(hist))
+    dx, dw, new = jax.jit(vjp)(g)
+    y = jax.jit(f).lower(x, w, hist).compile({"xla_allow_excess_precision": False})(x, w, hist)
+
+    def flat(a):
+        return np.asarray(a, np.float32).reshape(M if layout == "grouped" else 24, -1)
+
+    want_y, want_dx, want_dw = reference(flat(x), np.asarray(w, np.float32), flat(g), groups, hist)
+    np.testing.assert_array_equal(flat(y), want_y)
+    np.testing.assert_array_equal(flat(dx), want_dx)
+    np.testing.assert_array_equal(np.asarray(dw, np.float32), want_dw)
+    # and the histories were used: the current-amax formula differs
+    assert not np.array_equal(flat(dx), reference(flat(x), np.asarray(w, np.float32), flat(g), groups)[1])
+    fx, fw, fg = flat(x), np.asarray(w, np.float32), flat(g)
+    for e, rows in enumerate(groups):
+        now = [np.abs(a).max() if a.size else 0.0 for a in (fx[rows], fw[e], fg[rows])]
+        np.testing.assert_array_equal(np.asarray(new)[e, :, 0], np.asarray(now, np.float32))
+        np.testing.assert_array_equal(np.asarray(new)[e, :, 1:], hist[e, :, :2])
 
 
 MOE = DecoderConfig(
