@@ -30,6 +30,7 @@ every layout scales by the amax of all of an expert's rows, as one device does.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +39,7 @@ from fsdp_jax.quant.fp8 import E4M3, E5M2, quantize, scale_for
 from fsdp_jax.sharding import precision
 
 # x (M, K), g (M, N) -> dw (E, K, N): contracted over the rows, one sum per expert
-_DW_DIMS = jax.lax.RaggedDotDimensionNumbers(
+DW_DIMS = jax.lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=(0,), rhs_group_dimensions=()
 )
 
@@ -66,7 +67,7 @@ def _per_row(v, gid) -> jax.Array:
     return jnp.concatenate([v, jnp.ones((1,), v.dtype)])[gid][:, None]
 
 
-def _pmax(a, axes: tuple[str, ...]):
+def pmax_over(a, axes: tuple[str, ...]):
     return jax.lax.pmax(a, axes) if axes else a
 
 
@@ -84,7 +85,7 @@ def _pushed(h, ax, aw, ag) -> jax.Array:
     return jnp.concatenate([now[..., None], h[..., :-1]], axis=-1)
 
 
-def _finish_dw(dw, reduce_dtype, w_dtype):
+def finish_dw(dw, reduce_dtype, w_dtype):
     if reduce_dtype.itemsize > jnp.dtype(w_dtype).itemsize:  # reduced across devices in the wider dtype
         dw = jax.lax.optimization_barrier(dw.astype(reduce_dtype))
     return dw.astype(w_dtype)
@@ -98,8 +99,8 @@ def _grouped(reduce_dtype, axes: tuple[str, ...], delayed: bool):
 
     def fwd(x, w, sizes, hist):
         gid, n = group_ids(sizes, x.shape[0]), w.shape[0]
-        ax = _pmax(_grouped_amax(x, gid, n), axes)
-        aw = _pmax(jnp.max(jnp.abs(w.astype(jnp.float32)), axis=(1, 2)), axes)  # equal on every device
+        ax = pmax_over(_grouped_amax(x, gid, n), axes)
+        aw = pmax_over(jnp.max(jnp.abs(w.astype(jnp.float32)), axis=(1, 2)), axes)  # equal on every device
         sx = _scales(hist[:, 0] if delayed else None, ax, E4M3)
         sw = _scales(hist[:, 1] if delayed else None, aw, E4M3)
         rx, rw = _per_row(sx, gid), _per_row(sw, gid)
@@ -111,16 +112,16 @@ def _grouped(reduce_dtype, axes: tuple[str, ...], delayed: bool):
     def bwd(res, g):
         xq, wq, sizes, sx, sw, x_like, w_like, hist, ax, aw = res
         gid, n = group_ids(sizes, g.shape[0]), wq.shape[0]
-        ag = _pmax(_grouped_amax(g, gid, n), axes)
+        ag = pmax_over(_grouped_amax(g, gid, n), axes)
         sg = _scales(hist[:, 2] if delayed else None, ag, E5M2)
         rg = _per_row(sg, gid)
         gq = quantize(g, rg, E5M2)
         dx = jax.lax.ragged_dot(gq, jnp.swapaxes(wq, 1, 2), sizes, preferred_element_type=jnp.float32)
         dx = (dx * (1.0 / (rg * _per_row(sw, gid)))).astype(x_like.dtype)
-        dw = jax.lax.ragged_dot_general(xq, gq, sizes, _DW_DIMS, preferred_element_type=jnp.float32)
+        dw = jax.lax.ragged_dot_general(xq, gq, sizes, DW_DIMS, preferred_element_type=jnp.float32)
         dw = dw * (1.0 / (sx * sg))[:, None, None]
         new = _pushed(hist, ax, aw, ag) if delayed else jnp.zeros_like(hist)
-        return dx, _finish_dw(dw, reduce_dtype, w_like.dtype), None, new
+        return dx, finish_dw(dw, reduce_dtype, w_like.dtype), None, new
 
     f.defvjp(fwd, bwd)
     return f
@@ -138,8 +139,8 @@ def _batched(reduce_dtype, axes: tuple[str, ...], delayed: bool):
         return fwd(x, w, hist)[0]
 
     def fwd(x, w, hist):
-        ax = _pmax(jnp.max(jnp.abs(x.astype(jnp.float32)), axis=(1, 2)), axes)
-        aw = _pmax(jnp.max(jnp.abs(w.astype(jnp.float32)), axis=(1, 2)), axes)  # equal on every device
+        ax = pmax_over(jnp.max(jnp.abs(x.astype(jnp.float32)), axis=(1, 2)), axes)
+        aw = pmax_over(jnp.max(jnp.abs(w.astype(jnp.float32)), axis=(1, 2)), axes)  # equal on every device
         sx = _scales(hist[:, 0] if delayed else None, ax, E4M3)
         sw = _scales(hist[:, 1] if delayed else None, aw, E4M3)
         xq, wq = quantize(x, sx[:, None, None], E4M3), quantize(w, sw[:, None, None], E4M3)
@@ -149,24 +150,36 @@ def _batched(reduce_dtype, axes: tuple[str, ...], delayed: bool):
 
     def bwd(res, g):
         xq, wq, sx, sw, x_like, w_like, hist, ax, aw = res
-        ag = _pmax(jnp.max(jnp.abs(g.astype(jnp.float32)), axis=(1, 2)), axes)
+        ag = pmax_over(jnp.max(jnp.abs(g.astype(jnp.float32)), axis=(1, 2)), axes)
         sg = _scales(hist[:, 2] if delayed else None, ag, E5M2)
         gq = quantize(g, sg[:, None, None], E5M2)
         dx = (_dot(gq, wq, ((2,), (2,))) * (1.0 / (sg * sw))[:, None, None]).astype(x_like.dtype)
         dw = _dot(xq, gq, ((1,), (1,))) * (1.0 / (sx * sg))[:, None, None]
         new = _pushed(hist, ax, aw, ag) if delayed else jnp.zeros_like(hist)
-        return dx, _finish_dw(dw, reduce_dtype, w_like.dtype), new
+        return dx, finish_dw(dw, reduce_dtype, w_like.dtype), new
 
     f.defvjp(fwd, bwd)
     return f
 
 
-def _shared_weight(x, w):
+def shared_weight(x, w):
     """(w marked varying over the mesh axes x varies over and w does not; those axes sorted):
     the amaxes are maxed over those axes, and w's gradient, computed per device, is summed
     over them by the transpose of the mark."""
     extra = tuple(sorted(varying_axes(x) - varying_axes(w)))
     return (jax.lax.pcast(w, extra, to="varying") if extra else w), extra
+
+
+class WithHistory(NamedTuple):
+    """An expert weight (E, K, N) with its delayed histories (E, 3, L), as one `dot` operand."""
+
+    w: jax.Array
+    hist: jax.Array
+
+
+def unpack(m) -> tuple[jax.Array, jax.Array | None]:
+    """(weight, histories or None) of a `dot` operand: a weight or a `WithHistory`."""
+    return (m.w, m.hist) if isinstance(m, WithHistory) else (m, None)
 
 
 def _hist(w, hist):
@@ -180,7 +193,7 @@ def grouped_matmul(x, w, sizes, hist=None):
     """x (M, K) rows sorted by expert, w (E, K, N), sizes (E,) int32 -> (M, N) in x's dtype,
     each expert's rows through FP8 with that expert's scales (module docstring); `hist` (E, 3,
     L) the delayed recipe's per-expert histories (its cotangent: the new histories), or None."""
-    w, axes = _shared_weight(x, w)
+    w, axes = shared_weight(x, w)
     h, delayed = _hist(w, hist)
     return _grouped(jnp.dtype(precision.step_reduce_dtype() or w.dtype), axes, delayed)(x, w, sizes, h)
 
@@ -188,6 +201,6 @@ def grouped_matmul(x, w, sizes, hist=None):
 def batched_matmul(x, w, hist=None):
     """x (E, C, K), w (E, K, N) -> (E, C, N) in x's dtype, per expert through FP8; `hist` as
     `grouped_matmul`'s."""
-    w, axes = _shared_weight(x, w)
+    w, axes = shared_weight(x, w)
     h, delayed = _hist(w, hist)
     return _batched(jnp.dtype(precision.step_reduce_dtype() or w.dtype), axes, delayed)(x, w, h)

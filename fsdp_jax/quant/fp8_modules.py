@@ -57,6 +57,33 @@ def attach(module: nnx.Module, recipe: fp8.Fp8Recipe | None, weights: tuple[str,
     return module
 
 
+def expert_meta_name(weight: str) -> str:
+    """The attribute holding routed experts' (E, 3, L) histories for the expert weight `weight`."""
+    return f"fp8_{weight}_amax{FROM_GRADIENT}"
+
+
+def attach_experts(module: nnx.Module, recipe: fp8.Fp8Recipe | None, weights: tuple[str, ...], n_experts: int):
+    """`module` (a sparse MLP) with `recipe` for its routed experts' GEMMs and, for a delayed
+    recipe, a history per expert for each expert weight named in `weights`: (E, 3, L) float32,
+    rows input, weight, output gradient (`fsdp_jax.quant.fp8_experts`). All three are written by
+    the backward pass (the names end with `FROM_GRADIENT`). None: unchanged."""
+    if recipe is None:
+        return module
+    setattr(module, FP8_ATTR, recipe)
+    if recipe.delayed:
+        for w in weights:
+            setattr(module, expert_meta_name(w), Fp8Meta(jnp.zeros((n_experts, 3, recipe.amax_history), jnp.float32)))
+    return module
+
+
+def expert_histories(module, weights: tuple[str, ...]) -> tuple | None:
+    """The values of `attach_experts`' histories for `weights`, in that order; None without them."""
+    recipe = recipe_of(module)
+    if recipe is None or not recipe.delayed:
+        return None
+    return tuple(getattr(module, expert_meta_name(w))[...] for w in weights)
+
+
 def recipe_of(module) -> fp8.Fp8Recipe | None:
     return getattr(module, FP8_ATTR, None)
 
