@@ -97,6 +97,34 @@ def test_gradients_are_e5m2_scaled_by_their_current_amax():
     assert "f8_e5m2" not in str(jax.make_jaxpr(lambda x, w: fp8.scaled_matmul(x, w, sx, sw))(x, w))
 
 
+@pytest.mark.parametrize("history", [(0.0, 0.0, 0.0), (2e-3, 5e-4, 0.0)])
+def test_delayed_gradient_scale_comes_from_its_history(history):
+    """`grad_history`: g is cast to e5m2 with 57344 / max(history) (its current amax while
+    the history is all zeros), dx and dw equal that formula bit for bit, and the history's
+    cotangent is the history with amax(g) pushed in front (the step's new history)."""
+    x, w = operands(1)
+    g = (jax.random.normal(jax.random.key(7), (x.shape[0], w.shape[1])) * 1e-3).astype(jnp.bfloat16)
+    gh = jnp.asarray(history, jnp.float32)
+    sx, sw = fp8.scale_for(fp8.amax(x), fp8.E4M3), fp8.scale_for(fp8.amax(w), fp8.E4M3)
+    y, vjp = jax.vjp(lambda x, w, h: fp8.scaled_matmul(x, w, sx, sw, grad_history=h), x, w, gh)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(fp8.scaled_matmul(x, w, sx, sw)))
+    dx, dw, new = jax.jit(vjp)(g)
+    ag = np.abs(np.asarray(g, np.float32)).max()
+    sg = np.float32(57344.0) / (np.float32(max(history)) if max(history) > 0 else ag)
+    gq = np_quantize(g, sg, ml_dtypes.float8_e5m2).astype(np.float32)
+    xq = np_quantize(x, sx, ml_dtypes.float8_e4m3fn).astype(np.float32)
+    wq = np_quantize(w, sw, ml_dtypes.float8_e4m3fn).astype(np.float32)
+    want_dx = (jnp.dot(gq, wq.T, precision="highest") * (np.float32(1.0) / (sg * np.float32(sw)))).astype(x.dtype)
+    want_dw = (jnp.dot(xq.T, gq, precision="highest") * (np.float32(1.0) / (np.float32(sx) * sg))).astype(w.dtype)
+    np.testing.assert_array_equal(np.asarray(dx, np.float32), np.asarray(want_dx, np.float32))
+    np.testing.assert_array_equal(np.asarray(dw, np.float32), np.asarray(want_dw, np.float32))
+    np.testing.assert_array_equal(np.asarray(new), np.asarray([ag, *history[:-1]], np.float32))
+    if max(history) > 0:  # the history's scale, not the current one: the e5m2 values differ
+        assert not np.array_equal(
+            gq, np_quantize(g, np.float32(57344.0) / ag, ml_dtypes.float8_e5m2).astype(np.float32)
+        )
+
+
 class _Proj(nnx.Module):
     def __init__(self, recipe):
         self.w = nnx.Param(operands(2, k=16, m=8)[1].astype(jnp.float32))
@@ -199,7 +227,8 @@ def test_every_strategy_equals_one_device():
 @pytest.mark.slow
 def test_resume_restores_histories_exactly(tmp_path):
     """4 steps straight = 2 steps, a checkpoint, a fresh build restoring it, 2 more:
-    params, optimizer state and amax histories bit for bit."""
+    params, optimizer state and amax histories (inputs', weights' and output gradients',
+    the last written by the backward pass) bit for bit."""
     cfg, data = cfg_for(compute="bfloat16"), batches(4)
     b = built(cfg, "full_shard", 8)
     straight, _ = run(b, data)
@@ -210,8 +239,10 @@ def test_resume_restores_histories_exactly(tmp_path):
         ckpt.save(2, state)
     b2 = built(cfg, "full_shard", 8)
     restored = Checkpointer(tmp_path / "ckpt", read_only=True).restore(b2.abstract_state).state
-    hist = jax.tree.leaves(jax.device_get(restored.model_state))[0]
-    assert hist.shape[-1] == 4 and np.asarray(hist)[..., :2].all() and not np.asarray(hist)[..., 2:].any()
+    hists = jax.tree_util.tree_flatten_with_path(jax.device_get(restored.model_state))[0]
+    assert sum("grad_amax_from_grad" in jax.tree_util.keystr(p) for p, _ in hists) == 7  # one per projection
+    for _, hist in hists:
+        assert hist.shape[-1] == 4 and np.asarray(hist)[..., :2].all() and not np.asarray(hist)[..., 2:].any()
     for batch in data[2:]:
         restored, _ = b2.train_step(restored, batch)
     for x, y in zip(jax.tree.leaves(jax.device_get(restored)), jax.tree.leaves(straight)):

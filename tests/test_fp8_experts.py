@@ -13,7 +13,8 @@ from test_fp8 import STRATEGIES, batches, built, run, tree_max_diff
 
 from fsdp_jax.app.config.schema import Config, Fp8Config
 from fsdp_jax.app.models.config import DecoderConfig
-from fsdp_jax.quant import fp8_experts
+from fsdp_jax.checkpoint import Checkpointer
+from fsdp_jax.quant import fp8_experts, fp8_rowwise_experts
 
 E4, E5 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
 SIZES = (5, 0, 9, 6)  # expert 1 gets no rows; 4 rows past the groups belong to none
@@ -35,17 +36,24 @@ def bf16(a):
     return np.asarray(jnp.asarray(a, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32))
 
 
-def reference(x, w, g, groups):
-    """y, dx, dw per expert, `groups` its rows: each expert scaled by its own amaxes, f32
-    accumulation, the forward GEMM written in bf16 then unscaled in f32, as docs/fp8.md writes."""
+def reference(x, w, g, groups, hist=None):
+    """y, dx, dw per expert, `groups` its rows: each expert scaled by its own amaxes (with
+    `hist` (E, 3, L): by the max of its input / weight / gradient history, the current amax
+    where that is all zeros), f32 accumulation, the forward GEMM written in bf16 then unscaled
+    in f32, as docs/fp8.md writes."""
     x, w, g = (np.asarray(a, np.float32) for a in (x, w, g))
     y, dx, dw = np.zeros((len(x), w.shape[-1])), np.zeros_like(x), np.zeros_like(w)
+
+    def ref(e, j, current):
+        past = 0.0 if hist is None else float(np.max(hist[e, j]))
+        return past if past > 0 else current
+
     for e, rows in enumerate(groups):
         if not len(x[rows]):
             continue
-        xq, sx = np_q(x[rows], np.abs(x[rows]).max(), E4)
-        wq, sw = np_q(w[e], np.abs(w[e]).max(), E4)
-        gq, sg = np_q(g[rows], np.abs(g[rows]).max(), E5)
+        xq, sx = np_q(x[rows], ref(e, 0, np.abs(x[rows]).max()), E4)
+        wq, sw = np_q(w[e], ref(e, 1, np.abs(w[e]).max()), E4)
+        gq, sg = np_q(g[rows], ref(e, 2, np.abs(g[rows]).max()), E5)
         y[rows] = bf16(bf16(f32dot(xq, wq)) * (np.float32(1.0) / (sx * sw)))
         dx[rows] = bf16(f32dot(gq, wq.T) * (np.float32(1.0) / (sg * sw)))
         dw[e] = bf16(f32dot(xq.T, gq) * (np.float32(1.0) / (sx * sg)))
@@ -99,6 +107,111 @@ def test_expert_gemms_equal_their_reference_formula(layout):
     assert "f8_e5m2" not in str(jax.make_jaxpr(f)(x, w))
 
 
+@pytest.mark.parametrize("layout", ["grouped", "batched"])
+def test_expert_histories_scale_by_the_past_and_push_through_the_backward(layout):
+    """Delayed recipe, a history per expert for input, weight and gradient: each GEMM scaled
+    by its expert's history max (the current amax where the history is all zeros: expert 0),
+    bit for bit against the formula; the histories' cotangent is each with this call's amax
+    pushed in front (0 for an expert without rows)."""
+    if layout == "grouped":
+        x, w, g = _operands((M, K), (len(SIZES), K, N), (M, N))
+        sizes = jnp.asarray(SIZES, jnp.int32)
+        ends = np.cumsum(SIZES)
+        groups = [np.arange(e - s, e) for s, e in zip(SIZES, ends)]
+        g = g.at[int(ends[-1]) :].set(0)
+
+        def f(x, w, h):
+            return fp8_experts.grouped_matmul(x, w, sizes, h)
+    else:
+        x, w, g = _operands((3, 8, K), (3, K, N), (3, 8, N))
+        groups = [np.arange(8 * e, 8 * e + 8) for e in range(3)]
+        f = fp8_experts.batched_matmul
+    n_e = w.shape[0]
+    past = np.asarray([[6.0, 0.09, 2e-3], [5.0, 0.2, 1e-3], [9.0, 0.1, 4e-3], [4.0, 0.3, 3e-3]], np.float32)[:n_e]
+    hist = np.zeros((n_e, 3, 3), np.float32)
+    hist[1:, :, 1] = past[1:]  # expert 0: all zeros
+    y, vjp = jax.vjp(f, x, w, jnp.asarray(hist))
+    dx, dw, new = jax.jit(vjp)(g)
+    y = jax.jit(f).lower(x, w, hist).compile({"xla_allow_excess_precision": False})(x, w, hist)
+
+    def flat(a):
+        return np.asarray(a, np.float32).reshape(M if layout == "grouped" else 24, -1)
+
+    want_y, want_dx, want_dw = reference(flat(x), np.asarray(w, np.float32), flat(g), groups, hist)
+    np.testing.assert_array_equal(flat(y), want_y)
+    np.testing.assert_array_equal(flat(dx), want_dx)
+    np.testing.assert_array_equal(np.asarray(dw, np.float32), want_dw)
+    # and the histories were used: the current-amax formula differs
+    assert not np.array_equal(flat(dx), reference(flat(x), np.asarray(w, np.float32), flat(g), groups)[1])
+    fx, fw, fg = flat(x), np.asarray(w, np.float32), flat(g)
+    for e, rows in enumerate(groups):
+        now = [np.abs(a).max() if a.size else 0.0 for a in (fx[rows], fw[e], fg[rows])]
+        np.testing.assert_array_equal(np.asarray(new)[e, :, 0], np.asarray(now, np.float32))
+        np.testing.assert_array_equal(np.asarray(new)[e, :, 1:], hist[e, :, :2])
+
+
+def p2q(a, axis):
+    """`a` cast to e4m3 along `axis` with power-of-two scales `2^floor(log2(448 / amax))` (1
+    for an amax of 0): (the e4m3 values as f32, the scales with `axis` kept)."""
+    a = np.asarray(a, np.float32)
+    amax = np.abs(a).max(axis=axis, keepdims=True)
+    s = np.where(amax > 0, np.float32(448.0) / np.where(amax > 0, amax, 1), 1).astype(np.float32)
+    s = np.ldexp(np.float32(1.0), np.frexp(s)[1] - 1).astype(np.float32)
+    return np.clip(a * s, -448, 448).astype(E4).astype(np.float32), s
+
+
+def rowwise_reference(x, w, g, groups):
+    """y, dx, dw per expert with rowwise scales (fp8_rowwise_experts' docstring), numpy / ml_dtypes."""
+    x, w, g = (np.asarray(a, np.float32) for a in (x, w, g))
+    y, dx, dw = np.zeros((len(x), w.shape[-1])), np.zeros_like(x), np.zeros_like(w)
+    one = np.float32(1.0)
+    for e, rows in enumerate(groups):
+        if not len(rows):
+            continue
+        (xq, sx), (wq, sw) = p2q(x[rows], 1), p2q(w[e], 0)
+        y[rows] = bf16(bf16(f32dot(xq, wq)) * (one / (sx * sw)))
+        (gq, sg), (vq, sv) = p2q(g[rows], 1), p2q(w[e], 1)
+        dx[rows] = bf16(f32dot(gq, vq.T) * (one / (sg * sv.T)))
+        (uq, su), (hq, sh) = p2q(x[rows], 0), p2q(g[rows], 0)
+        dw[e] = bf16(f32dot(uq.T, hq) * (one / (su.T * sh)))
+    return y, dx, dw
+
+
+@pytest.mark.parametrize("layout", ["grouped", "batched"])
+def test_rowwise_expert_gemms_equal_their_reference_formula(layout):
+    """`fp8.recipe: rowwise` for the experts: every operand e4m3 with power-of-two scales
+    along the dim its GEMM contracts (per row; per expert and column), bit for bit against
+    numpy / ml_dtypes; no e5m2 anywhere."""
+    if layout == "grouped":
+        x, w, g = _operands((M, K), (len(SIZES), K, N), (M, N))
+        sizes = jnp.asarray(SIZES, jnp.int32)
+        ends = np.cumsum(SIZES)
+        groups = [np.arange(e - s, e) for s, e in zip(SIZES, ends)]
+        g = g.at[int(ends[-1]) :].set(0)
+
+        def f(x, w):
+            return fp8_rowwise_experts.grouped_matmul(x, w, sizes)
+    else:
+        x, w, g = _operands((3, 8, K), (3, K, N), (3, 8, N))
+        groups = [np.arange(8 * e, 8 * e + 8) for e in range(3)]
+        f = fp8_rowwise_experts.batched_matmul
+    _, vjp = jax.vjp(f, x, w)
+    dx, dw = jax.jit(vjp)(g)
+    y = jax.jit(f).lower(x, w).compile({"xla_allow_excess_precision": False})(x, w)
+
+    def flat(a):
+        return np.asarray(a, np.float32).reshape(M if layout == "grouped" else 24, -1)
+
+    want_y, want_dx, want_dw = rowwise_reference(flat(x), np.asarray(w, np.float32), flat(g), groups)
+    np.testing.assert_array_equal(flat(y), want_y)
+    np.testing.assert_array_equal(flat(dx), want_dx)
+    np.testing.assert_array_equal(np.asarray(dw, np.float32), want_dw)
+    # not the tensorwise recipe: its results differ
+    assert not np.array_equal(flat(dx), reference(flat(x), np.asarray(w, np.float32), flat(g), groups)[1])
+    text = str(jax.make_jaxpr(vjp)(g))
+    assert "f8_e4m3fn" in text and "f8_e5m2" not in text
+
+
 MOE = DecoderConfig(
     vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16,
     n_experts=8, experts_per_token=2, moe_ffn_dim=48, norm_topk_prob=True,
@@ -146,3 +259,66 @@ def test_every_strategy_equals_one_device_with_fp8_experts():
     assert tree_max_diff(state.params, ref.params) < 5e-4
     # measured: 3.7e-9 between layouts, 5.2e-5 between FP8 and f32 experts
     assert tree_max_diff(experts(ref.params), experts(plain.params)) > 10 * worst
+
+
+@pytest.mark.slow
+def test_expert_histories_equal_one_device_and_resume_exactly(tmp_path):
+    """Delayed recipe on the tiny MoE (f32 compute, 4 SGD steps): full_shard on 8 devices and
+    the experts split over `data` (all-to-all) equal one device (loss, params, and the
+    per-expert histories of input, weight and gradient, which every step writes); and 2 steps,
+    a checkpoint, its restore and 2 more steps equal 4 straight steps bit for bit."""
+    cfg, data = moe_cfg("delayed"), batches(4)
+
+    def hists(state):
+        flat = jax.tree_util.tree_flatten_with_path(state.model_state)[0]
+        return {jax.tree_util.keystr(p): np.asarray(x) for p, x in flat if "moe" in jax.tree_util.keystr(p)}
+
+    ref, ref_losses = run(built(cfg, "no_shard", 1), data)
+    assert len(hists(ref)) == 3  # w_gate, w_up, w_down: (layers, E, 3, L)
+    for h in hists(ref).values():
+        assert h.shape[-3:] == (8, 3, 4) and h[..., 1, :].all()  # weights: every expert, every step
+        assert h[..., 2, :].any()
+    ep = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, rules={**dict(cfg.mesh.rules), "expert": "data"}))
+    b = built(cfg, "full_shard", 8)
+    for c, strategy, b_ in ((cfg, "full_shard", b), (ep, "hybrid_shard", None)):
+        state, losses = run(b_ or built(c, strategy, 8), data)
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-4, err_msg=strategy)
+        assert tree_max_diff(state.params, ref.params) < 5e-4, strategy
+        for k, h in hists(state).items():
+            np.testing.assert_allclose(h, hists(ref)[k], rtol=1e-2, err_msg=f"{strategy} {k}")
+    straight, _ = run(b, data)
+    state = b.init_state(jax.random.key(0))
+    with Checkpointer(tmp_path / "ckpt", async_save=False) as ckpt:
+        for batch in data[:2]:
+            state, _ = b.train_step(state, batch)
+        ckpt.save(2, state)
+    restored = Checkpointer(tmp_path / "ckpt", read_only=True).restore(b.abstract_state).state
+    for h in hists(jax.device_get(restored)).values():
+        assert h[..., 1, :2].all() and not h[..., 2:].any()  # 2 steps pushed
+    for batch in data[2:]:
+        restored, _ = b.train_step(restored, batch)
+    for x, y in zip(jax.tree.leaves(jax.device_get(restored)), jax.tree.leaves(straight)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.slow
+def test_rowwise_experts_equal_one_device():
+    """`fp8.recipe: rowwise` on the tiny MoE (f32 compute, 3 SGD steps): full_shard on 8
+    devices and the experts split over `data` (all-to-all) equal one device (the weight
+    gradient's per-expert column scales are maxed over every device holding an expert's rows),
+    and the rowwise experts differ from the tensorwise ones by more than that."""
+    cfg, data = moe_cfg("rowwise"), batches(3)
+    ref, ref_losses = run(built(cfg, "no_shard", 1), data)
+    tensorwise, _ = run(built(moe_cfg("tensorwise"), "no_shard", 1), data)
+
+    def experts(p):
+        return [p["segments"][0]["layers"][0]["moe"][k] for k in ("w_gate", "w_up", "w_down")]
+
+    ep = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, rules={**dict(cfg.mesh.rules), "expert": "data"}))
+    worst = 0.0
+    for c, strategy in ((cfg, "full_shard"), (ep, "hybrid_shard")):
+        state, losses = run(built(c, strategy, 8), data)
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-4, err_msg=strategy)
+        assert tree_max_diff(state.params, ref.params) < 5e-4, strategy
+        worst = max(worst, tree_max_diff(experts(state.params), experts(ref.params)))
+    assert tree_max_diff(experts(ref.params), experts(tensorwise.params)) > 10 * worst

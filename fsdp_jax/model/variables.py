@@ -18,6 +18,13 @@ and, when the model has state, `loss_fn` returns `(loss, new_state)` (with `has_
 it with `rng=None, train=False` and ignores the state it returns. The adapters'
 `apply(params, *args, state=, rng=, train=)` does the model's half of this.
 
+State written by the backward pass (Flax's `OVERWRITE_WITH_GRADIENT`): a model-state leaf
+whose name ends with `FROM_GRADIENT` is an input the loss is differentiated with respect to,
+and its new value is that gradient (its cotangent), not what the forward returned. A
+`custom_vjp` hands a value out of the backward pass this way: FP8's output-gradient amax
+histories (`fsdp_jax.quant.fp8_modules.grad_meta_name`). Such a leaf must be used once per
+forward pass (cotangents of several uses add up).
+
 Randomness: the key of step `s` is `fold_in(run_key, s)`, and microbatch `j` of `k > 1`
 gets `fold_in(that, j)`. `jax.random` bits do not depend on the device count (docs/design.md),
 so dropout is the same on 1 and N devices, under every strategy, and after a resume.
@@ -35,6 +42,35 @@ import jax.numpy as jnp
 from fsdp_jax.errors import StateError
 from fsdp_jax.sharding import rules
 from fsdp_jax.sharding.leaf_sharding import spec_str
+
+# model-state leaves named `<name>_from_grad` take their gradient as their new value (above)
+FROM_GRADIENT = "_from_grad"
+
+
+def from_gradient(state) -> tuple[int, ...]:
+    """Indices (in `jax.tree.leaves(state)` order) of the leaves whose last key ends with
+    `FROM_GRADIENT`; () for None or a state without any."""
+    if state is None:
+        return ()
+    flat = jax.tree_util.tree_flatten_with_path(state)[0]
+    return tuple(i for i, (p, _) in enumerate(flat) if p and str(_key(p[-1])).endswith(FROM_GRADIENT))
+
+
+def take(state, idx: tuple[int, ...]) -> list:
+    leaves = jax.tree.leaves(state)
+    return [leaves[i] for i in idx]
+
+
+def put(state, idx: tuple[int, ...], values) -> Any:
+    """`state` with its leaves at `idx` replaced by `values` (as `take` gave them)."""
+    leaves, treedef = jax.tree.flatten(state)
+    for i, v in zip(idx, values):
+        leaves[i] = v
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def _key(k):
+    return getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))
 
 
 class StepInput(NamedTuple):

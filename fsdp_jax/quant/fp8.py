@@ -25,8 +25,11 @@ Where `sx`, `sw` come from is the recipe's (`RECIPES`, torchtitan's / Transforme
 names): `tensorwise` scales by the current amax of each operand; `delayed` by the
 largest amax of the last `amax_history` steps (the operand's own history, stored in the
 train state), pushing the current amax after use. A history of zeros (the first step)
-scales by the current amax. Gradients always scale by their current amax (torchao's
-`Float8LinearConfig` with delayed input and weight, dynamic grad_output).
+scales by the current amax. `tensorwise` scales gradients by their current amax; `delayed`
+passes the output gradient's history in (`grad_history`): the backward scales g by that
+history's max and returns the history with amax(g) pushed as the history's cotangent, which
+the train step keeps as the new history (`fsdp_jax.model.variables.FROM_GRADIENT`; Flax's
+`fp8_ops.out_qdq` with `output_grad_amax_history` in `OVERWRITE_WITH_GRADIENT`).
 """
 
 from __future__ import annotations
@@ -49,9 +52,9 @@ RECIPES: dict[str, str] = {
     "tensorwise": "per-tensor current scaling: each operand scaled by its own amax this step "
     "(torchtitan float8 recipe_name 'tensorwise'; torchao Float8LinearRecipeName.TENSORWISE; "
     "Transformer Engine Float8CurrentScaling)",
-    "delayed": "per-tensor delayed scaling: inputs and weights scaled by the max over an amax "
-    "history of past steps, gradients by their current amax (Transformer Engine DelayedScaling "
-    "with amax_compute_algo='max'; torchao ScalingType.DELAYED for input and weight)",
+    "delayed": "per-tensor delayed scaling: inputs, weights and output gradients each scaled by "
+    "the max over its own amax history of past steps (Transformer Engine DelayedScaling with "
+    "amax_compute_algo='max'; Flax fp8_ops input / kernel / output_grad_amax_history)",
     "rowwise": "axiswise current scaling, e4m3 throughout: a scale per row or column along each "
     "GEMM's contracted dim, rounded down to a power of two (torchtitan float8 recipe_name "
     "'rowwise'; torchao Float8LinearRecipeName.ROWWISE; `fsdp_jax.quant.fp8_rowwise`)",
@@ -155,14 +158,20 @@ def f8_dot(a, b, contract: tuple[tuple[int, ...], tuple[int, ...]], out=jnp.floa
     return jax.lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=out)
 
 
-def scaled_matmul(x, w, sx, sw, *, reduce_dtype=None, layouts=None) -> jax.Array:
+def scaled_matmul(x, w, sx, sw, *, reduce_dtype=None, layouts=None, grad_history=None) -> jax.Array:
     """`x @ w` (x (..., K), w 2-D (K, N)) through FP8 as the module docstring writes it;
     `sx`, `sw` float32 scalars (`scale_for`). `reduce_dtype`: the weight gradient's (None:
     w's). `layouts`: (at rest, gathered) NamedShardings of `w` (any rank) and the 2-D shape
     it is used in, so the cast runs on the shards and the gather moves f8
-    (`Fp8Recipe.gather`); None: `w` is 2-D, no layout asked."""
+    (`Fp8Recipe.gather`); None: `w` is 2-D, no layout asked. `grad_history`: None (the
+    gradient scaled by its current amax), or the output gradient's (L,) float32 amax
+    history: g is scaled by `history_scale(grad_history, amax(g))` and the history's
+    cotangent is `push(grad_history, amax(g))`, the new history (delayed recipe)."""
     r = jnp.dtype(reduce_dtype if reduce_dtype is not None else w.dtype)
-    return _make(r, layouts)(x, w, jnp.asarray(sx, jnp.float32), jnp.asarray(sw, jnp.float32))
+    sx, sw = jnp.asarray(sx, jnp.float32), jnp.asarray(sw, jnp.float32)
+    if grad_history is None:
+        return _make(r, layouts)(x, w, sx, sw)
+    return _make_delayed_grad(r, layouts)(x, w, sx, sw, jnp.asarray(grad_history, jnp.float32))
 
 
 def cast_weight(w, sw, layouts=None) -> jax.Array:
@@ -185,32 +194,66 @@ def gather_weight(wq, layouts=None) -> jax.Array:
     return checkpoint_name(constrain(wq, full), GATHERED).reshape(shape2d)
 
 
+def _forward(layouts, x, w, sx, sw):
+    """(y, residuals) of the scaled matmul's forward pass."""
+    xq = quantize(x, sx, E4M3)
+    wq = cast_weight(w, sw, layouts)  # at rest (sharded) under full_shard
+    y = f8_dot(xq, gather_weight(wq, layouts), ((x.ndim - 1,), (0,)), x.dtype) * (1.0 / (sx * sw))
+    # the f8 weight is kept as its shards and gathered again in the backward (ZeRO-3)
+    res = (xq, wq, sx, sw, jnp.zeros((0,) + w.shape, w.dtype), jnp.zeros((0,), x.dtype))
+    return y.astype(x.dtype), res
+
+
+def _backward(reduce_dtype, layouts, res, g, sg):
+    """(dx, dw) from the forward's residuals and the output gradient `g` scaled by `sg` onto e5m2."""
+    xq, wq, sx, sw, w_like, x_like = res
+    wq = gather_weight(wq, layouts)
+    gq = quantize(g, sg, E5M2)
+    dx = (f8_dot(gq, wq, ((g.ndim - 1,), (1,))) * (1.0 / (sg * sw))).astype(x_like.dtype)
+    lead = tuple(range(xq.ndim - 1))
+    dw = f8_dot(xq, gq, (lead, lead)) * (1.0 / (sx * sg))
+    if reduce_dtype.itemsize > w_like.dtype.itemsize:  # reduced across devices in the wider dtype
+        dw = jax.lax.optimization_barrier(dw.astype(reduce_dtype))
+    return dx, dw.astype(w_like.dtype).reshape(w_like.shape[1:])
+
+
 @functools.lru_cache(maxsize=None)
 def _make(reduce_dtype, layouts):
     @jax.custom_vjp
     def fp8_matmul(x, w, sx, sw):
-        return _fwd(x, w, sx, sw)[0]
+        return _forward(layouts, x, w, sx, sw)[0]
 
-    def _fwd(x, w, sx, sw):
-        xq = quantize(x, sx, E4M3)
-        wq = cast_weight(w, sw, layouts)  # at rest (sharded) under full_shard
-        y = f8_dot(xq, gather_weight(wq, layouts), ((x.ndim - 1,), (0,)), x.dtype) * (1.0 / (sx * sw))
-        # the f8 weight is kept as its shards and gathered again in the backward (ZeRO-3)
-        res = (xq, wq, sx, sw, jnp.zeros((0,) + w.shape, w.dtype), jnp.zeros((0,), x.dtype))
-        return y.astype(x.dtype), res
+    def fwd(x, w, sx, sw):
+        return _forward(layouts, x, w, sx, sw)
 
     def bwd(res, g):
-        xq, wq, sx, sw, w_like, x_like = res
-        wq = gather_weight(wq, layouts)
-        sg = scale_for(amax(g), E5M2)
-        gq = quantize(g, sg, E5M2)
-        dx = (f8_dot(gq, wq, ((g.ndim - 1,), (1,))) * (1.0 / (sg * sw))).astype(x_like.dtype)
-        lead = tuple(range(xq.ndim - 1))
-        dw = f8_dot(xq, gq, (lead, lead)) * (1.0 / (sx * sg))
-        if reduce_dtype.itemsize > w_like.dtype.itemsize:  # reduced across devices in the wider dtype
-            dw = jax.lax.optimization_barrier(dw.astype(reduce_dtype))
-        dw = dw.astype(w_like.dtype).reshape(w_like.shape[1:])
+        sx, sw = res[2], res[3]
+        dx, dw = _backward(reduce_dtype, layouts, res, g, scale_for(amax(g), E5M2))
         return dx, dw, jnp.zeros_like(sx), jnp.zeros_like(sw)
 
-    fp8_matmul.defvjp(_fwd, bwd)
+    fp8_matmul.defvjp(fwd, bwd)
+    return fp8_matmul
+
+
+@functools.lru_cache(maxsize=None)
+def _make_delayed_grad(reduce_dtype, layouts):
+    """`_make`'s matmul taking the output gradient's amax history as a fifth operand, whose
+    cotangent is the history with this gradient's amax pushed (as Flax's `out_qdq_bwd`
+    returns `new_history`): the step keeps that cotangent as the new history."""
+
+    @jax.custom_vjp
+    def fp8_matmul(x, w, sx, sw, gh):
+        return _forward(layouts, x, w, sx, sw)[0]
+
+    def fwd(x, w, sx, sw, gh):
+        y, res = _forward(layouts, x, w, sx, sw)
+        return y, (res, gh)
+
+    def bwd(res_gh, g):
+        res, gh = res_gh
+        ag = amax(g)
+        dx, dw = _backward(reduce_dtype, layouts, res, g, history_scale(gh, ag, E5M2))
+        return dx, dw, jnp.zeros_like(res[2]), jnp.zeros_like(res[3]), push(gh, ag)
+
+    fp8_matmul.defvjp(fwd, bwd)
     return fp8_matmul

@@ -14,8 +14,14 @@ the input, the weight and the output gradient:
     sg_e = 57344 / amax(g rows of e)                              (e5m2)
     dx_r = dot(gq_r, wq[e]^T) * (1 / (sg_e sw_e)),   dw[e] = sum_{r in e} xq_r^T gq_r * (1 / (sx_e sg_e))
 
-(r a row of expert e, f32 accumulation). The scales are always the current amaxes (both
-recipes: a delayed history per expert is not kept, docs/fp8.md). Inside the MoE layer's
+(r a row of expert e, f32 accumulation). The scales are the current amaxes, or, under the
+delayed recipe, each expert's own histories (`hist` (E, 3, L) float32: rows input, weight,
+output gradient, newest first): a scale from the history's max (the current amax while it is
+all zeros, as `fp8.history_scale`). All three histories leave through the backward pass: the
+cotangent of `hist` is each history with this call's amax pushed, which the train step keeps
+as the new value (a `*_from_grad` model-state leaf, `fsdp_jax.model.variables`), since the
+gradient's amax exists only there and the MoE layer's `shard_map` returns only its output.
+Inside the MoE layer's
 `shard_map` a device holds some of an expert's rows: the amaxes are maxed over the mesh axes
 the rows vary over and the weight does not (the batch axes that do not hold experts), so
 every layout scales by the amax of all of an expert's rows, as one device does.
@@ -24,6 +30,7 @@ every layout scales by the amax of all of an expert's rows, as one device does.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +39,7 @@ from fsdp_jax.quant.fp8 import E4M3, E5M2, quantize, scale_for
 from fsdp_jax.sharding import precision
 
 # x (M, K), g (M, N) -> dw (E, K, N): contracted over the rows, one sum per expert
-_DW_DIMS = jax.lax.RaggedDotDimensionNumbers(
+DW_DIMS = jax.lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=(0,), rhs_group_dimensions=()
 )
 
@@ -60,42 +67,61 @@ def _per_row(v, gid) -> jax.Array:
     return jnp.concatenate([v, jnp.ones((1,), v.dtype)])[gid][:, None]
 
 
-def _pmax(a, axes: tuple[str, ...]):
+def pmax_over(a, axes: tuple[str, ...]):
     return jax.lax.pmax(a, axes) if axes else a
 
 
-def _finish_dw(dw, reduce_dtype, w_dtype):
+def _scales(h, current, dtype) -> jax.Array:
+    """(E,) scales from per-expert histories `h` (E, L), or `current` (E,) where None or all zeros."""
+    if h is None:
+        return scale_for(current, dtype)
+    ref = jnp.max(h, axis=-1)
+    return scale_for(jnp.where(ref > 0, ref, current), dtype)
+
+
+def _pushed(h, ax, aw, ag) -> jax.Array:
+    """`h` (E, 3, L) with the amaxes (E,) of input, weight and gradient pushed in front."""
+    now = jnp.stack([ax, aw, ag], axis=1).astype(h.dtype)  # (E, 3)
+    return jnp.concatenate([now[..., None], h[..., :-1]], axis=-1)
+
+
+def finish_dw(dw, reduce_dtype, w_dtype):
     if reduce_dtype.itemsize > jnp.dtype(w_dtype).itemsize:  # reduced across devices in the wider dtype
         dw = jax.lax.optimization_barrier(dw.astype(reduce_dtype))
     return dw.astype(w_dtype)
 
 
 @functools.lru_cache(maxsize=None)
-def _grouped(reduce_dtype, axes: tuple[str, ...]):
+def _grouped(reduce_dtype, axes: tuple[str, ...], delayed: bool):
     @jax.custom_vjp
-    def f(x, w, sizes):
-        return fwd(x, w, sizes)[0]
+    def f(x, w, sizes, hist):
+        return fwd(x, w, sizes, hist)[0]
 
-    def fwd(x, w, sizes):
+    def fwd(x, w, sizes, hist):
         gid, n = group_ids(sizes, x.shape[0]), w.shape[0]
-        sx = scale_for(_pmax(_grouped_amax(x, gid, n), axes), E4M3)
-        sw = scale_for(jnp.max(jnp.abs(w.astype(jnp.float32)), axis=(1, 2)), E4M3)
+        ax = pmax_over(_grouped_amax(x, gid, n), axes)
+        aw = pmax_over(jnp.max(jnp.abs(w.astype(jnp.float32)), axis=(1, 2)), axes)  # equal on every device
+        sx = _scales(hist[:, 0] if delayed else None, ax, E4M3)
+        sw = _scales(hist[:, 1] if delayed else None, aw, E4M3)
         rx, rw = _per_row(sx, gid), _per_row(sw, gid)
         xq, wq = quantize(x, rx, E4M3), quantize(w, sw[:, None, None], E4M3)
         y = jax.lax.ragged_dot(xq, wq, sizes, preferred_element_type=x.dtype) * (1.0 / (rx * rw))
-        return y.astype(x.dtype), (xq, wq, sizes, sx, sw, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
+        res = (xq, wq, sizes, sx, sw, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype), hist, ax, aw)
+        return y.astype(x.dtype), res
 
     def bwd(res, g):
-        xq, wq, sizes, sx, sw, x_like, w_like = res
+        xq, wq, sizes, sx, sw, x_like, w_like, hist, ax, aw = res
         gid, n = group_ids(sizes, g.shape[0]), wq.shape[0]
-        sg = scale_for(_pmax(_grouped_amax(g, gid, n), axes), E5M2)
+        ag = pmax_over(_grouped_amax(g, gid, n), axes)
+        sg = _scales(hist[:, 2] if delayed else None, ag, E5M2)
         rg = _per_row(sg, gid)
         gq = quantize(g, rg, E5M2)
         dx = jax.lax.ragged_dot(gq, jnp.swapaxes(wq, 1, 2), sizes, preferred_element_type=jnp.float32)
         dx = (dx * (1.0 / (rg * _per_row(sw, gid)))).astype(x_like.dtype)
-        dw = jax.lax.ragged_dot_general(xq, gq, sizes, _DW_DIMS, preferred_element_type=jnp.float32)
+        dw = jax.lax.ragged_dot_general(xq, gq, sizes, DW_DIMS, preferred_element_type=jnp.float32)
         dw = dw * (1.0 / (sx * sg))[:, None, None]
-        return dx, _finish_dw(dw, reduce_dtype, w_like.dtype), None
+        new = _pushed(hist, ax, aw, ag) if delayed else jnp.zeros_like(hist)
+        return dx, finish_dw(dw, reduce_dtype, w_like.dtype), None, new
 
     f.defvjp(fwd, bwd)
     return f
@@ -107,31 +133,36 @@ def _dot(a, b, contract, out=jnp.float32):
 
 
 @functools.lru_cache(maxsize=None)
-def _batched(reduce_dtype, axes: tuple[str, ...]):
+def _batched(reduce_dtype, axes: tuple[str, ...], delayed: bool):
     @jax.custom_vjp
-    def f(x, w):
-        return fwd(x, w)[0]
+    def f(x, w, hist):
+        return fwd(x, w, hist)[0]
 
-    def fwd(x, w):
-        sx = scale_for(_pmax(jnp.max(jnp.abs(x.astype(jnp.float32)), axis=(1, 2)), axes), E4M3)
-        sw = scale_for(jnp.max(jnp.abs(w.astype(jnp.float32)), axis=(1, 2)), E4M3)
+    def fwd(x, w, hist):
+        ax = pmax_over(jnp.max(jnp.abs(x.astype(jnp.float32)), axis=(1, 2)), axes)
+        aw = pmax_over(jnp.max(jnp.abs(w.astype(jnp.float32)), axis=(1, 2)), axes)  # equal on every device
+        sx = _scales(hist[:, 0] if delayed else None, ax, E4M3)
+        sw = _scales(hist[:, 1] if delayed else None, aw, E4M3)
         xq, wq = quantize(x, sx[:, None, None], E4M3), quantize(w, sw[:, None, None], E4M3)
         y = _dot(xq, wq, ((2,), (1,)), x.dtype) * (1.0 / (sx * sw))[:, None, None]
-        return y.astype(x.dtype), (xq, wq, sx, sw, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
+        res = (xq, wq, sx, sw, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype), hist, ax, aw)
+        return y.astype(x.dtype), res
 
     def bwd(res, g):
-        xq, wq, sx, sw, x_like, w_like = res
-        sg = scale_for(_pmax(jnp.max(jnp.abs(g.astype(jnp.float32)), axis=(1, 2)), axes), E5M2)
+        xq, wq, sx, sw, x_like, w_like, hist, ax, aw = res
+        ag = pmax_over(jnp.max(jnp.abs(g.astype(jnp.float32)), axis=(1, 2)), axes)
+        sg = _scales(hist[:, 2] if delayed else None, ag, E5M2)
         gq = quantize(g, sg[:, None, None], E5M2)
         dx = (_dot(gq, wq, ((2,), (2,))) * (1.0 / (sg * sw))[:, None, None]).astype(x_like.dtype)
         dw = _dot(xq, gq, ((1,), (1,))) * (1.0 / (sx * sg))[:, None, None]
-        return dx, _finish_dw(dw, reduce_dtype, w_like.dtype)
+        new = _pushed(hist, ax, aw, ag) if delayed else jnp.zeros_like(hist)
+        return dx, finish_dw(dw, reduce_dtype, w_like.dtype), new
 
     f.defvjp(fwd, bwd)
     return f
 
 
-def _shared_weight(x, w):
+def shared_weight(x, w):
     """(w marked varying over the mesh axes x varies over and w does not; those axes sorted):
     the amaxes are maxed over those axes, and w's gradient, computed per device, is summed
     over them by the transpose of the mark."""
@@ -139,14 +170,37 @@ def _shared_weight(x, w):
     return (jax.lax.pcast(w, extra, to="varying") if extra else w), extra
 
 
-def grouped_matmul(x, w, sizes):
+class WithHistory(NamedTuple):
+    """An expert weight (E, K, N) with its delayed histories (E, 3, L), as one `dot` operand."""
+
+    w: jax.Array
+    hist: jax.Array
+
+
+def unpack(m) -> tuple[jax.Array, jax.Array | None]:
+    """(weight, histories or None) of a `dot` operand: a weight or a `WithHistory`."""
+    return (m.w, m.hist) if isinstance(m, WithHistory) else (m, None)
+
+
+def _hist(w, hist):
+    """(the history operand, delayed?): `hist` (E, 3, L) float32, or an empty (E, 3, 0) one."""
+    if hist is None:
+        return jnp.zeros((w.shape[0], 3, 0), jnp.float32), False
+    return jnp.asarray(hist, jnp.float32), True
+
+
+def grouped_matmul(x, w, sizes, hist=None):
     """x (M, K) rows sorted by expert, w (E, K, N), sizes (E,) int32 -> (M, N) in x's dtype,
-    each expert's rows through FP8 with that expert's scales (module docstring)."""
-    w, axes = _shared_weight(x, w)
-    return _grouped(jnp.dtype(precision.step_reduce_dtype() or w.dtype), axes)(x, w, sizes)
+    each expert's rows through FP8 with that expert's scales (module docstring); `hist` (E, 3,
+    L) the delayed recipe's per-expert histories (its cotangent: the new histories), or None."""
+    w, axes = shared_weight(x, w)
+    h, delayed = _hist(w, hist)
+    return _grouped(jnp.dtype(precision.step_reduce_dtype() or w.dtype), axes, delayed)(x, w, sizes, h)
 
 
-def batched_matmul(x, w):
-    """x (E, C, K), w (E, K, N) -> (E, C, N) in x's dtype, per expert through FP8."""
-    w, axes = _shared_weight(x, w)
-    return _batched(jnp.dtype(precision.step_reduce_dtype() or w.dtype), axes)(x, w)
+def batched_matmul(x, w, hist=None):
+    """x (E, C, K), w (E, K, N) -> (E, C, N) in x's dtype, per expert through FP8; `hist` as
+    `grouped_matmul`'s."""
+    w, axes = shared_weight(x, w)
+    h, delayed = _hist(w, hist)
+    return _batched(jnp.dtype(precision.step_reduce_dtype() or w.dtype), axes, delayed)(x, w, h)

@@ -8,6 +8,11 @@ The histories are NNX variables that are not `nnx.Param`s, so the train step car
 as model state (`TrainState.model_state`, `fsdp_jax.model.variables`): donated, checkpointed
 and restored with the rest, threaded through microbatches, kept or skipped with the update.
 A stacked (scanned) block stacks its histories over layers as it stacks its weights.
+The output gradient's history (`grad_meta_name`) is written by the backward pass: its name
+ends with `variables.FROM_GRADIENT`, so the train step differentiates the loss with respect
+to it and keeps the cotangent (the history with this step's gradient amax pushed) as its new
+value. A weight's projection must run once per forward pass (two uses would add their
+cotangents; Flax's fp8_ops meet that with a max-accumulating dtype, `fp32_max_grad`).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
+from fsdp_jax.model.variables import FROM_GRADIENT
 from fsdp_jax.quant import fp8, fp8_rowwise
 from fsdp_jax.sharding import precision
 from fsdp_jax.train import layer_gather
@@ -23,12 +29,18 @@ FP8_ATTR = "fp8_recipe"  # the module attribute holding its Fp8Recipe (static: i
 
 
 class Fp8Meta(nnx.Variable):
-    """One FP8 weight's amax histories, float32 (2, L): row 0 the input's, row 1 the
-    weight's, newest first (`fp8.push`). Model state, never trained."""
+    """FP8 amax histories, float32, newest first (`fp8.push`): a weight's (2, L), row 0 the
+    input's, row 1 the weight's; its output gradient's (L,) (`grad_meta_name`). Model
+    state, never trained."""
 
 
 def meta_name(weight: str) -> str:
     return f"fp8_{weight}_amax"
+
+
+def grad_meta_name(weight: str) -> str:
+    """The attribute holding the (L,) amax history of the output gradient of `weight`'s projection."""
+    return f"fp8_{weight}_grad_amax{FROM_GRADIENT}"
 
 
 def attach(module: nnx.Module, recipe: fp8.Fp8Recipe | None, weights: tuple[str, ...]) -> nnx.Module:
@@ -41,7 +53,35 @@ def attach(module: nnx.Module, recipe: fp8.Fp8Recipe | None, weights: tuple[str,
         for w in weights:
             if getattr(module, w, None) is not None:
                 setattr(module, meta_name(w), Fp8Meta(jnp.zeros((2, recipe.amax_history), jnp.float32)))
+                setattr(module, grad_meta_name(w), Fp8Meta(jnp.zeros((recipe.amax_history,), jnp.float32)))
     return module
+
+
+def expert_meta_name(weight: str) -> str:
+    """The attribute holding routed experts' (E, 3, L) histories for the expert weight `weight`."""
+    return f"fp8_{weight}_amax{FROM_GRADIENT}"
+
+
+def attach_experts(module: nnx.Module, recipe: fp8.Fp8Recipe | None, weights: tuple[str, ...], n_experts: int):
+    """`module` (a sparse MLP) with `recipe` for its routed experts' GEMMs and, for a delayed
+    recipe, a history per expert for each expert weight named in `weights`: (E, 3, L) float32,
+    rows input, weight, output gradient (`fsdp_jax.quant.fp8_experts`). All three are written by
+    the backward pass (the names end with `FROM_GRADIENT`). None: unchanged."""
+    if recipe is None:
+        return module
+    setattr(module, FP8_ATTR, recipe)
+    if recipe.delayed:
+        for w in weights:
+            setattr(module, expert_meta_name(w), Fp8Meta(jnp.zeros((n_experts, 3, recipe.amax_history), jnp.float32)))
+    return module
+
+
+def expert_histories(module, weights: tuple[str, ...]) -> tuple | None:
+    """The values of `attach_experts`' histories for `weights`, in that order; None without them."""
+    recipe = recipe_of(module)
+    if recipe is None or not recipe.delayed:
+        return None
+    return tuple(getattr(module, expert_meta_name(w))[...] for w in weights)
 
 
 def recipe_of(module) -> fp8.Fp8Recipe | None:
@@ -72,13 +112,16 @@ def project(module, name: str, x, w, shape2d: tuple[int, int]):
         lay = layer_gather.per_use_layouts(w.shape, w.dtype, _names(getattr(module, name, None)))
         layouts = None if lay is None else (*lay, tuple(shape2d))
     ax, aw = fp8.amax(x), fp8.amax(w)
+    gh = None
     if recipe.delayed:
         meta = getattr(module, meta_name(name))
         hist = meta[...]
         sx, sw = fp8.history_scale(hist[0], ax, fp8.E4M3), fp8.history_scale(hist[1], aw, fp8.E4M3)
         meta[...] = jnp.stack([fp8.push(hist[0], ax), fp8.push(hist[1], aw)])
+        gh = getattr(module, grad_meta_name(name))[...]  # written back by the step, from its cotangent
     else:
         sx, sw = fp8.scale_for(ax, fp8.E4M3), fp8.scale_for(aw, fp8.E4M3)
     if layouts is None:
         w = w.reshape(shape2d)
-    return fp8.scaled_matmul(x, w, sx, sw, reduce_dtype=precision.step_reduce_dtype(), layouts=layouts)
+    rd = precision.step_reduce_dtype()
+    return fp8.scaled_matmul(x, w, sx, sw, reduce_dtype=rd, layouts=layouts, grad_history=gh)

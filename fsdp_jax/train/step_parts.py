@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from fsdp_jax.model import variables
 from fsdp_jax.model.variables import StepInput
 from fsdp_jax.sharding import offload
 from fsdp_jax.sharding.mesh import constrain
@@ -90,7 +91,14 @@ def compute_value_and_grad(
         if not hooked:  # host-resident stacked params (a streamed offload) come whole
             params = to_device(params)
 
-        def f(x):
+        ctx = batch if isinstance(batch, StepInput) else None
+        written = variables.from_gradient(None if ctx is None else ctx.state)  # state the backward writes
+
+        def f(x, from_grad=()):
+            if written:
+                batch_ = ctx._replace(state=variables.put(ctx.state, written, from_grad))
+            else:
+                batch_ = batch
             full = wrt.join(x)
             host = jax.tree.map(layer_gather.on_host, full)
             if any(jax.tree.leaves(host)):  # the model fetches these per layer (hooked)
@@ -109,13 +117,19 @@ def compute_value_and_grad(
                         lambda layered, p, c, r: constrain(p, r) if layered else c, plan.layered, full, pc, rest_sh
                     )
             with layer_gather.active(lg if hooked else None), layer_gather.gathered_per_use(per_use), reducing(policy):
-                out = loss_fn(pc, batch)
+                out = loss_fn(pc, batch_)
             loss, aux = out if has_aux else (out, None)
             if isinstance(loss, TokenSum):  # differentiate the sum; the count rides along
                 return loss.total.astype(jnp.float32), (aux, loss.count.astype(jnp.float32))
             return loss.astype(jnp.float32), (aux, None)
 
-        (loss, (aux, count)), grads = jax.value_and_grad(f, has_aux=True)(wrt.select(params))
+        if written:  # the extended loss's aux is (aux, new state): those leaves from their cotangents
+            (loss, (aux, count)), (grads, new) = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(
+                wrt.select(params), variables.take(ctx.state, written)
+            )
+            aux = (aux[0], variables.put(aux[1], written, new))
+        else:
+            (loss, (aux, count)), grads = jax.value_and_grad(f, has_aux=True)(wrt.select(params))
         if count is not None:
             loss = TokenSum(loss, count)
         return loss, aux, constrain(to_device(grads), wrt.select(grad_sh))

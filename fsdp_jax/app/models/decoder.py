@@ -128,8 +128,10 @@ class Block(nnx.Module):
             self.post_attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, po, rngs)
             self.post_mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, po, rngs)
         fp8_modules.attach(self.attn, fp8, FP8_WEIGHTS)
-        # the routed experts: per-expert current scales, no histories (`fsdp_jax.quant.fp8_experts`)
-        fp8_modules.attach(self.moe if sparse else self.mlp, fp8, () if sparse else FP8_WEIGHTS)
+        if sparse:  # the routed experts: per-expert scales (and histories: `fsdp_jax.quant.fp8_experts`)
+            fp8_modules.attach_experts(self.moe, fp8, self.moe.fp8_expert_weights, cfg.n_experts)
+        else:
+            fp8_modules.attach(self.mlp, fp8, FP8_WEIGHTS)
         if lora is not None:  # last: the base params are drawn as without adapters
             attach(self, cfg, lora, rngs)
 

@@ -48,7 +48,7 @@ from fsdp_jax.app.models.moe_dispatch import (
 )
 from fsdp_jax.app.models.moe_exchange import exchange_capacity, exchange_dropless, exchange_dropless_ragged
 from fsdp_jax.errors import ConfigError
-from fsdp_jax.quant import fp8_modules
+from fsdp_jax.quant import fp8_experts, fp8_modules
 from fsdp_jax.sharding.axes import EMBED, EXPERT, MLP
 from fsdp_jax.sharding.precision import matmul
 
@@ -152,6 +152,10 @@ class MoE(nnx.Module):
     RouterStats)`. Config fields used: d_model, n_experts, experts_per_token, moe_ffn_dim,
     norm_topk_prob, shared_expert_ffn_dim, capacity_factor, grouped_matmul, expert_exchange."""
 
+    # the expert weights `expert_ffn` multiplies by `dot`, first in `_experts`' order (FP8
+    # histories per expert under the delayed recipe: `fp8_modules.attach_experts`)
+    fp8_expert_weights: tuple[str, ...] = ("w_gate", "w_up", "w_down")
+
     def __init__(self, cfg, rngs: nnx.Rngs):
         d, e = cfg.d_model, cfg.n_experts
         self.router = _param(rngs, (d, e), (EMBED, None))
@@ -212,7 +216,9 @@ class MoE(nnx.Module):
         experts, lora = self._experts()
         cf, ffn = self.capacity_factor, self.expert_ffn
         if fp8_modules.recipe_of(self) is not None:  # the experts' GEMMs in FP8 (`moe_dispatch.fp8_dot`)
-            ffn = functools.partial(_fp8_ffn, self.expert_ffn)
+            hists = fp8_modules.expert_histories(self, self.fp8_expert_weights) or ()
+            experts = (*experts, *hists)  # delayed: travel (and shard) with the expert weights
+            ffn = functools.partial(_fp8_ffn, self.expert_ffn, len(hists), fp8_modules.recipe_of(self).rowwise)
 
         n_experts = experts[0].shape[0]
 
@@ -263,8 +269,14 @@ class MoE(nnx.Module):
         return gate * proj(hs, "w_down", self.shared_down, key)
 
 
-def _fp8_ffn(ffn, x, ws, lora, dot, rows):
-    return ffn(x, ws, lora, fp8_dot(dot), rows)
+def _fp8_ffn(ffn, n_hist: int, rowwise: bool, x, ws, lora, dot, rows):
+    """`ffn` through FP8 expert products (`rowwise` scales or per-expert tensor scales); the
+    last `n_hist` of `ws` are the delayed histories of its first `n_hist` (the expert weights
+    `fp8_expert_weights` names), paired with them."""
+    if n_hist:
+        ws, hists = ws[:-n_hist], ws[-n_hist:]
+        ws = (*(fp8_experts.WithHistory(w, h) for w, h in zip(ws, hists)), *ws[n_hist:])
+    return ffn(x, ws, lora, fp8_dot(dot, rowwise), rows)
 
 
 def moe_params(cfg) -> int:

@@ -31,6 +31,7 @@ from fsdp_jax.sharding.axes import EMBED, EXPERT, MLP
 
 class ClampedMoE(MoE):
     expert_lora = True  # its experts take adapters, only as named (`fsdp_jax.app.models.lora.own_experts`)
+    fp8_expert_weights = ("w_gate_up", "w_down")
 
     def make_experts(self, cfg, rngs: nnx.Rngs) -> None:
         d, e, f = cfg.d_model, cfg.n_experts, cfg.moe_ffn_dim

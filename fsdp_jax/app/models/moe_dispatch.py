@@ -33,7 +33,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from fsdp_jax.app.models.grouped_matmul import grouped_matmul, resolve
-from fsdp_jax.quant import fp8_experts
+from fsdp_jax.quant import fp8_experts, fp8_rowwise_experts
 from fsdp_jax.sharding.axes import BATCH, EXPERT
 
 
@@ -74,19 +74,26 @@ class GroupedDot:
         return grouped_matmul(x, m, self.sizes, self.impl)
 
 
-def fp8_dot(dot):
+def fp8_dot(dot, rowwise: bool = False):
     """`dot` (a `GroupedDot` or `batched`) as scaled FP8 matmuls with a scale per expert
-    (`fsdp_jax.quant.fp8_experts`): batched products always; grouped ones where `impl` resolves
-    to XLA's `ragged_dot` (which then takes the f8 operands). Where it resolves to tokamax's
-    kernels (GPU with tokamax installed, `auto`) the grouped products stay those kernels in the
-    compute dtype: XLA:GPU expands an f8 `ragged_dot` densely, n_experts times the FLOPs."""
+    (`fsdp_jax.quant.fp8_experts`; `rowwise`: per row and per expert column,
+    `fsdp_jax.quant.fp8_rowwise_experts`): batched products always; grouped ones where `impl`
+    resolves to XLA's `ragged_dot` (which then takes the f8 operands). Where it resolves to
+    tokamax's kernels (GPU with tokamax installed, `auto`) the grouped products stay those
+    kernels in the compute dtype: XLA:GPU expands an f8 `ragged_dot` densely, n_experts times
+    the FLOPs. A weight may come with its delayed histories (`fp8_experts.WithHistory`)."""
     if not isinstance(dot, GroupedDot):
-        return fp8_experts.batched_matmul
+        if rowwise:
+            return lambda x, m: fp8_rowwise_experts.batched_matmul(x, fp8_experts.unpack(m)[0])
+        return lambda x, m: fp8_experts.batched_matmul(x, *fp8_experts.unpack(m))
 
     def grouped(x, m):
+        m, hist = fp8_experts.unpack(m)
         if resolve(dot.impl, (x.shape[0], x.shape[1], m.shape[2])) != "xla":
             return dot(x, m)
-        return fp8_experts.grouped_matmul(x, m, dot.sizes)
+        if rowwise:
+            return fp8_rowwise_experts.grouped_matmul(x, m, dot.sizes)
+        return fp8_experts.grouped_matmul(x, m, dot.sizes, hist)
 
     return grouped
 
