@@ -51,24 +51,28 @@ def imported(path, strategy="full_shard", mesh_shape=(1, 8, 1), scan=True, rules
     return hf.load_params(ckpt, built.abstract_state.params), m, built.plan, ckpt.config
 
 
-def forward(params, m, plan, tokens, mask=None):
-    """(logits, RouterStats) of the golden's 2 rows, tiled to 8 (every batch sharding divides)."""
+def forward(params, m, plan, tokens, mask):
+    """(logits, RouterStats) of the golden's 2 rows, tiled to 8 (every batch sharding divides),
+    without a token mask and with `mask`: both applies in one compiled program."""
     t = jnp.asarray(np.tile(tokens, (4, 1)))
-    mk = None if mask is None else jnp.asarray(np.tile(mask, (4, 1)))
+    mk = jnp.asarray(np.tile(mask, (4, 1)))
+
+    def both(p, t, mk):
+        return m.apply(p, t, router=True), m.apply(p, t, router=True, token_mask=mk)
+
     with sharding_context(plan):
-        logits, stats = jax.jit(lambda p, t, mk: m.apply(p, t, router=True, token_mask=mk))(params, t, mk)
-    return np.asarray(logits)[: len(tokens)], stats
+        outs = jax.jit(both)(params, t, mk)
+    return [(np.asarray(logits)[: len(tokens)], stats) for logits, stats in outs]
 
 
 def check(name, **kw):
     g = golden(name)
     params, m, plan, cfg = imported(GOLDEN / name, **kw)
-    logits, stats = forward(params, m, plan, g["tokens"])
+    (logits, stats), (logits_m, stats_m) = forward(params, m, plan, g["tokens"], g["attention_mask"])
     err = float(np.abs(logits - g["logits"]).max())
     assert err < 1e-4, (name, kw, err)
     # tiling the rows 4 times leaves every mean of the aux loss unchanged
     assert abs(float(moe_lib.aux_loss(stats)) - float(g["aux_loss"])) < 1e-5, (name, kw)
-    logits_m, stats_m = forward(params, m, plan, g["tokens"], g["attention_mask"])
     assert abs(float(moe_lib.aux_loss(stats_m)) - float(g["aux_loss_masked"])) < 1e-5, (name, kw)
     keep = g["attention_mask"].astype(bool)  # padding rows of logits are not compared
     assert float(np.abs(logits_m - g["logits_masked"])[keep].max()) < 1e-4
@@ -87,9 +91,11 @@ def test_moe_import_matches_transformers_logits_and_aux_loss(name):
     assert abs(lm + cfg.router_aux_loss_coef * float(g["aux_loss"]) - float(g["loss"])) < 1e-5
     # the trainer's loss adds exactly that term, with the aux loss of the tokens it sees
     batch = jnp.asarray(np.tile(g["tokens"], (4, 1)))
-    with sharding_context(plan):
-        loss, aux = jax.jit(make_loss_fn(m, cfg))(params, batch)
-        logits, stats = jax.jit(lambda p, t: m.apply(p, t, router=True))(params, batch[:, :-1])
+    loss_fn = make_loss_fn(m, cfg)
+    with sharding_context(plan):  # the loss and an independent apply, one compiled program
+        (loss, aux), (logits, stats) = jax.jit(lambda p, b: (loss_fn(p, b), m.apply(p, b[:, :-1], router=True)))(
+            params, batch
+        )
     want = cross_entropy(logits, batch[:, 1:]) + cfg.router_aux_loss_coef * moe_lib.aux_loss(stats)
     assert abs(float(loss) - float(want)) < 1e-6
     assert abs(float(aux["router_aux_loss"]) - float(moe_lib.aux_loss(stats))) < 1e-6
