@@ -43,7 +43,6 @@ REFUSALS: tuple[tuple[str, str], ...] = (
     ("objective", "only the next-token loss (sft) is cut into layer pieces"),
     ("lora", "frozen params (LoRA) would need a trainable mask in the per-layer update"),
     ("precision", "the layer programs do not cast the float32 master params to a lower compute dtype yet"),
-    ("train.microbatches", "the forward / backward is not accumulated over microbatches yet"),
     ("remat", "a policy that offloads to host memory is not combined with the layer files yet"),
     ("mesh", "a context or tensor axis is not cut into layer pieces yet"),
     ("mesh.strategy", "its exactness is measured under full_shard only"),
@@ -60,7 +59,6 @@ def refusal(cfg) -> tuple[str, str] | None:
         ("objective", cfg.objective if cfg.objective != "sft" else None),
         ("lora", f"rank {cfg.lora.rank}" if cfg.lora.rank else None),
         ("precision", cfg.precision if policy.compute_dtype != policy.param_dtype or policy.matmul else None),
-        ("train.microbatches", cfg.train.microbatches if cfg.train.microbatches != 1 else None),
         ("remat", cfg.remat if remat_policy(cfg.remat).offloads else None),
         ("mesh", "context / tensor > 1" if cfg.mesh.context > 1 or cfg.mesh.tensor > 1 else None),
         ("mesh.strategy", cfg.mesh.strategy if cfg.mesh.strategy != "full_shard" else None),
@@ -110,6 +108,7 @@ class ParamsNvmeStep:
                 owner,
                 clip_norm=cfg.optimizer.clip_norm,
                 batch_sharding=self.plan.batch,
+                microbatches=cfg.train.microbatches,
             )
         keystr = jax.tree_util.keystr
         full = _names(built.optimizer, built.abstract_state.opt_state, params, keystr)
