@@ -52,21 +52,28 @@ REFUSALS: tuple[tuple[str, str], ...] = (
 
 def refusal(cfg) -> tuple[str, str] | None:
     """(config key, one line) of the first thing `cfg` asks that the layer-wise step does not run."""
-    why = dict(REFUSALS)
-    policy = Policy.parse(cfg.precision)
-    checks = (
-        ("model", pieces_problem(cfg.model)),
-        ("objective", cfg.objective if cfg.objective != "sft" else None),
-        ("lora", f"rank {cfg.lora.rank}" if cfg.lora.rank else None),
-        ("precision", cfg.precision if policy.compute_dtype != policy.param_dtype or policy.matmul else None),
-        ("remat", cfg.remat if remat_policy(cfg.remat).offloads else None),
-        ("mesh", "context / tensor > 1" if cfg.mesh.context > 1 or cfg.mesh.tensor > 1 else None),
-        ("mesh.strategy", cfg.mesh.strategy if cfg.mesh.strategy != "full_shard" else None),
-        ("data", "document_mask" if cfg.data.document_mask else None),
+    why, policy, mesh = dict(REFUSALS), Policy.parse(cfg.precision), cfg.mesh
+    model_field = pieces_problem(cfg.model)  # "model.<field>" or None
+    checks = (  # (what, its key, its value when refused else None)
+        ("model", model_field, model_field and getattr(cfg.model, model_field.split(".", 1)[1])),
+        ("objective", "objective", cfg.objective if cfg.objective != "sft" else None),
+        ("lora", "lora.rank", cfg.lora.rank or None),
+        (
+            "precision",
+            "precision",
+            cfg.precision if policy.compute_dtype != policy.param_dtype or policy.matmul else None,
+        ),
+        ("remat", "remat", cfg.remat if remat_policy(cfg.remat).offloads else None),
+        (
+            "mesh",
+            "mesh.context" if mesh.context > 1 else "mesh.tensor",
+            max(mesh.context, mesh.tensor) if max(mesh.context, mesh.tensor) > 1 else None,
+        ),
+        ("mesh.strategy", "mesh.strategy", mesh.strategy if mesh.strategy != "full_shard" else None),
+        ("data", "data.document_mask", True if cfg.data.document_mask else None),
     )
-    for what, got in checks:
+    for what, key, got in checks:
         if got is not None:
-            key = got if what == "model" else what
             return key, f"{got!r} with offload: optimizer+params:nvme: {why[what]}"
     return None
 
