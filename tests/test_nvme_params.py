@@ -251,3 +251,30 @@ def test_params_on_disk_with_a_file_for_a_dir_is_one_line(corpus, tmp_path, caps
     )
     one_line(rc, err, "offload_dirs", "not a directory")
     assert (tmp_path / "f").read_text() == "x"
+
+
+def test_the_files_leaves_are_restored_and_saved_under_a_checkpoints_names(tmp_path):
+    """What the run's checkpoints depend on, without a compile: the leaves the files hold are the
+    params' blocks and AdamW's mu / nu of them, named as a checkpoint of a run without offload
+    names them, and a resume leaves exactly those unread for the files' rebuild."""
+    from fsdp_jax.app.trainer.build import build_from_config, make_loss_fn, trainer_model
+    from fsdp_jax.app.trainer.optim import build_optimizer
+    from fsdp_jax.app.trainer.params_nvme import ParamsNvmeStep
+    from fsdp_jax.app.trainer.setup import load_run_config
+    from fsdp_jax.checkpoint.manifest import tree_paths
+    from fsdp_jax.checkpoint.shard_files import Unread
+    from fsdp_jax.sharding.mesh import make_mesh
+
+    cfg = load_run_config("configs/tiny.yaml", [*TINY_RUN_OVERRIDES, "offload=optimizer+params:nvme"])
+    model = trainer_model(cfg.model, cfg.remat)
+    opt, _ = build_optimizer(cfg.optimizer, cfg.train.steps)
+    built = build_from_config(cfg, model, opt, make_mesh(fsdp=8), loss_fn=make_loss_fn(model, cfg.model))
+    nv = ParamsNvmeStep(cfg, built, model, [tmp_path], owner="t")
+    names = list(tree_paths(built.abstract_state))
+    blocks = [n.removeprefix("params/") for n in names if n.startswith("params/blocks/")]
+    assert len(blocks) == 9 and nv._param_names == [f"params/{b}" for b in blocks]
+    assert nv._state_names == [f"opt_state/0/{m}/{b}" for m in ("mu", "nu") for b in blocks]
+    target = tree_paths(nv.restore_target(built.abstract_state))
+    assert [n for n, x in target.items() if isinstance(x, Unread)] == nv._param_names + nv._state_names
+    assert list(target) == names  # the same tree: a checkpoint of either restores into the other
+    nv.close()
