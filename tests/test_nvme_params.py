@@ -6,94 +6,20 @@ The run parity runs in one child on one CPU device and XLA:CPU's default emitter
 tests/test_nvme.py's `parity_env` explains). Kill -9 mid step, then the same command:
 tests/test_nvme.py's kill test, parametrized over both nvme offloads."""
 
-import json
-
 import numpy as np
 import pytest
 from test_nvme import parity_env
+from test_offload import ROOT
 
 from fsdp_jax.app.trainer.params_nvme import REFUSALS
 from helpers import TINY_RUN_OVERRIDES, call, json_child, one_line
 
-# The child: the same tiny run (remat dots, eval, sample, checkpoints at 2 and 4) without offload,
-# with optimizer+params:nvme straight through, and with it stopped after step 2 and launched again
-# (resuming from the step-2 checkpoint: the files rebuilt from it); each run's losses and sample,
-# its final checkpoint's leaves against the run without offload's, its stdout and its dir's files.
-_CHILD = r"""
-import contextlib, io, json, os, sys
-sys.path.insert(0, "tests")
-import jax
-import numpy as np
-from test_offload import ROOT
-jax.config.update("jax_compilation_cache_dir", str(ROOT / ".jax_cache"))
-from fsdp_jax import checkpoint as ck
-from fsdp_jax.app.cli.train import main
-from fsdp_jax.app.trainer import loop
-from fsdp_jax.app.trainer.build import trainer_model
-from fsdp_jax.app.trainer.optim import build_optimizer
-from fsdp_jax.app.trainer.setup import load_run_config
-from fsdp_jax.sharding.mesh import make_mesh
-from fsdp_jax.sharding.strategy import make_plan
-from fsdp_jax.train.state import abstract_state
-
-tmp, base = sys.argv[1], json.loads(sys.argv[2])
-
-def args(name, offload, *more):
-    os.makedirs(f"{tmp}/{name}_disk", exist_ok=True)
-    return ["--config", "configs/tiny.yaml", *base, f"run_dir={tmp}/{name}", f"offload={offload}",
-            f"offload_dirs={tmp}/{name}_disk", *more, "--no-progress"]
-
-def launch(name, offload, stop_after=None, more=()):
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        if stop_after is None:
-            assert main(args(name, offload, *more)) == 0
-        else:
-            a = args(name, offload)
-            loop.train(load_run_config(a[1], a[2:-1]), progress=False, stop_after=stop_after)
-    return out.getvalue()
-
-def rows(name):
-    return [json.loads(x) for x in open(f"{tmp}/{name}/metrics.jsonl") if x.strip()]
-
-def final(name):
-    cfg = load_run_config(f"{tmp}/{name}/config.yaml")
-    model = trainer_model(cfg.model, cfg.remat)
-    opt, _ = build_optimizer(cfg.optimizer, cfg.train.steps)
-    plan = make_plan(model.abstract_params, opt, make_mesh(), "full_shard", model.logical_axes)
-    return ck.restore(f"{tmp}/{name}/checkpoints", abstract_state(plan, model.abstract_params, opt))[0]
-
-out = {"stdout": {}}
-out["stdout"]["plain"] = launch("plain", "none")
-out["stdout"]["nvme"] = launch("nvme", "optimizer+params:nvme")
-out["stdout"]["stopped"] = launch("resumed", "optimizer+params:nvme", stop_after=2)
-out["stdout"]["resumed"] = launch("resumed", "optimizer+params:nvme")
-for name, offload in (("plain_mb", "none"), ("nvme_mb", "optimizer+params:nvme")):  # 2 microbatches
-    launch(name, offload, more=["train.microbatches=2"])
-
-def differ(name, ref):  # per differing leaf: its largest difference relative to the leaf's largest value
-    got, ref = final(name), final(ref)
-    return int(got.step), len(jax.tree.leaves(got)), {
-        jax.tree_util.keystr(p): float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / np.max(np.abs(np.asarray(b))))
-        for (p, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(ref))
-        if not np.array_equal(np.asarray(a), np.asarray(b))
-    }
-
-for name, ref in (("nvme", "plain"), ("resumed", "plain"), ("nvme_mb", "plain_mb")):
-    out[name] = dict(zip(("step", "leaves", "differ"), differ(name, ref)))
-out["rows"] = {n: rows(n) for n in ("plain", "nvme", "resumed", "plain_mb", "nvme_mb")}
-out["files"] = sorted(os.listdir(f"{tmp}/nvme_disk"))
-out["devices"] = jax.device_count()
-print(json.dumps(out))
-"""
-RUN = [
-    *TINY_RUN_OVERRIDES,
-    "train.steps=4",
-    "train.checkpoint_every=2",
-    "train.eval_every=2",
-    "train.eval_batches=1",
-    "train.sample_tokens=8",
-]
+# The child: benchmarks/nvme_params_run.py (the same tiny run without offload, with
+# optimizer+params:nvme straight through, stopped after step 2 and launched again, and the pair
+# with 2 microbatches; each run's rows and stdout, the nvme runs' final checkpoints against their
+# reference's, the files)
+_CHILD = "import sys; sys.path.insert(0, 'benchmarks'); import nvme_params_run as b; sys.exit(b.main(sys.argv[1:]))"
+CACHE = ROOT / ".jax_cache"
 
 
 @pytest.mark.slow  # 6 tiny runs in one child (one device): 31 CPU s, 114 s wall on the loaded 2-core machine
@@ -102,8 +28,9 @@ def test_params_on_disk_trains_resumes_and_checkpoints_bit_for_bit(corpus, tmp_p
     # per-layer sum of squares rounds 1 ulp off the scanned step's at step 3, and clipping
     # (active) carries it into every param (docs/offload.md "Params on disk")
     flags = [f for f in parity_env()["XLA_FLAGS"].split() if not f.startswith("--xla_backend_optimization_level")]
-    env = dict(parity_env(), FSDP_JAX_CPU_DEVICES="1", XLA_FLAGS=" ".join(flags))
-    r = json_child(_CHILD, str(tmp_path), json.dumps([*RUN, f"data.path={corpus}"]), env=env)
+    env = dict(parity_env(), FSDP_JAX_CPU_DEVICES="1", XLA_FLAGS=" ".join(flags), FSDP_JAX_CACHE_DIR=str(CACHE))
+    args = ["--corpus", str(corpus), "--out", str(tmp_path), "--resume", "--microbatches", "2"]
+    r = json_child(_CHILD, *args, env=env)
     assert r["devices"] == 1
     plain = r["rows"]["plain"]
     assert [x["step"] for x in plain if "loss" in x] == [1, 2, 3, 4] and any("val_loss" in x for x in plain)
@@ -120,7 +47,8 @@ def test_params_on_disk_trains_resumes_and_checkpoints_bit_for_bit(corpus, tmp_p
     want = {(x["step"], k): x[k] for x in same(plain) for k in x if k != "step"}
     assert resumed == {k: v for k, v in want.items() if k != (2, "val_loss")}
     for name in ("nvme", "resumed"):  # the final checkpoints (streamed out of the files) equal, every leaf
-        assert r[name]["step"] == 4 and r[name]["leaves"] > 30 and r[name]["differ"] == {}, r[name]
+        f = r["final"][name]
+        assert f["step"] == 4 and f["leaves"] > 30 and f["differ"] == {}, f
     # 2 microbatches (the layers' grads summed through their files): losses and val losses bit for
     # bit, the grad norm 1 ulp off at step 1; the final params and state within 1e-6 of each leaf's
     # largest value (measured 5.1e-7, nu of the embedding; 4.3e-7 without clipping, so the grads
@@ -132,7 +60,7 @@ def test_params_on_disk_trains_resumes_and_checkpoints_bit_for_bit(corpus, tmp_p
     assert mb[0] == mb[1] and len(mb[0]) == 6
     norms = [[x["grad_norm"] for x in r["rows"][n] if "grad_norm" in x] for n in ("nvme_mb", "plain_mb")]
     np.testing.assert_allclose(norms[0], norms[1], rtol=2 * np.finfo(np.float32).eps, atol=0)
-    assert r["nvme_mb"]["step"] == 4 and max(r["nvme_mb"]["differ"].values(), default=0) < 1e-6
+    assert r["final"]["nvme_mb"]["step"] == 4 and max(r["final"]["nvme_mb"]["differ"].values(), default=0) < 1e-6
     out = r["stdout"]
     assert "resuming from checkpoint step 2" in out["resumed"] and "resuming" not in out["nvme"]
 
