@@ -20,6 +20,8 @@ layer, unsharded), `rest` the rest (embedding, final norm, head), which stays on
    (written to its grads file) and the cotangent of h_i; the embedding's vjp last;
 3. the global grad norm from each layer's per-leaf sums of squares (added over layers in order)
    and the rest's grads; `ok` = loss and norm finite; the rest updated on the device;
+   With `microbatches` k > 1, steps 1-2 run per slice of the batch (rows j, j + k, ...), each
+   layer's grads summed through its grads file in slice order and divided by k after the last;
 4. per layer: params, state and grads read (i+1 while i updates), clipped as
    `optax.clip_by_global_norm` clips with that norm, the same `optimizer.update` as on the
    whole tree and the same non-finite select, params and state written back.
@@ -82,9 +84,11 @@ class LayerwiseStep:
     ShapeDtypeStructs (or arrays); `batch_sharding`: where a batch is put (None: as given)."""
 
     def __init__(self, pieces: Pieces, optimizer, abstract, dirs, owner: str, clip_norm=None, skip_nonfinite=True,
-                 batch_sharding=None):  # fmt: skip
+                 batch_sharding=None, microbatches: int = 1):  # fmt: skip
         self.pieces, self.optimizer, self.clip, self.skip = pieces, optimizer, clip_norm, skip_nonfinite
-        self.batch_sharding = batch_sharding
+        self.batch_sharding, self.microbatches = batch_sharding, microbatches
+        if microbatches < 1:
+            raise ValueError(f"microbatches must be >= 1, got {microbatches}")
         st = jax.eval_shape(optimizer.init, abstract)
         reason = elementwise_reason(optimizer, abstract, st)
         if reason is not None:  # before any file is written
@@ -151,6 +155,19 @@ class LayerwiseStep:
         self._fwd = jax.jit(lambda p, h: pc.layer(one(p), h))
         self._head = jax.jit(head)
         self._bwd = jax.jit(bwd, out_shardings=(p_sh, None, None))
+        k = self.microbatches
+
+        def bwd_add(p, h, ct, acc, last):  # microbatch j > 0: added to the sum of the earlier ones
+            g, ct_h = jax.vjp(lambda q, x: pc.layer(one(q), x), p, h)[1](ct)
+            acc = [a + b.astype(a.dtype) for a, b in zip(acc, g)]  # as `microbatched`'s accumulator
+            acc = [a / k for a in acc] if last else acc  # the mean over the slices, after the last
+            return acc, ct_h, [jnp.sum(jnp.square(x)) for x in acc]
+
+        def mb_slice(b, j):  # rows j, j + k, j + 2k, ...: `step_parts._split_microbatches`' slice j
+            return jax.tree.map(lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:])[:, j], b)
+
+        self._bwd_add = jax.jit(bwd_add, out_shardings=(p_sh, None, None), static_argnums=(4,))
+        self._mb_slice = jax.jit(mb_slice, static_argnums=(1,))
         self._embed_bwd = jax.jit(embed_bwd, out_shardings=self._rest_sh)
         self._norm = jax.jit(norm)
 
@@ -247,16 +264,7 @@ class LayerwiseStep:
         self._saved()  # a checkpoint streaming out of the files ends before they change
         batch = batch if self.batch_sharding is None else jax.device_put(batch, self.batch_sharding)
         rest, n = live["rest"], self.n_layers
-        hs = [self._embed(rest, batch)]
-        for i, (p,) in self._stream(("params",), range(n)):
-            hs.append(self._fwd(p, hs[i]))
-        loss, (g_rest, ct) = self._head(rest, hs.pop(), batch)
-        sums = [None] * n
-        for i, (p,) in self._stream(("params",), reversed(range(n))):
-            g, ct, sums[i] = self._bwd(p, hs.pop(), ct)
-            self._write("grads", i, g)
-        g_rest = self._embed_bwd(rest, batch, ct, g_rest)
-        self._flush()
+        loss, g_rest, sums = self._grads(rest, batch)
         gnorm = self._norm(g_rest, sums)
         new_rest, opt_state, ok, other = self._rest_update(rest, live["opt_state"], g_rest, loss, gnorm)
         for i, (p, s, g) in self._stream(KINDS, range(n)):
@@ -266,6 +274,34 @@ class LayerwiseStep:
         self._flush()
         metrics = {"loss": loss, "grad_norm": gnorm, "skipped": (~ok).astype(jnp.int32)}
         return {"rest": new_rest, "opt_state": opt_state}, metrics
+
+    def _grads(self, rest, batch):
+        """(loss, the rest's grads, per layer its grads' per-leaf sums of squares), the layers'
+        grads written to their files: steps 1-2 of the module docstring, over `microbatches`
+        slices of the batch (rows j, j + k, ... as `train.step_parts.microbatched` takes them),
+        the layers' grads summed through their files in slice order, then divided by k."""
+        n, k = self.n_layers, self.microbatches
+        sums: list = [None] * n
+        loss_sum = g_sum = None
+        for j in range(k):
+            mb = batch if k == 1 else self._mb_slice(batch, j)
+            hs = [self._embed(rest, mb)]
+            for i, (p,) in self._stream(("params",), range(n)):
+                hs.append(self._fwd(p, hs[i]))
+            loss, (g_rest, ct) = self._head(rest, hs.pop(), mb)
+            for i, arrays in self._stream(("params",) if j == 0 else ("params", "grads"), reversed(range(n))):
+                if j == 0:
+                    g, ct, sums[i] = self._bwd(arrays[0], hs.pop(), ct)
+                else:  # the earlier slices' sum read back from the grads file
+                    g, ct, sums[i] = self._bwd_add(arrays[0], hs.pop(), ct, arrays[1], j == k - 1)
+                self._write("grads", i, g)
+            g_rest = self._embed_bwd(rest, mb, ct, g_rest)
+            self._flush()  # the grads files whole before the next slice reads them
+            loss_sum = loss if j == 0 else loss_sum + loss
+            g_sum = g_rest if j == 0 else jax.tree.map(lambda a, b: a + b.astype(a.dtype), g_sum, g_rest)
+        if k == 1:
+            return loss, g_rest, sums
+        return loss_sum / k, jax.tree.map(lambda g: g / k, g_sum), sums
 
     def compile_layer(self, rest, batch):
         """One layer's backward program (params read, vjp, grads out: the largest of the step's

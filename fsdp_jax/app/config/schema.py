@@ -276,8 +276,8 @@ class Config:
     )  # sft: next-token loss; grpo (docs/grpo.md); else a preference loss
     precision: str = "params=float32,compute=float32"
     remat: str = "dots"
-    offload: str = "none"  # none | optimizer | optimizer+params: state kept in host memory; optimizer:nvme: on disk
-    offload_dirs: str = ""  # offload: optimizer:nvme: comma-separated dirs (local NVMe mounts), striped
+    offload: str = "none"  # none | optimizer | optimizer+params: in host memory; optimizer[+params]:nvme: on disk
+    offload_dirs: str = ""  # nvme offloads: comma-separated dirs (local NVMe mounts), striped
     run_dir: str = "runs/tiny"
     xla_gpu_flags: str = limit(
         "none", choices=("none", "fsdp")

@@ -43,7 +43,6 @@ REFUSALS: tuple[tuple[str, str], ...] = (
     ("objective", "only the next-token loss (sft) is cut into layer pieces"),
     ("lora", "frozen params (LoRA) would need a trainable mask in the per-layer update"),
     ("precision", "the layer programs do not cast the float32 master params to a lower compute dtype yet"),
-    ("train.microbatches", "the forward / backward is not accumulated over microbatches yet"),
     ("remat", "a policy that offloads to host memory is not combined with the layer files yet"),
     ("mesh", "a context or tensor axis is not cut into layer pieces yet"),
     ("mesh.strategy", "its exactness is measured under full_shard only"),
@@ -53,22 +52,28 @@ REFUSALS: tuple[tuple[str, str], ...] = (
 
 def refusal(cfg) -> tuple[str, str] | None:
     """(config key, one line) of the first thing `cfg` asks that the layer-wise step does not run."""
-    why = dict(REFUSALS)
-    policy = Policy.parse(cfg.precision)
-    checks = (
-        ("model", pieces_problem(cfg.model)),
-        ("objective", cfg.objective if cfg.objective != "sft" else None),
-        ("lora", f"rank {cfg.lora.rank}" if cfg.lora.rank else None),
-        ("precision", cfg.precision if policy.compute_dtype != policy.param_dtype or policy.matmul else None),
-        ("train.microbatches", cfg.train.microbatches if cfg.train.microbatches != 1 else None),
-        ("remat", cfg.remat if remat_policy(cfg.remat).offloads else None),
-        ("mesh", "context / tensor > 1" if cfg.mesh.context > 1 or cfg.mesh.tensor > 1 else None),
-        ("mesh.strategy", cfg.mesh.strategy if cfg.mesh.strategy != "full_shard" else None),
-        ("data", "document_mask" if cfg.data.document_mask else None),
+    why, policy, mesh = dict(REFUSALS), Policy.parse(cfg.precision), cfg.mesh
+    model_field = pieces_problem(cfg.model)  # "model.<field>" or None
+    checks = (  # (what, its key, its value when refused else None)
+        ("model", model_field, model_field and getattr(cfg.model, model_field.split(".", 1)[1])),
+        ("objective", "objective", cfg.objective if cfg.objective != "sft" else None),
+        ("lora", "lora.rank", cfg.lora.rank or None),
+        (
+            "precision",
+            "precision",
+            cfg.precision if policy.compute_dtype != policy.param_dtype or policy.matmul else None,
+        ),
+        ("remat", "remat", cfg.remat if remat_policy(cfg.remat).offloads else None),
+        (
+            "mesh",
+            "mesh.context" if mesh.context > 1 else "mesh.tensor",
+            max(mesh.context, mesh.tensor) if max(mesh.context, mesh.tensor) > 1 else None,
+        ),
+        ("mesh.strategy", "mesh.strategy", mesh.strategy if mesh.strategy != "full_shard" else None),
+        ("data", "data.document_mask", True if cfg.data.document_mask else None),
     )
-    for what, got in checks:
+    for what, key, got in checks:
         if got is not None:
-            key = got if what == "model" else what
             return key, f"{got!r} with offload: optimizer+params:nvme: {why[what]}"
     return None
 
@@ -110,6 +115,7 @@ class ParamsNvmeStep:
                 owner,
                 clip_norm=cfg.optimizer.clip_norm,
                 batch_sharding=self.plan.batch,
+                microbatches=cfg.train.microbatches,
             )
         keystr = jax.tree_util.keystr
         full = _names(built.optimizer, built.abstract_state.opt_state, params, keystr)
