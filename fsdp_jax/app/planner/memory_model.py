@@ -27,7 +27,7 @@ F = ffn_dim, H = heads, S = seq_len, L = layers, V = vocab:
   attention-logit gradient and its transposed copy in the compute dtype),
   T*(none + (4 + c)*H*S): with the probabilities in `none`, 8 + 2c bytes a score, the
   ring's rule for its score block (`context_memory`; read from the compiled buffers,
-  docs/planning.md "The dense attention's score block");
+  docs/planning.md "Mixture of experts and context parallelism against the compiled peak");
 * plus the head: T*(c*D + V*(c + 4 + 4)) (final norm output, logits, f32
   log-softmax and its gradient).
 With `attention: cudnn` (flash attention) every S-squared term goes: `none` keeps the f32
