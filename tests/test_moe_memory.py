@@ -38,15 +38,16 @@ def measured():
     return out
 
 
-# The capacity-mode step over fsdp is over the bound (1.103) since the dense attention's score block
-# counts its transposed copy (8 + 2c bytes a score, docs/planning.md): its compiled peak is at the
-# experts' weight gradients and their reduction (args, the unreduced and the all-reduced expert grads
-# of one layer, copies of the stacked shards: 2.56 MB live), where none of the activations the model
-# adds (1.45 MB) is live; the model sums the phases. Issue 56 item 7 (the capacity MoE) is open.
+# The capacity-mode step over fsdp is over the bound on jax 0.10.2 (1.103; 1.093 on 0.12.0.1, whose
+# XLA:CPU peak is 3.56 MB, not 3.53: so not strict) since the dense attention's score block counts
+# its transposed copy (8 + 2c bytes a score, docs/planning.md): its compiled peak is at the experts'
+# weight gradients and their reduction (args, the unreduced and the all-reduced expert grads of one
+# layer, copies of the stacked shards: 2.56 MB live), where none of the activations the model adds
+# (1.45 MB) is live; the model sums the phases. Issue 56 item 7 (the capacity MoE) is open.
 _CAPACITY_OVER = pytest.mark.xfail(
-    strict=True,
-    reason="capacity mode over fsdp: 1.103 over the peak, which is at the expert gradients' reduction "
-    "where no activation is live (the model sums the phases; docs/planning.md)",
+    strict=False,
+    reason="capacity mode over fsdp: 1.103 over the peak on jax 0.10.2 (1.093 on 0.12.0.1), which is at "
+    "the expert gradients' reduction where no activation is live (the model sums the phases; docs/planning.md)",
 )
 
 
