@@ -23,8 +23,11 @@ F = ffn_dim, H = heads, S = seq_len, L = layers, V = vocab:
   attention logits of `jax.nn.dot_product_attention`'s XLA path, which is the
   S-squared term); dots_no_batch: c*(Q + 2K + 2D + 2F) (projections only);
   save_attn_mlp_out: 2cD; save_qkv_attn_mlp_out: c*(Q + 2K + 2D); full: 0;
-* plus one layer's backward working set (its recomputed activations and the f32
-  attention-logit gradient), T*(none + 4*H*S);
+* plus one layer's backward working set (its recomputed activations, the f32
+  attention-logit gradient and its transposed copy in the compute dtype),
+  T*(none + (4 + c)*H*S): with the probabilities in `none`, 8 + 2c bytes a score, the
+  ring's rule for its score block (`context_memory`; read from the compiled buffers,
+  docs/planning.md "Mixture of experts and context parallelism against the compiled peak");
 * plus the head: T*(c*D + V*(c + 4 + 4)) (final norm output, logits, f32
   log-softmax and its gradient).
 With `attention: cudnn` (flash attention) every S-squared term goes: `none` keeps the f32
@@ -112,7 +115,7 @@ def activation_bytes(
         layers += int(moe_memory.n_sparse(model_cfg) * t * sparse)
         moe_none = moe_memory.moe_working_per_token(model_cfg, t, c, expert_shards, dense_ragged, exchange_shards)
         working = max(none, none - moe_memory.dense_mlp_everything(model_cfg, c) + moe_none)
-    working = int(t * (working + (0 if flash(model_cfg) else 4 * h * seq_len))) + ring["working"]
+    working = int(t * (working + (0 if flash(model_cfg) else (4 + c) * h * seq_len))) + ring["working"]
     head = t * (c * d + v * (c + 4 + 4))
     return {"layers": layers, "working": working, "head": head, "total": layers + working + head}
 
