@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-import test_fp8_hlo as hlo_test  # noqa: E402  (the test's child, parsers and shapes)
+import test_fp8_hlo  # noqa: E402  (the test's child, parsers and shapes)
 
 from fsdp_jax.targets import gpu  # noqa: E402
 from helpers import TINY_MODEL_OVERRIDES  # noqa: E402
@@ -36,11 +36,11 @@ def main() -> int:
     ap.add_argument("--recipes", nargs="+", default=["rowwise", "delayed", "tensorwise"])
     args = ap.parse_args()
     small = [*TINY_MODEL_OVERRIDES, "model.d_model=128", "model.ffn_dim=256", "remat=dots"]
-    jobs = {r: [f"precision={hlo_test.FP8}", f"fp8.recipe={r}", *hlo_test.MOE] for r in args.recipes}
+    jobs = {r: [f"precision={test_fp8_hlo.FP8}", f"fp8.recipe={r}", *test_fp8_hlo.MOE] for r in args.recipes}
     req = {"config": "configs/tiny.yaml", "small": small, "jobs": jobs}
     env = gpu.child_env(dict(os.environ, PYTHONPATH=str(ROOT)))
     proc = subprocess.run(
-        [sys.executable, "-c", hlo_test._CHILD],
+        [sys.executable, "-c", test_fp8_hlo._CHILD],
         input=json.dumps(req),
         capture_output=True,
         text=True,
@@ -52,12 +52,12 @@ def main() -> int:
         return 1
     out = {}
     for recipe, text in json.loads(proc.stdout).items():
-        ops = hlo_test.gemm_ops(text)
+        ops = test_fp8_hlo.gemm_ops(text)
         experts = collections.Counter(
             f"{'bwd' if 'transpose' in n else 'fwd'} {' x '.join(d)}" for d, n, _ in ops if "ragged_dot" in n
         )
         others = collections.Counter(" x ".join(d) for d, n, _ in ops if "ragged_dot" not in n)
-        out[recipe] = {"experts": dict(experts), "others": dict(others), "gathered": dict(hlo_test.gathered(text))}
+        out[recipe] = {"experts": dict(experts), "others": dict(others), "gathered": dict(test_fp8_hlo.gathered(text))}
     print(json.dumps(out, indent=1, sort_keys=True))
     return 0
 

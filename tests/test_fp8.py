@@ -17,10 +17,12 @@ from fsdp_jax.app.models.config import DecoderConfig
 from fsdp_jax.app.planner.op_costs import op_seconds
 from fsdp_jax.app.trainer.build import build_from_config, fp8_recipe, trainer_model
 from fsdp_jax.checkpoint import Checkpointer
+from fsdp_jax.model import from_nnx
 from fsdp_jax.quant import fp8
 from fsdp_jax.quant.fp8_modules import attach, meta_name, project
 from fsdp_jax.sharding.mesh import make_mesh
 from fsdp_jax.targets.perf_tables import perf_table
+from fsdp_jax.train.shard_model import shard_model
 from fsdp_jax.verify.compare import strategy_mesh_shape
 from helpers import TINY_RUN_OVERRIDES, call, one_line
 
@@ -154,6 +156,30 @@ def test_delayed_history_pushes_amaxes_and_scales_by_the_past():
         np.testing.assert_allclose(np.asarray(hist[...])[1][: len(want)], w_amax)
     # step 3's x (amax 1) was scaled by the history's 8, not its own amax
     assert float(jnp.max(jnp.asarray(before[0]))) == 8.0
+
+
+def test_the_step_keeps_the_gradient_history_its_backward_wrote_per_microbatch():
+    """The train step's `*_from_grad` channel (`fsdp_jax.model.variables`): one step of 2
+    microbatches leaves the projection's gradient history holding each microbatch's output
+    gradient amax, newest first (microbatch j takes rows j, j + 2, ...), computed here by hand."""
+    model = from_nnx(lambda rngs: _Proj(fp8.Fp8Recipe("delayed", amax_history=3)))
+    mesh = make_mesh(1, 1, devices=jax.devices()[:1])
+    sm = shard_model(model, optax.sgd(0.0), mesh, "no_shard", rng=jax.random.key(0), max_replicated_fraction=None)
+
+    def loss_fn(params, batch, *, state, rng, train):
+        y, state = model.apply(params, batch["x"], state=state, rng=rng, train=train)
+        return jnp.mean((y - batch["t"]) ** 2), state
+
+    kx, kt = jax.random.split(jax.random.key(5))
+    batch = {"x": jax.random.normal(kx, (8, 16)) * 2.0, "t": jax.random.normal(kt, (8, 8))}
+    state, _ = sm.train_step(loss_fn, microbatches=2)(sm.state, batch)
+    got = np.asarray(jax.tree.leaves({k: v for k, v in state.model_state.items() if k.endswith("from_grad")})[0])
+    m, want = _Proj(fp8.Fp8Recipe("delayed", amax_history=3)), []
+    np.testing.assert_array_equal(np.asarray(state.params["w"]), np.asarray(m.w[...]))  # lr 0: the same weight
+    for j in range(2):  # each microbatch's output gradient: d mean((y - t)^2) / dy
+        y = m(batch["x"][j::2])
+        want.insert(0, float(jnp.abs(2.0 * (y - batch["t"][j::2]) / y.size).max()))
+    np.testing.assert_array_equal(got, np.asarray([*want, 0.0], np.float32))
 
 
 def test_tensorwise_keeps_no_state():
