@@ -56,7 +56,7 @@ def _launch(out: Path, name: str, overrides: list[str], stop_after: int | None =
 
 def _final(run_dir: Path):
     """The run's newest checkpoint, restored as a run without offload lays it out."""
-    from fsdp_jax import checkpoint as ck
+    from fsdp_jax import checkpoint
     from fsdp_jax.app.trainer.build import trainer_model
     from fsdp_jax.app.trainer.optim import build_optimizer
     from fsdp_jax.app.trainer.setup import load_run_config
@@ -68,7 +68,7 @@ def _final(run_dir: Path):
     model = trainer_model(cfg.model, cfg.remat)
     opt, _ = build_optimizer(cfg.optimizer, cfg.train.steps)
     plan = make_plan(model.abstract_params, opt, make_mesh(), "full_shard", model.logical_axes)
-    return ck.restore(run_dir / "checkpoints", abstract_state(plan, model.abstract_params, opt))[0]
+    return checkpoint.restore(run_dir / "checkpoints", abstract_state(plan, model.abstract_params, opt))[0]
 
 
 def _differ(got, ref) -> dict:

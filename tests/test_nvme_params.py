@@ -22,7 +22,7 @@ _CHILD = "import sys; sys.path.insert(0, 'benchmarks'); import nvme_params_run a
 CACHE = ROOT / ".jax_cache"
 
 
-@pytest.mark.slow  # 6 tiny runs in one child (one device): 31 CPU s, 114 s wall on the loaded 2-core machine
+@pytest.mark.slow  # 6 tiny runs in one child (one device): 17-31 CPU s, 114-127 s wall, loaded 2-core machine
 def test_params_on_disk_trains_resumes_and_checkpoints_bit_for_bit(corpus, tmp_path):
     # XLA's default optimisation level, as a run gets it: at the suite's level 0 the grad norm's
     # per-layer sum of squares rounds 1 ulp off the scanned step's at step 3, and clipping
