@@ -16,7 +16,9 @@ id, kind and coordinates: a change to the model, the sharding, the flags, the to
 topology is a different program and compiles afresh. A `jax.experimental.custom_partitioning`
 call (cuDNN attention's, the ring's) names its Python partitioner by the object's address in
 this process (`@CustomSPMDPartitioning` ... `backend_config = "140320513637968"`): the key
-reads it as the call's position instead, or no such program would ever be found again. A program the compiler refused for memory
+reads it as the call's position instead, or no such program would ever be found again; a Pallas
+kernel's serialized MLIR (splash attention, tokamax's grouped matmul) carries where it was traced
+(this clone's folder, the source line): the key reads the kernel without its locations. A program the compiler refused for memory
 (RESOURCE_EXHAUSTED) is kept too: the kept refusal raises `CompileRefused` with the compiler's
 message. Nothing is cached for programs that could run here (CPU devices): those are executed,
 and compile in seconds. A compile asked to dump (`xla_dump_to`) always compiles.
@@ -30,6 +32,7 @@ written atomically; an unreadable entry is a miss. The suite reads the seed fold
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import hashlib
 import json
@@ -44,6 +47,9 @@ from typing import Any
 
 import jax
 import jaxlib
+from jax._src.interpreters import mlir
+from jax._src.lib import tpu
+from jaxlib.mlir import ir
 
 from fsdp_jax.errors import CompileRefused
 
@@ -154,12 +160,41 @@ def program_key(lowered, devices: Iterable, compiler_options: dict[str, Any] | N
 
 
 _PARTITIONER_ID = re.compile(r'(@CustomSPMDPartitioning\(.*?backend_config = )"\d+"')
+# a Pallas / Mosaic kernel's serialized MLIR, base64 in its custom call's backend_config
+_KERNEL_BODY = re.compile(r"(\\22body\\22: \\22)([A-Za-z0-9+/=]+)(\\22)")
+_SOURCE_FOLDER = re.compile(rb"/[\w.+-]+(?:/[\w.+-]+)*/(?:(?:site|dist)-packages/|(?=fsdp_jax/))")
+
+
+def kernel_text(body: bytes) -> bytes:
+    """A Mosaic kernel's serialized MLIR as the key reads it: the module printed without its
+    source locations (where the kernel was traced: a folder and a line of this checkout), or,
+    where this jaxlib cannot read it back, the bytes without the checkout's and site-packages'
+    folders."""
+    context = mlir.make_ir_context()
+    tpu.register_dialect(context)
+    with context:
+        context.allow_unregistered_dialects = True
+        try:
+            return ir.Module.parse(body).operation.get_asm(enable_debug_info=False).encode()
+        except ir.MLIRError:
+            return _SOURCE_FOLDER.sub(b"", body.replace(_CHECKOUT.encode(), b""))
+
+
+def _kernel_body(match: re.Match) -> str:
+    try:
+        body = base64.b64decode(match.group(2), validate=True)
+    except ValueError:
+        return match.group(0)
+    return match.group(1) + base64.b64encode(kernel_text(body)).decode() + match.group(3)
 
 
 def keyed_text(text: str) -> str:
     """The lowered program's text as the key reads it: each custom-partitioning call's
-    partitioner named by its position, not by its Python object's address in this process."""
-    return _PARTITIONER_ID.sub(r'\1"partitioner"', text)
+    partitioner named by its position, not by its Python object's address in this process;
+    each Pallas kernel's serialized MLIR without its source locations (`kernel_text`): they
+    name this clone's folder and the kernel's source lines, so a program with a splash or
+    tokamax kernel was found again only from the same folder and the same lines."""
+    return _KERNEL_BODY.sub(_kernel_body, _PARTITIONER_ID.sub(r'\1"partitioner"', text))
 
 
 def program_text(hlo: str) -> str:
