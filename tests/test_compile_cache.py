@@ -191,3 +191,19 @@ def test_a_kernels_source_locations_are_not_in_the_key():
     theirs = raw.replace(b"{}", b"/home/ci/clone/", 1).replace(b"{}", b"/home/ci/venv/lib/python3.11/site-packages/")
     assert key(_kernel_program(mine), devices) == key(_kernel_program(theirs), devices)
     assert key(_kernel_program(mine), devices) != key(_kernel_program(mine.replace(b"moe", b"mlp")), devices)
+
+
+def test_an_entry_written_before_kernels_were_keyed_without_locations_is_still_found(tmp_path, monkeypatch):
+    """The seeds of programs with kernels were written under the key that read the kernel with
+    its locations: the same lowering finds them; another line of the kernel does not."""
+    import jax
+
+    monkeypatch.setenv(compile_cache.ENV, str(tmp_path))
+    devices = jax.devices()[:8]
+    program = _kernel_program(_kernel_body(compile_cache._CHECKOUT, 158))
+    located = compile_cache.program_key(program, devices, located=True)
+    assert located != compile_cache.program_key(program, devices)
+    compile_cache.store(compile_cache.CompiledFacts(located, "HloModule seeded", {}, None, None, 12.0))
+    key, hit = compile_cache.lookup(program, devices)
+    assert key == compile_cache.program_key(program, devices) and hit.as_text() == "HloModule seeded"
+    assert compile_cache.lookup(_kernel_program(_kernel_body(compile_cache._CHECKOUT, 159)), devices)[1] is None

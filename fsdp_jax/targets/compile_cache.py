@@ -140,8 +140,12 @@ def _dumps(compiler_options: dict[str, Any] | None) -> bool:
     return "xla_dump_to" in (compiler_options or {}) or "--xla_dump_to" in os.environ.get("XLA_FLAGS", "")
 
 
-def program_key(lowered, devices: Iterable, compiler_options: dict[str, Any] | None = None) -> str:
-    """The cache key of compiling `lowered` for `devices` with `compiler_options`."""
+def program_key(
+    lowered, devices: Iterable, compiler_options: dict[str, Any] | None = None, *, located: bool = False
+) -> str:
+    """The cache key of compiling `lowered` for `devices` with `compiler_options`; `located`:
+    the key before kernels were read without their source locations (`keyed_text`), which the
+    entries written before then carry."""
     devices = list(devices)
     h = hashlib.sha256()
     parts = [
@@ -155,8 +159,21 @@ def program_key(lowered, devices: Iterable, compiler_options: dict[str, Any] | N
     for part in parts:
         h.update(part.encode())
         h.update(b"\0")
-    h.update(keyed_text(lowered.as_text()).encode())
+    text = lowered.as_text()
+    h.update((_PARTITIONER_ID.sub(r'\1"partitioner"', text) if located else keyed_text(text)).encode())
     return h.hexdigest()[:40]
+
+
+def lookup(lowered, devices: Iterable, compiler_options: dict[str, Any] | None = None):
+    """(the program's key, its entry or None): an entry under its key, or one written before
+    kernels were keyed without their locations (the same program traced from the same lines of
+    the same folder: the seeds of that time stay valid until they are replaced)."""
+    devices = list(devices)
+    key = program_key(lowered, devices, compiler_options)
+    hit = load(key)
+    if hit is None and _KERNEL_BODY.search(lowered.as_text()):
+        hit = load(program_key(lowered, devices, compiler_options, located=True))
+    return key, hit
 
 
 _PARTITIONER_ID = re.compile(r'(@CustomSPMDPartitioning\(.*?backend_config = )"\d+"')
@@ -285,8 +302,8 @@ def compile_lowered(lowered, devices: Iterable, compiler_options: dict[str, Any]
     compile_args = {"compiler_options": compiler_options} if compiler_options else {}
     if not cache_dirs() or devices[0].platform == "cpu":
         return lowered.compile(**compile_args)
-    key = program_key(lowered, devices, compiler_options)
-    hit = None if _dumps(compiler_options) else load(key)  # a dump asked for needs the compile
+    key, hit = lookup(lowered, devices, compiler_options)
+    hit = None if _dumps(compiler_options) else hit  # a dump asked for needs the compile
     if hit is not None and hit.refused:
         raise CompileRefused(hit.refused)
     if hit is not None:
