@@ -195,7 +195,8 @@ def test_a_kernels_source_locations_are_not_in_the_key():
 
 def test_an_entry_written_before_kernels_were_keyed_without_locations_is_still_found(tmp_path, monkeypatch):
     """The seeds of programs with kernels were written under the key that read the kernel with
-    its locations: the same lowering finds them; another line of the kernel does not."""
+    its locations: the same lowering finds them (another line of the kernel does not) and
+    writes them again under the key without locations."""
     import jax
 
     monkeypatch.setenv(compile_cache.ENV, str(tmp_path))
@@ -204,6 +205,9 @@ def test_an_entry_written_before_kernels_were_keyed_without_locations_is_still_f
     located = compile_cache.program_key(program, devices, located=True)
     assert located != compile_cache.program_key(program, devices)
     compile_cache.store(compile_cache.CompiledFacts(located, "HloModule seeded", {}, None, None, 12.0))
+    moved = _kernel_program(_kernel_body(compile_cache._CHECKOUT, 159))
+    assert compile_cache.lookup(moved, devices)[1] is None  # the old key held the line
     key, hit = compile_cache.lookup(program, devices)
     assert key == compile_cache.program_key(program, devices) and hit.as_text() == "HloModule seeded"
-    assert compile_cache.lookup(_kernel_program(_kernel_body(compile_cache._CHECKOUT, 159)), devices)[1] is None
+    assert compile_cache.load(key).as_text() == "HloModule seeded"  # written again under its key
+    assert compile_cache.lookup(moved, devices)[1].as_text() == "HloModule seeded"  # which holds no line

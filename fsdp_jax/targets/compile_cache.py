@@ -167,12 +167,16 @@ def program_key(
 def lookup(lowered, devices: Iterable, compiler_options: dict[str, Any] | None = None):
     """(the program's key, its entry or None): an entry under its key, or one written before
     kernels were keyed without their locations (the same program traced from the same lines of
-    the same folder: the seeds of that time stay valid until they are replaced)."""
+    the same folder: the seeds of that time stay valid until they are replaced), which is then
+    written again under its key (tests/compiled/seed.py takes it from there)."""
     devices = list(devices)
     key = program_key(lowered, devices, compiler_options)
     hit = load(key)
     if hit is None and _KERNEL_BODY.search(lowered.as_text()):
         hit = load(program_key(lowered, devices, compiler_options, located=True))
+        if hit is not None:
+            hit = dataclasses.replace(hit, key=key)
+            store(hit)
     return key, hit
 
 
