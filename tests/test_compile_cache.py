@@ -178,6 +178,8 @@ def test_a_kernels_source_locations_are_not_in_the_key():
     folder and the source line. The same kernel traced in another clone, or after an edit moved
     its lines, has the same key (the Mixtral row's seed missed in every other checkout and after
     every edit of moe.py); another kernel has another key."""
+    import base64
+
     import jax
 
     devices = jax.devices()[:8]
@@ -191,6 +193,12 @@ def test_a_kernels_source_locations_are_not_in_the_key():
     theirs = raw.replace(b"{}", b"/home/ci/clone/", 1).replace(b"{}", b"/home/ci/venv/lib/python3.11/site-packages/")
     assert key(_kernel_program(mine), devices) == key(_kernel_program(theirs), devices)
     assert key(_kernel_program(mine), devices) != key(_kernel_program(mine.replace(b"moe", b"mlp")), devices)
+    # and the optimized program kept in the cache names no folder of this machine in its kernels
+    stored = compile_cache.program_text(f'custom_call_config":{{"body":"{base64.b64encode(mine).decode()}"}}')
+    kept = base64.b64decode(stored.split('"body":"')[1].split('"')[0])
+    assert b"/" + b"fsdp_jax/app/models/moe.py" not in kept and kept.startswith(
+        b"ML\xefR\x00fsdp_jax/app/models/moe.py"
+    )
 
 
 def test_an_entry_written_before_kernels_were_keyed_without_locations_is_still_found(tmp_path, monkeypatch):

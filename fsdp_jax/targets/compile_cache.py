@@ -232,7 +232,22 @@ def program_text(hlo: str) -> str:
         if not skipping:
             out.append(line)
     text = "\n".join(out).replace(_CHECKOUT, "")  # kernels' serialized MLIR keeps source paths
-    return _PACKAGES.sub("", text)
+    return _STORED_BODY.sub(_body_without_folders, _PACKAGES.sub("", text))
+
+
+# a TPU kernel's serialized MLIR in the optimized HLO (base64): kept without its folders
+_STORED_BODY = re.compile(r'("body":")([A-Za-z0-9+/=]{16,})(")')
+
+
+def _body_without_folders(match: re.Match) -> str:
+    """The kernel body of an optimized program's text without the checkout's and site-packages'
+    folders in its locations (nothing reads the kernel back; the folders name this machine)."""
+    try:
+        body = base64.b64decode(match.group(2), validate=True)
+    except ValueError:
+        return match.group(0)
+    body = _SOURCE_FOLDER.sub(b"", body.replace(_CHECKOUT.encode(), b""))
+    return match.group(1) + base64.b64encode(body).decode() + match.group(3)
 
 
 def _layouts(compiled) -> tuple[list[dict[str, Any]] | None, str | None]:
