@@ -139,3 +139,83 @@ def test_a_custom_partitioning_call_keys_alike_whatever_its_partitioner_objects_
     assert "@CustomSPMDPartitioning" in a.as_text() and a.as_text() != b.as_text()
     devices = jax.devices()[:8]
     assert compile_cache.program_key(a, devices) == compile_cache.program_key(b, devices)
+
+
+def _kernel_body(folder: str, line: int, op: str = "arith.addi") -> bytes:
+    """A kernel's MLIR serialized as Mosaic serializes it (bytecode), its ops located at `line`
+    of `folder`fsdp_jax/app/models/moe.py."""
+    import io
+
+    from jax._src.interpreters import mlir
+    from jaxlib.mlir import ir
+
+    where = f'loc("{folder}fsdp_jax/app/models/moe.py":{line}:5)'
+    src = (
+        "module {\n  func.func @main(%a: i32, %b: i32) -> i32 {\n"
+        f"    %0 = {op} %a, %b : i32 {where}\n    return %0 : i32 {where}\n  }}\n}}"
+    )
+    with mlir.make_ir_context():
+        buf = io.BytesIO()
+        ir.Module.parse(src).operation.write_bytecode(buf, desired_version=0)
+        return buf.getvalue()
+
+
+def _kernel_program(body: bytes):
+    """A lowered program's text with one Pallas kernel call carrying `body` (base64, as jax
+    writes it into the call's backend_config)."""
+    import base64
+    import types
+
+    call = (
+        'stablehlo.custom_call @tpu_custom_call(%arg0) {backend_config = "{\\22custom_call_config\\22: '
+        f'{{\\22body\\22: \\22{base64.b64encode(body).decode()}\\22, \\22serialization_format\\22: 1}}}}"}}'
+    )
+    return types.SimpleNamespace(as_text=lambda: f"module @jit_step {{\n  {call}\n}}\n")
+
+
+def test_a_kernels_source_locations_are_not_in_the_key():
+    """A splash / tokamax kernel's serialized MLIR names where it was traced: the checkout's
+    folder and the source line. The same kernel traced in another clone, or after an edit moved
+    its lines, has the same key (the Mixtral row's seed missed in every other checkout and after
+    every edit of moe.py); another kernel has another key."""
+    import base64
+
+    import jax
+
+    devices = jax.devices()[:8]
+    key = compile_cache.program_key
+    here = key(_kernel_program(_kernel_body(compile_cache._CHECKOUT, 158)), devices)
+    assert key(_kernel_program(_kernel_body("/home/ci/clone/", 182)), devices) == here
+    assert key(_kernel_program(_kernel_body(compile_cache._CHECKOUT, 158, "arith.muli")), devices) != here
+    # a body this jaxlib cannot read back keys without its folders, its bytes otherwise kept
+    raw = b"ML\xefR\x00{}fsdp_jax/app/models/moe.py\x00{}jax/k.py\x00"
+    mine = raw.replace(b"{}", compile_cache._CHECKOUT.encode(), 1).replace(b"{}", b"/usr/lib/python3/site-packages/")
+    theirs = raw.replace(b"{}", b"/home/ci/clone/", 1).replace(b"{}", b"/home/ci/venv/lib/python3.11/site-packages/")
+    assert key(_kernel_program(mine), devices) == key(_kernel_program(theirs), devices)
+    assert key(_kernel_program(mine), devices) != key(_kernel_program(mine.replace(b"moe", b"mlp")), devices)
+    # and the optimized program kept in the cache names no folder of this machine in its kernels
+    stored = compile_cache.program_text(f'custom_call_config":{{"body":"{base64.b64encode(mine).decode()}"}}')
+    kept = base64.b64decode(stored.split('"body":"')[1].split('"')[0])
+    assert b"/" + b"fsdp_jax/app/models/moe.py" not in kept and kept.startswith(
+        b"ML\xefR\x00fsdp_jax/app/models/moe.py"
+    )
+
+
+def test_an_entry_written_before_kernels_were_keyed_without_locations_is_still_found(tmp_path, monkeypatch):
+    """The seeds of programs with kernels were written under the key that read the kernel with
+    its locations: the same lowering finds them (another line of the kernel does not) and
+    writes them again under the key without locations."""
+    import jax
+
+    monkeypatch.setenv(compile_cache.ENV, str(tmp_path))
+    devices = jax.devices()[:8]
+    program = _kernel_program(_kernel_body(compile_cache._CHECKOUT, 158))
+    located = compile_cache.program_key(program, devices, located=True)
+    assert located != compile_cache.program_key(program, devices)
+    compile_cache.store(compile_cache.CompiledFacts(located, "HloModule seeded", {}, None, None, 12.0))
+    moved = _kernel_program(_kernel_body(compile_cache._CHECKOUT, 159))
+    assert compile_cache.lookup(moved, devices)[1] is None  # the old key held the line
+    key, hit = compile_cache.lookup(program, devices)
+    assert key == compile_cache.program_key(program, devices) and hit.as_text() == "HloModule seeded"
+    assert compile_cache.load(key).as_text() == "HloModule seeded"  # written again under its key
+    assert compile_cache.lookup(moved, devices)[1].as_text() == "HloModule seeded"  # which holds no line

@@ -16,7 +16,9 @@ id, kind and coordinates: a change to the model, the sharding, the flags, the to
 topology is a different program and compiles afresh. A `jax.experimental.custom_partitioning`
 call (cuDNN attention's, the ring's) names its Python partitioner by the object's address in
 this process (`@CustomSPMDPartitioning` ... `backend_config = "140320513637968"`): the key
-reads it as the call's position instead, or no such program would ever be found again. A program the compiler refused for memory
+reads it as the call's position instead, or no such program would ever be found again; a Pallas
+kernel's serialized MLIR (splash attention, tokamax's grouped matmul) carries where it was traced
+(this clone's folder, the source line): the key reads the kernel without its locations. A program the compiler refused for memory
 (RESOURCE_EXHAUSTED) is kept too: the kept refusal raises `CompileRefused` with the compiler's
 message. Nothing is cached for programs that could run here (CPU devices): those are executed,
 and compile in seconds. A compile asked to dump (`xla_dump_to`) always compiles.
@@ -30,6 +32,7 @@ written atomically; an unreadable entry is a miss. The suite reads the seed fold
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import hashlib
 import json
@@ -44,6 +47,9 @@ from typing import Any
 
 import jax
 import jaxlib
+from jax._src.interpreters import mlir
+from jax._src.lib import tpu
+from jaxlib.mlir import ir
 
 from fsdp_jax.errors import CompileRefused
 
@@ -134,8 +140,12 @@ def _dumps(compiler_options: dict[str, Any] | None) -> bool:
     return "xla_dump_to" in (compiler_options or {}) or "--xla_dump_to" in os.environ.get("XLA_FLAGS", "")
 
 
-def program_key(lowered, devices: Iterable, compiler_options: dict[str, Any] | None = None) -> str:
-    """The cache key of compiling `lowered` for `devices` with `compiler_options`."""
+def program_key(
+    lowered, devices: Iterable, compiler_options: dict[str, Any] | None = None, *, located: bool = False
+) -> str:
+    """The cache key of compiling `lowered` for `devices` with `compiler_options`; `located`:
+    the key before kernels were read without their source locations (`keyed_text`), which the
+    entries written before then carry."""
     devices = list(devices)
     h = hashlib.sha256()
     parts = [
@@ -149,17 +159,63 @@ def program_key(lowered, devices: Iterable, compiler_options: dict[str, Any] | N
     for part in parts:
         h.update(part.encode())
         h.update(b"\0")
-    h.update(keyed_text(lowered.as_text()).encode())
+    text = lowered.as_text()
+    h.update((_PARTITIONER_ID.sub(r'\1"partitioner"', text) if located else keyed_text(text)).encode())
     return h.hexdigest()[:40]
 
 
+def lookup(lowered, devices: Iterable, compiler_options: dict[str, Any] | None = None):
+    """(the program's key, its entry or None): an entry under its key, or one written before
+    kernels were keyed without their locations (the same program traced from the same lines of
+    the same folder: the seeds of that time stay valid until they are replaced), which is then
+    written again under its key (tests/compiled/seed.py takes it from there)."""
+    devices = list(devices)
+    key = program_key(lowered, devices, compiler_options)
+    hit = load(key)
+    if hit is None and _KERNEL_BODY.search(lowered.as_text()):
+        hit = load(program_key(lowered, devices, compiler_options, located=True))
+        if hit is not None:
+            hit = dataclasses.replace(hit, key=key)
+            store(hit)
+    return key, hit
+
+
 _PARTITIONER_ID = re.compile(r'(@CustomSPMDPartitioning\(.*?backend_config = )"\d+"')
+# a Pallas / Mosaic kernel's serialized MLIR, base64 in its custom call's backend_config
+_KERNEL_BODY = re.compile(r"(\\22body\\22: \\22)([A-Za-z0-9+/=]+)(\\22)")
+_SOURCE_FOLDER = re.compile(rb"/[\w.+-]+(?:/[\w.+-]+)*/(?:(?:site|dist)-packages/|(?=fsdp_jax/))")
+
+
+def kernel_text(body: bytes) -> bytes:
+    """A Mosaic kernel's serialized MLIR as the key reads it: the module printed without its
+    source locations (where the kernel was traced: a folder and a line of this checkout), or,
+    where this jaxlib cannot read it back, the bytes without the checkout's and site-packages'
+    folders."""
+    context = mlir.make_ir_context()
+    tpu.register_dialect(context)
+    with context:
+        context.allow_unregistered_dialects = True
+        try:
+            return ir.Module.parse(body).operation.get_asm(enable_debug_info=False).encode()
+        except ir.MLIRError:
+            return _SOURCE_FOLDER.sub(b"", body.replace(_CHECKOUT.encode(), b""))
+
+
+def _kernel_body(match: re.Match) -> str:
+    try:
+        body = base64.b64decode(match.group(2), validate=True)
+    except ValueError:
+        return match.group(0)
+    return match.group(1) + base64.b64encode(kernel_text(body)).decode() + match.group(3)
 
 
 def keyed_text(text: str) -> str:
     """The lowered program's text as the key reads it: each custom-partitioning call's
-    partitioner named by its position, not by its Python object's address in this process."""
-    return _PARTITIONER_ID.sub(r'\1"partitioner"', text)
+    partitioner named by its position, not by its Python object's address in this process;
+    each Pallas kernel's serialized MLIR without its source locations (`kernel_text`): they
+    name this clone's folder and the kernel's source lines, so a program with a splash or
+    tokamax kernel was found again only from the same folder and the same lines."""
+    return _KERNEL_BODY.sub(_kernel_body, _PARTITIONER_ID.sub(r'\1"partitioner"', text))
 
 
 def program_text(hlo: str) -> str:
@@ -176,7 +232,22 @@ def program_text(hlo: str) -> str:
         if not skipping:
             out.append(line)
     text = "\n".join(out).replace(_CHECKOUT, "")  # kernels' serialized MLIR keeps source paths
-    return _PACKAGES.sub("", text)
+    return _STORED_BODY.sub(_body_without_folders, _PACKAGES.sub("", text))
+
+
+# a TPU kernel's serialized MLIR in the optimized HLO (base64): kept without its folders
+_STORED_BODY = re.compile(r'("body":")([A-Za-z0-9+/=]{16,})(")')
+
+
+def _body_without_folders(match: re.Match) -> str:
+    """The kernel body of an optimized program's text without the checkout's and site-packages'
+    folders in its locations (nothing reads the kernel back; the folders name this machine)."""
+    try:
+        body = base64.b64decode(match.group(2), validate=True)
+    except ValueError:
+        return match.group(0)
+    body = _SOURCE_FOLDER.sub(b"", body.replace(_CHECKOUT.encode(), b""))
+    return match.group(1) + base64.b64encode(body).decode() + match.group(3)
 
 
 def _layouts(compiled) -> tuple[list[dict[str, Any]] | None, str | None]:
@@ -250,8 +321,8 @@ def compile_lowered(lowered, devices: Iterable, compiler_options: dict[str, Any]
     compile_args = {"compiler_options": compiler_options} if compiler_options else {}
     if not cache_dirs() or devices[0].platform == "cpu":
         return lowered.compile(**compile_args)
-    key = program_key(lowered, devices, compiler_options)
-    hit = None if _dumps(compiler_options) else load(key)  # a dump asked for needs the compile
+    key, hit = lookup(lowered, devices, compiler_options)
+    hit = None if _dumps(compiler_options) else hit  # a dump asked for needs the compile
     if hit is not None and hit.refused:
         raise CompileRefused(hit.refused)
     if hit is not None:
