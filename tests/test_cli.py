@@ -54,19 +54,23 @@ HEAVY = ("jax", "jaxlib", "flax", "optax", "orbax", "grain", "tensorstore", "fsd
 def test_help_and_a_refused_flag_load_no_jax():
     """Every command's --help, and a flag its parser refuses, answered before JAX, Flax, Orbax or
     the library's train step load: ~0.15 s of CPU for such a child, where one that loads them pays ~3.3 s. One fresh
-    child for all commands (a module once loaded stays loaded, so what loads shows at the end)."""
+    child for all commands (a module once loaded stays loaded, so what loads shows at the end); then
+    a body's refusal (a missing config), which loads the library first, without IPython."""
     code = (
         "import sys; from fsdp_jax.app.cli import entry\n"
         "for c in entry.COMMANDS:\n"
         "    assert (entry.main([c, '--help']), entry.main([c, '--no-such-flag'])) == (0, 2), c\n"
-        f"print(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r} or m.startswith({HEAVY!r})))"
+        f"print(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r} or m.startswith({HEAVY!r})))\n"
+        # a body that runs loads the face first, as `import fsdp_jax` did: Flax without IPython
+        "assert entry.main(['train', '--config', 'no/such.yaml']) == 2\n"
+        "print('IPython' in sys.modules)"
     )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.splitlines()[-1] == "[]"
+    assert r.stdout.splitlines()[-2:] == ["[]", "False"]
     lines = r.stderr.splitlines()  # one line per refusal, nothing else
-    assert len(lines) == len(entry.COMMANDS) and all(line.startswith("error: ") for line in lines), lines
+    assert len(lines) == len(entry.COMMANDS) + 1 and all(line.startswith("error: ") for line in lines), lines
 
 
 def test_top_level_help_lists_every_command(capsys):
