@@ -165,6 +165,22 @@ def reference_dropout_train(loss_fn, base, adapters, data, run_key, microbatches
 
 
 PARITY = [("full_shard", (1, 8, 1), 1), ("full_shard", (1, 4, 2), 1), ("shard_opt", (1, 8, 1), 2)]
+_REFERENCES: dict = {}
+
+
+def _dropout_reference(micro):
+    """The LoRA model with dropout, its start, 3 batches of 8 x `micro` rows, the run key and the
+    one-device reference trained on them: once per microbatch count, for every mesh that uses it.
+    Returns (model, loss_fn, p0, base, data, run_key, ref_ad, ref_losses)."""
+    if micro not in _REFERENCES:
+        model = trainer_model(CFG, "none", SPEC)
+        loss_fn = make_loss_fn(model, dropout=True)
+        p0 = nonzero_b(model.init(jax.random.key(0)))
+        base, ad0 = lora_lib.split(p0)
+        data, run_key = token_batches(3, batch=8 * micro, seq=16, vocab=CFG.vocab_size), jax.random.key(5)
+        ref_ad, ref_losses = reference_dropout_train(loss_fn, base, ad0, data, run_key, micro)
+        _REFERENCES[micro] = (model, loss_fn, p0, base, data, run_key, ref_ad, ref_losses)
+    return _REFERENCES[micro]
 
 
 @pytest.mark.slow
@@ -172,12 +188,7 @@ PARITY = [("full_shard", (1, 8, 1), 1), ("full_shard", (1, 4, 2), 1), ("shard_op
     "strategy,mesh,micro", PARITY, ids=[f"{s}-{'x'.join(map(str, m))}-mb{k}" for s, m, k in PARITY]
 )
 def test_dropout_trains_on_8_devices_as_on_one(strategy, mesh, micro):
-    model = trainer_model(CFG, "none", SPEC)
-    loss_fn = make_loss_fn(model, dropout=True)
-    p0 = nonzero_b(model.init(jax.random.key(0)))
-    base, ad0 = lora_lib.split(p0)
-    data, run_key = token_batches(3, batch=8 * micro, seq=16, vocab=CFG.vocab_size), jax.random.key(5)
-    ref_ad, ref_losses = reference_dropout_train(loss_fn, base, ad0, data, run_key, micro)
+    model, loss_fn, p0, base, data, run_key, ref_ad, ref_losses = _dropout_reference(micro)
     built = build(
         model,
         lora_optimizer(SGD),

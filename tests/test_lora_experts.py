@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from test_lora_moe import merged_logits, moe_cfg, nonzero_b, reference_train, tokens
+from test_lora_moe import dropout_reference, merged_logits, moe_cfg, nonzero_b, tokens
 
 from fsdp_jax.app.hf import peft
 from fsdp_jax.app.models import lora as lora_lib
@@ -91,13 +91,9 @@ MESHES = [
 def lora_trains_on_8_devices_as_on_one(cfg, spec, mesh, rules):
     """3 SGD steps of `cfg`'s LoRA model (dropout on) on `mesh` under full_shard against the
     one-device reference (tests/test_lora_moe.reference_train): losses within 1e-5, adapters
-    within 1e-5, the base unchanged bit for bit; returns (adapters, reference adapters, start)."""
-    model = trainer_model(cfg, "none", spec)
-    loss_fn = make_loss_fn(model, cfg, dropout=True)
-    p0 = nonzero_b(model.init(jax.random.key(0)))
-    base, ad0 = lora_lib.split(p0)
-    data, run_key = [tokens(cfg, seed=s) for s in range(3)], jax.random.key(5)
-    ref_ad, ref_losses = reference_train(loss_fn, base, ad0, data, run_key)
+    within 1e-5, the base unchanged bit for bit (the reference trained once per (cfg, spec):
+    test_lora_moe.dropout_reference); returns (adapters, reference adapters, start)."""
+    model, loss_fn, p0, base, ad0, data, run_key, ref_ad, ref_losses = dropout_reference(cfg, spec)
     built = build(
         model, lora_optimizer(SGD), make_mesh(*mesh), "full_shard", loss_fn=loss_fn, has_aux=True, rules=rules,
         trainable=lora_lib.adapter_mask, rng=run_key, min_shard_size=0, max_replicated_fraction=None,

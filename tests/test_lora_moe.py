@@ -106,16 +106,31 @@ def reference_train(loss_fn, base, adapters, data, run_key):
     return adapters, losses
 
 
+_REFERENCES: dict = {}
+
+
+def dropout_reference(cfg, spec):
+    """`cfg`'s LoRA model under `spec` with dropout, its start (B drawn), 3 batches, the run key, and
+    the one-device reference trained on them (`reference_train`): computed once per (cfg, spec) for
+    every mesh compared with it. Returns (model, loss_fn, p0, base, ad0, data, run_key, ref_ad,
+    ref_losses)."""
+    if (cfg, spec) not in _REFERENCES:
+        model = trainer_model(cfg, "none", spec)
+        loss_fn = make_loss_fn(model, cfg, dropout=True)
+        p0 = nonzero_b(model.init(jax.random.key(0)))
+        base, ad0 = lora_lib.split(p0)
+        data, run_key = [tokens(cfg, seed=s) for s in range(3)], jax.random.key(5)
+        ref_ad, ref_losses = reference_train(loss_fn, base, ad0, data, run_key)
+        _REFERENCES[cfg, spec] = (model, loss_fn, p0, base, ad0, data, run_key, ref_ad, ref_losses)
+    return _REFERENCES[cfg, spec]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh,rules", [((1, 8, 1), None), ((1, 4, 2), EP)], ids=["fsdp8", "fsdp4-experts2"])
 def test_moe_lora_with_dropout_trains_on_8_devices_as_on_one(mesh, rules):
-    cfg = moe_cfg(mlp_only_layers=(1,))
-    model = trainer_model(cfg, "none", SPEC)
-    loss_fn = make_loss_fn(model, cfg, dropout=True)
-    p0 = nonzero_b(model.init(jax.random.key(0)))
-    base, ad0 = lora_lib.split(p0)
-    data, run_key = [tokens(cfg, seed=s) for s in range(3)], jax.random.key(5)
-    ref_ad, ref_losses = reference_train(loss_fn, base, ad0, data, run_key)
+    model, loss_fn, p0, base, _, data, run_key, ref_ad, ref_losses = dropout_reference(
+        moe_cfg(mlp_only_layers=(1,)), SPEC
+    )
     built = build(
         model,
         lora_optimizer(SGD),
