@@ -185,12 +185,12 @@ def test_a_kernels_source_locations_are_not_in_the_key():
     devices = jax.devices()[:8]
     key = compile_cache.program_key
     here = key(_kernel_program(_kernel_body(compile_cache._CHECKOUT, 158)), devices)
-    assert key(_kernel_program(_kernel_body("/home/ci/clone/", 182)), devices) == here
+    assert key(_kernel_program(_kernel_body("/srv/ci/clone/", 182)), devices) == here
     assert key(_kernel_program(_kernel_body(compile_cache._CHECKOUT, 158, "arith.muli")), devices) != here
     # a body this jaxlib cannot read back keys without its folders, its bytes otherwise kept
     raw = b"ML\xefR\x00{}fsdp_jax/app/models/moe.py\x00{}jax/k.py\x00"
     mine = raw.replace(b"{}", compile_cache._CHECKOUT.encode(), 1).replace(b"{}", b"/usr/lib/python3/site-packages/")
-    theirs = raw.replace(b"{}", b"/home/ci/clone/", 1).replace(b"{}", b"/home/ci/venv/lib/python3.11/site-packages/")
+    theirs = raw.replace(b"{}", b"/srv/ci/clone/", 1).replace(b"{}", b"/srv/ci/venv/lib/python3.11/site-packages/")
     assert key(_kernel_program(mine), devices) == key(_kernel_program(theirs), devices)
     assert key(_kernel_program(mine), devices) != key(_kernel_program(mine.replace(b"moe", b"mlp")), devices)
     # and the optimized program kept in the cache names no folder of this machine in its kernels
