@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from fsdp_jax.app.planner.memory_model import compute_copy_bytes
+from fsdp_jax.app.planner.gathered_memory import compute_copy_bytes
 from fsdp_jax.app.planner.report import replicated_threshold_for, sharding_warnings
 from fsdp_jax.hlo.findings import schedule_warnings
 from fsdp_jax.hlo.memory import collective_report, compiled_memory

@@ -41,23 +41,24 @@ A mixture of experts: each sparse layer's router, dispatch and expert terms repl
 dense MLP's, in the saved activations and in the backward working set
 (`planner/moe_memory.py`, with XLA:CPU's dense `ragged_dot` lowering on CPU devices).
 Small f32 norm statistics, RoPE tables and masks are ignored. Gathered params
-(transient full-size copies in the compute dtype): full_shard / hybrid_shard keep
-two layers in flight (the one computing, the next one prefetched) plus the largest
-unstacked param (embedding or head) plus one layer's unreduced grads in the reduce
-dtype (LoRA: the larger of the layers' terms and the frozen embedding / head, which is
-gathered only outside the layer loop and shares its buffer with them); shard_grad_op keeps the whole model (gathered layer by layer in the forward
-pass, `fsdp_jax.train.layer_gather`) plus one layer's unreduced grads and the copy of one
-layer that the backward loop slices out of the kept stack; a quantised base (QLoRA) is
-gathered as its integer codes and scales, and each strategy adds one layer's weights
-dequantised in the compute dtype (built in the layer from its gathered codes);
-shard_opt / no_shard hold a compute-dtype copy of the model only when the compute
-dtype differs from the param dtype. Grads (and the unreduced layer grads above) are
-held in `grad_dtype`: the dtype of the dots that produce them (XLA reduces a weight
-gradient at its dot, so under bf16 compute they are reduced and held in bf16 until the
-update casts them, whatever the reduce dtype; the GPU-compiled 7B step holds its stacked
-grads as bf16). total = params + optimizer + batch + grads +
-gathered + activations: the optimizer update (after the backward pass) runs in place
-on the donated state and needs less than the backward pass.
+(`planner/gathered_memory.py`): full_shard / hybrid_shard keep two layers in flight plus the
+largest unstacked param; shard_grad_op the whole model and the layer its backward loop slices
+out of the stack; a quantised base (QLoRA) is gathered as its integer codes and scales, and
+each strategy adds one layer's weights dequantised in the compute dtype; shard_opt / no_shard
+hold a compute-dtype copy of the model only when the compute dtype differs from the param
+dtype. Grads (and the unreduced layer grads) are held in `grad_dtype`: the dtype of the dots
+that produce them (XLA reduces a weight gradient at its dot, so under bf16 compute they are
+reduced and held in bf16 until the update casts them, whatever the reduce dtype; the
+GPU-compiled 7B step holds its stacked grads as bf16).
+
+total = params + optimizer + batch + grads + the larger of two phases of the backward pass
+(`gathered_memory.gathered_by_phase`, docs/planning.md "Phases of the backward pass"):
+* the layer backward: activations (saved layers, one layer's working set, the head) + the
+  gathered layers + one weight's unreduced gradient (the columns `gathered` and `activations`);
+* one layer's gradient reduction (`reduction_phase`): the saved layers + that layer gathered +
+  all its unreduced grads (no working set, no head).
+The optimizer update (after the backward pass) runs in place on the donated state and needs
+less than either.
 """
 
 from __future__ import annotations
@@ -72,11 +73,11 @@ from fsdp_jax.app.objectives.preference_run import pair_rows
 from fsdp_jax.app.planner import moe_memory, nvme_plan
 from fsdp_jax.app.planner.abstract_step import StepBuild
 from fsdp_jax.app.planner.context_memory import context_attention_bytes
+from fsdp_jax.app.planner.gathered_memory import gathered_by_phase
 from fsdp_jax.app.planner.residuals import everything_per_token, flash, saved_per_token
 from fsdp_jax.attention import Q_CHUNK
 from fsdp_jax.hlo.memory import shard_bytes, tree_bytes_per_device
-from fsdp_jax.quant.fp8 import E4M3
-from fsdp_jax.sharding import axes, rules
+from fsdp_jax.sharding import axes
 from fsdp_jax.sharding.offload import get_offload, transfer_bytes
 from fsdp_jax.sharding.precision import Policy
 from fsdp_jax.sharding.remat import device_policies
@@ -120,47 +121,11 @@ def activation_bytes(
     return {"layers": layers, "working": working, "head": head, "total": layers + working + head}
 
 
-def compute_copy_bytes(abstract_params, plan, logical_axes, dtype) -> dict[str, int]:
-    """Per-device bytes of params in the compute layout (data/fsdp gathered, tensor
-    sharding kept) in `dtype`: `whole` model, one `layer` of the stacked (scanned)
-    params, the `largest_unstacked` leaf and all `unstacked` leaves together. A quantised
-    base (`lora.base_quant`): its integer leaves count at their own bytes (they are what is
-    gathered), and `dequantised_layer` is one layer's quantised weights dequantised in `dtype`
-    (what the layer builds from its gathered codes before its matmuls)."""
-    rows = rules.explain(abstract_params, plan.mesh, logical_axes, plan.rules, (), 0, allow_unshardable=True)
-    names = (
-        jax.tree.leaves(logical_axes, is_leaf=lambda x: x is None or isinstance(x, tuple))
-        if logical_axes is not None
-        else []
-    )
-    names = names if len(names) == len(rows) else [None] * len(rows)
-    item = np.dtype(dtype).itemsize
-    out = {"whole": 0, "layer": 0, "largest_unstacked": 0, "unstacked": 0, "dequantised_layer": 0}
-    for row, nm in zip(rows, names):
-        own = np.dtype(row.dtype)
-        # a quantised weight's integer leaves are gathered as they are (codes, scales' bits)
-        b = row.bytes_per_device if own.kind in "iu" else row.bytes_per_device // own.itemsize * item
-        out["whole"] += b
-        if nm and nm[0] == axes.LAYERS and row.shape:
-            out["layer"] += b // row.shape[0]
-            if row.path.split("/")[-1] == "codes":  # its weight, dequantised in `dtype` in the layer
-                values = VALUES_PER_CODE_BYTE.get(own.name, 1) * row.bytes_per_device // own.itemsize
-                out["dequantised_layer"] += values * item // row.shape[0]
-        else:
-            out["largest_unstacked"] = max(out["largest_unstacked"], b)
-            out["unstacked"] += b
-    return out
-
-
-VALUES_PER_CODE_BYTE = {"uint8": 2, "int8": 1}  # NF4 packs two 4-bit codes a byte; int8 one (fsdp_jax.quant.weight)
-
-
 def analytic_memory(build: StepBuild) -> dict[str, int]:
     """Per-device bytes by formula (no compile): params, optimizer (incl. the step
     counter and any non-trainable model state), batch, grads, gathered, activations and total."""
     cfg, plan, st = build.cfg, build.plan, build.state
     policy = Policy.parse(cfg.precision)
-    s = plan.strategy
     params = tree_bytes_per_device(st.params)
     optimizer = (
         tree_bytes_per_device(st.opt_state) + tree_bytes_per_device(st.step) + tree_bytes_per_device(st.model_state)
@@ -172,38 +137,7 @@ def analytic_memory(build: StepBuild) -> dict[str, int]:
     grads = sum(shard_bytes(jax.ShapeDtypeStruct(p.shape, _held(p.dtype, gd), sharding=g)) for p, g in pairs)
     if cfg.train.microbatches > 1:  # plus the accumulator, in the params' dtype (fsdp_jax.train.step)
         grads += sum(shard_bytes(jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=g)) for p, g in pairs)
-    cc = compute_copy_bytes(st.params, plan, build.model.logical_axes, policy.compute_dtype)
-    # one layer's unreduced grads come from the reference model's weight dots in the reduce
-    # dtype (fsdp_jax.sharding.precision.matmul); the reduced shards are held in `gd`
-    layer_r = compute_copy_bytes(
-        _only(st.params, keep), plan, _only(build.model.logical_axes, keep), policy.reduce_dtype
-    )["layer"]
-    if s.params and not s.gather_once:  # full_shard, hybrid_shard: per layer
-        if policy.matmul == "fp8" and cfg.fp8.gather:  # the layer's weights gathered in f8 (docs/fp8.md)
-            cc["layer"] = compute_copy_bytes(st.params, plan, build.model.logical_axes, E4M3)["layer"]
-        layer_phase = 2 * cc["layer"] + layer_r + cc["dequantised_layer"]
-        gathered = layer_phase + cc["largest_unstacked"]
-        if not all(keep):  # LoRA: a frozen embedding / head is gathered only outside the layer
-            # loop (lookup; head forward and input gradient), never for a weight gradient: XLA
-            # gives its buffer to the layers' gathers (docs/qlora.md, "The search and the head")
-            gathered = max(layer_phase, cc["largest_unstacked"])
-    elif s.params:  # shard_grad_op: the whole model gathered (kept for the backward), the
-        # layer the backward loop slices out of that stack (XLA copies it: a
-        # dynamic-slice per layer), and one layer's unreduced grads (each layer's are
-        # reduce-scattered in the backward loop)
-        gathered = cc["whole"] + cc["layer"] + layer_r + cc["dequantised_layer"]
-    else:  # shard_opt, no_shard: params already whole; a cast copy of those stored in another dtype
-        cast = [  # a quantised base's integer leaves are not cast: they are dequantised layer by layer
-            np.issubdtype(x.dtype, np.floating) and np.dtype(x.dtype) != np.dtype(policy.compute_dtype)
-            for x in jax.tree.leaves(st.params)
-        ]
-        gathered = (
-            compute_copy_bytes(
-                _only(st.params, cast), plan, _only(build.model.logical_axes, cast), policy.compute_dtype
-            )["whole"]
-            if any(cast)
-            else 0
-        ) + cc["dequantised_layer"]
+    gathered = gathered_by_phase(build, keep, policy)
     act = activation_bytes(
         cfg.model,
         cfg.remat,
@@ -217,11 +151,16 @@ def analytic_memory(build: StepBuild) -> dict[str, int]:
         "params": params,
         "grads": grads,
         "optimizer": optimizer,
-        "gathered": gathered,
+        "gathered": gathered["backward"],
         "activations": act["total"],
         "batch": batch,
     }
     out["total"] = sum(out.values())
+    # the peak is the larger of two phases (docs/planning.md, "Phases"): the layer backward's
+    # (the columns above) and one layer's gradient reduction (the saved layers, that layer's
+    # weights and its unreduced grads; no working set, no head)
+    out["reduction_phase"] = act["layers"] + gathered["reduction"]
+    out["total"] += max(0, out["reduction_phase"] - act["total"] - gathered["backward"])
     out["states"] = params + grads + optimizer  # the classic table's "total per device"
     if not all(keep):  # what the update reads and writes besides its state (the step-time model)
         out["trainable"] = sum(shard_bytes(p) for p, k in zip(jax.tree.leaves(st.params), keep) if k)
@@ -236,15 +175,6 @@ def _trainable(build: StepBuild) -> list[bool]:
     paths = jax.tree_util.tree_flatten_with_path(build.state.params)[0]
     lora = spec_from_config(build.cfg.lora) is not None
     return [not lora or is_adapter(p) for p, _ in paths]
-
-
-def _only(tree, keep: list[bool]):
-    """`tree`'s leaves where `keep` (None elsewhere: no bytes); `tree` None stays None."""
-    if tree is None:
-        return None
-    is_leaf = lambda x: x is None or isinstance(x, tuple)  # noqa: E731  (logical-name tuples are leaves)
-    leaves, treedef = jax.tree.flatten(tree, is_leaf=is_leaf)
-    return treedef.unflatten([x if k else None for x, k in zip(leaves, keep)])
 
 
 def grad_dtype(policy: Policy):

@@ -1,0 +1,128 @@
+"""The gathered params of the analytic memory model (`planner/memory_model.py`): one concept,
+the transient param-sized copies a step holds per device, and in which phase of the backward
+pass they are live.
+
+Gathered params (transient full-size copies in the compute dtype): full_shard / hybrid_shard
+keep two layers in flight (the one computing, the next one prefetched) plus the largest
+unstacked param (embedding or head); shard_grad_op keeps the whole model and the layer its
+backward loop slices out of the kept stack; shard_opt / no_shard a compute-dtype copy only
+when the compute dtype differs from the param dtype.
+
+Phases. A layer's weight gradients are not live with its backward working set all at once:
+each is made by its dot and reduced there (XLA reduces a weight gradient at its dot), so the
+layer backward's phase (`backward`: saved layers, working set, head, the gathered layers) holds
+one weight's unreduced gradient (the layer's largest stacked leaf, in the reduce dtype), and a
+second phase (`reduction`: the saved layers, the layer gathered and all its unreduced grads, no
+working set and no head) covers a schedule that keeps a layer's gradients together before
+reducing them (XLA:CPU's capacity-mode MoE step: its peak is at the experts' gate / up gradients,
+where no backward working set is live). The analytic total is the larger of the two
+(docs/planning.md, "Phases of the backward pass"); before, it added the layer's whole unreduced
+grads to the backward's phase.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from fsdp_jax.app.planner.abstract_step import StepBuild
+from fsdp_jax.quant.fp8 import E4M3
+from fsdp_jax.sharding import axes, rules
+from fsdp_jax.sharding.precision import Policy
+
+
+def compute_copy_bytes(abstract_params, plan, logical_axes, dtype) -> dict[str, int]:
+    """Per-device bytes of params in the compute layout (data/fsdp gathered, tensor
+    sharding kept) in `dtype`: `whole` model, one `layer` of the stacked (scanned)
+    params, the `largest_unstacked` leaf and all `unstacked` leaves together. A quantised
+    base (`lora.base_quant`): its integer leaves count at their own bytes (they are what is
+    gathered), and `dequantised_layer` is one layer's quantised weights dequantised in `dtype`
+    (what the layer builds from its gathered codes before its matmuls)."""
+    rows = rules.explain(abstract_params, plan.mesh, logical_axes, plan.rules, (), 0, allow_unshardable=True)
+    names = (
+        jax.tree.leaves(logical_axes, is_leaf=lambda x: x is None or isinstance(x, tuple))
+        if logical_axes is not None
+        else []
+    )
+    names = names if len(names) == len(rows) else [None] * len(rows)
+    item = np.dtype(dtype).itemsize
+    out = {
+        "whole": 0,
+        "layer": 0,
+        "largest_unstacked": 0,
+        "unstacked": 0,
+        "dequantised_layer": 0,
+        "largest_in_layer": 0,
+    }
+    for row, nm in zip(rows, names):
+        own = np.dtype(row.dtype)
+        # a quantised weight's integer leaves are gathered as they are (codes, scales' bits)
+        b = row.bytes_per_device if own.kind in "iu" else row.bytes_per_device // own.itemsize * item
+        out["whole"] += b
+        if nm and nm[0] == axes.LAYERS and row.shape:
+            out["layer"] += b // row.shape[0]
+            out["largest_in_layer"] = max(out["largest_in_layer"], b // row.shape[0])
+            if row.path.split("/")[-1] == "codes":  # its weight, dequantised in `dtype` in the layer
+                values = VALUES_PER_CODE_BYTE.get(own.name, 1) * row.bytes_per_device // own.itemsize
+                out["dequantised_layer"] += values * item // row.shape[0]
+        else:
+            out["largest_unstacked"] = max(out["largest_unstacked"], b)
+            out["unstacked"] += b
+    return out
+
+
+VALUES_PER_CODE_BYTE = {"uint8": 2, "int8": 1}  # NF4 packs two 4-bit codes a byte; int8 one (fsdp_jax.quant.weight)
+
+
+def gathered_by_phase(build: StepBuild, keep: list[bool], policy: Policy) -> dict[str, int]:
+    """Transient param-sized bytes per device in the two phases of the backward pass that can
+    make the peak: `backward` (a layer's backward working set: the layers gathered for compute,
+    and one weight's unreduced gradient, made by its dot and reduced there) and `reduction` (a
+    layer's weight gradients, all unreduced at once: the layer gathered and its grads). Read
+    from the compiled buffers (docs/planning.md, "Phases"); `keep`: the trained leaves (LoRA)."""
+    plan, st, s = build.plan, build.state, build.plan.strategy
+    cc = compute_copy_bytes(st.params, plan, build.model.logical_axes, policy.compute_dtype)
+    # one layer's unreduced grads come from the reference model's weight dots in the reduce
+    # dtype (fsdp_jax.sharding.precision.matmul); the reduced shards are held in `gd`
+    reduced = compute_copy_bytes(
+        _only(st.params, keep), plan, _only(build.model.logical_axes, keep), policy.reduce_dtype
+    )
+    layer_r, one_r = reduced["layer"], reduced["largest_in_layer"]
+    if s.params and not s.gather_once:  # full_shard, hybrid_shard: per layer
+        if policy.matmul == "fp8" and build.cfg.fp8.gather:  # the layer's weights gathered in f8 (docs/fp8.md)
+            cc["layer"] = compute_copy_bytes(st.params, plan, build.model.logical_axes, E4M3)["layer"]
+        layers = {"backward": 2 * cc["layer"] + one_r, "reduction": cc["layer"] + layer_r}
+        if all(keep):
+            return {k: v + cc["dequantised_layer"] + cc["largest_unstacked"] for k, v in layers.items()}
+        # LoRA: a frozen embedding / head is gathered only outside the layer loop (lookup; head
+        # forward and input gradient), never for a weight gradient: XLA gives its buffer to the
+        # layers' gathers (docs/qlora.md, "The search and the head")
+        return {k: max(v + cc["dequantised_layer"], cc["largest_unstacked"]) for k, v in layers.items()}
+    if s.params:  # shard_grad_op: the whole model gathered (kept for the backward), the
+        # layer the backward loop slices out of that stack (XLA copies it: a dynamic-slice per
+        # layer), and one layer's unreduced grads (each layer's are reduce-scattered in the
+        # backward loop)
+        kept = cc["whole"] + cc["layer"] + cc["dequantised_layer"]
+        return {"backward": kept + one_r, "reduction": kept + layer_r}
+    # shard_opt, no_shard: params already whole; a cast copy of those stored in another dtype
+    cast = [  # a quantised base's integer leaves are not cast: they are dequantised layer by layer
+        np.issubdtype(x.dtype, np.floating) and np.dtype(x.dtype) != np.dtype(policy.compute_dtype)
+        for x in jax.tree.leaves(st.params)
+    ]
+    copy = (
+        compute_copy_bytes(_only(st.params, cast), plan, _only(build.model.logical_axes, cast), policy.compute_dtype)[
+            "whole"
+        ]
+        if any(cast)
+        else 0
+    )
+    return {"backward": copy + cc["dequantised_layer"], "reduction": 0}
+
+
+def _only(tree, keep: list[bool]):
+    """`tree`'s leaves where `keep` (None elsewhere: no bytes); `tree` None stays None."""
+    if tree is None:
+        return None
+    is_leaf = lambda x: x is None or isinstance(x, tuple)  # noqa: E731  (logical-name tuples are leaves)
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=is_leaf)
+    return treedef.unflatten([x if k else None for x, k in zip(leaves, keep)])
