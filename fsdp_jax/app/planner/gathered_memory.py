@@ -8,16 +8,18 @@ unstacked param (embedding or head); shard_grad_op keeps the whole model and the
 backward loop slices out of the kept stack; shard_opt / no_shard a compute-dtype copy only
 when the compute dtype differs from the param dtype.
 
-Phases. A layer's weight gradients are not live with its backward working set all at once:
-each is made by its dot and reduced there (XLA reduces a weight gradient at its dot), so the
-layer backward's phase (`backward`: saved layers, working set, head, the gathered layers) holds
-one weight's unreduced gradient (the layer's largest stacked leaf, in the reduce dtype), and a
-second phase (`reduction`: the saved layers, the layer gathered and all its unreduced grads, no
-working set and no head) covers a schedule that keeps a layer's gradients together before
-reducing them (XLA:CPU's capacity-mode MoE step: its peak is at the experts' gate / up gradients,
-where no backward working set is live). The analytic total is the larger of the two
-(docs/planning.md, "Phases of the backward pass"); before, it added the layer's whole unreduced
-grads to the backward's phase.
+Phases. On XLA:CPU a layer's weight gradients are not live with its backward working set all
+at once: each is made by its dot and reduced there, synchronously, so the layer backward's phase
+(`backward`: saved layers, working set, head, the gathered layers) holds one weight's unreduced
+gradient (the layer's largest stacked leaf, in the reduce dtype); on GPU and TPU targets the
+reduce-scatters are asynchronous (their done scheduled after later compute) and combined, so the
+phase holds the layer's unreduced grads, as before (the H100 ring of tests/test_flash_plan.py is
+5.3% under its compile with one weight's). A second phase (`reduction`: the saved layers, the
+layer gathered and all its unreduced grads; no working set, no head) covers a schedule that keeps
+a layer's gradients together while no working set is live (the H100 target's capacity-mode MoE
+step peaks at one layer's gate / up expert gradients). The analytic total is the larger of the two
+(docs/planning.md, "Phases of the backward pass"); before 2026-12-07 every plan added the layer's
+whole unreduced grads to the layer backward's phase.
 """
 
 from __future__ import annotations
@@ -87,7 +89,11 @@ def gathered_by_phase(build: StepBuild, keep: list[bool], policy: Policy) -> dic
     reduced = compute_copy_bytes(
         _only(st.params, keep), plan, _only(build.model.logical_axes, keep), policy.reduce_dtype
     )
-    layer_r, one_r = reduced["layer"], reduced["largest_in_layer"]
+    layer_r = reduced["layer"]
+    # in flight during a layer's working set: on XLA:CPU (collectives synchronous) one weight's
+    # unreduced gradient, reduced at its dot; on GPU / TPU the reduce-scatters are asynchronous
+    # and combined, their done scheduled after later compute: the layer's
+    one_r = reduced["largest_in_layer"] if build.mesh.devices.flat[0].platform == "cpu" else layer_r
     if s.params and not s.gather_once:  # full_shard, hybrid_shard: per layer
         if policy.matmul == "fp8" and build.cfg.fp8.gather:  # the layer's weights gathered in f8 (docs/fp8.md)
             cc["layer"] = compute_copy_bytes(st.params, plan, build.model.logical_axes, E4M3)["layer"]
