@@ -15,6 +15,7 @@ import pytest
 from fsdp_jax.app.config.parse import load_config
 from fsdp_jax.app.planner import moe_memory
 from fsdp_jax.app.planner.abstract_step import build_step
+from fsdp_jax.app.planner.gathered_memory import compute_copy_bytes
 from fsdp_jax.app.planner.memory_model import activation_bytes, analytic_memory
 from fsdp_jax.hlo.memory import compiled_memory
 from helpers import PEAK_OVER, PEAK_UNDER, TINY_MODEL_OVERRIDES, assert_analytic_holds_the_cpu_peak, call
@@ -130,3 +131,24 @@ def test_moe_terms_by_formula():
     # two more (token, slot) outputs (D), and the router's top-k indices and weights
     assert grow == 2 * c * (2 * m.d_model + 4 * m.moe_ffn_dim) + 2 * c * m.d_model + 2 * 12
     assert np.isclose(moe_memory.expert_rows_per_token(cap, t), 8 * 16 / 64)  # E x C / T, C = ceil(64 * 2 / 8)
+
+
+def test_the_two_phases_and_the_in_flight_grads_by_platform():
+    """The total is the larger of the layer backward (activations, two gathered layers, the
+    largest unstacked param, the unreduced grads in flight) and one layer's gradient reduction
+    (saved layers, one gathered layer, the layer's unreduced grads, the largest unstacked param);
+    in flight: on XLA:CPU the largest weight's gradient (here one expert matrix, E x D x F in
+    f32), on GPU / TPU the layer's (asynchronous reduce-scatters) — the search plans a target on
+    CPU devices and passes its platform."""
+    b = build_step(_cfg("capacity"), "full_shard")
+    cpu, gpu = analytic_memory(b), analytic_memory(b, "gpu")
+    cc = compute_copy_bytes(b.state.params, b.plan, b.model.logical_axes, "float32")
+    assert cc["largest_in_layer"] == 8 * 64 * 128 * 4
+    assert gpu["gathered"] - cpu["gathered"] == cc["layer"] - cc["largest_in_layer"] > 0
+    assert cpu["gathered"] == 2 * cc["layer"] + cc["largest_in_layer"] + cc["largest_unstacked"]
+    act = activation_bytes(b.cfg.model, "dots", 2, 32)  # 16 rows over 8 devices, f32
+    assert cpu["activations"] == act["total"]
+    assert cpu["reduction_phase"] == gpu["reduction_phase"] == act["layers"] + 2 * cc["layer"] + cc["largest_unstacked"]
+    fixed = cpu["params"] + cpu["grads"] + cpu["optimizer"] + cpu["batch"]
+    for a in (cpu, gpu):  # the layer backward is the larger phase here; the total is its sum
+        assert a["total"] == fixed + a["gathered"] + a["activations"] > fixed + a["reduction_phase"]

@@ -76,12 +76,13 @@ def compute_copy_bytes(abstract_params, plan, logical_axes, dtype) -> dict[str, 
 VALUES_PER_CODE_BYTE = {"uint8": 2, "int8": 1}  # NF4 packs two 4-bit codes a byte; int8 one (fsdp_jax.quant.weight)
 
 
-def gathered_by_phase(build: StepBuild, keep: list[bool], policy: Policy) -> dict[str, int]:
+def gathered_by_phase(build: StepBuild, keep: list[bool], policy: Policy, platform: str) -> dict[str, int]:
     """Transient param-sized bytes per device in the two phases of the backward pass that can
     make the peak: `backward` (a layer's backward working set: the layers gathered for compute,
     and one weight's unreduced gradient, made by its dot and reduced there) and `reduction` (a
     layer's weight gradients, all unreduced at once: the layer gathered and its grads). Read
-    from the compiled buffers (docs/planning.md, "Phases"); `keep`: the trained leaves (LoRA)."""
+    from the compiled buffers (docs/planning.md, "Phases"); `keep`: the trained leaves (LoRA);
+    `platform`: the one the step is planned for (its collectives: synchronous on "cpu")."""
     plan, st, s = build.plan, build.state, build.plan.strategy
     cc = compute_copy_bytes(st.params, plan, build.model.logical_axes, policy.compute_dtype)
     # one layer's unreduced grads come from the reference model's weight dots in the reduce
@@ -93,7 +94,7 @@ def gathered_by_phase(build: StepBuild, keep: list[bool], policy: Policy) -> dic
     # in flight during a layer's working set: on XLA:CPU (collectives synchronous) one weight's
     # unreduced gradient, reduced at its dot; on GPU / TPU the reduce-scatters are asynchronous
     # and combined, their done scheduled after later compute: the layer's
-    one_r = reduced["largest_in_layer"] if build.mesh.devices.flat[0].platform == "cpu" else layer_r
+    one_r = reduced["largest_in_layer"] if platform == "cpu" else layer_r
     if s.params and not s.gather_once:  # full_shard, hybrid_shard: per layer
         if policy.matmul == "fp8" and build.cfg.fp8.gather:  # the layer's weights gathered in f8 (docs/fp8.md)
             cc["layer"] = compute_copy_bytes(st.params, plan, build.model.logical_axes, E4M3)["layer"]

@@ -121,9 +121,11 @@ def activation_bytes(
     return {"layers": layers, "working": working, "head": head, "total": layers + working + head}
 
 
-def analytic_memory(build: StepBuild) -> dict[str, int]:
+def analytic_memory(build: StepBuild, platform: str | None = None) -> dict[str, int]:
     """Per-device bytes by formula (no compile): params, optimizer (incl. the step
-    counter and any non-trainable model state), batch, grads, gathered, activations and total."""
+    counter and any non-trainable model state), batch, grads, gathered, activations, total and
+    `reduction_phase`. `platform`: what the step is planned for ("cpu", "gpu", "tpu"; default the
+    build's devices': the search builds on CPU devices for a target)."""
     cfg, plan, st = build.cfg, build.plan, build.state
     policy = Policy.parse(cfg.precision)
     params = tree_bytes_per_device(st.params)
@@ -137,7 +139,7 @@ def analytic_memory(build: StepBuild) -> dict[str, int]:
     grads = sum(shard_bytes(jax.ShapeDtypeStruct(p.shape, _held(p.dtype, gd), sharding=g)) for p, g in pairs)
     if cfg.train.microbatches > 1:  # plus the accumulator, in the params' dtype (fsdp_jax.train.step)
         grads += sum(shard_bytes(jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=g)) for p, g in pairs)
-    gathered = gathered_by_phase(build, keep, policy)
+    gathered = gathered_by_phase(build, keep, policy, platform or build.mesh.devices.flat[0].platform)
     act = activation_bytes(
         cfg.model,
         cfg.remat,

@@ -41,9 +41,11 @@ def analytic_pass(
     target_name: str,
     devices,
     gpu_target: bool = False,
+    platform: str | None = None,
 ) -> None:
     """Fill each candidate's `analytic`, `predicted` and first `status` in place;
-    `gpu_target`: compiles go to a GPU target, where offload candidates compile too."""
+    `gpu_target`: compiles go to a GPU target, where offload candidates compile too;
+    `platform`: the target's ("gpu", "tpu"; None: `devices`'), which the memory model follows."""
     builds: dict[tuple[str, str], Any] = {}
     for c in cands:
         key = (c["strategy"], c["offload"])
@@ -62,7 +64,7 @@ def analytic_pass(
         b = builds[key]
         ccfg = candidate_config(cfg, c)
         batch = jax.ShapeDtypeStruct((c["global_batch"], c["seq_len"] + 1), np.int32, sharding=b.plan.batch)
-        a = analytic_memory(dataclasses.replace(b, cfg=ccfg, batch=batch))
+        a = analytic_memory(dataclasses.replace(b, cfg=ccfg, batch=batch), platform)
         a["host_per_host"] = a["host"] * per_host
         if "disk" in a and per_host != DEVICES_PER_HOST:  # nvme: a host's files and their I/O, rescaled
             nvme_plan.rescale_host(a, per_host, DEVICES_PER_HOST)
