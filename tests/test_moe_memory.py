@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from fsdp_jax.app.config.parse import load_config
-from fsdp_jax.app.planner import moe_memory
+from fsdp_jax.app.planner import memory_model, moe_memory
 from fsdp_jax.app.planner.abstract_step import build_step
 from fsdp_jax.app.planner.gathered_memory import compute_copy_bytes
 from fsdp_jax.app.planner.memory_model import activation_bytes, analytic_memory
@@ -133,7 +133,7 @@ def test_moe_terms_by_formula():
     assert np.isclose(moe_memory.expert_rows_per_token(cap, t), 8 * 16 / 64)  # E x C / T, C = ceil(64 * 2 / 8)
 
 
-def test_the_two_phases_and_the_in_flight_grads_by_platform():
+def test_the_two_phases_and_the_in_flight_grads_by_platform(monkeypatch):
     """The total is the larger of the layer backward (activations, two gathered layers, the
     largest unstacked param, the unreduced grads in flight) and one layer's gradient reduction
     (saved layers, one gathered layer, the layer's unreduced grads, the largest unstacked param);
@@ -152,3 +152,9 @@ def test_the_two_phases_and_the_in_flight_grads_by_platform():
     fixed = cpu["params"] + cpu["grads"] + cpu["optimizer"] + cpu["batch"]
     for a in (cpu, gpu):  # the layer backward is the larger phase here; the total is its sum
         assert a["total"] == fixed + a["gathered"] + a["activations"] > fixed + a["reduction_phase"]
+    # where a layer's gradients outweigh the backward's working set, the reduction makes the total
+    heavy = {"backward": cpu["gathered"], "reduction": cpu["gathered"] + cpu["activations"]}
+    monkeypatch.setattr(memory_model, "gathered_by_phase", lambda *args: heavy)
+    a = analytic_memory(b)
+    assert a["reduction_phase"] == act["layers"] + heavy["reduction"]
+    assert a["total"] == fixed + a["reduction_phase"] == cpu["total"] + act["layers"]
