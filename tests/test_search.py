@@ -35,7 +35,7 @@ def _cands(cfg, limits, space=GRID):
     from fsdp_jax.verify.run import devices_for
 
     cands, _ = se.enumerate_candidates(cfg, 8, space, lambda s: mesh_shape(cfg, s, 8))
-    se.analytic_pass(cfg, 8, cands, limits, 1, 8, "h100", devices_for(8))
+    se.analytic_pass(cfg, 8, cands, limits, 1, 8, "h100", devices_for(8), platform="gpu")  # as search() for h100
     return cands
 
 

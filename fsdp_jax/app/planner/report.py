@@ -187,7 +187,8 @@ def _analytic_table(doc: dict[str, Any], gb) -> list[str]:
     bytes per parameter, gathered params, activations and the total; `gb` formats bytes."""
     lines = [
         "analytic (states = params + grads + optimizer, from the sharding plan; gathered and "
-        "activations from formulas; total = states + gathered + activations + batch):"
+        "activations from formulas; total = states + gathered + activations + batch, or states + batch + "
+        "one layer's gradient reduction where that phase is larger, marked *):"
     ]
     hdr = (
         f"{'strategy':<14}{'as':<13}{'params':>9}{'grads':>9}{'optim':>9}{'states':>9}"
@@ -200,6 +201,11 @@ def _analytic_table(doc: dict[str, Any], gb) -> list[str]:
             f"{name:<14}{r['classic_name']:<13}{gb(a['params'])}{gb(a['grads'])}"
             f"{gb(a['optimizer'])}{gb(a['states'])}{r['bytes_per_param']:9.2f}"
             f"{gb(a['gathered'])}{gb(a['activations'])}{gb(a['total'])}"
+            + (
+                "*"
+                if a["total"] - a.get("tile_padding", 0) > a["states"] + a["batch"] + a["gathered"] + a["activations"]
+                else ""
+            )
         )
     pads = {n: r["analytic"]["tile_padding"] for n, r in doc["strategies"].items() if "tile_padding" in r["analytic"]}
     if pads:
