@@ -30,18 +30,21 @@ ITEMSIZE = {"f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f32": 4, "s32": 4}
 ARRAY = re.compile(r"([a-z0-9]+)\[([0-9,]*)\]")
 
 
-def gathered(hlo: str) -> collections.Counter:
+def gathered(hlo: str, lead: int | None = None, op: str = "all-gather") -> collections.Counter:
     """Bytes per dtype that the all-gathers (sync, or async starts) produce: for a start,
-    whose result is (shards, gathered), the gathered half."""
+    whose result is (shards, gathered), the gathered half. `lead`: only results whose first
+    dim is `lead` (a MoE's expert weights: n_experts); `op`: another collective (reduce-scatter)."""
     out = collections.Counter()
     for line in hlo.splitlines():
-        m = re.search(r"= (.*?) all-gather(-start)?\(", line)
+        m = re.search(rf"= (.*?) {op}(-start)?\(", line)
         if not m:
             continue
         arrays = ARRAY.findall(m.group(1))
         if m.group(2):
             arrays = arrays[len(arrays) // 2 :]
         for dtype, dims in arrays:
+            if lead is not None and not dims.startswith(f"{lead},"):
+                continue
             n = 1
             for d in filter(None, dims.split(",")):
                 n *= int(d)
@@ -115,7 +118,8 @@ def h100():
     return json.loads(proc.stdout)
 
 
-MOE = ["model.n_experts=6", "model.experts_per_token=2", "model.moe_ffn_dim=128", "model.grouped_matmul=xla"]
+N_EXPERTS = 6
+MOE = [f"model.n_experts={N_EXPERTS}", "model.experts_per_token=2", "model.moe_ffn_dim=128", "model.grouped_matmul=xla"]
 
 
 def gemm_ops(hlo: str) -> list[tuple[tuple[str, ...], str, tuple[int, ...]]]:
