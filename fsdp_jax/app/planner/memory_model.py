@@ -179,7 +179,7 @@ def analytic_memory(build: StepBuild) -> dict[str, int]:
         _only(st.params, keep), plan, _only(build.model.logical_axes, keep), policy.reduce_dtype
     )["layer"]
     if s.params and not s.gather_once:  # full_shard, hybrid_shard: per layer
-        if policy.matmul == "fp8" and cfg.fp8.gather:  # the layer's weights gathered in f8 (docs/fp8.md)
+        if policy.matmul == "fp8" and cfg.fp8.gather is not False:  # the layer's weights gathered in f8 (docs/fp8.md)
             cc["layer"] = compute_copy_bytes(st.params, plan, build.model.logical_axes, E4M3)["layer"]
         layer_phase = 2 * cc["layer"] + layer_r + cc["dequantised_layer"]
         gathered = layer_phase + cc["largest_unstacked"]
