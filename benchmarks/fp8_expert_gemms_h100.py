@@ -9,8 +9,10 @@ Compiles the tiny MoE of tests/test_fp8_hlo.py (6 experts, top-2, XLA's ragged_d
 that test's fixture) under each recipe, and prints one JSON document: per recipe, the GEMM
 fusions made of the experts' ragged dots by operand dtypes and direction (`bwd`: a dot named
 under `transpose`), the other GEMMs by operand dtypes, the bytes the all-gathers produce
-per dtype, and the expert weights' own all-gathers and gradient reduce-scatters (the collectives
-whose result is an (experts, ...) array) in bytes per dtype. `--no-gather` adds each recipe with
+per dtype, and the expert weights' own all-gathers and gradient reduce-scatters (the arrays of
+those collectives that are 3-D with a dim of n_experts) in bytes per dtype: totals over the
+collectives in the program text (XLA:GPU's pipelining may peel one iteration's collective out of
+the layer loop, so a program can hold more collectives than a layer runs). `--no-gather` adds each recipe with
 `fp8.gather=false` (the expert weights gathered in the compute dtype, cast after). Needs the compile-only CUDA plugin (`python -m fsdp_jax.targets install`).
 """
 
@@ -66,8 +68,8 @@ def main() -> int:
             "experts": dict(experts),
             "others": dict(others),
             "gathered": dict(test_fp8_hlo.gathered(text)),
-            "expert_gathers": dict(test_fp8_hlo.gathered(text, test_fp8_hlo.N_EXPERTS)),
-            "expert_grad_scatters": dict(test_fp8_hlo.gathered(text, test_fp8_hlo.N_EXPERTS, "reduce-scatter")),
+            "expert_gathers": dict(test_fp8_hlo.gathered(text, experts=True)),
+            "expert_grad_scatters": dict(test_fp8_hlo.gathered(text, experts=True, op="reduce-scatter")),
         }
     print(json.dumps(out, indent=1, sort_keys=True))
     return 0
