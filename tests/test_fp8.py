@@ -315,6 +315,9 @@ FP8 = "precision=params=float32,compute=bfloat16,matmul=fp8"
         ([FP8, "fp8.emulate=true", "fp8.recipe=hybrid"], ("fp8.recipe", "tensorwise, delayed")),
         ([FP8, "fp8.emulate=true", "fp8.amax_history=0"], ("fp8.amax_history", "> 0")),
         ([FP8, "fp8.emulate=true", "lora.rank=4"], ("lora.rank", "matmul=fp8")),
+        # fp8.gather asked for where weights are not gathered per layer, or cast after the gather
+        ([FP8, "fp8.emulate=true", "fp8.gather=true", "mesh.strategy=ddp"], ("fp8.gather", "full_shard")),
+        ([FP8, "fp8.emulate=true", "fp8.gather=true", "fp8.recipe=rowwise"], ("fp8.gather", "rowwise")),
         (["precision=params=float32,matmul=fp4"], ("precision", "fp8, compute")),
     ],
 )

@@ -2,7 +2,9 @@
 against the reference formula (numpy / ml_dtypes casts, a scale per expert) forward and
 backward, in both layouts; the tiny MoE model under every strategy against one device."""
 
+import collections
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -322,3 +324,36 @@ def test_rowwise_experts_equal_one_device():
         assert tree_max_diff(state.params, ref.params) < 5e-4, strategy
         worst = max(worst, tree_max_diff(experts(state.params), experts(ref.params)))
     assert tree_max_diff(experts(ref.params), experts(tensorwise.params)) > 10 * worst
+
+
+def lowered_step(cfg, strategy="full_shard") -> str:
+    """The tiny MoE's train step on 8 devices, lowered (not compiled): StableHLO text."""
+    b = built(cfg, strategy, 8)
+    batch = jax.ShapeDtypeStruct((8, 17), jnp.int32, sharding=b.plan.batch)
+    return b.train_step.lower(b.abstract_state, batch).as_text()
+
+
+def collectives(text: str, op: str) -> collections.Counter:
+    """(result shape, dtype) of each `op` (all_gather, reduce_scatter) whose result is an
+    expert weight of the tiny MoE (8 experts, d_model 32, moe_ffn_dim 48), or a shard of one."""
+    out = collections.Counter()
+    for t in re.findall(rf'stablehlo\.{op}".*?-> tensor<([^>]*)>', text, re.S):  # the op's result type
+        *dims, dtype = t.split("x")
+        if len(dims) == 3 and dims[0] == "8" and set(dims[1:]) <= {"32", "48", "4"}:
+            out[(int(dims[1]), int(dims[2]), dtype)] += 1
+    return out
+
+
+def test_full_shard_gathers_expert_weights_in_f8_and_scatters_f32_grads():
+    """fp8.gather (the default) under full_shard: the step all-gathers each expert weight's
+    shards as e4m3 (w_gate, w_up (8, 32, 48) from (8, 4, 48); w_down (8, 48, 32)) inside the MoE
+    layer's shard_map, and reduce-scatters their gradients to the shards in f32 (the reduce
+    dtype), none in f8; with fp8.gather=false the step has neither (the partitioner gathers the
+    compute-dtype weight)."""
+    cfg = moe_cfg()
+    on = lowered_step(cfg)
+    gathers, scatters = collectives(on, "all_gather"), collectives(on, "reduce_scatter")
+    assert {(32, 48, "f8E4M3FN"), (48, 32, "f8E4M3FN")} == set(gathers), gathers
+    assert {(4, 48, "f32"), (48, 4, "f32")} == set(scatters), scatters
+    off = lowered_step(dataclasses.replace(cfg, fp8=dataclasses.replace(cfg.fp8, gather=False)))
+    assert not collectives(off, "all_gather") and not collectives(off, "reduce_scatter")

@@ -7,6 +7,7 @@ GEMMs take f8 operands and attention's and the head's do not."""
 import collections
 import dataclasses
 import json
+import math
 import os
 import re
 import subprocess
@@ -30,22 +31,33 @@ ITEMSIZE = {"f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f32": 4, "s32": 4}
 ARRAY = re.compile(r"([a-z0-9]+)\[([0-9,]*)\]")
 
 
-def gathered(hlo: str) -> collections.Counter:
-    """Bytes per dtype that the all-gathers (sync, or async starts) produce: for a start,
-    whose result is (shards, gathered), the gathered half."""
-    out = collections.Counter()
+def collective_arrays(hlo: str, op: str = "all-gather") -> list[tuple[str, tuple[int, ...]]]:
+    """(dtype, dims) of each array the `op` collectives (sync, or async starts) produce: for a
+    start, whose result is (operands, results), the results half."""
+    out = []
     for line in hlo.splitlines():
-        m = re.search(r"= (.*?) all-gather(-start)?\(", line)
+        m = re.search(rf"= (.*?) {op}(-start)?\(", line)
         if not m:
             continue
         arrays = ARRAY.findall(m.group(1))
         if m.group(2):
             arrays = arrays[len(arrays) // 2 :]
-        for dtype, dims in arrays:
-            n = 1
-            for d in filter(None, dims.split(",")):
-                n *= int(d)
-            out[dtype] += n * ITEMSIZE.get(dtype, 4)
+        out += [(dtype, tuple(int(d) for d in dims.split(",") if d)) for dtype, dims in arrays]
+    return out
+
+
+def expert_arrays(hlo: str, op: str = "all-gather") -> list[tuple[str, tuple[int, ...]]]:
+    """`collective_arrays` that are a MoE's expert weights or their grads: 3-D with a dim of
+    N_EXPERTS (XLA:GPU may move the gathered dim first: f8e4m3fn[128,6,128])."""
+    return [(t, dims) for t, dims in collective_arrays(hlo, op) if len(dims) == 3 and N_EXPERTS in dims]
+
+
+def gathered(hlo: str, experts: bool = False, op: str = "all-gather") -> collections.Counter:
+    """Bytes per dtype that the all-gathers produce (`experts`: of the expert weights only;
+    `op`: another collective)."""
+    out = collections.Counter()
+    for dtype, dims in expert_arrays(hlo, op) if experts else collective_arrays(hlo, op):
+        out[dtype] += math.prod(dims) * ITEMSIZE.get(dtype, 4)
     return out
 
 
@@ -104,6 +116,7 @@ def h100():
             "fp8": [f"precision={FP8}"],
             "bf16": [f"precision={BF16}"],
             "moe_fp8": [f"precision={FP8}", *MOE],
+            "moe_fp8_no_gather": [f"precision={FP8}", *MOE, "fp8.gather=false"],
             "rowwise": [f"precision={FP8}", "fp8.recipe=rowwise"],
         },
     }
@@ -115,7 +128,8 @@ def h100():
     return json.loads(proc.stdout)
 
 
-MOE = ["model.n_experts=6", "model.experts_per_token=2", "model.moe_ffn_dim=128", "model.grouped_matmul=xla"]
+N_EXPERTS = 6
+MOE = [f"model.n_experts={N_EXPERTS}", "model.experts_per_token=2", "model.moe_ffn_dim=128", "model.grouped_matmul=xla"]
 
 
 def gemm_ops(hlo: str) -> list[tuple[tuple[str, ...], str, tuple[int, ...]]]:
@@ -184,3 +198,18 @@ def test_h100_rowwise_runs_e4m3_gemms_and_gathers_bf16(h100):
     assert sum(v for k, v in g.items() if not any(d.startswith("f8") for d in k)) == 9, g
     rw, tw = gathered(h100["rowwise"]), gathered(h100["fp8"])
     assert rw["f8e4m3fn"] == tw["f8e4m3fn"] > 0 and rw["bf16"] == tw["bf16"], (rw, tw)
+
+
+@pytest.mark.slow
+def test_h100_moe_expert_weights_gather_f8_and_scatter_wide_grads(h100):
+    """The tiny MoE under fp8.gather (the default) on 8 x H100, full_shard: every all-gather of
+    an expert weight moves e4m3, the same arrays that fp8.gather=false gathers in bf16, so half
+    the bytes per gather, and no bf16 / f32 expert weight is gathered; the expert gradients'
+    reduce-scatters are in the reduce dtype (f32), not f8. (The f8 program holds more gathers and
+    scatters: XLA:GPU pipelines its backward loop's collectives, one iteration's out of the loop.)"""
+    on, off = expert_arrays(h100["moe_fp8"]), expert_arrays(h100["moe_fp8_no_gather"])
+    assert on and {t for t, _ in on} == {"f8e4m3fn"}, on
+    assert {t for t, _ in off} == {"bf16"}, off
+    assert {d for _, d in on} == {d for _, d in off}  # the same weights, whole; 1 byte an element against 2
+    scatters = expert_arrays(h100["moe_fp8"], "reduce-scatter")
+    assert scatters and {t for t, _ in scatters} == {"f32"}, scatters

@@ -241,7 +241,7 @@ def _base(type_hint):
 
 def wrong_types(tp) -> list:
     """Values of the wrong type for a field annotated `tp` (as YAML would deliver them)."""
-    return {
+    values = {
         int: ["abc", 1.5, True, [1]],
         float: ["abc", True, [1.0], {"a": 1}],
         bool: ["maybe", 2, None],
@@ -249,6 +249,7 @@ def wrong_types(tp) -> list:
         Rules: ["embed", 3, [1, 2], {"embed": 3}],
         tuple: ["abc", 3, [1.5], ["a"], {"a": 1}],  # tuple[int, ...]
     }[_base(tp)]
+    return [v for v in values if v is not None or type(None) not in typing.get_args(tp)]  # null: an optional's default
 
 
 def field_types() -> dict[str, typing.Any]:

@@ -35,7 +35,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from fsdp_jax.quant import fp8_expert_gather
 from fsdp_jax.quant.fp8 import E4M3, E5M2, quantize, scale_for
+from fsdp_jax.quant.fp8_expert_gather import Gather
 from fsdp_jax.sharding import precision
 
 # x (M, K), g (M, N) -> dw (E, K, N): contracted over the rows, one sum per expert
@@ -85,14 +87,30 @@ def _pushed(h, ax, aw, ag) -> jax.Array:
     return jnp.concatenate([now[..., None], h[..., :-1]], axis=-1)
 
 
-def finish_dw(dw, reduce_dtype, w_dtype):
+def finish_dw(dw, reduce_dtype, w_dtype, gather: Gather = (), axes: tuple[str, ...] = ()):
+    """The weight gradient in `w_dtype`; with a `gather` (the weight came in as its at-rest
+    shard), reduced and scattered back to that shard in `reduce_dtype` (`fp8_expert_gather`)."""
+    if gather:
+        return fp8_expert_gather.reduce_scatter(dw, gather, axes, reduce_dtype, w_dtype)
     if reduce_dtype.itemsize > jnp.dtype(w_dtype).itemsize:  # reduced across devices in the wider dtype
         dw = jax.lax.optimization_barrier(dw.astype(reduce_dtype))
     return dw.astype(w_dtype)
 
 
+def _weight(w, hist_w, axes, gather: Gather):
+    """(scales (E,), the weight's amaxes (E,), its e4m3 cast as the matmul takes it, that cast as
+    the residual keeps it): the cast runs on what `w` is here (with a `gather`, the at-rest shard,
+    its amaxes maxed across the gather axes) and the f8 is all-gathered; the residual keeps the
+    f8 shard, gathered again in the backward pass (ZeRO-3)."""
+    aw = jnp.max(jnp.abs(w.astype(jnp.float32)), axis=(1, 2))
+    aw = pmax_over(aw, fp8_expert_gather.gather_axes(gather) if gather else axes)  # equal on every device
+    sw = _scales(hist_w, aw, E4M3)
+    wq = quantize(w, sw[:, None, None], E4M3)
+    return sw, aw, fp8_expert_gather.all_gather(wq, gather), wq
+
+
 @functools.lru_cache(maxsize=None)
-def _grouped(reduce_dtype, axes: tuple[str, ...], delayed: bool):
+def _grouped(reduce_dtype, axes: tuple[str, ...], delayed: bool, gather: Gather):
     @jax.custom_vjp
     def f(x, w, sizes, hist):
         return fwd(x, w, sizes, hist)[0]
@@ -100,17 +118,17 @@ def _grouped(reduce_dtype, axes: tuple[str, ...], delayed: bool):
     def fwd(x, w, sizes, hist):
         gid, n = group_ids(sizes, x.shape[0]), w.shape[0]
         ax = pmax_over(_grouped_amax(x, gid, n), axes)
-        aw = pmax_over(jnp.max(jnp.abs(w.astype(jnp.float32)), axis=(1, 2)), axes)  # equal on every device
         sx = _scales(hist[:, 0] if delayed else None, ax, E4M3)
-        sw = _scales(hist[:, 1] if delayed else None, aw, E4M3)
+        sw, aw, wq, kept = _weight(w, hist[:, 1] if delayed else None, axes, gather)
         rx, rw = _per_row(sx, gid), _per_row(sw, gid)
-        xq, wq = quantize(x, rx, E4M3), quantize(w, sw[:, None, None], E4M3)
+        xq = quantize(x, rx, E4M3)
         y = jax.lax.ragged_dot(xq, wq, sizes, preferred_element_type=x.dtype) * (1.0 / (rx * rw))
-        res = (xq, wq, sizes, sx, sw, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype), hist, ax, aw)
+        res = (xq, kept, sizes, sx, sw, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype), hist, ax, aw)
         return y.astype(x.dtype), res
 
     def bwd(res, g):
         xq, wq, sizes, sx, sw, x_like, w_like, hist, ax, aw = res
+        wq = fp8_expert_gather.all_gather(wq, gather)
         gid, n = group_ids(sizes, g.shape[0]), wq.shape[0]
         ag = pmax_over(_grouped_amax(g, gid, n), axes)
         sg = _scales(hist[:, 2] if delayed else None, ag, E5M2)
@@ -121,7 +139,7 @@ def _grouped(reduce_dtype, axes: tuple[str, ...], delayed: bool):
         dw = jax.lax.ragged_dot_general(xq, gq, sizes, DW_DIMS, preferred_element_type=jnp.float32)
         dw = dw * (1.0 / (sx * sg))[:, None, None]
         new = _pushed(hist, ax, aw, ag) if delayed else jnp.zeros_like(hist)
-        return dx, finish_dw(dw, reduce_dtype, w_like.dtype), None, new
+        return dx, finish_dw(dw, reduce_dtype, w_like.dtype, gather, axes), None, new
 
     f.defvjp(fwd, bwd)
     return f
@@ -133,53 +151,60 @@ def _dot(a, b, contract, out=jnp.float32):
 
 
 @functools.lru_cache(maxsize=None)
-def _batched(reduce_dtype, axes: tuple[str, ...], delayed: bool):
+def _batched(reduce_dtype, axes: tuple[str, ...], delayed: bool, gather: Gather):
     @jax.custom_vjp
     def f(x, w, hist):
         return fwd(x, w, hist)[0]
 
     def fwd(x, w, hist):
         ax = pmax_over(jnp.max(jnp.abs(x.astype(jnp.float32)), axis=(1, 2)), axes)
-        aw = pmax_over(jnp.max(jnp.abs(w.astype(jnp.float32)), axis=(1, 2)), axes)  # equal on every device
         sx = _scales(hist[:, 0] if delayed else None, ax, E4M3)
-        sw = _scales(hist[:, 1] if delayed else None, aw, E4M3)
-        xq, wq = quantize(x, sx[:, None, None], E4M3), quantize(w, sw[:, None, None], E4M3)
+        sw, aw, wq, kept = _weight(w, hist[:, 1] if delayed else None, axes, gather)
+        xq = quantize(x, sx[:, None, None], E4M3)
         y = _dot(xq, wq, ((2,), (1,)), x.dtype) * (1.0 / (sx * sw))[:, None, None]
-        res = (xq, wq, sx, sw, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype), hist, ax, aw)
+        res = (xq, kept, sx, sw, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype), hist, ax, aw)
         return y.astype(x.dtype), res
 
     def bwd(res, g):
         xq, wq, sx, sw, x_like, w_like, hist, ax, aw = res
+        wq = fp8_expert_gather.all_gather(wq, gather)
         ag = pmax_over(jnp.max(jnp.abs(g.astype(jnp.float32)), axis=(1, 2)), axes)
         sg = _scales(hist[:, 2] if delayed else None, ag, E5M2)
         gq = quantize(g, sg[:, None, None], E5M2)
         dx = (_dot(gq, wq, ((2,), (2,))) * (1.0 / (sg * sw))[:, None, None]).astype(x_like.dtype)
         dw = _dot(xq, gq, ((1,), (1,))) * (1.0 / (sx * sg))[:, None, None]
         new = _pushed(hist, ax, aw, ag) if delayed else jnp.zeros_like(hist)
-        return dx, finish_dw(dw, reduce_dtype, w_like.dtype), new
+        return dx, finish_dw(dw, reduce_dtype, w_like.dtype, gather, axes), new
 
     f.defvjp(fwd, bwd)
     return f
 
 
-def shared_weight(x, w):
+def shared_weight(x, w, gather: Gather = ()):
     """(w marked varying over the mesh axes x varies over and w does not; those axes sorted):
     the amaxes are maxed over those axes, and w's gradient, computed per device, is summed
-    over them by the transpose of the mark."""
+    over them by the transpose of the mark. With a `gather` (w is its at-rest shard) the axes
+    are those x varies over and the gathered weight does not, and w is left as it is: the
+    custom VJP sums and scatters its gradient (`fp8_expert_gather.reduce_scatter`)."""
+    if gather:
+        whole = varying_axes(w) - set(fp8_expert_gather.gather_axes(gather))
+        return w, tuple(sorted(varying_axes(x) - whole))
     extra = tuple(sorted(varying_axes(x) - varying_axes(w)))
     return (jax.lax.pcast(w, extra, to="varying") if extra else w), extra
 
 
-class WithHistory(NamedTuple):
-    """An expert weight (E, K, N) with its delayed histories (E, 3, L), as one `dot` operand."""
+class ExpertWeight(NamedTuple):
+    """An expert weight (E, K, N) as one `dot` operand, with its delayed histories (E, 3, L)
+    or None, and its FP8 gather (`fp8_expert_gather.Gather`; () : `w` is whole)."""
 
     w: jax.Array
-    hist: jax.Array
+    hist: jax.Array | None = None
+    gather: Gather = ()
 
 
-def unpack(m) -> tuple[jax.Array, jax.Array | None]:
-    """(weight, histories or None) of a `dot` operand: a weight or a `WithHistory`."""
-    return (m.w, m.hist) if isinstance(m, WithHistory) else (m, None)
+def unpack(m) -> ExpertWeight:
+    """A `dot` operand (a weight or an `ExpertWeight`) as an `ExpertWeight`."""
+    return m if isinstance(m, ExpertWeight) else ExpertWeight(m)
 
 
 def _hist(w, hist):
@@ -189,18 +214,20 @@ def _hist(w, hist):
     return jnp.asarray(hist, jnp.float32), True
 
 
-def grouped_matmul(x, w, sizes, hist=None):
+def grouped_matmul(x, w, sizes, hist=None, gather: Gather = ()):
     """x (M, K) rows sorted by expert, w (E, K, N), sizes (E,) int32 -> (M, N) in x's dtype,
     each expert's rows through FP8 with that expert's scales (module docstring); `hist` (E, 3,
-    L) the delayed recipe's per-expert histories (its cotangent: the new histories), or None."""
-    w, axes = shared_weight(x, w)
+    L) the delayed recipe's per-expert histories (its cotangent: the new histories), or None;
+    `gather`: w is its at-rest shard, cast there and all-gathered in f8 (`fp8_expert_gather`)."""
+    w, axes = shared_weight(x, w, gather)
     h, delayed = _hist(w, hist)
-    return _grouped(jnp.dtype(precision.step_reduce_dtype() or w.dtype), axes, delayed)(x, w, sizes, h)
+    rd = jnp.dtype(precision.step_reduce_dtype() or w.dtype)
+    return _grouped(rd, axes, delayed, gather)(x, w, sizes, h)
 
 
-def batched_matmul(x, w, hist=None):
-    """x (E, C, K), w (E, K, N) -> (E, C, N) in x's dtype, per expert through FP8; `hist` as
-    `grouped_matmul`'s."""
-    w, axes = shared_weight(x, w)
+def batched_matmul(x, w, hist=None, gather: Gather = ()):
+    """x (E, C, K), w (E, K, N) -> (E, C, N) in x's dtype, per expert through FP8; `hist` and
+    `gather` as `grouped_matmul`'s."""
+    w, axes = shared_weight(x, w, gather)
     h, delayed = _hist(w, hist)
-    return _batched(jnp.dtype(precision.step_reduce_dtype() or w.dtype), axes, delayed)(x, w, h)
+    return _batched(jnp.dtype(precision.step_reduce_dtype() or w.dtype), axes, delayed, gather)(x, w, h)

@@ -7,6 +7,9 @@ from fsdp_jax.app.config.schema import Config
 from fsdp_jax.errors import ConfigError
 from fsdp_jax.quant.fp8 import device_problem
 from fsdp_jax.sharding.precision import Policy
+from fsdp_jax.sharding.strategy import ALIASES
+
+GATHERING = ("full_shard", "hybrid_shard")  # strategies that gather params per layer (`fp8.gather` applies)
 
 
 def _fp8(cfg: Config) -> bool:
@@ -23,6 +26,28 @@ def check_fp8(cfg: Config) -> None:
         )
     if cfg.objective != "sft":
         raise ConfigError("objective", f"{cfg.objective!r} is invalid; must be sft with precision matmul=fp8")
+    check_fp8_gather(cfg)
+
+
+def check_fp8_gather(cfg: Config) -> None:
+    """`fp8.gather: true` only where weights are cast before a per-layer gather: full_shard /
+    hybrid_shard, and not the rowwise recipe (its scales are taken along the dims of each GEMM,
+    after the gather). Left unset (null) it applies wherever it can."""
+    if cfg.fp8.gather is not True:
+        return
+    strategy = ALIASES.get(cfg.mesh.strategy.lower(), cfg.mesh.strategy.lower())
+    if strategy not in GATHERING:
+        raise ConfigError(
+            "fp8.gather",
+            f"true is invalid with mesh.strategy={cfg.mesh.strategy}: only {' / '.join(GATHERING)} gather "
+            "weights per layer (leave it unset or false)",
+        )
+    if cfg.fp8.recipe == "rowwise":
+        raise ConfigError(
+            "fp8.gather",
+            "true is invalid with fp8.recipe=rowwise: its scales are per row and column of each GEMM, cast "
+            "after the gather (leave it unset or false)",
+        )
 
 
 def check_fp8_device(cfg: Config, platform: str, kind: str, compute_capability=None) -> None:

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from fsdp_jax.app.models.grouped_matmul import lowering_platform
+from fsdp_jax.app.models.grouped_matmul import lowering_platform, resolve
 from fsdp_jax.app.models.lora import delta
 from fsdp_jax.app.models.moe_dispatch import (
     ExpertLora,
@@ -48,7 +48,7 @@ from fsdp_jax.app.models.moe_dispatch import (
 )
 from fsdp_jax.app.models.moe_exchange import exchange_capacity, exchange_dropless, exchange_dropless_ragged
 from fsdp_jax.errors import ConfigError
-from fsdp_jax.quant import fp8_experts, fp8_modules
+from fsdp_jax.quant import fp8_expert_gather, fp8_experts, fp8_modules
 from fsdp_jax.sharding.axes import EMBED, EXPERT, MLP
 from fsdp_jax.sharding.precision import matmul
 
@@ -214,11 +214,16 @@ class MoE(nnx.Module):
         logits = self.router_logits(x2)  # (N, E)
         p, w, idx = self.route_tokens(logits)
         experts, lora = self._experts()
-        cf, ffn = self.capacity_factor, self.expert_ffn
+        cf, ffn, specs = self.capacity_factor, self.expert_ffn, ()
         if fp8_modules.recipe_of(self) is not None:  # the experts' GEMMs in FP8 (`moe_dispatch.fp8_dot`)
             hists = fp8_modules.expert_histories(self, self.fp8_expert_weights) or ()
             experts = (*experts, *hists)  # delayed: travel (and shard) with the expert weights
-            ffn = functools.partial(_fp8_ffn, self.expert_ffn, len(hists), fp8_modules.recipe_of(self).rowwise)
+            gathers = self._fp8_gathers(experts) or ()
+            specs = tuple(spec for spec, _ in gathers)  # those weights enter as their at-rest shards
+            ffn = functools.partial(
+                _fp8_ffn, self.expert_ffn, self.fp8_expert_weights, len(hists), tuple(g for _, g in gathers),
+                fp8_modules.recipe_of(self).rowwise,
+            )  # fmt: skip
 
         n_experts = experts[0].shape[0]
 
@@ -240,7 +245,7 @@ class MoE(nnx.Module):
                 return exchange_dropless_ragged(x2, w, idx, ws, axes, n_ep, lora, self.grouped_matmul, ffn)
             return exchange_dropless(x2, w, idx, ws, axes, n_ep, lora, self.grouped_matmul, ffn)
 
-        y, dropped = per_batch_shard(compute, (x2, w, idx), experts, exchange)
+        y, dropped = per_batch_shard(compute, (x2, w, idx), experts, exchange, specs)
         if self.shared:
             y = y + self._shared(x2, dropout_key)
         m = jnp.ones((b * s,), jnp.float32) if token_mask is None else token_mask.reshape(-1).astype(jnp.float32)
@@ -253,6 +258,19 @@ class MoE(nnx.Module):
         )
         y = checkpoint_name(y.astype(x.dtype).reshape(b, s, d), "mlp_out")
         return y, stats
+
+    def _fp8_gathers(self, experts):
+        """(at-rest spec, gather) of each FP8 expert weight when `fp8.gather` casts them on their
+        shards and all-gathers f8 (`fsdp_jax.quant.fp8_expert_gather`): under full_shard /
+        hybrid_shard, with the per-expert tensor scales (not rowwise, which casts after the
+        gather, as its dense projections do) and where the FP8 products run (capacity mode, or
+        XLA's grouped matmul: tokamax's kernels stay in the compute dtype). None otherwise."""
+        recipe = fp8_modules.recipe_of(self)
+        if recipe.rowwise or not recipe.gather:
+            return None
+        if not self.capacity_factor and resolve(self.grouped_matmul) != "xla":
+            return None
+        return fp8_expert_gather.expert_gathers(self, self.fp8_expert_weights, experts)
 
     def shared_proj(self, x, name: str, w, key):
         """Rows x @ the shared expert's weight `w` (its decoder name `name`: w_gate ...) plus its
@@ -269,14 +287,18 @@ class MoE(nnx.Module):
         return gate * proj(hs, "w_down", self.shared_down, key)
 
 
-def _fp8_ffn(ffn, n_hist: int, rowwise: bool, x, ws, lora, dot, rows):
+def _fp8_ffn(ffn, names: tuple[str, ...], n_hist: int, gathers: tuple, rowwise: bool, x, ws, lora, dot, rows):
     """`ffn` through FP8 expert products (`rowwise` scales or per-expert tensor scales); the
-    last `n_hist` of `ws` are the delayed histories of its first `n_hist` (the expert weights
-    `fp8_expert_weights` names), paired with them."""
+    first weights of `ws` are those `names` (`fp8_expert_weights`) names; the last `n_hist` of
+    `ws` their delayed histories, and `gathers` their f8 gathers (or ()), paired with them
+    (`fp8_experts.ExpertWeight`)."""
     if n_hist:
-        ws, hists = ws[:-n_hist], ws[-n_hist:]
-        ws = (*(fp8_experts.WithHistory(w, h) for w, h in zip(ws, hists)), *ws[n_hist:])
-    return ffn(x, ws, lora, fp8_dot(dot, rowwise), rows)
+        ws, hs = ws[:-n_hist], ws[-n_hist:]
+    else:
+        hs = (None,) * len(names)
+    gs = gathers or ((),) * len(names)
+    wrapped = (fp8_experts.ExpertWeight(w, h, g) for w, h, g in zip(ws, hs, gs))
+    return ffn(x, (*wrapped, *ws[len(names) :]), lora, fp8_dot(dot, rowwise), rows)
 
 
 def moe_params(cfg) -> int:

@@ -81,19 +81,20 @@ def fp8_dot(dot, rowwise: bool = False):
     resolves to XLA's `ragged_dot` (which then takes the f8 operands). Where it resolves to
     tokamax's kernels (GPU with tokamax installed, `auto`) the grouped products stay those
     kernels in the compute dtype: XLA:GPU expands an f8 `ragged_dot` densely, n_experts times
-    the FLOPs. A weight may come with its delayed histories (`fp8_experts.WithHistory`)."""
+    the FLOPs. A weight may come as an `fp8_experts.ExpertWeight` (its delayed histories, its
+    f8 gather from the at-rest shard: only where the FP8 product runs, `moe.MoE`)."""
     if not isinstance(dot, GroupedDot):
         if rowwise:
-            return lambda x, m: fp8_rowwise_experts.batched_matmul(x, fp8_experts.unpack(m)[0])
+            return lambda x, m: fp8_rowwise_experts.batched_matmul(x, fp8_experts.unpack(m).w)
         return lambda x, m: fp8_experts.batched_matmul(x, *fp8_experts.unpack(m))
 
     def grouped(x, m):
-        m, hist = fp8_experts.unpack(m)
+        m, hist, gather = fp8_experts.unpack(m)
         if resolve(dot.impl, (x.shape[0], x.shape[1], m.shape[2])) != "xla":
             return dot(x, m)
         if rowwise:
             return fp8_rowwise_experts.grouped_matmul(x, m, dot.sizes)
-        return fp8_experts.grouped_matmul(x, m, dot.sizes, hist)
+        return fp8_experts.grouped_matmul(x, m, dot.sizes, hist, gather)
 
     return grouped
 
@@ -200,13 +201,15 @@ def per_token_shard(fn, *arrays):
     return jax.shard_map(fn, mesh=mesh, in_specs=tuple(P(batch) for _ in arrays), out_specs=P(batch))(*arrays)
 
 
-def per_batch_shard(fn, tokens, weights, exchange=None):
+def per_batch_shard(fn, tokens, weights, exchange=None, weight_specs=()):
     """`fn(*tokens, *weights, e0) -> (y, dropped)` per batch shard (and expert shard) of the
     current mesh; y summed over the expert axes, `dropped` over every axis. `tokens` have a
     leading N dim; `weights` a leading expert dim. When the expert axes are batch axes,
     `exchange(*tokens, *weights, expert_axes, n_ep) -> (y, dropped)` (`models/moe_exchange.py`:
-    tokens moved to their experts by all-to-all) runs per batch shard instead. ValueError (one
-    line) for an expert split the decoder does not compute."""
+    tokens moved to their experts by all-to-all) runs per batch shard instead. `weight_specs`:
+    the specs of the first weights where they enter as their at-rest shards (FP8 expert
+    gathers, `fsdp_jax.quant.fp8_expert_gather`), the others split over the expert axes only.
+    ValueError (one line) for an expert split the decoder does not compute."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return fn(*tokens, *weights, 0)
@@ -230,7 +233,7 @@ def per_batch_shard(fn, tokens, weights, exchange=None):
             y, dropped = exchange(*args, expert, n_ep)
             return y, jax.lax.psum(dropped, batch)
 
-        ins = tuple(P(batch) for _ in tokens) + tuple(P(expert) for _ in weights)
+        ins = tuple(P(batch) for _ in tokens) + _weight_specs(weights, weight_specs, P(expert))
         return jax.shard_map(moved, mesh=mesh, in_specs=ins, out_specs=(P(batch), P()))(*tokens, *weights)
 
     def local(*args):
@@ -244,7 +247,11 @@ def per_batch_shard(fn, tokens, weights, exchange=None):
     # each expert shard's partial output on a leading dim, summed outside the shard_map (the
     # partitioner's all-reduce over the expert axes; its transpose hands every shard the
     # whole cotangent)
-    ins = tuple(P(batch or None) for _ in tokens) + tuple(P(expert or None) for _ in weights)
+    ins = tuple(P(batch or None) for _ in tokens) + _weight_specs(weights, weight_specs, P(expert or None))
     outs = (P(expert or None, batch or None), P())
     y, dropped = jax.shard_map(local, mesh=mesh, in_specs=ins, out_specs=outs)(*tokens, *weights)
     return jnp.sum(y, axis=0), dropped
+
+
+def _weight_specs(weights, given, default) -> tuple:
+    return tuple(given[i] if i < len(given) else default for i in range(len(weights)))

@@ -84,7 +84,7 @@ def fp8_recipe(cfg) -> Fp8Recipe | None:
     """The run's FP8 recipe (`fp8:` section) when its precision says matmul=fp8, else None."""
     if Policy.parse(cfg.precision).matmul != "fp8":
         return None
-    return Fp8Recipe(cfg.fp8.recipe, cfg.fp8.amax_history, cfg.fp8.gather)
+    return Fp8Recipe(cfg.fp8.recipe, cfg.fp8.amax_history, cfg.fp8.gather is not False)
 
 
 def lora_dropout(cfg) -> bool:
