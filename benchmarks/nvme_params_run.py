@@ -8,7 +8,8 @@ again (resuming from the step-2 checkpoint, the files rebuilt from it); `--micro
 pair again with train.microbatches=K; `--packed DIR`: the pair again on a packed corpus of
 32-token rows (fsdp_jax.app.data.sft; any data.document_mask override dropped). Prints one JSON document: per run its metrics.jsonl rows
 and stdout, per nvme run its final checkpoint's leaves that differ from its reference run's
-(largest difference relative to the leaf's largest value), the files in the nvme run's dir.
+(largest difference relative to the leaf's largest value; the reference is the run without
+offload, for the resumed run the straight run with the params on disk), the files in the nvme run's dir.
 
     PYTHONPATH=. JAX_PLATFORMS=cpu FSDP_JAX_CPU_DEVICES=1 python benchmarks/nvme_params_run.py \\
         --corpus DIR --out DIR [--resume] [--microbatches 2] [--packed DIR] [key=value ...]
@@ -93,7 +94,7 @@ def compare(out: Path, corpus: Path, resume: bool, microbatches: int, extra: lis
     # (name, offload, its reference run, stop after) in launch order
     runs = [("plain", "none", None, None), ("nvme", NVME, "plain", None)]
     if resume:
-        runs += [("resumed", NVME, None, 2), ("resumed", NVME, "plain", None)]
+        runs += [("resumed", NVME, None, 2), ("resumed", NVME, "nvme", None)]  # exact resume: against nvme
     stdout: dict = {}
     for name, offload, _, stop in runs:
         stdout[name if stop is None else f"{name}_stopped"] = _launch(out, name, [*base, f"offload={offload}"], stop)

@@ -40,7 +40,11 @@ from fsdp_jax.train.step import sharding_context
 # (what, why it is refused): each checked by `refusal` in this order
 REFUSALS: tuple[tuple[str, str], ...] = (
     ("model", "the layer pieces cover dense decoders with scanned layers only"),
-    ("objective", "only the next-token loss (sft) is cut into layer pieces"),
+    (
+        "objective",
+        "only the next-token loss (sft) is cut into layer pieces: a preference or GRPO loss needs a reference "
+        "model or a sampler over the whole params, or metrics the layer-wise step does not carry (docs/offload.md)",
+    ),
     ("lora", "frozen params (LoRA) would need a trainable mask in the per-layer update"),
     ("precision", "FP8 matmuls (precision matmul=fp8) are not cut into layer pieces yet"),
     ("remat", "a policy that offloads to host memory is not combined with the layer files yet"),
