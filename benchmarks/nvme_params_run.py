@@ -5,16 +5,20 @@ tests/helpers.py (2 layers, d_model 64, batch 16 x 32, remat dots, AdamW with cl
 steps, eval at 2 and 4, checkpoints at 2 and 4, an 8-token sample) without offload and with the
 params on disk; `--resume`: again with the params on disk, stopped after step 2 and launched
 again (resuming from the step-2 checkpoint, the files rebuilt from it); `--microbatches K`: the
-pair again with train.microbatches=K. Prints one JSON document: per run its metrics.jsonl rows
+pair again with train.microbatches=K; `--packed DIR`: the pair again on a packed corpus of
+32-token rows (fsdp_jax.app.data.sft; any data.document_mask override dropped). Prints one JSON document: per run its metrics.jsonl rows
 and stdout, per nvme run its final checkpoint's leaves that differ from its reference run's
-(largest difference relative to the leaf's largest value), the files in the nvme run's dir.
+(largest difference relative to the leaf's largest value; the reference is the run without
+offload, for the resumed run the straight run with the params on disk), the files in the nvme run's dir.
 
     PYTHONPATH=. JAX_PLATFORMS=cpu FSDP_JAX_CPU_DEVICES=1 python benchmarks/nvme_params_run.py \\
-        --corpus DIR --out DIR [--resume] [--microbatches 2] [key=value ...]
+        --corpus DIR --out DIR [--resume] [--microbatches 2] [--packed DIR] [key=value ...]
 
-`--corpus`: a prepared token corpus (tests/helpers.synthetic_corpus writes one). Run on XLA's
-default flags to compare with docs/offload.md ("Params on disk"); tests/test_nvme_params.py runs
-this in a child.
+`--corpus`: a prepared token corpus (tests/helpers.synthetic_corpus writes one; with
+data.document_mask=true it needs an `eos_id` in its meta.json). Run on XLA's default flags to
+compare with docs/offload.md ("Params on disk"), and under bf16 compute also with
+XLA_FLAGS=--xla_allow_excess_precision=false (why: that page); tests/test_nvme_params.py runs this
+in a child.
 """
 
 from __future__ import annotations
@@ -83,14 +87,14 @@ def _differ(got, ref) -> dict:
     return out
 
 
-def compare(out: Path, corpus: Path, resume: bool, microbatches: int, extra: list[str]) -> dict:
+def compare(out: Path, corpus: Path, resume: bool, microbatches: int, extra: list[str], packed=None) -> dict:
     import jax
 
     base = [*RUN, f"data.path={corpus}", *extra]
     # (name, offload, its reference run, stop after) in launch order
     runs = [("plain", "none", None, None), ("nvme", NVME, "plain", None)]
     if resume:
-        runs += [("resumed", NVME, None, 2), ("resumed", NVME, "plain", None)]
+        runs += [("resumed", NVME, None, 2), ("resumed", NVME, "nvme", None)]  # exact resume: against nvme
     stdout: dict = {}
     for name, offload, _, stop in runs:
         stdout[name if stop is None else f"{name}_stopped"] = _launch(out, name, [*base, f"offload={offload}"], stop)
@@ -99,6 +103,11 @@ def compare(out: Path, corpus: Path, resume: bool, microbatches: int, extra: lis
         runs += [("plain_mb", "none", None, None), ("nvme_mb", NVME, "plain_mb", None)]
         for name, offload, _, _ in runs[-2:]:
             stdout[name] = _launch(out, name, [*mb, f"offload={offload}"])
+    if packed is not None:  # packed rows (segment ids, positions, a token-sum loss); no document mask
+        rows = [*(x for x in base if not x.startswith("data.document_mask=")), f"data.path={packed}"]
+        runs += [("plain_packed", "none", None, None), ("nvme_packed", NVME, "plain_packed", None)]
+        for name, offload, _, _ in runs[-2:]:
+            stdout[name] = _launch(out, name, [*rows, f"offload={offload}"])
     r: dict = {"devices": jax.device_count(), "stdout": stdout, "rows": {}, "final": {}}
     for name, _, ref, stop in runs:
         if stop is not None:
@@ -118,12 +127,15 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, required=True, help="a fresh dir for the runs")
     ap.add_argument("--resume", action="store_true", help="also stop the nvme run after step 2 and resume it")
     ap.add_argument("--microbatches", type=int, default=1, help="K > 1: the pair again with K microbatches")
+    ap.add_argument(
+        "--packed", type=Path, default=None, help="a packed corpus (rows of --corpus's length): the pair on it"
+    )
     ap.add_argument("overrides", nargs="*", help="more key=value for every run")
     a = ap.parse_args(argv)
     from fsdp_jax.app.devices import use_cpu_devices
 
     use_cpu_devices()
-    print(json.dumps(compare(a.out, a.corpus, a.resume, a.microbatches, a.overrides)))
+    print(json.dumps(compare(a.out, a.corpus, a.resume, a.microbatches, a.overrides, a.packed)))
     return 0
 
 

@@ -1,8 +1,10 @@
 """Tiny models and a single-device reference trainer shared by the tests."""
 
 import importlib.util
+import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 import jax
@@ -105,6 +107,28 @@ def synthetic_corpus(out: Path) -> Path:
 
 
 _SCRIPTS: dict = {}
+
+
+def eos_corpus(corpus: Path, out: Path) -> Path:
+    """A copy of a byte corpus whose meta.json names the newline its EOS: each line a document
+    (for data.document_mask)."""
+    shutil.copytree(corpus, out)
+    meta = json.loads((out / "meta.json").read_text())
+    (out / "meta.json").write_text(json.dumps({**meta, "eos_id": ord("\n")}))
+    return out
+
+
+def packed_corpus(out: Path, row_len: int = 32) -> Path:
+    """Packed fine-tuning rows of `row_len` tokens (`fsdp_jax.app.data.sft`): 240 short
+    prompt / completion pairs, several to a row, 25% of the examples held out."""
+    from fsdp_jax.app.data.sft import prepare_examples
+
+    out.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    rows = [{"prompt": f"Q{i}: " + "ab" * int(rng.integers(1, 6)), "completion": f" A{i % 7}"} for i in range(240)]
+    (out / "ex.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prepare_examples([out / "ex.jsonl"], out / "sft", row_len=row_len, val_fraction=0.25)
+    return out / "sft"
 
 
 def _load(folder: str, name: str):

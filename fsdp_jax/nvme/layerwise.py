@@ -45,17 +45,20 @@ import numpy as np
 import optax
 
 from fsdp_jax.errors import OffloadError
-from fsdp_jax.nvme import checkpoint_stream
+from fsdp_jax.nvme import checkpoint_stream, layer_programs
 from fsdp_jax.nvme.layer_files import LayerFiles, Layout
-from fsdp_jax.nvme.step import FLAT, LAYERED, OTHER, cut, empty_layers, masked_update
+from fsdp_jax.nvme.step import FLAT, LAYERED, OTHER, empty_layers
+from fsdp_jax.sharding.precision import Policy
 from fsdp_jax.train.stream_update import elementwise_reason
 
 
 @dataclasses.dataclass(frozen=True)
 class Pieces:
     """The model at its layer boundaries (each jitted by the step):
-    `embed(rest, batch) -> h` (B, S, D); `layer(p, h) -> h`, p one layer's params with no
-    layer dim; `head(rest, h, batch) -> loss` (a float scalar)."""
+    `embed(rest, batch) -> h` (B, S, D); `layer(p, h, batch) -> h`, p one layer's params with no
+    layer dim (the batch for what a layer reads besides h: packed rows' segment ids and
+    positions); `head(rest, h, batch) -> loss` (a float scalar, or a `TokenSum` averaged over the
+    batch's tokens). The params arrive in the compute dtype (`precision`)."""
 
     embed: Callable
     layer: Callable
@@ -72,19 +75,12 @@ def _marks(params):
     }
 
 
-def _clip(g, norm, clip_norm):
-    """`optax.clip_by_global_norm(clip_norm)` of one leaf, given the global norm."""
-    if not clip_norm:
-        return g
-    return jax.lax.select(jnp.squeeze(norm < clip_norm), g, (g / norm.astype(g.dtype)) * clip_norm)
-
-
 class LayerwiseStep:
     """See the module docstring. `abstract`: `{"layers", "rest"}` of sharded
     ShapeDtypeStructs (or arrays); `batch_sharding`: where a batch is put (None: as given)."""
 
     def __init__(self, pieces: Pieces, optimizer, abstract, dirs, owner: str, clip_norm=None, skip_nonfinite=True,
-                 batch_sharding=None, microbatches: int = 1):  # fmt: skip
+                 batch_sharding=None, microbatches: int = 1, precision=None):  # fmt: skip
         self.pieces, self.optimizer, self.clip, self.skip = pieces, optimizer, clip_norm, skip_nonfinite
         self.batch_sharding, self.microbatches = batch_sharding, microbatches
         if microbatches < 1:
@@ -119,7 +115,7 @@ class LayerwiseStep:
         self._read_bufs = {k: [f.buffer(), f.buffer()] for k, f in self.files.items()}
         self._writes: list = []  # (future, buffer) of writes in flight
         self._saving: list = []  # (StackWriter, check) of a checkpoint streaming out of the files
-        self._jit_programs(p_layout)
+        self._jit_programs(p_layout, precision)
 
     @property
     def stacked(self) -> list[int]:
@@ -128,71 +124,12 @@ class LayerwiseStep:
 
     # ------------------------------------------------------------------ the programs
 
-    def _jit_programs(self, p_layout: Layout) -> None:
-        pc, p_sh, clip = self.pieces, list(p_layout.shardings), self.clip
-
-        def one(p):  # a layer's arrays (1, ...) -> the layer's params tree (no layer dim)
-            return jax.tree.unflatten(self._layers_def, [x[0] for x in p])
-
-        def bwd(p, h, ct):
-            g, ct_h = jax.vjp(lambda q, x: pc.layer(one(q), x), p, h)[1](ct)
-            return g, ct_h, [jnp.sum(jnp.square(x)) for x in g]  # optax.tree.norm's per-leaf sums
-
-        def head(rest, h, batch):
-            return jax.value_and_grad(pc.head, argnums=(0, 1))(rest, h, batch)
-
-        def embed_bwd(rest, batch, ct, g_rest):
-            (g,) = jax.vjp(lambda r: pc.embed(r, batch), rest)[1](ct)
-            return jax.tree.map(jnp.add, g_rest, g)
-
-        def norm(g_rest, per_layer):
-            sums = [sum(xs[1:], xs[0]) for xs in zip(*per_layer)]  # per leaf, layers 0..L-1 in order
-            tree = {"layers": jax.tree.unflatten(self._layers_def, sums), "rest": jax.tree.map(jnp.square, g_rest)}
-            leaves = [x if k < len(sums) else jnp.sum(x) for k, x in enumerate(jax.tree.leaves(tree))]
-            return jnp.sqrt(sum(leaves[1:], leaves[0]) if len(leaves) > 1 else leaves[0])
-
-        self._embed = jax.jit(pc.embed)
-        self._fwd = jax.jit(lambda p, h: pc.layer(one(p), h))
-        self._head = jax.jit(head)
-        self._bwd = jax.jit(bwd, out_shardings=(p_sh, None, None))
-        k = self.microbatches
-
-        def bwd_add(p, h, ct, acc, last):  # microbatch j > 0: added to the sum of the earlier ones
-            g, ct_h = jax.vjp(lambda q, x: pc.layer(one(q), x), p, h)[1](ct)
-            acc = [a + b.astype(a.dtype) for a, b in zip(acc, g)]  # as `microbatched`'s accumulator
-            acc = [a / k for a in acc] if last else acc  # the mean over the slices, after the last
-            return acc, ct_h, [jnp.sum(jnp.square(x)) for x in acc]
-
-        def mb_slice(b, j):  # rows j, j + k, j + 2k, ...: `step_parts._split_microbatches`' slice j
-            return jax.tree.map(lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:])[:, j], b)
-
-        self._bwd_add = jax.jit(bwd_add, out_shardings=(p_sh, None, None), static_argnums=(4,))
-        self._mb_slice = jax.jit(mb_slice, static_argnums=(1,))
-        self._embed_bwd = jax.jit(embed_bwd, out_shardings=self._rest_sh)
-        self._norm = jax.jit(norm)
-
-        def rest_update(rest, opt_state, g_rest, loss, gnorm):
-            ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
-            params = {"layers": self._empty_layers(), "rest": rest}
-            grads = {"layers": self._empty_layers(), "rest": jax.tree.map(lambda g: _clip(g, gnorm, clip), g_rest)}
-            new_p, new_s = masked_update(
-                self.optimizer, grads, cut(opt_state, self.labels, FLAT), params, ok, self.skip
-            )
-            return new_p["rest"], new_s, ok, cut(opt_state, self.labels, OTHER)
-
-        def layer_update(p, s, g, other, ok, gnorm):
-            params = {"layers": jax.tree.unflatten(self._layers_def, p), "rest": self._empty_rest()}
-            g = [_clip(x, gnorm, clip) for x in g]
-            grads = {"layers": jax.tree.unflatten(self._layers_def, g), "rest": self._empty_rest()}
-            it, marks = iter(s), jax.tree.leaves(self.labels)
-            opt = jax.tree.unflatten(self._treedef, [next(it) if m == LAYERED else x
-                                                     for x, m in zip(jax.tree.leaves(other), marks)])  # fmt: skip
-            new_p, new_s = masked_update(self.optimizer, grads, opt, params, ok, self.skip)
-            return jax.tree.leaves(new_p["layers"]), [x for x, m in zip(jax.tree.leaves(new_s), marks) if m == LAYERED]
-
-        self._rest_update = jax.jit(rest_update)
-        s_sh = list(self.files["state"].layout.shardings)
-        self._layer_update = jax.jit(layer_update, out_shardings=(p_sh, s_sh))
+    def _jit_programs(self, p_layout: Layout, policy) -> None:
+        self._prog = layer_programs.Programs(
+            self.pieces, self.optimizer, Policy.parse(policy), self._layers_def, p_layout.shardings, self._rest_sh,
+            self.files["state"].layout.shardings, self.labels, self._treedef, self._empty_layers, self._empty_rest,
+            self.clip, self.skip, self.microbatches,
+        )  # fmt: skip
 
     def _empty_layers(self):
         shapes = self.files["params"].layout
@@ -260,57 +197,67 @@ class LayerwiseStep:
     # ------------------------------------------------------------------ the step
 
     def train_step(self, live: dict, batch) -> tuple[dict, dict]:
-        """One step (module docstring); returns the new live state and {loss, grad_norm, skipped}."""
+        """One step (module docstring); returns the new live state and {loss, grad_norm, skipped}
+        (and `tokens`, the batch's trained token count, for a `TokenSum` loss)."""
         self._saved()  # a checkpoint streaming out of the files ends before they change
         batch = batch if self.batch_sharding is None else jax.device_put(batch, self.batch_sharding)
-        rest, n = live["rest"], self.n_layers
-        loss, g_rest, sums = self._grads(rest, batch)
-        gnorm = self._norm(g_rest, sums)
-        new_rest, opt_state, ok, other = self._rest_update(rest, live["opt_state"], g_rest, loss, gnorm)
+        rest, n, pr = live["rest"], self.n_layers, self._prog
+        loss, g_rest, sums, tokens = self._grads(rest, batch)
+        gnorm = pr.norm(g_rest, sums)
+        new_rest, opt_state, ok, other = pr.rest_update(rest, live["opt_state"], g_rest, loss, gnorm)
         for i, (p, s, g) in self._stream(KINDS, range(n)):
-            new_p, new_s = self._layer_update(p, s, g, other, ok, gnorm)
+            new_p, new_s = pr.layer_update(p, s, g, other, ok, gnorm)
             self._write("params", i, new_p)
             self._write("state", i, new_s)
         self._flush()
-        metrics = {"loss": loss, "grad_norm": gnorm, "skipped": (~ok).astype(jnp.int32)}
+        out = pr.policy.output_dtype
+        metrics = {"loss": loss.astype(out), "grad_norm": gnorm, "skipped": (~ok).astype(jnp.int32)}
+        if tokens is not None:
+            metrics["tokens"] = tokens
         return {"rest": new_rest, "opt_state": opt_state}, metrics
 
     def _grads(self, rest, batch):
-        """(loss, the rest's grads, per layer its grads' per-leaf sums of squares), the layers'
-        grads written to their files: steps 1-2 of the module docstring, over `microbatches`
-        slices of the batch (rows j, j + k, ... as `train.step_parts.microbatched` takes them),
-        the layers' grads summed through their files in slice order, then divided by k."""
-        n, k = self.n_layers, self.microbatches
+        """(loss, the rest's grads, per layer its grads' per-leaf sums of squares, the token count
+        of a `TokenSum` loss or None), the layers' grads written to their files: steps 1-2 of the
+        module docstring, over `microbatches` slices of the batch (rows j, j + k, ... as
+        `train.step_parts.microbatched` takes them), the layers' grads summed through their files
+        in slice order, then divided by k (a `TokenSum`: by the batch's token count)."""
+        n, k, pr = self.n_layers, self.microbatches, self._prog
         sums: list = [None] * n
-        loss_sum = g_sum = None
+        loss_sum = g_sum = count = None
         for j in range(k):
-            mb = batch if k == 1 else self._mb_slice(batch, j)
-            hs = [self._embed(rest, mb)]
+            mb = batch if k == 1 else pr.mb_slice(batch, j)
+            hs = [pr.embed(rest, mb)]
             for i, (p,) in self._stream(("params",), range(n)):
-                hs.append(self._fwd(p, hs[i]))
-            loss, (g_rest, ct) = self._head(rest, hs.pop(), mb)
-            for i, arrays in self._stream(("params",) if j == 0 else ("params", "grads"), reversed(range(n))):
-                if j == 0:
-                    g, ct, sums[i] = self._bwd(arrays[0], hs.pop(), ct)
-                else:  # the earlier slices' sum read back from the grads file
-                    g, ct, sums[i] = self._bwd_add(arrays[0], hs.pop(), ct, arrays[1], j == k - 1)
-                self._write("grads", i, g)
-            g_rest = self._embed_bwd(rest, mb, ct, g_rest)
-            self._flush()  # the grads files whole before the next slice reads them
+                hs.append(pr.fwd(p, hs[i], mb))
+            loss, c, g_head, ct = pr.head(rest, hs.pop(), mb)
             loss_sum = loss if j == 0 else loss_sum + loss
+            count = c if j == 0 or c is None else count + c
+            tokens = None if count is None else jnp.maximum(count, 1.0)
+            last = j == k - 1
+            div = layer_programs.BY_TOKENS if tokens is not None and last else layer_programs.NO_DIVISION
+            div = layer_programs.BY_SLICES if tokens is None and last and k > 1 else div
+            for i, arrays in self._stream(("params",) if j == 0 else ("params", "grads"), reversed(range(n))):
+                acc = None if j == 0 else arrays[1]  # the earlier slices' sum, read back from the grads file
+                g, ct, sums[i] = pr.bwd(arrays[0], hs.pop(), ct, mb, acc, div, tokens if last else None)
+                self._write("grads", i, g)
+            g_rest = pr.embed_bwd(rest, mb, ct, g_head)
+            self._flush()  # the grads files whole before the next slice reads them
             g_sum = g_rest if j == 0 else jax.tree.map(lambda a, b: a + b.astype(a.dtype), g_sum, g_rest)
+        if count is not None:  # `step_parts.normalize`
+            return loss_sum / tokens, jax.tree.map(lambda g: (g / tokens).astype(g.dtype), g_sum), sums, count
         if k == 1:
-            return loss, g_rest, sums
-        return loss_sum / k, jax.tree.map(lambda g: g / k, g_sum), sums
+            return loss_sum, g_sum, sums, None
+        return loss_sum / k, jax.tree.map(lambda g: g / k, g_sum), sums, None
 
     def compile_layer(self, rest, batch):
         """One layer's backward program (params read, vjp, grads out: the largest of the step's
         programs) compiled ahead for `batch`'s shape; its `memory_analysis()` is the step's peak."""
-        lay = self.files["params"].layout
+        lay, pr = self.files["params"].layout, self._prog
         p = [jax.ShapeDtypeStruct(s, d, sharding=sh) for s, d, sh in zip(lay.shapes, self._layer_dtypes, lay.shardings)]
         batch = batch if self.batch_sharding is None else jax.device_put(batch, self.batch_sharding)
-        h = jax.eval_shape(self._embed, rest, batch)
-        return self._bwd.lower(p, h, h).compile()
+        h = jax.eval_shape(pr.embed, rest, batch)
+        return pr.bwd.lower(p, h, h, batch, None, layer_programs.NO_DIVISION).compile()
 
     # ------------------------------------------------------------------ checkpoints
 

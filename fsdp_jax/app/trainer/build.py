@@ -148,7 +148,7 @@ def make_loss_fn(model: ModelFns, model_cfg: DecoderConfig | None = None, dropou
     return loss_fn
 
 
-def _model_inputs(batch) -> dict:
+def model_inputs(batch) -> dict:
     """The decoder's inputs and the loss's targets of a step's batch: int32 tokens (B, S + 1)
     or a packed / document-masked batch dict. With `context_size()` > 1 every (B, S) array is
     in zig-zag order (`fsdp_jax.sharding.context`), with the positions context attention
@@ -163,7 +163,9 @@ def _model_inputs(batch) -> dict:
     return b
 
 
-def _loss(logits, b: dict):
+def next_token_loss(logits, b: dict):
+    """The next-token loss of `model_inputs`' dict: the mean cross-entropy, or over weighted
+    targets (packed or document-masked rows) a `TokenSum`."""
     if b["weights"] is None:
         return cross_entropy(logits, b["targets"])
     return token_loss(logits, b["targets"], b["weights"])
@@ -175,12 +177,12 @@ def _dense_loss_fn(model: ModelFns, cfg: DecoderConfig | None = None) -> Callabl
     def loss_fn(params, batch, key):
         kw = {} if key is None else {"dropout_key": key}
         kw.update({"mtp": True} if depth else {})
-        b = _model_inputs(batch)
+        b = model_inputs(batch)
         if b["positions"] is None:
             out = model.apply(params, b["inputs"], **kw)
         else:
             out = model.apply(params, b["inputs"], b["segment_ids"], b["positions"], **kw)
-        return with_mtp(cfg, _loss(out[0], b), out[1], b) if depth else _loss(out, b)
+        return with_mtp(cfg, next_token_loss(out[0], b), out[1], b) if depth else next_token_loss(out, b)
 
     return loss_fn
 
@@ -197,15 +199,15 @@ def has_loss_aux(model_cfg: DecoderConfig | None) -> bool:
 def _moe_loss_fn(model: ModelFns, cfg: DecoderConfig) -> Callable:
     def loss_fn(params, batch, key):
         kw = {} if key is None else {"dropout_key": key}
-        b = _model_inputs(batch)
+        b = model_inputs(batch)
         if b["segment_ids"] is not None:  # packed rows: the router sees the real tokens only
             kw["token_mask"] = b["segment_ids"] > 0
         kw.update({"mtp": True} if cfg.mtp_depth else {})
         logits, stats = model.apply(params, b["inputs"], b["segment_ids"], b["positions"], router=True, **kw)
         extra, aux = router_terms(cfg, stats)
         if not cfg.mtp_depth:
-            return add_term(_loss(logits, b), extra), aux
-        loss, more = with_mtp(cfg, _loss(logits[0], b), logits[1], b)
+            return add_term(next_token_loss(logits, b), extra), aux
+        loss, more = with_mtp(cfg, next_token_loss(logits[0], b), logits[1], b)
         return add_term(loss, extra), {**aux, **more}
 
     return loss_fn

@@ -50,8 +50,6 @@ def open_step(cfg, built: Built, loss_fn, run_dir: Path, model=None):
     owner = str(Path(run_dir).resolve())
     try:
         if cfg.offload == PARAMS_NVME:
-            if (why := params_nvme.packed_refusal(cfg)) is not None:
-                raise ConfigError(*why)
             return params_nvme.ParamsNvmeStep(cfg, built, model, dirs_of(cfg), owner)
         nv = NvmeStep(
             built,

@@ -26,8 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fsdp_jax.app.data.windows import load_meta
 from fsdp_jax.app.models.layer_pieces import decoder_pieces, pieces_problem, split_params
+from fsdp_jax.app.trainer.build import model_inputs, next_token_loss
 from fsdp_jax.checkpoint.manifest import tree_paths
 from fsdp_jax.checkpoint.shard_files import Unread
 from fsdp_jax.nvme.layerwise import LayerwiseStep
@@ -40,13 +40,20 @@ from fsdp_jax.train.step import sharding_context
 # (what, why it is refused): each checked by `refusal` in this order
 REFUSALS: tuple[tuple[str, str], ...] = (
     ("model", "the layer pieces cover dense decoders with scanned layers only"),
-    ("objective", "only the next-token loss (sft) is cut into layer pieces"),
+    (
+        "objective",
+        "only the next-token loss (sft) is cut into layer pieces: a preference or GRPO loss needs a reference "
+        "model or a sampler over the whole params, or metrics the layer-wise step does not carry (docs/offload.md)",
+    ),
     ("lora", "frozen params (LoRA) would need a trainable mask in the per-layer update"),
-    ("precision", "the layer programs do not cast the float32 master params to a lower compute dtype yet"),
+    ("precision", "FP8 matmuls (precision matmul=fp8) are not cut into layer pieces yet"),
     ("remat", "a policy that offloads to host memory is not combined with the layer files yet"),
     ("mesh", "a context or tensor axis is not cut into layer pieces yet"),
-    ("mesh.strategy", "its exactness is measured under full_shard only"),
-    ("data", "packed or document-masked batches are not cut into layer pieces yet"),
+    (
+        "mesh.strategy",
+        "params on disk is ZeRO-3 (DeepSpeed ZeRO-Infinity offloads params only at stage 3): "
+        "use mesh.strategy=full_shard",
+    ),
 )
 
 
@@ -58,11 +65,7 @@ def refusal(cfg) -> tuple[str, str] | None:
         ("model", model_field, model_field and getattr(cfg.model, model_field.split(".", 1)[1])),
         ("objective", "objective", cfg.objective if cfg.objective != "sft" else None),
         ("lora", "lora.rank", cfg.lora.rank or None),
-        (
-            "precision",
-            "precision",
-            cfg.precision if policy.compute_dtype != policy.param_dtype or policy.matmul else None,
-        ),
+        ("precision", "precision", cfg.precision if policy.matmul else None),
         ("remat", "remat", cfg.remat if remat_policy(cfg.remat).offloads else None),
         (
             "mesh",
@@ -70,18 +73,10 @@ def refusal(cfg) -> tuple[str, str] | None:
             max(mesh.context, mesh.tensor) if max(mesh.context, mesh.tensor) > 1 else None,
         ),
         ("mesh.strategy", "mesh.strategy", mesh.strategy if mesh.strategy != "full_shard" else None),
-        ("data", "data.document_mask", True if cfg.data.document_mask else None),
     )
     for what, key, got in checks:
         if got is not None:
             return key, f"{got!r} with offload: optimizer+params:nvme: {why[what]}"
-    return None
-
-
-def packed_refusal(cfg) -> tuple[str, str] | None:
-    """`refusal` of a prepared corpus of packed rows (read once the data stage has run)."""
-    if load_meta(cfg.data.path).get("format") == "packed":
-        return "data.path", f"{cfg.data.path!r} holds packed rows: {dict(REFUSALS)['data']}"
     return None
 
 
@@ -108,7 +103,7 @@ class ParamsNvmeStep:
         split = split_params(params)
         with sharding_context(self.plan):
             self.lw = LayerwiseStep(
-                decoder_pieces(model_fns, cfg.model, cfg.remat),
+                decoder_pieces(model_fns, cfg.model, cfg.remat, model_inputs, next_token_loss),
                 built.optimizer,
                 split,
                 dirs,
@@ -116,6 +111,7 @@ class ParamsNvmeStep:
                 clip_norm=cfg.optimizer.clip_norm,
                 batch_sharding=self.plan.batch,
                 microbatches=cfg.train.microbatches,
+                precision=cfg.precision,
             )
         keystr = jax.tree_util.keystr
         full = _names(built.optimizer, built.abstract_state.opt_state, params, keystr)
