@@ -4,10 +4,12 @@
     PYTHONPATH=. python benchmarks/fp8_loss_band.py [--steps 500] [--devices 1] [--jobs 1] \
         [--out benchmarks/fp8_loss_band.json] [--plot benchmarks/fp8_loss_band.png]
 
-Trains configs/tiny.yaml three times with `scripts/train.py` (same seed, data and
-schedule): precision params=float32,compute=bfloat16 (the reference), and the same with
-matmul=fp8 under the tensorwise and the delayed (amax history 16) recipes, fp8.emulate=true
-(CPU); `--jobs` runs that many of them at once (each its own process). Reads each run's metrics.jsonl and reports, per FP8 run, the largest gap to bf16 of
+Trains configs/tiny.yaml with `scripts/train.py` (same seed, data and schedule):
+precision params=float32,compute=bfloat16 (the reference), and the same with matmul=fp8
+under the tensorwise, the delayed (amax history 16) and the rowwise recipes,
+fp8.emulate=true (CPU); `--runs` picks some of them (bf16 always runs), `--jobs` runs that
+many at once (each its own process), `--work DIR` keeps the run folders (a run that
+finished can be read from its metrics.jsonl if another did not). Reads each run's metrics.jsonl and reports, per FP8 run, the largest gap to bf16 of
 the training loss averaged over windows of 50 steps (single steps are noisy), the final
 window's gap and the final validation losses. The band asserted in docs/fp8.md is the
 largest windowed gap, relative to bf16's loss. Prints one JSON document (also --out).
@@ -29,6 +31,7 @@ RUNS = {
     "bf16": ["precision=params=float32,compute=bfloat16"],
     "fp8_tensorwise": ["precision=params=float32,compute=bfloat16,matmul=fp8", "fp8.recipe=tensorwise"],
     "fp8_delayed": ["precision=params=float32,compute=bfloat16,matmul=fp8", "fp8.recipe=delayed"],
+    "fp8_rowwise": ["precision=params=float32,compute=bfloat16,matmul=fp8", "fp8.recipe=rowwise"],
 }
 WINDOW = 50
 
@@ -66,17 +69,20 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--out", default=None)
     ap.add_argument("--plot", default=None)
+    ap.add_argument("--runs", nargs="+", choices=[n for n in RUNS if n != "bf16"], default=None)
+    ap.add_argument("--work", default=None, help="keep the run folders here (default: a temporary folder)")
     args = ap.parse_args()
+    names = ["bf16", *(args.runs or [n for n in RUNS if n != "bf16"])]
     with tempfile.TemporaryDirectory() as tmp, concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
-        futures = {
-            name: pool.submit(run, name, extra, args.steps, args.devices, Path(tmp)) for name, extra in RUNS.items()
-        }
+        work = Path(args.work) if args.work else Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        futures = {name: pool.submit(run, name, RUNS[name], args.steps, args.devices, work) for name in names}
         recs = {name: f.result() for name, f in futures.items()}
     curves = {name: windows(r) for name, r in recs.items()}
     val = {name: [r["val_loss"] for r in rs if "val_loss" in r] for name, rs in recs.items()}
     ref = curves["bf16"]
     report = {"steps": args.steps, "devices": args.devices, "window": WINDOW, "curves": curves, "val_loss": val}
-    for name in RUNS:
+    for name in names:
         if name == "bf16":
             continue
         gaps = {s: (curves[name][s] - ref[s]) / ref[s] for s in ref if s in curves[name]}
