@@ -5,6 +5,9 @@ One concept per module:
 - `checkpointer`: `Checkpointer` (save / restore / list steps), `restore`, `latest_step`
 - `manifest`: the per-step manifest (sizes, CRC-32), leaf names (`tree_paths`) and
   `shape_mismatches`
+- `fits`: whether a saved state fits a restore target, and the leaves a restore may create as
+  zeros (an older checkpoint of a model that gained them: `Checkpointer.restore(fill_missing=)`,
+  `filled_note`)
 - `shard_files`: arrays as one raw file per distinct host shard + a JSON index, restored onto
   any layout with CRC-32s checked on read; `shard_handler`: that as an Orbax item handler
   (the Checkpointer's default payload); `direct_io`: files written and read with O_DIRECT
@@ -30,6 +33,7 @@ _FACE = {
     "TMP_SUFFIX": "manifest",
     "check_files": "manifest",
     "file_crc32": "manifest",
+    "filled_note": "fits",
     "shape_mismatches": "manifest",
     "tree_paths": "manifest",
     "export_safetensors": "params_io",
@@ -46,6 +50,7 @@ __all__ = [
     "check_files",
     "export_safetensors",
     "file_crc32",
+    "filled_note",
     "latest_step",
     "load_init_params",
     "load_safetensors",

@@ -47,8 +47,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
-from fsdp_jax.checkpoint import manifest, orbax_logs, shard_files
-from fsdp_jax.checkpoint.manifest import ITEMS, MANIFEST, TMP_SUFFIX, shape_mismatches, tree_paths
+from fsdp_jax.checkpoint import fits, manifest, orbax_logs, shard_files
+from fsdp_jax.checkpoint.manifest import ITEMS, MANIFEST, TMP_SUFFIX, tree_paths
 from fsdp_jax.checkpoint.shard_handler import ShardSave
 from fsdp_jax.errors import CheckpointError, CheckpointWriteError, one_line
 
@@ -61,6 +61,7 @@ class Restored(NamedTuple):
     extras: dict  # the JSON saved with it
     step: int  # the checkpoint step restored
     warnings: list  # one line each: damaged steps skipped, unverified steps
+    filled: tuple = ()  # paths absent from the checkpoint, created as zeros (`restore`'s fill_missing)
 
 
 def _sync(name: str) -> None:
@@ -244,20 +245,10 @@ class Checkpointer:
         md = ocp.PyTreeCheckpointHandler().metadata(epath.Path(self.step_dir(step) / "state"))
         return tree_paths(md.tree)
 
-    def check_fits(self, step: int, target) -> None:
-        """CheckpointError listing the paths whose saved shapes differ from `target`'s."""
-        want = tree_paths(target)
-        tops = {p.split("/")[0] for p in want}  # a partial target ({"params": ...}) checks its part
-        if {"params", "opt_state"} <= tops:  # a whole TrainState: model state on either side counts
-            tops.add("model_state")
-        saved = {p: m for p, m in self.saved_metadata(step).items() if p.split("/")[0] in tops}
-        bad = shape_mismatches(saved, want)
-        if bad:
-            raise CheckpointError(
-                f"checkpoint {self.step_dir(step)} does not fit the model ({'; '.join(bad)}); "
-                "the model config differs from the run that saved it: restore with that config "
-                "or start a new run_dir (init_from can start from its exported params)"
-            )
+    def check_fits(self, step: int, target, filled: tuple[str, ...] = ()) -> None:
+        """CheckpointError listing the paths whose saved shapes differ from `target`'s
+        (`fits.check_fits`; the paths in `filled` may be absent)."""
+        fits.check_fits(self.step_dir(step), self.saved_metadata(step), target, filled)
 
     def usable_step(self, step: int | None = None) -> tuple[int, list[str]]:
         """(the newest step whose files match their manifest, or exactly `step`, checked
@@ -305,10 +296,15 @@ class Checkpointer:
 
     # -- restoring ------------------------------------------------------------------------
 
-    def restore(self, abstract_state, step: int | None = None, *, set_aside_damaged=False, then=None) -> Restored:
+    def restore(
+        self, abstract_state, step: int | None = None, *, set_aside_damaged=False, then=None, fill_missing=None
+    ) -> Restored:
         """Restore the newest usable step (or `step`) laid out as `abstract_state` (a
         tree of ShapeDtypeStructs with shardings; dtypes are cast to the target's).
         `then(state, the step's state dir) -> state` finishes it (an nvme run's layer files).
+        `fill_missing(path) -> bool`: target leaves it accepts may be absent from the step and
+        are created as zeros (`fits`; an older checkpoint of a model that gained them), listed
+        in `Restored.filled`.
 
         A damaged newer step (its files, or `then` raising on them) is skipped (see `Restored.warnings`); with
         `set_aside_damaged` it is moved to `<directory>.damaged/` so the run can save
@@ -316,15 +312,17 @@ class Checkpointer:
         differ from the target."""
 
         def load(s):
-            self.check_fits(s, abstract_state)
+            filled = fits.fillable(self.saved_metadata(s), abstract_state, fill_missing)
+            self.check_fits(s, abstract_state, filled)
             extras = self._mngr.restore(s, args=ocp.args.Composite(extras=ocp.args.JsonRestore()))["extras"]
-            state = self._read_state(s, abstract_state)
-            return (state if then is None else then(state, self.step_dir(s) / "state")), dict(extras or {})
+            state = self._read_state(s, fits.without(abstract_state, filled), partial=bool(filled))
+            state = fits.with_zeros(state, abstract_state, filled)
+            return (state if then is None else then(state, self.step_dir(s) / "state")), dict(extras or {}), filled
 
-        (state, extras), s, notes = self._try_steps(step, load, crc_on_read=True)
+        (state, extras, filled), s, notes = self._try_steps(step, load, crc_on_read=True)
         if set_aside_damaged and not self.read_only:
             self._set_aside([d for d in self.steps() if d > s])
-        return Restored(state, extras, s, notes)
+        return Restored(state, extras, s, notes, filled)
 
     def restore_params(self, abstract_params, step: int | None = None) -> tuple[Any, int, list[str]]:
         """Only the saved `params` subtree, laid out as `abstract_params` (ShapeDtypeStructs

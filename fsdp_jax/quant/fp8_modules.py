@@ -43,6 +43,16 @@ def grad_meta_name(weight: str) -> str:
     return f"fp8_{weight}_grad_amax{FROM_GRADIENT}"
 
 
+def fills_with_zeros(path: str) -> bool:
+    """Whether a model-state leaf at `path` ("model_state/.../fp8_wq_grad_amax_from_grad") is
+    an FP8 history written by the backward pass: the output-gradient histories and the
+    per-expert (E, 3, L) histories, which delayed-recipe checkpoints written before them lack.
+    All zeros is a fresh history (the scale comes from the current amax), so a restore may
+    create them as zeros (`fsdp_jax.checkpoint.fits`)."""
+    name = path.rsplit("/", 1)[-1]
+    return path.startswith("model_state/") and name.startswith("fp8_") and name.endswith(FROM_GRADIENT)
+
+
 def attach(module: nnx.Module, recipe: fp8.Fp8Recipe | None, weights: tuple[str, ...]) -> nnx.Module:
     """`module` with `recipe` for the projections whose weights are the attributes named in
     `weights` (those it has), and zeroed histories for a delayed recipe. None: unchanged."""

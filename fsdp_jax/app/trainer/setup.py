@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import re
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -59,9 +60,10 @@ from fsdp_jax.app.trainer.build import (
 from fsdp_jax.app.trainer.init_from import base_loader, open_hf_init
 from fsdp_jax.app.trainer.optim import build_optimizer
 from fsdp_jax.app.trainer.run_dir import check_dir_path
-from fsdp_jax.checkpoint import Checkpointer, Restored, latest_step, open_safetensors
+from fsdp_jax.checkpoint import Checkpointer, Restored, filled_note, latest_step, open_safetensors
 from fsdp_jax.errors import CheckpointError, ConfigError, one_line
 from fsdp_jax.model.fns import ModelFns
+from fsdp_jax.quant import fp8_modules
 from fsdp_jax.sharding import offload, remat
 from fsdp_jax.sharding.mesh import make_mesh
 from fsdp_jax.sharding.strategy import ShardingPlan
@@ -264,7 +266,7 @@ def _state(p: _Draft) -> None:
     if p.resume and ckpt.steps():
         target = lora_state.saved_abstract(built.abstract_state) if lora else built.abstract_state
         target, then = nvme_run.restore_target(nvme, target), nvme_run.after_restore(nvme)
-        restored = ckpt.restore(target, set_aside_damaged=True, then=then)
+        restored = ckpt.restore(target, set_aside_damaged=True, then=then, fill_missing=fp8_modules.fills_with_zeros)
         try:  # extras are JSON anyone can edit: a bad value names the checkpoint, not a traceback
             state, start = restored.state, int(restored.extras.get("step", restored.step))
             rng = _rng_from(restored.extras.get("rng"), rng)
@@ -283,6 +285,8 @@ def _state(p: _Draft) -> None:
         if is_main:
             for w in restored.warnings + _config_changes(restored.extras.get("config"), cfg):
                 print(f"warning: {w}", flush=True)
+            if restored.filled:  # an older delayed-FP8 checkpoint: its newer histories start empty
+                print(f"warning: {filled_note(ckpt.step_dir(restored.step), restored.filled)}", file=sys.stderr)
             print(f"resuming from checkpoint step {restored.step} ({ckpt.step_dir(restored.step)})", flush=True)
     elif lora:  # the frozen base (init_from or a fresh init) and the adapters (PEFT's or peft:DIR)
         begun = lora_state.start(cfg, built, rng, base_loader(p.cfg, p.hf_ckpt, p.model.init, p.rng))
