@@ -9,6 +9,41 @@ pay for JAX and Flax."""
 import importlib
 import sys
 import types
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # what IDEs and type checkers see (the names of `_FACE`); nothing loads at run time
+    from fsdp_jax.errors import (
+        BatchError,
+        MeshError,
+        OffloadError,
+        ShardingError,
+        StateError,
+        UnknownNamesWarning,
+        VerifyError,
+    )
+    from fsdp_jax.model.fns import ModelFns, from_linen, from_nnx
+    from fsdp_jax.model.lora import LoraModel, with_lora
+    from fsdp_jax.sharding import axes, rules
+    from fsdp_jax.sharding.flax_names import logical_axes_of
+    from fsdp_jax.sharding.leaf_sharding import LeafSharding
+    from fsdp_jax.sharding.mesh import make_mesh
+    from fsdp_jax.sharding.offload import OFFLOADS
+    from fsdp_jax.sharding.precision import Policy, cast_params_for_compute
+    from fsdp_jax.sharding.reasons import Note, Why
+    from fsdp_jax.sharding.remat import REMAT_POLICIES, RematPolicy, get_policy, with_remat
+    from fsdp_jax.sharding.replication import check_sufficiently_sharded
+    from fsdp_jax.sharding.rule_table import DEFAULT_RULES, merge_rules
+    from fsdp_jax.sharding.rules import explain, logical_to_spec
+    from fsdp_jax.sharding.strategy import ALIASES, STRATEGIES, ShardingPlan, Strategy, get_strategy, make_plan
+    from fsdp_jax.sharding.thresholds import DEFAULT_MIN_SHARD_SIZE
+    from fsdp_jax.train.build import Built, build, init_train_state
+    from fsdp_jax.train.shard_model import ShardedModel, shard_model
+    from fsdp_jax.train.state import TrainState, abstract_state, shard_params, state_shardings
+    from fsdp_jax.train.step import CompiledStep, make_eval_step, make_train_step, sharding_context
+    from fsdp_jax.train.step_parts import TokenSum
+    from fsdp_jax.train.trainable import trainable_leaves
+    from fsdp_jax.verify.report import TOLERANCES, Divergence, StrategyReport, Tolerance, VerifyReport
+    from fsdp_jax.verify.run import verify
 
 # module -> the names of the face it defines (read with `from module import name`)
 _FACE: dict[str, tuple[str, ...]] = {
@@ -32,8 +67,10 @@ _FACE: dict[str, tuple[str, ...]] = {
     "fsdp_jax.sharding.reasons": ("Note", "Why"),
     "fsdp_jax.sharding.remat": ("REMAT_POLICIES", "RematPolicy", "get_policy", "with_remat"),
     "fsdp_jax.sharding.replication": ("check_sufficiently_sharded",),
-    "fsdp_jax.sharding.rules": ("DEFAULT_MIN_SHARD_SIZE", "DEFAULT_RULES", "explain", "logical_to_spec", "merge_rules"),
+    "fsdp_jax.sharding.rule_table": ("DEFAULT_RULES", "merge_rules"),
+    "fsdp_jax.sharding.rules": ("explain", "logical_to_spec"),
     "fsdp_jax.sharding.strategy": ("ALIASES", "STRATEGIES", "ShardingPlan", "Strategy", "get_strategy", "make_plan"),
+    "fsdp_jax.sharding.thresholds": ("DEFAULT_MIN_SHARD_SIZE",),
     "fsdp_jax.train.build": ("Built", "build", "init_train_state"),
     "fsdp_jax.train.shard_model": ("ShardedModel", "shard_model"),
     "fsdp_jax.train.state": ("TrainState", "abstract_state", "shard_params", "state_shardings"),
@@ -117,7 +154,16 @@ def _load_face() -> None:
     names = globals()
     for module, attrs in _FACE.items():
         loaded = importlib.import_module(module)
-        names.update({a: getattr(loaded, a) for a in attrs})
+        names.update({a: _attr(loaded, a) for a in attrs})
+
+
+def _attr(module: types.ModuleType, name: str):
+    """What `from module import name` binds: the attribute, else the submodule of that name
+    (a lazy package face, `fsdp_jax.lazy_face`, binds a submodule only once it is imported)."""
+    try:
+        return getattr(module, name)
+    except AttributeError:
+        return importlib.import_module(f"{module.__name__}.{name}")
 
 
 def __getattr__(name):

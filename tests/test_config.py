@@ -139,7 +139,7 @@ def test_bad_values_name_the_key(override, key):
 
 
 def test_mesh_rules_merge_over_the_defaults_and_round_trip(tmp_path):
-    from fsdp_jax.sharding.rules import DEFAULT_RULES
+    from fsdp_jax.sharding.rule_table import DEFAULT_RULES
 
     assert Config().mesh.rules == {k: list(v) if isinstance(v, tuple) else v for k, v in DEFAULT_RULES.items()}
     p = tmp_path / "c.yaml"

@@ -37,7 +37,7 @@ from fsdp_jax.checkpoint.safetensors_io import SafetensorsFile, write_safetensor
 from fsdp_jax.errors import ConfigError
 from fsdp_jax.model.fns import from_nnx
 from fsdp_jax.sharding.mesh import make_mesh
-from fsdp_jax.sharding.rules import DEFAULT_RULES
+from fsdp_jax.sharding.rule_table import DEFAULT_RULES
 from fsdp_jax.train.build import build
 from fsdp_jax.train.step import sharding_context
 from helpers import call, one_line

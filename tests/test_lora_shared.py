@@ -21,7 +21,7 @@ from fsdp_jax.app.trainer.build import lora_optimizer, make_loss_fn, trainer_mod
 from fsdp_jax.model.fns import from_nnx
 from fsdp_jax.sharding import axes
 from fsdp_jax.sharding.mesh import make_mesh
-from fsdp_jax.sharding.rules import DEFAULT_RULES
+from fsdp_jax.sharding.rule_table import DEFAULT_RULES
 from fsdp_jax.train.build import build
 from helpers import max_abs_diff, weight_shaped_results
 

@@ -18,7 +18,7 @@ from fsdp_jax.app.models import Decoder, DecoderConfig
 from fsdp_jax.app.trainer.build import make_loss_fn
 from fsdp_jax.model.fns import from_nnx
 from fsdp_jax.sharding.mesh import make_mesh
-from fsdp_jax.sharding.rules import DEFAULT_RULES
+from fsdp_jax.sharding.rule_table import DEFAULT_RULES
 from fsdp_jax.train.build import build
 from fsdp_jax.train.step import sharding_context
 from helpers import TINY_RUN_OVERRIDES, call, one_line

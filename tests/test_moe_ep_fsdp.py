@@ -17,7 +17,8 @@ import pytest
 from test_moe_ep import _built, _cfg, _collectives, _train, _worst_leaf
 
 from fsdp_jax.sharding.mesh import make_mesh
-from fsdp_jax.sharding.rules import DEFAULT_RULES, logical_to_spec
+from fsdp_jax.sharding.rule_table import DEFAULT_RULES
+from fsdp_jax.sharding.rules import logical_to_spec
 from helpers import TINY_RUN_OVERRIDES, call, one_line
 
 EP_FSDP = {**DEFAULT_RULES, "expert": "fsdp"}

@@ -22,7 +22,7 @@ from test_moe_ep import _cfg, _train, _worst_leaf
 
 from fsdp_jax.errors import ConfigError
 from fsdp_jax.sharding.mesh import make_mesh
-from fsdp_jax.sharding.rules import DEFAULT_RULES
+from fsdp_jax.sharding.rule_table import DEFAULT_RULES
 from helpers import json_child
 
 EP_FSDP = {**DEFAULT_RULES, "expert": "fsdp"}

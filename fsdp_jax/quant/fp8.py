@@ -41,24 +41,12 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from fsdp_jax.quant.recipes import RECIPES
 from fsdp_jax.sharding.mesh import constrain
 from fsdp_jax.train.layer_gather import GATHERED  # the gathered f8 weight: never saved under ZeRO-3
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)  # forward operands: 448 max, 3 mantissa bits
 E5M2 = jnp.dtype(jnp.float8_e5m2)  # gradients: 57344 max, 2 mantissa bits
-
-# recipe name -> what it is and where the name comes from (policies as data, with sources)
-RECIPES: dict[str, str] = {
-    "tensorwise": "per-tensor current scaling: each operand scaled by its own amax this step "
-    "(torchtitan float8 recipe_name 'tensorwise'; torchao Float8LinearRecipeName.TENSORWISE; "
-    "Transformer Engine Float8CurrentScaling)",
-    "delayed": "per-tensor delayed scaling: inputs, weights and output gradients each scaled by "
-    "the max over its own amax history of past steps (Transformer Engine DelayedScaling with "
-    "amax_compute_algo='max'; Flax fp8_ops input / kernel / output_grad_amax_history)",
-    "rowwise": "axiswise current scaling, e4m3 throughout: a scale per row or column along each "
-    "GEMM's contracted dim, rounded down to a power of two (torchtitan float8 recipe_name "
-    "'rowwise'; torchao Float8LinearRecipeName.ROWWISE; `fsdp_jax.quant.fp8_rowwise`)",
-}
 
 
 # Where FP8 matmuls run natively (data, with sources): NVIDIA GPUs of compute capability >= 8.9

@@ -13,12 +13,32 @@ memory policies (precision, remat, host offload). Decisions are data (`LeafShard
     offload       host memory kinds for optimizer state and master weights (`OFFLOADS`)
 """
 
-from fsdp_jax.sharding.mesh import make_mesh
-from fsdp_jax.sharding.offload import OFFLOADS
-from fsdp_jax.sharding.precision import Policy, cast_params_for_compute
-from fsdp_jax.sharding.remat import REMAT_POLICIES, RematPolicy, get_policy, with_remat
-from fsdp_jax.sharding.rules import DEFAULT_MIN_SHARD_SIZE, DEFAULT_RULES, explain, logical_to_spec, merge_rules
-from fsdp_jax.sharding.strategy import ALIASES, STRATEGIES, ShardingPlan, Strategy, get_strategy, make_plan
+from typing import TYPE_CHECKING
+
+from fsdp_jax.lazy_face import lazy_face
+
+if TYPE_CHECKING:  # what static tools see; at run time each name loads on first use
+    from fsdp_jax.sharding.mesh import make_mesh
+    from fsdp_jax.sharding.offload import OFFLOADS
+    from fsdp_jax.sharding.precision import Policy, cast_params_for_compute
+    from fsdp_jax.sharding.remat import REMAT_POLICIES, RematPolicy, get_policy, with_remat
+    from fsdp_jax.sharding.rule_table import DEFAULT_RULES, merge_rules
+    from fsdp_jax.sharding.rules import explain, logical_to_spec
+    from fsdp_jax.sharding.strategy import ALIASES, STRATEGIES, ShardingPlan, Strategy, get_strategy, make_plan
+    from fsdp_jax.sharding.thresholds import DEFAULT_MIN_SHARD_SIZE
+
+# module -> the names of the face it defines (loaded on first use: `fsdp_jax.lazy_face`)
+_FACE: dict[str, tuple[str, ...]] = {
+    "fsdp_jax.sharding.mesh": ("make_mesh",),
+    "fsdp_jax.sharding.offload": ("OFFLOADS",),
+    "fsdp_jax.sharding.precision": ("Policy", "cast_params_for_compute"),
+    "fsdp_jax.sharding.remat": ("REMAT_POLICIES", "RematPolicy", "get_policy", "with_remat"),
+    "fsdp_jax.sharding.rule_table": ("DEFAULT_RULES", "merge_rules"),
+    "fsdp_jax.sharding.rules": ("explain", "logical_to_spec"),
+    "fsdp_jax.sharding.strategy": ("ALIASES", "STRATEGIES", "ShardingPlan", "Strategy", "get_strategy", "make_plan"),
+    "fsdp_jax.sharding.thresholds": ("DEFAULT_MIN_SHARD_SIZE",),
+}
+__getattr__, __dir__ = lazy_face(__name__, _FACE)
 
 __all__ = [
     "ALIASES",

@@ -13,6 +13,7 @@ FSDP = "fsdp"
 CONTEXT = "context"
 TENSOR = "tensor"
 MESH_AXES: tuple[str, ...] = (DATA, FSDP, CONTEXT, TENSOR)
+MeshAxes = str | tuple[str, ...] | None  # one mesh axis, several, or none (a spec entry, a rule's value)
 
 # Logical dims of parameters.
 EMBED = "embed"  # model width (d_model)

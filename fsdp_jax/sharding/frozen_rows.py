@@ -21,7 +21,7 @@ from flax import nnx
 
 from fsdp_jax.sharding.axes import FROZEN_ROWS, FSDP, LAYERS
 from fsdp_jax.sharding.leaf_sharding import as_tuple
-from fsdp_jax.sharding.rules import DEFAULT_RULES
+from fsdp_jax.sharding.rule_table import DEFAULT_RULES
 
 # A float base's weight of fewer elements per layer keeps its trained names: its transposed copy
 # is small, and renamed it would be replicated where the shard group does not divide its leading

@@ -11,9 +11,8 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec as P
 
+from fsdp_jax.sharding.axes import MeshAxes
 from fsdp_jax.sharding.reasons import Note, Why, format_notes
-
-MeshAxes = str | tuple[str, ...] | None  # one mesh axis, several, or none (a spec entry, a rule's value)
 
 
 @dataclasses.dataclass(frozen=True)

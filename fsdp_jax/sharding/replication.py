@@ -13,12 +13,7 @@ from jax.sharding import Mesh
 
 from fsdp_jax.errors import ReplicatedWarning, ShardingError
 from fsdp_jax.sharding.leaf_sharding import LeafSharding, as_tuple
-
-DEFAULT_MAX_REPLICATED_FRACTION = 0.02
-# Replicated parameter bytes under this are a warning, not an error, whatever their
-# fraction: 16 MiB per device is noise on any accelerator, while a small model
-# (biases, norms, a 64-wide MLP) can easily be mostly below min_shard_size.
-DEFAULT_MIN_REPLICATED_BYTES = 16 << 20
+from fsdp_jax.sharding.thresholds import DEFAULT_MAX_REPLICATED_FRACTION, DEFAULT_MIN_REPLICATED_BYTES
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -34,41 +33,14 @@ from jax.sharding import PartitionSpec as P
 
 from fsdp_jax.errors import ShardingError, UnknownNamesWarning
 from fsdp_jax.sharding import axes
-from fsdp_jax.sharding.leaf_sharding import LeafSharding, MeshAxes, as_tuple, path_str
+from fsdp_jax.sharding.axes import MeshAxes
+from fsdp_jax.sharding.leaf_sharding import LeafSharding, as_tuple, path_str
 from fsdp_jax.sharding.reasons import Note, Why
-
-Rules = Mapping[str, MeshAxes]
-
-DEFAULT_RULES: Rules = {
-    # activations
-    axes.BATCH: (axes.DATA, axes.FSDP),
-    axes.LENGTH: axes.CONTEXT,
-    # parameters
-    axes.EMBED: axes.FSDP,
-    axes.MLP: axes.TENSOR,
-    axes.HEADS: axes.TENSOR,
-    axes.KV_HEADS: axes.TENSOR,
-    axes.KV: None,
-    axes.VOCAB: axes.TENSOR,
-    axes.LAYERS: None,
-    axes.NORM: None,
-    axes.LORA_RANK: None,
-    axes.EXPERT: None,  # experts replicated over devices (their embed dim shards over fsdp)
-    axes.Q_LORA: axes.FSDP,  # latent attention's compressed widths: W_qb / W_kvb shard over fsdp here
-    axes.KV_LORA: axes.FSDP,  # (W_qa / W_kva over their embed dim, which claims fsdp first)
-    axes.FROZEN_ROWS: (axes.TENSOR, axes.FSDP),  # a frozen w_down / wo: fsdp on its major dim
-}
-DEFAULT_MIN_SHARD_SIZE = 2**14  # elements; smaller unannotated leaves stay replicated
-
+from fsdp_jax.sharding.rule_table import DEFAULT_RULES, Rules, rule_entry
+from fsdp_jax.sharding.rule_table import merge_rules as merge_rules  # `fsdp_jax.rules.merge_rules` stays public
+from fsdp_jax.sharding.thresholds import DEFAULT_MIN_SHARD_SIZE
 
 # ----------------------------------------------------------------------------- decisions
-
-
-def _entry(axes_: Sequence[str]):
-    axes_ = tuple(axes_)
-    if not axes_:
-        return None
-    return axes_[0] if len(axes_) == 1 else axes_
 
 
 def axis_size(mesh: Mesh, axes_: MeshAxes) -> int:
@@ -104,7 +76,7 @@ def logical_to_spec(
                 if b not in used:
                     mapped.append(b)
         used.update(mapped)
-        out[i] = _entry(mapped)
+        out[i] = rule_entry(mapped)
 
     for i, name in enumerate(names):
         if name in LITERAL_NAMES:
@@ -119,30 +91,6 @@ def flax_rules(rules: Rules | None = None) -> tuple[tuple[str, MeshAxes], ...]:
     """The table in the `(name, mesh_axes)` pair form of `flax.linen.logical_axis_rules`."""
     rules = DEFAULT_RULES if rules is None else rules
     return tuple((k, v) for k, v in rules.items())
-
-
-def merge_rules(
-    overrides: Mapping[str, Any] | None, base: Rules | None = None, mesh_axes: Sequence[str] = axes.MESH_AXES
-) -> dict[str, MeshAxes]:
-    """`base` (default DEFAULT_RULES) with `overrides` on top. A value is a mesh axis
-    name, a list/tuple of them, or None. Raises ShardingError naming the logical
-    name, the value and the allowed axes when a value is not one of `mesh_axes`."""
-    out = dict(DEFAULT_RULES if base is None else base)
-    for name, value in (overrides or {}).items():
-        vals = (
-            (value,)
-            if value is None or isinstance(value, str)
-            else (tuple(value) if isinstance(value, (list, tuple)) else (value,))
-        )
-        vals = tuple(v for v in vals if v is not None) if value is None else vals
-        bad = [v for v in vals if not isinstance(v, str) or v not in mesh_axes]
-        if not isinstance(name, str) or bad or len(set(vals)) != len(vals):
-            raise ShardingError(
-                f"rule {name!r}: {value!r} is not a mesh axis, a list of distinct "
-                f"mesh axes or null; mesh axes: {', '.join(mesh_axes)}"
-            )
-        out[name] = _entry(vals)
-    return out
 
 
 def _bytes_per_device(shape, dtype, spec: P, mesh: Mesh) -> tuple[int, int]:
@@ -204,7 +152,7 @@ def decide_leaf(
                 notes.append(
                     Note(Why.NOT_DIVISIBLE, names=(names[i],), axes=as_tuple(e), dim=i, size=d, n=axis_size(mesh, e))
                 )
-            entries[i] = _entry(kept)
+            entries[i] = rule_entry(kept)
         unknown_names = tuple(n for n in names if n is not None and n not in rules)
         unknown = bool(unknown_names)
         mapped = tuple((n, as_tuple(e)) for n, e in zip(names, entries) if e is not None)
@@ -231,7 +179,7 @@ def decide_leaf(
     if dim is None or entries[dim] is not None:
         notes.append(Note(Why.UNSHARDABLE, axes=free or group, n=n if free else group_n))
         return P(*entries), tuple(notes)
-    entries[dim] = _entry(free)
+    entries[dim] = rule_entry(free)
     notes.append(Note(Why.FALLBACK, dim=dim, size=shape[dim], axes=free, n=n))
     return P(*entries), tuple(notes)
 

@@ -31,20 +31,13 @@ from jax.sharding import PartitionSpec as P
 from fsdp_jax.sharding import axes
 from fsdp_jax.sharding.leaf_sharding import LeafSharding
 from fsdp_jax.sharding.offload import at_rest, check_supported
-from fsdp_jax.sharding.replication import (
+from fsdp_jax.sharding.replication import check_sufficiently_sharded
+from fsdp_jax.sharding.rule_table import DEFAULT_RULES, Rules, merge_rules
+from fsdp_jax.sharding.rules import explain, plan_leaf, specs_from_rows, warn_unknown_names
+from fsdp_jax.sharding.thresholds import (
     DEFAULT_MAX_REPLICATED_FRACTION,
     DEFAULT_MIN_REPLICATED_BYTES,
-    check_sufficiently_sharded,
-)
-from fsdp_jax.sharding.rules import (
     DEFAULT_MIN_SHARD_SIZE,
-    DEFAULT_RULES,
-    Rules,
-    explain,
-    merge_rules,
-    plan_leaf,
-    specs_from_rows,
-    warn_unknown_names,
 )
 
 

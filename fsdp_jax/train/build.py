@@ -29,9 +29,13 @@ from fsdp_jax.model.fns import ModelFns
 from fsdp_jax.model.variables import check_structure
 from fsdp_jax.sharding.offload import fetch, on_device, store_state
 from fsdp_jax.sharding.precision import Policy
-from fsdp_jax.sharding.replication import DEFAULT_MAX_REPLICATED_FRACTION, DEFAULT_MIN_REPLICATED_BYTES
-from fsdp_jax.sharding.rules import DEFAULT_MIN_SHARD_SIZE, Rules
+from fsdp_jax.sharding.rule_table import Rules
 from fsdp_jax.sharding.strategy import ShardingPlan, Strategy, make_plan
+from fsdp_jax.sharding.thresholds import (
+    DEFAULT_MAX_REPLICATED_FRACTION,
+    DEFAULT_MIN_REPLICATED_BYTES,
+    DEFAULT_MIN_SHARD_SIZE,
+)
 from fsdp_jax.train.state import TrainState, abstract_state, state_shardings
 from fsdp_jax.train.step import CompiledStep, make_eval_step, make_train_step
 from fsdp_jax.train.step_parts import LossFn

@@ -40,7 +40,8 @@ from jax.sharding import Mesh, NamedSharding
 from fsdp_jax.sharding import precision
 from fsdp_jax.sharding.mesh import constrain
 from fsdp_jax.sharding.remat import get_policy
-from fsdp_jax.sharding.rules import DEFAULT_MIN_SHARD_SIZE, plan_leaf
+from fsdp_jax.sharding.rules import plan_leaf
+from fsdp_jax.sharding.thresholds import DEFAULT_MIN_SHARD_SIZE
 
 GATHERED = "fsdp_gathered_params"  # checkpoint name of a layer's gathered params
 FETCHED = "fsdp_fetched_params"  # ... of a layer's host-resident params brought to the device (never saved)

@@ -48,14 +48,14 @@ from fsdp_jax.model.fns import ModelFns, adapt_model
 from fsdp_jax.model.lora import LoraModel
 from fsdp_jax.model.variables import rows_lines
 from fsdp_jax.sharding.leaf_sharding import spec_str
-from fsdp_jax.sharding.replication import (
+from fsdp_jax.sharding.replication import format_summary, summarize
+from fsdp_jax.sharding.rule_table import Rules
+from fsdp_jax.sharding.strategy import ShardingPlan, Strategy
+from fsdp_jax.sharding.thresholds import (
     DEFAULT_MAX_REPLICATED_FRACTION,
     DEFAULT_MIN_REPLICATED_BYTES,
-    format_summary,
-    summarize,
+    DEFAULT_MIN_SHARD_SIZE,
 )
-from fsdp_jax.sharding.rules import DEFAULT_MIN_SHARD_SIZE, Rules
-from fsdp_jax.sharding.strategy import ShardingPlan, Strategy
 from fsdp_jax.train.build import build
 from fsdp_jax.train.state import TrainState
 from fsdp_jax.train.step import CompiledStep, make_eval_step, make_train_step

@@ -8,24 +8,55 @@ Every error is a `ConfigError` whose message is one line naming the dotted key, 
 bad value and what is allowed. YAML is read with `yaml.safe_load` only.
 
 - `schema`: the dataclasses, each field's type and limits (`limit`, `check_fields`)
-- `parse`:  YAML and `key=value` overrides -> `Config` (did-you-mean for unknown keys)
+- `read`:   YAML and `key=value` overrides -> `Config`, field by field, no JAX (did-you-mean for unknown keys)
+- `parse`:  `read` + `checks` -> a validated `Config` (`load_config`); YAML out
 - `checks`: checks across fields, devices, backend and corpus (`validate`, `check_data`)
 - `context_checks`: what context parallelism needs (`check_context`, `RING_FLASH_KERNELS`)
 """
 
-from fsdp_jax.app.config.checks import check_data, validate
-from fsdp_jax.app.config.parse import apply_overrides, config_from_dict, config_to_dict, load_config, save_config
-from fsdp_jax.app.config.schema import (
-    Config,
-    DataConfig,
-    DecoderConfig,
-    DistributedConfig,
-    LoggingConfig,
-    MeshConfig,
-    OptimizerConfig,
-    TrainConfig,
-)
-from fsdp_jax.errors import ConfigError
+from typing import TYPE_CHECKING
+
+from fsdp_jax.lazy_face import lazy_face
+
+if TYPE_CHECKING:  # what static tools see; at run time each name loads on first use
+    from fsdp_jax.app.config.checks import check_data, validate
+    from fsdp_jax.app.config.parse import config_from_dict, config_to_dict, load_config, save_config
+    from fsdp_jax.app.config.read import apply_overrides
+    from fsdp_jax.app.config.schema import (
+        Config,
+        DataConfig,
+        DecoderConfig,
+        DistributedConfig,
+        LoggingConfig,
+        MeshConfig,
+        OptimizerConfig,
+        TrainConfig,
+    )
+    from fsdp_jax.errors import ConfigError
+
+# module -> the names of the face it defines (loaded on first use: `fsdp_jax.lazy_face`)
+_FACE: dict[str, tuple[str, ...]] = {
+    "fsdp_jax.app.config.checks": ("check_data", "validate"),
+    "fsdp_jax.app.config.parse": (
+        "apply_overrides",
+        "config_from_dict",
+        "config_to_dict",
+        "load_config",
+        "save_config",
+    ),
+    "fsdp_jax.app.config.schema": (
+        "Config",
+        "DataConfig",
+        "DecoderConfig",
+        "DistributedConfig",
+        "LoggingConfig",
+        "MeshConfig",
+        "OptimizerConfig",
+        "TrainConfig",
+    ),
+    "fsdp_jax.errors": ("ConfigError",),
+}
+__getattr__, __dir__ = lazy_face(__name__, _FACE)
 
 __all__ = [
     "Config",

@@ -18,14 +18,17 @@ from typing import Any
 
 from fsdp_jax.app.config.grpo_schema import GrpoConfig
 from fsdp_jax.app.config.schema_fields import LIMITS, limit, names
+from fsdp_jax.app.models.choices import ATTENTIONS, GROUPED_MATMULS, ROPE_TYPES
 from fsdp_jax.app.models.config import DecoderConfig
-from fsdp_jax.app.models.grouped_matmul import GROUPED_MATMULS
-from fsdp_jax.app.models.rope import ROPE_TYPES
 from fsdp_jax.errors import ConfigError, ShardingError
-from fsdp_jax.quant.fp8 import RECIPES
+from fsdp_jax.quant.recipes import RECIPES
 from fsdp_jax.sharding.axes import MESH_AXES
-from fsdp_jax.sharding.replication import DEFAULT_MAX_REPLICATED_FRACTION, DEFAULT_MIN_REPLICATED_BYTES
-from fsdp_jax.sharding.rules import DEFAULT_MIN_SHARD_SIZE, DEFAULT_RULES, merge_rules
+from fsdp_jax.sharding.rule_table import DEFAULT_RULES, merge_rules
+from fsdp_jax.sharding.thresholds import (
+    DEFAULT_MAX_REPLICATED_FRACTION,
+    DEFAULT_MIN_REPLICATED_BYTES,
+    DEFAULT_MIN_SHARD_SIZE,
+)
 
 # The model section is the reference model's own config dataclass (fsdp_jax.app.models),
 # which carries no config metadata: its limits are listed here.
@@ -88,7 +91,7 @@ MODEL_LIMITS: dict[str, str] = {
     "mtp_loss_weight": ">= 0",
 }
 MODEL_CHOICES: dict[str, tuple[str, ...]] = {
-    "attention": ("xla", "cudnn", "splash"),
+    "attention": ATTENTIONS,
     "context_kv_pass": ("all_gather", "ring"),
     "rope_type": tuple(ROPE_TYPES),
     "mlp_activation": ("silu", "gelu_pytorch_tanh"),
@@ -105,7 +108,7 @@ Rules = dict[str, Any]
 
 def resolved_rules(overrides: Mapping | None = None) -> Rules:
     """`overrides` (logical name -> mesh axis, list of axes, or null) merged over
-    `fsdp_jax.sharding.rules.DEFAULT_RULES`, in YAML-friendly form (lists, not tuples).
+    `fsdp_jax.sharding.rule_table.DEFAULT_RULES`, in YAML-friendly form (lists, not tuples).
     Raises ConfigError naming mesh.rules.NAME when a value is not a mesh axis."""
     if overrides is not None and not isinstance(overrides, Mapping):
         raise ConfigError(
@@ -136,7 +139,7 @@ class MeshConfig:
     min_shard_size: int = limit(DEFAULT_MIN_SHARD_SIZE, ">= 0")  # leaves with fewer elements stay replicated
     max_replicated_fraction: float = limit(DEFAULT_MAX_REPLICATED_FRACTION, "[0, 1]")
     min_replicated_bytes: int = limit(DEFAULT_MIN_REPLICATED_BYTES, ">= 0")  # under this, over the fraction only warns
-    # logical name -> mesh axis / list / null, merged over fsdp_jax.sharding.rules.DEFAULT_RULES (the
+    # logical name -> mesh axis / list / null, merged over fsdp_jax.sharding.rule_table.DEFAULT_RULES (the
     # resolved table is what the run saves in config.yaml)
     rules: Rules = dataclasses.field(default_factory=resolved_rules)
 

@@ -37,9 +37,9 @@ import jax
 import jax.numpy as jnp
 from jax._src import config as jax_config
 
+from fsdp_jax.app.models.choices import GROUPED_MATMULS
 from fsdp_jax.errors import ConfigError
 
-GROUPED_MATMULS = ("auto", "xla", "tokamax")
 TPU_TILE = 128  # tokamax's Mosaic TPU kernel: its default tile (pallas_mosaic_tpu.Config) and smallest dim
 
 

@@ -24,7 +24,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+from fsdp_jax.app.models.choices import ROPE_TYPES
 
 
 def _base_inv_freq(theta: float, dh: int) -> np.ndarray:

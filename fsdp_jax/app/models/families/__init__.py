@@ -4,21 +4,10 @@
     families.by_model_type("qwen3").switches          # {"qk_norm": True}
 
 Registration order is the order import, export and error messages list them; a new
-family is a new module here plus its line below (CONTRIBUTING.md, "Adding a model family").
+family is a new module here plus its name in `registry.BUILT_IN` (CONTRIBUTING.md, "Adding a
+model family"); the modules load on the registry's first use.
 """
 
-from fsdp_jax.app.models.families import (
-    deepseek_v3,
-    gemma3,
-    gpt_oss,
-    llama,
-    mistral,
-    mixtral,
-    qwen2,
-    qwen2_moe,
-    qwen3,
-    qwen3_moe,
-)
 from fsdp_jax.app.models.families.registry import (
     GENERIC_EXPERTS,
     Family,
@@ -38,9 +27,6 @@ from fsdp_jax.app.models.families.registry import (
     unregister,
     weight_names,
 )
-
-for _module in (llama, mistral, qwen2, qwen3, gemma3, mixtral, qwen3_moe, qwen2_moe, gpt_oss, deepseek_v3):
-    register(_module.FAMILY)
 
 __all__ = [
     "GENERIC_EXPERTS",

@@ -14,6 +14,7 @@ outside this package names a family.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -102,12 +103,40 @@ class Family:
         return own and all(getattr(cfg, k) == v for k, v in self.switches.items())
 
 
+# The built-in families, one module each in this package, in registration order. They are
+# imported on the registry's first use, not by the package face: LoRA reads the registry when
+# it resolves targets, and the family modules import the decoder's parts that import LoRA, so
+# importing them with the face made any model module but the decoder a cycle's first entry
+# (and `import fsdp_jax.app.models.config` load JAX through the models' face).
+BUILT_IN = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma3",
+    "mixtral",
+    "qwen3_moe",
+    "qwen2_moe",
+    "gpt_oss",
+    "deepseek_v3",
+)
 _REGISTRY: dict[str, Family] = {}
+_BUILT_IN_LOADED: list[bool] = []  # [True] once the built-in modules were imported
+
+
+def _records() -> dict[str, Family]:
+    """The registry, the built-in families first (imported and registered on the first call)."""
+    if not _BUILT_IN_LOADED:
+        _BUILT_IN_LOADED.append(True)
+        for name in BUILT_IN:
+            family = importlib.import_module(f"{__package__}.{name}").FAMILY
+            _REGISTRY[family.model_type] = family
+    return _REGISTRY
 
 
 def register(family: Family) -> Family:
     """Add `family` (ValueError when its model_type is taken); returns it."""
-    if family.model_type in _REGISTRY:
+    if family.model_type in _records():
         raise ValueError(f"model_type {family.model_type!r} is already registered")
     _REGISTRY[family.model_type] = family
     return family
@@ -115,21 +144,21 @@ def register(family: Family) -> Family:
 
 def unregister(model_type: str) -> None:
     """Remove a registered family (a test's toy family)."""
-    _REGISTRY.pop(model_type)
+    _records().pop(model_type)
 
 
 def families() -> tuple[Family, ...]:
     """Every registered family, in registration order."""
-    return tuple(_REGISTRY.values())
+    return tuple(_records().values())
 
 
 def model_types() -> tuple[str, ...]:
-    return tuple(_REGISTRY)
+    return tuple(_records())
 
 
 def by_model_type(model_type: str) -> Family | None:
     """The family of a config.json's model_type, or None."""
-    return _REGISTRY.get(model_type) if isinstance(model_type, str) else None
+    return _records().get(model_type) if isinstance(model_type, str) else None
 
 
 def by_architecture(architecture: str) -> Family | None:
