@@ -71,7 +71,7 @@ def test_checkpoints_made_read_only_mid_run_stop_at_that_save_then_resume_exactl
         "--no-progress",
         *TINY_RUN_OVERRIDES,
         f"data.path={corpus}",
-        "train.steps=8",
+        "train.steps=6",  # the failed save of step 4 and the resume's save of step 6: 8 steps added nothing
         "train.checkpoint_every=2",
         "train.keep_checkpoints=5",
     ]
@@ -109,7 +109,7 @@ def test_checkpoints_made_read_only_mid_run_stop_at_that_save_then_resume_exactl
         train + [f"run_dir={run_dir}"], capture_output=True, text=True, env=_train_env(), cwd=ROOT, timeout=600
     )
     assert again.returncode == 0 and "resuming from checkpoint step 2" in again.stdout, again.stderr[-3000:]
-    _assert_same_params(tmp_path / "ref", run_dir, 8)
+    _assert_same_params(tmp_path / "ref", run_dir, 6)
 
 
 # -- a peer process that dies ----------------------------------------------------------------------
@@ -169,79 +169,108 @@ def two_process_reference(corpus, tmp_path_factory):
     return run_dir
 
 
+def _wait_for(ready, proc, deadline: float, poll_s: float = 0.01) -> None:
+    while not ready() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(poll_s)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs Linux /proc to find the peer process")
-@pytest.mark.parametrize("when", ["mid_step", "mid_save"])
-def test_a_peer_killed_mid_run_stops_the_job_with_one_line_and_the_run_resumes_exactly(
-    when, corpus, tmp_path, two_process_reference
+def test_a_peer_killed_mid_save_then_mid_step_stops_the_job_with_one_line_and_the_run_resumes_exactly(
+    corpus, tmp_path, two_process_reference
 ):
-    """kill -9 of process 1 of a 2-process run, after step 4 is committed (in a step) or
-    as soon as a later step's checkpoint is being written (its tmp directory exists). The
-    survivor is blocked in a collective with the dead peer: the launcher says which
-    process died in one line, stops the survivor within its grace, exits 1. The committed
-    checkpoints restore, and the same command resumes from the newest one to the end,
-    bit-identical to a run that never lost a peer."""
+    """kill -9 of process 1 of a 2-process run, twice in one run: first as soon as the
+    checkpoint after step 4's is being written (its tmp directory exists), then, in the same
+    command run again, in a step once a newer checkpoint than the first kill's is committed.
+    Each time the survivor is blocked in a collective with the dead peer: the launcher says
+    which process died in one line, stops the survivor within its grace, exits 1, and the
+    committed checkpoints restore; the relaunch resumes from the newest one. The last
+    relaunch runs to the end, bit-identical to a run that never lost a peer (the checkpoint
+    it resumes from was written by the first relaunch, so a wrong resume after either kill
+    shows there). One relaunch serves as the second kill's run (was two tests of two
+    launches each)."""
     run_dir = tmp_path / "run"
     ckpts = run_dir / "checkpoints"
     cmd = _two_process_train(corpus, run_dir)
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-        env=_train_env(FSDP_JAX_INJECT_DATA_DELAY_S="0.3"),
-    )
-    try:
-        deadline = time.monotonic() + 400
-        while not _committed(ckpts, 4) and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        if when == "mid_save":
-            while not any(ckpts.glob(f"*{ck.TMP_SUFFIX}*")) and proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.002)
-        peer = _child_with(proc.pid, 1)
-        assert peer is not None and proc.poll() is None, "the job ended before the kill"
-        os.kill(peer, 9)
-        saving = sorted(p.name for p in ckpts.glob(f"*{ck.TMP_SUFFIX}*"))
-        assert bool(saving) or when == "mid_step", "no save in flight at the kill"
-        killed_at = time.monotonic()
-        out, err = proc.communicate(timeout=120)
-        stopped_in = time.monotonic() - killed_at
-    finally:
-        proc.kill()
-    line = one_line(proc.returncode, err, "process 1 exited with -9", "SIGKILL", code=1)
-    assert stopped_in < 5 + 15, (stopped_in, line)  # the grace, plus the launcher's polling
-    assert "Traceback" not in out, out[-3000:]
-    committed = ck.Checkpointer(ckpts, read_only=True).steps()
-    assert committed and committed[-1] >= 4 and committed[-1] < 10, committed
+    newest = 0
+    for when in ("mid_save", "mid_step"):
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            env=_train_env(FSDP_JAX_INJECT_DATA_DELAY_S="0.3"),
+        )
+        try:
+            deadline = time.monotonic() + 400
+            target = max(4, newest + 2)  # a checkpoint this launch wrote
+            _wait_for(lambda: _committed(ckpts, target), proc, deadline)
+            if when == "mid_save":
+                _wait_for(lambda: any(ckpts.glob(f"*{ck.TMP_SUFFIX}*")), proc, deadline, 0.002)
+            peer = _child_with(proc.pid, 1)
+            assert peer is not None and proc.poll() is None, f"the job ended before the kill ({when})"
+            os.kill(peer, 9)
+            saving = sorted(p.name for p in ckpts.glob(f"*{ck.TMP_SUFFIX}*"))
+            assert bool(saving) or when == "mid_step", "no save in flight at the kill"
+            killed_at = time.monotonic()
+            out, err = proc.communicate(timeout=120)
+            stopped_in = time.monotonic() - killed_at
+        finally:
+            proc.kill()
+        line = one_line(proc.returncode, err, "process 1 exited with -9", "SIGKILL", code=1)
+        assert stopped_in < 5 + 15, (when, stopped_in, line)  # the grace, plus the launcher's polling
+        assert "Traceback" not in out, out[-3000:]
+        if newest:
+            assert f"[0] resuming from checkpoint step {newest}" in out, out[-3000:]
+        committed = ck.Checkpointer(ckpts, read_only=True).steps()
+        assert committed and target <= committed[-1] < 10, (when, committed)
+        newest = committed[-1]
     again = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=_train_env(), timeout=600)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-2000:]
-    assert f"[0] resuming from checkpoint step {committed[-1]}" in again.stdout, again.stdout[-3000:]
+    assert f"[0] resuming from checkpoint step {newest}" in again.stdout, again.stdout[-3000:]
     _assert_same_params(two_process_reference, run_dir, 10)
 
 
 # -- a peer that dies under a launcher that does not stop the others (SLURM, mpirun) ------------------
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("victim", [1, 0])
-def test_a_peer_killed_without_a_launcher_to_stop_the_job_the_survivor_stops_itself(
-    victim, corpus, tmp_path, two_process_reference
-):
-    """The two processes started as SLURM or mpirun would (each on its own, nobody watching
-    them), one killed (-9) in a step after step 4 is committed: process 1, or process 0
-    (whose coordination service runs in a child of its own, fsdp_jax.multihost.coordination). The
-    survivor's peer watch (distributed.peer_timeout_s=5) stops it in one line naming the
-    dead process and saying the newest checkpoint is intact, exit 1, long before JAX's
-    heartbeat abort; the same job resumes from that checkpoint, bit-identical to a run
-    that never lost a peer. Mutations: distributed.peer_timeout_s=0 (no watch) -> SIGABRT
-    after 100 s (exit 134 in a shell) with JAX's multi-line log when process 1 dies, at
-    once when process 0 dies; the service inside process 0 -> the same at once."""
+def _start_without_launcher(cmd: list[str]) -> list[subprocess.Popen]:
     from test_peer_watch import _free_port
 
+    port = _free_port()
+    procs = []
+    for i in range(2):
+        env = _train_env(
+            FSDP_JAX_INJECT_DATA_DELAY_S="0.3",
+            FSDP_JAX_COORDINATOR=f"127.0.0.1:{port}",
+            FSDP_JAX_NUM_PROCESSES="2",
+            FSDP_JAX_PROCESS_ID=str(i),
+            FSDP_JAX_CPU_DEVICES="4",
+        )
+        procs.append(
+            subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+        )
+    return procs
+
+
+@pytest.mark.slow
+def test_a_peer_killed_without_a_launcher_to_stop_the_job_the_survivor_stops_itself(
+    corpus, tmp_path, two_process_reference
+):
+    """The two processes started as SLURM or mpirun would (each on its own, nobody watching
+    them), one killed (-9) in a step: process 1 after step 4 is committed, then, the same job
+    started again that way (it resumes), process 0 (whose coordination service runs in a child
+    of its own, fsdp_jax.multihost.coordination) after a newer checkpoint is committed. Each
+    time the survivor's peer watch (distributed.peer_timeout_s=5) stops it in one line naming
+    the dead process and saying the newest checkpoint is intact, exit 1, long before JAX's
+    heartbeat abort; the job then resumes from the newest checkpoint under the launcher,
+    bit-identical to a run that never lost a peer. Mutations: distributed.peer_timeout_s=0 (no
+    watch) -> SIGABRT after 100 s (exit 134 in a shell) with JAX's multi-line log when process
+    1 dies, at once when process 0 dies; the service inside process 0 -> the same at once. One
+    test of three starts (was one per victim, two starts each)."""
     run_dir = tmp_path / "run"
     ckpts = run_dir / "checkpoints"
-    port = _free_port()
     cmd = [
         sys.executable,
         str(ROOT / "scripts" / "train.py"),
@@ -256,46 +285,38 @@ def test_a_peer_killed_without_a_launcher_to_stop_the_job_the_survivor_stops_its
         "train.keep_checkpoints=10",
         "distributed.peer_timeout_s=5",
     ]
-    procs = []
-    for i in range(2):
-        env = _train_env(
-            FSDP_JAX_INJECT_DATA_DELAY_S="0.3",
-            FSDP_JAX_COORDINATOR=f"127.0.0.1:{port}",
-            FSDP_JAX_NUM_PROCESSES="2",
-            FSDP_JAX_PROCESS_ID=str(i),
-            FSDP_JAX_CPU_DEVICES="4",
+    newest = 0
+    for victim in (1, 0):
+        procs = _start_without_launcher(cmd)
+        survivor = procs[1 - victim]
+        target = max(4, newest + 2)  # a checkpoint this start wrote
+        try:
+            _wait_for(lambda: _committed(ckpts, target), survivor, time.monotonic() + 400)
+            assert procs[0].poll() is None and procs[1].poll() is None, f"the job ended before killing {victim}"
+            procs[victim].kill()
+            killed_at = time.monotonic()
+            _, err = survivor.communicate(timeout=90)
+            stopped_in = time.monotonic() - killed_at
+        finally:
+            for p in procs:
+                p.kill()
+                p.wait()
+        who = "the coordinator, process 0 of 2" if victim == 0 else "process 1 of 2"
+        line = one_line(
+            survivor.returncode,
+            err,
+            f"{who} stopped responding",
+            f"stopping process {1 - victim}",
+            "checkpoint is intact",
+            code=1,
         )
-        procs.append(
-            subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
-        )
-    survivor = procs[1 - victim]
-    try:
-        deadline = time.monotonic() + 400
-        while not _committed(ckpts, 4) and survivor.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert procs[0].poll() is None and procs[1].poll() is None, "the job ended before the kill"
-        procs[victim].kill()
-        killed_at = time.monotonic()
-        _, err = survivor.communicate(timeout=90)
-        stopped_in = time.monotonic() - killed_at
-    finally:
-        for p in procs:
-            p.kill()
-    who = "the coordinator, process 0 of 2" if victim == 0 else "process 1 of 2"
-    line = one_line(
-        survivor.returncode,
-        err,
-        f"{who} stopped responding",
-        f"stopping process {1 - victim}",
-        "checkpoint is intact",
-        code=1,
-    )
-    assert stopped_in < 5 + 15, (stopped_in, line)  # the timeout, a few beats, and a loaded machine
-    committed = ck.Checkpointer(ckpts, read_only=True).steps()
-    assert committed and 4 <= committed[-1] < 10, committed
+        assert stopped_in < 5 + 15, (victim, stopped_in, line)  # the timeout, a few beats, and a loaded machine
+        committed = ck.Checkpointer(ckpts, read_only=True).steps()
+        assert committed and target <= committed[-1] < 10, (victim, committed)
+        newest = committed[-1]
     again = subprocess.run(
         _two_process_train(corpus, run_dir), capture_output=True, text=True, cwd=ROOT, env=_train_env(), timeout=600
     )
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-2000:]
-    assert f"[0] resuming from checkpoint step {committed[-1]}" in again.stdout, again.stdout[-3000:]
+    assert f"[0] resuming from checkpoint step {newest}" in again.stdout, again.stdout[-3000:]
     _assert_same_params(two_process_reference, run_dir, 10)

@@ -394,46 +394,57 @@ def _losses(run_dir):
 KILL_AT = {"optimizer:nvme": 10, "optimizer+params:nvme": 27}
 
 
+def _kill_run_args(corpus, tmp_path: Path, name: str, offload: str) -> list[str]:
+    d = tmp_path / f"{name}_nvme"
+    d.mkdir(exist_ok=True)
+    over = TINY_RUN_OVERRIDES + [f"data.path={corpus}", f"run_dir={tmp_path / name}", f"offload={offload}"]
+    return ["--config", "configs/tiny.yaml", *over, f"offload_dirs={d}", "train.steps=4", "train.checkpoint_every=2"]
+
+
+def _train_child(code_args: list[str]) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, *code_args], cwd=ROOT, env=env, capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def plain_losses(corpus, tmp_path_factory) -> dict:
+    """The kill tests' run without offload (the same for both nvme offloads: one child)."""
+    tmp = tmp_path_factory.mktemp("nvme_plain")
+    plain = _train_child(["scripts/train.py", *_kill_run_args(corpus, tmp, "plain", "none")])
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    return _losses(tmp / "plain")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("nvme", list(KILL_AT))
-def test_kill_9_mid_step_then_the_same_command_resumes_exactly(corpus, tmp_path, nvme):
-    def args(name, offload=nvme):
-        d = tmp_path / f"{name}_nvme"
-        d.mkdir(exist_ok=True)
-        over = TINY_RUN_OVERRIDES + [f"data.path={corpus}", f"run_dir={tmp_path / name}", f"offload={offload}"]
-        return [
-            "--config",
-            "configs/tiny.yaml",
-            *over,
-            f"offload_dirs={d}",
-            "train.steps=4",
-            "train.checkpoint_every=2",
-        ]
+def test_kill_9_mid_step_then_the_same_command_resumes_exactly(corpus, tmp_path, nvme, plain_losses, capsys):
+    """The run with `nvme` killed (-9) mid-step after the step-2 checkpoint, then the same
+    command: it resumes from step 2 and logs the uninterrupted run's losses bit for bit
+    (within 1e-6 of the run without offload); another run's command on the same dir is refused
+    in one line (in process: the refusal needs no child of its own)."""
 
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    def args(name):
+        return _kill_run_args(corpus, tmp_path, name, nvme)
 
-    def run(code_args, **kw):
-        return subprocess.run([sys.executable, *code_args], cwd=ROOT, env=env, capture_output=True, text=True, **kw)
-
-    straight = run(["scripts/train.py", *args("straight")])
+    straight = _train_child(["scripts/train.py", *args("straight")])
     assert straight.returncode == 0, straight.stderr[-2000:]
-    plain = run(["scripts/train.py", *args("plain", "none")])
-    assert plain.returncode == 0, plain.stderr[-2000:]
-    killed = run(["-c", _KILL_CHILD, str(KILL_AT[nvme]), str(tmp_path / "kill" / "checkpoints" / "2"), *args("kill")])
+    killed = _train_child(
+        ["-c", _KILL_CHILD, str(KILL_AT[nvme]), str(tmp_path / "kill" / "checkpoints" / "2"), *args("kill")]
+    )
     assert killed.returncode == -signal.SIGKILL
     assert sorted(p.name for p in (tmp_path / "kill" / "checkpoints").iterdir() if p.name.isdigit()) == ["2"]
-    again = run(["scripts/train.py", *args("kill")])
+    again = _train_child(["scripts/train.py", *args("kill")])
     assert again.returncode == 0, again.stderr[-2000:]
     assert "resuming from checkpoint step 2" in again.stdout
     want = _losses(tmp_path / "straight")
     assert sorted(want) == [1, 2, 3, 4] and _losses(tmp_path / "kill") == want
-    np.testing.assert_allclose(
-        [want[k] for k in range(1, 5)], [_losses(tmp_path / "plain")[k] for k in range(1, 5)], rtol=1e-6
-    )
+    np.testing.assert_allclose([want[k] for k in range(1, 5)], [plain_losses[k] for k in range(1, 5)], rtol=1e-6)
     # another run's command on the same dir: one line, exit 2, the files untouched
     before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "kill_nvme").iterdir()}
-    other = run(["scripts/train.py", *args("other")[:-2], f"offload_dirs={tmp_path / 'kill_nvme'}", "train.steps=4"])
-    assert other.returncode == 2 and "another run" in other.stderr and len(other.stderr.strip().splitlines()) == 1
+    rc, _, err = call(
+        "train", *args("other")[:-2], f"offload_dirs={tmp_path / 'kill_nvme'}", "train.steps=4", capsys=capsys
+    )
+    one_line(rc, err, "another run")
     assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "kill_nvme").iterdir()} == before
 
 
