@@ -96,7 +96,9 @@ def gathered_by_phase(build: StepBuild, keep: list[bool], policy: Policy, platfo
     # and combined, their done scheduled after later compute: the layer's
     one_r = reduced["largest_in_layer"] if platform == "cpu" else layer_r
     if s.params and not s.gather_once:  # full_shard, hybrid_shard: per layer
-        if policy.matmul == "fp8" and build.cfg.fp8.gather is not False:  # the layer's weights gathered in f8 (docs/fp8.md)
+        if (
+            policy.matmul == "fp8" and build.cfg.fp8.gather is not False
+        ):  # the layer's weights gathered in f8 (docs/fp8.md)
             cc["layer"] = compute_copy_bytes(st.params, plan, build.model.logical_axes, E4M3)["layer"]
         layers = {"backward": 2 * cc["layer"] + one_r, "reduction": cc["layer"] + layer_r}
         if all(keep):
