@@ -36,7 +36,8 @@ from fsdp_jax.sharding.precision import Policy
 def compute_copy_bytes(abstract_params, plan, logical_axes, dtype) -> dict[str, int]:
     """Per-device bytes of params in the compute layout (data/fsdp gathered, tensor
     sharding kept) in `dtype`: `whole` model, one `layer` of the stacked (scanned)
-    params, the `largest_unstacked` leaf and all `unstacked` leaves together. A quantised
+    params and its `largest_in_layer` leaf, the `largest_unstacked` leaf and all `unstacked`
+    leaves together. A quantised
     base (`lora.base_quant`): its integer leaves count at their own bytes (they are what is
     gathered), and `dequantised_layer` is one layer's quantised weights dequantised in `dtype`
     (what the layer builds from its gathered codes before its matmuls)."""
@@ -79,7 +80,8 @@ VALUES_PER_CODE_BYTE = {"uint8": 2, "int8": 1}  # NF4 packs two 4-bit codes a by
 def gathered_by_phase(build: StepBuild, keep: list[bool], policy: Policy, platform: str) -> dict[str, int]:
     """Transient param-sized bytes per device in the two phases of the backward pass that can
     make the peak: `backward` (a layer's backward working set: the layers gathered for compute,
-    and one weight's unreduced gradient, made by its dot and reduced there) and `reduction` (a
+    and the unreduced grads in flight: on "cpu" one weight's, made by its dot and reduced there;
+    elsewhere the layer's) and `reduction` (a
     layer's weight gradients, all unreduced at once: the layer gathered and its grads). Read
     from the compiled buffers (docs/planning.md, "Phases"); `keep`: the trained leaves (LoRA);
     `platform`: the one the step is planned for (its collectives: synchronous on "cpu")."""
