@@ -87,10 +87,12 @@ def test_bf16_document_masked_and_packed_rows_on_disk(corpus, tmp_path):
     grads back in f32) with document-masked windows (each line a document: segment ids and
     positions through every layer's forward and backward, a token-sum loss), straight through and
     stopped after step 2 then launched again, and packed fine-tuning rows: against the run
-    without offload, step 1's loss bit for bit and the rest within float rounding (not bit for
-    bit: docs/offload.md "bf16 compute and packed rows" measures it; XLA's excess bf16 precision
-    is off here, as there, since with it on XLA:CPU drops bf16 roundings differently in the two
-    program splits); the resumed run equals the straight run with the params on disk bit for bit."""
+    without offload, step 1's loss bit for bit (same init and batch: the cast, the segments and
+    positions and the token-sum loss in the forward) and the rest within bounds a few times what
+    docs/offload.md "bf16 compute and packed rows" measured (not bit for bit: the grads differ in
+    their last bits, and a last-bit difference of an f32 master flips its bf16 rounding now and
+    then, which grows over the steps; XLA's excess bf16 precision is off here, as there); the
+    resumed run equals the straight run with the params on disk bit for bit."""
     flags = [f for f in parity_env()["XLA_FLAGS"].split() if not f.startswith("--xla_backend_optimization_level")]
     flags.append("--xla_allow_excess_precision=false")
     env = dict(parity_env(), FSDP_JAX_CPU_DEVICES="1", XLA_FLAGS=" ".join(flags), FSDP_JAX_CACHE_DIR=str(CACHE))
@@ -113,11 +115,14 @@ def test_bf16_document_masked_and_packed_rows_on_disk(corpus, tmp_path):
         a, b = _same(rows[got]), _same(rows[ref])
         assert [x["step"] for x in b if "loss" in x] == [1, 2, 3, 4] and [len(x) for x in a] == [len(x) for x in b]
         assert a[0]["loss"] == b[0]["loss"], got  # the same init and batch: the forward bit for bit
-        for k in ("loss", "grad_norm", "val_loss"):  # measured within 9.4e-8 / 2.2e-7 / 3.9e-7
+        # measured (document-masked rows, the larger): losses 1.9e-6, grad norms 6.5e-6, val losses 2.9e-5
+        for k, rtol in (("loss", 1e-5), ("grad_norm", 5e-5), ("val_loss", 1e-4)):
             x, y = ([v[k] for v in t if k in v] for t in (a, b))
-            np.testing.assert_allclose(x, y, rtol=1e-6, atol=0, err_msg=f"{got} {k}")
-        f = r["final"][got]  # every param and optimizer-state leaf (measured within 3.4e-7)
-        assert f["step"] == 4 and f["leaves"] > 30 and max(f["differ"].values(), default=0) < 1e-6, (got, f)
+            np.testing.assert_allclose(x, y, rtol=rtol, atol=0, err_msg=f"{got} {k}")
+        f = r["final"][got]  # every param / optimizer-state leaf: measured within 1.5e-4 / 3.7e-3
+        assert f["step"] == 4 and f["leaves"] > 30, (got, f)
+        assert max(v for n, v in f["differ"].items() if n.startswith(".params")) < 1e-3, (got, f)
+        assert max(f["differ"].values(), default=0) < 2e-2, (got, f)
     # resume: the stopped and relaunched run equals the straight run with the params on disk, bit for
     # bit (its rows, without the step-2 eval a stopping run skips, and every leaf of its final checkpoint)
     resumed = {(x["step"], k): x[k] for x in _same(rows["resumed"]) for k in x if k != "step"}

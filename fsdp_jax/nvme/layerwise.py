@@ -13,7 +13,7 @@ layer, unsharded), `rest` the rest (embedding, final norm, head), which stays on
 "params", "state", "grads") hold, per layer, the layer's params, its optimizer-state slices
 (Adam's mu and nu) and its grads. A step is:
 
-1. `embed(rest, batch)` -> h_0; per layer i: `layer(p_i, h_i)` -> h_{i+1}, p_i read from its
+1. `embed(rest, batch)` -> h_0; per layer i: `layer(p_i, h_i, batch)` -> h_{i+1}, p_i read from its
    file (layer i+1 read while i computes), h_i kept; `head(rest, h_L, batch)` -> loss, its
    grads and the cotangent of h_L;
 2. per layer in reverse: p_i read again, `jax.vjp` of `layer` at (p_i, h_i) -> layer i's grads
@@ -21,15 +21,17 @@ layer, unsharded), `rest` the rest (embedding, final norm, head), which stays on
 3. the global grad norm from each layer's per-leaf sums of squares (added over layers in order)
    and the rest's grads; `ok` = loss and norm finite; the rest updated on the device;
    With `microbatches` k > 1, steps 1-2 run per slice of the batch (rows j, j + k, ...), each
-   layer's grads summed through its grads file in slice order and divided by k after the last;
+   layer's grads summed through its grads file in slice order and divided by k after the last
+   (a `TokenSum` loss: by the batch's token count);
 4. per layer: params, state and grads read (i+1 while i updates), clipped as
    `optax.clip_by_global_norm` clips with that norm, the same `optimizer.update` as on the
    whole tree and the same non-finite select, params and state written back.
 
 Host memory: two page-aligned buffers per set of files read (6 layers' worth of params /
 state / grads in all) plus two for writes. Exactness against the scanned step is measured in
-tests/test_nvme_layerwise.py and docs/offload.md ("Params on disk"). The trainer does not run
-this yet (docs/offload.md says what is missing).
+tests/test_nvme_layerwise.py and docs/offload.md ("Params on disk"). `precision` (a `Policy` or
+its string): the float params cast for compute inside the pieces' programs, as the scanned step
+casts them (`layer_programs`). The trainer runs it through `app.trainer.params_nvme`.
 """
 
 from __future__ import annotations
