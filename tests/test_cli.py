@@ -51,26 +51,53 @@ def test_every_command_has_help(command, capsys):
 HEAVY = ("jax", "jaxlib", "flax", "optax", "orbax", "grain", "tensorstore", "fsdp_jax.train")
 
 
-def test_help_and_a_refused_flag_load_no_jax():
-    """Every command's --help, and a flag its parser refuses, answered before JAX, Flax, Orbax or
-    the library's train step load: ~0.15 s of CPU for such a child, where one that loads them pays ~3.3 s. One fresh
-    child for all commands (a module once loaded stays loaded, so what loads shows at the end); then
-    a body's refusal (a missing config), which loads the library first, without IPython."""
+# a refusal after parsing per command that reads a config (`args.config_before_jax`), each kind
+# the config's bad-input rules name: a missing file, a bad override, an unknown key, a bad value
+# (type, limit, choice, mesh rule). gpu-check reads its config only for --only throughput.
+CONFIG = ["--config", "configs/tiny.yaml"]
+REFUSED_CONFIGS = {
+    "train": ["--config", "no/such.yaml"],
+    "plan": [*CONFIG, "--devices", "8", "train.stepz=1"],
+    "inspect": [*CONFIG, "model.rope_type=ntk"],
+    "verify": [*CONFIG, "mesh.rules.mlp=bogus"],
+    "benchmark": [*CONFIG, "no_equals_sign"],
+    "bench-offload": [*CONFIG, "train.steps=-1"],
+}
+
+
+def test_help_and_refusals_load_no_jax():
+    """Every command's --help, a flag its parser refuses, and a config refused after parsing
+    (`REFUSED_CONFIGS`), answered before JAX, Flax, Orbax or the library's train step load:
+    ~0.15 s of CPU for such a child, where one that loads them pays ~3.3 s. One fresh child for
+    all (a module once loaded stays loaded, so what loads shows at the end); then a refusal of the
+    body's (heads that do not divide: a check across fields), which loads the library first,
+    without IPython."""
     code = (
         "import sys; from fsdp_jax.app.cli import entry\n"
         "for c in entry.COMMANDS:\n"
         "    assert (entry.main([c, '--help']), entry.main([c, '--no-such-flag'])) == (0, 2), c\n"
+        f"for c, argv in {REFUSED_CONFIGS!r}.items():\n"
+        "    assert entry.main([c, *argv]) == 2, c\n"
         f"print(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r} or m.startswith({HEAVY!r})))\n"
         # a body that runs loads the face first, as `import fsdp_jax` did: Flax without IPython
-        "assert entry.main(['train', '--config', 'no/such.yaml']) == 2\n"
-        "print('IPython' in sys.modules)"
+        "assert entry.main(['train', '--config', 'configs/tiny.yaml', 'model.n_kv_heads=3']) == 2\n"
+        "print('IPython' in sys.modules, 'jax' in sys.modules)"
     )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.splitlines()[-2:] == ["[]", "False"]
+    assert r.stdout.splitlines()[-2:] == ["[]", "False True"]
     lines = r.stderr.splitlines()  # one line per refusal, nothing else
-    assert len(lines) == len(entry.COMMANDS) + 1 and all(line.startswith("error: ") for line in lines), lines
+    assert len(lines) == len(entry.COMMANDS) + len(REFUSED_CONFIGS) + 1, lines
+    assert all(line.startswith("error: ") for line in lines), lines
+    words = ["config file not found", "train.stepz: unknown key", "model.rope_type: 'ntk' is invalid"]
+    words += ["mesh.rules.mlp: 'bogus' is invalid", "override: 'no_equals_sign' is not key=value"]
+    words += ["train.steps: -1 is invalid", "model.n_kv_heads: 3 is invalid"]
+    assert [w for w in words if not any(w in line for line in lines)] == []
+    with_config = {
+        c for c in entry.COMMANDS if "--config CONFIG" in entry.command_module(c).build_parser().format_usage()
+    }
+    assert with_config - {"gpu-check"} == set(REFUSED_CONFIGS)
 
 
 def test_top_level_help_lists_every_command(capsys):

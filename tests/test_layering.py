@@ -273,3 +273,46 @@ def test_imports_keep_their_own_names():
                 if a.asname and a.asname != a.name.split(".")[-1] and CONVENTIONAL_ALIASES.get(full) != a.asname:
                     bad.append(f"{path.relative_to(root)}:{node.lineno}: {full} as {a.asname}")
     assert not bad, "import aliases (import the module under its own name):\n" + "\n".join(bad)
+
+
+def test_lazy_faces_show_their_names_to_static_tools():
+    """A face that loads on first use (`_FACE`: the top-level one, `fsdp_jax.lazy_face`'s) imports
+    exactly its `_FACE` names under `if TYPE_CHECKING:`, so IDEs and type checkers see them, and
+    nothing else at run time; the top-level `__all__` lists them all."""
+    faces = [  # module -> names (fsdp_jax.checkpoint's name -> module face imports orbax only when read)
+        p
+        for p in PKG.rglob("__init__.py")
+        if any(isinstance(n, ast.AnnAssign) and getattr(n.target, "id", "") == "_FACE" for n in _tree(p).body)
+    ]
+    assert {str(p.relative_to(PKG)) for p in faces} >= {
+        "__init__.py",
+        "sharding/__init__.py",
+        "app/models/__init__.py",
+        "app/config/__init__.py",
+    }
+    for path in faces:
+        tree = _tree(path)
+        face = next(
+            ast.literal_eval(n.value)
+            for n in tree.body
+            if isinstance(n, ast.AnnAssign) and getattr(n.target, "id", "") == "_FACE"
+        )
+        blocks = [n for n in tree.body if isinstance(n, ast.If) and getattr(n.test, "id", "") == "TYPE_CHECKING"]
+        assert len(blocks) == 1, path
+        seen: dict[str, tuple[str, ...]] = {}
+        for node in blocks[0].body:
+            assert isinstance(node, ast.ImportFrom), (path, ast.dump(node))
+            seen[node.module] = seen.get(node.module, ()) + tuple(a.name for a in node.names)
+        assert {m: sorted(n) for m, n in seen.items()} == {m: sorted(n) for m, n in face.items()}, path
+        others = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+        assert all(
+            not (n.module or "").startswith("fsdp_jax.") or n.module == "fsdp_jax.lazy_face"
+            for n in others
+            if isinstance(n, ast.ImportFrom)
+        ), path
+    top = _tree(PKG / "__init__.py")
+    names = next(
+        ast.literal_eval(n.value) for n in top.body if isinstance(n, ast.Assign) and n.targets[0].id == "__all__"
+    )
+    face = next(ast.literal_eval(n.value) for n in top.body if isinstance(n, ast.AnnAssign) and n.target.id == "_FACE")
+    assert {a for attrs in face.values() for a in attrs} <= set(names)

@@ -3,6 +3,8 @@ memory policies (precision, remat, host offload). Decisions are data (`LeafShard
 
     axes          names of mesh axes and logical dims, in one place
     mesh          the (data, fsdp, tensor) device mesh (`make_mesh`)
+    rule_table    the default rules table and `merge_rules` (data, no JAX)
+    thresholds    the size thresholds of the decisions (data, no JAX)
     rules         logical-axis rules + the fallback rule -> a leaf's spec (`explain`)
     leaf_sharding one leaf's decision as a row; reasons: why, as data and prose
     replication   the replicated-bytes guard (`check_sufficiently_sharded`)

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from fsdp_jax.app import extras
+from fsdp_jax.app.config.read import read_config
 from fsdp_jax.errors import ConfigError
 
 
@@ -27,6 +28,15 @@ def add_config(
         help="YAML config (configs/*.yaml)" + (f"; default {default}" if default else ""),
     )
     ap.add_argument("overrides", nargs="*", help=f"dotted key=value overrides, e.g. {example}")
+
+
+def config_before_jax(args: argparse.Namespace) -> None:
+    """`run_command`'s `before` for a command with `add_config`: its config file, YAML,
+    overrides, unknown keys and each value's type, limits and choices (`read_config`), so
+    such a refusal comes before JAX loads. Returns None: the body reads the config again,
+    whole (checks across fields, the Hugging Face fill), as it always did."""
+    if args.config is not None:
+        read_config(args.config, args.overrides)
 
 
 def add_devices(ap: argparse.ArgumentParser, default: str | None = None, text: str | None = None) -> None:

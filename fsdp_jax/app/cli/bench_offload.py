@@ -14,7 +14,7 @@ the ratio shows the program's overhead, not PCIe time. Exit codes: 0, 2 bad inpu
 
 from __future__ import annotations
 
-from fsdp_jax.app.cli.args import add_config
+from fsdp_jax.app.cli.args import add_config, config_before_jax
 from fsdp_jax.app.cli.command import run_command
 from fsdp_jax.app.cli.flags import Parser, int_in
 from fsdp_jax.errors import OffloadError
@@ -37,4 +37,6 @@ def _errors():
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
-    return run_command(build_parser(prog), "fsdp_jax.app.cli.run.bench_offload:run", argv, errors=_errors)
+    return run_command(
+        build_parser(prog), "fsdp_jax.app.cli.run.bench_offload:run", argv, errors=_errors, before=config_before_jax
+    )

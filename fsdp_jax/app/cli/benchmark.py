@@ -16,7 +16,7 @@ FSDP_JAX_CPU_DEVICES (default 8) host devices. Exit codes: 0, 2 bad input, 1 oth
 
 from __future__ import annotations
 
-from fsdp_jax.app.cli.args import add_config
+from fsdp_jax.app.cli.args import add_config, config_before_jax
 from fsdp_jax.app.cli.command import run_command
 from fsdp_jax.app.cli.flags import Parser, int_in, real_in
 
@@ -37,4 +37,4 @@ def build_parser(prog: str | None = None) -> Parser:
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
-    return run_command(build_parser(prog), "fsdp_jax.app.cli.run.benchmark:run", argv)
+    return run_command(build_parser(prog), "fsdp_jax.app.cli.run.benchmark:run", argv, before=config_before_jax)

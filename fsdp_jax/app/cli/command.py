@@ -25,6 +25,7 @@ def run_command(
     argv: list[str] | None = None,
     *,
     errors: Callable[[], Errors] | None = None,
+    before: Callable[[argparse.Namespace], object] | None = None,
 ) -> int:
     """The one main wrapper: parse `argv` with `parser` (a bad flag: its one line, exit 2;
     `--help`: exit 0), then return `body(args)`, mapping what it raises to exit codes:
@@ -40,18 +41,29 @@ def run_command(
     a body that loaded JAX and Flax in its own order cost more (a tiny train child +0.5 s CPU).
 
     `errors`: a function returning the command's extra (bad input, environment) exception
-    classes, called only when `body` raises, so a command imports them lazily."""
+    classes, called only when `body` raises, so a command imports them lazily.
+
+    `before`: the command's checks that need no JAX (its config read field by field:
+    `fsdp_jax.app.cli.args.config_before_jax`), run before the face and the body load, with
+    the same mapping of what it raises: a refused config costs ~0.1 s of CPU, not ~3 s."""
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # the parser printed its one line (or the help)
         return 2 if e.code else 0
+    if before is not None and (refused := _mapped(before, args, errors)) is not None:
+        return refused
     if isinstance(body, str):  # the start-up boundary: the body's imports (JAX, Flax) load here,
         fsdp_jax.make_mesh  # noqa: B018  the face first, in its order: as `import fsdp_jax` did before it was lazy
         module, name = body.split(":")
         body = getattr(importlib.import_module(module), name)
+    return _mapped(body, args, errors)
+
+
+def _mapped(call: Callable[[argparse.Namespace], object], args: argparse.Namespace, errors) -> int | None:
+    """`call(args)`'s return value, or the exit code of what it raised (`run_command`)."""
     try:
         with held():  # warnings wait until the command has started: a refusal is the only line
-            return body(args)
+            return call(args)
     except UsageError as e:  # flags that do not go together: one line, as the parser's
         print(f"error: {one_line(e, None)}", file=sys.stderr, flush=True)
         return 2

@@ -22,7 +22,7 @@ config. Exit codes: 0 success, 2 bad input, 1 anything else.
 
 from __future__ import annotations
 
-from fsdp_jax.app.cli.args import add_config, add_target
+from fsdp_jax.app.cli.args import add_config, add_target, config_before_jax
 from fsdp_jax.app.cli.command import run_command
 from fsdp_jax.app.cli.flags import Parser
 from fsdp_jax.app.cli.plan import planning_errors
@@ -52,4 +52,6 @@ def build_parser(prog: str | None = None) -> Parser:
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
-    return run_command(build_parser(prog), "fsdp_jax.app.cli.run.inspect:run", argv, errors=planning_errors)
+    return run_command(
+        build_parser(prog), "fsdp_jax.app.cli.run.inspect:run", argv, errors=planning_errors, before=config_before_jax
+    )

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import sys
 
-from fsdp_jax.app.cli.args import add_config, add_target
+from fsdp_jax.app.cli.args import add_config, add_target, config_before_jax
 from fsdp_jax.app.cli.command import run_command
 from fsdp_jax.app.cli.flags import Parser, int_in, real_in
 from fsdp_jax.errors import PlanError, TargetError
@@ -126,4 +126,4 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     parser = build_parser(prog)
     parser.set_defaults(argv=argv)  # plan --search re-runs itself in a child when this process lacks the devices
-    return run_command(parser, "fsdp_jax.app.cli.run.plan:run", argv, errors=planning_errors)
+    return run_command(parser, "fsdp_jax.app.cli.run.plan:run", argv, errors=planning_errors, before=config_before_jax)

@@ -29,7 +29,7 @@ environment failure), 2 bad input (one line on stderr).
 
 from __future__ import annotations
 
-from fsdp_jax.app.cli.args import add_config, add_devices
+from fsdp_jax.app.cli.args import add_config, add_devices, config_before_jax
 from fsdp_jax.app.cli.command import run_command
 from fsdp_jax.app.cli.flags import Parser, int_in, real_in
 from fsdp_jax.errors import PlanError, VerifyError
@@ -56,4 +56,6 @@ def _errors():
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
-    return run_command(build_parser(prog), "fsdp_jax.app.cli.run.verify:run", argv, errors=_errors)
+    return run_command(
+        build_parser(prog), "fsdp_jax.app.cli.run.verify:run", argv, errors=_errors, before=config_before_jax
+    )

@@ -37,13 +37,8 @@ if TYPE_CHECKING:  # what static tools see; at run time each name loads on first
 # module -> the names of the face it defines (loaded on first use: `fsdp_jax.lazy_face`)
 _FACE: dict[str, tuple[str, ...]] = {
     "fsdp_jax.app.config.checks": ("check_data", "validate"),
-    "fsdp_jax.app.config.parse": (
-        "apply_overrides",
-        "config_from_dict",
-        "config_to_dict",
-        "load_config",
-        "save_config",
-    ),
+    "fsdp_jax.app.config.parse": ("config_from_dict", "config_to_dict", "load_config", "save_config"),
+    "fsdp_jax.app.config.read": ("apply_overrides",),
     "fsdp_jax.app.config.schema": (
         "Config",
         "DataConfig",

@@ -1,6 +1,6 @@
 """Reference models. They name logical dims only; sharding is applied from outside.
 
-decoder, config, parts, attention, rope: the decoder; lora: LoRA adapters on its projections;
+decoder, config, parts, attention, rope: the decoder; choices: its named choices (data, no JAX); lora: LoRA adapters on its projections;
 families: one module per Hugging Face family (the registry import and export iterate).
 """
 
