@@ -114,18 +114,8 @@ def search(
     predict_on, cost_note = ranking_target(target)
     gpu = cost_note is None  # a prediction for the target (a GPU or a TPU chip)
     gpu_target = target is not None and target.platform == "gpu"
-    analytic_pass(
-        cfg,
-        n_devices,
-        cands,
-        limits,
-        hosts,
-        per_host,
-        predict_on,
-        devices_for(n_devices),
-        gpu_target=gpu_target,
-        platform=target.platform if target is not None else None,
-    )
+    platform = target.platform if target is not None else None
+    analytic_pass(cfg, n_devices, cands, limits, hosts, per_host, predict_on, devices_for(n_devices), platform)
     for c in cands:
         c["overrides"] = overrides(cfg, c)
     _check_host_memory(cands, limits)
