@@ -12,8 +12,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 from test_fp8 import STRATEGIES, batches, built, run, tree_max_diff
+from test_hf import GOLDEN
 
 from fsdp_jax.app.config.schema import Config, Fp8Config
+from fsdp_jax.app.hf import load as hf
 from fsdp_jax.app.models.config import DecoderConfig
 from fsdp_jax.checkpoint import Checkpointer
 from fsdp_jax.quant import fp8_experts, fp8_rowwise_experts
@@ -357,3 +359,43 @@ def test_full_shard_gathers_expert_weights_in_f8_and_scatters_f32_grads():
     assert {(4, 48, "f32"), (48, 4, "f32")} == set(scatters), scatters
     off = lowered_step(dataclasses.replace(cfg, fp8=dataclasses.replace(cfg.fp8, gather=False)))
     assert not collectives(off, "all_gather") and not collectives(off, "reduce_scatter")
+
+
+@pytest.mark.slow
+def test_gpt_oss_clamped_experts_keep_delayed_histories_and_equal_one_device():
+    """gpt-oss's clamped MoE (the tiny golden's config, 2 layers: one sliding, one full; fused
+    `w_gate_up`, biases; `swiglu_limit` 0.2 so that the clamp binds: the golden's 1.0 never does
+    at this size) under the delayed recipe, f32 compute, 2 SGD steps: the per-expert histories
+    of `w_gate_up` and `w_down` are written every step (weights: every expert); full_shard on 8
+    devices equals one device in losses, params and the input / weight histories within the
+    delayed MoE test's bounds; and the clamp moved the params by more than 3 times the layouts' distance.
+    Not asserted (open, docs/fp8.md): the output-gradient rows of the histories. With the clamp
+    binding they differ between the layouts by up to 1e-3 after step 1 and 43% (one layer's
+    `w_gate_up`) after step 2; without it (limit 1e4) by 3e-7 after 2 steps and 2% after a 3rd
+    (measured 2026-12-07). Whether that is only FP8 rounding flips that the clamp's zero
+    gradient makes visible in a max is not established."""
+
+    def cfg(limit):
+        oss = dataclasses.replace(hf.HFCheckpoint(GOLDEN / "gpt_oss").config, n_layers=2, swiglu_limit=limit)
+        return dataclasses.replace(moe_cfg("delayed"), model=oss)
+
+    def hists(state):
+        flat = jax.tree_util.tree_flatten_with_path(state.model_state)[0]
+        return {jax.tree_util.keystr(p): np.asarray(x) for p, x in flat if "moe" in jax.tree_util.keystr(p)}
+
+    c = cfg(0.2)
+    data = [b % c.model.vocab_size for b in batches(2)]
+    ref, ref_losses = run(built(c, "no_shard", 1), data)
+    names = [k.rsplit("[", 1)[-1].strip("'[]") for k in hists(ref)]
+    assert sorted(set(names)) == ["fp8_w_down_amax_from_grad", "fp8_w_gate_up_amax_from_grad"], names
+    for h in hists(ref).values():  # (..., E, 3, L): 2 steps pushed, the rest still empty
+        assert h.shape[-3:] == (c.model.n_experts, 3, 4) and h[..., 1, :2].all() and not h[..., 2:].any()
+        assert h[..., 0, :2].any() and h[..., 2, :2].any()
+    state, losses = run(built(c, "full_shard", 8), data)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
+    worst = tree_max_diff(state.params, ref.params)
+    assert worst < 5e-4
+    for k, h in hists(state).items():  # input and weight rows (gradient rows: the docstring)
+        np.testing.assert_allclose(h[..., :2, :], hists(ref)[k][..., :2, :], rtol=1e-2, err_msg=k)
+    unclamped, _ = run(built(cfg(1e4), "no_shard", 1), data)
+    assert tree_max_diff(unclamped.params, ref.params) > 3 * worst  # measured 2.3e-3 against 3.7e-4
