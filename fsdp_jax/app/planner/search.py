@@ -115,7 +115,9 @@ def search(
     gpu = cost_note is None  # a prediction for the target (a GPU or a TPU chip)
     gpu_target = target is not None and target.platform == "gpu"
     platform = target.platform if target is not None else None
-    analytic_pass(cfg, n_devices, cands, limits, hosts, per_host, predict_on, devices_for(n_devices), platform)
+    analytic_pass(
+        cfg, n_devices, cands, limits, hosts, per_host, predict_on, devices_for(n_devices), gpu_target, platform
+    )
     for c in cands:
         c["overrides"] = overrides(cfg, c)
     _check_host_memory(cands, limits)

@@ -40,12 +40,12 @@ def analytic_pass(
     per_host: int,
     target_name: str,
     devices,
+    gpu_target: bool = False,
     platform: str | None = None,
 ) -> None:
     """Fill each candidate's `analytic`, `predicted` and first `status` in place;
-    `platform`: the target's ("gpu", "tpu"; None: `devices`'), which the memory model follows;
-    on a GPU target compiles go to the target, where offload candidates compile too."""
-    gpu_target = platform == "gpu"
+    `gpu_target`: compiles go to a GPU target, where offload candidates compile too;
+    `platform`: the target's ("gpu", "tpu"; None: `devices`'), which the memory model follows."""
     builds: dict[tuple[str, str], Any] = {}
     for c in cands:
         key = (c["strategy"], c["offload"])
