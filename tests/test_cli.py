@@ -53,7 +53,8 @@ HEAVY = ("jax", "jaxlib", "flax", "optax", "orbax", "grain", "tensorstore", "fsd
 
 # a refusal after parsing per command that reads a config (`args.config_before_jax`), each kind
 # the config's bad-input rules name: a missing file, a bad override, an unknown key, a bad value
-# (type, limit, choice, mesh rule). gpu-check reads its config only for --only throughput.
+# (type, limit, choice, mesh rule). gpu-check reads its config only for --only throughput
+# (`gpu_check.check_flags`).
 CONFIG = ["--config", "configs/tiny.yaml"]
 REFUSED_CONFIGS = {
     "train": ["--config", "no/such.yaml"],
@@ -62,7 +63,10 @@ REFUSED_CONFIGS = {
     "verify": [*CONFIG, "mesh.rules.mlp=bogus"],
     "benchmark": [*CONFIG, "no_equals_sign"],
     "bench-offload": [*CONFIG, "train.steps=-1"],
+    "gpu-check": [*CONFIG, "--only", "throughput", "model.attention=bogus"],
 }
+# refusals of flags after parsing, before JAX (the command's `before`): gpu-check's --json
+REFUSED_FLAGS = [["gpu-check", "--only", "precision", "--json", "."]]
 
 
 def test_help_and_refusals_load_no_jax():
@@ -78,6 +82,8 @@ def test_help_and_refusals_load_no_jax():
         "    assert (entry.main([c, '--help']), entry.main([c, '--no-such-flag'])) == (0, 2), c\n"
         f"for c, argv in {REFUSED_CONFIGS!r}.items():\n"
         "    assert entry.main([c, *argv]) == 2, c\n"
+        f"for argv in {REFUSED_FLAGS!r}:\n"
+        "    assert entry.main(argv) == 2, argv\n"
         f"print(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r} or m.startswith({HEAVY!r})))\n"
         # a body that runs loads the face first, as `import fsdp_jax` did: Flax without IPython
         "assert entry.main(['train', '--config', 'configs/tiny.yaml', 'model.n_kv_heads=3']) == 2\n"
@@ -88,16 +94,17 @@ def test_help_and_refusals_load_no_jax():
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.splitlines()[-2:] == ["[]", "False True"]
     lines = r.stderr.splitlines()  # one line per refusal, nothing else
-    assert len(lines) == len(entry.COMMANDS) + len(REFUSED_CONFIGS) + 1, lines
+    assert len(lines) == len(entry.COMMANDS) + len(REFUSED_CONFIGS) + len(REFUSED_FLAGS) + 1, lines
     assert all(line.startswith("error: ") for line in lines), lines
     words = ["config file not found", "train.stepz: unknown key", "model.rope_type: 'ntk' is invalid"]
     words += ["mesh.rules.mlp: 'bogus' is invalid", "override: 'no_equals_sign' is not key=value"]
-    words += ["train.steps: -1 is invalid", "model.n_kv_heads: 3 is invalid"]
+    words += ["train.steps: -1 is invalid", "model.n_kv_heads: 3 is invalid", "model.attention: 'bogus' is invalid"]
+    words += ["--json: '.' is a directory"]
     assert [w for w in words if not any(w in line for line in lines)] == []
     with_config = {
         c for c in entry.COMMANDS if "--config CONFIG" in entry.command_module(c).build_parser().format_usage()
     }
-    assert with_config - {"gpu-check"} == set(REFUSED_CONFIGS)
+    assert with_config == set(REFUSED_CONFIGS)
 
 
 def test_top_level_help_lists_every_command(capsys):

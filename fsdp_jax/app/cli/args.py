@@ -14,6 +14,7 @@ from pathlib import Path
 
 from fsdp_jax.app import extras
 from fsdp_jax.app.config.read import read_config
+from fsdp_jax.app.data.writable import dir_problem
 from fsdp_jax.errors import ConfigError
 
 
@@ -87,9 +88,6 @@ def check_out_file(path: str, flag: str) -> None:
         raise ConfigError(flag, f"{path!r} is a directory; give a file path")
     if not p.parent.is_dir():
         raise ConfigError(flag, f"{path!r}: its directory {str(p.parent)!r} does not exist")
-    # the data package imports grain, which GPU machines may lack (scripts/gpu_check.py): the CLI's start-up boundary
-    from fsdp_jax.app.data.corpus import dir_problem
-
     problem = dir_problem(p.parent)
     if problem or (p.exists() and not os.access(p, os.W_OK)):
         raise ConfigError(flag, f"{path!r} is not writable; choose a writable place")

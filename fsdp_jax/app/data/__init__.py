@@ -1,6 +1,7 @@
 """Data: token corpora and fine-tuning examples, prepared to disk and read back as batches.
 
 corpus        token corpora on disk: text files, the stdlib, bins (prepare)
+writable      whether an output directory can be written (no JAX, no NumPy: the CLI's checks)
 windows       reading a corpus back: meta.json checked, resumable per-process windows
 token_check   every token id below the model's vocabulary
 tokenizer     Hugging Face `tokenizer.json` / bytes, chat templates

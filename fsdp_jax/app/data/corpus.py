@@ -26,6 +26,7 @@ from fsdp_jax.app.data.tokenizer import encode_corpus, load_tokenizer, read_docu
 from fsdp_jax.app.data.windows import (
     load_meta,
 )
+from fsdp_jax.app.data.writable import dir_problem
 from fsdp_jax.errors import DataError, TokenizerError
 
 
@@ -48,22 +49,6 @@ def commit(out: Path, tmp_files: dict[str, Path], meta: dict) -> dict:
         os.replace(tmp, out / name)
     _atomic_write_text(out / "meta.json", json.dumps(meta, indent=2) + "\n")
     return meta
-
-
-def dir_problem(path: str | os.PathLike) -> str | None:
-    """Why `path` cannot be (created as) a writable directory, or None: it is a file, it
-    lies under a file, or its nearest existing ancestor is not writable. Writes nothing."""
-    p = Path(path).absolute()
-    if p.exists() and not p.is_dir():
-        return "is a file, not a directory"
-    existing = p
-    while not existing.exists():  # a path under a file does not "exist" either
-        existing = existing.parent
-    if not existing.is_dir():
-        return f"lies under {str(existing)!r}, which is a file"
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return f"is not writable ({str(existing)!r} is read-only for this user); choose a writable place"
-    return None
 
 
 def check_out(out_dir: str | os.PathLike) -> Path:

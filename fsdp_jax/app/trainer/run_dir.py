@@ -25,7 +25,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from fsdp_jax.app.data.corpus import dir_problem
+from fsdp_jax.app.data.writable import dir_problem
 from fsdp_jax.errors import ConfigError, RunDirBusy
 
 LOCK_NAME = ".lock"

@@ -12,7 +12,6 @@ import numpy as np
 import optax
 
 import fsdp_jax as fj
-from fsdp_jax.app.cli.args import check_out_file
 from fsdp_jax.app.cli.gpu_check import CHECKS
 from fsdp_jax.app.cli.gpu_paths import PATHS, SMOKE
 from fsdp_jax.app.config import load_config  # not trainer.setup: it imports grain, which GPU machines lack
@@ -20,7 +19,6 @@ from fsdp_jax.app.models.config import DecoderConfig
 from fsdp_jax.app.models.decoder import count_params, flops_per_token
 from fsdp_jax.app.planner.abstract_step import build_step
 from fsdp_jax.app.trainer.build import make_loss_fn, trainer_model
-from fsdp_jax.errors import UsageError
 from fsdp_jax.hlo.memory import collective_report, compiled_memory
 from fsdp_jax.targets.perf import device_memory, mfu, peak_flops, time_steps
 
@@ -131,14 +129,9 @@ def collective_check() -> dict:
 
 
 def run(args) -> int:
-    bad = [n for n in args.only.split(",") if n not in CHECKS]
-    if bad or args.steps < 1:
-        raise UsageError(f"--only {args.only!r} / --steps {args.steps}: checks are {', '.join(CHECKS)}; steps >= 1")
-
+    # --only, --steps, the config's fields and --json: `fsdp_jax.app.cli.gpu_check.check_flags`, before JAX
     if "throughput" in args.only.split(","):
-        load_config(args.config, args.overrides)  # a bad config: one line now, not a traceback later
-    if args.json:
-        check_out_file(args.json, "--json")
+        load_config(args.config, args.overrides)  # the checks across fields: one line now, not a traceback later
 
     print(
         f"jax {jax.__version__} | backend {jax.default_backend()} | {jax.device_count()} x "

@@ -5,11 +5,12 @@ from __future__ import annotations
 import os
 import sys
 
-from fsdp_jax.app.data.corpus import dir_problem, prepare_bin, prepare_stdlib, prepare_text
+from fsdp_jax.app.data.corpus import prepare_bin, prepare_stdlib, prepare_text
 from fsdp_jax.app.data.packing import MAX_ROW_LEN
 from fsdp_jax.app.data.sft import prepare_examples
 from fsdp_jax.app.data.tables import KeyMap
 from fsdp_jax.app.data.tokenizer import load_tokenizer
+from fsdp_jax.app.data.writable import dir_problem
 from fsdp_jax.app.hf.config_in import model_config_from_hf
 from fsdp_jax.app.hf.load import read_config_json
 from fsdp_jax.errors import DataError, UsageError
