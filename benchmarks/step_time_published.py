@@ -20,29 +20,44 @@ import shlex
 import statistics
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def plan_doc(i: int, run, saved: Path | None) -> dict:
-    """The `plan --json` document for run `i` (from `saved` if it holds one)."""
+Planner = Callable[[list[str]], tuple[int, str, str]]  # plan's flags -> (exit code, stdout, stderr)
+
+
+def plan_in_child(argv: list[str]) -> tuple[int, str, str]:
+    """`python scripts/plan.py ARGV` in a fresh process, as a user runs it (the default)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TPU_WORKER_HOSTNAMES="localhost")
+    proc = subprocess.run(
+        [sys.executable, "scripts/plan.py", *argv], capture_output=True, text=True, cwd=ROOT, env=env, check=False
+    )
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def plan_doc(i: int, run, saved: Path | None, planner: Planner = plan_in_child) -> dict:
+    """The `plan --json` document for run `i` (from `saved` if it holds one), planned by `planner`
+    (a child process; tests/test_step_time_published.py plans the GPU rows in its own process)."""
     from fsdp_jax.app.planner.published import plan_command
 
     if saved is not None and (saved / f"{i}.json").exists():
         return json.loads((saved / f"{i}.json").read_text())
-    env = dict(os.environ, PYTHONPATH=str(ROOT), TPU_WORKER_HOSTNAMES="localhost")
-    proc = subprocess.run(shlex.split(plan_command(run)), capture_output=True, text=True, cwd=ROOT, env=env)
-    if proc.returncode != 0:
-        raise SystemExit(f"run {i} ({run.name}): plan failed: {proc.stderr.strip().splitlines()[-1:]}")
+    argv = shlex.split(plan_command(run))
+    assert argv[:2] == ["python", "scripts/plan.py"], argv
+    rc, out, err = planner(argv[2:])
+    if rc != 0:
+        raise SystemExit(f"run {i} ({run.name}): plan failed: {err.strip().splitlines()[-1:]}")
     if saved is not None:
         saved.mkdir(parents=True, exist_ok=True)
-        (saved / f"{i}.json").write_text(proc.stdout)
-    return json.loads(proc.stdout)
+        (saved / f"{i}.json").write_text(out)
+    return json.loads(out)
 
 
-def evaluate(indices, saved: Path | None = None) -> list[dict]:
+def evaluate(indices, saved: Path | None = None, planner: Planner = plan_in_child) -> list[dict]:
     """One row per run: published, predicted (its unit), error, role, fits, command."""
     from fsdp_jax.app.config import load_config
     from fsdp_jax.app.planner.published import PUBLISHED_RUNS, plan_command, predicted_value, prediction
@@ -50,7 +65,7 @@ def evaluate(indices, saved: Path | None = None) -> list[dict]:
     rows = []
     for i in indices:
         run = PUBLISHED_RUNS[i]
-        doc = plan_doc(i, run, saved)
+        doc = plan_doc(i, run, saved, planner)
         result = doc["strategies"][run.strategy]
         cfg = load_config(ROOT / run.config, list(run.overrides))
         got = predicted_value(run, cfg, result, doc["devices"])

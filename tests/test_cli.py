@@ -65,8 +65,17 @@ REFUSED_CONFIGS = {
     "bench-offload": [*CONFIG, "train.steps=-1"],
     "gpu-check": [*CONFIG, "--only", "throughput", "model.attention=bogus"],
 }
-# refusals of flags after parsing, before JAX (the command's `before`): gpu-check's --json
-REFUSED_FLAGS = [["gpu-check", "--only", "precision", "--json", "."]]
+# refusals of flags after parsing, before JAX (the command's `before`): gpu-check's --json, and
+# plan's flags up to its first check that needs the library (`flag_values.check_plan_flags`)
+REFUSED_FLAGS = {
+    "--json: '.' is a directory": ["gpu-check", "--only", "precision", "--json", "."],
+    "--rows: only with --search": ["plan", *CONFIG, "--devices", "8", "--rows", "3"],
+    "--hosts: '2' needs --target": ["plan", *CONFIG, "--devices", "8", "--hosts", "2"],
+    "--devices: 0 must be in 1..": ["plan", *CONFIG, "--devices", "0"],
+    "--devices: give the number": ["plan", *CONFIG],
+    "--explain-time: only with --target": ["plan", *CONFIG, "--devices", "8", "--explain-time"],
+    "--device-memory": ["plan", *CONFIG, "--devices", "8", "--device-memory", "lots"],
+}
 
 
 def test_help_and_refusals_load_no_jax():
@@ -82,7 +91,7 @@ def test_help_and_refusals_load_no_jax():
         "    assert (entry.main([c, '--help']), entry.main([c, '--no-such-flag'])) == (0, 2), c\n"
         f"for c, argv in {REFUSED_CONFIGS!r}.items():\n"
         "    assert entry.main([c, *argv]) == 2, c\n"
-        f"for argv in {REFUSED_FLAGS!r}:\n"
+        f"for argv in {list(REFUSED_FLAGS.values())!r}:\n"
         "    assert entry.main(argv) == 2, argv\n"
         f"print(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r} or m.startswith({HEAVY!r})))\n"
         # a body that runs loads the face first, as `import fsdp_jax` did: Flax without IPython
@@ -99,7 +108,7 @@ def test_help_and_refusals_load_no_jax():
     words = ["config file not found", "train.stepz: unknown key", "model.rope_type: 'ntk' is invalid"]
     words += ["mesh.rules.mlp: 'bogus' is invalid", "override: 'no_equals_sign' is not key=value"]
     words += ["train.steps: -1 is invalid", "model.n_kv_heads: 3 is invalid", "model.attention: 'bogus' is invalid"]
-    words += ["--json: '.' is a directory"]
+    words += list(REFUSED_FLAGS)
     assert [w for w in words if not any(w in line for line in lines)] == []
     with_config = {
         c for c in entry.COMMANDS if "--config CONFIG" in entry.command_module(c).build_parser().format_usage()

@@ -14,7 +14,7 @@ from fsdp_jax.app.config.parse import load_config
 from fsdp_jax.app.planner import nvme_plan
 from fsdp_jax.app.planner.abstract_step import build_step
 from fsdp_jax.app.planner.estimate import format_offload_table, plan_config
-from fsdp_jax.app.planner.inputs import parse_bytes
+from fsdp_jax.app.planner.flag_values import parse_bytes
 from fsdp_jax.app.planner.memory_model import analytic_memory
 from fsdp_jax.app.planner.report import fmt_bytes
 from fsdp_jax.app.planner.search_space import SearchSpace, overrides

@@ -41,7 +41,7 @@ def config_before_jax(args: argparse.Namespace) -> None:
 
 
 def add_devices(ap: argparse.ArgumentParser, default: str | None = None, text: str | None = None) -> None:
-    """`--devices N` (checked later by `fsdp_jax.app.planner.inputs.parse_devices`); `text`: its help."""
+    """`--devices N` (checked later by `fsdp_jax.app.planner.flag_values.parse_devices`); `text`: its help."""
     ap.add_argument("--devices", default=default, help=text or f"number of devices (default {default})")
 
 

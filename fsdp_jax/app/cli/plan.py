@@ -36,6 +36,7 @@ import sys
 from fsdp_jax.app.cli.args import add_config, add_target, config_before_jax
 from fsdp_jax.app.cli.command import run_command
 from fsdp_jax.app.cli.flags import Parser, int_in, real_in
+from fsdp_jax.app.planner.flag_values import check_plan_flags
 from fsdp_jax.errors import PlanError, TargetError
 
 
@@ -126,4 +127,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     parser = build_parser(prog)
     parser.set_defaults(argv=argv)  # plan --search re-runs itself in a child when this process lacks the devices
-    return run_command(parser, "fsdp_jax.app.cli.run.plan:run", argv, errors=planning_errors, before=config_before_jax)
+    return run_command(parser, "fsdp_jax.app.cli.run.plan:run", argv, errors=planning_errors, before=_before)
+
+
+def _before(args) -> None:
+    """The refusals that need no JAX, in the order the command always gave them: the config
+    field by field, then the flags up to the first that needs the library (`check_plan_flags`)."""
+    config_before_jax(args)
+    check_plan_flags(args)

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from fsdp_jax.app.config.checks import validate
 from fsdp_jax.app.config.fp8_checks import check_fp8_device
 from fsdp_jax.app.devices import use_cpu_devices
-from fsdp_jax.app.host_memory import parse_size
+from fsdp_jax.app.planner.flag_values import devices_without_target, parse_devices
 from fsdp_jax.app.trainer.setup import load_run_config
 from fsdp_jax.errors import PlanError
 from fsdp_jax.sharding.strategy import get_strategy
@@ -35,16 +35,9 @@ CLASSIC_NAMES = {
     "full_shard": "FSDP/ZeRO-3",
     "hybrid_shard": "HSDP",
 }
-MAX_DEVICES = 1 << 16  # fake CPU devices are real threads and buffers: bound what a typo asks for
 
 
 # ----------------------------------------------------------------------------- inputs
-
-
-def parse_bytes(text: str | int, what: str = "--device-memory") -> int:
-    """'80GB' -> 80e9, '80GiB' -> 80 * 2**30, '141G' -> 141e9, '1.5TB', '4096' (bytes):
-    `fsdp_jax.app.host_memory.parse_size`, a bad size a PlanError."""
-    return parse_size(text, what, PlanError)
 
 
 def parse_strategies(text: str | Sequence[str] | None, what: str = "--strategies") -> list[str]:
@@ -67,28 +60,12 @@ def parse_strategies(text: str | Sequence[str] | None, what: str = "--strategies
     return out
 
 
-def parse_devices(text: str | int, what: str = "--devices") -> int:
-    """A device count as a script takes it: a positive integer, else `PlanError`."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise PlanError(f"{what}: {text!r} is not an integer") from None
-    if not 1 <= n <= MAX_DEVICES:
-        raise PlanError(f"{what}: {n} must be in 1..{MAX_DEVICES}")
-    return n
-
-
 def resolve_target(args):
     """(device count, Target or None) from the target flags (`fsdp_jax.app.cli.args.add_target`); PlanError /
     TargetError naming the flag."""
 
-    for flag in ("hosts", "slices", "topology", "tpu_flags"):
-        if getattr(args, flag, None) is not None and args.target is None:
-            raise PlanError(f"--{flag.replace('_', '-')}: {getattr(args, flag)!r} needs --target")
-    n = None if args.devices is None else parse_devices(args.devices)
+    n = devices_without_target(args)
     if args.target is None:
-        if n is None:
-            raise PlanError("--devices: give the number of devices to plan for")
         return n, None
     target = make_target(
         args.target,

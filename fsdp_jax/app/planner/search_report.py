@@ -16,7 +16,7 @@ import yaml
 
 from fsdp_jax.app.config.schema import MODEL_CHOICES
 from fsdp_jax.app.planner import nvme_plan
-from fsdp_jax.app.planner.inputs import parse_bytes
+from fsdp_jax.app.planner.flag_values import parse_bytes
 from fsdp_jax.app.planner.report import fmt_bytes
 from fsdp_jax.app.planner.search_space import OFFLOAD_SETTINGS, PLANNED_ONLY, VARY
 from fsdp_jax.errors import SearchError

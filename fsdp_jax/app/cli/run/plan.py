@@ -13,13 +13,8 @@ from fsdp_jax.app.host_memory import HOST_MEMORY_ENV, fmt_size, host_memory, sta
 from fsdp_jax.app.objectives.grpo_run import is_grpo
 from fsdp_jax.app.planner import search_report
 from fsdp_jax.app.planner.estimate import format_offload_table, plan_config
-from fsdp_jax.app.planner.inputs import (
-    load_planning_config,
-    parse_bytes,
-    parse_devices,
-    parse_strategies,
-    resolve_target,
-)
+from fsdp_jax.app.planner.flag_values import check_plan_flags, parse_bytes, parse_devices
+from fsdp_jax.app.planner.inputs import load_planning_config, parse_strategies, resolve_target
 from fsdp_jax.app.planner.nvme_plan import disk_bytes_per_s
 from fsdp_jax.app.planner.report import format_table, plot_plan
 from fsdp_jax.app.planner.search import search
@@ -31,9 +26,6 @@ from fsdp_jax.targets.gpu import device_memory
 from fsdp_jax.verify.run import devices_for
 
 OFFLOADS = {**offload.OFFLOADS, **NVME_OFFLOADS}  # host memory, and local disks (fsdp_jax.nvme)
-
-
-SEARCH_ONLY = ("remat", "microbatches", "vary", "attention", "headroom", "max_compiles", "rows", "progress")
 
 
 def parse_offloads(text: str | None) -> list[str] | None:
@@ -188,9 +180,7 @@ def run(args) -> int:
 
     if args.search:
         return search_command(args)
-    for flag in SEARCH_ONLY:
-        if getattr(args, flag) not in (None, False):
-            raise PlanError(f"--{flag.replace('_', '-')}: only with --search")
+    check_plan_flags(args)  # run before JAX too: fsdp_jax.app.cli.plan's `before`
 
     n, target = resolve_target(args)
     if args.explain_time and target is None:
