@@ -66,7 +66,8 @@ REFUSED_CONFIGS = {
     "gpu-check": [*CONFIG, "--only", "throughput", "model.attention=bogus"],
 }
 # refusals of flags after parsing, before JAX (the command's `before`): gpu-check's --json, and
-# plan's flags up to its first check that needs the library (`flag_values.check_plan_flags`)
+# plan's flags up to its first check that needs the library (`flag_values.check_plan_flags`),
+# inspect's up to building a --target, verify's --devices
 REFUSED_FLAGS = {
     "--json: '.' is a directory": ["gpu-check", "--only", "precision", "--json", "."],
     "--rows: only with --search": ["plan", *CONFIG, "--devices", "8", "--rows", "3"],
@@ -75,6 +76,9 @@ REFUSED_FLAGS = {
     "--devices: give the number": ["plan", *CONFIG],
     "--explain-time: only with --target": ["plan", *CONFIG, "--devices", "8", "--explain-time"],
     "--device-memory": ["plan", *CONFIG, "--devices", "8", "--device-memory", "lots"],
+    "--slices: '2' needs --target": ["inspect", *CONFIG, "--slices", "2"],
+    "--devices: 'abc' is not an integer": ["inspect", *CONFIG, "--devices", "abc"],
+    "--devices: -5 must be in 1..": ["verify", *CONFIG, "--devices", "-5"],
 }
 
 

@@ -26,6 +26,7 @@ from fsdp_jax.app.cli.args import add_config, add_target, config_before_jax
 from fsdp_jax.app.cli.command import run_command
 from fsdp_jax.app.cli.flags import Parser
 from fsdp_jax.app.cli.plan import planning_errors
+from fsdp_jax.app.planner.flag_values import devices_without_target
 
 
 def build_parser(prog: str | None = None) -> Parser:
@@ -53,5 +54,13 @@ def build_parser(prog: str | None = None) -> Parser:
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
     return run_command(
-        build_parser(prog), "fsdp_jax.app.cli.run.inspect:run", argv, errors=planning_errors, before=config_before_jax
+        build_parser(prog), "fsdp_jax.app.cli.run.inspect:run", argv, errors=planning_errors, before=_before
     )
+
+
+def _before(args) -> None:
+    """The refusals that need no JAX, in the order the command always gave them: the config
+    field by field, then the target-only flags and --devices (`devices_without_target`; building
+    a --target, the next check, needs JAX)."""
+    config_before_jax(args)
+    devices_without_target(args)

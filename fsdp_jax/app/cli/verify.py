@@ -32,6 +32,7 @@ from __future__ import annotations
 from fsdp_jax.app.cli.args import add_config, add_devices, config_before_jax
 from fsdp_jax.app.cli.command import run_command
 from fsdp_jax.app.cli.flags import Parser, int_in, real_in
+from fsdp_jax.app.planner.flag_values import parse_devices
 from fsdp_jax.errors import PlanError, VerifyError
 
 
@@ -56,6 +57,11 @@ def _errors():
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
-    return run_command(
-        build_parser(prog), "fsdp_jax.app.cli.run.verify:run", argv, errors=_errors, before=config_before_jax
-    )
+    return run_command(build_parser(prog), "fsdp_jax.app.cli.run.verify:run", argv, errors=_errors, before=_before)
+
+
+def _before(args) -> None:
+    """The refusals that need no JAX, in the order the command always gave them: the config
+    field by field, then --devices (--strategies, next, reads the library's names)."""
+    config_before_jax(args)
+    parse_devices(args.devices)
