@@ -16,6 +16,7 @@ estimated on hardware, per-device memory (analytic and compiled) and the predict
                  compiler's refusal for memory: `refusal`
 * `compile_child` many strategies on N devices, in a child process when this one lacks them
 * `inputs`       the user's side in: flags parsed, checked against the config; start-up
+* `flag_values`  the flag values that need no JAX (sizes, device counts), checked before it loads
 * `report`       the user's side out: warnings, tables, the plot, the inspection
 * `search`       the fastest configuration that fits: strategy x remat x microbatches x
                  offload (x batch, seq) (`search_space`), predicted (`search_prediction`),
