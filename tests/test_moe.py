@@ -121,8 +121,10 @@ def _flat(tree):
     }
 
 
+# full_shard on (1, 8, 1), scanned, default rules is `check(name)` exactly, which
+# test_moe_import_matches_transformers_logits_and_aux_loss runs first for each family: not again here.
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", list(MESHES))
+@pytest.mark.parametrize("strategy", [s for s in MESHES if s != "full_shard"])
 @pytest.mark.parametrize("name", MOE)
 def test_moe_import_matches_transformers_every_strategy(name, strategy):
     check(name, strategy=strategy, mesh_shape=MESHES[strategy])
