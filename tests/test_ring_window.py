@@ -115,7 +115,8 @@ def emulated_cudnn():
 
 def check_ring(kernel, n, kv_pass, args, *, window, local, segments):
     """The ring's o (every element) and grads of sum(o * w) against one device's, rel <= 1e-5;
-    `local` None: the window always applies, else the pattern's traced flag."""
+    `local` None: the window always applies, else the values of the pattern's traced flag to
+    check, each a call of the one compiled ring."""
     q, k, v, w, pos, seg = args
     mesh = fj.make_mesh(fsdp=8 // n, context=n)
 
@@ -125,39 +126,47 @@ def check_ring(kernel, n, kv_pass, args, *, window, local, segments):
         o = flash_context_attention(zq, zk, zv, zp, zs if segments else None, **kw)
         return jnp.sum(o * zw), o
 
-    def dense(q, k, v):
-        o = dense_reference(q, k, v, pos, seg, q.shape[-1] ** -0.5, 0.0, window, local is None or local)
-        return jnp.sum(o * w), o
+    f = jax.jit(jax.value_and_grad(ring, argnums=(0, 1, 2), has_aux=True))
+    for flag in (True,) if local is None else local:
 
-    flag = jnp.asarray(bool(local))
-    with jax.set_mesh(mesh):
-        f = jax.jit(jax.value_and_grad(ring, argnums=(0, 1, 2), has_aux=True))
-        (_, o), g = f(q, k, v, pos, seg, w, flag)
-    (_, o_ref), ref_g = jax.jit(jax.value_and_grad(dense, argnums=(0, 1, 2), has_aux=True))(q, k, v)
-    for name, a, r in zip(("o", "q", "k", "v"), (o, *g), (zigzag(o_ref, n), *ref_g)):
-        err = float(jnp.max(jnp.abs(a - r)) / jnp.max(jnp.abs(r)))
-        assert err <= 1e-5, (name, err)
+        def dense(q, k, v, flag=flag):
+            o = dense_reference(q, k, v, pos, seg, q.shape[-1] ** -0.5, 0.0, window, flag)
+            return jnp.sum(o * w), o
+
+        with jax.set_mesh(mesh):
+            (_, o), g = f(q, k, v, pos, seg, w, jnp.asarray(flag))
+        (_, o_ref), ref_g = jax.jit(jax.value_and_grad(dense, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+        for name, a, r in zip(("o", "q", "k", "v"), (o, *g), (zigzag(o_ref, n), *ref_g)):
+            err = float(jnp.max(jnp.abs(a - r)) / jnp.max(jnp.abs(r)))
+            assert err <= 1e-5, (name, flag, err)
 
 
-# (context, window, local): rows of 32, chunks of 8 (context 2) or 4 (context 4)
-WINDOWS = [(2, 3, None), (2, 13, True), (2, 13, False), (4, 3, True), (4, 6, None), (4, 21, None)]
+# (context, window, local): rows of 32, chunks of 8 (context 2) or 4 (context 4); a pattern's flag
+# is traced, so its local and global layers (True, False) are one compiled ring called twice
+WINDOWS = [(2, 3, None), (2, 13, (True, False)), (4, 3, (True,)), (4, 6, None), (4, 21, None)]
+
+
 # The packed cuDNN kernel's windowed rings compile for 10-18 s each (a whole run's junit, 2 workers):
 # the fast subset keeps the first (a window shorter than a chunk, context 2: the packed pieces with
 # cuDNN's window and the reversed squares' two span calls; a mutation of either fails it, BENCHMARKS.md
 # "Issue 55 item 6, the fast subset"); the rest run in the whole suite. Context 4 and
 # the longer windows stay fast through the unpacked cuDNN kernel and the banded reference above,
 # packed rows at context 4 through test_cudnn_packed's ring.
+def _id(value):
+    return "-".join(map(str, value)) if isinstance(value, tuple) else str(value)
+
+
 PACKED_WINDOWS = [WINDOWS[0], *(pytest.param(*w, marks=pytest.mark.slow) for w in WINDOWS[1:])]
 
 
-@pytest.mark.parametrize(("n", "window", "local"), WINDOWS)
+@pytest.mark.parametrize(("n", "window", "local"), WINDOWS, ids=_id)
 def test_banded_reference_ring_matches_one_device(n, window, local):
     args = inputs({"packed": True}, b=8 // n)
     kern = reference_kernel(scale=args[0].shape[-1] ** -0.5, window=window, banded=True)
     check_ring(kern, n, "ring" if window % 2 else "all_gather", args, window=window, local=local, segments=True)
 
 
-@pytest.mark.parametrize(("n", "window", "local"), WINDOWS)
+@pytest.mark.parametrize(("n", "window", "local"), WINDOWS, ids=_id)
 def test_cudnn_kernel_with_windows_over_emulated_cudnn_matches_one_device(n, window, local):
     """Unpacked rows (the cuDNN kernel takes windows without segment ids), 4 query heads on 2
     kv heads: the pieces, reversals and merges of `band_pieces` are the kernel's own code."""
@@ -168,7 +177,7 @@ def test_cudnn_kernel_with_windows_over_emulated_cudnn_matches_one_device(n, win
     check_ring(kern, n, "all_gather" if window % 2 else "ring", args, window=window, local=local, segments=False)
 
 
-@pytest.mark.parametrize(("n", "window", "local"), PACKED_WINDOWS)
+@pytest.mark.parametrize(("n", "window", "local"), PACKED_WINDOWS, ids=_id)
 def test_packed_cudnn_kernel_with_windows_over_emulated_cudnn_matches_one_device(n, window, local):
     """Packed rows (segments across chunks and blocks, padding at row ends), 4 query heads on
     2 kv heads: cuDNN's packed layout per piece, the one segment across the gap of a reversed
@@ -179,7 +188,9 @@ def test_packed_cudnn_kernel_with_windows_over_emulated_cudnn_matches_one_device
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("n", "window", "local"), [(2, 100, None), (2, 300, True), (4, 130, False), (4, 200, None)])
+@pytest.mark.parametrize(
+    ("n", "window", "local"), [(2, 100, None), (2, 300, (True,)), (4, 130, (False,)), (4, 200, None)], ids=_id
+)
 def test_interpreted_splash_ring_with_windows_and_packed_rows_matches_one_device(n, window, local):
     """Chunks of 128 (splash's backward wants key tiles of 128), 2 query heads on one kv head,
     head dim 128, packed rows: windows inside a chunk, across one, across several."""

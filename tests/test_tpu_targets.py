@@ -313,9 +313,10 @@ def test_tiled_bytes_pads_the_minor_dims_to_the_first_tile():
     assert tiled_bytes((3, 512, 32), 2, L(major_to_minor=(0, 2, 1), tiling=((16, 128), (2, 1)))) == 3 * 32 * 512 * 2
 
 
-# A child with libtpu on its path: for each strategy, the analytic argument bytes (from the
-# sharding plan, fsdp_jax.app.planner.memory_model) against memory_analysis()'s, and the tile padding
-# XLA:TPU's own input layouts imply.
+# A child with libtpu on its path: for each target and strategy, the analytic argument bytes (from
+# the sharding plan, fsdp_jax.app.planner.memory_model) against memory_analysis()'s, and the tile
+# padding XLA:TPU's own input layouts imply. One process makes every generation's compile-only
+# devices (libtpu loads once: the four children it replaced each spent their start-up loading it).
 _ARGUMENT_CHILD = """
 import json, sys, jax, numpy as np
 from fsdp_jax.targets import gpu as targets, tpu as tpu_targets
@@ -323,11 +324,11 @@ from fsdp_jax.app.config import load_config
 from fsdp_jax.app.planner.memory_model import analytic_memory
 from fsdp_jax.app.planner.abstract_step import build_step
 req = json.loads(sys.argv[1])
-devices = targets.target_devices(targets.Target(**req["target"]))
 cfg = load_config(req["config"], req["overrides"])
 out = {}
-for strategy in req["strategies"]:
-    b = build_step(cfg, strategy, devices)
+devices = {t["name"]: targets.target_devices(targets.Target(**t)) for t in req["targets"]}
+for name, strategy in [(name, s) for name in devices for s in req["strategies"]]:
+    b = build_step(cfg, strategy, devices[name])
     a = analytic_memory(b)
     compiled = b.compile()
     leaves = jax.tree.leaves((b.state, b.batch))
@@ -336,8 +337,8 @@ for strategy in req["strategies"]:
     padding = sum(tpu_targets.tiled_bytes(x.sharding.shard_shape(x.shape), np.dtype(x.dtype).itemsize, lay)
                   - int(np.prod(x.sharding.shard_shape(x.shape))) * np.dtype(x.dtype).itemsize
                   for x, lay in zip(leaves, layouts))
-    out[strategy] = {"analytic": a["params"] + a["optimizer"] + a["batch"], "padding": padding,
-                     "compiled": compiled.memory_analysis().argument_size_in_bytes}
+    out.setdefault(name, {})[strategy] = {"analytic": a["params"] + a["optimizer"] + a["batch"], "padding": padding,
+                                          "compiled": compiled.memory_analysis().argument_size_in_bytes}
 print(json.dumps(out))
 """
 TPU_TINY = [
@@ -353,31 +354,35 @@ TPU_TINY = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, devices", [("v4", 8), ("v5e", 8), ("v5p", 8), ("v6e", 8)])
-def test_analytic_argument_bytes_are_the_compiled_ones_on_every_tpu(name, devices):
-    """Every strategy, tiny model, each TPU generation: memory_analysis()'s argument bytes
-    are exactly the plan's shard bytes plus XLA:TPU's tile padding, read from the compiled
+def test_analytic_argument_bytes_are_the_compiled_ones_on_every_tpu():
+    """Every strategy, tiny model, each TPU generation (8 devices): memory_analysis()'s argument
+    bytes are exactly the plan's shard bytes plus XLA:TPU's tile padding, read from the compiled
     program's own input layouts; the padding is only the scalars (a step counter takes 128
     elements) and the token batch's row of seq + 1 = 33 (padded to 128 lanes): the weights
-    and optimizer state, multiples of the tiles here, pad nothing."""
+    and optimizer state, multiples of the tiles here, pad nothing. One child compiles for the
+    four generations: their targets' child environments are the same."""
     _libtpu()
     from fsdp_jax.sharding.strategy import STRATEGIES
 
-    t = targets.make_target(name, devices=devices)
+    devices = 8
+    ts = [targets.make_target(name, devices=devices) for name in ("v4", "v5e", "v5p", "v6e")]
+    envs = [targets.child_env(dict(os.environ), target=t) for t in ts]
+    assert all(e == envs[0] for e in envs), "the generations' child environments differ: one child each"
     req = {
-        "target": t.as_dict(),
+        "targets": [t.as_dict() for t in ts],
         "config": str(ROOT / TINY_YAML),
         "overrides": TPU_TINY,
         "strategies": list(STRATEGIES),
     }
-    env = targets.child_env(dict(os.environ), target=t)
-    got = json_child(_ARGUMENT_CHILD, json.dumps(req), env=env)
-    assert set(got) == set(STRATEGIES)
+    doc = json_child(_ARGUMENT_CHILD, json.dumps(req), env=envs[0])
+    assert sorted(doc) == sorted(t.name for t in ts)
     batch_rows = 16 // devices  # per device, (rows, 33) int32 padded to (rows, 128)
-    for strategy, r in got.items():
-        assert r["compiled"] == r["analytic"] + r["padding"], (strategy, r)
-        scalars = r["padding"] - batch_rows * (128 - 33) * 4
-        assert scalars > 0 and scalars % (127 * 4) == 0, (strategy, r)  # int32 scalars: 4 -> 512 bytes
+    for name, got in doc.items():
+        assert set(got) == set(STRATEGIES), name
+        for strategy, r in got.items():
+            assert r["compiled"] == r["analytic"] + r["padding"], (name, strategy, r)
+            scalars = r["padding"] - batch_rows * (128 - 33) * 4
+            assert scalars > 0 and scalars % (127 * 4) == 0, (name, strategy, r)  # int32 scalars: 4 -> 512 bytes
 
 
 @pytest.mark.slow
