@@ -14,12 +14,11 @@ import pytest
 
 from fsdp_jax.app.models import moe as moe_lib
 from fsdp_jax.app.models.decoder import cross_entropy
-from fsdp_jax.app.trainer.build import build_from_config, make_loss_fn, trainer_model
+from fsdp_jax.app.trainer.build import build_from_config, trainer_model
 from fsdp_jax.app.trainer.setup import load_run_config
 from fsdp_jax.app.verify_batches import verify_batches
 from fsdp_jax.app.verify_shrink import shrunk_model
 from fsdp_jax.sharding.mesh import make_mesh
-from fsdp_jax.verify.run import verify
 from helpers import TINY_MODEL_OVERRIDES, call
 
 MOE_OVERRIDES = [
@@ -78,27 +77,40 @@ def test_verify_passes_on_a_moe_config_with_the_trainers_objective(capsys):
 
 
 @pytest.mark.slow
-def test_verify_catches_a_router_term_that_differs_on_the_sharded_side():
-    """A loss whose aux coefficient is doubled whenever the step's mesh has more than one
-    device: the one-device reference and every sharded run then optimise different
-    objectives, and verify fails them at step 1 on the loss."""
-    cfg = _cfg()
-    model = trainer_model(cfg.model)
-    good = make_loss_fn(model, cfg.model)
+def test_verify_catches_a_router_term_that_differs_on_the_sharded_side(capsys, monkeypatch):
+    """verify's command on the MoE config of the trainer's-objective test, its loss made wrong:
+    the aux coefficient doubled whenever the step's mesh has more than one device. The
+    one-device reference and every sharded run then optimise different objectives, and verify
+    fails them at step 1 on the loss (exit 1). The same command with the trainer's loss passes:
+    that test's run (shared), whose full_shard and no_shard are these."""
+    from fsdp_jax.app.cli.run import verify as verify_command
 
-    def wrong(params, batch):
-        loss, aux = good(params, batch)
-        if jax.sharding.get_abstract_mesh().size > 1:  # traced under the step's mesh
-            loss = loss + cfg.model.router_aux_loss_coef * aux["router_aux_loss"]
-        return loss, aux
+    make = verify_command.make_loss_fn
 
-    batches = verify_batches(cfg, 2, 0)[0]
-    kw = dict(batches=batches, strategies=["full_shard", "no_shard"], steps=2, has_aux=True, check_init=False)
-    report = verify(model, optax.adamw(1e-3), wrong, **kw)
-    assert not report.passed
-    for s in report.strategies.values():
-        assert not s.passed and s.first_divergence.step == 1 and s.first_divergence.loss is not None
-    assert verify(model, optax.adamw(1e-3), good, **kw).passed  # the same run with one objective passes
+    def make_wrong(model, mcfg):
+        good = make(model, mcfg)
+
+        def wrong(params, batch):
+            loss, aux = good(params, batch)
+            if jax.sharding.get_abstract_mesh().size > 1:  # traced under the step's mesh
+                loss = loss + mcfg.router_aux_loss_coef * aux["router_aux_loss"]
+            return loss, aux
+
+        return wrong
+
+    monkeypatch.setattr(verify_command, "make_loss_fn", make_wrong)
+    rc, out, err = call(
+        "verify", "--config", "configs/tiny.yaml", "--steps", "2", "--json", "--strategies", "full_shard,no_shard",
+        *MOE_OVERRIDES, "model.n_experts=8", capsys=capsys,
+    )  # fmt: skip
+    assert rc == 1, err[-3000:] + out
+    report = json.loads(out)
+    assert not report["passed"] and set(report["strategies"]) == {"full_shard", "no_shard"}
+    for s in report["strategies"].values():
+        assert not s["passed"] and s["first_divergence"]["step"] == 1 and s["first_divergence"]["loss"] is not None
+    monkeypatch.undo()
+    plain = _plain_doc(capsys)  # the same run with one objective passes
+    assert plain["passed"] and all(plain["strategies"][s]["passed"] for s in ("full_shard", "no_shard"))
 
 
 DOCS_MOE = [

@@ -1,10 +1,12 @@
 """Every stage of a run under every feature that trains, through the command line.
 
-One child process per combination (tests/run_chain.py) runs train (2 steps: eval, the text
-sample, the final checkpoint) -> resume (the same command at 3 steps) -> export (--hf; --peft
-and the merged --hf where LoRA) -> verify (one step vs one device) -> plan, on the tiny
-decoder (configs/tiny.yaml shrunk) or the tiny Hugging Face Llama (configs/hf_tiny_finetune.yaml),
-8 CPU devices. Each must exit 0 and leave its files.
+Per combination, train (2 steps: eval, the text sample, the final checkpoint) -> resume (the
+same command at 3 steps) -> export (--hf; --peft and the merged --hf where LoRA) -> verify (one
+step vs one device) -> plan, on the tiny decoder (configs/tiny.yaml shrunk) or the tiny Hugging
+Face Llama (configs/hf_tiny_finetune.yaml), 8 CPU devices. Each must exit 0 and leave its files.
+The selected combinations' chains run in turn in ONE child process (tests/run_chain.py
+--chains: one Python and JAX start-up for them all, each chain's output in its own log), a
+module fixture; each combination's test reads its chain's exit codes, log and files.
 
 The combinations are a covering set, not the product: every feature (LoRA, MoE, streamed
 optimizer offload, packed rows, document-masked token rows) appears under mesh.context > 1 and
@@ -90,31 +92,52 @@ def _records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("name", list(COMBINATIONS))
-def test_every_stage_of_a_run_exits_0_and_leaves_its_files(name, corpora, tmp_path):
-    strategy, context, corpus, config, overrides, extra = COMBINATIONS[name]
-    run_dir = tmp_path / "run"
-    stages = ["train", "resume", *extra.split(","), "plan"]
-    args = [*RUN, *overrides, f"data.path={corpora[corpus]}", f"mesh.context={context}", f"mesh.strategy={strategy}"]
+@pytest.fixture(scope="module")
+def chains(corpora, request, tmp_path_factory) -> dict:
+    """{name: (its stages' {stage: [exit code, seconds]}, its log, its run dir)} for the
+    combinations this session selected, all run by one child process."""
+    names = [
+        i.callspec.params["name"]
+        for i in request.session.items
+        if i.originalname == "test_every_stage_of_a_run_exits_0_and_leaves_its_files" and i.module is request.module
+    ]
+    out = tmp_path_factory.mktemp("matrix_runs")
+    specs = {}
+    for name in names or list(COMBINATIONS):
+        strategy, context, corpus, config, overrides, extra = COMBINATIONS[name]
+        args = [
+            *RUN,
+            *overrides,
+            f"data.path={corpora[corpus]}",
+            f"mesh.context={context}",
+            f"mesh.strategy={strategy}",
+        ]
+        stages = ["train", "resume", *extra.split(","), "plan"]
+        specs[name] = dict(
+            run_dir=str(out / name), strategy=strategy, stages=stages, config=f"configs/{config}.yaml", overrides=args
+        )
+    (out / "chains.json").write_text(json.dumps(list(specs.values())))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run(
-        [
-            sys.executable,
-            "tests/run_chain.py",
-            str(run_dir),
-            strategy,
-            ",".join(stages),
-            f"configs/{config}.yaml",
-            *args,
-        ],
+        [sys.executable, "tests/run_chain.py", "--chains", str(out / "chains.json")],
         capture_output=True,
         text=True,
         cwd=ROOT,
         env=env,
     )
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-4000:]
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     done = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {
+        name: (done.get(s["run_dir"], {}), Path(s["run_dir"] + ".log").read_text(errors="replace"), Path(s["run_dir"]))
+        for name, s in specs.items()
+    }
+
+
+@pytest.mark.parametrize("name", list(COMBINATIONS))
+def test_every_stage_of_a_run_exits_0_and_leaves_its_files(name, chains):
+    stages = ["train", "resume", *COMBINATIONS[name][5].split(","), "plan"]
+    context = COMBINATIONS[name][1]
+    done, log, run_dir = chains[name]
     assert {s: rc for s, (rc, _) in done.items()} == dict.fromkeys(stages, 0), log[-4000:]
 
     recs = _records(run_dir)

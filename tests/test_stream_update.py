@@ -30,11 +30,15 @@ from fsdp_jax.train.build import build
 from helpers import json_child
 
 
-def run(offload, optimizer, strategy="full_shard", n=3, batch=8, remat="none", **step_kw):
+def run(offload, optimizer, strategy="full_shard", n=3, batch=8, remat="none", init=True, **step_kw):
+    """(built, state, losses) after `n` steps from the seed-0 init (`init=False`: the build
+    alone, state None)."""
     m, loss_fn = tiny_llama(remat)
     b = build(
         m, optimizer, fj.make_mesh(**STRATEGY_MESH[strategy]), strategy, loss_fn=loss_fn, offload=offload, **step_kw
     )
+    if not init:
+        return b, None, []
     state = b.init_state(jax.random.key(0))
     losses = []
     for x in token_batches(n, batch):
@@ -79,8 +83,9 @@ FAST_CASES = {
     "sgd": ("full_shard", "optimizer+params:streamed", "sgd", {}),
     "microbatches_clip": ("full_shard", "optimizer+params:streamed", "adamw", MICRO_CLIP),
 }
-FAST_CASES["optimizer_only"] = ("full_shard", "optimizer:streamed", "adamw", {})
-FAST_CASES["update_only"] = ("full_shard", "optimizer+params:streamed-update", "adamw", {})
+# AdamW with decay as the "adamw" case: the three share one run without offload in the child
+FAST_CASES["optimizer_only"] = ("full_shard", "optimizer:streamed", "adamw_decay", {})
+FAST_CASES["update_only"] = ("full_shard", "optimizer+params:streamed-update", "adamw_decay", {})
 # params streamed too: the model's layer loop fetches each layer (train.layer_gather)
 STRATEGY_CASES = {s: (s, "optimizer+params:streamed", "adamw", {"remat": "full"}) for s in STRATEGY_MESH}
 
@@ -129,13 +134,24 @@ def assert_bit_for_bit(r):
 
 
 @pytest.fixture(scope="module")
-def fast_parity():
-    return default_codegen_parity(FAST_CASES)
+def parity(request):
+    """FAST_CASES, and STRATEGY_CASES (as "strategy:<name>") when this session runs
+    test_every_strategy_matches: one child for both (one start-up)."""
+    cases = dict(FAST_CASES)
+    items = request.session.items
+    if any(i.originalname == "test_every_strategy_matches" and i.module is request.module for i in items):
+        cases.update({f"strategy:{k}": v for k, v in STRATEGY_CASES.items()})
+    return default_codegen_parity(cases)
 
 
 @pytest.fixture(scope="module")
-def strategy_parity():
-    return default_codegen_parity(STRATEGY_CASES)
+def fast_parity(parity):
+    return parity
+
+
+@pytest.fixture(scope="module")
+def strategy_parity(parity):
+    return {k.removeprefix("strategy:"): v for k, v in parity.items() if k.startswith("strategy:")}
 
 
 @pytest.mark.slow
@@ -193,12 +209,13 @@ def test_host_transfers_sit_inside_the_layer_loop():
     backward recomputes the layer (remat), and no stacked param comes to the device whole:
     what comes back whole is each stacked leaf's grads, once, after the backward pass
     (the transpose of the per-layer fetch leaves them in host memory)."""
-    b, state, _ = run("optimizer+params:streamed", optax.adamw(1e-3), n=1, remat="full")
+    # the program is traced from the abstract state: nothing is compiled or run
+    b, _, _ = run("optimizer+params:streamed", optax.adamw(1e-3), n=0, remat="full", init=False)
     x = token_batches(1)[0]
     from fsdp_jax.train.step import sharding_context
 
     with sharding_context(b.plan):
-        jaxpr = b.train_step.jitted.trace(state, x).jaxpr.jaxpr
+        jaxpr = b.train_step.jitted.trace(b.abstract_state, x).jaxpr.jaxpr
     bodies = list(_while_bodies(jaxpr))
     assert any({"device", ol.HOST} <= _transfers(body) for body in bodies), "no host<->device transfers in a loop"
     stacked = jax.tree.leaves(b.abstract_state.params["blocks"])
@@ -213,9 +230,9 @@ def test_host_transfers_sit_inside_the_layer_loop():
     assert sorted(whole) == sorted(x.shape for x in stacked)  # the grads, after the backward
     # optimizer+params:streamed-update: the stacked params come whole, before the loss, and
     # the layer loops fetch nothing
-    b, state, _ = run("optimizer+params:streamed-update", optax.adamw(1e-3), n=1, remat="full")
+    b, _, _ = run("optimizer+params:streamed-update", optax.adamw(1e-3), n=0, remat="full", init=False)
     with sharding_context(b.plan):
-        jaxpr = b.train_step.jitted.trace(state, x).jaxpr.jaxpr
+        jaxpr = b.train_step.jitted.trace(b.abstract_state, x).jaxpr.jaxpr
     assert [sorted(_fetches(body)) for body in _while_bodies(jaxpr)].count(layer) == 0
     args = set(jaxpr.invars)
     fetched = [v.aval.shape for v in _fetches(jaxpr, operands=True) if v in args]
