@@ -7,6 +7,7 @@ TPU chip the search ranks by (`ranking_target`).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -33,14 +34,17 @@ def analytic_communication(cfg, strategy: str, sizes: tuple[int, int, int], host
     sends no gradient and no update. Gradients travel in the compute dtype: the XLA:GPU
     compiles of 7B and 70B reduce-scatter bf16 grads even under reduce=float32 (BENCHMARKS.md:
     these formulas are within 0.3% of their all-gather + reduce-scatter + all-reduce bytes).
-    All bytes of a group that spans hosts count as cross-host. A compiled candidate replaces
-    this with its program's own bytes."""
+    All bytes of a group that spans hosts count as cross-host. Under FP8 weight gathers
+    (`fp8_gathered_params`) ZeRO-3's and HSDP's per-layer gathers move the layers' params in
+    f8, 1 byte each (P becomes P8 in 2P). A compiled candidate replaces this with its
+    program's own bytes."""
 
     width = np.dtype(Policy.parse(cfg.precision).compute_dtype).itemsize
     lora = spec_from_config(cfg.lora)
     adapters = 0 if lora is None else adapter_param_count(cfg.model, lora)
     p = count_params(cfg.model) * width
     g = p if lora is None else adapters * width
+    p8 = p - fp8_gathered_params(cfg, strategy) * (width - 1)  # the per-layer gathers' bytes
     data, fsdp, _ = sizes
     n, m = data * fsdp, cfg.train.microbatches
     ring = lambda k: (k - 1) / k if k > 1 else 0.0  # noqa: E731
@@ -48,12 +52,27 @@ def analytic_communication(cfg, strategy: str, sizes: tuple[int, int, int], host
         within = 2 * g * ring(n) + (g * ring(n) if strategy == "shard_opt" else 0)
         across = 0.0
     else:
-        within = m * ((1 if strategy == "shard_grad_op" else 2) * p + g) * ring(fsdp)
+        within = m * ((p if strategy == "shard_grad_op" else 2 * p8) + g) * ring(fsdp)
         across = 2 * g / fsdp * ring(data) if strategy == "hybrid_shard" else 0.0
     spans = hosts > 1 and (n if strategy in ("no_shard", "shard_opt") else fsdp) > n // hosts
     total = within + across
     cross = total if spans else (across if hosts > 1 and data > 1 else 0.0)
     return {"total_wire_bytes": int(total), "analytic": {"cross_host_wire_bytes": int(cross)}}
+
+
+def fp8_gathered_params(cfg, strategy: str) -> int:
+    """Params whose per-layer all-gathers move f8 (docs/fp8.md "FP8 weight gathers"): under
+    `precision ...,matmul=fp8` with `fp8.gather` not false, for full_shard / hybrid_shard, the
+    decoder layers' params (all but the embedding, the head and the final norm, as the memory
+    model counts the gathered layer in f8 throughout: `gathered_memory.gathered_by_phase`);
+    else 0."""
+    if Policy.parse(cfg.precision).matmul != "fp8" or cfg.fp8.gather is False:
+        return 0
+    if strategy not in ("full_shard", "hybrid_shard"):
+        return 0
+    m = dataclasses.replace(cfg.model, mtp_depth=0)
+    tables = 1 if m.tie_word_embeddings else 2
+    return count_params(m) - tables * m.vocab_size * m.d_model - m.d_model
 
 
 def recompute_flops_per_token(model, seq_len: int, remat: str) -> float:
