@@ -563,8 +563,14 @@ def test_search_costs_fp8_weight_gathers_and_delayed_histories(cfg):
     gathers move the layers' params in f8, 1 byte each against bf16's 2 (P8 in 3P -> 2 P8 + P),
     by hand from the tiny model's shapes; the strategies that do not gather per layer, and
     fp8.gather=false, send bf16's bytes; a full_shard candidate's predicted communication
-    shrinks with it; and its memory holds the histories (7 projections x layers x (2 + 1)
-    histories of L float32) beside the optimizer state."""
+    shrinks with it; its roofline runs the layers' GEMMs at H100's FP8 peak (1979 TFLOP/s against
+    989: 6 x layer params FLOPs per token, 8 with full remat's second forward, at half the time);
+    and its memory holds the histories (7 projections x layers x (2 + 1) histories of L float32)
+    beside the optimizer state."""
+    from fsdp_jax.targets.perf_tables import perf_table
+
+    t = perf_table("h100")
+    peak, peak8, eff = t["peak_flops"]["bf16"], t["peak_flops"]["f8e4m3fn"], t["gemm"]["max_efficiency"]
     fp8 = [*SMALL, "precision=params=float32,compute=bfloat16,matmul=fp8", "fp8.recipe=delayed", "fp8.emulate=true"]
     on, off = load_config(TINY_YAML, fp8), load_config(TINY_YAML, [*fp8, "fp8.gather=false"])
     m = cfg.model
@@ -590,3 +596,7 @@ def test_search_costs_fp8_weight_gathers_and_delayed_histories(cfg):
         )
         assert (c_on["predicted"]["comm_s"] < c_off["predicted"]["comm_s"]) == per_layer
         assert c_on["analytic"]["optimizer"] - c_bf["analytic"]["optimizer"] == hist
+        f8 = 6 * m.n_layers * layer * (4 / 3 if c_on["remat"] == "full" else 1)  # FP8 FLOPs per token
+        tokens = c_on["seq_len"] * c_on["global_batch"] / 8
+        want = c_bf["predicted"]["compute_s"] - tokens * f8 * (1 / peak - 1 / peak8) / eff
+        assert c_on["predicted"]["compute_s"] == pytest.approx(want, rel=2e-3), c_on["remat"]

@@ -7,7 +7,6 @@ TPU chip the search ranks by (`ranking_target`).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import numpy as np
@@ -17,7 +16,7 @@ from fsdp_jax.app.models.lora import adapter_param_count, spec_from_config
 from fsdp_jax.app.planner import nvme_plan
 from fsdp_jax.app.planner.nvme_plan import disk_bytes_per_s
 from fsdp_jax.app.planner.residuals import rematerialised
-from fsdp_jax.app.planner.step_time import BAND, predict, roofline_constants, step_tokens
+from fsdp_jax.app.planner.step_time import BAND, fp8_layer_params, predict, roofline_constants, step_tokens
 from fsdp_jax.sharding.precision import Policy
 from fsdp_jax.sharding.remat import FORWARD
 
@@ -63,16 +62,10 @@ def analytic_communication(cfg, strategy: str, sizes: tuple[int, int, int], host
 def fp8_gathered_params(cfg, strategy: str) -> int:
     """Params whose per-layer all-gathers move f8 (docs/fp8.md "FP8 weight gathers"): under
     `precision ...,matmul=fp8` with `fp8.gather` not false, for full_shard / hybrid_shard, the
-    decoder layers' params (all but the embedding, the head and the final norm, as the memory
-    model counts the gathered layer in f8 throughout: `gathered_memory.gathered_by_phase`);
-    else 0."""
-    if Policy.parse(cfg.precision).matmul != "fp8" or cfg.fp8.gather is False:
+    decoder layers' params (`step_time.fp8_layer_params`); else 0."""
+    if cfg.fp8.gather is False or strategy not in ("full_shard", "hybrid_shard"):
         return 0
-    if strategy not in ("full_shard", "hybrid_shard"):
-        return 0
-    m = dataclasses.replace(cfg.model, mtp_depth=0)
-    tables = 1 if m.tie_word_embeddings else 2
-    return count_params(m) - tables * m.vocab_size * m.d_model - m.d_model
+    return fp8_layer_params(cfg)
 
 
 def recompute_flops_per_token(model, seq_len: int, remat: str) -> float:
