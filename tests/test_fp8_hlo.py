@@ -118,6 +118,7 @@ def h100():
             "moe_fp8": [f"precision={FP8}", *MOE],
             "moe_fp8_no_gather": [f"precision={FP8}", *MOE, "fp8.gather=false"],
             "rowwise": [f"precision={FP8}", "fp8.recipe=rowwise"],
+            "moe_rowwise": [f"precision={FP8}", *MOE, "fp8.recipe=rowwise"],
         },
     }
     env = targets.child_env(dict(os.environ, PYTHONPATH=str(ROOT)))
@@ -213,3 +214,43 @@ def test_h100_moe_expert_weights_gather_f8_and_scatter_wide_grads(h100):
     assert {d for _, d in on} == {d for _, d in off}  # the same weights, whole; 1 byte an element against 2
     scatters = expert_arrays(h100["moe_fp8"], "reduce-scatter")
     assert scatters and {t for t, _ in scatters} == {"f32"}, scatters
+    # the f8 program text holds twice the backward expert GEMMs: XLA:GPU peels one iteration
+    # of the backward layer loop into the entry computation (runs 1; the loop's trip count one
+    # less): per step both programs run the same expert GEMMs, the same FLOPs
+    runs = {k: expert_gemm_runs(h100[k]) for k in ("moe_fp8", "moe_fp8_no_gather")}
+    assert runs["moe_fp8"]["flops"] == runs["moe_fp8_no_gather"]["flops"] and runs["moe_fp8"]["flops"]["bwd"] > 0, runs
+    assert runs["moe_fp8"]["peeled"] > 0 == runs["moe_fp8_no_gather"]["peeled"], runs
+
+
+def expert_gemm_runs(hlo: str) -> dict:
+    """The expert GEMMs of a program per step (`op_inventory`: a record's FLOPs x its runs, the
+    loops' trip counts multiplied in): `flops`, by direction; `peeled`: how many backward ones
+    sit in the entry computation (run once, outside the layer loops)."""
+    recs = [o for o in op_inventory(hlo) if o["kind"] == "gemm" and "ragged_dot" in (o["op_name"] or "")]
+    entry = re.search(r"^ENTRY %?([\w.\-]+)", hlo, re.M).group(1)
+    flops = collections.Counter()
+    for o in recs:
+        flops["bwd" if "transpose" in o["op_name"] else "fwd"] += o["flops"] * o["runs"]
+    peeled = sum(o["computation"] == entry and "transpose" in o["op_name"] for o in recs)
+    return {"flops": dict(flops), "peeled": peeled}
+
+
+@pytest.mark.slow
+def test_h100_rowwise_moe_gathers_f8_expert_weights_with_their_scales(h100):
+    """Rowwise experts under fp8.gather (the default) on 8 x H100, full_shard: every all-gather
+    of a whole expert weight moves e4m3 (the arrays fp8.gather=false gathers in bf16), none bf16;
+    beside them the scales of the dim a cast spans and the gather does not, f32 (XLA:GPU drops
+    their size-1 dim: f32[128,6], none in the compute-dtype run); the expert gradients
+    reduce-scatter in f32; the expert GEMMs take e4m3 only."""
+    weights, off = expert_arrays(h100["moe_rowwise"]), expert_arrays(h100["moe_fp8_no_gather"])
+    assert weights and {t for t, _ in weights} == {"f8e4m3fn"}, weights
+    assert {d for _, d in weights} == {d for _, d in off}  # the same weights, whole
+
+    def scales(hlo):
+        return [d for t, d in collective_arrays(hlo) if t == "f32" and len(d) == 2 and N_EXPERTS in d]
+
+    assert scales(h100["moe_rowwise"]) and not scales(h100["moe_fp8_no_gather"])
+    scatters = expert_arrays(h100["moe_rowwise"], "reduce-scatter")
+    assert scatters and {t for t, _ in scatters} == {"f32"}, scatters
+    experts = [d for d, n, _ in gemm_ops(h100["moe_rowwise"]) if "ragged_dot" in n]
+    assert experts and all(d == ("f8e4m3fn",) for d in experts), experts

@@ -556,3 +556,47 @@ def test_the_search_tries_the_targets_attention_kernels(cfg, capsys):
         "xla",
         "cudnn",
     }
+
+
+def test_search_costs_fp8_weight_gathers_and_delayed_histories(cfg):
+    """The search under matmul=fp8 (delayed, fp8.gather unset = on): ZeRO-3's two per-layer
+    gathers move the layers' params in f8, 1 byte each against bf16's 2 (P8 in 3P -> 2 P8 + P),
+    by hand from the tiny model's shapes; the strategies that do not gather per layer, and
+    fp8.gather=false, send bf16's bytes; a full_shard candidate's predicted communication
+    shrinks with it; its roofline runs the layers' GEMMs at H100's FP8 peak (1979 TFLOP/s against
+    989: 6 x layer params FLOPs per token, 8 with full remat's second forward, at half the time);
+    and its memory holds the histories (7 projections x layers x (2 + 1) histories of L float32)
+    beside the optimizer state."""
+    from fsdp_jax.targets.perf_tables import perf_table
+
+    t = perf_table("h100")
+    peak, peak8, eff = t["peak_flops"]["bf16"], t["peak_flops"]["f8e4m3fn"], t["gemm"]["max_efficiency"]
+    fp8 = [*SMALL, "precision=params=float32,compute=bfloat16,matmul=fp8", "fp8.recipe=delayed", "fp8.emulate=true"]
+    on, off = load_config(TINY_YAML, fp8), load_config(TINY_YAML, [*fp8, "fp8.gather=false"])
+    m = cfg.model
+    q, k = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
+    layer = m.d_model * (q + 2 * k) + q * m.d_model + 2 * m.d_model + 3 * m.d_model * m.ffn_dim  # + 2 norms
+    saved = 2 * m.n_layers * layer * (2 - 1) * 7 / 8  # two gathers per step, 1 byte each fewer, ring over 8
+    limits = se.Limits(device_memory=10**12)
+    hist = 7 * m.n_layers * 3 * on.fp8.amax_history * 4
+    for c_on, c_off, c_bf in zip(_cands(on, limits), _cands(off, limits), _cands(cfg, limits)):
+        assert (c_on["strategy"], c_on["remat"], c_on["microbatches"]) == (
+            c_off["strategy"],
+            c_off["remat"],
+            c_off["microbatches"],
+        )
+        w = [
+            analytic_communication(candidate_config(x, c_on), c_on["strategy"], (1, 8, 1), 1)["total_wire_bytes"]
+            for x in (on, off, cfg)
+        ]
+        per_layer = c_on["strategy"] == "full_shard"
+        assert w[1] == w[2] and w[1] - w[0] == (int(saved * c_on["microbatches"]) if per_layer else 0), (
+            c_on["strategy"],
+            w,
+        )
+        assert (c_on["predicted"]["comm_s"] < c_off["predicted"]["comm_s"]) == per_layer
+        assert c_on["analytic"]["optimizer"] - c_bf["analytic"]["optimizer"] == hist
+        f8 = 6 * m.n_layers * layer * (4 / 3 if c_on["remat"] == "full" else 1)  # FP8 FLOPs per token
+        tokens = c_on["seq_len"] * c_on["global_batch"] / 8
+        want = c_bf["predicted"]["compute_s"] - tokens * f8 * (1 / peak - 1 / peak8) / eff
+        assert c_on["predicted"]["compute_s"] == pytest.approx(want, rel=2e-3), c_on["remat"]

@@ -31,8 +31,9 @@ def check_fp8(cfg: Config) -> None:
 
 def check_fp8_gather(cfg: Config) -> None:
     """`fp8.gather: true` only where weights are cast before a per-layer gather: full_shard /
-    hybrid_shard, and not the rowwise recipe (its scales are taken along the dims of each GEMM,
-    after the gather). Left unset (null) it applies wherever it can."""
+    hybrid_shard; under the rowwise recipe, a model with routed experts (the dense projections
+    cast after the gather; the experts cast each shard along the dim each GEMM contracts,
+    `fp8_rowwise_experts`). Left unset (null) it applies wherever it can."""
     if cfg.fp8.gather is not True:
         return
     strategy = ALIASES.get(cfg.mesh.strategy.lower(), cfg.mesh.strategy.lower())
@@ -42,11 +43,11 @@ def check_fp8_gather(cfg: Config) -> None:
             f"true is invalid with mesh.strategy={cfg.mesh.strategy}: only {' / '.join(GATHERING)} gather "
             "weights per layer (leave it unset or false)",
         )
-    if cfg.fp8.recipe == "rowwise":
+    if cfg.fp8.recipe == "rowwise" and not cfg.model.n_experts:
         raise ConfigError(
             "fp8.gather",
-            "true is invalid with fp8.recipe=rowwise: its scales are per row and column of each GEMM, cast "
-            "after the gather (leave it unset or false)",
+            "true is invalid with fp8.recipe=rowwise and no routed experts: the projections' scales are per row "
+            "and column of each GEMM, cast after the gather (leave it unset or false)",
         )
 
 

@@ -234,7 +234,7 @@ class Fp8Config:
     recipe: str = limit("tensorwise", choices=tuple(RECIPES))  # tensorwise | delayed | rowwise (torchtitan / TE names)
     amax_history: int = limit(16, "> 0")  # delayed: the steps of amax each scale is taken over
     # weights cast to f8 on their shards before the per-layer all-gather (torchtitan's enable_fsdp_float8_all_gather):
-    # null = wherever that applies (full_shard / hybrid_shard, tensorwise / delayed; projections and routed experts),
+    # null = wherever that applies (full_shard / hybrid_shard; projections under tensorwise / delayed, routed experts),
     # true = asked for (refused where it cannot apply), false = off (gathered in the compute dtype, cast after)
     gather: bool | None = None
     emulate: bool = False  # allow FP8 where the device has no FP8 tensor cores (CPU: numerics only)

@@ -262,11 +262,11 @@ class MoE(nnx.Module):
     def _fp8_gathers(self, experts):
         """(at-rest spec, gather) of each FP8 expert weight when `fp8.gather` casts them on their
         shards and all-gathers f8 (`fsdp_jax.quant.fp8_expert_gather`): under full_shard /
-        hybrid_shard, with the per-expert tensor scales (not rowwise, which casts after the
-        gather, as its dense projections do) and where the FP8 products run (capacity mode, or
-        XLA's grouped matmul: tokamax's kernels stay in the compute dtype). None otherwise."""
+        hybrid_shard, with the per-expert tensor scales or the rowwise recipe's per-column and
+        per-row scales, where the FP8 products run (capacity mode, or XLA's grouped matmul:
+        tokamax's kernels stay in the compute dtype). None otherwise."""
         recipe = fp8_modules.recipe_of(self)
-        if recipe.rowwise or not recipe.gather:
+        if not recipe.gather:
             return None
         if not self.capacity_factor and resolve(self.grouped_matmul) != "xla":
             return None

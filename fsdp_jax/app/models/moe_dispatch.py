@@ -85,7 +85,12 @@ def fp8_dot(dot, rowwise: bool = False):
     f8 gather from the at-rest shard: only where the FP8 product runs, `moe.MoE`)."""
     if not isinstance(dot, GroupedDot):
         if rowwise:
-            return lambda x, m: fp8_rowwise_experts.batched_matmul(x, fp8_experts.unpack(m).w)
+
+            def rowwise_batched(x, m):
+                m = fp8_experts.unpack(m)
+                return fp8_rowwise_experts.batched_matmul(x, m.w, m.gather)
+
+            return rowwise_batched
         return lambda x, m: fp8_experts.batched_matmul(x, *fp8_experts.unpack(m))
 
     def grouped(x, m):
@@ -93,7 +98,7 @@ def fp8_dot(dot, rowwise: bool = False):
         if resolve(dot.impl, (x.shape[0], x.shape[1], m.shape[2])) != "xla":
             return dot(x, m)
         if rowwise:
-            return fp8_rowwise_experts.grouped_matmul(x, m, dot.sizes)
+            return fp8_rowwise_experts.grouped_matmul(x, m, dot.sizes, gather)
         return fp8_experts.grouped_matmul(x, m, dot.sizes, hist, gather)
 
     return grouped

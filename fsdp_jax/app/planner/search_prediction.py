@@ -16,7 +16,7 @@ from fsdp_jax.app.models.lora import adapter_param_count, spec_from_config
 from fsdp_jax.app.planner import nvme_plan
 from fsdp_jax.app.planner.nvme_plan import disk_bytes_per_s
 from fsdp_jax.app.planner.residuals import rematerialised
-from fsdp_jax.app.planner.step_time import BAND, predict, roofline_constants, step_tokens
+from fsdp_jax.app.planner.step_time import BAND, fp8_layer_params, predict, roofline_constants, step_tokens
 from fsdp_jax.sharding.precision import Policy
 from fsdp_jax.sharding.remat import FORWARD
 
@@ -33,14 +33,17 @@ def analytic_communication(cfg, strategy: str, sizes: tuple[int, int, int], host
     sends no gradient and no update. Gradients travel in the compute dtype: the XLA:GPU
     compiles of 7B and 70B reduce-scatter bf16 grads even under reduce=float32 (BENCHMARKS.md:
     these formulas are within 0.3% of their all-gather + reduce-scatter + all-reduce bytes).
-    All bytes of a group that spans hosts count as cross-host. A compiled candidate replaces
-    this with its program's own bytes."""
+    All bytes of a group that spans hosts count as cross-host. Under FP8 weight gathers
+    (`fp8_gathered_params`) ZeRO-3's and HSDP's per-layer gathers move the layers' params in
+    f8, 1 byte each (P becomes P8 in 2P). A compiled candidate replaces this with its
+    program's own bytes."""
 
     width = np.dtype(Policy.parse(cfg.precision).compute_dtype).itemsize
     lora = spec_from_config(cfg.lora)
     adapters = 0 if lora is None else adapter_param_count(cfg.model, lora)
     p = count_params(cfg.model) * width
     g = p if lora is None else adapters * width
+    p8 = p - fp8_gathered_params(cfg, strategy) * (width - 1)  # the per-layer gathers' bytes
     data, fsdp, _ = sizes
     n, m = data * fsdp, cfg.train.microbatches
     ring = lambda k: (k - 1) / k if k > 1 else 0.0  # noqa: E731
@@ -48,12 +51,21 @@ def analytic_communication(cfg, strategy: str, sizes: tuple[int, int, int], host
         within = 2 * g * ring(n) + (g * ring(n) if strategy == "shard_opt" else 0)
         across = 0.0
     else:
-        within = m * ((1 if strategy == "shard_grad_op" else 2) * p + g) * ring(fsdp)
+        within = m * ((p if strategy == "shard_grad_op" else 2 * p8) + g) * ring(fsdp)
         across = 2 * g / fsdp * ring(data) if strategy == "hybrid_shard" else 0.0
     spans = hosts > 1 and (n if strategy in ("no_shard", "shard_opt") else fsdp) > n // hosts
     total = within + across
     cross = total if spans else (across if hosts > 1 and data > 1 else 0.0)
     return {"total_wire_bytes": int(total), "analytic": {"cross_host_wire_bytes": int(cross)}}
+
+
+def fp8_gathered_params(cfg, strategy: str) -> int:
+    """Params whose per-layer all-gathers move f8 (docs/fp8.md "FP8 weight gathers"): under
+    `precision ...,matmul=fp8` with `fp8.gather` not false, for full_shard / hybrid_shard, the
+    decoder layers' params (`step_time.fp8_layer_params`); else 0."""
+    if cfg.fp8.gather is False or strategy not in ("full_shard", "hybrid_shard"):
+        return 0
+    return fp8_layer_params(cfg)
 
 
 def recompute_flops_per_token(model, seq_len: int, remat: str) -> float:

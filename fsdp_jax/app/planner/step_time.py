@@ -32,6 +32,7 @@ candidates ranked above the best compiled fit next. MFU is model FLOPs (no recom
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -41,6 +42,7 @@ from fsdp_jax.app.objectives.preference_run import is_preference, pair_rows, pre
 from fsdp_jax.app.objectives.reference import choose_reference
 from fsdp_jax.app.planner.op_costs import above_best_mfu, simulate, top_ops
 from fsdp_jax.app.planner.residuals import rematerialised
+from fsdp_jax.sharding.precision import Policy
 from fsdp_jax.sharding.remat import FORWARD, remat_policy
 from fsdp_jax.targets.perf_tables import perf_table
 
@@ -58,6 +60,19 @@ def model_flops_per_token(model, seq_len: int, lora=None) -> tuple[float, float]
     if lora is not None:
         return 4 * matmul + 6 * adapter_param_count(model, lora, active=True) + attn, attn
     return 6 * matmul + attn, attn
+
+
+def fp8_layer_params(cfg, active: bool = False) -> int:
+    """Params of the decoder layers (all but the embedding, the head and the final norm; MTP
+    depths left out) under `precision ...,matmul=fp8`, else 0: the weights whose GEMMs run in FP8
+    and whose per-layer gathers move f8 (docs/fp8.md; the few non-FP8 layer params, norms, the
+    router, a shared expert, counted with them, as the memory model counts the gathered layer in
+    f8 throughout). `active`: a token's experts only (top-k of n_experts)."""
+    if Policy.parse(cfg.precision).matmul != "fp8":
+        return 0
+    m = dataclasses.replace(cfg.model, mtp_depth=0)
+    tables = 1 if m.tie_word_embeddings else 2
+    return count_params(m, active=active) - tables * m.vocab_size * m.d_model - m.d_model
 
 
 def step_rows(cfg) -> int:
@@ -225,8 +240,12 @@ def predict_roofline(cfg, target: str, n_devices: int, result: dict[str, Any]) -
     per_token, attn = model_flops_per_token(cfg.model, seq, lora)
     per_token += reference_flops_per_token(cfg)  # a preference step's reference forward
     forward = (model_flops_per_token(cfg.model, seq)[0] - attn) / 3 + attn / 3  # what full remat redoes
-    recompute = forward if FORWARD in rematerialised(cfg.remat).recomputes else 0.0  # one more forward
-    compute_s = tokens * (per_token + recompute) / (k["peak"] * k["efficiency"])
+    redo = FORWARD in rematerialised(cfg.remat).recomputes
+    recompute = forward if redo else 0.0  # one more forward
+    # FP8 GEMMs (the layers' weights, `fp8_layer_params`) at the target's FP8 peak, the rest at bf16's
+    f8 = 6 * fp8_layer_params(cfg, active=True) * (4 / 3 if redo else 1)
+    peak8 = perf_table(target)["peak_flops"].get("f8e4m3fn", k["peak"])
+    compute_s = tokens * ((per_token + recompute - f8) / k["peak"] + f8 / peak8) / k["efficiency"]
     com = result.get("communication") or {}
     total = com.get("total_wire_bytes", 0)
     cross = sum(e.get("cross_host_wire_bytes", 0) for e in com.values() if isinstance(e, dict))
