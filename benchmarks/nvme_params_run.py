@@ -6,13 +6,15 @@ steps, eval at 2 and 4, checkpoints at 2 and 4, an 8-token sample) without offlo
 params on disk; `--resume`: again with the params on disk, stopped after step 2 and launched
 again (resuming from the step-2 checkpoint, the files rebuilt from it); `--microbatches K`: the
 pair again with train.microbatches=K; `--packed DIR`: the pair again on a packed corpus of
-32-token rows (fsdp_jax.app.data.sft; any data.document_mask override dropped). Prints one JSON document: per run its metrics.jsonl rows
+32-token rows (fsdp_jax.app.data.sft; any data.document_mask override dropped); `--pair-with
+KEY=VALUE` (repeatable): the pair again with those overrides. A preference run: `--corpus` a
+.jsonl of {prompt, chosen, rejected} rows with `objective=simpo` (or orpo) among the overrides. Prints one JSON document: per run its metrics.jsonl rows
 and stdout, per nvme run its final checkpoint's leaves that differ from its reference run's
 (largest difference relative to the leaf's largest value; the reference is the run without
 offload, for the resumed run the straight run with the params on disk), the files in the nvme run's dir.
 
     PYTHONPATH=. JAX_PLATFORMS=cpu FSDP_JAX_CPU_DEVICES=1 python benchmarks/nvme_params_run.py \\
-        --corpus DIR --out DIR [--resume] [--microbatches 2] [--packed DIR] [key=value ...]
+        --corpus DIR --out DIR [--resume] [--microbatches 2] [--packed DIR] [--pair-with k=v ...] [key=value ...]
 
 `--corpus`: a prepared token corpus (tests/helpers.synthetic_corpus writes one; with
 data.document_mask=true it needs an `eos_id` in its meta.json). Run on XLA's default flags to
@@ -87,7 +89,7 @@ def _differ(got, ref) -> dict:
     return out
 
 
-def compare(out: Path, corpus: Path, resume: bool, microbatches: int, extra: list[str], packed=None) -> dict:
+def compare(out: Path, corpus: Path, resume: bool, microbatches: int, extra: list[str], packed=None, with_=()) -> dict:
     import jax
 
     base = [*RUN, f"data.path={corpus}", *extra]
@@ -108,6 +110,10 @@ def compare(out: Path, corpus: Path, resume: bool, microbatches: int, extra: lis
         runs += [("plain_packed", "none", None, None), ("nvme_packed", NVME, "plain_packed", None)]
         for name, offload, _, _ in runs[-2:]:
             stdout[name] = _launch(out, name, [*rows, f"offload={offload}"])
+    if with_:  # the pair again with more overrides (e.g. another objective, packed pairs)
+        runs += [("plain_with", "none", None, None), ("nvme_with", NVME, "plain_with", None)]
+        for name, offload, _, _ in runs[-2:]:
+            stdout[name] = _launch(out, name, [*base, *with_, f"offload={offload}"])
     r: dict = {"devices": jax.device_count(), "stdout": stdout, "rows": {}, "final": {}}
     for name, _, ref, stop in runs:
         if stop is not None:
@@ -130,12 +136,15 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--packed", type=Path, default=None, help="a packed corpus (rows of --corpus's length): the pair on it"
     )
+    ap.add_argument(
+        "--pair-with", action="append", default=[], help="key=value: the pair again with it (plain_with, nvme_with)"
+    )
     ap.add_argument("overrides", nargs="*", help="more key=value for every run")
     a = ap.parse_args(argv)
     from fsdp_jax.app.devices import use_cpu_devices
 
     use_cpu_devices()
-    print(json.dumps(compare(a.out, a.corpus, a.resume, a.microbatches, a.overrides, a.packed)))
+    print(json.dumps(compare(a.out, a.corpus, a.resume, a.microbatches, a.overrides, a.packed, a.pair_with)))
     return 0
 
 

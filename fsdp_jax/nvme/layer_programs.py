@@ -114,18 +114,19 @@ class Programs:
             return self.pieces.layer(self._layer(p), h, batch)
 
     def _head(self, rest, h, batch):
-        """(loss (f32; a TokenSum's total), its count or None, grads of the rest in the compute
-        dtype, the cotangent of h)."""
+        """(loss (f32; a TokenSum's total), its count or None, the head's metrics or None (a head
+        that returns `(loss, aux)`), grads of the rest in the compute dtype, the cotangent of h)."""
 
         def f(rc, x):
             with reducing(self.policy):
                 out = self.pieces.head(rc, x, batch)
+            out, aux = out if isinstance(out, tuple) and not isinstance(out, TokenSum) else (out, None)
             if isinstance(out, TokenSum):  # differentiate the sum; the count rides along
-                return out.total.astype(jnp.float32), out.count.astype(jnp.float32)
-            return out.astype(jnp.float32), None
+                return out.total.astype(jnp.float32), (out.count.astype(jnp.float32), aux)
+            return out.astype(jnp.float32), (None, aux)
 
-        (loss, count), (g, ct) = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(self._to_compute(rest), h)
-        return loss, count, g, ct
+        (loss, (count, aux)), (g, ct) = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(self._to_compute(rest), h)
+        return loss, count, aux, g, ct
 
     def _bwd(self, p, h, ct, batch, acc, div, n=None):
         """Layer i's grads (plus `acc`, the earlier slices' sum, when given; divided after the

@@ -60,7 +60,9 @@ class Pieces:
     `embed(rest, batch) -> h` (B, S, D); `layer(p, h, batch) -> h`, p one layer's params with no
     layer dim (the batch for what a layer reads besides h: packed rows' segment ids and
     positions); `head(rest, h, batch) -> loss` (a float scalar, or a `TokenSum` averaged over the
-    batch's tokens). The params arrive in the compute dtype (`precision`)."""
+    batch's tokens), or `(loss, aux)`: aux the loss's metrics (a preference loss's rewards), not
+    differentiated, returned as the step's `metrics["aux"]`. The params arrive in the compute
+    dtype (`precision`)."""
 
     embed: Callable
     layer: Callable
@@ -200,11 +202,12 @@ class LayerwiseStep:
 
     def train_step(self, live: dict, batch) -> tuple[dict, dict]:
         """One step (module docstring); returns the new live state and {loss, grad_norm, skipped}
-        (and `tokens`, the batch's trained token count, for a `TokenSum` loss)."""
+        (and `tokens`, the batch's trained token count, for a `TokenSum` loss; `aux`, the head's
+        metrics, for a head that returns them)."""
         self._saved()  # a checkpoint streaming out of the files ends before they change
         batch = batch if self.batch_sharding is None else jax.device_put(batch, self.batch_sharding)
         rest, n, pr = live["rest"], self.n_layers, self._prog
-        loss, g_rest, sums, tokens = self._grads(rest, batch)
+        loss, g_rest, sums, tokens, aux = self._grads(rest, batch)
         gnorm = pr.norm(g_rest, sums)
         new_rest, opt_state, ok, other = pr.rest_update(rest, live["opt_state"], g_rest, loss, gnorm)
         for i, (p, s, g) in self._stream(KINDS, range(n)):
@@ -216,23 +219,29 @@ class LayerwiseStep:
         metrics = {"loss": loss.astype(out), "grad_norm": gnorm, "skipped": (~ok).astype(jnp.int32)}
         if tokens is not None:
             metrics["tokens"] = tokens
+        if aux is not None:
+            metrics["aux"] = aux
         return {"rest": new_rest, "opt_state": opt_state}, metrics
 
     def _grads(self, rest, batch):
         """(loss, the rest's grads, per layer its grads' per-leaf sums of squares, the token count
-        of a `TokenSum` loss or None), the layers' grads written to their files: steps 1-2 of the
-        module docstring, over `microbatches` slices of the batch (rows j, j + k, ... as
-        `train.step_parts.microbatched` takes them), the layers' grads summed through their files
-        in slice order, then divided by k (a `TokenSum`: by the batch's token count)."""
+        of a `TokenSum` loss or None, the head's metrics or None), the layers' grads written to
+        their files: steps 1-2 of the module docstring, over `microbatches` slices of the batch
+        (rows j, j + k, ... as `train.step_parts.microbatched` takes them), the layers' grads
+        summed through their files in slice order, then divided by k (a `TokenSum`: by the
+        batch's token count); with k > 1 the slices' metrics stacked on a leading dim, as
+        `microbatched` stacks them."""
         n, k, pr = self.n_layers, self.microbatches, self._prog
         sums: list = [None] * n
         loss_sum = g_sum = count = None
+        auxes = []
         for j in range(k):
             mb = batch if k == 1 else pr.mb_slice(batch, j)
             hs = [pr.embed(rest, mb)]
             for i, (p,) in self._stream(("params",), range(n)):
                 hs.append(pr.fwd(p, hs[i], mb))
-            loss, c, g_head, ct = pr.head(rest, hs.pop(), mb)
+            loss, c, aux, g_head, ct = pr.head(rest, hs.pop(), mb)
+            auxes.append(aux)
             loss_sum = loss if j == 0 else loss_sum + loss
             count = c if j == 0 or c is None else count + c
             tokens = None if count is None else jnp.maximum(count, 1.0)
@@ -246,11 +255,12 @@ class LayerwiseStep:
             g_rest = pr.embed_bwd(rest, mb, ct, g_head)
             self._flush()  # the grads files whole before the next slice reads them
             g_sum = g_rest if j == 0 else jax.tree.map(lambda a, b: a + b.astype(a.dtype), g_sum, g_rest)
+        aux = auxes[0] if k == 1 or auxes[0] is None else jax.tree.map(lambda *xs: jnp.stack(xs), *auxes)
         if count is not None:  # `step_parts.normalize`
-            return loss_sum / tokens, jax.tree.map(lambda g: (g / tokens).astype(g.dtype), g_sum), sums, count
+            return loss_sum / tokens, jax.tree.map(lambda g: (g / tokens).astype(g.dtype), g_sum), sums, count, aux
         if k == 1:
-            return loss_sum, g_sum, sums, None
-        return loss_sum / k, jax.tree.map(lambda g: g / k, g_sum), sums, None
+            return loss_sum, g_sum, sums, None, aux
+        return loss_sum / k, jax.tree.map(lambda g: g / k, g_sum), sums, None, aux
 
     def compile_layer(self, rest, batch):
         """One layer's backward program (params read, vjp, grads out: the largest of the step's

@@ -2,7 +2,8 @@
 
 `preference`: DPO, IPO, hinge, SimPO and ORPO with TRL's definitions and metric names;
 `reference`: the loss as the train step calls it, with its reference model;
-`preference_data`: {prompt, chosen, rejected} rows -> token pairs (docs/preference.md).
+`preference_data`: {prompt, chosen, rejected} rows -> token pairs (docs/preference.md);
+`preference_pieces`: SimPO / ORPO cut for the layer-wise step of params on disk (docs/offload.md).
 """
 
 from fsdp_jax.app.objectives.preference import (

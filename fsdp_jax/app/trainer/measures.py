@@ -66,7 +66,7 @@ class PairMetrics:
         return bool(lp.val)
 
     def measure(self, lp) -> Measured:
-        rec = evaluate_pairs(lp.run, lp.state.params, lp.val, lp.state.model_state)
+        rec = evaluate_pairs(lp.run, nvme_run.whole_params(lp.run, lp.state), lp.val, lp.state.model_state)
         vl, acc = rec["eval_loss"], rec["eval_rewards/accuracies"]
         line = f"step {lp.done}: eval_loss {vl:.4f}, eval_rewards/accuracies {acc:.3f}"
         return Measured({"val_loss": vl, **rec}, {"eval_loss": vl, "eval_accuracy": acc}, line)

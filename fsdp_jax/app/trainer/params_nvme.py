@@ -10,7 +10,9 @@ layers read out of the files onto the device, as a run without offload holds the
 checkpoint streams both sets of files layer by layer into the checkpoint's shard files in the
 format of a run without offload (`to_save`); a resume restores the rest and rebuilds the files
 from the checkpoint (`restore_target` / `put_restored`), so kill -9 at any moment of a step,
-then the same command, resumes from the last checkpoint.
+then the same command, resumes from the last checkpoint. The objective is the next-token loss or a
+reference-free preference loss (simpo, orpo: `objectives.preference_pieces`, its metrics in
+`metrics["aux"]` as the scanned step's).
 
 What the layer-wise step does not run yet is refused before anything is written, one line
 naming why (`REFUSALS`, checked by `refusal`).
@@ -27,6 +29,10 @@ import numpy as np
 import optax
 
 from fsdp_jax.app.models.layer_pieces import decoder_pieces, pieces_problem, split_params
+from fsdp_jax.app.objectives.preference import REFERENCE_FREE
+from fsdp_jax.app.objectives.preference_pack import max_pairs_for
+from fsdp_jax.app.objectives.preference_pieces import pair_inputs, pair_loss
+from fsdp_jax.app.objectives.preference_run import is_preference, preference_spec
 from fsdp_jax.app.trainer.build import model_inputs, next_token_loss
 from fsdp_jax.checkpoint.manifest import tree_paths
 from fsdp_jax.checkpoint.shard_files import Unread
@@ -37,15 +43,22 @@ from fsdp_jax.train.build import Built
 from fsdp_jax.train.state import TrainState
 from fsdp_jax.train.step import sharding_context
 
+LAYERWISE_OBJECTIVES = ("sft", *REFERENCE_FREE)  # one policy pass: the next-token loss, simpo, orpo
+
 # (what, why it is refused): each checked by `refusal` in this order
 REFUSALS: tuple[tuple[str, str], ...] = (
     ("model", "the layer pieces cover dense decoders with scanned layers only"),
     (
         "objective",
-        "only the next-token loss (sft) is cut into layer pieces: a preference or GRPO loss needs a reference "
-        "model or a sampler over the whole params, or metrics the layer-wise step does not carry (docs/offload.md)",
+        "the layer files hold the policy alone: DPO / IPO / hinge need a reference model's second forward and GRPO "
+        "a sampler over the whole params (sft, simpo and orpo run; docs/offload.md)",
     ),
-    ("lora", "frozen params (LoRA) would need a trainable mask in the per-layer update"),
+    (
+        "lora",
+        "the layer files hold every param with its optimizer state and grads; a frozen base (LoRA) needs a "
+        "read-only params set, each layer's vjp and grads for its adapters alone and an update of those only "
+        "(not built; docs/offload.md)",
+    ),
     ("precision", "FP8 matmuls (precision matmul=fp8) are not cut into layer pieces yet"),
     ("remat", "a policy that offloads to host memory is not combined with the layer files yet"),
     ("mesh", "a context or tensor axis is not cut into layer pieces yet"),
@@ -63,7 +76,7 @@ def refusal(cfg) -> tuple[str, str] | None:
     model_field = pieces_problem(cfg.model)  # "model.<field>" or None
     checks = (  # (what, its key, its value when refused else None)
         ("model", model_field, model_field and getattr(cfg.model, model_field.split(".", 1)[1])),
-        ("objective", "objective", cfg.objective if cfg.objective != "sft" else None),
+        ("objective", "objective", cfg.objective if cfg.objective not in LAYERWISE_OBJECTIVES else None),
         ("lora", "lora.rank", cfg.lora.rank or None),
         ("precision", "precision", cfg.precision if policy.matmul else None),
         ("remat", "remat", cfg.remat if remat_policy(cfg.remat).offloads else None),
@@ -78,6 +91,15 @@ def refusal(cfg) -> tuple[str, str] | None:
         if got is not None:
             return key, f"{got!r} with offload: optimizer+params:nvme: {why[what]}"
     return None
+
+
+def _inputs_and_loss(cfg):
+    """The pieces' `inputs` and `loss` of the run's objective: the next-token loss, or a
+    reference-free preference loss (`preference_pieces`) returning its metrics."""
+    if not is_preference(cfg):
+        return model_inputs, next_token_loss
+    slots = 2 * max_pairs_for(cfg.model.max_segments) if cfg.preference.packing else 0
+    return pair_inputs, pair_loss(preference_spec(cfg), slots)
 
 
 def _names(optimizer, opt_abstract, params_abstract, name_of) -> list[tuple[str, int]]:
@@ -103,7 +125,7 @@ class ParamsNvmeStep:
         split = split_params(params)
         with sharding_context(self.plan):
             self.lw = LayerwiseStep(
-                decoder_pieces(model_fns, cfg.model, cfg.remat, model_inputs, next_token_loss),
+                decoder_pieces(model_fns, cfg.model, cfg.remat, *_inputs_and_loss(cfg)),
                 built.optimizer,
                 split,
                 dirs,
