@@ -11,15 +11,22 @@ when the compute dtype differs from the param dtype.
 Phases. On XLA:CPU a layer's weight gradients are not live with its backward working set all
 at once: each is made by its dot and reduced there, synchronously, so the layer backward's phase
 (`backward`: saved layers, working set, head, the gathered layers) holds one weight's unreduced
-gradient (the layer's largest stacked leaf, in the reduce dtype); on GPU and TPU targets the
-reduce-scatters are asynchronous (their done scheduled after later compute) and combined, so the
-phase holds the layer's unreduced grads, as before (the H100 ring of tests/test_flash_plan.py is
-5.3% under its compile with one weight's). A second phase (`reduction`: the saved layers, the
-layer gathered and all its unreduced grads; no working set, no head) covers a schedule that keeps
-a layer's gradients together while no working set is live (the H100 target's capacity-mode MoE
-step peaks at one layer's gate / up expert gradients). The analytic total is the larger of the two
-(docs/planning.md, "Phases of the backward pass"); before 2026-12-07 every plan added the layer's
-whole unreduced grads to the layer backward's phase.
+gradient (the layer's largest stacked leaf, in the reduce dtype). On XLA:GPU the reduce-scatters
+are asynchronous and combined (one per layer, at the end of the backward loop's body), but a
+weight's gathered copy is freed at its input-gradient dot and its gradient is made by a later dot
+(whose only user is that reduce-scatter): each weight is held gathered or as its unreduced
+gradient, never both, so the layer differentiated is the larger of the two, whole, not their sum,
+and the unstacked leaves' unreduced grads (the embedding's scatter-add accumulator, the head's
+gradient) are held through the layer loop, reduce-scattered after it, in both phases
+(read 2026-12-07 from the H100 compiles of the tiny capacity-mode MoE step and of the ring of
+tests/test_flash_plan.py; docs/planning.md). On TPU targets, whose buffers were not read, the phase
+keeps the layer gathered and all its unreduced grads. A second phase (`reduction`: the saved
+layers, the layer gathered and all its unreduced grads; no working set, no head) covers a schedule
+that keeps a layer's gradients together while no working set is live (the H100 target's
+capacity-mode MoE step peaks at one layer's gate / up expert gradients, held twice: unreduced and
+transposed for the reduce-scatter). The analytic total is the larger of the two (docs/planning.md,
+"Phases of the backward pass"); before 2026-12-07 every plan added the layer's whole unreduced
+grads to the layer backward's phase.
 """
 
 from __future__ import annotations
@@ -79,9 +86,8 @@ VALUES_PER_CODE_BYTE = {"uint8": 2, "int8": 1}  # NF4 packs two 4-bit codes a by
 
 def gathered_by_phase(build: StepBuild, keep: list[bool], policy: Policy, platform: str) -> dict[str, int]:
     """Transient param-sized bytes per device in the two phases of the backward pass that can
-    make the peak: `backward` (a layer's backward working set: the layers gathered for compute,
-    and the unreduced grads in flight: on "cpu" one weight's, made by its dot and reduced there;
-    elsewhere the layer's) and `reduction` (a
+    make the peak: `backward` (a layer's backward working set: the prefetched layer, and the layer
+    differentiated with its unreduced grads in flight, `_layer_and_grads`) and `reduction` (a
     layer's weight gradients, all unreduced at once: the layer gathered and its grads). Read
     from the compiled buffers (docs/planning.md, "Phases"); `keep`: the trained leaves (LoRA);
     `platform`: the one the step is planned for (its collectives: synchronous on "cpu")."""
@@ -95,14 +101,19 @@ def gathered_by_phase(build: StepBuild, keep: list[bool], policy: Policy, platfo
     layer_r = reduced["layer"]
     # in flight during a layer's working set: on XLA:CPU (collectives synchronous) one weight's
     # unreduced gradient, reduced at its dot; on GPU / TPU the reduce-scatters are asynchronous
-    # and combined, their done scheduled after later compute: the layer's
+    # and combined, their done scheduled after later compute: the layer's (full_shard on GPU: in
+    # place of the weights' gathered copies, `_layer_and_grads`; shard_grad_op keeps its copies)
     one_r = reduced["largest_in_layer"] if platform == "cpu" else layer_r
     if s.params and not s.gather_once:  # full_shard, hybrid_shard: per layer
         if (
             policy.matmul == "fp8" and build.cfg.fp8.gather is not False
         ):  # the layer's weights gathered in f8 (docs/fp8.md)
             cc["layer"] = compute_copy_bytes(st.params, plan, build.model.logical_axes, E4M3)["layer"]
-        layers = {"backward": 2 * cc["layer"] + one_r, "reduction": cc["layer"] + layer_r}
+        # XLA:GPU holds the unstacked leaves' unreduced grads (the embedding's scatter-add
+        # accumulator, the head's gradient) through the layer loop's backward, reduce-scattered after it
+        held = reduced["unstacked"] if platform == "gpu" else 0
+        layers = {"backward": cc["layer"] + _layer_and_grads(cc["layer"], layer_r, one_r, platform) + held}
+        layers["reduction"] = cc["layer"] + layer_r + held
         if all(keep):
             return {k: v + cc["dequantised_layer"] + cc["largest_unstacked"] for k, v in layers.items()}
         # LoRA: a frozen embedding / head is gathered only outside the layer loop (lookup; head
@@ -128,6 +139,22 @@ def gathered_by_phase(build: StepBuild, keep: list[bool], policy: Policy, platfo
         else 0
     )
     return {"backward": copy + cc["dequantised_layer"], "reduction": 0}
+
+
+def _layer_and_grads(layer: int, layer_r: int, one_r: int, platform: str) -> int:
+    """The layer being differentiated, gathered, with its unreduced grads in flight (per layer:
+    full_shard / hybrid_shard; the prefetched next layer is the caller's). XLA:CPU: the layer and
+    one weight's gradient (reduced at its dot). XLA:GPU: a weight's gathered copy is freed at its
+    input-gradient dot and its gradient is made by a later dot whose only user is the layer's
+    combined reduce-scatter at the loop body's end, so each weight is held as one or the other,
+    never both: the larger of the two, whole (docs/planning.md, "Phases"; the caller adds the
+    unstacked leaves' unreduced grads, held through the loop there). Elsewhere (TPU, not
+    read from its buffers): the layer and all its unreduced grads."""
+    if platform == "cpu":
+        return layer + one_r
+    if platform == "gpu":
+        return max(layer, layer_r)
+    return layer + layer_r
 
 
 def _only(tree, keep: list[bool]):

@@ -54,7 +54,8 @@ GPU-compiled 7B step holds its stacked grads as bf16).
 total = params + optimizer + batch + grads + the larger of two phases of the backward pass
 (`gathered_memory.gathered_by_phase`, docs/planning.md "Phases of the backward pass"):
 * the layer backward: activations (saved layers, one layer's working set, the head) + the
-  gathered layers + one weight's unreduced gradient (the columns `gathered` and `activations`);
+  gathered layers + the unreduced grads in flight (XLA:CPU one weight's; XLA:GPU each weight
+  gathered or as its gradient, not both) (the columns `gathered` and `activations`);
 * one layer's gradient reduction (`reduction_phase`): the saved layers + that layer gathered +
   all its unreduced grads (no working set, no head).
 The optimizer update (after the backward pass) runs in place on the donated state and needs
