@@ -67,7 +67,7 @@ REFUSED_CONFIGS = {
 }
 # refusals of flags after parsing, before JAX (the command's `before`): gpu-check's --json, and
 # plan's flags up to its first check that needs the library (`flag_values.check_plan_flags`),
-# inspect's up to building a --target, verify's --devices
+# inspect's up to building a --target, verify's --devices, prepare's flags and --out
 REFUSED_FLAGS = {
     "--json: '.' is a directory": ["gpu-check", "--only", "precision", "--json", "."],
     "--rows: only with --search": ["plan", *CONFIG, "--devices", "8", "--rows", "3"],
@@ -79,6 +79,8 @@ REFUSED_FLAGS = {
     "--slices: '2' needs --target": ["inspect", *CONFIG, "--slices", "2"],
     "--devices: 'abc' is not an integer": ["inspect", *CONFIG, "--devices", "abc"],
     "--devices: -5 must be in 1..": ["verify", *CONFIG, "--devices", "-5"],
+    "--out 'README.md' is a file": ["prepare", "--out", "README.md", "configs"],
+    "--val-fraction 2.0: must be in": ["prepare", "--out", "x", "--stdlib", "--val-fraction", "2"],
 }
 
 

@@ -37,7 +37,9 @@ from __future__ import annotations
 
 from fsdp_jax.app.cli.command import run_command
 from fsdp_jax.app.cli.flags import Parser, int_in
-from fsdp_jax.errors import TokenizerError
+from fsdp_jax.app.data.packing import MAX_ROW_LEN
+from fsdp_jax.app.data.writable import dir_problem
+from fsdp_jax.errors import TokenizerError, UsageError
 
 
 def build_parser(prog: str | None = None) -> Parser:
@@ -95,4 +97,48 @@ def _errors():
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
-    return run_command(build_parser(prog), "fsdp_jax.app.cli.run.prepare:run", argv, errors=_errors)
+    return run_command(build_parser(prog), "fsdp_jax.app.cli.run.prepare:run", argv, errors=_errors, before=_before)
+
+
+def _before(args) -> None:
+    """The body's first refusals, which need no JAX, in its order: the flags, then --out."""
+    check_flags(args)
+    problem = dir_problem(args.out)
+    if problem:
+        raise UsageError(f"--out {args.out!r} {problem}")
+
+
+def check_flags(args) -> None:
+    """UsageError for flags that do not go together or are out of range (before any work)."""
+    if args.threads is not None and args.threads < 1:
+        raise UsageError(f"--threads {args.threads}: must be >= 1")
+    if args.pack is not None:
+        if not args.sources:
+            raise UsageError("--pack needs SOURCES... (jsonl or text files)")
+
+        if not 2 <= args.pack <= MAX_ROW_LEN:
+            raise UsageError(f"--pack {args.pack}: must be in 2..{MAX_ROW_LEN}")
+    elif args.train_on_all or args.chat_template or args.overflow != "truncate" or args.workers != 1:
+        raise UsageError("--train-on-all, --overflow, --chat-template and --workers need --pack")
+    elif (args.messages_key, args.prompt_key, args.completion_key) != ("messages", "prompt", "completion"):
+        raise UsageError("--messages-key, --prompt-key and --completion-key need --pack")
+    for flag in ("text_key", "messages_key", "prompt_key", "completion_key"):
+        if not getattr(args, flag).strip():
+            raise UsageError(f"--{flag.replace('_', '-')} {getattr(args, flag)!r}: must name a key")
+    if args.text_key != "text" and args.bin is not None:
+        raise UsageError("--text-key applies to SOURCES..., not to --bin files")
+    modes = [bool(args.sources), args.stdlib, args.bin is not None]
+    if sum(modes) != 1:
+        raise UsageError("give exactly one of: SOURCES..., --stdlib, --bin")
+    if args.bin is not None and (args.val_bin is None or args.vocab_size is None):
+        raise UsageError("--bin needs --val-bin and --vocab-size")
+    if args.tokenizer != "bytes" and not args.sources and not args.stdlib:
+        raise UsageError("--tokenizer applies to SOURCES... or --stdlib, not to --bin files")
+    if (args.eos or args.model) and args.tokenizer == "bytes":
+        raise UsageError("--eos and --model need --tokenizer")
+    if not 0 < args.val_fraction < 1:  # (also rejects nan)
+        raise UsageError(f"--val-fraction {args.val_fraction}: must be in (0, 1)")
+    if args.seed < 0:
+        raise UsageError(f"--seed {args.seed}: must be >= 0")
+    if args.vocab_size is not None and not 0 < args.vocab_size <= 2**32:
+        raise UsageError(f"--vocab-size {args.vocab_size}: must be in 1..2**32")
