@@ -73,6 +73,7 @@ def _operands(shape_x, shape_w, shape_g):
 
 
 @pytest.mark.parametrize("layout", ["grouped", "batched"])
+@pytest.mark.fast_cases("grouped")
 def test_expert_gemms_equal_their_reference_formula(layout):
     """Forward and both gradients bit for bit against the formula with a scale per expert
     (experts' weights of different sizes, an expert without rows, rows in no expert); the
@@ -182,6 +183,7 @@ def rowwise_reference(x, w, g, groups):
 
 
 @pytest.mark.parametrize("layout", ["grouped", "batched"])
+@pytest.mark.fast_cases("grouped")
 def test_rowwise_expert_gemms_equal_their_reference_formula(layout):
     """`fp8.recipe: rowwise` for the experts: every operand e4m3 with power-of-two scales
     along the dim its GEMM contracts (per row; per expert and column), bit for bit against
@@ -346,6 +348,7 @@ def collectives(text: str, op: str) -> collections.Counter:
     return out
 
 
+@pytest.mark.slow
 def test_full_shard_gathers_expert_weights_in_f8_and_scatters_f32_grads():
     """fp8.gather (the default) under full_shard: the step all-gathers each expert weight's
     shards as e4m3 (w_gate, w_up (8, 32, 48) from (8, 4, 48); w_down (8, 48, 32)) inside the MoE

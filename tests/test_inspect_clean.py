@@ -68,6 +68,7 @@ def test_only_all_to_alls_other_than_the_embedding_gradient_are_flagged():
     assert "(ops: transpose)" in w
 
 
+@pytest.mark.slow
 def test_the_reference_model_with_bf16_compute_inspects_without_the_all_to_all_warning(capsys):
     rc, out, err = call(
         "inspect", "--config", "configs/tiny.yaml", "--devices", "8", "--strategy", "full_shard",

@@ -80,6 +80,7 @@ def check(name, **kw):
 
 
 @pytest.mark.parametrize("name", MOE)
+@pytest.mark.slow
 def test_moe_import_matches_transformers_logits_and_aux_loss(name):
     params, m, plan, cfg, g = check(name)
     check(name, scan=False, mesh_shape=(1, 4, 2))
@@ -246,6 +247,7 @@ def test_count_params_counts_experts_and_active_params():
 
 
 @pytest.mark.parametrize("name", MOE)
+@pytest.mark.slow
 def test_moe_export_round_trips_bit_exact(tmp_path, name):
     ck, params = saved_run(tmp_path, name)
     out = tmp_path / "hf_out"

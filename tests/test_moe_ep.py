@@ -94,6 +94,7 @@ def test_dropless_expert_parallelism_trains_like_one_device_under_every_strategy
         assert w.sharding.shard_shape(w.shape)[1] == 8 // shape[0]
 
 
+@pytest.mark.slow
 def test_capacity_mode_expert_parallelism_matches_the_same_mesh_without():
     """Capacity is per batch shard, so capacity mode is compared on the same mesh with the
     experts replicated: the same tokens dropped, the same losses and params."""

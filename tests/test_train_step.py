@@ -75,6 +75,7 @@ ALL_STRATEGIES = [s if s == "full_shard" else pytest.param(s, marks=pytest.mark.
 
 
 @pytest.mark.parametrize("strategy", ALL_STRATEGIES)
+@pytest.mark.slow
 def test_parity_sgd_momentum(strategy, batches, reference, trained):
     state, losses, norms = trained(strategy, "sgd_momentum")
     ref_params, ref_losses = reference["sgd"]
