@@ -75,6 +75,7 @@ def test_layout_semantics_equal_the_rows_mask_on_every_block(context, seed):
             assert (np.asarray(lay.q_seqlen) == np.asarray(lay.kv_seqlen)).all(), name
 
 
+@pytest.mark.slow
 def test_stats_round_trip_and_layout_conventions():
     seg = jnp.asarray([[1, 1, 2, 2, 2, 3, 0, 0], [4, 4, 4, 4, 5, 5, 6, 6]])
     ks = jnp.asarray([[1, 2, 2, 2, 2, 2, 2, 2], [5, 5, 5, 5, 6, 6, 7, 7]])

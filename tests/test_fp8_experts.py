@@ -183,7 +183,7 @@ def rowwise_reference(x, w, g, groups):
 
 
 @pytest.mark.parametrize("layout", ["grouped", "batched"])
-@pytest.mark.fast_cases("grouped")
+@pytest.mark.slow
 def test_rowwise_expert_gemms_equal_their_reference_formula(layout):
     """`fp8.recipe: rowwise` for the experts: every operand e4m3 with power-of-two scales
     along the dim its GEMM contracts (per row; per expert and column), bit for bit against

@@ -467,6 +467,7 @@ def test_bad_trainer_inputs_one_line_exit_2_nothing_written(corpus, tmp_path, ca
 # -- every script's flags ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_every_script_rejects_bad_flags_with_one_line(
     corpus, tmp_path, capsys, monkeypatch, compilation_cache_restored
 ):

@@ -93,6 +93,7 @@ def test_the_experts_token_exchange_is_not_flagged():
     assert "1 per step (and 1 for the embedding gradient or the experts' exchange" in w
 
 
+@pytest.mark.slow
 def test_experts_over_fsdp_inspect_without_the_all_to_all_warning(capsys):
     moe = ["model.n_experts=8", "model.experts_per_token=2", "model.moe_ffn_dim=64", "mesh.rules.expert=fsdp"]
     rc, out, err = call(

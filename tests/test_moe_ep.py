@@ -114,6 +114,7 @@ def _collectives(built):
     return [(m[2], m[1]) for m in ops if m]
 
 
+@pytest.mark.slow
 def test_compiled_step_moves_tokens_by_all_to_all_and_never_gathers_the_experts():
     """With experts over data: all-to-all in the step (dispatch, ids, return; and their
     transposes) and no all-gather producing the 8 experts' (8, 32, 48) / (8, 48, 32) stack;
