@@ -73,7 +73,6 @@ def _operands(shape_x, shape_w, shape_g):
 
 
 @pytest.mark.parametrize("layout", ["grouped", "batched"])
-@pytest.mark.fast_cases("grouped")
 def test_expert_gemms_equal_their_reference_formula(layout):
     """Forward and both gradients bit for bit against the formula with a scale per expert
     (experts' weights of different sizes, an expert without rows, rows in no expert); the
