@@ -119,9 +119,31 @@ HEAVY_FIRST = (
 )
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest's own hook deselects by marker (`-m "not slow"`)
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order within a file kept
+    _mark_slow_cases(items)
+
+
+def _mark_slow_cases(items):
+    """`@pytest.mark.fast_cases("id", ...)` on a parametrized test: the named cases stay in the fast
+    subset, every other case is `slow` (the whole suite still runs them all). A named case that the
+    test no longer has is an error, so a renamed parameter cannot quietly drop the fast case (checked
+    where more than one case was collected: a node id naming one case collects only that one)."""
+    named, seen = {}, {}
+    for item in items:
+        mark = item.get_closest_marker("fast_cases")
+        if mark is None or not hasattr(item, "callspec"):
+            continue
+        key = item.nodeid.split("[")[0]
+        named[key] = set(mark.args)
+        seen.setdefault(key, set()).add(item.callspec.id)
+        if item.callspec.id not in mark.args:
+            item.add_marker(pytest.mark.slow)
+    for key, ids in named.items():
+        if len(seen[key]) > 1 and ids - seen[key]:
+            raise pytest.UsageError(f"{key}: fast_cases {sorted(ids - seen[key])} are not among its cases")
 
 
 SESSION_START = time.time()

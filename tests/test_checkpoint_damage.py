@@ -110,6 +110,7 @@ EXPORTS = {"out": lambda tmp: ["--out", str(tmp / "m.safetensors")], "hf": lambd
 
 @pytest.mark.parametrize("damage", DAMAGE)
 @pytest.mark.parametrize("dest", EXPORTS)
+@pytest.mark.fast_cases("out-truncated")
 def test_export_refuses_a_damaged_step_asked_for_and_skips_a_damaged_newest(damage, dest, trained, tmp_path, capsys):
     """Mutation: export --hf not checking the manifest of a step given by --step (as before
     issue #28) -> a flipped bit is exported silently; not checking the newest -> the same."""

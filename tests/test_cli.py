@@ -84,6 +84,7 @@ REFUSED_FLAGS = {
 }
 
 
+@pytest.mark.slow
 def test_help_and_refusals_load_no_jax():
     """Every command's --help, a flag its parser refuses, and a config refused after parsing
     (`REFUSED_CONFIGS`), answered before JAX, Flax, Orbax or the library's train step load:

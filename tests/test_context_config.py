@@ -4,6 +4,8 @@ device count, an attention kernel the ring cannot run), and a good one trains.""
 
 import json
 
+import pytest
+
 from helpers import TINY_RUN_OVERRIDES, call, one_line
 
 TINY = ["--config", "configs/tiny.yaml"]
@@ -57,6 +59,7 @@ def test_plan_rejects_the_same_config_with_one_line(capsys):
     one_line(rc, err, "data.seq_len")
 
 
+@pytest.mark.slow
 def test_train_with_context_2_runs_and_logs(corpus, tmp_path, capsys):
     run_dir = tmp_path / "run"
     args = [*TINY_RUN_OVERRIDES, f"data.path={corpus}", f"run_dir={run_dir}", "train.steps=2"]

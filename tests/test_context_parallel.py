@@ -118,6 +118,7 @@ def base_reference():
 @pytest.mark.parametrize(
     "strategy, context", [pytest.param(*k, marks=() if k in FAST else pytest.mark.slow) for k in MESHES]
 )
+@pytest.mark.slow
 def test_loss_and_grads_equal_one_device_under_every_strategy(strategy, context, base_reference):
     batches = packed_batches(2) * 2  # seen twice: the loss must fall on the second pass
     ref_params, ref_losses, ref_norm = base_reference
@@ -142,6 +143,7 @@ def test_every_familys_attention_options_through_the_ring(family):
 
 
 @pytest.mark.parametrize("kv_pass", ["ring", "all_gather"])
+@pytest.mark.fast_cases("ring")
 def test_compiled_step_shards_the_sequence_and_passes_kv_as_configured(kv_pass):
     cfg = dataclasses.replace(BASE, context_kv_pass=kv_pass)
     model = trainer_model(cfg)

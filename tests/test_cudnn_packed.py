@@ -56,6 +56,7 @@ def blocks(context, s):
 
 @pytest.mark.parametrize("context", [2, 4])
 @pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.fast_cases("0-2")
 def test_layout_semantics_equal_the_rows_mask_on_every_block(context, seed):
     s = 64
     seg = rows(3, s, seed)
@@ -74,6 +75,7 @@ def test_layout_semantics_equal_the_rows_mask_on_every_block(context, seed):
             assert (np.asarray(lay.q_seqlen) == np.asarray(lay.kv_seqlen)).all(), name
 
 
+@pytest.mark.slow
 def test_stats_round_trip_and_layout_conventions():
     seg = jnp.asarray([[1, 1, 2, 2, 2, 3, 0, 0], [4, 4, 4, 4, 5, 5, 6, 6]])
     ks = jnp.asarray([[1, 2, 2, 2, 2, 2, 2, 2], [5, 5, 5, 5, 6, 6, 7, 7]])
@@ -93,6 +95,7 @@ def test_stats_round_trip_and_layout_conventions():
 
 
 @pytest.mark.parametrize("context", [2, 4])
+@pytest.mark.slow
 def test_a_row_within_max_segments_never_overflows_a_block(context):
     """The trainer's bound (`data.batches.check_segments`: a row's segments <= model.max_segments)
     is enough: no block of the row has more segments on its q side (a block's ids keep the row's
@@ -134,6 +137,7 @@ def emulated_cudnn():
 
 @pytest.mark.parametrize("kv_pass", ["ring", "all_gather"])
 @pytest.mark.parametrize(("n", "kvh"), [(2, 2), (4, 1), (4, 4)])
+@pytest.mark.fast_cases("2-2-ring")
 def test_packed_cudnn_kernel_ring_over_emulated_cudnn_matches_one_device(n, kvh, kv_pass):
     q, k, v, w, _, _ = inputs({"kvh": kvh}, b=8 // n, s=64)
     seg = rows(8 // n, 64, seed=n + kvh)
@@ -152,6 +156,7 @@ def test_packed_cudnn_kernel_ring_over_emulated_cudnn_matches_one_device(n, kvh,
         assert err <= 1e-5, (name, err)
 
 
+@pytest.mark.slow
 def test_a_block_with_too_many_segments_poisons_its_row():
     q, k, v, w, _, _ = inputs({}, b=4, s=64)
     seg = rows(4, 64, seed=5)

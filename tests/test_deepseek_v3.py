@@ -97,6 +97,7 @@ def _numpy_choice(logits, bias, k=2, groups=4, top_groups=2):
     return np.sort(np.argsort(-np.where(allowed, choice, -np.inf), -1)[:, :k], -1)
 
 
+@pytest.mark.slow
 def test_router_chooses_the_experts_transformers_chooses():
     ckpt = hf.HFCheckpoint(GOLDEN / NAME, base=DecoderConfig(scan_layers=False))
     m = from_nnx(lambda r: Decoder(ckpt.config, rngs=r))
@@ -139,6 +140,7 @@ def test_import_matches_transformers_every_strategy(strategy):
     check(strategy=strategy, mesh_shape=MESHES[strategy])
 
 
+@pytest.mark.slow
 def test_export_round_trips_bit_exact_and_writes_the_published_layout(tmp_path):
     ck, params = saved_run(tmp_path, NAME)
     out = tmp_path / "hf_out"

@@ -272,6 +272,7 @@ def _is_lora(path) -> bool:
     return "lora" in jax.tree_util.keystr(path)
 
 
+@pytest.mark.slow
 def test_frozen_params_lora_finetune():
     model = from_nnx(lambda r: LoRAMLP(r))
     labels = lambda p: jax.tree_util.tree_map_with_path(  # noqa: E731

@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import jax
+import pytest
 
 from fsdp_jax.app.config import config_to_dict, load_config
 from fsdp_jax.app.data.sft import prepare_examples
@@ -40,6 +41,7 @@ def export_run(tmp_path, yml_text: str) -> Path:
 MODEL = "model: {vocab_size: 258, d_model: 32, n_layers: 1, n_heads: 2, n_kv_heads: 2, ffn_dim: 64, max_seq_len: 32}\n"
 
 
+@pytest.mark.slow
 def test_export_of_a_chat_fine_tune_ships_the_template_its_chats_were_rendered_with(tmp_path):
     tok = tmp_path / "tok"
     shutil.copytree(QWEN25, tok)

@@ -163,6 +163,7 @@ def toy_gain():
 
 
 @pytest.mark.parametrize("scan", [True, False])
+@pytest.mark.fast_cases("True")
 def test_a_family_brings_its_own_attention_without_forking_the_decoder(scan, toy_gain):
     cfg = DecoderConfig(vocab_size=32, d_model=32, n_layers=2, n_heads=2, n_kv_heads=2, ffn_dim=64, scan_layers=scan)
     plain = from_nnx(lambda r: Decoder(cfg, rngs=r))

@@ -184,6 +184,7 @@ def rowwise_reference(x, w, g, groups):
 
 
 @pytest.mark.parametrize("layout", ["grouped", "batched"])
+@pytest.mark.slow
 def test_rowwise_expert_gemms_equal_their_reference_formula(layout):
     """`fp8.recipe: rowwise` for the experts: every operand e4m3 with power-of-two scales
     along the dim its GEMM contracts (per row; per expert and column), bit for bit against
@@ -356,6 +357,7 @@ def collectives(text: str, op: str, sizes=frozenset({"32", "48", "4"})) -> colle
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_full_shard_gathers_expert_weights_in_f8_and_scatters_f32_grads(recipe):
     """fp8.gather (the default) under full_shard: the step all-gathers each expert weight's

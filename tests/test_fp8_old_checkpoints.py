@@ -57,6 +57,7 @@ def saved(tmp_path_factory):
     return b, data, jax.device_get(state), dirs
 
 
+@pytest.mark.slow
 def test_old_delayed_checkpoint_restores_with_zero_gradient_histories_and_continues_exactly(saved):
     b, data, state, dirs = saved
     old = Checkpointer(dirs["old"], read_only=True).restore(b.abstract_state, fill_missing=fills_with_zeros)
@@ -88,6 +89,7 @@ def test_old_delayed_checkpoint_restores_with_zero_gradient_histories_and_contin
         ("old_reshaped", True, f"fp8_wq_{GRAD}: checkpoint (2, 5) vs model (2, 4)"),
     ],
 )
+@pytest.mark.slow
 def test_other_missing_or_reshaped_leaves_are_still_refused(saved, layout, fill, words):
     b, _, _, dirs = saved
     with pytest.raises(CheckpointError) as e:

@@ -111,6 +111,7 @@ def _router_logits(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
+@pytest.mark.fast_cases("gpt_oss_mxfp4")
 def test_router_chooses_the_experts_transformers_chooses(name):
     g, ours = golden(name), _router_logits(name)
     assert len(ours) == 4
@@ -137,6 +138,7 @@ def test_import_matches_transformers_every_strategy(name, strategy):
     check(name, strategy=strategy, mesh_shape=MESHES[strategy])
 
 
+@pytest.mark.slow
 def test_export_round_trips_bit_exact_and_writes_the_published_layout(tmp_path):
     ck, params = saved_run(tmp_path, "gpt_oss")
     out = tmp_path / "hf_out"
@@ -381,6 +383,7 @@ def test_shipped_config_is_gpt_oss_20b():
     )  # configs/gpt_oss_120b.yaml: openai/gpt-oss-120b's config.json differs from 20b's in these keys
 
 
+@pytest.mark.slow
 def test_expert_adapters_in_capacity_mode_equal_dropless_and_the_merged_experts():
     """gpt-oss's expert adapters (B drawn, not zero) through capacity dispatch with room for every
     pair equal the dropless path's logits, and both equal a plain decoder on the merged experts

@@ -111,6 +111,7 @@ def results():
         return jax.device_get(jax.jit(all_cases)(params, batch, per_case)), specs
 
 
+@pytest.mark.slow
 def test_loss_metrics_and_grad_norm_match_trl(results):
     out, specs = results
     mask = np.asarray(GOLDENS["batch"]["completion_mask"], bool)

@@ -243,6 +243,7 @@ def index_and_shapes(d: Path) -> tuple[dict, dict]:
 
 
 @pytest.mark.parametrize("name", MODELS)
+@pytest.mark.fast_cases("llama_gqa")
 def test_export_is_what_transformers_expects_and_round_trips_bit_exact(tmp_path, name):
     ck, params = saved_run(tmp_path, name)
     out = tmp_path / "hf_out"
@@ -275,6 +276,7 @@ _UNREAD_KEYS = ("transformers_version", "dtype", "_sliding_window_pattern", "max
 
 
 @pytest.mark.parametrize("name", FAMILY_MODELS)
+@pytest.mark.fast_cases("qwen3")
 def test_family_export_writes_its_family_and_round_trips_bit_exact(tmp_path, name):
     ck, params = saved_run(tmp_path, name)
     out = tmp_path / "hf_out"

@@ -66,6 +66,7 @@ def test_host_bytes_per_process_counts_each_devices_shard():
 
 
 @pytest.mark.parametrize("offload,strategy", [("optimizer", "full_shard"), ("optimizer+params", "no_shard")])
+@pytest.mark.fast_cases("optimizer-full_shard")
 def test_host_bytes_of_a_built_state_equal_its_host_shards(offload, strategy):
     m, loss_fn = _tiny_llama(CFG)
     b = build(m, optax.adamw(1e-3), fj.make_mesh(fsdp=8), strategy, loss_fn=loss_fn, offload=offload)

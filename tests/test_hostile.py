@@ -276,6 +276,7 @@ def test_every_config_field_is_in_the_range_table():
     assert not missing, f"add an out-of-range value for {missing} to OUT_OF_RANGE (None if none)"
 
 
+@pytest.mark.slow
 def test_every_config_field_rejects_wrong_types_and_out_of_range_values(corpus, tmp_path, capsys):
     """Through the trainer's entry (scripts/train.py main): every field, each wrong type
     (from a YAML file), its out-of-range value (as a key=value override), and for numbers
@@ -466,6 +467,7 @@ def test_bad_trainer_inputs_one_line_exit_2_nothing_written(corpus, tmp_path, ca
 # -- every script's flags ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_every_script_rejects_bad_flags_with_one_line(
     corpus, tmp_path, capsys, monkeypatch, compilation_cache_restored
 ):

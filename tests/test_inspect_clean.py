@@ -68,6 +68,7 @@ def test_only_all_to_alls_other_than_the_embedding_gradient_are_flagged():
     assert "(ops: transpose)" in w
 
 
+@pytest.mark.slow
 def test_the_reference_model_with_bf16_compute_inspects_without_the_all_to_all_warning(capsys):
     rc, out, err = call(
         "inspect", "--config", "configs/tiny.yaml", "--devices", "8", "--strategy", "full_shard",
@@ -92,6 +93,7 @@ def test_the_experts_token_exchange_is_not_flagged():
     assert "1 per step (and 1 for the embedding gradient or the experts' exchange" in w
 
 
+@pytest.mark.slow
 def test_experts_over_fsdp_inspect_without_the_all_to_all_warning(capsys):
     moe = ["model.n_experts=8", "model.experts_per_token=2", "model.moe_ffn_dim=64", "mesh.rules.expert=fsdp"]
     rc, out, err = call(

@@ -96,6 +96,7 @@ def _state_bytes(tree):
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
+@pytest.mark.slow
 def test_frozen_base_rests_in_its_dtype_with_no_master_copy_and_no_optimizer_state():
     model = lora_model()
     adam = lora_optimizer(optax.adam(1e-3))
@@ -125,6 +126,7 @@ def test_frozen_base_rests_in_its_dtype_with_no_master_copy_and_no_optimizer_sta
 
 
 @pytest.mark.parametrize("precision", ["params=float32,compute=float32", "params=float32,compute=bfloat16"])
+@pytest.mark.slow
 def test_no_gradient_of_a_frozen_weights_shape_in_the_compiled_backward(precision):
     """LoRA's backward: input gradients through frozen weights, adapter gradients, and no
     dot (or scatter-add, or reduction) producing a frozen weight's gradient. The same step
@@ -216,6 +218,7 @@ STRATEGIES = [
 
 
 @pytest.mark.parametrize("strategy,mesh", STRATEGIES, ids=[f"{s}-{'x'.join(map(str, m))}" for s, m in STRATEGIES])
+@pytest.mark.fast_cases("full_shard-1x8x1")
 def test_lora_parity_with_one_device_under_every_strategy(strategy, mesh):
     """The adapters trained on 8 devices equal the adapters trained on one device by plain
     `jax.grad` of the loss with respect to the adapters alone (the base a constant)."""

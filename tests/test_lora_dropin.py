@@ -221,6 +221,7 @@ def test_discovery_finds_the_products_weights_and_names_the_rest():
 
 
 @pytest.mark.parametrize("name", ["nnx", "linen", "pytree", "scan", "linen_scan", "batched"])
+@pytest.mark.fast_cases("nnx")
 def test_step_zero_is_the_base_and_the_forward_is_x_w_plus_scaled_x_a_b(name):
     lm, args = models()[name]
     params = lm.init(jax.random.key(0))
@@ -266,6 +267,7 @@ def loss_of(lm, args):
         ("batched", (1, 8, 1)),
     ],
 )
+@pytest.mark.fast_cases("nnx-mesh0")
 def test_training_under_fsdp_equals_the_adapters_trained_by_hand_on_one_device(name, mesh):
     lm, args = models()[name]
     sm = fj.shard_model(
@@ -304,6 +306,7 @@ def test_adapters_shard_as_their_weights_and_the_rank_dim_is_replicated():
 
 
 @pytest.mark.parametrize("name", ["nnx", "pytree", "scan", "batched"])
+@pytest.mark.fast_cases("nnx")
 def test_no_dot_in_the_compiled_step_produces_a_frozen_weights_gradient(name):
     """The same model trained in full shows each weight-gradient dot, so the search finds them."""
     lm, args = models()[name]
@@ -415,6 +418,7 @@ class LinenNormed(nn.Module):
 
 
 @pytest.mark.parametrize("lora_dropout", [0.0, 0.3])
+@pytest.mark.fast_cases("0.3")
 def test_a_model_with_state_and_dropout_trains_its_adapters_and_updates_its_state(lora_dropout):
     fns = fj.from_linen(LinenNormed(), X, state=("batch_stats",), rngs=("dropout",))
     lm = fj.with_lora(fns, X, rank=2, dropout=lora_dropout)

@@ -216,6 +216,7 @@ def test_dropout_trains_on_8_devices_as_on_one(strategy, mesh, micro):
 
 
 @pytest.mark.parametrize("rate", [RATE, 0.0])
+@pytest.mark.slow
 def test_each_step_draws_other_masks_and_the_same_step_the_same(rate):
     spec = lora_lib.LoraSpec(4, 8.0, dropout=rate)
     model = trainer_model(CFG, "none", spec)

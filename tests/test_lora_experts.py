@@ -117,6 +117,7 @@ def test_expert_lora_trains_on_8_devices_as_on_one(mesh, rules, kind):
 
 
 @pytest.mark.parametrize("kind", ["dropless", "capacity"])
+@pytest.mark.slow
 def test_no_gradient_of_a_frozen_expert_tensors_shape_in_the_compiled_step(kind):
     """The adapters' step computes no result of an expert tensor's shape (one expert's, all
     of a layer's, or the stack's) by a dot, scatter or reduction; training everything does."""

@@ -155,6 +155,7 @@ def test_moe_lora_with_dropout_trains_on_8_devices_as_on_one(mesh, rules):
 
 
 @pytest.mark.parametrize("scan", [True, False], ids=["scanned", "unscanned"])
+@pytest.mark.fast_cases("scanned")
 def test_peft_export_of_a_tiny_mixtral_has_peft_key_names_and_reads_back_bit_for_bit(scan, tmp_path):
     cfg = hf.HFCheckpoint(GOLDEN / "mixtral", base=DecoderConfig(scan_layers=scan)).config
     model = trainer_model(cfg, "none", SPEC)
@@ -202,6 +203,7 @@ def test_moe_lora_flops_and_adapter_count():
 
 
 @pytest.mark.parametrize("layout", ["groups_of_2", "runs"])
+@pytest.mark.slow
 def test_scanned_segments_draw_each_layers_dropout_mask_as_the_unscanned_layers_do(layout):
     """Layer l's dropout key is the same whether l sits in a scanned segment's group or in the
     unscanned list: the same params (rearranged), the same key, the same logits."""

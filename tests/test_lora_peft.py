@@ -75,6 +75,7 @@ def logits(model, params, plan, tokens):
 
 
 @pytest.mark.parametrize("name", ADAPTERS + MOE_ADAPTERS + MLA_ADAPTERS)
+@pytest.mark.fast_cases("llama3", "gemma3_text", "mixtral")
 def test_peft_adapter_reproduces_peft_logits_and_merged_logits(name, tmp_path):
     ckpt, spec, want = golden(name)
     cfg = ckpt.config

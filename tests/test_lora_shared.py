@@ -73,6 +73,7 @@ def test_shared_expert_and_dense_layer_adapters_are_per_weight_and_shard_as_thei
 
 
 @pytest.mark.parametrize("spec", [ALL, SHARED_ONLY], ids=["all-linear", "target_parameters-none"])
+@pytest.mark.slow
 def test_step_zero_is_the_base_and_the_factored_form_is_the_merged_weights(spec):
     cfg = qwen2_moe_cfg()
     model, plain = trainer_model(cfg, "none", spec), from_nnx(lambda r: Decoder(cfg, rngs=r))
@@ -104,6 +105,7 @@ def test_step_zero_is_the_base_and_the_factored_form_is_the_merged_weights(spec)
         assert np.abs(np.asarray(model.apply(only, t, dropout_key=key)) - plain_out).max() > 1e-4
 
 
+@pytest.mark.slow
 def test_no_gradient_of_a_frozen_shared_expert_or_dense_mlp_weights_shape_in_the_compiled_step():
     """Nothing of a shared expert weight's shape (D, Fs), (Fs, D) or a dense MLP weight's (D, F),
     (F, D) (one layer's or the stack's) comes out of a dot, scatter or reduction of the adapters'

@@ -115,6 +115,7 @@ def test_shard_grad_op_gathers_each_layer_once_in_the_forward_loop():
     assert z3["inside_loop"]["all-gather"]["count"] == 14
 
 
+@pytest.mark.slow
 def test_planner_counts_bf16_master_params_and_the_compiled_step_agrees():
     """precision params=bfloat16 halves params and Adam moments in the planner's analytic
     figures, and the compiled step's argument bytes are exactly those figures."""

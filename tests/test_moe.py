@@ -80,6 +80,7 @@ def check(name, **kw):
 
 
 @pytest.mark.parametrize("name", MOE)
+@pytest.mark.slow
 def test_moe_import_matches_transformers_logits_and_aux_loss(name):
     params, m, plan, cfg, g = check(name)
     check(name, scan=False, mesh_shape=(1, 4, 2))
@@ -224,6 +225,7 @@ def _moe_layer_flops(cfg, n_tokens=256):
     return f.lower(state, x).compile().cost_analysis()["flops"]
 
 
+@pytest.mark.slow
 def test_capacity_mode_compiled_flops_scale_with_top_k():
     """Capacity mode (capacity 1.0) computes top_k / n_experts of the dense all-experts
     MLP; XLA:CPU's cost analysis of the compiled layer, router and dispatch included."""
@@ -261,6 +263,7 @@ def test_count_params_counts_experts_and_active_params():
 
 
 @pytest.mark.parametrize("name", MOE)
+@pytest.mark.slow
 def test_moe_export_round_trips_bit_exact(tmp_path, name):
     ck, params = saved_run(tmp_path, name)
     out = tmp_path / "hf_out"
@@ -437,6 +440,7 @@ def _losses(cfg, mesh, strategy, rules=None, steps=3):
 # keeps capacity mode here, dropless under full_shard and over the tensor axis in the golden imports above
 # (a mutation of the dropless experts' offset fails both: BENCHMARKS.md "Issue 55 item 6, the fast subset").
 @pytest.mark.parametrize("capacity_factor", [pytest.param(0.0, marks=pytest.mark.slow), 1.0])
+@pytest.mark.slow
 def test_train_steps_match_one_device_under_fsdp_and_expert_parallelism(capacity_factor):
     """3 SGD steps (f32, aux loss on) of a 3-layer MoE with a dense middle layer: losses on
     one device, under full_shard (8-way fsdp) and with experts over the tensor axis agree."""
@@ -462,6 +466,7 @@ def test_expert_axis_must_divide_the_experts():
         jax.eval_shape(m.apply, built.abstract_state.params, jnp.zeros((8, 8), jnp.int32))
 
 
+@pytest.mark.slow
 def test_packed_rows_loss_and_router_metrics_summary():
     """Packed rows: the router sees the real tokens only (segment 0 is padding) and the loss
     is the weighted cross-entropy plus coef x aux; the logged window summarises the steps'

@@ -94,6 +94,7 @@ def test_dropless_expert_parallelism_trains_like_one_device_under_every_strategy
         assert w.sharding.shard_shape(w.shape)[1] == 8 // shape[0]
 
 
+@pytest.mark.slow
 def test_capacity_mode_expert_parallelism_matches_the_same_mesh_without():
     """Capacity is per batch shard, so capacity mode is compared on the same mesh with the
     experts replicated: the same tokens dropped, the same losses and params."""
@@ -113,6 +114,7 @@ def _collectives(built):
     return [(m[2], m[1]) for m in ops if m]
 
 
+@pytest.mark.slow
 def test_compiled_step_moves_tokens_by_all_to_all_and_never_gathers_the_experts():
     """With experts over data: all-to-all in the step (dispatch, ids, return; and their
     transposes) and no all-gather producing the 8 experts' (8, 32, 48) / (8, 48, 32) stack;

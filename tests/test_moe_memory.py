@@ -86,6 +86,7 @@ def test_capacity_moe_holds_against_the_h100_compile(measured, capsys):
     assert_analytic_holds_the_cpu_peak(b, r["analytic"], r["compiled"]["peak"], "capacity, H100 target")
 
 
+@pytest.mark.slow
 def test_dropless_dispatch_buffers_against_capacity_mode(measured):
     """Dropless and capacity mode differ in the dispatch and expert buffers only (same
     params, state and batch): the analytic model's difference is the compiled one's within

@@ -43,6 +43,7 @@ def _emulated(x, out, in_off, send, out_off, recv, axes):
     return out
 
 
+@pytest.mark.slow
 def test_ragged_exchange_trains_as_the_dense_exchange_with_the_collective_emulated(monkeypatch):
     import fsdp_jax.app.models.moe as moe_lib
     import fsdp_jax.app.models.moe_exchange as exchange

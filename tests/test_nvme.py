@@ -101,6 +101,7 @@ def assert_exact(r):
     assert r["steps"] == 3
 
 
+@pytest.mark.slow
 def test_nvme_trains_and_resumes_bit_for_bit():
     r = parity(FAST)["full_shard/adamw"]
     assert_exact(r)

@@ -48,6 +48,7 @@ def _files(cfg):
     return Layout.of(stored)
 
 
+@pytest.mark.slow
 def test_disk_and_host_buffers_are_the_files_the_step_writes(cfg, plans):
     layout = _files(cfg)
     a = plans[1]["analytic"]

@@ -49,6 +49,7 @@ def test_cudnn_packed_layout():
     assert offsets.shape == (2, 9) and (offsets[:, 5:] == -1).all()
 
 
+@pytest.mark.slow
 def test_cudnn_packed_attention_with_grouped_kv_reads_the_right_rows(monkeypatch):
     """The context-1 cuDNN path of packed rows (`models.attention.attention(..., "cudnn")`) over an
     emulated cuDNN that reads each segment's tokens where the element offsets jax computes

@@ -129,6 +129,7 @@ def test_eval_step_computes_in_the_compute_dtype():
     assert loss16 != loss32 and abs(loss16 - loss32) < 0.05 * abs(loss32)
 
 
+@pytest.mark.slow
 def test_sampler_computes_in_the_compute_dtype(corpus, tmp_path):
     """Mutation: sample_text applying the model to `p` instead of
     `policy.cast_to_compute(p)` -> the forward sees f32 params."""
@@ -339,6 +340,7 @@ PRESET_PINS = {
 
 
 @pytest.mark.parametrize("preset", PRESET_PINS)
+@pytest.mark.slow
 def test_verify_presets_sit_between_a_near_healthy_and_a_near_broken_model(preset):
     """Each preset other than sgd-f32 (above), chosen by verify from the optimizer and the
     compute dtype, for its loss and its grad-norm limit separately: a sharding-dependent

@@ -42,6 +42,7 @@ def moe():
     return cfg, model, params, _pairs(4, cfg.data.seq_len + 1, cfg.model.vocab_size)
 
 
+@pytest.mark.slow
 def test_router_terms_are_added_to_the_pair_loss_over_the_real_tokens(moe):
     from fsdp_jax.app.objectives.preference import PreferenceSpec
     from fsdp_jax.app.objectives.reference import make_preference_loss, pair_logits

@@ -95,6 +95,7 @@ def model_and_params():
     return model, model.init(jax.random.key(0)), model.init(jax.random.key(1))  # policy != reference
 
 
+@pytest.mark.slow
 def test_every_loss_and_metric_equals_the_unpacked_batch(data, model_and_params):
     _, _, unpacked, packed = data
     model, params, ref = model_and_params

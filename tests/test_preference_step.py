@@ -57,6 +57,7 @@ def run_steps(strategy, mesh_shape, spec, lora=False, steps=3):
     return out, jax.device_get(state)
 
 
+@pytest.mark.slow
 def test_reference_in_model_state_full_shard_equals_one_device():
     spec = PreferenceSpec("dpo", beta=0.5)
     one, s1 = run_steps("no_shard", (1, 1, 1), spec)
@@ -99,6 +100,7 @@ def test_lora_reference_is_the_base_with_adapters_off():
             assert abs(a[k] - b[k]) < 2e-5, (k, a[k], b[k])
 
 
+@pytest.mark.slow
 def test_reference_stored_in_the_compute_dtype_trains_the_same_to_the_bit():
     """A bf16-compute run stores its frozen reference in bf16 (half an f32 copy): the step's
     reference forward casts it to the policy's compute dtype anyway (`as_compute`), so two

@@ -77,6 +77,7 @@ def _dequantised(params, spec: QuantSpec):
 
 
 @pytest.mark.parametrize("extra", [["lora.base_quant=nf4", "lora.double_quant=true"], ["lora.base_quant=int8"]])
+@pytest.mark.fast_cases("extra1")
 def test_loss_equals_the_plain_model_on_numpy_dequantised_codes(extra):
     cfg = config(*extra)
     spec = lora_spec(cfg)
@@ -102,6 +103,7 @@ def test_loss_equals_the_plain_model_on_numpy_dequantised_codes(extra):
 
 
 @pytest.mark.parametrize("strategy, passes", [("full_shard", 2), ("shard_grad_op", 1)])
+@pytest.mark.fast_cases("full_shard-2")
 def test_layer_gathers_move_the_codes(strategy, passes):
     """NF4: per layer, the gathers move codes (uint8) and absmax (their float32 bits), 0.27x
     the bf16 weights' bytes; no gradient reduction and no float gather of a base weight."""

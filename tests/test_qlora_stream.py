@@ -32,6 +32,7 @@ NF4_DQ = ["lora.base_quant=nf4", "lora.quant_block=8", "lora.double_quant=true"]
     [(NF4_DQ, True), (["lora.base_quant=int8"], True), (NF4_DQ, False)],
     ids=["nf4-dq", "int8", "nf4-dq-unscanned"],
 )
+@pytest.mark.fast_cases("int8")
 def test_streamed_load_equals_the_whole_load(quant, scan):
     """Scanned: each stacked weight layer by layer; unscanned (`model.scan_layers=false`): each
     layer's weight read alone, quantised and dropped before the next."""

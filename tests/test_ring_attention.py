@@ -70,6 +70,7 @@ CASES = {
 
 @pytest.mark.parametrize("kv_pass", ["ring", "all_gather"])
 @pytest.mark.parametrize("case", CASES)
+@pytest.mark.fast_cases("causal-ring", "packed-ring", "window-ring", "query_chunks-ring")
 def test_matches_one_device_values_and_grads(case, kv_pass):
     c = CASES[case]
     b, s, h, kvh, dh, n = 2, 32, 4, c.get("kvh", 2), 8, 4

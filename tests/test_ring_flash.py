@@ -80,6 +80,14 @@ def dense_value_and_grad(c, args, with_o=False):
 @pytest.mark.parametrize("kv_pass", ["ring", "all_gather"])
 @pytest.mark.parametrize("n", [2, 4])
 @pytest.mark.parametrize("case", CASES)
+@pytest.mark.fast_cases(
+    "causal-2-ring",
+    "causal-4-all_gather",
+    "packed-2-ring",
+    "window-2-ring",
+    "global_layer-2-ring",
+    "softcap_mqa-2-ring",
+)
 def test_reference_kernel_ring_matches_one_device(case, n, kv_pass):
     c = CASES[case]
     args = inputs(c, b=8 // n)  # one row per fsdp rank

@@ -160,6 +160,7 @@ PACKED_WINDOWS = [WINDOWS[0], *(pytest.param(*w, marks=pytest.mark.slow) for w i
 
 
 @pytest.mark.parametrize(("n", "window", "local"), WINDOWS, ids=_id)
+@pytest.mark.slow
 def test_banded_reference_ring_matches_one_device(n, window, local):
     args = inputs({"packed": True}, b=8 // n)
     kern = reference_kernel(scale=args[0].shape[-1] ** -0.5, window=window, banded=True)
@@ -167,6 +168,7 @@ def test_banded_reference_ring_matches_one_device(n, window, local):
 
 
 @pytest.mark.parametrize(("n", "window", "local"), WINDOWS, ids=_id)
+@pytest.mark.slow
 def test_cudnn_kernel_with_windows_over_emulated_cudnn_matches_one_device(n, window, local):
     """Unpacked rows (the cuDNN kernel takes windows without segment ids), 4 query heads on 2
     kv heads: the pieces, reversals and merges of `band_pieces` are the kernel's own code."""

@@ -141,6 +141,7 @@ def test_gpu_check_throughput_path_runs_on_cpu(tmp_path, capsys):
     assert "| throughput" in out and "precision" not in out.split("| check")[-1]
 
 
+@pytest.mark.slow
 def test_gpu_check_entry_point_bad_input_exits_2():
     """`python scripts/gpu_check.py`'s own entry point, once: bad input is one line, exit 2."""
     r = run("gpu_check.py", "--only", "speed")

@@ -216,7 +216,7 @@ def test_a_donating_step_right_after_save_does_not_change_what_is_written(tmp_pa
 
 
 @pytest.mark.parametrize("direct", [True, False])
-@pytest.mark.parametrize("n", [0, 7, 4096, 4096 * 3 + 5, (64 << 20) // 4 + 1000])
+@pytest.mark.parametrize("n", [0, 7, 4096, 4096 * 3 + 5, pytest.param((64 << 20) // 4 + 1000, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("aligned", [True, False])
 def test_direct_io_round_trip_any_size_and_alignment(tmp_path, monkeypatch, direct, n, aligned):
     """Bulk past the page cache, the tail buffered, an unaligned buffer bounced; without

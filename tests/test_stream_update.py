@@ -162,6 +162,7 @@ def test_streamed_update_alone_matches_no_offload(case, fast_parity):
 
 
 @pytest.mark.parametrize("opt", ["adamw", "sgd"])
+@pytest.mark.slow
 def test_streamed_offload_matches_no_offload(opt, fast_parity):
     assert_bit_for_bit(fast_parity[opt])
     # in this process: the offload streams, its optimizer is elementwise, the state rests on the host
@@ -179,6 +180,7 @@ def test_every_strategy_matches(strategy, strategy_parity):
     assert_bit_for_bit(strategy_parity[strategy])
 
 
+@pytest.mark.slow
 def test_microbatches_and_clipping_match(fast_parity):
     assert_bit_for_bit(fast_parity["microbatches_clip"])
 

@@ -233,8 +233,8 @@ def test_cpu_runs_never_see_the_plugin():
         ),
         ("plan.py", ["--devices", "8", "--hosts", "2"], "--hosts: '2' needs --target"),
         ("plan.py", ["--target", "h100", "--devices", "8", "PLUGIN_MISSING"], "python -m fsdp_jax.targets install"),
-        # what compile-only GPU devices cannot do: cuDNN without its library
-        (
+        # what compile-only GPU devices cannot do: cuDNN without its library (a compile child: slow)
+        pytest.param(
             "plan.py",
             [
                 "--target",
@@ -248,6 +248,7 @@ def test_cpu_runs_never_see_the_plugin():
                 "precision=params=float32,compute=bfloat16",
             ],
             "model.attention=cudnn: NVIDIA's cuDNN library is not in the compile folder",
+            marks=pytest.mark.slow,
         ),
         # XLA_FLAGS for the compiling child: a kernel cache nowhere to write, a flag XLA lacks
         (
@@ -255,10 +256,11 @@ def test_cpu_runs_never_see_the_plugin():
             ["--target", "h100", "--devices", "8", "XLA_FLAGS=--xla_gpu_kernel_cache_file=/nonexistent/k.bin"],
             "XLA_FLAGS --xla_gpu_kernel_cache_file=/nonexistent/k.bin: its directory /nonexistent does not exist",
         ),
-        (
+        pytest.param(  # the compile child refuses it (slow); the kernel-cache case above is refused before
             "inspect.py",
             ["--target", "h100", "--devices", "8", "--strategy", "full_shard", "XLA_FLAGS=--xla_gpu_no_such_flag=1"],
             "XLA_FLAGS: Unknown flag in XLA_FLAGS: --xla_gpu_no_such_flag=1",
+            marks=pytest.mark.slow,
         ),
     ],
 )

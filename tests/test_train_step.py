@@ -75,6 +75,7 @@ ALL_STRATEGIES = [s if s == "full_shard" else pytest.param(s, marks=pytest.mark.
 
 
 @pytest.mark.parametrize("strategy", ALL_STRATEGIES)
+@pytest.mark.slow
 def test_parity_sgd_momentum(strategy, batches, reference, trained):
     state, losses, norms = trained(strategy, "sgd_momentum")
     ref_params, ref_losses = reference["sgd"]
@@ -94,6 +95,7 @@ def test_parity_adamw(strategy, reference, trained):
     assert max_abs_diff(state.params, ref_params) < 1e-4
 
 
+@pytest.mark.slow
 def test_state_layouts_follow_the_strategy():
     opt = optax.adamw(1e-2)
     m, _ = tiny_llama()
@@ -270,6 +272,7 @@ def test_bf16_compute_trains_close_to_fp32(batches, trained):
     np.testing.assert_allclose(l16, l32, rtol=2e-2)
 
 
+@pytest.mark.slow
 def test_bf16_params_store_master_weights_and_adam_moments_in_bf16(batches):
     """precision params=bfloat16: the state (params and Adam's moments, which follow
     the params) is bf16 before and after steps, holding half the bytes of fp32."""
