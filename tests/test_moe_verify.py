@@ -126,12 +126,15 @@ DOCS_MOE = [
 @pytest.mark.slow
 def test_adamw_moe_verify_stops_judging_at_the_routing_flip(capsys):
     """docs/moe.md's tiny MoE with AdamW (the config's optimizer): after a step or two a token
-    whose 2nd and 3rd router probabilities nearly tie lands on another expert in the 8-device
+    whose 2nd and 3rd router probabilities nearly tie may land on another expert in the 8-device
     step than on one device (benchmarks/moe_routing_flips.py), so the expert load differs by a
     whole number of the 16384 (token, expert) pairs and the experts' params jump past the
-    adaptive-f32 limit. Which step flips depends on XLA:CPU's rounding (step 3 from the command
-    line, step 2 under this suite's XLA flags); verify reports that step and judges the ones
-    before it, which are within the unchanged limit."""
+    adaptive-f32 limit. Whether and which step flips depends on XLA:CPU's rounding, so on the
+    CPU it runs on (step 3 from the command line and step 2 under this suite's XLA flags on the
+    machine the test was written on; none in 6 steps on an AVX-512 AMD EPYC): verify reports the
+    flip's step and judges the steps before it, which are within the unchanged limit; without a
+    flip every step is judged and within it. The flip's handling on its own, with a flip forced:
+    test_verify.py's test_a_routing_flip_stops_the_judging_at_its_step_and_is_reported."""
     rc, out, err = call(
         "verify", "--config", "configs/tiny.yaml", "--steps", "3", "--json", "--strategies", "full_shard",
         *DOCS_MOE, capsys=capsys,
@@ -139,12 +142,16 @@ def test_adamw_moe_verify_stops_judging_at_the_routing_flip(capsys):
     assert rc == 0, err[-3000:] + out
     doc = json.loads(out)
     r = doc["strategies"]["full_shard"]
-    s = r["routing_flip_step"]
-    assert doc["passed"] and s in (2, 3) and r["first_divergence"] is None, r
-    pairs = r["routing_diff"][s - 1] * 16384
-    assert r["routing_diff"][: s - 1] == [0.0] * (s - 1) and pairs >= 1 and pairs == round(pairs)
     limit = doc["tolerance"]["param_rtol"]
     assert doc["tolerance"]["name"] == "adaptive-f32" and limit == 5e-5
+    assert doc["passed"] and r["first_divergence"] is None, r
+    s = r["routing_flip_step"]
+    if s is None:  # no flip on this CPU: all three steps judged, equal choices, within the limit
+        assert r["routing_diff"] == [0.0] * 3 and max(r["param_rel_diff"]) <= limit, r
+        return
+    assert s in (2, 3), r  # step 1 starts from the same params: a flip there is a divergence
+    pairs = r["routing_diff"][s - 1] * 16384
+    assert r["routing_diff"][: s - 1] == [0.0] * (s - 1) and pairs >= 1 and pairs == round(pairs)
     assert max(r["param_rel_diff"][: s - 1]) <= limit < r["param_rel_diff"][s - 1]  # the jump: reported, not judged
 
 
