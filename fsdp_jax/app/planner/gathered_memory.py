@@ -54,6 +54,10 @@ def compute_copy_bytes(abstract_params, plan, logical_axes, dtype) -> dict[str, 
         if logical_axes is not None
         else []
     )
+    # `_only`'s trees: a dropped leaf is None in both; the rows cover the params that are there
+    present = [x is not None for x in jax.tree.leaves(abstract_params, is_leaf=lambda x: x is None)]
+    if len(names) == len(present) != len(rows):
+        names = [n for n, p in zip(names, present) if p]
     names = names if len(names) == len(rows) else [None] * len(rows)
     item = np.dtype(dtype).itemsize
     out = {
