@@ -107,3 +107,36 @@ def test_plan_on_h100_says_the_experts_run_in_bf16(capsys):
     assert doc["fp8"]["experts"] == {"kernels": "tokamax", "fp8": False, "dtype": "bfloat16"}
     assert sum(SAID in n for n in doc["notes"]) == 1, doc["notes"]
     assert doc["strategies"]["full_shard"]["predicted"]
+
+
+@pytest.mark.slow
+def test_h100_tokamax_expert_kernels_take_the_compute_dtype():
+    """What the note states, in the deviceless 8 x H100 program of the tiny FP8 MoE under auto:
+    the experts' grouped products are tokamax's Pallas calls (Triton at this size), each taking
+    bf16 operands, and no GEMM of XLA's ragged_dot is left; the projections' GEMMs take f8."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    from test_fp8_hlo import _CHILD, gemm_ops
+
+    assert targets.plugin_installed(), "run `python -m fsdp_jax.targets install` (README's set-up)"
+    pytest.importorskip("tokamax")
+    jobs = {"auto": [FP8, *MOE]}
+    req = {"config": "configs/tiny.yaml", "small": [*TINY_MODEL_OVERRIDES, "remat=dots"], "jobs": jobs}
+    env = targets.child_env(dict(os.environ, PYTHONPATH=str(ROOT)))
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD], input=json.dumps(req), capture_output=True, text=True, env=env, cwd=ROOT
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    hlo = json.loads(proc.stdout)["auto"]
+    calls = [line for line in hlo.splitlines() if "custom-call(" in line and "/tokamax:" in line]
+    # forward gate, up, down and their input and weight gradients: at least 9 per layer body
+    assert len(calls) >= 9, len(calls)
+    for line in calls:
+        operands = re.search(r"operand_layout_constraints=\{(.*?)\}, ", line).group(1)
+        assert {t for t in re.findall(r"([a-z0-9]+)\[", operands) if t not in ("s32",)} == {"bf16"}, operands
+    ops = gemm_ops(hlo)
+    assert not [n for _, n, _ in ops if "ragged_dot" in n]
+    assert any(t.startswith("f8") for d, _, _ in ops for t in d)
