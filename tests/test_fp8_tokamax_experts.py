@@ -140,3 +140,16 @@ def test_h100_tokamax_expert_kernels_take_the_compute_dtype():
     ops = gemm_ops(hlo)
     assert not [n for _, n, _ in ops if "ragged_dot" in n]
     assert any(t.startswith("f8") for d, _, _ in ops for t in d)
+
+
+def test_search_says_so_as_it_costs():
+    """`plan --search` on h100 (the analytic pass, no compile) notes the tokamax experts under
+    auto, as it costs them, and not under xla."""
+    from fsdp_jax.app.planner import search as se
+
+    space = se.SearchSpace(strategies=("full_shard",), remats=("none",), microbatches=(1,), offloads=("none",))
+    limits = se.Limits(device_memory=10**12, max_compiles=0)
+    h100 = targets.make_target("h100", 8)
+    for kernels in ("tokamax", "xla"):
+        doc = se.search(cfg_for(kernels), 8, space, limits, target=h100)
+        assert sum(SAID in n for n in doc["notes"]) == (kernels == "tokamax"), doc["notes"]
