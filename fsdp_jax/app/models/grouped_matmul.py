@@ -64,16 +64,22 @@ def tpu_misfit(m: int, k: int, n: int) -> str | None:
     return f"{', '.join(bad)} not a multiple of {TPU_TILE}" if bad else None
 
 
-def resolve(impl: str, dims: tuple[int, int, int] | None = None) -> str:
+def resolve(
+    impl: str, dims: tuple[int, int, int] | None = None, platform: str | None = None, generation: int = 0
+) -> str:
     """`impl` with `auto` replaced by what runs here (module docstring) for a grouped product of
-    `dims` (m, k, n) (None: whichever product)."""
+    `dims` (m, k, n) (None: whichever product); `platform` ("gpu", "tpu", "cpu") and a TPU's
+    `generation` name where the step is lowered for (a planning target), None: this process's
+    lowering device."""
     if impl not in GROUPED_MATMULS:
         raise ConfigError("model.grouped_matmul", f"{impl!r} is not one of {', '.join(GROUPED_MATMULS)}")
     if impl == "xla":
         return impl
-    platform = lowering_platform()
+    if platform is None:
+        platform = lowering_platform()
+        generation = _tpu_generation() if platform == "tpu" else 0
     have = importlib.util.find_spec("tokamax") is not None
-    gpu, tpu = platform in ("gpu", "cuda"), platform == "tpu" and _tpu_generation() >= 5
+    gpu, tpu = platform in ("gpu", "cuda"), platform == "tpu" and generation >= 5
     misfit = tpu_misfit(*dims) if tpu and dims else None
     if impl == "tokamax":
         if not have:

@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from fsdp_jax.app.config.fp8_checks import target_platform, unscaled_experts, unscaled_experts_line
 from fsdp_jax.app.host_memory import HOST_MEMORY_ENV, fmt_size
 from fsdp_jax.app.models.decoder import count_params
 from fsdp_jax.app.objectives.grpo_run import check_grpo_config, is_grpo
@@ -77,7 +78,7 @@ def plan_config(
     disk_bytes_per_s: float | None = None,
 ) -> dict[str, Any]:
     """The planner's JSON document for `cfg` on `n_devices` (bytes per device, ints):
-    {"config", "devices", "params", "param_bytes", "device_memory", "wall_s", "notes",
+    {"config", "devices", "params", "param_bytes", "device_memory", "wall_s", "notes", "fp8" (`fp8_part`),
     "target", "strategies": {name: {"mesh", "analytic": {params, grads, optimizer,
     gathered, activations, batch, states, total}, "compiled": {argument, output, alias,
     temp, peak, xla_peak}, "terms": {argument, temp, peak: compiled / analytic - 1},
@@ -121,6 +122,8 @@ def plan_config(
             if "grpo" in r and r["predicted"]:  # generation + num_iterations training steps
                 r["predicted"]["grpo"] = grpo_split(cfg, target.table, r["grpo"], r["predicted"]["step_s"])
     notes = _notes(cfg, n_devices, policy, results, target, device_memory)
+    if (fp8 := fp8_part(cfg, target)) and fp8["experts"] and not fp8["experts"]["fp8"]:
+        notes.append(unscaled_experts_line(cfg, fp8["experts"]["dtype"]))
     notes += _host_notes(cfg, results, host_memory)
     doc = {
         "config": config_name,
@@ -131,9 +134,24 @@ def plan_config(
         "device_memory": device_memory,
         "strategies": results,
         "notes": notes,
+        "fp8": fp8,
     }
     doc["wall_s"] = round(time.perf_counter() - t0, 1)
     return doc
+
+
+def fp8_part(cfg, target) -> dict[str, Any] | None:
+    """The plan's FP8 part (None without `precision ...,matmul=fp8`): the recipe, and for routed
+    experts {"kernels": capacity | xla | tokamax, "fp8": whether their products run in FP8,
+    "dtype": the dtype they run in} on `target` (None: this host's CPU; `unscaled_experts`)."""
+    if Policy.parse(cfg.precision).matmul != "fp8":
+        return None
+    experts = None
+    if cfg.model.n_experts:
+        dtype = unscaled_experts(cfg, *target_platform(None if target is None else target.table))
+        kernels = "capacity" if cfg.model.capacity_factor else "tokamax" if dtype else "xla"
+        experts = {"kernels": kernels, "fp8": dtype is None, "dtype": dtype or "fp8"}
+    return {"recipe": cfg.fp8.recipe, "experts": experts}
 
 
 def _notes(
@@ -261,7 +279,7 @@ def _prediction(cfg, target, n_devices: int, strategy: str, r: dict[str, Any]) -
         return predict(cfg, target.table, n_devices, r)
 
     m = r["mesh"]
-    comm = analytic_communication(cfg, strategy, (m["data"], m["fsdp"], m["tensor"]), target.hosts)
+    comm = analytic_communication(cfg, strategy, (m["data"], m["fsdp"], m["tensor"]), target.hosts, target.table)
     p = predict_roofline(cfg, target.table, n_devices, {"analytic": r["analytic"], "communication": comm})
     if p is not None:
         p["basis"] = "roofline over the analytic traffic: the compiler refused the program"

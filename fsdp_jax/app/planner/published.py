@@ -221,7 +221,7 @@ def prediction(run: PublishedRun, cfg, result: dict[str, Any], n_devices: int) -
     if result.get("op_inventory"):
         return predict_ops(cfg, run.cost_target, n_devices, result)
     m = result["mesh"]
-    comm = analytic_communication(cfg, run.strategy, (m["data"], m["fsdp"], m["tensor"]), run.hosts)
+    comm = analytic_communication(cfg, run.strategy, (m["data"], m["fsdp"], m["tensor"]), run.hosts, run.cost_target)
     p = predict_roofline(cfg, run.cost_target, n_devices, {"analytic": result["analytic"], "communication": comm})
     return p and {**p, "basis": "roofline over the analytic traffic: the compiler refused the program"}
 

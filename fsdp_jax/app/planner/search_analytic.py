@@ -69,7 +69,7 @@ def analytic_pass(
         if "disk" in a and per_host != DEVICES_PER_HOST:  # nvme: a host's files and their I/O, rescaled
             nvme_plan.rescale_host(a, per_host, DEVICES_PER_HOST)
         c["analytic"] = a
-        comm = analytic_communication(ccfg, c["strategy"], tuple(c["mesh"].values()), hosts)
+        comm = analytic_communication(ccfg, c["strategy"], tuple(c["mesh"].values()), hosts, target_name)
         c["predicted"] = predict_step(
             ccfg, target_name, n_devices, {"analytic": a, "communication": comm}, limits.disk_bytes_per_s
         )

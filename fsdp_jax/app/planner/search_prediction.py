@@ -21,7 +21,9 @@ from fsdp_jax.sharding.precision import Policy
 from fsdp_jax.sharding.remat import FORWARD
 
 
-def analytic_communication(cfg, strategy: str, sizes: tuple[int, int, int], hosts: int) -> dict[str, Any]:
+def analytic_communication(
+    cfg, strategy: str, sizes: tuple[int, int, int], hosts: int, target: str | None = None
+) -> dict[str, Any]:
     """Wire bytes each device sends per step (ring algorithms), by strategy, with P the params
     and G the trained params (P itself; with LoRA the adapters only, and P the base: the
     adapters' rank dim is replicated, most of their bytes are never gathered), both in the
@@ -35,15 +37,16 @@ def analytic_communication(cfg, strategy: str, sizes: tuple[int, int, int], host
     these formulas are within 0.3% of their all-gather + reduce-scatter + all-reduce bytes).
     All bytes of a group that spans hosts count as cross-host. Under FP8 weight gathers
     (`fp8_gathered_params`) ZeRO-3's and HSDP's per-layer gathers move the layers' params in
-    f8, 1 byte each (P becomes P8 in 2P). A compiled candidate replaces this with its
-    program's own bytes."""
+    f8, 1 byte each (P becomes P8 in 2P; `target`, a perf-table name, says whether tokamax's
+    kernels keep the routed experts in the compute dtype). A compiled candidate replaces this
+    with its program's own bytes."""
 
     width = np.dtype(Policy.parse(cfg.precision).compute_dtype).itemsize
     lora = spec_from_config(cfg.lora)
     adapters = 0 if lora is None else adapter_param_count(cfg.model, lora)
     p = count_params(cfg.model) * width
     g = p if lora is None else adapters * width
-    p8 = p - fp8_gathered_params(cfg, strategy) * (width - 1)  # the per-layer gathers' bytes
+    p8 = p - fp8_gathered_params(cfg, strategy, target) * (width - 1)  # the per-layer gathers' bytes
     data, fsdp, _ = sizes
     n, m = data * fsdp, cfg.train.microbatches
     ring = lambda k: (k - 1) / k if k > 1 else 0.0  # noqa: E731
@@ -59,13 +62,14 @@ def analytic_communication(cfg, strategy: str, sizes: tuple[int, int, int], host
     return {"total_wire_bytes": int(total), "analytic": {"cross_host_wire_bytes": int(cross)}}
 
 
-def fp8_gathered_params(cfg, strategy: str) -> int:
+def fp8_gathered_params(cfg, strategy: str, target: str | None = None) -> int:
     """Params whose per-layer all-gathers move f8 (docs/fp8.md "FP8 weight gathers"): under
     `precision ...,matmul=fp8` with `fp8.gather` not false, for full_shard / hybrid_shard, the
-    decoder layers' params (`step_time.fp8_layer_params`); else 0."""
+    decoder layers' params (`step_time.fp8_layer_params`: not routed experts that tokamax's
+    kernels run on `target`); else 0."""
     if cfg.fp8.gather is False or strategy not in ("full_shard", "hybrid_shard"):
         return 0
-    return fp8_layer_params(cfg)
+    return fp8_layer_params(cfg, target=target)
 
 
 def recompute_flops_per_token(model, seq_len: int, remat: str) -> float:

@@ -36,6 +36,7 @@ import dataclasses
 import time
 from typing import Any
 
+from fsdp_jax.app.config.fp8_checks import target_platform, unscaled_experts
 from fsdp_jax.app.models.decoder import count_params
 from fsdp_jax.app.models.lora import adapter_param_count, spec_from_config
 from fsdp_jax.app.objectives.preference_run import is_preference, pair_rows, preference_spec
@@ -62,17 +63,24 @@ def model_flops_per_token(model, seq_len: int, lora=None) -> tuple[float, float]
     return 6 * matmul + attn, attn
 
 
-def fp8_layer_params(cfg, active: bool = False) -> int:
+def fp8_layer_params(cfg, active: bool = False, target: str | None = None) -> int:
     """Params of the decoder layers (all but the embedding, the head and the final norm; MTP
     depths left out) under `precision ...,matmul=fp8`, else 0: the weights whose GEMMs run in FP8
     and whose per-layer gathers move f8 (docs/fp8.md; the few non-FP8 layer params, norms, the
     router, a shared expert, counted with them, as the memory model counts the gathered layer in
-    f8 throughout). `active`: a token's experts only (top-k of n_experts)."""
+    f8 throughout). `active`: a token's experts only (top-k of n_experts). Routed experts whose
+    grouped products tokamax's kernels run on `target` (a perf-table name; None: this host's
+    CPU) are left out: those products and their weights' gathers stay in the compute dtype
+    (`fp8_checks.unscaled_experts`)."""
     if Policy.parse(cfg.precision).matmul != "fp8":
         return 0
     m = dataclasses.replace(cfg.model, mtp_depth=0)
     tables = 1 if m.tie_word_embeddings else 2
-    return count_params(m, active=active) - tables * m.vocab_size * m.d_model - m.d_model
+    layers = count_params(m, active=active) - tables * m.vocab_size * m.d_model - m.d_model
+    if unscaled_experts(cfg, *target_platform(target)) is None:
+        return layers
+    sparse = sum(m.is_sparse(i) for i in range(m.n_layers))
+    return layers - sparse * 3 * (m.experts_per_token if active else m.n_experts) * m.d_model * m.moe_ffn_dim
 
 
 def step_rows(cfg) -> int:
@@ -243,7 +251,7 @@ def predict_roofline(cfg, target: str, n_devices: int, result: dict[str, Any]) -
     redo = FORWARD in rematerialised(cfg.remat).recomputes
     recompute = forward if redo else 0.0  # one more forward
     # FP8 GEMMs (the layers' weights, `fp8_layer_params`) at the target's FP8 peak, the rest at bf16's
-    f8 = 6 * fp8_layer_params(cfg, active=True) * (4 / 3 if redo else 1)
+    f8 = 6 * fp8_layer_params(cfg, active=True, target=target) * (4 / 3 if redo else 1)
     peak8 = perf_table(target)["peak_flops"].get("f8e4m3fn", k["peak"])
     compute_s = tokens * ((per_token + recompute - f8) / k["peak"] + f8 / peak8) / k["efficiency"]
     com = result.get("communication") or {}
