@@ -7,7 +7,7 @@ from fsdp_jax.app.config.schema import Config
 from fsdp_jax.errors import ConfigError
 from fsdp_jax.quant.fp8 import device_problem
 from fsdp_jax.sharding.precision import Policy
-from fsdp_jax.sharding.strategy import ALIASES
+from fsdp_jax.sharding.strategy_names import ALIASES
 
 GATHERING = ("full_shard", "hybrid_shard")  # strategies that gather params per layer (`fp8.gather` applies)
 
