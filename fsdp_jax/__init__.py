@@ -34,7 +34,8 @@ if TYPE_CHECKING:  # what IDEs and type checkers see (the names of `_FACE`); not
     from fsdp_jax.sharding.replication import check_sufficiently_sharded
     from fsdp_jax.sharding.rule_table import DEFAULT_RULES, merge_rules
     from fsdp_jax.sharding.rules import explain, logical_to_spec
-    from fsdp_jax.sharding.strategy import ALIASES, STRATEGIES, ShardingPlan, Strategy, get_strategy, make_plan
+    from fsdp_jax.sharding.strategy import STRATEGIES, ShardingPlan, Strategy, get_strategy, make_plan
+    from fsdp_jax.sharding.strategy_names import ALIASES
     from fsdp_jax.sharding.thresholds import DEFAULT_MIN_SHARD_SIZE
     from fsdp_jax.train.build import Built, build, init_train_state
     from fsdp_jax.train.shard_model import ShardedModel, shard_model
@@ -69,7 +70,8 @@ _FACE: dict[str, tuple[str, ...]] = {
     "fsdp_jax.sharding.replication": ("check_sufficiently_sharded",),
     "fsdp_jax.sharding.rule_table": ("DEFAULT_RULES", "merge_rules"),
     "fsdp_jax.sharding.rules": ("explain", "logical_to_spec"),
-    "fsdp_jax.sharding.strategy": ("ALIASES", "STRATEGIES", "ShardingPlan", "Strategy", "get_strategy", "make_plan"),
+    "fsdp_jax.sharding.strategy_names": ("ALIASES",),
+    "fsdp_jax.sharding.strategy": ("STRATEGIES", "ShardingPlan", "Strategy", "get_strategy", "make_plan"),
     "fsdp_jax.sharding.thresholds": ("DEFAULT_MIN_SHARD_SIZE",),
     "fsdp_jax.train.build": ("Built", "build", "init_train_state"),
     "fsdp_jax.train.shard_model": ("ShardedModel", "shard_model"),

@@ -82,6 +82,24 @@ REFUSED_FLAGS = {
     "--out 'README.md' is a file": ["prepare", "--out", "README.md", "configs"],
     "--val-fraction 2.0: must be in": ["prepare", "--out", "x", "--stdlib", "--val-fraction", "2"],
 }
+# refusals of the checks across the config's fields that need no JAX (`config.early_checks`, run by
+# `args.config_agrees_before_jax` after each command's own flag checks), one per kind: heads, the
+# decoder's switches, MoE, the data fields, run_dir, the mesh
+REFUSED_ACROSS = {
+    "model.n_kv_heads: 3 is invalid": ["train", *CONFIG, "model.n_kv_heads=3"],
+    "model.global_every: 2 is invalid": ["verify", *CONFIG, "model.global_every=2"],
+    "model.experts_per_token: 5 is invalid": [
+        "inspect",
+        *CONFIG,
+        "--devices",
+        "8",
+        "model.n_experts=4",
+        "model.experts_per_token=5",
+    ],
+    "data.seq_len: 100000 is invalid": ["plan", *CONFIG, "--devices", "8", "data.seq_len=100000"],
+    "run_dir: '' is invalid": ["train", *CONFIG, "run_dir="],
+    "mesh.strategy: 'zero9' is invalid": ["gpu-check", *CONFIG, "--only", "throughput", "mesh.strategy=zero9"],
+}
 
 
 @pytest.mark.slow
@@ -90,7 +108,7 @@ def test_help_and_refusals_load_no_jax():
     (`REFUSED_CONFIGS`), answered before JAX, Flax, Orbax or the library's train step load:
     ~0.15 s of CPU for such a child, where one that loads them pays ~3.3 s. One fresh child for
     all (a module once loaded stays loaded, so what loads shows at the end); then a refusal of the
-    body's (heads that do not divide: a check across fields), which loads the library first,
+    body's (a remat policy the library's table lacks: `checks.validate`), which loads the library first,
     without IPython."""
     code = (
         "import sys; from fsdp_jax.app.cli import entry\n"
@@ -98,11 +116,11 @@ def test_help_and_refusals_load_no_jax():
         "    assert (entry.main([c, '--help']), entry.main([c, '--no-such-flag'])) == (0, 2), c\n"
         f"for c, argv in {REFUSED_CONFIGS!r}.items():\n"
         "    assert entry.main([c, *argv]) == 2, c\n"
-        f"for argv in {list(REFUSED_FLAGS.values())!r}:\n"
+        f"for argv in {list(REFUSED_FLAGS.values()) + list(REFUSED_ACROSS.values())!r}:\n"
         "    assert entry.main(argv) == 2, argv\n"
         f"print(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r} or m.startswith({HEAVY!r})))\n"
         # a body that runs loads the face first, as `import fsdp_jax` did: Flax without IPython
-        "assert entry.main(['train', '--config', 'configs/tiny.yaml', 'model.n_kv_heads=3']) == 2\n"
+        "assert entry.main(['train', '--config', 'configs/tiny.yaml', 'remat=bogus']) == 2\n"
         "print('IPython' in sys.modules, 'jax' in sys.modules)"
     )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
@@ -110,12 +128,14 @@ def test_help_and_refusals_load_no_jax():
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.splitlines()[-2:] == ["[]", "False True"]
     lines = r.stderr.splitlines()  # one line per refusal, nothing else
-    assert len(lines) == len(entry.COMMANDS) + len(REFUSED_CONFIGS) + len(REFUSED_FLAGS) + 1, lines
+    assert len(lines) == len(entry.COMMANDS) + len(REFUSED_CONFIGS) + len(REFUSED_FLAGS) + len(REFUSED_ACROSS) + 1, (
+        lines
+    )
     assert all(line.startswith("error: ") for line in lines), lines
     words = ["config file not found", "train.stepz: unknown key", "model.rope_type: 'ntk' is invalid"]
     words += ["mesh.rules.mlp: 'bogus' is invalid", "override: 'no_equals_sign' is not key=value"]
-    words += ["train.steps: -1 is invalid", "model.n_kv_heads: 3 is invalid", "model.attention: 'bogus' is invalid"]
-    words += list(REFUSED_FLAGS)
+    words += ["train.steps: -1 is invalid", "remat: 'bogus' is invalid", "model.attention: 'bogus' is invalid"]
+    words += list(REFUSED_FLAGS) + list(REFUSED_ACROSS)
     assert [w for w in words if not any(w in line for line in lines)] == []
     with_config = {
         c for c in entry.COMMANDS if "--config CONFIG" in entry.command_module(c).build_parser().format_usage()

@@ -8,8 +8,10 @@ import yaml
 from fsdp_jax.app.config.checks import check_data, validate
 from fsdp_jax.app.config.parse import config_from_dict, config_to_dict, load_config, save_config
 from fsdp_jax.app.config.schema import Config
+from fsdp_jax.app.models import moe, moe_problems
 from fsdp_jax.app.models.decoder import count_params
 from fsdp_jax.errors import ConfigError
+from fsdp_jax.sharding import strategy, strategy_names
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
 TINY = Path(__file__).parent.parent / "configs" / "tiny.yaml"
@@ -241,3 +243,11 @@ def test_resume_names_changed_keys_but_not_keys_older_checkpoints_lack():
     [line] = _config_changes(old, moved)
     assert "offload 'none' -> 'optimizer'" in line and f"train.steps {cfg.train.steps} -> 9" in line
     assert "logging" not in line and "profile" not in line
+
+
+def test_jax_free_names_are_the_librarys():
+    """The JAX-free copies the CLI checks before JAX (`config.early_checks`) are the library's own:
+    the strategy names in the table's order (the refusal lists them), the same aliases and MoE check."""
+    assert tuple(strategy.STRATEGIES) == strategy_names.STRATEGY_NAMES
+    assert strategy.ALIASES is strategy_names.ALIASES
+    assert moe.moe_config_problem is moe_problems.moe_config_problem

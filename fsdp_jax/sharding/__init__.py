@@ -26,7 +26,8 @@ if TYPE_CHECKING:  # what static tools see; at run time each name loads on first
     from fsdp_jax.sharding.remat import REMAT_POLICIES, RematPolicy, get_policy, with_remat
     from fsdp_jax.sharding.rule_table import DEFAULT_RULES, merge_rules
     from fsdp_jax.sharding.rules import explain, logical_to_spec
-    from fsdp_jax.sharding.strategy import ALIASES, STRATEGIES, ShardingPlan, Strategy, get_strategy, make_plan
+    from fsdp_jax.sharding.strategy import STRATEGIES, ShardingPlan, Strategy, get_strategy, make_plan
+    from fsdp_jax.sharding.strategy_names import ALIASES
     from fsdp_jax.sharding.thresholds import DEFAULT_MIN_SHARD_SIZE
 
 # module -> the names of the face it defines (loaded on first use: `fsdp_jax.lazy_face`)
@@ -37,7 +38,8 @@ _FACE: dict[str, tuple[str, ...]] = {
     "fsdp_jax.sharding.remat": ("REMAT_POLICIES", "RematPolicy", "get_policy", "with_remat"),
     "fsdp_jax.sharding.rule_table": ("DEFAULT_RULES", "merge_rules"),
     "fsdp_jax.sharding.rules": ("explain", "logical_to_spec"),
-    "fsdp_jax.sharding.strategy": ("ALIASES", "STRATEGIES", "ShardingPlan", "Strategy", "get_strategy", "make_plan"),
+    "fsdp_jax.sharding.strategy_names": ("ALIASES",),
+    "fsdp_jax.sharding.strategy": ("STRATEGIES", "ShardingPlan", "Strategy", "get_strategy", "make_plan"),
     "fsdp_jax.sharding.thresholds": ("DEFAULT_MIN_SHARD_SIZE",),
 }
 __getattr__, __dir__ = lazy_face(__name__, _FACE)

@@ -34,6 +34,7 @@ from fsdp_jax.sharding.offload import at_rest, check_supported
 from fsdp_jax.sharding.replication import check_sufficiently_sharded
 from fsdp_jax.sharding.rule_table import DEFAULT_RULES, Rules, merge_rules
 from fsdp_jax.sharding.rules import explain, plan_leaf, specs_from_rows, warn_unknown_names
+from fsdp_jax.sharding.strategy_names import ALIASES
 from fsdp_jax.sharding.thresholds import (
     DEFAULT_MAX_REPLICATED_FRACTION,
     DEFAULT_MIN_REPLICATED_BYTES,
@@ -77,14 +78,6 @@ STRATEGIES: dict[str, Strategy] = {
             description="HSDP: sharded within fsdp, replicated over data",
         ),
     )
-}
-ALIASES = {
-    "zero3": "full_shard",
-    "fsdp": "full_shard",
-    "zero2": "shard_grad_op",
-    "zero1": "shard_opt",
-    "ddp": "no_shard",
-    "hsdp": "hybrid_shard",
 }
 
 

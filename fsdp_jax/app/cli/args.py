@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from fsdp_jax.app import extras
+from fsdp_jax.app.config.early_checks import check_before_jax
 from fsdp_jax.app.config.read import read_config
 from fsdp_jax.app.data.writable import dir_problem
 from fsdp_jax.errors import ConfigError
@@ -38,6 +39,17 @@ def config_before_jax(args: argparse.Namespace) -> None:
     whole (checks across fields, the Hugging Face fill), as it always did."""
     if args.config is not None:
         read_config(args.config, args.overrides)
+
+
+def config_agrees_before_jax(args: argparse.Namespace) -> None:
+    """`config_before_jax`, then the checks across the config's fields that need no JAX
+    (`fsdp_jax.app.config.early_checks.check_before_jax`: heads, decoder, MoE, data fields,
+    run_dir, mesh), the start of the body's `checks.validate`. A command whose body checks
+    flags first calls it after its own flag checks that need no JAX. Skipped for
+    `init_from=hf:PATH` (the model section is filled after JAX)."""
+    cfg = None if args.config is None else read_config(args.config, args.overrides)
+    if cfg is not None:
+        check_before_jax(cfg)
 
 
 def add_devices(ap: argparse.ArgumentParser, default: str | None = None, text: str | None = None) -> None:

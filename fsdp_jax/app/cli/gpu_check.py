@@ -20,6 +20,7 @@ from __future__ import annotations
 from fsdp_jax.app.cli.args import add_config, check_out_file
 from fsdp_jax.app.cli.command import run_command
 from fsdp_jax.app.cli.flags import Parser, int_in
+from fsdp_jax.app.config.early_checks import check_before_jax
 from fsdp_jax.app.config.read import read_config
 from fsdp_jax.errors import UsageError
 
@@ -40,14 +41,16 @@ CHECKS = ("throughput", "precision", "collectives", "cudnn_packed", "ring_cudnn"
 def check_flags(args) -> None:
     """`run_command`'s `before`: the checks of the body's start that need no JAX, in its order:
     --only and --steps, the config field by field when throughput runs (`read_config`; the body
-    reads it whole), --json writable. A refusal here costs ~0.1 s of CPU, not ~3 s."""
+    reads it whole), --json writable, then the config's checks across fields that need no JAX
+    (`early_checks.check_before_jax`). A refusal here costs ~0.1 s of CPU, not ~3 s."""
     bad = [n for n in args.only.split(",") if n not in CHECKS]
     if bad or args.steps < 1:
         raise UsageError(f"--only {args.only!r} / --steps {args.steps}: checks are {', '.join(CHECKS)}; steps >= 1")
-    if "throughput" in args.only.split(","):
-        read_config(args.config, args.overrides)
+    cfg = read_config(args.config, args.overrides) if "throughput" in args.only.split(",") else None
     if args.json:
         check_out_file(args.json, "--json")
+    if cfg is not None:
+        check_before_jax(cfg)
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:

@@ -22,7 +22,7 @@ config. Exit codes: 0 success, 2 bad input, 1 anything else.
 
 from __future__ import annotations
 
-from fsdp_jax.app.cli.args import add_config, add_target, config_before_jax
+from fsdp_jax.app.cli.args import add_config, add_target, config_agrees_before_jax, config_before_jax
 from fsdp_jax.app.cli.command import run_command
 from fsdp_jax.app.cli.flags import Parser
 from fsdp_jax.app.cli.plan import planning_errors
@@ -64,3 +64,4 @@ def _before(args) -> None:
     a --target, the next check, needs JAX)."""
     config_before_jax(args)
     devices_without_target(args)
+    config_agrees_before_jax(args)  # the checks across fields that need no JAX

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import sys
 
-from fsdp_jax.app.cli.args import add_config, add_target, config_before_jax
+from fsdp_jax.app.cli.args import add_config, add_target, config_agrees_before_jax, config_before_jax
 from fsdp_jax.app.cli.command import run_command
 from fsdp_jax.app.cli.flags import Parser, int_in, real_in
 from fsdp_jax.app.planner.flag_values import check_plan_flags
@@ -135,3 +135,4 @@ def _before(args) -> None:
     field by field, then the flags up to the first that needs the library (`check_plan_flags`)."""
     config_before_jax(args)
     check_plan_flags(args)
+    config_agrees_before_jax(args)  # the checks across fields that need no JAX

@@ -14,7 +14,7 @@ shows the traceback of an unexpected error.
 
 from __future__ import annotations
 
-from fsdp_jax.app.cli.args import add_config, config_before_jax
+from fsdp_jax.app.cli.args import add_config, config_agrees_before_jax
 from fsdp_jax.app.cli.command import run_command
 from fsdp_jax.app.cli.flags import Parser
 from fsdp_jax.errors import TrainingDiverged
@@ -35,5 +35,5 @@ def _errors():
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
     return run_command(
-        build_parser(prog), "fsdp_jax.app.cli.run.train:run", argv, errors=_errors, before=config_before_jax
+        build_parser(prog), "fsdp_jax.app.cli.run.train:run", argv, errors=_errors, before=config_agrees_before_jax
     )

@@ -29,7 +29,7 @@ environment failure), 2 bad input (one line on stderr).
 
 from __future__ import annotations
 
-from fsdp_jax.app.cli.args import add_config, add_devices, config_before_jax
+from fsdp_jax.app.cli.args import add_config, add_devices, config_agrees_before_jax, config_before_jax
 from fsdp_jax.app.cli.command import run_command
 from fsdp_jax.app.cli.flags import Parser, int_in, real_in
 from fsdp_jax.app.planner.flag_values import parse_devices
@@ -65,3 +65,4 @@ def _before(args) -> None:
     field by field, then --devices (--strategies, next, reads the library's names)."""
     config_before_jax(args)
     parse_devices(args.devices)
+    config_agrees_before_jax(args)  # the checks across fields that need no JAX

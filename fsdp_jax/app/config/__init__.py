@@ -11,6 +11,7 @@ bad value and what is allowed. YAML is read with `yaml.safe_load` only.
 - `read`:   YAML and `key=value` overrides -> `Config`, field by field, no JAX (did-you-mean for unknown keys)
 - `parse`:  `read` + `checks` -> a validated `Config` (`load_config`); YAML out
 - `checks`: checks across fields, devices, backend and corpus (`validate`, `check_data`)
+- `early_checks`: the checks across fields that need no JAX, run first (`check_before_jax`; the CLI's pre-run check)
 - `context_checks`: what context parallelism needs (`check_context`, `RING_FLASH_KERNELS`)
 """
 

@@ -9,16 +9,14 @@ import importlib.util
 import json
 import math
 from pathlib import Path
-from typing import Any
 
 from fsdp_jax.app import extras
 from fsdp_jax.app.config.context_checks import check_context
+from fsdp_jax.app.config.early_checks import check, check_before_jax
 from fsdp_jax.app.config.fp8_checks import check_fp8
 from fsdp_jax.app.config.mtp_checks import check_mtp
 from fsdp_jax.app.config.schema import Config, check_fields
 from fsdp_jax.app.models import lora, lora_problems
-from fsdp_jax.app.models.config import DecoderConfig
-from fsdp_jax.app.models.moe import moe_config_problem
 from fsdp_jax.app.models.qlora import quant_problem
 from fsdp_jax.errors import ConfigError, MeshError
 from fsdp_jax.nvme import NVME_OFFLOADS
@@ -26,49 +24,8 @@ from fsdp_jax.sharding import offload
 from fsdp_jax.sharding.mesh import resolve_mesh_shape
 from fsdp_jax.sharding.precision import Policy
 from fsdp_jax.sharding.remat import REMAT_POLICIES
-from fsdp_jax.sharding.strategy import ALIASES, STRATEGIES
 
 OFFLOADS = {**offload.OFFLOADS, **NVME_OFFLOADS}  # host memory, and local disks (fsdp_jax.nvme)
-
-
-def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
-    if not ok:
-        raise ConfigError(key, f"{value!r} is invalid; {allowed}")
-
-
-def _check_decoder(m: DecoderConfig) -> None:
-    """How the family switches of the decoder combine (docs/hf_models.md)."""
-    _check(
-        m.global_every == 0 or m.sliding_window > 0,
-        "model.global_every",
-        m.global_every,
-        "a layer pattern needs model.sliding_window > 0",
-    )
-    _check(
-        m.rope_local_theta == 0 or m.global_every > 0,
-        "model.rope_local_theta",
-        m.rope_local_theta,
-        "only sliding layers of a pattern (model.global_every > 0) use it",
-    )
-    _check(
-        m.rope_high_freq_factor > m.rope_low_freq_factor,
-        "model.rope_high_freq_factor",
-        m.rope_high_freq_factor,
-        f"must be > model.rope_low_freq_factor={m.rope_low_freq_factor}",
-    )
-    if m.rope_type in ("llama3", "yarn"):
-        _check(
-            m.rope_original_max_len > 0,
-            "model.rope_original_max_len",
-            m.rope_original_max_len,
-            f"rope_type {m.rope_type} needs the original context length (> 0)",
-        )
-
-
-def _check_moe(m: DecoderConfig) -> None:
-    problem = moe_config_problem(m)
-    if problem is not None:
-        _check(False, f"model.{problem[0]}", problem[1], problem[2])
 
 
 def validate(cfg: Config, n_devices: int | None = None) -> None:
@@ -76,12 +33,7 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
     section by section in this order (the first failure is reported); with `n_devices`,
     also the mesh and batch divisibility."""
     check_fields(cfg)
-    _check_heads(cfg.model)
-    _check_decoder(cfg.model)
-    _check_moe(cfg.model)
-    _check_data_fields(cfg)
-    _check_run_dir(cfg)
-    _check_mesh(cfg)
+    check_before_jax(cfg)  # heads, decoder, MoE, data fields, run_dir, mesh: no JAX (`early_checks`)
     _check_memory_policies(cfg)
     _check_distributed(cfg)
     _check_precision(cfg)
@@ -94,71 +46,18 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
     _check_attention_precision(cfg)
 
 
-def _check_heads(m: DecoderConfig) -> None:
-    """Heads, kv heads and head dim agree with each other and with d_model."""
-    _check(
-        m.kv_channels > 0 or m.d_model % m.n_heads == 0,
-        "model.d_model",
-        m.d_model,
-        f"must be divisible by model.n_heads={m.n_heads} (or set model.kv_channels)",
-    )
-    _check(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads", m.n_kv_heads, f"must divide model.n_heads={m.n_heads}")
-    _check(m.kv_channels >= 0, "model.kv_channels", m.kv_channels, "must be >= 0 (0 = d_model/n_heads)")
-    _check(
-        m.head_dim % 2 == 0,
-        "model.kv_channels" if m.kv_channels else "model.d_model",
-        m.kv_channels or m.d_model,
-        f"head dim {m.head_dim} must be even for RoPE",
-    )
-
-
-def _check_data_fields(cfg: Config) -> None:
-    """The sequence fits the model's context; data.path names a directory."""
-    data, m = cfg.data, cfg.model
-    _check(data.seq_len <= m.max_seq_len, "data.seq_len", data.seq_len, f"must be <= model.max_seq_len={m.max_seq_len}")
-    _check(bool(data.path.strip()), "data.path", data.path, "must be a directory path")
-
-
-def _check_run_dir(cfg: Config) -> None:
-    """run_dir names a directory (an empty one would be the current directory)."""
-    _check(
-        bool(cfg.run_dir.strip()),
-        "run_dir",
-        cfg.run_dir,
-        "must be a directory path (not empty: the run would write into the current directory)",
-    )
-
-
-def _check_mesh(cfg: Config) -> None:
-    """At most one mesh size is -1 (the rest of the devices); the strategy exists."""
-    mesh = cfg.mesh
-    sizes = (mesh.data, mesh.fsdp, mesh.context, mesh.tensor)
-    _check(
-        sizes.count(-1) <= 1,
-        "mesh",
-        dict(zip(("data", "fsdp", "context", "tensor"), sizes)),
-        "at most one of data, fsdp, context, tensor may be -1",
-    )
-    _check(
-        mesh.strategy.lower() in STRATEGIES or mesh.strategy.lower() in ALIASES,
-        "mesh.strategy",
-        mesh.strategy,
-        f"allowed: {', '.join(STRATEGIES)} (aliases: {', '.join(ALIASES)})",
-    )
-
-
 def _check_memory_policies(cfg: Config) -> None:
     """remat and offload name policies of the library's tables."""
-    _check(cfg.remat in REMAT_POLICIES, "remat", cfg.remat, f"allowed: {', '.join(REMAT_POLICIES)}")
-    _check(cfg.offload in OFFLOADS, "offload", cfg.offload, f"allowed: {', '.join(OFFLOADS)}")
-    _check(  # the streamed update slices leaves per layer: adafactor's factored moments span layers
+    check(cfg.remat in REMAT_POLICIES, "remat", cfg.remat, f"allowed: {', '.join(REMAT_POLICIES)}")
+    check(cfg.offload in OFFLOADS, "offload", cfg.offload, f"allowed: {', '.join(OFFLOADS)}")
+    check(  # the streamed update slices leaves per layer: adafactor's factored moments span layers
         not (OFFLOADS[cfg.offload].stream and cfg.optimizer.name == "adafactor"),
         "offload",
         cfg.offload,
         "a streamed offload needs an elementwise optimizer (adamw, sgd), not optimizer.name=adafactor; "
         "use offload: " + cfg.offload.split(":")[0],
     )
-    _check(  # without a layer stack there is nothing to stream: the update would run whole, silently
+    check(  # without a layer stack there is nothing to stream: the update would run whole, silently
         not (OFFLOADS[cfg.offload].stream and not cfg.model.scan_layers),
         "offload",
         cfg.offload,
@@ -167,7 +66,7 @@ def _check_memory_policies(cfg: Config) -> None:
     )
 
     u, off = cfg.model.bias_update_speed, OFFLOADS[cfg.offload]
-    _check(  # the bias rule (`expert_bias`) runs on the jitted step's params, from the router's loads
+    check(  # the bias rule (`expert_bias`) runs on the jitted step's params, from the router's loads
         not (u and (off.stream or cfg.offload in NVME_OFFLOADS or cfg.objective == "grpo")),
         "model.bias_update_speed",
         u,
@@ -179,7 +78,7 @@ def _check_memory_policies(cfg: Config) -> None:
 def _check_distributed(cfg: Config) -> None:
     """This process's id is below the process count; the coordinator is HOST:PORT."""
     dist = cfg.distributed
-    _check(
+    check(
         dist.process_id is None or 0 <= dist.process_id < (dist.num_processes or 1),
         "distributed.process_id",
         dist.process_id,
@@ -204,7 +103,7 @@ def _check_attention_precision(cfg: Config) -> None:
     one: jax raises NotImplementedError while tracing, on a GPU and in the planner's compile
     alike). Checked last."""
     compute = Policy.parse(cfg.precision).compute_dtype.name
-    _check(
+    check(
         cfg.model.attention != "cudnn" or compute in ("bfloat16", "float16"),
         "model.attention",
         cfg.model.attention,
@@ -219,20 +118,20 @@ def _check_train(cfg: Config) -> None:
     tr = cfg.train
     if tr.profile is not None:
         _, last = parse_profile(tr.profile)
-        _check(last <= tr.steps, "train.profile", tr.profile, f"END must be <= train.steps={tr.steps}")
+        check(last <= tr.steps, "train.profile", tr.profile, f"END must be <= train.steps={tr.steps}")
     if cfg.logging.wandb and importlib.util.find_spec("wandb") is None:
         raise ConfigError(
             "logging.wandb",
             "true, but the wandb package is not installed; pip install wandb, or set logging.wandb=false",
         )
-    _check(
+    check(
         tr.global_batch % tr.microbatches == 0,
         "train.global_batch",
         tr.global_batch,
         f"must be divisible by train.microbatches={tr.microbatches}",
     )
     if tr.tensorboard:
-        _check(
+        check(
             extras.available("tensorboardX"),
             "train.tensorboard",
             tr.tensorboard,
@@ -249,23 +148,23 @@ def _check_lora(cfg: Config) -> None:
         except ValueError as e:
             raise ConfigError(f"lora.{key}", str(e)) from None
     if not lo.rank:
-        _check(lo.init_from is None, "lora.init_from", lo.init_from, "needs lora.rank > 0 (a PEFT adapter's r)")
-        _check(
+        check(lo.init_from is None, "lora.init_from", lo.init_from, "needs lora.rank > 0 (a PEFT adapter's r)")
+        check(
             lo.base_quant == "none", "lora.base_quant", lo.base_quant, "quantises LoRA's frozen base: set lora.rank > 0"
         )
         return
     if lo.base_quant == "nf4":
-        _check(lo.quant_block % 2 == 0, "lora.quant_block", lo.quant_block, "must be even (two codes per byte)")
+        check(lo.quant_block % 2 == 0, "lora.quant_block", lo.quant_block, "must be even (two codes per byte)")
     spec = lora.spec_from_config(lo)
     bad = lora_problems.target_problem(cfg.model, spec) or ("lora.targets", "")
-    _check(not bad[1], bad[0], getattr(lo, bad[0].split(".")[1]), bad[1])
-    _check((drop := lora_problems.expert_dropout(cfg.model, spec)) is None, "lora.dropout", lo.dropout, str(drop))
+    check(not bad[1], bad[0], getattr(lo, bad[0].split(".")[1]), bad[1])
+    check((drop := lora_problems.expert_dropout(cfg.model, spec)) is None, "lora.dropout", lo.dropout, str(drop))
     problem = quant_problem(cfg.model, spec)
-    _check(problem is None, "lora.base_quant", lo.base_quant, str(problem))
+    check(problem is None, "lora.base_quant", lo.base_quant, str(problem))
     most = lora.max_rank(cfg.model, spec.targets, spec.experts)
-    _check(lo.rank <= most, "lora.rank", lo.rank, f"must be <= {most}, the smallest target's smaller dim")
+    check(lo.rank <= most, "lora.rank", lo.rank, f"must be <= {most}, the smallest target's smaller dim")
     if lo.init_from is not None:
-        _check(lo.init_from.startswith("peft:"), "lora.init_from", lo.init_from, "use peft:DIR (a PEFT adapter)")
+        check(lo.init_from.startswith("peft:"), "lora.init_from", lo.init_from, "use peft:DIR (a PEFT adapter)")
 
 
 def _check_devices(cfg: Config, n_devices: int) -> None:
@@ -280,7 +179,7 @@ def _check_devices(cfg: Config, n_devices: int) -> None:
     check_context(cfg, context_n)
     check_experts(cfg, {"data": data_n, "fsdp": fsdp_n, "context": context_n, "tensor": tensor_n})
     micro = tr.global_batch // tr.microbatches
-    _check(
+    check(
         micro % (data_n * fsdp_n) == 0,
         "train.global_batch",
         tr.global_batch,
@@ -298,7 +197,7 @@ def check_experts(cfg: Config, sizes: dict[str, int]) -> None:
     axes = () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
     if not cfg.model.n_experts or not axes:
         return
-    _check(
+    check(
         set(axes) <= {"data", "fsdp"} or set(axes) == {"tensor"},
         "mesh.rules.expert",
         entry,
@@ -306,7 +205,7 @@ def check_experts(cfg: Config, sizes: dict[str, int]) -> None:
         "or tensor; not context, nor tensor mixed with a batch axis",
     )
     size = math.prod(sizes[a] for a in axes)
-    _check(
+    check(
         cfg.model.n_experts % size == 0,
         "model.n_experts",
         cfg.model.n_experts,
@@ -321,7 +220,7 @@ def parse_profile(text: str) -> tuple[int, int]:
         first, last = int(head), int(tail)
     except ValueError:
         first = last = 0
-    _check(
+    check(
         bool(sep) and 1 <= first <= last,
         "train.profile",
         text,
@@ -333,7 +232,7 @@ def parse_profile(text: str) -> tuple[int, int]:
 def check_coordinator(address: str, key: str) -> None:
     """`address` is host:port with a port in 1..65535 (IPv6 as [addr]:port)."""
     host, sep, port = address.rpartition(":")
-    _check(
+    check(
         bool(sep and host.strip("[]") and port.isdigit() and 0 < int(port) < 65536),
         key,
         address,
@@ -343,13 +242,13 @@ def check_coordinator(address: str, key: str) -> None:
 
 def check_backend(cfg: Config, backend: str) -> None:
     """Settings that need a particular JAX backend ("cpu", "gpu", "tpu")."""
-    _check(
+    check(
         cfg.model.attention != "cudnn" or backend == "gpu",
         "model.attention",
         cfg.model.attention,
         f"needs a CUDA GPU (cuDNN); this run's JAX backend is {backend}: use model.attention=xla",
     )
-    _check(
+    check(
         cfg.model.attention != "splash" or backend == "tpu",
         "model.attention",
         cfg.model.attention,
@@ -377,20 +276,20 @@ def check_data(cfg: Config) -> None:
         tok = m.get("tokenizer")
         by = f" (tokenizer {tok})" if tok not in (None, "bytes", "external") else ""
         if m.get("format") == "packed":  # fine-tuning rows (fsdp_jax.app.data.sft): fixed length
-            _check(
+            check(
                 cfg.data.seq_len == m.get("row_len"),
                 "data.seq_len",
                 cfg.data.seq_len,
                 f"must equal the packed corpus' row length {m.get('row_len')} in {meta}",
             )
         elif cfg.data.document_mask:
-            _check(
+            check(
                 isinstance(m.get("eos_id"), int) and m["eos_id"] >= 0,
                 "data.document_mask",
                 True,
                 f"needs a corpus with an EOS token ending each document; {meta} has none (prepare it with --tokenizer)",
             )
-        _check(
+        check(
             vocab <= cfg.model.vocab_size,
             "model.vocab_size",
             cfg.model.vocab_size,

@@ -12,7 +12,7 @@ from fsdp_jax.app.models.grouped_matmul import resolve
 from fsdp_jax.errors import ConfigError
 from fsdp_jax.quant.fp8 import device_problem
 from fsdp_jax.sharding.precision import Policy
-from fsdp_jax.sharding.strategy import ALIASES
+from fsdp_jax.sharding.strategy_names import ALIASES
 from fsdp_jax.targets.tpu import is_tpu
 
 GATHERING = ("full_shard", "hybrid_shard")  # strategies that gather params per layer (`fp8.gather` applies)

@@ -47,6 +47,7 @@ from fsdp_jax.app.models.moe_dispatch import (
     with_capacity,
 )
 from fsdp_jax.app.models.moe_exchange import exchange_capacity, exchange_dropless, exchange_dropless_ragged
+from fsdp_jax.app.models.moe_problems import moe_config_problem  # noqa: F401  (re-exported)
 from fsdp_jax.errors import ConfigError
 from fsdp_jax.quant import fp8_expert_gather, fp8_experts, fp8_modules
 from fsdp_jax.sharding.axes import EMBED, EXPERT, MLP
@@ -311,27 +312,3 @@ def moe_active_params(cfg) -> int:
     """Params of one sparse MLP a token uses: router, k experts, shared expert and its gate."""
     d, fs = cfg.d_model, cfg.shared_expert_ffn_dim
     return d * cfg.n_experts + 3 * cfg.experts_per_token * d * cfg.moe_ffn_dim + (3 * d * fs + d if fs else 0)
-
-
-def moe_config_problem(cfg) -> tuple[str, object, str] | None:
-    """The first MoE field of `cfg` (a DecoderConfig) the decoder cannot run, as (field, value,
-    what is allowed), or None."""
-    e, k = cfg.n_experts, cfg.experts_per_token
-    if not e:
-        return None
-    if not 1 <= k <= e:
-        return "experts_per_token", k, f"must be in [1, n_experts={e}]"
-    if cfg.moe_ffn_dim < 1:
-        return "moe_ffn_dim", cfg.moe_ffn_dim, "must be > 0 with n_experts"
-    if cfg.bias_update_speed and not cfg.n_group:
-        return (
-            "bias_update_speed",
-            cfg.bias_update_speed,
-            "needs a score-correction bias (DeepSeek-V3's grouped routing)",
-        )
-    if cfg.decoder_sparse_step < 1:
-        return "decoder_sparse_step", cfg.decoder_sparse_step, "must be >= 1"
-    bad = [i for i in cfg.mlp_only_layers if not 0 <= i < cfg.n_layers]
-    if bad:
-        return "mlp_only_layers", list(cfg.mlp_only_layers), f"layer indices are 0..{cfg.n_layers - 1}"
-    return None
