@@ -49,17 +49,21 @@ def test_params_on_disk_trains_resumes_and_checkpoints_bit_for_bit(corpus, tmp_p
     for name in ("nvme", "resumed"):  # the final checkpoints (streamed out of the files) equal, every leaf
         f = r["final"][name]
         assert f["step"] == 4 and f["leaves"] > 30 and f["differ"] == {}, f
-    # 2 microbatches (the layers' grads summed through their files): losses and val losses bit for
-    # bit, the grad norm 1 ulp off at step 1; the final params and state within 1e-6 of each leaf's
-    # largest value (measured 5.1e-7, nu of the embedding; 4.3e-7 without clipping, so the grads
-    # themselves differ in the last bits: the scanned step computes each slice in one scan body
-    # with the accumulation, here each slice runs the layer programs; not isolated further)
-    mb = [
-        [{k: v for k, v in x.items() if k != "grad_norm"} for x in same(r["rows"][n])] for n in ("nvme_mb", "plain_mb")
-    ]
-    assert mb[0] == mb[1] and len(mb[0]) == 6
-    norms = [[x["grad_norm"] for x in r["rows"][n] if "grad_norm" in x] for n in ("nvme_mb", "plain_mb")]
-    np.testing.assert_allclose(norms[0], norms[1], rtol=2 * np.finfo(np.float32).eps, atol=0)
+    # 2 microbatches (the layers' grads summed through their files): step 1's loss bit for bit (the
+    # same init and batch through the same layer programs as the pair above). Not bit for bit after
+    # it: the grads themselves differ in their last bits (the scanned step computes each slice in
+    # one scan body with the accumulation, here each slice runs the layer programs; which bits
+    # depends on XLA:CPU's codegen for the CPU), so from step 2 the params differ and the losses,
+    # grad norms and val losses are functions of other params: within 1e-6 relative, twice the
+    # largest final-leaf difference measured (5.1e-7; 4.3e-7 without clipping) and ten times the
+    # largest row difference (the step-3 loss 9.0e-8, 1 ulp, on an AVX-512 AMD EPYC; 0 on the
+    # earlier machine, where the step-1 grad norm was 1 ulp off). docs/offload.md "Params on disk"
+    mb = [same(r["rows"][n]) for n in ("nvme_mb", "plain_mb")]
+    assert [sorted(x) for x in mb[0]] == [sorted(x) for x in mb[1]] and len(mb[0]) == 6
+    assert mb[0][0]["step"] == 1 and mb[0][0]["loss"] == mb[1][0]["loss"]
+    for k in ("loss", "grad_norm", "val_loss"):
+        x, y = ([v[k] for v in t if k in v] for t in mb)
+        np.testing.assert_allclose(x, y, rtol=1e-6, atol=0, err_msg=f"2 microbatches: {k}")
     assert r["final"]["nvme_mb"]["step"] == 4 and max(r["final"]["nvme_mb"]["differ"].values(), default=0) < 1e-6
     out = r["stdout"]
     assert "resuming from checkpoint step 2" in out["resumed"] and "resuming" not in out["nvme"]
