@@ -11,10 +11,13 @@ import pytest
 from fsdp_jax.app.config import load_config
 from fsdp_jax.app.config.fp8_checks import unscaled_experts
 from fsdp_jax.app.models import grouped_matmul
+from fsdp_jax.app.planner import gathered_memory
+from fsdp_jax.app.planner.abstract_step import build_step
 from fsdp_jax.app.planner.estimate import fp8_part
 from fsdp_jax.app.planner.search_prediction import analytic_communication
 from fsdp_jax.app.planner.step_time import model_flops_per_token, predict_roofline, step_tokens
 from fsdp_jax.app.trainer import setup as trainer_setup
+from fsdp_jax.sharding.precision import Policy
 from fsdp_jax.targets import gpu as targets
 from fsdp_jax.targets.perf_tables import perf_table
 from helpers import ROOT, TINY_MODEL_OVERRIDES, call
@@ -153,3 +156,17 @@ def test_search_says_so_as_it_costs():
     for kernels in ("tokamax", "xla"):
         doc = se.search(cfg_for(kernels), 8, space, limits, target=h100)
         assert sum(SAID in n for n in doc["notes"]) == (kernels == "tokamax"), doc["notes"]
+
+
+def test_the_memory_model_gathers_tokamax_experts_in_the_compute_dtype():
+    """full_shard's gathered layer under `fp8.gather`, planned for a GPU: with tokamax's kernels
+    the experts' weights are gathered in bf16 (2 bytes), with XLA's ragged_dot in f8 (1 byte):
+    one layer's gathered bytes differ by one layer's expert matrices (8 devices, experts not
+    split: every device gathers them whole); the rest of the layer is f8 in both."""
+    got = {}
+    for kernels in ("tokamax", "xla"):
+        c = cfg_for(kernels)
+        b = build_step(c, "full_shard")
+        got[kernels] = gathered_memory._f8_layer(b, Policy.parse(c.precision), "gpu")
+    m = cfg_for("xla").model
+    assert got["tokamax"] - got["xla"] == 3 * m.n_experts * m.d_model * m.moe_ffn_dim * (2 - 1), got

@@ -34,6 +34,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from fsdp_jax.app.config.fp8_checks import unscaled_experts
 from fsdp_jax.app.planner.abstract_step import StepBuild
 from fsdp_jax.quant.fp8 import E4M3
 from fsdp_jax.sharding import axes, rules
@@ -112,7 +113,7 @@ def gathered_by_phase(build: StepBuild, keep: list[bool], policy: Policy, platfo
         if (
             policy.matmul == "fp8" and build.cfg.fp8.gather is not False
         ):  # the layer's weights gathered in f8 (docs/fp8.md)
-            cc["layer"] = compute_copy_bytes(st.params, plan, build.model.logical_axes, E4M3)["layer"]
+            cc["layer"] = _f8_layer(build, policy, platform)
         # XLA:GPU holds the unstacked leaves' unreduced grads (the embedding's scatter-add
         # accumulator, the head's gradient) through the layer loop's backward, reduce-scattered after it
         held = reduced["unstacked"] if platform == "gpu" else 0
@@ -143,6 +144,20 @@ def gathered_by_phase(build: StepBuild, keep: list[bool], policy: Policy, platfo
         else 0
     )
     return {"backward": copy + cc["dequantised_layer"], "reduction": 0}
+
+
+def _f8_layer(build: StepBuild, policy: Policy, platform: str) -> int:
+    """One layer gathered under `fp8.gather`: its weights in f8, but for routed experts whose
+    grouped products tokamax's kernels run in the compute dtype on `platform` (their weights are
+    gathered so: `fp8_checks.unscaled_experts`, docs/fp8.md)."""
+    st, plan, names = build.state, build.plan, build.model.logical_axes
+    if unscaled_experts(build.cfg, platform) is None:
+        return compute_copy_bytes(st.params, plan, names, E4M3)["layer"]
+    leaves = jax.tree.leaves(names, is_leaf=lambda x: x is None or isinstance(x, tuple))
+    expert = [n is not None and axes.EXPERT in n for n in leaves]
+    other = [not e for e in expert]
+    f8 = compute_copy_bytes(_only(st.params, other), plan, _only(names, other), E4M3)["layer"]
+    return f8 + compute_copy_bytes(_only(st.params, expert), plan, _only(names, expert), policy.compute_dtype)["layer"]
 
 
 def _layer_and_grads(layer: int, layer_r: int, one_r: int, platform: str) -> int:
