@@ -436,10 +436,10 @@ def _losses(cfg, mesh, strategy, rules=None, steps=3):
     return np.asarray(out)
 
 
-# Dropless (three compiled runs, ~19 s in a whole run's junit) runs in the whole suite; the fast subset
-# keeps capacity mode here, dropless under full_shard and over the tensor axis in the golden imports above
-# (a mutation of the dropless experts' offset fails both: BENCHMARKS.md "Issue 55 item 6, the fast subset").
-@pytest.mark.parametrize("capacity_factor", [pytest.param(0.0, marks=pytest.mark.slow), 1.0])
+# Both modes (three compiled runs each, ~19 s in a whole run's junit) run in the whole suite only; the
+# fast subset keeps dropless under full_shard and over the tensor axis in the golden imports above (a
+# mutation of the dropless experts' offset fails both: BENCHMARKS.md "Issue 55 item 6, the fast subset").
+@pytest.mark.parametrize("capacity_factor", [0.0, 1.0])
 @pytest.mark.slow
 def test_train_steps_match_one_device_under_fsdp_and_expert_parallelism(capacity_factor):
     """3 SGD steps (f32, aux loss on) of a 3-layer MoE with a dense middle layer: losses on
