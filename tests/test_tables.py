@@ -71,7 +71,7 @@ def test_parquet_instructions_with_mapped_columns_equal_their_jsonl(tmp_path, ca
     assert corpus(tmp_path / "a")["meta"]["kinds"] == {"instruction": 30}
 
 
-@pytest.mark.parametrize("tokenizer", ["bytes", str(GOLDEN / "hf" / "llama_gqa")])
+@pytest.mark.parametrize("tokenizer", ["bytes", str(GOLDEN / "hf" / "llama_gqa")], ids=["bytes", "hf-llama_gqa"])
 def test_a_text_column_is_a_pretraining_corpus_like_jsonl_text(tmp_path, capsys, tokenizer):
     rows = [{"body": f"document {i}: " + "words " * (i % 9), "n": i} for i in range(60)]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "t.parquet", row_group_size=16)
