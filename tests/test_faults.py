@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from fsdp_jax import checkpoint as ck
-from helpers import TINY_RUN_OVERRIDES, one_line
+from helpers import TINY_RUN_OVERRIDES, call, one_line
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_YAML = str(ROOT / "configs" / "tiny.yaml")
@@ -59,12 +59,14 @@ def _can_be_refused() -> bool:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not _can_be_refused(), reason="needs a non-root user or setpriv to drop root's override")
-def test_checkpoints_made_read_only_mid_run_stop_at_that_save_then_resume_exactly(corpus, tmp_path):
+def test_checkpoints_made_read_only_mid_run_stop_at_that_save_then_resume_exactly(corpus, tmp_path, capsys):
     """chmod 555 of the checkpoint directory once step 2 is committed: the save of step 4
     fails with EACCES in orbax's threads. One line naming step 4, Permission denied and
     step 2 intact, exit 1, no step past the failed save's next one trained; with the
     permission back, the same command resumes from step 2 and ends bit-identical to a run
-    that never failed."""
+    that never failed. The run that fails is a child (its own user rights, its orbax threads, its
+    exit); the uninterrupted run and the resume call the same command's main in this process
+    (the same 8 CPU devices and XLA flags, so the same compiled programs: one child, not three)."""
     args = [
         "--config",
         TINY_YAML,
@@ -77,10 +79,8 @@ def test_checkpoints_made_read_only_mid_run_stop_at_that_save_then_resume_exactl
     ]
     prefix = NO_DAC if os.geteuid() == 0 else []
     train = [*prefix, sys.executable, str(ROOT / "scripts" / "train.py"), *args]
-    ref = subprocess.run(
-        train + [f"run_dir={tmp_path / 'ref'}"], capture_output=True, text=True, env=_train_env(), cwd=ROOT, timeout=600
-    )
-    assert ref.returncode == 0, ref.stderr[-3000:]
+    rc, _, err = call("train", *args, f"run_dir={tmp_path / 'ref'}", capsys=capsys)
+    assert rc == 0, err[-3000:]
     run_dir = tmp_path / "run"
     ckpts = run_dir / "checkpoints"
     proc = subprocess.Popen(
@@ -105,10 +105,8 @@ def test_checkpoints_made_read_only_mid_run_stop_at_that_save_then_resume_exactl
     assert "Traceback" not in out, out[-2000:]
     assert ck.Checkpointer(ckpts, read_only=True).steps() == [2], line
     assert max(_logged_steps(run_dir)) <= 5, _logged_steps(run_dir)  # stopped at the failure, not later
-    again = subprocess.run(
-        train + [f"run_dir={run_dir}"], capture_output=True, text=True, env=_train_env(), cwd=ROOT, timeout=600
-    )
-    assert again.returncode == 0 and "resuming from checkpoint step 2" in again.stdout, again.stderr[-3000:]
+    rc, out, err = call("train", *args, f"run_dir={run_dir}", capsys=capsys)
+    assert rc == 0 and "resuming from checkpoint step 2" in out, err[-3000:]
     _assert_same_params(tmp_path / "ref", run_dir, 6)
 
 
@@ -128,10 +126,11 @@ LAUNCH = [
 
 
 def _two_process_train(corpus, run_dir: Path, steps: int = 10) -> list[str]:
+    return [*LAUNCH, sys.executable, str(ROOT / "scripts" / "train.py"), *_train_args(corpus, run_dir, steps)]
+
+
+def _train_args(corpus, run_dir: Path, steps: int) -> list[str]:
     return [
-        *LAUNCH,
-        sys.executable,
-        str(ROOT / "scripts" / "train.py"),
         "--config",
         TINY_YAML,
         "--no-progress",
@@ -160,13 +159,15 @@ def _child_with(parent: int, process_id: int) -> int | None:
 
 
 @pytest.fixture(scope="module")
-def two_process_reference(corpus, tmp_path_factory):
+def two_process_reference(corpus, tmp_path_factory) -> tuple[Path, str]:
+    """(run dir, stdout) of the uninterrupted 2-process run: what each fault test's resumed run
+    must end equal to, bit for bit, and what one process must train like (within rounding)."""
     run_dir = tmp_path_factory.mktemp("peer_ref") / "run"
     r = subprocess.run(
         _two_process_train(corpus, run_dir), capture_output=True, text=True, cwd=ROOT, env=_train_env(), timeout=600
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
-    return run_dir
+    return run_dir, r.stdout
 
 
 def _wait_for(ready, proc, deadline: float, poll_s: float = 0.01) -> None:
@@ -229,7 +230,7 @@ def test_a_peer_killed_mid_save_then_mid_step_stops_the_job_with_one_line_and_th
     again = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=_train_env(), timeout=600)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-2000:]
     assert f"[0] resuming from checkpoint step {newest}" in again.stdout, again.stdout[-3000:]
-    _assert_same_params(two_process_reference, run_dir, 10)
+    _assert_same_params(two_process_reference[0], run_dir, 10)
 
 
 # -- a peer that dies under a launcher that does not stop the others (SLURM, mpirun) ------------------
@@ -319,4 +320,62 @@ def test_a_peer_killed_without_a_launcher_to_stop_the_job_the_survivor_stops_its
     )
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-2000:]
     assert f"[0] resuming from checkpoint step {newest}" in again.stdout, again.stdout[-3000:]
-    _assert_same_params(two_process_reference, run_dir, 10)
+    _assert_same_params(two_process_reference[0], run_dir, 10)
+
+
+# -- the same 2-process run against one process ----------------------------------------------------
+
+
+def _losses(run_dir: Path) -> list[float]:
+    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+@pytest.mark.slow
+def test_two_processes_train_like_one_and_checkpoints_move_between_process_counts(
+    corpus, tmp_path, capsys, two_process_reference
+):
+    """The uninterrupted 2-process run (launch; this module's reference) against the same run in
+    this one process, its 2-process checkpoint restored on 8 and 4 devices of one process, and
+    one process resuming it. (Was in test_multihost.py with a 5-step launch of its own, no
+    checkpoint before the last: the fault tests' reference serves both, one launch fewer.)"""
+    import jax
+
+    from fsdp_jax.app.config.parse import load_config
+    from fsdp_jax.app.models.decoder import Decoder
+    from fsdp_jax.app.trainer.optim import build_optimizer
+    from fsdp_jax.model.fns import from_nnx
+    from fsdp_jax.sharding.mesh import make_mesh
+    from fsdp_jax.sharding.strategy import make_plan
+    from fsdp_jax.train.state import abstract_state
+
+    two, stdout = two_process_reference
+    rc, _, err = call("train", *_train_args(corpus, tmp_path / "one", 10), capsys=capsys)
+    assert rc == 0, err[-2000:]
+    assert "[0] fsdp_jax:" in stdout and "[1] fsdp_jax:" not in stdout  # process 0 prints
+    np.testing.assert_allclose(_losses(two), _losses(tmp_path / "one"), rtol=1e-5)
+    assert len(_losses(two)) == 10
+
+    # the 2-process checkpoint (each process wrote its shards) restores in this single
+    # process on 8 devices and on 4 devices, with equal values
+    cfg = load_config(two / "config.yaml")
+    model = from_nnx(lambda rngs: Decoder(cfg.model, rngs=rngs, remat=cfg.remat))
+    opt, _ = build_optimizer(cfg.optimizer, cfg.train.steps)
+    restored = []
+    for devices in (jax.devices(), jax.devices()[:4]):
+        plan = make_plan(model.abstract_params, opt, make_mesh(devices=devices), "full_shard", model.logical_axes)
+        state, _ = ck.restore(two / "checkpoints", abstract_state(plan, model.abstract_params, opt))
+        restored.append(jax.tree.map(np.asarray, state.params))
+    for a, b in zip(jax.tree.leaves(restored[0]), jax.tree.leaves(restored[1])):
+        np.testing.assert_array_equal(a, b)
+    plan = make_plan(model.abstract_params, opt, make_mesh(), "full_shard", model.logical_axes)
+    ref, _ = ck.restore(tmp_path / "one" / "checkpoints", abstract_state(plan, model.abstract_params, opt))
+    for a, b in zip(jax.tree.leaves(restored[0]), jax.tree.leaves(ref.params)):
+        np.testing.assert_allclose(a, np.asarray(b), atol=1e-5)
+
+    # and one process resumes the 2-process run (a copy: the fault tests compare with its step 10)
+    resumed = tmp_path / "two"
+    shutil.copytree(two, resumed)
+    rc, _, err = call("train", *_train_args(corpus, resumed, 12), capsys=capsys)
+    assert rc == 0, err[-2000:]
+    assert len(_losses(resumed)) == 12
