@@ -125,7 +125,12 @@ LAUNCH = [
 ]
 
 
-def _two_process_train(corpus, run_dir: Path, steps: int = 10) -> list[str]:
+# the job the peer tests run: four kills, each after a newer checkpoint than the kill before's
+# (2, 4, 6, 8 when none of them lands after the next checkpoint too), then the end
+STEPS = 14
+
+
+def _two_process_train(corpus, run_dir: Path, steps: int = STEPS) -> list[str]:
     return [*LAUNCH, sys.executable, str(ROOT / "scripts" / "train.py"), *_train_args(corpus, run_dir, steps)]
 
 
@@ -175,65 +180,42 @@ def _wait_for(ready, proc, deadline: float, poll_s: float = 0.01) -> None:
         time.sleep(poll_s)
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs Linux /proc to find the peer process")
-def test_a_peer_killed_mid_save_then_mid_step_stops_the_job_with_one_line_and_the_run_resumes_exactly(
-    corpus, tmp_path, two_process_reference
-):
-    """kill -9 of process 1 of a 2-process run, twice in one run: first as soon as the
-    checkpoint after step 4's is being written (its tmp directory exists), then, in the same
-    command run again, in a step once a newer checkpoint than the first kill's is committed.
-    Each time the survivor is blocked in a collective with the dead peer: the launcher says
-    which process died in one line, stops the survivor within its grace, exits 1, and the
-    committed checkpoints restore; the relaunch resumes from the newest one. The last
-    relaunch runs to the end, bit-identical to a run that never lost a peer (the checkpoint
-    it resumes from was written by the first relaunch, so a wrong resume after either kill
-    shows there). One relaunch serves as the second kill's run (was two tests of two
-    launches each)."""
-    run_dir = tmp_path / "run"
-    ckpts = run_dir / "checkpoints"
-    cmd = _two_process_train(corpus, run_dir)
-    newest = 0
-    for when in ("mid_save", "mid_step"):
-        proc = subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=ROOT,
-            env=_train_env(FSDP_JAX_INJECT_DATA_DELAY_S="0.3"),
-        )
-        try:
-            deadline = time.monotonic() + 400
-            target = max(4, newest + 2)  # a checkpoint this launch wrote
-            _wait_for(lambda: _committed(ckpts, target), proc, deadline)
-            if when == "mid_save":
-                _wait_for(lambda: any(ckpts.glob(f"*{ck.TMP_SUFFIX}*")), proc, deadline, 0.002)
-            peer = _child_with(proc.pid, 1)
-            assert peer is not None and proc.poll() is None, f"the job ended before the kill ({when})"
-            os.kill(peer, 9)
-            saving = sorted(p.name for p in ckpts.glob(f"*{ck.TMP_SUFFIX}*"))
-            assert bool(saving) or when == "mid_step", "no save in flight at the kill"
-            killed_at = time.monotonic()
-            out, err = proc.communicate(timeout=120)
-            stopped_in = time.monotonic() - killed_at
-        finally:
-            proc.kill()
-        line = one_line(proc.returncode, err, "process 1 exited with -9", "SIGKILL", code=1)
-        assert stopped_in < 5 + 15, (when, stopped_in, line)  # the grace, plus the launcher's polling
-        assert "Traceback" not in out, out[-3000:]
-        if newest:
-            assert f"[0] resuming from checkpoint step {newest}" in out, out[-3000:]
-        committed = ck.Checkpointer(ckpts, read_only=True).steps()
-        assert committed and target <= committed[-1] < 10, (when, committed)
-        newest = committed[-1]
-    again = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=_train_env(), timeout=600)
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-2000:]
-    assert f"[0] resuming from checkpoint step {newest}" in again.stdout, again.stdout[-3000:]
-    _assert_same_params(two_process_reference[0], run_dir, 10)
-
-
-# -- a peer that dies under a launcher that does not stop the others (SLURM, mpirun) ------------------
+def _kill_under_the_launcher(cmd: list[str], ckpts: Path, when: str, newest: int) -> int:
+    """One launch of `cmd`, process 1 killed (-9) `when` ("mid_save": as soon as the checkpoint
+    after a newer one than `newest` is being written; "mid_step": in a step once that newer one
+    is committed). The launcher's contract, asserted; returns the newest committed step."""
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=_train_env(FSDP_JAX_INJECT_DATA_DELAY_S="0.3"),
+    )
+    try:
+        deadline = time.monotonic() + 400
+        target = max(2, newest + 2)  # a checkpoint this launch wrote
+        _wait_for(lambda: _committed(ckpts, target), proc, deadline)
+        if when == "mid_save":
+            _wait_for(lambda: any(ckpts.glob(f"*{ck.TMP_SUFFIX}*")), proc, deadline, 0.002)
+        peer = _child_with(proc.pid, 1)
+        assert peer is not None and proc.poll() is None, f"the job ended before the kill ({when})"
+        os.kill(peer, 9)
+        saving = sorted(p.name for p in ckpts.glob(f"*{ck.TMP_SUFFIX}*"))
+        assert bool(saving) or when == "mid_step", "no save in flight at the kill"
+        killed_at = time.monotonic()
+        out, err = proc.communicate(timeout=120)
+        stopped_in = time.monotonic() - killed_at
+    finally:
+        proc.kill()
+    line = one_line(proc.returncode, err, "process 1 exited with -9", "SIGKILL", code=1)
+    assert stopped_in < 5 + 15, (when, stopped_in, line)  # the grace, plus the launcher's polling
+    assert "Traceback" not in out, out[-3000:]
+    if newest:
+        assert f"[0] resuming from checkpoint step {newest}" in out, out[-3000:]
+    committed = ck.Checkpointer(ckpts, read_only=True).steps()
+    assert committed and target <= committed[-1] < STEPS, (when, committed)
+    return committed[-1]
 
 
 def _start_without_launcher(cmd: list[str]) -> list[subprocess.Popen]:
@@ -255,72 +237,78 @@ def _start_without_launcher(cmd: list[str]) -> list[subprocess.Popen]:
     return procs
 
 
+def _kill_without_a_launcher(cmd: list[str], ckpts: Path, victim: int, newest: int) -> int:
+    """The two processes of `cmd` started as SLURM or mpirun would (each on its own, nobody
+    watching them), `victim` killed (-9) in a step once a newer checkpoint than `newest` is
+    committed. The survivor's peer watch contract, asserted; returns the newest committed step."""
+    procs = _start_without_launcher(cmd)
+    survivor = procs[1 - victim]
+    target = max(2, newest + 2)  # a checkpoint this start wrote
+    try:
+        _wait_for(lambda: _committed(ckpts, target), survivor, time.monotonic() + 400)
+        assert procs[0].poll() is None and procs[1].poll() is None, f"the job ended before killing {victim}"
+        procs[victim].kill()
+        killed_at = time.monotonic()
+        out, err = survivor.communicate(timeout=90)
+        stopped_in = time.monotonic() - killed_at
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    who = "the coordinator, process 0 of 2" if victim == 0 else "process 1 of 2"
+    line = one_line(
+        survivor.returncode,
+        err,
+        f"{who} stopped responding",
+        f"stopping process {1 - victim}",
+        "checkpoint is intact",
+        code=1,
+    )
+    assert stopped_in < 5 + 15, (victim, stopped_in, line)  # the timeout, a few beats, and a loaded machine
+    if newest:  # process 0 prints, the survivor or the one killed
+        out0 = out if victim == 1 else procs[0].stdout.read()
+        assert f"resuming from checkpoint step {newest}" in out0, out0[-3000:]
+    committed = ck.Checkpointer(ckpts, read_only=True).steps()
+    assert committed and target <= committed[-1] < STEPS, (victim, committed)
+    return committed[-1]
+
+
 @pytest.mark.slow
-def test_a_peer_killed_without_a_launcher_to_stop_the_job_the_survivor_stops_itself(
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs Linux /proc to find the peer process")
+def test_a_peer_killed_under_a_launcher_or_without_one_stops_the_job_with_one_line_and_the_run_resumes_exactly(
     corpus, tmp_path, two_process_reference
 ):
-    """The two processes started as SLURM or mpirun would (each on its own, nobody watching
-    them), one killed (-9) in a step: process 1 after step 4 is committed, then, the same job
-    started again that way (it resumes), process 0 (whose coordination service runs in a child
-    of its own, fsdp_jax.multihost.coordination) after a newer checkpoint is committed. Each
-    time the survivor's peer watch (distributed.peer_timeout_s=5) stops it in one line naming
-    the dead process and saying the newest checkpoint is intact, exit 1, long before JAX's
-    heartbeat abort; the job then resumes from the newest checkpoint under the launcher,
-    bit-identical to a run that never lost a peer. Mutations: distributed.peer_timeout_s=0 (no
+    """One job killed (-9) four times, each start resuming from the newest checkpoint the start
+    before it committed. Under the launcher: process 1 as soon as the checkpoint after step 2's
+    is being written, then, the same command run again, in a step once a newer checkpoint is
+    committed; each time the survivor is blocked in a collective with the dead peer, and the
+    launcher says which process died in one line, stops the survivor within its grace and exits
+    1. Then the two processes started as SLURM or mpirun would (each on its own, nobody watching
+    them): process 1 killed in a step, then, started again that way, process 0 (whose
+    coordination service runs in a child of its own, fsdp_jax.multihost.coordination); each time
+    the survivor's peer watch (distributed.peer_timeout_s=5) stops it in one line naming the dead
+    process and saying the newest checkpoint is intact, exit 1, long before JAX's heartbeat
+    abort. After each kill the committed checkpoints restore and a newer one than the kill
+    before's is there; the last start, under the launcher, runs to the end, bit-identical to a
+    run that never lost a peer (the checkpoint it resumes from was written after three resumes,
+    so a wrong resume after any kill shows there). Mutations: distributed.peer_timeout_s=0 (no
     watch) -> SIGABRT after 100 s (exit 134 in a shell) with JAX's multi-line log when process
-    1 dies, at once when process 0 dies; the service inside process 0 -> the same at once. One
-    test of three starts (was one per victim, two starts each)."""
+    1 dies, at once when process 0 dies; the service inside process 0 -> the same at once. Was
+    two tests of three starts each (the launcher's kills, the peer watch's), each ending in a
+    resume to the end: one start fewer."""
     run_dir = tmp_path / "run"
     ckpts = run_dir / "checkpoints"
-    cmd = [
-        sys.executable,
-        str(ROOT / "scripts" / "train.py"),
-        "--config",
-        TINY_YAML,
-        "--no-progress",
-        *TINY_RUN_OVERRIDES,
-        f"data.path={corpus}",
-        f"run_dir={run_dir}",
-        "train.steps=10",
-        "train.checkpoint_every=2",
-        "train.keep_checkpoints=10",
-        "distributed.peer_timeout_s=5",
-    ]
+    launched = _two_process_train(corpus, run_dir)
     newest = 0
+    for when in ("mid_save", "mid_step"):
+        newest = _kill_under_the_launcher(launched, ckpts, when, newest)
+    alone = [sys.executable, str(ROOT / "scripts" / "train.py"), *_train_args(corpus, run_dir, STEPS)]
     for victim in (1, 0):
-        procs = _start_without_launcher(cmd)
-        survivor = procs[1 - victim]
-        target = max(4, newest + 2)  # a checkpoint this start wrote
-        try:
-            _wait_for(lambda: _committed(ckpts, target), survivor, time.monotonic() + 400)
-            assert procs[0].poll() is None and procs[1].poll() is None, f"the job ended before killing {victim}"
-            procs[victim].kill()
-            killed_at = time.monotonic()
-            _, err = survivor.communicate(timeout=90)
-            stopped_in = time.monotonic() - killed_at
-        finally:
-            for p in procs:
-                p.kill()
-                p.wait()
-        who = "the coordinator, process 0 of 2" if victim == 0 else "process 1 of 2"
-        line = one_line(
-            survivor.returncode,
-            err,
-            f"{who} stopped responding",
-            f"stopping process {1 - victim}",
-            "checkpoint is intact",
-            code=1,
-        )
-        assert stopped_in < 5 + 15, (victim, stopped_in, line)  # the timeout, a few beats, and a loaded machine
-        committed = ck.Checkpointer(ckpts, read_only=True).steps()
-        assert committed and target <= committed[-1] < 10, (victim, committed)
-        newest = committed[-1]
-    again = subprocess.run(
-        _two_process_train(corpus, run_dir), capture_output=True, text=True, cwd=ROOT, env=_train_env(), timeout=600
-    )
+        newest = _kill_without_a_launcher([*alone, "distributed.peer_timeout_s=5"], ckpts, victim, newest)
+    again = subprocess.run(launched, capture_output=True, text=True, cwd=ROOT, env=_train_env(), timeout=600)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-2000:]
     assert f"[0] resuming from checkpoint step {newest}" in again.stdout, again.stdout[-3000:]
-    _assert_same_params(two_process_reference[0], run_dir, 10)
+    _assert_same_params(two_process_reference[0], run_dir, STEPS)
 
 
 # -- the same 2-process run against one process ----------------------------------------------------
@@ -350,11 +338,11 @@ def test_two_processes_train_like_one_and_checkpoints_move_between_process_count
     from fsdp_jax.train.state import abstract_state
 
     two, stdout = two_process_reference
-    rc, _, err = call("train", *_train_args(corpus, tmp_path / "one", 10), capsys=capsys)
+    rc, _, err = call("train", *_train_args(corpus, tmp_path / "one", STEPS), capsys=capsys)
     assert rc == 0, err[-2000:]
     assert "[0] fsdp_jax:" in stdout and "[1] fsdp_jax:" not in stdout  # process 0 prints
     np.testing.assert_allclose(_losses(two), _losses(tmp_path / "one"), rtol=1e-5)
-    assert len(_losses(two)) == 10
+    assert len(_losses(two)) == STEPS
 
     # the 2-process checkpoint (each process wrote its shards) restores in this single
     # process on 8 devices and on 4 devices, with equal values
@@ -373,9 +361,9 @@ def test_two_processes_train_like_one_and_checkpoints_move_between_process_count
     for a, b in zip(jax.tree.leaves(restored[0]), jax.tree.leaves(ref.params)):
         np.testing.assert_allclose(a, np.asarray(b), atol=1e-5)
 
-    # and one process resumes the 2-process run (a copy: the fault tests compare with its step 10)
+    # and one process resumes the 2-process run (a copy: the fault test compares with its last step)
     resumed = tmp_path / "two"
     shutil.copytree(two, resumed)
-    rc, _, err = call("train", *_train_args(corpus, resumed, 12), capsys=capsys)
+    rc, _, err = call("train", *_train_args(corpus, resumed, STEPS + 2), capsys=capsys)
     assert rc == 0, err[-2000:]
-    assert len(_losses(resumed)) == 12
+    assert len(_losses(resumed)) == STEPS + 2
