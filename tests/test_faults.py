@@ -1,7 +1,9 @@
 """Faults in the middle of a run (issue #28): a checkpoint directory that stops being
 writable, and a peer process that dies. The contract: one line naming what failed (the
 save's step; the dead process), exit code 1, the newest committed checkpoint intact, and
-running the same command again resumes exactly."""
+running the same command again resumes exactly. The uninterrupted 2-process run the peer test
+ends equal to also serves the check that two processes train like one (was test_multihost's,
+with a launch of its own)."""
 
 import json
 import os
