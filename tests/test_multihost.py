@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import TINY_RUN_OVERRIDES, call
+from helpers import TINY_RUN_OVERRIDES
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = [sys.executable, str(ROOT / "scripts" / "launch.py")]
@@ -80,6 +80,7 @@ def test_distributed_settings_must_be_complete():
     assert detected_cluster({"OMPI_COMM_WORLD_SIZE": "2"}) == "openmpi"
 
 
+# tests/test_nvme.py's 2-process test launches the tiny run with these
 TINY = TINY_RUN_OVERRIDES + ["train.checkpoint_every=0", "train.steps=5"]
 
 
@@ -95,63 +96,6 @@ def train_args(corpus, run_dir, *extra):
     ]
 
 
-def losses(run_dir):
-    import json
-
-    return [r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
-
-
-@pytest.mark.slow
-def test_two_processes_train_like_one_and_checkpoints_move_between_process_counts(corpus, tmp_path, capsys):
-    """The 2-process run (launch) against the same run in this one process."""
-    import jax
-    import numpy as np
-
-    from fsdp_jax import checkpoint as ck
-    from fsdp_jax.app.config.parse import load_config
-    from fsdp_jax.app.models.decoder import Decoder
-    from fsdp_jax.app.trainer.optim import build_optimizer
-    from fsdp_jax.model.fns import from_nnx
-    from fsdp_jax.sharding.mesh import make_mesh
-    from fsdp_jax.sharding.strategy import make_plan
-    from fsdp_jax.train.state import abstract_state
-
-    rc, _, err = call("train", *train_args(corpus, tmp_path / "one"), capsys=capsys)
-    assert rc == 0, err[-2000:]
-    two = launch(
-        "--processes",
-        "2",
-        "--devices-per-process",
-        "4",
-        "--",
-        sys.executable,
-        str(ROOT / "scripts" / "train.py"),
-        *train_args(corpus, tmp_path / "two"),
-        timeout=300,
-    )
-    assert two.returncode == 0, two.stdout[-3000:]
-    assert "[0] fsdp_jax:" in two.stdout and "[1] fsdp_jax:" not in two.stdout  # process 0 prints
-    np.testing.assert_allclose(losses(tmp_path / "two"), losses(tmp_path / "one"), rtol=1e-5)
-    assert len(losses(tmp_path / "two")) == 5
-
-    # the 2-process checkpoint (each process wrote its shards) restores in this single
-    # process on 8 devices and on 4 devices, with equal values
-    cfg = load_config(tmp_path / "two" / "config.yaml")
-    model = from_nnx(lambda rngs: Decoder(cfg.model, rngs=rngs, remat=cfg.remat))
-    opt, _ = build_optimizer(cfg.optimizer, cfg.train.steps)
-    restored = []
-    for devices in (jax.devices(), jax.devices()[:4]):
-        plan = make_plan(model.abstract_params, opt, make_mesh(devices=devices), "full_shard", model.logical_axes)
-        state, _ = ck.restore(tmp_path / "two" / "checkpoints", abstract_state(plan, model.abstract_params, opt))
-        restored.append(jax.tree.map(np.asarray, state.params))
-    for a, b in zip(jax.tree.leaves(restored[0]), jax.tree.leaves(restored[1])):
-        np.testing.assert_array_equal(a, b)
-    plan = make_plan(model.abstract_params, opt, make_mesh(), "full_shard", model.logical_axes)
-    ref, _ = ck.restore(tmp_path / "one" / "checkpoints", abstract_state(plan, model.abstract_params, opt))
-    for a, b in zip(jax.tree.leaves(restored[0]), jax.tree.leaves(ref.params)):
-        np.testing.assert_allclose(a, np.asarray(b), atol=1e-5)
-
-    # and one process resumes the 2-process run
-    rc, _, err = call("train", *train_args(corpus, tmp_path / "two", "train.steps=7"), capsys=capsys)
-    assert rc == 0, err[-2000:]
-    assert len(losses(tmp_path / "two")) == 7
+# The 2-process training run against one process (and its checkpoint on 8 and 4 devices of one process):
+# tests/test_faults.py's test_two_processes_train_like_one_and_checkpoints_move_between_process_counts,
+# which shares that module's 2-process reference run with the fault tests.
