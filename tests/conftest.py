@@ -89,6 +89,9 @@ os.environ.setdefault(
 # and leaves a core idle at the end. The order only affects wall time; files not listed
 # follow in collection order.
 HEAVY_FIRST = (
+    # test_faults: one test of ~3-6 min wall, most of it waiting on killed peers' timeouts (2026-12-07):
+    # started first, it never ends the run on one busy worker
+    "test_faults.py",
     # deviceless TPU / GPU compiles, from the whole suite's --durations on 2026-12-06 (BENCHMARKS.md):
     # step_time_published ~760 s (its rows 6, 9, 5), flash_plan ~220 s, splash_plan ~150 s, ring_cudnn
     # ~130 s, search ~130 s; in collection order they started late and the suite ended on one busy worker
