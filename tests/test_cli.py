@@ -81,10 +81,17 @@ REFUSED_FLAGS = {
     "--devices: -5 must be in 1..": ["verify", *CONFIG, "--devices", "-5"],
     "--out 'README.md' is a file": ["prepare", "--out", "README.md", "configs"],
     "--val-fraction 2.0: must be in": ["prepare", "--out", "x", "--stdlib", "--val-fraction", "2"],
+    # plan without --target: --strategies, --offload, --plot, --host-memory; verify's --strategies
+    "--strategies: unknown strategy 'zero9'": ["plan", *CONFIG, "--devices", "8", "--strategies", "zero9"],
+    "--offload: 'everything' is not one of": ["plan", *CONFIG, "--devices", "8", "--offload", "everything"],
+    "--plot: '.' is a directory": ["plan", *CONFIG, "--devices", "8", "--plot", "."],
+    "--host-memory: 'lots' is not a size": ["plan", *CONFIG, "--devices", "8", "--host-memory", "lots"],
+    "--strategies: ',' names no strategy": ["verify", *CONFIG, "--strategies", ","],
 }
 # refusals of the checks across the config's fields that need no JAX (`config.early_checks`, run by
 # `args.config_agrees_before_jax` after each command's own flag checks), one per kind: heads, the
-# decoder's switches, MoE, the data fields, run_dir, the mesh
+# decoder's switches, MoE, the data fields, run_dir, the mesh, remat, offload, distributed, precision,
+# train, MTP, FP8, cuDNN attention's compute dtype (LoRA against the decoder still loads JAX)
 REFUSED_ACROSS = {
     "model.n_kv_heads: 3 is invalid": ["train", *CONFIG, "model.n_kv_heads=3"],
     "model.global_every: 2 is invalid": ["verify", *CONFIG, "model.global_every=2"],
@@ -99,6 +106,29 @@ REFUSED_ACROSS = {
     "data.seq_len: 100000 is invalid": ["plan", *CONFIG, "--devices", "8", "data.seq_len=100000"],
     "run_dir: '' is invalid": ["train", *CONFIG, "run_dir="],
     "mesh.strategy: 'zero9' is invalid": ["gpu-check", *CONFIG, "--only", "throughput", "mesh.strategy=zero9"],
+    # the policies (`config.policy_checks`), multi-token prediction, FP8, cuDNN attention's compute dtype
+    "remat: 'bogus' is invalid": ["train", *CONFIG, "remat=bogus"],
+    "offload: 'bogus' is invalid": ["plan", *CONFIG, "--devices", "8", "offload=bogus"],
+    "offload: 'optimizer:streamed' is invalid": [
+        "inspect",
+        *CONFIG,
+        "--devices",
+        "8",
+        "offload=optimizer:streamed",
+        "optimizer.name=adafactor",
+    ],
+    "distributed.coordinator: 'nohost' is invalid": ["train", *CONFIG, "distributed.coordinator=nohost"],
+    "precision: 'bogus' is invalid": ["verify", *CONFIG, "precision=bogus"],
+    "train.profile: '5:1' is invalid": ["train", *CONFIG, "train.profile=5:1"],
+    "train.global_batch: 16 is invalid": ["gpu-check", *CONFIG, "--only", "throughput", "train.microbatches=3"],
+    "model.mtp_depth: 1 is invalid": ["train", *CONFIG, "model.mtp_depth=1", "objective=dpo"],
+    "lora.rank: 4 is invalid; must be 0 with precision matmul=fp8": [
+        "train",
+        *CONFIG,
+        "precision=params=float32,compute=bfloat16,matmul=fp8",
+        "lora.rank=4",
+    ],
+    "model.attention: 'cudnn' is invalid": ["plan", *CONFIG, "--devices", "8", "model.attention=cudnn"],
 }
 
 
@@ -108,7 +138,7 @@ def test_help_and_refusals_load_no_jax():
     (`REFUSED_CONFIGS`), answered before JAX, Flax, Orbax or the library's train step load:
     ~0.15 s of CPU for such a child, where one that loads them pays ~3.3 s. One fresh child for
     all (a module once loaded stays loaded, so what loads shows at the end); then a refusal of the
-    body's (a remat policy the library's table lacks: `checks.validate`), which loads the library first,
+    body's (LoRA targets the decoder lacks: `checks.validate`), which loads the library first,
     without IPython."""
     code = (
         "import sys; from fsdp_jax.app.cli import entry\n"
@@ -120,7 +150,7 @@ def test_help_and_refusals_load_no_jax():
         "    assert entry.main(argv) == 2, argv\n"
         f"print(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r} or m.startswith({HEAVY!r})))\n"
         # a body that runs loads the face first, as `import fsdp_jax` did: Flax without IPython
-        "assert entry.main(['train', '--config', 'configs/tiny.yaml', 'remat=bogus']) == 2\n"
+        "assert entry.main(['train', '--config', 'configs/tiny.yaml', 'lora.targets=bogus']) == 2\n"
         "print('IPython' in sys.modules, 'jax' in sys.modules)"
     )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
@@ -134,7 +164,11 @@ def test_help_and_refusals_load_no_jax():
     assert all(line.startswith("error: ") for line in lines), lines
     words = ["config file not found", "train.stepz: unknown key", "model.rope_type: 'ntk' is invalid"]
     words += ["mesh.rules.mlp: 'bogus' is invalid", "override: 'no_equals_sign' is not key=value"]
-    words += ["train.steps: -1 is invalid", "remat: 'bogus' is invalid", "model.attention: 'bogus' is invalid"]
+    words += [
+        "train.steps: -1 is invalid",
+        "lora.targets: bogus matches no weight",
+        "model.attention: 'bogus' is invalid",
+    ]
     words += list(REFUSED_FLAGS) + list(REFUSED_ACROSS)
     assert [w for w in words if not any(w in line for line in lines)] == []
     with_config = {
