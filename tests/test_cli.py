@@ -3,6 +3,7 @@ the same commands, the one parser and the one main wrapper's exit codes."""
 
 import ast
 import importlib
+import json
 import os
 import subprocess
 import sys
@@ -284,30 +285,77 @@ def test_one_parser_class_and_one_use_cpu_devices():
     assert devices == ["fsdp_jax/app/devices.py"]
 
 
-def _console(*args, cwd=ROOT):
-    """`fsdp-jax ARGS` as pip's console-script wrapper runs it: the entry point declared in
-    pyproject.toml's [project.scripts], called with sys.argv[0] = 'fsdp-jax'."""
+# one child runs the declared `fsdp-jax` entry point for every script's case, as pip's console-script
+# wrapper calls it (sys.argv[0] = 'fsdp-jax', `sys.exit(func())`), each case's stdout and stderr taken
+# at the file descriptors: {script: [exit code, stdout, stderr]}
+_CONSOLE = """
+import json, os, sys, tempfile
+from {module} import {func}
+out = {{}}
+for script, argv in json.loads(sys.argv[1]).items():
+    with tempfile.TemporaryFile() as o, tempfile.TemporaryFile() as e:
+        sys.stdout.flush(); sys.stderr.flush()
+        saved = os.dup(1), os.dup(2)
+        os.dup2(o.fileno(), 1); os.dup2(e.fileno(), 2)
+        sys.argv = ["fsdp-jax", *argv]
+        try:
+            sys.exit({func}())
+        except SystemExit as x:
+            rc = x.code
+        sys.stdout.flush(); sys.stderr.flush()
+        os.dup2(saved[0], 1); os.dup2(saved[1], 2)
+        o.seek(0); e.seek(0)
+        out[script] = [rc, o.read().decode(), e.read().decode()]
+print(json.dumps(out))
+"""
+
+
+def _shim_args(script, where: Path) -> list[str]:
+    """The first bad value of `script`'s first flag that has one (tests/test_hostile_flags.py's table)."""
+    flag, values = next((f, v) for f, v in BAD_FLAG_VALUES[script].items() if not isinstance(v, str))
+    return _fill(BASE_ARGS[script] + [flag, values[0]] + TAIL_ARGS.get(script, []), where)
+
+
+@pytest.fixture(scope="module")
+def shim_dir(tmp_path_factory):
+    """The paths the shim cases name (nothing is written: each case is refused)."""
+    where = tmp_path_factory.mktemp("shims")
+    for d in ("a_dir", "new", "run", "src"):
+        (where / d).mkdir()
+    (where / "a_file").write_text("x")
+    (where / "run" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    (where / "src" / "a.txt").write_text("some text\n" * 50)
+    return where
+
+
+@pytest.fixture(scope="module")
+def console_results(shim_dir):
+    """{script: (exit code, stdout, stderr)} of `fsdp-jax <command> <bad flag>` for every script, from the
+    declared entry point in one fresh process (`_CONSOLE`; a child per script cost ~1.5-30 s each)."""
     target = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]["fsdp-jax"]
     module, func = target.split(":")
-    code = f"import sys; sys.argv[0] = 'fsdp-jax'; from {module} import {func}; sys.exit({func}())"
+    cases = {script: [entry.SCRIPTS[script], *_shim_args(script, shim_dir)] for script in SHIMS}
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run(
-        [sys.executable, "-c", code, *map(str, args)], cwd=cwd, capture_output=True, text=True, env=env, timeout=120
+    r = subprocess.run(
+        [sys.executable, "-c", _CONSOLE.format(module=module, func=func), json.dumps(cases)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
+    assert r.returncode == 0 and not r.stderr.strip(), r.stderr[-2000:]
+    return {script: tuple(v) for script, v in json.loads(r.stdout).items()}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script", SHIMS)
-def test_the_shim_and_the_console_entry_give_the_same_exit_and_line(script, tmp_path):
-    """`python scripts/X.py <bad flag>` and `fsdp-jax <command> <bad flag>` (the declared entry
-    point, in a fresh process each): the same exit code 2 and the same one line."""
-    flag, values = next((f, v) for f, v in BAD_FLAG_VALUES[script].items() if not isinstance(v, str))
-    for d in ("a_dir", "new", "run", "src"):
-        (tmp_path / d).mkdir()
-    (tmp_path / "a_file").write_text("x")
-    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
-    (tmp_path / "src" / "a.txt").write_text("some text\n" * 50)
-    args = _fill(BASE_ARGS[script] + [flag, values[0]] + TAIL_ARGS.get(script, []), tmp_path)
+def test_the_shim_and_the_console_entry_give_the_same_exit_and_line(script, shim_dir, console_results):
+    """`python scripts/X.py <bad flag>` (a fresh process per script: its `__main__` entry and exit
+    code through the process boundary) and `fsdp-jax <command> <bad flag>` (the declared entry point,
+    all scripts' cases in one fresh process: `console_results`): the same exit code 2, the same one
+    line, the same stdout."""
+    args = _shim_args(script, shim_dir)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     shim = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / f"{script}.py"), *args],
@@ -317,8 +365,7 @@ def test_the_shim_and_the_console_entry_give_the_same_exit_and_line(script, tmp_
         env=env,
         timeout=120,
     )
-    console = _console(entry.SCRIPTS[script], *args)
-    assert (shim.returncode, shim.stderr, shim.stdout) == (console.returncode, console.stderr, console.stdout)
+    assert (shim.returncode, shim.stdout, shim.stderr) == console_results[script]
     one_line(shim.returncode, shim.stderr)
 
 
