@@ -82,12 +82,14 @@ REFUSED_FLAGS = {
     "--devices: -5 must be in 1..": ["verify", *CONFIG, "--devices", "-5"],
     "--out 'README.md' is a file": ["prepare", "--out", "README.md", "configs"],
     "--val-fraction 2.0: must be in": ["prepare", "--out", "x", "--stdlib", "--val-fraction", "2"],
-    # plan without --target: --strategies, --offload, --plot, --host-memory; verify's --strategies
+    # plan without --target: --strategies, --offload, --plot, --host-memory; verify's --strategies,
+    # bench-offload's --strategy
     "--strategies: unknown strategy 'zero9'": ["plan", *CONFIG, "--devices", "8", "--strategies", "zero9"],
     "--offload: 'everything' is not one of": ["plan", *CONFIG, "--devices", "8", "--offload", "everything"],
     "--plot: '.' is a directory": ["plan", *CONFIG, "--devices", "8", "--plot", "."],
     "--host-memory: 'lots' is not a size": ["plan", *CONFIG, "--devices", "8", "--host-memory", "lots"],
     "--strategies: ',' names no strategy": ["verify", *CONFIG, "--strategies", ","],
+    "--strategy: unknown strategy 'zero9'": ["bench-offload", *CONFIG, "--strategy", "zero9"],
 }
 # refusals of the checks across the config's fields that need no JAX (`config.early_checks`, run by
 # `args.config_agrees_before_jax` after each command's own flag checks), one per kind: heads, the
@@ -130,6 +132,7 @@ REFUSED_ACROSS = {
         "lora.rank=4",
     ],
     "model.attention: 'cudnn' is invalid": ["plan", *CONFIG, "--devices", "8", "model.attention=cudnn"],
+    "precision: 'fp64' is invalid": ["bench-offload", *CONFIG, "precision=fp64"],
 }
 
 

@@ -263,6 +263,13 @@ def test_jax_free_names_are_the_librarys():
     assert offload.OFFLOADS is offload_settings.OFFLOADS and NVME_OFFLOADS is offload_settings.NVME_OFFLOADS
     assert sorted(STRATEGY_ORDER) == sorted(strategy.STRATEGIES)
     assert parse_strategies("zero3,DDP,fsdp") == [strategy.get_strategy(n).name for n in ("zero3", "ddp")]
+    for name in ("ZeRO3", "hsdp", "shard_opt"):
+        assert strategy_names.strategy_name(name) == strategy.get_strategy(name).name
+    with pytest.raises(ValueError) as want:
+        strategy.get_strategy("zero9")
+    with pytest.raises(ValueError) as got:
+        strategy_names.strategy_name("zero9")
+    assert str(got.value) == str(want.value)
     for text in ("params=float32,compute=bf16", "half", "compute=bfloat16,matmul=FP8,frozen=f16", "matmul=compute"):
         policy = Policy.parse(text)
         names = {f: None if v is None else getattr(v, "name", v) for f, v in vars(policy).items()}

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from fsdp_jax.app.host_memory import parse_size
 from fsdp_jax.errors import PlanError
 from fsdp_jax.sharding.offload_settings import ALL_OFFLOADS
-from fsdp_jax.sharding.strategy_names import ALIASES, STRATEGY_NAMES
+from fsdp_jax.sharding.strategy_names import strategy_name
 
 MAX_DEVICES = 1 << 16  # fake CPU devices are real threads and buffers: bound what a typo asks for
 # The classic table's order: DDP, ZeRO-1, ZeRO-2, ZeRO-3, then HSDP.
@@ -57,12 +57,10 @@ def parse_strategies(text: str | Sequence[str] | None, what: str = "--strategies
     for n in (x.strip() for x in names):
         if not n:
             continue
-        s = ALIASES.get(n.lower(), n.lower())  # as `fsdp_jax.sharding.strategy.get_strategy` reads it
-        if s not in STRATEGY_NAMES:
-            raise PlanError(
-                f"{what}: unknown strategy {n!r}; choose one of {', '.join(STRATEGY_NAMES)} "
-                f"(aliases: {', '.join(ALIASES)})"
-            )
+        try:
+            s = strategy_name(n)  # as `fsdp_jax.sharding.strategy.get_strategy` reads it
+        except ValueError as e:
+            raise PlanError(f"{what}: {e}") from None
         if s not in out:
             out.append(s)
     if not out:
