@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # what IDEs and type checkers see (the names of `_FACE`); not
     from fsdp_jax.sharding.flax_names import logical_axes_of
     from fsdp_jax.sharding.leaf_sharding import LeafSharding
     from fsdp_jax.sharding.mesh import make_mesh
-    from fsdp_jax.sharding.offload import OFFLOADS
+    from fsdp_jax.sharding.offload_settings import OFFLOADS
     from fsdp_jax.sharding.precision import Policy, cast_params_for_compute
     from fsdp_jax.sharding.reasons import Note, Why
     from fsdp_jax.sharding.remat import REMAT_POLICIES, RematPolicy, get_policy, with_remat
@@ -63,7 +63,7 @@ _FACE: dict[str, tuple[str, ...]] = {
     "fsdp_jax.sharding.flax_names": ("logical_axes_of",),
     "fsdp_jax.sharding.leaf_sharding": ("LeafSharding",),
     "fsdp_jax.sharding.mesh": ("make_mesh",),
-    "fsdp_jax.sharding.offload": ("OFFLOADS",),
+    "fsdp_jax.sharding.offload_settings": ("OFFLOADS",),
     "fsdp_jax.sharding.precision": ("Policy", "cast_params_for_compute"),
     "fsdp_jax.sharding.reasons": ("Note", "Why"),
     "fsdp_jax.sharding.remat": ("REMAT_POLICIES", "RematPolicy", "get_policy", "with_remat"),

@@ -3,6 +3,7 @@ the same commands, the one parser and the one main wrapper's exit codes."""
 
 import ast
 import importlib
+import json
 import os
 import subprocess
 import sys
@@ -81,10 +82,19 @@ REFUSED_FLAGS = {
     "--devices: -5 must be in 1..": ["verify", *CONFIG, "--devices", "-5"],
     "--out 'README.md' is a file": ["prepare", "--out", "README.md", "configs"],
     "--val-fraction 2.0: must be in": ["prepare", "--out", "x", "--stdlib", "--val-fraction", "2"],
+    # plan without --target: --strategies, --offload, --plot, --host-memory; verify's --strategies,
+    # bench-offload's --strategy
+    "--strategies: unknown strategy 'zero9'": ["plan", *CONFIG, "--devices", "8", "--strategies", "zero9"],
+    "--offload: 'everything' is not one of": ["plan", *CONFIG, "--devices", "8", "--offload", "everything"],
+    "--plot: '.' is a directory": ["plan", *CONFIG, "--devices", "8", "--plot", "."],
+    "--host-memory: 'lots' is not a size": ["plan", *CONFIG, "--devices", "8", "--host-memory", "lots"],
+    "--strategies: ',' names no strategy": ["verify", *CONFIG, "--strategies", ","],
+    "--strategy: unknown strategy 'zero9'": ["bench-offload", *CONFIG, "--strategy", "zero9"],
 }
 # refusals of the checks across the config's fields that need no JAX (`config.early_checks`, run by
 # `args.config_agrees_before_jax` after each command's own flag checks), one per kind: heads, the
-# decoder's switches, MoE, the data fields, run_dir, the mesh
+# decoder's switches, MoE, the data fields, run_dir, the mesh, remat, offload, distributed, precision,
+# train, MTP, FP8, cuDNN attention's compute dtype (LoRA against the decoder still loads JAX)
 REFUSED_ACROSS = {
     "model.n_kv_heads: 3 is invalid": ["train", *CONFIG, "model.n_kv_heads=3"],
     "model.global_every: 2 is invalid": ["verify", *CONFIG, "model.global_every=2"],
@@ -99,6 +109,30 @@ REFUSED_ACROSS = {
     "data.seq_len: 100000 is invalid": ["plan", *CONFIG, "--devices", "8", "data.seq_len=100000"],
     "run_dir: '' is invalid": ["train", *CONFIG, "run_dir="],
     "mesh.strategy: 'zero9' is invalid": ["gpu-check", *CONFIG, "--only", "throughput", "mesh.strategy=zero9"],
+    # the policies (`config.policy_checks`), multi-token prediction, FP8, cuDNN attention's compute dtype
+    "remat: 'bogus' is invalid": ["train", *CONFIG, "remat=bogus"],
+    "offload: 'bogus' is invalid": ["plan", *CONFIG, "--devices", "8", "offload=bogus"],
+    "offload: 'optimizer:streamed' is invalid": [
+        "inspect",
+        *CONFIG,
+        "--devices",
+        "8",
+        "offload=optimizer:streamed",
+        "optimizer.name=adafactor",
+    ],
+    "distributed.coordinator: 'nohost' is invalid": ["train", *CONFIG, "distributed.coordinator=nohost"],
+    "precision: 'bogus' is invalid": ["verify", *CONFIG, "precision=bogus"],
+    "train.profile: '5:1' is invalid": ["train", *CONFIG, "train.profile=5:1"],
+    "train.global_batch: 16 is invalid": ["gpu-check", *CONFIG, "--only", "throughput", "train.microbatches=3"],
+    "model.mtp_depth: 1 is invalid": ["train", *CONFIG, "model.mtp_depth=1", "objective=dpo"],
+    "lora.rank: 4 is invalid; must be 0 with precision matmul=fp8": [
+        "train",
+        *CONFIG,
+        "precision=params=float32,compute=bfloat16,matmul=fp8",
+        "lora.rank=4",
+    ],
+    "model.attention: 'cudnn' is invalid": ["plan", *CONFIG, "--devices", "8", "model.attention=cudnn"],
+    "precision: 'fp64' is invalid": ["bench-offload", *CONFIG, "precision=fp64"],
 }
 
 
@@ -108,7 +142,7 @@ def test_help_and_refusals_load_no_jax():
     (`REFUSED_CONFIGS`), answered before JAX, Flax, Orbax or the library's train step load:
     ~0.15 s of CPU for such a child, where one that loads them pays ~3.3 s. One fresh child for
     all (a module once loaded stays loaded, so what loads shows at the end); then a refusal of the
-    body's (a remat policy the library's table lacks: `checks.validate`), which loads the library first,
+    body's (LoRA targets the decoder lacks: `checks.validate`), which loads the library first,
     without IPython."""
     code = (
         "import sys; from fsdp_jax.app.cli import entry\n"
@@ -120,7 +154,7 @@ def test_help_and_refusals_load_no_jax():
         "    assert entry.main(argv) == 2, argv\n"
         f"print(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r} or m.startswith({HEAVY!r})))\n"
         # a body that runs loads the face first, as `import fsdp_jax` did: Flax without IPython
-        "assert entry.main(['train', '--config', 'configs/tiny.yaml', 'remat=bogus']) == 2\n"
+        "assert entry.main(['train', '--config', 'configs/tiny.yaml', 'lora.targets=bogus']) == 2\n"
         "print('IPython' in sys.modules, 'jax' in sys.modules)"
     )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
@@ -134,7 +168,11 @@ def test_help_and_refusals_load_no_jax():
     assert all(line.startswith("error: ") for line in lines), lines
     words = ["config file not found", "train.stepz: unknown key", "model.rope_type: 'ntk' is invalid"]
     words += ["mesh.rules.mlp: 'bogus' is invalid", "override: 'no_equals_sign' is not key=value"]
-    words += ["train.steps: -1 is invalid", "remat: 'bogus' is invalid", "model.attention: 'bogus' is invalid"]
+    words += [
+        "train.steps: -1 is invalid",
+        "lora.targets: bogus matches no weight",
+        "model.attention: 'bogus' is invalid",
+    ]
     words += list(REFUSED_FLAGS) + list(REFUSED_ACROSS)
     assert [w for w in words if not any(w in line for line in lines)] == []
     with_config = {
@@ -250,30 +288,77 @@ def test_one_parser_class_and_one_use_cpu_devices():
     assert devices == ["fsdp_jax/app/devices.py"]
 
 
-def _console(*args, cwd=ROOT):
-    """`fsdp-jax ARGS` as pip's console-script wrapper runs it: the entry point declared in
-    pyproject.toml's [project.scripts], called with sys.argv[0] = 'fsdp-jax'."""
+# one child runs the declared `fsdp-jax` entry point for every script's case, as pip's console-script
+# wrapper calls it (sys.argv[0] = 'fsdp-jax', `sys.exit(func())`), each case's stdout and stderr taken
+# at the file descriptors: {script: [exit code, stdout, stderr]}
+_CONSOLE = """
+import json, os, sys, tempfile
+from {module} import {func}
+out = {{}}
+for script, argv in json.loads(sys.argv[1]).items():
+    with tempfile.TemporaryFile() as o, tempfile.TemporaryFile() as e:
+        sys.stdout.flush(); sys.stderr.flush()
+        saved = os.dup(1), os.dup(2)
+        os.dup2(o.fileno(), 1); os.dup2(e.fileno(), 2)
+        sys.argv = ["fsdp-jax", *argv]
+        try:
+            sys.exit({func}())
+        except SystemExit as x:
+            rc = x.code
+        sys.stdout.flush(); sys.stderr.flush()
+        os.dup2(saved[0], 1); os.dup2(saved[1], 2)
+        o.seek(0); e.seek(0)
+        out[script] = [rc, o.read().decode(), e.read().decode()]
+print(json.dumps(out))
+"""
+
+
+def _shim_args(script, where: Path) -> list[str]:
+    """The first bad value of `script`'s first flag that has one (tests/test_hostile_flags.py's table)."""
+    flag, values = next((f, v) for f, v in BAD_FLAG_VALUES[script].items() if not isinstance(v, str))
+    return _fill(BASE_ARGS[script] + [flag, values[0]] + TAIL_ARGS.get(script, []), where)
+
+
+@pytest.fixture(scope="module")
+def shim_dir(tmp_path_factory):
+    """The paths the shim cases name (nothing is written: each case is refused)."""
+    where = tmp_path_factory.mktemp("shims")
+    for d in ("a_dir", "new", "run", "src"):
+        (where / d).mkdir()
+    (where / "a_file").write_text("x")
+    (where / "run" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    (where / "src" / "a.txt").write_text("some text\n" * 50)
+    return where
+
+
+@pytest.fixture(scope="module")
+def console_results(shim_dir):
+    """{script: (exit code, stdout, stderr)} of `fsdp-jax <command> <bad flag>` for every script, from the
+    declared entry point in one fresh process (`_CONSOLE`; a child per script cost ~1.5-30 s each)."""
     target = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]["fsdp-jax"]
     module, func = target.split(":")
-    code = f"import sys; sys.argv[0] = 'fsdp-jax'; from {module} import {func}; sys.exit({func}())"
+    cases = {script: [entry.SCRIPTS[script], *_shim_args(script, shim_dir)] for script in SHIMS}
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run(
-        [sys.executable, "-c", code, *map(str, args)], cwd=cwd, capture_output=True, text=True, env=env, timeout=120
+    r = subprocess.run(
+        [sys.executable, "-c", _CONSOLE.format(module=module, func=func), json.dumps(cases)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
+    assert r.returncode == 0 and not r.stderr.strip(), r.stderr[-2000:]
+    return {script: tuple(v) for script, v in json.loads(r.stdout).items()}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script", SHIMS)
-def test_the_shim_and_the_console_entry_give_the_same_exit_and_line(script, tmp_path):
-    """`python scripts/X.py <bad flag>` and `fsdp-jax <command> <bad flag>` (the declared entry
-    point, in a fresh process each): the same exit code 2 and the same one line."""
-    flag, values = next((f, v) for f, v in BAD_FLAG_VALUES[script].items() if not isinstance(v, str))
-    for d in ("a_dir", "new", "run", "src"):
-        (tmp_path / d).mkdir()
-    (tmp_path / "a_file").write_text("x")
-    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
-    (tmp_path / "src" / "a.txt").write_text("some text\n" * 50)
-    args = _fill(BASE_ARGS[script] + [flag, values[0]] + TAIL_ARGS.get(script, []), tmp_path)
+def test_the_shim_and_the_console_entry_give_the_same_exit_and_line(script, shim_dir, console_results):
+    """`python scripts/X.py <bad flag>` (a fresh process per script: its `__main__` entry and exit
+    code through the process boundary) and `fsdp-jax <command> <bad flag>` (the declared entry point,
+    all scripts' cases in one fresh process: `console_results`): the same exit code 2, the same one
+    line, the same stdout."""
+    args = _shim_args(script, shim_dir)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     shim = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / f"{script}.py"), *args],
@@ -283,8 +368,7 @@ def test_the_shim_and_the_console_entry_give_the_same_exit_and_line(script, tmp_
         env=env,
         timeout=120,
     )
-    console = _console(entry.SCRIPTS[script], *args)
-    assert (shim.returncode, shim.stderr, shim.stdout) == (console.returncode, console.stderr, console.stdout)
+    assert (shim.returncode, shim.stdout, shim.stderr) == console_results[script]
     one_line(shim.returncode, shim.stderr)
 
 

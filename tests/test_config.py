@@ -246,8 +246,37 @@ def test_resume_names_changed_keys_but_not_keys_older_checkpoints_lack():
 
 
 def test_jax_free_names_are_the_librarys():
-    """The JAX-free copies the CLI checks before JAX (`config.early_checks`) are the library's own:
-    the strategy names in the table's order (the refusal lists them), the same aliases and MoE check."""
+    """The JAX-free copies the CLI checks before JAX (`config.early_checks`, `config.policy_checks`,
+    `planner.flag_values`) are the library's own: the strategy names in the table's order (the
+    refusal lists them), the same aliases and MoE check, the remat names in `REMAT_POLICIES`' order,
+    the same offload tables, and precision strings read to the `Policy` they parse to (or the same
+    error)."""
+    from fsdp_jax.app.planner.flag_values import STRATEGY_ORDER, parse_strategies
+    from fsdp_jax.nvme import NVME_OFFLOADS
+    from fsdp_jax.sharding import offload, offload_settings, precision_names, remat, remat_names
+    from fsdp_jax.sharding.precision import Policy
+
     assert tuple(strategy.STRATEGIES) == strategy_names.STRATEGY_NAMES
     assert strategy.ALIASES is strategy_names.ALIASES
     assert moe.moe_config_problem is moe_problems.moe_config_problem
+    assert tuple(remat.REMAT_POLICIES) == remat_names.REMAT_NAMES == remat_names.remat_names()
+    assert offload.OFFLOADS is offload_settings.OFFLOADS and NVME_OFFLOADS is offload_settings.NVME_OFFLOADS
+    assert sorted(STRATEGY_ORDER) == sorted(strategy.STRATEGIES)
+    assert parse_strategies("zero3,DDP,fsdp") == [strategy.get_strategy(n).name for n in ("zero3", "ddp")]
+    for name in ("ZeRO3", "hsdp", "shard_opt"):
+        assert strategy_names.strategy_name(name) == strategy.get_strategy(name).name
+    with pytest.raises(ValueError) as want:
+        strategy.get_strategy("zero9")
+    with pytest.raises(ValueError) as got:
+        strategy_names.strategy_name("zero9")
+    assert str(got.value) == str(want.value)
+    for text in ("params=float32,compute=bf16", "half", "compute=bfloat16,matmul=FP8,frozen=f16", "matmul=compute"):
+        policy = Policy.parse(text)
+        names = {f: None if v is None else getattr(v, "name", v) for f, v in vars(policy).items()}
+        assert precision_names.parse_fields(text) == names, text
+    for bad in ("bogus", "params=float64", "matmul=fp4", "compute=bf16,speed=fast", "frozen=int8"):
+        with pytest.raises(ValueError) as want:
+            Policy.parse(bad)
+        with pytest.raises(ValueError) as got:
+            precision_names.parse_fields(bad)
+        assert str(got.value) == str(want.value), bad

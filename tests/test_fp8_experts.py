@@ -14,7 +14,7 @@ import pytest
 from test_fp8 import STRATEGIES, batches, built, run, tree_max_diff
 from test_hf import GOLDEN
 
-from fsdp_jax.app.config.fp8_checks import check_fp8_gather
+from fsdp_jax.app.config.policy_checks import check_fp8_gather
 from fsdp_jax.app.config.schema import Config, Fp8Config
 from fsdp_jax.app.hf import load as hf
 from fsdp_jax.app.models.config import DecoderConfig

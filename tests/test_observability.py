@@ -17,8 +17,8 @@ import optax
 import pytest
 
 import fsdp_jax as fj
-from fsdp_jax.app.config.checks import parse_profile
 from fsdp_jax.app.config.parse import load_config
+from fsdp_jax.app.config.policy_checks import parse_profile
 from fsdp_jax.app.trainer import timing
 from fsdp_jax.app.trainer.loop import train
 from fsdp_jax.app.trainer.metrics import MetricsLog

@@ -20,8 +20,7 @@ from fsdp_jax.app.data import corpus as data_lib
 from fsdp_jax.app.data.windows import make_dataset
 from fsdp_jax.app.models.decoder import count_params
 from fsdp_jax.app.planner import estimate as pl
-from fsdp_jax.app.planner.flag_values import parse_bytes
-from fsdp_jax.app.planner.inputs import STRATEGY_ORDER
+from fsdp_jax.app.planner.flag_values import STRATEGY_ORDER, parse_bytes
 from fsdp_jax.app.planner.inspection import inspect_compiled
 from fsdp_jax.app.planner.report import format_table, sharding_warnings
 from fsdp_jax.app.trainer import loop as train_lib

@@ -9,15 +9,8 @@ layerwise    optimizer+params:nvme's step: params, state and grads in the files,
 
 from fsdp_jax.nvme.layer_files import LayerFiles, Layout
 from fsdp_jax.nvme.layerwise import LayerwiseStep, Pieces
-from fsdp_jax.nvme.step import (
-    HOST_BUFFERS,
-    LAYERED,
-    NVME_OFFLOADS,
-    PARAMS_NVME,
-    NvmeStep,
-    check_streamable,
-    labels_of,
-)
+from fsdp_jax.nvme.step import HOST_BUFFERS, LAYERED, NvmeStep, check_streamable, labels_of
+from fsdp_jax.sharding.offload_settings import NVME_OFFLOADS, PARAMS_NVME  # the settings this package serves
 
 __all__ = [
     "HOST_BUFFERS",

@@ -45,7 +45,6 @@ from fsdp_jax.errors import OffloadError
 from fsdp_jax.nvme import checkpoint_stream
 from fsdp_jax.nvme.layer_files import LayerFiles, Layout
 from fsdp_jax.sharding import offload, remat
-from fsdp_jax.sharding.offload import Offload
 from fsdp_jax.sharding.precision import Policy
 from fsdp_jax.train.build import Built
 from fsdp_jax.train.state import TrainState, state_shardings
@@ -56,16 +55,6 @@ from fsdp_jax.train.trainable import Trainable
 
 LAYERED, FLAT, OTHER = "layered", "flat", "other"
 HOST_BUFFERS = 3  # page-aligned host buffers of one layer each: read i+1 | update i | write i-1
-# offload settings served by this package (not in `sharding.offload.OFFLOADS`: nothing of the
-# state rests in host memory, and the jitted step of `build` does not run them)
-NVME_OFFLOADS: dict[str, Offload] = {
-    "optimizer:nvme": Offload("optimizer:nvme", params=False, opt_state=False, stream=True),
-    # the f32 master params of the scanned layers (and their grads) in the layer files too, the
-    # forward / backward fed a layer at a time from them (`fsdp_jax.nvme.layerwise`; planned by
-    # `app.planner.nvme_plan`, run by `app.trainer.params_nvme`)
-    "optimizer+params:nvme": Offload("optimizer+params:nvme", params=False, opt_state=False, stream=True),
-}
-PARAMS_NVME = "optimizer+params:nvme"
 
 
 def labels_of(optimizer, opt_state, layered):

@@ -10,9 +10,11 @@ memory policies (precision, remat, host offload). Decisions are data (`LeafShard
     replication   the replicated-bytes guard (`check_sufficiently_sharded`)
     flax_names    logical names read from Flax metadata
     strategy      ZeRO-3/2/1, DDP and HSDP as rows of a table (`STRATEGIES`, `make_plan`)
-    precision     the mixed-precision policy (`Policy`)
-    remat         activation checkpointing policies, one record each (`REMAT_POLICIES`)
-    offload       host memory kinds for optimizer state and master weights (`OFFLOADS`)
+    precision     the mixed-precision policy (`Policy`); precision_names: its text (data, no JAX)
+    remat         activation checkpointing policies, one record each (`REMAT_POLICIES`);
+                  remat_names: their names (data, no JAX)
+    offload       host memory kinds for optimizer state and master weights (`OFFLOADS`);
+                  offload_settings: the `offload:` settings, host and disk (data, no JAX)
 """
 
 from typing import TYPE_CHECKING
@@ -21,7 +23,7 @@ from fsdp_jax.lazy_face import lazy_face
 
 if TYPE_CHECKING:  # what static tools see; at run time each name loads on first use
     from fsdp_jax.sharding.mesh import make_mesh
-    from fsdp_jax.sharding.offload import OFFLOADS
+    from fsdp_jax.sharding.offload_settings import OFFLOADS
     from fsdp_jax.sharding.precision import Policy, cast_params_for_compute
     from fsdp_jax.sharding.remat import REMAT_POLICIES, RematPolicy, get_policy, with_remat
     from fsdp_jax.sharding.rule_table import DEFAULT_RULES, merge_rules
@@ -33,7 +35,7 @@ if TYPE_CHECKING:  # what static tools see; at run time each name loads on first
 # module -> the names of the face it defines (loaded on first use: `fsdp_jax.lazy_face`)
 _FACE: dict[str, tuple[str, ...]] = {
     "fsdp_jax.sharding.mesh": ("make_mesh",),
-    "fsdp_jax.sharding.offload": ("OFFLOADS",),
+    "fsdp_jax.sharding.offload_settings": ("OFFLOADS",),
     "fsdp_jax.sharding.precision": ("Policy", "cast_params_for_compute"),
     "fsdp_jax.sharding.remat": ("REMAT_POLICIES", "RematPolicy", "get_policy", "with_remat"),
     "fsdp_jax.sharding.rule_table": ("DEFAULT_RULES", "merge_rules"),

@@ -35,7 +35,6 @@ arguments are host-resident (`S(5)`), while `memory_analysis()` reports no host 
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -45,37 +44,10 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from fsdp_jax.errors import OffloadError
+from fsdp_jax.sharding.offload_settings import OFFLOADS, Offload  # the table, data without JAX
 
 HOST = "pinned_host"
 DEVICE = "device"
-
-
-@dataclasses.dataclass(frozen=True)
-class Offload:
-    """Which parts of the train state live in host memory between steps."""
-
-    name: str
-    params: bool
-    opt_state: bool
-    stream: bool = False  # the update fetches stacked leaves layer by layer (train.stream_update)
-    layers: bool = False  # the model's layer loop fetches stacked params layer by layer (train.layer_gather)
-
-    @property
-    def any(self) -> bool:
-        return self.params or self.opt_state
-
-
-OFFLOADS: dict[str, Offload] = {
-    o.name: o
-    for o in (
-        Offload("none", params=False, opt_state=False),
-        Offload("optimizer", params=False, opt_state=True),
-        Offload("optimizer+params", params=True, opt_state=True),
-        Offload("optimizer:streamed", params=False, opt_state=True, stream=True),
-        Offload("optimizer+params:streamed", params=True, opt_state=True, stream=True, layers=True),
-        Offload("optimizer+params:streamed-update", params=True, opt_state=True, stream=True),
-    )
-}
 
 
 def get_offload(name: "str | Offload | None") -> Offload:

@@ -16,36 +16,13 @@ import jax
 import jax.numpy as jnp
 
 from fsdp_jax.sharding.mesh import constrain
-
-_FIELDS = {
-    "params": "param_dtype",
-    "param": "param_dtype",
-    "compute": "compute_dtype",
-    "reduce": "reduce_dtype",
-    "output": "output_dtype",
-    "frozen": "frozen_dtype",
-    "matmul": "matmul",
-}
-# what `matmul=` may name: the projections' matmuls in FP8 (fsdp_jax.quant.fp8), or as compute
-MATMULS = ("fp8", "compute")
-_ALIASES = {
-    "fp32": "float32",
-    "f32": "float32",
-    "bf16": "bfloat16",
-    "fp16": "float16",
-    "f16": "float16",
-    "half": "float16",
-}
-_ALLOWED = ("float32", "bfloat16", "float16")
+from fsdp_jax.sharding.precision_names import dtype_name, matmul_name, split_fields
 
 
 def _dtype(name) -> jnp.dtype:
     if not isinstance(name, str):
         name = jnp.dtype(name).name
-    key = _ALIASES.get(name.lower(), name.lower())
-    if key not in _ALLOWED:
-        raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(_ALLOWED)} (or {', '.join(_ALIASES)})")
-    return jnp.dtype(key)
+    return jnp.dtype(dtype_name(name))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,9 +47,7 @@ class Policy:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if f.name == "matmul":
-                if v is not None and str(v).lower() not in MATMULS:
-                    raise ValueError(f"unknown matmul {v!r}; choose one of {', '.join(MATMULS)}")
-                object.__setattr__(self, f.name, None if v is None or str(v).lower() == "compute" else str(v).lower())
+                object.__setattr__(self, f.name, matmul_name(v))
             elif v is not None or f.name != "frozen_dtype":
                 object.__setattr__(self, f.name, _dtype(v))
 
@@ -86,17 +61,7 @@ class Policy:
         """Parse ``"params=float32,compute=bfloat16"``; a bare dtype sets compute only."""
         if spec is None or isinstance(spec, Policy):
             return spec or cls()
-        kwargs = {}
-        for part in filter(None, (p.strip() for p in str(spec).split(","))):
-            if "=" not in part:
-                kwargs["compute_dtype"] = part
-                continue
-            k, v = (x.strip() for x in part.split("=", 1))
-            if k not in _FIELDS:
-                raise ValueError(
-                    f"precision: unknown field {k!r} in {spec!r}; use {', '.join(sorted(set(_FIELDS) - {'param'}))}"
-                )
-            kwargs[_FIELDS[k]] = v
+        kwargs = split_fields(spec)  # ValueError naming an unknown key (`precision_names`)
         return cls(**kwargs)
 
     def __str__(self) -> str:

@@ -5,6 +5,7 @@
 - `STRATEGY_NAMES`: ZeRO-3, ZeRO-2, ZeRO-1, DDP, HSDP (PyTorch FSDP's ShardingStrategy names,
   lower case, plus `shard_opt` for ZeRO-1).
 - `ALIASES`: the DeepSpeed / PyTorch names users also type, each -> its strategy.
+- `strategy_name`: a name or alias -> its name, as `fsdp_jax.sharding.strategy.get_strategy` reads it.
 """
 
 STRATEGY_NAMES: tuple[str, ...] = ("full_shard", "shard_grad_op", "shard_opt", "no_shard", "hybrid_shard")
@@ -16,3 +17,14 @@ ALIASES: dict[str, str] = {
     "ddp": "no_shard",
     "hsdp": "hybrid_shard",
 }
+
+
+def strategy_name(name: str) -> str:
+    """A strategy's name or alias (any case) -> its name in `STRATEGY_NAMES`; ValueError listing
+    them and the aliases (`get_strategy`'s error for a name its table lacks)."""
+    key = ALIASES.get(str(name).lower(), str(name).lower())
+    if key not in STRATEGY_NAMES:
+        raise ValueError(
+            f"unknown strategy {name!r}; choose one of {', '.join(STRATEGY_NAMES)} (aliases: {', '.join(ALIASES)})"
+        )
+    return key

@@ -44,7 +44,8 @@ def config_before_jax(args: argparse.Namespace) -> None:
 def config_agrees_before_jax(args: argparse.Namespace) -> None:
     """`config_before_jax`, then the checks across the config's fields that need no JAX
     (`fsdp_jax.app.config.early_checks.check_before_jax`: heads, decoder, MoE, data fields,
-    run_dir, mesh), the start of the body's `checks.validate`. A command whose body checks
+    run_dir, mesh, remat, offload, distributed, precision, train, MTP, FP8, cuDNN attention's
+    compute dtype), the start of the body's `checks.validate`. A command whose body checks
     flags first calls it after its own flag checks that need no JAX. Skipped for
     `init_from=hf:PATH` (the model section is filled after JAX)."""
     cfg = None if args.config is None else read_config(args.config, args.overrides)

@@ -14,10 +14,11 @@ the ratio shows the program's overhead, not PCIe time. Exit codes: 0, 2 bad inpu
 
 from __future__ import annotations
 
-from fsdp_jax.app.cli.args import add_config, config_before_jax
+from fsdp_jax.app.cli.args import add_config, config_agrees_before_jax, config_before_jax
 from fsdp_jax.app.cli.command import run_command
 from fsdp_jax.app.cli.flags import Parser, int_in
-from fsdp_jax.errors import OffloadError
+from fsdp_jax.errors import OffloadError, UsageError
+from fsdp_jax.sharding.strategy_names import strategy_name
 
 
 def build_parser(prog: str | None = None) -> Parser:
@@ -38,5 +39,17 @@ def _errors():
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
     return run_command(
-        build_parser(prog), "fsdp_jax.app.cli.run.bench_offload:run", argv, errors=_errors, before=config_before_jax
+        build_parser(prog), "fsdp_jax.app.cli.run.bench_offload:run", argv, errors=_errors, before=_before
     )
+
+
+def _before(args) -> None:
+    """The refusals that need no JAX, in the order the command always gave them: the config
+    field by field, then --strategy (the body's first check), then the checks across the
+    config's fields that need no JAX (the start of the body's `validate`)."""
+    config_before_jax(args)
+    try:
+        strategy_name(args.strategy)
+    except ValueError as e:  # an unknown name, listing the choices
+        raise UsageError(f"--strategy: {e}") from None
+    config_agrees_before_jax(args)

@@ -33,10 +33,18 @@ from __future__ import annotations
 
 import sys
 
-from fsdp_jax.app.cli.args import add_config, add_target, config_agrees_before_jax, config_before_jax
+from fsdp_jax.app.cli.args import (
+    add_config,
+    add_target,
+    check_out_file,
+    config_agrees_before_jax,
+    config_before_jax,
+    require,
+)
 from fsdp_jax.app.cli.command import run_command
 from fsdp_jax.app.cli.flags import Parser, int_in, real_in
-from fsdp_jax.app.planner.flag_values import check_plan_flags
+from fsdp_jax.app.host_memory import stated_host_memory
+from fsdp_jax.app.planner.flag_values import check_plan_flags, parse_bytes
 from fsdp_jax.errors import PlanError, TargetError
 
 
@@ -132,7 +140,17 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
 def _before(args) -> None:
     """The refusals that need no JAX, in the order the command always gave them: the config
-    field by field, then the flags up to the first that needs the library (`check_plan_flags`)."""
+    field by field, then the flags up to the first that needs JAX (`check_plan_flags`; without a
+    --target also --plot and the host memory, as the body checks them next), then the checks
+    across the config's fields."""
     config_before_jax(args)
     check_plan_flags(args)
+    if not args.search and args.target is None:
+        if args.plot:
+            check_out_file(args.plot, "--plot")
+            require("matplotlib", "--plot")
+        if args.host_memory is not None:
+            parse_bytes(args.host_memory, "--host-memory")
+        else:
+            stated_host_memory()  # FSDP_JAX_HOST_MEMORY, if set, is a size
     config_agrees_before_jax(args)  # the checks across fields that need no JAX

@@ -32,7 +32,7 @@ from __future__ import annotations
 from fsdp_jax.app.cli.args import add_config, add_devices, config_agrees_before_jax, config_before_jax
 from fsdp_jax.app.cli.command import run_command
 from fsdp_jax.app.cli.flags import Parser, int_in, real_in
-from fsdp_jax.app.planner.flag_values import parse_devices
+from fsdp_jax.app.planner.flag_values import parse_devices, parse_strategies
 from fsdp_jax.errors import PlanError, VerifyError
 
 
@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
 def _before(args) -> None:
     """The refusals that need no JAX, in the order the command always gave them: the config
-    field by field, then --devices (--strategies, next, reads the library's names)."""
+    field by field, then --devices and --strategies (the body's first two checks)."""
     config_before_jax(args)
     parse_devices(args.devices)
+    parse_strategies(args.strategies)
     config_agrees_before_jax(args)  # the checks across fields that need no JAX

@@ -1,19 +1,20 @@
 """The checks across a run config's fields that need no JAX, in `checks.validate`'s order:
 heads vs kv heads and head dim, the decoder's family switches, the MoE fields, the data fields,
-run_dir, the mesh sizes and strategy name. The CLI runs them (`check_before_jax`, from
+run_dir, the mesh sizes and strategy name, then the policies (`policy_checks`: remat, offload,
+distributed, precision, train), multi-token prediction (`mtp_checks`), FP8 and cuDNN attention's
+compute dtype. The CLI runs them (`check_before_jax`, from
 `fsdp_jax.app.cli.args.config_agrees_before_jax`) so such a refusal comes before JAX loads;
-`checks.validate` runs them again, then the rest.
+`checks.validate` runs them again, then the rest (LoRA against the decoder, the device count).
 Every failure is a one-line ConfigError naming the dotted key, the value and what is allowed.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
+from fsdp_jax.app.config.mtp_checks import check_mtp
+from fsdp_jax.app.config.policy_checks import check, check_attention_precision, check_fp8, check_policies
 from fsdp_jax.app.config.schema import Config
 from fsdp_jax.app.models.config import DecoderConfig
 from fsdp_jax.app.models.moe_problems import moe_config_problem
-from fsdp_jax.errors import ConfigError
 from fsdp_jax.sharding.strategy_names import ALIASES, STRATEGY_NAMES
 
 
@@ -26,11 +27,10 @@ def check_before_jax(cfg: Config) -> None:
     _check_data_fields(cfg)
     _check_run_dir(cfg)
     _check_mesh(cfg)
-
-
-def check(ok: bool, key: str, value: Any, allowed: str) -> None:
-    if not ok:
-        raise ConfigError(key, f"{value!r} is invalid; {allowed}")
+    check_policies(cfg)  # remat, offload, distributed, precision, train
+    check_mtp(cfg)
+    check_fp8(cfg)
+    check_attention_precision(cfg)
 
 
 def _check_heads(m: DecoderConfig) -> None:

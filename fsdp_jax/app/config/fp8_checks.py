@@ -1,5 +1,6 @@
-"""The run config against FP8 (`precision: ...,matmul=fp8`, the `fp8:` section, docs/fp8.md):
-what it trains, and the device or planning target it runs on."""
+"""The run config against FP8 (`precision: ...,matmul=fp8`, docs/fp8.md): the device or planning
+target it runs on, and the dtype routed experts compute in. What FP8 trains (`check_fp8`, the
+`fp8:` section) needs no JAX: `fsdp_jax.app.config.policy_checks`."""
 
 from __future__ import annotations
 
@@ -12,49 +13,11 @@ from fsdp_jax.app.models.grouped_matmul import resolve
 from fsdp_jax.errors import ConfigError
 from fsdp_jax.quant.fp8 import device_problem
 from fsdp_jax.sharding.precision import Policy
-from fsdp_jax.sharding.strategy_names import ALIASES
 from fsdp_jax.targets.tpu import is_tpu
-
-GATHERING = ("full_shard", "hybrid_shard")  # strategies that gather params per layer (`fp8.gather` applies)
 
 
 def _fp8(cfg: Config) -> bool:
     return Policy.parse(cfg.precision).matmul == "fp8"
-
-
-def check_fp8(cfg: Config) -> None:
-    """matmul=fp8 trains a whole model with the next-token loss (not LoRA, not a preference loss)."""
-    if not _fp8(cfg):
-        return
-    if cfg.lora.rank != 0:
-        raise ConfigError(
-            "lora.rank", f"{cfg.lora.rank!r} is invalid; must be 0 with precision matmul=fp8 (FP8 trains whole models)"
-        )
-    if cfg.objective != "sft":
-        raise ConfigError("objective", f"{cfg.objective!r} is invalid; must be sft with precision matmul=fp8")
-    check_fp8_gather(cfg)
-
-
-def check_fp8_gather(cfg: Config) -> None:
-    """`fp8.gather: true` only where weights are cast before a per-layer gather: full_shard /
-    hybrid_shard; under the rowwise recipe, a model with routed experts (the dense projections
-    cast after the gather; the experts cast each shard along the dim each GEMM contracts,
-    `fp8_rowwise_experts`). Left unset (null) it applies wherever it can."""
-    if cfg.fp8.gather is not True:
-        return
-    strategy = ALIASES.get(cfg.mesh.strategy.lower(), cfg.mesh.strategy.lower())
-    if strategy not in GATHERING:
-        raise ConfigError(
-            "fp8.gather",
-            f"true is invalid with mesh.strategy={cfg.mesh.strategy}: only {' / '.join(GATHERING)} gather "
-            "weights per layer (leave it unset or false)",
-        )
-    if cfg.fp8.recipe == "rowwise" and not cfg.model.n_experts:
-        raise ConfigError(
-            "fp8.gather",
-            "true is invalid with fp8.recipe=rowwise and no routed experts: the projections' scales are per row "
-            "and column of each GEMM, cast after the gather (leave it unset or false)",
-        )
 
 
 def check_fp8_device(cfg: Config, platform: str, kind: str, compute_capability=None) -> None:

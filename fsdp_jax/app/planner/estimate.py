@@ -53,8 +53,9 @@ from fsdp_jax.app.planner.compile_child import (
     child_main,
     run_strategies,
 )
+from fsdp_jax.app.planner.flag_values import parse_strategies
 from fsdp_jax.app.planner.grpo_plan import grpo_split, row_cfg
-from fsdp_jax.app.planner.inputs import CLASSIC_NAMES, check_inputs, parse_strategies
+from fsdp_jax.app.planner.inputs import CLASSIC_NAMES, check_inputs
 from fsdp_jax.app.planner.memory_model import DEVICES_PER_HOST, analytic_vs_compiled
 from fsdp_jax.app.planner.report import fmt_bytes
 from fsdp_jax.app.planner.search_prediction import analytic_communication

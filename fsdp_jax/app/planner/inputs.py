@@ -26,9 +26,7 @@ from fsdp_jax.sharding.strategy import get_strategy
 from fsdp_jax.targets.gpu import make_target
 from fsdp_jax.targets.tpu_flags import flag_set
 
-# The classic table's order: DDP, ZeRO-1, ZeRO-2, ZeRO-3, then HSDP.
-STRATEGY_ORDER = ("no_shard", "shard_opt", "shard_grad_op", "full_shard", "hybrid_shard")
-CLASSIC_NAMES = {
+CLASSIC_NAMES = {  # the classic table's names, in `flag_values.STRATEGY_ORDER`
     "no_shard": "DDP",
     "shard_opt": "ZeRO-1",
     "shard_grad_op": "ZeRO-2",
@@ -38,26 +36,6 @@ CLASSIC_NAMES = {
 
 
 # ----------------------------------------------------------------------------- inputs
-
-
-def parse_strategies(text: str | Sequence[str] | None, what: str = "--strategies") -> list[str]:
-    """'all' (or None) -> every strategy in STRATEGY_ORDER; 'a,b' -> canonical names (aliases ok)."""
-    if text is None or (isinstance(text, str) and text.strip().lower() == "all"):
-        return list(STRATEGY_ORDER)
-    names = text.split(",") if isinstance(text, str) else list(text)
-    out = []
-    for n in (x.strip() for x in names):
-        if not n:
-            continue
-        try:
-            s = get_strategy(n).name
-        except ValueError as e:
-            raise PlanError(f"{what}: {e}") from None
-        if s not in out:
-            out.append(s)
-    if not out:
-        raise PlanError(f"{what}: {text!r} names no strategy; use all or e.g. full_shard,no_shard")
-    return out
 
 
 def resolve_target(args):

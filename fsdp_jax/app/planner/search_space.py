@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fsdp_jax.app.planner.abstract_step import mesh_shape
-from fsdp_jax.app.planner.inputs import STRATEGY_ORDER
+from fsdp_jax.app.planner.flag_values import STRATEGY_ORDER
 from fsdp_jax.app.planner.nvme_plan import is_nvme
 from fsdp_jax.errors import SearchError
 from fsdp_jax.sharding.precision import Policy

@@ -47,7 +47,7 @@ from typing import Callable
 
 import jax
 
-from fsdp_jax.app.config.checks import parse_profile
+from fsdp_jax.app.config.policy_checks import parse_profile
 from fsdp_jax.errors import ConfigError
 
 # Test hook: seconds slept after each train batch is fetched (charged to `data`).

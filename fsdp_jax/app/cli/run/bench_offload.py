@@ -15,7 +15,8 @@ from fsdp_jax.app.devices import use_cpu_devices
 from fsdp_jax.app.planner.abstract_step import build_step, sample_batch
 from fsdp_jax.app.trainer.setup import load_run_config
 from fsdp_jax.errors import UsageError
-from fsdp_jax.sharding.offload import OFFLOADS, transfer_bytes
+from fsdp_jax.sharding.offload import transfer_bytes
+from fsdp_jax.sharding.offload_settings import OFFLOADS
 from fsdp_jax.sharding.strategy import get_strategy
 
 

@@ -6,8 +6,8 @@ import json
 import sys
 
 from fsdp_jax.app.planner.compile_child import run_strategies
-from fsdp_jax.app.planner.flag_values import parse_bytes
-from fsdp_jax.app.planner.inputs import check_inputs, load_planning_config, parse_strategies, resolve_target
+from fsdp_jax.app.planner.flag_values import parse_bytes, parse_strategies
+from fsdp_jax.app.planner.inputs import check_inputs, load_planning_config, resolve_target
 from fsdp_jax.app.planner.report import format_inspection
 from fsdp_jax.errors import PlanError
 from fsdp_jax.sharding.strategy import get_strategy

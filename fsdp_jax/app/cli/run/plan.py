@@ -13,33 +13,22 @@ from fsdp_jax.app.host_memory import HOST_MEMORY_ENV, fmt_size, host_memory, sta
 from fsdp_jax.app.objectives.grpo_run import is_grpo
 from fsdp_jax.app.planner import search_report
 from fsdp_jax.app.planner.estimate import format_offload_table, plan_config
-from fsdp_jax.app.planner.flag_values import check_plan_flags, parse_bytes, parse_devices
-from fsdp_jax.app.planner.inputs import load_planning_config, parse_strategies, resolve_target
+from fsdp_jax.app.planner.flag_values import (
+    check_plan_flags,
+    parse_bytes,
+    parse_devices,
+    parse_offloads,
+    parse_strategies,
+)
+from fsdp_jax.app.planner.inputs import load_planning_config, resolve_target
 from fsdp_jax.app.planner.nvme_plan import disk_bytes_per_s
 from fsdp_jax.app.planner.report import format_table, plot_plan
 from fsdp_jax.app.planner.search import search
 from fsdp_jax.app.planner.search_space import Limits, SearchSpace, attention_kernels
 from fsdp_jax.errors import PlanError, SearchError
 from fsdp_jax.nvme import NVME_OFFLOADS
-from fsdp_jax.sharding import offload
 from fsdp_jax.targets.gpu import device_memory
 from fsdp_jax.verify.run import devices_for
-
-OFFLOADS = {**offload.OFFLOADS, **NVME_OFFLOADS}  # host memory, and local disks (fsdp_jax.nvme)
-
-
-def parse_offloads(text: str | None) -> list[str] | None:
-    """`--offload`: None (the config's), one setting, a comma list, or `all`."""
-
-    if text is None:
-        return None
-    names = list(OFFLOADS) if text.strip() == "all" else [t.strip() for t in text.split(",")]
-    bad = [t for t in names if t not in OFFLOADS]
-    if bad or not names:
-        raise PlanError(
-            f"--offload: {bad[0] if bad else text!r} is not one of {', '.join(OFFLOADS)} (or all, or a comma list)"
-        )
-    return list(dict.fromkeys(names))
 
 
 def plan_host_memory(args, target) -> tuple[int, str] | None:

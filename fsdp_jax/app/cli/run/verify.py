@@ -15,8 +15,7 @@ from fsdp_jax.app.exits import fail_env
 from fsdp_jax.app.models.decoder import count_params
 from fsdp_jax.app.models.lora import adapter_mask
 from fsdp_jax.app.objectives.grpo_run import check_grpo_config, is_grpo
-from fsdp_jax.app.planner.flag_values import parse_devices
-from fsdp_jax.app.planner.inputs import parse_strategies
+from fsdp_jax.app.planner.flag_values import parse_devices, parse_strategies
 from fsdp_jax.app.trainer.build import (
     has_loss_aux,
     has_router_aux,
