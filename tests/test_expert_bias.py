@@ -63,14 +63,14 @@ def reference_rule(bias: np.ndarray, counts: np.ndarray) -> np.ndarray:
     )
 
 
-def run(mesh, steps=1, strategy="full_shard", rules=None, microbatches=1, resume_dir=None):
-    """`steps` AdamW steps from the golden on its tokens: (bias after each step, aux of the first
-    step, losses, the opt state's leaves); `resume_dir`: checkpoint after step 1, restore, go on."""
+def build_run(mesh, strategy="full_shard", rules=None, microbatches=1):
+    """The golden's AdamW step with the rule on `mesh` under `strategy` (one trace and compile
+    for every `run` from it)."""
     ckpt = hf.HFCheckpoint(GOLDEN / NAME)
     cfg = dataclasses.replace(ckpt.config, bias_update_speed=U)
     m = from_nnx(lambda r: Decoder(cfg, rngs=r))
     tx = without_bias_state(optax.adamw(1e-2, weight_decay=0.1, mask=decay_mask))
-    built = build(
+    return build(
         m,
         tx,
         mesh,
@@ -82,7 +82,13 @@ def run(mesh, steps=1, strategy="full_shard", rules=None, microbatches=1, resume
         microbatches=microbatches,
         post_update=bias_rule(cfg),
     )
-    state = built.state_from_params(hf.load_params(ckpt, built.abstract_state.params))
+
+
+def run(built, steps=1, resume_dir=None):
+    """`steps` steps of `built` (`build_run`) from the golden on its tokens: (bias after each step,
+    aux of the first step, losses, the opt state's leaves); `resume_dir`: checkpoint after step 1,
+    restore, go on."""
+    state = built.state_from_params(hf.load_params(hf.HFCheckpoint(GOLDEN / NAME), built.abstract_state.params))
     batch = jnp.asarray(np.tile(golden()["tokens"], (ROWS // 2, 1)), jnp.int32)
     biases, losses, first = [], [], None
     for i in range(steps):
@@ -99,8 +105,13 @@ def run(mesh, steps=1, strategy="full_shard", rules=None, microbatches=1, resume
 
 
 @pytest.fixture(scope="module")
-def one_device():
-    return run(make_mesh(1, 1, 1, devices=jax.devices()[:1]), steps=2)
+def one_device_built():
+    return build_run(make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+
+
+@pytest.fixture(scope="module")
+def one_device(one_device_built):
+    return run(one_device_built, steps=2)
 
 
 @pytest.mark.slow  # one train-step compile of the golden: 12-16 s here
@@ -135,16 +146,18 @@ def test_every_strategy_and_expert_parallelism_match_one_device(one_device):
     biases, _, losses, _ = one_device
     cases = [(s, MESHES[s], None, 1) for s in MESHES] + [("full_shard", (1, 4, 2), EP, 2)]
     for strategy, shape, rules, mb in cases:
-        got, _, got_losses, _ = run(make_mesh(*shape), 2, strategy, rules, mb)
+        got, _, got_losses, _ = run(build_run(make_mesh(*shape), strategy, rules, mb), 2)
         for a, b in zip(got, biases):
             assert np.array_equal(a, b), (strategy, shape)
         assert np.abs(got_losses / losses - 1).max() <= 1e-5, (strategy, got_losses, losses)
 
 
 @pytest.mark.slow
-def test_resume_continues_the_bias_exactly(one_device, tmp_path):
+def test_resume_continues_the_bias_exactly(one_device, one_device_built, tmp_path):
+    """The one-device run again with a checkpoint and restore after step 1: the same step (its
+    compile shared with the fixture's run), so only the resume can make it differ."""
     biases, _, losses, _ = one_device
-    got, _, got_losses, _ = run(make_mesh(1, 1, 1, devices=jax.devices()[:1]), 2, resume_dir=tmp_path)
+    got, _, got_losses, _ = run(one_device_built, 2, resume_dir=tmp_path)
     assert np.array_equal(got[1], biases[1]) and np.array_equal(got_losses, losses)
 
 

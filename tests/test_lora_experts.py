@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from test_lora_moe import dropout_reference, merged_logits, moe_cfg, nonzero_b, tokens
+from test_lora_moe import dropout_reference, merged_logits, moe_cfg, nonzero_b, reference_train, tokens
 
 from fsdp_jax.app.hf import peft
 from fsdp_jax.app.models import lora as lora_lib
@@ -79,21 +79,41 @@ def test_base_as_without_adapters_step_zero_the_base_and_the_factored_form_the_m
     assert np.abs(want - np.asarray(plain.apply(only_attention, t))).max() > 1e-3  # the experts' adapters act
 
 
-MESHES = [
-    ("fsdp8", (1, 8, 1), None, "dropless"),
-    ("fsdp8-capacity", (1, 8, 1), None, "capacity"),
-    ("fsdp4-experts-over-tensor2", (1, 4, 2), {**DEFAULT_RULES, "expert": "tensor"}, "dropless"),
-    ("experts-over-data2-fsdp4", (2, 4, 1), {**DEFAULT_RULES, "expert": "data"}, "dropless"),
-    ("experts-over-data2-capacity", (2, 4, 1), {**DEFAULT_RULES, "expert": "data"}, "capacity"),
-]
+MESHES = {
+    "fsdp8": ((1, 8, 1), None, "dropless"),
+    "fsdp8-capacity": ((1, 8, 1), None, "capacity"),
+    "fsdp4-experts-over-tensor2": ((1, 4, 2), {**DEFAULT_RULES, "expert": "tensor"}, "dropless"),
+    "experts-over-data2-fsdp4": ((2, 4, 1), {**DEFAULT_RULES, "expert": "data"}, "dropless"),
+    "experts-over-data2-capacity": ((2, 4, 1), {**DEFAULT_RULES, "expert": "data"}, "capacity"),
+}
+# The parities' positions: a device's 12 x k token rows (1 row of 12 per device on 8) match no
+# expert tensor dim (16 x k = d_model), so the fsdp8 parities' compiled steps also serve the
+# search for frozen expert gradients (test_no_gradient_...): one compile per kind for both.
+# Parity does not depend on the length (the capacity kind's C = N holds at any N).
+SEQ = 12
+_REFERENCES: dict = {}
 
 
-def lora_trains_on_8_devices_as_on_one(cfg, spec, mesh, rules):
-    """3 SGD steps of `cfg`'s LoRA model (dropout on) on `mesh` under full_shard against the
-    one-device reference (tests/test_lora_moe.reference_train): losses within 1e-5, adapters
-    within 1e-5, the base unchanged bit for bit (the reference trained once per (cfg, spec):
-    test_lora_moe.dropout_reference); returns (adapters, reference adapters, start)."""
-    model, loss_fn, p0, base, ad0, data, run_key, ref_ad, ref_losses = dropout_reference(cfg, spec)
+def _reference(cfg, spec, seq):
+    """test_lora_moe.dropout_reference (shared with its tests) at 16 positions; at `seq` others,
+    the same computed here once per (cfg, spec, seq)."""
+    if seq == 16:
+        return dropout_reference(cfg, spec)
+    if (cfg, spec, seq) not in _REFERENCES:
+        model = trainer_model(cfg, "none", spec)
+        loss_fn = make_loss_fn(model, cfg, dropout=True)
+        p0 = nonzero_b(model.init(jax.random.key(0)))
+        base, ad0 = lora_lib.split(p0)
+        data, run_key = [tokens(cfg, seq=seq, seed=s) for s in range(3)], jax.random.key(5)
+        ref_ad, ref_losses = reference_train(loss_fn, base, ad0, data, run_key)
+        _REFERENCES[cfg, spec, seq] = (model, loss_fn, p0, base, ad0, data, run_key, ref_ad, ref_losses)
+    return _REFERENCES[cfg, spec, seq]
+
+
+def _parity(cfg, spec, mesh, rules, seq):
+    """lora_trains_on_8_devices_as_on_one's run and checks; returns (built, the (state, batch)
+    its step last ran on, adapters, reference adapters, start)."""
+    model, loss_fn, p0, base, ad0, data, run_key, ref_ad, ref_losses = _reference(cfg, spec, seq)
     built = build(
         model, lora_optimizer(SGD), make_mesh(*mesh), "full_shard", loss_fn=loss_fn, has_aux=True, rules=rules,
         trainable=lora_lib.adapter_mask, rng=run_key, min_shard_size=0, max_replicated_fraction=None,
@@ -106,13 +126,35 @@ def lora_trains_on_8_devices_as_on_one(cfg, spec, mesh, rules):
     got_base, got_ad = lora_lib.split(state.params)
     assert max_abs_diff(got_ad, ref_ad) < 1e-5
     assert max_abs_diff(got_base, base) == 0.0
-    return got_ad, ref_ad, ad0
+    return built, (state, data[0]), got_ad, ref_ad, ad0
+
+
+def lora_trains_on_8_devices_as_on_one(cfg, spec, mesh, rules, seq=16):
+    """3 SGD steps of `cfg`'s LoRA model (dropout on) on `mesh` under full_shard against the
+    one-device reference (tests/test_lora_moe.reference_train): losses within 1e-5, adapters
+    within 1e-5, the base unchanged bit for bit (the reference trained once per (cfg, spec, seq):
+    test_lora_moe.dropout_reference at 16 positions); returns (adapters, reference adapters, start)."""
+    return _parity(cfg, spec, mesh, rules, seq)[2:]
+
+
+_RUNS: dict = {}
+
+
+def expert_parity(name):
+    """MESHES[name]'s parity at SEQ positions, run and checked once per module: (adapters, start,
+    the text of the compiled step it ran on a (1, 8, 1) mesh, else None)."""
+    if name not in _RUNS:
+        mesh, rules, kind = MESHES[name]
+        built, args, got_ad, _, ad0 = _parity(KINDS[kind](), SPEC, mesh, rules, SEQ)
+        hlo = built.train_step.lower(*args).compile().as_text() if mesh == (1, 8, 1) else None
+        _RUNS[name] = (got_ad, ad0, hlo)
+    return _RUNS[name]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh,rules,kind", [m[1:] for m in MESHES], ids=[m[0] for m in MESHES])
-def test_expert_lora_trains_on_8_devices_as_on_one(mesh, rules, kind):
-    got_ad, _, ad0 = lora_trains_on_8_devices_as_on_one(KINDS[kind](), SPEC, mesh, rules)
+@pytest.mark.parametrize("name", MESHES)
+def test_expert_lora_trains_on_8_devices_as_on_one(name):
+    got_ad, ad0, _ = expert_parity(name)
     assert max_abs_diff(got_ad, ad0) > 1e-3  # the expert adapters moved
 
 
@@ -120,23 +162,22 @@ def test_expert_lora_trains_on_8_devices_as_on_one(mesh, rules, kind):
 @pytest.mark.slow
 def test_no_gradient_of_a_frozen_expert_tensors_shape_in_the_compiled_step(kind):
     """The adapters' step computes no result of an expert tensor's shape (one expert's, all
-    of a layer's, or the stack's) by a dot, scatter or reduction; training everything does."""
+    of a layer's, or the stack's) by a dot, scatter or reduction; training everything does.
+    The adapters' step is the fsdp8 parity's own compile (`expert_parity`); training
+    everything is the same build with no frozen leaf and plain SGD."""
     cfg = KINDS[kind]()
     e, d, f, layers = cfg.n_experts, cfg.d_model, cfg.moe_ffn_dim, cfg.n_layers
     one = {(d, f), (f, d)}
     shapes = one | {(e,) + s for s in one} | {(layers, e) + s for s in one}
-    model = trainer_model(cfg, "none", SPEC)
-    loss_fn = make_loss_fn(model, cfg)
-    found = {}
-    for name, trainable in (("lora", lora_lib.adapter_mask), ("full", None)):
-        opt = lora_optimizer(SGD) if trainable else SGD
-        built = build(
-            model, opt, make_mesh(1, 8, 1), loss_fn=loss_fn, has_aux=True, trainable=trainable, min_shard_size=0,
-            max_replicated_fraction=None,
-        )  # fmt: skip
-        # 12 positions: a device's 12 x k token rows match no expert tensor dim (16 x k = d_model)
-        hlo = built.train_step.lower(built.abstract_state, tokens(cfg, seq=12)).compile().as_text()
-        found[name] = weight_shaped_results(hlo, shapes)
+    fsdp8 = "fsdp8" if kind == "dropless" else f"fsdp8-{kind}"
+    found = {"lora": weight_shaped_results(expert_parity(fsdp8)[2], shapes)}
+    model, loss_fn, *_, run_key, _, _ = _reference(cfg, SPEC, SEQ)
+    built = build(
+        model, SGD, make_mesh(1, 8, 1), "full_shard", loss_fn=loss_fn, has_aux=True, rng=run_key, min_shard_size=0,
+        max_replicated_fraction=None,
+    )  # fmt: skip
+    hlo = built.train_step.lower(built.abstract_state, tokens(cfg, seq=SEQ)).compile().as_text()
+    found["full"] = weight_shaped_results(hlo, shapes)
     assert found["lora"] == [], found["lora"][:4]
     assert found["full"], "training everything computes the expert tensors' gradients: the search finds them"
 
