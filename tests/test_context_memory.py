@@ -3,6 +3,7 @@ activations divide by the `context` axis, ring attention's blocks replace the S 
 and the estimate holds against the compiled CPU step's peak at context 1 (the dense model's XLA
 attention), 2 and 4."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from fsdp_jax.app.config.parse import load_config
 from fsdp_jax.app.planner.abstract_step import build_step
 from fsdp_jax.app.planner.context_memory import context_attention_bytes, score_block
 from fsdp_jax.app.planner.memory_model import activation_bytes, analytic_memory
+from fsdp_jax.app.planner.residuals import everything_per_token
 from fsdp_jax.hlo.memory import compiled_memory
 from helpers import assert_analytic_holds_the_cpu_peak
 
@@ -51,6 +53,26 @@ def test_the_sequence_is_split_over_context():
     dots = context_attention_bytes(m, "dots", 2, SEQ, 4, 4, 2048)["saved"]
     assert dots >= 4 * 2 * m.n_heads * (SEQ // 4) ** 2 * 4
     assert context_attention_bytes(m, "save_attn_mlp_out", 2, SEQ, 4, 4, 2048)["saved"] == 0
+
+
+def test_ring_backward_is_the_larger_of_two_phases_on_xla_cpu():
+    """`phases` (analytic_memory on XLA:CPU): one layer's backward under the ring is the larger of
+    its MLP's phase (the recomputed activations) and its ring's (those less the second norm's and
+    out projection's outputs and gate / up / SiLU / product, c x (2D + 4F), plus the ring's working
+    set), not their sum; without a ring, and without `phases` (XLA:GPU), the sum as before."""
+    m = _cfg(1).model
+    for remat in ("full", "dots"):
+        for c in (2, 4):
+            summed = activation_bytes(m, remat, 8 // c, SEQ, "float32", context=c)
+            phased = activation_bytes(m, remat, 8 // c, SEQ, "float32", context=c, phases=True)
+            t = 8 // c * SEQ // c
+            assert summed["working"] - phased["working"] == t * 4 * (2 * m.d_model + 4 * m.ffn_dim), (remat, c)
+            assert (phased["layers"], phased["head"]) == (summed["layers"], summed["head"])
+    # the MLP's phase is the larger where the ring's working set is small (short rows)
+    short = activation_bytes(m, "full", 8, 16, "float32", context=2, phases=True)
+    flash = dataclasses.replace(m, attention="cudnn")
+    assert short["working"] == 8 * 16 // 2 * everything_per_token(flash, 16, 4)
+    assert activation_bytes(m, "full", 8, SEQ, "float32", phases=True) == activation_bytes(m, "full", 8, SEQ, "float32")
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,9 @@ F = ffn_dim, H = heads, S = seq_len, L = layers, V = vocab:
   T*(none + (4 + c)*H*S): with the probabilities in `none`, 8 + 2c bytes a score, the
   ring's rule for its score block (`context_memory`; read from the compiled buffers,
   docs/planning.md "Mixture of experts and context parallelism against the compiled peak");
+  with `mesh.context` > 1 planned for XLA:CPU, the larger of the MLP's phase (that) and the
+  ring's (the recomputed activations less the MLP's, `mlp_phase_per_token`, plus the ring's working set);
+  on the other platforms their sum;
 * plus the head: T*(c*D + V*(c + 4 + 4)) (final norm output, logits, f32
   log-softmax and its gradient).
 With `attention: cudnn` (flash attention) every S-squared term goes: `none` keeps the f32
@@ -94,13 +97,16 @@ def activation_bytes(
     dense_ragged: bool = False,
     exchange_shards: int = 1,
     context: int = 1,
+    phases: bool = False,
 ) -> dict[str, int]:
     """Activation bytes per device for the reference decoder: `layers` (what the layer
     loop keeps for backward), `working` (one layer's backward), `head` (logits and
     loss), and `total`. `batch_per_device`: sequences per device per microbatch;
     `context`: the `context` axis size (each sequence split over that many devices). A
     mixture of experts: its sparse layers' terms replace their dense MLP's
-    (`planner/moe_memory.py`; `expert_shards`, `dense_ragged`, `exchange_shards` are its arguments)."""
+    (`planner/moe_memory.py`; `expert_shards`, `dense_ragged`, `exchange_shards` are its arguments).
+    `phases`: with `context` > 1, one layer's backward is the larger of its MLP's and its ring's
+    (`mlp_phase_per_token`: XLA:CPU's schedule); else their sum."""
     c = np.dtype(compute_dtype).itemsize
     t = batch_per_device * seq_len // context  # tokens per device: the sequence split over `context`
     d, h, v = model_cfg.d_model, model_cfg.n_heads, model_cfg.vocab_size
@@ -117,9 +123,24 @@ def activation_bytes(
         layers += int(moe_memory.n_sparse(model_cfg) * t * sparse)
         moe_none = moe_memory.moe_working_per_token(model_cfg, t, c, expert_shards, dense_ragged, exchange_shards)
         working = max(none, none - moe_memory.dense_mlp_everything(model_cfg, c) + moe_none)
-    working = int(t * (working + (0 if flash(model_cfg) else (4 + c) * h * seq_len))) + ring["working"]
+    working = t * (working + (0 if flash(model_cfg) else (4 + c) * h * seq_len))
+    if phases and context > 1:  # the ring's phase: the layer's activations but the MLP's, and the ring
+        working = max(working, t * (none - mlp_phase_per_token(model_cfg, c)) + ring["working"])
+    else:
+        working += ring["working"]
+    working = int(working)
     head = t * (c * d + v * (c + 4 + 4))
     return {"layers": layers, "working": working, "head": head, "total": layers + working + head}
+
+
+def mlp_phase_per_token(model_cfg, compute_bytes: int) -> int:
+    """Bytes a token of what one layer's MLP backward reads and its ring attention's backward does
+    not: the second norm's output, the out projection's output, gate / up / SiLU / product,
+    c x (2D + 4F). XLA:CPU runs a layer's MLP backward to its end before the ring's, so at the
+    ring's peak none of them is live (docs/planning.md "Item 7's jax 0.12.0.1 ring cases": every
+    ring peak of tests/test_context_memory.py, jax 0.10.2 and 0.12.0.1); XLA:GPU schedules the
+    MLP's weight-gradient dots across the ring's backward, so its phases overlap (summed there)."""
+    return compute_bytes * (2 * model_cfg.d_model + 4 * model_cfg.ffn_dim)
 
 
 def analytic_memory(build: StepBuild, platform: str | None = None) -> dict[str, int]:
@@ -140,7 +161,8 @@ def analytic_memory(build: StepBuild, platform: str | None = None) -> dict[str, 
     grads = sum(shard_bytes(jax.ShapeDtypeStruct(p.shape, _held(p.dtype, gd), sharding=g)) for p, g in pairs)
     if cfg.train.microbatches > 1:  # plus the accumulator, in the params' dtype (fsdp_jax.train.step)
         grads += sum(shard_bytes(jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=g)) for p, g in pairs)
-    gathered = gathered_by_phase(build, keep, policy, platform or build.mesh.devices.flat[0].platform)
+    platform = platform or build.mesh.devices.flat[0].platform
+    gathered = gathered_by_phase(build, keep, policy, platform)
     act = activation_bytes(
         cfg.model,
         cfg.remat,
@@ -149,6 +171,7 @@ def analytic_memory(build: StepBuild, platform: str | None = None) -> dict[str, 
         policy.compute_dtype,
         *_moe_args(build),
         context=_context(build),
+        phases=platform == "cpu",
     )
     out = {
         "params": params,
@@ -265,6 +288,7 @@ def activations_by_remat(build: StepBuild) -> dict[str, int]:
             dtype,
             *_moe_args(build),
             context=_context(build),
+            phases=build.mesh.devices.flat[0].platform == "cpu",
         )["total"]
         for name in device_policies()
     }
