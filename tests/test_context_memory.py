@@ -101,7 +101,13 @@ def test_ring_attention_holds_the_compiled_peak_at_context_2_and_4(measured, rem
         assert_analytic_holds_the_cpu_peak(b, a, k["peak"], (remat, c))
     peaks = [measured[remat, c][2]["peak"] for c in (1, 2, 4)]
     acts = [measured[remat, c][1]["activations"] for c in (1, 2, 4)]
-    assert peaks[0] > peaks[1] > peaks[2] and acts[0] > acts[1] > acts[2], (peaks, acts)
+    assert acts[0] > acts[1] > acts[2], acts
+    if remat == "full":  # the score block, b x H x (S / C)^2 with b = C rows a device, shrinks as 1 / C
+        assert peaks[0] > peaks[1] > peaks[2], peaks
+    else:  # `dots` keeps every step's scores, C x b x H x (S / C)^2 = H x S^2 a layer at any C here (b = C):
+        # the ring removes the dense S x S terms, but its saved scores do not shrink from C = 2 to 4
+        # (jax 0.12.0.1 compiles C = 4 to 78.55 MB, C = 2 to 76.93 MB; 0.10.2 the other way round)
+        assert peaks[0] > max(peaks[1], peaks[2]), peaks
 
 
 @pytest.mark.slow
