@@ -151,18 +151,29 @@ def test_compiled_device_argument_bytes_drop_by_offloaded_state(offload):
     assert ol.offloaded_bytes(abstract)["host"] == expected
 
 
+def remat_loss_and_grads(name):
+    """(loss, grads) of the tiny model under remat policy `name` on one batch, and whether its
+    jaxpr sends residuals to host memory."""
+    batch = token_batches(1)[0]
+    m, loss_fn = tiny_llama(remat=name)
+    p = jax.jit(m.init)(jax.random.key(0))
+    out = jax.jit(jax.value_and_grad(loss_fn))(p, batch)
+    return out, "<host>" in str(jax.make_jaxpr(jax.value_and_grad(loss_fn))(p, batch))
+
+
+@pytest.fixture(scope="module")
+def remat_none():
+    """`remat_loss_and_grads("none")`, once for every offloading policy's case."""
+    return remat_loss_and_grads("none")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", sorted(remat_lib.offloading()))
-def test_offloading_remat_same_loss_and_grads_as_none(policy):
-    batch = token_batches(1)[0]
+def test_offloading_remat_same_loss_and_grads_as_none(policy, remat_none):
     out = {}
-    for name in ("none", policy):
-        m, loss_fn = tiny_llama(remat=name)
-        p = jax.jit(m.init)(jax.random.key(0))
-        out[name] = jax.jit(jax.value_and_grad(loss_fn))(p, batch)
-        jaxpr = str(jax.make_jaxpr(jax.value_and_grad(loss_fn))(p, batch))
+    for name, (out[name], host) in (("none", remat_none), (policy, remat_loss_and_grads(policy))):
         # the policy really sends residuals to host memory (and `none` does not)
-        assert ("<host>" in jaxpr) == (name != "none")
+        assert host == (name != "none")
     assert abs(float(out[policy][0]) - float(out["none"][0])) < 1e-6
     assert max_abs_diff(out[policy][1], out["none"][1]) < 1e-6
 
@@ -291,6 +302,19 @@ def test_config_rejects_unknown_offload(value):
 # ---- planner -------------------------------------------------------------------------
 
 
+# The trainer's config of the tiny model: the planner test plans it, the bench-offload test
+# benchmarks it (the same train steps: the compilation cache answers the second one's)
+PLAN_CONFIG = {
+    "model": {
+        k: getattr(CFG, k)
+        for k in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len")
+    },
+    "data": {"seq_len": 16},
+    "remat": "none",
+    "train": {"global_batch": 8},
+}
+
+
 @pytest.mark.slow
 def test_planner_host_bytes_analytic_equal_compiled():
     """The planner's analytic host bytes (from the sharding plan) equal the compiled
@@ -298,15 +322,9 @@ def test_planner_host_bytes_analytic_equal_compiled():
     from fsdp_jax.app.config.parse import config_from_dict
     from fsdp_jax.app.planner.one_strategy import plan_strategy
 
-    model = {
-        k: getattr(CFG, k)
-        for k in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len")
-    }
     out = {}
     for o in ("none", "optimizer+params", "optimizer+params:streamed"):
-        cfg = config_from_dict(
-            {"model": model, "data": {"seq_len": 16}, "remat": "none", "train": {"global_batch": 8}, "offload": o}
-        )
+        cfg = config_from_dict({**PLAN_CONFIG, "offload": o})
         out[o] = plan_strategy(cfg, "full_shard", jax.devices()[:8])
     a, c = out["optimizer+params"]["analytic"], out["optimizer+params"]["compiled"]
     assert a["host"] > 0 and a["host"] == c["host_argument"]
@@ -395,31 +413,12 @@ def test_bench_offload_bad_input_exits_2(args, needle, capsys):
 
 
 @pytest.mark.slow
-def test_bench_offload_json(capsys):
+def test_bench_offload_json(capsys, tmp_path):
     import json
 
-    assert (
-        script("bench_offload").main(
-            [
-                "--config",
-                str(ROOT / "configs" / "tiny.yaml"),
-                "--rounds",
-                "1",
-                "--steps",
-                "1",
-                "--json",
-                "model.d_model=32",
-                "model.n_layers=1",
-                "model.n_heads=2",
-                "model.n_kv_heads=1",
-                "model.ffn_dim=64",
-                "model.max_seq_len=16",
-                "data.seq_len=16",
-                "train.global_batch=8",
-            ]
-        )
-        == 0
-    )
+    config = tmp_path / "tiny.yaml"  # JSON is YAML
+    config.write_text(json.dumps(PLAN_CONFIG))
+    assert script("bench_offload").main(["--config", str(config), "--rounds", "1", "--steps", "1", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     r = doc["results"]
     assert set(r) == set(ol.OFFLOADS) and r["none"]["ratio_to_none"] == 1.0
