@@ -252,3 +252,62 @@ def assert_analytic_holds_the_cpu_peak(build, analytic: dict, peak: int, label) 
     )
     assert low >= 1 - PEAK_UNDER, (label, "under the compiled peak", round(low, 3))
     assert high <= 1 + PEAK_OVER, (label, "over the compiled peak", round(high, 3))
+
+
+# The child of `plans_in_one_child`: `plan` main(argv) for each argv list of argv[1] (a JSON list),
+# its compile child (`python -m fsdp_jax.app.planner.estimate`: compile_child.child_main) run in
+# this process for the target argv[2] names; prints [exit code, stdout, stderr tail] per run.
+_PLANS_CHILD = """
+import contextlib, io, json, subprocess, sys
+from fsdp_jax.app.cli.entry import SCRIPTS, command_module
+from fsdp_jax.app.planner import compile_child
+expected = json.loads(sys.argv[2])
+
+
+def in_process(request, n_devices, target):
+    # the environment is this child's (child_env of the expected target): another target's fails
+    assert target is not None and target.as_dict() == expected, (target, expected)
+    request["target"] = target.as_dict()
+    out, err = io.StringIO(), io.StringIO()
+    sys.stdin = io.StringIO(json.dumps(request))
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = compile_child.child_main()
+    finally:
+        sys.stdin = sys.__stdin__
+    return subprocess.CompletedProcess([], rc, out.getvalue(), err.getvalue()), target.describe()
+
+
+compile_child._run_child = in_process
+plan = command_module(SCRIPTS["plan"])
+results = []
+for argv in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = plan.main(argv)
+        except SystemExit as e:
+            rc = e.code
+    results.append([rc, out.getvalue(), err.getvalue()[-3000:]])
+print(json.dumps(results))
+"""
+
+
+def plans_in_one_child(target, runs: list[list]) -> list[tuple[int, str, str]]:
+    """(exit code, stdout, stderr tail) of `plan` main(argv) for each argv in `runs` (each naming
+    `target`, a `fsdp_jax.targets.gpu.Target`, with --target / --devices), all in one child process
+    from `targets.child_env(target=target)`: the command as `call` runs it, except that its compile
+    child is `child_main` in the same process, so Python, JAX and the plugin start once for all the
+    runs. Each run lowers the programs `call` would (the same compile keys, the same tests/compiled
+    seeds); on a GPU target the runs share one XLA:GPU kernel cache file, as one plan's strategies do
+    in plan's own child (`compile_child._run_child`)."""
+    import tempfile
+
+    from fsdp_jax.targets.gpu import child_env
+
+    with tempfile.TemporaryDirectory(prefix="fsdp_jax-plans-") as scratch:
+        env = child_env(
+            dict(os.environ, JAX_PLATFORMS="cpu"), kernel_cache=Path(scratch) / "xla_gpu_kernels.bin", target=target
+        )
+        argvs = json.dumps([[str(a) for a in argv] for argv in runs])
+        return [tuple(r) for r in json_child(_PLANS_CHILD, argvs, json.dumps(target.as_dict()), env=env)]

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from fsdp_jax.targets import gpu as targets
-from helpers import TINY_RUN_OVERRIDES, call, one_line
+from helpers import TINY_RUN_OVERRIDES, call, one_line, plans_in_one_child
 
 TINY = ["--config", "configs/tiny.yaml"]
 SHAPE = [  # head_dim 128 (the kernel's lane width), one kv head, packed rows of 2048
@@ -24,18 +24,37 @@ SHAPE = [  # head_dim 128 (the kernel's lane width), one kv head, packed rows of
 ]
 
 
-def _plan(capsys, *extra):
+_WINDOWED = ("model.sliding_window=512", "model.global_every=2", "model.attn_softcap=50.0", "model.qk_norm=true")
+_RING = ("mesh.context=2", "mesh.fsdp=2")
+# every plan the module's slow tests read (extra overrides after SHAPE)
+_CASES = [
+    ("model.attention=splash",),
+    ("model.attention=xla",),
+    ("model.attention=splash", *_WINDOWED),
+    ("model.attention=splash", *_RING),
+    ("model.attention=xla", *_RING),
+]
+
+
+@pytest.fixture(scope="module")
+def v6e_plan():
+    """`v6e_plan(*extra)`: full_shard's result of `plan --config tiny.yaml --target v6e --devices 4
+    --strategies full_shard --json <SHAPE> <extra>` for each of _CASES: the module's 5 plans in one
+    child (libtpu, Python and JAX started once, not 5 times)."""
     assert targets.plugin_installed(kind="tpu"), "libtpu missing: python -m fsdp_jax.targets install tpu"
-    args = [*TINY, "--target", "v6e", "--devices", 4, "--strategies", "full_shard", "--json", *SHAPE, *extra]
-    rc, out, err = call("plan", *args, capsys=capsys)
-    assert rc == 0, err[-3000:]
-    return json.loads(out)["strategies"]["full_shard"]
+    args = [*TINY, "--target", "v6e", "--devices", 4, "--strategies", "full_shard", "--json", *SHAPE]
+    results = plans_in_one_child(targets.make_target("v6e", devices=4), [[*args, *extra] for extra in _CASES])
+    got = {}
+    for extra, (rc, out, err) in zip(_CASES, results, strict=True):
+        assert rc == 0, (extra, err[-3000:])
+        got[extra] = json.loads(out)["strategies"]["full_shard"]
+    return lambda *extra: got[extra]
 
 
 @pytest.mark.slow
-def test_splash_compiles_for_v6e_without_s_by_s_logits(capsys):
-    splash = _plan(capsys, "model.attention=splash")
-    xla = _plan(capsys, "model.attention=xla")
+def test_splash_compiles_for_v6e_without_s_by_s_logits(v6e_plan):
+    splash = v6e_plan("model.attention=splash")
+    xla = v6e_plan("model.attention=xla")
     assert splash["platform"] == xla["platform"] == "tpu"
     # XLA attention keeps (B/dev 1) x 2 heads x 2048^2 f32 logits per layer: > 32 MiB;
     # splash's temporaries stay under a quarter of XLA's at this shape
@@ -45,15 +64,8 @@ def test_splash_compiles_for_v6e_without_s_by_s_logits(capsys):
 
 
 @pytest.mark.slow
-def test_splash_with_a_sliding_window_pattern_and_softcap_compiles(capsys):
-    r = _plan(
-        capsys,
-        "model.attention=splash",
-        "model.sliding_window=512",
-        "model.global_every=2",
-        "model.attn_softcap=50.0",
-        "model.qk_norm=true",
-    )
+def test_splash_with_a_sliding_window_pattern_and_softcap_compiles(v6e_plan):
+    r = v6e_plan("model.attention=splash", *_WINDOWED)
     assert r["compiled"]["peak"] > 0
 
 
@@ -67,13 +79,12 @@ def test_splash_on_cpu_is_one_line_exit_2(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_splash_per_ring_block_compiles_for_v6e_with_less_than_xla_blocks(capsys):
+def test_splash_per_ring_block_compiles_for_v6e_with_less_than_xla_blocks(v6e_plan):
     """mesh.context=2 (fsdp 2 x context 2): the trainer's step runs splash per ring block
     (ring_flash + ring_splash) and holds less than the ring's XLA blocks (one 1024 x 2048
     query chunk's f32 scores per head and layer) at the same shape."""
-    ctx = ["mesh.context=2", "mesh.fsdp=2"]
-    splash = _plan(capsys, "model.attention=splash", *ctx)
-    xla = _plan(capsys, "model.attention=xla", *ctx)
+    splash = v6e_plan("model.attention=splash", *_RING)
+    xla = v6e_plan("model.attention=xla", *_RING)
     assert splash["platform"] == xla["platform"] == "tpu"
     assert splash["compiled"]["temp"] < xla["compiled"]["temp"] / 2, (splash["compiled"], xla["compiled"])
     assert splash["compiled"]["peak"] < xla["compiled"]["peak"]
