@@ -4,6 +4,7 @@ backward, in both layouts; the tiny MoE model under every strategy against one d
 
 import collections
 import dataclasses
+import functools
 import re
 
 import jax
@@ -234,6 +235,33 @@ def moe_cfg(recipe="tensorwise"):
     )
 
 
+def moe_variant(recipe="tensorwise", *, ep=False, gather=None):
+    """`moe_cfg(recipe)`; `ep`: the experts split over `data` (all-to-all); `gather`: fp8.gather
+    (None: the config's default)."""
+    cfg = moe_cfg(recipe)
+    if ep:
+        cfg = dataclasses.replace(
+            cfg, mesh=dataclasses.replace(cfg.mesh, rules={**dict(cfg.mesh.rules), "expert": "data"})
+        )
+    return cfg if gather is None else dataclasses.replace(cfg, fp8=dataclasses.replace(cfg.fp8, gather=gather))
+
+
+@functools.cache
+def moe_build(recipe, strategy, n_devices, *, ep=False, gather=None):
+    """One build per (variant, strategy, devices) in this file: the parity runs and the lowered-step
+    checks of the same variant share it (one trace of its step; BENCHMARKS.md "Issue 55 item 6,
+    test_fp8*")."""
+    return built(moe_variant(recipe, ep=ep, gather=gather), strategy, n_devices)
+
+
+@functools.cache
+def moe_run(recipe, strategy, n_devices, steps, *, ep=False, gather=None):
+    """`run` of `moe_build(...)` over `batches(steps)`, once per file: (state on the host, losses).
+    The tensorwise one-device run is both the every-strategy test's reference and the rowwise
+    test's other recipe."""
+    return run(moe_build(recipe, strategy, n_devices, ep=ep, gather=gather), batches(steps))
+
+
 @pytest.mark.slow
 def test_every_strategy_equals_one_device_with_fp8_experts():
     """The tiny MoE (8 experts, top-2, dropless) with FP8 attention and experts, f32 compute,
@@ -243,7 +271,7 @@ def test_every_strategy_equals_one_device_with_fp8_experts():
     whichever device holds them); and the experts are FP8 (the run differs from matmul=compute
     by more than those bounds)."""
     cfg, data = moe_cfg(), batches(3)
-    ref, ref_losses = run(built(cfg, "no_shard", 1), data)
+    ref, ref_losses = moe_run("tensorwise", "no_shard", 1, 3)
     plain, _ = run(built(dataclasses.replace(cfg, precision="params=float32,compute=float32"), "no_shard", 1), data)
 
     def experts(p):
@@ -251,7 +279,7 @@ def test_every_strategy_equals_one_device_with_fp8_experts():
 
     first, worst = None, 0.0
     for strategy in STRATEGIES:
-        state, losses = run(built(cfg, strategy, 8), data)
+        state, losses = run(moe_build("tensorwise", strategy, 8), data)
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-4, err_msg=strategy)
         assert tree_max_diff(state.params, ref.params) < 5e-4, strategy
         worst = max(worst, tree_max_diff(experts(state.params), experts(ref.params)))
@@ -259,8 +287,7 @@ def test_every_strategy_equals_one_device_with_fp8_experts():
         assert tree_max_diff(state, first) < 1e-6, strategy
     # experts over `data` (2 x fsdp 4): an expert's rows arrive by all-to-all from its data
     # group and are spread over fsdp, the axis its amaxes are maxed over (measured: params 7.5e-9)
-    ep = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, rules={**dict(cfg.mesh.rules), "expert": "data"}))
-    state, losses = run(built(ep, "hybrid_shard", 8), data)
+    state, losses = run(moe_build("tensorwise", "hybrid_shard", 8, ep=True), data)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
     worst = max(worst, tree_max_diff(experts(state.params), experts(ref.params)))
     assert tree_max_diff(state.params, ref.params) < 5e-4
@@ -285,15 +312,14 @@ def test_expert_histories_equal_one_device_and_resume_exactly(tmp_path):
     for h in hists(ref).values():
         assert h.shape[-3:] == (8, 3, 4) and h[..., 1, :].all()  # weights: every expert, every step
         assert h[..., 2, :].any()
-    ep = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, rules={**dict(cfg.mesh.rules), "expert": "data"}))
     b = built(cfg, "full_shard", 8)
-    for c, strategy, b_ in ((cfg, "full_shard", b), (ep, "hybrid_shard", None)):
-        state, losses = run(b_ or built(c, strategy, 8), data)
+    runs = {"full_shard": run(b, data), "hybrid_shard": run(moe_build("delayed", "hybrid_shard", 8, ep=True), data)}
+    for strategy, (state, losses) in runs.items():
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-4, err_msg=strategy)
         assert tree_max_diff(state.params, ref.params) < 5e-4, strategy
         for k, h in hists(state).items():
             np.testing.assert_allclose(h, hists(ref)[k], rtol=1e-2, err_msg=f"{strategy} {k}")
-    straight, _ = run(b, data)
+    straight = runs["full_shard"][0]  # 4 steps straight: the full_shard run above (the same build, the same data)
     state = b.init_state(jax.random.key(0))
     with Checkpointer(tmp_path / "ckpt", async_save=False) as ckpt:
         for batch in data[:2]:
@@ -316,18 +342,20 @@ def test_rowwise_experts_equal_one_device():
     maxed over every device holding an expert's rows; the weight's scales over its shards), as
     does full_shard with `fp8.gather=false` (the compute-dtype gather, cast after), and the
     rowwise experts differ from the tensorwise ones by more than that."""
-    cfg, data = moe_cfg("rowwise"), batches(3)
-    ref, ref_losses = run(built(cfg, "no_shard", 1), data)
-    tensorwise, _ = run(built(moe_cfg("tensorwise"), "no_shard", 1), data)
+    data = batches(3)
+    ref, ref_losses = run(moe_build("rowwise", "no_shard", 1), data)
+    tensorwise, _ = moe_run("tensorwise", "no_shard", 1, 3)  # the every-strategy test's reference
 
     def experts(p):
         return [p["segments"][0]["layers"][0]["moe"][k] for k in ("w_gate", "w_up", "w_down")]
 
-    ep = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, rules={**dict(cfg.mesh.rules), "expert": "data"}))
-    off = dataclasses.replace(cfg, fp8=dataclasses.replace(cfg.fp8, gather=False))
     worst, states = 0.0, {}
-    for name, c, strategy in (("on", cfg, "full_shard"), ("ep", ep, "hybrid_shard"), ("off", off, "full_shard")):
-        state, losses = run(built(c, strategy, 8), data)
+    for name, strategy, ep, gather in (
+        ("on", "full_shard", False, None),
+        ("ep", "hybrid_shard", True, None),
+        ("off", "full_shard", False, False),
+    ):
+        state, losses = run(moe_build("rowwise", strategy, 8, ep=ep, gather=gather), data)
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-4, err_msg=name)
         assert tree_max_diff(state.params, ref.params) < 5e-4, name
         worst = max(worst, tree_max_diff(experts(state.params), experts(ref.params)))
@@ -338,9 +366,8 @@ def test_rowwise_experts_equal_one_device():
     assert tree_max_diff(experts(ref.params), experts(tensorwise.params)) > 10 * worst
 
 
-def lowered_step(cfg, strategy="full_shard") -> str:
-    """The tiny MoE's train step on 8 devices, lowered (not compiled): StableHLO text."""
-    b = built(cfg, strategy, 8)
+def lowered_step(b) -> str:
+    """A build's train step (the tiny MoE's on 8 devices), lowered (not compiled): StableHLO text."""
     batch = jax.ShapeDtypeStruct((8, 17), jnp.int32, sharding=b.plan.batch)
     return b.train_step.lower(b.abstract_state, batch).as_text()
 
@@ -367,14 +394,13 @@ def test_full_shard_gathers_expert_weights_in_f8_and_scatters_f32_grads(recipe):
     partitioner gathers the compute-dtype weight). Rowwise gathers the scales beside the data
     where the gathered dim is not the one a GEMM's cast contracts: w_down's per-column scales
     (8, 1, 32) forward, w_gate's and w_up's per-row scales (8, 32, 1) backward."""
-    cfg = moe_cfg(recipe)
-    on = lowered_step(cfg)
+    on = lowered_step(moe_build(recipe, "full_shard", 8))  # the builds the parity tests run
     gathers, scatters = collectives(on, "all_gather"), collectives(on, "reduce_scatter")
     assert {(32, 48, "f8E4M3FN"): 4, (48, 32, "f8E4M3FN"): 2} == gathers, gathers
     assert {(4, 48, "f32"): 2, (48, 4, "f32"): 1} == scatters, scatters
     scales = collectives(on, "all_gather", {"1", "32"})
     assert scales == ({(1, 32, "f32"): 1, (32, 1, "f32"): 2} if recipe == "rowwise" else {}), scales
-    off = lowered_step(dataclasses.replace(cfg, fp8=dataclasses.replace(cfg.fp8, gather=False)))
+    off = lowered_step(moe_build(recipe, "full_shard", 8, gather=False))
     assert not collectives(off, "all_gather") and not collectives(off, "reduce_scatter")
 
 
