@@ -10,7 +10,9 @@ compiled program is (HLO lines, while loops, sorts, gathers, fusions, collective
 Each measurement runs in a fresh child process with no persistent compilation cache, so every
 compile is cold; CPU seconds (user + sys of the child's threads) of the median run. Run it with
 another interpreter (jax 0.12) for that jax: `--flags` must then hold only flags its jaxlib
-knows (0.12.0.1 has no `--xla_cpu_use_fusion_emitters`).
+knows (0.12.0.1 has no `--xla_cpu_use_fusion_emitters`). Where the time goes inside XLA:
+`TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=cpu_compiler=1,hlo_pass_pipeline=1 ... --child-stderr`
+logs each HLO pass's time and the LLVM codegen's ("Compiling [jit_step] for CPU using JIT").
 """
 
 import argparse
@@ -64,12 +66,13 @@ print(json.dumps(out))
 """
 
 
-def measure(kind: str, flags: str) -> dict:
+def measure(kind: str, flags: str, child_stderr: bool = False) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
     env.update(XLA_FLAGS=flags, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-c", _CHILD, kind], env=env, capture_output=True, text=True)
+    err = None if child_stderr else subprocess.PIPE
+    proc = subprocess.run([sys.executable, "-c", _CHILD, kind], env=env, stdout=subprocess.PIPE, stderr=err, text=True)
     if proc.returncode:
-        raise SystemExit(proc.stderr[-3000:])
+        raise SystemExit((proc.stderr or "")[-3000:] or f"{kind}: the child exited {proc.returncode}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -78,13 +81,14 @@ def main() -> None:
     ap.add_argument("--flags", default=SUITE_FLAGS, help=f"XLA_FLAGS of the children (default: {SUITE_FLAGS!r})")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, of {', '.join(KINDS)}")
+    ap.add_argument("--child-stderr", action="store_true", help="pass the children's stderr through (XLA's logs)")
     args = ap.parse_args()
     kinds = args.kinds.split(",")
     if args.repeats < 1 or not set(kinds) <= set(KINDS):
         ap.error(f"--repeats {args.repeats} (>= 1), --kinds {args.kinds} (of {', '.join(KINDS)})")
     rows = {}
     for kind in kinds:
-        runs = [measure(kind, args.flags) for _ in range(args.repeats)]
+        runs = [measure(kind, args.flags, args.child_stderr) for _ in range(args.repeats)]
         rows[kind] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     keys = list(rows[kinds[0]])
     print(f"XLA_FLAGS={args.flags!r}, median of {args.repeats}, CPU seconds")
