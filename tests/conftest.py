@@ -56,9 +56,10 @@ def _xla_knows(flag: str) -> bool:
 # XLA:CPU splits a program's LLVM module into parts it compiles in parallel; with one xdist worker
 # per core the parts only add work: one part compiled the tiny MoE step in 1.78 s of CPU instead of
 # 2.17 (dense 1.09 / 1.40), and a cold tests/test_moe.py took 63.7-69.0 s of CPU instead of 76.2
-# (loaded machine, one run each), the same tests passing (BENCHMARKS.md "Issue 55 item 6, why a tiny MoE step compiles slowly"). The
-# machine code is the same; the deviceless target compiles' keys leave the flag out
-# (fsdp_jax.targets.compile_cache), so tests/compiled's seeds still answer.
+# (loaded machine, one run each), the same tests passing (BENCHMARKS.md "Issue 55 item 6, why a
+# tiny MoE step compiles slowly"). It changes how LLVM's work is split, not the optimized HLO; the
+# deviceless target compiles' keys leave it out (fsdp_jax.targets.compile_cache), so
+# tests/compiled's seeds still answer.
 ONE_CODEGEN_PART = "--xla_cpu_parallel_codegen_split_count=1"
 os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0"]
