@@ -53,9 +53,17 @@ def _xla_knows(flag: str) -> bool:
 # every parity test compares runs compiled alike). benchmarks/compile_opt_level.py
 # measures it. Child processes inherit the flag; GPU-target compiles are unaffected (their
 # collectives and bytes were compared equal). Set before the CPU backend starts.
+# XLA:CPU splits a program's LLVM module into parts it compiles in parallel; with one xdist worker
+# per core the parts only add work: one part compiled the tiny MoE step in 1.78 s of CPU instead of
+# 2.17 (dense 1.09 / 1.40), and a cold tests/test_moe.py took 63.7-69.0 s of CPU instead of 76.2
+# (loaded machine, one run each), the same tests passing (BENCHMARKS.md "Issue 55 item 6, why a
+# tiny MoE step compiles slowly"). It changes how LLVM's work is split, not the optimized HLO; the
+# deviceless target compiles' keys leave it out (fsdp_jax.targets.compile_cache), so
+# tests/compiled's seeds still answer.
+ONE_CODEGEN_PART = "--xla_cpu_parallel_codegen_split_count=1"
 os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0"]
-    + ([FAST_CODEGEN] if _xla_knows(FAST_CODEGEN) else [])
+    + [flag for flag in (FAST_CODEGEN, ONE_CODEGEN_PART) if _xla_knows(flag)]
 ).strip()
 # The suite is 8 CPU devices on any machine: on a GPU host the xdist workers would
 # otherwise each claim the GPU (scripts/gpu_check.py is the GPU check).

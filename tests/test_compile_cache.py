@@ -91,6 +91,8 @@ def test_flags_that_name_a_file_are_not_the_program_and_a_dump_always_compiles(m
     kernels = "--xla_gpu_kernel_cache_file=/scratch/a/k.bin"
     assert compile_cache._flags(f"--b=1 {kernels} --a=2") == compile_cache._flags("--a=2 --b=1")
     assert compile_cache._flags("--a=2") != compile_cache._flags("--a=3")
+    # how XLA:CPU splits its codegen (the suite's flag, tests/conftest.py) is not the program: seeds still answer
+    assert compile_cache._flags("--a=2 --xla_cpu_parallel_codegen_split_count=1") == compile_cache._flags("--a=2")
     monkeypatch.setenv(compile_cache.ENV, str(tmp_path))
     monkeypatch.setattr(compile_cache, "program_key", lambda *a: "d" * 40)
     compile_cache.store(compile_cache.CompiledFacts("d" * 40, "kept", {}, None, None, 1.0))

@@ -62,6 +62,7 @@ _CHECKOUT = str(Path(__file__).resolve().parents[2]) + "/"
 _PACKAGES = re.compile(r"/[^\s\"\\\x00]*/(?:site|dist)-packages/")
 _STACK_TABLES = frozenset({"FileNames", "FunctionNames", "FileLocations", "StackFrames"})
 _PATH_FLAG_ENDINGS = ("_file", "_dir", "_to", "_path")
+_WORK_FLAGS = frozenset({"--xla_cpu_parallel_codegen_split_count"})  # how many LLVM modules, not what they hold
 _MEMORY_FIELDS = (
     "argument_size_in_bytes",
     "output_size_in_bytes",
@@ -130,8 +131,10 @@ def cache_dirs() -> list[Path]:
 
 def _flags(value: str) -> str:
     """The flags of an XLA_FLAGS-style string that change a program: sorted, without those
-    that only name a file or folder to write to (a kernel cache, a dump)."""
-    flags = (f for f in value.split() if not f.split("=")[0].endswith(_PATH_FLAG_ENDINGS))
+    that only name a file or folder to write to (a kernel cache, a dump) and those that only
+    say how XLA:CPU splits its own code generation (`_WORK_FLAGS`: the test suite's)."""
+    names = ((f, f.split("=")[0]) for f in value.split())
+    flags = (f for f, name in names if not name.endswith(_PATH_FLAG_ENDINGS) and name not in _WORK_FLAGS)
     return " ".join(sorted(flags))
 
 
