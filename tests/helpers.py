@@ -256,9 +256,10 @@ def assert_analytic_holds_the_cpu_peak(build, analytic: dict, peak: int, label) 
 
 # The child of `plans_in_one_child`: `plan` main(argv) for each argv list of argv[1] (a JSON list),
 # its compile child (`python -m fsdp_jax.app.planner.estimate`: compile_child.child_main) run in
-# this process for the target argv[2] names; prints [exit code, stdout, stderr tail] per run.
+# this process for the target argv[2] names; prints [exit code, stdout, stderr tail] per run. A run
+# that is a string is Python run between two plans (its `result` printed in its place).
 _PLANS_CHILD = """
-import contextlib, io, json, subprocess, sys
+import contextlib, io, json, pathlib, subprocess, sys
 from fsdp_jax.app.cli.entry import SCRIPTS, command_module
 from fsdp_jax.app.planner import compile_child
 expected = json.loads(sys.argv[2])
@@ -280,8 +281,13 @@ def in_process(request, n_devices, target):
 
 compile_child._run_child = in_process
 plan = command_module(SCRIPTS["plan"])
-results = []
+results, between = [], {"pathlib": pathlib}
 for argv in json.loads(sys.argv[1]):
+    if isinstance(argv, str):
+        between["result"] = None
+        exec(argv, between)
+        results.append(between["result"])
+        continue
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
@@ -293,14 +299,16 @@ print(json.dumps(results))
 """
 
 
-def plans_in_one_child(target, runs: list[list]) -> list[tuple[int, str, str]]:
+def plans_in_one_child(target, runs: list[list | str]) -> list:
     """(exit code, stdout, stderr tail) of `plan` main(argv) for each argv in `runs` (each naming
     `target`, a `fsdp_jax.targets.gpu.Target`, with --target / --devices), all in one child process
     from `targets.child_env(target=target)`: the command as `call` runs it, except that its compile
     child is `child_main` in the same process, so Python, JAX and the plugin start once for all the
     runs. Each run lowers the programs `call` would (the same compile keys, the same tests/compiled
     seeds); on a GPU target the runs share one XLA:GPU kernel cache file, as one plan's strategies do
-    in plan's own child (`compile_child._run_child`)."""
+    in plan's own child (`compile_child._run_child`). A string in `runs` is Python code run there
+    between the plans before and after it, in one namespace for all such code (`pathlib` in it); its
+    result is the JSON value the code left in `result`."""
     import tempfile
 
     from fsdp_jax.targets.gpu import child_env
@@ -309,5 +317,6 @@ def plans_in_one_child(target, runs: list[list]) -> list[tuple[int, str, str]]:
         env = child_env(
             dict(os.environ, JAX_PLATFORMS="cpu"), kernel_cache=Path(scratch) / "xla_gpu_kernels.bin", target=target
         )
-        argvs = json.dumps([[str(a) for a in argv] for argv in runs])
-        return [tuple(r) for r in json_child(_PLANS_CHILD, argvs, json.dumps(target.as_dict()), env=env)]
+        argvs = json.dumps([run if isinstance(run, str) else [str(a) for a in run] for run in runs])
+        done = json_child(_PLANS_CHILD, argvs, json.dumps(target.as_dict()), env=env)
+        return [r if isinstance(run, str) else tuple(r) for run, r in zip(runs, done)]

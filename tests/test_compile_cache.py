@@ -8,13 +8,24 @@ import pytest
 
 from fsdp_jax.errors import CompileRefused
 from fsdp_jax.targets import compile_cache
-from helpers import call
+from helpers import plans_in_one_child
 
-PLAN = ("--config", "configs/tiny.yaml", "--target", "h100", "--devices", 8, "--strategies", "full_shard", "--json")
+PLAN = ("--config", "configs/tiny.yaml", "--target", "h100", "--devices", 8, "--json")
+
+# run in the plans' child between the second plan and the third: the entries and their times, then
+# the first plan's entry (the one entry `first` names: its times before the second plan) copied
+# aside and damaged (`plans_in_one_child`: code between plans)
+ENTRIES = "result = {p.name: p.stat().st_mtime_ns for p in pathlib.Path(CACHE).glob('*.json.xz')}"
+DAMAGE = """
+for name in first:
+    entry = pathlib.Path(CACHE) / name
+    (pathlib.Path(KEPT) / name).write_bytes(entry.read_bytes())
+    entry.write_bytes(b"not xz")
+"""
 
 
-def _plan(capsys, cache, *extra):
-    rc, out, err = call("plan", *PLAN, *extra, capsys=capsys, env={compile_cache.ENV: str(cache)})
+def _plan(result):
+    rc, out, err = result
     assert rc == 0, err[-2000:]
     doc = json.loads(out)
     doc.pop("wall_s")  # what a hit may change: how long things took on this machine
@@ -30,24 +41,41 @@ def _entries(cache):
 
 
 @pytest.mark.slow  # three tiny H100 plans (three compiles, one hit)
-def test_a_hit_plans_what_the_compile_planned_and_a_new_program_is_a_new_entry(capsys, tmp_path, monkeypatch):
-    cache = tmp_path / "compiled"
-    first = _plan(capsys, cache)
-    (entry,) = _entries(cache)
+def test_a_hit_plans_what_the_compile_planned_and_a_new_program_is_a_new_entry(tmp_path, monkeypatch):
+    """The three plans in one child (`helpers.plans_in_one_child`: the command as `call` runs it,
+    its compile child in the same process: one Python, JAX and plugin start-up, not three): the
+    first compiles full_shard; the second plans the kept program and a new one (full_shard a hit,
+    no_shard a new entry); the third, once the first entry was damaged, compiles full_shard again."""
+    from fsdp_jax.targets import gpu as targets
+
+    cache, kept_dir = tmp_path / "compiled", tmp_path / "kept"
+    cache.mkdir()
+    kept_dir.mkdir()
     monkeypatch.setenv(compile_cache.ENV, str(cache))
+    where = f"CACHE, KEPT = {str(cache)!r}, {str(kept_dir)!r}\n"
+    one, entries, both, after, again = plans_in_one_child(
+        targets.make_target("h100", devices=8),
+        [
+            [*PLAN, "--strategies", "full_shard"],
+            where + ENTRIES + "\nfirst = result",
+            [*PLAN, "--strategies", "full_shard,no_shard"],
+            where + ENTRIES + DAMAGE,
+            [*PLAN, "--strategies", "full_shard"],
+        ],
+    )
+    first = _plan(one)
+    ((entry, stamp),) = entries.items()
+    monkeypatch.setenv(compile_cache.ENV, str(kept_dir))  # the first plan's entry, as it wrote it
     kept = compile_cache.load(entry.removesuffix(".json.xz"))
     assert "ENTRY" in kept.text and "fsdp_jax/" not in kept.text  # the program, not where it was traced
     assert kept.memory["temp_size_in_bytes"] > 0 and kept.layouts and kept.compile_s > 0
-    stamp = (cache / entry).stat().st_mtime_ns
-    # one child plans the kept program and a new one: full_shard a hit, no_shard a new entry
-    both = _plan(capsys, cache, "--strategies", "full_shard,no_shard")
+    both = _plan(both)
     fs = both["strategies"]["full_shard"]
     assert fs == first["strategies"]["full_shard"]  # memory, ops, predicted time: from the kept text and bytes
-    assert (cache / entry).stat().st_mtime_ns == stamp
-    (other,) = set(_entries(cache)) - {entry}
+    assert after[entry] == stamp  # the hit did not write its entry again
+    (other,) = set(after) - {entry}
     assert both["strategies"]["no_shard"]["compiled"] != fs["compiled"]
-    (cache / entry).write_bytes(b"not xz")  # a damaged entry is a miss: compiled again and rewritten
-    assert _plan(capsys, cache) == first
+    assert _plan(again) == first  # a damaged entry is a miss: compiled again and rewritten
     assert (cache / entry).read_bytes()[:6] == b"\xfd7zXZ\x00" and _entries(cache) == sorted([entry, other])
 
 

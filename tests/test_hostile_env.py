@@ -7,6 +7,7 @@ process checks the flags first (`fsdp_jax.targets.xla_flags.check_xla_flags`, a 
 starts only jaxlib's CPU client) and says so in one line, exit 2, before writing anything.
 """
 
+import json
 import os
 import shutil
 import subprocess
@@ -56,7 +57,9 @@ def test_unknown_flag_parses_xla_fatal_line():
 @pytest.mark.slow
 def test_unknown_xla_flag_in_every_computing_script_is_one_line_exit_2(tmp_path, corpus):
     """As a user runs them (a fresh process each): XLA's fatal log (exit 134, no line
-    naming the input) before; one line naming the entry, exit 2, nothing written now."""
+    naming the input) before; one line naming the entry, exit 2, nothing written now. And before
+    JAX loads (`run_command(computes=True)`): the same commands in one more child, through the
+    `fsdp-jax` entry, leave `jax` unloaded (a refusal child costs ~0.3 s of CPU, not ~2.5 s)."""
     tiny = str(ROOT / "configs" / "tiny.yaml")
     ckpts = tmp_path / "ckpts"
     ckpts.mkdir()
@@ -98,6 +101,19 @@ def test_unknown_xla_flag_in_every_computing_script_is_one_line_exit_2(tmp_path,
         except AssertionError as e:
             failures.append(f"{name}: {str(e)[-400:]}")
     assert not failures, "\n".join(failures)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpts"]
+    argvs = [[name.removesuffix(".py").replace("_", "-"), *map(str, args)] for name, args in table.items()]
+    code = (
+        "import json, sys; from fsdp_jax.app.cli import entry\n"
+        "codes = [entry.main(argv) for argv in json.loads(sys.argv[1])]\n"
+        "print(json.dumps([codes, sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'flax'))]))"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(argvs)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout.splitlines()[-1]) == [[2] * len(table), []], r.stderr[-3000:]
+    assert len(r.stderr.splitlines()) == len(table) and all(BAD_FLAG in l for l in r.stderr.splitlines()), r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpts"]
 
 

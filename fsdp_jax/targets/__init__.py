@@ -9,6 +9,18 @@
 `python -m fsdp_jax.targets install [cuda|tpu|all]` installs the plugins.
 """
 
-from fsdp_jax.targets.gpu import Target, device_memory, make_target, target_names
+from typing import TYPE_CHECKING
+
+from fsdp_jax.lazy_face import lazy_face
+
+if TYPE_CHECKING:  # what static tools see; at run time each name loads on first use
+    from fsdp_jax.targets.gpu import Target, device_memory, make_target, target_names
+
+# module -> the names of the face it defines (loaded on first use: `fsdp_jax.lazy_face`), so
+# `fsdp_jax.targets.xla_flags` loads without JAX: a command checks XLA_FLAGS before JAX starts
+_FACE: dict[str, tuple[str, ...]] = {
+    "fsdp_jax.targets.gpu": ("Target", "device_memory", "make_target", "target_names"),
+}
+__getattr__, __dir__ = lazy_face(__name__, _FACE)
 
 __all__ = ["Target", "device_memory", "make_target", "target_names"]

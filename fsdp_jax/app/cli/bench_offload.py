@@ -39,7 +39,12 @@ def _errors():
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
     return run_command(
-        build_parser(prog), "fsdp_jax.app.cli.run.bench_offload:run", argv, errors=_errors, before=_before
+        build_parser(prog),
+        "fsdp_jax.app.cli.run.bench_offload:run",
+        argv,
+        errors=_errors,
+        before=_before,
+        computes=True,
     )
 
 

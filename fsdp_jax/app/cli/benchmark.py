@@ -37,4 +37,6 @@ def build_parser(prog: str | None = None) -> Parser:
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
-    return run_command(build_parser(prog), "fsdp_jax.app.cli.run.benchmark:run", argv, before=config_before_jax)
+    return run_command(
+        build_parser(prog), "fsdp_jax.app.cli.run.benchmark:run", argv, before=config_before_jax, computes=True
+    )

@@ -14,6 +14,7 @@ import fsdp_jax
 from fsdp_jax.app.exits import BAD_INPUT, ENVIRONMENT, fail, fail_env, fail_internal
 from fsdp_jax.app.held_warnings import held
 from fsdp_jax.errors import UsageError, one_line
+from fsdp_jax.targets.xla_flags import check_xla_flags
 
 Classes = tuple[type[BaseException], ...]
 Errors = tuple[Classes, Classes]
@@ -26,6 +27,7 @@ def run_command(
     *,
     errors: Callable[[], Errors] | None = None,
     before: Callable[[argparse.Namespace], object] | None = None,
+    computes: bool = False,
 ) -> int:
     """The one main wrapper: parse `argv` with `parser` (a bad flag: its one line, exit 2;
     `--help`: exit 0), then return `body(args)`, mapping what it raises to exit codes:
@@ -45,12 +47,18 @@ def run_command(
 
     `before`: the command's checks that need no JAX (its config read field by field:
     `fsdp_jax.app.cli.args.config_before_jax`), run before the face and the body load, with
-    the same mapping of what it raises: a refused config costs ~0.1 s of CPU, not ~3 s."""
+    the same mapping of what it raises: a refused config costs ~0.1 s of CPU, not ~3 s.
+
+    `computes`: the body starts XLA in this process, so XLA_FLAGS are checked after `before` and
+    before the body loads JAX (`fsdp_jax.targets.xla_flags.check_xla_flags`, a ~0.2 s child): an
+    entry XLA would abort the process over is one line in ~0.3 s of CPU, not ~2.5 s."""
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # the parser printed its one line (or the help)
         return 2 if e.code else 0
     if before is not None and (refused := _mapped(before, args, errors)) is not None:
+        return refused
+    if computes and (refused := _mapped(lambda _: check_xla_flags(), args, errors)) is not None:
         return refused
     if isinstance(body, str):  # the start-up boundary: the body's imports (JAX, Flax) load here,
         fsdp_jax.make_mesh  # noqa: B018  the face first, in its order: as `import fsdp_jax` did before it was lazy

@@ -39,4 +39,4 @@ def build_parser(prog: str | None = None) -> Parser:
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
-    return run_command(build_parser(prog), "fsdp_jax.app.cli.run.convert:run", argv)
+    return run_command(build_parser(prog), "fsdp_jax.app.cli.run.convert:run", argv, computes=True)

@@ -54,7 +54,12 @@ def build_parser(prog: str | None = None) -> Parser:
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
     return run_command(
-        build_parser(prog), "fsdp_jax.app.cli.run.inspect:run", argv, errors=planning_errors, before=_before
+        build_parser(prog),
+        "fsdp_jax.app.cli.run.inspect:run",
+        argv,
+        errors=planning_errors,
+        before=_before,
+        computes=True,
     )
 
 

@@ -135,7 +135,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     parser = build_parser(prog)
     parser.set_defaults(argv=argv)  # plan --search re-runs itself in a child when this process lacks the devices
-    return run_command(parser, "fsdp_jax.app.cli.run.plan:run", argv, errors=planning_errors, before=_before)
+    return run_command(
+        parser, "fsdp_jax.app.cli.run.plan:run", argv, errors=planning_errors, before=_before, computes=True
+    )
 
 
 def _before(args) -> None:

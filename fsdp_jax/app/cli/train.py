@@ -35,5 +35,10 @@ def _errors():
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
     return run_command(
-        build_parser(prog), "fsdp_jax.app.cli.run.train:run", argv, errors=_errors, before=config_agrees_before_jax
+        build_parser(prog),
+        "fsdp_jax.app.cli.run.train:run",
+        argv,
+        errors=_errors,
+        before=config_agrees_before_jax,
+        computes=True,
     )

@@ -57,7 +57,9 @@ def _errors():
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
-    return run_command(build_parser(prog), "fsdp_jax.app.cli.run.verify:run", argv, errors=_errors, before=_before)
+    return run_command(
+        build_parser(prog), "fsdp_jax.app.cli.run.verify:run", argv, errors=_errors, before=_before, computes=True
+    )
 
 
 def _before(args) -> None:
