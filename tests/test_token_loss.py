@@ -59,10 +59,15 @@ def run_step(microbatches, batch, devices=1, loss_fn=None):
 def test_global_token_mean_is_independent_of_microbatches_and_devices():
     batch = packed_batch()
     fns = model_fns()
-    params = fns.init(jax.random.key(0))
-    with jax.default_device(jax.devices()[0]):
-        logits = fns.apply(params, batch["inputs"], batch["segment_ids"], batch["positions"])
-        want = token_loss(logits, batch["targets"], batch["weights"])
+    params = jax.jit(fns.init)(jax.random.key(0))
+    with jax.default_device(jax.devices()[0]):  # one compiled program, not one per op of the model
+
+        @jax.jit
+        def reference(params, b):
+            logits = fns.apply(params, b["inputs"], b["segment_ids"], b["positions"])
+            return token_loss(logits, b["targets"], b["weights"])
+
+        want = reference(params, batch)
     want = float(want.total) / float(want.count)
     m1, p1 = run_step(1, batch)
     assert m1["tokens"] == batch["weights"].sum()
@@ -98,6 +103,10 @@ def verify_factory(microbatches: int):
 @pytest.mark.parametrize("microbatches", [1, 4])
 def test_verify_passes_on_packed_masked_batches(microbatches):
     kw = verify_factory(microbatches)
-    report = fj.verify(kw.pop("model"), kw.pop("optimizer"), kw.pop("loss_fn"), devices=8, steps=3, **kw)
+    # check_init=False: each strategy's own sharded init (5 compiles a run, no assertion here on
+    # it) is the subject of test_verify.py's test_reference_llama_passes_under_every_strategy
+    report = fj.verify(
+        kw.pop("model"), kw.pop("optimizer"), kw.pop("loss_fn"), devices=8, steps=3, check_init=False, **kw
+    )
     print(report.format())
     assert report.passed and len(report.strategies) == 5

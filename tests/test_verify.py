@@ -263,9 +263,19 @@ def test_correct_shard_map_batch_statistics_pass():
 # ----------------------------------------------------------------------------- broken models fail
 
 
+_LOCAL: dict[str, fj.VerifyReport] = {}
+
+
+def local_mean_report() -> fj.VerifyReport:
+    """verify's report on the Linen MLP whose shard_map forgets its pmean (full_shard and
+    no_shard), run once: the failure test reads it and the JSON round trip carries it."""
+    if "r" not in _LOCAL:
+        _LOCAL["r"] = run(*linen_setup("local"))
+    return _LOCAL["r"]
+
+
 def test_shard_map_that_forgets_its_cross_device_mean_fails_at_step_1():
-    model, loss_fn = linen_setup("local")
-    r = run(model, loss_fn)
+    r = local_mean_report()
     assert not r.passed and r.failed == ["full_shard", "no_shard"]
     d = r.strategies["full_shard"].first_divergence
     assert d.step == 1 and d.loss is not None and d.loss > 1e-3
@@ -378,8 +388,7 @@ def test_tolerance_follows_the_optimizer_and_the_compute_dtype():
 
 
 def test_report_round_trips_through_json():
-    model, loss_fn = linen_setup("local")
-    r = run(model, loss_fn, strategies=("full_shard",))
+    r = local_mean_report()  # a failed report: a first divergence with its leaves
     back = fj.VerifyReport.from_dict(json.loads(json.dumps(r.to_dict())))
     assert back == r and not back.passed
 

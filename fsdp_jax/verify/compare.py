@@ -181,15 +181,8 @@ def _run_strategy(
 ) -> StrategyReport:
     p0, ms0 = start
     built = _build(fns, optimizer, mesh, name, loss_fn, opts)
-    init_diff = None
-    if sharded_init:  # the strategy's own init, for the record (training starts from p0)
-        own = built.init_state(key)
-        init_diff = max(
-            float(np.max(np.abs(a - b), initial=0.0))
-            for a, b in zip(jax.tree.leaves(_host(own.params)), jax.tree.leaves(_host(p0)))
-        )
-        del own
-    state = built.place(p0, ms0)
+    init_diff, state = _own_init(built, key, p0, ms0) if sharded_init else (None, None)
+    state = built.place(p0, ms0) if state is None else state
     step = built.train_step.lower(state, _put(host_batches[0], built.plan.batch)).compile()
     collectives = {op: dict(v) for op, v in collective_report(step.as_text())["per_step"].items()}
     peak = compiled_memory(step)["peak"]
@@ -233,6 +226,20 @@ def _run_strategy(
         routing_flip_step=flip,
         exact_diff=exact_d,
     )
+
+
+def _own_init(built, key, p0, ms0):
+    """(the strategy's own sharded init's largest difference from the one-device `p0`, for the
+    record; that init as the start when it equals `p0` and `ms0` bit for bit, else None: training
+    starts from p0 either way, and an equal init is what `place(p0, ms0)` would copy, one
+    compile of the state's init less)."""
+    own = built.init_state(key)
+    mine, ref = jax.tree.leaves(_host(own.params)), jax.tree.leaves(_host(p0))
+    init_diff = max((float(np.max(np.abs(a - b), initial=0.0)) for a, b in zip(mine, ref)), default=0.0)
+    same = init_diff == 0.0 and all(
+        np.array_equal(a, b) for a, b in zip(jax.tree.leaves(_host(own.model_state)), jax.tree.leaves(_host(ms0)))
+    )
+    return init_diff, (own if same else None)
 
 
 def _build(fns, optimizer, mesh, strategy, loss_fn, opts):
