@@ -65,9 +65,15 @@ def packed_batches(n: int, batch: int = 4, seed: int = 0):
     return out
 
 
-def train(cfg, mesh_kw, strategy, batches):
+def build(cfg, mesh_kw, strategy):
     model = trainer_model(cfg)
-    built = fj.build(model, SGD, fj.make_mesh(**mesh_kw), strategy, loss_fn=make_loss_fn(model))
+    return fj.build(model, SGD, fj.make_mesh(**mesh_kw), strategy, loss_fn=make_loss_fn(model))
+
+
+def train(cfg, mesh_kw, strategy, batches, built=None):
+    """(built, state, losses, grad norms) of one step per batch; `built` a `build` of the same
+    config, mesh and strategy to train with (its compiled init and step reused)."""
+    built = built or build(cfg, mesh_kw, strategy)
     state, losses, norms = built.init_state(jax.random.key(0)), [], []
     for b in batches:
         state, metrics = built.train_step(state, jax.device_put(b, built.plan.batch))
@@ -110,6 +116,13 @@ FAST = {("full_shard", 4)}  # the rest run with the slow tests (~15 s each on 2 
 
 
 @pytest.fixture(scope="module")
+def base_fs4():
+    """BASE built full_shard on (fsdp 2, context 4), K/V all-gathered (BASE's default): the
+    strategy test's (full_shard, 4) and the compiled-step test's all_gather case, one step."""
+    return build(BASE, MESHES["full_shard", 4], "full_shard")
+
+
+@pytest.fixture(scope="module")
 def base_reference():
     """One device's run of BASE on the strategy tests' batches, shared by every mesh."""
     return reference(BASE, packed_batches(2) * 2)
@@ -119,10 +132,11 @@ def base_reference():
     "strategy, context", [pytest.param(*k, marks=() if k in FAST else pytest.mark.slow) for k in MESHES]
 )
 @pytest.mark.slow
-def test_loss_and_grads_equal_one_device_under_every_strategy(strategy, context, base_reference):
+def test_loss_and_grads_equal_one_device_under_every_strategy(strategy, context, base_reference, request):
     batches = packed_batches(2) * 2  # seen twice: the loss must fall on the second pass
     ref_params, ref_losses, ref_norm = base_reference
-    built, state, losses, norms = train(BASE, MESHES[strategy, context], strategy, batches)
+    shared = request.getfixturevalue("base_fs4") if (strategy, context) == ("full_shard", 4) else None
+    built, state, losses, norms = train(BASE, MESHES[strategy, context], strategy, batches, built=shared)
     assert built.mesh.shape["context"] == context
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     np.testing.assert_allclose(norms[0], ref_norm, rtol=1e-5)
@@ -144,10 +158,11 @@ def test_every_familys_attention_options_through_the_ring(family):
 
 @pytest.mark.parametrize("kv_pass", ["ring", "all_gather"])
 @pytest.mark.fast_cases("ring")
-def test_compiled_step_shards_the_sequence_and_passes_kv_as_configured(kv_pass):
+def test_compiled_step_shards_the_sequence_and_passes_kv_as_configured(kv_pass, request):
     cfg = dataclasses.replace(BASE, context_kv_pass=kv_pass)
-    model = trainer_model(cfg)
-    built = fj.build(model, SGD, fj.make_mesh(fsdp=2, context=4), "full_shard", loss_fn=make_loss_fn(model))
+    assert BASE.context_kv_pass == "all_gather"  # base_fs4 is the all_gather case
+    shared = kv_pass == "all_gather"
+    built = request.getfixturevalue("base_fs4") if shared else build(cfg, dict(fsdp=2, context=4), "full_shard")
     assert built.plan.batch.spec == P(("data", "fsdp"))  # context ranks share a batch shard
     # ZeRO over every data-parallel device, context ranks included
     assert built.plan.params["blocks"]["mlp"]["w_up"].spec == P(None, ("fsdp", "context"), None)

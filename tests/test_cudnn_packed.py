@@ -20,7 +20,8 @@ from fsdp_jax.attention.cudnn_packed import block_layout, packed_stats, thd_mask
 from fsdp_jax.attention.kernels import reference_kernel
 from fsdp_jax.sharding.context import zigzag_order
 
-# compiled whole, once per shape, rather than op by op (the layout tests call them ~150 times)
+# compiled whole, once per shape, rather than op by op (the layout tests call them ~150 times;
+# the stats and overflow tests share one (2, 8) layout program)
 layout_of = jax.jit(block_layout, static_argnames="max_segments")
 mask_of = jax.jit(thd_mask, static_argnums=(1, 2), static_argnames="causal")
 
@@ -79,7 +80,7 @@ def test_layout_semantics_equal_the_rows_mask_on_every_block(context, seed):
 def test_stats_round_trip_and_layout_conventions():
     seg = jnp.asarray([[1, 1, 2, 2, 2, 3, 0, 0], [4, 4, 4, 4, 5, 5, 6, 6]])
     ks = jnp.asarray([[1, 2, 2, 2, 2, 2, 2, 2], [5, 5, 5, 5, 6, 6, 7, 7]])
-    lay = block_layout(seg, ks, max_segments=4)
+    lay = layout_of(seg, ks, max_segments=4)
     np.testing.assert_array_equal(lay.q_seqlen, [[2, 3, -1, -1], [2, 2, -1, -1]])
     np.testing.assert_array_equal(lay.kv_seqlen, [[1, 7, -1, -1], [4, 2, -1, -1]])
     np.testing.assert_array_equal(lay.q_offsets, [[0, 2, -1, -1, -1], [4, 6, -1, -1, -1]])
@@ -111,7 +112,7 @@ def test_a_row_within_max_segments_never_overflows_a_block(context):
 
 def test_more_segments_than_max_segments_is_flagged():
     seg = jnp.asarray([[1, 2, 3, 4, 5, 5, 5, 5], [1, 1, 1, 1, 2, 2, 2, 2]])
-    lay = block_layout(seg, seg, max_segments=4)
+    lay = layout_of(seg, seg, max_segments=4)
     np.testing.assert_array_equal(lay.overflow, [True, False])
 
 

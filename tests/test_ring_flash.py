@@ -5,6 +5,7 @@ and gradients of q, k, v at context 2 and 4, ring and all-gather, causal, packed
 ids, sliding windows (always, or a pattern's global layer), soft caps, grouped-query heads.
 The block kernel here is the pure-JAX reference (`ring_kernels.reference_kernel`)."""
 
+import functools
 import re
 
 import jax
@@ -43,62 +44,81 @@ def inputs(c, b=2, s=32, h=4, dh=8, seed=3):
     return q, k, v, w, pos, seg
 
 
-def ring_value_and_grad(c, kernel, n, kv_pass, args, with_o=False):
-    """(loss sum(o * w), grads of q, k, v, compiled HLO[, o in row order])."""
-    q, k, v, w, pos, seg = args
-    local = c.get("local", True)
+def compiled_ring(c, kernel, n, kv_pass, args):
+    """(f, compiled HLO): the ring's loss sum(o * w), its grads of q, k, v and o in row order,
+    compiled once for args' shapes, f(q, k, v, w, pos, seg, local) -> ((loss, o), grads). The data
+    (ids, positions, a pattern's traced `local` flag) are arguments: cases that differ only there
+    call one program."""
     mesh = fj.make_mesh(fsdp=8 // n, context=n)
 
-    def loss(q, k, v, pos, seg, w):
+    def loss(q, k, v, w, pos, seg, local):
         zq, zk, zv, zp, zs, zw = zigzag((q, k, v, pos, seg, w), n)
-        flag = jnp.asarray(local) if c.get("window") else None
+        flag = local if c.get("window") else None
         o = flash_context_attention(zq, zk, zv, zp, zs, kernel=kernel, local=flag, kv_pass=kv_pass)
         return jnp.sum(o * zw), unzigzag(o, n)
 
     with jax.set_mesh(mesh):
-        f = jax.jit(
-            jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True), in_shardings=NamedSharding(mesh, P("fsdp"))
-        )
-        compiled = f.lower(q, k, v, pos, seg, w).compile()  # one compile: the values and the HLO
-        (out, o), g = compiled(q, k, v, pos, seg, w)
-        hlo = compiled.as_text()
+        rows, scalar = NamedSharding(mesh, P("fsdp")), NamedSharding(mesh, P())
+        f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True), in_shardings=(rows,) * 6 + (scalar,))
+        compiled = f.lower(*args, jnp.asarray(True)).compile()  # one compile: the values and the HLO
+
+    def run(*a):
+        with jax.set_mesh(mesh):
+            return compiled(*a)
+
+    return run, compiled.as_text()
+
+
+def ring_value_and_grad(c, kernel, n, kv_pass, args, with_o=False, compiled=None):
+    """(loss sum(o * w), grads of q, k, v, compiled HLO[, o in row order]); `compiled` a
+    `compiled_ring` of the same kernel and shapes to call instead of compiling."""
+    f, hlo = compiled or compiled_ring(c, kernel, n, kv_pass, args)
+    (out, o), g = f(*args, jnp.asarray(c.get("local", True)))
     return (out, g, hlo, o) if with_o else (out, g, hlo)
 
 
-def dense_value_and_grad(c, args, with_o=False):
-    q, k, v, w, pos, seg = args
-    dh = q.shape[-1]
-
+@functools.partial(jax.jit, static_argnames=("cap", "window", "local"))
+def _dense(q, k, v, w, pos, seg, *, cap, window, local):
     def loss(q, k, v):
-        o = dense_reference(q, k, v, pos, seg, dh**-0.5, c.get("cap", 0.0), c.get("window", 0), c.get("local", True))
+        o = dense_reference(q, k, v, pos, seg, q.shape[-1] ** -0.5, cap, window, local)
         return jnp.sum(o * w), o
 
-    (out, o), g = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    return jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+
+
+def dense_value_and_grad(c, args, with_o=False):
+    """One device's loss, grads (and o); compiled once per shape and (cap, window, local) in this
+    process: the ids and weights are arguments."""
+    q, k, v, w, pos, seg = args
+    (out, o), g = _dense(
+        q, k, v, w, pos, seg, cap=c.get("cap", 0.0), window=c.get("window", 0), local=c.get("local", True)
+    )
     return (out, g, o) if with_o else (out, g)
+
+
+# The cases each ring program checks: within a group they differ only in data (segment ids,
+# positions, the pattern's traced `local` flag), so one compiled ring serves the group.
+PROGRAMS = {"causal": ("causal", "packed"), "window": ("window", "global_layer"), "softcap_mqa": ("softcap_mqa",)}
 
 
 @pytest.mark.parametrize("kv_pass", ["ring", "all_gather"])
 @pytest.mark.parametrize("n", [2, 4])
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.fast_cases(
-    "causal-2-ring",
-    "causal-4-all_gather",
-    "packed-2-ring",
-    "window-2-ring",
-    "global_layer-2-ring",
-    "softcap_mqa-2-ring",
-)
-def test_reference_kernel_ring_matches_one_device(case, n, kv_pass):
-    c = CASES[case]
-    args = inputs(c, b=8 // n)  # one row per fsdp rank
-    kern = reference_kernel(scale=args[0].shape[-1] ** -0.5, softcap=c.get("cap", 0.0), window=c.get("window", 0))
-    _, g, hlo, o = ring_value_and_grad(c, kern, n, kv_pass, args, with_o=True)
-    _, ref_g, o_ref = dense_value_and_grad(c, args, with_o=True)
-    # o element by element and the grads (relative to their largest); the loss sum(o * w) is
-    # only the grads' probe: its terms of either sign nearly cancel (1.1e-5 apart at context 2)
-    for name, a, r in zip("oqkv", (o, *g), (o_ref, *ref_g)):
-        err = float(jnp.max(jnp.abs(a - r)) / jnp.max(jnp.abs(r)))
-        assert err <= 1e-5, (name, err)
+@pytest.mark.parametrize("program", PROGRAMS)
+@pytest.mark.fast_cases("causal-2-ring", "causal-4-all_gather", "window-2-ring", "softcap_mqa-2-ring")
+def test_reference_kernel_ring_matches_one_device(program, n, kv_pass):
+    compiled = None
+    for case in PROGRAMS[program]:
+        c = CASES[case]
+        args = inputs(c, b=8 // n)  # one row per fsdp rank
+        kern = reference_kernel(scale=args[0].shape[-1] ** -0.5, softcap=c.get("cap", 0.0), window=c.get("window", 0))
+        compiled = compiled or compiled_ring(c, kern, n, kv_pass, args)
+        _, g, hlo, o = ring_value_and_grad(c, kern, n, kv_pass, args, with_o=True, compiled=compiled)
+        _, ref_g, o_ref = dense_value_and_grad(c, args, with_o=True)
+        # o element by element and the grads (relative to their largest); the loss sum(o * w) is
+        # only the grads' probe: its terms of either sign nearly cancel (1.1e-5 apart at context 2)
+        for name, a, r in zip("oqkv", (o, *g), (o_ref, *ref_g)):
+            err = float(jnp.max(jnp.abs(a - r)) / jnp.max(jnp.abs(r)))
+            assert err <= 1e-5, (case, name, err)
     ops = re.findall(r"\b(collective-permute|all-gather|reduce-scatter|all-reduce)(?:-start)?\(", hlo)
     if kv_pass == "ring":  # K/V hops forward, K/V and dK/dV hops backward, nothing gathered
         assert "collective-permute" in ops and "all-gather" not in ops, sorted(set(ops))

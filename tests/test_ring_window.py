@@ -11,13 +11,14 @@ the pure-JAX kernel given bands, the cuDNN kernel's own code over an emulated cu
 CAUSAL / NO_MASK / sliding-window semantics in the reference kernel) and splash interpreted
 with packed rows' segment ids."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_cudnn_packed import emulated_cudnn as emulated_packed
-from test_ring_attention import dense_reference
-from test_ring_flash import inputs
+from test_ring_flash import dense_value_and_grad, inputs
 
 import fsdp_jax as fj
 from fsdp_jax.attention.cudnn import cudnn_kernel
@@ -35,6 +36,7 @@ def _chunk(r, side, n):
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 @pytest.mark.parametrize("c", [4, 8])
 def test_plan_bands_equal_the_rows_window_mask_on_every_pair(n, c):
+    mask_of = functools.cache(lambda band: np.asarray(band_mask(band, c, c)))  # a few bands, ~1,700 pairs
     for window in (1, 3, c - 1, c, c + 1, 2 * c - 1, 2 * c + 3, 5 * c, 100 * c):
         for pattern in (False, True):
             plan = window_plan(n=n, c=c, window=window, pattern=pattern)
@@ -52,11 +54,7 @@ def test_plan_bands_equal_the_rows_window_mask_on_every_pair(n, c):
                                     assert not want.any(), (window, i, t, x, y)
                                     continue
                                 k = pp.table[int(flag) if pattern else 0][i]
-                                got = (
-                                    np.zeros_like(want)
-                                    if k == len(pp.bands)
-                                    else np.asarray(band_mask(pp.bands[k], c, c))
-                                )
+                                got = np.zeros_like(want) if k == len(pp.bands) else mask_of(pp.bands[k])
                                 assert (got == want).all(), (window, flag, i, t, x, y, pp)
 
 
@@ -128,14 +126,11 @@ def check_ring(kernel, n, kv_pass, args, *, window, local, segments):
 
     f = jax.jit(jax.value_and_grad(ring, argnums=(0, 1, 2), has_aux=True))
     for flag in (True,) if local is None else local:
-
-        def dense(q, k, v, flag=flag):
-            o = dense_reference(q, k, v, pos, seg, q.shape[-1] ** -0.5, 0.0, window, flag)
-            return jnp.sum(o * w), o
-
         with jax.set_mesh(mesh):
             (_, o), g = f(q, k, v, pos, seg, w, jnp.asarray(flag))
-        (_, o_ref), ref_g = jax.jit(jax.value_and_grad(dense, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+        # one device's dense attention (`test_ring_attention.dense_reference`), compiled once per
+        # shape, window and flag in this process: the kernels' tests of a window share it
+        _, ref_g, o_ref = dense_value_and_grad({"window": window, "local": flag}, args, with_o=True)
         for name, a, r in zip(("o", "q", "k", "v"), (o, *g), (zigzag(o_ref, n), *ref_g)):
             err = float(jnp.max(jnp.abs(a - r)) / jnp.max(jnp.abs(r)))
             assert err <= 1e-5, (name, flag, err)
