@@ -2,11 +2,12 @@
 scanned layers' params, optimizer state and grads in layer files, the forward and backward fed a
 layer at a time (`fsdp_jax.nvme.layerwise`).
 
-The run parity runs in one child (all three run tests' runs) on one CPU device with no FMA (as
-tests/test_nvme.py's `parity_env` explains). Kill -9 mid step, then the same command:
+The run parity runs in two children on one CPU device (`runs`): two tests' runs with no FMA (as
+tests/test_nvme.py's `parity_env` explains), SimPO's on XLA's default emitters and level. Kill -9 mid step, then the same command:
 tests/test_nvme.py's kill test, parametrized over both nvme offloads."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -54,31 +55,48 @@ def _argv(name: str, corpus, tmp) -> list[str]:
             f"preference.eval_path={pairs}"]  # fmt: skip
 
 
+def _default_level_env() -> dict:
+    """XLA:CPU's default emitters at XLA's default level (LLVM -O2), as a run gets them: SimPO's
+    child. At the suite's level 0, even with no FMA, SimPO's step-4 grad norm was 1 ulp off
+    the run without offload's (BENCHMARKS.md "Issue 55 item 6, nvme and streamed parity on the
+    suite's flags")."""
+    drop = ("--xla_cpu_use_fusion_emitters", "--xla_backend_optimization_level")
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(drop)]
+    return dict(os.environ, XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu")
+
+
 @pytest.fixture(scope="module")
 def runs(request, corpus, tmp_path_factory) -> dict:
-    """The runs of this session's tests among `RUN_TESTS`, in one child on one CPU device with
-    no FMA at the suite's level 0 (`parity_env`; with FMAs contracted there the grad norm's
-    per-layer sum of squares rounded 1 ulp off the scanned step's at step 3, and clipping (active)
-    carried it into every param, docs/offload.md "Params on disk", so each test's child ran at
-    XLA's default level, LLVM -O2) and XLA's excess bf16 precision off (the bf16 test's bounds
-    are measured so, docs/offload.md "bf16 compute and packed rows"; the f32 runs' bit-for-bit
-    assertions hold with it too)."""
+    """The runs of this session's tests among `RUN_TESTS`: params_on_disk's and bf16's in one
+    child with no FMA at the suite's level 0 (`parity_env`; with FMAs contracted there the grad
+    norm's per-layer sum of squares rounded 1 ulp off the scanned step's at step 3, and clipping
+    (active) carried it into every param, docs/offload.md "Params on disk", so each test's child
+    ran at XLA's default level) and XLA's excess bf16 precision off (the bf16 test's bounds are
+    measured so, docs/offload.md "bf16 compute and packed rows"; the f32 runs' bit-for-bit
+    assertions hold with it too); SimPO's in a child of its own, as before
+    (`_default_level_env`). One CPU device each."""
     selected = {i.originalname for i in request.session.items if i.module is request.module}
     tmp = tmp_path_factory.mktemp("nvme_params")
-    cases = {name: _argv(name, corpus, tmp) for name, test in RUN_TESTS.items() if test in selected}
     flags = [*parity_env()["XLA_FLAGS"].split(), "--xla_allow_excess_precision=false"]
-    env = dict(parity_env(), FSDP_JAX_CPU_DEVICES="1", XLA_FLAGS=" ".join(flags), FSDP_JAX_CACHE_DIR=str(CACHE))
-    return json_child(_CHILD, json.dumps(cases), env=env)
+    envs = {"level0": dict(parity_env(), XLA_FLAGS=" ".join(flags)), "default": _default_level_env()}
+    out = {}
+    for group, env in envs.items():
+        cases = {n: _argv(n, corpus, tmp) for n, (g, test) in RUN_TESTS.items() if g == group and test in selected}
+        if cases:
+            env = dict(env, FSDP_JAX_CPU_DEVICES="1", FSDP_JAX_CACHE_DIR=str(CACHE))
+            out.update(json_child(_CHILD, json.dumps(cases), env=env))
+    return out
 
 
+# {runs: (its child, its test)}
 RUN_TESTS = {
-    "params_on_disk": "test_params_on_disk_trains_resumes_and_checkpoints_bit_for_bit",
-    "bf16": "test_bf16_document_masked_and_packed_rows_on_disk",
-    "simpo": "test_simpo_and_orpo_with_params_on_disk",
+    "params_on_disk": ("level0", "test_params_on_disk_trains_resumes_and_checkpoints_bit_for_bit"),
+    "bf16": ("level0", "test_bf16_document_masked_and_packed_rows_on_disk"),
+    "simpo": ("default", "test_simpo_and_orpo_with_params_on_disk"),
 }
 
 
-@pytest.mark.slow  # 6 tiny runs (one device) in the `runs` child
+@pytest.mark.slow  # 6 tiny runs (one device) in a `runs` child
 def test_params_on_disk_trains_resumes_and_checkpoints_bit_for_bit(runs):
     r = runs["params_on_disk"]
     assert r["devices"] == 1
@@ -132,7 +150,7 @@ def _same(rows, keys=("step", "loss", "grad_norm", "val_loss")):
     return [{k: x[k] for k in keys if k in x} for x in rows if "loss" in x or "val_loss" in x]
 
 
-@pytest.mark.slow  # 6 tiny runs (one device) in the `runs` child
+@pytest.mark.slow  # 6 tiny runs (one device) in a `runs` child
 def test_bf16_document_masked_and_packed_rows_on_disk(runs):
     """bf16 compute over f32 masters (each layer's masters read from its file, cast for compute,
     grads back in f32) with document-masked windows (each line a document: segment ids and
@@ -187,7 +205,7 @@ def _pref_rows(rows):
     return [{k: v for k, v in x.items() if k == "step" or k.startswith(_PREF) or k.startswith("eval_")} for x in keep]
 
 
-@pytest.mark.slow  # 9 tiny preference runs (one device) in the `runs` child
+@pytest.mark.slow  # 9 tiny preference runs (one device) in a `runs` child of their own
 def test_simpo_and_orpo_with_params_on_disk(runs):
     """The reference-free preference losses (one policy pass: the layer pieces' head scores the
     pairs' logits and returns TRL's metrics) against the runs without offload, 4 steps, eval at 2
