@@ -14,8 +14,9 @@ files are left as they were.
 
     PYTHONPATH=. JAX_PLATFORMS=cpu python benchmarks/nvme_layerwise_step.py [--devices 8] [--clip 1.0] [--nan-step] [--json out.json]
 
-Run on XLA:CPU's default emitters (no `--xla_cpu_use_fusion_emitters` in XLA_FLAGS) to compare
-with tests/test_nvme_layerwise.py, which runs this in a child.
+Run on XLA:CPU's default emitters (no `--xla_cpu_use_fusion_emitters` in XLA_FLAGS), or with no
+FMA (`--xla_cpu_max_isa=AVX`, tests/test_nvme.py `parity_env`), to compare with
+tests/test_nvme_layerwise.py, which runs this in a child.
 """
 
 from __future__ import annotations

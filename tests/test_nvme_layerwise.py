@@ -1,7 +1,7 @@
 """`fsdp_jax.nvme.layerwise`: the layer-wise step of `optimizer+params:nvme` (params, state and
 grads in layer files) against the project's scanned train step without offload.
 
-Parity runs in a child process on XLA:CPU's default emitters, as tests/test_nvme.py's does."""
+Parity runs in a child process with no FMA (tests/test_nvme.py's `parity_env`), as test_nvme's does."""
 
 import jax
 import numpy as np

@@ -2,9 +2,12 @@
 scanned layers' params, optimizer state and grads in layer files, the forward and backward fed a
 layer at a time (`fsdp_jax.nvme.layerwise`).
 
-The run parity runs in one child on one CPU device and XLA:CPU's default emitters (as
-tests/test_nvme.py's `parity_env` explains). Kill -9 mid step, then the same command:
+The run parity runs in two children on one CPU device (`runs`): two tests' runs with no FMA (as
+tests/test_nvme.py's `parity_env` explains), SimPO's on XLA's default emitters and level. Kill -9 mid step, then the same command:
 tests/test_nvme.py's kill test, parametrized over both nvme offloads."""
+
+import json
+import os
 
 import numpy as np
 import pytest
@@ -14,23 +17,88 @@ from test_offload import ROOT
 from fsdp_jax.app.trainer.params_nvme import REFUSALS
 from helpers import TINY_RUN_OVERRIDES, call, eos_corpus, json_child, one_line, packed_corpus
 
-# The child: benchmarks/nvme_params_run.py (the same tiny run without offload, with
+# The child: benchmarks/nvme_params_run.py once per test (the same tiny run without offload, with
 # optimizer+params:nvme straight through, stopped after step 2 and launched again, and the pair
-# with 2 microbatches; each run's rows and stdout, the nvme runs' final checkpoints against their
-# reference's, the files)
-_CHILD = "import sys; sys.path.insert(0, 'benchmarks'); import nvme_params_run as b; sys.exit(b.main(sys.argv[1:]))"
+# with 2 microbatches or more overrides; each run's rows and stdout, the nvme runs' final
+# checkpoints against their reference's, the files), all in one process (one Python and JAX
+# start-up and one import of the trainer, not one a test): {test: its JSON document}
+_CHILD = r"""
+import contextlib, io, json, sys
+sys.path.insert(0, "benchmarks")
+import nvme_params_run as b
+out = {}
+for name, argv in json.loads(sys.argv[1]).items():
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        assert b.main(argv) == 0, name
+    out[name] = json.loads(text.getvalue().strip().splitlines()[-1])
+print(json.dumps(out))
+"""
 CACHE = ROOT / ".jax_cache"
+BF16 = "precision=params=float32,compute=bfloat16"
+PAIRS = [{"prompt": f"reverse w{i}: ", "chosen": f"{i}w\n", "rejected": f"w{i}\n"} for i in range(32)]
 
 
-@pytest.mark.slow  # 6 tiny runs in one child (one device): 17-31 CPU s, 114-127 s wall, loaded 2-core machine
-def test_params_on_disk_trains_resumes_and_checkpoints_bit_for_bit(corpus, tmp_path):
-    # XLA's default optimisation level, as a run gets it: at the suite's level 0 the grad norm's
-    # per-layer sum of squares rounds 1 ulp off the scanned step's at step 3, and clipping
-    # (active) carries it into every param (docs/offload.md "Params on disk")
-    flags = [f for f in parity_env()["XLA_FLAGS"].split() if not f.startswith("--xla_backend_optimization_level")]
-    env = dict(parity_env(), FSDP_JAX_CPU_DEVICES="1", XLA_FLAGS=" ".join(flags), FSDP_JAX_CACHE_DIR=str(CACHE))
-    args = ["--corpus", str(corpus), "--out", str(tmp_path), "--resume", "--microbatches", "2"]
-    r = json_child(_CHILD, *args, env=env)
+def _argv(name: str, corpus, tmp) -> list[str]:
+    """The benchmark's arguments for test `name`'s runs (their inputs written under `tmp`)."""
+    if name == "params_on_disk":
+        return ["--corpus", str(corpus), "--out", str(tmp / name), "--resume", "--microbatches", "2"]
+    if name == "bf16":
+        eos, packed = eos_corpus(corpus, tmp / "eos"), packed_corpus(tmp / "packed")
+        args = ["--corpus", str(eos), "--out", str(tmp / name), "--resume", "--packed", str(packed)]
+        return [*args, BF16, "data.document_mask=true"]
+    pairs = tmp / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(x) + "\n" for x in PAIRS))
+    args = ["--corpus", str(pairs), "--out", str(tmp / name), "--resume", "--microbatches", "2"]
+    args += ["--pair-with", "objective=orpo", "--pair-with", "preference.packing=true"]
+    return [*args, "--pair-with", "preference.max_length=16", "objective=simpo", "preference.cpo_alpha=0.5",
+            f"preference.eval_path={pairs}"]  # fmt: skip
+
+
+def _default_level_env() -> dict:
+    """XLA:CPU's default emitters at XLA's default level (LLVM -O2), as a run gets them: SimPO's
+    child. At the suite's level 0, even with no FMA, SimPO's step-4 grad norm was 1 ulp off
+    the run without offload's (BENCHMARKS.md "Issue 55 item 6, nvme and streamed parity on the
+    suite's flags")."""
+    drop = ("--xla_cpu_use_fusion_emitters", "--xla_backend_optimization_level")
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(drop)]
+    return dict(os.environ, XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu")
+
+
+@pytest.fixture(scope="module")
+def runs(request, corpus, tmp_path_factory) -> dict:
+    """The runs of this session's tests among `RUN_TESTS`: params_on_disk's and bf16's in one
+    child with no FMA at the suite's level 0 (`parity_env`; with FMAs contracted there the grad
+    norm's per-layer sum of squares rounded 1 ulp off the scanned step's at step 3, and clipping
+    (active) carried it into every param, docs/offload.md "Params on disk", so each test's child
+    ran at XLA's default level) and XLA's excess bf16 precision off (the bf16 test's bounds are
+    measured so, docs/offload.md "bf16 compute and packed rows"; the f32 runs' bit-for-bit
+    assertions hold with it too); SimPO's in a child of its own, as before
+    (`_default_level_env`). One CPU device each."""
+    selected = {i.originalname for i in request.session.items if i.module is request.module}
+    tmp = tmp_path_factory.mktemp("nvme_params")
+    flags = [*parity_env()["XLA_FLAGS"].split(), "--xla_allow_excess_precision=false"]
+    envs = {"level0": dict(parity_env(), XLA_FLAGS=" ".join(flags)), "default": _default_level_env()}
+    out = {}
+    for group, env in envs.items():
+        cases = {n: _argv(n, corpus, tmp) for n, (g, test) in RUN_TESTS.items() if g == group and test in selected}
+        if cases:
+            env = dict(env, FSDP_JAX_CPU_DEVICES="1", FSDP_JAX_CACHE_DIR=str(CACHE))
+            out.update(json_child(_CHILD, json.dumps(cases), env=env))
+    return out
+
+
+# {runs: (its child, its test)}
+RUN_TESTS = {
+    "params_on_disk": ("level0", "test_params_on_disk_trains_resumes_and_checkpoints_bit_for_bit"),
+    "bf16": ("level0", "test_bf16_document_masked_and_packed_rows_on_disk"),
+    "simpo": ("default", "test_simpo_and_orpo_with_params_on_disk"),
+}
+
+
+@pytest.mark.slow  # 6 tiny runs (one device) in a `runs` child
+def test_params_on_disk_trains_resumes_and_checkpoints_bit_for_bit(runs):
+    r = runs["params_on_disk"]
     assert r["devices"] == 1
     plain = r["rows"]["plain"]
     assert [x["step"] for x in plain if "loss" in x] == [1, 2, 3, 4] and any("val_loss" in x for x in plain)
@@ -78,15 +146,12 @@ def test_params_on_disk_trains_resumes_and_checkpoints_bit_for_bit(corpus, tmp_p
     )
 
 
-BF16 = "precision=params=float32,compute=bfloat16"
-
-
 def _same(rows, keys=("step", "loss", "grad_norm", "val_loss")):
     return [{k: x[k] for k in keys if k in x} for x in rows if "loss" in x or "val_loss" in x]
 
 
-@pytest.mark.slow  # 6 tiny runs in one child (one device), as the test above
-def test_bf16_document_masked_and_packed_rows_on_disk(corpus, tmp_path):
+@pytest.mark.slow  # 6 tiny runs (one device) in a `runs` child
+def test_bf16_document_masked_and_packed_rows_on_disk(runs):
     """bf16 compute over f32 masters (each layer's masters read from its file, cast for compute,
     grads back in f32) with document-masked windows (each line a document: segment ids and
     positions through every layer's forward and backward, a token-sum loss), straight through and
@@ -97,23 +162,7 @@ def test_bf16_document_masked_and_packed_rows_on_disk(corpus, tmp_path):
     their last bits, and a last-bit difference of an f32 master flips its bf16 rounding now and
     then, which grows over the steps; XLA's excess bf16 precision is off here, as there); the
     resumed run equals the straight run with the params on disk bit for bit."""
-    flags = [f for f in parity_env()["XLA_FLAGS"].split() if not f.startswith("--xla_backend_optimization_level")]
-    flags.append("--xla_allow_excess_precision=false")
-    env = dict(parity_env(), FSDP_JAX_CPU_DEVICES="1", XLA_FLAGS=" ".join(flags), FSDP_JAX_CACHE_DIR=str(CACHE))
-    eos, packed = eos_corpus(corpus, tmp_path / "eos"), packed_corpus(tmp_path / "packed")
-    out = tmp_path / "runs"
-    args = [
-        "--corpus",
-        str(eos),
-        "--out",
-        str(out),
-        "--resume",
-        "--packed",
-        str(packed),
-        BF16,
-        "data.document_mask=true",
-    ]
-    r = json_child(_CHILD, *args, env=env)
+    r = runs["bf16"]
     rows = r["rows"]
     for got, ref in (("nvme", "plain"), ("nvme_packed", "plain_packed")):
         a, b = _same(rows[got]), _same(rows[ref])
@@ -137,7 +186,6 @@ def test_bf16_document_masked_and_packed_rows_on_disk(corpus, tmp_path):
     assert "resuming from checkpoint step 2" in r["stdout"]["resumed"]
 
 
-PAIRS = [{"prompt": f"reverse w{i}: ", "chosen": f"{i}w\n", "rejected": f"w{i}\n"} for i in range(32)]
 # what a preference row records besides timings: the loss and TRL's metrics
 _PREF = (
     "loss",
@@ -157,8 +205,8 @@ def _pref_rows(rows):
     return [{k: v for k, v in x.items() if k == "step" or k.startswith(_PREF) or k.startswith("eval_")} for x in keep]
 
 
-@pytest.mark.slow  # 9 tiny preference runs in one child (one device): 59 CPU s, 210 s wall (loaded 2-core machine)
-def test_simpo_and_orpo_with_params_on_disk(tmp_path):
+@pytest.mark.slow  # 9 tiny preference runs (one device) in a `runs` child of their own
+def test_simpo_and_orpo_with_params_on_disk(runs):
     """The reference-free preference losses (one policy pass: the layer pieces' head scores the
     pairs' logits and returns TRL's metrics) against the runs without offload, 4 steps, eval at 2
     and 4: SimPO with CPO's NLL (cpo_alpha 0.5) straight through, every row (loss, grad norm,
@@ -167,16 +215,7 @@ def test_simpo_and_orpo_with_params_on_disk(tmp_path):
     microbatches (the slices' metrics stacked as the scanned step's scan stacks them) and ORPO on
     packed pairs (a TokenSum over pairs through every layer's segments): within the bounds below,
     a few times docs/offload.md's measured figures (step 1's loss bit for bit)."""
-    import json
-
-    flags = [f for f in parity_env()["XLA_FLAGS"].split() if not f.startswith("--xla_backend_optimization_level")]
-    env = dict(parity_env(), FSDP_JAX_CPU_DEVICES="1", XLA_FLAGS=" ".join(flags), FSDP_JAX_CACHE_DIR=str(CACHE))
-    pairs = tmp_path / "pairs.jsonl"
-    pairs.write_text("".join(json.dumps(x) + "\n" for x in PAIRS))
-    args = ["--corpus", str(pairs), "--out", str(tmp_path / "runs"), "--resume", "--microbatches", "2"]
-    args += ["--pair-with", "objective=orpo", "--pair-with", "preference.packing=true"]
-    args += ["--pair-with", "preference.max_length=16", "objective=simpo", "preference.cpo_alpha=0.5"]
-    r = json_child(_CHILD, *args, f"preference.eval_path={pairs}", env=env)
+    r = runs["simpo"]
     rows = {n: _pref_rows(v) for n, v in r["rows"].items()}
     plain = rows["plain"]
     assert [x["step"] for x in plain if "loss" in x] == [1, 2, 3, 4] and plain[0]["nll_loss"] > 0

@@ -4,13 +4,14 @@ equal to no offload (losses, params and optimizer state, under every strategy, w
 microbatches and clipping), its host transfers inside the layer loop, and the whole-leaf
 fallback for an optimizer that is not elementwise.
 
-The bit-for-bit comparisons run in a child process on XLA:CPU's default code generator.
-This suite's processes use the legacy loop emitters (tests/conftest.py FAST_CODEGEN, for
-compile time), which contract a * b + c into an FMA or not depending on where the fusion
-boundaries fall, and the host transfers move those boundaries: there the streamed and the
-plain update differ in the last place (a third loss 1 ulp apart under shard_grad_op and
-hybrid_shard). The default
-emitters (the only ones on jaxlib 0.12) round both alike, which is what a user's run gets."""
+The bit-for-bit comparisons run in a child process with no FMA (tests/test_nvme.py's
+`parity_env`). This suite's processes use the legacy loop emitters (tests/conftest.py
+FAST_CODEGEN, for compile time), which contract a * b + c into an FMA or not depending on where
+the fusion boundaries fall, and the host transfers move those boundaries: there the streamed and
+the plain update can differ in the last place (CI's log: a third loss 1 ulp apart under
+shard_grad_op and hybrid_shard). Capped at AVX (no FMA instructions) both round alike on the
+suite's fast flags; off x86 the child runs on the default emitters (the only ones on jaxlib 0.12),
+which round both alike, as a user's run gets."""
 
 import json
 import os
@@ -20,6 +21,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from test_nvme import parity_env
 from test_offload import ROOT, STRATEGY_MESH, kinds, tiny_llama, token_batches
 
 import fsdp_jax as fj
@@ -110,7 +112,8 @@ from test_offload import ROOT
 jax.config.update("jax_compilation_cache_dir", str(ROOT / ".jax_cache"))
 import test_stream_update as t
 
-assert "fusion_emitters" not in os.environ.get("XLA_FLAGS", "")
+flags = os.environ.get("XLA_FLAGS", "")
+assert "max_isa=AVX" in flags or "fusion_emitters" not in flags
 out, refs, done = {}, {}, {}
 for name, (strategy, offload, opt, kw) in json.loads(sys.argv[1]).items():
     case = json.dumps([strategy, offload, opt, kw], sort_keys=True)
@@ -137,11 +140,8 @@ print(json.dumps(out))
 
 
 def default_codegen_parity(cases: dict) -> dict:
-    """`cases` run in a child process on XLA:CPU's default code generator (this process's
-    XLA_FLAGS less the legacy-emitter flag conftest adds)."""
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_cpu_use_fusion_emitters")]
-    env = dict(os.environ, XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu")
-    return json_child(_PARITY_CHILD, json.dumps(cases), env=env)
+    """`cases` run in a child process with no FMA (tests/test_nvme.py's `parity_env`)."""
+    return json_child(_PARITY_CHILD, json.dumps(cases), env=parity_env())
 
 
 def assert_bit_for_bit(r):
