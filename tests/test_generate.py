@@ -56,13 +56,12 @@ def sharpened(params, factor=4.0):
 
 
 def full_logits(model, params, rows, tokens) -> np.ndarray:
-    """The plain forward over each unpadded prompt + its sampled tokens (right-padded rows), jitted:
-    one compiled program instead of an op-by-op compile of each of the decoder's operations."""
+    """The plain forward over each unpadded prompt + its sampled tokens (right-padded rows)."""
     n = tokens.shape[1]
     full = np.zeros((len(rows), max(map(len, rows)) + n), np.int32)
     for b, r in enumerate(rows):
         full[b, : len(r) + n] = list(r) + tokens[b].tolist()
-    return np.asarray(jax.jit(model.apply)(params, jnp.asarray(full)))
+    return np.asarray(model.apply(params, jnp.asarray(full)))
 
 
 def step_errors(model, params, rows, out) -> float:
@@ -79,7 +78,7 @@ def step_errors(model, params, rows, out) -> float:
 
 def run_one_device(cfg, spec=SPEC, rows=ROWS, seed=1):
     model = trainer_model(cfg)
-    params = jax.jit(lambda k: sharpened(model.init(k)))(jax.random.key(0))  # one program, not one per op
+    params = sharpened(model.init(jax.random.key(0)))
     prompts, lengths = left_pad(rows)
     fn = jax.jit(lambda p, pr, ln, k: generate(model.bind(p), pr, ln, k, spec, return_logits=True))
     return model, params, jax.device_get(fn(params, prompts, lengths, jax.random.key(seed)))
