@@ -47,43 +47,47 @@ def kinds(tree) -> set[str]:
     return {x.sharding.memory_kind for x in jax.tree.leaves(tree)}
 
 
-def run(offload, opt="adamw", strategy="full_shard", n=3, remat="none", batch=8, **step_kw):
-    m, loss_fn = tiny_llama(remat=remat)
-    b = build(
-        m,
-        OPTIMIZERS[opt](),
-        fj.make_mesh(**STRATEGY_MESH[strategy]),
-        strategy,
-        loss_fn=loss_fn,
-        offload=offload,
-        **step_kw,
-    )
-    state = b.init_state(jax.random.key(0))
-    metrics = []
-    for x in token_batches(n, batch):
-        state, mt = b.train_step(state, x)
-        metrics.append({k: float(v) for k, v in mt.items()})
-    return b, state, metrics
-
-
 @pytest.fixture(scope="module")
-def baseline():
-    """The non-offloaded 10-step runs, per optimizer (computed on first use)."""
+def built():
+    """`build` of the tiny model, memoised per program: the tests that lower, place, evaluate or
+    train the same program share one built object, so its jitted steps trace once."""
     cache = {}
 
-    def get(opt, **kw):
-        kw.setdefault("strategy", "full_shard")  # run()'s default: one key per program
-        key = (opt, tuple(sorted(kw.items())))
+    def get(offload, opt="adamw", strategy="full_shard", remat="none", **step_kw):
+        key = (offload, opt, strategy, remat, tuple(sorted(step_kw.items())))
         if key not in cache:
-            cache[key] = run("none", opt, **kw)
+            m, loss_fn = tiny_llama(remat=remat)
+            mesh = fj.make_mesh(**STRATEGY_MESH[strategy])
+            cache[key] = build(m, OPTIMIZERS[opt](), mesh, strategy, loss_fn=loss_fn, offload=offload, **step_kw)
         return cache[key]
 
     return get
 
 
-def check_matches(offload, opt, baseline, n):
-    _, ref_state, ref_metrics = baseline(opt, n=n)
-    b, state, metrics = run(offload, opt, n=n)
+@pytest.fixture(scope="module")
+def runs(built):
+    """(built, state, metrics) of `n` steps from key(0), memoised per program and step count: the
+    non-offloaded baselines and the offloaded runs each train once for every test that checks them."""
+    cache = {}
+
+    def get(offload, opt="adamw", n=3, batch=8, **kw):
+        key = (offload, opt, n, batch, tuple(sorted(kw.items())))
+        if key not in cache:
+            b = built(offload, opt, **kw)
+            state = b.init_state(jax.random.key(0))
+            metrics = []
+            for x in token_batches(n, batch):
+                state, mt = b.train_step(state, x)
+                metrics.append({k: float(v) for k, v in mt.items()})
+            cache[key] = b, state, metrics
+        return cache[key]
+
+    return get
+
+
+def check_matches(offload, opt, runs, n):
+    _, ref_state, ref_metrics = runs("none", opt, n=n)
+    b, state, metrics = runs(offload, opt, n=n)
     assert max_abs_diff(state.params, ref_state.params) < 1e-6
     assert max_abs_diff(state.opt_state, ref_state.opt_state) < 1e-6
     np.testing.assert_allclose([m["loss"] for m in metrics], [m["loss"] for m in ref_metrics], rtol=1e-6)
@@ -101,15 +105,15 @@ def check_matches(offload, opt, baseline, n):
 @pytest.mark.slow
 @pytest.mark.parametrize("opt", list(OPTIMIZERS))
 @pytest.mark.parametrize("offload", ["optimizer", "optimizer+params"])
-def test_ten_steps_match_no_offload(offload, opt, baseline):
-    check_matches(offload, opt, baseline, n=10)
+def test_ten_steps_match_no_offload(offload, opt, runs):
+    check_matches(offload, opt, runs, n=10)
 
 
 @pytest.mark.slow
-def test_grad_accumulation_and_clipping_hold(baseline):
+def test_grad_accumulation_and_clipping_hold(runs):
     kw = dict(microbatches=2, clip_norm=0.05, batch=16)
-    _, ref_state, ref_metrics = baseline("adamw", **kw)
-    _, state, metrics = run("optimizer+params", "adamw", **kw)
+    _, ref_state, ref_metrics = runs("none", "adamw", **kw)
+    _, state, metrics = runs("optimizer+params", "adamw", **kw)
     assert all(m["grad_norm"] > 0.05 for m in metrics)  # clipping was active on every step
     assert max_abs_diff(state.params, ref_state.params) < 1e-6
     np.testing.assert_allclose([m["grad_norm"] for m in metrics], [m["grad_norm"] for m in ref_metrics], rtol=1e-6)
@@ -117,21 +121,20 @@ def test_grad_accumulation_and_clipping_hold(baseline):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", list(STRATEGY_MESH))
-def test_every_strategy(strategy, baseline):
-    _, ref_state, _ = baseline("sgd", strategy=strategy, n=3)
-    _, state, _ = run("optimizer+params", "sgd", strategy=strategy, n=3)
+def test_every_strategy(strategy, runs):
+    n = 10 if strategy == "full_shard" else 3  # full_shard's two runs are test_ten_steps_match_no_offload's
+    _, ref_state, _ = runs("none", "sgd", strategy=strategy, n=n)
+    _, state, _ = runs("optimizer+params", "sgd", strategy=strategy, n=n)
     assert max_abs_diff(state.params, ref_state.params) < 1e-6
     assert kinds(state.params) == kinds(state.opt_state) == {ol.HOST}
 
 
 @pytest.mark.parametrize("offload", ["optimizer", "optimizer+params"])
-def test_compiled_device_argument_bytes_drop_by_offloaded_state(offload):
-    m, loss_fn = tiny_llama()
-    mesh = fj.make_mesh(fsdp=8)
+def test_compiled_device_argument_bytes_drop_by_offloaded_state(offload, built):
     batch = token_batches(1)[0]
     args = {}
     for o in ("none", offload):
-        b = build(m, optax.adamw(1e-3), mesh, "full_shard", loss_fn=loss_fn, offload=o)
+        b = built(o, "adamw")  # adamw(1e-3) on fsdp=8, full_shard
         compiled = b.train_step.lower(b.abstract_state, batch).compile()
         args[o] = ol.entry_argument_bytes(compiled.as_text())
         ma = compiled.memory_analysis()
@@ -151,14 +154,15 @@ def test_compiled_device_argument_bytes_drop_by_offloaded_state(offload):
     assert ol.offloaded_bytes(abstract)["host"] == expected
 
 
-def remat_loss_and_grads(name):
-    """(loss, grads) of the tiny model under remat policy `name` on one batch, and whether its
-    jaxpr sends residuals to host memory."""
+def remat_loss_and_grads(name, params=None):
+    """(loss, grads) of the tiny model under remat policy `name` on one batch, whether its
+    jaxpr sends residuals to host memory, and the params (key(0); given: `none`'s, the policy
+    does not change the init). One trace gives both the jaxpr and the compiled program."""
     batch = token_batches(1)[0]
     m, loss_fn = tiny_llama(remat=name)
-    p = jax.jit(m.init)(jax.random.key(0))
-    out = jax.jit(jax.value_and_grad(loss_fn))(p, batch)
-    return out, "<host>" in str(jax.make_jaxpr(jax.value_and_grad(loss_fn))(p, batch))
+    p = jax.jit(m.init)(jax.random.key(0)) if params is None else params
+    traced = jax.jit(jax.value_and_grad(loss_fn)).trace(p, batch)
+    return traced.lower().compile()(p, batch), "<host>" in str(traced.jaxpr), p
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +175,7 @@ def remat_none():
 @pytest.mark.parametrize("policy", sorted(remat_lib.offloading()))
 def test_offloading_remat_same_loss_and_grads_as_none(policy, remat_none):
     out = {}
-    for name, (out[name], host) in (("none", remat_none), (policy, remat_loss_and_grads(policy))):
+    for name, (out[name], host, _) in (("none", remat_none), (policy, remat_loss_and_grads(policy, remat_none[2]))):
         # the policy really sends residuals to host memory (and `none` does not)
         assert host == (name != "none")
     assert abs(float(out[policy][0]) - float(out["none"][0])) < 1e-6
@@ -179,21 +183,21 @@ def test_offloading_remat_same_loss_and_grads_as_none(policy, remat_none):
 
 
 @pytest.mark.slow
-def test_offloading_remat_in_the_sharded_step_with_offloaded_state(baseline):
-    _, ref_state, ref_metrics = baseline("sgd", n=3)
-    _, state, metrics = run("optimizer", "sgd", n=3, remat="offload_attn_mlp_out")
+def test_offloading_remat_in_the_sharded_step_with_offloaded_state(runs):
+    # 10 steps: the baseline is test_ten_steps_match_no_offload's sgd run
+    _, ref_state, ref_metrics = runs("none", "sgd", n=10)
+    _, state, metrics = runs("optimizer", "sgd", n=10, remat="offload_attn_mlp_out")
     np.testing.assert_allclose([m["loss"] for m in metrics], [m["loss"] for m in ref_metrics], rtol=1e-6)
     assert max_abs_diff(state.params, ref_state.params) < 1e-6
 
 
-def test_eval_step_and_placement_with_offloaded_params():
-    m, loss_fn = tiny_llama()
-    mesh = fj.make_mesh(fsdp=8)
+def test_eval_step_and_placement_with_offloaded_params(built):
+    m, _ = tiny_llama()
     batch = token_batches(1)[0]
     params = jax.jit(m.init)(jax.random.key(0))
     losses = {}
     for o in ("none", "optimizer+params"):
-        b = build(m, optax.adamw(1e-3), mesh, "full_shard", loss_fn=loss_fn, offload=o)
+        b = built(o, "adamw")  # adamw(1e-3) on fsdp=8, full_shard
         st = b.place(params)
         assert kinds(st.params) == ({ol.HOST} if o != "none" else {"device"})
         losses[o] = float(b.eval_step(st.params, batch)["loss"])
@@ -201,13 +205,11 @@ def test_eval_step_and_placement_with_offloaded_params():
 
 
 @pytest.mark.slow
-def test_checkpoints_restore_across_offload_settings(tmp_path):
+def test_checkpoints_restore_across_offload_settings(tmp_path, built):
     from fsdp_jax.checkpoint import Checkpointer
 
-    m, loss_fn = tiny_llama()
-    mesh = fj.make_mesh(fsdp=8)
     batches = token_batches(3)
-    B = {o: build(m, optax.adamw(1e-3), mesh, "full_shard", loss_fn=loss_fn, offload=o) for o in ol.OFFLOADS}
+    B = {o: built(o, "adamw") for o in ol.OFFLOADS}  # the ten-step tests' programs: adamw(1e-3), fsdp=8
     # reference: three steps without offload
     ref = B["none"].init_state(jax.random.key(0))
     for x in batches:
@@ -316,7 +318,7 @@ PLAN_CONFIG = {
 
 
 @pytest.mark.slow
-def test_planner_host_bytes_analytic_equal_compiled():
+def test_planner_host_bytes_analytic_equal_compiled(built):
     """The planner's analytic host bytes (from the sharding plan) equal the compiled
     program's host-resident argument bytes (from its parameter layouts)."""
     from fsdp_jax.app.config.parse import config_from_dict
@@ -338,8 +340,7 @@ def test_planner_host_bytes_analytic_equal_compiled():
     # their grads go to host and come back; on the device, two layers of their compute copy instead of all of it, and two layers of
     # params + optimizer state during the update instead of the largest leaf's
     s = out["optimizer+params:streamed"]["analytic"]
-    m, loss_fn = tiny_llama()
-    b = build(m, optax.adamw(1e-3), fj.make_mesh(fsdp=8), "full_shard", loss_fn=loss_fn)
+    b = built("none", "adamw")  # adamw(1e-3) on fsdp=8, full_shard
     shard = [
         int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
         for x in jax.tree.leaves(b.abstract_state.params)

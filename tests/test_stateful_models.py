@@ -107,6 +107,7 @@ def mesh_for(strategy, n=8):
 
 
 def train(name, strategy, n, steps=STEPS, **step_kw):
+    """(sharded model, its train step, host states after 0..steps steps, losses)."""
     make, make_loss, make_batches = MODELS[name]
     model = make()
     sm = shard_model(
@@ -119,11 +120,28 @@ def train(name, strategy, n, steps=STEPS, **step_kw):
         max_replicated_fraction=None,
     )
     step = sm.train_step(make_loss(model), **step_kw)
-    state, losses = sm.state, []
+    state, states, losses = sm.state, [jax.device_get(sm.state)], []
     for b in make_batches(steps):
         state, m = step(state, b)
+        states.append(jax.device_get(state))
         losses.append(float(m["loss"]))
-    return sm, jax.device_get(state), losses
+    return sm, step, states, losses
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """`train`, memoised per program and step count: one traced and compiled step per (model,
+    strategy, devices, step options) serves the parity, the plain-Flax, the microbatch and the
+    resume tests (each reads the host states after the steps it needs)."""
+    runs = {}
+
+    def get(name, strategy, n, steps=STEPS, **step_kw):
+        key = (name, strategy, n, steps, tuple(sorted(step_kw.items())))
+        if key not in runs:
+            runs[key] = train(name, strategy, n, steps, **step_kw)
+        return runs[key]
+
+    return get
 
 
 def tree_max_diff(a, b):
@@ -138,40 +156,27 @@ def tree_max_diff(a, b):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(MODELS))
-def test_parity_with_one_device_under_every_strategy(name):
+def test_parity_with_one_device_under_every_strategy(name, trained):
     """Loss (rel <= 1e-5), params and model state after 5 steps agree with one device
     under all five strategies: batch statistics are over the global batch, dropout
     masks come from fold_in(run key, step), the same on 1 and 8 devices."""
-    _, ref, ref_losses = train(name, "no_shard", 1)
+    _, _, ref_states, ref_losses = trained(name, "no_shard", 1)
+    ref = ref_states[-1]
     for strategy in STRATEGIES:
-        sm, state, losses = train(name, strategy, 8)
+        sm, _, states, losses = trained(name, strategy, 8)
+        state = states[-1]
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, err_msg=strategy)
         assert tree_max_diff(state.params, ref.params) < 1e-5, strategy
         assert tree_max_diff(state.model_state, ref.model_state) < 1e-5, strategy
         if strategy == "full_shard":  # the params really are sharded, the state follows the rules
             specs = [x.sharding.spec for x in jax.tree.leaves(sm.state.params)]
             assert any(any(e is not None for e in s) for s in specs)
-    # the state moved (BatchNorm statistics updated by the step)
-    assert (
-        tree_max_diff(
-            ref.model_state,
-            jax.device_get(
-                shard_model(
-                    MODELS[name][0](),
-                    SGD,
-                    mesh_for("no_shard", 1),
-                    "no_shard",
-                    rng=jax.random.key(0),
-                    max_replicated_fraction=None,
-                ).state.model_state
-            ),
-        )
-        > 1e-3
-    )
+    # the state moved (BatchNorm statistics updated by the step): against the state at init
+    assert tree_max_diff(ref.model_state, ref_states[0].model_state) > 1e-3
 
 
 @pytest.mark.slow
-def test_resnet_matches_a_plain_flax_training_loop():
+def test_resnet_matches_a_plain_flax_training_loop(trained):
     """Independent reference: Flax's own `apply(..., mutable=["batch_stats"])` loop on
     one device, no fsdp_jax in the step, vs full_shard on 8 devices."""
     net = ResNet(stage_sizes=[1, 1], block_cls=ResNetBlock, num_classes=4, num_filters=8)
@@ -199,7 +204,8 @@ def test_resnet_matches_a_plain_flax_training_loop():
     for b in image_batches(STEPS):
         params, stats, opt, loss = step(params, stats, opt, b)
         ref_losses.append(float(loss))
-    _, state, losses = train("flax_resnet", "full_shard", 8)
+    _, _, states, losses = trained("flax_resnet", "full_shard", 8)  # the parity test's run
+    state = states[-1]
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert tree_max_diff(state.params, params) < 1e-5
     assert tree_max_diff(state.model_state["batch_stats"], stats) < 1e-5
@@ -231,13 +237,13 @@ def test_dropout_key_changes_per_step_and_eval_is_deterministic():
 
 
 @pytest.mark.slow
-def test_microbatches_thread_the_state_and_agree_with_one_device():
-    _, ref, ref_losses = train("nnx_bn_dropout", "no_shard", 1, steps=3, microbatches=2)
-    _, st, losses = train("nnx_bn_dropout", "full_shard", 8, steps=3, microbatches=2)
+def test_microbatches_thread_the_state_and_agree_with_one_device(trained):
+    _, _, ref, ref_losses = trained("nnx_bn_dropout", "no_shard", 1, steps=3, microbatches=2)
+    _, _, st, losses = trained("nnx_bn_dropout", "full_shard", 8, steps=3, microbatches=2)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    assert tree_max_diff(st.model_state, ref.model_state) < 1e-5
-    _, one, _ = train("nnx_bn_dropout", "full_shard", 8, steps=3)
-    assert tree_max_diff(st.model_state, one.model_state) > 1e-6  # two updates per step, not one
+    assert tree_max_diff(st[3].model_state, ref[3].model_state) < 1e-5
+    one = trained("nnx_bn_dropout", "full_shard", 8)[2][3]  # the parity test's run, after 3 of its steps
+    assert tree_max_diff(st[3].model_state, one.model_state) > 1e-6  # two updates per step, not one
 
 
 # ----------------------------------------------------------------------------- every door
@@ -379,8 +385,8 @@ def _abstract(state):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(MODELS))
-def test_resume_with_state_is_bit_exact_and_restores_onto_another_mesh(name, tmp_path):
-    make, make_loss, make_batches = MODELS[name]
+def test_resume_with_state_is_bit_exact_and_restores_onto_another_mesh(name, tmp_path, trained):
+    make, _, make_batches = MODELS[name]
     model, batches = make(), make_batches(STEPS)
 
     def fresh(strategy="full_shard"):
@@ -394,15 +400,12 @@ def test_resume_with_state_is_bit_exact_and_restores_onto_another_mesh(name, tmp
             max_replicated_fraction=None,
         )
 
-    sm = fresh()
-    step = sm.train_step(make_loss(model))
-    state = sm.state
-    for b in batches:
-        state, _ = step(state, b)
-    straight = jax.device_get(state)
+    # the straight run is the parity test's full_shard run (the same call, the same batches); its
+    # compiled step (the run key is shard_model's, key(0), as fresh()'s) trains the split run too
+    _, step, states, _ = trained(name, "full_shard", 8)
+    straight = states[-1]
 
     sm = fresh()
-    step = sm.train_step(make_loss(model))
     state = sm.state
     with Checkpointer(tmp_path / "ckpt", async_save=False) as ckpt:
         for i, b in enumerate(batches[:3]):
@@ -413,9 +416,8 @@ def test_resume_with_state_is_bit_exact_and_restores_onto_another_mesh(name, tmp
     sm2 = fresh()  # a new process's view: the same call, the same run key
     restored = Checkpointer(tmp_path / "ckpt", read_only=True).restore(_abstract(sm2.state)).state
     assert int(restored.step) == 3
-    step2 = sm2.train_step(make_loss(model))
     for b in batches[3:]:
-        restored, _ = step2(restored, b)
+        restored, _ = step(restored, b)
     resumed = jax.device_get(restored)
     for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(straight)):
         np.testing.assert_array_equal(a, b)  # bit-exact: params, optimizer state, model state

@@ -22,11 +22,14 @@ STRATEGY_MESH = {
 }
 
 
-def run_fsdp(strategy, optimizer, batches, mesh_kw=None, grad_norms=None, **step_kw):
-    """(state, plan, losses) after a step per batch; each step's grad norm goes to `grad_norms`."""
+def run_fsdp(strategy, optimizer, batches, mesh_kw=None, grad_norms=None, init_specs=None, **step_kw):
+    """(state, plan, losses) after a step per batch; each step's grad norm goes to `grad_norms`, the
+    initial state's sharding specs to `init_specs` (a dict: key "state")."""
     m, loss_fn = tiny_llama()
     mesh = fj.make_mesh(**(mesh_kw or STRATEGY_MESH[strategy]))
     state, plan = fj.init_train_state(m.init, optimizer, mesh, jax.random.key(0), strategy, logical_axes=m.logical_axes)
+    if init_specs is not None:
+        init_specs["state"] = jax.tree.map(lambda x: x.sharding.spec, state)
     step = fj.make_train_step(loss_fn, optimizer, plan, **step_kw)
     losses = []
     for b in batches:
@@ -49,7 +52,7 @@ def reference(batches):
     out = {}
     for name, opt in {"sgd": optax.sgd(0.5, momentum=0.9), "adamw": optax.adamw(1e-3)}.items():
         out[name] = reference_train(loss_fn, opt, p0, batches)
-    out["grad_norm_0"] = float(optax.tree.norm(jax.jit(jax.grad(loss_fn))(p0, batches[0])))
+    out["grad_norm_0"] = float(jax.jit(lambda p, b: optax.tree.norm(jax.grad(loss_fn)(p, b)))(p0, batches[0]))
     return out
 
 
@@ -60,12 +63,12 @@ def trained(batches):
     runs = {}
     optimizers = {"sgd_momentum": lambda: optax.sgd(0.5, momentum=0.9), "adamw": lambda: optax.adamw(1e-3)}
 
-    def get(strategy, opt):
+    def get(strategy, opt, init_specs=False):
         if (strategy, opt) not in runs:
-            norms = []
-            state, _, losses = run_fsdp(strategy, optimizers[opt](), batches, grad_norms=norms)
-            runs[strategy, opt] = state, losses, norms
-        return runs[strategy, opt]
+            norms, specs = [], {}
+            state, _, losses = run_fsdp(strategy, optimizers[opt](), batches, grad_norms=norms, init_specs=specs)
+            runs[strategy, opt] = state, losses, norms, specs["state"]
+        return runs[strategy, opt] if init_specs else runs[strategy, opt][:3]
 
     return get
 
@@ -96,18 +99,15 @@ def test_parity_adamw(strategy, reference, trained):
 
 
 @pytest.mark.slow
-def test_state_layouts_follow_the_strategy():
-    opt = optax.adamw(1e-2)
-    m, _ = tiny_llama()
+def test_state_layouts_follow_the_strategy(trained):
+    """The initial states of test_parity_adamw's runs (adamw: the moments follow the params)."""
     spec = {}
-    for s, kw in STRATEGY_MESH.items():
-        state, plan = fj.init_train_state(
-            m.init, opt, fj.make_mesh(**kw), jax.random.key(0), s, logical_axes=m.logical_axes
-        )
+    for s in STRATEGY_MESH:
+        state = trained(s, "adamw", init_specs=True)[3]  # the specs of init_train_state's state
         spec[s] = (
-            state.params["blocks"]["mlp"]["w_up"].sharding.spec,
-            state.opt_state[0].mu["blocks"]["mlp"]["w_up"].sharding.spec,
-            state.opt_state[0].count.sharding.spec,
+            state.params["blocks"]["mlp"]["w_up"],
+            state.opt_state[0].mu["blocks"]["mlp"]["w_up"],
+            state.opt_state[0].count,
         )
     assert spec["full_shard"] == (P(None, "fsdp", None), P(None, "fsdp", None), P())
     assert spec["shard_grad_op"] == spec["full_shard"]
@@ -380,6 +380,13 @@ def test_guarded_update_applies_only_finite_steps(skip):
         assert int(new.step) == 1 and float(new.params["w"][0]) == pytest.approx(0.8)
 
 
+@pytest.fixture(scope="module")
+def mlp_reference():
+    """One device's 3 SGD+momentum steps of `_mlp` on its batch: every explicit-axes case's reference."""
+    p, batch = _mlp()
+    return reference_train(lambda q, b: _mlp_loss(q, b)[0], optax.sgd(0.5, momentum=0.9), p, [batch] * 3)
+
+
 @pytest.mark.parametrize(
     "strategy, mesh_kw, micro",
     [
@@ -389,7 +396,7 @@ def test_guarded_update_applies_only_finite_steps(skip):
         pytest.param("full_shard", dict(fsdp=4, tensor=2), 1, marks=pytest.mark.slow),
     ],
 )
-def test_explicit_axes_model_with_out_sharding_trains_like_one_device(strategy, mesh_kw, micro):
+def test_explicit_axes_model_with_out_sharding_trains_like_one_device(strategy, mesh_kw, micro, mlp_reference):
     """A model written for JAX's explicit sharding mode (`out_sharding=` on its matmuls)
     trains on an Explicit mesh with every strategy, as a single device does; on the
     default Auto mesh such a model is rejected by JAX itself."""
@@ -412,7 +419,7 @@ def test_explicit_axes_model_with_out_sharding_trains_like_one_device(strategy, 
     for _ in range(3):
         state, metrics = built.train_step(state, batch)
         losses.append(float(metrics["loss"]))
-    ref_params, ref_losses = reference_train(lambda q, b: _mlp_loss(q, b)[0], opt, p, [batch] * 3)
+    ref_params, ref_losses = mlp_reference  # the same optimizer, params and batches
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert max_abs_diff(state.params, ref_params) < 1e-6 and losses[-1] < losses[0]
     if strategy == "full_shard" and micro == 2:
