@@ -75,6 +75,14 @@ def _operands(shape_x, shape_w, shape_g):
     return x, w, g
 
 
+def primal_and_vjp(f, *args):
+    """(f(*args), f's vjp at `args`) from one compile with XLA's excess precision off (XLA may skip
+    an intermediate rounding, the GEMM's bf16 output, unless told not to): not an eager forward for
+    the vjp, each of its ops a compile of its own."""
+    both = jax.jit(lambda *a: (f(*a), jax.vjp(f, *a)[1]))
+    return both.lower(*args).compile({"xla_allow_excess_precision": False})(*args)
+
+
 @pytest.mark.parametrize("layout", ["grouped", "batched"])
 def test_expert_gemms_equal_their_reference_formula(layout):
     """Forward and both gradients bit for bit against the formula with a scale per expert
@@ -94,10 +102,8 @@ def test_expert_gemms_equal_their_reference_formula(layout):
         x, w, g = _operands((3, 8, K), (3, K, N), (3, 8, N))
         f = fp8_experts.batched_matmul
         groups = [np.arange(8 * e, 8 * e + 8) for e in range(3)]
-    y, vjp = jax.vjp(f, x, w)
+    y, vjp = primal_and_vjp(f, x, w)
     dx, dw = jax.jit(vjp)(g)
-    # XLA may skip an intermediate rounding (the GEMM's bf16 output) unless told not to
-    y = jax.jit(f).lower(x, w).compile({"xla_allow_excess_precision": False})(x, w)
 
     def flat(a):
         return np.asarray(a, np.float32).reshape(M if layout == "grouped" else 24, -1)
@@ -137,9 +143,8 @@ def test_expert_histories_scale_by_the_past_and_push_through_the_backward(layout
     past = np.asarray([[6.0, 0.09, 2e-3], [5.0, 0.2, 1e-3], [9.0, 0.1, 4e-3], [4.0, 0.3, 3e-3]], np.float32)[:n_e]
     hist = np.zeros((n_e, 3, 3), np.float32)
     hist[1:, :, 1] = past[1:]  # expert 0: all zeros
-    y, vjp = jax.vjp(f, x, w, jnp.asarray(hist))
+    y, vjp = primal_and_vjp(f, x, w, jnp.asarray(hist))
     dx, dw, new = jax.jit(vjp)(g)
-    y = jax.jit(f).lower(x, w, hist).compile({"xla_allow_excess_precision": False})(x, w, hist)
 
     def flat(a):
         return np.asarray(a, np.float32).reshape(M if layout == "grouped" else 24, -1)
@@ -203,9 +208,8 @@ def test_rowwise_expert_gemms_equal_their_reference_formula(layout):
         x, w, g = _operands((3, 8, K), (3, K, N), (3, 8, N))
         groups = [np.arange(8 * e, 8 * e + 8) for e in range(3)]
         f = fp8_rowwise_experts.batched_matmul
-    _, vjp = jax.vjp(f, x, w)
+    y, vjp = primal_and_vjp(f, x, w)
     dx, dw = jax.jit(vjp)(g)
-    y = jax.jit(f).lower(x, w).compile({"xla_allow_excess_precision": False})(x, w)
 
     def flat(a):
         return np.asarray(a, np.float32).reshape(M if layout == "grouped" else 24, -1)

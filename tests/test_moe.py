@@ -198,7 +198,8 @@ def test_moe_layer_dropless_and_capacity_against_a_dense_reference(factor):
     cfg = _moe_cfg(capacity_factor=factor)
     layer = _layer(cfg)
     x = jax.random.normal(jax.random.key(3), (2, 16, cfg.d_model))
-    y, stats = layer(x)
+    graph, state = nnx.split(layer)
+    y, stats = jax.jit(lambda s, x: nnx.merge(graph, s)(x))(state, x)  # one compile, not one per op
     cap = moe_lib.capacity(32, 2, 8, factor) if factor else None
     want, dropped = _ref_moe(
         x.reshape(32, -1), layer.router[...], layer.w_gate[...], layer.w_up[...], layer.w_down[...], 2, True, cap
@@ -477,20 +478,19 @@ def test_packed_rows_loss_and_router_metrics_summary():
 
     cfg = _moe_cfg(router_aux_loss_coef=0.1)
     m = from_nnx(lambda r: Decoder(cfg, rngs=r))
-    params = m.init(jax.random.key(0))
+    params = jax.jit(m.init)(jax.random.key(0))  # jitted here and below: a compile each, not one per op
     rng = np.random.RandomState(0)
     tokens = rng.randint(0, cfg.vocab_size, (2, 16))
     seg = np.array([[1] * 9 + [2] * 5 + [0] * 2, [1] * 12 + [0] * 4])
     batch = {k: jnp.asarray(v) for k, v in batch_from_rows(tokens, np.ones_like(tokens), seg).items()}
-    (total, count), aux = make_loss_fn(m, cfg)(params, batch)
-    logits, stats = m.apply(
-        params,
-        batch["inputs"],
-        batch["segment_ids"],
-        batch["positions"],
-        router=True,
-        token_mask=batch["segment_ids"] > 0,
-    )
+
+    def loss_and_apply(p, b):
+        mask = b["segment_ids"] > 0
+        return make_loss_fn(m, cfg)(p, b), m.apply(
+            p, b["inputs"], b["segment_ids"], b["positions"], router=True, token_mask=mask
+        )
+
+    ((total, count), aux), (logits, stats) = jax.jit(loss_and_apply)(params, batch)
     assert float(stats.tokens) == 2 * 26  # 2 sparse layers; the padding's 6 tokens are not routed
     ts = token_loss(logits, batch["targets"], batch["weights"])
     want = ts.total / ts.count + 0.1 * moe_lib.aux_loss(stats)

@@ -41,17 +41,33 @@ def _built(cfg, mesh, strategy, rules=None):
     return build(m, optax.sgd(0.5), mesh, strategy, loss_fn=loss, has_aux=True, rules=rules, min_shard_size=0)
 
 
+TRAINED: dict = {}
+
+
+def _trained(cfg, mesh, strategy, rules=None, steps=3):
+    """((losses, dropped per step, params after `steps` SGD steps, the build), the compiled step's
+    text), once per (config, mesh, strategy, rules, steps) in a process: the tests here and in
+    tests/test_moe_ep_fsdp.py that train or read the compiled step of one program share its trace
+    and compile (its first step runs the step compiled here: jit's cache)."""
+    rules_key = None if rules is None else tuple(sorted((k, str(v)) for k, v in rules.items()))
+    key = (cfg, mesh.shape_tuple, tuple(d.id for d in mesh.devices.flat), strategy, rules_key, steps)
+    if key not in TRAINED:
+        built = _built(cfg, mesh, strategy, rules)
+        state = built.init_state(jax.random.key(0))
+        batch = jax.random.randint(jax.random.key(1), (8, 17), 0, cfg.vocab_size)
+        text = built.train_step.lower(state, batch).compile().as_text()
+        losses, dropped = [], []
+        for _ in range(steps):
+            state, metrics = built.train_step(state, batch)
+            losses.append(float(metrics["loss"]))
+            dropped.append(float(metrics["aux"]["dropped_tokens"]))
+        TRAINED[key] = (np.asarray(losses), np.asarray(dropped), jax.device_get(state.params), built), text
+    return TRAINED[key]
+
+
 def _train(cfg, mesh, strategy, rules=None, steps=3):
-    """(losses, dropped per step, params after `steps` SGD steps, the build)."""
-    built = _built(cfg, mesh, strategy, rules)
-    state = built.init_state(jax.random.key(0))
-    batch = jax.random.randint(jax.random.key(1), (8, 17), 0, cfg.vocab_size)
-    losses, dropped = [], []
-    for _ in range(steps):
-        state, metrics = built.train_step(state, batch)
-        losses.append(float(metrics["loss"]))
-        dropped.append(float(metrics["aux"]["dropped_tokens"]))
-    return np.asarray(losses), np.asarray(dropped), jax.device_get(state.params), built
+    """(losses, dropped per step, params after `steps` SGD steps, the build), of `_trained`."""
+    return _trained(cfg, mesh, strategy, rules, steps)[0]
 
 
 def _worst_leaf(a, b) -> float:
@@ -106,10 +122,10 @@ def test_capacity_mode_expert_parallelism_matches_the_same_mesh_without():
     assert _worst_leaf(params, p_ref) <= 1e-6
 
 
-def _collectives(built):
-    st = built.abstract_state
-    batch = jax.ShapeDtypeStruct((8, 17), jnp.int32, sharding=built.plan.batch)
-    text = built.train_step.lower(st, batch).compile().as_text()
+def _collectives(cfg, mesh, strategy, rules=None):
+    """(op, result shape) of each all-gather and all-to-all in the compiled train step of `_train(...)`
+    (the step its runs ran: one compile for both)."""
+    text = _trained(cfg, mesh, strategy, rules)[1]
     ops = [re.match(r"\s*(?:ROOT )?%\S+ = (.*?) (all-gather|all-to-all)\(", line) for line in text.splitlines()]
     return [(m[2], m[1]) for m in ops if m]
 
@@ -123,8 +139,8 @@ def test_compiled_step_moves_tokens_by_all_to_all_and_never_gathers_the_experts(
     cfg = _cfg()
     full_experts = re.compile(r"\[(\d+,)?8,(32,48|48,32)\]")
     mesh = make_mesh(8, 1, 1)
-    ep = _collectives(_built(cfg, mesh, "full_shard", EP))
-    plain = _collectives(_built(cfg, mesh, "full_shard"))
+    ep = _collectives(cfg, mesh, "full_shard", EP)  # the dropless test's first mesh: its compile
+    plain = _collectives(cfg, mesh, "full_shard")
     assert sum(op == "all-to-all" for op, _ in ep) >= 3, ep
     assert not [s for op, s in ep if op == "all-gather" and full_experts.search(s)], ep
     assert not [op for op, _ in plain if op == "all-to-all"]

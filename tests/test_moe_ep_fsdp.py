@@ -14,7 +14,7 @@ import re
 import jax
 import numpy as np
 import pytest
-from test_moe_ep import _built, _cfg, _collectives, _train, _worst_leaf
+from test_moe_ep import _cfg, _collectives, _train, _worst_leaf
 
 from fsdp_jax.sharding.mesh import make_mesh
 from fsdp_jax.sharding.rule_table import DEFAULT_RULES
@@ -120,14 +120,14 @@ def test_compiled_full_shard_step_moves_tokens_by_all_to_all_and_never_gathers_a
     data), never 4 or 8 of them."""
     cfg = _cfg()
     mesh = make_mesh(1, 8, 1)
-    ep = _collectives(_built(cfg, mesh, "full_shard", EP_FSDP))
-    plain = _collectives(_built(cfg, mesh, "full_shard"))
+    ep = _collectives(cfg, mesh, "full_shard", EP_FSDP)  # the dropless test's first two meshes: their compiles
+    plain = _collectives(cfg, mesh, "full_shard")
     assert sum(op == "all-to-all" for op, _ in ep) >= 3, ep
     assert not [s for op, s in ep if op == "all-gather" and EXPERT_SHAPES.search(s)], ep
     assert not [op for op, _ in plain if op == "all-to-all"]
     assert len([s for op, s in plain if op == "all-gather" and re.search(r"\[(\d+,)?8,(32,48|48,32)\]", s)]) >= 3
 
-    hsdp = _collectives(_built(cfg, make_mesh(2, 4, 1), "full_shard", EP_FSDP))
+    hsdp = _collectives(cfg, make_mesh(2, 4, 1), "full_shard", EP_FSDP)
     gathered = [s for op, s in hsdp if op == "all-gather" and EXPERT_SHAPES.search(s)]
     assert sum(op == "all-to-all" for op, _ in hsdp) >= 3
     assert gathered and all(re.search(r"\[(\d+,)?2,(32,48|48,32)\]", s) for s in gathered), gathered

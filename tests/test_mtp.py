@@ -5,6 +5,7 @@ the DeepSeek-V3 report's formula written out plainly here, every strategy agains
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 
 import jax
@@ -54,6 +55,18 @@ def _ce(logits, target):  # one row's cross-entropy, log-sum-exp written out
     return float(m + np.log(np.exp(logits - m).sum()) - logits[target])
 
 
+def _block(block, h):
+    """`block(h)`, jitted: one compile for every block of the reference (they share a graph and
+    shapes), not one per op of an eager call."""
+    graph, state = nnx.split(block)
+    return _merged_call(graph, state, h)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _merged_call(graph, state, h):
+    return nnx.merge(graph, state)(h)
+
+
 def reference_loss(model: Decoder, batch: np.ndarray) -> tuple[float, float]:
     """(L_main + lambda / D * sum_k L_MTP^k, mean_k L_MTP^k) by the report's eq. 21-25 with the
     model's own blocks (their attention is pinned against transformers elsewhere): depth k at
@@ -64,7 +77,7 @@ def reference_loss(model: Decoder, batch: np.ndarray) -> tuple[float, float]:
     emb, head = np.asarray(model.embed[...]), np.asarray(model.head[...])
     h = jnp.asarray(emb[tokens])
     for blk in model.blocks:
-        h = blk(h)
+        h = _block(blk, h)
     logits = np.asarray(_rms(np.asarray(h), np.asarray(model.final_norm.scale[...]), cfg.norm_eps) @ head)
     main = np.mean([_ce(logits[b, i], batch[b, i + 1]) for b in range(len(batch)) for i in range(s)])
     per_depth = []
@@ -79,7 +92,7 @@ def reference_loss(model: Decoder, batch: np.ndarray) -> tuple[float, float]:
             ],
             axis=-1,
         )
-        h = mod.block(jnp.asarray(x @ np.asarray(mod.eh_proj[...])))
+        h = _block(mod.block, jnp.asarray(x @ np.asarray(mod.eh_proj[...])))
         lk = np.asarray(_rms(np.asarray(h), np.asarray(mod.norm.scale[...]), cfg.norm_eps) @ head)
         per_depth.append(np.mean([_ce(lk[b, i], batch[b, i + k + 1]) for b in range(len(batch)) for i in range(s - k)]))
     mtp = float(np.mean(per_depth))
@@ -165,8 +178,13 @@ def test_deepseek_v3_layout_round_trips_bit_exact(tmp_path):
     yml.write_text(f"init_from: hf:{GOLDEN / NAME}\nmodel: {{mtp_depth: 1}}\ndata: {{seq_len: 32, path: {tmp_path}}}\n")
     run_cfg = load_run_config(yml)
     cfg = run_cfg.model
-    mtp = from_nnx(lambda r: Decoder(cfg, rngs=r)).init(jax.random.key(3))["mtp"]
-    mtp = jax.tree.map(lambda p: p + 1e-3 * jax.random.normal(jax.random.key(4), p.shape), mtp)
+    init = from_nnx(lambda r: Decoder(cfg, rngs=r)).init
+
+    @jax.jit  # one compile, not one per op of an eager init and per leaf of the noise
+    def drawn(key):
+        return jax.tree.map(lambda p: p + 1e-3 * jax.random.normal(jax.random.key(4), p.shape), init(key)["mtp"])
+
+    mtp = drawn(jax.random.key(3))
     params = {**base, "mtp": mtp}
     d = tmp_path / "run_mtp" / "checkpoints"
     with Checkpointer(d) as c:
