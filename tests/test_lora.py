@@ -52,30 +52,17 @@ def batches(n=3):
     return token_batches(n, batch=8, seq=16, vocab=CFG.vocab_size)
 
 
-_CACHE: dict = {}
-
-
-def start():
-    """(the LoRA model, its params drawn from key 0, the same with B drawn (`nonzero_b`)), once per
-    module: init and the draws jitted, one compile each instead of one per op and leaf shape."""
-    if "start" not in _CACHE:
-        model = lora_model()
-        p0 = jax.jit(model.init)(jax.random.key(0))
-        _CACHE["start"] = (model, p0, jax.jit(nonzero_b)(p0))
-    return _CACHE["start"]
-
-
 def test_factored_form_equals_the_merged_weights_and_step_zero_is_the_base():
-    model, params, with_b = start()
+    model = lora_model()
+    params = model.init(jax.random.key(0))
     base, adapters = lora_lib.split(params)
     plain = from_nnx(lambda r: Decoder(CFG, rngs=r))
-    apply, plain_apply = jax.jit(model.apply), jax.jit(plain.apply)  # one compile each, not one per op
     tokens = batches(1)[0][:, :-1]
     # PEFT's init (B = 0): the adapted model is the base, and its base params are the base model's
-    assert max_abs_diff(jax.jit(plain.init)(jax.random.key(0)), base) == 0.0
-    np.testing.assert_array_equal(apply(params, tokens), plain_apply(base, tokens))
+    assert max_abs_diff(plain.init(jax.random.key(0)), base) == 0.0
+    np.testing.assert_array_equal(model.apply(params, tokens), plain.apply(base, tokens))
     # with B != 0 the factored y = xW + s (xA) B equals the base model on W + s A B
-    params = with_b
+    params = nonzero_b(params)
     _, adapters = lora_lib.split(params)
     merged = jax.tree.map(lambda x: x, base)
     for mod, names in (("attn", lora_lib.ATTENTION), ("mlp", lora_lib.WEIGHTS[4:])):
@@ -85,9 +72,9 @@ def test_factored_form_equals_the_merged_weights_and_step_zero_is_the_base():
             r = SPEC.rank
             ab = jnp.einsum("lir,lro->lio", a.reshape(a.shape[0], -1, r), b.reshape(b.shape[0], r, -1))
             merged["blocks"][mod][n] = w + SPEC.scale * ab.reshape(w.shape)
-    got, want = apply(params, tokens), plain_apply(merged, tokens)
+    got, want = model.apply(params, tokens), plain.apply(merged, tokens)
     assert float(jnp.max(jnp.abs(got - want))) < 2e-5 * float(jnp.max(jnp.abs(want)))
-    assert float(jnp.max(jnp.abs(got - plain_apply(base, tokens)))) > 1e-3  # the adapters act
+    assert float(jnp.max(jnp.abs(got - plain.apply(base, tokens)))) > 1e-3  # the adapters act
 
 
 def test_adapters_shard_as_their_weights_and_the_rank_dim_is_replicated():
@@ -230,26 +217,18 @@ STRATEGIES = [
 ]
 
 
-def parity_reference():
-    """(model, loss, start, base, 3 batches, the one-device reference's adapters and losses),
-    computed once for every strategy's parity."""
-    if "parity" not in _CACHE:
-        model, _, p0 = start()
-        loss_fn = loss_of(model)
-        base, ad0 = lora_lib.split(p0)
-        data = batches(3)
-        ref_ad, ref_losses = reference_train(lambda a, b: loss_fn(lora_lib.join(base, a), b), SGD, ad0, data)
-        _CACHE["parity"] = (model, loss_fn, p0, base, data, ref_ad, ref_losses)
-    return _CACHE["parity"]
-
-
 @pytest.mark.parametrize("strategy,mesh", STRATEGIES, ids=[f"{s}-{'x'.join(map(str, m))}" for s, m in STRATEGIES])
 @pytest.mark.fast_cases("full_shard-1x8x1")
 def test_lora_parity_with_one_device_under_every_strategy(strategy, mesh):
     """The adapters trained on 8 devices equal the adapters trained on one device by plain
-    `jax.grad` of the loss with respect to the adapters alone (the base a constant); the
-    reference is trained once for every strategy (`parity_reference`)."""
-    model, loss_fn, p0, base, data, ref_ad, ref_losses = parity_reference()
+    `jax.grad` of the loss with respect to the adapters alone (the base a constant)."""
+    model = lora_model()
+    loss_fn = loss_of(model)
+    p0 = nonzero_b(model.init(jax.random.key(0)))
+    base, ad0 = lora_lib.split(p0)
+    data = batches(3)
+    ref_ad, ref_losses = reference_train(lambda a, b: loss_fn(lora_lib.join(base, a), b), SGD, ad0, data)
+
     built = build(
         model,
         lora_optimizer(SGD),
@@ -323,7 +302,7 @@ def test_base_checksum_is_the_same_on_every_mesh_and_sees_one_changed_bit():
 
     from fsdp_jax.app.trainer.lora_state import checksum
 
-    base, _ = lora_lib.split(start()[1])
+    base, _ = lora_lib.split(lora_model().init(jax.random.key(0)))
     one = checksum(base)
     mesh = make_mesh(1, 8, 1)
     sharded = jax.tree.map(

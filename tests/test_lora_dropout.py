@@ -87,7 +87,7 @@ def xent(logits, targets):
 
 def test_without_a_key_or_at_rate_zero_the_decoder_computes_what_it_did_without_dropout():
     dropping, plain = trainer_model(CFG, "none", SPEC), trainer_model(CFG, "none", lora_lib.LoraSpec(4, 8.0))
-    params = nonzero_b(jax.jit(plain.init)(jax.random.key(0)))
+    params = nonzero_b(plain.init(jax.random.key(0)))
     tokens = batches(1)[0][:, :-1]
     want = np.asarray(plain.apply(params, tokens))
     np.testing.assert_array_equal(np.asarray(dropping.apply(params, tokens)), want)  # no key: no dropout
@@ -97,45 +97,29 @@ def test_without_a_key_or_at_rate_zero_the_decoder_computes_what_it_did_without_
     assert float(loss_fn(params, batches(1)[0])) == float(xent(want, batches(1)[0][:, 1:]))
 
 
-_BY_HAND: dict = {}
-
-
-def by_hand_loss_and_grads(sbase, sad, tokens):
-    """The by-hand decoder's loss and adapter grads without a key, with key 7, and its loss with
-    key 8: one jitted program for both layouts' cases (the by-hand decoder reads the scanned
-    layout in either), computed once per module."""
-    if not _BY_HAND:
-
-        def theirs(a, k):
-            return xent(by_hand_logits(lora_lib.join(sbase, a), tokens[:, :-1], k, RATE), tokens[:, 1:])
-
-        vg = jax.jit(jax.value_and_grad(theirs))
-        _BY_HAND.update({k: vg(sad, None if k is None else jax.random.key(k)) for k in (None, 7, 8)})
-    return _BY_HAND
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("scan", [True, False], ids=["scanned", "unscanned"])
 def test_loss_and_adapter_grads_equal_a_by_hand_decoder_with_the_same_masks(scan):
     cfg = DecoderConfig(**{**CFG.__dict__, "scan_layers": scan})
     model = trainer_model(cfg, "none", SPEC)
-    scanned = nonzero_b(jax.jit(trainer_model(CFG, "none", SPEC).init)(jax.random.key(0)))  # scanned layout
-    params = scanned
+    params = nonzero_b(trainer_model(CFG, "none", SPEC).init(jax.random.key(0)))  # scanned layout
     if not scan:  # the same numbers in the per-layer layout
         params = {**params, "blocks": {i: jax.tree.map(lambda a: a[i], params["blocks"]) for i in range(2)}}
+    scanned = nonzero_b(trainer_model(CFG, "none", SPEC).init(jax.random.key(0)))
     base, ad = lora_lib.split(params)
     sbase, sad = lora_lib.split(scanned)
     tokens = batches(1)[0]
-    theirs = by_hand_loss_and_grads(sbase, sad, tokens)
+    key = jax.random.key(7)
 
     def ours(a, k):
         return xent(model.apply(lora_lib.join(base, a), tokens[:, :-1], dropout_key=k), tokens[:, 1:])
 
-    ours_vg = jax.jit(jax.value_and_grad(ours))  # one compile per key kind (None, a key)
-    got = {}
-    for k in (None, 7):  # the reference agrees without dropout, and with the same masks
-        got[k] = got_l, got_g = ours_vg(ad, None if k is None else jax.random.key(k))
-        want_l, want_g = theirs[k]
+    def theirs(a, k):
+        return xent(by_hand_logits(lora_lib.join(sbase, a), tokens[:, :-1], k, RATE), tokens[:, 1:])
+
+    for k in (None, key):  # the reference agrees without dropout, and with the same masks
+        got_l, got_g = jax.jit(jax.value_and_grad(ours))(ad, k)
+        want_l, want_g = jax.jit(jax.value_and_grad(theirs))(sad, k)
         np.testing.assert_allclose(float(got_l), float(want_l), rtol=2e-6)
         if not scan:
             got_g = {
@@ -146,10 +130,10 @@ def test_loss_and_adapter_grads_equal_a_by_hand_decoder_with_the_same_masks(scan
             }
         scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(want_g))
         assert max_abs_diff(got_g, want_g) < 2e-5 * scale
-    no_drop = float(got[None][0])
-    assert abs(float(got[7][0]) - no_drop) > 1e-3  # the masks act
-    other = float(theirs[8][0])
-    assert abs(other - float(got[7][0])) > 1e-4  # another key: other masks
+    no_drop = float(jax.jit(ours)(ad, None))
+    assert abs(float(got_l) - no_drop) > 1e-3  # the masks act
+    other = float(jax.jit(theirs)(sad, jax.random.key(8)))
+    assert abs(other - float(got_l)) > 1e-4  # another key: other masks
 
 
 def reference_dropout_train(loss_fn, base, adapters, data, run_key, microbatches):
@@ -191,7 +175,7 @@ def _dropout_reference(micro):
     if micro not in _REFERENCES:
         model = trainer_model(CFG, "none", SPEC)
         loss_fn = make_loss_fn(model, dropout=True)
-        p0 = nonzero_b(jax.jit(model.init)(jax.random.key(0)))
+        p0 = nonzero_b(model.init(jax.random.key(0)))
         base, ad0 = lora_lib.split(p0)
         data, run_key = token_batches(3, batch=8 * micro, seq=16, vocab=CFG.vocab_size), jax.random.key(5)
         ref_ad, ref_losses = reference_dropout_train(loss_fn, base, ad0, data, run_key, micro)
@@ -245,7 +229,7 @@ def test_each_step_draws_other_masks_and_the_same_step_the_same(rate):
         rng=jax.random.key(5),
         max_replicated_fraction=None,
     )
-    state0, batch = built.place(nonzero_b(jax.jit(model.init)(jax.random.key(0)))), batches(1)[0]
+    state0, batch = built.place(nonzero_b(model.init(jax.random.key(0)))), batches(1)[0]
 
     def loss_at(s: int) -> float:
         state = jax.tree.map(lambda x: x.copy(), state0)  # the step donates its input
@@ -316,6 +300,13 @@ def test_a_run_with_dropout_resumes_bit_for_bit_and_exports_its_rate(corpus, tmp
     assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["lora_dropout"] == 0.25
 
 
-# `verify` on a dropout config (it compares the steps without dropout, and says so): checked by
-# tests/test_lora_trainer.py::test_verify_passes_on_a_lora_config_under_every_strategy, whose
-# LoRA config carries lora.dropout=0.1 (one verify run for both).
+@pytest.mark.slow
+def test_verify_runs_a_dropout_config_without_dropout_and_says_so(capsys):
+    from helpers import TINY_MODEL_OVERRIDES, call
+
+    over = [*TINY_MODEL_OVERRIDES, "lora.rank=4", "lora.alpha=8", "lora.dropout=0.1"]
+    args = ["--config", "configs/tiny.yaml", "--steps", "2", "--strategies", "full_shard", *over]
+    rc, out, err = call("verify", *args, capsys=capsys)
+    assert rc == 0, err
+    assert "lora.dropout=0.1 off: verify compares the steps without dropout" in out
+    assert " PASS" in out

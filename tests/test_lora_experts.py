@@ -65,19 +65,18 @@ def _flat(tree):
 def test_base_as_without_adapters_step_zero_the_base_and_the_factored_form_the_merged_weights(kind):
     cfg = KINDS[kind]()
     model, plain = trainer_model(cfg, "none", SPEC), from_nnx(lambda r: Decoder(cfg, rngs=r))
-    apply, plain_apply = jax.jit(model.apply), jax.jit(plain.apply)  # a program each, not one per op
-    params = jax.jit(model.init)(jax.random.key(0))
+    params = model.init(jax.random.key(0))
     base, _ = lora_lib.split(params)
-    assert max_abs_diff(jax.jit(plain.init)(jax.random.key(0)), base) == 0.0
+    assert max_abs_diff(plain.init(jax.random.key(0)), base) == 0.0
     t = tokens(cfg)[:, :-1]
-    np.testing.assert_array_equal(np.asarray(apply(params, t)), np.asarray(plain_apply(base, t)))
+    np.testing.assert_array_equal(np.asarray(model.apply(params, t)), np.asarray(plain.apply(base, t)))
     params = nonzero_b(params)
     base, adapters = lora_lib.split(jax.tree.map(np.asarray, params))
     merged = peft.merge(base, adapters, cfg, SPEC)
-    got, want = np.asarray(apply(params, t)), np.asarray(plain_apply(merged, t))
+    got, want = np.asarray(model.apply(params, t)), np.asarray(plain.apply(merged, t))
     assert np.abs(got - want).max() < 2e-5 * np.abs(want).max()
     only_attention = peft.merge(base, adapters, cfg, dataclasses.replace(SPEC, targets=lora_lib.ATTENTION))
-    assert np.abs(want - np.asarray(plain_apply(only_attention, t))).max() > 1e-3  # the experts' adapters act
+    assert np.abs(want - np.asarray(plain.apply(only_attention, t))).max() > 1e-3  # the experts' adapters act
 
 
 MESHES = {
@@ -103,7 +102,7 @@ def _reference(cfg, spec, seq):
     if (cfg, spec, seq) not in _REFERENCES:
         model = trainer_model(cfg, "none", spec)
         loss_fn = make_loss_fn(model, cfg, dropout=True)
-        p0 = nonzero_b(jax.jit(model.init)(jax.random.key(0)))
+        p0 = nonzero_b(model.init(jax.random.key(0)))
         base, ad0 = lora_lib.split(p0)
         data, run_key = [tokens(cfg, seq=seq, seed=s) for s in range(3)], jax.random.key(5)
         ref_ad, ref_losses = reference_train(loss_fn, base, ad0, data, run_key)
@@ -111,7 +110,7 @@ def _reference(cfg, spec, seq):
     return _REFERENCES[cfg, spec, seq]
 
 
-def parity_run(cfg, spec, mesh, rules, seq):
+def _parity(cfg, spec, mesh, rules, seq):
     """lora_trains_on_8_devices_as_on_one's run and checks; returns (built, the (state, batch)
     its step last ran on, adapters, reference adapters, start)."""
     model, loss_fn, p0, base, ad0, data, run_key, ref_ad, ref_losses = _reference(cfg, spec, seq)
@@ -135,7 +134,7 @@ def lora_trains_on_8_devices_as_on_one(cfg, spec, mesh, rules, seq=16):
     one-device reference (tests/test_lora_moe.reference_train): losses within 1e-5, adapters
     within 1e-5, the base unchanged bit for bit (the reference trained once per (cfg, spec, seq):
     test_lora_moe.dropout_reference at 16 positions); returns (adapters, reference adapters, start)."""
-    return parity_run(cfg, spec, mesh, rules, seq)[2:]
+    return _parity(cfg, spec, mesh, rules, seq)[2:]
 
 
 _RUNS: dict = {}
@@ -146,7 +145,7 @@ def expert_parity(name):
     the text of the compiled step it ran on a (1, 8, 1) mesh, else None)."""
     if name not in _RUNS:
         mesh, rules, kind = MESHES[name]
-        built, args, got_ad, _, ad0 = parity_run(KINDS[kind](), SPEC, mesh, rules, SEQ)
+        built, args, got_ad, _, ad0 = _parity(KINDS[kind](), SPEC, mesh, rules, SEQ)
         hlo = built.train_step.lower(*args).compile().as_text() if mesh == (1, 8, 1) else None
         _RUNS[name] = (got_ad, ad0, hlo)
     return _RUNS[name]

@@ -11,7 +11,7 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-from test_lora_experts import SEQ, parity_run
+from test_lora_experts import lora_trains_on_8_devices_as_on_one
 from test_lora_moe import SGD, moe_cfg, nonzero_b, tokens
 
 from fsdp_jax.app.hf import peft
@@ -77,24 +77,23 @@ def test_shared_expert_and_dense_layer_adapters_are_per_weight_and_shard_as_thei
 def test_step_zero_is_the_base_and_the_factored_form_is_the_merged_weights(spec):
     cfg = qwen2_moe_cfg()
     model, plain = trainer_model(cfg, "none", spec), from_nnx(lambda r: Decoder(cfg, rngs=r))
-    apply, plain_apply = jax.jit(model.apply), jax.jit(plain.apply)  # a program each, not one per op
-    params = jax.jit(model.init)(jax.random.key(0))
+    params = model.init(jax.random.key(0))
     base, _ = lora_lib.split(params)
-    assert max_abs_diff(jax.jit(plain.init)(jax.random.key(0)), base) == 0.0
+    assert max_abs_diff(plain.init(jax.random.key(0)), base) == 0.0
     t = tokens(cfg)[:, :-1]
-    np.testing.assert_array_equal(np.asarray(apply(params, t)), np.asarray(plain_apply(base, t)))
+    np.testing.assert_array_equal(np.asarray(model.apply(params, t)), np.asarray(plain.apply(base, t)))
     params = nonzero_b(params)
     base, adapters = lora_lib.split(jax.tree.map(np.asarray, params))
     assert ("experts_down" in str(jax.tree_util.tree_structure(adapters))) == (spec is ALL)
     merged = peft.merge(base, adapters, cfg, spec)
-    got, want = np.asarray(apply(params, t)), np.asarray(plain_apply(merged, t))
+    got, want = np.asarray(model.apply(params, t)), np.asarray(plain.apply(merged, t))
     assert np.abs(got - want).max() < 2e-5 * np.abs(want).max()
     # each kind acts: without the shared expert's (or the dense layers') adapters merged, other logits
     for drop in (("shared_lora",), ("mlp",)):
         kept = jax.tree_util.tree_map_with_path(
             lambda p, x: 0 * x if any(getattr(k, "key", None) in drop for k in p) else x, adapters
         )
-        other = np.asarray(plain_apply(peft.merge(base, kept, cfg, spec), t))
+        other = np.asarray(plain.apply(peft.merge(base, kept, cfg, spec), t))
         assert np.abs(want - other).max() > 1e-3, drop
     if spec.dropout:  # the layer's dropout key reaches the shared expert's adapters
         only = jax.tree_util.tree_map_with_path(
@@ -102,57 +101,44 @@ def test_step_zero_is_the_base_and_the_factored_form_is_the_merged_weights(spec)
             jax.tree.map(np.asarray, params),
         )
         key = jax.random.key(4)
-        plain_out = np.asarray(apply(only, t))
-        assert np.abs(np.asarray(apply(only, t, dropout_key=key)) - plain_out).max() > 1e-4
-
-
-MESHES = {
-    "fsdp8": ((1, 8, 1), None, ALL),
-    "fsdp4-experts-over-tensor2": ((1, 4, 2), {**DEFAULT_RULES, "expert": "tensor"}, ALL),
-    "fsdp4-tp2-shared-only-dropout": ((1, 4, 2), None, SHARED_ONLY),
-}
-_RUNS: dict = {}
-
-
-def shared_parity(name):
-    """MESHES[name]'s parity at test_lora_experts.SEQ positions (`parity_run`: 3 SGD steps under
-    dropout against one device, losses and adapters within 1e-5, the base unchanged), run once
-    per module: (adapters, reference adapters, start, the text of the compiled step on fsdp8)."""
-    if name not in _RUNS:
-        mesh, rules, spec = MESHES[name]
-        built, args, got_ad, ref_ad, ad0 = parity_run(qwen2_moe_cfg(), spec, mesh, rules, SEQ)
-        hlo = built.train_step.lower(*args).compile().as_text() if name == "fsdp8" else None
-        _RUNS[name] = (got_ad, ref_ad, ad0, hlo)
-    return _RUNS[name]
+        plain_out = np.asarray(model.apply(only, t))
+        assert np.abs(np.asarray(model.apply(only, t, dropout_key=key)) - plain_out).max() > 1e-4
 
 
 @pytest.mark.slow
 def test_no_gradient_of_a_frozen_shared_expert_or_dense_mlp_weights_shape_in_the_compiled_step():
     """Nothing of a shared expert weight's shape (D, Fs), (Fs, D) or a dense MLP weight's (D, F),
     (F, D) (one layer's or the stack's) comes out of a dot, scatter or reduction of the adapters'
-    step; training everything computes them. The adapters' step is the fsdp8 parity's own
-    compile (`shared_parity`: its rate-0 dropout loss, a device's 12 token rows match no weight
-    dim); training everything is the same model with no frozen leaf and plain SGD."""
+    step; training everything computes them."""
     cfg = qwen2_moe_cfg()
     d, f, fs = cfg.d_model, cfg.ffn_dim, cfg.shared_expert_ffn_dim
     one = {(d, fs), (fs, d), (d, f), (f, d)}
     shapes = one | {(1,) + s for s in one}
-    found = {"lora": weight_shaped_results(shared_parity("fsdp8")[3], shapes)}
     model = trainer_model(cfg, "none", ALL)
-    built = build(
-        model, SGD, make_mesh(1, 8, 1), loss_fn=make_loss_fn(model, cfg), has_aux=True, min_shard_size=0,
-        max_replicated_fraction=None,
-    )  # fmt: skip
-    hlo = built.train_step.lower(built.abstract_state, tokens(cfg, seq=SEQ)).compile().as_text()
-    found["full"] = weight_shaped_results(hlo, shapes)
+    loss_fn = make_loss_fn(model, cfg)
+    found = {}
+    for name, trainable in (("lora", lora_lib.adapter_mask), ("full", None)):
+        built = build(
+            model, lora_optimizer(SGD) if trainable else SGD, make_mesh(1, 8, 1), loss_fn=loss_fn, has_aux=True,
+            trainable=trainable, min_shard_size=0, max_replicated_fraction=None,
+        )  # fmt: skip
+        hlo = built.train_step.lower(built.abstract_state, tokens(cfg, seq=12)).compile().as_text()
+        found[name] = weight_shaped_results(hlo, shapes)
     assert found["lora"] == [], found["lora"][:4]
     assert {s for s in one if any(f"[{s[0]},{s[1]}]" in line for line in found["full"])} == one
 
 
+MESHES = [
+    ("fsdp8", (1, 8, 1), None, ALL),
+    ("fsdp4-experts-over-tensor2", (1, 4, 2), {**DEFAULT_RULES, "expert": "tensor"}, ALL),
+    ("fsdp4-tp2-shared-only-dropout", (1, 4, 2), None, SHARED_ONLY),
+]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", MESHES)
-def test_shared_expert_lora_trains_on_8_devices_as_on_one(name):
-    got_ad, ref_ad, ad0, _ = shared_parity(name)
+@pytest.mark.parametrize("mesh,rules,spec", [m[1:] for m in MESHES], ids=[m[0] for m in MESHES])
+def test_shared_expert_lora_trains_on_8_devices_as_on_one(mesh, rules, spec):
+    got_ad, ref_ad, ad0 = lora_trains_on_8_devices_as_on_one(qwen2_moe_cfg(), spec, mesh, rules)
     # each shared-expert / dense-layer adapter moved, and agrees with one device to 1% of its move
     got, ref, start = (_flat(jax.tree.map(np.asarray, t)) for t in (got_ad, ref_ad, ad0))
     for p in (p for p in got if "shared_lora" in p or "/mlp/" in p):
