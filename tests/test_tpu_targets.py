@@ -182,7 +182,7 @@ def tpu_plans():
     (helpers.plans_in_one_child: the TPU targets without libtpu flags share one child environment,
     so one Python, JAX and libtpu start-up where each plan's compile child paid one)."""
     _libtpu()
-    from fsdp_jax.targets.gpu import TargetError
+    from fsdp_jax.errors import TargetError
 
     ts = []
     for kwargs, _ in _TPU_PLANS.values():
