@@ -256,8 +256,8 @@ def assert_analytic_holds_the_cpu_peak(build, analytic: dict, peak: int, label) 
 
 # The child of `plans_in_one_child`: `plan` main(argv) for each argv list of argv[1] (a JSON list),
 # its compile child (`python -m fsdp_jax.app.planner.estimate`: compile_child.child_main) run in
-# this process for the target argv[2] names; prints [exit code, stdout, stderr tail] per run. A run
-# that is a string is Python run between two plans (its `result` printed in its place).
+# this process for the targets argv[2] names (a JSON list); prints [exit code, stdout, stderr tail] per run.
+# A run that is a string is Python run between two plans (its `result` printed in its place).
 _PLANS_CHILD = """
 import contextlib, io, json, pathlib, subprocess, sys
 from fsdp_jax.app.cli.entry import SCRIPTS, command_module
@@ -266,8 +266,8 @@ expected = json.loads(sys.argv[2])
 
 
 def in_process(request, n_devices, target):
-    # the environment is this child's (child_env of the expected target): another target's fails
-    assert target is not None and target.as_dict() == expected, (target, expected)
+    # the environment is this child's (child_env of the expected targets): another target's fails
+    assert target is not None and target.as_dict() in expected, (target, expected)
     request["target"] = target.as_dict()
     out, err = io.StringIO(), io.StringIO()
     sys.stdin = io.StringIO(json.dumps(request))
@@ -301,8 +301,9 @@ print(json.dumps(results))
 
 def plans_in_one_child(target, runs: list[list | str]) -> list:
     """(exit code, stdout, stderr tail) of `plan` main(argv) for each argv in `runs` (each naming
-    `target`, a `fsdp_jax.targets.gpu.Target`, with --target / --devices), all in one child process
-    from `targets.child_env(target=target)`: the command as `call` runs it, except that its compile
+    `target`, a `fsdp_jax.targets.gpu.Target`, with --target / --devices; or one of `target`, a list
+    of targets whose child environments are the same: GPU targets of any size), all in one child
+    process from `targets.child_env(target=target)`: the command as `call` runs it, except that its compile
     child is `child_main` in the same process, so Python, JAX and the plugin start once for all the
     runs. Each run lowers the programs `call` would (the same compile keys, the same tests/compiled
     seeds); on a GPU target the runs share one XLA:GPU kernel cache file, as one plan's strategies do
@@ -313,10 +314,12 @@ def plans_in_one_child(target, runs: list[list | str]) -> list:
 
     from fsdp_jax.targets.gpu import child_env
 
+    targets = list(target) if isinstance(target, list | tuple) else [target]
     with tempfile.TemporaryDirectory(prefix="fsdp_jax-plans-") as scratch:
-        env = child_env(
-            dict(os.environ, JAX_PLATFORMS="cpu"), kernel_cache=Path(scratch) / "xla_gpu_kernels.bin", target=target
-        )
+        cache = Path(scratch) / "xla_gpu_kernels.bin"
+        envs = [child_env(dict(os.environ, JAX_PLATFORMS="cpu"), kernel_cache=cache, target=t) for t in targets]
+        assert all(e == envs[0] for e in envs), "the targets' child environments differ: one child each"
         argvs = json.dumps([run if isinstance(run, str) else [str(a) for a in run] for run in runs])
-        done = json_child(_PLANS_CHILD, argvs, json.dumps(target.as_dict()), env=env)
+        expected = json.dumps([t.as_dict() for t in targets])
+        done = json_child(_PLANS_CHILD, argvs, expected, env=envs[0])
         return [r if isinstance(run, str) else tuple(r) for run, r in zip(runs, done)]

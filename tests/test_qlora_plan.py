@@ -15,8 +15,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +27,7 @@ from fsdp_jax.app.trainer.setup import load_run_config
 from fsdp_jax.sharding import frozen_rows
 from fsdp_jax.targets import gpu as targets
 from fsdp_jax.targets.perf_tables import perf_table
+from helpers import call, plans_in_one_child
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = [
@@ -92,18 +91,10 @@ def test_the_trained_adapters_count_per_layer_not_as_unstacked_leaves():
     assert trained["whole"] == n_layers * trained["layer"], trained
 
 
-def _h100(command, *args, overrides=(), dump=None):
-    """`<command> --target h100 --devices 8 --json` of the NF4 model, in a compile-only child
-    (`dump`: a folder for XLA's HLO dump)."""
-    assert targets.plugin_installed(), "run `python -m fsdp_jax.targets install` (the CUDA compile-only plugin)"
-    cmd = [sys.executable, f"scripts/{command}.py", "--config", "configs/tiny.yaml", "--target", "h100"]
-    cmd += ["--devices", "8", *args, "--json", *MODEL, "lora.base_quant=nf4", *overrides]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    if dump is not None:
-        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_dump_to={dump}".strip()
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-2000:]
-    return json.loads(r.stdout)
+def _h100_args(*args, overrides=()):
+    """`--target h100 --devices 8 <args> --json` of the NF4 model (a command's flags)."""
+    nf4 = [*MODEL, "lora.base_quant=nf4", *overrides]
+    return ["--config", "configs/tiny.yaml", "--target", "h100", "--devices", "8", *args, "--json", *nf4]
 
 
 def test_frozen_w_down_and_wo_shard_over_fsdp_on_their_leading_dim(monkeypatch):
@@ -134,8 +125,28 @@ def test_frozen_w_down_and_wo_shard_over_fsdp_on_their_leading_dim(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def h100_plan():
-    return _h100("plan", "--strategies", ",".join(STRATEGIES))["strategies"]
+def gpu_plans():
+    """The module's two `plan --json` documents on GPU targets, in one child (helpers.plans_in_one_child:
+    one Python, JAX and plugin start-up, where each plan paid its script's and its compile child's):
+    the NF4 model's three strategies on 8 x H100, and the 2-layer 70B QLoRA full_shard step on
+    2 x RTX 4090."""
+    assert targets.plugin_installed(), "run `python -m fsdp_jax.targets install` (the CUDA compile-only plugin)"
+    runs = [
+        _h100_args("--strategies", ",".join(STRATEGIES)),
+        ["--config", "configs/llama2_70b.yaml", "--target", "rtx4090", "--devices", "2"]
+        + ["--strategies", "full_shard", "--json", *QLORA_70B],
+    ]
+    ts = [targets.make_target("h100", devices=8), targets.make_target("rtx4090", devices=2)]
+    docs = []
+    for argv, (rc, out, err) in zip(runs, plans_in_one_child(ts, runs), strict=True):
+        assert rc == 0, (argv, err[-2000:])
+        docs.append(json.loads(out))
+    return docs
+
+
+@pytest.fixture(scope="module")
+def h100_plan(gpu_plans):
+    return gpu_plans[0]["strategies"]
 
 
 def _relaid_stacks(hlo: str, n_layers: int) -> set[str]:
@@ -151,14 +162,19 @@ def _relaid_stacks(hlo: str, n_layers: int) -> set[str]:
 
 
 @pytest.mark.slow
-def test_h100_layer_gathers_move_codes_and_no_base_gradient(tmp_path):
+def test_h100_layer_gathers_move_codes_and_no_base_gradient(tmp_path, capsys):
     """XLA:GPU (H100, compile only), full_shard: each layer's all-gather, forward and backward,
     moves the NF4 codes (u8) and absmax bits (u32): 0.28x the bytes of the bf16 layer (0.5 +
     4/64 bytes a weight against 2), plus the adapters in bf16; nothing else gathers or
     reduces a weight-sized tensor (no gradient of the base: the reductions are the adapters').
     No stack of codes is held in another layout: with `w_down`'s and `wo`'s codes sharded on
     their last dim, XLA:GPU copied both whole stacks, transposed, before the layer loop."""
-    sched = _h100("inspect", "--strategy", "full_shard", overrides=HEADS8, dump=tmp_path)["schedule"]
+    # in process (its compile child is the only one), XLA's HLO dump in that child's environment
+    dump = {"XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={tmp_path}".strip()}
+    args = _h100_args("--strategy", "full_shard", overrides=HEADS8)
+    rc, out, err = call("inspect", *args, capsys=capsys, env=dump)
+    assert rc == 0, err[-2000:]
+    sched = json.loads(out)["schedule"]
     (hlo,) = tmp_path.glob("*jit_step*gpu_after_optimizations.txt")
     assert not _relaid_stacks(hlo.read_text(), 2)
     gathers = [c for c in sched if c["op"] == "all-gather" and c["loop"]]
@@ -259,14 +275,9 @@ QLORA_70B = [  # docs/qlora.md's 70B QLoRA step on 2 x RTX 4090, cut to 2 layers
 
 
 @pytest.fixture(scope="module")
-def rtx4090_70b():
+def rtx4090_70b(gpu_plans):
     """The 2-layer 70B QLoRA full_shard step compiled for 2 x RTX 4090 (`plan --json`)."""
-    assert targets.plugin_installed(), "run `python -m fsdp_jax.targets install` (the CUDA compile-only plugin)"
-    cmd = [sys.executable, "scripts/plan.py", "--config", "configs/llama2_70b.yaml", "--target", "rtx4090"]
-    cmd += ["--devices", "2", "--strategies", "full_shard", "--json", *QLORA_70B]
-    r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-2000:]
-    return json.loads(r.stdout)["strategies"]["full_shard"]
+    return gpu_plans[1]["strategies"]["full_shard"]
 
 
 @pytest.mark.slow

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import TINY_MODEL_OVERRIDES, call, one_line
+from fsdp_jax.targets import gpu as targets
+from helpers import TINY_MODEL_OVERRIDES, call, one_line, plans_in_one_child
 
 ROOT = Path(__file__).resolve().parents[1]
 slow = pytest.mark.slow
@@ -28,30 +29,51 @@ WIDE = [
     "data.seq_len=1024",
 ]
 
+H100_ROWS = (0, 1, 2, 3, 4, 7)  # MaxText 7B on 1-16 x A3, torchtitan 8B (the TPU rows compile for minutes)
+_PLAN = ["--config", "configs/tiny.yaml", "--target", "h100", "--devices", 8, "--strategies", "full_shard"]
+# the module's tiny-model plans: 2 and 4 sequences per GPU (--json), and --explain-time on one too small
+_TINY = {
+    "json16": [*_PLAN, "--json", *WIDE, "train.global_batch=16"],
+    "json32": [*_PLAN, "--json", *WIDE, "train.global_batch=32"],
+    "explain": [*_PLAN, "--explain-time", "4", "--device-memory", "1MB", *WIDE, "train.global_batch=8"],
+}
 
-def _plan(capsys, *extra, devices=8):
-    rc, out, err = call(
-        "plan",
-        "--config",
-        "configs/tiny.yaml",
-        "--target",
-        "h100",
-        "--devices",
-        devices,
-        "--strategies",
-        "full_shard",
-        *extra,
-        capsys=capsys,
-    )
-    assert rc == 0, err[-3000:]
-    return out
+
+def _targets_of(argvs: list[list[str]]) -> list:
+    """The distinct targets `plan` resolves from `argvs` (its --target, --devices, --hosts, --tpu-flags)."""
+    from fsdp_jax.app.cli.plan import build_parser
+    from fsdp_jax.app.planner.inputs import resolve_target
+
+    ts = {json.dumps(resolve_target(build_parser().parse_args(a))[1].as_dict(), sort_keys=True) for a in argvs}
+    return [targets.Target(**json.loads(t)) for t in sorted(ts)]
+
+
+@pytest.fixture(scope="module")
+def h100_plans():
+    """{key: plan's stdout} of the module's GPU plans, all in one child (helpers.plans_in_one_child:
+    one Python, JAX and plugin start-up for the 9 plans, where each plan's compile child paid one;
+    the same programs, so the same tests/compiled seeds): the tiny model's (`_TINY`) and the
+    published H100 rows' (`plan_command`, keyed by their argv)."""
+    import shlex
+
+    from fsdp_jax.app.planner.published import PUBLISHED_RUNS, plan_command
+
+    rows = [shlex.split(plan_command(PUBLISHED_RUNS[i]))[2:] for i in H100_ROWS]
+    runs = {**_TINY, **{tuple(argv): argv for argv in rows}}
+    argvs = [[str(a) for a in argv] for argv in runs.values()]
+    results = plans_in_one_child(_targets_of(argvs), argvs)
+    got = {}
+    for key, (rc, out, err) in zip(runs, results, strict=True):
+        assert rc == 0, (key, err[-3000:])
+        got[key] = out
+    return got
 
 
 @slow
-def test_breakdown_adds_up_and_twice_the_batch_costs_twice_the_compute(capsys):
+def test_breakdown_adds_up_and_twice_the_batch_costs_twice_the_compute(h100_plans):
     # 2 and 4 sequences per GPU: GEMMs of 2048+ rows fill the SMs' waves (at 1 per GPU a
     # 1024 x 2048 output is 64 tiles for 132 SMs, and twice the rows costs barely more)
-    docs = {b: json.loads(_plan(capsys, "--json", *WIDE, f"train.global_batch={b}")) for b in (16, 32)}
+    docs = {b: json.loads(h100_plans[f"json{b}"]) for b in (16, 32)}
     p = {b: d["strategies"]["full_shard"]["predicted"] for b, d in docs.items()}
     for q in p.values():
         b = q["breakdown"]
@@ -63,8 +85,8 @@ def test_breakdown_adds_up_and_twice_the_batch_costs_twice_the_compute(capsys):
 
 
 @slow
-def test_explain_time_lists_the_top_ops_and_a_plan_that_does_not_fit_is_marked(capsys):
-    out = _plan(capsys, "--explain-time", "4", "--device-memory", "1MB", *WIDE, "train.global_batch=8")
+def test_explain_time_lists_the_top_ops_and_a_plan_that_does_not_fit_is_marked(h100_plans):
+    out = h100_plans["explain"]
     lines = out.splitlines()
     head = next(i for i, ln in enumerate(lines) if ln.startswith("full_shard: the 4 ops"))
     ops = lines[head + 1 : head + 5]
@@ -80,9 +102,6 @@ def test_explain_time_without_a_target_is_one_line(capsys):
     one_line(rc, err, "--explain-time", "--target")
 
 
-H100_ROWS = (0, 1, 2, 3, 4, 7)  # MaxText 7B on 1-16 x A3, torchtitan 8B (the TPU rows compile for minutes)
-
-
 def held_out_median(rows: list[dict]) -> float:
     """The median |error| over the held-out (`check`) rows alone: a `fit` row is ~0 by construction."""
     return statistics.median(abs(r["error"]) for r in rows if r["role"] == "check")
@@ -95,16 +114,16 @@ def test_the_headline_median_leaves_the_fitted_rows_out():
 
 
 @slow
-def test_published_runs_within_tolerance(tmp_path, capsys):
+def test_published_runs_within_tolerance(tmp_path, h100_plans):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from step_time_published import evaluate, fit_gemm_efficiency, medians
 
     from fsdp_jax.app.planner.published import PUBLISHED_RUNS, TOLERANCE
     from fsdp_jax.targets.perf_tables import perf_table
 
-    # planned in this process (its 8 CPU devices are not used: the GPU targets compile deviceless):
-    # six children paid ~3.5 s of CPU each to start JAX and the library
-    rows = evaluate(H100_ROWS, saved=tmp_path, planner=lambda argv: call("plan", *argv, capsys=capsys))
+    # planned in the module's one child (h100_plans): six plan processes paid ~3.5 s of CPU each
+    # to start JAX and the library, and each plan's compile child its start-up again
+    rows = evaluate(H100_ROWS, saved=tmp_path, planner=lambda argv: (0, h100_plans[tuple(argv)], ""))
     # the GPU GEMM efficiency is its rule's: the bisection on row 0's program (the plan just saved)
     assert round(fit_gemm_efficiency(0, tmp_path), 3) == perf_table("h100")["gemm"]["max_efficiency"]
     scored = {r["run"]: r["error"] for r in rows if r["role"] != "bound"}
@@ -133,7 +152,8 @@ def test_tpu_published_runs_within_tolerance(row):
 
     assert PUBLISHED_RUNS[row].cost_target == {5: "v5p", 6: "v6e", 9: "v5p"}[row]
     assert PUBLISHED_RUNS[row].role == {5: "fit", 6: "check", 9: "check"}[row]
-    (r,) = evaluate((row,))
+    # plan in one child process (its compile child run in it), not the script's and its compile child's
+    (r,) = evaluate((row,), planner=lambda argv: plans_in_one_child(_targets_of([argv]), [argv])[0])
     assert abs(r["error"]) <= TOLERANCE, (r["run"], r["error"])
     assert r["above_best_mfu"] is None and r["costed"]["attention"].startswith("splash: costed")  # kernels walked
     if row == 6:  # held out: its GEMM efficiency is v6e's published measurement, not the v5p fit

@@ -3,17 +3,16 @@ user's LIBTPU_INIT_ARGS winning flag by flag, the compiling child's environment,
 the sets change in a compiled TPU program: MaxText's continuation-fusion flags turn the FSDP
 all-gathers into async collective fusions that the op walk reads as async collectives."""
 
+import dataclasses
 import json
-import os
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from fsdp_jax.targets import gpu as target_gpu
 from fsdp_jax.targets import tpu_flags
+from helpers import plans_in_one_child
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,16 +53,33 @@ def test_the_compiling_child_gets_the_targets_flags_under_the_users(monkeypatch)
     assert "--xla_tpu_overlap_compute_collective_tc=true" not in got and len(got) == len(flags.split())
 
 
-def _gathers(gen: str, *extra: str) -> list[dict]:
-    cmd = [sys.executable, "scripts/plan.py", "--config", "configs/tiny.yaml", "--target", gen, "--devices", "8"]
-    cmd += ["--strategies", "full_shard", "--json", *extra]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), TPU_WORKER_HOSTNAMES="localhost")
-    env.pop("LIBTPU_INIT_ARGS", None)
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    doc = json.loads(proc.stdout)
-    ops = doc["strategies"]["full_shard"]["op_inventory"]
-    return doc, [o for o in ops if o["kind"] == "collective" and o["op"] == "all-gather"]
+@pytest.fixture(scope="module")
+def gathers():
+    """`gathers(gen, flag_set)`: (`plan --json` document, its full_shard all-gathers) of the tiny
+    model planned for 8 `gen` chips under `flag_set` (None: libtpu's defaults), each target in
+    one child (`helpers.plans_in_one_child`: the plan's compile child in that process, one
+    Python, JAX and libtpu start-up instead of the script's and its compile child's); a target
+    planned once for the module (v6e's defaults serve two sets). libtpu reads LIBTPU_INIT_ARGS
+    once, when it loads: each flag set needs its own child."""
+    done = {}
+
+    def get(gen, name=None):
+        if (gen, name) not in done:
+            t = target_gpu.make_target(gen, devices=8)
+            extra = []
+            if name is not None:  # the target `plan --tpu-flags` builds (planner/inputs.py)
+                t = dataclasses.replace(t, libtpu_args=" ".join(tpu_flags.flag_set(name)))
+                extra = ["--tpu-flags", name]
+            argv = ["--config", "configs/tiny.yaml", "--target", gen, "--devices", "8"]
+            argv += ["--strategies", "full_shard", "--json", *extra]
+            ((rc, out, err),) = plans_in_one_child(t, [argv])
+            assert rc == 0, err[-3000:]
+            doc = json.loads(out)
+            ops = doc["strategies"]["full_shard"]["op_inventory"]
+            done[gen, name] = doc, [o for o in ops if o["kind"] == "collective" and o["op"] == "all-gather"]
+        return done[gen, name]
+
+    return get
 
 
 @pytest.mark.slow
@@ -71,12 +87,12 @@ def _gathers(gen: str, *extra: str) -> list[dict]:
     "gen, name",
     [("v5p", "maxtext-llama2-70b-v5p"), ("v6e", "maxtext-llama2-70b-v6e"), ("v6e", "maxtext-llama3_1-8b-v6e")],
 )
-def test_a_sets_flags_turn_the_layer_gathers_into_async_collective_fusions(gen, name):
+def test_a_sets_flags_turn_the_layer_gathers_into_async_collective_fusions(gen, name, gathers):
     """The tiny model's per-layer gathers: synchronous with libtpu's defaults; with the set (its
     flags all known to the pinned libtpu, which aborts on an unknown one) async collectives
     whose done comes later in the layer loop, from `async-collective-start` fusions."""
-    _, plain = _gathers(gen)
-    doc, flagged = _gathers(gen, "--tpu-flags", name)
+    _, plain = gathers(gen)
+    doc, flagged = gathers(gen, name)
     assert doc["target"]["libtpu_args"] == " ".join(tpu_flags.flag_set(name))
     in_loop = [o for o in plain if o["loop"]]
     assert in_loop and not any(o["async"] for o in plain)

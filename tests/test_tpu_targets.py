@@ -12,7 +12,7 @@ import pytest
 from fsdp_jax.app.planner.refusal import over_memory
 from fsdp_jax.hlo.findings import schedule_warnings
 from fsdp_jax.targets import gpu as targets
-from helpers import ROOT, TINY_MODEL_OVERRIDES, call, json_child, one_line
+from helpers import ROOT, TINY_MODEL_OVERRIDES, call, json_child, one_line, plans_in_one_child
 
 TINY_YAML = "configs/tiny.yaml"
 
@@ -141,40 +141,69 @@ def _libtpu():
     )
 
 
+_SLICES_MODEL = [
+    *(
+        o
+        for o in TINY_MODEL_OVERRIDES
+        if not o.startswith(("model.d_model", "model.ffn_dim", "model.n_heads", "model.n_kv_heads"))
+    ),
+    "model.d_model=256",
+    "model.n_heads=2",
+    "model.n_kv_heads=2",
+    "model.ffn_dim=512",
+]
+_V5P = ["--config", TINY_YAML, "--target", "v5p", "--devices", 8]
+# the module's plans on TPU targets: (target, plan's flags)
+_TPU_PLANS = {
+    "slices": (
+        dict(name="v5p", devices=8, slices=2),
+        [*_V5P, "--slices", 2, "--strategies", "full_shard,hybrid_shard", "--json", *_SLICES_MODEL],
+    ),
+    "table": (dict(name="v5p", devices=8), [*_V5P, "--strategies", "full_shard", *_SLICES_MODEL]),
+    "v5e": (
+        dict(name="v5e", devices=8),
+        ["--config", TINY_YAML, "--target", "v5e", "--devices", 8, "--strategies", "shard_opt,full_shard", "--json"],
+    ),
+    # well-formed shapes that are no TPU slice (last: libtpu refuses them in the compiling child)
+    **{
+        f"{target}:{topology}": (
+            dict(name=target, topology=topology),
+            ["--config", TINY_YAML, "--target", target, "--topology", topology, "--strategies", "full_shard"]
+            + [f"train.global_batch={batch}"],
+        )
+        for target, topology, batch in (("v5p", "3x3x3", 27), ("v5e", "3x5", 15))
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def tpu_plans():
+    """{key of _TPU_PLANS: (exit code, stdout, stderr tail)} of `plan`, all in one child
+    (helpers.plans_in_one_child: the TPU targets without libtpu flags share one child environment,
+    so one Python, JAX and libtpu start-up where each plan's compile child paid one)."""
+    _libtpu()
+    from fsdp_jax.errors import TargetError
+
+    ts = []
+    for kwargs, _ in _TPU_PLANS.values():
+        try:
+            t = targets.make_target(**kwargs)
+        except TargetError:  # not here: the plan refuses it before its compile child
+            continue
+        ts.append(t)
+    results = plans_in_one_child(ts, [argv for _, argv in _TPU_PLANS.values()])
+    return dict(zip(_TPU_PLANS, results, strict=True))
+
+
 @pytest.mark.slow
-def test_tiny_compiles_for_two_v5p_slices(capsys):
+def test_tiny_compiles_for_two_v5p_slices(tpu_plans):
     """scripts/plan.py --target v5p --slices 2: XLA:TPU's own program (compile-only devices
     over 2 slices); hybrid_shard puts `data` across the slices and `fsdp` within one, and
     the analytic argument bytes equal the compiled ones up to XLA:TPU's layout padding:
     weights here are multiples of its (8, 128) tiles, while the per-device token batch (2, 33)
     and the stacked norm scales (2, 256) fill whole tiles (under 32 KiB in all; at 7B
     the two agree to 0.00%, docs/planning.md)."""
-    _libtpu()
-    tiny = [
-        o
-        for o in TINY_MODEL_OVERRIDES
-        if not o.startswith(("model.d_model", "model.ffn_dim", "model.n_heads", "model.n_kv_heads"))
-    ]
-    rc, out, err = call(
-        "plan",
-        "--config",
-        TINY_YAML,
-        "--target",
-        "v5p",
-        "--devices",
-        8,
-        "--slices",
-        2,
-        "--strategies",
-        "full_shard,hybrid_shard",
-        "--json",
-        *tiny,
-        "model.d_model=256",
-        "model.n_heads=2",
-        "model.n_kv_heads=2",
-        "model.ffn_dim=512",
-        capsys=capsys,
-    )
+    rc, out, err = tpu_plans["slices"]
     assert rc == 0, err[-3000:]
     doc = json.loads(out)
     assert doc["target"] == {
@@ -209,26 +238,8 @@ def test_tiny_compiles_for_two_v5p_slices(capsys):
     over_dcn = [o for o in hs["op_inventory"] if o["kind"] == "collective" and o["crosses_hosts"]]
     spent = sum(collective_seconds(o, t) * o["runs"] for o in over_dcn)
     assert spent >= 0.999 * cross / (device_peaks("v5p")["slow"] * t["links"]["slow"]["efficiency"])
-    assert (
-        "tok/s/dev"
-        in call(
-            "plan",
-            "--config",
-            TINY_YAML,
-            "--target",
-            "v5p",
-            "--devices",
-            8,
-            "--strategies",
-            "full_shard",
-            *tiny,
-            "model.d_model=256",
-            "model.n_heads=2",
-            "model.n_kv_heads=2",
-            "model.ffn_dim=512",
-            capsys=capsys,
-        )[1]
-    )
+    rc, out, err = tpu_plans["table"]  # one slice, the text table
+    assert rc == 0 and "tok/s/dev" in out, err[-3000:]
 
 
 # ----------------------------------------------------------------------------- predicted step time
@@ -386,28 +397,15 @@ def test_analytic_argument_bytes_are_the_compiled_ones_on_every_tpu():
 
 
 @pytest.mark.slow
-def test_planner_argument_bytes_equal_the_compiled_ones_on_tpu(capsys):
+def test_planner_argument_bytes_equal_the_compiled_ones_on_tpu(tpu_plans):
     """plan.py --target v5e on configs/tiny.yaml as written: the planner's own analytic argument
     bytes (params + optimizer + batch shards + XLA:TPU's tile padding) are the compiled
     argument bytes exactly, in the JSON and the table's arg/ana column. Without the padding
     full_shard's compiled arguments are over a third larger here (small shards and scalars
     fill whole tiles)."""
-    _libtpu()
     from fsdp_jax.app.planner.report import format_table
 
-    rc, out, err = call(
-        "plan",
-        "--config",
-        TINY_YAML,
-        "--target",
-        "v5e",
-        "--devices",
-        8,
-        "--strategies",
-        "shard_opt,full_shard",
-        "--json",
-        capsys=capsys,
-    )
+    rc, out, err = tpu_plans["v5e"]
     assert rc == 0, err[-3000:]
     doc = json.loads(out)
     for name, r in doc["strategies"].items():
@@ -511,22 +509,9 @@ def test_a_collective_carried_by_several_fusions_counts_once():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("target, topology, batch", [("v5p", "3x3x3", 27), ("v5e", "3x5", 15)])
-def test_a_topology_libtpu_rejects_is_one_line(target, topology, batch, capsys):
+def test_a_topology_libtpu_rejects_is_one_line(target, topology, batch, tpu_plans):
     """A well-formed shape that is no TPU slice: libtpu says so in the compiling child, and the
     script says it in one line naming --topology (exit 2)."""
-    _libtpu()
-    rc, out, err = call(
-        "plan",
-        "--config",
-        TINY_YAML,
-        "--target",
-        target,
-        "--topology",
-        topology,
-        "--strategies",
-        "full_shard",
-        f"train.global_batch={batch}",
-        capsys=capsys,
-    )
+    rc, out, err = tpu_plans[f"{target}:{topology}"]
     one_line(rc, err, "--topology", f"{target}:{topology}", "not a valid TPU topology")
     assert out == ""
