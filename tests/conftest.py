@@ -1,7 +1,6 @@
 """8 CPU devices for every test, a persistent compilation cache, deviceless target compiles kept
 by their program, LLVM at -O0, and the shared corpus fixture."""
 
-import gc
 import json
 import lzma
 import os
@@ -79,14 +78,6 @@ os.environ.setdefault("FSDP_JAX_CACHE_DIR", str(CACHE))
 # (BENCHMARKS.md "Issue 55 item 6": CPU seconds of one tiny train child, before / after).
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(CACHE))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-# Python's cyclic GC at its default thresholds (700, 10, 10) runs a full collection every ~70,000 net
-# allocations; tracing allocates millions of short-lived objects, and a worker's heap (every jit cache
-# of its earlier files) grows through the run, so each full pass costs more: 8.3 s of 148.5 s of CPU
-# in six files run in one process, 6.2 s of it in 22 full passes. At (10000, 20, 50) the young
-# generation still collects each step's cycles, full passes all but stop: GC 1.8 s, 138.3 s of CPU,
-# the same peak RSS (BENCHMARKS.md "Issue 55 item 6, the GC thresholds"). Workers only: children
-# keep Python's defaults (a tiny train child spends ~3% of its CPU in GC).
-gc.set_threshold(10_000, 20, 50)
 # Deviceless XLA:TPU / XLA:GPU compiles kept by their program (fsdp_jax.targets.compile_cache):
 # written under .jax_cache, read from there and from the committed seed folder tests/compiled
 # (scripts/seed_compiled.py: the suite's longest target compiles). A program the code no longer
