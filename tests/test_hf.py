@@ -211,6 +211,13 @@ def test_load_config_takes_model_from_config_json(tmp_path):
 # -- export --------------------------------------------------------------------------------
 
 
+@jax.jit
+def _perturbed(params, key):
+    """`params` plus 1e-3 standard normal noise, one key per leaf (one program, not op by op)."""
+    keys = iter(jax.random.split(key, 64))
+    return jax.tree.map(lambda p: p + 1e-3 * jax.random.normal(next(keys), p.shape), params)
+
+
 def saved_run(tmp_path, name, perturb=True):
     """A checkpoint dir holding params imported from golden `name` (plus float32 noise no
     bf16/fp16 value has) and the run config, as the trainer saves them."""
@@ -219,8 +226,7 @@ def saved_run(tmp_path, name, perturb=True):
     cfg = load_run_config(yml)
     params, _, _ = imported(GOLDEN / name)
     if perturb:
-        keys = iter(jax.random.split(jax.random.key(1), 64))
-        params = jax.tree.map(lambda p: p + 1e-3 * jax.random.normal(next(keys), p.shape), params)
+        params = _perturbed(params, jax.random.key(1))
     d = tmp_path / "run" / "checkpoints"
     with Checkpointer(d) as ck:
         ck.save(7, {"params": params}, {"config": config_to_dict(cfg)})
@@ -308,7 +314,7 @@ def test_export_refuses_a_model_no_family_computes(tmp_path):
         f"data: {{seq_len: 32, path: {tmp_path / 'd'}}}\n"
     )
     cfg = load_run_config(yml)
-    params = from_nnx(lambda r: Decoder(cfg.model, rngs=r)).init(jax.random.key(0))
+    params = jax.jit(from_nnx(lambda r: Decoder(cfg.model, rngs=r)).init)(jax.random.key(0))
     with Checkpointer(tmp_path / "ck") as ck:
         ck.save(1, {"params": params}, {"config": config_to_dict(cfg)})
     with pytest.raises(CheckpointError, match="no Hugging Face family"):
@@ -585,7 +591,7 @@ def test_export_of_a_run_trained_from_scratch_carries_the_corpus_tokenizer(tmp_p
         f"data: {{seq_len: 32, path: {tmp_path / 'd'}}}\n"
     )
     cfg = load_run_config(yml)
-    params = from_nnx(lambda r: Decoder(cfg.model, rngs=r)).init(jax.random.key(0))
+    params = jax.jit(from_nnx(lambda r: Decoder(cfg.model, rngs=r)).init)(jax.random.key(0))
     with Checkpointer(tmp_path / "ck") as ck:
         ck.save(1, {"params": params}, {"config": config_to_dict(cfg)})
     export_hf(tmp_path / "ck", tmp_path / "out")

@@ -41,8 +41,9 @@ def test_init_weights_false_draws_b_as_torch_draws_a_linear_of_fan_in_r():
     from fsdp_jax.app.trainer.build import trainer_model
 
     cfg = DecoderConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
-    zero = trainer_model(cfg, "none", lora_lib.LoraSpec(8, 16.0)).init(jax.random.key(0))
-    drawn = trainer_model(cfg, "none", lora_lib.LoraSpec(8, 16.0, init_weights=False)).init(jax.random.key(0))
+    # jitted: one program per model, not op by op
+    zero = jax.jit(trainer_model(cfg, "none", lora_lib.LoraSpec(8, 16.0)).init)(jax.random.key(0))
+    drawn = jax.jit(trainer_model(cfg, "none", lora_lib.LoraSpec(8, 16.0, init_weights=False)).init)(jax.random.key(0))
     bs = [(p, x) for p, x in jax.tree_util.tree_flatten_with_path(drawn)[0] if "lora_b" in jax.tree_util.keystr(p)]
     assert len(bs) == 7  # every target weight's B
     for path, x in bs:

@@ -63,17 +63,36 @@ def _quantised(tree):
 
 
 def _dequantised(params, spec: QuantSpec):
-    """`params` with each quantised weight replaced by its NumPy dequantisation (float32)."""
+    """`params` with each quantised weight replaced by its NumPy dequantisation (float32, a
+    NumPy array: jitted callers take it as it is)."""
 
     def walk(node):
         if isinstance(node, dict) and "codes" in node:
             leaves = {k: np.asarray(v) for k, v in node.items()}
-            return jnp.asarray(dequantize(np, leaves, spec, np.float32))
+            return dequantize(np, leaves, spec, np.float32)
         if isinstance(node, dict):
             return {k: walk(v) for k, v in node.items()}
         return node
 
     return walk(params)
+
+
+@jax.jit
+def _draw_b(params):
+    """`params` with every adapter's B moved off zero (+0.05)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: x + 0.05 if lora_lib.is_adapter(p) and "lora_b" in str(p[-1]) else x, params
+    )
+
+
+@jax.jit
+def _tokens(key):
+    return jax.random.randint(key, (2, 17), 0, 256)
+
+
+def _loss(apply, params, tokens):
+    """The next-token cross entropy of `apply` on `tokens` (B, T + 1)."""
+    return cross_entropy(apply(params, tokens[:, :-1]), tokens[:, 1:])
 
 
 @pytest.mark.parametrize("extra", [["lora.base_quant=nf4", "lora.double_quant=true"], ["lora.base_quant=int8"]])
@@ -83,23 +102,23 @@ def test_loss_equals_the_plain_model_on_numpy_dequantised_codes(extra):
     spec = lora_spec(cfg)
     q_model = trainer_model(cfg.model, "none", spec)
     plain = trainer_model(cfg.model, "none", lora_lib.LoraSpec(spec.rank, spec.alpha, spec.targets, init_weights=False))
-    params = q_model.init(jax.random.key(0))
+    params = jax.jit(q_model.init)(jax.random.key(0))
     quantised = _quantised(params)
     assert len(quantised) == 7  # every projection of the (stacked) layers
     for leaves in quantised.values():
         assert all(jnp.issubdtype(x.dtype, jnp.integer) for x in leaves.values())
     # adapters that are not a no-op (B drawn), so the loss sees them
-    params = jax.tree_util.tree_map_with_path(
-        lambda p, x: x + 0.05 if lora_lib.is_adapter(p) and "lora_b" in str(p[-1]) else x, params
-    )
-    tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, 256)
-    loss = cross_entropy(q_model.apply(params, tokens[:, :-1]), tokens[:, 1:])
-    ref = cross_entropy(plain.apply(_dequantised(params, spec.base_quant), tokens[:, :-1]), tokens[:, 1:])
+    params = _draw_b(params)
+    tokens = _tokens(jax.random.key(1))
+    # both losses jitted alike (op by op, each primitive of the model compiled on its own)
+    loss = jax.jit(_loss, static_argnums=0)(q_model.apply, params, tokens)
+    ref = jax.jit(_loss, static_argnums=0)(plain.apply, _dequantised(params, spec.base_quant), tokens)
     assert float(loss) == float(ref)
     # the quantisation error of this random base: the dequantised weights near the originals
-    base = trainer_model(cfg.model, "none", None).init(jax.random.key(0))
-    w, wq = base["blocks"]["mlp"]["w_up"], _dequantised(params, spec.base_quant)["blocks"]["mlp"]["w_up"]
-    assert float(jnp.mean(jnp.abs(wq - w)) / jnp.mean(jnp.abs(w))) < (0.12 if "nf4" in extra[0] else 0.01)
+    base = jax.jit(trainer_model(cfg.model, "none", None).init)(jax.random.key(0))
+    w = np.asarray(base["blocks"]["mlp"]["w_up"])
+    wq = np.asarray(_dequantised(params, spec.base_quant)["blocks"]["mlp"]["w_up"])
+    assert float(np.mean(np.abs(wq - w)) / np.mean(np.abs(w))) < (0.12 if "nf4" in extra[0] else 0.01)
 
 
 @pytest.mark.parametrize("strategy, passes", [("full_shard", 2), ("shard_grad_op", 1)])
