@@ -38,12 +38,25 @@ GEMMA = dataclasses.replace(
 
 
 def params_of(cfg):
+    """The model and its params, initialised by one compiled program (eagerly, one per op)."""
     m = from_nnx(lambda r: Decoder(cfg, rngs=r))
-    return m, m.init(jax.random.key(0))
+    return m, jax.jit(m.init)(jax.random.key(0))
+
+
+def shapes_of(cfg):
+    """The model and its init's params as shapes (`jax.eval_shape` of `init`: the tree and every
+    leaf's shape, no program compiled), for the tests that read paths and sizes only."""
+    m = from_nnx(lambda r: Decoder(cfg, rngs=r))
+    return m, jax.eval_shape(m.init, jax.random.key(0))
+
+
+def logits(m, p, tok) -> np.ndarray:
+    """m's forward compiled whole (every model of a comparison alike), not op by op."""
+    return np.asarray(jax.jit(m.apply)(p, tok))
 
 
 def test_defaults_are_the_llama2_reference_param_for_param():
-    _, p = params_of(TINY)
+    _, p = shapes_of(TINY)
     assert sorted(tree_paths(p)) == sorted(
         ["embed", "head", "final_norm/scale"]
         + [
@@ -77,8 +90,8 @@ def test_defaults_are_the_llama2_reference_param_for_param():
 )
 def test_switches_add_exactly_their_params_and_count_params_counts_them(switches, new):
     cfg = dataclasses.replace(TINY, **switches)
-    m, p = params_of(cfg)
-    assert set(tree_paths(p)) - set(tree_paths(params_of(TINY)[1])) == new
+    m, p = shapes_of(cfg)
+    assert set(tree_paths(p)) - set(tree_paths(shapes_of(TINY)[1])) == new
     assert count_params(cfg) == sum(x.size for x in jax.tree.leaves(p))
     names = jax.tree.leaves(m.logical_axes, is_leaf=lambda x: isinstance(x, tuple))
     assert all(isinstance(n, str) for ax in names for n in ax if n is not None)  # logical names
@@ -90,10 +103,10 @@ def test_soft_capped_attention_equals_plain_attention_when_the_cap_is_far():
     m, p = params_of(GEMMA)
     capped = from_nnx(lambda r: Decoder(dataclasses.replace(GEMMA, attn_softcap=1e5), rngs=r))
     tok = jnp.asarray(np.random.RandomState(0).randint(0, 64, (2, 20)))
-    a, b = np.asarray(m.apply(p, tok)), np.asarray(capped.apply(p, tok))
+    a, b = logits(m, p, tok), logits(capped, p, tok)
     assert np.abs(a - b).max() < 1e-5 and a.std() > 0.05
     hard = from_nnx(lambda r: Decoder(dataclasses.replace(GEMMA, attn_softcap=0.5), rngs=r))
-    assert np.abs(np.asarray(hard.apply(p, tok)) - a).max() > 1e-3  # and a near cap matters
+    assert np.abs(logits(hard, p, tok) - a).max() > 1e-3  # and a near cap matters
 
 
 def test_window_and_pattern_change_exactly_the_positions_they_should():
@@ -101,10 +114,10 @@ def test_window_and_pattern_change_exactly_the_positions_they_should():
     full = dataclasses.replace(TINY, n_layers=2)
     m, p = params_of(full)
     tok = jnp.asarray(np.random.RandomState(1).randint(0, 64, (1, 16)))
-    ref = np.asarray(m.apply(p, tok))
+    ref = logits(m, p, tok)
     for switches in (dict(sliding_window=5), dict(sliding_window=5, global_every=2)):
         w = from_nnx(lambda r: Decoder(dataclasses.replace(full, **switches), rngs=r))
-        got = np.asarray(w.apply(p, tok))
+        got = logits(w, p, tok)
         assert np.abs(got[:, :5] - ref[:, :5]).max() < 1e-6, switches
         assert np.abs(got[:, 5:] - ref[:, 5:]).max(axis=-1).min() > 1e-6, switches
 

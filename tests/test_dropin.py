@@ -124,20 +124,21 @@ def test_pytree_example_parity_from_init_fn_and_from_materialised_params():
 def test_materialised_nnx_module_state_and_linen_variables():
     nnx_ex, linen_ex = example("nnx_mlp"), example("linen_transformer")
     mesh = fj.make_mesh(fsdp=8)
+    # built, called and initialised by compiled programs (eagerly, each op was one: 92 compiles)
     with nnx.use_eager_sharding(False):
-        module = nnx_ex.MLP(rngs=nnx.Rngs(0))
+        module = nnx.jit(lambda: nnx_ex.MLP(rngs=nnx.Rngs(0)))()
     from_fn = shard_model(nnx_ex.make_model(), SGD, mesh, rng=jax.random.key(0))
     x = jnp.ones((8, nnx_ex.D_MODEL))
-    for given in (module, nnx.state(module, nnx.Param)):  # a module instance, or its State
-        sm = shard_model(given, SGD, mesh)
+    built = [shard_model(given, SGD, mesh) for given in (module, nnx.state(module, nnx.Param))]  # a module, its State
+    for sm in built:
         assert jax.tree.map(lambda a: a.sharding.spec, sm.state.params) == jax.tree.map(
             lambda a: a.sharding.spec, from_fn.state.params
         )
-    y = shard_model(module, SGD, mesh).apply(nnx.to_pure_dict(nnx.state(module, nnx.Param)), x)
-    np.testing.assert_allclose(y, module(x), rtol=1e-6)
+    y = jax.jit(built[0].apply)(nnx.to_pure_dict(nnx.state(module, nnx.Param)), x)  # the module instance's
+    np.testing.assert_allclose(y, nnx.jit(lambda m, x: m(x))(module, x), rtol=1e-6)
 
     tokens = jnp.zeros((1, linen_ex.CFG.max_len), jnp.int32)
-    variables = linen_ex.Transformer(linen_ex.CFG).init(jax.random.key(0), tokens)  # boxed
+    variables = jax.jit(linen_ex.Transformer(linen_ex.CFG).init)(jax.random.key(0), tokens)  # boxed
     init_fn = lambda rng: linen_ex.Transformer(linen_ex.CFG).init(rng, tokens)  # noqa: E731
     for given, rng in ((variables, None), (init_fn, jax.random.key(0))):  # materialised / sharded init
         sm = shard_model(given, SGD, mesh, rng=rng)

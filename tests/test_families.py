@@ -34,6 +34,12 @@ from fsdp_jax.model.fns import from_nnx
 GOLDEN = Path(__file__).resolve().parent / "golden" / "hf"
 
 
+def logits(m, params, tokens) -> np.ndarray:
+    """m's forward compiled whole, every model of a comparison alike (eagerly, each op was a
+    program of its own: 30-50 compiles per test)."""
+    return np.asarray(jax.jit(m.apply)(params, tokens))
+
+
 def test_registry_lists_each_family_once_in_order():
     assert families.model_types() == (
         "llama",
@@ -169,14 +175,15 @@ def test_a_family_brings_its_own_attention_without_forking_the_decoder(scan, toy
     plain = from_nnx(lambda r: Decoder(cfg, rngs=r))
     gained = trainer_model(dataclasses.replace(cfg, family="toy_gain"))  # the trainer's build, by the config alone
     assert toy_gain.parts.attention is ScaledAttention
+    # init eagerly: its ops' programs are shared by both models (one init program each cost more)
     p0, p1 = plain.init(jax.random.key(0)), gained.init(jax.random.key(0))
     gains = {k: v for k, v in tree_paths(p1).items() if k.endswith("attn/gain")}
     assert sorted(gains) == (["blocks/attn/gain"] if scan else ["blocks/0/attn/gain", "blocks/1/attn/gain"])
     tokens = jnp.arange(16).reshape(2, 8) % 32
-    want, got = np.asarray(plain.apply(p0, tokens)), np.asarray(gained.apply(p1, tokens))
+    want, got = logits(plain, p0, tokens), logits(gained, p1, tokens)
     assert not np.allclose(want, got, atol=1e-3)  # the family's attention runs
     ones = jax.tree.map_with_path(lambda path, v: jnp.ones_like(v) if "gain" in jax.tree_util.keystr(path) else v, p1)
-    np.testing.assert_array_equal(np.asarray(gained.apply(ones, tokens)), want)  # base params as drawn
+    np.testing.assert_array_equal(logits(gained, ones, tokens), want)  # base params as drawn
 
 
 def test_a_config_names_only_a_family_with_parts_of_its_own(toy_gain):
@@ -221,11 +228,11 @@ def test_a_family_with_its_own_parts_round_trips_import_model_export(tmp_path, t
     llama = hf.HFCheckpoint(GOLDEN / "llama_gqa", base=DecoderConfig(scan_layers=scan))
     plain = from_nnx(lambda r: Decoder(llama.config, rngs=r))
     tokens = jnp.arange(16).reshape(2, 8)
-    want = np.asarray(plain.apply(hf.load_params(llama, plain.abstract_params), tokens))
+    want = logits(plain, hf.load_params(llama, plain.abstract_params), tokens)
     model = trainer_model(cfg)
-    assert not np.allclose(np.asarray(model.apply(params, tokens)), want, atol=1e-3)  # its attention runs
+    assert not np.allclose(logits(model, params, tokens), want, atol=1e-3)  # its attention runs
     ones = jax.tree.map_with_path(lambda p, v: jnp.ones_like(v) if "gain" in jax.tree_util.keystr(p) else v, params)
-    np.testing.assert_array_equal(np.asarray(model.apply(ones, tokens)), want)
+    np.testing.assert_array_equal(logits(model, ones, tokens), want)
     out = tmp_path / "out"
     run_cfg = SimpleNamespace(model=cfg, init_from=f"hf:{src}")
     write_hf_dir(out, run_cfg, None, {p: v.dtype for p, v in leaves.items()}, leaves.__getitem__, "bfloat16")

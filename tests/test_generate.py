@@ -61,7 +61,8 @@ def full_logits(model, params, rows, tokens) -> np.ndarray:
     full = np.zeros((len(rows), max(map(len, rows)) + n), np.int32)
     for b, r in enumerate(rows):
         full[b, : len(r) + n] = list(r) + tokens[b].tolist()
-    return np.asarray(model.apply(params, jnp.asarray(full)))
+    # one compiled forward (eager, its ops compiled one tiny program each: 20-70 per case)
+    return np.asarray(jax.jit(model.apply)(params, jnp.asarray(full)))
 
 
 def step_errors(model, params, rows, out) -> float:
@@ -78,7 +79,7 @@ def step_errors(model, params, rows, out) -> float:
 
 def run_one_device(cfg, spec=SPEC, rows=ROWS, seed=1):
     model = trainer_model(cfg)
-    params = sharpened(model.init(jax.random.key(0)))
+    params = jax.jit(lambda k: sharpened(model.init(k)))(jax.random.key(0))  # one program, not one per op
     prompts, lengths = left_pad(rows)
     fn = jax.jit(lambda p, pr, ln, k: generate(model.bind(p), pr, ln, k, spec, return_logits=True))
     return model, params, jax.device_get(fn(params, prompts, lengths, jax.random.key(seed)))
@@ -160,7 +161,7 @@ def test_sampling_filters():
     assert np.isin(picked, top2).all() and (got != greedy).any()
     np.testing.assert_array_equal(np.asarray(draw(keys, SamplingSpec(top_p=1e-6)))[0], greedy)
     np.testing.assert_array_equal(np.asarray(draw(keys, SamplingSpec(temperature=0.0)))[0], greedy)
-    p = np.asarray(jax.nn.softmax(logits[0]))
+    p = np.asarray(jax.jit(jax.nn.softmax)(np.asarray(logits)[0]))  # one program (eagerly, one per op)
     kept = p >= np.sort(p)[::-1][np.searchsorted(np.cumsum(np.sort(p)[::-1]), 0.5)]
     got_p = np.asarray(draw(keys, SamplingSpec(top_p=0.5)))[:, 0]
     assert kept[got_p].all()

@@ -21,8 +21,8 @@ def test_packed_logits_equal_examples_run_alone(scan, remat):
     cfg = DecoderConfig(
         vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32, scan_layers=scan
     )
-    with nnx.use_eager_sharding(False):
-        graphdef, params = nnx.split(Decoder(cfg, rngs=nnx.Rngs(0), remat=remat))
+    with nnx.use_eager_sharding(False):  # initialised by one program (eagerly, one per op)
+        graphdef, params = nnx.split(nnx.jit(lambda: Decoder(cfg, rngs=nnx.Rngs(0), remat=remat))())
 
     # the model's forward compiled once per shape: run eagerly, its ops compiled one tiny program
     # each (502 compiles for the unscanned model in a whole-run profile, BENCHMARKS.md "Issue 55
@@ -54,7 +54,8 @@ def test_packed_logits_equal_examples_run_alone(scan, remat):
 
 def test_cudnn_packed_layout():
     seg = jnp.asarray([[1, 1, 1, 2, 2, 3, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1]])
-    seqlen, offsets = packed_layout(seg)
+    # compiled whole and read on the host (eagerly, each op and check was a program: 20)
+    seqlen, offsets = (np.asarray(x) for x in jax.jit(packed_layout)(seg))
     assert seqlen[:, :4].tolist() == [[3, 2, 1, -1], [8, -1, -1, -1]]
     assert (seqlen[:, 4:] == -1).all()
     assert offsets[:, :5].tolist() == [[0, 3, 5, -1, -1], [0, -1, -1, -1, -1]]

@@ -7,6 +7,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from fsdp_jax.app.config.parse import load_config
@@ -184,14 +185,18 @@ def test_a_new_policy_saves_its_residuals_in_jax(save_qkv, capsys):
         qkv = checkpoint_name(jnp.sin(x @ w), "qkv")
         return jnp.sum(jnp.tanh(qkv @ w.T) ** 2)
 
-    x, w = jnp.ones((4, 8)) * 0.1, jnp.arange(64.0).reshape(8, 8) / 64
+    x, w = (
+        jnp.asarray(np.ones((4, 8), np.float32) * 0.1),
+        jnp.asarray(np.arange(64.0, dtype=np.float32).reshape(8, 8) / 64),
+    )
     print_saved_residuals(rm.with_remat(f, "save_qkv"), x, w)
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 3 and "named 'qkv'" in lines[2], lines  # x, w and qkv
     print_saved_residuals(rm.with_remat(f, "none"), x, w)
     assert len(capsys.readouterr().out.splitlines()) > 3  # without remat: cos, tanh, ... too
-    got, want = jax.grad(rm.with_remat(f, "save_qkv"))(x, w), jax.grad(f)(x, w)
-    assert jnp.allclose(got, want, rtol=1e-6)
+    # both gradients compiled whole (eagerly, each op of the forward and backward was a program)
+    got, want = jax.jit(jax.grad(rm.with_remat(f, "save_qkv")))(x, w), jax.jit(jax.grad(f))(x, w)
+    assert np.allclose(got, want, rtol=1e-6)
 
 
 def test_unknown_policies_and_bad_records_are_refused():
