@@ -3,6 +3,8 @@ adapters sharded as their weights, optimizer state and master copies for adapter
 frozen-weight gradient in the compiled backward, and parity with one device under every
 strategy and FSDP x TP."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,6 +38,7 @@ def loss_of(model):
     return loss_fn
 
 
+@functools.partial(jax.jit, static_argnames="seed")  # one program per tree, not a draw per leaf
 def nonzero_b(params, seed=3):
     """B drawn N(0, 0.02) (PEFT's zero B would leave A's first gradient zero)."""
     keys = iter(jax.random.split(jax.random.key(seed), 64))
@@ -52,18 +55,9 @@ def batches(n=3):
     return token_batches(n, batch=8, seq=16, vocab=CFG.vocab_size)
 
 
-def test_factored_form_equals_the_merged_weights_and_step_zero_is_the_base():
-    model = lora_model()
-    params = model.init(jax.random.key(0))
-    base, adapters = lora_lib.split(params)
-    plain = from_nnx(lambda r: Decoder(CFG, rngs=r))
-    tokens = batches(1)[0][:, :-1]
-    # PEFT's init (B = 0): the adapted model is the base, and its base params are the base model's
-    assert max_abs_diff(plain.init(jax.random.key(0)), base) == 0.0
-    np.testing.assert_array_equal(model.apply(params, tokens), plain.apply(base, tokens))
-    # with B != 0 the factored y = xW + s (xA) B equals the base model on W + s A B
-    params = nonzero_b(params)
-    _, adapters = lora_lib.split(params)
+@jax.jit
+def _merged_by_hand(base, adapters):
+    """`base` with each adapted W replaced by W + s A B (the einsum per weight: one program)."""
     merged = jax.tree.map(lambda x: x, base)
     for mod, names in (("attn", lora_lib.ATTENTION), ("mlp", lora_lib.WEIGHTS[4:])):
         for n in names:
@@ -72,9 +66,28 @@ def test_factored_form_equals_the_merged_weights_and_step_zero_is_the_base():
             r = SPEC.rank
             ab = jnp.einsum("lir,lro->lio", a.reshape(a.shape[0], -1, r), b.reshape(b.shape[0], r, -1))
             merged["blocks"][mod][n] = w + SPEC.scale * ab.reshape(w.shape)
-    got, want = model.apply(params, tokens), plain.apply(merged, tokens)
-    assert float(jnp.max(jnp.abs(got - want))) < 2e-5 * float(jnp.max(jnp.abs(want)))
-    assert float(jnp.max(jnp.abs(got - plain.apply(base, tokens)))) > 1e-3  # the adapters act
+    return merged
+
+
+def test_factored_form_equals_the_merged_weights_and_step_zero_is_the_base():
+    model = lora_model()
+    # each model's init and apply one compiled program (both sides of every comparison jitted alike)
+    apply = jax.jit(model.apply)
+    params = jax.jit(model.init)(jax.random.key(0))
+    base, adapters = lora_lib.split(params)
+    plain = from_nnx(lambda r: Decoder(CFG, rngs=r))
+    plain_apply = jax.jit(plain.apply)
+    tokens = batches(1)[0][:, :-1]
+    # PEFT's init (B = 0): the adapted model is the base, and its base params are the base model's
+    assert max_abs_diff(jax.jit(plain.init)(jax.random.key(0)), base) == 0.0
+    np.testing.assert_array_equal(apply(params, tokens), plain_apply(base, tokens))
+    # with B != 0 the factored y = xW + s (xA) B equals the base model on W + s A B
+    params = nonzero_b(params)
+    _, adapters = lora_lib.split(params)
+    merged = _merged_by_hand(base, adapters)
+    got, want = np.asarray(apply(params, tokens)), np.asarray(plain_apply(merged, tokens))
+    assert float(np.max(np.abs(got - want))) < 2e-5 * float(np.max(np.abs(want)))
+    assert float(np.max(np.abs(got - np.asarray(plain_apply(base, tokens))))) > 1e-3  # the adapters act
 
 
 def test_adapters_shard_as_their_weights_and_the_rank_dim_is_replicated():
@@ -207,6 +220,25 @@ def test_no_gradient_of_a_frozen_weights_shape_in_the_h100_compiled_backward(pre
     assert len(weight_grads(found["full"]["gemms"])) >= 5, found["full"]  # the same step training everything
 
 
+_REFERENCE: list = []
+
+
+def _parity_reference():
+    """The LoRA model, its loss, its start (B drawn; a host copy, which each strategy places: its step
+    donates what it is given), 3 batches and the adapters trained on one device by `jax.grad` over the
+    adapters alone: once per module, for every strategy. Returns (model, loss_fn, p0, base, data,
+    ref_ad, ref_losses)."""
+    if not _REFERENCE:
+        model = lora_model()
+        loss_fn = loss_of(model)
+        p0 = nonzero_b(jax.jit(model.init)(jax.random.key(0)))
+        base, ad0 = lora_lib.split(p0)
+        data = batches(3)
+        ref_ad, ref_losses = reference_train(lambda a, b: loss_fn(lora_lib.join(base, a), b), SGD, ad0, data)
+        _REFERENCE.append((model, loss_fn, jax.device_get(p0), base, data, ref_ad, ref_losses))
+    return _REFERENCE[0]
+
+
 STRATEGIES = [
     ("full_shard", (1, 8, 1)),
     ("shard_grad_op", (1, 8, 1)),
@@ -222,13 +254,7 @@ STRATEGIES = [
 def test_lora_parity_with_one_device_under_every_strategy(strategy, mesh):
     """The adapters trained on 8 devices equal the adapters trained on one device by plain
     `jax.grad` of the loss with respect to the adapters alone (the base a constant)."""
-    model = lora_model()
-    loss_fn = loss_of(model)
-    p0 = nonzero_b(model.init(jax.random.key(0)))
-    base, ad0 = lora_lib.split(p0)
-    data = batches(3)
-    ref_ad, ref_losses = reference_train(lambda a, b: loss_fn(lora_lib.join(base, a), b), SGD, ad0, data)
-
+    model, loss_fn, p0, base, data, ref_ad, ref_losses = _parity_reference()
     built = build(
         model,
         lora_optimizer(SGD),
@@ -302,7 +328,7 @@ def test_base_checksum_is_the_same_on_every_mesh_and_sees_one_changed_bit():
 
     from fsdp_jax.app.trainer.lora_state import checksum
 
-    base, _ = lora_lib.split(lora_model().init(jax.random.key(0)))
+    base, _ = lora_lib.split(jax.jit(lora_model().init)(jax.random.key(0)))
     one = checksum(base)
     mesh = make_mesh(1, 8, 1)
     sharded = jax.tree.map(

@@ -4,6 +4,7 @@ computed by hand; training under FSDP equals the same adapters trained by hand o
 device; the base stays frozen in its dtype, with no optimizer state and no gradient of a
 frozen weight's shape in the compiled step; bad arguments are one ValueError naming them."""
 
+import functools
 import math
 import re
 
@@ -51,6 +52,7 @@ class LinenAttnOut(nn.Module):
         return jnp.einsum("bhk,hko->bo", h, o) + bias
 
 
+@jax.jit  # one program per draw, not op by op
 def pytree_params(key):
     k1, k2, k3 = jax.random.split(key, 3)
     return {
@@ -72,6 +74,7 @@ L = 3  # scanned layers
 H = 2  # heads of the batched-product model
 
 
+@jax.jit
 def batched_params(key):
     k = jax.random.split(key, 3)
     return {
@@ -87,6 +90,7 @@ def batched_apply(p, x):
     return jnp.einsum("nhk,kho->nho", h, p["mix"]).sum(1) @ p["head"]
 
 
+@jax.jit
 def scan_params(key):
     k = jax.random.split(key, 3)
     layers = {"wi": jax.random.normal(k[0], (L, D, F)) / 5, "wo": jax.random.normal(k[1], (L, D, F)) / 6}
@@ -119,6 +123,7 @@ IDS = jax.random.randint(jax.random.key(2), (N,), 0, 10)
 Y = jax.random.normal(jax.random.key(3), (N, O))
 
 
+@functools.cache  # built once per module: every test reads the same wraps
 def models():
     nnx_fns = fj.from_nnx(NnxMlp)
     linen_fns = fj.from_linen(LinenAttnOut(), X)
@@ -170,6 +175,7 @@ def by_hand(lm, params, *args):
     return merged_by_hand(np, lm, params["base"], params["lora"], np.float64)
 
 
+@jax.jit
 def random_adapters(params, key):
     keys = iter(jax.random.split(key, 64))
     return {**params, "lora": jax.tree.map(lambda a: 0.2 * jax.random.normal(next(keys), a.shape), params["lora"])}
@@ -224,20 +230,23 @@ def test_discovery_finds_the_products_weights_and_names_the_rest():
 @pytest.mark.fast_cases("nnx")
 def test_step_zero_is_the_base_and_the_forward_is_x_w_plus_scaled_x_a_b(name):
     lm, args = models()[name]
-    params = lm.init(jax.random.key(0))
-    base_apply_ = base_apply(name)
-    assert max_abs_diff(lm.apply(params, *args), base_apply_(params["base"], *args)) == 0.0  # B = 0
-    a = params["lora"][lm.targets[0].path]["lora_a"]
+    # the wrap's init, apply and merge and the base's apply: one compiled program each (both sides
+    # of every comparison jitted alike); the checks on the host
+    apply, base_apply_ = jax.jit(lm.apply), jax.jit(base_apply(name))
+    params = jax.jit(lm.init)(jax.random.key(0))
+    # B = 0: the base bit for bit. The pytree's bf16 product compares eagerly: jitted, XLA keeps the base's
+    # bf16 dot in f32 (its cast back is folded away) while the wrap's sum still rounds it to bf16
+    zero = (lm.apply, base_apply(name)) if name == "pytree" else (apply, base_apply_)
+    assert max_abs_diff(zero[0](params, *args), zero[1](params["base"], *args)) == 0.0
+    a = np.asarray(params["lora"][lm.targets[0].path]["lora_a"])
     bound = 1 / math.sqrt(math.prod(a.shape[:-1]))
-    assert float(jnp.abs(a).max()) <= bound and float(jnp.abs(a).max()) > 0.5 * bound  # PEFT's A
+    assert float(np.abs(a).max()) <= bound and float(np.abs(a).max()) > 0.5 * bound  # PEFT's A
     params = random_adapters(params, jax.random.key(5))
-    got, want = lm.apply(params, *args), base_apply_(by_hand(lm, params), *args)
+    got, want = np.asarray(apply(params, *args)), np.asarray(base_apply_(by_hand(lm, params), *args))
     tol = 3e-2 if name == "pytree" else 1e-5  # bf16 w_out: by hand merges in f64 then rounds once
-    assert max_abs_diff(got, want) < tol * float(jnp.abs(want).max())
-    assert max_abs_diff(lm.apply(params, *args), base_apply_(lm.merged(params), *args)) < tol * float(
-        jnp.abs(want).max()
-    )
-    assert float(jnp.abs(got - base_apply_(params["base"], *args)).max()) > 0.1  # the adapters do something
+    assert max_abs_diff(got, want) < tol * float(np.abs(want).max())
+    assert max_abs_diff(got, base_apply_(jax.jit(lm.merged)(params), *args)) < tol * float(np.abs(want).max())
+    assert float(np.abs(got - np.asarray(base_apply_(params["base"], *args))).max()) > 0.1  # the adapters act
 
 
 def test_adapters_take_their_weights_logical_names_and_the_rank_dim():
@@ -370,17 +379,18 @@ def test_init_weights_false_draws_b_like_a_and_leaves_a_as_it_was():
     for name, kw in (("scan", dict(apply=scan_apply, rank=2)), ("nnx", dict(rank=4, alpha=8))):
         model = scan_params(jax.random.key(0)) if name == "scan" else fj.from_nnx(NnxMlp)
         zero, drawn = (fj.with_lora(model, X, init_weights=w, **kw) for w in (True, False))
-        pz, pd = zero.init(jax.random.key(3)), drawn.init(jax.random.key(3))
+        # each init and apply one compiled program (both sides of every comparison jitted alike)
+        pz, pd = jax.device_get((jax.jit(zero.init)(jax.random.key(3)), jax.jit(drawn.init)(jax.random.key(3))))
         for t in drawn.targets:
             a, b = pd["lora"][t.path]["lora_a"], pd["lora"][t.path]["lora_b"]
             np.testing.assert_array_equal(np.asarray(a), np.asarray(pz["lora"][t.path]["lora_a"]))
             assert not np.any(np.asarray(pz["lora"][t.path]["lora_b"]))
             bound = 1 / math.sqrt(kw["rank"])
-            assert 0.5 * bound < float(jnp.abs(b).max()) <= bound, (t.path, float(jnp.abs(b).max()))
+            assert 0.5 * bound < float(np.abs(b).max()) <= bound, (t.path, float(np.abs(b).max()))
             if t.depth:  # each layer of a stack draws its own
                 assert not np.array_equal(np.asarray(b[0]), np.asarray(b[1]))
-        base = base_apply(name)(pz["base"], X)
-        assert max_abs_diff(zero.apply(pz, X), base) == 0.0 < max_abs_diff(drawn.apply(pd, X), base)
+        base = jax.jit(base_apply(name))(pz["base"], X)
+        assert max_abs_diff(jax.jit(zero.apply)(pz, X), base) == 0.0 < max_abs_diff(jax.jit(drawn.apply)(pd, X), base)
     with pytest.raises(ValueError, match="init_weights must be True or False"):
         fj.with_lora(fj.from_nnx(NnxMlp), X, rank=4, init_weights="gaussian")
 
@@ -440,30 +450,40 @@ def test_a_model_with_state_and_dropout_trains_its_adapters_and_updates_its_stat
     assert max_abs_diff(state.model_state, start.model_state) > 0  # batch statistics moved
     trained = jax.device_get(state.params)
     ms = jax.device_get(state.model_state)
-    got, _ = lm.apply(trained, X, state=ms, train=False)  # eval: running averages, no dropout
-    want, _ = fns.apply(lm.merged(trained), X, state=ms, train=False)
-    assert max_abs_diff(got, want) < 1e-5 * float(jnp.abs(want).max())
+    # eval: running averages, no dropout (each side one compiled program)
+    got, _ = jax.jit(lambda p, s: lm.apply(p, X, state=s, train=False))(trained, ms)
+    want, _ = jax.jit(lambda p, s: fns.apply(lm.merged(p), X, state=s, train=False))(trained, ms)
+    assert max_abs_diff(got, want) < 1e-5 * float(np.abs(np.asarray(want)).max())
 
 
 def linear_apply(p, x):
     return x @ p["w"]
 
 
+@jax.jit
+def _mean_gap_and_spread(outs, plain):
+    """The largest |mean over keys - plain| and the largest std over keys of outs - plain."""
+    return jnp.abs(outs.mean(0) - plain).max(), jnp.std(outs - plain, axis=0).max()
+
+
 def test_dropout_drops_the_adapters_input_only_and_is_unbiased():
     w = {"w": jax.random.normal(jax.random.key(7), (D, O)) / 5}
     lm = fj.with_lora(w, X, apply=linear_apply, rank=4, dropout=0.5)
-    params = lm.init(jax.random.key(0))
+    # the wrap's init, apply and merge and the base's apply: one compiled program each (both sides
+    # of every comparison jitted alike)
+    apply, linear = jax.jit(lm.apply), jax.jit(linear_apply)
+    params = jax.jit(lm.init)(jax.random.key(0))
     key = jax.random.key(11)
-    assert max_abs_diff(lm.apply(params, X, lora_rng=key), linear_apply(w, X)) == 0.0  # B = 0: the base exactly
+    assert max_abs_diff(apply(params, X, lora_rng=key), linear(w, X)) == 0.0  # B = 0: the base exactly
     params = random_adapters(params, jax.random.key(5))
-    plain = lm.apply(params, X)  # no key: no dropout (evaluation)
-    assert max_abs_diff(plain, linear_apply(lm.merged(params), X)) < 1e-5
-    one, two = lm.apply(params, X, lora_rng=key), lm.apply(params, X, lora_rng=jax.random.fold_in(key, 1))
-    assert max_abs_diff(one, lm.apply(params, X, lora_rng=key)) == 0.0 and max_abs_diff(one, two) > 1e-2
+    plain = apply(params, X)  # no key: no dropout (evaluation)
+    assert max_abs_diff(plain, linear(jax.jit(lm.merged)(params), X)) < 1e-5
+    one, two = apply(params, X, lora_rng=key), apply(params, X, lora_rng=jax.random.fold_in(key, 1))
+    assert max_abs_diff(one, apply(params, X, lora_rng=key)) == 0.0 and max_abs_diff(one, two) > 1e-2
     n_keys = 400  # E[dropout(x)] = x, and the adapter is linear in it: the mean output is the plain one
-    outs = jax.vmap(lambda k: lm.apply(params, X, lora_rng=k))(jax.random.split(key, n_keys))
-    spread = float(jnp.std(outs - plain, axis=0).max())
-    assert float(jnp.abs(outs.mean(0) - plain).max()) < 5 * spread / math.sqrt(n_keys)
+    outs = jax.jit(jax.vmap(lambda k: lm.apply(params, X, lora_rng=k)))(jax.random.split(key, n_keys))
+    gap, spread = (float(v) for v in _mean_gap_and_spread(outs, plain))
+    assert gap < 5 * spread / math.sqrt(n_keys)
     assert 0 < spread
     with pytest.raises(ValueError, match=re.escape("dropout must be in [0, 1), got 1.0")):
         fj.with_lora(w, X, apply=linear_apply, rank=4, dropout=1.0)
@@ -472,16 +492,19 @@ def test_dropout_drops_the_adapters_input_only_and_is_unbiased():
 def test_dropout_in_a_scanned_stack_and_from_the_steps_key_in_training_only():
     lm, _ = models()["scan"]
     lm_d = fj.with_lora(scan_params(jax.random.key(0)), X, apply=scan_apply, rank=2, dropout=0.3)
-    params = random_adapters(lm.init(jax.random.key(0)), jax.random.key(5))
+    # each init and apply one compiled program (both sides of every comparison jitted alike)
+    apply, apply_d = jax.jit(lm.apply), jax.jit(lm_d.apply)
+    params = random_adapters(jax.jit(lm.init)(jax.random.key(0)), jax.random.key(5))
     key = jax.random.key(3)
-    assert max_abs_diff(lm_d.apply(params, X), lm.apply(params, X)) == 0.0
-    assert max_abs_diff(lm_d.apply(params, X, lora_rng=key), lm.apply(params, X)) > 1e-3
+    assert max_abs_diff(apply_d(params, X), apply(params, X)) == 0.0
+    assert max_abs_diff(apply_d(params, X, lora_rng=key), apply(params, X)) > 1e-3
     fns = fj.from_linen(LinenNormed(), X, state=("batch_stats",), rngs=("dropout",))
     ld = fj.with_lora(fns, X, rank=2, dropout=0.5)
-    p = random_adapters(ld.init(jax.random.key(0)), jax.random.key(5))
-    state = fns.init_state(jax.random.key(0))
-    evals = [ld.apply(p, X, state=state, rng=jax.random.key(i), train=False)[0] for i in range(2)]
-    trains = [ld.apply(p, X, state=state, rng=jax.random.key(i), train=True)[0] for i in range(2)]
+    p = random_adapters(jax.jit(ld.init)(jax.random.key(0)), jax.random.key(5))
+    state = jax.jit(fns.init_state)(jax.random.key(0))
+    run = {t: jax.jit(lambda p, s, r, t=t: ld.apply(p, X, state=s, rng=r, train=t)[0]) for t in (False, True)}
+    evals = [run[False](p, state, jax.random.key(i)) for i in range(2)]
+    trains = [run[True](p, state, jax.random.key(i)) for i in range(2)]
     assert max_abs_diff(*evals) == 0.0 and max_abs_diff(*trains) > 1e-3
 
 

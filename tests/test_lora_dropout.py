@@ -87,14 +87,18 @@ def xent(logits, targets):
 
 def test_without_a_key_or_at_rate_zero_the_decoder_computes_what_it_did_without_dropout():
     dropping, plain = trainer_model(CFG, "none", SPEC), trainer_model(CFG, "none", lora_lib.LoraSpec(4, 8.0))
-    params = nonzero_b(plain.init(jax.random.key(0)))
+    # each model's apply one compiled program (both sides of every comparison jitted alike)
+    plain_apply = jax.jit(plain.apply)
+    params = nonzero_b(jax.jit(plain.init)(jax.random.key(0)))
     tokens = batches(1)[0][:, :-1]
-    want = np.asarray(plain.apply(params, tokens))
-    np.testing.assert_array_equal(np.asarray(dropping.apply(params, tokens)), want)  # no key: no dropout
-    np.testing.assert_array_equal(np.asarray(plain.apply(params, tokens, dropout_key=jax.random.key(1))), want)
-    # the loss of a rate-0 config is the plain (params, batch) loss: no run key, no extended call
+    want = np.asarray(plain_apply(params, tokens))
+    np.testing.assert_array_equal(np.asarray(jax.jit(dropping.apply)(params, tokens)), want)  # no key: no dropout
+    np.testing.assert_array_equal(np.asarray(plain_apply(params, tokens, dropout_key=jax.random.key(1))), want)
+    # the loss of a rate-0 config is the plain (params, batch) loss: no run key, no extended call; both
+    # sides one program (apply then xent) so that neither rounds differently
     loss_fn = make_loss_fn(plain)
-    assert float(loss_fn(params, batches(1)[0])) == float(xent(want, batches(1)[0][:, 1:]))
+    plain_loss = jax.jit(lambda p, b: xent(plain.apply(p, b[:, :-1]), b[:, 1:]))
+    assert float(jax.jit(loss_fn)(params, batches(1)[0])) == float(plain_loss(params, batches(1)[0]))
 
 
 @pytest.mark.slow
@@ -102,10 +106,13 @@ def test_without_a_key_or_at_rate_zero_the_decoder_computes_what_it_did_without_
 def test_loss_and_adapter_grads_equal_a_by_hand_decoder_with_the_same_masks(scan):
     cfg = DecoderConfig(**{**CFG.__dict__, "scan_layers": scan})
     model = trainer_model(cfg, "none", SPEC)
-    params = nonzero_b(trainer_model(CFG, "none", SPEC).init(jax.random.key(0)))  # scanned layout
+    # scanned layout, on the host (slicing and stacking below in NumPy, not op by op)
+    scanned = jax.device_get(nonzero_b(jax.jit(trainer_model(CFG, "none", SPEC).init)(jax.random.key(0))))
+    params = scanned
     if not scan:  # the same numbers in the per-layer layout
         params = {**params, "blocks": {i: jax.tree.map(lambda a: a[i], params["blocks"]) for i in range(2)}}
-    scanned = nonzero_b(trainer_model(CFG, "none", SPEC).init(jax.random.key(0)))
+    # back on the device: closed over as host arrays, XLA would fold the base in as constants
+    params, scanned = jax.device_put((params, scanned))
     base, ad = lora_lib.split(params)
     sbase, sad = lora_lib.split(scanned)
     tokens = batches(1)[0]
@@ -121,14 +128,15 @@ def test_loss_and_adapter_grads_equal_a_by_hand_decoder_with_the_same_masks(scan
         got_l, got_g = jax.jit(jax.value_and_grad(ours))(ad, k)
         want_l, want_g = jax.jit(jax.value_and_grad(theirs))(sad, k)
         np.testing.assert_allclose(float(got_l), float(want_l), rtol=2e-6)
+        got_g, want_g = jax.device_get((got_g, want_g))
         if not scan:
             got_g = {
                 "blocks": {
-                    m: jax.tree.map(lambda *xs: jnp.stack(xs), *[got_g["blocks"][i][m] for i in range(2)])
+                    m: jax.tree.map(lambda *xs: np.stack(xs), *[got_g["blocks"][i][m] for i in range(2)])
                     for m in ("attn", "mlp")
                 }
             }
-        scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(want_g))
+        scale = max(float(np.max(np.abs(g))) for g in jax.tree.leaves(want_g))
         assert max_abs_diff(got_g, want_g) < 2e-5 * scale
     no_drop = float(jax.jit(ours)(ad, None))
     assert abs(float(got_l) - no_drop) > 1e-3  # the masks act
@@ -175,7 +183,7 @@ def _dropout_reference(micro):
     if micro not in _REFERENCES:
         model = trainer_model(CFG, "none", SPEC)
         loss_fn = make_loss_fn(model, dropout=True)
-        p0 = nonzero_b(model.init(jax.random.key(0)))
+        p0 = nonzero_b(jax.jit(model.init)(jax.random.key(0)))
         base, ad0 = lora_lib.split(p0)
         data, run_key = token_batches(3, batch=8 * micro, seq=16, vocab=CFG.vocab_size), jax.random.key(5)
         ref_ad, ref_losses = reference_dropout_train(loss_fn, base, ad0, data, run_key, micro)
@@ -211,7 +219,7 @@ def test_dropout_trains_on_8_devices_as_on_one(strategy, mesh, micro):
     assert max_abs_diff(got_base, base) == 0.0
     # eval has no dropout: the deterministic loss
     params = jax.device_get(state.params)
-    want = float(xent(model.apply(params, data[0][:, :-1]), data[0][:, 1:]))
+    want = float(jax.jit(lambda p, b: xent(model.apply(p, b[:, :-1]), b[:, 1:]))(params, data[0]))
     np.testing.assert_allclose(float(built.eval_step(state.params, data[0])["loss"]), want, rtol=1e-6)
 
 
@@ -229,7 +237,7 @@ def test_each_step_draws_other_masks_and_the_same_step_the_same(rate):
         rng=jax.random.key(5),
         max_replicated_fraction=None,
     )
-    state0, batch = built.place(nonzero_b(model.init(jax.random.key(0)))), batches(1)[0]
+    state0, batch = built.place(nonzero_b(jax.jit(model.init)(jax.random.key(0)))), batches(1)[0]
 
     def loss_at(s: int) -> float:
         state = jax.tree.map(lambda x: x.copy(), state0)  # the step donates its input

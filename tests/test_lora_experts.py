@@ -65,18 +65,20 @@ def _flat(tree):
 def test_base_as_without_adapters_step_zero_the_base_and_the_factored_form_the_merged_weights(kind):
     cfg = KINDS[kind]()
     model, plain = trainer_model(cfg, "none", SPEC), from_nnx(lambda r: Decoder(cfg, rngs=r))
-    params = model.init(jax.random.key(0))
+    # each model's init and apply one compiled program (both sides of every comparison jitted alike)
+    apply, plain_apply = jax.jit(model.apply), jax.jit(plain.apply)
+    params = jax.jit(model.init)(jax.random.key(0))
     base, _ = lora_lib.split(params)
-    assert max_abs_diff(plain.init(jax.random.key(0)), base) == 0.0
-    t = tokens(cfg)[:, :-1]
-    np.testing.assert_array_equal(np.asarray(model.apply(params, t)), np.asarray(plain.apply(base, t)))
+    assert max_abs_diff(jax.jit(plain.init)(jax.random.key(0)), base) == 0.0
+    t = np.asarray(tokens(cfg))[:, :-1]
+    np.testing.assert_array_equal(np.asarray(apply(params, t)), np.asarray(plain_apply(base, t)))
     params = nonzero_b(params)
     base, adapters = lora_lib.split(jax.tree.map(np.asarray, params))
     merged = peft.merge(base, adapters, cfg, SPEC)
-    got, want = np.asarray(model.apply(params, t)), np.asarray(plain.apply(merged, t))
+    got, want = np.asarray(apply(params, t)), np.asarray(plain_apply(merged, t))
     assert np.abs(got - want).max() < 2e-5 * np.abs(want).max()
     only_attention = peft.merge(base, adapters, cfg, dataclasses.replace(SPEC, targets=lora_lib.ATTENTION))
-    assert np.abs(want - np.asarray(plain.apply(only_attention, t))).max() > 1e-3  # the experts' adapters act
+    assert np.abs(want - np.asarray(plain_apply(only_attention, t))).max() > 1e-3  # the experts' adapters act
 
 
 MESHES = {
@@ -102,7 +104,7 @@ def _reference(cfg, spec, seq):
     if (cfg, spec, seq) not in _REFERENCES:
         model = trainer_model(cfg, "none", spec)
         loss_fn = make_loss_fn(model, cfg, dropout=True)
-        p0 = nonzero_b(model.init(jax.random.key(0)))
+        p0 = nonzero_b(jax.jit(model.init)(jax.random.key(0)))
         base, ad0 = lora_lib.split(p0)
         data, run_key = [tokens(cfg, seq=seq, seed=s) for s in range(3)], jax.random.key(5)
         ref_ad, ref_losses = reference_train(loss_fn, base, ad0, data, run_key)

@@ -5,6 +5,7 @@ factored form equal to the merged weights (`peft.merge`), parity of 8 devices (F
 expert parallelism) with one device under dropout, and PEFT's key names for a tiny Mixtral."""
 
 import dataclasses
+import functools
 from pathlib import Path
 
 import jax
@@ -51,6 +52,7 @@ def tokens(cfg, n=8, seq=16, seed=1):
     return jax.random.randint(jax.random.key(seed), (n, seq + 1), 0, cfg.vocab_size)
 
 
+@functools.partial(jax.jit, static_argnames="seed")  # one program per tree, not a draw per leaf
 def nonzero_b(params, seed=3):
     keys = iter(jax.random.split(jax.random.key(seed), 256))
     return jax.tree_util.tree_map_with_path(
@@ -65,20 +67,22 @@ def test_base_as_without_adapters_step_zero_the_base_and_the_factored_form_the_m
     if layout == "groups_of_2":
         assert [len(kinds) for _, kinds, _ in segments(cfg)] == [2]
     model, plain = trainer_model(cfg, "none", SPEC), from_nnx(lambda r: Decoder(cfg, rngs=r))
-    params = model.init(jax.random.key(0))
+    # each model's init and apply one compiled program (both sides of every comparison jitted alike)
+    apply, plain_apply = jax.jit(model.apply), jax.jit(plain.apply)
+    params = jax.jit(model.init)(jax.random.key(0))
     base, adapters = lora_lib.split(params)
-    assert max_abs_diff(plain.init(jax.random.key(0)), base) == 0.0
+    assert max_abs_diff(jax.jit(plain.init)(jax.random.key(0)), base) == 0.0
     assert {p.split("/lora/")[1].split("/")[0] for p in _paths(adapters)} == set(lora_lib.ATTENTION)
-    t = tokens(cfg)[:, :-1]
-    np.testing.assert_array_equal(np.asarray(model.apply(params, t)), np.asarray(plain.apply(base, t)))
+    t = np.asarray(tokens(cfg))[:, :-1]
+    np.testing.assert_array_equal(np.asarray(apply(params, t)), np.asarray(plain_apply(base, t)))
     params = nonzero_b(params)
     base, adapters = lora_lib.split(jax.device_get(params))
     merged = peft.merge(jax.tree.map(np.asarray, base), jax.tree.map(np.asarray, adapters), cfg, SPEC)
-    got, want = np.asarray(model.apply(params, t)), np.asarray(plain.apply(merged, t))
+    got, want = np.asarray(apply(params, t)), np.asarray(plain_apply(merged, t))
     assert np.abs(got - want).max() < 2e-5 * np.abs(want).max()
-    assert np.abs(got - np.asarray(plain.apply(base, t))).max() > 1e-3  # the adapters act
+    assert np.abs(got - np.asarray(plain_apply(base, t))).max() > 1e-3  # the adapters act
     key = jax.random.key(4)  # dropout (training) changes the output; no key leaves it alone
-    assert np.abs(np.asarray(model.apply(params, t, dropout_key=key)) - got).max() > 1e-4
+    assert np.abs(np.asarray(apply(params, t, dropout_key=key)) - got).max() > 1e-4
 
 
 def _paths(tree):
@@ -117,7 +121,7 @@ def dropout_reference(cfg, spec):
     if (cfg, spec) not in _REFERENCES:
         model = trainer_model(cfg, "none", spec)
         loss_fn = make_loss_fn(model, cfg, dropout=True)
-        p0 = nonzero_b(model.init(jax.random.key(0)))
+        p0 = nonzero_b(jax.jit(model.init)(jax.random.key(0)))
         base, ad0 = lora_lib.split(p0)
         data, run_key = [tokens(cfg, seed=s) for s in range(3)], jax.random.key(5)
         ref_ad, ref_losses = reference_train(loss_fn, base, ad0, data, run_key)
@@ -159,7 +163,7 @@ def test_moe_lora_with_dropout_trains_on_8_devices_as_on_one(mesh, rules):
 def test_peft_export_of_a_tiny_mixtral_has_peft_key_names_and_reads_back_bit_for_bit(scan, tmp_path):
     cfg = hf.HFCheckpoint(GOLDEN / "mixtral", base=DecoderConfig(scan_layers=scan)).config
     model = trainer_model(cfg, "none", SPEC)
-    _, adapters = lora_lib.split(jax.tree.map(np.asarray, nonzero_b(model.init(jax.random.key(0)))))
+    _, adapters = lora_lib.split(jax.tree.map(np.asarray, nonzero_b(jax.jit(model.init)(jax.random.key(0)))))
     tensors = peft.to_peft(adapters, cfg, SPEC)
     want = {
         f"base_model.model.model.layers.{i}.self_attn.{m}.lora_{h}.weight"
@@ -212,7 +216,7 @@ def test_scanned_segments_draw_each_layers_dropout_mask_as_the_unscanned_layers_
     cfg = LAYOUTS[layout]()
     flat = dataclasses.replace(cfg, scan_layers=False)
     scanned = trainer_model(cfg, "none", SPEC)
-    params = jax.tree.map(np.asarray, nonzero_b(scanned.init(jax.random.key(0))))
+    params = jax.tree.map(np.asarray, nonzero_b(jax.jit(scanned.init)(jax.random.key(0))))
     per_layer = {}
     for prefix, layers, _ in segment_layers(cfg):
         node = params

@@ -77,23 +77,25 @@ def test_shared_expert_and_dense_layer_adapters_are_per_weight_and_shard_as_thei
 def test_step_zero_is_the_base_and_the_factored_form_is_the_merged_weights(spec):
     cfg = qwen2_moe_cfg()
     model, plain = trainer_model(cfg, "none", spec), from_nnx(lambda r: Decoder(cfg, rngs=r))
-    params = model.init(jax.random.key(0))
+    # each model's init and apply one compiled program (both sides of every comparison jitted alike)
+    apply, plain_apply = jax.jit(model.apply), jax.jit(plain.apply)
+    params = jax.jit(model.init)(jax.random.key(0))
     base, _ = lora_lib.split(params)
-    assert max_abs_diff(plain.init(jax.random.key(0)), base) == 0.0
-    t = tokens(cfg)[:, :-1]
-    np.testing.assert_array_equal(np.asarray(model.apply(params, t)), np.asarray(plain.apply(base, t)))
+    assert max_abs_diff(jax.jit(plain.init)(jax.random.key(0)), base) == 0.0
+    t = np.asarray(tokens(cfg))[:, :-1]
+    np.testing.assert_array_equal(np.asarray(apply(params, t)), np.asarray(plain_apply(base, t)))
     params = nonzero_b(params)
     base, adapters = lora_lib.split(jax.tree.map(np.asarray, params))
     assert ("experts_down" in str(jax.tree_util.tree_structure(adapters))) == (spec is ALL)
     merged = peft.merge(base, adapters, cfg, spec)
-    got, want = np.asarray(model.apply(params, t)), np.asarray(plain.apply(merged, t))
+    got, want = np.asarray(apply(params, t)), np.asarray(plain_apply(merged, t))
     assert np.abs(got - want).max() < 2e-5 * np.abs(want).max()
     # each kind acts: without the shared expert's (or the dense layers') adapters merged, other logits
     for drop in (("shared_lora",), ("mlp",)):
         kept = jax.tree_util.tree_map_with_path(
             lambda p, x: 0 * x if any(getattr(k, "key", None) in drop for k in p) else x, adapters
         )
-        other = np.asarray(plain.apply(peft.merge(base, kept, cfg, spec), t))
+        other = np.asarray(plain_apply(peft.merge(base, kept, cfg, spec), t))
         assert np.abs(want - other).max() > 1e-3, drop
     if spec.dropout:  # the layer's dropout key reaches the shared expert's adapters
         only = jax.tree_util.tree_map_with_path(
@@ -101,8 +103,8 @@ def test_step_zero_is_the_base_and_the_factored_form_is_the_merged_weights(spec)
             jax.tree.map(np.asarray, params),
         )
         key = jax.random.key(4)
-        plain_out = np.asarray(model.apply(only, t))
-        assert np.abs(np.asarray(model.apply(only, t, dropout_key=key)) - plain_out).max() > 1e-4
+        plain_out = np.asarray(apply(only, t))
+        assert np.abs(np.asarray(apply(only, t, dropout_key=key)) - plain_out).max() > 1e-4
 
 
 @pytest.mark.slow
