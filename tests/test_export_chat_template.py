@@ -31,7 +31,8 @@ def export_run(tmp_path, yml_text: str) -> Path:
     yml = tmp_path / "c.yaml"
     yml.write_text(yml_text)
     cfg = load_config(yml)
-    params = from_nnx(lambda r: Decoder(cfg.model, rngs=r)).init(jax.random.key(0))
+    init = from_nnx(lambda r: Decoder(cfg.model, rngs=r)).init
+    params = jax.jit(init)(jax.random.key(0))  # one compile, not one per op of an eager init
     with Checkpointer(tmp_path / "ck") as ck:
         ck.save(1, {"params": params}, {"config": config_to_dict(cfg)})
     export_hf(tmp_path / "ck", tmp_path / "out")

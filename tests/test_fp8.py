@@ -3,6 +3,7 @@ e5m2 gradients, the delayed recipe's amax histories, every strategy against one 
 resume of the histories, and bad input."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -30,11 +31,37 @@ STRATEGIES = ("full_shard", "shard_grad_op", "shard_opt", "no_shard", "hybrid_sh
 TINY = DecoderConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=16)
 
 
+@functools.partial(jax.jit, static_argnames=("seed", "n", "k", "m", "dtype"))
 def operands(seed=0, n=32, k=64, m=48, dtype=jnp.bfloat16):
+    """(x, w): one compile per shape, not one per op of an eager draw."""
     kx, kw = jax.random.split(jax.random.key(seed))
     x = (jax.random.normal(kx, (n, k)) * 3.0).astype(dtype)
     w = (jax.random.normal(kw, (k, m)) * 0.02).astype(dtype)
     return x, w
+
+
+@jax.jit
+def _dot_highest(a, b):
+    return jnp.dot(a, b, precision="highest")
+
+
+def f32dot(a, b):
+    """The f32 GEMM of the references: XLA's dot (its accumulation order, the library's), one
+    compile per shape (as the eager op's)."""
+    return np.asarray(_dot_highest(a, b), np.float32)
+
+
+def bf16(a):
+    """`a` rounded to bfloat16 (ml_dtypes: round to nearest even, as XLA's convert), as f32."""
+    return np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def primal_and_vjp(f, *args):
+    """(f(*args), f's vjp at `args`) from one compile with XLA's excess precision off (XLA may skip
+    an intermediate rounding, the GEMM's bf16 output, unless told not to): not an eager forward for
+    the vjp, each of its ops a compile of its own."""
+    both = jax.jit(lambda *a: (f(*a), jax.vjp(f, *a)[1]))
+    return both.lower(*args).compile({"xla_allow_excess_precision": False})(*args)
 
 
 def np_quantize(x, scale, dtype):
@@ -60,10 +87,9 @@ def test_scaled_matmul_equals_its_reference_formula():
     got = jax.jit(f).lower(x, w).compile({"xla_allow_excess_precision": False})(x, w)
     xq, wq = np_quantize(x, sx, ml_dtypes.float8_e4m3fn), np_quantize(w, sw, ml_dtypes.float8_e4m3fn)
     # the f32 dot of the f8 values, written in bf16, then unscaled in f32 and rounded to bf16
-    acc = jnp.dot(jnp.asarray(xq.astype(np.float32)), jnp.asarray(wq.astype(np.float32)), precision="highest")
-    want = (acc.astype(jnp.bfloat16).astype(np.float32) * (np.float32(1.0) / (sx * sw))).astype(jnp.bfloat16)
+    want = bf16(bf16(f32dot(xq.astype(np.float32), wq.astype(np.float32))) * (np.float32(1.0) / (sx * sw)))
     assert got.dtype == jnp.bfloat16
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    np.testing.assert_array_equal(np.asarray(got, np.float32), want)
     # and it is an FP8 matmul, not the bf16 one: the rounding shows
     exact = np.asarray(x, np.float32) @ np.asarray(w, np.float32)
     assert 1e-3 < np.abs(np.asarray(got, np.float32) - exact).max() / np.abs(exact).max() < 0.1
@@ -77,23 +103,30 @@ def test_saturating_cast_never_makes_inf_or_nan():
     assert float(fp8.scale_for(jnp.float32(jnp.inf), fp8.E4M3)) == 1.0
 
 
+@jax.jit
+def _grad_and_scales(x, w):
+    """An output gradient for `x @ w` and the e4m3 scales of x and w: one program, not op by op."""
+    g = (jax.random.normal(jax.random.key(7), (x.shape[0], w.shape[1])) * 1e-3).astype(jnp.bfloat16)
+    return g, fp8.scale_for(fp8.amax(x), fp8.E4M3), fp8.scale_for(fp8.amax(w), fp8.E4M3)
+
+
 def test_gradients_are_e5m2_scaled_by_their_current_amax():
     """dx and dw come from the output gradient cast to e5m2 (57344 / amax(g)) times the
     saved e4m3 operands, accumulated in f32: equal to that formula, and the backward's
     jaxpr holds e5m2 dots."""
     x, w = operands(1)
-    g = (jax.random.normal(jax.random.key(7), (x.shape[0], w.shape[1])) * 1e-3).astype(jnp.bfloat16)
-    sx, sw = fp8.scale_for(fp8.amax(x), fp8.E4M3), fp8.scale_for(fp8.amax(w), fp8.E4M3)
-    _, vjp = jax.vjp(lambda x, w: fp8.scaled_matmul(x, w, sx, sw), x, w)
+    g, sx, sw = _grad_and_scales(x, w)
+    _, vjp = primal_and_vjp(lambda x, w: fp8.scaled_matmul(x, w, sx, sw), x, w)
     dx, dw = jax.jit(vjp)(g)
     sg = np.float32(57344.0) / np.abs(np.asarray(g, np.float32)).max()
     gq = np_quantize(g, sg, ml_dtypes.float8_e5m2).astype(np.float32)
     xq = np_quantize(x, sx, ml_dtypes.float8_e4m3fn).astype(np.float32)
     wq = np_quantize(w, sw, ml_dtypes.float8_e4m3fn).astype(np.float32)
-    want_dx = (jnp.dot(gq, wq.T, precision="highest") * (np.float32(1.0) / (sg * np.float32(sw)))).astype(x.dtype)
-    want_dw = (jnp.dot(xq.T, gq, precision="highest") * (np.float32(1.0) / (np.float32(sx) * sg))).astype(w.dtype)
-    np.testing.assert_array_equal(np.asarray(dx, np.float32), np.asarray(want_dx, np.float32))
-    np.testing.assert_array_equal(np.asarray(dw, np.float32), np.asarray(want_dw, np.float32))
+    want_dx = bf16(f32dot(gq, wq.T) * (np.float32(1.0) / (sg * np.float32(sw))))
+    want_dw = bf16(f32dot(xq.T, gq) * (np.float32(1.0) / (np.float32(sx) * sg)))
+    assert dx.dtype == x.dtype == dw.dtype == w.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(dx, np.float32), want_dx)
+    np.testing.assert_array_equal(np.asarray(dw, np.float32), want_dw)
     text = str(jax.make_jaxpr(vjp)(g))
     assert "f8_e5m2" in text and "f8_e4m3fn" in text
     assert "f8_e5m2" not in str(jax.make_jaxpr(lambda x, w: fp8.scaled_matmul(x, w, sx, sw))(x, w))
@@ -105,21 +138,23 @@ def test_delayed_gradient_scale_comes_from_its_history(history):
     the history is all zeros), dx and dw equal that formula bit for bit, and the history's
     cotangent is the history with amax(g) pushed in front (the step's new history)."""
     x, w = operands(1)
-    g = (jax.random.normal(jax.random.key(7), (x.shape[0], w.shape[1])) * 1e-3).astype(jnp.bfloat16)
-    gh = jnp.asarray(history, jnp.float32)
-    sx, sw = fp8.scale_for(fp8.amax(x), fp8.E4M3), fp8.scale_for(fp8.amax(w), fp8.E4M3)
-    y, vjp = jax.vjp(lambda x, w, h: fp8.scaled_matmul(x, w, sx, sw, grad_history=h), x, w, gh)
-    np.testing.assert_array_equal(np.asarray(y), np.asarray(fp8.scaled_matmul(x, w, sx, sw)))
+    g, sx, sw = _grad_and_scales(x, w)
+    gh = jax.device_put(np.asarray(history, np.float32))
+    y, vjp = primal_and_vjp(lambda x, w, h: fp8.scaled_matmul(x, w, sx, sw, grad_history=h), x, w, gh)
+    # without the history: compiled alike (no excess precision), one program, not op by op
+    plain = jax.jit(fp8.scaled_matmul).lower(x, w, sx, sw).compile({"xla_allow_excess_precision": False})
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(plain(x, w, sx, sw)))
     dx, dw, new = jax.jit(vjp)(g)
     ag = np.abs(np.asarray(g, np.float32)).max()
     sg = np.float32(57344.0) / (np.float32(max(history)) if max(history) > 0 else ag)
     gq = np_quantize(g, sg, ml_dtypes.float8_e5m2).astype(np.float32)
     xq = np_quantize(x, sx, ml_dtypes.float8_e4m3fn).astype(np.float32)
     wq = np_quantize(w, sw, ml_dtypes.float8_e4m3fn).astype(np.float32)
-    want_dx = (jnp.dot(gq, wq.T, precision="highest") * (np.float32(1.0) / (sg * np.float32(sw)))).astype(x.dtype)
-    want_dw = (jnp.dot(xq.T, gq, precision="highest") * (np.float32(1.0) / (np.float32(sx) * sg))).astype(w.dtype)
-    np.testing.assert_array_equal(np.asarray(dx, np.float32), np.asarray(want_dx, np.float32))
-    np.testing.assert_array_equal(np.asarray(dw, np.float32), np.asarray(want_dw, np.float32))
+    want_dx = bf16(f32dot(gq, wq.T) * (np.float32(1.0) / (sg * np.float32(sw))))
+    want_dw = bf16(f32dot(xq.T, gq) * (np.float32(1.0) / (np.float32(sx) * sg)))
+    assert dx.dtype == x.dtype == dw.dtype == w.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(dx, np.float32), want_dx)
+    np.testing.assert_array_equal(np.asarray(dw, np.float32), want_dw)
     np.testing.assert_array_equal(np.asarray(new), np.asarray([ag, *history[:-1]], np.float32))
     if max(history) > 0:  # the history's scale, not the current one: the e5m2 values differ
         assert not np.array_equal(
@@ -142,20 +177,32 @@ def test_delayed_history_pushes_amaxes_and_scales_by_the_past():
     m = _Proj(fp8.Fp8Recipe("delayed", amax_history=3))
     hist = getattr(m, meta_name("w"))
     assert hist[...].shape == (2, 3) and not np.asarray(hist[...]).any()
-    w_amax = float(jnp.abs(m.w[...]).max())
-    xs = [jnp.full((4, 16), v, jnp.float32) for v in (2.0, 8.0, 1.0, 0.5)]
+    w_amax = float(np.abs(np.asarray(m.w[...])).max())
+    xs = [np.full((4, 16), v, np.float32) for v in (2.0, 8.0, 1.0, 0.5)]
     for i, x in enumerate(xs):
         before = np.asarray(hist[...]).copy()
-        y = m(x)
-        ref = before[0].max() if before[0].max() > 0 else float(jnp.abs(x).max())
-        sx = fp8.scale_for(jnp.float32(ref), fp8.E4M3)
-        sw = fp8.scale_for(jnp.float32(before[1].max() or w_amax), fp8.E4M3)
-        np.testing.assert_array_equal(np.asarray(y), np.asarray(fp8.scaled_matmul(x, m.w[...], sx, sw)))
-        want = [float(jnp.abs(v).max()) for v in xs[: i + 1]][::-1][:3]
+        y = _call(m, x)
+        ref = before[0].max() if before[0].max() > 0 else float(np.abs(x).max())
+        want_y = _scaled_by(x, m.w[...], np.float32(ref), np.float32(before[1].max() or w_amax))
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(want_y))
+        want = [float(np.abs(v).max()) for v in xs[: i + 1]][::-1][:3]
         np.testing.assert_array_equal(np.asarray(hist[...])[0][: len(want)], want)
         np.testing.assert_allclose(np.asarray(hist[...])[1][: len(want)], w_amax)
     # step 3's x (amax 1) was scaled by the history's 8, not its own amax
-    assert float(jnp.max(jnp.asarray(before[0]))) == 8.0
+    assert float(np.max(before[0])) == 8.0
+
+
+@nnx.jit
+def _call(m, x):
+    """`m(x)`, its history pushed: one compile for every call of the same shapes, the
+    reference's alike (`_scaled_by`), not one per op of an eager call."""
+    return m(x)
+
+
+@jax.jit
+def _scaled_by(x, w, ref_x, ref_w):
+    """`scaled_matmul` with the scales of the amaxes `ref_x` and `ref_w`."""
+    return fp8.scaled_matmul(x, w, fp8.scale_for(ref_x, fp8.E4M3), fp8.scale_for(ref_w, fp8.E4M3))
 
 
 def test_the_step_keeps_the_gradient_history_its_backward_wrote_per_microbatch():
@@ -177,8 +224,8 @@ def test_the_step_keeps_the_gradient_history_its_backward_wrote_per_microbatch()
     m, want = _Proj(fp8.Fp8Recipe("delayed", amax_history=3)), []
     np.testing.assert_array_equal(np.asarray(state.params["w"]), np.asarray(m.w[...]))  # lr 0: the same weight
     for j in range(2):  # each microbatch's output gradient: d mean((y - t)^2) / dy
-        y = m(batch["x"][j::2])
-        want.insert(0, float(jnp.abs(2.0 * (y - batch["t"][j::2]) / y.size).max()))
+        y = np.asarray(_call(m, batch["x"][j::2]))  # jitted, and the formula on the host: not op by op
+        want.insert(0, float(np.abs(2.0 * (y - np.asarray(batch["t"][j::2])) / y.size).max()))
     np.testing.assert_array_equal(got, np.asarray([*want, 0.0], np.float32))
 
 

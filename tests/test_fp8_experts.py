@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from test_fp8 import STRATEGIES, batches, built, run, tree_max_diff
+from test_fp8 import STRATEGIES, batches, bf16, built, f32dot, primal_and_vjp, run, tree_max_diff
 from test_hf import GOLDEN
 
 from fsdp_jax.app.config.policy_checks import check_fp8_gather
@@ -33,14 +33,6 @@ def np_q(x, amax, dtype):
     top = np.float32(ml_dtypes.finfo(dtype).max)
     s = top / np.float32(amax) if amax > 0 else np.float32(1.0)
     return np.clip(np.asarray(x, np.float32) * s, -top, top).astype(dtype).astype(np.float32), s
-
-
-def f32dot(a, b):
-    return np.asarray(jnp.dot(jnp.asarray(a), jnp.asarray(b), precision="highest"), np.float32)
-
-
-def bf16(a):
-    return np.asarray(jnp.asarray(a, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32))
 
 
 def reference(x, w, g, groups, hist=None):
@@ -67,20 +59,22 @@ def reference(x, w, g, groups, hist=None):
     return y, dx, dw
 
 
+def _no_expert_rows(g, start):
+    """`g` with its rows from `start` on zero, set on the host (not an eager scatter's compiles;
+    device_put, as jnp.asarray lifts a host array by a compiled `stage` per shape)."""
+    h = np.asarray(g).copy()
+    h[start:] = 0
+    return jax.device_put(h)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _operands(shape_x, shape_w, shape_g):
+    """(x, w, g): one compile per layout, not one per op of an eager draw."""
     kx, kw, kg = jax.random.split(jax.random.key(0), 3)
     x = (jax.random.normal(kx, shape_x) * 3.0).astype(jnp.bfloat16)
     w = (jax.random.normal(kw, shape_w) * 0.02 * jnp.arange(1, shape_w[0] + 1)[:, None, None]).astype(jnp.bfloat16)
     g = (jax.random.normal(kg, shape_g) * 1e-3).astype(jnp.bfloat16)
     return x, w, g
-
-
-def primal_and_vjp(f, *args):
-    """(f(*args), f's vjp at `args`) from one compile with XLA's excess precision off (XLA may skip
-    an intermediate rounding, the GEMM's bf16 output, unless told not to): not an eager forward for
-    the vjp, each of its ops a compile of its own."""
-    both = jax.jit(lambda *a: (f(*a), jax.vjp(f, *a)[1]))
-    return both.lower(*args).compile({"xla_allow_excess_precision": False})(*args)
 
 
 @pytest.mark.parametrize("layout", ["grouped", "batched"])
@@ -90,14 +84,14 @@ def test_expert_gemms_equal_their_reference_formula(layout):
     backward's GEMMs take e5m2, the forward's none."""
     if layout == "grouped":
         x, w, g = _operands((M, K), (len(SIZES), K, N), (M, N))
-        sizes = jnp.asarray(SIZES, jnp.int32)
+        sizes = jax.device_put(np.asarray(SIZES, np.int32))
 
         def f(x, w):
             return fp8_experts.grouped_matmul(x, w, sizes)
 
         ends = np.cumsum(SIZES)
         groups = [np.arange(e - s, e) for s, e in zip(SIZES, ends)]
-        g = g.at[int(ends[-1]) :].set(0)  # rows in no expert: no output, no gradient
+        g = _no_expert_rows(g, int(ends[-1]))  # rows in no expert: no output, no gradient
     else:
         x, w, g = _operands((3, 8, K), (3, K, N), (3, 8, N))
         f = fp8_experts.batched_matmul
@@ -114,7 +108,7 @@ def test_expert_gemms_equal_their_reference_formula(layout):
     np.testing.assert_array_equal(flat(dx), want_dx)
     np.testing.assert_array_equal(np.asarray(dw, np.float32), want_dw)
     # one scale per expert, not one per tensor: expert 0's small weights keep their precision
-    assert np.abs(np.asarray(w[0], np.float32)).max() < 0.4 * np.abs(np.asarray(w, np.float32)).max()
+    assert np.abs(np.asarray(w, np.float32)[0]).max() < 0.4 * np.abs(np.asarray(w, np.float32)).max()
     text = str(jax.make_jaxpr(vjp)(g))
     assert "f8_e5m2" in text and "f8_e4m3fn" in text
     assert "f8_e5m2" not in str(jax.make_jaxpr(f)(x, w))
@@ -128,10 +122,10 @@ def test_expert_histories_scale_by_the_past_and_push_through_the_backward(layout
     pushed in front (0 for an expert without rows)."""
     if layout == "grouped":
         x, w, g = _operands((M, K), (len(SIZES), K, N), (M, N))
-        sizes = jnp.asarray(SIZES, jnp.int32)
+        sizes = jax.device_put(np.asarray(SIZES, np.int32))
         ends = np.cumsum(SIZES)
         groups = [np.arange(e - s, e) for s, e in zip(SIZES, ends)]
-        g = g.at[int(ends[-1]) :].set(0)
+        g = _no_expert_rows(g, int(ends[-1]))
 
         def f(x, w, h):
             return fp8_experts.grouped_matmul(x, w, sizes, h)
@@ -197,10 +191,10 @@ def test_rowwise_expert_gemms_equal_their_reference_formula(layout):
     numpy / ml_dtypes; no e5m2 anywhere."""
     if layout == "grouped":
         x, w, g = _operands((M, K), (len(SIZES), K, N), (M, N))
-        sizes = jnp.asarray(SIZES, jnp.int32)
+        sizes = jax.device_put(np.asarray(SIZES, np.int32))
         ends = np.cumsum(SIZES)
         groups = [np.arange(e - s, e) for s, e in zip(SIZES, ends)]
-        g = g.at[int(ends[-1]) :].set(0)
+        g = _no_expert_rows(g, int(ends[-1]))
 
         def f(x, w):
             return fp8_rowwise_experts.grouped_matmul(x, w, sizes)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from test_fp8 import batches, built, cfg_for, operands, run, tree_max_diff
+from test_fp8 import batches, bf16, built, cfg_for, f32dot, operands, primal_and_vjp, run, tree_max_diff
 
 from fsdp_jax.quant import fp8_rowwise
 
@@ -25,14 +25,6 @@ def np_cast(a, axis):
     return np.clip(a * s, -448, 448).astype(E4).astype(np.float32), s
 
 
-def f32dot(a, b):
-    return np.asarray(jnp.dot(jnp.asarray(a), jnp.asarray(b), precision="highest"), np.float32)
-
-
-def bf16(a):
-    return np.asarray(jnp.asarray(a, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32))
-
-
 def test_rowwise_equals_its_reference_formula():
     """Forward, input and weight gradients bit for bit: each GEMM's operands cast along the dim
     it contracts (tokens over K, weight columns over K; then over N; then over M), power-of-two
@@ -44,8 +36,7 @@ def test_rowwise_equals_its_reference_formula():
     def f(x, w):
         return fp8_rowwise.rowwise_matmul(x, w)
 
-    y = jax.jit(f).lower(x, w).compile({"xla_allow_excess_precision": False})(x, w)
-    _, vjp = jax.vjp(f, x, w)
+    y, vjp = primal_and_vjp(f, x, w)
     dx, dw = jax.jit(vjp)(g)
     xq, sx = np_cast(x, 1)
     wq, sw = np_cast(w, 0)

@@ -270,17 +270,21 @@ def test_sinks_take_the_rest_of_the_softmax_and_refuse_other_kernels():
     cfg = DecoderConfig(vocab_size=32, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=32, family="gpt_oss")
     assert families.block_parts(cfg).attention is SinkAttention
     with nnx.use_eager_sharding(False):
-        attn = SinkAttention(cfg, nnx.Rngs(0))
+        attn = nnx.jit(lambda: SinkAttention(cfg, nnx.Rngs(0)))()  # one compile, not one per op
     x = jax.random.normal(jax.random.key(0), (1, 6, 32))
-    q, k, v = attn.project(x)
     attn.sinks[...] = jnp.asarray([1e4, -1e4])
-    o = attn.attend(q, k, v)
-    plain = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-    assert float(jnp.abs(o[:, :, 0]).max()) < 1e-6
-    assert float(jnp.abs(o[:, :, 1] - plain[:, :, 1]).max()) < 1e-5
+
+    @nnx.jit
+    def attended(attn, x):  # one program: the projections, sink attention and plain attention
+        q, k, v = attn.project(x)
+        return attn.attend(q, k, v), jax.nn.dot_product_attention(q, k, v, is_causal=True), (q, k, v)
+
+    o, plain, qkv = attended(attn, x)
+    assert float(np.abs(np.asarray(o)[:, :, 0]).max()) < 1e-6
+    assert float(np.abs(np.asarray(o)[:, :, 1] - np.asarray(plain)[:, :, 1]).max()) < 1e-5
     attn.impl = "cudnn"
     with pytest.raises(ConfigError, match="model.attention"):
-        attn.attend(q, k, v)
+        attn.attend(*qkv)
 
 
 def test_a_bf16_checkpoint_imports_as_its_values(tmp_path):

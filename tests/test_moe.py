@@ -52,28 +52,31 @@ def imported(path, strategy="full_shard", mesh_shape=(1, 8, 1), scan=True, rules
 
 
 def forward(params, m, plan, tokens, mask):
-    """(logits, RouterStats) of the golden's 2 rows, tiled to 8 (every batch sharding divides),
-    without a token mask and with `mask`: both applies in one compiled program."""
-    t = jnp.asarray(np.tile(tokens, (4, 1)))
-    mk = jnp.asarray(np.tile(mask, (4, 1)))
+    """(logits, the aux loss of its RouterStats) of the golden's 2 rows, tiled to 8 (every batch
+    sharding divides), without a token mask and with `mask`: both applies and aux losses in one
+    compiled program (not the aux loss op by op)."""
+    t, mk = jax.device_put((np.tile(tokens, (4, 1)), np.tile(mask, (4, 1))))  # not jnp.asarray's `stage` compiles
+
+    def with_aux(logits, stats):
+        return logits, moe_lib.aux_loss(stats)
 
     def both(p, t, mk):
-        return m.apply(p, t, router=True), m.apply(p, t, router=True, token_mask=mk)
+        return with_aux(*m.apply(p, t, router=True)), with_aux(*m.apply(p, t, router=True, token_mask=mk))
 
     with sharding_context(plan):
         outs = jax.jit(both)(params, t, mk)
-    return [(np.asarray(logits)[: len(tokens)], stats) for logits, stats in outs]
+    return [(np.asarray(logits)[: len(tokens)], aux) for logits, aux in outs]
 
 
 def check(name, **kw):
     g = golden(name)
     params, m, plan, cfg = imported(GOLDEN / name, **kw)
-    (logits, stats), (logits_m, stats_m) = forward(params, m, plan, g["tokens"], g["attention_mask"])
+    (logits, aux), (logits_m, aux_m) = forward(params, m, plan, g["tokens"], g["attention_mask"])
     err = float(np.abs(logits - g["logits"]).max())
     assert err < 1e-4, (name, kw, err)
     # tiling the rows 4 times leaves every mean of the aux loss unchanged
-    assert abs(float(moe_lib.aux_loss(stats)) - float(g["aux_loss"])) < 1e-5, (name, kw)
-    assert abs(float(moe_lib.aux_loss(stats_m)) - float(g["aux_loss_masked"])) < 1e-5, (name, kw)
+    assert abs(float(aux) - float(g["aux_loss"])) < 1e-5, (name, kw)
+    assert abs(float(aux_m) - float(g["aux_loss_masked"])) < 1e-5, (name, kw)
     keep = g["attention_mask"].astype(bool)  # padding rows of logits are not compared
     assert float(np.abs(logits_m - g["logits_masked"])[keep].max()) < 1e-4
     return params, m, plan, cfg, g
@@ -87,19 +90,22 @@ def test_moe_import_matches_transformers_logits_and_aux_loss(name):
     # transformers' .loss = lm_loss + router_aux_loss_coef * aux_loss
     raw = json.loads((GOLDEN / name / "config.json").read_text())
     assert cfg.router_aux_loss_coef == raw["router_aux_loss_coef"]
-    lm = float(cross_entropy(jnp.asarray(g["logits"][:, :-1]), jnp.asarray(g["tokens"][:, 1:])))
+    lm = float(jax.jit(cross_entropy)(jnp.asarray(g["logits"][:, :-1]), jnp.asarray(g["tokens"][:, 1:])))
     assert abs(lm - float(g["lm_loss"])) < 1e-5
     assert abs(lm + cfg.router_aux_loss_coef * float(g["aux_loss"]) - float(g["loss"])) < 1e-5
     # the trainer's loss adds exactly that term, with the aux loss of the tokens it sees
     batch = jnp.asarray(np.tile(g["tokens"], (4, 1)))
     loss_fn = make_loss_fn(m, cfg)
-    with sharding_context(plan):  # the loss and an independent apply, one compiled program
-        (loss, aux), (logits, stats) = jax.jit(lambda p, b: (loss_fn(p, b), m.apply(p, b[:, :-1], router=True)))(
-            params, batch
-        )
-    want = cross_entropy(logits, batch[:, 1:]) + cfg.router_aux_loss_coef * moe_lib.aux_loss(stats)
-    assert abs(float(loss) - float(want)) < 1e-6
-    assert abs(float(aux["router_aux_loss"]) - float(moe_lib.aux_loss(stats))) < 1e-6
+
+    def loss_and_formula(p, b):  # the loss and, from an independent apply, its formula's terms
+        logits, stats = m.apply(p, b[:, :-1], router=True)
+        return loss_fn(p, b), cross_entropy(logits, b[:, 1:]), moe_lib.aux_loss(stats)
+
+    with sharding_context(plan):  # one compiled program, not the formula op by op
+        (loss, aux), ce, router_aux = jax.jit(loss_and_formula)(params, batch)
+    want = float(ce) + cfg.router_aux_loss_coef * float(router_aux)
+    assert abs(float(loss) - want) < 1e-6
+    assert abs(float(aux["router_aux_loss"]) - float(router_aux)) < 1e-6
     assert abs(float(jnp.sum(aux["expert_load"])) - 1.0) < 1e-6 and float(aux["dropped_tokens"]) == 0.0
 
 
@@ -214,8 +220,9 @@ def test_moe_layer_dropless_and_capacity_against_a_dense_reference(factor):
 
 
 def _layer(cfg):
+    """The MoE layer of `cfg` drawn by one compiled init, not one compile per op of an eager one."""
     with nnx.use_eager_sharding(False):
-        return moe_lib.MoE(cfg, nnx.Rngs(0))
+        return nnx.jit(lambda: moe_lib.MoE(cfg, nnx.Rngs(0)))()
 
 
 def _moe_layer_flops(cfg, n_tokens=256):
@@ -484,17 +491,16 @@ def test_packed_rows_loss_and_router_metrics_summary():
     seg = np.array([[1] * 9 + [2] * 5 + [0] * 2, [1] * 12 + [0] * 4])
     batch = {k: jnp.asarray(v) for k, v in batch_from_rows(tokens, np.ones_like(tokens), seg).items()}
 
-    def loss_and_apply(p, b):
+    def loss_and_formula(p, b):  # the loss and, from an independent apply, its formula
         mask = b["segment_ids"] > 0
-        return make_loss_fn(m, cfg)(p, b), m.apply(
-            p, b["inputs"], b["segment_ids"], b["positions"], router=True, token_mask=mask
-        )
+        logits, stats = m.apply(p, b["inputs"], b["segment_ids"], b["positions"], router=True, token_mask=mask)
+        ts = token_loss(logits, b["targets"], b["weights"])
+        (total, count), aux = make_loss_fn(m, cfg)(p, b)
+        return (total / count, aux), ts.total / ts.count + 0.1 * moe_lib.aux_loss(stats), stats.tokens
 
-    ((total, count), aux), (logits, stats) = jax.jit(loss_and_apply)(params, batch)
-    assert float(stats.tokens) == 2 * 26  # 2 sparse layers; the padding's 6 tokens are not routed
-    ts = token_loss(logits, batch["targets"], batch["weights"])
-    want = ts.total / ts.count + 0.1 * moe_lib.aux_loss(stats)
-    assert abs(float(total / count) - float(want)) < 1e-6
+    (loss, aux), want, routed = jax.jit(loss_and_formula)(params, batch)  # one program, not op by op
+    assert float(routed) == 2 * 26  # 2 sparse layers; the padding's 6 tokens are not routed
+    assert abs(float(loss) - float(want)) < 1e-6
     rec = summarise([aux, {**aux, "dropped_tokens": jnp.asarray(4.0)}])
     load = np.asarray(aux["expert_load"])
     assert rec["expert_load_min"] == pytest.approx(load.min()) and rec["expert_load_max"] == pytest.approx(load.max())

@@ -46,8 +46,9 @@ STRATEGIES = {  # strategy: mesh (data, fsdp, tensor)
 }
 
 
-def _rms(x, w, eps):
-    return x * jax.lax.rsqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+def _rms(x, w, eps):  # numpy, float64: no eager op (a compile per shape) in the reference
+    x = np.asarray(x, np.float64)
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * np.asarray(w, np.float64)
 
 
 def _ce(logits, target):  # one row's cross-entropy, log-sum-exp written out
@@ -99,10 +100,15 @@ def reference_loss(model: Decoder, batch: np.ndarray) -> tuple[float, float]:
     return float(main + cfg.mtp_loss_weight * mtp), mtp
 
 
+def _drawn(cfg):
+    """`Decoder(cfg, rngs=nnx.Rngs(0))` from one compiled init, not one compile per op of an eager one."""
+    with nnx.use_eager_sharding(False):
+        return nnx.jit(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))()
+
+
 @pytest.fixture(scope="module")
 def tiny():
-    with nnx.use_eager_sharding(False):
-        model = Decoder(MTP, rngs=nnx.Rngs(0))
+    model = _drawn(MTP)
     batch = np.asarray(jax.random.randint(jax.random.key(1), (8, 17), 0, MTP.vocab_size))
     return model, batch
 
@@ -117,8 +123,7 @@ def test_loss_is_the_reports_formula(tiny):
     assert abs(float(loss) - want) < 1e-5 * want
     assert float(aux["mtp_loss"]) > 0 and count_params(MTP) == sum(x.size for x in jax.tree.leaves(params))
     # the model's own params draw as without MTP; MTP adds only its modules
-    with nnx.use_eager_sharding(False):
-        base = nnx.to_pure_dict(nnx.state(Decoder(CFG, rngs=nnx.Rngs(0)), nnx.Param))
+    base = nnx.to_pure_dict(nnx.state(_drawn(CFG), nnx.Param))  # drawn alike, by a compiled init
     for a, b in zip(jax.tree.leaves(base), jax.tree.leaves({k: params[k] for k in base})):
         assert np.array_equal(a, b)
 

@@ -38,7 +38,7 @@ def moe():
 
     cfg = load_run_config(CONFIG, MOE)
     model = trainer_model(cfg.model, "none")
-    params = model.init(jax.random.key(0))
+    params = jax.jit(model.init)(jax.random.key(0))  # one compile, not one per op of an eager init
     return cfg, model, params, _pairs(4, cfg.data.seq_len + 1, cfg.model.vocab_size)
 
 
@@ -54,17 +54,17 @@ def test_router_terms_are_added_to_the_pair_loss_over_the_real_tokens(moe):
     coef = dataclasses.replace(cfg.model, router_aux_loss_coef=0.01, router_z_loss_coef=0.001)
     plain = jax.jit(make_preference_loss(model, spec, "precomputed"))
     routed = jax.jit(make_preference_loss(model, spec, "precomputed", functools.partial(router_terms, coef)))
-    (l0, a0), (l1, a1) = plain(params, {**batch, **ref}), routed(params, {**batch, **ref})
+    # on the host (numpy): the checks' arithmetic, not an eager op (a compile) each
+    (l0, a0), (l1, a1) = jax.device_get((plain(params, {**batch, **ref}), routed(params, {**batch, **ref})))
     r = a1["router"]
     assert "router" not in a0 and a1["rewards/margins"] == a0["rewards/margins"]
     np.testing.assert_allclose(l1 - l0, 0.01 * r["router_aux_loss"] + 0.001 * r["router_z_loss"], rtol=1e-5)
     # the router's statistics are over the real tokens: padding (attention 0) routed nowhere
-    _, stats = jax.jit(lambda p, b: pair_logits(model, p, b, router=True))(params, batch)
+    terms = jax.jit(lambda p, b: router_terms(coef, pair_logits(model, p, b, router=True)[1])[0])
     unmasked = {**batch, "attention": np.ones_like(batch["attention"])}
-    _, everything = jax.jit(lambda p, b: pair_logits(model, p, b, router=True))(params, unmasked)
     real = int(batch["attention"][..., :-1].sum())
     assert float(np.asarray(jax.tree.leaves(r["expert_load"])[0]).sum()) > 0
-    assert not np.allclose(np.asarray(router_terms(coef, stats)[0]), np.asarray(router_terms(coef, everything)[0]))
+    assert not np.allclose(np.asarray(terms(params, batch)), np.asarray(terms(params, unmasked)))
     assert real < batch["attention"][..., :-1].size  # the batch has padding to leave out
 
 

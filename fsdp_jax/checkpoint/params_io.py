@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from fsdp_jax.checkpoint.checkpointer import Checkpointer
@@ -80,7 +79,7 @@ def load_safetensors(path: str | os.PathLike, abstract_params) -> Any:
 
     def place(name, sds):
         if getattr(sds, "sharding", None) is None:
-            return jnp.asarray(f.read(name, dtype=sds.dtype))
+            return jax.device_put(f.read(name, dtype=sds.dtype))  # jnp.asarray: a `stage` compile per shape
         return jax.make_array_from_callback(sds.shape, sds.sharding, lambda idx: f.read(name, *idx, dtype=sds.dtype))
 
     try:

@@ -371,7 +371,8 @@ def _placed(read, sds) -> jax.Array:
     shape, dtype = tuple(sds.shape), np.dtype(sds.dtype)
     sharding = getattr(sds, "sharding", None)
     if sharding is None:
-        return jax.numpy.asarray(read(tuple(slice(0, n) for n in shape), shape, dtype))
+        # device_put, not jnp.asarray: that lifts a host array by a compiled `stage` program per shape
+        return jax.device_put(read(tuple(slice(0, n) for n in shape), shape, dtype))
     groups: dict[tuple, list] = {}  # distinct index -> devices holding it
     for dev, idx in sharding.addressable_devices_indices_map(shape).items():
         key = tuple(s.indices(n)[:2] for s, n in zip(idx, shape))
