@@ -134,8 +134,11 @@ def pytest_xdist_auto_num_workers(config):
     """`-n auto`: one xdist worker more than the cores. A cold whole suite on 2 cores with 2 workers kept
     them busy 63% of its wall time (3,351 s of CPU in 2,638 s, 2026-12-07: children starting up,
     2-process jobs waiting on each other, killed peers' timeouts, checkpoint I/O); a third worker runs
-    while one waits. pyproject's --maxprocesses caps it."""
-    return (os.cpu_count() or 1) + 1
+    while one waits. pyproject's --maxprocesses caps it. The fast subset (`-m "not slow"`) has almost no
+    children to wait on: there a third worker only adds its start-up and contention (cold, quiet, 2 cores,
+    2026-12-07: 2 min 10 s and 259 s of CPU with 3 workers, 2 min 5 s and 236 s with 2; BENCHMARKS.md)."""
+    cores = os.cpu_count() or 1
+    return cores if config.getoption("markexpr", "").strip() == "not slow" else cores + 1
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest's own hook deselects by marker (`-m "not slow"`)

@@ -66,7 +66,7 @@ def reference_train(loss_fn, optimizer, params, batches, clip_norm=None):
     """Plain single-device training: no mesh, no sharding. Returns (params, losses)."""
     dev = jax.devices()[0]
     params = jax.device_put(params, dev)
-    opt_state = optimizer.init(params)
+    opt_state = jax.jit(optimizer.init)(params)  # one program, not an eager op per leaf shape
 
     @jax.jit
     def step(p, s, b):
