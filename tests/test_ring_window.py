@@ -144,9 +144,9 @@ WINDOWS = [(2, 3, None), (2, 13, (True, False)), (4, 3, (True,)), (4, 6, None), 
 # The packed cuDNN kernel's windowed rings compile for 10-18 s each (a whole run's junit, 2 workers):
 # the fast subset keeps the first (a window shorter than a chunk, context 2: the packed pieces with
 # cuDNN's window and the reversed squares' two span calls; a mutation of either fails it, BENCHMARKS.md
-# "Issue 55 item 6, the fast subset"); the rest run in the whole suite. Context 4 and
-# the longer windows stay fast through the unpacked cuDNN kernel and the banded reference above,
-# packed rows at context 4 through test_cudnn_packed's ring.
+# "Issue 55 item 6, the fast subset"); the rest run in the whole suite, as do context 4 and the
+# longer windows through the unpacked cuDNN kernel and the banded reference below (both slow);
+# packed rows at context 4 run through test_cudnn_packed's ring.
 def _id(value):
     return "-".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
