@@ -173,11 +173,14 @@ SEED_MIN_S = 10.0  # tests/compiled/seed.py's default
 
 
 def pytest_terminal_summary(terminalreporter):
-    """Say how many long target compiles this run made that the seed folder did not answer."""
+    """Say how many long target compiles this run made that the seed folder did not answer. A
+    program the seeds hold was compiled on purpose, not missed: a compile that dumps its HLO
+    (`xla_dump_to`, as tests/test_fp8_hlo.py, test_qlora_plan.py and test_targets.py ask) never
+    reads an entry (fsdp_jax.targets.compile_cache) and writes it again."""
     missed = []
     for path in (CACHE / "compiled").glob("*.json.xz"):
         try:
-            if path.stat().st_mtime >= SESSION_START:
+            if path.stat().st_mtime >= SESSION_START and not (ROOT / "tests" / "compiled" / path.name).exists():
                 seconds = json.loads(lzma.decompress(path.read_bytes()))["compile_s"]
                 if seconds >= SEED_MIN_S:
                     missed.append(seconds)
