@@ -5,6 +5,7 @@ import json
 import lzma
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -18,24 +19,34 @@ CACHE = ROOT / ".jax_cache"
 # XLA:CPU's older loop emitters compile the tiny decoder's step 2.8x faster than its MLIR fusion
 # emitters, with the same collectives, argument bytes and loss (temp +256 B; two scatter-adds
 # become while loops); benchmarks/compile_opt_level.py measures both. jaxlib 0.12.0.1 no
-# longer registers the flag, and XLA aborts on an unknown XLA_FLAGS entry, so a child process
-# tries it once per jaxlib version (the answer is kept next to the compilation cache).
+# longer registers the flag, and XLA aborts on an unknown XLA_FLAGS entry, so one child process
+# tries the suite's flags once per jaxlib version (the answer is kept next to the compilation cache).
 FAST_CODEGEN = "--xla_cpu_use_fusion_emitters=false"
 
 
-def _xla_knows(flag: str) -> bool:
-    memo = CACHE / f"xla-flag-{jaxlib.__version__}-{flag.strip('-').split('=')[0]}.json"
+def _known_flags(*flags: str) -> list[str]:
+    """The flags this jaxlib's XLA accepts, from one child process that starts XLA with them all
+    (XLA aborts naming every flag it does not know); the answer is kept per jaxlib version."""
+    names = "+".join(f.strip("-").split("=")[0] for f in flags)
+    memo = CACHE / f"xla-flags-{jaxlib.__version__}-{names}.json"
     try:
-        return json.loads(memo.read_text())
-    except (OSError, ValueError):
+        return [f for f in json.loads(memo.read_text()) if f in flags]
+    except (OSError, ValueError, TypeError):
         pass
-    env = dict(os.environ, XLA_FLAGS=flag, JAX_PLATFORMS="cpu")
-    known = (
-        subprocess.run(
-            [sys.executable, "-c", "import jax; jax.numpy.zeros(1).block_until_ready()"], env=env, capture_output=True
-        ).returncode
-        == 0
+    env = dict(os.environ, XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu")
+    child = subprocess.run(
+        [sys.executable, "-c", "import jax; jax.numpy.zeros(1).block_until_ready()"],
+        env=env,
+        capture_output=True,
+        text=True,
     )
+    unknown = re.search(r"Unknown flags? in XLA_FLAGS: (.*)", child.stderr)
+    if child.returncode == 0:
+        known = list(flags)
+    elif unknown:  # the rest were parsed and kept
+        known = [f for f in flags if f not in unknown.group(1).split()]
+    else:
+        known = []
     try:  # best effort: a read-only checkout probes again next time
         CACHE.mkdir(exist_ok=True)
         tmp = memo.with_suffix(f".{os.getpid()}.tmp")
@@ -63,7 +74,7 @@ def _xla_knows(flag: str) -> bool:
 ONE_CODEGEN_PART = "--xla_cpu_parallel_codegen_split_count=1"
 os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0"]
-    + [flag for flag in (FAST_CODEGEN, ONE_CODEGEN_PART) if _xla_knows(flag)]
+    + _known_flags(FAST_CODEGEN, ONE_CODEGEN_PART)
 ).strip()
 # The suite is 8 CPU devices on any machine: on a GPU host the xdist workers would
 # otherwise each claim the GPU (scripts/gpu_check.py is the GPU check).
@@ -139,6 +150,18 @@ def pytest_xdist_auto_num_workers(config):
     2026-12-07: 2 min 10 s and 259 s of CPU with 3 workers, 2 min 5 s and 236 s with 2; BENCHMARKS.md)."""
     cores = os.cpu_count() or 1
     return cores if config.getoption("markexpr", "").strip() == "not slow" else cores + 1
+
+
+def pytest_configure(config):
+    """pytest's unraisable-exception plugin collects garbage 5 times when a process ends, to report
+    what a finaliser raised; a worker that has compiled a few hundred programs holds millions of
+    objects, and each full collection took ~1 s of its last seconds (gc_collect_harder, 2026-12-07,
+    BENCHMARKS.md). One collection still runs the finalisers of the garbage left and reports them."""
+    try:
+        from _pytest.unraisableexception import gc_collect_iterations_key
+    except ImportError:  # another pytest: its own default
+        return
+    config.stash[gc_collect_iterations_key] = 1
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest's own hook deselects by marker (`-m "not slow"`)
