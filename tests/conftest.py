@@ -25,28 +25,28 @@ FAST_CODEGEN = "--xla_cpu_use_fusion_emitters=false"
 
 
 def _known_flags(*flags: str) -> list[str]:
-    """The flags this jaxlib's XLA accepts, from one child process that starts XLA with them all
-    (XLA aborts naming every flag it does not know); the answer is kept per jaxlib version."""
+    """The flags this jaxlib's XLA accepts: a child process starts XLA with them; XLA aborts naming
+    every flag it does not know, and a child with the rest confirms them (one child where all are
+    known). The answer is kept per jaxlib version."""
     names = "+".join(f.strip("-").split("=")[0] for f in flags)
     memo = CACHE / f"xla-flags-{jaxlib.__version__}-{names}.json"
     try:
         return [f for f in json.loads(memo.read_text()) if f in flags]
     except (OSError, ValueError, TypeError):
         pass
-    env = dict(os.environ, XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu")
-    child = subprocess.run(
-        [sys.executable, "-c", "import jax; jax.numpy.zeros(1).block_until_ready()"],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    unknown = re.search(r"Unknown flags? in XLA_FLAGS: (.*)", child.stderr)
-    if child.returncode == 0:
-        known = list(flags)
-    elif unknown:  # the rest were parsed and kept
-        known = [f for f in flags if f not in unknown.group(1).split()]
-    else:
-        known = []
+    known = list(flags)
+    while known:
+        child = subprocess.run(
+            [sys.executable, "-c", "import jax; jax.numpy.zeros(1).block_until_ready()"],
+            env=dict(os.environ, XLA_FLAGS=" ".join(known), JAX_PLATFORMS="cpu"),
+            capture_output=True,
+            text=True,
+        )
+        if child.returncode == 0:
+            break
+        named = re.search(r"Unknown flags? in XLA_FLAGS: (.*)", child.stderr)
+        rest = [f for f in known if not named or f not in named.group(1).split()]
+        known = [] if rest == known else rest  # nothing named: none is trusted
     try:  # best effort: a read-only checkout probes again next time
         CACHE.mkdir(exist_ok=True)
         tmp = memo.with_suffix(f".{os.getpid()}.tmp")
