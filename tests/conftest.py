@@ -216,15 +216,6 @@ def pytest_terminal_summary(terminalreporter):
         )
 
 
-@pytest.fixture
-def compilation_cache_restored():
-    """For tests that call benchmark.main() in process: it turns the persistent compilation
-    cache off (it times cold compiles)."""
-    was = jax.config.jax_enable_compilation_cache
-    yield
-    jax.config.update("jax_enable_compilation_cache", was)
-
-
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory):
     """A small deterministic byte corpus (helpers.synthetic_corpus), prepared once per session."""

@@ -226,9 +226,7 @@ BAD = list(_first_bad_values())
 
 
 @pytest.mark.parametrize("script, command, flag, value, argv", BAD, ids=[f"{b[1]}{b[2]}" for b in BAD])
-def test_bad_flags_through_the_entry_are_one_line_exit_2(
-    script, command, flag, value, argv, tmp_path, capsys, compilation_cache_restored
-):
+def test_bad_flags_through_the_entry_are_one_line_exit_2(script, command, flag, value, argv, tmp_path, capsys):
     """Every flag's bad value, given to `fsdp-jax <command>`: one line naming it, exit 2,
     nothing written, and the same line the script's main gives."""
     for d in ("a_dir", "new", "run", "src"):

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import pytest
 from test_fp8 import built, cfg_for
 
+from fsdp_jax.app.devices import without_compilation_cache
 from fsdp_jax.app.models.decoder import FP8_WEIGHTS
 from fsdp_jax.hlo.costs import op_inventory
 from fsdp_jax.targets import gpu as targets
@@ -68,12 +69,8 @@ def cpu_partitioned(precision: str, tmp: Path) -> str:
     batch = jax.ShapeDtypeStruct((8, 17), jnp.int32, sharding=b.plan.batch)
     dump = tmp / precision.replace(",", "_").replace("=", "-")
     opts = {"xla_dump_to": str(dump), "xla_dump_hlo_pass_re": "spmd-partitioning"}
-    cached = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)  # a cache hit compiles (and dumps) nothing
-    try:
+    with without_compilation_cache():  # a cache hit compiles (and dumps) nothing
         b.train_step.lower(b.abstract_state, batch).compile(compiler_options=opts)
-    finally:
-        jax.config.update("jax_enable_compilation_cache", cached)
     (path,) = [p for p in dump.glob("*jit_step*after_spmd-partitioning*.txt")]
     return path.read_text()
 

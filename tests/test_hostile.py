@@ -468,9 +468,7 @@ def test_bad_trainer_inputs_one_line_exit_2_nothing_written(corpus, tmp_path, ca
 
 
 @pytest.mark.slow
-def test_every_script_rejects_bad_flags_with_one_line(
-    corpus, tmp_path, capsys, monkeypatch, compilation_cache_restored
-):
+def test_every_script_rejects_bad_flags_with_one_line(corpus, tmp_path, capsys, monkeypatch):
     tiny = ROOT / "configs" / "tiny.yaml"
     a_file = tmp_path / "a_file"
     a_file.write_text("x")

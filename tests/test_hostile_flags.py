@@ -223,7 +223,7 @@ def _fill(args, tmp_path):
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
-def test_every_script_flag_refuses_its_bad_values(name, tmp_path, capsys, compilation_cache_restored):
+def test_every_script_flag_refuses_its_bad_values(name, tmp_path, capsys):
     (tmp_path / "a_dir").mkdir()
     (tmp_path / "a_file").write_text("x")
     (tmp_path / "new").mkdir()

@@ -1,13 +1,17 @@
 """Command-line contracts of the benchmark and GPU-check scripts (CPU-checkable parts)."""
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import pytest
 
+from fsdp_jax.app.devices import without_compilation_cache
 from helpers import call
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,7 +31,7 @@ def run(script, *args, timeout=300):
 
 
 @pytest.mark.slow
-def test_benchmark_json_document(capsys, compilation_cache_restored):
+def test_benchmark_json_document(capsys):
     rc, out, err = call(
         "benchmark",
         "--config",
@@ -56,6 +60,53 @@ def test_benchmark_json_document(capsys, compilation_cache_restored):
         assert x["step_s_min"] <= x["step_s_median"] <= x["step_s_max"]
         assert x["tokens_per_s"] > 0 and x["peak_bytes"] > 0 and x["mfu"] is None  # CPU: no peak FLOP/s
     assert doc["results"][1]["devices"] == 1
+    assert jax.config.jax_enable_compilation_cache  # the benchmark turned the cache off for itself only
+
+
+@contextlib.contextmanager
+def cache_events():
+    """The last word of each `/jax/compilation_cache/...` event JAX records inside (`cache_hits`, ...)."""
+    seen = []
+
+    def listen(event, **_):
+        if event.startswith("/jax/compilation_cache/"):
+            seen.append(event.rsplit("/", 1)[-1])
+
+    jax.monitoring.register_event_listener(listen)
+    try:
+        yield seen
+    finally:
+        jax.monitoring.unregister_event_listener(listen)
+
+
+def test_without_the_compilation_cache_a_program_it_holds_compiles_cold_and_after_it_hits(tmp_path):
+    """JAX reads `jax_enable_compilation_cache` at a process's first compile only (this worker's
+    was long ago): inside `without_compilation_cache()` a program the persistent cache holds is
+    compiled again, its HLO dumped as asked (the benchmark's cold compiles, test_fp8_hlo's dumps);
+    after it the cache answers again."""
+
+    shape = jax.ShapeDtypeStruct((5, 3), jnp.float32)
+
+    def compile_(dump=None):  # a new function each time: no in-memory hit, the same program
+        opts = {"xla_dump_to": str(tmp_path / dump)} if dump else None
+        with cache_events() as seen:
+            jax.jit(lambda x: jnp.tanh(x) * 3.0 + 1.0).lower(shape).compile(compiler_options=opts)
+        return seen
+
+    def compiled(dump):  # XLA dumps the module before its passes only when it compiles it
+        return sorted(p.name for p in (tmp_path / dump).glob("*before_optimizations*"))
+
+    assert jax.config.jax_compilation_cache_dir and jax.config.jax_enable_compilation_cache  # tests/conftest.py
+    compile_()  # the cache holds it now, if it did not already
+    seen = compile_("warm")
+    assert "cache_hits" in seen and not compiled("warm"), (seen, compiled("warm"))
+    with without_compilation_cache():
+        assert not jax.config.jax_enable_compilation_cache
+        seen = compile_("cold")
+    assert "cache_hits" not in seen and compiled("cold"), (seen, compiled("cold"))
+    assert jax.config.jax_enable_compilation_cache
+    seen = compile_("after")
+    assert "cache_hits" in seen and not compiled("after"), (seen, compiled("after"))
 
 
 def test_benchmark_entry_point_bad_input_exits_2():

@@ -3,9 +3,12 @@ persistent compilation cache. Import-light (JAX is imported inside)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import jax
+from jax.experimental.compilation_cache import compilation_cache
 
 from fsdp_jax.errors import ConfigError
 from fsdp_jax.targets.xla_flags import check_xla_flags
@@ -51,3 +54,21 @@ def use_cpu_devices(n: int | None = None, *, env: str = ENV_DEVICES, default: in
     if cache:
         jax.config.update("jax_compilation_cache_dir", cache)
     return n
+
+
+@contextlib.contextmanager
+def without_compilation_cache() -> Iterator[None]:
+    """Compiles inside neither read nor write JAX's persistent compilation cache: a benchmark's
+    compile times are cold ones, and a compile asked to dump its HLO (`xla_dump_to`) compiles.
+    JAX reads `jax_enable_compilation_cache` once, at a process's first compile, so after one the
+    setting alone changes nothing (a program the cache holds is still read from it): the cache's
+    state is reset on the way in and out, and the setting restored."""
+
+    was = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", was)
+        compilation_cache.reset_cache()

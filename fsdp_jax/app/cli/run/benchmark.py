@@ -9,7 +9,7 @@ import jax
 
 from fsdp_jax.app.cli.args import check_out_file, require
 from fsdp_jax.app.config.checks import check_backend, validate
-from fsdp_jax.app.devices import use_cpu_devices
+from fsdp_jax.app.devices import use_cpu_devices, without_compilation_cache
 from fsdp_jax.app.models.decoder import flops_per_token
 from fsdp_jax.app.planner.benchmark import bench_fsdp, bench_plain_dp, combos, parse_sweeps, plot
 from fsdp_jax.app.planner.step_time import reference_flops_per_token, step_rows
@@ -26,12 +26,12 @@ def run(args) -> int:
 
     use_cpu_devices()
     sweeps, strategies = _parse_flags(args)
-    jax.config.update("jax_enable_compilation_cache", False)  # inputs checked: time cold compiles
-    runs = _checked_runs(args, sweeps)
-    devices_all = jax.devices()
-    results = []
-    for combo, cfg, n_dev in runs:
-        results += _bench_point(args, combo, cfg, devices_all[:n_dev], strategies)
+    with without_compilation_cache():  # inputs checked: time cold compiles
+        runs = _checked_runs(args, sweeps)
+        devices_all = jax.devices()
+        results = []
+        for combo, cfg, n_dev in runs:
+            results += _bench_point(args, combo, cfg, devices_all[:n_dev], strategies)
     _report(args, sweeps, results, devices_all)
     return 0
 
