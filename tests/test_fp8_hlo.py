@@ -131,9 +131,10 @@ MOE = [f"model.n_experts={N_EXPERTS}", "model.experts_per_token=2", "model.moe_f
 
 
 def gemm_ops(hlo: str) -> list[tuple[tuple[str, ...], str, tuple[int, ...]]]:
-    """Each GEMM fusion's (operand dtypes, its dot's op_name, the dot's result dims)."""
+    """Each GEMM fusion's (operand dtypes, its dot's op_name, the dot's result dims). jax 0.12's
+    XLA:GPU prefixes the fusions' computations (`%fused_computation.gemm_fusion_dot.62_computation`)."""
     out = []
-    for m in re.finditer(r"%gemm_fusion_dot[^ ]*_computation[^ ]* \(([^)]*)\)[^{]*\{(.*?)\n\}", hlo, re.S):
+    for m in re.finditer(r"%(?:[\w.]+\.)?gemm_fusion_dot[^ ]*_computation[^ ]* \(([^)]*)\)[^{]*\{(.*?)\n\}", hlo, re.S):
         dot = next(line for line in m.group(2).splitlines() if " dot(" in line)
         dims = tuple(int(d) for d in ARRAY.search(dot.split("=", 1)[1]).group(2).split(",") if d)
         name = re.search(r'op_name="([^"]*)"', dot)
@@ -145,7 +146,7 @@ def gemms(hlo: str) -> list[tuple[str, ...]]:
     """The operand dtypes of each GEMM: XLA:GPU's dot fusions (Triton, deviceless) and
     cuBLAS custom calls' dot computations."""
     out = []
-    for m in re.finditer(r"%gemm_fusion_dot[^ ]*_computation[^ ]* \(([^)]*)\)", hlo):
+    for m in re.finditer(r"%(?:[\w.]+\.)?gemm_fusion_dot[^ ]*_computation[^ ]* \(([^)]*)\)", hlo):
         out.append(tuple(sorted({d for d, _ in ARRAY.findall(m.group(1))})))
     return out
 
