@@ -115,7 +115,8 @@ def test_plan_on_h100_says_the_experts_run_in_bf16(capsys):
 @pytest.mark.slow
 def test_h100_tokamax_expert_kernels_take_the_compute_dtype():
     """What the note states, in the deviceless 8 x H100 program of the tiny FP8 MoE under auto:
-    the experts' grouped products are tokamax's Pallas calls (Triton at this size), each taking
+    the experts' grouped products are tokamax's Pallas calls (Triton at this size with tokamax
+    0.0.12, Mosaic GPU with 0.0.17), each taking
     bf16 operands, and no GEMM of XLA's ragged_dot is left; the projections' GEMMs take f8."""
     import os
     import re
@@ -134,11 +135,14 @@ def test_h100_tokamax_expert_kernels_take_the_compute_dtype():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     hlo = json.loads(proc.stdout)["auto"]
-    calls = [line for line in hlo.splitlines() if "custom-call(" in line and "/tokamax:" in line]
+    # tokamax's kernels: named in their op_name (jax 0.10, tokamax 0.0.12), or Mosaic GPU calls
+    # (jax 0.12, tokamax 0.0.17: `custom_call_target="mosaic_gpu_v2"`, op_name ".../ragged_dot_sm90/...")
+    kernel = re.compile(r'/tokamax:|custom_call_target="mosaic_gpu')
+    calls = [line for line in hlo.splitlines() if "custom-call(" in line and kernel.search(line)]
     # forward gate, up, down and their input and weight gradients: at least 9 per layer body
     assert len(calls) >= 9, len(calls)
     for line in calls:
-        operands = re.search(r"operand_layout_constraints=\{(.*?)\}, ", line).group(1)
+        operands = line.split("operand_layout_constraints={", 1)[1].split("}}", 1)[0]  # each `type[dims]{layout}`
         assert {t for t in re.findall(r"([a-z0-9]+)\[", operands) if t not in ("s32",)} == {"bf16"}, operands
     ops = gemm_ops(hlo)
     assert not [n for _, n, _ in ops if "ragged_dot" in n]

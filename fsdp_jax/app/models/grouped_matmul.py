@@ -153,14 +153,26 @@ def _varying(a) -> set[str]:
     return set(mat.varying if mat is not None else getattr(t, "vma", ()))
 
 
+# From which jax a platform's tokamax kernels are traced with the manual-axis check on. jax 0.12
+# lowers a traced step's kernels once more with the check on, whatever the context they were
+# traced in: a kernel traced without it (no `pvary` put in where a varying and an unvarying
+# operand meet) then fails there ("Primitive max requires varying manual axes to match": tokamax
+# 0.0.17's Mosaic GPU kernel on 8 x H100 under FP8, tests/test_fp8_tokamax_experts.py), and traced
+# with it that kernel's results carry their type. Its Mosaic TPU kernel's results still carry
+# none on jax 0.12 (tests/test_grouped_matmul.py's TPU cases), nor any kernel's on jax 0.10.
+TRACE_CHECKED_FROM = {"gpu": (0, 12)}
+
+
 def _unchecked():
     """On an accelerator, a context in which a Pallas call may leave its result's manual-axis
     type unset: tokamax 0.0.12's Mosaic TPU kernel and its Pallas Triton GPU kernel give none,
     which jax 0.10 refuses inside a `shard_map` that checks them ("`manual_axis_type` on
     `jax.ShapeDtypeStruct` must not be `None`": the dropless experts' dispatch on 8 x H100).
     Its result is typed by `_like` instead. jax's own switch, private: the one `shard_map(...,
-    check_vma=False)` sets. On CPU (interpreted kernels) the check stays on."""
-    if lowering_platform() == "cpu":
+    check_vma=False)` sets. On CPU (interpreted kernels) the check stays on, and on a platform
+    from the jax `TRACE_CHECKED_FROM` names."""
+    platform = lowering_platform()
+    if platform == "cpu" or jax.__version_info__ >= TRACE_CHECKED_FROM.get(platform, (1 << 30,)):
         return contextlib.nullcontext()
 
     return jax_config._check_vma(False)
