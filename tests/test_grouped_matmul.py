@@ -221,6 +221,32 @@ def test_on_tpu_auto_takes_tokamax_where_its_kernel_fits_and_tokamax_refuses_the
         resolve("tokamax", dims)
 
 
+def test_on_a_gpu_whose_tokamax_lacks_a_kernel_for_the_dtype_auto_is_xla_and_tokamax_refused(monkeypatch):
+    """tokamax 0.0.17 without jax_triton has only its Mosaic GPU kernel, which takes bf16 / f16
+    operands (an f32 step under auto failed in it: "Only bfloat16/float16 inputs are supported",
+    8 x H100, jax 0.12): f32 rows under auto run XLA's ragged_dot, under tokamax one line naming
+    model.grouped_matmul; bf16 rows, or a tokamax with its Triton kernel, still take tokamax's."""
+    installed_tokamax("tokamax")
+    import fsdp_jax.app.models.grouped_matmul as gm
+
+    monkeypatch.setattr(gm, "lowering_platform", lambda: "gpu")
+    monkeypatch.setattr(gm, "_tokamax_implementations", lambda: ("xla", "mosaic_gpu"))
+    took = []
+    monkeypatch.setattr(gm, "_tokamax", lambda x, w, s: took.append(x.dtype.name) or jax.lax.ragged_dot(x, w, s))
+    x = jax.random.normal(jax.random.key(0), (8, 4))
+    w = jax.random.normal(jax.random.key(1), (2, 4, 3))
+    sizes = jnp.array([3, 4], jnp.int32)
+    np.testing.assert_array_equal(grouped_matmul(x, w, sizes, "auto"), jax.lax.ragged_dot(x, w, sizes))
+    assert took == []
+    with pytest.raises(ConfigError, match=r"^model\.grouped_matmul: tokamax's Mosaic GPU kernel takes bfloat16 or "):
+        grouped_matmul(x, w, sizes, "tokamax")
+    grouped_matmul(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), sizes, "auto")
+    assert took == ["bfloat16"]
+    monkeypatch.setattr(gm, "_tokamax_implementations", lambda: ("xla", "triton", "mosaic_gpu"))
+    grouped_matmul(x, w, sizes, "tokamax")
+    assert took == ["bfloat16", "float32"]
+
+
 # tokamax's Mosaic TPU weight-gradient kernel (megablox tgmm) as XLA:TPU prints it (libtpu
 # 0.0.42.1, the deviceless v5p compile of tests/test_moe_flops.py's layer, metadata shortened):
 # its kernel metadata spans lines, and the op_name naming tokamax's ragged dot comes last

@@ -12,14 +12,15 @@ Implementations (`model.grouped_matmul`):
   time (docs/moe.md, "Grouped matmul on GPU and TPU").
 - `tokamax`: tokamax's `ragged_dot` (`pip install tokamax`): Pallas kernels that compute the
   groups only, forward and both backward products (their `ragged_dot_general` for the weight
-  gradient). GPU: Mosaic GPU on sm90, else Triton. TPU v5 and later: Mosaic TPU (megablox's
+  gradient). GPU: Mosaic GPU on sm90 (bf16 / f16 operands only), else Triton. TPU v5 and later: Mosaic TPU (megablox's
   `gmm` / `tgmm`), which takes rows, contracted and output dims in whole tiles of 128
   (`TPU_TILE`; tokamax 0.0.12 and 0.0.17 raise on fewer than 128 rows or columns and on rows
   not divisible by the tile; other dims fail to trace). Elsewhere, or a TPU product it cannot
   take: one line naming `model.grouped_matmul`.
 - `auto` (the default): `tokamax` when tokamax imports and the step is lowered for a GPU, or
   for a TPU v5+ and this product's dims fit the TPU kernel; else `xla` (so on TPU a LoRA
-  adapter's rank-r product under 128 stays on XLA's `ragged_dot`). The planner's compiles
+  adapter's rank-r product under 128 stays on XLA's `ragged_dot`, and so on a GPU does a product
+  of f32 operands where this tokamax has only its Mosaic GPU kernel). The planner's compiles
   lower with the target's device as the default (`planner/abstract_step.StepBuild.compile`),
   so they see what a run on the target would run.
 
@@ -121,10 +122,27 @@ def _tokamax_implementations() -> tuple[str, ...]:
     return tuple(getattr(api, "IMPLEMENTATIONS", ()))
 
 
+# the operand dtypes tokamax's Mosaic GPU kernel takes (0.0.17: "Only bfloat16/float16 inputs
+# are supported"); its Triton kernel takes any, where this tokamax has it (0.0.17's needs jax_triton)
+MOSAIC_GPU_DTYPES = ("bfloat16", "float16")
+
+
+def gpu_misfit(dtype) -> str | None:
+    """Why this tokamax has no GPU kernel for `dtype` operands, or None."""
+    if jnp.dtype(dtype).name in MOSAIC_GPU_DTYPES or "triton" in _tokamax_implementations():
+        return None
+    return f"tokamax's Mosaic GPU kernel takes {' or '.join(MOSAIC_GPU_DTYPES)} operands, not {jnp.dtype(dtype).name}"
+
+
 def grouped_matmul(x, w, sizes, impl: str = "auto"):
     """x (M, K) rows sorted by group, w (G, K, N), sizes (G,) int32 with sum <= M -> (M, N) in
-    x's dtype: row i of group g is x[i] @ w[g]; rows past sum(sizes) are 0."""
-    if resolve(impl, (x.shape[0], x.shape[1], w.shape[2])) == "xla":
+    x's dtype: row i of group g is x[i] @ w[g]; rows past sum(sizes) are 0. On a GPU whose
+    tokamax has no kernel for x's dtype (`gpu_misfit`), `auto` is XLA's and `tokamax` refused."""
+    chosen = resolve(impl, (x.shape[0], x.shape[1], w.shape[2]))
+    misfit = gpu_misfit(x.dtype) if chosen == "tokamax" and lowering_platform() in ("gpu", "cuda") else None
+    if misfit and impl == "tokamax":
+        raise ConfigError("model.grouped_matmul", f"{misfit} (use auto or xla, or compute=bfloat16)")
+    if chosen == "xla" or misfit:
         return jax.lax.ragged_dot(x, w, sizes)
     return _tokamax(x, w, sizes)
 
