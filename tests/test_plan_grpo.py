@@ -6,6 +6,7 @@ GRPO does not support (offload, mesh.context > 1, several hosts) is refused in o
 from __future__ import annotations
 
 import json
+import re
 import types
 
 import numpy as np
@@ -99,8 +100,11 @@ def test_h100_plan_splits_generation_and_training(capsys):
     updates = [o for o in mem if o["op_name"].endswith("/dynamic_update_slice")]
     assert len(updates) == 2 and all(o["bytes"] <= 2 * slot + 64 for o in updates), updates
     assert r["grpo"]["kv_cache"] == 2 * m.layers * layer
-    reads = [o for o in mem if "closed_call/jit(dynamic_index_in_dim)" in o["op_name"]]  # the layer's k, v
-    assert len(reads) == 2 and all(o["bytes"] <= 2 * layer + slot + 64 for o in reads), reads
+    # the layer's k, v (op_name `.../closed_call/jit(dynamic_index_in_dim)/...` on jax 0.10,
+    # `.../eval_jaxpr/jit(dynamic_index_in_dim)/...` on 0.12) and the token's slots: one on jax 0.10,
+    # its k and v slots on 0.12 (29,736 and 29,704 bytes); the whole cache would be 2 * layers * layer
+    reads = [o for o in mem if re.search(r"(closed_call|eval_jaxpr)/jit\(dynamic_index_in_dim\)", o["op_name"])]
+    assert len(reads) == 2 and all(o["bytes"] <= 2 * layer + 2 * slot + 64 for o in reads), reads
 
 
 @pytest.mark.parametrize(
