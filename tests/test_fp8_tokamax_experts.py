@@ -50,6 +50,26 @@ def test_plan_fp8_part_names_the_experts_dtype_on_h100(kernels):
     assert fp8_part(cfg_for(kernels, "precision=params=float32,compute=bfloat16"), h100) is None
 
 
+def test_f32_experts_on_a_mosaic_only_gpu_tokamax_are_said_to_run_on_xla(monkeypatch):
+    """compute=float32 on a GPU whose tokamax has only its Mosaic GPU kernel (bf16 / f16 operands,
+    `grouped_matmul.gpu_misfit`): `auto` runs the unscaled experts on XLA's ragged_dot, and the
+    plan's FP8 part and note say that, not tokamax; with a Triton kernel there, tokamax."""
+    from fsdp_jax.app.config.fp8_checks import unscaled_experts_line, unscaled_kernels
+
+    h100 = targets.make_target("h100", 8)
+    cfg = cfg_for("tokamax", "precision=params=float32,compute=float32,matmul=fp8")
+    for impls, kernels in ((("mosaic",), "xla"), (("mosaic", "triton"), "tokamax")):
+        monkeypatch.setattr(grouped_matmul, "_tokamax_implementations", lambda impls=impls: impls)
+        part = fp8_part(cfg, h100)
+        assert part["experts"] == {"kernels": kernels, "fp8": False, "dtype": "float32"}, impls
+        assert unscaled_kernels("bfloat16", "gpu") == "tokamax" and unscaled_kernels("float32", "tpu") == "tokamax"
+        line = unscaled_experts_line(cfg, "float32", kernels)
+        said = "run in float32 on XLA's ragged_dot" if kernels == "xla" else "run in float32 under tokamax's kernels"
+        assert said in line, line
+    monkeypatch.setattr(grouped_matmul, "_tokamax_implementations", lambda: ("mosaic",))
+    assert "takes bfloat16 or float16 operands, not float32" in unscaled_experts_line(cfg, "float32", "xla")
+
+
 def test_roofline_costs_tokamax_experts_at_the_bf16_peak():
     """Same model, same FLOPs: under tokamax the experts' 6 x (active expert params) FLOPs per
     token move from the FP8 peak to the bf16 one; the full_shard gathers move the experts'

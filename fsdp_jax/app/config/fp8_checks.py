@@ -9,7 +9,7 @@ import re
 import numpy as np
 
 from fsdp_jax.app.config.schema import Config
-from fsdp_jax.app.models.grouped_matmul import resolve
+from fsdp_jax.app.models.grouped_matmul import gpu_misfit, lowering_platform, resolve
 from fsdp_jax.errors import ConfigError
 from fsdp_jax.quant.fp8 import device_problem
 from fsdp_jax.sharding.precision import Policy
@@ -59,8 +59,25 @@ def unscaled_experts(cfg: Config, platform: str | None = None, generation: int =
     return None if impl == "xla" else np.dtype(policy.compute_dtype).name
 
 
-def unscaled_experts_line(cfg: Config, dtype: str) -> str:
-    """The one line saying so (`unscaled_experts`): `plan`'s note, the trainer's start line."""
+def unscaled_kernels(dtype: str, platform: str | None = None) -> str:
+    """Which kernels run the unscaled grouped expert products (`unscaled_experts` gave `dtype`)
+    on `platform` (None: this process's lowering device): "tokamax", or "xla" (XLA's
+    `ragged_dot`, uncast) on a GPU whose tokamax has no kernel for `dtype` operands
+    (`grouped_matmul.gpu_misfit`: `auto` falls back so; an explicit `tokamax` is refused there)."""
+    platform = lowering_platform() if platform is None else platform
+    return "xla" if platform in ("gpu", "cuda") and gpu_misfit(dtype) else "tokamax"
+
+
+def unscaled_experts_line(cfg: Config, dtype: str, kernels: str = "tokamax") -> str:
+    """The one line saying so (`unscaled_experts`, run by `kernels`: `unscaled_kernels`): `plan`'s
+    note, the trainer's start line."""
+    if kernels == "xla":
+        return (
+            f"precision matmul=fp8: the routed experts' grouped products run in {dtype} on XLA's ragged_dot "
+            f"(model.grouped_matmul=auto: {gpu_misfit(dtype)}; an f8 ragged_dot would be expanded densely, "
+            "n_experts x the FLOPs); the projections are FP8. compute=bfloat16 runs them under tokamax's kernels; "
+            "model.grouped_matmul: xla or capacity mode (model.capacity_factor > 0) gives FP8 experts (docs/fp8.md)"
+        )
     how = "auto resolves to tokamax" if cfg.model.grouped_matmul == "auto" else "tokamax"
     return (
         f"precision matmul=fp8: the routed experts' grouped products run in {dtype} under tokamax's kernels "

@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from fsdp_jax.app.config.fp8_checks import target_platform, unscaled_experts, unscaled_experts_line
+from fsdp_jax.app.config.fp8_checks import target_platform, unscaled_experts, unscaled_experts_line, unscaled_kernels
 from fsdp_jax.app.host_memory import HOST_MEMORY_ENV, fmt_size
 from fsdp_jax.app.models.decoder import count_params
 from fsdp_jax.app.objectives.grpo_run import check_grpo_config, is_grpo
@@ -124,7 +124,7 @@ def plan_config(
                 r["predicted"]["grpo"] = grpo_split(cfg, target.table, r["grpo"], r["predicted"]["step_s"])
     notes = _notes(cfg, n_devices, policy, results, target, device_memory)
     if (fp8 := fp8_part(cfg, target)) and fp8["experts"] and not fp8["experts"]["fp8"]:
-        notes.append(unscaled_experts_line(cfg, fp8["experts"]["dtype"]))
+        notes.append(unscaled_experts_line(cfg, fp8["experts"]["dtype"], fp8["experts"]["kernels"]))
     notes += _host_notes(cfg, results, host_memory)
     doc = {
         "config": config_name,
@@ -144,13 +144,15 @@ def plan_config(
 def fp8_part(cfg, target) -> dict[str, Any] | None:
     """The plan's FP8 part (None without `precision ...,matmul=fp8`): the recipe, and for routed
     experts {"kernels": capacity | xla | tokamax, "fp8": whether their products run in FP8,
-    "dtype": the dtype they run in} on `target` (None: this host's CPU; `unscaled_experts`)."""
+    "dtype": the dtype they run in} on `target` (None: this host's CPU; `unscaled_experts`; "xla"
+    with "fp8" false: XLA's ragged_dot uncast, where tokamax has no kernel for the compute dtype)."""
     if Policy.parse(cfg.precision).matmul != "fp8":
         return None
     experts = None
     if cfg.model.n_experts:
-        dtype = unscaled_experts(cfg, *target_platform(None if target is None else target.table))
-        kernels = "capacity" if cfg.model.capacity_factor else "tokamax" if dtype else "xla"
+        platform = target_platform(None if target is None else target.table)
+        dtype = unscaled_experts(cfg, *platform)
+        kernels = "capacity" if cfg.model.capacity_factor else unscaled_kernels(dtype, platform[0]) if dtype else "xla"
         experts = {"kernels": kernels, "fp8": dtype is None, "dtype": dtype or "fp8"}
     return {"recipe": cfg.fp8.recipe, "experts": experts}
 

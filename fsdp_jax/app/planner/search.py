@@ -52,7 +52,7 @@ from typing import Any
 
 import numpy as np
 
-from fsdp_jax.app.config.fp8_checks import target_platform, unscaled_experts, unscaled_experts_line
+from fsdp_jax.app.config.fp8_checks import target_platform, unscaled_experts, unscaled_experts_line, unscaled_kernels
 from fsdp_jax.app.models.lora import adapter_param_count, spec_from_config
 from fsdp_jax.app.planner import nvme_plan
 from fsdp_jax.app.planner.abstract_step import mesh_shape, target_mesh_sizes
@@ -126,8 +126,9 @@ def search(
     say(f"analytic pass: {len(cands) - dropped} kept, {dropped} dropped, {time.perf_counter() - t0:.1f} s")
     compiled_n = compile_rounds(cfg, n_devices, cands, limits, target, gpu, say)
     notes += _closing_notes(space, limits, cost_note, gpu_target, predict_on)
-    if (dtype := unscaled_experts(cfg, *target_platform(predict_on))) is not None:  # as costed: docs/fp8.md
-        notes.append(unscaled_experts_line(cfg, dtype))
+    platform = target_platform(predict_on)
+    if (dtype := unscaled_experts(cfg, *platform)) is not None:  # as costed: docs/fp8.md
+        notes.append(unscaled_experts_line(cfg, dtype, unscaled_kernels(dtype, platform[0])))
     return {
         "config": config_name,
         "devices": n_devices,

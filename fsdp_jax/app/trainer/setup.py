@@ -28,7 +28,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from fsdp_jax.app.config.checks import check_backend, check_data, validate
-from fsdp_jax.app.config.fp8_checks import check_fp8_device, unscaled_experts, unscaled_experts_line
+from fsdp_jax.app.config.fp8_checks import check_fp8_device, unscaled_experts, unscaled_experts_line, unscaled_kernels
 from fsdp_jax.app.config.parse import config_to_dict, load_config
 from fsdp_jax.app.config.schema import Config
 from fsdp_jax.app.data.corpus import ensure_stdlib
@@ -232,7 +232,7 @@ def _model(p: _Draft) -> None:
     p.rng = jax.random.key(cfg.train.seed)
     p.model = trainer_model(cfg.model, cfg.remat, lora_spec(cfg), fp8_recipe(cfg))
     if (dtype := unscaled_experts(cfg)) is not None and jax.process_index() == 0:  # FP8 asked, experts not
-        print(f"note: {unscaled_experts_line(cfg, dtype)}", flush=True)
+        print(f"note: {unscaled_experts_line(cfg, dtype, unscaled_kernels(dtype))}", flush=True)
     if p.init_params is not None:
         p.model = dataclasses.replace(p.model, init=p.init_params, abstract_params=jax.eval_shape(p.init_params, p.rng))
     p.optimizer, p.schedule = build_optimizer(cfg.optimizer, cfg.train.steps)
