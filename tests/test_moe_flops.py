@@ -8,6 +8,7 @@ rows, docs/moe.md)."""
 
 import os
 
+import jax
 import pytest
 
 from helpers import json_child
@@ -170,6 +171,11 @@ def test_dropless_moe_layer_on_tpu_runs_tokamax_kernels_with_grouped_weight_grad
         assert (2 / 8) * dense <= got["flops"] <= 1.3 * (2 / 8) * dense, (kind, got, dense)
         # no dense product of the experts' size outside the kernels (the router's is 2 n d e)
         assert got["largest_other"] <= 2 * n * d * e, (kind, got)
-    # XLA's ragged_dot on the same target: grouped forward, weight gradients over all experts
-    assert r["xla"]["train"]["flops"] > 2.5 * r["auto"]["train"]["flops"], r
+    # XLA's ragged_dot on the same target: grouped forward; weight gradients over all experts on jax
+    # 0.10.2's XLA:TPU, grouped as tokamax's from jax 0.12.0.1's (its train FLOPs equal the kernels',
+    # read 2026-12-08 in CI lane 2's venv with libtpu installed)
+    if jax.__version_info__ < (0, 12):
+        assert r["xla"]["train"]["flops"] > 2.5 * r["auto"]["train"]["flops"], r
+    else:
+        assert (2 / 8) * 3 * dense_fwd <= r["xla"]["train"]["flops"] <= 1.3 * (2 / 8) * 3 * dense_fwd, r
     assert r["xla"]["forward"]["flops"] <= 1.3 * (2 / 8) * dense_fwd, r
