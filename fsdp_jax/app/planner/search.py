@@ -126,9 +126,8 @@ def search(
     say(f"analytic pass: {len(cands) - dropped} kept, {dropped} dropped, {time.perf_counter() - t0:.1f} s")
     compiled_n = compile_rounds(cfg, n_devices, cands, limits, target, gpu, say)
     notes += _closing_notes(space, limits, cost_note, gpu_target, predict_on)
-    platform = target_platform(predict_on)
-    if (dtype := unscaled_experts(cfg, *platform)) is not None:  # as costed: docs/fp8.md
-        notes.append(unscaled_experts_line(cfg, dtype, unscaled_kernels(dtype, platform[0])))
+    if (dtype := unscaled_experts(cfg, *target_platform(predict_on))) is not None:  # as costed: docs/fp8.md
+        notes.append(unscaled_experts_line(cfg, dtype, unscaled_kernels(dtype, target_platform(predict_on)[0])))
     return {
         "config": config_name,
         "devices": n_devices,
