@@ -355,6 +355,37 @@ def test_a_cublas_call_is_a_gemm_from_its_backend_config(spaced):
     assert (gemm["m"], gemm["n"], gemm["k"], gemm["flops"]) == (2048, 1024, 512, 2 * 2048 * 1024 * 512)
 
 
+def test_a_cublas_lt_matmul_on_a_layers_slice_in_place_is_a_gemm_not_its_workspace():
+    """jax 0.12's XLA:GPU runs a backward loop's weight-gradient dot as a cuBLASLt call in a kCustom
+    dynamic-slice fusion (the layer's slice of the kept stack read in place), its result tuple holding a
+    32 MiB workspace: a GEMM of the slice, not 33.5 MB of memory traffic (the tiny shard_grad_op step of
+    tests/test_search.py on jax 0.12.0.1, read 2026-12-08)."""
+    cfg = (
+        '{"gemm_backend_config":{"dot_dimension_numbers":{"lhs_batch_dimensions":[],"lhs_contracting_dimensions":'
+        '["1"],"rhs_batch_dimensions":[],"rhs_contracting_dimensions":["1"]}}}'
+    )
+    extra = f"""%dsf (p0: bf16[32,1024,512], p1: s32[], p2: bf16[2048,512]) -> (bf16[2048,1024], s8[33554432]) {{
+  %p2 = bf16[2048,512]{{1,0}} parameter(2)
+  %p0 = bf16[32,1024,512]{{2,1,0}} parameter(0)
+  %p1 = s32[] parameter(1)
+  %c0 = s32[] constant(0)
+  %ds = bf16[1,1024,512]{{2,1,0}} dynamic-slice(%p0, %p1, %c0, %c0), dynamic_slice_sizes={{1,1024,512}}
+  %bc = bf16[1024,512]{{1,0}} bitcast(%ds)
+  ROOT %cc = (bf16[2048,1024]{{1,0}}, s8[33554432]{{0}}) custom-call(%p2, %bc), custom_call_target="__cublas$lt$matmul", backend_config={cfg}
+}}
+
+"""
+    entry = (
+        "  %stack = bf16[32,1024,512]{2,1,0} parameter(2)\n  %idx = s32[] parameter(3)\n"
+        "  %x = bf16[2048,512]{1,0} parameter(4)\n"
+        "  %f = (bf16[2048,1024]{1,0}, s8[33554432]{0}) fusion(%stack, %idx, %x), kind=kCustom, calls=%dsf\n"
+        "  ROOT %r = bf16[4096,4096]{1,0} copy(%p0)\n"
+    )
+    op = next(o for o in op_inventory(_module(entry, extra=extra)) if o["name"] == "f")
+    assert (op["kind"], op["m"], op["n"], op["k"]) == ("gemm", 2048, 1024, 512), op
+    assert op["flops"] == 2 * 2048 * 1024 * 512 and op["bytes"] == (2048 * 512 + 1024 * 512 + 2048 * 1024) * 2, op
+
+
 def test_a_dilated_tpu_convolution_counts_only_real_products():
     """XLA:TPU writes a batched matmul as a convolution whose window runs over the batch with
     the input dilated: a 2-wide window over 2 dilated elements meets one real element per output."""

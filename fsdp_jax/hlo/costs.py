@@ -264,6 +264,11 @@ def _classify(mod: _Module, op: str, type_str: str, line: str) -> dict[str, Any]
         # slice of stacked weights in place: the fusion's op_name names the ragged dot
         if grp := grouped_gemm(inner[0] + " " + line, inner[1]):
             return {"kind": "gemm", **grp}
+        # jax 0.12's XLA:GPU: a cuBLASLt matmul in a kCustom dynamic-slice fusion, reading one layer's
+        # slice of a kept stack in place; its result tuple holds a 32 MiB workspace, not traffic
+        target = _TARGET_RE.search(inner[0])
+        if target and ("gemm" in target.group(1) or "matmul" in target.group(1)):
+            return _classify(mod, "custom-call", inner[1], inner[0])
     if op == "fusion" and comp and (dot := mod.fused_dot(comp)):
         out = re.match(r"\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s(?:dot|convolution)\(", dot[0]).group(1)
         g = _gemm_dims(dot[0], dot[1], _shapes_first(out), rhs=dot[2])
